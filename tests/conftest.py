@@ -1,0 +1,39 @@
+"""Shared test set-up. 8 simulated CPU devices, so sharding is tested without accelerators."""
+
+import os
+
+# Must be set before jax is imported anywhere in the test session.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import glob  # noqa: E402
+import sysconfig  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def stdlib_files(limit: int | None = None) -> list[str]:
+    """Python standard-library sources: a real text corpus present on every machine."""
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    return files[:limit] if limit else files
+
+
+@pytest.fixture(scope="session")
+def byte_dataset(tmp_path_factory) -> Path:
+    """The stdlib as byte-level tokens (ids 0-255, eos 256): real text, no tokenizer needed."""
+    from engine.data import write_dataset
+
+    out = tmp_path_factory.mktemp("byte_dataset")
+    docs = []
+    for path in stdlib_files(240):
+        raw = np.frombuffer(Path(path).read_bytes(), np.uint8).astype(np.int32)
+        docs.append(np.concatenate([raw, [256]]))
+    write_dataset(out, {"train": docs[:-16], "validation": docs[-16:]}, vocab_size=257, eos_id=256)
+    return out
