@@ -313,6 +313,8 @@ def load_config(
     """Load a run config from YAML (or a dict), apply overrides, resolve presets, validate."""
     source = str(path) if path else "config"
     data = load_yaml(path) if path else dict(tree or {})
+    if isinstance(data.get("model"), str):  # so `model.num_layers=2` can refine a preset
+        data["model"] = {"preset": data["model"]}
     if overrides:
         apply_overrides(data, overrides)
     if schema is TrainConfig or "model" in getattr(schema, "model_fields", {}):

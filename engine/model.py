@@ -34,12 +34,12 @@ def _dtype(name: str):
 def _param(rngs: nnx.Rngs, shape, std: float, names, dtype) -> nnx.Param:
     """All weight matrices are initialised here: N(0, std^2), the GPT-2/Llama recipe."""
     value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-    return nnx.Param(value.astype(dtype), sharding_names=names)
+    return nnx.Param(value.astype(dtype), out_sharding=names)
 
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, param_dtype, *, rngs: nnx.Rngs):
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), sharding_names=("norm",))
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("norm",))
         self.eps = eps
 
     def __call__(self, x):

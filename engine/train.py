@@ -177,9 +177,9 @@ class TrainState:
 class Trainer:
     """Owns the mesh, the jitted step, checkpoints and metrics of one run."""
 
-    def __init__(self, cfg: TrainConfig, loss_fn_factory: Callable | None = None):
+    def __init__(self, cfg: TrainConfig, loss_fn_factory: Callable | None = None, devices=None):
         self.cfg = cfg
-        self.mesh = make_mesh(cfg.mesh)
+        self.mesh = make_mesh(cfg.mesh, devices)
         n_batch_shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
         micro_rows = cfg.data.batch_size // cfg.grad_accum
         if micro_rows % n_batch_shards:
@@ -275,7 +275,9 @@ def _install_sigterm() -> dict:
     return flag
 
 
-def run_pretrain(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_pretrain(
+    cfg: TrainConfig, log: Callable[[str], None] | None = None, loss_fn_factory: Callable | None = None
+) -> dict[str, Any]:
     """Train `cfg.steps` steps, resuming from the latest checkpoint in checkpoint.directory.
 
     Returns the final metrics. Raises ConfigError for bad input, TrainingError for a
@@ -292,7 +294,7 @@ def run_pretrain(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> 
             f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's vocabulary "
             f"({meta['vocab_size']}) of dataset {cfg.data.path}"
         )
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, loss_fn_factory)
     ckpt = Checkpointer(cfg.checkpoint.directory, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     metrics_dir = cfg.metrics_dir or str(Path(cfg.checkpoint.directory).parent)
     is_primary = jax.process_index() == 0
