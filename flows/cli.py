@@ -1,0 +1,169 @@
+"""The `trainflow` command.
+
+    trainflow run PIPELINE.yaml [--store DIR] [key=value ...]   run / resume a pipeline
+    trainflow status PIPELINE.yaml [--store DIR] [--json]       each stage: complete/partial/pending + id
+    trainflow lineage PATH|ID [--store DIR] [--json]            ancestors with configs and metrics
+    trainflow verify PATH|ID [--store DIR]                      re-hash an artifact (exit 1 on mismatch)
+    trainflow ls [--store DIR] [--json]                         artifacts in a store
+    trainflow serve PIPELINE.yaml --cron "0 3 * * *"            a scheduled Prefect deployment
+
+Overrides: `pretrain.steps=200` sets stages.pretrain.config.steps; other keys start at the
+top of the pipeline (`store=/data/artifacts`, `stages.pretrain.retries=3`).
+Exit codes: 0 success, 1 a stage or check failed, 2 bad input, 143 stopped by a signal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from engine.config import ConfigError
+from flows.inspect import format_lineage, format_table, lineage, list_rows, status_rows
+from flows.spec import load_plan
+from tasks.artifacts import ArtifactError, ArtifactStore, resolve_artifact, verify_artifact
+
+DEFAULT_STORE = "artifacts"
+
+
+def _store_arg(args) -> str:
+    return args.store or os.environ.get("TRAINFLOW_STORE") or DEFAULT_STORE
+
+
+def cmd_run(args) -> int:
+    plan = load_plan(args.pipeline, args.overrides, args.store)  # all validation before Prefect starts
+    from flows.pipeline import PipelineFailed, run_plan  # Prefect takes seconds to import
+    from tasks.launch import terminate_children
+
+    stopping = threading.Event()
+
+    def on_signal(signum, frame):
+        if stopping.is_set():  # a second signal: stop waiting for a clean checkpoint
+            os._exit(128 + signum)
+        stopping.set()
+        count = terminate_children(signal.SIGTERM)
+        print(f"trainflow: {signal.Signals(signum).name}: asked {count} engine process(es) to checkpoint "
+              f"and exit; re-run the same command to resume", file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        summary = run_plan(plan, max_workers=args.max_parallel)
+        code = 0
+    except PipelineFailed as e:
+        summary, code = e.summary, 1
+    rows = [{**s, "seconds": f"{s.get('seconds', 0):.1f}" if "seconds" in s else "-"} for s in summary.values()]
+    print(format_table(rows, ["stage", "task", "status", "artifact_id", "seconds"]))
+    for s in summary.values():
+        if s.get("error"):
+            print(f"error: stage '{s['stage']}': {s['error']}", file=sys.stderr)
+    return 143 if stopping.is_set() else code
+
+
+def cmd_status(args) -> int:
+    plan = load_plan(args.pipeline, args.overrides, args.store)
+    rows = status_rows(plan)
+    if args.json:
+        print(json.dumps({"pipeline": plan.name, "store": str(plan.store.root), "stages": rows}, indent=2))
+    else:
+        print(f"pipeline {plan.name}  store {plan.store.root}")
+        print(format_table(rows, ["stage", "task", "state", "artifact_id", "inputs", "finished_at"]))
+    return 0
+
+
+def cmd_lineage(args) -> int:
+    tree = lineage(resolve_artifact(args.artifact, _store_arg(args)))
+    print(json.dumps(tree, indent=2) if args.json else format_lineage(tree))
+    return 0
+
+
+def cmd_verify(args) -> int:
+    directory = resolve_artifact(args.artifact, _store_arg(args))
+    problems = verify_artifact(directory)
+    if problems:
+        print(f"FAILED {directory}", file=sys.stderr)
+        for problem in problems:
+            print(f"  {problem}", file=sys.stderr)
+        return 1
+    files = (json.loads((directory / "artifact.json").read_text()).get("files") or {})
+    print(f"OK {directory} ({len(files)} files match their digests)")
+    return 0
+
+
+def cmd_ls(args) -> int:
+    store = ArtifactStore(_store_arg(args))
+    rows = list_rows(store)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif not rows:
+        print(f"no artifacts in {store.root}")
+    else:
+        print(format_table(rows, ["stage", "id", "kind", "status", "size", "finished_at", "metrics"]))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    plan = load_plan(args.pipeline, args.overrides, args.store)
+    from flows.pipeline import run_pipeline
+
+    # The deployment runs the flow by entrypoint (flows/pipeline.py:run_pipeline) with
+    # the pipeline's path, so edits to the YAML apply to the next scheduled run.
+    run_pipeline.serve(
+        name=args.name or plan.name,
+        cron=args.cron,
+        parameters={"pipeline": str(Path(args.pipeline).resolve()), "store": str(plan.store.root),
+                    "overrides": list(args.overrides)},
+        description=f"trainflow pipeline {plan.name} ({args.pipeline})",
+        tags=["trainflow", plan.name],
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainflow", description="Declarative LLM training pipelines on Prefect.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name, func, help_text, pipeline=False, artifact=False):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if pipeline:
+            p.add_argument("pipeline", help="pipeline YAML file")
+        if artifact:
+            p.add_argument("artifact", help="artifact directory, its artifact.json, or an id (prefix) in --store")
+        p.add_argument("--store", help="artifact store directory (default: the pipeline's `store`, "
+                                       "else $TRAINFLOW_STORE, else ./artifacts)")
+        if pipeline:
+            p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. pretrain.steps=200")
+        p.set_defaults(func=func)
+        return p
+
+    p = add("run", cmd_run, "run a pipeline, skipping finished stages and resuming partial ones", pipeline=True)
+    p.add_argument("--max-parallel", type=int, default=None, help="stages run at once (default: all ready)")
+    p = add("status", cmd_status, "show each stage's state and artifact id without running anything",
+            pipeline=True)
+    p.add_argument("--json", action="store_true")
+    p = add("lineage", cmd_lineage, "show the artifacts an artifact was made from", artifact=True)
+    p.add_argument("--json", action="store_true")
+    add("verify", cmd_verify, "re-hash an artifact's files against its manifest", artifact=True)
+    p = add("ls", cmd_ls, "list the artifacts in a store")
+    p.add_argument("--json", action="store_true")
+    p = add("serve", cmd_serve, "serve the pipeline as a scheduled Prefect deployment", pipeline=True)
+    p.add_argument("--cron", required=True, help='cron schedule, e.g. "0 3 * * *"')
+    p.add_argument("--name", help="deployment name (default: the pipeline's name)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, ArtifactError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""Read-only views of a store: pipeline status, lineage trees, artifact listings.
+
+None of this imports Prefect or the engine's JAX code, so the commands answer at once.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from flows.spec import Plan
+from tasks.artifacts import ArtifactStore, parent_dir, read_manifest
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists and scalars are leaves."""
+    if not isinstance(tree, dict) or not tree:
+        return {prefix: tree} if prefix else {}
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        out.update(flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def format_table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    cells = [[str(row.get(c, "")) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- status
+
+
+def status_rows(plan: Plan) -> list[dict[str, Any]]:
+    rows = []
+    for name, info in plan.status().items():
+        manifest = read_manifest(Path(info["path"])) if info["state"] != "pending" else None
+        rows.append({
+            "stage": name, "task": info["task"], "state": info["state"], "artifact_id": info["artifact_id"],
+            "inputs": ", ".join(plan.stages[name].depends_on) or "-",
+            "finished_at": (manifest or {}).get("finished_at") or "-", "path": info["path"],
+        })
+    return rows
+
+
+# --------------------------------------------------------------------------- lineage
+
+
+def lineage(directory: Path, _seen: set | None = None) -> dict[str, Any]:
+    """The artifact at `directory` and, recursively, the artifacts it was made from."""
+    seen = _seen if _seen is not None else set()
+    manifest = read_manifest(directory)
+    if manifest is None:
+        return {"path": str(directory), "error": "no readable artifact.json"}
+    store_root = directory.parent.parent
+    node = {
+        "stage": manifest.get("stage"), "id": manifest.get("id"), "kind": manifest.get("kind"),
+        "task": manifest.get("task"), "status": manifest.get("status"), "path": str(directory),
+        "format_version": manifest.get("format_version"), "pipeline": manifest.get("pipeline"),
+        "config": manifest.get("config"), "config_as_written": manifest.get("config_as_written"),
+        "metrics": manifest.get("metrics"), "code": manifest.get("code"), "prefect": manifest.get("prefect"),
+        "created_at": manifest.get("created_at"), "finished_at": manifest.get("finished_at"),
+        "parents": [],
+    }
+    key = str(directory.resolve())
+    if key in seen:  # a diamond: show the shared ancestor once in full
+        node["parents"] = "(shown above)"
+        return node
+    seen.add(key)
+    for parent in manifest.get("parents", []):
+        child = lineage(parent_dir(store_root, parent), seen)
+        child["input"] = parent.get("input")
+        node["parents"].append(child)
+    return node
+
+
+def _node_lines(node: dict, width: int) -> list[str]:
+    lines = []
+    code = node.get("code") or {}
+    commit = (code.get("git_commit") or "")[:10]
+    code_text = f"trainflow {code.get('version')}" + (f" @ {commit}" if commit else "")
+    code_text += " (uncommitted changes)" if code.get("git_dirty") else ""
+    lines.append(f"task: {node.get('task')} (format {node.get('format_version')})   code: {code_text}")
+    prefect = node.get("prefect") or {}
+    if prefect:
+        lines.append(f"prefect: flow run '{prefect.get('flow_run_name')}' {prefect.get('flow_run_id')}, "
+                     f"task run {prefect.get('task_run_id')}")
+        if prefect.get("ui_url"):
+            lines.append(f"         {prefect['ui_url']}")
+    config = flatten(node.get("config_as_written") or {})
+    lines += _wrapped("config: ", [f"{k}={_fmt(v)}" for k, v in config.items()] or ["(defaults)"], width)
+    metrics = node.get("metrics") or {}
+    lines += _wrapped("metrics: ", [f"{k}={_fmt(v)}" for k, v in metrics.items()] or ["-"], width)
+    lines.append(f"made: {node.get('created_at')} -> {node.get('finished_at')}")
+    return lines
+
+
+def _wrapped(label: str, items: list[str], width: int) -> list[str]:
+    lines, current = [], label
+    for item in items:
+        if len(current) + len(item) + 1 > width and current.strip() != label.strip():
+            lines.append(current.rstrip())
+            current = " " * len(label)
+        current += item + " "
+    lines.append(current.rstrip())
+    return lines
+
+
+def format_lineage(node: dict, width: int | None = None) -> str:
+    width = width or max(60, min(120, shutil.get_terminal_size((100, 20)).columns))
+    out: list[str] = []
+
+    def render(n: dict, head: str, body: str) -> None:
+        label = f"{n.get('input')}: " if n.get("input") else ""
+        if "error" in n:
+            out.append(f"{head}{label}{n['path']}  ({n['error']})")
+            return
+        out.append(f"{head}{label}{n['stage']}/{n['id']}  {n['kind']}  {n['status']}")
+        parents = n["parents"]
+        if isinstance(parents, str):
+            out.append(f"{body}  {parents}")
+            return
+        bar = "│ " if parents else "  "
+        out.extend(f"{body}{bar}{line}" for line in _node_lines(n, width - len(body) - 2))
+        for i, parent in enumerate(parents):
+            last = i == len(parents) - 1
+            render(parent, body + ("└─ " if last else "├─ "), body + ("   " if last else "│  "))
+
+    render(node, "", "")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- listing
+
+
+def list_rows(store: ArtifactStore) -> list[dict[str, Any]]:
+    rows = []
+    for directory, manifest in store.iter_artifacts():
+        manifest = manifest or {}
+        files = manifest.get("files") or {}
+        metrics = manifest.get("metrics") or {}
+        shown = [f"{k}={_fmt(v)}" for k, v in metrics.items() if isinstance(v, (int, float))][:3]
+        rows.append({
+            "stage": directory.parent.name, "id": directory.name, "kind": manifest.get("kind", "?"),
+            "status": store.state(directory.parent.name, directory.name),
+            "size": _size(sum(f.get("size", 0) for f in files.values())) if files else "-",
+            "finished_at": manifest.get("finished_at") or "-", "metrics": " ".join(shown) or "-",
+        })
+    return rows
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""

@@ -1,0 +1,240 @@
+"""The Prefect flow that runs a pipeline: one flow run, one task run per stage.
+
+Stages are submitted in topological order to a thread pool, each waiting only for its own
+inputs, so independent stages run concurrently. Each task calls tasks.runner.execute_stage
+(skip / lock / verify / run / manifest) and reports to Prefect: the stage's log and the
+child's output and metrics in the run log, a progress artifact while it runs, and at the
+end a markdown summary, a table of final metrics and a link to the artifact directory.
+
+With PREFECT_API_URL set, runs report to that server; otherwise Prefect starts its local
+server on SQLite for the run.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prefect import flow, get_run_logger, runtime, task
+from prefect.artifacts import (
+    create_link_artifact, create_markdown_artifact, create_progress_artifact, create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.cache_policies import NO_CACHE
+from prefect.states import Completed, State
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from engine.config import ConfigError
+from flows.spec import Plan, apply_pipeline_overrides, build_plan, load_plan, parse_spec
+from tasks.artifacts import ArtifactError
+from tasks.launch import Interrupted
+from tasks.registry import StageHooks
+from tasks.runner import SKIPPED, StageResult, execute_stage
+
+# Failures a retry cannot fix: a bad config, a tampered input, a deliberate stop.
+NOT_RETRIED = (ConfigError, ArtifactError, Interrupted)
+
+
+class PipelineFailed(RuntimeError):
+    def __init__(self, message: str, summary: dict[str, dict]):
+        super().__init__(message)
+        self.summary = summary
+
+
+def artifact_key(*parts: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes."""
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", "-".join(parts).lower())).strip("-")
+
+
+def _format_metrics(record: dict) -> str:
+    step = record.get("step")
+    shown = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items() if k != "step"]
+    return f"step {step}: " + " ".join(shown)
+
+
+class PrefectHooks(StageHooks):
+    """Stage reports -> the task run's log and a progress artifact (updates rate-limited)."""
+
+    def __init__(self, logger, progress_key: str, description: str, min_interval: float = 2.0):
+        self._logger = logger
+        self._progress_id = None
+        self._key, self._description = progress_key, description
+        self._last = (0.0, -1.0)
+        self._min_interval = min_interval
+        self._lock = threading.Lock()
+        super().__init__(log=self._log, metrics=self._metrics, progress=self._progress)
+
+    def _log(self, message: str) -> None:
+        self._logger.info(message)
+
+    def _metrics(self, record: dict) -> None:
+        self._logger.info(_format_metrics(record))
+
+    def start(self) -> None:
+        self._progress_id = create_progress_artifact(0.0, key=self._key, description=self._description)
+
+    def _progress(self, fraction: float) -> None:
+        percent = round(100.0 * fraction, 1)
+        with self._lock:
+            last_time, last_percent = self._last
+            if self._progress_id is None or percent == last_percent:
+                return
+            if percent < 100.0 and time.monotonic() - last_time < self._min_interval:
+                return
+            self._last = (time.monotonic(), percent)
+        try:
+            update_progress_artifact(self._progress_id, percent)
+        except Exception as e:  # progress is cosmetic; never fail a stage over it
+            self._logger.debug(f"progress update failed: {e}")
+
+
+def _summary_markdown(plan: Plan, stage: str, result: StageResult, manifest_inputs: list[dict]) -> str:
+    job = plan.stages[stage].job
+    lines = [
+        f"# {stage} ({job.task}) — {result.status}",
+        "",
+        f"- pipeline: `{plan.name}`",
+        f"- artifact: `{job.artifact_id}` ({job.kind.output}) at `{result.path}`",
+        f"- time: {result.seconds:.1f} s (work {result.work_seconds:.1f} s)",
+        "",
+        "## Inputs",
+        "",
+    ]
+    lines += [f"- {p['input']}: `{p['stage']}/{p['id']}` ({p['kind']})" for p in manifest_inputs] or ["- none"]
+    lines += ["", "## Config", "", "```yaml", yaml.safe_dump(job.config_as_written, sort_keys=False).rstrip() or "{}",
+              "```", "", "## Metrics", ""]
+    lines += [f"- {k}: {v}" for k, v in result.metrics.items()] or ["- none"]
+    return "\n".join(lines)
+
+
+def _publish(plan: Plan, stage: str, result: StageResult) -> None:
+    from tasks.artifacts import read_manifest
+
+    manifest = read_manifest(result.path) or {}
+    key = artifact_key(plan.name, stage)
+    create_markdown_artifact(_summary_markdown(plan, stage, result, manifest.get("parents", [])),
+                             key=key, description=f"{stage}: {result.status}")
+    rows = [{"metric": k, "value": v} for k, v in result.metrics.items() if isinstance(v, (int, float, str))]
+    create_table_artifact(rows or [{"metric": "(none)", "value": ""}], key=f"{key}-metrics",
+                          description=f"{stage}: final metrics")
+    create_link_artifact(result.path.as_uri(), link_text=f"{stage}/{result.artifact_id}", key=f"{key}-dir",
+                         description=f"{stage}: artifact directory")
+
+
+def _retryable(task, task_run, state: State) -> bool:
+    try:
+        state.result()
+    except NOT_RETRIED:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+def _run_stage(plan: Plan, stage: str) -> Any:
+    logger = get_run_logger()
+    job = plan.stages[stage].job
+    hooks = PrefectHooks(logger, artifact_key(plan.name, stage, "progress"), f"{stage}: progress")
+    run_info = {
+        "flow_run_id": str(runtime.flow_run.id), "flow_run_name": runtime.flow_run.name,
+        "flow_name": runtime.flow_run.flow_name,
+        "task_run_id": str(runtime.task_run.id), "task_run_name": runtime.task_run.name,
+        "api_url": runtime.flow_run.api_url,
+    }
+    if runtime.flow_run.ui_url and not str(runtime.flow_run.ui_url).startswith("None"):
+        run_info["ui_url"] = runtime.flow_run.ui_url  # absent on a server without a UI
+    if not plan.store.is_complete(stage, job.artifact_id):
+        hooks.start()
+    result = execute_stage(job, plan.store, hooks, run_info)
+    _publish(plan, stage, result)
+    logger.info(f"{stage}: {result.status} in {result.seconds:.1f} s -> {result.path}")
+    if result.status == SKIPPED:
+        return Completed(name="Skipped", message=f"artifact {job.artifact_id} is complete",
+                         data=result.to_dict())
+    return result.to_dict()
+
+
+def _execute(plan: Plan) -> dict[str, dict]:
+    logger = get_run_logger()
+    logger.info(f"pipeline '{plan.name}': {len(plan.stages)} stages, store {plan.store.root}")
+
+    def run_stage(stage: str) -> Any:
+        return _run_stage(plan, stage)
+
+    futures = {}
+    for name, planned in plan.stages.items():
+        stage_task = task(
+            run_stage, name=name, task_run_name=name, retries=planned.retries,
+            retry_delay_seconds=planned.retry_delays or 0, retry_condition_fn=_retryable,
+            cache_policy=NO_CACHE, persist_result=False,
+        )
+        futures[name] = stage_task.submit(name, wait_for=[futures[d] for d in planned.depends_on])
+    summary: dict[str, dict] = {}
+    for name, future in futures.items():
+        future.wait()
+        state = future.state
+        job = plan.stages[name].job
+        if state.is_completed():
+            summary[name] = future.result()
+            continue
+        error = state.result(raise_on_failure=False) if (state.is_failed() or state.is_crashed()) else None
+        summary[name] = {
+            "stage": name, "task": job.task, "artifact_id": job.artifact_id,
+            "path": str(plan.store.artifact_dir(name, job.artifact_id)),
+            "status": "failed" if isinstance(error, BaseException) else "not run",
+            "error": str(error) if isinstance(error, BaseException) else "an input stage did not finish",
+        }
+    failed = [n for n, s in summary.items() if s["status"] in ("failed", "not run")]
+    for name, s in summary.items():
+        logger.info(f"{name}: {s['status']} {s['artifact_id']}" + (f" ({s['error']})" if "error" in s else ""))
+    if failed:
+        raise PipelineFailed(f"pipeline '{plan.name}': stages did not finish: {', '.join(failed)}", summary)
+    return summary
+
+
+def _plan_from(pipeline: str | dict, store: str | None, overrides: list[str] | None) -> Plan:
+    if isinstance(pipeline, dict):
+        source = f"pipeline '{pipeline.get('name', '?')}'"
+        tree = apply_pipeline_overrides(dict(pipeline), overrides or [], source)
+        return build_plan(parse_spec(tree, source), source, store)
+    return load_plan(pipeline, overrides, store)
+
+
+@flow(name="trainflow-pipeline", persist_result=False)
+def run_pipeline(pipeline: str | dict, store: str | None = None, overrides: list[str] | None = None) -> dict[str, dict]:
+    """Run a pipeline: a path to its YAML, or the spec as a dict (the Python API).
+
+    Deployments (`trainflow serve`, configs/prefect.yaml) run this flow with a path.
+    """
+    return _execute(_plan_from(pipeline, store, overrides))
+
+
+def pipeline_flow(plan: Plan, max_workers: int | None = None):
+    """`run_pipeline`, named after the pipeline, with a thread per stage that can run at once."""
+    return run_pipeline.with_options(
+        name=plan.name, task_runner=ThreadPoolTaskRunner(max_workers=max_workers or len(plan.stages)),
+    )
+
+
+def run_plan(plan: Plan, *, max_workers: int | None = None, raise_on_failure: bool = True) -> dict[str, dict]:
+    """Run a validated plan as one Prefect flow run; returns {stage: result summary}.
+
+    The flow gets the spec itself (overrides applied) as its parameter, so the Prefect UI
+    shows exactly what ran.
+    """
+    flow_obj = pipeline_flow(plan, max_workers).with_options(
+        flow_run_name=f"{plan.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    spec = plan.spec.model_dump(mode="json", exclude_unset=True)
+    state = flow_obj(spec, str(plan.store.root), return_state=True)
+    outcome = state.result(raise_on_failure=False)
+    if isinstance(outcome, PipelineFailed):
+        if raise_on_failure:
+            raise outcome
+        return outcome.summary
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome

@@ -1,0 +1,167 @@
+"""Stage kinds: what a `task:` in a pipeline means, and the registry of them.
+
+A stage kind declares what it consumes and produces and how to run it; the pipeline layer
+(flows/) handles ids, skipping, locking, manifests and Prefect. To add one:
+
+    class Evaluate(StageKind):
+        task = "evaluate"
+        output = "eval_report"
+        inputs = {"checkpoint": Input("checkpoint")}
+        config_schema = EvalConfig            # a pydantic model (engine.config.Strict)
+        version = 1                           # bump when the output format changes
+
+        def run(self, ctx: StageContext) -> dict:
+            ckpt = ctx.inputs["checkpoint"].path / "checkpoint"
+            ...write files under ctx.out_dir, or ctx.launch([...]) a child...
+            return {"accuracy": 0.5}          # final metrics, stored in the manifest
+
+    register_stage(Evaluate)
+
+Built-in kinds are listed in BUILTIN_STAGES by import path, so validating a pipeline does
+not import the engine (or JAX) for kinds it does not use.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+from pydantic import BaseModel
+
+from engine.config import ConfigError, validate
+from tasks.artifacts import ArtifactRef, drop_fields
+from tasks.launch import ChildResult, LauncherSpec, run_child
+
+BUILTIN_STAGES: dict[str, str] = {
+    "tokenize": "tasks.tokenize:TokenizeStage",
+    "pretrain": "tasks.pretrain:PretrainStage",
+}
+
+_registry: dict[str, type["StageKind"] | str] = dict(BUILTIN_STAGES)
+
+
+@dataclass(frozen=True)
+class Input:
+    """One named input of a stage kind: the artifact kind(s) it accepts."""
+
+    kind: str | tuple[str, ...]
+    required: bool = True
+    doc: str = ""
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return (self.kind,) if isinstance(self.kind, str) else tuple(self.kind)
+
+
+@dataclass
+class StageHooks:
+    """Where a running stage reports to; flows/ connects these to Prefect."""
+
+    log: Callable[[str], None] = print
+    metrics: Callable[[dict], None] = lambda record: None
+    progress: Callable[[float], None] = lambda fraction: None
+
+
+@dataclass
+class StageContext:
+    """Everything `StageKind.run` gets: its config, inputs and output directory."""
+
+    stage: str
+    config: Any
+    inputs: dict[str, ArtifactRef]
+    out_dir: Path
+    launcher: LauncherSpec = field(default_factory=LauncherSpec)
+    resumed: bool = False
+    """The output directory holds a partial result of an earlier attempt."""
+    hooks: StageHooks = field(default_factory=StageHooks)
+
+    def log(self, message: str) -> None:
+        self.hooks.log(message)
+
+    def launch(self, argv: list[str], *, metrics_file: Path | None = None,
+               total_steps: int | None = None, env: dict[str, str] | None = None) -> ChildResult:
+        """Run an engine command (e.g. [sys.executable, "-m", "engine.train", cfg]) through
+        the stage's launcher, streaming its output and the metrics it appends to
+        `metrics_file` into the run log; raises on a non-zero exit (see tasks/launch.py)."""
+
+        def on_metrics(record: dict) -> None:
+            self.hooks.metrics(record)
+            if total_steps and "step" in record:
+                self.hooks.progress(min(1.0, record["step"] / total_steps))
+
+        return run_child(
+            argv, launcher=self.launcher, log=self.hooks.log, env=env, metrics_file=metrics_file,
+            on_metrics=on_metrics, what=f"stage '{self.stage}'",
+        )
+
+
+class StageKind:
+    """Base class of stage kinds. Subclasses set the class attributes and `run`."""
+
+    task: ClassVar[str]
+    """The name used as `task:` in a pipeline."""
+    output: ClassVar[str]
+    """The artifact kind produced: dataset | checkpoint | eval_report | ..."""
+    inputs: ClassVar[dict[str, Input]] = {}
+    config_schema: ClassVar[type[BaseModel]]
+    version: ClassVar[int] = 1
+    """Format version, part of the artifact id: bump it when the output layout changes."""
+    non_semantic: ClassVar[tuple[str, ...]] = ()
+    """Dotted config fields that cannot change the result; left out of the artifact id."""
+    launches_child: ClassVar[bool] = False
+    """Whether the stage runs the engine through a launcher (so `launcher:` applies)."""
+
+    def resolve_config(self, raw: dict, source: str) -> BaseModel:
+        """The validated config; raise ConfigError naming `source` and the key at fault."""
+        return validate(self.config_schema, raw, source)
+
+    def fingerprint(self, config: BaseModel) -> dict:
+        """The part of the config that identifies the result."""
+        return drop_fields(config.model_dump(mode="json"), self.non_semantic)
+
+    def run(self, ctx: StageContext) -> dict[str, Any]:
+        """Produce the artifact's payload in ctx.out_dir; return final metrics.
+
+        Called again on the same out_dir after a failure: resume from what is there.
+        """
+        raise NotImplementedError
+
+
+def register_stage(cls: type[StageKind], *, replace: bool = False) -> type[StageKind]:
+    """Make `cls.task` usable in pipelines (also usable as a class decorator)."""
+    for attr in ("task", "output", "config_schema"):
+        if not hasattr(cls, attr):
+            raise TypeError(f"stage kind {cls.__name__} must set `{attr}`")
+    current = _registry.get(cls.task)
+    same = current is cls or (isinstance(current, str) and current == f"{cls.__module__}:{cls.__qualname__}")
+    if current is not None and not same and not replace:
+        raise ValueError(f"stage kind '{cls.task}' is already registered ({current}); pass replace=True")
+    _registry[cls.task] = cls
+    return cls
+
+
+def unregister_stage(task: str) -> None:
+    _registry.pop(task, None)
+    if task in BUILTIN_STAGES:
+        _registry[task] = BUILTIN_STAGES[task]
+
+
+def stage_kind_names() -> list[str]:
+    return sorted(_registry)
+
+
+def get_stage_kind(task: str) -> StageKind:
+    """An instance of the stage kind registered as `task` (importing it on first use)."""
+    entry = _registry.get(task)
+    if entry is None:
+        match = difflib.get_close_matches(task, list(_registry), n=1)
+        hint = f"did you mean '{match[0]}'?" if match else f"known kinds: {', '.join(stage_kind_names())}"
+        raise ConfigError(f"unknown task kind '{task}'; {hint}")
+    if isinstance(entry, str):
+        module, _, name = entry.partition(":")
+        entry = getattr(importlib.import_module(module), name)
+        _registry[task] = entry
+    return entry()
