@@ -55,7 +55,8 @@ class StageSpec(Strict):
     retries: int | None = Field(None, ge=0)
     retry_delay_seconds: float | None = Field(None, ge=0)
     retry_backoff: float | None = Field(None, ge=1)
-    launcher: str | LauncherSpec | None = None
+    launcher: str | dict[str, Any] | None = None
+    """local (default) | local-multi | command, or {kind: ..., processes: N, template: ...}."""
 
 
 class Defaults(Strict):
@@ -63,7 +64,7 @@ class Defaults(Strict):
     retry_delay_seconds: float = Field(10.0, ge=0)
     retry_backoff: float = Field(2.0, ge=1)
     """Each retry waits this factor longer than the previous one."""
-    launcher: str | LauncherSpec = "local"
+    launcher: str | dict[str, Any] = "local"
     config: dict[str, dict[str, Any]] = {}
     """Task kind -> config values every stage of that kind starts from."""
 
@@ -254,7 +255,8 @@ def build_plan(spec: PipelineSpec, source: str = "pipeline", store: str | Path |
         try:
             launchers[name] = LauncherSpec.parse(raw_launcher)
         except ValidationError as e:
-            errors.append(format_validation_error(e, LauncherSpec, f"{source}: stages.{name}.launcher"))
+            message = format_validation_error(e, LauncherSpec, f"{source}: stages.{name}.launcher")
+            errors.append(message.replace("key '<root>': Value error, ", ""))
         if stage.launcher is not None and not kind.launches_child:
             errors.append(f"{source}: stages.{name}.launcher: task '{kind.task}' runs in-process; "
                           f"launcher applies only to stages that start the engine")
