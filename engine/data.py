@@ -15,12 +15,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-import grain
 import numpy as np
 
 from engine.config import ConfigError
+
+if TYPE_CHECKING:  # grain (and so JAX) loads only when reading: writers stay light
+    import grain
 
 FORMAT = "trainflow.tokens/1"
 TOKEN_DTYPE = np.dtype("<i4")
@@ -163,12 +165,17 @@ def make_dataset(
     process_index: int = 0,
     process_count: int = 1,
     prefetch: int = 0,
+    shuffle_window: int = 0,
 ) -> grain.IterDataset:
     """Batches of `batch_size // process_count` rows for this process.
 
     Each batch: tokens, targets, positions, segment_ids (int32) and loss_mask (float32),
-    all (rows, seq_len). Shuffling is global over documents and differs per epoch.
+    all (rows, seq_len). Shuffling is global over documents and differs per epoch; a long
+    document fills many consecutive rows, so `shuffle_window` rows are shuffled again after
+    packing to keep one file from filling whole batches.
     """
+    import grain
+
     if batch_size % process_count:
         raise ConfigError(f"data.batch_size ({batch_size}) must divide over {process_count} processes")
     source = grain.sources.ArrayRecordDataSource(shard_paths(dataset_dir, split))
@@ -186,6 +193,8 @@ def make_dataset(
         )
     else:
         it = ds.map(lambda ex: _pad_row(ex, seq_len)).to_iter_dataset()
+    if shuffle and shuffle_window > 1:
+        it = grain.experimental.WindowShuffleIterDataset(it, window_size=shuffle_window, seed=seed + 1)
     it = it.batch(batch_size // process_count, drop_remainder=repeat).map(_to_batch)
     if prefetch:
         it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=prefetch)
