@@ -60,7 +60,7 @@ def cmd_run(args) -> int:
     print(format_table(rows, ["stage", "task", "status", "artifact_id", "seconds"]))
     for s in summary.values():
         if s.get("error"):
-            print(f"error: stage '{s['stage']}': {s['error']}", file=sys.stderr)
+            print(f"error: {s['error']}", file=sys.stderr)
     return 143 if stopping.is_set() else code
 
 
@@ -157,7 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # key=value overrides may come before or after options: collect them from the leftovers.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.func(args)
     except (ConfigError, ArtifactError) as e:

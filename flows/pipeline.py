@@ -25,7 +25,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.cache_policies import NO_CACHE
-from prefect.states import Completed, State
+from prefect.states import Completed, Failed, State
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from engine.config import ConfigError
@@ -152,10 +152,10 @@ def _run_stage(plan: Plan, stage: str) -> Any:
     result = execute_stage(job, plan.store, hooks, run_info)
     _publish(plan, stage, result)
     logger.info(f"{stage}: {result.status} in {result.seconds:.1f} s -> {result.path}")
+    outcome = {**result.to_dict(), "flow_run_id": run_info["flow_run_id"], "task_run_id": run_info["task_run_id"]}
     if result.status == SKIPPED:
-        return Completed(name="Skipped", message=f"artifact {job.artifact_id} is complete",
-                         data=result.to_dict())
-    return result.to_dict()
+        return Completed(name="Skipped", message=f"artifact {job.artifact_id} is complete", data=outcome)
+    return outcome
 
 
 def _execute(plan: Plan) -> dict[str, dict]:
@@ -186,14 +186,22 @@ def _execute(plan: Plan) -> dict[str, dict]:
             "stage": name, "task": job.task, "artifact_id": job.artifact_id,
             "path": str(plan.store.artifact_dir(name, job.artifact_id)),
             "status": "failed" if isinstance(error, BaseException) else "not run",
-            "error": str(error) if isinstance(error, BaseException) else "an input stage did not finish",
+            "error": _describe(name, error) if isinstance(error, BaseException) else
+            f"stage '{name}': not run, an input stage did not finish",
         }
-    failed = [n for n, s in summary.items() if s["status"] in ("failed", "not run")]
     for name, s in summary.items():
-        logger.info(f"{name}: {s['status']} {s['artifact_id']}" + (f" ({s['error']})" if "error" in s else ""))
+        logger.info(f"{name}: {s['status']} {s['artifact_id']}")
+    failed = [n for n, s in summary.items() if s["status"] in ("failed", "not run")]
     if failed:
-        raise PipelineFailed(f"pipeline '{plan.name}': stages did not finish: {', '.join(failed)}", summary)
+        # A Failed state, not an exception: the summary is the result, without a traceback.
+        return Failed(message=f"pipeline '{plan.name}': stages did not finish: {', '.join(failed)}", data=summary)
     return summary
+
+
+def _describe(stage: str, error: BaseException) -> str:
+    """One line naming the stage; the type too where it is not a user-facing error."""
+    text = str(error) if isinstance(error, NOT_RETRIED) else f"{type(error).__name__}: {error}"
+    return text if text.startswith(f"stage '{stage}'") else f"stage '{stage}': {text}"
 
 
 def _plan_from(pipeline: str | dict, store: str | None, overrides: list[str] | None) -> Plan:
@@ -231,10 +239,8 @@ def run_plan(plan: Plan, *, max_workers: int | None = None, raise_on_failure: bo
     spec = plan.spec.model_dump(mode="json", exclude_unset=True)
     state = flow_obj(spec, str(plan.store.root), return_state=True)
     outcome = state.result(raise_on_failure=False)
-    if isinstance(outcome, PipelineFailed):
-        if raise_on_failure:
-            raise outcome
-        return outcome.summary
-    if isinstance(outcome, BaseException):
+    if isinstance(outcome, BaseException):  # the flow itself broke (e.g. the server went away)
         raise outcome
+    if state.is_failed() and raise_on_failure:
+        raise PipelineFailed(state.message or f"pipeline '{plan.name}' failed", outcome)
     return outcome

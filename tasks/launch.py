@@ -304,7 +304,7 @@ def run_child(
             with _children_lock:
                 _children.discard(proc)
     code = next((c for c in codes if c != 0), 0)
-    last = tail[-1] if tail else "(no output)"
+    last = _summary_line(tail)
     if code == 0:
         return ChildResult(0, list(tail), results[0] if results else None)
     if code == EXIT_CONFIG_ERROR:
@@ -312,6 +312,18 @@ def run_child(
     if code in (EXIT_PREEMPTED, -signal.SIGTERM) or _stopping.is_set():
         raise Interrupted(f"{what}: stopped by SIGTERM (exit {code}); re-run to resume. {last}")
     raise StageFailed(f"{what}: exited with code {code}: {last}")
+
+
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
+
+
+def _summary_line(tail: deque) -> str:
+    """The line that best explains a failure: the exception line of a traceback, else the last."""
+    lines = list(tail)
+    for line in reversed(lines):
+        if _EXCEPTION_LINE.match(line):
+            return line
+    return lines[-1] if lines else "(no output)"
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

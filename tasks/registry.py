@@ -81,19 +81,25 @@ class StageContext:
     def log(self, message: str) -> None:
         self.hooks.log(message)
 
-    def launch(self, argv: list[str], *, metrics_file: Path | None = None,
-               total_steps: int | None = None, env: dict[str, str] | None = None) -> ChildResult:
+    def launch(self, argv: list[str], *, metrics_file: Path | None = None, total_steps: int | None = None,
+               env: dict[str, str] | None = None, on_line: Callable[[str], None] | None = None) -> ChildResult:
         """Run an engine command (e.g. [sys.executable, "-m", "engine.train", cfg]) through
-        the stage's launcher, streaming its output and the metrics it appends to
-        `metrics_file` into the run log; raises on a non-zero exit (see tasks/launch.py)."""
+        the stage's launcher, streaming its output (each line also to `on_line`) and the
+        metrics it appends to `metrics_file` into the run log; raises on a non-zero exit
+        (see tasks/launch.py)."""
 
         def on_metrics(record: dict) -> None:
             self.hooks.metrics(record)
             if total_steps and "step" in record:
                 self.hooks.progress(min(1.0, record["step"] / total_steps))
 
+        def log(line: str) -> None:
+            self.hooks.log(line)
+            if on_line is not None:
+                on_line(line)
+
         return run_child(
-            argv, launcher=self.launcher, log=self.hooks.log, env=env, metrics_file=metrics_file,
+            argv, launcher=self.launcher, log=log, env=env, metrics_file=metrics_file,
             on_metrics=on_metrics, what=f"stage '{self.stage}'",
         )
 

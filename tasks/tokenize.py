@@ -1,0 +1,77 @@
+"""The tokenize stage: corpora in, a dataset artifact (token shards + tokenizer) out.
+
+    <out>/data/          meta.json + {train,validation}/shard-NNNNN.array_record (engine.data)
+    <out>/tokenizer/     Hugging Face tokenizer files
+    <out>/tokenize.yaml  the resolved config the child ran
+
+The engine runs in a child process (`python -m engine.tokenize <out>/tokenize.yaml <out>`),
+itself a pool of worker processes. Re-run on the same directory, it redoes only the shards
+that were not finished.
+
+The artifact id covers the corpus too: every input file's size and mtime (and a loaded
+tokenizer's bytes), as engine.tokenize fingerprints them, so editing the corpus makes a new
+dataset rather than silently reusing the old one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import yaml
+
+from engine.config import ConfigError, validate
+from engine.tokenize import MB, NON_SEMANTIC_FIELDS, TokenizeConfig, fingerprint
+from tasks.registry import StageContext, StageKind
+
+_PROGRESS = re.compile(r"tokenize: (\d+)/(\d+) shards")
+
+
+def _input_parts(cfg: TokenizeConfig) -> list:
+    from engine.sources import plan_source
+
+    target = max(int(cfg.shard_size_mb * MB), 1)
+    return [part for i, src in enumerate(cfg.sources) for part in plan_source(i, src, target)]
+
+
+class TokenizeStage(StageKind):
+    task = "tokenize"
+    output = "dataset"
+    inputs = {}
+    config_schema = TokenizeConfig
+    version = 1
+    non_semantic = NON_SEMANTIC_FIELDS
+
+    def resolve_config(self, raw: dict, source: str) -> TokenizeConfig:
+        cfg = validate(TokenizeConfig, raw, source)
+        try:  # the sources must exist and parse before anything runs
+            self._planned = (cfg, _input_parts(cfg))  # reused by fingerprint()
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+        return cfg
+
+    def fingerprint(self, config: TokenizeConfig) -> dict:
+        planned = getattr(self, "_planned", None)
+        parts = planned[1] if planned and planned[0] is config else _input_parts(config)
+        return {**super().fingerprint(config), "corpus": fingerprint(config, parts)}
+
+    def run(self, ctx: StageContext) -> dict:
+        out = ctx.out_dir
+        # Only the keys that were set: defaults stay defaults when the child re-validates.
+        (out / "tokenize.yaml").write_text(
+            yaml.safe_dump(ctx.config.model_dump(mode="json", exclude_unset=True), sort_keys=False))
+
+        def on_line(line: str) -> None:
+            match = _PROGRESS.search(line)
+            if match:
+                ctx.hooks.progress(int(match.group(1)) / max(int(match.group(2)), 1))
+
+        ctx.launch([sys.executable, "-m", "engine.tokenize", str(out / "tokenize.yaml"), str(out)], on_line=on_line)
+        meta = json.loads((out / "data" / "meta.json").read_text())
+        stats = meta.get("stats", {})
+        metrics = {key: stats[key] for key in ("documents", "tokens", "bytes") if key in stats}
+        metrics["vocab_size"] = meta["vocab_size"]
+        for split, info in meta["splits"].items():
+            metrics[f"{split}_tokens"] = info.get("tokens")
+        return metrics

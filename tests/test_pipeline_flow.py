@@ -1,0 +1,168 @@
+"""Pipelines on a real local Prefect server, with cheap stage kinds (tests/pipeline_toys.py).
+
+Each test reads its flow run, task runs, states and artifacts back through Prefect's client.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import tests.pipeline_toys  # noqa: F401
+from flows.pipeline import PipelineFailed, run_plan
+from flows.spec import Pipeline
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def client():
+    from prefect import get_client
+
+    return get_client(sync_client=True)
+
+
+def flow_run_of(result: dict):
+    """The flow run that returned a pipeline result."""
+    with client() as c:
+        return c.read_flow_run(next(iter(result.values()))["flow_run_id"])
+
+
+def task_runs_of(flow_run_id) -> dict:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with client() as c:
+        runs = c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {run.name: run for run in runs}
+
+
+def artifacts_of(flow_run_id) -> list:
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with client() as c:
+        return c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+
+
+def diamond(store: Path, trace: Path, a_value: int = 1) -> Pipeline:
+    p = Pipeline("diamond", store=store)
+    a = p.stage("a", task="toy-source", config={"value": a_value, "trace": str(trace)})
+    b = p.stage("b", task="toy-source", config={"value": 2, "trace": str(trace)})
+    ab = p.stage("ab", task="toy-sum", inputs={"a": a, "b": b}, config={"trace": str(trace)})
+    p.stage("abb", task="toy-sum", inputs={"a": b, "b": ab}, config={"trace": str(trace)})
+    return p
+
+
+def test_a_pipeline_is_one_flow_run_with_a_task_run_and_artifacts_per_stage(prefect_server, tmp_path):
+    result = diamond(tmp_path / "store", tmp_path / "trace").run()
+    assert {s: r["status"] for s, r in result.items()} == {"a": "ran", "b": "ran", "ab": "ran", "abb": "ran"}
+    assert result["abb"]["metrics"] == {"value": 2 + (1 + 2 + 1) + 1}
+
+    flow_run = flow_run_of(result)
+    assert flow_run.state.is_completed()
+    task_runs = task_runs_of(flow_run.id)
+    assert set(task_runs) == {"a", "b", "ab", "abb"}
+    assert all(run.state.is_completed() and run.state.name == "Completed" for run in task_runs.values())
+
+    by_key = {a.key: a for a in artifacts_of(flow_run.id)}
+    for stage in ("a", "b", "ab", "abb"):
+        assert by_key[f"diamond-{stage}"].type == "markdown"
+        assert by_key[f"diamond-{stage}-metrics"].type == "table"
+        assert by_key[f"diamond-{stage}-dir"].data.startswith(f"[{stage}/")  # links are markdown in Prefect 3
+        assert by_key[f"diamond-{stage}-progress"].type == "progress"
+        assert by_key[f"diamond-{stage}-progress"].data == 100.0
+    summary = by_key["diamond-ab"].data
+    assert f"`a/{result['a']['artifact_id']}` (dataset)" in summary and "- value: 4" in summary
+    assert Path(result["ab"]["path"]).as_uri() in by_key["diamond-ab-dir"].data
+
+
+def test_rerun_skips_everything_and_a_config_change_reruns_only_descendants(prefect_server, tmp_path):
+    store, trace = tmp_path / "store", tmp_path / "trace"
+    first = diamond(store, trace).run()
+    again = diamond(store, trace).run()
+    assert {r["status"] for r in again.values()} == {"skipped"}
+    assert {s: r["artifact_id"] for s, r in again.items()} == {s: r["artifact_id"] for s, r in first.items()}
+    task_runs = task_runs_of(flow_run_of(again).id)
+    assert {run.state.name for run in task_runs.values()} == {"Skipped"}
+    assert trace.read_text().split().count("a") == 1  # no work the second time
+
+    changed = diamond(store, trace, a_value=10).run()
+    assert {s: r["status"] for s, r in changed.items()} == {"a": "ran", "b": "skipped", "ab": "ran", "abb": "ran"}
+    assert changed["b"]["artifact_id"] == first["b"]["artifact_id"]
+    assert changed["abb"]["metrics"] == {"value": 2 + (10 + 2 + 1) + 1}
+
+
+def test_independent_stages_run_concurrently(prefect_server, tmp_path):
+    # Each stage waits until the other has started: run one at a time, they would time out.
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    p = Pipeline("concurrent", store=tmp_path / "store")
+    for name, peer in (("left", "right"), ("right", "left")):
+        p.stage(name, task="toy-source", config={"value": len(name), "barrier": str(barrier), "peers": [peer]})
+    assert {r["status"] for r in p.run().values()} == {"ran"}
+
+
+def test_retries_follow_the_spec_and_failures_stop_only_descendants(prefect_server, tmp_path):
+    trace = tmp_path / "trace"
+    p = Pipeline("retries", store=tmp_path / "store")
+    p.stage("flaky", task="toy-source", config={"fail_times": 2, "trace": str(trace)},
+            retries=2, retry_delay_seconds=0.2, retry_backoff=2)
+    p.stage("broken", task="toy-source", config={"value": 5, "fail_times": 9, "trace": str(trace)}, retries=1,
+            retry_delay_seconds=0)
+    p.stage("after_broken", task="toy-sum", inputs={"a": "broken"})
+    p.stage("bad_config", task="toy-child", config={"exit_code": 2, "trace": str(trace)}, retries=3,
+            retry_delay_seconds=0)
+    with pytest.raises(PipelineFailed) as failure:
+        run_plan(p.plan())
+    summary = failure.value.summary
+    assert summary["flaky"]["status"] == "ran"
+    assert summary["broken"]["status"] == "failed"
+    assert summary["broken"]["error"] == "stage 'broken': RuntimeError: broken: planned failure 2 of 9"
+    assert summary["after_broken"]["status"] == "not run"
+    assert summary["bad_config"]["error"] == "stage 'bad_config': steps: must be even (got 3)"
+
+    runs = task_runs_of(flow_run_of({"flaky": summary["flaky"]}).id)
+    assert runs["flaky"].run_count == 3 and runs["flaky"].state.is_completed()
+    assert runs["broken"].run_count == 2 and runs["broken"].state.is_failed()
+    assert runs["bad_config"].run_count == 1  # a config error is not retried
+    assert trace.read_text().split().count("bad_config") == 1
+    assert "after_broken" not in runs or not runs["after_broken"].state.is_completed()
+
+
+def test_serve_creates_a_scheduled_deployment_that_runs_the_pipeline(prefect_server, tmp_path):
+    path = tmp_path / "served.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "served", "store": str(tmp_path / "store"), "imports": ["tests.pipeline_toys"],
+        "stages": {"only": {"task": "toy-source", "config": {"value": 3}}},
+    }))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    server = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(path), "--cron", "0 3 * * *"],
+                              cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        from prefect.deployments import run_deployment
+
+        deadline = time.monotonic() + 120
+        deployment = None
+        while deployment is None:
+            assert server.poll() is None, server.stderr.read()
+            assert time.monotonic() < deadline, "no deployment appeared"
+            time.sleep(1)
+            with client() as c:
+                found = [d for d in c.read_deployments() if d.name == "served"]
+            deployment = found[0] if found else None
+        assert [s.schedule.cron for s in deployment.schedules] == ["0 3 * * *"]
+        assert deployment.parameters["pipeline"] == str(path)
+
+        flow_run = run_deployment(f"trainflow-pipeline/served", timeout=180)
+        assert flow_run.state.is_completed(), flow_run.state
+        assert list((tmp_path / "store" / "only").glob("*/artifact.json"))
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
