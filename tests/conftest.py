@@ -37,3 +37,39 @@ def byte_dataset(tmp_path_factory) -> Path:
         docs.append(np.concatenate([raw, [256]]))
     write_dataset(out, {"train": docs[:-16], "validation": docs[-16:]}, vocab_size=257, eos_id=256)
     return out
+
+
+# --------------------------------------------------------------------------- Prefect
+
+# Prefect keeps its profile, local results and SQLite database under PREFECT_HOME; tests
+# use a throwaway one (set before anything imports prefect).
+if "PREFECT_HOME" not in os.environ:
+    import atexit  # noqa: E402
+    import shutil  # noqa: E402
+    import tempfile  # noqa: E402
+
+    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="trainflow-prefect-home-")
+    atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """A real local Prefect server (SQLite in a temp dir), one per test session.
+
+    Yields its API URL. Flows run in the test process report to it, and so do `trainflow`
+    subprocesses, which inherit PREFECT_API_URL. Query it with prefect.get_client().
+    """
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        url = PREFECT_API_URL.value()
+        previous = os.environ.get("PREFECT_API_URL")
+        os.environ["PREFECT_API_URL"] = url
+        try:
+            yield url
+        finally:
+            if previous is None:
+                os.environ.pop("PREFECT_API_URL", None)
+            else:
+                os.environ["PREFECT_API_URL"] = previous
