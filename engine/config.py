@@ -25,20 +25,27 @@ class Strict(BaseModel):
 
 
 class RopeScaling(Strict):
-    """Llama-3 style frequency-dependent RoPE scaling."""
+    """RoPE frequency scaling for long context."""
 
+    kind: Literal["llama3", "linear"] = "llama3"
+    """llama3: frequency-dependent (Llama 3.1+); linear: every frequency / factor (Gemma 3)."""
     factor: float = Field(8.0, gt=0)
     low_freq_factor: float = Field(1.0, gt=0)
+    """llama3 only, as are the next two."""
     high_freq_factor: float = Field(4.0, gt=0)
     original_max_position: int = Field(8192, gt=0)
     """Context length the base model was trained with."""
 
 
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+
+
 class ModelConfig(Strict):
     """A decoder-only transformer. Model families differ only in these fields."""
 
-    family: Literal["llama"] = "llama"
-    """Architecture family; the defaults describe Llama."""
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"] = "llama"
+    """Architecture family: names the Hugging Face layout (engine/hf.py). The math is set by
+    the fields below alone; their defaults describe Llama."""
     vocab_size: int = Field(gt=0)
     d_model: int = Field(gt=0)
     num_layers: int = Field(gt=0)
@@ -53,6 +60,31 @@ class ModelConfig(Strict):
     rope_theta: float = Field(10000.0, gt=0)
     rope_scaling: RopeScaling | None = None
     tie_embeddings: bool = False
+    activation: Literal["silu", "gelu_tanh"] = "silu"
+    """Gate of the gated MLP: silu = SwiGLU (Llama, Qwen, Mistral), gelu_tanh = GeGLU (Gemma)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm over head_dim on queries and keys, before RoPE (Qwen3, Gemma 3)."""
+    norm_zero_centered: bool = False
+    """RMSNorm multiplies by (1 + scale), the scale stored zero-centred (Gemma)."""
+    scale_embeddings: bool = False
+    """Multiply token embeddings by sqrt(d_model) (Gemma)."""
+    post_norms: bool = False
+    """Also normalise each sublayer's output before the residual add (Gemma 2/3)."""
+    attention_pattern: list[Literal["global", "local"]] = Field(default_factory=lambda: ["global"], min_length=1)
+    """Layer i attends as attention_pattern[i % len]; local = sliding window. Mistral: [local];
+    Gemma 2: [local, global]; Gemma 3: five local then one global."""
+    sliding_window: int | None = Field(None, gt=0)
+    """Local layers see this many most recent positions, the query's own included."""
+    rope_local_theta: float | None = Field(None, gt=0)
+    """RoPE base of local layers, unscaled (Gemma 3). None: rope_theta and rope_scaling."""
+    query_pre_attn_scalar: float | None = Field(None, gt=0)
+    """Attention scores are scaled by query_pre_attn_scalar**-0.5 (None: head_dim, as usual)."""
+    attn_logit_softcap: float | None = Field(None, gt=0)
+    """Attention scores become cap * tanh(scores / cap) before masking (Gemma 2)."""
+    final_logit_softcap: float | None = Field(None, gt=0)
+    """Output logits become cap * tanh(logits / cap) (Gemma 2)."""
     init_std: float = Field(0.02, gt=0)
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -67,12 +99,23 @@ class ModelConfig(Strict):
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if "local" in self.attention_pattern and self.sliding_window is None:
+            raise ValueError("attention_pattern has local layers, so sliding_window must be set")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
         return self
+
+    def layer_is_local(self) -> list[bool]:
+        """Per layer: does it use sliding-window attention?"""
+        pattern = self.attention_pattern
+        return [pattern[i % len(pattern)] == "local" for i in range(self.num_layers)]
 
     def num_params(self, include_embedding: bool = True) -> int:
         attn = self.d_model * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        attn += self.head_dim * (self.num_heads + 2 * self.num_kv_heads) * self.qkv_bias
+        attn += 2 * self.head_dim * self.qk_norm
         mlp = 3 * self.d_model * self.mlp_dim
-        block = attn + mlp + 2 * self.d_model
+        block = attn + mlp + (4 if self.post_norms else 2) * self.d_model
         n = self.num_layers * block + self.d_model
         if include_embedding:
             n += self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)

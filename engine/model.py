@@ -14,7 +14,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 from jax.ad_checkpoint import checkpoint_name
 
 from engine.config import ModelConfig, RopeScaling
@@ -38,14 +38,22 @@ def _param(rngs: nnx.Rngs, shape, std: float, names, dtype) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, param_dtype, *, rngs: nnx.Rngs):
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("norm",))
-        self.eps = eps
+    """x / rms(x) * scale, in float32. Zero-centred (Gemma): * (1 + scale), scale starting at 0."""
+
+    def __init__(self, dim: int, eps: float, param_dtype, *, zero_centered: bool = False, rngs: nnx.Rngs):
+        init = jnp.zeros if zero_centered else jnp.ones
+        self.scale = nnx.Param(init((dim,), param_dtype), out_sharding=("norm",))
+        self.eps, self.zero_centered = eps, zero_centered
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+        scale = self.scale[...].astype(jnp.float32)
+        return (x32 * (1.0 + scale if self.zero_centered else scale)).astype(x.dtype)
+
+
+def _norm(cfg: ModelConfig, dim: int, rngs: nnx.Rngs) -> RMSNorm:
+    return RMSNorm(dim, cfg.norm_eps, _dtype(cfg.param_dtype), zero_centered=cfg.norm_zero_centered, rngs=rngs)
 
 
 # --------------------------------------------------------------------------- RoPE
@@ -56,6 +64,8 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling |
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if scaling is None:
         return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
     low_wavelen = scaling.original_max_position / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -80,64 +90,145 @@ def apply_rope(x_btnh, positions_bt, inv_freq_h2):
 # --------------------------------------------------------------------------- attention
 
 
-def attention_mask(segment_q_bt, segment_k_bs, positions_q_bt=None, positions_k_bs=None):
+def attention_mask(segment_q_bt, segment_k_bs, positions_q_bt=None, positions_k_bs=None, *, window=None, local=True):
     """Causal within a packed document: query i sees key j iff j <= i and same segment.
 
     Segment id 0 marks padding. Causality is by row index, which equals position order
-    inside each packed segment.
+    inside each packed segment. With a sliding `window`, a `local` query (a bool, possibly
+    traced) also needs i - j < window.
     """
     t, s = segment_q_bt.shape[1], segment_k_bs.shape[1]
-    causal_ts = jnp.arange(t)[:, None] + (s - t) >= jnp.arange(s)[None, :]
+    distance_ts = jnp.arange(t)[:, None] + (s - t) - jnp.arange(s)[None, :]
+    causal_ts = distance_ts >= 0
+    if window is not None:
+        causal_ts = causal_ts & ((distance_ts < window) | jnp.logical_not(local))
     same_bts = segment_q_bt[:, :, None] == segment_k_bs[:, None, :]
     valid_bs = (segment_k_bs != 0)[:, None, :]
     return causal_ts[None] & same_bts & valid_bs
 
 
-def dot_product_attention(q_btnh, k_bskh, v_bskh, mask_bts):
-    """Grouped-query attention; softmax in float32."""
+def dot_product_attention(q_btnh, k_bskh, v_bskh, mask_bts, *, scale=None, softcap=None):
+    """Grouped-query attention; softmax in float32. Scores are q.k * scale (default
+    head_dim**-0.5), optionally soft-capped to (-softcap, softcap) before masking."""
     b, t, n, h = q_btnh.shape
     k = k_bskh.shape[2]
     q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(h)
+    scores = scores * (h**-0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
     scores = jnp.where(mask_bts[:, None, None], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
     out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
     return out_btkgh.reshape(b, t, n, h)
 
 
+@struct.dataclass
+class KVCache:
+    """Keys and values of every layer, for decoding one step at a time (engine/sample.py).
+
+    Functional: a decode step returns a new cache. Rows are left-padded, so every row
+    writes the same slots: a step of t tokens fills slots [end, end + t) of each layer.
+    """
+
+    k: jax.Array  # (layers, b, s, kv_heads, head_dim)
+    v: jax.Array  # (layers, b, s, kv_heads, head_dim)
+    valid_bs: jax.Array  # (b, s) bool: the slot holds a real token (not padding, not empty)
+    end: jax.Array  # () int32: first empty slot
+    layer: jax.Array | int = 0  # the layer being run; set by Transformer._decode_blocks
+
+    @classmethod
+    def init(cls, cfg: ModelConfig, batch: int, max_len: int) -> "KVCache":
+        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        zeros = constrain(jnp.zeros(shape, _dtype(cfg.dtype)), (None, "act_batch", None, "act_kv_heads", None))
+        return cls(zeros, zeros, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32))
+
+    def update(self, k_btkh, v_btkh, *, window=None, local=True):
+        """Write this layer's new keys/values; (k_bskh, v_bskh, mask_bts, cache) to attend with.
+
+        Query i (slot end + i) sees slot j iff j <= end + i and the slot is valid; a local
+        layer with a sliding window also needs end + i - j < window. Left padding keeps
+        slot order equal to position order: this is the full forward pass's causal mask.
+        """
+        t, s = k_btkh.shape[1], self.k.shape[2]
+        start = (self.layer, 0, self.end, 0, 0)
+        k_all = jax.lax.dynamic_update_slice(self.k, k_btkh[None].astype(self.k.dtype), start)
+        v_all = jax.lax.dynamic_update_slice(self.v, v_btkh[None].astype(self.v.dtype), start)
+        k_bskh = jax.lax.dynamic_index_in_dim(k_all, self.layer, 0, keepdims=False)
+        v_bskh = jax.lax.dynamic_index_in_dim(v_all, self.layer, 0, keepdims=False)
+        distance_ts = self.end + jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
+        visible_ts = distance_ts >= 0
+        if window is not None:
+            visible_ts = visible_ts & ((distance_ts < window) | jnp.logical_not(local))
+        mask_bts = visible_ts[None] & self.valid_bs[:, None, :]
+        return k_bskh, v_bskh, mask_bts, self.replace(k=k_all, v=v_all)
+
+
 class Attention(nnx.Module):
+    """Grouped-query attention with RoPE. Local (sliding-window) or global is chosen per call,
+    so one stacked set of layers can mix both (Gemma 2/3)."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         pdt, std = _dtype(cfg.param_dtype), cfg.init_std
         self.wq_dnh = _param(rngs, (d, n, h), std, ("embed", "heads", "head_dim"), pdt)
         self.wk_dkh = _param(rngs, (d, k, h), std, ("embed", "kv_heads", "head_dim"), pdt)
         self.wv_dkh = _param(rngs, (d, k, h), std, ("embed", "kv_heads", "head_dim"), pdt)
+        if cfg.qkv_bias:
+            self.bq_nh = nnx.Param(jnp.zeros((n, h), pdt), out_sharding=("heads", "head_dim"))
+            self.bk_kh = nnx.Param(jnp.zeros((k, h), pdt), out_sharding=("kv_heads", "head_dim"))
+            self.bv_kh = nnx.Param(jnp.zeros((k, h), pdt), out_sharding=("kv_heads", "head_dim"))
+        if cfg.qk_norm:
+            self.q_norm = _norm(cfg, h, rngs)
+            self.k_norm = _norm(cfg, h, rngs)
         # Residual-branch outputs are scaled down with depth (GPT-2) so the stream stays O(1).
         out_std = std / math.sqrt(2 * cfg.num_layers)
         self.wo_nhd = _param(rngs, (n, h, d), out_std, ("heads", "head_dim", "embed"), pdt)
         self.head_dim, self.rope_theta, self.rope_scaling = h, cfg.rope_theta, cfg.rope_scaling
+        self.rope_local_theta, self.sliding_window = cfg.rope_local_theta, cfg.sliding_window
+        self.qkv_bias, self.qk_norm = cfg.qkv_bias, cfg.qk_norm
+        self.scale = (cfg.query_pre_attn_scalar or h) ** -0.5
+        self.softcap = cfg.attn_logit_softcap
         self.dtype = _dtype(cfg.dtype)
 
-    def __call__(self, x_btd, positions_bt, segment_ids_bt):
-        dt = self.dtype
+    def _inverse_frequencies(self, local):
         inv_freq = rope_inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+        if self.rope_local_theta is None:
+            return inv_freq
+        return jnp.where(local, rope_inverse_frequencies(self.head_dim, self.rope_local_theta, None), inv_freq)
+
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, local=False, cache: KVCache | None = None):
+        """`local` (a bool, traced under scan) selects the sliding window and local RoPE base.
+        With a cache (decoding) returns (out, updated cache)."""
+        dt = self.dtype
+        inv_freq = self._inverse_frequencies(local)
         q = jnp.einsum("btd,dnh->btnh", x_btd, self.wq_dnh[...].astype(dt))
         k = jnp.einsum("btd,dkh->btkh", x_btd, self.wk_dkh[...].astype(dt))
         v = jnp.einsum("btd,dkh->btkh", x_btd, self.wv_dkh[...].astype(dt))
+        if self.qkv_bias:
+            q, k, v = q + self.bq_nh[...].astype(dt), k + self.bk_kh[...].astype(dt), v + self.bv_kh[...].astype(dt)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = constrain(q, ("act_batch", "act_seq", "act_heads", None))
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", None))
         q = checkpoint_name(apply_rope(q, positions_bt, inv_freq), "qkv_proj")
         k = checkpoint_name(apply_rope(k, positions_bt, inv_freq), "qkv_proj")
         v = checkpoint_name(v, "qkv_proj")
-        mask = attention_mask(segment_ids_bt, segment_ids_bt)
-        out_btnh = dot_product_attention(q, k, v, mask)
-        return jnp.einsum("btnh,nhd->btd", out_btnh, self.wo_nhd[...].astype(dt))
+        if cache is None:
+            mask = attention_mask(segment_ids_bt, segment_ids_bt, window=self.sliding_window, local=local)
+        else:  # decoding: attend over the cache, this step's keys and values written into it
+            k, v, mask, cache = cache.update(k, v, window=self.sliding_window, local=local)
+        out_btnh = dot_product_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
+        out_btd = jnp.einsum("btnh,nhd->btd", out_btnh, self.wo_nhd[...].astype(dt))
+        return out_btd if cache is None else (out_btd, cache)
+
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (gelu_tanh)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.mlp_dim
@@ -145,30 +236,43 @@ class MLP(nnx.Module):
         self.w_gate_df = _param(rngs, (d, f), std, ("embed", "mlp"), pdt)
         self.w_up_df = _param(rngs, (d, f), std, ("embed", "mlp"), pdt)
         self.w_down_fd = _param(rngs, (f, d), std / math.sqrt(2 * cfg.num_layers), ("mlp", "embed"), pdt)
+        self.activation = ACTIVATIONS[cfg.activation]
         self.dtype = _dtype(cfg.dtype)
 
     def __call__(self, x_btd):
         dt = self.dtype
         gate = jnp.einsum("btd,df->btf", x_btd, self.w_gate_df[...].astype(dt))
         up = jnp.einsum("btd,df->btf", x_btd, self.w_up_df[...].astype(dt))
-        h_btf = constrain(jax.nn.silu(gate) * up, ("act_batch", "act_seq", "act_mlp"))
+        h_btf = constrain(self.activation(gate) * up, ("act_batch", "act_seq", "act_mlp"))
         return jnp.einsum("btf,fd->btd", h_btf, self.w_down_fd[...].astype(dt))
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). With post_norms
+    (Gemma 2/3) each branch output is normalised again before the add.
+
+    `self.mlp` is the replaceable slot: anything mapping (b, t, d) -> (b, t, d) fits.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        pdt = _dtype(cfg.param_dtype)
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt, rngs=rngs)
+        self.attn_norm = _norm(cfg, cfg.d_model, rngs)
         self.attn = Attention(cfg, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt, rngs=rngs)
+        self.mlp_norm = _norm(cfg, cfg.d_model, rngs)
         self.mlp = MLP(cfg, rngs=rngs)
+        if cfg.post_norms:
+            self.post_attn_norm = _norm(cfg, cfg.d_model, rngs)
+            self.post_mlp_norm = _norm(cfg, cfg.d_model, rngs)
+        self.post_norms = cfg.post_norms
 
-    def __call__(self, x_btd, positions_bt, segment_ids_bt):
-        x_btd = x_btd + self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt)
-        x_btd = x_btd + self.mlp(self.mlp_norm(x_btd))
-        return constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, local=False, cache: KVCache | None = None):
+        attn_out = self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt, local, cache)
+        if cache is not None:
+            attn_out, cache = attn_out
+        x_btd = x_btd + (self.post_attn_norm(attn_out) if self.post_norms else attn_out)
+        mlp_out = self.mlp(self.mlp_norm(x_btd))
+        x_btd = x_btd + (self.post_mlp_norm(mlp_out) if self.post_norms else mlp_out)
+        x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
+        return x_btd if cache is None else (x_btd, cache)
 
 
 REMAT_POLICIES = {
@@ -187,7 +291,7 @@ class Transformer(nnx.Module):
             self.blocks = self._stacked_blocks(cfg, rngs)
         else:
             self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
-        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, pdt, rngs=rngs)
+        self.final_norm = _norm(cfg, cfg.d_model, rngs)
         if not cfg.tie_embeddings:
             self.lm_head_dv = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, ("embed", "vocab"), pdt)
 
@@ -205,25 +309,52 @@ class Transformer(nnx.Module):
     def _run_blocks(self, x_btd, positions_bt, segment_ids_bt):
         cfg = self.cfg
 
-        def layer(block: Block, x):
-            return block(x, positions_bt, segment_ids_bt)
+        def layer(block: Block, x, local):
+            return block(x, positions_bt, segment_ids_bt, local)
 
         if cfg.remat != "none":
             layer = nnx.remat(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+        is_local = cfg.layer_is_local()
         if not cfg.scan_layers:
-            for block in self.blocks:
-                x_btd = layer(block, x_btd)
+            for block, local in zip(self.blocks, is_local):
+                x_btd = layer(block, x_btd, local)
             return x_btd
         graphdef, stacked = nnx.split(self.blocks)
 
-        def body(x, layer_state):
-            return layer(nnx.merge(graphdef, layer_state), x), None
+        def body(x, layer_state_and_local):
+            layer_state, local = layer_state_and_local
+            return layer(nnx.merge(graphdef, layer_state), x, local), None
 
-        x_btd, _ = jax.lax.scan(body, x_btd, stacked)
+        # Whether each layer is local rides along the scan as data: one compiled block.
+        x_btd, _ = jax.lax.scan(body, x_btd, (stacked, jnp.asarray(is_local)))
         return x_btd
 
-    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None):
-        """Logits (b, t, v) in the compute dtype. Packed rows pass positions and segments."""
+    def _decode_blocks(self, x_btd, positions_bt, segment_ids_bt, cache: KVCache):
+        """The blocks with a KV cache; each layer writes its slots of the stacked cache in place."""
+        valid_bt = segment_ids_bt != 0
+        cache = cache.replace(valid_bs=jax.lax.dynamic_update_slice(cache.valid_bs, valid_bt, (0, cache.end)))
+        is_local = self.cfg.layer_is_local()
+        if not self.cfg.scan_layers:
+            for i, (block, local) in enumerate(zip(self.blocks, is_local)):
+                x_btd, cache = block(x_btd, positions_bt, segment_ids_bt, local, cache.replace(layer=i))
+        else:
+            graphdef, stacked = nnx.split(self.blocks)
+
+            def body(carry, xs):
+                x, cache = carry
+                layer_state, local, i = xs
+                block = nnx.merge(graphdef, layer_state)
+                return block(x, positions_bt, segment_ids_bt, local, cache.replace(layer=i)), None
+
+            xs = (stacked, jnp.asarray(is_local), jnp.arange(self.cfg.num_layers, dtype=jnp.int32))
+            (x_btd, cache), _ = jax.lax.scan(body, (x_btd, cache.replace(layer=jnp.int32(0))), xs)
+        return x_btd, cache.replace(end=cache.end + x_btd.shape[1], layer=0)
+
+    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, cache: KVCache | None = None):
+        """Logits (b, t, v) in the compute dtype. Packed rows pass positions and segments.
+
+        Decoding passes a KVCache (segment id 0 marks left padding) and gets (logits, cache).
+        """
         cfg = self.cfg
         dt = _dtype(cfg.dtype)
         if positions_bt is None:
@@ -231,12 +362,21 @@ class Transformer(nnx.Module):
         if segment_ids_bt is None:
             segment_ids_bt = jnp.ones_like(tokens_bt)
         x_btd = self.embed_vd[...].astype(dt)[tokens_bt]
+        if cfg.scale_embeddings:  # the factor rounded to the compute dtype, as Gemma does
+            x_btd = x_btd * jnp.asarray(math.sqrt(cfg.d_model), dt)
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
-        x_btd = self._run_blocks(x_btd, positions_bt, segment_ids_bt)
+        if cache is None:
+            x_btd = self._run_blocks(x_btd, positions_bt, segment_ids_bt)
+        else:
+            x_btd, cache = self._decode_blocks(x_btd, positions_bt, segment_ids_bt, cache)
         x_btd = self.final_norm(x_btd)
         head_dv = self.embed_vd[...].T if cfg.tie_embeddings else self.lm_head_dv[...]
         logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv.astype(dt))
-        return constrain(logits_btv, ("act_batch", "act_seq", "act_vocab"))
+        if cfg.final_logit_softcap is not None:
+            cap = cfg.final_logit_softcap
+            logits_btv = (cap * jnp.tanh(logits_btv.astype(jnp.float32) / cap)).astype(dt)
+        logits_btv = constrain(logits_btv, ("act_batch", "act_seq", "act_vocab"))
+        return logits_btv if cache is None else (logits_btv, cache)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
