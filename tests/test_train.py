@@ -61,13 +61,13 @@ def test_loss_falls_well_below_the_unigram_entropy_of_real_text(bpe_dataset, tmp
     p = np.array(list(counts.values()), float) / sum(counts.values())
     unigram_entropy = float(-(p * np.log(p)).sum())  # nats per token
 
-    cfg = tiny_config(bpe_dataset, tmp_path, steps=200, log_every=25, **{
+    cfg = tiny_config(bpe_dataset, tmp_path, steps=200, log_every=1, **{
         "data.seq_len": 128, "data.batch_size": 16, "data.eval_batches": 4, "optimizer.learning_rate": 1e-2,
         "checkpoint.every_steps": 200})
     result = run_pretrain(cfg)
     assert result["eval_loss"] < 0.75 * unigram_entropy, (result["eval_loss"], unigram_entropy)
     curve = losses(tmp_path)
-    assert curve[-1] < curve[0] - 1.0
+    assert np.mean(curve[-20:]) < curve[0] - 1.5
     assert result["tokens_per_second"] > 0 and 0 < result["mfu"] < 1
 
 
@@ -79,8 +79,9 @@ def test_same_config_and_seed_give_the_same_loss_sequence(byte_dataset, tmp_path
 
 
 def test_gradient_accumulation_equals_one_big_batch(byte_dataset, tmp_path):
-    run_pretrain(tiny_config(byte_dataset, tmp_path / "one", steps=3))
-    run_pretrain(tiny_config(byte_dataset, tmp_path / "acc", steps=3, grad_accum=4))
+    mesh = {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}  # 4 batch shards: 2 micro-batches of 4 rows
+    run_pretrain(tiny_config(byte_dataset, tmp_path / "one", steps=3, **mesh))
+    run_pretrain(tiny_config(byte_dataset, tmp_path / "acc", steps=3, grad_accum=2, **mesh))
     np.testing.assert_allclose(losses(tmp_path / "one"), losses(tmp_path / "acc"), rtol=2e-5)
     _, p1, _ = load_params(tmp_path / "one" / "checkpoint")
     _, p4, _ = load_params(tmp_path / "acc" / "checkpoint")
