@@ -186,7 +186,7 @@ def _config_file(tmp_path: Path, tree: dict) -> Path:
 def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    docs = word_documents(4000, seed=3)
+    docs = word_documents(2400, seed=3)
     for i in range(40):
         write_lines(corpus / f"part-{i:02d}.txt", docs[i::40])
     config = _config_file(tmp_path, {
@@ -211,8 +211,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
     finished = {rel: (out / ".work" / "data" / rel).stat().st_ino
                 for task in task_files for rel in json.loads(task.read_text())["shards"].values()}
 
-    cfg = load_config(config, ["workers=2"], schema=TokenizeConfig)
-    stats = run_tokenize(cfg, out, log=lambda _: None)
+    stats = run_tokenize(load_config(config, ["workers=1"], schema=TokenizeConfig), out, log=lambda _: None)
     assert stats["resumed_shards"] == done
     reference = tmp_path / "reference"
     run_tokenize(load_config(config, ["workers=1"], schema=TokenizeConfig), reference, log=lambda _: None)

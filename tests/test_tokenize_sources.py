@@ -42,11 +42,11 @@ def test_gzipped_text_and_jsonl(tmp_path):
 
 
 def test_jsonl_cut_into_byte_ranges_reads_each_record_once(tmp_path):
-    docs = word_documents(3000)
+    docs = word_documents(1500)
     write_lines(tmp_path / "a.jsonl", [json.dumps({"id": i, "body": d}) for i, d in enumerate(docs)])
     out = tmp_path / "out"
     run_stage(out, {"sources": [{"format": "jsonl", "path": str(tmp_path / "a.jsonl"), "field": "body"}],
-                    "shard_size_mb": 0.02}, validation_fraction=0)
+                    "shard_size_mb": 0.01}, validation_fraction=0)
     assert len(records(out, "train")) == len(docs)
     assert documents(out) == docs  # parts in order, no record lost or doubled at a cut
 
