@@ -45,6 +45,12 @@ class Checkpointer:
         )
         self.manager.save(step, args=args, force=True)
 
+    def save_params(self, step: int, params, meta: dict) -> None:
+        """A params-only checkpoint (no optimizer or data state), as engine/hf.py converts
+        one: load_params and `checkpoint.init_from` read it; a run cannot resume from it."""
+        args = ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta))
+        self.manager.save(step, args=args, force=True)
+
     def restore(self, step: int, abstract_params, abstract_opt_state) -> tuple[Any, Any, dict, dict]:
         restored = self.manager.restore(
             step,
