@@ -4,7 +4,7 @@ Reference shape (about 16M parameters): d_model 384, 6 layers, 6 heads / 2 KV he
 head_dim 64, MLP 1024, untied embeddings, vocab 8192, batch 8 x seq 512; AdamW.
 Each measurement runs in its own process so peak RSS is that framework's alone.
 
-    python bench/train_throughput.py [--steps 8] [--warmup 2]
+    python -m bench.train_throughput [--steps 8] [--warmup 2]
 
 Prints a table and writes bench/results/train_throughput.json.
 """
@@ -113,7 +113,8 @@ def run_torch(dtype: str, steps: int, warmup: int) -> dict:
 def in_subprocess(args: list[str]) -> dict | None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, __file__, "--worker", *args], capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-m", "bench.train_throughput", "--worker", *args],
+                          capture_output=True, text=True, env=env, cwd=REPO)
     if proc.returncode != 0:
         print(f"  {' '.join(args)} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
         return None
