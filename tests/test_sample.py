@@ -1,0 +1,133 @@
+"""The KV-cache sampler: cache == recomputation, log-probs == teacher forcing, determinism."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from engine.config import MeshConfig, ModelConfig
+from engine.model import KVCache, Transformer
+from engine.sample import Sampler, filter_logits, left_pad, prompt_positions
+from engine.sharding import make_mesh
+from engine.train import apply_model, graphdef_of, param_shardings
+
+# Odd sizes so a transposed or mis-broadcast dimension cannot hide; a large init_std makes
+# the distributions peaked enough that greedy decoding has no near-ties.
+ODD = dict(vocab_size=37, d_model=22, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=10, mlp_dim=26,
+           max_seq_len=64, init_std=0.4)
+PROMPTS = [[5, 9, 2, 31, 7], [6, 7], [8, 30, 10], [1]]
+
+
+SETTINGS = dict(max_new_tokens=10, top_k=12, top_p=0.9)  # one compilation serves every test below
+
+
+@pytest.fixture(scope="module")
+def model():
+    """(config, params, sampler): one compiled sampler shared by the tests of this file."""
+    cfg = ModelConfig(**ODD)
+    params = jax.jit(lambda: nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1]))()
+    return cfg, params, Sampler(cfg)
+
+
+def teacher_forced(cfg, params, prompt_tokens, prompt_mask, out, temperature):
+    """(log p of the generated tokens, logits) from one full forward pass, no cache."""
+    tokens = np.concatenate([prompt_tokens, out.tokens], 1)
+    mask = np.concatenate([prompt_mask, out.mask], 1).astype(np.int32)
+    graphdef = graphdef_of(cfg)
+    logits = jax.jit(lambda *args: apply_model(graphdef, *args))(
+        params, tokens, prompt_positions(jnp.asarray(mask)), mask)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / (temperature or 1.0), axis=-1)
+    p = prompt_tokens.shape[1]
+    return np.take_along_axis(np.asarray(logp[:, p - 1:-1]), out.tokens[..., None], axis=-1)[..., 0], logits
+
+
+@pytest.mark.parametrize("variant", ["scanned", "unrolled_sliding_window"])
+def test_kv_cache_decoding_equals_full_recomputation(variant):
+    extra = dict(scan_layers=False, attention_pattern=["local", "global"], sliding_window=3) if variant != "scanned" else {}
+    cfg = ModelConfig(**ODD, **extra)
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
+    prompt_len, steps = 5, 6
+    _, mask = left_pad(PROMPTS, length=prompt_len)
+    mask = np.concatenate([mask, np.ones((len(PROMPTS), steps), np.int32)], 1)
+    tokens = rng.integers(1, 37, mask.shape) * mask
+    positions = np.asarray(prompt_positions(jnp.asarray(mask)))
+    forward = jax.jit(lambda params, *args, cache=None: nnx.merge(graphdef, params)(*args, cache=cache))
+    full = forward(params, tokens, positions, mask)
+
+    cache = KVCache.init(cfg, len(PROMPTS), prompt_len + steps)
+    logits, cache = forward(params, tokens[:, :prompt_len], positions[:, :prompt_len], mask[:, :prompt_len],
+                            cache=cache)
+    pieces = [logits]
+    for i in range(prompt_len, prompt_len + steps):  # one token at a time, as the decode loop does
+        logits, cache = forward(params, tokens[:, i:i + 1], positions[:, i:i + 1], mask[:, i:i + 1], cache=cache)
+        pieces.append(logits)
+    incremental = np.asarray(jnp.concatenate(pieces, axis=1))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(incremental[real], np.asarray(full)[real], atol=2e-5)
+    assert int(cache.end) == prompt_len + steps
+
+
+def test_returned_logprobs_equal_teacher_forced_logprobs(model):
+    cfg, params, sampler = model
+    tokens, mask = left_pad(PROMPTS)  # mixed lengths, left-padded
+    out = sampler(params, tokens, mask, seed=3, temperature=0.7, eos_ids=(4,), **SETTINGS)
+    forced, _ = teacher_forced(cfg, params, tokens, mask, out, 0.7)
+    np.testing.assert_allclose(out.logprobs[out.mask], forced[out.mask], atol=1e-4)
+    assert np.all(out.logprobs[out.mask] < 0) and np.all(out.logprobs[~out.mask] == 0)
+
+
+def test_greedy_is_deterministic_and_each_token_is_the_argmax_of_a_full_forward_pass(model):
+    cfg, params, sampler = model
+    tokens, mask = left_pad(PROMPTS)
+    first = sampler(params, tokens, mask, seed=0, temperature=0.0, **SETTINGS)
+    second = sampler(params, tokens, mask, seed=123, temperature=0.0, **SETTINGS)
+    np.testing.assert_array_equal(first.tokens, second.tokens)
+    assert first.mask.all()
+    forced, logits = teacher_forced(cfg, params, tokens, mask, first, 0.0)
+    p = tokens.shape[1]
+    np.testing.assert_array_equal(np.argmax(np.asarray(logits[:, p - 1:-1]), -1), first.tokens)
+    np.testing.assert_allclose(first.logprobs, forced, atol=1e-4)
+
+
+def test_sampling_is_deterministic_for_a_seed_and_the_same_on_an_8_device_mesh(model):
+    cfg, params, sampler = model
+    mesh = make_mesh(MeshConfig(data=-1))
+    _, shardings = param_shardings(cfg, mesh)
+    sharded_params = jax.device_put(params, shardings)
+    tokens, mask = left_pad(PROMPTS)  # 4 rows on 8 devices: the sampler pads the batch
+    sharded = Sampler(cfg, mesh, shardings)(sharded_params, tokens, mask, seed=7, **SETTINGS)
+    single = sampler(params, tokens, mask, seed=7, **SETTINGS)
+    again = sampler(params, tokens, mask, seed=7, **SETTINGS)
+    other_seed = sampler(params, tokens, mask, seed=8, **SETTINGS)
+    np.testing.assert_array_equal(single.tokens, again.tokens)
+    np.testing.assert_array_equal(sharded.tokens, single.tokens)
+    np.testing.assert_allclose(sharded.logprobs, single.logprobs, atol=1e-5)
+    assert not np.array_equal(single.tokens, other_seed.tokens)
+
+
+def test_a_row_stops_at_its_first_eos_and_is_padded_after_it(model):
+    cfg, params, sampler = model
+    tokens, mask = left_pad(PROMPTS)
+    free = sampler(params, tokens, mask, seed=5, **SETTINGS)
+    eos = int(free.tokens[0, 3])  # a token row 0 certainly generates (at step 3 or earlier)
+    out = sampler(params, tokens, mask, seed=5, eos_ids=(eos,), pad_id=36, **SETTINGS)
+    n = SETTINGS["max_new_tokens"]
+    for row in range(len(PROMPTS)):
+        hits = np.flatnonzero(free.tokens[row] == eos)
+        stop = hits[0] + 1 if hits.size else n
+        assert out.lengths[row] == stop
+        np.testing.assert_array_equal(out.tokens[row, :stop], free.tokens[row, :stop])  # same draws until then
+        assert np.all(out.tokens[row, stop:] == 36) and not out.mask[row, stop:].any()
+    assert out.lengths[0] <= 4
+
+
+def test_top_k_and_top_p_keep_exactly_the_documented_tokens():
+    logits = jnp.log(jnp.array([[0.05, 0.4, 0.1, 0.3, 0.15]]))
+    kept = lambda x: np.flatnonzero(np.isfinite(np.asarray(x[0]))).tolist()  # noqa: E731
+    assert kept(filter_logits(logits, top_k=2)) == [1, 3]
+    assert kept(filter_logits(logits, top_p=0.65)) == [1, 3]  # 0.4 + 0.3 covers 0.65
+    assert kept(filter_logits(logits, top_p=0.75)) == [1, 3, 4]
+    assert kept(filter_logits(logits, top_k=4, top_p=0.99)) == [1, 2, 3, 4]
+    assert kept(filter_logits(logits)) == [0, 1, 2, 3, 4]
