@@ -295,17 +295,31 @@ def run_pretrain(
             f"({meta['vocab_size']}) of dataset {cfg.data.path}"
         )
     trainer = Trainer(cfg, loss_fn_factory)
-    ckpt = Checkpointer(cfg.checkpoint.directory, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
-    metrics_dir = cfg.metrics_dir or str(Path(cfg.checkpoint.directory).parent)
-    is_primary = jax.process_index() == 0
-
     train_data = data_lib.make_dataset(
         cfg.data.path, "train", seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
         seed=cfg.data.seed, shuffle=cfg.data.shuffle, packing=cfg.data.packing,
         process_index=jax.process_index(), process_count=jax.process_count(), prefetch=cfg.data.worker_buffer,
         shuffle_window=cfg.data.shuffle_window,
     )
-    data_iter = iter(train_data)
+    evaluate = None
+    if cfg.data.eval_split in meta["splits"] and cfg.data.eval_batches > 0:
+        def evaluate(params):
+            return trainer.evaluate(params, cfg.data.path, cfg.data.eval_split, cfg.data.eval_batches)
+    return train_loop(cfg, trainer, iter(train_data), evaluate, log)
+
+
+def train_loop(cfg: TrainConfig, trainer: Trainer, data_iter, evaluate: Callable | None,
+               log: Callable[[str], None], extra_meta: dict | None = None) -> dict[str, Any]:
+    """The loop every gradient stage shares (pretrain, SFT): resume, step, log, evaluate,
+    checkpoint, stop cleanly on SIGTERM.
+
+    `data_iter` yields this process's batches (tokens, targets, positions, segment_ids,
+    loss_mask) and has get_state()/set_state() for checkpoints; `evaluate(params)` returns
+    held-out metrics; `extra_meta` is stored in each checkpoint's meta.
+    """
+    ckpt = Checkpointer(cfg.checkpoint.directory, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+    metrics_dir = cfg.metrics_dir or str(Path(cfg.checkpoint.directory).parent)
+    is_primary = jax.process_index() == 0
     resume_step = ckpt.latest_step()
     if resume_step is not None:
         params, opt_state, ckpt_meta, data_state = ckpt.restore(
@@ -318,7 +332,7 @@ def run_pretrain(
         state = trainer.init_state()
     _truncate_metrics(metrics_dir, state.step)
     writer = MetricsWriter(metrics_dir, enabled=is_primary)
-    has_eval = cfg.data.eval_split in meta["splits"] and cfg.data.eval_batches > 0
+    has_eval = evaluate is not None
 
     flops_token = flops_per_token(cfg.model, cfg.data.seq_len)
     peak, peak_source = peak_flops()
@@ -328,7 +342,7 @@ def run_pretrain(
 
     def ckpt_meta_for(step):
         return {"step": step, "config": cfg.model_dump(mode="json"), "model": cfg.model.model_dump(mode="json"),
-                "seed": cfg.seed, "format": "trainflow.checkpoint/1"}
+                "seed": cfg.seed, "format": "trainflow.checkpoint/1", **(extra_meta or {})}
 
     def check_finite(step, metrics):
         loss = float(metrics["loss"])
@@ -380,7 +394,7 @@ def run_pretrain(
                     progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_second:,.0f}")
                 window_start, window_steps = time.perf_counter(), 0
             if eval_now:
-                eval_metrics = trainer.evaluate(state.params, cfg.data.path, cfg.data.eval_split, cfg.data.eval_batches)
+                eval_metrics = evaluate(state.params)
                 writer.write(step, eval_metrics)
                 final.update(eval_metrics)
                 window_start = time.perf_counter()
