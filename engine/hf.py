@@ -235,7 +235,9 @@ def model_config_to_hf(cfg: ModelConfig, token_ids: dict | None = None) -> dict:
         first_local = is_local.index(True) if any(is_local) else cfg.num_layers
         hf.update(use_sliding_window=any(is_local), max_window_layers=first_local)
     if cfg.family in ("gemma2", "gemma3"):
-        hf.update(query_pre_attn_scalar=cfg.query_pre_attn_scalar, attn_logit_softcapping=cfg.attn_logit_softcap,
+        scalar = cfg.query_pre_attn_scalar
+        hf.update(query_pre_attn_scalar=int(scalar) if scalar and scalar.is_integer() else scalar,  # an int field
+                  attn_logit_softcapping=cfg.attn_logit_softcap,
                   final_logit_softcapping=cfg.final_logit_softcap)
     if cfg.family == "gemma3":
         hf["rope_local_base_freq"] = cfg.rope_local_theta or cfg.rope_theta

@@ -1,0 +1,191 @@
+"""Hugging Face parity, every family: convert a tiny random transformers model and get its
+logits and greedy tokens; export it back and transformers loads it cleanly with the same
+logits; export -> convert is bitwise identical.
+
+The tiny models use odd sizes, two KV groups (6 query heads over 2 KV heads), head_dim !=
+d_model / heads, a sliding window (5) shorter than the sequences, and random norm weights
+so a (1 + w) mix-up shows. Everything about one family is built once (a module fixture).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from engine.checkpoint import load_params  # noqa: E402
+from engine.config import ModelConfig  # noqa: E402
+from engine.hf import convert_hf, export_hf  # noqa: E402
+from engine.train import apply_model, graphdef_of  # noqa: E402
+
+VOCAB, WINDOW = 37, 5
+COMMON = dict(vocab_size=VOCAB, hidden_size=30, intermediate_size=26, num_hidden_layers=3, num_attention_heads=6,
+              num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+GEMMA2 = dict(sliding_window=WINDOW, query_pre_attn_scalar=12)
+
+
+def hf_config(family: str):
+    t = transformers
+    return {
+        # Llama 3.1 RoPE scaling, with an original context short enough to matter here.
+        "llama": lambda: t.LlamaConfig(**COMMON, rope_theta=500.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}),
+        "mistral": lambda: t.MistralConfig(**COMMON, sliding_window=WINDOW),
+        # Qwen's per-layer window: layer 0 global, the rest local (a non-repeating pattern).
+        "qwen2": lambda: t.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+        "qwen3": lambda: t.Qwen3Config(**COMMON, tie_word_embeddings=True),
+        "gemma": lambda: t.GemmaConfig(**COMMON),
+        "gemma2": lambda: t.Gemma2Config(**COMMON, **GEMMA2, attn_logit_softcapping=1.5, final_logit_softcapping=2.0),
+        # Pattern local, local, global over 4 layers; linear RoPE scaling on global layers.
+        "gemma3": lambda: t.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 4}, **GEMMA2, sliding_window_pattern=3,
+                                             rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    }[family]()
+
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"]
+
+
+@dataclass
+class Case:
+    family: str
+    hf_model: object
+    hf_dir: Path
+    out_dir: Path
+    cfg: ModelConfig
+    params: dict
+
+
+def random_hf_model(family: str, seed: int = 0):
+    """A transformers model with N(0, 0.3^2) matrices and norm weights away from their init."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager")
+    model = model.float().eval()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def case(request, tmp_path_factory) -> Case:
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    model = random_hf_model(family)
+    model.save_pretrained(root / "hf")
+    (root / "hf" / "tokenizer.json").write_text('{"stand-in": true}')  # carried over as a file
+    convert_hf(root / "hf", root / "converted")
+    cfg, params, _ = load_params(root / "converted" / "checkpoint")
+    return Case(family, model, root / "hf", root / "converted", cfg, params)
+
+
+def batch():
+    """Three rows of 20 tokens (4 windows long): full, right-padded, left-padded."""
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (3, 20))
+    mask = np.ones_like(tokens)
+    mask[1, 14:] = 0
+    mask[2, :6] = 0
+    return tokens, mask
+
+
+def hf_logits(model, tokens, mask) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens), attention_mask=torch.tensor(mask)).logits.float().numpy()
+
+
+def engine_logits(cfg, params, tokens, mask) -> np.ndarray:
+    # Padding is segment 0; positions count rows as transformers does when given no position_ids.
+    return np.asarray(apply_model(graphdef_of(cfg), params, jnp.asarray(tokens), None, jnp.asarray(mask)))
+
+
+def test_converted_model_matches_transformers_logits(case):
+    tokens, mask = batch()
+    ours = engine_logits(case.cfg, case.params, tokens, mask)
+    ref = hf_logits(case.hf_model, tokens, mask)
+    valid = mask.astype(bool)
+    delta = float(np.abs(ours - ref)[valid].max())
+    print(f"\n{case.family}: max |delta logit| = {delta:.2e}")
+    assert delta <= 1e-4, f"{case.family}: max |delta logit| {delta}"
+    assert np.abs(ref[valid]).max() > 0.5  # the logits are not all ~0 (a test that can fail)
+    assert (case.out_dir / "tokenizer" / "tokenizer.json").is_file()
+
+
+def engine_greedy(cfg, params, prompt: np.ndarray, steps: int) -> np.ndarray:
+    """Greedy decoding by full recomputation over a fixed-size buffer (one compilation):
+    the not-yet-generated slots are padding (segment 0), which causal attention never sees."""
+    graphdef = graphdef_of(cfg)
+    forward = jax.jit(lambda p, t, s: apply_model(graphdef, p, t, None, s))
+    length = prompt.shape[1] + steps
+    buffer = np.zeros((prompt.shape[0], length), np.int32)
+    buffer[:, : prompt.shape[1]] = prompt
+    for n in range(prompt.shape[1], length):
+        segments = np.broadcast_to((np.arange(length) < n).astype(np.int32), buffer.shape)
+        logits = forward(params, buffer, segments)
+        buffer[:, n] = np.asarray(jnp.argmax(logits[:, n - 1], axis=-1))
+    return buffer[:, prompt.shape[1]:]
+
+
+def test_greedy_generation_of_16_tokens_is_identical(case):
+    prompt = np.random.default_rng(2).integers(0, VOCAB, (2, 7))
+    case.hf_model.generation_config.eos_token_id = None  # no early stop, no eos suppression
+    with torch.no_grad():
+        out = case.hf_model.generate(
+            torch.tensor(prompt), attention_mask=torch.ones_like(torch.tensor(prompt)), max_new_tokens=16,
+            do_sample=False, pad_token_id=0,
+        )
+    assert out.shape[1] == prompt.shape[1] + 16
+    ref = out[:, prompt.shape[1]:].numpy()
+    ours = engine_greedy(case.cfg, case.params, prompt, 16)
+    np.testing.assert_array_equal(ours, ref)
+
+
+def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
+    result = export_hf(case.out_dir / "checkpoint", tmp_path / "export")
+    out = tmp_path / "export"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"model-00001-of-00001.safetensors"}
+    assert (out / "generation_config.json").is_file() and (out / "tokenizer.json").is_file()
+    assert result["architecture"] == case.hf_model.config.architectures[0]
+
+    records = io.StringIO()
+    handler = logging.StreamHandler(records)
+    hf_logger = logging.getLogger("transformers")
+    hf_logger.addHandler(handler)
+    try:
+        reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+            out, output_loading_info=True, attn_implementation="eager")
+    finally:
+        hf_logger.removeHandler(handler)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert "were not initialized" not in records.getvalue() and "not used" not in records.getvalue()
+    assert type(reloaded) is type(case.hf_model)
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    np.testing.assert_array_equal(hf_logits(reloaded.eval(), tokens, mask)[valid],
+                                  hf_logits(case.hf_model, tokens, mask)[valid])
+
+
+def test_export_then_convert_is_bitwise_identical(case, tmp_path):
+    export_hf(case.out_dir / "checkpoint", tmp_path / "export")
+    convert_hf(tmp_path / "export", tmp_path / "again")
+    cfg, params, _ = load_params(tmp_path / "again" / "checkpoint")
+    assert cfg == case.cfg
+    flat_a, tree_a = jax.tree.flatten(case.params)
+    flat_b, tree_b = jax.tree.flatten(params)
+    assert tree_a == tree_b
+    for a, b in zip(flat_a, flat_b):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
