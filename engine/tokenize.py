@@ -23,6 +23,7 @@ document split into pieces keeps all of them on one side.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import math
@@ -324,8 +325,7 @@ def _encode_task(task: tuple[int, list[dict]]) -> dict:
     global _ENCODER
     if _ENCODER is None:
         _ENCODER = _Encoder(_SETTINGS)
-    index, parts = task
-    return _ENCODER.run(index, [Part(**p) for p in parts])
+    return _ENCODER.run(*_task_args(task))
 
 
 # --------------------------------------------------------------------------- the stage
@@ -506,20 +506,38 @@ def run_tokenize(cfg: TokenizeConfig, out_dir: str | Path, *, log: Callable[[str
 
 
 def _run_tasks(todo: list, settings: dict, workers: int, total: int, done: int, log: Callable) -> None:
+    """Run the tasks on `workers` processes, this one included: it starts encoding at once
+    while the others spawn (spawn, not fork: this process may run JAX or tokenizers threads)."""
     if not todo:
         return
     progress = _Progress(total, done, log)
-    if workers == 1:  # in this process: no start-up cost, plain tracebacks
-        encoder = _Encoder(settings)
-        for index, parts in todo:
-            progress.update(encoder.run(index, [Part(**p) for p in parts]))
+    encoder = _Encoder(settings)
+    queue = collections.deque(todo)
+    if workers == 1:
+        while queue:
+            progress.update(encoder.run(*_task_args(queue.popleft())))
         return
+    helpers = workers - 1
     threads = max(1, (os.cpu_count() or 1) // workers)
-    # spawn, not fork: the parent may have started JAX or tokenizers threads.
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(workers, initializer=_init_worker, initargs=(settings, threads)) as pool:
-        for record in pool.imap_unordered(_encode_task, todo):
-            progress.update(record)
+    with multiprocessing.get_context("spawn").Pool(helpers, initializer=_init_worker,
+                                                   initargs=(settings, threads)) as pool:
+        running: list = []
+        while queue or running:
+            # Two tasks per helper in flight, so none idles while this process encodes.
+            while queue and len(running) < 2 * helpers:
+                running.append(pool.apply_async(_encode_task, (queue.popleft(),)))
+            for result in [r for r in running if r.ready()]:
+                running.remove(result)
+                progress.update(result.get())  # re-raises a worker's error here
+            if queue:
+                progress.update(encoder.run(*_task_args(queue.pop())))
+            elif running:
+                running[0].wait(0.05)
+
+
+def _task_args(task: tuple[int, list[dict]]) -> tuple[int, list[Part]]:
+    index, parts = task
+    return index, [Part(**p) for p in parts]
 
 
 class _Progress:
