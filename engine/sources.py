@@ -509,7 +509,7 @@ def _decoder(tokenizer_path: str):
 @lru_cache(maxsize=8)
 def _framing_ids(dataset_dir: str) -> tuple[int | None, int | None]:
     meta = json.loads((Path(dataset_dir) / "meta.json").read_text())
-    return meta.get("bos_id"), meta.get("eos_id")
+    return meta.get("bos_id") if meta.get("add_bos", True) else None, meta.get("eos_id")
 
 
 def _token_documents(path: str, tokenizer_path: str) -> Iterator[tuple[int, Any]]:

@@ -339,10 +339,12 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _tokenizer_digest(path: str | None) -> str | None:
+    """A loaded tokenizer's files (not a model directory's weights beside them)."""
     if not path:
         return None
     root = Path(os.path.expanduser(path))
-    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+    names = ("tokenizer", "special_tokens_map", "chat_template", "added_tokens", "vocab", "merges")
+    files = sorted(p for p in root.iterdir() if p.is_file() and p.name.startswith(names)) if root.is_dir() else [root]
     digest = hashlib.sha256()
     for file in files:
         if file.exists():
@@ -398,7 +400,7 @@ def _prepare_tokenizer(cfg: TokenizeConfig, parts: list[Part], out: Path, work: 
     staged, final = work / "tokenizer", out / "tokenizer"
     if (staged / "tokenizer.json").is_file():
         return load_saved(staged), staged
-    if (final / "tokenizer.json").is_file():  # killed while finishing: already moved
+    if (final / "tokenizer.json").is_file():  # resuming a run killed while finishing
         return load_saved(final), final
     if cfg.tokenizer.path:
         log(f"tokenize: loading tokenizer {cfg.tokenizer.path}")
@@ -442,6 +444,9 @@ def run_tokenize(cfg: TokenizeConfig, out_dir: str | Path, *, log: Callable[[str
         if json.loads(state.read_text()).get("fingerprint") != key:
             raise ConfigError(f"{out} holds an unfinished run of another config or of input files "
                               f"that have changed since; delete {work} or choose another out_dir")
+    elif data_dir.exists() or (out / "tokenizer").exists():
+        raise ConfigError(f"{out} already has a data/ or tokenizer/ this stage did not write; "
+                          "choose another out_dir")
     else:
         _write_json(state, {"fingerprint": key, "tasks": len(tasks)})
 
@@ -488,8 +493,9 @@ def run_tokenize(cfg: TokenizeConfig, out_dir: str | Path, *, log: Callable[[str
     report = _report(stats, cfg)
     write_meta(data_dir, {
         "vocab_size": bundle.vocab_size,
-        "bos_id": bundle.bos_id if cfg.add_bos else None,
+        "bos_id": bundle.bos_id,
         "eos_id": bundle.eos_id,
+        "add_bos": cfg.add_bos and bundle.bos_id is not None,  # records start with bos_id
         "pad_id": bundle.pad_id,
         "splits": meta_splits,
         "tokenizer": "../tokenizer",

@@ -60,8 +60,8 @@ def documents(out: Path, split: str | None = None) -> list[str]:
     for name in [split] if split else ["train", "validation"]:
         for record in records(out, name):
             assert record[-1] == meta["eos_id"]
-            body = record[1:-1] if meta["bos_id"] is not None else record[:-1]
-            if meta["bos_id"] is not None:
+            body = record[1:-1] if meta["add_bos"] else record[:-1]
+            if meta["add_bos"]:
                 assert record[0] == meta["bos_id"]
             texts.append(tok.decode(body.tolist(), skip_special_tokens=False))
     return texts
@@ -243,3 +243,15 @@ def test_cli_reports_a_user_error_in_one_line(tmp_path):
                              "validation_fraktion=0.1"], cwd=REPO, capture_output=True, text=True)
     assert result.returncode != 0 and "did you mean 'validation_fraction'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_shipped_tokenize_configs_validate_and_find_their_files():
+    from engine.sources import plan_source
+
+    configs = sorted((REPO / "configs" / "tokenize").glob("*.yaml"))
+    assert configs
+    for path in configs:
+        cfg = load_config(path, schema=TokenizeConfig)
+        for index, source in enumerate(cfg.sources):
+            parts = plan_source(index, source, 64 << 20)
+            assert parts and not any("site-packages" in p.path for p in parts), path
