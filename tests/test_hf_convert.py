@@ -1,0 +1,166 @@
+"""Conversion mechanics: restore on other meshes, bfloat16, sharded inputs, the CLI, and
+bad input (unsupported architecture, missing / mis-shaped tensors, config-weights mismatch)
+rejected with a message naming the architecture or tensor."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from engine.checkpoint import load_params  # noqa: E402
+from engine.config import ConfigError, MeshConfig  # noqa: E402
+from engine.hf import convert_hf, export_hf, main, model_config_to_hf  # noqa: E402
+from engine.safetensors_io import SafetensorsFile, write_safetensors  # noqa: E402
+from engine.sharding import make_mesh  # noqa: E402
+from engine.train import abstract_model_params, apply_model, graphdef_of  # noqa: E402
+
+# Sizes that divide fsdp=8 and tensor=4, so the restore is really sharded.
+DIVISIBLE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=8, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**DIVISIBLE)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    out = tmp_path_factory.mktemp("llama") / "hf"
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(llama_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("converted")
+    convert_hf(llama_dir, out)
+    return out / "checkpoint"
+
+
+@pytest.mark.parametrize("mesh", [{"data": 1, "fsdp": 8, "tensor": 1}, {"data": 2, "fsdp": 1, "tensor": 4}])
+def test_a_converted_checkpoint_restores_onto_any_mesh(converted, mesh):
+    cfg, reference, _ = load_params(converted)
+    device_mesh = make_mesh(MeshConfig(**mesh))
+    _, params, _ = load_params(converted, abstract_model_params(cfg, device_mesh))
+    wq = params["blocks"]["attn"]["wq_dnh"]  # (layers, embed, heads, head_dim)
+    assert wq.sharding.spec == P(None, "fsdp", "tensor", None)
+    assert wq.addressable_shards[0].data.shape == (2, 32 // mesh["fsdp"], 8 // mesh["tensor"], 8)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 9)))
+    graphdef = graphdef_of(cfg)
+    np.testing.assert_allclose(np.asarray(apply_model(graphdef, params, tokens)),
+                               np.asarray(apply_model(graphdef, reference, tokens)), atol=1e-5)
+
+
+def test_bfloat16_conversion_rounds_once_and_round_trips_bitwise(llama_dir, converted, tmp_path):
+    convert_hf(llama_dir, tmp_path / "bf16", dtype="bfloat16")
+    cfg, params, _ = load_params(tmp_path / "bf16" / "checkpoint")
+    assert cfg.param_dtype == "bfloat16" and cfg.dtype == "bfloat16"
+    _, f32, _ = load_params(converted)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(f32)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b).astype(ml_dtypes.bfloat16))
+    # A small shard limit: several shards and an index, read back through the index.
+    result = export_hf(tmp_path / "bf16" / "checkpoint", tmp_path / "export", max_shard_bytes=20_000)
+    assert result["shards"] > 2
+    with SafetensorsFile(tmp_path / "export" / "model-00001-of-{:05d}.safetensors".format(result["shards"])) as st:
+        assert {str(st.dtype(n)) for n in st.names()} == {"bfloat16"}
+    convert_hf(tmp_path / "export", tmp_path / "again")  # dtype None keeps bfloat16
+    _, again, _ = load_params(tmp_path / "again" / "checkpoint")
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert reloaded.dtype == torch.bfloat16
+
+
+def test_cli_convert_and_export(llama_dir, tmp_path, capsys):
+    assert main(["convert", str(llama_dir), str(tmp_path / "c")]) == 0
+    result = json.loads(capsys.readouterr().out)["result"]
+    assert result["architecture"] == "LlamaForCausalLM" and result["source"]["weights"]
+    assert main(["export", str(tmp_path / "c" / "checkpoint"), str(tmp_path / "e")]) == 0
+    assert (tmp_path / "e" / "config.json").is_file()
+    assert main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def edited_copy(src: Path, dst: Path, config_edit=None, drop: str | None = None, replace: dict | None = None) -> Path:
+    shutil.copytree(src, dst)
+    if config_edit:
+        config = json.loads((dst / "config.json").read_text())
+        config_edit(config)
+        (dst / "config.json").write_text(json.dumps(config))
+    if drop or replace:
+        path = dst / "model.safetensors"
+        with SafetensorsFile(path) as st:
+            tensors = {n: np.array(st.get(n)) for n in st.names() if n != drop}
+        tensors.update(replace or {})
+        write_safetensors(path, list(tensors.items()), metadata={"format": "pt"})
+    return dst
+
+
+def convert_error(hf_dir: Path, tmp_path: Path) -> str:
+    with pytest.raises(ConfigError) as err:
+        convert_hf(hf_dir, tmp_path / "out")
+    return str(err.value)
+
+
+def test_unsupported_architecture_is_named(llama_dir, tmp_path):
+    def to_gpt2(c):
+        c.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+
+    message = convert_error(edited_copy(llama_dir, tmp_path / "m", to_gpt2), tmp_path)
+    assert "unsupported architecture 'GPT2LMHeadModel'" in message and "LlamaForCausalLM" in message
+
+
+def test_unsupported_rope_type_is_named(llama_dir, tmp_path):
+    def yarn(c):
+        c.pop("rope_parameters", None)
+        c["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+
+    assert "RoPE type 'yarn'" in convert_error(edited_copy(llama_dir, tmp_path / "m", yarn), tmp_path)
+
+
+def test_a_missing_tensor_is_named(llama_dir, tmp_path):
+    hf_dir = edited_copy(llama_dir, tmp_path / "m", drop="model.layers.1.mlp.up_proj.weight")
+    message = convert_error(hf_dir, tmp_path)
+    assert "'model.layers.1.mlp.up_proj.weight'" in message and "missing" in message
+
+
+def test_a_mis_shaped_tensor_is_named(llama_dir, tmp_path):
+    bad = {"model.layers.0.self_attn.k_proj.weight": np.zeros((24, 32), np.float32)}
+    message = convert_error(edited_copy(llama_dir, tmp_path / "m", replace=bad), tmp_path)
+    assert "'model.layers.0.self_attn.k_proj.weight' has shape [24, 32]" in message and "[32, 32]" in message
+
+
+def test_config_and_weights_that_disagree_are_named(llama_dir, tmp_path):
+    def fewer_layers(c):
+        c["num_hidden_layers"] = 1
+
+    message = convert_error(edited_copy(llama_dir, tmp_path / "a", fewer_layers), tmp_path)
+    assert "unexpected tensor 'model.layers.1." in message and "LlamaForCausalLM" in message
+
+    def tied(c):
+        c["tie_word_embeddings"] = True  # but lm_head.weight is its own matrix
+
+    message = convert_error(edited_copy(llama_dir, tmp_path / "b", tied), tmp_path)
+    assert "'lm_head.weight' differs from 'model.embed_tokens.weight'" in message
+
+
+def test_export_refuses_a_config_its_family_cannot_express(converted):
+    cfg, _, _ = load_params(converted)
+    with pytest.raises(ConfigError, match=r"model.qk_norm=True cannot be expressed as a Hugging Face LlamaForCausalLM"):
+        model_config_to_hf(cfg.model_copy(update={"qk_norm": True}))
