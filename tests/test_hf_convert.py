@@ -164,3 +164,24 @@ def test_export_refuses_a_config_its_family_cannot_express(converted):
     cfg, _, _ = load_params(converted)
     with pytest.raises(ConfigError, match=r"model.qk_norm=True cannot be expressed as a Hugging Face LlamaForCausalLM"):
         model_config_to_hf(cfg.model_copy(update={"qk_norm": True}))
+
+
+# --------------------------------------------------------------------------- presets
+
+PUBLISHED_BILLIONS = {  # parameter counts of the released models
+    "llama2-7b": 6.74, "llama3.1-8b": 8.03, "llama3.2-3b": 3.21, "mistral-7b": 7.24, "qwen2.5-0.5b": 0.49,
+    "qwen2.5-7b": 7.62, "qwen3-0.6b": 0.60, "qwen3-8b": 8.19, "gemma-2b": 2.51, "gemma2-2b": 2.61, "gemma3-1b": 1.00,
+}
+
+
+def test_every_model_preset_is_the_transformers_model_with_the_same_parameters():
+    from engine.config import CONFIG_ROOT, load_config
+
+    for path in sorted((CONFIG_ROOT / "models").glob("*.yaml")):
+        cfg = load_config(tree={"model": path.stem}).model
+        hf_config = transformers.AutoConfig.for_model(**model_config_to_hf(cfg))
+        with torch.device("meta"):  # shapes only, no memory
+            model = transformers.AutoModelForCausalLM.from_config(hf_config)
+        assert sum(p.numel() for p in model.parameters()) == cfg.num_params(), path.name
+        if path.stem in PUBLISHED_BILLIONS:
+            assert round(cfg.num_params() / 1e9, 2) == PUBLISHED_BILLIONS[path.stem], path.name
