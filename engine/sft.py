@@ -1,0 +1,395 @@
+"""Supervised fine-tuning: chat or prompt/completion examples, loss on the answer tokens.
+
+Data is JSONL, one example per line, in either of TRL's formats:
+
+    {"prompt": "2+2=", "completion": " 4"}                       prompt/completion (text)
+    {"prompt": [{"role": "user", ...}], "completion": [{"role": "assistant", ...}]}
+    {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}
+
+Text is framed as in pretraining (the tokenizer's bos, if it adds one) with the eos token
+appended to the completion; conversations are rendered with the tokenizer's chat template,
+or engine/chat.py's default when it has none. `loss_on: completion` puts the loss on the
+completion / the assistant turns only (TRL's completion_only_loss / assistant_only_loss);
+`all` on every token.
+
+Examples are packed into rows with segment ids (attention never crosses an example, so a
+packed batch gives the loss the same examples give unpacked), and the rest is the
+pretraining engine: engine.train.Trainer and train_loop (checkpoints, resume, metrics,
+SIGTERM). Training starts from the params of `checkpoint.init_from` with a fresh optimizer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from engine.config import (CheckpointConfig, ConfigError, MeshConfig, ModelConfig, OptimizerConfig, ScheduleConfig,
+                           Strict, TrainConfig, load_config)
+
+# --------------------------------------------------------------------------- config
+
+
+class SFTDataConfig(Strict):
+    """Where the examples come from and how they become rows."""
+
+    path: str | None = None
+    """A JSONL file, or a directory whose *.jsonl files are read in name order; required."""
+    format: Literal["auto", "prompt_completion", "messages"] = "auto"
+    """auto: a record with `messages` is a conversation, otherwise prompt/completion."""
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    messages_field: str = "messages"
+    loss_on: Literal["completion", "all"] = "completion"
+    """completion: loss only on completion tokens / assistant turns (TRL: completion_only_loss
+    and assistant_only_loss); all: on every token of the example."""
+    eval_path: str | None = None
+    """Held-out examples (same format). None: the last `eval_fraction` of `path`."""
+    eval_fraction: float = Field(0.0, ge=0, lt=1)
+    eval_batches: int = Field(0, ge=0)
+    """Batches of held-out rows per evaluation (0 = all of them)."""
+    seq_len: int = Field(512, gt=1)
+    """Row length in tokens; a longer example is truncated (its start kept)."""
+    batch_size: int = Field(8, gt=0)
+    """Rows per optimizer step."""
+    packing: bool = True
+    """Several examples per row, kept apart by segment ids; False: one example per row."""
+    shuffle: bool = True
+    seed: int = 0
+
+
+class SFTConfig(Strict):
+    """One SFT run: the pretraining engine's sections plus SFT data."""
+
+    model: ModelConfig | None = None
+    """None: the architecture stored with checkpoint.init_from. If given it must describe the
+    same architecture (remat, scan_layers and dtype may differ)."""
+    tokenizer: str | None = None
+    """Tokenizer directory. None: `tokenizer/` next to checkpoint.init_from (a checkpoint artifact)."""
+    mesh: MeshConfig = MeshConfig()
+    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=2e-5, weight_decay=0.0)
+    schedule: ScheduleConfig = ScheduleConfig()
+    data: SFTDataConfig = SFTDataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """checkpoint.init_from (the model to fine-tune) and checkpoint.directory are required."""
+    steps: int = Field(100, gt=0)
+    grad_accum: int = Field(1, gt=0)
+    seed: int = 0
+    log_every: int = Field(10, gt=0)
+    eval_every: int = Field(0, ge=0)
+    """Steps between held-out evaluations (0 = only at the end)."""
+    metrics_dir: str | None = None
+    progress: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> "SFTConfig":
+        if self.data.batch_size % self.grad_accum:
+            raise ValueError(f"data.batch_size ({self.data.batch_size}) must be divisible by grad_accum ({self.grad_accum})")
+        return self
+
+
+def train_config(cfg: SFTConfig, model_cfg: ModelConfig) -> TrainConfig:
+    """The pretraining engine's view of an SFT run."""
+    tree = cfg.model_dump(exclude={"tokenizer", "data"})
+    tree["model"] = model_cfg.model_dump()
+    tree["data"] = {"seq_len": cfg.data.seq_len, "batch_size": cfg.data.batch_size, "seed": cfg.data.seed,
+                    "shuffle": cfg.data.shuffle, "packing": cfg.data.packing}
+    try:
+        return TrainConfig.model_validate(tree)
+    except ValueError as e:
+        raise ConfigError(f"sft: {e}") from None
+
+
+# --------------------------------------------------------------------------- examples
+
+
+@dataclass
+class Example:
+    ids: np.ndarray  # (n,) int32: the whole example, special tokens included
+    loss: np.ndarray  # (n,) float32: 1 where token i is a target the loss counts
+
+
+def read_jsonl(path: str | Path) -> list[tuple[str, dict]]:
+    """[(\"file:line\", record)] of a JSONL file or of a directory's *.jsonl files."""
+    path = Path(path)
+    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise ConfigError(f"data: no JSONL examples at {path}")
+    records = []
+    for file in files:
+        for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{file}:{number}: not valid JSON: {e}") from None
+            if not isinstance(record, dict):
+                raise ConfigError(f"{file}:{number}: expected a JSON object")
+            records.append((f"{file}:{number}", record))
+    return records
+
+
+def _mask_from_offsets(offsets, spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for tokens that start inside one of the character spans."""
+    starts = np.array([start for start, _ in offsets])
+    mask = np.zeros(len(offsets), np.float32)
+    for lo, hi in spans:
+        mask[(starts >= lo) & (starts < hi)] = 1.0
+    return mask
+
+
+def tokenize_example(record: dict, where: str, bundle, data: SFTDataConfig) -> Example:
+    from engine.chat import assistant_spans, render
+
+    kind = data.format
+    if kind == "auto":
+        kind = "messages" if data.messages_field in record else "prompt_completion"
+    fields = [data.messages_field] if kind == "messages" else [data.prompt_field, data.completion_field]
+    for field in fields:
+        if field not in record:
+            raise ConfigError(f"{where}: no '{field}' key (the record has: {', '.join(record) or 'nothing'})")
+    try:
+        if kind == "messages":
+            text, spans = assistant_spans(bundle, record[data.messages_field])
+            encoding = bundle.tokenizer.encode(text, add_special_tokens=False)
+            loss = _mask_from_offsets(encoding.offsets, spans)
+            ids = list(encoding.ids)
+        else:
+            prompt, completion = record[data.prompt_field], record[data.completion_field]
+            if isinstance(prompt, list) != isinstance(completion, list):
+                raise ConfigError("prompt and completion must both be text or both be message lists")
+            if isinstance(prompt, list):  # conversational prompt/completion
+                before = render(bundle, prompt, add_generation_prompt=True)
+                text = render(bundle, prompt + completion)
+                if not text.startswith(before):
+                    raise ConfigError("the chat template does not render the prompt as a prefix of the conversation")
+                encoding = bundle.tokenizer.encode(text, add_special_tokens=False)
+                ids, loss = list(encoding.ids), _mask_from_offsets(encoding.offsets, [(len(before), len(text))])
+            else:
+                if not isinstance(prompt, str) or not isinstance(completion, str):
+                    raise ConfigError("prompt and completion must be strings or message lists")
+                encoding = bundle.tokenizer.encode(prompt + completion, add_special_tokens=True)
+                # Specials the post-processor adds (bos) have offset (0, 0): they count as prompt.
+                starts = np.array([s if not special else -1
+                                   for (s, _), special in zip(encoding.offsets, encoding.special_tokens_mask)])
+                ids = list(encoding.ids) + [bundle.eos_id]
+                loss = np.append((starts >= len(prompt)).astype(np.float32), 1.0)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if data.loss_on == "all":
+        loss = np.ones(len(ids), np.float32)
+    loss = np.asarray(loss, np.float32)
+    loss[0] = 0.0  # the first token is never a target
+    return Example(np.asarray(ids, np.int32), loss)
+
+
+def load_examples(data: SFTDataConfig, bundle) -> tuple[list[Example], list[Example]]:
+    """(train, held-out) examples, tokenized."""
+    if not data.path:
+        raise ConfigError("data.path is required: a JSONL file of SFT examples")
+    records = read_jsonl(data.path)
+    examples = [tokenize_example(r, where, bundle, data) for where, r in records]
+    if data.eval_path:
+        held_out = [tokenize_example(r, where, bundle, data) for where, r in read_jsonl(data.eval_path)]
+    else:
+        n_eval = int(round(len(examples) * data.eval_fraction))
+        examples, held_out = examples[: len(examples) - n_eval], examples[len(examples) - n_eval:]
+    if not examples:
+        raise ConfigError(f"data.path: {data.path} has no training examples")
+    if not any(e.loss[1:].any() for e in examples):
+        raise ConfigError(f"data.path: no example of {data.path} has a token to train on (empty completions?)")
+    return examples, held_out
+
+
+# --------------------------------------------------------------------------- rows and batches
+
+
+def pack_rows(examples: list[Example], seq_len: int, packing: bool) -> dict[str, np.ndarray]:
+    """Examples -> rows of tokens, targets, positions, segment_ids, loss_mask (rows, seq_len).
+
+    Packing fills a row with whole examples in order (first fit, no splitting); an example
+    longer than the row is truncated to it.
+    """
+    rows: list[list[Example]] = []
+    used = seq_len
+    for example in examples:
+        n = min(len(example.ids) - 1, seq_len)  # an example of n + 1 tokens has n targets
+        if n <= 0:
+            continue
+        if not packing or used + n > seq_len:
+            rows.append([])
+            used = 0
+        rows[-1].append(example)
+        used += n
+    out = {key: np.zeros((len(rows), seq_len), np.int32) for key in ("tokens", "targets", "positions", "segment_ids")}
+    out["loss_mask"] = np.zeros((len(rows), seq_len), np.float32)
+    for r, row in enumerate(rows):
+        at = 0
+        for segment, example in enumerate(row, 1):
+            n = min(len(example.ids) - 1, seq_len)
+            out["tokens"][r, at:at + n] = example.ids[:n]
+            out["targets"][r, at:at + n] = example.ids[1:n + 1]
+            out["positions"][r, at:at + n] = np.arange(n)
+            out["segment_ids"][r, at:at + n] = segment
+            out["loss_mask"][r, at:at + n] = example.loss[1:n + 1]
+            at += n
+    return out
+
+
+class SFTBatches:
+    """Endless batches over epochs, reshuffled each epoch; its state is (epoch, row).
+
+    Every process packs the same rows and takes its share of each batch.
+    """
+
+    def __init__(self, examples: list[Example], *, seq_len: int, batch_size: int, packing: bool, shuffle: bool,
+                 seed: int, process_index: int = 0, process_count: int = 1):
+        self.examples, self.seq_len, self.batch_size = examples, seq_len, batch_size
+        self.packing, self.shuffle, self.seed = packing, shuffle, seed
+        self.process_index, self.process_count = process_index, process_count
+        self.epoch, self.row = 0, 0
+        self._rows: dict[str, np.ndarray] | None = None
+
+    def _epoch_rows(self) -> dict[str, np.ndarray]:
+        if self._rows is None:
+            order = np.arange(len(self.examples))
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, self.epoch]).permutation(order)
+            self._rows = pack_rows([self.examples[i] for i in order], self.seq_len, self.packing)
+        return self._rows
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        pieces = []
+        needed = self.batch_size
+        while needed:
+            rows = self._epoch_rows()
+            take = min(needed, len(rows["tokens"]) - self.row)
+            pieces.append({k: v[self.row:self.row + take] for k, v in rows.items()})
+            self.row += take
+            needed -= take
+            if self.row == len(rows["tokens"]):
+                self.epoch, self.row, self._rows = self.epoch + 1, 0, None
+        batch = {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
+        return {k: v[self.process_index::self.process_count] for k, v in batch.items()}
+
+    def get_state(self) -> dict:
+        return {"epoch": self.epoch, "row": self.row}
+
+    def set_state(self, state: dict) -> None:
+        self.epoch, self.row, self._rows = int(state["epoch"]), int(state["row"]), None
+
+
+def eval_batches(examples: list[Example], *, seq_len: int, rows_per_batch: int, packing: bool):
+    """Held-out rows in order, the last batch filled with empty rows (which carry no loss)."""
+    rows = pack_rows(examples, seq_len, packing)
+    n = len(rows["tokens"])
+    padded = math.ceil(n / rows_per_batch) * rows_per_batch
+    rows = {k: np.concatenate([v, np.zeros((padded - n, *v.shape[1:]), v.dtype)]) for k, v in rows.items()}
+    for start in range(0, padded, rows_per_batch):
+        yield {k: v[start:start + rows_per_batch] for k, v in rows.items()}
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def resolve_model(cfg: SFTConfig) -> ModelConfig:
+    from engine.checkpoint import read_meta
+
+    if not cfg.checkpoint.init_from:
+        raise ConfigError("checkpoint.init_from is required: the checkpoint to fine-tune")
+    _, meta = read_meta(cfg.checkpoint.init_from)
+    stored = ModelConfig.model_validate(meta["model"])
+    if cfg.model is None:
+        return stored
+    keep = {"remat", "scan_layers", "dtype"}
+    if cfg.model.model_dump(exclude=keep) != stored.model_dump(exclude=keep):
+        raise ConfigError(f"model: differs from the architecture in {cfg.checkpoint.init_from}; omit `model`")
+    return cfg.model
+
+
+def tokenizer_dir(cfg: SFTConfig) -> Path:
+    path = Path(cfg.tokenizer) if cfg.tokenizer else Path(cfg.checkpoint.init_from).parent / "tokenizer"
+    if not path.is_dir():
+        raise ConfigError(f"tokenizer: no tokenizer directory at {path}; set `tokenizer`")
+    return path
+
+
+def run_sft(cfg: SFTConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Fine-tune `checkpoint.init_from` for `cfg.steps` steps (resuming if checkpoints exist)."""
+    import jax
+
+    from engine.tokenizer import load_saved
+    from engine.train import Trainer, train_loop
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if not cfg.checkpoint.directory:
+        raise ConfigError("checkpoint.directory is required")
+    model_cfg = resolve_model(cfg)
+    bundle = load_saved(tokenizer_dir(cfg))
+    if bundle.vocab_size > model_cfg.vocab_size:
+        raise ConfigError(f"the tokenizer's vocabulary ({bundle.vocab_size}) is larger than the model's "
+                          f"({model_cfg.vocab_size})")
+    train_examples, held_out = load_examples(cfg.data, bundle)
+    log(f"sft: {len(train_examples)} training and {len(held_out)} held-out examples")
+    tcfg = train_config(cfg, model_cfg)
+    trainer = Trainer(tcfg)
+    batches = SFTBatches(train_examples, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
+                         packing=cfg.data.packing, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
+                         process_index=jax.process_index(), process_count=jax.process_count())
+    evaluate = None
+    if held_out:
+        def evaluate(params) -> dict[str, float]:
+            nll, tokens = 0.0, 0.0
+            rows = cfg.data.batch_size // cfg.grad_accum
+            for i, batch in enumerate(eval_batches(held_out, seq_len=cfg.data.seq_len, rows_per_batch=rows,
+                                                   packing=cfg.data.packing)):
+                if cfg.data.eval_batches and i == cfg.data.eval_batches:
+                    break
+                local = {k: v[jax.process_index()::jax.process_count()] for k, v in batch.items()}
+                aux = trainer.eval_step(params, trainer.global_batch(local))
+                nll, tokens = nll + float(aux["nll_sum"]), tokens + float(aux["tokens"])
+            loss = nll / max(tokens, 1.0)
+            return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": tokens}
+
+    result = train_loop(tcfg, trainer, batches, evaluate, log,
+                        extra_meta={"stage": "sft", "sft_config": cfg.model_dump(mode="json")})
+    result.update({"train_examples": len(train_examples), "eval_examples": len(held_out)})
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.train import Preempted, TrainingError, maybe_initialize_distributed
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m engine.sft CONFIG.yaml [key=value ...]", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(argv[0], argv[1:], schema=SFTConfig)
+        maybe_initialize_distributed()
+        result = run_sft(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except TrainingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Preempted as e:
+        print(str(e), file=sys.stderr)
+        return 143
+    print(json.dumps({"result": result}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
