@@ -375,8 +375,17 @@ def _source_dtype(files: list[Path]) -> str:
     return "bfloat16" if dtypes == {np.dtype(ml_dtypes.bfloat16)} else "float32"
 
 
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def source_fingerprint(hf_dir: str | Path) -> dict[str, Any]:
+    """What a conversion depends on, cheaply: sha256 of the small JSON files, size and
+    modification time of the weights and tokenizer files (hashing GBs would take minutes)."""
+    hf_dir = Path(hf_dir)
+    out: dict[str, Any] = {}
+    for path in sorted(hf_dir.iterdir()):
+        if path.suffix == ".json" and path.stat().st_size < 10**7:
+            out[path.name] = hashlib.sha256(path.read_bytes()).hexdigest()
+        elif path.suffix == ".safetensors" or path.name in TOKENIZER_FILES:
+            out[path.name] = [path.stat().st_size, path.stat().st_mtime_ns]
+    return out
 
 
 def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None,
@@ -468,10 +477,7 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
             "token_ids": {k: hf_config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
             "generation_config": json.loads(generation.read_text()) if generation.is_file() else None,
         },
-        "source": {
-            "kind": "huggingface", "path": str(hf_dir.absolute()), "config_sha256": _digest(config_path),
-            "weights": {p.name: p.stat().st_size for p in files},
-        },
+        "source": {"kind": "huggingface", "path": str(hf_dir.absolute()), "files": source_fingerprint(hf_dir)},
     }
     from engine.checkpoint import Checkpointer
 

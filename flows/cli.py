@@ -6,6 +6,8 @@
     trainflow verify PATH|ID [--store DIR]                      re-hash an artifact (exit 1 on mismatch)
     trainflow ls [--store DIR] [--json]                         artifacts in a store
     trainflow serve PIPELINE.yaml --cron "0 3 * * *"            a scheduled Prefect deployment
+    trainflow convert HF_DIR [--store DIR] [--dtype bfloat16]   a Hugging Face model -> checkpoint artifact
+    trainflow export PATH|ID [--store DIR] [--out DIR]          a checkpoint artifact -> Hugging Face model
 
 Overrides: `pretrain.steps=200` sets stages.pretrain.config.steps; other keys start at the
 top of the pipeline (`store=/data/artifacts`, `stages.pretrain.retries=3`).
@@ -123,6 +125,48 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _run_one_stage(task: str, config: dict, inputs: dict, store: ArtifactStore):
+    """Run a single stage outside a pipeline (no Prefect), with the usual skip, manifest and lineage."""
+    from tasks.artifacts import artifact_id
+    from tasks.launch import StageFailed
+    from tasks.registry import StageHooks, get_stage_kind
+    from tasks.runner import StageJob, execute_stage
+
+    kind = get_stage_kind(task)
+    cfg = kind.resolve_config(dict(config), f"trainflow {task}")
+    ids = {name: aid for name, (_, aid) in inputs.items()}
+    job = StageJob(stage=task, kind=kind, config=cfg, config_as_written=config, inputs=inputs,
+                   artifact_id=artifact_id(kind.task, kind.version, kind.fingerprint(cfg), ids), pipeline=task)
+    try:
+        result = execute_stage(job, store, StageHooks(log=lambda m: print(m, file=sys.stderr, flush=True)))
+    except StageFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    print(json.dumps({"stage": task, "status": result.status, "artifact_id": result.artifact_id,
+                      "path": str(result.path), "metrics": result.metrics}))
+    return result
+
+
+def cmd_convert(args) -> int:
+    config = {"source": args.hf_dir, **({"dtype": args.dtype} if args.dtype else {})}
+    return 0 if _run_one_stage("convert", config, {}, ArtifactStore(_store_arg(args))) else 1
+
+
+def cmd_export(args) -> int:
+    directory = resolve_artifact(args.artifact, _store_arg(args))
+    manifest = json.loads((directory / "artifact.json").read_text())
+    store = ArtifactStore(directory.parent.parent)  # the export lands beside its input
+    config = {"max_shard_gb": args.max_shard_gb, **({"step": args.step} if args.step is not None else {})}
+    result = _run_one_stage("export", config, {"checkpoint": (manifest["stage"], manifest["id"])}, store)
+    if result is None:
+        return 1
+    if args.out:
+        import shutil
+
+        shutil.copytree(result.path / "hf", args.out, dirs_exist_ok=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainflow", description="Declarative LLM training pipelines on Prefect.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -153,6 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("serve", cmd_serve, "serve the pipeline as a scheduled Prefect deployment", pipeline=True)
     p.add_argument("--cron", required=True, help='cron schedule, e.g. "0 3 * * *"')
     p.add_argument("--name", help="deployment name (default: the pipeline's name)")
+    p = add("convert", cmd_convert, "convert a Hugging Face model directory into a checkpoint artifact")
+    p.add_argument("hf_dir", help="directory with config.json and safetensors weights")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="stored dtype (default: the source's)")
+    p = add("export", cmd_export, "export a checkpoint artifact as a Hugging Face model directory", artifact=True)
+    p.add_argument("--out", help="also copy the Hugging Face directory here")
+    p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    p.add_argument("--max-shard-gb", type=float, default=5.0)
     return parser
 
 

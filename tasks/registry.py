@@ -38,6 +38,8 @@ from tasks.launch import ChildResult, LauncherSpec, run_child
 BUILTIN_STAGES: dict[str, str] = {
     "tokenize": "tasks.tokenize:TokenizeStage",
     "pretrain": "tasks.pretrain:PretrainStage",
+    "convert": "tasks.convert:ConvertStage",
+    "export": "tasks.export:ExportStage",
 }
 
 _registry: dict[str, type["StageKind"] | str] = dict(BUILTIN_STAGES)

@@ -87,7 +87,7 @@ def test_bfloat16_conversion_rounds_once_and_round_trips_bitwise(llama_dir, conv
 def test_cli_convert_and_export(llama_dir, tmp_path, capsys):
     assert main(["convert", str(llama_dir), str(tmp_path / "c")]) == 0
     result = json.loads(capsys.readouterr().out)["result"]
-    assert result["architecture"] == "LlamaForCausalLM" and result["source"]["weights"]
+    assert result["architecture"] == "LlamaForCausalLM" and "model.safetensors" in result["source"]["files"]
     assert main(["export", str(tmp_path / "c" / "checkpoint"), str(tmp_path / "e")]) == 0
     assert (tmp_path / "e" / "config.json").is_file()
     assert main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2

@@ -1,0 +1,48 @@
+"""The export stage: a checkpoint artifact in, a Hugging Face model directory out.
+
+    <out>/hf/   config.json, generation_config.json, model-0000i-of-0000n.safetensors,
+                model.safetensors.index.json and the checkpoint's tokenizer files:
+                transformers.AutoModelForCausalLM.from_pretrained("<out>/hf") loads it
+
+The engine runs in a child process (`python -m engine.hf export`). The checkpoint's model
+config must be expressible in its family's transformers class (e.g. a `llama` with
+qk_norm is not); the error names the field.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from pydantic import Field
+
+from engine.config import Strict
+from tasks.registry import Input, StageContext, StageKind
+
+
+class ExportConfig(Strict):
+    """Write a checkpoint as a Hugging Face model directory."""
+
+    step: int | None = Field(None, ge=0)
+    """Checkpoint step to export (None: the latest)."""
+    max_shard_gb: float = Field(5.0, gt=0)
+    """Largest safetensors shard, in GB (10^9 bytes)."""
+
+
+class ExportStage(StageKind):
+    task = "export"
+    output = "hf_model"
+    inputs = {"checkpoint": Input("checkpoint", doc="a checkpoint artifact (convert, pretrain, SFT, ...)")}
+    config_schema = ExportConfig
+    version = 1
+
+    def run(self, ctx: StageContext) -> dict[str, Any]:
+        source = ctx.inputs["checkpoint"].path
+        argv = [sys.executable, "-m", "engine.hf", "export", str(source / "checkpoint"), str(ctx.out_dir / "hf"),
+                "--max-shard-gb", str(ctx.config.max_shard_gb)]
+        if ctx.config.step is not None:
+            argv += ["--step", str(ctx.config.step)]
+        if (source / "tokenizer").is_dir():
+            argv += ["--tokenizer", str(source / "tokenizer")]
+        result = ctx.launch(argv).result or {}
+        return {key: result.get(key) for key in ("architecture", "step", "bytes", "shards", "seconds")}

@@ -1,0 +1,76 @@
+"""The convert and export stage kinds, through `trainflow convert` / `trainflow export`:
+artifacts with manifests and lineage, skipped when done, and wired in pipelines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from flows.cli import main  # noqa: E402
+from flows.spec import build_plan, parse_spec  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    config = transformers.Qwen3Config(vocab_size=37, hidden_size=30, intermediate_size=26, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=2, head_dim=8)
+    out = tmp_path_factory.mktemp("qwen3") / "hf"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    (out / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    return out
+
+
+def last_json(text: str) -> dict:
+    return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
+
+
+def test_convert_then_export_records_lineage_and_skips_when_done(hf_dir, tmp_path, capsys):
+    store = tmp_path / "store"
+    assert main(["convert", str(hf_dir), "--store", str(store)]) == 0
+    converted = last_json(capsys.readouterr().out)
+    assert converted["status"] == "ran" and converted["metrics"]["architecture"] == "Qwen3ForCausalLM"
+    path = Path(converted["path"])
+    manifest = json.loads((path / "artifact.json").read_text())
+    assert manifest["kind"] == "checkpoint" and manifest["status"] == "complete"
+    assert manifest["config"]["source"] == str(hf_dir.absolute())
+    assert (path / "tokenizer" / "tokenizer_config.json").is_file() and (path / "model.yaml").is_file()
+    assert any(name.startswith("checkpoint/") for name in manifest["files"])
+
+    assert main(["convert", str(hf_dir), "--store", str(store)]) == 0  # same source: nothing to do
+    assert last_json(capsys.readouterr().out)["status"] == "skipped"
+
+    assert main(["export", str(path), "--out", str(tmp_path / "hf_out")]) == 0
+    exported = last_json(capsys.readouterr().out)
+    export_manifest = json.loads((Path(exported["path"]) / "artifact.json").read_text())
+    assert export_manifest["kind"] == "hf_model"
+    assert export_manifest["parents"] == [{"input": "checkpoint", "stage": "convert", "id": converted["artifact_id"],
+                                           "kind": "checkpoint", "path": f"convert/{converted['artifact_id']}"}]
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "hf_out").model_type == "qwen3"
+    assert (tmp_path / "hf_out" / "tokenizer_config.json").is_file()
+
+
+def test_a_bad_source_is_rejected_before_anything_runs(tmp_path, capsys):
+    assert main(["convert", str(tmp_path / "missing"), "--store", str(tmp_path / "store")]) == 2
+    assert "is not a Hugging Face model directory" in capsys.readouterr().err
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
+    assert main(["convert", str(tmp_path / "gpt2"), "--store", str(tmp_path / "store")]) == 2
+    assert "unsupported architecture 'GPT2LMHeadModel'" in capsys.readouterr().err
+
+
+def test_pipelines_wire_convert_into_training_and_export(hf_dir):
+    spec = parse_spec({
+        "name": "finetune",
+        "stages": {
+            "base": {"task": "convert", "config": {"source": str(hf_dir), "dtype": "bfloat16"}},
+            "release": {"task": "export", "inputs": {"checkpoint": "base"}},
+            "wrong": {"task": "export", "inputs": {"checkpoint": "release"}},
+        },
+    }, "finetune.yaml")
+    with pytest.raises(Exception, match=r"stage 'release' \(export\) produces a hf_model, but input 'checkpoint'"):
+        build_plan(spec, "finetune.yaml")
