@@ -26,7 +26,6 @@ from pydantic import Field, model_validator
 from engine.config import ConfigError, Strict
 
 Format = Literal["text", "jsonl", "parquet", "tfrecord", "tfds", "tokens"]
-LINE_FORMATS = ("jsonl",)  # plus text with unit=line: split into byte ranges
 
 
 class SourceConfig(Strict):
@@ -94,8 +93,9 @@ class BadRecord:
 
 
 def expand_path(path: str) -> str:
+    """`{stdlib}`, `~` and `$VAR` expanded; absolute, so a fingerprint does not depend on the cwd."""
     path = path.replace("{stdlib}", sysconfig.get_paths()["stdlib"])
-    return os.path.expandvars(os.path.expanduser(path))
+    return os.path.abspath(os.path.expandvars(os.path.expanduser(path)))
 
 
 def _is_gzip(path: str) -> bool:

@@ -4,7 +4,6 @@ SentencePiece."""
 from __future__ import annotations
 
 import glob
-import json
 import sysconfig
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from test_tokenize import documents, records, run_stage, write_lines
 
 from engine.config import ConfigError
 from engine.data import read_meta
-from engine.tokenizer import TokenizerConfig, load_tokenizer, save_tokenizer, train_tokenizer
+from engine.tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer
 
 STDLIB_TEXTS = [Path(f).read_text(encoding="utf-8") for f in sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/json/*.py"))]
 
