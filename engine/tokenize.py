@@ -557,7 +557,7 @@ class _Progress:
         self.bytes += record["stats"]["bytes"]
         self.tokens += record["stats"]["text_tokens"]
         now = time.perf_counter()
-        if now - self.last >= 10 or self.done == self.total:
+        if now - self.last >= 2 or self.done == self.total:
             self.last = now
             rate = self.bytes / MB / max(now - self.started, 1e-9)
             self.log(f"tokenize: {self.done}/{self.total} shards, {self.tokens} tokens, {rate:.1f} MB/s")
