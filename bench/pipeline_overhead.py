@@ -145,12 +145,12 @@ def bench_real(root: Path, steps: int) -> dict:
     }
 
 
-def machine() -> dict:
+def machine(server: str) -> dict:
     import prefect
 
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "prefect": prefect.__version__,
-            "prefect_server": "PREFECT_API_URL" if "PREFECT_API_URL" in os.environ else "local test server (SQLite)"}
+            "prefect_server": server}
 
 
 def main() -> None:
@@ -163,6 +163,7 @@ def main() -> None:
 
     from prefect.testing.utilities import prefect_test_harness
 
+    server = "PREFECT_API_URL" if "PREFECT_API_URL" in os.environ else "local test server (SQLite)"
     root = Path(tempfile.mkdtemp(prefix="trainflow-bench-"))
     harness = nullcontext() if "PREFECT_API_URL" in os.environ else prefect_test_harness(server_startup_timeout=180)
     try:
@@ -197,8 +198,8 @@ def main() -> None:
     out.write_text(json.dumps({
         "description": "Orchestration overhead of trainflow pipelines (Prefect flow + artifact store) beside "
                        "the stages' own work; see bench/pipeline_overhead.py",
-        "command": "python " + " ".join(sys.argv),
-        "machine": machine(),
+        "command": " ".join(["python -m bench.pipeline_overhead", *sys.argv[1:]]),
+        "machine": machine(server),
         "chain": {"stages": args.stages, "work_seconds_per_stage": args.work_seconds, **chain_rows},
         "tiny_pipeline": real,
     }, indent=2) + "\n")

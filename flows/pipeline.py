@@ -12,9 +12,11 @@ server on SQLite for the run.
 
 from __future__ import annotations
 
+import contextvars
 import re
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -135,7 +137,7 @@ def _retryable(task, task_run, state: State) -> bool:
     return True
 
 
-def _run_stage(plan: Plan, stage: str) -> Any:
+def _run_stage(plan: Plan, stage: str, publisher: ThreadPoolExecutor, published: list[Future]) -> Any:
     logger = get_run_logger()
     job = plan.stages[stage].job
     hooks = PrefectHooks(logger, artifact_key(plan.name, stage, "progress"), f"{stage}: progress")
@@ -150,7 +152,9 @@ def _run_stage(plan: Plan, stage: str) -> Any:
     if not plan.store.is_complete(stage, job.artifact_id):
         hooks.start()
     result = execute_stage(job, plan.store, hooks, run_info)
-    _publish(plan, stage, result)
+    # Artifacts are published in the background (in this task run's context), so a chain
+    # of skipped stages does not wait on API round trips; the flow waits for them at the end.
+    published.append(publisher.submit(contextvars.copy_context().run, _publish, plan, stage, result))
     logger.info(f"{stage}: {result.status} in {result.seconds:.1f} s -> {result.path}")
     outcome = {**result.to_dict(), "flow_run_id": run_info["flow_run_id"], "task_run_id": run_info["task_run_id"]}
     if result.status == SKIPPED:
@@ -162,8 +166,10 @@ def _execute(plan: Plan) -> dict[str, dict]:
     logger = get_run_logger()
     logger.info(f"pipeline '{plan.name}': {len(plan.stages)} stages, store {plan.store.root}")
 
+    publisher, published = ThreadPoolExecutor(max_workers=2, thread_name_prefix="publish"), []
+
     def run_stage(stage: str) -> Any:
-        return _run_stage(plan, stage)
+        return _run_stage(plan, stage, publisher, published)
 
     futures = {}
     for name, planned in plan.stages.items():
@@ -191,6 +197,12 @@ def _execute(plan: Plan) -> dict[str, dict]:
         }
     for name, s in summary.items():
         logger.info(f"{name}: {s['status']} {s['artifact_id']}")
+    for publication in published:
+        try:
+            publication.result()
+        except Exception as e:  # the artifacts are a view; the stage's own outcome stands
+            logger.warning(f"publishing Prefect artifacts failed: {e}")
+    publisher.shutdown()
     failed = [n for n, s in summary.items() if s["status"] in ("failed", "not run")]
     if failed:
         # A Failed state, not an exception: the summary is the result, without a traceback.

@@ -166,3 +166,19 @@ def test_serve_creates_a_scheduled_deployment_that_runs_the_pipeline(prefect_ser
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+def test_prefect_yaml_deployments_point_at_the_pipeline_flow(monkeypatch):
+    """configs/prefect.yaml (the work-pool path) names a loadable flow and valid parameters."""
+    from prefect.flows import load_flow_from_entrypoint
+
+    from flows.spec import load_plan
+
+    spec = yaml.safe_load((REPO / "configs" / "prefect.yaml").read_text())
+    monkeypatch.chdir(REPO)
+    for deployment in spec["deployments"]:
+        flow = load_flow_from_entrypoint(deployment["entrypoint"])
+        assert flow.name == "trainflow-pipeline"
+        params = {**deployment["parameters"], "store": "/tmp/store"}
+        flow.validate_parameters(params)
+        assert load_plan(REPO / params["pipeline"], params["overrides"]).stages
