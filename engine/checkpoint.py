@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from engine.config import ConfigError, ModelConfig
@@ -45,12 +46,6 @@ class Checkpointer:
         )
         self.manager.save(step, args=args, force=True)
 
-    def save_params(self, step: int, params, meta: dict) -> None:
-        """A params-only checkpoint (no optimizer or data state), as engine/hf.py converts
-        one: load_params and `checkpoint.init_from` read it; a run cannot resume from it."""
-        args = ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta))
-        self.manager.save(step, args=args, force=True)
-
     def restore(self, step: int, abstract_params, abstract_opt_state) -> tuple[Any, Any, dict, dict]:
         restored = self.manager.restore(
             step,
@@ -69,6 +64,26 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def save_params(directory: str | Path, step: int, params, meta: dict) -> None:
+    """A params-only checkpoint (no optimizer or data state), as engine/hf.py converts one:
+    load_params and `checkpoint.init_from` read it; a run cannot resume from it.
+
+    `params` are numpy arrays, written as they are: no defensive copy (Orbax's default
+    doubles peak memory) and no zstd (it costs more time than the fifth of the disk it saves
+    on weights). Do not modify them until this returns.
+    """
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)))
+    handlers = {"params": ocp.PyTreeCheckpointHandler(use_compression=False, type_handler_registry=registry),
+                "meta": ocp.JsonCheckpointHandler()}
+    manager = ocp.CheckpointManager(
+        Path(directory).absolute(), item_handlers=handlers,
+        options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True),
+    )
+    manager.save(step, args=ocp.args.Composite(params=ocp.args.PyTreeSave(params), meta=ocp.args.JsonSave(meta)))
+    manager.close()
 
 
 def read_meta(directory: str | Path, step: int | None = None) -> tuple[int, dict]:

@@ -3,14 +3,15 @@
 The format (https://github.com/huggingface/safetensors): an 8-byte little-endian header
 length, a JSON header {name: {dtype, shape, data_offsets}, "__metadata__": {...}}, then the
 raw little-endian bytes. The `safetensors` package's numpy API has no bfloat16, so this
-small reader memory-maps the file and views each tensor with ml_dtypes' bfloat16: a tensor
-costs nothing until it is copied, and a whole checkpoint never has to fit in memory twice.
+small reader reads one tensor at a time (pread into a fresh array, viewed with ml_dtypes'
+bfloat16). Unlike a memory map, nothing read stays resident in the process: converting a
+checkpoint holds the result and one tensor, not the source file too.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
+import os
 import struct
 from pathlib import Path
 from typing import Iterator
@@ -27,15 +28,14 @@ NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 class SafetensorsFile:
-    """A memory-mapped .safetensors file: `names()`, `shape(name)`, `dtype(name)`, `get(name)`."""
+    """An open .safetensors file: `names()`, `shape(name)`, `dtype(name)`, `get(name)`."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        with open(self.path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            self.header = json.loads(f.read(header_len))
-            self._data_start = 8 + header_len
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if f.seek(0, 2) > 0 else None
+        self._fd = os.open(self.path, os.O_RDONLY)
+        (header_len,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+        self.header = json.loads(os.pread(self._fd, header_len, 8))
+        self._data_start = 8 + header_len
         self.metadata = self.header.pop("__metadata__", {}) or {}
 
     def names(self) -> list[str]:
@@ -51,21 +51,21 @@ class SafetensorsFile:
         return DTYPES[code]
 
     def get(self, name: str) -> np.ndarray:
-        """A read-only view into the mapped file (copy it to keep it past close())."""
+        """The tensor, read from disk into a new array."""
         begin, end = self.header[name]["data_offsets"]
-        count = int(np.prod(self.shape(name), dtype=np.int64))
-        array = np.frombuffer(self._map, self.dtype(name), count, self._data_start + begin) if count else (
-            np.zeros(0, self.dtype(name)))
-        assert array.nbytes == end - begin, f"{self.path}: tensor '{name}' has inconsistent offsets"
-        return array.reshape(self.shape(name))
+        array = np.empty(self.shape(name), self.dtype(name))
+        if array.nbytes != end - begin:
+            raise ValueError(f"{self.path}: tensor '{name}' has {end - begin} bytes for shape {list(array.shape)}")
+        buffer, done = array.reshape(-1).view(np.uint8), 0
+        while done < array.nbytes:  # pread may return less than asked for
+            chunk = os.preadv(self._fd, [buffer[done:]], self._data_start + begin + done)
+            if chunk == 0:
+                raise ValueError(f"{self.path}: file ends inside tensor '{name}'")
+            done += chunk
+        return array
 
     def close(self) -> None:
-        """Unmap now if no view is alive; otherwise when the last view is garbage-collected."""
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                pass
+        os.close(self._fd)
 
     def __enter__(self) -> "SafetensorsFile":
         return self
