@@ -40,6 +40,8 @@ BUILTIN_STAGES: dict[str, str] = {
     "pretrain": "tasks.pretrain:PretrainStage",
     "convert": "tasks.convert:ConvertStage",
     "export": "tasks.export:ExportStage",
+    "sft": "tasks.sft:SFTStage",
+    "grpo": "tasks.grpo:GRPOStage",
 }
 
 _registry: dict[str, type["StageKind"] | str] = dict(BUILTIN_STAGES)

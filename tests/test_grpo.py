@@ -3,7 +3,7 @@ golden values, rewards, and a small verifiable task on which mean reward rises."
 
 import json
 import math
-import sys
+import shutil
 from pathlib import Path
 
 import jax
@@ -13,13 +13,17 @@ import pytest
 from flax import nnx
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from engine.checkpoint import Checkpointer, read_meta
-from engine.config import ConfigError, ModelConfig, load_config
+from engine.checkpoint import Checkpointer, load_params, read_meta
+from engine.config import ConfigError, ModelConfig, Strict, load_config
 from engine.grpo import GRPOConfig, make_update_step, run_grpo
 from engine.model import Transformer
 from engine.policy_loss import group_advantages, policy_loss
 from engine.rewards import RewardError, RewardSpec, compute_rewards, load_reward, total_reward
 from engine.tokenizer import TokenizerBundle, save_tokenizer
+from flows.spec import Pipeline
+from tasks.artifacts import read_manifest
+from tasks.registry import StageContext, StageKind, register_stage
+from tasks.runner import RAN, execute_stage
 
 # --------------------------------------------------------------------------- NumPy references
 
@@ -256,3 +260,75 @@ def test_mu_updates_use_the_old_policy_and_kl_to_a_reference_then_resume(copy_ta
     resumed = run_grpo(grpo_config(copy_task, tmp_path, steps=3, **overrides), log=logs.append)
     assert any("resumed from checkpoint step 2" in line for line in logs) and resumed["steps"] == 3
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+# --------------------------------------------------------------------------- stage kinds
+
+
+class _CheckpointCopyConfig(Strict):
+    path: str
+
+
+@register_stage
+class _CheckpointCopy(StageKind):
+    """A checkpoint artifact made by copying one (stands in for pretrain/convert here)."""
+
+    task = "test-checkpoint-copy"
+    output = "checkpoint"
+    config_schema = _CheckpointCopyConfig
+
+    def run(self, ctx: StageContext) -> dict:
+        for name in ("checkpoint", "tokenizer"):
+            shutil.copytree(Path(ctx.config.path) / name, ctx.out_dir / name)
+        return {}
+
+
+def post_training_pipeline(task: Path, store: Path, sft_data: Path) -> Pipeline:
+    one_device = {"kind": "local", "env": {"XLA_FLAGS": ""}}  # the fastest compile in the children
+    p = Pipeline("post", store=store)
+    base = p.stage("base", task="test-checkpoint-copy", config={"path": str(task)})
+    sft = p.stage("sft", task="sft", inputs={"checkpoint": base}, launcher=one_device, config={
+        "data": {"path": str(sft_data), "seq_len": 8, "batch_size": 4}, "steps": 2, "log_every": 1})
+    p.stage("grpo", task="grpo", inputs={"checkpoint": sft}, launcher=one_device, config={
+        "algorithm": "gspo", "data": {"path": str(task / "prompts.jsonl")}, "steps": 2,
+        "rewards": [{"function": "exact_match", "kwargs": {"pattern": r"^(\d)"}}],
+        "prompts_per_step": 2, "num_generations": 4, "max_prompt_length": 2, "max_completion_length": 2})
+    return p
+
+
+@pytest.mark.slow
+def test_sft_and_grpo_are_pipeline_stages_with_lineage(copy_task, tmp_path):
+    sft_data = tmp_path / "sft.jsonl"
+    sft_data.write_text("".join(json.dumps({"prompt": f"{d}=", "completion": d}) + "\n" for d in DIGITS))
+    plan = post_training_pipeline(copy_task, tmp_path / "store", sft_data).plan()
+    assert {name: execute_stage(s.job, plan.store).status for name, s in plan.stages.items()} == {
+        "base": RAN, "sft": RAN, "grpo": RAN}
+    grpo_job = plan.stages["grpo"].job
+    out = plan.store.artifact_dir("grpo", grpo_job.artifact_id)
+    manifest = read_manifest(out)
+    assert manifest["kind"] == "checkpoint" and manifest["status"] == "complete"
+    assert [(p["input"], p["stage"]) for p in manifest["parents"]] == [("checkpoint", "sft")]
+    assert manifest["metrics"]["steps"] == 2 and "reward" in manifest["metrics"]
+    assert (out / "tokenizer" / "tokenizer.json").is_file() and (out / "grpo.yaml").is_file()
+    assert load_params(out / "checkpoint")[2] == 2
+
+    # The examples are part of the id: new data, new sft and grpo artifacts; the base stays.
+    sft_data.write_text(sft_data.read_text() + json.dumps({"prompt": "1=", "completion": "1"}) + "\n")
+    changed = post_training_pipeline(copy_task, tmp_path / "store", sft_data).plan()
+    assert [changed.stages[s].job.artifact_id == plan.stages[s].job.artifact_id for s in ("base", "sft", "grpo")] \
+        == [True, False, False]
+
+
+def test_stage_configs_are_checked_before_anything_runs(copy_task, tmp_path):
+    p = Pipeline("bad", store=tmp_path)
+    base = p.stage("base", task="test-checkpoint-copy", config={"path": str(copy_task)})
+    p.stage("grpo", task="grpo", inputs={"checkpoint": base}, config={
+        "data": {"path": str(copy_task / "prompts.jsonl")}, "rewards": [{"function": "exact_mach"}]})
+    with pytest.raises(ConfigError, match=r"rewards.0.function': 'exact_mach' is neither a built-in"):
+        p.plan()
+    p = Pipeline("bad", store=tmp_path)
+    base = p.stage("base", task="test-checkpoint-copy", config={"path": str(copy_task)})
+    p.stage("sft", task="sft", inputs={"checkpoint": base}, config={
+        "data": {"path": str(copy_task / "prompts.jsonl")}, "checkpoint": {"init_from": "/elsewhere"}})
+    with pytest.raises(ConfigError, match=r"key 'checkpoint.init_from' is set by the pipeline"):
+        p.plan()
