@@ -8,6 +8,7 @@
     trainflow serve PIPELINE.yaml --cron "0 3 * * *"            a scheduled Prefect deployment
     trainflow convert HF_DIR [--store DIR] [--dtype bfloat16]   a Hugging Face model -> checkpoint artifact
     trainflow export PATH|ID [--store DIR] [--out DIR]          a checkpoint artifact -> Hugging Face model
+    trainflow generate PATH|ID --prompt TEXT [--temperature T]  sample completions from a checkpoint artifact
 
 Overrides: `pretrain.steps=200` sets stages.pretrain.config.steps; other keys start at the
 top of the pipeline (`store=/data/artifacts`, `stages.pretrain.retries=3`).
@@ -25,6 +26,7 @@ import threading
 from pathlib import Path
 
 from engine.config import ConfigError
+from engine.generate import add_sampling_arguments
 from flows.inspect import format_lineage, format_table, lineage, list_rows, status_rows
 from flows.spec import load_plan
 from tasks.artifacts import ArtifactError, ArtifactStore, resolve_artifact, verify_artifact
@@ -38,7 +40,9 @@ def _store_arg(args) -> str:
 
 def cmd_run(args) -> int:
     plan = load_plan(args.pipeline, args.overrides, args.store)  # all validation before Prefect starts
-    from flows.pipeline import PipelineFailed, run_plan  # Prefect takes seconds to import
+    from prefect.exceptions import TerminationSignal  # Prefect takes seconds to import
+
+    from flows.pipeline import PipelineFailed, run_plan
     from tasks.launch import terminate_children
 
     stopping = threading.Event()
@@ -58,6 +62,9 @@ def cmd_run(args) -> int:
         code = 0
     except PipelineFailed as e:
         summary, code = e.summary, 1
+    except TerminationSignal:  # SIGTERM during the flow run; the engines have checkpointed
+        print(format_table(status_rows(plan), ["stage", "task", "state", "artifact_id"]))
+        return 143
     rows = [{**s, "seconds": f"{s.get('seconds', 0):.1f}" if "seconds" in s else "-"} for s in summary.values()]
     print(format_table(rows, ["stage", "task", "status", "artifact_id", "seconds"]))
     for s in summary.values():
@@ -123,6 +130,18 @@ def cmd_serve(args) -> int:
         tags=["trainflow", plan.name],
     )
     return 0
+
+
+def cmd_generate(args) -> int:
+    from engine.generate import generate  # JAX loads only for this command
+
+    try:
+        args.checkpoint = str(resolve_artifact(args.artifact, _store_arg(args)))
+    except ArtifactError:
+        if not Path(args.artifact).is_dir():  # a plain checkpoint directory also works
+            raise
+        args.checkpoint = args.artifact
+    return generate(args)
 
 
 def _run_one_stage(task: str, config: dict, inputs: dict, store: ArtifactStore):
@@ -204,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="also copy the Hugging Face directory here")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--max-shard-gb", type=float, default=5.0)
+    p = add("generate", cmd_generate, "sample completions of prompts from a checkpoint artifact", artifact=True)
+    add_sampling_arguments(p)
     return parser
 
 

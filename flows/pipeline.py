@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import re
+import signal
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,13 +28,14 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import TerminationSignal
 from prefect.states import Completed, Failed, State
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from engine.config import ConfigError
 from flows.spec import Plan, apply_pipeline_overrides, build_plan, load_plan, parse_spec
 from tasks.artifacts import ArtifactError
-from tasks.launch import Interrupted
+from tasks.launch import Interrupted, terminate_children
 from tasks.registry import StageHooks
 from tasks.runner import SKIPPED, StageResult, execute_stage
 
@@ -179,9 +181,18 @@ def _execute(plan: Plan) -> dict[str, dict]:
             cache_policy=NO_CACHE, persist_result=False,
         )
         futures[name] = stage_task.submit(name, wait_for=[futures[d] for d in planned.depends_on])
+    try:
+        _wait_all(futures.values())
+    except TerminationSignal:
+        # Prefect turns SIGTERM into this exception (a cancel from the UI arrives the same
+        # way): ask the engines to checkpoint and exit, let the stages fail, then re-raise
+        # so Prefect records the crash or cancellation.
+        count = terminate_children(signal.SIGTERM)
+        logger.warning(f"SIGTERM: asked {count} engine process(es) to checkpoint and exit; re-run to resume")
+        _wait_all(futures.values())
+        raise
     summary: dict[str, dict] = {}
     for name, future in futures.items():
-        future.wait()
         state = future.state
         job = plan.stages[name].job
         if state.is_completed():
@@ -208,6 +219,17 @@ def _execute(plan: Plan) -> dict[str, dict]:
         # A Failed state, not an exception: the summary is the result, without a traceback.
         return Failed(message=f"pipeline '{plan.name}': stages did not finish: {', '.join(failed)}", data=summary)
     return summary
+
+
+def _wait_all(futures) -> None:
+    """Wait for every future in short slices, so that signal handlers run promptly."""
+    futures = list(futures)
+    pending = futures
+    while pending:
+        pending[0].wait(timeout=0.25)
+        pending = [f for f in pending if not f.wrapped_future.done()]
+    for future in futures:
+        future.wait()  # all done: this records each final state on its future (no API read)
 
 
 def _describe(stage: str, error: BaseException) -> str:

@@ -3,6 +3,7 @@
 Each test reads its flow run, task runs, states and artifacts back through Prefect's client.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -182,3 +183,33 @@ def test_prefect_yaml_deployments_point_at_the_pipeline_flow(monkeypatch):
         params = {**deployment["parameters"], "store": "/tmp/store"}
         flow.validate_parameters(params)
         assert load_plan(REPO / params["pipeline"], params["overrides"]).stages
+
+
+def test_sigterm_stops_the_engine_with_a_checkpoint_and_the_rerun_resumes(prefect_server, tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "stoppable", "store": str(tmp_path / "store"), "imports": ["tests.pipeline_toys"],
+        "stages": {"train": {"task": "toy-child", "retries": 2, "retry_delay_seconds": 0,
+                             "config": {"steps": 400, "step_seconds": 0.05}}},
+    }))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = [sys.executable, "-m", "flows.cli", "run", str(path)]
+    proc = subprocess.Popen(run, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "store").glob("train/*/metrics.jsonl")):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    (out_dir,) = (tmp_path / "store" / "train").iterdir()
+    assert (out_dir / "sigterm").exists()  # the child got SIGTERM and "checkpointed"
+    manifest = json.loads((out_dir / "artifact.json").read_text())
+    assert manifest["status"] == "failed" and manifest["attempts"] == 1  # stopping is not retried
+    assert "stopped by SIGTERM" in manifest["error"]
+
+    short = subprocess.run([*run, "train.steps=400", "train.step_seconds=0"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=180)
+    assert short.returncode == 0, short.stderr
+    assert short.stdout.splitlines()[-1].split()[:3] == ["train", "toy-child", "resumed"]
