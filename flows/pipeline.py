@@ -18,7 +18,6 @@ import signal
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -34,7 +33,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from engine.config import ConfigError
 from flows.spec import Plan, apply_pipeline_overrides, build_plan, load_plan, parse_spec
-from tasks.artifacts import ArtifactError
+from tasks.artifacts import ArtifactError, read_manifest
 from tasks.launch import Interrupted, terminate_children
 from tasks.registry import StageHooks
 from tasks.runner import SKIPPED, StageResult, execute_stage
@@ -116,8 +115,6 @@ def _summary_markdown(plan: Plan, stage: str, result: StageResult, manifest_inpu
 
 
 def _publish(plan: Plan, stage: str, result: StageResult) -> None:
-    from tasks.artifacts import read_manifest
-
     manifest = read_manifest(result.path) or {}
     key = artifact_key(plan.name, stage)
     create_markdown_artifact(_summary_markdown(plan, stage, result, manifest.get("parents", [])),

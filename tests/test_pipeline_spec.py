@@ -178,3 +178,11 @@ def test_cli_reports_a_bad_pipeline_in_one_line_and_exits_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"error: {path}: stages.train.inputs.dataset: references stage 'tokenise', "
                                    f"which is not in the pipeline; stages are: train")
+
+
+def test_inspection_commands_do_not_import_prefect_or_jax():
+    """status / ls / lineage / verify answer at once: no Prefect or JAX start-up."""
+    code = ("import sys, flows.cli, flows.spec, tasks.tokenize, tasks.pretrain; "
+            "print(sorted(m for m in ('prefect', 'jax') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "[]", proc.stderr
