@@ -189,3 +189,16 @@ def test_export_then_convert_is_bitwise_identical(case, tmp_path):
     for a, b in zip(flat_a, flat_b):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_unrolled_layers_match_the_scanned_local_global_stack(case):
+    """scan_layers: false runs the same per-layer local/global schedule as the scan."""
+    if case.family not in ("gemma2", "gemma3", "qwen2"):
+        pytest.skip("only the families with a mixed local/global pattern")
+    unrolled_cfg = case.cfg.model_copy(update={"scan_layers": False})
+    params = dict(case.params)
+    params["blocks"] = {i: jax.tree.map(lambda x: x[i], case.params["blocks"]) for i in range(case.cfg.num_layers)}
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(engine_logits(unrolled_cfg, params, tokens, mask)[valid],
+                               engine_logits(case.cfg, case.params, tokens, mask)[valid], atol=1e-5)
