@@ -11,16 +11,13 @@ decoding (temperature 0) reports log_softmax(logits). They equal the teacher-for
 log-probabilities of the same tokens, which is what GRPO's importance ratios need.
 
 `Sampler` jits `sample` once per shape and setting on a mesh (params sharded as in
-training, rows over the data axes). `python -m engine.sample CHECKPOINT` (and `trainflow
-generate`) prints completions of text prompts.
+training, rows over the data axes). engine/generate.py is the text-in, text-out command
+(`python -m engine.generate`, `trainflow generate`).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -214,57 +211,3 @@ def tokenizer_dir_for(checkpoint_dir: str | Path) -> Path | None:
     """A checkpoint artifact keeps its tokenizer next to the checkpoint: <artifact>/tokenizer/."""
     candidate = Path(checkpoint_dir).parent / "tokenizer"
     return candidate if candidate.is_dir() else None
-
-
-def main(argv: list[str] | None = None, prog: str = "python -m engine.sample") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description="Sample completions of prompts from a checkpoint.")
-    parser.add_argument("checkpoint", help="checkpoint directory, or a checkpoint artifact holding checkpoint/")
-    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable); '-' reads stdin lines")
-    parser.add_argument("--chat", action="store_true", help="render each prompt as a user message with the chat template")
-    parser.add_argument("--tokenizer", help="tokenizer directory (default: the artifact's tokenizer/)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="one JSON object per prompt")
-    args = parser.parse_args(argv)
-    try:
-        from engine.checkpoint import load_params
-        from engine.tokenizer import load_saved
-
-        checkpoint = Path(args.checkpoint)
-        if (checkpoint / "checkpoint").is_dir():
-            checkpoint = checkpoint / "checkpoint"
-        tokenizer_dir = Path(args.tokenizer) if args.tokenizer else tokenizer_dir_for(checkpoint)
-        if tokenizer_dir is None or not tokenizer_dir.is_dir():
-            raise ConfigError(f"no tokenizer next to {checkpoint}; pass --tokenizer DIR")
-        prompts = [line.rstrip("\n") for p in args.prompt for line in (sys.stdin if p == "-" else [p])]
-        if not prompts:
-            raise ConfigError("no prompts; pass --prompt TEXT (repeatable)")
-        if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
-            raise ConfigError("--max-new-tokens must be >= 1, --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1")
-        bundle = load_saved(tokenizer_dir)
-        model_cfg, params, step = load_params(checkpoint)
-        inputs = [[{"role": "user", "content": p}] for p in prompts] if args.chat else prompts
-        tokens, mask = left_pad(encode_prompts(bundle, inputs), pad_id=bundle.pad_id or 0)
-        if tokens.shape[1] + args.max_new_tokens > model_cfg.max_seq_len:
-            raise ConfigError(f"prompt ({tokens.shape[1]} tokens) + --max-new-tokens exceeds the model's "
-                              f"max_seq_len ({model_cfg.max_seq_len})")
-        output = Sampler(model_cfg)(params, tokens, mask, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                    eos_ids=(bundle.eos_id,), pad_id=bundle.pad_id or 0)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for prompt, text, length in zip(prompts, decode_completions(bundle, output), output.lengths):
-        if args.json:
-            print(json.dumps({"prompt": prompt, "completion": text, "tokens": int(length), "step": step}))
-        else:
-            print(f"{prompt}{text}" if not args.chat else f"{prompt}\n---\n{text}")
-            print("=" * 40)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

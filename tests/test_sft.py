@@ -13,7 +13,7 @@ from engine.config import ConfigError, ModelConfig, load_config
 from engine.model import Transformer
 from engine.sft import SFTConfig, SFTDataConfig, load_examples, pack_rows, run_sft, tokenize_example
 from engine.tokenizer import TokenizerConfig, load_saved, save_tokenizer, train_tokenizer
-from engine.train import graphdef_of, lm_loss_fn
+from engine.train import lm_loss_fn
 
 MODEL = dict(vocab_size=300, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
              max_seq_len=128)
@@ -107,26 +107,34 @@ def sft_config(base: Path, out: Path, data: Path, **overrides) -> SFTConfig:
         "data": {"path": str(data), "seq_len": 64, "batch_size": 8, "eval_fraction": 0.2},
         "optimizer": {"learning_rate": 1e-2},
         "schedule": {"kind": "constant"},
-        "steps": 30, "log_every": 5, "progress": False, "metrics_dir": str(out),
+        "steps": 40, "log_every": 5, "progress": False, "metrics_dir": str(out),
     }
     return load_config(tree=tree, overrides=[f"{k}={v}" for k, v in overrides.items()], schema=SFTConfig)
 
 
-def test_sft_learns_the_completions_resumes_and_writes_a_loadable_checkpoint(base, tmp_path):
+def test_sft_learns_the_completions_resumes_and_writes_a_loadable_checkpoint(base, tmp_path, capsys):
     data = tmp_path / "pairs.jsonl"
     colours = ["red", "green", "blue"]
     with data.open("w") as f:
         for i in range(60):  # the answer is a function of the prompt: learnable from scratch
             f.write(json.dumps({"prompt": f"colour {i % 3}:", "completion": f" {colours[i % 3]}"}) + "\n")
-    first = run_sft(sft_config(base, tmp_path / "run", data, steps=20))
+    first = run_sft(sft_config(base, tmp_path / "run", data, steps=30))
     assert first["train_examples"] == 48 and first["eval_examples"] == 12
     # An untrained model is near uniform, ln(300) = 5.7 nats per token; the answers take ~1.
     assert first["eval_loss"] < 0.2 * np.log(300), (first["eval_loss"], (tmp_path / "run" / "metrics.jsonl").read_text())
 
     logs = []
-    resumed = run_sft(sft_config(base, tmp_path / "run", data, steps=30), log=logs.append)
-    assert any("resumed from checkpoint step 20" in line for line in logs)
-    assert resumed["steps"] == 30
+    resumed = run_sft(sft_config(base, tmp_path / "run", data, steps=40), log=logs.append)
+    assert any("resumed from checkpoint step 30" in line for line in logs)
+    assert resumed["steps"] == 40 and resumed["eval_loss"] < 0.1, resumed["eval_loss"]
     model_cfg, params, step = load_params(tmp_path / "run" / "checkpoint")
-    assert step == 30 and model_cfg == ModelConfig(**MODEL)
+    assert step == 40 and model_cfg == ModelConfig(**MODEL)
     assert read_meta(tmp_path / "run" / "checkpoint")[1]["stage"] == "sft"
+
+    # `trainflow generate` on the result: greedy decoding answers a held-out prompt.
+    from flows.cli import main as trainflow
+
+    code = trainflow(["generate", str(tmp_path / "run"), "--tokenizer", str(base / "tokenizer"), "--prompt",
+                      "colour 1:", "--temperature", "0", "--max-new-tokens", "8", "--json"])
+    assert code == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["completion"] == " green"
