@@ -32,6 +32,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+LOAD_AT_START = round(os.getloadavg()[0], 2)  # the machines are shared: say how busy this one was
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
@@ -150,7 +151,7 @@ def machine(server: str) -> dict:
 
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "prefect": prefect.__version__,
-            "prefect_server": server}
+            "prefect_server": server, "load_average_1m_at_start": LOAD_AT_START}
 
 
 def main() -> None:

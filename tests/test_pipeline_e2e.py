@@ -75,10 +75,44 @@ def pipeline_file(tmp_path_factory) -> Path:
     return path
 
 
+def start_run(pipeline_file: Path, store: Path) -> subprocess.Popen:
+    """`trainflow run` in the background, its output in files (a full pipe would block it)."""
+    proc_outputs = (store.parent / f"{store.name}.out", store.parent / f"{store.name}.err")
+    with open(proc_outputs[0], "w") as out, open(proc_outputs[1], "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(pipeline_file), "--store", str(store)],
+                                cwd=REPO, env=trainflow_env(), stdout=out, stderr=err)
+    proc.outputs = proc_outputs
+    return proc
+
+
 @pytest.fixture(scope="module")
-def reference(prefect_server, pipeline_file, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    store = tmp_path_factory.mktemp("reference-store")
-    return store, trainflow("run", pipeline_file, "--store", store)
+def runs(prefect_server, pipeline_file, tmp_path_factory) -> dict:
+    """Two stores, started together: `reference` runs uninterrupted; `killed` has its whole
+    `trainflow run` process tree SIGKILLed once pretraining has written a checkpoint."""
+    reference, killed = tmp_path_factory.mktemp("reference-store"), tmp_path_factory.mktemp("killed-store")
+    reference_proc = start_run(pipeline_file, reference)
+    victim = start_run(pipeline_file, killed)
+    deadline = time.monotonic() + 600
+    try:
+        while not _checkpoint_steps(killed):
+            assert victim.poll() is None, f"trainflow exited ({victim.returncode}) before pretraining checkpointed"
+            assert time.monotonic() < deadline, "no pretraining checkpoint appeared"
+            time.sleep(0.02)
+        processes = _kill_tree(victim.pid)
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+        victim.wait()
+        reference_proc.wait(timeout=600)
+    out, err = (path.read_text() for path in reference_proc.outputs)
+    assert reference_proc.returncode == 0, f"{out[-3000:]}\n{err[-3000:]}"
+    return {"reference": (reference, subprocess.CompletedProcess([], 0, out, err)), "killed": killed,
+            "killed_processes": processes}
+
+
+@pytest.fixture(scope="module")
+def reference(runs) -> tuple[Path, subprocess.CompletedProcess]:
+    return runs["reference"]
 
 
 def test_run_is_visible_through_prefect(reference):
@@ -189,21 +223,9 @@ def _params(checkpoint_dir: Path):
                   for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
 
 
-def test_sigkill_during_pretraining_then_rerun_resumes_to_identical_params(reference, pipeline_file, tmp_path):
-    store = tmp_path / "store"
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(pipeline_file), "--store", str(store)],
-                            cwd=REPO, env=trainflow_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 600
-    try:
-        while not _checkpoint_steps(store):
-            assert proc.poll() is None, f"trainflow exited ({proc.returncode}) before pretraining checkpointed"
-            assert time.monotonic() < deadline, "no pretraining checkpoint appeared"
-            time.sleep(0.02)
-        assert _kill_tree(proc.pid) >= 2  # trainflow and the engine child at least
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+def test_sigkill_during_pretraining_then_rerun_resumes_to_identical_params(runs, pipeline_file):
+    store = runs["killed"]
+    assert runs["killed_processes"] >= 2  # trainflow and the engine child at least
     pretrain_dir = artifact_dir(store, "pretrain")
     assert json.loads((pretrain_dir / "artifact.json").read_text())["status"] == "running"
     assert max(_checkpoint_steps(store)) < STEPS
@@ -215,7 +237,7 @@ def test_sigkill_during_pretraining_then_rerun_resumes_to_identical_params(refer
     assert summary_of(rerun.stdout) == {"tokenize": "skipped", "pretrain": "resumed"}
     assert "resumed from checkpoint step" in rerun.stdout + rerun.stderr
 
-    ref_store, _ = reference
+    ref_store, _ = runs["reference"]
     ref_step, ref_params = _params(artifact_dir(ref_store, "pretrain") / "checkpoint")
     step, params = _params(pretrain_dir / "checkpoint")
     assert step == ref_step == STEPS
