@@ -310,3 +310,34 @@ def run_evaluate(cfg: EvalConfig, checkpoints: dict[str, str | Path], out_dir: s
         models[name], samples[name] = evaluate_model(cfg, directory, log)
     return write_report(Path(out_dir), cfg, models, samples, {k: str(v) for k, v in checkpoints.items()},
                         curves or {})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m engine.evaluate JOB.yaml OUT_DIR
+
+    JOB.yaml: {config: EvalConfig, checkpoints: {name: checkpoint dir}, curves: {stage: metrics.jsonl}}.
+    """
+    from engine.config import load_yaml, validate
+
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m engine.evaluate JOB.yaml OUT_DIR", file=sys.stderr)
+        return 2
+    try:
+        job = load_yaml(argv[0])
+        unknown = set(job) - {"config", "checkpoints", "curves"}
+        if unknown:
+            raise ConfigError(f"{argv[0]}: unknown key(s) {', '.join(sorted(unknown))}; expected config, "
+                              "checkpoints, curves")
+        cfg = validate(EvalConfig, job.get("config") or {}, f"{argv[0]}: config")
+        report = run_evaluate(cfg, job.get("checkpoints") or {}, argv[1], curves=job.get("curves") or {})
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"result": {f"{m}/{k}": v for m, metrics in report["models"].items()
+                                 for k, v in metrics.items() if isinstance(v, (int, float))}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

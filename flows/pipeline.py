@@ -124,6 +124,9 @@ def _publish(plan: Plan, stage: str, result: StageResult) -> None:
                           description=f"{stage}: final metrics")
     create_link_artifact(result.path.as_uri(), link_text=f"{stage}/{result.artifact_id}", key=f"{key}-dir",
                          description=f"{stage}: artifact directory")
+    report = result.path / "report.md"
+    if report.is_file():  # e.g. an evaluation report: its tables, in the Prefect UI
+        create_markdown_artifact(report.read_text(), key=f"{key}-report", description=f"{stage}: report")
 
 
 def _retryable(task, task_run, state: State) -> bool:

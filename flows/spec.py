@@ -38,7 +38,7 @@ from pydantic import Field, ValidationError, field_validator
 from engine.config import ConfigError, Strict, apply_overrides, format_validation_error, load_yaml
 from tasks.artifacts import ArtifactStore, artifact_id
 from tasks.launch import LauncherSpec
-from tasks.registry import get_stage_kind
+from tasks.registry import get_stage_kind, input_refs
 from tasks.runner import StageJob
 
 TOP_LEVEL_KEYS = ("name", "store", "imports", "defaults", "stages")
@@ -221,7 +221,7 @@ def build_plan(spec: PipelineSpec, source: str = "pipeline", store: str | Path |
                 continue
             if kind is None:
                 continue
-            declared = kind.inputs.get(input_name)
+            declared = kind.inputs.get(input_name) or kind.other_inputs
             if declared is None:
                 valid = ", ".join(kind.inputs) or "none"
                 errors.append(f"{where}: task '{kind.task}' has no input '{input_name}' (its inputs: {valid})")
@@ -247,6 +247,9 @@ def build_plan(spec: PipelineSpec, source: str = "pipeline", store: str | Path |
         if kind is None:
             continue
         written[name] = _deep_merge(spec.defaults.config.get(stage.task, {}), stage.config)
+        for ref in sorted(input_refs(written[name]) - set(stage.inputs)):
+            errors.append(f"{source}: stages.{name}.config: '{{input:{ref}}}' refers to input '{ref}', "
+                          f"which the stage does not have (its inputs: {', '.join(stage.inputs) or 'none'})")
         try:
             configs[name] = kind.resolve_config(copy.deepcopy(written[name]), f"{source}: stages.{name}.config")
         except ConfigError as e:

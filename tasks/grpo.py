@@ -45,7 +45,8 @@ class GRPOStage(StageKind):
     task = "grpo"
     output = "checkpoint"
     inputs = {"checkpoint": Input("checkpoint", doc="the policy to start from (and the KL reference) and its "
-                                                    "tokenizer/")}
+                                                    "tokenizer/"),
+              "corpus": Input("corpus", required=False, doc="files that data paths name as {input:corpus}/...")}
     config_schema = GRPOConfig
     version = 1
     non_semantic = NON_SEMANTIC

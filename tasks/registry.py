@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar
@@ -35,6 +36,50 @@ from engine.config import ConfigError, validate
 from tasks.artifacts import ArtifactRef, drop_fields
 from tasks.launch import ChildResult, LauncherSpec, run_child
 
+# A config string may name an input artifact's directory: `path: "{input:corpus}/sft.jsonl"`.
+# The stage's artifact id covers the input's id, so such paths are resolved only at run time.
+INPUT_REF = re.compile(r"\{input:([A-Za-z_][\w-]*)\}")
+
+
+def has_input_ref(value: Any) -> bool:
+    return isinstance(value, str) and INPUT_REF.search(value) is not None
+
+
+def input_refs(tree: Any) -> set[str]:
+    """Names of the inputs referenced anywhere in a config tree."""
+    if isinstance(tree, dict):
+        return set().union(*(input_refs(v) for v in tree.values())) if tree else set()
+    if isinstance(tree, list):
+        return set().union(*(input_refs(v) for v in tree)) if tree else set()
+    return set(INPUT_REF.findall(tree)) if isinstance(tree, str) else set()
+
+
+def substitute_inputs(config: BaseModel, inputs: dict[str, Any], stage: str) -> BaseModel:
+    """The config with every `{input:NAME}` replaced by that input artifact's directory."""
+
+    def sub(value):
+        if isinstance(value, dict):
+            return {k: sub(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [sub(v) for v in value]
+        if not has_input_ref(value):
+            return value
+
+        def path_of(match):
+            name = match.group(1)
+            if name not in inputs:
+                raise ConfigError(f"stage '{stage}': config refers to '{{input:{name}}}' but the stage has no "
+                                  f"input '{name}'")
+            return str(inputs[name].path)
+
+        return INPUT_REF.sub(path_of, value)
+
+    tree = config.model_dump(mode="json")
+    if not input_refs(tree):
+        return config
+    return type(config).model_validate(sub(tree))
+
+
 BUILTIN_STAGES: dict[str, str] = {
     "tokenize": "tasks.tokenize:TokenizeStage",
     "pretrain": "tasks.pretrain:PretrainStage",
@@ -42,6 +87,8 @@ BUILTIN_STAGES: dict[str, str] = {
     "export": "tasks.export:ExportStage",
     "sft": "tasks.sft:SFTStage",
     "grpo": "tasks.grpo:GRPOStage",
+    "evaluate": "tasks.evaluate:EvaluateStage",
+    "arithmetic": "tasks.arithmetic:ArithmeticStage",
 }
 
 _registry: dict[str, type["StageKind"] | str] = dict(BUILTIN_STAGES)
@@ -116,6 +163,9 @@ class StageKind:
     output: ClassVar[str]
     """The artifact kind produced: dataset | checkpoint | eval_report | ..."""
     inputs: ClassVar[dict[str, Input]] = {}
+    other_inputs: ClassVar[Input | None] = None
+    """What any input not named in `inputs` may be (None: no other inputs), e.g. the
+    checkpoints an evaluate stage compares, each under a name of the user's choosing."""
     config_schema: ClassVar[type[BaseModel]]
     version: ClassVar[int] = 1
     """Format version, part of the artifact id: bump it when the output layout changes."""

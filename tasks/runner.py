@@ -17,7 +17,7 @@ from tasks.artifacts import (
     digest_files, now_iso, read_manifest, write_json_atomic,
 )
 from tasks.launch import LauncherSpec
-from tasks.registry import StageContext, StageHooks, StageKind
+from tasks.registry import StageContext, StageHooks, StageKind, substitute_inputs
 
 SKIPPED, RAN, RESUMED = "skipped", "ran", "resumed"
 
@@ -121,7 +121,8 @@ def execute_stage(job: StageJob, store: ArtifactStore, hooks: StageHooks | None 
         }
         write_json_atomic(out_dir / MANIFEST, manifest)
         hooks.log(f"{'resuming' if resumed else 'running'} {job.stage} ({job.task}) -> {out_dir}")
-        ctx = StageContext(job.stage, job.config, inputs, out_dir, job.launcher, resumed, hooks)
+        config = substitute_inputs(job.config, inputs, job.stage)
+        ctx = StageContext(job.stage, config, inputs, out_dir, job.launcher, resumed, hooks)
         work_start = time.perf_counter()
         try:
             metrics = job.kind.run(ctx) or {}

@@ -21,7 +21,7 @@ from engine.config import ConfigError, resolve_model_preset, to_yaml, validate
 from engine.sft import SFTConfig
 from tasks.artifacts import sha256_file
 from tasks.pretrain import _get, _last_metrics
-from tasks.registry import Input, StageContext, StageKind
+from tasks.registry import Input, StageContext, StageKind, has_input_ref
 
 PIPELINE_OWNED = {
     "checkpoint.directory": "the artifact directory",
@@ -41,7 +41,7 @@ def reject_pipeline_owned(raw: dict, source: str, owned: dict[str, str]) -> None
 
 def file_digests(path: str | None) -> dict[str, str]:
     """sha256 of a data file, or of each *.jsonl file of a directory (by name)."""
-    if not path:
+    if not path or has_input_ref(path):  # inside an input artifact: its id covers the bytes
         return {}
     p = Path(path)
     files = sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
@@ -49,8 +49,8 @@ def file_digests(path: str | None) -> dict[str, str]:
 
 
 def absolute_data_path(value: str | None, key: str, source: str) -> str | None:
-    if value is None:
-        return None
+    if value is None or has_input_ref(value):
+        return value
     path = Path(value).expanduser()
     if not path.exists():
         raise ConfigError(f"{source}: key '{key}': {value} does not exist")
@@ -96,7 +96,8 @@ class SFTStage(StageKind):
     task = "sft"
     output = "checkpoint"
     inputs = {"checkpoint": Input("checkpoint", doc="the model to fine-tune (params; a fresh optimizer) "
-                                                    "and its tokenizer/")}
+                                                    "and its tokenizer/"),
+              "corpus": Input("corpus", required=False, doc="files that data paths name as {input:corpus}/...")}
     config_schema = SFTConfig
     version = 1
     non_semantic = NON_SEMANTIC

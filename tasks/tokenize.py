@@ -23,7 +23,7 @@ import yaml
 
 from engine.config import ConfigError, validate
 from engine.tokenize import MB, NON_SEMANTIC_FIELDS, TokenizeConfig, fingerprint
-from tasks.registry import StageContext, StageKind
+from tasks.registry import Input, StageContext, StageKind, has_input_ref
 
 _PROGRESS = re.compile(r"tokenize: (\d+)/(\d+) shards")
 
@@ -32,13 +32,16 @@ def _input_parts(cfg: TokenizeConfig) -> list:
     from engine.sources import plan_source
 
     target = max(int(cfg.shard_size_mb * MB), 1)
-    return [part for i, src in enumerate(cfg.sources) for part in plan_source(i, src, target)]
+    # A source inside an input artifact (`{input:corpus}/...`) does not exist before the
+    # pipeline runs; the input's artifact id identifies its content instead.
+    return [part for i, src in enumerate(cfg.sources) if not has_input_ref(src.path)
+            for part in plan_source(i, src, target)]
 
 
 class TokenizeStage(StageKind):
     task = "tokenize"
     output = "dataset"
-    inputs = {}
+    inputs = {"corpus": Input("corpus", required=False, doc="files that sources name as {input:corpus}/...")}
     config_schema = TokenizeConfig
     version = 1
     non_semantic = NON_SEMANTIC_FIELDS

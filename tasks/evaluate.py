@@ -1,0 +1,88 @@
+"""The evaluate stage: checkpoints in, an eval_report artifact out.
+
+    <out>/report.json, report.md, loss_curves.png, metrics.png, samples.jsonl  (engine/evaluate.py)
+    <out>/evaluate.yaml                                                          the resolved config
+
+Inputs: `dataset` (optional; held-out loss on its validation split), `corpus` (optional;
+files named as `{input:corpus}/...` in generation tasks) and any number of checkpoints,
+each under the name it gets in the report:
+
+    evaluate:
+      task: evaluate
+      inputs: {dataset: tokenize, corpus: problems, pretrain: pretrain, sft: sft, grpo: grpo}
+
+The loss curves are those of every training stage in the models' lineage.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from engine.config import ConfigError, validate
+from engine.evaluate import EvalConfig
+from tasks.registry import Input, StageContext, StageKind
+from tasks.sft import reject_pipeline_owned
+
+TRAINING_OUTPUTS = "metrics.jsonl"
+
+
+def _ancestors(ref_path: Path, store_root: Path) -> list[tuple[str, Path]]:
+    """(stage, artifact dir) of an artifact and all its ancestors, oldest first, no repeats."""
+    seen: dict[Path, str] = {}
+
+    def visit(path: Path) -> None:
+        manifest_path = path / "artifact.json"
+        if path in seen or not manifest_path.is_file():
+            return
+        manifest = json.loads(manifest_path.read_text())
+        for parent in manifest.get("parents", []):
+            visit(store_root / parent["path"])
+        seen[path] = manifest.get("stage", path.parent.name)
+
+    visit(ref_path)
+    return [(stage, path) for path, stage in seen.items()]
+
+
+class EvaluateStage(StageKind):
+    task = "evaluate"
+    output = "eval_report"
+    inputs = {
+        "dataset": Input("dataset", required=False, doc="token dataset for held-out loss"),
+        "corpus": Input("corpus", required=False, doc="files that tasks name as {input:corpus}/..."),
+    }
+    other_inputs = Input("checkpoint", doc="a model to evaluate, named by its input name")
+    config_schema = EvalConfig
+    version = 1
+    launches_child = True
+
+    def resolve_config(self, raw: dict, source: str) -> EvalConfig:
+        reject_pipeline_owned(raw, source, {"data_path": "input 'dataset'"})
+        return validate(EvalConfig, raw, source)
+
+    def run(self, ctx: StageContext) -> dict[str, Any]:
+        out = ctx.out_dir
+        models = {name: ref for name, ref in ctx.inputs.items() if name not in self.inputs}
+        if not models:
+            raise ConfigError(f"stage '{ctx.stage}': no checkpoint inputs to evaluate")
+        tree = ctx.config.model_dump(mode="json")
+        if "dataset" in ctx.inputs:
+            tree["data_path"] = str(ctx.inputs["dataset"].path / "data")
+        store_root = next(iter(models.values())).path.parent.parent
+        curves = {}
+        for ref in models.values():
+            for stage, path in _ancestors(ref.path, store_root):
+                if (path / TRAINING_OUTPUTS).is_file() and (path / "checkpoint").is_dir():
+                    curves[stage] = str(path / TRAINING_OUTPUTS)
+        job = {"config": tree, "checkpoints": {name: str(ref.path / "checkpoint") for name, ref in models.items()},
+               "curves": curves}
+        (out / "evaluate.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
+        ctx.launch([sys.executable, "-m", "engine.evaluate", str(out / "evaluate.yaml"), str(out)])
+        report = json.loads((out / "report.json").read_text())
+        ctx.log((out / "report.md").read_text().split("\n\n")[1])  # the table
+        return {f"{name}/{key}": value for name, metrics in report["models"].items()
+                for key, value in metrics.items() if isinstance(value, (int, float))}
