@@ -174,8 +174,6 @@ class DataConfig(Strict):
     seed: int = 0
     packing: bool = True
     """Concatenate documents into full rows (segment-aware attention keeps them apart)."""
-    shuffle_window: int = Field(1024, ge=0)
-    """Rows shuffled together after packing, so a long document spreads over many batches."""
     eval_split: str = "validation"
     eval_batches: int = Field(4, ge=0)
     worker_buffer: int = Field(2, ge=0)

@@ -165,14 +165,13 @@ def make_dataset(
     process_index: int = 0,
     process_count: int = 1,
     prefetch: int = 0,
-    shuffle_window: int = 0,
 ) -> grain.IterDataset:
     """Batches of `batch_size // process_count` rows for this process.
 
     Each batch: tokens, targets, positions, segment_ids (int32) and loss_mask (float32),
     all (rows, seq_len). Shuffling is global over documents and differs per epoch; a long
-    document fills many consecutive rows, so `shuffle_window` rows are shuffled again after
-    packing to keep one file from filling whole batches.
+    document fills consecutive rows, so corpora of long files should be split into pieces
+    when tokenized (tokenize's `max_document_tokens`).
     """
     import grain
 
@@ -193,8 +192,6 @@ def make_dataset(
         )
     else:
         it = ds.map(lambda ex: _pad_row(ex, seq_len)).to_iter_dataset()
-    if shuffle and shuffle_window > 1:
-        it = grain.experimental.WindowShuffleIterDataset(it, window_size=shuffle_window, seed=seed + 1)
     it = it.batch(batch_size // process_count, drop_remainder=repeat).map(_to_batch)
     if prefetch:
         it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=prefetch)

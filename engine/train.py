@@ -299,7 +299,6 @@ def run_pretrain(
         cfg.data.path, "train", seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
         seed=cfg.data.seed, shuffle=cfg.data.shuffle, packing=cfg.data.packing,
         process_index=jax.process_index(), process_count=jax.process_count(), prefetch=cfg.data.worker_buffer,
-        shuffle_window=cfg.data.shuffle_window,
     )
     evaluate = None
     if cfg.data.eval_split in meta["splits"] and cfg.data.eval_batches > 0:

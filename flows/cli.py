@@ -33,6 +33,9 @@ from tasks.artifacts import ArtifactError, ArtifactStore, resolve_artifact, veri
 
 DEFAULT_STORE = "artifacts"
 
+# Prefect's embedded server gets 20 s to start by default; a busy laptop can need more.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+
 
 def _store_arg(args) -> str:
     return args.store or os.environ.get("TRAINFLOW_STORE") or DEFAULT_STORE

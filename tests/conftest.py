@@ -39,6 +39,30 @@ def byte_dataset(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def bpe_dataset(tmp_path_factory) -> Path:
+    """The stdlib tokenized with a 512-token byte-level BPE trained on it (HF `tokenizers`)."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    from engine.data import write_dataset
+
+    out = tmp_path_factory.mktemp("bpe_dataset")
+    texts = [Path(p).read_text(encoding="utf-8", errors="replace") for p in stdlib_files(240)]
+    tokenizer = ByteLevelBPETokenizer()
+    tokenizer.train_from_iterator(texts, vocab_size=512, min_frequency=2, special_tokens=["<eos>"], show_progress=False)
+    eos = tokenizer.token_to_id("<eos>")
+    # Long files are cut into 512-token documents (as tokenize's max_document_tokens does),
+    # so the global document shuffle mixes files within a batch.
+    encoded = tokenizer.encode_batch(texts)
+
+    def pieces(files):
+        return [np.array(e.ids[i:i + 512] + [eos], np.int32) for e in files for i in range(0, len(e.ids), 512)]
+
+    write_dataset(out, {"train": pieces(encoded[:-16]), "validation": pieces(encoded[-16:])},
+                  vocab_size=tokenizer.get_vocab_size(), eos_id=eos)
+    return out
+
+
 # --------------------------------------------------------------------------- Prefect
 
 # Prefect keeps its profile, local results and SQLite database under PREFECT_HOME; tests
