@@ -74,7 +74,7 @@ def substitute_inputs(config: BaseModel, inputs: dict[str, Any], stage: str) -> 
 
         return INPUT_REF.sub(path_of, value)
 
-    tree = config.model_dump(mode="json")
+    tree = config.model_dump(mode="json", exclude_unset=True)  # defaults stay defaults
     if not input_refs(tree):
         return config
     return type(config).model_validate(sub(tree))
