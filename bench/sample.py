@@ -101,7 +101,8 @@ def machine() -> dict:
 
     return {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "jax": jax.__version__, "jax_backend": jax.default_backend(),
-            "jax_devices": jax.device_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+            "jax_devices": jax.device_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "load_average": os.getloadavg()}
 
 
 def main() -> None:
