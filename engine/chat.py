@@ -4,12 +4,17 @@ of that text each assistant turn produced (so SFT can put the loss on them alone
 A tokenizer directory without a chat template gets DEFAULT: `<|role|>content<eos>` per
 message, the tokenizer's bos token first if it has one, and `<|assistant|>` as the
 generation prompt (the template engine/tokenizer.py writes for trained tokenizers).
-Templates are rendered by transformers' own Jinja renderer, so a Hugging Face template
-gives here the text `tokenizer.apply_chat_template` gives.
+Templates are rendered with Jinja2 set up as transformers sets it up (sandboxed,
+trim_blocks, lstrip_blocks, raise_exception, tojson, strftime_now, {% generation %}), so a
+Hugging Face template gives the text `tokenizer.apply_chat_template` gives
+(tests/test_sft.py checks that against transformers).
 """
 
 from __future__ import annotations
 
+import functools
+import json
+from datetime import datetime
 from typing import Any
 
 from engine.config import ConfigError
@@ -23,21 +28,49 @@ def chat_template(bundle: TokenizerBundle) -> str:
     return bundle.chat_template or default_chat_template(DEFAULT_CHAT_ROLES, add_bos=bundle.bos_token is not None)
 
 
-def render(bundle: TokenizerBundle, messages: list[Message], *, add_generation_prompt: bool = False) -> str:
-    from transformers.utils.chat_template_utils import render_jinja_template
+@functools.lru_cache(maxsize=16)
+def _compile(template: str):
+    from jinja2 import TemplateError, nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    class Generation(Extension):
+        """`{% generation %}...{% endgeneration %}` (assistant-mask markers): render the body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def render(bundle: TokenizerBundle, messages: list[Message], *, add_generation_prompt: bool = False) -> str:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise ConfigError(f"message {i} must be a mapping with 'role' and 'content' (got {message!r})")
     try:
-        texts, _ = render_jinja_template(
-            conversations=[messages], chat_template=chat_template(bundle),
-            add_generation_prompt=add_generation_prompt,
+        return _compile(chat_template(bundle)).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=bundle.bos_token or "", eos_token=bundle.eos_token, pad_token=bundle.pad_token or "",
         )
     except Exception as e:  # noqa: BLE001 - jinja raises many types; all are bad input here
         raise ConfigError(f"the chat template cannot render these messages: {e}") from None
-    return texts[0]
 
 
 def assistant_spans(bundle: TokenizerBundle, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:

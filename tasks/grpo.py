@@ -20,7 +20,7 @@ from engine.config import ConfigError, resolve_model_preset, validate
 from engine.grpo import GRPOConfig
 from engine.rewards import BUILTIN
 from tasks.artifacts import sha256_file
-from tasks.registry import Input, StageContext, StageKind
+from tasks.registry import Input, StageContext, StageKind, has_input_ref
 from tasks.sft import (NON_SEMANTIC, PIPELINE_OWNED, absolute_data_path, file_digests, launch_engine, owned_values,
                        reject_pipeline_owned, with_owned)
 
@@ -73,7 +73,8 @@ class GRPOStage(StageKind):
 
     def fingerprint(self, config: GRPOConfig) -> dict:
         fp = super().fingerprint(config)
-        fp["data"].pop("path", None)
+        if not has_input_ref(fp["data"].get("path") or ""):  # inside an input: the path names which file
+            fp["data"].pop("path", None)
         return {**fp, "prompt_files": file_digests(config.data.path), "reward_sources": reward_sources(config)}
 
     def run(self, ctx: StageContext) -> dict[str, Any]:

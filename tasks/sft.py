@@ -116,8 +116,9 @@ class SFTStage(StageKind):
 
     def fingerprint(self, config: SFTConfig) -> dict:
         fp = super().fingerprint(config)
-        fp["data"].pop("path", None)
-        fp["data"].pop("eval_path", None)  # the bytes identify the data, not where it lies
+        for key in ("path", "eval_path"):  # the bytes identify a file outside the store, not where it lies
+            if not has_input_ref(fp["data"].get(key) or ""):  # inside an input: the path names which file
+                fp["data"].pop(key, None)
         return {**fp, "data_files": file_digests(config.data.path), "eval_files": file_digests(config.data.eval_path)}
 
     def run(self, ctx: StageContext) -> dict[str, Any]:

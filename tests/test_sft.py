@@ -73,6 +73,31 @@ def test_conversational_prompt_completion_and_a_tokenizers_own_chat_template(bas
     assert decode(bundle, ex.ids[ex.loss == 1]) == "Paris.\n"
 
 
+# A Qwen/ChatML-style template: system default, loop controls, tojson, generation markers.
+CHATML = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}"
+    "{{ m['content'] }}<|im_end|>{% endgeneration %}\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{{ {'messages': messages | length} | tojson }}"
+)
+
+
+@pytest.mark.parametrize("template", ["default", "chatml"])
+def test_chat_rendering_matches_transformers(base, template):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from engine.chat import chat_template, render
+
+    bundle = load_saved(base / "tokenizer")
+    bundle.chat_template = CHATML if template == "chatml" else None
+    for messages, prompt in ((CHAT, False), (CHAT[1:2], True)):
+        expected, _ = render_jinja_template(
+            conversations=[messages], chat_template=chat_template(bundle), add_generation_prompt=prompt,
+            bos_token=bundle.bos_token, eos_token=bundle.eos_token, pad_token=bundle.pad_token)
+        assert render(bundle, messages, add_generation_prompt=prompt) == expected[0]
+
+
 def test_a_record_without_its_completion_is_rejected_naming_the_line(base, tmp_path):
     bundle = load_saved(base / "tokenizer")
     path = tmp_path / "bad.jsonl"
