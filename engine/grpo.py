@@ -344,7 +344,8 @@ def run_grpo(cfg: GRPOConfig, log: Callable[[str], None] | None = None) -> dict[
             # ---- rewards and advantages (on the host)
             completions = decode_completions(bundle, out)
             completion_ids = [row[mask].tolist() for row, mask in zip(out.tokens, out.mask)]
-            columns = {k: [r.get(k) for r in records for _ in range(G)] for k in records[0] if k != cfg.data.prompt_field}
+            names = dict.fromkeys(k for r in records for k in r if k != cfg.data.prompt_field)
+            columns = {k: [r.get(k) for r in records for _ in range(G)] for k in names}
             per_function = compute_rewards(
                 reward_fns, prompts=[p for p in prompt_inputs for _ in range(G)], completions=completions,
                 completion_ids=completion_ids, columns=columns, max_completion_length=C, step=step)
