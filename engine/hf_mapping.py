@@ -16,6 +16,7 @@ import numpy as np
 
 from engine.config import ConfigError, ModelConfig, RopeScaling
 
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     architecture: str
