@@ -235,11 +235,13 @@ class Trainer:
         cfg = self.cfg
         if cfg.checkpoint.init_from:
             model_cfg, params, _ = load_params(cfg.checkpoint.init_from, self.abstract_params)
-            if model_cfg.model_dump(exclude={"remat", "scan_layers", "dtype"}) != cfg.model.model_dump(
-                exclude={"remat", "scan_layers", "dtype"}
-            ):
+            # Precision, initialisation and memory settings may differ; the architecture may not.
+            free = {"remat", "scan_layers", "dtype", "param_dtype", "init_std"}
+            saved, wanted = model_cfg.model_dump(exclude=free), cfg.model.model_dump(exclude=free)
+            if saved != wanted:
+                differing = ", ".join(f"{k} ({saved[k]!r} vs {wanted[k]!r})" for k in saved if saved[k] != wanted.get(k))
                 raise ConfigError(
-                    f"checkpoint.init_from: {cfg.checkpoint.init_from} holds a different model architecture"
+                    f"checkpoint.init_from: {cfg.checkpoint.init_from} holds a different model architecture: {differing}"
                 )
         else:
             params = init_params(cfg.model, self.mesh, cfg.seed)
