@@ -1,0 +1,61 @@
+"""The quickstart pipeline end to end: every stage learns, and the report's lineage is whole."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tasks.artifacts import verify_artifact
+
+REPO = Path(__file__).resolve().parent.parent
+QUICKSTART = REPO / "configs" / "pipelines" / "quickstart.yaml"
+
+# The reduced run: fewer problems to tokenize and score; the training stages as shipped.
+REDUCED = ["problems.pretrain_problems=20000"]
+
+
+@pytest.mark.slow
+def test_quickstart_accuracy_rises_stage_by_stage_and_the_report_has_full_lineage(prefect_server, tmp_path):
+    store = tmp_path / "store"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(QUICKSTART), "--store", str(store), *REDUCED],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    reports = list((store / "evaluate").glob("*/report.json"))
+    assert len(reports) == 1
+    report_dir = reports[0].parent
+    models = json.loads(reports[0].read_text())["models"]
+    accuracy = {name: m["arithmetic/accuracy"] for name, m in models.items()}
+    assert models["grpo"]["arithmetic/prompts"] >= 500
+    assert accuracy["pretrain"] < accuracy["sft"] < accuracy["grpo"], accuracy
+    assert accuracy["grpo"] >= accuracy["sft"] + 0.05, accuracy
+    for stage in ("pretrain", "sft"):  # training loss went down
+        losses = [json.loads(line).get("loss") for line in
+                  next((store / stage).glob("*/metrics.jsonl")).read_text().splitlines()]
+        losses = [x for x in losses if x is not None]
+        assert losses[-1] < losses[0], (stage, losses)
+    assert (report_dir / "loss_curves.png").stat().st_size > 0 and (report_dir / "report.md").is_file()
+
+    # Lineage: every ancestor of the report is present, complete, and its files unchanged.
+    manifest = json.loads((report_dir / "artifact.json").read_text())
+    seen, todo = {}, [manifest]
+    while todo:
+        m = todo.pop()
+        for parent in m["parents"]:
+            path = store / parent["path"]
+            assert path.is_dir(), parent
+            seen[parent["stage"]] = json.loads((path / "artifact.json").read_text())
+            todo.append(seen[parent["stage"]])
+    assert set(seen) == {"problems", "tokenize", "pretrain", "sft", "grpo"}
+    for stage, m in seen.items():
+        assert m["status"] == "complete", stage
+        assert verify_artifact(store / stage / m["id"]) == [], stage  # every file re-hashed
+    assert verify_artifact(report_dir) == []
+
+    lineage = subprocess.run([sys.executable, "-m", "flows.cli", "lineage", str(report_dir)], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert lineage.returncode == 0 and all(s in lineage.stdout for s in seen), lineage.stdout
