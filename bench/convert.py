@@ -10,7 +10,7 @@ from the page cache before each conversion too, so both sides read from the disk
 Peak RSS is compared with a child that only imports what the converter imports (the
 baseline), so "above baseline / model" near 1 means one model in memory, not two.
 
-    python bench/convert.py [--layers 12] [--repeats 2] [--workdir DIR]
+    python -m bench.convert [--layers 12] [--repeats 2] [--workdir DIR]
 
 Prints a table and writes bench/results/convert.json.
 """
@@ -217,7 +217,7 @@ def main() -> int:
               f"{row['gb_per_second'] / disk_read:12.2f} {cpu} {rss} {ratio}")
     info["load_average_at_end"] = list(os.getloadavg())
     results = {
-        "command": "python bench/convert.py " + " ".join(sys.argv[1:]),
+        "command": "python -m bench.convert " + " ".join(sys.argv[1:]),
         "machine": info,
         "model": {"shape": config, "source_bytes": source_bytes, "shards": 2},
         "baseline_rss_mb": baseline_mb,

@@ -7,7 +7,7 @@ is the Python standard library's sources, present on every machine. Each measure
 the best of --repeats, interleaved, because the machines are shared and noisy; CPU
 seconds (this process and its workers) are reported too, as contention skews wall time.
 
-    python bench/tokenize.py [--mb 8] [--workers 2] [--vocab 8192] [--repeats 3]
+    python -m bench.tokenize [--mb 8] [--workers 2] [--vocab 8192] [--repeats 3]
 
 Prints a table and writes bench/results/tokenize.json.
 """
@@ -160,7 +160,7 @@ def main() -> None:
               f"{r['vs_raw_encode_batch_cpu']:>6.2f}x")
     info["load_average_at_end"] = list(os.getloadavg())
     result = {
-        "command": "python bench/tokenize.py " + " ".join(sys.argv[1:]),
+        "command": "python -m bench.tokenize " + " ".join(sys.argv[1:]),
         "machine": info,
         "corpus": {"source": "python stdlib *.py", "documents": documents, "bytes": text_bytes,
                    "tokens": best["raw encode_batch"][2]},
