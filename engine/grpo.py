@@ -22,7 +22,6 @@ Mesh, shardings, optimizer and checkpoints are the pretraining engine's (engine.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -33,7 +32,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from engine.config import (CheckpointConfig, ConfigError, MeshConfig, ModelConfig, OptimizerConfig, ScheduleConfig,
-                           Strict, TrainConfig, load_config)
+                           Strict, TrainConfig)
 from engine.rewards import RewardSpec
 
 
@@ -408,27 +407,9 @@ def run_grpo(cfg: GRPOConfig, log: Callable[[str], None] | None = None) -> dict[
 
 def main(argv: list[str] | None = None) -> int:
     from engine.rewards import RewardError
-    from engine.train import Preempted, TrainingError, maybe_initialize_distributed
+    from engine.train import run_cli
 
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m engine.grpo CONFIG.yaml [key=value ...]", file=sys.stderr)
-        return 2
-    try:
-        cfg = load_config(argv[0], argv[1:], schema=GRPOConfig)
-        maybe_initialize_distributed()
-        result = run_grpo(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (TrainingError, RewardError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except Preempted as e:
-        print(str(e), file=sys.stderr)
-        return 143
-    print(json.dumps({"result": result}))
-    return 0
+    return run_cli(argv, "engine.grpo", GRPOConfig, run_grpo, failures=(RewardError,))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from engine.config import (CheckpointConfig, ConfigError, MeshConfig, ModelConfig, OptimizerConfig, ScheduleConfig,
-                           Strict, TrainConfig, load_config)
+                           Strict, TrainConfig)
 
 # --------------------------------------------------------------------------- config
 
@@ -368,27 +368,9 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] | None = None) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.train import Preempted, TrainingError, maybe_initialize_distributed
+    from engine.train import run_cli
 
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m engine.sft CONFIG.yaml [key=value ...]", file=sys.stderr)
-        return 2
-    try:
-        cfg = load_config(argv[0], argv[1:], schema=SFTConfig)
-        maybe_initialize_distributed()
-        result = run_sft(cfg)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except TrainingError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except Preempted as e:
-        print(str(e), file=sys.stderr)
-        return 143
-    print(json.dumps({"result": result}))
-    return 0
+    return run_cli(argv, "engine.sft", SFTConfig, run_sft)
 
 
 if __name__ == "__main__":

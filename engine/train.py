@@ -456,28 +456,38 @@ def maybe_initialize_distributed() -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_cli(argv: list[str] | None, module: str, schema, run: Callable, failures: tuple = ()) -> int:
+    """`python -m <module> CONFIG.yaml [key=value ...]` for a training entry point.
+
+    Exit codes (the launchers rely on them): 0 success, 2 a config error (one line, no
+    traceback), 1 a failed run (e.g. a non-finite loss), 143 stopped by SIGTERM after saving
+    a checkpoint. The final stdout line is {"result": metrics}.
+    """
+    import json
+
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m engine.train CONFIG.yaml [key=value ...]", file=sys.stderr)
+        print(f"usage: python -m {module} CONFIG.yaml [key=value ...]", file=sys.stderr)
         return 2
     try:
-        cfg = load_config(argv[0], argv[1:])
+        cfg = load_config(argv[0], argv[1:], schema=schema)
         maybe_initialize_distributed()
-        result = run_pretrain(cfg)
+        result = run(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except TrainingError as e:
+    except (TrainingError, *failures) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except Preempted as e:
         print(str(e), file=sys.stderr)
         return 143
-    import json
-
     print(json.dumps({"result": result}))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(argv, "engine.train", TrainConfig, run_pretrain)
 
 
 if __name__ == "__main__":
