@@ -24,6 +24,7 @@ document split into pieces keeps all of them on one side.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import hashlib
 import json
 import math
@@ -525,20 +526,22 @@ def _run_tasks(todo: list, settings: dict, workers: int, total: int, done: int, 
         return
     helpers = workers - 1
     threads = max(1, (os.cpu_count() or 1) // workers)
-    with multiprocessing.get_context("spawn").Pool(helpers, initializer=_init_worker,
-                                                   initargs=(settings, threads)) as pool:
+    # A process pool that fails loudly: a helper that dies (or cannot start) raises
+    # BrokenProcessPool here, where multiprocessing.Pool would silently start another.
+    with concurrent.futures.ProcessPoolExecutor(helpers, mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=_init_worker, initargs=(settings, threads)) as pool:
         running: list = []
         while queue or running:
             # Two tasks per helper in flight, so none idles while this process encodes.
             while queue and len(running) < 2 * helpers:
-                running.append(pool.apply_async(_encode_task, (queue.popleft(),)))
-            for result in [r for r in running if r.ready()]:
+                running.append(pool.submit(_encode_task, queue.popleft()))
+            for result in [r for r in running if r.done()]:
                 running.remove(result)
-                progress.update(result.get())  # re-raises a worker's error here
+                progress.update(result.result())  # re-raises a worker's error here
             if queue:
                 progress.update(encoder.run(*_task_args(queue.pop())))
             elif running:
-                running[0].wait(0.05)
+                concurrent.futures.wait(running[:1], timeout=0.05)
 
 
 def _task_args(task: tuple[int, list[dict]]) -> tuple[int, list[Part]]:
