@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -70,10 +71,28 @@ def cmd_run(args) -> int:
         return 143
     rows = [{**s, "seconds": f"{s.get('seconds', 0):.1f}" if "seconds" in s else "-"} for s in summary.values()]
     print(format_table(rows, ["stage", "task", "status", "artifact_id", "seconds"]))
+    if code == 0:
+        _print_reports(plan, summary)
     for s in summary.values():
         if s.get("error"):
             print(f"error: {s['error']}", file=sys.stderr)
     return 143 if stopping.is_set() else code
+
+
+def _print_reports(plan, summary: dict) -> None:
+    """After a run: each evaluation report's table, and the lineage tree of the pipeline's
+    final artifacts (those no other stage consumes)."""
+    consumed = {up for planned in plan.stages.values() for up in planned.depends_on}
+    for name, result in summary.items():
+        path = Path(result.get("path", ""))
+        if (path / "report.md").is_file():
+            table = [line for line in (path / "report.md").read_text().splitlines() if line.startswith("|")]
+            print(f"\n{name}: {path / 'report.md'}\n" + "\n".join(table))
+        if name not in consumed and (path / "artifact.json").is_file():
+            # The tree's artifact lines only; `trainflow lineage PATH` shows configs and metrics too.
+            tree = [line for line in format_lineage(lineage(path)).splitlines()
+                    if re.search(r"\S+/[0-9a-f]{16}\s+\S+\s+(complete|running|failed)", line)]
+            print(f"\nlineage of {name} (trainflow lineage {path}):\n" + "\n".join(tree))
 
 
 def cmd_status(args) -> int:
