@@ -318,11 +318,14 @@ _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\
 
 
 def _summary_line(tail: deque) -> str:
-    """The line that best explains a failure: the exception line of a traceback, else the last."""
+    """The line that best explains a failure: the engine's one-line `error: ...` message, the
+    exception line of a traceback, else the last line. (stdout and stderr are read by two
+    threads, so the last line need not be the last one written.)"""
     lines = list(tail)
-    for line in reversed(lines):
-        if _EXCEPTION_LINE.match(line):
-            return line
+    for pattern in (re.compile(r"^error: "), _EXCEPTION_LINE):
+        for line in reversed(lines):
+            if pattern.match(line):
+                return line
     return lines[-1] if lines else "(no output)"
 
 

