@@ -69,6 +69,12 @@ def cmd_run(args) -> int:
     except TerminationSignal:  # SIGTERM during the flow run; the engines have checkpointed
         print(format_table(status_rows(plan), ["stage", "task", "state", "artifact_id"]))
         return 143
+    except RuntimeError as e:
+        if "Prefect API" not in str(e):
+            raise
+        print(f"error: {e} (start one with `prefect server start` and set PREFECT_API_URL, or raise "
+              f"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)", file=sys.stderr)
+        return 1
     rows = [{**s, "seconds": f"{s.get('seconds', 0):.1f}" if "seconds" in s else "-"} for s in summary.values()]
     print(format_table(rows, ["stage", "task", "status", "artifact_id", "seconds"]))
     if code == 0:
