@@ -57,10 +57,15 @@ def trainflow(*args, check: bool = True, timeout: float = 600) -> subprocess.Com
 
 
 def summary_of(stdout: str) -> dict[str, str]:
-    """stage -> status from the table `trainflow run` prints last."""
+    """stage -> status from the stage table `trainflow run` prints (reports and lineage follow it)."""
     lines = stdout.strip().splitlines()
     header = max(i for i, line in enumerate(lines) if line.startswith("stage "))
-    return {line.split()[0]: line.split()[2] for line in lines[header + 1:] if line.strip()}
+    rows = []
+    for line in lines[header + 1:]:
+        if not line.strip():
+            break
+        rows.append(line)
+    return {line.split()[0]: line.split()[2] for line in rows}
 
 
 def artifact_dir(store: Path, stage: str) -> Path:
