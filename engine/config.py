@@ -92,6 +92,9 @@ class ModelConfig(Strict):
     scan_layers: bool = True
     remat: Literal["none", "full", "save_dots", "save_qkv_proj"] = "none"
     """Which activations the backward pass recomputes (none = keep all)."""
+    attention_block: int = Field(128, ge=0)
+    """Query block of causal attention in training and prefill (engine/attention.py): blocks
+    skip the masked upper triangle. 0, or a length it does not divide, means one block."""
 
     @model_validator(mode="after")
     def _check_heads(self) -> "ModelConfig":

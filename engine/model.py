@@ -17,7 +17,9 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax.ad_checkpoint import checkpoint_name
 
+from engine.attention import causal_attention
 from engine.config import ModelConfig, RopeScaling
+from engine.dense import dense
 from engine.sharding import constrain
 
 # Parameters are created unsharded and placed by engine/train.py under jit with the
@@ -190,6 +192,7 @@ class Attention(nnx.Module):
         self.scale = (cfg.query_pre_attn_scalar or h) ** -0.5
         self.softcap = cfg.attn_logit_softcap
         self.dtype = _dtype(cfg.dtype)
+        self.attention_block = cfg.attention_block
 
     def _inverse_frequencies(self, local):
         inv_freq = rope_inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
@@ -202,9 +205,9 @@ class Attention(nnx.Module):
         With a cache (decoding) returns (out, updated cache)."""
         dt = self.dtype
         inv_freq = self._inverse_frequencies(local)
-        q = jnp.einsum("btd,dnh->btnh", x_btd, self.wq_dnh[...].astype(dt))
-        k = jnp.einsum("btd,dkh->btkh", x_btd, self.wk_dkh[...].astype(dt))
-        v = jnp.einsum("btd,dkh->btkh", x_btd, self.wv_dkh[...].astype(dt))
+        q = dense(x_btd, self.wq_dnh[...].astype(dt))
+        k = dense(x_btd, self.wk_dkh[...].astype(dt))
+        v = dense(x_btd, self.wv_dkh[...].astype(dt))
         if self.qkv_bias:
             q, k, v = q + self.bq_nh[...].astype(dt), k + self.bk_kh[...].astype(dt), v + self.bv_kh[...].astype(dt)
         if self.qk_norm:
@@ -216,11 +219,12 @@ class Attention(nnx.Module):
         k = checkpoint_name(apply_rope(k, positions_bt, inv_freq), "qkv_proj")
         v = checkpoint_name(v, "qkv_proj")
         if cache is None:
-            mask = attention_mask(segment_ids_bt, segment_ids_bt, window=self.sliding_window, local=local)
+            out_btnh = causal_attention(q, k, v, segment_ids_bt, scale=self.scale, softcap=self.softcap,
+                                        window=self.sliding_window, local=local, block=self.attention_block)
         else:  # decoding: attend over the cache, this step's keys and values written into it
             k, v, mask, cache = cache.update(k, v, window=self.sliding_window, local=local)
-        out_btnh = dot_product_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
-        out_btd = jnp.einsum("btnh,nhd->btd", out_btnh, self.wo_nhd[...].astype(dt))
+            out_btnh = dot_product_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
+        out_btd = dense(out_btnh, self.wo_nhd[...].astype(dt), 2)
         return out_btd if cache is None else (out_btd, cache)
 
 
@@ -241,10 +245,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x_btd):
         dt = self.dtype
-        gate = jnp.einsum("btd,df->btf", x_btd, self.w_gate_df[...].astype(dt))
-        up = jnp.einsum("btd,df->btf", x_btd, self.w_up_df[...].astype(dt))
+        gate = dense(x_btd, self.w_gate_df[...].astype(dt))
+        up = dense(x_btd, self.w_up_df[...].astype(dt))
         h_btf = constrain(self.activation(gate) * up, ("act_batch", "act_seq", "act_mlp"))
-        return jnp.einsum("btf,fd->btd", h_btf, self.w_down_fd[...].astype(dt))
+        return dense(h_btf, self.w_down_fd[...].astype(dt))
 
 
 class Block(nnx.Module):
@@ -369,7 +373,7 @@ class Transformer(nnx.Module):
             x_btd, cache = self._decode_blocks(x_btd, positions_bt, segment_ids_bt, cache)
         x_btd = self.final_norm(x_btd)
         head_dv = self.embed_vd[...].T if cfg.tie_embeddings else self.lm_head_dv[...]
-        logits_btv = jnp.einsum("btd,dv->btv", x_btd, head_dv.astype(dt))
+        logits_btv = dense(x_btd, head_dv.astype(dt))
         if cfg.final_logit_softcap is not None:
             cap = cfg.final_logit_softcap
             logits_btv = (cap * jnp.tanh(logits_btv.astype(jnp.float32) / cap)).astype(dt)

@@ -1,0 +1,53 @@
+"""The model's matmuls: y = x . w over x's trailing and w's leading axes, with a hand-written
+backward pass that is cheap on XLA:CPU.
+
+Autodiff computes a weight gradient as a contraction over the batch and sequence axes, the
+major axes of both operands. XLA:CPU's matmul kernels want the left operand contracted on
+its minor axis, so XLA transposes one operand first; left to itself it often transposes the
+wide one (an MLP's 4096 x 1024 activation gradient rather than the 4096 x 384 input) and
+fuses the elementwise producer into that transposing copy, which then runs at a fraction of
+memory speed. Here the narrower of the two operands is always the one put on the left, so
+only it is transposed: 25-40% of a training step on CPU (docs/benchmarks.md). Accelerator
+compilers pick layouts themselves and are unaffected by the operand order.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def dense(x, w, n_in: int = 1):
+    """Contract the last `n_in` axes of x with the first `n_in` axes of w."""
+    return _dot(x, w, n_in)
+
+
+def _dot(x, w, n_in):
+    x_axes = tuple(range(x.ndim - n_in, x.ndim))
+    return jax.lax.dot_general(x, w, ((x_axes, tuple(range(n_in))), ((), ())))
+
+
+def _dense_fwd(x, w, n_in):
+    return _dot(x, w, n_in), (x, w)
+
+
+def _dense_bwd(n_in, residuals, dy):
+    x, w = residuals
+    n_batch, n_out = x.ndim - n_in, w.ndim - n_in
+    # dx = dy . w^T over the output axes.
+    dy_out = tuple(range(n_batch, dy.ndim))
+    dx = jax.lax.dot_general(dy, w, ((dy_out, tuple(range(n_in, w.ndim))), ((), ())))
+    # dw = x^T . dy over the batch axes, narrow operand first.
+    batch = tuple(range(n_batch))
+    if math.prod(x.shape[n_batch:]) <= math.prod(dy.shape[n_batch:]):
+        dw = jax.lax.dot_general(x, dy, ((batch, batch), ((), ())))
+    else:
+        dw_t = jax.lax.dot_general(dy, x, ((batch, batch), ((), ())))  # (out..., in...)
+        dw = dw_t.transpose(*range(n_out, n_out + n_in), *range(n_out))
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+dense.defvjp(_dense_fwd, _dense_bwd)
