@@ -18,6 +18,8 @@ import math
 
 import jax
 
+from engine.sharding import constrain
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def dense(x, w, n_in: int = 1):
@@ -51,3 +53,52 @@ def _dense_bwd(n_in, residuals, dy):
 
 
 dense.defvjp(_dense_fwd, _dense_bwd)
+
+
+def _weight_grad(x, dy):
+    """x^T . dy over the leading (batch) axes of 2-D-or-more x, dy: (in, out), narrow operand first."""
+    batch = tuple(range(x.ndim - 1))
+    if x.shape[-1] <= dy.shape[-1]:
+        return jax.lax.dot_general(x, dy, ((batch, batch), ((), ())))
+    return jax.lax.dot_general(dy, x, ((batch, batch), ((), ()))).T
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def gated_mlp(x, w_gate, w_up, w_down, activation, hidden_names=None):
+    """down(activation(x . w_gate) * (x . w_up)): SwiGLU / GeGLU.
+
+    The backward pass keeps only x and the two projections (not the activation, its
+    derivative or their product, which autodiff would also save) and recomputes the rest.
+    `hidden_names`, logical axis names of the hidden activation, constrain its sharding.
+    """
+    return _gated_fwd(x, w_gate, w_up, w_down, activation, hidden_names)[0]
+
+
+def _hidden(gate, up, activation, hidden_names):
+    h = activation(gate) * up
+    return h if hidden_names is None else constrain(h, hidden_names)
+
+
+def _gated_fwd(x, w_gate, w_up, w_down, activation, hidden_names):
+    gate, up = _dot(x, w_gate, 1), _dot(x, w_up, 1)
+    out = _dot(_hidden(gate, up, activation, hidden_names), w_down, 1)
+    return out, (x, gate, up, w_gate, w_up, w_down)
+
+
+def _gated_bwd(activation, hidden_names, residuals, dy):
+    x, gate, up, w_gate, w_up, w_down = residuals
+    act, act_vjp = jax.vjp(activation, gate)
+    h = act * up
+    d_down = _weight_grad(h, dy)
+    dh = jax.lax.dot_general(dy, w_down, (((dy.ndim - 1,), (1,)), ((), ())))
+    if hidden_names is not None:
+        dh = constrain(dh, hidden_names)
+    d_up = dh * act
+    (d_gate,) = act_vjp(dh * up)
+    dx = (jax.lax.dot_general(d_gate, w_gate, (((d_gate.ndim - 1,), (1,)), ((), ())))
+          + jax.lax.dot_general(d_up, w_up, (((d_up.ndim - 1,), (1,)), ((), ()))))
+    return (dx.astype(x.dtype), _weight_grad(x, d_gate).astype(w_gate.dtype),
+            _weight_grad(x, d_up).astype(w_up.dtype), d_down.astype(w_down.dtype))
+
+
+gated_mlp.defvjp(_gated_fwd, _gated_bwd)

@@ -19,7 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from engine.attention import causal_attention
 from engine.config import ModelConfig, RopeScaling
-from engine.dense import dense
+from engine.dense import dense, gated_mlp
 from engine.sharding import constrain
 
 # Parameters are created unsharded and placed by engine/train.py under jit with the
@@ -245,10 +245,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x_btd):
         dt = self.dtype
-        gate = dense(x_btd, self.w_gate_df[...].astype(dt))
-        up = dense(x_btd, self.w_up_df[...].astype(dt))
-        h_btf = constrain(self.activation(gate) * up, ("act_batch", "act_seq", "act_mlp"))
-        return dense(h_btf, self.w_down_fd[...].astype(dt))
+        return gated_mlp(x_btd, self.w_gate_df[...].astype(dt), self.w_up_df[...].astype(dt),
+                         self.w_down_fd[...].astype(dt), self.activation, ("act_batch", "act_seq", "act_mlp"))
 
 
 class Block(nnx.Module):

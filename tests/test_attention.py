@@ -124,3 +124,22 @@ def test_dense_gradients_equal_autodiff_of_a_plain_contraction(shapes):
     for a, b in zip(g_plain, g_dense):
         assert a.shape == b.shape
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_mlp_gradients_equal_autodiff(activation):
+    from engine.dense import gated_mlp
+    from engine.model import ACTIVATIONS
+
+    act = ACTIVATIONS[activation]
+    rng = np.random.default_rng(2)
+    x, wg, wu, wd, probe = (jnp.asarray(rng.standard_normal(s)) for s in [(2, 7, 5), (5, 11), (5, 11), (11, 5), (2, 7, 5)])
+
+    def plain(x, wg, wu, wd):
+        return (act(x @ wg) * (x @ wu)) @ wd
+
+    np.testing.assert_allclose(gated_mlp(x, wg, wu, wd, act), plain(x, wg, wu, wd), rtol=1e-6)
+    g_plain = jax.grad(lambda *a: jnp.sum(plain(*a) * probe), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+    g_fast = jax.grad(lambda *a: jnp.sum(gated_mlp(*a, act) * probe), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+    for name, a, b in zip(["x", "w_gate", "w_up", "w_down"], g_plain, g_fast):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=name)
