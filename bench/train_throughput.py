@@ -31,14 +31,12 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_jax(dtype: str, steps: int, warmup: int, remat: str) -> dict:
+def synthetic_step(dtype: str, remat: str):
+    """(trainer, params, opt_state, batch) of the reference shape on random tokens."""
     sys.path.insert(0, str(REPO))
-    import jax
     import numpy as np
 
     from engine.config import load_config
-    from engine.metrics import measure_matmul_flops
-    from engine.model import flops_per_token
     from engine.train import Trainer
 
     cfg = load_config(tree={
@@ -46,7 +44,6 @@ def run_jax(dtype: str, steps: int, warmup: int, remat: str) -> dict:
         "mesh": {"data": -1}, "data": {"batch_size": BATCH, "seq_len": SEQ},
         "optimizer": {"learning_rate": 1e-4}, "steps": 1000,
     })
-    peak = measure_matmul_flops(2048)
     trainer = Trainer(cfg)
     state = trainer.init_state()
     rng = np.random.default_rng(0)
@@ -56,7 +53,17 @@ def run_jax(dtype: str, steps: int, warmup: int, remat: str) -> dict:
         "positions": np.tile(np.arange(SEQ, dtype=np.int32), (BATCH, 1)),
         "segment_ids": np.ones((BATCH, SEQ), np.int32), "loss_mask": np.ones((BATCH, SEQ), np.float32),
     })
-    params, opt_state = state.params, state.opt_state
+    return trainer, state.params, state.opt_state, batch
+
+
+def run_jax(dtype: str, steps: int, warmup: int, remat: str) -> dict:
+    import jax
+
+    from engine.metrics import measure_matmul_flops
+    from engine.model import flops_per_token
+
+    peak = measure_matmul_flops(2048)
+    trainer, params, opt_state, batch = synthetic_step(dtype, remat)
     t0 = time.perf_counter()
     for i in range(warmup + steps):
         if i == warmup:
@@ -66,8 +73,8 @@ def run_jax(dtype: str, steps: int, warmup: int, remat: str) -> dict:
     jax.block_until_ready((params, metrics))
     step_s = (time.perf_counter() - t0) / steps
     tokens_per_second = BATCH * SEQ / step_s
-    flops = flops_per_token(cfg.model, SEQ) * tokens_per_second
-    return {"framework": "jax", "dtype": dtype, "remat": remat, "step_seconds": step_s,
+    flops = flops_per_token(trainer.cfg.model, SEQ) * tokens_per_second
+    return {"framework": "jax", "dtype": dtype, "remat": remat, "steps": steps, "step_seconds": step_s,
             "tokens_per_second": tokens_per_second, "tflops": flops / 1e12, "matmul_peak_tflops": peak / 1e12,
             "mfu_vs_matmul_peak": flops / peak, "peak_rss_mb": peak_rss_mb(),
             "loss": float(metrics["loss"]), "jax": jax.__version__, "devices": jax.device_count()}
@@ -105,7 +112,7 @@ def run_torch(dtype: str, steps: int, warmup: int) -> dict:
     step_s = (time.perf_counter() - t0) / steps
     tokens_per_second = BATCH * SEQ / step_s
     flops = flops_per_token(ModelConfig(**SHAPE), SEQ) * tokens_per_second
-    return {"framework": "torch", "dtype": dtype, "step_seconds": step_s, "tokens_per_second": tokens_per_second,
+    return {"framework": "torch", "dtype": dtype, "steps": steps, "step_seconds": step_s, "tokens_per_second": tokens_per_second,
             "tflops": flops / 1e12, "peak_rss_mb": peak_rss_mb(), "loss": float(out.loss),
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
@@ -132,6 +139,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--worker", nargs="*")
     parser.add_argument("--skip-torch", action="store_true")
+    parser.add_argument("--torch-bf16-steps", type=int, default=1,
+                        help="torch bf16 runs about 20x slower than f32 on CPUs without native bf16 matmuls")
     args = parser.parse_args()
     if args.worker:
         framework, dtype, *rest = args.worker
@@ -148,7 +157,10 @@ def main() -> None:
             if spec[0] == "torch" and args.skip_torch:
                 continue
             print(f"running {' '.join(spec)} ...", file=sys.stderr)
-            r = in_subprocess([*spec, "--steps", str(args.steps), "--warmup", str(args.warmup)])
+            steps, warmup = args.steps, args.warmup
+            if spec == ["torch", "bfloat16"]:
+                steps, warmup = args.torch_bf16_steps, min(args.warmup, 1)
+            r = in_subprocess([*spec, "--steps", str(steps), "--warmup", str(warmup)])
             if r:
                 runs.append(r)
     by = {(r["framework"], r["dtype"]): r for r in runs}

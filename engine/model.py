@@ -219,8 +219,9 @@ class Attention(nnx.Module):
         k = checkpoint_name(apply_rope(k, positions_bt, inv_freq), "qkv_proj")
         v = checkpoint_name(v, "qkv_proj")
         if cache is None:
-            out_btnh = causal_attention(q, k, v, segment_ids_bt, scale=self.scale, softcap=self.softcap,
-                                        window=self.sliding_window, local=local, block=self.attention_block)
+            with jax.named_scope("core"):
+                out_btnh = causal_attention(q, k, v, segment_ids_bt, scale=self.scale, softcap=self.softcap,
+                                            window=self.sliding_window, local=local, block=self.attention_block)
         else:  # decoding: attend over the cache, this step's keys and values written into it
             k, v, mask, cache = cache.update(k, v, window=self.sliding_window, local=local)
             out_btnh = dot_product_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
@@ -267,11 +268,13 @@ class Block(nnx.Module):
         self.post_norms = cfg.post_norms
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, local=False, cache: KVCache | None = None):
-        attn_out = self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt, local, cache)
+        with jax.named_scope("attention"):  # names the ops in profiles (bench/profile_step.py)
+            attn_out = self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt, local, cache)
         if cache is not None:
             attn_out, cache = attn_out
         x_btd = x_btd + (self.post_attn_norm(attn_out) if self.post_norms else attn_out)
-        mlp_out = self.mlp(self.mlp_norm(x_btd))
+        with jax.named_scope("mlp"):
+            mlp_out = self.mlp(self.mlp_norm(x_btd))
         x_btd = x_btd + (self.post_mlp_norm(mlp_out) if self.post_norms else mlp_out)
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
         return x_btd if cache is None else (x_btd, cache)
@@ -369,9 +372,10 @@ class Transformer(nnx.Module):
             x_btd = self._run_blocks(x_btd, positions_bt, segment_ids_bt)
         else:
             x_btd, cache = self._decode_blocks(x_btd, positions_bt, segment_ids_bt, cache)
-        x_btd = self.final_norm(x_btd)
-        head_dv = self.embed_vd[...].T if cfg.tie_embeddings else self.lm_head_dv[...]
-        logits_btv = dense(x_btd, head_dv.astype(dt))
+        with jax.named_scope("lm_head"):
+            x_btd = self.final_norm(x_btd)
+            head_dv = self.embed_vd[...].T if cfg.tie_embeddings else self.lm_head_dv[...]
+            logits_btv = dense(x_btd, head_dv.astype(dt))
         if cfg.final_logit_softcap is not None:
             cap = cfg.final_logit_softcap
             logits_btv = (cap * jnp.tanh(logits_btv.astype(jnp.float32) / cap)).astype(dt)
