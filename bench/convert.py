@@ -28,7 +28,6 @@ sys.path.insert(0, os.path.dirname(_HERE))
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -38,23 +37,11 @@ from pathlib import Path  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import machine  # noqa: E402
 from engine.safetensors_io import write_safetensors  # noqa: E402
 
 GB = 1e9
 CHUNK = 64 << 20
-
-
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
-            "cpu_count": os.cpu_count(), "load_average_at_start": list(os.getloadavg())}
 
 
 def drop_cache(path: Path) -> None:

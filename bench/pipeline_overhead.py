@@ -22,17 +22,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from contextlib import nullcontext
+from importlib.metadata import version
 from pathlib import Path
 
+from bench import machine
+
 REPO = Path(__file__).resolve().parent.parent
-LOAD_AT_START = round(os.getloadavg()[0], 2)  # the machines are shared: say how busy this one was
+LOAD_AT_START = list(os.getloadavg())  # before the run: the run itself loads the machine
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
@@ -146,14 +148,6 @@ def bench_real(root: Path, steps: int) -> dict:
     }
 
 
-def machine(server: str) -> dict:
-    import prefect
-
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpus": os.cpu_count(), "python": platform.python_version(), "prefect": prefect.__version__,
-            "prefect_server": server, "load_average_1m_at_start": LOAD_AT_START}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", type=int, default=8)
@@ -200,7 +194,7 @@ def main() -> None:
         "description": "Orchestration overhead of trainflow pipelines (Prefect flow + artifact store) beside "
                        "the stages' own work; see bench/pipeline_overhead.py",
         "command": " ".join(["python -m bench.pipeline_overhead", *sys.argv[1:]]),
-        "machine": machine(server),
+        "machine": machine(prefect=version("prefect"), prefect_server=server, load_average_at_start=LOAD_AT_START),
         "chain": {"stages": args.stages, "work_seconds_per_stage": args.work_seconds, **chain_rows},
         "tiny_pipeline": real,
     }, indent=2) + "\n")

@@ -54,7 +54,7 @@ def main() -> None:
     import jax
     from jax.profiler import ProfileData
 
-    from bench.train_throughput import BATCH, SEQ, SHAPE, synthetic_step
+    from bench.train_throughput import BATCH, SEQ, synthetic_step
     from engine.sharding import use_mesh
 
     trainer, params, opt_state, batch = synthetic_step(args.dtype, args.remat)

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench import machine
 
 import numpy as np
 
@@ -95,14 +95,12 @@ def bench_torch(model, prompts: np.ndarray, new_tokens: int, repeats: int) -> tu
     return time_best(run, repeats)
 
 
-def machine() -> dict:
+def _machine() -> dict:
     import jax
     import torch
 
-    return {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "jax": jax.__version__, "jax_backend": jax.default_backend(),
-            "jax_devices": jax.device_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "load_average": os.getloadavg()}
+    return machine(jax=jax.__version__, jax_backend=jax.default_backend(), jax_devices=jax.device_count(),
+                   torch=torch.__version__, torch_threads=torch.get_num_threads())
 
 
 def main() -> None:
@@ -142,7 +140,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     description = ("greedy generation, fixed length, no EOS; tokens/s = batch * new_tokens / best wall time of "
                    "a full generate call (prefill included); same weights in both frameworks")
-    out.write_text(json.dumps({"machine": machine(), "shape": SHAPE, "description": description, "runs": runs},
+    out.write_text(json.dumps({"machine": _machine(), "shape": SHAPE, "description": description, "runs": runs},
                               indent=2))
     print(f"wrote {out.relative_to(REPO)}")
 

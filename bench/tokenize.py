@@ -26,13 +26,14 @@ sys.path.insert(0, os.path.dirname(_HERE))
 import argparse  # noqa: E402
 import glob  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import resource  # noqa: E402
 import shutil  # noqa: E402
 import sysconfig  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+from bench import machine  # noqa: E402
 
 from engine.tokenize import TokenizeConfig, run_tokenize  # noqa: E402
 
@@ -60,27 +61,6 @@ def cpu_seconds() -> float:
     return sum(u.ru_utime + u.ru_stime for u in usage)
 
 
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import tokenizers
-
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "load_average_at_start": list(os.getloadavg()),
-        "tokenizers": tokenizers.__version__,
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=float, default=8.0, help="corpus size (MB of stdlib sources)")
@@ -89,7 +69,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "tokenize.json"))
     args = parser.parse_args()
-    info = machine()
+    import tokenizers
+
+    info = machine(tokenizers=tokenizers.__version__)
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

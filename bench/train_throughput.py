@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench import machine
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPE = dict(vocab_size=8192, d_model=384, num_layers=6, num_heads=6, num_kv_heads=2, head_dim=64,
@@ -126,11 +127,6 @@ def in_subprocess(args: list[str]) -> dict | None:
         print(f"  {' '.join(args)} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
         return None
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-            "python": platform.python_version()}
 
 
 def main() -> None:

@@ -194,19 +194,15 @@ class CheckpointConfig(Strict):
     """Start from the params of this checkpoint directory (fresh optimizer), not from scratch."""
 
 
-class TrainConfig(Strict):
-    """Everything one run of the engine needs."""
+class RunFields(Strict):
+    """What every training run has besides its model, optimizer and data (pretraining, SFT)."""
 
-    model: ModelConfig
     mesh: MeshConfig = MeshConfig()
-    optimizer: OptimizerConfig = OptimizerConfig()
     schedule: ScheduleConfig = ScheduleConfig()
-    data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     steps: int = Field(100, gt=0)
     grad_accum: int = Field(1, gt=0)
-    """Micro-batches per optimizer step; batch_size must divide evenly."""
-    z_loss: float = Field(0.0, ge=0)
+    """Micro-batches per optimizer step; data.batch_size must divide evenly."""
     seed: int = 0
     log_every: int = Field(10, gt=0)
     eval_every: int = Field(0, ge=0)
@@ -216,17 +212,34 @@ class TrainConfig(Strict):
     progress: bool = True
 
     @model_validator(mode="after")
-    def _check(self) -> "TrainConfig":
+    def _check_accumulation(self):
         if self.data.batch_size % self.grad_accum:
             raise ValueError(
                 f"data.batch_size ({self.data.batch_size}) must be divisible by grad_accum ({self.grad_accum})"
             )
+        return self
+
+
+class TrainConfig(RunFields):
+    """Everything one pretraining run of the engine needs."""
+
+    model: ModelConfig
+    optimizer: OptimizerConfig = OptimizerConfig()
+    data: DataConfig = DataConfig()
+    z_loss: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_length(self) -> "TrainConfig":
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(
                 f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})"
             )
         return self
 
+
+# ModelConfig fields that say how a run computes, not what the architecture is: a checkpoint
+# restores under any values of these, and Hugging Face configs do not carry them.
+MODEL_RUN_FIELDS = frozenset({"param_dtype", "dtype", "scan_layers", "remat", "init_std", "attention_block"})
 
 # Fields that cannot change a run's result; excluded from artifact fingerprints.
 NON_SEMANTIC_FIELDS = ("log_every", "progress", "metrics_dir", "checkpoint.async_save")
@@ -369,4 +382,8 @@ def load_config(
 
 
 def to_yaml(cfg: BaseModel) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The config as YAML, model and data sections first (the order a reader looks for them)."""
+    tree = cfg.model_dump(mode="json")
+    first = [key for key in ("model", "tokenizer", "data", "optimizer") if key in tree]
+    tree = {**{key: tree[key] for key in first}, **{k: v for k, v in tree.items() if k not in first}}
+    return yaml.safe_dump(tree, sort_keys=False)

@@ -296,7 +296,9 @@ def _atomic_write(path: Path, text: str) -> None:
 def run_evaluate(cfg: EvalConfig, checkpoints: dict[str, str | Path], out_dir: str | Path, *,
                  curves: dict[str, str | Path] | None = None, log: Callable[[str], None] | None = None) -> dict:
     """Evaluate every named checkpoint; write the report into out_dir; return report.json's content."""
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    from engine.train import log_to_stderr
+
+    log = log or log_to_stderr
     if not checkpoints:
         raise ConfigError("evaluate: no checkpoints to evaluate")
     for task in cfg.tasks:

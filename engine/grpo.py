@@ -248,7 +248,7 @@ def make_update_step(loss_fn: Callable, tx, grad_accum: int):
             metrics = {k: v if k in combine else v / grad_accum for k, v in metrics.items()}
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
+        return params, opt_state, {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     return update
 
@@ -276,19 +276,12 @@ def run_grpo(cfg: GRPOConfig, log: Callable[[str], None] | None = None) -> dict[
     from engine.policy_loss import group_advantages
     from engine.rewards import compute_rewards, load_reward, nan_stats, total_reward
     from engine.sample import Sampler, decode_completions, encode_prompts, left_pad, prompt_positions
-    from engine.sft import resolve_model, tokenizer_dir
+    from engine.sft import finetune_start
     from engine.sharding import replicated, use_mesh
-    from engine.tokenizer import load_saved
-    from engine.train import Preempted, Trainer, TrainingError, _install_sigterm, _truncate_metrics
+    from engine.train import Preempted, Trainer, TrainingError, _install_sigterm, _truncate_metrics, log_to_stderr
 
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    if not cfg.checkpoint.directory:
-        raise ConfigError("checkpoint.directory is required")
-    model_cfg = resolve_model(cfg)
-    bundle = load_saved(tokenizer_dir(cfg))
-    if bundle.vocab_size > model_cfg.vocab_size:
-        raise ConfigError(f"the tokenizer's vocabulary ({bundle.vocab_size}) is larger than the model's "
-                          f"({model_cfg.vocab_size})")
+    log = log or log_to_stderr
+    model_cfg, bundle = finetune_start(cfg)
     reward_fns = [(*load_reward(spec), spec) for spec in cfg.rewards]
     weights = [spec.weight for spec in cfg.rewards]
     prompts = PromptStream(load_prompts(cfg.data), cfg.data.shuffle, cfg.data.seed)

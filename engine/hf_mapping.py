@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.config import ConfigError, ModelConfig, RopeScaling
+from engine.config import MODEL_RUN_FIELDS, ConfigError, ModelConfig, RopeScaling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +44,6 @@ FAMILIES: dict[str, Family] = {
 }
 BY_MODEL_TYPE = {f.model_type: name for name, f in FAMILIES.items()}
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
-# Fields that describe a run rather than the architecture; left out of "can HF express it".
-RUN_FIELDS = ("param_dtype", "dtype", "scan_layers", "remat", "init_std")
 
 
 # --------------------------------------------------------------------------- config.json
@@ -217,7 +215,7 @@ def model_config_to_hf(cfg: ModelConfig, token_ids: dict | None = None) -> dict:
         hf["rope_local_base_freq"] = cfg.rope_local_theta or cfg.rope_theta
     hf.update({k: v for k, v in (token_ids or {}).items() if v is not None})
     again = model_config_from_hf(hf, param_dtype=cfg.param_dtype, where=f"family '{cfg.family}'")
-    ours, theirs = cfg.model_dump(exclude=set(RUN_FIELDS)), again.model_dump(exclude=set(RUN_FIELDS))
+    ours, theirs = cfg.model_dump(exclude=MODEL_RUN_FIELDS), again.model_dump(exclude=MODEL_RUN_FIELDS)
     for key in ours:
         if ours[key] != theirs[key]:
             raise ConfigError(

@@ -28,10 +28,9 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 import numpy as np
-from pydantic import Field, model_validator
+from pydantic import Field
 
-from engine.config import (CheckpointConfig, ConfigError, MeshConfig, ModelConfig, OptimizerConfig, ScheduleConfig,
-                           Strict, TrainConfig)
+from engine.config import MODEL_RUN_FIELDS, ConfigError, ModelConfig, OptimizerConfig, RunFields, Strict, TrainConfig
 
 # --------------------------------------------------------------------------- config
 
@@ -64,34 +63,17 @@ class SFTDataConfig(Strict):
     seed: int = 0
 
 
-class SFTConfig(Strict):
+class SFTConfig(RunFields):
     """One SFT run: the pretraining engine's sections plus SFT data."""
 
     model: ModelConfig | None = None
     """None: the architecture stored with checkpoint.init_from. If given it must describe the
-    same architecture (remat, scan_layers and dtype may differ)."""
+    same architecture (MODEL_RUN_FIELDS such as remat, scan_layers and dtype may differ)."""
     tokenizer: str | None = None
     """Tokenizer directory. None: `tokenizer/` next to checkpoint.init_from (a checkpoint artifact)."""
-    mesh: MeshConfig = MeshConfig()
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=2e-5, weight_decay=0.0)
-    schedule: ScheduleConfig = ScheduleConfig()
     data: SFTDataConfig = SFTDataConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    """checkpoint.init_from (the model to fine-tune) and checkpoint.directory are required."""
-    steps: int = Field(100, gt=0)
-    grad_accum: int = Field(1, gt=0)
-    seed: int = 0
-    log_every: int = Field(10, gt=0)
-    eval_every: int = Field(0, ge=0)
-    """Steps between held-out evaluations (0 = only at the end)."""
-    metrics_dir: str | None = None
-    progress: bool = True
-
-    @model_validator(mode="after")
-    def _check(self) -> "SFTConfig":
-        if self.data.batch_size % self.grad_accum:
-            raise ValueError(f"data.batch_size ({self.data.batch_size}) must be divisible by grad_accum ({self.grad_accum})")
-        return self
+    # checkpoint.init_from (the model to fine-tune) and checkpoint.directory are required.
 
 
 def train_config(cfg: SFTConfig, model_cfg: ModelConfig) -> TrainConfig:
@@ -311,8 +293,7 @@ def resolve_model(cfg: SFTConfig) -> ModelConfig:
     stored = ModelConfig.model_validate(meta["model"])
     if cfg.model is None:
         return stored
-    keep = {"remat", "scan_layers", "dtype"}
-    if cfg.model.model_dump(exclude=keep) != stored.model_dump(exclude=keep):
+    if cfg.model.model_dump(exclude=MODEL_RUN_FIELDS) != stored.model_dump(exclude=MODEL_RUN_FIELDS):
         raise ConfigError(f"model: differs from the architecture in {cfg.checkpoint.init_from}; omit `model`")
     return cfg.model
 
@@ -324,14 +305,11 @@ def tokenizer_dir(cfg: SFTConfig) -> Path:
     return path
 
 
-def run_sft(cfg: SFTConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Fine-tune `checkpoint.init_from` for `cfg.steps` steps (resuming if checkpoints exist)."""
-    import jax
-
+def finetune_start(cfg) -> tuple[ModelConfig, Any]:
+    """The model to fine-tune and its tokenizer bundle, for an SFT or GRPO config: checks
+    that checkpoint.directory is set and that the tokenizer fits the model's vocabulary."""
     from engine.tokenizer import load_saved
-    from engine.train import Trainer, train_loop
 
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     if not cfg.checkpoint.directory:
         raise ConfigError("checkpoint.directory is required")
     model_cfg = resolve_model(cfg)
@@ -339,6 +317,17 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] | None = None) -> dict[st
     if bundle.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer's vocabulary ({bundle.vocab_size}) is larger than the model's "
                           f"({model_cfg.vocab_size})")
+    return model_cfg, bundle
+
+
+def run_sft(cfg: SFTConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Fine-tune `checkpoint.init_from` for `cfg.steps` steps (resuming if checkpoints exist)."""
+    import jax
+
+    from engine.train import Trainer, log_to_stderr, train_loop
+
+    log = log or log_to_stderr
+    model_cfg, bundle = finetune_start(cfg)
     train_examples, held_out = load_examples(cfg.data, bundle)
     log(f"sft: {len(train_examples)} training and {len(held_out)} held-out examples")
     tcfg = train_config(cfg, model_cfg)

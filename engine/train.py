@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from engine import data as data_lib
 from engine.checkpoint import Checkpointer, load_params
-from engine.config import ConfigError, ModelConfig, TrainConfig, load_config
+from engine.config import MODEL_RUN_FIELDS, ConfigError, ModelConfig, TrainConfig, load_config
 from engine.metrics import MetricsWriter, peak_flops, read_metrics
 from engine.model import Transformer, flops_per_token
 from engine.optim import make_optimizer
@@ -148,7 +148,7 @@ def make_train_step(loss_fn: Callable, tx: optax.GradientTransformation, grad_ac
         metrics = {
             "loss": aux["nll_sum"] / normaliser,
             "objective": loss,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "tokens": aux["tokens"],
         }
         return params, opt_state, metrics
@@ -236,8 +236,8 @@ class Trainer:
         if cfg.checkpoint.init_from:
             model_cfg, params, _ = load_params(cfg.checkpoint.init_from, self.abstract_params)
             # Precision, initialisation and memory settings may differ; the architecture may not.
-            free = {"remat", "scan_layers", "dtype", "param_dtype", "init_std"}
-            saved, wanted = model_cfg.model_dump(exclude=free), cfg.model.model_dump(exclude=free)
+            saved = model_cfg.model_dump(exclude=MODEL_RUN_FIELDS)
+            wanted = cfg.model.model_dump(exclude=MODEL_RUN_FIELDS)
             if saved != wanted:
                 differing = ", ".join(f"{k} ({saved[k]!r} vs {wanted[k]!r})" for k in saved if saved[k] != wanted.get(k))
                 raise ConfigError(
@@ -277,6 +277,11 @@ def _install_sigterm() -> dict:
     return flag
 
 
+def log_to_stderr(msg: str) -> None:
+    """The default `log` of the run functions: one line to stderr, flushed."""
+    print(msg, file=sys.stderr, flush=True)
+
+
 def run_pretrain(
     cfg: TrainConfig, log: Callable[[str], None] | None = None, loss_fn_factory: Callable | None = None
 ) -> dict[str, Any]:
@@ -285,7 +290,7 @@ def run_pretrain(
     Returns the final metrics. Raises ConfigError for bad input, TrainingError for a
     non-finite loss (naming the step), Preempted after SIGTERM (a checkpoint is saved).
     """
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    log = log or log_to_stderr
     if not cfg.data.path:
         raise ConfigError("data.path is required: a token dataset directory written by the tokenize stage")
     if not cfg.checkpoint.directory:

@@ -14,15 +14,12 @@ source of every user reward module (`module:function`), so editing either makes 
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
 
-from engine.config import ConfigError, resolve_model_preset, validate
+from engine.config import ConfigError
 from engine.grpo import GRPOConfig
 from engine.rewards import BUILTIN
 from tasks.artifacts import sha256_file
-from tasks.registry import Input, StageContext, StageKind, has_input_ref
-from tasks.sft import (NON_SEMANTIC, PIPELINE_OWNED, absolute_data_path, file_digests, launch_engine, owned_values,
-                       reject_pipeline_owned, with_owned)
+from tasks.sft import FineTuneStage, absolute_data_path, file_digests
 
 
 def reward_sources(cfg: GRPOConfig) -> dict[str, str | None]:
@@ -41,23 +38,15 @@ def reward_sources(cfg: GRPOConfig) -> dict[str, str | None]:
     return digests
 
 
-class GRPOStage(StageKind):
+class GRPOStage(FineTuneStage):
     task = "grpo"
-    output = "checkpoint"
-    inputs = {"checkpoint": Input("checkpoint", doc="the policy to start from (and the KL reference) and its "
-                                                    "tokenizer/"),
-              "corpus": Input("corpus", required=False, doc="files that data paths name as {input:corpus}/...")}
+    inputs = FineTuneStage.checkpoint_inputs("the policy to start from (and the KL reference) and its tokenizer/")
     config_schema = GRPOConfig
     version = 1
-    non_semantic = NON_SEMANTIC
-    launches_child = True
+    data_doc = "a JSONL file of prompts"
 
     def resolve_config(self, raw: dict, source: str) -> GRPOConfig:
-        reject_pipeline_owned(raw, source, PIPELINE_OWNED)
-        resolve_model_preset(raw, source)
-        cfg = validate(GRPOConfig, raw, source)
-        if not cfg.data.path:
-            raise ConfigError(f"{source}: missing required key 'data.path' (a JSONL file of prompts)")
+        cfg = self.validate_raw(raw, source)
         for i, spec in enumerate(cfg.rewards):  # a misspelt reward fails validation, not the run
             module, sep, name = spec.function.partition(":")
             if spec.function in BUILTIN:
@@ -72,12 +61,5 @@ class GRPOStage(StageKind):
         return cfg.model_copy(update={"data": data})
 
     def fingerprint(self, config: GRPOConfig) -> dict:
-        fp = super().fingerprint(config)
-        if not has_input_ref(fp["data"].get("path") or ""):  # inside an input: the path names which file
-            fp["data"].pop("path", None)
+        fp = self.fingerprint_without_paths(config, ("path",))
         return {**fp, "prompt_files": file_digests(config.data.path), "reward_sources": reward_sources(config)}
-
-    def run(self, ctx: StageContext) -> dict[str, Any]:
-        tree = with_owned(ctx.config.model_dump(mode="json"), owned_values(ctx))
-        cfg = GRPOConfig.model_validate(tree)
-        return launch_engine(ctx, "engine.grpo", "grpo.yaml", cfg, cfg.steps)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from engine.config import ConfigError, resolve_model_preset, to_yaml, validate
 from engine.sft import SFTConfig
@@ -92,36 +92,59 @@ def with_owned(tree: dict, values: dict[str, str]) -> dict:
     return tree
 
 
-class SFTStage(StageKind):
-    task = "sft"
+class FineTuneStage(StageKind):
+    """What the SFT and GRPO stages share: a checkpoint (and optionally a corpus) in, a
+    checkpoint out, a JSONL `data.path`, and `python -m engine.<task>` in a child process."""
+
     output = "checkpoint"
-    inputs = {"checkpoint": Input("checkpoint", doc="the model to fine-tune (params; a fresh optimizer) "
-                                                    "and its tokenizer/"),
-              "corpus": Input("corpus", required=False, doc="files that data paths name as {input:corpus}/...")}
-    config_schema = SFTConfig
-    version = 1
     non_semantic = NON_SEMANTIC
     launches_child = True
+    data_doc: ClassVar[str]
+    """What data.path holds, for the error when it is missing."""
 
-    def resolve_config(self, raw: dict, source: str) -> SFTConfig:
+    @staticmethod
+    def checkpoint_inputs(doc: str) -> dict[str, Input]:
+        return {"checkpoint": Input("checkpoint", doc=doc),
+                "corpus": Input("corpus", required=False, doc="files that data paths name as {input:corpus}/...")}
+
+    def validate_raw(self, raw: dict, source: str):
+        """The config validated, with data.path required; pipeline-owned keys refused."""
         reject_pipeline_owned(raw, source, PIPELINE_OWNED)
         resolve_model_preset(raw, source)
-        cfg = validate(SFTConfig, raw, source)
+        cfg = validate(self.config_schema, raw, source)
         if not cfg.data.path:
-            raise ConfigError(f"{source}: missing required key 'data.path' (a JSONL file of examples)")
+            raise ConfigError(f"{source}: missing required key 'data.path' ({self.data_doc})")
+        return cfg
+
+    def fingerprint_without_paths(self, config, keys: tuple[str, ...]) -> dict:
+        """The fingerprint less data paths outside the store: their files' bytes identify them
+        (added by the caller), not where they lie. A path inside an input names which file."""
+        fp = super().fingerprint(config)
+        for key in keys:
+            if not has_input_ref(fp["data"].get(key) or ""):
+                fp["data"].pop(key, None)
+        return fp
+
+    def run(self, ctx: StageContext) -> dict[str, Any]:
+        tree = with_owned(ctx.config.model_dump(mode="json"), owned_values(ctx))
+        cfg = self.config_schema.model_validate(tree)
+        return launch_engine(ctx, f"engine.{self.task}", f"{self.task}.yaml", cfg, cfg.steps)
+
+
+class SFTStage(FineTuneStage):
+    task = "sft"
+    inputs = FineTuneStage.checkpoint_inputs("the model to fine-tune (params; a fresh optimizer) and its tokenizer/")
+    config_schema = SFTConfig
+    version = 1
+    data_doc = "a JSONL file of examples"
+
+    def resolve_config(self, raw: dict, source: str) -> SFTConfig:
+        cfg = self.validate_raw(raw, source)
         data = cfg.data.model_copy(update={
             "path": absolute_data_path(cfg.data.path, "data.path", source),
             "eval_path": absolute_data_path(cfg.data.eval_path, "data.eval_path", source)})
         return cfg.model_copy(update={"data": data})
 
     def fingerprint(self, config: SFTConfig) -> dict:
-        fp = super().fingerprint(config)
-        for key in ("path", "eval_path"):  # the bytes identify a file outside the store, not where it lies
-            if not has_input_ref(fp["data"].get(key) or ""):  # inside an input: the path names which file
-                fp["data"].pop(key, None)
+        fp = self.fingerprint_without_paths(config, ("path", "eval_path"))
         return {**fp, "data_files": file_digests(config.data.path), "eval_files": file_digests(config.data.eval_path)}
-
-    def run(self, ctx: StageContext) -> dict[str, Any]:
-        tree = with_owned(ctx.config.model_dump(mode="json"), owned_values(ctx))
-        cfg = SFTConfig.model_validate(tree)
-        return launch_engine(ctx, "engine.sft", "sft.yaml", cfg, cfg.steps)
