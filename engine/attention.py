@@ -46,12 +46,19 @@ def _mask(segment_bt, q0: int, q1: int, window, local):
 
 def _scores(q_bktgh, k_bksh, mask_bts, scale, softcap):
     """Masked scores (b, k, t, g, s) in float32, and tanh(raw / softcap) when capped."""
-    raw = jnp.einsum("bktgh,bksh->bktgs", q_bktgh, k_bksh, preferred_element_type=jnp.float32) * scale
+    raw = jnp.einsum("bkrh,bksh->bkrs", _rows(q_bktgh), k_bksh, preferred_element_type=jnp.float32)
+    raw = raw.reshape(*q_bktgh.shape[:-1], k_bksh.shape[2]) * scale
     capped = None
     if softcap is not None:
         capped = jnp.tanh(raw / softcap)
         raw = softcap * capped
     return jnp.where(mask_bts[:, None, :, None, :], raw, NEG_INF), capped
+
+
+def _rows(x):
+    """(b, k, t, g, last) -> (b, k, t * g, last): one row per query head and position (free)."""
+    b, k, t, g, last = x.shape
+    return x.reshape(b, k, t * g, last)
 
 
 def _to_heads(q_btnh, k_bskh, v_bskh):
@@ -70,7 +77,8 @@ def _forward(q, k, v, segment_bt, local, scale, softcap, window, block):
         m = jnp.max(scores, axis=-1, keepdims=True)
         p = jnp.exp(scores - m)
         denom = jnp.sum(p, axis=-1)
-        o = jnp.einsum("bktgs,bksh->bktgh", p.astype(v.dtype), v[:, :, :q1], preferred_element_type=jnp.float32)
+        o = jnp.einsum("bkrs,bksh->bkrh", _rows(p.astype(v.dtype)), v[:, :, :q1], preferred_element_type=jnp.float32)
+        o = o.reshape(*p.shape[:-1], v.shape[-1])
         outs.append((o / denom[..., None]).astype(q.dtype))
         lses.append(m[..., 0] + jnp.log(denom))
     return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
@@ -97,15 +105,17 @@ def _attention_bwd(scale, softcap, window, block, residuals, do):
         scores, capped = _scores(q_b, k[:, :, :q1], _mask(segment_bt, q0, q1, window, local), scale, softcap)
         p = jnp.exp(scores - lse[:, :, q0:q1, :, None])
         dv_t = dv_t.at[..., :q1].add(
-            jnp.einsum("bktgh,bktgs->bkhs", do_b, p.astype(do.dtype), preferred_element_type=jnp.float32))
-        dp = jnp.einsum("bktgh,bksh->bktgs", do_b, v[:, :, :q1], preferred_element_type=jnp.float32)
+            jnp.einsum("bkrh,bkrs->bkhs", _rows(do_b), _rows(p.astype(do.dtype)), preferred_element_type=jnp.float32))
+        dp = jnp.einsum("bkrh,bksh->bkrs", _rows(do_b), v[:, :, :q1], preferred_element_type=jnp.float32)
+        dp = dp.reshape(p.shape)
         ds = p * (dp - delta[:, :, q0:q1, :, None])
         if capped is not None:
             ds = ds * (1.0 - jnp.square(capped))
         ds = (ds * scale).astype(q.dtype)
-        dq_blocks.append(jnp.einsum("bktgs,bksh->bktgh", ds, k[:, :, :q1], preferred_element_type=jnp.float32))
+        dq = jnp.einsum("bkrs,bksh->bkrh", _rows(ds), k[:, :, :q1], preferred_element_type=jnp.float32)
+        dq_blocks.append(dq.reshape(q_b.shape))
         dk_t = dk_t.at[..., :q1].add(
-            jnp.einsum("bktgh,bktgs->bkhs", q_b, ds, preferred_element_type=jnp.float32))
+            jnp.einsum("bkrh,bkrs->bkhs", _rows(q_b), _rows(ds), preferred_element_type=jnp.float32))
     dq = jnp.concatenate(dq_blocks, axis=2).astype(q.dtype)
     dk = dk_t.swapaxes(2, 3).astype(k.dtype)
     dv = dv_t.swapaxes(2, 3).astype(v.dtype)
