@@ -28,10 +28,10 @@ NEG_INF = -1e30  # finite: a fully masked row stays finite (uniform), never NaN
 
 
 def query_blocks(t: int, block: int) -> list[tuple[int, int]]:
-    """[start, end) of each query block; one block when `block` does not divide t."""
-    if block <= 0 or t <= block or t % block:
+    """[start, end) of each query block (the last may be shorter); one block if block is 0."""
+    if block <= 0 or t <= block:
         return [(0, t)]
-    return [(i, i + block) for i in range(0, t, block)]
+    return [(i, min(i + block, t)) for i in range(0, t, block)]
 
 
 def _mask(segment_bt, q0: int, q1: int, window, local):

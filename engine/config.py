@@ -94,7 +94,7 @@ class ModelConfig(Strict):
     """Which activations the backward pass recomputes (none = keep all)."""
     attention_block: int = Field(128, ge=0)
     """Query block of causal attention in training and prefill (engine/attention.py): blocks
-    skip the masked upper triangle. 0, or a length it does not divide, means one block."""
+    skip the masked upper triangle. 0 means one block (the whole sequence)."""
 
     @model_validator(mode="after")
     def _check_heads(self) -> "ModelConfig":

@@ -42,15 +42,15 @@ def _blocked(q, k, v, case, block):
                             local=case["local"], block=block)
 
 
-def test_query_blocks_cover_the_sequence_or_fall_back_to_one():
+def test_query_blocks_cover_the_sequence():
     assert query_blocks(40, 8) == [(0, 8), (8, 16), (16, 24), (24, 32), (32, 40)]
+    assert query_blocks(40, 16) == [(0, 16), (16, 32), (32, 40)]  # the last block is shorter
     assert query_blocks(40, 0) == [(0, 40)]
-    assert query_blocks(40, 7) == [(0, 40)]  # does not divide
     assert query_blocks(40, 64) == [(0, 40)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
-@pytest.mark.parametrize("block", [8, 0])
+@pytest.mark.parametrize("block", [8, 16, 0])
 def test_blocked_attention_and_its_gradients_equal_the_reference(case, block):
     q, k, v, w = _qkv()
     case = CASES[case]
