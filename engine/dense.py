@@ -36,31 +36,30 @@ def _dense_fwd(x, w, n_in):
     return _dot(x, w, n_in), (x, w)
 
 
-def _dense_bwd(n_in, residuals, dy):
-    x, w = residuals
-    n_batch, n_out = x.ndim - n_in, w.ndim - n_in
-    # dx = dy . w^T over the output axes.
-    dy_out = tuple(range(n_batch, dy.ndim))
-    dx = jax.lax.dot_general(dy, w, ((dy_out, tuple(range(n_in, w.ndim))), ((), ())))
-    # dw = x^T . dy over the batch axes, narrow operand first.
+def _input_grad(dy, w, n_in):
+    """dy . w^T over the output axes: the gradient of x in x . w."""
+    dy_out = tuple(range(dy.ndim - (w.ndim - n_in), dy.ndim))
+    return jax.lax.dot_general(dy, w, ((dy_out, tuple(range(n_in, w.ndim))), ((), ())))
+
+
+def _weight_grad(x, dy, n_in: int = 1):
+    """x^T . dy over the batch axes (in..., out...), the narrower operand put first: XLA:CPU
+    transposes the first operand, and the narrow one is the cheap one to transpose."""
+    n_batch = x.ndim - n_in
     batch = tuple(range(n_batch))
     if math.prod(x.shape[n_batch:]) <= math.prod(dy.shape[n_batch:]):
-        dw = jax.lax.dot_general(x, dy, ((batch, batch), ((), ())))
-    else:
-        dw_t = jax.lax.dot_general(dy, x, ((batch, batch), ((), ())))  # (out..., in...)
-        dw = dw_t.transpose(*range(n_out, n_out + n_in), *range(n_out))
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+        return jax.lax.dot_general(x, dy, ((batch, batch), ((), ())))
+    n_out = dy.ndim - n_batch
+    dw_t = jax.lax.dot_general(dy, x, ((batch, batch), ((), ())))  # (out..., in...)
+    return dw_t.transpose(*range(n_out, n_out + n_in), *range(n_out))
+
+
+def _dense_bwd(n_in, residuals, dy):
+    x, w = residuals
+    return _input_grad(dy, w, n_in).astype(x.dtype), _weight_grad(x, dy, n_in).astype(w.dtype)
 
 
 dense.defvjp(_dense_fwd, _dense_bwd)
-
-
-def _weight_grad(x, dy):
-    """x^T . dy over the leading (batch) axes of 2-D-or-more x, dy: (in, out), narrow operand first."""
-    batch = tuple(range(x.ndim - 1))
-    if x.shape[-1] <= dy.shape[-1]:
-        return jax.lax.dot_general(x, dy, ((batch, batch), ((), ())))
-    return jax.lax.dot_general(dy, x, ((batch, batch), ((), ()))).T
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -90,13 +89,12 @@ def _gated_bwd(activation, hidden_names, residuals, dy):
     act, act_vjp = jax.vjp(activation, gate)
     h = act * up
     d_down = _weight_grad(h, dy)
-    dh = jax.lax.dot_general(dy, w_down, (((dy.ndim - 1,), (1,)), ((), ())))
+    dh = _input_grad(dy, w_down, 1)
     if hidden_names is not None:
         dh = constrain(dh, hidden_names)
     d_up = dh * act
     (d_gate,) = act_vjp(dh * up)
-    dx = (jax.lax.dot_general(d_gate, w_gate, (((d_gate.ndim - 1,), (1,)), ((), ())))
-          + jax.lax.dot_general(d_up, w_up, (((d_up.ndim - 1,), (1,)), ((), ()))))
+    dx = _input_grad(d_gate, w_gate, 1) + _input_grad(d_up, w_up, 1)
     return (dx.astype(x.dtype), _weight_grad(x, d_gate).astype(w_gate.dtype),
             _weight_grad(x, d_up).astype(w_up.dtype), d_down.astype(w_down.dtype))
 
