@@ -38,7 +38,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import machine  # noqa: E402
-from engine.safetensors_io import write_safetensors  # noqa: E402
+from engine.interop.hf.safetensors_io import write_safetensors  # noqa: E402
 
 GB = 1e9
 CHUNK = 64 << 20

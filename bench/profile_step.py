@@ -55,7 +55,7 @@ def main() -> None:
     from jax.profiler import ProfileData
 
     from bench.train_throughput import BATCH, SEQ, synthetic_step
-    from engine.sharding import use_mesh
+    from engine.ops.partitioning import use_mesh
 
     trainer, params, opt_state, batch = synthetic_step(args.dtype, args.remat)
     params, opt_state, metrics = trainer.train_step(params, opt_state, batch)

@@ -36,8 +36,8 @@ def make_models(workdir: Path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.checkpoint import load_params
-    from engine.hf import convert_hf
+    from engine.train.checkpoint import load_params
+    from engine.interop.hf.convert import convert_hf
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -65,7 +65,7 @@ def time_best(fn, repeats: int) -> tuple[float, object]:
 def bench_engine(model_cfg, params, prompts: np.ndarray, new_tokens: int, repeats: int) -> tuple[float, np.ndarray]:
     import jax
 
-    from engine.sample import Sampler
+    from engine.inference.sample import Sampler
 
     sampler = Sampler(model_cfg)
     params = jax.device_put(params)

@@ -35,7 +35,7 @@ from pathlib import Path  # noqa: E402
 
 from bench import machine  # noqa: E402
 
-from engine.tokenize import TokenizeConfig, run_tokenize  # noqa: E402
+from engine.data.tokenize import TokenizeConfig, run_tokenize  # noqa: E402
 
 MB = 1 << 20
 

@@ -38,7 +38,7 @@ def synthetic_step(dtype: str, remat: str):
     import numpy as np
 
     from engine.config import load_config
-    from engine.train import Trainer
+    from engine.train.trainer import Trainer
 
     cfg = load_config(tree={
         "model": {**SHAPE, "dtype": dtype, "remat": remat},
@@ -60,8 +60,8 @@ def synthetic_step(dtype: str, remat: str):
 def run_jax(dtype: str, steps: int, warmup: int, remat: str) -> dict:
     import jax
 
-    from engine.metrics import measure_matmul_flops
-    from engine.model import flops_per_token
+    from engine.train.metrics import measure_matmul_flops
+    from engine.models.params import flops_per_token
 
     peak = measure_matmul_flops(2048)
     trainer, params, opt_state, batch = synthetic_step(dtype, remat)
@@ -86,8 +86,8 @@ def run_torch(dtype: str, steps: int, warmup: int) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     sys.path.insert(0, str(REPO))
-    from engine.config import ModelConfig
-    from engine.model import flops_per_token
+    from engine.models.config import ModelConfig
+    from engine.models.params import flops_per_token
 
     torch.manual_seed(0)
     config = LlamaConfig(

@@ -13,6 +13,12 @@
 Overrides: `pretrain.steps=200` sets stages.pretrain.config.steps; other keys start at the
 top of the pipeline (`store=/data/artifacts`, `stages.pretrain.retries=3`).
 Exit codes: 0 success, 1 a stage or check failed, 2 bad input, 143 stopped by a signal.
+`trainflow --version` prints the installed version.
+
+This module is the one documented place where imports sit inside functions: Prefect (seconds
+to import) loads only for `run` and `serve`, JAX only for `generate`, so validating a
+pipeline, `status`, `lineage`, `ls` and `verify` answer without either. tests/test_imports.py
+holds every other module to module-level imports.
 """
 
 from __future__ import annotations
@@ -21,16 +27,22 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
 from pathlib import Path
 
+from engine import __version__
 from engine.config import ConfigError
-from engine.generate import add_sampling_arguments
+from engine.contract import MANIFEST
+from engine.inference.options import add_sampling_arguments
 from flows.inspect import format_lineage, format_table, lineage, list_rows, status_rows
 from flows.spec import load_plan
-from tasks.artifacts import ArtifactError, ArtifactStore, resolve_artifact, verify_artifact
+from tasks.artifacts import ArtifactError, ArtifactStore, artifact_id, resolve_artifact, verify_artifact
+from tasks.launch import StageFailed, terminate_children
+from tasks.registry import StageHooks, get_stage_kind
+from tasks.runner import StageJob, execute_stage
 
 DEFAULT_STORE = "artifacts"
 
@@ -47,7 +59,6 @@ def cmd_run(args) -> int:
     from prefect.exceptions import TerminationSignal  # Prefect takes seconds to import
 
     from flows.pipeline import PipelineFailed, run_plan
-    from tasks.launch import terminate_children
 
     stopping = threading.Event()
 
@@ -161,7 +172,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from engine.generate import generate  # JAX loads only for this command
+    from engine.inference.generate import generate  # JAX loads only for this command
 
     try:
         args.checkpoint = str(resolve_artifact(args.artifact, _store_arg(args)))
@@ -174,11 +185,6 @@ def cmd_generate(args) -> int:
 
 def _run_one_stage(task: str, config: dict, inputs: dict, store: ArtifactStore):
     """Run a single stage outside a pipeline (no Prefect), with the usual skip, manifest and lineage."""
-    from tasks.artifacts import artifact_id
-    from tasks.launch import StageFailed
-    from tasks.registry import StageHooks, get_stage_kind
-    from tasks.runner import StageJob, execute_stage
-
     kind = get_stage_kind(task)
     cfg = kind.resolve_config(dict(config), f"trainflow {task}")
     ids = {name: aid for name, (_, aid) in inputs.items()}
@@ -201,21 +207,20 @@ def cmd_convert(args) -> int:
 
 def cmd_export(args) -> int:
     directory = resolve_artifact(args.artifact, _store_arg(args))
-    manifest = json.loads((directory / "artifact.json").read_text())
+    manifest = json.loads((directory / MANIFEST).read_text())
     store = ArtifactStore(directory.parent.parent)  # the export lands beside its input
     config = {"max_shard_gb": args.max_shard_gb, **({"step": args.step} if args.step is not None else {})}
     result = _run_one_stage("export", config, {"checkpoint": (manifest["stage"], manifest["id"])}, store)
     if result is None:
         return 1
     if args.out:
-        import shutil
-
         shutil.copytree(result.path / "hf", args.out, dirs_exist_ok=True)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainflow", description="Declarative LLM training pipelines on Prefect.")
+    parser.add_argument("--version", action="version", version=f"trainflow {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name, func, help_text, pipeline=False, artifact=False):

@@ -333,8 +333,3 @@ class Pipeline:
 
     def status(self, store: str | Path | None = None) -> dict:
         return self.plan(store).status()
-
-    def run(self, store: str | Path | None = None, **kwargs: Any) -> dict:
-        from flows.pipeline import run_plan  # Prefect is imported only to run
-
-        return run_plan(self.plan(store), **kwargs)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.synthetic import ArithmeticConfig, write_arithmetic
+from engine.data.synthetic import ArithmeticConfig, write_arithmetic
 from tasks.registry import StageContext, StageKind
 
 

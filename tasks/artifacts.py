@@ -24,10 +24,12 @@ import subprocess
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-MANIFEST = "artifact.json"
+from engine.contract import MANIFEST
+
 LOCK = ".lock"
 ID_LENGTH = 16  # hex digits of sha256 kept in an id: 64 bits, plenty for one store
 
@@ -160,8 +162,6 @@ def code_version() -> dict:
     if _CODE_VERSION is None:
         root = Path(__file__).resolve().parent.parent
         try:
-            from importlib.metadata import version
-
             package_version = version("trainflow")
         except Exception:
             package_version = _pyproject_version(root / "pyproject.toml")

@@ -1,26 +1,28 @@
 """The convert stage: a Hugging Face model directory in, a checkpoint artifact out.
 
     <out>/checkpoint/   Orbax CheckpointManager directory, step 0, params + meta only
-                        (engine.checkpoint.load_params; a pretrain/SFT stage's `init` input)
+                        (engine.train.checkpoint.load_params; a pretrain/SFT stage's `init` input)
     <out>/tokenizer/    the source's tokenizer files
     <out>/model.yaml    the engine ModelConfig the weights were converted to
 
-The engine runs in a child process (`python -m engine.hf convert SOURCE <out>`). The source
-is outside the store, so the artifact id covers its files (engine.hf.source_fingerprint):
+The engine runs in a child process (`python -m engine.interop.hf convert SOURCE <out>`). The
+source is outside the store, so the artifact id covers its files (engine.interop.hf.files):
 replacing the weights makes a new artifact rather than silently reusing the old one.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
 from engine.config import ConfigError, Strict, validate
-from tasks.registry import StageContext, StageKind
+from engine.interop.hf.files import source_fingerprint
+from engine.interop.hf.mapping import model_config_from_hf
+from tasks.engine_stage import EngineStage
+from tasks.registry import StageContext
 
 
 class ConvertConfig(Strict):
@@ -33,16 +35,15 @@ class ConvertConfig(Strict):
     """Stored parameter dtype. None keeps the source's: bfloat16 stays, others become float32."""
 
 
-class ConvertStage(StageKind):
+class ConvertStage(EngineStage):
     task = "convert"
+    entry_point = "hf"
     output = "checkpoint"
     inputs = {}
     config_schema = ConvertConfig
-    version = 1
+    version = 2  # 2: the checkpoint's meta holds `compute` apart from the architecture
 
     def resolve_config(self, raw: dict, source: str) -> ConvertConfig:
-        from engine.hf import model_config_from_hf
-
         cfg = validate(ConvertConfig, raw, source)
         config_path = Path(cfg.source).expanduser() / "config.json"
         if not config_path.is_file():
@@ -55,17 +56,15 @@ class ConvertStage(StageKind):
         return cfg.model_copy(update={"source": str(Path(cfg.source).expanduser().absolute())})
 
     def fingerprint(self, config: ConvertConfig) -> dict:
-        from engine.hf import source_fingerprint
-
         # The source's files, not its path: the same weights elsewhere are the same artifact.
         return {"dtype": config.dtype, "source_files": source_fingerprint(config.source)}
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
         cfg, out = ctx.config, ctx.out_dir
-        argv = [sys.executable, "-m", "engine.hf", "convert", cfg.source, str(out)]
+        argv = ["convert", cfg.source, str(out)]
         if cfg.dtype:
             argv += ["--dtype", cfg.dtype]
-        result = ctx.launch(argv).result or {}
+        result = self.launch_engine(ctx, *argv)
         if "model" in result:
             (out / "model.yaml").write_text(yaml.safe_dump(result["model"], sort_keys=False))
         seconds = result.get("seconds") or float("nan")

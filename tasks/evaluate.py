@@ -1,6 +1,6 @@
 """The evaluate stage: checkpoints in, an eval_report artifact out.
 
-    <out>/report.json, report.md, loss_curves.png, metrics.png, samples.jsonl  (engine/evaluate.py)
+    <out>/report.json, report.md, loss_curves.png, metrics.png, samples.jsonl  (engine/evaluate)
     <out>/evaluate.yaml                                                          the resolved config
 
 Inputs: `dataset` (optional; held-out loss on its validation split), `corpus` (optional;
@@ -17,18 +17,16 @@ The loss curves are those of every training stage in the models' lineage.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from engine.config import ConfigError, validate
-from engine.evaluate import EvalConfig
-from tasks.registry import Input, StageContext, StageKind
-from tasks.sft import reject_pipeline_owned
-
-TRAINING_OUTPUTS = "metrics.jsonl"
+from engine.contract import CHECKPOINT_DIR, DATA_DIR, MANIFEST, METRICS_FILE
+from engine.evaluate.config import EvalConfig
+from tasks.engine_stage import EngineStage
+from tasks.registry import Input, StageContext
 
 
 def _ancestors(ref_path: Path, store_root: Path) -> list[tuple[str, Path]]:
@@ -36,7 +34,7 @@ def _ancestors(ref_path: Path, store_root: Path) -> list[tuple[str, Path]]:
     seen: dict[Path, str] = {}
 
     def visit(path: Path) -> None:
-        manifest_path = path / "artifact.json"
+        manifest_path = path / MANIFEST
         if path in seen or not manifest_path.is_file():
             return
         manifest = json.loads(manifest_path.read_text())
@@ -48,8 +46,9 @@ def _ancestors(ref_path: Path, store_root: Path) -> list[tuple[str, Path]]:
     return [(stage, path) for path, stage in seen.items()]
 
 
-class EvaluateStage(StageKind):
+class EvaluateStage(EngineStage):
     task = "evaluate"
+    entry_point = "evaluate"
     output = "eval_report"
     inputs = {
         "dataset": Input("dataset", required=False, doc="token dataset for held-out loss"),
@@ -58,10 +57,10 @@ class EvaluateStage(StageKind):
     other_inputs = Input("checkpoint", doc="a model to evaluate, named by its input name")
     config_schema = EvalConfig
     version = 1
-    launches_child = True
+    pipeline_owned = {"data_path": "input 'dataset'"}
 
     def resolve_config(self, raw: dict, source: str) -> EvalConfig:
-        reject_pipeline_owned(raw, source, {"data_path": "input 'dataset'"})
+        self.reject_pipeline_owned(raw, source)
         return validate(EvalConfig, raw, source)
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
@@ -71,17 +70,17 @@ class EvaluateStage(StageKind):
             raise ConfigError(f"stage '{ctx.stage}': no checkpoint inputs to evaluate")
         tree = ctx.config.model_dump(mode="json")
         if "dataset" in ctx.inputs:
-            tree["data_path"] = str(ctx.inputs["dataset"].path / "data")
+            tree["data_path"] = str(ctx.inputs["dataset"].path / DATA_DIR)
         store_root = next(iter(models.values())).path.parent.parent
         curves = {}
         for ref in models.values():
             for stage, path in _ancestors(ref.path, store_root):
-                if (path / TRAINING_OUTPUTS).is_file() and (path / "checkpoint").is_dir():
-                    curves[stage] = str(path / TRAINING_OUTPUTS)
-        job = {"config": tree, "checkpoints": {name: str(ref.path / "checkpoint") for name, ref in models.items()},
+                if (path / METRICS_FILE).is_file() and (path / CHECKPOINT_DIR).is_dir():
+                    curves[stage] = str(path / METRICS_FILE)
+        job = {"config": tree, "checkpoints": {name: str(ref.path / CHECKPOINT_DIR) for name, ref in models.items()},
                "curves": curves}
         (out / "evaluate.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
-        ctx.launch([sys.executable, "-m", "engine.evaluate", str(out / "evaluate.yaml"), str(out)])
+        self.launch_engine(ctx, str(out / "evaluate.yaml"), str(out))
         report = json.loads((out / "report.json").read_text())
         ctx.log((out / "report.md").read_text().split("\n\n")[1])  # the table
         return {f"{name}/{key}": value for name, metrics in report["models"].items()

@@ -4,20 +4,21 @@
                 model.safetensors.index.json and the checkpoint's tokenizer files:
                 transformers.AutoModelForCausalLM.from_pretrained("<out>/hf") loads it
 
-The engine runs in a child process (`python -m engine.hf export`). The checkpoint's model
+The engine runs in a child process (`python -m engine.interop.hf export`). The checkpoint's model
 config must be expressible in its family's transformers class (e.g. a `llama` with
 qk_norm is not); the error names the field.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from pydantic import Field
 
 from engine.config import Strict
-from tasks.registry import Input, StageContext, StageKind
+from engine.contract import CHECKPOINT_DIR, TOKENIZER_DIR
+from tasks.engine_stage import EngineStage
+from tasks.registry import Input, StageContext
 
 
 class ExportConfig(Strict):
@@ -29,8 +30,9 @@ class ExportConfig(Strict):
     """Largest safetensors shard, in GB (10^9 bytes)."""
 
 
-class ExportStage(StageKind):
+class ExportStage(EngineStage):
     task = "export"
+    entry_point = "hf"
     output = "hf_model"
     inputs = {"checkpoint": Input("checkpoint", doc="a checkpoint artifact (convert, pretrain, SFT, ...)")}
     config_schema = ExportConfig
@@ -38,11 +40,11 @@ class ExportStage(StageKind):
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
         source = ctx.inputs["checkpoint"].path
-        argv = [sys.executable, "-m", "engine.hf", "export", str(source / "checkpoint"), str(ctx.out_dir / "hf"),
-                "--max-shard-gb", str(ctx.config.max_shard_gb)]
+        argv = ["export", str(source / CHECKPOINT_DIR), str(ctx.out_dir / "hf"), "--max-shard-gb",
+                str(ctx.config.max_shard_gb)]
         if ctx.config.step is not None:
             argv += ["--step", str(ctx.config.step)]
-        if (source / "tokenizer").is_dir():
-            argv += ["--tokenizer", str(source / "tokenizer")]
-        result = ctx.launch(argv).result or {}
+        if (source / TOKENIZER_DIR).is_dir():
+            argv += ["--tokenizer", str(source / TOKENIZER_DIR)]
+        result = self.launch_engine(ctx, *argv)
         return {key: result.get(key) for key in ("architecture", "step", "bytes", "shards", "seconds")}

@@ -1,12 +1,12 @@
 """The grpo stage (GRPO or GSPO): a checkpoint artifact and a JSONL file of prompts in, a
 checkpoint artifact out.
 
-    <out>/checkpoint/     Orbax checkpoints (engine.checkpoint.load_params)
+    <out>/checkpoint/     Orbax checkpoints (engine.train.checkpoint.load_params)
     <out>/tokenizer/      the input checkpoint's tokenizer, carried along
     <out>/grpo.yaml       the resolved engine config the child ran
     <out>/metrics.jsonl   per step: rewards per function, KL, clip ratios, lengths, timings
 
-The engine runs in a child process (`python -m engine.grpo <out>/grpo.yaml`); a re-run
+The engine runs in a child process (`python -m engine.posttrain.grpo <out>/grpo.yaml`); a re-run
 resumes from the latest checkpoint. The artifact id covers the prompts' bytes and the
 source of every user reward module (`module:function`), so editing either makes a new one.
 """
@@ -16,10 +16,10 @@ from __future__ import annotations
 import importlib.util
 
 from engine.config import ConfigError
-from engine.grpo import GRPOConfig
-from engine.rewards import BUILTIN
+from engine.posttrain.config import GRPOConfig
+from engine.posttrain.rewards import BUILTIN
 from tasks.artifacts import sha256_file
-from tasks.sft import FineTuneStage, absolute_data_path, file_digests
+from tasks.engine_stage import FineTuneStage, absolute_data_path, file_digests
 
 
 def reward_sources(cfg: GRPOConfig) -> dict[str, str | None]:
@@ -40,9 +40,10 @@ def reward_sources(cfg: GRPOConfig) -> dict[str, str | None]:
 
 class GRPOStage(FineTuneStage):
     task = "grpo"
+    entry_point = "grpo"
     inputs = FineTuneStage.checkpoint_inputs("the policy to start from (and the KL reference) and its tokenizer/")
     config_schema = GRPOConfig
-    version = 1
+    version = 2  # 2: the checkpoint's meta holds `compute` apart from the architecture
     data_doc = "a JSONL file of prompts"
 
     def resolve_config(self, raw: dict, source: str) -> GRPOConfig:

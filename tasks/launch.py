@@ -1,7 +1,7 @@
 """Launchers: how a stage runs the engine in child process(es), and the watching of them.
 
     local        one child process (the default)
-    local-multi  N processes on this machine joined by jax.distributed (engine/train.py
+    local-multi  N processes on this machine joined by jax.distributed (engine/parallel/distributed.py
                  reads TRAINFLOW_COORDINATOR / TRAINFLOW_NUM_PROCESSES / TRAINFLOW_PROCESS_ID)
     command      a template around the command, for clusters: "srun -N 2 {command}"
 
@@ -31,12 +31,8 @@ from typing import Any, Callable, Literal
 from pydantic import Field, model_validator
 
 from engine.config import ConfigError, Strict
+from engine.contract import EXIT_CONFIG_ERROR, EXIT_PREEMPTED, RESULT_PREFIX
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-
-# Exit codes of engine entry points (python -m engine.train): see engine/train.py main().
-EXIT_CONFIG_ERROR = 2
-EXIT_PREEMPTED = 143
 
 
 class StageFailed(RuntimeError):
@@ -124,10 +120,10 @@ def _free_port() -> int:
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The parent's environment, with this project importable and output unbuffered."""
+    """The parent's environment with output unbuffered. Children run `sys.executable -m
+    engine...`, which imports the installed package (a wheel, or an editable install of a
+    checkout), so no PYTHONPATH is added."""
     env = dict(os.environ)
-    paths = [str(PROJECT_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
@@ -224,7 +220,7 @@ def _emit(line: str, log, prefix, tail, results) -> None:
     line = line.rstrip()
     if not line:
         return
-    if line.startswith('{"result":'):
+    if line.startswith(RESULT_PREFIX):
         try:
             results.append(json.loads(line)["result"])
             return

@@ -4,7 +4,7 @@
     <out>/tokenizer/     Hugging Face tokenizer files
     <out>/tokenize.yaml  the resolved config the child ran
 
-The engine runs in a child process (`python -m engine.tokenize <out>/tokenize.yaml <out>`),
+The engine runs in a child process (`python -m engine.data.tokenize <out>/tokenize.yaml <out>`),
 itself a pool of worker processes. Re-run on the same directory, it redoes only the shards
 that were not finished.
 
@@ -22,15 +22,15 @@ import sys
 import yaml
 
 from engine.config import ConfigError, validate
-from engine.tokenize import MB, NON_SEMANTIC_FIELDS, TokenizeConfig, fingerprint
+from engine.contract import ENTRY_POINTS
+from engine.data.sources import plan_source
+from engine.data.tokenize import MB, NON_SEMANTIC_FIELDS, TokenizeConfig, fingerprint
 from tasks.registry import Input, StageContext, StageKind, has_input_ref
 
 _PROGRESS = re.compile(r"tokenize: (\d+)/(\d+) shards")
 
 
 def _input_parts(cfg: TokenizeConfig) -> list:
-    from engine.sources import plan_source
-
     target = max(int(cfg.shard_size_mb * MB), 1)
     # A source inside an input artifact (`{input:corpus}/...`) does not exist before the
     # pipeline runs; the input's artifact id identifies its content instead.
@@ -70,7 +70,8 @@ class TokenizeStage(StageKind):
             if match:
                 ctx.hooks.progress(int(match.group(1)) / max(int(match.group(2)), 1))
 
-        ctx.launch([sys.executable, "-m", "engine.tokenize", str(out / "tokenize.yaml"), str(out)], on_line=on_line)
+        ctx.launch([sys.executable, "-m", ENTRY_POINTS["tokenize"], str(out / "tokenize.yaml"), str(out)],
+                   on_line=on_line)
         meta = json.loads((out / "data" / "meta.json").read_text())
         stats = meta.get("stats", {})
         metrics = {key: stats[key] for key in ("documents", "tokens", "bytes") if key in stats}

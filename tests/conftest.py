@@ -28,7 +28,7 @@ def stdlib_files(limit: int | None = None) -> list[str]:
 @pytest.fixture(scope="session")
 def byte_dataset(tmp_path_factory) -> Path:
     """The stdlib as byte-level tokens (ids 0-255, eos 256): real text, no tokenizer needed."""
-    from engine.data import write_dataset
+    from engine.data.shards import write_dataset
 
     out = tmp_path_factory.mktemp("byte_dataset")
     docs = []
@@ -44,7 +44,7 @@ def bpe_dataset(tmp_path_factory) -> Path:
     """The stdlib tokenized with a 512-token byte-level BPE trained on it (HF `tokenizers`)."""
     from tokenizers import ByteLevelBPETokenizer
 
-    from engine.data import write_dataset
+    from engine.data.shards import write_dataset
 
     out = tmp_path_factory.mktemp("bpe_dataset")
     texts = [Path(p).read_text(encoding="utf-8", errors="replace") for p in stdlib_files(240)]

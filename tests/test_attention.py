@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from engine.attention import causal_attention, query_blocks
-from engine.config import ModelConfig
-from engine.dense import dense
-from engine.model import Transformer, attention_mask, dot_product_attention
+from engine.ops.attention import causal_attention, query_blocks
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.ops.dense import dense
+from engine.models.transformer import Transformer
+from engine.ops.attention import attention_mask, dot_product_attention
 
 B, T, N, K, H = 2, 40, 6, 2, 8
 
@@ -99,10 +100,10 @@ def test_the_backward_pass_saves_no_score_sized_tensor():
 
 def test_model_logits_do_not_depend_on_the_attention_block():
     cfg = ModelConfig(vocab_size=37, d_model=22, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=10,
-                      mlp_dim=26, max_seq_len=64, attention_block=8)
+                      mlp_dim=26, max_seq_len=64)
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, 37, (2, 32)))
-    blocked = Transformer(cfg, rngs=nnx.Rngs(0))(tokens)
-    single = Transformer(cfg.model_copy(update={"attention_block": 0}), rngs=nnx.Rngs(0))(tokens)
+    blocked = Transformer(cfg, ComputeConfig(attention_block=8), rngs=nnx.Rngs(0))(tokens)
+    single = Transformer(cfg, ComputeConfig(attention_block=0), rngs=nnx.Rngs(0))(tokens)
     np.testing.assert_allclose(blocked, single, atol=1e-5)
 
 
@@ -128,8 +129,8 @@ def test_dense_gradients_equal_autodiff_of_a_plain_contraction(shapes):
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_gated_mlp_gradients_equal_autodiff(activation):
-    from engine.dense import gated_mlp
-    from engine.model import ACTIVATIONS
+    from engine.ops.dense import gated_mlp
+    from engine.models.transformer import ACTIVATIONS
 
     act = ACTIVATIONS[activation]
     rng = np.random.default_rng(2)

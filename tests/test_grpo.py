@@ -13,13 +13,16 @@ import pytest
 from flax import nnx
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from engine.checkpoint import Checkpointer, load_params, read_meta
-from engine.config import ConfigError, ModelConfig, Strict, load_config
-from engine.grpo import GRPOConfig, make_update_step, run_grpo
-from engine.model import Transformer
-from engine.policy_loss import group_advantages, policy_loss
-from engine.rewards import RewardError, RewardSpec, compute_rewards, load_reward, total_reward
-from engine.tokenizer import TokenizerBundle, save_tokenizer
+from engine.train.checkpoint import Checkpointer, load_params, read_meta
+from engine.config import ConfigError, Strict, load_config
+from engine.models.config import ModelConfig
+from engine.posttrain.config import GRPOConfig
+from engine.posttrain.grpo import policy_objective, run_grpo
+from engine.train.step import make_train_step
+from engine.models.transformer import Transformer
+from engine.posttrain.policy_loss import group_advantages, policy_loss
+from engine.posttrain.rewards import RewardError, RewardSpec, compute_rewards, load_reward, total_reward
+from engine.data.tokenizer import TokenizerBundle, save_tokenizer
 from flows.spec import Pipeline
 from tasks.artifacts import read_manifest
 from tasks.registry import StageContext, StageKind, register_stage
@@ -113,8 +116,8 @@ def test_gradient_accumulation_normalises_each_loss_type_as_trl_does(loss_type):
         epsilon_high=EPS_HIGH)
     import optax
 
-    step = make_update_step(lambda p, b, total: identity(p, {**b, "completion_mask": b["mask"]}, total),
-                            optax.sgd(0.0), grad_accum=2)
+    step = make_train_step(policy_objective(lambda p, b, total: identity(p, {**b, "completion_mask": b["mask"]}, total)),
+                           optax.sgd(0.0), grad_accum=2)
     batch = {"logp": LOGP, "old": OLD, "adv": ADV, "mask": MASK, "completion_mask": MASK}
     _, _, metrics = step({"shift": jnp.zeros(())}, optax.sgd(0.0).init({"shift": jnp.zeros(())}),
                          jax.tree.map(jnp.asarray, batch))
@@ -187,7 +190,7 @@ def test_builtin_rewards_and_a_user_function_with_weights(tmp_path, monkeypatch)
 
 
 def test_length_penalty_is_dapos_soft_overlong_ramp():
-    from engine.rewards import length_penalty
+    from engine.posttrain.rewards import length_penalty
 
     ids = [[0] * n for n in (4, 6, 7, 8, 9)]
     assert length_penalty(ids, max_completion_length=8, buffer=2) == [0.0, 0.0, -0.5, -1.0, -1.0]

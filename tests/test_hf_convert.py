@@ -18,12 +18,17 @@ from jax.sharding import PartitionSpec as P
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine.checkpoint import load_params  # noqa: E402
-from engine.config import ConfigError, MeshConfig  # noqa: E402
-from engine.hf import convert_hf, export_hf, main, model_config_to_hf  # noqa: E402
-from engine.safetensors_io import SafetensorsFile, write_safetensors  # noqa: E402
-from engine.sharding import make_mesh  # noqa: E402
-from engine.train import abstract_model_params, apply_model, graphdef_of  # noqa: E402
+from engine.config import ConfigError, preset_names, resolve_model_preset  # noqa: E402
+from engine.interop.hf.__main__ import main  # noqa: E402
+from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.export import export_hf  # noqa: E402
+from engine.interop.hf.mapping import model_config_to_hf  # noqa: E402
+from engine.interop.hf.safetensors_io import SafetensorsFile, write_safetensors  # noqa: E402
+from engine.models.config import ModelConfig  # noqa: E402
+from engine.models.params import abstract_model_params, apply_model, graphdef_of  # noqa: E402
+from engine.parallel.config import MeshConfig  # noqa: E402
+from engine.parallel.mesh import make_mesh  # noqa: E402
+from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 
 # Sizes that divide fsdp=8 and tensor=4, so the restore is really sharded.
 DIVISIBLE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
@@ -52,21 +57,23 @@ def converted(llama_dir, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("mesh", [{"data": 1, "fsdp": 8, "tensor": 1}, {"data": 2, "fsdp": 1, "tensor": 4}])
 def test_a_converted_checkpoint_restores_onto_any_mesh(converted, mesh):
     cfg, reference, _ = load_params(converted)
+    _, compute = stored_configs(converted)
     device_mesh = make_mesh(MeshConfig(**mesh))
-    _, params, _ = load_params(converted, abstract_model_params(cfg, device_mesh))
+    _, params, _ = load_params(converted, abstract_model_params(cfg, compute, device_mesh))
     wq = params["blocks"]["attn"]["wq_dnh"]  # (layers, embed, heads, head_dim)
     assert wq.sharding.spec == P(None, "fsdp", "tensor", None)
     assert wq.addressable_shards[0].data.shape == (2, 32 // mesh["fsdp"], 8 // mesh["tensor"], 8)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 9)))
-    graphdef = graphdef_of(cfg)
+    graphdef = graphdef_of(cfg, compute)
     np.testing.assert_allclose(np.asarray(apply_model(graphdef, params, tokens)),
                                np.asarray(apply_model(graphdef, reference, tokens)), atol=1e-5)
 
 
 def test_bfloat16_conversion_rounds_once_and_round_trips_bitwise(llama_dir, converted, tmp_path):
     convert_hf(llama_dir, tmp_path / "bf16", dtype="bfloat16")
-    cfg, params, _ = load_params(tmp_path / "bf16" / "checkpoint")
-    assert cfg.param_dtype == "bfloat16" and cfg.dtype == "bfloat16"
+    _, params, _ = load_params(tmp_path / "bf16" / "checkpoint")
+    _, compute = stored_configs(tmp_path / "bf16" / "checkpoint")
+    assert compute.param_dtype == "bfloat16" and compute.dtype == "bfloat16"
     _, f32, _ = load_params(converted)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(f32)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b).astype(ml_dtypes.bfloat16))
@@ -175,13 +182,11 @@ PUBLISHED_BILLIONS = {  # parameter counts of the released models
 
 
 def test_every_model_preset_is_the_transformers_model_with_the_same_parameters():
-    from engine.config import CONFIG_ROOT, load_config
-
-    for path in sorted((CONFIG_ROOT / "models").glob("*.yaml")):
-        cfg = load_config(tree={"model": path.stem}).model
+    for name in preset_names():
+        cfg = ModelConfig.model_validate(resolve_model_preset({"model": name}, name)["model"])
         hf_config = transformers.AutoConfig.for_model(**model_config_to_hf(cfg))
         with torch.device("meta"):  # shapes only, no memory
             model = transformers.AutoModelForCausalLM.from_config(hf_config)
-        assert sum(p.numel() for p in model.parameters()) == cfg.num_params(), path.name
-        if path.stem in PUBLISHED_BILLIONS:
-            assert round(cfg.num_params() / 1e9, 2) == PUBLISHED_BILLIONS[path.stem], path.name
+        assert sum(p.numel() for p in model.parameters()) == cfg.num_params(), name
+        if name in PUBLISHED_BILLIONS:
+            assert round(cfg.num_params() / 1e9, 2) == PUBLISHED_BILLIONS[name], name

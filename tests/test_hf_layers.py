@@ -1,8 +1,8 @@
 """Layer by layer against the transformers modules: norm, MLP, attention, block.
 
 Where a full-model mismatch would be hard to place, these say which layer is wrong. Each
-engine module gets the transformers module's weights through engine/hf.py's tensor table,
-the same path conversion takes.
+engine module gets the transformers module's weights through its family's tensor table
+(engine/models/families), the same path conversion takes.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine.hf import model_config_from_hf, tensor_table, to_engine  # noqa: E402
-from engine.model import MLP, Attention, Block, RMSNorm  # noqa: E402
+from engine.interop.hf.mapping import model_config_from_hf, tensor_table, to_engine  # noqa: E402
+from engine.models.transformer import MLP, Attention, Block, RMSNorm  # noqa: E402
 
 COMMON = dict(vocab_size=37, hidden_size=30, intermediate_size=26, num_hidden_layers=3, num_attention_heads=6,
               num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
@@ -39,10 +39,11 @@ def modeling(family: str):
 
 
 def setup(family: str):
-    """(HF config with eager attention, engine ModelConfig, the modeling module)."""
+    """(HF config with eager attention, engine ModelConfig, ComputeConfig (float32), the
+    modeling module)."""
     hf_cfg = CONFIGS[family]()
     hf_cfg._attn_implementation = "eager"
-    return hf_cfg, model_config_from_hf(hf_cfg.to_dict()), modeling(family)
+    return hf_cfg, *model_config_from_hf(hf_cfg.to_dict()), modeling(family)
 
 
 def randomise(module) -> None:
@@ -100,7 +101,7 @@ def inputs(seed: int = 0, b: int = 2, t: int = 11, d: int = 30):
 
 @pytest.mark.parametrize("family", ["llama", "gemma"])
 def test_rms_norm(family):
-    hf_cfg, cfg, mod = setup(family)
+    hf_cfg, cfg, _, mod = setup(family)
     ref = getattr(mod, f"{family.capitalize()}RMSNorm")(30, eps=cfg.norm_eps)
     randomise(ref)
     ours = RMSNorm(30, cfg.norm_eps, jnp.float32, zero_centered=cfg.norm_zero_centered, rngs=nnx.Rngs(0))
@@ -111,10 +112,10 @@ def test_rms_norm(family):
 
 @pytest.mark.parametrize("family", ["llama", "gemma"])
 def test_mlp(family):
-    hf_cfg, cfg, mod = setup(family)
+    hf_cfg, cfg, compute, mod = setup(family)
     ref = getattr(mod, f"{family.capitalize()}MLP")(hf_cfg)
     randomise(ref)
-    ours = MLP(cfg, rngs=nnx.Rngs(0))
+    ours = MLP(cfg, compute, rngs=nnx.Rngs(0))
     load_into(ours, ref, cfg, ("mlp",), "mlp.")
     x, _ = inputs()
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(x))), ref(torch.tensor(x)).detach().numpy(), atol=1e-5)
@@ -123,10 +124,10 @@ def test_mlp(family):
 @pytest.mark.parametrize("family,local", [("llama", False), ("qwen2", False), ("qwen3", False),
                                           ("gemma2", True), ("gemma2", False), ("gemma3", True)])
 def test_attention(family, local):
-    hf_cfg, cfg, mod = setup(family)
+    hf_cfg, cfg, compute, mod = setup(family)
     ref = getattr(mod, f"{family.capitalize()}Attention")(hf_cfg, layer_idx=0 if local else 1).eval()
     randomise(ref)
-    ours = Attention(cfg, rngs=nnx.Rngs(0))
+    ours = Attention(cfg, compute, rngs=nnx.Rngs(0))
     load_into(ours, ref, cfg, ("attn",), "self_attn.")
     x, segments = inputs()
     t = x.shape[1]
@@ -141,10 +142,10 @@ def test_attention(family, local):
 
 @pytest.mark.parametrize("family,local", [("llama", False), ("gemma2", True), ("gemma3", True), ("gemma3", False)])
 def test_block(family, local):
-    hf_cfg, cfg, mod = setup(family)
+    hf_cfg, cfg, compute, mod = setup(family)
     ref = getattr(mod, f"{family.capitalize()}DecoderLayer")(hf_cfg, layer_idx=0 if local else 1).eval()
     randomise(ref)
-    ours = Block(cfg, rngs=nnx.Rngs(0))
+    ours = Block(cfg, compute, rngs=nnx.Rngs(0))
     load_into(ours, ref, cfg, (), "")
     x, segments = inputs()
     t = x.shape[1]

@@ -23,10 +23,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from engine.checkpoint import load_params  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
-from engine.hf import convert_hf, export_hf  # noqa: E402
-from engine.train import apply_model, graphdef_of  # noqa: E402
+from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.export import export_hf  # noqa: E402
+from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
+from engine.models.params import apply_model, graphdef_of  # noqa: E402
+from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 
 VOCAB, WINDOW = 37, 5
 COMMON = dict(vocab_size=VOCAB, hidden_size=30, intermediate_size=26, num_hidden_layers=3, num_attention_heads=6,
@@ -63,6 +64,7 @@ class Case:
     hf_dir: Path
     out_dir: Path
     cfg: ModelConfig
+    compute: ComputeConfig
     params: dict
 
 
@@ -89,7 +91,8 @@ def case(request, tmp_path_factory) -> Case:
     (root / "hf" / "tokenizer.json").write_text('{"stand-in": true}')  # carried over as a file
     convert_hf(root / "hf", root / "converted")
     cfg, params, _ = load_params(root / "converted" / "checkpoint")
-    return Case(family, model, root / "hf", root / "converted", cfg, params)
+    _, compute = stored_configs(root / "converted" / "checkpoint")
+    return Case(family, model, root / "hf", root / "converted", cfg, compute, params)
 
 
 def batch():
@@ -106,14 +109,14 @@ def hf_logits(model, tokens, mask) -> np.ndarray:
         return model(torch.tensor(tokens), attention_mask=torch.tensor(mask)).logits.float().numpy()
 
 
-def engine_logits(cfg, params, tokens, mask) -> np.ndarray:
+def engine_logits(cfg, compute, params, tokens, mask) -> np.ndarray:
     # Padding is segment 0; positions count rows as transformers does when given no position_ids.
-    return np.asarray(apply_model(graphdef_of(cfg), params, jnp.asarray(tokens), None, jnp.asarray(mask)))
+    return np.asarray(apply_model(graphdef_of(cfg, compute), params, jnp.asarray(tokens), None, jnp.asarray(mask)))
 
 
 def test_converted_model_matches_transformers_logits(case):
     tokens, mask = batch()
-    ours = engine_logits(case.cfg, case.params, tokens, mask)
+    ours = engine_logits(case.cfg, case.compute, case.params, tokens, mask)
     ref = hf_logits(case.hf_model, tokens, mask)
     valid = mask.astype(bool)
     delta = float(np.abs(ours - ref)[valid].max())
@@ -123,10 +126,10 @@ def test_converted_model_matches_transformers_logits(case):
     assert (case.out_dir / "tokenizer" / "tokenizer.json").is_file()
 
 
-def engine_greedy(cfg, params, prompt: np.ndarray, steps: int) -> np.ndarray:
+def engine_greedy(cfg, compute, params, prompt: np.ndarray, steps: int) -> np.ndarray:
     """Greedy decoding by full recomputation over a fixed-size buffer (one compilation):
     the not-yet-generated slots are padding (segment 0), which causal attention never sees."""
-    graphdef = graphdef_of(cfg)
+    graphdef = graphdef_of(cfg, compute)
     forward = jax.jit(lambda p, t, s: apply_model(graphdef, p, t, None, s))
     length = prompt.shape[1] + steps
     buffer = np.zeros((prompt.shape[0], length), np.int32)
@@ -148,7 +151,7 @@ def test_greedy_generation_of_16_tokens_is_identical(case):
         )
     assert out.shape[1] == prompt.shape[1] + 16
     ref = out[:, prompt.shape[1]:].numpy()
-    ours = engine_greedy(case.cfg, case.params, prompt, 16)
+    ours = engine_greedy(case.cfg, case.compute, case.params, prompt, 16)
     np.testing.assert_array_equal(ours, ref)
 
 
@@ -182,7 +185,7 @@ def test_export_then_convert_is_bitwise_identical(case, tmp_path):
     export_hf(case.out_dir / "checkpoint", tmp_path / "export")
     convert_hf(tmp_path / "export", tmp_path / "again")
     cfg, params, _ = load_params(tmp_path / "again" / "checkpoint")
-    assert cfg == case.cfg
+    assert cfg == case.cfg and stored_configs(tmp_path / "again" / "checkpoint")[1] == case.compute
     flat_a, tree_a = jax.tree.flatten(case.params)
     flat_b, tree_b = jax.tree.flatten(params)
     assert tree_a == tree_b
@@ -195,10 +198,10 @@ def test_unrolled_layers_match_the_scanned_local_global_stack(case):
     """scan_layers: false runs the same per-layer local/global schedule as the scan."""
     if case.family not in ("gemma2", "gemma3", "qwen2"):
         pytest.skip("only the families with a mixed local/global pattern")
-    unrolled_cfg = case.cfg.model_copy(update={"scan_layers": False})
+    unrolled = case.compute.model_copy(update={"scan_layers": False})
     params = dict(case.params)
     params["blocks"] = {i: jax.tree.map(lambda x: x[i], case.params["blocks"]) for i in range(case.cfg.num_layers)}
     tokens, mask = batch()
     valid = mask.astype(bool)
-    np.testing.assert_allclose(engine_logits(unrolled_cfg, params, tokens, mask)[valid],
-                               engine_logits(case.cfg, case.params, tokens, mask)[valid], atol=1e-5)
+    np.testing.assert_allclose(engine_logits(case.cfg, unrolled, params, tokens, mask)[valid],
+                               engine_logits(case.cfg, case.compute, case.params, tokens, mask)[valid], atol=1e-5)

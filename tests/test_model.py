@@ -7,9 +7,12 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from engine.config import ModelConfig, load_config
-from engine.model import Transformer, rope_inverse_frequencies
-from engine.train import Trainer, apply_model, init_params
+from engine.train.config import TrainConfig
+from engine.config import load_config
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.transformer import Transformer, rope_inverse_frequencies
+from engine.models.params import apply_model, init_params
+from engine.train.trainer import Trainer
 
 # Odd sizes so a transposed or mis-broadcast dimension cannot hide.
 ODD = dict(vocab_size=37, d_model=22, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=10, mlp_dim=26, max_seq_len=64)
@@ -39,7 +42,7 @@ def test_remat_changes_memory_not_math(remat):
     model = Transformer(base, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
-    remat_graphdef = nnx.split(Transformer(base.model_copy(update={"remat": remat}), rngs=nnx.Rngs(0)))[0]
+    remat_graphdef = nnx.split(Transformer(base, ComputeConfig(remat=remat), rngs=nnx.Rngs(0)))[0]
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 37, (2, 11)))
 
     def loss(gd, p):
@@ -53,8 +56,7 @@ def test_remat_changes_memory_not_math(remat):
 def test_scanned_and_unrolled_layers_compute_the_same_function():
     cfg = ModelConfig(**ODD)
     scanned = nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
-    unrolled_cfg = cfg.model_copy(update={"scan_layers": False})
-    graphdef, state = nnx.split(Transformer(unrolled_cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(Transformer(cfg, ComputeConfig(scan_layers=False), rngs=nnx.Rngs(0)))
     unrolled = nnx.to_pure_dict(state)
     for i in range(cfg.num_layers):  # copy layer i of the stacked params into block i
         unrolled["blocks"][i] = jax.tree.map(lambda x: x[i], scanned["blocks"])
@@ -67,7 +69,7 @@ def test_scanned_and_unrolled_layers_compute_the_same_function():
 
 
 def test_llama3_rope_scaling_matches_the_published_formula():
-    from engine.config import RopeScaling
+    from engine.models.config import RopeScaling
 
     scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
     ours = np.asarray(rope_inverse_frequencies(128, 500000.0, scaling))
@@ -88,7 +90,7 @@ def test_llama3_rope_scaling_matches_the_published_formula():
 
 def _sharded_case(mesh):
     model = {**ODD, "vocab_size": 38, "d_model": 24, "mlp_dim": 28}  # divisible by the mesh axes
-    cfg = load_config(tree={"model": model, "mesh": mesh, "data": {"batch_size": 8, "seq_len": 16}})
+    cfg = load_config(tree={"model": model, "mesh": mesh, "data": {"batch_size": 8, "seq_len": 16}}, schema=TrainConfig)
     devices = jax.devices()[: 1 if mesh == {"data": 1} else 8]
     return Trainer(cfg, devices=devices)
 
@@ -105,11 +107,11 @@ def test_a_step_on_a_2x2x2_mesh_equals_one_device_and_params_are_sharded():
     }
     results = []
     for trainer in (single, sharded):
-        params = init_params(trainer.cfg.model, trainer.mesh, seed=0)
+        params = init_params(trainer.cfg.model, trainer.cfg.compute, trainer.mesh, seed=0)
         batch = trainer.global_batch(batch_np)
-        grad_fn = jax.jit(jax.value_and_grad(trainer.loss_fn, has_aux=True),
+        grad_fn = jax.jit(jax.value_and_grad(trainer.objective.loss_fn, has_aux=True),
                           in_shardings=(trainer.param_shardings, trainer.batch_sharding, None))
-        from engine.sharding import use_mesh
+        from engine.ops.partitioning import use_mesh
 
         with use_mesh(trainer.mesh):
             (loss, _), grads = grad_fn(params, batch, jnp.float32(8 * 16))

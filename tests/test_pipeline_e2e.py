@@ -221,7 +221,7 @@ def _checkpoint_steps(store: Path) -> list[int]:
 def _params(checkpoint_dir: Path):
     import jax
 
-    from engine.checkpoint import load_params
+    from engine.train.checkpoint import load_params
 
     _, params, step = load_params(checkpoint_dir)
     return step, {jax.tree_util.keystr(path): np.asarray(leaf)

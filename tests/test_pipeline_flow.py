@@ -59,7 +59,7 @@ def diamond(store: Path, trace: Path, a_value: int = 1) -> Pipeline:
 
 
 def test_a_pipeline_is_one_flow_run_with_a_task_run_and_artifacts_per_stage(prefect_server, tmp_path):
-    result = diamond(tmp_path / "store", tmp_path / "trace").run()
+    result = run_plan(diamond(tmp_path / "store", tmp_path / "trace").plan())
     assert {s: r["status"] for s, r in result.items()} == {"a": "ran", "b": "ran", "ab": "ran", "abb": "ran"}
     assert result["abb"]["metrics"] == {"value": 2 + (1 + 2 + 1) + 1}
 
@@ -83,15 +83,15 @@ def test_a_pipeline_is_one_flow_run_with_a_task_run_and_artifacts_per_stage(pref
 
 def test_rerun_skips_everything_and_a_config_change_reruns_only_descendants(prefect_server, tmp_path):
     store, trace = tmp_path / "store", tmp_path / "trace"
-    first = diamond(store, trace).run()
-    again = diamond(store, trace).run()
+    first = run_plan(diamond(store, trace).plan())
+    again = run_plan(diamond(store, trace).plan())
     assert {r["status"] for r in again.values()} == {"skipped"}
     assert {s: r["artifact_id"] for s, r in again.items()} == {s: r["artifact_id"] for s, r in first.items()}
     task_runs = task_runs_of(flow_run_of(again).id)
     assert {run.state.name for run in task_runs.values()} == {"Skipped"}
     assert trace.read_text().split().count("a") == 1  # no work the second time
 
-    changed = diamond(store, trace, a_value=10).run()
+    changed = run_plan(diamond(store, trace, a_value=10).plan())
     assert {s: r["status"] for s, r in changed.items()} == {"a": "ran", "b": "skipped", "ab": "ran", "abb": "ran"}
     assert changed["b"]["artifact_id"] == first["b"]["artifact_id"]
     assert changed["abb"]["metrics"] == {"value": 2 + (10 + 2 + 1) + 1}
@@ -104,7 +104,7 @@ def test_independent_stages_run_concurrently(prefect_server, tmp_path):
     p = Pipeline("concurrent", store=tmp_path / "store")
     for name, peer in (("left", "right"), ("right", "left")):
         p.stage(name, task="toy-source", config={"value": len(name), "barrier": str(barrier), "peers": [peer]})
-    assert {r["status"] for r in p.run().values()} == {"ran"}
+    assert {r["status"] for r in run_plan(p.plan()).values()} == {"ran"}
 
 
 def test_retries_follow_the_spec_and_failures_stop_only_descendants(prefect_server, tmp_path):

@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from engine.config import MeshConfig, ModelConfig
-from engine.model import KVCache, Transformer
-from engine.sample import Sampler, filter_logits, left_pad, prompt_positions
-from engine.sharding import make_mesh
-from engine.train import apply_model, graphdef_of, param_shardings
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.parallel.config import MeshConfig
+from engine.models.kv_cache import KVCache
+from engine.models.transformer import Transformer
+from engine.inference.sample import Sampler, filter_logits, left_pad, prompt_positions
+from engine.parallel.mesh import make_mesh
+from engine.models.params import apply_model, graphdef_of, param_shardings
 
 # Odd sizes so a transposed or mis-broadcast dimension cannot hide; a large init_std makes
 # the distributions peaked enough that greedy decoding has no near-ties.
@@ -34,7 +36,7 @@ def teacher_forced(cfg, params, prompt_tokens, prompt_mask, out, temperature):
     """(log p of the generated tokens, logits) from one full forward pass, no cache."""
     tokens = np.concatenate([prompt_tokens, out.tokens], 1)
     mask = np.concatenate([prompt_mask, out.mask], 1).astype(np.int32)
-    graphdef = graphdef_of(cfg)
+    graphdef = graphdef_of(cfg, ComputeConfig())
     logits = jax.jit(lambda *args: apply_model(graphdef, *args))(
         params, tokens, prompt_positions(jnp.asarray(mask)), mask)
     logp = jax.nn.log_softmax(logits.astype(jnp.float32) / (temperature or 1.0), axis=-1)
@@ -44,9 +46,9 @@ def teacher_forced(cfg, params, prompt_tokens, prompt_mask, out, temperature):
 
 @pytest.mark.parametrize("variant", ["scanned", "unrolled_sliding_window"])
 def test_kv_cache_decoding_equals_full_recomputation(variant):
-    extra = dict(scan_layers=False, attention_pattern=["local", "global"], sliding_window=3) if variant != "scanned" else {}
-    cfg = ModelConfig(**ODD, **extra)
-    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    extra = dict(attention_pattern=["local", "global"], sliding_window=3) if variant != "scanned" else {}
+    cfg, compute = ModelConfig(**ODD, **extra), ComputeConfig(scan_layers=variant == "scanned")
+    graphdef, params = nnx.split(Transformer(cfg, compute, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(0)
     prompt_len, steps = 5, 6
     _, mask = left_pad(PROMPTS, length=prompt_len)
@@ -56,7 +58,7 @@ def test_kv_cache_decoding_equals_full_recomputation(variant):
     forward = jax.jit(lambda params, *args, cache=None: nnx.merge(graphdef, params)(*args, cache=cache))
     full = forward(params, tokens, positions, mask)
 
-    cache = KVCache.init(cfg, len(PROMPTS), prompt_len + steps)
+    cache = KVCache.init(cfg, compute, len(PROMPTS), prompt_len + steps)
     logits, cache = forward(params, tokens[:, :prompt_len], positions[:, :prompt_len], mask[:, :prompt_len],
                             cache=cache)
     pieces = [logits]
@@ -94,10 +96,10 @@ def test_greedy_is_deterministic_and_each_token_is_the_argmax_of_a_full_forward_
 def test_sampling_is_deterministic_for_a_seed_and_the_same_on_an_8_device_mesh(model):
     cfg, params, sampler = model
     mesh = make_mesh(MeshConfig(data=-1))
-    _, shardings = param_shardings(cfg, mesh)
+    _, shardings = param_shardings(cfg, ComputeConfig(), mesh)
     sharded_params = jax.device_put(params, shardings)
     tokens, mask = left_pad(PROMPTS)  # 4 rows on 8 devices: the sampler pads the batch
-    sharded = Sampler(cfg, mesh, shardings)(sharded_params, tokens, mask, seed=7, **SETTINGS)
+    sharded = Sampler(cfg, ComputeConfig(), mesh, shardings)(sharded_params, tokens, mask, seed=7, **SETTINGS)
     single = sampler(params, tokens, mask, seed=7, **SETTINGS)
     again = sampler(params, tokens, mask, seed=7, **SETTINGS)
     other_seed = sampler(params, tokens, mask, seed=8, **SETTINGS)

@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from engine.checkpoint import Checkpointer, load_params, read_meta
-from engine.config import ConfigError, ModelConfig, load_config
-from engine.model import Transformer
-from engine.sft import SFTConfig, SFTDataConfig, load_examples, pack_rows, run_sft, tokenize_example
-from engine.tokenizer import TokenizerConfig, load_saved, save_tokenizer, train_tokenizer
-from engine.train import lm_loss_fn
+from engine.train.checkpoint import Checkpointer, load_params, read_meta
+from engine.config import ConfigError, load_config
+from engine.models.config import ModelConfig
+from engine.models.transformer import Transformer
+from engine.posttrain.config import SFTConfig, SFTDataConfig
+from engine.posttrain.sft import load_examples, pack_rows, run_sft, tokenize_example
+from engine.data.tokenizer import TokenizerConfig, load_saved, save_tokenizer, train_tokenizer
+from engine.train.step import lm_loss_fn
 
 MODEL = dict(vocab_size=300, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
              max_seq_len=128)
@@ -87,7 +89,7 @@ CHATML = (
 def test_chat_rendering_matches_transformers(base, template):
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    from engine.chat import chat_template, render
+    from engine.data.chat import chat_template, render
 
     bundle = load_saved(base / "tokenizer")
     bundle.chat_template = CHATML if template == "chatml" else None

@@ -22,8 +22,9 @@ import pytest
 import yaml
 
 from engine.config import ConfigError, load_config
-from engine.data import TOKEN_DTYPE, make_dataset, read_meta
-from engine.tokenize import TokenizeConfig, run_tokenize
+from engine.data.pipeline import make_dataset
+from engine.data.shards import TOKEN_DTYPE, read_meta
+from engine.data.tokenize import TokenizeConfig, run_tokenize
 
 REPO = Path(__file__).resolve().parent.parent
 STDLIB = sysconfig.get_paths()["stdlib"]
@@ -35,7 +36,7 @@ STDLIB = sysconfig.get_paths()["stdlib"]
 def run_stage(out: Path, tree: dict, **overrides) -> dict:
     """run_tokenize on a config tree (validated like a YAML file), quietly.
 
-    With worker processes it runs as the stage does, as `python -m engine.tokenize` in a
+    With worker processes it runs as the stage does, as `python -m engine.data.tokenize` in a
     fresh process: spawned workers re-import their parent's __main__, and the test
     runner's process is no place for them (its JAX and Prefect state).
     """
@@ -45,7 +46,7 @@ def run_stage(out: Path, tree: dict, **overrides) -> dict:
         return run_tokenize(cfg, out, log=lambda _: None)
     config = out.parent / f"{out.name}.yaml"
     config.write_text(yaml.safe_dump(tree))
-    proc = subprocess.run([sys.executable, "-m", "engine.tokenize", str(config), str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "engine.data.tokenize", str(config), str(out)], cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout[proc.stdout.index("{"):])
@@ -206,7 +207,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
         "tokenizer": {"vocab_size": 400}, "shard_size_mb": 0.001, "validation_fraction": 0.05,
     })
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "engine.tokenize", str(config), str(out), "workers=2"],
+    proc = subprocess.Popen([sys.executable, "-m", "engine.data.tokenize", str(config), str(out), "workers=2"],
                             cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while proc.poll() is None and time.monotonic() < deadline:
@@ -245,20 +246,20 @@ def test_rerun_of_a_finished_stage_is_a_no_op_and_a_changed_config_is_refused(tm
 
 def test_cli_reports_a_user_error_in_one_line(tmp_path):
     config = _config_file(tmp_path, {"sources": [{"format": "text", "path": str(tmp_path / "none-*.txt")}]})
-    result = subprocess.run([sys.executable, "-m", "engine.tokenize", str(config), str(tmp_path / "out")],
+    result = subprocess.run([sys.executable, "-m", "engine.data.tokenize", str(config), str(tmp_path / "out")],
                             cwd=REPO, capture_output=True, text=True)
     assert result.returncode != 0
     assert result.stderr.strip() == f"error: sources[0].path: '{tmp_path}/none-*.txt' matches no files"
     assert not (tmp_path / "out").exists()
 
-    result = subprocess.run([sys.executable, "-m", "engine.tokenize", str(config), str(tmp_path / "out"),
+    result = subprocess.run([sys.executable, "-m", "engine.data.tokenize", str(config), str(tmp_path / "out"),
                              "validation_fraktion=0.1"], cwd=REPO, capture_output=True, text=True)
     assert result.returncode != 0 and "did you mean 'validation_fraction'" in result.stderr
     assert "Traceback" not in result.stderr
 
 
 def test_shipped_tokenize_configs_validate_and_find_their_files():
-    from engine.sources import plan_source
+    from engine.data.sources import plan_source
 
     configs = sorted((REPO / "configs" / "tokenize").glob("*.yaml"))
     assert configs

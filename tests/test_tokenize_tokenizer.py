@@ -11,8 +11,8 @@ import pytest
 from test_tokenize import documents, records, run_stage, write_lines
 
 from engine.config import ConfigError
-from engine.data import read_meta
-from engine.tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer
+from engine.data.shards import read_meta
+from engine.data.tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer
 
 STDLIB_TEXTS = [Path(f).read_text(encoding="utf-8") for f in sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/json/*.py"))]
 
@@ -120,7 +120,7 @@ def test_sentencepiece_model_matches_sentencepiece(tmp_path, model_type):
 def test_a_resumed_run_reuses_the_tokenizer_it_saved(tmp_path, monkeypatch):
     from tokenizers import Tokenizer
 
-    import engine.tokenize
+    import engine.data.tokenize
 
     source = {"format": "text", "path": str(write_lines(tmp_path / "a.txt", ["alpha beta", "gamma"])), "unit": "line"}
     out = tmp_path / "out"
@@ -128,7 +128,7 @@ def test_a_resumed_run_reuses_the_tokenizer_it_saved(tmp_path, monkeypatch):
     def killed(*_):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(engine.tokenize._Encoder, "run", killed)
+    monkeypatch.setattr(engine.data.tokenize._Encoder, "run", killed)
     with pytest.raises(KeyboardInterrupt):
         run_stage(out, {"sources": [source]})
     monkeypatch.undo()

@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 import yaml
 
-from engine.checkpoint import load_params
+from engine.train.checkpoint import load_params
+from engine.train.config import TrainConfig
 from engine.config import load_config
-from engine.data import read_meta, shard_paths
-from engine.metrics import read_metrics
-from engine.train import TrainingError, run_pretrain
+from engine.data.shards import read_meta, shard_paths
+from engine.train.metrics import read_metrics
+from engine.train.pretrain import run_pretrain
+from engine.train.trainer import TrainingError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,7 +38,7 @@ def tiny_config(dataset, out: Path, **overrides):
         "metrics_dir": str(out),
     }
     flat = [f"{k}={v}" for k, v in overrides.items()]
-    return load_config(tree=tree, overrides=flat)
+    return load_config(tree=tree, overrides=flat, schema=TrainConfig)
 
 
 def losses(out: Path) -> list[float]:

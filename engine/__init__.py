@@ -1,0 +1,21 @@
+"""The sharded JAX engine of trainflow, usable without Prefect.
+
+Subpackages, lowest layer first (each imports only from the layers below it; tests/
+test_imports.py enforces it):
+
+    config, contract   the config machinery and the contract with launchers (no JAX)
+    ops, data          attention and matmuls; corpora, tokenizers, token shards, Grain
+    models             the decoder, its families, params and their shardings
+    parallel           meshes and multi-process runs
+    train              the trainer with hooks, step, optimizer, checkpoints, metrics
+    inference          the KV-cache sampler and `generate`
+    posttrain          SFT and GRPO/GSPO on the trainer
+    evaluate, interop  evaluation reports; Hugging Face checkpoints in and out
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("trainflow")
+except PackageNotFoundError:  # a source checkout that was never installed
+    __version__ = "0+unknown"

@@ -1,0 +1,58 @@
+"""What the engine promises the processes that run it: exit codes, the result line, the
+checkpoint format, the names of an artifact's files, the entry-point modules, and which
+config fields cannot change a result.
+
+`tasks/` (the launchers and stage kinds) and the engine both read these names from here,
+so a contract is written once. Nothing here imports more than the standard library.
+"""
+
+from __future__ import annotations
+
+# --------------------------------------------------------------------------- exit codes
+# Every engine entry point (`python -m engine.train`, `engine.posttrain.sft`, ...) exits with:
+EXIT_OK = 0
+EXIT_FAILED = 1
+"""The run failed in a way a retry may fix (a non-finite loss, a reward function raising)."""
+EXIT_CONFIG_ERROR = 2
+"""The config or the input is wrong: one line `error: ...` on stderr; retrying cannot help."""
+EXIT_PREEMPTED = 143
+"""Stopped by SIGTERM after saving a checkpoint of the current step (128 + 15)."""
+
+RESULT_PREFIX = '{"result":'
+"""An entry point's last stdout line is `{"result": {...final metrics...}}`."""
+
+# --------------------------------------------------------------------------- checkpoints
+CHECKPOINT_FORMAT = "trainflow.checkpoint/2"
+"""Stored in every checkpoint's meta. 2: `model` holds the architecture only, `compute` the
+dtype and memory settings the params were saved with (1 kept both in `model`)."""
+CHECKPOINT_FORMATS_READ = ("trainflow.checkpoint/1", CHECKPOINT_FORMAT)
+
+# --------------------------------------------------------------------------- artifact layout
+# <store>/<stage>/<artifact-id>/ holds these (DESIGN.md, "Artifacts and lineage").
+MANIFEST = "artifact.json"
+CHECKPOINT_DIR = "checkpoint"
+"""An Orbax CheckpointManager directory (engine.train.checkpoint)."""
+TOKENIZER_DIR = "tokenizer"
+"""A checkpoint or dataset artifact carries its tokenizer here."""
+DATA_DIR = "data"
+"""A dataset artifact's token shards (engine/data/shards.py)."""
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+# --------------------------------------------------------------------------- entry points
+# `python -m MODULE` of each stage kind's engine process.
+ENTRY_POINTS = {
+    "pretrain": "engine.train",
+    "sft": "engine.posttrain.sft",
+    "grpo": "engine.posttrain.grpo",
+    "evaluate": "engine.evaluate",
+    "tokenize": "engine.data.tokenize",
+    "hf": "engine.interop.hf",
+    "generate": "engine.inference.generate",
+}
+
+# --------------------------------------------------------------------------- fingerprints
+NON_SEMANTIC_FIELDS = ("log_every", "progress", "metrics_dir", "checkpoint.async_save")
+"""Fields of a training config that cannot change its result: left out of artifact ids."""
+CHECKPOINT_CADENCE_FIELDS = ("checkpoint.every_steps", "checkpoint.keep")
+"""Change what is kept on disk, not the final result (a resumed run equals an uninterrupted one)."""

@@ -1,0 +1,1 @@
+"""Evaluation of checkpoints: held-out loss, generation accuracy and pass@k, the report."""

@@ -1,0 +1,37 @@
+"""`python -m engine.evaluate JOB.yaml OUT_DIR`: evaluate checkpoints, write the report."""
+
+import json
+import sys
+
+from engine.config import ConfigError, load_yaml, validate
+from engine.contract import EXIT_CONFIG_ERROR, EXIT_OK
+from engine.evaluate.config import EvalConfig
+from engine.evaluate.evaluate import run_evaluate
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m engine.evaluate JOB.yaml OUT_DIR
+
+    JOB.yaml: {config: EvalConfig, checkpoints: {name: checkpoint dir}, curves: {stage: metrics.jsonl}}.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        print("usage: python -m engine.evaluate JOB.yaml OUT_DIR", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    try:
+        job = load_yaml(argv[0])
+        unknown = set(job) - {"config", "checkpoints", "curves"}
+        if unknown:
+            raise ConfigError(f"{argv[0]}: unknown key(s) {', '.join(sorted(unknown))}; expected config, "
+                              "checkpoints, curves")
+        cfg = validate(EvalConfig, job.get("config") or {}, f"{argv[0]}: config")
+        report = run_evaluate(cfg, job.get("checkpoints") or {}, argv[1], curves=job.get("curves") or {})
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    print(json.dumps({"result": {f"{m}/{k}": v for m, metrics in report["models"].items()
+                                 for k, v in metrics.items() if isinstance(v, (int, float))}}))
+    return EXIT_OK
+
+
+sys.exit(main())

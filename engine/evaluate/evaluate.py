@@ -1,0 +1,170 @@
+"""Evaluation of one or more checkpoints: held-out loss, generation accuracy, a report.
+
+For every model: loss and perplexity on a token dataset's held-out split, and for every
+generation task the completions of its prompts scored by the same reward functions GRPO
+uses (engine/posttrain/rewards.py): accuracy (the share of prompts whose `correct` reward is at
+least `correct_threshold`), pass@k (the unbiased estimator of Chen et al. 2021) and the
+mean of each reward.
+
+The output directory holds the report (report.py). `python -m engine.evaluate JOB.yaml OUT_DIR`
+runs it alone (__main__.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from engine.config import ConfigError
+from engine.data.pipeline import make_dataset
+from engine.data.tokenizer import load_saved
+from engine.evaluate.config import EvalConfig, GenerationTask
+from engine.evaluate.report import write_report
+from engine.inference.sample import Sampler, decode_completions, encode_prompts, left_pad, tokenizer_dir_for
+from engine.posttrain.rewards import compute_rewards, load_reward, nan_stats
+from engine.train.checkpoint import load_params, stored_configs
+from engine.train.config import TrainConfig
+from engine.train.hooks import log_to_stderr
+from engine.train.trainer import Trainer
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """P(at least one of k samples drawn from n, c of them correct, is correct)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def load_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"evaluation prompts not found: {path}")
+    records = []
+    with path.open() as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+            if limit and len(records) >= limit:
+                break
+    if not records:
+        raise ConfigError(f"{path}: no prompts")
+    return records
+
+
+def _generation_metrics(task: GenerationTask, model_cfg, params, bundle, sampler, log) -> tuple[dict, list[dict]]:
+    records = load_jsonl(task.path, task.limit)
+    for i, r in enumerate(records):
+        if task.prompt_field not in r:
+            raise ConfigError(f"{task.path}: record {i + 1} has no field '{task.prompt_field}'")
+    rewards = [(*load_reward(spec), spec) for spec in task.rewards]
+    names = [name for name, _, _ in rewards]
+    correct_name = task.correct or names[0]
+    if correct_name not in names:
+        raise ConfigError(f"tasks.{task.name}.correct: '{correct_name}' is not one of its rewards ({', '.join(names)})")
+    correct_index = names.index(correct_name)
+    prompts = [r[task.prompt_field] for r in records]
+    prompt_ids = encode_prompts(bundle, prompts)
+    if max(map(len, prompt_ids)) + task.max_new_tokens > model_cfg.max_seq_len:
+        raise ConfigError(f"tasks.{task.name}: prompts plus max_new_tokens exceed the model's max_seq_len "
+                          f"({model_cfg.max_seq_len})")
+    n = task.samples
+    scores = np.zeros((len(records), n, len(rewards)))
+    samples: list[dict] = []
+    pad = bundle.pad_id or 0
+    for start in range(0, len(records), task.batch_size):
+        chunk = list(range(start, min(start + task.batch_size, len(records))))
+        rows = [i for i in chunk for _ in range(n)]
+        tokens, mask = left_pad([prompt_ids[i] for i in rows], pad_id=pad)
+        output = sampler(params, tokens, mask, seed=task.seed + start, max_new_tokens=task.max_new_tokens,
+                         temperature=task.temperature, top_k=task.top_k, top_p=task.top_p,
+                         eos_ids=(bundle.eos_id,), pad_id=pad)
+        texts = decode_completions(bundle, output)
+        columns = {k: [records[i].get(k) for i in rows] for k in records[chunk[0]] if k != task.prompt_field}
+        values = compute_rewards(
+            rewards, prompts=[prompts[i] for i in rows], completions=texts,
+            completion_ids=[row[m].tolist() for row, m in zip(output.tokens, output.mask)],
+            columns=columns, max_completion_length=task.max_new_tokens, step=0)
+        scores[chunk[0]:chunk[-1] + 1] = values.reshape(len(chunk), n, len(rewards))
+        for j, i in enumerate(rows):
+            samples.append({"task": task.name, "prompt": prompts[i], "completion": texts[j],
+                            "rewards": dict(zip(names, map(_finite_or_none, values[j])))})
+        log(f"evaluate: {task.name}: {min(start + task.batch_size, len(records))}/{len(records)} prompts")
+    correct = np.nan_to_num(scores[:, :, correct_index], nan=-math.inf) >= task.correct_threshold
+    metrics = {f"{task.name}/accuracy": float(correct[:, 0].mean())}
+    for k in task.pass_at:
+        if k <= n:
+            metrics[f"{task.name}/pass@{k}"] = float(np.mean([pass_at_k(n, int(c), k) for c in correct.sum(1)]))
+    for j, name in enumerate(names):
+        metrics[f"{task.name}/reward/{name}"] = nan_stats(scores[:, :, j].ravel())[0]
+    metrics[f"{task.name}/prompts"] = len(records)
+    return metrics, samples
+
+
+def _finite_or_none(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
+
+
+def evaluate_model(cfg: EvalConfig, checkpoint_dir: str | Path, log: Callable[[str], None]) -> tuple[dict, list[dict]]:
+    """Every metric of one checkpoint (a directory holding Orbax steps), computed as it was saved."""
+    checkpoint_dir = Path(checkpoint_dir)
+    model_cfg, compute = stored_configs(checkpoint_dir)
+    train_cfg = TrainConfig.model_validate({
+        "model": model_cfg.model_dump(), "compute": compute.model_dump(), "mesh": cfg.mesh.model_dump(),
+        "data": {"path": cfg.data_path, "seq_len": min(cfg.seq_len, model_cfg.max_seq_len),
+                 "batch_size": cfg.batch_size, "shuffle": False},
+        "progress": False,
+    })
+    trainer = Trainer(train_cfg)
+    _, params, step = load_params(checkpoint_dir, trainer.abstract_params)
+    metrics: dict[str, Any] = {"step": step, "num_params": model_cfg.num_params()}
+    if cfg.data_path:
+        t0 = time.perf_counter()
+        seq_len = train_cfg.data.seq_len
+        rows = iter(make_dataset(cfg.data_path, cfg.split, seq_len=seq_len, batch_size=cfg.batch_size, shuffle=False,
+                                 repeat=True, process_index=jax.process_index(), process_count=jax.process_count()))
+        held_out = trainer.held_out_loss(params, (next(rows) for _ in range(cfg.loss_batches)))
+        metrics.update({k: held_out[k] for k in ("eval_loss", "eval_perplexity")})
+        log(f"evaluate: held-out loss {metrics['eval_loss']:.4f} ({time.perf_counter() - t0:.1f} s)")
+    samples: list[dict] = []
+    if cfg.tasks:
+        tokenizer_dir = tokenizer_dir_for(checkpoint_dir)
+        if tokenizer_dir is None:
+            raise ConfigError(f"no tokenizer/ next to {checkpoint_dir}: generation tasks need one")
+        bundle = load_saved(tokenizer_dir)
+        sampler = Sampler(model_cfg, compute, trainer.mesh, trainer.param_shardings)
+        for task in cfg.tasks:
+            t0 = time.perf_counter()
+            task_metrics, task_samples = _generation_metrics(task, model_cfg, params, bundle, sampler, log)
+            metrics.update(task_metrics)
+            metrics[f"{task.name}/seconds"] = time.perf_counter() - t0
+            samples.extend(task_samples)
+    return metrics, samples
+
+
+def run_evaluate(cfg: EvalConfig, checkpoints: dict[str, str | Path], out_dir: str | Path, *,
+                 curves: dict[str, str | Path] | None = None, log: Callable[[str], None] | None = None) -> dict:
+    """Evaluate every named checkpoint; write the report into out_dir; return report.json's content."""
+    log = log or log_to_stderr
+    if not checkpoints:
+        raise ConfigError("evaluate: no checkpoints to evaluate")
+    for task in cfg.tasks:
+        if not task.path:
+            raise ConfigError(f"tasks.{task.name}.path is required")
+        if max(task.pass_at) > task.samples:
+            raise ConfigError(f"tasks.{task.name}: pass_at {max(task.pass_at)} needs samples >= {max(task.pass_at)}")
+    models, samples = {}, {}
+    for name, directory in checkpoints.items():
+        log(f"evaluate: model '{name}' ({directory})")
+        models[name], samples[name] = evaluate_model(cfg, directory, log)
+    return write_report(Path(out_dir), cfg, models, samples, {k: str(v) for k, v in checkpoints.items()},
+                        curves or {})

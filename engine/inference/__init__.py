@@ -1,0 +1,1 @@
+"""The KV-cache sampler (sample.py) and `generate` (text in, text out)."""

@@ -1,0 +1,19 @@
+"""The options of `python -m engine.inference.generate` and `trainflow generate`, kept apart
+from the sampler so the `trainflow` command declares them without importing JAX."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `python -m engine.inference.generate` and `trainflow generate`."""
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable); '-' reads stdin lines")
+    parser.add_argument("--chat", action="store_true", help="render each prompt as a user message with the chat template")
+    parser.add_argument("--tokenizer", help="tokenizer directory (default: the artifact's tokenizer/)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = no top-k filter")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1.0 = no nucleus filter")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="one JSON object per prompt")

@@ -1,0 +1,215 @@
+"""Batched sampling with a KV cache: one prefill, then a jitted decode loop.
+
+`sample(...)` is pure and jit-able: left-padded prompts of mixed length in, generated
+tokens and their log-probabilities out. Prompts are left-padded so that every row's next
+token lands in the same cache slot (engine/models/kv_cache.py); positions count real tokens
+only, so a row's numbers do not depend on how much padding it got.
+
+Log-probabilities are those of the distribution sampled from, before top-k/top-p
+truncation: log_softmax(logits / temperature) (TRL and vLLM report the same); greedy
+decoding (temperature 0) reports log_softmax(logits). They equal the teacher-forced
+log-probabilities of the same tokens, which is what GRPO's importance ratios need.
+
+`Sampler` jits `sample` once per shape and setting on a mesh (params sharded as in
+training, rows over the data axes). engine/inference/generate.py is the text-in, text-out command
+(`python -m engine.inference.generate`, `trainflow generate`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from engine.config import ConfigError
+from engine.contract import TOKENIZER_DIR
+from engine.data.chat import render
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.kv_cache import KVCache
+from engine.models.params import graphdef_of
+from engine.ops.partitioning import use_mesh
+from engine.parallel.mesh import batch_sharding, replicated
+
+NEG_INF = -jnp.inf
+
+
+# --------------------------------------------------------------------------- pure core
+
+
+def filter_logits(logits_bv, top_k: int = 0, top_p: float = 1.0):
+    """Set logits outside the top-k / the top-p nucleus to -inf (0 / 1.0 = no filter)."""
+    if top_k and top_k < logits_bv.shape[-1]:
+        kth_b1 = jax.lax.top_k(logits_bv, top_k)[0][:, -1:]
+        logits_bv = jnp.where(logits_bv < kth_b1, NEG_INF, logits_bv)
+    if top_p < 1.0:
+        sorted_bv = jnp.sort(logits_bv, axis=-1)[:, ::-1]
+        probs_bv = jax.nn.softmax(sorted_bv, axis=-1)
+        # Keep a token if the mass of the tokens ranked above it is below top_p (the first always).
+        keep_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv < top_p
+        threshold_b1 = jnp.min(jnp.where(keep_bv, sorted_bv, jnp.inf), axis=-1, keepdims=True)
+        logits_bv = jnp.where(logits_bv < threshold_b1, NEG_INF, logits_bv)
+    return logits_bv
+
+
+def choose_tokens(logits_bv, key, temperature, *, top_k: int, top_p: float):
+    """(token_b, logprob_b) of one sampling step; temperature 0 (may be traced) is greedy."""
+    logits_bv = logits_bv.astype(jnp.float32)
+    greedy = temperature == 0
+    scaled_bv = logits_bv / jnp.where(greedy, 1.0, temperature)
+    logp_bv = jax.nn.log_softmax(scaled_bv, axis=-1)
+    sampled_b = jax.random.categorical(key, filter_logits(scaled_bv, top_k, top_p), axis=-1)
+    token_b = jnp.where(greedy, jnp.argmax(logits_bv, axis=-1), sampled_b)
+    logprob_b = jnp.take_along_axis(logp_bv, token_b[:, None], axis=-1)[:, 0]
+    return token_b.astype(jnp.int32), logprob_b
+
+
+def prompt_positions(prompt_mask_bp):
+    """Positions of left-padded prompts: 0, 1, ... over the real tokens, 0 on padding."""
+    mask = prompt_mask_bp.astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0) * mask
+
+
+def sample(graphdef, params, prompt_tokens_bp, prompt_mask_bp, rng, temperature=1.0, eos_ids=(), pad_id=0, *,
+           max_new_tokens: int, top_k: int = 0, top_p: float = 1.0) -> dict[str, jax.Array]:
+    """Generate up to `max_new_tokens` per row; stop a row at its first EOS.
+
+    prompt_tokens_bp: left-padded ids; prompt_mask_bp: 1 on real tokens (each row needs one).
+    rng, temperature, eos_ids and pad_id are traced (one compilation serves them all);
+    max_new_tokens, top_k and top_p are static. Returns tokens_bn (pad_id after a row
+    stopped), logprobs_bn (0 there), mask_bn (1 on generated tokens, the EOS included) and
+    lengths_b. Deterministic for a given rng.
+    """
+    model = nnx.merge(graphdef, params)
+    batch, prompt_len = prompt_tokens_bp.shape
+    cache = KVCache.init(model.cfg, model.compute, batch, prompt_len + max_new_tokens)
+    mask_bp = prompt_mask_bp.astype(jnp.int32)
+    logits_btv, cache = model(prompt_tokens_bp, prompt_positions(mask_bp), mask_bp, cache=cache)
+    eos = jnp.asarray(eos_ids, jnp.int32).reshape(-1)
+    choose = functools.partial(choose_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+
+    def cond(state):
+        i, done_b = state[0], state[1]
+        return (i < max_new_tokens) & ~jnp.all(done_b)
+
+    def body(state):
+        i, done_b, logits_bv, cache, position_b, tokens_bn, logprobs_bn, mask_bn = state
+        token_b, logprob_b = choose(logits_bv, jax.random.fold_in(rng, i))
+        live_b = ~done_b
+        token_b = jnp.where(live_b, token_b, pad_id)
+        tokens_bn = tokens_bn.at[:, i].set(token_b)
+        logprobs_bn = logprobs_bn.at[:, i].set(jnp.where(live_b, logprob_b, 0.0))
+        mask_bn = mask_bn.at[:, i].set(live_b)
+        done_b = done_b | jnp.isin(token_b, eos)
+        logits_btv, cache = model(token_b[:, None], position_b[:, None], jnp.ones((batch, 1), jnp.int32), cache=cache)
+        return i + 1, done_b, logits_btv[:, -1], cache, position_b + 1, tokens_bn, logprobs_bn, mask_bn
+
+    state = (
+        jnp.int32(0), jnp.zeros((batch,), bool), logits_btv[:, -1], cache, jnp.sum(mask_bp, axis=1),
+        jnp.full((batch, max_new_tokens), pad_id, jnp.int32), jnp.zeros((batch, max_new_tokens), jnp.float32),
+        jnp.zeros((batch, max_new_tokens), bool),
+    )
+    state = jax.lax.while_loop(cond, body, state)
+    tokens_bn, logprobs_bn, mask_bn = state[5:]
+    return {"tokens": tokens_bn, "logprobs": logprobs_bn, "mask": mask_bn, "lengths": jnp.sum(mask_bn, axis=1)}
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int = 0, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens_bp, mask_bp) with each sequence right-aligned; longer ones keep their last tokens."""
+    length = length or max(len(s) for s in sequences)
+    tokens = np.full((len(sequences), length), pad_id, np.int32)
+    mask = np.zeros((len(sequences), length), np.int32)
+    for row, seq in enumerate(sequences):
+        seq = list(seq)[-length:]
+        if not seq:
+            raise ConfigError(f"prompt {row} is empty: a prompt needs at least one token")
+        tokens[row, length - len(seq):] = seq
+        mask[row, length - len(seq):] = 1
+    return tokens, mask
+
+
+# --------------------------------------------------------------------------- jitted, sharded
+
+
+@dataclass
+class SampleOutput:
+    tokens: np.ndarray  # (b, n) int32
+    logprobs: np.ndarray  # (b, n) float32
+    mask: np.ndarray  # (b, n) bool
+    lengths: np.ndarray  # (b,)
+
+
+class Sampler:
+    """`sample` compiled for one model on one mesh; rows are sharded over (data, fsdp)."""
+
+    def __init__(self, model_cfg: ModelConfig, compute: ComputeConfig | None = None, mesh=None, param_shardings=None):
+        self.model_cfg = model_cfg
+        self.compute = (compute or ComputeConfig()).model_copy(update={"remat": "none"})  # no backward pass here
+        self.graphdef = graphdef_of(self.model_cfg, self.compute)
+        self.mesh, self.param_shardings = mesh, param_shardings
+        self._compiled: dict[tuple, Any] = {}
+
+    def _function(self, settings: tuple):
+        if settings not in self._compiled:
+            fn = functools.partial(sample, self.graphdef, **dict(settings))
+            if self.mesh is None:
+                self._compiled[settings] = jax.jit(fn)
+            else:
+                rows = batch_sharding(self.mesh)
+                outputs = {"tokens": rows, "logprobs": rows, "mask": rows, "lengths": batch_sharding(self.mesh, 1)}
+                scalar = replicated(self.mesh)
+                self._compiled[settings] = jax.jit(
+                    fn, in_shardings=(self.param_shardings, rows, rows, scalar, scalar, scalar, scalar),
+                    out_shardings=outputs)
+        return self._compiled[settings]
+
+    def __call__(self, params, prompt_tokens_bp, prompt_mask_bp, *, seed: int | jax.Array = 0,
+                 max_new_tokens: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 eos_ids: Sequence[int] = (), pad_id: int = 0) -> SampleOutput:
+        prompt_tokens_bp, prompt_mask_bp = np.asarray(prompt_tokens_bp), np.asarray(prompt_mask_bp)
+        batch = prompt_tokens_bp.shape[0]
+        shards = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        extra = -batch % shards
+        if extra:  # pad the batch with one-token dummy rows so it divides over the mesh
+            prompt_tokens_bp = np.concatenate([prompt_tokens_bp, np.repeat(prompt_tokens_bp[-1:], extra, 0)])
+            prompt_mask_bp = np.concatenate([prompt_mask_bp, np.repeat(prompt_mask_bp[-1:], extra, 0)])
+        rng = jax.random.key(seed) if isinstance(seed, int) else seed
+        settings = (("max_new_tokens", int(max_new_tokens)), ("top_k", int(top_k)), ("top_p", float(top_p)))
+        eos = np.asarray(list(eos_ids) or [-1], np.int32)
+        with use_mesh(self.mesh):
+            out = self._function(settings)(params, prompt_tokens_bp, prompt_mask_bp, rng,
+                                           np.float32(temperature), eos, np.int32(pad_id))
+        out = jax.device_get(out)
+        return SampleOutput(**{k: np.asarray(v)[:batch] for k, v in out.items()})
+
+
+# --------------------------------------------------------------------------- text in, text out
+
+
+def encode_prompts(bundle, prompts: Sequence[str | list[dict]]) -> list[list[int]]:
+    """Text prompts framed as in pretraining (the tokenizer's bos); message lists rendered
+    with the chat template and its generation prompt."""
+    ids = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            ids.append(bundle.tokenizer.encode(prompt, add_special_tokens=True).ids)
+        else:
+            text = render(bundle, prompt, add_generation_prompt=True)
+            ids.append(bundle.tokenizer.encode(text, add_special_tokens=False).ids)
+    return ids
+
+
+def decode_completions(bundle, output: SampleOutput, skip_special_tokens: bool = True) -> list[str]:
+    return [bundle.tokenizer.decode(row[mask].tolist(), skip_special_tokens=skip_special_tokens)
+            for row, mask in zip(output.tokens, output.mask)]
+
+
+def tokenizer_dir_for(checkpoint_dir: str | Path) -> Path | None:
+    """A checkpoint artifact keeps its tokenizer next to the checkpoint: <artifact>/tokenizer/."""
+    candidate = Path(checkpoint_dir).parent / TOKENIZER_DIR
+    return candidate if candidate.is_dir() else None

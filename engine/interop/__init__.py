@@ -1,0 +1,1 @@
+"""Formats of other tools: Hugging Face checkpoints in and out (hf/)."""

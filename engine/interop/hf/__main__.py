@@ -1,0 +1,54 @@
+"""Hugging Face checkpoints in and out, from the command line.
+
+    python -m engine.interop.hf convert HF_DIR OUT_DIR [--dtype float32|bfloat16]
+    python -m engine.interop.hf export CHECKPOINT_DIR OUT_DIR [--tokenizer DIR] [--step N] [--max-shard-gb 5]
+
+Prints `{"result": {...}}` on the last stdout line; a bad input is one `error: ...` line on
+stderr and exit code EXIT_CONFIG_ERROR (engine/contract.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from engine.config import ConfigError
+from engine.contract import EXIT_CONFIG_ERROR, EXIT_OK
+from engine.interop.hf.convert import NP_DTYPES, convert_hf
+from engine.interop.hf.export import export_hf
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.interop.hf", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    conv = sub.add_parser("convert", help="a Hugging Face model directory -> an Orbax checkpoint")
+    conv.add_argument("hf_dir")
+    conv.add_argument("out_dir")
+    conv.add_argument("--dtype", choices=sorted(NP_DTYPES), default=None)
+    exp = sub.add_parser("export", help="an Orbax checkpoint directory -> a Hugging Face model directory")
+    exp.add_argument("checkpoint_dir")
+    exp.add_argument("out_dir")
+    exp.add_argument("--tokenizer", default=None, help="tokenizer directory (default: ../tokenizer)")
+    exp.add_argument("--step", type=int, default=None)
+    exp.add_argument("--max-shard-gb", type=float, default=5.0)
+    args = parser.parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    try:
+        if args.command == "convert":
+            result = convert_hf(args.hf_dir, args.out_dir, dtype=args.dtype, log=log)
+        else:
+            result = export_hf(args.checkpoint_dir, args.out_dir, args.tokenizer, step=args.step,
+                               max_shard_bytes=int(args.max_shard_gb * 1e9), log=log)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    print(json.dumps({"result": result}))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

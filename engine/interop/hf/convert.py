@@ -1,0 +1,193 @@
+"""A Hugging Face model directory -> an Orbax checkpoint the engine loads.
+
+    convert_hf(hf_dir, out_dir)   out_dir/checkpoint/ (Orbax, step 0, params + meta) and
+                                  out_dir/tokenizer/
+
+What the files mean (families, config keys, tensor names and layouts) is engine/models/
+families and mapping.py; this module moves the bytes. Conversion streams: every header is
+checked first, then each tensor is read straight into its slot of the stacked (layers, ...)
+arrays, so the peak is one model in memory. The checkpoint holds no mesh: restore it onto
+any mesh with engine.train.checkpoint.load_params(dir, abstract_model_params(cfg, compute, mesh)).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import ml_dtypes
+import numpy as np
+
+from engine.config import ConfigError
+from engine.contract import CHECKPOINT_DIR, CHECKPOINT_FORMAT, TOKENIZER_DIR
+from engine.interop.hf.files import copy_tokenizer, source_fingerprint
+from engine.interop.hf.mapping import (
+    TensorSpec, check_table_covers, copy_into, hf_shape, model_config_from_hf, tensor_table,
+)
+from engine.interop.hf.safetensors_io import SafetensorsFile
+from engine.models.families import get_family
+from engine.models.params import abstract_model_params
+from engine.train.checkpoint import save_params
+
+NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def _at(tree: dict, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _weight_files(hf_dir: Path) -> list[Path]:
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [hf_dir / name for name in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise ConfigError(f"{index}: lists {f.name}, which is missing")
+        return files
+    single = hf_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    if list(hf_dir.glob("*.bin")):
+        raise ConfigError(f"{hf_dir}: only PyTorch .bin weights; convert them to safetensors first")
+    raise ConfigError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def _source_dtype(files: list[Path]) -> str:
+    with SafetensorsFile(files[0]) as st:
+        dtypes = {st.dtype(name) for name in st.names()}
+    return "bfloat16" if dtypes == {np.dtype(ml_dtypes.bfloat16)} else "float32"
+
+
+def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None,
+               log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Convert a HF model directory into out_dir/checkpoint (Orbax) + out_dir/tokenizer.
+
+    `dtype` (float32 | bfloat16) of the stored params; None keeps the source's (bfloat16
+    stays bfloat16, anything else becomes float32). Returns a summary (lineage included).
+    """
+    log = log or (lambda msg: None)
+    start = time.perf_counter()
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(f"{hf_dir}: no config.json (not a Hugging Face model directory)")
+    hf_config = json.loads(config_path.read_text())
+    files = _weight_files(hf_dir)
+    if dtype is not None and dtype not in NP_DTYPES:
+        raise ConfigError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    dtype = dtype or _source_dtype(files)
+    cfg, compute = model_config_from_hf(hf_config, param_dtype=dtype, where=str(config_path))
+    architecture = get_family(cfg.family).architecture
+    shapes = abstract_model_params(cfg, compute, mesh=None)  # the stacked layout: scan_layers
+    check_table_covers(cfg, shapes)
+
+    # HF name -> (spec, layer index or None, engine shape of one slot)
+    top, per_layer = tensor_table(cfg)
+    expected: dict[str, tuple[TensorSpec, int | None, tuple]] = {s.hf_name: (s, None, _at(shapes, s.path).shape) for s in top}
+    for spec in per_layer:
+        stacked = _at(shapes, ("blocks", *spec.path)).shape
+        for i in range(cfg.num_layers):
+            expected[spec.hf_name.format(i=i)] = (spec, i, stacked[1:])
+    target = NP_DTYPES[dtype]
+    params: dict = {}
+    for spec in top:
+        _set(params, spec.path, np.empty(_at(shapes, spec.path).shape, target))
+    for spec in per_layer:
+        _set(params, ("blocks", *spec.path), np.empty(_at(shapes, ("blocks", *spec.path)).shape, target))
+
+    log(f"convert: {architecture}, {len(expected)} tensors to read")
+    # Every header first: a mismatch fails in a second, not after reading gigabytes.
+    jobs: list[tuple[Path, str, TensorSpec, int | None]] = []
+    tied_head: Path | None = None
+    for path in files:
+        with SafetensorsFile(path) as st:
+            for name in st.names():
+                if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved
+                    continue
+                if name == "lm_head.weight" and cfg.tie_embeddings:
+                    tied_head = path
+                    continue
+                if name not in expected:
+                    raise ConfigError(
+                        f"{path.name}: unexpected tensor '{name}' for {architecture} as config.json describes it "
+                        f"({cfg.num_layers} layers); config and weights do not match"
+                    )
+                spec, layer, shape = expected[name]
+                want = hf_shape(spec, shape)
+                if st.shape(name) != want:
+                    raise ConfigError(
+                        f"{path.name}: tensor '{name}' has shape {list(st.shape(name))}, but config.json "
+                        f"({architecture}) implies {list(want)}"
+                    )
+                st.dtype(name)  # raises for a dtype we cannot read
+                jobs.append((path, name, spec, layer))
+    seen = {name for _, name, _, _ in jobs}
+    missing = [name for name in expected if name not in seen]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConfigError(f"{hf_dir}: tensor '{missing[0]}'{more} is missing for {architecture}")
+
+    # Then the data, a few tensors at a time: numpy's copies release the GIL, so reading and
+    # transposing overlap. Each tensor has its own slot; at most `workers` are in flight.
+    handles = {path: SafetensorsFile(path) for path in files}
+
+    def load(job) -> int:
+        path, name, spec, layer = job
+        raw = handles[path].get(name)
+        copy_into(_at(params, spec.path) if layer is None else _at(params, ("blocks", *spec.path))[layer], spec, raw)
+        return raw.nbytes
+
+    try:
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+            nbytes = sum(pool.map(load, jobs))
+    finally:
+        for handle in handles.values():
+            handle.close()
+    log(f"convert: read {len(jobs)} tensors from {len(files)} file(s)")
+    if tied_head is not None:
+        with SafetensorsFile(tied_head) as st:
+            if not np.array_equal(st.get("lm_head.weight").astype(target), params["embed_vd"]):
+                raise ConfigError(
+                    f"{tied_head.name}: tie_word_embeddings is true but 'lm_head.weight' differs from "
+                    f"'model.embed_tokens.weight'"
+                )
+
+    generation = hf_dir / "generation_config.json"
+    meta = {
+        "step": 0, "model": cfg.model_dump(mode="json"), "compute": compute.model_dump(mode="json"),
+        "format": CHECKPOINT_FORMAT,
+        "hf": {
+            "architecture": architecture,
+            "token_ids": {k: hf_config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+            "generation_config": json.loads(generation.read_text()) if generation.is_file() else None,
+        },
+        "source": {"kind": "huggingface", "path": str(hf_dir.absolute()), "files": source_fingerprint(hf_dir)},
+    }
+    checkpoint_dir = out_dir / CHECKPOINT_DIR
+    if checkpoint_dir.exists():
+        shutil.rmtree(checkpoint_dir)  # a partial earlier attempt
+    save_params(checkpoint_dir, 0, params, meta)
+    del params
+    tokenizer_files = copy_tokenizer(hf_dir, out_dir / TOKENIZER_DIR)
+    seconds = time.perf_counter() - start
+    log(f"convert: {architecture}, {cfg.num_params():,} params, {nbytes / 1e9:.3f} GB in {seconds:.1f}s")
+    return {
+        "architecture": architecture, "family": cfg.family, "num_params": cfg.num_params(),
+        "source_bytes": nbytes, "seconds": seconds, "dtype": dtype, "checkpoint": str(checkpoint_dir),
+        "tokenizer_files": tokenizer_files, "model": cfg.model_dump(mode="json"),
+        "compute": compute.model_dump(mode="json"), "source": meta["source"],
+    }

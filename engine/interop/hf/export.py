@@ -1,0 +1,101 @@
+"""An Orbax checkpoint -> a Hugging Face model directory that AutoModelForCausalLM loads:
+config.json, generation_config.json, model-0000i-of-0000n.safetensors +
+model.safetensors.index.json, and the tokenizer files."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from engine.contract import TOKENIZER_DIR
+from engine.interop.hf.files import copy_tokenizer
+from engine.interop.hf.mapping import TensorSpec, hf_shape, model_config_to_hf, tensor_table, to_hf
+from engine.interop.hf.safetensors_io import write_safetensors
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.train.checkpoint import load_params, read_meta
+
+
+def _at(tree: dict, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _plan_shards(names_bytes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in names_bytes:
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: str | Path | None = None, *,
+              step: int | None = None, max_shard_bytes: int = 5 * 10**9,
+              log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Write a checkpoint as a HF model directory that AutoModelForCausalLM loads.
+
+    `tokenizer_dir` defaults to the `tokenizer/` beside the checkpoint directory (the
+    artifact layout of convert and pretrain), if there is one.
+    """
+    log = log or (lambda msg: None)
+    start = time.perf_counter()
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    step, meta = read_meta(checkpoint_dir, step)
+    cfg, compute = ModelConfig.model_validate(meta["model"]), ComputeConfig.model_validate(meta["compute"])
+    hf_meta = meta.get("hf") or {}
+    token_ids = hf_meta.get("token_ids") or {}
+    hf_config = model_config_to_hf(cfg, token_ids, param_dtype=compute.param_dtype)
+    _, params, step = load_params(checkpoint_dir, step=step)  # in the layout it was saved in
+
+    def leaf(spec: TensorSpec, layer: int | None) -> np.ndarray:
+        if layer is None:
+            return np.asarray(_at(params, spec.path))
+        if compute.scan_layers:
+            return np.asarray(_at(params, ("blocks", *spec.path))[layer])
+        return np.asarray(_at(params["blocks"][layer], spec.path))
+
+    top, per_layer = tensor_table(cfg)
+    order = [(top[0], None)] + [(s, i) for i in range(cfg.num_layers) for s in per_layer] + [(s, None) for s in top[1:]]
+    entries = {}
+    for spec, layer in order:
+        array = leaf(spec, layer)
+        entries[spec.hf_name.format(i=layer)] = (spec, layer, hf_shape(spec, array.shape), array.dtype)
+    sizes = [(name, int(np.prod(e[2])) * e[3].itemsize) for name, e in entries.items()]
+    shards = _plan_shards(sizes, max_shard_bytes)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weight_map, total = {}, 0
+    for k, names in enumerate(shards):
+        filename = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+
+        def tensors(names=names) -> Iterator[tuple[str, np.ndarray]]:
+            for name in names:
+                spec, layer, _, _ = entries[name]
+                yield name, to_hf(spec, leaf(spec, layer))
+
+        total += write_safetensors(out_dir / filename, tensors(), metadata={"format": "pt"},
+                                   shapes={n: entries[n][2:] for n in names})
+        weight_map.update({name: filename for name in names})
+        log(f"export: wrote {filename}")
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    generation = hf_meta.get("generation_config") or {
+        "_from_model_config": True, **{k: v for k, v in token_ids.items() if v is not None}}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if tokenizer_dir is None and (checkpoint_dir.parent / TOKENIZER_DIR).is_dir():
+        tokenizer_dir = checkpoint_dir.parent / TOKENIZER_DIR
+    tokenizer_files = copy_tokenizer(Path(tokenizer_dir), out_dir) if tokenizer_dir else []
+    seconds = time.perf_counter() - start
+    return {
+        "architecture": hf_config["architectures"][0], "family": cfg.family, "step": step, "bytes": total,
+        "shards": len(shards), "seconds": seconds, "tokenizer_files": tokenizer_files,
+        "source": {"checkpoint": str(checkpoint_dir.absolute()), "step": step},
+    }

@@ -1,0 +1,130 @@
+"""What a Hugging Face checkpoint means to the engine, generically: config.json <->
+(ModelConfig, ComputeConfig), and each tensor's layout.
+
+What differs per family (config keys, fixed fields, tensor names) is that family's module in
+engine/models/families; this module builds and checks the configs and moves arrays between
+HF's (out, in) matrices and the engine's named axes (TensorSpec.in_dims). numpy only, no
+JAX: pipeline validation reads config.json through here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from engine.config import ConfigError
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.families import TensorSpec, family_names, family_of_model_type, get_family
+
+# --------------------------------------------------------------------------- config.json
+
+
+def model_config_from_hf(hf: dict, *, param_dtype: str = "float32",
+                         where: str = "config.json") -> tuple[ModelConfig, ComputeConfig]:
+    """(architecture, compute settings) of a transformers config.json (legacy keys or
+    transformers 5's); the params are stored, and computed with, in `param_dtype`."""
+    model_type = hf.get("model_type")
+    architecture = (hf.get("architectures") or ["?"])[0]
+    family = family_of_model_type(model_type)
+    if family is None or architecture not in ("?", family.architecture):
+        supported = ", ".join(get_family(name).architecture for name in family_names())
+        raise ConfigError(
+            f"{where}: unsupported architecture '{architecture}' (model_type '{model_type}'); supported: {supported}"
+        )
+    what = f"{where} ({family.architecture})"
+    fields = family.config_from_hf(hf, what)
+    try:
+        return ModelConfig(**fields), ComputeConfig(param_dtype=param_dtype, dtype=param_dtype)
+    except ValueError as e:
+        raise ConfigError(f"{what}: does not make a valid model: {e}") from None
+
+
+def model_config_to_hf(cfg: ModelConfig, token_ids: dict | None = None, *,
+                       param_dtype: str = "float32") -> dict[str, Any]:
+    """config.json for `cfg`, in the keys published checkpoints use (read by transformers 4 and 5).
+
+    Raises ConfigError naming the field when cfg's family cannot express it (e.g. QK-norm
+    with family llama): the config must read back as exactly `cfg`.
+    """
+    family = get_family(cfg.family)
+    hf = {**family.config_to_hf(cfg), "dtype": param_dtype}
+    hf.update({k: v for k, v in (token_ids or {}).items() if v is not None})
+    again, _ = model_config_from_hf(hf, where=f"family '{cfg.family}'")
+    ours, theirs = cfg.model_dump(), again.model_dump()
+    for key in ours:
+        if ours[key] != theirs[key]:
+            raise ConfigError(
+                f"model.{key}={ours[key]!r} cannot be expressed as a Hugging Face {family.architecture} "
+                f"(family '{cfg.family}' implies {theirs[key]!r}); choose the family that has it"
+            )
+    return hf
+
+
+# --------------------------------------------------------------------------- tensor names
+
+
+def tensor_table(cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(top-level tensors, per-layer tensors) of `cfg`, in the order HF files list them."""
+    return get_family(cfg.family).tensor_table(cfg)
+
+
+def _leaf_paths(tree: dict, prefix: tuple[str, ...] = ()) -> set[tuple[str, ...]]:
+    paths: set[tuple[str, ...]] = set()
+    for key, value in tree.items():
+        path = (*prefix, str(key))
+        paths |= _leaf_paths(value, path) if isinstance(value, dict) else {path}
+    return paths
+
+
+def check_table_covers(cfg: ModelConfig, shapes: dict) -> None:
+    """Assert that the tensor table names every parameter in `shapes` (the stacked layout
+    of engine.models.params.abstract_model_params) and nothing else."""
+    top, per_layer = tensor_table(cfg)
+    mapped = {s.path for s in top} | {("blocks", *s.path) for s in per_layer}
+    leaves = _leaf_paths(shapes)
+    assert mapped == leaves, f"tensor_table and the model disagree: {sorted(mapped ^ leaves)}"
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def hf_shape(spec: TensorSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF shape of an engine array of `shape`."""
+    if spec.in_dims is not None:
+        return (int(np.prod(shape[spec.in_dims:])), int(np.prod(shape[: spec.in_dims])))
+    return (int(np.prod(shape)),) if spec.flatten else tuple(shape)
+
+
+def to_engine(spec: TensorSpec, hf_array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """The engine's view of a HF tensor (the reference; conversion uses `copy_into`)."""
+    return (hf_array.T if spec.in_dims is not None else hf_array).reshape(shape)
+
+
+def _transpose_into(dst_2d: np.ndarray, src_2d: np.ndarray, block: int = 16) -> None:
+    """dst = src.T, copied as raw bits in blocks of rows: numpy's plain strided transpose
+    is ~10x slower, and slower still on ml_dtypes' bfloat16."""
+    bits = np.dtype(f"u{src_2d.dtype.itemsize}")
+    src, dst = src_2d.view(bits), dst_2d.view(bits)
+    for i in range(0, src.shape[0], block):
+        dst[:, i:i + block] = src[i:i + block].T
+
+
+def copy_into(slot: np.ndarray, spec: TensorSpec, hf_array: np.ndarray) -> None:
+    """slot[...] = to_engine(spec, hf_array) cast to slot's dtype; `slot` is C-contiguous."""
+    if hf_array.dtype != slot.dtype:
+        hf_array = hf_array.astype(slot.dtype)  # a contiguous cast first: far faster than a strided one
+    if spec.in_dims is None:
+        slot.reshape(-1)[...] = hf_array.reshape(-1)
+    else:
+        _transpose_into(slot.reshape(hf_array.shape[::-1]), hf_array)
+
+
+def to_hf(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
+    """A new C-contiguous array in HF's layout."""
+    shape = hf_shape(spec, array.shape)
+    if spec.in_dims is None:
+        return np.ascontiguousarray(array.reshape(shape))
+    out = np.empty(shape, array.dtype)
+    _transpose_into(out, array.reshape(shape[::-1]))
+    return out

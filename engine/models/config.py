@@ -1,0 +1,130 @@
+"""What a model is (ModelConfig: the architecture) and how a run computes with it
+(ComputeConfig: dtypes, layer scan, rematerialisation, attention blocks).
+
+The two are apart so that a checkpoint records exactly its architecture: a run may restore it
+under any compute settings (bfloat16 matmuls over float32 weights, remat, another block
+size), and only a different architecture is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from engine.config import Strict
+from engine.models.families import get_family
+
+
+class RopeScaling(Strict):
+    """RoPE frequency scaling for long context."""
+
+    kind: Literal["llama3", "linear"] = "llama3"
+    """llama3: frequency-dependent (Llama 3.1+); linear: every frequency / factor (Gemma 3)."""
+    factor: float = Field(8.0, gt=0)
+    low_freq_factor: float = Field(1.0, gt=0)
+    """llama3 only, as are the next two."""
+    high_freq_factor: float = Field(4.0, gt=0)
+    original_max_position: int = Field(8192, gt=0)
+    """Context length the base model was trained with."""
+
+
+class ModelConfig(Strict):
+    """The architecture of a decoder-only transformer: what a checkpoint's parameters mean.
+
+    Saved with every checkpoint and compared when one is loaded; model families differ only
+    in these fields. How a run computes with it is ComputeConfig."""
+
+    family: str = "llama"
+    """Architecture family, one registered in engine/models/families (llama, mistral, qwen2,
+    qwen3, gemma, gemma2, gemma3): names the Hugging Face layout. The math is set by the
+    fields below alone; their defaults describe Llama."""
+    vocab_size: int = Field(gt=0)
+    d_model: int = Field(gt=0)
+    num_layers: int = Field(gt=0)
+    num_heads: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    """Grouped-query attention: each KV head serves num_heads / num_kv_heads query heads."""
+    head_dim: int = Field(gt=0)
+    """Independent of d_model / num_heads."""
+    mlp_dim: int = Field(gt=0)
+    max_seq_len: int = Field(2048, gt=0)
+    norm_eps: float = Field(1e-5, gt=0)
+    rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling: RopeScaling | None = None
+    tie_embeddings: bool = False
+    activation: Literal["silu", "gelu_tanh"] = "silu"
+    """Gate of the gated MLP: silu = SwiGLU (Llama, Qwen, Mistral), gelu_tanh = GeGLU (Gemma)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm over head_dim on queries and keys, before RoPE (Qwen3, Gemma 3)."""
+    norm_zero_centered: bool = False
+    """RMSNorm multiplies by (1 + scale), the scale stored zero-centred (Gemma)."""
+    scale_embeddings: bool = False
+    """Multiply token embeddings by sqrt(d_model) (Gemma)."""
+    post_norms: bool = False
+    """Also normalise each sublayer's output before the residual add (Gemma 2/3)."""
+    attention_pattern: list[Literal["global", "local"]] = Field(default_factory=lambda: ["global"], min_length=1)
+    """Layer i attends as attention_pattern[i % len]; local = sliding window. Mistral: [local];
+    Gemma 2: [local, global]; Gemma 3: five local then one global."""
+    sliding_window: int | None = Field(None, gt=0)
+    """Local layers see this many most recent positions, the query's own included."""
+    rope_local_theta: float | None = Field(None, gt=0)
+    """RoPE base of local layers, unscaled (Gemma 3). None: rope_theta and rope_scaling."""
+    query_pre_attn_scalar: float | None = Field(None, gt=0)
+    """Attention scores are scaled by query_pre_attn_scalar**-0.5 (None: head_dim, as usual)."""
+    attn_logit_softcap: float | None = Field(None, gt=0)
+    """Attention scores become cap * tanh(scores / cap) before masking (Gemma 2)."""
+    final_logit_softcap: float | None = Field(None, gt=0)
+    """Output logits become cap * tanh(logits / cap) (Gemma 2)."""
+    init_std: float = Field(0.02, gt=0)
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, name: str) -> str:
+        get_family(name)  # raises a ValueError naming the closest registered family
+        return name
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> "ModelConfig":
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if "local" in self.attention_pattern and self.sliding_window is None:
+            raise ValueError("attention_pattern has local layers, so sliding_window must be set")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        return self
+
+    def layer_is_local(self) -> list[bool]:
+        """Per layer: does it use sliding-window attention?"""
+        pattern = self.attention_pattern
+        return [pattern[i % len(pattern)] == "local" for i in range(self.num_layers)]
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        attn = self.d_model * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        attn += self.head_dim * (self.num_heads + 2 * self.num_kv_heads) * self.qkv_bias
+        attn += 2 * self.head_dim * self.qk_norm
+        mlp = 3 * self.d_model * self.mlp_dim
+        block = attn + mlp + (4 if self.post_norms else 2) * self.d_model
+        n = self.num_layers * block + self.d_model
+        if include_embedding:
+            n += self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
+        return n
+
+
+class ComputeConfig(Strict):
+    """How a run computes with a model: none of it changes what the parameters mean."""
+
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Storage dtype of the parameters (and so of the optimizer's moments)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype of matmuls; norms, softmax and the loss stay in float32."""
+    scan_layers: bool = True
+    remat: Literal["none", "full", "save_dots", "save_qkv_proj"] = "none"
+    """Which activations the backward pass recomputes (none = keep all)."""
+    attention_block: int = Field(128, ge=0)
+    """Query block of causal attention in training and prefill (engine/ops/attention.py): blocks
+    skip the masked upper triangle. 0 means one block (the whole sequence)."""

@@ -1,0 +1,280 @@
+"""What a model family is: a transformers class, the ModelConfig fields all its models share,
+its config.json keys both ways, and its tensor table; plus the registry of families.
+
+A family module (llama.py, qwen.py, ...) subclasses `Family`, overrides the few hooks where
+it differs from Llama (which the base class describes), and registers itself:
+
+    @register_family
+    class Qwen3(Family):
+        name, architecture, model_type = "qwen3", "Qwen3ForCausalLM", "qwen3"
+        fixed = {"qk_norm": True}
+        ...
+
+Families speak plain dicts of ModelConfig fields (engine/models/config.py validates the
+`family` name against this registry, so nothing here may import it); engine/interop/hf/
+mapping.py builds the ModelConfig and moves the weights. config.json is read in the keys
+published checkpoints use or in transformers 5's (`rope_parameters`, `layer_types`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from engine.config import ConfigError
+
+if TYPE_CHECKING:  # annotations only: config.py imports this package to validate `family`
+    from engine.models.config import ModelConfig
+
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+"""config.json activation name -> ModelConfig.activation."""
+REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+LAYER = "model.layers.{i}."
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One engine parameter and its Hugging Face tensor."""
+
+    path: tuple[str, ...]
+    """Key path in the engine's params (under `blocks` for per-layer tensors)."""
+    hf_name: str
+    """HF name; `{i}` stands for the layer index."""
+    in_dims: int | None
+    """A matmul: the engine array's first `in_dims` axes are HF's input (second) axis, the
+    rest its output axis. None: same values, HF shape flattened when `flatten`."""
+    flatten: bool = False
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def rope_from_hf(params: dict, where: str) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling as a RopeScaling dict) of a HF RoPE dict (`rope_parameters`,
+    or `rope_theta` merged with the older `rope_scaling`)."""
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", 10000.0))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{where}: partial_rotary_factor is not supported")
+    if kind == "default":
+        return theta, None
+    if kind == "linear":
+        return theta, {"kind": "linear", "factor": params["factor"]}
+    if kind == "llama3":
+        return theta, {
+            "kind": "llama3", "factor": params["factor"], "low_freq_factor": params["low_freq_factor"],
+            "high_freq_factor": params["high_freq_factor"],
+            "original_max_position": params["original_max_position_embeddings"],
+        }
+    raise ConfigError(f"{where}: RoPE type '{kind}' is not supported (supported: default, linear, llama3)")
+
+
+def rope_to_hf(scaling) -> dict | None:
+    """config.json's `rope_scaling` of a ModelConfig.rope_scaling (a RopeScaling or None)."""
+    if scaling is None:
+        return None
+    if scaling.kind == "linear":
+        return {"rope_type": "linear", "factor": scaling.factor}
+    return {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position}
+
+
+def parse_layer_types(types: list[str], num_layers: int, where: str) -> list[bool]:
+    """Per layer: sliding-window attention? From HF's `layer_types` strings."""
+    if len(types) != num_layers:
+        raise ConfigError(f"{where}: layer_types has {len(types)} entries for {num_layers} layers")
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ConfigError(f"{where}: layer type '{unknown[0]}' is not supported (full_attention, sliding_attention)")
+    return [t == "sliding_attention" for t in types]
+
+
+def layer_types_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """transformers 5's per-layer keys, for the families that read them."""
+    types = ["sliding_attention" if x else "full_attention" for x in cfg.layer_is_local()]
+    return {"layer_types": types, "sliding_window": cfg.sliding_window}
+
+
+def _shortest_period(flags: list[bool]) -> list[bool]:
+    """The shortest prefix that repeats to `flags` (ModelConfig.attention_pattern)."""
+    for period in range(1, len(flags) + 1):
+        if all(flags[i] == flags[i % period] for i in range(len(flags))):
+            return flags[:period]
+    raise AssertionError("unreachable")
+
+
+def qk_norm_tensors() -> list[TensorSpec]:
+    """RMSNorm over head_dim on queries and keys (Qwen3, Gemma 3)."""
+    return [TensorSpec(("attn", f"{x}_norm", "scale"), LAYER + f"self_attn.{x}_norm.weight", None) for x in "qk"]
+
+
+# --------------------------------------------------------------------------- the base class
+
+
+class Family:
+    """A Llama-shaped Hugging Face family. Subclasses set the class attributes and override
+    the hooks where their config.json or tensors differ."""
+
+    name: ClassVar[str]
+    """ModelConfig.family."""
+    architecture: ClassVar[str]
+    """The transformers class (config.json `architectures[0]`)."""
+    model_type: ClassVar[str]
+    """config.json `model_type`."""
+    fixed: ClassVar[dict[str, Any]] = {}
+    """ModelConfig fields every model of the family has."""
+    hf_defaults: ClassVar[dict[str, Any]] = {}
+    """transformers' defaults for config.json keys a file may leave out."""
+    activation_key: ClassVar[str] = "hidden_act"
+    """The config.json key export writes the activation under."""
+    unsupported_flags: ClassVar[tuple[str, ...]] = ("attention_bias", "mlp_bias", "use_bidirectional_attention")
+    """config.json keys that must not be true: the engine has no such layers."""
+
+    # ----------------------------------------------------------------- config.json -> fields
+
+    def hf_value(self, hf: dict, key: str, default: Any = None) -> Any:
+        """hf[key], or transformers' default for it when the file leaves it out (or null)."""
+        value = hf.get(key)
+        return self.hf_defaults.get(key, default) if value is None else value
+
+    def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
+        """ModelConfig fields (a plain dict) of config.json `hf`; `where` prefixes errors."""
+        for key in REQUIRED_KEYS:
+            if hf.get(key) is None:
+                raise ConfigError(f"{where}: missing key '{key}'")
+        for key in self.unsupported_flags:
+            if hf.get(key):
+                raise ConfigError(f"{where}: {key}=true is not supported")
+        activation = self.activation_from_hf(hf)
+        if activation not in ACTIVATIONS:
+            raise ConfigError(f"{where}: activation '{activation}' is not supported (silu, gelu_pytorch_tanh)")
+        rope = self.rope_from_hf(hf, where)
+        num_layers, num_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+        is_local = parse_layer_types(self.layer_types(hf, num_layers), num_layers, where)
+        return {
+            "family": self.name, "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"],
+            "num_layers": num_layers, "num_heads": num_heads,
+            "num_kv_heads": hf.get("num_key_value_heads") or num_heads,
+            "head_dim": hf.get("head_dim") or hf["hidden_size"] // num_heads, "mlp_dim": hf["intermediate_size"],
+            "max_seq_len": self.hf_value(hf, "max_position_embeddings"),
+            "norm_eps": self.hf_value(hf, "rms_norm_eps", 1e-6),
+            **rope,
+            "tie_embeddings": self.hf_value(hf, "tie_word_embeddings"), "activation": ACTIVATIONS[activation],
+            "attention_pattern": ["local" if x else "global" for x in _shortest_period(is_local)],
+            "sliding_window": self.hf_value(hf, "sliding_window") if any(is_local) else None,
+            "init_std": self.hf_value(hf, "initializer_range", 0.02),
+            **self.fixed, **self.extra_fields_from_hf(hf),
+        }
+
+    def activation_from_hf(self, hf: dict) -> str:
+        """config.json's activation name (transformers 5 renamed some keys)."""
+        return hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+
+    def layer_types(self, hf: dict, num_layers: int) -> list[str]:
+        """HF's per-layer attention kinds (full_attention / sliding_attention). Llama: all full."""
+        return ["full_attention"] * num_layers
+
+    def rope_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
+        """The RoPE fields: rope_theta and rope_scaling (and rope_local_theta for Gemma 3)."""
+        rope = hf.get("rope_parameters") or {
+            "rope_theta": self.hf_value(hf, "rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
+        theta, scaling = rope_from_hf(rope, where)
+        return {"rope_theta": theta, "rope_scaling": scaling}
+
+    def extra_fields_from_hf(self, hf: dict) -> dict[str, Any]:
+        """ModelConfig fields only this family reads from config.json."""
+        return {}
+
+    # ----------------------------------------------------------------- ModelConfig -> config.json
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
+        """config.json of `cfg` in the keys published checkpoints use (read by transformers 4
+        and 5). Fields the family cannot express are caught by the caller's round trip."""
+        activation = {v: k for k, v in ACTIVATIONS.items() if k != "gelu_new"}[cfg.activation]
+        hf: dict[str, Any] = {
+            "architectures": [self.architecture], "model_type": self.model_type, "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+            "rope_theta": cfg.rope_theta, "rope_scaling": rope_to_hf(cfg.rope_scaling),
+            "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
+            "attention_dropout": 0.0, "use_cache": True, self.activation_key: activation,
+        }
+        if "attention_bias" in self.unsupported_flags:
+            hf["attention_bias"] = False
+        hf.update(self.extra_hf_keys(cfg))
+        return hf
+
+    def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
+        """config.json keys only this family writes."""
+        return {}
+
+    # ----------------------------------------------------------------- tensors
+
+    def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        """(top-level tensors, per-layer tensors) of `cfg`, in the order HF files list them."""
+        top = [TensorSpec(("embed_vd",), "model.embed_tokens.weight", None)]
+        per_layer = [
+            TensorSpec(("attn_norm", "scale"), LAYER + "input_layernorm.weight", None),
+            TensorSpec(("attn", "wq_dnh"), LAYER + "self_attn.q_proj.weight", 1),
+            TensorSpec(("attn", "wk_dkh"), LAYER + "self_attn.k_proj.weight", 1),
+            TensorSpec(("attn", "wv_dkh"), LAYER + "self_attn.v_proj.weight", 1),
+            TensorSpec(("attn", "wo_nhd"), LAYER + "self_attn.o_proj.weight", 2),
+            *self.extra_attention_tensors(),
+            *self.mlp_norm_tensors(),
+            TensorSpec(("mlp", "w_gate_df"), LAYER + "mlp.gate_proj.weight", 1),
+            TensorSpec(("mlp", "w_up_df"), LAYER + "mlp.up_proj.weight", 1),
+            TensorSpec(("mlp", "w_down_fd"), LAYER + "mlp.down_proj.weight", 1),
+        ]
+        top.append(TensorSpec(("final_norm", "scale"), "model.norm.weight", None))
+        if not cfg.tie_embeddings:
+            top.append(TensorSpec(("lm_head_dv",), "lm_head.weight", 1))
+        return top, per_layer
+
+    def extra_attention_tensors(self) -> list[TensorSpec]:
+        """Attention tensors after o_proj: biases (Qwen2), QK-norm scales (Qwen3, Gemma 3)."""
+        return []
+
+    def mlp_norm_tensors(self) -> list[TensorSpec]:
+        """The norms between attention and MLP: Llama's post_attention_layernorm is the MLP's
+        input norm."""
+        return [TensorSpec(("mlp_norm", "scale"), LAYER + "post_attention_layernorm.weight", None)]
+
+
+# --------------------------------------------------------------------------- the registry
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(cls: type[Family]) -> type[Family]:
+    """Class decorator: make `cls` the family `cls.name` (and its model_type)."""
+    assert cls.name not in _FAMILIES, f"family '{cls.name}' is registered twice"
+    assert all(f.model_type != cls.model_type for f in _FAMILIES.values()), f"model_type '{cls.model_type}' twice"
+    _FAMILIES[cls.name] = cls()
+    return cls
+
+
+def family_names() -> list[str]:
+    """Registered family names, in registration order."""
+    return list(_FAMILIES)
+
+
+def _unknown(name: str) -> str:
+    match = difflib.get_close_matches(str(name), list(_FAMILIES), n=1)
+    hint = f"did you mean '{match[0]}'?" if match else f"valid families: {', '.join(_FAMILIES)}"
+    return f"unknown family '{name}'; {hint}"
+
+
+def get_family(name: str) -> Family:
+    """The registered family `name`; a ConfigError (a ValueError) naming the closest one."""
+    family = _FAMILIES.get(name)
+    if family is None:
+        raise ConfigError(_unknown(name))
+    return family
+
+
+def family_of_model_type(model_type: str | None) -> Family | None:
+    """The family whose config.json `model_type` this is, if any."""
+    return next((f for f in _FAMILIES.values() if f.model_type == model_type), None)

@@ -1,0 +1,52 @@
+"""The KV cache of decoding: keys and values of every layer, written one step at a time."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.ops.partitioning import constrain
+
+
+@struct.dataclass
+class KVCache:
+    """Keys and values of every layer, for decoding one step at a time (engine/inference/sample.py).
+
+    Functional: a decode step returns a new cache. Rows are left-padded, so every row
+    writes the same slots: a step of t tokens fills slots [end, end + t) of each layer.
+    """
+
+    k: jax.Array  # (layers, b, s, kv_heads, head_dim)
+    v: jax.Array  # (layers, b, s, kv_heads, head_dim)
+    valid_bs: jax.Array  # (b, s) bool: the slot holds a real token (not padding, not empty)
+    end: jax.Array  # () int32: first empty slot
+    layer: jax.Array | int = 0  # the layer being run; set by Transformer._decode_blocks
+
+    @classmethod
+    def init(cls, cfg: ModelConfig, compute: ComputeConfig, batch: int, max_len: int) -> "KVCache":
+        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        dtype = jnp.bfloat16 if compute.dtype == "bfloat16" else jnp.float32
+        zeros = constrain(jnp.zeros(shape, dtype), (None, "act_batch", None, "act_kv_heads", None))
+        return cls(zeros, zeros, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32))
+
+    def update(self, k_btkh, v_btkh, *, window=None, local=True):
+        """Write this layer's new keys/values; (k_bskh, v_bskh, mask_bts, cache) to attend with.
+
+        Query i (slot end + i) sees slot j iff j <= end + i and the slot is valid; a local
+        layer with a sliding window also needs end + i - j < window. Left padding keeps
+        slot order equal to position order: this is the full forward pass's causal mask.
+        """
+        t, s = k_btkh.shape[1], self.k.shape[2]
+        start = (self.layer, 0, self.end, 0, 0)
+        k_all = jax.lax.dynamic_update_slice(self.k, k_btkh[None].astype(self.k.dtype), start)
+        v_all = jax.lax.dynamic_update_slice(self.v, v_btkh[None].astype(self.v.dtype), start)
+        k_bskh = jax.lax.dynamic_index_in_dim(k_all, self.layer, 0, keepdims=False)
+        v_bskh = jax.lax.dynamic_index_in_dim(v_all, self.layer, 0, keepdims=False)
+        distance_ts = self.end + jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
+        visible_ts = distance_ts >= 0
+        if window is not None:
+            visible_ts = visible_ts & ((distance_ts < window) | jnp.logical_not(local))
+        mask_bts = visible_ts[None] & self.valid_bs[:, None, :]
+        return k_bskh, v_bskh, mask_bts, self.replace(k=k_all, v=v_all)

@@ -1,0 +1,77 @@
+"""A model's parameters as pure pytrees: their shapes, shardings, initialisation, and the
+functional forward pass.
+
+Training, sampling and conversion hold params as nested dicts of arrays; the NNX module is
+rebuilt around them (`apply_model`) inside jitted functions. Shardings come from the logical
+axis names every parameter carries (engine/ops/partitioning.py).
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.transformer import Transformer
+from engine.ops.partitioning import check_divisible, logical_to_spec, use_mesh
+
+
+def _path_name(path) -> str:
+    return ".".join(str(getattr(p, "key", p)) for p in path)
+
+
+def param_shardings(model_cfg: ModelConfig, compute: ComputeConfig, mesh: Mesh | None):
+    """(shapes, per-parameter NamedSharding from the logical names in the model's metadata)."""
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, compute, rngs=nnx.Rngs(0)))
+    _, state = nnx.split(abstract)
+    shapes = nnx.to_pure_dict(state)
+    logical = nnx.to_pure_dict(nnx.get_partition_spec(state))
+    if mesh is None:
+        return shapes, None
+
+    def to_sharding(path, shape, names):
+        spec = logical_to_spec(names)
+        check_divisible(_path_name(path), shape.shape, spec, mesh)
+        return NamedSharding(mesh, spec)
+
+    shardings = jax.tree_util.tree_map_with_path(
+        to_sharding, shapes, logical, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+    return shapes, shardings
+
+
+def abstract_model_params(model_cfg: ModelConfig, compute: ComputeConfig, mesh: Mesh | None):
+    """ShapeDtypeStructs (with shardings on `mesh`) of the model's parameters."""
+    shapes, shardings = param_shardings(model_cfg, compute, mesh)
+    if shardings is None:
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), shapes)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+
+
+def init_params(model_cfg: ModelConfig, compute: ComputeConfig, mesh: Mesh, seed: int):
+    """Initialise directly into the sharded layout (no full copy on one device)."""
+    _, shardings = param_shardings(model_cfg, compute, mesh)
+
+    def init():
+        return nnx.to_pure_dict(nnx.split(Transformer(model_cfg, compute, rngs=nnx.Rngs(seed)))[1])
+
+    with use_mesh(mesh):
+        return jax.jit(init, out_shardings=shardings)()
+
+
+def graphdef_of(model_cfg: ModelConfig, compute: ComputeConfig):
+    """The model's structure without its values: `apply_model` merges params into it."""
+    return nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, compute, rngs=nnx.Rngs(0))))[0]
+
+
+def apply_model(graphdef, params, tokens, positions=None, segment_ids=None):
+    """Logits of the model `graphdef` with `params` (a pure dict): the functional forward pass."""
+    return nnx.merge(graphdef, params)(tokens, positions, segment_ids)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward), the PaLM accounting."""
+    dense = cfg.num_params(include_embedding=False) + cfg.vocab_size * cfg.d_model  # lm head matmul
+    attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len  # QK^T and PV, causal-unaware
+    return 6 * dense + 6 * attention

@@ -1,0 +1,1 @@
+"""Kernels and primitives: attention, the model's matmuls, logical-axis sharding constraints."""

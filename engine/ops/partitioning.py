@@ -1,0 +1,99 @@
+"""The one table that maps logical axis names to mesh axes, and activation constraints.
+
+Parameters carry logical names (`embed`, `mlp`, `heads`, ...) in their metadata; activations
+are constrained with `constrain(x, ("act_batch", "act_seq", "act_embed"))`. Changing the
+parallelism of a run means changing the mesh sizes (engine/parallel/mesh.py), never the
+model code. This module is the ops layer's: models and kernels read it, it reads no model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from engine.config import ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical name -> mesh axis (or tuple of axes, or None = replicated).
+LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
+    # parameters
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "mlp": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "norm": None,
+    "layers": None,
+    # activations
+    "act_batch": ("data", "fsdp"),
+    "act_seq": None,
+    "act_embed": None,
+    "act_heads": "tensor",
+    "act_kv_heads": "tensor",
+    "act_mlp": "tensor",
+    "act_vocab": "tensor",
+}
+
+
+def logical_to_spec(names: Sequence[str | None] | None, rules=LOGICAL_RULES) -> P:
+    if names is None:
+        return P()
+    axes = []
+    for name in names:
+        if name is None:
+            axes.append(None)
+        elif name not in rules:
+            raise KeyError(f"logical axis '{name}' has no sharding rule")
+        else:
+            axes.append(rules[name])
+    return P(*axes)
+
+
+def mesh_axis_size(mesh: Mesh, axis) -> int:
+    if axis is None:
+        return 1
+    if isinstance(axis, str):
+        return mesh.shape[axis]
+    return math.prod(mesh.shape[a] for a in axis)
+
+
+def check_divisible(name: str, shape: Sequence[int], spec: P, mesh: Mesh) -> None:
+    for dim, axis in zip(shape, spec):
+        size = mesh_axis_size(mesh, axis)
+        if dim % size:
+            raise ConfigError(
+                f"mesh: parameter '{name}' has a dimension of {dim} that cannot be split over "
+                f"mesh axis {axis!r} of size {size}; change the mesh or the model size"
+            )
+
+
+# --------------------------------------------------------------------------- activations
+
+_current: list[Mesh] = []
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh | None) -> Iterator[None]:
+    """Within this context, `constrain` pins activations to `mesh`."""
+    _current.append(mesh)
+    try:
+        yield
+    finally:
+        _current.pop()
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Constrain an activation's sharding by logical names (a no-op without a mesh)."""
+    mesh = _current[-1] if _current else None
+    if mesh is None or mesh.size == 1:
+        return x
+    spec = logical_to_spec(names)
+    # An activation dimension that does not divide its axis stays replicated on it.
+    spec = P(*(a if x.shape[i] % mesh_axis_size(mesh, a) == 0 else None for i, a in enumerate(spec)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

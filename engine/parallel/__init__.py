@@ -1,0 +1,1 @@
+"""Meshes (mesh.py) and runs of more than one process (distributed.py)."""

@@ -1,0 +1,53 @@
+"""The device mesh of a run and the shardings of its batches.
+
+`make_mesh` lays the devices out as (data, fsdp, tensor); a size of -1 takes the devices the
+other axes leave. Batches are global arrays whose rows are split over (data, fsdp).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from engine.config import ConfigError
+from engine.ops.partitioning import MESH_AXES
+from engine.parallel.config import MeshConfig
+
+
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Build the (data, fsdp, tensor) mesh; -1 takes the devices the others leave."""
+    devices = list(devices if devices is not None else jax.devices())
+    n = len(devices)
+    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if n % known:
+            raise ConfigError(
+                f"mesh: data={cfg.data} fsdp={cfg.fsdp} tensor={cfg.tensor} does not divide "
+                f"{n} devices (the fixed axes multiply to {known})"
+            )
+        sizes[sizes.index(-1)] = n // known
+    if math.prod(sizes) != n:
+        raise ConfigError(
+            f"mesh: data={sizes[0]} fsdp={sizes[1]} tensor={sizes[2]} needs {math.prod(sizes)} "
+            f"devices but {n} are available; set one axis to -1 to take the rest"
+        )
+    try:  # a topology-aware layout on TPU/GPU; plain order on CPU
+        device_array = mesh_utils.create_device_mesh(sizes, devices)
+    except Exception:
+        device_array = np.asarray(devices).reshape(sizes)
+    return Mesh(device_array, MESH_AXES)
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Batches are global arrays sharded over (data, fsdp) on their leading dimension."""
+    return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())

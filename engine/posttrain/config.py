@@ -1,0 +1,138 @@
+"""The schemas of post-training runs: SFT (examples) and GRPO/GSPO (prompts and rewards).
+
+Kept apart from the runs so that validating a pipeline does not import JAX.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from engine.config import Strict
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.parallel.config import MeshConfig
+from engine.posttrain.rewards import RewardSpec
+from engine.train.config import CheckpointConfig, OptimizerConfig, RunFields, ScheduleConfig
+
+
+class SFTDataConfig(Strict):
+    """Where the examples come from and how they become rows."""
+
+    path: str | None = None
+    """A JSONL file, or a directory whose *.jsonl files are read in name order; required."""
+    format: Literal["auto", "prompt_completion", "messages"] = "auto"
+    """auto: a record with `messages` is a conversation, otherwise prompt/completion."""
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    messages_field: str = "messages"
+    loss_on: Literal["completion", "all"] = "completion"
+    """completion: loss only on completion tokens / assistant turns (TRL: completion_only_loss
+    and assistant_only_loss); all: on every token of the example."""
+    eval_path: str | None = None
+    """Held-out examples (same format). None: the last `eval_fraction` of `path`."""
+    eval_fraction: float = Field(0.0, ge=0, lt=1)
+    eval_batches: int = Field(0, ge=0)
+    """Batches of held-out rows per evaluation (0 = all of them)."""
+    seq_len: int = Field(512, gt=1)
+    """Row length in tokens; a longer example is truncated (its start kept)."""
+    batch_size: int = Field(8, gt=0)
+    """Rows per optimizer step."""
+    packing: bool = True
+    """Several examples per row, kept apart by segment ids; False: one example per row."""
+    shuffle: bool = True
+    seed: int = 0
+
+
+class SFTConfig(RunFields):
+    """One SFT run: the pretraining engine's sections plus SFT data."""
+
+    model: ModelConfig | None = None
+    """None: the architecture stored with checkpoint.init_from. If given it must be that
+    architecture (how the run computes is `compute`)."""
+    compute: ComputeConfig | None = None
+    """None: the settings checkpoint.init_from was saved with (its dtypes, scan, remat)."""
+    tokenizer: str | None = None
+    """Tokenizer directory. None: `tokenizer/` next to checkpoint.init_from (a checkpoint artifact)."""
+    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=2e-5, weight_decay=0.0)
+    data: SFTDataConfig = SFTDataConfig()
+    # checkpoint.init_from (the model to fine-tune) and checkpoint.directory are required.
+
+
+class GRPODataConfig(Strict):
+    """The prompts: JSONL, one record per line, `prompt` text or a message list plus any
+    columns the reward functions read (e.g. `answer`)."""
+
+    path: str | None = None
+    """A JSONL file or a directory of *.jsonl files; required."""
+    prompt_field: str = "prompt"
+    shuffle: bool = True
+    seed: int = 0
+
+
+class GRPOConfig(Strict):
+    """One GRPO/GSPO run."""
+
+    algorithm: Literal["grpo", "gspo"] = "grpo"
+    """grpo: token-level importance ratios; gspo: the length-normalised sequence ratio."""
+    gspo_variant: Literal["sequence", "token"] = "sequence"
+    """gspo only. sequence: one clipped ratio per sequence (TRL); token: GSPO-token, the
+    sequence ratio's value with per-token gradients (Tunix's gspo-token)."""
+    model: ModelConfig | None = None
+    """None: the architecture stored with checkpoint.init_from."""
+    compute: ComputeConfig | None = None
+    """None: the settings checkpoint.init_from was saved with."""
+    tokenizer: str | None = None
+    """Tokenizer directory. None: `tokenizer/` next to checkpoint.init_from."""
+    mesh: MeshConfig = MeshConfig()
+    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-6, weight_decay=0.0)
+    schedule: ScheduleConfig = ScheduleConfig(kind="constant")
+    data: GRPODataConfig = GRPODataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    """checkpoint.init_from (the policy to start from) and checkpoint.directory are required."""
+    rewards: list[RewardSpec] = Field(min_length=1)
+    """Reward terms; the reward of a completion is their weighted sum."""
+    steps: int = Field(100, gt=0)
+    """Rollout batches; each makes num_iterations optimizer updates."""
+    prompts_per_step: int = Field(8, gt=0)
+    num_generations: int = Field(8, ge=2)
+    """G: completions per prompt, the group the advantages are relative to."""
+    max_prompt_length: int = Field(256, gt=0)
+    """Longer prompts keep their last tokens (TRL truncates on the left too)."""
+    max_completion_length: int = Field(256, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide advantages by the group's reward std, the batch's, or not at all (Dr. GRPO)."""
+    epsilon: float = Field(0.2, gt=0)
+    """Clipping: the ratio is kept within [1 - epsilon, 1 + epsilon_high]."""
+    epsilon_high: float | None = Field(None, gt=0)
+    """None: epsilon. DAPO's clip-higher uses e.g. 0.28."""
+    beta: float = Field(0.0, ge=0)
+    """KL penalty weight to the frozen initial policy (k3 estimator); 0 keeps no reference model."""
+    num_iterations: int = Field(1, gt=0)
+    """mu: optimizer updates per rollout batch, each on the whole batch."""
+    grad_accum: int = Field(1, gt=0)
+    """Micro-batches per update; prompts_per_step * num_generations must divide evenly."""
+    seed: int = 0
+    log_every: int = Field(1, gt=0)
+    metrics_dir: str | None = None
+    progress: bool = True
+
+    @model_validator(mode="after")
+    def _check(self) -> "GRPOConfig":
+        rows = self.prompts_per_step * self.num_generations
+        if rows % self.grad_accum:
+            raise ValueError(f"prompts_per_step * num_generations ({rows}) must be divisible by grad_accum "
+                             f"({self.grad_accum})")
+        if self.gspo_variant != "sequence" and self.algorithm != "gspo":
+            raise ValueError("gspo_variant applies to algorithm: gspo only")
+        return self
+
+    @property
+    def importance_sampling_level(self) -> str:
+        if self.algorithm == "grpo":
+            return "token"
+        return "sequence" if self.gspo_variant == "sequence" else "sequence_token"

@@ -1,0 +1,65 @@
+"""What SFT and GRPO share before training: the model to start from, its tokenizer, JSONL."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from engine.config import ConfigError
+from engine.contract import TOKENIZER_DIR
+from engine.data.tokenizer import TokenizerBundle, load_saved
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.train.checkpoint import stored_configs
+
+
+def read_jsonl(path: str | Path) -> list[tuple[str, dict]]:
+    """[(\"file:line\", record)] of a JSONL file or of a directory's *.jsonl files."""
+    path = Path(path)
+    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise ConfigError(f"data: no JSONL examples at {path}")
+    records = []
+    for file in files:
+        for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{file}:{number}: not valid JSON: {e}") from None
+            if not isinstance(record, dict):
+                raise ConfigError(f"{file}:{number}: expected a JSON object")
+            records.append((f"{file}:{number}", record))
+    return records
+
+
+def resolve_model(cfg: Any) -> tuple[ModelConfig, ComputeConfig]:
+    """The architecture stored with checkpoint.init_from (a config's `model` must equal it) and
+    the run's compute settings (by default the ones the checkpoint was saved with)."""
+    if not cfg.checkpoint.init_from:
+        raise ConfigError("checkpoint.init_from is required: the checkpoint to fine-tune")
+    stored, stored_compute = stored_configs(cfg.checkpoint.init_from)
+    if cfg.model is not None and cfg.model != stored:
+        raise ConfigError(f"model: differs from the architecture in {cfg.checkpoint.init_from}; omit `model`")
+    return stored, cfg.compute or stored_compute
+
+
+def tokenizer_dir(cfg: Any) -> Path:
+    path = Path(cfg.tokenizer) if cfg.tokenizer else Path(cfg.checkpoint.init_from).parent / TOKENIZER_DIR
+    if not path.is_dir():
+        raise ConfigError(f"tokenizer: no tokenizer directory at {path}; set `tokenizer`")
+    return path
+
+
+def finetune_start(cfg: Any) -> tuple[ModelConfig, ComputeConfig, TokenizerBundle]:
+    """The model to fine-tune, how to compute with it, and its tokenizer, for an SFT or GRPO
+    config: checks that checkpoint.directory is set and that the tokenizer fits the model."""
+    if not cfg.checkpoint.directory:
+        raise ConfigError("checkpoint.directory is required")
+    model_cfg, compute = resolve_model(cfg)
+    bundle = load_saved(tokenizer_dir(cfg))
+    if bundle.vocab_size > model_cfg.vocab_size:
+        raise ConfigError(f"the tokenizer's vocabulary ({bundle.vocab_size}) is larger than the model's "
+                          f"({model_cfg.vocab_size})")
+    return model_cfg, compute, bundle

@@ -1,0 +1,264 @@
+"""GRPO and GSPO: sample G completions per prompt, score them, push the policy toward the
+better ones of each group.
+
+One step (a "rollout batch"):
+
+    prompts_per_step prompts  -> G completions each (engine/inference/sample.py, the live params)
+    -> rewards (rewards.py) -> group advantages (policy_loss.py)      = RolloutSource, the batches
+    -> num_iterations (mu) optimizer updates on that batch            = policy_objective, the loss
+
+The old policy's log-probs are the current params' before the first update: with mu = 1
+they equal the live ones (stop_gradient) and every ratio is exactly 1; with mu > 1 one
+extra forward pass stores them. With beta > 0 a frozen copy of the initial params is the
+reference model of the k3 KL penalty; with beta = 0 none is kept.
+
+The choices where TRL and Tunix differ are config fields: `algorithm` grpo (token ratio) or
+gspo with `gspo_variant` sequence (TRL's importance_sampling_level=sequence) or token
+(Tunix's gspo-token); `loss_type` grpo | bnpo | dr_grpo | dapo (TRL's default dapo; Tunix's
+grpo aggregation is bnpo, its gspo-token aggregation is grpo); `beta` (TRL 0.0, Tunix 0.04).
+
+Everything else (mesh, shardings, optimizer, resume, checkpoints, SIGTERM, logging) is the
+trainer's: GRPO is a batch source and an objective on the loop every stage shares.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.config import ConfigError
+from engine.data.tokenizer import TokenizerBundle
+from engine.inference.sample import Sampler, decode_completions, encode_prompts, left_pad, prompt_positions
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.params import apply_model
+from engine.ops.partitioning import use_mesh
+from engine.parallel.distributed import process_rows
+from engine.posttrain.config import GRPOConfig, GRPODataConfig
+from engine.posttrain.finetune import finetune_start, read_jsonl
+from engine.posttrain.policy_loss import completion_logps, group_advantages, policy_loss
+from engine.posttrain.rewards import RewardError, compute_rewards, load_reward, nan_stats, total_reward
+from engine.train.checkpoint import load_params
+from engine.train.cli import run_cli
+from engine.train.config import TrainConfig
+from engine.train.hooks import log_to_stderr, run_training
+from engine.train.step import Objective
+from engine.train.trainer import Trainer, TrainState
+
+
+def train_config(cfg: GRPOConfig, model_cfg: ModelConfig, compute: ComputeConfig) -> TrainConfig:
+    """The trainer's view: a step is a rollout batch of prompts x G rows (each makes mu
+    updates, so the schedule spans steps x mu)."""
+    seq_len = cfg.max_prompt_length + cfg.max_completion_length
+    if seq_len > model_cfg.max_seq_len:
+        raise ConfigError(f"max_prompt_length + max_completion_length ({seq_len}) exceeds the model's max_seq_len "
+                          f"({model_cfg.max_seq_len})")
+    tree = cfg.model_dump(include={"mesh", "optimizer", "schedule", "checkpoint", "grad_accum", "seed",
+                                   "metrics_dir", "progress"})
+    tree.update(model=model_cfg.model_dump(), compute=compute.model_dump(), steps=cfg.steps, log_every=cfg.log_every,
+                data={"seq_len": max(seq_len, 2), "batch_size": cfg.prompts_per_step * cfg.num_generations})
+    return TrainConfig.model_validate(tree)
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+class PromptStream:
+    """Endless prompt records over epochs, reshuffled each epoch; state is (epoch, index)."""
+
+    def __init__(self, records: list[dict], shuffle: bool, seed: int):
+        self.records, self.shuffle, self.seed = records, shuffle, seed
+        self.epoch, self.index = 0, 0
+
+    def _order(self) -> np.ndarray:
+        order = np.arange(len(self.records))
+        return np.random.default_rng([self.seed, self.epoch]).permutation(order) if self.shuffle else order
+
+    def take(self, n: int) -> list[dict]:
+        out = []
+        while len(out) < n:
+            order = self._order()
+            take = min(n - len(out), len(order) - self.index)
+            out += [self.records[i] for i in order[self.index:self.index + take]]
+            self.index += take
+            if self.index == len(order):
+                self.epoch, self.index = self.epoch + 1, 0
+        return out
+
+    def get_state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def set_state(self, state: dict) -> None:
+        self.epoch, self.index = int(state.get("epoch", 0)), int(state.get("index", 0))
+
+
+def load_prompts(data: GRPODataConfig) -> list[dict]:
+    if not data.path:
+        raise ConfigError("data.path is required: a JSONL file of prompts")
+    records = []
+    for where, record in read_jsonl(data.path):
+        prompt = record.get(data.prompt_field)
+        if not (isinstance(prompt, str) and prompt) and not (isinstance(prompt, list) and prompt):
+            raise ConfigError(f"{where}: '{data.prompt_field}' must be non-empty text or a message list")
+        records.append(record)
+    return records
+
+
+# --------------------------------------------------------------------------- the objective
+
+# How policy metrics combine over micro-batches: each micro-batch's loss is already scaled to
+# its share of the batch (policy_loss's accumulation_steps), the rest are per-micro-batch means.
+POLICY_REDUCE = {"loss": "sum", "ratio_max": "max", "ratio_min": "min"}
+
+
+def completion_tokens(batch) -> jax.Array:
+    """The normaliser of dapo: completion tokens of the whole rollout batch."""
+    return jnp.sum(batch["completion_mask"])
+
+
+def policy_objective(loss_fn: Callable) -> Objective:
+    """An Objective from `loss_fn(params, batch, total_tokens) -> (loss, policy metrics)`."""
+
+    def with_loss(params, batch, total_tokens):
+        loss, metrics = loss_fn(params, batch, total_tokens)
+        return loss, {**metrics, "loss": loss}
+
+    return Objective(with_loss, completion_tokens, reduce=POLICY_REDUCE, default="mean")
+
+
+def make_logps_fn(graphdef, prompt_len: int, temperature: float):
+    """logps(params, batch) -> (log p of the completion tokens, entropy), (b, completion_len)."""
+
+    def logps(params, batch):
+        logits = apply_model(graphdef, params, batch["tokens"], batch["positions"], batch["segment_ids"])
+        completion = batch["tokens"][:, prompt_len:]
+        return completion_logps(logits[:, prompt_len - 1:-1], completion, temperature)
+
+    return logps
+
+
+def make_loss_fn(graphdef, cfg: GRPOConfig, prompt_len: int):
+    """loss_fn(params, batch, total_tokens) -> (loss, metrics) of one micro-batch."""
+    logps_fn = make_logps_fn(graphdef, prompt_len, cfg.temperature)
+
+    def loss_fn(params, batch, total_tokens):
+        logp, entropy = logps_fn(params, batch)
+        mask = batch["completion_mask"]
+        loss, metrics = policy_loss(
+            logp, batch.get("old_logps"), batch["advantages"][:, 0], mask, ref_logp_bt=batch.get("ref_logps"),
+            level=cfg.importance_sampling_level, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high or cfg.epsilon,
+            beta=cfg.beta, loss_type=cfg.loss_type, max_completion_length=cfg.max_completion_length,
+            total_tokens=total_tokens, accumulation_steps=cfg.grad_accum,
+        )
+        metrics["entropy"] = jnp.sum(entropy * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+        return loss, metrics
+
+    return loss_fn
+
+
+# --------------------------------------------------------------------------- the batches
+
+
+class RolloutSource:
+    """The trainer's batch source: prompts -> G completions each from the live policy ->
+    rewards -> group advantages, plus the old policy's (mu > 1) and the reference's (beta > 0)
+    log-probs. Every process samples the whole batch and passes on its rows."""
+
+    def __init__(self, cfg: GRPOConfig, trainer: Trainer, model_cfg: ModelConfig, bundle: TokenizerBundle):
+        self.cfg, self.trainer, self.bundle = cfg, trainer, bundle
+        self.prompts = PromptStream(load_prompts(cfg.data), cfg.data.shuffle, cfg.data.seed)
+        self.reward_fns = [(*load_reward(spec), spec) for spec in cfg.rewards]
+        self.weights = [spec.weight for spec in cfg.rewards]
+        self.pad_id = bundle.pad_id if bundle.pad_id is not None else bundle.eos_id
+        self.sampler = Sampler(model_cfg, trainer.cfg.compute, trainer.mesh, trainer.param_shardings)
+        rows = trainer.batch_sharding
+        logps = make_logps_fn(trainer.graphdef, cfg.max_prompt_length, cfg.temperature)
+        self.logps = jax.jit(lambda p, b: logps(p, b)[0], in_shardings=(trainer.param_shardings, rows),
+                             out_shardings=rows)
+        self.ref_params = None
+        if cfg.beta != 0.0:  # the reference is the policy the run started from
+            self.ref_params = load_params(cfg.checkpoint.init_from, trainer.abstract_params)[1]
+
+    def next_batch(self, state: TrainState) -> tuple[dict[str, jax.Array], dict[str, float]]:
+        cfg, bundle = self.cfg, self.bundle
+        G, P, C = cfg.num_generations, cfg.max_prompt_length, cfg.max_completion_length
+        t0 = time.perf_counter()
+        records = self.prompts.take(cfg.prompts_per_step)
+        prompt_inputs = [r[cfg.data.prompt_field] for r in records]
+        prompt_tokens, prompt_mask = left_pad(encode_prompts(bundle, prompt_inputs), pad_id=self.pad_id, length=P)
+        prompt_tokens, prompt_mask = np.repeat(prompt_tokens, G, 0), np.repeat(prompt_mask, G, 0)
+        out = self.sampler(state.params, prompt_tokens, prompt_mask,
+                           seed=jax.random.fold_in(jax.random.key(cfg.seed), state.step), max_new_tokens=C,
+                           temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                           eos_ids=(bundle.eos_id,), pad_id=self.pad_id)
+        rollout_seconds = time.perf_counter() - t0
+
+        # ---- rewards and advantages (on the host)
+        completions = decode_completions(bundle, out)
+        completion_ids = [row[mask].tolist() for row, mask in zip(out.tokens, out.mask)]
+        names = dict.fromkeys(k for r in records for k in r if k != cfg.data.prompt_field)
+        columns = {k: [r.get(k) for r in records for _ in range(G)] for k in names}
+        per_function = compute_rewards(
+            self.reward_fns, prompts=[p for p in prompt_inputs for _ in range(G)], completions=completions,
+            completion_ids=completion_ids, columns=columns, max_completion_length=C, step=state.step)
+        rewards, valid = total_reward(per_function, self.weights)
+        advantages, group_std = group_advantages(rewards, valid, G, cfg.scale_rewards)
+
+        tokens = np.concatenate([prompt_tokens, out.tokens], 1)
+        segments = np.concatenate([prompt_mask, out.mask.astype(np.int32)], 1)
+        rows = {"tokens": tokens, "segment_ids": segments, "positions": np.asarray(prompt_positions(segments)),
+                "completion_mask": out.mask.astype(np.float32), "advantages": advantages[:, None]}
+        batch = self.trainer.global_batch(process_rows(rows))
+        with use_mesh(self.trainer.mesh):
+            if self.ref_params is not None:
+                batch["ref_logps"] = self.logps(self.ref_params, batch)
+            if cfg.num_iterations > 1:  # the sampling policy's log-probs, before the first update moves it
+                batch["old_logps"] = self.logps(state.params, batch)
+
+        lengths = out.lengths.astype(float)
+        values = {
+            "reward": float(rewards[valid].mean()) if valid.any() else math.nan,
+            "reward_std": nan_stats(np.where(valid, rewards, np.nan))[1],
+            "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
+            "reward_invalid": float((~valid).sum()),
+            "completion_length": float(lengths.mean()),
+            "completion_length_min": float(lengths.min()), "completion_length_max": float(lengths.max()),
+            "completion_clipped_ratio": float(np.mean(~np.isin(out.tokens, [bundle.eos_id]).any(1))),
+            "rollout_seconds": rollout_seconds,
+        }
+        for j, (name, _, _) in enumerate(self.reward_fns):
+            values[f"reward/{name}/mean"], values[f"reward/{name}/std"] = nan_stats(per_function[:, j])
+        return batch, values
+
+    def get_state(self) -> dict:
+        return self.prompts.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self.prompts.set_state(state)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run_grpo(cfg: GRPOConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Train `cfg.steps` rollout batches, resuming from checkpoint.directory if it has one."""
+    log = log or log_to_stderr
+    model_cfg, compute, bundle = finetune_start(cfg)
+    trainer = Trainer(train_config(cfg, model_cfg, compute),
+                      lambda graphdef: policy_objective(make_loss_fn(graphdef, cfg, cfg.max_prompt_length)),
+                      updates_per_batch=cfg.num_iterations)
+    source = RolloutSource(cfg, trainer, model_cfg, bundle)
+    return run_training(trainer, source, log=log, meta={"stage": "grpo", "grpo_config": cfg.model_dump(mode="json")})
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(argv, "engine.posttrain.grpo", GRPOConfig, run_grpo, failures=(RewardError,))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""`python -m <entry point> CONFIG.yaml [key=value ...]`: the one CLI of every training
+entry point (pretrain, SFT, GRPO), with the exit codes of engine/contract.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Callable
+
+from pydantic import BaseModel
+
+from engine.config import ConfigError, load_config
+from engine.contract import EXIT_CONFIG_ERROR, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED
+from engine.parallel.distributed import maybe_initialize_distributed
+from engine.train.trainer import Preempted, TrainingError
+
+
+def usage(module: str, schema: type[BaseModel]) -> str:
+    """The help text: the command line and the config's sections with their first doc line."""
+    lines = [f"usage: python -m {module} CONFIG.yaml [key=value ...]", "",
+             (schema.__doc__ or "").strip().splitlines()[0] if schema.__doc__ else "", "",
+             "Config sections and keys (override any with dotted key=value, e.g. steps=200 model.num_layers=4):"]
+    for name, field in schema.model_fields.items():
+        doc = (field.description or "").strip().splitlines()
+        annotation = getattr(field.annotation, "__name__", str(field.annotation)).replace("typing.", "")
+        lines.append(f"  {name:<16} {annotation}" + (f"  {doc[0]}" if doc else ""))
+    lines += ["", f"Exit codes: {EXIT_OK} success, {EXIT_CONFIG_ERROR} bad config or input (one line), "
+              f"{EXIT_FAILED} the run failed, {EXIT_PREEMPTED} stopped by SIGTERM after saving a checkpoint.",
+              'The last stdout line is {"result": {...final metrics...}}.']
+    return "\n".join(lines)
+
+
+def run_cli(argv: list[str] | None, module: str, schema: type[BaseModel], run: Callable,
+            failures: tuple = ()) -> int:
+    """Load CONFIG.yaml with overrides, join a multi-process run if launched as one, run.
+
+    Exit codes (the launchers rely on them): engine.contract.EXIT_*. The final stdout line is
+    {"result": metrics}.
+    """
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(usage(module, schema))
+        return EXIT_OK
+    if not argv:
+        print(usage(module, schema).splitlines()[0], file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    try:
+        cfg = load_config(argv[0], argv[1:], schema=schema)
+        maybe_initialize_distributed()
+        result = run(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except (TrainingError, *failures) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except Preempted as e:
+        print(str(e), file=sys.stderr)
+        return EXIT_PREEMPTED
+    print(json.dumps({"result": result}))
+    return EXIT_OK

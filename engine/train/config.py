@@ -1,0 +1,108 @@
+"""The schema of a training run: optimizer, schedule, data, checkpoints and the loop's
+settings (RunFields, shared by pretraining and SFT), and TrainConfig, all of pretraining."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from engine.config import Strict
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.parallel.config import MeshConfig
+
+
+class OptimizerConfig(Strict):
+    """AdamW with decoupled weight decay and global-norm clipping."""
+
+    learning_rate: float = Field(3e-4, gt=0)
+    b1: float = Field(0.9, ge=0, lt=1)
+    b2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    decay_norms_and_embeddings: bool = False
+    """False: weight decay skips norm scales and embeddings (the usual choice)."""
+    grad_clip_norm: float | None = Field(1.0, gt=0)
+
+
+class ScheduleConfig(Strict):
+    """Learning-rate schedule: linear warmup then cosine decay or warmup-stable-decay."""
+
+    kind: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    decay_fraction: float = Field(0.2, gt=0, le=1)
+    """WSD only: fraction of the steps spent in the final linear decay."""
+    final_lr_fraction: float = Field(0.1, ge=0, le=1)
+
+
+class DataConfig(Strict):
+    """Token shards written by the tokenize stage (see engine/data/dataset.py)."""
+
+    path: str | None = None
+    """Dataset directory (holding meta.json); required for training."""
+    seq_len: int = Field(128, gt=1)
+    batch_size: int = Field(8, gt=0)
+    """Global batch size in rows (per optimizer step, before accumulation splits it)."""
+    shuffle: bool = True
+    seed: int = 0
+    packing: bool = True
+    """Concatenate documents into full rows (segment-aware attention keeps them apart)."""
+    eval_split: str = "validation"
+    eval_batches: int = Field(4, ge=0)
+    worker_buffer: int = Field(2, ge=0)
+    """Rows prefetched by a background thread (0 = none)."""
+
+
+class CheckpointConfig(Strict):
+    directory: str | None = None
+    """Where Orbax checkpoints go; required for training."""
+    every_steps: int = Field(100, gt=0)
+    keep: int = Field(3, gt=0)
+    """How many recent checkpoints to keep."""
+    async_save: bool = True
+    init_from: str | None = None
+    """Start from the params of this checkpoint directory (fresh optimizer), not from scratch."""
+
+
+class RunFields(Strict):
+    """What every training run has besides its model, optimizer and data (pretraining, SFT)."""
+
+    mesh: MeshConfig = MeshConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    steps: int = Field(100, gt=0)
+    grad_accum: int = Field(1, gt=0)
+    """Micro-batches per optimizer step; data.batch_size must divide evenly."""
+    seed: int = 0
+    log_every: int = Field(10, gt=0)
+    eval_every: int = Field(0, ge=0)
+    """Steps between held-out evaluations (0 = only at the end)."""
+    metrics_dir: str | None = None
+    """JSONL + TensorBoard output (default: next to the checkpoints)."""
+    progress: bool = True
+
+    @model_validator(mode="after")
+    def _check_accumulation(self):
+        if self.data.batch_size % self.grad_accum:
+            raise ValueError(
+                f"data.batch_size ({self.data.batch_size}) must be divisible by grad_accum ({self.grad_accum})"
+            )
+        return self
+
+
+class TrainConfig(RunFields):
+    """Everything one pretraining run of the engine needs."""
+
+    model: ModelConfig
+    compute: ComputeConfig = ComputeConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    data: DataConfig = DataConfig()
+    z_loss: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_length(self) -> "TrainConfig":
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})"
+            )
+        return self

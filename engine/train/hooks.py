@@ -1,0 +1,148 @@
+"""The standard hooks of a training run, and `run_training`, which wires them to the loop.
+
+    log_metrics        metrics.jsonl + TensorBoard (and the progress bar's postfix): loss,
+                       grad_norm, learning rate, throughput and MFU, the batch source's metrics
+    evaluate_held_out  held-out metrics every eval_every steps and at the end
+    save_checkpoint    params, optimizer, the source's state and meta; also on SIGTERM
+    advance_progress   a tqdm bar on the primary process
+
+Every stage (pretrain, SFT, GRPO) runs `run_training(trainer, source, ...)`: the same
+resume, cadence, stop and logging, whatever the batches and the loss.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+from tqdm import tqdm
+
+from engine.contract import CHECKPOINT_FORMAT, METRICS_FILE
+from engine.models.params import flops_per_token
+from engine.train.checkpoint import Checkpointer
+from engine.train.metrics import MetricsWriter, peak_flops, read_metrics
+from engine.train.trainer import BatchSource, StepInfo, Trainer
+
+_NOT_LOGGED = ("objective", "nll_sum", "tokens")  # sums that only normalise other metrics
+
+
+def log_to_stderr(msg: str) -> None:
+    """The default `log` of the run functions: one line to stderr, flushed."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def log_metrics(writer: MetricsWriter, *, tokens_per_step: int | None = None, progress: tqdm | None = None,
+                keys: tuple[str, ...] | None = None) -> Callable[[StepInfo], dict]:
+    """Write the step's metrics. `keys`: which of the update's metrics to log (None: all);
+    with `tokens_per_step`, also tokens/s, TFLOP/s per device and MFU since the last log."""
+    peak = flops_token = None
+
+    def hook(info: StepInfo) -> dict:
+        nonlocal peak, flops_token
+        cfg, trainer = info.trainer.cfg, info.trainer
+        update = info.scalars(keys or [k for k in info.metrics if k not in _NOT_LOGGED])
+        if "grad_norm" not in update:
+            update["grad_norm"] = float(info.metrics["grad_norm"])
+        values = {**info.source_metrics, **update,
+                  "learning_rate": float(trainer.schedule(info.step * trainer.updates_per_batch - 1))}
+        if tokens_per_step:
+            if peak is None:
+                peak, _ = peak_flops()
+                flops_token = flops_per_token(cfg.model, cfg.data.seq_len)
+            tokens_per_second = (info.steps_timed * tokens_per_step / info.seconds_timed
+                                 if info.steps_timed else float("nan"))
+            values.update(tokens_per_second=tokens_per_second,
+                          tflops_per_device=tokens_per_second * flops_token / jax.device_count() / 1e12,
+                          mfu=tokens_per_second * flops_token / peak)
+            if progress is not None:
+                progress.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{tokens_per_second:,.0f}")
+        writer.write(info.step, values)
+        return values
+
+    hook.resets_timer = True
+    return hook
+
+
+def evaluate_held_out(writer: MetricsWriter, evaluate: Callable[[Any], dict]) -> Callable[[StepInfo], dict]:
+    def hook(info: StepInfo) -> dict:
+        values = evaluate(info.state.params)
+        writer.write(info.step, values)
+        return values
+
+    return hook
+
+
+def save_checkpoint(checkpointer: Checkpointer, source: BatchSource, meta: dict) -> Callable[[StepInfo], None]:
+    def hook(info: StepInfo) -> None:
+        checkpointer.save(info.step, info.state.params, info.state.opt_state, {**meta, "step": info.step},
+                          source.get_state())
+
+    return hook
+
+
+def advance_progress(progress: tqdm) -> Callable[[StepInfo], None]:
+    def hook(info: StepInfo) -> None:
+        progress.update(1)
+
+    return hook
+
+
+def truncate_metrics(metrics_dir: str | Path, step: int) -> None:
+    """After a resume, drop metrics logged past the checkpoint (they will be logged again)."""
+    path = Path(metrics_dir) / METRICS_FILE
+    if jax.process_index() != 0 or not path.is_file():
+        return
+    kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def checkpoint_meta(trainer: Trainer, **extra) -> dict:
+    """What every checkpoint records besides its arrays (engine.contract.CHECKPOINT_FORMAT)."""
+    cfg = trainer.cfg
+    return {"config": cfg.model_dump(mode="json"), "model": cfg.model.model_dump(mode="json"),
+            "compute": cfg.compute.model_dump(mode="json"), "seed": cfg.seed, "format": CHECKPOINT_FORMAT, **extra}
+
+
+def run_training(trainer: Trainer, source: BatchSource, *, log: Callable[[str], None],
+                 evaluate: Callable[[Any], dict] | None = None, meta: dict | None = None,
+                 tokens_per_step: int | None = None, logged: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Train to cfg.steps with the standard hooks (resuming from cfg.checkpoint.directory).
+
+    `evaluate(params)` returns held-out metrics; `meta` joins each checkpoint's meta;
+    `tokens_per_step` turns on throughput and MFU; `logged` picks the update metrics logged.
+    Returns the final metrics.
+    """
+    cfg = trainer.cfg
+    checkpointer = Checkpointer(cfg.checkpoint.directory, keep=cfg.checkpoint.keep,
+                                async_save=cfg.checkpoint.async_save)
+    metrics_dir = cfg.metrics_dir or str(Path(cfg.checkpoint.directory).parent)
+    primary = jax.process_index() == 0
+    truncate_metrics(metrics_dir, checkpointer.latest_step() or 0)
+    writer = MetricsWriter(metrics_dir, enabled=primary)
+    progress = None
+    if cfg.progress and primary:
+        progress = tqdm(total=cfg.steps, initial=checkpointer.latest_step() or 0, desc="train", unit="step",
+                        dynamic_ncols=True, file=sys.stderr)
+    trainer.add_hook(log_metrics(writer, tokens_per_step=tokens_per_step, progress=progress, keys=logged),
+                     every=cfg.log_every)
+    if evaluate is not None:
+        trainer.add_hook(evaluate_held_out(writer, evaluate), every=cfg.eval_every or cfg.steps)
+    trainer.add_hook(save_checkpoint(checkpointer, source, checkpoint_meta(trainer, **(meta or {}))),
+                     every=cfg.checkpoint.every_steps, on_stop=True)
+    if progress is not None:
+        trainer.add_hook(advance_progress(progress))
+    try:
+        state, final = trainer.fit(source, checkpointer=checkpointer, log=log)
+    finally:
+        if progress is not None:
+            progress.close()
+        writer.close()
+        checkpointer.close()
+    final.update(steps=state.step, final_loss=final.get("loss"), num_params=cfg.model.num_params())
+    if tokens_per_step:
+        peak, peak_source = peak_flops()
+        final.update(tokens=state.step * tokens_per_step, peak_flops=peak, peak_flops_source=peak_source)
+    return final

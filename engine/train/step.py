@@ -1,0 +1,122 @@
+"""The pure core of training: what a stage minimises, and one optimizer step over it.
+
+An `Objective` is a loss over one (micro-)batch plus how its metrics combine when the batch
+is split for accumulation. Pretraining and SFT minimise `lm_objective`; GRPO/GSPO its
+policy objective (engine/posttrain/grpo.py). `make_train_step` is the one accumulation
+step all of them share; everything here is jit-able and free of I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Literal
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from engine.models.params import apply_model
+
+Reduction = Literal["sum", "mean", "max", "min"]
+_COMBINE = {"sum": jnp.add, "mean": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
+_START = {"sum": 0.0, "mean": 0.0, "max": -jnp.inf, "min": jnp.inf}
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """`loss_fn(params, batch, normaliser) -> (loss, aux)` over one micro-batch.
+
+    `normaliser(batch)` is computed once from the whole batch before it is split, so a sum of
+    micro-batch losses equals the loss of the whole batch exactly. Each aux metric combines
+    over micro-batches by `reduce` (else `default`); `mean` divides the sum by their number.
+    Aux must hold "loss" (the number logged and checked for finiteness).
+    """
+
+    loss_fn: Callable
+    normaliser: Callable[[dict], jax.Array]
+    reduce: dict[str, Reduction] = dataclasses.field(default_factory=dict)
+    default: Reduction = "sum"
+
+
+# --------------------------------------------------------------------------- language modelling
+
+
+def cross_entropy(logits_btv, targets_bt, mask_bt, z_loss: float = 0.0):
+    """(sum of masked NLL + z-loss terms, sum of masked NLL). Float32 throughout."""
+    logits = logits_btv.astype(jnp.float32)
+    log_z_bt = jax.nn.logsumexp(logits, axis=-1)
+    target_logit_bt = jnp.take_along_axis(logits, targets_bt[..., None], axis=-1)[..., 0]
+    nll_sum = jnp.sum((log_z_bt - target_logit_bt) * mask_bt)
+    total = nll_sum + z_loss * jnp.sum(jnp.square(log_z_bt) * mask_bt)
+    return total, nll_sum
+
+
+def lm_loss_fn(graphdef, z_loss: float = 0.0):
+    """loss_fn(params, batch, normaliser) -> (loss, aux) for next-token prediction."""
+
+    def loss_fn(params, batch, normaliser):
+        logits = apply_model(graphdef, params, batch["tokens"], batch["positions"], batch["segment_ids"])
+        total, nll_sum = cross_entropy(logits, batch["targets"], batch["loss_mask"], z_loss)
+        return total / normaliser, {"loss": nll_sum / normaliser, "nll_sum": nll_sum,
+                                    "tokens": jnp.sum(batch["loss_mask"])}
+
+    return loss_fn
+
+
+def token_count(batch) -> jax.Array:
+    """The normaliser of token-mean losses: the batch's target tokens (at least 1)."""
+    return jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+
+
+def lm_objective(graphdef, z_loss: float = 0.0) -> Objective:
+    """Next-token cross-entropy, a mean over every target token of the batch (pretrain, SFT)."""
+    return Objective(lm_loss_fn(graphdef, z_loss), token_count)
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def make_train_step(objective: Objective, tx: optax.GradientTransformation, grad_accum: int):
+    """train_step(params, opt_state, batch) -> (params, opt_state, metrics).
+
+    With grad_accum > 1 the batch is split into micro-batches (rows i, i+A, i+2A, ... so
+    each stays evenly sharded) and their losses and gradients are summed under one scan.
+    Metrics: "objective" (the minimised loss), "grad_norm" and the objective's aux.
+    """
+    grad_fn = jax.value_and_grad(objective.loss_fn, has_aux=True)
+
+    def train_step(params, opt_state, batch):
+        normaliser = objective.normaliser(batch)
+        if grad_accum == 1:
+            (loss, aux), grads = grad_fn(params, batch, normaliser)
+        else:
+            micro = jax.tree.map(
+                lambda x: x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1), batch)
+            aux_shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), normaliser)[0][1]
+            how = {k: objective.reduce.get(k, objective.default) for k in aux_shapes}
+            start = (jnp.zeros(()), {k: jnp.full(s.shape, _START[how[k]], s.dtype) for k, s in aux_shapes.items()},
+                     jax.tree.map(jnp.zeros_like, params))
+
+            def body(carry, mb):
+                loss, aux, grads = carry
+                (mb_loss, mb_aux), mb_grads = grad_fn(params, mb, normaliser)
+                aux = {k: _COMBINE[how[k]](v, mb_aux[k]) for k, v in aux.items()}
+                return (loss + mb_loss, aux, jax.tree.map(jnp.add, grads, mb_grads)), None
+
+            (loss, aux, grads), _ = jax.lax.scan(body, start, micro)
+            aux = {k: v / grad_accum if how[k] == "mean" else v for k, v in aux.items()}
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, {**aux, "objective": loss, "grad_norm": optax.tree.norm(grads)}
+
+    return train_step
+
+
+def make_eval_step(objective: Objective):
+    """eval_step(params, batch) -> aux with the sums (normaliser 1) of a held-out batch."""
+
+    def eval_step(params, batch):
+        _, aux = objective.loss_fn(params, batch, 1.0)
+        return aux
+
+    return eval_step

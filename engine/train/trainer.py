@@ -1,0 +1,285 @@
+"""The trainer: one loop for every gradient stage, with hooks.
+
+    trainer = Trainer(cfg, objective)          mesh, shardings, optimizer, jitted step
+    trainer.add_hook(log_metrics(...), every=cfg.log_every)
+    trainer.add_hook(save_checkpoint(ckpt, ...), every=cfg.checkpoint.every_steps, on_stop=True)
+    final = trainer.fit(source, checkpointer=ckpt)
+
+Pretraining, SFT and GRPO differ only in their batch source (token shards, packed examples,
+rollouts scored by rewards) and their `Objective`; resuming, SIGTERM, the non-finite check,
+logging, held-out evaluation and checkpoint cadence are this loop's and its hooks'
+(engine/train/hooks.py). The core stays pure: `make_train_step` (engine/train/step.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import time
+from typing import Any, Callable, Iterable, Protocol
+
+import jax
+import numpy as np
+import optax
+
+from engine.config import ConfigError
+from engine.models.params import abstract_model_params, graphdef_of, init_params
+from engine.ops.partitioning import use_mesh
+from engine.parallel.mesh import batch_sharding, make_mesh, replicated
+from engine.train.checkpoint import Checkpointer, load_params
+from engine.train.config import TrainConfig
+from engine.train.optimizer import make_optimizer
+from engine.train.step import Objective, lm_objective, make_eval_step, make_train_step
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. a non-finite loss); the last good checkpoint is kept."""
+
+
+class Preempted(RuntimeError):
+    """SIGTERM arrived; a checkpoint of the current step was saved."""
+
+
+@dataclasses.dataclass
+class TrainState:
+    step: int
+    params: Any
+    opt_state: Any
+
+
+class BatchSource(Protocol):
+    """Where a stage's batches come from. `next_batch` gets the live state (GRPO samples from
+    the current policy) and returns a global batch plus host-side metrics of making it;
+    get_state/set_state make it resumable (stored with every checkpoint)."""
+
+    def next_batch(self, state: TrainState) -> tuple[dict[str, jax.Array], dict[str, float]]: ...
+    def get_state(self) -> dict: ...
+    def set_state(self, state: dict) -> None: ...
+
+
+@dataclasses.dataclass
+class StepInfo:
+    """What a hook sees after a step."""
+
+    step: int
+    state: TrainState
+    metrics: dict[str, jax.Array]
+    """The last update's metrics (objective, grad_norm and the objective's aux), on device."""
+    source_metrics: dict[str, float]
+    """Host-side metrics the batch source reported for this step (e.g. rewards)."""
+    last: bool
+    """The final step of the run."""
+    stopping: bool
+    """SIGTERM arrived: the loop stops after the hooks that run on stop."""
+    steps_timed: int
+    seconds_timed: float
+    """Steps and seconds of training (hooks excluded) since the previous `log_metrics`."""
+    trainer: "Trainer"
+
+    def scalars(self, keys: Iterable[str] | None = None) -> dict[str, float]:
+        keys = self.metrics if keys is None else keys
+        return {k: float(self.metrics[k]) for k in keys if k in self.metrics}
+
+
+@dataclasses.dataclass
+class _Hook:
+    fn: Callable[[StepInfo], dict[str, Any] | None]
+    every: int
+    on_stop: bool
+
+    def due(self, info: StepInfo) -> bool:
+        return info.step % self.every == 0 or info.last or (info.stopping and self.on_stop)
+
+
+class IteratorSource:
+    """A BatchSource over an iterator of this process's rows (a Grain iterator, SFT rows)."""
+
+    def __init__(self, trainer: "Trainer", iterator):
+        self.trainer, self.iterator = trainer, iterator
+
+    def next_batch(self, state: TrainState):
+        return self.trainer.global_batch(next(self.iterator)), {}
+
+    def get_state(self) -> dict:
+        return self.iterator.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self.iterator.set_state(state)
+
+
+def _install_sigterm() -> dict:
+    flag = {"stop": False}
+
+    def handler(signum, frame):
+        flag["stop"] = True
+
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread (e.g. inside a test runner thread)
+        pass
+    return flag
+
+
+class Trainer:
+    """Owns the mesh, the jitted step and the loop of one run.
+
+    `cfg.steps` counts batches; each batch makes `updates_per_batch` optimizer updates (GRPO's
+    mu), so the schedule spans steps x updates_per_batch.
+    """
+
+    def __init__(self, cfg: TrainConfig, objective: Callable[[Any], Objective] | None = None, *,
+                 updates_per_batch: int = 1, devices=None):
+        self.cfg, self.updates_per_batch = cfg, updates_per_batch
+        self.mesh = make_mesh(cfg.mesh, devices)
+        n_batch_shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        micro_rows = cfg.data.batch_size // cfg.grad_accum
+        if micro_rows % n_batch_shards:
+            raise ConfigError(
+                f"data.batch_size ({cfg.data.batch_size}) / grad_accum ({cfg.grad_accum}) = {micro_rows} "
+                f"rows per micro-batch must divide over the data x fsdp mesh axes ({n_batch_shards} shards)"
+            )
+        self.graphdef = graphdef_of(cfg.model, cfg.compute)
+        self.abstract_params = abstract_model_params(cfg.model, cfg.compute, self.mesh)
+        self.param_shardings = jax.tree.map(lambda a: a.sharding, self.abstract_params)
+        self.tx, self.schedule = make_optimizer(cfg.optimizer, cfg.schedule, cfg.steps * updates_per_batch,
+                                                self.abstract_params)
+        abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
+        self.opt_shardings = optax.tree_map_params(
+            self.tx, lambda _, sh: sh, abstract_opt, self.param_shardings,
+            transform_non_params=lambda _: replicated(self.mesh),
+        )
+        self.abstract_opt_state = jax.tree.map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract_opt, self.opt_shardings
+        )
+        self.objective = (objective or (lambda graphdef: lm_objective(graphdef, cfg.z_loss)))(self.graphdef)
+        self.batch_sharding = batch_sharding(self.mesh)
+        self.hooks: list[_Hook] = []
+        self._train_step = None
+        self._eval_step = None
+
+    # -- jitted functions (compiled lazily, once)
+    def train_step(self, params, opt_state, batch):
+        if self._train_step is None:
+            self._train_step = jax.jit(
+                make_train_step(self.objective, self.tx, self.cfg.grad_accum),
+                in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding),
+                out_shardings=(self.param_shardings, self.opt_shardings, replicated(self.mesh)),
+                donate_argnums=(0, 1),
+            )
+        with use_mesh(self.mesh):
+            return self._train_step(params, opt_state, batch)
+
+    def eval_step(self, params, batch):
+        if self._eval_step is None:
+            self._eval_step = jax.jit(
+                make_eval_step(self.objective),
+                in_shardings=(self.param_shardings, self.batch_sharding),
+                out_shardings=replicated(self.mesh),
+            )
+        with use_mesh(self.mesh):
+            return self._eval_step(params, batch)
+
+    def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in local_batch.items()}
+
+    # -- state
+    def init_state(self) -> TrainState:
+        """Fresh params (or checkpoint.init_from's, whose architecture must be this run's) and
+        a fresh optimizer."""
+        cfg = self.cfg
+        if cfg.checkpoint.init_from:
+            model_cfg, params, _ = load_params(cfg.checkpoint.init_from, self.abstract_params)
+            saved, wanted = model_cfg.model_dump(), cfg.model.model_dump()
+            if saved != wanted:  # compute settings (precision, remat, ...) may differ; the architecture may not
+                differing = ", ".join(f"{k} ({saved[k]!r} vs {wanted[k]!r})" for k in saved if saved[k] != wanted.get(k))
+                raise ConfigError(
+                    f"checkpoint.init_from: {cfg.checkpoint.init_from} holds a different model architecture: {differing}"
+                )
+        else:
+            params = init_params(cfg.model, cfg.compute, self.mesh, cfg.seed)
+        opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
+        return TrainState(0, params, opt_state)
+
+    def held_out_loss(self, params, batches: Iterable[dict[str, np.ndarray]]) -> dict[str, float]:
+        """Token-mean loss over batches of this process's rows (pretraining's validation split,
+        SFT's held-out examples, evaluation)."""
+        nll, tokens = 0.0, 0.0
+        for local in batches:
+            aux = self.eval_step(params, self.global_batch(local))
+            nll, tokens = nll + float(aux["nll_sum"]), tokens + float(aux["tokens"])
+        loss = nll / max(tokens, 1.0)
+        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": tokens}
+
+    # -- the loop
+    def add_hook(self, fn: Callable[[StepInfo], dict[str, Any] | None], *, every: int = 1,
+                 on_stop: bool = False) -> None:
+        """Run `fn(info)` after every `every`-th step and the last one (and when stopping on
+        SIGTERM if `on_stop`). Hooks run in the order added; what one returns joins the run's
+        final metrics."""
+        self.hooks.append(_Hook(fn, every, on_stop))
+
+    def fit(self, source: BatchSource, *, checkpointer: Checkpointer, log: Callable[[str], None],
+            state: TrainState | None = None) -> tuple[TrainState, dict[str, Any]]:
+        """Run to cfg.steps, resuming from the checkpointer's latest step (params, optimizer
+        and the source's state). Returns the final state and metrics.
+
+        Raises TrainingError for a non-finite loss (the last good checkpoint is kept) and
+        Preempted after SIGTERM once the hooks that run on stop (the checkpoint) have run.
+        """
+        cfg = self.cfg
+        resume_step = checkpointer.latest_step()
+        if resume_step is not None:
+            params, opt_state, _, source_state = checkpointer.restore(
+                resume_step, self.abstract_params, self.abstract_opt_state)
+            source.set_state(source_state)
+            state = TrainState(resume_step, params, opt_state)
+            log(f"resumed from checkpoint step {resume_step} in {checkpointer.directory}")
+        state = state or self.init_state()
+        stop = _install_sigterm()
+        final: dict[str, Any] = {}
+
+        def check_finite(step: int, metrics) -> None:
+            loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                checkpointer.wait()
+                raise TrainingError(
+                    f"non-finite loss ({loss}) at step {step}; stopped. The last good checkpoint "
+                    f"(step {checkpointer.latest_step()}) in {checkpointer.directory} is intact")
+
+        pending = None  # the previous step's metrics, checked one step late to keep dispatch async
+        steps_timed, seconds_timed, first = 0, 0.0, True
+        while state.step < cfg.steps:
+            start = time.perf_counter()
+            batch, source_metrics = source.next_batch(state)
+            for _ in range(self.updates_per_batch):
+                state.params, state.opt_state, metrics = self.train_step(state.params, state.opt_state, batch)
+            state.step += 1
+            if first:  # keep compilation out of the throughput figures
+                jax.block_until_ready(metrics)
+                final["compile_seconds"] = time.perf_counter() - start
+                first = False
+            else:
+                steps_timed += 1
+            info = StepInfo(state.step, state, metrics, source_metrics, state.step == cfg.steps, stop["stop"],
+                            steps_timed, 0.0, self)
+            due = [hook for hook in self.hooks if hook.due(info)]
+            if pending is not None:
+                check_finite(*pending)
+            pending = (state.step, metrics)
+            if due:
+                check_finite(state.step, metrics)
+                pending = None
+            if steps_timed:
+                seconds_timed += time.perf_counter() - start
+            info.seconds_timed = seconds_timed
+            for hook in due:
+                final.update(hook.fn(info) or {})
+                if getattr(hook.fn, "resets_timer", False):
+                    steps_timed, seconds_timed = 0, 0.0
+            if stop["stop"]:
+                checkpointer.close()
+                raise Preempted(f"SIGTERM: saved checkpoint at step {state.step} in {checkpointer.directory}")
+        if pending is not None:
+            check_finite(*pending)
+        return state, final

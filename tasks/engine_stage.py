@@ -1,0 +1,168 @@
+"""The base of stage kinds that run an engine entry point in child processes.
+
+An engine stage writes the resolved engine config into its artifact, carries its input's
+tokenizer along, launches `python -m <entry point>` through the stage's launcher and reads
+the final metrics back (the child's `{"result": ...}` line, else metrics.jsonl). Keys that
+the pipeline sets from inputs and the artifact directory (`pipeline_owned`) are refused in
+a stage's config. `FineTuneStage` adds what SFT and GRPO share.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
+
+from engine.config import ConfigError, resolve_model_preset, to_yaml, validate
+from engine.contract import (CHECKPOINT_CADENCE_FIELDS, CHECKPOINT_DIR, ENTRY_POINTS, METRICS_FILE,
+                             NON_SEMANTIC_FIELDS, TOKENIZER_DIR)
+from tasks.artifacts import sha256_file
+from tasks.registry import Input, StageContext, StageKind, has_input_ref
+
+
+def get_dotted(tree: dict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[leaf] = value
+
+
+def last_metrics(path: Path) -> dict:
+    """The last value of every key in a metrics.jsonl (what a child that died left)."""
+    final: dict = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                final.update(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return final
+
+
+def scalars(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, type(None)))}
+
+
+class EngineStage(StageKind):
+    """A stage kind whose work is one engine entry point (engine.contract.ENTRY_POINTS)."""
+
+    launches_child = True
+    entry_point: ClassVar[str]
+    """Key of engine.contract.ENTRY_POINTS: the module the children run."""
+    pipeline_owned: ClassVar[dict[str, str]] = {}
+    """Dotted config keys the stage sets (from an input or its directory) -> where from."""
+
+    def reject_pipeline_owned(self, raw: dict, source: str) -> None:
+        for key, owner in self.pipeline_owned.items():
+            if get_dotted(raw, key) is not None:
+                raise ConfigError(f"{source}: key '{key}' is set by the pipeline (from {owner}); remove it")
+
+    @staticmethod
+    def carry_tokenizer(ctx: StageContext, artifact: Path) -> bool:
+        """Copy an input artifact's tokenizer/ into this one (a checkpoint carries its tokenizer)."""
+        if not (artifact / TOKENIZER_DIR).is_dir():
+            return False
+        shutil.copytree(artifact / TOKENIZER_DIR, ctx.out_dir / TOKENIZER_DIR, dirs_exist_ok=True)
+        return True
+
+    def launch_engine(self, ctx: StageContext, *args: str, metrics_file: Path | None = None,
+                      total_steps: int | None = None) -> dict[str, Any]:
+        """Run `python -m <entry point> ARGS...`; the child's `{"result": ...}` (else the last
+        metrics it logged)."""
+        result = ctx.launch([sys.executable, "-m", ENTRY_POINTS[self.entry_point], *args],
+                            metrics_file=metrics_file, total_steps=total_steps)
+        return result.result or (last_metrics(metrics_file) if metrics_file else {})
+
+    def train(self, ctx: StageContext, cfg: BaseModel, config_name: str, steps: int) -> dict[str, Any]:
+        """Write `cfg` as the child's YAML and run the training entry point on it."""
+        out = ctx.out_dir
+        (out / config_name).write_text(to_yaml(cfg))
+        if ctx.resumed:
+            ctx.log(f"resuming from the checkpoints in {out / CHECKPOINT_DIR}")
+        return scalars(self.launch_engine(ctx, str(out / config_name), metrics_file=out / METRICS_FILE,
+                                          total_steps=steps))
+
+
+# --------------------------------------------------------------------------- fine-tuning
+
+
+def file_digests(path: str | None) -> dict[str, str]:
+    """sha256 of a data file, or of each *.jsonl file of a directory (by name)."""
+    if not path or has_input_ref(path):  # inside an input artifact: its id covers the bytes
+        return {}
+    p = Path(path)
+    files = sorted(p.glob("*.jsonl")) if p.is_dir() else [p]
+    return {f.name: sha256_file(f) for f in files}
+
+
+def absolute_data_path(value: str | None, key: str, source: str) -> str | None:
+    if value is None or has_input_ref(value):
+        return value
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise ConfigError(f"{source}: key '{key}': {value} does not exist")
+    return str(path.absolute())
+
+
+class FineTuneStage(EngineStage):
+    """What the SFT and GRPO stages share: a checkpoint (and optionally a corpus) in, a
+    checkpoint out, a JSONL `data.path`, and the stage's entry point in a child process."""
+
+    output = "checkpoint"
+    pipeline_owned = {
+        "checkpoint.directory": "the artifact directory",
+        "checkpoint.init_from": "input 'checkpoint'",
+        "metrics_dir": "the artifact directory",
+        "tokenizer": "input 'checkpoint' (its tokenizer/)",
+    }
+    non_semantic = (*NON_SEMANTIC_FIELDS, *CHECKPOINT_CADENCE_FIELDS, *pipeline_owned)
+    data_doc: ClassVar[str]
+    """What data.path holds, for the error when it is missing."""
+
+    @staticmethod
+    def checkpoint_inputs(doc: str) -> dict[str, Input]:
+        return {"checkpoint": Input("checkpoint", doc=doc),
+                "corpus": Input("corpus", required=False, doc="files that data paths name as {input:corpus}/...")}
+
+    def validate_raw(self, raw: dict, source: str):
+        """The config validated, with data.path required; pipeline-owned keys refused."""
+        self.reject_pipeline_owned(raw, source)
+        resolve_model_preset(raw, source)
+        cfg = validate(self.config_schema, raw, source)
+        if not cfg.data.path:
+            raise ConfigError(f"{source}: missing required key 'data.path' ({self.data_doc})")
+        return cfg
+
+    def fingerprint_without_paths(self, config, keys: tuple[str, ...]) -> dict:
+        """The fingerprint less data paths outside the store: their files' bytes identify them
+        (added by the caller), not where they lie. A path inside an input names which file."""
+        fp = super().fingerprint(config)
+        for key in keys:
+            if not has_input_ref(fp["data"].get(key) or ""):
+                fp["data"].pop(key, None)
+        return fp
+
+    def run(self, ctx: StageContext) -> dict[str, Any]:
+        out, checkpoint_input = ctx.out_dir, ctx.inputs["checkpoint"].path
+        if not self.carry_tokenizer(ctx, checkpoint_input):
+            raise ConfigError(f"stage '{ctx.stage}': input checkpoint {checkpoint_input} has no {TOKENIZER_DIR}/")
+        tree = ctx.config.model_dump(mode="json")
+        for key, value in {"checkpoint.directory": str(out / CHECKPOINT_DIR),
+                           "checkpoint.init_from": str(checkpoint_input / CHECKPOINT_DIR),
+                           "metrics_dir": str(out), "tokenizer": str(out / TOKENIZER_DIR)}.items():
+            set_dotted(tree, key, value)
+        tree["progress"] = False  # progress reaches the pipeline log through metrics.jsonl
+        cfg = self.config_schema.model_validate(tree)
+        return self.train(ctx, cfg, f"{self.task}.yaml", cfg.steps)

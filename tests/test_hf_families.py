@@ -1,0 +1,60 @@
+"""The family registry: a misspelt family is refused with a suggestion, and every registered
+family's config mapping round-trips and its tensor table names exactly the model's
+parameters (what conversion and export rely on). No transformers needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.config import ConfigError, validate
+from engine.interop.hf.mapping import check_table_covers, model_config_from_hf, model_config_to_hf
+from engine.models.config import ModelConfig
+from engine.models.families import family_names, get_family
+from engine.models.params import abstract_model_params
+
+SHAPE = dict(vocab_size=17, d_model=12, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=6, mlp_dim=7)
+
+
+def tiny(family: str, tie: bool) -> tuple:
+    """A tiny config.json of `family`, odd sizes, through the family's own mapping."""
+    fam = get_family(family)
+    hf = {"model_type": fam.model_type, "architectures": [fam.architecture], "vocab_size": 17, "hidden_size": 12,
+          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 6,
+          "intermediate_size": 7, "sliding_window": 5, "tie_word_embeddings": tie}
+    return model_config_from_hf(hf)
+
+
+def test_an_unknown_family_is_refused_with_a_suggestion():
+    with pytest.raises(ValueError, match=r"unknown family 'lama'; did you mean 'llama'\?"):
+        ModelConfig(family="lama", **SHAPE)
+    with pytest.raises(ConfigError, match=r"model.yaml: key 'family': .*unknown family 'gpt'; valid families: llama, "):
+        validate(ModelConfig, {"family": "gpt", **SHAPE}, "model.yaml")
+    assert {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"} <= set(family_names())
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("family", family_names())
+def test_every_family_tensor_table_covers_exactly_the_model_parameters(family, tie):
+    cfg, compute = tiny(family, tie)
+    assert cfg.family == family and cfg.tie_embeddings == tie
+    check_table_covers(cfg, abstract_model_params(cfg, compute, None))
+
+
+@pytest.mark.parametrize("family", family_names())
+def test_every_family_config_round_trips_through_config_json(family):
+    cfg, _ = tiny(family, tie=False)
+    hf = model_config_to_hf(cfg, {"eos_token_id": 3}, param_dtype="bfloat16")
+    assert hf["architectures"] == [get_family(family).architecture] and hf["dtype"] == "bfloat16"
+    again, compute = model_config_from_hf(hf, param_dtype="bfloat16")
+    assert again == cfg and compute.param_dtype == compute.dtype == "bfloat16"
+
+
+def test_reading_a_config_json_imports_no_jax():
+    """Pipeline validation reads config.json and fingerprints a source without JAX."""
+    code = ("import sys, engine.interop.hf.files, engine.interop.hf.mapping, engine.models.families; "
+            "sys.exit('jax' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent).returncode == 0
