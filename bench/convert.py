@@ -2,7 +2,7 @@
 
 A synthetic Llama-shaped Hugging Face checkpoint of a few hundred MB (bfloat16, two
 safetensors shards and an index) is converted to an Orbax checkpoint and exported back, each
-in a child process (`python -m engine.hf ...`) whose peak RSS the kernel reports. In the
+in a child process (`python -m engine.interop.hf ...`) whose peak RSS the kernel reports. In the
 same run the disk's raw sequential write (with fsync) and cold read (page cache dropped
 with posix_fadvise) are measured on a file of the same size. The source files are dropped
 from the page cache before each conversion too, so both sides read from the disk.
@@ -132,9 +132,11 @@ def run_child(argv: list[str]) -> tuple[dict | None, float, float, float]:
     return (json.loads(lines[-1])["result"] if lines else None), wall, usage.ru_maxrss / 1024, cpu
 
 
-BASELINE = ("import jax, orbax.checkpoint, numpy, engine.hf, engine.checkpoint, engine.train; "
-            "from engine.config import ModelConfig; from engine.hf import model_config_from_hf, _engine_shapes; "
-            "import json, sys; _engine_shapes(model_config_from_hf(json.load(open(sys.argv[1]))))")
+# What the converter's process imports and plans before it reads a weight: the baseline.
+BASELINE = ("import jax, orbax.checkpoint, numpy, engine.interop.hf.convert, engine.interop.hf.export; "
+            "from engine.interop.hf.mapping import model_config_from_hf; "
+            "from engine.models.params import abstract_model_params; import json, sys; "
+            "abstract_model_params(*model_config_from_hf(json.load(open(sys.argv[1]))), None)")
 
 
 def main() -> int:
@@ -164,8 +166,8 @@ def main() -> int:
                 out = work / f"converted-{dtype}"
                 shutil.rmtree(out, ignore_errors=True)
                 drop_cache(work / "hf")
-                result, wall, rss, cpu = run_child(["-m", "engine.hf", "convert", str(work / "hf"), str(out),
-                                                    "--dtype", dtype])
+                result, wall, rss, cpu = run_child(["-m", "engine.interop.hf", "convert", str(work / "hf"),
+                                                    str(out), "--dtype", dtype])
                 if best is None or result["seconds"] < best[0]["seconds"]:
                     best = (result, wall, rss, cpu)
             result, wall, rss, cpu = best
@@ -176,7 +178,7 @@ def main() -> int:
         for _ in range(args.repeats):
             shutil.rmtree(work / "exported", ignore_errors=True)
             drop_cache(work / "converted-bfloat16")
-            result, wall, rss, cpu = run_child(["-m", "engine.hf", "export",
+            result, wall, rss, cpu = run_child(["-m", "engine.interop.hf", "export",
                                                 str(work / "converted-bfloat16" / "checkpoint"), str(work / "exported")])
             if best is None or result["seconds"] < best[0]["seconds"]:
                 best = (result, wall, rss, cpu)
@@ -210,7 +212,7 @@ def main() -> int:
         "baseline_rss_mb": baseline_mb,
         "baseline_cpu_seconds": baseline_cpu,
         "rows": rows,
-        "notes": "seconds of convert/export are engine.hf's own timing (no interpreter start-up); "
+        "notes": "seconds of convert/export are engine.interop.hf's own timing (no interpreter start-up); "
                  "process_seconds include starting Python and importing JAX; cpu_seconds_above_baseline "
                  "is the child's user+sys time minus that of a child that only imports and plans (less "
                  "sensitive to other load on a shared machine than wall time).",

@@ -5,7 +5,7 @@
 Traces one compiled step (bench/train_throughput.py's shape and batch) and prints how long
 XLA:CPU's worker threads were busy in each phase (forward, backward, optimizer) and in each
 part of the model (attention, its core, MLP, LM head; matmuls and the rest, from the named
-scopes in engine/model.py), and the costliest operations with their shapes. Writes
+scopes in engine/models/transformer.py), and the costliest operations with their shapes. Writes
 bench/results/profile_step.json. Busy time is summed over both threads: XLA runs
 independent operations side by side, so it exceeds the step's wall time.
 """
@@ -34,7 +34,7 @@ def _phase(op_name: str) -> str:
 
 
 def _part(op_name: str) -> str:
-    """The model part an op belongs to, from the named scopes in engine/model.py."""
+    """The model part an op belongs to, from the named scopes in engine/models/transformer.py."""
     kind = "matmul" if op_name.endswith("dot_general") else "other"
     for scope in ("attention/core", "attention", "mlp", "lm_head"):
         if re.search(rf"[/(]{scope}[/)]", op_name):

@@ -1,6 +1,6 @@
 """Generation throughput of the engine's KV-cache sampler beside transformers `generate`
 (PyTorch, same machine) on the same model: one random Llama, saved by transformers and
-converted with engine/hf.py, so both decode the very same weights.
+converted with engine/interop/hf/convert.py, so both decode the very same weights.
 
 Greedy decoding of a fixed number of new tokens (no EOS stop) from equal-length random
 prompts, at batch 1 and batch 32. Compilation (JAX) and the first call (torch) are warm-up,
@@ -32,12 +32,12 @@ BATCHES = (1, 32)
 
 
 def make_models(workdir: Path):
-    """(torch LlamaForCausalLM, engine ModelConfig, engine params): the same random weights."""
+    """(torch LlamaForCausalLM, engine ModelConfig, ComputeConfig, params): the same random weights."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.train.checkpoint import load_params
     from engine.interop.hf.convert import convert_hf
+    from engine.train.checkpoint import load_params, stored_configs
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -50,7 +50,8 @@ def make_models(workdir: Path):
     model.save_pretrained(workdir / "hf")
     convert_hf(workdir / "hf", workdir / "engine", log=lambda msg: None)
     model_cfg, params, _ = load_params(workdir / "engine" / "checkpoint")
-    return model, model_cfg, params
+    _, compute = stored_configs(workdir / "engine" / "checkpoint")  # float32, as transformers saved it
+    return model, model_cfg, compute, params
 
 
 def time_best(fn, repeats: int) -> tuple[float, object]:
@@ -62,12 +63,13 @@ def time_best(fn, repeats: int) -> tuple[float, object]:
     return best, out
 
 
-def bench_engine(model_cfg, params, prompts: np.ndarray, new_tokens: int, repeats: int) -> tuple[float, np.ndarray]:
+def bench_engine(model_cfg, compute, params, prompts: np.ndarray, new_tokens: int,
+                 repeats: int) -> tuple[float, np.ndarray]:
     import jax
 
     from engine.inference.sample import Sampler
 
-    sampler = Sampler(model_cfg)
+    sampler = Sampler(model_cfg, compute)  # one device, no mesh
     params = jax.device_put(params)
     mask = np.ones_like(prompts)
 
@@ -112,13 +114,13 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
 
     with tempfile.TemporaryDirectory() as tmp:
-        model, model_cfg, params = make_models(Path(tmp))
+        model, model_cfg, compute, params = make_models(Path(tmp))
     rng = np.random.default_rng(0)
     runs = []
     for batch in BATCHES:
         prompts = rng.integers(1, SHAPE["vocab_size"], (batch, args.prompt_len)).astype(np.int32)
         print(f"batch {batch}: engine ...", file=sys.stderr)
-        engine_s, engine_tokens = bench_engine(model_cfg, params, prompts, args.new_tokens, args.repeats)
+        engine_s, engine_tokens = bench_engine(model_cfg, compute, params, prompts, args.new_tokens, args.repeats)
         print(f"batch {batch}: transformers ...", file=sys.stderr)
         torch_s, torch_tokens = bench_torch(model, prompts, args.new_tokens, args.repeats)
         generated = batch * args.new_tokens

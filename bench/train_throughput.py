@@ -24,7 +24,7 @@ from bench import machine
 
 REPO = Path(__file__).resolve().parent.parent
 SHAPE = dict(vocab_size=8192, d_model=384, num_layers=6, num_heads=6, num_kv_heads=2, head_dim=64,
-             mlp_dim=1024, max_seq_len=512, tie_embeddings=False)
+             mlp_dim=1024, max_seq_len=512, tie_embeddings=False)  # configs/models/bench-16m.yaml
 BATCH, SEQ = 8, 512
 
 
@@ -38,13 +38,14 @@ def synthetic_step(dtype: str, remat: str):
     import numpy as np
 
     from engine.config import load_config
+    from engine.train.config import TrainConfig
     from engine.train.trainer import Trainer
 
     cfg = load_config(tree={
-        "model": {**SHAPE, "dtype": dtype, "remat": remat},
+        "model": SHAPE, "compute": {"dtype": dtype, "remat": remat},  # float32 params, `dtype` matmuls
         "mesh": {"data": -1}, "data": {"batch_size": BATCH, "seq_len": SEQ},
         "optimizer": {"learning_rate": 1e-4}, "steps": 1000,
-    })
+    }, schema=TrainConfig)
     trainer = Trainer(cfg)
     state = trainer.init_state()
     rng = np.random.default_rng(0)
@@ -114,7 +115,7 @@ def run_torch(dtype: str, steps: int, warmup: int) -> dict:
     tokens_per_second = BATCH * SEQ / step_s
     flops = flops_per_token(ModelConfig(**SHAPE), SEQ) * tokens_per_second
     return {"framework": "torch", "dtype": dtype, "steps": steps, "step_seconds": step_s, "tokens_per_second": tokens_per_second,
-            "tflops": flops / 1e12, "peak_rss_mb": peak_rss_mb(), "loss": float(out.loss),
+            "tflops": flops / 1e12, "peak_rss_mb": peak_rss_mb(), "loss": float(out.loss.detach()),
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 

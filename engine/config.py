@@ -24,7 +24,8 @@ class ConfigError(ValueError):
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(),
+                              use_attribute_docstrings=True)
 
 
 # --------------------------------------------------------------------------- loading

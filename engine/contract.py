@@ -56,3 +56,5 @@ NON_SEMANTIC_FIELDS = ("log_every", "progress", "metrics_dir", "checkpoint.async
 """Fields of a training config that cannot change its result: left out of artifact ids."""
 CHECKPOINT_CADENCE_FIELDS = ("checkpoint.every_steps", "checkpoint.keep")
 """Change what is kept on disk, not the final result (a resumed run equals an uninterrupted one)."""
+TOKENIZE_NON_SEMANTIC_FIELDS = ("workers",)
+"""Tokenizing: the shards are the same for any number of worker processes."""

@@ -22,9 +22,9 @@ import sys
 import yaml
 
 from engine.config import ConfigError, validate
-from engine.contract import ENTRY_POINTS
+from engine.contract import ENTRY_POINTS, TOKENIZE_NON_SEMANTIC_FIELDS
 from engine.data.sources import plan_source
-from engine.data.tokenize import MB, NON_SEMANTIC_FIELDS, TokenizeConfig, fingerprint
+from engine.data.tokenize import MB, TokenizeConfig, fingerprint
 from tasks.registry import Input, StageContext, StageKind, has_input_ref
 
 _PROGRESS = re.compile(r"tokenize: (\d+)/(\d+) shards")
@@ -44,7 +44,7 @@ class TokenizeStage(StageKind):
     inputs = {"corpus": Input("corpus", required=False, doc="files that sources name as {input:corpus}/...")}
     config_schema = TokenizeConfig
     version = 1
-    non_semantic = NON_SEMANTIC_FIELDS
+    non_semantic = TOKENIZE_NON_SEMANTIC_FIELDS
 
     def resolve_config(self, raw: dict, source: str) -> TokenizeConfig:
         cfg = validate(TokenizeConfig, raw, source)

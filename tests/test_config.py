@@ -1,5 +1,7 @@
 """Config errors are for users: one message naming the key and what would be valid."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,3 +100,14 @@ def test_llama3_presets_have_the_published_parameter_counts():
     assert round(load_config(tree={"model": "llama3-8b"}, schema=TrainConfig).model.num_params() / 1e9, 2) == 8.03
     assert round(load_config(tree={"model": "llama3-1b"}, schema=TrainConfig).model.num_params() / 1e9, 2) == 1.24
     assert isinstance(load_config(tree={"model": "tiny"}, schema=TrainConfig), TrainConfig)
+
+
+@pytest.mark.parametrize("module", ["engine.train", "engine.posttrain.sft", "engine.posttrain.grpo"])
+def test_engine_help_exits_0_and_lists_the_config_sections(module):
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"usage: python -m {module} CONFIG.yaml")
+    for section in ("mesh.*", "checkpoint.*", "optimizer.*", "compute.*"):
+        assert f"\n  {section} " in proc.stdout
+    no_args = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, timeout=120)
+    assert no_args.returncode == 2 and "usage:" in no_args.stderr

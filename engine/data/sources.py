@@ -29,6 +29,7 @@ from pydantic import Field, model_validator
 from tokenizers import Tokenizer
 
 from engine.config import ConfigError, Strict
+from engine.contract import TOKENIZER_DIR
 from engine.data.shards import TOKEN_DTYPE, read_meta
 
 Format = Literal["text", "jsonl", "parquet", "tfrecord", "tfds", "tokens"]
@@ -252,7 +253,7 @@ def _flat_feature_names(features, prefix: str = "") -> list[str]:
 
 def tokens_tokenizer_dir(src: SourceConfig) -> Path:
     directory = Path(expand_path(src.path))
-    return Path(expand_path(src.tokenizer)) if src.tokenizer else directory.parent / "tokenizer"
+    return Path(expand_path(src.tokenizer)) if src.tokenizer else directory.parent / TOKENIZER_DIR
 
 
 def _plan_tokens(index: int, src: SourceConfig, key: str) -> list[Part]:

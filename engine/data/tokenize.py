@@ -43,6 +43,7 @@ from pydantic import Field
 from tokenizers import Tokenizer
 
 from engine.config import ConfigError, Strict, load_config
+from engine.contract import DATA_DIR, TOKENIZE_NON_SEMANTIC_FIELDS, TOKENIZER_DIR
 from engine.data.shards import ShardWriter, TOKEN_DTYPE, write_meta
 from engine.data.sources import BadRecord, Part, SourceConfig, describe, group_parts, plan_source, read_part
 from engine.data.tokenizer import TokenizerConfig, build_tokenizer, load_saved, save_tokenizer
@@ -86,7 +87,6 @@ class TokenizeConfig(Strict):
 
 
 # Fields that cannot change the output; left out of fingerprints.
-NON_SEMANTIC_FIELDS = ("workers",)
 
 
 # --------------------------------------------------------------------------- documents
@@ -353,11 +353,11 @@ def _tokenizer_digest(path: str | None) -> str | None:
 
 
 def fingerprint(cfg: TokenizeConfig, parts: list[Part]) -> str:
-    """What the output depends on: the config (less NON_SEMANTIC_FIELDS), every input
+    """What the output depends on: the config (less TOKENIZE_NON_SEMANTIC_FIELDS), every input
     file's size and mtime, and a loaded tokenizer's bytes."""
     payload = {
         "format": STAGE_FORMAT,
-        "config": cfg.model_dump(mode="json", exclude=set(NON_SEMANTIC_FIELDS)),
+        "config": cfg.model_dump(mode="json", exclude=set(TOKENIZE_NON_SEMANTIC_FIELDS)),
         "inputs": [p.to_json() for p in parts],
         "tokenizer": _tokenizer_digest(cfg.tokenizer.path),
     }
@@ -397,7 +397,7 @@ def _no_documents_error(counts: dict) -> ConfigError:
 
 
 def _prepare_tokenizer(cfg: TokenizeConfig, parts: list[Part], out: Path, work: Path, log: Callable):
-    staged, final = work / "tokenizer", out / "tokenizer"
+    staged, final = work / TOKENIZER_DIR, out / TOKENIZER_DIR
     if (staged / "tokenizer.json").is_file():
         return load_saved(staged), staged
     if (final / "tokenizer.json").is_file():  # resuming a run killed while finishing
@@ -425,7 +425,7 @@ def run_tokenize(cfg: TokenizeConfig, out_dir: str | Path, *, log: Callable[[str
     """
     started = time.perf_counter()
     out = Path(out_dir)
-    data_dir, work = out / "data", out / ".work"
+    data_dir, work = out / DATA_DIR, out / ".work"
     target = max(int(cfg.shard_size_mb * MB), 1)
     parts = [p for i, src in enumerate(cfg.sources) for p in plan_source(i, src, target)]
     tasks = group_parts(parts, target)
@@ -444,7 +444,7 @@ def run_tokenize(cfg: TokenizeConfig, out_dir: str | Path, *, log: Callable[[str
         if json.loads(state.read_text()).get("fingerprint") != key:
             raise ConfigError(f"{out} holds an unfinished run of another config or of input files "
                               f"that have changed since; delete {work} or choose another out_dir")
-    elif data_dir.exists() or (out / "tokenizer").exists():
+    elif data_dir.exists() or (out / TOKENIZER_DIR).exists():
         raise ConfigError(f"{out} already has a data/ or tokenizer/ this stage did not write; "
                           "choose another out_dir")
     else:
@@ -452,7 +452,7 @@ def run_tokenize(cfg: TokenizeConfig, out_dir: str | Path, *, log: Callable[[str
 
     bundle, tokenizer_dir = _prepare_tokenizer(cfg, parts, out, work, log)
     for split in SPLITS:
-        (work / "data" / split).mkdir(parents=True, exist_ok=True)
+        (work / DATA_DIR / split).mkdir(parents=True, exist_ok=True)
     done_dir = work / "tasks"
     done = {i for i in range(len(tasks)) if (done_dir / f"task-{i:05d}.json").is_file()}
     todo = [(i, [p.to_json() for p in tasks[i]]) for i in range(len(tasks)) if i not in done]
@@ -465,7 +465,7 @@ def run_tokenize(cfg: TokenizeConfig, out_dir: str | Path, *, log: Callable[[str
         "tokenizer_json": str(tokenizer_dir / "tokenizer.json"),
         "bos_id": bundle.bos_id,
         "eos_id": bundle.eos_id,
-        "staging": str(work / "data"),
+        "staging": str(work / DATA_DIR),
     }
     _run_tasks(todo, settings, workers, len(tasks), len(done), log)
 
@@ -481,15 +481,15 @@ def run_tokenize(cfg: TokenizeConfig, out_dir: str | Path, *, log: Callable[[str
     for split in SPLITS:
         shards = [r["shards"][split] for r in records if split in r["shards"]]
         for rel in shards:
-            staged, final = work / "data" / rel, data_dir / rel
+            staged, final = work / DATA_DIR / rel, data_dir / rel
             if staged.is_file():
                 final.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(staged, final)
             assert final.is_file(), final
         meta_splits[split] = {"shards": shards, **stats["splits"][split]}
-    if tokenizer_dir != out / "tokenizer":
-        shutil.rmtree(out / "tokenizer", ignore_errors=True)
-        os.replace(tokenizer_dir, out / "tokenizer")
+    if tokenizer_dir != out / TOKENIZER_DIR:
+        shutil.rmtree(out / TOKENIZER_DIR, ignore_errors=True)
+        os.replace(tokenizer_dir, out / TOKENIZER_DIR)
     report = _report(stats, cfg)
     write_meta(data_dir, {
         "vocab_size": bundle.vocab_size,
@@ -498,7 +498,7 @@ def run_tokenize(cfg: TokenizeConfig, out_dir: str | Path, *, log: Callable[[str
         "add_bos": cfg.add_bos and bundle.bos_id is not None,  # records start with bos_id
         "pad_id": bundle.pad_id,
         "splits": meta_splits,
-        "tokenizer": "../tokenizer",
+        "tokenizer": f"../{TOKENIZER_DIR}",
         "fingerprint": key,
         "stats": report,
     })

@@ -16,14 +16,17 @@ from engine.train.trainer import Preempted, TrainingError
 
 
 def usage(module: str, schema: type[BaseModel]) -> str:
-    """The help text: the command line and the config's sections with their first doc line."""
+    """The help text: the command line, then each config section or key with its first doc line."""
     lines = [f"usage: python -m {module} CONFIG.yaml [key=value ...]", "",
-             (schema.__doc__ or "").strip().splitlines()[0] if schema.__doc__ else "", "",
-             "Config sections and keys (override any with dotted key=value, e.g. steps=200 model.num_layers=4):"]
+             (schema.__doc__ or "").strip().splitlines()[0], "",
+             "Config sections and keys (override any with a dotted key=value, e.g. steps=200 model.num_layers=4):"]
     for name, field in schema.model_fields.items():
-        doc = (field.description or "").strip().splitlines()
-        annotation = getattr(field.annotation, "__name__", str(field.annotation)).replace("typing.", "")
-        lines.append(f"  {name:<16} {annotation}" + (f"  {doc[0]}" if doc else ""))
+        section = next((a for a in getattr(field.annotation, "__args__", (field.annotation,))
+                        if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        doc = field.description or (section.__doc__ if section else "") or ""
+        default = "" if section or field.is_required() else f" (default {field.get_default(call_default_factory=True)!r})"
+        lines.append(f"  {name + ('.*' if section else ''):<18} {doc.strip().splitlines()[0] if doc.strip() else ''}"
+                     f"{default}")
     lines += ["", f"Exit codes: {EXIT_OK} success, {EXIT_CONFIG_ERROR} bad config or input (one line), "
               f"{EXIT_FAILED} the run failed, {EXIT_PREEMPTED} stopped by SIGTERM after saving a checkpoint.",
               'The last stdout line is {"result": {...final metrics...}}.']

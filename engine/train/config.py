@@ -36,7 +36,7 @@ class ScheduleConfig(Strict):
 
 
 class DataConfig(Strict):
-    """Token shards written by the tokenize stage (see engine/data/dataset.py)."""
+    """Token shards written by the tokenize stage (see engine/data/shards.py)."""
 
     path: str | None = None
     """Dataset directory (holding meta.json); required for training."""
@@ -54,6 +54,8 @@ class DataConfig(Strict):
 
 
 class CheckpointConfig(Strict):
+    """Where Orbax checkpoints go, how often, how many are kept, and where training starts from."""
+
     directory: str | None = None
     """Where Orbax checkpoints go; required for training."""
     every_steps: int = Field(100, gt=0)
@@ -71,15 +73,19 @@ class RunFields(Strict):
     schedule: ScheduleConfig = ScheduleConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     steps: int = Field(100, gt=0)
+    """Optimizer steps (batches) of the run."""
     grad_accum: int = Field(1, gt=0)
     """Micro-batches per optimizer step; data.batch_size must divide evenly."""
     seed: int = 0
+    """Seeds the initial parameters."""
     log_every: int = Field(10, gt=0)
+    """Steps between metrics lines (metrics.jsonl, TensorBoard)."""
     eval_every: int = Field(0, ge=0)
     """Steps between held-out evaluations (0 = only at the end)."""
     metrics_dir: str | None = None
     """JSONL + TensorBoard output (default: next to the checkpoints)."""
     progress: bool = True
+    """A progress bar on stderr."""
 
     @model_validator(mode="after")
     def _check_accumulation(self):
@@ -98,6 +104,7 @@ class TrainConfig(RunFields):
     optimizer: OptimizerConfig = OptimizerConfig()
     data: DataConfig = DataConfig()
     z_loss: float = Field(0.0, ge=0)
+    """Weight of the z-loss (log Z squared) that keeps the softmax normaliser near 1 (PaLM)."""
 
     @model_validator(mode="after")
     def _check_length(self) -> "TrainConfig":

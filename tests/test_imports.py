@@ -1,0 +1,161 @@
+"""The import rules of DESIGN.md ("Layout") and engine/__init__.py, enforced.
+
+Layering, package direction and acyclicity are import-linter contracts (CONTRACTS, the one
+copy), checked by its `lint-imports` CLI in a subprocess: the CLI puts its working
+directory first on sys.path, so the same check runs on this checkout or on a doctored copy
+of it without touching this process's imports. "Imports at the top" is an AST walk.
+No JAX is imported; the whole file takes two or three seconds.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "tasks", "flows")
+
+# Read by import-linter as a pyproject-style TOML file. Layers are listed highest first;
+# `|` separates independent siblings, `:` siblings that may import each other.
+CONTRACTS = """
+[tool.importlinter]
+root_packages = ["engine", "tasks", "flows"]
+# `if TYPE_CHECKING:` imports cost nothing at runtime; annotations may name any layer.
+exclude_type_checking_imports = true
+
+[[tool.importlinter.contracts]]
+id = "engine-layers"
+name = "engine: a lower layer never imports a higher one"
+type = "layers"
+layers = [
+    "engine.evaluate | engine.interop",
+    "engine.posttrain",
+    "engine.inference",
+    "engine.train",
+    "engine.parallel",
+    "engine.models",
+    "engine.ops | engine.data",
+    "engine.config : engine.contract",
+]
+
+[[tool.importlinter.contracts]]
+id = "families-config"
+name = "engine.models.families never imports engine.models.config at runtime (config imports the families)"
+type = "forbidden"
+source_modules = ["engine.models.families"]
+forbidden_modules = ["engine.models.config"]
+
+[[tool.importlinter.contracts]]
+id = "package-direction"
+name = "flows -> tasks -> engine, never the other way"
+type = "layers"
+layers = ["flows", "tasks", "engine"]
+
+[[tool.importlinter.contracts]]
+id = "acyclic"
+name = "no import cycles among the modules and subpackages of each package"
+type = "acyclic_siblings"
+ancestors = ["engine", "tasks", "flows"]
+"""
+
+# Function-level imports allowed only at the documented boundary (Prefect and JAX load
+# only for the CLI commands that need them) and for the optional extras.
+IMPORT_BOUNDARY = {"flows/cli.py"}
+OPTIONAL_EXTRAS = {"tensorflow", "tensorflow_datasets", "transformers"}
+
+
+@pytest.fixture(scope="module")
+def contracts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("importlinter") / "contracts.toml"
+    path.write_text(CONTRACTS)
+    return path
+
+
+def broken_contracts(root: Path, contracts: Path, *ids: str) -> str | None:
+    """None if the packages under `root` keep the contracts `ids`, else lint-imports' report."""
+    # What the `lint-imports` script runs; no cache, so nothing is written into `root`.
+    cli = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+    args = [str(contracts), "--no-cache", "--no-logo", *(f"--contract={i}" for i in ids)]
+    env = {k: v for k, v in os.environ.items() if k != "FORCE_COLOR"} | {"COLUMNS": "250", "NO_COLOR": "1"}
+    run = subprocess.run([sys.executable, "-c", cli, *args], check=False, cwd=root, env=env,
+                         capture_output=True, text=True, timeout=120)
+    return None if run.returncode == 0 else run.stdout + run.stderr
+
+
+def function_level_imports(source: str, filename: str) -> list[str]:
+    """`file:line: import` for each import in a function or method body, bar the optional extras."""
+    tree = ast.parse(source, filename)
+    functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    # A set: an import in a nested function is inside its outer function too.
+    nested = {node for function in functions for node in ast.walk(function)
+              if isinstance(node, (ast.Import, ast.ImportFrom))}
+    found = []
+    for node in sorted(nested, key=lambda node: node.lineno):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        else:
+            modules = ["." * node.level + (node.module or "")]
+        if not all(module.split(".")[0] in OPTIONAL_EXTRAS for module in modules):
+            found.append(f"{filename}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_engine_layers(contracts):
+    report = broken_contracts(ROOT, contracts, "engine-layers", "families-config")
+    assert report is None, report
+
+
+def test_flows_import_tasks_import_engine_never_back(contracts):
+    report = broken_contracts(ROOT, contracts, "package-direction")
+    assert report is None, report
+
+
+def test_no_import_cycles(contracts):
+    report = broken_contracts(ROOT, contracts, "acyclic")
+    assert report is None, report
+
+
+def test_imports_at_the_top():
+    found = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            filename = path.relative_to(ROOT).as_posix()
+            if filename not in IMPORT_BOUNDARY:
+                found += function_level_imports(path.read_text(), filename)
+    assert not found, "function-level imports (move them to the top of the module):\n" + "\n".join(found)
+
+
+def test_layer_check_reports_an_upward_import(contracts, tmp_path):
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    attention = tmp_path / "engine/ops/attention.py"
+    lines = attention.read_text().splitlines() + ["from engine.train.trainer import Trainer"]
+    attention.write_text("\n".join(lines) + "\n")
+    line = len(lines)
+
+    report = broken_contracts(tmp_path, contracts, "engine-layers")
+    assert report is not None and f"engine.ops.attention -> engine.train.trainer (l.{line})" in report, report
+
+
+def test_import_check_reports_an_import_in_a_function():
+    filename = "engine/ops/attention.py"
+    lines = (ROOT / filename).read_text().splitlines() + [
+        "def late():",
+        "    from engine.train.trainer import Trainer",  # caught
+        "    import transformers.models",  # an optional extra: allowed
+        "    return Trainer",
+        "class Late:",
+        "    def method(self):",
+        "        import jax.numpy as jnp",  # caught
+    ]
+
+    found = function_level_imports("\n".join(lines) + "\n", filename)
+    assert f"{filename}:{len(lines) - 5}: from engine.train.trainer import Trainer" in found
+    assert f"{filename}:{len(lines)}: import jax.numpy as jnp" in found
+    assert not any("transformers" in entry for entry in found)
