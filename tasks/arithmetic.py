@@ -1,6 +1,6 @@
 """The arithmetic stage: synthetic word problems with verifiable answers, as a corpus artifact.
 
-    <out>/pretrain.txt, sft.jsonl, rl.jsonl, eval.jsonl   (engine/synthetic.py)
+    <out>/pretrain.txt, sft.jsonl, rl.jsonl, eval.jsonl   (engine/data/synthetic.py)
 
 Later stages read these files through `{input:corpus}/...` paths in their configs.
 """

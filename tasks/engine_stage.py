@@ -64,6 +64,10 @@ class EngineStage(StageKind):
     pipeline_owned: ClassVar[dict[str, str]] = {}
     """Dotted config keys the stage sets (from an input or its directory) -> where from."""
 
+    def resolve_config(self, raw: dict, source: str) -> BaseModel:
+        self.reject_pipeline_owned(raw, source)
+        return super().resolve_config(raw, source)
+
     def reject_pipeline_owned(self, raw: dict, source: str) -> None:
         for key, owner in self.pipeline_owned.items():
             if get_dotted(raw, key) is not None:

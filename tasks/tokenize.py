@@ -9,7 +9,7 @@ itself a pool of worker processes. Re-run on the same directory, it redoes only 
 that were not finished.
 
 The artifact id covers the corpus too: every input file's size and mtime (and a loaded
-tokenizer's bytes), as engine.tokenize fingerprints them, so editing the corpus makes a new
+tokenizer's bytes), as engine.data.tokenize fingerprints them, so editing the corpus makes a new
 dataset rather than silently reusing the old one.
 """
 

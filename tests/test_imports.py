@@ -26,6 +26,7 @@ PACKAGES = ("engine", "tasks", "flows")
 CONTRACTS = """
 [tool.importlinter]
 root_packages = ["engine", "tasks", "flows"]
+include_external_packages = true
 # `if TYPE_CHECKING:` imports cost nothing at runtime; annotations may name any layer.
 exclude_type_checking_imports = true
 
@@ -50,6 +51,14 @@ name = "engine.models.families never imports engine.models.config at runtime (co
 type = "forbidden"
 source_modules = ["engine.models.families"]
 forbidden_modules = ["engine.models.config"]
+
+[[tool.importlinter.contracts]]
+id = "engine-without-prefect"
+name = "engine never imports Prefect (it runs in a notebook, a cluster job, a test)"
+type = "forbidden"
+source_modules = ["engine"]
+forbidden_modules = ["prefect"]
+allow_indirect_imports = true
 
 [[tool.importlinter.contracts]]
 id = "package-direction"

@@ -3,7 +3,7 @@ of that text each assistant turn produced (so SFT can put the loss on them alone
 
 A tokenizer directory without a chat template gets DEFAULT: `<|role|>content<eos>` per
 message, the tokenizer's bos token first if it has one, and `<|assistant|>` as the
-generation prompt (the template engine/tokenizer.py writes for trained tokenizers).
+generation prompt (the template engine/data/tokenizer.py writes for trained tokenizers).
 Templates are rendered with Jinja2 set up as transformers sets it up (sandboxed,
 trim_blocks, lstrip_blocks, raise_exception, tojson, strftime_now, {% generation %}), so a
 Hugging Face template gives the text `tokenizer.apply_chat_template` gives

@@ -15,8 +15,13 @@ def main(argv: list[str] | None = None) -> int:
     JOB.yaml: {config: EvalConfig, checkpoints: {name: checkpoint dir}, curves: {stage: metrics.jsonl}}.
     """
     argv = sys.argv[1:] if argv is None else argv
+    usage = "usage: python -m engine.evaluate JOB.yaml OUT_DIR"
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"{usage}\n\nJOB.yaml: {{config: EvalConfig, checkpoints: {{name: checkpoint dir}}, "
+              "curves: {stage: metrics.jsonl}}")
+        return EXIT_OK
     if len(argv) != 2:
-        print("usage: python -m engine.evaluate JOB.yaml OUT_DIR", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return EXIT_CONFIG_ERROR
     try:
         job = load_yaml(argv[0])

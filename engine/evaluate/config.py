@@ -39,7 +39,7 @@ class EvalConfig(Strict):
     """What to measure for every model."""
 
     data_path: str | None = None
-    """Token dataset (engine/data.py) for held-out loss; None skips it."""
+    """Token dataset (engine/data/shards.py) for held-out loss; None skips it."""
     split: str = "validation"
     loss_batches: int = Field(8, ge=1)
     seq_len: int = Field(128, gt=1)

@@ -2,8 +2,8 @@
 (ComputeConfig: dtypes, layer scan, rematerialisation, attention blocks).
 
 The two are apart so that a checkpoint records exactly its architecture: a run may restore it
-under any compute settings (bfloat16 matmuls over float32 weights, remat, another block
-size), and only a different architecture is refused.
+under other compute settings (bfloat16 matmuls over float32 weights, remat, another block
+size; only the layer layout, scan_layers, must match), and a different architecture is refused.
 """
 
 from __future__ import annotations
@@ -116,7 +116,10 @@ class ModelConfig(Strict):
 
 
 class ComputeConfig(Strict):
-    """How a run computes with a model: none of it changes what the parameters mean."""
+    """How a run computes with a model: none of it changes what the parameters mean.
+
+    `scan_layers` alone changes their layout (stacked or per layer), so a checkpoint restores
+    under the value it was saved with; everything else may differ from the checkpoint's."""
 
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """Storage dtype of the parameters (and so of the optimizer's moments)."""

@@ -27,7 +27,7 @@ from engine.config import ConfigError
 from engine.models.params import abstract_model_params, graphdef_of, init_params
 from engine.ops.partitioning import use_mesh
 from engine.parallel.mesh import batch_sharding, make_mesh, replicated
-from engine.train.checkpoint import Checkpointer, load_params
+from engine.train.checkpoint import Checkpointer, load_params, stored_configs
 from engine.train.config import TrainConfig
 from engine.train.optimizer import make_optimizer
 from engine.train.step import Objective, lm_objective, make_eval_step, make_train_step
@@ -189,6 +189,11 @@ class Trainer:
         a fresh optimizer."""
         cfg = self.cfg
         if cfg.checkpoint.init_from:
+            _, stored = stored_configs(cfg.checkpoint.init_from)
+            if stored.scan_layers != cfg.compute.scan_layers:  # the one compute setting that changes the layout
+                raise ConfigError(
+                    f"checkpoint.init_from: {cfg.checkpoint.init_from} holds {'stacked' if stored.scan_layers else 'per-layer'} "
+                    f"parameters; set compute.scan_layers: {str(stored.scan_layers).lower()} to restore them")
             model_cfg, params, _ = load_params(cfg.checkpoint.init_from, self.abstract_params)
             saved, wanted = model_cfg.model_dump(), cfg.model.model_dump()
             if saved != wanted:  # compute settings (precision, remat, ...) may differ; the architecture may not
