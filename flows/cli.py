@@ -45,9 +45,7 @@ from tasks.registry import StageHooks, get_stage_kind
 from tasks.runner import StageJob, execute_stage
 
 DEFAULT_STORE = "artifacts"
-
-# Prefect's embedded server gets 20 s to start by default; a busy laptop can need more.
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+EXIT_SIGNAL = 143  # stopped by SIGTERM or SIGINT (Ctrl-C), after the engines checkpointed
 
 
 def _store_arg(args) -> str:
@@ -56,15 +54,15 @@ def _store_arg(args) -> str:
 
 def cmd_run(args) -> int:
     plan = load_plan(args.pipeline, args.overrides, args.store)  # all validation before Prefect starts
-    from prefect.exceptions import TerminationSignal  # Prefect takes seconds to import
-
-    from flows.pipeline import PipelineFailed, run_plan
+    from flows.server import ApiUnreachable, prefect_api  # Prefect takes seconds to import
 
     stopping = threading.Event()
 
     def on_signal(signum, frame):
+        # Ctrl-C reaches the whole foreground process group, but the engines and the local
+        # Prefect server run in sessions of their own: only trainflow gets it, and decides.
         if stopping.is_set():  # a second signal: stop waiting for a clean checkpoint
-            os._exit(128 + signum)
+            os._exit(EXIT_SIGNAL)
         stopping.set()
         count = terminate_children(signal.SIGTERM)
         print(f"trainflow: {signal.Signals(signum).name}: asked {count} engine process(es) to checkpoint "
@@ -73,18 +71,17 @@ def cmd_run(args) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        summary = run_plan(plan, max_workers=args.max_parallel)
-        code = 0
-    except PipelineFailed as e:
-        summary, code = e.summary, 1
-    except TerminationSignal:  # SIGTERM during the flow run; the engines have checkpointed
-        print(format_table(status_rows(plan), ["stage", "task", "state", "artifact_id"]))
-        return 143
-    except RuntimeError as e:
-        if "Prefect API" not in str(e):
-            raise
-        print(f"error: {e} (start one with `prefect server start` and set PREFECT_API_URL, or raise "
-              f"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)", file=sys.stderr)
+        with prefect_api() as api_url:
+            from flows.pipeline import PipelineFailed, run_plan
+            from flows.reporter import reporter_for
+
+            try:
+                summary, code = run_plan(plan, max_workers=args.max_parallel), 0
+            except PipelineFailed as e:
+                summary, code = e.summary, 1
+            api_down = reporter_for(api_url).down
+    except ApiUnreachable as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
     rows = [{**s, "seconds": f"{s.get('seconds', 0):.1f}" if "seconds" in s else "-"} for s in summary.values()]
     print(format_table(rows, ["stage", "task", "status", "artifact_id", "seconds"]))
@@ -93,7 +90,12 @@ def cmd_run(args) -> int:
     for s in summary.values():
         if s.get("error"):
             print(f"error: {s['error']}", file=sys.stderr)
-    return 143 if stopping.is_set() else code
+    code = EXIT_SIGNAL if stopping.is_set() else code
+    if api_down:  # what Prefect still buffers would wait on a dead API at exit; none of it matters now
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _print_reports(plan, summary: dict) -> None:
@@ -125,6 +127,8 @@ def cmd_status(args) -> int:
 
 def cmd_lineage(args) -> int:
     tree = lineage(resolve_artifact(args.artifact, _store_arg(args)))
+    if "error" in tree:  # not an artifact directory: main prints the one line, exit 1
+        raise ArtifactError(f"{tree['path']} is not an artifact ({tree['error']})")
     print(json.dumps(tree, indent=2) if args.json else format_lineage(tree))
     return 0
 

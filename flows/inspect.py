@@ -63,9 +63,12 @@ def lineage(directory: Path, _seen: set | None = None) -> dict[str, Any]:
     if manifest is None:
         return {"path": str(directory), "error": "no readable artifact.json"}
     store_root = directory.parent.parent
+    # The store's view, not the manifest's word: a manifest left `running` by a run that
+    # died (or could not write its last manifest) is partial once no process holds its lock.
+    status = ArtifactStore(store_root).state(directory.parent.name, directory.name)
     node = {
         "stage": manifest.get("stage"), "id": manifest.get("id"), "kind": manifest.get("kind"),
-        "task": manifest.get("task"), "status": manifest.get("status"), "path": str(directory),
+        "task": manifest.get("task"), "status": status, "path": str(directory),
         "format_version": manifest.get("format_version"), "pipeline": manifest.get("pipeline"),
         "config": manifest.get("config"), "config_as_written": manifest.get("config_as_written"),
         "metrics": manifest.get("metrics"), "code": manifest.get("code"), "prefect": manifest.get("prefect"),

@@ -6,8 +6,10 @@ inputs, so independent stages run concurrently. Each task calls tasks.runner.exe
 child's output and metrics in the run log, a progress artifact while it runs, and at the
 end a markdown summary, a table of final metrics and a link to the artifact directory.
 
-With PREFECT_API_URL set, runs report to that server; otherwise Prefect starts its local
-server on SQLite for the run.
+Prefect observes; it never holds the stages up. Everything a running stage sends to the API
+goes through the reporter (flows/reporter.py), which drops records with one warning when
+the API does not answer, and the run's result is the stages' even if the API cannot record
+the flow run's final state (run_plan).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import re
 import signal
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import yaml
@@ -27,19 +28,29 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
 from prefect.exceptions import TerminationSignal
+from prefect.settings import PREFECT_API_URL
 from prefect.states import Completed, Failed, State
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from engine.config import ConfigError
+from flows.reporter import Reporter, observing, unreachable
+from flows.server import ApiUnreachable, api_answers
 from flows.spec import Plan, apply_pipeline_overrides, build_plan, load_plan, parse_spec
 from tasks.artifacts import ArtifactError, read_manifest
-from tasks.launch import Interrupted, terminate_children
+from tasks.launch import Interrupted, PermanentFailure, stopping, terminate_children
 from tasks.registry import StageHooks
 from tasks.runner import SKIPPED, StageResult, execute_stage
 
-# Failures a retry cannot fix: a bad config, a tampered input, a deliberate stop.
-NOT_RETRIED = (ConfigError, ArtifactError, Interrupted)
+# Failures a retry cannot fix: a bad config, a tampered input, a deliberate stop, a full
+# disk or a diverged loss.
+NOT_RETRIED = (ConfigError, ArtifactError, Interrupted, PermanentFailure)
+
+# Once the stages are done: how long the reporter gets to send their artifacts, and
+# Prefect's engine to record the flow run's final state, before the run goes on without.
+PUBLISH_SECONDS = 30.0
+FINAL_STATE_SECONDS = 30.0
 
 
 class PipelineFailed(RuntimeError):
@@ -60,11 +71,17 @@ def _format_metrics(record: dict) -> str:
 
 
 class PrefectHooks(StageHooks):
-    """Stage reports -> the task run's log and a progress artifact (updates rate-limited)."""
+    """Stage reports -> the task run's log, and a progress artifact (updates rate-limited).
 
-    def __init__(self, logger, progress_key: str, description: str, min_interval: float = 2.0):
+    Nothing here waits on the API: log records and artifact calls are handed to the
+    reporter (flows/reporter.py), which sends them from its own thread or drops them.
+    """
+
+    def __init__(self, logger, reporter: Reporter, progress_key: str, description: str, min_interval: float = 2.0):
         self._logger = logger
+        self._reporter = reporter
         self._progress_id = None
+        self._started = False
         self._key, self._description = progress_key, description
         self._last = (0.0, -1.0)
         self._min_interval = min_interval
@@ -78,21 +95,26 @@ class PrefectHooks(StageHooks):
         self._logger.info(_format_metrics(record))
 
     def start(self) -> None:
+        self._started = True
+        self._reporter.call(self._create_progress)
+
+    def _create_progress(self) -> None:  # on the reporter's thread, before any update
         self._progress_id = create_progress_artifact(0.0, key=self._key, description=self._description)
 
     def _progress(self, fraction: float) -> None:
         percent = round(100.0 * fraction, 1)
         with self._lock:
             last_time, last_percent = self._last
-            if self._progress_id is None or percent == last_percent:
+            if not self._started or percent == last_percent:
                 return
             if percent < 100.0 and time.monotonic() - last_time < self._min_interval:
                 return
             self._last = (time.monotonic(), percent)
-        try:
+        self._reporter.call(self._update_progress, percent)
+
+    def _update_progress(self, percent: float) -> None:
+        if self._progress_id is not None:
             update_progress_artifact(self._progress_id, percent)
-        except Exception as e:  # progress is cosmetic; never fail a stage over it
-            self._logger.debug(f"progress update failed: {e}")
 
 
 def _summary_markdown(plan: Plan, stage: str, result: StageResult, manifest_inputs: list[dict]) -> str:
@@ -139,10 +161,12 @@ def _retryable(task, task_run, state: State) -> bool:
     return True
 
 
-def _run_stage(plan: Plan, stage: str, publisher: ThreadPoolExecutor, published: list[Future]) -> Any:
+def _run_stage(plan: Plan, stage: str, reporter: Reporter) -> Any:
     logger = get_run_logger()
     job = plan.stages[stage].job
-    hooks = PrefectHooks(logger, artifact_key(plan.name, stage, "progress"), f"{stage}: progress")
+    if stopping():  # the run was asked to stop before this stage began
+        raise Interrupted(f"stage '{stage}': not started, the run is stopping; re-run to resume")
+    hooks = PrefectHooks(logger, reporter, artifact_key(plan.name, stage, "progress"), f"{stage}: progress")
     run_info = {
         "flow_run_id": str(runtime.flow_run.id), "flow_run_name": runtime.flow_run.name,
         "flow_name": runtime.flow_run.flow_name,
@@ -154,9 +178,9 @@ def _run_stage(plan: Plan, stage: str, publisher: ThreadPoolExecutor, published:
     if not plan.store.is_complete(stage, job.artifact_id):
         hooks.start()
     result = execute_stage(job, plan.store, hooks, run_info)
-    # Artifacts are published in the background (in this task run's context), so a chain
-    # of skipped stages does not wait on API round trips; the flow waits for them at the end.
-    published.append(publisher.submit(contextvars.copy_context().run, _publish, plan, stage, result))
+    # Artifacts are published by the reporter's thread (in this task run's context), so a
+    # chain of skipped stages does not wait on API round trips.
+    reporter.call(_publish, plan, stage, result)
     logger.info(f"{stage}: {result.status} in {result.seconds:.1f} s -> {result.path}")
     outcome = {**result.to_dict(), "flow_run_id": run_info["flow_run_id"], "task_run_id": run_info["task_run_id"]}
     if result.status == SKIPPED:
@@ -167,11 +191,25 @@ def _run_stage(plan: Plan, stage: str, publisher: ThreadPoolExecutor, published:
 def _execute(plan: Plan) -> dict[str, dict]:
     logger = get_run_logger()
     logger.info(f"pipeline '{plan.name}': {len(plan.stages)} stages, store {plan.store.root}")
+    with observing(_api_url()) as reporter:
+        summary = _run_stages(plan, reporter, logger)
+        failed = [n for n, s in summary.items() if s["status"] in ("failed", "not run")]
+        message = f"pipeline '{plan.name}': stages did not finish: {', '.join(failed)}" if failed else None
+        sink = _OUTCOME.get()
+        if sink is not None:  # run_plan learns the outcome before Prefect records it
+            sink.stages_done(summary, message)
+        reporter.flush(timeout=0 if reporter.down else PUBLISH_SECONDS)
+    if message:
+        # A Failed state, not an exception: the summary is the result, without a traceback.
+        return Failed(message=message, data=summary)
+    return summary
 
-    publisher, published = ThreadPoolExecutor(max_workers=2, thread_name_prefix="publish"), []
+
+def _run_stages(plan: Plan, reporter: Reporter, logger) -> dict[str, dict]:
+    """Submit every stage as a task run, wait for all of them; returns {stage: summary}."""
 
     def run_stage(stage: str) -> Any:
-        return _run_stage(plan, stage, publisher, published)
+        return _run_stage(plan, stage, reporter)
 
     futures = {}
     for name, planned in plan.stages.items():
@@ -184,9 +222,9 @@ def _execute(plan: Plan) -> dict[str, dict]:
     try:
         _wait_all(futures.values())
     except TerminationSignal:
-        # Prefect turns SIGTERM into this exception (a cancel from the UI arrives the same
-        # way): ask the engines to checkpoint and exit, let the stages fail, then re-raise
-        # so Prefect records the crash or cancellation.
+        # Where the flow runs in a main thread (a deployment), Prefect turns SIGTERM into
+        # this exception (a cancel from the UI arrives the same way): ask the engines to
+        # checkpoint and exit, let the stages fail, then re-raise so Prefect records it.
         count = terminate_children(signal.SIGTERM)
         logger.warning(f"SIGTERM: asked {count} engine process(es) to checkpoint and exit; re-run to resume")
         _wait_all(futures.values())
@@ -208,16 +246,6 @@ def _execute(plan: Plan) -> dict[str, dict]:
         }
     for name, s in summary.items():
         logger.info(f"{name}: {s['status']} {s['artifact_id']}")
-    for publication in published:
-        try:
-            publication.result()
-        except Exception as e:  # the artifacts are a view; the stage's own outcome stands
-            logger.warning(f"publishing Prefect artifacts failed: {e}")
-    publisher.shutdown()
-    failed = [n for n, s in summary.items() if s["status"] in ("failed", "not run")]
-    if failed:
-        # A Failed state, not an exception: the summary is the result, without a traceback.
-        return Failed(message=f"pipeline '{plan.name}': stages did not finish: {', '.join(failed)}", data=summary)
     return summary
 
 
@@ -262,19 +290,91 @@ def pipeline_flow(plan: Plan, max_workers: int | None = None):
     )
 
 
+class _Outcome:
+    """What run_plan learns from the flow running on its own thread: the stages' summary as
+    soon as they are done, then the flow call's own return (or exception)."""
+
+    def __init__(self) -> None:
+        self.settled = threading.Event()
+        """The stages are done, or the flow call returned."""
+        self.returned = threading.Event()
+        self.summary: dict[str, dict] | None = None
+        self.message: str | None = None
+        self.state: State | None = None
+        self.error: BaseException | None = None
+
+    def stages_done(self, summary: dict[str, dict], message: str | None) -> None:
+        self.summary, self.message = summary, message
+        self.settled.set()
+
+    def run(self, flow_obj, *args) -> None:
+        _OUTCOME.set(self)
+        try:
+            self.state = flow_obj(*args, return_state=True)
+        except BaseException as e:  # the flow call broke, e.g. its API went away
+            self.error = e
+        finally:
+            self.returned.set()
+            self.settled.set()
+
+
+_OUTCOME: contextvars.ContextVar[_Outcome | None] = contextvars.ContextVar("trainflow_outcome", default=None)
+
+
 def run_plan(plan: Plan, *, max_workers: int | None = None, raise_on_failure: bool = True) -> dict[str, dict]:
     """Run a validated plan as one Prefect flow run; returns {stage: result summary}.
 
     The flow gets the spec itself (overrides applied) as its parameter, so the Prefect UI
-    shows exactly what ran.
+    shows exactly what ran. It runs on a thread of its own and the outcome is the stages':
+    once they are done, Prefect gets FINAL_STATE_SECONDS to record the flow run's final
+    state, and an API that does not answer costs one warning, not the result. (Signals stay
+    with the caller's handlers — the CLI's — as Prefect handles them only on a main thread.)
     """
     flow_obj = pipeline_flow(plan, max_workers).with_options(
         flow_run_name=f"{plan.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     spec = plan.spec.model_dump(mode="json", exclude_unset=True)
-    state = flow_obj(spec, str(plan.store.root), return_state=True)
-    outcome = state.result(raise_on_failure=False)
-    if isinstance(outcome, BaseException):  # the flow itself broke (e.g. the server went away)
-        raise outcome
-    if state.is_failed() and raise_on_failure:
-        raise PipelineFailed(state.message or f"pipeline '{plan.name}' failed", outcome)
-    return outcome
+    api_url = _api_url()
+    outcome = _Outcome()
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(outcome.run, flow_obj, spec,
+                              str(plan.store.root)), name=f"flow-{plan.name}", daemon=True)
+    with observing(api_url) as reporter:  # the flow engine's own log records too
+        thread.start()
+        try:
+            while not outcome.settled.wait(0.25):  # short slices: signal handlers run promptly
+                pass
+        except KeyboardInterrupt:  # Ctrl-C in-process: the engines checkpoint, the stages end
+            terminate_children(signal.SIGTERM)
+            outcome.settled.wait()
+            raise
+        if not outcome.returned.is_set():
+            _wait_for_final_state(outcome, reporter)
+    if outcome.returned.is_set() and outcome.summary is None:  # the flow broke before the stages ended
+        if outcome.error is not None:
+            if unreachable(outcome.error):
+                raise ApiUnreachable(f"the Prefect API at {api_url} is unreachable "
+                                     f"({type(outcome.error).__name__}: {outcome.error})") from outcome.error
+            raise outcome.error
+        result = outcome.state.result(raise_on_failure=False)
+        if isinstance(result, BaseException):
+            raise result
+        outcome.summary, outcome.message = result, outcome.state.message if outcome.state.is_failed() else None
+    elif outcome.error is not None:  # the stages finished, then recording the flow run failed
+        reporter.api_failed(f"{type(outcome.error).__name__}: {outcome.error}")
+    if outcome.message and raise_on_failure:
+        raise PipelineFailed(outcome.message, outcome.summary)
+    return outcome.summary
+
+
+def _wait_for_final_state(outcome: _Outcome, reporter: Reporter) -> None:
+    """Give Prefect's engine a bounded time to record the flow run's final state."""
+    if reporter.down or outcome.returned.wait(2.0):
+        return
+    if not api_answers(reporter.api_url, timeout=2.0):
+        reporter.api_failed("the flow run's final state could not be recorded")
+    elif not outcome.returned.wait(FINAL_STATE_SECONDS):
+        reporter.api_failed(f"the flow run's final state was not recorded within {FINAL_STATE_SECONDS:.0f} s")
+
+
+def _api_url() -> str:
+    """The API this run reports to (Prefect's temporary server's, if it started one)."""
+    return PREFECT_API_URL.value() or str(get_client(sync_client=True).api_url).rstrip("/")

@@ -154,7 +154,29 @@ def parse_spec(tree: dict, source: str) -> PipelineSpec:
     try:
         return PipelineSpec.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, PipelineSpec, source)) from None
+        errors = e.errors()
+    # A stage's own keys are checked against StageSpec, so that an unknown one gets the
+    # closest valid key: the error's path runs through the stage's name, which no schema has.
+    stages = tree.get("stages") if isinstance(tree.get("stages"), dict) else {}
+
+    def in_a_stage(loc: tuple) -> bool:
+        return len(loc) > 2 and loc[0] == "stages" and isinstance(stages.get(loc[1]), dict)
+
+    bad_stages = sorted({str(err["loc"][1]) for err in errors if in_a_stage(err["loc"])})
+    messages = []
+    if not all(in_a_stage(err["loc"]) for err in errors):  # the rest, with those stages stood in for
+        stand_in = {**tree, "stages": {name: {"task": "-"} if name in bad_stages else stage
+                                       for name, stage in stages.items()} or tree.get("stages")}
+        try:
+            PipelineSpec.model_validate(stand_in)
+        except ValidationError as e:
+            messages.append(format_validation_error(e, PipelineSpec, source))
+    for name in bad_stages:
+        try:
+            StageSpec.model_validate(stages[name])
+        except ValidationError as e:
+            messages.append(format_validation_error(e, StageSpec, f"{source}: stages.{name}"))
+    raise ConfigError("\n".join(messages))
 
 
 def _deep_merge(base: dict, update: dict) -> dict:

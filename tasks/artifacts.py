@@ -127,12 +127,16 @@ def now_iso() -> str:
 def write_json_atomic(path: Path, value: dict) -> None:
     """Write to a temporary file, fsync, rename: readers see the old or the new file, whole."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(value, f, indent=2, default=str)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(value, f, indent=2, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     try:  # make the rename itself durable
         fd = os.open(path.parent, os.O_RDONLY)
         try:
@@ -197,14 +201,24 @@ def _pyproject_version(path: Path) -> str | None:
 class ArtifactLock:
     """An exclusive `flock` on `<artifact>/.lock`.
 
-    The kernel drops the lock when its holder exits, however it exits (SIGKILL included),
-    so a dead run never blocks the next one. The file records who holds it, for messages.
-    Advisory locks need a local (or lock-aware) filesystem shared by all runs.
+    An flock belongs to the open file description, not the process: the runner passes its
+    descriptor to the stage's engine children (tasks/launch.py, `holding_locks`), and the
+    kernel drops the lock only when the last of them exits, however it exits (SIGKILL
+    included). So a dead run never blocks the next one, and a new run never shares the
+    artifact with an orphaned engine still saving into it. The file records which run took
+    the lock, for messages. Advisory locks need a local (or lock-aware) filesystem shared
+    by all runs.
     """
 
     def __init__(self, directory: Path):
         self.path = Path(directory) / LOCK
         self._fd: int | None = None
+
+    @property
+    def fd(self) -> int:
+        """The locked descriptor (for children that must hold the lock too)."""
+        assert self._fd is not None, "the lock is not held"
+        return self._fd
 
     def acquire(self, blocking: bool = True, poll_seconds: float = 1.0,
                 on_wait: Callable[[str], None] | None = None, wait_message_every: float = 30.0) -> bool:
@@ -231,9 +245,12 @@ class ArtifactLock:
     def holder(self) -> str | None:
         try:
             info = json.loads(self.path.read_text() or "{}")
-            return f"pid {info['pid']} on {info['host']} since {info['since']}"
+            who = f"pid {info['pid']} on {info['host']} since {info['since']}"
         except (OSError, ValueError, KeyError):
             return None
+        if info["host"] == socket.gethostname() and not _alive(int(info["pid"])):
+            who += " (that run has exited; a process it started, e.g. its engine saving a checkpoint, holds the lock)"
+        return who
 
     def is_held(self) -> bool:
         """Whether some process (this one included, through another handle) holds the lock."""
@@ -249,8 +266,9 @@ class ArtifactLock:
             os.close(fd)
 
     def release(self) -> None:
+        # Close without LOCK_UN: unlocking would also release it for a child that still
+        # holds the same description; closing leaves the lock to the last holder.
         if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
 
@@ -260,6 +278,16 @@ class ArtifactLock:
 
     def __exit__(self, *_) -> None:
         self.release()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 # --------------------------------------------------------------------------- the store

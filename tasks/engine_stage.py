@@ -5,6 +5,13 @@ tokenizer along, launches `python -m <entry point>` through the stage's launcher
 the final metrics back (the child's `{"result": ...}` line, else metrics.jsonl). Keys that
 the pipeline sets from inputs and the artifact directory (`pipeline_owned`) are refused in
 a stage's config. `FineTuneStage` adds what SFT and GRPO share.
+
+A training stage resuming over an earlier attempt's checkpoints first checks each step
+against the digests the engine recorded when it committed it. The engine resumes from the
+newest intact step, deleting the failing ones after it, or refuses when no step is intact;
+the stage deletes the failing steps before it. So the manifest written at the end only
+ever covers verified or freshly written checkpoints. A resumed run that has no step left to
+train still reports the final metrics (from metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from engine.config import ConfigError, resolve_model_preset, to_yaml, validate
 from engine.contract import (CHECKPOINT_CADENCE_FIELDS, CHECKPOINT_DIR, ENTRY_POINTS, METRICS_FILE,
                              NON_SEMANTIC_FIELDS, TOKENIZER_DIR)
 from tasks.artifacts import sha256_file
+from tasks.launch import run_child
 from tasks.registry import Input, StageContext, StageKind, has_input_ref
 
 
@@ -53,6 +61,58 @@ def last_metrics(path: Path) -> dict:
 
 def scalars(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, type(None)))}
+
+
+def with_logged_finals(result: dict, metrics_file: Path) -> dict:
+    """The child's final metrics. A child resumed at its last step trains nothing and
+    reports no loss: the last values in metrics.jsonl fill the gaps (final_loss = last loss)."""
+    if result.get("final_loss") is not None:
+        return result
+    logged = last_metrics(metrics_file)
+    logged.pop("step", None)
+    filled = {**logged, **{k: v for k, v in result.items() if v is not None}}
+    if logged.get("loss") is not None:
+        filled["final_loss"] = logged["loss"]
+    return filled
+
+
+def checkpoint_steps(directory: Path) -> list[int]:
+    """The committed steps of an Orbax checkpoint directory (unfinished saves are not digits)."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+# Runs in a child: engine.train.checkpoint loads Orbax and JAX, which the pipeline process
+# keeps out so that validating a pipeline and `trainflow status` answer at once.
+_VERIFY_STEPS = (
+    "import json, sys\n"
+    "from engine.train.checkpoint import verify_step\n"
+    "print(json.dumps({'result': {s: verify_step(sys.argv[1], int(s)) for s in sys.argv[2:]}}))\n"
+)
+
+
+def drop_unverified_steps(ctx: StageContext, directory: Path) -> list[int]:
+    """Delete the steps older than the newest intact one whose files no longer match the
+    digests recorded when they were committed (engine.train.checkpoint.verify_step); returns
+    them. The engine resumes from the newest intact step and itself removes the failing steps
+    newer than it (or refuses when none is intact), but never reads the older ones, which
+    the manifest would otherwise cover unverified."""
+    steps = checkpoint_steps(directory)
+    if not steps:
+        return []
+    checked = run_child([sys.executable, "-c", _VERIFY_STEPS, str(directory), *map(str, steps)], log=ctx.log,
+                        what=f"stage '{ctx.stage}': verifying {directory}").result or {}
+    problems = {step: checked.get(str(step), ["not verified"]) for step in steps}
+    intact = [step for step in steps if not problems[step]]
+    dropped = [step for step in steps if intact and step < intact[-1] and problems[step]]
+    for step in dropped:
+        shown = ", ".join(problems[step][:3]) + (f" and {len(problems[step]) - 3} more" if len(problems[step]) > 3
+                                                 else "")
+        ctx.log(f"checkpoint step {step} in {directory} differs from the digests recorded when it was committed "
+                f"({shown}): deleted")
+        shutil.rmtree(directory / str(step))
+    return dropped
 
 
 class EngineStage(StageKind):
@@ -93,10 +153,11 @@ class EngineStage(StageKind):
         """Write `cfg` as the child's YAML and run the training entry point on it."""
         out = ctx.out_dir
         (out / config_name).write_text(to_yaml(cfg))
-        if ctx.resumed:
+        if ctx.resumed:  # files of an earlier attempt: trusted only where their digests match
+            drop_unverified_steps(ctx, out / CHECKPOINT_DIR)
             ctx.log(f"resuming from the checkpoints in {out / CHECKPOINT_DIR}")
-        return scalars(self.launch_engine(ctx, str(out / config_name), metrics_file=out / METRICS_FILE,
-                                          total_steps=steps))
+        result = self.launch_engine(ctx, str(out / config_name), metrics_file=out / METRICS_FILE, total_steps=steps)
+        return scalars(with_logged_finals(result, out / METRICS_FILE))
 
 
 # --------------------------------------------------------------------------- fine-tuning

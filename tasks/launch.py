@@ -8,11 +8,18 @@
 The parent streams the children's output line by line, tails a metrics.jsonl for
 progress, forwards SIGTERM (the engine checkpoints and exits 143), and maps exit codes to
 exceptions. Children die with their parent (Linux PR_SET_PDEATHSIG) even if the parent is
-SIGKILLed, so an orphan never keeps writing an artifact that a new run has locked.
+SIGKILLed: they get SIGTERM and save a checkpoint first. Meanwhile they still hold the
+artifact's lock, whose descriptor every child inherits (`holding_locks`), so a new run
+waits for an orphan to exit before it writes the same artifact.
+
+Failures are classified for retries: StageFailed (a crash, a lost node) may pass on a
+retry; StageConfigError (bad config or data), DiskFull and Diverged (a non-finite loss,
+which a deterministic resume reaches again) would only repeat, and name what is at fault.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -24,6 +31,8 @@ import sys
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
@@ -36,15 +45,35 @@ from engine.contract import EXIT_CONFIG_ERROR, EXIT_PREEMPTED, RESULT_PREFIX
 
 
 class StageFailed(RuntimeError):
-    """The child failed in a way a retry may fix (a crash, a non-finite loss, a lost node)."""
+    """The child failed in a way a retry may fix (a crash, a lost node)."""
 
 
 class StageConfigError(ConfigError):
-    """The child rejected its config (exit 2): retrying cannot help."""
+    """The child rejected its config or input (exit 2): retrying cannot help."""
 
 
 class Interrupted(RuntimeError):
     """The run was asked to stop (SIGTERM/SIGINT); the child checkpointed and exited."""
+
+
+class PermanentFailure(RuntimeError):
+    """A failure that a retry would only repeat; the message names the file or path at fault."""
+
+
+class DiskFull(PermanentFailure):
+    """No space left (ENOSPC) or over quota (EDQUOT) writing a path."""
+
+
+class Diverged(PermanentFailure):
+    """A non-finite loss. Resuming is bitwise deterministic, so a retry from the last
+    checkpoint reaches the same step with the same loss."""
+
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# How a disk-full error reads in a child's output: an OSError's text, or a C++ status
+# (array_record: "write() failed: No space left on device; writing <path>").
+_DISK_FULL_TEXT = re.compile("|".join(re.escape(os.strerror(code)) for code in DISK_FULL_ERRNOS), re.IGNORECASE)
+_DIVERGED_TEXT = re.compile(r"^error: non-finite loss")
 
 
 class LauncherSpec(Strict):
@@ -75,11 +104,34 @@ class LauncherSpec(Strict):
         return cls.model_validate({"kind": value} if isinstance(value, str) else value)
 
 
+# --------------------------------------------------------------------------- locks held by children
+
+# File descriptors of the artifact locks the current stage holds (tasks/runner.py). Every
+# child started in this context inherits them: an flock belongs to the open file
+# description, so the lock stays held until the runner *and* every child have closed it.
+_held_fds: ContextVar[tuple[int, ...]] = ContextVar("held_lock_fds", default=())
+
+
+@contextmanager
+def holding_locks(*fds: int):
+    """Children started inside this block (in this thread or context) keep `fds` open."""
+    token = _held_fds.set(_held_fds.get() + fds)
+    try:
+        yield
+    finally:
+        _held_fds.reset(token)
+
+
 # --------------------------------------------------------------------------- live children
 
 _children: set[subprocess.Popen] = set()
 _children_lock = threading.Lock()
 _stopping = threading.Event()
+
+
+def stopping() -> bool:
+    """Whether the run was asked to stop (terminate_children was called)."""
+    return _stopping.is_set()
 
 
 def terminate_children(sig: int = signal.SIGTERM) -> int:
@@ -107,7 +159,8 @@ _GUARD = (
 )
 
 
-def _guarded(argv: list[str]) -> list[str]:
+def guarded(argv: list[str]) -> list[str]:
+    """`argv`, run so that it gets SIGTERM when the thread that starts it exits (Linux)."""
     if not sys.platform.startswith("linux"):
         return argv
     return [sys.executable, "-c", _GUARD, str(os.getpid()), *argv]
@@ -244,7 +297,8 @@ def run_child(
 ) -> ChildResult:
     """Run an engine command through `launcher`, stream its output, wait for it.
 
-    Raises StageConfigError (exit 2), Interrupted (exit 143 or asked to stop) or
+    Raises Interrupted (exit 143 or asked to stop), DiskFull (the output says ENOSPC or
+    EDQUOT), StageConfigError (exit 2), Diverged (`error: non-finite loss ...`) or
     StageFailed (anything else non-zero); returns the ChildResult on exit 0.
     """
     launcher = launcher or LauncherSpec()
@@ -258,9 +312,10 @@ def run_child(
     try:
         for rank, (child_argv, extra_env) in enumerate(plan):
             proc = subprocess.Popen(
-                _guarded(child_argv), cwd=cwd, env=child_env({**(env or {}), **extra_env}),
+                guarded(child_argv), cwd=cwd, env=child_env({**(env or {}), **extra_env}),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 start_new_session=True,  # terminal signals go to trainflow, which forwards SIGTERM
+                pass_fds=_held_fds.get(),  # the artifact's lock: held while this child lives
             )
             with _children_lock:
                 _children.add(proc)
@@ -303,10 +358,18 @@ def run_child(
     last = _summary_line(tail)
     if code == 0:
         return ChildResult(0, list(tail), results[0] if results else None)
+    interrupted = f"{what}: stopped by SIGTERM (exit {code}); re-run to resume. {last}"
+    if code in (EXIT_PREEMPTED, -signal.SIGTERM):  # a checkpoint was saved
+        raise Interrupted(interrupted)
+    disk_full = next((line for line in reversed(tail) if _DISK_FULL_TEXT.search(line)), None)
+    if disk_full is not None:
+        raise DiskFull(f"{what}: {disk_full.removeprefix('error: ')} (exit {code}); free space, then re-run")
     if code == EXIT_CONFIG_ERROR:
         raise StageConfigError(f"{what}: {last.removeprefix('error: ')}")
-    if code in (EXIT_PREEMPTED, -signal.SIGTERM) or _stopping.is_set():
-        raise Interrupted(f"{what}: stopped by SIGTERM (exit {code}); re-run to resume. {last}")
+    if _stopping.is_set():
+        raise Interrupted(interrupted)
+    if _DIVERGED_TEXT.match(last):
+        raise Diverged(f"{what}: {last.removeprefix('error: ')}")
     raise StageFailed(f"{what}: exited with code {code}: {last}")
 
 

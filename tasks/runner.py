@@ -1,11 +1,19 @@
 """Run one stage against the store: skip if done, lock, verify inputs, run, write the manifest.
 
 This is the whole skip / resume / lock protocol, free of Prefect so it can be tested and
-benchmarked alone; flows/pipeline.py wraps `execute_stage` in a Prefect task.
+benchmarked alone; flows/pipeline.py wraps `execute_stage` in a Prefect task (and does not
+retry the failures a retry would only repeat: tasks.launch.PermanentFailure among them).
+
+The stage's engine children hold the artifact's lock with the runner (they inherit its
+descriptor), so an orphaned engine finishes its checkpoint before another run may write.
+A stage that ends in an error leaves a `failed` manifest naming it; if even that cannot be
+written (a full disk), the manifest still says `running` but nobody holds the lock, and
+`ArtifactStore.state` reports the artifact as partial.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -16,7 +24,7 @@ from tasks.artifacts import (
     COMPLETE, FAILED, MANIFEST, RUNNING, ArtifactError, ArtifactLock, ArtifactStore, code_version,
     digest_files, now_iso, read_manifest, write_json_atomic,
 )
-from tasks.launch import LauncherSpec
+from tasks.launch import DISK_FULL_ERRNOS, DiskFull, LauncherSpec, holding_locks
 from tasks.registry import StageContext, StageHooks, StageKind, substitute_inputs
 
 SKIPPED, RAN, RESUMED = "skipped", "ran", "resumed"
@@ -65,6 +73,25 @@ class StageResult:
 
 def _has_partial_payload(directory: Path) -> bool:
     return directory.is_dir() and any(p.name not in (MANIFEST, ".lock") for p in directory.iterdir())
+
+
+def _classify(error: BaseException, stage: str, out_dir: Path) -> BaseException:
+    """`error`, or a DiskFull naming the path when it is an ENOSPC/EDQUOT OSError (which a
+    plain OSError often does not: a failed write() carries no filename)."""
+    if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
+        where = error.filename or out_dir
+        return DiskFull(f"stage '{stage}': {os.strerror(error.errno)} writing {where}; free space, then re-run")
+    return error
+
+
+def _record_failure(path: Path, manifest: dict, error: BaseException, hooks: StageHooks) -> None:
+    """The manifest turned `failed` with the error, if the disk still takes it."""
+    manifest.update(status=FAILED, error=f"{type(error).__name__}: {error}",
+                    error_traceback=traceback.format_exc(limit=20), finished_at=now_iso())
+    try:
+        write_json_atomic(path, manifest)
+    except OSError as e:  # e.g. the disk is full: the released lock still marks it partial
+        hooks.log(f"could not record the failure in {path}: {e}")
 
 
 def execute_stage(job: StageJob, store: ArtifactStore, hooks: StageHooks | None = None,
@@ -125,16 +152,20 @@ def execute_stage(job: StageJob, store: ArtifactStore, hooks: StageHooks | None 
         ctx = StageContext(job.stage, config, inputs, out_dir, job.launcher, resumed, hooks)
         work_start = time.perf_counter()
         try:
-            metrics = job.kind.run(ctx) or {}
+            with holding_locks(lock.fd):  # the engine children hold the artifact's lock too
+                metrics = job.kind.run(ctx) or {}
+            work_seconds = time.perf_counter() - work_start
+            manifest.update(status=COMPLETE, metrics=metrics, files=digest_files(out_dir), finished_at=now_iso())
+            write_json_atomic(out_dir / MANIFEST, manifest)  # last: from here on the artifact exists
         except BaseException as e:
-            manifest.update(status=FAILED, error=f"{type(e).__name__}: {e}",
-                            error_traceback=traceback.format_exc(limit=20), finished_at=now_iso())
-            write_json_atomic(out_dir / MANIFEST, manifest)
+            _record_failure(out_dir / MANIFEST, manifest, _classify(e, job.stage, out_dir), hooks)
             raise
-        work_seconds = time.perf_counter() - work_start
-        manifest.update(status=COMPLETE, metrics=metrics, files=digest_files(out_dir), finished_at=now_iso())
-        write_json_atomic(out_dir / MANIFEST, manifest)  # last: from here on the artifact exists
         hooks.progress(1.0)
         return done(RESUMED if resumed else RAN, manifest, work_seconds)
+    except OSError as e:
+        error = _classify(e, job.stage, out_dir)
+        if error is e:
+            raise
+        raise error from e
     finally:
         lock.release()

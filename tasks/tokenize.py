@@ -10,21 +10,28 @@ that were not finished.
 
 The artifact id covers the corpus too: every input file's size and mtime (and a loaded
 tokenizer's bytes), as engine.data.tokenize fingerprints them, so editing the corpus makes a new
-dataset rather than silently reusing the old one.
+dataset rather than silently reusing the old one. Files inside input artifacts enter by
+their place in the store (the input's id covers their bytes), so a copied store resumes.
+
+A finished dataset found without a complete manifest (the manifest was lost, or the run was
+killed while hashing) is made again: nothing recorded its shards' digests, so nothing could
+show that they are the ones the engine wrote.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 
 import yaml
 
 from engine.config import ConfigError, validate
-from engine.contract import ENTRY_POINTS, TOKENIZE_NON_SEMANTIC_FIELDS
+from engine.contract import DATA_DIR, ENTRY_POINTS, MANIFEST, TOKENIZE_NON_SEMANTIC_FIELDS
 from engine.data.sources import plan_source
 from engine.data.tokenize import MB, TokenizeConfig, fingerprint
+from tasks.artifacts import LOCK
 from tasks.registry import Input, StageContext, StageKind, has_input_ref
 
 _PROGRESS = re.compile(r"tokenize: (\d+)/(\d+) shards")
@@ -61,6 +68,14 @@ class TokenizeStage(StageKind):
 
     def run(self, ctx: StageContext) -> dict:
         out = ctx.out_dir
+        if ctx.resumed and (out / DATA_DIR / "meta.json").is_file():
+            ctx.log(f"{out} holds a finished dataset without a complete manifest: its shards cannot be "
+                    "verified, so it is made again")
+            for path in out.iterdir():
+                if path.is_dir():
+                    shutil.rmtree(path)
+                elif path.name not in (MANIFEST, LOCK):
+                    path.unlink()
         # Only the keys that were set: defaults stay defaults when the child re-validates.
         (out / "tokenize.yaml").write_text(
             yaml.safe_dump(ctx.config.model_dump(mode="json", exclude_unset=True), sort_keys=False))
@@ -72,7 +87,7 @@ class TokenizeStage(StageKind):
 
         ctx.launch([sys.executable, "-m", ENTRY_POINTS["tokenize"], str(out / "tokenize.yaml"), str(out)],
                    on_line=on_line)
-        meta = json.loads((out / "data" / "meta.json").read_text())
+        meta = json.loads((out / DATA_DIR / "meta.json").read_text())
         stats = meta.get("stats", {})
         metrics = {key: stats[key] for key in ("documents", "tokens", "bytes") if key in stats}
         metrics["vocab_size"] = meta["vocab_size"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import errno
 import hashlib
 import json
 import math
@@ -43,7 +44,7 @@ from pydantic import Field
 from tokenizers import Tokenizer
 
 from engine.config import ConfigError, Strict, load_config
-from engine.contract import DATA_DIR, TOKENIZE_NON_SEMANTIC_FIELDS, TOKENIZER_DIR
+from engine.contract import DATA_DIR, MANIFEST, TOKENIZE_NON_SEMANTIC_FIELDS, TOKENIZER_DIR
 from engine.data.shards import ShardWriter, TOKEN_DTYPE, write_meta
 from engine.data.sources import BadRecord, Part, SourceConfig, describe, group_parts, plan_source, read_part
 from engine.data.tokenizer import TokenizerConfig, build_tokenizer, load_saved, save_tokenizer
@@ -354,14 +355,52 @@ def _tokenizer_digest(path: str | None) -> str | None:
 
 def fingerprint(cfg: TokenizeConfig, parts: list[Part]) -> str:
     """What the output depends on: the config (less TOKENIZE_NON_SEMANTIC_FIELDS), every input
-    file's size and mtime, and a loaded tokenizer's bytes."""
+    file's size and mtime, and a loaded tokenizer's bytes.
+
+    A path inside an artifact of a store (below a directory holding artifact.json) enters as
+    `{artifact:STAGE/ID}/relative`, and its file without an mtime: the artifact's id covers
+    its bytes, so copying, moving or syncing the store changes no fingerprint."""
+    in_store = _StorePaths()
     payload = {
         "format": STAGE_FORMAT,
-        "config": cfg.model_dump(mode="json", exclude=set(TOKENIZE_NON_SEMANTIC_FIELDS)),
-        "inputs": [p.to_json() for p in parts],
+        "config": in_store.tree(cfg.model_dump(mode="json", exclude=set(TOKENIZE_NON_SEMANTIC_FIELDS))),
+        "inputs": [in_store.part(p) for p in parts],
         "tokenizer": _tokenizer_digest(cfg.tokenizer.path),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+class _StorePaths:
+    """Rewrites absolute paths inside artifact directories as `{artifact:STAGE/ID}/relative`."""
+
+    def __init__(self):
+        self._is_artifact: dict[Path, bool] = {}
+
+    def relocatable(self, path: str) -> str | None:
+        if not os.path.isabs(path):
+            return None
+        for directory in Path(path).parents:
+            if directory not in self._is_artifact:
+                self._is_artifact[directory] = (directory / MANIFEST).is_file()
+            if self._is_artifact[directory]:
+                relative = Path(path).relative_to(directory).as_posix()
+                return f"{{artifact:{directory.parent.name}/{directory.name}}}/{relative}"
+        return None
+
+    def tree(self, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: self.tree(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.tree(v) for v in value]
+        return (self.relocatable(value) or value) if isinstance(value, str) else value
+
+    def part(self, part: Part) -> dict:
+        record = part.to_json()
+        relocated = self.relocatable(part.path)
+        if relocated is not None:
+            record.update(path=relocated)
+            record.pop("mtime_ns")
+        return record
 
 
 def _training_texts(cfg: TokenizeConfig, parts: list[Part], seen: dict):
@@ -505,7 +544,8 @@ def run_tokenize(cfg: TokenizeConfig, out_dir: str | Path, *, log: Callable[[str
     shutil.rmtree(work, ignore_errors=True)
     seconds = time.perf_counter() - started
     if not meta_splits["validation"]["documents"] and cfg.validation_fraction > 0:
-        log("tokenize: warning: no document fell in the validation split")
+        log("tokenize: warning: no document fell in the validation split; pretraining on this dataset "
+            "needs data.eval_batches=0 (or re-tokenize with a larger validation_fraction)")
     log(f"tokenize: {report['documents']} documents, {report['tokens']} tokens, "
         f"{report['bytes'] / MB:.1f} MB in {seconds:.1f}s -> {out}")
     return {**report, "resumed_shards": len(done), "seconds": round(seconds, 3)}
@@ -584,6 +624,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # A failed write() names no file: then say where the output was going.
+        print(f"error: {os.strerror(e.errno)} writing {e.filename or Path(args[1]).absolute()}", file=sys.stderr)
+        return 1
     print(json.dumps({k: stats[k] for k in ("documents", "tokens", "bytes", "skipped", "splits")}, indent=1))
     return 0
 

@@ -233,6 +233,12 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] | None = None) -> dict[st
     model_cfg, compute, bundle = finetune_start(cfg)
     train_examples, held_out = load_examples(cfg.data, bundle)
     log(f"sft: {len(train_examples)} training and {len(held_out)} held-out examples")
+    if held_out and not pack_rows(held_out, cfg.data.seq_len, cfg.data.packing)["loss_mask"].any():
+        where = (f"data.eval_path: {cfg.data.eval_path}" if cfg.data.eval_path
+                 else f"data.eval_fraction: the last {len(held_out)} examples of {cfg.data.path}")
+        raise ConfigError(  # caught before step 1, not at the first evaluation
+            f"{where}: the held-out examples give no token to evaluate (empty completions or assistant turns, "
+            f"or cut off by data.seq_len {cfg.data.seq_len}); fix them, or hold out none")
     tcfg = train_config(cfg, model_cfg, compute)
     trainer = Trainer(tcfg)
     batches = SFTBatches(train_examples, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,

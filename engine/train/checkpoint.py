@@ -6,18 +6,27 @@ Layout (an Orbax CheckpointManager directory):
     <dir>/<step>/opt_state/   optax state
     <dir>/<step>/meta/        JSON: step, resolved config, model (architecture), compute, format
     <dir>/<step>/data/        JSON: the Grain iterator state
+    <dir>/<step>/digests.json size and sha256 of every file above (DIGESTS_FORMAT)
 
 Orbax writes each step into a temporary directory and renames it when complete, so a
-process killed mid-save leaves nothing that `latest_step` will pick up.
+process killed mid-save leaves nothing that `latest_step` will pick up. The digests are
+written into that temporary directory just before the rename, so they commit with the step:
+a committed step without them was not written by this code, or was tampered with. Resume
+restores `resume_step()`, the newest step whose files still match them (`verify_step`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
 
 from engine.config import ConfigError
 from engine.contract import CHECKPOINT_FORMAT
@@ -25,6 +34,93 @@ from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.params import abstract_model_params
 
 ITEMS = ("params", "opt_state", "meta", "data")
+DIGESTS_FILE = "digests.json"
+DIGESTS_FORMAT = "trainflow.digests/1"
+# Step-level files the digests do not cover: Orbax stamps _CHECKPOINT_METADATA with the commit
+# time and writes commit_success.txt while committing, i.e. after the digests are taken.
+_NOT_DIGESTED = frozenset({DIGESTS_FILE, "_CHECKPOINT_METADATA", "commit_success.txt"})
+_HASH_BLOCK = 8 << 20  # bytes per read when hashing
+
+
+class CorruptCheckpoint(ConfigError):
+    """A checkpoint directory holds steps, but none whose files match their digests."""
+
+
+# --------------------------------------------------------------------------- digests
+
+
+def _step_files(step_dir: epath.Path, prefix: str = "") -> list[str]:
+    """Relative paths of the files a step's digests cover, sorted."""
+    files = []
+    for path in sorted(step_dir.iterdir(), key=lambda p: p.name):
+        if not prefix and path.name in _NOT_DIGESTED:
+            continue
+        files += _step_files(path, f"{prefix}{path.name}/") if path.is_dir() else [prefix + path.name]
+    return files
+
+
+def _sha256(path: epath.Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_digests(step_dir: str | Path, step: int | None = None) -> None:
+    """Record size and sha256 of every file of a step in `<step_dir>/digests.json` (atomically)."""
+    step_dir = epath.Path(step_dir)
+    files = {rel: {"size": (step_dir / rel).stat().length, "sha256": _sha256(step_dir / rel)}
+             for rel in _step_files(step_dir)}
+    tmp = step_dir / (DIGESTS_FILE + ".tmp")
+    tmp.write_text(json.dumps({"format": DIGESTS_FORMAT, "step": step, "algorithm": "sha256", "files": files},
+                              indent=1))
+    tmp.rename(step_dir / DIGESTS_FILE)
+
+
+def verify_step(directory: str | Path, step: int) -> list[str]:
+    """Files of checkpoint `step` in `directory` that do not match the digests recorded when it
+    was committed (changed, missing, or not recorded); [DIGESTS_FILE] when there are none.
+    Empty: the step is intact. Reads every file of the step."""
+    step_dir = epath.Path(directory) / str(step)
+    try:
+        recorded = json.loads((step_dir / DIGESTS_FILE).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return [DIGESTS_FILE]
+    present = set(_step_files(step_dir))
+    bad = sorted(present - set(recorded))  # files nobody recorded
+    for rel, want in recorded.items():
+        path = step_dir / rel
+        if rel not in present or path.stat().length != want["size"] or _sha256(path) != want["sha256"]:
+            bad.append(rel)
+    return sorted(bad)
+
+
+def _recording_digests(root: Path) -> type:
+    """Orbax's temporary-path class for `root`, extended to write a step's digests into its
+    temporary directory just before Orbax commits it (a rename; a commit file on object
+    stores). Orbax finalizes on the primary process once every process has written."""
+    base = ocp.path.atomicity_defaults.get_default_temporary_path_class(epath.Path(root))
+    root_name = str(root)
+
+    class RecordingDigests(base):
+        async def finalize(self):
+            final = self.get_final()
+            if str(final.parent) == root_name:  # the step itself, not one of its items
+                write_digests(self.get(), int(final.name) if final.name.isdigit() else None)
+            await super().finalize()
+
+    return RecordingDigests
+
+
+def _describe(problems: list[str]) -> str:
+    if problems == [DIGESTS_FILE]:
+        return f"its {DIGESTS_FILE} is missing or unreadable (none was recorded when it was committed)"
+    shown = ", ".join(problems[:3]) + (f" and {len(problems) - 3} more" if len(problems) > 3 else "")
+    return f"{len(problems)} file(s) differ from the digests recorded when it was committed: {shown}"
+
+
+# --------------------------------------------------------------------------- the run's checkpoints
 
 
 class Checkpointer:
@@ -32,12 +128,50 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
-            cleanup_tmp_directories=True,
+            cleanup_tmp_directories=True, temporary_path_class=_recording_digests(self.directory),
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        self._problems: dict[int, list[str]] = {}  # verification results; files do not change under a run
 
     def latest_step(self) -> int | None:
+        """The newest committed step, intact or not (see `latest_verified_step`)."""
         return self.manager.latest_step()
+
+    def latest_verified_step(self, log: Callable[[str], None] | None = None) -> int | None:
+        """The newest step whose files match their digests; `log` hears about each newer one
+        that does not. Process 0 verifies and every process gets its answer."""
+        found = -1
+        if jax.process_index() == 0:
+            for step in sorted(self.manager.all_steps(), reverse=True):
+                if step not in self._problems:
+                    self._problems[step] = verify_step(self.directory, step)
+                    if self._problems[step] and log:
+                        log(f"checkpoint step {step} in {self.directory} failed verification: "
+                            f"{_describe(self._problems[step])}")
+                if not self._problems[step]:
+                    found = step
+                    break
+        if jax.process_count() > 1:
+            found = int(multihost_utils.broadcast_one_to_all(np.int32(found)))
+        return None if found < 0 else found
+
+    def resume_step(self, log: Callable[[str], None]) -> int | None:
+        """The step to resume from: the newest intact one (None: start afresh). Newer steps that
+        failed verification are deleted (saving those steps again needs their place); a
+        directory whose steps all fail raises CorruptCheckpoint rather than start over."""
+        step = self.latest_verified_step(log)
+        newer = [s for s in self.manager.all_steps() if step is None or s > step]
+        if newer and step is None:
+            raise CorruptCheckpoint(
+                f"checkpoint.directory: no step in {self.directory} matches its digests (steps "
+                f"{', '.join(map(str, sorted(newer)))}); move the directory away to train from scratch")
+        if newer:
+            log(f"falling back to checkpoint step {step}, the newest intact one; removing step(s) "
+                f"{', '.join(map(str, sorted(newer)))}")
+            for bad in newer:
+                self.manager.delete(bad)
+                self._problems.pop(bad, None)
+        return step
 
     def save(self, step: int, params, opt_state, meta: dict, data_state: dict | None) -> None:
         args = ocp.args.Composite(
@@ -80,9 +214,11 @@ def save_params(directory: str | Path, step: int, params, meta: dict) -> None:
         (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)))
     handlers = {"params": ocp.PyTreeCheckpointHandler(use_compression=False, type_handler_registry=registry),
                 "meta": ocp.JsonCheckpointHandler()}
+    directory = Path(directory).absolute()
     manager = ocp.CheckpointManager(
-        Path(directory).absolute(), item_handlers=handlers,
-        options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True),
+        directory, item_handlers=handlers,
+        options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True,
+                                             temporary_path_class=_recording_digests(directory)),
     )
     manager.save(step, args=ocp.args.Composite(params=ocp.args.PyTreeSave(params), meta=ocp.args.JsonSave(meta)))
     manager.close()

@@ -1,13 +1,16 @@
 """The standard hooks of a training run, and `run_training`, which wires them to the loop.
 
+    save_checkpoint    params, optimizer, the source's state and meta; also on SIGTERM
     log_metrics        metrics.jsonl + TensorBoard (and the progress bar's postfix): loss,
                        grad_norm, learning rate, throughput and MFU, the batch source's metrics
     evaluate_held_out  held-out metrics every eval_every steps and at the end
-    save_checkpoint    params, optimizer, the source's state and meta; also on SIGTERM
     advance_progress   a tqdm bar on the primary process
 
 Every stage (pretrain, SFT, GRPO) runs `run_training(trainer, source, ...)`: the same
-resume, cadence, stop and logging, whatever the batches and the loss.
+resume, cadence, stop and logging, whatever the batches and the loss. The checkpoint hook
+runs first, so whatever fails after it (an evaluation, a full disk for the logs) leaves the
+step's checkpoint committed; a retry that resumes at the final step finishes the final
+evaluation instead of training again.
 """
 
 from __future__ import annotations
@@ -99,6 +102,20 @@ def truncate_metrics(metrics_dir: str | Path, step: int) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
+def finish_final_step(writer: MetricsWriter, metrics_dir: str | Path, state, evaluate) -> dict[str, Any]:
+    """A run resumed at its final step trained nothing: take the final step's metrics from
+    the log, and evaluate if the evaluation did not finish (it runs after the checkpoint)."""
+    final: dict[str, Any] = {}
+    for record in read_metrics(metrics_dir):
+        if record.get("step") == state.step:
+            final.update({k: v for k, v in record.items() if k != "step"})
+    if evaluate is not None and "eval_loss" not in final:
+        values = evaluate(state.params)
+        writer.write(state.step, values)
+        final.update(values)
+    return final
+
+
 def checkpoint_meta(trainer: Trainer, **extra) -> dict:
     """What every checkpoint records besides its arrays (engine.contract.CHECKPOINT_FORMAT)."""
     cfg = trainer.cfg
@@ -120,22 +137,30 @@ def run_training(trainer: Trainer, source: BatchSource, *, log: Callable[[str], 
                                 async_save=cfg.checkpoint.async_save)
     metrics_dir = cfg.metrics_dir or str(Path(cfg.checkpoint.directory).parent)
     primary = jax.process_index() == 0
-    truncate_metrics(metrics_dir, checkpointer.latest_step() or 0)
+    try:
+        resume_step = checkpointer.resume_step(log) or 0  # fit resumes from the same step
+    except BaseException:
+        checkpointer.close()
+        raise
+    truncate_metrics(metrics_dir, resume_step)
     writer = MetricsWriter(metrics_dir, enabled=primary)
     progress = None
     if cfg.progress and primary:
-        progress = tqdm(total=cfg.steps, initial=checkpointer.latest_step() or 0, desc="train", unit="step",
+        progress = tqdm(total=cfg.steps, initial=resume_step, desc="train", unit="step",
                         dynamic_ncols=True, file=sys.stderr)
+    # The checkpoint first: a failure in a later hook must not cost the step's checkpoint.
+    trainer.add_hook(save_checkpoint(checkpointer, source, checkpoint_meta(trainer, **(meta or {}))),
+                     every=cfg.checkpoint.every_steps, on_stop=True)
     trainer.add_hook(log_metrics(writer, tokens_per_step=tokens_per_step, progress=progress, keys=logged),
                      every=cfg.log_every)
     if evaluate is not None:
         trainer.add_hook(evaluate_held_out(writer, evaluate), every=cfg.eval_every or cfg.steps)
-    trainer.add_hook(save_checkpoint(checkpointer, source, checkpoint_meta(trainer, **(meta or {}))),
-                     every=cfg.checkpoint.every_steps, on_stop=True)
     if progress is not None:
         trainer.add_hook(advance_progress(progress))
     try:
         state, final = trainer.fit(source, checkpointer=checkpointer, log=log)
+        if resume_step >= cfg.steps:  # the final checkpoint was there: finish what came after it
+            final.update(finish_final_step(writer, metrics_dir, state, evaluate))
     finally:
         if progress is not None:
             progress.close()

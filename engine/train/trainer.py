@@ -1,8 +1,8 @@
 """The trainer: one loop for every gradient stage, with hooks.
 
     trainer = Trainer(cfg, objective)          mesh, shardings, optimizer, jitted step
-    trainer.add_hook(log_metrics(...), every=cfg.log_every)
     trainer.add_hook(save_checkpoint(ckpt, ...), every=cfg.checkpoint.every_steps, on_stop=True)
+    trainer.add_hook(log_metrics(...), every=cfg.log_every)
     final = trainer.fit(source, checkpointer=ckpt)
 
 Pretraining, SFT and GRPO differ only in their batch source (token shards, packed examples,
@@ -226,14 +226,16 @@ class Trainer:
 
     def fit(self, source: BatchSource, *, checkpointer: Checkpointer, log: Callable[[str], None],
             state: TrainState | None = None) -> tuple[TrainState, dict[str, Any]]:
-        """Run to cfg.steps, resuming from the checkpointer's latest step (params, optimizer
-        and the source's state). Returns the final state and metrics.
+        """Run to cfg.steps, resuming from the checkpointer's newest intact step (params,
+        optimizer and the source's state; `Checkpointer.resume_step`). Returns the final state
+        and metrics.
 
-        Raises TrainingError for a non-finite loss (the last good checkpoint is kept) and
-        Preempted after SIGTERM once the hooks that run on stop (the checkpoint) have run.
+        Raises TrainingError for a non-finite loss (that step's checkpoint is never written;
+        the last good one is kept), Preempted after SIGTERM once the hooks that run on stop
+        (the checkpoint) have run, and CorruptCheckpoint when no stored step is intact.
         """
         cfg = self.cfg
-        resume_step = checkpointer.latest_step()
+        resume_step = checkpointer.resume_step(log)
         if resume_step is not None:
             params, opt_state, _, source_state = checkpointer.restore(
                 resume_step, self.abstract_params, self.abstract_opt_state)
@@ -248,9 +250,12 @@ class Trainer:
             loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 checkpointer.wait()
+                kept = checkpointer.latest_step()
+                what = f"loss ({loss})" if not math.isfinite(loss) else f"gradient norm ({grad_norm}; loss {loss:.4g})"
                 raise TrainingError(
-                    f"non-finite loss ({loss}) at step {step}; stopped. The last good checkpoint "
-                    f"(step {checkpointer.latest_step()}) in {checkpointer.directory} is intact")
+                    f"non-finite {what} at step {step}; stopped. " + (
+                        f"The last good checkpoint (step {kept}) in {checkpointer.directory} is intact"
+                        if kept is not None else f"No checkpoint was saved in {checkpointer.directory}"))
 
         pending = None  # the previous step's metrics, checked one step late to keep dispatch async
         steps_timed, seconds_timed, first = 0, 0.0, True

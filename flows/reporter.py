@@ -1,0 +1,264 @@
+"""Reporting to the Prefect API without ever waiting on it.
+
+Prefect observes a pipeline; it never holds it up. What a run sends to the API while its
+stages work — progress and summary artifacts, the run loggers' records (the stages' log
+lines among them), task-run events — goes through one bounded queue served by one
+background thread, the `Reporter`:
+
+- a stage hands a record over and goes on; when the queue is full the record is dropped;
+- every request has a short timeout and no client retries;
+- when the API does not answer, the reporter prints one warning naming the API URL and
+  drops records until a health probe (at most one every 30 s) finds it answering again.
+
+`observing()` routes Prefect's own senders through it for the length of a run: the run
+loggers' API handler and the events client. Prefect's engine still writes the flow run's
+states itself; flows/pipeline.py bounds how long the run waits for the last one.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import queue
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import httpx
+from prefect.client.orchestration import get_client
+from prefect.context import get_settings_context
+from prefect.events.schemas.events import Event
+from prefect.events.worker import EventsWorker, ProcessPoolForwardingEventsClient
+from prefect.logging.handlers import APILogHandler
+from prefect.settings import (
+    PREFECT_API_REQUEST_TIMEOUT, PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings,
+)
+
+from flows.server import api_answers
+
+CALL, LOG, EVENT = "call", "log", "event"
+_BATCH = 200  # logs or events sent in one request
+
+
+class Reporter:
+    """One background thread sending queued records to the Prefect API at `api_url`."""
+
+    def __init__(self, api_url: str, *, max_pending: int = 5000, timeout: float = 5.0,
+                 probe_every: float = 30.0, warn: Callable[[str], None] | None = None):
+        self.api_url = api_url
+        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=max_pending)
+        self._timeout, self._probe_every = timeout, probe_every
+        self._warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._down_since: float | None = None
+        self._last_probe = 0.0
+        self.dropped = 0
+        self._warned: set[str] = set()
+        threading.Thread(target=self._serve, name="prefect-reporter", daemon=True).start()
+
+    @property
+    def down(self) -> bool:
+        return self._down_since is not None
+
+    # ---------------------------------------------------------------- what stages call (never blocks)
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run `fn(*args, **kwargs)` on the reporter's thread, in the caller's context (so
+        Prefect knows the flow and task run an artifact belongs to)."""
+        self._put(CALL, (contextvars.copy_context(), fn, args, kwargs))
+
+    def log(self, payload: dict) -> None:
+        """A log record as the API's `LogCreate` JSON."""
+        self._put(LOG, payload)
+
+    def event(self, event: Event) -> None:
+        self._put(EVENT, event)
+
+    def _put(self, kind: str, item: Any) -> None:
+        if self.down and not self._probe_due():
+            self.dropped += 1
+            return
+        try:
+            self._queue.put_nowait((kind, item))
+        except queue.Full:
+            self.dropped += 1
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for what is queued to be sent (or dropped); while
+        observing, first for Prefect's events worker to hand its events over."""
+        deadline = time.monotonic() + timeout
+        if _observing_depth:
+            handed_over = threading.Thread(target=EventsWorker.instance().wait_until_empty, daemon=True)
+            handed_over.start()
+            handed_over.join(timeout)
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return not self._queue.unfinished_tasks
+
+    def api_failed(self, reason: str) -> None:
+        """Someone else found the API not answering: warn (once) and stop sending."""
+        if not self.down:
+            self._down_since = self._last_probe = time.monotonic()
+            self._warn(f"trainflow: warning: the Prefect API at {self.api_url} is not answering ({reason}); "
+                       f"the run goes on without it, and its progress, logs and artifacts are not reported "
+                       f"until it answers again")
+
+    # ---------------------------------------------------------------- the reporter's thread
+
+    def _probe_due(self) -> bool:
+        return time.monotonic() - self._last_probe >= self._probe_every
+
+    def _api_is_back(self) -> bool:
+        self._last_probe = time.monotonic()
+        if not api_answers(self.api_url, timeout=2.0):
+            return False
+        self._down_since = None
+        self._warn(f"trainflow: the Prefect API at {self.api_url} answers again; reporting resumed")
+        return True
+
+    def _serve(self) -> None:
+        while True:
+            items = [self._queue.get()]
+            while len(items) < _BATCH:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                if self.down and not (self._probe_due() and self._api_is_back()):
+                    self.dropped += len(items)
+                    continue
+                self._send(items)
+            finally:
+                for _ in items:
+                    self._queue.task_done()
+
+    def _send(self, items: list[tuple[str, Any]]) -> None:
+        logs = [item for kind, item in items if kind == LOG]
+        events = [item for kind, item in items if kind == EVENT]
+        calls = [item for kind, item in items if kind == CALL]
+        if logs:
+            self._attempt(contextvars.Context(), self._post, "/logs/", logs)
+        if events:
+            self._attempt(contextvars.Context(), self._post, "/events", [e.model_dump(mode="json") for e in events])
+        for context, fn, args, kwargs in calls:
+            if self.down:
+                self.dropped += 1
+            else:
+                self._attempt(context, fn, *args, **kwargs)
+
+    @staticmethod
+    def _post(path: str, body: list) -> None:
+        with get_client(sync_client=True) as client:
+            client.request("POST", path, json=body).raise_for_status()
+
+    def _attempt(self, context: contextvars.Context, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """`fn` in `context`, with a short timeout and no retries for its API requests."""
+
+        def quick():
+            with temporary_settings({PREFECT_API_URL: self.api_url, PREFECT_CLIENT_MAX_RETRIES: 0,
+                                     PREFECT_API_REQUEST_TIMEOUT: self._timeout}):
+                fn(*args, **kwargs)
+
+        try:
+            context.run(quick)
+        except Exception as e:
+            if unreachable(e):
+                self.api_failed(f"{type(e).__name__}: {e}".rstrip(": "))
+            elif type(e).__name__ not in self._warned:  # a bad record, not a dead API: say so once
+                self._warned.add(type(e).__name__)
+                self._warn(f"trainflow: warning: a report to the Prefect API at {self.api_url} failed "
+                           f"({type(e).__name__}: {e}); the run goes on")
+
+
+def unreachable(error: BaseException) -> bool:
+    """Whether `error` says the API is not answering (as opposed to refusing a record)."""
+    if isinstance(error, httpx.HTTPStatusError):
+        return error.response.status_code >= 500
+    return isinstance(error, (httpx.TransportError, OSError, TimeoutError))
+
+
+_reporters: dict[str, Reporter] = {}
+_reporters_lock = threading.Lock()
+
+
+def reporter_for(api_url: str) -> Reporter:
+    """The process's reporter to `api_url` (one thread per API, whatever the number of runs)."""
+    with _reporters_lock:
+        if api_url not in _reporters:
+            _reporters[api_url] = Reporter(api_url)
+        return _reporters[api_url]
+
+
+# --------------------------------------------------------------------------- Prefect's senders
+
+
+class _QueuedLogs(APILogHandler):
+    """Prefect's API log handler, with the reporter in place of Prefect's log worker."""
+
+    def __init__(self, reporter: Reporter, level: int):
+        super().__init__(level)
+        self._reporter = reporter
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            if not get_settings_context().settings.logging.to_api.enabled or not getattr(record, "send_to_api", True):
+                return
+            payload = self.prepare(record)
+            payload.pop("__payload_size__", None)
+            self._reporter.log(payload)
+        except Exception:
+            self.handleError(record)
+
+    def flush(self) -> None:  # nothing to wait for: the reporter sends on its own
+        pass
+
+
+class _EventQueue:
+    """What Prefect's forwarding events client puts events into (task-run states travel as
+    events): the reporter."""
+
+    def __init__(self, reporter: Reporter):
+        self._reporter = reporter
+
+    def put(self, item: tuple[str, Event]) -> None:
+        self._reporter.event(item[1])
+
+
+_RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+_observing: list[tuple[logging.Logger, logging.Handler, logging.Handler]] = []
+_observing_depth = 0
+_observing_lock = threading.Lock()
+
+
+@contextmanager
+def observing(api_url: str) -> Iterator[Reporter]:
+    """For the length of a run, send the run loggers' records and Prefect's events through
+    the reporter to `api_url`; yields the reporter. Re-entrant."""
+    global _observing_depth
+    reporter = reporter_for(api_url)
+    with _observing_lock:
+        if _observing_depth == 0:
+            for name in _RUN_LOGGERS:
+                logger = logging.getLogger(name)
+                for handler in list(logger.handlers):
+                    if isinstance(handler, APILogHandler):
+                        queued = _QueuedLogs(reporter, handler.level)
+                        queued.setFormatter(handler.formatter)
+                        logger.removeHandler(handler)
+                        logger.addHandler(queued)
+                        _observing.append((logger, handler, queued))
+            EventsWorker.set_client_override(ProcessPoolForwardingEventsClient, event_queue=_EventQueue(reporter))
+        _observing_depth += 1
+    try:
+        yield reporter
+    finally:
+        with _observing_lock:
+            _observing_depth -= 1
+            if _observing_depth == 0:
+                EventsWorker.set_client_override(None)
+                while _observing:
+                    logger, handler, queued = _observing.pop()
+                    logger.removeHandler(queued)
+                    logger.addHandler(handler)
