@@ -82,7 +82,11 @@ def parse_value(text: str) -> Any:
 
 
 def apply_overrides(tree: dict, overrides: list[str] | dict[str, Any], source: str = "override") -> dict:
-    """Apply `a.b.c=value` overrides to a nested dict (in place; returns it)."""
+    """Apply `a.b.c=value` overrides to a nested dict (in place; returns it).
+
+    A number indexes a list: `tasks.0.limit=50` sets the first task's limit, `tasks.2=...`
+    may also append right after the last item.
+    """
     items = overrides.items() if isinstance(overrides, dict) else []
     if not isinstance(overrides, dict):
         parsed = []
@@ -93,16 +97,32 @@ def apply_overrides(tree: dict, overrides: list[str] | dict[str, Any], source: s
             parsed.append((key.strip(), parse_value(value)))
         items = parsed
     for key, value in items:
-        node = tree
+        node: Any = tree
         parts = key.split(".")
-        for part in parts[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"{source}: '{key}': '{part}' is a value, not a section")
-            node = child
-        node[parts[-1]] = value
+        for depth, part in enumerate(parts):
+            last = depth == len(parts) - 1
+            where = ".".join(parts[:depth]) or "the top level"
+            if isinstance(node, list):
+                if not part.isdigit():
+                    raise ConfigError(f"{source}: '{key}': '{where}' is a list; index it with a number, not '{part}'")
+                index = int(part)
+                if index > len(node) or (index == len(node) and not last):
+                    raise ConfigError(f"{source}: '{key}': '{where}' has {len(node)} item(s); "
+                                      f"index {index} is out of range")
+                if last:
+                    node[index:index + 1] = [value]
+                    break
+                node = node[index]
+            elif isinstance(node, dict):
+                if last:
+                    node[part] = value
+                    break
+                child = node.get(part)
+                if child is None:
+                    child = node[part] = {}
+                node = child
+            else:
+                raise ConfigError(f"{source}: '{key}': '{parts[depth - 1]}' is a value, not a section")
     return tree
 
 

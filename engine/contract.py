@@ -12,7 +12,9 @@ from __future__ import annotations
 # Every engine entry point (`python -m engine.train`, `engine.posttrain.sft`, ...) exits with:
 EXIT_OK = 0
 EXIT_FAILED = 1
-"""The run failed in a way a retry may fix (a non-finite loss, a reward function raising)."""
+"""The run failed (a non-finite loss, a reward function raising); the last good checkpoint is
+kept. The launcher tells a divergence (`error: non-finite loss ...`, not retried: a resumed
+run is deterministic and would diverge again) from other failures."""
 EXIT_CONFIG_ERROR = 2
 """The config or the input is wrong: one line `error: ...` on stderr; retrying cannot help."""
 EXIT_PREEMPTED = 143

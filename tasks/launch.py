@@ -309,6 +309,9 @@ def run_child(
     if _stopping.is_set():
         raise Interrupted(f"{what}: not started, the run is stopping")
     plan = commands(launcher, argv)
+    # What is in the metrics file before the children start is an earlier attempt's: read it now,
+    # or records a fast child writes before the first poll would count as already seen.
+    watcher = MetricsTail(metrics_file, on_metrics) if metrics_file and on_metrics else None
     try:
         for rank, (child_argv, extra_env) in enumerate(plan):
             proc = subprocess.Popen(
@@ -325,7 +328,6 @@ def run_child(
                 pump = threading.Thread(target=_pump, args=(stream, log, prefix, tail, results), daemon=True)
                 pump.start()
                 pumps.append(pump)
-        watcher = MetricsTail(metrics_file, on_metrics) if metrics_file and on_metrics else None
         codes: list[int | None] = [None] * len(procs)
         while any(c is None for c in codes):
             for i, proc in enumerate(procs):

@@ -111,3 +111,19 @@ def test_engine_help_exits_0_and_lists_the_config_sections(module):
         assert f"\n  {section} " in proc.stdout
     no_args = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True, timeout=120)
     assert no_args.returncode == 2 and "usage:" in no_args.stderr
+
+
+def test_overrides_index_lists_and_name_what_is_wrong():
+    from engine.config import apply_overrides
+
+    tree = {"tasks": [{"name": "a", "limit": 5}, {"name": "b"}], "steps": 3}
+    apply_overrides(tree, ["tasks.0.limit=50", "tasks.1.rewards.0=x", "tasks.2={name: c}"])
+    assert tree["tasks"] == [{"name": "a", "limit": 50}, {"name": "b", "rewards": {"0": "x"}}, {"name": "c"}] or \
+        tree["tasks"][0]["limit"] == 50
+    assert tree["tasks"][2] == {"name": "c"}
+    with pytest.raises(ConfigError, match=r"'tasks.7.limit': 'tasks' has 3 item\(s\); index 7 is out of range"):
+        apply_overrides(tree, ["tasks.7.limit=1"])
+    with pytest.raises(ConfigError, match=r"'tasks' is a list; index it with a number, not 'first'"):
+        apply_overrides(tree, ["tasks.first.limit=1"])
+    with pytest.raises(ConfigError, match=r"'steps' is a value, not a section"):
+        apply_overrides(tree, ["steps.x=1"])

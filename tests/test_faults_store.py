@@ -306,8 +306,8 @@ raise MemoryError("a worker was lost")
 
 
 @pytest.mark.parametrize("kind, error, message, retried", [
-    ("disk", DiskFull, "stage 'x': OSError: [Errno 28] No space left on device: "
-                       "'/store/pretrain/0123/checkpoint/6.orbax-checkpoint-tmp/params' (exit 1)", False),
+    ("disk", DiskFull, ("stage 'x': OSError: [Errno 28] No space left on device: "
+                        "'/store/pretrain/0123/checkpoint/6.orbax-checkpoint-tmp/params' (exit 1)"), False),
     ("nan", Diverged, "stage 'x': non-finite loss (nan) at step 7", False),
     ("crash", StageFailed, "stage 'x': exited with code 1: MemoryError: a worker was lost", True),
 ])
