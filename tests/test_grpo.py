@@ -178,8 +178,14 @@ def test_builtin_rewards_and_a_user_function_with_weights(tmp_path, monkeypatch)
     np.testing.assert_array_equal(per_function[:, 2], [0, 0, 0, 0])  # fullmatch of digits only: none
     assert np.isnan(per_function[2, 3]) and per_function[0, 3] == -10
     total, valid = total_reward(per_function, [1.0, 1.0, 1.0, 0.5])
+    # TRL's rule: a function that returned None is left out of that completion's sum; only a
+    # completion no function scored is dropped.
     np.testing.assert_allclose(total, [2 - 5, 1 - 2.5, 0, 1 - 3])
-    np.testing.assert_array_equal(valid, [True, True, False, True])
+    np.testing.assert_array_equal(valid, [True, True, True, True])
+    none_scored = np.array([[np.nan, np.nan], [1.0, np.nan], [np.nan, 2.0]])
+    total, valid = total_reward(none_scored, [1.0, 0.5])
+    np.testing.assert_allclose(total, [0.0, 1.0, 1.0])
+    np.testing.assert_array_equal(valid, [False, True, True])
 
     failing = RewardSpec(function="my_rewards:broken")
     with pytest.raises(RewardError, match="reward function 'broken' raised ValueError: no luck"):
@@ -335,3 +341,26 @@ def test_stage_configs_are_checked_before_anything_runs(copy_task, tmp_path):
         "data": {"path": str(copy_task / "prompts.jsonl")}, "checkpoint": {"init_from": "/elsewhere"}})
     with pytest.raises(ConfigError, match=r"key 'checkpoint.init_from' is set by the pipeline"):
         p.plan()
+
+
+def test_kl_at_positions_after_eos_cannot_make_the_loss_or_its_gradient_nan():
+    """A padded position whose log-ratio is huge (garbage logits past EOS) is masked before exp."""
+    logp = jnp.asarray(LOGP, jnp.float32)
+    ref = jnp.asarray(LOGP, jnp.float32).at[:, -1].set(800.0)  # exp(800) overflows float32
+    mask = jnp.asarray(MASK, jnp.float32).at[:, -1].set(0.0)
+
+    def loss(shift):
+        return policy_loss(logp + shift, None, jnp.asarray(ADV), mask, ref_logp_bt=ref, beta=0.04,
+                           loss_type="bnpo", max_completion_length=MAX_LEN)[0]
+
+    value, grad = jax.value_and_grad(loss)(jnp.zeros(()))
+    assert np.isfinite(float(value)) and np.isfinite(float(grad))
+
+
+def test_frac_reward_zero_std_follows_the_std_the_advantages_are_scaled_by():
+    rewards = np.array([1.0, 1.0, 0.0, 1.0])  # group 1 has no spread, group 2 has
+    valid = np.ones(4, bool)
+    _, group_std = group_advantages(rewards, valid, 2, "group")
+    assert np.isclose(group_std, 0.0).tolist() == [True, False]
+    _, batch_std = group_advantages(rewards, valid, 2, "batch")  # TRL: the batch std, for every row
+    assert np.isclose(batch_std, 0.0).tolist() == [False, False]

@@ -207,7 +207,7 @@ class RolloutSource:
             self.reward_fns, prompts=[p for p in prompt_inputs for _ in range(G)], completions=completions,
             completion_ids=completion_ids, columns=columns, max_completion_length=C, step=state.step)
         rewards, valid = total_reward(per_function, self.weights)
-        advantages, group_std = group_advantages(rewards, valid, G, cfg.scale_rewards)
+        advantages, scale_std = group_advantages(rewards, valid, G, cfg.scale_rewards)
 
         tokens = np.concatenate([prompt_tokens, out.tokens], 1)
         segments = np.concatenate([prompt_mask, out.mask.astype(np.int32)], 1)
@@ -224,7 +224,7 @@ class RolloutSource:
         values = {
             "reward": float(rewards[valid].mean()) if valid.any() else math.nan,
             "reward_std": nan_stats(np.where(valid, rewards, np.nan))[1],
-            "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
+            "frac_reward_zero_std": float(np.mean(np.isclose(scale_std, 0.0))),
             "reward_invalid": float((~valid).sum()),
             "completion_length": float(lengths.mean()),
             "completion_length_min": float(lengths.min()), "completion_length_max": float(lengths.max()),
@@ -248,6 +248,9 @@ class RolloutSource:
 def run_grpo(cfg: GRPOConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Train `cfg.steps` rollout batches, resuming from checkpoint.directory if it has one."""
     log = log or log_to_stderr
+    if cfg.algorithm == "gspo" and cfg.loss_type != "grpo":
+        log(f"note: algorithm gspo with loss_type {cfg.loss_type}: the GSPO paper's objective is loss_type grpo "
+            f"(a mean over sequences); {cfg.loss_type} weights each sequence by its length")
     model_cfg, compute, bundle = finetune_start(cfg)
     trainer = Trainer(train_config(cfg, model_cfg, compute),
                       lambda graphdef: policy_objective(make_loss_fn(graphdef, cfg, cfg.max_prompt_length)),

@@ -38,8 +38,10 @@ STD_EPS = 1e-4
 
 def group_advantages(rewards_b: np.ndarray, valid_b: np.ndarray, group_size: int,
                      scale: Literal["group", "batch", "none"] = "group") -> tuple[np.ndarray, np.ndarray]:
-    """(advantages_b, group_std_g). Completions marked invalid get 0 and are left out of the
-    statistics of their group; a group whose rewards are all equal has std 0."""
+    """(advantages_b, std_g): the std each group's advantages are scaled by (its own; the
+    batch's with scale "batch"; its own, unused, with "none", as TRL logs it). Completions
+    marked invalid get 0 and are left out of the statistics of their group; a group whose
+    rewards are all equal has std 0."""
     r = np.asarray(rewards_b, np.float64).reshape(-1, group_size)
     v = np.asarray(valid_b, bool).reshape(-1, group_size)
     count = v.sum(1)
@@ -52,6 +54,7 @@ def group_advantages(rewards_b: np.ndarray, valid_b: np.ndarray, group_size: int
         valid_rewards = r[v]
         std_batch = valid_rewards.std(ddof=1) if valid_rewards.size > 1 else 0.0
         advantages = centred / (std_batch + STD_EPS)
+        std_g = np.full_like(std_g, std_batch)
     else:
         advantages = centred
     return np.where(v, advantages, 0.0).reshape(-1).astype(np.float32), std_g
@@ -68,8 +71,13 @@ def completion_logps(logits_btv, tokens_bt, temperature: float = 1.0):
     return logp_bt, entropy_bt
 
 
-def k3_kl(logp_bt, ref_logp_bt):
+def k3_kl(logp_bt, ref_logp_bt, mask_bt=None):
+    """Schulman's k3 estimator of KL(policy || reference), per token. Positions outside `mask_bt`
+    (after EOS) are 0 before the exponential, so a huge log-ratio there cannot turn the masked
+    sum (or its gradient) into inf * 0 = NaN."""
     delta = ref_logp_bt - logp_bt
+    if mask_bt is not None:
+        delta = jnp.where(mask_bt > 0, delta, 0.0)
     return jnp.exp(delta) - delta - 1.0
 
 
@@ -104,7 +112,7 @@ def policy_loss(logp_bt, old_logp_bt, advantages_b, mask_bt, *, ref_logp_bt=None
     per_token = -jnp.minimum(coef_1 * adv_b1, coef_2 * adv_b1)
     kl_bt = None
     if beta != 0.0:
-        kl_bt = k3_kl(logp_bt, ref_logp_bt)
+        kl_bt = k3_kl(logp_bt, ref_logp_bt, mask_bt)
         per_token = per_token + beta * kl_bt
     tokens_b = jnp.sum(mask_bt, -1)
     tokens = jnp.sum(mask_bt)

@@ -185,8 +185,10 @@ def compute_rewards(rewards: list[tuple[str, Callable, RewardSpec]], *, prompts:
 
 
 def total_reward(per_function: np.ndarray, weights: list[float]) -> tuple[np.ndarray, np.ndarray]:
-    """(weighted sum per completion, valid mask): a completion with any None/NaN term is invalid."""
-    valid = ~np.isnan(per_function).any(axis=1)
+    """(weighted sum per completion, valid mask), TRL's rule: the sum is over the functions that
+    scored the completion (None/NaN terms are left out); a completion no function scored is
+    invalid (reward 0, and left out of its group's statistics)."""
+    valid = ~np.isnan(per_function).all(axis=1)
     total = np.where(valid, np.nan_to_num(per_function) @ np.asarray(weights, float), 0.0)
     return total, valid
 
