@@ -2,7 +2,7 @@
 
     report.json        {"models": {name: metrics}, "tasks": [...], "checkpoints": {...}}
     report.md          the table, the plots, sample completions
-    loss_curves.png    training loss of every training stage given in `curves`
+    loss_curves.png    per training stage in `curves`: its loss (GRPO: its mean reward)
     metrics.png        each headline metric per model
     samples.jsonl      every prompt's completions and rewards, per model
 """
@@ -47,33 +47,61 @@ def markdown_table(models: dict[str, dict], keys: list[str]) -> str:
     return "\n".join(lines)
 
 
+def training_curve(records: list[dict]) -> tuple[str, list[tuple[int, float]]]:
+    """What a training stage optimised, per step: the reward for GRPO (its surrogate loss says
+    little), the training loss otherwise."""
+    for key, label in (("reward", "mean reward"), ("loss", "training loss")):
+        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        if points:
+            return label, points
+    return "", []
+
+
+def panel_keys(models: dict[str, dict]) -> list[str]:
+    """Headline metrics worth a panel: a metric equal to an earlier one for every model (pass@1
+    and the correctness reward are the accuracy under greedy decoding) is drawn once."""
+    keys: list[str] = []
+    for key in headline_metrics(models):
+        if key == "eval_perplexity":
+            continue
+        values = [models[name].get(key) for name in models]
+        if any(values == [models[name].get(other) for name in models] for other in keys):
+            continue
+        keys.append(key)
+    return keys
+
+
 def plot_report(out_dir: Path, models: dict[str, dict], curves: dict[str, str | Path]) -> list[str]:
     written = []
     series = {}
     for stage, path in curves.items():
-        points = [(r["step"], r["loss"]) for r in read_metrics(path) if r.get("loss") is not None]
+        label, points = training_curve(read_metrics(path))
         if points:
-            series[stage] = points
+            series[stage] = (label, points)
     if series:
         fig, axes = plt.subplots(1, len(series), figsize=(4.2 * len(series), 3.2), squeeze=False)
-        for ax, (stage, points) in zip(axes[0], series.items()):
-            steps, losses = zip(*points)
-            ax.plot(steps, losses)
+        for ax, (stage, (label, points)) in zip(axes[0], series.items()):
+            steps, values = zip(*points)
+            ax.plot(steps, values)
             ax.set_title(stage)
             ax.set_xlabel("step")
-            ax.set_ylabel("training loss")
+            ax.set_ylabel(label)
             ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(out_dir / "loss_curves.png", dpi=110)
         plt.close(fig)
         written.append("loss_curves.png")
-    keys = [k for k in headline_metrics(models) if k != "eval_perplexity"]
+    keys = panel_keys(models)
     if keys:
         fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 3.2), squeeze=False)
         names = list(models)
         for ax, key in zip(axes[0], keys):
-            values = [models[n].get(key) or 0.0 for n in names]
-            ax.bar(names, values, color="tab:blue")
+            values = [models[n].get(key) for n in names]
+            bars = ax.bar(names, [0.0 if v is None else v for v in values], color="tab:blue")
+            for bar, value in zip(bars, values):
+                if value is None:  # not measured for this model: say so rather than draw a 0
+                    bar.set_alpha(0.0)
+                    ax.annotate("n/a", (bar.get_x() + bar.get_width() / 2, 0), ha="center", va="bottom", fontsize=8)
             ax.set_title(key, fontsize=9)
             ax.tick_params(axis="x", labelrotation=30, labelsize=8)
         fig.tight_layout()

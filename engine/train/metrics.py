@@ -58,8 +58,27 @@ def _peak_flops(devices: tuple) -> tuple[float, str]:
     return measure_matmul_flops(), f"measured {kind} matmul"
 
 
+_PERF = ("tokens_per_second", "tflops_per_device", "mfu")
+
+
+def tensorboard_tag(key: str) -> str:
+    """The TensorBoard tag of a metric: grouped as train/, eval/, perf/, rollout/, reward/ (a
+    key that already names its group, like reward/correct/mean, keeps its name)."""
+    if key.startswith(("train/", "eval/", "perf/", "rollout/", "reward/")):
+        return key
+    if key.startswith("eval_"):
+        return f"eval/{key[len('eval_'):]}"
+    if key in _PERF or key.endswith("_seconds"):
+        return f"perf/{key}"
+    if key.startswith(("reward", "frac_reward")):
+        return f"reward/{key}"
+    if key.startswith("completion_"):
+        return f"rollout/{key}"
+    return f"train/{key}"
+
+
 class MetricsWriter:
-    """One JSON object per line in metrics.jsonl, the same scalars in TensorBoard."""
+    """One JSON object per line in metrics.jsonl, the same scalars in TensorBoard (grouped tags)."""
 
     def __init__(self, directory: str | Path | None, enabled: bool = True):
         self.enabled = enabled and directory is not None
@@ -81,7 +100,7 @@ class MetricsWriter:
         self._jsonl.flush()
         for key, value in values.items():
             if value is not None and math.isfinite(float(value)):
-                self._tb.add_scalar(key, float(value), step)
+                self._tb.add_scalar(tensorboard_tag(key), float(value), step)
 
     def close(self) -> None:
         if self.enabled:
