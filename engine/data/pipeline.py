@@ -56,19 +56,18 @@ def make_dataset(
     shuffle: bool = True,
     packing: bool = True,
     repeat: bool = True,
-    process_index: int = 0,
-    process_count: int = 1,
     prefetch: int = 0,
 ) -> grain.IterDataset:
-    """Batches of `batch_size // process_count` rows for this process.
+    """Global batches of `batch_size` rows: every process builds the same stream, so the batch
+    at step s is the same for any number of processes, devices and mesh shape; the trainer
+    keeps the rows its devices hold (Trainer.global_batch). Packing and batching cost little
+    next to a step, and the iterator's state is the same on every process.
 
     Each batch: tokens, targets, positions, segment_ids (int32) and loss_mask (float32),
     all (rows, seq_len). Shuffling is global over documents and differs per epoch; a long
     document fills consecutive rows, so corpora of long files should be split into pieces
     when tokenized (tokenize's `max_document_tokens`).
     """
-    if batch_size % process_count:
-        raise ConfigError(f"data.batch_size ({batch_size}) must divide over {process_count} processes")
     source = grain.sources.ArrayRecordDataSource(shard_paths(dataset_dir, split))
     ds = grain.MapDataset.source(source)
     if len(ds) == 0:
@@ -77,14 +76,14 @@ def make_dataset(
         ds = ds.shuffle(seed=seed)
     if repeat:
         ds = ds.repeat(None)
-    ds = ds[process_index::process_count].map(_decode)
+    ds = ds.map(_decode)
     if packing:
         it = grain.experimental.ConcatThenSplitIterDataset(
             ds.to_iter_dataset(), length_struct={"inputs": seq_len, "targets": seq_len}
         )
     else:
         it = ds.map(lambda ex: _pad_row(ex, seq_len)).to_iter_dataset()
-    it = it.batch(batch_size // process_count, drop_remainder=repeat).map(_to_batch)
+    it = it.batch(batch_size, drop_remainder=repeat).map(_to_batch)
     if prefetch:
         it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=prefetch)
     return it

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import jax
 import numpy as np
 
 from engine.config import ConfigError
@@ -131,7 +130,7 @@ def evaluate_model(cfg: EvalConfig, checkpoint_dir: str | Path, log: Callable[[s
         t0 = time.perf_counter()
         seq_len = train_cfg.data.seq_len
         rows = iter(make_dataset(cfg.data_path, cfg.split, seq_len=seq_len, batch_size=cfg.batch_size, shuffle=False,
-                                 repeat=True, process_index=jax.process_index(), process_count=jax.process_count()))
+                                 repeat=True))
         held_out = trainer.held_out_loss(params, (next(rows) for _ in range(cfg.loss_batches)))
         metrics.update({k: held_out[k] for k in ("eval_loss", "eval_perplexity")})
         log(f"evaluate: held-out loss {metrics['eval_loss']:.4f} ({time.perf_counter() - t0:.1f} s)")

@@ -1,4 +1,4 @@
-"""Runs of more than one process: joining them, and moving arrays between host and mesh.
+"""Runs of more than one process: joining them, and agreeing on when to stop.
 
 A launcher (tasks/launch.py) starts N processes with TRAINFLOW_COORDINATOR,
 TRAINFLOW_NUM_PROCESSES and TRAINFLOW_PROCESS_ID set; each joins with
@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 
 import jax
-import numpy as np
 from jax.experimental import multihost_utils
 
 
@@ -27,13 +26,13 @@ def maybe_initialize_distributed() -> None:
     )
 
 
-def gather_to_host(x) -> np.ndarray:
-    """A global array as a host numpy array on every process."""
+def preemption_agreed(step: int, local_flag: bool) -> bool:
+    """Whether the run stops (saving a checkpoint) after `step`.
+
+    One process: the local SIGTERM flag. Several: JAX's preemption sync point, so that every
+    rank stops at the same step whenever each one got its SIGTERM (the coordination service
+    catches SIGTERM on any rank and agrees on the step after the latest one reached).
+    """
     if jax.process_count() == 1:
-        return np.asarray(jax.device_get(x))
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def process_rows(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """This process's contiguous share of rows every process holds in full (e.g. a rollout)."""
-    return {k: np.array_split(v, jax.process_count())[jax.process_index()] for k, v in rows.items()}
+        return local_flag
+    return multihost_utils.reached_preemption_sync_point(step)

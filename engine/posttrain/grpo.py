@@ -38,7 +38,6 @@ from engine.inference.sample import Sampler, decode_completions, encode_prompts,
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.params import apply_model
 from engine.ops.partitioning import use_mesh
-from engine.parallel.distributed import process_rows
 from engine.posttrain.config import GRPOConfig, GRPODataConfig
 from engine.posttrain.finetune import finetune_start, read_jsonl
 from engine.posttrain.policy_loss import completion_logps, group_advantages, policy_loss
@@ -213,7 +212,7 @@ class RolloutSource:
         segments = np.concatenate([prompt_mask, out.mask.astype(np.int32)], 1)
         rows = {"tokens": tokens, "segment_ids": segments, "positions": np.asarray(prompt_positions(segments)),
                 "completion_mask": out.mask.astype(np.float32), "advantages": advantages[:, None]}
-        batch = self.trainer.global_batch(process_rows(rows))
+        batch = self.trainer.global_batch(rows)  # every process sampled the whole rollout
         with use_mesh(self.trainer.mesh):
             if self.ref_params is not None:
                 batch["ref_logps"] = self.logps(self.ref_params, batch)

@@ -26,7 +26,6 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import jax
 import numpy as np
 
 from engine.config import ConfigError
@@ -171,14 +170,13 @@ def pack_rows(examples: list[Example], seq_len: int, packing: bool) -> dict[str,
 class SFTBatches:
     """Endless batches over epochs, reshuffled each epoch; its state is (epoch, row).
 
-    Every process packs the same rows and takes its share of each batch.
+    Every process packs the same rows; the trainer keeps the ones its devices hold.
     """
 
     def __init__(self, examples: list[Example], *, seq_len: int, batch_size: int, packing: bool, shuffle: bool,
-                 seed: int, process_index: int = 0, process_count: int = 1):
+                 seed: int):
         self.examples, self.seq_len, self.batch_size = examples, seq_len, batch_size
         self.packing, self.shuffle, self.seed = packing, shuffle, seed
-        self.process_index, self.process_count = process_index, process_count
         self.epoch, self.row = 0, 0
         self._rows: dict[str, np.ndarray] | None = None
 
@@ -205,7 +203,7 @@ class SFTBatches:
             if self.row == len(rows["tokens"]):
                 self.epoch, self.row, self._rows = self.epoch + 1, 0, None
         batch = {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
-        return {k: v[self.process_index::self.process_count] for k, v in batch.items()}
+        return batch
 
     def get_state(self) -> dict:
         return {"epoch": self.epoch, "row": self.row}
@@ -242,8 +240,7 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] | None = None) -> dict[st
     tcfg = train_config(cfg, model_cfg, compute)
     trainer = Trainer(tcfg)
     batches = SFTBatches(train_examples, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
-                         packing=cfg.data.packing, shuffle=cfg.data.shuffle, seed=cfg.data.seed,
-                         process_index=jax.process_index(), process_count=jax.process_count())
+                         packing=cfg.data.packing, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     evaluate = None
     if held_out:
         def evaluate(params) -> dict[str, float]:
@@ -251,8 +248,7 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] | None = None) -> dict[st
                                 packing=cfg.data.packing)
             if cfg.data.eval_batches:
                 rows = (batch for i, batch in zip(range(cfg.data.eval_batches), rows))
-            local = ({k: v[jax.process_index()::jax.process_count()] for k, v in batch.items()} for batch in rows)
-            return trainer.held_out_loss(params, local)
+            return trainer.held_out_loss(params, rows)
 
     result = run_training(trainer, IteratorSource(trainer, batches), log=log, evaluate=evaluate,
                           meta={"stage": "sft", "sft_config": cfg.model_dump(mode="json")},

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import SingleDeviceSharding
 from etils import epath
 from jax.experimental import multihost_utils
 
@@ -264,12 +265,15 @@ def load_params(directory: str | Path, abstract_params=None, step: int | None = 
 
     `abstract_params` (ShapeDtypeStructs with shardings) places them on a mesh, in the dtypes
     asked for; by default they are restored with the shapes and dtypes they were saved with,
-    on the default device.
+    on this process's first device, whatever devices or processes saved them.
     """
     step, meta = read_meta(directory, step)
     model_cfg = ModelConfig.model_validate(meta["model"])
     if abstract_params is None:
-        abstract_params = abstract_model_params(model_cfg, ComputeConfig.model_validate(meta["compute"]), mesh=None)
+        here = SingleDeviceSharding(jax.local_devices()[0])
+        abstract_params = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here),
+            abstract_model_params(model_cfg, ComputeConfig.model_validate(meta["compute"]), mesh=None))
     manager = ocp.CheckpointManager(
         Path(directory).absolute(), item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True)
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
-import jax
 
 from engine.config import ConfigError
 from engine.data.pipeline import make_dataset
@@ -87,7 +86,7 @@ def run_pretrain(cfg: TrainConfig, log: Callable[[str], None] | None = None,
     train_data = make_dataset(
         cfg.data.path, "train", seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
         seed=cfg.data.seed, shuffle=cfg.data.shuffle, packing=cfg.data.packing,
-        process_index=jax.process_index(), process_count=jax.process_count(), prefetch=cfg.data.worker_buffer,
+        prefetch=cfg.data.worker_buffer,
     )
     evaluate = None
     if evaluating:
@@ -95,7 +94,7 @@ def run_pretrain(cfg: TrainConfig, log: Callable[[str], None] | None = None,
             rows = iter(make_dataset(
                 cfg.data.path, cfg.data.eval_split, seq_len=cfg.data.seq_len,
                 batch_size=cfg.data.batch_size // cfg.grad_accum, shuffle=False, packing=cfg.data.packing,
-                repeat=True, process_index=jax.process_index(), process_count=jax.process_count()))
+                repeat=True))
             metrics = trainer.held_out_loss(params, (next(rows) for _ in range(cfg.data.eval_batches)))
             return {k: metrics[k] for k in ("eval_loss", "eval_perplexity")}
     return run_training(trainer, IteratorSource(trainer, iter(train_data)), log=log, evaluate=evaluate,

@@ -26,6 +26,7 @@ import optax
 from engine.config import ConfigError
 from engine.models.params import abstract_model_params, graphdef_of, init_params
 from engine.ops.partitioning import use_mesh
+from engine.parallel.distributed import preemption_agreed
 from engine.parallel.mesh import batch_sharding, make_mesh, replicated
 from engine.train.checkpoint import Checkpointer, load_params, stored_configs
 from engine.train.config import TrainConfig
@@ -93,7 +94,7 @@ class _Hook:
 
 
 class IteratorSource:
-    """A BatchSource over an iterator of this process's rows (a Grain iterator, SFT rows)."""
+    """A BatchSource over an iterator of whole batches (a Grain iterator, SFT rows)."""
 
     def __init__(self, trainer: "Trainer", iterator):
         self.trainer, self.iterator = trainer, iterator
@@ -180,8 +181,12 @@ class Trainer:
         with use_mesh(self.mesh):
             return self._eval_step(params, batch)
 
-    def global_batch(self, local_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        return {k: jax.make_array_from_process_local_data(self.batch_sharding, v) for k, v in local_batch.items()}
+    def global_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Global arrays from the whole batch, which every process holds: each process places
+        only the rows (and, where an axis spans processes, the slices) its devices hold, so
+        the result does not depend on the layout."""
+        return {k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda index, v=v: v[index])
+                for k, v in batch.items()}
 
     # -- state
     def init_state(self) -> TrainState:
@@ -207,8 +212,8 @@ class Trainer:
         return TrainState(0, params, opt_state)
 
     def held_out_loss(self, params, batches: Iterable[dict[str, np.ndarray]]) -> dict[str, float]:
-        """Token-mean loss over batches of this process's rows (pretraining's validation split,
-        SFT's held-out examples, evaluation)."""
+        """Token-mean loss over whole batches (pretraining's validation split, SFT's held-out
+        examples, evaluation)."""
         nll, tokens = 0.0, 0.0
         for local in batches:
             aux = self.eval_step(params, self.global_batch(local))
@@ -243,7 +248,9 @@ class Trainer:
             state = TrainState(resume_step, params, opt_state)
             log(f"resumed from checkpoint step {resume_step} in {checkpointer.directory}")
         state = state or self.init_state()
-        stop = _install_sigterm()
+        # One process: a Python SIGTERM handler. Several: JAX's coordination service owns SIGTERM
+        # and the ranks agree on the step to stop at (preemption_agreed).
+        stop = _install_sigterm() if jax.process_count() == 1 else {"stop": False}
         final: dict[str, Any] = {}
 
         def check_finite(step: int, metrics) -> None:
@@ -271,7 +278,8 @@ class Trainer:
                 first = False
             else:
                 steps_timed += 1
-            info = StepInfo(state.step, state, metrics, source_metrics, state.step == cfg.steps, stop["stop"],
+            stopping = preemption_agreed(state.step, stop["stop"])
+            info = StepInfo(state.step, state, metrics, source_metrics, state.step == cfg.steps, stopping,
                             steps_timed, 0.0, self)
             due = [hook for hook in self.hooks if hook.due(info)]
             if pending is not None:
@@ -287,7 +295,7 @@ class Trainer:
                 final.update(hook.fn(info) or {})
                 if getattr(hook.fn, "resets_timer", False):
                     steps_timed, seconds_timed = 0, 0.0
-            if stop["stop"]:
+            if stopping:
                 checkpointer.close()
                 raise Preempted(f"SIGTERM: saved checkpoint at step {state.step} in {checkpointer.directory}")
         if pending is not None:
