@@ -1,7 +1,8 @@
 """The export stage: a checkpoint artifact in, a Hugging Face model directory out.
 
-    <out>/hf/   config.json, generation_config.json, model-0000i-of-0000n.safetensors,
-                model.safetensors.index.json and the checkpoint's tokenizer files:
+    <out>/hf/   config.json, generation_config.json, model.safetensors (or
+                model-0000i-of-0000n.safetensors + model.safetensors.index.json past
+                max_shard_gb) and the checkpoint's tokenizer files:
                 transformers.AutoModelForCausalLM.from_pretrained("<out>/hf") loads it
 
 The engine runs in a child process (`python -m engine.interop.hf export`). The checkpoint's model
@@ -36,12 +37,13 @@ class ExportStage(EngineStage):
     output = "hf_model"
     inputs = {"checkpoint": Input("checkpoint", doc="a checkpoint artifact (convert, pretrain, SFT, ...)")}
     config_schema = ExportConfig
-    version = 1
+    version = 2  # 2: one shard is model.safetensors; config.json has every key transformers 5 writes
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
         source = ctx.inputs["checkpoint"].path
+        # --overwrite: <out>/hf is this artifact's own; what is there is an earlier attempt's.
         argv = ["export", str(source / CHECKPOINT_DIR), str(ctx.out_dir / "hf"), "--max-shard-gb",
-                str(ctx.config.max_shard_gb)]
+                str(ctx.config.max_shard_gb), "--overwrite"]
         if ctx.config.step is not None:
             argv += ["--step", str(ctx.config.step)]
         if (source / TOKENIZER_DIR).is_dir():

@@ -1,6 +1,8 @@
-"""Conversion mechanics: restore on other meshes, bfloat16, sharded inputs, the CLI, and
-bad input (unsupported architecture, missing / mis-shaped tensors, config-weights mismatch)
-rejected with a message naming the architecture or tensor."""
+"""Conversion mechanics: restore on other meshes, bfloat16, sharded inputs, the CLI, export
+into a folder that holds a model (refused, or replaced with --overwrite), safetensors files
+read and written in the package's format, and bad input (unsupported architecture, missing /
+mis-shaped tensors, config-weights mismatch, a corrupt file) rejected with a message naming
+the architecture, tensor or file."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_to_hf  # noqa: E402
 from engine.interop.hf.safetensors_io import SafetensorsFile, write_safetensors  # noqa: E402
+from safetensors import safe_open  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
 from engine.models.params import abstract_model_params, apply_model, graphdef_of  # noqa: E402
 from engine.parallel.config import MeshConfig  # noqa: E402
@@ -35,16 +38,19 @@ DIVISIBLE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden
                  num_key_value_heads=4, head_dim=8, max_position_embeddings=64)
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
+def random_llama(seed: int, out: Path) -> Path:
+    torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**DIVISIBLE)).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.3)
-    out = tmp_path_factory.mktemp("llama") / "hf"
     model.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    return random_llama(0, tmp_path_factory.mktemp("llama") / "hf")
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +105,81 @@ def test_cli_convert_and_export(llama_dir, tmp_path, capsys):
     assert (tmp_path / "e" / "config.json").is_file()
     assert main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- an occupied target
+
+
+def files_of(directory: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in directory.iterdir()}
+
+
+def test_export_into_a_folder_with_a_model_is_refused_unless_overwrite_which_loads_the_new_one(
+        converted, tmp_path, capsys):
+    """The reported case: DIR holds model.safetensors (model A); exporting model B there as
+    shards must not leave A beside them, or transformers loads A."""
+    other = tmp_path / "b"
+    convert_hf(random_llama(1, tmp_path / "hf_b"), other)
+    target = tmp_path / "target"
+    assert main(["export", str(converted), str(target)]) == 0
+    (target / "pytorch_model.bin").write_bytes(b"an older model")  # stale too
+    before = files_of(target)
+    capsys.readouterr()
+
+    assert main(["export", str(other / "checkpoint"), str(target), "--max-shard-gb", "1e-5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {target} is not empty") and "--overwrite" in err and err.count("\n") == 1
+    assert files_of(target) == before  # nothing written
+
+    assert main(["export", str(other / "checkpoint"), str(target), "--max-shard-gb", "1e-5", "--overwrite"]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])["result"]
+    assert set(result["removed_weights"]) == {"model.safetensors", "pytorch_model.bin"}
+    index = json.loads((target / "model.safetensors.index.json").read_text())
+    assert sorted(p.name for p in target.glob("*.safetensors")) == sorted(set(index["weight_map"].values()))
+    assert not (target / "pytorch_model.bin").exists() and result["shards"] > 1
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(target)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_b")
+    for (name, a), (_, b) in zip(loaded.state_dict().items(), reference.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_export_hf_refuses_a_non_empty_directory_naming_it(converted, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=rf"^{tmp_path} is not empty; .* pass --overwrite"):
+        export_hf(converted, tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    export_hf(converted, tmp_path, overwrite=True)
+    assert (tmp_path / "notes.txt").read_text() == "mine"  # only weights are removed
+    assert (tmp_path / "model.safetensors").is_file() and not (tmp_path / "model.safetensors.index.json").exists()
+
+
+# --------------------------------------------------------------------------- safetensors files
+
+
+def test_safetensors_written_here_read_back_by_the_package_bit_for_bit(tmp_path):
+    rng = np.random.default_rng(0)
+    tensors = {"w": rng.standard_normal((5, 3), np.float32).astype(ml_dtypes.bfloat16),
+               "b": rng.standard_normal((7,), np.float32), "h": np.arange(11, dtype=np.float16)}
+    shapes = {name: (a.shape, a.dtype) for name, a in tensors.items()}
+    write_safetensors(tmp_path / "x.safetensors", iter(tensors.items()), {"format": "pt"}, shapes=shapes)
+    with safe_open(tmp_path / "x.safetensors", framework="pt") as f:  # torch's reader, bfloat16 included
+        assert f.metadata() == {"format": "pt"} and list(f.offset_keys()) == ["w", "b", "h"]
+        w = f.get_tensor("w")
+        assert w.dtype == torch.bfloat16
+        np.testing.assert_array_equal(w.view(torch.int16).numpy(), tensors["w"].view(np.int16))
+    with SafetensorsFile(tmp_path / "x.safetensors") as st:
+        assert st.names() == ["w", "b", "h"] and st.shape("w") == (5, 3) and st.dtype("w") == tensors["w"].dtype
+        for name, array in tensors.items():
+            assert st.get(name).dtype == array.dtype
+            np.testing.assert_array_equal(st.get(name).view(np.uint8), array.view(np.uint8))
+
+
+def test_a_corrupt_safetensors_file_is_named(llama_dir, tmp_path):
+    hf_dir = edited_copy(llama_dir, tmp_path / "m")
+    data = (hf_dir / "model.safetensors").read_bytes()
+    (hf_dir / "model.safetensors").write_bytes(data[: len(data) // 2])  # cut short
+    message = convert_error(hf_dir, tmp_path)
+    assert f"{hf_dir / 'model.safetensors'}: not a readable safetensors file" in message
 
 
 # --------------------------------------------------------------------------- bad input

@@ -51,6 +51,8 @@ def test_every_family_config_round_trips_through_config_json(family):
     assert hf["architectures"] == [get_family(family).architecture] and hf["dtype"] == "bfloat16"
     again, compute = model_config_from_hf(hf, param_dtype="bfloat16")
     assert again == cfg and compute.param_dtype == compute.dtype == "bfloat16"
+    # and config.json -> ModelConfig -> config.json writes the same file
+    assert model_config_to_hf(again, {"eos_token_id": 3}, param_dtype="bfloat16") == hf
 
 
 def test_reading_a_config_json_imports_no_jax():

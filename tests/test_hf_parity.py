@@ -158,8 +158,8 @@ def test_greedy_generation_of_16_tokens_is_identical(case):
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
     result = export_hf(case.out_dir / "checkpoint", tmp_path / "export")
     out = tmp_path / "export"
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    assert set(index["weight_map"].values()) == {"model-00001-of-00001.safetensors"}
+    # One shard is named as transformers names it, with no index.
+    assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"] and result["shards"] == 1
     assert (out / "generation_config.json").is_file() and (out / "tokenizer.json").is_file()
     assert result["architecture"] == case.hf_model.config.architectures[0]
 
@@ -179,6 +179,38 @@ def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_pat
     valid = mask.astype(bool)
     np.testing.assert_array_equal(hf_logits(reloaded.eval(), tokens, mask)[valid],
                                   hf_logits(case.hf_model, tokens, mask)[valid])
+
+
+# Written by transformers but about the file, not the model.
+BOOKKEEPING = {"transformers_version"}
+# Keys we write beyond transformers 5's, in the meaning transformers 4 (and other readers
+# such as vLLM) give them: the RoPE base and scaling before `rope_parameters`, Gemma 3's
+# local base and layer period before `layer_types`, Gemma's activation before `hidden_act`.
+OLDER_KEYS = {"rope_theta", "rope_scaling", "rope_local_base_freq", "sliding_window_pattern", "hidden_activation"}
+# Read by the model though its config class does not declare it (Qwen2's attention).
+UNDECLARED = {"head_dim"}
+
+
+def test_exported_config_json_is_what_transformers_writes(case, tmp_path):
+    """Every key transformers writes for this model is in our config.json with the same
+    value, both for the source (a config transformers made and saved) and for transformers'
+    own rewrite of ours; the keys we add are only OLDER_KEYS. Equal values include the ones
+    with no effect on this model (Qwen's max_window_layers without a window): a diff of the
+    two files shows nothing."""
+    export_hf(case.out_dir / "checkpoint", tmp_path / "export")
+    ours = json.loads((tmp_path / "export" / "config.json").read_text())
+    source = json.loads((case.hf_dir / "config.json").read_text())
+    transformers.AutoConfig.from_pretrained(tmp_path / "export").save_pretrained(tmp_path / "resaved")
+    resaved = json.loads((tmp_path / "resaved" / "config.json").read_text())
+    for name, reference in (("source", source), ("resaved", resaved)):
+        for key, value in reference.items():
+            if key not in BOOKKEEPING:
+                assert ours.get(key, "<missing>") == value, f"{case.family}: {key} ({name}: {value!r})"
+    config_class = type(transformers.AutoConfig.for_model(ours["model_type"]))
+    known = set(config_class().to_dict())
+    assert set(ours) - known <= OLDER_KEYS | UNDECLARED, f"{case.family}: keys {config_class.__name__} does not have"
+    if case.family == "gemma":  # what transformers 4's GemmaMLP reads
+        assert ours["hidden_activation"] == ours["hidden_act"] == "gelu_pytorch_tanh"
 
 
 def test_export_then_convert_is_bitwise_identical(case, tmp_path):

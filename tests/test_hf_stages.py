@@ -54,6 +54,28 @@ def test_convert_then_export_records_lineage_and_skips_when_done(hf_dir, tmp_pat
     assert (tmp_path / "hf_out" / "tokenizer_config.json").is_file()
 
 
+def test_export_out_refuses_an_occupied_folder_and_overwrite_replaces_its_weights(hf_dir, tmp_path, capsys):
+    store, out = tmp_path / "store", tmp_path / "hf_out"
+    assert main(["convert", str(hf_dir), "--store", str(store)]) == 0
+    path = last_json(capsys.readouterr().out)["path"]
+    out.mkdir()
+    stale = ["model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json"]
+    for name in stale:
+        (out / name).write_text("an earlier model")
+
+    assert main(["export", path, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {out} is not empty") and "--overwrite" in err
+    assert not (store / "export").exists()  # refused before the stage ran
+    assert sorted(p.name for p in out.iterdir()) == sorted(stale)
+
+    assert main(["export", path, "--out", str(out), "--overwrite"]) == 0
+    assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    for name, weight in transformers.AutoModelForCausalLM.from_pretrained(hf_dir).state_dict().items():
+        torch.testing.assert_close(loaded[name], weight, rtol=0, atol=0, msg=name)
+
+
 def test_a_bad_source_is_rejected_before_anything_runs(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "missing"), "--store", str(tmp_path / "store")]) == 2
     assert "is not a Hugging Face model directory" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
     python -m engine.interop.hf convert HF_DIR OUT_DIR [--dtype float32|bfloat16]
     python -m engine.interop.hf export CHECKPOINT_DIR OUT_DIR [--tokenizer DIR] [--step N] [--max-shard-gb 5]
+                                   [--overwrite]
 
 Prints `{"result": {...}}` on the last stdout line; a bad input is one `error: ...` line on
 stderr and exit code EXIT_CONFIG_ERROR (engine/contract.py).
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--tokenizer", default=None, help="tokenizer directory (default: ../tokenizer)")
     exp.add_argument("--step", type=int, default=None)
     exp.add_argument("--max-shard-gb", type=float, default=5.0)
+    exp.add_argument("--overwrite", action="store_true",
+                     help="export into a non-empty OUT_DIR, deleting the weights already there")
     args = parser.parse_args(argv)
 
     def log(msg: str) -> None:
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             result = convert_hf(args.hf_dir, args.out_dir, dtype=args.dtype, log=log)
         else:
             result = export_hf(args.checkpoint_dir, args.out_dir, args.tokenizer, step=args.step,
-                               max_shard_bytes=int(args.max_shard_gb * 1e9), log=log)
+                               max_shard_bytes=int(args.max_shard_gb * 1e9), overwrite=args.overwrite, log=log)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

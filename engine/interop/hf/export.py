@@ -1,6 +1,12 @@
-"""An Orbax checkpoint -> a Hugging Face model directory that AutoModelForCausalLM loads:
-config.json, generation_config.json, model-0000i-of-0000n.safetensors +
-model.safetensors.index.json, and the tokenizer files."""
+"""An Orbax checkpoint -> a Hugging Face model directory that AutoModelForCausalLM loads,
+named as transformers names it: config.json, generation_config.json, model.safetensors (or,
+past `max_shard_bytes`, model-0000i-of-0000n.safetensors + model.safetensors.index.json),
+and the tokenizer files.
+
+The target must be empty unless `overwrite`: weights of an earlier model left beside the
+new ones could be what transformers loads. With `overwrite`, those (files.WEIGHT_FILES) are
+deleted first; other files are replaced or left as they are.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from engine.contract import TOKENIZER_DIR
-from engine.interop.hf.files import copy_tokenizer
+from engine.interop.hf.files import check_export_dir, copy_tokenizer, remove_stale_weights
 from engine.interop.hf.mapping import TensorSpec, hf_shape, model_config_to_hf, tensor_table, to_hf
 from engine.interop.hf.safetensors_io import write_safetensors
 from engine.models.config import ComputeConfig, ModelConfig
@@ -38,16 +44,18 @@ def _plan_shards(names_bytes: list[tuple[str, int]], max_shard_bytes: int) -> li
 
 
 def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: str | Path | None = None, *,
-              step: int | None = None, max_shard_bytes: int = 5 * 10**9,
+              step: int | None = None, max_shard_bytes: int = 5 * 10**9, overwrite: bool = False,
               log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Write a checkpoint as a HF model directory that AutoModelForCausalLM loads.
 
     `tokenizer_dir` defaults to the `tokenizer/` beside the checkpoint directory (the
-    artifact layout of convert and pretrain), if there is one.
+    artifact layout of convert and pretrain), if there is one. A non-empty `out_dir` is a
+    ConfigError unless `overwrite`, which deletes the weights there before writing.
     """
     log = log or (lambda msg: None)
     start = time.perf_counter()
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    check_export_dir(out_dir, overwrite)
     step, meta = read_meta(checkpoint_dir, step)
     cfg, compute = ModelConfig.model_validate(meta["model"]), ComputeConfig.model_validate(meta["compute"])
     hf_meta = meta.get("hf") or {}
@@ -70,10 +78,13 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: st
         entries[spec.hf_name.format(i=layer)] = (spec, layer, hf_shape(spec, array.shape), array.dtype)
     sizes = [(name, int(np.prod(e[2])) * e[3].itemsize) for name, e in entries.items()]
     shards = _plan_shards(sizes, max_shard_bytes)
+    removed = remove_stale_weights(out_dir)
+    if removed:
+        log(f"export: removed the earlier weights {', '.join(removed)} from {out_dir}")
     out_dir.mkdir(parents=True, exist_ok=True)
     weight_map, total = {}, 0
     for k, names in enumerate(shards):
-        filename = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        filename = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
 
         def tensors(names=names) -> Iterator[tuple[str, np.ndarray]]:
             for name in names:
@@ -84,9 +95,10 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: st
                                    shapes={n: entries[n][2:] for n in names})
         weight_map.update({name: filename for name in names})
         log(f"export: wrote {filename}")
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")  # as transformers
     generation = hf_meta.get("generation_config") or {
         "_from_model_config": True, **{k: v for k, v in token_ids.items() if v is not None}}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
@@ -96,6 +108,6 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: st
     seconds = time.perf_counter() - start
     return {
         "architecture": hf_config["architectures"][0], "family": cfg.family, "step": step, "bytes": total,
-        "shards": len(shards), "seconds": seconds, "tokenizer_files": tokenizer_files,
+        "shards": len(shards), "seconds": seconds, "tokenizer_files": tokenizer_files, "removed_weights": removed,
         "source": {"checkpoint": str(checkpoint_dir.absolute()), "step": step},
     }

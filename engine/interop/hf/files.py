@@ -1,5 +1,6 @@
-"""The files of a Hugging Face model directory that a conversion reads, without JAX:
-`tasks/convert.py` fingerprints a source while validating a pipeline."""
+"""The files of a Hugging Face model directory, without JAX: what a conversion reads
+(`tasks/convert.py` fingerprints a source while validating a pipeline) and what an export
+replaces (`trainflow export --out` checks its target before any work)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,37 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from engine.config import ConfigError
+
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
 )
+
+WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+"""An earlier model's weights: left beside new ones, transformers could load them instead
+(it prefers model.safetensors to an index, and any safetensors to .bin)."""
+
+
+def check_export_dir(out_dir: str | Path, overwrite: bool) -> None:
+    """Refuse to export into a non-empty `out_dir` unless `overwrite`."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"{out_dir} is a file, not a directory to export into")
+    if not overwrite and out_dir.is_dir() and any(out_dir.iterdir()):
+        raise ConfigError(f"{out_dir} is not empty; export into an empty directory, or pass --overwrite "
+                          f"to replace the model there")
+
+
+def remove_stale_weights(out_dir: str | Path) -> list[str]:
+    """Delete the weight files (WEIGHT_FILES) directly in `out_dir`; their names."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    stale = sorted({path for pattern in WEIGHT_FILES for path in out_dir.glob(pattern) if path.is_file()})
+    for path in stale:
+        path.unlink()
+    return [path.name for path in stale]
 
 
 def source_fingerprint(hf_dir: str | Path) -> dict[str, Any]:

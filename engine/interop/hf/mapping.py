@@ -19,6 +19,8 @@ from engine.models.families import TensorSpec, family_names, family_of_model_typ
 
 # --------------------------------------------------------------------------- config.json
 
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
 
 def model_config_from_hf(hf: dict, *, param_dtype: str = "float32",
                          where: str = "config.json") -> tuple[ModelConfig, ComputeConfig]:
@@ -42,14 +44,16 @@ def model_config_from_hf(hf: dict, *, param_dtype: str = "float32",
 
 def model_config_to_hf(cfg: ModelConfig, token_ids: dict | None = None, *,
                        param_dtype: str = "float32") -> dict[str, Any]:
-    """config.json for `cfg`, in the keys published checkpoints use (read by transformers 4 and 5).
+    """config.json for `cfg` as transformers 5 writes it, plus the older keys transformers 4
+    reads. `token_ids` (bos/eos/pad_token_id) are written as given, null when unknown, so
+    transformers does not fill in its class defaults, which may not be this tokenizer's.
 
     Raises ConfigError naming the field when cfg's family cannot express it (e.g. QK-norm
     with family llama): the config must read back as exactly `cfg`.
     """
     family = get_family(cfg.family)
     hf = {**family.config_to_hf(cfg), "dtype": param_dtype}
-    hf.update({k: v for k, v in (token_ids or {}).items() if v is not None})
+    hf.update({key: (token_ids or {}).get(key) for key in TOKEN_ID_KEYS})
     again, _ = model_config_from_hf(hf, where=f"family '{cfg.family}'")
     ours, theirs = cfg.model_dump(), again.model_dump()
     for key in ours:

@@ -1,23 +1,35 @@
 """Safetensors files read and written one tensor at a time, bfloat16 included.
 
-The format (https://github.com/huggingface/safetensors): an 8-byte little-endian header
-length, a JSON header {name: {dtype, shape, data_offsets}, "__metadata__": {...}}, then the
-raw little-endian bytes. The `safetensors` package's numpy API has no bfloat16, so this
-small reader reads one tensor at a time (pread into a fresh array, viewed with ml_dtypes'
-bfloat16). Unlike a memory map, nothing read stays resident in the process: converting a
-checkpoint holds the result and one tensor, not the source file too.
+Reading is the `safetensors` package: `safe_open(..., framework="numpy", backend="pread")`
+checks the header and returns bfloat16 tensors as ml_dtypes arrays (numpy knows the name
+'bfloat16' once ml_dtypes is imported, as it is here). The pread backend
+copies each tensor into a fresh array instead of mapping the file, so nothing read stays
+resident in the process: converting a checkpoint holds the result and the tensors in
+flight, not the source file too.
+
+Writing is by hand. The package's writers take every tensor of a file at once
+(`safetensors.numpy.save_file` a dict of arrays, `serialize_file` a dict of pointers that
+must all stay valid during the call), so a shard would be in memory twice over: the model
+plus its HF-layout (transposed) copy. The format is small enough to write directly
+(https://github.com/huggingface/safetensors: an 8-byte little-endian header length, a JSON
+header {name: {dtype, shape, data_offsets}, "__metadata__": {...}}, then the raw
+little-endian bytes), so `write_safetensors` writes the header first and then each array as
+an iterator produces it: one HF-layout copy at a time. Tests read what it writes back with
+the package and with transformers.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 from typing import Iterator
 
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from engine.config import ConfigError
 
 DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -28,44 +40,39 @@ NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 class SafetensorsFile:
-    """An open .safetensors file: `names()`, `shape(name)`, `dtype(name)`, `get(name)`."""
+    """An open .safetensors file: `names()`, `shape(name)`, `dtype(name)`, `get(name)`.
+    A file that is not valid safetensors (a bad header, offsets past its end) is a
+    ConfigError naming it."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._fd = os.open(self.path, os.O_RDONLY)
-        (header_len,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
-        self.header = json.loads(os.pread(self._fd, header_len, 8))
-        self._data_start = 8 + header_len
-        self.metadata = self.header.pop("__metadata__", {}) or {}
+        try:
+            self._file = safe_open(self.path, framework="numpy", backend="pread")
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"{self.path}: not a readable safetensors file ({e})") from None
+        self.metadata = self._file.metadata() or {}
+        self._names = list(self._file.offset_keys())  # file order: reading them in it is sequential
+        self._slices = {name: self._file.get_slice(name) for name in self._names}  # header only
 
     def names(self) -> list[str]:
-        return list(self.header)
+        return list(self._names)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.header[name]["shape"])
+        return tuple(self._slices[name].get_shape())
 
     def dtype(self, name: str) -> np.dtype:
-        code = self.header[name]["dtype"]
+        code = self._slices[name].get_dtype()
         if code not in DTYPES:
-            raise ValueError(f"{self.path}: tensor '{name}' has unsupported dtype {code}")
+            raise ConfigError(f"{self.path}: tensor '{name}' has unsupported dtype {code}")
         return DTYPES[code]
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor, read from disk into a new array."""
-        begin, end = self.header[name]["data_offsets"]
-        array = np.empty(self.shape(name), self.dtype(name))
-        if array.nbytes != end - begin:
-            raise ValueError(f"{self.path}: tensor '{name}' has {end - begin} bytes for shape {list(array.shape)}")
-        buffer, done = array.reshape(-1).view(np.uint8), 0
-        while done < array.nbytes:  # pread may return less than asked for
-            chunk = os.preadv(self._fd, [buffer[done:]], self._data_start + begin + done)
-            if chunk == 0:
-                raise ValueError(f"{self.path}: file ends inside tensor '{name}'")
-            done += chunk
-        return array
+        """The tensor, read from disk into a new (read-only) array."""
+        return self._file.get_tensor(name)
 
     def close(self) -> None:
-        os.close(self._fd)
+        self._slices.clear()
+        self._file.__exit__(None, None, None)
 
     def __enter__(self) -> "SafetensorsFile":
         return self

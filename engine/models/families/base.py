@@ -71,7 +71,7 @@ def rope_from_hf(params: dict, where: str) -> tuple[float, dict | None]:
 
 
 def rope_to_hf(scaling) -> dict | None:
-    """config.json's `rope_scaling` of a ModelConfig.rope_scaling (a RopeScaling or None)."""
+    """config.json's `rope_scaling` (transformers 4) of a ModelConfig.rope_scaling (a RopeScaling or None)."""
     if scaling is None:
         return None
     if scaling.kind == "linear":
@@ -79,6 +79,11 @@ def rope_to_hf(scaling) -> dict | None:
     return {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
             "high_freq_factor": scaling.high_freq_factor,
             "original_max_position_embeddings": scaling.original_max_position}
+
+
+def rope_parameters_to_hf(theta: float, scaling) -> dict:
+    """transformers 5's `rope_parameters`: the RoPE type, base and scaling in one dict."""
+    return {**(rope_to_hf(scaling) or {"rope_type": "default"}), "rope_theta": theta}
 
 
 def parse_layer_types(types: list[str], num_layers: int, where: str) -> list[bool]:
@@ -131,6 +136,9 @@ class Family:
     """The config.json key export writes the activation under."""
     unsupported_flags: ClassVar[tuple[str, ...]] = ("attention_bias", "mlp_bias", "use_bidirectional_attention")
     """config.json keys that must not be true: the engine has no such layers."""
+    hf_constants: ClassVar[dict[str, Any]] = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
+    """config.json keys the transformers class writes whose value is the same for every model
+    the engine runs (flags of layers it does not have). Only keys the class defines."""
 
     # ----------------------------------------------------------------- config.json -> fields
 
@@ -190,22 +198,26 @@ class Family:
     # ----------------------------------------------------------------- ModelConfig -> config.json
 
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
-        """config.json of `cfg` in the keys published checkpoints use (read by transformers 4
-        and 5). Fields the family cannot express are caught by the caller's round trip."""
-        activation = {v: k for k, v in ACTIVATIONS.items() if k != "gelu_new"}[cfg.activation]
+        """config.json of `cfg`: every key transformers 5 writes for the class (tests/
+        test_hf_parity.py compares), plus the older keys transformers 4 reads (`rope_theta`,
+        `rope_scaling`). Fields the family cannot express are caught by the caller's round trip."""
         hf: dict[str, Any] = {
             "architectures": [self.architecture], "model_type": self.model_type, "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
             "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
             "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+            "rope_parameters": rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling),
             "rope_theta": cfg.rope_theta, "rope_scaling": rope_to_hf(cfg.rope_scaling),
             "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
-            "attention_dropout": 0.0, "use_cache": True, self.activation_key: activation,
+            "attention_dropout": 0.0, "use_cache": True, self.activation_key: self.activation_to_hf(cfg),
+            **self.hf_constants,
         }
-        if "attention_bias" in self.unsupported_flags:
-            hf["attention_bias"] = False
         hf.update(self.extra_hf_keys(cfg))
         return hf
+
+    def activation_to_hf(self, cfg: ModelConfig) -> str:
+        """config.json's activation name of ModelConfig.activation."""
+        return {v: k for k, v in ACTIVATIONS.items() if k != "gelu_new"}[cfg.activation]
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         """config.json keys only this family writes."""

@@ -13,9 +13,11 @@ from typing import Any
 from engine.config import ConfigError
 from engine.models.families.base import (
     LAYER, Family, TensorSpec, layer_types_to_hf, qk_norm_tensors, register_family, rope_from_hf,
+    rope_parameters_to_hf,
 )
 
 _GEMMA = {"norm_zero_centered": True, "scale_embeddings": True}
+_FLAGS = {"attention_bias": False, "use_bidirectional_attention": None}
 
 
 @register_family
@@ -25,10 +27,15 @@ class Gemma(Family):
     model_type = "gemma"
     fixed = _GEMMA
     hf_defaults = {"max_position_embeddings": 8192, "tie_word_embeddings": True}
+    hf_constants = _FLAGS
 
     def activation_from_hf(self, hf: dict) -> str:
         name = super().activation_from_hf(hf)
         return "gelu_pytorch_tanh" if name == "gelu" else name  # old Gemma configs; transformers reads tanh
+
+    def extra_hf_keys(self, cfg) -> dict[str, Any]:
+        # transformers 5 reads hidden_act; transformers 4's GemmaMLP reads hidden_activation.
+        return {"hidden_activation": self.activation_to_hf(cfg)}
 
 
 @register_family
@@ -40,6 +47,7 @@ class Gemma2(Family):
     hf_defaults = {"max_position_embeddings": 8192, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
                    "sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
     activation_key = "hidden_activation"
+    hf_constants = _FLAGS
 
     def layer_types(self, hf: dict, num_layers: int) -> list[str]:
         if hf.get("layer_types") is not None:
@@ -77,6 +85,7 @@ class Gemma3(Gemma2):
     fixed = {**Gemma2.fixed, "qk_norm": True}
     hf_defaults = {"max_position_embeddings": 131072, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
                    "sliding_window": 4096, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
+    hf_constants = {**_FLAGS, "use_bidirectional_attention": False}
 
     def layer_types(self, hf: dict, num_layers: int) -> list[str]:
         if hf.get("layer_types") is not None:
@@ -100,7 +109,15 @@ class Gemma3(Gemma2):
         return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": local_theta}
 
     def extra_hf_keys(self, cfg) -> dict[str, Any]:
-        return {**super().extra_hf_keys(cfg), "rope_local_base_freq": cfg.rope_local_theta or cfg.rope_theta}
+        local_theta = cfg.rope_local_theta or cfg.rope_theta
+        keys = {**super().extra_hf_keys(cfg), "rope_local_base_freq": local_theta,  # transformers 4
+                "rope_parameters": {"full_attention": rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling),
+                                    "sliding_attention": rope_parameters_to_hf(local_theta, None)}}
+        # The older key for the layer pattern: n-1 local layers then a global one, if it is that.
+        period = len(cfg.attention_pattern)
+        if cfg.attention_pattern == ["local"] * (period - 1) + ["global"]:
+            keys.update(sliding_window_pattern=period, _sliding_window_pattern=period)
+        return keys
 
     def extra_attention_tensors(self) -> list[TensorSpec]:
         return qk_norm_tensors()

@@ -13,6 +13,7 @@ class Mistral(Family):
     architecture = "MistralForCausalLM"
     model_type = "mistral"
     hf_defaults = {"max_position_embeddings": 131072, "tie_word_embeddings": False}
+    hf_constants = {}  # MistralConfig has no bias flags: its layers never have biases
 
     def layer_types(self, hf: dict, num_layers: int) -> list[str]:
         # A window applies to every layer; `layer_types` is not a Mistral key.

@@ -11,7 +11,7 @@ from typing import Any
 
 from engine.models.families.base import LAYER, Family, TensorSpec, layer_types_to_hf, qk_norm_tensors, register_family
 
-_DEFAULTS = {"max_position_embeddings": 32768, "tie_word_embeddings": False}
+_DEFAULTS = {"max_position_embeddings": 32768, "tie_word_embeddings": False, "max_window_layers": 28}
 
 
 class _Qwen(Family):
@@ -21,13 +21,14 @@ class _Qwen(Family):
         if hf.get("layer_types") is not None:
             return hf["layer_types"]
         if hf.get("use_sliding_window"):  # the layers from max_window_layers on
-            first = hf.get("max_window_layers", 28)
+            first = self.hf_value(hf, "max_window_layers")
             return ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
         return ["full_attention"] * num_layers
 
     def extra_hf_keys(self, cfg) -> dict[str, Any]:
+        # Without a window, max_window_layers means nothing: transformers writes its default.
         is_local = cfg.layer_is_local()
-        first_local = is_local.index(True) if any(is_local) else cfg.num_layers
+        first_local = is_local.index(True) if any(is_local) else self.hf_defaults["max_window_layers"]
         return {**layer_types_to_hf(cfg), "use_sliding_window": any(is_local), "max_window_layers": first_local}
 
 
@@ -38,6 +39,7 @@ class Qwen2(_Qwen):
     model_type = "qwen2"
     fixed = {"qkv_bias": True}
     unsupported_flags = ()  # its q/k/v biases are the architecture, not a flag to refuse
+    hf_constants = {}  # Qwen2Config has no bias flags
 
     def extra_attention_tensors(self) -> list[TensorSpec]:
         return [TensorSpec(("attn", f"b{x}_{'nh' if x == 'q' else 'kh'}"), LAYER + f"self_attn.{x}_proj.bias",
@@ -50,6 +52,7 @@ class Qwen3(_Qwen):
     architecture = "Qwen3ForCausalLM"
     model_type = "qwen3"
     fixed = {"qk_norm": True}
+    hf_constants = {"attention_bias": False}
 
     def extra_attention_tensors(self) -> list[TensorSpec]:
         return qk_norm_tensors()
