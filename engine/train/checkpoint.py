@@ -260,23 +260,29 @@ def stored_configs(directory: str | Path, step: int | None = None) -> tuple[Mode
     return ModelConfig.model_validate(meta["model"]), ComputeConfig.model_validate(meta["compute"])
 
 
-def load_params(directory: str | Path, abstract_params=None, step: int | None = None) -> tuple[ModelConfig, Any, int]:
+def load_params(directory: str | Path, abstract_params=None, step: int | None = None, *,
+                as_numpy: bool = False) -> tuple[ModelConfig, Any, int]:
     """Params of the latest checkpoint in `directory`: (model config, params, step).
 
     `abstract_params` (ShapeDtypeStructs with shardings) places them on a mesh, in the dtypes
     asked for; by default they are restored with the shapes and dtypes they were saved with,
-    on this process's first device, whatever devices or processes saved them.
+    on this process's first device, whatever devices or processes saved them. `as_numpy`
+    restores host numpy arrays instead (export: no device copy, no topology).
     """
     step, meta = read_meta(directory, step)
     model_cfg = ModelConfig.model_validate(meta["model"])
-    if abstract_params is None:
-        here = SingleDeviceSharding(jax.local_devices()[0])
-        abstract_params = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here),
-            abstract_model_params(model_cfg, ComputeConfig.model_validate(meta["compute"]), mesh=None))
     manager = ocp.CheckpointManager(
         Path(directory).absolute(), item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True)
     )
-    restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract_params)))
+    saved = abstract_model_params(model_cfg, ComputeConfig.model_validate(meta["compute"]), mesh=None)
+    if as_numpy:
+        restore_args = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype), saved)
+        args = ocp.args.PyTreeRestore(item=saved, restore_args=restore_args)
+    else:
+        if abstract_params is None:
+            here = SingleDeviceSharding(jax.local_devices()[0])
+            abstract_params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=here), saved)
+        args = ocp.args.StandardRestore(abstract_params)
+    restored = manager.restore(step, args=ocp.args.Composite(params=args))
     manager.close()
     return model_cfg, restored.params, step

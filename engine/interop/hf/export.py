@@ -61,7 +61,7 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: st
     hf_meta = meta.get("hf") or {}
     token_ids = hf_meta.get("token_ids") or {}
     hf_config = model_config_to_hf(cfg, token_ids, param_dtype=compute.param_dtype)
-    _, params, step = load_params(checkpoint_dir, step=step)  # in the layout it was saved in
+    _, params, step = load_params(checkpoint_dir, step=step, as_numpy=True)  # host arrays, as saved
 
     def leaf(spec: TensorSpec, layer: int | None) -> np.ndarray:
         if layer is None:
