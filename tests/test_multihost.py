@@ -1,0 +1,125 @@
+"""More than one process on this machine: jax.distributed on 127.0.0.1 with gloo collectives.
+
+A stage's result must not depend on how many processes computed it: every process builds the
+same global batch and places the rows its devices hold, so 1 x 4, 2 x 2 and 4 x 1
+(processes x devices) give the same losses and parameters whichever mesh axes span the
+processes; SIGTERM delivered to the ranks at different times stops them at one agreed step.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from engine.data.shards import write_dataset
+from engine.train.checkpoint import load_params
+from tasks.launch import LauncherSpec, child_env, commands, run_child
+
+pytestmark = pytest.mark.slow
+
+STEPS = 30
+MESH_2x2 = {"data": 2, "fsdp": 1, "tensor": 2}
+# processes x devices per process -> the mesh; every axis of size > 1 spans processes somewhere.
+LAYOUTS = {"1x4": (1, 4, MESH_2x2), "2x2": (2, 2, MESH_2x2), "4x1": (4, 1, {"data": 1, "fsdp": 2, "tensor": 2})}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    """Standard-library sources as byte tokens: enough documents that packing mixes them."""
+    out = tmp_path_factory.mktemp("bytes")
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:60]
+    docs = [np.concatenate([np.frombuffer(Path(p).read_bytes(), np.uint8).astype(np.int32)[:3000], [256]])
+            for p in files]
+    write_dataset(out, {"train": docs[:-8], "validation": docs[-8:]}, vocab_size=257, eos_id=256)
+    return out
+
+
+def write_config(out: Path, dataset: Path, mesh: dict) -> Path:
+    cfg = {"model": {"preset": "tiny", "vocab_size": 260, "max_seq_len": 64}, "mesh": mesh, "steps": STEPS,
+           "log_every": 1, "data": {"path": str(dataset), "seq_len": 32, "batch_size": 8, "eval_batches": 1},
+           "checkpoint": {"directory": str(out / "checkpoint"), "every_steps": 1000, "async_save": False},
+           "metrics_dir": str(out), "progress": False, "optimizer": {"learning_rate": 1e-2}}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train.yaml").write_text(yaml.safe_dump(cfg))
+    return out / "train.yaml"
+
+
+def launcher(processes: int, devices: int) -> LauncherSpec:
+    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    return LauncherSpec(kind="local-multi", processes=processes, env=env) if processes > 1 else LauncherSpec(env=env)
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def params(out: Path) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(load_params(out / "checkpoint", as_numpy=True)[1])]
+
+
+@pytest.fixture(scope="module")
+def layouts(dataset, tmp_path_factory) -> dict[str, Path]:
+    runs = {}
+    for name, (processes, devices, mesh) in LAYOUTS.items():
+        out = tmp_path_factory.mktemp(name)
+        config = write_config(out, dataset, mesh)
+        run_child([sys.executable, "-m", "engine.train", str(config)], launcher=launcher(processes, devices),
+                  log=lambda line: None)
+        runs[name] = out
+    return runs
+
+
+def test_pretraining_does_not_depend_on_the_process_layout(layouts):
+    reference = losses(layouts["1x4"])
+    assert len(reference) == STEPS and reference[-1] < reference[0]
+    for name in ("2x2", "4x1"):
+        np.testing.assert_allclose(losses(layouts[name]), reference, rtol=1e-6, err_msg=name)
+        for ours, theirs in zip(params(layouts[name]), params(layouts["1x4"])):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_a_checkpoint_four_processes_saved_loads_on_whatever_devices_are_here(layouts):
+    model_cfg, restored, step = load_params(layouts["4x1"] / "checkpoint")  # one device of this process
+    assert step == STEPS and model_cfg.vocab_size == 260
+    leaf = jax.tree.leaves(restored)[0]
+    assert leaf.sharding.device_set == {jax.local_devices()[0]}
+
+
+def test_sigterm_to_two_ranks_a_second_apart_saves_once_and_the_resume_is_bitwise_equal(dataset, layouts, tmp_path):
+    processes, devices, mesh = LAYOUTS["2x2"]
+    config = write_config(tmp_path, dataset, mesh)
+    argv = [sys.executable, "-m", "engine.train", str(config)]
+    ranks = [subprocess.Popen(rank_argv, env=child_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for rank_argv, env in commands(launcher(processes, devices), argv)]
+    try:
+        deadline = time.time() + 180
+        while not (tmp_path / "metrics.jsonl").is_file() or len(losses(tmp_path)) < 5:
+            assert time.time() < deadline and all(r.poll() is None for r in ranks), "the run did not get going"
+            time.sleep(0.1)
+        ranks[0].send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        ranks[1].send_signal(signal.SIGTERM)
+        codes = [r.wait(timeout=60) for r in ranks]
+    finally:
+        for r in ranks:
+            r.kill()
+    assert codes == [143, 143], [r.stdout.read()[-2000:] for r in ranks]
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoint").iterdir() if p.name.isdigit())
+    assert len(saved) == 1 and 5 <= saved[0] < STEPS, saved  # one agreed step, saved once
+
+    run_child(argv, launcher=launcher(processes, devices), log=lambda line: None)  # resume to the end
+    assert losses(tmp_path) == losses(layouts["2x2"])
+    for ours, theirs in zip(params(tmp_path), params(layouts["2x2"])):
+        np.testing.assert_array_equal(ours, theirs)
