@@ -123,3 +123,68 @@ def test_sigterm_to_two_ranks_a_second_apart_saves_once_and_the_resume_is_bitwis
     assert losses(tmp_path) == losses(layouts["2x2"])
     for ours, theirs in zip(params(tmp_path), params(layouts["2x2"])):
         np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.fixture(scope="module")
+def copy_task(tmp_path_factory) -> Path:
+    """A random 2-layer checkpoint artifact, a character tokenizer, prompts and SFT examples."""
+    from flax import nnx
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    from engine.data.tokenizer import TokenizerBundle, save_tokenizer
+    from engine.models.config import ModelConfig
+    from engine.models.transformer import Transformer
+    from engine.train.checkpoint import Checkpointer
+
+    out = tmp_path_factory.mktemp("copy_task")
+    digits = [str(d) for d in range(10)]
+    tok = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, **{d: i + 2 for i, d in enumerate(digits)}, "=": 12},
+                                     unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<pad>", "<eos>"])
+    save_tokenizer(TokenizerBundle(tok, eos_token="<eos>", pad_token="<pad>"), out / "tokenizer")
+    cfg = ModelConfig(vocab_size=16, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
+                      max_seq_len=16)
+    checkpointer = Checkpointer(out / "checkpoint", async_save=False)
+    checkpointer.save(0, nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1]),
+                      {"unused": np.zeros((), np.int32)}, {"step": 0, "model": cfg.model_dump(mode="json")}, {})
+    checkpointer.close()
+    (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{d}=", "answer": d}) + "\n" for d in digits))
+    (out / "sft.jsonl").write_text("".join(json.dumps({"prompt": f"{d}=", "completion": d}) + "\n" for d in digits))
+    return out
+
+
+@pytest.mark.parametrize("stage", ["sft", "grpo"])
+def test_fine_tuning_on_two_processes_equals_one(copy_task, tmp_path, stage):
+    """SFT's packed rows and held-out loss, GRPO's rollouts (sampled on every process from the
+    same seed), rewards and updates: the same on 2 processes x 1 device as on 1 x 2."""
+    results = {}
+    for processes, devices in ((1, 2), (2, 1)):
+        out = tmp_path / f"{processes}x{devices}"
+        cfg = {"checkpoint": {"init_from": str(copy_task / "checkpoint"), "directory": str(out / "checkpoint"),
+                              "every_steps": 100, "async_save": False},
+               "tokenizer": str(copy_task / "tokenizer"), "metrics_dir": str(out), "progress": False,
+               "mesh": {"data": 2}, "log_every": 1}
+        if stage == "grpo":
+            cfg.update(data={"path": str(copy_task / "prompts.jsonl")}, optimizer={"learning_rate": 2e-2}, steps=3,
+                       rewards=[{"function": "exact_match", "kwargs": {"pattern": r"^(\d)"}}], prompts_per_step=4,
+                       num_generations=4, max_prompt_length=2, max_completion_length=2)
+        else:
+            cfg.update(data={"path": str(copy_task / "sft.jsonl"), "seq_len": 8, "batch_size": 4, "eval_fraction": 0.2},
+                       steps=4, eval_every=2)
+        out.mkdir()
+        (out / "run.yaml").write_text(yaml.safe_dump(cfg))
+        run_child([sys.executable, "-m", f"engine.posttrain.{stage}", str(out / "run.yaml")],
+                  launcher=launcher(processes, devices), log=lambda line: None)
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        timings = ("_seconds", "tokens_per_second", "tflops_per_device", "mfu")
+        results[processes] = ([{k: v for k, v in r.items() if not k.endswith(timings)} for r in records], params(out))
+    (one, one_params), (two, two_params) = results[1], results[2]
+    assert [r["step"] for r in one] == [r["step"] for r in two] and len(one) >= 3
+    for a, b in zip(one, two):
+        assert a.keys() == b.keys()
+        values = [[np.nan if r[k] is None else r[k] for k in sorted(r)] for r in (a, b)]  # None: not finite
+        np.testing.assert_allclose(*values, rtol=1e-6, atol=1e-7)
+    for a, b in zip(one_params, two_params):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -34,7 +34,7 @@ from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.kv_cache import KVCache
 from engine.models.params import graphdef_of
 from engine.ops.partitioning import use_mesh
-from engine.parallel.mesh import batch_sharding, replicated
+from engine.parallel.mesh import batch_sharding, global_array, replicated, to_host
 
 NEG_INF = -jnp.inf
 
@@ -156,7 +156,10 @@ class Sampler:
 
     def _function(self, settings: tuple):
         if settings not in self._compiled:
-            fn = functools.partial(sample, self.graphdef, **dict(settings))
+            def fn(params, tokens, mask, key_data, *rest):
+                return sample(self.graphdef, params, tokens, mask, jax.random.wrap_key_data(key_data), *rest,
+                              **dict(settings))
+
             if self.mesh is None:
                 self._compiled[settings] = jax.jit(fn)
             else:
@@ -180,12 +183,14 @@ class Sampler:
             prompt_mask_bp = np.concatenate([prompt_mask_bp, np.repeat(prompt_mask_bp[-1:], extra, 0)])
         rng = jax.random.key(seed) if isinstance(seed, int) else seed
         settings = (("max_new_tokens", int(max_new_tokens)), ("top_k", int(top_k)), ("top_p", float(top_p)))
-        eos = np.asarray(list(eos_ids) or [-1], np.int32)
+        args = (prompt_tokens_bp, prompt_mask_bp, jax.random.key_data(rng), np.float32(temperature),
+                np.asarray(list(eos_ids) or [-1], np.int32), np.int32(pad_id))
+        if self.mesh is not None:  # global arrays, so any process layout works (every process holds all rows)
+            rows, scalar = batch_sharding(self.mesh), replicated(self.mesh)
+            args = tuple(global_array(a, rows if i < 2 else scalar) for i, a in enumerate(args))
         with use_mesh(self.mesh):
-            out = self._function(settings)(params, prompt_tokens_bp, prompt_mask_bp, rng,
-                                           np.float32(temperature), eos, np.int32(pad_id))
-        out = jax.device_get(out)
-        return SampleOutput(**{k: np.asarray(v)[:batch] for k, v in out.items()})
+            out = self._function(settings)(params, *args)
+        return SampleOutput(**{k: to_host(v)[:batch] for k, v in out.items()})
 
 
 # --------------------------------------------------------------------------- text in, text out

@@ -1,4 +1,4 @@
-"""The device mesh of a run and the shardings of its batches.
+"""The device mesh of a run, the shardings of its batches, and host values <-> global arrays.
 
 `make_mesh` lays the devices out as (data, fsdp, tensor); a size of -1 takes the devices the
 other axes leave. Batches are global arrays whose rows are split over (data, fsdp).
@@ -11,7 +11,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
-from jax.experimental import mesh_utils
+from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from engine.config import ConfigError
@@ -51,3 +51,17 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+def global_array(value, sharding: NamedSharding) -> jax.Array:
+    """A global array from a host value that every process holds in full: each process places
+    the slices its devices hold, whatever the mesh and however many processes share it."""
+    value = np.asarray(value)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """A global array as a host numpy array, the whole of it on every process."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

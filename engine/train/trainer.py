@@ -27,7 +27,7 @@ from engine.config import ConfigError
 from engine.models.params import abstract_model_params, graphdef_of, init_params
 from engine.ops.partitioning import use_mesh
 from engine.parallel.distributed import preemption_agreed
-from engine.parallel.mesh import batch_sharding, make_mesh, replicated
+from engine.parallel.mesh import batch_sharding, global_array, make_mesh, replicated
 from engine.train.checkpoint import Checkpointer, load_params, stored_configs
 from engine.train.config import TrainConfig
 from engine.train.optimizer import make_optimizer
@@ -185,8 +185,7 @@ class Trainer:
         """Global arrays from the whole batch, which every process holds: each process places
         only the rows (and, where an axis spans processes, the slices) its devices hold, so
         the result does not depend on the layout."""
-        return {k: jax.make_array_from_callback(v.shape, self.batch_sharding, lambda index, v=v: v[index])
-                for k, v in batch.items()}
+        return {k: global_array(v, self.batch_sharding) for k, v in batch.items()}
 
     # -- state
     def init_state(self) -> TrainState:
