@@ -39,7 +39,10 @@ from engine.contract import MANIFEST
 from engine.inference.options import add_sampling_arguments
 from flows.inspect import format_lineage, format_table, lineage, list_rows, status_rows
 from flows.spec import load_plan
-from tasks.artifacts import ArtifactError, ArtifactStore, artifact_id, resolve_artifact, verify_artifact
+from tasks.artifacts import (
+    ArtifactError, ArtifactStore, artifact_id, resolve_artifact, split_artifact_url, verify_artifact,
+)
+from tasks.objectstore import is_url
 from tasks.launch import StageFailed, terminate_children
 from tasks.registry import StageHooks, get_stage_kind
 from tasks.runner import StageJob, execute_stage
@@ -118,9 +121,9 @@ def cmd_status(args) -> int:
     plan = load_plan(args.pipeline, args.overrides, args.store)
     rows = status_rows(plan)
     if args.json:
-        print(json.dumps({"pipeline": plan.name, "store": str(plan.store.root), "stages": rows}, indent=2))
+        print(json.dumps({"pipeline": plan.name, "store": plan.store.url, "stages": rows}, indent=2))
     else:
-        print(f"pipeline {plan.name}  store {plan.store.root}")
+        print(f"pipeline {plan.name}  store {plan.store.url}")
         print(format_table(rows, ["stage", "task", "state", "artifact_id", "inputs", "finished_at"]))
     return 0
 
@@ -135,15 +138,28 @@ def cmd_lineage(args) -> int:
 
 def cmd_verify(args) -> int:
     directory = resolve_artifact(args.artifact, _store_arg(args))
-    problems = verify_artifact(directory)
+    remote_store = _store_of(args)
+    problems = remote_store.verify(directory) if remote_store else verify_artifact(directory)
+    label = remote_store.location(directory.parent.name, directory.name) if remote_store else directory
     if problems:
-        print(f"FAILED {directory}", file=sys.stderr)
+        print(f"FAILED {label}", file=sys.stderr)
         for problem in problems:
             print(f"  {problem}", file=sys.stderr)
         return 1
     files = (json.loads((directory / "artifact.json").read_text()).get("files") or {})
-    print(f"OK {directory} ({len(files)} files match their digests)")
+    print(f"OK {label} ({len(files)} files match their digests)")
     return 0
+
+
+def _store_of(args) -> ArtifactStore | None:
+    """The bucket store an artifact argument lives in (its URL's, or --store's for an id)."""
+    split = split_artifact_url(args.artifact)
+    if split is not None:
+        return ArtifactStore(split[0])
+    store = _store_arg(args)
+    if is_url(store) and not Path(args.artifact).expanduser().exists():
+        return ArtifactStore(store)
+    return None
 
 
 def cmd_ls(args) -> int:
@@ -152,7 +168,7 @@ def cmd_ls(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
     elif not rows:
-        print(f"no artifacts in {store.root}")
+        print(f"no artifacts in {store.url}")
     else:
         print(format_table(rows, ["stage", "id", "kind", "status", "size", "finished_at", "metrics"]))
     return 0

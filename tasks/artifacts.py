@@ -308,13 +308,33 @@ class ArtifactRef:
 
 
 class ArtifactStore:
-    """A directory of artifacts. Local paths only (object stores are future work)."""
+    """A directory of artifacts: a local path, or an s3:// / gs:// URL (tasks/objectstore.py).
+
+    On a URL, `root` is the local staging directory (cache) of that bucket prefix: stages run
+    against `artifact_dir` there, and `remote` moves the bytes to and from the bucket.
+    """
 
     def __init__(self, root: str | Path):
+        from tasks.objectstore import RemoteBackend, StoreAccessError, is_url
+
         root = str(root)
-        if "://" in root and not root.startswith("file://"):
-            raise ArtifactError(f"artifact store {root}: only local directories are supported so far")
-        self.root = Path(root.removeprefix("file://")).expanduser().absolute()
+        self.remote = None
+        if is_url(root):
+            try:
+                self.remote = RemoteBackend(root)
+            except StoreAccessError as e:
+                raise ArtifactError(str(e)) from None
+            self.root = self.remote.cache
+            self.url = self.remote.url
+        else:
+            self.root = Path(root.removeprefix("file://")).expanduser().absolute()
+            self.url = str(self.root)
+
+    def location(self, stage: str, artifact_id: str) -> str:
+        """Where an artifact lives, for humans: its URL on a bucket, else its directory."""
+        if self.remote is not None:
+            return self.remote.url_of(stage, artifact_id)
+        return str(self.artifact_dir(stage, artifact_id))
 
     def artifact_dir(self, stage: str, artifact_id: str) -> Path:
         return self.root / stage / artifact_id
@@ -322,6 +342,15 @@ class ArtifactStore:
     def state(self, stage: str, artifact_id: str) -> str:
         """complete | running (a live process holds its lock) | partial | failed | pending."""
         directory = self.artifact_dir(stage, artifact_id)
+        if self.remote is not None:
+            manifest = self.remote.read_manifest(stage, artifact_id)
+            if manifest and manifest.get("status") == COMPLETE:
+                return COMPLETE
+            if self.remote.lease(stage, artifact_id).is_held():
+                return RUNNING
+            if manifest and manifest.get("status") == FAILED:
+                return FAILED
+            return "partial" if manifest or self.remote.payload(stage, artifact_id) else "pending"
         if not directory.is_dir():
             return "pending"
         manifest = read_manifest(directory)
@@ -333,12 +362,28 @@ class ArtifactStore:
             return FAILED
         return "partial"
 
+    def manifest(self, stage: str, artifact_id: str) -> dict | None:
+        if self.remote is not None:
+            return self.remote.read_manifest(stage, artifact_id)
+        return read_manifest(self.artifact_dir(stage, artifact_id))
+
     def is_complete(self, stage: str, artifact_id: str) -> bool:
-        manifest = read_manifest(self.artifact_dir(stage, artifact_id))
+        manifest = self.manifest(stage, artifact_id)
         return bool(manifest and manifest.get("status") == COMPLETE and manifest.get("id") == artifact_id)
 
     def iter_artifacts(self) -> Iterator[tuple[Path, dict | None]]:
-        """(directory, manifest or None) for every artifact directory in the store."""
+        """(directory, manifest or None) for every artifact directory in the store.
+
+        On a bucket the directory is the local staging copy, which receives the manifest."""
+        if self.remote is not None:
+            for stage, artifact_id in self.remote.artifacts():
+                manifest = self.remote.read_manifest(stage, artifact_id)
+                directory = self.artifact_dir(stage, artifact_id)
+                if manifest is not None:
+                    directory.mkdir(parents=True, exist_ok=True)
+                    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+                yield directory, manifest
+            return
         if not self.root.is_dir():
             return
         for stage_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
@@ -349,7 +394,7 @@ class ArtifactStore:
         """The directory of an artifact given its id (or a unique prefix of it)."""
         matches = [d for d, _ in self.iter_artifacts() if d.name.startswith(artifact_id)]
         if not matches:
-            raise ArtifactError(f"no artifact with id '{artifact_id}' in store {self.root}")
+            raise ArtifactError(f"no artifact with id '{artifact_id}' in store {self.url}")
         if len({d.name for d in matches}) > 1:
             names = ", ".join(f"{d.parent.name}/{d.name}" for d in matches)
             raise ArtifactError(f"id prefix '{artifact_id}' is ambiguous in store {self.root}: {names}")
@@ -358,6 +403,8 @@ class ArtifactStore:
     def open_input(self, stage: str, artifact_id: str, verify: bool = True) -> ArtifactRef:
         """A complete artifact, its files re-checked against their digests; else ArtifactError."""
         directory = self.artifact_dir(stage, artifact_id)
+        if self.remote is not None:
+            return self._open_remote_input(stage, artifact_id, verify)
         manifest = read_manifest(directory)
         if manifest is None or manifest.get("status") != COMPLETE:
             raise ArtifactError(f"artifact {stage}/{artifact_id} is not complete ({directory})")
@@ -374,8 +421,71 @@ class ArtifactStore:
         return ArtifactRef(stage, artifact_id, directory, manifest)
 
 
+    def _open_remote_input(self, stage: str, artifact_id: str, verify: bool) -> ArtifactRef:
+        """Download a complete artifact into the cache (kept there: same id, same bytes) and
+        re-hash the local copy against the manifest; one fresh download if they differ."""
+        where = self.remote.url_of(stage, artifact_id)
+        manifest = self.remote.read_manifest(stage, artifact_id)
+        if manifest is None or manifest.get("status") != COMPLETE:
+            raise ArtifactError(f"artifact {stage}/{artifact_id} is not complete ({where})")
+        if manifest.get("id") != artifact_id:
+            raise ArtifactError(f"{where}/{MANIFEST}: records id {manifest.get('id')!r}, expected {artifact_id!r}")
+        directory = self.artifact_dir(stage, artifact_id)
+        lock = ArtifactLock(directory)  # one process fills a cache entry at a time
+        lock.acquire()
+        try:
+            self.remote.download(stage, artifact_id, directory)
+            problems = compare_files(directory, manifest.get("files", {})) if verify else []
+            if problems:
+                import shutil
+
+                shutil.rmtree(directory, ignore_errors=True)
+                directory.mkdir(parents=True, exist_ok=True)
+                self.remote.download(stage, artifact_id, directory)
+                problems = compare_files(directory, manifest.get("files", {}))
+            if problems:
+                shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+                raise ArtifactError(f"artifact {stage}/{artifact_id} changed since it was finished: {shown}. "
+                                    f"Run `trainflow verify {where}`; delete it to rebuild it")
+        finally:
+            lock.release()
+        os.utime(directory / MANIFEST)  # most recently used, for the cache's eviction
+        self.remote.evict(keep={directory})
+        return ArtifactRef(stage, artifact_id, directory, manifest)
+
+    def verify(self, directory: Path) -> list[str]:
+        """verify_artifact, streaming the bucket's objects when the store is on one."""
+        if self.remote is not None and Path(directory).parent.parent == self.root:
+            stage, artifact_id = Path(directory).parent.name, Path(directory).name
+            manifest = self.remote.read_manifest(stage, artifact_id)
+            where = self.remote.url_of(stage, artifact_id)
+            if manifest is None:
+                return [f"{where}: no readable {MANIFEST}"]
+            if manifest.get("status") != COMPLETE:
+                return [f"{where}: status is {manifest.get('status')!r}, not complete"]
+            return self.remote.compare(stage, artifact_id, manifest.get("files", {}))
+        return verify_artifact(directory)
+
+
+def split_artifact_url(url: str) -> tuple[str, str, str] | None:
+    """`s3://b/prefix/stage/id[/artifact.json]` -> (store URL, stage, id); None if not a URL."""
+    from tasks.objectstore import is_url
+
+    if not is_url(url):
+        return None
+    parts = url.rstrip("/").removesuffix("/" + MANIFEST).rsplit("/", 2)
+    if len(parts) != 3 or "://" not in parts[0] or parts[0].endswith(":/"):
+        return None
+    return parts[0], parts[1], parts[2]
+
+
 def resolve_artifact(path_or_id: str, store: str | Path | None) -> Path:
-    """An artifact directory from a path (to the directory or its artifact.json) or an id."""
+    """An artifact directory from a path (to the directory or its artifact.json), an artifact
+    URL on a bucket, or an id; a bucket's artifacts resolve to their local staging copy."""
+    split = split_artifact_url(path_or_id)
+    if split is not None:
+        remote_store = ArtifactStore(split[0])
+        return remote_store.find(split[2])
     candidate = Path(path_or_id).expanduser()
     if candidate.name == MANIFEST:
         candidate = candidate.parent

@@ -105,24 +105,33 @@ def execute_stage(job: StageJob, store: ArtifactStore, hooks: StageHooks | None 
         return StageResult(job.stage, job.task, job.artifact_id, out_dir, status, manifest.get("metrics") or {},
                            time.perf_counter() - start, work_seconds)
 
+    where = store.location(job.stage, job.artifact_id)
+    remote = store.remote
     if store.is_complete(job.stage, job.artifact_id):
-        hooks.log(f"skipped: {job.stage} is complete at {out_dir}")
-        return done(SKIPPED, read_manifest(out_dir) or {})
+        hooks.log(f"skipped: {job.stage} is complete at {where}")
+        return done(SKIPPED, store.manifest(job.stage, job.artifact_id) or {})
 
-    lock = ArtifactLock(out_dir)
+    lock = ArtifactLock(out_dir)  # on a bucket: the local staging directory's lock ...
     lock.acquire(on_wait=hooks.log)
+    lease = None
     try:
+        if remote is not None:  # ... and the bucket's lease, for runs on other machines
+            lease = remote.lease(job.stage, job.artifact_id, (run_info or {}).get("flow_run_id"))
+            lease.acquire(on_wait=hooks.log)
         if store.is_complete(job.stage, job.artifact_id):  # another run finished it while we waited
-            hooks.log(f"skipped: {job.stage} was completed by another run at {out_dir}")
-            return done(SKIPPED, read_manifest(out_dir) or {})
+            hooks.log(f"skipped: {job.stage} was completed by another run at {where}")
+            return done(SKIPPED, store.manifest(job.stage, job.artifact_id) or {})
         inputs = {}
         for name, (stage, artifact_id) in job.inputs.items():
             try:
                 inputs[name] = store.open_input(stage, artifact_id)
             except ArtifactError as e:
                 raise ArtifactError(f"stage '{job.stage}': input '{name}': {e}") from None
+        if remote is not None:  # a partial artifact on the bucket: resume from its payload
+            out_dir.mkdir(parents=True, exist_ok=True)
+            remote.download(job.stage, job.artifact_id, out_dir, with_manifest=False)
         resumed = _has_partial_payload(out_dir)
-        previous = read_manifest(out_dir) or {}
+        previous = store.manifest(job.stage, job.artifact_id) or {}
         manifest = {
             "id": job.artifact_id,
             "kind": job.kind.output,
@@ -147,7 +156,9 @@ def execute_stage(job: StageJob, store: ArtifactStore, hooks: StageHooks | None 
             "prefect": run_info or {},
         }
         write_json_atomic(out_dir / MANIFEST, manifest)
-        hooks.log(f"{'resuming' if resumed else 'running'} {job.stage} ({job.task}) -> {out_dir}")
+        if remote is not None:
+            remote.write_manifest(job.stage, job.artifact_id, manifest)
+        hooks.log(f"{'resuming' if resumed else 'running'} {job.stage} ({job.task}) -> {where}")
         config = substitute_inputs(job.config, inputs, job.stage)
         ctx = StageContext(job.stage, config, inputs, out_dir, job.launcher, resumed, hooks)
         work_start = time.perf_counter()
@@ -156,9 +167,17 @@ def execute_stage(job: StageJob, store: ArtifactStore, hooks: StageHooks | None 
                 metrics = job.kind.run(ctx) or {}
             work_seconds = time.perf_counter() - work_start
             manifest.update(status=COMPLETE, metrics=metrics, files=digest_files(out_dir), finished_at=now_iso())
+            if remote is not None:  # the payload, then the manifest: one atomic PUT, last
+                remote.upload(out_dir, job.stage, job.artifact_id)
+                if lease.lost:
+                    raise ArtifactError(f"stage '{job.stage}': the lease on {where} expired and was taken over "
+                                        f"by another run; not committing")
+                remote.write_manifest(job.stage, job.artifact_id, manifest)
             write_json_atomic(out_dir / MANIFEST, manifest)  # last: from here on the artifact exists
         except BaseException as e:
             _record_failure(out_dir / MANIFEST, manifest, _classify(e, job.stage, out_dir), hooks)
+            if remote is not None and not (lease and lease.lost):
+                _upload_partial(remote, job, out_dir, hooks)
             raise
         hooks.progress(1.0)
         return done(RESUMED if resumed else RAN, manifest, work_seconds)
@@ -168,4 +187,18 @@ def execute_stage(job: StageJob, store: ArtifactStore, hooks: StageHooks | None 
             raise
         raise error from e
     finally:
+        if lease is not None:
+            lease.release()
         lock.release()
+
+
+def _upload_partial(remote, job: StageJob, out_dir: Path, hooks: StageHooks) -> None:
+    """A failed or interrupted stage on a bucket: upload what it has (committed checkpoint
+    steps included) and the `failed` manifest, so any machine resumes from there."""
+    try:
+        remote.upload(out_dir, job.stage, job.artifact_id)
+        manifest = read_manifest(out_dir)
+        if manifest is not None:
+            remote.write_manifest(job.stage, job.artifact_id, manifest)
+    except Exception as e:  # the original error matters more
+        hooks.log(f"could not upload the partial artifact to {remote.url_of(job.stage, job.artifact_id)}: {e}")

@@ -1,0 +1,223 @@
+"""The artifact store on s3:// against a real S3 protocol server (moto) on 127.0.0.1.
+
+One moto server per test session; every test uses its own bucket. The tiny pipeline runs
+end to end with `--store s3://...` through `trainflow` subprocesses that read the endpoint
+and credentials from the environment, as a user's would.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+
+moto_server = pytest.importorskip("moto.server")
+boto3 = pytest.importorskip("boto3")
+pytest.importorskip("s3fs")
+
+STEPS = 20
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory):
+    """A moto S3 server on a free loopback port, and the environment that points at it."""
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "TRAINFLOW_CACHE": str(tmp_path_factory.mktemp("s3-cache"))}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield env
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+_count = iter(range(10_000))
+
+
+@pytest.fixture
+def bucket(s3_endpoint) -> str:
+    name = f"trainflow-test-{next(_count)}-{os.getpid()}"
+    boto3.client("s3", endpoint_url=s3_endpoint["AWS_ENDPOINT_URL"]).create_bucket(Bucket=name)
+    return name
+
+
+def trainflow(*args, check: bool = True, env: dict | None = None, timeout: float = 600):
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    full_env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", *map(str, args)], cwd=REPO, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"trainflow {' '.join(map(str, args))} exited {proc.returncode}:\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def tiny_pipeline(directory: Path) -> Path:
+    """configs/pipelines/tiny.yaml with a smaller corpus (the step count is overridden on the CLI)."""
+    tree = yaml.safe_load((REPO / "configs/pipelines/tiny.yaml").read_text())
+    tree["stages"]["tokenize"]["config"]["sources"] = [{"format": "text", "path": "{stdlib}/[a-b]*.py"}]
+    tree["stages"]["tokenize"]["config"]["tokenizer"]["vocab_size"] = 300
+    tree["stages"]["pretrain"]["config"]["data"] = {"seq_len": 64, "batch_size": 8, "eval_batches": 2}
+    tree["stages"]["pretrain"]["config"]["eval_every"] = 10
+    tree["stages"]["pretrain"]["config"]["checkpoint"] = {"every_steps": 10, "async_save": False}
+    path = directory / "tiny.yaml"
+    path.write_text(yaml.safe_dump(tree, sort_keys=False))
+    return path
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def finished(prefect_server, s3_endpoint, tmp_path_factory):
+    name = f"trainflow-e2e-{os.getpid()}"
+    boto3.client("s3", endpoint_url=s3_endpoint["AWS_ENDPOINT_URL"]).create_bucket(Bucket=name)
+    store = f"s3://{name}/runs/x"
+    pipeline = tiny_pipeline(tmp_path_factory.mktemp("pipeline"))
+    proc = trainflow("run", pipeline, "--store", store, f"pretrain.steps={STEPS}")
+    return store, pipeline, proc
+
+
+def test_tiny_pipeline_on_s3_every_stage_complete(finished):
+    store, pipeline, _ = finished
+    status = json.loads(trainflow("status", pipeline, "--store", store, f"pretrain.steps={STEPS}", "--json").stdout)
+    assert status["store"] == store
+    assert {row["stage"]: row["state"] for row in status["stages"]} == {"tokenize": "complete", "pretrain": "complete"}
+    client = boto3.client("s3")
+    bucket, prefix = store.removeprefix("s3://").split("/", 1)
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]]
+    assert any("/checkpoint/" in k for k in keys), keys
+    assert not any(k.endswith(".lease") for k in keys), "leases are released"
+    listing = trainflow("ls", "--store", store).stdout
+    assert "tokenize" in listing and "pretrain" in listing and "complete" in listing
+
+
+def test_verify_and_lineage_on_s3(finished):
+    store, pipeline, _ = finished
+    rows = json.loads(trainflow("ls", "--store", store, "--json").stdout)
+    pretrain = next(r for r in rows if r["stage"] == "pretrain")
+    out = trainflow("verify", pretrain["id"], "--store", store).stdout
+    assert out.startswith(f"OK {store}/pretrain/{pretrain['id']}")
+    out = trainflow("verify", f"{store}/pretrain/{pretrain['id']}").stdout  # the artifact's URL works too
+    assert out.startswith("OK ")
+    text = trainflow("lineage", pretrain["id"][:6], "--store", store).stdout
+    assert "pretrain" in text and "tokenize" in text
+    tree = json.loads(trainflow("lineage", pretrain["id"], "--store", store, "--json").stdout)
+    assert tree["parents"][0]["stage"] == "tokenize" and tree["parents"][0]["status"] == "complete"
+
+
+def test_rerun_on_s3_skips_everything(finished):
+    store, pipeline, _ = finished
+    proc = trainflow("run", pipeline, "--store", store, f"pretrain.steps={STEPS}")
+    assert proc.stdout.count("skipped") >= 2, proc.stdout[-2000:]
+    assert "ran" not in {line.split()[2] for line in proc.stdout.splitlines()
+                         if line.split()[:1] in (["tokenize"], ["pretrain"]) and len(line.split()) > 2}
+
+
+def test_tampered_checkpoint_object_fails_verify(finished, tmp_path):
+    """Runs last in this module: it damages the store the tests above share."""
+    store, _, _ = finished
+    rows = json.loads(trainflow("ls", "--store", store, "--json").stdout)
+    pretrain = next(r for r in rows if r["stage"] == "pretrain")
+    bucket, prefix = store.removeprefix("s3://").split("/", 1)
+    client = boto3.client("s3")
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/pretrain/")["Contents"]]
+    victim = max((k for k in keys if "/checkpoint/" in k), key=lambda k: client.head_object(Bucket=bucket, Key=k)
+                 ["ContentLength"])
+    body = bytearray(client.get_object(Bucket=bucket, Key=victim)["Body"].read())
+    body[len(body) // 2] ^= 0xFF
+    client.put_object(Bucket=bucket, Key=victim, Body=bytes(body))
+    proc = trainflow("verify", pretrain["id"], "--store", store, check=False)
+    assert proc.returncode == 1
+    assert "sha256 differs" in proc.stderr and victim.rsplit("/checkpoint/", 1)[1] in proc.stderr
+
+
+# --------------------------------------------------------------------------- errors before compute
+
+
+def test_missing_bucket_is_one_line_before_compute(s3_endpoint, tmp_path):
+    pipeline = tiny_pipeline(tmp_path)
+    start = time.monotonic()
+    proc = trainflow("run", pipeline, "--store", "s3://no-such-bucket-here/x", check=False)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "s3://no-such-bucket-here/x" in lines[0] and "does not exist" in lines[0]
+    assert time.monotonic() - start < 60
+    for command in (("ls",), ("verify", "abc")):
+        proc = trainflow(*command, "--store", "s3://no-such-bucket-here/x", check=False)
+        assert proc.returncode == 1 and proc.stderr.strip().count("\n") == 0, proc.stderr
+
+
+def test_missing_credentials_is_one_line(s3_endpoint, bucket, tmp_path):
+    env = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+           "AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_EC2_METADATA_DISABLED": "true"}
+    proc = trainflow("ls", "--store", f"s3://{bucket}/x", check=False, env=env)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().count("\n") == 0 and f"s3://{bucket}/x" in proc.stderr, proc.stderr
+    assert "credentials" in proc.stderr
+
+
+# --------------------------------------------------------------------------- leases
+
+
+def test_second_lease_waits_then_expired_lease_is_taken_over(bucket):
+    from tasks.artifacts import ArtifactStore
+
+    store = ArtifactStore(f"s3://{bucket}/leases")
+    first = store.remote.lease("stage", "abc", "run-1")
+    second = store.remote.lease("stage", "abc", "run-2")
+    first.seconds = 3.0
+    assert first.acquire(blocking=False)
+    assert store.state("stage", "abc") == "running"
+    assert not second.try_acquire(), "the conditional create answers 412 to the second run"
+    messages = []
+    # The holder keeps renewing: the second run waits, and says who holds it.
+    waiter = threading.Thread(target=lambda: second.acquire(poll_seconds=0.2, on_wait=messages.append,
+                                                            wait_message_every=0.5))
+    waiter.start()
+    time.sleep(5)  # longer than the lease: renewals keep it
+    assert waiter.is_alive() and messages and "run-1" in messages[0]
+    # The holder dies without releasing (no more renewals): the lease expires and is taken over.
+    first._stop.set()
+    first._thread.join()
+    waiter.join(timeout=15)
+    assert not waiter.is_alive()
+    assert second.holder()["run_id"] == "run-2"
+    second.release()
+    assert second.holder() is None
+
+
+def test_lease_is_a_conditional_create(bucket):
+    """Two racers on one key: exactly one conditional create wins."""
+    from tasks.artifacts import ArtifactStore
+
+    store = ArtifactStore(f"s3://{bucket}/race")
+    leases = [store.remote.lease("s", "id", f"run-{i}") for i in range(8)]
+    results = [None] * len(leases)
+
+    def take(i):
+        results[i] = leases[i]._client_put(leases[i]._body(), if_none_match=True)
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(len(leases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(results) == 1
