@@ -183,7 +183,7 @@ def cmd_serve(args) -> int:
     run_pipeline.serve(
         name=args.name or plan.name,
         cron=args.cron,
-        parameters={"pipeline": str(Path(args.pipeline).resolve()), "store": str(plan.store.root),
+        parameters={"pipeline": str(Path(args.pipeline).resolve()), "store": plan.store.url,
                     "overrides": list(args.overrides)},
         description=f"trainflow pipeline {plan.name} ({args.pipeline})",
         tags=["trainflow", plan.name],
@@ -295,6 +295,20 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ArtifactError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
+    finally:
+        _finalize_arrow_s3()
+
+
+def _finalize_arrow_s3() -> None:
+    """pyarrow (loaded by data sources such as parquet) starts the AWS C++ SDK when the
+    environment names an S3 endpoint; left running at interpreter exit it aborts the process
+    ("FATAL: exception not rethrown"). Its public finalizer stops it first."""
+    fs = sys.modules.get("pyarrow.fs")
+    if fs is not None and hasattr(fs, "finalize_s3"):
+        try:
+            fs.finalize_s3()
+        except Exception:
+            pass
 
 
 if __name__ == "__main__":

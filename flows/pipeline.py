@@ -190,7 +190,7 @@ def _run_stage(plan: Plan, stage: str, reporter: Reporter) -> Any:
 
 def _execute(plan: Plan) -> dict[str, dict]:
     logger = get_run_logger()
-    logger.info(f"pipeline '{plan.name}': {len(plan.stages)} stages, store {plan.store.root}")
+    logger.info(f"pipeline '{plan.name}': {len(plan.stages)} stages, store {plan.store.url}")
     with observing(_api_url()) as reporter:
         summary = _run_stages(plan, reporter, logger)
         failed = [n for n, s in summary.items() if s["status"] in ("failed", "not run")]
@@ -336,7 +336,7 @@ def run_plan(plan: Plan, *, max_workers: int | None = None, raise_on_failure: bo
     api_url = _api_url()
     outcome = _Outcome()
     thread = threading.Thread(target=contextvars.copy_context().run, args=(outcome.run, flow_obj, spec,
-                              str(plan.store.root)), name=f"flow-{plan.name}", daemon=True)
+                              plan.store.url), name=f"flow-{plan.name}", daemon=True)
     with observing(api_url) as reporter:  # the flow engine's own log records too
         thread.start()
         try:
