@@ -42,8 +42,8 @@ from flows.spec import load_plan
 from tasks.artifacts import (
     ArtifactError, ArtifactStore, artifact_id, resolve_artifact, split_artifact_url, verify_artifact,
 )
-from tasks.objectstore import is_url
 from tasks.launch import StageFailed, terminate_children
+from tasks.objectstore import is_url
 from tasks.registry import StageHooks, get_stage_kind
 from tasks.runner import StageJob, execute_stage
 
@@ -295,20 +295,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ArtifactError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
-    finally:
-        _finalize_arrow_s3()
-
-
-def _finalize_arrow_s3() -> None:
-    """pyarrow (loaded by data sources such as parquet) starts the AWS C++ SDK when the
-    environment names an S3 endpoint; left running at interpreter exit it aborts the process
-    ("FATAL: exception not rethrown"). Its public finalizer stops it first."""
-    fs = sys.modules.get("pyarrow.fs")
-    if fs is not None and hasattr(fs, "finalize_s3"):
-        try:
-            fs.finalize_s3()
-        except Exception:
-            pass
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from engine.contract import MANIFEST
 
@@ -237,7 +238,7 @@ class RemoteBackend:
 
     # ------------------------------------------------------------------ leases
 
-    def lease(self, stage: str, artifact_id: str, run_id: str | None = None) -> "Lease":
+    def lease(self, stage: str, artifact_id: str, run_id: str | None = None) -> Lease:
         return Lease(self, self.key(stage, artifact_id, LEASE), run_id)
 
 
