@@ -134,7 +134,7 @@ class RemoteBackend:
     def payload(self, stage: str, artifact_id: str) -> dict[str, int]:
         """relative path -> size of every payload object of an artifact (no manifest, no lease)."""
         prefix = self.key(stage, artifact_id)
-        self.fs.invalidate_cache(prefix)
+        self.fs.invalidate_cache()  # all of it: s3fs keeps subdirectories' listings (ETags) apart
         try:
             found = self.fs.find(prefix, detail=True)
         except FileNotFoundError:

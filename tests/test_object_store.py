@@ -232,3 +232,34 @@ def test_lease_is_a_conditional_create(bucket):
     for t in threads:
         t.join()
     assert sum(results) == 1
+
+
+# --------------------------------------------------------------------------- consumers
+
+
+def test_consumer_downloads_into_cache_and_refuses_a_tampered_input(bucket, tmp_path):
+    import hashlib
+    import shutil
+
+    from tasks.artifacts import ArtifactError, ArtifactStore
+
+    store = ArtifactStore(f"s3://{bucket}/consumers")
+    payload = {"data/shard-0.bin": os.urandom(3000), "tokenizer.json": b'{"v": 1}'}
+    client = boto3.client("s3")
+    for rel, body in payload.items():
+        client.put_object(Bucket=bucket, Key=f"consumers/tokenize/abc/{rel}", Body=body)
+    manifest = {"id": "abc", "kind": "dataset", "stage": "tokenize", "status": "complete",
+                "files": {rel: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for rel, b in payload.items()}}
+    store.remote.write_manifest("tokenize", "abc", manifest)
+    assert store.is_complete("tokenize", "abc") and store.state("tokenize", "abc") == "complete"
+    ref = store.open_input("tokenize", "abc")
+    assert (ref.path / "data/shard-0.bin").read_bytes() == payload["data/shard-0.bin"]
+    assert ref.path.is_relative_to(store.root)
+    assert store.verify(ref.path) == []
+    # The bucket's object changes (same size): verify sees it, and a consumer without a
+    # cached copy refuses the input.
+    client.put_object(Bucket=bucket, Key="consumers/tokenize/abc/data/shard-0.bin", Body=os.urandom(3000))
+    assert "data/shard-0.bin: sha256 differs from the recorded digest" in store.verify(ref.path)
+    shutil.rmtree(ref.path)
+    with pytest.raises(ArtifactError, match="changed since it was finished"):
+        store.open_input("tokenize", "abc")
