@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import time
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from engine.contract import MANIFEST
+from tasks.objectstore import RemoteBackend, StoreAccessError, is_url
 
 LOCK = ".lock"
 ID_LENGTH = 16  # hex digits of sha256 kept in an id: 64 bits, plenty for one store
@@ -315,8 +317,6 @@ class ArtifactStore:
     """
 
     def __init__(self, root: str | Path):
-        from tasks.objectstore import RemoteBackend, StoreAccessError, is_url
-
         root = str(root)
         self.remote = None
         if is_url(root):
@@ -437,8 +437,6 @@ class ArtifactStore:
             self.remote.download(stage, artifact_id, directory)
             problems = compare_files(directory, manifest.get("files", {})) if verify else []
             if problems:
-                import shutil
-
                 shutil.rmtree(directory, ignore_errors=True)
                 directory.mkdir(parents=True, exist_ok=True)
                 self.remote.download(stage, artifact_id, directory)
@@ -469,8 +467,6 @@ class ArtifactStore:
 
 def split_artifact_url(url: str) -> tuple[str, str, str] | None:
     """`s3://b/prefix/stage/id[/artifact.json]` -> (store URL, stage, id); None if not a URL."""
-    from tasks.objectstore import is_url
-
     if not is_url(url):
         return None
     parts = url.rstrip("/").removesuffix("/" + MANIFEST).rsplit("/", 2)

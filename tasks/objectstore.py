@@ -21,6 +21,7 @@ AWS_ACCESS_KEY_ID, ... ; the libraries' own config files), never from a pipeline
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -32,6 +33,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import fsspec
 
 from engine.contract import MANIFEST
 
@@ -49,8 +52,6 @@ def is_url(root: str) -> bool:
 
 
 def _filesystem(url: str):
-    import fsspec
-
     protocol = url.split("://", 1)[0]
     try:
         return fsspec.filesystem(protocol, **_options(protocol))
@@ -243,8 +244,6 @@ class RemoteBackend:
 
 
 def _locked(path: Path) -> bool:
-    import fcntl
-
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
