@@ -263,3 +263,62 @@ def test_consumer_downloads_into_cache_and_refuses_a_tampered_input(bucket, tmp_
     shutil.rmtree(ref.path)
     with pytest.raises(ArtifactError, match="changed since it was finished"):
         store.open_input("tokenize", "abc")
+
+
+# --------------------------------------------------------------------------- the runner on a bucket
+
+
+def _toy_plan(store: str, trace: Path, **a_config):
+    import tests.pipeline_toys  # noqa: F401  (registers the toy stage kinds)
+    from flows.spec import Pipeline
+
+    p = Pipeline("toy", store=store)
+    p.stage("a", task="toy-source", config={"value": 2, "trace": str(trace), **a_config})
+    p.stage("b", task="toy-sum", inputs={"a": "a"}, config={"value": 3, "trace": str(trace)})
+    return p.plan()
+
+
+def test_failed_stage_uploads_its_partial_payload_and_resumes_elsewhere(bucket, tmp_path):
+    import shutil
+
+    from tasks.runner import RAN, RESUMED, SKIPPED, execute_stage
+
+    plan = _toy_plan(f"s3://{bucket}/toys", tmp_path / "trace", fail_times=1)
+    job = plan.stages["a"].job
+    out = plan.store.artifact_dir("a", job.artifact_id)
+    out.mkdir(parents=True)
+    (out / "shard-00000.partial").write_text("work done before the failure")
+    with pytest.raises(RuntimeError, match="planned failure 1 of 1"):
+        execute_stage(job, plan.store)
+    assert plan.store.state("a", job.artifact_id) == "failed"
+    assert plan.store.remote.payload("a", job.artifact_id) == {"shard-00000.partial": 28}
+    shutil.rmtree(plan.store.root)  # another machine: nothing staged locally
+    assert execute_stage(job, plan.store).status == RESUMED
+    manifest = plan.store.manifest("a", job.artifact_id)
+    assert manifest["status"] == "complete" and manifest["attempts"] == 2
+    assert set(manifest["files"]) == {"shard-00000.partial", "value.json"}
+    shutil.rmtree(plan.store.root)
+    assert execute_stage(plan.stages["b"].job, plan.store).status == RAN  # its input comes from the bucket
+    assert plan.store.manifest("b", plan.stages["b"].job.artifact_id)["metrics"] == {"value": 5}
+    assert execute_stage(plan.stages["b"].job, plan.store).status == SKIPPED
+
+
+def test_two_concurrent_runs_on_a_bucket_do_the_work_once(bucket, tmp_path, monkeypatch):
+    """Two 'machines' (separate staging caches, so no shared flock): only the lease orders them."""
+    from tasks.runner import RAN, SKIPPED, execute_stage
+
+    trace = tmp_path / "trace"
+    plans = []
+    for i in range(2):
+        monkeypatch.setenv("TRAINFLOW_CACHE", str(tmp_path / f"machine-{i}"))
+        plans.append(_toy_plan(f"s3://{bucket}/concurrent", trace, sleep=2.0))
+    assert plans[0].store.root != plans[1].store.root
+    statuses = []
+    threads = [threading.Thread(target=lambda p=p: statuses.append(execute_stage(p.stages["a"].job, p.store).status))
+               for p in plans]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(statuses) == [RAN, SKIPPED]
+    assert trace.read_text().split() == ["a"]
