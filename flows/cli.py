@@ -12,7 +12,8 @@
 
 Overrides: `pretrain.steps=200` sets stages.pretrain.config.steps; other keys start at the
 top of the pipeline (`store=/data/artifacts`, `stages.pretrain.retries=3`).
-Exit codes: 0 success, 1 a stage or check failed, 2 bad input, 143 stopped by a signal.
+Exit codes: 0 success, 1 a stage or check failed (or PREFECT_API_URL does not answer), 2 bad
+input, 143 stopped by a signal (SIGTERM, or Ctrl-C's SIGINT) after the engines checkpointed.
 `trainflow --version` prints the installed version.
 
 This module is the one documented place where imports sit inside functions: Prefect (seconds
@@ -37,12 +38,13 @@ from engine import __version__
 from engine.config import ConfigError
 from engine.contract import MANIFEST
 from engine.inference.options import add_sampling_arguments
+from engine.interop.hf.files import check_export_dir, remove_stale_weights
 from flows.inspect import format_lineage, format_table, lineage, list_rows, status_rows
 from flows.spec import load_plan
 from tasks.artifacts import (
     ArtifactError, ArtifactStore, artifact_id, resolve_artifact, split_artifact_url, verify_artifact,
 )
-from tasks.launch import StageFailed, terminate_children
+from tasks.launch import PermanentFailure, StageFailed, terminate_children
 from tasks.objectstore import is_url
 from tasks.registry import StageHooks, get_stage_kind
 from tasks.runner import StageJob, execute_stage
@@ -57,8 +59,6 @@ def _store_arg(args) -> str:
 
 def cmd_run(args) -> int:
     plan = load_plan(args.pipeline, args.overrides, args.store)  # all validation before Prefect starts
-    from flows.server import ApiUnreachable, prefect_api  # Prefect takes seconds to import
-
     stopping = threading.Event()
 
     def on_signal(signum, frame):
@@ -73,6 +73,8 @@ def cmd_run(args) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    from flows.server import ApiUnreachable, prefect_api  # Prefect takes seconds to import
+
     try:
         with prefect_api() as api_url:
             from flows.pipeline import PipelineFailed, run_plan
@@ -82,7 +84,9 @@ def cmd_run(args) -> int:
                 summary, code = run_plan(plan, max_workers=args.max_parallel), 0
             except PipelineFailed as e:
                 summary, code = e.summary, 1
-            api_down = reporter_for(api_url).down
+            reporter = reporter_for(api_url)
+            reporter.close()  # before a local server stops
+            api_down = reporter.down
     except ApiUnreachable as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -176,18 +180,25 @@ def cmd_ls(args) -> int:
 
 def cmd_serve(args) -> int:
     plan = load_plan(args.pipeline, args.overrides, args.store)
-    from flows.pipeline import run_pipeline
+    from flows.server import ApiUnreachable, prefect_api
 
-    # The deployment runs the flow by entrypoint (flows/pipeline.py:run_pipeline) with
-    # the pipeline's path, so edits to the YAML apply to the next scheduled run.
-    run_pipeline.serve(
-        name=args.name or plan.name,
-        cron=args.cron,
-        parameters={"pipeline": str(Path(args.pipeline).resolve()), "store": plan.store.url,
-                    "overrides": list(args.overrides)},
-        description=f"trainflow pipeline {plan.name} ({args.pipeline})",
-        tags=["trainflow", plan.name],
-    )
+    try:
+        with prefect_api():
+            from flows.pipeline import run_pipeline
+
+            # The deployment runs the flow by entrypoint (flows/pipeline.py:run_pipeline)
+            # with the pipeline's path, so edits to the YAML apply to the next scheduled run.
+            run_pipeline.serve(
+                name=args.name or plan.name,
+                cron=args.cron,
+                parameters={"pipeline": str(Path(args.pipeline).resolve()), "store": plan.store.url,
+                            "overrides": list(args.overrides)},
+                description=f"trainflow pipeline {plan.name} ({args.pipeline})",
+                tags=["trainflow", plan.name],
+            )
+    except ApiUnreachable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -212,7 +223,7 @@ def _run_one_stage(task: str, config: dict, inputs: dict, store: ArtifactStore):
                    artifact_id=artifact_id(kind.task, kind.version, kind.fingerprint(cfg), ids), pipeline=task)
     try:
         result = execute_stage(job, store, StageHooks(log=lambda m: print(m, file=sys.stderr, flush=True)))
-    except StageFailed as e:
+    except (StageFailed, PermanentFailure) as e:
         print(f"error: {e}", file=sys.stderr)
         return None
     print(json.dumps({"stage": task, "status": result.status, "artifact_id": result.artifact_id,
@@ -226,6 +237,8 @@ def cmd_convert(args) -> int:
 
 
 def cmd_export(args) -> int:
+    if args.out:
+        check_export_dir(args.out, args.overwrite)  # refused before any work, nothing written
     directory = resolve_artifact(args.artifact, _store_arg(args))
     manifest = json.loads((directory / MANIFEST).read_text())
     store = ArtifactStore(directory.parent.parent)  # the export lands beside its input
@@ -234,6 +247,7 @@ def cmd_export(args) -> int:
     if result is None:
         return 1
     if args.out:
+        remove_stale_weights(args.out)  # an earlier model's weights could shadow the new ones
         shutil.copytree(result.path / "hf", args.out, dirs_exist_ok=True)
     return 0
 
@@ -276,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="also copy the Hugging Face directory here")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--max-shard-gb", type=float, default=5.0)
+    p.add_argument("--overwrite", action="store_true", help="copy into a non-empty --out, deleting its weights")
     p = add("generate", cmd_generate, "sample completions of prompts from a checkpoint artifact", artifact=True)
     add_sampling_arguments(p)
     return parser

@@ -348,6 +348,7 @@ def run_plan(plan: Plan, *, max_workers: int | None = None, raise_on_failure: bo
             raise
         if not outcome.returned.is_set():
             _wait_for_final_state(outcome, reporter)
+        reporter.flush(timeout=0 if reporter.down else PUBLISH_SECONDS)  # the flow engine's last records
     if outcome.returned.is_set() and outcome.summary is None:  # the flow broke before the stages ended
         if outcome.error is not None:
             if unreachable(outcome.error):
@@ -359,6 +360,8 @@ def run_plan(plan: Plan, *, max_workers: int | None = None, raise_on_failure: bo
             raise result
         outcome.summary, outcome.message = result, outcome.state.message if outcome.state.is_failed() else None
     elif outcome.error is not None:  # the stages finished, then recording the flow run failed
+        if not unreachable(outcome.error):
+            raise outcome.error
         reporter.api_failed(f"{type(outcome.error).__name__}: {outcome.error}")
     if outcome.message and raise_on_failure:
         raise PipelineFailed(outcome.message, outcome.summary)

@@ -17,6 +17,7 @@ states itself; flows/pipeline.py bounds how long the run waits for the last one.
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import logging
 import queue
@@ -55,11 +56,18 @@ class Reporter:
         self._last_probe = 0.0
         self.dropped = 0
         self._warned: set[str] = set()
-        threading.Thread(target=self._serve, name="prefect-reporter", daemon=True).start()
+        self._closing = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._serve, name="prefect-reporter", daemon=True)
+        self._thread.start()
 
     @property
     def down(self) -> bool:
         return self._down_since is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._closing.is_set()
 
     # ---------------------------------------------------------------- what stages call (never blocks)
 
@@ -96,13 +104,22 @@ class Reporter:
             time.sleep(0.02)
         return not self._queue.unfinished_tasks
 
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued within `timeout` (nothing if the API is down), then stop the
+        thread: at interpreter exit a daemon thread caught inside a request would abort it."""
+        self.flush(0 if self.down else timeout)
+        self._closing.set()
+        self._thread.join(self._timeout + 1.0)
+
     def api_failed(self, reason: str) -> None:
         """Someone else found the API not answering: warn (once) and stop sending."""
-        if not self.down:
+        with self._lock:
+            if self.down:
+                return
             self._down_since = self._last_probe = time.monotonic()
-            self._warn(f"trainflow: warning: the Prefect API at {self.api_url} is not answering ({reason}); "
-                       f"the run goes on without it, and its progress, logs and artifacts are not reported "
-                       f"until it answers again")
+        self._warn(f"trainflow: warning: the Prefect API at {self.api_url} is not answering ({reason}); "
+                   f"the run goes on without it, and its progress, logs and artifacts are not reported "
+                   f"until it answers again")
 
     # ---------------------------------------------------------------- the reporter's thread
 
@@ -119,17 +136,24 @@ class Reporter:
 
     def _serve(self) -> None:
         while True:
-            items = [self._queue.get()]
+            try:
+                items = [self._queue.get(timeout=0.1)]
+            except queue.Empty:
+                if self._closing.is_set():
+                    return
+                continue
             while len(items) < _BATCH:
                 try:
                     items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
             try:
-                if self.down and not (self._probe_due() and self._api_is_back()):
+                if self._closing.is_set() or (self.down and not (self._probe_due() and self._api_is_back())):
                     self.dropped += len(items)
                     continue
                 self._send(items)
+            except Exception as e:  # a bug here must not end the thread that all reports wait on
+                self._warn_once(e)
             finally:
                 for _ in items:
                     self._queue.task_done()
@@ -166,10 +190,15 @@ class Reporter:
         except Exception as e:
             if unreachable(e):
                 self.api_failed(f"{type(e).__name__}: {e}".rstrip(": "))
-            elif type(e).__name__ not in self._warned:  # a bad record, not a dead API: say so once
-                self._warned.add(type(e).__name__)
-                self._warn(f"trainflow: warning: a report to the Prefect API at {self.api_url} failed "
-                           f"({type(e).__name__}: {e}); the run goes on")
+            else:
+                self._warn_once(e)
+
+    def _warn_once(self, error: Exception) -> None:
+        """A record the API refused (not a dead API): say so once per kind of error."""
+        if type(error).__name__ not in self._warned:
+            self._warned.add(type(error).__name__)
+            self._warn(f"trainflow: warning: a report to the Prefect API at {self.api_url} failed "
+                       f"({type(error).__name__}: {error}); the run goes on")
 
 
 def unreachable(error: BaseException) -> bool:
@@ -186,8 +215,9 @@ _reporters_lock = threading.Lock()
 def reporter_for(api_url: str) -> Reporter:
     """The process's reporter to `api_url` (one thread per API, whatever the number of runs)."""
     with _reporters_lock:
-        if api_url not in _reporters:
+        if api_url not in _reporters or _reporters[api_url].closed:
             _reporters[api_url] = Reporter(api_url)
+            atexit.register(_reporters[api_url].close)
         return _reporters[api_url]
 
 
@@ -226,7 +256,7 @@ class _EventQueue:
         self._reporter.event(item[1])
 
 
-_RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+_RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs", "prefect.extra")
 _observing: list[tuple[logging.Logger, logging.Handler, logging.Handler]] = []
 _observing_depth = 0
 _observing_lock = threading.Lock()

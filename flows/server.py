@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -99,7 +98,8 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def start_server(env: dict[str, str] | None = None, timeout: float = 120.0, settings_env: dict | None = None) -> LocalServer:
+def start_server(env: dict[str, str] | None = None, timeout: float = 120.0,
+                 settings_env: dict[str, str] | None = None) -> LocalServer:
     """Start a Prefect API server on a free loopback port and wait until it answers.
 
     It runs in a new session (the terminal's Ctrl-C goes to trainflow alone, which stops
@@ -149,11 +149,19 @@ def prefect_api(say: Callable[[str], None] = lambda line: print(line, file=sys.s
     server = start_server(settings_env=get_current_settings().to_environment_variables(exclude_unset=True))
     say(f"trainflow: Prefect API: a local server at {server.api_url} (pid {server.pid}) for this run; "
         f"`prefect server start` and PREFECT_API_URL keep one running, with its UI")
-    os.environ["PREFECT_API_URL"] = server.api_url  # children and threads without a settings context
+    # For this process (threads without a settings context too) and its children; an empty
+    # UI URL, as the server has no UI to link to.
+    run_env = {"PREFECT_API_URL": server.api_url, "PREFECT_UI_URL": ""}
+    previous = {name: os.environ.get(name) for name in run_env}
+    os.environ.update(run_env)
     refresh_global_settings_context()
     try:
         yield server.api_url
     finally:
-        os.environ.pop("PREFECT_API_URL", None)
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         refresh_global_settings_context()
         server.stop()

@@ -24,7 +24,7 @@ from tasks.artifacts import (
     COMPLETE, FAILED, MANIFEST, RUNNING, ArtifactError, ArtifactLock, ArtifactStore, code_version,
     digest_files, now_iso, read_manifest, write_json_atomic,
 )
-from tasks.launch import DISK_FULL_ERRNOS, DiskFull, LauncherSpec, holding_locks
+from tasks.launch import DISK_FULL_ERRNOS, DiskFull, LauncherSpec, holding_locks, recording_layouts
 from tasks.registry import StageContext, StageHooks, StageKind, substitute_inputs
 
 SKIPPED, RAN, RESUMED = "skipped", "ran", "resumed"
@@ -147,6 +147,9 @@ def execute_stage(job: StageJob, store: ArtifactStore, hooks: StageHooks | None 
             ],
             "config": job.config.model_dump(mode="json"),
             "config_as_written": job.config_as_written,
+            # How it was computed, not what: neither is part of the id (results do not depend on them).
+            "launcher": job.launcher.provenance() if job.kind.launches_child else None,
+            "layout": None,
             "metrics": {},
             "files": {},
             "code": code_version(),
@@ -163,10 +166,11 @@ def execute_stage(job: StageJob, store: ArtifactStore, hooks: StageHooks | None 
         ctx = StageContext(job.stage, config, inputs, out_dir, job.launcher, resumed, hooks)
         work_start = time.perf_counter()
         try:
-            with holding_locks(lock.fd):  # the engine children hold the artifact's lock too
+            with holding_locks(lock.fd), recording_layouts() as layouts:  # the engine children hold the lock too
                 metrics = job.kind.run(ctx) or {}
             work_seconds = time.perf_counter() - work_start
-            manifest.update(status=COMPLETE, metrics=metrics, files=digest_files(out_dir), finished_at=now_iso())
+            manifest.update(status=COMPLETE, metrics=metrics, layout=layouts[-1] if layouts else None,
+                            files=digest_files(out_dir), finished_at=now_iso())
             if remote is not None:  # the payload, then the manifest: one atomic PUT, last
                 remote.upload(out_dir, job.stage, job.artifact_id)
                 if lease.lost:

@@ -1,8 +1,14 @@
 """Runs of more than one process: joining them, and agreeing on when to stop.
 
-A launcher (tasks/launch.py) starts N processes with TRAINFLOW_COORDINATOR,
-TRAINFLOW_NUM_PROCESSES and TRAINFLOW_PROCESS_ID set; each joins with
-`maybe_initialize_distributed()` before JAX starts its backend.
+A launcher (tasks/launch.py) starts N processes that each join with
+`maybe_initialize_distributed()` before JAX starts its backend, told how by either
+
+    TRAINFLOW_COORDINATOR (host:port of rank 0), TRAINFLOW_NUM_PROCESSES, TRAINFLOW_PROCESS_ID
+        set explicitly (the local-multi and ray launchers), or
+    TRAINFLOW_CLUSTER=slurm
+        inside one `srun` job step: JAX's own Slurm detection reads SLURM_PROCID, SLURM_NTASKS
+        and the step's first node (the coordinator; port from the job id, or
+        JAX_COORDINATOR_PORT).
 """
 
 from __future__ import annotations
@@ -12,18 +18,34 @@ import os
 import jax
 from jax.experimental import multihost_utils
 
+from engine.config import ConfigError
+
 
 def maybe_initialize_distributed() -> None:
-    """Join a multi-process run when the launcher set TRAINFLOW_COORDINATOR etc."""
-    if "TRAINFLOW_COORDINATOR" not in os.environ:
+    """Join a multi-process run when a launcher set TRAINFLOW_COORDINATOR or TRAINFLOW_CLUSTER."""
+    explicit = "TRAINFLOW_COORDINATOR" in os.environ
+    cluster = os.environ.get("TRAINFLOW_CLUSTER")
+    if not explicit and cluster is None:
         return
     # Must precede backend start-up; only the CPU client reads it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=os.environ["TRAINFLOW_COORDINATOR"],
-        num_processes=int(os.environ["TRAINFLOW_NUM_PROCESSES"]),
-        process_id=int(os.environ["TRAINFLOW_PROCESS_ID"]),
-    )
+    if explicit:
+        coordinator = os.environ["TRAINFLOW_COORDINATOR"]
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=int(os.environ["TRAINFLOW_NUM_PROCESSES"]),
+            process_id=int(os.environ["TRAINFLOW_PROCESS_ID"]),
+            # Rank 0 serves on the address it was given, not on every interface ([::]).
+            coordinator_bind_address=os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", coordinator),
+        )
+    elif cluster == "slurm":
+        if "SLURM_PROCID" not in os.environ:
+            raise ConfigError("TRAINFLOW_CLUSTER=slurm, but this process is not a Slurm task (no SLURM_PROCID); "
+                              "start it with srun")
+        # JAX_COORDINATOR_PORT and JAX_COORDINATOR_BIND_ADDRESS, when set, are JAX's own overrides.
+        jax.distributed.initialize(cluster_detection_method="slurm")
+    else:
+        raise ConfigError(f"TRAINFLOW_CLUSTER={cluster!r} is not a cluster this engine joins; valid: slurm")
 
 
 def preemption_agreed(step: int, local_flag: bool) -> bool:

@@ -166,7 +166,9 @@ def run_training(trainer: Trainer, source: BatchSource, *, log: Callable[[str], 
             progress.close()
         writer.close()
         checkpointer.close()
-    final.update(steps=state.step, final_loss=final.get("loss"), num_params=cfg.model.num_params())
+    final.update(steps=state.step, final_loss=final.get("loss"), num_params=cfg.model.num_params(),
+                 layout={"processes": jax.process_count(), "devices": jax.device_count(),
+                         "mesh": dict(trainer.mesh.shape)})
     if tokens_per_step:
         peak, peak_source = peak_flops()
         final.update(tokens=state.step * tokens_per_step, peak_flops=peak, peak_flops_source=peak_source)

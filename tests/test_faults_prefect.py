@@ -1,0 +1,232 @@
+"""Faults around Prefect: its API dies, hangs or was never there; Ctrl-C; SIGKILL of trainflow.
+
+Prefect observes a pipeline and never holds it up (flows/reporter.py), and the local server
+trainflow starts when no PREFECT_API_URL is set lives in its own session and dies with its
+parent (flows/server.py). Real `trainflow run` processes, real Prefect servers, toy stages
+(tests/pipeline_toys.py) that run in seconds: the engine is not the point here.
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from prefect.artifacts import update_progress_artifact
+
+from flows.reporter import Reporter
+from flows.server import start_server
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+LOCAL_SERVER = re.compile(r"local server at (\S+) \(pid (\d+)\)")
+
+
+@pytest.fixture(scope="module")
+def prefect_home(tmp_path_factory) -> Path:
+    """One PREFECT_HOME (its SQLite database) for the servers these tests start, so that only
+    the first start pays for creating the database."""
+    return tmp_path_factory.mktemp("prefect-home")
+
+
+def write_pipeline(tmp_path: Path, name: str, stages: dict) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"name": name, "store": str(tmp_path / "store"),
+                                    "imports": ["tests.pipeline_toys"], "stages": stages}))
+    return path
+
+
+def env_with(**values: str | None) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for name, value in values.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+def start_trainflow(path: Path, env: dict, **popen) -> subprocess.Popen:
+    """`trainflow run` in the background, its output in files (a full pipe would block it)."""
+    out, err = path.with_suffix(".out"), path.with_suffix(".err")
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(path)], cwd=REPO, env=env,
+                                stdout=stdout, stderr=stderr, **popen)
+    proc.outputs = (out, err)
+    return proc
+
+
+def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if proc.poll() is not None:
+            raise AssertionError(f"trainflow exited ({proc.returncode}) before {what}:\n"
+                                 + "\n".join(p.read_text()[-3000:] for p in proc.outputs))
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def statuses(stdout: str) -> dict[str, str]:
+    """stage -> status from the table `trainflow run` prints."""
+    lines = stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("stage "))
+    rows = []
+    for line in lines[header + 1:]:
+        if not line.strip():  # reports and lineage follow the table
+            break
+        rows.append(line.split())
+    return {row[0]: row[2] for row in rows}
+
+
+def not_prefect_info(stderr: str) -> list[str]:
+    """stderr without Prefect's INFO log lines: what a user would read as trouble."""
+    return [line for line in stderr.splitlines() if line.strip() and "| INFO    |" not in line]
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")  # a zombie waits only for its reaper
+
+
+def port_closed(url: str) -> bool:
+    host, port = re.match(r"http://([^:/]+):(\d+)", url).groups()
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+    except OSError:
+        return True
+    return False
+
+
+# --------------------------------------------------------------------------- the API goes away
+
+
+def test_a_prefect_server_killed_mid_stage_costs_one_warning_not_the_run(prefect_home, tmp_path):
+    path = write_pipeline(tmp_path, "observed", {
+        "train": {"task": "toy-child", "config": {"steps": 60, "step_seconds": 0.05}},
+        "src": {"task": "toy-source", "config": {"value": 3, "sleep": 1.5}},
+        "after": {"task": "toy-sum", "inputs": {"a": "src"}},  # starts once the API is gone
+    })
+    server = start_server(env={"PREFECT_HOME": str(prefect_home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
+    try:
+        proc = start_trainflow(path, env_with(PREFECT_API_URL=server.api_url))
+        wait_for(lambda: list((tmp_path / "store").glob("train/*/metrics.jsonl")), proc, "train started")
+        server.kill()
+        killed_at = time.monotonic()
+        proc.wait(timeout=120)
+        seconds_after_kill = time.monotonic() - killed_at
+    finally:
+        server.kill()
+    out, err = (p.read_text() for p in proc.outputs)
+    assert proc.returncode == 0, err[-3000:]
+    assert statuses(out) == {"train": "ran", "src": "ran", "after": "ran"}
+    # The stages ran at full speed (3 s of steps), not at the pace of API retries.
+    train_seconds = float(next(line.split()[4] for line in out.splitlines() if line.startswith("train ")))
+    assert train_seconds < 15 and seconds_after_kill < 30, (train_seconds, seconds_after_kill)
+    (warning,) = not_prefect_info(err)  # one line, and no traceback
+    assert warning.startswith(f"trainflow: warning: the Prefect API at {server.api_url} is not answering")
+    for stage in ("train", "src", "after"):
+        (manifest,) = (tmp_path / "store" / stage).glob("*/artifact.json")
+        assert json.loads(manifest.read_text())["status"] == "complete"
+
+
+def test_a_hanging_api_never_holds_up_a_stage():
+    """An API that accepts connections and never answers: handing records over stays instant,
+    the queue stays bounded (the rest is dropped), and one warning names the URL."""
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(64)  # the kernel completes connections; nobody ever reads them
+        url = f"http://127.0.0.1:{hole.getsockname()[1]}/api"
+        warnings: list[str] = []
+        reporter = Reporter(url, max_pending=100, timeout=0.5, warn=warnings.append)
+        started = time.perf_counter()
+        for step in range(5000):
+            reporter.call(update_progress_artifact, uuid.uuid4(), step / 50)
+            reporter.log({"message": f"step {step}", "level": 20})
+        handing_over = time.perf_counter() - started
+        deadline = time.monotonic() + 10
+        while not warnings and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reporter.close(timeout=0)
+    assert handing_over < 2.0, f"10000 records took {handing_over:.2f} s to hand over"
+    assert reporter.dropped >= 10000 - 100 - 200  # at most a full queue and one batch got through
+    (warning,) = warnings
+    assert warning.startswith(f"trainflow: warning: the Prefect API at {url} is not answering (ReadTimeout")
+
+
+def test_an_unreachable_prefect_api_url_is_one_line(tmp_path):
+    path = write_pipeline(tmp_path, "nowhere", {"only": {"task": "toy-source"}})
+    url = "http://127.0.0.1:9/api"  # the discard port: nothing listens there
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(path)], cwd=REPO,
+                          env=env_with(PREFECT_API_URL=url), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    (line,) = proc.stderr.strip().splitlines()
+    assert line == (f"error: the Prefect API at {url} (PREFECT_API_URL) is unreachable; start it with "
+                    f"`prefect server start`, or unset PREFECT_API_URL to let trainflow start a local server "
+                    f"for the run")
+    assert not (tmp_path / "store").exists()  # nothing ran
+    assert time.monotonic() - started < 30
+
+
+# --------------------------------------------------------------------------- signals
+
+
+def test_ctrl_c_to_the_process_group_stops_every_stage_with_143_and_the_rerun_resumes(
+        prefect_server, prefect_home, tmp_path):
+    stages = {name: {"task": "toy-child", "retries": 2, "retry_delay_seconds": 0,
+                     "config": {"steps": steps, "step_seconds": 0.05}} for name, steps in (("a", 400), ("b", 402))}
+    path = write_pipeline(tmp_path, "interrupted", stages)
+    # No PREFECT_API_URL: trainflow starts its local server, which must not get the Ctrl-C.
+    proc = start_trainflow(path, env_with(PREFECT_API_URL=None, PREFECT_HOME=str(prefect_home)),
+                           start_new_session=True)  # its own group, as a terminal's foreground job
+    wait_for(lambda: len(list((tmp_path / "store").glob("*/*/metrics.jsonl"))) == 2, proc, "both stages started")
+    server_url, server_pid = LOCAL_SERVER.search(proc.outputs[1].read_text()).groups()
+    started = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground process group
+    proc.wait(timeout=60)
+    seconds = time.monotonic() - started
+    out, err = (p.read_text() for p in proc.outputs)
+    assert proc.returncode == 143, err[-3000:]
+    assert seconds < 30
+    assert statuses(out) == {"a": "failed", "b": "failed"}
+    assert "trainflow: SIGINT: asked 2 engine process(es) to checkpoint and exit" in err
+    assert "Traceback" not in err and "Connection refused" not in err and "ConnectError" not in err
+    for stage in ("a", "b"):
+        (out_dir,) = (tmp_path / "store" / stage).iterdir()
+        assert (out_dir / "sigterm").exists()  # the engine got SIGTERM and checkpointed
+        manifest = json.loads((out_dir / "artifact.json").read_text())
+        assert manifest["status"] == "failed" and manifest["attempts"] == 1  # a stop is not retried
+    assert process_gone(int(server_pid)) and port_closed(server_url)  # stopped with the run
+
+    rerun = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(path), "a.step_seconds=0",
+                            "b.step_seconds=0"], cwd=REPO, env=env_with(PREFECT_API_URL=prefect_server),
+                           capture_output=True, text=True, timeout=120)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert statuses(rerun.stdout) == {"a": "resumed", "b": "resumed"}
+
+
+def test_sigkill_of_trainflow_takes_its_local_prefect_server_down(prefect_home, tmp_path):
+    path = write_pipeline(tmp_path, "killed", {"train": {"task": "toy-child",
+                                                         "config": {"steps": 400, "step_seconds": 0.05}}})
+    proc = start_trainflow(path, env_with(PREFECT_API_URL=None, PREFECT_HOME=str(prefect_home)))
+    wait_for(lambda: list((tmp_path / "store").glob("train/*/metrics.jsonl")), proc, "train started")
+    server_url, server_pid = LOCAL_SERVER.search(proc.outputs[1].read_text()).groups()
+    assert not process_gone(int(server_pid)) and not port_closed(server_url)
+    proc.kill()  # trainflow alone: nobody gets to clean up
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while not (process_gone(int(server_pid)) and port_closed(server_url)):
+        assert time.monotonic() < deadline, f"the Prefect server (pid {server_pid}) outlived trainflow"
+        time.sleep(0.1)
