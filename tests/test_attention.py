@@ -1,5 +1,6 @@
 """Block-causal attention and the model's matmuls: the same function and gradients as the
-straightforward versions, in fewer operations and less saved memory."""
+straightforward versions, in fewer operations and less saved memory. (Every attention
+implementation against the reference: tests/test_attention_backends.py.)"""
 
 import jax
 import jax.numpy as jnp
@@ -7,40 +8,39 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from engine.ops.attention import causal_attention, query_blocks
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.ops.dense import dense
-from engine.models.transformer import Transformer
-from engine.ops.attention import attention_mask, dot_product_attention
+from engine.models.transformer import ACTIVATIONS, Transformer
+from engine.ops import dense as dense_module
+from engine.ops.attention_blocked import blocked_attention, query_blocks
+from engine.ops.attention_reference import reference_attention
+from engine.ops.dense import dense, gated_mlp
 
 B, T, N, K, H = 2, 40, 6, 2, 8
 
 
-def _qkv(dtype=jnp.float32, seed=0):
+def _qkv(dtype=jnp.float32, seed=0, t=T):
     rng = np.random.default_rng(seed)
     draw = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
-    return draw(B, T, N, H), draw(B, T, K, H), draw(B, T, K, H), draw(B, T, N, H)
+    return draw(B, t, N, H), draw(B, t, K, H), draw(B, t, K, H), draw(B, t, N, H)
 
 
 # Two packed documents and trailing padding in row 0, one document in row 1.
 SEGMENTS = jnp.asarray([[1] * 15 + [2] * 20 + [0] * 5, [3] * T])
 VALID = (SEGMENTS != 0)[:, :, None, None]
 CASES = {
-    "causal": dict(window=None, local=False, softcap=None),
-    "sliding_window": dict(window=6, local=True, softcap=None),
-    "window_off_on_global_layer": dict(window=6, local=False, softcap=None),
-    "softcap": dict(window=None, local=False, softcap=2.0),
+    "causal": dict(window=None, softcap=None),
+    "sliding_window": dict(window=6, softcap=None),
+    "window_wider_than_a_block": dict(window=20, softcap=None),
+    "softcap": dict(window=None, softcap=2.0),
 }
 
 
 def _reference(q, k, v, case):
-    mask = attention_mask(SEGMENTS, SEGMENTS, window=case["window"], local=case["local"])
-    return dot_product_attention(q, k, v, mask, scale=0.3, softcap=case["softcap"])
+    return reference_attention(q, k, v, SEGMENTS, scale=0.3, **case)
 
 
 def _blocked(q, k, v, case, block):
-    return causal_attention(q, k, v, SEGMENTS, scale=0.3, softcap=case["softcap"], window=case["window"],
-                            local=case["local"], block=block)
+    return blocked_attention(q, k, v, SEGMENTS, scale=0.3, block=block, **case)
 
 
 def test_query_blocks_cover_the_sequence():
@@ -68,12 +68,24 @@ def test_blocked_attention_and_its_gradients_equal_the_reference(case, block):
         np.testing.assert_allclose(b, a, atol=1e-5, err_msg=f"d{name}")
 
 
-def test_a_traced_local_flag_selects_the_window():
-    q, k, v, _ = _qkv()
-    case = CASES["sliding_window"]
-    run = jax.jit(lambda local: causal_attention(q, k, v, SEGMENTS, scale=0.3, window=6, local=local, block=8))
-    np.testing.assert_allclose(run(True) * VALID, _reference(q, k, v, case) * VALID, atol=2e-6)
-    np.testing.assert_allclose(run(False) * VALID, _reference(q, k, v, CASES["causal"]) * VALID, atol=2e-6)
+def _flops(fn, *args) -> float:
+    return jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
+
+
+def test_a_local_layer_skips_the_key_blocks_left_of_its_window():
+    """At 256 positions in blocks of 16 with a window of 16, a query block needs at most two
+    key blocks where a global layer's last block needs all sixteen: forward and backward
+    do a fraction of the global layer's work."""
+    q, k, v, _ = _qkv(t=256)
+    segments = jnp.ones((B, 256), jnp.int32)
+
+    def step(window):
+        def loss(q, k, v):
+            return jnp.sum(blocked_attention(q, k, v, segments, scale=0.3, window=window, block=16) ** 2)
+        return lambda q, k, v: jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    local, global_ = _flops(step(16), q, k, v), _flops(step(None), q, k, v)
+    assert local < 0.3 * global_, (local, global_)
 
 
 def test_bfloat16_attention_keeps_its_dtype_and_tracks_float32():
@@ -107,9 +119,15 @@ def test_model_logits_do_not_depend_on_the_attention_block():
     np.testing.assert_allclose(blocked, single, atol=1e-5)
 
 
+# --------------------------------------------------------------------------- matmuls
+
+BACKWARDS = ["cpu", "autodiff"]
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("shapes", [((3, 5, 4), (4, 9), 1), ((3, 5, 9), (9, 4), 1), ((3, 5, 3, 2), (3, 2, 7), 2)],
                          ids=["narrow_input", "narrow_output", "two_contracted_axes"])
-def test_dense_gradients_equal_autodiff_of_a_plain_contraction(shapes):
+def test_dense_gradients_equal_autodiff_of_a_plain_contraction(shapes, backward):
     x_shape, w_shape, n_in = shapes
     rng = np.random.default_rng(1)
     x, w = jnp.asarray(rng.standard_normal(x_shape)), jnp.asarray(rng.standard_normal(w_shape))
@@ -119,19 +137,17 @@ def test_dense_gradients_equal_autodiff_of_a_plain_contraction(shapes):
     def plain(x, w):
         return jnp.tensordot(x, w, axes=n_in)
 
-    np.testing.assert_allclose(dense(x, w, n_in), plain(x, w), rtol=1e-6)
+    np.testing.assert_allclose(dense(x, w, n_in, backward=backward), plain(x, w), rtol=1e-6)
     g_plain = jax.grad(lambda x, w: jnp.sum(plain(x, w) * probe), argnums=(0, 1))(x, w)
-    g_dense = jax.grad(lambda x, w: jnp.sum(dense(x, w, n_in) * probe), argnums=(0, 1))(x, w)
+    g_dense = jax.grad(lambda x, w: jnp.sum(dense(x, w, n_in, backward=backward) * probe), argnums=(0, 1))(x, w)
     for a, b in zip(g_plain, g_dense):
         assert a.shape == b.shape
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-def test_gated_mlp_gradients_equal_autodiff(activation):
-    from engine.ops.dense import gated_mlp
-    from engine.models.transformer import ACTIVATIONS
-
+def test_gated_mlp_gradients_equal_autodiff(activation, backward):
     act = ACTIVATIONS[activation]
     rng = np.random.default_rng(2)
     x, wg, wu, wd, probe = (jnp.asarray(rng.standard_normal(s)) for s in [(2, 7, 5), (5, 11), (5, 11), (11, 5), (2, 7, 5)])
@@ -139,8 +155,48 @@ def test_gated_mlp_gradients_equal_autodiff(activation):
     def plain(x, wg, wu, wd):
         return (act(x @ wg) * (x @ wu)) @ wd
 
-    np.testing.assert_allclose(gated_mlp(x, wg, wu, wd, act), plain(x, wg, wu, wd), rtol=1e-6)
+    def ours(*a):
+        return gated_mlp(*a, act, backward=backward)
+
+    np.testing.assert_allclose(ours(x, wg, wu, wd), plain(x, wg, wu, wd), rtol=1e-6)
     g_plain = jax.grad(lambda *a: jnp.sum(plain(*a) * probe), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
-    g_fast = jax.grad(lambda *a: jnp.sum(gated_mlp(*a, act) * probe), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
+    g_fast = jax.grad(lambda *a: jnp.sum(ours(*a) * probe), argnums=(0, 1, 2, 3))(x, wg, wu, wd)
     for name, a, b in zip(["x", "w_gate", "w_up", "w_down"], g_plain, g_fast):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("platform,hand_written", [("cpu", True), ("gpu", False), ("tpu", False)])
+def test_auto_uses_the_hand_written_matmul_backward_only_on_cpu(platform, hand_written, monkeypatch):
+    monkeypatch.setattr(dense_module, "current_platform", lambda: platform)
+    x, w = jnp.ones((3, 5, 4)), jnp.ones((4, 9))
+    jaxprs = [str(jax.make_jaxpr(lambda x, w: dense(x, w))(x, w)),
+              str(jax.make_jaxpr(lambda x: gated_mlp(x, w, w, w.T, jax.nn.silu))(x))]
+    assert all(("custom_vjp_call" in jaxpr) == hand_written for jaxpr in jaxprs)
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_every_model_matmul_goes_through_the_injected_dot_general(backward):
+    """Forward: 4 attention + 3 MLP projections a layer and the LM head; the hand-written
+    backward computes its two products per matmul with it too."""
+    calls = []
+
+    def counting_dot_general(lhs, rhs, dimension_numbers, **kwargs):
+        calls.append(lhs.shape)
+        return jax.lax.dot_general(lhs, rhs, dimension_numbers, **kwargs)
+
+    cfg = ModelConfig(vocab_size=37, d_model=22, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=10,
+                      mlp_dim=26, max_seq_len=64)
+    compute = ComputeConfig(scan_layers=False, matmul_backward=backward)
+    model = Transformer(cfg, compute, rngs=nnx.Rngs(0), dot_general=counting_dot_general)
+    plain = Transformer(cfg, compute, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 37, (2, 9)))
+    graphdef, state = nnx.split(model)
+
+    def loss(state, gd=graphdef):
+        return jnp.sum(nnx.merge(gd, state)(tokens) ** 2)
+
+    forward = 2 * 7 + 1
+    jax.grad(loss)(state)
+    assert len(calls) == (3 * forward if backward == "cpu" else forward)
+    np.testing.assert_allclose(jax.grad(loss)(state)["embed_vd"][...],
+                               jax.grad(lambda s: loss(s, nnx.split(plain)[0]))(state)["embed_vd"][...], rtol=1e-6)

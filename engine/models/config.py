@@ -1,5 +1,5 @@
 """What a model is (ModelConfig: the architecture) and how a run computes with it
-(ComputeConfig: dtypes, layer scan, rematerialisation, attention blocks).
+(ComputeConfig: dtypes, layer scan, rematerialisation, attention and matmul implementations).
 
 The two are apart so that a checkpoint records exactly its architecture: a run may restore it
 under other compute settings (bfloat16 matmuls over float32 weights, remat, another block
@@ -128,6 +128,15 @@ class ComputeConfig(Strict):
     scan_layers: bool = True
     remat: Literal["none", "full", "save_dots", "save_qkv_proj"] = "none"
     """Which activations the backward pass recomputes (none = keep all)."""
+    attention_impl: Literal["auto", "reference", "blocked", "cudnn", "splash"] = "auto"
+    """Attention in training and prefill (engine/ops/attention.py): auto picks by platform (cpu
+    blocked, gpu cudnn, tpu splash) and falls back to blocked, with a warning, where that kernel
+    cannot take the model (cudnn: softcap, float32, head_dim; splash: seq_len % 128); a named one
+    that cannot is an error. reference: the plain masked softmax (tests)."""
     attention_block: int = Field(128, ge=0)
-    """Query block of causal attention in training and prefill (engine/ops/attention.py): blocks
-    skip the masked upper triangle. 0 means one block (the whole sequence)."""
+    """Query block of `blocked` attention: blocks skip the masked upper triangle (and, on local
+    layers, the keys left of the window). 0 means one block (the whole sequence)."""
+    matmul_backward: Literal["auto", "cpu", "autodiff"] = "auto"
+    """Backward pass of the model's matmuls (engine/ops/dense.py): cpu = hand-written, ordered for
+    XLA:CPU; autodiff = JAX's, which accelerator compilers lay out themselves; auto = cpu when
+    compiling for CPU, else autodiff. The same numbers either way, up to summation order."""

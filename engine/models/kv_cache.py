@@ -31,12 +31,12 @@ class KVCache:
         zeros = constrain(jnp.zeros(shape, dtype), (None, "act_batch", None, "act_kv_heads", None))
         return cls(zeros, zeros, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32))
 
-    def update(self, k_btkh, v_btkh, *, window=None, local=True):
+    def update(self, k_btkh, v_btkh, *, window: int | None = None):
         """Write this layer's new keys/values; (k_bskh, v_bskh, mask_bts, cache) to attend with.
 
-        Query i (slot end + i) sees slot j iff j <= end + i and the slot is valid; a local
-        layer with a sliding window also needs end + i - j < window. Left padding keeps
-        slot order equal to position order: this is the full forward pass's causal mask.
+        Query i (slot end + i) sees slot j iff j <= end + i and the slot is valid; with a
+        sliding `window` (a local layer) also end + i - j < window. Left padding keeps slot
+        order equal to position order: this is the full forward pass's causal mask.
         """
         t, s = k_btkh.shape[1], self.k.shape[2]
         start = (self.layer, 0, self.end, 0, 0)
@@ -47,6 +47,6 @@ class KVCache:
         distance_ts = self.end + jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
         visible_ts = distance_ts >= 0
         if window is not None:
-            visible_ts = visible_ts & ((distance_ts < window) | jnp.logical_not(local))
+            visible_ts = visible_ts & (distance_ts < window)
         mask_bts = visible_ts[None] & self.valid_bs[:, None, :]
         return k_bskh, v_bskh, mask_bts, self.replace(k=k_all, v=v_all)

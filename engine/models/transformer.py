@@ -19,8 +19,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from engine.models.config import ComputeConfig, ModelConfig, RopeScaling
 from engine.models.kv_cache import KVCache
-from engine.ops.attention import causal_attention, dot_product_attention
-from engine.ops.dense import dense, gated_mlp
+from engine.ops.attention import attention
+from engine.ops.attention_reference import dot_product_attention
+from engine.ops.dense import DotGeneral, dense, gated_mlp
 from engine.ops.partitioning import constrain
 
 # Parameters are created unsharded and placed by engine/models/params.py under jit with the
@@ -89,9 +90,11 @@ def apply_rope(x_btnh, positions_bt, inv_freq_h2):
 
 class Attention(nnx.Module):
     """Grouped-query attention with RoPE. Local (sliding-window) or global is chosen per call,
-    so one stacked set of layers can mix both (Gemma 2/3)."""
+    statically, so one stacked set of layers can mix both (Gemma 2/3) and a local layer
+    computes only its window."""
 
-    def __init__(self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs,
+                 dot_general: DotGeneral = jax.lax.dot_general):
         d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         pdt, std = _dtype(compute.param_dtype), cfg.init_std
         self.wq_dnh = _param(rngs, (d, n, h), std, ("embed", "heads", "head_dim"), pdt)
@@ -113,22 +116,23 @@ class Attention(nnx.Module):
         self.scale = (cfg.query_pre_attn_scalar or h) ** -0.5
         self.softcap = cfg.attn_logit_softcap
         self.dtype = _dtype(compute.dtype)
-        self.attention_block = compute.attention_block
+        self.attention_impl, self.attention_block = compute.attention_impl, compute.attention_block
+        self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
 
-    def _inverse_frequencies(self, local):
-        inv_freq = rope_inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
-        if self.rope_local_theta is None:
-            return inv_freq
-        return jnp.where(local, rope_inverse_frequencies(self.head_dim, self.rope_local_theta, None), inv_freq)
+    def _dense(self, x, w: nnx.Param, n_in: int = 1):
+        return dense(x, w[...].astype(self.dtype), n_in, backward=self.matmul_backward, dot_general=self.dot_general)
 
-    def __call__(self, x_btd, positions_bt, segment_ids_bt, local=False, cache: KVCache | None = None):
-        """`local` (a bool, traced under scan) selects the sliding window and local RoPE base.
-        With a cache (decoding) returns (out, updated cache)."""
+    def _inverse_frequencies(self, local: bool):
+        if local and self.rope_local_theta is not None:
+            return rope_inverse_frequencies(self.head_dim, self.rope_local_theta, None)
+        return rope_inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None):
+        """`local` (static) selects the sliding window and the local RoPE base. segment_ids_bt
+        None: one unpadded document per row. With a cache (decoding) returns (out, updated cache)."""
         dt = self.dtype
         inv_freq = self._inverse_frequencies(local)
-        q = dense(x_btd, self.wq_dnh[...].astype(dt))
-        k = dense(x_btd, self.wk_dkh[...].astype(dt))
-        v = dense(x_btd, self.wv_dkh[...].astype(dt))
+        q, k, v = self._dense(x_btd, self.wq_dnh), self._dense(x_btd, self.wk_dkh), self._dense(x_btd, self.wv_dkh)
         if self.qkv_bias:
             q, k, v = q + self.bq_nh[...].astype(dt), k + self.bk_kh[...].astype(dt), v + self.bv_kh[...].astype(dt)
         if self.qk_norm:
@@ -141,12 +145,13 @@ class Attention(nnx.Module):
         v = checkpoint_name(v, "qkv_proj")
         if cache is None:
             with jax.named_scope("core"):
-                out_btnh = causal_attention(q, k, v, segment_ids_bt, scale=self.scale, softcap=self.softcap,
-                                            window=self.sliding_window, local=local, block=self.attention_block)
+                out_btnh = attention(q, k, v, segment_ids_bt, impl=self.attention_impl, scale=self.scale,
+                                     softcap=self.softcap, window=self.sliding_window, local=local,
+                                     block=self.attention_block)
         else:  # decoding: attend over the cache, this step's keys and values written into it
-            k, v, mask, cache = cache.update(k, v, window=self.sliding_window, local=local)
+            k, v, mask, cache = cache.update(k, v, window=self.sliding_window if local else None)
             out_btnh = dot_product_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
-        out_btd = dense(out_btnh, self.wo_nhd[...].astype(dt), 2)
+        out_btd = self._dense(out_btnh, self.wo_nhd, 2)
         return out_btd if cache is None else (out_btd, cache)
 
 
@@ -156,7 +161,8 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approx
 class MLP(nnx.Module):
     """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (gelu_tanh)."""
 
-    def __init__(self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs,
+                 dot_general: DotGeneral = jax.lax.dot_general):
         d, f = cfg.d_model, cfg.mlp_dim
         pdt, std = _dtype(compute.param_dtype), cfg.init_std
         self.w_gate_df = _param(rngs, (d, f), std, ("embed", "mlp"), pdt)
@@ -164,11 +170,13 @@ class MLP(nnx.Module):
         self.w_down_fd = _param(rngs, (f, d), std / math.sqrt(2 * cfg.num_layers), ("mlp", "embed"), pdt)
         self.activation = ACTIVATIONS[cfg.activation]
         self.dtype = _dtype(compute.dtype)
+        self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
 
     def __call__(self, x_btd):
         dt = self.dtype
         return gated_mlp(x_btd, self.w_gate_df[...].astype(dt), self.w_up_df[...].astype(dt),
-                         self.w_down_fd[...].astype(dt), self.activation, ("act_batch", "act_seq", "act_mlp"))
+                         self.w_down_fd[...].astype(dt), self.activation, ("act_batch", "act_seq", "act_mlp"),
+                         backward=self.matmul_backward, dot_general=self.dot_general)
 
 
 class Block(nnx.Module):
@@ -178,17 +186,18 @@ class Block(nnx.Module):
     `self.mlp` is the replaceable slot: anything mapping (b, t, d) -> (b, t, d) fits.
     """
 
-    def __init__(self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs,
+                 dot_general: DotGeneral = jax.lax.dot_general):
         self.attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
-        self.attn = Attention(cfg, compute, rngs=rngs)
+        self.attn = Attention(cfg, compute, rngs=rngs, dot_general=dot_general)
         self.mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
-        self.mlp = MLP(cfg, compute, rngs=rngs)
+        self.mlp = MLP(cfg, compute, rngs=rngs, dot_general=dot_general)
         if cfg.post_norms:
             self.post_attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
             self.post_mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
         self.post_norms = cfg.post_norms
 
-    def __call__(self, x_btd, positions_bt, segment_ids_bt, local=False, cache: KVCache | None = None):
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None):
         with jax.named_scope("attention"):  # names the ops in profiles (bench/profile_step.py)
             attn_out = self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt, local, cache)
         if cache is not None:
@@ -201,6 +210,17 @@ class Block(nnx.Module):
         return x_btd if cache is None else (x_btd, cache)
 
 
+def _runs(flags: list[bool]) -> list[tuple[bool, int]]:
+    """Runs of equal flags: [L, L, L, G] -> [(L, 3), (G, 1)]."""
+    runs: list[tuple[bool, int]] = []
+    for flag in flags:
+        if runs and runs[-1][0] == flag:
+            runs[-1] = (flag, runs[-1][1] + 1)
+        else:
+            runs.append((flag, 1))
+    return runs
+
+
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -210,53 +230,92 @@ REMAT_POLICIES = {
 
 class Transformer(nnx.Module):
     """The decoder: embeddings, `num_layers` blocks (stacked for lax.scan, or a list), the
-    final norm and the LM head. `compute` says how (dtypes, scan, remat, attention blocks)."""
+    final norm and the LM head. `compute` says how (dtypes, scan, remat, attention and matmul
+    implementations); `dot_general` is every matmul's product (jax.lax.dot_general, or a
+    quantized one)."""
 
-    def __init__(self, cfg: ModelConfig, compute: ComputeConfig | None = None, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, compute: ComputeConfig | None = None, *, rngs: nnx.Rngs,
+                 dot_general: DotGeneral = jax.lax.dot_general):
         compute = compute or ComputeConfig()
         self.cfg, self.compute = cfg, compute
         pdt = _dtype(compute.param_dtype)
         self.embed_vd = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std, ("vocab", "embed"), pdt)
         if compute.scan_layers:
-            self.blocks = self._stacked_blocks(cfg, compute, rngs)
+            self.blocks = self._stacked_blocks(cfg, compute, rngs, dot_general)
         else:
-            self.blocks = nnx.List([Block(cfg, compute, rngs=rngs) for _ in range(cfg.num_layers)])
+            self.blocks = nnx.List([Block(cfg, compute, rngs=rngs, dot_general=dot_general)
+                                    for _ in range(cfg.num_layers)])
         self.final_norm = _norm(cfg, compute, cfg.d_model, rngs)
         if not cfg.tie_embeddings:
             self.lm_head_dv = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, ("embed", "vocab"), pdt)
+        self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
 
     @staticmethod
-    def _stacked_blocks(cfg: ModelConfig, compute: ComputeConfig, rngs: nnx.Rngs) -> Block:
+    def _stacked_blocks(cfg: ModelConfig, compute: ComputeConfig, rngs: nnx.Rngs, dot_general) -> Block:
         """One Block whose every parameter has a leading `layers` axis, for lax.scan."""
 
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make(rngs):
-            return Block(cfg, compute, rngs=rngs)
+            return Block(cfg, compute, rngs=rngs, dot_general=dot_general)
 
         return make(rngs)
 
     def _run_blocks(self, x_btd, positions_bt, segment_ids_bt):
+        """The blocks, each local or global as attention_pattern says, that flag static, so a
+        local layer computes only its window (engine/ops/attention.py) and a global one pays
+        nothing for it.
+
+        Stacked layers of one kind are one scan over the stack. A mixed pattern of P layers
+        is scanned a unit at a time (num_layers // P steps), and the num_layers % P layers
+        left over run after that scan. Within a unit each run of equal flags is one block,
+        scanned when the run is longer than one layer: Gemma 3's unit, five local layers and
+        a global one, compiles two blocks, not six. The params keep their one stacked
+        `layers` axis; each step slices its share.
+        """
         cfg, compute = self.cfg, self.compute
 
-        def layer(block: Block, x, local):
-            return block(x, positions_bt, segment_ids_bt, local)
+        def layer_fn(local: bool, in_scan: bool):
+            def layer(block: Block, x):
+                return block(x, positions_bt, segment_ids_bt, local)
 
-        if compute.remat != "none":
-            layer = nnx.remat(layer, policy=REMAT_POLICIES[compute.remat], prevent_cse=not compute.scan_layers)
-        is_local = cfg.layer_is_local()
+            if compute.remat == "none":
+                return layer
+            return nnx.remat(layer, policy=REMAT_POLICIES[compute.remat], prevent_cse=not in_scan)
+
         if not compute.scan_layers:
-            for block, local in zip(self.blocks, is_local):
-                x_btd = layer(block, x_btd, local)
+            for block, local in zip(self.blocks, cfg.layer_is_local()):
+                x_btd = layer_fn(local, in_scan=False)(block, x_btd)
             return x_btd
         graphdef, stacked = nnx.split(self.blocks)
 
-        def body(x, layer_state_and_local):
-            layer_state, local = layer_state_and_local
-            return layer(nnx.merge(graphdef, layer_state), x, local), None
+        def run_layers(x, state, flags: list[bool], in_scan: bool):
+            """The layers of `state` (leaves (len(flags), ...)), run by run of equal flags."""
+            start = 0
+            for local, length in _runs(flags):
+                if length == 1:
+                    block = nnx.merge(graphdef, jax.tree.map(lambda a, i=start: a[i], state))
+                    x = layer_fn(local, in_scan)(block, x)
+                else:
+                    def step(x, layer_state, local=local):
+                        return layer_fn(local, in_scan=True)(nnx.merge(graphdef, layer_state), x), None
 
-        # Whether each layer is local rides along the scan as data: one compiled block.
-        x_btd, _ = jax.lax.scan(body, x_btd, (stacked, jnp.asarray(is_local)))
+                    run_state = jax.tree.map(lambda a, lo=start, hi=start + length: a[lo:hi], state)
+                    x, _ = jax.lax.scan(step, x, run_state)
+                start += length
+            return x
+
+        unit = [kind == "local" for kind in cfg.attention_pattern]
+        if len(set(unit)) == 1:  # one kind of layer (Llama, Mistral): one scan over the stack
+            return run_layers(x_btd, stacked, unit * cfg.num_layers, in_scan=False)
+        steps, left_over = divmod(cfg.num_layers, len(unit))
+        scanned = steps * len(unit)
+        if steps:
+            by_unit = jax.tree.map(lambda a: a[:scanned].reshape(steps, len(unit), *a.shape[1:]), stacked)
+            x_btd, _ = jax.lax.scan(lambda x, unit_state: (run_layers(x, unit_state, unit, True), None),
+                                    x_btd, by_unit)
+        if left_over:
+            x_btd = run_layers(x_btd, jax.tree.map(lambda a: a[scanned:], stacked), unit[:left_over], False)
         return x_btd
 
     def _decode_blocks(self, x_btd, positions_bt, segment_ids_bt, cache: KVCache):
@@ -287,20 +346,20 @@ class Transformer(nnx.Module):
         dt = _dtype(self.compute.dtype)
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-        if segment_ids_bt is None:
-            segment_ids_bt = jnp.ones_like(tokens_bt)
         x_btd = self.embed_vd[...].astype(dt)[tokens_bt]
         if cfg.scale_embeddings:  # the factor rounded to the compute dtype, as Gemma does
             x_btd = x_btd * jnp.asarray(math.sqrt(cfg.d_model), dt)
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
-        if cache is None:
+        if cache is None:  # segment_ids_bt None: one unpadded document per row, no mask needed
             x_btd = self._run_blocks(x_btd, positions_bt, segment_ids_bt)
         else:
+            if segment_ids_bt is None:
+                segment_ids_bt = jnp.ones_like(tokens_bt)
             x_btd, cache = self._decode_blocks(x_btd, positions_bt, segment_ids_bt, cache)
         with jax.named_scope("lm_head"):
             x_btd = self.final_norm(x_btd)
             head_dv = self.embed_vd[...].T if cfg.tie_embeddings else self.lm_head_dv[...]
-            logits_btv = dense(x_btd, head_dv.astype(dt))
+            logits_btv = dense(x_btd, head_dv.astype(dt), backward=self.matmul_backward, dot_general=self.dot_general)
         if cfg.final_logit_softcap is not None:
             cap = cfg.final_logit_softcap
             logits_btv = (cap * jnp.tanh(logits_btv.astype(jnp.float32) / cap)).astype(dt)

@@ -1,5 +1,5 @@
-"""The model's matmuls: y = x . w over x's trailing and w's leading axes, with a hand-written
-backward pass that is cheap on XLA:CPU.
+"""The model's matmuls: y = x . w over x's trailing and w's leading axes. On CPU they have a
+hand-written backward pass that is cheap on XLA:CPU; elsewhere autodiff's.
 
 Autodiff computes a weight gradient as a contraction over the batch and sequence axes, the
 major axes of both operands. XLA:CPU's matmul kernels want the left operand contracted on
@@ -8,70 +8,98 @@ wide one (an MLP's 4096 x 1024 activation gradient rather than the 4096 x 384 in
 fuses the elementwise producer into that transposing copy, which then runs at a fraction of
 memory speed. Here the narrower of the two operands is always the one put on the left, so
 only it is transposed. At the benchmark shape those copies had been 2.0 s of a 10.7 s
-training step on CPU (bench/profile_step.py, docs/benchmarks.md). Accelerator
-compilers pick layouts themselves and are unaffected by the operand order.
+training step on CPU (bench/profile_step.py, docs/benchmarks.md). Accelerator compilers
+pick layouts themselves, so there (`backward="auto"` off CPU, ComputeConfig.matmul_backward)
+plain autodiff runs and leaves XLA its fusions.
+
+Every product goes through one `dot_general` (jax.lax.dot_general by default, the backward's
+too): the seam where a quantized or fp8 matmul slots in.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import Literal
 
 import jax
 
-from engine.ops.partitioning import constrain
+from engine.ops.partitioning import constrain, current_platform
+
+Backward = Literal["auto", "cpu", "autodiff"]
+DotGeneral = Callable[..., jax.Array]  # jax.lax.dot_general's signature
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def dense(x, w, n_in: int = 1):
+def uses_cpu_backward(backward: Backward) -> bool:
+    """Whether the hand-written backward runs: `cpu`, or `auto` when compiling for CPU."""
+    return backward == "cpu" or (backward == "auto" and current_platform() == "cpu")
+
+
+def dense(x, w, n_in: int = 1, *, backward: Backward = "auto", dot_general: DotGeneral = jax.lax.dot_general):
     """Contract the last `n_in` axes of x with the first `n_in` axes of w."""
-    return _dot(x, w, n_in)
+    if uses_cpu_backward(backward):
+        return _dense(x, w, n_in, dot_general)
+    return _dot(x, w, n_in, dot_general)
 
 
-def _dot(x, w, n_in):
+def _dot(x, w, n_in, dot_general):
     x_axes = tuple(range(x.ndim - n_in, x.ndim))
-    return jax.lax.dot_general(x, w, ((x_axes, tuple(range(n_in))), ((), ())))
+    return dot_general(x, w, ((x_axes, tuple(range(n_in))), ((), ())))
 
 
-def _dense_fwd(x, w, n_in):
-    return _dot(x, w, n_in), (x, w)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dense(x, w, n_in, dot_general):
+    return _dot(x, w, n_in, dot_general)
 
 
-def _input_grad(dy, w, n_in):
+def _dense_fwd(x, w, n_in, dot_general):
+    return _dot(x, w, n_in, dot_general), (x, w)
+
+
+def _input_grad(dy, w, n_in, dot_general):
     """dy . w^T over the output axes: the gradient of x in x . w."""
     dy_out = tuple(range(dy.ndim - (w.ndim - n_in), dy.ndim))
-    return jax.lax.dot_general(dy, w, ((dy_out, tuple(range(n_in, w.ndim))), ((), ())))
+    return dot_general(dy, w, ((dy_out, tuple(range(n_in, w.ndim))), ((), ())))
 
 
-def _weight_grad(x, dy, n_in: int = 1):
+def _weight_grad(x, dy, n_in, dot_general):
     """x^T . dy over the batch axes (in..., out...), the narrower operand put first: XLA:CPU
     transposes the first operand, and the narrow one is the cheap one to transpose."""
     n_batch = x.ndim - n_in
     batch = tuple(range(n_batch))
     if math.prod(x.shape[n_batch:]) <= math.prod(dy.shape[n_batch:]):
-        return jax.lax.dot_general(x, dy, ((batch, batch), ((), ())))
+        return dot_general(x, dy, ((batch, batch), ((), ())))
     n_out = dy.ndim - n_batch
-    dw_t = jax.lax.dot_general(dy, x, ((batch, batch), ((), ())))  # (out..., in...)
+    dw_t = dot_general(dy, x, ((batch, batch), ((), ())))  # (out..., in...)
     return dw_t.transpose(*range(n_out, n_out + n_in), *range(n_out))
 
 
-def _dense_bwd(n_in, residuals, dy):
+def _dense_bwd(n_in, dot_general, residuals, dy):
     x, w = residuals
-    return _input_grad(dy, w, n_in).astype(x.dtype), _weight_grad(x, dy, n_in).astype(w.dtype)
+    return (_input_grad(dy, w, n_in, dot_general).astype(x.dtype),
+            _weight_grad(x, dy, n_in, dot_general).astype(w.dtype))
 
 
-dense.defvjp(_dense_fwd, _dense_bwd)
+_dense.defvjp(_dense_fwd, _dense_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def gated_mlp(x, w_gate, w_up, w_down, activation, hidden_names=None):
+def gated_mlp(x, w_gate, w_up, w_down, activation, hidden_names=None, *, backward: Backward = "auto",
+              dot_general: DotGeneral = jax.lax.dot_general):
     """down(activation(x . w_gate) * (x . w_up)): SwiGLU / GeGLU.
 
-    The backward pass keeps only x and the two projections (not the activation, its
+    The CPU backward pass keeps only x and the two projections (not the activation, its
     derivative or their product, which autodiff would also save) and recomputes the rest.
     `hidden_names`, logical axis names of the hidden activation, constrain its sharding.
     """
-    return _gated_fwd(x, w_gate, w_up, w_down, activation, hidden_names)[0]
+    if uses_cpu_backward(backward):
+        return _gated_mlp(x, w_gate, w_up, w_down, activation, hidden_names, dot_general)
+    return _gated_fwd(x, w_gate, w_up, w_down, activation, hidden_names, dot_general)[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _gated_mlp(x, w_gate, w_up, w_down, activation, hidden_names, dot_general):
+    return _gated_fwd(x, w_gate, w_up, w_down, activation, hidden_names, dot_general)[0]
 
 
 def _hidden(gate, up, activation, hidden_names):
@@ -79,25 +107,25 @@ def _hidden(gate, up, activation, hidden_names):
     return h if hidden_names is None else constrain(h, hidden_names)
 
 
-def _gated_fwd(x, w_gate, w_up, w_down, activation, hidden_names):
-    gate, up = _dot(x, w_gate, 1), _dot(x, w_up, 1)
-    out = _dot(_hidden(gate, up, activation, hidden_names), w_down, 1)
+def _gated_fwd(x, w_gate, w_up, w_down, activation, hidden_names, dot_general):
+    gate, up = _dot(x, w_gate, 1, dot_general), _dot(x, w_up, 1, dot_general)
+    out = _dot(_hidden(gate, up, activation, hidden_names), w_down, 1, dot_general)
     return out, (x, gate, up, w_gate, w_up, w_down)
 
 
-def _gated_bwd(activation, hidden_names, residuals, dy):
+def _gated_bwd(activation, hidden_names, dot_general, residuals, dy):
     x, gate, up, w_gate, w_up, w_down = residuals
     act, act_vjp = jax.vjp(activation, gate)
     h = act * up
-    d_down = _weight_grad(h, dy)
-    dh = _input_grad(dy, w_down, 1)
+    d_down = _weight_grad(h, dy, 1, dot_general)
+    dh = _input_grad(dy, w_down, 1, dot_general)
     if hidden_names is not None:
         dh = constrain(dh, hidden_names)
     d_up = dh * act
     (d_gate,) = act_vjp(dh * up)
-    dx = _input_grad(d_gate, w_gate, 1) + _input_grad(d_up, w_up, 1)
-    return (dx.astype(x.dtype), _weight_grad(x, d_gate).astype(w_gate.dtype),
-            _weight_grad(x, d_up).astype(w_up.dtype), d_down.astype(w_down.dtype))
+    dx = _input_grad(d_gate, w_gate, 1, dot_general) + _input_grad(d_up, w_up, 1, dot_general)
+    return (dx.astype(x.dtype), _weight_grad(x, d_gate, 1, dot_general).astype(w_gate.dtype),
+            _weight_grad(x, d_up, 1, dot_general).astype(w_up.dtype), d_down.astype(w_down.dtype))
 
 
-gated_mlp.defvjp(_gated_fwd, _gated_bwd)
+_gated_mlp.defvjp(_gated_fwd, _gated_bwd)

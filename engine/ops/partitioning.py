@@ -88,12 +88,28 @@ def use_mesh(mesh: Mesh | None) -> Iterator[None]:
         _current.pop()
 
 
+def current_mesh() -> Mesh | None:
+    """The mesh of the innermost `use_mesh` (None outside one)."""
+    return _current[-1] if _current else None
+
+
+def current_platform() -> str:
+    """The platform being traced for: that of the current mesh's devices (so an ahead-of-time
+    compile for a TPU topology on a CPU host says "tpu"), else JAX's default backend."""
+    mesh = current_mesh()
+    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
+def activation_spec(shape: Sequence[int], names: Sequence[str | None], mesh: Mesh) -> P:
+    """The spec of an activation with logical `names` on `mesh`; a dimension that does not
+    divide its mesh axis stays replicated on it."""
+    spec = logical_to_spec(names)
+    return P(*(a if shape[i] % mesh_axis_size(mesh, a) == 0 else None for i, a in enumerate(spec)))
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Constrain an activation's sharding by logical names (a no-op without a mesh)."""
-    mesh = _current[-1] if _current else None
+    mesh = current_mesh()
     if mesh is None or mesh.size == 1:
         return x
-    spec = logical_to_spec(names)
-    # An activation dimension that does not divide its axis stays replicated on it.
-    spec = P(*(a if x.shape[i] % mesh_axis_size(mesh, a) == 0 else None for i, a in enumerate(spec)))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, activation_spec(x.shape, names, mesh)))

@@ -1,0 +1,55 @@
+"""Attention as the textbook says: a masked softmax over every score. The reference the other
+implementations are tested against, and what decoding with a KV cache uses.
+
+Shapes: b batch, t query positions, s key positions, n query heads, k kv heads, g query
+heads per kv head, h head_dim. Segment id 0 marks padding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30  # finite: a fully masked row (padding) stays finite (uniform), never NaN
+
+
+def attention_mask(segment_q_bt, segment_k_bs, *, window: int | None = None):
+    """(b, t, s): query i sees key j iff j <= i, both carry the same segment id, the key is not
+    padding (segment 0) and, with a sliding `window`, i - j < window.
+
+    Causality is by row index (queries are the last t of the s keys), which equals position
+    order inside each packed segment.
+    """
+    t, s = segment_q_bt.shape[1], segment_k_bs.shape[1]
+    distance_ts = jnp.arange(t)[:, None] + (s - t) - jnp.arange(s)[None, :]
+    visible_ts = distance_ts >= 0
+    if window is not None:
+        visible_ts = visible_ts & (distance_ts < window)
+    same_bts = segment_q_bt[:, :, None] == segment_k_bs[:, None, :]
+    valid_bs = (segment_k_bs != 0)[:, None, :]
+    return visible_ts[None] & same_bts & valid_bs
+
+
+def dot_product_attention(q_btnh, k_bskh, v_bskh, mask_bts, *, scale=None, softcap=None):
+    """Grouped-query attention over an explicit mask; softmax in float32. Scores are q.k * scale
+    (default head_dim**-0.5), optionally soft-capped to (-softcap, softcap) before masking."""
+    b, t, n, h = q_btnh.shape
+    k = k_bskh.shape[2]
+    q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
+    scores = scores * (h**-0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    scores = jnp.where(mask_bts[:, None, None], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
+    out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
+    return out_btkgh.reshape(b, t, n, h)
+
+
+def reference_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, *, scale: float, softcap: float | None = None,
+                        window: int | None = None):
+    """Causal self-attention over a packed sequence through the full (b, t, t) mask."""
+    if segment_ids_bt is None:
+        segment_ids_bt = jnp.ones(q_btnh.shape[:2], jnp.int32)
+    mask_bts = attention_mask(segment_ids_bt, segment_ids_bt, window=window)
+    return dot_product_attention(q_btnh, k_bskh, v_bskh, mask_bts, scale=scale, softcap=softcap)
