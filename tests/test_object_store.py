@@ -26,9 +26,10 @@ STEPS = 20
 EXIT_ABORT = "FATAL: exception not rethrown"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def s3_endpoint(tmp_path_factory):
-    """A moto S3 server on a free loopback port, and the environment that points at it."""
+    """A moto S3 server on a free loopback port, and the environment that points at it (for this
+    module only: the variables are restored after it, so no other test sees them)."""
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()

@@ -7,6 +7,7 @@ from engine.config import ConfigError, load_yaml, validate
 from engine.contract import EXIT_CONFIG_ERROR, EXIT_OK
 from engine.evaluate.config import EvalConfig
 from engine.evaluate.evaluate import run_evaluate
+from engine.parallel.distributed import maybe_initialize_distributed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"{argv[0]}: unknown key(s) {', '.join(sorted(unknown))}; expected config, "
                               "checkpoints, curves")
         cfg = validate(EvalConfig, job.get("config") or {}, f"{argv[0]}: config")
+        maybe_initialize_distributed()  # under a multi-process launcher: one evaluation, its ranks joined
         report = run_evaluate(cfg, job.get("checkpoints") or {}, argv[1], curves=job.get("curves") or {})
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
 import numpy as np
 
 from engine.config import ConfigError
@@ -166,4 +167,4 @@ def run_evaluate(cfg: EvalConfig, checkpoints: dict[str, str | Path], out_dir: s
         log(f"evaluate: model '{name}' ({directory})")
         models[name], samples[name] = evaluate_model(cfg, directory, log)
     return write_report(Path(out_dir), cfg, models, samples, {k: str(v) for k, v in checkpoints.items()},
-                        curves or {})
+                        curves or {}, write=jax.process_index() == 0)  # one report, however many ranks

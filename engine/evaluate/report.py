@@ -112,7 +112,10 @@ def plot_report(out_dir: Path, models: dict[str, dict], curves: dict[str, str | 
 
 
 def write_report(out_dir: Path, cfg: EvalConfig, models: dict[str, dict], samples: dict[str, list[dict]],
-                 checkpoints: dict[str, str], curves: dict[str, str | Path]) -> dict:
+                 checkpoints: dict[str, str], curves: dict[str, str | Path], *, write: bool = True) -> dict:
+    """The report's content; written into out_dir when `write` (the primary process of a run)."""
+    if not write:
+        return {"models": models, "checkpoints": checkpoints, "tasks": [t.model_dump(mode="json") for t in cfg.tasks]}
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = plot_report(out_dir, models, curves)
     keys = headline_metrics(models)
