@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from engine.contract import MANIFEST
-from tasks.objectstore import RemoteBackend, StoreAccessError, is_url
+from tasks.objectstore import RemoteBackend, StoreAccessError, flock_held, is_url
 
 LOCK = ".lock"
 ID_LENGTH = 16  # hex digits of sha256 kept in an id: 64 bits, plenty for one store
@@ -256,16 +256,7 @@ class ArtifactLock:
 
     def is_held(self) -> bool:
         """Whether some process (this one included, through another handle) holds the lock."""
-        if not self.path.is_file():
-            return False
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return False
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
+        return flock_held(self.path)
 
     def release(self) -> None:
         # Close without LOCK_UN: unlocking would also release it for a child that still

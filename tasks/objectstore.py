@@ -232,7 +232,7 @@ class RemoteBackend:
         for _, directory, size in sorted(entries, key=lambda e: e[0]):
             if total <= self.cache_bytes:
                 break
-            if directory in keep or (directory / ".lock").exists() and _locked(directory / ".lock"):
+            if directory in keep or (directory / ".lock").exists() and flock_held(directory / ".lock"):
                 continue
             shutil.rmtree(directory, ignore_errors=True)
             total -= size
@@ -243,7 +243,8 @@ class RemoteBackend:
         return Lease(self, self.key(stage, artifact_id, LEASE), run_id)
 
 
-def _locked(path: Path) -> bool:
+def flock_held(path: Path) -> bool:
+    """Whether some process holds an flock on `path` (False when the file is missing)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
