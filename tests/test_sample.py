@@ -1,4 +1,5 @@
-"""The KV-cache sampler: cache == recomputation, log-probs == teacher forcing, determinism."""
+"""The KV-cache sampler: cache == recomputation, log-probs == teacher forcing, determinism,
+group rollouts == sampling each prompt G times, one compilation per length bucket."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ from engine.models.config import ComputeConfig, ModelConfig
 from engine.parallel.config import MeshConfig
 from engine.models.kv_cache import KVCache
 from engine.models.transformer import Transformer
-from engine.inference.sample import Sampler, filter_logits, left_pad, prompt_positions
+from engine.inference.sample import Sampler, filter_logits, left_pad, length_bucket, prompt_positions
 from engine.parallel.mesh import make_mesh
 from engine.models.params import apply_model, graphdef_of, param_shardings
 
@@ -133,3 +134,51 @@ def test_top_k_and_top_p_keep_exactly_the_documented_tokens():
     assert kept(filter_logits(logits, top_p=0.75)) == [1, 3, 4]
     assert kept(filter_logits(logits, top_k=4, top_p=0.99)) == [1, 2, 3, 4]
     assert kept(filter_logits(logits)) == [0, 1, 2, 3, 4]
+
+
+def test_group_rollouts_prefill_once_and_equal_sampling_each_prompt_g_times(model):
+    """G completions per prompt from one prefill (its cache copied to the group) are the
+    completions of the prompt repeated G times: the same draws (row r's key is fold_in(seed, r))
+    and, greedy, G copies of the one-row-per-prompt greedy completion."""
+    cfg, params, sampler = model
+    tokens, mask = left_pad(PROMPTS)
+    G = 3
+    grouped = sampler(params, tokens, mask, num_generations=G, seed=11, temperature=0.7, eos_ids=(4,), **SETTINGS)
+    repeated = sampler(params, np.repeat(tokens, G, 0), np.repeat(mask, G, 0), seed=11, temperature=0.7,
+                       eos_ids=(4,), **SETTINGS)
+    np.testing.assert_array_equal(grouped.tokens, repeated.tokens)
+    np.testing.assert_array_equal(grouped.mask, repeated.mask)
+    np.testing.assert_allclose(grouped.logprobs, repeated.logprobs, atol=1e-5)
+    rows = grouped.tokens.reshape(len(PROMPTS), G, -1)
+    assert any(not np.array_equal(group[0], group[g]) for group in rows for g in range(1, G))  # G distinct draws
+
+    greedy_grouped = sampler(params, tokens, mask, num_generations=G, seed=0, temperature=0.0, **SETTINGS)
+    greedy = sampler(params, tokens, mask, seed=0, temperature=0.0, **SETTINGS)
+    np.testing.assert_array_equal(greedy_grouped.tokens, np.repeat(greedy.tokens, G, 0))
+    np.testing.assert_allclose(greedy_grouped.logprobs, np.repeat(greedy.logprobs, G, 0), atol=1e-5)
+
+
+def test_a_batch_in_the_same_length_buckets_reuses_the_compiled_sampler(model):
+    """Prompts of 5 and of 7 tokens (bucket 8), 10 and 12 new tokens (bucket 16): one
+    compilation; the token budget is traced, so 10 tokens are the first 10 of 12."""
+    cfg, params, sampler = model
+    assert [length_bucket(n) for n in (1, 5, 8, 9, 12)] == [8, 8, 8, 16, 16]
+    assert length_bucket(5, (6, 12)) == 6 and length_bucket(13, (6, 12)) == 16
+    tokens, mask = left_pad(PROMPTS)
+    first = sampler(params, tokens, mask, seed=2, **SETTINGS)  # compiled here or by an earlier test
+    compiles = []
+
+    def on_event(event: str, duration: float, **kwargs):
+        compiles.extend([event] if event == "/jax/core/compile/backend_compile_duration" else [])
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        longer_prompts = left_pad([[3, 3, 5, 9, 2, 31, 7], *PROMPTS[1:]])
+        longer = sampler(params, *longer_prompts, seed=2, **{**SETTINGS, "max_new_tokens": 12})
+        wider = sampler(params, tokens, mask, seed=2, **{**SETTINGS, "max_new_tokens": 12})
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    assert compiles == []
+    assert longer.tokens.shape == wider.tokens.shape == (len(PROMPTS), 12)
+    np.testing.assert_array_equal(wider.tokens[:, :10], first.tokens)
+    np.testing.assert_array_equal(longer.tokens[1:, :10], first.tokens[1:])  # rows 1-3: same prompt, same key

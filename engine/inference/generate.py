@@ -29,8 +29,10 @@ def generate(args: argparse.Namespace) -> int:
         prompts = [line.rstrip("\n") for p in args.prompt for line in (sys.stdin if p == "-" else [p])]
         if not prompts:
             raise ConfigError("no prompts; pass --prompt TEXT (repeatable)")
-        if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
-            raise ConfigError("--max-new-tokens must be >= 1, --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1")
+        if (args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1
+                or args.num_samples < 1):
+            raise ConfigError("--max-new-tokens must be >= 1, --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1, "
+                              "--num-samples >= 1")
         bundle = load_saved(tokenizer_dir)
         model_cfg, compute = stored_configs(checkpoint)
         _, params, step = load_params(checkpoint)
@@ -41,14 +43,17 @@ def generate(args: argparse.Namespace) -> int:
             raise ConfigError(f"prompt ({tokens.shape[1]} tokens) + --max-new-tokens exceeds the model's "
                               f"max_seq_len ({model_cfg.max_seq_len})")
         output = Sampler(model_cfg, compute)(params, tokens, mask, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                    eos_ids=(bundle.eos_id,), pad_id=pad_id)
+                                             num_generations=args.num_samples, temperature=args.temperature,
+                                             top_k=args.top_k, top_p=args.top_p, eos_ids=(bundle.eos_id,),
+                                             pad_id=pad_id)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    for prompt, text, length in zip(prompts, decode_completions(bundle, output), output.lengths):
+    rows = [prompt for prompt in prompts for _ in range(args.num_samples)]  # a prompt's samples are adjacent rows
+    for row, (prompt, text, length) in enumerate(zip(rows, decode_completions(bundle, output), output.lengths)):
         if args.json:
-            print(json.dumps({"prompt": prompt, "completion": text, "tokens": int(length), "step": step}))
+            print(json.dumps({"prompt": prompt, "sample": row % args.num_samples, "completion": text,
+                              "tokens": int(length), "step": step}))
         else:
             print(f"{prompt}{text}" if not args.chat else f"{prompt}\n---\n{text}")
             print("=" * 40)

@@ -15,5 +15,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy (default: %(default)s)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens; 0 = no top-k filter (default: %(default)s)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass; 1.0 = no nucleus filter (default: %(default)s)")
+    parser.add_argument("--num-samples", type=int, default=1,
+                        help="completions per prompt, sampled from one prefill of the prompt (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")

@@ -10,8 +10,10 @@ truncation: log_softmax(logits / temperature) (TRL and vLLM report the same); gr
 decoding (temperature 0) reports log_softmax(logits). They equal the teacher-forced
 log-probabilities of the same tokens, which is what GRPO's importance ratios need.
 
-`Sampler` jits `sample` once per shape and setting on a mesh (params sharded as in
-training, rows over the data axes). engine/inference/generate.py is the text-in, text-out command
+GRPO samples G completions per prompt: `sample` prefills each prompt once and copies its
+cache to the G rows of its group, and the whole decode loop is one on-device while_loop
+that stops as soon as every row has ended. `Sampler` jits `sample` once per length bucket
+and setting on a mesh (params sharded as in training, rows over the data axes). engine/inference/generate.py is the text-in, text-out command
 (`python -m engine.inference.generate`, `trainflow generate`).
 """
 
@@ -33,8 +35,8 @@ from engine.data.chat import render
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.kv_cache import KVCache
 from engine.models.params import graphdef_of
-from engine.ops.partitioning import use_mesh
-from engine.parallel.mesh import batch_sharding, global_array, replicated, to_host
+from engine.ops.partitioning import constrain, use_mesh
+from engine.parallel.mesh import batch_shards, batch_sharding, global_array, replicated, to_host
 
 NEG_INF = -jnp.inf
 
@@ -57,13 +59,14 @@ def filter_logits(logits_bv, top_k: int = 0, top_p: float = 1.0):
     return logits_bv
 
 
-def choose_tokens(logits_bv, key, temperature, *, top_k: int, top_p: float):
-    """(token_b, logprob_b) of one sampling step; temperature 0 (may be traced) is greedy."""
+def choose_tokens(logits_bv, keys_b, temperature, *, top_k: int, top_p: float):
+    """(token_b, logprob_b) of one sampling step, each row drawn with its own key; temperature
+    0 (may be traced) is greedy."""
     logits_bv = logits_bv.astype(jnp.float32)
     greedy = temperature == 0
     scaled_bv = logits_bv / jnp.where(greedy, 1.0, temperature)
     logp_bv = jax.nn.log_softmax(scaled_bv, axis=-1)
-    sampled_b = jax.random.categorical(key, filter_logits(scaled_bv, top_k, top_p), axis=-1)
+    sampled_b = jax.vmap(jax.random.categorical)(keys_b, filter_logits(scaled_bv, top_k, top_p))
     token_b = jnp.where(greedy, jnp.argmax(logits_bv, axis=-1), sampled_b)
     logprob_b = jnp.take_along_axis(logp_bv, token_b[:, None], axis=-1)[:, 0]
     return token_b.astype(jnp.int32), logprob_b
@@ -75,31 +78,45 @@ def prompt_positions(prompt_mask_bp):
     return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0) * mask
 
 
-def sample(graphdef, params, prompt_tokens_bp, prompt_mask_bp, rng, temperature=1.0, eos_ids=(), pad_id=0, *,
-           max_new_tokens: int, top_k: int = 0, top_p: float = 1.0) -> dict[str, jax.Array]:
-    """Generate up to `max_new_tokens` per row; stop a row at its first EOS.
+def sample(graphdef, params, prompt_tokens_bp, prompt_mask_bp, rng, temperature=1.0, eos_ids=(), pad_id=0,
+           new_tokens=None, *, max_new_tokens: int, num_generations: int = 1, top_k: int = 0,
+           top_p: float = 1.0) -> dict[str, jax.Array]:
+    """`num_generations` (G) completions of each prompt, up to `new_tokens` tokens each (all
+    `max_new_tokens` by default); a row stops at its first EOS.
 
     prompt_tokens_bp: left-padded ids; prompt_mask_bp: 1 on real tokens (each row needs one).
-    rng, temperature, eos_ids and pad_id are traced (one compilation serves them all);
-    max_new_tokens, top_k and top_p are static. Returns tokens_bn (pad_id after a row
-    stopped), logprobs_bn (0 there), mask_bn (1 on generated tokens, the EOS included) and
-    lengths_b. Deterministic for a given rng.
+    The prompts are prefilled once, at batch b, and each prompt's cache is copied to its G
+    rows (row p * G + g is completion g of prompt p); the decode loop runs on device and ends
+    when every row has stopped. Row r samples with the key fold_in(rng, r), so a row's draws
+    do not depend on the other rows or on how the batch was padded.
+
+    rng, temperature, eos_ids, pad_id and new_tokens are traced (one compilation serves
+    them all); max_new_tokens (the width of the outputs), num_generations, top_k and top_p
+    are static. Returns tokens_bn (pad_id after a row stopped), logprobs_bn (0 there),
+    mask_bn (1 on generated tokens, the EOS included) and lengths_b, b * G rows each.
+    Deterministic for a given rng.
     """
     model = nnx.merge(graphdef, params)
-    batch, prompt_len = prompt_tokens_bp.shape
-    cache = KVCache.init(model.cfg, model.compute, batch, prompt_len + max_new_tokens)
+    prompts, prompt_len = prompt_tokens_bp.shape
+    batch = prompts * num_generations
+    new_tokens = max_new_tokens if new_tokens is None else new_tokens
     mask_bp = prompt_mask_bp.astype(jnp.int32)
+    cache = KVCache.init(model.cfg, model.compute, prompts, prompt_len)
     logits_btv, cache = model(prompt_tokens_bp, prompt_positions(mask_bp), mask_bp, cache=cache)
+    cache = cache.expand(num_generations, max_new_tokens)
+    logits_bv = constrain(jnp.repeat(logits_btv[:, -1], num_generations, axis=0), ("act_batch", "act_vocab"))
+    position_b = jnp.repeat(jnp.sum(mask_bp, axis=1), num_generations)
+    row_keys_b = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(batch))
     eos = jnp.asarray(eos_ids, jnp.int32).reshape(-1)
     choose = functools.partial(choose_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
 
     def cond(state):
         i, done_b = state[0], state[1]
-        return (i < max_new_tokens) & ~jnp.all(done_b)
+        return (i < new_tokens) & ~jnp.all(done_b)
 
     def body(state):
         i, done_b, logits_bv, cache, position_b, tokens_bn, logprobs_bn, mask_bn = state
-        token_b, logprob_b = choose(logits_bv, jax.random.fold_in(rng, i))
+        token_b, logprob_b = choose(logits_bv, jax.vmap(jax.random.fold_in, (0, None))(row_keys_b, i))
         live_b = ~done_b
         token_b = jnp.where(live_b, token_b, pad_id)
         tokens_bn = tokens_bn.at[:, i].set(token_b)
@@ -110,13 +127,21 @@ def sample(graphdef, params, prompt_tokens_bp, prompt_mask_bp, rng, temperature=
         return i + 1, done_b, logits_btv[:, -1], cache, position_b + 1, tokens_bn, logprobs_bn, mask_bn
 
     state = (
-        jnp.int32(0), jnp.zeros((batch,), bool), logits_btv[:, -1], cache, jnp.sum(mask_bp, axis=1),
+        jnp.int32(0), jnp.zeros((batch,), bool), logits_bv, cache, position_b,
         jnp.full((batch, max_new_tokens), pad_id, jnp.int32), jnp.zeros((batch, max_new_tokens), jnp.float32),
         jnp.zeros((batch, max_new_tokens), bool),
     )
     state = jax.lax.while_loop(cond, body, state)
     tokens_bn, logprobs_bn, mask_bn = state[5:]
     return {"tokens": tokens_bn, "logprobs": logprobs_bn, "mask": mask_bn, "lengths": jnp.sum(mask_bn, axis=1)}
+
+
+def length_bucket(length: int, buckets: Sequence[int] = ()) -> int:
+    """The smallest of `buckets` that holds `length`; without buckets (or past the largest)
+    the next power of two, at least 8. Shapes come in buckets so the sampler compiles once
+    per bucket, not once per batch."""
+    fitting = [b for b in buckets if b >= length]
+    return min(fitting) if fitting else max(8, 1 << (length - 1).bit_length())
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int = 0, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -145,13 +170,20 @@ class SampleOutput:
 
 
 class Sampler:
-    """`sample` compiled for one model on one mesh; rows are sharded over (data, fsdp)."""
+    """`sample` compiled for one model on one mesh; rows are sharded over (data, fsdp).
 
-    def __init__(self, model_cfg: ModelConfig, compute: ComputeConfig | None = None, mesh=None, param_shardings=None):
+    Prompt lengths and max_new_tokens are rounded up to `length_bucket`s (left padding and
+    unused output columns, both invisible in the results), so batches of other lengths in
+    the same buckets reuse the compiled program.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, compute: ComputeConfig | None = None, mesh=None, param_shardings=None,
+                 length_buckets: Sequence[int] = ()):
         self.model_cfg = model_cfg
         self.compute = (compute or ComputeConfig()).model_copy(update={"remat": "none"})  # no backward pass here
         self.graphdef = graphdef_of(self.model_cfg, self.compute)
         self.mesh, self.param_shardings = mesh, param_shardings
+        self.length_buckets = tuple(sorted(length_buckets))
         self._compiled: dict[tuple, Any] = {}
 
     def _function(self, settings: tuple):
@@ -167,30 +199,36 @@ class Sampler:
                 outputs = {"tokens": rows, "logprobs": rows, "mask": rows, "lengths": batch_sharding(self.mesh, 1)}
                 scalar = replicated(self.mesh)
                 self._compiled[settings] = jax.jit(
-                    fn, in_shardings=(self.param_shardings, rows, rows, scalar, scalar, scalar, scalar),
+                    fn, in_shardings=(self.param_shardings, rows, rows, scalar, scalar, scalar, scalar, scalar),
                     out_shardings=outputs)
         return self._compiled[settings]
 
     def __call__(self, params, prompt_tokens_bp, prompt_mask_bp, *, seed: int | jax.Array = 0,
-                 max_new_tokens: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                 eos_ids: Sequence[int] = (), pad_id: int = 0) -> SampleOutput:
+                 max_new_tokens: int, num_generations: int = 1, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, eos_ids: Sequence[int] = (), pad_id: int = 0) -> SampleOutput:
+        """Completions of left-padded prompts: `num_generations` rows per prompt (prompt p's
+        are rows p * G ... p * G + G - 1), `max_new_tokens` columns."""
         prompt_tokens_bp, prompt_mask_bp = np.asarray(prompt_tokens_bp), np.asarray(prompt_mask_bp)
-        batch = prompt_tokens_bp.shape[0]
-        shards = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-        extra = -batch % shards
-        if extra:  # pad the batch with one-token dummy rows so it divides over the mesh
-            prompt_tokens_bp = np.concatenate([prompt_tokens_bp, np.repeat(prompt_tokens_bp[-1:], extra, 0)])
-            prompt_mask_bp = np.concatenate([prompt_mask_bp, np.repeat(prompt_mask_bp[-1:], extra, 0)])
+        prompts, prompt_len = prompt_tokens_bp.shape
+        shards = 1 if self.mesh is None else batch_shards(self.mesh)
+        extra_rows = -prompts % shards  # dummy prompts (copies of the last) so the rows divide over the mesh
+        extra_columns = length_bucket(prompt_len, self.length_buckets) - prompt_len  # more left padding
+        tokens_bp = np.pad(prompt_tokens_bp, ((0, 0), (extra_columns, 0)), constant_values=pad_id)
+        mask_bp = np.pad(prompt_mask_bp, ((0, 0), (extra_columns, 0)))
+        tokens_bp, mask_bp = (np.concatenate([a, np.repeat(a[-1:], extra_rows, 0)]) for a in (tokens_bp, mask_bp))
         rng = jax.random.key(seed) if isinstance(seed, int) else seed
-        settings = (("max_new_tokens", int(max_new_tokens)), ("top_k", int(top_k)), ("top_p", float(top_p)))
-        args = (prompt_tokens_bp, prompt_mask_bp, jax.random.key_data(rng), np.float32(temperature),
-                np.asarray(list(eos_ids) or [-1], np.int32), np.int32(pad_id))
+        settings = (("max_new_tokens", length_bucket(max_new_tokens, self.length_buckets)),
+                    ("num_generations", int(num_generations)), ("top_k", int(top_k)), ("top_p", float(top_p)))
+        args = (tokens_bp, mask_bp, jax.random.key_data(rng), np.float32(temperature),
+                np.asarray(list(eos_ids) or [-1], np.int32), np.int32(pad_id), np.int32(max_new_tokens))
         if self.mesh is not None:  # global arrays, so any process layout works (every process holds all rows)
             rows, scalar = batch_sharding(self.mesh), replicated(self.mesh)
             args = tuple(global_array(a, rows if i < 2 else scalar) for i, a in enumerate(args))
         with use_mesh(self.mesh):
             out = self._function(settings)(params, *args)
-        return SampleOutput(**{k: to_host(v)[:batch] for k, v in out.items()})
+        keep = prompts * num_generations
+        return SampleOutput(**{k: to_host(v)[:keep, :max_new_tokens] if v.ndim == 2 else to_host(v)[:keep]
+                               for k, v in out.items()})
 
 
 # --------------------------------------------------------------------------- text in, text out

@@ -31,6 +31,16 @@ class KVCache:
         zeros = constrain(jnp.zeros(shape, dtype), (None, "act_batch", None, "act_kv_heads", None))
         return cls(zeros, zeros, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32))
 
+    def expand(self, repeats: int, extra_slots: int) -> "KVCache":
+        """Each row `repeats` times (row r becomes rows r * repeats ... r * repeats + repeats - 1)
+        with `extra_slots` empty slots appended: a prompt's cache, computed once, shared by the
+        group of completions sampled from it (GRPO's G per prompt)."""
+        slots = ((0, 0), (0, 0), (0, extra_slots), (0, 0), (0, 0))
+        k, v = (jnp.pad(jnp.repeat(a, repeats, axis=1), slots) for a in (self.k, self.v))
+        k, v = (constrain(a, (None, "act_batch", None, "act_kv_heads", None)) for a in (k, v))
+        valid_bs = jnp.pad(jnp.repeat(self.valid_bs, repeats, axis=0), ((0, 0), (0, extra_slots)))
+        return self.replace(k=k, v=v, valid_bs=valid_bs)
+
     def update(self, k_btkh, v_btkh, *, window: int | None = None):
         """Write this layer's new keys/values; (k_bskh, v_bskh, mask_bts, cache) to attend with.
 

@@ -14,6 +14,12 @@ plain autodiff runs and leaves XLA its fusions.
 
 Every product goes through one `dot_general` (jax.lax.dot_general by default, the backward's
 too): the seam where a quantized or fp8 matmul slots in.
+
+Low-precision products accumulate in float32 (preferred_element_type) and round once at the
+end. On CPU this is also what lets the hardware's bf16 instructions run: XLA:CPU hands a
+bf16 x bf16 -> f32 dot to its YNNPACK kernels (AVX512-BF16 / AMX where the CPU has them),
+but a bf16 -> bf16 dot it converts to float32 first and multiplies in f32 (4-15x slower at
+the benchmark shape, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 
 from engine.ops.partitioning import constrain, current_platform
 
@@ -43,9 +50,17 @@ def dense(x, w, n_in: int = 1, *, backward: Backward = "auto", dot_general: DotG
     return _dot(x, w, n_in, dot_general)
 
 
+def _product(dot_general, a, b, dimensions):
+    """dot_general(a, b), accumulated in float32 when the operands are narrower."""
+    dtype = jnp.result_type(a, b)
+    if jnp.finfo(dtype).bits >= 32:
+        return dot_general(a, b, dimensions)
+    return dot_general(a, b, dimensions, preferred_element_type=jnp.float32).astype(dtype)
+
+
 def _dot(x, w, n_in, dot_general):
     x_axes = tuple(range(x.ndim - n_in, x.ndim))
-    return dot_general(x, w, ((x_axes, tuple(range(n_in))), ((), ())))
+    return _product(dot_general, x, w, ((x_axes, tuple(range(n_in))), ((), ())))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -60,7 +75,7 @@ def _dense_fwd(x, w, n_in, dot_general):
 def _input_grad(dy, w, n_in, dot_general):
     """dy . w^T over the output axes: the gradient of x in x . w."""
     dy_out = tuple(range(dy.ndim - (w.ndim - n_in), dy.ndim))
-    return dot_general(dy, w, ((dy_out, tuple(range(n_in, w.ndim))), ((), ())))
+    return _product(dot_general, dy, w, ((dy_out, tuple(range(n_in, w.ndim))), ((), ())))
 
 
 def _weight_grad(x, dy, n_in, dot_general):
@@ -69,9 +84,9 @@ def _weight_grad(x, dy, n_in, dot_general):
     n_batch = x.ndim - n_in
     batch = tuple(range(n_batch))
     if math.prod(x.shape[n_batch:]) <= math.prod(dy.shape[n_batch:]):
-        return dot_general(x, dy, ((batch, batch), ((), ())))
+        return _product(dot_general, x, dy, ((batch, batch), ((), ())))
     n_out = dy.ndim - n_batch
-    dw_t = dot_general(dy, x, ((batch, batch), ((), ())))  # (out..., in...)
+    dw_t = _product(dot_general, dy, x, ((batch, batch), ((), ())))  # (out..., in...)
     return dw_t.transpose(*range(n_out, n_out + n_in), *range(n_out))
 
 

@@ -3,7 +3,8 @@ better ones of each group.
 
 One step (a "rollout batch"):
 
-    prompts_per_step prompts  -> G completions each (engine/inference/sample.py, the live params)
+    prompts_per_step prompts  -> G completions each (engine/inference/sample.py, the live params;
+                                 one prefill per prompt, its cache shared by the G rows)
     -> rewards (rewards.py) -> group advantages (policy_loss.py)      = RolloutSource, the batches
     -> num_iterations (mu) optimizer updates on that batch            = policy_objective, the loss
 
@@ -58,7 +59,7 @@ def train_config(cfg: GRPOConfig, model_cfg: ModelConfig, compute: ComputeConfig
         raise ConfigError(f"max_prompt_length + max_completion_length ({seq_len}) exceeds the model's max_seq_len "
                           f"({model_cfg.max_seq_len})")
     tree = cfg.model_dump(include={"mesh", "optimizer", "schedule", "checkpoint", "grad_accum", "seed",
-                                   "metrics_dir", "progress"})
+                                   "metrics_dir", "metrics", "progress"})
     tree.update(model=model_cfg.model_dump(), compute=compute.model_dump(), steps=cfg.steps, log_every=cfg.log_every,
                 data={"seq_len": max(seq_len, 2), "batch_size": cfg.prompts_per_step * cfg.num_generations})
     return TrainConfig.model_validate(tree)
@@ -190,11 +191,11 @@ class RolloutSource:
         records = self.prompts.take(cfg.prompts_per_step)
         prompt_inputs = [r[cfg.data.prompt_field] for r in records]
         prompt_tokens, prompt_mask = left_pad(encode_prompts(bundle, prompt_inputs), pad_id=self.pad_id, length=P)
-        prompt_tokens, prompt_mask = np.repeat(prompt_tokens, G, 0), np.repeat(prompt_mask, G, 0)
-        out = self.sampler(state.params, prompt_tokens, prompt_mask,
+        out = self.sampler(state.params, prompt_tokens, prompt_mask, num_generations=G,  # one prefill per prompt
                            seed=jax.random.fold_in(jax.random.key(cfg.seed), state.step), max_new_tokens=C,
                            temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                            eos_ids=(bundle.eos_id,), pad_id=self.pad_id)
+        prompt_tokens, prompt_mask = np.repeat(prompt_tokens, G, 0), np.repeat(prompt_mask, G, 0)  # rows p * G + g
         rollout_seconds = time.perf_counter() - t0
 
         # ---- rewards and advantages (on the host)
