@@ -1,23 +1,101 @@
-"""Benchmarks: each script measures one target and writes bench/results/<name>.json;
-docs/benchmarks.md reports the figures."""
+"""Benchmarks: each script measures one target beside its peer and writes
+bench/results/<name>.json; docs/benchmarks.md reports the figures.
+
+The shared harness lives here. `alternate` runs the engine and its peer in turns
+(A B A B ...), each run in a fresh subprocess, so slow drift of a shared machine (other
+jobs, thermal state) falls on both sides alike; `summary` gives the median and the spread
+of each side; `machine` and `finish` record the CPU model, its SIMD flags and the load
+average before and after, and mark a result taken under load as not comparable.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import statistics
+import subprocess
+import sys
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+# A 1-minute load average above 1.5 on 2 cores (0.75 per core) means another job shared
+# the CPUs: the figures are then kept but marked, never quoted as a result.
+LOAD_PER_CORE_LIMIT = 0.75
+
+
+def cpu_description() -> dict:
+    """The CPU model and which of CPU_FLAGS it has (from /proc/cpuinfo; empty elsewhere)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == (platform.processor() or platform.machine()):
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu": model, "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS}}
+
+
+def load_limit() -> float:
+    return LOAD_PER_CORE_LIMIT * (os.cpu_count() or 1)
 
 
 def machine(**extra) -> dict:
-    """What a result was measured on: platform, CPU model and count, Python, and the load
-    average (the machines are shared: say how busy this one was); `extra` adds versions."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu,
+    """What a result was measured on: platform, CPU model, flags and count, Python, and the
+    load average at the start; `extra` adds versions."""
+    return {"platform": platform.platform(), "python": platform.python_version(), **cpu_description(),
             "cpu_count": os.cpu_count(), "load_average_at_start": list(os.getloadavg()), **extra}
+
+
+def finish(info: dict) -> dict:
+    """`info` (from machine()) with the load average at the end and the verdict: comparable,
+    or taken under load (1-minute load above load_limit() at the start or the end)."""
+    info = {**info, "load_average_at_end": list(os.getloadavg()), "load_limit": load_limit()}
+    worst = max(info["load_average_at_start"][0], info["load_average_at_end"][0])
+    info["comparable"] = worst <= info["load_limit"]
+    if not info["comparable"]:
+        info["note"] = (f"under load, not comparable: 1-minute load average {worst:.2f} > {info['load_limit']:.2f} "
+                        f"on {info['cpu_count']} cores")
+    return info
+
+
+def load_line(info: dict) -> str:
+    """One line for the printed table: the CPU, its flags and the load verdict."""
+    flags = " ".join(flag for flag, present in info["cpu_flags"].items() if present) or "none of " + " ".join(CPU_FLAGS)
+    verdict = info.get("note") or "quiet machine (load {:.2f} -> {:.2f})".format(
+        info["load_average_at_start"][0], info["load_average_at_end"][0])
+    return f"{info['cpu']} ({info['cpu_count']} CPUs; {flags}); {verdict}"
+
+
+def run_worker(argv: list[str], env: dict | None = None) -> dict:
+    """Run `python -m ...argv` in a fresh process from the repository root; the JSON object it
+    printed last on stdout."""
+    environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, env=environment, cwd=REPO,
+                          check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed with exit code {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def alternate(workers: dict[str, list[str]], repeats: int, env: dict | None = None,
+              log=lambda msg: print(msg, file=sys.stderr)) -> dict[str, list[dict]]:
+    """Each worker command `repeats` times, in turns (A B A B ...), each run a fresh process;
+    the results of each, in order."""
+    results: dict[str, list[dict]] = {name: [] for name in workers}
+    for round_ in range(repeats):
+        for name, argv in workers.items():
+            log(f"[{round_ + 1}/{repeats}] {name} ...")
+            results[name].append(run_worker(argv, env))
+    return results
+
+
+def summary(values: list[float]) -> dict:
+    """Median, min, max and the spread ((max - min) / median) of repeated measurements."""
+    median = statistics.median(values)
+    return {"median": median, "min": min(values), "max": max(values), "n": len(values),
+            "spread": (max(values) - min(values)) / median if median else float("nan"), "values": values}

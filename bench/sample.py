@@ -2,12 +2,20 @@
 (PyTorch, same machine) on the same model: one random Llama, saved by transformers and
 converted with engine/interop/hf/convert.py, so both decode the very same weights.
 
-Greedy decoding of a fixed number of new tokens (no EOS stop) from equal-length random
-prompts, at batch 1 and batch 32. Compilation (JAX) and the first call (torch) are warm-up,
-not timed; each figure is the best of `--repeats` timed calls. Also reported: how many
-greedy tokens the two agree on (float rounding may let long greedy runs diverge).
+Cases (fixed length, no EOS stop, equal-length random prompts):
+  batch1, batch32  greedy decoding of --new-tokens tokens for 1 and 32 prompts; also reported:
+                   how many greedy tokens the two agree on (float rounding may let long
+                   greedy runs diverge)
+  grpo             GRPO-shaped rollouts: 32 prompts x 8 completions each, sampled
+                   (temperature 1, no top-k/top-p): the engine prefills each prompt once
+                   (Sampler num_generations=8), transformers gets num_return_sequences=8
 
-    python -m bench.sample [--new-tokens 64] [--prompt-len 32] [--repeats 3]
+Engine and transformers runs alternate (A B A B ..., --repeats rounds), each in a fresh
+process (bench/__init__.py); a run compiles / warms up first, then reports the best of
+--inner timed calls (prefill included, host transfer included). The table gives the
+median over rounds and the spread.
+
+    python -m bench.sample [--new-tokens 64] [--prompt-len 32] [--repeats 5] [--inner 2] [--cases batch1,batch32,grpo]
 
 Prints a table and writes bench/results/sample.json.
 """
@@ -21,23 +29,25 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import machine
-
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
+from bench import REPO, alternate, finish, load_line, machine, summary
+
 SHAPE = dict(vocab_size=8192, d_model=384, num_layers=6, num_heads=6, num_kv_heads=2, head_dim=64,
              mlp_dim=1024, max_seq_len=512, tie_embeddings=False)  # configs/models/bench-16m.yaml
-BATCHES = (1, 32)
+CASES = {  # name: (prompts, completions per prompt, sampled)
+    "batch1": (1, 1, False),
+    "batch32": (32, 1, False),
+    "grpo": (32, 8, True),
+}
 
 
-def make_models(workdir: Path):
-    """(torch LlamaForCausalLM, engine ModelConfig, ComputeConfig, params): the same random weights."""
+def save_model(workdir: Path) -> None:
+    """A random Llama saved by transformers (workdir/hf) and converted (workdir/engine)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from engine.interop.hf.convert import convert_hf
-    from engine.train.checkpoint import load_params, stored_configs
 
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -46,104 +56,129 @@ def make_models(workdir: Path):
         head_dim=SHAPE["head_dim"], intermediate_size=SHAPE["mlp_dim"], max_position_embeddings=SHAPE["max_seq_len"],
         tie_word_embeddings=False, initializer_range=0.2,  # peaked distributions: few greedy near-ties
     )
-    model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(workdir / "hf")
+    LlamaForCausalLM(config).eval().save_pretrained(workdir / "hf")
     convert_hf(workdir / "hf", workdir / "engine", log=lambda msg: None)
-    model_cfg, params, _ = load_params(workdir / "engine" / "checkpoint")
-    _, compute = stored_configs(workdir / "engine" / "checkpoint")  # float32, as transformers saved it
-    return model, model_cfg, compute, params
 
 
-def time_best(fn, repeats: int) -> tuple[float, object]:
-    out, best = None, float("inf")
-    for _ in range(repeats):
+def prompts_of(case: str, prompt_len: int) -> np.ndarray:
+    return np.random.default_rng(0).integers(1, SHAPE["vocab_size"], (CASES[case][0], prompt_len)).astype(np.int32)
+
+
+def time_best(fn, inner: int) -> tuple[float, np.ndarray]:
+    out, best = fn(), float("inf")  # the first call compiles / warms up
+    for _ in range(inner):
         t0 = time.perf_counter()
         out = fn()
         best = min(best, time.perf_counter() - t0)
     return best, out
 
 
-def bench_engine(model_cfg, compute, params, prompts: np.ndarray, new_tokens: int,
-                 repeats: int) -> tuple[float, np.ndarray]:
+def engine_worker(workdir: Path, case: str, prompt_len: int, new_tokens: int, inner: int) -> tuple[float, np.ndarray]:
     import jax
 
     from engine.inference.sample import Sampler
+    from engine.train.checkpoint import load_params, stored_configs
 
-    sampler = Sampler(model_cfg, compute)  # one device, no mesh
-    params = jax.device_put(params)
-    mask = np.ones_like(prompts)
+    model_cfg, params, _ = load_params(workdir / "engine" / "checkpoint")
+    _, compute = stored_configs(workdir / "engine" / "checkpoint")  # float32, as transformers saved it
+    _, generations, sampled = CASES[case]
+    sampler, params, prompts = Sampler(model_cfg, compute), jax.device_put(params), prompts_of(case, prompt_len)
+    seeds = iter(range(1_000_000))
 
-    def run():
-        out = sampler(params, prompts, mask, max_new_tokens=new_tokens, temperature=0.0)
-        return out.tokens  # Sampler returns host arrays: the time includes the transfer
+    def run():  # Sampler returns host arrays: the time includes the transfer
+        return sampler(params, prompts, np.ones_like(prompts), seed=next(seeds), max_new_tokens=new_tokens,
+                       num_generations=generations, temperature=1.0 if sampled else 0.0).tokens
 
-    run()  # compile
-    return time_best(run, repeats)
+    return time_best(run, inner)
 
 
-def bench_torch(model, prompts: np.ndarray, new_tokens: int, repeats: int) -> tuple[float, np.ndarray]:
+def transformers_worker(workdir: Path, case: str, prompt_len: int, new_tokens: int,
+                        inner: int) -> tuple[float, np.ndarray]:
     import torch
+    from transformers import LlamaForCausalLM
 
-    ids = torch.from_numpy(prompts.astype(np.int64))
-    attention = torch.ones_like(ids)
+    model = LlamaForCausalLM.from_pretrained(workdir / "hf").eval()
+    _, generations, sampled = CASES[case]
+    ids = torch.from_numpy(prompts_of(case, prompt_len).astype(np.int64))
+    sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sampled else dict(do_sample=False)
 
     def run():
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=attention, max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-        return out[:, prompts.shape[1]:].numpy()
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0,
+                                 num_return_sequences=generations, **sampling)
+        return out[:, prompt_len:].numpy()
 
-    run()  # warm-up
-    return time_best(run, repeats)
+    torch.manual_seed(0)
+    return time_best(run, inner)
 
 
-def _machine() -> dict:
-    import jax
-    import torch
-
-    return machine(jax=jax.__version__, jax_backend=jax.default_backend(), jax_devices=jax.device_count(),
-                   torch=torch.__version__, torch_threads=torch.get_num_threads())
+def worker(args) -> None:
+    side, case, workdir = args.worker
+    fn = engine_worker if side == "engine" else transformers_worker
+    seconds, tokens = fn(Path(workdir), case, args.prompt_len, args.new_tokens, args.inner)
+    np.save(Path(workdir) / f"tokens-{side}-{case}.npy", tokens)
+    info = {"seconds": seconds, "rows": int(tokens.shape[0]), "tokens_per_second": tokens.size / seconds}
+    if side == "engine":
+        import jax
+        info.update(jax=jax.__version__, jax_backend=jax.default_backend())
+    else:
+        import torch
+        info.update(torch=torch.__version__, torch_threads=torch.get_num_threads())
+    print(json.dumps(info))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of engine, transformers (each a process)")
+    parser.add_argument("--inner", type=int, default=2, help="timed calls per process (the best is kept)")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)  # side, case, workdir
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
+    if args.worker:
+        return worker(args)
 
+    info, runs = machine(), []
+    common = ["--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--inner", str(args.inner)]
     with tempfile.TemporaryDirectory() as tmp:
-        model, model_cfg, compute, params = make_models(Path(tmp))
-    rng = np.random.default_rng(0)
-    runs = []
-    for batch in BATCHES:
-        prompts = rng.integers(1, SHAPE["vocab_size"], (batch, args.prompt_len)).astype(np.int32)
-        print(f"batch {batch}: engine ...", file=sys.stderr)
-        engine_s, engine_tokens = bench_engine(model_cfg, compute, params, prompts, args.new_tokens, args.repeats)
-        print(f"batch {batch}: transformers ...", file=sys.stderr)
-        torch_s, torch_tokens = bench_torch(model, prompts, args.new_tokens, args.repeats)
-        generated = batch * args.new_tokens
-        # Greedy agreement: tokens equal up to each row's first disagreement.
-        differs = engine_tokens != torch_tokens
-        agree = np.where(differs.any(1), differs.argmax(1), args.new_tokens)
-        runs.append({
-            "batch": batch, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
-            "engine_seconds": engine_s, "engine_tokens_per_second": generated / engine_s,
-            "transformers_seconds": torch_s, "transformers_tokens_per_second": generated / torch_s,
-            "speedup": torch_s / engine_s, "greedy_prefix_agreement": float(agree.mean() / args.new_tokens),
-        })
+        save_model(Path(tmp))
+        for case in args.cases.split(","):
+            results = alternate({side: ["bench.sample", "--worker", side, case, tmp, *common]
+                                 for side in ("engine", "transformers")}, args.repeats)
+            engine = summary([r["tokens_per_second"] for r in results["engine"]])
+            peer = summary([r["tokens_per_second"] for r in results["transformers"]])
+            run = {"case": case, "prompts": CASES[case][0], "completions_per_prompt": CASES[case][1],
+                   "sampled": CASES[case][2], "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
+                   "engine_tokens_per_second": engine, "transformers_tokens_per_second": peer,
+                   "speedup_of_medians": engine["median"] / peer["median"],
+                   "versions": {**{k: v for k, v in results["engine"][0].items() if k.startswith("jax")},
+                                **{k: v for k, v in results["transformers"][0].items() if k.startswith("torch")}}}
+            if not CASES[case][2]:  # greedy agreement: tokens equal up to each row's first disagreement
+                a, b = (np.load(Path(tmp) / f"tokens-{side}-{case}.npy") for side in ("engine", "transformers"))
+                differs = a != b
+                agree = np.where(differs.any(1), differs.argmax(1), args.new_tokens)
+                run["greedy_prefix_agreement"] = float(agree.mean() / args.new_tokens)
+            runs.append(run)
+    info = finish(info)
 
-    print(f"\n{'batch':>5} {'engine tok/s':>13} {'transformers tok/s':>19} {'speedup':>8} {'greedy agreement':>17}")
+    print(f"\n{'case':<8} {'rows':>5} {'engine tok/s (spread)':>24} {'transformers tok/s (spread)':>30} "
+          f"{'ratio':>6} {'greedy agreement':>17}")
     for r in runs:
-        print(f"{r['batch']:>5} {r['engine_tokens_per_second']:>13,.0f} {r['transformers_tokens_per_second']:>19,.0f} "
-              f"{r['speedup']:>7.2f}x {r['greedy_prefix_agreement']:>16.0%}")
+        e, t = r["engine_tokens_per_second"], r["transformers_tokens_per_second"]
+        agreement = f"{r['greedy_prefix_agreement']:.0%}" if "greedy_prefix_agreement" in r else "-"
+        print(f"{r['case']:<8} {r['prompts'] * r['completions_per_prompt']:>5} "
+              f"{e['median']:>14,.0f} ({e['spread']:>5.1%}) {t['median']:>20,.0f} ({t['spread']:>5.1%}) "
+              f"{r['speedup_of_medians']:>5.2f}x {agreement:>17}")
+    print(load_line(info))
     out = REPO / "bench" / "results" / "sample.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    description = ("greedy generation, fixed length, no EOS; tokens/s = batch * new_tokens / best wall time of "
-                   "a full generate call (prefill included); same weights in both frameworks")
-    out.write_text(json.dumps({"machine": _machine(), "shape": SHAPE, "description": description, "runs": runs},
-                              indent=2))
+    description = ("tokens/s = rows * new_tokens / best wall time of a full generate call (prefill included), "
+                   "median over alternating processes; fixed length, no EOS; same weights in both frameworks")
+    out.write_text(json.dumps({"command": "python -m bench.sample " + " ".join(sys.argv[1:]), "machine": info,
+                               "shape": SHAPE, "description": description, "runs": runs}, indent=2) + "\n")
     print(f"wrote {out.relative_to(REPO)}")
 
 

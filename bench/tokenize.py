@@ -3,9 +3,10 @@
 Both sides run in the same process on the same text with the same tokenizer: raw
 `Tokenizer.encode_batch` (and `encode_batch_fast`) on documents already in memory, and
 `run_tokenize` from files on disk to finished shards (workers=1 and workers=N). The corpus
-is the Python standard library's sources, present on every machine. Each measurement is
-the best of --repeats, interleaved, because the machines are shared and noisy; CPU
-seconds (this process and its workers) are reported too, as contention skews wall time.
+is the Python standard library's sources, present on every machine. The runs alternate
+(one of each per round, --repeats rounds), each in a fresh process (bench/__init__.py), and
+the table gives the median and the spread; CPU seconds (the process and its workers) are
+reported too, as contention skews wall time.
 
     python -m bench.tokenize [--mb 8] [--workers 2] [--vocab 8192] [--repeats 3]
 
@@ -33,7 +34,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from bench import machine  # noqa: E402
+from bench import alternate, finish, load_line, machine, summary  # noqa: E402
 
 from engine.data.tokenize import TokenizeConfig, run_tokenize  # noqa: E402
 
@@ -61,14 +62,49 @@ def cpu_seconds() -> float:
     return sum(u.ru_utime + u.ru_stime for u in usage)
 
 
+def corpus_texts(corpus: Path) -> list[str]:
+    texts = [f.read_bytes().decode("utf-8", "replace") for f in sorted(corpus.glob("*.py"))]
+    return [t for t in texts if t and not t.isspace()]
+
+
+def worker(kind: str, workdir: Path, workers: int, shard_mb: float) -> dict:
+    """One timed run in this fresh process: raw `tokenizers` on the documents in memory, or
+    the tokenize stage from the files to finished shards."""
+    if kind.startswith("raw"):
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(workdir / "trained" / "tokenizer" / "tokenizer.json"))
+        tok.encode_special_tokens = True  # as the stage encodes
+        texts = corpus_texts(workdir / "corpus")
+        begin, cpu = time.perf_counter(), cpu_seconds()
+        encodings = getattr(tok, kind.removeprefix("raw-"))(texts, add_special_tokens=False)
+        return {"seconds": time.perf_counter() - begin, "cpu_seconds": cpu_seconds() - cpu,
+                "tokens": sum(len(e.ids) for e in encodings)}
+    out = workdir / f"stage-{workers}"
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = TokenizeConfig(sources=[{"format": "text", "path": str(workdir / "corpus" / "*.py")}],
+                         tokenizer={"path": str(workdir / "trained" / "tokenizer")}, workers=workers,
+                         shard_size_mb=shard_mb)
+    begin, cpu = time.perf_counter(), cpu_seconds()
+    stats = run_tokenize(cfg, out, log=lambda _: None)
+    return {"seconds": time.perf_counter() - begin, "cpu_seconds": cpu_seconds() - cpu,
+            "tokens": stats["text_tokens"], "documents": stats["documents"], "bytes": stats["bytes"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=float, default=8.0, help="corpus size (MB of stdlib sources)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; each run of a round is a fresh process")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "tokenize.json"))
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)  # kind, workdir, workers
     args = parser.parse_args()
+    shard_mb = max(args.mb / 16, 0.25)
+    if args.worker:
+        kind, workdir, workers = args.worker
+        print(json.dumps(worker(kind, Path(workdir), int(workers), shard_mb)))
+        return
     import tokenizers
 
     info = machine(tokenizers=tokenizers.__version__)
@@ -76,76 +112,53 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         (tmp / "corpus").mkdir()
-        files = stdlib_corpus(tmp / "corpus", args.mb)
+        stdlib_corpus(tmp / "corpus", args.mb)
         source = {"format": "text", "path": str(tmp / "corpus" / "*.py")}
-
         started = time.perf_counter()
         setup = run_tokenize(TokenizeConfig(sources=[source], tokenizer={"vocab_size": args.vocab}, workers=args.workers),
                              tmp / "trained", log=lambda _: None)
         train_seconds = time.perf_counter() - started
-        tokenizer_dir = tmp / "trained" / "tokenizer"
-
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-        tok.encode_special_tokens = True  # as the stage encodes
-        texts = [f.read_bytes().decode("utf-8", "replace") for f in files]
-        texts = [t for t in texts if t and not t.isspace()]
+        texts = corpus_texts(tmp / "corpus")
         documents, text_bytes = len(texts), sum(len(t.encode()) for t in texts)
 
-        def raw(method: str) -> tuple[float, float, int]:
-            begin, cpu = time.perf_counter(), cpu_seconds()
-            encodings = getattr(tok, method)(texts, add_special_tokens=False)
-            return time.perf_counter() - begin, cpu_seconds() - cpu, sum(len(e.ids) for e in encodings)
+        common = ["--mb", str(args.mb)]
+        runs = {"raw encode_batch": ["raw-encode_batch", str(tmp), "1"],
+                f"stage workers={args.workers}": ["stage", str(tmp), str(args.workers)],
+                "raw encode_batch_fast": ["raw-encode_batch_fast", str(tmp), "1"],
+                "stage workers=1": ["stage", str(tmp), "1"]}
+        results = alternate({name: ["bench.tokenize", *common, "--worker", *argv] for name, argv in runs.items()},
+                            args.repeats)
+    for name, rs in results.items():
+        assert all(r.get("documents", documents) == documents and r.get("bytes", text_bytes) == text_bytes
+                   for r in rs), name
+    info = finish(info)
 
-        def stage(workers: int) -> tuple[float, float, int]:
-            out = tmp / f"stage-{workers}"
-            shutil.rmtree(out, ignore_errors=True)
-            cfg = TokenizeConfig(sources=[source], tokenizer={"path": str(tokenizer_dir)}, workers=workers,
-                                 shard_size_mb=max(args.mb / 16, 0.25))
-            begin, cpu = time.perf_counter(), cpu_seconds()
-            stats = run_tokenize(cfg, out, log=lambda _: None)
-            seconds, cpu = time.perf_counter() - begin, cpu_seconds() - cpu
-            assert stats["documents"] == documents and stats["bytes"] == text_bytes
-            return seconds, cpu, stats["text_tokens"]
-
-        runs = {"raw encode_batch": lambda: raw("encode_batch"),
-                "raw encode_batch_fast": lambda: raw("encode_batch_fast"),
-                "stage workers=1": lambda: stage(1),
-                f"stage workers={args.workers}": lambda: stage(args.workers)}
-        best: dict[str, tuple[float, float, int]] = {}
-        for _ in range(args.repeats):
-            for name, fn in runs.items():
-                seconds, cpu, tokens = fn()
-                previous = best.get(name)
-                best[name] = (min(seconds, previous[0]) if previous else seconds,
-                              min(cpu, previous[1]) if previous else cpu, tokens)
-
-    base_seconds, base_cpu, _ = best["raw encode_batch"]
+    base = summary([r["seconds"] for r in results["raw encode_batch"]])["median"]
+    base_cpu = summary([r["cpu_seconds"] for r in results["raw encode_batch"]])["median"]
     rows = []
-    for name, (seconds, cpu, tokens) in best.items():
+    for name, rs in results.items():
+        seconds, cpu = summary([r["seconds"] for r in rs]), summary([r["cpu_seconds"] for r in rs])
+        tokens = rs[0]["tokens"]
         rows.append({
-            "run": name, "seconds": round(seconds, 3), "cpu_seconds": round(cpu, 3),
-            "documents_per_s": round(documents / seconds, 1), "tokens_per_s": round(tokens / seconds),
-            "mb_per_s": round(text_bytes / MB / seconds, 3),
-            "vs_raw_encode_batch": round(base_seconds / seconds, 3),
-            "vs_raw_encode_batch_cpu": round(base_cpu / cpu, 3),
+            "run": name, "seconds": seconds, "cpu_seconds": cpu,
+            "documents_per_s": round(documents / seconds["median"], 1), "tokens_per_s": round(tokens / seconds["median"]),
+            "mb_per_s": round(text_bytes / MB / seconds["median"], 3),
+            "vs_raw_encode_batch": round(base / seconds["median"], 3),
+            "vs_raw_encode_batch_cpu": round(base_cpu / cpu["median"], 3),
         })
-    header = (f"{'run':<24}{'seconds':>9}{'cpu s':>8}{'docs/s':>9}{'tokens/s':>11}{'MB/s':>7}"
-              f"{'vs raw':>8}{'(cpu)':>7}")
-    print(f"corpus: {documents} stdlib files, {text_bytes / MB:.1f} MB, {best['raw encode_batch'][2]} tokens; "
-          f"vocab {args.vocab}; {info['cpu_count']} CPUs ({info['cpu']})")
-    print(header)
+    print(f"corpus: {documents} stdlib files, {text_bytes / MB:.1f} MB, {results['raw encode_batch'][0]['tokens']} "
+          f"tokens; vocab {args.vocab}; medians of {args.repeats} alternating runs")
+    print(f"{'run':<24}{'seconds':>9}{'spread':>8}{'cpu s':>8}{'tokens/s':>11}{'MB/s':>7}{'vs raw':>8}{'(cpu)':>7}")
     for r in rows:
-        print(f"{r['run']:<24}{r['seconds']:>9.2f}{r['cpu_seconds']:>8.2f}{r['documents_per_s']:>9.0f}"
-              f"{r['tokens_per_s']:>11.0f}{r['mb_per_s']:>7.2f}{r['vs_raw_encode_batch']:>7.2f}x"
-              f"{r['vs_raw_encode_batch_cpu']:>6.2f}x")
-    info["load_average_at_end"] = list(os.getloadavg())
+        print(f"{r['run']:<24}{r['seconds']['median']:>9.2f}{r['seconds']['spread']:>8.1%}"
+              f"{r['cpu_seconds']['median']:>8.2f}{r['tokens_per_s']:>11.0f}{r['mb_per_s']:>7.2f}"
+              f"{r['vs_raw_encode_batch']:>7.2f}x{r['vs_raw_encode_batch_cpu']:>6.2f}x")
+    print(load_line(info))
     result = {
         "command": "python -m bench.tokenize " + " ".join(sys.argv[1:]),
         "machine": info,
         "corpus": {"source": "python stdlib *.py", "documents": documents, "bytes": text_bytes,
-                   "tokens": best["raw encode_batch"][2]},
+                   "tokens": results["raw encode_batch"][0]["tokens"]},
         "vocab_size": args.vocab,
         "tokenizer_training_stage_seconds": round(train_seconds, 2),
         "tokenizer_training_stage_stats": {k: setup[k] for k in ("documents", "tokens", "bytes")},

@@ -2,9 +2,12 @@
 
 Reference shape (about 16M parameters): d_model 384, 6 layers, 6 heads / 2 KV heads,
 head_dim 64, MLP 1024, untied embeddings, vocab 8192, batch 8 x seq 512; AdamW.
-Each measurement runs in its own process so peak RSS is that framework's alone.
+Each measurement runs in its own process so peak RSS is that framework's alone; engine and
+torch runs alternate (A B A B ..., --repeats rounds per dtype, bench/__init__.py) and the
+table gives the median and the spread. bf16 is the compute dtype (float32 params, bf16
+matmuls with float32 accumulation; torch: the whole model in bf16).
 
-    python -m bench.train_throughput [--steps 8] [--warmup 2]
+    python -m bench.train_throughput [--steps 8] [--warmup 2] [--repeats 3] [--dtypes float32,bfloat16]
 
 Prints a table and writes bench/results/train_throughput.json.
 """
@@ -13,16 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import subprocess
+import statistics
 import sys
 import time
-from pathlib import Path
 
-from bench import machine
+from bench import REPO, alternate, finish, load_line, machine, summary
 
-REPO = Path(__file__).resolve().parent.parent
 SHAPE = dict(vocab_size=8192, d_model=384, num_layers=6, num_heads=6, num_kv_heads=2, head_dim=64,
              mlp_dim=1024, max_seq_len=512, tie_embeddings=False)  # configs/models/bench-16m.yaml
 BATCH, SEQ = 8, 512
@@ -119,25 +119,14 @@ def run_torch(dtype: str, steps: int, warmup: int) -> dict:
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
-def in_subprocess(args: list[str]) -> dict | None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-m", "bench.train_throughput", "--worker", *args],
-                          capture_output=True, text=True, env=env, cwd=REPO)
-    if proc.returncode != 0:
-        print(f"  {' '.join(args)} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
-        return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of engine, torch (each a process) per dtype")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--worker", nargs="*")
     parser.add_argument("--skip-torch", action="store_true")
-    parser.add_argument("--torch-bf16-steps", type=int, default=1,
-                        help="torch bf16 runs about 20x slower than f32 on CPUs without native bf16 matmuls")
     args = parser.parse_args()
     if args.worker:
         framework, dtype, *rest = args.worker
@@ -148,30 +137,36 @@ def main() -> None:
         print(json.dumps(result))
         return
 
-    runs = []
-    for dtype in ("float32", "bfloat16"):
-        for spec in (["jax", dtype, "none"], ["torch", dtype]):
-            if spec[0] == "torch" and args.skip_torch:
-                continue
-            print(f"running {' '.join(spec)} ...", file=sys.stderr)
-            steps, warmup = args.steps, args.warmup
-            if spec == ["torch", "bfloat16"]:
-                steps, warmup = args.torch_bf16_steps, min(args.warmup, 1)
-            r = in_subprocess([*spec, "--steps", str(steps), "--warmup", str(warmup)])
-            if r:
-                runs.append(r)
-    by = {(r["framework"], r["dtype"]): r for r in runs}
-    print(f"\n{'framework':<8} {'dtype':<9} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU*':>6} {'peak RSS MB':>12} {'vs torch':>9}")
-    for r in runs:
+    info, rows = machine(), []
+    steps = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    for dtype in args.dtypes.split(","):
+        workers = {"jax": ["bench.train_throughput", "--worker", "jax", dtype, "none", *steps]}
+        if not args.skip_torch:
+            workers["torch"] = ["bench.train_throughput", "--worker", "torch", dtype, *steps]
+        results = alternate(workers, args.repeats, env={"XLA_FLAGS": ""})  # one device, the engine's defaults
+        for framework, runs in results.items():
+            rows.append({"framework": framework, "dtype": dtype,
+                         "tokens_per_second": summary([r["tokens_per_second"] for r in runs]),
+                         "peak_rss_mb": summary([r["peak_rss_mb"] for r in runs]), "runs": runs})
+    info = finish(info)
+    by = {(r["framework"], r["dtype"]): r for r in rows}
+    print(f"\n{'framework':<8} {'dtype':<9} {'tokens/s (spread)':>20} {'MFU*':>6} {'peak RSS MB':>12} "
+          f"{'vs torch':>9} {'RSS vs torch':>13}")
+    for r in rows:
         peer = by.get(("torch", r["dtype"]))
-        ratio = r["tokens_per_second"] / peer["tokens_per_second"] if peer else float("nan")
-        mfu = r.get("mfu_vs_matmul_peak", float("nan"))
-        print(f"{r['framework']:<8} {r['dtype']:<9} {r['tokens_per_second']:>10,.0f} {r['tflops']:>8.3f} "
-              f"{mfu:>6.1%} {r['peak_rss_mb']:>12,.0f} {ratio:>9.2f}")
+        tokens, rss = r["tokens_per_second"]["median"], r["peak_rss_mb"]["median"]
+        ratio = tokens / peer["tokens_per_second"]["median"] if peer else float("nan")
+        rss_ratio = rss / peer["peak_rss_mb"]["median"] if peer else float("nan")
+        mfu = statistics.median(run.get("mfu_vs_matmul_peak", float("nan")) for run in r["runs"])
+        print(f"{r['framework']:<8} {r['dtype']:<9} {tokens:>11,.0f} ({r['tokens_per_second']['spread']:>5.1%}) "
+              f"{mfu:>6.1%} {rss:>12,.0f} {ratio:>8.2f}x {rss_ratio:>12.2f}x")
     print("* MFU against the f32 matmul peak measured in the same process.")
+    print(load_line(info))
     out = REPO / "bench" / "results" / "train_throughput.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine(), "shape": SHAPE, "batch": BATCH, "seq": SEQ, "runs": runs}, indent=2))
+    out.write_text(json.dumps({"command": "python -m bench.train_throughput " + " ".join(sys.argv[1:]),
+                               "machine": info, "shape": SHAPE, "batch": BATCH, "seq": SEQ, "rows": rows},
+                              indent=2) + "\n")
     print(f"wrote {out.relative_to(REPO)}")
 
 

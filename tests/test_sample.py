@@ -140,7 +140,7 @@ def test_group_rollouts_prefill_once_and_equal_sampling_each_prompt_g_times(mode
     """G completions per prompt from one prefill (its cache copied to the group) are the
     completions of the prompt repeated G times: the same draws (row r's key is fold_in(seed, r))
     and, greedy, G copies of the one-row-per-prompt greedy completion."""
-    cfg, params, sampler = model
+    _, params, sampler = model
     tokens, mask = left_pad(PROMPTS)
     G = 3
     grouped = sampler(params, tokens, mask, num_generations=G, seed=11, temperature=0.7, eos_ids=(4,), **SETTINGS)
@@ -161,7 +161,7 @@ def test_group_rollouts_prefill_once_and_equal_sampling_each_prompt_g_times(mode
 def test_a_batch_in_the_same_length_buckets_reuses_the_compiled_sampler(model):
     """Prompts of 5 and of 7 tokens (bucket 8), 10 and 12 new tokens (bucket 16): one
     compilation; the token budget is traced, so 10 tokens are the first 10 of 12."""
-    cfg, params, sampler = model
+    _, params, sampler = model
     assert [length_bucket(n) for n in (1, 5, 8, 9, 12)] == [8, 8, 8, 16, 16]
     assert length_bucket(5, (6, 12)) == 6 and length_bucket(13, (6, 12)) == 16
     tokens, mask = left_pad(PROMPTS)

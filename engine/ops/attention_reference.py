@@ -42,8 +42,8 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, mask_bts, *, scale=None, softc
         scores = softcap * jnp.tanh(scores / softcap)
     scores = jnp.where(mask_bts[:, None, None], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
-    out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh)
-    return out_btkgh.reshape(b, t, n, h)
+    out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh, preferred_element_type=jnp.float32)
+    return out_btkgh.astype(v_bskh.dtype).reshape(b, t, n, h)  # f32 accumulation (engine/ops/dense.py)
 
 
 def reference_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, *, scale: float, softcap: float | None = None,
