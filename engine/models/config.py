@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from engine.config import Strict
-from engine.models.families import get_family
+from engine.models.families import family_names, get_family
 
 
 class RopeScaling(Strict):
@@ -37,8 +37,8 @@ class ModelConfig(Strict):
 
     family: str = "llama"
     """Architecture family, one registered in engine/models/families (llama, mistral, qwen2,
-    qwen3, gemma, gemma2, gemma3): names the Hugging Face layout. The math is set by the
-    fields below alone; their defaults describe Llama."""
+    qwen3, gemma, gemma2, gemma3; mixtures of experts mixtral, qwen3_moe): names the Hugging
+    Face layout. The math is set by the fields below alone; their defaults describe Llama."""
     vocab_size: int = Field(gt=0)
     d_model: int = Field(gt=0)
     num_layers: int = Field(gt=0)
@@ -79,12 +79,42 @@ class ModelConfig(Strict):
     final_logit_softcap: float | None = Field(None, gt=0)
     """Output logits become cap * tanh(logits / cap) (Gemma 2)."""
     init_std: float = Field(0.02, gt=0)
+    # Mixture of experts (engine/models/moe.py): every layer's MLP becomes `num_experts`
+    # gated MLPs of width expert_mlp_dim, each token routed to `experts_per_token` of them.
+    num_experts: int = Field(0, ge=0)
+    """Routed experts per layer; 0 = a dense MLP (mlp_dim) in every layer."""
+    experts_per_token: int = Field(2, gt=0)
+    """Top-k: the experts each token is sent to (Mixtral 2, Qwen3-MoE 8)."""
+    expert_mlp_dim: int | None = Field(None, gt=0)
+    """Width of each expert's MLP; None: mlp_dim (Mixtral). Qwen3-MoE: moe_intermediate_size."""
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    """Per-expert routing scores from the router logits: softmax over experts (Mixtral, Qwen)
+    or an independent sigmoid each (DeepSeek-V3)."""
+    router_renormalize: bool = True
+    """Rescale the k chosen scores to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)."""
+    router_bias: bool = False
+    """A learned per-expert bias added to the scores to choose the experts but not to weight
+    them (DeepSeek-V3's auxiliary-loss-free balancing)."""
+    num_shared_experts: int = Field(0, ge=0)
+    """Experts every token goes through, as one gated MLP of num_shared_experts *
+    expert_mlp_dim added to the routed output (DeepSeek)."""
 
     @field_validator("family")
     @classmethod
     def _known_family(cls, name: str) -> str:
         get_family(name)  # raises a ValueError naming the closest registered family
         return name
+
+    @model_validator(mode="after")
+    def _check_experts(self) -> "ModelConfig":
+        moe_family = get_family(self.family).moe
+        if moe_family and not self.is_moe:
+            raise ValueError(f"family '{self.family}' is a mixture of experts, so num_experts must be set")
+        if self.is_moe and not moe_family:
+            moe = ", ".join(name for name in family_names() if get_family(name).moe)
+            raise ValueError(f"family '{self.family}' has no experts (num_experts must be 0); "
+                             f"mixture-of-experts families: {moe}")
+        return self
 
     @model_validator(mode="after")
     def _check_heads(self) -> "ModelConfig":
@@ -96,18 +126,35 @@ class ModelConfig(Strict):
             raise ValueError("attention_pattern has local layers, so sliding_window must be set")
         if self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        if self.num_experts and self.experts_per_token > self.num_experts:
+            raise ValueError(f"experts_per_token ({self.experts_per_token}) exceeds num_experts ({self.num_experts})")
         return self
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def moe_mlp_dim(self) -> int:
+        """Width of one expert's MLP."""
+        return self.expert_mlp_dim or self.mlp_dim
 
     def layer_is_local(self) -> list[bool]:
         """Per layer: does it use sliding-window attention?"""
         pattern = self.attention_pattern
         return [pattern[i % len(pattern)] == "local" for i in range(self.num_layers)]
 
-    def num_params(self, include_embedding: bool = True) -> int:
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+        """Parameters; `active`: only those one token computes with (its k experts of each layer)."""
         attn = self.d_model * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn += self.head_dim * (self.num_heads + 2 * self.num_kv_heads) * self.qkv_bias
         attn += 2 * self.head_dim * self.qk_norm
-        mlp = 3 * self.d_model * self.mlp_dim
+        if self.is_moe:
+            experts = self.experts_per_token if active else self.num_experts
+            mlp = 3 * self.d_model * self.moe_mlp_dim * (experts + self.num_shared_experts)
+            mlp += self.d_model * self.num_experts + self.num_experts * self.router_bias
+        else:
+            mlp = 3 * self.d_model * self.mlp_dim
         block = attn + mlp + (4 if self.post_norms else 2) * self.d_model
         n = self.num_layers * block + self.d_model
         if include_embedding:
@@ -140,3 +187,16 @@ class ComputeConfig(Strict):
     """Backward pass of the model's matmuls (engine/ops/dense.py): cpu = hand-written, ordered for
     XLA:CPU; autodiff = JAX's, which accelerator compilers lay out themselves; auto = cpu when
     compiling for CPU, else autodiff. The same numbers either way, up to summation order."""
+    moe_dispatch: Literal["dropless", "capacity"] = "dropless"
+    """How tokens reach their experts (engine/models/moe.py): dropless = sorted by expert and
+    one grouped matmul (jax.lax.ragged_dot), no token dropped; capacity = fixed (expert,
+    capacity) buffers, GShard-style, which shard over the `expert` mesh axis and drop the
+    assignments past an expert's capacity."""
+    moe_capacity_factor: float = Field(1.25, gt=0)
+    """capacity only: each expert takes ceil(factor * seq_len * k / num_experts) assignments
+    of each sequence."""
+    moe_balance_loss: float = Field(0.01, ge=0)
+    """Weight in the training loss of the router's load-balancing loss (Switch Transformer's
+    E * sum_e f_e * P_e, 1.0 when balanced; transformers' router_aux_loss_coef)."""
+    moe_router_z_loss: float = Field(0.001, ge=0)
+    """Weight of the router z-loss, the mean squared log-normaliser of the router logits (ST-MoE)."""

@@ -31,7 +31,7 @@ def param_shardings(model_cfg: ModelConfig, compute: ComputeConfig, mesh: Mesh |
         return shapes, None
 
     def to_sharding(path, shape, names):
-        spec = logical_to_spec(names)
+        spec = logical_to_spec(names, mesh=mesh)
         check_divisible(_path_name(path), shape.shape, spec, mesh)
         return NamedSharding(mesh, spec)
 
@@ -70,8 +70,14 @@ def apply_model(graphdef, params, tokens, positions=None, segment_ids=None):
     return nnx.merge(graphdef, params)(tokens, positions, segment_ids)
 
 
+def apply_model_with_aux(graphdef, params, tokens, positions=None, segment_ids=None):
+    """(logits, aux): aux holds a mixture of experts' router losses and expert loads
+    (engine/models/moe.py: combine_stats), and is empty for a dense model."""
+    return nnx.merge(graphdef, params).forward(tokens, positions, segment_ids)
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward), the PaLM accounting."""
-    dense = cfg.num_params(include_embedding=False) + cfg.vocab_size * cfg.d_model  # lm head matmul
+    dense = cfg.num_params(include_embedding=False, active=True) + cfg.vocab_size * cfg.d_model  # + lm head
     attention = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len  # QK^T and PV, causal-unaware
     return 6 * dense + 6 * attention

@@ -17,8 +17,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from engine.models.common import ACTIVATIONS, dtype_of, param
 from engine.models.config import ComputeConfig, ModelConfig, RopeScaling
 from engine.models.kv_cache import KVCache
+from engine.models.moe import MoE, MoEStats, combine_stats
 from engine.ops.attention import attention
 from engine.ops.attention_reference import dot_product_attention
 from engine.ops.dense import DotGeneral, dense, gated_mlp
@@ -28,14 +30,7 @@ from engine.ops.partitioning import constrain
 # shardings the rules table gives; NNX's eager sharding would need a mesh at construction.
 nnx.use_eager_sharding(False)
 
-def _dtype(name: str):
-    return jnp.bfloat16 if name == "bfloat16" else jnp.float32
-
-
-def _param(rngs: nnx.Rngs, shape, std: float, names, dtype) -> nnx.Param:
-    """All weight matrices are initialised here: N(0, std^2), the GPT-2/Llama recipe."""
-    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
-    return nnx.Param(value.astype(dtype), out_sharding=names)
+_dtype, _param = dtype_of, param  # engine/models/common.py: the one initialiser
 
 
 class RMSNorm(nnx.Module):
@@ -155,9 +150,6 @@ class Attention(nnx.Module):
         return out_btd if cache is None else (out_btd, cache)
 
 
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
-
-
 class MLP(nnx.Module):
     """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (gelu_tanh)."""
 
@@ -183,7 +175,8 @@ class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). With post_norms
     (Gemma 2/3) each branch output is normalised again before the add.
 
-    `self.mlp` is the replaceable slot: anything mapping (b, t, d) -> (b, t, d) fits.
+    `self.mlp` is the replaceable slot: a dense MLP, or a mixture of experts (num_experts > 0,
+    engine/models/moe.py) that also returns its router statistics.
     """
 
     def __init__(self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs,
@@ -191,22 +184,33 @@ class Block(nnx.Module):
         self.attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
         self.attn = Attention(cfg, compute, rngs=rngs, dot_general=dot_general)
         self.mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
-        self.mlp = MLP(cfg, compute, rngs=rngs, dot_general=dot_general)
+        mlp = MoE if cfg.is_moe else MLP
+        self.mlp = mlp(cfg, compute, rngs=rngs, dot_general=dot_general)
         if cfg.post_norms:
             self.post_attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
             self.post_mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
-        self.post_norms = cfg.post_norms
+        self.post_norms, self.is_moe = cfg.post_norms, cfg.is_moe
 
-    def __call__(self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None):
+    def forward(self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None):
+        """(x, cache or None, MoEStats of the router or None for a dense MLP)."""
         with jax.named_scope("attention"):  # names the ops in profiles (bench/profile_step.py)
             attn_out = self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt, local, cache)
         if cache is not None:
             attn_out, cache = attn_out
         x_btd = x_btd + (self.post_attn_norm(attn_out) if self.post_norms else attn_out)
+        stats = None
         with jax.named_scope("mlp"):
-            mlp_out = self.mlp(self.mlp_norm(x_btd))
+            if self.is_moe:
+                valid_bt = None if segment_ids_bt is None else segment_ids_bt != 0
+                mlp_out, stats = self.mlp(self.mlp_norm(x_btd), valid_bt)
+            else:
+                mlp_out = self.mlp(self.mlp_norm(x_btd))
         x_btd = x_btd + (self.post_mlp_norm(mlp_out) if self.post_norms else mlp_out)
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
+        return x_btd, cache, stats
+
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None):
+        x_btd, cache, _ = self.forward(x_btd, positions_bt, segment_ids_bt, local, cache)
         return x_btd if cache is None else (x_btd, cache)
 
 
@@ -219,6 +223,21 @@ def _runs(flags: list[bool]) -> list[tuple[bool, int]]:
         else:
             runs.append((flag, 1))
     return runs
+
+
+def _one_layer(stats: MoEStats | None) -> list[MoEStats]:
+    """One layer's router stats with a leading layer axis of 1, as a list to extend by."""
+    return [] if stats is None else [jax.tree.map(lambda a: a[None], stats)]
+
+
+def _layers(stats: MoEStats | None) -> list[MoEStats]:
+    """Stats that already have their layer axis (a scan's), as a list to extend by."""
+    return [] if stats is None else [stats]
+
+
+def _stack(stats: list[MoEStats]) -> MoEStats | None:
+    """The layers' router stats as one MoEStats (leading axis: layers); None for dense."""
+    return jax.tree.map(lambda *a: jnp.concatenate(a), *stats) if stats else None
 
 
 REMAT_POLICIES = {
@@ -262,9 +281,9 @@ class Transformer(nnx.Module):
         return make(rngs)
 
     def _run_blocks(self, x_btd, positions_bt, segment_ids_bt):
-        """The blocks, each local or global as attention_pattern says, that flag static, so a
-        local layer computes only its window (engine/ops/attention.py) and a global one pays
-        nothing for it.
+        """(x, MoEStats with a leading layer axis, or None for a dense model): the blocks,
+        each local or global as attention_pattern says, that flag static, so a local layer
+        computes only its window (engine/ops/attention.py) and a global one pays nothing for it.
 
         Stacked layers of one kind are one scan over the stack. A mixed pattern of P layers
         is scanned a unit at a time (num_layers // P steps), and the num_layers % P layers
@@ -277,46 +296,55 @@ class Transformer(nnx.Module):
 
         def layer_fn(local: bool, in_scan: bool):
             def layer(block: Block, x):
-                return block(x, positions_bt, segment_ids_bt, local)
+                x, _, stats = block.forward(x, positions_bt, segment_ids_bt, local)
+                return x, stats
 
             if compute.remat == "none":
                 return layer
             return nnx.remat(layer, policy=REMAT_POLICIES[compute.remat], prevent_cse=not in_scan)
 
         if not compute.scan_layers:
+            stats = []
             for block, local in zip(self.blocks, cfg.layer_is_local()):
-                x_btd = layer_fn(local, in_scan=False)(block, x_btd)
-            return x_btd
+                x_btd, layer_stats = layer_fn(local, in_scan=False)(block, x_btd)
+                stats += _one_layer(layer_stats)
+            return x_btd, _stack(stats)
         graphdef, stacked = nnx.split(self.blocks)
 
         def run_layers(x, state, flags: list[bool], in_scan: bool):
             """The layers of `state` (leaves (len(flags), ...)), run by run of equal flags."""
-            start = 0
+            start, stats = 0, []
             for local, length in _runs(flags):
                 if length == 1:
                     block = nnx.merge(graphdef, jax.tree.map(lambda a, i=start: a[i], state))
-                    x = layer_fn(local, in_scan)(block, x)
+                    x, layer_stats = layer_fn(local, in_scan)(block, x)
+                    stats += _one_layer(layer_stats)
                 else:
                     def step(x, layer_state, local=local):
-                        return layer_fn(local, in_scan=True)(nnx.merge(graphdef, layer_state), x), None
+                        return layer_fn(local, in_scan=True)(nnx.merge(graphdef, layer_state), x)
 
                     run_state = jax.tree.map(lambda a, lo=start, hi=start + length: a[lo:hi], state)
-                    x, _ = jax.lax.scan(step, x, run_state)
+                    x, run_stats = jax.lax.scan(step, x, run_state)
+                    stats += _layers(run_stats)
                 start += length
-            return x
+            return x, _stack(stats)
 
         unit = [kind == "local" for kind in cfg.attention_pattern]
         if len(set(unit)) == 1:  # one kind of layer (Llama, Mistral): one scan over the stack
             return run_layers(x_btd, stacked, unit * cfg.num_layers, in_scan=False)
         steps, left_over = divmod(cfg.num_layers, len(unit))
         scanned = steps * len(unit)
+        stats = []
         if steps:
             by_unit = jax.tree.map(lambda a: a[:scanned].reshape(steps, len(unit), *a.shape[1:]), stacked)
-            x_btd, _ = jax.lax.scan(lambda x, unit_state: (run_layers(x, unit_state, unit, True), None),
-                                    x_btd, by_unit)
+            x_btd, unit_stats = jax.lax.scan(lambda x, unit_state: run_layers(x, unit_state, unit, True),
+                                             x_btd, by_unit)
+            if unit_stats is not None:  # (steps, P, ...) -> (steps * P, ...)
+                stats.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), unit_stats))
         if left_over:
-            x_btd = run_layers(x_btd, jax.tree.map(lambda a: a[scanned:], stacked), unit[:left_over], False)
-        return x_btd
+            x_btd, rest = run_layers(x_btd, jax.tree.map(lambda a: a[scanned:], stacked), unit[:left_over], False)
+            stats += _layers(rest)
+        return x_btd, _stack(stats)
 
     def _decode_blocks(self, x_btd, positions_bt, segment_ids_bt, cache: KVCache):
         """The blocks with a KV cache; each layer writes its slots of the stacked cache in place.
@@ -342,6 +370,24 @@ class Transformer(nnx.Module):
 
         Decoding passes a KVCache (segment id 0 marks left padding) and gets (logits, cache).
         """
+        if cache is None:
+            return self.forward(tokens_bt, positions_bt, segment_ids_bt)[0]
+        return self._forward(tokens_bt, positions_bt, segment_ids_bt, cache)[0::2]
+
+    def forward(self, tokens_bt, positions_bt=None, segment_ids_bt=None):
+        """(logits, aux) without a cache: aux is a mixture of experts' router losses and
+        expert loads (engine/models/moe.py: combine_stats) and `aux_loss`, their sum weighted
+        as ComputeConfig says, to add to the training loss; empty for a dense model."""
+        logits_btv, stats, _ = self._forward(tokens_bt, positions_bt, segment_ids_bt, None)
+        if stats is None:
+            return logits_btv, {}
+        aux = combine_stats(stats, self.cfg.num_experts, self.cfg.experts_per_token)
+        aux["aux_loss"] = (self.compute.moe_balance_loss * aux["balance_loss"]
+                           + self.compute.moe_router_z_loss * aux["router_z_loss"])
+        return logits_btv, aux
+
+    def _forward(self, tokens_bt, positions_bt, segment_ids_bt, cache: KVCache | None):
+        """(logits, router stats of every layer or None, cache or None)."""
         cfg = self.cfg
         dt = _dtype(self.compute.dtype)
         if positions_bt is None:
@@ -350,8 +396,9 @@ class Transformer(nnx.Module):
         if cfg.scale_embeddings:  # the factor rounded to the compute dtype, as Gemma does
             x_btd = x_btd * jnp.asarray(math.sqrt(cfg.d_model), dt)
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
+        stats = None
         if cache is None:  # segment_ids_bt None: one unpadded document per row, no mask needed
-            x_btd = self._run_blocks(x_btd, positions_bt, segment_ids_bt)
+            x_btd, stats = self._run_blocks(x_btd, positions_bt, segment_ids_bt)
         else:
             if segment_ids_bt is None:
                 segment_ids_bt = jnp.ones_like(tokens_bt)
@@ -364,4 +411,4 @@ class Transformer(nnx.Module):
             cap = cfg.final_logit_softcap
             logits_btv = (cap * jnp.tanh(logits_btv.astype(jnp.float32) / cap)).astype(dt)
         logits_btv = constrain(logits_btv, ("act_batch", "act_seq", "act_vocab"))
-        return logits_btv if cache is None else (logits_btv, cache)
+        return logits_btv, stats, cache

@@ -17,7 +17,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from engine.config import ConfigError
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "expert", "fsdp", "tensor")
+BATCH_AXES = ("data", "expert", "fsdp")
+"""Batches are split over these: outside the MoE layers the expert axis is more data parallelism."""
 
 # logical name -> mesh axis (or tuple of axes, or None = replicated).
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -30,8 +32,11 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "norm": None,
     "layers": None,
+    "expert": "expert",
     # activations
-    "act_batch": ("data", "fsdp"),
+    "act_batch": BATCH_AXES,
+    "act_batch_moe": ("data", "fsdp"),  # an MoE dispatch buffer's rows: the expert axis is on its experts
+    "act_expert": "expert",
     "act_seq": None,
     "act_embed": None,
     "act_heads": "tensor",
@@ -41,7 +46,18 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
-def logical_to_spec(names: Sequence[str | None] | None, rules=LOGICAL_RULES) -> P:
+def _on_mesh(axis, mesh: Mesh | None):
+    """`axis` without the mesh axes `mesh` lacks (a mesh built by hand may have fewer)."""
+    if mesh is None or axis is None:
+        return axis
+    if isinstance(axis, str):
+        return axis if axis in mesh.axis_names else None
+    kept = tuple(a for a in axis if a in mesh.axis_names)
+    return kept or None
+
+
+def logical_to_spec(names: Sequence[str | None] | None, rules=LOGICAL_RULES, mesh: Mesh | None = None) -> P:
+    """The PartitionSpec of logical `names`; with `mesh`, only the mesh axes it has."""
     if names is None:
         return P()
     axes = []
@@ -51,7 +67,7 @@ def logical_to_spec(names: Sequence[str | None] | None, rules=LOGICAL_RULES) -> 
         elif name not in rules:
             raise KeyError(f"logical axis '{name}' has no sharding rule")
         else:
-            axes.append(rules[name])
+            axes.append(_on_mesh(rules[name], mesh))
     return P(*axes)
 
 
@@ -103,7 +119,7 @@ def current_platform() -> str:
 def activation_spec(shape: Sequence[int], names: Sequence[str | None], mesh: Mesh) -> P:
     """The spec of an activation with logical `names` on `mesh`; a dimension that does not
     divide its mesh axis stays replicated on it."""
-    spec = logical_to_spec(names)
+    spec = logical_to_spec(names, mesh=mesh)
     return P(*(a if shape[i] % mesh_axis_size(mesh, a) == 0 else None for i, a in enumerate(spec)))
 
 

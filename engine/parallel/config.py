@@ -13,10 +13,17 @@ class MeshConfig(Strict):
     data: int = -1
     fsdp: int = 1
     tensor: int = 1
+    expert: int = 1
+    """Expert parallelism: a mixture of experts' experts are split over this axis (and its
+    tokens sent to them); elsewhere it splits the batch like `data`."""
+
+    def sizes(self) -> list[int]:
+        """In the mesh's axis order (engine/ops/partitioning.py: MESH_AXES)."""
+        return [self.data, self.expert, self.fsdp, self.tensor]
 
     @model_validator(mode="after")
     def _check(self) -> "MeshConfig":
-        sizes = [self.data, self.fsdp, self.tensor]
+        sizes = self.sizes()
         if any(s == 0 or s < -1 for s in sizes):
             raise ValueError("mesh sizes must be positive or -1")
         if sizes.count(-1) > 1:

@@ -1,7 +1,7 @@
 """The device mesh of a run, the shardings of its batches, and host values <-> global arrays.
 
-`make_mesh` lays the devices out as (data, fsdp, tensor); a size of -1 takes the devices the
-other axes leave. Batches are global arrays whose rows are split over (data, fsdp).
+`make_mesh` lays the devices out as (data, expert, fsdp, tensor); a size of -1 takes the devices
+the other axes leave. Batches are global arrays whose rows are split over (data, expert, fsdp).
 """
 
 from __future__ import annotations
@@ -15,27 +15,28 @@ from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from engine.config import ConfigError
-from engine.ops.partitioning import MESH_AXES
+from engine.ops.partitioning import BATCH_AXES, MESH_AXES
 from engine.parallel.config import MeshConfig
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Build the (data, fsdp, tensor) mesh; -1 takes the devices the others leave."""
+    """Build the (data, expert, fsdp, tensor) mesh; -1 takes the devices the others leave."""
     devices = list(devices if devices is not None else jax.devices())
     n = len(devices)
-    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+    sizes = cfg.sizes()
+    described = " ".join(f"{axis}={size}" for axis, size in zip(MESH_AXES, sizes))
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if n % known:
             raise ConfigError(
-                f"mesh: data={cfg.data} fsdp={cfg.fsdp} tensor={cfg.tensor} does not divide "
-                f"{n} devices (the fixed axes multiply to {known})"
+                f"mesh: {described} does not divide {n} devices (the fixed axes multiply to {known})"
             )
         sizes[sizes.index(-1)] = n // known
     if math.prod(sizes) != n:
+        described = " ".join(f"{axis}={size}" for axis, size in zip(MESH_AXES, sizes))
         raise ConfigError(
-            f"mesh: data={sizes[0]} fsdp={sizes[1]} tensor={sizes[2]} needs {math.prod(sizes)} "
-            f"devices but {n} are available; set one axis to -1 to take the rest"
+            f"mesh: {described} needs {math.prod(sizes)} devices but {n} are available; "
+            f"set one axis to -1 to take the rest"
         )
     try:  # a topology-aware layout on TPU/GPU; plain order on CPU
         device_array = mesh_utils.create_device_mesh(sizes, devices)
@@ -44,9 +45,19 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     return Mesh(device_array, MESH_AXES)
 
 
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes a batch's rows are split over (those of BATCH_AXES the mesh has)."""
+    return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+
+
+def batch_shards(mesh: Mesh) -> int:
+    """How many pieces a batch's rows are split into."""
+    return math.prod(mesh.shape[a] for a in batch_axes(mesh))
+
+
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Batches are global arrays sharded over (data, fsdp) on their leading dimension."""
-    return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
+    """Batches are global arrays sharded over (data, expert, fsdp) on their leading dimension."""
+    return NamedSharding(mesh, P(batch_axes(mesh), *([None] * (ndim - 1))))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from engine.models.params import apply_model
+from engine.models.params import apply_model_with_aux
 
 Reduction = Literal["sum", "mean", "max", "min"]
 _COMBINE = {"sum": jnp.add, "mean": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
@@ -55,12 +55,31 @@ def lm_loss_fn(graphdef, z_loss: float = 0.0):
     """loss_fn(params, batch, normaliser) -> (loss, aux) for next-token prediction."""
 
     def loss_fn(params, batch, normaliser):
-        logits = apply_model(graphdef, params, batch["tokens"], batch["positions"], batch["segment_ids"])
+        logits, moe = apply_model_with_aux(graphdef, params, batch["tokens"], batch["positions"],
+                                           batch["segment_ids"])
         total, nll_sum = cross_entropy(logits, batch["targets"], batch["loss_mask"], z_loss)
-        return total / normaliser, {"loss": nll_sum / normaliser, "nll_sum": nll_sum,
-                                    "tokens": jnp.sum(batch["loss_mask"])}
+        tokens = jnp.sum(batch["loss_mask"])
+        aux = {"loss": nll_sum / normaliser, "nll_sum": nll_sum, "tokens": tokens}
+        if not moe:
+            return total / normaliser, aux
+        # The router losses are means over a micro-batch: weighted by its share of the batch's
+        # tokens, the micro-batches sum to the whole batch's value.
+        share = tokens / normaliser
+        aux.update(moe_metrics(moe, share))
+        return total / normaliser + share * moe["aux_loss"], aux
 
     return loss_fn
+
+
+def moe_metrics(moe: dict, share) -> dict:
+    """A mixture of experts' router losses and per-expert loads (shares of the assignments,
+    1/E each when balanced) as scalar metrics, each weighted by `share` so they add up over
+    micro-batches (`MOE_REDUCE`)."""
+    load_e = moe["expert_load_e"]
+    metrics = {"moe_balance_loss": moe["balance_loss"], "moe_router_z_loss": moe["router_z_loss"],
+               "moe_load_max": jnp.max(load_e) * load_e.shape[0]}
+    metrics.update({f"moe_load/{e}": load_e[e] for e in range(load_e.shape[0])})
+    return {k: v * share for k, v in metrics.items()}
 
 
 def token_count(batch) -> jax.Array:

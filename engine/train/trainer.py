@@ -27,7 +27,7 @@ from engine.config import ConfigError
 from engine.models.params import abstract_model_params, graphdef_of, init_params
 from engine.ops.partitioning import use_mesh
 from engine.parallel.distributed import preemption_agreed
-from engine.parallel.mesh import batch_sharding, global_array, make_mesh, replicated
+from engine.parallel.mesh import batch_shards, batch_sharding, global_array, make_mesh, replicated
 from engine.train.checkpoint import Checkpointer, load_params, stored_configs
 from engine.train.config import TrainConfig
 from engine.train.optimizer import make_optimizer
@@ -133,12 +133,12 @@ class Trainer:
                  updates_per_batch: int = 1, devices=None):
         self.cfg, self.updates_per_batch = cfg, updates_per_batch
         self.mesh = make_mesh(cfg.mesh, devices)
-        n_batch_shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        n_batch_shards = batch_shards(self.mesh)
         micro_rows = cfg.data.batch_size // cfg.grad_accum
         if micro_rows % n_batch_shards:
             raise ConfigError(
                 f"data.batch_size ({cfg.data.batch_size}) / grad_accum ({cfg.grad_accum}) = {micro_rows} "
-                f"rows per micro-batch must divide over the data x fsdp mesh axes ({n_batch_shards} shards)"
+                f"rows per micro-batch must divide over the data x expert x fsdp mesh axes ({n_batch_shards} shards)"
             )
         self.graphdef = graphdef_of(cfg.model, cfg.compute)
         self.abstract_params = abstract_model_params(cfg.model, cfg.compute, self.mesh)

@@ -95,13 +95,18 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
     shapes = abstract_model_params(cfg, compute, mesh=None)  # the stacked layout: scan_layers
     check_table_covers(cfg, shapes)
 
-    # HF name -> (spec, layer index or None, engine shape of one slot)
+    # HF name -> (spec, index into the stacked array: () top-level, (layer,) or (layer, expert),
+    # engine shape of one slot)
     top, per_layer = tensor_table(cfg)
-    expected: dict[str, tuple[TensorSpec, int | None, tuple]] = {s.hf_name: (s, None, _at(shapes, s.path).shape) for s in top}
+    expected: dict[str, tuple[TensorSpec, tuple, tuple]] = {s.hf_name: (s, (), _at(shapes, s.path).shape) for s in top}
     for spec in per_layer:
         stacked = _at(shapes, ("blocks", *spec.path)).shape
         for i in range(cfg.num_layers):
-            expected[spec.hf_name.format(i=i)] = (spec, i, stacked[1:])
+            if spec.experts:
+                for j in range(stacked[1]):
+                    expected[spec.hf_name.format(i=i, j=j)] = (spec, (i, j), stacked[2:])
+            else:
+                expected[spec.hf_name.format(i=i)] = (spec, (i,), stacked[1:])
     target = NP_DTYPES[dtype]
     params: dict = {}
     for spec in top:
@@ -111,7 +116,7 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
 
     log(f"convert: {architecture}, {len(expected)} tensors to read")
     # Every header first: a mismatch fails in a second, not after reading gigabytes.
-    jobs: list[tuple[Path, str, TensorSpec, int | None]] = []
+    jobs: list[tuple[Path, str, TensorSpec, tuple]] = []
     tied_head: Path | None = None
     for path in files:
         with SafetensorsFile(path) as st:
@@ -126,7 +131,7 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
                         f"{path.name}: unexpected tensor '{name}' for {architecture} as config.json describes it "
                         f"({cfg.num_layers} layers); config and weights do not match"
                     )
-                spec, layer, shape = expected[name]
+                spec, index, shape = expected[name]
                 want = hf_shape(spec, shape)
                 if st.shape(name) != want:
                     raise ConfigError(
@@ -134,7 +139,7 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
                         f"({architecture}) implies {list(want)}"
                     )
                 st.dtype(name)  # raises for a dtype we cannot read
-                jobs.append((path, name, spec, layer))
+                jobs.append((path, name, spec, index))
     seen = {name for _, name, _, _ in jobs}
     missing = [name for name in expected if name not in seen]
     if missing:
@@ -146,9 +151,9 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
     handles = {path: SafetensorsFile(path) for path in files}
 
     def load(job) -> int:
-        path, name, spec, layer = job
+        path, name, spec, index = job
         raw = handles[path].get(name)
-        copy_into(_at(params, spec.path) if layer is None else _at(params, ("blocks", *spec.path))[layer], spec, raw)
+        copy_into(_at(params, spec.path) if not index else _at(params, ("blocks", *spec.path))[index], spec, raw)
         return raw.nbytes
 
     try:

@@ -63,19 +63,26 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: st
     hf_config = model_config_to_hf(cfg, token_ids, param_dtype=compute.param_dtype)
     _, params, step = load_params(checkpoint_dir, step=step, as_numpy=True)  # host arrays, as saved
 
-    def leaf(spec: TensorSpec, layer: int | None) -> np.ndarray:
-        if layer is None:
+    def leaf(spec: TensorSpec, index: tuple) -> np.ndarray:
+        """The array at `index`: () top-level, (layer,), or (layer, expert) of an expert tensor."""
+        if not index:
             return np.asarray(_at(params, spec.path))
         if compute.scan_layers:
-            return np.asarray(_at(params, ("blocks", *spec.path))[layer])
-        return np.asarray(_at(params["blocks"][layer], spec.path))
+            return np.asarray(_at(params, ("blocks", *spec.path))[index])
+        return np.asarray(_at(params["blocks"][index[0]], spec.path)[index[1:]])
 
     top, per_layer = tensor_table(cfg)
-    order = [(top[0], None)] + [(s, i) for i in range(cfg.num_layers) for s in per_layer] + [(s, None) for s in top[1:]]
+    num_experts = cfg.num_experts
+    order = [(top[0], ())]
+    for i in range(cfg.num_layers):
+        for s in per_layer:
+            order += [(s, (i, j)) for j in range(num_experts)] if s.experts else [(s, (i,))]
+    order += [(s, ()) for s in top[1:]]
     entries = {}
-    for spec, layer in order:
-        array = leaf(spec, layer)
-        entries[spec.hf_name.format(i=layer)] = (spec, layer, hf_shape(spec, array.shape), array.dtype)
+    for spec, index in order:
+        array = leaf(spec, index)
+        name = spec.hf_name.format(i=index[0], j=index[-1]) if index else spec.hf_name
+        entries[name] = (spec, index, hf_shape(spec, array.shape), array.dtype)
     sizes = [(name, int(np.prod(e[2])) * e[3].itemsize) for name, e in entries.items()]
     shards = _plan_shards(sizes, max_shard_bytes)
     removed = remove_stale_weights(out_dir)
@@ -88,8 +95,8 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: st
 
         def tensors(names=names) -> Iterator[tuple[str, np.ndarray]]:
             for name in names:
-                spec, layer, _, _ = entries[name]
-                yield name, to_hf(spec, leaf(spec, layer))
+                spec, index, _, _ = entries[name]
+                yield name, to_hf(spec, leaf(spec, index))
 
         total += write_safetensors(out_dir / filename, tensors(), metadata={"format": "pt"},
                                    shapes={n: entries[n][2:] for n in names})

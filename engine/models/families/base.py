@@ -31,6 +31,7 @@ ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "ge
 """config.json activation name -> ModelConfig.activation."""
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 LAYER = "model.layers.{i}."
+EXPERT = "experts.{j}."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,9 @@ class TensorSpec:
     """A matmul: the engine array's first `in_dims` axes are HF's input (second) axis, the
     rest its output axis. None: same values, HF shape flattened when `flatten`."""
     flatten: bool = False
+    experts: bool = False
+    """One HF tensor per expert (`{j}` in hf_name stands for the expert index): the engine's
+    per-layer array has an expert axis first, and in_dims/flatten describe one expert's slice."""
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -139,6 +143,8 @@ class Family:
     hf_constants: ClassVar[dict[str, Any]] = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
     """config.json keys the transformers class writes whose value is the same for every model
     the engine runs (flags of layers it does not have). Only keys the class defines."""
+    moe: ClassVar[bool] = False
+    """A mixture of experts: its models have num_experts > 0 (engine/models/moe.py)."""
 
     # ----------------------------------------------------------------- config.json -> fields
 
@@ -236,14 +242,20 @@ class Family:
             TensorSpec(("attn", "wo_nhd"), LAYER + "self_attn.o_proj.weight", 2),
             *self.extra_attention_tensors(),
             *self.mlp_norm_tensors(),
-            TensorSpec(("mlp", "w_gate_df"), LAYER + "mlp.gate_proj.weight", 1),
-            TensorSpec(("mlp", "w_up_df"), LAYER + "mlp.up_proj.weight", 1),
-            TensorSpec(("mlp", "w_down_fd"), LAYER + "mlp.down_proj.weight", 1),
+            *self.mlp_tensors(cfg),
         ]
         top.append(TensorSpec(("final_norm", "scale"), "model.norm.weight", None))
         if not cfg.tie_embeddings:
             top.append(TensorSpec(("lm_head_dv",), "lm_head.weight", 1))
         return top, per_layer
+
+    def mlp_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
+        """The MLP's tensors: Llama's gated MLP (a mixture of experts' families: router and experts)."""
+        return [
+            TensorSpec(("mlp", "w_gate_df"), LAYER + "mlp.gate_proj.weight", 1),
+            TensorSpec(("mlp", "w_up_df"), LAYER + "mlp.up_proj.weight", 1),
+            TensorSpec(("mlp", "w_down_fd"), LAYER + "mlp.down_proj.weight", 1),
+        ]
 
     def extra_attention_tensors(self) -> list[TensorSpec]:
         """Attention tensors after o_proj: biases (Qwen2), QK-norm scales (Qwen3, Gemma 3)."""

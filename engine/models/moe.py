@@ -1,0 +1,194 @@
+"""The mixture-of-experts MLP: a router picks k of E gated MLPs per token; their outputs,
+weighted by the router's scores, replace the dense MLP's (Mixtral, Qwen3-MoE, DeepSeek).
+
+Shapes in names as in transformer.py, plus n tokens (b * t), e experts, k experts per token,
+f the expert MLP width, c an expert's capacity (per sequence).
+
+Two ways to get the tokens to their experts (ComputeConfig.moe_dispatch):
+
+- dropless (default): the n * k (token, expert) assignments sorted by expert, so each
+  expert's rows are contiguous, and one grouped matmul per projection over all experts
+  (`jax.lax.ragged_dot`, MegaBlocks' idea). Nothing is dropped and no FLOP is wasted on
+  padding. Under a mesh XLA partitions it as it can (the expert weights are gathered).
+- capacity: GShard's dispatch. Each sequence fills a fixed (e, c) buffer per expert, first
+  choices before second ones, and assignments past an expert's capacity are dropped (their
+  token keeps its other experts and the residual). The buffers are static shapes, so the
+  move from batch-sharded to expert-sharded is a sharding constraint XLA lowers to an
+  all-to-all: this is the expert-parallel path.
+
+Both give the same numbers when nothing is dropped (tests/test_moe.py). The router's
+statistics for the auxiliary losses come back as `MoEStats`, one per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from engine.models.common import ACTIVATIONS, dtype_of, param
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.ops.dense import DotGeneral, dense, gated_mlp
+from engine.ops.partitioning import constrain
+
+
+class MoEStats(NamedTuple):
+    """One layer's router statistics over the non-padding tokens (float32)."""
+
+    assigned_e: jax.Array
+    """Assignments per expert / tokens (sums to k): f_e of the balancing loss."""
+    probability_e: jax.Array
+    """Mean softmax router probability per expert: P_e of the balancing loss."""
+    z_loss: jax.Array
+    """Mean squared log-normaliser of the router logits (ST-MoE's router z-loss)."""
+
+
+def combine_stats(stats: MoEStats, num_experts: int, experts_per_token: int) -> dict[str, jax.Array]:
+    """The auxiliary losses and loads of a stack of layers' stats (leading axis: layers).
+
+    balance_loss is Switch Transformer's E * sum_e f_e * P_e with f and P averaged over the
+    layers first, exactly transformers' `load_balancing_loss_func` (it concatenates every
+    layer's router logits before averaging); z_loss is the mean over layers; expert_load_e
+    the share of assignments each expert got (1/E each when balanced).
+    """
+    assigned_e = jnp.mean(stats.assigned_e, axis=0)
+    probability_e = jnp.mean(stats.probability_e, axis=0)
+    return {"balance_loss": num_experts * jnp.sum(assigned_e * probability_e),
+            "router_z_loss": jnp.mean(stats.z_loss),
+            "expert_load_e": assigned_e / experts_per_token}
+
+
+def route(logits_ne, bias_e, k: int, score: str, renormalize: bool):
+    """(weights (n, k) float32, experts (n, k) int32) of router logits (n, e) in float32.
+
+    The bias (DeepSeek-V3) only chooses: the weights are the unbiased scores."""
+    scores_ne = jax.nn.softmax(logits_ne, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits_ne)
+    choice_ne = scores_ne if bias_e is None else scores_ne + bias_e
+    _, experts_nk = jax.lax.top_k(choice_ne, k)
+    weights_nk = jnp.take_along_axis(scores_ne, experts_nk, axis=-1)
+    if renormalize:
+        weights_nk = weights_nk / jnp.sum(weights_nk, axis=-1, keepdims=True)
+    return weights_nk, experts_nk
+
+
+def router_stats(logits_ne, experts_nk, valid_n, num_experts: int) -> MoEStats:
+    """The balancing and z-loss statistics of one layer, padding excluded."""
+    valid = valid_n.astype(jnp.float32)
+    count = jnp.maximum(jnp.sum(valid), 1.0)
+    assigned_ne = jnp.sum(jax.nn.one_hot(experts_nk, num_experts, dtype=jnp.float32), axis=1)
+    probs_ne = jax.nn.softmax(logits_ne, axis=-1)
+    log_z_n = jax.nn.logsumexp(logits_ne, axis=-1)
+    return MoEStats(assigned_e=valid @ assigned_ne / count, probability_e=valid @ probs_ne / count,
+                    z_loss=jnp.sum(valid * jnp.square(log_z_n)) / count)
+
+
+def dropless_experts(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, activation):
+    """sum_k weight * expert_k(x), every assignment computed: sort by expert, grouped matmuls."""
+    n, k = experts_nk.shape
+    num_experts = w_gate_edf.shape[0]
+    flat_experts = experts_nk.reshape(-1)  # assignment i is token i // k
+    order = jnp.argsort(flat_experts, stable=True)
+    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
+    x_sorted = x_nd[order // k]  # (n * k, d), grouped by expert
+    hidden = activation(jax.lax.ragged_dot(x_sorted, w_gate_edf, group_sizes))
+    hidden = hidden * jax.lax.ragged_dot(x_sorted, w_up_edf, group_sizes)
+    y_sorted = jax.lax.ragged_dot(hidden, w_down_efd, group_sizes)
+    y_nkd = y_sorted[jnp.argsort(order)].reshape(n, k, -1)  # back to token order (a gather)
+    return jnp.einsum("nkd,nk->nd", y_nkd, weights_nk.astype(y_nkd.dtype))
+
+
+def capacity_experts(x_btd, experts_btk, weights_btk, valid_bt, w_gate_edf, w_up_edf, w_down_efd, activation,
+                     capacity: int, dot_general: DotGeneral = jax.lax.dot_general):
+    """GShard dispatch with a per-sequence capacity: each row fills (e, c) buffers, which move
+    to the experts' devices (a sharding constraint: an all-to-all), go through the experts as
+    batched matmuls and come back. Padding tokens take no capacity and get zeros."""
+    b, t, k = experts_btk.shape
+    num_experts = w_gate_edf.shape[0]
+    # Priority: every token's first choice before any second choice, then token order.
+    experts_bm = jnp.swapaxes(experts_btk, 1, 2).reshape(b, k * t)
+    valid_bm = jnp.tile(valid_bt, (1, k))
+    onehot_bme = jax.nn.one_hot(experts_bm, num_experts, dtype=jnp.int32) * valid_bm[..., None]
+    position_bm = jnp.sum((jnp.cumsum(onehot_bme, axis=1) - 1) * onehot_bme, axis=-1)
+    kept_bm = valid_bm & (position_bm < capacity)
+    slot_bm = jnp.where(kept_bm, experts_bm * capacity + position_bm, num_experts * capacity)  # past the end: dropped
+    x_bmd = jnp.tile(x_btd, (1, k, 1))
+    rows = jnp.arange(b)[:, None]
+    buffer_bxd = jnp.zeros((b, num_experts * capacity, x_btd.shape[-1]), x_btd.dtype)
+    buffer_bxd = buffer_bxd.at[rows, slot_bm].set(x_bmd, mode="drop")
+    buffer_becd = constrain(buffer_bxd.reshape(b, num_experts, capacity, -1),
+                            ("act_batch_moe", "act_expert", None, "act_embed"))
+
+    def expert_matmul(x_becd, w_exy):  # (b, e, c, x) . (e, x, y) -> (b, e, c, y), e the batch axis
+        y_ebcy = dot_general(x_becd, w_exy, (((3,), (1,)), ((1,), (0,))))
+        return jnp.swapaxes(y_ebcy, 0, 1)
+
+    hidden = activation(expert_matmul(buffer_becd, w_gate_edf)) * expert_matmul(buffer_becd, w_up_edf)
+    hidden = constrain(hidden, ("act_batch_moe", "act_expert", None, "act_mlp"))
+    out_becd = constrain(expert_matmul(hidden, w_down_efd), ("act_batch_moe", "act_expert", None, "act_embed"))
+    out_bxd = constrain(out_becd.reshape(b, num_experts * capacity, -1), ("act_batch", None, "act_embed"))
+    y_bmd = out_bxd.at[rows, slot_bm].get(mode="fill", fill_value=0)
+    y_bktd = jnp.swapaxes(y_bmd.reshape(b, k, t, -1), 1, 2)  # (b, t, k, d)
+    return jnp.einsum("btkd,btk->btd", y_bktd, weights_btk.astype(y_bktd.dtype))
+
+
+class MoE(nnx.Module):
+    """Router + `num_experts` gated MLPs as stacked (e, ...) weights, + optional shared experts.
+
+    __call__(x_btd, valid_bt) -> (out_btd, MoEStats); valid_bt False marks padding (it is
+    routed like any token but left out of the router statistics and the capacity)."""
+
+    def __init__(self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs,
+                 dot_general: DotGeneral = jax.lax.dot_general):
+        d, f, e = cfg.d_model, cfg.moe_mlp_dim, cfg.num_experts
+        pdt, std = dtype_of(compute.param_dtype), cfg.init_std
+        out_std = std / math.sqrt(2 * cfg.num_layers)
+        self.w_router_de = param(rngs, (d, e), std, ("embed", None), pdt)
+        if cfg.router_bias:
+            self.b_router_e = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=(None,))
+        self.w_gate_edf = param(rngs, (e, d, f), std, ("expert", "embed", "mlp"), pdt)
+        self.w_up_edf = param(rngs, (e, d, f), std, ("expert", "embed", "mlp"), pdt)
+        self.w_down_efd = param(rngs, (e, f, d), out_std, ("expert", "mlp", "embed"), pdt)
+        if cfg.num_shared_experts:
+            g = f * cfg.num_shared_experts
+            self.w_shared_gate_dg = param(rngs, (d, g), std, ("embed", "mlp"), pdt)
+            self.w_shared_up_dg = param(rngs, (d, g), std, ("embed", "mlp"), pdt)
+            self.w_shared_down_gd = param(rngs, (g, d), out_std, ("mlp", "embed"), pdt)
+        self.num_experts, self.k = e, cfg.experts_per_token
+        self.score, self.renormalize = cfg.router_score, cfg.router_renormalize
+        self.router_bias, self.shared = cfg.router_bias, cfg.num_shared_experts > 0
+        self.activation = ACTIVATIONS[cfg.activation]
+        self.dtype = dtype_of(compute.dtype)
+        self.dispatch, self.capacity_factor = compute.moe_dispatch, compute.moe_capacity_factor
+        self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
+
+    def capacity(self, seq_len: int) -> int:
+        """Assignments each expert takes per sequence in the capacity dispatch."""
+        return max(1, math.ceil(self.capacity_factor * seq_len * self.k / self.num_experts))
+
+    def __call__(self, x_btd, valid_bt=None):
+        b, t, d = x_btd.shape
+        dt = self.dtype
+        if valid_bt is None:
+            valid_bt = jnp.ones((b, t), bool)
+        logits_bte = dense(x_btd, self.w_router_de[...].astype(dt), backward=self.matmul_backward,
+                           dot_general=self.dot_general).astype(jnp.float32)
+        logits_ne = logits_bte.reshape(b * t, self.num_experts)
+        bias = self.b_router_e[...] if self.router_bias else None
+        weights_nk, experts_nk = route(logits_ne, bias, self.k, self.score, self.renormalize)
+        stats = router_stats(logits_ne, experts_nk, valid_bt.reshape(-1), self.num_experts)
+        experts = [w[...].astype(dt) for w in (self.w_gate_edf, self.w_up_edf, self.w_down_efd)]
+        if self.dispatch == "dropless":
+            out_btd = dropless_experts(x_btd.reshape(b * t, d), experts_nk, weights_nk, *experts,
+                                       self.activation).reshape(b, t, d)
+        else:
+            out_btd = capacity_experts(x_btd, experts_nk.reshape(b, t, self.k), weights_nk.reshape(b, t, self.k),
+                                       valid_bt, *experts, self.activation, self.capacity(t), self.dot_general)
+        if self.shared:
+            out_btd = out_btd + gated_mlp(
+                x_btd, self.w_shared_gate_dg[...].astype(dt), self.w_shared_up_dg[...].astype(dt),
+                self.w_shared_down_gd[...].astype(dt), self.activation, ("act_batch", "act_seq", "act_mlp"),
+                backward=self.matmul_backward, dot_general=self.dot_general)
+        return constrain(out_btd.astype(x_btd.dtype), ("act_batch", "act_seq", "act_embed")), stats
