@@ -6,6 +6,7 @@
     trainflow verify PATH|ID [--store DIR]                      re-hash an artifact (exit 1 on mismatch)
     trainflow ls [--store DIR] [--json]                         artifacts in a store
     trainflow serve PIPELINE.yaml --cron "0 3 * * *"            a scheduled Prefect deployment
+    trainflow plan PIPELINE.yaml --target v5e-16|h100x8|local   compile each training stage for a target: fits?
     trainflow convert HF_DIR [--store DIR] [--dtype bfloat16]   a Hugging Face model -> checkpoint artifact
     trainflow export PATH|ID [--store DIR] [--out DIR]          a checkpoint artifact -> Hugging Face model
     trainflow generate PATH|ID --prompt TEXT [--temperature T]  sample completions from a checkpoint artifact
@@ -17,7 +18,7 @@ input, 143 stopped by a signal (SIGTERM, or Ctrl-C's SIGINT) after the engines c
 `trainflow --version` prints the installed version.
 
 This module is the one documented place where imports sit inside functions: Prefect (seconds
-to import) loads only for `run` and `serve`, JAX only for `generate`, so validating a
+to import) loads only for `run` and `serve`, JAX only for `generate` and `plan`, so validating a
 pipeline, `status`, `lineage`, `ls` and `verify` answer without either. tests/test_imports.py
 holds every other module to module-level imports.
 """
@@ -214,6 +215,19 @@ def cmd_generate(args) -> int:
     return generate(args)
 
 
+def cmd_plan(args) -> int:
+    plan = load_plan(args.pipeline, args.overrides, args.store)
+    from engine.train.plan import DoesNotFit  # JAX loads only for this command
+    from tasks.plan import plan_pipeline
+
+    try:
+        plan_pipeline(plan, args.target)
+    except DoesNotFit as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _run_one_stage(task: str, config: dict, inputs: dict, store: ArtifactStore):
     """Run a single stage outside a pipeline (no Prefect), with the usual skip, manifest and lineage."""
     kind = get_stage_kind(task)
@@ -283,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("serve", cmd_serve, "serve the pipeline as a scheduled Prefect deployment", pipeline=True)
     p.add_argument("--cron", required=True, help='cron schedule, e.g. "0 3 * * *"')
     p.add_argument("--name", help="deployment name (default: the pipeline's name)")
+    p = add("plan", cmd_plan, "compile each training stage for a target and say whether it fits", pipeline=True)
+    p.add_argument("--target", default="local",
+                   help="a TPU slice (v5e-16, v5p-128, v6e-8, ...), a GPU host (h100x8, h200x8, a100x8) or local")
     p = add("convert", cmd_convert, "convert a Hugging Face model directory into a checkpoint artifact")
     p.add_argument("hf_dir", help="directory with config.json and safetensors weights")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="stored dtype (default: the source's)")

@@ -15,9 +15,10 @@ from engine.parallel.distributed import maybe_initialize_distributed
 from engine.train.trainer import Preempted, TrainingError
 
 
-def usage(module: str, schema: type[BaseModel]) -> str:
+def usage(module: str, schema: type[BaseModel], plan: bool = False) -> str:
     """The help text: the command line, then each config section or key with its first doc line."""
-    lines = [f"usage: python -m {module} CONFIG.yaml [key=value ...]", "",
+    command = f"python -m {module} CONFIG.yaml [key=value ...]" + (" [--plan [--target TARGET]]" if plan else "")
+    lines = [f"usage: {command}", "",
              (schema.__doc__ or "").strip().splitlines()[0], "",
              "Config sections and keys (override any with a dotted key=value, e.g. steps=200 model.num_layers=4):"]
     for name, field in schema.model_fields.items():
@@ -30,22 +31,49 @@ def usage(module: str, schema: type[BaseModel]) -> str:
     lines += ["", f"Exit codes: {EXIT_OK} success, {EXIT_CONFIG_ERROR} bad config or input (one line), "
               f"{EXIT_FAILED} the run failed, {EXIT_PREEMPTED} stopped by SIGTERM after saving a checkpoint.",
               'The last stdout line is {"result": {...final metrics...}}.']
+    if plan:
+        lines += ["--plan: compile one training step for TARGET (a TPU slice such as v5e-16, a GPU host such as "
+                  "h100x8, or local, the default) and print its memory per device, FLOPs and roofline; exit "
+                  f"{EXIT_FAILED} if it does not fit."]
     return "\n".join(lines)
 
 
+def plan_arguments(argv: list[str]) -> tuple[list[str], str | None]:
+    """(argv without `--plan [--target NAME]`, the target to plan for, or None without --plan)."""
+    if "--plan" not in argv:
+        return argv, None
+    rest, target, i = [], "local", 0
+    while i < len(argv):
+        if argv[i] == "--target" and i + 1 < len(argv):
+            target, i = argv[i + 1], i + 2
+            continue
+        if argv[i].startswith("--target="):
+            target = argv[i].partition("=")[2]
+        elif argv[i] != "--plan":
+            rest.append(argv[i])
+        i += 1
+    return rest, target
+
+
 def run_cli(argv: list[str] | None, module: str, schema: type[BaseModel], run: Callable,
-            failures: tuple = ()) -> int:
+            failures: tuple = (), plan: Callable | None = None) -> int:
     """Load CONFIG.yaml with overrides, join a multi-process run if launched as one, run.
 
+    With `--plan [--target NAME]`, `plan(cfg, NAME)` runs instead: the preflight, which exits
+    EXIT_FAILED when the step does not fit (engine/train/plan.py).
     Exit codes (the launchers rely on them): engine.contract.EXIT_*. The final stdout line is
     {"result": metrics}.
     """
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help"):
-        print(usage(module, schema))
+        print(usage(module, schema, plan is not None))
         return EXIT_OK
+    if plan is not None:
+        argv, target = plan_arguments(argv)
+        if target is not None:
+            run = lambda cfg: plan(cfg, target)  # noqa: E731
     if not argv:
-        print(usage(module, schema).splitlines()[0], file=sys.stderr)
+        print(usage(module, schema, plan is not None).splitlines()[0], file=sys.stderr)
         return EXIT_CONFIG_ERROR
     try:
         cfg = load_config(argv[0], argv[1:], schema=schema)

@@ -12,6 +12,7 @@ from engine.data.shards import read_meta
 from engine.train.cli import run_cli
 from engine.train.config import TrainConfig
 from engine.train.hooks import log_to_stderr, run_training
+from engine.train.plan import DoesNotFit, plan_train
 from engine.train.step import Objective
 from engine.train.trainer import IteratorSource, Trainer
 
@@ -102,7 +103,7 @@ def run_pretrain(cfg: TrainConfig, log: Callable[[str], None] | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(argv, "engine.train", TrainConfig, run_pretrain)
+    return run_cli(argv, "engine.train", TrainConfig, run_pretrain, failures=(DoesNotFit,), plan=plan_train)
 
 
 if __name__ == "__main__":

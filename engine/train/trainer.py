@@ -30,8 +30,20 @@ from engine.parallel.distributed import preemption_agreed
 from engine.parallel.mesh import batch_shards, batch_sharding, global_array, make_mesh, replicated
 from engine.train.checkpoint import Checkpointer, load_params, stored_configs
 from engine.train.config import TrainConfig
+from engine.train.memory import Memory, check_fits, device_memory, shard_bytes
 from engine.train.optimizer import make_optimizer
 from engine.train.step import Objective, lm_objective, make_eval_step, make_train_step
+
+
+def lm_batch(rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes of a language-modelling batch (pretraining, SFT): what a Grain or SFT row holds."""
+    row = lambda dtype: jax.ShapeDtypeStruct((rows, seq_len), dtype)  # noqa: E731
+    return {"tokens": row(np.int32), "targets": row(np.int32), "positions": row(np.int32),
+            "segment_ids": row(np.int32), "loss_mask": row(np.float32)}
+
+
+def _signature(batch) -> dict:
+    return {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in batch.items()}
 
 
 class TrainingError(RuntimeError):
@@ -156,20 +168,47 @@ class Trainer:
         self.objective = (objective or (lambda graphdef: lm_objective(graphdef, cfg.z_loss)))(self.graphdef)
         self.batch_sharding = batch_sharding(self.mesh)
         self.hooks: list[_Hook] = []
+        self.batch_shapes = lm_batch(cfg.data.batch_size, cfg.data.seq_len) if objective is None else None
+        """A batch's shapes when known before the first one exists (language modelling), so the
+        step compiles, and its memory is checked, before any state is allocated."""
         self._train_step = None
+        self._compiled_step = None
         self._eval_step = None
 
     # -- jitted functions (compiled lazily, once)
+    def jitted_train_step(self):
+        """The jitted `make_train_step` of this run (also what the preflight compiles, plan.py)."""
+        return jax.jit(
+            make_train_step(self.objective, self.tx, self.cfg.grad_accum),
+            in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding),
+            out_shardings=(self.param_shardings, self.opt_shardings, replicated(self.mesh)),
+            donate_argnums=(0, 1),
+        )
+
     def train_step(self, params, opt_state, batch):
-        if self._train_step is None:
-            self._train_step = jax.jit(
-                make_train_step(self.objective, self.tx, self.cfg.grad_accum),
-                in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding),
-                out_shardings=(self.param_shardings, self.opt_shardings, replicated(self.mesh)),
-                donate_argnums=(0, 1),
-            )
-        with use_mesh(self.mesh):
+        if self._compiled_step is None:
+            self.compile_train_step(batch)
+        signature, compiled = self._compiled_step
+        if _signature(batch) == signature:
+            return compiled(params, opt_state, batch)
+        with use_mesh(self.mesh):  # a batch of another shape or dtype: jit compiles it
             return self._train_step(params, opt_state, batch)
+
+    def compile_train_step(self, batch) -> None:
+        """Compile the step for batches like `batch` (arrays or ShapeDtypeStructs) from the
+        abstract state, and refuse it, before anything runs, if its memory exceeds a device's
+        (ConfigError naming the numbers and the knobs)."""
+        self._train_step = self.jitted_train_step()
+        batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding) for k, v in batch.items()}
+        with use_mesh(self.mesh):
+            compiled = self._train_step.trace(self.abstract_params, self.abstract_opt_state, batch).lower().compile()
+        devices = self.mesh.devices.flat
+        parameters = shard_bytes(self.abstract_params)
+        memory = Memory.of(compiled.memory_analysis(), parameters=parameters,
+                           optimizer_state=shard_bytes(self.abstract_opt_state), batch=shard_bytes(batch),
+                           gradients=parameters)
+        check_fits(memory, min(device_memory(d) for d in devices), self.mesh.size, devices[0].platform)
+        self._compiled_step = (_signature(batch), compiled)
 
     def eval_step(self, params, batch):
         if self._eval_step is None:
@@ -239,6 +278,8 @@ class Trainer:
         (the checkpoint) have run, and CorruptCheckpoint when no stored step is intact.
         """
         cfg = self.cfg
+        if self._compiled_step is None and self.batch_shapes is not None:  # before any state exists
+            self.compile_train_step(self.batch_shapes)
         resume_step = checkpointer.resume_step(log)
         if resume_step is not None:
             params, opt_state, _, source_state = checkpointer.restore(

@@ -1,0 +1,84 @@
+"""What a compiled training step holds per device, and whether that fits the device.
+
+`Memory` splits XLA's memory analysis of a compiled step (arguments, outputs not aliased to
+them, temporaries, generated code) into parameters, optimizer state and batch (their shard
+sizes) and temporaries (the gradients, param-shaped, among them). The trainer applies
+`check_fits` to its compiled step before step 1; the preflight (plan.py) reports the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+import numpy as np
+
+from engine.config import ConfigError
+from engine.train.targets import GiB
+
+KNOBS = ("shard the state over more devices (mesh.fsdp), recompute activations (compute.remat: full), "
+         "fewer rows per step or per micro-batch (data.batch_size, grad_accum), or bfloat16 parameters "
+         "(compute.param_dtype)")
+"""What makes a step smaller, named in every does-not-fit sentence."""
+
+
+@dataclasses.dataclass
+class Memory:
+    """Bytes per device of one compiled step (the device holding the most)."""
+
+    parameters: float
+    optimizer_state: float
+    batch: float
+    gradients: float
+    """Param-shaped, in the parameters' dtype: part of the temporaries."""
+    argument: float
+    output: float
+    alias: float
+    temporaries: float
+    generated_code: float
+
+    @property
+    def total(self) -> float:
+        """What the step needs at once: inputs, outputs not written over the (donated) inputs,
+        temporaries and the program itself."""
+        return self.argument + self.output - self.alias + self.temporaries + self.generated_code
+
+    @classmethod
+    def of(cls, analysis, parameters: float, optimizer_state: float, batch: float, gradients: float) -> Memory:
+        """From `compiled.memory_analysis()` and the state's shard sizes."""
+        return cls(parameters, optimizer_state, batch, gradients, analysis.argument_size_in_bytes,
+                   analysis.output_size_in_bytes, analysis.alias_size_in_bytes, analysis.temp_size_in_bytes,
+                   analysis.generated_code_size_in_bytes)
+
+
+def shard_bytes(tree) -> float:
+    """Bytes of the largest shard of each array of `tree` (ShapeDtypeStructs with shardings), summed."""
+    def one(x) -> float:
+        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        return math.prod(shape) * np.dtype(x.dtype).itemsize
+    return float(sum(one(x) for x in jax.tree.leaves(tree)))
+
+
+def device_memory(device) -> float:
+    """Bytes one device can hold: what its runtime says, else (CPU) this host's memory shared
+    by the devices of this process."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host / max(len(jax.local_devices()), 1)
+
+
+def check_fits(memory: Memory, capacity: float, devices: int, kind: str) -> None:
+    """Refuse a step whose memory exceeds its devices', naming the numbers and the knobs."""
+    if memory.total <= capacity:
+        return
+    raise ConfigError(
+        f"the training step needs {memory.total / GiB:.2f} GiB per device (parameters "
+        f"{memory.parameters / GiB:.2f}, optimizer state {memory.optimizer_state / GiB:.2f}, batch "
+        f"{memory.batch / GiB:.2f}, temporaries {memory.temporaries / GiB:.2f} GiB with the gradients) but each of "
+        f"the {devices} {kind} devices has {capacity / GiB:.2f} GiB; to fit: {KNOBS}")
+
+

@@ -1,0 +1,297 @@
+"""Preflight: will a training step fit a target, and how fast can it be at best?
+
+    python -m engine.train CONFIG.yaml --plan --target v5e-16     (trainflow plan PIPELINE.yaml --target ...)
+
+`plan_step` builds the run's real trainer (model, optimizer, the `make_train_step` it jits)
+over the target's devices and compiles the step ahead of time from abstract arguments
+(ShapeDtypeStructs carrying the shardings; no parameter is allocated):
+
+    TPU slice   compiled for the slice's topology on this host (libtpu, jax.experimental.topologies)
+    local       compiled for the devices of this process
+    GPU host    compiled where that many GPUs are here; otherwise an analytic estimate that says so
+
+Per device it reports what the compiled step holds (XLA's memory analysis: arguments,
+outputs not aliased to them, temporaries, generated code) split into parameters, optimizer
+state and batch (their shard sizes) and temporaries (gradients, param-shaped, among them),
+against the device's memory; the step's FLOPs; and a roofline bound on step time and MFU.
+Where the TPU compiler itself refuses a step that cannot fit (RESOURCE_EXHAUSTED), its
+figures are reported. `check_fits` is the same test the trainer applies before step 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.experimental import topologies
+from jax.sharding import AbstractMesh
+
+from engine.config import ConfigError
+from engine.models.params import flops_per_token, param_shardings
+from engine.ops.partitioning import MESH_AXES, use_mesh
+from engine.parallel.config import MeshConfig
+from engine.train.config import TrainConfig
+from engine.train.memory import KNOBS, Memory, device_memory, shard_bytes
+from engine.train.metrics import peak_flops
+from engine.train.optimizer import make_optimizer
+from engine.train.step import Objective
+from engine.train.targets import GiB, Target, get_target
+from engine.train.trainer import Trainer, lm_batch
+
+
+class DoesNotFit(RuntimeError):
+    """The planned step needs more memory than the target's devices have."""
+
+
+@dataclasses.dataclass
+class Plan:
+    """One training step on one target."""
+
+    stage: str
+    target: Target
+    devices: int
+    device_kind: str
+    mesh: dict[str, int]
+    how: str
+    """compiled | refused by the compiler | estimate (no GPU here)."""
+    memory: Memory
+    capacity: float
+    """Bytes of memory per device."""
+    tokens: int
+    """Tokens per optimizer step (rows x sequence length)."""
+    updates: int
+    """Optimizer updates per step (GRPO's num_iterations)."""
+    model_flops: float
+    """6 x parameters x tokens + attention, the whole step over all devices (the MFU numerator)."""
+    hardware_flops: float
+    """What the devices execute, recomputation included, all devices together."""
+    flops_source: str
+    peak_flops: float
+    """FLOP/s of one device."""
+    bandwidth: float | None
+    compiler_message: str | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.capacity
+
+    @property
+    def step_seconds_bound(self) -> tuple[float, str]:
+        """A lower bound on the step time: its FLOPs at peak, or its inputs read and outputs
+        written once at full memory bandwidth, whichever is slower."""
+        compute = self.hardware_flops / self.devices / self.peak_flops
+        if self.bandwidth is None:
+            return compute, "compute"
+        traffic = (self.memory.argument + self.memory.output) * self.updates / self.bandwidth
+        return (compute, "compute") if compute >= traffic else (traffic, "memory")
+
+    @property
+    def mfu_bound(self) -> float:
+        seconds, _ = self.step_seconds_bound
+        return self.model_flops / (seconds * self.peak_flops * self.devices)
+
+
+# --------------------------------------------------------------------------- targets and devices
+
+
+def target_devices(target: Target) -> list | None:
+    """The devices to compile for: the slice's topology, the GPUs here, this process's devices;
+    None where the target can only be estimated (a GPU host planned without its GPUs)."""
+    if target.platform == "local":
+        return jax.devices()
+    if target.platform == "tpu":
+        try:
+            return list(topologies.get_topology_desc(target.topology, "tpu").devices)
+        except Exception as e:  # no libtpu: a user question, not a crash
+            raise ConfigError(f"--target {target.name}: compiling for a TPU topology needs libtpu "
+                              f"(pip install 'trainflow[tpu]'): {str(e).splitlines()[0]}") from None
+    gpus = [d for d in jax.devices() if d.platform == "gpu"] if jax.default_backend() == "gpu" else []
+    return gpus[:target.chips] if len(gpus) >= target.chips else None
+
+
+def mesh_shape(cfg: MeshConfig, devices: int, target: str) -> dict[str, int]:
+    """The configured mesh fitted to `devices` (-1 takes the rest); impossible is one sentence."""
+    sizes = [getattr(cfg, axis, 1) for axis in MESH_AXES]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes and devices % known == 0:
+        sizes[sizes.index(-1)] = devices // known
+    if math.prod(sizes) != devices:
+        written = " ".join(f"{axis}={getattr(cfg, axis, 1)}" for axis in MESH_AXES)
+        raise ConfigError(f"--target {target}: mesh {written} does not fit its {devices} devices; "
+                          "set one mesh axis to -1 to take the rest")
+    return dict(zip(MESH_AXES, sizes))
+
+
+# --------------------------------------------------------------------------- batches and bytes
+
+
+def _flops(cfg: TrainConfig, tokens: int, updates: int) -> tuple[float, float, str]:
+    """(model FLOPs, hardware FLOPs, where they come from) of one step, all devices together."""
+    model = flops_per_token(cfg.model, cfg.data.seq_len) * tokens * updates
+    if cfg.compute.remat == "full":  # the backward pass runs the forward again: 8 instead of 6
+        return model, model * 8 / 6, "analytic: 6 x parameters x tokens + attention, x 8/6 for remat full"
+    return model, model, "analytic: 6 x parameters x tokens + attention"
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def plan_step(cfg: TrainConfig, target: Target, *, stage: str = "train",
+              objective: Callable[[Any], Objective] | None = None,
+              batch: dict[str, jax.ShapeDtypeStruct] | None = None, updates_per_batch: int = 1) -> Plan:
+    """Compile `cfg`'s training step for `target` (or estimate it) and size it per device.
+
+    `objective` and `batch` (name -> ShapeDtypeStruct) describe a stage whose loss or batch is not
+    language modelling (GRPO); by default next-token cross-entropy over cfg.data's rows.
+    """
+    batch = batch or lm_batch(cfg.data.batch_size, cfg.data.seq_len)
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    devices = target_devices(target)
+    if devices is None:
+        return _estimate(cfg, target, stage, batch, tokens, updates_per_batch)
+    try:
+        trainer = Trainer(cfg, objective, updates_per_batch=updates_per_batch, devices=devices)
+    except ConfigError as e:
+        raise ConfigError(f"--target {target.name} ({len(devices)} devices): {e}") from None
+    abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
+                      for k, v in batch.items()}
+    parts = dict(parameters=shard_bytes(trainer.abstract_params),
+                 optimizer_state=shard_bytes(trainer.abstract_opt_state), batch=shard_bytes(abstract_batch),
+                 gradients=shard_bytes(trainer.abstract_params))
+    message = None
+    with use_mesh(trainer.mesh):
+        lowered = trainer.jitted_train_step().trace(trainer.abstract_params, trainer.abstract_opt_state,
+                                                    abstract_batch).lower()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        message = str(e).splitlines()[0]
+        memory, how = _refused(message, parts), "refused by the compiler"
+    else:
+        memory, how = Memory.of(compiled.memory_analysis(), **parts), "compiled"
+    model_flops, hardware_flops, source = _flops(cfg, tokens, updates_per_batch)
+    chip = target.chip
+    peak = chip.peak_flops if chip else peak_flops(devices[:1])[0]
+    return Plan(stage, target, len(devices), devices[0].device_kind, dict(trainer.mesh.shape), how, memory,
+                chip.memory_bytes if chip else device_memory(devices[0]), tokens, updates_per_batch,
+                model_flops, hardware_flops, source, peak, chip.memory_bandwidth if chip else None, message)
+
+
+_SIZE = r"([\d.]+)([KMGT]?)"
+
+
+def _refused(message: str, parts: dict[str, float]) -> Memory:
+    """The figures of a compile the TPU compiler refused: "... the total memory required for HLO
+    temporaries (17.39G) exceeds available HBM (15.75G)" (its sizes are in GiB)."""
+    scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    found = re.search(rf"temporaries \({_SIZE}\)", message)
+    temporaries = float(found.group(1)) * scale[found.group(2)] if found else float("nan")
+    argument = parts["parameters"] + parts["optimizer_state"] + parts["batch"]
+    return Memory(**parts, argument=argument, output=0.0, alias=0.0, temporaries=temporaries, generated_code=0.0)
+
+
+def _estimate(cfg: TrainConfig, target: Target, stage: str, batch: dict, tokens: int, updates: int) -> Plan:
+    """A GPU host planned without its GPUs: the state's exact shard sizes on an abstract mesh,
+    and activations by the usual count (Korthikanti et al. 2022, flash attention: 34 bytes x
+    d_model per token per layer in 16-bit, 2 with full remat plus one layer's 34) plus the
+    float32 logits and their gradient."""
+    chip = target.chip
+    sizes = mesh_shape(cfg.mesh, target.chips, target.name)
+    mesh = AbstractMesh(tuple(sizes.values()), MESH_AXES)
+    try:
+        shapes, shardings = param_shardings(cfg.model, cfg.compute, mesh)
+    except ConfigError as e:
+        raise ConfigError(f"--target {target.name} ({target.chips} devices): {e}") from None
+    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+    tx, _ = make_optimizer(cfg.optimizer, cfg.schedule, cfg.steps, params)
+    opt = jax.eval_shape(tx.init, params)
+    opt = optax.tree_map_params(tx, lambda o, p: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=p.sharding), opt,
+                                params, transform_non_params=lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype))
+    batch_shards = math.prod(size for axis, size in sizes.items() if axis != "tensor")
+    batch_bytes = sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize for v in batch.values()) / batch_shards
+    m = cfg.model
+    local_tokens = tokens / cfg.grad_accum / batch_shards
+    per_layer = 34 * m.d_model * local_tokens / sizes["tensor"]
+    kept = 2 * m.d_model * local_tokens * m.num_layers + per_layer if cfg.compute.remat == "full" \
+        else per_layer * m.num_layers
+    logits = 8 * m.vocab_size * local_tokens / sizes["tensor"]
+    parameters = shard_bytes(params)
+    memory = Memory(parameters, shard_bytes(opt), batch_bytes, parameters, argument=parameters + shard_bytes(opt)
+                    + batch_bytes, output=0.0, alias=0.0, temporaries=parameters + kept + logits, generated_code=0.0)
+    model_flops, hardware_flops, source = _flops(cfg, tokens, updates)
+    return Plan(stage, target, target.chips, chip.kind, sizes, "estimate (no GPU here)", memory, chip.memory_bytes,
+                tokens, updates, model_flops, hardware_flops, source, chip.peak_flops, chip.memory_bandwidth)
+
+
+# --------------------------------------------------------------------------- checks and report
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as people read it: one block per stage (GiB, or MiB for a small model)."""
+    m = plan.memory
+    unit, scale = ("GiB", GiB) if m.total >= GiB else ("MiB", 2**20)
+    size = lambda b: f"{b / scale:10.2f}"  # noqa: E731
+    chip = plan.target.chip
+    where = (f"{plan.devices} x {chip.kind} (topology {plan.target.topology})" if plan.target.platform == "tpu"
+             else f"{plan.devices} x {plan.device_kind}")
+    mesh = " ".join(f"{k}={v}" for k, v in plan.mesh.items())
+    lines = [f"stage {plan.stage} on {plan.target.name}: {where}, mesh {mesh}; {plan.how}",
+             f"  per device                        {unit}",
+             f"    parameters                 {size(m.parameters)}",
+             f"    optimizer state            {size(m.optimizer_state)}",
+             f"    batch                      {size(m.batch)}",
+             f"    gradients                  {size(m.gradients)}   (among the temporaries)",
+             f"    activations, other temps   {size(m.temporaries - m.gradients)}",
+             f"    generated code             {size(m.generated_code)}",
+             f"    total                      {size(m.total)}   of {plan.capacity / scale:.2f}: "
+             + ("fits" if plan.fits else "DOES NOT FIT") + f" ({m.total / plan.capacity:.0%})"]
+    if plan.compiler_message:
+        lines.append(f"  compiler: {plan.compiler_message}")
+    seconds, bound = plan.step_seconds_bound
+    peak = (f"{plan.peak_flops / 1e12:.0f} TFLOP/s" if plan.peak_flops >= 1e12
+            else f"{plan.peak_flops / 1e9:.0f} GFLOP/s measured")
+    lines += [f"  step: {plan.tokens} tokens x {plan.updates} update(s), {plan.model_flops:.3g} model FLOPs, "
+              f"{plan.hardware_flops:.3g} executed ({plan.flops_source})",
+              f"  roofline: step >= {seconds * 1e3:.1f} ms ({bound}-bound at {peak}"
+              + (f", {plan.bandwidth / 1e9:.0f} GB/s" if plan.bandwidth else "") + " per device), "
+              f"MFU <= {plan.mfu_bound:.0%}, at most {plan.tokens * plan.updates / seconds / plan.devices:,.0f} "
+              "tokens/s per device"]
+    if not plan.fits:
+        lines.append(f"  to fit: {KNOBS}")
+    return "\n".join(lines)
+
+
+def summary(plan: Plan) -> dict[str, Any]:
+    """The plan's figures as JSON-able numbers (bytes, FLOPs, seconds)."""
+    seconds, bound = plan.step_seconds_bound
+    return {"stage": plan.stage, "target": plan.target.name, "devices": plan.devices, "mesh": plan.mesh,
+            "how": plan.how, "fits": plan.fits, "capacity_bytes": plan.capacity,
+            "memory_bytes": {**dataclasses.asdict(plan.memory), "total": plan.memory.total},
+            "model_flops": plan.model_flops, "hardware_flops": plan.hardware_flops, "flops_source": plan.flops_source,
+            "step_seconds_bound": seconds, "bound": bound, "mfu_bound": plan.mfu_bound}
+
+
+def report(plans: list[Plan], print_fn: Callable[[str], None] = print) -> dict[str, Any]:
+    """Print each plan; raise DoesNotFit naming the stages that do not fit, else their summaries."""
+    for plan in plans:
+        print_fn(format_plan(plan))
+    too_big = [p for p in plans if not p.fits]
+    if too_big:
+        raise DoesNotFit("; ".join(
+            f"stage {p.stage} does not fit {p.target.name}: {p.memory.total / GiB:.2f} GiB per device of "
+            f"{p.capacity / GiB:.2f}" for p in too_big) + f"; to fit: {KNOBS}")
+    return {p.stage: summary(p) for p in plans}
+
+
+def plan_train(cfg: TrainConfig, target: str) -> dict[str, Any]:
+    """`python -m engine.train CONFIG --plan --target NAME`: plan pretraining's step."""
+    return report([plan_step(cfg, get_target(target), stage="pretrain")])

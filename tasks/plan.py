@@ -1,0 +1,92 @@
+"""`trainflow plan PIPELINE.yaml --target NAME`: the preflight of every training stage.
+
+Each pretrain, sft and grpo stage's engine config is built as the stage builds it (the
+trainer's view of SFT and GRPO, GRPO's policy objective and rollout batch), and its step is
+compiled for the target (engine/train/plan.py). A fine-tuning stage without a `model` trains
+the model of its input checkpoint: that of the upstream training stage, or of the upstream
+artifact when it is already in the store.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import numpy as np
+
+from engine.config import ConfigError
+from engine.contract import CHECKPOINT_DIR
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.posttrain import grpo, sft
+from engine.posttrain.config import GRPOConfig
+from engine.train.checkpoint import stored_configs
+from engine.train.plan import Plan, plan_step, report
+from engine.train.targets import get_target
+
+TRAINING_TASKS = ("pretrain", "sft", "grpo")
+
+
+def grpo_batch(cfg: GRPOConfig) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes of one GRPO update's batch: prompts x G rollouts (engine/posttrain/grpo.py)."""
+    rows, prompt, completion = cfg.prompts_per_step * cfg.num_generations, cfg.max_prompt_length, \
+        cfg.max_completion_length
+    batch = {k: jax.ShapeDtypeStruct((rows, prompt + completion), np.int32)
+             for k in ("tokens", "segment_ids", "positions")}
+    batch["completion_mask"] = jax.ShapeDtypeStruct((rows, completion), np.float32)
+    batch["advantages"] = jax.ShapeDtypeStruct((rows, 1), np.float32)
+    if cfg.beta > 0:
+        batch["ref_logps"] = jax.ShapeDtypeStruct((rows, completion), np.float32)
+    if cfg.num_iterations > 1:
+        batch["old_logps"] = jax.ShapeDtypeStruct((rows, completion), np.float32)
+    return batch
+
+
+def plan_pipeline(plan, target_name: str, print_fn: Callable[[str], None] = print) -> dict:
+    """Plan every training stage of a loaded pipeline (flows.spec.load_plan) for the target and
+    print each; raises engine.train.plan.DoesNotFit when a stage does not fit."""
+    target = get_target(target_name)
+    models: dict[str, tuple[ModelConfig, ComputeConfig]] = {}
+    plans: list[Plan] = []
+    notes: list[str] = []
+    for name, planned in plan.stages.items():
+        job, task = planned.job, planned.job.kind.task
+        if task not in TRAINING_TASKS:
+            continue
+        cfg = job.config
+        if task == "pretrain":
+            models[name] = (cfg.model, cfg.compute)
+            plans.append(plan_step(cfg, target, stage=name))
+            continue
+        model_cfg, compute = _input_model(plan, name, models)
+        model_cfg, compute = cfg.model or model_cfg, cfg.compute or compute
+        models[name] = (model_cfg, compute)
+        if task == "sft":
+            plans.append(plan_step(sft.train_config(cfg, model_cfg, compute), target, stage=name))
+        else:
+            plans.append(plan_step(
+                grpo.train_config(cfg, model_cfg, compute), target, stage=name,
+                objective=lambda graphdef, cfg=cfg: grpo.policy_objective(
+                    grpo.make_loss_fn(graphdef, cfg, cfg.max_prompt_length)),
+                batch=grpo_batch(cfg), updates_per_batch=cfg.num_iterations))
+            notes.append(f"note: stage {name} (grpo): the plan is of its train step; rollout sampling and the KL "
+                         "reference's parameters are not counted")
+    if not plans:
+        print_fn(f"pipeline {plan.name} has no training stage ({', '.join(TRAINING_TASKS)}): nothing to plan")
+        return {}
+    try:
+        return report(plans, print_fn)
+    finally:
+        for note in notes:
+            print_fn(note)
+
+
+def _input_model(plan, name: str, models: dict) -> tuple[ModelConfig, ComputeConfig]:
+    """The model (and compute settings) of stage `name`'s input checkpoint."""
+    upstream, artifact_id = plan.stages[name].job.inputs["checkpoint"]
+    if upstream in models:
+        return models[upstream]
+    path = plan.store.artifact_dir(upstream, artifact_id) / CHECKPOINT_DIR
+    if plan.store.state(upstream, artifact_id) == "complete" and path.is_dir():
+        return stored_configs(path)
+    raise ConfigError(f"{plan.source}: stages.{name}: its model is the checkpoint of stage '{upstream}', which "
+                      f"is not in the store yet; run that stage first, or set stages.{name}.config.model")
