@@ -13,6 +13,7 @@ margins a perturbation of the router changes (checked), padding in the batch.
 from __future__ import annotations
 
 import io
+import json
 import logging
 from pathlib import Path
 
@@ -175,3 +176,122 @@ def test_a_dense_family_with_experts_and_an_moe_family_without_are_refused():
         ModelConfig(**SHAPE, family="mixtral")
     with pytest.raises(ValueError, match=r"experts_per_token \(6\) exceeds num_experts \(5\)"):
         tiny(experts_per_token=6)
+
+
+# --------------------------------------------------------------------------- Hugging Face parity
+
+HF_COMMON = dict(vocab_size=VOCAB, hidden_size=30, intermediate_size=26, num_hidden_layers=3, num_attention_heads=6,
+                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_experts_per_tok=2)
+
+
+def hf_config(family: str):
+    if family == "mixtral":  # 5 experts, top-2, a sliding window shorter than the rows
+        return transformers.MixtralConfig(**HF_COMMON, num_local_experts=5, sliding_window=5)
+    # narrower experts than the dense width, top-k weights not renormalised (Qwen3-MoE's default)
+    return transformers.Qwen3MoeConfig(**HF_COMMON, num_experts=5, moe_intermediate_size=10, norm_topk_prob=False)
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+def case(request, tmp_path_factory):
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager",
+                                                      experts_implementation="eager").float()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.add_(0.3 * torch.randn_like(p)) if p.ndim == 1 else p.normal_(0.0, 0.3)
+    model.eval().save_pretrained(root / "hf")
+    convert_hf(root / "hf", root / "converted")
+    cfg, params, _ = load_params(root / "converted" / "checkpoint")
+    _, compute = stored_configs(root / "converted" / "checkpoint")
+    return dict(family=family, model=model, hf_dir=root / "hf", out=root / "converted", cfg=cfg, compute=compute,
+                params=params)
+
+
+def padded_batch():
+    """Three rows of 20 tokens: full, right-padded, left-padded."""
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (3, 20))
+    mask = np.ones_like(tokens)
+    mask[1, 14:] = 0
+    mask[2, :6] = 0
+    return tokens, mask
+
+
+def hf_logits(model, tokens, mask) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens), attention_mask=torch.tensor(mask)).logits.numpy()
+
+
+def test_converted_moe_matches_transformers_logits_and_routing_is_sensitive(case):
+    cfg = case["cfg"]
+    assert cfg.family == case["family"] and cfg.num_experts == 5 and cfg.experts_per_token == 2
+    tokens, mask = padded_batch()
+    ours = np.asarray(apply_model(graphdef_of(cfg, case["compute"]), case["params"], jnp.asarray(tokens), None,
+                                  jnp.asarray(mask)))
+    ref = hf_logits(case["model"], tokens, mask)
+    valid = mask.astype(bool)
+    delta = float(np.abs(ours - ref)[valid].max())
+    print(f"\n{case['family']}: max |delta logit| = {delta:.2e}")
+    assert delta <= 1e-4 and np.abs(ref[valid]).max() > 0.5
+    # The routing is close enough to its margins that a 5% change of the router moves choices,
+    # so matching logits means matching routing.
+    with torch.no_grad():
+        out = case["model"](torch.tensor(tokens), attention_mask=torch.tensor(mask), output_router_logits=True)
+        chosen = [torch.topk(r, 2).indices.sort().values for r in out.router_logits]
+        loads = torch.bincount(chosen[0].flatten(), minlength=5)
+        assert loads.min() > 0 and loads.max() > loads.min()  # every expert used, unevenly
+        gates = [m for n, m in case["model"].named_modules() if n.endswith(".gate")]
+        saved = [g.weight.clone() for g in gates]
+        for g in gates:
+            g.weight.mul_(1 + 0.05 * torch.randn_like(g.weight))
+        moved = case["model"](torch.tensor(tokens), attention_mask=torch.tensor(mask), output_router_logits=True)
+        for g, w in zip(gates, saved):
+            g.weight.copy_(w)
+    changed = sum(int((torch.topk(r, 2).indices.sort().values != c).any(-1).sum())
+                  for r, c in zip(moved.router_logits, chosen))
+    assert changed > 0
+
+
+def test_greedy_generation_with_the_engine_sampler_is_identical(case):
+    prompt = np.random.default_rng(2).integers(0, VOCAB, (2, 7))
+    case["model"].generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = case["model"].generate(torch.tensor(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+                                     max_new_tokens=16, do_sample=False, pad_token_id=0)
+    ref = out[:, prompt.shape[1]:].numpy()
+    ours = Sampler(case["cfg"], case["compute"])(case["params"], prompt, np.ones_like(prompt), max_new_tokens=16,
+                                                 temperature=0.0)
+    assert ref.shape == (2, 16)
+    np.testing.assert_array_equal(ours.tokens, ref)
+
+
+def test_export_loads_cleanly_in_transformers_and_converts_back_bitwise(case, tmp_path):
+    export_hf(case["out"] / "checkpoint", tmp_path / "export")
+    records = io.StringIO()
+    handler = logging.StreamHandler(records)
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "export", output_loading_info=True, attn_implementation="eager", experts_implementation="eager")
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert "were not initialized" not in records.getvalue() and "not used" not in records.getvalue()
+    assert type(reloaded) is type(case["model"])
+    tokens, mask = padded_batch()
+    valid = mask.astype(bool)
+    np.testing.assert_array_equal(hf_logits(reloaded.eval(), tokens, mask)[valid],
+                                  hf_logits(case["model"], tokens, mask)[valid])
+    # every key transformers wrote for the source model, with its value
+    ours = json.loads((tmp_path / "export" / "config.json").read_text())
+    source = json.loads((case["hf_dir"] / "config.json").read_text())
+    for key, value in source.items():
+        if key not in ("transformers_version", "bos_token_id", "eos_token_id"):
+            assert ours.get(key, "<missing>") == value, f"{key}: {ours.get(key, '<missing>')!r} != {value!r}"
+    convert_hf(tmp_path / "export", tmp_path / "again")
+    cfg, params, _ = load_params(tmp_path / "again" / "checkpoint")
+    assert cfg == case["cfg"]
+    for a, b in zip(jax.tree.leaves(case["params"]), jax.tree.leaves(params), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -97,7 +97,9 @@ class Qwen3Moe(_Qwen):
     def extra_hf_keys(self, cfg) -> dict[str, Any]:
         local = all(cfg.layer_is_local())  # only an all-local pattern is expressible
         return {"use_sliding_window": local, "sliding_window": cfg.sliding_window if local else None,
-                "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.experts_per_token,
+                # published checkpoints (and transformers 4) say num_experts, transformers 5 its alias
+                "num_experts": cfg.num_experts, "num_local_experts": cfg.num_experts,
+                "num_experts_per_tok": cfg.experts_per_token,
                 "moe_intermediate_size": cfg.moe_mlp_dim, "norm_topk_prob": cfg.router_renormalize}
 
     def extra_attention_tensors(self) -> list[TensorSpec]:
