@@ -54,7 +54,7 @@ ENTRY_POINTS = {
 }
 
 # --------------------------------------------------------------------------- fingerprints
-NON_SEMANTIC_FIELDS = ("log_every", "progress", "metrics_dir", "checkpoint.async_save")
+NON_SEMANTIC_FIELDS = ("log_every", "progress", "metrics_dir", "metrics", "checkpoint.async_save")
 """Fields of a training config that cannot change its result: left out of artifact ids."""
 CHECKPOINT_CADENCE_FIELDS = ("checkpoint.every_steps", "checkpoint.keep")
 """Change what is kept on disk, not the final result (a resumed run equals an uninterrupted one)."""

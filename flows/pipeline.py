@@ -2,9 +2,20 @@
 
 Stages are submitted in topological order to a thread pool, each waiting only for its own
 inputs, so independent stages run concurrently. Each task calls tasks.runner.execute_stage
-(skip / lock / verify / run / manifest) and reports to Prefect: the stage's log and the
-child's output and metrics in the run log, a progress artifact while it runs, and at the
-end a markdown summary, a table of final metrics and a link to the artifact directory.
+(skip / lock / verify / run / manifest) and reports to Prefect:
+
+- tags on every run: the flow run `trainflow` and `pipeline:<name>`; each task run adds
+  `stage:<stage>`, `task:<kind>` and, where the stage runs an engine, `engine` (so a
+  tag-based concurrency limit can hold such stages to one at a time);
+- one flow, `trainflow-pipeline`, whose runs are named `<pipeline>-<YYYYmmdd-HHMMSS>`,
+  whether `trainflow run` or a schedule starts them;
+- each stage's artifact as a Prefect asset (`trainflow://<stage>/<artifact id>`) that the
+  task run materialises from its inputs' assets, so the event feed and the asset graph
+  show what was made from what (a skipped stage materialises nothing);
+- the stage's log, the child's output at the level the child logged it, and each metrics
+  record as `step n/N ... tokens/s, ETA`; a progress artifact while it runs, and at the end
+  one markdown summary (status, metrics, lineage, config; an evaluation's report with its
+  plots inlined).
 
 Prefect observes; it never holds the stages up. Everything a running stage sends to the API
 goes through the reporter (flows/reporter.py), which drops records with one warning when
@@ -14,25 +25,29 @@ the flow run's final state (run_plan).
 
 from __future__ import annotations
 
+import base64
 import contextvars
+import logging
+import math
 import re
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import yaml
-from prefect import flow, get_run_logger, runtime, task
-from prefect.artifacts import (
-    create_link_artifact, create_markdown_artifact, create_progress_artifact, create_table_artifact,
-    update_progress_artifact,
-)
+from prefect import flow, get_run_logger, runtime, tags
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.assets import Asset, AssetProperties, add_asset_metadata
 from prefect.cache_policies import NO_CACHE
+from prefect.context import AssetContext
 from prefect.client.orchestration import get_client
 from prefect.exceptions import TerminationSignal
 from prefect.settings import PREFECT_API_URL
 from prefect.states import Completed, Failed, State
 from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.tasks import MaterializingTask
 
 from engine.config import ConfigError
 from flows.reporter import Reporter, observing, unreachable
@@ -59,25 +74,118 @@ class PipelineFailed(RuntimeError):
         self.summary = summary
 
 
+FLOW_NAME = "trainflow-pipeline"
+TAG = "trainflow"
+ENGINE_TAG = "engine"
+"""Tags the task runs of stages that run an engine (training, sampling, evaluating)."""
+ASSET_SCHEME = "trainflow"
+_MATERIALIZED_BY = "trainflow"
+
+
 def artifact_key(*parts: str) -> str:
     """Prefect artifact keys allow lowercase letters, digits and dashes."""
     return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", "-".join(parts).lower())).strip("-")
 
 
-def _format_metrics(record: dict) -> str:
-    step = record.get("step")
-    shown = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items() if k != "step"]
-    return f"step {step}: " + " ".join(shown)
+def flow_run_tags(pipeline: str) -> list[str]:
+    return [TAG, f"pipeline:{pipeline}"]
+
+
+def stage_tags(plan: Plan, stage: str) -> list[str]:
+    job = plan.stages[stage].job
+    return [*flow_run_tags(plan.name), f"stage:{stage}", f"task:{job.task}",
+            *([ENGINE_TAG] if job.kind.launches_child else [])]
+
+
+def asset_key(stage: str, artifact_id: str) -> str:
+    """An artifact's Prefect asset key. Its id is a fingerprint of what it holds, so the key
+    names the same asset whichever store holds it."""
+    return f"{ASSET_SCHEME}://{stage}/{artifact_id}"
+
+
+def stage_asset(plan: Plan, stage: str) -> Asset:
+    job = plan.stages[stage].job
+    return Asset(key=asset_key(stage, job.artifact_id), properties=AssetProperties(
+        name=f"{stage}/{job.artifact_id}",
+        description=f"{job.kind.output} artifact of stage '{stage}' (task {job.task}) in pipeline '{plan.name}', "
+                    f"at {plan.store.location(stage, job.artifact_id)}"))
+
+
+def pipeline_name(pipeline: str | dict | None) -> str:
+    """The `name` of a pipeline given as a spec or a YAML path (else the file's stem)."""
+    if isinstance(pipeline, dict):
+        return str(pipeline.get("name") or "pipeline")
+    try:
+        name = (yaml.safe_load(Path(str(pipeline)).read_text()) or {}).get("name")
+    except (OSError, yaml.YAMLError, AttributeError):
+        name = None
+    return str(name or Path(str(pipeline)).stem)
+
+
+def flow_run_name() -> str:
+    """`<pipeline>-<YYYYmmdd-HHMMSS>`: the name of every run, manual or scheduled."""
+    return f"{pipeline_name(runtime.flow_run.parameters.get('pipeline'))}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def format_number(value: Any) -> str:
+    """A metric for people: 4 significant digits, thousands separated, whole numbers whole."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "n/a" if value is None else str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, int) or (abs(value) >= 1000 and float(value).is_integer()):
+        return f"{int(value):,}"
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+_PERF_KEYS = ("tokens_per_second", "tflops_per_device", "mfu")
+# Level of a child's line, from the formats the engine's libraries log in: Python logging's
+# default (`WARNING:absl:...`), absl/glog (`W1130 11:02:14.640 ...`), Python warnings
+# (`file.py:12: UserWarning: ...`) and the engine's own `error:` / `warning:` lines.
+_LEVEL_PATTERNS = (
+    (re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL|FATAL):"), None),
+    (re.compile(r"^([IWEF])\d{4} \d\d:\d\d:\d\d"), None),
+    (re.compile(r"^\S+:\d+: \w*Warning: "), logging.WARNING),
+    (re.compile(r"^(error|Traceback \(most recent call last\))"), logging.ERROR),
+    (re.compile(r"^warning:"), logging.WARNING),
+)
+_LEVEL_NAMES = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR,
+                "CRITICAL": logging.CRITICAL, "FATAL": logging.CRITICAL, "I": logging.INFO, "W": logging.WARNING,
+                "E": logging.ERROR, "F": logging.CRITICAL}
+
+
+def line_level(line: str) -> int:
+    """The logging level a child's output line was written at (INFO when it does not say)."""
+    text = re.sub(r"^\[rank \d+\] ", "", line)
+    for pattern, level in _LEVEL_PATTERNS:
+        match = pattern.match(text)
+        if match:
+            return level if level is not None else _LEVEL_NAMES[match.group(1)]
+    return logging.INFO
 
 
 class PrefectHooks(StageHooks):
     """Stage reports -> the task run's log, and a progress artifact (updates rate-limited).
 
-    Nothing here waits on the API: log records and artifact calls are handed to the
-    reporter (flows/reporter.py), which sends them from its own thread or drops them.
+    A child's lines keep their level; metrics records become `step n/N (p%): loss=...,
+    tokens/s, ETA` (the ETA from the steps done since the first record, compilation
+    excluded). Nothing here waits on the API: log records and artifact calls are handed to
+    the reporter (flows/reporter.py), which sends them from its own thread or drops them.
     """
 
-    def __init__(self, logger, reporter: Reporter, progress_key: str, description: str, min_interval: float = 2.0):
+    def __init__(self, logger, reporter: Reporter, progress_key: str, description: str, min_interval: float = 2.0,
+                 total_steps: int | None = None):
         self._logger = logger
         self._reporter = reporter
         self._progress_id = None
@@ -86,13 +194,32 @@ class PrefectHooks(StageHooks):
         self._last = (0.0, -1.0)
         self._min_interval = min_interval
         self._lock = threading.Lock()
+        self._total_steps = total_steps
+        self._first_record: tuple[float, int] | None = None
         super().__init__(log=self._log, metrics=self._metrics, progress=self._progress)
 
     def _log(self, message: str) -> None:
-        self._logger.info(message)
+        self._logger.log(line_level(message), message)
 
     def _metrics(self, record: dict) -> None:
-        self._logger.info(_format_metrics(record))
+        self._logger.info(self.format_metrics(record))
+
+    def format_metrics(self, record: dict, now: float | None = None) -> str:
+        now = time.monotonic() if now is None else now
+        step = int(record.get("step", 0))
+        total = self._total_steps
+        head = f"step {step}/{total} ({100 * step / total:.0f}%)" if total else f"step {step}"
+        shown = " ".join(f"{k}={format_number(v)}" for k, v in record.items()
+                         if k != "step" and k not in _PERF_KEYS and v is not None)
+        tail = []
+        if record.get("tokens_per_second") is not None:
+            tail.append(f"{format_number(record['tokens_per_second'])} tokens/s")
+        if self._first_record is None:
+            self._first_record = (now, step)
+        elif total and step > self._first_record[1] and now > self._first_record[0]:
+            per_step = (now - self._first_record[0]) / (step - self._first_record[1])
+            tail.append(f"ETA {format_duration(per_step * max(total - step, 0))}")
+        return f"{head}: {shown}" + (f" | {', '.join(tail)}" if tail else "")
 
     def start(self) -> None:
         self._started = True
@@ -117,38 +244,74 @@ class PrefectHooks(StageHooks):
             update_progress_artifact(self._progress_id, percent)
 
 
-def _summary_markdown(plan: Plan, stage: str, result: StageResult, manifest_inputs: list[dict]) -> str:
+_IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)\s]+\.png)\)")
+
+
+def inline_images(markdown: str, directory: Path) -> str:
+    """Markdown whose PNG links (relative to `directory`) are data: URIs, so a browser shows
+    them wherever the text is rendered (the Prefect UI cannot reach the artifact's files)."""
+
+    def inline(match: re.Match) -> str:
+        path = directory / match.group(2)
+        if not path.is_file():
+            return match.group(0)
+        return f"![{match.group(1)}](data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()})"
+
+    return _IMAGE.sub(inline, markdown)
+
+
+def _task_run_link(manifest: dict, text: str) -> str:
+    """`text` linked to the task run that made an artifact, where the UI's address is known."""
+    prefect = manifest.get("prefect") or {}
+    ui_url, task_run_id = prefect.get("ui_url"), prefect.get("task_run_id")
+    if not ui_url or not task_run_id or "/runs/flow-run/" not in ui_url:
+        return text
+    return f"[{text}]({ui_url.split('/runs/flow-run/')[0]}/runs/task-run/{task_run_id})"
+
+
+def summary_markdown(plan: Plan, stage: str, result: StageResult, manifest: dict) -> str:
+    """A stage's one summary: status, where its artifact is, metrics, lineage, config, report."""
     job = plan.stages[stage].job
+    where = plan.store.location(stage, job.artifact_id)
     lines = [
-        f"# {stage} ({job.task}) — {result.status}",
-        "",
-        f"- pipeline: `{plan.name}`",
-        f"- artifact: `{job.artifact_id}` ({job.kind.output}) at `{result.path}`",
-        f"- time: {result.seconds:.1f} s (work {result.work_seconds:.1f} s)",
-        "",
-        "## Inputs",
-        "",
+        f"# {stage} ({job.task}): {result.status}", "",
+        "| | |", "|---|---|",
+        f"| pipeline | `{plan.name}` |",
+        f"| artifact | `{stage}/{job.artifact_id}` ({job.kind.output}) |",
+        f"| asset | `{asset_key(stage, job.artifact_id)}` |",
+        f"| location | `{where}` |",
+        f"| manifest | `{where.rstrip('/')}/artifact.json` |",
+        f"| time | {result.seconds:.1f} s (work {result.work_seconds:.1f} s) |",
+        f"| inspect | `trainflow lineage {where}` |",
+        "", "## Metrics", "",
     ]
-    lines += [f"- {p['input']}: `{p['stage']}/{p['id']}` ({p['kind']})" for p in manifest_inputs] or ["- none"]
+    metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float, str, type(None)))}
+    lines += ["| metric | value |", "|---|---|", *(f"| {k} | {format_number(v)} |" for k, v in metrics.items())] \
+        if metrics else ["none"]
+    lines += ["", "## Lineage", ""]
+    parents = manifest.get("parents", [])
+    if parents:
+        lines += ["| input | artifact | kind | asset |", "|---|---|---|---|"]
+        for parent in parents:
+            upstream = read_manifest(plan.store.artifact_dir(parent["stage"], parent["id"])) or {}
+            artifact = _task_run_link(upstream, f"{parent['stage']}/{parent['id']}")
+            lines.append(f"| {parent['input']} | {artifact} | {parent['kind']} | "
+                         f"`{asset_key(parent['stage'], parent['id'])}` |")
+    else:
+        lines.append("no inputs")
     lines += ["", "## Config", "", "```yaml", yaml.safe_dump(job.config_as_written, sort_keys=False).rstrip() or "{}",
-              "```", "", "## Metrics", ""]
-    lines += [f"- {k}: {v}" for k, v in result.metrics.items()] or ["- none"]
+              "```"]
+    report = result.path / "report.md"
+    if report.is_file():  # e.g. an evaluation report: its tables and plots, in the Prefect UI
+        lines += ["", "## Report", "", re.sub(r"^(#+) ", r"##\1 ", inline_images(report.read_text(), result.path),
+                                                  flags=re.M)]
     return "\n".join(lines)
 
 
 def _publish(plan: Plan, stage: str, result: StageResult) -> None:
     manifest = read_manifest(result.path) or {}
-    key = artifact_key(plan.name, stage)
-    create_markdown_artifact(_summary_markdown(plan, stage, result, manifest.get("parents", [])),
-                             key=key, description=f"{stage}: {result.status}")
-    rows = [{"metric": k, "value": v} for k, v in result.metrics.items() if isinstance(v, (int, float, str))]
-    create_table_artifact(rows or [{"metric": "(none)", "value": ""}], key=f"{key}-metrics",
-                          description=f"{stage}: final metrics")
-    create_link_artifact(result.path.as_uri(), link_text=f"{stage}/{result.artifact_id}", key=f"{key}-dir",
-                         description=f"{stage}: artifact directory")
-    report = result.path / "report.md"
-    if report.is_file():  # e.g. an evaluation report: its tables, in the Prefect UI
-        create_markdown_artifact(report.read_text(), key=f"{key}-report", description=f"{stage}: report")
+    create_markdown_artifact(summary_markdown(plan, stage, result, manifest), key=artifact_key(plan.name, stage),
+                             description=f"{stage}: {result.status}")
 
 
 def _retryable(task, task_run, state: State) -> bool:
@@ -166,7 +329,8 @@ def _run_stage(plan: Plan, stage: str, reporter: Reporter) -> Any:
     job = plan.stages[stage].job
     if stopping():  # the run was asked to stop before this stage began
         raise Interrupted(f"stage '{stage}': not started, the run is stopping; re-run to resume")
-    hooks = PrefectHooks(logger, reporter, artifact_key(plan.name, stage, "progress"), f"{stage}: progress")
+    hooks = PrefectHooks(logger, reporter, artifact_key(plan.name, stage, "progress"), f"{stage}: progress",
+                         total_steps=getattr(job.config, "steps", None))
     run_info = {
         "flow_run_id": str(runtime.flow_run.id), "flow_run_name": runtime.flow_run.name,
         "flow_name": runtime.flow_run.flow_name,
@@ -178,6 +342,14 @@ def _run_stage(plan: Plan, stage: str, reporter: Reporter) -> Any:
     if not plan.store.is_complete(stage, job.artifact_id):
         hooks.start()
     result = execute_stage(job, plan.store, hooks, run_info)
+    assets = AssetContext.get()
+    if result.status == SKIPPED and assets is not None:
+        assets.downstream_assets = set()  # made by an earlier run: nothing materialised now
+    elif assets is not None:
+        add_asset_metadata(asset_key(stage, job.artifact_id), {
+            "stage": stage, "task": job.task, "status": result.status, "location": plan.store.location(stage,
+                                                                                                       job.artifact_id),
+            "metrics": {k: v for k, v in result.metrics.items() if isinstance(v, (int, float, str))}})
     # Artifacts are published by the reporter's thread (in this task run's context), so a
     # chain of skipped stages does not wait on API round trips.
     reporter.call(_publish, plan, stage, result)
@@ -213,8 +385,11 @@ def _run_stages(plan: Plan, reporter: Reporter, logger) -> dict[str, dict]:
 
     futures = {}
     for name, planned in plan.stages.items():
-        stage_task = task(
-            run_stage, name=name, task_run_name=name, retries=planned.retries,
+        job = planned.job
+        stage_task = MaterializingTask(
+            run_stage, assets=[stage_asset(plan, name)], materialized_by=_MATERIALIZED_BY,
+            asset_deps=[asset_key(stage, artifact_id) for stage, artifact_id in job.inputs.values()],
+            name=name, task_run_name=name, tags=stage_tags(plan, name), retries=planned.retries,
             retry_delay_seconds=planned.retry_delays or 0, retry_condition_fn=_retryable,
             cache_policy=NO_CACHE, persist_result=False,
         )
@@ -274,20 +449,26 @@ def _plan_from(pipeline: str | dict, store: str | None, overrides: list[str] | N
     return load_plan(pipeline, overrides, store)
 
 
-@flow(name="trainflow-pipeline", persist_result=False)
+@flow(name=FLOW_NAME, flow_run_name=flow_run_name, persist_result=False)
 def run_pipeline(pipeline: str | dict, store: str | None = None, overrides: list[str] | None = None) -> dict[str, dict]:
     """Run a pipeline: a path to its YAML, or the spec as a dict (the Python API).
 
-    Deployments (`trainflow serve`, configs/prefect.yaml) run this flow with a path.
+    Deployments (`trainflow serve`, configs/prefect.yaml) run this flow with a path; their
+    runs are named and tagged as those of `trainflow run`.
     """
     return _execute(_plan_from(pipeline, store, overrides))
 
 
 def pipeline_flow(plan: Plan, max_workers: int | None = None):
-    """`run_pipeline`, named after the pipeline, with a thread per stage that can run at once."""
-    return run_pipeline.with_options(
-        name=plan.name, task_runner=ThreadPoolTaskRunner(max_workers=max_workers or len(plan.stages)),
-    )
+    """`run_pipeline` with a thread per stage that can run at once (`max_workers`: fewer).
+
+    By default every stage has a thread, so a stage waiting for its inputs or for a tag's
+    concurrency slot never holds up another. Prefect warns of a dead-lock whenever a task
+    has as many tags as the pool has threads; as there can be none here, the pool is sized
+    past the tag count too (threads start only when used)."""
+    most_tags = max(len(stage_tags(plan, stage)) for stage in plan.stages)
+    return run_pipeline.with_options(task_runner=ThreadPoolTaskRunner(
+        max_workers=max_workers or max(len(plan.stages), most_tags + 1)))
 
 
 class _Outcome:
@@ -330,13 +511,17 @@ def run_plan(plan: Plan, *, max_workers: int | None = None, raise_on_failure: bo
     state, and an API that does not answer costs one warning, not the result. (Signals stay
     with the caller's handlers — the CLI's — as Prefect handles them only on a main thread.)
     """
-    flow_obj = pipeline_flow(plan, max_workers).with_options(
-        flow_run_name=f"{plan.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    flow_obj = pipeline_flow(plan, max_workers)
     spec = plan.spec.model_dump(mode="json", exclude_unset=True)
     api_url = _api_url()
     outcome = _Outcome()
-    thread = threading.Thread(target=contextvars.copy_context().run, args=(outcome.run, flow_obj, spec,
-                              plan.store.url), name=f"flow-{plan.name}", daemon=True)
+
+    def call() -> None:
+        with tags(*flow_run_tags(plan.name)):
+            outcome.run(flow_obj, spec, plan.store.url)
+
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(call,), name=f"flow-{plan.name}",
+                              daemon=True)
     with observing(api_url) as reporter:  # the flow engine's own log records too
         thread.start()
         try:

@@ -115,6 +115,14 @@ def drop_unverified_steps(ctx: StageContext, directory: Path) -> list[int]:
     return dropped
 
 
+def named_run(cfg: BaseModel, stage: str) -> BaseModel:
+    """`cfg` with `metrics.run_name` set to the stage's name unless the stage set one, so the
+    run is `stage` in TensorBoard, MLflow and W&B rather than an artifact id."""
+    if cfg.metrics.run_name:
+        return cfg
+    return cfg.model_copy(update={"metrics": cfg.metrics.model_copy(update={"run_name": stage})})
+
+
 class EngineStage(StageKind):
     """A stage kind whose work is one engine entry point (engine.contract.ENTRY_POINTS)."""
 
@@ -152,6 +160,7 @@ class EngineStage(StageKind):
     def train(self, ctx: StageContext, cfg: BaseModel, config_name: str, steps: int) -> dict[str, Any]:
         """Write `cfg` as the child's YAML and run the training entry point on it."""
         out = ctx.out_dir
+        cfg = named_run(cfg, ctx.stage)
         (out / config_name).write_text(to_yaml(cfg))
         if ctx.resumed:  # files of an earlier attempt: trusted only where their digests match
             drop_unverified_steps(ctx, out / CHECKPOINT_DIR)

@@ -25,7 +25,7 @@ import yaml
 from engine.config import ConfigError, validate
 from engine.contract import CHECKPOINT_DIR, DATA_DIR, MANIFEST, METRICS_FILE
 from engine.evaluate.config import EvalConfig
-from tasks.engine_stage import EngineStage
+from tasks.engine_stage import EngineStage, named_run
 from tasks.registry import Input, StageContext
 
 
@@ -58,6 +58,7 @@ class EvaluateStage(EngineStage):
     config_schema = EvalConfig
     version = 1
     pipeline_owned = {"data_path": "input 'dataset'"}
+    non_semantic = ("metrics",)
 
     def resolve_config(self, raw: dict, source: str) -> EvalConfig:
         self.reject_pipeline_owned(raw, source)
@@ -68,7 +69,7 @@ class EvaluateStage(EngineStage):
         models = {name: ref for name, ref in ctx.inputs.items() if name not in self.inputs}
         if not models:
             raise ConfigError(f"stage '{ctx.stage}': no checkpoint inputs to evaluate")
-        tree = ctx.config.model_dump(mode="json")
+        tree = named_run(ctx.config, ctx.stage).model_dump(mode="json")
         if "dataset" in ctx.inputs:
             tree["data_path"] = str(ctx.inputs["dataset"].path / DATA_DIR)
         store_root = next(iter(models.values())).path.parent.parent

@@ -76,7 +76,7 @@ ancestors = ["engine", "tasks", "flows"]
 # Function-level imports allowed only at the documented boundary (Prefect and JAX load
 # only for the CLI commands that need them) and for the optional extras.
 IMPORT_BOUNDARY = {"flows/cli.py"}
-OPTIONAL_EXTRAS = {"tensorflow", "tensorflow_datasets", "transformers", "boto3", "botocore"}
+OPTIONAL_EXTRAS = {"tensorflow", "tensorflow_datasets", "transformers", "boto3", "botocore", "mlflow", "wandb"}
 
 
 @pytest.fixture(scope="module")

@@ -69,16 +69,16 @@ def test_a_pipeline_is_one_flow_run_with_a_task_run_and_artifacts_per_stage(pref
     assert set(task_runs) == {"a", "b", "ab", "abb"}
     assert all(run.state.is_completed() and run.state.name == "Completed" for run in task_runs.values())
 
+    # One summary and one progress artifact per stage.
     by_key = {a.key: a for a in artifacts_of(flow_run.id)}
+    assert set(by_key) == {f"diamond-{stage}{suffix}" for stage in ("a", "b", "ab", "abb") for suffix in ("", "-progress")}
     for stage in ("a", "b", "ab", "abb"):
         assert by_key[f"diamond-{stage}"].type == "markdown"
-        assert by_key[f"diamond-{stage}-metrics"].type == "table"
-        assert by_key[f"diamond-{stage}-dir"].data.startswith(f"[{stage}/")  # links are markdown in Prefect 3
         assert by_key[f"diamond-{stage}-progress"].type == "progress"
         assert by_key[f"diamond-{stage}-progress"].data == 100.0
     summary = by_key["diamond-ab"].data
-    assert f"`a/{result['a']['artifact_id']}` (dataset)" in summary and "- value: 4" in summary
-    assert Path(result["ab"]["path"]).as_uri() in by_key["diamond-ab-dir"].data
+    assert f"| a | a/{result['a']['artifact_id']} | dataset |" in summary and "| value | 4 |" in summary
+    assert f"| location | `{result['ab']['path']}` |" in summary and "file://" not in summary
 
 
 def test_rerun_skips_everything_and_a_config_change_reruns_only_descendants(prefect_server, tmp_path):

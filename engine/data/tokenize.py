@@ -630,7 +630,9 @@ def main(argv: list[str] | None = None) -> int:
         # A failed write() names no file: then say where the output was going.
         print(f"error: {os.strerror(e.errno)} writing {e.filename or Path(args[1]).absolute()}", file=sys.stderr)
         return 1
-    print(json.dumps({k: stats[k] for k in ("documents", "tokens", "bytes", "skipped", "splits")}, indent=1))
+    # One line: a pipeline relays each line of a child's output as one log record.
+    summary = {k: stats[k] for k in ("documents", "tokens", "bytes", "skipped", "splits")}
+    print(f"tokenize: summary {json.dumps(summary)}")
     return 0
 
 

@@ -8,6 +8,7 @@ from pydantic import Field
 from engine.config import Strict
 from engine.parallel.config import MeshConfig
 from engine.posttrain.rewards import RewardSpec
+from engine.train.config import MetricsConfig
 
 
 class GenerationTask(Strict):
@@ -48,3 +49,5 @@ class EvalConfig(Strict):
     mesh: MeshConfig = MeshConfig()
     samples_in_report: int = Field(3, ge=0)
     """Example completions per model shown in report.md."""
+    metrics: MetricsConfig = MetricsConfig()
+    """Sinks that get each model's results (tags eval/<model>/<metric>, at the model's step)."""

@@ -31,6 +31,7 @@ from engine.posttrain.rewards import compute_rewards, load_reward, nan_stats
 from engine.train.checkpoint import load_params, stored_configs
 from engine.train.config import TrainConfig
 from engine.train.hooks import log_to_stderr
+from engine.train.metrics import MetricsWriter, flat_params
 from engine.train.trainer import Trainer
 
 
@@ -166,5 +167,22 @@ def run_evaluate(cfg: EvalConfig, checkpoints: dict[str, str | Path], out_dir: s
     for name, directory in checkpoints.items():
         log(f"evaluate: model '{name}' ({directory})")
         models[name], samples[name] = evaluate_model(cfg, directory, log)
+    primary = jax.process_index() == 0  # one report, however many ranks
+    write_to_sinks(Path(out_dir), cfg, models, primary, log)
     return write_report(Path(out_dir), cfg, models, samples, {k: str(v) for k, v in checkpoints.items()},
-                        curves or {}, write=jax.process_index() == 0)  # one report, however many ranks
+                        curves or {}, write=primary)
+
+
+def write_to_sinks(out_dir: Path, cfg: EvalConfig, models: dict[str, dict], primary: bool,
+                   log: Callable[[str], None]) -> None:
+    """Each model's results to metrics.jsonl and the sinks (TensorBoard by default) as
+    eval/<model>/<metric> at the step its checkpoint was saved at."""
+    writer = MetricsWriter(out_dir, enabled=primary, sinks=cfg.metrics, warn=log,
+                           params=flat_params(cfg.model_dump(mode="json", exclude={"metrics"})))
+    try:
+        for name, metrics in models.items():
+            writer.write(int(metrics.get("step") or 0), {
+                f"eval/{name}/{key}": value for key, value in metrics.items()
+                if key not in ("step", "num_params") and isinstance(value, (int, float))})
+    finally:
+        writer.close()

@@ -13,7 +13,7 @@ from engine.config import Strict
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.parallel.config import MeshConfig
 from engine.posttrain.rewards import RewardSpec
-from engine.train.config import CheckpointConfig, OptimizerConfig, RunFields, ScheduleConfig
+from engine.train.config import CheckpointConfig, MetricsConfig, OptimizerConfig, RunFields, ScheduleConfig
 
 
 class SFTDataConfig(Strict):
@@ -119,6 +119,8 @@ class GRPOConfig(Strict):
     seed: int = 0
     log_every: int = Field(1, gt=0)
     metrics_dir: str | None = None
+    metrics: MetricsConfig = MetricsConfig()
+    """Metric sinks: TensorBoard, MLflow, Weights & Biases."""
     progress: bool = True
 
     @model_validator(mode="after")

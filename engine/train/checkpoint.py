@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,6 +42,22 @@ DIGESTS_FORMAT = "trainflow.digests/1"
 # time and writes commit_success.txt while committing, i.e. after the digests are taken.
 _NOT_DIGESTED = frozenset({DIGESTS_FILE, "_CHECKPOINT_METADATA", "commit_success.txt"})
 _HASH_BLOCK = 8 << 20  # bytes per read when hashing
+
+
+class _ReadOnlyNotices(logging.Filter):
+    """Orbax warns whenever a CheckpointManager is opened read-only (the options it turns
+    off, the directory) and when it is closed, though reading read-only is exactly what
+    `load_params` and `stored_configs` mean to do. Drops those messages, nothing else."""
+
+    MESSAGES = frozenset({"Given directory is read only=%s", "%s is read only, save will be skipped",
+                          "%s is read only, delete will be skipped"})
+    PREFIX = "CheckpointManagerOptions.read_only=True, setting "
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg in self.MESSAGES or str(record.msg).startswith(self.PREFIX))
+
+
+logging.getLogger("absl").addFilter(_ReadOnlyNotices())  # Orbax logs through absl's Python logger
 
 
 class CorruptCheckpoint(ConfigError):

@@ -66,6 +66,34 @@ class CheckpointConfig(Strict):
     """Start from the params of this checkpoint directory (fresh optimizer), not from scratch."""
 
 
+class MlflowConfig(Strict):
+    """Where the `mlflow` sink logs (needs the `mlflow` extra)."""
+
+    tracking_uri: str | None = None
+    """An MLflow tracking server (http://host:5000) or store URI; None: MLFLOW_TRACKING_URI, else ./mlruns."""
+    experiment: str = "trainflow"
+
+
+class WandbConfig(Strict):
+    """Where the `wandb` sink logs (needs the `wandb` extra)."""
+
+    project: str = "trainflow"
+    entity: str | None = None
+    mode: Literal["online", "offline", "disabled"] | None = None
+    """None: WANDB_MODE, else online. offline keeps the run in <metrics_dir>/wandb for `wandb sync`."""
+
+
+class MetricsConfig(Strict):
+    """Where a run's metrics go besides metrics.jsonl, which is always written."""
+
+    sinks: list[Literal["tensorboard", "mlflow", "wandb"]] = ["tensorboard"]
+    run_name: str | None = None
+    """The run's name in TensorBoard (its event directory under tensorboard/), MLflow and W&B;
+    a pipeline stage sets its stage name."""
+    mlflow: MlflowConfig = MlflowConfig()
+    wandb: WandbConfig = WandbConfig()
+
+
 class RunFields(Strict):
     """What every training run has besides its model, optimizer and data (pretraining, SFT)."""
 
@@ -84,6 +112,8 @@ class RunFields(Strict):
     """Steps between held-out evaluations (0 = only at the end)."""
     metrics_dir: str | None = None
     """JSONL + TensorBoard output (default: next to the checkpoints)."""
+    metrics: MetricsConfig = MetricsConfig()
+    """Metric sinks: TensorBoard, MLflow, Weights & Biases."""
     progress: bool = True
     """A progress bar on stderr."""
 

@@ -1,8 +1,9 @@
 """The standard hooks of a training run, and `run_training`, which wires them to the loop.
 
     save_checkpoint    params, optimizer, the source's state and meta; also on SIGTERM
-    log_metrics        metrics.jsonl + TensorBoard (and the progress bar's postfix): loss,
-                       grad_norm, learning rate, throughput and MFU, the batch source's metrics
+    log_metrics        metrics.jsonl, the sinks (TensorBoard, MLflow, W&B), the progress bar's
+                       postfix: loss, grad_norm, learning rate, throughput and MFU, the batch
+                       source's metrics
     evaluate_held_out  held-out metrics every eval_every steps and at the end
     advance_progress   a tqdm bar on the primary process
 
@@ -26,7 +27,7 @@ from tqdm import tqdm
 from engine.contract import CHECKPOINT_FORMAT, METRICS_FILE
 from engine.models.params import flops_per_token
 from engine.train.checkpoint import Checkpointer
-from engine.train.metrics import MetricsWriter, peak_flops, read_metrics
+from engine.train.metrics import MetricsWriter, flat_params, peak_flops, read_metrics
 from engine.train.trainer import BatchSource, StepInfo, Trainer
 
 _NOT_LOGGED = ("objective", "nll_sum", "tokens")  # sums that only normalise other metrics
@@ -143,7 +144,8 @@ def run_training(trainer: Trainer, source: BatchSource, *, log: Callable[[str], 
         checkpointer.close()
         raise
     truncate_metrics(metrics_dir, resume_step)
-    writer = MetricsWriter(metrics_dir, enabled=primary)
+    writer = MetricsWriter(metrics_dir, enabled=primary, sinks=cfg.metrics, params=flat_params(
+        {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ("metrics", "metrics_dir")}), warn=log)
     progress = None
     if cfg.progress and primary:
         progress = tqdm(total=cfg.steps, initial=resume_step, desc="train", unit="step",

@@ -1,18 +1,31 @@
-"""Run metrics: JSONL + TensorBoard, and the hardware peak that MFU is measured against."""
+"""Run metrics: metrics.jsonl and the sinks chosen in `metrics.sinks` (TensorBoard, MLflow,
+Weights & Biases), and the hardware peak that MFU is measured against.
+
+metrics.jsonl is the record the pipeline reads; the sinks are views for people. A sink that
+fails while the run goes on (a tracking server going away) warns once and is dropped: the
+run never stops for its dashboards. MLflow and W&B are optional extras, imported only when
+chosen; each resumes the same tracked run after a restart (its id is kept in metrics_dir).
+"""
 
 from __future__ import annotations
 
 import functools
 import json
 import math
+import os
+import sys
 import time
+import uuid
 from pathlib import Path
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from tensorboardX import SummaryWriter
 
+from engine.config import ConfigError
 from engine.contract import METRICS_FILE, TENSORBOARD_DIR
+from engine.train.config import MetricsConfig
 
 # Dense bf16 peak FLOP/s per device, from the vendors' data sheets.
 PEAK_FLOPS_PER_DEVICE = {
@@ -77,17 +90,124 @@ def tensorboard_tag(key: str) -> str:
     return f"train/{key}"
 
 
-class MetricsWriter:
-    """One JSON object per line in metrics.jsonl, the same scalars in TensorBoard (grouped tags)."""
+def flat_params(tree: dict, prefix: str = "") -> dict[str, str]:
+    """A config as `a.b.c -> value` strings, the shape trackers take parameters in."""
+    flat: dict[str, str] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flat_params(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = json.dumps(value) if isinstance(value, (list, tuple)) else str(value)
+    return flat
 
-    def __init__(self, directory: str | Path | None, enabled: bool = True):
+
+def _run_id_file(directory: Path, sink: str) -> Path:
+    return directory / f"{sink}_run.json"
+
+
+def _saved_run_id(directory: Path, sink: str) -> str | None:
+    path = _run_id_file(directory, sink)
+    return json.loads(path.read_text()).get("run_id") if path.is_file() else None
+
+
+def _save_run_id(directory: Path, sink: str, run_id: str, **extra: Any) -> None:
+    _run_id_file(directory, sink).write_text(json.dumps({"run_id": run_id, **extra}) + "\n")
+
+
+def _missing_extra(sink: str) -> ConfigError:
+    return ConfigError(f"metrics.sinks: '{sink}' needs the {sink} package: pip install 'trainflow[{sink}]'")
+
+
+class TensorBoardSink:
+    """Event files in <metrics_dir>/tensorboard/<run name>, so TensorBoard names the run."""
+
+    def __init__(self, directory: Path, cfg: MetricsConfig, params: dict[str, str]):
+        self.logdir = directory / TENSORBOARD_DIR / (cfg.run_name or "")
+        self._writer = SummaryWriter(str(self.logdir))
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        for key, value in values.items():
+            self._writer.add_scalar(tensorboard_tag(key), value, step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class MlflowSink:
+    """An MLflow run (MlflowClient): the config as params, every metric under its grouped tag."""
+
+    def __init__(self, directory: Path, cfg: MetricsConfig, params: dict[str, str]):
+        try:
+            from mlflow.entities import Metric, Param
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            raise _missing_extra("mlflow") from None
+        self._metric = Metric
+        self.client = MlflowClient(tracking_uri=cfg.mlflow.tracking_uri)
+        self.run_id = _saved_run_id(directory, "mlflow")
+        if self.run_id is None:
+            experiment = self.client.get_experiment_by_name(cfg.mlflow.experiment)
+            experiment_id = (experiment.experiment_id if experiment is not None
+                             else self.client.create_experiment(cfg.mlflow.experiment))
+            run = self.client.create_run(experiment_id, run_name=cfg.run_name,
+                                         tags={"trainflow.metrics_dir": str(directory)})
+            self.run_id = run.info.run_id
+            _save_run_id(directory, "mlflow", self.run_id, tracking_uri=self.client.tracking_uri)
+            items = [Param(k, v[:6000]) for k, v in params.items()]
+            for start in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+                self.client.log_batch(self.run_id, params=items[start:start + 100])
+        else:
+            self.client.update_run(self.run_id, status="RUNNING")
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[self._metric(tensorboard_tag(k), v, now, step)
+                                                    for k, v in values.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+class WandbSink:
+    """A Weights & Biases run in <metrics_dir>/wandb (offline mode keeps it there for `wandb sync`)."""
+
+    def __init__(self, directory: Path, cfg: MetricsConfig, params: dict[str, str]):
+        try:
+            import wandb
+        except ImportError:
+            raise _missing_extra("wandb") from None
+        run_id = _saved_run_id(directory, "wandb") or uuid.uuid4().hex[:12]
+        _save_run_id(directory, "wandb", run_id)
+        self.run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.run_name, id=run_id,
+                              resume="allow", dir=str(directory), mode=cfg.wandb.mode or os.environ.get("WANDB_MODE"),
+                              config=params, settings=wandb.Settings(quiet=True, console="off"))
+
+    def write(self, step: int, values: dict[str, float]) -> None:
+        self.run.log({tensorboard_tag(k): v for k, v in values.items()}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+SINKS = {"tensorboard": TensorBoardSink, "mlflow": MlflowSink, "wandb": WandbSink}
+
+
+class MetricsWriter:
+    """One JSON object per line in metrics.jsonl; the finite values also to each sink of
+    `sinks` (TensorBoard alone by default), under grouped tags."""
+
+    def __init__(self, directory: str | Path | None, enabled: bool = True, sinks: MetricsConfig | None = None,
+                 params: dict[str, str] | None = None, warn: Callable[[str], None] | None = None):
         self.enabled = enabled and directory is not None
         if not self.enabled:
             return
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
+        cfg = sinks or MetricsConfig()
+        self.sinks: dict[str, Any] = {name: SINKS[name](self.directory, cfg, params or {})
+                                      for name in dict.fromkeys(cfg.sinks)}
         self._jsonl = open(self.directory / METRICS_FILE, "a")
-        self._tb = SummaryWriter(str(self.directory / TENSORBOARD_DIR))
 
     def write(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled:
@@ -98,14 +218,23 @@ class MetricsWriter:
             record[key] = value if value is not None and math.isfinite(value) else None
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        for key, value in values.items():
-            if value is not None and math.isfinite(float(value)):
-                self._tb.add_scalar(tensorboard_tag(key), float(value), step)
+        finite = {k: v for k, v in record.items() if k != "step" and v is not None}
+        for name in list(self.sinks):
+            self._guarded(name, self.sinks[name].write, step, finite)
+
+    def _guarded(self, name: str, fn: Callable, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # a dashboard never stops a run
+            del self.sinks[name]
+            self._warn(f"warning: metrics sink '{name}' failed ({type(e).__name__}: {e}); metrics go on to "
+                       f"{self.directory / METRICS_FILE} and the other sinks")
 
     def close(self) -> None:
         if self.enabled:
             self._jsonl.close()
-            self._tb.close()
+            for name in list(self.sinks):
+                self._guarded(name, self.sinks[name].close)
 
 
 def read_metrics(path: str | Path) -> list[dict]:

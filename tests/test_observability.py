@@ -1,0 +1,269 @@
+"""What a user sees in the tools they already use: Prefect (tags, assets, one summary per
+stage, the report's images), the console (child log levels, step n/N with an ETA) and the
+metric sinks beside TensorBoard (a real local MLflow server; Weights & Biases offline).
+"""
+
+import base64
+import json
+import logging
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import tests.pipeline_toys  # noqa: F401
+from engine.config import load_config
+from engine.train.config import TrainConfig
+from engine.train.metrics import read_metrics
+from engine.train.pretrain import run_pretrain
+from flows.pipeline import FLOW_NAME, PrefectHooks, format_number, line_level, run_plan
+from flows.spec import Pipeline
+from tasks.registry import Input, StageContext, StageKind, register_stage
+from tests.pipeline_toys import ValueConfig
+
+# A 1x1 PNG: what an evaluation report's plot is to the stage summary.
+PNG = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC")
+
+
+@register_stage
+class ToyReport(StageKind):
+    """An eval_report with a report.md that shows a plot, as the evaluate stage writes it."""
+
+    task = "toy-report"
+    output = "eval_report"
+    inputs = {"checkpoint": Input("checkpoint")}
+    config_schema = ValueConfig
+
+    def run(self, ctx: StageContext) -> dict:
+        (ctx.out_dir / "plot.png").write_bytes(PNG)
+        (ctx.out_dir / "report.md").write_text("# Evaluation\n\n| model | loss |\n|---|---|\n| m | 1.5 |\n\n"
+                                               "![plot](plot.png)\n")
+        return {"loss": 1.23456789, "tokens": 123456}
+
+
+def client():
+    from prefect import get_client
+
+    return get_client(sync_client=True)
+
+
+def lineage_pipeline(store: Path) -> Pipeline:
+    p = Pipeline("observed", store=store)
+    a = p.stage("a", task="toy-source", config={"value": 1})
+    b = p.stage("b", task="toy-source", config={"value": 2})
+    ab = p.stage("ab", task="toy-sum", inputs={"a": a, "b": b})
+    p.stage("report", task="toy-report", inputs={"checkpoint": ab})
+    return p
+
+
+def asset_events(since, keys: set[str], expected: int, timeout: float = 60.0) -> list:
+    """Asset events about `keys` since `since`, once `expected` of them are stored (the server
+    persists events in batches)."""
+    from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with client() as c:
+            page = c.read_events(EventFilter(occurred=EventOccurredFilter(since=since),
+                                             event=EventNameFilter(prefix=["prefect.asset."])), limit=50)
+        events = [e for e in page.events if e.resource.id in keys]
+        if len(events) >= expected or time.monotonic() > deadline:
+            return events
+        time.sleep(1.0)
+
+
+def test_runs_are_tagged_stages_materialise_assets_from_their_inputs_and_publish_one_summary(prefect_server,
+                                                                                            tmp_path):
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+    from prefect.types._datetime import now
+
+    since = now("UTC")
+    result = run_plan(lineage_pipeline(tmp_path / "store").plan())
+    ids = {stage: r["artifact_id"] for stage, r in result.items()}
+    flow_run_id = result["a"]["flow_run_id"]
+    with client() as c:
+        flow_run = c.read_flow_run(flow_run_id)
+        flow = c.read_flow(flow_run.flow_id)
+        task_runs = {r.name: r for r in c.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))}
+        artifacts = c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+            any_=[flow_run_id])))
+
+    # One flow and one naming scheme, tags a concurrency limit can use.
+    assert flow.name == FLOW_NAME and flow_run.name.startswith("observed-20")
+    assert {"trainflow", "pipeline:observed"} <= set(flow_run.tags)
+    assert set(task_runs["ab"].tags) >= {"trainflow", "pipeline:observed", "stage:ab", "task:toy-sum"}
+    assert set(task_runs["report"].tags) >= {"stage:report", "task:toy-report"}
+
+    # Each stage materialises its artifact's asset, with its inputs' assets as upstream.
+    keys = {stage: f"trainflow://{stage}/{artifact_id}" for stage, artifact_id in ids.items()}
+    events = asset_events(since, set(keys.values()), expected=4 + 3)  # 4 materialisations, 3 references
+    materialised = {e.resource.id: e for e in events if e.event == "prefect.asset.materialization.succeeded"}
+    assert set(materialised) == set(keys.values())
+    upstream = {r.id for r in materialised[keys["ab"]].related if r.role == "asset"}
+    assert upstream == {keys["a"], keys["b"]}
+    assert {r.id for r in materialised[keys["report"]].related if r.role == "asset"} == {keys["ab"]}
+    assert materialised[keys["ab"]].payload["metrics"] == {"value": 4}
+    assert any(r.role == "task-run" and r.id == f"prefect.task-run.{task_runs['ab'].id}"
+               for r in materialised[keys["ab"]].related)
+
+    # One summary per stage (plus its progress): rounded metrics, lineage, the plot inline.
+    by_key = {a.key: a for a in artifacts}
+    assert sorted(k for k, a in by_key.items() if a.type == "markdown") == sorted(
+        f"observed-{stage}" for stage in ids)
+    report = by_key["observed-report"].data
+    assert "| loss | 1.235 |" in report and "| tokens | 123,456 |" in report
+    assert f"| checkpoint | ab/{ids['ab']} | checkpoint | `{keys['ab']}` |" in report
+    assert f"![plot](data:image/png;base64,{base64.b64encode(PNG).decode()})" in report
+    assert "file://" not in report
+
+    # A re-run skips every stage and materialises nothing.
+    since = now("UTC")
+    again = run_plan(lineage_pipeline(tmp_path / "store").plan())
+    assert {r["status"] for r in again.values()} == {"skipped"}
+    time.sleep(3.0)  # what the server would have persisted by now
+    assert not [e for e in asset_events(since, set(keys.values()), expected=1, timeout=3.0)
+                if e.event.startswith("prefect.asset.materialization")]
+
+
+def test_child_lines_keep_their_level_and_metrics_read_step_of_total_with_an_eta():
+    assert line_level("WARNING:absl:something") == logging.WARNING
+    assert line_level("[rank 1] E1130 11:02:14.640 12345 client.cc:12] lost") == logging.ERROR
+    assert line_level("/x/y.py:12: UserWarning: careful") == logging.WARNING
+    assert line_level("error: steps: must be even") == logging.ERROR
+    assert line_level("step 10: loss=1.0") == logging.INFO
+
+    hooks = PrefectHooks(logging.getLogger("test"), reporter=None, progress_key="k", description="d",
+                         total_steps=300)
+    first = hooks.format_metrics({"step": 10, "loss": 6.23612, "tokens_per_second": 9323.4, "mfu": 0.17}, now=100.0)
+    assert first == "step 10/300 (3%): loss=6.236 | 9,323 tokens/s"
+    later = hooks.format_metrics({"step": 60, "loss": 5.9, "tokens_per_second": 12431.0}, now=110.0)
+    assert later == "step 60/300 (20%): loss=5.9 | 12,431 tokens/s, ETA 48s"  # 0.2 s a step, 240 to go
+    assert format_number(16.260341347000008) == "16.26" and format_number(None) == "n/a"
+
+
+# --------------------------------------------------------------------------- metric sinks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real MLflow tracking server on 127.0.0.1, SQLite in a temp dir; yields its URI."""
+    pytest.importorskip("mlflow")
+    root = tmp_path_factory.mktemp("mlflow")
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--default-artifact-root", str(root / "artifacts")],
+        stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"), start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            pass
+        assert server.poll() is None, (root / "server.log").read_text()[-2000:]
+        assert time.monotonic() < deadline, "the MLflow server did not answer"
+        time.sleep(0.5)
+    yield uri
+    os.killpg(server.pid, 15)
+    server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def tracked_run(byte_dataset, mlflow_server, tmp_path_factory):
+    """A tiny pretrain whose metrics go to TensorBoard, MLflow and (offline) W&B."""
+    out = tmp_path_factory.mktemp("tracked")
+    sinks = ["tensorboard", "mlflow"] + (["wandb"] if _has_wandb() else [])
+    cfg = load_config(tree={
+        "model": "tiny", "steps": 4, "log_every": 2, "progress": False, "metrics_dir": str(out),
+        "data": {"path": str(byte_dataset), "seq_len": 32, "batch_size": 8, "eval_batches": 1},
+        "checkpoint": {"directory": str(out / "checkpoint"), "every_steps": 4},
+        "metrics": {"sinks": sinks, "run_name": "pretrain",
+                    "mlflow": {"tracking_uri": mlflow_server, "experiment": "observability"},
+                    "wandb": {"project": "observability", "mode": "offline"}},
+    }, schema=TrainConfig)
+    return out, run_pretrain(cfg), cfg
+
+
+def _has_wandb() -> bool:
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_mlflow_gets_the_runs_params_and_metrics(tracked_run, mlflow_server):
+    from mlflow.tracking import MlflowClient
+
+    out, result, cfg = tracked_run
+    mlflow_client = MlflowClient(tracking_uri=mlflow_server)
+    experiment = mlflow_client.get_experiment_by_name("observability")
+    (run,) = mlflow_client.search_runs([experiment.experiment_id])
+    assert run.info.run_name == "pretrain" and run.info.status == "FINISHED"
+    assert run.data.params["steps"] == "4" and run.data.params["model.num_layers"] == str(cfg.model.num_layers)
+    assert run.data.params["optimizer.learning_rate"] == str(cfg.optimizer.learning_rate)
+    losses = mlflow_client.get_metric_history(run.info.run_id, "train/loss")
+    logged = [r for r in read_metrics(out) if "loss" in r]
+    assert [(m.step, m.value) for m in losses] == [(r["step"], pytest.approx(r["loss"])) for r in logged]
+    assert mlflow_client.get_metric_history(run.info.run_id, "eval/loss")[-1].value == pytest.approx(
+        result["eval_loss"])
+
+
+def test_tensorboard_names_the_run_by_stage(tracked_run):
+    out, _, _ = tracked_run
+    assert [p.name for p in (out / "tensorboard").iterdir()] == ["pretrain"]
+    assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard" / "pretrain").iterdir())
+
+
+def wandb_records(path: Path):
+    """The records of a W&B transaction log (.wandb): a 7-byte file header, then LevelDB's
+    log format, 32 KiB blocks of chunks with a 7-byte header (crc, length, type)."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", path
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        room = 32768 - pos % 32768
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if room >= 7 else (0, 0, 0)
+        if kind == 0:  # the padding at a block's end
+            pos += room
+            continue
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            yield pending
+            pending = b""
+
+
+def test_wandb_offline_keeps_the_metrics_in_the_run_directory(tracked_run):
+    pytest.importorskip("wandb")
+    from wandb.proto import wandb_internal_pb2
+
+    out, _, _ = tracked_run
+    (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    history = []
+    for data in wandb_records(run_file):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") == "history":
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                            for item in record.history.item})
+    logged = [r for r in read_metrics(out) if "loss" in r]
+    assert [(h["_step"], h["train/loss"]) for h in history if "train/loss" in h] == [
+        (r["step"], pytest.approx(r["loss"])) for r in logged]
+    assert json.loads((out / "wandb_run.json").read_text())["run_id"] in run_file.name
