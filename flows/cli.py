@@ -181,22 +181,32 @@ def cmd_ls(args) -> int:
 
 def cmd_serve(args) -> int:
     plan = load_plan(args.pipeline, args.overrides, args.store)
-    from flows.server import ApiUnreachable, prefect_api
+    from prefect.settings import PREFECT_API_URL
 
+    from flows.server import ApiUnreachable, check_api
+
+    if not PREFECT_API_URL.value():  # a run's temporary server has no scheduler: nothing would ever run
+        print("error: `trainflow serve` needs a persistent Prefect server to schedule runs: start one with "
+              "`prefect server start` and set PREFECT_API_URL=http://127.0.0.1:4200/api", file=sys.stderr)
+        return 1
     try:
-        with prefect_api():
-            from flows.pipeline import run_pipeline
+        check_api(PREFECT_API_URL.value())
+        from prefect.types.entrypoint import EntrypointType
 
-            # The deployment runs the flow by entrypoint (flows/pipeline.py:run_pipeline)
-            # with the pipeline's path, so edits to the YAML apply to the next scheduled run.
-            run_pipeline.serve(
-                name=args.name or plan.name,
-                cron=args.cron,
-                parameters={"pipeline": str(Path(args.pipeline).resolve()), "store": plan.store.url,
-                            "overrides": list(args.overrides)},
-                description=f"trainflow pipeline {plan.name} ({args.pipeline})",
-                tags=["trainflow", plan.name],
-            )
+        from flows.pipeline import flow_run_tags, run_pipeline
+
+        # The deployment runs the flow by module (flows.pipeline.run_pipeline, whatever the
+        # working directory) with the pipeline's absolute path, so edits to the YAML apply
+        # to the next scheduled run.
+        run_pipeline.serve(
+            name=args.name or plan.name,
+            cron=args.cron,
+            parameters={"pipeline": str(Path(args.pipeline).resolve()), "store": plan.store.url,
+                        "overrides": list(args.overrides)},
+            description=f"trainflow pipeline {plan.name} ({args.pipeline})",
+            tags=flow_run_tags(plan.name),
+            entrypoint_type=EntrypointType.MODULE_PATH,
+        )
     except ApiUnreachable as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

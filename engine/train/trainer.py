@@ -306,6 +306,8 @@ class Trainer:
 
         pending = None  # the previous step's metrics, checked one step late to keep dispatch async
         steps_timed, seconds_timed, first = 0, 0.0, True
+        if state.step < cfg.steps:
+            log(f"compiling the train step (step {state.step + 1} of {cfg.steps}) ...")
         while state.step < cfg.steps:
             start = time.perf_counter()
             batch, source_metrics = source.next_batch(state)
@@ -315,6 +317,7 @@ class Trainer:
             if first:  # keep compilation out of the throughput figures
                 jax.block_until_ready(metrics)
                 final["compile_seconds"] = time.perf_counter() - start
+                log(f"compiled and ran step {state.step} in {final['compile_seconds']:.1f} s")
                 first = False
             else:
                 steps_timed += 1
