@@ -157,9 +157,12 @@ def test_serve_creates_a_scheduled_deployment_that_runs_the_pipeline(prefect_ser
             deployment = found[0] if found else None
         assert [s.schedule.cron for s in deployment.schedules] == ["0 3 * * *"]
         assert deployment.parameters["pipeline"] == str(path)
+        assert deployment.entrypoint == "flows.pipeline.run_pipeline"  # by module, not relative to the cwd
 
         flow_run = run_deployment(f"trainflow-pipeline/served", timeout=180)
         assert flow_run.state.is_completed(), flow_run.state
+        # Named and tagged as `trainflow run` names and tags its runs.
+        assert flow_run.name.startswith("served-20") and "pipeline:served" in flow_run.tags
         assert list((tmp_path / "store" / "only").glob("*/artifact.json"))
     finally:
         server.send_signal(signal.SIGINT)
@@ -167,6 +170,20 @@ def test_serve_creates_a_scheduled_deployment_that_runs_the_pipeline(prefect_ser
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+def test_serve_without_a_persistent_server_says_so_in_one_line(tmp_path):
+    path = tmp_path / "served.yaml"
+    path.write_text(yaml.safe_dump({"name": "served", "imports": ["tests.pipeline_toys"],
+                                    "stages": {"only": {"task": "toy-source"}}}))
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "serve", str(path), "--cron", "0 3 * * *"], cwd=REPO,
+                          env={**env, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "home")},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "error: `trainflow serve` needs a persistent Prefect server to schedule runs: start one with `prefect "
+        "server start` and set PREFECT_API_URL=http://127.0.0.1:4200/api"]
 
 
 def test_prefect_yaml_deployments_point_at_the_pipeline_flow(monkeypatch):
