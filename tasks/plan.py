@@ -9,7 +9,7 @@ artifact when it is already in the store.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import numpy as np

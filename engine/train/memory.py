@@ -18,10 +18,17 @@ import numpy as np
 from engine.config import ConfigError
 from engine.train.targets import GiB
 
-KNOBS = ("shard the state over more devices (mesh.fsdp), recompute activations (compute.remat: full), "
-         "fewer rows per step or per micro-batch (data.batch_size, grad_accum), or bfloat16 parameters "
-         "(compute.param_dtype)")
-"""What makes a step smaller, named in every does-not-fit sentence."""
+
+def knobs(cfg) -> str:
+    """What would make the step of run config `cfg` smaller, for the does-not-fit sentence
+    (less what it already does)."""
+    found = ["shard the state over more devices (mesh.fsdp)"]
+    if cfg.compute.remat != "full":
+        found.append("recompute activations (compute.remat: full)")
+    found.append("fewer rows per step or per micro-batch (data.batch_size, grad_accum)")
+    if cfg.compute.param_dtype != "bfloat16":
+        found.append("bfloat16 parameters (compute.param_dtype)")
+    return ", ".join(found[:-1]) + f", or {found[-1]}"
 
 
 @dataclasses.dataclass
@@ -71,7 +78,7 @@ def device_memory(device) -> float:
     return host / max(len(jax.local_devices()), 1)
 
 
-def check_fits(memory: Memory, capacity: float, devices: int, kind: str) -> None:
+def check_fits(memory: Memory, capacity: float, devices: int, kind: str, to_fit: str) -> None:
     """Refuse a step whose memory exceeds its devices', naming the numbers and the knobs."""
     if memory.total <= capacity:
         return
@@ -79,6 +86,6 @@ def check_fits(memory: Memory, capacity: float, devices: int, kind: str) -> None
         f"the training step needs {memory.total / GiB:.2f} GiB per device (parameters "
         f"{memory.parameters / GiB:.2f}, optimizer state {memory.optimizer_state / GiB:.2f}, batch "
         f"{memory.batch / GiB:.2f}, temporaries {memory.temporaries / GiB:.2f} GiB with the gradients) but each of "
-        f"the {devices} {kind} devices has {capacity / GiB:.2f} GiB; to fit: {KNOBS}")
+        f"the {devices} {kind} devices has {capacity / GiB:.2f} GiB; to fit: {to_fit}")
 
 

@@ -21,13 +21,14 @@ figures are reported. `check_fits` is the same test the trainer applies before s
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import os
 import re
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import topologies
@@ -38,7 +39,7 @@ from engine.models.params import flops_per_token, param_shardings
 from engine.ops.partitioning import MESH_AXES, use_mesh
 from engine.parallel.config import MeshConfig
 from engine.train.config import TrainConfig
-from engine.train.memory import KNOBS, Memory, device_memory, shard_bytes
+from engine.train.memory import Memory, device_memory, knobs, shard_bytes
 from engine.train.metrics import peak_flops
 from engine.train.optimizer import make_optimizer
 from engine.train.step import Objective
@@ -76,7 +77,11 @@ class Plan:
     peak_flops: float
     """FLOP/s of one device."""
     bandwidth: float | None
+    to_fit: str = ""
+    """What would make the step smaller (memory.knobs)."""
     compiler_message: str | None = None
+    compiled: Any = dataclasses.field(default=None, repr=False)
+    """The compiled step (None when refused or estimated)."""
 
     @property
     def fits(self) -> bool:
@@ -107,11 +112,16 @@ def target_devices(target: Target) -> list | None:
     if target.platform == "local":
         return jax.devices()
     if target.platform == "tpu":
+        if importlib.util.find_spec("libtpu") is None:
+            raise ConfigError(f"--target {target.name}: compiling for a TPU topology needs libtpu "
+                              "(pip install 'trainflow[tpu]')")
+        # Compiling needs no chip: let this process load libtpu beside another that holds it.
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         try:
             return list(topologies.get_topology_desc(target.topology, "tpu").devices)
-        except Exception as e:  # no libtpu: a user question, not a crash
-            raise ConfigError(f"--target {target.name}: compiling for a TPU topology needs libtpu "
-                              f"(pip install 'trainflow[tpu]'): {str(e).splitlines()[0]}") from None
+        except jax.errors.JaxRuntimeError as e:
+            raise ConfigError(f"--target {target.name}: libtpu cannot describe topology {target.topology}: "
+                              f"{str(e).splitlines()[0]}") from None
     gpus = [d for d in jax.devices() if d.platform == "gpu"] if jax.default_backend() == "gpu" else []
     return gpus[:target.chips] if len(gpus) >= target.chips else None
 
@@ -165,7 +175,7 @@ def plan_step(cfg: TrainConfig, target: Target, *, stage: str = "train",
     parts = dict(parameters=shard_bytes(trainer.abstract_params),
                  optimizer_state=shard_bytes(trainer.abstract_opt_state), batch=shard_bytes(abstract_batch),
                  gradients=shard_bytes(trainer.abstract_params))
-    message = None
+    message, compiled = None, None
     with use_mesh(trainer.mesh):
         lowered = trainer.jitted_train_step().trace(trainer.abstract_params, trainer.abstract_opt_state,
                                                     abstract_batch).lower()
@@ -179,11 +189,19 @@ def plan_step(cfg: TrainConfig, target: Target, *, stage: str = "train",
     else:
         memory, how = Memory.of(compiled.memory_analysis(), **parts), "compiled"
     model_flops, hardware_flops, source = _flops(cfg, tokens, updates_per_batch)
+    if compiled is not None and not cfg.compute.scan_layers and cfg.grad_accum == 1:
+        # XLA counts a loop's body once, so its count is the step's only without scanned layers.
+        costs = compiled.cost_analysis()
+        costs = costs[0] if isinstance(costs, (list, tuple)) else costs
+        if costs and costs.get("flops"):
+            hardware_flops = costs["flops"] * len(devices) * updates_per_batch
+            source = "XLA's cost analysis of the compiled step"
     chip = target.chip
     peak = chip.peak_flops if chip else peak_flops(devices[:1])[0]
     return Plan(stage, target, len(devices), devices[0].device_kind, dict(trainer.mesh.shape), how, memory,
                 chip.memory_bytes if chip else device_memory(devices[0]), tokens, updates_per_batch,
-                model_flops, hardware_flops, source, peak, chip.memory_bandwidth if chip else None, message)
+                model_flops, hardware_flops, source, peak, chip.memory_bandwidth if chip else None, knobs(cfg),
+                message, compiled)
 
 
 _SIZE = r"([\d.]+)([KMGT]?)"
@@ -229,7 +247,8 @@ def _estimate(cfg: TrainConfig, target: Target, stage: str, batch: dict, tokens:
                     + batch_bytes, output=0.0, alias=0.0, temporaries=parameters + kept + logits, generated_code=0.0)
     model_flops, hardware_flops, source = _flops(cfg, tokens, updates)
     return Plan(stage, target, target.chips, chip.kind, sizes, "estimate (no GPU here)", memory, chip.memory_bytes,
-                tokens, updates, model_flops, hardware_flops, source, chip.peak_flops, chip.memory_bandwidth)
+                tokens, updates, model_flops, hardware_flops, source, chip.peak_flops, chip.memory_bandwidth,
+                knobs(cfg))
 
 
 # --------------------------------------------------------------------------- checks and report
@@ -239,7 +258,7 @@ def format_plan(plan: Plan) -> str:
     """The plan as people read it: one block per stage (GiB, or MiB for a small model)."""
     m = plan.memory
     unit, scale = ("GiB", GiB) if m.total >= GiB else ("MiB", 2**20)
-    size = lambda b: f"{b / scale:10.2f}"  # noqa: E731
+    size = lambda b: f"{b / scale:10.2f}"
     chip = plan.target.chip
     where = (f"{plan.devices} x {chip.kind} (topology {plan.target.topology})" if plan.target.platform == "tpu"
              else f"{plan.devices} x {plan.device_kind}")
@@ -266,7 +285,7 @@ def format_plan(plan: Plan) -> str:
               f"MFU <= {plan.mfu_bound:.0%}, at most {plan.tokens * plan.updates / seconds / plan.devices:,.0f} "
               "tokens/s per device"]
     if not plan.fits:
-        lines.append(f"  to fit: {KNOBS}")
+        lines.append(f"  to fit: {plan.to_fit}")
     return "\n".join(lines)
 
 
@@ -288,7 +307,7 @@ def report(plans: list[Plan], print_fn: Callable[[str], None] = print) -> dict[s
     if too_big:
         raise DoesNotFit("; ".join(
             f"stage {p.stage} does not fit {p.target.name}: {p.memory.total / GiB:.2f} GiB per device of "
-            f"{p.capacity / GiB:.2f}" for p in too_big) + f"; to fit: {KNOBS}")
+            f"{p.capacity / GiB:.2f}; to fit: {p.to_fit}" for p in too_big))
     return {p.stage: summary(p) for p in plans}
 
 

@@ -30,7 +30,7 @@ from engine.parallel.distributed import preemption_agreed
 from engine.parallel.mesh import batch_shards, batch_sharding, global_array, make_mesh, replicated
 from engine.train.checkpoint import Checkpointer, load_params, stored_configs
 from engine.train.config import TrainConfig
-from engine.train.memory import Memory, check_fits, device_memory, shard_bytes
+from engine.train.memory import Memory, check_fits, device_memory, knobs, shard_bytes
 from engine.train.optimizer import make_optimizer
 from engine.train.step import Objective, lm_objective, make_eval_step, make_train_step
 
@@ -207,7 +207,8 @@ class Trainer:
         memory = Memory.of(compiled.memory_analysis(), parameters=parameters,
                            optimizer_state=shard_bytes(self.abstract_opt_state), batch=shard_bytes(batch),
                            gradients=parameters)
-        check_fits(memory, min(device_memory(d) for d in devices), self.mesh.size, devices[0].platform)
+        check_fits(memory, min(device_memory(d) for d in devices), self.mesh.size, devices[0].platform,
+                   knobs(self.cfg))
         self._compiled_step = (_signature(batch), compiled)
 
     def eval_step(self, params, batch):
