@@ -113,9 +113,14 @@ class LauncherSpec(Strict):
     """slurm: nodes of the job step (default: `processes`, one rank per node)."""
     srun_args: list[str] = []
     """slurm: more srun options, e.g. [--partition=gpu, --gpus-per-task=1, --time=2:00:00]."""
+    devices_per_process: int | Literal["auto"] | None = "auto"
+    """local-multi: accelerators each rank owns (rank r gets local devices r*k .. r*k+k-1, set
+    through JAX_LOCAL_DEVICE_IDS, which jax.distributed reads). `auto`: the host's GPUs split
+    evenly over the ranks, nothing on a host without GPUs (CPU ranks share the host)."""
 
     _KIND_FIELDS: ClassVar[dict[str, tuple[str, ...]]] = {
-        "command": ("template",), "ray": ("address", "resources", "spread"), "slurm": ("nodes", "srun_args")}
+        "command": ("template",), "ray": ("address", "resources", "spread"), "slurm": ("nodes", "srun_args"),
+        "local-multi": ("devices_per_process",)}
 
     @model_validator(mode="after")
     def _check(self) -> "LauncherSpec":
@@ -127,6 +132,8 @@ class LauncherSpec(Strict):
             raise ValueError("launcher kind 'command' needs a template containing '{command}'")
         if self.kind == "local-multi" and self.processes < 2:
             raise ValueError("launcher kind 'local-multi' needs processes >= 2")
+        if isinstance(self.devices_per_process, int) and self.devices_per_process < 1:
+            raise ValueError("launcher kind 'local-multi': devices_per_process must be >= 1 (or auto)")
         if self.kind in ("local", "command") and self.processes != 1:
             raise ValueError(f"launcher kind '{self.kind}' runs one process; for {self.processes} use "
                              "'local-multi', 'ray' or 'slurm'")
@@ -150,7 +157,7 @@ class LauncherSpec(Strict):
         record: dict[str, Any] = {"kind": self.kind, "processes": self.processes}
         for name in self._KIND_FIELDS.get(self.kind, ()):
             value = getattr(self, name)
-            if value not in (None, [], {}):
+            if value not in (None, [], {}, "auto"):
                 record[name] = value
         if self.env:
             record["env"] = sorted(self.env)
@@ -251,7 +258,8 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def commands(spec: LauncherSpec, argv: list[str]) -> list[tuple[list[str], dict[str, str]]]:
+def commands(spec: LauncherSpec, argv: list[str], *, gpu_count: int | None = None
+             ) -> list[tuple[list[str], dict[str, str]]]:
     """(argv, extra env) of each process the launcher starts for one engine command.
 
     ray: one per rank, without TRAINFLOW_COORDINATOR, which names rank 0's node and is known
@@ -270,9 +278,43 @@ def commands(spec: LauncherSpec, argv: list[str]) -> list[tuple[list[str], dict[
                 "--kill-on-bad-exit=1", "--label", "--verbose", *spec.srun_args]
         return [([*srun, *argv], {**spec.env, "TRAINFLOW_CLUSTER": "slurm"})]
     ranks = {"TRAINFLOW_NUM_PROCESSES": str(spec.processes)}
+    devices: list[dict[str, str]] = [{}] * spec.processes
     if spec.kind == "local-multi":
         ranks["TRAINFLOW_COORDINATOR"] = f"127.0.0.1:{_free_port()}"
-    return [(argv, {**spec.env, **ranks, "TRAINFLOW_PROCESS_ID": str(rank)}) for rank in range(spec.processes)]
+        devices = rank_devices(spec, gpu_count)
+    return [(argv, {**spec.env, **ranks, **devices[rank], "TRAINFLOW_PROCESS_ID": str(rank)})
+            for rank in range(spec.processes)]
+
+
+def local_gpu_count() -> int:
+    """NVIDIA GPUs on this host (their /dev/nvidiaN nodes), limited to CUDA_VISIBLE_DEVICES when
+    it is set; no driver call, so the launcher itself never claims a GPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    return len([p for p in Path("/dev").glob("nvidia*") if p.name[len("nvidia"):].isdigit()])
+
+
+def rank_devices(spec: LauncherSpec, gpu_count: int | None = None) -> list[dict[str, str]]:
+    """The environment that gives each local-multi rank its own accelerators: rank r owns
+    local devices r*k .. r*k+k-1 (JAX_LOCAL_DEVICE_IDS, read by jax.distributed.initialize,
+    which then sets the CUDA/ROCm visible devices of that process)."""
+    per = spec.devices_per_process
+    if per is None:
+        return [{} for _ in range(spec.processes)]
+    gpus = local_gpu_count() if gpu_count is None else gpu_count
+    if per == "auto":
+        if gpus == 0:
+            return [{} for _ in range(spec.processes)]
+        if gpus % spec.processes:
+            raise StageConfigError(f"launcher local-multi: {gpus} GPUs do not split evenly over {spec.processes} "
+                                   f"processes; set processes to a divisor of {gpus} or devices_per_process")
+        per = gpus // spec.processes
+    if gpus and per * spec.processes > gpus:
+        raise StageConfigError(f"launcher local-multi: {spec.processes} processes x {per} devices need "
+                               f"{per * spec.processes} GPUs; this host has {gpus}")
+    return [{"JAX_LOCAL_DEVICE_IDS": ",".join(str(rank * per + i) for i in range(per))}
+            for rank in range(spec.processes)]
 
 
 # --------------------------------------------------------------------------- watching

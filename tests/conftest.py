@@ -9,8 +9,11 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+import atexit  # noqa: E402
 import glob  # noqa: E402
+import shutil  # noqa: E402
 import sysconfig  # noqa: E402
+import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -68,12 +71,17 @@ def bpe_dataset(tmp_path_factory) -> Path:
 # Prefect keeps its profile, local results and SQLite database under PREFECT_HOME; tests
 # use a throwaway one (set before anything imports prefect).
 if "PREFECT_HOME" not in os.environ:
-    import atexit  # noqa: E402
-    import shutil  # noqa: E402
-    import tempfile  # noqa: E402
-
     os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="trainflow-prefect-home-")
     atexit.register(shutil.rmtree, os.environ["PREFECT_HOME"], ignore_errors=True)
+
+# JAX's persistent compilation cache, fresh for each test session and shared by every engine
+# process the tests start (children inherit the environment): the same tiny model is
+# compiled by dozens of stages, and a cached executable is the very program XLA would build
+# (the key covers the computation, devices and XLA flags).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="trainflow-jax-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

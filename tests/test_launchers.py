@@ -34,8 +34,8 @@ from engine.train.checkpoint import load_params
 from flows.spec import Pipeline
 from tasks import launch
 from tasks.artifacts import read_manifest
-from tasks.launch import (GANG_GRACE_SECONDS, Interrupted, LauncherSpec, StageFailed, commands, run_child,
-                          terminate_children)
+from tasks.launch import (GANG_GRACE_SECONDS, Interrupted, LauncherSpec, StageConfigError, StageFailed, commands,
+                          run_child, terminate_children)
 from tasks.registry import StageHooks
 from tasks.runner import execute_stage
 
@@ -142,6 +142,38 @@ def test_launcher_keys_are_checked_against_their_kind():
         p.stage("train", task="toy-child", launcher=launcher)
         with pytest.raises(ConfigError, match=rf"pipeline 'p': stages.train.launcher: .*{re.escape(message)}"):
             p.plan()
+
+
+def test_local_multi_gives_each_rank_its_own_gpus():
+    argv = ["python", "-m", "engine.train", "t.yaml"]
+
+    def device_ids(spec, gpus):
+        return [env.get("JAX_LOCAL_DEVICE_IDS") for _, env in commands(spec, argv, gpu_count=gpus)]
+
+    four = LauncherSpec(kind="local-multi", processes=4)
+    assert device_ids(four, 8) == ["0,1", "2,3", "4,5", "6,7"]  # auto: the host's GPUs split evenly
+    assert device_ids(four, 4) == ["0", "1", "2", "3"]
+    assert device_ids(four, 0) == [None] * 4  # CPU ranks share the host
+    assert device_ids(LauncherSpec(kind="local-multi", processes=2, devices_per_process=1), 8) == ["0", "1"]
+    assert device_ids(LauncherSpec(kind="local-multi", processes=2, devices_per_process=None), 8) == [None] * 2
+    with pytest.raises(StageConfigError, match="6 GPUs do not split evenly over 4 processes"):
+        commands(four, argv, gpu_count=6)
+    with pytest.raises(StageConfigError, match="4 processes x 3 devices need 12 GPUs; this host has 8"):
+        commands(LauncherSpec(kind="local-multi", processes=4, devices_per_process=3), argv, gpu_count=8)
+
+
+def test_jax_distributed_restricts_a_rank_to_the_devices_it_was_given(tmp_path):
+    """JAX_LOCAL_DEVICE_IDS is what jax.distributed.initialize reads: each rank of a real
+    2-process run sets its CUDA visible devices to its own ids."""
+    script = tmp_path / "rank.py"
+    script.write_text("import jax\nfrom engine.parallel.distributed import maybe_initialize_distributed\n"
+                      "maybe_initialize_distributed()\n"
+                      "print('visible', jax.process_index(), jax.config.values['jax_cuda_visible_devices'], flush=True)\n")
+    lines: list[str] = []
+    spec = LauncherSpec(kind="local-multi", processes=2, devices_per_process=2, env={"JAX_PLATFORMS": "cpu"})
+    run_child([sys.executable, str(script)], launcher=spec, log=lines.append)
+    assert sorted(line.split("] ", 1)[1] for line in lines if "visible" in line) == \
+        ["visible 0 0,1", "visible 1 2,3"], lines
 
 
 def test_slurm_is_one_srun_job_step_whose_tasks_find_each_other_through_jax():

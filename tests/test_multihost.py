@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import threading
 import time
 from pathlib import Path
 
@@ -120,6 +121,54 @@ def test_sigterm_to_two_ranks_a_second_apart_saves_once_and_the_resume_is_bitwis
     assert len(saved) == 1 and 5 <= saved[0] < STEPS, saved  # one agreed step, saved once
 
     run_child(argv, launcher=launcher(processes, devices), log=lambda line: None)  # resume to the end
+    assert losses(tmp_path) == losses(layouts["2x2"])
+    for ours, theirs in zip(params(tmp_path), params(layouts["2x2"])):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+def rank_pid(config: Path, rank: int) -> int | None:
+    """The pid of the engine process that is `rank` of the run of `config` (from /proc)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(config) in (proc / "cmdline").read_bytes().decode(errors="replace") and \
+                    f"TRAINFLOW_PROCESS_ID={rank}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                return int(proc.name)
+        except OSError:
+            continue
+    return None
+
+
+def test_sigkill_of_one_rank_stops_the_gang_and_the_rerun_resumes_bitwise_equal(dataset, layouts, tmp_path):
+    processes, devices, mesh = LAYOUTS["2x2"]
+    config = write_config(tmp_path, dataset, mesh)
+    cfg = yaml.safe_load(config.read_text())
+    cfg["checkpoint"]["every_steps"] = 5  # a cadence does not change what is computed
+    config.write_text(yaml.safe_dump(cfg))
+    argv = [sys.executable, "-m", "engine.train", str(config)]
+    outcome: dict[str, BaseException] = {}
+
+    def launch():
+        try:
+            run_child(argv, launcher=launcher(processes, devices), log=lambda line: None)
+        except BaseException as error:  # noqa: BLE001 (handed to the test thread)
+            outcome["error"] = error
+
+    thread = threading.Thread(target=launch)
+    thread.start()
+    deadline = time.time() + 240
+    while not (tmp_path / "checkpoint" / "10" / "digests.json").is_file():  # step 10 committed
+        assert time.time() < deadline and thread.is_alive(), "the run did not get going"
+        time.sleep(0.05)
+    os.kill(rank_pid(config, 1), signal.SIGKILL)
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the surviving rank was not stopped"
+    assert "rank 1 was killed by SIGKILL" in str(outcome.get("error")), outcome
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoint").iterdir() if p.name.isdigit())
+    assert 10 <= max(saved) < STEPS, saved
+
+    lines: list[str] = []
+    run_child(argv, launcher=launcher(processes, devices), log=lines.append)  # the re-run resumes
+    assert any(f"resumed from checkpoint step {max(saved)}" in line for line in lines), lines[-20:]
     assert losses(tmp_path) == losses(layouts["2x2"])
     for ours, theirs in zip(params(tmp_path), params(layouts["2x2"])):
         np.testing.assert_array_equal(ours, theirs)

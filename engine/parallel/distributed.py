@@ -9,6 +9,9 @@ A launcher (tasks/launch.py) starts N processes that each join with
         inside one `srun` job step: JAX's own Slurm detection reads SLURM_PROCID, SLURM_NTASKS
         and the step's first node (the coordinator; port from the job id, or
         JAX_COORDINATOR_PORT).
+    TRAINFLOW_CLUSTER=auto
+        whatever jax.distributed.initialize() detects by itself: every worker of a Cloud TPU
+        VM slice running the same command, Open MPI, a Kubernetes JobSet, ...
 """
 
 from __future__ import annotations
@@ -44,8 +47,12 @@ def maybe_initialize_distributed() -> None:
                               "start it with srun")
         # JAX_COORDINATOR_PORT and JAX_COORDINATOR_BIND_ADDRESS, when set, are JAX's own overrides.
         jax.distributed.initialize(cluster_detection_method="slurm")
+    elif cluster == "auto":
+        # Whatever JAX detects: a Cloud TPU VM slice (every worker runs the same command),
+        # Slurm, Open MPI, Kubernetes (JobSet / Indexed Job), ...
+        jax.distributed.initialize()
     else:
-        raise ConfigError(f"TRAINFLOW_CLUSTER={cluster!r} is not a cluster this engine joins; valid: slurm")
+        raise ConfigError(f"TRAINFLOW_CLUSTER={cluster!r} is not a cluster this engine joins; valid: slurm, auto")
 
 
 def preemption_agreed(step: int, local_flag: bool) -> bool:
