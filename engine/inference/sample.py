@@ -66,8 +66,9 @@ def choose_tokens(logits_bv, keys_b, temperature, *, top_k: int, top_p: float):
     greedy = temperature == 0
     scaled_bv = logits_bv / jnp.where(greedy, 1.0, temperature)
     logp_bv = jax.nn.log_softmax(scaled_bv, axis=-1)
-    sampled_b = jax.vmap(jax.random.categorical)(keys_b, filter_logits(scaled_bv, top_k, top_p))
-    token_b = jnp.where(greedy, jnp.argmax(logits_bv, axis=-1), sampled_b)
+    token_b = jax.lax.cond(  # greedy skips the random draws (a uniform per row and vocabulary entry)
+        greedy, lambda: jnp.argmax(logits_bv, axis=-1),
+        lambda: jax.vmap(jax.random.categorical)(keys_b, filter_logits(scaled_bv, top_k, top_p)))
     logprob_b = jnp.take_along_axis(logp_bv, token_b[:, None], axis=-1)[:, 0]
     return token_b.astype(jnp.int32), logprob_b
 

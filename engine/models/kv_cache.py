@@ -9,6 +9,8 @@ from flax import struct
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.ops.partitioning import constrain
 
+CACHE_NAMES = ("act_batch", "act_kv_heads", None, None)  # (b, kv_heads, s, head_dim)
+
 
 @struct.dataclass
 class KVCache:
@@ -16,28 +18,33 @@ class KVCache:
 
     Functional: a decode step returns a new cache. Rows are left-padded, so every row
     writes the same slots: a step of t tokens fills slots [end, end + t) of each layer.
+
+    One array per layer, heads-major, (b, kv_heads, s, head_dim): the layout attention's
+    two products batch over (b, kv_heads) in, so attention reads a layer's keys and values
+    where they lie. A stacked (layers, b, s, kv_heads, head_dim) cache had XLA:CPU copy and
+    transpose each layer's share every decode step.
     """
 
-    k: jax.Array  # (layers, b, s, kv_heads, head_dim)
-    v: jax.Array  # (layers, b, s, kv_heads, head_dim)
+    k: tuple[jax.Array, ...]  # per layer (b, kv_heads, s, head_dim)
+    v: tuple[jax.Array, ...]  # per layer (b, kv_heads, s, head_dim)
     valid_bs: jax.Array  # (b, s) bool: the slot holds a real token (not padding, not empty)
     end: jax.Array  # () int32: first empty slot
-    layer: jax.Array | int = 0  # the layer being run; set by Transformer._decode_blocks
+    layer: int = struct.field(pytree_node=False, default=0)  # the layer being run; set by Transformer._decode_blocks
 
     @classmethod
     def init(cls, cfg: ModelConfig, compute: ComputeConfig, batch: int, max_len: int) -> "KVCache":
-        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         dtype = jnp.bfloat16 if compute.dtype == "bfloat16" else jnp.float32
-        zeros = constrain(jnp.zeros(shape, dtype), (None, "act_batch", None, "act_kv_heads", None))
+        zeros = tuple(constrain(jnp.zeros(shape, dtype), CACHE_NAMES) for _ in range(cfg.num_layers))
         return cls(zeros, zeros, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32))
 
     def expand(self, repeats: int, extra_slots: int) -> "KVCache":
         """Each row `repeats` times (row r becomes rows r * repeats ... r * repeats + repeats - 1)
         with `extra_slots` empty slots appended: a prompt's cache, computed once, shared by the
         group of completions sampled from it (GRPO's G per prompt)."""
-        slots = ((0, 0), (0, 0), (0, extra_slots), (0, 0), (0, 0))
-        k, v = (jnp.pad(jnp.repeat(a, repeats, axis=1), slots) for a in (self.k, self.v))
-        k, v = (constrain(a, (None, "act_batch", None, "act_kv_heads", None)) for a in (k, v))
+        slots = ((0, 0), (0, 0), (0, extra_slots), (0, 0))
+        k, v = (tuple(constrain(jnp.pad(jnp.repeat(a, repeats, axis=0), slots), CACHE_NAMES) for a in layers)
+                for layers in (self.k, self.v))
         valid_bs = jnp.pad(jnp.repeat(self.valid_bs, repeats, axis=0), ((0, 0), (0, extra_slots)))
         return self.replace(k=k, v=v, valid_bs=valid_bs)
 
@@ -48,15 +55,15 @@ class KVCache:
         sliding `window` (a local layer) also end + i - j < window. Left padding keeps slot
         order equal to position order: this is the full forward pass's causal mask.
         """
-        t, s = k_btkh.shape[1], self.k.shape[2]
-        start = (self.layer, 0, self.end, 0, 0)
-        k_all = jax.lax.dynamic_update_slice(self.k, k_btkh[None].astype(self.k.dtype), start)
-        v_all = jax.lax.dynamic_update_slice(self.v, v_btkh[None].astype(self.v.dtype), start)
-        k_bskh = jax.lax.dynamic_index_in_dim(k_all, self.layer, 0, keepdims=False)
-        v_bskh = jax.lax.dynamic_index_in_dim(v_all, self.layer, 0, keepdims=False)
+        t, s = k_btkh.shape[1], self.valid_bs.shape[1]
+        start = (0, 0, self.end, 0)
+        k_bksh = jax.lax.dynamic_update_slice(self.k[self.layer], k_btkh.swapaxes(1, 2).astype(self.k[0].dtype), start)
+        v_bksh = jax.lax.dynamic_update_slice(self.v[self.layer], v_btkh.swapaxes(1, 2).astype(self.v[0].dtype), start)
+        k_all = (*self.k[:self.layer], k_bksh, *self.k[self.layer + 1:])
+        v_all = (*self.v[:self.layer], v_bksh, *self.v[self.layer + 1:])
         distance_ts = self.end + jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
         visible_ts = distance_ts >= 0
         if window is not None:
             visible_ts = visible_ts & (distance_ts < window)
         mask_bts = visible_ts[None] & self.valid_bs[:, None, :]
-        return k_bskh, v_bskh, mask_bts, self.replace(k=k_all, v=v_all)
+        return k_bksh.swapaxes(1, 2), v_bksh.swapaxes(1, 2), mask_bts, self.replace(k=k_all, v=v_all)
