@@ -7,8 +7,8 @@
     trainflow ls [--store DIR] [--json]                         artifacts in a store
     trainflow serve PIPELINE.yaml --cron "0 3 * * *"            a scheduled Prefect deployment
     trainflow plan PIPELINE.yaml --target v5e-16|h100x8|local   compile each training stage for a target: fits?
-    trainflow convert HF_DIR [--store DIR] [--dtype bfloat16]   a Hugging Face model -> checkpoint artifact
-    trainflow export PATH|ID [--store DIR] [--out DIR]          a checkpoint artifact -> Hugging Face model
+    trainflow convert HF_DIR|URL [--store DIR] [--dtype bfloat16]  a Hugging Face model -> checkpoint artifact
+    trainflow export PATH|ID [--store DIR] [--out DIR|URL]      a checkpoint artifact -> Hugging Face model
     trainflow generate PATH|ID --prompt TEXT [--temperature T]  sample completions from a checkpoint artifact
 
 Overrides: `pretrain.steps=200` sets stages.pretrain.config.steps; other keys start at the
@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import signal
 import sys
 import threading
@@ -39,12 +38,12 @@ from engine import __version__
 from engine.config import ConfigError
 from engine.contract import MANIFEST
 from engine.inference.options import add_sampling_arguments
-from engine.interop.hf.files import check_export_dir, remove_stale_weights
 from flows.inspect import format_lineage, format_table, lineage, list_rows, status_rows
 from flows.spec import load_plan
 from tasks.artifacts import (
     ArtifactError, ArtifactStore, artifact_id, resolve_artifact, split_artifact_url, verify_artifact,
 )
+from tasks.export import check_export_target, copy_export
 from tasks.launch import PermanentFailure, StageFailed, terminate_children
 from tasks.objectstore import is_url
 from tasks.registry import StageHooks, get_stage_kind
@@ -112,14 +111,17 @@ def _print_reports(plan, summary: dict) -> None:
     consumed = {up for planned in plan.stages.values() for up in planned.depends_on}
     for name, result in summary.items():
         path = Path(result.get("path", ""))
+        # Where users find it: the artifact's URL on a bucket store (`path` is its staging copy).
+        shown = plan.store.location(name, result["artifact_id"]) if plan.store.remote and "artifact_id" in result \
+            else str(path)
         if (path / "report.md").is_file():
             table = [line for line in (path / "report.md").read_text().splitlines() if line.startswith("|")]
-            print(f"\n{name}: {path / 'report.md'}\n" + "\n".join(table))
+            print(f"\n{name}: {shown}/report.md\n" + "\n".join(table))
         if name not in consumed and (path / "artifact.json").is_file():
             # The tree's artifact lines only; `trainflow lineage PATH` shows configs and metrics too.
-            tree = [line for line in format_lineage(lineage(path)).splitlines()
+            tree = [line for line in format_lineage(lineage(path, store=plan.store)).splitlines()
                     if re.search(r"\S+/[0-9a-f]{16}\s+\S+\s+(complete|running|failed)", line)]
-            print(f"\nlineage of {name} (trainflow lineage {path}):\n" + "\n".join(tree))
+            print(f"\nlineage of {name} (trainflow lineage {shown}):\n" + "\n".join(tree))
 
 
 def cmd_status(args) -> int:
@@ -134,7 +136,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_lineage(args) -> int:
-    tree = lineage(resolve_artifact(args.artifact, _store_arg(args)))
+    tree = lineage(resolve_artifact(args.artifact, _store_arg(args)), store=_store_of(args))
     if "error" in tree:  # not an artifact directory: main prints the one line, exit 1
         raise ArtifactError(f"{tree['path']} is not an artifact ({tree['error']})")
     print(json.dumps(tree, indent=2) if args.json else format_lineage(tree))
@@ -217,7 +219,7 @@ def cmd_generate(args) -> int:
     from engine.inference.generate import generate  # JAX loads only for this command
 
     try:
-        args.checkpoint = str(resolve_artifact(args.artifact, _store_arg(args)))
+        args.checkpoint = str(_local_artifact(args))
     except ArtifactError:
         if not Path(args.artifact).is_dir():  # a plain checkpoint directory also works
             raise
@@ -251,7 +253,7 @@ def _run_one_stage(task: str, config: dict, inputs: dict, store: ArtifactStore):
         print(f"error: {e}", file=sys.stderr)
         return None
     print(json.dumps({"stage": task, "status": result.status, "artifact_id": result.artifact_id,
-                      "path": str(result.path), "metrics": result.metrics}))
+                      "path": store.location(task, result.artifact_id), "metrics": result.metrics}))
     return result
 
 
@@ -260,19 +262,28 @@ def cmd_convert(args) -> int:
     return 0 if _run_one_stage("convert", config, {}, ArtifactStore(_store_arg(args))) else 1
 
 
+def _local_artifact(args) -> Path:
+    """The artifact argument's directory; on a bucket, its verified local copy (downloaded)."""
+    directory = resolve_artifact(args.artifact, _store_arg(args))
+    remote_store = _store_of(args)
+    if remote_store is None:
+        return directory
+    return remote_store.open_input(directory.parent.name, directory.name).path
+
+
 def cmd_export(args) -> int:
     if args.out:
-        check_export_dir(args.out, args.overwrite)  # refused before any work, nothing written
+        check_export_target(args.out, args.overwrite)  # refused before any work, nothing written
     directory = resolve_artifact(args.artifact, _store_arg(args))
     manifest = json.loads((directory / MANIFEST).read_text())
-    store = ArtifactStore(directory.parent.parent)  # the export lands beside its input
+    # The export lands beside its input: in the same bucket store, or the same directory.
+    store = _store_of(args) or ArtifactStore(directory.parent.parent)
     config = {"max_shard_gb": args.max_shard_gb, **({"step": args.step} if args.step is not None else {})}
     result = _run_one_stage("export", config, {"checkpoint": (manifest["stage"], manifest["id"])}, store)
     if result is None:
         return 1
     if args.out:
-        remove_stale_weights(args.out)  # an earlier model's weights could shadow the new ones
-        shutil.copytree(result.path / "hf", args.out, dirs_exist_ok=True)
+        copy_export(result.path / "hf", args.out)
     return 0
 
 
@@ -311,10 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="local",
                    help="a TPU slice (v5e-16, v5p-128, v6e-8, ...), a GPU host (h100x8, h200x8, a100x8) or local")
     p = add("convert", cmd_convert, "convert a Hugging Face model directory into a checkpoint artifact")
-    p.add_argument("hf_dir", help="directory with config.json and safetensors weights")
+    p.add_argument("hf_dir", help="directory with config.json and safetensors weights (or a folder URL: "
+                                  "s3://bucket/prefix, gs://bucket/prefix)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="stored dtype (default: the source's)")
     p = add("export", cmd_export, "export a checkpoint artifact as a Hugging Face model directory", artifact=True)
-    p.add_argument("--out", help="also copy the Hugging Face directory here")
+    p.add_argument("--out", help="also copy the Hugging Face directory here (a directory or a folder URL)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--max-shard-gb", type=float, default=5.0)
     p.add_argument("--overwrite", action="store_true", help="copy into a non-empty --out, deleting its weights")

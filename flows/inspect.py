@@ -56,19 +56,22 @@ def status_rows(plan: Plan) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- lineage
 
 
-def lineage(directory: Path, _seen: set | None = None) -> dict[str, Any]:
-    """The artifact at `directory` and, recursively, the artifacts it was made from."""
+def lineage(directory: Path, _seen: set | None = None, store: ArtifactStore | None = None) -> dict[str, Any]:
+    """The artifact at `directory` and, recursively, the artifacts it was made from. On a
+    bucket `store` (whose staging copy `directory` is), manifests, states and paths are the bucket's."""
     seen = _seen if _seen is not None else set()
-    manifest = read_manifest(directory)
-    if manifest is None:
-        return {"path": str(directory), "error": "no readable artifact.json"}
     store_root = directory.parent.parent
+    remote = store is not None and store.remote is not None
+    where = store.location(directory.parent.name, directory.name) if remote else str(directory)
+    manifest = store.manifest(directory.parent.name, directory.name) if remote else read_manifest(directory)
+    if manifest is None:
+        return {"path": where, "error": "no readable artifact.json"}
     # The store's view, not the manifest's word: a manifest left `running` by a run that
     # died (or could not write its last manifest) is partial once no process holds its lock.
-    status = ArtifactStore(store_root).state(directory.parent.name, directory.name)
+    status = (store if remote else ArtifactStore(store_root)).state(directory.parent.name, directory.name)
     node = {
         "stage": manifest.get("stage"), "id": manifest.get("id"), "kind": manifest.get("kind"),
-        "task": manifest.get("task"), "status": status, "path": str(directory),
+        "task": manifest.get("task"), "status": status, "path": where,
         "format_version": manifest.get("format_version"), "pipeline": manifest.get("pipeline"),
         "config": manifest.get("config"), "config_as_written": manifest.get("config_as_written"),
         "metrics": manifest.get("metrics"), "code": manifest.get("code"), "prefect": manifest.get("prefect"),
@@ -81,7 +84,7 @@ def lineage(directory: Path, _seen: set | None = None) -> dict[str, Any]:
         return node
     seen.add(key)
     for parent in manifest.get("parents", []):
-        child = lineage(parent_dir(store_root, parent), seen)
+        child = lineage(parent_dir(store_root, parent), seen, store)
         child["input"] = parent.get("input")
         node["parents"].append(child)
     return node

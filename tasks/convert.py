@@ -8,20 +8,28 @@
 The engine runs in a child process (`python -m engine.interop.hf convert SOURCE <out>`). The
 source is outside the store, so the artifact id covers its files (engine.interop.hf.files):
 replacing the weights makes a new artifact rather than silently reusing the old one.
+
+A source may be a folder in a bucket (`s3://bucket/models/llama`, `gs://...`). Its config.json
+is read there while validating; the id covers the JSON files' sha256 and the other files'
+size and object version (ETag, generation), so nothing large is read before the stage runs.
+The stage then downloads the folder into the local cache, converts it, and deletes the copy.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
 from engine.config import ConfigError, Strict, validate
-from engine.interop.hf.files import source_fingerprint
+from engine.interop.hf.files import TOKENIZER_FILES, source_fingerprint
 from engine.interop.hf.mapping import model_config_from_hf
 from tasks.engine_stage import EngineStage
+from tasks.objectstore import StoreAccessError, download_dir, is_url, list_url, read_url, url_cache
 from tasks.registry import StageContext
 
 
@@ -30,7 +38,8 @@ class ConvertConfig(Strict):
 
     source: str
     """A Hugging Face model directory: config.json, model.safetensors or a sharded
-    model.safetensors.index.json, and usually tokenizer files."""
+    model.safetensors.index.json, and usually tokenizer files. A local path, or a folder in a
+    bucket (s3://bucket/prefix, gs://bucket/prefix)."""
     dtype: Literal["float32", "bfloat16"] | None = None
     """Stored parameter dtype. None keeps the source's: bfloat16 stays, others become float32."""
 
@@ -45,6 +54,8 @@ class ConvertStage(EngineStage):
 
     def resolve_config(self, raw: dict, source: str) -> ConvertConfig:
         cfg = validate(ConvertConfig, raw, source)
+        if is_url(cfg.source):
+            return self._resolve_url(cfg, source)
         config_path = Path(cfg.source).expanduser() / "config.json"
         if not config_path.is_file():
             raise ConfigError(f"{source}: key 'source': {cfg.source} is not a Hugging Face model directory "
@@ -55,16 +66,41 @@ class ConvertStage(EngineStage):
             raise ConfigError(f"{source}: key 'source': {e}") from None
         return cfg.model_copy(update={"source": str(Path(cfg.source).expanduser().absolute())})
 
+    @staticmethod
+    def _resolve_url(cfg: ConvertConfig, source: str) -> ConvertConfig:
+        url = cfg.source.rstrip("/")
+        try:
+            files = list_url(url)
+            text = read_url(f"{url}/config.json") if "config.json" in files else None
+        except StoreAccessError as e:
+            raise ConfigError(f"{source}: key 'source': {e}") from None
+        if text is None:
+            raise ConfigError(f"{source}: key 'source': {url} is not a Hugging Face model directory (no config.json)")
+        try:
+            model_config_from_hf(json.loads(text), where=f"{url}/config.json")
+        except (ConfigError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{source}: key 'source': {e}") from None
+        return cfg.model_copy(update={"source": url})
+
     def fingerprint(self, config: ConvertConfig) -> dict:
         # The source's files, not its path: the same weights elsewhere are the same artifact.
-        return {"dtype": config.dtype, "source_files": source_fingerprint(config.source)}
+        files = url_fingerprint(config.source) if is_url(config.source) else source_fingerprint(config.source)
+        return {"dtype": config.dtype, "source_files": files}
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
         cfg, out = ctx.config, ctx.out_dir
-        argv = ["convert", cfg.source, str(out)]
+        local = url_cache(cfg.source) / "hf" if is_url(cfg.source) else None
+        if local is not None:
+            ctx.log(f"downloading {cfg.source} into {local}")
+            download_dir(cfg.source, local)
+        argv = ["convert", str(local or cfg.source), str(out)]
         if cfg.dtype:
             argv += ["--dtype", cfg.dtype]
-        result = self.launch_engine(ctx, *argv)
+        try:
+            result = self.launch_engine(ctx, *argv)
+        finally:
+            if local is not None:  # the cache keeps no copy of a source: it is read once
+                shutil.rmtree(local, ignore_errors=True)
         if "model" in result:
             (out / "model.yaml").write_text(yaml.safe_dump(result["model"], sort_keys=False))
         seconds = result.get("seconds") or float("nan")
@@ -73,3 +109,15 @@ class ConvertStage(EngineStage):
             "source_bytes": result.get("source_bytes"), "dtype": result.get("dtype"), "seconds": seconds,
             "gb_per_second": (result.get("source_bytes") or 0) / 1e9 / seconds,
         }
+
+
+def url_fingerprint(url: str) -> dict[str, Any]:
+    """source_fingerprint for a folder in a bucket: sha256 of the small JSON files, size and
+    object version (ETag or generation) of the weights and tokenizer files."""
+    out: dict[str, Any] = {}
+    for name, info in sorted(list_url(url).items()):
+        if name.endswith(".json") and info["size"] < 10**7:
+            out[name] = hashlib.sha256(read_url(f"{url}/{name}")).hexdigest()
+        elif name.endswith(".safetensors") or name in TOKENIZER_FILES:
+            out[name] = [info["size"], info["version"]]
+    return out

@@ -7,18 +7,24 @@
 
 The engine runs in a child process (`python -m engine.interop.hf export`). The checkpoint's model
 config must be expressible in its family's transformers class (e.g. a `llama` with
-qk_norm is not); the error names the field.
+qk_norm is not); the error names the field. `trainflow export --out` copies <out>/hf to a
+directory or a folder in a bucket (`check_export_target`, `copy_export`).
 """
 
 from __future__ import annotations
 
+import shutil
+from fnmatch import fnmatch
+from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 
-from engine.config import Strict
+from engine.config import ConfigError, Strict
 from engine.contract import CHECKPOINT_DIR, TOKENIZER_DIR
+from engine.interop.hf.files import WEIGHT_FILES, check_export_dir, remove_stale_weights
 from tasks.engine_stage import EngineStage
+from tasks.objectstore import StoreAccessError, is_url, list_url, remove_url_files, upload_dir
 from tasks.registry import Input, StageContext
 
 
@@ -50,3 +56,27 @@ class ExportStage(EngineStage):
             argv += ["--tokenizer", str(source / TOKENIZER_DIR)]
         result = self.launch_engine(ctx, *argv)
         return {key: result.get(key) for key in ("architecture", "step", "bytes", "shards", "seconds")}
+
+
+def check_export_target(out: str, overwrite: bool) -> None:
+    """Refuse a non-empty target unless `overwrite`: a directory, or a folder in a bucket."""
+    if not is_url(out):
+        return check_export_dir(out, overwrite)
+    try:
+        present = list_url(out)
+    except StoreAccessError as e:
+        raise ConfigError(str(e)) from None
+    if present and not overwrite:
+        raise ConfigError(f"{out} is not empty; export into an empty folder, or pass --overwrite "
+                          f"to replace the model there")
+
+
+def copy_export(hf_dir: Path, out: str) -> None:
+    """Copy an export's Hugging Face directory to `out`, first deleting the weights an earlier
+    model left there (they could shadow the new ones)."""
+    if not is_url(out):
+        remove_stale_weights(out)
+        shutil.copytree(hf_dir, out, dirs_exist_ok=True)
+        return
+    remove_url_files(out, [name for name in list_url(out) if any(fnmatch(name, p) for p in WEIGHT_FILES)])
+    upload_dir(hf_dir, out)

@@ -8,15 +8,20 @@ local store), and the runner moves bytes between it and the bucket:
   files are kept there, content-addressed by id, and re-hashed against the manifest), and a
   partial artifact of the stage itself is downloaded so the engine resumes from its
   checkpoints;
-- when the stage ends, the payload files are uploaded, then the manifest, last (a single
-  PUT is atomic on S3 and GCS: readers see the old manifest or the new one);
+- while it runs, each checkpoint step is uploaded as soon as Orbax commits it, its digests
+  last (`StepMirror`), so even a run killed outright resumes on another machine from the
+  newest step uploaded whole (`complete_steps`; only that step is downloaded);
+- when the stage ends, the payload files are uploaded (and objects no longer in the local
+  copy deleted), then the manifest, last (a single PUT is atomic on S3 and GCS: readers see
+  the old manifest or the new one);
 - a stage that fails or is interrupted uploads what it has (its partial payload) with a
   `failed` manifest, so another machine resumes from there.
 
 Locks are lease objects `<artifact>/.lease` written with a conditional create
-(`If-None-Match: *` on S3), renewed by a thread while the stage runs and taken over only
-after they expire. Credentials and endpoints come from the environment (AWS_ENDPOINT_URL,
-AWS_ACCESS_KEY_ID, ... ; the libraries' own config files), never from a pipeline file.
+(`If-None-Match: *` on S3, `ifGenerationMatch=0` on GCS), renewed by a thread while the
+stage runs and taken over only after they expire. Credentials and endpoints come from the
+environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, STORAGE_EMULATOR_HOST, ...; the libraries'
+own config files), never from a pipeline file.
 """
 
 from __future__ import annotations
@@ -36,11 +41,16 @@ from typing import Any
 
 import fsspec
 
-from engine.contract import MANIFEST
+from engine.contract import CHECKPOINT_DIR, MANIFEST
 
 LEASE = ".lease"
 LEASE_SECONDS = float(os.environ.get("TRAINFLOW_LEASE_SECONDS", "60"))
 DEFAULT_CACHE_BYTES = 20 << 30
+MIRROR_SECONDS = float(os.environ.get("TRAINFLOW_MIRROR_SECONDS", "2"))
+STEP_DIGESTS = "digests.json"
+"""engine.train.checkpoint.DIGESTS_FILE (named here too: that module loads JAX): Orbax's
+finalize writes it into a step just before committing the step, so a local step directory
+that holds it is committed; on the bucket it is uploaded last, so a step there with it is whole."""
 
 
 class StoreAccessError(RuntimeError):
@@ -69,7 +79,8 @@ def _options(protocol: str) -> dict:
     return {}
 
 
-def _cache_root(url: str) -> Path:
+def url_cache(url: str) -> Path:
+    """The local cache directory that belongs to a URL (a store's staging copies, a source's download)."""
     base = Path(os.environ.get("TRAINFLOW_CACHE") or Path.home() / ".cache" / "trainflow").expanduser()
     return (base / hashlib.sha256(url.encode()).hexdigest()[:16]).absolute()
 
@@ -83,7 +94,7 @@ class RemoteBackend:
         self.base = rest.strip("/")
         self.bucket = self.base.split("/", 1)[0]
         self.fs = _filesystem(self.url)
-        self.cache = _cache_root(self.url)
+        self.cache = url_cache(self.url)
         self.cache_bytes = int(os.environ.get("TRAINFLOW_CACHE_BYTES", DEFAULT_CACHE_BYTES))
         self.check()
 
@@ -102,8 +113,10 @@ class RemoteBackend:
         except Exception as e:  # botocore's NoCredentialsError, connection errors, ...
             name = type(e).__name__
             if "Credential" in name or "credential" in str(e):
+                how = ("set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile" if self.protocol == "s3" else
+                       "set GOOGLE_APPLICATION_CREDENTIALS or run `gcloud auth application-default login`")
                 raise StoreAccessError(f"artifact store {self.url}: no credentials found for {self.protocol}:// "
-                                       f"(set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile)") from None
+                                       f"({how})") from None
             raise StoreAccessError(f"artifact store {self.url}: cannot reach the bucket: {name}: {e}") from None
 
     def key(self, stage: str, artifact_id: str, rel: str = "") -> str:
@@ -186,39 +199,69 @@ class RemoteBackend:
 
     # ------------------------------------------------------------------ moving bytes
 
-    def upload(self, local: Path, stage: str, artifact_id: str, skip: tuple[str, ...] = ()) -> int:
+    def upload(self, local: Path, stage: str, artifact_id: str, skip: tuple[str, ...] = (),
+               delete_extra: bool = False) -> int:
         """Upload every payload file of a local staging directory whose remote copy differs in
-        size (checkpoint steps are immutable once committed); returns the number uploaded."""
+        size (checkpoint steps are immutable once committed), each step's digests last; with
+        `delete_extra`, delete the payload objects that are not there locally (steps Orbax
+        has since removed, unfinished uploads), so the bucket holds what the manifest lists.
+        Returns the number of files uploaded."""
         remote = self.payload(stage, artifact_id)
-        count = 0
+        present, todo = set(), []
         for path in sorted(p for p in local.rglob("*") if p.is_file()):
             rel = path.relative_to(local).as_posix()
             if rel in (MANIFEST, LEASE, ".lock", MANIFEST + ".tmp") or rel in skip:
                 continue
-            if remote.get(rel) == path.stat().st_size and not rel.endswith((".jsonl", ".json", ".md")):
-                continue
-            self.fs.put_file(str(path), self.key(stage, artifact_id, rel))
-            count += 1
-        return count
+            present.add(rel)
+            if remote.get(rel) != path.stat().st_size or rel.endswith((".jsonl", ".json", ".md")):
+                todo.append(rel)
+        # Concurrently (fsspec's batched put), the steps' digests after everything else.
+        for batch in ([r for r in todo if r.rsplit("/", 1)[-1] != STEP_DIGESTS],
+                      [r for r in todo if r.rsplit("/", 1)[-1] == STEP_DIGESTS]):
+            if batch:
+                self.fs.put([str(local / rel) for rel in batch], [self.key(stage, artifact_id, rel) for rel in batch])
+        if delete_extra:
+            extra = [self.key(stage, artifact_id, rel) for rel in sorted(set(remote) - present - set(skip))]
+            if extra:
+                self.fs.rm(extra)
+        return len(todo)
 
-    def download(self, stage: str, artifact_id: str, local: Path, with_manifest: bool = True) -> int:
-        """Fetch the artifact's payload objects missing (or of another size) locally."""
+    def download(self, stage: str, artifact_id: str, local: Path, with_manifest: bool = True,
+                 partial: bool = False, log: Callable[[str], None] | None = None) -> int:
+        """Fetch the artifact's payload objects missing (or of another size) locally. With
+        `partial` (resuming someone's unfinished artifact), of its checkpoint steps only the
+        newest one uploaded whole (`complete_steps`): that is the one the engine resumes from."""
         local.mkdir(parents=True, exist_ok=True)
-        count = 0
-        for rel, size in sorted(self.payload(stage, artifact_id).items()):
-            target = local / rel
-            if target.is_file() and target.stat().st_size == size:
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(target.name + ".part")
-            self.fs.get_file(self.key(stage, artifact_id, rel), str(tmp))
-            os.replace(tmp, target)
-            count += 1
+        payload = self.payload(stage, artifact_id)
+        if partial:
+            steps = complete_steps(self, stage, artifact_id, payload)
+            keep = f"{CHECKPOINT_DIR}/{steps[-1]}/" if steps else None
+            # Files of checkpoint/ itself are kept; of its subdirectories only the chosen step.
+            payload = {rel: size for rel, size in payload.items()
+                       if not rel.startswith(CHECKPOINT_DIR + "/") or rel.count("/") < 2
+                       or (keep is not None and rel.startswith(keep))}
+            if steps and log:
+                log(f"resuming from checkpoint step {steps[-1]} of the partial artifact at "
+                    f"{self.url_of(stage, artifact_id)}")
+        missing = [rel for rel, size in sorted(payload.items())
+                   if not ((local / rel).is_file() and (local / rel).stat().st_size == size)]
+        parts = [local / (rel + ".part") for rel in missing]  # renamed into place once all arrived
+        for part in parts:
+            part.parent.mkdir(parents=True, exist_ok=True)
+        if missing:  # concurrently: fsspec's batched get
+            self.fs.get([self.key(stage, artifact_id, rel) for rel in missing], [str(part) for part in parts])
+        for rel, part in zip(missing, parts):
+            os.replace(part, local / rel)
+        count = len(missing)
         if with_manifest:
             manifest = self.read_manifest(stage, artifact_id)
             if manifest is not None:
                 (local / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
         return count
+
+    def mirror(self, stage: str, artifact_id: str, local: Path, log: Callable[[str], None] | None = None,
+               keep_going: Callable[[], bool] = lambda: True) -> StepMirror:
+        return StepMirror(self, stage, artifact_id, local, log=log, keep_going=keep_going)
 
     def evict(self, keep: set[Path]) -> None:
         """Keep the cache under its bound: delete the least recently used complete copies."""
@@ -241,6 +284,222 @@ class RemoteBackend:
 
     def lease(self, stage: str, artifact_id: str, run_id: str | None = None) -> Lease:
         return Lease(self, self.key(stage, artifact_id, LEASE), run_id)
+
+
+# --------------------------------------------------------------------------- directories at a URL
+# What `trainflow convert s3://...` reads and `trainflow export --out gs://...` writes: a plain
+# folder of files in a bucket (a Hugging Face model directory), outside any artifact store.
+
+
+def _bucket_path(url: str) -> tuple[Any, str]:
+    """The file system of a URL and the path it takes ("bucket/prefix"); one line on failure."""
+    fs = _filesystem(url)
+    path = url.split("://", 1)[1].strip("/")
+    try:
+        fs.ls(path.split("/", 1)[0], refresh=True)
+    except FileNotFoundError:
+        raise StoreAccessError(f"{url}: bucket '{path.split('/', 1)[0]}' does not exist") from None
+    except PermissionError:
+        raise StoreAccessError(f"{url}: permission denied with the credentials in this environment") from None
+    return fs, path
+
+
+def list_url(url: str) -> dict[str, dict[str, Any]]:
+    """name -> {size, version} of the files directly under a folder URL ({} when there are none).
+    `version` is the object's ETag (S3) or generation (GCS): it changes when the bytes do."""
+    fs, path = _bucket_path(url)
+    fs.invalidate_cache(path)
+    try:
+        entries = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        return {}
+    return {entry["name"].rstrip("/").rsplit("/", 1)[-1]:
+            {"size": int(entry.get("size") or 0),
+             "version": str(entry.get("ETag") or entry.get("generation") or entry.get("etag") or "")}
+            for entry in entries if entry.get("type") == "file"}
+
+
+def read_url(url: str) -> bytes:
+    fs, path = _bucket_path(url)
+    return fs.cat_file(path)
+
+
+def download_dir(url: str, local: Path) -> list[str]:
+    """Copy the files directly under a folder URL into `local` (those missing or of another
+    size); their names."""
+    fs, path = _bucket_path(url)
+    local.mkdir(parents=True, exist_ok=True)
+    listing = list_url(url)
+    for name, info in sorted(listing.items()):
+        target = local / name
+        if target.is_file() and target.stat().st_size == info["size"]:
+            continue
+        tmp = target.with_name(name + ".part")
+        fs.get_file(f"{path}/{name}", str(tmp))
+        os.replace(tmp, target)
+    return sorted(listing)
+
+
+def upload_dir(local: Path, url: str) -> int:
+    """Copy every file under `local` to the folder URL (the index last, after the shards it
+    names); the number of files."""
+    fs, path = _bucket_path(url)
+    files = sorted((p for p in local.rglob("*") if p.is_file()), key=lambda p: (p.name.endswith(".index.json"), p))
+    for file in files:
+        fs.put_file(str(file), f"{path}/{file.relative_to(local).as_posix()}")
+    return len(files)
+
+
+def remove_url_files(url: str, names: list[str]) -> None:
+    fs, path = _bucket_path(url)
+    if names:
+        fs.rm([f"{path}/{name}" for name in names])
+
+
+def complete_steps(backend: RemoteBackend, stage: str, artifact_id: str,
+                   payload: dict[str, int] | None = None) -> list[int]:
+    """The checkpoint steps of an artifact on the bucket that were uploaded whole: their
+    digests are there and so is every file they list, at its recorded size. Ascending."""
+    payload = backend.payload(stage, artifact_id) if payload is None else payload
+    steps = []
+    for rel in payload:
+        parts = rel.split("/")
+        if len(parts) == 3 and parts[0] == CHECKPOINT_DIR and parts[1].isdigit() and parts[2] == STEP_DIGESTS:
+            prefix = f"{CHECKPOINT_DIR}/{parts[1]}/"
+            recorded = backend.read_json(backend.key(stage, artifact_id, rel)) or {}
+            files = recorded.get("files") if isinstance(recorded.get("files"), dict) else None
+            if files is not None and all(payload.get(prefix + name) == entry.get("size")
+                                         for name, entry in files.items()):
+                steps.append(int(parts[1]))
+    return sorted(steps)
+
+
+class StepMirror:
+    """Uploads a running stage's checkpoint steps to the bucket as Orbax commits them, so a
+    run killed outright (SIGKILL, a lost machine) resumes elsewhere from its newest step.
+
+    A thread polls `<local>/checkpoint/` every MIRROR_SECONDS. A step directory holding
+    STEP_DIGESTS is committed and immutable: its files are uploaded, the digests last. With
+    each new step, the other files that changed since (metrics.jsonl, TensorBoard events)
+    follow, and steps that Orbax has removed locally (`checkpoint.keep`) are deleted on the
+    bucket, older ones only: a newer step is always there first. Use as a context manager
+    around the stage's work; `keep_going()` False (the lease was lost) stops the uploads.
+    """
+
+    def __init__(self, backend: RemoteBackend, stage: str, artifact_id: str, local: Path,
+                 log: Callable[[str], None] | None = None, keep_going: Callable[[], bool] = lambda: True,
+                 interval: float | None = None):
+        self.backend, self.stage, self.artifact_id = backend, stage, artifact_id
+        self.local = Path(local)
+        self.log = log or (lambda _: None)
+        self.keep_going = keep_going
+        self.interval = MIRROR_SECONDS if interval is None else float(interval)
+        self.uploaded: set[int] = set()
+        self._sent: dict[str, tuple[int, int]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = False
+
+    @property
+    def url(self) -> str:
+        return self.backend.url_of(self.stage, self.artifact_id)
+
+    def __enter__(self) -> StepMirror:
+        self._thread = threading.Thread(target=self._run, name="checkpoint-mirror", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.sync()
+                self._failing = False
+            except Exception as e:  # the bucket is unreachable for a moment: retried next tick
+                if not self._failing:
+                    self.log(f"could not upload checkpoint steps to {self.url} (retrying): {type(e).__name__}: {e}")
+                self._failing = True
+
+    def committed_steps(self) -> list[int]:
+        directory = self.local / CHECKPOINT_DIR
+        if not directory.is_dir():
+            return []
+        return sorted(int(p.name) for p in directory.iterdir()
+                      if p.name.isdigit() and (p / STEP_DIGESTS).is_file())
+
+    def sync(self) -> list[int]:
+        """Upload the committed steps not on the bucket yet; returns them."""
+        if not self.keep_going():
+            return []
+        committed = self.committed_steps()
+        new = [step for step in committed if step not in self.uploaded and self._upload_step(step)]
+        if new:
+            self.uploaded.update(new)
+            self._upload_changed_files()
+            self._prune(set(committed))
+            self.log(f"checkpoint step {new[-1]} uploaded to {self.url}")
+        return new
+
+    def _upload_step(self, step: int) -> bool:
+        """Whether the step is now on the bucket whole (False: Orbax removed it meanwhile)."""
+        rel_dir = f"{CHECKPOINT_DIR}/{step}"
+        step_dir = self.local / rel_dir
+        if not (step_dir / STEP_DIGESTS).is_file():
+            return False
+        prefix = self.backend.key(self.stage, self.artifact_id, rel_dir)
+        try:
+            remote = {key[len(prefix) + 1:]: int(info.get("size") or 0)
+                      for key, info in self.backend.fs.find(prefix, detail=True).items()}
+        except FileNotFoundError:
+            remote = {}
+        try:
+            files = [p for p in step_dir.rglob("*") if p.is_file()
+                     and remote.get(p.relative_to(step_dir).as_posix()) != p.stat().st_size]
+            # The step's files concurrently (fsspec's batched put), then its digests, alone and last.
+            first = [p for p in files if p.relative_to(step_dir).as_posix() != STEP_DIGESTS]
+            if first:
+                self.backend.fs.put([str(p) for p in first],
+                                    [f"{prefix}/{p.relative_to(step_dir).as_posix()}" for p in first])
+            if len(first) < len(files):
+                self.backend.fs.put_file(str(step_dir / STEP_DIGESTS), f"{prefix}/{STEP_DIGESTS}")
+        except FileNotFoundError:  # removed meanwhile (`keep`): a newer step exists; never counted
+            return False
+        return True
+
+    def _upload_changed_files(self) -> None:
+        """The payload files outside checkpoint steps that changed since they were last sent."""
+        for path in sorted(p for p in self.local.rglob("*") if p.is_file()):
+            rel = path.relative_to(self.local).as_posix()
+            parts = rel.split("/")
+            if (parts[0] == CHECKPOINT_DIR and len(parts) > 2) or rel in (MANIFEST, LEASE, ".lock") \
+                    or rel.endswith((".tmp", ".part")):
+                continue
+            try:
+                stat = path.stat()
+                state = (stat.st_size, stat.st_mtime_ns)
+                if self._sent.get(rel) != state:
+                    self.backend.fs.put_file(str(path), self.backend.key(self.stage, self.artifact_id, rel))
+                    self._sent[rel] = state
+            except FileNotFoundError:
+                pass
+
+    def _prune(self, committed: set[int]) -> None:
+        newest = max(self.uploaded)
+        prefix = self.backend.key(self.stage, self.artifact_id, CHECKPOINT_DIR)
+        self.backend.fs.invalidate_cache(prefix)
+        try:
+            entries = self.backend.fs.ls(prefix, detail=True)
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            if entry["type"] == "directory" and name.isdigit() and int(name) < newest and int(name) not in committed:
+                self.backend.fs.rm(entry["name"], recursive=True)
 
 
 def flock_held(path: Path) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,7 +130,7 @@ def execute_stage(job: StageJob, store: ArtifactStore, hooks: StageHooks | None 
                 raise ArtifactError(f"stage '{job.stage}': input '{name}': {e}") from None
         if remote is not None:  # a partial artifact on the bucket: resume from its payload
             out_dir.mkdir(parents=True, exist_ok=True)
-            remote.download(job.stage, job.artifact_id, out_dir, with_manifest=False)
+            remote.download(job.stage, job.artifact_id, out_dir, with_manifest=False, partial=True, log=hooks.log)
         resumed = _has_partial_payload(out_dir)
         previous = store.manifest(job.stage, job.artifact_id) or {}
         manifest = {
@@ -163,16 +164,20 @@ def execute_stage(job: StageJob, store: ArtifactStore, hooks: StageHooks | None 
             remote.write_manifest(job.stage, job.artifact_id, manifest)
         hooks.log(f"{'resuming' if resumed else 'running'} {job.stage} ({job.task}) -> {where}")
         config = substitute_inputs(job.config, inputs, job.stage)
-        ctx = StageContext(job.stage, config, inputs, out_dir, job.launcher, resumed, hooks)
+        ctx = StageContext(job.stage, config, inputs, out_dir, job.launcher, resumed,
+                           hooks if remote is None else _showing_urls(hooks, store))
         work_start = time.perf_counter()
         try:
-            with holding_locks(lock.fd), recording_layouts() as layouts:  # the engine children hold the lock too
+            # On a bucket, checkpoint steps are uploaded as they commit: a SIGKILLed run resumes elsewhere.
+            mirror = nullcontext() if remote is None else remote.mirror(
+                job.stage, job.artifact_id, out_dir, log=hooks.log, keep_going=lambda: not lease.lost)
+            with holding_locks(lock.fd), recording_layouts() as layouts, mirror:  # the children hold the lock too
                 metrics = job.kind.run(ctx) or {}
             work_seconds = time.perf_counter() - work_start
             manifest.update(status=COMPLETE, metrics=metrics, layout=layouts[-1] if layouts else None,
                             files=digest_files(out_dir), finished_at=now_iso())
             if remote is not None:  # the payload, then the manifest: one atomic PUT, last
-                remote.upload(out_dir, job.stage, job.artifact_id)
+                remote.upload(out_dir, job.stage, job.artifact_id, delete_extra=True)  # the manifest's files only
                 if lease.lost:
                     raise ArtifactError(f"stage '{job.stage}': the lease on {where} expired and was taken over "
                                         f"by another run; not committing")
@@ -194,6 +199,14 @@ def execute_stage(job: StageJob, store: ArtifactStore, hooks: StageHooks | None 
         if lease is not None:
             lease.release()
         lock.release()
+
+
+def _showing_urls(hooks: StageHooks, store: ArtifactStore) -> StageHooks:
+    """The stage's hooks, its log lines naming the bucket's URLs instead of the local staging
+    copies the engine works in (`<cache>/pretrain/ID/checkpoint` -> `s3://b/p/pretrain/ID/checkpoint`)."""
+    root, url = str(store.root), store.url
+    return StageHooks(log=lambda message: hooks.log(message.replace(root, url)), metrics=hooks.metrics,
+                      progress=hooks.progress)
 
 
 def _upload_partial(remote, job: StageJob, out_dir: Path, hooks: StageHooks) -> None:

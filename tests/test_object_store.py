@@ -7,15 +7,22 @@ and credentials from the environment, as a user's would.
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 import yaml
 
+from engine.train.checkpoint import Checkpointer, load_params, verify_step
+from tasks.objectstore import flock_held
 from tests.conftest import REPO
 
 moto_server = pytest.importorskip("moto.server")
@@ -132,6 +139,10 @@ def test_verify_and_lineage_on_s3(finished):
     assert "pretrain" in text and "tokenize" in text
     tree = json.loads(trainflow("lineage", pretrain["id"], "--store", store, "--json").stdout)
     assert tree["parents"][0]["stage"] == "tokenize" and tree["parents"][0]["status"] == "complete"
+    # Users see where the artifacts live, not the local staging copies.
+    assert tree["path"] == f"{store}/pretrain/{pretrain['id']}"
+    assert tree["parents"][0]["path"] == f"{store}/tokenize/{tree['parents'][0]['id']}"
+    assert f"(trainflow lineage {store}/pretrain/{pretrain['id']})" in finished[2].stdout
 
 
 def test_rerun_on_s3_skips_everything(finished):
@@ -140,6 +151,76 @@ def test_rerun_on_s3_skips_everything(finished):
     assert proc.stdout.count("skipped") >= 2, proc.stdout[-2000:]
     assert "ran" not in {line.split()[2] for line in proc.stdout.splitlines()
                          if line.split()[:1] in (["tokenize"], ["pretrain"]) and len(line.split()) > 2}
+
+
+def test_generate_from_a_bucket_artifact_on_a_fresh_machine(finished, tmp_path):
+    """`generate` downloads the checkpoint (verified) into an empty cache and samples from it."""
+    store, _, _ = finished
+    pretrain_id = next(r["id"] for r in json.loads(trainflow("ls", "--store", store, "--json").stdout)
+                       if r["stage"] == "pretrain")
+    cache = tmp_path / "fresh"
+    proc = trainflow("generate", pretrain_id, "--store", store, "--prompt", "import", "--max-new-tokens", "3",
+                     "--temperature", "0", "--json", env={"TRAINFLOW_CACHE": str(cache)})
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["prompt"] == "import"
+    assert list(cache.glob(f"*/pretrain/{pretrain_id}/checkpoint/{STEPS}/digests.json"))
+
+
+def test_sigkilled_pretrain_resumes_from_the_bucket_on_another_machine(finished, tmp_path):
+    """Steps reach the bucket as they commit: `trainflow run` SIGKILLed mid-pretrain, its local
+    staging deleted, a re-run from another cache resumes past step 0 and ends bitwise equal to
+    the uninterrupted run of the module (the checkpoint cadence is not part of the id)."""
+    from tasks.artifacts import ArtifactStore
+
+    store, pipeline, _ = finished
+    bucket, prefix = store.removeprefix("s3://").split("/", 1)
+    client = boto3.client("s3")
+    killed = f"s3://{bucket}/runs/killed"
+    for obj in client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/tokenize/")["Contents"]:  # inputs done
+        client.copy_object(Bucket=bucket, Key=f"runs/killed/{obj['Key'].removeprefix(prefix + '/')}",
+                           CopySource={"Bucket": bucket, "Key": obj["Key"]})
+    reference = ArtifactStore(store)
+    pretrain_id = next(r["id"] for r in json.loads(trainflow("ls", "--store", store, "--json").stdout)
+                       if r["stage"] == "pretrain")
+    args = ("run", pipeline, "--store", killed, f"pretrain.steps={STEPS}", "pretrain.checkpoint.every_steps=2")
+    machine = {name: {"TRAINFLOW_CACHE": str(tmp_path / name), "TRAINFLOW_LEASE_SECONDS": "3",
+                      "TRAINFLOW_MIRROR_SECONDS": "0.3"} for name in ("a", "b")}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", **machine["a"]}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *map(str, args)], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    uploaded = []
+    deadline = time.monotonic() + 300
+    while not any(step >= 4 for step in uploaded):
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint step reached the bucket"
+        time.sleep(0.2)
+        listing = client.list_objects_v2(Bucket=bucket, Prefix=f"runs/killed/pretrain/{pretrain_id}/checkpoint/")
+        uploaded = [int(o["Key"].split("/")[-2]) for o in listing.get("Contents", [])
+                    if o["Key"].endswith("/digests.json")]
+    proc.kill()  # SIGKILL: no failed manifest, no partial upload, the lease left to expire
+    proc.wait()
+    staging = Path(machine["a"]["TRAINFLOW_CACHE"])
+    lock = next(staging.glob(f"*/pretrain/{pretrain_id}/.lock"))
+    deadline = time.monotonic() + 60
+    while flock_held(lock):  # the orphaned engine (SIGTERM from its dead parent) saves and exits
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    shutil.rmtree(staging)  # another machine: nothing staged locally
+
+    proc = trainflow(*args, env=machine["b"])
+    resumed = re.search(r"resuming from checkpoint step (\d+) of the partial artifact at (\S+)", proc.stderr)
+    assert resumed, proc.stderr[-3000:]
+    assert int(resumed.group(1)) >= 4 and resumed.group(2) == f"{killed}/pretrain/{pretrain_id}"
+    # The engine's own line, naming the bucket rather than the staging copy it restored from.
+    assert f"resumed from checkpoint step {resumed.group(1)} in {killed}/pretrain/{pretrain_id}/checkpoint" \
+        in proc.stderr, proc.stderr[-3000:]
+    again = ArtifactStore(killed)
+    assert again.is_complete("pretrain", pretrain_id) and trainflow("verify", pretrain_id, "--store", killed)
+    _, params, step = load_params(again.open_input("pretrain", pretrain_id).path / "checkpoint", as_numpy=True)
+    _, expected, expected_step = load_params(reference.open_input("pretrain", pretrain_id).path / "checkpoint",
+                                             as_numpy=True)
+    assert step == expected_step == STEPS
+    leaves, want = jax.tree.leaves(params), jax.tree.leaves(expected)
+    assert len(leaves) == len(want) and all(np.array_equal(a, b) for a, b in zip(leaves, want))
 
 
 def test_tampered_checkpoint_object_fails_verify(finished, tmp_path):
@@ -240,7 +321,6 @@ def test_lease_is_a_conditional_create(bucket):
 
 def test_consumer_downloads_into_cache_and_refuses_a_tampered_input(bucket, tmp_path):
     import hashlib
-    import shutil
 
     from tasks.artifacts import ArtifactError, ArtifactStore
 
@@ -266,6 +346,53 @@ def test_consumer_downloads_into_cache_and_refuses_a_tampered_input(bucket, tmp_
         store.open_input("tokenize", "abc")
 
 
+# --------------------------------------------------------------------------- checkpoint steps as they commit
+
+
+def test_steps_are_uploaded_as_they_commit_and_a_resume_takes_the_newest_whole_one(bucket, tmp_path):
+    from tasks.artifacts import ArtifactStore
+    from tasks.objectstore import complete_steps
+
+    store = ArtifactStore(f"s3://{bucket}/mirror")
+    out = store.artifact_dir("pretrain", "abc")
+    out.mkdir(parents=True)
+    checkpointer = Checkpointer(out / "checkpoint", keep=2, async_save=False)
+    mirror = store.remote.mirror("pretrain", "abc", out)
+    sent = []  # object keys in the order their uploads were started
+    fs = store.remote.fs
+    put, put_file = fs.put, fs.put_file
+    fs.put = lambda local, keys, **kw: (sent.extend(keys if isinstance(keys, list) else [keys]), put(local, keys, **kw))
+    fs.put_file = lambda local, key, **kw: (sent.append(key), put_file(local, key, **kw))
+    uploads = []
+    for step in (2, 4, 6):
+        checkpointer.save(step, {"w_df": jnp.full((8, 4), step, jnp.float32)}, {"count": jnp.zeros((), jnp.int32)},
+                          {"step": step}, {})
+        checkpointer.wait()
+        with open(out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step}) + "\n")
+        uploads.append(mirror.sync())
+    checkpointer.close()
+    assert uploads == [[2], [4], [6]]
+    step_keys = [key for key in sent if "/checkpoint/6/" in key]
+    assert step_keys[-1].endswith("/checkpoint/6/digests.json") and len(step_keys) > 5  # the digests last
+    # Step 2 left the local directory (keep=2), then the bucket, once 6 was there.
+    assert complete_steps(store.remote, "pretrain", "abc") == [4, 6]
+    assert store.remote.fs.cat_file(f"{bucket}/mirror/pretrain/abc/metrics.jsonl").decode().count("\n") == 3
+
+    # A run killed in the middle of uploading step 6: a file of it is missing on the bucket.
+    client = boto3.client("s3")
+    victim = next(key for key in step_keys if "/params/" in key)
+    client.delete_object(Bucket=bucket, Key=victim.removeprefix(f"{bucket}/"))
+    assert complete_steps(store.remote, "pretrain", "abc") == [4]
+    logs = []
+    elsewhere = tmp_path / "elsewhere"
+    store.remote.download("pretrain", "abc", elsewhere, with_manifest=False, partial=True, log=logs.append)
+    assert sorted(p.name for p in (elsewhere / "checkpoint").iterdir()) == ["4"]
+    assert logs == [f"resuming from checkpoint step 4 of the partial artifact at s3://{bucket}/mirror/pretrain/abc"]
+    assert verify_step(elsewhere / "checkpoint", 4) == []
+    assert (elsewhere / "metrics.jsonl").is_file()
+
+
 # --------------------------------------------------------------------------- the runner on a bucket
 
 
@@ -280,8 +407,6 @@ def _toy_plan(store: str, trace: Path, **a_config):
 
 
 def test_failed_stage_uploads_its_partial_payload_and_resumes_elsewhere(bucket, tmp_path):
-    import shutil
-
     from tasks.runner import RAN, RESUMED, SKIPPED, execute_stage
 
     plan = _toy_plan(f"s3://{bucket}/toys", tmp_path / "trace", fail_times=1)
@@ -323,3 +448,48 @@ def test_two_concurrent_runs_on_a_bucket_do_the_work_once(bucket, tmp_path, monk
         t.join(timeout=60)
     assert sorted(statuses) == [RAN, SKIPPED]
     assert trace.read_text().split() == ["a"]
+
+
+# --------------------------------------------------------------------------- convert from, export to a bucket
+
+
+def test_convert_from_a_bucket_and_export_to_one(bucket, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    import fsspec
+
+    from flows.cli import main
+
+    config = transformers.Qwen3Config(vocab_size=37, hidden_size=30, intermediate_size=26, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=2, head_dim=8)
+    local = tmp_path / "hf"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(local)
+    (local / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    fs = fsspec.filesystem("s3")
+    fs.put(str(local) + "/", f"{bucket}/models/qwen3/", recursive=True)
+    store, source, out = f"s3://{bucket}/store", f"s3://{bucket}/models/qwen3", f"s3://{bucket}/exported"
+
+    def last_json() -> dict:
+        return json.loads([line for line in capsys.readouterr().out.splitlines() if line.startswith("{")][-1])
+
+    assert main(["convert", source, "--store", store]) == 0
+    converted = last_json()
+    assert converted["status"] == "ran" and converted["path"] == f"{store}/convert/{converted['artifact_id']}"
+    assert main(["convert", source + "/", "--store", store]) == 0  # the same objects: nothing to do
+    assert last_json()["status"] == "skipped"
+    manifest = json.loads(fs.cat_file(f"{bucket}/store/convert/{converted['artifact_id']}/artifact.json"))
+    assert manifest["config"]["source"] == source and manifest["status"] == "complete"
+
+    assert main(["export", converted["artifact_id"], "--store", store, "--out", out]) == 0
+    exported = last_json()
+    assert exported["path"] == f"{store}/export/{exported['artifact_id']}"
+    assert trainflow("verify", exported["path"]).stdout.startswith("OK ")
+    fs.get(f"{bucket}/exported/", str(tmp_path / "back") + "/", recursive=True)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").state_dict()
+    for name, weight in transformers.AutoModelForCausalLM.from_pretrained(local).state_dict().items():
+        torch.testing.assert_close(loaded[name], weight, rtol=0, atol=0, msg=name)
+    assert main(["export", converted["artifact_id"], "--store", store, "--out", out]) == 2  # not empty
+    assert f"error: {out} is not empty" in capsys.readouterr().err
+
+    assert main(["convert", f"s3://{bucket}/models/none", "--store", store]) == 2
+    assert f"s3://{bucket}/models/none is not a Hugging Face model directory" in capsys.readouterr().err
