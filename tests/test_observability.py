@@ -22,8 +22,9 @@ from engine.config import load_config
 from engine.train.config import TrainConfig
 from engine.train.metrics import read_metrics
 from engine.train.pretrain import run_pretrain
-from flows.pipeline import FLOW_NAME, PrefectHooks, format_number, line_level, run_plan
+from flows.pipeline import FLOW_NAME, PrefectHooks, run_plan
 from flows.spec import Pipeline
+from flows.summary import format_number, line_level
 from tasks.registry import Input, StageContext, StageKind, register_stage
 from tests.pipeline_toys import ValueConfig
 
@@ -106,9 +107,9 @@ def test_runs_are_tagged_stages_materialise_assets_from_their_inputs_and_publish
     events = asset_events(since, set(keys.values()), expected=4 + 3)  # 4 materialisations, 3 references
     materialised = {e.resource.id: e for e in events if e.event == "prefect.asset.materialization.succeeded"}
     assert set(materialised) == set(keys.values())
-    upstream = {r.id for r in materialised[keys["ab"]].related if r.role == "asset"}
-    assert upstream == {keys["a"], keys["b"]}
-    assert {r.id for r in materialised[keys["report"]].related if r.role == "asset"} == {keys["ab"]}
+    upstream = sorted(r.id for r in materialised[keys["ab"]].related if r.role == "asset")
+    assert upstream == sorted([keys["a"], keys["b"]])
+    assert [r.id for r in materialised[keys["report"]].related if r.role == "asset"] == [keys["ab"]]
     assert materialised[keys["ab"]].payload["metrics"] == {"value": 4}
     assert any(r.role == "task-run" and r.id == f"prefect.task-run.{task_runs['ab'].id}"
                for r in materialised[keys["ab"]].related)
@@ -130,6 +131,27 @@ def test_runs_are_tagged_stages_materialise_assets_from_their_inputs_and_publish
     time.sleep(3.0)  # what the server would have persisted by now
     assert not [e for e in asset_events(since, set(keys.values()), expected=1, timeout=3.0)
                 if e.event.startswith("prefect.asset.materialization")]
+
+
+def test_a_tag_concurrency_limit_holds_a_pipelines_stages_to_one_at_a_time(prefect_server, tmp_path):
+    """The recipe in docs/pipelines.md: `prefect concurrency-limit create pipeline:<name> 1`."""
+    p = Pipeline("limited", store=tmp_path / "store")
+    for name in ("left", "right"):  # independent: without the limit they run at once
+        p.stage(name, task="toy-source", config={"value": len(name), "sleep": 1.0})
+    with client() as c:
+        c.create_concurrency_limit(tag="pipeline:limited", concurrency_limit=1)
+    try:
+        result = run_plan(p.plan())
+    finally:
+        with client() as c:
+            c.delete_concurrency_limit_by_tag("pipeline:limited")
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with client() as c:
+        runs = sorted(c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(
+            any_=[result["left"]["flow_run_id"]]))), key=lambda run: run.start_time)
+    assert [run.state.is_completed() for run in runs] == [True, True]
+    assert runs[1].start_time >= runs[0].end_time  # one after the other
 
 
 def test_child_lines_keep_their_level_and_metrics_read_step_of_total_with_an_eta():

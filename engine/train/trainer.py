@@ -279,8 +279,13 @@ class Trainer:
         (the checkpoint) have run, and CorruptCheckpoint when no stored step is intact.
         """
         cfg = self.cfg
-        if self._compiled_step is None and self.batch_shapes is not None:  # before any state exists
+        compiled_ahead = self._compiled_step is not None
+        if not compiled_ahead and self.batch_shapes is not None:  # before any state exists
+            log("compiling the train step ...")
+            start = time.perf_counter()
             self.compile_train_step(self.batch_shapes)
+            log(f"compiled the train step in {time.perf_counter() - start:.1f} s")
+            compiled_ahead = True
         resume_step = checkpointer.resume_step(log)
         if resume_step is not None:
             params, opt_state, _, source_state = checkpointer.restore(
@@ -307,8 +312,8 @@ class Trainer:
 
         pending = None  # the previous step's metrics, checked one step late to keep dispatch async
         steps_timed, seconds_timed, first = 0, 0.0, True
-        if state.step < cfg.steps:
-            log(f"compiling the train step (step {state.step + 1} of {cfg.steps}) ...")
+        if state.step < cfg.steps and not compiled_ahead:
+            log(f"compiling the train step (with step {state.step + 1} of {cfg.steps}) ...")
         while state.step < cfg.steps:
             start = time.perf_counter()
             batch, source_metrics = source.next_batch(state)
@@ -318,7 +323,8 @@ class Trainer:
             if first:  # keep compilation out of the throughput figures
                 jax.block_until_ready(metrics)
                 final["compile_seconds"] = time.perf_counter() - start
-                log(f"compiled and ran step {state.step} in {final['compile_seconds']:.1f} s")
+                if not compiled_ahead:
+                    log(f"compiled and ran step {state.step} in {final['compile_seconds']:.1f} s")
                 first = False
             else:
                 steps_timed += 1
