@@ -230,10 +230,10 @@ def cmd_generate(args) -> int:
 def cmd_plan(args) -> int:
     plan = load_plan(args.pipeline, args.overrides, args.store)
     from engine.train.plan import DoesNotFit  # JAX loads only for this command
-    from tasks.plan import plan_pipeline
+    from tasks.plan import print_pipeline_plan
 
     try:
-        plan_pipeline(plan, args.target)
+        print_pipeline_plan(plan, args.target)
     except DoesNotFit as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -41,9 +41,9 @@ def grpo_batch(cfg: GRPOConfig) -> dict[str, jax.ShapeDtypeStruct]:
     return batch
 
 
-def plan_pipeline(plan, target_name: str, print_fn: Callable[[str], None] = print) -> dict:
-    """Plan every training stage of a loaded pipeline (flows.spec.load_plan) for the target and
-    print each; raises engine.train.plan.DoesNotFit when a stage does not fit."""
+def plan_pipeline(plan, target_name: str) -> tuple[list[Plan], list[str]]:
+    """(a Plan of every training stage of a loaded pipeline (flows.spec.load_plan) for the
+    target, notes on what the plans leave out)."""
     target = get_target(target_name)
     models: dict[str, tuple[ModelConfig, ComputeConfig]] = {}
     plans: list[Plan] = []
@@ -70,6 +70,13 @@ def plan_pipeline(plan, target_name: str, print_fn: Callable[[str], None] = prin
                 batch=grpo_batch(cfg), updates_per_batch=cfg.num_iterations))
             notes.append(f"note: stage {name} (grpo): the plan is of its train step; rollout sampling and the KL "
                          "reference's parameters are not counted")
+    return plans, notes
+
+
+def print_pipeline_plan(plan, target_name: str, print_fn: Callable[[str], None] = print) -> dict:
+    """`trainflow plan`: print each training stage's plan; raises engine.train.plan.DoesNotFit
+    when a stage does not fit the target."""
+    plans, notes = plan_pipeline(plan, target_name)
     if not plans:
         print_fn(f"pipeline {plan.name} has no training stage ({', '.join(TRAINING_TASKS)}): nothing to plan")
         return {}

@@ -1,8 +1,8 @@
 """What a compiled training step holds per device, and whether that fits the device.
 
-`Memory` splits XLA's memory analysis of a compiled step (arguments, outputs not aliased to
-them, temporaries, generated code) into parameters, optimizer state and batch (their shard
-sizes) and temporaries (the gradients, param-shaped, among them). The trainer applies
+`Memory` holds XLA's memory analysis of a compiled step (arguments, outputs not aliased to
+them, temporaries, generated code) and what the arguments are made of: parameters, optimizer
+state and batch (their shard sizes; the compiler may pad them), plus the gradients' size. The trainer applies
 `check_fits` to its compiled step before step 1; the preflight (plan.py) reports the same.
 """
 
@@ -39,7 +39,8 @@ class Memory:
     optimizer_state: float
     batch: float
     gradients: float
-    """Param-shaped, in the parameters' dtype: part of the temporaries."""
+    """Param-shaped, in the parameters' dtype: what the temporaries hold of them at most (XLA
+    may write them into the donated outputs instead)."""
     argument: float
     output: float
     alias: float

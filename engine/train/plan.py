@@ -11,11 +11,10 @@ over the target's devices and compiles the step ahead of time from abstract argu
     GPU host    compiled where that many GPUs are here; otherwise an analytic estimate that says so
 
 Per device it reports what the compiled step holds (XLA's memory analysis: arguments,
-outputs not aliased to them, temporaries, generated code) split into parameters, optimizer
-state and batch (their shard sizes) and temporaries (gradients, param-shaped, among them),
-against the device's memory; the step's FLOPs; and a roofline bound on step time and MFU.
-Where the TPU compiler itself refuses a step that cannot fit (RESOURCE_EXHAUSTED), its
-figures are reported. `check_fits` is the same test the trainer applies before step 1.
+outputs not aliased to them, temporaries, generated code), what the arguments are made of
+(parameters, optimizer state, batch: their shard sizes) and the gradients' size, against the
+device's memory; the step's FLOPs; and a roofline bound on step time and MFU. Where the TPU
+compiler itself refuses a step that cannot fit (RESOURCE_EXHAUSTED), its figures are reported. `check_fits` is the same test the trainer applies before step 1.
 """
 
 from __future__ import annotations
@@ -268,8 +267,10 @@ def format_plan(plan: Plan) -> str:
              f"    parameters                 {size(m.parameters)}",
              f"    optimizer state            {size(m.optimizer_state)}",
              f"    batch                      {size(m.batch)}",
-             f"    gradients                  {size(m.gradients)}   (among the temporaries)",
-             f"    activations, other temps   {size(m.temporaries - m.gradients)}",
+             f"    arguments as compiled      {size(m.argument)}   (the three above, laid out by the compiler)",
+             f"    gradients                  {size(m.gradients)}   (param-shaped, the parameters' dtype)",
+             f"    temporaries                {size(m.temporaries)}   (activations, gradients, workspace)",
+             f"    outputs not donated        {size(m.output - m.alias)}",
              f"    generated code             {size(m.generated_code)}",
              f"    total                      {size(m.total)}   of {plan.capacity / scale:.2f}: "
              + ("fits" if plan.fits else "DOES NOT FIT") + f" ({m.total / plan.capacity:.0%})"]
