@@ -23,6 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from engine.inference.sample import Sampler  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
@@ -153,6 +154,10 @@ def test_greedy_generation_of_16_tokens_is_identical(case):
     ref = out[:, prompt.shape[1]:].numpy()
     ours = engine_greedy(case.cfg, case.compute, case.params, prompt, 16)
     np.testing.assert_array_equal(ours, ref)
+    # The KV-cache sampler, two completions per prompt from one prefill: the same tokens.
+    sampled = Sampler(case.cfg, case.compute)(case.params, prompt.astype(np.int32), np.ones_like(prompt),
+                                              max_new_tokens=16, num_generations=2, temperature=0.0)
+    np.testing.assert_array_equal(sampled.tokens, np.repeat(ref, 2, axis=0))
 
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):

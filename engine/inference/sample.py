@@ -187,6 +187,10 @@ class Sampler:
         self.length_buckets = tuple(sorted(length_buckets))
         self._compiled: dict[tuple, Any] = {}
 
+    def _bucket(self, length: int) -> int:
+        """length_bucket(length), but no longer than the model's max_seq_len (unless length is)."""
+        return min(length_bucket(length, self.length_buckets), max(length, self.model_cfg.max_seq_len))
+
     def _function(self, settings: tuple):
         if settings not in self._compiled:
             def fn(params, tokens, mask, key_data, *rest):
@@ -213,12 +217,12 @@ class Sampler:
         prompts, prompt_len = prompt_tokens_bp.shape
         shards = 1 if self.mesh is None else batch_shards(self.mesh)
         extra_rows = -prompts % shards  # dummy prompts (copies of the last) so the rows divide over the mesh
-        extra_columns = length_bucket(prompt_len, self.length_buckets) - prompt_len  # more left padding
+        extra_columns = self._bucket(prompt_len) - prompt_len  # more left padding
         tokens_bp = np.pad(prompt_tokens_bp, ((0, 0), (extra_columns, 0)), constant_values=pad_id)
         mask_bp = np.pad(prompt_mask_bp, ((0, 0), (extra_columns, 0)))
         tokens_bp, mask_bp = (np.concatenate([a, np.repeat(a[-1:], extra_rows, 0)]) for a in (tokens_bp, mask_bp))
         rng = jax.random.key(seed) if isinstance(seed, int) else seed
-        settings = (("max_new_tokens", length_bucket(max_new_tokens, self.length_buckets)),
+        settings = (("max_new_tokens", self._bucket(max_new_tokens)),
                     ("num_generations", int(num_generations)), ("top_k", int(top_k)), ("top_p", float(top_p)))
         args = (tokens_bp, mask_bp, jax.random.key_data(rng), np.float32(temperature),
                 np.asarray(list(eos_ids) or [-1], np.int32), np.int32(pad_id), np.int32(max_new_tokens))
