@@ -138,7 +138,7 @@ def mesh_shape(cfg: MeshConfig, devices: int, target: str) -> dict[str, int]:
     return dict(zip(MESH_AXES, sizes))
 
 
-# --------------------------------------------------------------------------- batches and bytes
+# --------------------------------------------------------------------------- FLOPs
 
 
 def _flops(cfg: TrainConfig, tokens: int, updates: int) -> tuple[float, float, str]:
@@ -250,7 +250,7 @@ def _estimate(cfg: TrainConfig, target: Target, stage: str, batch: dict, tokens:
                 knobs(cfg))
 
 
-# --------------------------------------------------------------------------- checks and report
+# --------------------------------------------------------------------------- the report
 
 
 def format_plan(plan: Plan) -> str:
@@ -267,7 +267,8 @@ def format_plan(plan: Plan) -> str:
              f"    parameters                 {size(m.parameters)}",
              f"    optimizer state            {size(m.optimizer_state)}",
              f"    batch                      {size(m.batch)}",
-             f"    arguments as compiled      {size(m.argument)}   (the three above, laid out by the compiler)",
+             f"    arguments                  {size(m.argument)}   (the three above"
+             + (", as the compiler lays them out)" if plan.how == "compiled" else ")"),
              f"    gradients                  {size(m.gradients)}   (param-shaped, the parameters' dtype)",
              f"    temporaries                {size(m.temporaries)}   (activations, gradients, workspace)",
              f"    outputs not donated        {size(m.output - m.alias)}",

@@ -202,7 +202,7 @@ class Trainer:
         batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding) for k, v in batch.items()}
         with use_mesh(self.mesh):
             compiled = self._train_step.trace(self.abstract_params, self.abstract_opt_state, batch).lower().compile()
-        devices = self.mesh.devices.flat
+        devices = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]  # this host's
         parameters = shard_bytes(self.abstract_params)
         memory = Memory.of(compiled.memory_analysis(), parameters=parameters,
                            optimizer_state=shard_bytes(self.abstract_opt_state), batch=shard_bytes(batch),
