@@ -21,8 +21,10 @@ from engine.train.plan import DoesNotFit, plan_step, report
 from engine.train.targets import get_target
 from engine.train.trainer import Trainer, lm_batch
 from flows import cli
-from flows.spec import load_plan
+from flows.spec import Pipeline, load_plan
+from tasks.launch import StageConfigError
 from tasks.plan import plan_pipeline
+from tasks.runner import execute_stage
 
 TINY = {"model": "tiny", "data": {"seq_len": 128, "batch_size": 16}, "steps": 3}
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the test extra)")
@@ -75,6 +77,33 @@ def test_the_trainer_refuses_a_step_too_big_for_its_devices_before_any_state(tmp
     assert f"each of the 8 cpu devices has {capacity / 2**30:.2f} GiB" in err
     assert "parameters" in err and "mesh.fsdp" in err and "compute.remat" in err and "data.batch_size" in err
     assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
+
+
+def test_a_pipeline_stage_too_big_for_its_devices_fails_before_any_state_naming_the_numbers(tmp_path):
+    """What `trainflow run` does per stage (tasks.runner.execute_stage): the engine child exits 2
+    before any state exists and the stage fails with its sentence (a config error: not retried)."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # one CPU device: all of it
+    vocab = 128 * math.ceil(host / (2 * 64 * 4) / 128)
+    p = Pipeline("too-big", store=tmp_path / "store")
+    p.stage("problems", task="arithmetic", config={"max_number": 20, "pretrain_problems": 300, "sft_problems": 10,
+                                                   "rl_problems": 10, "eval_problems": 10})
+    p.stage("tokenize", task="tokenize", inputs={"corpus": "problems"}, config={
+        "sources": [{"format": "text", "path": "{input:corpus}/pretrain.txt", "unit": "line"}],
+        "tokenizer": {"vocab_size": 300}, "validation_fraction": 0.05, "workers": 1})
+    p.stage("pretrain", task="pretrain", inputs={"dataset": "tokenize"}, launcher={"kind": "local", "env": {"XLA_FLAGS": ""}},
+            config={"model": {"preset": "tiny", "vocab_size": vocab, "tie_embeddings": False}, "steps": 2,
+                    "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 0}})
+    plan = p.plan()
+    for name in ("problems", "tokenize"):
+        execute_stage(plan.stages[name].job, plan.store)
+    with pytest.raises(StageConfigError) as refused:
+        execute_stage(plan.stages["pretrain"].job, plan.store)
+    message = str(refused.value)
+    assert f"each of the 1 cpu devices has {host / 2**30:.2f} GiB" in message
+    needed = float(re.search(r"the training step needs ([\d.]+) GiB per device", message).group(1))
+    assert needed > host / 2**30 and "mesh.fsdp" in message and "compute.remat" in message
+    out = plan.store.artifact_dir("pretrain", plan.stages["pretrain"].job.artifact_id)
+    assert not list((out / "checkpoint").glob("[0-9]*"))
 
 
 def test_a_gpu_host_without_its_gpus_is_an_estimate_that_says_so():
