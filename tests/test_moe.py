@@ -25,14 +25,19 @@ from flax import nnx
 
 from engine.interop.hf.convert import convert_hf
 from engine.interop.hf.export import export_hf
+from engine.config import load_config
+from engine.data.tokenizer import TokenizerConfig, save_tokenizer, train_tokenizer
+from engine.inference.sample import Sampler
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.moe import MoE, combine_stats, router_stats
-from engine.models.params import apply_model, apply_model_with_aux, graphdef_of, init_params
+from engine.models.params import apply_model, apply_model_with_aux, graphdef_of, param_shardings
 from engine.models.transformer import Transformer
-from engine.inference.sample import Sampler
 from engine.parallel.config import MeshConfig
+from engine.posttrain.config import SFTConfig
+from engine.posttrain.sft import run_sft
+from engine.ops.partitioning import use_mesh
 from engine.parallel.mesh import batch_sharding, global_array, make_mesh
-from engine.train.checkpoint import load_params, stored_configs
+from engine.train.checkpoint import Checkpointer, load_params, stored_configs
 from engine.train.step import lm_loss_fn
 
 torch = pytest.importorskip("torch")
@@ -295,3 +300,75 @@ def test_export_loads_cleanly_in_transformers_and_converts_back_bitwise(case, tm
     for a, b in zip(jax.tree.leaves(case["params"]), jax.tree.leaves(params), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# --------------------------------------------------------------------------- expert parallelism
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_expert_x_fsdp_x_data_parallel_equals_one_device(dispatch):
+    """Mesh expert=2 x fsdp=2 x data=2 on 8 simulated devices: the experts' weights split over
+    `expert`, the same training loss (router losses included) and gradients as one device;
+    the capacity dispatch moves tokens to the experts' devices with all-to-alls."""
+    cfg = tiny(num_layers=2, num_experts=4, mlp_dim=8)
+    compute = ComputeConfig(moe_dispatch=dispatch, moe_capacity_factor=2.0)
+    graphdef = graphdef_of(cfg, compute)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (8, 8))
+    segments = np.ones((8, 8), np.int32)
+    segments[3, 5:] = 0  # padding: left out of the loss and of the router's statistics
+    batch = {"tokens": tokens, "positions": np.broadcast_to(np.arange(8), (8, 8)), "segment_ids": segments,
+             "targets": np.roll(tokens, -1, 1), "loss_mask": segments.astype(np.float32)}
+    step = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef), has_aux=True))
+    host_params = nnx.to_pure_dict(nnx.split(Transformer(cfg, compute, rngs=nnx.Rngs(0)))[1])
+    results = {}
+    for name, mesh in (("one", make_mesh(MeshConfig(data=1), jax.devices()[:1])),
+                       ("ep", make_mesh(MeshConfig(data=2, expert=2, fsdp=2)))):
+        params = jax.device_put(host_params, param_shardings(cfg, compute, mesh)[1])
+        sharded = {k: global_array(v, batch_sharding(mesh)) for k, v in batch.items()}
+        with use_mesh(mesh):
+            compiled = step.lower(params, sharded, 61.0).compile()
+        (loss, aux), grads = compiled(params, sharded, 61.0)
+        results[name] = float(loss), float(aux["moe_balance_loss"]), jax.tree.map(np.asarray, grads)
+        if name == "ep":
+            assert params["blocks"]["mlp"]["w_gate_edf"].sharding.spec[:2] == (None, "expert")
+            assert "all-to-all" in compiled.as_text() or dispatch == "dropless"
+    (loss_1, balance_1, grads_1), (loss_8, balance_8, grads_8) = results["one"], results["ep"]
+    assert loss_8 == pytest.approx(loss_1, rel=1e-6) and balance_8 == pytest.approx(balance_1, rel=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_1), jax.tree.leaves(grads_8), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(np.abs(a).max()))
+
+
+# --------------------------------------------------------------------------- post-training
+
+
+def test_sft_on_a_mixture_of_experts_checkpoint_learns_and_logs_the_router(tmp_path):
+    """SFT from an MoE checkpoint: the completions are learnt, the router's losses and every
+    expert's load are in metrics.jsonl, the result is still the same architecture."""
+    bundle = train_tokenizer(TokenizerConfig(vocab_size=300), ["the quick brown fox jumps " * 20, "colour red"],
+                             add_bos=True)
+    save_tokenizer(bundle, tmp_path / "base" / "tokenizer")
+    cfg = ModelConfig(family="mixtral", vocab_size=300, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, mlp_dim=48, max_seq_len=64, num_experts=4, experts_per_token=2)
+    params = nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
+    checkpointer = Checkpointer(tmp_path / "base" / "checkpoint", async_save=False)
+    checkpointer.save(0, params, {"unused": np.zeros((), np.int32)},
+                      {"step": 0, "model": cfg.model_dump(mode="json"), "format": "trainflow.checkpoint/1"}, {})
+    checkpointer.close()
+    data = tmp_path / "pairs.jsonl"
+    colours = ["red", "green", "blue"]
+    data.write_text("".join(json.dumps({"prompt": f"colour {i % 3}:", "completion": f" {colours[i % 3]}"}) + "\n"
+                            for i in range(40)))
+    config = load_config(tree={
+        "checkpoint": {"init_from": str(tmp_path / "base" / "checkpoint"), "directory": str(tmp_path / "run" / "ckpt"),
+                       "every_steps": 100, "async_save": False},
+        "data": {"path": str(data), "seq_len": 32, "batch_size": 8, "eval_fraction": 0.2},
+        "optimizer": {"learning_rate": 1e-2}, "schedule": {"kind": "constant"},
+        "steps": 25, "log_every": 5, "progress": False, "metrics_dir": str(tmp_path / "run"),
+    }, schema=SFTConfig)
+    result = run_sft(config)
+    assert result["eval_loss"] < 0.25 * np.log(300), result["eval_loss"]
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in logged if "moe_balance_loss" in r]
+    assert train and all(0 < r["moe_balance_loss"] < 4 and r["moe_router_z_loss"] > 0 for r in train)  # k=2 balanced
+    assert sum(train[-1][f"moe_load/{e}"] for e in range(4)) == pytest.approx(1.0, abs=1e-4)
+    assert load_params(tmp_path / "run" / "ckpt")[0] == cfg

@@ -197,6 +197,6 @@ class ComputeConfig(Strict):
     of each sequence."""
     moe_balance_loss: float = Field(0.01, ge=0)
     """Weight in the training loss of the router's load-balancing loss (Switch Transformer's
-    E * sum_e f_e * P_e, 1.0 when balanced; transformers' router_aux_loss_coef)."""
+    E * sum_e f_e * P_e, which is k when balanced; transformers' router_aux_loss_coef)."""
     moe_router_z_loss: float = Field(0.001, ge=0)
     """Weight of the router z-loss, the mean squared log-normaliser of the router logits (ST-MoE)."""

@@ -89,15 +89,18 @@ def dropless_experts(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_
     """sum_k weight * expert_k(x), every assignment computed: sort by expert, grouped matmuls."""
     n, k = experts_nk.shape
     num_experts = w_gate_edf.shape[0]
-    flat_experts = experts_nk.reshape(-1)  # assignment i is token i // k
-    order = jnp.argsort(flat_experts, stable=True)
-    group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
-    x_sorted = x_nd[order // k]  # (n * k, d), grouped by expert
-    hidden = activation(jax.lax.ragged_dot(x_sorted, w_gate_edf, group_sizes))
-    hidden = hidden * jax.lax.ragged_dot(x_sorted, w_up_edf, group_sizes)
-    y_sorted = jax.lax.ragged_dot(hidden, w_down_efd, group_sizes)
-    y_nkd = y_sorted[jnp.argsort(order)].reshape(n, k, -1)  # back to token order (a gather)
-    return jnp.einsum("nkd,nk->nd", y_nkd, weights_nk.astype(y_nkd.dtype))
+    with jax.named_scope("dispatch"):  # named scopes: bench/moe.py's profile attributes time by them
+        flat_experts = experts_nk.reshape(-1)  # assignment i is token i // k
+        order = jnp.argsort(flat_experts, stable=True)
+        group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
+        x_sorted = x_nd[order // k]  # (n * k, d), grouped by expert
+    with jax.named_scope("experts"):
+        hidden = activation(jax.lax.ragged_dot(x_sorted, w_gate_edf, group_sizes))
+        hidden = hidden * jax.lax.ragged_dot(x_sorted, w_up_edf, group_sizes)
+        y_sorted = jax.lax.ragged_dot(hidden, w_down_efd, group_sizes)
+    with jax.named_scope("combine"):
+        y_nkd = y_sorted[jnp.argsort(order)].reshape(n, k, -1)  # back to token order (a gather)
+        return jnp.einsum("nkd,nk->nd", y_nkd, weights_nk.astype(y_nkd.dtype))
 
 
 def capacity_experts(x_btd, experts_btk, weights_btk, valid_bt, w_gate_edf, w_up_edf, w_down_efd, activation,
@@ -173,12 +176,13 @@ class MoE(nnx.Module):
         dt = self.dtype
         if valid_bt is None:
             valid_bt = jnp.ones((b, t), bool)
-        logits_bte = dense(x_btd, self.w_router_de[...].astype(dt), backward=self.matmul_backward,
-                           dot_general=self.dot_general).astype(jnp.float32)
-        logits_ne = logits_bte.reshape(b * t, self.num_experts)
-        bias = self.b_router_e[...] if self.router_bias else None
-        weights_nk, experts_nk = route(logits_ne, bias, self.k, self.score, self.renormalize)
-        stats = router_stats(logits_ne, experts_nk, valid_bt.reshape(-1), self.num_experts)
+        with jax.named_scope("router"):
+            logits_bte = dense(x_btd, self.w_router_de[...].astype(dt), backward=self.matmul_backward,
+                               dot_general=self.dot_general).astype(jnp.float32)
+            logits_ne = logits_bte.reshape(b * t, self.num_experts)
+            bias = self.b_router_e[...] if self.router_bias else None
+            weights_nk, experts_nk = route(logits_ne, bias, self.k, self.score, self.renormalize)
+            stats = router_stats(logits_ne, experts_nk, valid_bt.reshape(-1), self.num_experts)
         experts = [w[...].astype(dt) for w in (self.w_gate_edf, self.w_up_edf, self.w_down_efd)]
         if self.dispatch == "dropless":
             out_btd = dropless_experts(x_btd.reshape(b * t, d), experts_nk, weights_nk, *experts,

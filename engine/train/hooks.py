@@ -47,7 +47,9 @@ def log_metrics(writer: MetricsWriter, *, tokens_per_step: int | None = None, pr
     def hook(info: StepInfo) -> dict:
         nonlocal peak, flops_token
         cfg, trainer = info.trainer.cfg, info.trainer
-        update = info.scalars(keys or [k for k in info.metrics if k not in _NOT_LOGGED])
+        # A mixture of experts' router losses and expert loads (engine/train/step.py) always.
+        moe = [k for k in info.metrics if k.startswith("moe_")]
+        update = info.scalars([*keys, *moe] if keys else [k for k in info.metrics if k not in _NOT_LOGGED])
         if "grad_norm" not in update:
             update["grad_norm"] = float(info.metrics["grad_norm"])
         values = {**info.source_metrics, **update,
