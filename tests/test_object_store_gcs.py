@@ -84,6 +84,7 @@ def test_tiny_pipeline_on_gcs_complete_verified_with_lineage(finished):
     assert out.startswith(f"OK {store}/pretrain/{pretrain['id']}")
     tree = json.loads(trainflow("lineage", pretrain["id"], "--store", store, "--json").stdout)
     assert tree["status"] == "complete" and tree["parents"][0]["stage"] == "tokenize"
+    assert tree["path"] == f"{store}/pretrain/{pretrain['id']}"  # the bucket's URL, not the staging copy
     assert tree["parents"][0]["status"] == "complete"
     text = trainflow("lineage", pretrain["id"], "--store", store).stdout
     assert f"pretrain/{pretrain['id']}" in text and "└─ dataset: tokenize/" in text
