@@ -7,6 +7,7 @@ import base64
 import json
 import logging
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -188,7 +189,8 @@ def mlflow_server(tmp_path_factory):
     server = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--default-artifact-root", str(root / "artifacts")],
-        stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"), start_new_session=True)
+        stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"), start_new_session=True,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # no job runner: a third of the start-up
     uri = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -202,7 +204,7 @@ def mlflow_server(tmp_path_factory):
         assert time.monotonic() < deadline, "the MLflow server did not answer"
         time.sleep(0.5)
     yield uri
-    os.killpg(server.pid, 15)
+    os.killpg(server.pid, signal.SIGKILL)  # a throwaway server: nothing of it is kept
     server.wait(timeout=30)
 
 
