@@ -11,7 +11,8 @@ from engine.models.config import ComputeConfig, ModelConfig
 from engine.parallel.config import MeshConfig
 from engine.models.kv_cache import KVCache
 from engine.models.transformer import Transformer
-from engine.inference.sample import Sampler, filter_logits, left_pad, length_bucket, prompt_positions
+from engine.inference.sample import (Sampler, filter_logits, first_argmax, inverse_cdf_draw, left_pad, length_bucket,
+                                     prompt_positions)
 from engine.parallel.mesh import make_mesh
 from engine.models.params import apply_model, graphdef_of, param_shardings
 
@@ -182,3 +183,14 @@ def test_a_batch_in_the_same_length_buckets_reuses_the_compiled_sampler(model):
     assert longer.tokens.shape == wider.tokens.shape == (len(PROMPTS), 12)
     np.testing.assert_array_equal(wider.tokens[:, :10], first.tokens)
     np.testing.assert_array_equal(longer.tokens[1:, :10], first.tokens[1:])  # rows 1-3: same prompt, same key
+
+
+def test_inverse_cdf_draws_follow_the_distribution_and_never_a_filtered_token():
+    logits = filter_logits(jnp.log(jnp.array([[0.05, 0.4, 0.1, 0.3, 0.15]])), top_k=3)  # keeps 1, 3, 4
+    n = 20_000
+    keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(0), jnp.arange(n))
+    draws = np.asarray(inverse_cdf_draw(keys, jnp.broadcast_to(logits, (n, 5))))
+    frequencies = np.bincount(draws, minlength=5) / n
+    assert frequencies[0] == frequencies[2] == 0
+    np.testing.assert_allclose(frequencies, np.array([0, 0.4, 0, 0.3, 0.15]) / 0.85, atol=0.015)  # ~4 sigma
+    assert first_argmax(jnp.array([[1.0, 3.0, 3.0], [2.0, -1.0, 0.0]])).tolist() == [1, 0]  # first of equal maxima
