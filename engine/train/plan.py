@@ -282,7 +282,7 @@ def format_plan(plan: Plan) -> str:
             else f"{plan.peak_flops / 1e9:.0f} GFLOP/s measured")
     lines += [f"  step: {plan.tokens} tokens x {plan.updates} update(s), {plan.model_flops:.3g} model FLOPs, "
               f"{plan.hardware_flops:.3g} executed ({plan.flops_source})",
-              f"  roofline: step >= {seconds * 1e3:.1f} ms ({bound}-bound at {peak}"
+              f"  roofline: step >= {seconds * 1e3:{'.1f' if seconds >= 1e-3 else '.3g'}} ms ({bound}-bound at {peak}"
               + (f", {plan.bandwidth / 1e9:.0f} GB/s" if plan.bandwidth else "") + " per device), "
               f"MFU <= {plan.mfu_bound:.0%}, at most {plan.tokens * plan.updates / seconds / plan.devices:,.0f} "
               "tokens/s per device"]
