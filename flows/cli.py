@@ -45,7 +45,8 @@ from flows.spec import load_plan
 from tasks.artifacts import (
     ArtifactError, ArtifactStore, artifact_id, resolve_artifact, split_artifact_url, verify_artifact,
 )
-from tasks.launch import PermanentFailure, StageFailed, terminate_children
+from tasks.gang import terminate_children
+from tasks.launch import PermanentFailure, StageFailed
 from tasks.objectstore import is_url
 from tasks.registry import StageHooks, get_stage_kind
 from tasks.runner import StageJob, execute_stage
