@@ -44,7 +44,8 @@ from tasks.artifacts import (
     ArtifactError, ArtifactStore, artifact_id, resolve_artifact, split_artifact_url, verify_artifact,
 )
 from tasks.export import check_export_target, copy_export
-from tasks.launch import PermanentFailure, StageFailed, terminate_children
+from tasks.gang import terminate_children
+from tasks.launch import PermanentFailure, StageFailed
 from tasks.objectstore import is_url
 from tasks.registry import StageHooks, get_stage_kind
 from tasks.runner import StageJob, execute_stage

@@ -52,7 +52,8 @@ from flows.server import ApiUnreachable, api_answers
 from flows.summary import asset_key, format_duration, format_number, line_level, summary_markdown
 from flows.spec import Plan, apply_pipeline_overrides, build_plan, load_plan, parse_spec
 from tasks.artifacts import ArtifactError, read_manifest
-from tasks.launch import Interrupted, PermanentFailure, stopping, terminate_children
+from tasks.gang import stopping, terminate_children
+from tasks.launch import Interrupted, PermanentFailure
 from tasks.registry import StageHooks
 from tasks.runner import SKIPPED, StageResult, execute_stage
 

@@ -27,7 +27,7 @@ from typing import Callable, Iterator
 from prefect.context import refresh_global_settings_context
 from prefect.settings import PREFECT_API_URL, get_current_settings
 
-from tasks.launch import guarded
+from tasks.gang import guarded
 
 # What Prefect sets for its own temporary server: the API only, without the UI and with
 # the services an ephemeral server runs.

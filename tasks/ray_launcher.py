@@ -39,7 +39,8 @@ from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tasks.launch import GangOutput, LauncherSpec, Rank, StageFailed, child_env, guarded, split_lines
+from tasks.gang import GangOutput, Rank, child_env, guarded, split_lines
+from tasks.launch import LauncherSpec, StageFailed
 
 PLACEMENT_TIMEOUT_SECONDS = 300.0
 """How long a stage waits for the cluster to have room for the whole gang (an autoscaler may add nodes)."""

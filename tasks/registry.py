@@ -34,7 +34,8 @@ from pydantic import BaseModel
 
 from engine.config import ConfigError, validate
 from tasks.artifacts import ArtifactRef, drop_fields
-from tasks.launch import ChildResult, LauncherSpec, run_child
+from tasks.gang import ChildResult
+from tasks.launch import LauncherSpec, run_child
 
 # A config string may name an input artifact's directory: `path: "{input:corpus}/sft.jsonl"`.
 # The stage's artifact id covers the input's id, so such paths are resolved only at run time.

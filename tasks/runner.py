@@ -25,7 +25,8 @@ from tasks.artifacts import (
     COMPLETE, FAILED, MANIFEST, RUNNING, ArtifactError, ArtifactLock, ArtifactStore, code_version,
     digest_files, now_iso, read_manifest, write_json_atomic,
 )
-from tasks.launch import DISK_FULL_ERRNOS, DiskFull, LauncherSpec, holding_locks, recording_layouts
+from tasks.gang import holding_locks
+from tasks.launch import DISK_FULL_ERRNOS, DiskFull, LauncherSpec, recording_layouts
 from tasks.registry import StageContext, StageHooks, StageKind, substitute_inputs
 
 SKIPPED, RAN, RESUMED = "skipped", "ran", "resumed"

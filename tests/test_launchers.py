@@ -32,10 +32,10 @@ import tests.pipeline_toys  # noqa: F401  (registers toy-child)
 from engine.config import ConfigError
 from engine.train.checkpoint import load_params
 from flows.spec import Pipeline
-from tasks import launch
+from tasks import gang
 from tasks.artifacts import read_manifest
-from tasks.launch import (GANG_GRACE_SECONDS, Interrupted, LauncherSpec, StageConfigError, StageFailed, commands,
-                          run_child, terminate_children)
+from tasks.gang import GANG_GRACE_SECONDS, terminate_children
+from tasks.launch import Interrupted, LauncherSpec, StageConfigError, StageFailed, commands, run_child
 from tasks.registry import StageHooks
 from tasks.runner import execute_stage
 
@@ -426,7 +426,7 @@ def test_ray_gang_cancelled_by_trainflow_gets_sigterm_and_saves(ray_cluster, tmp
             run_child(rank_argv(tmp_path, "training", "training"), launcher=ray_launcher(ray_cluster),
                       log=lambda _: None)
     finally:
-        launch._stopping.clear()
+        gang._stopping.clear()
     assert (tmp_path / "sigterm0").exists() and (tmp_path / "sigterm1").exists()
     assert placement_groups() == {"REMOVED"}
 
@@ -546,7 +546,7 @@ def test_srun_step_cancelled_by_trainflow_gets_sigterm_and_saves(slurm_cluster, 
             run_child(rank_argv(tmp_path, "training", "training"), log=lambda _: None,
                       launcher=LauncherSpec(kind="slurm", processes=2, env={"SLURM_CONF": str(slurm_cluster)}))
     finally:
-        launch._stopping.clear()
+        gang._stopping.clear()
     assert (tmp_path / "sigterm0").exists() and (tmp_path / "sigterm1").exists()
 
 

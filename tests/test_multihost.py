@@ -26,7 +26,8 @@ import yaml
 
 from engine.data.shards import write_dataset
 from engine.train.checkpoint import load_params
-from tasks.launch import LauncherSpec, child_env, commands, run_child
+from tasks.gang import child_env
+from tasks.launch import LauncherSpec, commands, run_child
 
 pytestmark = pytest.mark.slow
 

@@ -184,11 +184,11 @@ def test_sigkilled_parent_takes_its_child_down_with_a_checkpoint(tmp_path):
 
 
 def test_interrupt_is_not_a_failure_to_retry(tmp_path):
-    from tasks import launch
+    from tasks import gang
 
     def stop_soon():
         time.sleep(0.5)
-        launch.terminate_children(signal.SIGTERM)
+        gang.terminate_children(signal.SIGTERM)
 
     threading.Thread(target=stop_soon).start()
     try:
@@ -196,4 +196,4 @@ def test_interrupt_is_not_a_failure_to_retry(tmp_path):
             run_child([sys.executable, "-c", CHILD, str(tmp_path), "600", "0.05", "0"], log=lambda _: None)
         assert (tmp_path / "sigterm").exists()
     finally:
-        launch._stopping.clear()
+        gang._stopping.clear()
