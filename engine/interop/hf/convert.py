@@ -186,7 +186,7 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
     if checkpoint_dir.exists():
         shutil.rmtree(checkpoint_dir)  # a partial earlier attempt
     save_params(checkpoint_dir, 0, params, meta)
-    del params
+    params.clear()  # the host copy is on disk now: free it before the tokenizer copy
     tokenizer_files = copy_tokenizer(hf_dir, out_dir / TOKENIZER_DIR)
     seconds = time.perf_counter() - start
     log(f"convert: {architecture}, {cfg.num_params():,} params, {nbytes / 1e9:.3f} GB in {seconds:.1f}s")
