@@ -11,8 +11,11 @@ background thread, the `Reporter`:
   drops records until a health probe (at most one every 30 s) finds it answering again.
 
 `observing()` routes Prefect's own senders through it for the length of a run: the run
-loggers' API handler and the events client. Prefect's engine still writes the flow run's
-states itself; flows/pipeline.py bounds how long the run waits for the last one.
+loggers' API handler and the events client. A tagged task run also asks the API for its
+tags' concurrency slots before it starts; while observing, an API that does not answer
+lets it start without them (one warning) rather than fail the stage. Prefect's engine still
+writes the flow run's states itself; flows/pipeline.py bounds how long the run waits for
+the last one.
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import httpx
+import prefect.task_engine
 from prefect.client.orchestration import get_client
+from prefect.concurrency._sync import concurrency as prefect_concurrency
+from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError
 from prefect.context import get_settings_context
 from prefect.events.schemas.events import Event
 from prefect.events.worker import EventsWorker, ProcessPoolForwardingEventsClient
@@ -256,6 +262,49 @@ class _EventQueue:
         self._reporter.event(item[1])
 
 
+def _slots_or_none(reporter: Reporter):
+    """Prefect's task-run concurrency (the slots of the run's tags), except that a run whose
+    API does not answer goes on without them: a concurrency limit cannot be honoured then,
+    and a stage must not fail for want of a record. (Prefect's engine calls this by name,
+    prefect.task_engine._concurrency; `observing` swaps it in for the length of a run.)"""
+
+    @contextmanager
+    def slots(names, *args, **kwargs) -> Iterator[None]:
+        if names and not reporter.down and not api_answers(reporter.api_url, timeout=2.0):
+            reporter.api_failed("its health check failed")
+        if names and reporter.down:  # asking would only fail, after Prefect's retries
+            yield
+            return
+        held = prefect_concurrency(names, *args, **kwargs)
+        try:
+            held.__enter__()
+        except ConcurrencySlotAcquisitionError as e:
+            if not unreachable(e.__cause__ or e):
+                raise
+            reporter.api_failed(f"concurrency slots for {', '.join(names)}: {e.__cause__ or e}")
+            yield
+            return
+        try:
+            yield
+        except BaseException:
+            if not _release_quietly(held, reporter, *sys.exc_info()):
+                raise
+        else:
+            _release_quietly(held, reporter, None, None, None)
+
+    return slots
+
+
+def _release_quietly(held, reporter: Reporter, *exc_info) -> bool:
+    try:
+        return bool(held.__exit__(*exc_info))
+    except Exception as e:  # the slots' release: the API went away during the stage
+        if not unreachable(e.__cause__ or e):
+            raise
+        reporter.api_failed(f"releasing concurrency slots: {e}")
+        return False
+
+
 _RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs", "prefect.extra")
 _observing: list[tuple[logging.Logger, logging.Handler, logging.Handler]] = []
 _observing_depth = 0
@@ -280,6 +329,7 @@ def observing(api_url: str) -> Iterator[Reporter]:
                         logger.addHandler(queued)
                         _observing.append((logger, handler, queued))
             EventsWorker.set_client_override(ProcessPoolForwardingEventsClient, event_queue=_EventQueue(reporter))
+            prefect.task_engine._concurrency = _slots_or_none(reporter)
         _observing_depth += 1
     try:
         yield reporter
@@ -288,6 +338,7 @@ def observing(api_url: str) -> Iterator[Reporter]:
             _observing_depth -= 1
             if _observing_depth == 0:
                 EventsWorker.set_client_override(None)
+                prefect.task_engine._concurrency = prefect_concurrency
                 while _observing:
                     logger, handler, queued = _observing.pop()
                     logger.removeHandler(queued)
