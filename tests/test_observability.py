@@ -249,6 +249,24 @@ def test_mlflow_gets_the_runs_params_and_metrics(tracked_run, mlflow_server):
         result["eval_loss"])
 
 
+def test_evaluate_writes_each_models_results_to_tensorboard_at_its_step(tracked_run, byte_dataset, tmp_path):
+    import tensorflow as tf
+
+    from engine.evaluate.config import EvalConfig
+    from engine.evaluate.evaluate import run_evaluate
+
+    out, result, _ = tracked_run
+    cfg = EvalConfig(data_path=str(byte_dataset), loss_batches=1, seq_len=32, batch_size=8,
+                     metrics={"run_name": "evaluate"})
+    report = run_evaluate(cfg, {"tiny": out / "checkpoint"}, tmp_path, log=lambda _: None)
+    (events,) = (tmp_path / "tensorboard" / "evaluate").glob("events.out.tfevents*")
+    logged = {(value.tag, event.step): value.simple_value for event in tf.compat.v1.train.summary_iterator(str(events))
+              for value in event.summary.value}
+    assert logged == {("eval/tiny/eval_loss", result["steps"]): pytest.approx(report["models"]["tiny"]["eval_loss"]),
+                      ("eval/tiny/eval_perplexity", result["steps"]): pytest.approx(
+                          report["models"]["tiny"]["eval_perplexity"], rel=1e-6)}
+
+
 def test_tensorboard_names_the_run_by_stage(tracked_run):
     out, _, _ = tracked_run
     assert [p.name for p in (out / "tensorboard").iterdir()] == ["pretrain"]
