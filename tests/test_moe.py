@@ -15,7 +15,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,25 +22,28 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from engine.interop.hf.convert import convert_hf
-from engine.interop.hf.export import export_hf
 from engine.config import load_config
 from engine.data.tokenizer import TokenizerConfig, save_tokenizer, train_tokenizer
 from engine.inference.sample import Sampler
+from engine.interop.hf.convert import convert_hf
+from engine.interop.hf.export import export_hf
 from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.families.base import rope_from_hf, rope_to_hf
 from engine.models.moe import MoE, combine_stats, router_stats
-from engine.models.params import apply_model, apply_model_with_aux, graphdef_of, param_shardings
-from engine.models.transformer import Transformer
+from engine.models.params import apply_model, graphdef_of, param_shardings
+from engine.models.transformer import Transformer, rope_inverse_frequencies
+from engine.ops.partitioning import use_mesh
 from engine.parallel.config import MeshConfig
+from engine.parallel.mesh import batch_sharding, global_array, make_mesh
 from engine.posttrain.config import SFTConfig
 from engine.posttrain.sft import run_sft
-from engine.ops.partitioning import use_mesh
-from engine.parallel.mesh import batch_sharding, global_array, make_mesh
 from engine.train.checkpoint import Checkpointer, load_params, stored_configs
 from engine.train.step import lm_loss_fn
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func  # noqa: E402
 
 VOCAB = 37
 SHAPE = dict(vocab_size=VOCAB, d_model=12, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=6, mlp_dim=7,
@@ -129,8 +131,6 @@ def test_capacity_dispatch_drops_the_assignments_past_capacity():
 
 
 def test_balance_loss_equals_transformers_load_balancing_loss_func():
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-
     layers, b, t, e, k = 3, 2, 7, 5, 2
     logits = np.random.default_rng(0).normal(size=(layers, b * t, e)).astype(np.float32) * 2
     mask = np.ones((b, t), np.int64)
@@ -151,7 +151,7 @@ def test_balance_loss_equals_transformers_load_balancing_loss_func():
 
 
 def test_dropless_and_capacity_agree_when_nothing_is_dropped():
-    """Logits, router losses and gradients of the whole model, with the training loss."""
+    """The training loss, router losses, expert loads and gradients of the whole model."""
     cfg = tiny(attention_pattern=["local", "global"], sliding_window=4)  # mixed: the unit scan and a left-over layer
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (2, 9)))
     results = {}
@@ -163,13 +163,12 @@ def test_dropless_and_capacity_agree_when_nothing_is_dropped():
                  "loss_mask": jnp.ones(tokens.shape)}
         loss_fn = lm_loss_fn(graphdef)
         (loss, aux), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, batch, 18.0)
-        results[dispatch] = (apply_model_with_aux(graphdef, params, tokens), loss, aux, grads)
-    (logits_a, moe_a), loss_a, aux_a, grads_a = results["dropless"]
-    (logits_b, moe_b), loss_b, aux_b, grads_b = results["capacity"]
-    np.testing.assert_allclose(np.asarray(logits_a), np.asarray(logits_b), atol=1e-5)
+        results[dispatch] = (loss, aux, grads)
+    (loss_a, aux_a, grads_a), (loss_b, aux_b, grads_b) = results["dropless"], results["capacity"]
     np.testing.assert_allclose(float(loss_a), float(loss_b), rtol=1e-6)
-    assert float(moe_a["balance_loss"]) == pytest.approx(float(moe_b["balance_loss"]), rel=1e-6)
-    assert aux_a["moe_balance_loss"] > 0 and set(aux_a) == set(aux_b)
+    assert set(aux_a) == set(aux_b) and {"moe_balance_loss", "moe_router_z_loss", "moe_load/4"} <= set(aux_a)
+    for key in aux_a:
+        np.testing.assert_allclose(float(aux_a[key]), float(aux_b[key]), rtol=1e-5, err_msg=key)
     for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5 * float(np.abs(a).max()))
 
@@ -192,8 +191,11 @@ HF_COMMON = dict(vocab_size=VOCAB, hidden_size=30, intermediate_size=26, num_hid
 def hf_config(family: str):
     if family == "mixtral":  # 5 experts, top-2, a sliding window shorter than the rows
         return transformers.MixtralConfig(**HF_COMMON, num_local_experts=5, sliding_window=5)
-    # narrower experts than the dense width, top-k weights not renormalised (Qwen3-MoE's default)
-    return transformers.Qwen3MoeConfig(**HF_COMMON, num_experts=5, moe_intermediate_size=10, norm_topk_prob=False)
+    # narrower experts than the dense width, top-k weights not renormalised (Qwen3-MoE's default),
+    # YaRN with an original context short enough to matter here
+    return transformers.Qwen3MoeConfig(**HF_COMMON, num_experts=5, moe_intermediate_size=10, norm_topk_prob=False,
+                                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                        "original_max_position_embeddings": 16})
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
@@ -231,6 +233,7 @@ def hf_logits(model, tokens, mask) -> np.ndarray:
 def test_converted_moe_matches_transformers_logits_and_routing_is_sensitive(case):
     cfg = case["cfg"]
     assert cfg.family == case["family"] and cfg.num_experts == 5 and cfg.experts_per_token == 2
+    assert (cfg.rope_scaling is not None) == (case["family"] == "qwen3_moe")  # YaRN
     tokens, mask = padded_batch()
     ours = np.asarray(apply_model(graphdef_of(cfg, case["compute"]), case["params"], jnp.asarray(tokens), None,
                                   jnp.asarray(mask)))
@@ -372,3 +375,26 @@ def test_sft_on_a_mixture_of_experts_checkpoint_learns_and_logs_the_router(tmp_p
     assert train and all(0 < r["moe_balance_loss"] < 4 and r["moe_router_z_loss"] > 0 for r in train)  # k=2 balanced
     assert sum(train[-1][f"moe_load/{e}"] for e in range(4)) == pytest.approx(1.0, abs=1e-4)
     assert load_params(tmp_path / "run" / "ckpt")[0] == cfg
+
+
+# --------------------------------------------------------------------------- YaRN
+
+
+@pytest.mark.parametrize("rope", [
+    {"factor": 4.0, "original_max_position_embeddings": 16},  # Qwen3's long context
+    {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+     "mscale": 1.0, "mscale_all_dim": 0.707},  # DeepSeek-V3's
+    {"factor": 8.0, "original_max_position_embeddings": 64, "attention_factor": 1.3, "truncate": False},
+], ids=["qwen3", "deepseek-mscale", "explicit-factor-untruncated"])
+def test_yarn_frequencies_and_attention_factor_equal_transformers(rope):
+    params = {"rope_type": "yarn", "rope_theta": 10000.0, **rope}
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16,
+                                      max_position_embeddings=4 * rope["original_max_position_embeddings"],
+                                      rope_parameters=params)
+    ref_inv_freq, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    theta, scaling = rope_from_hf(params, "config.json")
+    scaling = ModelConfig(**SHAPE, rope_scaling=scaling).rope_scaling
+    np.testing.assert_allclose(np.asarray(rope_inverse_frequencies(16, theta, scaling)), ref_inv_freq.numpy(),
+                               rtol=1e-6)
+    assert scaling.yarn_attention_factor() == pytest.approx(ref_factor, rel=1e-9)
+    assert rope_from_hf({**rope_to_hf(scaling), "rope_theta": theta}, "again")[1] == rope_from_hf(params, "x")[1]

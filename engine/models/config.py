@@ -8,6 +8,7 @@ size; only the layer layout, scan_layers, must match), and a different architect
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -19,14 +20,41 @@ from engine.models.families import family_names, get_family
 class RopeScaling(Strict):
     """RoPE frequency scaling for long context."""
 
-    kind: Literal["llama3", "linear"] = "llama3"
-    """llama3: frequency-dependent (Llama 3.1+); linear: every frequency / factor (Gemma 3)."""
+    kind: Literal["llama3", "linear", "yarn"] = "llama3"
+    """llama3: frequency-dependent (Llama 3.1+); linear: every frequency / factor (Gemma 3);
+    yarn: YaRN (arXiv 2309.00071; Qwen3, DeepSeek), frequencies interpolated by a linear ramp
+    between beta_fast and beta_slow rotations, and cos/sin scaled by an attention factor."""
     factor: float = Field(8.0, gt=0)
     low_freq_factor: float = Field(1.0, gt=0)
-    """llama3 only, as are the next two."""
+    """llama3 only, as is the next one."""
     high_freq_factor: float = Field(4.0, gt=0)
     original_max_position: int = Field(8192, gt=0)
-    """Context length the base model was trained with."""
+    """Context length the base model was trained with (llama3, yarn)."""
+    beta_fast: float = Field(32.0, gt=0)
+    """yarn only, as are the rest: rotations below which a frequency is interpolated fully..."""
+    beta_slow: float = Field(1.0, gt=0)
+    """... and above which it is kept (extrapolated)."""
+    attention_factor: float | None = Field(None, gt=0)
+    """cos and sin are multiplied by this; None: 0.1 ln(factor) + 1, or with mscale and
+    mscale_all_dim (DeepSeek) the ratio of those two terms."""
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    """Round the ramp's ends to whole dimensions (transformers' default)."""
+
+    def yarn_attention_factor(self) -> float:
+        """The factor YaRN scales cos and sin by (1.0 for the other kinds)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+
+        def get_mscale(scale: float, mscale: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return get_mscale(self.factor, self.mscale) / get_mscale(self.factor, self.mscale_all_dim)
+        return get_mscale(self.factor)
 
 
 class ModelConfig(Strict):

@@ -62,6 +62,8 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling |
         return inv_freq
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "yarn":
+        return _yarn_inverse_frequencies(inv_freq, head_dim, theta, scaling)
     low_wavelen = scaling.original_max_position / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -73,11 +75,33 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling |
     return jnp.where(medium, (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq, scaled)
 
 
-def apply_rope(x_btnh, positions_bt, inv_freq_h2):
-    """Rotate (first half, second half) pairs, the convention of HF Llama checkpoints."""
+def _yarn_inverse_frequencies(inv_freq, head_dim: int, theta: float, scaling: RopeScaling):
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are
+    divided by `factor` (interpolated), those turning more than beta_fast times kept, and a
+    linear ramp over the dimensions between (transformers' _compute_yarn_parameters)."""
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return head_dim * math.log(scaling.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
+
+
+def apply_rope(x_btnh, positions_bt, inv_freq_h2, scale: float = 1.0):
+    """Rotate (first half, second half) pairs, the convention of HF Llama checkpoints; cos and
+    sin times `scale` (YaRN's attention factor)."""
     angles_bth2 = positions_bt[..., None].astype(jnp.float32) * inv_freq_h2
     cos = jnp.cos(angles_bth2)[:, :, None, :]
     sin = jnp.sin(angles_bth2)[:, :, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x_btnh.dtype)
@@ -122,6 +146,11 @@ class Attention(nnx.Module):
             return rope_inverse_frequencies(self.head_dim, self.rope_local_theta, None)
         return rope_inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
 
+    def _rope_scale(self, local: bool) -> float:
+        if (local and self.rope_local_theta is not None) or self.rope_scaling is None:
+            return 1.0
+        return self.rope_scaling.yarn_attention_factor()
+
     def __call__(self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None):
         """`local` (static) selects the sliding window and the local RoPE base. segment_ids_bt
         None: one unpadded document per row. With a cache (decoding) returns (out, updated cache)."""
@@ -135,8 +164,9 @@ class Attention(nnx.Module):
         q = constrain(q, ("act_batch", "act_seq", "act_heads", None))
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", None))
-        q = checkpoint_name(apply_rope(q, positions_bt, inv_freq), "qkv_proj")
-        k = checkpoint_name(apply_rope(k, positions_bt, inv_freq), "qkv_proj")
+        rope_scale = self._rope_scale(local)
+        q = checkpoint_name(apply_rope(q, positions_bt, inv_freq, rope_scale), "qkv_proj")
+        k = checkpoint_name(apply_rope(k, positions_bt, inv_freq, rope_scale), "qkv_proj")
         v = checkpoint_name(v, "qkv_proj")
         if cache is None:
             with jax.named_scope("core"):

@@ -19,12 +19,17 @@ from engine.ops.partitioning import BATCH_AXES, MESH_AXES
 from engine.parallel.config import MeshConfig
 
 
+def _describe(sizes: list[int]) -> str:
+    """"data=2 fsdp=4 tensor=1", naming `expert` only when it is used."""
+    return " ".join(f"{axis}={size}" for axis, size in zip(MESH_AXES, sizes) if axis != "expert" or size != 1)
+
+
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """Build the (data, expert, fsdp, tensor) mesh; -1 takes the devices the others leave."""
     devices = list(devices if devices is not None else jax.devices())
     n = len(devices)
     sizes = cfg.sizes()
-    described = " ".join(f"{axis}={size}" for axis, size in zip(MESH_AXES, sizes))
+    described = _describe(sizes)
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if n % known:
@@ -33,7 +38,7 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
             )
         sizes[sizes.index(-1)] = n // known
     if math.prod(sizes) != n:
-        described = " ".join(f"{axis}={size}" for axis, size in zip(MESH_AXES, sizes))
+        described = _describe(sizes)
         raise ConfigError(
             f"mesh: {described} needs {math.prod(sizes)} devices but {n} are available; "
             f"set one axis to -1 to take the rest"

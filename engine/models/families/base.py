@@ -71,7 +71,16 @@ def rope_from_hf(params: dict, where: str) -> tuple[float, dict | None]:
             "high_freq_factor": params["high_freq_factor"],
             "original_max_position": params["original_max_position_embeddings"],
         }
-    raise ConfigError(f"{where}: RoPE type '{kind}' is not supported (supported: default, linear, llama3)")
+    if kind == "yarn":
+        if params.get("factor") is None:
+            raise ConfigError(f"{where}: RoPE type 'yarn' needs its factor")
+        scaling = {"kind": "yarn", "factor": params["factor"],
+                   "original_max_position": params["original_max_position_embeddings"],
+                   "beta_fast": params.get("beta_fast") or 32.0, "beta_slow": params.get("beta_slow") or 1.0,
+                   "attention_factor": params.get("attention_factor"), "mscale": params.get("mscale"),
+                   "mscale_all_dim": params.get("mscale_all_dim"), "truncate": params.get("truncate", True)}
+        return theta, scaling
+    raise ConfigError(f"{where}: RoPE type '{kind}' is not supported (supported: default, linear, llama3, yarn)")
 
 
 def rope_to_hf(scaling) -> dict | None:
@@ -80,6 +89,15 @@ def rope_to_hf(scaling) -> dict | None:
         return None
     if scaling.kind == "linear":
         return {"rope_type": "linear", "factor": scaling.factor}
+    if scaling.kind == "yarn":
+        # Only what differs from transformers' defaults, as published configs write it.
+        optional = {"beta_fast": scaling.beta_fast if scaling.beta_fast != 32 else None,
+                    "beta_slow": scaling.beta_slow if scaling.beta_slow != 1 else None,
+                    "attention_factor": scaling.attention_factor, "mscale": scaling.mscale,
+                    "mscale_all_dim": scaling.mscale_all_dim, "truncate": None if scaling.truncate else False}
+        return {"rope_type": "yarn", "factor": scaling.factor,
+                "original_max_position_embeddings": scaling.original_max_position,
+                **{k: v for k, v in optional.items() if v is not None}}
     return {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
             "high_freq_factor": scaling.high_freq_factor,
             "original_max_position_embeddings": scaling.original_max_position}
