@@ -20,9 +20,10 @@ and setting on a mesh (params sharded as in training, rows over the data axes). 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,13 @@ from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.kv_cache import KVCache
 from engine.models.params import graphdef_of
 from engine.ops.partitioning import constrain, use_mesh
-from engine.parallel.mesh import batch_shards, batch_sharding, global_array, replicated, to_host
+from engine.parallel.mesh import (
+    batch_sharding,
+    batch_shards,
+    global_array,
+    replicated,
+    to_host,
+)
 
 NEG_INF = -jnp.inf
 

@@ -32,13 +32,13 @@ class KVCache:
     layer: int = struct.field(pytree_node=False, default=0)  # the layer being run; set by Transformer._decode_blocks
 
     @classmethod
-    def init(cls, cfg: ModelConfig, compute: ComputeConfig, batch: int, max_len: int) -> "KVCache":
+    def init(cls, cfg: ModelConfig, compute: ComputeConfig, batch: int, max_len: int) -> KVCache:
         shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         dtype = jnp.bfloat16 if compute.dtype == "bfloat16" else jnp.float32
         zeros = tuple(constrain(jnp.zeros(shape, dtype), CACHE_NAMES) for _ in range(cfg.num_layers))
         return cls(zeros, zeros, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32))
 
-    def expand(self, repeats: int, extra_slots: int) -> "KVCache":
+    def expand(self, repeats: int, extra_slots: int) -> KVCache:
         """Each row `repeats` times (row r becomes rows r * repeats ... r * repeats + repeats - 1)
         with `extra_slots` empty slots appended: a prompt's cache, computed once, shared by the
         group of completions sampled from it (GRPO's G per prompt)."""
