@@ -110,31 +110,34 @@ def capacity_experts(x_btd, experts_btk, weights_btk, valid_bt, w_gate_edf, w_up
     batched matmuls and come back. Padding tokens take no capacity and get zeros."""
     b, t, k = experts_btk.shape
     num_experts = w_gate_edf.shape[0]
-    # Priority: every token's first choice before any second choice, then token order.
-    experts_bm = jnp.swapaxes(experts_btk, 1, 2).reshape(b, k * t)
-    valid_bm = jnp.tile(valid_bt, (1, k))
-    onehot_bme = jax.nn.one_hot(experts_bm, num_experts, dtype=jnp.int32) * valid_bm[..., None]
-    position_bm = jnp.sum((jnp.cumsum(onehot_bme, axis=1) - 1) * onehot_bme, axis=-1)
-    kept_bm = valid_bm & (position_bm < capacity)
-    slot_bm = jnp.where(kept_bm, experts_bm * capacity + position_bm, num_experts * capacity)  # past the end: dropped
-    x_bmd = jnp.tile(x_btd, (1, k, 1))
-    rows = jnp.arange(b)[:, None]
-    buffer_bxd = jnp.zeros((b, num_experts * capacity, x_btd.shape[-1]), x_btd.dtype)
-    buffer_bxd = buffer_bxd.at[rows, slot_bm].set(x_bmd, mode="drop")
-    buffer_becd = constrain(buffer_bxd.reshape(b, num_experts, capacity, -1),
-                            ("act_batch_moe", "act_expert", None, "act_embed"))
+    with jax.named_scope("dispatch"):
+        # Priority: every token's first choice before any second choice, then token order.
+        experts_bm = jnp.swapaxes(experts_btk, 1, 2).reshape(b, k * t)
+        valid_bm = jnp.tile(valid_bt, (1, k))
+        onehot_bme = jax.nn.one_hot(experts_bm, num_experts, dtype=jnp.int32) * valid_bm[..., None]
+        position_bm = jnp.sum((jnp.cumsum(onehot_bme, axis=1) - 1) * onehot_bme, axis=-1)
+        kept_bm = valid_bm & (position_bm < capacity)
+        slot_bm = jnp.where(kept_bm, experts_bm * capacity + position_bm, num_experts * capacity)  # past the end: dropped
+        x_bmd = jnp.tile(x_btd, (1, k, 1))
+        rows = jnp.arange(b)[:, None]
+        buffer_bxd = jnp.zeros((b, num_experts * capacity, x_btd.shape[-1]), x_btd.dtype)
+        buffer_bxd = buffer_bxd.at[rows, slot_bm].set(x_bmd, mode="drop")
+        buffer_becd = constrain(buffer_bxd.reshape(b, num_experts, capacity, -1),
+                                ("act_batch_moe", "act_expert", None, "act_embed"))
 
     def expert_matmul(x_becd, w_exy):  # (b, e, c, x) . (e, x, y) -> (b, e, c, y), e the batch axis
         y_ebcy = dot_general(x_becd, w_exy, (((3,), (1,)), ((1,), (0,))))
         return jnp.swapaxes(y_ebcy, 0, 1)
 
-    hidden = activation(expert_matmul(buffer_becd, w_gate_edf)) * expert_matmul(buffer_becd, w_up_edf)
-    hidden = constrain(hidden, ("act_batch_moe", "act_expert", None, "act_mlp"))
-    out_becd = constrain(expert_matmul(hidden, w_down_efd), ("act_batch_moe", "act_expert", None, "act_embed"))
-    out_bxd = constrain(out_becd.reshape(b, num_experts * capacity, -1), ("act_batch", None, "act_embed"))
-    y_bmd = out_bxd.at[rows, slot_bm].get(mode="fill", fill_value=0)
-    y_bktd = jnp.swapaxes(y_bmd.reshape(b, k, t, -1), 1, 2)  # (b, t, k, d)
-    return jnp.einsum("btkd,btk->btd", y_bktd, weights_btk.astype(y_bktd.dtype))
+    with jax.named_scope("experts"):
+        hidden = activation(expert_matmul(buffer_becd, w_gate_edf)) * expert_matmul(buffer_becd, w_up_edf)
+        hidden = constrain(hidden, ("act_batch_moe", "act_expert", None, "act_mlp"))
+        out_becd = constrain(expert_matmul(hidden, w_down_efd), ("act_batch_moe", "act_expert", None, "act_embed"))
+    with jax.named_scope("combine"):
+        out_bxd = constrain(out_becd.reshape(b, num_experts * capacity, -1), ("act_batch", None, "act_embed"))
+        y_bmd = out_bxd.at[rows, slot_bm].get(mode="fill", fill_value=0)
+        y_bktd = jnp.swapaxes(y_bmd.reshape(b, k, t, -1), 1, 2)  # (b, t, k, d)
+        return jnp.einsum("btkd,btk->btd", y_bktd, weights_btk.astype(y_bktd.dtype))
 
 
 class MoE(nnx.Module):
