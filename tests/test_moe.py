@@ -22,11 +22,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from engine.config import load_config
+from engine.config import ConfigError, load_config
 from engine.data.tokenizer import TokenizerConfig, save_tokenizer, train_tokenizer
 from engine.inference.sample import Sampler
 from engine.interop.hf.convert import convert_hf
 from engine.interop.hf.export import export_hf
+from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.families.base import rope_from_hf, rope_to_hf
 from engine.models.moe import MoE, combine_stats, router_stats
@@ -398,3 +399,22 @@ def test_yarn_frequencies_and_attention_factor_equal_transformers(rope):
                                rtol=1e-6)
     assert scaling.yarn_attention_factor() == pytest.approx(ref_factor, rel=1e-9)
     assert rope_from_hf({**rope_to_hf(scaling), "rope_theta": theta}, "again")[1] == rope_from_hf(params, "x")[1]
+
+
+def test_what_the_engine_does_not_implement_is_refused_by_name():
+    base = {"vocab_size": 17, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "intermediate_size": 7}
+    qwen = {**base, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4}
+    with pytest.raises(ConfigError, match=r"decoder_sparse_step=2 is not supported \(only 1: every layer"):
+        model_config_from_hf({**qwen, "decoder_sparse_step": 2})
+    with pytest.raises(ConfigError, match=r"mlp_only_layers=\[1\] is not supported"):
+        model_config_from_hf({**qwen, "mlp_only_layers": [1]})
+    mixtral = {**base, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}
+    with pytest.raises(ConfigError, match=r"router_jitter_noise=0.1 is not supported \(only 0\)"):
+        model_config_from_hf({**mixtral, "router_jitter_noise": 0.1})
+    with pytest.raises(ConfigError, match=r"RoPE type 'yarn' needs its factor"):
+        model_config_from_hf({**mixtral, "rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 8}})
+    # a Mixtral with a field its config.json cannot hold is refused at export, naming it
+    cfg, _ = model_config_from_hf(mixtral)
+    with pytest.raises(ConfigError, match=r"model.router_score='sigmoid' cannot be expressed as a Hugging Face Mixtral"):
+        model_config_to_hf(cfg.model_copy(update={"router_score": "sigmoid"}))
