@@ -412,8 +412,8 @@ def test_what_the_engine_does_not_implement_is_refused_by_name():
     mixtral = {**base, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}
     with pytest.raises(ConfigError, match=r"router_jitter_noise=0.1 is not supported \(only 0\)"):
         model_config_from_hf({**mixtral, "router_jitter_noise": 0.1})
-    with pytest.raises(ConfigError, match=r"RoPE type 'yarn' needs its factor"):
-        model_config_from_hf({**mixtral, "rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 8}})
+    with pytest.raises(ConfigError, match=r"RoPE type 'yarn' needs factor and original_max_position_embeddings"):
+        model_config_from_hf({**mixtral, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     # a Mixtral with a field its config.json cannot hold is refused at export, naming it
     cfg, _ = model_config_from_hf(mixtral)
     with pytest.raises(ConfigError, match=r"model.router_score='sigmoid' cannot be expressed as a Hugging Face Mixtral"):

@@ -72,8 +72,8 @@ def rope_from_hf(params: dict, where: str) -> tuple[float, dict | None]:
             "original_max_position": params["original_max_position_embeddings"],
         }
     if kind == "yarn":
-        if params.get("factor") is None:
-            raise ConfigError(f"{where}: RoPE type 'yarn' needs its factor")
+        if params.get("factor") is None or params.get("original_max_position_embeddings") is None:
+            raise ConfigError(f"{where}: RoPE type 'yarn' needs factor and original_max_position_embeddings")
         scaling = {"kind": "yarn", "factor": params["factor"],
                    "original_max_position": params["original_max_position_embeddings"],
                    "beta_fast": params.get("beta_fast") or 32.0, "beta_slow": params.get("beta_slow") or 1.0,
