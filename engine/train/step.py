@@ -62,8 +62,9 @@ def lm_loss_fn(graphdef, z_loss: float = 0.0):
         aux = {"loss": nll_sum / normaliser, "nll_sum": nll_sum, "tokens": tokens}
         if not moe:
             return total / normaliser, aux
-        # The router losses are means over a micro-batch: weighted by its share of the batch's
-        # tokens, the micro-batches sum to the whole batch's value.
+        # The router losses are a micro-batch's own, weighted by its share of the batch's
+        # tokens: one micro-batch gives the batch's value; with accumulation their weighted
+        # mean (the balancing loss, a product of means, is then per micro-batch).
         share = tokens / normaliser
         aux.update(moe_metrics(moe, share))
         return total / normaliser + share * moe["aux_loss"], aux
@@ -73,8 +74,8 @@ def lm_loss_fn(graphdef, z_loss: float = 0.0):
 
 def moe_metrics(moe: dict, share) -> dict:
     """A mixture of experts' router losses and per-expert loads (shares of the assignments,
-    1/E each when balanced) as scalar metrics, each weighted by `share` so they add up over
-    micro-batches (`MOE_REDUCE`)."""
+    1/E each when balanced) as scalar metrics, each weighted by `share` (the micro-batch's
+    share of the batch's tokens), so the default "sum" over micro-batches is their mean."""
     load_e = moe["expert_load_e"]
     metrics = {"moe_balance_loss": moe["balance_loss"], "moe_router_z_loss": moe["router_z_loss"],
                "moe_load_max": jnp.max(load_e) * load_e.shape[0]}
