@@ -149,7 +149,7 @@ def test_group_rollouts_prefill_once_and_equal_sampling_each_prompt_g_times(mode
                        eos_ids=(4,), **SETTINGS)
     np.testing.assert_array_equal(grouped.tokens, repeated.tokens)
     np.testing.assert_array_equal(grouped.mask, repeated.mask)
-    np.testing.assert_allclose(grouped.logprobs, repeated.logprobs, atol=1e-5)
+    np.testing.assert_allclose(grouped.logprobs, repeated.logprobs, atol=1e-4)  # float32 rounding (prefill batch)
     rows = grouped.tokens.reshape(len(PROMPTS), G, -1)
     assert any(not np.array_equal(group[0], group[g]) for group in rows for g in range(1, G))  # G distinct draws
 

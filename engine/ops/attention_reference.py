@@ -36,6 +36,9 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, mask_bts, *, scale=None, softc
     b, t, n, h = q_btnh.shape
     k = k_bskh.shape[2]
     q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
+    if t == 1:  # a decode step
+        return _one_query_attention(q_btkgh, k_bskh, v_bskh, mask_bts, scale=h**-0.5 if scale is None else scale,
+                                    softcap=softcap).reshape(b, t, n, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
     scores = scores * (h**-0.5 if scale is None else scale)
     if softcap is not None:
@@ -44,6 +47,21 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, mask_bts, *, scale=None, softc
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
     out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh, preferred_element_type=jnp.float32)
     return out_btkgh.astype(v_bskh.dtype).reshape(b, t, n, h)  # f32 accumulation (engine/ops/dense.py)
+
+
+def _one_query_attention(q_btkgh, k_bskh, v_bskh, mask_bts, *, scale: float, softcap: float | None):
+    """One query per row (decoding), as broadcast products and sums: XLA fuses each into one
+    pass over the cache, where the equivalent dot_generals are (b * kv_heads) tiny matmuls
+    that XLA:CPU ran at a few GFLOP/s, a quarter of a decode step (bench/profile_sample.py)."""
+    q_bkgh = q_btkgh[:, 0].astype(jnp.float32)
+    k_bksh, v_bksh = k_bskh.swapaxes(1, 2), v_bskh.swapaxes(1, 2)
+    scores_bkgs = jnp.sum(q_bkgh[:, :, :, None, :] * k_bksh[:, :, None].astype(jnp.float32), axis=-1) * scale
+    if softcap is not None:
+        scores_bkgs = softcap * jnp.tanh(scores_bkgs / softcap)
+    scores_bkgs = jnp.where(mask_bts[:, None, None, 0], scores_bkgs, NEG_INF)
+    probs_bkgs = jax.nn.softmax(scores_bkgs, axis=-1)
+    out_bkgh = jnp.sum(probs_bkgs[..., None] * v_bksh[:, :, None].astype(jnp.float32), axis=3)
+    return out_bkgh.astype(v_bskh.dtype)
 
 
 def reference_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, *, scale: float, softcap: float | None = None,
