@@ -68,7 +68,6 @@ def log_metrics(writer: MetricsWriter, *, tokens_per_step: int | None = None, pr
         writer.write(info.step, values)
         return values
 
-    hook.resets_timer = True
     return hook
 
 
@@ -152,11 +151,13 @@ def run_training(trainer: Trainer, source: BatchSource, *, log: Callable[[str], 
     if cfg.progress and primary:
         progress = tqdm(total=cfg.steps, initial=resume_step, desc="train", unit="step",
                         dynamic_ncols=True, file=sys.stderr)
-    # The checkpoint first: a failure in a later hook must not cost the step's checkpoint.
+    # The step's metrics line before its checkpoint: a run killed between the two resumes from
+    # the previous checkpoint and logs the step again, never after a checkpoint whose line is
+    # lost. The evaluation after it: a failing evaluation must not cost the step's checkpoint.
+    trainer.add_hook(log_metrics(writer, tokens_per_step=tokens_per_step, progress=progress, keys=logged),
+                     every=cfg.log_every, resets_timer=True)
     trainer.add_hook(save_checkpoint(checkpointer, source, checkpoint_meta(trainer, **(meta or {}))),
                      every=cfg.checkpoint.every_steps, on_stop=True)
-    trainer.add_hook(log_metrics(writer, tokens_per_step=tokens_per_step, progress=progress, keys=logged),
-                     every=cfg.log_every)
     if evaluate is not None:
         trainer.add_hook(evaluate_held_out(writer, evaluate), every=cfg.eval_every or cfg.steps)
     if progress is not None:

@@ -1,8 +1,8 @@
 """The trainer: one loop for every gradient stage, with hooks.
 
     trainer = Trainer(cfg, objective)          mesh, shardings, optimizer, jitted step
+    trainer.add_hook(log_metrics(...), every=cfg.log_every, resets_timer=True)
     trainer.add_hook(save_checkpoint(ckpt, ...), every=cfg.checkpoint.every_steps, on_stop=True)
-    trainer.add_hook(log_metrics(...), every=cfg.log_every)
     final = trainer.fit(source, checkpointer=ckpt)
 
 Pretraining, SFT and GRPO differ only in their batch source (token shards, packed examples,
@@ -100,6 +100,7 @@ class _Hook:
     fn: Callable[[StepInfo], dict[str, Any] | None]
     every: int
     on_stop: bool
+    resets_timer: bool
 
     def due(self, info: StepInfo) -> bool:
         return info.step % self.every == 0 or info.last or (info.stopping and self.on_stop)
@@ -262,11 +263,12 @@ class Trainer:
 
     # -- the loop
     def add_hook(self, fn: Callable[[StepInfo], dict[str, Any] | None], *, every: int = 1,
-                 on_stop: bool = False) -> None:
+                 on_stop: bool = False, resets_timer: bool = False) -> None:
         """Run `fn(info)` after every `every`-th step and the last one (and when stopping on
         SIGTERM if `on_stop`). Hooks run in the order added; what one returns joins the run's
-        final metrics."""
-        self.hooks.append(_Hook(fn, every, on_stop))
+        final metrics. A hook that `resets_timer` consumed the throughput figures
+        (`info.steps_timed`, `info.seconds_timed`): the next one counts from zero."""
+        self.hooks.append(_Hook(fn, every, on_stop, resets_timer))
 
     def fit(self, source: BatchSource, *, checkpointer: Checkpointer, log: Callable[[str], None],
             state: TrainState | None = None) -> tuple[TrainState, dict[str, Any]]:
@@ -343,7 +345,7 @@ class Trainer:
             info.seconds_timed = seconds_timed
             for hook in due:
                 final.update(hook.fn(info) or {})
-                if getattr(hook.fn, "resets_timer", False):
+                if hook.resets_timer:
                     steps_timed, seconds_timed = 0, 0.0
             if stopping:
                 checkpointer.close()
