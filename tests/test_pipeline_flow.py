@@ -159,7 +159,7 @@ def test_serve_creates_a_scheduled_deployment_that_runs_the_pipeline(prefect_ser
         assert deployment.parameters["pipeline"] == str(path)
         assert deployment.entrypoint == "flows.pipeline.run_pipeline"  # by module, not relative to the cwd
 
-        flow_run = run_deployment(f"trainflow-pipeline/served", timeout=180)
+        flow_run = run_deployment("trainflow-pipeline/served", timeout=180)
         assert flow_run.state.is_completed(), flow_run.state
         # Named and tagged as `trainflow run` names and tags its runs.
         assert flow_run.name.startswith("served-20") and "pipeline:served" in flow_run.tags

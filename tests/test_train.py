@@ -1,6 +1,5 @@
 """The training loop: learning, determinism, resume after SIGKILL, re-meshing, NaN, accumulation."""
 
-import math
 import os
 import signal
 import subprocess
@@ -17,7 +16,7 @@ import yaml
 from engine.train.checkpoint import load_params
 from engine.train.config import TrainConfig
 from engine.config import load_config
-from engine.data.shards import read_meta, shard_paths
+from engine.data.shards import shard_paths
 from engine.train.metrics import read_metrics
 from engine.train.pretrain import run_pretrain
 from engine.train.trainer import TrainingError
