@@ -10,13 +10,19 @@ average before and after, and mark a result taken under load as not comparable.
 
 from __future__ import annotations
 
+import collections
+import glob
 import json
 import os
+import re
 import platform
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -99,3 +105,46 @@ def summary(values: list[float]) -> dict:
     median = statistics.median(values)
     return {"median": median, "min": min(values), "max": max(values), "n": len(values),
             "spread": (max(values) - min(values)) / median if median else float("nan"), "values": values}
+
+
+def xla_busy(hlo: str, run: Callable[[], object]) -> tuple[dict[str, tuple[str, str]], collections.Counter]:
+    """Trace `run()` with the JAX profiler and sum the busy time of XLA:CPU's threads per fused
+    op of `hlo` (the compiled program's text). Returns each op's (result shape, JAX op_name)
+    and its busy nanoseconds."""
+    import jax
+    from jax.profiler import ProfileData
+
+    ops = {m.group(1): (m.group(2), m.group(3)) for m in re.finditer(
+        r'^\s*(?:ROOT )?%(\S+) = (\S+) .*?op_name="([^"]*)"', hlo, re.M)}
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(run())
+        profile = ProfileData.from_file(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
+    busy: collections.Counter = collections.Counter()
+    for plane in profile.planes:
+        for line in plane.lines:
+            if "XLAEigen" in line.name:
+                for ev in line.events:
+                    if ev.name in ops:
+                        busy[ev.name] += ev.duration_ns
+    return ops, busy
+
+
+def time_torch_steps(model, tokens, warmup: int, steps: int) -> tuple[float, float]:
+    """The peer's training step as the engine's: AdamW (lr 1e-4, weight decay 0.1), gradient
+    clipping at 1.0, next-token loss on `tokens[:, :-1]`. Returns seconds per step after
+    `warmup` untimed steps, and the last loss."""
+    import torch
+
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    t0 = time.perf_counter()
+    for i in range(warmup + steps):
+        if i == warmup:
+            t0 = time.perf_counter()
+        out = model(input_ids=tokens[:, :-1], labels=tokens[:, :-1])
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return (time.perf_counter() - t0) / steps, float(out.loss.detach())

@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import json
 import re
 import resource
 import sys
-import tempfile
 import time
 
-from bench import REPO, alternate, finish, load_line, machine, summary
+from bench import REPO, alternate, finish, load_line, machine, summary, time_torch_steps, xla_busy
 
 SHAPE = dict(family="mixtral", vocab_size=8192, d_model=256, num_layers=4, num_heads=8, num_kv_heads=2,
              head_dim=32, mlp_dim=704, max_seq_len=256, tie_embeddings=False, num_experts=8, experts_per_token=2)
@@ -97,22 +95,11 @@ def run_torch(shape, batch_size, seq, steps, warmup) -> dict:
         tie_word_embeddings=False, output_router_logits=True, router_aux_loss_coef=0.01,
     )
     model = MixtralForCausalLM(config).float()  # transformers' default attention and experts kernels
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     tokens = torch.randint(0, shape["vocab_size"], (batch_size, seq + 1))
-    t0 = time.perf_counter()
-    for i in range(warmup + steps):
-        if i == warmup:
-            t0 = time.perf_counter()
-        out = model(input_ids=tokens[:, :-1], labels=tokens[:, :-1])
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    step_s = (time.perf_counter() - t0) / steps
+    step_s, loss = time_torch_steps(model, tokens, warmup, steps)
     return {"framework": "torch", "steps": steps, "step_seconds": step_s,
             "tokens_per_second": batch_size * seq / step_s, "peak_rss_mb": peak_rss_mb(),
-            "loss": float(out.loss.detach()), "experts_implementation": model.config._experts_implementation,
+            "loss": loss, "experts_implementation": model.config._experts_implementation,
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
@@ -126,7 +113,6 @@ def _scope(op_name: str) -> str:
 def profile_jax(shape, batch_size, seq, dispatch) -> dict:
     """One traced engine step: XLA's busy time by MoE scope, and their shares."""
     import jax
-    from jax.profiler import ProfileData
 
     from engine.ops.partitioning import use_mesh
 
@@ -136,20 +122,10 @@ def profile_jax(shape, batch_size, seq, dispatch) -> dict:
         jax.block_until_ready(metrics)
     with use_mesh(trainer.mesh):
         hlo = trainer._train_step.lower(params, opt_state, batch).compile().as_text()
-    ops = {m.group(1): m.group(2) for m in re.finditer(r'^\s*(?:ROOT )?%(\S+) = \S+ .*?op_name="([^"]*)"', hlo, re.M)}
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            params, opt_state, metrics = trainer.train_step(params, opt_state, batch)
-            jax.block_until_ready(metrics)
-        profile = ProfileData.from_file(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
+    ops, per_op = xla_busy(hlo, lambda: trainer.train_step(params, opt_state, batch))
     busy = collections.Counter()
-    for plane in profile.planes:
-        for line in plane.lines:
-            if "XLAEigen" not in line.name:
-                continue
-            for ev in line.events:
-                if ev.name in ops:
-                    busy[_scope(ops[ev.name])] += ev.duration_ns
+    for name, ns in per_op.items():
+        busy[_scope(ops[name][1])] += ns
     total = sum(busy.values()) or 1
     return {"dispatch": dispatch, "busy_ms": {k: v / 1e6 for k, v in busy.items()},
             "share": {k: v / total for k, v in busy.items()},

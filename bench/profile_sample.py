@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import json
 import re
-import tempfile
 import time
 
 import numpy as np
 
-from bench import REPO, finish, load_line, machine
+from bench import REPO, finish, load_line, machine, xla_busy
 from bench.sample import SHAPE
 
 
@@ -52,7 +50,6 @@ def main() -> None:
 
     import jax
     from flax import nnx
-    from jax.profiler import ProfileData
 
     from engine.inference.sample import Sampler
     from engine.models.config import ModelConfig
@@ -73,21 +70,7 @@ def main() -> None:
     seconds = time.perf_counter() - start
     (fn,) = sampler._compiled.values()
     hlo = fn.lower(params, *fn_args(sampler, prompts, args)).compile().as_text()
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            call()
-        profile = ProfileData.from_file(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
-
-    ops = {m.group(1): (m.group(2), m.group(3)) for m in re.finditer(
-        r'^\s*(?:ROOT )?%(\S+) = (\S+) .*?op_name="([^"]*)"', hlo, re.M)}
-    busy = collections.Counter()
-    for plane in profile.planes:
-        for line in plane.lines:
-            if "XLAEigen" not in line.name:
-                continue
-            for ev in line.events:
-                if ev.name in ops:
-                    busy[ev.name] += ev.duration_ns
+    ops, busy = xla_busy(hlo, call)
     total = sum(busy.values()) or 1
     by_part = collections.Counter()
     for name, ns in busy.items():

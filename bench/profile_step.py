@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import json
 import re
-import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from bench import REPO, xla_busy
 
 
 def _phase(op_name: str) -> str:
@@ -52,7 +49,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import jax
-    from jax.profiler import ProfileData
 
     from bench.train_throughput import BATCH, SEQ, synthetic_step
     from engine.ops.partitioning import use_mesh
@@ -66,26 +62,8 @@ def main() -> None:
     step_s = time.perf_counter() - start
     with use_mesh(trainer.mesh):
         hlo = trainer._train_step.lower(params, opt_state, batch).compile().as_text()
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir):
-            params, opt_state, metrics = trainer.train_step(params, opt_state, batch)
-            jax.block_until_ready(metrics)
-        profile = ProfileData.from_file(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
-
-    # Each fused HLO op: its result shape and the JAX operation it came from.
-    ops = {m.group(1): (m.group(2), m.group(3)) for m in re.finditer(
-        r'^\s*(?:ROOT )?%(\S+) = (\S+) .*?op_name="([^"]*)"', hlo, re.M)}
-    events = []
-    for plane in profile.planes:
-        for line in plane.lines:
-            if "XLAEigen" not in line.name:
-                continue
-            for ev in line.events:
-                if ev.name in ops:
-                    events.append((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name))
-    busy = collections.Counter()
-    for begin, end, name in events:
-        busy[name] += end - begin
+    # Each fused HLO op: its result shape and the JAX operation it came from, and its busy time.
+    ops, busy = xla_busy(hlo, lambda: trainer.train_step(params, opt_state, batch))
     total_busy = sum(busy.values())
     by_phase, by_part = collections.Counter(), collections.Counter()
     for name, ns in busy.items():

@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 
-from bench import REPO, alternate, finish, load_line, machine, summary
+from bench import REPO, alternate, finish, load_line, machine, summary, time_torch_steps
 
 SHAPE = dict(vocab_size=8192, d_model=384, num_layers=6, num_heads=6, num_kv_heads=2, head_dim=64,
              mlp_dim=1024, max_seq_len=512, tie_embeddings=False)  # configs/models/bench-16m.yaml
@@ -114,23 +114,12 @@ def run_torch(dtype: str, steps: int, warmup: int) -> dict:
     )
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     model = LlamaForCausalLM(config).to(torch_dtype)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     tokens = torch.randint(0, SHAPE["vocab_size"], (BATCH, SEQ + 1))
-    t0 = time.perf_counter()
-    for i in range(warmup + steps):
-        if i == warmup:
-            t0 = time.perf_counter()
-        out = model(input_ids=tokens[:, :-1], labels=tokens[:, :-1])
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    step_s = (time.perf_counter() - t0) / steps
+    step_s, loss = time_torch_steps(model, tokens, warmup, steps)
     tokens_per_second = BATCH * SEQ / step_s
     flops = flops_per_token(ModelConfig(**SHAPE), SEQ) * tokens_per_second
     return {"framework": "torch", "dtype": dtype, "steps": steps, "step_seconds": step_s, "tokens_per_second": tokens_per_second,
-            "tflops": flops / 1e12, "peak_rss_mb": peak_rss_mb(), "loss": float(out.loss.detach()),
+            "tflops": flops / 1e12, "peak_rss_mb": peak_rss_mb(), "loss": loss,
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
