@@ -4,8 +4,8 @@
     <out>/tokenizer/     Hugging Face tokenizer files
     <out>/tokenize.yaml  the resolved config the child ran
 
-The engine runs in a child process (`python -m engine.data.tokenize <out>/tokenize.yaml <out>`),
-itself a pool of worker processes. Re-run on the same directory, it redoes only the shards
+The engine runs in a child process (`python -m engine.data.tokenize <out>/tokenize.yaml <out>`)
+whose worker threads encode the tasks. Re-run on the same directory, it redoes only the shards
 that were not finished.
 
 The artifact id covers the corpus too: every input file's size and mtime (and a loaded

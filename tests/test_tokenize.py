@@ -24,7 +24,7 @@ import yaml
 from engine.config import ConfigError, load_config
 from engine.data.pipeline import make_dataset
 from engine.data.shards import TOKEN_DTYPE, read_meta
-from engine.data.tokenize import TokenizeConfig, run_tokenize
+from engine.data.tokenize import WORKERS_PER_PROCESS, TokenizeConfig, run_tokenize
 
 REPO = Path(__file__).resolve().parent.parent
 STDLIB = sysconfig.get_paths()["stdlib"]
@@ -36,13 +36,14 @@ STDLIB = sysconfig.get_paths()["stdlib"]
 def run_stage(out: Path, tree: dict, **overrides) -> dict:
     """run_tokenize on a config tree (validated like a YAML file), quietly.
 
-    With worker processes it runs as the stage does, as `python -m engine.data.tokenize` in a
-    fresh process: spawned workers re-import their parent's __main__, and the test
-    runner's process is no place for them (its JAX and Prefect state).
+    With helper processes (more workers than one process runs) it runs as the stage does, as
+    `python -m engine.data.tokenize` in a fresh process: spawned helpers re-import their
+    parent's __main__, and the test runner's process is no place for them (its JAX and
+    Prefect state).
     """
     tree = {"tokenizer": {"vocab_size": 400}, "workers": 1, **tree, **overrides}
     cfg = load_config(tree=tree, schema=TokenizeConfig)
-    if cfg.workers == 1:
+    if cfg.workers <= WORKERS_PER_PROCESS:
         return run_tokenize(cfg, out, log=lambda _: None)
     config = out.parent / f"{out.name}.yaml"
     config.write_text(yaml.safe_dump(tree))
@@ -182,12 +183,29 @@ def test_output_is_identical_for_any_worker_count(tmp_path):
         "shard_size_mb": 0.05,  # ~10 shards; the JSONL file is cut into byte ranges
         "validation_fraction": 0.1,
     }
-    one, two = tmp_path / "one", tmp_path / "two"
+    one, two, many = tmp_path / "one", tmp_path / "two", tmp_path / "many"
     stats_one = run_stage(one, tree, workers=1)
-    stats_two = run_stage(two, tree, workers=2)
+    stats_two = run_stage(two, tree, workers=2)  # two threads
+    stats_many = run_stage(many, tree, workers=WORKERS_PER_PROCESS + 2)  # threads here and in a helper process
     assert len(read_meta(one / "data")["splits"]["train"]["shards"]) >= 8
-    assert tree_bytes(one) == tree_bytes(two)
-    assert stats_one["documents"] == stats_two["documents"] == 20 + 600
+    assert tree_bytes(one) == tree_bytes(two) == tree_bytes(many)
+    assert stats_one["documents"] == stats_two["documents"] == stats_many["documents"] == 20 + 600
+
+
+@pytest.mark.parametrize("workers", [3, WORKERS_PER_PROCESS + 1])
+def test_a_failing_task_fails_the_stage_with_its_error(tmp_path, workers):
+    for i in range(12):
+        write_lines(tmp_path / f"part-{i:02d}.jsonl", [json.dumps({"text": d}) for d in word_documents(20, seed=i)])
+    tree = {"sources": [{"format": "jsonl", "path": str(tmp_path / "part-*.jsonl")}], "shard_size_mb": 0.001}
+    run_stage(tmp_path / "clean", tree)  # its tokenizer, so that the bad record is met by a task, not by training
+    with open(tmp_path / "part-07.jsonl", "a") as f:
+        f.write("not json\n")
+    tree["tokenizer"] = {"path": str(tmp_path / "clean" / "tokenizer")}
+    # In this process the error is raised; from the stage's CLI (a helper process's error) it is printed.
+    error = ConfigError if workers <= WORKERS_PER_PROCESS else AssertionError
+    with pytest.raises(error, match=r"part-07\.jsonl, line 21: "):
+        run_stage(tmp_path / "out", tree, workers=workers)
+    assert not (tmp_path / "out" / "data").exists()
 
 
 def _config_file(tmp_path: Path, tree: dict) -> Path:

@@ -16,7 +16,7 @@ import json
 import os
 import re
 import sysconfig
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator, Literal
@@ -90,7 +90,7 @@ class Part:
     stop: int = -1
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return dict(self.__dict__)  # the fields in order, as asdict() gives them without its deep copies
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@
 
 How it runs: every source is checked and cut into parts before anything is written (a bad
 glob, field or file fails first); parts are grouped into tasks of about `shard_size_mb`,
-and task i writes shard i of each split. Tasks run in worker processes; a task's output
+and task i writes shard i of each split. Tasks run on worker threads; a task's output
 depends only on its input, so the shards are the same for any number of workers. Work is
 staged in out_dir/.work/; a task records itself done after its shards are in place, so a
 killed run, re-run, redoes only unfinished tasks. At the end the shards move into data/,
@@ -55,6 +55,7 @@ STAGE_FORMAT = "trainflow.tokenize/1"
 HISTOGRAM_BINS = 40  # bin k holds documents of [2^(k-1), 2^k) tokens; bin 0 the empty ones
 ENCODE_BATCH_DOCUMENTS = 1024
 ENCODE_BATCH_BYTES = 4 * MB
+WORKERS_PER_PROCESS = 8  # worker threads of one process; more workers start helper processes
 _SURROGATES = re.compile("[\ud800-\udfff]")
 
 
@@ -84,7 +85,8 @@ class TokenizeConfig(Strict):
     shard_size_mb: float = Field(64.0, gt=0)
     """Input per task (and so per output shard); large line-based or Parquet files are cut."""
     workers: int | None = Field(None, ge=1)
-    """Worker processes (None: one per CPU). Does not change the output."""
+    """Tasks encoded at once (None: one per CPU), as threads of the stage's process sharing
+    the tokenizer's Rust thread pool; past 8, helper processes join. Does not change the output."""
 
 
 # Fields that cannot change the output; left out of fingerprints.
@@ -188,14 +190,20 @@ def _report(stats: dict, cfg: TokenizeConfig) -> dict:
 # --------------------------------------------------------------------------- one task
 
 
-class _Encoder:
-    """Turns the parts of one task into its shards. One per worker process."""
+def _load_tokenizer(settings: dict) -> Tokenizer:
+    tok = Tokenizer.from_file(settings["tokenizer_json"])
+    # Shards hold text: "<|eos|>" written in a document is text, not a document boundary.
+    tok.encode_special_tokens = True
+    return tok
 
-    def __init__(self, settings: dict):
+
+class _Encoder:
+    """Turns the parts of one task into its shards. One per worker thread; the threads of a
+    process share its tokenizer (encoding only reads it)."""
+
+    def __init__(self, settings: dict, tok: Tokenizer):
         self.cfg = TokenizeConfig.model_validate(settings["config"])
-        self.tok = Tokenizer.from_file(settings["tokenizer_json"])
-        # Shards hold text: "<|eos|>" written in a document is text, not a document boundary.
-        self.tok.encode_special_tokens = True
+        self.tok = tok
         self.bos_id = settings["bos_id"] if self.cfg.add_bos else None
         self.eos_id = settings["eos_id"]
         self.staging = Path(settings["staging"])
@@ -301,16 +309,61 @@ class _Encoder:
         return records
 
 
-_SETTINGS: dict = {}
-_ENCODER: _Encoder | None = None
+class _Tasks:
+    """The tasks left to run, shared by the threads of this process."""
+
+    def __init__(self, todo: list, on_done: Callable[[dict], None]):
+        self._queue = collections.deque(todo)
+        self._on_done = on_done
+        self._lock = threading.Lock()
+
+    def take(self, count: int = 1) -> list:
+        with self._lock:
+            return [self._queue.popleft() for _ in range(min(count, len(self._queue)))]
+
+    def done(self, record: dict) -> None:
+        with self._lock:
+            self._on_done(record)
+
+    def cancel(self) -> None:
+        """After an error: no further task starts; those running finish."""
+        with self._lock:
+            self._queue.clear()
 
 
-def _init_worker(settings: dict, threads: int) -> None:
+def _run_threads(tasks: _Tasks, settings: dict, threads: int, tok: Tokenizer) -> None:
+    """Run `tasks` on `threads` threads, this one included, until none is left. The first
+    error cancels the rest and is raised once the running tasks have finished."""
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        encoder = _Encoder(settings, tok)
+        try:
+            while task := tasks.take():
+                tasks.done(encoder.run(*_task_args(task[0])))
+        except BaseException as e:  # noqa: BLE001 - raised below, in the calling thread
+            tasks.cancel()
+            errors.append(e)
+
+    others = [threading.Thread(target=work, name=f"tokenize-{i}", daemon=True) for i in range(1, threads)]
+    for thread in others:
+        thread.start()
+    work()
+    for thread in others:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+_HELPER: dict = {}  # a helper process's settings and tokenizer
+
+
+def _init_helper(settings: dict, rayon_threads: int) -> None:
     # Nothing here may fail: a pool replaces a worker whose initializer raises, forever.
-    _SETTINGS.update(settings)
-    # Each worker encodes with `threads` threads, so workers x threads ~ cores.
-    os.environ["RAYON_NUM_THREADS"] = str(threads)
-    if threads == 1:
+    _HELPER["settings"] = settings
+    # A process's encoders share one Rust thread pool: cores / processes threads each.
+    os.environ["RAYON_NUM_THREADS"] = str(rayon_threads)
+    if rayon_threads == 1:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     parent = os.getppid()
 
@@ -322,11 +375,38 @@ def _init_worker(settings: dict, threads: int) -> None:
     threading.Thread(target=exit_when_orphaned, daemon=True).start()
 
 
-def _encode_task(task: tuple[int, list[dict]]) -> dict:
-    global _ENCODER
-    if _ENCODER is None:
-        _ENCODER = _Encoder(_SETTINGS)
-    return _ENCODER.run(*_task_args(task))
+def _helper_batch(batch: list) -> list[dict]:
+    """In a helper process: run a batch of tasks, one thread each; their records."""
+    if "tok" not in _HELPER:
+        _HELPER["tok"] = _load_tokenizer(_HELPER["settings"])
+    records: list[dict] = []
+    _run_threads(_Tasks(batch, records.append), _HELPER["settings"], len(batch), _HELPER["tok"])
+    return records
+
+
+def _feed_helpers(tasks: _Tasks, settings: dict, helpers: int, threads: int, rayon_threads: int) -> None:
+    """Hand batches of `threads` tasks to `helpers` spawned processes until none is left
+    (spawn, not fork: this process may run JAX or tokenizers threads). A pool that fails
+    loudly: a helper that dies (or cannot start) raises BrokenProcessPool here, where
+    multiprocessing.Pool would silently start another."""
+    try:
+        with concurrent.futures.ProcessPoolExecutor(helpers, mp_context=multiprocessing.get_context("spawn"),
+                                                    initializer=_init_helper,
+                                                    initargs=(settings, rayon_threads)) as pool:
+            running: set = set()
+            while True:
+                # A batch per helper: one queued beside it would keep its tasks from idle threads.
+                while len(running) < helpers and (batch := tasks.take(threads)):
+                    running.add(pool.submit(_helper_batch, batch))
+                if not running:
+                    return
+                finished, running = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in finished:
+                    for record in future.result():  # re-raises a helper's error here
+                        tasks.done(record)
+    except BaseException:
+        tasks.cancel()
+        raise
 
 
 # --------------------------------------------------------------------------- the stage
@@ -375,16 +455,26 @@ class _StorePaths:
 
     def __init__(self):
         self._is_artifact: dict[Path, bool] = {}
+        self._artifact_of: dict[str, Path | None] = {}  # a folder -> the artifact holding it
 
     def relocatable(self, path: str) -> str | None:
         if not os.path.isabs(path):
             return None
-        for directory in Path(path).parents:
+        folder = os.path.dirname(path)
+        if folder not in self._artifact_of:  # once per folder: a corpus is thousands of files
+            self._artifact_of[folder] = self._artifact(Path(path))
+        directory = self._artifact_of[folder]
+        if directory is None:
+            return None
+        relative = Path(path).relative_to(directory).as_posix()
+        return f"{{artifact:{directory.parent.name}/{directory.name}}}/{relative}"
+
+    def _artifact(self, path: Path) -> Path | None:
+        for directory in path.parents:
             if directory not in self._is_artifact:
                 self._is_artifact[directory] = (directory / MANIFEST).is_file()
             if self._is_artifact[directory]:
-                relative = Path(path).relative_to(directory).as_posix()
-                return f"{{artifact:{directory.parent.name}/{directory.name}}}/{relative}"
+                return directory
         return None
 
     def tree(self, value: Any) -> Any:
@@ -552,35 +642,41 @@ def run_tokenize(cfg: TokenizeConfig, out_dir: str | Path, *, log: Callable[[str
 
 
 def _run_tasks(todo: list, settings: dict, workers: int, total: int, done: int, log: Callable) -> None:
-    """Run the tasks on `workers` processes, this one included: it starts encoding at once
-    while the others spawn (spawn, not fork: this process may run JAX or tokenizers threads)."""
+    """Run the tasks, `workers` at a time, each on a thread of this process.
+
+    Threads, not processes: the encoder runs in Rust outside the GIL on the tokenizer's
+    thread pool, which the threads share, so a long document in one task is encoded beside
+    the short ones of another and every core stays busy; the Python around the encoding
+    (reading, hashing, framing, writing: under a tenth of its CPU) overlaps with it; and a
+    thread costs no process start-up (about half a CPU-second of imports) and no copies.
+    One process's Python would hold the GIL too long beyond WORKERS_PER_PROCESS workers:
+    past that, helper processes take batches of as many tasks."""
     if not todo:
         return
     progress = _Progress(total, done, log)
-    encoder = _Encoder(settings)
-    queue = collections.deque(todo)
-    if workers == 1:
-        while queue:
-            progress.update(encoder.run(*_task_args(queue.popleft())))
+    tasks = _Tasks(todo, progress.update)
+    processes = math.ceil(workers / WORKERS_PER_PROCESS)
+    threads = math.ceil(workers / processes)
+    tok = _load_tokenizer(settings)
+    if processes == 1:
+        _run_threads(tasks, settings, threads, tok)
         return
-    helpers = workers - 1
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    # A process pool that fails loudly: a helper that dies (or cannot start) raises
-    # BrokenProcessPool here, where multiprocessing.Pool would silently start another.
-    with concurrent.futures.ProcessPoolExecutor(helpers, mp_context=multiprocessing.get_context("spawn"),
-                                                initializer=_init_worker, initargs=(settings, threads)) as pool:
-        running: list = []
-        while queue or running:
-            # Two tasks per helper in flight, so none idles while this process encodes.
-            while queue and len(running) < 2 * helpers:
-                running.append(pool.submit(_encode_task, queue.popleft()))
-            for result in [r for r in running if r.done()]:
-                running.remove(result)
-                progress.update(result.result())  # re-raises a worker's error here
-            if queue:
-                progress.update(encoder.run(*_task_args(queue.pop())))
-            elif running:
-                concurrent.futures.wait(running[:1], timeout=0.05)
+    errors: list[BaseException] = []
+
+    def feed() -> None:
+        try:
+            _feed_helpers(tasks, settings, processes - 1, threads, max(1, (os.cpu_count() or 1) // processes))
+        except BaseException as e:  # noqa: BLE001 - raised below, after this thread's own tasks
+            errors.append(e)
+
+    feeder = threading.Thread(target=feed, name="tokenize-helpers", daemon=True)
+    feeder.start()
+    try:
+        _run_threads(tasks, settings, threads, tok)
+    finally:
+        feeder.join()
+    if errors:
+        raise errors[0]
 
 
 def _task_args(task: tuple[int, list[dict]]) -> tuple[int, list[Part]]:
