@@ -259,7 +259,8 @@ def test_export_refuses_a_config_its_family_cannot_express(converted):
 PUBLISHED_BILLIONS = {  # parameter counts of the released models
     "llama2-7b": 6.74, "llama3.1-8b": 8.03, "llama3.2-3b": 3.21, "mistral-7b": 7.24, "qwen2.5-0.5b": 0.49,
     "qwen2.5-7b": 7.62, "qwen3-0.6b": 0.60, "qwen3-8b": 8.19, "gemma-2b": 2.51, "gemma2-2b": 2.61, "gemma3-1b": 1.00,
-    "mixtral-8x7b": 46.70, "qwen3-30b-a3b": 30.53,
+    "mixtral-8x7b": 46.70, "qwen3-30b-a3b": 30.53, "gpt-oss-20b": 20.91, "gpt-oss-120b": 116.83,
+    "deepseek-v3": 671.03,  # the causal LM without its multi-token-prediction layer (685B with it)
 }
 
 

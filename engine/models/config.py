@@ -65,7 +65,7 @@ class ModelConfig(Strict):
 
     family: str = "llama"
     """Architecture family, one registered in engine/models/families (llama, mistral, qwen2,
-    qwen3, gemma, gemma2, gemma3; mixtures of experts mixtral, qwen3_moe): names the Hugging
+    qwen3, gemma, gemma2, gemma3; mixtures of experts mixtral, qwen3_moe, gpt_oss): names the Hugging
     Face layout. The math is set by the fields below alone; their defaults describe Llama."""
     vocab_size: int = Field(gt=0)
     d_model: int = Field(gt=0)
@@ -126,6 +126,22 @@ class ModelConfig(Strict):
     num_shared_experts: int = Field(0, ge=0)
     """Experts every token goes through, as one gated MLP of num_shared_experts *
     expert_mlp_dim added to the routed output (DeepSeek)."""
+    # GPT-OSS (engine/models/families/gpt_oss.py)
+    attention_sinks: bool = False
+    """A learned logit per query head that joins each softmax's denominator and no value
+    (GPT-OSS): a head may attend to nothing."""
+    attention_out_bias: bool = False
+    """A bias on the attention output projection (GPT-OSS; with qkv_bias, attention_bias)."""
+    router_logits_bias: bool = False
+    """A learned per-expert bias added to the router logits (a Linear's bias, GPT-OSS): it both
+    chooses the experts and weights them, unlike router_bias."""
+    expert_bias: bool = False
+    """Biases on each expert's gate, up and down projections (GPT-OSS)."""
+    swiglu_limit: float | None = Field(None, gt=0)
+    """The experts' clamped SwiGLU (GPT-OSS): gate clamped above at the limit, up to [-limit,
+    limit], out = (up + 1) * gate * sigmoid(swiglu_alpha * gate). None: activation(gate) * up."""
+    swiglu_alpha: float = Field(1.702, gt=0)
+    """Sigmoid gain of that clamped SwiGLU (swiglu_limit set only)."""
 
     @field_validator("family")
     @classmethod
@@ -156,6 +172,9 @@ class ModelConfig(Strict):
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
         if self.num_experts and self.experts_per_token > self.num_experts:
             raise ValueError(f"experts_per_token ({self.experts_per_token}) exceeds num_experts ({self.num_experts})")
+        expert_only = [name for name in ("router_logits_bias", "expert_bias", "swiglu_limit") if getattr(self, name)]
+        if expert_only and not self.is_moe:
+            raise ValueError(f"{expert_only[0]} is a setting of the experts, so num_experts must be set")
         return self
 
     @property
@@ -177,10 +196,13 @@ class ModelConfig(Strict):
         attn = self.d_model * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn += self.head_dim * (self.num_heads + 2 * self.num_kv_heads) * self.qkv_bias
         attn += 2 * self.head_dim * self.qk_norm
+        attn += self.num_heads * self.attention_sinks + self.d_model * self.attention_out_bias
         if self.is_moe:
             experts = self.experts_per_token if active else self.num_experts
             mlp = 3 * self.d_model * self.moe_mlp_dim * (experts + self.num_shared_experts)
             mlp += self.d_model * self.num_experts + self.num_experts * self.router_bias
+            mlp += (2 * self.moe_mlp_dim + self.d_model) * experts * self.expert_bias
+            mlp += self.num_experts * self.router_logits_bias
         else:
             mlp = 3 * self.d_model * self.mlp_dim
         block = attn + mlp + (4 if self.post_norms else 2) * self.d_model

@@ -22,6 +22,7 @@ statistics for the auxiliary losses come back as `MoEStats`, one per layer.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -85,8 +86,22 @@ def router_stats(logits_ne, experts_nk, valid_n, num_experts: int) -> MoEStats:
                     z_loss=jnp.sum(valid * jnp.square(log_z_n)) / count)
 
 
-def dropless_experts(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, activation):
-    """sum_k weight * expert_k(x), every assignment computed: sort by expert, grouped matmuls."""
+def gated(activation):
+    """glu(gate, up) of the usual gated MLP: activation(gate) * up (SwiGLU, GeGLU)."""
+    return lambda gate, up: activation(gate) * up
+
+
+def clamped_swiglu(gate, up, *, limit: float, alpha: float):
+    """GPT-OSS's experts (transformers' GptOssExperts._apply_gate): the gate clamped above at
+    `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def dropless_experts(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, glu, biases=None):
+    """sum_k weight * expert_k(x), every assignment computed: sort by expert, grouped matmuls.
+    glu(gate, up) -> hidden; biases: None or the experts' (gate (e, f), up (e, f), down (e, d))."""
     n, k = experts_nk.shape
     num_experts = w_gate_edf.shape[0]
     with jax.named_scope("dispatch"):  # named scopes: bench/moe.py's profile attributes time by them
@@ -94,20 +109,23 @@ def dropless_experts(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_
         order = jnp.argsort(flat_experts, stable=True)
         group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
         x_sorted = x_nd[order // k]  # (n * k, d), grouped by expert
+        expert_sorted = flat_experts[order]
+    bias = (lambda i: 0.0) if biases is None else (lambda i: biases[i][expert_sorted])  # noqa: E731
     with jax.named_scope("experts"):
-        hidden = activation(jax.lax.ragged_dot(x_sorted, w_gate_edf, group_sizes))
-        hidden = hidden * jax.lax.ragged_dot(x_sorted, w_up_edf, group_sizes)
-        y_sorted = jax.lax.ragged_dot(hidden, w_down_efd, group_sizes)
+        gate = jax.lax.ragged_dot(x_sorted, w_gate_edf, group_sizes) + bias(0)
+        hidden = glu(gate, jax.lax.ragged_dot(x_sorted, w_up_edf, group_sizes) + bias(1))
+        y_sorted = jax.lax.ragged_dot(hidden, w_down_efd, group_sizes) + bias(2)
     with jax.named_scope("combine"):
         y_nkd = y_sorted[jnp.argsort(order)].reshape(n, k, -1)  # back to token order (a gather)
         return jnp.einsum("nkd,nk->nd", y_nkd, weights_nk.astype(y_nkd.dtype))
 
 
-def capacity_experts(x_btd, experts_btk, weights_btk, valid_bt, w_gate_edf, w_up_edf, w_down_efd, activation,
-                     capacity: int, dot_general: DotGeneral = jax.lax.dot_general):
+def capacity_experts(x_btd, experts_btk, weights_btk, valid_bt, w_gate_edf, w_up_edf, w_down_efd, glu,
+                     capacity: int, dot_general: DotGeneral = jax.lax.dot_general, biases=None):
     """GShard dispatch with a per-sequence capacity: each row fills (e, c) buffers, which move
     to the experts' devices (a sharding constraint: an all-to-all), go through the experts as
-    batched matmuls and come back. Padding tokens take no capacity and get zeros."""
+    batched matmuls and come back. Padding tokens take no capacity and get zeros. glu and
+    biases as in dropless_experts."""
     b, t, k = experts_btk.shape
     num_experts = w_gate_edf.shape[0]
     with jax.named_scope("dispatch"):
@@ -125,14 +143,15 @@ def capacity_experts(x_btd, experts_btk, weights_btk, valid_bt, w_gate_edf, w_up
         buffer_becd = constrain(buffer_bxd.reshape(b, num_experts, capacity, -1),
                                 ("act_batch_moe", "act_expert", None, "act_embed"))
 
-    def expert_matmul(x_becd, w_exy):  # (b, e, c, x) . (e, x, y) -> (b, e, c, y), e the batch axis
+    def expert_matmul(x_becd, w_exy, i):  # (b, e, c, x) . (e, x, y) -> (b, e, c, y), e the batch axis
         y_ebcy = dot_general(x_becd, w_exy, (((3,), (1,)), ((1,), (0,))))
-        return jnp.swapaxes(y_ebcy, 0, 1)
+        y_becy = jnp.swapaxes(y_ebcy, 0, 1)
+        return y_becy if biases is None else y_becy + biases[i][None, :, None, :]
 
     with jax.named_scope("experts"):
-        hidden = activation(expert_matmul(buffer_becd, w_gate_edf)) * expert_matmul(buffer_becd, w_up_edf)
+        hidden = glu(expert_matmul(buffer_becd, w_gate_edf, 0), expert_matmul(buffer_becd, w_up_edf, 1))
         hidden = constrain(hidden, ("act_batch_moe", "act_expert", None, "act_mlp"))
-        out_becd = constrain(expert_matmul(hidden, w_down_efd), ("act_batch_moe", "act_expert", None, "act_embed"))
+        out_becd = constrain(expert_matmul(hidden, w_down_efd, 2), ("act_batch_moe", "act_expert", None, "act_embed"))
     with jax.named_scope("combine"):
         out_bxd = constrain(out_becd.reshape(b, num_experts * capacity, -1), ("act_batch", None, "act_embed"))
         y_bmd = out_bxd.at[rows, slot_bm].get(mode="fill", fill_value=0)
@@ -154,9 +173,15 @@ class MoE(nnx.Module):
         self.w_router_de = param(rngs, (d, e), std, ("embed", None), pdt)
         if cfg.router_bias:
             self.b_router_e = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=(None,))
+        if cfg.router_logits_bias:  # GPT-OSS: the router Linear's bias
+            self.b_logits_e = nnx.Param(jnp.zeros((e,), pdt), out_sharding=(None,))
         self.w_gate_edf = param(rngs, (e, d, f), std, ("expert", "embed", "mlp"), pdt)
         self.w_up_edf = param(rngs, (e, d, f), std, ("expert", "embed", "mlp"), pdt)
         self.w_down_efd = param(rngs, (e, f, d), out_std, ("expert", "mlp", "embed"), pdt)
+        if cfg.expert_bias:  # GPT-OSS
+            self.b_gate_ef = nnx.Param(jnp.zeros((e, f), pdt), out_sharding=("expert", "mlp"))
+            self.b_up_ef = nnx.Param(jnp.zeros((e, f), pdt), out_sharding=("expert", "mlp"))
+            self.b_down_ed = nnx.Param(jnp.zeros((e, d), pdt), out_sharding=("expert", "embed"))
         if cfg.num_shared_experts:
             g = f * cfg.num_shared_experts
             self.w_shared_gate_dg = param(rngs, (d, g), std, ("embed", "mlp"), pdt)
@@ -166,6 +191,9 @@ class MoE(nnx.Module):
         self.score, self.renormalize = cfg.router_score, cfg.router_renormalize
         self.router_bias, self.shared = cfg.router_bias, cfg.num_shared_experts > 0
         self.activation = ACTIVATIONS[cfg.activation]
+        self.glu = gated(self.activation) if cfg.swiglu_limit is None else functools.partial(
+            clamped_swiglu, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
+        self.logits_bias, self.expert_bias = cfg.router_logits_bias, cfg.expert_bias
         self.dtype = dtype_of(compute.dtype)
         self.dispatch, self.capacity_factor = compute.moe_dispatch, compute.moe_capacity_factor
         self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
@@ -183,16 +211,20 @@ class MoE(nnx.Module):
             logits_bte = dense(x_btd, self.w_router_de[...].astype(dt), backward=self.matmul_backward,
                                dot_general=self.dot_general).astype(jnp.float32)
             logits_ne = logits_bte.reshape(b * t, self.num_experts)
+            if self.logits_bias:
+                logits_ne = logits_ne + self.b_logits_e[...].astype(jnp.float32)
             bias = self.b_router_e[...] if self.router_bias else None
             weights_nk, experts_nk = route(logits_ne, bias, self.k, self.score, self.renormalize)
             stats = router_stats(logits_ne, experts_nk, valid_bt.reshape(-1), self.num_experts)
         experts = [w[...].astype(dt) for w in (self.w_gate_edf, self.w_up_edf, self.w_down_efd)]
+        biases = None if not self.expert_bias else [w[...].astype(dt) for w in (self.b_gate_ef, self.b_up_ef,
+                                                                                 self.b_down_ed)]
         if self.dispatch == "dropless":
             out_btd = dropless_experts(x_btd.reshape(b * t, d), experts_nk, weights_nk, *experts,
-                                       self.activation).reshape(b, t, d)
+                                       self.glu, biases).reshape(b, t, d)
         else:
             out_btd = capacity_experts(x_btd, experts_nk.reshape(b, t, self.k), weights_nk.reshape(b, t, self.k),
-                                       valid_bt, *experts, self.activation, self.capacity(t), self.dot_general)
+                                       valid_bt, *experts, self.glu, self.capacity(t), self.dot_general, biases)
         if self.shared:
             out_btd = out_btd + gated_mlp(
                 x_btd, self.w_shared_gate_dg[...].astype(dt), self.w_shared_up_dg[...].astype(dt),

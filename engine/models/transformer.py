@@ -129,6 +129,11 @@ class Attention(nnx.Module):
         # Residual-branch outputs are scaled down with depth (GPT-2) so the stream stays O(1).
         out_std = std / math.sqrt(2 * cfg.num_layers)
         self.wo_nhd = _param(rngs, (n, h, d), out_std, ("heads", "head_dim", "embed"), pdt)
+        if cfg.attention_out_bias:
+            self.bo_d = nnx.Param(jnp.zeros((d,), pdt), out_sharding=("embed",))
+        if cfg.attention_sinks:  # GPT-OSS: a logit per head in the softmax's denominator (0: as much as one key)
+            self.sinks_n = nnx.Param(jnp.zeros((n,), pdt), out_sharding=("heads",))
+        self.out_bias, self.sinks = cfg.attention_out_bias, cfg.attention_sinks
         self.head_dim, self.rope_theta, self.rope_scaling = h, cfg.rope_theta, cfg.rope_scaling
         self.rope_local_theta, self.sliding_window = cfg.rope_local_theta, cfg.sliding_window
         self.qkv_bias, self.qk_norm = cfg.qkv_bias, cfg.qk_norm
@@ -168,15 +173,18 @@ class Attention(nnx.Module):
         q = checkpoint_name(apply_rope(q, positions_bt, inv_freq, rope_scale), "qkv_proj")
         k = checkpoint_name(apply_rope(k, positions_bt, inv_freq, rope_scale), "qkv_proj")
         v = checkpoint_name(v, "qkv_proj")
+        sinks_n = self.sinks_n[...] if self.sinks else None
         if cache is None:
             with jax.named_scope("core"):
                 out_btnh = attention(q, k, v, segment_ids_bt, impl=self.attention_impl, scale=self.scale,
                                      softcap=self.softcap, window=self.sliding_window, local=local,
-                                     block=self.attention_block)
+                                     block=self.attention_block, sinks_n=sinks_n)
         else:  # decoding: attend over the cache, this step's keys and values written into it
             k, v, mask, cache = cache.update(k, v, window=self.sliding_window if local else None)
-            out_btnh = dot_product_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap)
+            out_btnh = dot_product_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap, sinks_n=sinks_n)
         out_btd = self._dense(out_btnh, self.wo_nhd, 2)
+        if self.out_bias:
+            out_btd = out_btd + self.bo_d[...].astype(dt)
         return out_btd if cache is None else (out_btd, cache)
 
 

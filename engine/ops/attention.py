@@ -8,15 +8,16 @@ platform behind it (`ComputeConfig.attention_impl`).
 
 All compute the same function: causal grouped-query attention over packed documents
 (segment ids, 0 = padding), an optional sliding window on local layers and an optional logit
-soft-cap. Outputs at padding positions are not specified (nothing reads them).
+soft-cap and optional attention sinks (GPT-OSS: a learned logit per head that joins the
+softmax's denominator). Outputs at padding positions are not specified (nothing reads them).
 
 `auto` picks by the platform being compiled for (partitioning.current_platform): cpu ->
 blocked, gpu -> cudnn, tpu -> splash. Where that kernel cannot take the case (cuDNN: a
-soft-cap, float32, head_dim; splash: a sequence length that is not a multiple of 128) auto
-runs `blocked` instead and warns once per process, naming the reason. An implementation
-asked for by name is never swapped: if it cannot run the case, or `cudnn` is asked for off a
-GPU, that is a ConfigError. `splash` by name off TPU runs in the Pallas interpreter (exact,
-slow: for tests), with a warning.
+soft-cap, float32, head_dim; splash: a sequence length that is not a multiple of 128; both:
+attention sinks) auto runs `blocked` instead and warns once per process, naming the reason.
+An implementation asked for by name is never swapped: if it cannot run the case, or `cudnn`
+is asked for off a GPU, that is a ConfigError. `splash` by name off TPU runs in the Pallas
+interpreter (exact, slow: for tests), with a warning.
 
 Decoding with a KV cache attends over the cache through the reference and its explicit mask
 (engine/models/kv_cache.py).
@@ -58,7 +59,12 @@ def _device():
     return mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
 
 
-def _unsupported(impl: str, *, dtype, head_dim: int, seq_len: int, softcap, segmented: bool) -> str | None:
+def _unsupported(impl: str, *, dtype, head_dim: int, seq_len: int, softcap, segmented: bool,
+                 sinks: bool = False) -> str | None:
+    if sinks and impl == "cudnn":  # jax.nn.dot_product_attention has no sinks argument
+        return "cuDNN attention here takes no attention sinks (attention_sinks)"
+    if sinks and impl == "splash":  # the kernel has a `sinks` argument; not wired through here yet
+        return "splash attention here takes no attention sinks (attention_sinks)"
     if impl == "cudnn":
         return attention_cudnn.unsupported(dtype=dtype, head_dim=head_dim, seq_len=seq_len, softcap=softcap,
                                            segmented=segmented, device=_device())
@@ -68,9 +74,9 @@ def _unsupported(impl: str, *, dtype, head_dim: int, seq_len: int, softcap, segm
 
 
 def choose_implementation(impl: Impl, *, platform: str, dtype, head_dim: int, seq_len: int,
-                          softcap: float | None = None, segmented: bool = True) -> str:
+                          softcap: float | None = None, segmented: bool = True, sinks: bool = False) -> str:
     """The implementation that runs `impl` on `platform` for this case (see the module docstring)."""
-    case = dict(dtype=dtype, head_dim=head_dim, seq_len=seq_len, softcap=softcap, segmented=segmented)
+    case = dict(dtype=dtype, head_dim=head_dim, seq_len=seq_len, softcap=softcap, segmented=segmented, sinks=sinks)
     if impl == "auto":
         wanted = AUTO.get(platform, FALLBACK)
         reason = _unsupported(wanted, **case)
@@ -91,24 +97,27 @@ def choose_implementation(impl: Impl, *, platform: str, dtype, head_dim: int, se
 
 
 def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, impl: Impl = "auto", scale: float,
-              softcap: float | None = None, window: int | None = None, local: bool = False, block: int = 128):
+              softcap: float | None = None, window: int | None = None, local: bool = False, block: int = 128,
+              sinks_n=None):
     """Causal grouped-query self-attention over packed sequences: (b, t, n, h) in q's dtype.
 
     q (b, t, n, h); k, v (b, t, k, h) with n a multiple of k; segment_ids_bt (b, t), None for one
     unpadded document per row. A `local` layer sees only the `window` most recent positions,
     its own included. `local`, `window`, `softcap` and `block` (the query block of `blocked`)
-    are static.
+    are static. `sinks_n` (n,): attention sinks, a logit per query head in each softmax's
+    denominator (GPT-OSS; reference and blocked take them).
     """
     assert isinstance(local, (bool, np.bool_)), "local must be static (a Python bool)"
     window = window if local else None
     platform = current_platform()
     name = choose_implementation(impl, platform=platform, dtype=q_btnh.dtype, head_dim=q_btnh.shape[3],
-                                 seq_len=q_btnh.shape[1], softcap=softcap, segmented=segment_ids_bt is not None)
+                                 seq_len=q_btnh.shape[1], softcap=softcap, segmented=segment_ids_bt is not None,
+                                 sinks=sinks_n is not None)
     args = (q_btnh, k_bskh, v_bskh, segment_ids_bt)
     if name == "reference":
-        return reference_attention(*args, scale=scale, softcap=softcap, window=window)
+        return reference_attention(*args, scale=scale, softcap=softcap, window=window, sinks_n=sinks_n)
     if name == "blocked":
-        return blocked_attention(*args, scale=scale, softcap=softcap, window=window, block=block)
+        return blocked_attention(*args, scale=scale, softcap=softcap, window=window, block=block, sinks_n=sinks_n)
     if name == "cudnn":
         return cudnn_attention(*args, scale=scale, window=window)
     return splash_attention(*args, scale=scale, softcap=softcap, window=window, interpret=platform != "tpu")

@@ -77,16 +77,26 @@ def _to_heads(q_btnh, k_bskh, v_bskh):
     return q, k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)  # (b, k, s, h)
 
 
-def _forward(q, k, v, segment_bt, scale, softcap, window, block):
-    """Head-major output (b, k, t, g, h) and row log-sum-exp (b, k, t, g)."""
+def _sinks(sinks_kg):
+    """Attention sinks (k, g) broadcast against scores (b, k, t, g, s)."""
+    return sinks_kg[None, :, None, :, None]
+
+
+def _forward(q, k, v, segment_bt, sinks_kg, scale, softcap, window, block):
+    """Head-major output (b, k, t, g, h) and row log-sum-exp (b, k, t, g), the sinks' terms
+    (GPT-OSS: one more logit per head in each denominator) included."""
     outs, lses = [], []
     for q0, q1 in query_blocks(q.shape[2], block):
         k0 = key_start(q0, window)
         mask = _mask(segment_bt, q0, q1, k0, window)
         scores, _ = _scores(q[:, :, q0:q1], k[:, :, k0:q1], mask, scale, softcap)
         m = jnp.max(scores, axis=-1, keepdims=True)
+        if sinks_kg is not None:
+            m = jnp.maximum(m, _sinks(sinks_kg))
         p = jnp.exp(scores - m)
         denom = jnp.sum(p, axis=-1)
+        if sinks_kg is not None:
+            denom = denom + jnp.exp(_sinks(sinks_kg) - m)[..., 0]
         o = jnp.einsum("bkrs,bksh->bkrh", _rows(p.astype(v.dtype)), v[:, :, k0:q1],
                        preferred_element_type=jnp.float32)
         o = o.reshape(*p.shape[:-1], v.shape[-1])
@@ -95,19 +105,21 @@ def _forward(q, k, v, segment_bt, scale, softcap, window, block):
     return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _attention(q, k, v, segment_bt, scale, softcap, window, block):
-    return _forward(q, k, v, segment_bt, scale, softcap, window, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _attention(q, k, v, segment_bt, sinks_kg, scale, softcap, window, block):
+    return _forward(q, k, v, segment_bt, sinks_kg, scale, softcap, window, block)[0]
 
 
-def _attention_fwd(q, k, v, segment_bt, scale, softcap, window, block):
-    o, lse = _forward(q, k, v, segment_bt, scale, softcap, window, block)
-    return o, (q, k, v, segment_bt, o, lse)
+def _attention_fwd(q, k, v, segment_bt, sinks_kg, scale, softcap, window, block):
+    o, lse = _forward(q, k, v, segment_bt, sinks_kg, scale, softcap, window, block)
+    return o, (q, k, v, segment_bt, sinks_kg, o, lse)
 
 
 def _attention_bwd(scale, softcap, window, block, residuals, do):
-    q, k, v, segment_bt, o, lse = residuals
+    q, k, v, segment_bt, sinks_kg, o, lse = residuals
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # (b, k, t, g)
+    # A sink's probability exp(sink - lse) takes no value, so d(out)/d(sink) = -p_sink * out.
+    dsinks = None if sinks_kg is None else -jnp.sum(jnp.exp(sinks_kg[None, :, None] - lse) * delta, axis=(0, 2))
     dq_blocks = []
     dk_t = jnp.zeros((*k.shape[:2], k.shape[3], k.shape[2]), jnp.float32)  # (b, k, h, s)
     dv_t = jnp.zeros_like(dk_t)
@@ -131,21 +143,23 @@ def _attention_bwd(scale, softcap, window, block, residuals, do):
     dq = jnp.concatenate(dq_blocks, axis=2).astype(q.dtype)
     dk = dk_t.swapaxes(2, 3).astype(k.dtype)
     dv = dv_t.swapaxes(2, 3).astype(v.dtype)
-    return dq, dk, dv, None
+    return dq, dk, dv, None, dsinks
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def blocked_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, scale: float, softcap: float | None = None,
-                      window: int | None = None, block: int = 128):
+                      window: int | None = None, block: int = 128, sinks_n=None):
     """Causal, segment-aware grouped-query attention over one packed sequence (t == s).
 
     Returns (b, t, n, h) in the dtype of q. `window` (None: global) and `block` are static;
-    segment_ids_bt None means one unpadded document per row.
+    segment_ids_bt None means one unpadded document per row; `sinks_n` (n,), if given, are
+    attention sinks.
     """
     b, t, n, h = q_btnh.shape
     q, k, v = _to_heads(q_btnh, k_bskh, v_bskh)
-    out = _attention(q, k, v, segment_ids_bt, float(scale), None if softcap is None else float(softcap),
+    sinks_kg = None if sinks_n is None else sinks_n.astype(jnp.float32).reshape(k.shape[1], n // k.shape[1])
+    out = _attention(q, k, v, segment_ids_bt, sinks_kg, float(scale), None if softcap is None else float(softcap),
                      window, int(block))
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)

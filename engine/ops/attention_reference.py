@@ -30,26 +30,38 @@ def attention_mask(segment_q_bt, segment_k_bs, *, window: int | None = None):
     return visible_ts[None] & same_bts & valid_bs
 
 
-def dot_product_attention(q_btnh, k_bskh, v_bskh, mask_bts, *, scale=None, softcap=None):
+def softmax_with_sinks(scores, sinks):
+    """softmax over the last axis, with `sinks` (broadcast to scores[..., :1]) as one more
+    logit each in the denominator (GPT-OSS's attention sinks); None: the plain softmax."""
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    sinks = jnp.broadcast_to(sinks.astype(scores.dtype), scores[..., :1].shape)
+    return jax.nn.softmax(jnp.concatenate([scores, sinks], axis=-1), axis=-1)[..., :-1]
+
+
+def dot_product_attention(q_btnh, k_bskh, v_bskh, mask_bts, *, scale=None, softcap=None, sinks_n=None):
     """Grouped-query attention over an explicit mask; softmax in float32. Scores are q.k * scale
-    (default head_dim**-0.5), optionally soft-capped to (-softcap, softcap) before masking."""
+    (default head_dim**-0.5), optionally soft-capped to (-softcap, softcap) before masking;
+    `sinks_n` (per query head) join the softmax's denominator."""
     b, t, n, h = q_btnh.shape
     k = k_bskh.shape[2]
     q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
+    sinks_kg = None if sinks_n is None else sinks_n.astype(jnp.float32).reshape(k, n // k)
     if t == 1:  # a decode step
         return _one_query_attention(q_btkgh, k_bskh, v_bskh, mask_bts, scale=h**-0.5 if scale is None else scale,
-                                    softcap=softcap).reshape(b, t, n, h)
+                                    softcap=softcap, sinks_kg=sinks_kg).reshape(b, t, n, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
     scores = scores * (h**-0.5 if scale is None else scale)
     if softcap is not None:
         scores = softcap * jnp.tanh(scores / softcap)
     scores = jnp.where(mask_bts[:, None, None], scores, NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
+    sinks = None if sinks_kg is None else sinks_kg[None, :, :, None, None]
+    probs = softmax_with_sinks(scores, sinks).astype(v_bskh.dtype)
     out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs, v_bskh, preferred_element_type=jnp.float32)
     return out_btkgh.astype(v_bskh.dtype).reshape(b, t, n, h)  # f32 accumulation (engine/ops/dense.py)
 
 
-def _one_query_attention(q_btkgh, k_bskh, v_bskh, mask_bts, *, scale: float, softcap: float | None):
+def _one_query_attention(q_btkgh, k_bskh, v_bskh, mask_bts, *, scale: float, softcap: float | None, sinks_kg=None):
     """One query per row (decoding), as broadcast products and sums: XLA fuses each into one
     pass over the cache, where the equivalent dot_generals are (b * kv_heads) tiny matmuls
     that XLA:CPU ran at a few GFLOP/s, a quarter of a decode step (bench/profile_sample.py)."""
@@ -59,15 +71,15 @@ def _one_query_attention(q_btkgh, k_bskh, v_bskh, mask_bts, *, scale: float, sof
     if softcap is not None:
         scores_bkgs = softcap * jnp.tanh(scores_bkgs / softcap)
     scores_bkgs = jnp.where(mask_bts[:, None, None, 0], scores_bkgs, NEG_INF)
-    probs_bkgs = jax.nn.softmax(scores_bkgs, axis=-1)
+    probs_bkgs = softmax_with_sinks(scores_bkgs, None if sinks_kg is None else sinks_kg[None, :, :, None])
     out_bkgh = jnp.sum(probs_bkgs[..., None] * v_bksh[:, :, None].astype(jnp.float32), axis=3)
     return out_bkgh.astype(v_bskh.dtype)
 
 
 def reference_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, *, scale: float, softcap: float | None = None,
-                        window: int | None = None):
+                        window: int | None = None, sinks_n=None):
     """Causal self-attention over a packed sequence through the full (b, t, t) mask."""
     if segment_ids_bt is None:
         segment_ids_bt = jnp.ones(q_btnh.shape[:2], jnp.int32)
     mask_bts = attention_mask(segment_ids_bt, segment_ids_bt, window=window)
-    return dot_product_attention(q_btnh, k_bskh, v_bskh, mask_bts, scale=scale, softcap=softcap)
+    return dot_product_attention(q_btnh, k_bskh, v_bskh, mask_bts, scale=scale, softcap=softcap, sinks_n=sinks_n)

@@ -27,7 +27,7 @@ from engine.config import ConfigError
 from engine.contract import CHECKPOINT_DIR, CHECKPOINT_FORMAT, TOKENIZER_DIR
 from engine.interop.hf.files import copy_tokenizer, source_fingerprint
 from engine.interop.hf.mapping import (
-    TensorSpec, check_table_covers, copy_into, hf_shape, model_config_from_hf, tensor_table,
+    TensorSpec, check_table_covers, copy_into, deinterleave, hf_shape, model_config_from_hf, tensor_table,
 )
 from engine.interop.hf.safetensors_io import SafetensorsFile
 from engine.models.families import get_family
@@ -110,9 +110,11 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
     target = NP_DTYPES[dtype]
     params: dict = {}
     for spec in top:
-        _set(params, spec.path, np.empty(_at(shapes, spec.path).shape, target))
+        for path in (spec.path, *spec.interleaved_with):
+            _set(params, path, np.empty(_at(shapes, path).shape, target))
     for spec in per_layer:
-        _set(params, ("blocks", *spec.path), np.empty(_at(shapes, ("blocks", *spec.path)).shape, target))
+        for path in (spec.path, *spec.interleaved_with):
+            _set(params, ("blocks", *path), np.empty(_at(shapes, ("blocks", *path)).shape, target))
 
     log(f"convert: {architecture}, {len(expected)} tensors to read")
     # Every header first: a mismatch fails in a second, not after reading gigabytes.
@@ -153,7 +155,10 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
     def load(job) -> int:
         path, name, spec, index = job
         raw = handles[path].get(name)
-        copy_into(_at(params, spec.path) if not index else _at(params, ("blocks", *spec.path))[index], spec, raw)
+        paths = (spec.path, *spec.interleaved_with)  # one path, or the arrays HF interleaves in this tensor
+        for part, engine_path in enumerate(paths):
+            slot = _at(params, engine_path) if not index else _at(params, ("blocks", *engine_path))[index]
+            copy_into(slot, spec, deinterleave(raw, part, len(paths)) if len(paths) > 1 else raw)
         return raw.nbytes
 
     try:

@@ -19,7 +19,7 @@ import numpy as np
 
 from engine.contract import TOKENIZER_DIR
 from engine.interop.hf.files import check_export_dir, copy_tokenizer, remove_stale_weights
-from engine.interop.hf.mapping import TensorSpec, hf_shape, model_config_to_hf, tensor_table, to_hf
+from engine.interop.hf.mapping import TensorSpec, hf_shape, interleave, model_config_to_hf, tensor_table, to_hf
 from engine.interop.hf.safetensors_io import write_safetensors
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.train.checkpoint import load_params, read_meta
@@ -63,13 +63,19 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: st
     hf_config = model_config_to_hf(cfg, token_ids, param_dtype=compute.param_dtype)
     _, params, step = load_params(checkpoint_dir, step=step, as_numpy=True)  # host arrays, as saved
 
-    def leaf(spec: TensorSpec, index: tuple) -> np.ndarray:
+    def leaf(spec: TensorSpec, index: tuple, path: tuple[str, ...] | None = None) -> np.ndarray:
         """The array at `index`: () top-level, (layer,), or (layer, expert) of an expert tensor."""
+        path = path or spec.path
         if not index:
-            return np.asarray(_at(params, spec.path))
+            return np.asarray(_at(params, path))
         if compute.scan_layers:
-            return np.asarray(_at(params, ("blocks", *spec.path))[index])
-        return np.asarray(_at(params["blocks"][index[0]], spec.path)[index[1:]])
+            return np.asarray(_at(params, ("blocks", *path))[index])
+        return np.asarray(_at(params["blocks"][index[0]], path)[index[1:]])
+
+    def hf_tensor(spec: TensorSpec, index: tuple) -> np.ndarray:
+        if spec.interleaved_with:  # several engine arrays in one HF tensor
+            return interleave([leaf(spec, index, path) for path in (spec.path, *spec.interleaved_with)])
+        return to_hf(spec, leaf(spec, index))
 
     top, per_layer = tensor_table(cfg)
     num_experts = cfg.num_experts
@@ -96,7 +102,7 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: st
         def tensors(names=names) -> Iterator[tuple[str, np.ndarray]]:
             for name in names:
                 spec, index, _, _ = entries[name]
-                yield name, to_hf(spec, leaf(spec, index))
+                yield name, hf_tensor(spec, index)
 
         total += write_safetensors(out_dir / filename, tensors(), metadata={"format": "pt"},
                                    shapes={n: entries[n][2:] for n in names})

@@ -85,7 +85,8 @@ def check_table_covers(cfg: ModelConfig, shapes: dict) -> None:
     """Assert that the tensor table names every parameter in `shapes` (the stacked layout
     of engine.models.params.abstract_model_params) and nothing else."""
     top, per_layer = tensor_table(cfg)
-    mapped = {s.path for s in top} | {("blocks", *s.path) for s in per_layer}
+    mapped = {path for s in top for path in (s.path, *s.interleaved_with)}
+    mapped |= {("blocks", *path) for s in per_layer for path in (s.path, *s.interleaved_with)}
     leaves = _leaf_paths(shapes)
     assert mapped == leaves, f"tensor_table and the model disagree: {sorted(mapped ^ leaves)}"
 
@@ -95,6 +96,8 @@ def check_table_covers(cfg: ModelConfig, shapes: dict) -> None:
 
 def hf_shape(spec: TensorSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The HF shape of an engine array of `shape`."""
+    if spec.interleaved_with:
+        return (*shape[:-1], shape[-1] * (1 + len(spec.interleaved_with)))
     if spec.in_dims is not None:
         return (int(np.prod(shape[spec.in_dims:])), int(np.prod(shape[: spec.in_dims])))
     return (int(np.prod(shape)),) if spec.flatten else tuple(shape)
@@ -112,6 +115,16 @@ def _transpose_into(dst_2d: np.ndarray, src_2d: np.ndarray, block: int = 16) -> 
     src, dst = src_2d.view(bits), dst_2d.view(bits)
     for i in range(0, src.shape[0], block):
         dst[:, i:i + block] = src[i:i + block].T
+
+
+def interleave(arrays: list[np.ndarray]) -> np.ndarray:
+    """One array whose last axis alternates the arrays' columns (TensorSpec.interleaved_with)."""
+    return np.stack(arrays, axis=-1).reshape(*arrays[0].shape[:-1], -1)
+
+
+def deinterleave(hf_array: np.ndarray, part: int, parts: int) -> np.ndarray:
+    """The part-th of `parts` arrays interleaved along the last axis (a strided view)."""
+    return hf_array[..., part::parts]
 
 
 def copy_into(slot: np.ndarray, spec: TensorSpec, hf_array: np.ndarray) -> None:

@@ -49,6 +49,10 @@ class TensorSpec:
     experts: bool = False
     """One HF tensor per expert (`{j}` in hf_name stands for the expert index): the engine's
     per-layer array has an expert axis first, and in_dims/flatten describe one expert's slice."""
+    interleaved_with: tuple[tuple[str, ...], ...] = ()
+    """More engine params stored interleaved with `path` in HF's one tensor, along its last
+    axis (GPT-OSS's gate_up_proj: gate at even columns, up at odd): of the n arrays, the
+    i-th is HF's [..., i::n]. Same shapes; in_dims must be None."""
 
 
 # --------------------------------------------------------------------------- shared helpers

@@ -1,0 +1,253 @@
+"""GPT-OSS (family gpt_oss): attention sinks in every attention implementation, and the
+family converted from a tiny random transformers GptOssForCausalLM with logits, greedy
+tokens (the engine's sampler), export and round trip checked as for the other families.
+
+The tiny model: odd sizes, 5 experts with top-2, alternating sliding-window (5) and full
+layers, YaRN, weights N(0, 0.3^2) so routing is decided by margins a perturbation of the
+router changes (checked), a swiglu_limit of 2 so the experts' clamps bite (checked), sinks
+large enough to matter (checked), padding in the batch. One converted model per module.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine.config import ConfigError
+from engine.inference.sample import Sampler
+from engine.interop.hf.convert import convert_hf
+from engine.interop.hf.export import export_hf
+from engine.interop.hf.mapping import model_config_from_hf
+from engine.models.params import apply_model, graphdef_of
+from engine.ops import attention as attention_module
+from engine.ops.attention import choose_implementation
+from engine.ops.attention_blocked import blocked_attention
+from engine.ops.attention_reference import attention_mask, dot_product_attention, reference_attention
+from engine.train.checkpoint import load_params, stored_configs
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 37
+
+# --------------------------------------------------------------------------- attention sinks
+
+B, T, N, K, H = 2, 23, 6, 2, 5
+SEGMENTS = jnp.asarray([[1] * 9 + [2] * 11 + [0] * 3, [3] * T])
+
+
+def _qkv_sinks(seed=0):
+    rng = np.random.default_rng(seed)
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    return draw(B, T, N, H), draw(B, T, K, H), draw(B, T, K, H), 2.0 * draw(N), draw(B, T, N, H)
+
+
+@pytest.mark.parametrize("window,block", [(None, 8), (4, 8)], ids=["global", "window"])
+def test_blocked_attention_with_sinks_equals_the_reference_in_values_and_gradients(window, block):
+    q, k, v, sinks, probe = _qkv_sinks()
+    valid = (SEGMENTS != 0)[:, :, None, None]
+
+    def run(fn):
+        def loss(q, k, v, sinks):
+            return jnp.sum(fn(q, k, v, sinks) * probe * valid)
+        out = jax.jit(fn)(q, k, v, sinks)
+        return out * valid, jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+
+    blocked = run(lambda q, k, v, s: blocked_attention(q, k, v, SEGMENTS, scale=0.4, window=window, block=block,
+                                                       sinks_n=s))
+    reference = run(lambda q, k, v, s: reference_attention(q, k, v, SEGMENTS, scale=0.4, window=window, sinks_n=s))
+    np.testing.assert_allclose(blocked[0], reference[0], atol=5e-6)
+    for name, got, want in zip(["q", "k", "v", "sinks"], blocked[1], reference[1]):
+        np.testing.assert_allclose(got, want, atol=2e-5, err_msg=f"d{name}")
+    assert float(jnp.abs(reference[1][3]).min()) > 1e-3  # every head's sink has a gradient
+    # the sinks take probability mass: without them the output is another one
+    plain = reference_attention(q, k, v, SEGMENTS, scale=0.4, window=window)
+    assert float(jnp.abs((plain - reference[0]) * valid).max()) > 1e-2
+
+
+def test_a_decode_step_with_sinks_equals_the_last_row_of_the_full_attention():
+    """The sampler's one-query path (a KV cache's mask over the keys) against the (t, t) one."""
+    q, k, v, sinks, _ = _qkv_sinks(seed=1)
+    segments = jnp.ones((B, T), jnp.int32)
+    full = reference_attention(q, k, v, segments, scale=0.4, window=6, sinks_n=sinks)
+    mask = attention_mask(segments[:, -1:], segments, window=6)
+    step = dot_product_attention(q[:, -1:], k, v, mask, scale=0.4, sinks_n=sinks)
+    np.testing.assert_allclose(step, full[:, -1:], atol=1e-6)
+
+
+def test_auto_falls_back_to_blocked_for_sinks_and_says_so_once(monkeypatch):
+    monkeypatch.setattr(attention_module, "_told", set())
+    case = dict(dtype=jnp.bfloat16, head_dim=64, seq_len=256, softcap=None)
+    for platform, kernel in (("gpu", "cuDNN"), ("tpu", "splash")):
+        assert choose_implementation("auto", platform=platform, **case) != "blocked"  # it fits without sinks
+        with pytest.warns(UserWarning, match=f"{kernel} attention here takes no attention sinks"):
+            assert choose_implementation("auto", platform=platform, sinks=True, **case) == "blocked"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert choose_implementation("auto", platform=platform, sinks=True, **case) == "blocked"
+    with pytest.raises(ConfigError, match="compute.attention_impl: splash cannot run this model: .*sinks"):
+        choose_implementation("splash", platform="tpu", sinks=True, **case)
+
+
+# --------------------------------------------------------------------------- Hugging Face parity
+
+LIMIT = 2.0
+
+
+def hf_config():
+    return transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=30, intermediate_size=13, num_hidden_layers=3, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=8, num_local_experts=5, num_experts_per_tok=2, sliding_window=5,
+        max_position_embeddings=64, swiglu_limit=LIMIT,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpt_oss")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(), attn_implementation="eager",
+                                                          experts_implementation="eager").float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0.0, 2.0)
+            else:
+                p.add_(0.3 * torch.randn_like(p)) if p.ndim == 1 else p.normal_(0.0, 0.3)
+    model.eval().save_pretrained(root / "hf")
+    convert_hf(root / "hf", root / "converted")
+    cfg, params, _ = load_params(root / "converted" / "checkpoint")
+    _, compute = stored_configs(root / "converted" / "checkpoint")
+    return dict(model=model, hf_dir=root / "hf", out=root / "converted", cfg=cfg, compute=compute, params=params,
+                forward=engine_forward(cfg, compute))
+
+
+def padded_batch():
+    """Three rows of 20 tokens: full, right-padded, left-padded."""
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (3, 20))
+    mask = np.ones_like(tokens)
+    mask[1, 14:] = 0
+    mask[2, :6] = 0
+    return tokens, mask
+
+
+def hf_logits(model, tokens, mask) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens), attention_mask=torch.tensor(mask)).logits.numpy()
+
+
+def engine_forward(cfg, compute):
+    """logits(params, tokens, mask) of the engine's model, jitted: one compilation, not op by op."""
+    graphdef = graphdef_of(cfg, compute)
+    forward = jax.jit(lambda p, t, m: apply_model(graphdef, p, t, None, m))
+    return lambda params, tokens, mask: np.asarray(forward(params, jnp.asarray(tokens), jnp.asarray(mask)))
+
+
+def test_converted_gpt_oss_matches_transformers_logits(case):
+    cfg = case["cfg"]
+    assert cfg.family == "gpt_oss" and (cfg.num_experts, cfg.experts_per_token) == (5, 2)
+    assert cfg.attention_pattern == ["local", "global"] and cfg.sliding_window == 5 and cfg.rope_scaling.kind == "yarn"
+    tokens, mask = padded_batch()
+    ours = case["forward"](case["params"], tokens, mask)
+    ref = hf_logits(case["model"], tokens, mask)
+    valid = mask.astype(bool)
+    delta = float(np.abs(ours - ref)[valid].max())
+    print(f"\ngpt_oss: max |delta logit| = {delta:.2e}")
+    assert delta <= 1e-4 and np.abs(ref[valid]).max() > 0.5
+
+
+def test_the_sinks_the_clamps_and_the_routing_all_matter_here(case):
+    """Without the sinks, or without the clamps, the logits differ; a 5% change of the router
+    moves some choices, so matching logits means matching routing."""
+    cfg, compute, params = case["cfg"], case["compute"], case["params"]
+    tokens, mask = padded_batch()
+    valid = mask.astype(bool)
+    logits = case["forward"](params, tokens, mask)
+    blocks = params["blocks"]
+    no_sinks = {**params, "blocks": {**blocks, "attn": {**blocks["attn"], "sinks_n": blocks["attn"]["sinks_n"] - 1e4}}}
+    unclamped = cfg.model_copy(update={"swiglu_limit": 1e4})
+    for other in (case["forward"](no_sinks, tokens, mask), engine_forward(unclamped, compute)(params, tokens, mask)):
+        assert np.abs(other - logits)[valid].max() > 1e-2
+    model = case["model"]
+    with torch.no_grad():
+        out = model(torch.tensor(tokens), attention_mask=torch.tensor(mask), output_router_logits=True)
+        chosen = [torch.topk(r, 2).indices.sort().values for r in out.router_logits]
+        loads = torch.bincount(chosen[0].flatten(), minlength=5)
+        assert loads.min() > 0 and loads.max() > loads.min()  # every expert used, unevenly
+        routers = [m for n, m in model.named_modules() if n.endswith(".router")]
+        saved = [r.weight.clone() for r in routers]
+        for r in routers:
+            r.weight.mul_(1 + 0.05 * torch.randn_like(r.weight))
+        moved = model(torch.tensor(tokens), attention_mask=torch.tensor(mask), output_router_logits=True)
+        for r, w in zip(routers, saved):
+            r.weight.copy_(w)
+    changed = sum(int((torch.topk(r, 2).indices.sort().values != c).any(-1).sum())
+                  for r, c in zip(moved.router_logits, chosen))
+    assert changed > 0
+
+
+def test_greedy_generation_with_the_engine_sampler_is_identical(case):
+    """7 prompt + 16 new tokens: past the sliding window, so the cache's window and sinks count."""
+    prompt = np.random.default_rng(2).integers(0, VOCAB, (2, 7))
+    case["model"].generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = case["model"].generate(torch.tensor(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+                                     max_new_tokens=16, do_sample=False, pad_token_id=0)
+    ref = out[:, prompt.shape[1]:].numpy()
+    ours = Sampler(case["cfg"], case["compute"])(case["params"], prompt, np.ones_like(prompt), max_new_tokens=16,
+                                                 temperature=0.0)
+    assert ref.shape == (2, 16)
+    np.testing.assert_array_equal(ours.tokens, ref)
+
+
+def test_export_loads_cleanly_in_transformers_and_converts_back_bitwise(case, tmp_path):
+    export_hf(case["out"] / "checkpoint", tmp_path / "export")
+    records = io.StringIO()
+    handler = logging.StreamHandler(records)
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "export", output_loading_info=True, attn_implementation="eager", experts_implementation="eager")
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert "were not initialized" not in records.getvalue() and "not used" not in records.getvalue()
+    assert type(reloaded) is type(case["model"])
+    # the interleaved gate_up_proj (and its bias) as transformers wrote it
+    for name, tensor in case["model"].state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
+    tokens, mask = padded_batch()
+    valid = mask.astype(bool)
+    np.testing.assert_array_equal(hf_logits(reloaded.eval(), tokens, mask)[valid],
+                                  hf_logits(case["model"], tokens, mask)[valid])
+    ours = json.loads((tmp_path / "export" / "config.json").read_text())
+    source = json.loads((case["hf_dir"] / "config.json").read_text())
+    for key, value in source.items():
+        if key not in ("transformers_version", "bos_token_id", "eos_token_id"):
+            assert ours.get(key, "<missing>") == value, f"{key}: {ours.get(key, '<missing>')!r} != {value!r}"
+    convert_hf(tmp_path / "export", tmp_path / "again")
+    cfg, params, _ = load_params(tmp_path / "again" / "checkpoint")
+    assert cfg == case["cfg"]
+    for a, b in zip(jax.tree.leaves(case["params"]), jax.tree.leaves(params), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_what_the_engine_does_not_implement_is_refused_by_name():
+    base = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 17, "hidden_size": 16,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 7, "head_dim": 4}
+    cfg, _ = model_config_from_hf(base)  # transformers' defaults: alternating windows of 128, YaRN x32
+    assert cfg.attention_pattern == ["local", "global"] and cfg.sliding_window == 128
+    assert (cfg.rope_theta, cfg.rope_scaling.factor, cfg.rope_scaling.truncate) == (150000.0, 32.0, False)
+    with pytest.raises(ConfigError, match=r"quantization_config \(mxfp4\) is not supported; dequantize"):
+        model_config_from_hf({**base, "quantization_config": {"quant_method": "mxfp4"}})
+    with pytest.raises(ConfigError, match=r"attention_bias=false is not supported"):
+        model_config_from_hf({**base, "attention_bias": False})
