@@ -1,9 +1,11 @@
 """Where a sampler call spends its time, from a JAX profiler trace.
 
-    python -m bench.profile_sample [--prompts 32] [--generations 8] [--new-tokens 64] [--prompt-len 32] [--top 20]
+    python -m bench.profile_sample [--prompts 32] [--generations 8] [--new-tokens 64] [--prompt-len 32]
+                                   [--dtype float32|bfloat16] [--top 20]
 
-Traces one compiled `Sampler` call at bench/sample.py's model shape (random weights, f32,
-sampled at temperature 1; --generations 1 --temperature 0 is the greedy batch case) and
+Traces one compiled `Sampler` call at bench/sample.py's model shape (random weights in f32,
+sampled at temperature 1; --generations 1 --temperature 0 is the greedy batch case;
+--dtype bfloat16 samples with the sampler's bf16 copy of the weights, Sampler dtype) and
 prints how long XLA:CPU's worker threads were busy in the prefill and the decode loop, in
 each part of a decode step (attention, its KV-cache reads and writes, MLP, LM head,
 sampling; matmuls and the rest, from the named scopes in engine/models/transformer.py),
@@ -44,6 +46,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the sampler's dtype (Sampler dtype): bfloat16 samples with a bf16 copy of the weights")
     parser.add_argument("--top", type=int, default=20)
     args = parser.parse_args()
     info = machine()
@@ -58,7 +62,7 @@ def main() -> None:
     cfg = ModelConfig(**SHAPE, init_std=0.2)
     params = jax.jit(lambda: nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1]))()
     prompts = np.random.default_rng(0).integers(1, SHAPE["vocab_size"], (args.prompts, args.prompt_len)).astype(np.int32)
-    sampler = Sampler(cfg)
+    sampler = Sampler(cfg, dtype=args.dtype)
 
     def call():
         return sampler(params, prompts, np.ones_like(prompts), max_new_tokens=args.new_tokens,

@@ -13,8 +13,9 @@ log-probabilities of the same tokens, which is what GRPO's importance ratios nee
 GRPO samples G completions per prompt: `sample` prefills each prompt once and copies its
 cache to the G rows of its group, and the whole decode loop is one on-device while_loop
 that stops as soon as every row has ended. `Sampler` jits `sample` once per length bucket
-and setting on a mesh (params sharded as in training, rows over the data axes). engine/inference/generate.py is the text-in, text-out command
-(`python -m engine.inference.generate`, `trainflow generate`).
+and setting on a mesh (params sharded as in training, rows over the data axes).
+engine/inference/generate.py is the text-in, text-out command (`python -m
+engine.inference.generate`, `trainflow generate`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,8 @@ from engine.parallel.mesh import (
 )
 
 NEG_INF = -jnp.inf
+RolloutDtype = Literal["float32", "bfloat16"]
+DRAW_BLOCK = 128  # vocabulary entries per block of the two-level inverse-CDF draw
 
 
 # --------------------------------------------------------------------------- pure core
@@ -66,35 +69,107 @@ def filter_logits(logits_bv, top_k: int = 0, top_p: float = 1.0):
     return logits_bv
 
 
-def first_argmax(logits_bv):
-    """argmax over the last axis (the first of equal maxima) as a max and a min: XLA:CPU runs
-    jnp.argmax's (value, index) reduction several times slower."""
-    vocab_v = jnp.arange(logits_bv.shape[-1])
-    top_b1 = jnp.max(logits_bv, axis=-1, keepdims=True)
-    return jnp.min(jnp.where(logits_bv == top_b1, vocab_v, logits_bv.shape[-1]), axis=-1)
+# One decode step's token choice runs over the whole vocabulary for every row, as often as
+# the LM head's matmul. Its passes over the (rows, vocab) logits are few and are reductions
+# XLA:CPU hands to YNNPACK: each row's logits are cut into blocks of DRAW_BLOCK entries, and
+# the per-block maxima and probability masses place a row's token in one block; only that
+# block's entries are looked at again. No cumulative sum or arg-reduction runs over the whole
+# vocabulary (on XLA:CPU those are several passes each: bench/profile_sample.py).
 
 
-def inverse_cdf_draw(keys_b, logits_bv):
+def vocab_blocks(logits_bv, block: int = DRAW_BLOCK):
+    """(rows, blocks, block): the logits in blocks, the last padded with -inf."""
+    rows, vocab = logits_bv.shape
+    blocks = -(-vocab // block)
+    if blocks * block != vocab:
+        logits_bv = jnp.pad(logits_bv, ((0, 0), (0, blocks * block - vocab)), constant_values=NEG_INF)
+    return logits_bv.reshape(rows, blocks, block)
+
+
+def _first(flags_bn):
+    """Index of each row's first true entry (the row's length if none)."""
+    return jnp.min(jnp.where(flags_bn, jnp.arange(flags_bn.shape[-1]), flags_bn.shape[-1]), axis=-1)
+
+
+def _last_positive(x_bn):
+    """Index of each row's last entry > 0 (0 if none)."""
+    return jnp.max(jnp.where(x_bn > 0, jnp.arange(x_bn.shape[-1]), 0), axis=-1)
+
+
+def _block_of(logits_bnk, block_b):
+    """(rows, block): block `block_b[r]` of each row r."""
+    return jnp.take_along_axis(logits_bnk, block_b[:, None, None], axis=1)[:, 0]
+
+
+def _argmax_in_blocks(logits_bnk, top_bn, top_b1):
+    """The first of the rows' maximal entries: in the first block whose maximum is the row's."""
+    block_b = _first(top_bn == top_b1)
+    return block_b * logits_bnk.shape[-1] + _first(_block_of(logits_bnk, block_b) == top_b1)
+
+
+def _draw_in_blocks(keys_b, logits_bnk, top_b1, cdf_bn, inverse_temperature=1.0):
+    """The entry whose cumulative mass first reaches u * total (u uniform in (0, 1)): first
+    the block, by the blocks' cumulative masses `cdf_bn` (of exp((logit - top) *
+    inverse_temperature)), then the entry, by cumulative masses within that one block."""
+    tiny = jnp.finfo(jnp.float32).tiny  # u > 0: an entry of probability 0 at the start is never reached
+    u_b = jax.vmap(lambda key: jax.random.uniform(key, minval=tiny))(keys_b) * cdf_bn[:, -1]
+    mass_bn = jnp.diff(cdf_bn, axis=-1, prepend=0.0)
+    # Rounding may leave u past the last cumulative mass: the last block (entry) with mass then.
+    block_b = jnp.minimum(jnp.sum(cdf_bn < u_b[:, None], axis=-1), _last_positive(mass_bn))
+    at_block = functools.partial(jnp.take_along_axis, indices=block_b[:, None], axis=1)
+    below_b = (at_block(cdf_bn) - at_block(mass_bn))[:, 0]  # the mass of the blocks before
+    p_bk = jnp.exp((_block_of(logits_bnk, block_b) - top_b1) * inverse_temperature)
+    entry_b = jnp.sum(jnp.cumsum(p_bk, axis=-1) < (u_b - below_b)[:, None], axis=-1)
+    return block_b * logits_bnk.shape[-1] + jnp.minimum(entry_b, _last_positive(p_bk))
+
+
+def _block_stats(logits_bnk, inverse_temperature=1.0):
+    """(top_bn, top_b1, cdf_bn): each block's and each row's maximum logit, and the blocks'
+    cumulative masses sum(exp((logit - top) * inverse_temperature)), whose last entry is the
+    normaliser (a cumulative sum, not a sum: XLA would fold a sum of the block masses into a
+    second pass over the vocabulary)."""
+    top_bn = jnp.max(logits_bnk, axis=-1)
+    top_b1 = jnp.max(top_bn, axis=-1, keepdims=True)
+    mass_bn = jnp.sum(jnp.exp((logits_bnk - top_b1[:, :, None]) * inverse_temperature), axis=-1)
+    return top_bn, top_b1, jnp.cumsum(mass_bn, axis=-1)
+
+
+def first_argmax(logits_bv, block: int = DRAW_BLOCK):
+    """argmax over the last axis (the first of equal maxima)."""
+    logits_bnk = vocab_blocks(logits_bv, block)
+    top_bn = jnp.max(logits_bnk, axis=-1)
+    return _argmax_in_blocks(logits_bnk, top_bn, jnp.max(top_bn, axis=-1, keepdims=True))
+
+
+def inverse_cdf_draw(keys_b, logits_bv, block: int = DRAW_BLOCK):
     """One token per row from softmax(logits): the first entry whose cumulative probability
     reaches a uniform draw. One random number per row, where jax.random.categorical
     (Gumbel-max) draws one per vocabulary entry: at 256 rows x 8192 that was about half of
     a decode step on CPU (bench/profile_sample.py). Entries at -inf are never drawn."""
-    cdf_bv = jnp.cumsum(jax.nn.softmax(logits_bv, axis=-1), axis=-1)
-    tiny = jnp.finfo(jnp.float32).tiny  # u > 0: an entry of probability 0 at the start is never reached
-    u_b = jax.vmap(lambda key: jax.random.uniform(key, minval=tiny))(keys_b) * cdf_bv[:, -1]
-    return jnp.sum(cdf_bv < u_b[:, None], axis=-1)
+    logits_bnk = vocab_blocks(logits_bv, block)
+    _, top_b1, cdf_bn = _block_stats(logits_bnk)
+    return _draw_in_blocks(keys_b, logits_bnk, top_b1, cdf_bn)
 
 
 def choose_tokens(logits_bv, keys_b, temperature, *, top_k: int, top_p: float):
     """(token_b, logprob_b) of one sampling step, each row drawn with its own key; temperature
-    0 (may be traced) is greedy."""
+    0 (may be traced) is greedy. Logits are read three times (block maxima; exp; block
+    masses), plus the filter's passes with top-k / top-p."""
     logits_bv = logits_bv.astype(jnp.float32)
     greedy = temperature == 0
-    scaled_bv = logits_bv / jnp.where(greedy, 1.0, temperature)
-    logp_bv = jax.nn.log_softmax(scaled_bv, axis=-1)
-    token_b = jax.lax.cond(greedy, lambda: first_argmax(logits_bv),
-                           lambda: inverse_cdf_draw(keys_b, filter_logits(scaled_bv, top_k, top_p)))
-    logprob_b = jnp.take_along_axis(logp_bv, token_b[:, None], axis=-1)[:, 0]
+    inverse_temperature = jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, temperature))
+    logits_bnk = vocab_blocks(logits_bv)
+    top_bn, top_b1, cdf_bn = _block_stats(logits_bnk, inverse_temperature)
+
+    def draw():
+        if top_k or top_p < 1.0:
+            return inverse_cdf_draw(keys_b, filter_logits(logits_bv * inverse_temperature, top_k, top_p))
+        return _draw_in_blocks(keys_b, logits_bnk, top_b1, cdf_bn, inverse_temperature)
+
+    token_b = jax.lax.cond(greedy, lambda: _argmax_in_blocks(logits_bnk, top_bn, top_b1), draw)
+    # log softmax(logits / temperature) at the token: (logit - top) / temperature - log(normaliser)
+    logit_b = jnp.take_along_axis(logits_bv, token_b[:, None], axis=-1)[:, 0]
+    logprob_b = (logit_b - top_b1[:, 0]) * inverse_temperature - jnp.log(cdf_bn[:, -1])
     return token_b.astype(jnp.int32), logprob_b
 
 
@@ -162,6 +237,14 @@ def sample(graphdef, params, prompt_tokens_bp, prompt_mask_bp, rng, temperature=
     return {"tokens": tokens_bn, "logprobs": logprobs_bn, "mask": mask_bn, "lengths": jnp.sum(mask_bn, axis=1)}
 
 
+def rollout_params(params, dtype: RolloutDtype):
+    """params with every floating-point array in `dtype`: the copy a rollout samples with,
+    made once per sampler call (before the prefill), never per decode step. Integer arrays
+    are left alone."""
+    target = jnp.dtype(dtype)
+    return jax.tree.map(lambda a: a.astype(target) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
+
+
 def length_bucket(length: int, buckets: Sequence[int] = ()) -> int:
     """The smallest of `buckets` that holds `length`; without buckets (or past the largest)
     the next power of two, at least 8. Shapes come in buckets so the sampler compiles once
@@ -204,9 +287,13 @@ class Sampler:
     """
 
     def __init__(self, model_cfg: ModelConfig, compute: ComputeConfig | None = None, mesh=None, param_shardings=None,
-                 length_buckets: Sequence[int] = ()):
+                 length_buckets: Sequence[int] = (), dtype: RolloutDtype | None = None):
         self.model_cfg = model_cfg
-        self.compute = (compute or ComputeConfig()).model_copy(update={"remat": "none"})  # no backward pass here
+        compute = (compute or ComputeConfig()).model_copy(update={"remat": "none"})  # no backward pass here
+        self.dtype = dtype or compute.dtype
+        if dtype is not None:  # the rollout copy: params and products in `dtype`, cast once per call
+            compute = compute.model_copy(update={"param_dtype": dtype, "dtype": dtype})
+        self.compute = compute
         self.graphdef = graphdef_of(self.model_cfg, self.compute)
         self.mesh, self.param_shardings = mesh, param_shardings
         self.length_buckets = tuple(sorted(length_buckets))
@@ -219,6 +306,7 @@ class Sampler:
     def _function(self, settings: tuple):
         if settings not in self._compiled:
             def fn(params, tokens, mask, key_data, *rest):
+                params = rollout_params(params, self.compute.param_dtype)
                 return sample(self.graphdef, params, tokens, mask, jax.random.wrap_key_data(key_data), *rest,
                               **dict(settings))
 
