@@ -278,17 +278,19 @@ def test_the_model_gives_the_same_logits_with_every_cpu_implementation():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the test extra)")
-def test_the_train_step_with_splash_compiles_for_a_v5e_2x2_topology():
-    """Forward and backward, packed segments, local and global layers, a data x tensor mesh:
-    compiled ahead of time for four v5e chips on this CPU host, the real kernel inside."""
-    topology = topologies.get_topology_desc("v5e:2x2", "tpu")
+def test_the_train_step_with_splash_compiles_for_a_v5e_8_topology():
+    """Forward and backward, packed segments, local and global layers, a data x fsdp x tensor
+    mesh: compiled ahead of time for a v5e-8 slice (8 chips) on this CPU host, the real kernel
+    inside."""
+    topology = topologies.get_topology_desc("v5e:2x4", "tpu")
     model = dict(family="gemma3", vocab_size=256, d_model=96, num_layers=3, num_heads=4, num_kv_heads=2,
                  head_dim=64, mlp_dim=160, max_seq_len=256, attention_pattern=["local", "local", "global"],
                  sliding_window=64, attn_logit_softcap=20.0, qk_norm=True)
     cfg = load_config(tree={"model": model, "compute": {"attention_impl": "splash", "dtype": "bfloat16"},
-                            "mesh": {"data": 2, "tensor": 2}, "data": {"batch_size": 4, "seq_len": 256}},
+                            "mesh": {"data": 2, "fsdp": 2, "tensor": 2}, "data": {"batch_size": 4, "seq_len": 256}},
                       schema=TrainConfig)
     trainer = Trainer(cfg, devices=topology.devices)
+    assert len(topology.devices) == 8 and dict(trainer.mesh.shape)["fsdp"] == 2
     step = jax.jit(make_train_step(trainer.objective, trainer.tx, cfg.grad_accum),
                    in_shardings=(trainer.param_shardings, trainer.opt_shardings, trainer.batch_sharding),
                    out_shardings=(trainer.param_shardings, trainer.opt_shardings, replicated(trainer.mesh)))
