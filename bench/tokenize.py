@@ -107,7 +107,9 @@ def main() -> None:
         return
     import tokenizers
 
-    info = machine(tokenizers=tokenizers.__version__)
+    # The raw side's parallelism is the tokenizer's own thread pool: record what shapes it.
+    info = machine(tokenizers=tokenizers.__version__,
+                   **{k.lower(): os.environ[k] for k in ("TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS") if k in os.environ})
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -128,9 +130,10 @@ def main() -> None:
                 "stage workers=1": ["stage", str(tmp), "1"]}
         results = alternate({name: ["bench.tokenize", *common, "--worker", *argv] for name, argv in runs.items()},
                             args.repeats)
-    for name, rs in results.items():
+    raw_tokens = results["raw encode_batch"][0]["tokens"]
+    for name, rs in results.items():  # every run did the same work
         assert all(r.get("documents", documents) == documents and r.get("bytes", text_bytes) == text_bytes
-                   for r in rs), name
+                   and r["tokens"] == raw_tokens for r in rs), name
     info = finish(info)
 
     base = summary([r["seconds"] for r in results["raw encode_batch"]])["median"]
