@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from engine.config import ConfigError
 from engine.inference.sample import Sampler
@@ -27,9 +28,10 @@ from engine.interop.hf.export import export_hf
 from engine.interop.hf.mapping import model_config_from_hf
 from engine.models.params import apply_model, graphdef_of
 from engine.ops import attention as attention_module
-from engine.ops.attention import choose_implementation
+from engine.ops.attention import attention, choose_implementation
 from engine.ops.attention_blocked import blocked_attention
 from engine.ops.attention_reference import attention_mask, dot_product_attention, reference_attention
+from engine.ops.partitioning import MESH_AXES, use_mesh
 from engine.train.checkpoint import load_params, stored_configs
 
 torch = pytest.importorskip("torch")
@@ -82,18 +84,47 @@ def test_a_decode_step_with_sinks_equals_the_last_row_of_the_full_attention():
     np.testing.assert_allclose(step, full[:, -1:], atol=1e-6)
 
 
-def test_auto_falls_back_to_blocked_for_sinks_and_says_so_once(monkeypatch):
+def test_splash_with_sinks_under_a_mesh_equals_the_reference_in_values_and_gradients():
+    """The Pallas kernel's own sinks, run in the interpreter inside the shard_map of a
+    (data 2, tensor 2) mesh: each device holds one example and one kv head group, and its
+    share of the sinks."""
+    rng = np.random.default_rng(3)
+    draw = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    q, k, v, probe = draw(2, 128, 4, 8), draw(2, 128, 2, 8), draw(2, 128, 2, 8), draw(2, 128, 4, 8)
+    sinks = 2.0 * draw(4)
+    segments = jnp.asarray([[1] * 45 + [2] * 70 + [0] * 13, [3] * 128])
+    valid = (segments != 0)[:, :, None, None]
+
+    def run(impl):
+        def fn(q, k, v, s):
+            return attention(q, k, v, segments, impl=impl, scale=0.3, window=7, local=True, sinks_n=s)
+
+        def loss(q, k, v, s):
+            return jnp.sum(fn(q, k, v, s) * probe * valid)
+        return jax.jit(fn)(q, k, v, sinks) * valid, jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 1, 1, 2), MESH_AXES)
+    with use_mesh(mesh), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # splash off TPU says it runs in the interpreter
+        out, grads = run("splash")
+    ref_out, ref_grads = run("reference")
+    np.testing.assert_allclose(out, ref_out, atol=5e-6)
+    for name, got, want in zip(["q", "k", "v", "sinks"], grads, ref_grads):
+        np.testing.assert_allclose(got, want, atol=2e-5, err_msg=f"d{name}")
+
+
+def test_auto_falls_back_from_cudnn_for_sinks_and_says_so_once(monkeypatch):
     monkeypatch.setattr(attention_module, "_told", set())
     case = dict(dtype=jnp.bfloat16, head_dim=64, seq_len=256, softcap=None)
-    for platform, kernel in (("gpu", "cuDNN"), ("tpu", "splash")):
-        assert choose_implementation("auto", platform=platform, **case) != "blocked"  # it fits without sinks
-        with pytest.warns(UserWarning, match=f"{kernel} attention here takes no attention sinks"):
-            assert choose_implementation("auto", platform=platform, sinks=True, **case) == "blocked"
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            assert choose_implementation("auto", platform=platform, sinks=True, **case) == "blocked"
-    with pytest.raises(ConfigError, match="compute.attention_impl: splash cannot run this model: .*sinks"):
-        choose_implementation("splash", platform="tpu", sinks=True, **case)
+    assert choose_implementation("auto", platform="gpu", **case) == "cudnn"  # it fits without sinks
+    with pytest.warns(UserWarning, match="cuDNN attention here takes no attention sinks"):
+        assert choose_implementation("auto", platform="gpu", sinks=True, **case) == "blocked"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert choose_implementation("auto", platform="gpu", sinks=True, **case) == "blocked"
+        assert choose_implementation("auto", platform="tpu", sinks=True, **case) == "splash"  # it has sinks
+    with pytest.raises(ConfigError, match="compute.attention_impl: cudnn cannot run this model: .*sinks"):
+        choose_implementation("cudnn", platform="gpu", sinks=True, **case)
 
 
 # --------------------------------------------------------------------------- Hugging Face parity
@@ -192,6 +223,16 @@ def test_the_sinks_the_clamps_and_the_routing_all_matter_here(case):
     changed = sum(int((torch.topk(r, 2).indices.sort().values != c).any(-1).sum())
                   for r, c in zip(moved.router_logits, chosen))
     assert changed > 0
+
+
+def test_the_capacity_dispatch_with_expert_biases_equals_the_dropless_one(case):
+    """Nothing dropped (capacity >= every token): the experts' biases and clamps on the
+    (expert, capacity) buffers give the logits the grouped matmuls do."""
+    tokens, mask = padded_batch()
+    valid = mask.astype(bool)
+    capacity = case["compute"].model_copy(update={"moe_dispatch": "capacity", "moe_capacity_factor": 2.5})
+    np.testing.assert_allclose(engine_forward(case["cfg"], capacity)(case["params"], tokens, mask)[valid],
+                               case["forward"](case["params"], tokens, mask)[valid], atol=2e-5)
 
 
 def test_greedy_generation_with_the_engine_sampler_is_identical(case):

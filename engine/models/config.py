@@ -228,8 +228,8 @@ class ComputeConfig(Strict):
     attention_impl: Literal["auto", "reference", "blocked", "cudnn", "splash"] = "auto"
     """Attention in training and prefill (engine/ops/attention.py): auto picks by platform (cpu
     blocked, gpu cudnn, tpu splash) and falls back to blocked, with a warning, where that kernel
-    cannot take the model (cudnn: softcap, float32, head_dim; splash: seq_len % 128); a named one
-    that cannot is an error. reference: the plain masked softmax (tests)."""
+    cannot take the model (cudnn: softcap, float32, head_dim, attention sinks; splash: seq_len %
+    128); a named one that cannot is an error. reference: the plain masked softmax (tests)."""
     attention_block: int = Field(128, ge=0)
     """Query block of `blocked` attention: blocks skip the masked upper triangle (and, on local
     layers, the keys left of the window). 0 means one block (the whole sequence)."""

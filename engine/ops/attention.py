@@ -13,8 +13,8 @@ softmax's denominator). Outputs at padding positions are not specified (nothing 
 
 `auto` picks by the platform being compiled for (partitioning.current_platform): cpu ->
 blocked, gpu -> cudnn, tpu -> splash. Where that kernel cannot take the case (cuDNN: a
-soft-cap, float32, head_dim; splash: a sequence length that is not a multiple of 128; both:
-attention sinks) auto runs `blocked` instead and warns once per process, naming the reason.
+soft-cap, float32, head_dim, attention sinks; splash: a sequence length that is not a
+multiple of 128) auto runs `blocked` instead and warns once per process, naming the reason.
 An implementation asked for by name is never swapped: if it cannot run the case, or `cudnn`
 is asked for off a GPU, that is a ConfigError. `splash` by name off TPU runs in the Pallas
 interpreter (exact, slow: for tests), with a warning.
@@ -63,8 +63,6 @@ def _unsupported(impl: str, *, dtype, head_dim: int, seq_len: int, softcap, segm
                  sinks: bool = False) -> str | None:
     if sinks and impl == "cudnn":  # jax.nn.dot_product_attention has no sinks argument
         return "cuDNN attention here takes no attention sinks (attention_sinks)"
-    if sinks and impl == "splash":  # the kernel has a `sinks` argument; not wired through here yet
-        return "splash attention here takes no attention sinks (attention_sinks)"
     if impl == "cudnn":
         return attention_cudnn.unsupported(dtype=dtype, head_dim=head_dim, seq_len=seq_len, softcap=softcap,
                                            segmented=segmented, device=_device())
@@ -105,7 +103,7 @@ def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, impl: Impl = "auto
     unpadded document per row. A `local` layer sees only the `window` most recent positions,
     its own included. `local`, `window`, `softcap` and `block` (the query block of `blocked`)
     are static. `sinks_n` (n,): attention sinks, a logit per query head in each softmax's
-    denominator (GPT-OSS; reference and blocked take them).
+    denominator (GPT-OSS; every implementation but cudnn takes them).
     """
     assert isinstance(local, (bool, np.bool_)), "local must be static (a Python bool)"
     window = window if local else None
@@ -120,4 +118,5 @@ def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, impl: Impl = "auto
         return blocked_attention(*args, scale=scale, softcap=softcap, window=window, block=block, sinks_n=sinks_n)
     if name == "cudnn":
         return cudnn_attention(*args, scale=scale, window=window)
-    return splash_attention(*args, scale=scale, softcap=softcap, window=window, interpret=platform != "tpu")
+    return splash_attention(*args, scale=scale, softcap=softcap, window=window, interpret=platform != "tpu",
+                            sinks_n=sinks_n)
