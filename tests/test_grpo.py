@@ -17,7 +17,7 @@ from engine.train.checkpoint import Checkpointer, load_params, read_meta
 from engine.config import ConfigError, Strict, load_config
 from engine.models.config import ModelConfig
 from engine.posttrain.config import GRPOConfig
-from engine.posttrain.grpo import policy_objective, run_grpo
+from engine.posttrain.grpo import make_loss_fn, policy_objective, run_grpo
 from engine.train.step import make_train_step
 from engine.models.transformer import Transformer
 from engine.posttrain.policy_loss import group_advantages, policy_loss
@@ -212,15 +212,17 @@ DIGITS = [str(d) for d in range(10)]
 def copy_task(tmp_path_factory) -> Path:
     """A checkpoint artifact (random 2-layer model, character tokenizer) and prompts 'd=' whose
     verifiable answer is the digit d: the policy must learn to copy a token."""
-    out = tmp_path_factory.mktemp("copy_task")
+    return make_copy_task(tmp_path_factory.mktemp("copy_task"), ModelConfig(
+        vocab_size=16, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=16))
+
+
+def make_copy_task(out: Path, cfg: ModelConfig) -> Path:
     vocab = {"<pad>": 0, "<eos>": 1, **{d: i + 2 for i, d in enumerate(DIGITS)}, "=": 12}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(["<pad>", "<eos>"])
     save_tokenizer(TokenizerBundle(tok, eos_token="<eos>", pad_token="<pad>"), out / "tokenizer")
-    cfg = ModelConfig(vocab_size=16, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
-                      max_seq_len=16)
     params = nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
     ckpt = Checkpointer(out / "checkpoint", async_save=False)
     ckpt.save(0, params, {"unused": np.zeros((), np.int32)}, {"step": 0, "model": cfg.model_dump(mode="json")}, {})
@@ -256,6 +258,38 @@ def test_mean_reward_rises_on_a_verifiable_copy_task(copy_task, tmp_path, algori
     assert first < 0.25 and last > first + 0.4, curve  # chance is 1/16
     assert result["ratio_min"] == result["ratio_max"] == 1.0  # mu = 1, beta = 0
     assert read_meta(tmp_path / "checkpoint")[1]["stage"] == "grpo"
+
+
+def test_grpo_on_a_mixture_of_experts_learns_with_its_router_losses(tmp_path):
+    """A Mixtral-shaped policy (4 experts, top 2): reward rises, the router's losses are part of
+    the minimised objective (TRL's router_aux_loss_coef * aux_loss) and logged with each
+    expert's load, and the result keeps the architecture."""
+    cfg = ModelConfig(family="mixtral", vocab_size=16, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, mlp_dim=48, max_seq_len=16, num_experts=4, experts_per_token=2)
+    task = make_copy_task(tmp_path / "task", cfg)
+    result = run_grpo(grpo_config(task, tmp_path / "run", algorithm="grpo"))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    curve = [r["reward"] for r in records]
+    assert np.mean(curve[-3:]) > np.mean(curve[:3]) + 0.4, curve
+    assert all(0 < r["moe_balance_loss"] < 4 and r["moe_router_z_loss"] > 0 for r in records)
+    assert sum(records[-1][f"moe_load/{e}"] for e in range(4)) == pytest.approx(1.0, abs=1e-4)
+    assert result["ratio_min"] == result["ratio_max"] == 1.0
+    assert load_params(tmp_path / "run" / "checkpoint")[0] == cfg
+
+    # With every advantage 0 the policy term and its gradient vanish: what is left of the
+    # objective is the router's, 0.01 * balance + 0.001 * z (the defaults), and it trains the router.
+    model = Transformer(cfg, rngs=nnx.Rngs(1))
+    graphdef, params = nnx.split(model)
+    rows = np.random.default_rng(0).integers(2, 16, (4, 4)).astype(np.int32)
+    batch = {"tokens": jnp.asarray(rows), "segment_ids": jnp.ones((4, 4), jnp.int32),
+             "positions": jnp.broadcast_to(jnp.arange(4), (4, 4)), "completion_mask": jnp.ones((4, 2)),
+             "advantages": jnp.zeros((4, 1))}
+    loss_fn = make_loss_fn(graphdef, grpo_config(task, tmp_path / "unit"), prompt_len=2)
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, 8.0)
+    router = 0.01 * metrics["moe_balance_loss"] + 0.001 * metrics["moe_router_z_loss"]
+    assert float(loss) == pytest.approx(float(router), rel=1e-6) and float(router) > 0
+    router_grads = [g for path, g in nnx.to_flat_state(grads) if "w_router_de" in map(str, path)]
+    assert router_grads and all(float(jnp.abs(g[...]).max()) > 0 for g in router_grads)
 
 
 def test_mu_updates_use_the_old_policy_and_kl_to_a_reference_then_resume(copy_task, tmp_path):

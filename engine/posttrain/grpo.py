@@ -37,7 +37,7 @@ from engine.config import ConfigError
 from engine.data.tokenizer import TokenizerBundle
 from engine.inference.sample import Sampler, decode_completions, encode_prompts, left_pad, prompt_positions
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.models.params import apply_model
+from engine.models.params import apply_model_with_aux
 from engine.ops.partitioning import use_mesh
 from engine.posttrain.config import GRPOConfig, GRPODataConfig
 from engine.posttrain.finetune import finetune_start, read_jsonl
@@ -47,7 +47,7 @@ from engine.train.checkpoint import load_params
 from engine.train.cli import run_cli
 from engine.train.config import TrainConfig
 from engine.train.hooks import log_to_stderr, run_training
-from engine.train.step import Objective
+from engine.train.step import Objective, moe_metrics
 from engine.train.trainer import Trainer, TrainState
 
 
@@ -131,23 +131,26 @@ def policy_objective(loss_fn: Callable) -> Objective:
     return Objective(with_loss, completion_tokens, reduce=POLICY_REDUCE, default="mean")
 
 
-def make_logps_fn(graphdef, prompt_len: int, temperature: float):
-    """logps(params, batch) -> (log p of the completion tokens, entropy), (b, completion_len)."""
+def make_logps_fn(graphdef, prompt_len: int, temperature: float, *, with_aux: bool = False):
+    """logps(params, batch) -> (log p of the completion tokens, entropy), (b, completion_len);
+    with_aux: ((log p, entropy), aux), aux a mixture of experts' router losses (empty if dense)."""
 
     def logps(params, batch):
-        logits = apply_model(graphdef, params, batch["tokens"], batch["positions"], batch["segment_ids"])
+        logits, aux = apply_model_with_aux(graphdef, params, batch["tokens"], batch["positions"],
+                                           batch["segment_ids"])
         completion = batch["tokens"][:, prompt_len:]
-        return completion_logps(logits[:, prompt_len - 1:-1], completion, temperature)
+        out = completion_logps(logits[:, prompt_len - 1:-1], completion, temperature)
+        return (out, aux) if with_aux else out
 
     return logps
 
 
 def make_loss_fn(graphdef, cfg: GRPOConfig, prompt_len: int):
     """loss_fn(params, batch, total_tokens) -> (loss, metrics) of one micro-batch."""
-    logps_fn = make_logps_fn(graphdef, prompt_len, cfg.temperature)
+    logps_fn = make_logps_fn(graphdef, prompt_len, cfg.temperature, with_aux=True)
 
     def loss_fn(params, batch, total_tokens):
-        logp, entropy = logps_fn(params, batch)
+        (logp, entropy), moe = logps_fn(params, batch)
         mask = batch["completion_mask"]
         loss, metrics = policy_loss(
             logp, batch.get("old_logps"), batch["advantages"][:, 0], mask, ref_logp_bt=batch.get("ref_logps"),
@@ -156,6 +159,13 @@ def make_loss_fn(graphdef, cfg: GRPOConfig, prompt_len: int):
             total_tokens=total_tokens, accumulation_steps=cfg.grad_accum,
         )
         metrics["entropy"] = jnp.sum(entropy * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+        if moe:
+            # A mixture of experts keeps its router losses (weighted by compute.moe_balance_loss
+            # and moe_router_z_loss) as TRL adds router_aux_loss_coef * aux_loss to the GRPO loss:
+            # each micro-batch's share is 1/grad_accum, like its policy loss; the statistics cover
+            # prompt and completion tokens, not the left padding (segment id 0).
+            loss = loss + moe["aux_loss"] / cfg.grad_accum
+            metrics.update(moe_metrics(moe, 1.0))
         return loss, metrics
 
     return loss_fn
