@@ -656,10 +656,11 @@ def _run_tasks(todo: list, settings: dict, workers: int, total: int, done: int, 
     progress = _Progress(total, done, log)
     tasks = _Tasks(todo, progress.update)
     processes = math.ceil(workers / WORKERS_PER_PROCESS)
-    threads = math.ceil(workers / processes)
+    threads = math.ceil(workers / processes)  # in each helper; this process runs the rest
+    here = workers - (processes - 1) * threads
     tok = _load_tokenizer(settings)
     if processes == 1:
-        _run_threads(tasks, settings, threads, tok)
+        _run_threads(tasks, settings, here, tok)
         return
     errors: list[BaseException] = []
 
@@ -672,7 +673,7 @@ def _run_tasks(todo: list, settings: dict, workers: int, total: int, done: int, 
     feeder = threading.Thread(target=feed, name="tokenize-helpers", daemon=True)
     feeder.start()
     try:
-        _run_threads(tasks, settings, threads, tok)
+        _run_threads(tasks, settings, here, tok)
     finally:
         feeder.join()
     if errors:
