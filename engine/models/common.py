@@ -1,5 +1,5 @@
-"""What every layer of the model shares: the dtypes by name, the one weight initialiser, and
-the gate activations of the gated MLPs (dense and expert)."""
+"""What every layer of the model shares: the dtypes by name, the one weight initialiser, the
+gate activations of the gated MLPs (dense and expert), and RMSNorm."""
 
 from __future__ import annotations
 
@@ -19,3 +19,18 @@ def param(rngs: nnx.Rngs, shape, std: float, names, dtype) -> nnx.Param:
 
 
 ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale, in float32. Zero-centred (Gemma): * (1 + scale), scale starting at 0."""
+
+    def __init__(self, dim: int, eps: float, param_dtype, *, zero_centered: bool = False, rngs: nnx.Rngs):
+        init = jnp.zeros if zero_centered else jnp.ones
+        self.scale = nnx.Param(init((dim,), param_dtype), out_sharding=("norm",))
+        self.eps, self.zero_centered = eps, zero_centered
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        scale = self.scale[...].astype(jnp.float32)
+        return (x32 * (1.0 + scale if self.zero_centered else scale)).astype(x.dtype)

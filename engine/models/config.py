@@ -65,7 +65,7 @@ class ModelConfig(Strict):
 
     family: str = "llama"
     """Architecture family, one registered in engine/models/families (llama, mistral, qwen2,
-    qwen3, gemma, gemma2, gemma3; mixtures of experts mixtral, qwen3_moe, gpt_oss): names the Hugging
+    qwen3, gemma, gemma2, gemma3; mixtures of experts mixtral, qwen3_moe, deepseek_v3, gpt_oss): names the Hugging
     Face layout. The math is set by the fields below alone; their defaults describe Llama."""
     vocab_size: int = Field(gt=0)
     d_model: int = Field(gt=0)
@@ -126,6 +126,34 @@ class ModelConfig(Strict):
     num_shared_experts: int = Field(0, ge=0)
     """Experts every token goes through, as one gated MLP of num_shared_experts *
     expert_mlp_dim added to the routed output (DeepSeek)."""
+    # DeepSeek-V3 (engine/models/families/deepseek.py)
+    router_groups: int = Field(1, gt=0)
+    """Group-limited routing (DeepSeek-V3's n_group): the experts form this many equal groups,
+    each scored by the sum of its two best (biased) scores, and a token's k experts come from
+    its router_group_top best groups. 1: no groups."""
+    router_group_top: int = Field(1, gt=0)
+    """The groups a token may be routed into (DeepSeek-V3's topk_group)."""
+    router_scale: float = Field(1.0, gt=0)
+    """The routed experts' weights are multiplied by this after any renormalisation
+    (DeepSeek-V3's routed_scaling_factor)."""
+    first_dense_layers: int = Field(0, ge=0)
+    """With experts: the first this many layers have a dense MLP (mlp_dim) instead, and form a
+    layer stack of their own, `dense_blocks` (DeepSeek-V3's first_k_dense_replace)."""
+    # Multi-head latent attention (engine/models/mla.py; DeepSeek-V2/V3) when kv_lora_rank is
+    # set: keys and values are up-projected per head from one compressed latent per position,
+    # plus a rotary key shared by the heads. head_dim is then a query/key head's whole width,
+    # its last rope_head_dim dimensions rotary.
+    kv_lora_rank: int | None = Field(None, gt=0)
+    """Width of the compressed key-value latent; None: grouped-query attention."""
+    q_lora_rank: int | None = Field(None, gt=0)
+    """MLA: width of the compressed query (with its RMSNorm); None: queries projected directly."""
+    rope_head_dim: int = Field(64, gt=0)
+    """MLA: the rotary part of each query/key head (qk_rope_head_dim)."""
+    v_head_dim: int | None = Field(None, gt=0)
+    """MLA: width of each value head; None: head_dim."""
+    rope_interleave: bool = False
+    """MLA: RoPE rotates adjacent pairs (x0, x1), (x2, x3), ... instead of (first half, second
+    half) pairs (DeepSeek-V3's checkpoints)."""
     # GPT-OSS (engine/models/families/gpt_oss.py)
     attention_sinks: bool = False
     """A learned logit per query head that joins each softmax's denominator and no value
@@ -168,7 +196,7 @@ class ModelConfig(Strict):
             )
         if "local" in self.attention_pattern and self.sliding_window is None:
             raise ValueError("attention_pattern has local layers, so sliding_window must be set")
-        if self.head_dim % 2:
+        if self.kv_lora_rank is None and self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
         if self.num_experts and self.experts_per_token > self.num_experts:
             raise ValueError(f"experts_per_token ({self.experts_per_token}) exceeds num_experts ({self.num_experts})")
@@ -176,6 +204,49 @@ class ModelConfig(Strict):
         if expert_only and not self.is_moe:
             raise ValueError(f"{expert_only[0]} is a setting of the experts, so num_experts must be set")
         return self
+
+    @model_validator(mode="after")
+    def _check_deepseek(self) -> "ModelConfig":
+        if self.first_dense_layers and not self.is_moe:
+            raise ValueError("first_dense_layers needs num_experts (the layers after them have experts)")
+        if self.router_groups > 1:
+            if self.num_experts % self.router_groups or self.num_experts // self.router_groups < 2:
+                raise ValueError(f"num_experts ({self.num_experts}) must be router_groups ({self.router_groups}) "
+                                 f"groups of at least 2 experts")
+            if self.router_group_top > self.router_groups:
+                raise ValueError(f"router_group_top ({self.router_group_top}) exceeds router_groups "
+                                 f"({self.router_groups})")
+            if self.experts_per_token > self.router_group_top * (self.num_experts // self.router_groups):
+                raise ValueError(f"experts_per_token ({self.experts_per_token}) exceeds the experts of "
+                                 f"router_group_top ({self.router_group_top}) groups")
+        if self.kv_lora_rank is None:
+            if self.q_lora_rank is not None or self.v_head_dim is not None or self.rope_interleave:
+                raise ValueError("q_lora_rank, v_head_dim and rope_interleave need kv_lora_rank "
+                                 "(multi-head latent attention)")
+            return self
+        if self.num_kv_heads != self.num_heads:
+            raise ValueError(f"multi-head latent attention has num_kv_heads = num_heads ({self.num_heads}), "
+                             f"got {self.num_kv_heads}")
+        if self.rope_head_dim % 2 or self.rope_head_dim >= self.head_dim:
+            raise ValueError(f"rope_head_dim ({self.rope_head_dim}) must be even and less than head_dim "
+                             f"({self.head_dim}), the whole query/key head")
+        return self
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def value_head_dim(self) -> int:
+        """Width of a value head (MLA's v_head_dim, else head_dim)."""
+        return self.v_head_dim or self.head_dim
+
+    def layer_stacks(self) -> list[tuple[str, int, int]]:
+        """(params key, first layer, layers) of each stack of like layers: `blocks` alone, or
+        the first_dense_layers dense ones in `dense_blocks` and the experts' in `blocks`."""
+        dense = min(self.first_dense_layers, self.num_layers)
+        stacks = [("dense_blocks", 0, dense)] if dense else []
+        return stacks + ([("blocks", dense, self.num_layers - dense)] if dense < self.num_layers else [])
 
     @property
     def is_moe(self) -> bool:
@@ -196,20 +267,35 @@ class ModelConfig(Strict):
         attn = self.d_model * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn += self.head_dim * (self.num_heads + 2 * self.num_kv_heads) * self.qkv_bias
         attn += 2 * self.head_dim * self.qk_norm
+        if self.is_mla:
+            attn = self._mla_params()
         attn += self.num_heads * self.attention_sinks + self.d_model * self.attention_out_bias
         if self.is_moe:
             experts = self.experts_per_token if active else self.num_experts
             mlp = 3 * self.d_model * self.moe_mlp_dim * (experts + self.num_shared_experts)
-            mlp += self.d_model * self.num_experts + self.num_experts * self.router_bias
+            mlp += self.d_model * self.num_experts  # not router_bias: transformers keeps it as a buffer
             mlp += (2 * self.moe_mlp_dim + self.d_model) * experts * self.expert_bias
             mlp += self.num_experts * self.router_logits_bias
         else:
             mlp = 3 * self.d_model * self.mlp_dim
         block = attn + mlp + (4 if self.post_norms else 2) * self.d_model
-        n = self.num_layers * block + self.d_model
+        dense_layers = min(self.first_dense_layers, self.num_layers)  # a dense MLP instead of experts
+        n = self.num_layers * block + dense_layers * (3 * self.d_model * self.mlp_dim - mlp) + self.d_model
         if include_embedding:
             n += self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
         return n
+
+
+    def _mla_params(self) -> int:
+        """One layer's multi-head latent attention."""
+        d, n, rank = self.d_model, self.num_heads, self.kv_lora_rank
+        nope = self.head_dim - self.rope_head_dim
+        if self.q_lora_rank:
+            q = d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * self.head_dim
+        else:
+            q = d * n * self.head_dim
+        kv = d * (rank + self.rope_head_dim) + rank + rank * n * (nope + self.value_head_dim)
+        return q + kv + n * self.value_head_dim * d
 
 
 class ComputeConfig(Strict):

@@ -12,6 +12,11 @@ from engine.ops.partitioning import constrain
 CACHE_NAMES = ("act_batch", "act_kv_heads", None, None)  # (b, kv_heads, s, head_dim)
 
 
+def _names(shape: tuple[int, ...]) -> tuple:
+    """CACHE_NAMES, but an MLA cache's single "head" is not split over the tensor axis."""
+    return CACHE_NAMES if shape[1] > 1 else ("act_batch", None, None, None)
+
+
 @struct.dataclass
 class KVCache:
     """Keys and values of every layer, for decoding one step at a time (engine/inference/sample.py).
@@ -23,6 +28,10 @@ class KVCache:
     two products batch over (b, kv_heads) in, so attention reads a layer's keys and values
     where they lie. A stacked (layers, b, s, kv_heads, head_dim) cache had XLA:CPU copy and
     transpose each layer's share every decode step.
+
+    Multi-head latent attention (engine/models/mla.py) caches its compressed form instead: k
+    holds each position's latent (b, 1, s, kv_lora_rank) and v its rotary key shared by the
+    heads (b, 1, s, rope_head_dim), one "head" each.
     """
 
     k: tuple[jax.Array, ...]  # per layer (b, kv_heads, s, head_dim)
@@ -33,17 +42,20 @@ class KVCache:
 
     @classmethod
     def init(cls, cfg: ModelConfig, compute: ComputeConfig, batch: int, max_len: int) -> KVCache:
-        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        k_shape = v_shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        if cfg.is_mla:
+            k_shape, v_shape = (batch, 1, max_len, cfg.kv_lora_rank), (batch, 1, max_len, cfg.rope_head_dim)
         dtype = jnp.bfloat16 if compute.dtype == "bfloat16" else jnp.float32
-        zeros = tuple(constrain(jnp.zeros(shape, dtype), CACHE_NAMES) for _ in range(cfg.num_layers))
-        return cls(zeros, zeros, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32))
+        k, v = (tuple(constrain(jnp.zeros(shape, dtype), _names(shape)) for _ in range(cfg.num_layers))
+                for shape in (k_shape, v_shape))
+        return cls(k, v, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32))
 
     def expand(self, repeats: int, extra_slots: int) -> KVCache:
         """Each row `repeats` times (row r becomes rows r * repeats ... r * repeats + repeats - 1)
         with `extra_slots` empty slots appended: a prompt's cache, computed once, shared by the
         group of completions sampled from it (GRPO's G per prompt)."""
         slots = ((0, 0), (0, 0), (0, extra_slots), (0, 0))
-        k, v = (tuple(constrain(jnp.pad(jnp.repeat(a, repeats, axis=0), slots), CACHE_NAMES) for a in layers)
+        k, v = (tuple(constrain(jnp.pad(jnp.repeat(a, repeats, axis=0), slots), _names(a.shape)) for a in layers)
                 for layers in (self.k, self.v))
         valid_bs = jnp.pad(jnp.repeat(self.valid_bs, repeats, axis=0), ((0, 0), (0, extra_slots)))
         return self.replace(k=k, v=v, valid_bs=valid_bs)

@@ -62,17 +62,26 @@ def combine_stats(stats: MoEStats, num_experts: int, experts_per_token: int) -> 
             "expert_load_e": assigned_e / experts_per_token}
 
 
-def route(logits_ne, bias_e, k: int, score: str, renormalize: bool):
+def route(logits_ne, bias_e, k: int, score: str, renormalize: bool, *, groups: int = 1, group_top: int = 1,
+          scale: float = 1.0):
     """(weights (n, k) float32, experts (n, k) int32) of router logits (n, e) in float32.
 
-    The bias (DeepSeek-V3) only chooses: the weights are the unbiased scores."""
+    The bias (DeepSeek-V3) only chooses: the weights are the unbiased scores. With `groups`
+    (DeepSeek-V3's group-limited routing) the k experts come from the `group_top` groups whose
+    two best biased scores sum highest. The weights end multiplied by `scale`."""
     scores_ne = jax.nn.softmax(logits_ne, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits_ne)
     choice_ne = scores_ne if bias_e is None else scores_ne + bias_e
+    if groups > 1:
+        n, e = choice_ne.shape
+        group_scores_ng = jnp.sum(jax.lax.top_k(choice_ne.reshape(n, groups, e // groups), 2)[0], axis=-1)
+        _, top_groups = jax.lax.top_k(group_scores_ng, group_top)
+        kept_ng = jnp.any(jax.nn.one_hot(top_groups, groups, dtype=jnp.bool_), axis=1)
+        choice_ne = jnp.where(jnp.repeat(kept_ng, e // groups, axis=1), choice_ne, -jnp.inf)
     _, experts_nk = jax.lax.top_k(choice_ne, k)
     weights_nk = jnp.take_along_axis(scores_ne, experts_nk, axis=-1)
     if renormalize:
         weights_nk = weights_nk / jnp.sum(weights_nk, axis=-1, keepdims=True)
-    return weights_nk, experts_nk
+    return weights_nk * scale if scale != 1.0 else weights_nk, experts_nk
 
 
 def router_stats(logits_ne, experts_nk, valid_n, num_experts: int) -> MoEStats:
@@ -190,6 +199,7 @@ class MoE(nnx.Module):
         self.num_experts, self.k = e, cfg.experts_per_token
         self.score, self.renormalize = cfg.router_score, cfg.router_renormalize
         self.router_bias, self.shared = cfg.router_bias, cfg.num_shared_experts > 0
+        self.groups, self.group_top, self.router_scale = cfg.router_groups, cfg.router_group_top, cfg.router_scale
         self.activation = ACTIVATIONS[cfg.activation]
         self.glu = gated(self.activation) if cfg.swiglu_limit is None else functools.partial(
             clamped_swiglu, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
@@ -214,7 +224,8 @@ class MoE(nnx.Module):
             if self.logits_bias:
                 logits_ne = logits_ne + self.b_logits_e[...].astype(jnp.float32)
             bias = self.b_router_e[...] if self.router_bias else None
-            weights_nk, experts_nk = route(logits_ne, bias, self.k, self.score, self.renormalize)
+            weights_nk, experts_nk = route(logits_ne, bias, self.k, self.score, self.renormalize, groups=self.groups,
+                                           group_top=self.group_top, scale=self.router_scale)
             stats = router_stats(logits_ne, experts_nk, valid_bt.reshape(-1), self.num_experts)
         experts = [w[...].astype(dt) for w in (self.w_gate_edf, self.w_up_edf, self.w_down_efd)]
         biases = None if not self.expert_bias else [w[...].astype(dt) for w in (self.b_gate_ef, self.b_up_ef,

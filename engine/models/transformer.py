@@ -17,10 +17,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from engine.models.common import ACTIVATIONS, dtype_of, param
-from engine.models.config import ComputeConfig, ModelConfig, RopeScaling
+from engine.models.common import ACTIVATIONS, RMSNorm, dtype_of, param
+from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.kv_cache import KVCache
+from engine.models.mla import MLA
 from engine.models.moe import MoE, MoEStats, combine_stats
+from engine.models.rope import apply_rope, rope_inverse_frequencies
 from engine.ops.attention import attention
 from engine.ops.attention_reference import dot_product_attention
 from engine.ops.dense import DotGeneral, dense, gated_mlp
@@ -33,78 +35,8 @@ nnx.use_eager_sharding(False)
 _dtype, _param = dtype_of, param  # engine/models/common.py: the one initialiser
 
 
-class RMSNorm(nnx.Module):
-    """x / rms(x) * scale, in float32. Zero-centred (Gemma): * (1 + scale), scale starting at 0."""
-
-    def __init__(self, dim: int, eps: float, param_dtype, *, zero_centered: bool = False, rngs: nnx.Rngs):
-        init = jnp.zeros if zero_centered else jnp.ones
-        self.scale = nnx.Param(init((dim,), param_dtype), out_sharding=("norm",))
-        self.eps, self.zero_centered = eps, zero_centered
-
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        scale = self.scale[...].astype(jnp.float32)
-        return (x32 * (1.0 + scale if self.zero_centered else scale)).astype(x.dtype)
-
-
 def _norm(cfg: ModelConfig, compute: ComputeConfig, dim: int, rngs: nnx.Rngs) -> RMSNorm:
     return RMSNorm(dim, cfg.norm_eps, _dtype(compute.param_dtype), zero_centered=cfg.norm_zero_centered, rngs=rngs)
-
-
-# --------------------------------------------------------------------------- RoPE
-
-
-def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
-    """Per-pair rotation frequencies; Llama-3 scaling stretches the low frequencies."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    if scaling is None:
-        return inv_freq
-    if scaling.kind == "linear":
-        return inv_freq / scaling.factor
-    if scaling.kind == "yarn":
-        return _yarn_inverse_frequencies(inv_freq, head_dim, theta, scaling)
-    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-    return jnp.where(medium, (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq, scaled)
-
-
-def _yarn_inverse_frequencies(inv_freq, head_dim: int, theta: float, scaling: RopeScaling):
-    """YaRN: frequencies that turn fewer than beta_slow times over the original context are
-    divided by `factor` (interpolated), those turning more than beta_fast times kept, and a
-    linear ramp over the dimensions between (transformers' _compute_yarn_parameters)."""
-
-    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times
-        return head_dim * math.log(scaling.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
-
-    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
-    if scaling.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    if low == high:
-        high += 0.001  # no zero-width ramp
-    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
-    keep = 1 - ramp
-    return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
-
-
-def apply_rope(x_btnh, positions_bt, inv_freq_h2, scale: float = 1.0):
-    """Rotate (first half, second half) pairs, the convention of HF Llama checkpoints; cos and
-    sin times `scale` (YaRN's attention factor)."""
-    angles_bth2 = positions_bt[..., None].astype(jnp.float32) * inv_freq_h2
-    cos = jnp.cos(angles_bth2)[:, :, None, :]
-    sin = jnp.sin(angles_bth2)[:, :, None, :]
-    if scale != 1.0:
-        cos, sin = cos * scale, sin * scale
-    x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x_btnh.dtype)
 
 
 class Attention(nnx.Module):
@@ -214,20 +146,23 @@ class Block(nnx.Module):
     (Gemma 2/3) each branch output is normalised again before the add.
 
     `self.mlp` is the replaceable slot: a dense MLP, or a mixture of experts (num_experts > 0,
-    engine/models/moe.py) that also returns its router statistics.
+    engine/models/moe.py) that also returns its router statistics; `moe` False makes a dense
+    layer of an MoE model (DeepSeek-V3's first layers). `self.attn` is grouped-query
+    attention, or multi-head latent attention (kv_lora_rank set, engine/models/mla.py).
     """
 
     def __init__(self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs,
-                 dot_general: DotGeneral = jax.lax.dot_general):
+                 dot_general: DotGeneral = jax.lax.dot_general, moe: bool | None = None):
+        moe = cfg.is_moe if moe is None else moe
         self.attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
-        self.attn = Attention(cfg, compute, rngs=rngs, dot_general=dot_general)
+        self.attn = (MLA if cfg.is_mla else Attention)(cfg, compute, rngs=rngs, dot_general=dot_general)
         self.mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
-        mlp = MoE if cfg.is_moe else MLP
+        mlp = MoE if moe else MLP
         self.mlp = mlp(cfg, compute, rngs=rngs, dot_general=dot_general)
         if cfg.post_norms:
             self.post_attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
             self.post_mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
-        self.post_norms, self.is_moe = cfg.post_norms, cfg.is_moe
+        self.post_norms, self.is_moe = cfg.post_norms, moe
 
     def forward(self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None):
         """(x, cache or None, MoEStats of the router or None for a dense MLP)."""
@@ -289,7 +224,10 @@ class Transformer(nnx.Module):
     """The decoder: embeddings, `num_layers` blocks (stacked for lax.scan, or a list), the
     final norm and the LM head. `compute` says how (dtypes, scan, remat, attention and matmul
     implementations); `dot_general` is every matmul's product (jax.lax.dot_general, or a
-    quantized one)."""
+    quantized one).
+
+    The blocks are `blocks`, or with first_dense_layers (DeepSeek-V3) two stacks, the dense
+    `dense_blocks` then the experts' `blocks` (ModelConfig.layer_stacks), run in that order."""
 
     def __init__(self, cfg: ModelConfig, compute: ComputeConfig | None = None, *, rngs: nnx.Rngs,
                  dot_general: DotGeneral = jax.lax.dot_general):
@@ -297,34 +235,48 @@ class Transformer(nnx.Module):
         self.cfg, self.compute = cfg, compute
         pdt = _dtype(compute.param_dtype)
         self.embed_vd = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std, ("vocab", "embed"), pdt)
-        if compute.scan_layers:
-            self.blocks = self._stacked_blocks(cfg, compute, rngs, dot_general)
-        else:
-            self.blocks = nnx.List([Block(cfg, compute, rngs=rngs, dot_general=dot_general)
-                                    for _ in range(cfg.num_layers)])
+        for name, _, count in cfg.layer_stacks():
+            moe = cfg.is_moe and name == "blocks"
+            if compute.scan_layers:
+                stack = self._stacked_blocks(cfg, compute, rngs, dot_general, count, moe)
+            else:
+                stack = nnx.List([Block(cfg, compute, rngs=rngs, dot_general=dot_general, moe=moe)
+                                  for _ in range(count)])
+            setattr(self, name, stack)
         self.final_norm = _norm(cfg, compute, cfg.d_model, rngs)
         if not cfg.tie_embeddings:
             self.lm_head_dv = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, ("embed", "vocab"), pdt)
         self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
 
     @staticmethod
-    def _stacked_blocks(cfg: ModelConfig, compute: ComputeConfig, rngs: nnx.Rngs, dot_general) -> Block:
-        """One Block whose every parameter has a leading `layers` axis, for lax.scan."""
+    def _stacked_blocks(cfg: ModelConfig, compute: ComputeConfig, rngs: nnx.Rngs, dot_general, count: int,
+                        moe: bool) -> Block:
+        """One Block whose every parameter has a leading `layers` axis (`count`), for lax.scan."""
 
-        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.split_rngs(splits=count)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make(rngs):
-            return Block(cfg, compute, rngs=rngs, dot_general=dot_general)
+            return Block(cfg, compute, rngs=rngs, dot_general=dot_general, moe=moe)
 
         return make(rngs)
 
     def _run_blocks(self, x_btd, positions_bt, segment_ids_bt):
-        """(x, MoEStats with a leading layer axis, or None for a dense model): the blocks,
+        """(x, MoEStats with a leading layer axis, or None for a dense model): every stack of
+        blocks in turn (ModelConfig.layer_stacks)."""
+        is_local, stats = self.cfg.layer_is_local(), []
+        for name, first, count in self.cfg.layer_stacks():
+            x_btd, stack_stats = self._run_stack(getattr(self, name), is_local[first:first + count], x_btd,
+                                                 positions_bt, segment_ids_bt)
+            stats += _layers(stack_stats)
+        return x_btd, _stack(stats)
+
+    def _run_stack(self, blocks, flags: list[bool], x_btd, positions_bt, segment_ids_bt):
+        """(x, MoEStats with a leading layer axis, or None for dense layers): the blocks,
         each local or global as attention_pattern says, that flag static, so a local layer
         computes only its window (engine/ops/attention.py) and a global one pays nothing for it.
 
         Stacked layers of one kind are one scan over the stack. A mixed pattern of P layers
-        is scanned a unit at a time (num_layers // P steps), and the num_layers % P layers
+        is scanned a unit at a time (a stack's layers // P steps), and the layers
         left over run after that scan. Within a unit each run of equal flags is one block,
         scanned when the run is longer than one layer: Gemma 3's unit, five local layers and
         a global one, compiles two blocks, not six. The params keep their one stacked
@@ -343,11 +295,11 @@ class Transformer(nnx.Module):
 
         if not compute.scan_layers:
             stats = []
-            for block, local in zip(self.blocks, cfg.layer_is_local()):
+            for block, local in zip(blocks, flags):
                 x_btd, layer_stats = layer_fn(local, in_scan=False)(block, x_btd)
                 stats += _one_layer(layer_stats)
             return x_btd, _stack(stats)
-        graphdef, stacked = nnx.split(self.blocks)
+        graphdef, stacked = nnx.split(blocks)
 
         def run_layers(x, state, flags: list[bool], in_scan: bool):
             """The layers of `state` (leaves (len(flags), ...)), run by run of equal flags."""
@@ -367,10 +319,10 @@ class Transformer(nnx.Module):
                 start += length
             return x, _stack(stats)
 
-        unit = [kind == "local" for kind in cfg.attention_pattern]
-        if len(set(unit)) == 1:  # one kind of layer (Llama, Mistral): one scan over the stack
-            return run_layers(x_btd, stacked, unit * cfg.num_layers, in_scan=False)
-        steps, left_over = divmod(cfg.num_layers, len(unit))
+        unit = flags[:len(cfg.attention_pattern)]  # the pattern from this stack's first layer on
+        if len(set(flags)) == 1:  # one kind of layer (Llama, Mistral): one scan over the stack
+            return run_layers(x_btd, stacked, flags, in_scan=False)
+        steps, left_over = divmod(len(flags), len(unit))
         scanned = steps * len(unit)
         stats = []
         if steps:
@@ -380,7 +332,7 @@ class Transformer(nnx.Module):
             if unit_stats is not None:  # (steps, P, ...) -> (steps * P, ...)
                 stats.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), unit_stats))
         if left_over:
-            x_btd, rest = run_layers(x_btd, jax.tree.map(lambda a: a[scanned:], stacked), unit[:left_over], False)
+            x_btd, rest = run_layers(x_btd, jax.tree.map(lambda a: a[scanned:], stacked), flags[scanned:], False)
             stats += _layers(rest)
         return x_btd, _stack(stats)
 
@@ -393,13 +345,14 @@ class Transformer(nnx.Module):
         """
         valid_bt = segment_ids_bt != 0
         cache = cache.replace(valid_bs=jax.lax.dynamic_update_slice(cache.valid_bs, valid_bt, (0, cache.end)))
-        if self.compute.scan_layers:
-            graphdef, stacked = nnx.split(self.blocks)
-            blocks = [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked))
-                      for i in range(self.cfg.num_layers)]
-        else:
-            blocks = list(self.blocks)
-        for i, (block, local) in enumerate(zip(blocks, self.cfg.layer_is_local())):
+        blocks = []
+        for name, _, count in self.cfg.layer_stacks():
+            if self.compute.scan_layers:
+                graphdef, stacked = nnx.split(getattr(self, name))
+                blocks += [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked)) for i in range(count)]
+            else:
+                blocks += list(getattr(self, name))
+        for i, (block, local) in enumerate(zip(blocks, self.cfg.layer_is_local(), strict=True)):
             x_btd, cache = block(x_btd, positions_bt, segment_ids_bt, local, cache.replace(layer=i))
         return x_btd, cache.replace(end=cache.end + x_btd.shape[1], layer=0)
 

@@ -99,14 +99,16 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
     # engine shape of one slot)
     top, per_layer = tensor_table(cfg)
     expected: dict[str, tuple[TensorSpec, tuple, tuple]] = {s.hf_name: (s, (), _at(shapes, s.path).shape) for s in top}
-    for spec in per_layer:
-        stacked = _at(shapes, ("blocks", *spec.path)).shape
-        for i in range(cfg.num_layers):
+    stacks = {name: (first, count) for name, first, count in cfg.layer_stacks()}
+    for spec in per_layer:  # index: the layer within its stack; {i}: the model's layer
+        stacked = _at(shapes, (spec.stack, *spec.path)).shape
+        first, count = stacks[spec.stack]
+        for i in range(count):
             if spec.experts:
                 for j in range(stacked[1]):
-                    expected[spec.hf_name.format(i=i, j=j)] = (spec, (i, j), stacked[2:])
+                    expected[spec.hf_name.format(i=first + i, j=j)] = (spec, (i, j), stacked[2:])
             else:
-                expected[spec.hf_name.format(i=i)] = (spec, (i,), stacked[1:])
+                expected[spec.hf_name.format(i=first + i)] = (spec, (i,), stacked[1:])
     target = NP_DTYPES[dtype]
     params: dict = {}
     for spec in top:
@@ -114,7 +116,7 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
             _set(params, path, np.empty(_at(shapes, path).shape, target))
     for spec in per_layer:
         for path in (spec.path, *spec.interleaved_with):
-            _set(params, ("blocks", *path), np.empty(_at(shapes, ("blocks", *path)).shape, target))
+            _set(params, (spec.stack, *path), np.empty(_at(shapes, (spec.stack, *path)).shape, target))
 
     log(f"convert: {architecture}, {len(expected)} tensors to read")
     # Every header first: a mismatch fails in a second, not after reading gigabytes.
@@ -124,6 +126,8 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
         with SafetensorsFile(path) as st:
             for name in st.names():
                 if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved
+                    continue
+                if get_family(cfg.family).ignored_tensor(name, cfg):
                     continue
                 if name == "lm_head.weight" and cfg.tie_embeddings:
                     tied_head = path
@@ -157,7 +161,7 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
         raw = handles[path].get(name)
         paths = (spec.path, *spec.interleaved_with)  # one path, or the arrays HF interleaves in this tensor
         for part, engine_path in enumerate(paths):
-            slot = _at(params, engine_path) if not index else _at(params, ("blocks", *engine_path))[index]
+            slot = _at(params, engine_path) if not index else _at(params, (spec.stack, *engine_path))[index]
             copy_into(slot, spec, deinterleave(raw, part, len(paths)) if len(paths) > 1 else raw)
         return raw.nbytes
 

@@ -69,8 +69,8 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: st
         if not index:
             return np.asarray(_at(params, path))
         if compute.scan_layers:
-            return np.asarray(_at(params, ("blocks", *path))[index])
-        return np.asarray(_at(params["blocks"][index[0]], path)[index[1:]])
+            return np.asarray(_at(params, (spec.stack, *path))[index])
+        return np.asarray(_at(params[spec.stack][index[0]], path)[index[1:]])
 
     def hf_tensor(spec: TensorSpec, index: tuple) -> np.ndarray:
         if spec.interleaved_with:  # several engine arrays in one HF tensor
@@ -80,14 +80,18 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: st
     top, per_layer = tensor_table(cfg)
     num_experts = cfg.num_experts
     order = [(top[0], ())]
-    for i in range(cfg.num_layers):
-        for s in per_layer:
-            order += [(s, (i, j)) for j in range(num_experts)] if s.experts else [(s, (i,))]
+    first_layer = {}
+    for stack, first, count in cfg.layer_stacks():  # index: the layer within its stack
+        first_layer[stack] = first
+        for i in range(count):
+            for s in per_layer:
+                if s.stack == stack:
+                    order += [(s, (i, j)) for j in range(num_experts)] if s.experts else [(s, (i,))]
     order += [(s, ()) for s in top[1:]]
     entries = {}
     for spec, index in order:
         array = leaf(spec, index)
-        name = spec.hf_name.format(i=index[0], j=index[-1]) if index else spec.hf_name
+        name = spec.hf_name.format(i=first_layer[spec.stack] + index[0], j=index[-1]) if index else spec.hf_name
         entries[name] = (spec, index, hf_shape(spec, array.shape), array.dtype)
     sizes = [(name, int(np.prod(e[2])) * e[3].itemsize) for name, e in entries.items()]
     shards = _plan_shards(sizes, max_shard_bytes)

@@ -86,7 +86,7 @@ def check_table_covers(cfg: ModelConfig, shapes: dict) -> None:
     of engine.models.params.abstract_model_params) and nothing else."""
     top, per_layer = tensor_table(cfg)
     mapped = {path for s in top for path in (s.path, *s.interleaved_with)}
-    mapped |= {("blocks", *path) for s in per_layer for path in (s.path, *s.interleaved_with)}
+    mapped |= {(s.stack, *path) for s in per_layer for path in (s.path, *s.interleaved_with)}
     leaves = _leaf_paths(shapes)
     assert mapped == leaves, f"tensor_table and the model disagree: {sorted(mapped ^ leaves)}"
 

@@ -10,6 +10,6 @@ from engine.models.families.base import (
 )
 
 # Importing a family module registers it; this order is the one error messages list.
-from engine.models.families import llama, mistral, qwen, gemma, moe, gpt_oss  # noqa: F401, I001
+from engine.models.families import llama, mistral, qwen, gemma, moe, gpt_oss, deepseek  # noqa: F401, I001
 
 __all__ = ["Family", "TensorSpec", "family_names", "family_of_model_type", "get_family", "register_family"]

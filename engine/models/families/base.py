@@ -53,6 +53,9 @@ class TensorSpec:
     """More engine params stored interleaved with `path` in HF's one tensor, along its last
     axis (GPT-OSS's gate_up_proj: gate at even columns, up at odd): of the n arrays, the
     i-th is HF's [..., i::n]. Same shapes; in_dims must be None."""
+    stack: str = "blocks"
+    """The layer stack a per-layer tensor belongs to (ModelConfig.layer_stacks): `blocks`, or
+    DeepSeek-V3's `dense_blocks` of its first layers; `{i}` is then the model's layer index."""
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -282,6 +285,11 @@ class Family:
     def extra_attention_tensors(self) -> list[TensorSpec]:
         """Attention tensors after o_proj: biases (Qwen2), QK-norm scales (Qwen3, Gemma 3)."""
         return []
+
+    def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:
+        """A checkpoint tensor conversion skips: one of a module the engine does not run
+        (DeepSeek-V3's multi-token-prediction layer)."""
+        return False
 
     def mlp_norm_tensors(self) -> list[TensorSpec]:
         """The norms between attention and MLP: Llama's post_attention_layernorm is the MLP's

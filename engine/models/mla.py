@@ -1,0 +1,145 @@
+"""Multi-head latent attention (MLA; DeepSeek-V2, arXiv 2405.04434, and DeepSeek-V3).
+
+Keys and values of every head are up-projected from one compressed latent per position
+(kv_lora_rank wide, RMS-normalised), and each key is that head's non-rotary part
+concatenated with one rotary key shared by all heads (rope_head_dim wide, "decoupled RoPE").
+Queries go through a low-rank bottleneck of their own (q_lora_rank, with an RMSNorm) or one
+projection. Shapes as in transformer.py, plus c the latent (kv_lora_rank), r the rotary
+width (rope_head_dim), o = head_dim - r the non-rotary width, w the value head width.
+
+Training and prefill without a cache up-project the latent to full keys and values and use
+the shared attention entry point (engine/ops/attention.py), the values zero-padded to the
+query/key width, which every implementation there needs.
+
+Decoding caches only the latent and the rotary key per position (engine/models/kv_cache.py:
+k holds the latent, v the rotary key, one "head" each), (c + r) numbers where grouped-query
+attention would keep 2 * heads * head_dim, and attends in the absorbed form: the key
+up-projection is folded into the query (q_o . W_uk c = (W_uk^T q_o) . c) and the value
+up-projection applied after the weighted sum of latents, so no per-head key or value is
+ever materialised over the cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from engine.models.common import RMSNorm, dtype_of, param
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.kv_cache import KVCache
+from engine.models.rope import apply_rope, rope_inverse_frequencies
+from engine.ops.attention import attention
+from engine.ops.dense import DotGeneral, dense
+from engine.ops.partitioning import constrain
+
+LATENT_NORM_EPS = 1e-6
+"""The epsilon of the query and latent RMSNorms: DeepSeek's code (and transformers') leaves
+them at their default whatever rms_norm_eps says."""
+
+NEG_INF = -1e30  # finite, as engine/ops/attention_reference.py's: a fully masked (padding) row stays finite
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """head_dim**-0.5, times YaRN's mscale(factor, mscale_all_dim) squared when the RoPE has one
+    (DeepSeek-V3: the attention factor on cos and sin covers only the rotary part)."""
+    scale = cfg.head_dim ** -0.5
+    scaling = cfg.rope_scaling
+    if scaling is not None and scaling.kind == "yarn" and scaling.mscale_all_dim and scaling.factor > 1:
+        mscale = 0.1 * scaling.mscale_all_dim * math.log(scaling.factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+class MLA(nnx.Module):
+    """Multi-head latent attention, called as transformer.Attention is."""
+
+    def __init__(self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs,
+                 dot_general: DotGeneral = jax.lax.dot_general):
+        d, n, h, r = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.rope_head_dim
+        c, w = cfg.kv_lora_rank, cfg.value_head_dim
+        pdt, std = dtype_of(compute.param_dtype), cfg.init_std
+        if cfg.q_lora_rank:
+            self.wq_a_dq = param(rngs, (d, cfg.q_lora_rank), std, ("embed", None), pdt)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, pdt, rngs=rngs)
+            self.wq_b_qnh = param(rngs, (cfg.q_lora_rank, n, h), std, (None, "heads", "head_dim"), pdt)
+        else:
+            self.wq_dnh = param(rngs, (d, n, h), std, ("embed", "heads", "head_dim"), pdt)
+        # The latent and the shared rotary key come out of one projection (HF's kv_a_proj_with_mqa).
+        self.wkv_a_dx = param(rngs, (d, c + r), std, ("embed", None), pdt)
+        self.kv_norm = RMSNorm(c, LATENT_NORM_EPS, pdt, rngs=rngs)
+        # Per head, the non-rotary key then the value (HF's kv_b_proj).
+        self.wkv_b_cny = param(rngs, (c, n, h - r + w), std, (None, "heads", "head_dim"), pdt)
+        self.wo_nwd = param(rngs, (n, w, d), std / math.sqrt(2 * cfg.num_layers), ("heads", "head_dim", "embed"), pdt)
+        self.q_lora = cfg.q_lora_rank is not None
+        self.nope_dim, self.rope_dim, self.latent_dim, self.value_dim = h - r, r, c, w
+        self.rope_theta, self.rope_scaling, self.rope_interleave = cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleave
+        self.sliding_window = cfg.sliding_window
+        self.scale = softmax_scale(cfg)
+        self.dtype = dtype_of(compute.dtype)
+        self.attention_impl, self.attention_block = compute.attention_impl, compute.attention_block
+        self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
+
+    def _dense(self, x, w: nnx.Param, n_in: int = 1):
+        return dense(x, w[...].astype(self.dtype), n_in, backward=self.matmul_backward, dot_general=self.dot_general)
+
+    def _rope(self, x_btnr, positions_bt):
+        """RoPE on the rotary part; interleaved checkpoints rotate pairs (x0, x1), (x2, x3), ...,
+        which is the half-split rotation of the evens followed by the odds (transformers'
+        apply_rotary_pos_emb_interleave returns that order too)."""
+        if self.rope_interleave:
+            x_btnr = jnp.concatenate([x_btnr[..., 0::2], x_btnr[..., 1::2]], axis=-1)
+        inv_freq = rope_inverse_frequencies(self.rope_dim, self.rope_theta, self.rope_scaling)
+        factor = 1.0 if self.rope_scaling is None else self.rope_scaling.yarn_attention_factor()
+        return apply_rope(x_btnr, positions_bt, inv_freq, factor)
+
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None):
+        """As transformer.Attention: `local` (static) slides the window; with a cache (decoding)
+        returns (out, updated cache)."""
+        o, r, c = self.nope_dim, self.rope_dim, self.latent_dim
+        if self.q_lora:
+            q_btnh = self._dense(self.q_norm(self._dense(x_btd, self.wq_a_dq)), self.wq_b_qnh)
+        else:
+            q_btnh = self._dense(x_btd, self.wq_dnh)
+        q_btnh = constrain(q_btnh, ("act_batch", "act_seq", "act_heads", None))
+        q_nope, q_rope = q_btnh[..., :o], self._rope(q_btnh[..., o:], positions_bt)
+        kv_btx = self._dense(x_btd, self.wkv_a_dx)
+        latent_btc = self.kv_norm(kv_btx[..., :c])
+        k_rope_bt1r = self._rope(kv_btx[..., None, c:], positions_bt)
+        window = self.sliding_window if local else None
+        w_kb_cno, w_vb_cnw = self.wkv_b_cny[...][..., :o], self.wkv_b_cny[...][..., o:]
+        if cache is not None:
+            latent_bs1c, k_rope_bs1r, mask_bts, cache = cache.update(latent_btc[:, :, None], k_rope_bt1r, window=window)
+            out_btnw = self._absorbed(q_nope, q_rope, latent_bs1c[:, :, 0], k_rope_bs1r[:, :, 0], mask_bts,
+                                      w_kb_cno.astype(self.dtype), w_vb_cnw.astype(self.dtype))
+            return self._dense(out_btnw, self.wo_nwd, 2), cache
+        kv_btny = self._dense(latent_btc, self.wkv_b_cny)
+        k_btnh = jnp.concatenate([kv_btny[..., :o], jnp.broadcast_to(k_rope_bt1r, (*q_nope.shape[:3], r))], axis=-1)
+        q_btnh = checkpoint_name(jnp.concatenate([q_nope, q_rope], axis=-1), "qkv_proj")
+        k_btnh = checkpoint_name(constrain(k_btnh, ("act_batch", "act_seq", "act_heads", None)), "qkv_proj")
+        v_btnw = checkpoint_name(kv_btny[..., o:], "qkv_proj")
+        w, h = self.value_dim, o + r
+        if w < h:  # one width for q, k and v: every attention implementation needs it
+            v_btnw = jnp.pad(v_btnw, ((0, 0), (0, 0), (0, 0), (0, h - w)))
+        elif w > h:  # zeros on q and k leave the scores as they are
+            q_btnh, k_btnh = (jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, w - h))) for a in (q_btnh, k_btnh))
+        with jax.named_scope("core"):
+            out_btnh = attention(q_btnh, k_btnh, v_btnw, segment_ids_bt, impl=self.attention_impl, scale=self.scale,
+                                 window=window, local=local, block=self.attention_block)
+        return self._dense(out_btnh[..., :w], self.wo_nwd, 2)
+
+    def _absorbed(self, q_nope_btno, q_rope_btnr, latent_bsc, k_rope_bsr, mask_bts, w_kb_cno, w_vb_cnw):
+        """Attention over the compressed cache, softmax in float32: scores are (W_uk^T q_o) . c
+        + q_r . k_r, the output W_uv (sum_s p_s c_s)."""
+        f32 = jnp.float32
+        q_latent_btnc = jnp.einsum("btno,cno->btnc", q_nope_btno, w_kb_cno, preferred_element_type=f32)
+        scores_bnts = (jnp.einsum("btnc,bsc->bnts", q_latent_btnc, latent_bsc.astype(f32))
+                       + jnp.einsum("btnr,bsr->bnts", q_rope_btnr.astype(f32), k_rope_bsr.astype(f32)))
+        scores_bnts = jnp.where(mask_bts[:, None], scores_bnts * self.scale, NEG_INF)
+        probs_bnts = jax.nn.softmax(scores_bnts, axis=-1)
+        out_latent_btnc = jnp.einsum("bnts,bsc->btnc", probs_bnts, latent_bsc.astype(f32))
+        out_btnw = jnp.einsum("btnc,cnw->btnw", out_latent_btnc, w_vb_cnw.astype(f32))
+        return out_btnw.astype(self.dtype)

@@ -1,0 +1,64 @@
+"""Rotary position embeddings: the rotation frequencies (plain, Llama 3, linear and YaRN
+scaling) and their application to queries and keys, shared by grouped-query attention
+(transformer.py) and multi-head latent attention (mla.py)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from engine.models.config import RopeScaling
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
+    """Per-pair rotation frequencies; Llama-3 scaling stretches the low frequencies."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "yarn":
+        return _yarn_inverse_frequencies(inv_freq, head_dim, theta, scaling)
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return jnp.where(medium, (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq, scaled)
+
+
+def _yarn_inverse_frequencies(inv_freq, head_dim: int, theta: float, scaling: RopeScaling):
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are
+    divided by `factor` (interpolated), those turning more than beta_fast times kept, and a
+    linear ramp over the dimensions between (transformers' _compute_yarn_parameters)."""
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return head_dim * math.log(scaling.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp
+    return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
+
+
+def apply_rope(x_btnh, positions_bt, inv_freq_h2, scale: float = 1.0):
+    """Rotate (first half, second half) pairs, the convention of HF Llama checkpoints; cos and
+    sin times `scale` (YaRN's attention factor)."""
+    angles_bth2 = positions_bt[..., None].astype(jnp.float32) * inv_freq_h2
+    cos = jnp.cos(angles_bth2)[:, :, None, :]
+    sin = jnp.sin(angles_bth2)[:, :, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_btnh.dtype)
