@@ -2,10 +2,17 @@
 (PyTorch, same machine) on the same model: one random Llama, saved by transformers and
 converted with engine/interop/hf/convert.py, so both decode the very same weights.
 
+Each side runs in each of --dtypes: float32 (the checkpoint's), and bfloat16: the engine's
+Sampler dtype=bfloat16 (a bf16 copy of the weights made once per call, products
+accumulated in f32, logits and the draw in f32), transformers' model cast with
+.to(torch.bfloat16) (torch's bf16 kernels use AVX512-BF16 / AMX where the CPU has them).
+The ratios pair each engine dtype with transformers in float32 (its default) and in the
+same dtype.
+
 Cases (fixed length, no EOS stop, equal-length random prompts):
   batch1, batch32  greedy decoding of --new-tokens tokens for 1 and 32 prompts; also reported:
-                   how many greedy tokens the two agree on (float rounding may let long
-                   greedy runs diverge)
+                   how many greedy tokens the two agree on in each dtype (float rounding may
+                   let long greedy runs diverge; bf16 rounding more often)
   grpo             GRPO-shaped rollouts: 32 prompts x 8 completions each, sampled
                    (temperature 1, no top-k/top-p): the engine prefills each prompt once
                    (Sampler num_generations=8), transformers gets num_return_sequences=8
@@ -15,7 +22,8 @@ process (bench/__init__.py); a run compiles / warms up first, then reports the b
 --inner timed calls (prefill included, host transfer included). The table gives the
 median over rounds and the spread.
 
-    python -m bench.sample [--new-tokens 64] [--prompt-len 32] [--repeats 5] [--inner 2] [--cases batch1,batch32,grpo]
+    python -m bench.sample [--new-tokens 64] [--prompt-len 32] [--repeats 5] [--inner 2]
+                           [--cases batch1,batch32,grpo] [--dtypes float32,bfloat16] [--out FILE]
 
 Prints a table and writes bench/results/sample.json.
 """
@@ -35,6 +43,7 @@ from bench import REPO, alternate, finish, load_line, machine, summary
 
 SHAPE = dict(vocab_size=8192, d_model=384, num_layers=6, num_heads=6, num_kv_heads=2, head_dim=64,
              mlp_dim=1024, max_seq_len=512, tie_embeddings=False)  # configs/models/bench-16m.yaml
+DTYPES = ("float32", "bfloat16")
 CASES = {  # name: (prompts, completions per prompt, sampled)
     "batch1": (1, 1, False),
     "batch32": (32, 1, False),
@@ -73,7 +82,8 @@ def time_best(fn, inner: int) -> tuple[float, np.ndarray]:
     return best, out
 
 
-def engine_worker(workdir: Path, case: str, prompt_len: int, new_tokens: int, inner: int) -> tuple[float, np.ndarray]:
+def engine_worker(workdir: Path, case: str, dtype: str, prompt_len: int, new_tokens: int,
+                  inner: int) -> tuple[float, np.ndarray]:
     import jax
 
     from engine.inference.sample import Sampler
@@ -82,7 +92,8 @@ def engine_worker(workdir: Path, case: str, prompt_len: int, new_tokens: int, in
     model_cfg, params, _ = load_params(workdir / "engine" / "checkpoint")
     _, compute = stored_configs(workdir / "engine" / "checkpoint")  # float32, as transformers saved it
     _, generations, sampled = CASES[case]
-    sampler, params, prompts = Sampler(model_cfg, compute), jax.device_put(params), prompts_of(case, prompt_len)
+    sampler = Sampler(model_cfg, compute, dtype=dtype)  # the params stay f32; bfloat16 samples with a bf16 copy
+    params, prompts = jax.device_put(params), prompts_of(case, prompt_len)
     seeds = iter(range(1_000_000))
 
     def run():  # Sampler returns host arrays: the time includes the transfer
@@ -92,12 +103,12 @@ def engine_worker(workdir: Path, case: str, prompt_len: int, new_tokens: int, in
     return time_best(run, inner)
 
 
-def transformers_worker(workdir: Path, case: str, prompt_len: int, new_tokens: int,
+def transformers_worker(workdir: Path, case: str, dtype: str, prompt_len: int, new_tokens: int,
                         inner: int) -> tuple[float, np.ndarray]:
     import torch
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(workdir / "hf").eval()
+    model = LlamaForCausalLM.from_pretrained(workdir / "hf").eval().to(getattr(torch, dtype))
     _, generations, sampled = CASES[case]
     ids = torch.from_numpy(prompts_of(case, prompt_len).astype(np.int64))
     sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sampled else dict(do_sample=False)
@@ -114,10 +125,10 @@ def transformers_worker(workdir: Path, case: str, prompt_len: int, new_tokens: i
 
 
 def worker(args) -> None:
-    side, case, workdir = args.worker
+    side, dtype, case, workdir = args.worker
     fn = engine_worker if side == "engine" else transformers_worker
-    seconds, tokens = fn(Path(workdir), case, args.prompt_len, args.new_tokens, args.inner)
-    np.save(Path(workdir) / f"tokens-{side}-{case}.npy", tokens)
+    seconds, tokens = fn(Path(workdir), case, dtype, args.prompt_len, args.new_tokens, args.inner)
+    np.save(Path(workdir) / f"tokens-{side}-{dtype}-{case}.npy", tokens)
     info = {"seconds": seconds, "rows": int(tokens.shape[0]), "tokens_per_second": tokens.size / seconds}
     if side == "engine":
         import jax
@@ -135,51 +146,65 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="rounds of engine, transformers (each a process)")
     parser.add_argument("--inner", type=int, default=2, help="timed calls per process (the best is kept)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
-    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)  # side, case, workdir
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated subset of {', '.join(DTYPES)}")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "sample.json"),
+                        help="where the JSON goes (default: %(default)s)")
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)  # side, dtype, case, workdir
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     if args.worker:
         return worker(args)
 
     info, runs = machine(), []
+    dtypes = args.dtypes.split(",")
     common = ["--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--inner", str(args.inner)]
     with tempfile.TemporaryDirectory() as tmp:
         save_model(Path(tmp))
         for case in args.cases.split(","):
-            results = alternate({side: ["bench.sample", "--worker", side, case, tmp, *common]
-                                 for side in ("engine", "transformers")}, args.repeats)
-            engine = summary([r["tokens_per_second"] for r in results["engine"]])
-            peer = summary([r["tokens_per_second"] for r in results["transformers"]])
+            sides = {f"{side} {dtype}": ["bench.sample", "--worker", side, dtype, case, tmp, *common]
+                     for dtype in dtypes for side in ("engine", "transformers")}
+            results = alternate(sides, args.repeats)
+            speed = {name: summary([r["tokens_per_second"] for r in results[name]]) for name in sides}
+            ratios = {f"engine {e} / transformers {t}":  # each engine dtype against float32 and its own dtype
+                      speed[f"engine {e}"]["median"] / speed[f"transformers {t}"]["median"]
+                      for e in dtypes for t in dtypes if t in ("float32", e)}
             run = {"case": case, "prompts": CASES[case][0], "completions_per_prompt": CASES[case][1],
                    "sampled": CASES[case][2], "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
-                   "engine_tokens_per_second": engine, "transformers_tokens_per_second": peer,
-                   "speedup_of_medians": engine["median"] / peer["median"],
-                   "versions": {**{k: v for k, v in results["engine"][0].items() if k.startswith("jax")},
-                                **{k: v for k, v in results["transformers"][0].items() if k.startswith("torch")}}}
+                   "tokens_per_second": speed, "speedup_of_medians": ratios,
+                   "versions": {**{k: v for k, v in results[f"engine {dtypes[0]}"][0].items() if k.startswith("jax")},
+                                **{k: v for k, v in results[f"transformers {dtypes[0]}"][0].items()
+                                   if k.startswith("torch")}}}
             if not CASES[case][2]:  # greedy agreement: tokens equal up to each row's first disagreement
-                a, b = (np.load(Path(tmp) / f"tokens-{side}-{case}.npy") for side in ("engine", "transformers"))
-                differs = a != b
-                agree = np.where(differs.any(1), differs.argmax(1), args.new_tokens)
-                run["greedy_prefix_agreement"] = float(agree.mean() / args.new_tokens)
+                run["greedy_prefix_agreement"] = {}
+                for dtype in dtypes:
+                    a, b = (np.load(Path(tmp) / f"tokens-{side}-{dtype}-{case}.npy")
+                            for side in ("engine", "transformers"))
+                    differs = a != b
+                    agree = np.where(differs.any(1), differs.argmax(1), args.new_tokens)
+                    run["greedy_prefix_agreement"][dtype] = float(agree.mean() / args.new_tokens)
             runs.append(run)
     info = finish(info)
 
-    print(f"\n{'case':<8} {'rows':>5} {'engine tok/s (spread)':>24} {'transformers tok/s (spread)':>30} "
-          f"{'ratio':>6} {'greedy agreement':>17}")
+    print(f"\n{'case':<8} {'rows':>5} {'side':<22} {'tok/s (spread)':>20}  greedy agreement")
     for r in runs:
-        e, t = r["engine_tokens_per_second"], r["transformers_tokens_per_second"]
-        agreement = f"{r['greedy_prefix_agreement']:.0%}" if "greedy_prefix_agreement" in r else "-"
-        print(f"{r['case']:<8} {r['prompts'] * r['completions_per_prompt']:>5} "
-              f"{e['median']:>14,.0f} ({e['spread']:>5.1%}) {t['median']:>20,.0f} ({t['spread']:>5.1%}) "
-              f"{r['speedup_of_medians']:>5.2f}x {agreement:>17}")
+        for name, s in r["tokens_per_second"].items():
+            side, dtype = name.split()
+            agreement = r.get("greedy_prefix_agreement", {}).get(dtype) if side == "engine" else None
+            print(f"{r['case']:<8} {r['prompts'] * r['completions_per_prompt']:>5} {name:<22} "
+                  f"{s['median']:>12,.0f} ({s['spread']:>5.1%})  {'-' if agreement is None else f'{agreement:.0%}'}")
+        for name, ratio in r["speedup_of_medians"].items():
+            print(f"{'':<8} {'':>5} {name:<44} {ratio:>5.2f}x")
     print(load_line(info))
-    out = REPO / "bench" / "results" / "sample.json"
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     description = ("tokens/s = rows * new_tokens / best wall time of a full generate call (prefill included), "
-                   "median over alternating processes; fixed length, no EOS; same weights in both frameworks")
+                   "median over alternating processes; fixed length, no EOS; same weights in both frameworks; "
+                   "engine bfloat16 = Sampler dtype=bfloat16 (a bf16 copy of the f32 weights per call), "
+                   "transformers bfloat16 = the model cast with .to(torch.bfloat16)")
     out.write_text(json.dumps({"command": "python -m bench.sample " + " ".join(sys.argv[1:]), "machine": info,
-                               "shape": SHAPE, "description": description, "runs": runs}, indent=2) + "\n")
-    print(f"wrote {out.relative_to(REPO)}")
+                               "shape": SHAPE, "dtypes": dtypes, "description": description, "runs": runs},
+                              indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

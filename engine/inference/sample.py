@@ -36,7 +36,7 @@ from engine.contract import TOKENIZER_DIR
 from engine.data.chat import render
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.kv_cache import KVCache
-from engine.models.params import graphdef_of
+from engine.models.params import abstract_model_params, graphdef_of
 from engine.ops.partitioning import constrain, use_mesh
 from engine.parallel.mesh import (
     batch_sharding,
@@ -237,12 +237,24 @@ def sample(graphdef, params, prompt_tokens_bp, prompt_mask_bp, rng, temperature=
     return {"tokens": tokens_bn, "logprobs": logprobs_bn, "mask": mask_bn, "lengths": jnp.sum(mask_bn, axis=1)}
 
 
-def rollout_params(params, dtype: RolloutDtype):
-    """params with every floating-point array in `dtype`: the copy a rollout samples with,
-    made once per sampler call (before the prefill), never per decode step. Integer arrays
-    are left alone."""
+def rollout_params(params, dtype: RolloutDtype, per_layer=None):
+    """The copy of `params` a rollout samples with, made once per sampler call (before the
+    prefill), never per decode step: every floating-point array in `dtype`, and, given
+    `per_layer` (the param tree of the same model with scan_layers off, arrays or shapes),
+    stacked layers sliced into that per-layer layout. Decoding runs the layers unrolled
+    (Transformer._decode_blocks); from stacked params it would slice each layer's weights
+    out of the stack at every decode step, copies XLA:CPU does not hoist out of the loop."""
     target = jnp.dtype(dtype)
-    return jax.tree.map(lambda a: a.astype(target) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
+    params = jax.tree.map(lambda a: a.astype(target) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
+
+    def unstack(tree, layout):
+        if not isinstance(layout, dict):
+            return tree
+        if layout and all(isinstance(k, int) for k in layout) and not any(isinstance(k, int) for k in tree):
+            return {i: jax.tree.map(lambda a, i=i: a[i], tree) for i in layout}  # a list of layers <- a stack
+        return {k: unstack(tree[k], v) for k, v in layout.items()}
+
+    return params if per_layer is None else unstack(params, per_layer)
 
 
 def length_bucket(length: int, buckets: Sequence[int] = ()) -> int:
@@ -294,7 +306,10 @@ class Sampler:
         if dtype is not None:  # the rollout copy: params and products in `dtype`, cast once per call
             compute = compute.model_copy(update={"param_dtype": dtype, "dtype": dtype})
         self.compute = compute
-        self.graphdef = graphdef_of(self.model_cfg, self.compute)
+        # Decoding unrolls the layers: the sampler's model takes them per layer (rollout_params).
+        unrolled = compute.model_copy(update={"scan_layers": False})
+        self.graphdef = graphdef_of(self.model_cfg, unrolled)
+        self._per_layer = abstract_model_params(self.model_cfg, unrolled, None) if compute.scan_layers else None
         self.mesh, self.param_shardings = mesh, param_shardings
         self.length_buckets = tuple(sorted(length_buckets))
         self._compiled: dict[tuple, Any] = {}
@@ -306,7 +321,7 @@ class Sampler:
     def _function(self, settings: tuple):
         if settings not in self._compiled:
             def fn(params, tokens, mask, key_data, *rest):
-                params = rollout_params(params, self.compute.param_dtype)
+                params = rollout_params(params, self.compute.param_dtype, self._per_layer)
                 return sample(self.graphdef, params, tokens, mask, jax.random.wrap_key_data(key_data), *rest,
                               **dict(settings))
 
