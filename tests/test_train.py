@@ -12,8 +12,12 @@ import jax
 import numpy as np
 import pytest
 import yaml
+from flax import nnx
 
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.transformer import Transformer
 from engine.train.checkpoint import load_params
+from engine.train.optimizer import weight_decay_mask
 from engine.train.config import TrainConfig
 from engine.config import load_config
 from engine.data.shards import shard_paths
@@ -176,3 +180,23 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_caught_before_compiling
     with pytest.raises(ConfigError, match=r"model.vocab_size \(200\) is smaller than the tokenizer's vocabulary \(257\)"):
         run_pretrain(cfg)
     assert not (tmp_path / "checkpoint").exists()
+
+
+def test_weight_decay_falls_on_matrices_not_on_biases_sinks_norms_or_embeddings():
+    """A GPT-OSS-shaped model, layers stacked: its biases and sinks have two or more axes (layers,
+    experts, heads) yet are offsets, not matrices, and get no decay; every weight matrix does."""
+    cfg = ModelConfig.model_validate(yaml.safe_load(
+        (Path(__file__).parent.parent / "configs" / "models" / "tiny-gpt-oss.yaml").read_text()))
+    params = nnx.to_pure_dict(nnx.eval_shape(lambda: nnx.split(
+        Transformer(cfg, ComputeConfig(scan_layers=True), rngs=nnx.Rngs(0)))[1]))
+    flat = {"/".join(map(str, (getattr(k, "key", k) for k in path))): (decay, leaf)
+            for (path, decay), leaf in zip(jax.tree_util.tree_flatten_with_path(weight_decay_mask(params, False))[0],
+                                           jax.tree.leaves(params))}
+    decayed = {name for name, (decay, _) in flat.items() if decay}
+    matrix = lambda name: name.split("/")[-1].startswith(("w", "lm_head"))  # noqa: E731
+    assert decayed and all(matrix(name) for name in decayed), sorted(decayed)
+    offsets = {name for name in flat if name.split("/")[-1].startswith(("b", "sinks"))}
+    assert {"bq_nh", "bo_d", "sinks_n", "b_gate_ef", "b_down_ed"} <= {n.split("/")[-1] for n in offsets}
+    assert any(flat[name][1].ndim >= 2 for name in offsets) and not offsets & decayed
+    assert all(matrix(name) == (name in decayed) for name in flat if "norm" not in name and name != "embed_vd")
+    assert all(jax.tree.leaves(weight_decay_mask(params, True)))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import optax
 
@@ -28,14 +30,20 @@ def learning_rate_schedule(opt: OptimizerConfig, sched: ScheduleConfig, total_st
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), main], boundaries=[warmup])
 
 
+# Biases (bq_nh, bo_d, b_router_e, b_gate_ef, ...) and attention sinks: per-unit offsets, not
+# matrices, whatever their rank (stacked layers and experts add axes).
+_NOT_MATRICES = re.compile(r"^(b[a-z]?_|bias$|scale$|sinks_)")
+
+
 def weight_decay_mask(params, decay_norms_and_embeddings: bool):
-    """True for the leaves that get weight decay: matrices, except embeddings if excluded."""
+    """True for the leaves that get weight decay: matrices, not embeddings, norms, biases or
+    attention sinks (unless decay_norms_and_embeddings: every leaf)."""
 
     def decide(path, leaf) -> bool:
         if decay_norms_and_embeddings:
             return True
         names = [str(getattr(p, "key", p)) for p in path]
-        if any(n.startswith("embed") for n in names) or names[-1] in ("scale", "bias") or "norm" in names[-2:-1]:
+        if any(n.startswith("embed") for n in names) or _NOT_MATRICES.match(names[-1]) or "norm" in names[-2:-1]:
             return False
         return leaf.ndim >= 2
 
