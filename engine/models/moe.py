@@ -9,12 +9,13 @@ Two ways to get the tokens to their experts (ComputeConfig.moe_dispatch):
 - dropless (default): the n * k (token, expert) assignments sorted by expert, so each
   expert's rows are contiguous, and one grouped matmul per projection over all experts
   (`jax.lax.ragged_dot`, MegaBlocks' idea). Nothing is dropped and no FLOP is wasted on
-  padding. Under a mesh XLA partitions it as it can (the expert weights are gathered).
+  padding. With an `expert` mesh axis the assignments travel to their experts' devices
+  and back by all-to-all (engine/models/moe_ep.py), each device computing its own experts.
 - capacity: GShard's dispatch. Each sequence fills a fixed (e, c) buffer per expert, first
   choices before second ones, and assignments past an expert's capacity are dropped (their
   token keeps its other experts and the residual). The buffers are static shapes, so the
   move from batch-sharded to expert-sharded is a sharding constraint XLA lowers to an
-  all-to-all: this is the expert-parallel path.
+  all-to-all.
 
 Both give the same numbers when nothing is dropped (tests/test_moe.py). The router's
 statistics for the auxiliary losses come back as `MoEStats`, one per layer.
@@ -30,10 +31,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from engine.models import moe_ep
 from engine.models.common import ACTIVATIONS, dtype_of, param
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.ops.dense import DotGeneral, dense, gated_mlp
-from engine.ops.partitioning import constrain
+from engine.ops.partitioning import constrain, current_mesh
 
 
 class MoEStats(NamedTuple):
@@ -230,7 +232,11 @@ class MoE(nnx.Module):
         experts = [w[...].astype(dt) for w in (self.w_gate_edf, self.w_up_edf, self.w_down_efd)]
         biases = None if not self.expert_bias else [w[...].astype(dt) for w in (self.b_gate_ef, self.b_up_ef,
                                                                                  self.b_down_ed)]
-        if self.dispatch == "dropless":
+        mesh = current_mesh()
+        if self.dispatch == "dropless" and moe_ep.applies(mesh, b * t):  # engine/models/moe_ep.py
+            out_btd = moe_ep.expert_parallel_dropless(x_btd.reshape(b * t, d), experts_nk, weights_nk, *experts,
+                                                      self.glu, mesh, biases).reshape(b, t, d)
+        elif self.dispatch == "dropless":
             out_btd = dropless_experts(x_btd.reshape(b * t, d), experts_nk, weights_nk, *experts,
                                        self.glu, biases).reshape(b, t, d)
         else:
