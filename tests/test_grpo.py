@@ -262,8 +262,8 @@ def test_mean_reward_rises_on_a_verifiable_copy_task(copy_task, tmp_path, algori
 
 def test_grpo_on_a_mixture_of_experts_learns_with_its_router_losses(tmp_path):
     """A Mixtral-shaped policy (4 experts, top 2): reward rises, the router's losses are part of
-    the minimised objective (TRL's router_aux_loss_coef * aux_loss) and logged with each
-    expert's load, and the result keeps the architecture."""
+    the minimised objective (as in pretraining) and logged with each expert's load, and the
+    result keeps the architecture."""
     cfg = ModelConfig(family="mixtral", vocab_size=16, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
                       head_dim=8, mlp_dim=48, max_seq_len=16, num_experts=4, experts_per_token=2)
     task = make_copy_task(tmp_path / "task", cfg)

@@ -97,6 +97,23 @@ def test_bfloat16_conversion_rounds_once_and_round_trips_bitwise(llama_dir, conv
     assert reloaded.dtype == torch.bfloat16
 
 
+def test_a_bfloat16_checkpoint_with_a_few_float32_tensors_converts_as_bfloat16(llama_dir, tmp_path):
+    """transformers keeps some modules in float32 in a bf16 model (DeepSeek-V3's router weight
+    and score bias): the source's dtype is the one most of its bytes have, not float32 because
+    any tensor is."""
+    shutil.copytree(llama_dir, tmp_path / "hf")
+    path = tmp_path / "hf" / "model.safetensors"
+    with SafetensorsFile(path) as st:
+        tensors = [(n, st.get(n) if n == "model.norm.weight" else st.get(n).astype(ml_dtypes.bfloat16))
+                   for n in st.names()]
+    write_safetensors(path, tensors)
+    convert_hf(tmp_path / "hf", tmp_path / "out")
+    _, compute = stored_configs(tmp_path / "out" / "checkpoint")
+    _, params, _ = load_params(tmp_path / "out" / "checkpoint")
+    assert compute.param_dtype == "bfloat16"
+    assert {str(leaf.dtype) for leaf in jax.tree.leaves(params)} == {"bfloat16"}
+
+
 def test_cli_convert_and_export(llama_dir, tmp_path, capsys):
     assert main(["convert", str(llama_dir), str(tmp_path / "c")]) == 0
     result = json.loads(capsys.readouterr().out)["result"]

@@ -13,6 +13,7 @@ margins a perturbation of the router changes (checked), padding in the batch.
 from __future__ import annotations
 
 import io
+from functools import partial
 import json
 import logging
 
@@ -30,7 +31,8 @@ from engine.interop.hf.export import export_hf
 from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.families.base import rope_from_hf, rope_to_hf
-from engine.models.moe import MoE, combine_stats, router_stats
+from engine.models import moe_ep
+from engine.models.moe import MoE, clamped_swiglu, combine_stats, dropless_experts, route, router_stats
 from engine.models.params import apply_model, graphdef_of, param_shardings
 from engine.models.transformer import Transformer, rope_inverse_frequencies
 from engine.ops.partitioning import use_mesh
@@ -341,6 +343,36 @@ def test_expert_x_fsdp_x_data_parallel_equals_one_device(dispatch):
     assert loss_8 == pytest.approx(loss_1, rel=1e-6) and balance_8 == pytest.approx(balance_1, rel=1e-6)
     for a, b in zip(jax.tree.leaves(grads_1), jax.tree.leaves(grads_8), strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(np.abs(a).max()))
+
+
+@pytest.mark.parametrize("with_biases", [True, False])
+def test_expert_parallel_dropless_with_a_tensor_axis_equals_the_plain_dropless(with_biases):
+    """data=2 x expert=2 x tensor=2: the expert MLP width split over `tensor` (the down
+    projection's partial sums summed over it), GPT-OSS's expert biases and clamped SwiGLU; the
+    values and every gradient equal the single-device grouped matmul's."""
+    rng = np.random.default_rng(3)
+    n, d, f, e, k = 32, 6, 8, 4, 2
+    x = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    weights, experts = route(jnp.asarray(rng.normal(size=(n, e)) * 3, jnp.float32), None, k, "softmax", True)
+    assert len(np.unique(np.asarray(experts))) == e  # every expert, so every shard, gets rows
+    w = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((e, d, f), (e, d, f), (e, f, d))]
+    b = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((e, f), (e, f), (e, d))] if with_biases else None
+    glu = lambda gate, up: clamped_swiglu(gate, up, limit=1.5, alpha=1.702)  # noqa: E731 (a limit the values reach)
+    mesh = make_mesh(MeshConfig(data=2, expert=2, tensor=2))
+    assert moe_ep.applies(mesh, n) and not moe_ep.applies(mesh, 2)  # 2 rows do not split over 4 batch devices
+
+    def loss(fn, x, w, b):
+        return jnp.sum(jnp.sin(fn(x, experts, weights, *w, glu, b)))
+
+    plain = jax.value_and_grad(lambda *a: loss(dropless_experts, *a), argnums=(0, 1, 2))(x, w, b)
+    ep = partial(moe_ep.expert_parallel_dropless, mesh=mesh)
+    compiled = jax.jit(jax.value_and_grad(lambda *a: loss(lambda *c: ep(*c[:7], biases=c[7]), *a),
+                                          argnums=(0, 1, 2))).lower(x, w, b).compile()
+    assert "all-to-all" in compiled.as_text() and "all-reduce" in compiled.as_text()
+    value, grads = compiled(x, w, b)
+    assert float(value) == pytest.approx(float(plain[0]), rel=1e-5)
+    for ours, theirs in zip(jax.tree.leaves(grads), jax.tree.leaves(plain[1]), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5 * float(np.abs(theirs).max()))
 
 
 # --------------------------------------------------------------------------- post-training

@@ -220,8 +220,10 @@ class MoE(nnx.Module):
         if valid_bt is None:
             valid_bt = jnp.ones((b, t), bool)
         with jax.named_scope("router"):
-            logits_bte = dense(x_btd, self.w_router_de[...].astype(dt), backward=self.matmul_backward,
-                               dot_general=self.dot_general).astype(jnp.float32)
+            # In float32 whatever the compute dtype (Switch Transformer's selective precision;
+            # transformers' DeepSeek-V3 router too): a bf16 rounding of close logits flips choices.
+            logits_bte = dense(x_btd.astype(jnp.float32), self.w_router_de[...].astype(jnp.float32),
+                               backward=self.matmul_backward, dot_general=self.dot_general)
             logits_ne = logits_bte.reshape(b * t, self.num_experts)
             if self.logits_bias:
                 logits_ne = logits_ne + self.b_logits_e[...].astype(jnp.float32)

@@ -54,16 +54,12 @@ def expert_parallel_dropless(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf,
     tokens over its batch axes; the same numbers as moe.dropless_experts (tests/test_moe.py)."""
     shards = expert_shards(mesh)
     num_experts = w_gate_edf.shape[0]
-    if num_experts % shards:
-        raise ValueError(f"{num_experts} experts do not split over an expert axis of {shards} devices")
+    assert num_experts % shards == 0, "check_divisible refuses such a mesh before any step"
     local_experts = num_experts // shards
     tensor = "tensor" if "tensor" in mesh.axis_names and mesh.shape["tensor"] > 1 else None
     rows = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
-    if biases is None:
-        biases = (jnp.zeros(w_gate_edf.shape[::2], w_gate_edf.dtype), jnp.zeros(w_up_edf.shape[::2], w_up_edf.dtype),
-                  jnp.zeros((num_experts, w_down_efd.shape[2]), w_down_efd.dtype))
 
-    def local(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, b_gate_ef, b_up_ef, b_down_ed):
+    def local(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, *biases):
         n, k = experts_nk.shape
         r = n * k
         with jax.named_scope("dispatch"):
@@ -85,13 +81,14 @@ def expert_parallel_dropless(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf,
             groups = jnp.bincount(local_m, length=local_experts).astype(jnp.int32)
             x_md = recv_srd.reshape(-1, x_nd.shape[-1])[by_expert]
             expert_m = jnp.minimum(local_m[by_expert], local_experts - 1)  # (the empty rows' biases are unused)
+        bias = (lambda i: 0.0) if not biases else (lambda i: biases[i][expert_m])  # noqa: E731
         with jax.named_scope("experts"):
-            gate = jax.lax.ragged_dot(x_md, w_gate_edf, groups) + b_gate_ef[expert_m]
-            hidden = glu(gate, jax.lax.ragged_dot(x_md, w_up_edf, groups) + b_up_ef[expert_m])
+            gate = jax.lax.ragged_dot(x_md, w_gate_edf, groups) + bias(0)
+            hidden = glu(gate, jax.lax.ragged_dot(x_md, w_up_edf, groups) + bias(1))
             y_md = jax.lax.ragged_dot(hidden, w_down_efd, groups)
             if tensor:  # each tensor shard holds a slice of the MLP width: partial sums
                 y_md = jax.lax.psum(y_md, tensor)
-            y_md = y_md + b_down_ed[expert_m]
+            y_md = y_md + bias(2)
         with jax.named_scope("combine"):
             y_srd = y_md[jnp.argsort(by_expert)].reshape(shards, r, -1)
             back_srd = jax.lax.all_to_all(y_srd, "expert", 0, 0, tiled=True)
@@ -101,8 +98,7 @@ def expert_parallel_dropless(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf,
 
     token = P(rows or None, None)
     f_in, f_out = P("expert", None, tensor), P("expert", tensor, None)
-    fn = jax.shard_map(local, mesh=mesh,
-                       in_specs=(token, token, token, f_in, f_in, f_out, P("expert", tensor), P("expert", tensor),
-                                 P("expert", None)),
+    bias_specs = () if biases is None else (P("expert", tensor), P("expert", tensor), P("expert", None))
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(token, token, token, f_in, f_in, f_out, *bias_specs),
                        out_specs=token)
-    return fn(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, *biases)
+    return fn(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, *(biases or ()))

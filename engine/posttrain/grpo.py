@@ -160,10 +160,11 @@ def make_loss_fn(graphdef, cfg: GRPOConfig, prompt_len: int):
         )
         metrics["entropy"] = jnp.sum(entropy * mask) / jnp.maximum(jnp.sum(mask), 1.0)
         if moe:
-            # A mixture of experts keeps its router losses (weighted by compute.moe_balance_loss
-            # and moe_router_z_loss) as TRL adds router_aux_loss_coef * aux_loss to the GRPO loss:
-            # each micro-batch's share is 1/grad_accum, like its policy loss; the statistics cover
-            # prompt and completion tokens, not the left padding (segment id 0).
+            # A mixture of experts keeps its router losses, weighted by compute.moe_balance_loss
+            # and moe_router_z_loss (0 turns each off), as in pretraining and SFT. (TRL adds
+            # router_aux_loss_coef * the balancing loss when the model is set to output its
+            # router logits, and no z-loss.) Each micro-batch's share is 1/grad_accum, like its
+            # policy loss; the statistics cover prompt and completion tokens, not the left padding.
             loss = loss + moe["aux_loss"] / cfg.grad_accum
             metrics.update(moe_metrics(moe, 1.0))
         return loss, metrics

@@ -67,9 +67,15 @@ def _weight_files(hf_dir: Path) -> list[Path]:
 
 
 def _source_dtype(files: list[Path]) -> str:
+    """bfloat16 when most of the first file's bytes are bfloat16, else float32: a bf16
+    checkpoint may keep a few small tensors in float32 (DeepSeek-V3's router weight and
+    score bias, transformers' _keep_in_fp32_modules), which must not double the whole model."""
+    nbytes: dict[np.dtype, int] = {}
     with SafetensorsFile(files[0]) as st:
-        dtypes = {st.dtype(name) for name in st.names()}
-    return "bfloat16" if dtypes == {np.dtype(ml_dtypes.bfloat16)} else "float32"
+        for name in st.names():
+            dtype = st.dtype(name)
+            nbytes[dtype] = nbytes.get(dtype, 0) + int(np.prod(st.shape(name))) * dtype.itemsize
+    return "bfloat16" if max(nbytes, key=nbytes.get, default=None) == np.dtype(ml_dtypes.bfloat16) else "float32"
 
 
 def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None,

@@ -125,5 +125,7 @@ class DeepseekV3(Family):
         return top, per_layer
 
     def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:
+        # The multi-token-prediction layer (DeepSeek-V3 and R1 ship one, num_nextn_predict_layers: 1)
+        # right after the last; any other extra layer is a config/weights mismatch convert names.
         layer = _LAYER_INDEX.match(name)
-        return layer is not None and int(layer.group(1)) >= cfg.num_layers  # the multi-token-prediction layer
+        return layer is not None and int(layer.group(1)) == cfg.num_layers
