@@ -337,8 +337,8 @@ def _run_threads(tasks: _Tasks, settings: dict, threads: int, tok: Tokenizer) ->
     errors: list[BaseException] = []
 
     def work() -> None:
-        encoder = _Encoder(settings, tok)
         try:
+            encoder = _Encoder(settings, tok)
             while task := tasks.take():
                 tasks.done(encoder.run(*_task_args(task[0])))
         except BaseException as e:  # noqa: BLE001 - raised below, in the calling thread
