@@ -153,6 +153,18 @@ def test_balance_loss_equals_transformers_load_balancing_loss_func():
     np.testing.assert_allclose(float(jnp.sum(combined["expert_load_e"])), 1.0, rtol=1e-6)
 
 
+def test_a_sigmoid_routers_balance_probabilities_are_its_scores_normalised_per_token():
+    """DeepSeek-V3's balance loss weighs each expert by its sigmoid score over the token's
+    scores' sum, not by a softmax; padding rows count for nothing."""
+    logits = jnp.asarray(np.random.default_rng(5).normal(size=(6, 4)) * 2, jnp.float32)
+    _, experts = route(logits, None, 2, "sigmoid", True)
+    valid = jnp.asarray([True] * 5 + [False])
+    stats = router_stats(logits, experts, valid, 4, "sigmoid")
+    scores = 1 / (1 + np.exp(-np.asarray(logits[:5])))
+    np.testing.assert_allclose(stats.probability_e, (scores / scores.sum(-1, keepdims=True)).mean(0), rtol=1e-6)
+    assert not np.allclose(stats.probability_e, router_stats(logits, experts, valid, 4).probability_e, rtol=1e-3)
+
+
 def test_dropless_and_capacity_agree_when_nothing_is_dropped():
     """The training loss, router losses, expert loads and gradients of the whole model."""
     cfg = tiny(attention_pattern=["local", "global"], sliding_window=4)  # mixed: the unit scan and a left-over layer

@@ -86,12 +86,18 @@ def route(logits_ne, bias_e, k: int, score: str, renormalize: bool, *, groups: i
     return weights_nk * scale if scale != 1.0 else weights_nk, experts_nk
 
 
-def router_stats(logits_ne, experts_nk, valid_n, num_experts: int) -> MoEStats:
-    """The balancing and z-loss statistics of one layer, padding excluded."""
+def router_stats(logits_ne, experts_nk, valid_n, num_experts: int, score: str = "softmax") -> MoEStats:
+    """The balancing and z-loss statistics of one layer, padding excluded. P_e is the mean
+    routing probability: the softmax, or for a sigmoid router its scores normalised to sum
+    to 1 per token (DeepSeek-V3's balance loss, computed here over the batch)."""
     valid = valid_n.astype(jnp.float32)
     count = jnp.maximum(jnp.sum(valid), 1.0)
     assigned_ne = jnp.sum(jax.nn.one_hot(experts_nk, num_experts, dtype=jnp.float32), axis=1)
-    probs_ne = jax.nn.softmax(logits_ne, axis=-1)
+    if score == "softmax":
+        probs_ne = jax.nn.softmax(logits_ne, axis=-1)
+    else:
+        scores_ne = jax.nn.sigmoid(logits_ne)
+        probs_ne = scores_ne / jnp.sum(scores_ne, axis=-1, keepdims=True)
     log_z_n = jax.nn.logsumexp(logits_ne, axis=-1)
     return MoEStats(assigned_e=valid @ assigned_ne / count, probability_e=valid @ probs_ne / count,
                     z_loss=jnp.sum(valid * jnp.square(log_z_n)) / count)
@@ -230,7 +236,7 @@ class MoE(nnx.Module):
             bias = self.b_router_e[...] if self.router_bias else None
             weights_nk, experts_nk = route(logits_ne, bias, self.k, self.score, self.renormalize, groups=self.groups,
                                            group_top=self.group_top, scale=self.router_scale)
-            stats = router_stats(logits_ne, experts_nk, valid_bt.reshape(-1), self.num_experts)
+            stats = router_stats(logits_ne, experts_nk, valid_bt.reshape(-1), self.num_experts, self.score)
         experts = [w[...].astype(dt) for w in (self.w_gate_edf, self.w_up_edf, self.w_down_efd)]
         biases = None if not self.expert_bias else [w[...].astype(dt) for w in (self.b_gate_ef, self.b_up_ef,
                                                                                  self.b_down_ed)]
