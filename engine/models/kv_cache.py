@@ -9,7 +9,7 @@ from flax import struct
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.ops.partitioning import constrain
 
-CACHE_NAMES = ("act_batch", "act_kv_heads", None, None)  # (b, kv_heads, s, head_dim)
+CACHE_NAMES = ("act_batch", "act_kv_heads", None, None)  # keys (b, kv_heads, head_dim, s); values (b, kv_heads, s, h)
 
 
 def _names(shape: tuple[int, ...]) -> tuple:
@@ -24,17 +24,22 @@ class KVCache:
     Functional: a decode step returns a new cache. Rows are left-padded, so every row
     writes the same slots: a step of t tokens fills slots [end, end + t) of each layer.
 
-    One array per layer, heads-major, (b, kv_heads, s, head_dim): the layout attention's
-    two products batch over (b, kv_heads) in, so attention reads a layer's keys and values
-    where they lie. A stacked (layers, b, s, kv_heads, head_dim) cache had XLA:CPU copy and
-    transpose each layer's share every decode step.
+    One array per layer, heads-major, keys (b, kv_heads, head_dim, s) and values (b,
+    kv_heads, s, head_dim): attention's two products batch over (b, kv_heads) and contract
+    head_dim (q . k) and the slots (p . v), so each (b, kv_head) is a plain row-major
+    (contracted x free) matrix and attention reads the cache where it lies. A stacked
+    (layers, b, s, kv_heads, head_dim) cache had XLA:CPU copy and transpose each layer's share
+    every decode step; keys (s, head_dim)-major made q . k a transposed operand, which
+    XLA:CPU multiplied at a fraction of the speed (bench/profile_sample.py).
 
     Multi-head latent attention (engine/models/mla.py) caches its compressed form instead: k
-    holds each position's latent (b, 1, s, kv_lora_rank) and v its rotary key shared by the
+    holds each position's latent (b, 1, kv_lora_rank, s) and v its rotary key shared by the
     heads (b, 1, s, rope_head_dim), one "head" each.
+
+    `update` returns both in the logical (b, s, heads, dim) order attention takes.
     """
 
-    k: tuple[jax.Array, ...]  # per layer (b, kv_heads, s, head_dim)
+    k: tuple[jax.Array, ...]  # per layer (b, kv_heads, head_dim, s)
     v: tuple[jax.Array, ...]  # per layer (b, kv_heads, s, head_dim)
     valid_bs: jax.Array  # (b, s) bool: the slot holds a real token (not padding, not empty)
     end: jax.Array  # () int32: first empty slot
@@ -45,6 +50,7 @@ class KVCache:
         k_shape = v_shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
         if cfg.is_mla:
             k_shape, v_shape = (batch, 1, max_len, cfg.kv_lora_rank), (batch, 1, max_len, cfg.rope_head_dim)
+        k_shape = (*k_shape[:2], k_shape[3], k_shape[2])  # keys slot-minor
         dtype = jnp.bfloat16 if compute.dtype == "bfloat16" else jnp.float32
         k, v = (tuple(constrain(jnp.zeros(shape, dtype), _names(shape)) for _ in range(cfg.num_layers))
                 for shape in (k_shape, v_shape))
@@ -54,9 +60,9 @@ class KVCache:
         """Each row `repeats` times (row r becomes rows r * repeats ... r * repeats + repeats - 1)
         with `extra_slots` empty slots appended: a prompt's cache, computed once, shared by the
         group of completions sampled from it (GRPO's G per prompt)."""
-        slots = ((0, 0), (0, 0), (0, extra_slots), (0, 0))
+        k_slots, v_slots = ((0, 0), (0, 0), (0, 0), (0, extra_slots)), ((0, 0), (0, 0), (0, extra_slots), (0, 0))
         k, v = (tuple(constrain(jnp.pad(jnp.repeat(a, repeats, axis=0), slots), _names(a.shape)) for a in layers)
-                for layers in (self.k, self.v))
+                for layers, slots in ((self.k, k_slots), (self.v, v_slots)))
         valid_bs = jnp.pad(jnp.repeat(self.valid_bs, repeats, axis=0), ((0, 0), (0, extra_slots)))
         return self.replace(k=k, v=v, valid_bs=valid_bs)
 
@@ -68,14 +74,15 @@ class KVCache:
         order equal to position order: this is the full forward pass's causal mask.
         """
         t, s = k_btkh.shape[1], self.valid_bs.shape[1]
-        start = (0, 0, self.end, 0)
-        k_bksh = jax.lax.dynamic_update_slice(self.k[self.layer], k_btkh.swapaxes(1, 2).astype(self.k[0].dtype), start)
-        v_bksh = jax.lax.dynamic_update_slice(self.v[self.layer], v_btkh.swapaxes(1, 2).astype(self.v[0].dtype), start)
-        k_all = (*self.k[:self.layer], k_bksh, *self.k[self.layer + 1:])
+        k_bkhs = jax.lax.dynamic_update_slice(self.k[self.layer], k_btkh.transpose(0, 2, 3, 1).astype(self.k[0].dtype),
+                                              (0, 0, 0, self.end))
+        v_bksh = jax.lax.dynamic_update_slice(self.v[self.layer], v_btkh.swapaxes(1, 2).astype(self.v[0].dtype),
+                                              (0, 0, self.end, 0))
+        k_all = (*self.k[:self.layer], k_bkhs, *self.k[self.layer + 1:])
         v_all = (*self.v[:self.layer], v_bksh, *self.v[self.layer + 1:])
         distance_ts = self.end + jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
         visible_ts = distance_ts >= 0
         if window is not None:
             visible_ts = visible_ts & (distance_ts < window)
         mask_bts = visible_ts[None] & self.valid_bs[:, None, :]
-        return k_bksh.swapaxes(1, 2), v_bksh.swapaxes(1, 2), mask_bts, self.replace(k=k_all, v=v_all)
+        return k_bkhs.transpose(0, 3, 1, 2), v_bksh.swapaxes(1, 2), mask_bts, self.replace(k=k_all, v=v_all)
