@@ -16,11 +16,13 @@ import io
 from functools import partial
 import json
 import logging
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 from flax import nnx
 
 from engine.config import ConfigError, load_config
@@ -41,6 +43,8 @@ from engine.parallel.mesh import batch_sharding, global_array, make_mesh
 from engine.posttrain.config import SFTConfig
 from engine.posttrain.sft import run_sft
 from engine.train.checkpoint import Checkpointer, load_params, stored_configs
+from engine.train.config import OptimizerConfig, ScheduleConfig
+from engine.train.optimizer import make_optimizer
 from engine.train.step import lm_loss_fn
 
 torch = pytest.importorskip("torch")
@@ -48,6 +52,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func  # noqa: E402
 
+REPO = Path(__file__).resolve().parent.parent
 VOCAB = 37
 SHAPE = dict(vocab_size=VOCAB, d_model=12, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=6, mlp_dim=7,
              init_std=0.3)
@@ -385,6 +390,40 @@ def test_expert_parallel_dropless_with_a_tensor_axis_equals_the_plain_dropless(w
     assert float(value) == pytest.approx(float(plain[0]), rel=1e-5)
     for ours, theirs in zip(jax.tree.leaves(grads), jax.tree.leaves(plain[1]), strict=True):
         np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5 * float(np.abs(theirs).max()))
+
+
+@pytest.mark.parametrize("rate", [1e-3, 0.0])
+def test_a_choosing_bias_moves_against_its_layers_load_imbalance_and_nothing_else_changes(rate):
+    """DeepSeek-V3's auxiliary-loss-free balancing: each step every MoE layer's routing bias
+    moves by `rate` per expert, down for experts over the mean load, up under it; the other
+    parameters get AdamW's update exactly as without the bias, and rate 0 keeps it as loaded."""
+    cfg = ModelConfig.model_validate(yaml.safe_load((REPO / "configs" / "models" / "tiny-deepseek-v3.yaml").read_text()))
+    compute = ComputeConfig(scan_layers=True)
+    graphdef, params = nnx.split(Transformer(cfg, compute, rngs=nnx.Rngs(0)))
+    params = nnx.to_pure_dict(params)
+    params["blocks"]["mlp"]["b_router_e"] = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8)) * 0.1,
+                                                        jnp.float32)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (4, 16))
+    batch = {"tokens": tokens, "positions": np.broadcast_to(np.arange(16), (4, 16)),
+             "segment_ids": np.ones((4, 16), np.int32), "targets": np.roll(tokens, -1, 1),
+             "loss_mask": np.ones((4, 16), np.float32)}
+    (_, aux), grads = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef), has_aux=True))(params, batch, 64.0)
+    # The bias's gradient is each layer's imbalance: the per-layer loads, minus their mean.
+    imbalance = np.asarray(grads["blocks"]["mlp"]["b_router_e"])
+    assert imbalance.shape == (2, 8) and np.allclose(imbalance.sum(-1), 0, atol=1e-6) and np.abs(imbalance).max() > 0
+    loads = np.asarray([aux[f"moe_load/{e}"] for e in range(8)])  # shares of the assignments, layer mean
+    np.testing.assert_allclose(imbalance.mean(0) + 2 / 8, 2 * loads, atol=1e-6)
+    opt = OptimizerConfig(router_bias_update_rate=rate, weight_decay=0.1)
+    tx, _ = make_optimizer(opt, ScheduleConfig(kind="constant"), 10, params)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    np.testing.assert_array_equal(np.asarray(updates["blocks"]["mlp"]["b_router_e"]), -rate * np.sign(imbalance))
+    # Every other leaf: plain AdamW on the gradients without the bias's.
+    rest = lambda tree: {**tree, "blocks": {**tree["blocks"], "mlp": {  # noqa: E731
+        k: v for k, v in tree["blocks"]["mlp"].items() if k != "b_router_e"}}}
+    plain, _ = make_optimizer(opt, ScheduleConfig(kind="constant"), 10, rest(params))
+    expected, _ = plain.update(rest(grads), plain.init(rest(params)), rest(params))
+    for ours, theirs in zip(jax.tree.leaves(rest(updates)), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-12)
 
 
 # --------------------------------------------------------------------------- post-training

@@ -103,6 +103,27 @@ def router_stats(logits_ne, experts_nk, valid_n, num_experts: int, score: str = 
                     z_loss=jnp.sum(valid * jnp.square(log_z_n)) / count)
 
 
+@jax.custom_vjp
+def load_feedback(bias_e, assigned_e):
+    """0.0, to add to the layer's output; its gradient with respect to a router's choosing
+    bias is the layer's load imbalance, assigned_e - mean(assigned_e), whatever the loss (the
+    bias only chooses, so it has no loss gradient). The optimizer moves the bias against its
+    sign (engine/train/optimizer.py: router_bias_update)."""
+    return jnp.zeros((), jnp.float32)
+
+
+def _load_feedback_fwd(bias_e, assigned_e):
+    return jnp.zeros((), jnp.float32), (assigned_e, jnp.zeros_like(bias_e))
+
+
+def _load_feedback_bwd(residuals, _):
+    assigned_e, zero_e = residuals
+    return (assigned_e - jnp.mean(assigned_e)).astype(zero_e.dtype) + zero_e, jnp.zeros_like(assigned_e)
+
+
+load_feedback.defvjp(_load_feedback_fwd, _load_feedback_bwd)
+
+
 def gated(activation):
     """glu(gate, up) of the usual gated MLP: activation(gate) * up (SwiGLU, GeGLU)."""
     return lambda gate, up: activation(gate) * up
@@ -237,6 +258,7 @@ class MoE(nnx.Module):
             weights_nk, experts_nk = route(logits_ne, bias, self.k, self.score, self.renormalize, groups=self.groups,
                                            group_top=self.group_top, scale=self.router_scale)
             stats = router_stats(logits_ne, experts_nk, valid_bt.reshape(-1), self.num_experts, self.score)
+            feedback = load_feedback(bias, stats.assigned_e) if self.router_bias else 0.0
         experts = [w[...].astype(dt) for w in (self.w_gate_edf, self.w_up_edf, self.w_down_efd)]
         biases = None if not self.expert_bias else [w[...].astype(dt) for w in (self.b_gate_ef, self.b_up_ef,
                                                                                  self.b_down_ed)]
@@ -255,4 +277,5 @@ class MoE(nnx.Module):
                 x_btd, self.w_shared_gate_dg[...].astype(dt), self.w_shared_up_dg[...].astype(dt),
                 self.w_shared_down_gd[...].astype(dt), self.activation, ("act_batch", "act_seq", "act_mlp"),
                 backward=self.matmul_backward, dot_general=self.dot_general)
+        out_btd = out_btd + jnp.asarray(feedback, out_btd.dtype)
         return constrain(out_btd.astype(x_btd.dtype), ("act_batch", "act_seq", "act_embed")), stats

@@ -23,6 +23,11 @@ class OptimizerConfig(Strict):
     decay_norms_and_embeddings: bool = False
     """False: weight decay skips norm scales and embeddings (the usual choice)."""
     grad_clip_norm: float | None = Field(1.0, gt=0)
+    router_bias_update_rate: float = Field(0.0, ge=0)
+    """Mixtures of experts whose router has a choosing bias (DeepSeek-V3): each step every
+    layer's bias moves by this much per expert, up where the expert got fewer than the mean
+    of the assignments, down where more (DeepSeek-V3's auxiliary-loss-free balancing; it
+    pretrained with 0.001). 0: the bias stays as loaded, as transformers fine-tunes it."""
 
 
 class ScheduleConfig(Strict):

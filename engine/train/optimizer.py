@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from engine.train.config import OptimizerConfig, ScheduleConfig
@@ -50,6 +51,29 @@ def weight_decay_mask(params, decay_norms_and_embeddings: bool):
     return jax.tree_util.tree_map_with_path(decide, params)
 
 
+ROUTER_BIAS = "b_router_e"
+"""The choosing bias of a router (engine/models/moe.py); its gradient is the layer's load
+imbalance (assignments per expert minus their mean), not a loss gradient."""
+
+
+def router_bias_update(inner: optax.GradientTransformation, params, rate: float) -> optax.GradientTransformation:
+    """`inner` for every leaf but the routers' choosing biases, which move by -rate * sign of
+    their load imbalance (DeepSeek-V3's auxiliary-loss-free balancing: an overloaded expert's
+    bias goes down). `inner` sees zeros there, so clipping, Adam and its state are those of the
+    other leaves alone, and the state's layout is `inner`'s."""
+    is_bias = jax.tree_util.tree_map_with_path(lambda path, _: str(getattr(path[-1], "key", path[-1])) == ROUTER_BIAS,
+                                               params)
+
+    def update(grads, state, params=None):
+        zeroed = jax.tree.map(lambda g, b: jnp.zeros_like(g) if b else g, grads, is_bias)
+        updates, state = inner.update(zeroed, state, params)
+        updates = jax.tree.map(lambda u, g, b: (-rate * jnp.sign(g)).astype(u.dtype) if b else u,
+                               updates, grads, is_bias)
+        return updates, state
+
+    return optax.GradientTransformation(inner.init, update)
+
+
 def make_optimizer(opt: OptimizerConfig, sched: ScheduleConfig, total_steps: int, params) -> tuple:
     """(optax transformation, schedule). Clipping happens before the Adam moments."""
     schedule = learning_rate_schedule(opt, sched, total_steps)
@@ -62,4 +86,7 @@ def make_optimizer(opt: OptimizerConfig, sched: ScheduleConfig, total_steps: int
             mask=weight_decay_mask(params, opt.decay_norms_and_embeddings),
         )
     )
-    return optax.chain(*parts), schedule
+    tx = optax.chain(*parts)
+    has_bias = any(str(getattr(path[-1], "key", path[-1])) == ROUTER_BIAS
+                   for path, _ in jax.tree_util.tree_flatten_with_path(params)[0])
+    return (router_bias_update(tx, params, opt.router_bias_update_rate) if has_bias else tx), schedule
