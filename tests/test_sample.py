@@ -211,4 +211,4 @@ def test_bfloat16_sampling_agrees_with_float32_within_bf16_rounding(model):
     assert np.abs(greedy.logprobs - reference.logprobs).max() > 1e-4
     sampled = bf16(params, tokens, mask, seed=3, temperature=0.7, eos_ids=(4,), **SETTINGS)
     forced, _ = teacher_forced(cfg, params, tokens, mask, sampled, 0.7)
-    np.testing.assert_allclose(sampled.logprobs[sampled.mask], forced[sampled.mask], atol=0.1)
+    np.testing.assert_allclose(sampled.logprobs[sampled.mask], forced[sampled.mask], atol=0.15)

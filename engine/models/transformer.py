@@ -359,7 +359,9 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, cache: KVCache | None = None):
         """Logits (b, t, v) in the compute dtype. Packed rows pass positions and segments.
 
-        Decoding passes a KVCache (segment id 0 marks left padding) and gets (logits, cache).
+        Decoding passes a KVCache (segment id 0 marks left padding) and gets (logits, cache),
+        the logits in float32 whatever the compute dtype: the LM head's product accumulates in
+        f32 anyway, and the sampler's softmax and draw take them unrounded.
         """
         if cache is None:
             return self.forward(tokens_bt, positions_bt, segment_ids_bt)[0]
@@ -397,9 +399,14 @@ class Transformer(nnx.Module):
         with jax.named_scope("lm_head"):
             x_btd = self.final_norm(x_btd)
             head_dv = self.embed_vd[...].T if cfg.tie_embeddings else self.lm_head_dv[...]
-            logits_btv = dense(x_btd, head_dv.astype(dt), backward=self.matmul_backward, dot_general=self.dot_general)
+            if cache is None:
+                logits_btv = dense(x_btd, head_dv.astype(dt), backward=self.matmul_backward,
+                                   dot_general=self.dot_general)
+            else:  # decoding: f32 logits, not rounded to the compute dtype
+                logits_btv = self.dot_general(x_btd, head_dv.astype(dt), (((2,), (0,)), ((), ())),
+                                              preferred_element_type=jnp.float32)
         if cfg.final_logit_softcap is not None:
             cap = cfg.final_logit_softcap
-            logits_btv = (cap * jnp.tanh(logits_btv.astype(jnp.float32) / cap)).astype(dt)
+            logits_btv = (cap * jnp.tanh(logits_btv.astype(jnp.float32) / cap)).astype(logits_btv.dtype)
         logits_btv = constrain(logits_btv, ("act_batch", "act_seq", "act_vocab"))
         return logits_btv, stats, cache
