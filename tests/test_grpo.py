@@ -250,9 +250,10 @@ def rewards_logged(out: Path) -> list[float]:
     return [json.loads(line)["reward"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "gspo"])
-def test_mean_reward_rises_on_a_verifiable_copy_task(copy_task, tmp_path, algorithm):
-    result = run_grpo(grpo_config(copy_task, tmp_path, algorithm=algorithm))
+@pytest.mark.parametrize("algorithm, rollout_dtype", [("grpo", "float32"), ("gspo", "bfloat16")])
+def test_mean_reward_rises_on_a_verifiable_copy_task(copy_task, tmp_path, algorithm, rollout_dtype):
+    """(bf16 rollouts: the sampler's bf16 copy of the policy; the ratios stay the training forward's.)"""
+    result = run_grpo(grpo_config(copy_task, tmp_path, algorithm=algorithm, rollout_dtype=rollout_dtype))
     curve = rewards_logged(tmp_path)
     first, last = np.mean(curve[:3]), np.mean(curve[-3:])
     assert first < 0.25 and last > first + 0.4, curve  # chance is 1/16

@@ -42,10 +42,10 @@ def generate(args: argparse.Namespace) -> int:
         if tokens.shape[1] + args.max_new_tokens > model_cfg.max_seq_len:
             raise ConfigError(f"prompt ({tokens.shape[1]} tokens) + --max-new-tokens exceeds the model's "
                               f"max_seq_len ({model_cfg.max_seq_len})")
-        output = Sampler(model_cfg, compute)(params, tokens, mask, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                                             num_generations=args.num_samples, temperature=args.temperature,
-                                             top_k=args.top_k, top_p=args.top_p, eos_ids=(bundle.eos_id,),
-                                             pad_id=pad_id)
+        sampler = Sampler(model_cfg, compute, dtype=args.dtype)  # None: the checkpoint's compute dtype
+        output = sampler(params, tokens, mask, seed=args.seed, max_new_tokens=args.max_new_tokens,
+                         num_generations=args.num_samples, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, eos_ids=(bundle.eos_id,), pad_id=pad_id)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

@@ -18,4 +18,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-samples", type=int, default=1,
                         help="completions per prompt, sampled from one prefill of the prompt (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"),
+                        help="sample in this dtype: bfloat16 casts the weights once and multiplies in bf16 with f32 "
+                             "accumulation (logits and the draw stay f32); default: the checkpoint's compute dtype")
     parser.add_argument("--json", action="store_true", help="one JSON object per prompt")

@@ -103,6 +103,12 @@ class GRPOConfig(Strict):
     temperature: float = Field(1.0, gt=0)
     top_k: int = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
+    rollout_dtype: Literal["float32", "bfloat16"] | None = None
+    """The dtype rollouts sample in (engine/inference/sample.py, Sampler dtype). bfloat16: a
+    bf16 copy of the live params made once per rollout batch, products accumulated in f32,
+    logits and the draw in f32, as Tunix and MaxText roll out in bf16 (XLA:CPU runs its bf16
+    products on AVX512-BF16 / AMX). None: the compute dtype of training. The loss's log-probs
+    are always the training forward's."""
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Divide advantages by the group's reward std, the batch's, or not at all (Dr. GRPO)."""

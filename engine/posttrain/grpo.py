@@ -186,7 +186,8 @@ class RolloutSource:
         self.reward_fns = [(*load_reward(spec), spec) for spec in cfg.rewards]
         self.weights = [spec.weight for spec in cfg.rewards]
         self.pad_id = bundle.pad_id if bundle.pad_id is not None else bundle.eos_id
-        self.sampler = Sampler(model_cfg, trainer.cfg.compute, trainer.mesh, trainer.param_shardings)
+        self.sampler = Sampler(model_cfg, trainer.cfg.compute, trainer.mesh, trainer.param_shardings,
+                               dtype=cfg.rollout_dtype)
         rows = trainer.batch_sharding
         logps = make_logps_fn(trainer.graphdef, cfg.max_prompt_length, cfg.temperature)
         self.logps = jax.jit(lambda p, b: logps(p, b)[0], in_shardings=(trainer.param_shardings, rows),
