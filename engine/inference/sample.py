@@ -119,7 +119,10 @@ def _draw_in_blocks(keys_b, logits_bnk, top_b1, cdf_bn, inverse_temperature=1.0)
     at_block = functools.partial(jnp.take_along_axis, indices=block_b[:, None], axis=1)
     below_b = (at_block(cdf_bn) - at_block(mass_bn))[:, 0]  # the mass of the blocks before
     p_bk = jnp.exp((_block_of(logits_bnk, block_b) - top_b1) * inverse_temperature)
-    entry_b = jnp.sum(jnp.cumsum(p_bk, axis=-1) < (u_b - below_b)[:, None], axis=-1)
+    # At least `tiny`: rounding can put below_b a hair above u, and a target <= 0 would take
+    # the block's first entry even where top-k/top-p filtered it out (probability 0).
+    target_b = jnp.maximum(u_b - below_b, tiny)
+    entry_b = jnp.sum(jnp.cumsum(p_bk, axis=-1) < target_b[:, None], axis=-1)
     return block_b * logits_bnk.shape[-1] + jnp.minimum(entry_b, _last_positive(p_bk))
 
 
