@@ -246,9 +246,16 @@ def rollout_params(params, dtype: RolloutDtype, per_layer=None):
     `per_layer` (the param tree of the same model with scan_layers off, arrays or shapes),
     stacked layers sliced into that per-layer layout. Decoding runs the layers unrolled
     (Transformer._decode_blocks); from stacked params it would slice each layer's weights
-    out of the stack at every decode step, copies XLA:CPU does not hoist out of the loop."""
+    out of the stack at every decode step, copies XLA:CPU does not hoist out of the loop.
+    A router's choosing bias stays float32, as the model keeps it: rounded, it would choose
+    other experts than training does."""
     target = jnp.dtype(dtype)
-    params = jax.tree.map(lambda a: a.astype(target) if jnp.issubdtype(a.dtype, jnp.floating) else a, params)
+
+    def cast(path, a):
+        keep = str(getattr(path[-1], "key", path[-1])) == "b_router_e" or not jnp.issubdtype(a.dtype, jnp.floating)
+        return a if keep else a.astype(target)
+
+    params = jax.tree_util.tree_map_with_path(cast, params)
 
     def unstack(tree, layout):
         if not isinstance(layout, dict):
