@@ -33,6 +33,7 @@ from engine.models.config import ModelConfig
 from engine.models.kv_cache import KVCache
 from engine.models.params import apply_model, graphdef_of
 from engine.train.checkpoint import load_params, stored_configs
+from tests.test_hf_parity import batch, hf_logits
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -84,17 +85,8 @@ def case(tmp_path_factory):
 
 
 def padded_batch():
-    """Three rows of 20 tokens: full, right-padded, left-padded."""
-    tokens = np.random.default_rng(1).integers(0, VOCAB, (3, 20))
-    mask = np.ones_like(tokens)
-    mask[1, 14:] = 0
-    mask[2, :6] = 0
-    return tokens, mask
-
-
-def hf_logits(model, tokens, mask) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens), attention_mask=torch.tensor(mask)).logits.numpy()
+    """Three rows of 20 tokens: full, right-padded, left-padded (test_hf_parity's batch)."""
+    return batch(VOCAB)
 
 
 def unstacked(params: dict) -> dict:

@@ -96,9 +96,9 @@ def case(request, tmp_path_factory) -> Case:
     return Case(family, model, root / "hf", root / "converted", cfg, compute, params)
 
 
-def batch():
+def batch(vocab: int = VOCAB):
     """Three rows of 20 tokens (4 windows long): full, right-padded, left-padded."""
-    tokens = np.random.default_rng(1).integers(0, VOCAB, (3, 20))
+    tokens = np.random.default_rng(1).integers(0, vocab, (3, 20))
     mask = np.ones_like(tokens)
     mask[1, 14:] = 0
     mask[2, :6] = 0
