@@ -15,9 +15,7 @@ config.json.
 from __future__ import annotations
 
 import functools
-import io
 import json
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -27,13 +25,13 @@ import pytest
 from engine.config import ConfigError, resolve_model_preset
 from engine.inference.sample import Sampler
 from engine.interop.hf.convert import convert_hf
-from engine.interop.hf.export import export_hf
 from engine.interop.hf.mapping import model_config_from_hf
 from engine.models.config import ModelConfig
 from engine.models.kv_cache import KVCache
 from engine.models.params import apply_model, graphdef_of
 from engine.train.checkpoint import load_params, stored_configs
 from tests.test_hf_parity import batch, hf_logits
+from tests.test_moe import export_loads_cleanly
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -214,18 +212,7 @@ def test_the_cache_holds_the_latent_and_the_rotary_key_not_keys_and_values(case)
 
 
 def test_export_loads_cleanly_in_transformers_and_converts_back_bitwise(case, tmp_path):
-    export_hf(case["out"] / "checkpoint", tmp_path / "export")
-    records = io.StringIO()
-    handler = logging.StreamHandler(records)
-    logging.getLogger("transformers").addHandler(handler)
-    try:
-        reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
-            tmp_path / "export", output_loading_info=True, attn_implementation="eager", experts_implementation="eager")
-    finally:
-        logging.getLogger("transformers").removeHandler(handler)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert "were not initialized" not in records.getvalue() and "not used" not in records.getvalue()
-    assert type(reloaded) is type(case["model"])
+    reloaded = export_loads_cleanly(case, tmp_path / "export")
     tokens, mask = padded_batch()
     valid = mask.astype(bool)
     np.testing.assert_array_equal(hf_logits(reloaded.eval(), tokens, mask)[valid],

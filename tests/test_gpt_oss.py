@@ -10,9 +10,7 @@ large enough to matter (checked), padding in the batch. One converted model per 
 
 from __future__ import annotations
 
-import io
 import json
-import logging
 import warnings
 
 import jax
@@ -24,7 +22,6 @@ from jax.sharding import Mesh
 from engine.config import ConfigError
 from engine.inference.sample import Sampler
 from engine.interop.hf.convert import convert_hf
-from engine.interop.hf.export import export_hf
 from engine.interop.hf.mapping import model_config_from_hf
 from engine.models.params import apply_model, graphdef_of
 from engine.ops import attention as attention_module
@@ -34,6 +31,7 @@ from engine.ops.attention_reference import attention_mask, dot_product_attention
 from engine.ops.partitioning import MESH_AXES, use_mesh
 from engine.train.checkpoint import load_params, stored_configs
 from tests.test_hf_parity import batch, hf_logits
+from tests.test_moe import export_loads_cleanly
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -242,18 +240,7 @@ def test_greedy_generation_with_the_engine_sampler_is_identical(case):
 
 
 def test_export_loads_cleanly_in_transformers_and_converts_back_bitwise(case, tmp_path):
-    export_hf(case["out"] / "checkpoint", tmp_path / "export")
-    records = io.StringIO()
-    handler = logging.StreamHandler(records)
-    logging.getLogger("transformers").addHandler(handler)
-    try:
-        reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
-            tmp_path / "export", output_loading_info=True, attn_implementation="eager", experts_implementation="eager")
-    finally:
-        logging.getLogger("transformers").removeHandler(handler)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert "were not initialized" not in records.getvalue() and "not used" not in records.getvalue()
-    assert type(reloaded) is type(case["model"])
+    reloaded = export_loads_cleanly(case, tmp_path / "export")
     # the interleaved gate_up_proj (and its bias) as transformers wrote it
     for name, tensor in case["model"].state_dict().items():
         torch.testing.assert_close(reloaded.state_dict()[name], tensor, rtol=0, atol=0, msg=name)

@@ -294,19 +294,26 @@ def test_greedy_generation_with_the_engine_sampler_is_identical(case):
     np.testing.assert_array_equal(ours.tokens, ref)
 
 
-def test_export_loads_cleanly_in_transformers_and_converts_back_bitwise(case, tmp_path):
-    export_hf(case["out"] / "checkpoint", tmp_path / "export")
+def export_loads_cleanly(case, directory):
+    """Export the case's checkpoint to `directory` and load it in transformers: every tensor
+    used, none missing, no warning about either, the same model class. Returns the model."""
+    export_hf(case["out"] / "checkpoint", directory)
     records = io.StringIO()
     handler = logging.StreamHandler(records)
     logging.getLogger("transformers").addHandler(handler)
     try:
         reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
-            tmp_path / "export", output_loading_info=True, attn_implementation="eager", experts_implementation="eager")
+            directory, output_loading_info=True, attn_implementation="eager", experts_implementation="eager")
     finally:
         logging.getLogger("transformers").removeHandler(handler)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert "were not initialized" not in records.getvalue() and "not used" not in records.getvalue()
     assert type(reloaded) is type(case["model"])
+    return reloaded
+
+
+def test_export_loads_cleanly_in_transformers_and_converts_back_bitwise(case, tmp_path):
+    reloaded = export_loads_cleanly(case, tmp_path / "export")
     tokens, mask = padded_batch()
     valid = mask.astype(bool)
     np.testing.assert_array_equal(hf_logits(reloaded.eval(), tokens, mask)[valid],
