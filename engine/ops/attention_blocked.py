@@ -123,13 +123,18 @@ def _attention_bwd(scale, softcap, window, block, residuals, do):
     dq_blocks = []
     dk_t = jnp.zeros((*k.shape[:2], k.shape[3], k.shape[2]), jnp.float32)  # (b, k, h, s)
     dv_t = jnp.zeros_like(dk_t)
+    g = q.shape[3]
+    # q and do with their rows minor, (b, k, h, t * g): the left operands of dK and dV as
+    # XLA:CPU's bf16 kernels take them (contracted on the minor axis), transposed once here.
+    q_t, do_t = _rows(q).swapaxes(2, 3), _rows(do).swapaxes(2, 3)
     for q0, q1 in query_blocks(q.shape[2], block):
         k0 = key_start(q0, window)
         q_b, do_b, k_b = q[:, :, q0:q1], do[:, :, q0:q1], k[:, :, k0:q1]
+        q_bt, do_bt = q_t[..., q0 * g:q1 * g], do_t[..., q0 * g:q1 * g]
         scores, capped = _scores(q_b, k_b, _mask(segment_bt, q0, q1, k0, window), scale, softcap)
         p = jnp.exp(scores - lse[:, :, q0:q1, :, None])
         dv_t = dv_t.at[..., k0:q1].add(
-            jnp.einsum("bkrh,bkrs->bkhs", _rows(do_b), _rows(p.astype(do.dtype)), preferred_element_type=jnp.float32))
+            jnp.einsum("bkhr,bkrs->bkhs", do_bt, _rows(p.astype(do.dtype)), preferred_element_type=jnp.float32))
         dp = jnp.einsum("bkrh,bksh->bkrs", _rows(do_b), v[:, :, k0:q1], preferred_element_type=jnp.float32)
         dp = dp.reshape(p.shape)
         ds = p * (dp - delta[:, :, q0:q1, :, None])
@@ -139,7 +144,7 @@ def _attention_bwd(scale, softcap, window, block, residuals, do):
         dq = jnp.einsum("bkrs,bksh->bkrh", _rows(ds), k_b, preferred_element_type=jnp.float32)
         dq_blocks.append(dq.reshape(q_b.shape))
         dk_t = dk_t.at[..., k0:q1].add(
-            jnp.einsum("bkrh,bkrs->bkhs", _rows(q_b), _rows(ds), preferred_element_type=jnp.float32))
+            jnp.einsum("bkhr,bkrs->bkhs", q_bt, _rows(ds), preferred_element_type=jnp.float32))
     dq = jnp.concatenate(dq_blocks, axis=2).astype(q.dtype)
     dk = dk_t.swapaxes(2, 3).astype(k.dtype)
     dv = dv_t.swapaxes(2, 3).astype(v.dtype)
