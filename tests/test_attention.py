@@ -2,6 +2,8 @@
 straightforward versions, in fewer operations and less saved memory. (Every attention
 implementation against the reference: tests/test_attention_backends.py.)"""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +13,8 @@ from flax import nnx
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.transformer import ACTIVATIONS, Transformer
 from engine.ops import dense as dense_module
-from engine.ops.attention_blocked import blocked_attention, query_blocks
-from engine.ops.attention_reference import reference_attention
+from engine.ops.attention_blocked import _mask, blocked_attention, key_parts, key_start, query_blocks
+from engine.ops.attention_reference import attention_mask, reference_attention
 from engine.ops.dense import dense, gated_mlp
 
 B, T, N, K, H = 2, 40, 6, 2, 8
@@ -108,6 +110,40 @@ def test_the_backward_pass_saves_no_score_sized_tensor():
     # The plain version keeps its probabilities: the check can fail.
     _, vjp_ref = jax.vjp(lambda q, k, v: _reference(q, k, v, case), q, k, v)
     assert max(leaf.size for leaf in jax.tree.leaves(vjp_ref)) >= B * N * T * T
+
+
+@pytest.mark.parametrize("segments", [None, SEGMENTS], ids=["unpacked", "packed"])
+@pytest.mark.parametrize("window", [None, 6, 20])
+def test_a_key_part_goes_unmasked_only_where_every_query_sees_every_key(segments, window):
+    """The blocked kernel skips the select on a key part whose mask it drops: that part must be
+    all visible in the reference mask, and every other part's mask must equal the reference's."""
+    full = attention_mask(*(2 * [jnp.ones((B, T), jnp.int32) if segments is None else segments]), window=window)
+    dropped = 0
+    for q0, q1 in query_blocks(T, 8):
+        for a, e in key_parts(q0, q1, key_start(q0, window)):
+            mask = _mask(segments, q0, q1, a, e, window)
+            want = np.broadcast_to(full[:, q0:q1, a:e], (B, q1 - q0, e - a))
+            if mask is None:
+                dropped += 1
+                assert want.all(), (q0, a, e)
+            else:
+                np.testing.assert_array_equal(np.broadcast_to(mask, want.shape), want)
+    # Without segments the left-of-diagonal parts of global layers (and of the window of 20,
+    # which covers a block and the one before it) need no mask; a window of 6 cuts every part.
+    assert (dropped > 0) == (segments is None and window != 6)
+
+
+def test_bfloat16_blocked_attention_runs_every_product_in_bfloat16():
+    """XLA:CPU upcasts a bf16 product to float32 when an operand is a bare transpose (or its
+    contraction is not on the minor axes); each block's products slice their operands so
+    that every dot, forward and backward, keeps bf16 operands (the CPU's bf16 kernels)."""
+    q, k, v, w = _qkv(jnp.bfloat16, t=64)
+    loss = lambda q, k, v: jnp.sum(blocked_attention(q, k, v, None, scale=0.3, block=16).astype(jnp.float32) * w)  # noqa: E731
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).compile().as_text()
+    dots = re.findall(r"= f32\[[^]]*\]\S* dot\((%[^,]+), (%[^)]+)\)", hlo)
+    operand_type = dict(re.findall(r"^\s*(%\S+) = (\w+)\[", hlo, re.M))
+    assert len(dots) >= 7 * 4
+    assert all(operand_type[a] == operand_type[b] == "bf16" for a, b in dots), dots
 
 
 def test_model_logits_do_not_depend_on_the_attention_block():

@@ -9,9 +9,18 @@ written out (jax.custom_vjp) in the FlashAttention manner: it keeps only the out
 row log-sum-exp and recomputes probabilities block by block, so no (b, heads, t, s) tensor
 is saved for the backward pass.
 
+Each block's keys come in two parts (key_parts): those left of the block, which every query
+of the block sees on a global layer without segments, so their scores go unmasked, and the
+diagonal square, the only part the causal mask cuts. At 512 positions in blocks of 128 that
+leaves the select on 4 of the 10 score tiles.
+
 Operands are put head-major once, and every weight-gradient matmul is ordered so that its
 contracted (sequence) dimension is the major one of the right-hand operand: XLA:CPU then
-transposes only the narrow (h-wide) operand, never a score-sized one.
+transposes only the narrow (h-wide) operand, never a score-sized one. In bf16 every product
+must also keep bf16 operands to run on the CPU's bf16 kernels (YNNPACK): XLA:CPU multiplies
+in float32 (converting score-sized operands) when an operand's contraction is not on its
+minor axis or when it is a bare transpose of a whole array, so dK and dV take q and dO
+transposed once, and each product takes a slice (the two key parts are always slices).
 
 Shapes: b batch, t query positions, s key positions, k kv heads, g query heads per kv head,
 h head_dim. Query i sees key j iff j <= i, both carry the same non-zero segment id, and,
@@ -41,26 +50,41 @@ def key_start(q0: int, window: int | None) -> int:
     return 0 if window is None else max(0, q0 - window + 1)
 
 
-def _mask(segment_bt, q0: int, q1: int, k0: int, window):
-    """(b or 1, q1 - q0, q1 - k0) visibility of keys [k0, q1) from queries [q0, q1)."""
-    distance_ts = jnp.arange(q0, q1)[:, None] - jnp.arange(k0, q1)[None, :]
+def key_parts(q0: int, q1: int, k0: int) -> list[tuple[int, int]]:
+    """The keys [k0, q1) of query block [q0, q1) in two parts: [k0, q0) left of the block,
+    which every query sees unless a window or segments say otherwise, and the diagonal
+    [q0, q1), which the causal mask cuts (empty parts left out)."""
+    return [(a, e) for a, e in ((k0, q0), (q0, q1)) if e > a]
+
+
+def _mask(segment_bt, q0: int, q1: int, k0: int, k1: int, window):
+    """(b or 1, q1 - q0, k1 - k0) visibility of keys [k0, k1) from queries [q0, q1); None
+    where every query sees every key (then no select is spent on them)."""
+    causal = k1 - 1 <= q0  # even the block's first query sees the last key
+    in_window = window is None or q1 - 1 - k0 < window  # even the last query sees the first key
+    if segment_bt is None and causal and in_window:
+        return None
+    distance_ts = jnp.arange(q0, q1)[:, None] - jnp.arange(k0, k1)[None, :]
     visible_ts = distance_ts >= 0
     if window is not None:
         visible_ts = visible_ts & (distance_ts < window)
     if segment_bt is None:
         return visible_ts[None]
-    seg_q, seg_k = segment_bt[:, q0:q1], segment_bt[:, k0:q1]
+    seg_q, seg_k = segment_bt[:, q0:q1], segment_bt[:, k0:k1]
     return visible_ts[None] & (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k != 0)[:, None, :]
 
 
 def _scores(q_bktgh, k_bksh, mask_bts, scale, softcap):
-    """Masked scores (b, k, t, g, s) in float32, and tanh(raw / softcap) when capped."""
+    """Scores (b, k, t, g, s) in float32, masked where mask_bts (None: all visible) says, and
+    tanh(raw / softcap) when capped."""
     raw = jnp.einsum("bkrh,bksh->bkrs", _rows(q_bktgh), k_bksh, preferred_element_type=jnp.float32)
     raw = raw.reshape(*q_bktgh.shape[:-1], k_bksh.shape[2]) * scale
     capped = None
     if softcap is not None:
         capped = jnp.tanh(raw / softcap)
         raw = softcap * capped
+    if mask_bts is None:
+        return raw, capped
     return jnp.where(mask_bts[:, None, :, None, :], raw, NEG_INF), capped
 
 
@@ -84,22 +108,23 @@ def _sinks(sinks_kg):
 
 def _forward(q, k, v, segment_bt, sinks_kg, scale, softcap, window, block):
     """Head-major output (b, k, t, g, h) and row log-sum-exp (b, k, t, g), the sinks' terms
-    (GPT-OSS: one more logit per head in each denominator) included."""
+    (GPT-OSS: one more logit per head in each denominator) included. The probabilities are
+    rounded to v's dtype once, and the denominator sums what the product then uses."""
     outs, lses = [], []
     for q0, q1 in query_blocks(q.shape[2], block):
-        k0 = key_start(q0, window)
-        mask = _mask(segment_bt, q0, q1, k0, window)
-        scores, _ = _scores(q[:, :, q0:q1], k[:, :, k0:q1], mask, scale, softcap)
-        m = jnp.max(scores, axis=-1, keepdims=True)
+        parts = key_parts(q0, q1, key_start(q0, window))
+        scores = [_scores(q[:, :, q0:q1], k[:, :, a:e], _mask(segment_bt, q0, q1, a, e, window), scale, softcap)[0]
+                  for a, e in parts]
+        m = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
         if sinks_kg is not None:
             m = jnp.maximum(m, _sinks(sinks_kg))
-        p = jnp.exp(scores - m)
-        denom = jnp.sum(p, axis=-1)
+        ps = [jnp.exp(s - m).astype(v.dtype) for s in scores]
+        denom = sum(jnp.sum(p, axis=-1, dtype=jnp.float32) for p in ps)
         if sinks_kg is not None:
             denom = denom + jnp.exp(_sinks(sinks_kg) - m)[..., 0]
-        o = jnp.einsum("bkrs,bksh->bkrh", _rows(p.astype(v.dtype)), v[:, :, k0:q1],
-                       preferred_element_type=jnp.float32)
-        o = o.reshape(*p.shape[:-1], v.shape[-1])
+        o = sum(jnp.einsum("bkrs,bksh->bkrh", _rows(p), v[:, :, a:e], preferred_element_type=jnp.float32)
+                for p, (a, e) in zip(ps, parts))
+        o = o.reshape(*ps[0].shape[:-1], v.shape[-1])
         outs.append((o / denom[..., None]).astype(q.dtype))
         lses.append(m[..., 0] + jnp.log(denom))
     return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
@@ -128,23 +153,24 @@ def _attention_bwd(scale, softcap, window, block, residuals, do):
     # XLA:CPU's bf16 kernels take them (contracted on the minor axis), transposed once here.
     q_t, do_t = _rows(q).swapaxes(2, 3), _rows(do).swapaxes(2, 3)
     for q0, q1 in query_blocks(q.shape[2], block):
-        k0 = key_start(q0, window)
-        q_b, do_b, k_b = q[:, :, q0:q1], do[:, :, q0:q1], k[:, :, k0:q1]
+        q_b, do_b, lse_b, delta_b = q[:, :, q0:q1], do[:, :, q0:q1], lse[:, :, q0:q1, :, None], delta[:, :, q0:q1, :, None]
         q_bt, do_bt = q_t[..., q0 * g:q1 * g], do_t[..., q0 * g:q1 * g]
-        scores, capped = _scores(q_b, k_b, _mask(segment_bt, q0, q1, k0, window), scale, softcap)
-        p = jnp.exp(scores - lse[:, :, q0:q1, :, None])
-        dv_t = dv_t.at[..., k0:q1].add(
-            jnp.einsum("bkhr,bkrs->bkhs", do_bt, _rows(p.astype(do.dtype)), preferred_element_type=jnp.float32))
-        dp = jnp.einsum("bkrh,bksh->bkrs", _rows(do_b), v[:, :, k0:q1], preferred_element_type=jnp.float32)
-        dp = dp.reshape(p.shape)
-        ds = p * (dp - delta[:, :, q0:q1, :, None])
-        if capped is not None:
-            ds = ds * (1.0 - jnp.square(capped))
-        ds = (ds * scale).astype(q.dtype)
-        dq = jnp.einsum("bkrs,bksh->bkrh", _rows(ds), k_b, preferred_element_type=jnp.float32)
+        dq = 0.0
+        for a, e in key_parts(q0, q1, key_start(q0, window)):
+            k_b, v_b = k[:, :, a:e], v[:, :, a:e]
+            scores, capped = _scores(q_b, k_b, _mask(segment_bt, q0, q1, a, e, window), scale, softcap)
+            p = jnp.exp(scores - lse_b)
+            dv_t = dv_t.at[..., a:e].add(
+                jnp.einsum("bkhr,bkrs->bkhs", do_bt, _rows(p.astype(do.dtype)), preferred_element_type=jnp.float32))
+            dp = jnp.einsum("bkrh,bksh->bkrs", _rows(do_b), v_b, preferred_element_type=jnp.float32)
+            ds = p * (dp.reshape(p.shape) - delta_b)
+            if capped is not None:
+                ds = ds * (1.0 - jnp.square(capped))
+            ds = (ds * scale).astype(q.dtype)
+            dq = dq + jnp.einsum("bkrs,bksh->bkrh", _rows(ds), k_b, preferred_element_type=jnp.float32)
+            dk_t = dk_t.at[..., a:e].add(
+                jnp.einsum("bkhr,bkrs->bkhs", q_bt, _rows(ds), preferred_element_type=jnp.float32))
         dq_blocks.append(dq.reshape(q_b.shape))
-        dk_t = dk_t.at[..., k0:q1].add(
-            jnp.einsum("bkhr,bkrs->bkhs", q_bt, _rows(ds), preferred_element_type=jnp.float32))
     dq = jnp.concatenate(dq_blocks, axis=2).astype(q.dtype)
     dk = dk_t.swapaxes(2, 3).astype(k.dtype)
     dv = dv_t.swapaxes(2, 3).astype(v.dtype)
