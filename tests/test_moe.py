@@ -35,7 +35,7 @@ from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.families.base import rope_from_hf, rope_to_hf
 from engine.models import moe_ep
 from engine.models.moe import MoE, clamped_swiglu, combine_stats, dropless_experts, route, router_stats
-from engine.models.params import apply_model, graphdef_of, param_shardings
+from engine.models.params import abstract_model_params, apply_model, graphdef_of, param_shardings
 from engine.models.transformer import Transformer, rope_inverse_frequencies
 from engine.ops.partitioning import use_mesh
 from engine.parallel.config import MeshConfig
@@ -406,10 +406,13 @@ def test_a_choosing_bias_moves_against_its_layers_load_imbalance_and_nothing_els
     parameters get AdamW's update exactly as without the bias, and rate 0 keeps it as loaded."""
     cfg = ModelConfig.model_validate(yaml.safe_load((REPO / "configs" / "models" / "tiny-deepseek-v3.yaml").read_text()))
     compute = ComputeConfig(scan_layers=True)
-    graphdef, params = nnx.split(Transformer(cfg, compute, rngs=nnx.Rngs(0)))
-    params = nnx.to_pure_dict(params)
-    params["blocks"]["mlp"]["b_router_e"] = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8)) * 0.1,
-                                                        jnp.float32)
+    graphdef = graphdef_of(cfg, compute)
+    # Random N(0, 0.3^2) values in the model's shapes (the engine's own initialiser costs ~15 s of
+    # XLA compilation here: one threefry program per parameter); the routing bias smaller.
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape) * 0.3, s.dtype),
+                          abstract_model_params(cfg, compute, None))
+    params["blocks"]["mlp"]["b_router_e"] = jnp.asarray(rng.normal(size=(2, 8)) * 0.1, jnp.float32)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (4, 16))
     batch = {"tokens": tokens, "positions": np.broadcast_to(np.arange(16), (4, 16)),
              "segment_ids": np.ones((4, 16), np.int32), "targets": np.roll(tokens, -1, 1),
@@ -422,13 +425,15 @@ def test_a_choosing_bias_moves_against_its_layers_load_imbalance_and_nothing_els
     np.testing.assert_allclose(imbalance.mean(0) + 2 / 8, 2 * loads, atol=1e-6)
     opt = OptimizerConfig(router_bias_update_rate=rate, weight_decay=0.1)
     tx, _ = make_optimizer(opt, ScheduleConfig(kind="constant"), 10, params)
-    updates, _ = tx.update(grads, tx.init(params), params)
+    # Jitted, as in training (op by op, the first update dispatches hundreds of tiny programs: ~20 s).
+    first_update = lambda tx, grads, params: tx.update(grads, tx.init(params), params)[0]  # noqa: E731
+    updates = jax.jit(partial(first_update, tx))(grads, params)
     np.testing.assert_array_equal(np.asarray(updates["blocks"]["mlp"]["b_router_e"]), -rate * np.sign(imbalance))
     # Every other leaf: plain AdamW on the gradients without the bias's.
     rest = lambda tree: {**tree, "blocks": {**tree["blocks"], "mlp": {  # noqa: E731
         k: v for k, v in tree["blocks"]["mlp"].items() if k != "b_router_e"}}}
     plain, _ = make_optimizer(opt, ScheduleConfig(kind="constant"), 10, rest(params))
-    expected, _ = plain.update(rest(grads), plain.init(rest(params)), rest(params))
+    expected = jax.jit(partial(first_update, plain))(rest(grads), rest(params))
     for ours, theirs in zip(jax.tree.leaves(rest(updates)), jax.tree.leaves(expected), strict=True):
         np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-12)
 
