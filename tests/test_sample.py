@@ -73,6 +73,34 @@ def test_kv_cache_decoding_equals_full_recomputation(variant):
     assert int(cache.end) == prompt_len + steps
 
 
+def test_decoding_over_a_shared_prompt_cache_equals_full_recomputation():
+    """G rows per prompt attending to one copy of the prompt's cache (KVCache.share: the
+    prefix read once per group, one softmax over prefix and own slots) give the logits of a
+    full forward pass over each row's prompt + completion; with a sliding window that
+    reaches into the prompt, attention sinks and a logit softcap."""
+    extra = dict(attention_pattern=["local", "global"], sliding_window=3, attention_sinks=True, attn_logit_softcap=3.0)
+    cfg, compute = ModelConfig(**ODD, **extra), ComputeConfig(scan_layers=False)
+    graphdef, params = nnx.split(Transformer(cfg, compute, rngs=nnx.Rngs(0)))
+    params = jax.tree.map(lambda a: a + 0.5 if a.shape == (ODD["num_heads"],) else a, params)  # sinks that matter
+    group, prompt_len, steps = 3, 5, 4
+    prompts, prompt_mask = left_pad(PROMPTS, length=prompt_len)
+    rng = np.random.default_rng(1)
+    completions = rng.integers(1, 37, (len(PROMPTS) * group, steps))  # each row of a group its own tokens
+    tokens = np.concatenate([np.repeat(prompts, group, 0), completions], 1)
+    mask = np.concatenate([np.repeat(prompt_mask, group, 0), np.ones_like(completions)], 1)
+    positions = np.asarray(prompt_positions(jnp.asarray(mask)))
+    forward = jax.jit(lambda params, *args, cache=None: nnx.merge(graphdef, params)(*args, cache=cache))
+    full = np.asarray(forward(params, tokens, positions, mask))
+
+    cache = KVCache.init(cfg, compute, len(PROMPTS), prompt_len)
+    _, cache = forward(params, prompts, positions[::group, :prompt_len], prompt_mask, cache=cache)
+    cache = cache.share(group, steps)
+    assert cache.k[0].shape[0] == len(PROMPTS) * group and cache.shared_k[0].shape[0] == len(PROMPTS)
+    for i in range(prompt_len, prompt_len + steps):
+        logits, cache = forward(params, tokens[:, i:i + 1], positions[:, i:i + 1], mask[:, i:i + 1], cache=cache)
+        np.testing.assert_allclose(np.asarray(logits)[:, 0], full[:, i], atol=2e-5)
+
+
 def test_returned_logprobs_equal_teacher_forced_logprobs(model):
     cfg, params, sampler = model
     tokens, mask = left_pad(PROMPTS)  # mixed lengths, left-padded

@@ -10,8 +10,8 @@ truncation: log_softmax(logits / temperature) (TRL and vLLM report the same); gr
 decoding (temperature 0) reports log_softmax(logits). They equal the teacher-forced
 log-probabilities of the same tokens, which is what GRPO's importance ratios need.
 
-GRPO samples G completions per prompt: `sample` prefills each prompt once and copies its
-cache to the G rows of its group, and the whole decode loop is one on-device while_loop
+GRPO samples G completions per prompt: `sample` prefills each prompt once, its G rows
+attend to that one prompt cache (KVCache.share), and the whole decode loop is one on-device while_loop
 that stops as soon as every row has ended. `Sampler` jits `sample` once per length bucket
 and setting on a mesh (params sharded as in training, rows over the data axes).
 engine/inference/generate.py is the text-in, text-out command (`python -m
@@ -189,8 +189,8 @@ def sample(graphdef, params, prompt_tokens_bp, prompt_mask_bp, rng, temperature=
     `max_new_tokens` by default); a row stops at its first EOS.
 
     prompt_tokens_bp: left-padded ids; prompt_mask_bp: 1 on real tokens (each row needs one).
-    The prompts are prefilled once, at batch b, and each prompt's cache is copied to its G
-    rows (row p * G + g is completion g of prompt p); the decode loop runs on device and ends
+    The prompts are prefilled once, at batch b, and each prompt's cache is shared by its G
+    rows (row p * G + g is completion g of prompt p; an MLA model's cache is copied to them); the decode loop runs on device and ends
     when every row has stopped. Row r samples with the key fold_in(rng, r), so a row's draws
     do not depend on the other rows or on how the batch was padded.
 
@@ -207,7 +207,10 @@ def sample(graphdef, params, prompt_tokens_bp, prompt_mask_bp, rng, temperature=
     mask_bp = prompt_mask_bp.astype(jnp.int32)
     cache = KVCache.init(model.cfg, model.compute, prompts, prompt_len)
     logits_btv, cache = model(prompt_tokens_bp, prompt_positions(mask_bp), mask_bp, cache=cache)
-    cache = cache.expand(num_generations, max_new_tokens)
+    if num_generations > 1 and not model.cfg.is_mla:  # the group's rows attend to one copy of its prompt
+        cache = cache.share(num_generations, max_new_tokens)
+    else:
+        cache = cache.expand(num_generations, max_new_tokens)
     logits_bv = constrain(jnp.repeat(logits_btv[:, -1], num_generations, axis=0), ("act_batch", "act_vocab"))
     position_b = jnp.repeat(jnp.sum(mask_bp, axis=1), num_generations)
     row_keys_b = jax.vmap(jax.random.fold_in, (None, 0))(rng, jnp.arange(batch))

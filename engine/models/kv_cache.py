@@ -37,6 +37,11 @@ class KVCache:
     heads (b, 1, s, rope_head_dim), one "head" each.
 
     `update` returns both in the logical (b, s, heads, dim) order attention takes.
+
+    Group rollouts (GRPO's G completions per prompt) can keep the prompts' keys and values
+    once per prompt (`share`): then `shared_k`/`shared_v` hold them (prompts, ...) in the
+    same layouts, a prefix every row of a group of `group` consecutive rows attends to
+    before its own slots, and k/v hold the rows' own (completion) slots only.
     """
 
     k: tuple[jax.Array, ...]  # per layer (b, kv_heads, head_dim, s)
@@ -44,6 +49,10 @@ class KVCache:
     valid_bs: jax.Array  # (b, s) bool: the slot holds a real token (not padding, not empty)
     end: jax.Array  # () int32: first empty slot
     layer: int = struct.field(pytree_node=False, default=0)  # the layer being run; set by Transformer._decode_blocks
+    shared_k: tuple[jax.Array, ...] = ()  # per layer (prompts, kv_heads, head_dim, p): the group's shared prefix
+    shared_v: tuple[jax.Array, ...] = ()  # per layer (prompts, kv_heads, p, head_dim)
+    shared_valid_ps: jax.Array | None = None  # (prompts, p) bool
+    group: int = struct.field(pytree_node=False, default=1)  # rows per prompt sharing a prefix
 
     @classmethod
     def init(cls, cfg: ModelConfig, compute: ComputeConfig, batch: int, max_len: int) -> KVCache:
@@ -65,6 +74,32 @@ class KVCache:
                 for layers, slots in ((self.k, k_slots), (self.v, v_slots)))
         valid_bs = jnp.pad(jnp.repeat(self.valid_bs, repeats, axis=0), ((0, 0), (0, extra_slots)))
         return self.replace(k=k, v=v, valid_bs=valid_bs)
+
+    def share(self, repeats: int, slots: int) -> KVCache:
+        """This (prompt) cache as the prefix shared by groups of `repeats` rows (row r of the
+        result belongs to prompt r // repeats), and `slots` empty slots of each row's own. The
+        same attention as `expand(repeats, slots)`, without copying the prompt cache to every
+        row: decode attention reads a prompt's keys once for its whole group
+        (engine/ops/attention_reference.py). Attention layers only (not MLA), one prefix."""
+        assert not self.shared_k, "the cache already has a shared prefix"
+        batch = self.valid_bs.shape[0] * repeats
+        k = tuple(constrain(jnp.zeros((batch, *a.shape[1:3], slots), a.dtype), _names(a.shape)) for a in self.k)
+        v = tuple(constrain(jnp.zeros((batch, a.shape[1], slots, a.shape[3]), a.dtype), _names(a.shape))
+                  for a in self.v)
+        return KVCache(k, v, jnp.zeros((batch, slots), bool), jnp.zeros((), jnp.int32), shared_k=self.k,
+                       shared_v=self.v, shared_valid_ps=self.valid_bs, group=repeats)
+
+    def shared_prefix(self, *, window: int | None = None):
+        """None, or this layer's shared prefix as (k_pkhs, v_pksh, mask_ps, group) for a
+        step's one query (slot `end` of the rows' own slots, which follow the prefix's)."""
+        if not self.shared_k:
+            return None
+        mask_ps = self.shared_valid_ps
+        if window is not None:
+            prefix = mask_ps.shape[1]
+            distance_s = prefix + self.end - jnp.arange(prefix)
+            mask_ps = mask_ps & (distance_s < window)[None]
+        return self.shared_k[self.layer], self.shared_v[self.layer], mask_ps, self.group
 
     def update(self, k_btkh, v_btkh, *, window: int | None = None):
         """Write this layer's new keys/values; (k_bskh, v_bskh, mask_bts, cache) to attend with.

@@ -112,8 +112,10 @@ class Attention(nnx.Module):
                                      softcap=self.softcap, window=self.sliding_window, local=local,
                                      block=self.attention_block, sinks_n=sinks_n)
         else:  # decoding: attend over the cache, this step's keys and values written into it
-            k, v, mask, cache = cache.update(k, v, window=self.sliding_window if local else None)
-            out_btnh = dot_product_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap, sinks_n=sinks_n)
+            window = self.sliding_window if local else None
+            k, v, mask, cache = cache.update(k, v, window=window)
+            out_btnh = dot_product_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap, sinks_n=sinks_n,
+                                             shared=cache.shared_prefix(window=window))
         out_btd = self._dense(out_btnh, self.wo_nhd, 2)
         if self.out_bias:
             out_btd = out_btd + self.bo_d[...].astype(dt)

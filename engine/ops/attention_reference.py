@@ -39,17 +39,21 @@ def softmax_with_sinks(scores, sinks):
     return jax.nn.softmax(jnp.concatenate([scores, sinks], axis=-1), axis=-1)[..., :-1]
 
 
-def dot_product_attention(q_btnh, k_bskh, v_bskh, mask_bts, *, scale=None, softcap=None, sinks_n=None):
+def dot_product_attention(q_btnh, k_bskh, v_bskh, mask_bts, *, scale=None, softcap=None, sinks_n=None,
+                          shared=None):
     """Grouped-query attention over an explicit mask; softmax in float32. Scores are q.k * scale
     (default head_dim**-0.5), optionally soft-capped to (-softcap, softcap) before masking;
-    `sinks_n` (per query head) join the softmax's denominator."""
+    `sinks_n` (per query head) join the softmax's denominator. A decode step (t = 1) may
+    also attend to a prefix `shared` by groups of rows (KVCache.shared_prefix), before its
+    own keys."""
     b, t, n, h = q_btnh.shape
     k = k_bskh.shape[2]
     q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
     sinks_kg = None if sinks_n is None else sinks_n.astype(jnp.float32).reshape(k, n // k)
     if t == 1:  # a decode step
         return _one_query_attention(q_btkgh, k_bskh, v_bskh, mask_bts, scale=h**-0.5 if scale is None else scale,
-                                    softcap=softcap, sinks_kg=sinks_kg).reshape(b, t, n, h)
+                                    softcap=softcap, sinks_kg=sinks_kg, shared=shared).reshape(b, t, n, h)
+    assert shared is None, "a shared prefix is for decode steps (one query per row)"
     scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
     scores = scores * (h**-0.5 if scale is None else scale)
     if softcap is not None:
@@ -61,7 +65,8 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, mask_bts, *, scale=None, softc
     return out_btkgh.astype(v_bskh.dtype).reshape(b, t, n, h)  # f32 accumulation (engine/ops/dense.py)
 
 
-def _one_query_attention(q_btkgh, k_bskh, v_bskh, mask_bts, *, scale: float, softcap: float | None, sinks_kg=None):
+def _one_query_attention(q_btkgh, k_bskh, v_bskh, mask_bts, *, scale: float, softcap: float | None, sinks_kg=None,
+                         shared=None):
     """One query per row (decoding): two products batched over (b, kv_heads), (g x head_dim) .
     (head_dim x s) and (g x s) . (s x head_dim), in the cache's dtype with f32 accumulation.
     The KV cache (engine/models/kv_cache.py) stores keys head_dim-major and values slot-major,
@@ -71,13 +76,44 @@ def _one_query_attention(q_btkgh, k_bskh, v_bskh, mask_bts, *, scale: float, sof
     key cache (bench/profile_sample.py)."""
     f32 = jnp.float32
     q_bkgh = q_btkgh[:, 0].astype(k_bskh.dtype)
-    scores_bkgs = jnp.einsum("bkgh,bskh->bkgs", q_bkgh, k_bskh, preferred_element_type=f32) * scale
+    scores_bkgs = jnp.einsum("bkgh,bskh->bkgs", q_bkgh, k_bskh, preferred_element_type=f32)
+    mask_bs = mask_bts[:, 0]
+    if shared is not None:  # the group's prefix first: one softmax over prefix and own slots
+        k_pkhp, v_pkph, mask_pp, group = shared
+        to_groups, to_rows = _group_layout(q_bkgh.shape, group)
+        shared_bkgp = to_rows(jnp.einsum("pkqh,pkhs->pkqs", to_groups(q_bkgh), k_pkhp, preferred_element_type=f32))
+        scores_bkgs = jnp.concatenate([shared_bkgp, scores_bkgs], axis=-1)
+        mask_bs = jnp.concatenate([jnp.repeat(mask_pp, group, axis=0), mask_bs], axis=-1)
+    scores_bkgs = scores_bkgs * scale
     if softcap is not None:
         scores_bkgs = softcap * jnp.tanh(scores_bkgs / softcap)
-    scores_bkgs = jnp.where(mask_bts[:, None, None, 0], scores_bkgs, NEG_INF)
+    scores_bkgs = jnp.where(mask_bs[:, None, None], scores_bkgs, NEG_INF)
     probs_bkgs = softmax_with_sinks(scores_bkgs, None if sinks_kg is None else sinks_kg[None, :, :, None])
-    out_bkgh = jnp.einsum("bkgs,bskh->bkgh", probs_bkgs.astype(v_bskh.dtype), v_bskh, preferred_element_type=f32)
+    probs_bkgs = probs_bkgs.astype(v_bskh.dtype)
+    if shared is not None:
+        prefix = k_pkhp.shape[-1]
+        shared_out_bkgh = to_rows(jnp.einsum("pkqs,pksh->pkqh", to_groups(probs_bkgs[..., :prefix]), v_pkph,
+                                             preferred_element_type=f32))
+        probs_bkgs = probs_bkgs[..., prefix:]
+    out_bkgh = jnp.einsum("bkgs,bskh->bkgh", probs_bkgs, v_bskh, preferred_element_type=f32)
+    if shared is not None:
+        out_bkgh = out_bkgh + shared_out_bkgh
     return out_bkgh.astype(v_bskh.dtype)
+
+
+def _group_layout(shape_bkgx, group: int):
+    """(to_groups, to_rows): (b, k, g, x) <-> (b / group, k, group * g, x), the query heads of
+    a group's rows side by side, so a prefix the group shares is one product per (prompt,
+    kv head), (group * g x head_dim) . (head_dim x p), instead of `group` products of g rows."""
+    b, k, g, _ = shape_bkgx
+
+    def to_groups(x_bkgx):
+        return x_bkgx.reshape(b // group, group, k, g, -1).swapaxes(1, 2).reshape(b // group, k, group * g, -1)
+
+    def to_rows(x_pkqx):
+        return x_pkqx.reshape(b // group, k, group, g, -1).swapaxes(1, 2).reshape(b, k, g, -1)
+
+    return to_groups, to_rows
 
 
 def reference_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, *, scale: float, softcap: float | None = None,
