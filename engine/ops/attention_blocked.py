@@ -159,9 +159,9 @@ def _attention_bwd(scale, softcap, window, block, residuals, do):
         for a, e in key_parts(q0, q1, key_start(q0, window)):
             k_b, v_b = k[:, :, a:e], v[:, :, a:e]
             scores, capped = _scores(q_b, k_b, _mask(segment_bt, q0, q1, a, e, window), scale, softcap)
-            p = jnp.exp(scores - lse_b)
+            p = jnp.exp(scores - lse_b).astype(do.dtype)  # rounded once: dV's operand and ds's factor
             dv_t = dv_t.at[..., a:e].add(
-                jnp.einsum("bkhr,bkrs->bkhs", do_bt, _rows(p.astype(do.dtype)), preferred_element_type=jnp.float32))
+                jnp.einsum("bkhr,bkrs->bkhs", do_bt, _rows(p), preferred_element_type=jnp.float32))
             dp = jnp.einsum("bkrh,bksh->bkrs", _rows(do_b), v_b, preferred_element_type=jnp.float32)
             ds = p * (dp.reshape(p.shape) - delta_b)
             if capped is not None:
