@@ -2,6 +2,7 @@
 straightforward versions, in fewer operations and less saved memory. (Every attention
 implementation against the reference: tests/test_attention_backends.py.)"""
 
+import functools
 import re
 
 import jax
@@ -66,6 +67,20 @@ def test_blocked_attention_and_its_gradients_equal_the_reference(case, block):
 
     g_ref = jax.grad(loss(lambda q, k, v: _reference(q, k, v, case)), argnums=(0, 1, 2))(q, k, v)
     g_new = jax.grad(loss(lambda q, k, v: _blocked(q, k, v, case, block)), argnums=(0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", g_ref, g_new):
+        np.testing.assert_allclose(b, a, atol=1e-5, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_unpacked_blocked_attention_and_its_gradients_equal_the_reference(window):
+    """Without segment ids the keys left of each block go unmasked (key_parts)."""
+    q, k, v, w = _qkv(seed=4)
+    run = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v, None, scale=0.3, window=window) * w)  # noqa: E731
+    blocked = functools.partial(blocked_attention, block=8)
+    np.testing.assert_allclose(blocked(q, k, v, None, scale=0.3, window=window),
+                               reference_attention(q, k, v, None, scale=0.3, window=window), atol=2e-6)
+    g_ref = jax.grad(run(reference_attention), argnums=(0, 1, 2))(q, k, v)
+    g_new = jax.grad(run(blocked), argnums=(0, 1, 2))(q, k, v)
     for name, a, b in zip("qkv", g_ref, g_new):
         np.testing.assert_allclose(b, a, atol=1e-5, err_msg=f"d{name}")
 
