@@ -62,6 +62,14 @@ def tiny(**fields) -> ModelConfig:
     return ModelConfig(**{"family": "mixtral", **SHAPE, "num_experts": 5, "experts_per_token": 2, **fields})
 
 
+def random_params(cfg: ModelConfig, compute: ComputeConfig, std: float = 0.3) -> dict:
+    """N(0, std^2) values (numpy) in the model's parameter shapes, for tests whose point is not the
+    initialiser: the engine's compiles one threefry program per parameter shape (~1 s each here)."""
+    rng = np.random.default_rng(0)
+    return jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape) * std, s.dtype),
+                        abstract_model_params(cfg, compute, None))
+
+
 # --------------------------------------------------------------------------- the block
 
 
@@ -178,7 +186,7 @@ def test_dropless_and_capacity_agree_when_nothing_is_dropped():
     for dispatch in ("dropless", "capacity"):
         compute = ComputeConfig(moe_dispatch=dispatch, moe_capacity_factor=5 / 2)
         graphdef = graphdef_of(cfg, compute)
-        params = nnx.to_pure_dict(nnx.split(Transformer(cfg, compute, rngs=nnx.Rngs(0)))[1])
+        params = random_params(cfg, compute)
         batch = {"tokens": tokens, "positions": None, "segment_ids": None, "targets": jnp.roll(tokens, -1, 1),
                  "loss_mask": jnp.ones(tokens.shape)}
         loss_fn = lm_loss_fn(graphdef)
@@ -350,7 +358,7 @@ def test_expert_x_fsdp_x_data_parallel_equals_one_device(dispatch):
     batch = {"tokens": tokens, "positions": np.broadcast_to(np.arange(8), (8, 8)), "segment_ids": segments,
              "targets": np.roll(tokens, -1, 1), "loss_mask": segments.astype(np.float32)}
     step = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef), has_aux=True))
-    host_params = nnx.to_pure_dict(nnx.split(Transformer(cfg, compute, rngs=nnx.Rngs(0)))[1])
+    host_params = random_params(cfg, compute)
     results = {}
     for name, mesh in (("one", make_mesh(MeshConfig(data=1), jax.devices()[:1])),
                        ("ep", make_mesh(MeshConfig(data=2, expert=2, fsdp=2)))):
@@ -407,12 +415,9 @@ def test_a_choosing_bias_moves_against_its_layers_load_imbalance_and_nothing_els
     cfg = ModelConfig.model_validate(yaml.safe_load((REPO / "configs" / "models" / "tiny-deepseek-v3.yaml").read_text()))
     compute = ComputeConfig(scan_layers=True)
     graphdef = graphdef_of(cfg, compute)
-    # Random N(0, 0.3^2) values in the model's shapes (the engine's own initialiser costs ~15 s of
-    # XLA compilation here: one threefry program per parameter); the routing bias smaller.
-    rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape) * 0.3, s.dtype),
-                          abstract_model_params(cfg, compute, None))
-    params["blocks"]["mlp"]["b_router_e"] = jnp.asarray(rng.normal(size=(2, 8)) * 0.1, jnp.float32)
+    params = random_params(cfg, compute)
+    params["blocks"]["mlp"]["b_router_e"] = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8)) * 0.1,
+                                                        jnp.float32)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (4, 16))
     batch = {"tokens": tokens, "positions": np.broadcast_to(np.arange(16), (4, 16)),
              "segment_ids": np.ones((4, 16), np.int32), "targets": np.roll(tokens, -1, 1),
