@@ -88,6 +88,24 @@ def test_llama3_rope_scaling_matches_the_published_formula():
     np.testing.assert_allclose(ours, np.array(ref), rtol=1e-5)
 
 
+def test_rope_from_a_position_table_equals_the_direct_rotation():
+    """Decoding looks cos/sin up in a table of the cache's length (rope.py); the rotation
+    must be the one training computes, for every position below the limit, under jit (where
+    XLA may fold the table) and with YaRN's scale."""
+    from engine.models.rope import apply_rope
+
+    inv_freq = rope_inverse_frequencies(10, 10000.0, None)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 5, 6, 10)), jnp.float32)
+    positions = jnp.asarray([[0, 1, 2, 3, 4], [0, 0, 7, 8, 9], [63, 62, 40, 1, 0]], jnp.int32)
+    for scale in (1.0, 1.3):
+        direct = jax.jit(lambda x, p: apply_rope(x, p, inv_freq, scale))(x, positions)
+        table = jax.jit(lambda x, p: apply_rope(x, p, inv_freq, scale, max_position=64))(x, positions)
+        np.testing.assert_allclose(np.asarray(table), np.asarray(direct), rtol=1e-6, atol=1e-6)
+    # A table too short for a position is not silently clamped to its last row.
+    short = jax.jit(lambda x, p: apply_rope(x, p, inv_freq, 1.0, max_position=10))(x, positions)
+    assert not np.allclose(np.asarray(short[2, :3]), np.asarray(direct[2, :3]), atol=1e-3)
+
+
 def _sharded_case(mesh):
     model = {**ODD, "vocab_size": 38, "d_model": 24, "mlp_dim": 28}  # divisible by the mesh axes
     cfg = load_config(tree={"model": model, "mesh": mesh, "data": {"batch_size": 8, "seq_len": 16}}, schema=TrainConfig)

@@ -89,6 +89,11 @@ class KVCache:
         return KVCache(k, v, jnp.zeros((batch, slots), bool), jnp.zeros((), jnp.int32), shared_k=self.k,
                        shared_v=self.v, shared_valid_ps=self.valid_bs, group=repeats)
 
+    @property
+    def length(self) -> int:
+        """Slots a row attends to: its own and a shared prefix's (every position is below it)."""
+        return self.valid_bs.shape[1] + (0 if self.shared_valid_ps is None else self.shared_valid_ps.shape[1])
+
     def shared_prefix(self, *, window: int | None = None):
         """None, or this layer's shared prefix as (k_pkhs, v_pksh, mask_ps, group) for a
         step's one query (slot `end` of the rows' own slots, which follow the prefix's)."""

@@ -51,12 +51,23 @@ def _yarn_inverse_frequencies(inv_freq, head_dim: int, theta: float, scaling: Ro
     return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
 
 
-def apply_rope(x_btnh, positions_bt, inv_freq_h2, scale: float = 1.0):
+def apply_rope(x_btnh, positions_bt, inv_freq_h2, scale: float = 1.0, max_position: int | None = None):
     """Rotate (first half, second half) pairs, the convention of HF Llama checkpoints; cos and
-    sin times `scale` (YaRN's attention factor)."""
-    angles_bth2 = positions_bt[..., None].astype(jnp.float32) * inv_freq_h2
-    cos = jnp.cos(angles_bth2)[:, :, None, :]
-    sin = jnp.sin(angles_bth2)[:, :, None, :]
+    sin times `scale` (YaRN's attention factor).
+
+    `max_position` (static; decoding passes the KV cache's length): every position is below
+    it, and cos and sin are looked up in a (max_position, head_dim / 2) table. XLA fuses the
+    cos and sin of the direct form into each rotation, computing them again for every head
+    of q and k in every layer; in a bf16 GRPO rollout on CPU the table cut the decode loop's
+    busy time to ~0.78x (bench/profile_sample.py, docs/benchmarks.md)."""
+    if max_position is not None:
+        angles_ph2 = jnp.arange(max_position, dtype=jnp.float32)[:, None] * inv_freq_h2
+        cos = jnp.take(jnp.cos(angles_ph2), positions_bt, axis=0)[:, :, None, :]
+        sin = jnp.take(jnp.sin(angles_ph2), positions_bt, axis=0)[:, :, None, :]
+    else:
+        angles_bth2 = positions_bt[..., None].astype(jnp.float32) * inv_freq_h2
+        cos = jnp.cos(angles_bth2)[:, :, None, :]
+        sin = jnp.sin(angles_bth2)[:, :, None, :]
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
     x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)

@@ -102,8 +102,9 @@ class Attention(nnx.Module):
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", None))
         rope_scale = self._rope_scale(local)
-        q = checkpoint_name(apply_rope(q, positions_bt, inv_freq, rope_scale), "qkv_proj")
-        k = checkpoint_name(apply_rope(k, positions_bt, inv_freq, rope_scale), "qkv_proj")
+        limit = None if cache is None else cache.length  # decoding: cos/sin from a table (rope.py)
+        q = checkpoint_name(apply_rope(q, positions_bt, inv_freq, rope_scale, limit), "qkv_proj")
+        k = checkpoint_name(apply_rope(k, positions_bt, inv_freq, rope_scale, limit), "qkv_proj")
         v = checkpoint_name(v, "qkv_proj")
         sinks_n = self.sinks_n[...] if self.sinks else None
         if cache is None:
