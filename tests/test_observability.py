@@ -273,6 +273,26 @@ def test_tensorboard_names_the_run_by_stage(tracked_run):
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard" / "pretrain").iterdir())
 
 
+def test_engine_processes_start_without_torch_and_later_imports_of_it_still_work(tmp_path):
+    """tensorboardX would import torch, boto3 and google-cloud-storage (3-6 s per engine
+    process) where they are installed; the engine hides them for that import only."""
+    code = f"""
+import sys
+import engine.train.pretrain, engine.posttrain.grpo, engine.posttrain.sft, engine.evaluate.evaluate
+print(sorted(m for m in ("torch", "boto3", "google.cloud.storage") if m in sys.modules))
+import torch, boto3
+from google.cloud import storage
+from engine.train.metrics import SummaryWriter
+with SummaryWriter({str(tmp_path)!r}) as writer:
+    writer.add_scalar("loss", torch.tensor(0.5).item(), 3)
+print(torch.ones(2).sum().item(), storage.Client.__name__)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["[]", "2.0 Client"], out
+    (events,) = tmp_path.glob("events.out.tfevents*")
+    assert b"loss" in events.read_bytes()
+
+
 def wandb_records(path: Path):
     """The records of a W&B transaction log (.wandb): a 7-byte file header, then LevelDB's
     log format, 32 KiB blocks of chunks with a 7-byte header (crc, length, type)."""

@@ -21,7 +21,19 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from tensorboardX import SummaryWriter
+
+# tensorboardX imports torch whenever it is installed (to recognise torch tensors, which the
+# engine never hands it), and boto3 and google-cloud-storage (for s3:// and gs:// event
+# files; the engine writes its own to local disk): 3-6 s at the start of every engine
+# process. They are hidden for that import: None in sys.modules makes `import torch` raise
+# the ImportError tensorboardX expects. A later import anywhere in the process works as usual.
+_HIDDEN = [name for name in ("torch", "boto3", "google.cloud.storage") if name not in sys.modules]
+sys.modules.update(dict.fromkeys(_HIDDEN))
+try:
+    from tensorboardX import SummaryWriter
+finally:
+    for _name in _HIDDEN:
+        del sys.modules[_name]
 
 from engine.config import ConfigError
 from engine.contract import METRICS_FILE, TENSORBOARD_DIR
