@@ -15,7 +15,9 @@ loggers' API handler and the events client. A tagged task run also asks the API 
 tags' concurrency slots before it starts; while observing, an API that does not answer
 lets it start without them (one warning) rather than fail the stage. Prefect's engine still
 writes the flow run's states itself; flows/pipeline.py bounds how long the run waits for
-the last one.
+the last one. Prefect's background services' errors about items they could not handle
+while the API does not answer (its events worker reads the API to tag each event) become
+that same one warning.
 """
 
 from __future__ import annotations
@@ -305,6 +307,29 @@ def _release_quietly(held, reporter: Reporter, *exc_info) -> bool:
         return False
 
 
+class _ServiceErrorsOfADeadApi(logging.Filter):
+    """Prefect's background services log an error for each item they could not handle: its
+    events worker reads the run's flow and flow run from the API to tag each event, so on a
+    loaded machine, where it lags behind, every event it takes up after the API died is an
+    error line (and at exit, one more for the items still queued). Where the API does not
+    answer, those are the reporter's one warning; otherwise they pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not (isinstance(record.msg, str) and record.msg.startswith("Service %r failed")):
+            return True
+        with _reporters_lock:
+            reporters = list(_reporters.values())
+        for reporter in reporters:
+            if reporter.down:
+                return False
+            if not api_answers(reporter.api_url, timeout=2.0):
+                reporter.api_failed("its events could not be prepared")
+                return False
+        return True
+
+
+_SERVICES_LOGGER = "prefect._internal.concurrency"
+_service_errors = _ServiceErrorsOfADeadApi()
 _RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs", "prefect.extra")
 _observing: list[tuple[logging.Logger, logging.Handler, logging.Handler]] = []
 _observing_depth = 0
@@ -318,6 +343,9 @@ def observing(api_url: str) -> Iterator[Reporter]:
     global _observing_depth
     reporter = reporter_for(api_url)
     with _observing_lock:
+        # Stays on after the run: Prefect's services drain their queues at exit.
+        if _service_errors not in logging.getLogger(_SERVICES_LOGGER).filters:
+            logging.getLogger(_SERVICES_LOGGER).addFilter(_service_errors)
         if _observing_depth == 0:
             for name in _RUN_LOGGERS:
                 logger = logging.getLogger(name)
