@@ -51,9 +51,9 @@ def _yarn_inverse_frequencies(inv_freq, head_dim: int, theta: float, scaling: Ro
     return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
 
 
-def apply_rope(x_btnh, positions_bt, inv_freq_h2, scale: float = 1.0, max_position: int | None = None):
-    """Rotate (first half, second half) pairs, the convention of HF Llama checkpoints; cos and
-    sin times `scale` (YaRN's attention factor).
+def rope_cos_sin(positions_bt, inv_freq_h2, scale: float = 1.0, max_position: int | None = None):
+    """(cos, sin), each (b, t, 1, head_dim / 2), of the rotation at `positions_bt`, times
+    `scale` (YaRN's attention factor).
 
     `max_position` (static; decoding passes the KV cache's length): every position is below
     it, and cos and sin are looked up in a (max_position, head_dim / 2) table. XLA fuses the
@@ -70,6 +70,16 @@ def apply_rope(x_btnh, positions_bt, inv_freq_h2, scale: float = 1.0, max_positi
         sin = jnp.sin(angles_bth2)[:, :, None, :]
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
+    return cos, sin
+
+
+def rotate(x_btnh, cos_bt1h2, sin_bt1h2):
+    """Rotate (first half, second half) pairs, the convention of HF Llama checkpoints."""
     x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    rotated = jnp.concatenate([x1 * cos_bt1h2 - x2 * sin_bt1h2, x2 * cos_bt1h2 + x1 * sin_bt1h2], axis=-1)
     return rotated.astype(x_btnh.dtype)
+
+
+def apply_rope(x_btnh, positions_bt, inv_freq_h2, scale: float = 1.0, max_position: int | None = None):
+    """`x` rotated at `positions_bt` (rope_cos_sin, then rotate)."""
+    return rotate(x_btnh, *rope_cos_sin(positions_bt, inv_freq_h2, scale, max_position))

@@ -22,7 +22,7 @@ from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.kv_cache import KVCache
 from engine.models.mla import MLA
 from engine.models.moe import MoE, MoEStats, combine_stats
-from engine.models.rope import apply_rope, rope_inverse_frequencies
+from engine.models.rope import rope_cos_sin, rope_inverse_frequencies, rotate
 from engine.ops.attention import attention
 from engine.ops.attention_reference import dot_product_attention
 from engine.ops.dense import DotGeneral, dense, gated_mlp
@@ -88,11 +88,16 @@ class Attention(nnx.Module):
             return 1.0
         return self.rope_scaling.yarn_attention_factor()
 
-    def __call__(self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None):
+    def rotary(self, positions_bt, local: bool, max_position: int | None = None):
+        """RoPE's (cos, sin) at `positions_bt` for a global or local layer (rope.py)."""
+        return rope_cos_sin(positions_bt, self._inverse_frequencies(local), self._rope_scale(local), max_position)
+
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None,
+                 rotary=None):
         """`local` (static) selects the sliding window and the local RoPE base. segment_ids_bt
-        None: one unpadded document per row. With a cache (decoding) returns (out, updated cache)."""
+        None: one unpadded document per row. With a cache (decoding) returns (out, updated cache).
+        `rotary`: this layer's (cos, sin) at `positions_bt`, if the caller computed them."""
         dt = self.dtype
-        inv_freq = self._inverse_frequencies(local)
         q, k, v = self._dense(x_btd, self.wq_dnh), self._dense(x_btd, self.wk_dkh), self._dense(x_btd, self.wv_dkh)
         if self.qkv_bias:
             q, k, v = q + self.bq_nh[...].astype(dt), k + self.bk_kh[...].astype(dt), v + self.bv_kh[...].astype(dt)
@@ -101,10 +106,10 @@ class Attention(nnx.Module):
         q = constrain(q, ("act_batch", "act_seq", "act_heads", None))
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", None))
-        rope_scale = self._rope_scale(local)
-        limit = None if cache is None else cache.length  # decoding: cos/sin from a table (rope.py)
-        q = checkpoint_name(apply_rope(q, positions_bt, inv_freq, rope_scale, limit), "qkv_proj")
-        k = checkpoint_name(apply_rope(k, positions_bt, inv_freq, rope_scale, limit), "qkv_proj")
+        if rotary is None:  # decoding: cos/sin from a table (rope.py)
+            rotary = self.rotary(positions_bt, local, None if cache is None else cache.length)
+        q = checkpoint_name(rotate(q, *rotary), "qkv_proj")
+        k = checkpoint_name(rotate(k, *rotary), "qkv_proj")
         v = checkpoint_name(v, "qkv_proj")
         sinks_n = self.sinks_n[...] if self.sinks else None
         if cache is None:
@@ -167,10 +172,13 @@ class Block(nnx.Module):
             self.post_mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
         self.post_norms, self.is_moe = cfg.post_norms, moe
 
-    def forward(self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None):
-        """(x, cache or None, MoEStats of the router or None for a dense MLP)."""
+    def forward(self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None,
+                rotary=None):
+        """(x, cache or None, MoEStats of the router or None for a dense MLP). `rotary`: the
+        attention's RoPE (cos, sin), where the caller computed them for all layers at once."""
         with jax.named_scope("attention"):  # names the ops in profiles (bench/profile_step.py)
-            attn_out = self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt, local, cache)
+            extra = {} if rotary is None else {"rotary": rotary}
+            attn_out = self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt, local, cache, **extra)
         if cache is not None:
             attn_out, cache = attn_out
         x_btd = x_btd + (self.post_attn_norm(attn_out) if self.post_norms else attn_out)
@@ -185,8 +193,9 @@ class Block(nnx.Module):
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
         return x_btd, cache, stats
 
-    def __call__(self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None):
-        x_btd, cache, _ = self.forward(x_btd, positions_bt, segment_ids_bt, local, cache)
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None,
+                 rotary=None):
+        x_btd, cache, _ = self.forward(x_btd, positions_bt, segment_ids_bt, local, cache, rotary)
         return x_btd if cache is None else (x_btd, cache)
 
 
@@ -355,8 +364,14 @@ class Transformer(nnx.Module):
                 blocks += [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked)) for i in range(count)]
             else:
                 blocks += list(getattr(self, name))
+        # RoPE's cos and sin once per step for all global (local) layers: XLA:CPU kept each
+        # layer's table lookups apart, four small gathers per layer in every decode step.
+        rotary = {}
         for i, (block, local) in enumerate(zip(blocks, self.cfg.layer_is_local(), strict=True)):
-            x_btd, cache = block(x_btd, positions_bt, segment_ids_bt, local, cache.replace(layer=i))
+            if not self.cfg.is_mla and local not in rotary:
+                rotary[local] = block.attn.rotary(positions_bt, local, cache.length)
+            x_btd, cache = block(x_btd, positions_bt, segment_ids_bt, local, cache.replace(layer=i),
+                                 rotary=rotary.get(local))
         return x_btd, cache.replace(end=cache.end + x_btd.shape[1], layer=0)
 
     def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, cache: KVCache | None = None):
