@@ -18,7 +18,7 @@ import json
 import re
 import time
 
-from bench import REPO, xla_busy
+from bench import REPO, finish, load_line, machine, xla_busy
 
 
 def _phase(op_name: str) -> str:
@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--remat", default="none")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
+    info = machine()
 
     import jax
 
@@ -70,6 +71,7 @@ def main() -> None:
         by_phase[_phase(ops[name][1])] += ns
         by_part[_part(ops[name][1])] += ns
 
+    info = finish(info)
     tokens_per_second = BATCH * SEQ / step_s
     print(f"step {step_s:.2f} s ({tokens_per_second:,.0f} tokens/s), {args.dtype}, remat {args.remat}; "
           f"XLA's two threads were busy {total_busy / 1e6:,.0f} ms in all")
@@ -83,9 +85,10 @@ def main() -> None:
         shape, op = ops[name]
         top.append({"op": name, "ms": ns / 1e6, "shape": shape, "part": _part(op), "source": op})
         print(f"{ns / 1e6:>8.1f} {ns / total_busy:>6.1%}  {shape[:30]:<30} {_part(op):<22} {op.split('/')[-1][:30]}")
+    print(load_line(info))
     out = REPO / "bench" / "results" / "profile_step.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"dtype": args.dtype, "remat": args.remat, "step_seconds": step_s,
+    out.write_text(json.dumps({"command": "python -m bench.profile_step", "machine": info, "dtype": args.dtype, "remat": args.remat, "step_seconds": step_s,
                                "tokens_per_second": tokens_per_second, "busy_ms": total_busy / 1e6,
                                "phases_ms": {k: v / 1e6 for k, v in by_phase.items()},
                                "parts_ms": {k: v / 1e6 for k, v in by_part.items()}, "top_ops": top, "jax": jax.__version__}, indent=2))

@@ -10,7 +10,8 @@ from jax.sharding import PartitionSpec as P
 from engine.train.config import TrainConfig
 from engine.config import load_config
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.models.transformer import Transformer, rope_inverse_frequencies
+from engine.models.rope import apply_rope, rope_inverse_frequencies
+from engine.models.transformer import Transformer
 from engine.models.params import apply_model, init_params
 from engine.train.trainer import Trainer
 
@@ -92,8 +93,6 @@ def test_rope_from_a_position_table_equals_the_direct_rotation():
     """Decoding looks cos/sin up in a table of the cache's length (rope.py); the rotation
     must be the one training computes, for every position below the limit, under jit (where
     XLA may fold the table) and with YaRN's scale."""
-    from engine.models.rope import apply_rope
-
     inv_freq = rope_inverse_frequencies(10, 10000.0, None)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 5, 6, 10)), jnp.float32)
     positions = jnp.asarray([[0, 1, 2, 3, 4], [0, 0, 7, 8, 9], [63, 62, 40, 1, 0]], jnp.int32)

@@ -106,7 +106,7 @@ class Attention(nnx.Module):
         q = constrain(q, ("act_batch", "act_seq", "act_heads", None))
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", None))
-        if rotary is None:  # decoding: cos/sin from a table (rope.py)
+        if rotary is None:  # computed here; while decoding, looked up in a table (rope.py)
             rotary = self.rotary(positions_bt, local, None if cache is None else cache.length)
         q = checkpoint_name(rotate(q, *rotary), "qkv_proj")
         k = checkpoint_name(rotate(k, *rotary), "qkv_proj")
