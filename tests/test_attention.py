@@ -216,6 +216,46 @@ def test_gated_mlp_gradients_equal_autodiff(activation, backward):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_float32_out_returns_the_unrounded_accumulator_and_rounds_its_gradient(backward):
+    """The LM head's product: bf16 operands, the float32 accumulator returned as is, and the
+    gradients those of that float32 product, in the operands' dtype."""
+    rng = np.random.default_rng(5)
+    x, w = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in [(3, 5, 16), (16, 9)])
+    probe = jnp.asarray(rng.standard_normal((3, 5, 9)), jnp.float32)
+
+    def plain(x, w):
+        return jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32)
+
+    out = dense(x, w, float32_out=True, backward=backward)
+    assert out.dtype == jnp.float32 and dense(x, w, backward=backward).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(out, plain(x, w))
+    g_plain = jax.grad(lambda x, w: jnp.sum(plain(x, w) * probe), argnums=(0, 1))(x, w)
+    g_dense = jax.grad(lambda x, w: jnp.sum(dense(x, w, float32_out=True, backward=backward) * probe),
+                       argnums=(0, 1))(x, w)
+    for a, b in zip(g_plain, g_dense):
+        assert b.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.float32(b), np.float32(a), rtol=2e-2, atol=2e-2)
+
+
+def test_a_bfloat16_gated_mlp_rounds_its_hidden_activation_once():
+    """activation(gate) * up is computed in float32 from the rounded projections and rounded
+    once, as torch's bf16 kernels do; left to XLA, a bf16 silu is rounded after each of its
+    negate, exp, add and divide."""
+    rng = np.random.default_rng(6)
+    x, wg, wu, wd = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in [(2, 7, 16), (16, 32), (16, 32), (32, 16)])
+    f32 = jnp.float32
+
+    def product(a, b):
+        return jnp.einsum("...i,ij->...j", a, b, preferred_element_type=f32).astype(jnp.bfloat16)
+
+    gate, up = product(x, wg), product(x, wu)
+    hidden = (jax.nn.silu(gate.astype(f32)) * up.astype(f32)).astype(jnp.bfloat16)
+    for backward in BACKWARDS:
+        np.testing.assert_array_equal(np.float32(gated_mlp(x, wg, wu, wd, jax.nn.silu, backward=backward)),
+                                      np.float32(product(hidden, wd)), err_msg=backward)
+
+
 @pytest.mark.parametrize("platform,hand_written", [("cpu", True), ("gpu", False), ("tpu", False)])
 def test_auto_uses_the_hand_written_matmul_backward_only_on_cpu(platform, hand_written, monkeypatch):
     monkeypatch.setattr(dense_module, "current_platform", lambda: platform)

@@ -37,13 +37,14 @@ def test_a_documents_logits_in_a_packed_row_equal_its_logits_alone():
     assert np.abs(np.asarray(unsegmented[0, 9:22] - alone_b[0])).max() > 1e-3
 
 
+@pytest.mark.parametrize("unroll", ["auto", 1])  # on CPU: the stack unrolled, and the scan's loop
 @pytest.mark.parametrize("remat", ["full", "save_dots", "save_qkv_proj"])
-def test_remat_changes_memory_not_math(remat):
+def test_remat_changes_memory_not_math(remat, unroll):
     base = ModelConfig(**ODD)
     model = Transformer(base, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
-    remat_graphdef = nnx.split(Transformer(base, ComputeConfig(remat=remat), rngs=nnx.Rngs(0)))[0]
+    remat_graphdef = nnx.split(Transformer(base, ComputeConfig(remat=remat, scan_unroll=unroll), rngs=nnx.Rngs(0)))[0]
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 37, (2, 11)))
 
     def loss(gd, p):
@@ -67,6 +68,26 @@ def test_scanned_and_unrolled_layers_compute_the_same_function():
     a = apply_model(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[0], scanned, tokens)
     b = apply_model(graphdef, unrolled, tokens)
     np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def _compiled_grad(compute: ComputeConfig) -> str:
+    """The optimized HLO of a loss gradient under `compute`, on CPU."""
+    cfg = ModelConfig(**ODD)
+    graphdef, state = nnx.split(Transformer(cfg, compute, rngs=nnx.Rngs(0)))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 37, (2, 11)))
+    grad = jax.jit(jax.grad(lambda p: jnp.mean(apply_model(graphdef, p, tokens) ** 2)))
+    return grad.lower(nnx.to_pure_dict(state)).compile().as_text()
+
+
+def test_the_layer_scan_is_unrolled_on_cpu_and_remat_still_recomputes():
+    """scan_unroll auto runs the stack as straight-line code on CPU (no while loop), 1 keeps
+    the loop; under remat the unrolled stack still recomputes its layers' products in the
+    backward pass (the same gradients: test_remat_changes_memory_not_math)."""
+    unrolled, looped = _compiled_grad(ComputeConfig()), _compiled_grad(ComputeConfig(scan_unroll=1))
+    assert " while(" not in unrolled and " while(" in looped
+    dots = lambda hlo: hlo.count(" dot(") + hlo.count("__ynn")  # YNNPACK fusions hold most of them
+    plain, full = dots(unrolled), dots(_compiled_grad(ComputeConfig(remat="full")))
+    assert full > plain, (plain, full)
 
 
 def test_llama3_rope_scaling_matches_the_published_formula():

@@ -9,7 +9,7 @@ size; only the layer layout, scan_layers, must match), and a different architect
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -309,6 +309,12 @@ class ComputeConfig(Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype of matmuls; norms, softmax and the loss stay in float32."""
     scan_layers: bool = True
+    scan_unroll: Literal["auto"] | Annotated[int, Field(ge=1, strict=True)] = "auto"
+    """Layers per iteration of the layer scan (jax.lax.scan's `unroll`; the parameters keep
+    their stacked layout either way): auto = the whole stack when compiling for CPU, where
+    XLA:CPU runs an unrolled stack's step faster than its loop (docs/benchmarks.md), else 1,
+    one compiled layer however deep the model (the fastest compile, and what accelerators run
+    at full speed). Ignored without scan_layers."""
     remat: Literal["none", "full", "save_dots", "save_qkv_proj"] = "none"
     """Which activations the backward pass recomputes (none = keep all)."""
     attention_impl: Literal["auto", "reference", "blocked", "cudnn", "splash"] = "auto"

@@ -25,8 +25,8 @@ from engine.models.moe import MoE, MoEStats, combine_stats
 from engine.models.rope import rope_cos_sin, rope_inverse_frequencies, rotate
 from engine.ops.attention import attention
 from engine.ops.attention_reference import dot_product_attention
-from engine.ops.dense import DotGeneral, dense, gated_mlp
-from engine.ops.partitioning import constrain
+from engine.ops.dense import DotGeneral, dense, gated_mlp, uses_cpu_backward
+from engine.ops.partitioning import constrain, current_platform
 
 # Parameters are created unsharded and placed by engine/models/params.py under jit with the
 # shardings the rules table gives; NNX's eager sharding would need a mesh at construction.
@@ -225,6 +225,14 @@ def _stack(stats: list[MoEStats]) -> MoEStats | None:
     return jax.tree.map(lambda *a: jnp.concatenate(a), *stats) if stats else None
 
 
+def scan_unroll(compute: ComputeConfig) -> int | bool:
+    """jax.lax.scan's `unroll` for the layer scan: ComputeConfig.scan_unroll, with auto the
+    whole stack (True) when compiling for CPU and 1 elsewhere."""
+    if compute.scan_unroll == "auto":
+        return True if current_platform() == "cpu" else 1
+    return compute.scan_unroll
+
+
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -295,6 +303,7 @@ class Transformer(nnx.Module):
         `layers` axis; each step slices its share.
         """
         cfg, compute = self.cfg, self.compute
+        unroll = scan_unroll(compute)
 
         def layer_fn(local: bool, in_scan: bool):
             def layer(block: Block, x):
@@ -303,7 +312,10 @@ class Transformer(nnx.Module):
 
             if compute.remat == "none":
                 return layer
-            return nnx.remat(layer, policy=REMAT_POLICIES[compute.remat], prevent_cse=not in_scan)
+            # Only a loop keeps XLA from merging a layer's recomputation with its forward pass;
+            # an unrolled scan is straight-line code, so it needs remat's guard as well.
+            in_loop = in_scan and unroll is not True and unroll == 1
+            return nnx.remat(layer, policy=REMAT_POLICIES[compute.remat], prevent_cse=not in_loop)
 
         if not compute.scan_layers:
             stats = []
@@ -326,7 +338,7 @@ class Transformer(nnx.Module):
                         return layer_fn(local, in_scan=True)(nnx.merge(graphdef, layer_state), x)
 
                     run_state = jax.tree.map(lambda a, lo=start, hi=start + length: a[lo:hi], state)
-                    x, run_stats = jax.lax.scan(step, x, run_state)
+                    x, run_stats = jax.lax.scan(step, x, run_state, unroll=unroll)
                     stats += _layers(run_stats)
                 start += length
             return x, _stack(stats)
@@ -340,7 +352,7 @@ class Transformer(nnx.Module):
         if steps:
             by_unit = jax.tree.map(lambda a: a[:scanned].reshape(steps, len(unit), *a.shape[1:]), stacked)
             x_btd, unit_stats = jax.lax.scan(lambda x, unit_state: run_layers(x, unit_state, unit, True),
-                                             x_btd, by_unit)
+                                             x_btd, by_unit, unroll=unroll)
             if unit_stats is not None:  # (steps, P, ...) -> (steps * P, ...)
                 stats.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), unit_stats))
         if left_over:
@@ -418,8 +430,10 @@ class Transformer(nnx.Module):
             x_btd = self.final_norm(x_btd)
             head_dv = self.embed_vd[...].T if cfg.tie_embeddings else self.lm_head_dv[...]
             if cache is None:
-                logits_btv = dense(x_btd, head_dv.astype(dt), backward=self.matmul_backward,
-                                   dot_general=self.dot_general)
+                # On CPU the logits stay float32, as the loss reads them: XLA:CPU would write
+                # out a rounded copy and a float32 one of this, the step's largest tensor.
+                logits_btv = dense(x_btd, head_dv.astype(dt), float32_out=uses_cpu_backward(self.matmul_backward),
+                                   backward=self.matmul_backward, dot_general=self.dot_general)
             else:  # decoding: f32 logits, not rounded to the compute dtype
                 logits_btv = self.dot_general(x_btd, head_dv.astype(dt), (((2,), (0,)), ((), ())),
                                               preferred_element_type=jnp.float32)

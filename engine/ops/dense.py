@@ -43,39 +43,45 @@ def uses_cpu_backward(backward: Backward) -> bool:
     return backward == "cpu" or (backward == "auto" and current_platform() == "cpu")
 
 
-def dense(x, w, n_in: int = 1, *, backward: Backward = "auto", dot_general: DotGeneral = jax.lax.dot_general):
-    """Contract the last `n_in` axes of x with the first `n_in` axes of w."""
+def dense(x, w, n_in: int = 1, *, float32_out: bool = False, backward: Backward = "auto",
+          dot_general: DotGeneral = jax.lax.dot_general):
+    """Contract the last `n_in` axes of x with the first `n_in` axes of w. `float32_out`
+    returns a narrower product's float32 accumulator unrounded (the LM head's logits, which
+    the loss reads in float32 anyway); its gradient is rounded to x's dtype for the backward
+    products."""
     if uses_cpu_backward(backward):
-        return _dense(x, w, n_in, dot_general)
-    return _dot(x, w, n_in, dot_general)
+        return _dense(x, w, n_in, dot_general, float32_out)
+    return _dot(x, w, n_in, dot_general, rounded=not float32_out)
 
 
-def _product(dot_general, a, b, dimensions):
-    """dot_general(a, b), accumulated in float32 when the operands are narrower."""
+def _product(dot_general, a, b, dimensions, rounded: bool = True):
+    """dot_general(a, b), accumulated in float32 when the operands are narrower (and, if
+    `rounded`, rounded back to their dtype)."""
     dtype = jnp.result_type(a, b)
     if jnp.finfo(dtype).bits >= 32:
         return dot_general(a, b, dimensions)
-    return dot_general(a, b, dimensions, preferred_element_type=jnp.float32).astype(dtype)
+    out = dot_general(a, b, dimensions, preferred_element_type=jnp.float32)
+    return out.astype(dtype) if rounded else out
 
 
-def _dot(x, w, n_in, dot_general):
+def _dot(x, w, n_in, dot_general, rounded: bool = True):
     x_axes = tuple(range(x.ndim - n_in, x.ndim))
-    return _product(dot_general, x, w, ((x_axes, tuple(range(n_in))), ((), ())))
+    return _product(dot_general, x, w, ((x_axes, tuple(range(n_in))), ((), ())), rounded)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _dense(x, w, n_in, dot_general):
-    return _dot(x, w, n_in, dot_general)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _dense(x, w, n_in, dot_general, float32_out):
+    return _dot(x, w, n_in, dot_general, rounded=not float32_out)
 
 
-def _dense_fwd(x, w, n_in, dot_general):
-    return _dot(x, w, n_in, dot_general), (x, w)
+def _dense_fwd(x, w, n_in, dot_general, float32_out):
+    return _dot(x, w, n_in, dot_general, rounded=not float32_out), (x, w)
 
 
-def _input_grad(dy, w, n_in, dot_general):
+def _input_grad(dy, w, n_in, dot_general, rounded: bool = True):
     """dy . w^T over the output axes: the gradient of x in x . w."""
     dy_out = tuple(range(dy.ndim - (w.ndim - n_in), dy.ndim))
-    return _product(dot_general, dy, w, ((dy_out, tuple(range(n_in, w.ndim))), ((), ())))
+    return _product(dot_general, dy, w, ((dy_out, tuple(range(n_in, w.ndim))), ((), ())), rounded)
 
 
 def _weight_grad(x, dy, n_in, dot_general):
@@ -90,8 +96,9 @@ def _weight_grad(x, dy, n_in, dot_general):
     return dw_t.transpose(*range(n_out, n_out + n_in), *range(n_out))
 
 
-def _dense_bwd(n_in, dot_general, residuals, dy):
+def _dense_bwd(n_in, dot_general, float32_out, residuals, dy):
     x, w = residuals
+    dy = dy.astype(jnp.result_type(x, w))  # a float32_out gradient, rounded for the bf16 kernels
     return (_input_grad(dy, w, n_in, dot_general).astype(x.dtype),
             _weight_grad(x, dy, n_in, dot_general).astype(w.dtype))
 
@@ -118,8 +125,16 @@ def _gated_mlp(x, w_gate, w_up, w_down, activation, hidden_names, dot_general):
 
 
 def _hidden(gate, up, activation, hidden_names):
-    h = activation(gate) * up
+    """activation(gate) * up, computed in float32 and rounded once to gate's dtype."""
+    h = (activation(_f32(gate)) * _f32(up)).astype(gate.dtype)
     return h if hidden_names is None else constrain(h, hidden_names)
+
+
+def _f32(x):
+    """x in float32, for elementwise math on narrower inputs: left to itself XLA rounds a
+    bf16 expression after every operation (silu's negate, exp, add and divide each), which
+    is both less exact and slower on CPU than one conversion in and one rounding out."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 def _gated_fwd(x, w_gate, w_up, w_down, activation, hidden_names, dot_general):
@@ -130,14 +145,16 @@ def _gated_fwd(x, w_gate, w_up, w_down, activation, hidden_names, dot_general):
 
 def _gated_bwd(activation, hidden_names, dot_general, residuals, dy):
     x, gate, up, w_gate, w_up, w_down = residuals
-    act, act_vjp = jax.vjp(activation, gate)
-    h = act * up
+    dtype = gate.dtype
+    act, act_vjp = jax.vjp(activation, _f32(gate))
+    h = (act * _f32(up)).astype(dtype)
     d_down = _weight_grad(h, dy, 1, dot_general)
-    dh = _input_grad(dy, w_down, 1, dot_general)
+    dh = _f32(_input_grad(dy, w_down, 1, dot_general, rounded=False))  # read once, in float32
     if hidden_names is not None:
         dh = constrain(dh, hidden_names)
-    d_up = dh * act
-    (d_gate,) = act_vjp(dh * up)
+    d_up = (dh * act).astype(dtype)
+    (d_gate,) = act_vjp(dh * _f32(up))
+    d_gate = d_gate.astype(dtype)
     dx = _input_grad(d_gate, w_gate, 1, dot_general) + _input_grad(d_up, w_up, 1, dot_general)
     return (dx.astype(x.dtype), _weight_grad(x, d_gate, 1, dot_general).astype(w_gate.dtype),
             _weight_grad(x, d_up, 1, dot_general).astype(w_up.dtype), d_down.astype(w_down.dtype))

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from engine.models.params import apply_model_with_aux
+from engine.ops.cross_entropy import log_z_and_target
 
 Reduction = Literal["sum", "mean", "max", "min"]
 _COMBINE = {"sum": jnp.add, "mean": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
@@ -43,9 +44,7 @@ class Objective:
 
 def cross_entropy(logits_btv, targets_bt, mask_bt, z_loss: float = 0.0):
     """(sum of masked NLL + z-loss terms, sum of masked NLL). Float32 throughout."""
-    logits = logits_btv.astype(jnp.float32)
-    log_z_bt = jax.nn.logsumexp(logits, axis=-1)
-    target_logit_bt = jnp.take_along_axis(logits, targets_bt[..., None], axis=-1)[..., 0]
+    log_z_bt, target_logit_bt = log_z_and_target(logits_btv, targets_bt)
     nll_sum = jnp.sum((log_z_bt - target_logit_bt) * mask_bt)
     total = nll_sum + z_loss * jnp.sum(jnp.square(log_z_bt) * mask_bt)
     return total, nll_sum
