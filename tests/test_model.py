@@ -37,11 +37,11 @@ def test_a_documents_logits_in_a_packed_row_equal_its_logits_alone():
     assert np.abs(np.asarray(unsegmented[0, 9:22] - alone_b[0])).max() > 1e-3
 
 
-@pytest.mark.parametrize("unroll", ["auto", 1])  # on CPU: the stack unrolled, and the scan's loop
+@pytest.mark.parametrize("unroll", [ODD["num_layers"], 1], ids=["unrolled", "loop"])
 @pytest.mark.parametrize("remat", ["full", "save_dots", "save_qkv_proj"])
 def test_remat_changes_memory_not_math(remat, unroll):
     base = ModelConfig(**ODD)
-    model = Transformer(base, rngs=nnx.Rngs(0))
+    model = Transformer(base, ComputeConfig(scan_unroll=1), rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
     remat_graphdef = nnx.split(Transformer(base, ComputeConfig(remat=remat, scan_unroll=unroll), rngs=nnx.Rngs(0)))[0]
@@ -80,13 +80,17 @@ def _compiled_grad(compute: ComputeConfig) -> str:
 
 
 def test_the_layer_scan_is_unrolled_on_cpu_and_remat_still_recomputes():
-    """scan_unroll auto runs the stack as straight-line code on CPU (no while loop), 1 keeps
-    the loop; under remat the unrolled stack still recomputes its layers' products in the
-    backward pass (the same gradients: test_remat_changes_memory_not_math)."""
-    unrolled, looped = _compiled_grad(ComputeConfig()), _compiled_grad(ComputeConfig(scan_unroll=1))
-    assert " while(" not in unrolled and " while(" in looped
+    """scan_unroll auto runs a bfloat16 stack as straight-line code on CPU (no while loop),
+    and keeps the loop in float32, as 1 does; under remat the unrolled stack still
+    recomputes its layers' products in the backward pass (the same gradients:
+    test_remat_changes_memory_not_math)."""
+    bf16 = dict(dtype="bfloat16")
+    unrolled = _compiled_grad(ComputeConfig(**bf16))
+    assert " while(" not in unrolled
+    assert " while(" in _compiled_grad(ComputeConfig(scan_unroll=1, **bf16))
+    assert " while(" in _compiled_grad(ComputeConfig())
     dots = lambda hlo: hlo.count(" dot(") + hlo.count("__ynn")  # YNNPACK fusions hold most of them
-    plain, full = dots(unrolled), dots(_compiled_grad(ComputeConfig(remat="full")))
+    plain, full = dots(unrolled), dots(_compiled_grad(ComputeConfig(remat="full", **bf16)))
     assert full > plain, (plain, full)
 
 

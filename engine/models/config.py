@@ -311,10 +311,11 @@ class ComputeConfig(Strict):
     scan_layers: bool = True
     scan_unroll: Literal["auto"] | Annotated[int, Field(ge=1, strict=True)] = "auto"
     """Layers per iteration of the layer scan (jax.lax.scan's `unroll`; the parameters keep
-    their stacked layout either way): auto = the whole stack when compiling for CPU, where
-    XLA:CPU runs an unrolled stack's step faster than its loop (docs/benchmarks.md), else 1,
-    one compiled layer however deep the model (the fastest compile, and what accelerators run
-    at full speed). Ignored without scan_layers."""
+    their stacked layout either way). auto = the whole stack for bfloat16 compute on CPU,
+    where XLA:CPU runs the unrolled step ~15% faster for ~5% more memory; else 1, one
+    compiled layer however deep the model (the fastest compile; in float32 on CPU unrolling
+    gained nothing measurable and took 0.5 GB more at the benchmark shape,
+    docs/benchmarks.md). Ignored without scan_layers."""
     remat: Literal["none", "full", "save_dots", "save_qkv_proj"] = "none"
     """Which activations the backward pass recomputes (none = keep all)."""
     attention_impl: Literal["auto", "reference", "blocked", "cudnn", "splash"] = "auto"

@@ -227,9 +227,9 @@ def _stack(stats: list[MoEStats]) -> MoEStats | None:
 
 def scan_unroll(compute: ComputeConfig) -> int | bool:
     """jax.lax.scan's `unroll` for the layer scan: ComputeConfig.scan_unroll, with auto the
-    whole stack (True) when compiling for CPU and 1 elsewhere."""
+    whole stack (True) for bfloat16 compute on CPU and 1 elsewhere."""
     if compute.scan_unroll == "auto":
-        return True if current_platform() == "cpu" else 1
+        return True if current_platform() == "cpu" and compute.dtype == "bfloat16" else 1
     return compute.scan_unroll
 
 
