@@ -84,12 +84,19 @@ def layouts(dataset, tmp_path_factory) -> dict[str, Path]:
 
 
 def test_pretraining_does_not_depend_on_the_process_layout(layouts):
+    """The same mesh over 2 processes or 1 gives the same bits; another mesh (4 processes,
+    tensor parallel) the same run up to summation order: 30 AdamW steps at lr 1e-2 carry a
+    last-bit difference in a reduction to ~2e-6 in 2 of the 16,640 entries of a 260 x 64
+    matrix (5.8e-7 before the fused cross entropy changed the rounding)."""
     reference = losses(layouts["1x4"])
     assert len(reference) == STEPS and reference[-1] < reference[0]
     for name in ("2x2", "4x1"):
         np.testing.assert_allclose(losses(layouts[name]), reference, rtol=1e-6, err_msg=name)
         for ours, theirs in zip(params(layouts[name]), params(layouts["1x4"])):
-            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6, err_msg=name)
+            if name == "2x2":
+                np.testing.assert_array_equal(ours, theirs, err_msg=name)
+            else:
+                np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 def test_a_checkpoint_four_processes_saved_loads_on_whatever_devices_are_here(layouts):

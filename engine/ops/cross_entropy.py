@@ -26,27 +26,28 @@ def log_z_and_target(logits_btv, targets_bt):
 
 
 @jax.custom_vjp
-def _flat(logits_btv, targets_bt):
-    return _forward(logits_btv, targets_bt)[0]
+def _flat(logits_nv, targets_n):
+    """log_z_and_target over (positions, vocab) logits."""
+    return _forward(logits_nv, targets_n)[0]
 
 
-def _forward(logits_btv, targets_bt):
+def _forward(logits_nv, targets_n):
     # The max and the target are exact in the logits' own dtype, so only the exp-sum reads
     # them converted: XLA:CPU would otherwise write the float32 copy out for its three readers.
-    m_bt = jnp.max(logits_btv, axis=-1).astype(jnp.float32)
-    m_bt = jnp.where(jnp.isfinite(m_bt), m_bt, 0.0)
-    log_z_bt = jnp.log(jnp.sum(jnp.exp(logits_btv.astype(jnp.float32) - m_bt[..., None]), axis=-1)) + m_bt
-    target_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0].astype(jnp.float32)
-    return (log_z_bt, target_bt), (logits_btv, targets_bt, log_z_bt)
+    m_n = jnp.max(logits_nv, axis=-1).astype(jnp.float32)
+    m_n = jnp.where(jnp.isfinite(m_n), m_n, 0.0)
+    log_z_n = jnp.log(jnp.sum(jnp.exp(logits_nv.astype(jnp.float32) - m_n[..., None]), axis=-1)) + m_n
+    target_n = jnp.take_along_axis(logits_nv, targets_n[..., None], axis=-1)[..., 0].astype(jnp.float32)
+    return (log_z_n, target_n), (logits_nv, targets_n, log_z_n)
 
 
 def _backward(residuals, cotangents):
-    logits_btv, targets_bt, log_z_bt = residuals
-    g_z_bt, g_target_bt = cotangents
-    softmax = jnp.exp(logits_btv.astype(jnp.float32) - log_z_bt[..., None])
-    hit = jnp.arange(logits_btv.shape[-1]) == targets_bt[..., None]
-    d_logits = g_z_bt[..., None] * softmax + jnp.where(hit, g_target_bt[..., None], 0.0)
-    return d_logits.astype(logits_btv.dtype), None
+    logits_nv, targets_n, log_z_n = residuals
+    g_z_n, g_target_n = cotangents
+    softmax = jnp.exp(logits_nv.astype(jnp.float32) - log_z_n[..., None])
+    hit = jnp.arange(logits_nv.shape[-1]) == targets_n[..., None]
+    d_logits = g_z_n[..., None] * softmax + jnp.where(hit, g_target_n[..., None], 0.0)
+    return d_logits.astype(logits_nv.dtype), None
 
 
 _flat.defvjp(_forward, _backward)
