@@ -312,7 +312,7 @@ class ComputeConfig(Strict):
     scan_unroll: Literal["auto"] | Annotated[int, Field(ge=1, strict=True)] = "auto"
     """Layers per iteration of the layer scan (jax.lax.scan's `unroll`; the parameters keep
     their stacked layout either way). auto = the whole stack for bfloat16 compute on CPU,
-    where XLA:CPU runs the unrolled step ~15% faster for ~5% more memory; else 1, one
+    where XLA:CPU runs the unrolled step ~8% faster for ~0.1 GB more memory; else 1, one
     compiled layer however deep the model (the fastest compile; in float32 on CPU unrolling
     gained nothing measurable and took 0.5 GB more at the benchmark shape,
     docs/benchmarks.md). Ignored without scan_layers."""
