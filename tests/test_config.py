@@ -33,6 +33,9 @@ def test_wrong_type_and_range_fail_before_anything_compiles():
         load_config(tree={"model": "tiny"}, overrides=["steps=many"], schema=TrainConfig)
     with pytest.raises(ConfigError, match=r"key 'optimizer.learning_rate'.*greater than 0"):
         load_config(tree={"model": "tiny"}, overrides=["optimizer.learning_rate=-1"], schema=TrainConfig)
+    for bad in ("0", "all", "true"):  # one line naming the key, not a line per branch of its type
+        with pytest.raises(ConfigError, match=r"^[^\n]*key 'compute.scan_unroll': .*'auto' or a number of layers >= 1[^\n]*$"):
+            load_config(tree={"model": "tiny"}, overrides=[f"compute.scan_unroll={bad}"], schema=TrainConfig)
 
 
 def test_inconsistent_model_and_batch_are_rejected():

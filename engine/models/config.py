@@ -9,7 +9,7 @@ size; only the layer layout, scan_layers, must match), and a different architect
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -309,7 +309,7 @@ class ComputeConfig(Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype of matmuls; norms, softmax and the loss stay in float32."""
     scan_layers: bool = True
-    scan_unroll: Literal["auto"] | Annotated[int, Field(ge=1, strict=True)] = "auto"
+    scan_unroll: Literal["auto"] | int = "auto"
     """Layers per iteration of the layer scan (jax.lax.scan's `unroll`; the parameters keep
     their stacked layout either way). auto = the whole stack for bfloat16 compute on CPU,
     where XLA:CPU runs the unrolled step ~8% faster for ~0.1 GB more memory; else 1, one
@@ -318,6 +318,7 @@ class ComputeConfig(Strict):
     docs/benchmarks.md). Ignored without scan_layers."""
     remat: Literal["none", "full", "save_dots", "save_qkv_proj"] = "none"
     """Which activations the backward pass recomputes (none = keep all)."""
+
     attention_impl: Literal["auto", "reference", "blocked", "cudnn", "splash"] = "auto"
     """Attention in training and prefill (engine/ops/attention.py): auto picks by platform (cpu
     blocked, gpu cudnn, tpu splash) and falls back to blocked, with a warning, where that kernel
@@ -343,3 +344,10 @@ class ComputeConfig(Strict):
     E * sum_e f_e * P_e, which is k when balanced; transformers' router_aux_loss_coef)."""
     moe_router_z_loss: float = Field(0.001, ge=0)
     """Weight of the router z-loss, the mean squared log-normaliser of the router logits (ST-MoE)."""
+
+    @field_validator("scan_unroll", mode="before")
+    @classmethod
+    def _layers_per_iteration(cls, value):
+        if value == "auto" or (type(value) is int and value >= 1):  # not True: a bool is an int
+            return value
+        raise ValueError("'auto' or a number of layers >= 1")

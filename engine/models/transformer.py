@@ -304,6 +304,7 @@ class Transformer(nnx.Module):
         """
         cfg, compute = self.cfg, self.compute
         unroll = scan_unroll(compute)
+        one_per_step = unroll is not True and unroll == 1  # (True == 1 in Python)
 
         def layer_fn(local: bool, in_scan: bool):
             def layer(block: Block, x):
@@ -312,10 +313,10 @@ class Transformer(nnx.Module):
 
             if compute.remat == "none":
                 return layer
-            # Only a loop keeps XLA from merging a layer's recomputation with its forward pass;
-            # an unrolled scan is straight-line code, so it needs remat's guard as well.
-            in_loop = in_scan and unroll is not True and unroll == 1
-            return nnx.remat(layer, policy=REMAT_POLICIES[compute.remat], prevent_cse=not in_loop)
+            # Remat's guard against XLA merging a layer's recomputation with its forward pass
+            # may go only where each loop iteration runs one layer; an unrolled scan puts
+            # layers in straight-line code and keeps it.
+            return nnx.remat(layer, policy=REMAT_POLICIES[compute.remat], prevent_cse=not (in_scan and one_per_step))
 
         if not compute.scan_layers:
             stats = []

@@ -149,7 +149,7 @@ def _gated_bwd(activation, hidden_names, dot_general, residuals, dy):
     act, act_vjp = jax.vjp(activation, _f32(gate))
     h = (act * _f32(up)).astype(dtype)
     d_down = _weight_grad(h, dy, 1, dot_general)
-    dh = _f32(_input_grad(dy, w_down, 1, dot_general, rounded=False))  # read once, in float32
+    dh = _input_grad(dy, w_down, 1, dot_general, rounded=False)  # float32: read once, unrounded
     if hidden_names is not None:
         dh = constrain(dh, hidden_names)
     d_up = (dh * act).astype(dtype)
