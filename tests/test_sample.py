@@ -46,10 +46,15 @@ def teacher_forced(cfg, params, prompt_tokens, prompt_mask, out, temperature):
     return np.take_along_axis(np.asarray(logp[:, p - 1:-1]), out.tokens[..., None], axis=-1)[..., 0], logits
 
 
+DECODE_IMPLS = ["reference", "cpu_kernel"]  # XLA's lowering and the C++ kernel (engine/ops/cpu_kernels)
+
+
+@pytest.mark.parametrize("impl", DECODE_IMPLS)
 @pytest.mark.parametrize("variant", ["scanned", "unrolled_sliding_window"])
-def test_kv_cache_decoding_equals_full_recomputation(variant):
+def test_kv_cache_decoding_equals_full_recomputation(variant, impl):
     extra = dict(attention_pattern=["local", "global"], sliding_window=3) if variant != "scanned" else {}
-    cfg, compute = ModelConfig(**ODD, **extra), ComputeConfig(scan_layers=variant == "scanned")
+    cfg = ModelConfig(**ODD, **extra)
+    compute = ComputeConfig(scan_layers=variant == "scanned", decode_attention_impl=impl)
     graphdef, params = nnx.split(Transformer(cfg, compute, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(0)
     prompt_len, steps = 5, 6
@@ -73,13 +78,14 @@ def test_kv_cache_decoding_equals_full_recomputation(variant):
     assert int(cache.end) == prompt_len + steps
 
 
-def test_decoding_over_a_shared_prompt_cache_equals_full_recomputation():
+@pytest.mark.parametrize("impl", DECODE_IMPLS)
+def test_decoding_over_a_shared_prompt_cache_equals_full_recomputation(impl):
     """G rows per prompt attending to one copy of the prompt's cache (KVCache.share: the
     prefix read once per group, one softmax over prefix and own slots) give the logits of a
     full forward pass over each row's prompt + completion; with a sliding window that
     reaches into the prompt, attention sinks and a logit softcap."""
     extra = dict(attention_pattern=["local", "global"], sliding_window=3, attention_sinks=True, attn_logit_softcap=3.0)
-    cfg, compute = ModelConfig(**ODD, **extra), ComputeConfig(scan_layers=False)
+    cfg, compute = ModelConfig(**ODD, **extra), ComputeConfig(scan_layers=False, decode_attention_impl=impl)
     graphdef, params = nnx.split(Transformer(cfg, compute, rngs=nnx.Rngs(0)))
     params = jax.tree.map(lambda a: a + 0.5 if a.shape == (ODD["num_heads"],) else a, params)  # sinks that matter
     group, prompt_len, steps = 3, 5, 4
@@ -240,3 +246,23 @@ def test_bfloat16_sampling_agrees_with_float32_within_bf16_rounding(model):
     sampled = bf16(params, tokens, mask, seed=3, temperature=0.7, eos_ids=(4,), **SETTINGS)
     forced, _ = teacher_forced(cfg, params, tokens, mask, sampled, 0.7)
     np.testing.assert_allclose(sampled.logprobs[sampled.mask], forced[sampled.mask], atol=0.15)
+
+
+@pytest.mark.parametrize("impl", DECODE_IMPLS)
+def test_a_bfloat16_cache_on_cpu_is_written_in_place(impl):
+    """A bf16 KV cache is stored as its bits on CPU, so a decode step writes its slot in place:
+    stored as bf16, XLA:CPU converted each layer's whole cache to float32, wrote the slot and
+    converted it back, every step (docs/benchmarks.md). The kernel reads no copy of it."""
+    cfg = ModelConfig(**ODD)
+    compute = ComputeConfig(dtype="bfloat16", param_dtype="bfloat16", scan_layers=False, decode_attention_impl=impl)
+    graphdef, params = nnx.split(Transformer(cfg, compute, rngs=nnx.Rngs(0)))
+    slots, rows = 16, len(PROMPTS)
+    cache = KVCache.init(cfg, compute, rows, slots)
+    assert cache.k[0].dtype == jnp.uint16 and cache.k[0].shape == (rows, 2, 10, slots)
+    step = jax.jit(lambda params, cache, token: nnx.merge(graphdef, params)(
+        token, jnp.zeros_like(token), jnp.ones_like(token), cache=cache))
+    hlo = step.lower(params, cache, jnp.ones((rows, 1), jnp.int32)).compile().as_text()
+    for shape in (f"{rows},2,10,{slots}", f"{rows},2,{slots},10"):  # keys, values
+        assert f"u16[{shape}]" in hlo and f"f32[{shape}]" not in hlo
+        # The kernel reads the bits where they lie; XLA's lowering reads a bf16 view of them.
+        assert (f"bf16[{shape}]" in hlo) == (impl == "reference")

@@ -324,6 +324,11 @@ class ComputeConfig(Strict):
     blocked, gpu cudnn, tpu splash) and falls back to blocked, with a warning, where that kernel
     cannot take the model (cudnn: softcap, float32, head_dim, attention sinks; splash: seq_len %
     128); a named one that cannot is an error. reference: the plain masked softmax (tests)."""
+    decode_attention_impl: Literal["auto", "reference", "cpu_kernel"] = "auto"
+    """Attention of a decode step (one query per row against the KV cache; engine/ops/attention.py):
+    cpu_kernel = the C++ kernel engine/ops/cpu_kernels/decode_attention.cc, compiled on first
+    use; reference = XLA's lowering of the masked softmax; auto = cpu_kernel on a single CPU
+    device where a C++ compiler builds it (else reference, with a warning), reference elsewhere."""
     attention_block: int = Field(128, ge=0)
     """Query block of `blocked` attention: blocks skip the masked upper triangle (and, on local
     layers, the keys left of the window). 0 means one block (the whole sequence)."""

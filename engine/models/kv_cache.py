@@ -7,7 +7,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.ops.partitioning import constrain
+from engine.ops.attention import BF16_BITS, cache_values, stored
+from engine.ops.partitioning import constrain, current_platform
 
 CACHE_NAMES = ("act_batch", "act_kv_heads", None, None)  # keys (b, kv_heads, head_dim, s); values (b, kv_heads, s, h)
 
@@ -60,7 +61,9 @@ class KVCache:
         if cfg.is_mla:
             k_shape, v_shape = (batch, 1, max_len, cfg.kv_lora_rank), (batch, 1, max_len, cfg.rope_head_dim)
         k_shape = (*k_shape[:2], k_shape[3], k_shape[2])  # keys slot-minor
-        dtype = jnp.bfloat16 if compute.dtype == "bfloat16" else jnp.float32
+        dtype = jnp.float32
+        if compute.dtype == "bfloat16":  # on CPU as its bits (engine/ops/attention.py: BF16_BITS)
+            dtype = BF16_BITS if current_platform() == "cpu" else jnp.bfloat16
         k, v = (tuple(constrain(jnp.zeros(shape, dtype), _names(shape)) for _ in range(cfg.num_layers))
                 for shape in (k_shape, v_shape))
         return cls(k, v, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32))
@@ -94,9 +97,10 @@ class KVCache:
         """Slots a row attends to: its own and a shared prefix's (every position is below it)."""
         return self.valid_bs.shape[1] + (0 if self.shared_valid_ps is None else self.shared_valid_ps.shape[1])
 
-    def shared_prefix(self, *, window: int | None = None):
+    def shared_prefix(self, *, window: int | None = None, raw: bool = False):
         """None, or this layer's shared prefix as (k_pkhs, v_pksh, mask_ps, group) for a
-        step's one query (slot `end` of the rows' own slots, which follow the prefix's)."""
+        step's one query (slot `end` of the rows' own slots, which follow the prefix's); `raw`:
+        the keys and values as stored (maybe BF16_BITS), else as values."""
         if not self.shared_k:
             return None
         mask_ps = self.shared_valid_ps
@@ -104,19 +108,22 @@ class KVCache:
             prefix = mask_ps.shape[1]
             distance_s = prefix + self.end - jnp.arange(prefix)
             mask_ps = mask_ps & (distance_s < window)[None]
-        return self.shared_k[self.layer], self.shared_v[self.layer], mask_ps, self.group
+        k, v = self.shared_k[self.layer], self.shared_v[self.layer]
+        return (k, v, mask_ps, self.group) if raw else (cache_values(k), cache_values(v), mask_ps, self.group)
 
-    def update(self, k_btkh, v_btkh, *, window: int | None = None):
-        """Write this layer's new keys/values; (k_bskh, v_bskh, mask_bts, cache) to attend with.
+    def update(self, k_btkh, v_btkh, *, window: int | None = None, raw: bool = False):
+        """Write this layer's new keys/values; (k_bskh, v_bskh, mask_bts, cache) to attend with,
+        or with `raw` (k_bkhs, v_bksh, mask_bts, cache): keys and values as stored, in the
+        cache's layouts (for engine/ops/attention.py: decode_attention).
 
         Query i (slot end + i) sees slot j iff j <= end + i and the slot is valid; with a
         sliding `window` (a local layer) also end + i - j < window. Left padding keeps slot
         order equal to position order: this is the full forward pass's causal mask.
         """
         t, s = k_btkh.shape[1], self.valid_bs.shape[1]
-        k_bkhs = jax.lax.dynamic_update_slice(self.k[self.layer], k_btkh.transpose(0, 2, 3, 1).astype(self.k[0].dtype),
+        k_bkhs = jax.lax.dynamic_update_slice(self.k[self.layer], stored(k_btkh.transpose(0, 2, 3, 1), self.k[0].dtype),
                                               (0, 0, 0, self.end))
-        v_bksh = jax.lax.dynamic_update_slice(self.v[self.layer], v_btkh.swapaxes(1, 2).astype(self.v[0].dtype),
+        v_bksh = jax.lax.dynamic_update_slice(self.v[self.layer], stored(v_btkh.swapaxes(1, 2), self.v[0].dtype),
                                               (0, 0, self.end, 0))
         k_all = (*self.k[:self.layer], k_bkhs, *self.k[self.layer + 1:])
         v_all = (*self.v[:self.layer], v_bksh, *self.v[self.layer + 1:])
@@ -125,4 +132,7 @@ class KVCache:
         if window is not None:
             visible_ts = visible_ts & (distance_ts < window)
         mask_bts = visible_ts[None] & self.valid_bs[:, None, :]
-        return k_bkhs.transpose(0, 3, 1, 2), v_bksh.swapaxes(1, 2), mask_bts, self.replace(k=k_all, v=v_all)
+        cache = self.replace(k=k_all, v=v_all)
+        if raw:
+            return k_bkhs, v_bksh, mask_bts, cache
+        return cache_values(k_bkhs).transpose(0, 3, 1, 2), cache_values(v_bksh).swapaxes(1, 2), mask_bts, cache

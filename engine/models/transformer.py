@@ -23,8 +23,7 @@ from engine.models.kv_cache import KVCache
 from engine.models.mla import MLA
 from engine.models.moe import MoE, MoEStats, combine_stats
 from engine.models.rope import rope_cos_sin, rope_inverse_frequencies, rotate
-from engine.ops.attention import attention
-from engine.ops.attention_reference import dot_product_attention
+from engine.ops.attention import attention, decode_attention
 from engine.ops.dense import DotGeneral, dense, gated_mlp, uses_cpu_backward
 from engine.ops.partitioning import constrain, current_platform
 
@@ -73,6 +72,7 @@ class Attention(nnx.Module):
         self.softcap = cfg.attn_logit_softcap
         self.dtype = _dtype(compute.dtype)
         self.attention_impl, self.attention_block = compute.attention_impl, compute.attention_block
+        self.decode_attention_impl = compute.decode_attention_impl
         self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
 
     def _dense(self, x, w: nnx.Param, n_in: int = 1):
@@ -119,9 +119,10 @@ class Attention(nnx.Module):
                                      block=self.attention_block, sinks_n=sinks_n)
         else:  # decoding: attend over the cache, this step's keys and values written into it
             window = self.sliding_window if local else None
-            k, v, mask, cache = cache.update(k, v, window=window)
-            out_btnh = dot_product_attention(q, k, v, mask, scale=self.scale, softcap=self.softcap, sinks_n=sinks_n,
-                                             shared=cache.shared_prefix(window=window))
+            k, v, mask, cache = cache.update(k, v, window=window, raw=True)
+            out_btnh = decode_attention(q, k, v, mask, impl=self.decode_attention_impl, scale=self.scale,
+                                        softcap=self.softcap, sinks_n=sinks_n,
+                                        shared=cache.shared_prefix(window=window, raw=True))
         out_btd = self._dense(out_btnh, self.wo_nhd, 2)
         if self.out_bias:
             out_btd = out_btd + self.bo_d[...].astype(dt)

@@ -19,8 +19,11 @@ An implementation asked for by name is never swapped: if it cannot run the case,
 is asked for off a GPU, that is a ConfigError. `splash` by name off TPU runs in the Pallas
 interpreter (exact, slow: for tests), with a warning.
 
-Decoding with a KV cache attends over the cache through the reference and its explicit mask
-(engine/models/kv_cache.py).
+Decoding with a KV cache attends over the cache through `decode_attention`
+(`ComputeConfig.decode_attention_impl`): a step of one query per row runs, on one CPU device,
+the C++ kernel engine/ops/cpu_kernels/decode_attention.cc (`cpu_kernel`), else the reference
+over the cache's explicit mask (engine/models/kv_cache.py); a prefill (several queries per
+row) always runs the reference.
 """
 
 from __future__ import annotations
@@ -29,17 +32,37 @@ import warnings
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from engine.config import ConfigError
-from engine.ops import attention_cudnn, attention_splash
+from engine.ops import attention_cudnn, attention_splash, cpu_kernels
 from engine.ops.attention_blocked import blocked_attention
 from engine.ops.attention_cudnn import cudnn_attention
-from engine.ops.attention_reference import reference_attention
+from engine.ops.attention_reference import dot_product_attention, reference_attention
 from engine.ops.attention_splash import splash_attention
 from engine.ops.partitioning import current_mesh, current_platform
 
 Impl = Literal["auto", "reference", "blocked", "cudnn", "splash"]
+DecodeImpl = Literal["auto", "reference", "cpu_kernel"]
+
+BF16_BITS = jnp.uint16
+"""How a bfloat16 KV cache is stored on CPU: its values' bits. XLA:CPU computes bfloat16
+data movement in float32 (it converts the whole cache, writes the step's slot and converts
+back: a pass over each layer's cache in every decode step); an integer cache is written in
+place. The CPU decode kernel reads the bits as bfloat16; XLA's lowering converts them back."""
+
+
+def stored(x, dtype):
+    """x as a cache of `dtype` stores it (bfloat16 values as BF16_BITS)."""
+    if dtype == BF16_BITS:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), BF16_BITS)
+    return x.astype(dtype)
+
+
+def cache_values(x):
+    """A stored cache array as values: bfloat16 from BF16_BITS, else x."""
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == BF16_BITS else x
 AUTO = {"cpu": "blocked", "gpu": "cudnn", "tpu": "splash"}
 """What `auto` picks on each platform (anything else: blocked)."""
 FALLBACK = "blocked"
@@ -120,3 +143,48 @@ def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, impl: Impl = "auto
         return cudnn_attention(*args, scale=scale, window=window)
     return splash_attention(*args, scale=scale, softcap=softcap, window=window, interpret=platform != "tpu",
                             sinks_n=sinks_n)
+
+
+def choose_decode_implementation(impl: DecodeImpl, *, platform: str, devices: int) -> str:
+    """What runs a decode step's attention for `impl` on `platform` with the mesh's `devices`
+    (see the module docstring): auto picks cpu_kernel on one CPU device if it builds, and
+    falls back to reference with a warning if it does not; cpu_kernel by name off CPU, on
+    more than one device or without a build is a ConfigError."""
+    if impl == "reference" or (impl == "auto" and (platform != "cpu" or devices > 1)):
+        return "reference"
+    if impl == "cpu_kernel" and platform != "cpu":
+        raise ConfigError(f"compute.decode_attention_impl: cpu_kernel runs on CPU, and this run compiles for {platform}; "
+                          "use auto or reference")
+    if impl == "cpu_kernel" and devices > 1:
+        raise ConfigError(f"compute.decode_attention_impl: cpu_kernel runs on one device, and the mesh has {devices}; "
+                          "use auto (reference there) or reference")
+    reason = cpu_kernels.unavailable("decode_attention")
+    if reason is None:
+        return "cpu_kernel"
+    if impl == "cpu_kernel":
+        raise ConfigError(f"compute.decode_attention_impl: {reason}; use auto (which falls back to reference) or reference")
+    _tell_once(f"decode attention: auto uses reference, not cpu_kernel: {reason}")
+    return "reference"
+
+
+def decode_attention(q_btnh, k_bkhs, v_bksh, mask_bts, *, impl: DecodeImpl = "auto", scale: float,
+                     softcap: float | None = None, sinks_n=None, shared=None):
+    """Attention of queries (b, t, n, h) over a KV cache as KVCache.update(raw=True) returns it
+    (keys (b, k, h, s), values (b, k, s, h), as stored, and the mask (b, t, s)) and `shared`,
+    KVCache.shared_prefix(raw=True) or None: (b, t, n, h) in the cache's value dtype. The
+    reference's numbers (attention_reference.dot_product_attention), up to float32 summation
+    order."""
+    b, t, n, h = q_btnh.shape
+    mesh = current_mesh()
+    devices = 1 if mesh is None else mesh.devices.size
+    if t != 1 or choose_decode_implementation(impl, platform=current_platform(), devices=devices) == "reference":
+        if shared is not None:
+            shared = (cache_values(shared[0]), cache_values(shared[1]), *shared[2:])
+        return dot_product_attention(q_btnh, cache_values(k_bkhs).transpose(0, 3, 1, 2),
+                                     cache_values(v_bksh).swapaxes(1, 2), mask_bts, scale=scale, softcap=softcap,
+                                     sinks_n=sinks_n, shared=shared)
+    k = k_bkhs.shape[1]
+    sinks_kg = None if sinks_n is None else sinks_n.reshape(k, n // k)
+    out_bkgh = cpu_kernels.decode_attention(q_btnh.reshape(b, k, n // k, h), k_bkhs, v_bksh, mask_bts[:, 0], shared,
+                                            scale=scale, softcap=softcap, sinks_kg=sinks_kg)
+    return out_bkgh.reshape(b, 1, n, h)
