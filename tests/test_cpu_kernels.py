@@ -61,8 +61,10 @@ def kernel(q, k, v, mask, shared, sinks_kg, *, scale, softcap):
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
+    if cpu_kernels.compiler() is None:
+        pytest.skip("no C++ compiler on this machine: the engine decodes with XLA's lowering")
     reason = cpu_kernels.unavailable("decode_attention")
-    assert reason is None, reason  # this machine has a C++ compiler: the kernel must build
+    assert reason is None, reason  # with a compiler, the kernel must build
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, BF16_BITS], ids=["float32", "bfloat16_bits"])
@@ -123,7 +125,7 @@ def test_a_failed_build_falls_back_under_auto_and_is_an_error_by_name(monkeypatc
 
 
 def test_processes_building_at_once_share_one_complete_library(tmp_path):
-    script = "from engine.ops import cpu_kernels; print(cpu_kernels._build('decode_attention'))"
+    script = "from engine.ops import cpu_kernels; print(cpu_kernels.build('decode_attention'))"
     env = {**os.environ, "TRAINFLOW_KERNEL_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
     procs = [subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]

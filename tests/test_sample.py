@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from engine.models.config import ComputeConfig, ModelConfig
+from engine.ops import cpu_kernels
 from engine.parallel.config import MeshConfig
 from engine.models.kv_cache import KVCache
 from engine.models.transformer import Transformer
@@ -46,7 +47,9 @@ def teacher_forced(cfg, params, prompt_tokens, prompt_mask, out, temperature):
     return np.take_along_axis(np.asarray(logp[:, p - 1:-1]), out.tokens[..., None], axis=-1)[..., 0], logits
 
 
-DECODE_IMPLS = ["reference", "cpu_kernel"]  # XLA's lowering and the C++ kernel (engine/ops/cpu_kernels)
+# XLA's lowering and the C++ kernel (engine/ops/cpu_kernels), which needs a C++ compiler.
+DECODE_IMPLS = ["reference", pytest.param("cpu_kernel", marks=pytest.mark.skipif(
+    cpu_kernels.compiler() is None, reason="no C++ compiler: the engine decodes with XLA's lowering"))]
 
 
 @pytest.mark.parametrize("impl", DECODE_IMPLS)

@@ -46,7 +46,7 @@ def cache_dir() -> Path:
     return Path(base) / "trainflow" / "kernels"
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
     for candidate in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if candidate and shutil.which(candidate):
             return shutil.which(candidate)
@@ -63,14 +63,14 @@ def _cpu() -> str:
         return platform.processor() or platform.machine()
 
 
-def _build(name: str) -> Path:
+def build(name: str) -> Path:
     """The compiled library of kernel `name`, built (once per source, compiler and CPU) if missing."""
-    compiler = _compiler()
-    if compiler is None:
+    cxx = compiler()
+    if cxx is None:
         raise RuntimeError("no C++ compiler found ($CXX, g++, c++ or clang++)")
     source = SOURCES[name]
     include = jax.ffi.include_dir()
-    command = [compiler, *FLAGS, f"-I{include}", str(source)]
+    command = [cxx, *FLAGS, f"-I{include}", str(source)]
     key = hashlib.sha256("\0".join([source.read_text(), *command[:-1], jax.__version__, _cpu()]).encode()).hexdigest()
     directory = cache_dir()
     library = directory / f"{name}-{key[:16]}.so"
@@ -98,7 +98,7 @@ def unavailable(name: str = "decode_attention") -> str | None:
     """None once kernel `name` is built, loaded and registered with XLA:CPU; else why not."""
     if name not in _state:
         try:
-            library = ctypes.CDLL(str(_build(name)))
+            library = ctypes.CDLL(str(build(name)))
             target, symbol = TARGETS[name]
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
             _state[name] = None
