@@ -1,5 +1,8 @@
 """Model behaviour: packing isolation, remat/scan invariance, sharded == unsharded."""
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,6 +131,16 @@ def test_rope_from_a_position_table_equals_the_direct_rotation():
     # A table too short for a position is not silently clamped to its last row.
     short = jax.jit(lambda x, p: apply_rope(x, p, inv_freq, 1.0, max_position=10))(x, positions)
     assert not np.allclose(np.asarray(short[2, :3]), np.asarray(direct[2, :3]), atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_training_gradient_evaluates_rope_cos_and_sin_once_per_position(dtype):
+    """The forward and backward rotations look cos and sin up in one (t, head_dim / 2) table:
+    computed directly, XLA fused them into every rotation and evaluated them again for each
+    head of q and k in every layer, forward and backward (docs/benchmarks.md)."""
+    hlo = _compiled_grad(ComputeConfig(dtype=dtype))  # tokens (2, 11), head_dim 10
+    shapes = re.findall(r"= f32\[([\d,]*)\]\S* (?:cosine|sine)\(", hlo)
+    assert shapes and all(math.prod(int(d) for d in shape.split(",") if d) <= 11 * 5 for shape in shapes), shapes
 
 
 def _sharded_case(mesh):

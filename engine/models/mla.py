@@ -86,7 +86,7 @@ class MLA(nnx.Module):
     def _dense(self, x, w: nnx.Param, n_in: int = 1):
         return dense(x, w[...].astype(self.dtype), n_in, backward=self.matmul_backward, dot_general=self.dot_general)
 
-    def _rope(self, x_btnr, positions_bt):
+    def _rope(self, x_btnr, positions_bt, max_position: int):
         """RoPE on the rotary part; interleaved checkpoints rotate pairs (x0, x1), (x2, x3), ...,
         which is the half-split rotation of the evens followed by the odds (transformers'
         apply_rotary_pos_emb_interleave returns that order too)."""
@@ -94,7 +94,7 @@ class MLA(nnx.Module):
             x_btnr = jnp.concatenate([x_btnr[..., 0::2], x_btnr[..., 1::2]], axis=-1)
         inv_freq = rope_inverse_frequencies(self.rope_dim, self.rope_theta, self.rope_scaling)
         factor = 1.0 if self.rope_scaling is None else self.rope_scaling.yarn_attention_factor()
-        return apply_rope(x_btnr, positions_bt, inv_freq, factor)
+        return apply_rope(x_btnr, positions_bt, inv_freq, factor, max_position)
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None):
         """As transformer.Attention: `local` (static) slides the window; with a cache (decoding)
@@ -105,10 +105,11 @@ class MLA(nnx.Module):
         else:
             q_btnh = self._dense(x_btd, self.wq_dnh)
         q_btnh = constrain(q_btnh, ("act_batch", "act_seq", "act_heads", None))
-        q_nope, q_rope = q_btnh[..., :o], self._rope(q_btnh[..., o:], positions_bt)
+        max_position = positions_bt.shape[1] if cache is None else cache.length  # RoPE's table (rope.py)
+        q_nope, q_rope = q_btnh[..., :o], self._rope(q_btnh[..., o:], positions_bt, max_position)
         kv_btx = self._dense(x_btd, self.wkv_a_dx)
         latent_btc = self.kv_norm(kv_btx[..., :c])
-        k_rope_bt1r = self._rope(kv_btx[..., None, c:], positions_bt)
+        k_rope_bt1r = self._rope(kv_btx[..., None, c:], positions_bt, max_position)
         window = self.sliding_window if local else None
         w_kb_cno, w_vb_cnw = self.wkv_b_cny[...][..., :o], self.wkv_b_cny[...][..., o:]
         if cache is not None:

@@ -55,11 +55,14 @@ def rope_cos_sin(positions_bt, inv_freq_h2, scale: float = 1.0, max_position: in
     """(cos, sin), each (b, t, 1, head_dim / 2), of the rotation at `positions_bt`, times
     `scale` (YaRN's attention factor).
 
-    `max_position` (static; decoding passes the KV cache's length): every position is below
-    it, and cos and sin are looked up in a (max_position, head_dim / 2) table. XLA fuses the
-    cos and sin of the direct form into each rotation, computing them again for every head
-    of q and k in every layer; in a bf16 GRPO rollout on CPU the table cut the decode loop's
-    busy time to ~0.78x (bench/profile_sample.py, docs/benchmarks.md)."""
+    `max_position` (static): every position is below it (the models pass the row's length t,
+    or while decoding the KV cache's length; a position at or past it gets NaN), and cos
+    and sin are looked up in a (max_position, head_dim / 2) table, the same numbers. XLA
+    fuses the cos and sin of the direct form (max_position None) into each rotation,
+    computing them again for every head of q and k in every layer, forward and backward: in
+    a bf16 GRPO rollout on CPU the table cut the decode loop's busy time to ~0.78x, and in
+    the bf16 training step at the benchmark shape it took 24 fusions of ~7-10 ms each out of
+    the step (bench/profile_sample.py, bench/profile_step.py, docs/benchmarks.md)."""
     if max_position is not None:
         angles_ph2 = jnp.arange(max_position, dtype=jnp.float32)[:, None] * inv_freq_h2
         cos = jnp.take(jnp.cos(angles_ph2), positions_bt, axis=0)[:, :, None, :]

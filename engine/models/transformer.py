@@ -106,8 +106,8 @@ class Attention(nnx.Module):
         q = constrain(q, ("act_batch", "act_seq", "act_heads", None))
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", None))
-        if rotary is None:  # computed here; while decoding, looked up in a table (rope.py)
-            rotary = self.rotary(positions_bt, local, None if cache is None else cache.length)
+        if rotary is None:  # looked up in a table of the positions below the row's (cache's) length (rope.py)
+            rotary = self.rotary(positions_bt, local, positions_bt.shape[1] if cache is None else cache.length)
         q = checkpoint_name(rotate(q, *rotary), "qkv_proj")
         k = checkpoint_name(rotate(k, *rotary), "qkv_proj")
         v = checkpoint_name(v, "qkv_proj")
@@ -389,7 +389,8 @@ class Transformer(nnx.Module):
         return x_btd, cache.replace(end=cache.end + x_btd.shape[1], layer=0)
 
     def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, cache: KVCache | None = None):
-        """Logits (b, t, v) in the compute dtype. Packed rows pass positions and segments.
+        """Logits (b, t, v) in the compute dtype. Packed rows pass positions and segments;
+        positions lie in [0, t), or, with a cache, below its length (RoPE's table, rope.py).
 
         Decoding passes a KVCache (segment id 0 marks left padding) and gets (logits, cache),
         the logits in float32 whatever the compute dtype: the LM head's product accumulates in
