@@ -37,7 +37,9 @@ class KVCache:
     holds each position's latent (b, 1, kv_lora_rank, s) and v its rotary key shared by the
     heads (b, 1, s, rope_head_dim), one "head" each.
 
-    `update` returns both in the logical (b, s, heads, dim) order attention takes.
+    `update` returns both in the logical (b, s, heads, dim) order attention takes, or with
+    `raw` as stored. On CPU a bfloat16 cache stores its values' bits (uint16,
+    engine/ops/attention.py: BF16_BITS), so that a step's write is in place.
 
     Group rollouts (GRPO's G completions per prompt) can keep the prompts' keys and values
     once per prompt (`share`): then `shared_k`/`shared_v` hold them (prompts, ...) in the

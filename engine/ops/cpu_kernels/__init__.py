@@ -84,7 +84,7 @@ def build(name: str) -> Path:
         fd, partial = tempfile.mkstemp(dir=directory, prefix=f".{name}-", suffix=".so")
         os.close(fd)
         try:
-            done = subprocess.run([*command, "-o", partial], capture_output=True, text=True)
+            done = subprocess.run([*command, "-o", partial], capture_output=True, text=True, timeout=600)
             if done.returncode != 0:
                 raise RuntimeError(f"compiling {source.name} failed: {done.stderr.strip()[-2000:]}")
             os.replace(partial, library)  # complete, under its final name
@@ -102,7 +102,7 @@ def unavailable(name: str = "decode_attention") -> str | None:
             target, symbol = TARGETS[name]
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
             _state[name] = None
-        except (OSError, RuntimeError, AttributeError) as error:
+        except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as error:
             _state[name] = f"the CPU kernel {name} is unavailable: {error}"
     return _state[name]  # type: ignore[return-value]
 
