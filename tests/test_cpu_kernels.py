@@ -22,7 +22,7 @@ from tests.conftest import REPO
 B, K, G, H, S, P = 8, 2, 3, 32, 70, 21
 
 
-def case(dtype, *, group=0, softcap=None, sinks=False, seed=0):
+def case(dtype, *, group=0, softcap=None, sinks=False, seed=0, G=G, H=H, S=S):
     """(q, keys, values, mask, shared or None, sinks or None), stored as a cache of `dtype`
     stores them, with masks full of holes, rows of every length and one row that sees
     nothing (the reference's uniform average, or the sinks alone)."""
@@ -65,6 +65,17 @@ def built():
         pytest.skip("no C++ compiler on this machine: the engine decodes with XLA's lowering")
     reason = cpu_kernels.unavailable("decode_attention")
     assert reason is None, reason  # with a compiler, the kernel must build
+
+
+@pytest.mark.parametrize("heads, head_dim, slots", [(5, 48, 20), (8, 64, 140), (1, 10, 9)])
+def test_other_group_sizes_head_dims_and_lengths(heads, head_dim, slots):
+    """Query groups of 5 (3 + 2), 8 (3 + 3 + 2) and 1, head_dims of 3 vectors, 4 (one block)
+    and 10 (no whole vector: the scalar path), and slot counts with and without whole blocks."""
+    args = case(BF16_BITS, group=2, sinks=True, G=heads, H=head_dim, S=slots)
+    ours = np.asarray(kernel(*args, scale=0.3, softcap=None).astype(jnp.float32))
+    theirs = np.asarray(reference(*args, scale=0.3, softcap=None).astype(jnp.float32))
+    assert ours.shape == (B, K, heads, head_dim)
+    np.testing.assert_allclose(ours, theirs, atol=2**-7, rtol=2**-7)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, BF16_BITS], ids=["float32", "bfloat16_bits"])
