@@ -374,6 +374,12 @@ def complete_steps(backend: RemoteBackend, stage: str, artifact_id: str,
     return sorted(steps)
 
 
+def _stamp(path: Path) -> tuple[int, int]:
+    """(size, mtime in ns) of a local file: what says it has not changed since it was sent."""
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
 class StepMirror:
     """Uploads a running stage's checkpoint steps to the bucket as Orbax commits them, so a
     run killed outright (SIGKILL, a lost machine) resumes elsewhere from its newest step.
@@ -396,6 +402,7 @@ class StepMirror:
         self.interval = MIRROR_SECONDS if interval is None else float(interval)
         self.uploaded: set[int] = set()
         self._sent: dict[str, tuple[int, int]] = {}
+        self._step_files: dict[str, tuple[int, int]] = {}  # checkpoint files this mirror uploaded: (size, mtime)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = False
@@ -458,13 +465,20 @@ class StepMirror:
         except FileNotFoundError:
             remote = {}
         try:
+            if STEP_DIGESTS in remote:  # committed there already (its digests go last): whole
+                return True
+            # A file already there counts only if this mirror sent it: a run killed while
+            # uploading the step leaves files of the same size and other bytes (Orbax's
+            # metadata carries a timestamp), which the digests uploaded after them would not match.
             files = [p for p in step_dir.rglob("*") if p.is_file()
-                     and remote.get(p.relative_to(step_dir).as_posix()) != p.stat().st_size]
+                     and (remote.get(rel := p.relative_to(step_dir).as_posix()) != p.stat().st_size
+                          or self._step_files.get(f"{rel_dir}/{rel}") != _stamp(p))]
             # The step's files concurrently (fsspec's batched put), then its digests, alone and last.
             first = [p for p in files if p.relative_to(step_dir).as_posix() != STEP_DIGESTS]
             if first:
                 self.backend.fs.put([str(p) for p in first],
                                     [f"{prefix}/{p.relative_to(step_dir).as_posix()}" for p in first])
+                self._step_files.update({f"{rel_dir}/{p.relative_to(step_dir).as_posix()}": _stamp(p) for p in first})
             if len(first) < len(files):
                 self.backend.fs.put_file(str(step_dir / STEP_DIGESTS), f"{prefix}/{STEP_DIGESTS}")
         except FileNotFoundError:  # removed meanwhile (`keep`): a newer step exists; never counted

@@ -394,6 +394,36 @@ def test_steps_are_uploaded_as_they_commit_and_a_resume_takes_the_newest_whole_o
     assert (elsewhere / "metrics.jsonl").is_file()
 
 
+def test_a_step_left_half_uploaded_by_a_killed_run_is_uploaded_whole_again(bucket, tmp_path):
+    """A killed run may leave a step's files on the bucket without its digests, some of them
+    the same size as the resumed run's and other bytes (Orbax's metadata holds a timestamp).
+    The new run's mirror sends every file of the step, not only those of another size: the
+    step then verifies against the digests uploaded last."""
+    from tasks.artifacts import ArtifactStore
+    from tasks.objectstore import complete_steps
+
+    store = ArtifactStore(f"s3://{bucket}/half")
+    out = store.artifact_dir("pretrain", "abc")
+    out.mkdir(parents=True)
+    checkpointer = Checkpointer(out / "checkpoint", keep=2, async_save=False)
+    checkpointer.save(18, {"w_df": jnp.ones((8, 4), jnp.float32)}, {"count": jnp.zeros((), jnp.int32)}, {"step": 18}, {})
+    checkpointer.wait()
+    checkpointer.close()
+    step_dir = out / "checkpoint" / "18"
+    client = boto3.client("s3")
+    leftovers = [p for p in step_dir.rglob("*") if p.is_file() and p.name != "digests.json"]
+    for path in leftovers:  # the killed run's copy: same sizes, other bytes, no digests
+        client.put_object(Bucket=bucket, Key=f"half/pretrain/abc/checkpoint/18/{path.relative_to(step_dir).as_posix()}",
+                          Body=bytes(255 - b for b in path.read_bytes()))
+    assert complete_steps(store.remote, "pretrain", "abc") == []
+    assert store.remote.mirror("pretrain", "abc", out).sync() == [18]
+    elsewhere = tmp_path / "elsewhere"
+    store.remote.download("pretrain", "abc", elsewhere, with_manifest=False, partial=True, log=lambda _: None)
+    assert verify_step(elsewhere / "checkpoint", 18) == []
+    for path in leftovers:
+        assert (elsewhere / "checkpoint" / "18" / path.relative_to(step_dir)).read_bytes() == path.read_bytes()
+
+
 # --------------------------------------------------------------------------- the runner on a bucket
 
 
