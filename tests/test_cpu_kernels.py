@@ -1,10 +1,12 @@
-"""The C++ decode-attention kernel (engine/ops/cpu_kernels): the reference's numbers, slots
-past a row's last visible one never read, one complete library per build however many
-processes build at once, and a fallback or a clear error where it cannot be built."""
+"""The C++ kernels (engine/ops/cpu_kernels): decode attention and training attention give the
+reference's numbers (training attention: its gradients too), decode never reads slots past a
+row's last visible one, one complete library per build however many processes build at
+once, and a fallback or a clear error where a kernel cannot be built or cannot take the case."""
 
 import os
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +15,8 @@ import pytest
 
 from engine.config import ConfigError
 from engine.ops import attention, cpu_kernels
-from engine.ops.attention import BF16_BITS, choose_decode_implementation, stored
-from engine.ops.attention_reference import _one_query_attention
+from engine.ops.attention import BF16_BITS, choose_decode_implementation, choose_implementation, stored
+from engine.ops.attention_reference import _one_query_attention, reference_attention
 from tests.conftest import REPO
 
 # 8 rows, 2 kv heads of 3 query heads, head_dim 32 (two 16-lane vectors), 70 own slots (a
@@ -63,8 +65,9 @@ def kernel(q, k, v, mask, shared, sinks_kg, *, scale, softcap):
 def built():
     if cpu_kernels.compiler() is None:
         pytest.skip("no C++ compiler on this machine: the engine decodes with XLA's lowering")
-    reason = cpu_kernels.unavailable("decode_attention")
-    assert reason is None, reason  # with a compiler, the kernel must build
+    for name in cpu_kernels.SOURCES:
+        reason = cpu_kernels.unavailable(name)
+        assert reason is None, reason  # with a compiler, every kernel must build
 
 
 @pytest.mark.parametrize("heads, head_dim, slots", [(5, 48, 20), (8, 64, 140), (1, 10, 9)])
@@ -146,3 +149,104 @@ def test_processes_building_at_once_share_one_complete_library(tmp_path):
     libraries = sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".so")
     assert len(paths) == 1 and len(libraries) == 1 and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     assert os.path.basename(paths.pop()) == libraries[0]
+
+
+# --------------------------------------------------------------------------- training attention
+
+
+def training_case(b, t, n, kv, h, dtype, segments=None, seed=0):
+    """q, k, v, a cotangent for the output that is 0 at padding (nothing reads a padding
+    query's output in training), and segment ids (b, t)."""
+    rng = np.random.default_rng(seed)
+    draw = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)  # noqa: E731
+    segments = jnp.ones((b, t), jnp.int32) if segments is None else jnp.asarray(segments, jnp.int32)
+    d_out = draw(b, t, n, h) * (segments != 0)[:, :, None, None].astype(dtype)
+    return draw(b, t, n, h), draw(b, t, kv, h), draw(b, t, kv, h), d_out, segments
+
+
+def kernel_and_reference(q, k, v, d_out, segments, window):
+    """(output, (dq, dk, dv)) of the kernel and of the float32 reference, padding queries' outputs zeroed."""
+    scale = q.shape[-1] ** -0.5
+    valid = (segments != 0)[:, :, None, None]
+    ker = lambda q, k, v: cpu_kernels.train_attention(q, k, v, segments, scale, window or 0)  # noqa: E731
+    ref = lambda q, k, v: reference_attention(q, k, v, segments, scale=scale, window=window)  # noqa: E731
+    out, vjp = jax.vjp(jax.jit(ker), q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref_out, ref_vjp = jax.vjp(ref, *f32)
+    return (jnp.where(valid, out, 0), vjp(d_out)), (jnp.where(valid, ref_out, 0), ref_vjp(d_out.astype(jnp.float32)))
+
+
+# Row 0: two documents and padding; row 1: one document; row 2: a document id that comes back
+# after another (not contiguous runs: the kernel checks every key's id).
+SEGMENTS_3x70 = [[1] * 30 + [2] * 31 + [0] * 9, [3] * 70, [1] * 20 + [2] * 20 + [1] * 30]
+
+
+@pytest.mark.parametrize("n, kv, h, window", [(6, 2, 64, None), (6, 2, 16, 9), (8, 1, 48, None), (4, 4, 32, 40)],
+                         ids=["gqa3-h64", "gqa3-h16-window", "gqa8-h48", "mha-h32-window"])
+def test_training_attention_and_its_gradients_equal_the_reference(n, kv, h, window):
+    """70 positions: two whole 32-position blocks and a partial one, keys padded to tiles of 32."""
+    (out, grads), (ref_out, ref_grads) = kernel_and_reference(
+        *training_case(3, 70, n, kv, h, jnp.float32, SEGMENTS_3x70), window)
+    np.testing.assert_allclose(out, ref_out, atol=2e-6)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"d{name}")
+
+
+def test_training_attention_in_bfloat16_keeps_its_dtype_and_tracks_float32():
+    q, k, v, d_out, segments = training_case(2, 96, 6, 2, 64, jnp.bfloat16, [[1] * 50 + [2] * 40 + [0] * 6, [1] * 96],
+                                             seed=1)
+    (out, grads), (ref_out, ref_grads) = kernel_and_reference(q, k, v, d_out, segments, None)
+    assert out.dtype == jnp.bfloat16 and [g.dtype for g in grads] == [jnp.bfloat16] * 3
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=2e-2)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=0.02 * float(jnp.abs(want).max()),
+                                   err_msg=f"d{name}")
+
+
+def test_the_model_trains_through_the_kernel_as_through_blocked():
+    """A whole model's loss and gradients: auto (the kernel, on one CPU device) against blocked."""
+    from flax import nnx
+
+    from engine.models.config import ComputeConfig, ModelConfig
+    from engine.models.params import apply_model
+    from engine.models.transformer import Transformer
+
+    cfg = ModelConfig(vocab_size=61, d_model=48, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16, mlp_dim=64,
+                      max_seq_len=80)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 61, (2, 80)))
+    segments = jnp.asarray([[1] * 40 + [2] * 40, [1] * 80])
+
+    def loss_and_grads(impl):
+        graphdef, state = nnx.split(Transformer(cfg, ComputeConfig(attention_impl=impl), rngs=nnx.Rngs(0)))
+        loss = lambda p: jnp.mean(jax.nn.log_softmax(apply_model(graphdef, p, tokens, None, segments)) ** 2)  # noqa
+        return jax.jit(jax.value_and_grad(loss))(nnx.to_pure_dict(state))
+
+    graphdef, _ = nnx.split(Transformer(cfg, ComputeConfig(), rngs=nnx.Rngs(0)))
+    hlo = jax.jit(lambda p: apply_model(graphdef, p, tokens, None, segments)).lower(
+        nnx.to_pure_dict(nnx.split(Transformer(cfg, ComputeConfig(), rngs=nnx.Rngs(0)))[1])).as_text()
+    assert "trainflow_train_attention_fwd" in hlo  # auto took the kernel
+    (loss, grads), (ref_loss, ref_grads) = loss_and_grads("auto"), loss_and_grads("blocked")
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), grads, ref_grads)
+
+
+def test_training_attention_choice(monkeypatch):
+    monkeypatch.setattr(attention, "_told", set())  # each reason's warning afresh
+    case = dict(dtype=jnp.bfloat16, head_dim=64, seq_len=512, softcap=None, groups=3, value_dim=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning where the kernel runs, nor on a mesh
+        assert choose_implementation("auto", platform="cpu", **case) == "cpu_kernel"
+        assert choose_implementation("auto", platform="cpu", devices=8, **case) == "blocked"
+    for change, reason in [(dict(softcap=30.0), "no logit soft-cap"), (dict(sinks=True), "no attention sinks"),
+                           (dict(head_dim=72, value_dim=72), "multiple of 16"), (dict(value_dim=32), "alike"),
+                           (dict(groups=12), "at most 8"), (dict(dtype=jnp.float16), "not float16")]:
+        attention._told.clear()  # two reasons share a message
+        with pytest.warns(UserWarning, match=f"auto uses blocked, not cpu_kernel, on cpu: .*{reason}"):
+            assert choose_implementation("auto", platform="cpu", **{**case, **change}) == "blocked"
+        with pytest.raises(ConfigError, match=f"compute.attention_impl: cpu_kernel cannot run this model: .*{reason}"):
+            choose_implementation("cpu_kernel", platform="cpu", **{**case, **change})
+    with pytest.raises(ConfigError, match=r"compute\.attention_impl: cpu_kernel runs on one CPU device, and the mesh "
+                                          r"has 4 devices"):
+        choose_implementation("cpu_kernel", platform="cpu", devices=4, **case)
+    with pytest.raises(ConfigError, match=r"cpu_kernel runs on one CPU device, and this run compiles for gpu"):
+        choose_implementation("cpu_kernel", platform="gpu", **case)

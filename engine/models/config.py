@@ -319,11 +319,14 @@ class ComputeConfig(Strict):
     remat: Literal["none", "full", "save_dots", "save_qkv_proj"] = "none"
     """Which activations the backward pass recomputes (none = keep all)."""
 
-    attention_impl: Literal["auto", "reference", "blocked", "cudnn", "splash"] = "auto"
+    attention_impl: Literal["auto", "reference", "blocked", "cudnn", "splash", "cpu_kernel"] = "auto"
     """Attention in training and prefill (engine/ops/attention.py): auto picks by platform (cpu
-    blocked, gpu cudnn, tpu splash) and falls back to blocked, with a warning, where that kernel
-    cannot take the model (cudnn: softcap, float32, head_dim, attention sinks; splash: seq_len %
-    128); a named one that cannot is an error. reference: the plain masked softmax (tests)."""
+    cpu_kernel, the C++ kernel engine/ops/cpu_kernels/train_attention.cc, on one device and
+    blocked on a mesh of several; gpu cudnn; tpu splash) and falls back to blocked, with a
+    warning, where that kernel cannot take the model (cudnn: softcap, float32, head_dim,
+    attention sinks; splash: seq_len % 128; cpu_kernel: softcap, sinks, head_dim % 16, a
+    kernel that cannot be built); a named one that cannot is an error. reference: the plain
+    masked softmax (tests)."""
     decode_attention_impl: Literal["auto", "reference", "cpu_kernel"] = "auto"
     """Attention of a decode step (one query per row against the KV cache; engine/ops/attention.py):
     cpu_kernel = the C++ kernel engine/ops/cpu_kernels/decode_attention.cc, compiled on first

@@ -3,6 +3,8 @@ platform behind it (`ComputeConfig.attention_impl`).
 
     reference   the masked softmax over all (t, t) scores (attention_reference.py): the tests' yardstick
     blocked     block-causal with a recomputing backward, laid out for XLA:CPU (attention_blocked.py)
+    cpu_kernel  the same function as blocked in one C++ pass per (row, kv head), forward and
+                backward (engine/ops/cpu_kernels/train_attention.cc): one CPU device
     cudnn       cuDNN flash attention via jax.nn.dot_product_attention, NVIDIA GPUs (attention_cudnn.py)
     splash      the Pallas TPU splash-attention kernel (attention_splash.py)
 
@@ -12,9 +14,13 @@ soft-cap and optional attention sinks (GPT-OSS: a learned logit per head that jo
 softmax's denominator). Outputs at padding positions are not specified (nothing reads them).
 
 `auto` picks by the platform being compiled for (partitioning.current_platform): cpu ->
-blocked, gpu -> cudnn, tpu -> splash. Where that kernel cannot take the case (cuDNN: a
+cpu_kernel, gpu -> cudnn, tpu -> splash. Where that kernel cannot take the case (cuDNN: a
 soft-cap, float32, head_dim, attention sinks; splash: a sequence length that is not a
-multiple of 128) auto runs `blocked` instead and warns once per process, naming the reason.
+multiple of 128; cpu_kernel: a soft-cap, sinks, a head_dim that is not a multiple of 16,
+more than 8 query heads per kv head, value heads of another width, a kernel that could
+not be built) auto runs `blocked` instead and warns once per process, naming the reason. On
+a mesh of several CPU devices auto runs `blocked` without a warning: the kernel is not
+partitioned.
 An implementation asked for by name is never swapped: if it cannot run the case, or `cudnn`
 is asked for off a GPU, that is a ConfigError. `splash` by name off TPU runs in the Pallas
 interpreter (exact, slow: for tests), with a warning.
@@ -43,7 +49,7 @@ from engine.ops.attention_reference import dot_product_attention, reference_atte
 from engine.ops.attention_splash import splash_attention
 from engine.ops.partitioning import current_mesh, current_platform
 
-Impl = Literal["auto", "reference", "blocked", "cudnn", "splash"]
+Impl = Literal["auto", "reference", "blocked", "cudnn", "splash", "cpu_kernel"]
 DecodeImpl = Literal["auto", "reference", "cpu_kernel"]
 
 BF16_BITS = jnp.uint16
@@ -63,7 +69,7 @@ def stored(x, dtype):
 def cache_values(x):
     """A stored cache array as values: bfloat16 from BF16_BITS, else x."""
     return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == BF16_BITS else x
-AUTO = {"cpu": "blocked", "gpu": "cudnn", "tpu": "splash"}
+AUTO = {"cpu": "cpu_kernel", "gpu": "cudnn", "tpu": "splash"}
 """What `auto` picks on each platform (anything else: blocked)."""
 FALLBACK = "blocked"
 
@@ -83,7 +89,17 @@ def _device():
 
 
 def _unsupported(impl: str, *, dtype, head_dim: int, seq_len: int, softcap, segmented: bool,
-                 sinks: bool = False) -> str | None:
+                 sinks: bool = False, groups: int = 1, value_dim: int | None = None) -> str | None:
+    if impl == "cpu_kernel":
+        if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+            return f"the CPU kernel takes float32 or bfloat16, not {jnp.dtype(dtype).name}"
+        if softcap or sinks:
+            return "the CPU kernel takes no logit soft-cap and no attention sinks"
+        if head_dim % 16 or (value_dim is not None and value_dim != head_dim):
+            return f"the CPU kernel needs a head_dim that is a multiple of 16 (here {head_dim}) for keys and values alike"
+        if groups > 8:
+            return f"the CPU kernel takes at most 8 query heads per kv head (here {groups})"
+        return cpu_kernels.unavailable("train_attention")
     if sinks and impl == "cudnn":  # jax.nn.dot_product_attention has no sinks argument
         return "cuDNN attention here takes no attention sinks (attention_sinks)"
     if impl == "cudnn":
@@ -95,11 +111,19 @@ def _unsupported(impl: str, *, dtype, head_dim: int, seq_len: int, softcap, segm
 
 
 def choose_implementation(impl: Impl, *, platform: str, dtype, head_dim: int, seq_len: int,
-                          softcap: float | None = None, segmented: bool = True, sinks: bool = False) -> str:
+                          softcap: float | None = None, segmented: bool = True, sinks: bool = False,
+                          groups: int = 1, value_dim: int | None = None, devices: int = 1) -> str:
     """The implementation that runs `impl` on `platform` for this case (see the module docstring)."""
-    case = dict(dtype=dtype, head_dim=head_dim, seq_len=seq_len, softcap=softcap, segmented=segmented, sinks=sinks)
+    case = dict(dtype=dtype, head_dim=head_dim, seq_len=seq_len, softcap=softcap, segmented=segmented, sinks=sinks,
+                groups=groups, value_dim=value_dim)
+    if impl == "cpu_kernel" and (platform != "cpu" or devices > 1):
+        where = f"this run compiles for {platform}" if platform != "cpu" else f"the mesh has {devices} devices"
+        raise ConfigError(f"compute.attention_impl: cpu_kernel runs on one CPU device, and {where}; "
+                          f"use auto ({AUTO.get(platform, FALLBACK) if platform != 'cpu' else FALLBACK} here) or blocked")
     if impl == "auto":
         wanted = AUTO.get(platform, FALLBACK)
+        if wanted == "cpu_kernel" and devices > 1:
+            return FALLBACK
         reason = _unsupported(wanted, **case)
         if reason is None:
             return wanted
@@ -131,9 +155,11 @@ def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, impl: Impl = "auto
     assert isinstance(local, (bool, np.bool_)), "local must be static (a Python bool)"
     window = window if local else None
     platform = current_platform()
+    mesh = current_mesh()
     name = choose_implementation(impl, platform=platform, dtype=q_btnh.dtype, head_dim=q_btnh.shape[3],
                                  seq_len=q_btnh.shape[1], softcap=softcap, segmented=segment_ids_bt is not None,
-                                 sinks=sinks_n is not None)
+                                 sinks=sinks_n is not None, groups=q_btnh.shape[2] // k_bskh.shape[2],
+                                 value_dim=v_bskh.shape[3], devices=1 if mesh is None else mesh.devices.size)
     args = (q_btnh, k_bskh, v_bskh, segment_ids_bt)
     if name == "reference":
         return reference_attention(*args, scale=scale, softcap=softcap, window=window, sinks_n=sinks_n)
@@ -141,6 +167,9 @@ def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, impl: Impl = "auto
         return blocked_attention(*args, scale=scale, softcap=softcap, window=window, block=block, sinks_n=sinks_n)
     if name == "cudnn":
         return cudnn_attention(*args, scale=scale, window=window)
+    if name == "cpu_kernel":
+        segments = jnp.ones(q_btnh.shape[:2], jnp.int32) if segment_ids_bt is None else segment_ids_bt
+        return cpu_kernels.train_attention(q_btnh, k_bskh, v_bskh, segments, float(scale), int(window or 0))
     return splash_attention(*args, scale=scale, softcap=softcap, window=window, interpret=platform != "tpu",
                             sinks_n=sinks_n)
 

@@ -1,6 +1,8 @@
 """XLA:CPU kernels of our own, in C++ next to this file, called as XLA FFI custom calls.
 
     decode_attention.cc   one query per row against a KV cache and a group's shared prefix
+    train_attention.cc    causal grouped-query attention in training, forward and backward
+    common.h              what they share: bfloat16 conversion, vectors, exp, the thread pool
 
 XLA:CPU compiles some of the model's small, fused pieces of work (decode attention: two
 batched products of a few rows each, and the softmax between them) into many operations
@@ -19,6 +21,7 @@ final name only when complete. Where no compiler is found or the build fails,
 from __future__ import annotations
 
 import ctypes
+import functools
 import fcntl
 import hashlib
 import os
@@ -32,8 +35,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SOURCES = {"decode_attention": Path(__file__).with_name("decode_attention.cc")}
-TARGETS = {"decode_attention": ("trainflow_decode_attention", "TrainflowDecodeAttention")}
+SOURCES = {name: Path(__file__).with_name(f"{name}.cc") for name in ("decode_attention", "train_attention")}
+HEADERS = (Path(__file__).with_name("common.h"),)
+TARGETS = {  # library -> {XLA custom-call target: the handler's symbol}
+    "decode_attention": {"trainflow_decode_attention": "TrainflowDecodeAttention"},
+    "train_attention": {"trainflow_train_attention_fwd": "TrainflowTrainAttentionForward",
+                        "trainflow_train_attention_bwd": "TrainflowTrainAttentionBackward"},
+}
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
 _state: dict[str, object] = {}  # name -> registered target name, or the reason it is unavailable
@@ -71,7 +79,8 @@ def build(name: str) -> Path:
     source = SOURCES[name]
     include = jax.ffi.include_dir()
     command = [cxx, *FLAGS, f"-I{include}", str(source)]
-    key = hashlib.sha256("\0".join([source.read_text(), *command[:-1], jax.__version__, _cpu()]).encode()).hexdigest()
+    texts = [source.read_text(), *(header.read_text() for header in HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, *command[:-1], jax.__version__, _cpu()]).encode()).hexdigest()
     directory = cache_dir()
     library = directory / f"{name}-{key[:16]}.so"
     if library.exists():
@@ -99,8 +108,8 @@ def unavailable(name: str = "decode_attention") -> str | None:
     if name not in _state:
         try:
             library = ctypes.CDLL(str(build(name)))
-            target, symbol = TARGETS[name]
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+            for target, symbol in TARGETS[name].items():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
             _state[name] = None
         except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as error:
             _state[name] = f"the CPU kernel {name} is unavailable: {error}"
@@ -124,7 +133,42 @@ def decode_attention(q_bkgh, k_bkhs, v_bksh, mask_bs, shared=None, *, scale: flo
         *prefix, group = shared
         prefix = (*prefix[:2], prefix[2].astype(bool))
     sinks = jnp.zeros((k, g), jnp.float32) if sinks_kg is None else sinks_kg.astype(jnp.float32)
-    call = jax.ffi.ffi_call(TARGETS["decode_attention"][0], jax.ShapeDtypeStruct((b, k, g, h), dtype))
+    call = jax.ffi.ffi_call("trainflow_decode_attention", jax.ShapeDtypeStruct((b, k, g, h), dtype))
     return call(q_bkgh.astype(dtype), k_bkhs, v_bksh, mask_bs.astype(bool), *prefix, sinks,
                 scale=np.float32(scale), softcap=np.float32(softcap or 0.0), group=np.int64(group),
                 has_sinks=np.int64(sinks_kg is not None))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def train_attention(q_btnh, k_btkh, v_btkh, segment_ids_bt, scale: float, window: int):
+    """Causal grouped-query attention of q (b, t, n, h) over k, v (b, t, k, h) with segment ids
+    (b, t) (0 = padding) and a sliding `window` (0: none), as attention_blocked.blocked_attention
+    computes it (up to float32 summation order; a query that sees no key gets 0): (b, t, n, h)
+    in q's dtype, float32 or bfloat16, h a multiple of 16, n / k at most 8. Differentiable in
+    q, k and v (train_attention.cc's backward). Needs unavailable("train_attention") to be None."""
+    return _train_forward(q_btnh, k_btkh, v_btkh, segment_ids_bt, scale, window)[0]
+
+
+def _train_forward(q, k, v, segment_ids, scale, window):
+    b, t, n, h = q.shape
+    kv = k.shape[2]
+    call = jax.ffi.ffi_call("trainflow_train_attention_fwd", (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                                                              jax.ShapeDtypeStruct((b, kv, t, n // kv), jnp.float32)),
+                            vmap_method="sequential")
+    out, lse = call(q, k.astype(q.dtype), v.astype(q.dtype), segment_ids.astype(jnp.int32),
+                    scale=np.float32(scale), window=np.int64(window))
+    return out, (q, k, v, segment_ids, out, lse)
+
+
+def _train_backward(scale, window, residuals, d_out):
+    q, k, v, segment_ids, out, lse = residuals
+    call = jax.ffi.ffi_call("trainflow_train_attention_bwd", (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                                                              jax.ShapeDtypeStruct(k.shape, q.dtype),
+                                                              jax.ShapeDtypeStruct(v.shape, q.dtype)),
+                            vmap_method="sequential")
+    dq, dk, dv = call(q, k.astype(q.dtype), v.astype(q.dtype), segment_ids.astype(jnp.int32), out, lse,
+                      d_out.astype(q.dtype), scale=np.float32(scale), window=np.int64(window))
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+train_attention.defvjp(lambda q, k, v, s, scale, window: _train_forward(q, k, v, s, scale, window), _train_backward)

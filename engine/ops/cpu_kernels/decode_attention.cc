@@ -15,63 +15,16 @@
 // values (b, k, s, h); mask (b, s). The shared prefix: keys (P, k, h, p), values (P, k, p, h),
 // mask (P, p); row r reads prompt r / group. p = 0: no prefix. sinks (k, g), float32.
 
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <memory>
 #include <string>
-#include <thread>
-#include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "common.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-using bf16 = uint16_t;
+using namespace trainflow;
 constexpr float kMasked = -1e30f;  // attention_reference.NEG_INF
-
-inline float to_f32(float x) { return x; }
-inline float to_f32(bf16 x) {
-  const uint32_t bits = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-template <typename T> inline T from_f32(float x);
-template <> inline float from_f32<float>(float x) { return x; }
-template <> inline bf16 from_f32<bf16>(float x) {  // round to nearest even, as XLA's convert
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return bf16((bits >> 16) | 0x40u);  // NaN stays a (quiet) NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return bf16(bits >> 16);
-}
-
-// 16 float32 lanes in GCC/Clang vector extensions: the compiler lowers them to the CPU's
-// widest vectors (one AVX-512 register, two AVX2 ones, ...).
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline f32x16 load16(const bf16* p) {
-  u16x16 h;
-  std::memcpy(&h, p, sizeof h);
-  const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
-  f32x16 v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 
 // Scores of query heads [0, GB) of qf (rows of H) against slots [j, j + 16 * JB) of keys
 // (H rows of `stride`), into out (rows of L). Each key vector is read once for all GB heads,
@@ -168,28 +121,6 @@ void values_blocked(const float* p, int64_t G, int64_t L, int64_t offset, const 
   }
 }
 
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-// e^x for x <= 0 on 16 lanes: Cephes expf's range reduction (n rounded to nearest by the
-// 1.5 * 2^23 trick) and polynomial, ~1 ulp; 0 below -87 (e^-87 is near float32's smallest
-// normal), so -inf -> 0.
-inline f32x16 exp16(f32x16 x) {
-  const f32x16 xc = x < -87.0f ? f32x16{} - 87.0f : x;
-  const f32x16 n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const f32x16 r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-  f32x16 p = f32x16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const f32x16 y = p * r * r + r + 1.0f;
-  const i32x16 exponent = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  f32x16 scale;
-  std::memcpy(&scale, &exponent, sizeof scale);
-  return x < -87.0f ? f32x16{} : y * scale;
-}
-
 // r[0, n) (n % 16 == 0) <- softmax(r), with a sink logit in the denominator if `sinks`.
 inline void softmax_row(float* r, int64_t n, bool sinks, float sink) {
   f32x16 top = f32x16{} - INFINITY;
@@ -274,34 +205,10 @@ void attend(const Problem& pr, int64_t pair, std::vector<float>& scratch) {
   for (int64_t i = 0; i < G * H; ++i) out[i] = from_f32<T>(acc[i]);
 }
 
-// Pairs (row, kv head) in chunks, claimed by this thread and by helpers scheduled on XLA's
-// intra-op pool; a helper that starts after every chunk is claimed returns at once.
 template <typename T>
 void run(const Problem& pr, ffi::ThreadPool& pool) {
-  const int64_t pairs = pr.rows * pr.kv;
-  const int64_t work = pairs * (pr.s + pr.p) * pr.h * pr.g;
-  const int64_t threads = std::min<int64_t>(pool.num_threads(), pairs);
-  if (threads <= 1 || work < (int64_t(1) << 19)) {
-    std::vector<float> scratch;
-    for (int64_t i = 0; i < pairs; ++i) attend<T>(pr, i, scratch);
-    return;
-  }
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  const int64_t chunk = std::max<int64_t>(1, pairs / (threads * 8));
-  const int64_t chunks = (pairs + chunk - 1) / chunk;
-  auto worker = [shared, pr, chunk, chunks, pairs]() {
-    std::vector<float> scratch;
-    for (int64_t c; (c = shared->next.fetch_add(1)) < chunks;) {
-      for (int64_t i = c * chunk; i < std::min(pairs, (c + 1) * chunk); ++i) attend<T>(pr, i, scratch);
-      shared->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t t = 1; t < threads; ++t) pool.Schedule(decltype(worker)(worker));
-  worker();
-  while (shared->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+  const int64_t work = pr.rows * pr.kv * (pr.s + pr.p) * pr.h * pr.g;
+  parallel_for(pool, pr.rows * pr.kv, work, 8, [pr](int64_t i, std::vector<float>& scratch) { attend<T>(pr, i, scratch); });
 }
 
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
