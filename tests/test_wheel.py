@@ -87,6 +87,14 @@ def test_wheel_runs_the_tiny_pipeline_without_a_checkout(tmp_path, prefect_serve
 
     assert run([venv / "bin" / "trainflow", "--version"], cwd=empty, env=env).stdout == f"trainflow {version}\n"
 
+    # The C++ kernels build from the wheel's own files (sources and their shared header), into
+    # an empty cache: a missing file would only show as auto's fallback to XLA's lowering.
+    if shutil.which("g++") or shutil.which("c++") or shutil.which("clang++"):
+        reasons = run([python, "-c", "from engine.ops import cpu_kernels; "
+                       "print([cpu_kernels.unavailable(n) for n in sorted(cpu_kernels.SOURCES)])"],
+                      cwd=empty, env={**env, "TRAINFLOW_KERNEL_CACHE": str(tmp_path / "kernels")}).stdout
+        assert reasons.strip().splitlines()[-1] == "[None, None]", reasons
+
     pipeline = tmp_path / "pipeline" / "tiny.yaml"
     pipeline.parent.mkdir()
     pipeline.write_text(run([python, "-c", "from importlib.resources import files; "
