@@ -37,9 +37,6 @@ template <> inline bf16 from_f32<bf16>(float x) {  // round to nearest even, as 
   return bf16(bits >> 16);
 }
 
-// x as T would hold it (bfloat16: rounded), back in float32.
-template <typename T> inline float rounded(float x) { return to_f32(from_f32<T>(x)); }
-
 // 16 float32 lanes in GCC/Clang vector extensions: the compiler lowers them to the CPU's
 // widest vectors (one AVX-512 register, two AVX2 ones, ...).
 typedef float f32x16 __attribute__((vector_size(64)));

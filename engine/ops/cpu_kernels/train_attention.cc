@@ -359,7 +359,7 @@ ffi::Error Forward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                    float scale, int64_t window) {
   Problem pr{};
   if (auto e = check(q, k, v, seg, &pr); e.failure()) return e;
-  if (out->element_type() != q.element_type() || lse->element_count() != pr.b * pr.t * pr.n)
+  if (out->element_type() != q.element_type() || int64_t(lse->element_count()) != pr.b * pr.t * pr.n)
     return ffi::Error::InvalidArgument("train attention: results of the wrong type or size");
   pr.scale = scale, pr.window = window;
   pr.q = q.untyped_data(), pr.k = k.untyped_data(), pr.v = v.untyped_data(), pr.seg = seg.typed_data();
@@ -380,7 +380,7 @@ ffi::Error Backward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   if (auto e = check(q, k, v, seg, &pr); e.failure()) return e;
   const auto type = q.element_type();
   if (out.element_type() != type || dout.element_type() != type || dq->element_type() != type ||
-      dk->element_type() != type || dv->element_type() != type || lse.element_count() != pr.b * pr.t * pr.n ||
+      dk->element_type() != type || dv->element_type() != type || int64_t(lse.element_count()) != pr.b * pr.t * pr.n ||
       out.element_count() != q.element_count() || dout.element_count() != q.element_count())
     return ffi::Error::InvalidArgument("train attention backward: operands of the wrong type or size");
   pr.scale = scale, pr.window = window;
