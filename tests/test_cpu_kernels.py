@@ -221,9 +221,8 @@ def test_the_model_trains_through_the_kernel_as_through_blocked():
         loss = lambda p: jnp.mean(jax.nn.log_softmax(apply_model(graphdef, p, tokens, None, segments)) ** 2)  # noqa
         return jax.jit(jax.value_and_grad(loss))(nnx.to_pure_dict(state))
 
-    graphdef, _ = nnx.split(Transformer(cfg, ComputeConfig(), rngs=nnx.Rngs(0)))
-    hlo = jax.jit(lambda p: apply_model(graphdef, p, tokens, None, segments)).lower(
-        nnx.to_pure_dict(nnx.split(Transformer(cfg, ComputeConfig(), rngs=nnx.Rngs(0)))[1])).as_text()
+    graphdef, state = nnx.split(Transformer(cfg, ComputeConfig(), rngs=nnx.Rngs(0)))
+    hlo = jax.jit(lambda p: apply_model(graphdef, p, tokens, None, segments)).lower(nnx.to_pure_dict(state)).as_text()
     assert "trainflow_train_attention_fwd" in hlo  # auto took the kernel
     (loss, grads), (ref_loss, ref_grads) = loss_and_grads("auto"), loss_and_grads("blocked")
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)

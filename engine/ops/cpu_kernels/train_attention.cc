@@ -317,7 +317,7 @@ void backward(const Problem& pr, int64_t pair, std::vector<float>& buf) {
       float unused;
       probabilities<T>(pr, vis, i0 + r / g, k0, kn, pr_row, false, lse[r0 + r], &unused);
       const f32x16 dl = f32x16{} + delta[r0 + r];
-      for (int64_t x = 0; x < kn; x += 16)  // dS = P * (dP - delta) * scale, rounded as dS's factor
+      for (int64_t x = 0; x < kn; x += 16)  // dS = P * (dP - delta) * scale, P as rounded for dV
         store16(ds_row + x, load16(pr_row + x) * (load16(ds_row + x) - dl) * pr.scale);
     }
     acc(p, 1, tp, kn, m, dout + r0 * H, H, H, dv + k0 * H, H);    // dV += P^T . dO
