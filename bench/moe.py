@@ -25,6 +25,7 @@ import re
 import resource
 import sys
 import time
+from pathlib import Path
 
 from bench import REPO, alternate, finish, load_line, machine, summary, time_torch_steps, xla_busy
 
@@ -139,6 +140,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="rounds of engine, torch (each a process)")
     parser.add_argument("--dispatch", default="dropless", choices=["dropless", "capacity"])
     parser.add_argument("--tiny", action="store_true", help="a dry run on a toy shape; writes nothing")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "moe.json"),
+                        help="where the JSON goes (bench/results/<cpu kind>/ for a second CPU kind)")
     parser.add_argument("--worker", nargs="*")
     args = parser.parse_args()
     shape, batch_size, seq = (TINY, TINY_BATCH, TINY_SEQ) if args.tiny else (SHAPE, BATCH, SEQ)
@@ -177,12 +180,12 @@ def main() -> None:
     print(load_line(info))
     if args.tiny:
         return
-    out = REPO / "bench" / "results" / "moe.json"
+    out = Path(args.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": "python -m bench.moe " + " ".join(sys.argv[1:]), "machine": info,
                                "shape": SHAPE, "batch": BATCH, "seq": SEQ, "dispatch": args.dispatch,
                                "rows": rows, "profile": profile}, indent=2) + "\n")
-    print(f"wrote {out.relative_to(REPO)}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

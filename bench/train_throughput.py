@@ -20,6 +20,7 @@ import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from bench import REPO, alternate, finish, load_line, machine, summary, time_torch_steps
 
@@ -129,6 +130,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="rounds of engine, torch (each a process) per dtype")
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "train_throughput.json"),
+                        help="where the JSON goes (bench/results/<cpu kind>/ for a second CPU kind)")
     parser.add_argument("--worker", nargs="*")
     parser.add_argument("--skip-torch", action="store_true")
     args = parser.parse_args()
@@ -166,12 +169,12 @@ def main() -> None:
               f"{mfu:>6.1%} {rss:>12,.0f} {ratio:>8.2f}x {rss_ratio:>12.2f}x")
     print("* MFU against the matmul peak of the run's dtype (bf16 x bf16 -> f32 for bf16), measured in its process.")
     print(load_line(info))
-    out = REPO / "bench" / "results" / "train_throughput.json"
+    out = Path(args.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": "python -m bench.train_throughput " + " ".join(sys.argv[1:]),
                                "machine": info, "shape": SHAPE, "batch": BATCH, "seq": SEQ, "rows": rows},
                               indent=2) + "\n")
-    print(f"wrote {out.relative_to(REPO)}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
