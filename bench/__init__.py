@@ -32,18 +32,24 @@ LOAD_PER_CORE_LIMIT = 0.75
 
 
 def cpu_description() -> dict:
-    """The CPU model and which of CPU_FLAGS it has (from /proc/cpuinfo; empty elsewhere)."""
-    model, flags = platform.processor() or platform.machine(), set()
+    """The CPU model, its family and model numbers (a virtual machine's model name may say no
+    more than "AMD EPYC": family 25 is Zen 3/4, 26 Zen 5) and which of CPU_FLAGS it has (from
+    /proc/cpuinfo; empty elsewhere)."""
+    model, flags, numbers = platform.processor() or platform.machine(), set(), {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == (platform.processor() or platform.machine()):
+            key = key.strip()
+            if key == "model name" and model == (platform.processor() or platform.machine()):
                 model = value.strip()
-            elif key.strip() == "flags" and not flags:
+            elif key in ("cpu family", "model") and key not in numbers:
+                numbers[key] = value.strip()
+            elif key == "flags" and not flags:
                 flags = set(value.split())
     except OSError:
         pass
-    return {"cpu": model, "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS}}
+    return {"cpu": model, "cpu_family": numbers.get("cpu family"), "cpu_model_number": numbers.get("model"),
+            "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS}}
 
 
 def load_limit() -> float:

@@ -8,8 +8,8 @@ Two ways to get the tokens to their experts (ComputeConfig.moe_dispatch):
 
 - dropless (default): the n * k (token, expert) assignments sorted by expert, so each
   expert's rows are contiguous, and one grouped matmul per projection over all experts
-  (`jax.lax.ragged_dot`, MegaBlocks' idea). Nothing is dropped and no FLOP is wasted on
-  padding. With an `expert` mesh axis the assignments travel to their experts' devices
+  (`jax.lax.ragged_dot`, tiled on CPU: engine/ops/grouped.py; MegaBlocks' idea). Nothing is
+  dropped and no FLOP is wasted on padding. With an `expert` mesh axis the assignments travel to their experts' devices
   and back by all-to-all (engine/models/moe_ep.py), each device computing its own experts.
 - capacity: GShard's dispatch. Each sequence fills a fixed (e, c) buffer per expert, first
   choices before second ones, and assignments past an expert's capacity are dropped (their
@@ -35,6 +35,7 @@ from engine.models import moe_ep
 from engine.models.common import ACTIVATIONS, dtype_of, param
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.ops.dense import DotGeneral, dense, gated_mlp
+from engine.ops.grouped import grouped_matmul
 from engine.ops.partitioning import constrain, current_mesh
 
 
@@ -150,9 +151,9 @@ def dropless_experts(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_
         expert_sorted = flat_experts[order]
     bias = (lambda i: 0.0) if biases is None else (lambda i: biases[i][expert_sorted])  # noqa: E731
     with jax.named_scope("experts"):
-        gate = jax.lax.ragged_dot(x_sorted, w_gate_edf, group_sizes) + bias(0)
-        hidden = glu(gate, jax.lax.ragged_dot(x_sorted, w_up_edf, group_sizes) + bias(1))
-        y_sorted = jax.lax.ragged_dot(hidden, w_down_efd, group_sizes) + bias(2)
+        gate = grouped_matmul(x_sorted, w_gate_edf, group_sizes) + bias(0)
+        hidden = glu(gate, grouped_matmul(x_sorted, w_up_edf, group_sizes) + bias(1))
+        y_sorted = grouped_matmul(hidden, w_down_efd, group_sizes) + bias(2)
     with jax.named_scope("combine"):
         y_nkd = y_sorted[jnp.argsort(order)].reshape(n, k, -1)  # back to token order (a gather)
         return jnp.einsum("nkd,nk->nd", y_nkd, weights_nk.astype(y_nkd.dtype))

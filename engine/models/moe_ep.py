@@ -9,7 +9,7 @@ holds (E / S of them) and the assignments move instead, MegaBlocks / MaxText sty
    shard s are contiguous, and packs them into a (S, n * k, d) send buffer;
 2. an all-to-all over `expert` exchanges the buffers: device s receives, from each peer, the
    rows routed to its experts (with their local expert ids);
-3. one grouped matmul per projection (`jax.lax.ragged_dot`) over the local experts, with the
+3. one grouped matmul per projection (engine/ops/grouped.py) over the local experts, with the
    expert MLP width split over `tensor` (the down projection's partial sums are summed over
    it);
 4. the reverse all-to-all returns each row to the device it came from, where the k outputs of
@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from engine.ops.grouped import grouped_matmul
 from engine.ops.partitioning import BATCH_AXES
 
 
@@ -83,9 +84,9 @@ def expert_parallel_dropless(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf,
             expert_m = jnp.minimum(local_m[by_expert], local_experts - 1)  # (the empty rows' biases are unused)
         bias = (lambda i: 0.0) if not biases else (lambda i: biases[i][expert_m])  # noqa: E731
         with jax.named_scope("experts"):
-            gate = jax.lax.ragged_dot(x_md, w_gate_edf, groups) + bias(0)
-            hidden = glu(gate, jax.lax.ragged_dot(x_md, w_up_edf, groups) + bias(1))
-            y_md = jax.lax.ragged_dot(hidden, w_down_efd, groups)
+            gate = grouped_matmul(x_md, w_gate_edf, groups) + bias(0)
+            hidden = glu(gate, grouped_matmul(x_md, w_up_edf, groups) + bias(1))
+            y_md = grouped_matmul(hidden, w_down_efd, groups)
             if tensor:  # each tensor shard holds a slice of the MLP width: partial sums
                 y_md = jax.lax.psum(y_md, tensor)
             y_md = y_md + bias(2)

@@ -5,7 +5,8 @@
     attention_blocked.py    block-causal with a recomputing backward, laid out for XLA:CPU
     attention_cudnn.py      cuDNN flash attention (NVIDIA GPUs)
     attention_splash.py     the Pallas splash-attention kernel (TPUs)
-    cpu_kernels/            C++ kernels for XLA:CPU (decode attention), built on first use
+    cpu_kernels/            C++ kernels for XLA:CPU (decode and training attention), built on first use
     dense.py                the matmuls: one injectable dot_general, a CPU-ordered backward
+    grouped.py              the experts' grouped matmul: ragged_dot, or tiled pairs on CPU
     partitioning.py         logical axis names -> mesh axes; the current mesh and platform
 """
