@@ -19,7 +19,8 @@ local store), and the runner moves bytes between it and the bucket:
 
 Locks are lease objects `<artifact>/.lease` written with a conditional create
 (`If-None-Match: *` on S3, `ifGenerationMatch=0` on GCS), renewed by a thread while the
-stage runs and taken over only after they expire. Credentials and endpoints come from the
+stage runs and taken over only after they expire -- or at once when the holder ran on the same
+machine and is gone (a killed run resumed where it ran). Credentials and endpoints come from the
 environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, STORAGE_EMULATOR_HOST, ...; the libraries'
 own config files), never from a pipeline file.
 """
@@ -554,7 +555,7 @@ class Lease:
         return f"{self.backend.protocol}://{self.key}"
 
     def _body(self) -> bytes:
-        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "run_id": self.run_id,
+        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), **_PROCESS, "run_id": self.run_id,
                            "token": self.token, "expires": time.time() + self.seconds}).encode()
 
     def _client_put(self, body: bytes, if_none_match: bool) -> bool:
@@ -591,7 +592,9 @@ class Lease:
         info = self.holder()
         if info is None:  # released between our PUT and our read
             return self._client_put(self._body(), if_none_match=True)
-        if float(info.get("expires", 0)) < time.time():  # expired: take it over
+        # Expired, or its holder ran on this machine and is gone (a killed run, resumed here):
+        # take it over.
+        if float(info.get("expires", 0)) < time.time() or holder_is_gone(info):
             try:
                 self.backend.fs.rm_file(self.key)
             except FileNotFoundError:
@@ -639,6 +642,42 @@ class Lease:
     def is_held(self) -> bool:
         info = self.holder()
         return bool(info) and float(info.get("expires", 0)) >= time.time()
+
+
+def _start_time(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat), None for a process
+    that has ended (or is a zombie); raises OSError where there is no /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _this_process() -> dict:
+    """What lets another process on the same machine tell whether this one still runs: the
+    boot, the pid namespace and the start time (a pid can be reused). Empty without /proc."""
+    try:
+        return {"boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+                "pid_namespace": os.readlink("/proc/self/ns/pid"), "started": _start_time(os.getpid())}
+    except OSError:
+        return {}
+
+
+_PROCESS = _this_process()
+
+
+def holder_is_gone(info: dict) -> bool:
+    """Whether a lease's holder ran on this machine -- same host name, boot and pid namespace --
+    and no longer runs. A holder elsewhere, or on a machine without /proc, is never judged
+    gone: its lease runs out instead."""
+    if not _PROCESS or not info.get("started") or info.get("host") != socket.gethostname() or any(
+            info.get(key) != _PROCESS[key] for key in ("boot_id", "pid_namespace")):
+        return False
+    try:
+        return _start_time(int(info["pid"])) != info.get("started")
+    except (KeyError, TypeError, ValueError, OSError):
+        return False
 
 
 def describe(info: dict | None) -> str:

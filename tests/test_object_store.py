@@ -317,6 +317,40 @@ def test_lease_is_a_conditional_create(bucket):
     assert sum(results) == 1
 
 
+def test_a_killed_holders_lease_is_taken_over_at_once_on_its_machine_and_nowhere_else(bucket):
+    """A run killed with SIGKILL renews its lease no more; resumed on the same machine, the next
+    run need not wait out the lease: the holder's process is gone. A holder that ran on
+    another machine is not judged that way: its lease runs out instead."""
+    from tasks.artifacts import ArtifactStore
+
+    url = f"s3://{bucket}/killed-lease"
+    hold = ("import sys, time; from tasks.artifacts import ArtifactStore; "
+            "lease = ArtifactStore(sys.argv[1]).remote.lease('stage', 'abc', 'run-killed'); lease.seconds = 600; "
+            "assert lease.acquire(blocking=False); print('held', flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", hold, url], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        store = ArtifactStore(url)
+        second = store.remote.lease("stage", "abc", "run-2")
+        assert not second.try_acquire(), "a live holder on this machine keeps its lease"
+        assert second.holder()["run_id"] == "run-killed" and second.holder()["pid"] == proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+    assert second.try_acquire(), "the holder is gone: its 600 s lease is taken over at once"
+    assert second.holder()["run_id"] == "run-2"
+    second.release()
+
+    # The same dead holder, as seen from another machine: not taken over before it expires.
+    other = store.remote.lease("stage", "elsewhere", "run-3")
+    body = json.loads(second._body())
+    body.update(host="another-machine", pid=proc.pid, run_id="run-elsewhere", expires=time.time() + 600)
+    other.backend.fs.pipe(other.key, json.dumps(body).encode())
+    assert not other.try_acquire()
+    assert other.holder()["run_id"] == "run-elsewhere"
+
+
 # --------------------------------------------------------------------------- consumers
 
 
