@@ -1,6 +1,6 @@
-"""The tiled grouped matmul (engine/ops/grouped.py) against `jax.lax.ragged_dot`, the function
-it stands in for on CPU: values and both gradients, for group layouts that cross tiles, leave
-groups empty and leave rows past the groups."""
+"""The tiled grouped matmul and the experts' MLP (engine/ops/grouped.py) against
+`jax.lax.ragged_dot`, the function they stand in for on CPU: values and gradients, for group
+layouts that cross tiles, leave groups empty and leave rows past the groups."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from engine.models.moe import dropless_experts
-from engine.ops.grouped import grouped_matmul, tiled_grouped_matmul
+from engine.ops.grouped import grouped_matmul, grouped_mlp, tiled_grouped_matmul
 
 LAYOUTS = {
     # group sizes, rows, tile
@@ -46,6 +46,37 @@ def test_values_and_gradients_equal_ragged_dot(layout):
     total = int(sizes.sum())
     assert not np.any(np.asarray(tiled(x, w, sizes))[total:])  # rows past the groups: zeros
     assert not np.any(np.asarray(got[0])[total:])  # and no gradient
+
+
+def test_the_experts_mlp_with_biases_equals_three_ragged_dots():
+    sizes, m = [0, 5, 37, 0, 1, 20, 0], 70  # rows past the groups too
+    g, d, f = len(sizes), 16, 24
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(m, d)), jnp.float32)
+    ws = [jnp.asarray(rng.normal(size=s) / 4, jnp.float32) for s in ((g, d, f), (g, d, f), (g, f, d))]
+    bs = [jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((g, f), (g, f), (g, d))]
+    sizes = jnp.asarray(sizes, jnp.int32)
+    total = int(sizes.sum())
+    group = jnp.repeat(jnp.arange(g), sizes, total_repeat_length=total)
+
+    def glu(gate, up):
+        return jax.nn.silu(gate) * up
+
+    def reference(x, ws, bs):
+        gate = _ragged(x, ws[0], sizes)[:total] + bs[0][group]
+        hidden = glu(gate, _ragged(x, ws[1], sizes)[:total] + bs[1][group])
+        return _ragged(jnp.pad(hidden, ((0, m - total), (0, 0))), ws[2], sizes)[:total] + bs[2][group]
+
+    def ours(x, ws, bs):
+        return grouped_mlp(x, sizes, *ws, glu, bs)[:total]  # rows past the groups are not defined
+
+    dy = jnp.asarray(rng.normal(size=(total, d)), jnp.float32)
+    np.testing.assert_allclose(jax.jit(ours)(x, ws, bs), reference(x, ws, bs), rtol=1e-5, atol=1e-5)
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * dy), argnums=(0, 1, 2)))(x, ws, bs)
+    want = jax.grad(lambda *a: jnp.sum(reference(*a) * dy), argnums=(0, 1, 2))(x, ws, bs)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(got[0])[total:])  # rows past the groups get no gradient
 
 
 def test_bf16_keeps_its_dtype_and_accumulates_in_float32():

@@ -35,7 +35,7 @@ from engine.models import moe_ep
 from engine.models.common import ACTIVATIONS, dtype_of, param
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.ops.dense import DotGeneral, dense, gated_mlp
-from engine.ops.grouped import grouped_matmul
+from engine.ops.grouped import grouped_mlp
 from engine.ops.partitioning import constrain, current_mesh
 
 
@@ -148,12 +148,8 @@ def dropless_experts(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_
         order = jnp.argsort(flat_experts, stable=True)
         group_sizes = jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
         x_sorted = x_nd[order // k]  # (n * k, d), grouped by expert
-        expert_sorted = flat_experts[order]
-    bias = (lambda i: 0.0) if biases is None else (lambda i: biases[i][expert_sorted])  # noqa: E731
     with jax.named_scope("experts"):
-        gate = grouped_matmul(x_sorted, w_gate_edf, group_sizes) + bias(0)
-        hidden = glu(gate, grouped_matmul(x_sorted, w_up_edf, group_sizes) + bias(1))
-        y_sorted = grouped_matmul(hidden, w_down_efd, group_sizes) + bias(2)
+        y_sorted = grouped_mlp(x_sorted, group_sizes, w_gate_edf, w_up_edf, w_down_efd, glu, biases)
     with jax.named_scope("combine"):
         y_nkd = y_sorted[jnp.argsort(order)].reshape(n, k, -1)  # back to token order (a gather)
         return jnp.einsum("nkd,nk->nd", y_nkd, weights_nk.astype(y_nkd.dtype))

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from engine.ops.grouped import grouped_matmul
+from engine.ops.grouped import grouped_mlp
 from engine.ops.partitioning import BATCH_AXES
 
 
@@ -81,15 +81,11 @@ def expert_parallel_dropless(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf,
             by_expert = jnp.argsort(local_m, stable=True)
             groups = jnp.bincount(local_m, length=local_experts).astype(jnp.int32)
             x_md = recv_srd.reshape(-1, x_nd.shape[-1])[by_expert]
-            expert_m = jnp.minimum(local_m[by_expert], local_experts - 1)  # (the empty rows' biases are unused)
-        bias = (lambda i: 0.0) if not biases else (lambda i: biases[i][expert_m])  # noqa: E731
         with jax.named_scope("experts"):
-            gate = grouped_matmul(x_md, w_gate_edf, groups) + bias(0)
-            hidden = glu(gate, grouped_matmul(x_md, w_up_edf, groups) + bias(1))
-            y_md = grouped_matmul(hidden, w_down_efd, groups)
-            if tensor:  # each tensor shard holds a slice of the MLP width: partial sums
-                y_md = jax.lax.psum(y_md, tensor)
-            y_md = y_md + bias(2)
+            # Each tensor shard holds a slice of the MLP width: the down projection's partial
+            # sums are summed over it. The empty rows (past the groups) come out unused.
+            y_md = grouped_mlp(x_md, groups, w_gate_edf, w_up_edf, w_down_efd, glu, biases or None,
+                               (lambda y: jax.lax.psum(y, tensor)) if tensor else None)
         with jax.named_scope("combine"):
             y_srd = y_md[jnp.argsort(by_expert)].reshape(shards, r, -1)
             back_srd = jax.lax.all_to_all(y_srd, "expert", 0, 0, tiled=True)

@@ -1,20 +1,23 @@
-"""The grouped matmul of the dropless mixture of experts: rows sorted by group (expert), each
-group's rows times that group's matrix, `jax.lax.ragged_dot`'s function.
+"""The grouped matmuls of the dropless mixture of experts: rows sorted by group (expert), each
+group's rows times that group's matrix, `jax.lax.ragged_dot`'s function; and the experts'
+gated MLP built from three of them.
 
 On GPU and TPU `ragged_dot` lowers to grouped kernels (megablox on TPU) and is used as is. On
 XLA:CPU it costs about as much as multiplying every row by every group's matrix (at the
 bench.moe shape its three products took 72% of a training step, docs/benchmarks.md). There
-the product runs as megablox does it on TPU, in plain XLA: the rows are cut into tiles (128
-rows; fewer for few rows, tile_rows); each (tile, group) pair that holds rows of the group
--- at most tiles + groups - 1 of them, a static count -- is one product of the tile by the
-group's matrix, rows of other groups masked to zero; the pairs are one batched matmul
-(YNNPACK's, bf16 on the CPU's bf16 instructions), summed back into their tiles. The work is
-the routed rows' plus at most one partial tile per group boundary.
+the rows move once into a tile-aligned layout, as megablox lays them out on TPU: each
+group's rows start at a multiple of `tile` rows (128; fewer for few rows, tile_rows) and the
+gap to the next group is zeros, so every tile belongs to one group. A product is then one
+batched matmul over the tiles, each tile times its group's matrix (YNNPACK's batched
+kernel, bf16 on the CPU's bf16 instructions). The padded rows cost at most one partial tile
+per group; the layout has a static size (rows + groups x (tile - 1), rounded up to tiles).
+The experts' MLP (grouped_mlp) keeps its hidden activations in that layout between its
+three products, and the rows come back once at the end.
 
-The backward pass is written out (a custom VJP) so that it keeps only the operands and the
-group sizes, not the per-pair gathered copies: the input gradient is the same tiled product
-with the transposed matrices, the matrices' gradient a batched product per pair summed into
-its group.
+The backward pass of a tiled product is written out (a custom VJP) so that it keeps only its
+operands, not the per-tile copies of the group matrices: the input gradient is the same
+product with the matrices transposed, the matrices' gradient a batched product per tile
+summed into its group.
 
 Rows past the sum of the group sizes get zeros, and no gradient, as in `ragged_dot`.
 """
@@ -22,6 +25,7 @@ Rows past the sum of the group sizes get zeros, and no gradient, as in `ragged_d
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +39,7 @@ MIN_TILE = 8
 def tile_rows(m: int, groups: int) -> int:
     """Rows per tile for m rows in `groups` groups: the power of two at or above the mean
     group size, within [MIN_TILE, TILE], so that few rows (a decode step's) are not padded to
-    a training step's tiles: the padding is at most a tile per group boundary."""
+    a training step's tiles."""
     mean = max(1, -(-m // max(groups, 1)))
     return max(MIN_TILE, min(TILE, 1 << (mean - 1).bit_length()))
 
@@ -49,13 +53,88 @@ def grouped_matmul(x_md, w_gij, group_sizes_g):
 
 
 def tiled_grouped_matmul(x_md, w_gij, group_sizes_g, tile: int | None = None):
-    """`ragged_dot(x_md, w_gij, group_sizes_g)` as a batched matmul over (tile, group) pairs;
-    `tile` rows per tile (default: tile_rows)."""
+    """`ragged_dot(x_md, w_gij, group_sizes_g)` through the tile-aligned layout; `tile` rows
+    per tile (default: tile_rows)."""
+    _check(x_md, w_gij)
+    layout = Layout.of(group_sizes_g, x_md.shape[0], tile)
+    return layout.rows_of(layout.matmul(layout.aligned(x_md), w_gij))
+
+
+def grouped_mlp(x_md, group_sizes_g, w_gate_gdf, w_up_gdf, w_down_gfd, glu: Callable, biases=None,
+                down_sum: Callable | None = None):
+    """Each row's group's gated MLP, rows sorted by group:
+    down_sum(glu(x . w_gate + b_gate, x . w_up + b_up) . w_down) + b_down, with `biases` None or
+    (b_gate (g, f), b_up (g, f), b_down (g, d)) and `down_sum` a sum of partial products (a
+    psum over a tensor axis) or None. Rows past the groups are not defined."""
+    _check(x_md, w_gate_gdf)
+    if current_platform() != "cpu":
+        sizes = group_sizes_g.astype(jnp.int32)
+        row_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(x_md.shape[0]), side="right"),
+                                sizes.shape[0] - 1)
+        bias = (lambda i: 0.0) if biases is None else (lambda i: biases[i][row_group])  # noqa: E731
+        gate = jax.lax.ragged_dot(x_md, w_gate_gdf, sizes) + bias(0)
+        hidden = glu(gate, jax.lax.ragged_dot(x_md, w_up_gdf, sizes) + bias(1))
+        y_md = jax.lax.ragged_dot(hidden, w_down_gfd, sizes)
+        return (down_sum(y_md) if down_sum else y_md) + bias(2)
+    layout = Layout.of(group_sizes_g, x_md.shape[0])
+    x_pd = layout.aligned(x_md)
+    bias = (lambda i: 0.0) if biases is None else (lambda i: layout.per_row(biases[i]))  # noqa: E731
+    gate = layout.matmul(x_pd, w_gate_gdf) + bias(0)
+    hidden = glu(gate, layout.matmul(x_pd, w_up_gdf) + bias(1))
+    y_md = layout.rows_of(layout.matmul(hidden, w_down_gfd))
+    if down_sum:
+        y_md = down_sum(y_md)
+    return y_md + (0.0 if biases is None else biases[2][layout.row_group])
+
+
+def _check(x_md, w_gij):
     if x_md.ndim != 2 or w_gij.ndim != 3 or x_md.shape[1] != w_gij.shape[1]:
         raise ValueError(f"grouped matmul of {x_md.shape} rows by {w_gij.shape} matrices: want (m, i) and (g, i, j)")
-    tile = tile or tile_rows(x_md.shape[0], w_gij.shape[0])
-    x_md, w_gij, group_sizes_g = _same_varying_axes(x_md, w_gij, group_sizes_g.astype(jnp.int32))
-    return _tiled(x_md, w_gij, group_sizes_g, tile)
+
+
+class Layout:
+    """Where m rows sorted by group go in the tile-aligned layout of `padded` rows: row r at
+    `position[r]` (`padded`, out of range, for rows past the groups), tile q of group
+    `tile_group[q]`; `row_group[r]` each row's group (the last for rows past the groups)."""
+
+    def __init__(self, position, row_group, tile_group, padded: int, tile: int):
+        self.position, self.row_group, self.tile_group = position, row_group, tile_group
+        self.padded, self.tile = padded, tile
+
+    @classmethod
+    def of(cls, group_sizes_g, m: int, tile: int | None = None) -> Layout:
+        g = group_sizes_g.shape[0]
+        tile = tile or tile_rows(m, g)
+        sizes = group_sizes_g.astype(jnp.int32)
+        ends = jnp.cumsum(sizes)
+        aligned_sizes = -(-sizes // tile) * tile
+        aligned_ends = jnp.cumsum(aligned_sizes)
+        padded = -(-(m + g * (tile - 1)) // tile) * tile  # sum of aligned sizes, at most
+        rows = jnp.arange(m)
+        group = jnp.searchsorted(ends, rows, side="right")
+        row_group = jnp.minimum(group, g - 1)
+        position = jnp.where(group < g, (aligned_ends - aligned_sizes)[row_group] + rows - (ends - sizes)[row_group],
+                             padded)
+        tile_group = jnp.minimum(jnp.searchsorted(aligned_ends, jnp.arange(0, padded, tile), side="right"), g - 1)
+        return cls(position, row_group, tile_group, padded, tile)
+
+    def aligned(self, x_md):
+        """(m, i) rows -> (padded, i), zeros between the groups."""
+        return jnp.zeros((self.padded, x_md.shape[1]), x_md.dtype).at[self.position].set(
+            x_md, mode="drop")
+
+    def rows_of(self, y_pj):
+        """(padded, j) -> the (m, j) rows, zeros for rows past the groups."""
+        return y_pj.at[self.position].get(mode="fill", fill_value=0)
+
+    def per_row(self, v_gj):
+        """A per-group vector (g, j) laid out as (padded, j): each tile's group's."""
+        return jnp.repeat(v_gj[self.tile_group], self.tile, axis=0)
+
+    def matmul(self, x_pi, w_gij):
+        """Each tile of x times its group's matrix: (padded, i) -> (padded, j)."""
+        x_pi, w_gij, tile_group = _same_varying_axes(x_pi, w_gij, self.tile_group)
+        return _tiled(x_pi, w_gij, tile_group, self.tile)
 
 
 def _same_varying_axes(*arrays):
@@ -72,77 +151,38 @@ def _same_varying_axes(*arrays):
                  for a in arrays)
 
 
-def _pairs(group_sizes_g, m: int, tile: int):
-    """The (tile, group) pairs, padded to the static bound tiles + groups - 1: each pair's
-    group, tile and (pair, row) mask of the tile's rows that belong to the group."""
-    g = group_sizes_g.shape[0]
-    tiles = -(-m // tile)
-    ends = jnp.cumsum(group_sizes_g)
-    starts = ends - group_sizes_g
-    first = starts // tile
-    touched = jnp.where(group_sizes_g > 0, (jnp.maximum(ends, 1) - 1) // tile - first + 1, 0)
-    upto = jnp.cumsum(touched)
-    pair = jnp.arange(tiles + g - 1)
-    group = jnp.searchsorted(upto, pair, side="right")  # the group whose pairs cover `pair`
-    valid = group < g
-    group = jnp.minimum(group, g - 1)
-    tile_id = jnp.clip(first[group] + pair - (upto - touched)[group], 0, tiles - 1)
-    rows = tile_id[:, None] * tile + jnp.arange(tile)
-    mask = valid[:, None] & (rows >= starts[group][:, None]) & (rows < ends[group][:, None])
-    return group, tile_id, mask
-
-
-def _gather_tiles(a_md, tile_id, mask, tile: int):
-    """a's rows as (pairs, tile, cols): each pair's tile, rows outside its group zeroed."""
-    m, cols = a_md.shape
-    tiles = -(-m // tile)
-    a = jnp.pad(a_md, ((0, tiles * tile - m), (0, 0))).reshape(tiles, tile, cols)[tile_id]
-    return jnp.where(mask[..., None], a, jnp.zeros((), a.dtype))
-
-
-def _scatter_tiles(a_ptj, tile_id, m: int, tile: int):
-    """The pairs' (pairs, tile, cols) products summed back into (m, cols) rows."""
-    tiles, cols = -(-m // tile), a_ptj.shape[-1]
-    out = jnp.zeros((tiles, tile, cols), a_ptj.dtype).at[tile_id].add(a_ptj, indices_are_sorted=True)
-    return out.reshape(tiles * tile, cols)[:m]
-
-
 def _batched(a, b, contract_a: int, contract_b: int):
-    """Per pair (axis 0): a . b over the given axes, float32 accumulation."""
+    """Per tile (axis 0): a . b over the given axes, float32 accumulation."""
     return jax.lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((0,), (0,))),
                                preferred_element_type=jnp.float32)
 
 
-def _product(x_md, w_gij, group, tile_id, mask, tile: int):
-    x_pti = _gather_tiles(x_md, tile_id, mask, tile)
-    y_ptj = _batched(x_pti, w_gij[group], 2, 1)
-    return _scatter_tiles(y_ptj, tile_id, x_md.shape[0], tile).astype(jnp.result_type(x_md, w_gij))
+def _tiles(a_pi, tile: int):
+    return a_pi.reshape(a_pi.shape[0] // tile, tile, a_pi.shape[1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _tiled(x_md, w_gij, group_sizes_g, tile):
-    return _product(x_md, w_gij, *_pairs(group_sizes_g, x_md.shape[0], tile), tile)
+def _tiled(x_pi, w_gij, tile_group, tile):
+    y = _batched(_tiles(x_pi, tile), w_gij[tile_group], 2, 1)
+    return y.reshape(x_pi.shape[0], -1).astype(jnp.result_type(x_pi, w_gij))
 
 
-def _tiled_fwd(x_md, w_gij, group_sizes_g, tile):
-    return _tiled(x_md, w_gij, group_sizes_g, tile), (x_md, w_gij, group_sizes_g)
+def _tiled_fwd(x_pi, w_gij, tile_group, tile):
+    return _tiled(x_pi, w_gij, tile_group, tile), (x_pi, w_gij, tile_group)
 
 
-def _tiled_bwd(tile, residuals, dy_mj):
-    x_md, w_gij, group_sizes_g = residuals
-    group, tile_id, mask = _pairs(group_sizes_g, x_md.shape[0], tile)
-    dy_mj = dy_mj.astype(jnp.result_type(x_md, w_gij))
-    dy_ptj = _gather_tiles(dy_mj, tile_id, mask, tile)
-    dx_pti = _batched(dy_ptj, w_gij[group], 2, 2)  # dy . w^T
-    dx = _scatter_tiles(dx_pti, tile_id, x_md.shape[0], tile).astype(x_md.dtype)
-    x_pti = _gather_tiles(x_md, tile_id, mask, tile)
-    # x^T . dy per pair, summed per group; the narrower operand first (XLA:CPU transposes the
+def _tiled_bwd(tile, residuals, dy_pj):
+    x_pi, w_gij, tile_group = residuals
+    dy_qtj = _tiles(dy_pj.astype(jnp.result_type(x_pi, w_gij)), tile)
+    x_qti = _tiles(x_pi, tile)
+    dx = _batched(dy_qtj, w_gij[tile_group], 2, 2).reshape(x_pi.shape).astype(x_pi.dtype)  # dy . w^T
+    # x^T . dy per tile, summed per group; the narrower operand first (XLA:CPU transposes the
     # first operand of a product contracted on its major axis, engine/ops/dense.py).
-    if x_md.shape[1] <= dy_mj.shape[1]:
-        dw_pij = _batched(x_pti, dy_ptj, 1, 1)
+    if x_pi.shape[1] <= dy_pj.shape[1]:
+        dw_qij = _batched(x_qti, dy_qtj, 1, 1)
     else:
-        dw_pij = _batched(dy_ptj, x_pti, 1, 1).transpose(0, 2, 1)
-    dw = jnp.zeros(w_gij.shape, jnp.float32).at[group].add(dw_pij, indices_are_sorted=True)
+        dw_qij = _batched(dy_qtj, x_qti, 1, 1).transpose(0, 2, 1)
+    dw = jnp.zeros(w_gij.shape, jnp.float32).at[tile_group].add(dw_qij, indices_are_sorted=True)
     return dx, dw.astype(w_gij.dtype), None
 
 
