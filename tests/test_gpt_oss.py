@@ -261,13 +261,95 @@ def test_export_loads_cleanly_in_transformers_and_converts_back_bitwise(case, tm
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _mxfp4_checkpoint(root, model, rng):
+    """`model`'s weights saved as GPT-OSS publishes them: the experts' projections replaced by
+    random MXFP4 blocks and scales (quantization_config mxfp4), everything else as is."""
+    from safetensors.numpy import save_file
+
+    tensors = {k: v.detach().numpy() for k, v in model.state_dict().items()
+               if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    cfg = model.config
+    e, d, f = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    for i in range(cfg.num_hidden_layers):
+        for proj, (out, inp) in {"gate_up_proj": (2 * f, d), "down_proj": (d, f)}.items():
+            prefix = f"model.layers.{i}.mlp.experts.{proj}"
+            tensors[prefix + "_blocks"] = rng.integers(0, 256, (e, out, inp // 32, 16), dtype=np.uint8)
+            tensors[prefix + "_scales"] = rng.integers(122, 128, (e, out, inp // 32), dtype=np.uint8)
+    root.mkdir()
+    save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
+    config = cfg.to_dict()
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (root / "config.json").write_text(json.dumps(config))
+    return tensors
+
+
+def test_an_mxfp4_checkpoint_converts_to_the_weights_transformers_dequantizes(tmp_path):
+    """GPT-OSS as published: MXFP4 experts. Converted, its logits equal those of the same
+    checkpoint loaded by transformers with dequantize=True, and its expert weights equal
+    transformers' own dequantization bit for bit."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    config = hf_config()
+    config.hidden_size, config.intermediate_size = 64, 32  # MXFP4 blocks hold 32 inputs
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                          experts_implementation="eager").float()
+    tensors = _mxfp4_checkpoint(tmp_path / "hf", model, np.random.default_rng(0))
+    convert_hf(tmp_path / "hf", tmp_path / "converted")
+    cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
+    assert params["blocks"]["mlp"]["w_down_efd"].dtype == np.float32  # the float tensors' dtype, not uint8's
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", quantization_config=transformers.Mxfp4Config(dequantize=True), torch_dtype=torch.float32,
+        attn_implementation="eager").eval()
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}.mlp.experts.down_proj"
+        down = convert_moe_packed_tensors(torch.from_numpy(tensors[prefix + "_blocks"]),
+                                          torch.from_numpy(tensors[prefix + "_scales"]), dtype=torch.float32)
+        np.testing.assert_array_equal(np.asarray(params["blocks"]["mlp"]["w_down_efd"][i]), down.numpy())
+        np.testing.assert_array_equal(reference.model.layers[i].mlp.experts.down_proj.detach().numpy(), down.numpy())
+    tokens, mask = padded_batch()
+    valid = mask.astype(bool)
+    ours = engine_forward(cfg, stored_configs(tmp_path / "converted" / "checkpoint")[1])(params, tokens, mask)
+    ref = hf_logits(reference, tokens, mask)
+    delta = float(np.abs(ours - ref)[valid].max())
+    assert delta <= 1e-4 and np.abs(ref[valid]).max() > 0.5, delta
+    # The experts matter: the model with its MXFP4 experts zeroed predicts otherwise.
+    zeroed = engine_forward(cfg, stored_configs(tmp_path / "converted" / "checkpoint")[1])(
+        {**params, "blocks": {**params["blocks"], "mlp": {**params["blocks"]["mlp"],
+                                                          "w_down_efd": np.zeros_like(params["blocks"]["mlp"]["w_down_efd"])}}},
+        tokens, mask)
+    assert np.abs(zeroed - ref)[valid].max() > 100 * max(delta, 1e-6)
+
+
+def test_a_damaged_mxfp4_checkpoint_is_refused_by_tensor_name(tmp_path):
+    config = hf_config()
+    config.hidden_size, config.intermediate_size = 64, 32
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    tensors = _mxfp4_checkpoint(tmp_path / "hf", model, np.random.default_rng(0))
+    from safetensors.numpy import save_file
+
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"'model.layers.1.mlp.experts.down_proj_blocks' has no "
+                                          r"'model.layers.1.mlp.experts.down_proj_scales'"):
+        convert_hf(tmp_path / "hf", tmp_path / "out")
+    tensors["model.layers.1.mlp.experts.down_proj_scales"] = np.zeros((5, 64, 2), np.uint8)  # 2 blocks: 64 inputs
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"'model.layers.1.mlp.experts.down_proj_blocks' \[5, 64, 1, 16\] with "
+                                          r"scales \[5, 64, 2\] does not dequantize"):
+        convert_hf(tmp_path / "hf", tmp_path / "out")
+    assert not (tmp_path / "out" / "checkpoint").exists()
+
+
 def test_what_the_engine_does_not_implement_is_refused_by_name():
     base = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 17, "hidden_size": 16,
             "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 7, "head_dim": 4}
     cfg, _ = model_config_from_hf(base)  # transformers' defaults: alternating windows of 128, YaRN x32
     assert cfg.attention_pattern == ["local", "global"] and cfg.sliding_window == 128
     assert (cfg.rope_theta, cfg.rope_scaling.factor, cfg.rope_scaling.truncate) == (150000.0, 32.0, False)
-    with pytest.raises(ConfigError, match=r"quantization_config \(mxfp4\) is not supported; dequantize"):
-        model_config_from_hf({**base, "quantization_config": {"quant_method": "mxfp4"}})
+    model_config_from_hf({**base, "quantization_config": {"quant_method": "mxfp4"}})  # dequantized on conversion
+    with pytest.raises(ConfigError, match=r"quantization_config \(fp8\) is not supported; dequantize"):
+        model_config_from_hf({**base, "quantization_config": {"quant_method": "fp8"}})
     with pytest.raises(ConfigError, match=r"attention_bias=false is not supported"):
         model_config_from_hf({**base, "attention_bias": False})

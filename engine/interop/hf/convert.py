@@ -36,6 +36,29 @@ from engine.train.checkpoint import save_params
 
 NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
+# MXFP4 (OCP microscaling, as GPT-OSS publishes its experts; quantization_config quant_method
+# "mxfp4"): a tensor `X` is stored as `X_blocks` (..., out, in / 32, 16) uint8, two 4-bit
+# E2M1 codes per byte, low nibble first, and `X_scales` (..., out, in / 32) uint8, one E8M0
+# power of two (bias 127) per block of 32. Dequantized, it is (..., in, out): the layout of X.
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                    np.float32)
+
+
+def mxfp4_shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The dequantized (..., in, out) shape of MXFP4 blocks (..., out, in / 32, 16)."""
+    *lead, out, groups, _ = blocks_shape
+    return (*lead, groups * 32, out)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """float32 (..., in, out) values of MXFP4 blocks (..., out, in / 32, 16) and scales
+    (..., out, in / 32); exact (every value is a 4-bit code times a power of two)."""
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1)  # low nibble first
+    values = FP4_E2M1[codes].reshape(*blocks.shape[:-1], 32)
+    values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    return np.swapaxes(values.reshape(*blocks.shape[:-2], -1), -1, -2)
+
 
 def _at(tree: dict, path: tuple[str, ...]):
     for key in path:
@@ -67,15 +90,32 @@ def _weight_files(hf_dir: Path) -> list[Path]:
 
 
 def _source_dtype(files: list[Path]) -> str:
-    """bfloat16 when most of the first file's bytes are bfloat16, else float32: a bf16
+    """bfloat16 when most of the first file's float bytes are bfloat16, else float32: a bf16
     checkpoint may keep a few small tensors in float32 (DeepSeek-V3's router weight and
     score bias, transformers' _keep_in_fp32_modules), which must not double the whole model."""
     nbytes: dict[np.dtype, int] = {}
     with SafetensorsFile(files[0]) as st:
         for name in st.names():
             dtype = st.dtype(name)
+            if dtype.kind in "ui":  # quantized payloads (MXFP4 blocks and scales) say nothing of the dtype
+                continue
             nbytes[dtype] = nbytes.get(dtype, 0) + int(np.prod(st.shape(name))) * dtype.itemsize
     return "bfloat16" if max(nbytes, key=nbytes.get, default=None) == np.dtype(ml_dtypes.bfloat16) else "float32"
+
+
+def _check_mxfp4(st: SafetensorsFile, path: Path, names: set[str], blocks: str, name: str, want) -> None:
+    """MXFP4 blocks and their scales of tensor `name`: present in the same file, uint8, with
+    the shapes that dequantize to `want`."""
+    scales = name + MXFP4_SCALES
+    if scales not in names:
+        raise ConfigError(f"{path.name}: MXFP4 tensor '{blocks}' has no '{scales}' beside it")
+    b_shape, s_shape = tuple(st.shape(blocks)), tuple(st.shape(scales))
+    if st.dtype(blocks) != np.uint8 or st.dtype(scales) != np.uint8:
+        raise ConfigError(f"{path.name}: MXFP4 tensors '{blocks}' and '{scales}' must be uint8, "
+                          f"got {st.dtype(blocks)} and {st.dtype(scales)}")
+    if len(b_shape) < 3 or b_shape[-1] != 16 or s_shape != b_shape[:-1] or mxfp4_shape(b_shape) != tuple(want):
+        raise ConfigError(f"{path.name}: MXFP4 tensor '{blocks}' {list(b_shape)} with scales {list(s_shape)} does "
+                          f"not dequantize to the shape config.json implies for '{name}', {list(want)}")
 
 
 def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None,
@@ -126,11 +166,19 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
 
     log(f"convert: {architecture}, {len(expected)} tensors to read")
     # Every header first: a mismatch fails in a second, not after reading gigabytes.
-    jobs: list[tuple[Path, str, TensorSpec, tuple]] = []
+    # (file, HF name, spec, index, the MXFP4 blocks' name or None)
+    jobs: list[tuple[Path, str, TensorSpec, tuple, str | None]] = []
     tied_head: Path | None = None
+    mxfp4 = (hf_config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
     for path in files:
         with SafetensorsFile(path) as st:
-            for name in st.names():
+            names = set(st.names())
+            for stored in st.names():
+                name, blocks = stored, None
+                if mxfp4 and stored.endswith(MXFP4_SCALES) and stored[:-len(MXFP4_SCALES)] in expected:
+                    continue  # read with its blocks
+                if mxfp4 and stored.endswith(MXFP4_BLOCKS) and stored[:-len(MXFP4_BLOCKS)] in expected:
+                    name, blocks = stored[:-len(MXFP4_BLOCKS)], stored
                 if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved
                     continue
                 if get_family(cfg.family).ignored_tensor(name, cfg):
@@ -145,14 +193,17 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
                     )
                 spec, index, shape = expected[name]
                 want = hf_shape(spec, shape)
-                if st.shape(name) != want:
+                if blocks is not None:
+                    _check_mxfp4(st, path, names, blocks, name, want)
+                elif st.shape(name) != want:
                     raise ConfigError(
                         f"{path.name}: tensor '{name}' has shape {list(st.shape(name))}, but config.json "
                         f"({architecture}) implies {list(want)}"
                     )
-                st.dtype(name)  # raises for a dtype we cannot read
-                jobs.append((path, name, spec, index))
-    seen = {name for _, name, _, _ in jobs}
+                else:
+                    st.dtype(name)  # raises for a dtype we cannot read
+                jobs.append((path, name, spec, index, blocks))
+    seen = {name for _, name, _, _, _ in jobs}
     missing = [name for name in expected if name not in seen]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -163,8 +214,11 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
     handles = {path: SafetensorsFile(path) for path in files}
 
     def load(job) -> int:
-        path, name, spec, index = job
-        raw = handles[path].get(name)
+        path, name, spec, index, blocks = job
+        if blocks is None:
+            raw = handles[path].get(name)
+        else:
+            raw = dequantize_mxfp4(handles[path].get(blocks), handles[path].get(name + MXFP4_SCALES))
         paths = (spec.path, *spec.interleaved_with)  # one path, or the arrays HF interleaves in this tensor
         for part, engine_path in enumerate(paths):
             slot = _at(params, engine_path) if not index else _at(params, (spec.stack, *engine_path))[index]

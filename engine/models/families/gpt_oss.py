@@ -9,7 +9,9 @@ transformers stores each layer's experts as stacked tensors, not one per expert:
 `gate_up_proj` (E, d, 2f) holds gate and up interleaved (gate at even columns, up at odd),
 already (in, out), as is `down_proj` (E, f, d). The tensor table splits and rejoins them
 (TensorSpec.interleaved_with). Published checkpoints store the experts in MXFP4
-(`quantization_config`); those are refused: dequantize them first.
+(`quantization_config` quant_method "mxfp4": `gate_up_proj_blocks` and `_scales`, ...);
+conversion dequantizes them exactly (engine/interop/hf/convert.py: dequantize_mxfp4). Other
+quantization methods are refused: dequantize them first.
 """
 
 from __future__ import annotations
@@ -42,10 +44,10 @@ class GptOss(Family):
     hf_constants = {"attention_bias": True, "output_router_logits": False, "router_aux_loss_coef": 0.001}
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
-        if hf.get("quantization_config"):
-            method = hf["quantization_config"].get("quant_method", "?")
+        method = (hf.get("quantization_config") or {}).get("quant_method", "?")
+        if hf.get("quantization_config") and method != "mxfp4":  # MXFP4 experts: dequantized on conversion
             raise ConfigError(f"{where}: quantization_config ({method}) is not supported; dequantize the weights "
-                              f"first (transformers: Mxfp4Config(dequantize=True), then save_pretrained)")
+                              f"first (transformers: dequantize=True in its quantization config, then save_pretrained)")
         if hf.get("attention_bias") is False:
             raise ConfigError(f"{where}: attention_bias=false is not supported (GPT-OSS's projections have biases)")
         return super().config_from_hf(hf, where)
