@@ -205,3 +205,24 @@ def test_on_a_v5p_8_llama3_8b_fits_with_the_compiled_figures(tmp_path, capsys):
     out = capsys.readouterr().out
     assert set(summaries) == {"big", "small"} and "stage big on v5p-8: 4 x TPU v5" in out
     assert "DOES NOT FIT" not in out and f"{big.memory.total / 2**30:.2f}" in out
+
+
+@needs_libtpu
+def test_a_mixture_of_experts_with_an_expert_axis_compiles_for_a_tpu_slice(tmp_path):
+    """The dropless expert-parallel step as XLA's TPU compiler lowers it: the grouped matmuls
+    as ragged-dots (the tiled products are CPU-only), the tokens exchanged by all-to-all over
+    the expert axis, and the plan's figures from that compile."""
+    path = write(tmp_path / "pipeline.yaml", {
+        "name": "planmoe", "store": str(tmp_path / "store"),
+        "stages": {
+            "tokenize": {"task": "tokenize", "config": {
+                "sources": [{"format": "text", "path": "{stdlib}/a*.py", "name": "stdlib-a"}],
+                "tokenizer": {"vocab_size": 512}}},
+            "moe": {"task": "pretrain", "inputs": {"dataset": "tokenize"}, "config": {
+                "model": "tiny-qwen3-moe", "mesh": {"data": 1, "expert": 2, "fsdp": -1},
+                "data": {"seq_len": 256, "batch_size": 16}, "steps": 3}}}})
+    (plan,) = plan_pipeline(load_plan(path), "v5e-8")[0]
+    assert plan.how == "compiled" and plan.fits and plan.devices == 8
+    hlo = plan.compiled.as_text()
+    assert "ragged-dot" in hlo and "all-to-all" in hlo
+    assert plan.memory.argument == plan.compiled.memory_analysis().argument_size_in_bytes
