@@ -4,13 +4,15 @@ their experts.
 
 Shape (about 60M parameters, 17M active): d_model 256, 4 layers, 8 heads / 2 KV heads,
 head_dim 32, 8 SwiGLU experts of width 704 with 2 per token, vocab 8192, batch 8 x seq 256;
-AdamW, float32. Each run is its own process and engine and torch runs alternate (A B A B,
-bench/__init__.py); the table gives the median and spread. The profile traces one engine
-step and sums XLA's busy time by the named scopes of engine/models/moe.py: `router`
-(logits, top-k, balancing statistics), `dispatch` (sort by expert, gather), `experts` (the
-grouped matmuls) and `combine` (back to token order, weighted sum), forward and backward.
+AdamW, float32 or (--dtype bfloat16) bf16: the engine's float32 parameters with bf16 matmuls
+accumulated in f32, torch's whole model cast to bf16. Each run is its own process and engine
+and torch runs alternate (A B A B, bench/__init__.py); the table gives the median and spread.
+The profile traces one engine step and sums XLA's busy time by the named scopes of
+engine/models/moe.py: `router` (logits, top-k, balancing statistics), `dispatch` (sort by
+expert, gather), `experts` (the grouped matmuls) and `combine` (back to token order, weighted
+sum), forward and backward.
 
-    python -m bench.moe [--steps 6] [--warmup 2] [--repeats 3] [--dispatch dropless]
+    python -m bench.moe [--steps 6] [--warmup 2] [--repeats 3] [--dispatch dropless] [--dtype float32]
     python -m bench.moe --tiny      # a dry run of every path on a toy shape (seconds)
 
 Prints a table and writes bench/results/moe.json (not with --tiny).
@@ -41,7 +43,7 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def engine_step(shape: dict, batch_size: int, seq: int, dispatch: str):
+def engine_step(shape: dict, batch_size: int, seq: int, dispatch: str, dtype: str = "float32"):
     """(trainer, params, opt_state, batch) on random tokens."""
     sys.path.insert(0, str(REPO))
     import numpy as np
@@ -51,7 +53,7 @@ def engine_step(shape: dict, batch_size: int, seq: int, dispatch: str):
     from engine.train.trainer import Trainer
 
     cfg = load_config(tree={
-        "model": shape, "compute": {"moe_dispatch": dispatch, "moe_capacity_factor": 1.25},
+        "model": shape, "compute": {"moe_dispatch": dispatch, "moe_capacity_factor": 1.25, "dtype": dtype},
         "mesh": {"data": -1}, "data": {"batch_size": batch_size, "seq_len": seq},
         "optimizer": {"learning_rate": 1e-4}, "steps": 1000,
     }, schema=TrainConfig)
@@ -66,10 +68,10 @@ def engine_step(shape: dict, batch_size: int, seq: int, dispatch: str):
     return trainer, state.params, state.opt_state, batch
 
 
-def run_jax(shape, batch_size, seq, steps, warmup, dispatch) -> dict:
+def run_jax(shape, batch_size, seq, steps, warmup, dispatch, dtype) -> dict:
     import jax
 
-    trainer, params, opt_state, batch = engine_step(shape, batch_size, seq, dispatch)
+    trainer, params, opt_state, batch = engine_step(shape, batch_size, seq, dispatch, dtype)
     t0 = time.perf_counter()
     for i in range(warmup + steps):
         if i == warmup:
@@ -83,7 +85,7 @@ def run_jax(shape, batch_size, seq, steps, warmup, dispatch) -> dict:
             "loss": float(metrics["loss"]), "moe_load_max": float(metrics["moe_load_max"]), "jax": jax.__version__}
 
 
-def run_torch(shape, batch_size, seq, steps, warmup) -> dict:
+def run_torch(shape, batch_size, seq, steps, warmup, dtype) -> dict:
     import torch
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -95,7 +97,7 @@ def run_torch(shape, batch_size, seq, steps, warmup) -> dict:
         num_local_experts=shape["num_experts"], num_experts_per_tok=shape["experts_per_token"],
         tie_word_embeddings=False, output_router_logits=True, router_aux_loss_coef=0.01,
     )
-    model = MixtralForCausalLM(config).float()  # transformers' default attention and experts kernels
+    model = MixtralForCausalLM(config).to(getattr(torch, dtype))  # transformers' default attention and experts kernels
     tokens = torch.randint(0, shape["vocab_size"], (batch_size, seq + 1))
     step_s, loss = time_torch_steps(model, tokens, warmup, steps)
     return {"framework": "torch", "steps": steps, "step_seconds": step_s,
@@ -111,13 +113,13 @@ def _scope(op_name: str) -> str:
     return "rest of the step"
 
 
-def profile_jax(shape, batch_size, seq, dispatch) -> dict:
+def profile_jax(shape, batch_size, seq, dispatch, dtype) -> dict:
     """One traced engine step: XLA's busy time by MoE scope, and their shares."""
     import jax
 
     from engine.ops.partitioning import use_mesh
 
-    trainer, params, opt_state, batch = engine_step(shape, batch_size, seq, dispatch)
+    trainer, params, opt_state, batch = engine_step(shape, batch_size, seq, dispatch, dtype)
     for _ in range(2):  # compile, then one warm step
         params, opt_state, metrics = trainer.train_step(params, opt_state, batch)
         jax.block_until_ready(metrics)
@@ -139,6 +141,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="rounds of engine, torch (each a process)")
     parser.add_argument("--dispatch", default="dropless", choices=["dropless", "capacity"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="engine: the compute dtype (float32 parameters); torch: the whole model")
     parser.add_argument("--tiny", action="store_true", help="a dry run on a toy shape; writes nothing")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "moe.json"),
                         help="where the JSON goes (bench/results/<cpu kind>/ for a second CPU kind)")
@@ -148,16 +152,17 @@ def main() -> None:
     if args.worker:
         kind = args.worker[0]
         if kind == "jax":
-            result = run_jax(shape, batch_size, seq, args.steps, args.warmup, args.dispatch)
+            result = run_jax(shape, batch_size, seq, args.steps, args.warmup, args.dispatch, args.dtype)
         elif kind == "profile":
-            result = profile_jax(shape, batch_size, seq, args.dispatch)
+            result = profile_jax(shape, batch_size, seq, args.dispatch, args.dtype)
         else:
-            result = run_torch(shape, batch_size, seq, args.steps, args.warmup)
+            result = run_torch(shape, batch_size, seq, args.steps, args.warmup, args.dtype)
         print(json.dumps(result))
         return
 
     info = machine()
-    common = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--dispatch", args.dispatch]
+    common = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--dispatch", args.dispatch,
+              "--dtype", args.dtype]
     common += ["--tiny"] if args.tiny else []
     workers = {"jax": ["bench.moe", "--worker", "jax", *common], "torch": ["bench.moe", "--worker", "torch", *common]}
     results = alternate(workers, args.repeats, env={"XLA_FLAGS": ""})  # one device
@@ -184,6 +189,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"command": "python -m bench.moe " + " ".join(sys.argv[1:]), "machine": info,
                                "shape": SHAPE, "batch": BATCH, "seq": SEQ, "dispatch": args.dispatch,
+                               "dtype": args.dtype,
                                "rows": rows, "profile": profile}, indent=2) + "\n")
     print(f"wrote {out}")
 

@@ -310,16 +310,14 @@ def test_an_mxfp4_checkpoint_converts_to_the_weights_transformers_dequantizes(tm
         np.testing.assert_array_equal(reference.model.layers[i].mlp.experts.down_proj.detach().numpy(), down.numpy())
     tokens, mask = padded_batch()
     valid = mask.astype(bool)
-    ours = engine_forward(cfg, stored_configs(tmp_path / "converted" / "checkpoint")[1])(params, tokens, mask)
+    forward = engine_forward(cfg, stored_configs(tmp_path / "converted" / "checkpoint")[1])
     ref = hf_logits(reference, tokens, mask)
-    delta = float(np.abs(ours - ref)[valid].max())
+    delta = float(np.abs(forward(params, tokens, mask) - ref)[valid].max())
     assert delta <= 1e-4 and np.abs(ref[valid]).max() > 0.5, delta
-    # The experts matter: the model with its MXFP4 experts zeroed predicts otherwise.
-    zeroed = engine_forward(cfg, stored_configs(tmp_path / "converted" / "checkpoint")[1])(
-        {**params, "blocks": {**params["blocks"], "mlp": {**params["blocks"]["mlp"],
-                                                          "w_down_efd": np.zeros_like(params["blocks"]["mlp"]["w_down_efd"])}}},
-        tokens, mask)
-    assert np.abs(zeroed - ref)[valid].max() > 100 * max(delta, 1e-6)
+    # The experts matter: the model with its MXFP4 experts' output zeroed predicts otherwise.
+    mlp = params["blocks"]["mlp"]
+    zeroed = {**params, "blocks": {**params["blocks"], "mlp": {**mlp, "w_down_efd": np.zeros_like(mlp["w_down_efd"])}}}
+    assert np.abs(forward(zeroed, tokens, mask) - ref)[valid].max() > 100 * max(delta, 1e-6)
 
 
 def test_a_damaged_mxfp4_checkpoint_is_refused_by_tensor_name(tmp_path):
