@@ -12,11 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 from engine.config import ConfigError
 from engine.ops import attention, cpu_kernels
 from engine.ops.attention import BF16_BITS, choose_decode_implementation, choose_implementation, stored
 from engine.ops.attention_reference import _one_query_attention, reference_attention
+from engine.ops.partitioning import MESH_AXES, use_mesh
 from tests.conftest import REPO
 
 # 8 rows, 2 kv heads of 3 query heads, head_dim 32 (two 16-lane vectors), 70 own slots (a
@@ -229,13 +231,45 @@ def test_the_model_trains_through_the_kernel_as_through_blocked():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), grads, ref_grads)
 
 
+@pytest.mark.parametrize("shape", [(2, 1, 1, 2), (4, 1, 1, 1), (1, 1, 2, 2)],
+                         ids=["data2-tensor2", "data4", "fsdp2-tensor2"])
+def test_under_a_mesh_the_kernel_runs_per_shard_and_equals_blocked(shape):
+    """On a mesh of several CPU devices the kernel runs in a shard_map, each device on its rows
+    and (with a tensor axis) its kv heads with their query heads: values and gradients equal
+    blocked's under the same mesh, and the custom call is in the compiled program."""
+    rng = np.random.default_rng(4)
+    draw = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    q, k, v, probe = draw(4, 70, 6, 16), draw(4, 70, 2, 16), draw(4, 70, 2, 16), draw(4, 70, 6, 16)
+    segments = jnp.asarray([[1] * 30 + [2] * 33 + [0] * 7, [1] * 70, [5] * 20 + [6] * 50, [1] * 64 + [0] * 6])
+    valid = (segments != 0)[:, :, None, None]
+
+    def run(impl):
+        def fn(q, k, v):
+            return attention.attention(q, k, v, segments, impl=impl, scale=0.25, window=9, local=True)
+
+        def loss(q, k, v):
+            return jnp.sum(fn(q, k, v) * probe * valid)
+        hlo = jax.jit(fn).lower(q, k, v).compile().as_text()
+        return jax.jit(fn)(q, k, v) * valid, jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v), hlo
+
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(shape), MESH_AXES)
+    with use_mesh(mesh):
+        out, grads, hlo = run("cpu_kernel")
+        ref_out, ref_grads, _ = run("blocked")
+    calls = [line for line in hlo.splitlines() if 'custom_call_target="trainflow_train_attention_fwd"' in line]
+    rows, heads = 4 // (shape[0] * shape[1] * shape[2]), 6 // shape[3]
+    assert calls and all(f"f32[{rows},70,{heads},16]" in line for line in calls), calls  # one shard's
+    np.testing.assert_allclose(out, ref_out, atol=2e-6)
+    for name, got, want in zip("qkv", grads, ref_grads):
+        np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"d{name}")
+
+
 def test_training_attention_choice(monkeypatch):
     monkeypatch.setattr(attention, "_told", set())  # each reason's warning afresh
     case = dict(dtype=jnp.bfloat16, head_dim=64, seq_len=512, softcap=None, groups=3, value_dim=64)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no warning where the kernel runs, nor on a mesh
+        warnings.simplefilter("error")  # no warning where the kernel runs
         assert choose_implementation("auto", platform="cpu", **case) == "cpu_kernel"
-        assert choose_implementation("auto", platform="cpu", devices=8, **case) == "blocked"
     for change, reason in [(dict(softcap=30.0), "no logit soft-cap"), (dict(sinks=True), "no attention sinks"),
                            (dict(head_dim=72, value_dim=72), "multiple of 16"), (dict(value_dim=32), "alike"),
                            (dict(groups=12), "at most 8"), (dict(dtype=jnp.float16), "not float16")]:
@@ -244,8 +278,6 @@ def test_training_attention_choice(monkeypatch):
             assert choose_implementation("auto", platform="cpu", **{**case, **change}) == "blocked"
         with pytest.raises(ConfigError, match=f"compute.attention_impl: cpu_kernel cannot run this model: .*{reason}"):
             choose_implementation("cpu_kernel", platform="cpu", **{**case, **change})
-    with pytest.raises(ConfigError, match=r"compute\.attention_impl: cpu_kernel runs on one CPU device, and the mesh "
-                                          r"has 4 devices"):
-        choose_implementation("cpu_kernel", platform="cpu", devices=4, **case)
-    with pytest.raises(ConfigError, match=r"cpu_kernel runs on one CPU device, and this run compiles for gpu"):
+    with pytest.raises(ConfigError, match=r"compute\.attention_impl: cpu_kernel runs on CPU, and this run compiles "
+                                          r"for gpu"):
         choose_implementation("cpu_kernel", platform="gpu", **case)

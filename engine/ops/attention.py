@@ -4,7 +4,7 @@ platform behind it (`ComputeConfig.attention_impl`).
     reference   the masked softmax over all (t, t) scores (attention_reference.py): the tests' yardstick
     blocked     block-causal with a recomputing backward, laid out for XLA:CPU (attention_blocked.py)
     cpu_kernel  the same function as blocked in one C++ pass per (row, kv head), forward and
-                backward (engine/ops/cpu_kernels/train_attention.cc): one CPU device
+                backward (engine/ops/cpu_kernels/train_attention.cc): CPU, per device's shard
     cudnn       cuDNN flash attention via jax.nn.dot_product_attention, NVIDIA GPUs (attention_cudnn.py)
     splash      the Pallas TPU splash-attention kernel (attention_splash.py)
 
@@ -18,9 +18,9 @@ cpu_kernel, gpu -> cudnn, tpu -> splash. Where that kernel cannot take the case 
 soft-cap, float32, head_dim, attention sinks; splash: a sequence length that is not a
 multiple of 128; cpu_kernel: a soft-cap, sinks, a head_dim that is not a multiple of 16,
 more than 8 query heads per kv head, value heads of another width, a kernel that could
-not be built) auto runs `blocked` instead and warns once per process, naming the reason. On
-a mesh of several CPU devices auto runs `blocked` without a warning: the kernel is not
-partitioned.
+not be built) auto runs `blocked` instead and warns once per process, naming the reason.
+The CPU kernel is an FFI call XLA cannot partition: under a mesh of several devices it runs
+in a shard_map on each device's rows and heads (as splash does on TPU).
 An implementation asked for by name is never swapped: if it cannot run the case, or `cudnn`
 is asked for off a GPU, that is a ConfigError. `splash` by name off TPU runs in the Pallas
 interpreter (exact, slow: for tests), with a warning.
@@ -34,12 +34,14 @@ row) always runs the reference.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from engine.config import ConfigError
 from engine.ops import attention_cudnn, attention_splash, cpu_kernels
@@ -47,7 +49,7 @@ from engine.ops.attention_blocked import blocked_attention
 from engine.ops.attention_cudnn import cudnn_attention
 from engine.ops.attention_reference import dot_product_attention, reference_attention
 from engine.ops.attention_splash import splash_attention
-from engine.ops.partitioning import current_mesh, current_platform
+from engine.ops.partitioning import activation_spec, current_mesh, current_platform, mesh_axis_size
 
 Impl = Literal["auto", "reference", "blocked", "cudnn", "splash", "cpu_kernel"]
 DecodeImpl = Literal["auto", "reference", "cpu_kernel"]
@@ -112,18 +114,15 @@ def _unsupported(impl: str, *, dtype, head_dim: int, seq_len: int, softcap, segm
 
 def choose_implementation(impl: Impl, *, platform: str, dtype, head_dim: int, seq_len: int,
                           softcap: float | None = None, segmented: bool = True, sinks: bool = False,
-                          groups: int = 1, value_dim: int | None = None, devices: int = 1) -> str:
+                          groups: int = 1, value_dim: int | None = None) -> str:
     """The implementation that runs `impl` on `platform` for this case (see the module docstring)."""
     case = dict(dtype=dtype, head_dim=head_dim, seq_len=seq_len, softcap=softcap, segmented=segmented, sinks=sinks,
                 groups=groups, value_dim=value_dim)
-    if impl == "cpu_kernel" and (platform != "cpu" or devices > 1):
-        where = f"this run compiles for {platform}" if platform != "cpu" else f"the mesh has {devices} devices"
-        raise ConfigError(f"compute.attention_impl: cpu_kernel runs on one CPU device, and {where}; "
-                          f"use auto ({AUTO.get(platform, FALLBACK) if platform != 'cpu' else FALLBACK} here) or blocked")
+    if impl == "cpu_kernel" and platform != "cpu":
+        raise ConfigError(f"compute.attention_impl: cpu_kernel runs on CPU, and this run compiles for {platform}; "
+                          f"use auto ({AUTO.get(platform, FALLBACK)} here) or blocked")
     if impl == "auto":
         wanted = AUTO.get(platform, FALLBACK)
-        if wanted == "cpu_kernel" and devices > 1:
-            return FALLBACK
         reason = _unsupported(wanted, **case)
         if reason is None:
             return wanted
@@ -159,7 +158,7 @@ def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, impl: Impl = "auto
     name = choose_implementation(impl, platform=platform, dtype=q_btnh.dtype, head_dim=q_btnh.shape[3],
                                  seq_len=q_btnh.shape[1], softcap=softcap, segmented=segment_ids_bt is not None,
                                  sinks=sinks_n is not None, groups=q_btnh.shape[2] // k_bskh.shape[2],
-                                 value_dim=v_bskh.shape[3], devices=1 if mesh is None else mesh.devices.size)
+                                 value_dim=v_bskh.shape[3])
     args = (q_btnh, k_bskh, v_bskh, segment_ids_bt)
     if name == "reference":
         return reference_attention(*args, scale=scale, softcap=softcap, window=window, sinks_n=sinks_n)
@@ -169,9 +168,27 @@ def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, impl: Impl = "auto
         return cudnn_attention(*args, scale=scale, window=window)
     if name == "cpu_kernel":
         segments = jnp.ones(q_btnh.shape[:2], jnp.int32) if segment_ids_bt is None else segment_ids_bt
-        return cpu_kernels.train_attention(q_btnh, k_bskh, v_bskh, segments, float(scale), int(window or 0))
+        return _per_shard(functools.partial(cpu_kernels.train_attention, scale=float(scale), window=int(window or 0)),
+                          mesh, q_btnh, k_bskh, v_bskh, segments)
     return splash_attention(*args, scale=scale, softcap=softcap, window=window, interpret=platform != "tpu",
                             sinks_n=sinks_n)
+
+
+def _per_shard(kernel, mesh, q_btnh, k_bskh, v_bskh, segment_ids_bt):
+    """kernel(q, k, v, segments) on each device's shard: an FFI call, which XLA's partitioner
+    cannot split, runs in a shard_map under a mesh, batch split as the `act_batch` rule says and
+    heads as `act_kv_heads` (query heads with their kv heads, when both divide the axis); the
+    sequence stays whole on every device."""
+    if mesh is None or mesh.size == 1:
+        return kernel(q_btnh, k_bskh, v_bskh, segment_ids_bt)
+    batch_axes = activation_spec(q_btnh.shape, ("act_batch",), mesh)[0]
+    head_axes = activation_spec(k_bskh.shape[2:3], ("act_kv_heads",), mesh)[0]
+    if q_btnh.shape[2] % mesh_axis_size(mesh, head_axes):
+        head_axes = None
+    heads = P(batch_axes, None, head_axes, None)
+    run = jax.shard_map(kernel, mesh=mesh, in_specs=(heads, heads, heads, P(batch_axes, None)), out_specs=heads,
+                        check_vma=False)
+    return run(q_btnh, k_bskh, v_bskh, segment_ids_bt)
 
 
 def choose_decode_implementation(impl: DecodeImpl, *, platform: str, devices: int) -> str:
