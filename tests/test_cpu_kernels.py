@@ -114,14 +114,48 @@ def test_slots_past_the_last_visible_one_are_never_read():
 
 
 def test_auto_and_named_choice():
-    assert choose_decode_implementation("auto", platform="cpu", devices=1) == "cpu_kernel"
-    assert choose_decode_implementation("auto", platform="cpu", devices=8) == "reference"
-    assert choose_decode_implementation("auto", platform="gpu", devices=1) == "reference"
-    assert choose_decode_implementation("reference", platform="cpu", devices=1) == "reference"
+    unsplit = "3 rows do not divide over the 2 devices of the batch axes"
+    assert choose_decode_implementation("auto", platform="cpu") == "cpu_kernel"
+    assert choose_decode_implementation("auto", platform="cpu", unsplit=unsplit) == "reference"
+    assert choose_decode_implementation("auto", platform="gpu") == "reference"
+    assert choose_decode_implementation("reference", platform="cpu") == "reference"
     with pytest.raises(ConfigError, match=r"compute\.decode_attention_impl: cpu_kernel runs on CPU.*compiles for tpu"):
-        choose_decode_implementation("cpu_kernel", platform="tpu", devices=1)
-    with pytest.raises(ConfigError, match=r"compute\.decode_attention_impl: cpu_kernel runs on one device.*has 4"):
-        choose_decode_implementation("cpu_kernel", platform="cpu", devices=4)
+        choose_decode_implementation("cpu_kernel", platform="tpu")
+    with pytest.raises(ConfigError, match=r"compute\.decode_attention_impl: cpu_kernel runs on each device's rows, "
+                                          r"and 3 rows do not divide"):
+        choose_decode_implementation("cpu_kernel", platform="cpu", unsplit=unsplit)
+
+
+@pytest.mark.parametrize("shape, group, split", [((2, 1, 1, 1), 4, True), ((2, 1, 2, 1), 2, True),
+                                                 ((8, 1, 1, 1), 4, False)],
+                         ids=["data2", "data2-fsdp2", "data8-prompts-do-not-divide"])
+def test_under_a_mesh_a_decode_step_runs_per_shard_where_its_rows_and_prompts_divide(shape, group, split):
+    """8 rows in groups sharing their prompt (GRPO's shared prefix), with sinks: on 2 and 4
+    batch devices each runs the kernel on its rows and its prompts (one shard's shapes at the
+    custom call); 2 prompts on 8 devices do not divide, so auto runs the reference there. The
+    numbers are the reference's either way."""
+    q, k, v, mask, shared, sinks_kg = case(BF16_BITS, group=group, sinks=True)
+    q_btnh = attention.cache_values(q).reshape(B, 1, K * G, H)
+
+    def step(impl):
+        fn = jax.jit(lambda q, k, v, mask, prefix, sinks: attention.decode_attention(
+            q, k, v, mask[:, None], impl=impl, scale=0.2, sinks_n=sinks, shared=(*prefix, group)))
+        args = (q_btnh, k, v, mask, shared[:3], sinks_kg.reshape(-1))
+        return np.asarray(fn(*args).astype(jnp.float32)), fn.lower(*args).compile().as_text()
+
+    mesh = Mesh(np.asarray(jax.devices()[:int(np.prod(shape))]).reshape(shape), MESH_AXES)
+    with use_mesh(mesh):
+        ours, hlo = step("auto")
+    theirs, _ = step("reference")
+    calls = [line for line in hlo.splitlines() if 'custom_call_target="trainflow_decode_attention"' in line]
+    if split:
+        rows = B // (shape[0] * shape[2])
+        assert calls and all(f"[{rows},{K},{G},{H}]" in line for line in calls), calls
+    else:
+        assert not calls
+        with use_mesh(mesh), pytest.raises(ConfigError, match="2 shared prompts do not divide over the 8 devices"):
+            step("cpu_kernel")
+    np.testing.assert_allclose(ours, theirs, atol=2**-7, rtol=2**-7)
 
 
 def test_a_failed_build_falls_back_under_auto_and_is_an_error_by_name(monkeypatch, tmp_path):
@@ -133,10 +167,10 @@ def test_a_failed_build_falls_back_under_auto_and_is_an_error_by_name(monkeypatc
     monkeypatch.setattr(attention, "_told", set())
     with pytest.warns(UserWarning, match="decode attention: auto uses reference, not cpu_kernel: .*compiling "
                                          "decode_attention.cc failed"):
-        assert choose_decode_implementation("auto", platform="cpu", devices=1) == "reference"
+        assert choose_decode_implementation("auto", platform="cpu") == "reference"
     with pytest.raises(ConfigError, match=r"compute\.decode_attention_impl: the CPU kernel decode_attention is "
                                           r"unavailable: compiling decode_attention.cc failed"):
-        choose_decode_implementation("cpu_kernel", platform="cpu", devices=1)
+        choose_decode_implementation("cpu_kernel", platform="cpu")
     assert [p.name for p in tmp_path.iterdir()] == ["decode_attention.lock"]
 
 

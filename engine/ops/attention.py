@@ -26,10 +26,11 @@ is asked for off a GPU, that is a ConfigError. `splash` by name off TPU runs in 
 interpreter (exact, slow: for tests), with a warning.
 
 Decoding with a KV cache attends over the cache through `decode_attention`
-(`ComputeConfig.decode_attention_impl`): a step of one query per row runs, on one CPU device,
-the C++ kernel engine/ops/cpu_kernels/decode_attention.cc (`cpu_kernel`), else the reference
-over the cache's explicit mask (engine/models/kv_cache.py); a prefill (several queries per
-row) always runs the reference.
+(`ComputeConfig.decode_attention_impl`): a step of one query per row runs, on CPU, the C++
+kernel engine/ops/cpu_kernels/decode_attention.cc (`cpu_kernel`; under a mesh on each
+device's rows, where the rows and a group rollout's prompts divide over its batch axes),
+else the reference over the cache's explicit mask (engine/models/kv_cache.py); a prefill
+(several queries per row) always runs the reference.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ from engine.ops.attention_blocked import blocked_attention
 from engine.ops.attention_cudnn import cudnn_attention
 from engine.ops.attention_reference import dot_product_attention, reference_attention
 from engine.ops.attention_splash import splash_attention
-from engine.ops.partitioning import activation_spec, current_mesh, current_platform, mesh_axis_size
+from engine.ops.partitioning import (
+    activation_spec, current_mesh, current_platform, logical_to_spec, mesh_axis_size,
+)
 
 Impl = Literal["auto", "reference", "blocked", "cudnn", "splash", "cpu_kernel"]
 DecodeImpl = Literal["auto", "reference", "cpu_kernel"]
@@ -191,18 +194,19 @@ def _per_shard(kernel, mesh, q_btnh, k_bskh, v_bskh, segment_ids_bt):
     return run(q_btnh, k_bskh, v_bskh, segment_ids_bt)
 
 
-def choose_decode_implementation(impl: DecodeImpl, *, platform: str, devices: int) -> str:
-    """What runs a decode step's attention for `impl` on `platform` with the mesh's `devices`
-    (see the module docstring): auto picks cpu_kernel on one CPU device if it builds, and
-    falls back to reference with a warning if it does not; cpu_kernel by name off CPU, on
-    more than one device or without a build is a ConfigError."""
-    if impl == "reference" or (impl == "auto" and (platform != "cpu" or devices > 1)):
+def choose_decode_implementation(impl: DecodeImpl, *, platform: str, unsplit: str | None = None) -> str:
+    """What runs a decode step's attention for `impl` on `platform` (see the module docstring):
+    auto picks cpu_kernel on CPU if it builds, and falls back to reference with a warning if
+    it does not. `unsplit`: why a mesh's devices cannot each take their share of the step's
+    rows (None: they can, or there is one device); auto then runs reference. cpu_kernel by
+    name off CPU, for such a step or without a build is a ConfigError."""
+    if impl == "reference" or (impl == "auto" and (platform != "cpu" or unsplit)):
         return "reference"
     if impl == "cpu_kernel" and platform != "cpu":
         raise ConfigError(f"compute.decode_attention_impl: cpu_kernel runs on CPU, and this run compiles for {platform}; "
                           "use auto or reference")
-    if impl == "cpu_kernel" and devices > 1:
-        raise ConfigError(f"compute.decode_attention_impl: cpu_kernel runs on one device, and the mesh has {devices}; "
+    if impl == "cpu_kernel" and unsplit:
+        raise ConfigError(f"compute.decode_attention_impl: cpu_kernel runs on each device's rows, and {unsplit}; "
                           "use auto (reference there) or reference")
     reason = cpu_kernels.unavailable("decode_attention")
     if reason is None:
@@ -213,24 +217,49 @@ def choose_decode_implementation(impl: DecodeImpl, *, platform: str, devices: in
     return "reference"
 
 
+def _row_split(mesh, rows: int, prompts: int | None):
+    """(the mesh axes a decode step's rows split over, or None; why they cannot, or None). A
+    GRPO group rollout's shared prompts split with their rows: their count must divide too."""
+    if mesh is None or mesh.size == 1:
+        return None, None
+    axes = logical_to_spec(("act_batch",), mesh=mesh)[0]
+    size = mesh_axis_size(mesh, axes)
+    if size == 1:
+        return None, f"the mesh's {mesh.size} devices hold no batch axis"
+    for count, what in ((rows, "rows"), (prompts, "shared prompts")):
+        if count is not None and count % size:
+            return None, f"{count} {what} do not divide over the {size} devices of the batch axes"
+    return axes, None
+
+
 def decode_attention(q_btnh, k_bkhs, v_bksh, mask_bts, *, impl: DecodeImpl = "auto", scale: float,
                      softcap: float | None = None, sinks_n=None, shared=None):
     """Attention of queries (b, t, n, h) over a KV cache as KVCache.update(raw=True) returns it
     (keys (b, k, h, s), values (b, k, s, h), as stored, and the mask (b, t, s)) and `shared`,
     KVCache.shared_prefix(raw=True) or None: (b, t, n, h) in the cache's value dtype. The
     reference's numbers (attention_reference.dot_product_attention), up to float32 summation
-    order."""
+    order. Under a mesh the kernel runs in a shard_map on each device's rows (and prompts)."""
     b, t, n, h = q_btnh.shape
     mesh = current_mesh()
-    devices = 1 if mesh is None else mesh.devices.size
-    if t != 1 or choose_decode_implementation(impl, platform=current_platform(), devices=devices) == "reference":
+    axes, unsplit = _row_split(mesh, b, None if shared is None else shared[0].shape[0])
+    if t != 1 or choose_decode_implementation(impl, platform=current_platform(), unsplit=unsplit) == "reference":
         if shared is not None:
             shared = (cache_values(shared[0]), cache_values(shared[1]), *shared[2:])
         return dot_product_attention(q_btnh, cache_values(k_bkhs).transpose(0, 3, 1, 2),
                                      cache_values(v_bksh).swapaxes(1, 2), mask_bts, scale=scale, softcap=softcap,
                                      sinks_n=sinks_n, shared=shared)
     k = k_bkhs.shape[1]
-    sinks_kg = None if sinks_n is None else sinks_n.reshape(k, n // k)
-    out_bkgh = cpu_kernels.decode_attention(q_btnh.reshape(b, k, n // k, h), k_bkhs, v_bksh, mask_bts[:, 0], shared,
-                                            scale=scale, softcap=softcap, sinks_kg=sinks_kg)
-    return out_bkgh.reshape(b, 1, n, h)
+    group = None if shared is None else shared[3]
+    sinks = () if sinks_n is None else (sinks_n.reshape(k, n // k),)
+    prefix = () if shared is None else tuple(shared[:3])
+
+    def run(q, keys, values, mask, *rest):
+        return cpu_kernels.decode_attention(q, keys, values, mask, (*rest[:3], group) if prefix else None,
+                                            scale=scale, softcap=softcap, sinks_kg=rest[-1] if sinks else None)
+
+    args = (q_btnh.reshape(b, k, n // k, h), k_bkhs, v_bksh, mask_bts[:, 0], *prefix, *sinks)
+    if axes is not None:
+        rows = [P(axes, *[None] * (a.ndim - 1)) for a in args[:4 + len(prefix)]]
+        run = jax.shard_map(run, mesh=mesh, in_specs=(*rows, *[P()] * len(sinks)), out_specs=rows[0],
+                            check_vma=False)
+    return run(*args).reshape(b, 1, n, h)
