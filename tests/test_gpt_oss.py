@@ -320,6 +320,33 @@ def test_an_mxfp4_checkpoint_converts_to_the_weights_transformers_dequantizes(tm
     assert np.abs(forward(zeroed, tokens, mask) - ref)[valid].max() > 100 * max(delta, 1e-6)
 
 
+def test_a_bf16_mxfp4_checkpoint_converts_to_bf16_whatever_the_uint8_bytes(tmp_path):
+    """As published: bf16 tensors beside MXFP4 payloads that outweigh them. The checkpoint's
+    dtype is its float tensors' (the uint8 bytes do not count), and the dequantized experts are
+    exact in bf16 (a 4-bit code times a power of two)."""
+    import ml_dtypes
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from engine.interop.hf.safetensors_io import write_safetensors
+
+    config = hf_config()
+    config.hidden_size, config.intermediate_size, config.num_local_experts = 64, 64, 16
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    tensors = _mxfp4_checkpoint(tmp_path / "hf", model, np.random.default_rng(2))
+    bf16_bytes = sum(v.nbytes for v in tensors.values() if v.dtype != np.uint8) // 2
+    assert sum(v.nbytes for v in tensors.values() if v.dtype == np.uint8) > bf16_bytes
+    write_safetensors(tmp_path / "hf" / "model.safetensors", sorted(
+        (k, v if v.dtype == np.uint8 else v.astype(ml_dtypes.bfloat16)) for k, v in tensors.items()))
+    convert_hf(tmp_path / "hf", tmp_path / "converted")
+    _, params, _ = load_params(tmp_path / "converted" / "checkpoint")
+    down = params["blocks"]["mlp"]["w_down_efd"]
+    assert down.dtype == ml_dtypes.bfloat16 and params["embed_vd"].dtype == ml_dtypes.bfloat16
+    prefix = "model.layers.2.mlp.experts.down_proj"
+    want = convert_moe_packed_tensors(torch.from_numpy(tensors[prefix + "_blocks"]),
+                                      torch.from_numpy(tensors[prefix + "_scales"]), dtype=torch.float32)
+    np.testing.assert_array_equal(np.asarray(down[2], np.float32), want.numpy())
+
+
 def test_a_damaged_mxfp4_checkpoint_is_refused_by_tensor_name(tmp_path):
     config = hf_config()
     config.hidden_size, config.intermediate_size = 64, 32
