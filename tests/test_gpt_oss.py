@@ -136,16 +136,12 @@ def test_a_training_step_on_data_expert_and_tensor_axes_equals_one_device():
     the router's balance loss and every gradient equal one device's."""
     from engine.config import load_preset
     from engine.models.config import ComputeConfig, ModelConfig
-    from engine.models.params import param_shardings
     from engine.parallel.config import MeshConfig
-    from engine.parallel.mesh import batch_sharding, global_array, make_mesh
-    from engine.train.step import lm_loss_fn
-    from tests.test_moe import random_params
+    from tests.test_moe import assert_mesh_step_equals_one_device, random_params
 
-    cfg = ModelConfig(**{**load_preset("tiny-gpt-oss", "test"), "num_experts": 4,
-                         "sliding_window": 5, "max_seq_len": 16})
+    cfg = ModelConfig(**{**load_preset("tiny-gpt-oss", "test"), "num_experts": 4, "sliding_window": 5,
+                         "max_seq_len": 16})
     compute = ComputeConfig()
-    graphdef = graphdef_of(cfg, compute)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (4, 16))
     segments = np.ones((4, 16), np.int32)
@@ -153,30 +149,10 @@ def test_a_training_step_on_data_expert_and_tensor_axes_equals_one_device():
     segments[2, 7:] = 2  # two documents
     batch = {"tokens": tokens, "positions": np.broadcast_to(np.arange(16), (4, 16)), "segment_ids": segments,
              "targets": np.roll(tokens, -1, 1), "loss_mask": (segments > 0).astype(np.float32)}
-    step = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef), has_aux=True))
-    host_params = random_params(cfg, compute, std=0.2)
-    results = {}
-    for name, mesh in (("one", make_mesh(MeshConfig(data=1), jax.devices()[:1])),
-                       ("sharded", make_mesh(MeshConfig(data=2, expert=2, tensor=2)))):
-        params = jax.device_put(host_params, param_shardings(cfg, compute, mesh)[1])
-        sharded = {k: global_array(v, batch_sharding(mesh)) for k, v in batch.items()}
-        with use_mesh(mesh), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # auto attention names its fallback (sinks) once
-            compiled = step.lower(params, sharded, 50.0).compile()
-        (loss, aux), grads = compiled(params, sharded, 50.0)
-        results[name] = float(loss), float(aux["moe_balance_loss"]), jax.tree.map(np.asarray, grads)
-        if name == "sharded":
-            assert params["blocks"]["mlp"]["w_gate_edf"].sharding.spec[:2] == (None, "expert")
-            assert "all-to-all" in compiled.as_text()
-    (loss_1, balance_1, grads_1), (loss_8, balance_8, grads_8) = results["one"], results["sharded"]
-    assert np.isfinite(loss_1) and loss_8 == pytest.approx(loss_1, rel=1e-6)
-    assert balance_8 == pytest.approx(balance_1, rel=1e-6)
-    for path, a in jax.tree_util.tree_leaves_with_path(grads_1):
-        b = grads_8
-        for key in path:
-            b = b[key.key]
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(np.abs(a).max()),
-                                   err_msg=jax.tree_util.keystr(path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # auto attention names its fallback (sinks) once
+        assert_mesh_step_equals_one_device(cfg, compute, random_params(cfg, compute, std=0.2), batch,
+                                           MeshConfig(data=2, expert=2, tensor=2), denominator=50.0)
 
 
 # --------------------------------------------------------------------------- Hugging Face parity

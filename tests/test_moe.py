@@ -351,30 +351,40 @@ def test_expert_x_fsdp_x_data_parallel_equals_one_device(dispatch):
     engine/models/moe_ep.py)."""
     cfg = tiny(num_layers=2, num_experts=4, mlp_dim=8)
     compute = ComputeConfig(moe_dispatch=dispatch, moe_capacity_factor=2.0)
-    graphdef = graphdef_of(cfg, compute)
     tokens = np.random.default_rng(0).integers(0, VOCAB, (8, 8))
     segments = np.ones((8, 8), np.int32)
     segments[3, 5:] = 0  # padding: left out of the loss and of the router's statistics
     batch = {"tokens": tokens, "positions": np.broadcast_to(np.arange(8), (8, 8)), "segment_ids": segments,
              "targets": np.roll(tokens, -1, 1), "loss_mask": segments.astype(np.float32)}
-    step = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef), has_aux=True))
-    host_params = random_params(cfg, compute)
+    assert_mesh_step_equals_one_device(cfg, compute, random_params(cfg, compute), batch,
+                                       MeshConfig(data=2, expert=2, fsdp=2))
+
+
+def assert_mesh_step_equals_one_device(cfg, compute, host_params, batch, mesh_config, denominator: float = 61.0):
+    """The loss, the router's balance loss and every gradient of one step on `mesh_config`'s 8
+    simulated devices equal one device's; the experts split over `expert` and the tokens reach
+    them by all-to-all."""
+    step = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef_of(cfg, compute)), has_aux=True))
     results = {}
-    for name, mesh in (("one", make_mesh(MeshConfig(data=1), jax.devices()[:1])),
-                       ("ep", make_mesh(MeshConfig(data=2, expert=2, fsdp=2)))):
+    for name, mesh in (("one", make_mesh(MeshConfig(data=1), jax.devices()[:1])), ("mesh", make_mesh(mesh_config))):
         params = jax.device_put(host_params, param_shardings(cfg, compute, mesh)[1])
         sharded = {k: global_array(v, batch_sharding(mesh)) for k, v in batch.items()}
         with use_mesh(mesh):
-            compiled = step.lower(params, sharded, 61.0).compile()
-        (loss, aux), grads = compiled(params, sharded, 61.0)
+            compiled = step.lower(params, sharded, denominator).compile()
+        (loss, aux), grads = compiled(params, sharded, denominator)
         results[name] = float(loss), float(aux["moe_balance_loss"]), jax.tree.map(np.asarray, grads)
-        if name == "ep":
+        if name == "mesh":
             assert params["blocks"]["mlp"]["w_gate_edf"].sharding.spec[:2] == (None, "expert")
             assert "all-to-all" in compiled.as_text()
-    (loss_1, balance_1, grads_1), (loss_8, balance_8, grads_8) = results["one"], results["ep"]
-    assert loss_8 == pytest.approx(loss_1, rel=1e-6) and balance_8 == pytest.approx(balance_1, rel=1e-6)
-    for a, b in zip(jax.tree.leaves(grads_1), jax.tree.leaves(grads_8), strict=True):
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(np.abs(a).max()))
+    (loss_1, balance_1, grads_1), (loss_8, balance_8, grads_8) = results["one"], results["mesh"]
+    assert np.isfinite(loss_1) and loss_8 == pytest.approx(loss_1, rel=1e-6)
+    assert balance_8 == pytest.approx(balance_1, rel=1e-6)
+    for path, a in jax.tree_util.tree_leaves_with_path(grads_1):
+        b = grads_8
+        for key in path:
+            b = b[key.key]
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(np.abs(a).max()),
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("with_biases", [True, False])
