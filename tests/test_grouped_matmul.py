@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from engine.models.moe import dropless_experts
+from engine.ops import grouped
 from engine.ops.grouped import grouped_matmul, grouped_mlp, tiled_grouped_matmul
 
 LAYOUTS = {
@@ -28,8 +29,17 @@ def _loss(fn, x, w, sizes, dy):
     return jnp.sum(fn(x, w, sizes).astype(jnp.float32) * dy)
 
 
+@pytest.fixture(params=["batched", "looped"])
+def form(request, monkeypatch):
+    """Both forms of the tiled product: one batched matmul over per-tile copies of the
+    matrices, and the tile loop that takes over where the copies would be too large."""
+    if request.param == "looped":
+        monkeypatch.setattr(grouped, "LOOP_ABOVE_BYTES", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_values_and_gradients_equal_ragged_dot(layout):
+def test_values_and_gradients_equal_ragged_dot(layout, form):
     sizes, m, tile = LAYOUTS[layout]
     rng = np.random.default_rng(len(layout))
     x = jnp.asarray(rng.normal(size=(m, 24)), jnp.float32)
@@ -48,7 +58,7 @@ def test_values_and_gradients_equal_ragged_dot(layout):
     assert not np.any(np.asarray(got[0])[total:])  # and no gradient
 
 
-def test_the_experts_mlp_with_biases_equals_three_ragged_dots():
+def test_the_experts_mlp_with_biases_equals_three_ragged_dots(form):
     sizes, m = [0, 5, 37, 0, 1, 20, 0], 70  # rows past the groups too
     g, d, f = len(sizes), 16, 24
     rng = np.random.default_rng(3)
@@ -79,7 +89,7 @@ def test_the_experts_mlp_with_biases_equals_three_ragged_dots():
     assert not np.any(np.asarray(got[0])[total:])  # rows past the groups get no gradient
 
 
-def test_bf16_keeps_its_dtype_and_accumulates_in_float32():
+def test_bf16_keeps_its_dtype_and_accumulates_in_float32(form):
     rng = np.random.default_rng(1)
     sizes = jnp.asarray([40, 0, 88], jnp.int32)
     x = jnp.asarray(rng.normal(size=(128, 256)), jnp.bfloat16)
@@ -116,6 +126,22 @@ def test_the_cpu_dropless_experts_run_the_tiled_product_not_ragged_dot():
                           jnp.einsum("nd,ndf->nf", x, ws[1][experts[:, j]])), ws[2][experts[:, j]])
         for j in range(k))
     np.testing.assert_allclose(jax.jit(run)(x, *ws), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_loop_takes_over_where_the_per_tile_copies_would_be_too_large(monkeypatch):
+    """The batched form is one batched matmul (a dot with a batch dimension, over per-tile
+    copies of the matrices); past LOOP_ABOVE_BYTES of copies the loop runs instead, whose
+    products have no batch dimension (each reads one matrix in place)."""
+    x, w = jnp.zeros((300, 64), jnp.float32), jnp.zeros((6, 64, 96), jnp.float32)
+    sizes = jnp.asarray([50, 50, 50, 50, 50, 50], jnp.int32)
+
+    def hlo():
+        return jax.jit(jax.grad(lambda x, w, s: jnp.sum(tiled_grouped_matmul(x, w, s)), argnums=(0, 1))).lower(
+            x, w, sizes).compile().as_text()
+    assert "lhs_batch_dims={0}" in hlo()
+    tiles = -(-(300 + 6 * 63) // 64)  # tiles of 64 rows
+    monkeypatch.setattr(grouped, "LOOP_ABOVE_BYTES", tiles * 64 * 96 * 4 - 1)  # just under the copies' bytes
+    assert "lhs_batch_dims" not in hlo()
 
 
 def test_refuses_operands_that_do_not_line_up():

@@ -17,7 +17,9 @@ three products, and the rows come back once at the end.
 The backward pass of a tiled product is written out (a custom VJP) so that it keeps only its
 operands, not the per-tile copies of the group matrices: the input gradient is the same
 product with the matrices transposed, the matrices' gradient a batched product per tile
-summed into its group.
+summed into its group. Where those copies would pass LOOP_ABOVE_BYTES (many or wide
+experts), the product and its gradients loop over the tiles instead, reading each group's
+matrix in place.
 
 Rows past the sum of the group sizes get zeros, and no gradient, as in `ragged_dot`.
 """
@@ -161,10 +163,35 @@ def _tiles(a_pi, tile: int):
     return a_pi.reshape(a_pi.shape[0] // tile, tile, a_pi.shape[1])
 
 
+LOOP_ABOVE_BYTES = 256 << 20
+"""The batched product gathers a copy of its group's matrix per tile: past this many bytes of
+copies (many experts, or wide ones) the product loops over the tiles instead, reading each
+matrix in place. The loop is slower at bench.moe's shape (0.680 against 0.586 s a step,
+docs/benchmarks.md) but needs no copies: Qwen3-30B-A3B's 128 experts would copy 3.6 GB per
+projection for a training batch of 16k tokens."""
+
+
+def _looped(x_pi, w_gij, tile_group) -> bool:
+    copies = tile_group.shape[0] * w_gij.shape[1] * w_gij.shape[2] * jnp.dtype(w_gij.dtype).itemsize
+    return copies > LOOP_ABOVE_BYTES
+
+
+def _dot(a, b, contract_a: int, contract_b: int):
+    return jax.lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _tiled(x_pi, w_gij, tile_group, tile):
+    dtype = jnp.result_type(x_pi, w_gij)
+    if _looped(x_pi, w_gij, tile_group):
+        def body(q, y_pj):
+            x_ti = jax.lax.dynamic_slice_in_dim(x_pi, q * tile, tile)
+            w_ij = jax.lax.dynamic_index_in_dim(w_gij, tile_group[q], keepdims=False)
+            return jax.lax.dynamic_update_slice_in_dim(y_pj, _dot(x_ti, w_ij, 1, 0).astype(dtype), q * tile, 0)
+
+        return jax.lax.fori_loop(0, tile_group.shape[0], body, jnp.zeros((x_pi.shape[0], w_gij.shape[2]), dtype))
     y = _batched(_tiles(x_pi, tile), w_gij[tile_group], 2, 1)
-    return y.reshape(x_pi.shape[0], -1).astype(jnp.result_type(x_pi, w_gij))
+    return y.reshape(x_pi.shape[0], -1).astype(dtype)
 
 
 def _tiled_fwd(x_pi, w_gij, tile_group, tile):
@@ -173,6 +200,8 @@ def _tiled_fwd(x_pi, w_gij, tile_group, tile):
 
 def _tiled_bwd(tile, residuals, dy_pj):
     x_pi, w_gij, tile_group = residuals
+    if _looped(x_pi, w_gij, tile_group):
+        return (*_looped_bwd(x_pi, w_gij, tile_group, tile, dy_pj.astype(jnp.result_type(x_pi, w_gij))), None)
     dy_qtj = _tiles(dy_pj.astype(jnp.result_type(x_pi, w_gij)), tile)
     x_qti = _tiles(x_pi, tile)
     dx = _batched(dy_qtj, w_gij[tile_group], 2, 2).reshape(x_pi.shape).astype(x_pi.dtype)  # dy . w^T
@@ -184,6 +213,23 @@ def _tiled_bwd(tile, residuals, dy_pj):
         dw_qij = _batched(dy_qtj, x_qti, 1, 1).transpose(0, 2, 1)
     dw = jnp.zeros(w_gij.shape, jnp.float32).at[tile_group].add(dw_qij, indices_are_sorted=True)
     return dx, dw.astype(w_gij.dtype), None
+
+
+def _looped_bwd(x_pi, w_gij, tile_group, tile, dy_pj):
+    """The tile loop's gradients: dx = dy . w^T per tile; dw[g] += x^T . dy for each tile of g."""
+    def body(q, carry):
+        dx_pi, dw_gij = carry
+        x_ti = jax.lax.dynamic_slice_in_dim(x_pi, q * tile, tile)
+        dy_tj = jax.lax.dynamic_slice_in_dim(dy_pj, q * tile, tile)
+        g = tile_group[q]
+        w_ij = jax.lax.dynamic_index_in_dim(w_gij, g, keepdims=False)
+        dx_pi = jax.lax.dynamic_update_slice_in_dim(dx_pi, _dot(dy_tj, w_ij, 1, 1).astype(dx_pi.dtype), q * tile, 0)
+        dw_ij = jax.lax.dynamic_index_in_dim(dw_gij, g, keepdims=False) + _dot(x_ti, dy_tj, 0, 0)
+        return dx_pi, jax.lax.dynamic_update_index_in_dim(dw_gij, dw_ij, g, 0)
+
+    dx, dw = jax.lax.fori_loop(0, tile_group.shape[0], body,
+                               (jnp.zeros(x_pi.shape, x_pi.dtype), jnp.zeros(w_gij.shape, jnp.float32)))
+    return dx, dw.astype(w_gij.dtype)
 
 
 _tiled.defvjp(_tiled_fwd, _tiled_bwd)
