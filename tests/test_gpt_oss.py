@@ -20,7 +20,6 @@ import pytest
 from jax.sharding import Mesh
 
 from engine.config import ConfigError
-from engine.inference.sample import Sampler
 from engine.interop.hf.convert import convert_hf
 from engine.interop.hf.mapping import model_config_from_hf
 from engine.models.params import apply_model, graphdef_of
@@ -31,7 +30,7 @@ from engine.ops.attention_reference import attention_mask, dot_product_attention
 from engine.ops.partitioning import MESH_AXES, use_mesh
 from engine.train.checkpoint import load_params, stored_configs
 from tests.test_hf_parity import batch, hf_logits
-from tests.test_moe import export_loads_cleanly
+from tests.test_moe import assert_greedy_tokens_equal_transformers, export_loads_cleanly
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -256,16 +255,7 @@ def test_the_capacity_dispatch_with_expert_biases_equals_the_dropless_one(case):
 
 def test_greedy_generation_with_the_engine_sampler_is_identical(case):
     """7 prompt + 16 new tokens: past the sliding window, so the cache's window and sinks count."""
-    prompt = np.random.default_rng(2).integers(0, VOCAB, (2, 7))
-    case["model"].generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = case["model"].generate(torch.tensor(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
-                                     max_new_tokens=16, do_sample=False, pad_token_id=0)
-    ref = out[:, prompt.shape[1]:].numpy()
-    ours = Sampler(case["cfg"], case["compute"])(case["params"], prompt, np.ones_like(prompt), max_new_tokens=16,
-                                                 temperature=0.0)
-    assert ref.shape == (2, 16)
-    np.testing.assert_array_equal(ours.tokens, ref)
+    assert_greedy_tokens_equal_transformers(case, VOCAB)
 
 
 def test_export_loads_cleanly_in_transformers_and_converts_back_bitwise(case, tmp_path):

@@ -290,15 +290,21 @@ def test_converted_moe_matches_transformers_logits_and_routing_is_sensitive(case
 
 
 def test_greedy_generation_with_the_engine_sampler_is_identical(case):
-    prompt = np.random.default_rng(2).integers(0, VOCAB, (2, 7))
+    assert_greedy_tokens_equal_transformers(case, VOCAB)
+
+
+def assert_greedy_tokens_equal_transformers(case, vocab: int, prompt_len: int = 7, new_tokens: int = 16):
+    """Two random prompts, greedy: the engine's Sampler on the converted checkpoint produces
+    the tokens transformers' generate does (no EOS stop)."""
+    prompt = np.random.default_rng(2).integers(0, vocab, (2, prompt_len))
     case["model"].generation_config.eos_token_id = None
     with torch.no_grad():
         out = case["model"].generate(torch.tensor(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
-                                     max_new_tokens=16, do_sample=False, pad_token_id=0)
-    ref = out[:, prompt.shape[1]:].numpy()
-    ours = Sampler(case["cfg"], case["compute"])(case["params"], prompt, np.ones_like(prompt), max_new_tokens=16,
-                                                 temperature=0.0)
-    assert ref.shape == (2, 16)
+                                     max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    ref = out[:, prompt_len:].numpy()
+    ours = Sampler(case["cfg"], case["compute"])(case["params"], prompt, np.ones_like(prompt),
+                                                 max_new_tokens=new_tokens, temperature=0.0)
+    assert ref.shape == (2, new_tokens)
     np.testing.assert_array_equal(ours.tokens, ref)
 
 
