@@ -339,10 +339,11 @@ def test_an_mxfp4_checkpoint_converts_to_the_weights_transformers_dequantizes(tm
     assert np.abs(forward(zeroed, tokens, mask) - ref)[valid].max() > 100 * max(delta, 1e-6)
 
 
-def test_a_bf16_mxfp4_checkpoint_converts_to_bf16_whatever_the_uint8_bytes(tmp_path):
-    """As published: bf16 tensors beside MXFP4 payloads that outweigh them. The checkpoint's
-    dtype is its float tensors' (the uint8 bytes do not count), and the dequantized experts are
-    exact in bf16 (a 4-bit code times a power of two)."""
+def test_a_sharded_bf16_mxfp4_checkpoint_converts_to_bf16_whatever_the_uint8_bytes(tmp_path):
+    """As published: bf16 tensors beside MXFP4 payloads that outweigh them, in two shards, the
+    scales apart from their blocks. The checkpoint's dtype is its float tensors' (the uint8
+    bytes do not count), and the dequantized experts are exact in bf16 (a 4-bit code times a
+    power of two)."""
     import ml_dtypes
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -354,8 +355,14 @@ def test_a_bf16_mxfp4_checkpoint_converts_to_bf16_whatever_the_uint8_bytes(tmp_p
     tensors = _mxfp4_checkpoint(tmp_path / "hf", model, np.random.default_rng(2))
     bf16_bytes = sum(v.nbytes for v in tensors.values() if v.dtype != np.uint8) // 2
     assert sum(v.nbytes for v in tensors.values() if v.dtype == np.uint8) > bf16_bytes
-    write_safetensors(tmp_path / "hf" / "model.safetensors", sorted(
-        (k, v if v.dtype == np.uint8 else v.astype(ml_dtypes.bfloat16)) for k, v in tensors.items()))
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    shards = {"model-00001-of-00002.safetensors": {k: v for k, v in tensors.items() if not k.endswith("_scales")},
+              "model-00002-of-00002.safetensors": {k: v for k, v in tensors.items() if k.endswith("_scales")}}
+    for file, part in shards.items():
+        write_safetensors(tmp_path / "hf" / file, sorted(
+            (k, v if v.dtype == np.uint8 else v.astype(ml_dtypes.bfloat16)) for k, v in part.items()))
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: file for file, part in shards.items() for k in part}}))
     convert_hf(tmp_path / "hf", tmp_path / "converted")
     _, params, _ = load_params(tmp_path / "converted" / "checkpoint")
     down = params["blocks"]["mlp"]["w_down_efd"]
@@ -376,7 +383,7 @@ def test_a_damaged_mxfp4_checkpoint_is_refused_by_tensor_name(tmp_path):
     del tensors["model.layers.1.mlp.experts.down_proj_scales"]
     save_file(tensors, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ConfigError, match=r"'model.layers.1.mlp.experts.down_proj_blocks' has no "
-                                          r"'model.layers.1.mlp.experts.down_proj_scales'"):
+                                          r"'model.layers.1.mlp.experts.down_proj_scales' in the checkpoint"):
         convert_hf(tmp_path / "hf", tmp_path / "out")
     tensors["model.layers.1.mlp.experts.down_proj_scales"] = np.zeros((5, 64, 2), np.uint8)  # 2 blocks: 64 inputs
     save_file(tensors, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})

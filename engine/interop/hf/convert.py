@@ -103,16 +103,29 @@ def _source_dtype(files: list[Path]) -> str:
     return "bfloat16" if max(nbytes, key=nbytes.get, default=None) == np.dtype(ml_dtypes.bfloat16) else "float32"
 
 
-def _check_mxfp4(st: SafetensorsFile, path: Path, names: set[str], blocks: str, name: str, want) -> None:
-    """MXFP4 blocks and their scales of tensor `name`: present in the same file, uint8, with
-    the shapes that dequantize to `want`."""
+def _mxfp4_scales(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], np.dtype]]:
+    """Every `*_scales` tensor of the checkpoint: its file, shape and dtype. A sharded
+    checkpoint may put a tensor's blocks and its scales in different files."""
+    found = {}
+    for path in files:
+        with SafetensorsFile(path) as st:
+            for name in st.names():
+                if name.endswith(MXFP4_SCALES):
+                    found[name] = (path, tuple(st.shape(name)), st.dtype(name))
+    return found
+
+
+def _check_mxfp4(st: SafetensorsFile, path: Path, scales_at: dict, blocks: str, name: str, want) -> None:
+    """MXFP4 blocks of tensor `name` and their scales (in any file): uint8, with the shapes
+    that dequantize to `want`."""
     scales = name + MXFP4_SCALES
-    if scales not in names:
-        raise ConfigError(f"{path.name}: MXFP4 tensor '{blocks}' has no '{scales}' beside it")
-    b_shape, s_shape = tuple(st.shape(blocks)), tuple(st.shape(scales))
-    if st.dtype(blocks) != np.uint8 or st.dtype(scales) != np.uint8:
+    if scales not in scales_at:
+        raise ConfigError(f"{path.name}: MXFP4 tensor '{blocks}' has no '{scales}' in the checkpoint")
+    _, s_shape, s_dtype = scales_at[scales]
+    b_shape = tuple(st.shape(blocks))
+    if st.dtype(blocks) != np.uint8 or s_dtype != np.uint8:
         raise ConfigError(f"{path.name}: MXFP4 tensors '{blocks}' and '{scales}' must be uint8, "
-                          f"got {st.dtype(blocks)} and {st.dtype(scales)}")
+                          f"got {st.dtype(blocks)} and {s_dtype}")
     if len(b_shape) < 3 or b_shape[-1] != 16 or s_shape != b_shape[:-1] or mxfp4_shape(b_shape) != tuple(want):
         raise ConfigError(f"{path.name}: MXFP4 tensor '{blocks}' {list(b_shape)} with scales {list(s_shape)} does "
                           f"not dequantize to the shape config.json implies for '{name}', {list(want)}")
@@ -170,9 +183,9 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
     jobs: list[tuple[Path, str, TensorSpec, tuple, str | None]] = []
     tied_head: Path | None = None
     mxfp4 = (hf_config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    scales_at = _mxfp4_scales(files) if mxfp4 else {}
     for path in files:
         with SafetensorsFile(path) as st:
-            names = set(st.names())
             for stored in st.names():
                 name, blocks = stored, None
                 if mxfp4 and stored.endswith(MXFP4_SCALES) and stored[:-len(MXFP4_SCALES)] in expected:
@@ -194,7 +207,7 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
                 spec, index, shape = expected[name]
                 want = hf_shape(spec, shape)
                 if blocks is not None:
-                    _check_mxfp4(st, path, names, blocks, name, want)
+                    _check_mxfp4(st, path, scales_at, blocks, name, want)
                 elif st.shape(name) != want:
                     raise ConfigError(
                         f"{path.name}: tensor '{name}' has shape {list(st.shape(name))}, but config.json "
@@ -218,7 +231,8 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
         if blocks is None:
             raw = handles[path].get(name)
         else:
-            raw = dequantize_mxfp4(handles[path].get(blocks), handles[path].get(name + MXFP4_SCALES))
+            scales = name + MXFP4_SCALES
+            raw = dequantize_mxfp4(handles[path].get(blocks), handles[scales_at[scales][0]].get(scales))
         paths = (spec.path, *spec.interleaved_with)  # one path, or the arrays HF interleaves in this tensor
         for part, engine_path in enumerate(paths):
             slot = _at(params, engine_path) if not index else _at(params, (spec.stack, *engine_path))[index]
