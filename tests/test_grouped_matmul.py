@@ -9,7 +9,7 @@ import pytest
 
 from engine.models.moe import dropless_experts
 from engine.ops import grouped
-from engine.ops.grouped import grouped_matmul, grouped_mlp, tiled_grouped_matmul
+from engine.ops.grouped import grouped_mlp, tiled_grouped_matmul
 
 LAYOUTS = {
     # group sizes, rows, tile
@@ -146,4 +146,4 @@ def test_the_loop_takes_over_where_the_per_tile_copies_would_be_too_large(monkey
 
 def test_refuses_operands_that_do_not_line_up():
     with pytest.raises(ValueError, match=r"\(5, 3\) rows by \(2, 4, 6\) matrices"):
-        grouped_matmul(jnp.zeros((5, 3)), jnp.zeros((2, 4, 6)), jnp.asarray([2, 3]))
+        tiled_grouped_matmul(jnp.zeros((5, 3)), jnp.zeros((2, 4, 6)), jnp.asarray([2, 3]))

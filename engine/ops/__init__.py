@@ -7,6 +7,6 @@
     attention_splash.py     the Pallas splash-attention kernel (TPUs)
     cpu_kernels/            C++ kernels for XLA:CPU (decode and training attention), built on first use
     dense.py                the matmuls: one injectable dot_general, a CPU-ordered backward
-    grouped.py              the experts' grouped matmul: ragged_dot, or tiled pairs on CPU
+    grouped.py              the experts' grouped matmuls: ragged_dot, or a tile-aligned layout on CPU
     partitioning.py         logical axis names -> mesh axes; the current mesh and platform
 """

@@ -46,17 +46,11 @@ def tile_rows(m: int, groups: int) -> int:
     return max(MIN_TILE, min(TILE, 1 << (mean - 1).bit_length()))
 
 
-def grouped_matmul(x_md, w_gij, group_sizes_g):
-    """(m, i) rows grouped by `group_sizes_g` (g,) times (g, i, j) matrices -> (m, j), in
-    x's dtype (float32 accumulation). On CPU the tiled product, elsewhere `ragged_dot`."""
-    if current_platform() == "cpu":
-        return tiled_grouped_matmul(x_md, w_gij, group_sizes_g)
-    return jax.lax.ragged_dot(x_md, w_gij, group_sizes_g)
-
-
 def tiled_grouped_matmul(x_md, w_gij, group_sizes_g, tile: int | None = None):
-    """`ragged_dot(x_md, w_gij, group_sizes_g)` through the tile-aligned layout; `tile` rows
-    per tile (default: tile_rows)."""
+    """`ragged_dot(x_md, w_gij, group_sizes_g)`: (m, i) rows grouped by `group_sizes_g` (g,)
+    times (g, i, j) matrices -> (m, j) in x's dtype (float32 accumulation), through the
+    tile-aligned layout; `tile` rows per tile (default: tile_rows). One product alone; the
+    experts' MLP is grouped_mlp."""
     _check(x_md, w_gij)
     layout = Layout.of(group_sizes_g, x_md.shape[0], tile)
     return layout.rows_of(layout.matmul(layout.aligned(x_md), w_gij))
@@ -153,10 +147,10 @@ def _same_varying_axes(*arrays):
                  for a in arrays)
 
 
-def _batched(a, b, contract_a: int, contract_b: int):
-    """Per tile (axis 0): a . b over the given axes, float32 accumulation."""
-    return jax.lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((0,), (0,))),
-                               preferred_element_type=jnp.float32)
+def _dot(a, b, contract_a: int, contract_b: int, batched: bool = False):
+    """a . b over the given axes (per tile, axis 0, if `batched`), float32 accumulation."""
+    batch = ((0,), (0,)) if batched else ((), ())
+    return jax.lax.dot_general(a, b, (((contract_a,), (contract_b,)), batch), preferred_element_type=jnp.float32)
 
 
 def _tiles(a_pi, tile: int):
@@ -168,29 +162,25 @@ LOOP_ABOVE_BYTES = 256 << 20
 copies (many experts, or wide ones) the product loops over the tiles instead, reading each
 matrix in place. The loop is slower at bench.moe's shape (0.680 against 0.586 s a step,
 docs/benchmarks.md) but needs no copies: Qwen3-30B-A3B's 128 experts would copy 3.6 GB per
-projection for a training batch of 16k tokens."""
+projection in bf16 for a training batch of 16k tokens."""
 
 
-def _looped(x_pi, w_gij, tile_group) -> bool:
+def _looped(w_gij, tile_group) -> bool:
     copies = tile_group.shape[0] * w_gij.shape[1] * w_gij.shape[2] * jnp.dtype(w_gij.dtype).itemsize
     return copies > LOOP_ABOVE_BYTES
-
-
-def _dot(a, b, contract_a: int, contract_b: int):
-    return jax.lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _tiled(x_pi, w_gij, tile_group, tile):
     dtype = jnp.result_type(x_pi, w_gij)
-    if _looped(x_pi, w_gij, tile_group):
+    if _looped(w_gij, tile_group):
         def body(q, y_pj):
             x_ti = jax.lax.dynamic_slice_in_dim(x_pi, q * tile, tile)
             w_ij = jax.lax.dynamic_index_in_dim(w_gij, tile_group[q], keepdims=False)
             return jax.lax.dynamic_update_slice_in_dim(y_pj, _dot(x_ti, w_ij, 1, 0).astype(dtype), q * tile, 0)
 
         return jax.lax.fori_loop(0, tile_group.shape[0], body, jnp.zeros((x_pi.shape[0], w_gij.shape[2]), dtype))
-    y = _batched(_tiles(x_pi, tile), w_gij[tile_group], 2, 1)
+    y = _dot(_tiles(x_pi, tile), w_gij[tile_group], 2, 1, batched=True)
     return y.reshape(x_pi.shape[0], -1).astype(dtype)
 
 
@@ -200,17 +190,17 @@ def _tiled_fwd(x_pi, w_gij, tile_group, tile):
 
 def _tiled_bwd(tile, residuals, dy_pj):
     x_pi, w_gij, tile_group = residuals
-    if _looped(x_pi, w_gij, tile_group):
+    if _looped(w_gij, tile_group):
         return (*_looped_bwd(x_pi, w_gij, tile_group, tile, dy_pj.astype(jnp.result_type(x_pi, w_gij))), None)
     dy_qtj = _tiles(dy_pj.astype(jnp.result_type(x_pi, w_gij)), tile)
     x_qti = _tiles(x_pi, tile)
-    dx = _batched(dy_qtj, w_gij[tile_group], 2, 2).reshape(x_pi.shape).astype(x_pi.dtype)  # dy . w^T
+    dx = _dot(dy_qtj, w_gij[tile_group], 2, 2, batched=True).reshape(x_pi.shape).astype(x_pi.dtype)  # dy . w^T
     # x^T . dy per tile, summed per group; the narrower operand first (XLA:CPU transposes the
     # first operand of a product contracted on its major axis, engine/ops/dense.py).
     if x_pi.shape[1] <= dy_pj.shape[1]:
-        dw_qij = _batched(x_qti, dy_qtj, 1, 1)
+        dw_qij = _dot(x_qti, dy_qtj, 1, 1, batched=True)
     else:
-        dw_qij = _batched(dy_qtj, x_qti, 1, 1).transpose(0, 2, 1)
+        dw_qij = _dot(dy_qtj, x_qti, 1, 1, batched=True).transpose(0, 2, 1)
     dw = jnp.zeros(w_gij.shape, jnp.float32).at[tile_group].add(dw_qij, indices_are_sorted=True)
     return dx, dw.astype(w_gij.dtype), None
 
