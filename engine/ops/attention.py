@@ -50,9 +50,7 @@ from engine.ops.attention_blocked import blocked_attention
 from engine.ops.attention_cudnn import cudnn_attention
 from engine.ops.attention_reference import dot_product_attention, reference_attention
 from engine.ops.attention_splash import splash_attention
-from engine.ops.partitioning import (
-    activation_spec, current_mesh, current_platform, logical_to_spec, mesh_axis_size,
-)
+from engine.ops.partitioning import current_mesh, current_platform, kernel_axes, logical_to_spec, mesh_axis_size
 
 Impl = Literal["auto", "reference", "blocked", "cudnn", "splash", "cpu_kernel"]
 DecodeImpl = Literal["auto", "reference", "cpu_kernel"]
@@ -184,10 +182,7 @@ def _per_shard(kernel, mesh, q_btnh, k_bskh, v_bskh, segment_ids_bt):
     sequence stays whole on every device."""
     if mesh is None or mesh.size == 1:
         return kernel(q_btnh, k_bskh, v_bskh, segment_ids_bt)
-    batch_axes = activation_spec(q_btnh.shape, ("act_batch",), mesh)[0]
-    head_axes = activation_spec(k_bskh.shape[2:3], ("act_kv_heads",), mesh)[0]
-    if q_btnh.shape[2] % mesh_axis_size(mesh, head_axes):
-        head_axes = None
+    batch_axes, head_axes = kernel_axes(mesh, q_btnh.shape[0], q_btnh.shape[2], k_bskh.shape[2])
     heads = P(batch_axes, None, head_axes, None)
     run = jax.shard_map(kernel, mesh=mesh, in_specs=(heads, heads, heads, P(batch_axes, None)), out_specs=heads,
                         check_vma=False)

@@ -20,7 +20,7 @@ import jax
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec as P
 
-from engine.ops.partitioning import activation_spec, current_mesh, mesh_axis_size
+from engine.ops.partitioning import current_mesh, kernel_axes
 
 LANES = 128  # the kernel's key blocks are multiples of the TPU's 128 lanes
 
@@ -73,10 +73,7 @@ def splash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, scale: floa
 
     mesh = current_mesh()
     if mesh is not None and mesh.size > 1:
-        batch_axes = activation_spec(q_bnth.shape, ("act_batch",), mesh)[0]
-        head_axes = activation_spec(k_bkth.shape[1:2], ("act_kv_heads",), mesh)[0]
-        if q_bnth.shape[1] % mesh_axis_size(mesh, head_axes):
-            head_axes = None
+        batch_axes, head_axes = kernel_axes(mesh, q_bnth.shape[0], q_bnth.shape[1], k_bkth.shape[1])
         heads = P(batch_axes, head_axes, None, None)
         in_specs = (heads, heads, heads) + ((P(batch_axes, None),) if segmented else ()) + (
             (P(head_axes),) if has_sinks else ())

@@ -123,6 +123,18 @@ def activation_spec(shape: Sequence[int], names: Sequence[str | None], mesh: Mes
     return P(*(a if shape[i] % mesh_axis_size(mesh, a) == 0 else None for i, a in enumerate(spec)))
 
 
+def kernel_axes(mesh: Mesh, batch: int, heads: int, kv_heads: int):
+    """(batch axes, head axes) over which an attention kernel XLA cannot partition (a Pallas
+    or FFI call, run in a shard_map) splits its rows and heads: batch as `act_batch` says,
+    kv heads as `act_kv_heads` says with their query heads, each None where it does not
+    divide the axes."""
+    batch_axes = activation_spec((batch,), ("act_batch",), mesh)[0]
+    head_axes = activation_spec((kv_heads,), ("act_kv_heads",), mesh)[0]
+    if heads % mesh_axis_size(mesh, head_axes):
+        head_axes = None
+    return batch_axes, head_axes
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Constrain an activation's sharding by logical names (a no-op without a mesh)."""
     mesh = current_mesh()
