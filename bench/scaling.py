@@ -92,7 +92,8 @@ def main() -> None:
     losses = {r["final_loss"] for r in runs}
     result = {"bench": "scaling", "config": vars(args), "runs": runs,
               "same_final_loss": len(losses) == 1 or max(losses) - min(losses) <= 1e-5 * max(abs(x) for x in losses),
-              "machine": machine(load_average_at_end=list(os.getloadavg())), "load_average_before": LOAD_AT_START}
+              "machine": {**machine(load_average_at_end=list(os.getloadavg())), "load_average_at_start": LOAD_AT_START},
+              "load_average_before": LOAD_AT_START}
     under_load = max(LOAD_AT_START[0], os.getloadavg()[0]) > 1.5 * (os.cpu_count() or 1) / 2
     result["under_load"] = under_load
     print(f"{'processes':>9} {'devices/proc':>12} {'step s (median)':>16} {'tokens/s':>10} {'final loss':>11}")
