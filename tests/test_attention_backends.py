@@ -130,7 +130,7 @@ def test_splash_under_a_mesh_runs_per_shard_and_equals_the_reference():
     kv head group per device: the same values and gradients."""
     q, k, v, probe = _qkv_probe(seed=5)
     case = CASES["window_and_softcap"]
-    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 1, 1, 2), MESH_AXES)
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 1, 1, 1, 2), MESH_AXES)
     with use_mesh(mesh), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert "sdy.manual_computation" in jax.jit(_run("splash", case)).lower(q, k, v).as_text()

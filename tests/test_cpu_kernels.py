@@ -126,8 +126,8 @@ def test_auto_and_named_choice():
         choose_decode_implementation("cpu_kernel", platform="cpu", unsplit=unsplit)
 
 
-@pytest.mark.parametrize("shape, group, split", [((2, 1, 1, 1), 4, True), ((2, 1, 2, 1), 2, True),
-                                                 ((8, 1, 1, 1), 4, False)],
+@pytest.mark.parametrize("shape, group, split", [((2, 1, 1, 1, 1), 4, True), ((2, 1, 2, 1, 1), 2, True),
+                                                 ((8, 1, 1, 1, 1), 4, False)],
                          ids=["data2", "data2-fsdp2", "data8-prompts-do-not-divide"])
 def test_under_a_mesh_a_decode_step_runs_per_shard_where_its_rows_and_prompts_divide(shape, group, split):
     """8 rows in groups sharing their prompt (GRPO's shared prefix), with sinks: on 2 and 4
@@ -265,7 +265,7 @@ def test_the_model_trains_through_the_kernel_as_through_blocked():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), grads, ref_grads)
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 1, 2), (4, 1, 1, 1), (1, 1, 2, 2)],
+@pytest.mark.parametrize("shape", [(2, 1, 1, 1, 2), (4, 1, 1, 1, 1), (1, 1, 2, 1, 2)],
                          ids=["data2-tensor2", "data4", "fsdp2-tensor2"])
 def test_under_a_mesh_the_kernel_runs_per_shard_and_equals_blocked(shape):
     """On a mesh of several CPU devices the kernel runs in a shard_map, each device on its rows
@@ -291,7 +291,7 @@ def test_under_a_mesh_the_kernel_runs_per_shard_and_equals_blocked(shape):
         out, grads, hlo = run("cpu_kernel")
         ref_out, ref_grads, _ = run("blocked")
     calls = [line for line in hlo.splitlines() if 'custom_call_target="trainflow_train_attention_fwd"' in line]
-    rows, heads = 4 // (shape[0] * shape[1] * shape[2]), 6 // shape[3]
+    rows, heads = 4 // (shape[0] * shape[1] * shape[2]), 6 // shape[4]
     assert calls and all(f"f32[{rows},70,{heads},16]" in line for line in calls), calls  # one shard's
     np.testing.assert_allclose(out, ref_out, atol=2e-6)
     for name, got, want in zip("qkv", grads, ref_grads):

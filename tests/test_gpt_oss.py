@@ -101,7 +101,7 @@ def test_splash_with_sinks_under_a_mesh_equals_the_reference_in_values_and_gradi
             return jnp.sum(fn(q, k, v, s) * probe * valid)
         return jax.jit(fn)(q, k, v, sinks) * valid, jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
 
-    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 1, 1, 2), MESH_AXES)
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 1, 1, 1, 2), MESH_AXES)
     with use_mesh(mesh), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # splash off TPU says it runs in the interpreter
         out, grads = run("splash")

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from engine.ops.grouped import grouped_mlp
-from engine.ops.partitioning import BATCH_AXES
+from engine.ops.partitioning import TOKEN_AXES
 
 
 def expert_shards(mesh: Mesh | None) -> int:
@@ -42,23 +42,23 @@ def expert_shards(mesh: Mesh | None) -> int:
 
 def applies(mesh: Mesh | None, tokens: int) -> bool:
     """Whether the dropless dispatch of `tokens` tokens runs expert-parallel on `mesh`: an
-    expert axis of more than one device, and tokens that split over the batch axes (a decode
-    step of fewer rows than devices does not, and takes the gathered path)."""
+    expert axis of more than one device, and tokens that split over the batch and context axes
+    (a decode step of fewer rows than devices does not, and takes the gathered path)."""
     if expert_shards(mesh) == 1:
         return False
-    return tokens % math.prod(mesh.shape[a] for a in BATCH_AXES if a in mesh.axis_names) == 0
+    return tokens % math.prod(mesh.shape[a] for a in TOKEN_AXES if a in mesh.axis_names) == 0
 
 
 def expert_parallel_dropless(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, glu, mesh: Mesh,
                              biases=None):
     """sum_k weight * expert_k(x) with the experts sharded over `mesh`'s `expert` axis and the
-    tokens over its batch axes; the same numbers as moe.dropless_experts (tests/test_moe.py)."""
+    tokens over its batch and context axes; the same numbers as moe.dropless_experts (tests/test_moe.py)."""
     shards = expert_shards(mesh)
     num_experts = w_gate_edf.shape[0]
     assert num_experts % shards == 0, "check_divisible refuses such a mesh before any step"
     local_experts = num_experts // shards
     tensor = "tensor" if "tensor" in mesh.axis_names and mesh.shape["tensor"] > 1 else None
-    rows = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    rows = tuple(a for a in TOKEN_AXES if a in mesh.axis_names)  # (b, t) flattened: rows, then positions
 
     def local(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, *biases):
         n, k = experts_nk.shape

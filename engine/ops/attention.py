@@ -21,6 +21,17 @@ more than 8 query heads per kv head, value heads of another width, a kernel that
 not be built) auto runs `blocked` instead and warns once per process, naming the reason.
 The CPU kernel is an FFI call XLA cannot partition: under a mesh of several devices it runs
 in a shard_map on each device's rows and heads (as splash does on TPU).
+
+Context parallelism (a mesh `context` axis of C > 1 devices, and a sequence that divides by
+C): each device holds t / C consecutive positions of its rows. `blocked` then runs in a
+shard_map: the device gathers the keys and values (and key segments) of its rows over the
+context axis, and computes its own queries against them at their place in the sequence (a
+static offset; one branch per shard, picked by its index), skipping the key blocks a causal
+or sliding-window mask hides, forward and backward. The backward's key and value gradients
+are summed back to their owners by the gather's transpose (a reduce-scatter). The other
+kernels take no query offset: `auto` runs `blocked` there, and a kernel asked for by name is
+a ConfigError. The shards' work is unequal (the last holds the most visible keys), as in
+MaxText's context parallelism without load balancing.
 An implementation asked for by name is never swapped: if it cannot run the case, or `cudnn`
 is asked for off a GPU, that is a ConfigError. `splash` by name off TPU runs in the Pallas
 interpreter (exact, slow: for tests), with a warning.
@@ -91,8 +102,20 @@ def _device():
     return mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
 
 
+def context_shards(mesh, seq_len: int) -> int:
+    """Over how many devices a sequence of `seq_len` positions is split (mesh axis `context`;
+    1 without one, or where the length does not divide)."""
+    if mesh is None or "context" not in mesh.axis_names:
+        return 1
+    shards = mesh.shape["context"]
+    return shards if seq_len % shards == 0 else 1
+
+
 def _unsupported(impl: str, *, dtype, head_dim: int, seq_len: int, softcap, segmented: bool,
-                 sinks: bool = False, groups: int = 1, value_dim: int | None = None) -> str | None:
+                 sinks: bool = False, groups: int = 1, value_dim: int | None = None, context: int = 1) -> str | None:
+    if context > 1 and impl in ("cpu_kernel", "cudnn", "splash"):
+        return (f"context parallelism (mesh axis context={context}) gives each device a slice of the queries, "
+                f"and {impl} takes no query offset")
     if impl == "cpu_kernel":
         if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
             return f"the CPU kernel takes float32 or bfloat16, not {jnp.dtype(dtype).name}"
@@ -115,10 +138,11 @@ def _unsupported(impl: str, *, dtype, head_dim: int, seq_len: int, softcap, segm
 
 def choose_implementation(impl: Impl, *, platform: str, dtype, head_dim: int, seq_len: int,
                           softcap: float | None = None, segmented: bool = True, sinks: bool = False,
-                          groups: int = 1, value_dim: int | None = None) -> str:
-    """The implementation that runs `impl` on `platform` for this case (see the module docstring)."""
+                          groups: int = 1, value_dim: int | None = None, context: int = 1) -> str:
+    """The implementation that runs `impl` on `platform` for this case (see the module
+    docstring); `context`: the context shards the queries are split into."""
     case = dict(dtype=dtype, head_dim=head_dim, seq_len=seq_len, softcap=softcap, segmented=segmented, sinks=sinks,
-                groups=groups, value_dim=value_dim)
+                groups=groups, value_dim=value_dim, context=context)
     if impl == "cpu_kernel" and platform != "cpu":
         raise ConfigError(f"compute.attention_impl: cpu_kernel runs on CPU, and this run compiles for {platform}; "
                           f"use auto ({AUTO.get(platform, FALLBACK)} here) or blocked")
@@ -156,15 +180,19 @@ def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, impl: Impl = "auto
     window = window if local else None
     platform = current_platform()
     mesh = current_mesh()
+    context = context_shards(mesh, q_btnh.shape[1])
     name = choose_implementation(impl, platform=platform, dtype=q_btnh.dtype, head_dim=q_btnh.shape[3],
                                  seq_len=q_btnh.shape[1], softcap=softcap, segmented=segment_ids_bt is not None,
                                  sinks=sinks_n is not None, groups=q_btnh.shape[2] // k_bskh.shape[2],
-                                 value_dim=v_bskh.shape[3])
+                                 value_dim=v_bskh.shape[3], context=context)
     args = (q_btnh, k_bskh, v_bskh, segment_ids_bt)
     if name == "reference":
         return reference_attention(*args, scale=scale, softcap=softcap, window=window, sinks_n=sinks_n)
     if name == "blocked":
-        return blocked_attention(*args, scale=scale, softcap=softcap, window=window, block=block, sinks_n=sinks_n)
+        blocked = functools.partial(blocked_attention, scale=scale, softcap=softcap, window=window, block=block)
+        if context > 1:
+            return _context_parallel(blocked, mesh, *args, sinks_n)
+        return blocked(*args, sinks_n=sinks_n)
     if name == "cudnn":
         return cudnn_attention(*args, scale=scale, window=window)
     if name == "cpu_kernel":
@@ -187,6 +215,31 @@ def _per_shard(kernel, mesh, q_btnh, k_bskh, v_bskh, segment_ids_bt):
     run = jax.shard_map(kernel, mesh=mesh, in_specs=(heads, heads, heads, P(batch_axes, None)), out_specs=heads,
                         check_vma=False)
     return run(q_btnh, k_bskh, v_bskh, segment_ids_bt)
+
+
+def _context_parallel(blocked, mesh, q_btnh, k_bskh, v_bskh, segment_ids_bt, sinks_n):
+    """`blocked` with each device's queries, a slice of t / C positions of its rows, against
+    every key of those rows, gathered over the mesh's `context` axis (module docstring)."""
+    shards = mesh.shape["context"]
+    batch_axes, head_axes = kernel_axes(mesh, q_btnh.shape[0], q_btnh.shape[2], k_bskh.shape[2])
+    heads, positions = P(batch_axes, "context", head_axes, None), P(batch_axes, "context")
+    segmented, sinks = segment_ids_bt is not None, sinks_n is not None
+
+    def local(q, k, v, *rest):
+        segments = rest[0] if segmented else None
+        gather = functools.partial(jax.lax.all_gather, axis_name="context", axis=1, tiled=True)
+        keys = gather(segments) if segmented else None
+        t = q.shape[1]
+        branches = [functools.partial(blocked, offset=c * t) for c in range(shards)]
+        return jax.lax.switch(jax.lax.axis_index("context"),
+                              [lambda q, k, v, s, ks, sk, f=f: f(q, k, v, s, key_segment_ids_bs=ks, sinks_n=sk)
+                               for f in branches],
+                              q, gather(k), gather(v), segments, keys, rest[-1] if sinks else None)
+
+    args = [q_btnh, k_bskh, v_bskh] + ([segment_ids_bt] if segmented else []) + ([sinks_n] if sinks else [])
+    specs = [heads, heads, heads] + ([positions] if segmented else []) + ([P(head_axes)] if sinks else [])
+    run = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=heads, check_vma=False)
+    return run(*args)
 
 
 def choose_decode_implementation(impl: DecodeImpl, *, platform: str, unsplit: str | None = None) -> str:

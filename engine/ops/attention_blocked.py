@@ -57,9 +57,12 @@ def key_parts(q0: int, q1: int, k0: int) -> list[tuple[int, int]]:
     return [(a, e) for a, e in ((k0, q0), (q0, q1)) if e > a]
 
 
-def _mask(segment_bt, q0: int, q1: int, k0: int, k1: int, window):
-    """(b or 1, q1 - q0, k1 - k0) visibility of keys [k0, k1) from queries [q0, q1); None
-    where every query sees every key (then no select is spent on them)."""
+def _mask(segment_bt, q0: int, q1: int, k0: int, k1: int, window, offset: int = 0, key_segment_bt=None):
+    """(b or 1, q1 - q0, k1 - k0) visibility of keys [k0, k1) from the queries at positions
+    [q0, q1) of the keys' sequence; None where every query sees every key (then no select is
+    spent on them). The queries' segments are `segment_bt`'s columns [q0 - offset, q1 -
+    offset) (a context shard's queries start at `offset`), the keys' are `key_segment_bt`'s
+    (default: `segment_bt`)."""
     causal = k1 - 1 <= q0  # even the block's first query sees the last key
     in_window = window is None or q1 - 1 - k0 < window  # even the last query sees the first key
     if segment_bt is None and causal and in_window:
@@ -70,7 +73,8 @@ def _mask(segment_bt, q0: int, q1: int, k0: int, k1: int, window):
         visible_ts = visible_ts & (distance_ts < window)
     if segment_bt is None:
         return visible_ts[None]
-    seg_q, seg_k = segment_bt[:, q0:q1], segment_bt[:, k0:k1]
+    keys = segment_bt if key_segment_bt is None else key_segment_bt
+    seg_q, seg_k = segment_bt[:, q0 - offset:q1 - offset], keys[:, k0:k1]
     return visible_ts[None] & (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k != 0)[:, None, :]
 
 
@@ -106,14 +110,23 @@ def _sinks(sinks_kg):
     return sinks_kg[None, :, None, :, None]
 
 
-def _forward(q, k, v, segment_bt, sinks_kg, scale, softcap, window, block):
+def _blocks(q, window, block, offset):
+    """Each query block's local [q0, q1), its positions [p0, p1) in the keys' sequence, and
+    the key parts it attends to."""
+    for q0, q1 in query_blocks(q.shape[2], block):
+        p0, p1 = q0 + offset, q1 + offset
+        yield q0, q1, p0, p1, key_parts(p0, p1, key_start(p0, window))
+
+
+def _forward(q, k, v, segments, sinks_kg, scale, softcap, window, block, offset):
     """Head-major output (b, k, t, g, h) and row log-sum-exp (b, k, t, g), the sinks' terms
     (GPT-OSS: one more logit per head in each denominator) included. The probabilities are
     rounded to v's dtype once, and the denominator sums what the product then uses."""
     outs, lses = [], []
-    for q0, q1 in query_blocks(q.shape[2], block):
-        parts = key_parts(q0, q1, key_start(q0, window))
-        scores = [_scores(q[:, :, q0:q1], k[:, :, a:e], _mask(segment_bt, q0, q1, a, e, window), scale, softcap)[0]
+    seg_q, seg_k = segments or (None, None)
+    for q0, q1, p0, p1, parts in _blocks(q, window, block, offset):
+        scores = [_scores(q[:, :, q0:q1], k[:, :, a:e], _mask(seg_q, p0, p1, a, e, window, offset, seg_k), scale,
+                          softcap)[0]
                   for a, e in parts]
         m = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
         if sinks_kg is not None:
@@ -130,18 +143,19 @@ def _forward(q, k, v, segment_bt, sinks_kg, scale, softcap, window, block):
     return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _attention(q, k, v, segment_bt, sinks_kg, scale, softcap, window, block):
-    return _forward(q, k, v, segment_bt, sinks_kg, scale, softcap, window, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _attention(q, k, v, segments, sinks_kg, scale, softcap, window, block, offset):
+    return _forward(q, k, v, segments, sinks_kg, scale, softcap, window, block, offset)[0]
 
 
-def _attention_fwd(q, k, v, segment_bt, sinks_kg, scale, softcap, window, block):
-    o, lse = _forward(q, k, v, segment_bt, sinks_kg, scale, softcap, window, block)
-    return o, (q, k, v, segment_bt, sinks_kg, o, lse)
+def _attention_fwd(q, k, v, segments, sinks_kg, scale, softcap, window, block, offset):
+    o, lse = _forward(q, k, v, segments, sinks_kg, scale, softcap, window, block, offset)
+    return o, (q, k, v, segments, sinks_kg, o, lse)
 
 
-def _attention_bwd(scale, softcap, window, block, residuals, do):
-    q, k, v, segment_bt, sinks_kg, o, lse = residuals
+def _attention_bwd(scale, softcap, window, block, offset, residuals, do):
+    q, k, v, segments, sinks_kg, o, lse = residuals
+    seg_q, seg_k = segments or (None, None)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # (b, k, t, g)
     # A sink's probability exp(sink - lse) takes no value, so d(out)/d(sink) = -p_sink * out.
     dsinks = None if sinks_kg is None else -jnp.sum(jnp.exp(sinks_kg[None, :, None] - lse) * delta, axis=(0, 2))
@@ -152,13 +166,13 @@ def _attention_bwd(scale, softcap, window, block, residuals, do):
     # q and do with their rows minor, (b, k, h, t * g): the left operands of dK and dV as
     # XLA:CPU's bf16 kernels take them (contracted on the minor axis), transposed once here.
     q_t, do_t = _rows(q).swapaxes(2, 3), _rows(do).swapaxes(2, 3)
-    for q0, q1 in query_blocks(q.shape[2], block):
+    for q0, q1, p0, p1, parts in _blocks(q, window, block, offset):
         q_b, do_b, lse_b, delta_b = q[:, :, q0:q1], do[:, :, q0:q1], lse[:, :, q0:q1, :, None], delta[:, :, q0:q1, :, None]
         q_bt, do_bt = q_t[..., q0 * g:q1 * g], do_t[..., q0 * g:q1 * g]
         dq = 0.0
-        for a, e in key_parts(q0, q1, key_start(q0, window)):
+        for a, e in parts:
             k_b, v_b = k[:, :, a:e], v[:, :, a:e]
-            scores, capped = _scores(q_b, k_b, _mask(segment_bt, q0, q1, a, e, window), scale, softcap)
+            scores, capped = _scores(q_b, k_b, _mask(seg_q, p0, p1, a, e, window, offset, seg_k), scale, softcap)
             p = jnp.exp(scores - lse_b).astype(do.dtype)  # rounded once: dV's operand and ds's factor
             dv_t = dv_t.at[..., a:e].add(
                 jnp.einsum("bkhr,bkrs->bkhs", do_bt, _rows(p), preferred_element_type=jnp.float32))
@@ -174,23 +188,32 @@ def _attention_bwd(scale, softcap, window, block, residuals, do):
     dq = jnp.concatenate(dq_blocks, axis=2).astype(q.dtype)
     dk = dk_t.swapaxes(2, 3).astype(k.dtype)
     dv = dv_t.swapaxes(2, 3).astype(v.dtype)
-    return dq, dk, dv, None, dsinks
+    return dq, dk, dv, None if segments is None else (None, None), dsinks
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def blocked_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, scale: float, softcap: float | None = None,
-                      window: int | None = None, block: int = 128, sinks_n=None):
-    """Causal, segment-aware grouped-query attention over one packed sequence (t == s).
+                      window: int | None = None, block: int = 128, sinks_n=None, offset: int = 0,
+                      key_segment_ids_bs=None):
+    """Causal, segment-aware grouped-query attention over one packed sequence.
 
-    Returns (b, t, n, h) in the dtype of q. `window` (None: global) and `block` are static;
-    segment_ids_bt None means one unpadded document per row; `sinks_n` (n,), if given, are
-    attention sinks.
+    Returns (b, t, n, h) in the dtype of q. `window` (None: global), `block` and `offset` are
+    static; segment_ids_bt None means one unpadded document per row; `sinks_n` (n,), if given,
+    are attention sinks. The queries are positions [offset, offset + t) of the keys' sequence
+    (s >= offset + t: a context shard's queries beside every key, engine/ops/attention.py),
+    and `key_segment_ids_bs` (b, s) the keys' segments where they are not the queries' (s != t).
     """
     b, t, n, h = q_btnh.shape
+    assert k_bskh.shape[1] >= offset + t, "the keys must cover every query's position"
+    assert segment_ids_bt is None or key_segment_ids_bs is not None or k_bskh.shape[1] == t, \
+        "keys beyond the queries need their own segment ids"
     q, k, v = _to_heads(q_btnh, k_bskh, v_bskh)
     sinks_kg = None if sinks_n is None else sinks_n.astype(jnp.float32).reshape(k.shape[1], n // k.shape[1])
-    out = _attention(q, k, v, segment_ids_bt, sinks_kg, float(scale), None if softcap is None else float(softcap),
-                     window, int(block))
+    segments = None
+    if segment_ids_bt is not None:
+        segments = (segment_ids_bt, segment_ids_bt if key_segment_ids_bs is None else key_segment_ids_bs)
+    out = _attention(q, k, v, segments, sinks_kg, float(scale), None if softcap is None else float(softcap),
+                     window, int(block), int(offset))
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)

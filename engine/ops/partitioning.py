@@ -17,15 +17,18 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from engine.config import ConfigError
 
-MESH_AXES = ("data", "expert", "fsdp", "tensor")
+MESH_AXES = ("data", "expert", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "expert", "fsdp")
 """Batches are split over these: outside the MoE layers the expert axis is more data parallelism."""
+TOKEN_AXES = BATCH_AXES + ("context",)
+"""A batch's tokens, its (b, t) flattened, are split over these: rows over the batch axes, each
+row's positions over `context` (context parallelism: attention gathers the keys and values)."""
 
 # logical name -> mesh axis (or tuple of axes, or None = replicated).
 LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     # parameters
     "vocab": "tensor",
-    "embed": "fsdp",
+    "embed": ("fsdp", "context"),  # context shards hold a slice of the parameters too, as fsdp's do
     "mlp": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",
@@ -37,7 +40,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "act_batch": BATCH_AXES,
     "act_batch_moe": ("data", "fsdp"),  # an MoE dispatch buffer's rows: the expert axis is on its experts
     "act_expert": "expert",
-    "act_seq": None,
+    "act_seq": "context",
     "act_embed": None,
     "act_heads": "tensor",
     "act_kv_heads": "tensor",
@@ -47,12 +50,20 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
 
 
 def _on_mesh(axis, mesh: Mesh | None):
-    """`axis` without the mesh axes `mesh` lacks (a mesh built by hand may have fewer)."""
+    """`axis` without the mesh axes `mesh` lacks (a mesh built by hand may have fewer). A
+    `context` axis of one device counts as lacking: without context parallelism every spec is
+    what it was before the mesh had that axis."""
     if mesh is None or axis is None:
         return axis
+
+    def present(a: str) -> bool:
+        return a in mesh.axis_names and (a != "context" or mesh.shape[a] > 1)
+
     if isinstance(axis, str):
-        return axis if axis in mesh.axis_names else None
-    kept = tuple(a for a in axis if a in mesh.axis_names)
+        return axis if present(axis) else None
+    kept = tuple(a for a in axis if present(a))
+    if len(kept) == 1 and "context" in axis:  # ("fsdp", "context") on a mesh without context parallelism
+        return kept[0]
     return kept or None
 
 

@@ -16,10 +16,13 @@ class MeshConfig(Strict):
     expert: int = 1
     """Expert parallelism: a mixture of experts' experts are split over this axis (and its
     tokens sent to them); elsewhere it splits the batch like `data`."""
+    context: int = 1
+    """Context parallelism: each sequence's positions are split over this axis; attention
+    gathers the keys and values, and the parameters are split over it as over fsdp."""
 
     def sizes(self) -> list[int]:
         """In the mesh's axis order (engine/ops/partitioning.py: MESH_AXES)."""
-        return [self.data, self.expert, self.fsdp, self.tensor]
+        return [self.data, self.expert, self.fsdp, self.context, self.tensor]
 
     @model_validator(mode="after")
     def _check(self) -> "MeshConfig":

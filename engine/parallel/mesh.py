@@ -1,7 +1,8 @@
 """The device mesh of a run, the shardings of its batches, and host values <-> global arrays.
 
-`make_mesh` lays the devices out as (data, expert, fsdp, tensor); a size of -1 takes the devices
-the other axes leave. Batches are global arrays whose rows are split over (data, expert, fsdp).
+`make_mesh` lays the devices out as (data, expert, fsdp, context, tensor); a size of -1 takes the
+devices the other axes leave. Batches are global arrays whose rows are split over (data, expert,
+fsdp); the model splits each row's positions over `context` itself.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from engine.parallel.config import MeshConfig
 
 
 def _describe(sizes: list[int]) -> str:
-    """"data=2 fsdp=4 tensor=1", naming `expert` only when it is used."""
-    return " ".join(f"{axis}={size}" for axis, size in zip(MESH_AXES, sizes) if axis != "expert" or size != 1)
+    """"data=2 fsdp=4 tensor=1", naming `expert` and `context` only when they are used."""
+    return " ".join(f"{axis}={size}" for axis, size in zip(MESH_AXES, sizes)
+                    if axis not in ("expert", "context") or size != 1)
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Build the (data, expert, fsdp, tensor) mesh; -1 takes the devices the others leave."""
+    """Build the (data, expert, fsdp, context, tensor) mesh; -1 takes the devices the others leave."""
     devices = list(devices if devices is not None else jax.devices())
     n = len(devices)
     sizes = cfg.sizes()

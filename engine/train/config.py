@@ -128,6 +128,12 @@ class RunFields(Strict):
             raise ValueError(
                 f"data.batch_size ({self.data.batch_size}) must be divisible by grad_accum ({self.grad_accum})"
             )
+        seq_len, context = getattr(self.data, "seq_len", None), self.mesh.context
+        if seq_len is not None and context > 1 and seq_len % context:
+            raise ValueError(
+                f"data.seq_len ({seq_len}) must be divisible by mesh.context ({context}): context parallelism "
+                f"splits each sequence's positions over that many devices"
+            )
         return self
 
 

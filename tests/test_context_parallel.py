@@ -1,0 +1,207 @@
+"""Context parallelism: a mesh `context` axis splits each sequence's positions over its devices
+(engine/ops/attention.py, "Context parallelism"). Attention gathers the keys and values and
+runs each device's queries at their offset; everything else is position-wise. The same
+numbers as one device, in attention, a training step, a mixture of experts and sampling."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from engine.config import ConfigError, load_config
+from engine.inference.sample import Sampler
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.params import init_params, param_shardings
+from engine.ops import attention as attention_ops
+from engine.ops.attention_blocked import blocked_attention
+from engine.ops.partitioning import MESH_AXES, use_mesh
+from engine.parallel.config import MeshConfig
+from engine.parallel.mesh import make_mesh
+from engine.train.config import TrainConfig
+from engine.train.trainer import Trainer
+
+B, T, N, K, H = 4, 64, 4, 2, 16
+SEGMENTS = np.ones((B, T), np.int32)
+SEGMENTS[0, 20:] = 2  # a document boundary inside the first context shard of 4
+SEGMENTS[1, 40:] = 0  # padding
+SEGMENTS[2, :10], SEGMENTS[2, 10:33], SEGMENTS[2, 33:] = 1, 2, 3  # boundaries across shard edges
+
+
+def _mesh(data=1, expert=1, fsdp=1, context=1, tensor=1) -> Mesh:
+    shape = (data, expert, fsdp, context, tensor)
+    return Mesh(np.asarray(jax.devices()[:int(np.prod(shape))]).reshape(shape), MESH_AXES)
+
+
+def _draw(rng, *shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
+@pytest.mark.parametrize("axes", [dict(context=2), dict(data=2, context=2, tensor=2), dict(fsdp=2, context=4)],
+                         ids=["context2", "data2-context2-tensor2", "fsdp2-context4"])
+@pytest.mark.parametrize("case", [dict(), dict(window=24, local=True), dict(softcap=5.0), dict(sinks=True)],
+                         ids=["global", "window", "softcap", "sinks"])
+def test_context_parallel_attention_equals_one_device_in_values_and_gradients(axes, case):
+    """Values and the gradients of q, k, v (and sinks) equal `blocked` on one device, over
+    packed documents whose boundaries fall inside and across the shards' edges; each device's
+    shard_map body holds its own t / C queries (and b / batch rows, n / tensor heads) only."""
+    rng = np.random.default_rng(0)
+    q, k, v, probe = _draw(rng, B, T, N, H), _draw(rng, B, T, K, H), _draw(rng, B, T, K, H), _draw(rng, B, T, N, H)
+    sinks = _draw(rng, N) if case.get("sinks") else None
+    segments = jnp.asarray(SEGMENTS)
+    valid = (segments != 0)[:, :, None, None]
+    window = case.get("window")
+    kwargs = dict(scale=0.3, block=16, softcap=case.get("softcap"))
+
+    def loss(fn):
+        return lambda q, k, v, s: jnp.sum(fn(q, k, v, s) * probe * valid)
+
+    one = lambda q, k, v, s: blocked_attention(q, k, v, segments, window=window, sinks_n=s, **kwargs)  # noqa: E731
+    mesh = _mesh(**axes)
+
+    def sharded(q, k, v, s):
+        with use_mesh(mesh):
+            return attention_ops.attention(q, k, v, segments, impl="blocked", window=window,
+                                           local=bool(case.get("local")), sinks_n=s, **kwargs)
+
+    want = jax.jit(jax.value_and_grad(loss(one), argnums=(0, 1, 2, 3) if sinks is not None else (0, 1, 2)))
+    got = jax.jit(jax.value_and_grad(loss(sharded), argnums=(0, 1, 2, 3) if sinks is not None else (0, 1, 2)))
+    (want_loss, want_grads), (got_loss, got_grads) = want(q, k, v, sinks), got(q, k, v, sinks)
+    assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-5)
+    for name, a, b in zip("qkvs", want_grads, got_grads):
+        np.testing.assert_allclose(b, a, atol=1e-5 * float(np.abs(a).max()), err_msg=f"d{name}")
+    np.testing.assert_allclose(jax.jit(sharded)(q, k, v, sinks) * valid, one(q, k, v, sinks) * valid, atol=2e-6)
+
+    bodies = [e for e in jax.make_jaxpr(sharded)(q, k, v, sinks).jaxpr.eqns if e.primitive.name == "shard_map"]
+    assert len(bodies) == 1
+    local_q = bodies[0].params["jaxpr"].invars[0].aval.shape
+    rows = B // (axes.get("data", 1) * axes.get("fsdp", 1))
+    assert local_q == (rows, T // axes["context"], N // axes.get("tensor", 1), H)
+
+
+def test_each_context_shard_computes_only_the_keys_its_queries_see():
+    """The causal structure survives the split: the last of 4 shards multiplies its queries by
+    every key, the first by its own quarter only (the shards' branches are static offsets)."""
+    rng = np.random.default_rng(1)
+    q, k, v = _draw(rng, 1, T, 2, H), _draw(rng, 1, T, 2, H), _draw(rng, 1, T, 2, H)
+    mesh = _mesh(context=4)
+
+    def fn(q, k, v):
+        with use_mesh(mesh):
+            return attention_ops.attention(q, k, v, None, impl="blocked", scale=0.25, block=16)
+
+    body = next(e for e in jax.make_jaxpr(fn)(q, k, v).jaxpr.eqns if e.primitive.name == "shard_map")
+    switch = next(e for e in body.params["jaxpr"].eqns if e.primitive.name == "cond")
+    keys_seen = []
+    for branch in switch.params["branches"]:
+        dots = [e for e in branch.jaxpr.eqns if e.primitive.name == "dot_general"]
+        keys_seen.append(sum(e.invars[1].aval.shape[2] for e in dots if len(e.invars[1].aval.shape) == 4))
+    # Each branch's score products: one per key part, its keys the third axis of (b, k, s, h).
+    assert keys_seen == sorted(keys_seen) and keys_seen[-1] == 4 * keys_seen[0]
+    np.testing.assert_allclose(jax.jit(fn)(q, k, v), blocked_attention(q, k, v, scale=0.25, block=16), atol=2e-6)
+
+
+def _trainer(mesh: dict, devices: int) -> Trainer:
+    model = dict(vocab_size=38, d_model=24, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=10, mlp_dim=28,
+                 max_seq_len=64, sliding_window=6, attention_pattern=["local", "global"])
+    cfg = load_config(tree={"model": model, "mesh": mesh, "data": {"batch_size": 8, "seq_len": 16}}, schema=TrainConfig)
+    return Trainer(cfg, devices=jax.devices()[:devices])
+
+
+@pytest.mark.parametrize("mesh", [dict(data=2, context=2, tensor=2), dict(data=1, fsdp=2, context=4)],
+                         ids=["data2-context2-tensor2", "fsdp2-context4"])
+def test_a_training_step_with_context_parallelism_equals_one_device(mesh):
+    """Packed rows (a document boundary, padding) through sliding-window and global layers:
+    the loss and every gradient equal one device's; the parameters are split over `context`
+    as over `fsdp`, and the hidden states over it along the sequence."""
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 38, (8, 17)).astype(np.int32)
+    segments = np.ones((8, 16), np.int32)
+    segments[0, 5:], segments[1, 12:] = 2, 0
+    positions = np.tile(np.arange(16, dtype=np.int32), (8, 1))
+    positions[0, 5:] -= 5
+    batch_np = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "positions": positions,
+                "segment_ids": segments, "loss_mask": (segments > 0).astype(np.float32)}
+    results = []
+    for trainer in (_trainer({"data": 1}, 1), _trainer(mesh, 8)):
+        params = init_params(trainer.cfg.model, trainer.cfg.compute, trainer.mesh, seed=0)
+        batch = trainer.global_batch(batch_np)
+        grad_fn = jax.jit(jax.value_and_grad(trainer.objective.loss_fn, has_aux=True),
+                          in_shardings=(trainer.param_shardings, trainer.batch_sharding, None))
+        with use_mesh(trainer.mesh):
+            compiled = grad_fn.lower(params, batch, jnp.float32(120)).compile()
+        (loss, _), grads = compiled(params, batch, jnp.float32(120))
+        results.append((params, float(loss), grads, compiled.as_text()))
+    (_, loss_1, grads_1, _), (params_n, loss_n, grads_n, hlo) = results
+    assert np.isfinite(loss_1) and loss_n == pytest.approx(loss_1, rel=1e-6)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_1), jax.tree.leaves(grads_n)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6 * float(np.abs(a).max()),
+                                   err_msg=jax.tree_util.keystr(path))
+    wq = params_n["blocks"]["attn"]["wq_dnh"]
+    assert wq.sharding.spec == P(None, ("fsdp", "context"), "tensor", None)
+    assert wq.addressable_shards[0].data.shape[1] == 24 // (mesh.get("fsdp", 1) * mesh["context"])
+    # Attention ran per context shard: its keys and values gathered, one branch per shard's offset.
+    assert "all-gather" in hlo and "conditional" in hlo
+
+
+def test_the_parameters_of_a_mesh_without_context_are_split_as_before():
+    """A context axis of one device leaves every parameter's spec as it was without the axis."""
+    cfg = ModelConfig(vocab_size=38, d_model=24, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=10, mlp_dim=28)
+    _, shardings = param_shardings(cfg, ComputeConfig(), make_mesh(MeshConfig(data=2, fsdp=2, tensor=2)))
+    assert shardings["blocks"]["attn"]["wq_dnh"].spec == P(None, "fsdp", "tensor", None)
+    assert shardings["embed_vd"].spec == P("tensor", "fsdp")
+
+
+def test_a_mixture_of_experts_with_context_parallelism_equals_one_device():
+    """expert=2 x context=2 x data=2: each device's tokens are its rows' slice of positions;
+    they reach their experts by all-to-all, and loss, balance loss and gradients equal one
+    device's."""
+    from tests.test_moe import VOCAB, assert_mesh_step_equals_one_device, random_params, tiny
+
+    cfg = tiny(num_layers=2, num_experts=4, mlp_dim=8)
+    compute = ComputeConfig(moe_dispatch="dropless")
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (8, 8))
+    segments = np.ones((8, 8), np.int32)
+    segments[3, 5:] = 0
+    batch = {"tokens": tokens, "positions": np.broadcast_to(np.arange(8), (8, 8)), "segment_ids": segments,
+             "targets": np.roll(tokens, -1, 1), "loss_mask": segments.astype(np.float32)}
+    assert_mesh_step_equals_one_device(cfg, compute, random_params(cfg, compute), batch,
+                                       MeshConfig(data=2, expert=2, context=2))
+
+
+def test_sampling_on_a_context_parallel_mesh_equals_one_device():
+    """The prompts' prefill splits its positions over `context`; the decode steps (one
+    position) do not: the same tokens and log-probabilities as one device."""
+    cfg = ModelConfig(vocab_size=38, d_model=24, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=10, mlp_dim=26,
+                      max_seq_len=64)
+    params = init_params(cfg, ComputeConfig(), make_mesh(MeshConfig(data=1), jax.devices()[:1]), seed=0)
+    prompts = np.random.default_rng(5).integers(1, 38, (4, 8)).astype(np.int32)
+    mask = np.ones_like(prompts, bool)
+    mask[1, :3] = False  # left padding
+    settings = dict(max_new_tokens=6, seed=3, top_k=12)
+    one = Sampler(cfg)(params, prompts, mask, **settings)
+    mesh = make_mesh(MeshConfig(data=2, context=2, tensor=2))
+    _, shardings = param_shardings(cfg, ComputeConfig(), mesh)
+    sharded = Sampler(cfg, ComputeConfig(), mesh, shardings)(jax.device_put(params, shardings), prompts, mask,
+                                                             **settings)
+    np.testing.assert_array_equal(sharded.tokens, one.tokens)
+    np.testing.assert_allclose(sharded.logprobs, one.logprobs, atol=1e-5)
+
+
+def test_what_context_parallelism_cannot_take_is_a_clear_error():
+    with pytest.raises(ConfigError, match=r"data.seq_len \(30\) must be divisible by mesh.context \(4\)"):
+        load_config(tree={"model": "tiny", "mesh": {"context": 4}, "data": {"seq_len": 30}}, schema=TrainConfig)
+    # The CPU kernel takes no query offset: by name it is refused, naming the axis; auto runs blocked.
+    with pytest.raises(ConfigError, match=r"cpu_kernel cannot run this model: context parallelism "
+                                          r"\(mesh axis context=2\)"):
+        attention_ops.choose_implementation("cpu_kernel", platform="cpu", dtype=jnp.float32, head_dim=16,
+                                            seq_len=64, context=2)
+    assert attention_ops.choose_implementation("auto", platform="cpu", dtype=jnp.float32, head_dim=16, seq_len=64,
+                                               context=2) == "blocked"
+    assert attention_ops.choose_implementation("auto", platform="tpu", dtype=jnp.bfloat16, head_dim=128,
+                                               seq_len=1024, context=2) == "blocked"
+    # A length that does not divide (a prefill of 7 positions) is not split.
+    assert attention_ops.context_shards(_mesh(context=2), 7) == 1
+    assert attention_ops.context_shards(_mesh(context=2), 8) == 2
