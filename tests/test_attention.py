@@ -136,7 +136,7 @@ def test_a_key_part_goes_unmasked_only_where_every_query_sees_every_key(segments
     dropped = 0
     for q0, q1 in query_blocks(T, 8):
         for a, e in key_parts(q0, q1, key_start(q0, window)):
-            mask = _mask(segments, q0, q1, a, e, window)
+            mask = _mask(segments, q0, q1, a, e - a, window)
             want = np.broadcast_to(full[:, q0:q1, a:e], (B, q1 - q0, e - a))
             if mask is None:
                 dropped += 1

@@ -81,26 +81,41 @@ def test_context_parallel_attention_equals_one_device_in_values_and_gradients(ax
     assert local_q == (rows, T // axes["context"], N // axes.get("tensor", 1), H)
 
 
-def test_each_context_shard_computes_only_the_keys_its_queries_see():
-    """The causal structure survives the split: the last of 4 shards multiplies its queries by
-    every key, the first by its own quarter only (the shards' branches are static offsets)."""
+def _eqns(jaxpr, primitive: str) -> list:
+    """The equations of `primitive` in `jaxpr` and in the jaxprs nested in it (scans, custom
+    VJPs, shard_maps)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == primitive:
+            found.append(eqn)
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else [param]:
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    found += _eqns(inner, primitive)
+    return found
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_a_context_shard_takes_every_key_on_a_global_layer_and_its_window_on_a_local_one(window):
+    """Each shard's offset is its index times t / C, a traced value: on a global layer every
+    query block multiplies its 16 queries by all 64 gathered keys; on a sliding-window layer
+    by its window of them only (16 + 24 - 1 keys, from a start computed on the device)."""
     rng = np.random.default_rng(1)
     q, k, v = _draw(rng, 1, T, 2, H), _draw(rng, 1, T, 2, H), _draw(rng, 1, T, 2, H)
     mesh = _mesh(context=4)
 
     def fn(q, k, v):
         with use_mesh(mesh):
-            return attention_ops.attention(q, k, v, None, impl="blocked", scale=0.25, block=16)
+            return attention_ops.attention(q, k, v, None, impl="blocked", scale=0.25, block=16, window=window,
+                                           local=window is not None)
 
-    body = next(e for e in jax.make_jaxpr(fn)(q, k, v).jaxpr.eqns if e.primitive.name == "shard_map")
-    switch = next(e for e in body.params["jaxpr"].eqns if e.primitive.name == "cond")
-    keys_seen = []
-    for branch in switch.params["branches"]:
-        dots = [e for e in branch.jaxpr.eqns if e.primitive.name == "dot_general"]
-        keys_seen.append(sum(e.invars[1].aval.shape[2] for e in dots if len(e.invars[1].aval.shape) == 4))
-    # Each branch's score products: one per key part, its keys the third axis of (b, k, s, h).
-    assert keys_seen == sorted(keys_seen) and keys_seen[-1] == 4 * keys_seen[0]
-    np.testing.assert_allclose(jax.jit(fn)(q, k, v), blocked_attention(q, k, v, scale=0.25, block=16), atol=2e-6)
+    # The forward's score products: (b, kv heads, 16 query rows, h) x (b, kv heads, keys, h).
+    products = [tuple(v.aval.shape for v in e.invars[:2]) for e in _eqns(jax.make_jaxpr(fn)(q, k, v).jaxpr, "dot_general")]
+    scores = [rhs for lhs, rhs in products if lhs[2:] == (16, H)]
+    assert scores and {rhs[2] for rhs in scores} == {T if window is None else 16 + 24 - 1}
+    want = blocked_attention(q, k, v, scale=0.25, block=16, window=window)
+    np.testing.assert_allclose(jax.jit(fn)(q, k, v), want, atol=2e-6)
 
 
 def _trainer(mesh: dict, devices: int) -> Trainer:
@@ -132,9 +147,10 @@ def test_a_training_step_with_context_parallelism_equals_one_device(mesh):
                           in_shardings=(trainer.param_shardings, trainer.batch_sharding, None))
         with use_mesh(trainer.mesh):
             compiled = grad_fn.lower(params, batch, jnp.float32(120)).compile()
+            traced = jax.make_jaxpr(trainer.objective.loss_fn)(params, batch, jnp.float32(120))
         (loss, _), grads = compiled(params, batch, jnp.float32(120))
-        results.append((params, float(loss), grads, compiled.as_text()))
-    (_, loss_1, grads_1, _), (params_n, loss_n, grads_n, hlo) = results
+        results.append((params, float(loss), grads, traced))
+    (_, loss_1, grads_1, _), (params_n, loss_n, grads_n, traced) = results
     assert np.isfinite(loss_1) and loss_n == pytest.approx(loss_1, rel=1e-6)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_1), jax.tree.leaves(grads_n)):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6 * float(np.abs(a).max()),
@@ -142,8 +158,34 @@ def test_a_training_step_with_context_parallelism_equals_one_device(mesh):
     wq = params_n["blocks"]["attn"]["wq_dnh"]
     assert wq.sharding.spec == P(None, ("fsdp", "context"), "tensor", None)
     assert wq.addressable_shards[0].data.shape[1] == 24 // (mesh.get("fsdp", 1) * mesh["context"])
-    # Attention ran per context shard: its keys and values gathered, one branch per shard's offset.
-    assert "all-gather" in hlo and "conditional" in hlo
+    # Every layer's attention ran per context shard, on its rows' t / C queries.
+    queries = {e.params["jaxpr"].invars[0].aval.shape[1] for e in _eqns(traced.jaxpr, "shard_map")}
+    assert queries == {16 // mesh["context"]}
+
+
+def test_context_parallelism_divides_a_long_sequences_activation_memory():
+    """Two rows of 2,048 positions (the tiny model): the compiled step's temporaries per device
+    fall as the context axis grows (fsdp=2 alone, then x context 2, x context 4), to under
+    0.6x at 4 shards. Each device's queries see every key (an offset the device computes), so
+    the score tiles do not shrink as the hidden states do."""
+    temporaries = []
+    for context in (1, 2, 4):
+        cfg = load_config(tree={"model": {"preset": "tiny", "max_seq_len": 2048}, "mesh": {"fsdp": 2, "context": context},
+                                "data": {"batch_size": 2, "seq_len": 2048}, "compute": {"attention_impl": "blocked"}},
+                          schema=TrainConfig)
+        trainer = Trainer(cfg, devices=jax.devices()[:2 * context])
+        params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                              jax.eval_shape(lambda: init_params(cfg.model, cfg.compute, trainer.mesh, seed=0)),
+                              trainer.param_shardings)
+        batch = {name: jax.ShapeDtypeStruct((2, 2048), jnp.float32 if name == "loss_mask" else jnp.int32,
+                                            sharding=trainer.batch_sharding)
+                 for name in ("tokens", "targets", "positions", "segment_ids", "loss_mask")}
+        with use_mesh(trainer.mesh):
+            compiled = jax.jit(jax.value_and_grad(trainer.objective.loss_fn, has_aux=True)).lower(
+                params, batch, jnp.float32(1.0)).compile()
+        temporaries.append(compiled.memory_analysis().temp_size_in_bytes)
+    assert temporaries[0] > temporaries[1] > temporaries[2]
+    assert temporaries[2] < 0.6 * temporaries[0], temporaries
 
 
 def test_the_parameters_of_a_mesh_without_context_are_split_as_before():

@@ -122,18 +122,23 @@ def test_a_gpu_host_without_its_gpus_is_an_estimate_that_says_so():
 # --------------------------------------------------------------------------- llama3.1-8b on TPU slices
 
 
-def two_model_pipeline(tmp_path) -> str:
-    """Two pretraining stages on one dataset: llama3.1-8b (float32 parameters, fully sharded) and
-    the tiny model."""
+def pretrain_pipeline(tmp_path, name: str, **stages) -> str:
+    """A pipeline of pretraining stages (name -> config) on one tokenized dataset."""
     return write(tmp_path / "pipeline.yaml", {
-        "name": "plan8b", "store": str(tmp_path / "store"),
+        "name": name, "store": str(tmp_path / "store"),
         "stages": {
             "tokenize": {"task": "tokenize", "config": {
                 "sources": [{"format": "text", "path": "{stdlib}/a*.py", "name": "stdlib-a"}],
                 "tokenizer": {"vocab_size": 512}}},
-            "big": {"task": "pretrain", "inputs": {"dataset": "tokenize"}, "config": {
-                "model": "llama3.1-8b", "mesh": {"data": 1, "fsdp": -1}, "data": {"seq_len": 2048, "batch_size": 16}}},
-            "small": {"task": "pretrain", "inputs": {"dataset": "tokenize"}, "config": TINY}}})
+            **{stage: {"task": "pretrain", "inputs": {"dataset": "tokenize"}, "config": config}
+               for stage, config in stages.items()}}})
+
+
+def two_model_pipeline(tmp_path) -> str:
+    """Two pretraining stages on one dataset: llama3.1-8b (float32 parameters, fully sharded) and
+    the tiny model."""
+    return pretrain_pipeline(tmp_path, "plan8b", small=TINY, big={
+        "model": "llama3.1-8b", "mesh": {"data": 1, "fsdp": -1}, "data": {"seq_len": 2048, "batch_size": 16}})
 
 
 @pytest.fixture(scope="module")
@@ -212,17 +217,25 @@ def test_a_mixture_of_experts_with_an_expert_axis_compiles_for_a_tpu_slice(tmp_p
     """The dropless expert-parallel step as XLA's TPU compiler lowers it: the grouped matmuls
     as ragged-dots (the tiled products are CPU-only), the tokens exchanged by all-to-all over
     the expert axis, and the plan's figures from that compile."""
-    path = write(tmp_path / "pipeline.yaml", {
-        "name": "planmoe", "store": str(tmp_path / "store"),
-        "stages": {
-            "tokenize": {"task": "tokenize", "config": {
-                "sources": [{"format": "text", "path": "{stdlib}/a*.py", "name": "stdlib-a"}],
-                "tokenizer": {"vocab_size": 512}}},
-            "moe": {"task": "pretrain", "inputs": {"dataset": "tokenize"}, "config": {
-                "model": "tiny-qwen3-moe", "mesh": {"data": 1, "expert": 2, "fsdp": -1},
-                "data": {"seq_len": 256, "batch_size": 16}, "steps": 3}}}})
+    path = pretrain_pipeline(tmp_path, "planmoe", moe={
+        "model": "tiny-qwen3-moe", "mesh": {"data": 1, "expert": 2, "fsdp": -1},
+        "data": {"seq_len": 256, "batch_size": 16}, "steps": 3})
     (plan,) = plan_pipeline(load_plan(path), "v5e-8")[0]
     assert plan.how == "compiled" and plan.fits and plan.devices == 8
     hlo = plan.compiled.as_text()
     assert "ragged-dot" in hlo and "all-to-all" in hlo
+    assert plan.memory.argument == plan.compiled.memory_analysis().argument_size_in_bytes
+
+
+@needs_libtpu
+def test_context_parallelism_compiles_for_a_tpu_slice(tmp_path):
+    """Two rows of 4,096 positions on a v5e-8, which without a context axis could use only 2 of
+    its chips for them: context=4 x fsdp=2 compiles for TPU with attention per context shard
+    (the keys and values all-gathered) and fits, with the plan's figures from that compile."""
+    path = pretrain_pipeline(tmp_path, "plancp", long={
+        "model": {"preset": "tiny", "max_seq_len": 4096}, "mesh": {"data": 1, "context": 4, "fsdp": -1},
+        "data": {"seq_len": 4096, "batch_size": 2}, "steps": 3})
+    (plan,) = plan_pipeline(load_plan(path), "v5e-8")[0]
+    assert plan.how == "compiled" and plan.fits and plan.mesh["context"] == 4 and plan.mesh["fsdp"] == 2
+    assert "all-gather" in plan.compiled.as_text()
     assert plan.memory.argument == plan.compiled.memory_analysis().argument_size_in_bytes

@@ -220,7 +220,6 @@ def _per_shard(kernel, mesh, q_btnh, k_bskh, v_bskh, segment_ids_bt):
 def _context_parallel(blocked, mesh, q_btnh, k_bskh, v_bskh, segment_ids_bt, sinks_n):
     """`blocked` with each device's queries, a slice of t / C positions of its rows, against
     every key of those rows, gathered over the mesh's `context` axis (module docstring)."""
-    shards = mesh.shape["context"]
     batch_axes, head_axes = kernel_axes(mesh, q_btnh.shape[0], q_btnh.shape[2], k_bskh.shape[2])
     heads, positions = P(batch_axes, "context", head_axes, None), P(batch_axes, "context")
     segmented, sinks = segment_ids_bt is not None, sinks_n is not None
@@ -228,13 +227,8 @@ def _context_parallel(blocked, mesh, q_btnh, k_bskh, v_bskh, segment_ids_bt, sin
     def local(q, k, v, *rest):
         segments = rest[0] if segmented else None
         gather = functools.partial(jax.lax.all_gather, axis_name="context", axis=1, tiled=True)
-        keys = gather(segments) if segmented else None
-        t = q.shape[1]
-        branches = [functools.partial(blocked, offset=c * t) for c in range(shards)]
-        return jax.lax.switch(jax.lax.axis_index("context"),
-                              [lambda q, k, v, s, ks, sk, f=f: f(q, k, v, s, key_segment_ids_bs=ks, sinks_n=sk)
-                               for f in branches],
-                              q, gather(k), gather(v), segments, keys, rest[-1] if sinks else None)
+        return blocked(q, gather(k), gather(v), segments, shift=jax.lax.axis_index("context") * q.shape[1],
+                       key_segment_ids_bs=gather(segments) if segmented else None, sinks_n=rest[-1] if sinks else None)
 
     args = [q_btnh, k_bskh, v_bskh] + ([segment_ids_bt] if segmented else []) + ([sinks_n] if sinks else [])
     specs = [heads, heads, heads] + ([positions] if segmented else []) + ([P(head_axes)] if sinks else [])

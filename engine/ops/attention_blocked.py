@@ -57,25 +57,42 @@ def key_parts(q0: int, q1: int, k0: int) -> list[tuple[int, int]]:
     return [(a, e) for a, e in ((k0, q0), (q0, q1)) if e > a]
 
 
-def _mask(segment_bt, q0: int, q1: int, k0: int, k1: int, window, offset: int = 0, key_segment_bt=None):
-    """(b or 1, q1 - q0, k1 - k0) visibility of keys [k0, k1) from the queries at positions
-    [q0, q1) of the keys' sequence; None where every query sees every key (then no select is
-    spent on them). The queries' segments are `segment_bt`'s columns [q0 - offset, q1 -
-    offset) (a context shard's queries start at `offset`), the keys' are `key_segment_bt`'s
-    (default: `segment_bt`)."""
-    causal = k1 - 1 <= q0  # even the block's first query sees the last key
-    in_window = window is None or q1 - 1 - k0 < window  # even the last query sees the first key
-    if segment_bt is None and causal and in_window:
-        return None
-    distance_ts = jnp.arange(q0, q1)[:, None] - jnp.arange(k0, k1)[None, :]
+def _mask(segment_bt, q0: int, q1: int, k0, keys: int, window, offset=0, key_segment_bt=None):
+    """(b or 1, q1 - q0, keys) visibility of the keys [k0, k0 + keys) from the queries [q0,
+    q1), which sit at positions `offset` + [q0, q1) of the keys' sequence (a context shard's
+    queries; `offset` and `k0` static or traced); None where every query sees every key (then
+    no select is spent on them). `segment_bt` holds the queries' segments, `key_segment_bt`
+    the keys' (default: the same)."""
+    if isinstance(offset, int) and isinstance(k0, int):
+        causal = k0 + keys - 1 <= q0 + offset  # even the block's first query sees the last key
+        in_window = window is None or q1 + offset - 1 - k0 < window  # even the last query sees the first key
+        if segment_bt is None and causal and in_window:
+            return None
+    distance_ts = (jnp.arange(q0, q1) + offset)[:, None] - (k0 + jnp.arange(keys))[None, :]
     visible_ts = distance_ts >= 0
     if window is not None:
         visible_ts = visible_ts & (distance_ts < window)
     if segment_bt is None:
         return visible_ts[None]
-    keys = segment_bt if key_segment_bt is None else key_segment_bt
-    seg_q, seg_k = segment_bt[:, q0 - offset:q1 - offset], keys[:, k0:k1]
+    seg_q = segment_bt[:, q0:q1]
+    seg_k = _slice(segment_bt if key_segment_bt is None else key_segment_bt, k0, keys, axis=1)
     return visible_ts[None] & (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_k != 0)[:, None, :]
+
+
+def _slice(x, start, length: int, axis: int):
+    """`length` entries of x along `axis` from `start` (static or traced)."""
+    if isinstance(start, int):
+        return jax.lax.slice_in_dim(x, start, start + length, axis=axis)
+    return jax.lax.dynamic_slice_in_dim(x, start, length, axis=axis)
+
+
+def _add(acc, start, value, axis: int):
+    """acc with `value` added at `start` (static or traced) along `axis`."""
+    if isinstance(start, int):
+        index = (slice(None),) * axis + (slice(start, start + value.shape[axis]),)
+        return acc.at[index].add(value)
+    return jax.lax.dynamic_update_slice_in_dim(
+        acc, jax.lax.dynamic_slice_in_dim(acc, start, value.shape[axis], axis) + value, start, axis)
 
 
 def _scores(q_bktgh, k_bksh, mask_bts, scale, softcap):
@@ -110,24 +127,33 @@ def _sinks(sinks_kg):
     return sinks_kg[None, :, None, :, None]
 
 
-def _blocks(q, window, block, offset):
-    """Each query block's local [q0, q1), its positions [p0, p1) in the keys' sequence, and
-    the key parts it attends to."""
+def _blocks(q, s: int, window, block, offset, shift):
+    """Each query block's local [q0, q1) and the key parts it attends to, (start, length)
+    each: static with a static `offset` (only the keys a causal or sliding-window mask leaves,
+    the diagonal apart); with a traced `shift` (the queries at positions offset + shift + ...)
+    every key, or on a sliding-window layer the block's window of keys from a traced start."""
     for q0, q1 in query_blocks(q.shape[2], block):
-        p0, p1 = q0 + offset, q1 + offset
-        yield q0, q1, p0, p1, key_parts(p0, p1, key_start(p0, window))
+        if shift is None:
+            p0, p1 = q0 + offset, q1 + offset
+            yield q0, q1, [(a, e - a) for a, e in key_parts(p0, p1, key_start(p0, window))]
+        elif window is None or q1 - q0 + window - 1 >= s:
+            yield q0, q1, [(0, s)]
+        else:
+            length = q1 - q0 + window - 1
+            yield q0, q1, [(jnp.clip(shift + offset + q0 - window + 1, 0, s - length), length)]
 
 
-def _forward(q, k, v, segments, sinks_kg, scale, softcap, window, block, offset):
+def _forward(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block, offset):
     """Head-major output (b, k, t, g, h) and row log-sum-exp (b, k, t, g), the sinks' terms
     (GPT-OSS: one more logit per head in each denominator) included. The probabilities are
     rounded to v's dtype once, and the denominator sums what the product then uses."""
     outs, lses = [], []
     seg_q, seg_k = segments or (None, None)
-    for q0, q1, p0, p1, parts in _blocks(q, window, block, offset):
-        scores = [_scores(q[:, :, q0:q1], k[:, :, a:e], _mask(seg_q, p0, p1, a, e, window, offset, seg_k), scale,
-                          softcap)[0]
-                  for a, e in parts]
+    at = offset if shift is None else shift + offset
+    for q0, q1, parts in _blocks(q, k.shape[2], window, block, offset, shift):
+        scores = [_scores(q[:, :, q0:q1], _slice(k, a, n, 2), _mask(seg_q, q0, q1, a, n, window, at, seg_k),
+                          scale, softcap)[0]
+                  for a, n in parts]
         m = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
         if sinks_kg is not None:
             m = jnp.maximum(m, _sinks(sinks_kg))
@@ -135,27 +161,28 @@ def _forward(q, k, v, segments, sinks_kg, scale, softcap, window, block, offset)
         denom = sum(jnp.sum(p, axis=-1, dtype=jnp.float32) for p in ps)
         if sinks_kg is not None:
             denom = denom + jnp.exp(_sinks(sinks_kg) - m)[..., 0]
-        o = sum(jnp.einsum("bkrs,bksh->bkrh", _rows(p), v[:, :, a:e], preferred_element_type=jnp.float32)
-                for p, (a, e) in zip(ps, parts))
+        o = sum(jnp.einsum("bkrs,bksh->bkrh", _rows(p), _slice(v, a, n, 2), preferred_element_type=jnp.float32)
+                for p, (a, n) in zip(ps, parts))
         o = o.reshape(*ps[0].shape[:-1], v.shape[-1])
         outs.append((o / denom[..., None]).astype(q.dtype))
         lses.append(m[..., 0] + jnp.log(denom))
     return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _attention(q, k, v, segments, sinks_kg, scale, softcap, window, block, offset):
-    return _forward(q, k, v, segments, sinks_kg, scale, softcap, window, block, offset)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _attention(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block, offset):
+    return _forward(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block, offset)[0]
 
 
-def _attention_fwd(q, k, v, segments, sinks_kg, scale, softcap, window, block, offset):
-    o, lse = _forward(q, k, v, segments, sinks_kg, scale, softcap, window, block, offset)
-    return o, (q, k, v, segments, sinks_kg, o, lse)
+def _attention_fwd(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block, offset):
+    o, lse = _forward(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block, offset)
+    return o, (q, k, v, segments, shift, sinks_kg, o, lse)
 
 
 def _attention_bwd(scale, softcap, window, block, offset, residuals, do):
-    q, k, v, segments, sinks_kg, o, lse = residuals
+    q, k, v, segments, shift, sinks_kg, o, lse = residuals
     seg_q, seg_k = segments or (None, None)
+    at = offset if shift is None else shift + offset
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # (b, k, t, g)
     # A sink's probability exp(sink - lse) takes no value, so d(out)/d(sink) = -p_sink * out.
     dsinks = None if sinks_kg is None else -jnp.sum(jnp.exp(sinks_kg[None, :, None] - lse) * delta, axis=(0, 2))
@@ -166,47 +193,47 @@ def _attention_bwd(scale, softcap, window, block, offset, residuals, do):
     # q and do with their rows minor, (b, k, h, t * g): the left operands of dK and dV as
     # XLA:CPU's bf16 kernels take them (contracted on the minor axis), transposed once here.
     q_t, do_t = _rows(q).swapaxes(2, 3), _rows(do).swapaxes(2, 3)
-    for q0, q1, p0, p1, parts in _blocks(q, window, block, offset):
+    for q0, q1, parts in _blocks(q, k.shape[2], window, block, offset, shift):
         q_b, do_b, lse_b, delta_b = q[:, :, q0:q1], do[:, :, q0:q1], lse[:, :, q0:q1, :, None], delta[:, :, q0:q1, :, None]
         q_bt, do_bt = q_t[..., q0 * g:q1 * g], do_t[..., q0 * g:q1 * g]
         dq = 0.0
-        for a, e in parts:
-            k_b, v_b = k[:, :, a:e], v[:, :, a:e]
-            scores, capped = _scores(q_b, k_b, _mask(seg_q, p0, p1, a, e, window, offset, seg_k), scale, softcap)
+        for a, n in parts:
+            k_b, v_b = _slice(k, a, n, 2), _slice(v, a, n, 2)
+            scores, capped = _scores(q_b, k_b, _mask(seg_q, q0, q1, a, n, window, at, seg_k), scale, softcap)
             p = jnp.exp(scores - lse_b).astype(do.dtype)  # rounded once: dV's operand and ds's factor
-            dv_t = dv_t.at[..., a:e].add(
-                jnp.einsum("bkhr,bkrs->bkhs", do_bt, _rows(p), preferred_element_type=jnp.float32))
+            dv_t = _add(dv_t, a, jnp.einsum("bkhr,bkrs->bkhs", do_bt, _rows(p), preferred_element_type=jnp.float32), 3)
             dp = jnp.einsum("bkrh,bksh->bkrs", _rows(do_b), v_b, preferred_element_type=jnp.float32)
             ds = p * (dp.reshape(p.shape) - delta_b)
             if capped is not None:
                 ds = ds * (1.0 - jnp.square(capped))
             ds = (ds * scale).astype(q.dtype)
             dq = dq + jnp.einsum("bkrs,bksh->bkrh", _rows(ds), k_b, preferred_element_type=jnp.float32)
-            dk_t = dk_t.at[..., a:e].add(
-                jnp.einsum("bkhr,bkrs->bkhs", q_bt, _rows(ds), preferred_element_type=jnp.float32))
+            dk_t = _add(dk_t, a, jnp.einsum("bkhr,bkrs->bkhs", q_bt, _rows(ds), preferred_element_type=jnp.float32), 3)
         dq_blocks.append(dq.reshape(q_b.shape))
     dq = jnp.concatenate(dq_blocks, axis=2).astype(q.dtype)
     dk = dk_t.swapaxes(2, 3).astype(k.dtype)
     dv = dv_t.swapaxes(2, 3).astype(v.dtype)
-    return dq, dk, dv, None if segments is None else (None, None), dsinks
+    return dq, dk, dv, None if segments is None else (None, None), None, dsinks
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def blocked_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, scale: float, softcap: float | None = None,
-                      window: int | None = None, block: int = 128, sinks_n=None, offset: int = 0,
+                      window: int | None = None, block: int = 128, sinks_n=None, offset: int = 0, shift=None,
                       key_segment_ids_bs=None):
     """Causal, segment-aware grouped-query attention over one packed sequence.
 
     Returns (b, t, n, h) in the dtype of q. `window` (None: global), `block` and `offset` are
     static; segment_ids_bt None means one unpadded document per row; `sinks_n` (n,), if given,
-    are attention sinks. The queries are positions [offset, offset + t) of the keys' sequence
-    (s >= offset + t: a context shard's queries beside every key, engine/ops/attention.py),
-    and `key_segment_ids_bs` (b, s) the keys' segments where they are not the queries' (s != t).
+    are attention sinks. The queries are positions [offset, offset + t) of the keys' sequence,
+    or, with `shift` (a traced int: a context shard's queries, engine/ops/attention.py), at
+    offset + shift + [0, t); then every query block takes every key (on a sliding-window layer
+    its window's worth, from a traced start). `key_segment_ids_bs` (b, s): the keys' segments
+    where they are not the queries' (s != t).
     """
     b, t, n, h = q_btnh.shape
-    assert k_bskh.shape[1] >= offset + t, "the keys must cover every query's position"
+    assert shift is not None or k_bskh.shape[1] >= offset + t, "the keys must cover every query's position"
     assert segment_ids_bt is None or key_segment_ids_bs is not None or k_bskh.shape[1] == t, \
         "keys beyond the queries need their own segment ids"
     q, k, v = _to_heads(q_btnh, k_bskh, v_bskh)
@@ -214,6 +241,7 @@ def blocked_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, scale: flo
     segments = None
     if segment_ids_bt is not None:
         segments = (segment_ids_bt, segment_ids_bt if key_segment_ids_bs is None else key_segment_ids_bs)
-    out = _attention(q, k, v, segments, sinks_kg, float(scale), None if softcap is None else float(softcap),
+    shift = None if shift is None else jnp.asarray(shift, jnp.int32)
+    out = _attention(q, k, v, segments, shift, sinks_kg, float(scale), None if softcap is None else float(softcap),
                      window, int(block), int(offset))
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
