@@ -23,6 +23,8 @@ def knobs(cfg) -> str:
     """What would make the step of run config `cfg` smaller, for the does-not-fit sentence
     (less what it already does)."""
     found = ["shard the state over more devices (mesh.fsdp)"]
+    if getattr(getattr(cfg, "mesh", None), "context", 1) == 1:
+        found.append("split each sequence's positions over devices (mesh.context)")
     if cfg.compute.remat != "full":
         found.append("recompute activations (compute.remat: full)")
     found.append("fewer rows per step or per micro-batch (data.batch_size, grad_accum)")
