@@ -25,16 +25,13 @@ in a shard_map on each device's rows and heads (as splash does on TPU).
 Context parallelism (a mesh `context` axis of C > 1 devices, and a sequence that divides by
 C): each device holds t / C consecutive positions of its rows. `blocked` then runs in a
 shard_map: the device gathers the keys and values (and key segments) of its rows over the
-context axis, and computes its own queries against them at their place in the sequence (a
-static offset; one branch per shard, picked by its index), skipping the key blocks a causal
-or sliding-window mask hides, forward and backward. The backward's key and value gradients
-are summed back to their owners by the gather's transpose (a reduce-scatter). The other
-kernels take no query offset: `auto` runs `blocked` there, and a kernel asked for by name is
-a ConfigError. The shards' work is unequal (the last holds the most visible keys), as in
-MaxText's context parallelism without load balancing.
-An implementation asked for by name is never swapped: if it cannot run the case, or `cudnn`
-is asked for off a GPU, that is a ConfigError. `splash` by name off TPU runs in the Pallas
-interpreter (exact, slow: for tests), with a warning.
+context axis and computes its own queries against them at their place in the sequence, its
+index times t / C (traced: one program for every device). Each query block takes every key,
+or on a sliding-window layer its window's worth; what the mask hides is computed and masked,
+not skipped. The backward's key and value gradients are summed back to their owners by the
+gather's transpose (a reduce-scatter). The other kernels take no query offset: `auto` runs
+`blocked` there, and a kernel asked for by name is a ConfigError. docs/engine.md,
+"Sharding", has the figures and the limits.
 
 Decoding with a KV cache attends over the cache through `decode_attention`
 (`ComputeConfig.decode_attention_impl`): a step of one query per row runs, on CPU, the C++

@@ -22,6 +22,10 @@ in float32 (converting score-sized operands) when an operand's contraction is no
 minor axis or when it is a bare transpose of a whole array, so dK and dV take q and dO
 transposed once, and each product takes a slice (the two key parts are always slices).
 
+A context shard's queries (engine/ops/attention.py) sit at a traced `shift` into a longer key
+sequence: then each block takes every key, or on a sliding-window layer a window's worth
+from a traced start (a dynamic slice), and the mask covers the rest.
+
 Shapes: b batch, t query positions, s key positions, k kv heads, g query heads per kv head,
 h head_dim. Query i sees key j iff j <= i, both carry the same non-zero segment id, and,
 with a `window`, i - j < window. A query that sees no key (padding) gets a uniform average
@@ -60,8 +64,8 @@ def key_parts(q0: int, q1: int, k0: int) -> list[tuple[int, int]]:
 def _mask(segment_bt, q0: int, q1: int, k0, keys: int, window, offset=0, key_segment_bt=None):
     """(b or 1, q1 - q0, keys) visibility of the keys [k0, k0 + keys) from the queries [q0,
     q1), which sit at positions `offset` + [q0, q1) of the keys' sequence (a context shard's
-    queries; `offset` and `k0` static or traced); None where every query sees every key (then
-    no select is spent on them). `segment_bt` holds the queries' segments, `key_segment_bt`
+    queries: `offset` and `k0` traced); None where every query sees every key (then no select
+    is spent on them). `segment_bt` holds the queries' segments, `key_segment_bt`
     the keys' (default: the same)."""
     if isinstance(offset, int) and isinstance(k0, int):
         causal = k0 + keys - 1 <= q0 + offset  # even the block's first query sees the last key
@@ -127,30 +131,30 @@ def _sinks(sinks_kg):
     return sinks_kg[None, :, None, :, None]
 
 
-def _blocks(q, s: int, window, block, offset, shift):
-    """Each query block's local [q0, q1) and the key parts it attends to, (start, length)
-    each: static with a static `offset` (only the keys a causal or sliding-window mask leaves,
-    the diagonal apart); with a traced `shift` (the queries at positions offset + shift + ...)
-    every key, or on a sliding-window layer the block's window of keys from a traced start."""
+def _blocks(q, s: int, window, block, shift):
+    """Each query block's [q0, q1) and the key parts it attends to, (start, length) each:
+    without a `shift`, only the keys a causal or sliding-window mask leaves (the diagonal
+    apart); with one (a traced int: the queries at positions shift + [0, t) of the keys'
+    sequence), every key, or on a sliding-window layer the block's window of keys from a
+    traced start."""
     for q0, q1 in query_blocks(q.shape[2], block):
         if shift is None:
-            p0, p1 = q0 + offset, q1 + offset
-            yield q0, q1, [(a, e - a) for a, e in key_parts(p0, p1, key_start(p0, window))]
+            yield q0, q1, [(a, e - a) for a, e in key_parts(q0, q1, key_start(q0, window))]
         elif window is None or q1 - q0 + window - 1 >= s:
             yield q0, q1, [(0, s)]
         else:
             length = q1 - q0 + window - 1
-            yield q0, q1, [(jnp.clip(shift + offset + q0 - window + 1, 0, s - length), length)]
+            yield q0, q1, [(jnp.clip(shift + q0 - window + 1, 0, s - length), length)]
 
 
-def _forward(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block, offset):
+def _forward(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block):
     """Head-major output (b, k, t, g, h) and row log-sum-exp (b, k, t, g), the sinks' terms
     (GPT-OSS: one more logit per head in each denominator) included. The probabilities are
     rounded to v's dtype once, and the denominator sums what the product then uses."""
     outs, lses = [], []
     seg_q, seg_k = segments or (None, None)
-    at = offset if shift is None else shift + offset
-    for q0, q1, parts in _blocks(q, k.shape[2], window, block, offset, shift):
+    at = 0 if shift is None else shift
+    for q0, q1, parts in _blocks(q, k.shape[2], window, block, shift):
         scores = [_scores(q[:, :, q0:q1], _slice(k, a, n, 2), _mask(seg_q, q0, q1, a, n, window, at, seg_k),
                           scale, softcap)[0]
                   for a, n in parts]
@@ -169,20 +173,20 @@ def _forward(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block, 
     return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _attention(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block, offset):
-    return _forward(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block, offset)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _attention(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block):
+    return _forward(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block)[0]
 
 
-def _attention_fwd(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block, offset):
-    o, lse = _forward(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block, offset)
+def _attention_fwd(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block):
+    o, lse = _forward(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block)
     return o, (q, k, v, segments, shift, sinks_kg, o, lse)
 
 
-def _attention_bwd(scale, softcap, window, block, offset, residuals, do):
+def _attention_bwd(scale, softcap, window, block, residuals, do):
     q, k, v, segments, shift, sinks_kg, o, lse = residuals
     seg_q, seg_k = segments or (None, None)
-    at = offset if shift is None else shift + offset
+    at = 0 if shift is None else shift
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # (b, k, t, g)
     # A sink's probability exp(sink - lse) takes no value, so d(out)/d(sink) = -p_sink * out.
     dsinks = None if sinks_kg is None else -jnp.sum(jnp.exp(sinks_kg[None, :, None] - lse) * delta, axis=(0, 2))
@@ -193,7 +197,7 @@ def _attention_bwd(scale, softcap, window, block, offset, residuals, do):
     # q and do with their rows minor, (b, k, h, t * g): the left operands of dK and dV as
     # XLA:CPU's bf16 kernels take them (contracted on the minor axis), transposed once here.
     q_t, do_t = _rows(q).swapaxes(2, 3), _rows(do).swapaxes(2, 3)
-    for q0, q1, parts in _blocks(q, k.shape[2], window, block, offset, shift):
+    for q0, q1, parts in _blocks(q, k.shape[2], window, block, shift):
         q_b, do_b, lse_b, delta_b = q[:, :, q0:q1], do[:, :, q0:q1], lse[:, :, q0:q1, :, None], delta[:, :, q0:q1, :, None]
         q_bt, do_bt = q_t[..., q0 * g:q1 * g], do_t[..., q0 * g:q1 * g]
         dq = 0.0
@@ -220,20 +224,20 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def blocked_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, scale: float, softcap: float | None = None,
-                      window: int | None = None, block: int = 128, sinks_n=None, offset: int = 0, shift=None,
+                      window: int | None = None, block: int = 128, sinks_n=None, shift=None,
                       key_segment_ids_bs=None):
     """Causal, segment-aware grouped-query attention over one packed sequence.
 
-    Returns (b, t, n, h) in the dtype of q. `window` (None: global), `block` and `offset` are
-    static; segment_ids_bt None means one unpadded document per row; `sinks_n` (n,), if given,
-    are attention sinks. The queries are positions [offset, offset + t) of the keys' sequence,
-    or, with `shift` (a traced int: a context shard's queries, engine/ops/attention.py), at
-    offset + shift + [0, t); then every query block takes every key (on a sliding-window layer
-    its window's worth, from a traced start). `key_segment_ids_bs` (b, s): the keys' segments
-    where they are not the queries' (s != t).
+    Returns (b, t, n, h) in the dtype of q. `window` (None: global) and `block` are static;
+    segment_ids_bt None means one unpadded document per row; `sinks_n` (n,), if given, are
+    attention sinks. The queries are the keys' positions [0, t), or, with `shift` (a traced
+    int: a context shard's queries, engine/ops/attention.py), positions shift + [0, t) of the
+    s keys; then every query block takes every key (on a sliding-window layer its window's
+    worth, from a traced start). `key_segment_ids_bs` (b, s): the keys' segments where they are
+    not the queries' (s != t).
     """
     b, t, n, h = q_btnh.shape
-    assert shift is not None or k_bskh.shape[1] >= offset + t, "the keys must cover every query's position"
+    assert shift is not None or k_bskh.shape[1] == t, "keys beyond the queries need the queries' shift"
     assert segment_ids_bt is None or key_segment_ids_bs is not None or k_bskh.shape[1] == t, \
         "keys beyond the queries need their own segment ids"
     q, k, v = _to_heads(q_btnh, k_bskh, v_bskh)
@@ -243,5 +247,5 @@ def blocked_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, scale: flo
         segments = (segment_ids_bt, segment_ids_bt if key_segment_ids_bs is None else key_segment_ids_bs)
     shift = None if shift is None else jnp.asarray(shift, jnp.int32)
     out = _attention(q, k, v, segments, shift, sinks_kg, float(scale), None if softcap is None else float(softcap),
-                     window, int(block), int(offset))
+                     window, int(block))
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)
