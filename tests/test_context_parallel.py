@@ -17,6 +17,7 @@ from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.params import init_params, param_shardings
 from engine.ops import attention as attention_ops
 from engine.ops.attention_blocked import blocked_attention
+from engine.ops.attention_reference import reference_attention
 from engine.ops.partitioning import MESH_AXES, use_mesh
 from engine.parallel.config import MeshConfig
 from engine.parallel.mesh import make_mesh
@@ -94,6 +95,46 @@ def _eqns(jaxpr, primitive: str) -> list:
                 if hasattr(inner, "eqns"):
                     found += _eqns(inner, primitive)
     return found
+
+
+@pytest.mark.parametrize("axes", [dict(context=2), dict(data=2, context=2, tensor=2)],
+                         ids=["context2", "data2-context2-tensor2"])
+@pytest.mark.parametrize("case", [dict(), dict(window=40), dict(sinks=True)], ids=["global", "window", "sinks"])
+def test_splash_with_context_parallelism_equals_the_reference(axes, case):
+    """The TPU kernel, made once for the whole mask with its tables split by query rows over
+    `context` (run here in the Pallas interpreter): values and gradients equal the reference's
+    over packed documents, 256 positions in two shards of 128."""
+    rng = np.random.default_rng(2)
+    b, t, h = 2, 256, 64
+    q, k, v, probe = _draw(rng, b, t, N, h), _draw(rng, b, t, K, h), _draw(rng, b, t, K, h), _draw(rng, b, t, N, h)
+    sinks = _draw(rng, N) if case.get("sinks") else None
+    segments = np.ones((b, t), np.int32)
+    segments[0, 100:], segments[1, 200:] = 2, 0  # a boundary inside the first shard, padding in the second
+    segments = jnp.asarray(segments)
+    valid = (segments != 0)[:, :, None, None]
+    window = case.get("window")
+    mesh = _mesh(**axes)
+
+    def sharded(q, k, v):
+        with use_mesh(mesh):
+            return attention_ops.attention(q, k, v, segments, impl="splash", scale=0.125, window=window,
+                                           local=window is not None, sinks_n=sinks)
+
+    def one(q, k, v):
+        return reference_attention(q, k, v, segments, scale=0.125, window=window, sinks_n=sinks)
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v) * probe * valid)
+
+    (got, got_grads), (want, want_grads) = (jax.jit(jax.value_and_grad(loss(fn), argnums=(0, 1, 2)))(q, k, v)
+                                            for fn in (sharded, one))
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    for name, a, g in zip("qkv", want_grads, got_grads):
+        np.testing.assert_allclose(g, a, atol=1e-5 * float(np.abs(a).max()), err_msg=f"d{name}")
+    (body,) = _eqns(jax.make_jaxpr(sharded)(q, k, v).jaxpr, "shard_map")
+    # q, k, v enter as (b, heads, t / C, h); the kernel's mask tables come before them.
+    lengths = [x.aval.shape[2] for x in body.params["jaxpr"].invars if x.aval.ndim == 4 and x.aval.shape[3] == h]
+    assert lengths == [t // 2] * 3
 
 
 @pytest.mark.parametrize("window", [None, 24])
@@ -242,8 +283,12 @@ def test_what_context_parallelism_cannot_take_is_a_clear_error():
                                             seq_len=64, context=2)
     assert attention_ops.choose_implementation("auto", platform="cpu", dtype=jnp.float32, head_dim=16, seq_len=64,
                                                context=2) == "blocked"
-    assert attention_ops.choose_implementation("auto", platform="tpu", dtype=jnp.bfloat16, head_dim=128,
-                                               seq_len=1024, context=2) == "blocked"
+    # Splash splits its mask by query rows: each shard's positions must be whole 128-lane blocks.
+    tpu = dict(platform="tpu", dtype=jnp.bfloat16, head_dim=128)
+    assert attention_ops.choose_implementation("auto", seq_len=1024, context=2, **tpu) == "splash"
+    assert attention_ops.choose_implementation("auto", seq_len=384, context=2, **tpu) == "blocked"
+    with pytest.raises(ConfigError, match=r"each context shard's 192 positions \(mesh axis context=2\)"):
+        attention_ops.choose_implementation("splash", seq_len=384, context=2, **tpu)
     # A length that does not divide (a prefill of 7 positions) is not split.
     assert attention_ops.context_shards(_mesh(context=2), 7) == 1
     assert attention_ops.context_shards(_mesh(context=2), 8) == 2

@@ -230,12 +230,14 @@ def test_a_mixture_of_experts_with_an_expert_axis_compiles_for_a_tpu_slice(tmp_p
 @needs_libtpu
 def test_context_parallelism_compiles_for_a_tpu_slice(tmp_path):
     """Two rows of 4,096 positions on a v5e-8, which without a context axis could use only 2 of
-    its chips for them: context=4 x fsdp=2 compiles for TPU with attention per context shard
-    (the keys and values all-gathered) and fits, with the plan's figures from that compile."""
+    its chips for them: context=4 x fsdp=2 compiles for TPU with the splash kernel per context
+    shard (its mask tables split by query rows, the keys and values all-gathered) and fits,
+    with the plan's figures from that compile."""
     path = pretrain_pipeline(tmp_path, "plancp", long={
         "model": {"preset": "tiny", "max_seq_len": 4096}, "mesh": {"data": 1, "context": 4, "fsdp": -1},
         "data": {"seq_len": 4096, "batch_size": 2}, "steps": 3})
     (plan,) = plan_pipeline(load_plan(path), "v5e-8")[0]
     assert plan.how == "compiled" and plan.fits and plan.mesh["context"] == 4 and plan.mesh["fsdp"] == 2
-    assert "all-gather" in plan.compiled.as_text()
+    hlo = plan.compiled.as_text()
+    assert "all-gather" in hlo and "tpu_custom_call" in hlo
     assert plan.memory.argument == plan.compiled.memory_analysis().argument_size_in_bytes

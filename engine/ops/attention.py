@@ -110,7 +110,7 @@ def context_shards(mesh, seq_len: int) -> int:
 
 def _unsupported(impl: str, *, dtype, head_dim: int, seq_len: int, softcap, segmented: bool,
                  sinks: bool = False, groups: int = 1, value_dim: int | None = None, context: int = 1) -> str | None:
-    if context > 1 and impl in ("cpu_kernel", "cudnn", "splash"):
+    if context > 1 and impl in ("cpu_kernel", "cudnn"):
         return (f"context parallelism (mesh axis context={context}) gives each device a slice of the queries, "
                 f"and {impl} takes no query offset")
     if impl == "cpu_kernel":
@@ -129,7 +129,7 @@ def _unsupported(impl: str, *, dtype, head_dim: int, seq_len: int, softcap, segm
         return attention_cudnn.unsupported(dtype=dtype, head_dim=head_dim, seq_len=seq_len, softcap=softcap,
                                            segmented=segmented, device=_device())
     if impl == "splash":
-        return attention_splash.unsupported(seq_len=seq_len)
+        return attention_splash.unsupported(seq_len=seq_len, context=context)
     return None
 
 
@@ -197,7 +197,7 @@ def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, impl: Impl = "auto
         return _per_shard(functools.partial(cpu_kernels.train_attention, scale=float(scale), window=int(window or 0)),
                           mesh, q_btnh, k_bskh, v_bskh, segments)
     return splash_attention(*args, scale=scale, softcap=softcap, window=window, interpret=platform != "tpu",
-                            sinks_n=sinks_n)
+                            sinks_n=sinks_n, context=context)
 
 
 def _per_shard(kernel, mesh, q_btnh, k_bskh, v_bskh, segment_ids_bt):

@@ -12,23 +12,37 @@ The kernel is a Pallas call, which XLA's partitioner cannot split: under a mesh 
 a shard_map, batch split as the `act_batch` rule says and heads as `act_heads` (when the kv
 heads divide the tensor axis). Off TPU it runs in the Pallas interpreter: exact and slow,
 what the tests use to check it on CPU.
+
+Under context parallelism (a mesh `context` axis of C devices, engine/ops/attention.py) each
+device holds t / C of its rows' queries. The kernel is then made once for the whole (t, t)
+mask with `q_seq_shards` = C (and `head_shards` = the head split), and its block-sparsity
+tables go into the shard_map split the same way (`manual_sharding_spec`), as MaxText does:
+each device's kernel skips the tiles its own rows of the mask leave empty. The device
+all-gathers its rows' keys, values and key segment ids over `context` inside the shard_map,
+so their gradients are reduce-scattered back.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from engine.ops.partitioning import current_mesh, kernel_axes
+from engine.ops.partitioning import current_mesh, kernel_axes, mesh_axis_size
 
 LANES = 128  # the kernel's key blocks are multiples of the TPU's 128 lanes
 
 
-def unsupported(*, seq_len: int) -> str | None:
-    """Why splash attention cannot take this case (None if it can)."""
+def unsupported(*, seq_len: int, context: int = 1) -> str | None:
+    """Why splash attention cannot take this case (None if it can); `context`: the shards the
+    queries are split into."""
     if seq_len % LANES:
         return f"splash attention needs the sequence length a multiple of {LANES}, not {seq_len}"
+    if (seq_len // context) % LANES:
+        return (f"splash attention needs each context shard's {seq_len // context} positions (mesh axis "
+                f"context={context}) a multiple of {LANES}")
     return None
 
 
@@ -36,46 +50,67 @@ def _block(t: int) -> int:
     return next(b for b in (512, 256, LANES) if t % b == 0)
 
 
-def _kernel(heads: int, t: int, window: int | None, softcap: float | None, interpret: bool):
-    """The kernel for one example: q (heads, t, h), k and v (kv heads, t, h). Built per trace:
-    it holds its block-sparsity tables as arrays of the trace it was made in."""
+def _kernel(heads: int, t: int, window: int | None, softcap: float | None, interpret: bool, head_shards: int = 1,
+            q_seq_shards: int = 1):
+    """The kernel for one example: q (heads, t, h), k and v (kv heads, t, h); its tables split
+    into head_shards x q_seq_shards parts (a shard_map's). Built per trace: it holds its
+    block-sparsity tables as arrays of the trace it was made in."""
     if window is None:
         head_mask = splash.CausalMask((t, t))
     else:  # query i sees keys [i - window + 1, i]
         head_mask = splash.LocalMask((t, t), window_size=(window - 1, 0), offset=0)
-    b = _block(t)
+    b = _block(t // q_seq_shards)
     sizes = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                               block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
-    return splash.make_splash_mha(splash.MultiHeadMask([head_mask] * heads), block_sizes=sizes, head_shards=1,
-                                  q_seq_shards=1, attn_logits_soft_cap=softcap, interpret=interpret)
+    return splash.make_splash_mha(splash.MultiHeadMask([head_mask] * heads), block_sizes=sizes,
+                                  head_shards=head_shards, q_seq_shards=q_seq_shards, attn_logits_soft_cap=softcap,
+                                  interpret=interpret)
 
 
-def _local_attention(q_bnth, k_bkth, v_bkth, segment_ids_bt, sinks_n, *, window, softcap, interpret):
-    kernel = _kernel(q_bnth.shape[1], q_bnth.shape[2], window, softcap, interpret)
+def _apply(kernel, q_bnth, k_bkth, v_bkth, segment_ids_bt, key_segment_ids_bs, sinks_n):
+    """`kernel` on each example; the keys' segment ids are the queries' unless given."""
     if segment_ids_bt is None:
         return jax.vmap(lambda q, k, v: kernel(q, k, v, sinks=sinks_n))(q_bnth, k_bkth, v_bkth)
-    segments = splash.SegmentIds(segment_ids_bt, segment_ids_bt)
+    keys = segment_ids_bt if key_segment_ids_bs is None else key_segment_ids_bs
+    segments = splash.SegmentIds(segment_ids_bt, keys)
     return jax.vmap(lambda q, k, v, s: kernel(q, k, v, s, sinks=sinks_n))(q_bnth, k_bkth, v_bkth, segments)
 
 
 def splash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, scale: float, softcap: float | None = None,
-                     window: int | None = None, interpret: bool = False, sinks_n=None):
+                     window: int | None = None, interpret: bool = False, sinks_n=None, context: int = 1):
     """Causal grouped-query attention with the splash kernel; (b, t, n, h) in the dtype of q.
-    `sinks_n` (n,): attention sinks (GPT-OSS), the kernel's `sinks`."""
+    `sinks_n` (n,): attention sinks (GPT-OSS), the kernel's `sinks`. `context` > 1: the
+    current mesh splits the positions over its `context` axis (module docstring)."""
     q_bnth = (q_btnh * scale).astype(q_btnh.dtype).transpose(0, 2, 1, 3)  # the kernel does not scale
     k_bkth, v_bkth = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)
     segmented, has_sinks = segment_ids_bt is not None, sinks_n is not None
     args = (q_bnth, k_bkth, v_bkth) + ((segment_ids_bt,) if segmented else ()) + ((sinks_n,) if has_sinks else ())
+    heads, t = q_bnth.shape[1], q_bnth.shape[2]
 
     def run(q, k, v, *rest):
         segment_ids, sinks = rest[0] if segmented else None, rest[-1] if has_sinks else None
-        return _local_attention(q, k, v, segment_ids, sinks, window=window, softcap=softcap, interpret=interpret)
+        return _apply(_kernel(q.shape[1], q.shape[2], window, softcap, interpret), q, k, v, segment_ids, None, sinks)
 
     mesh = current_mesh()
-    if mesh is not None and mesh.size > 1:
-        batch_axes, head_axes = kernel_axes(mesh, q_bnth.shape[0], q_bnth.shape[1], k_bkth.shape[1])
-        heads = P(batch_axes, head_axes, None, None)
-        in_specs = (heads, heads, heads) + ((P(batch_axes, None),) if segmented else ()) + (
-            (P(head_axes),) if has_sinks else ())
-        run = jax.shard_map(run, mesh=mesh, in_specs=in_specs, out_specs=heads, check_vma=False)
-    return run(*args).transpose(0, 2, 1, 3)
+    if mesh is None or mesh.size == 1:
+        return run(*args).transpose(0, 2, 1, 3)
+    batch_axes, head_axes = kernel_axes(mesh, q_bnth.shape[0], heads, k_bkth.shape[1])
+    seq_axis = "context" if context > 1 else None
+    split = P(batch_axes, head_axes, seq_axis, None)
+    specs = (split, split, split) + ((P(batch_axes, seq_axis),) if segmented else ()) + (
+        (P(head_axes),) if has_sinks else ())
+    if seq_axis is None:
+        run = jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=split, check_vma=False)
+        return run(*args).transpose(0, 2, 1, 3)
+    kernel = _kernel(heads, t, window, softcap, interpret, head_shards=mesh_axis_size(mesh, head_axes),
+                     q_seq_shards=context)
+    kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(head_axes, seq_axis)))
+
+    def run_shard(kernel, q, k, v, *rest):
+        segment_ids, sinks = rest[0] if segmented else None, rest[-1] if has_sinks else None
+        gather = functools.partial(jax.lax.all_gather, axis_name=seq_axis, tiled=True)
+        return _apply(kernel, q, gather(k, axis=2), gather(v, axis=2), segment_ids,
+                      gather(segment_ids, axis=1) if segmented else None, sinks)
+
+    run = jax.shard_map(run_shard, mesh=mesh, in_specs=(kernel_spec, *specs), out_specs=split, check_vma=False)
+    return run(kernel, *args).transpose(0, 2, 1, 3)
