@@ -23,15 +23,15 @@ The CPU kernel is an FFI call XLA cannot partition: under a mesh of several devi
 in a shard_map on each device's rows and heads (as splash does on TPU).
 
 Context parallelism (a mesh `context` axis of C > 1 devices, and a sequence that divides by
-C): each device holds t / C consecutive positions of its rows. `blocked` then runs in a
-shard_map: the device gathers the keys and values (and key segments) of its rows over the
-context axis and computes its own queries against them at their place in the sequence, its
-index times t / C (traced: one program for every device). Each query block takes every key,
-or on a sliding-window layer its window's worth; what the mask hides is computed and masked,
-not skipped. The backward's key and value gradients are summed back to their owners by the
-gather's transpose (a reduce-scatter). The other kernels take no query offset: `auto` runs
-`blocked` there, and a kernel asked for by name is a ConfigError. docs/engine.md,
-"Sharding", has the figures and the limits.
+C): each device holds t / C consecutive positions of its rows, gathers its rows' keys and
+values (and key segments) over the context axis inside a shard_map, and attends with its own
+queries to them; the gather's transpose (a reduce-scatter) returns the key and value
+gradients. `splash` takes the shards' rows of its mask tables (attention_splash.py);
+`blocked` places the queries at the device's index times t / C, a traced value, so every
+device runs one program: each query block takes every key, or on a sliding-window layer its
+window's worth, and what the mask hides is computed and masked, not skipped. `cpu_kernel`
+and `cudnn` take no query offset: `auto` runs `blocked` there, and by name they are a
+ConfigError. docs/engine.md, "Sharding", has the figures and the limits.
 
 Decoding with a KV cache attends over the cache through `decode_attention`
 (`ComputeConfig.decode_attention_impl`): a step of one query per row runs, on CPU, the C++
