@@ -249,7 +249,7 @@ def test_the_manifest_records_the_launcher(tmp_path):
 # --------------------------------------------------------------------------- one pretrain stage, three launchers
 
 RANK_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
-LAYOUT = {"processes": 2, "devices": 2, "mesh": {"data": 2, "expert": 1, "fsdp": 1, "tensor": 1}}
+LAYOUT = {"processes": 2, "devices": 2, "mesh": {"data": 2, "expert": 1, "fsdp": 1, "context": 1, "tensor": 1}}
 
 
 def pretrain_pipeline(store: Path, launcher: dict) -> Pipeline:

@@ -35,7 +35,7 @@ from jax.sharding import AbstractMesh
 
 from engine.config import ConfigError
 from engine.models.params import flops_per_token, param_shardings
-from engine.ops.partitioning import MESH_AXES, use_mesh
+from engine.ops.partitioning import BATCH_AXES, MESH_AXES, use_mesh
 from engine.parallel.config import MeshConfig
 from engine.train.config import TrainConfig
 from engine.train.memory import Memory, device_memory, knobs, shard_bytes
@@ -233,10 +233,10 @@ def _estimate(cfg: TrainConfig, target: Target, stage: str, batch: dict, tokens:
     opt = jax.eval_shape(tx.init, params)
     opt = optax.tree_map_params(tx, lambda o, p: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=p.sharding), opt,
                                 params, transform_non_params=lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype))
-    batch_shards = math.prod(size for axis, size in sizes.items() if axis != "tensor")
+    batch_shards = math.prod(size for axis, size in sizes.items() if axis in BATCH_AXES)
     batch_bytes = sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize for v in batch.values()) / batch_shards
     m = cfg.model
-    local_tokens = tokens / cfg.grad_accum / batch_shards
+    local_tokens = tokens / cfg.grad_accum / batch_shards / sizes["context"]  # each row's positions split over it
     per_layer = 34 * m.d_model * local_tokens / sizes["tensor"]
     kept = 2 * m.d_model * local_tokens * m.num_layers + per_layer if cfg.compute.remat == "full" \
         else per_layer * m.num_layers
