@@ -402,3 +402,19 @@ def test_frac_reward_zero_std_follows_the_std_the_advantages_are_scaled_by():
     assert np.isclose(group_std, 0.0).tolist() == [True, False]
     _, batch_std = group_advantages(rewards, valid, 2, "batch")  # TRL: the batch std, for every row
     assert np.isclose(batch_std, 0.0).tolist() == [False, False]
+
+
+def test_grpo_on_a_context_parallel_mesh_equals_data_parallel(copy_task, tmp_path):
+    """Rollouts, rewards and updates with each row's positions split over `context` (data 2 x
+    context 2 x tensor 2) give what data parallelism over the same 8 devices gives."""
+    runs = {}
+    for name, mesh in (("data", {"mesh.data": 8}), ("context", {"mesh.data": 2, "mesh.context": 2, "mesh.tensor": 2})):
+        run_grpo(grpo_config(copy_task, tmp_path / name, steps=3, **mesh))
+        records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = [{k: v for k, v in r.items() if isinstance(v, float) and not k.endswith(
+            ("_seconds", "tokens_per_second", "tflops_per_device", "mfu"))} for r in records]
+    assert len(runs["data"]) == 3 and runs["data"][0].keys() == runs["context"][0].keys()
+    assert {"loss", "reward", "grad_norm"} <= runs["data"][0].keys(), runs["data"][0].keys()
+    for a, b in zip(runs["data"], runs["context"]):
+        for key in a:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
