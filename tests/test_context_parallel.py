@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from engine.config import ConfigError, load_config
+from engine.config import ConfigError, load_config, load_preset
 from engine.inference.sample import Sampler
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.params import init_params, param_shardings
@@ -237,20 +237,29 @@ def test_the_parameters_of_a_mesh_without_context_are_split_as_before():
     assert shardings["embed_vd"].spec == P("tensor", "fsdp")
 
 
-def test_a_mixture_of_experts_with_context_parallelism_equals_one_device():
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_a_mixture_of_experts_with_context_parallelism_equals_one_device(family):
     """expert=2 x context=2 x data=2: each device's tokens are its rows' slice of positions;
     they reach their experts by all-to-all, and loss, balance loss and gradients equal one
-    device's."""
-    from tests.test_moe import VOCAB, assert_mesh_step_equals_one_device, random_params, tiny
+    device's. DeepSeek-V3: latent attention (values narrower than the keys), dense first
+    layers, grouped sigmoid routing, a shared expert."""
+    from tests.test_moe import assert_mesh_step_equals_one_device, random_params, tiny
 
-    cfg = tiny(num_layers=2, num_experts=4, mlp_dim=8)
+    if family == "mixtral":
+        cfg, vocab = tiny(num_layers=2, num_experts=4, mlp_dim=8), 37
+    else:
+        tree = load_preset("tiny-deepseek-v3", "test")
+        tree.pop("compute", None)
+        cfg, vocab = ModelConfig(**{**tree, "vocab_size": 64}), 64
     compute = ComputeConfig(moe_dispatch="dropless")
-    tokens = np.random.default_rng(0).integers(0, VOCAB, (8, 8))
-    segments = np.ones((8, 8), np.int32)
-    segments[3, 5:] = 0
-    batch = {"tokens": tokens, "positions": np.broadcast_to(np.arange(8), (8, 8)), "segment_ids": segments,
-             "targets": np.roll(tokens, -1, 1), "loss_mask": segments.astype(np.float32)}
-    assert_mesh_step_equals_one_device(cfg, compute, random_params(cfg, compute), batch,
+    tokens = np.random.default_rng(0).integers(0, vocab, (8, 16))
+    segments = np.ones((8, 16), np.int32)
+    segments[3, 11:], segments[0, 6:] = 0, 2  # padding; a second document across the shards' edge
+    positions = np.broadcast_to(np.arange(16), (8, 16)).copy()
+    positions[0, 6:] -= 6
+    batch = {"tokens": tokens, "positions": positions, "segment_ids": segments, "targets": np.roll(tokens, -1, 1),
+             "loss_mask": (segments > 0).astype(np.float32)}
+    assert_mesh_step_equals_one_device(cfg, compute, random_params(cfg, compute, std=0.2), batch,
                                        MeshConfig(data=2, expert=2, context=2))
 
 
