@@ -33,6 +33,7 @@ from typing import Any, Callable, ClassVar
 from pydantic import BaseModel
 
 from engine.config import ConfigError, validate
+from engine.contract import ADDED_AT_DEFAULT
 from tasks.artifacts import ArtifactRef, drop_fields
 from tasks.gang import ChildResult
 from tasks.launch import LauncherSpec, run_child
@@ -180,8 +181,11 @@ class StageKind:
         return validate(self.config_schema, raw, source)
 
     def fingerprint(self, config: BaseModel) -> dict:
-        """The part of the config that identifies the result."""
-        return drop_fields(config.model_dump(mode="json"), self.non_semantic)
+        """The part of the config that identifies the result (less the fields added since
+        artifacts were made, where they hold the value that means what came before)."""
+        dumped = config.model_dump(mode="json")
+        unchanged = tuple(path for path, value in ADDED_AT_DEFAULT.items() if _field(dumped, path) == value)
+        return drop_fields(dumped, (*self.non_semantic, *unchanged))
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
         """Produce the artifact's payload in ctx.out_dir; return final metrics.
@@ -189,6 +193,13 @@ class StageKind:
         Called again on the same out_dir after a failure: resume from what is there.
         """
         raise NotImplementedError
+
+
+def _field(tree: dict, dotted: str) -> Any:
+    """The value at `a.b.c` in `tree` (None where it is missing)."""
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
 
 
 def register_stage(cls: type[StageKind], *, replace: bool = False) -> type[StageKind]:

@@ -20,6 +20,7 @@ from engine.ops.attention_blocked import blocked_attention
 from engine.ops.attention_reference import reference_attention
 from engine.ops.partitioning import MESH_AXES, use_mesh
 from engine.parallel.config import MeshConfig
+from engine.posttrain.config import GRPOConfig
 from engine.parallel.mesh import make_mesh
 from engine.train.config import TrainConfig
 from engine.train.trainer import Trainer
@@ -264,8 +265,9 @@ def test_a_mixture_of_experts_with_context_parallelism_equals_one_device(family)
 
 
 def test_sampling_on_a_context_parallel_mesh_equals_one_device():
-    """The prompts' prefill splits its positions over `context`; the decode steps (one
-    position) do not: the same tokens and log-probabilities as one device."""
+    """The prompts' prefill splits its hidden states' positions over `context` (its attention
+    over the KV cache runs unsplit) and the decode steps (one position) do not split: the
+    same tokens and log-probabilities as one device."""
     cfg = ModelConfig(vocab_size=38, d_model=24, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=10, mlp_dim=26,
                       max_seq_len=64)
     params = init_params(cfg, ComputeConfig(), make_mesh(MeshConfig(data=1), jax.devices()[:1]), seed=0)
@@ -285,6 +287,14 @@ def test_sampling_on_a_context_parallel_mesh_equals_one_device():
 def test_what_context_parallelism_cannot_take_is_a_clear_error():
     with pytest.raises(ConfigError, match=r"data.seq_len \(30\) must be divisible by mesh.context \(4\)"):
         load_config(tree={"model": "tiny", "mesh": {"context": 4}, "data": {"seq_len": 30}}, schema=TrainConfig)
+    with pytest.raises(ConfigError, match=r"data.seq_len \(30\) must be divisible by the mesh's context axis \(4 "):
+        Trainer(load_config(tree={"model": "tiny", "mesh": {"data": 2, "context": -1}, "data": {"seq_len": 30}},
+                            schema=TrainConfig))
+    with pytest.raises(ConfigError, match=r"max_prompt_length \+ max_completion_length \(5\) must be divisible "
+                                          r"by mesh.context \(2\)"):
+        load_config(tree={"mesh": {"context": 2}, "max_prompt_length": 3, "max_completion_length": 2,
+                          "data": {"path": "prompts.jsonl"}, "rewards": [{"function": "exact_match"}]},
+                    schema=GRPOConfig)
     # The CPU kernel takes no query offset: by name it is refused, naming the axis; auto runs blocked.
     with pytest.raises(ConfigError, match=r"cpu_kernel cannot run this model: context parallelism "
                                           r"\(mesh axis context=2\)"):

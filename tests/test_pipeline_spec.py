@@ -131,6 +131,24 @@ def test_non_semantic_fields_and_stage_options_keep_the_id():
     assert _ids(semantic)["train"] != base
 
 
+def test_a_field_added_since_artifacts_were_made_keeps_their_ids_at_its_default():
+    """mesh.context came after stores held finished stages: at 1 it is not in the id (their
+    stages are still skipped as done); any other value is."""
+    from engine.config import load_config
+    from engine.train.config import TrainConfig
+    from tasks.pretrain import PretrainStage
+
+    def mesh_of(**mesh):
+        return PretrainStage().fingerprint(load_config(tree={"model": "tiny", "mesh": mesh}, schema=TrainConfig))["mesh"]
+
+    assert mesh_of() == {"data": -1, "fsdp": 1, "tensor": 1, "expert": 1}
+    assert mesh_of(context=2)["context"] == 2
+    base = _ids(TOKENIZE_PRETRAIN)["train"]
+    split = {**TOKENIZE_PRETRAIN, "train": {**TOKENIZE_PRETRAIN["train"], "config": {
+        **TOKENIZE_PRETRAIN["train"]["config"], "mesh": {"context": 2}}}}
+    assert _ids(split)["train"] != base
+
+
 def test_model_preset_is_resolved_into_the_fingerprint():
     from engine.config import load_yaml
 

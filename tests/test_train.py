@@ -96,17 +96,23 @@ def test_gradient_accumulation_equals_one_big_batch(byte_dataset, tmp_path):
 def test_restoring_on_a_different_mesh_continues_with_the_same_loss(byte_dataset, tmp_path):
     first = tiny_config(byte_dataset, tmp_path / "fsdp", steps=10, **{"mesh.data": 1, "mesh.fsdp": 8})
     run_pretrain(first)
-    # Continue the same run on fsdp=8 and, from a copy of its checkpoints, on data=2 x context=2 x tensor=2
-    # (each row's positions split over `context`, the parameters over it as over fsdp).
+    # Continue the same run on fsdp=8 and, from copies of its checkpoints, on data=2 x tensor=2 x fsdp=2
+    # and on data=2 x context=2 x tensor=2 (each row's positions split over `context`, the parameters
+    # over it as over fsdp).
     import shutil
 
-    shutil.copytree(tmp_path / "fsdp", tmp_path / "remesh")
+    remeshes = {"remesh": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
+                "context": {"mesh.data": 2, "mesh.context": 2, "mesh.tensor": 2}}
+    for name in remeshes:
+        shutil.copytree(tmp_path / "fsdp", tmp_path / name)
     run_pretrain(tiny_config(byte_dataset, tmp_path / "fsdp", steps=16, **{"mesh.data": 1, "mesh.fsdp": 8}))
-    run_pretrain(tiny_config(byte_dataset, tmp_path / "remesh", steps=16,
-                             **{"mesh.data": 2, "mesh.context": 2, "mesh.tensor": 2}))
-    a, b = losses(tmp_path / "fsdp"), losses(tmp_path / "remesh")
-    assert len(a) == len(b) == 16
-    np.testing.assert_allclose(a[10:], b[10:], rtol=1e-5)
+    a = losses(tmp_path / "fsdp")
+    assert len(a) == 16
+    for name, mesh in remeshes.items():
+        run_pretrain(tiny_config(byte_dataset, tmp_path / name, steps=16, **mesh))
+        b = losses(tmp_path / name)
+        assert len(b) == 16
+        np.testing.assert_allclose(a[10:], b[10:], rtol=1e-5, err_msg=name)
 
 
 def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(byte_dataset, tmp_path):

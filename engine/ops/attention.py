@@ -21,6 +21,9 @@ more than 8 query heads per kv head, value heads of another width, a kernel that
 not be built) auto runs `blocked` instead and warns once per process, naming the reason.
 The CPU kernel is an FFI call XLA cannot partition: under a mesh of several devices it runs
 in a shard_map on each device's rows and heads (as splash does on TPU).
+An implementation asked for by name is never swapped: if it cannot run the case, or `cudnn`
+is asked for off a GPU, that is a ConfigError. `splash` by name off TPU runs in the Pallas
+interpreter (exact, slow: for tests), with a warning.
 
 Context parallelism (a mesh `context` axis of C > 1 devices, and a sequence that divides by
 C): each device holds t / C consecutive positions of its rows, gathers its rows' keys and
@@ -31,7 +34,8 @@ gradients. `splash` takes the shards' rows of its mask tables (attention_splash.
 device runs one program: each query block takes every key, or on a sliding-window layer its
 window's worth, and what the mask hides is computed and masked, not skipped. `cpu_kernel`
 and `cudnn` take no query offset: `auto` runs `blocked` there, and by name they are a
-ConfigError. docs/engine.md, "Sharding", has the figures and the limits.
+ConfigError. A prefill with a KV cache runs `decode_attention`, unsplit along the sequence.
+docs/engine.md, "Sharding", has the figures and the limits.
 
 Decoding with a KV cache attends over the cache through `decode_attention`
 (`ComputeConfig.decode_attention_impl`): a step of one query per row runs, on CPU, the C++

@@ -240,6 +240,7 @@ def blocked_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, scale: flo
     assert shift is not None or k_bskh.shape[1] == t, "keys beyond the queries need the queries' shift"
     assert segment_ids_bt is None or key_segment_ids_bs is not None or k_bskh.shape[1] == t, \
         "keys beyond the queries need their own segment ids"
+    assert key_segment_ids_bs is None or segment_ids_bt is not None, "key segment ids need the queries' too"
     q, k, v = _to_heads(q_btnh, k_bskh, v_bskh)
     sinks_kg = None if sinks_n is None else sinks_n.astype(jnp.float32).reshape(k.shape[1], n // k.shape[1])
     segments = None

@@ -146,6 +146,10 @@ class Trainer:
                  updates_per_batch: int = 1, devices=None):
         self.cfg, self.updates_per_batch = cfg, updates_per_batch
         self.mesh = make_mesh(cfg.mesh, devices)
+        context = self.mesh.shape["context"]
+        if cfg.data.seq_len % context:  # mesh.context -1, sized only now (config.py checks a fixed size)
+            raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) must be divisible by the mesh's context axis "
+                              f"({context} devices): context parallelism splits each sequence's positions over it")
         n_batch_shards = batch_shards(self.mesh)
         micro_rows = cfg.data.batch_size // cfg.grad_accum
         if micro_rows % n_batch_shards:
