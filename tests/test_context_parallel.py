@@ -209,23 +209,10 @@ def test_context_parallelism_divides_a_long_sequences_activation_memory():
     """Two rows of 2,048 positions (the tiny model): the compiled step's temporaries per device
     fall as the context axis grows (fsdp=2 alone, then x context 2, x context 4), to under
     0.6x at 4 shards. Each device's queries see every key (an offset the device computes), so
-    the score tiles do not shrink as the hidden states do."""
-    temporaries = []
-    for context in (1, 2, 4):
-        cfg = load_config(tree={"model": {"preset": "tiny", "max_seq_len": 2048}, "mesh": {"fsdp": 2, "context": context},
-                                "data": {"batch_size": 2, "seq_len": 2048}, "compute": {"attention_impl": "blocked"}},
-                          schema=TrainConfig)
-        trainer = Trainer(cfg, devices=jax.devices()[:2 * context])
-        params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                              jax.eval_shape(lambda: init_params(cfg.model, cfg.compute, trainer.mesh, seed=0)),
-                              trainer.param_shardings)
-        batch = {name: jax.ShapeDtypeStruct((2, 2048), jnp.float32 if name == "loss_mask" else jnp.int32,
-                                            sharding=trainer.batch_sharding)
-                 for name in ("tokens", "targets", "positions", "segment_ids", "loss_mask")}
-        with use_mesh(trainer.mesh):
-            compiled = jax.jit(jax.value_and_grad(trainer.objective.loss_fn, has_aux=True)).lower(
-                params, batch, jnp.float32(1.0)).compile()
-        temporaries.append(compiled.memory_analysis().temp_size_in_bytes)
+    the score tiles do not shrink as the hidden states do (bench/context_parallel.py)."""
+    from bench.context_parallel import cpu_temporaries
+
+    temporaries = [cpu_temporaries(2048, context) for context in (1, 2, 4)]
     assert temporaries[0] > temporaries[1] > temporaries[2]
     assert temporaries[2] < 0.6 * temporaries[0], temporaries
 
