@@ -60,15 +60,17 @@ def converted(llama_dir, tmp_path_factory) -> Path:
     return out / "checkpoint"
 
 
-@pytest.mark.parametrize("mesh", [{"data": 1, "fsdp": 8, "tensor": 1}, {"data": 2, "fsdp": 1, "tensor": 4}])
+@pytest.mark.parametrize("mesh", [{"data": 1, "fsdp": 8, "tensor": 1}, {"data": 2, "fsdp": 1, "tensor": 4},
+                                  {"data": 1, "fsdp": 2, "context": 2, "tensor": 2}])
 def test_a_converted_checkpoint_restores_onto_any_mesh(converted, mesh):
     cfg, reference, _ = load_params(converted)
     _, compute = stored_configs(converted)
     device_mesh = make_mesh(MeshConfig(**mesh))
     _, params, _ = load_params(converted, abstract_model_params(cfg, compute, device_mesh))
     wq = params["blocks"]["attn"]["wq_dnh"]  # (layers, embed, heads, head_dim)
-    assert wq.sharding.spec == P(None, "fsdp", "tensor", None)
-    assert wq.addressable_shards[0].data.shape == (2, 32 // mesh["fsdp"], 8 // mesh["tensor"], 8)
+    context = mesh.get("context", 1)  # the parameters split over it as over fsdp
+    assert wq.sharding.spec == P(None, "fsdp" if context == 1 else ("fsdp", "context"), "tensor", None)
+    assert wq.addressable_shards[0].data.shape == (2, 32 // (mesh["fsdp"] * context), 8 // mesh["tensor"], 8)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 9)))
     graphdef = graphdef_of(cfg, compute)
     np.testing.assert_allclose(np.asarray(apply_model(graphdef, params, tokens)),
