@@ -7,6 +7,8 @@ devices share this machine's cores).
 
 - CPU (`blocked` attention, 8 simulated XLA:CPU devices): the tiny model, 2 rows of each
   --seq, on fsdp 2 x context 1, 2 and 4.
+- splash's tiles per context shard (from the kernel's block tables, no compile): positions
+  in order against the load-balanced layout, at --tpu-seq positions and 2, 4, 8 shards.
 - TPU (with libtpu, compiled for the topology on this host as `trainflow plan` does):
   llama3-1b, one row of --tpu-seq positions, `compute.remat: full`, on a v5p-8 (4 chips):
   tensor 4, context 2 x tensor 2 and context 4 (splash attention), and context 4 with
@@ -30,6 +32,7 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
 from bench import REPO, machine  # noqa: E402
@@ -96,6 +99,18 @@ def tpu_plans(seq: int) -> dict:
             "plans": out}
 
 
+def splash_tiles(seq: int, shards: int) -> dict:
+    """The (query block, key block) tiles each shard's splash kernel computes on a causal
+    layer, from the kernel's own block tables: positions in order, and load-balanced."""
+    from engine.ops.attention_splash import _kernel, balanced_order
+
+    def tiles(rows):
+        table = _kernel(1, seq, None, None, True, q_seq_shards=shards, rows=rows).fwd_mask_info.block_mask
+        return [int((part != 0).sum()) for part in np.array_split(np.asarray(table)[0], shards, axis=0)]
+
+    return {"contiguous": tiles(None), "balanced": tiles(balanced_order(seq, shards))}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[2048, 4096])
@@ -111,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{seq:>10} " + " ".join(f"{by_context[c] / MB:>10.1f}" for c in (1, 2, 4)))
     result = {"machine": info, "cpu": {"model": "tiny", "rows": 2, "fsdp": 2, "attention": "blocked",
                                        "temporaries_bytes": cpu}}
+    result["splash_tiles"] = {shards: splash_tiles(args.tpu_seq, shards) for shards in (2, 4, 8)}
+    print(f"\nsplash tiles per context shard, causal, {args.tpu_seq} positions (the slowest shard bounds the step)")
+    for shards, layouts in result["splash_tiles"].items():
+        print(f"  context {shards}: in order {layouts['contiguous']}, balanced {layouts['balanced']}")
     if not args.no_tpu and importlib.util.find_spec("libtpu") is not None:
         result["tpu"] = tpu_plans(args.tpu_seq)
         print(f"\nTPU v5p-8 (4 chips), llama3-1b, 1 row of {args.tpu_seq}, remat full: per chip "

@@ -18,6 +18,7 @@ from engine.models.params import init_params, param_shardings
 from engine.ops import attention as attention_ops
 from engine.ops.attention_blocked import blocked_attention
 from engine.ops.attention_reference import reference_attention
+from engine.ops.attention_splash import _kernel, balanced, balanced_order
 from engine.ops.partitioning import MESH_AXES, use_mesh
 from engine.parallel.config import MeshConfig
 from engine.posttrain.config import GRPOConfig
@@ -98,19 +99,30 @@ def _eqns(jaxpr, primitive: str) -> list:
     return found
 
 
-@pytest.mark.parametrize("axes", [dict(context=2), dict(data=2, context=2, tensor=2)],
-                         ids=["context2", "data2-context2-tensor2"])
-@pytest.mark.parametrize("case", [dict(), dict(window=40), dict(sinks=True)], ids=["global", "window", "sinks"])
-def test_splash_with_context_parallelism_equals_the_reference(axes, case):
+SPLASH_CASES = [  # (mesh axes, positions, case): 256 positions in shards of 128 keep their order;
+    # 512 and more take the load-balanced layout (two half-chunks of 128 or more per shard)
+    *[(axes, 256, case) for axes in (dict(context=2), dict(data=2, context=2, tensor=2))
+      for case in (dict(), dict(window=40), dict(sinks=True))],
+    *[(axes, 512, case) for axes in (dict(context=2), dict(data=2, context=2, tensor=2))
+      for case in (dict(), dict(window=200))],
+    (dict(context=4), 1024, dict(window=200, sinks=True)),
+]
+
+
+@pytest.mark.parametrize("axes, t, case", SPLASH_CASES,
+                         ids=lambda v: "-".join(f"{k}{x}" for k, x in v.items()) or "global" if isinstance(v, dict)
+                         else str(v))
+def test_splash_with_context_parallelism_equals_the_reference(axes, t, case):
     """The TPU kernel, made once for the whole mask with its tables split by query rows over
     `context` (run here in the Pallas interpreter): values and gradients equal the reference's
-    over packed documents, 256 positions in two shards of 128."""
+    over packed documents whose boundaries fall inside and across shards and half-chunks, in
+    the contiguous layout and in the load-balanced one."""
     rng = np.random.default_rng(2)
-    b, t, h = 2, 256, 64
+    b, h = 2, 64
     q, k, v, probe = _draw(rng, b, t, N, h), _draw(rng, b, t, K, h), _draw(rng, b, t, K, h), _draw(rng, b, t, N, h)
     sinks = _draw(rng, N) if case.get("sinks") else None
     segments = np.ones((b, t), np.int32)
-    segments[0, 100:], segments[1, 200:] = 2, 0  # a boundary inside the first shard, padding in the second
+    segments[0, 100:], segments[0, 300:], segments[1, t - 56:] = 2, 3, 0  # documents; padding at the end
     segments = jnp.asarray(segments)
     valid = (segments != 0)[:, :, None, None]
     window = case.get("window")
@@ -135,7 +147,25 @@ def test_splash_with_context_parallelism_equals_the_reference(axes, case):
     (body,) = _eqns(jax.make_jaxpr(sharded)(q, k, v).jaxpr, "shard_map")
     # q, k, v enter as (b, heads, t / C, h); the kernel's mask tables come before them.
     lengths = [x.aval.shape[2] for x in body.params["jaxpr"].invars if x.aval.ndim == 4 and x.aval.shape[3] == h]
-    assert lengths == [t // 2] * 3
+    assert lengths == [t // axes["context"]] * 3
+    # The balanced layout exchanges half-chunks between shards (ppermutes), the contiguous one does not.
+    assert bool(_eqns(body.params["jaxpr"], "ppermute")) == balanced(t, axes["context"])
+
+
+@pytest.mark.parametrize("t, shards", [(8192, 2), (8192, 4), (16384, 8)])
+def test_the_balanced_layout_gives_every_shard_the_same_number_of_tiles(t, shards):
+    """The splash kernel's own block tables (which (query block, key block) tiles it computes):
+    with each shard's positions in order the last shard computes the most; in the balanced
+    layout (half-chunks d and 2C - 1 - d) every shard computes the same number, fewer than
+    that last one (8,192 positions over 4 shards: 34 each against 10, 26, 42 and 58)."""
+    def tiles(rows):
+        table = np.asarray(_kernel(1, t, None, None, True, q_seq_shards=shards, rows=rows).fwd_mask_info.block_mask)
+        return [int((part != 0).sum()) for part in np.array_split(table[0], shards, axis=0)]
+
+    contiguous, balanced_tiles = tiles(None), tiles(balanced_order(t, shards))
+    assert contiguous == sorted(contiguous) and contiguous[0] < contiguous[-1]
+    assert len(set(balanced_tiles)) == 1 and balanced_tiles[0] < contiguous[-1]
+    assert sum(balanced_tiles) == sum(contiguous)  # the same causal work, spread evenly
 
 
 @pytest.mark.parametrize("window", [None, 24])

@@ -237,14 +237,17 @@ def test_a_mixture_of_experts_with_an_expert_axis_compiles_for_a_tpu_slice(tmp_p
 def test_context_parallelism_compiles_for_a_tpu_slice(tmp_path):
     """Two rows of 4,096 positions on a v5e-8, which without a context axis could use only 2 of
     its chips for them: context=4 x fsdp=2 compiles for TPU with the splash kernel per context
-    shard (its mask tables split by query rows, the keys and values all-gathered) and fits,
-    with the plan's figures from that compile."""
+    shard (its mask tables split by query rows, the keys and values all-gathered, each chip's
+    queries an early and a late half-chunk) and fits, with the plan's figures from that
+    compile."""
     path = pretrain_pipeline(tmp_path, "plancp", long={
         "model": {"preset": "tiny", "max_seq_len": 4096}, "mesh": {"data": 1, "context": 4, "fsdp": -1},
         "data": {"seq_len": 4096, "batch_size": 2}, "steps": 3})
     (plan,) = plan_pipeline(load_plan(path), "v5e-8")[0]
     assert plan.how == "compiled" and plan.fits and plan.mesh["context"] == 4 and plan.mesh["fsdp"] == 2
-    kernels = [line for line in plan.compiled.as_text().splitlines() if "tpu_custom_call" in line]
+    hlo = plan.compiled.as_text()
+    assert "collective-permute" in hlo  # the load-balanced layout's exchange of half-chunks
+    kernels = [line for line in hlo.splitlines() if "tpu_custom_call" in line]
     # Each chip's kernel: its 1,024 of the 4,096 query rows (4 heads of 16), the key and value
     # gradients over all 4,096 positions (2 kv heads) before they are reduce-scattered.
     forward = [line for line in kernels if line.lstrip().startswith("%splash_mha_fwd")]

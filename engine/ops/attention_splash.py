@@ -27,6 +27,8 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -50,21 +52,67 @@ def _block(t: int) -> int:
     return next(b for b in (512, 256, LANES) if t % b == 0)
 
 
+def balanced(t: int, shards: int) -> bool:
+    """Whether `shards` context shards of a `t`-position sequence take the load-balanced layout:
+    each shard's two half-chunks whole 128-lane blocks."""
+    return shards > 1 and t % (2 * shards) == 0 and (t // (2 * shards)) % LANES == 0
+
+
+def balanced_order(t: int, shards: int) -> np.ndarray:
+    """The positions in the load-balanced layout: shard d holds half-chunks d and 2C - 1 - d
+    of the 2C the sequence is cut into (an early and a late one), so every shard's queries see
+    about as many keys as another's."""
+    chunks = np.arange(t, dtype=np.int32).reshape(2 * shards, -1)
+    return np.concatenate([np.concatenate([chunks[d], chunks[2 * shards - 1 - d]]) for d in range(shards)])
+
+
 def _kernel(heads: int, t: int, window: int | None, softcap: float | None, interpret: bool, head_shards: int = 1,
-            q_seq_shards: int = 1):
+            q_seq_shards: int = 1, rows: np.ndarray | None = None):
     """The kernel for one example: q (heads, t, h), k and v (kv heads, t, h); its tables split
-    into head_shards x q_seq_shards parts (a shard_map's). Built per trace: it holds its
-    block-sparsity tables as arrays of the trace it was made in."""
+    into head_shards x q_seq_shards parts (a shard_map's); `rows`: the query positions in the
+    order the queries come (default: 0..t-1). Built per trace: it holds its block-sparsity
+    tables as arrays of the trace it was made in."""
     if window is None:
         head_mask = splash.CausalMask((t, t))
     else:  # query i sees keys [i - window + 1, i]
         head_mask = splash.LocalMask((t, t), window_size=(window - 1, 0), offset=0)
-    b = _block(t // q_seq_shards)
+    if rows is not None:  # the mask's rows are these positions, as MaxText's load-balanced causal mask
+        head_mask.q_sequence = rows
+    b = _block(t // q_seq_shards // (1 if rows is None else 2))
     sizes = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                               block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
     return splash.make_splash_mha(splash.MultiHeadMask([head_mask] * heads), block_sizes=sizes,
                                   head_shards=head_shards, q_seq_shards=q_seq_shards, attn_logits_soft_cap=softcap,
                                   interpret=interpret)
+
+
+def _exchanges(shards: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Where each shard's first and second half-chunk go in the balanced layout (ppermute
+    pairs): half-chunk j goes to shard j if j < C, else to 2C - 1 - j."""
+    to = lambda j: j if j < shards else 2 * shards - 1 - j  # noqa: E731
+    return [(d, to(2 * d)) for d in range(shards)], [(d, to(2 * d + 1)) for d in range(shards)]
+
+
+def _to_balanced(x, axis: int, shards: int):
+    """A shard's t / C positions (half-chunks 2d, 2d + 1) -> its balanced ones (d, 2C - 1 - d),
+    inside a shard_map over `context`. Every even half-chunk travels by one ppermute, every odd
+    one by another; on an even shard the early half-chunk is the even one."""
+    first, second = jnp.split(x, 2, axis=axis)
+    evens, odds = _exchanges(shards)
+    got_even, got_odd = jax.lax.ppermute(first, "context", evens), jax.lax.ppermute(second, "context", odds)
+    even = jax.lax.axis_index("context") % 2 == 0
+    return jnp.concatenate([jnp.where(even, got_even, got_odd), jnp.where(even, got_odd, got_even)], axis=axis)
+
+
+def _from_balanced(y, axis: int, shards: int):
+    """The inverse of _to_balanced: each half-chunk back to the shard it came from."""
+    early, late = jnp.split(y, 2, axis=axis)
+    evens, odds = _exchanges(shards)
+    even = jax.lax.axis_index("context") % 2 == 0
+    back = lambda pairs: [(b, a) for a, b in pairs]  # noqa: E731
+    first = jax.lax.ppermute(jnp.where(even, early, late), "context", back(evens))
+    second = jax.lax.ppermute(jnp.where(even, late, early), "context", back(odds))
+    return jnp.concatenate([first, second], axis=axis)
 
 
 def _apply(kernel, q_bnth, k_bkth, v_bkth, segment_ids_bt, key_segment_ids_bs, sinks_n):
@@ -102,15 +150,21 @@ def splash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, scale: floa
     if seq_axis is None:
         run = jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=split, check_vma=False)
         return run(*args).transpose(0, 2, 1, 3)
+    balance = balanced(t, context)
     kernel = _kernel(heads, t, window, softcap, interpret, head_shards=mesh_axis_size(mesh, head_axes),
-                     q_seq_shards=context)
+                     q_seq_shards=context, rows=balanced_order(t, context) if balance else None)
     kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(head_axes, seq_axis)))
 
     def run_shard(kernel, q, k, v, *rest):
         segment_ids, sinks = rest[0] if segmented else None, rest[-1] if has_sinks else None
         gather = functools.partial(jax.lax.all_gather, axis_name=seq_axis, tiled=True)
-        return _apply(kernel, q, gather(k, axis=2), gather(v, axis=2), segment_ids,
-                      gather(segment_ids, axis=1) if segmented else None, sinks)
+        keys = gather(segment_ids, axis=1) if segmented else None
+        if not balance:
+            return _apply(kernel, q, gather(k, axis=2), gather(v, axis=2), segment_ids, keys, sinks)
+        q = _to_balanced(q, 2, context)
+        segment_ids = _to_balanced(segment_ids, 1, context) if segmented else None
+        out = _apply(kernel, q, gather(k, axis=2), gather(v, axis=2), segment_ids, keys, sinks)
+        return _from_balanced(out, 2, context)
 
     run = jax.shard_map(run_shard, mesh=mesh, in_specs=(kernel_spec, *specs), out_specs=split, check_vma=False)
     return run(kernel, *args).transpose(0, 2, 1, 3)
