@@ -20,6 +20,14 @@ tables go into the shard_map split the same way (`manual_sharding_spec`), as Max
 each device's kernel skips the tiles its own rows of the mask leave empty. The device
 all-gathers its rows' keys, values and key segment ids over `context` inside the shard_map,
 so their gradients are reduce-scattered back.
+
+With positions in order the last shard's rows see the most keys, and it bounds the step.
+Where each shard's two half-chunks are whole 128-lane blocks (`balanced`), the queries take
+MaxText's load-balanced layout instead: the sequence is cut into 2C half-chunks and shard d
+computes half-chunks d and 2C - 1 - d, an early and a late one, so every shard computes the
+same number of tiles. The half-chunks travel there and back by two ppermutes inside the
+shard_map (the keys stay in order), and the mask's rows (`q_sequence`) are the positions in
+that order.
 """
 
 from __future__ import annotations
