@@ -29,7 +29,8 @@ Context parallelism (a mesh `context` axis of C > 1 devices, and a sequence that
 C): each device holds t / C consecutive positions of its rows, gathers its rows' keys and
 values (and key segments) over the context axis inside a shard_map, and attends with its own
 queries to them; the gather's transpose (a reduce-scatter) returns the key and value
-gradients. `splash` takes the shards' rows of its mask tables (attention_splash.py);
+gradients. `splash` takes the shards' rows of its mask tables, load-balanced where it can
+(attention_splash.py);
 `blocked` places the queries at the device's index times t / C, a traced value, so every
 device runs one program: each query block takes every key, or on a sliding-window layer its
 window's worth, and what the mask hides is computed and masked, not skipped. `cpu_kernel`
