@@ -302,13 +302,13 @@ def test_sampling_on_a_context_parallel_mesh_equals_one_device():
 
 
 def test_what_context_parallelism_cannot_take_is_a_clear_error():
-    with pytest.raises(ConfigError, match=r"data.seq_len \(30\) must be divisible by mesh.context \(4\)"):
+    with pytest.raises(ConfigError, match=r"data.seq_len \(30\) must be divisible by the mesh's context axis \(4 "):
         load_config(tree={"model": "tiny", "mesh": {"context": 4}, "data": {"seq_len": 30}}, schema=TrainConfig)
     with pytest.raises(ConfigError, match=r"data.seq_len \(30\) must be divisible by the mesh's context axis \(4 "):
         Trainer(load_config(tree={"model": "tiny", "mesh": {"data": 2, "context": -1}, "data": {"seq_len": 30}},
                             schema=TrainConfig))
     with pytest.raises(ConfigError, match=r"max_prompt_length \+ max_completion_length \(5\) must be divisible "
-                                          r"by mesh.context \(2\)"):
+                                          r"by the mesh's context axis \(2 devices\)"):
         load_config(tree={"mesh": {"context": 2}, "max_prompt_length": 3, "max_completion_length": 2,
                           "data": {"path": "prompts.jsonl"}, "rewards": [{"function": "exact_match"}]},
                     schema=GRPOConfig)

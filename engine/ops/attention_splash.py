@@ -167,12 +167,11 @@ def splash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, scale: floa
         segment_ids, sinks = rest[0] if segmented else None, rest[-1] if has_sinks else None
         gather = functools.partial(jax.lax.all_gather, axis_name=seq_axis, tiled=True)
         keys = gather(segment_ids, axis=1) if segmented else None
-        if not balance:
-            return _apply(kernel, q, gather(k, axis=2), gather(v, axis=2), segment_ids, keys, sinks)
-        q = _to_balanced(q, 2, context)
-        segment_ids = _to_balanced(segment_ids, 1, context) if segmented else None
+        if balance:  # the queries (and their segments) in the balanced layout; the keys stay in order
+            q = _to_balanced(q, 2, context)
+            segment_ids = _to_balanced(segment_ids, 1, context) if segmented else None
         out = _apply(kernel, q, gather(k, axis=2), gather(v, axis=2), segment_ids, keys, sinks)
-        return _from_balanced(out, 2, context)
+        return _from_balanced(out, 2, context) if balance else out
 
     run = jax.shard_map(run_shard, mesh=mesh, in_specs=(kernel_spec, *specs), out_specs=split, check_vma=False)
     return run(kernel, *args).transpose(0, 2, 1, 3)

@@ -7,6 +7,15 @@ from pydantic import model_validator
 from engine.config import Strict
 
 
+def unsplittable(length: int, context: int, what: str) -> str | None:
+    """Why a sequence of `length` positions (`what` names the keys that set it) cannot split
+    over a context axis of `context` devices; None if it can."""
+    if context > 1 and length % context:
+        return (f"{what} ({length}) must be divisible by the mesh's context axis ({context} devices): "
+                f"context parallelism splits each sequence's positions over it")
+    return None
+
+
 class MeshConfig(Strict):
     """Device mesh sizes; -1 takes the remaining devices (at most one axis)."""
 

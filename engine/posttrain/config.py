@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 
 from engine.config import Strict
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.parallel.config import MeshConfig
+from engine.parallel.config import MeshConfig, unsplittable
 from engine.posttrain.rewards import RewardSpec
 from engine.train.config import CheckpointConfig, MetricsConfig, OptimizerConfig, RunFields, ScheduleConfig
 
@@ -137,10 +137,10 @@ class GRPOConfig(Strict):
                              f"({self.grad_accum})")
         if self.gspo_variant != "sequence" and self.algorithm != "gspo":
             raise ValueError("gspo_variant applies to algorithm: gspo only")
-        length, context = self.max_prompt_length + self.max_completion_length, self.mesh.context
-        if context > 1 and length % context:
-            raise ValueError(f"max_prompt_length + max_completion_length ({length}) must be divisible by "
-                             f"mesh.context ({context}): the updates split each sequence's positions over it")
+        reason = unsplittable(self.max_prompt_length + self.max_completion_length, self.mesh.context,
+                              "max_prompt_length + max_completion_length")
+        if reason:
+            raise ValueError(reason)
         return self
 
     @property

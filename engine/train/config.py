@@ -9,7 +9,7 @@ from pydantic import Field, model_validator
 
 from engine.config import Strict
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.parallel.config import MeshConfig
+from engine.parallel.config import MeshConfig, unsplittable
 
 
 class OptimizerConfig(Strict):
@@ -128,12 +128,10 @@ class RunFields(Strict):
             raise ValueError(
                 f"data.batch_size ({self.data.batch_size}) must be divisible by grad_accum ({self.grad_accum})"
             )
-        seq_len, context = getattr(self.data, "seq_len", None), self.mesh.context
-        if seq_len is not None and context > 1 and seq_len % context:
-            raise ValueError(
-                f"data.seq_len ({seq_len}) must be divisible by mesh.context ({context}): context parallelism "
-                f"splits each sequence's positions over that many devices"
-            )
+        seq_len = getattr(self.data, "seq_len", None)
+        reason = None if seq_len is None else unsplittable(seq_len, self.mesh.context, "data.seq_len")
+        if reason:
+            raise ValueError(reason)
         return self
 
 

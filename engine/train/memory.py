@@ -23,7 +23,7 @@ def knobs(cfg) -> str:
     """What would make the step of run config `cfg` smaller, for the does-not-fit sentence
     (less what it already does)."""
     found = ["shard the state over more devices (mesh.fsdp)"]
-    if getattr(getattr(cfg, "mesh", None), "context", 1) == 1:
+    if cfg.mesh.context == 1:
         found.append("split each sequence's positions over devices (mesh.context)")
     if cfg.compute.remat != "full":
         found.append("recompute activations (compute.remat: full)")

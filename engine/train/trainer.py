@@ -26,6 +26,7 @@ import optax
 from engine.config import ConfigError
 from engine.models.params import abstract_model_params, graphdef_of, init_params
 from engine.ops.partitioning import use_mesh
+from engine.parallel.config import unsplittable
 from engine.parallel.distributed import preemption_agreed
 from engine.parallel.mesh import batch_shards, batch_sharding, global_array, make_mesh, replicated
 from engine.train.checkpoint import Checkpointer, load_params, stored_configs
@@ -146,10 +147,10 @@ class Trainer:
                  updates_per_batch: int = 1, devices=None):
         self.cfg, self.updates_per_batch = cfg, updates_per_batch
         self.mesh = make_mesh(cfg.mesh, devices)
-        context = self.mesh.shape["context"]
-        if cfg.data.seq_len % context:  # mesh.context -1, sized only now (config.py checks a fixed size)
-            raise ConfigError(f"data.seq_len ({cfg.data.seq_len}) must be divisible by the mesh's context axis "
-                              f"({context} devices): context parallelism splits each sequence's positions over it")
+        # The config checks a fixed context size; -1 is sized only now.
+        reason = unsplittable(cfg.data.seq_len, self.mesh.shape["context"], "data.seq_len")
+        if reason:
+            raise ConfigError(reason)
         n_batch_shards = batch_shards(self.mesh)
         micro_rows = cfg.data.batch_size // cfg.grad_accum
         if micro_rows % n_batch_shards:
