@@ -555,7 +555,7 @@ class Lease:
         return f"{self.backend.protocol}://{self.key}"
 
     def _body(self) -> bytes:
-        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), **_PROCESS, "run_id": self.run_id,
+        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), **_this_process(), "run_id": self.run_id,
                            "token": self.token, "expires": time.time() + self.seconds}).encode()
 
     def _client_put(self, body: bytes, if_none_match: bool) -> bool:
@@ -654,25 +654,30 @@ def _start_time(pid: int) -> str | None:
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
+_PROCESSES: dict[int, dict] = {}
+
+
 def _this_process() -> dict:
     """What lets another process on the same machine tell whether this one still runs: the
-    boot, the pid namespace and the start time (a pid can be reused). Empty without /proc."""
-    try:
-        return {"boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
-                "pid_namespace": os.readlink("/proc/self/ns/pid"), "started": _start_time(os.getpid())}
-    except OSError:
-        return {}
-
-
-_PROCESS = _this_process()
+    boot, the pid namespace and the start time (a pid can be reused). Empty without /proc.
+    Read once per process id: a forked child is a process of its own."""
+    pid = os.getpid()
+    if pid not in _PROCESSES:
+        try:
+            _PROCESSES[pid] = {"boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+                               "pid_namespace": os.readlink("/proc/self/ns/pid"), "started": _start_time(pid)}
+        except OSError:
+            _PROCESSES[pid] = {}
+    return _PROCESSES[pid]
 
 
 def holder_is_gone(info: dict) -> bool:
     """Whether a lease's holder ran on this machine -- same host name, boot and pid namespace --
     and no longer runs. A holder elsewhere, or on a machine without /proc, is never judged
     gone: its lease runs out instead."""
-    if not _PROCESS or not info.get("started") or info.get("host") != socket.gethostname() or any(
-            info.get(key) != _PROCESS[key] for key in ("boot_id", "pid_namespace")):
+    here = _this_process()
+    if not here or not info.get("started") or info.get("host") != socket.gethostname() or any(
+            info.get(key) != here[key] for key in ("boot_id", "pid_namespace")):
         return False
     try:
         return _start_time(int(info["pid"])) != info.get("started")

@@ -317,6 +317,34 @@ def test_lease_is_a_conditional_create(bucket):
     assert sum(results) == 1
 
 
+def test_a_forked_holder_is_judged_by_its_own_start_time(bucket):
+    """A process forked after the lease module was used (a worker of a running stage) records
+    its own start time in its lease, not its parent's: while it runs its lease is not judged
+    gone, and once it has exited it is."""
+    from tasks.artifacts import ArtifactStore
+    from tasks.objectstore import _start_time, holder_is_gone
+
+    lease = ArtifactStore(f"s3://{bucket}/forked-lease").remote.lease("stage", "abc", "run-forked")
+    parent = json.loads(lease._body())  # the parent's identity, read before the fork
+    ready_r, ready_w = os.pipe()
+    stop_r, stop_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its lease's identity, then wait to be told to exit
+        os.close(ready_r), os.close(stop_w)
+        os.write(ready_w, lease._body())
+        os.read(stop_r, 1)
+        os._exit(0)
+    os.close(ready_w), os.close(stop_r)
+    try:
+        info = json.loads(os.read(ready_r, 4096))
+        assert info["pid"] == pid and info["started"] == _start_time(pid) != parent["started"]
+        assert not holder_is_gone(info), "a live forked holder keeps its lease"
+    finally:
+        os.write(stop_w, b"x")
+        os.waitpid(pid, 0)
+    assert holder_is_gone(info)
+
+
 def test_a_killed_holders_lease_is_taken_over_at_once_on_its_machine_and_nowhere_else(bucket):
     """A run killed with SIGKILL renews its lease no more; resumed on the same machine, the next
     run need not wait out the lease: the holder's process is gone. A holder that ran on
