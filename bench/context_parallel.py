@@ -35,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
-from bench import REPO, machine  # noqa: E402
+from bench import REPO, finish, machine  # noqa: E402
 from engine.config import load_config  # noqa: E402
 from engine.models.params import init_params  # noqa: E402
 from engine.ops.partitioning import use_mesh  # noqa: E402
@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, plan in result["tpu"]["plans"].items():
             print(f"  {name:32} temporaries {plan['temporaries_gib']:6.2f} GiB, total {plan['total_gib']:6.2f} GiB"
                   f" ({plan['how']}{', fits' if plan['fits'] else ', DOES NOT FIT'})")
+    result["machine"] = finish(info, settle=0)
+    result["what"] = ("compile-time memory analysis and the splash kernel's block tables: no timing, so the "
+                      "machine's load does not change these figures (its load is recorded all the same)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"wrote {args.out}")
