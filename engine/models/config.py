@@ -359,3 +359,68 @@ class ComputeConfig(Strict):
         if value == "auto" or (type(value) is int and value >= 1):  # not True: a bool is an int
             return value
         raise ValueError("'auto' or a number of layers >= 1")
+
+
+LORA_ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+LORA_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = (*LORA_ATTENTION_TARGETS, *LORA_MLP_TARGETS)
+"""The modules a LoRA adapter can target, in PEFT's names (Llama's nn.Linear names)."""
+
+
+class LoraConfig(Strict):
+    """A low-rank adapter on the frozen base (LoRA, arXiv 2106.09685; PEFT's LoraConfig):
+    each targeted projection computes x.W + scale * (x.A).B, A Kaiming-uniform and B zero at
+    the start, so a fresh adapter changes nothing. Only A and B train."""
+
+    rank: int = Field(8, gt=0)
+    """r, the adapter's inner width (PEFT `r`)."""
+    alpha: float = Field(8.0, gt=0)
+    """The update is scaled by alpha / rank (alpha / sqrt(rank) with use_rslora); PEFT `lora_alpha`."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input during training (PEFT `lora_dropout`); the base path has none."""
+    target_modules: list[str] | Literal["all-linear"] = Field(default_factory=lambda: ["q_proj", "v_proj"])
+    """PEFT's module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or
+    `all-linear` (every one of them the model has; never the LM head, as PEFT). The default is
+    PEFT's for Llama-shaped models."""
+    use_rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(rank) (arXiv 2312.03732)."""
+    base_dtype: Literal["float32", "bfloat16"] | None = None
+    """How the frozen base is held during training: None keeps the checkpoint's parameter
+    dtype; bfloat16 halves it. The adapter and its optimizer state stay in the run's
+    compute.param_dtype."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_targets(cls, value):
+        if value == "all-linear":
+            return value
+        unknown = [m for m in value if m not in LORA_TARGETS]
+        if unknown:
+            raise ValueError(f"unknown target module '{unknown[0]}'; valid: {', '.join(LORA_TARGETS)} or 'all-linear'")
+        if not value:
+            raise ValueError("at least one module to adapt is needed")
+        return sorted(set(value), key=LORA_TARGETS.index)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+    def targets(self, model: ModelConfig) -> tuple[str, ...]:
+        """The modules this adapter puts weights on in `model`; a ValueError naming what the
+        engine cannot adapt: DeepSeek's latent attention projections and the experts of a
+        mixture of experts (their dense layers and shared experts are not adapted either)."""
+        wanted = LORA_TARGETS if self.target_modules == "all-linear" else tuple(self.target_modules)
+        if model.is_mla and any(m in LORA_ATTENTION_TARGETS for m in wanted):
+            if self.target_modules != "all-linear":
+                raise ValueError(f"family '{model.family}' uses latent attention (q_a_proj, kv_a_proj_with_mqa, ...), "
+                                 "whose projections LoRA does not adapt yet; target its MLP modules instead")
+            wanted = tuple(m for m in wanted if m not in LORA_ATTENTION_TARGETS)
+        if model.is_moe and any(m in LORA_MLP_TARGETS for m in wanted):
+            if self.target_modules != "all-linear":
+                raise ValueError(f"family '{model.family}' is a mixture of experts: LoRA on its experts "
+                                 f"({', '.join(m for m in wanted if m in LORA_MLP_TARGETS)}) is not supported; "
+                                 "target the attention projections (q_proj, k_proj, v_proj, o_proj)")
+            wanted = tuple(m for m in wanted if m not in LORA_MLP_TARGETS)
+        if not wanted:
+            raise ValueError(f"none of target_modules can be adapted in family '{model.family}'")
+        return wanted

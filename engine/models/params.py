@@ -12,7 +12,8 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
+from engine.models.lora import split_adapter
 from engine.models.transformer import Transformer
 from engine.ops.partitioning import check_divisible, logical_to_spec, use_mesh
 
@@ -21,9 +22,11 @@ def _path_name(path) -> str:
     return ".".join(str(getattr(p, "key", p)) for p in path)
 
 
-def param_shardings(model_cfg: ModelConfig, compute: ComputeConfig, mesh: Mesh | None):
-    """(shapes, per-parameter NamedSharding from the logical names in the model's metadata)."""
-    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, compute, rngs=nnx.Rngs(0)))
+def param_shardings(model_cfg: ModelConfig, compute: ComputeConfig, mesh: Mesh | None,
+                    lora: LoraConfig | None = None):
+    """(shapes, per-parameter NamedSharding from the logical names in the model's metadata).
+    With `lora`, the tree holds the adapters too (engine/models/lora.py)."""
+    abstract = nnx.eval_shape(lambda: Transformer(model_cfg, compute, rngs=nnx.Rngs(0), lora=lora))
     _, state = nnx.split(abstract)
     shapes = nnx.to_pure_dict(state)
     logical = nnx.to_pure_dict(nnx.get_partition_spec(state))
@@ -41,28 +44,34 @@ def param_shardings(model_cfg: ModelConfig, compute: ComputeConfig, mesh: Mesh |
     return shapes, shardings
 
 
-def abstract_model_params(model_cfg: ModelConfig, compute: ComputeConfig, mesh: Mesh | None):
-    """ShapeDtypeStructs (with shardings on `mesh`) of the model's parameters."""
-    shapes, shardings = param_shardings(model_cfg, compute, mesh)
+def abstract_model_params(model_cfg: ModelConfig, compute: ComputeConfig, mesh: Mesh | None,
+                          lora: LoraConfig | None = None):
+    """ShapeDtypeStructs (with shardings on `mesh`) of the model's parameters (and adapters)."""
+    shapes, shardings = param_shardings(model_cfg, compute, mesh, lora)
     if shardings is None:
         return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), shapes)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
-def init_params(model_cfg: ModelConfig, compute: ComputeConfig, mesh: Mesh, seed: int):
-    """Initialise directly into the sharded layout (no full copy on one device)."""
-    _, shardings = param_shardings(model_cfg, compute, mesh)
+def init_params(model_cfg: ModelConfig, compute: ComputeConfig, mesh: Mesh, seed: int,
+                lora: LoraConfig | None = None, *, adapter_only: bool = False):
+    """Initialise directly into the sharded layout (no full copy on one device). With
+    `adapter_only`, just the adapters of `lora` (the base is never computed: XLA drops it)."""
+    _, shardings = param_shardings(model_cfg, compute, mesh, lora)
+    if adapter_only:
+        shardings = split_adapter(shardings)[0]
 
     def init():
-        return nnx.to_pure_dict(nnx.split(Transformer(model_cfg, compute, rngs=nnx.Rngs(seed)))[1])
+        params = nnx.to_pure_dict(nnx.split(Transformer(model_cfg, compute, rngs=nnx.Rngs(seed), lora=lora))[1])
+        return split_adapter(params)[0] if adapter_only else params
 
     with use_mesh(mesh):
         return jax.jit(init, out_shardings=shardings)()
 
 
-def graphdef_of(model_cfg: ModelConfig, compute: ComputeConfig):
+def graphdef_of(model_cfg: ModelConfig, compute: ComputeConfig, lora: LoraConfig | None = None):
     """The model's structure without its values: `apply_model` merges params into it."""
-    return nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, compute, rngs=nnx.Rngs(0))))[0]
+    return nnx.split(nnx.eval_shape(lambda: Transformer(model_cfg, compute, rngs=nnx.Rngs(0), lora=lora)))[0]
 
 
 def apply_model(graphdef, params, tokens, positions=None, segment_ids=None):

@@ -18,8 +18,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from engine.models.common import ACTIVATIONS, RMSNorm, dtype_of, param
-from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.models.kv_cache import KVCache
+from engine.models.lora import ATTENTION_WEIGHTS, MLP_WEIGHTS, add_adapters, has_adapter, project
 from engine.models.mla import MLA
 from engine.models.moe import MoE, MoEStats, combine_stats
 from engine.models.rope import rope_cos_sin, rope_inverse_frequencies, rotate
@@ -44,7 +45,7 @@ class Attention(nnx.Module):
     computes only its window."""
 
     def __init__(self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs,
-                 dot_general: DotGeneral = jax.lax.dot_general):
+                 dot_general: DotGeneral = jax.lax.dot_general, lora: LoraConfig | None = None):
         d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         pdt, std = _dtype(compute.param_dtype), cfg.init_std
         self.wq_dnh = _param(rngs, (d, n, h), std, ("embed", "heads", "head_dim"), pdt)
@@ -74,9 +75,11 @@ class Attention(nnx.Module):
         self.attention_impl, self.attention_block = compute.attention_impl, compute.attention_block
         self.decode_attention_impl = compute.decode_attention_impl
         self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
+        add_adapters(self, ATTENTION_WEIGHTS, lora, cfg, rngs)
 
-    def _dense(self, x, w: nnx.Param, n_in: int = 1):
-        return dense(x, w[...].astype(self.dtype), n_in, backward=self.matmul_backward, dot_general=self.dot_general)
+    def _dense(self, x, attr: str, n_in: int = 1):
+        """x . the weight `attr` (plus its LoRA update, if it has an adapter)."""
+        return project(self, attr, x, n_in, self.dtype, backward=self.matmul_backward, dot_general=self.dot_general)
 
     def _inverse_frequencies(self, local: bool):
         if local and self.rope_local_theta is not None:
@@ -98,7 +101,7 @@ class Attention(nnx.Module):
         None: one unpadded document per row. With a cache (decoding) returns (out, updated cache).
         `rotary`: this layer's (cos, sin) at `positions_bt`, if the caller computed them."""
         dt = self.dtype
-        q, k, v = self._dense(x_btd, self.wq_dnh), self._dense(x_btd, self.wk_dkh), self._dense(x_btd, self.wv_dkh)
+        q, k, v = self._dense(x_btd, "wq_dnh"), self._dense(x_btd, "wk_dkh"), self._dense(x_btd, "wv_dkh")
         if self.qkv_bias:
             q, k, v = q + self.bq_nh[...].astype(dt), k + self.bk_kh[...].astype(dt), v + self.bv_kh[...].astype(dt)
         if self.qk_norm:
@@ -123,7 +126,7 @@ class Attention(nnx.Module):
             out_btnh = decode_attention(q, k, v, mask, impl=self.decode_attention_impl, scale=self.scale,
                                         softcap=self.softcap, sinks_n=sinks_n,
                                         shared=cache.shared_prefix(window=window, raw=True))
-        out_btd = self._dense(out_btnh, self.wo_nhd, 2)
+        out_btd = self._dense(out_btnh, "wo_nhd", 2)
         if self.out_bias:
             out_btd = out_btd + self.bo_d[...].astype(dt)
         return out_btd if cache is None else (out_btd, cache)
@@ -133,7 +136,7 @@ class MLP(nnx.Module):
     """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (gelu_tanh)."""
 
     def __init__(self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs,
-                 dot_general: DotGeneral = jax.lax.dot_general):
+                 dot_general: DotGeneral = jax.lax.dot_general, lora: LoraConfig | None = None):
         d, f = cfg.d_model, cfg.mlp_dim
         pdt, std = _dtype(compute.param_dtype), cfg.init_std
         self.w_gate_df = _param(rngs, (d, f), std, ("embed", "mlp"), pdt)
@@ -142,9 +145,18 @@ class MLP(nnx.Module):
         self.activation = ACTIVATIONS[cfg.activation]
         self.dtype = _dtype(compute.dtype)
         self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
+        add_adapters(self, MLP_WEIGHTS, lora, cfg, rngs)
 
     def __call__(self, x_btd):
         dt = self.dtype
+        if any(has_adapter(self, attr) for attr, _ in MLP_WEIGHTS.values()):
+            # With adapters, three products, each with its update (x.w + scale * x.A.B); the
+            # fused gated_mlp has no seam for them.
+            kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
+            gate, up = project(self, "w_gate_df", x_btd, 1, dt, **kw), project(self, "w_up_df", x_btd, 1, dt, **kw)
+            hidden = constrain((self.activation(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dt),
+                               ("act_batch", "act_seq", "act_mlp"))
+            return project(self, "w_down_fd", hidden, 1, dt, **kw)
         return gated_mlp(x_btd, self.w_gate_df[...].astype(dt), self.w_up_df[...].astype(dt),
                          self.w_down_fd[...].astype(dt), self.activation, ("act_batch", "act_seq", "act_mlp"),
                          backward=self.matmul_backward, dot_general=self.dot_general)
@@ -161,13 +173,19 @@ class Block(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs,
-                 dot_general: DotGeneral = jax.lax.dot_general, moe: bool | None = None):
+                 dot_general: DotGeneral = jax.lax.dot_general, moe: bool | None = None,
+                 lora: LoraConfig | None = None):
         moe = cfg.is_moe if moe is None else moe
         self.attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
-        self.attn = (MLA if cfg.is_mla else Attention)(cfg, compute, rngs=rngs, dot_general=dot_general)
+        if cfg.is_mla:
+            self.attn = MLA(cfg, compute, rngs=rngs, dot_general=dot_general)
+        else:
+            self.attn = Attention(cfg, compute, rngs=rngs, dot_general=dot_general, lora=lora)
         self.mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
-        mlp = MoE if moe else MLP
-        self.mlp = mlp(cfg, compute, rngs=rngs, dot_general=dot_general)
+        if moe:
+            self.mlp = MoE(cfg, compute, rngs=rngs, dot_general=dot_general)
+        else:  # LoRAConfig.targets leaves a mixture of experts' dense layers unadapted
+            self.mlp = MLP(cfg, compute, rngs=rngs, dot_general=dot_general, lora=None if cfg.is_moe else lora)
         if cfg.post_norms:
             self.post_attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
             self.post_mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
@@ -251,7 +269,7 @@ class Transformer(nnx.Module):
     `dense_blocks` then the experts' `blocks` (ModelConfig.layer_stacks), run in that order."""
 
     def __init__(self, cfg: ModelConfig, compute: ComputeConfig | None = None, *, rngs: nnx.Rngs,
-                 dot_general: DotGeneral = jax.lax.dot_general):
+                 dot_general: DotGeneral = jax.lax.dot_general, lora: LoraConfig | None = None):
         compute = compute or ComputeConfig()
         self.cfg, self.compute = cfg, compute
         pdt = _dtype(compute.param_dtype)
@@ -259,9 +277,9 @@ class Transformer(nnx.Module):
         for name, _, count in cfg.layer_stacks():
             moe = cfg.is_moe and name == "blocks"
             if compute.scan_layers:
-                stack = self._stacked_blocks(cfg, compute, rngs, dot_general, count, moe)
+                stack = self._stacked_blocks(cfg, compute, rngs, dot_general, count, moe, lora)
             else:
-                stack = nnx.List([Block(cfg, compute, rngs=rngs, dot_general=dot_general, moe=moe)
+                stack = nnx.List([Block(cfg, compute, rngs=rngs, dot_general=dot_general, moe=moe, lora=lora)
                                   for _ in range(count)])
             setattr(self, name, stack)
         self.final_norm = _norm(cfg, compute, cfg.d_model, rngs)
@@ -271,13 +289,13 @@ class Transformer(nnx.Module):
 
     @staticmethod
     def _stacked_blocks(cfg: ModelConfig, compute: ComputeConfig, rngs: nnx.Rngs, dot_general, count: int,
-                        moe: bool) -> Block:
+                        moe: bool, lora: LoraConfig | None = None) -> Block:
         """One Block whose every parameter has a leading `layers` axis (`count`), for lax.scan."""
 
         @nnx.split_rngs(splits=count)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make(rngs):
-            return Block(cfg, compute, rngs=rngs, dot_general=dot_general, moe=moe)
+            return Block(cfg, compute, rngs=rngs, dot_general=dot_general, moe=moe, lora=lora)
 
         return make(rngs)
 

@@ -1,0 +1,169 @@
+"""LoRA adapters <-> PEFT's format: `adapter_config.json` + `adapter_model.safetensors`, as
+`peft.PeftModel.from_pretrained` loads onto the exported base model.
+
+PEFT names an adapted nn.Linear's two factors `<module>.lora_A.weight` (r, in_features) and
+`<module>.lora_B.weight` (out_features, r) under `base_model.model.`; the engine's A is
+(in..., r) and B (r, out...) beside the base weight (engine/models/lora.py), so each is a
+reshape and a transpose. numpy only.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.config import ConfigError
+from engine.interop.hf.mapping import tensor_table
+from engine.interop.hf.safetensors_io import SafetensorsFile, write_safetensors
+from engine.models.config import LORA_TARGETS, LoraConfig, ModelConfig
+from engine.models.lora import WEIGHTS
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PREFIX = "base_model.model."
+
+
+def _adapted_specs(cfg: ModelConfig, lora: LoraConfig):
+    """(PEFT module name, TensorSpec of its base weight, first layer and count of its stack)
+    for every per-layer weight `lora` adapts."""
+    targets = lora.targets(cfg)
+    attrs = {WEIGHTS[m][0]: m for m in targets}
+    stacks = {name: (first, count) for name, first, count in cfg.layer_stacks()}
+    _, per_layer = tensor_table(cfg)
+    for spec in per_layer:
+        if spec.path[-1] in attrs and not spec.experts:
+            yield attrs[spec.path[-1]], spec, *stacks[spec.stack]
+
+
+def _layer(tree: dict, stack: str, path: tuple[str, ...], i: int, scan_layers: bool) -> Any:
+    node = tree[stack] if scan_layers else tree[stack][i]
+    for key in path:
+        node = node[key]
+    return node[i] if scan_layers else node
+
+
+def adapter_to_peft(cfg: ModelConfig, lora: LoraConfig, adapter: dict, *, scan_layers: bool) -> dict[str, np.ndarray]:
+    """PEFT's tensors (name -> C-contiguous array) of the engine's adapter tree."""
+    out = {}
+    for _, spec, first, count in _adapted_specs(cfg, lora):
+        *module, attr = spec.path
+        for i in range(count):
+            a = np.asarray(_layer(adapter, spec.stack, (*module, attr + "_lora_a"), i, scan_layers))
+            b = np.asarray(_layer(adapter, spec.stack, (*module, attr + "_lora_b"), i, scan_layers))
+            name = PREFIX + spec.hf_name.format(i=first + i).removesuffix(".weight")
+            out[name + ".lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, lora.rank).T)
+            out[name + ".lora_B.weight"] = np.ascontiguousarray(b.reshape(lora.rank, -1).T)
+    return out
+
+
+def peft_config(lora: LoraConfig, cfg: ModelConfig, base_model: str | None = None) -> dict[str, Any]:
+    """adapter_config.json of `lora` (the keys PEFT's LoraConfig reads; its defaults for the rest)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+            "target_modules": list(lora.targets(cfg)), "use_rslora": lora.use_rslora, "bias": "none",
+            "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+            "use_dora": False}
+
+
+def write_peft(out_dir: str | Path, cfg: ModelConfig, lora: LoraConfig, adapter: dict, *, scan_layers: bool,
+               base_model: str | None = None) -> list[str]:
+    """Write the PEFT adapter directory; returns the files written."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = adapter_to_peft(cfg, lora, adapter, scan_layers=scan_layers)
+    write_safetensors(out_dir / ADAPTER_WEIGHTS, list(tensors.items()), metadata={"format": "pt"})
+    (out_dir / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora, cfg, base_model), indent=2) + "\n")
+    return [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
+
+
+def lora_config_from_peft(adapter_dir: str | Path) -> LoraConfig:
+    """The LoraConfig of a PEFT adapter directory; a ConfigError naming the file and key for
+    what the engine cannot run (DoRA, biases, modules other than its projections)."""
+    path = Path(adapter_dir) / ADAPTER_CONFIG
+    try:
+        raw = json.loads(path.read_text())
+    except OSError:
+        raise ConfigError(f"{path}: not found (a PEFT adapter directory holds {ADAPTER_CONFIG})") from None
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid JSON: {e}") from None
+    if raw.get("peft_type", "LORA") != "LORA":
+        raise ConfigError(f"{path}: peft_type '{raw.get('peft_type')}' is not supported (LORA)")
+    for key, ok in (("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False)):
+        if raw.get(key, ok) != ok:
+            raise ConfigError(f"{path}: {key}={raw[key]!r} is not supported ({ok!r})")
+    if raw.get("modules_to_save"):
+        raise ConfigError(f"{path}: modules_to_save is not supported (only LoRA factors are imported)")
+    targets = raw.get("target_modules")
+    if isinstance(targets, str):
+        targets = "all-linear" if targets == "all-linear" else [targets]
+    if targets != "all-linear":
+        unknown = [t for t in targets or [] if t not in LORA_TARGETS]
+        if unknown:
+            raise ConfigError(f"{path}: target module '{unknown[0]}' is not one the engine adapts "
+                              f"({', '.join(LORA_TARGETS)})")
+    if raw.get("rank_pattern") or raw.get("alpha_pattern"):
+        raise ConfigError(f"{path}: per-module rank_pattern / alpha_pattern are not supported")
+    try:
+        return LoraConfig(rank=raw["r"], alpha=raw.get("lora_alpha", 8), dropout=raw.get("lora_dropout", 0.0),
+                          target_modules=targets, use_rslora=raw.get("use_rslora", False))
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"{path}: does not make a valid LoRA config: {e}") from None
+
+
+def adapter_from_peft(adapter_dir: str | Path, cfg: ModelConfig, lora: LoraConfig, shapes: dict, *,
+                      scan_layers: bool) -> dict:
+    """The engine's adapter tree (numpy, shaped as `shapes`: the adapter half of the model's
+    abstract params) from PEFT's tensors; a ConfigError naming a missing or misshapen tensor."""
+    path = Path(adapter_dir) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        raise ConfigError(f"{path}: not found (PEFT's {ADAPTER_WEIGHTS}; .bin adapters are not read)")
+    with SafetensorsFile(path) as file:
+        tensors = {name: file.get(name) for name in file.names()}
+    out = {}
+
+    def put(stack, module, key, i, value):
+        node = out.setdefault(stack, {} if scan_layers else [])
+        if not scan_layers:
+            while len(node) <= i:
+                node.append({})
+            node = node[i]
+        for k in module:
+            node = node.setdefault(k, {})
+        if scan_layers:
+            node.setdefault(key, []).append(value)
+        else:
+            node[key] = value
+
+    used = set()
+    for _, spec, first, count in _adapted_specs(cfg, lora):
+        *module, attr = spec.path
+        for i in range(count):
+            name = PREFIX + spec.hf_name.format(i=first + i).removesuffix(".weight")
+            for factor, key in (("lora_A", attr + "_lora_a"), ("lora_B", attr + "_lora_b")):
+                tensor_name = f"{name}.{factor}.weight"
+                if tensor_name not in tensors:
+                    raise ConfigError(f"{path}: no tensor '{tensor_name}'")
+                want = _layer(shapes, spec.stack, (*module, key), i, scan_layers) if not scan_layers else None
+                shape = (want.shape if want is not None else _at(shapes, (spec.stack, *module, key)).shape[1:])
+                value = tensors[tensor_name].T
+                if value.size != int(np.prod(shape)):
+                    raise ConfigError(f"{path}: tensor '{tensor_name}' has shape {tuple(tensors[tensor_name].shape)}, "
+                                      f"which does not fit this base model's {tuple(shape)} (rank {lora.rank})")
+                put(spec.stack, module, key, i, value.reshape(shape))
+                used.add(tensor_name)
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise ConfigError(f"{path}: tensor '{extra[0]}' is not an adapter of this base model's targeted modules")
+    if scan_layers:
+        def stack(node):
+            return {k: stack(v) if isinstance(v, dict) else np.stack(v) for k, v in node.items()}
+        out = stack(out)
+    return out
+
+
+def _at(tree: dict, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree
