@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from engine.config import Strict
-from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.parallel.config import MeshConfig, unsplittable
 from engine.posttrain.rewards import RewardSpec
 from engine.train.config import CheckpointConfig, MetricsConfig, OptimizerConfig, RunFields, ScheduleConfig
@@ -56,6 +56,9 @@ class SFTConfig(RunFields):
     """Tokenizer directory. None: `tokenizer/` next to checkpoint.init_from (a checkpoint artifact)."""
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=2e-5, weight_decay=0.0)
     data: SFTDataConfig = SFTDataConfig()
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter on the frozen checkpoint.init_from (PEFT's LoraConfig fields)
+    instead of every parameter; the stage then writes an adapter."""
     # checkpoint.init_from (the model to fine-tune) and checkpoint.directory are required.
 
 
@@ -92,6 +95,9 @@ class GRPOConfig(Strict):
     """checkpoint.init_from (the policy to start from) and checkpoint.directory are required."""
     rewards: list[RewardSpec] = Field(min_length=1)
     """Reward terms; the reward of a completion is their weighted sum."""
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter on the frozen checkpoint.init_from: rollouts sample from base +
+    adapter unmerged, and the KL reference (beta > 0) is the base with the adapter off."""
     steps: int = Field(100, gt=0)
     """Rollout batches; each makes num_iterations optimizer updates."""
     prompts_per_step: int = Field(8, gt=0)

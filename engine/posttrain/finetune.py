@@ -58,6 +58,11 @@ def finetune_start(cfg: Any) -> tuple[ModelConfig, ComputeConfig, TokenizerBundl
     if not cfg.checkpoint.directory:
         raise ConfigError("checkpoint.directory is required")
     model_cfg, compute = resolve_model(cfg)
+    if getattr(cfg, "lora", None) is not None:
+        try:
+            cfg.lora.targets(model_cfg)
+        except ValueError as e:
+            raise ConfigError(f"lora.target_modules: {e}") from None
     bundle = load_saved(tokenizer_dir(cfg))
     if bundle.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer's vocabulary ({bundle.vocab_size}) is larger than the model's "

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from engine.config import Strict
-from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.parallel.config import MeshConfig, unsplittable
 
 
@@ -144,6 +144,9 @@ class TrainConfig(RunFields):
     data: DataConfig = DataConfig()
     z_loss: float = Field(0.0, ge=0)
     """Weight of the z-loss (log Z squared) that keeps the softmax normaliser near 1 (PaLM)."""
+    lora: LoraConfig | None = None
+    """Train a low-rank adapter on the frozen checkpoint.init_from instead of every parameter
+    (engine/models/lora.py): the state, optimizer and checkpoints hold the adapter alone."""
 
     @model_validator(mode="after")
     def _check_length(self) -> "TrainConfig":

@@ -121,8 +121,11 @@ def finish_final_step(writer: MetricsWriter, metrics_dir: str | Path, state, eva
 def checkpoint_meta(trainer: Trainer, **extra) -> dict:
     """What every checkpoint records besides its arrays (engine.contract.CHECKPOINT_FORMAT)."""
     cfg = trainer.cfg
-    return {"config": cfg.model_dump(mode="json"), "model": cfg.model.model_dump(mode="json"),
+    meta = {"config": cfg.model_dump(mode="json"), "model": cfg.model.model_dump(mode="json"),
             "compute": cfg.compute.model_dump(mode="json"), "seed": cfg.seed, "format": CHECKPOINT_FORMAT, **extra}
+    if cfg.lora is not None:  # the params are an adapter of this base (engine/models/lora.py)
+        meta["lora"] = {**cfg.lora.model_dump(mode="json"), "base_checkpoint": str(cfg.checkpoint.init_from)}
+    return meta
 
 
 def run_training(trainer: Trainer, source: BatchSource, *, log: Callable[[str], None],

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from engine.models.lora import join
 from engine.models.params import apply_model_with_aux
 from engine.ops.cross_entropy import log_z_and_target
 
@@ -96,15 +97,18 @@ def lm_objective(graphdef, z_loss: float = 0.0) -> Objective:
 
 
 def make_train_step(objective: Objective, tx: optax.GradientTransformation, grad_accum: int):
-    """train_step(params, opt_state, batch) -> (params, opt_state, metrics).
+    """train_step(params, opt_state, batch[, base]) -> (params, opt_state, metrics).
+
+    With `base` the objective sees params and the frozen base side by side (a LoRA adapter
+    and its base model, engine/models/lora.py); only params are differentiated and updated.
 
     With grad_accum > 1 the batch is split into micro-batches (rows i, i+A, i+2A, ... so
     each stays evenly sharded) and their losses and gradients are summed under one scan.
     Metrics: "objective" (the minimised loss), "grad_norm" and the objective's aux.
     """
-    grad_fn = jax.value_and_grad(objective.loss_fn, has_aux=True)
-
-    def train_step(params, opt_state, batch):
+    def train_step(params, opt_state, batch, base=None):
+        loss_fn = objective.loss_fn if base is None else (lambda p, b, n: objective.loss_fn(join(p, base), b, n))
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         normaliser = objective.normaliser(batch)
         if grad_accum == 1:
             (loss, aux), grads = grad_fn(params, batch, normaliser)
@@ -132,10 +136,10 @@ def make_train_step(objective: Objective, tx: optax.GradientTransformation, grad
 
 
 def make_eval_step(objective: Objective):
-    """eval_step(params, batch) -> aux with the sums (normaliser 1) of a held-out batch."""
+    """eval_step(params, batch[, base]) -> aux with the sums (normaliser 1) of a held-out batch."""
 
-    def eval_step(params, batch):
-        _, aux = objective.loss_fn(params, batch, 1.0)
+    def eval_step(params, batch, base=None):
+        _, aux = objective.loss_fn(params if base is None else join(params, base), batch, 1.0)
         return aux
 
     return eval_step

@@ -24,6 +24,7 @@ import numpy as np
 import optax
 
 from engine.config import ConfigError
+from engine.models.lora import join, split_adapter
 from engine.models.params import abstract_model_params, graphdef_of, init_params
 from engine.ops.partitioning import use_mesh
 from engine.parallel.config import unsplittable
@@ -158,9 +159,24 @@ class Trainer:
                 f"data.batch_size ({cfg.data.batch_size}) / grad_accum ({cfg.grad_accum}) = {micro_rows} "
                 f"rows per micro-batch must divide over the data x expert x fsdp mesh axes ({n_batch_shards} shards)"
             )
-        self.graphdef = graphdef_of(cfg.model, cfg.compute)
-        self.abstract_params = abstract_model_params(cfg.model, cfg.compute, self.mesh)
+        self.lora = cfg.lora
+        self.graphdef = graphdef_of(cfg.model, cfg.compute, cfg.lora)
+        self.abstract_params = abstract_model_params(cfg.model, cfg.compute, self.mesh, cfg.lora)
+        self.abstract_base = None
+        """With LoRA: the frozen base's ShapeDtypeStructs; `abstract_params` is then the adapter's,
+        the state (params, optimizer, checkpoints) the adapter's alone."""
+        self.base_params = None
+        if cfg.lora is not None:
+            if not cfg.checkpoint.init_from:
+                raise ConfigError("lora: needs checkpoint.init_from, the base model the adapter trains on")
+            self.abstract_params, base = split_adapter(self.abstract_params)
+            dtype = cfg.lora.base_dtype
+            self.abstract_base = base if dtype is None else jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, np.dtype(jax.numpy.bfloat16 if dtype == "bfloat16" else dtype),
+                                               sharding=a.sharding), base)
         self.param_shardings = jax.tree.map(lambda a: a.sharding, self.abstract_params)
+        self.base_shardings = None if self.abstract_base is None else jax.tree.map(lambda a: a.sharding,
+                                                                                   self.abstract_base)
         self.tx, self.schedule = make_optimizer(cfg.optimizer, cfg.schedule, cfg.steps * updates_per_batch,
                                                 self.abstract_params)
         abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
@@ -183,22 +199,41 @@ class Trainer:
 
     # -- jitted functions (compiled lazily, once)
     def jitted_train_step(self):
-        """The jitted `make_train_step` of this run (also what the preflight compiles, plan.py)."""
+        """The jitted `make_train_step` of this run (also what the preflight compiles, plan.py);
+        with LoRA it takes the frozen base as a fourth argument (never donated)."""
+        base = () if self.abstract_base is None else (self.base_shardings,)
         return jax.jit(
             make_train_step(self.objective, self.tx, self.cfg.grad_accum),
-            in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding),
+            in_shardings=(self.param_shardings, self.opt_shardings, self.batch_sharding, *base),
             out_shardings=(self.param_shardings, self.opt_shardings, replicated(self.mesh)),
             donate_argnums=(0, 1),
         )
+
+    def _base_args(self) -> tuple:
+        if self.abstract_base is None:
+            return ()
+        if self.base_params is None:
+            self.base_params = self.load_base()
+        return (self.base_params,)
 
     def train_step(self, params, opt_state, batch):
         if self._compiled_step is None:
             self.compile_train_step(batch)
         signature, compiled = self._compiled_step
         if _signature(batch) == signature:
-            return compiled(params, opt_state, batch)
+            return compiled(params, opt_state, batch, *self._base_args())
         with use_mesh(self.mesh):  # a batch of another shape or dtype: jit compiles it
-            return self._train_step(params, opt_state, batch)
+            return self._train_step(params, opt_state, batch, *self._base_args())
+
+    def model_params(self, params):
+        """The whole model's params for `params` of the state: with LoRA the adapter joined to
+        the frozen base (no array copied), else params themselves."""
+        return params if self.abstract_base is None else join(params, self._base_args()[0])
+
+    def model_param_shardings(self):
+        """Shardings of `model_params(...)`."""
+        return self.param_shardings if self.abstract_base is None else join(self.param_shardings,
+                                                                            self.base_shardings)
 
     def compile_train_step(self, batch) -> None:
         """Compile the step for batches like `batch` (arrays or ShapeDtypeStructs) from the
@@ -206,26 +241,29 @@ class Trainer:
         (ConfigError naming the numbers and the knobs)."""
         self._train_step = self.jitted_train_step()
         batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding) for k, v in batch.items()}
+        base = () if self.abstract_base is None else (self.abstract_base,)
         with use_mesh(self.mesh):
-            compiled = self._train_step.trace(self.abstract_params, self.abstract_opt_state, batch).lower().compile()
+            compiled = self._train_step.trace(self.abstract_params, self.abstract_opt_state, batch,
+                                              *base).lower().compile()
         devices = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]  # this host's
-        parameters = shard_bytes(self.abstract_params)
-        memory = Memory.of(compiled.memory_analysis(), parameters=parameters,
+        trained = shard_bytes(self.abstract_params)
+        memory = Memory.of(compiled.memory_analysis(), parameters=trained + sum(shard_bytes(b) for b in base),
                            optimizer_state=shard_bytes(self.abstract_opt_state), batch=shard_bytes(batch),
-                           gradients=parameters)
+                           gradients=trained)
         check_fits(memory, min(device_memory(d) for d in devices), self.mesh.size, devices[0].platform,
                    knobs(self.cfg))
         self._compiled_step = (_signature(batch), compiled)
 
     def eval_step(self, params, batch):
         if self._eval_step is None:
+            base = () if self.base_shardings is None else (self.base_shardings,)
             self._eval_step = jax.jit(
                 make_eval_step(self.objective),
-                in_shardings=(self.param_shardings, self.batch_sharding),
+                in_shardings=(self.param_shardings, self.batch_sharding, *base),
                 out_shardings=replicated(self.mesh),
             )
         with use_mesh(self.mesh):
-            return self._eval_step(params, batch)
+            return self._eval_step(params, batch, *self._base_args())
 
     def global_batch(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Global arrays from the whole batch, which every process holds: each process places
@@ -234,23 +272,35 @@ class Trainer:
         return {k: global_array(v, self.batch_sharding) for k, v in batch.items()}
 
     # -- state
+    def load_base(self):
+        """The frozen base of a LoRA run: checkpoint.init_from's params, in lora.base_dtype."""
+        return self._load_init_from(self.abstract_base)
+
+    def _load_init_from(self, abstract):
+        cfg = self.cfg
+        _, stored = stored_configs(cfg.checkpoint.init_from)
+        if stored.scan_layers != cfg.compute.scan_layers:  # the one compute setting that changes the layout
+            raise ConfigError(
+                f"checkpoint.init_from: {cfg.checkpoint.init_from} holds {'stacked' if stored.scan_layers else 'per-layer'} "
+                f"parameters; set compute.scan_layers: {str(stored.scan_layers).lower()} to restore them")
+        model_cfg, params, _ = load_params(cfg.checkpoint.init_from, abstract)
+        saved, wanted = model_cfg.model_dump(), cfg.model.model_dump()
+        if saved != wanted:  # compute settings (precision, remat, ...) may differ; the architecture may not
+            differing = ", ".join(f"{k} ({saved[k]!r} vs {wanted[k]!r})" for k in saved if saved[k] != wanted.get(k))
+            raise ConfigError(
+                f"checkpoint.init_from: {cfg.checkpoint.init_from} holds a different model architecture: {differing}"
+            )
+        return params
+
     def init_state(self) -> TrainState:
         """Fresh params (or checkpoint.init_from's, whose architecture must be this run's) and
-        a fresh optimizer."""
+        a fresh optimizer. With LoRA: a fresh adapter (PEFT's initialisation) on the base."""
         cfg = self.cfg
-        if cfg.checkpoint.init_from:
-            _, stored = stored_configs(cfg.checkpoint.init_from)
-            if stored.scan_layers != cfg.compute.scan_layers:  # the one compute setting that changes the layout
-                raise ConfigError(
-                    f"checkpoint.init_from: {cfg.checkpoint.init_from} holds {'stacked' if stored.scan_layers else 'per-layer'} "
-                    f"parameters; set compute.scan_layers: {str(stored.scan_layers).lower()} to restore them")
-            model_cfg, params, _ = load_params(cfg.checkpoint.init_from, self.abstract_params)
-            saved, wanted = model_cfg.model_dump(), cfg.model.model_dump()
-            if saved != wanted:  # compute settings (precision, remat, ...) may differ; the architecture may not
-                differing = ", ".join(f"{k} ({saved[k]!r} vs {wanted[k]!r})" for k in saved if saved[k] != wanted.get(k))
-                raise ConfigError(
-                    f"checkpoint.init_from: {cfg.checkpoint.init_from} holds a different model architecture: {differing}"
-                )
+        if cfg.lora is not None:
+            self._base_args()
+            params = init_params(cfg.model, cfg.compute, self.mesh, cfg.seed, cfg.lora, adapter_only=True)
+        elif cfg.checkpoint.init_from:
+            params = self._load_init_from(self.abstract_params)
         else:
             params = init_params(cfg.model, cfg.compute, self.mesh, cfg.seed)
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)

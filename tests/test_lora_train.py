@@ -1,0 +1,108 @@
+"""LoRA training on the shared trainer: only the adapter trains and is saved, the base stays
+as it was, a resumed run equals an uninterrupted one, and a sharded run equals one device."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from flax import nnx
+
+from engine.config import ConfigError
+from engine.data.tokenizer import TokenizerConfig, save_tokenizer, train_tokenizer
+from engine.models.config import ModelConfig
+from engine.models.transformer import Transformer
+from engine.posttrain.sft import run_sft
+from engine.train.checkpoint import Checkpointer, read_meta
+from tests.test_sft import MODEL, sft_config
+
+LORA = {"lora.rank": 4, "lora.alpha": 8, "lora.target_modules": "all-linear"}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A checkpoint artifact whose random weights are large enough (std 0.25) that a frozen
+    LM head can express confident answers: with GPT-2's 0.02 only the full fine-tune could."""
+    out = tmp_path_factory.mktemp("lora-base")
+    bundle = train_tokenizer(TokenizerConfig(vocab_size=300), ["the quick brown fox jumps over the lazy dog " * 20,
+                                                               "colour 0: red, 1: green, 2: blue"], add_bos=True)
+    save_tokenizer(bundle, out / "tokenizer")
+    cfg = ModelConfig(**MODEL, init_std=0.25)
+    params = nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
+    ckpt = Checkpointer(out / "checkpoint", async_save=False)
+    ckpt.save(0, params, {"unused": np.zeros((), np.int32)},
+              {"step": 0, "model": cfg.model_dump(mode="json"), "format": "trainflow.checkpoint/1"}, {})
+    ckpt.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def colours(tmp_path_factory) -> Path:
+    data = tmp_path_factory.mktemp("lora-data") / "pairs.jsonl"
+    names = ["red", "green", "blue"]
+    with data.open("w") as f:
+        for i in range(60):
+            f.write(json.dumps({"prompt": f"colour {i % 3}:", "completion": f" {names[i % 3]}"}) + "\n")
+    return data
+
+
+def leaves(tree) -> dict[str, np.ndarray]:
+    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def test_lora_sft_trains_only_the_adapter_and_resumes_bitwise(base, colours, tmp_path):
+    overrides = {**LORA, "optimizer.learning_rate": 3e-2}
+    first = run_sft(sft_config(base, tmp_path / "run", colours, steps=20, **overrides))
+    assert first["eval_loss"] < 0.35 * np.log(300), first["eval_loss"]  # it learns, with the base frozen
+
+    # The checkpoint is the adapter: A and B of every projection, nothing of the base.
+    directory = tmp_path / "run" / "checkpoint"
+    _, meta = read_meta(directory)
+    assert meta["lora"]["rank"] == 4 and meta["lora"]["base_checkpoint"] == str(base / "checkpoint")
+    params, opt = restore_adapter(directory), restore_adapter(directory, "opt_state")
+    assert params and all(n.endswith(("_lora_a']", "_lora_b']")) for n in params), list(params)
+    assert len(params) == 2 * 7  # A and B of 7 projections, stacked over the layers
+    adapter_size = sum(v.size for v in params.values())
+    assert sum(v.size for v in opt.values()) <= 2 * adapter_size + 8  # Adam's moments of the adapter alone
+    assert all(k.endswith(("_lora_a']", "_lora_b']")) for k in opt if "mu" in k or "nu" in k)
+
+    # Interrupted at 10 and resumed to 20 == 20 straight.
+    run_sft(sft_config(base, tmp_path / "split", colours, steps=10, **overrides))
+    logs = []
+    run_sft(sft_config(base, tmp_path / "split", colours, steps=20, **overrides), log=logs.append)
+    assert any("resumed from checkpoint step 10" in line for line in logs)
+    straight = restore_adapter(tmp_path / "run" / "checkpoint")
+    resumed = restore_adapter(tmp_path / "split" / "checkpoint")
+    assert straight.keys() == resumed.keys()
+    for key in straight:
+        np.testing.assert_array_equal(straight[key], resumed[key], err_msg=key)
+
+
+def restore_adapter(directory: Path, item: str = "params") -> dict[str, np.ndarray]:
+    """The saved arrays of a checkpoint item by key path, restored as they were saved."""
+    with ocp.CheckpointManager(directory, item_names=(item,),
+                               options=ocp.CheckpointManagerOptions(read_only=True)) as manager:
+        restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(**{item: ocp.args.StandardRestore()}))
+    return leaves(restored[item])
+
+
+def test_lora_sft_on_data_fsdp_tensor_equals_data_parallel(base, colours, tmp_path):
+    common = {**LORA, "optimizer.learning_rate": 3e-2, "data.batch_size": 8}
+    one = run_sft(sft_config(base, tmp_path / "one", colours, steps=4, **common, **{"mesh.data": 8}))
+    sharded = run_sft(sft_config(base, tmp_path / "mesh", colours, steps=4, **common,
+                                 **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}))
+    assert sharded["layout"]["mesh"]["tensor"] == 2
+    a, b = restore_adapter(tmp_path / "one" / "checkpoint"), restore_adapter(tmp_path / "mesh" / "checkpoint")
+    for key in a:
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-3, atol=2e-5, err_msg=key)  # Adam near 0 grads: lr 3e-2
+    assert abs(one["eval_loss"] - sharded["eval_loss"]) < 1e-4
+
+
+def test_lora_on_latent_attention_or_without_a_base_is_refused(base, colours, tmp_path):
+    with pytest.raises(ConfigError, match="lora.target_modules: unknown|lora.target_modules"):
+        run_sft(sft_config(base, tmp_path / "bad", colours, steps=2, **{"lora.target_modules": "[q_proj, wq]"}))
