@@ -34,7 +34,7 @@ from flax import nnx
 from engine.config import ConfigError
 from engine.contract import TOKENIZER_DIR
 from engine.data.chat import render
-from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.models.kv_cache import KVCache
 from engine.models.params import abstract_model_params, graphdef_of
 from engine.ops.partitioning import constrain, use_mesh
@@ -312,7 +312,10 @@ class Sampler:
     """
 
     def __init__(self, model_cfg: ModelConfig, compute: ComputeConfig | None = None, mesh=None, param_shardings=None,
-                 length_buckets: Sequence[int] = (), dtype: RolloutDtype | None = None):
+                 length_buckets: Sequence[int] = (), dtype: RolloutDtype | None = None,
+                 lora: LoraConfig | None = None):
+        """`lora`: the params hold a LoRA adapter beside the base (engine/models/lora.py), and
+        every step computes base + adapter unmerged."""
         self.model_cfg = model_cfg
         compute = (compute or ComputeConfig()).model_copy(update={"remat": "none"})  # no backward pass here
         self.dtype = dtype or compute.dtype
@@ -321,8 +324,8 @@ class Sampler:
         self.compute = compute
         # Decoding unrolls the layers: the sampler's model takes them per layer (rollout_params).
         unrolled = compute.model_copy(update={"scan_layers": False})
-        self.graphdef = graphdef_of(self.model_cfg, unrolled)
-        self._per_layer = abstract_model_params(self.model_cfg, unrolled, None) if compute.scan_layers else None
+        self.graphdef = graphdef_of(self.model_cfg, unrolled, lora)
+        self._per_layer = abstract_model_params(self.model_cfg, unrolled, None, lora) if compute.scan_layers else None
         self.mesh, self.param_shardings = mesh, param_shardings
         self.length_buckets = tuple(sorted(length_buckets))
         self._compiled: dict[tuple, Any] = {}

@@ -37,7 +37,7 @@ from engine.config import ConfigError
 from engine.data.tokenizer import TokenizerBundle
 from engine.inference.sample import Sampler, decode_completions, encode_prompts, left_pad, prompt_positions
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.models.params import apply_model_with_aux
+from engine.models.params import apply_model_with_aux, graphdef_of
 from engine.ops.partitioning import use_mesh
 from engine.posttrain.config import GRPOConfig, GRPODataConfig
 from engine.posttrain.finetune import finetune_start, read_jsonl
@@ -186,14 +186,23 @@ class RolloutSource:
         self.reward_fns = [(*load_reward(spec), spec) for spec in cfg.rewards]
         self.weights = [spec.weight for spec in cfg.rewards]
         self.pad_id = bundle.pad_id if bundle.pad_id is not None else bundle.eos_id
-        self.sampler = Sampler(model_cfg, trainer.cfg.compute, trainer.mesh, trainer.param_shardings,
-                               dtype=cfg.rollout_dtype)
+        # With LoRA the sampler and the log-probs read the adapter and the frozen base side by
+        # side (trainer.model_params), never a merged copy.
+        self.sampler = Sampler(model_cfg, trainer.cfg.compute, trainer.mesh, trainer.model_param_shardings(),
+                               dtype=cfg.rollout_dtype, lora=cfg.lora)
         rows = trainer.batch_sharding
         logps = make_logps_fn(trainer.graphdef, cfg.max_prompt_length, cfg.temperature)
-        self.logps = jax.jit(lambda p, b: logps(p, b)[0], in_shardings=(trainer.param_shardings, rows),
+        self.logps = jax.jit(lambda p, b: logps(p, b)[0], in_shardings=(trainer.model_param_shardings(), rows),
                              out_shardings=rows)
-        self.ref_params = None
-        if cfg.beta != 0.0:  # the reference is the policy the run started from
+        self.ref_logps, self.ref_params = self.logps, None
+        if cfg.beta != 0.0 and cfg.lora is not None:
+            # The reference is the base with the adapter switched off: the same arrays the
+            # policy reads, through the model without adapters (no second copy; TRL, Tunix).
+            base_logps = make_logps_fn(graphdef_of(model_cfg, trainer.cfg.compute), cfg.max_prompt_length,
+                                       cfg.temperature)
+            self.ref_logps = jax.jit(lambda p, b: base_logps(p, b)[0], in_shardings=(trainer.base_shardings, rows),
+                                     out_shardings=rows)
+        elif cfg.beta != 0.0:  # the reference is the policy the run started from
             self.ref_params = load_params(cfg.checkpoint.init_from, trainer.abstract_params)[1]
 
     def next_batch(self, state: TrainState) -> tuple[dict[str, jax.Array], dict[str, float]]:
@@ -203,7 +212,7 @@ class RolloutSource:
         records = self.prompts.take(cfg.prompts_per_step)
         prompt_inputs = [r[cfg.data.prompt_field] for r in records]
         prompt_tokens, prompt_mask = left_pad(encode_prompts(bundle, prompt_inputs), pad_id=self.pad_id, length=P)
-        out = self.sampler(state.params, prompt_tokens, prompt_mask, num_generations=G,  # one prefill per prompt
+        out = self.sampler(self.trainer.model_params(state.params), prompt_tokens, prompt_mask, num_generations=G,  # one prefill per prompt
                            seed=jax.random.fold_in(jax.random.key(cfg.seed), state.step), max_new_tokens=C,
                            temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                            eos_ids=(bundle.eos_id,), pad_id=self.pad_id)
@@ -227,10 +236,11 @@ class RolloutSource:
                 "completion_mask": out.mask.astype(np.float32), "advantages": advantages[:, None]}
         batch = self.trainer.global_batch(rows)  # every process sampled the whole rollout
         with use_mesh(self.trainer.mesh):
-            if self.ref_params is not None:
-                batch["ref_logps"] = self.logps(self.ref_params, batch)
+            if self.cfg.beta != 0.0:
+                reference = self.ref_params if self.cfg.lora is None else self.trainer._base_args()[0]
+                batch["ref_logps"] = self.ref_logps(reference, batch)
             if cfg.num_iterations > 1:  # the sampling policy's log-probs, before the first update moves it
-                batch["old_logps"] = self.logps(state.params, batch)
+                batch["old_logps"] = self.logps(self.trainer.model_params(state.params), batch)
 
         lengths = out.lengths.astype(float)
         values = {
