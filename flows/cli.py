@@ -279,7 +279,8 @@ def cmd_export(args) -> int:
     manifest = json.loads((directory / MANIFEST).read_text())
     # The export lands beside its input: in the same bucket store, or the same directory.
     store = _store_of(args) or ArtifactStore(directory.parent.parent)
-    config = {"max_shard_gb": args.max_shard_gb, **({"step": args.step} if args.step is not None else {})}
+    config = {"max_shard_gb": args.max_shard_gb, **({"step": args.step} if args.step is not None else {}),
+              **({"merged": True} if args.merged else {})}
     result = _run_one_stage("export", config, {"checkpoint": (manifest["stage"], manifest["id"])}, store)
     if result is None:
         return 1
@@ -331,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--max-shard-gb", type=float, default=5.0)
     p.add_argument("--overwrite", action="store_true", help="copy into a non-empty --out, deleting its weights")
+    p.add_argument("--merged", action="store_true",
+                   help="an adapter artifact: the whole model with the adapter folded in (default: PEFT's adapter format)")
     p = add("generate", cmd_generate, "sample completions of prompts from a checkpoint artifact", artifact=True)
     add_sampling_arguments(p)
     return parser

@@ -99,7 +99,7 @@ def stage_asset(plan: Plan, stage: str) -> Asset:
     job = plan.stages[stage].job
     return Asset(key=asset_key(stage, job.artifact_id), properties=AssetProperties(
         name=f"{stage}/{job.artifact_id}",
-        description=f"{job.kind.output} artifact of stage '{stage}' (task {job.task}) in pipeline '{plan.name}', "
+        description=f"{job.kind.output_kind(job.config)} artifact of stage '{stage}' (task {job.task}) in pipeline '{plan.name}', "
                     f"at {plan.store.location(stage, job.artifact_id)}"))
 
 

@@ -249,9 +249,10 @@ def build_plan(spec: PipelineSpec, source: str = "pipeline", store: str | Path |
                 errors.append(f"{where}: task '{kind.task}' has no input '{input_name}' (its inputs: {valid})")
                 continue
             upstream_kind = kinds.get(upstream)
-            if upstream_kind is not None and upstream_kind.output not in declared.kinds:
+            produced = (upstream_kind.output, *upstream_kind.possible_outputs) if upstream_kind else ()
+            if upstream_kind is not None and not set(produced) & set(declared.kinds):
                 errors.append(
-                    f"{where}: stage '{upstream}' ({upstream_kind.task}) produces a {upstream_kind.output}, "
+                    f"{where}: stage '{upstream}' ({upstream_kind.task}) produces a {' or '.join(produced)}, "
                     f"but input '{input_name}' of task '{kind.task}' needs a {' or '.join(declared.kinds)}"
                 )
         if kind is not None:

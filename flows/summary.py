@@ -106,7 +106,7 @@ def summary_markdown(plan: Plan, stage: str, result: StageResult, manifest: dict
         f"# {stage} ({job.task}): {result.status}", "",
         "| | |", "|---|---|",
         f"| pipeline | `{plan.name}` |",
-        f"| artifact | `{stage}/{job.artifact_id}` ({job.kind.output}) |",
+        f"| artifact | `{stage}/{job.artifact_id}` ({job.kind.output_kind(job.config)}) |",
         f"| asset | `{asset_key(stage, job.artifact_id)}` |",
         f"| location | `{where}` |",
         f"| manifest | `{where.rstrip('/')}/artifact.json` |",

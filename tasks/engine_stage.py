@@ -29,7 +29,7 @@ from engine.contract import (CHECKPOINT_CADENCE_FIELDS, CHECKPOINT_DIR, ENTRY_PO
                              NON_SEMANTIC_FIELDS, TOKENIZER_DIR)
 from tasks.artifacts import sha256_file
 from tasks.launch import run_child
-from tasks.registry import Input, StageContext, StageKind, has_input_ref
+from tasks.registry import MODEL_KINDS, Input, StageContext, StageKind, has_input_ref
 
 
 def get_dotted(tree: dict, dotted: str) -> Any:
@@ -205,9 +205,14 @@ class FineTuneStage(EngineStage):
     data_doc: ClassVar[str]
     """What data.path holds, for the error when it is missing."""
 
+    possible_outputs = ("adapter",)
+
+    def output_kind(self, config) -> str:
+        return "adapter" if getattr(config, "lora", None) is not None else "checkpoint"
+
     @staticmethod
     def checkpoint_inputs(doc: str) -> dict[str, Input]:
-        return {"checkpoint": Input("checkpoint", doc=doc),
+        return {"checkpoint": Input(MODEL_KINDS, doc=doc),
                 "corpus": Input("corpus", required=False, doc="files that data paths name as {input:corpus}/...")}
 
     def validate_raw(self, raw: dict, source: str):

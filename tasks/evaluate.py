@@ -26,7 +26,7 @@ from engine.config import ConfigError, validate
 from engine.contract import CHECKPOINT_DIR, DATA_DIR, MANIFEST, METRICS_FILE
 from engine.evaluate.config import EvalConfig
 from tasks.engine_stage import EngineStage, named_run
-from tasks.registry import Input, StageContext
+from tasks.registry import MODEL_KINDS, Input, StageContext
 
 
 def _ancestors(ref_path: Path, store_root: Path) -> list[tuple[str, Path]]:
@@ -54,7 +54,7 @@ class EvaluateStage(EngineStage):
         "dataset": Input("dataset", required=False, doc="token dataset for held-out loss"),
         "corpus": Input("corpus", required=False, doc="files that tasks name as {input:corpus}/..."),
     }
-    other_inputs = Input("checkpoint", doc="a model to evaluate, named by its input name")
+    other_inputs = Input(MODEL_KINDS, doc="a model (checkpoint or adapter) to evaluate, named by its input name")
     config_schema = EvalConfig
     version = 1
     pipeline_owned = {"data_path": "input 'dataset'"}

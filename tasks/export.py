@@ -25,7 +25,7 @@ from engine.contract import CHECKPOINT_DIR, TOKENIZER_DIR
 from engine.interop.hf.files import WEIGHT_FILES, check_export_dir, remove_stale_weights
 from tasks.engine_stage import EngineStage
 from tasks.objectstore import StoreAccessError, is_url, list_url, remove_url_files, upload_dir
-from tasks.registry import Input, StageContext
+from tasks.registry import MODEL_KINDS, Input, StageContext
 
 
 class ExportConfig(Strict):
@@ -35,13 +35,16 @@ class ExportConfig(Strict):
     """Checkpoint step to export (None: the latest)."""
     max_shard_gb: float = Field(5.0, gt=0)
     """Largest safetensors shard, in GB (10^9 bytes)."""
+    merged: bool = False
+    """An adapter input: write the whole model with the adapter folded in; False writes
+    PEFT's adapter format (adapter_config.json + adapter_model.safetensors)."""
 
 
 class ExportStage(EngineStage):
     task = "export"
     entry_point = "hf"
     output = "hf_model"
-    inputs = {"checkpoint": Input("checkpoint", doc="a checkpoint artifact (convert, pretrain, SFT, ...)")}
+    inputs = {"checkpoint": Input(MODEL_KINDS, doc="a checkpoint or adapter artifact (convert, pretrain, SFT, ...)")}
     config_schema = ExportConfig
     version = 2  # 2: one shard is model.safetensors; config.json has every key transformers 5 writes
 
@@ -52,6 +55,8 @@ class ExportStage(EngineStage):
                 str(ctx.config.max_shard_gb), "--overwrite"]
         if ctx.config.step is not None:
             argv += ["--step", str(ctx.config.step)]
+        if ctx.config.merged:
+            argv.append("--merged")
         if (source / TOKENIZER_DIR).is_dir():
             argv += ["--tokenizer", str(source / TOKENIZER_DIR)]
         result = self.launch_engine(ctx, *argv)

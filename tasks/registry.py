@@ -96,6 +96,11 @@ BUILTIN_STAGES: dict[str, str] = {
 _registry: dict[str, type["StageKind"] | str] = dict(BUILTIN_STAGES)
 
 
+MODEL_KINDS = ("checkpoint", "adapter")
+"""What a stage that takes a model accepts: a full checkpoint, or a LoRA adapter, whose
+checkpoint reads as its base with the adapter folded in (engine.train.checkpoint.load_params)."""
+
+
 @dataclass(frozen=True)
 class Input:
     """One named input of a stage kind: the artifact kind(s) it accepts."""
@@ -175,6 +180,14 @@ class StageKind:
     """Dotted config fields that cannot change the result; left out of the artifact id."""
     launches_child: ClassVar[bool] = False
     """Whether the stage runs the engine through a launcher (so `launcher:` applies)."""
+
+    possible_outputs: ClassVar[tuple[str, ...]] = ()
+    """Other artifact kinds the stage may produce, by its config (output_kind)."""
+
+    def output_kind(self, config: BaseModel) -> str:
+        """The kind of artifact this stage's config produces (`output` unless the config
+        chooses, e.g. a fine-tune with `lora:` writes an adapter)."""
+        return self.output
 
     def resolve_config(self, raw: dict, source: str) -> BaseModel:
         """The validated config; raise ConfigError naming `source` and the key at fault."""

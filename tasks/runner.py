@@ -136,7 +136,7 @@ def execute_stage(job: StageJob, store: ArtifactStore, hooks: StageHooks | None 
         previous = store.manifest(job.stage, job.artifact_id) or {}
         manifest = {
             "id": job.artifact_id,
-            "kind": job.kind.output,
+            "kind": job.kind.output_kind(job.config),
             "stage": job.stage,
             "task": job.task,
             "format_version": job.kind.version,

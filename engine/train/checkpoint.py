@@ -32,8 +32,10 @@ from jax.experimental import multihost_utils
 
 from engine.config import ConfigError
 from engine.contract import CHECKPOINT_FORMAT
-from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
+from engine.models.lora import join, merge_into_base, split_adapter
 from engine.models.params import abstract_model_params
+from engine.parallel.mesh import global_array
 
 ITEMS = ("params", "opt_state", "meta", "data")
 DIGESTS_FILE = "digests.json"
@@ -277,6 +279,20 @@ def stored_configs(directory: str | Path, step: int | None = None) -> tuple[Mode
     return ModelConfig.model_validate(meta["model"]), ComputeConfig.model_validate(meta["compute"])
 
 
+def adapter_base(directory: str | Path, meta: dict) -> Path:
+    """The base checkpoint directory of an adapter checkpoint: where it was when the adapter
+    trained, or (a store moved or copied) the same place relative to the adapter. A
+    ConfigError when neither holds it."""
+    lora = meta["lora"]
+    candidates = [Path(directory).absolute() / lora["base_relative"]] if lora.get("base_relative") else []
+    candidates.append(Path(lora["base_checkpoint"]))
+    for candidate in candidates:
+        if candidate.is_dir():
+            return candidate.resolve()
+    raise ConfigError(f"{directory}: holds a LoRA adapter whose base checkpoint {lora['base_checkpoint']} is gone; "
+                      "restore the base artifact (trainflow lineage names it)")
+
+
 def load_params(directory: str | Path, abstract_params=None, step: int | None = None, *,
                 as_numpy: bool = False) -> tuple[ModelConfig, Any, int]:
     """Params of the latest checkpoint in `directory`: (model config, params, step).
@@ -285,8 +301,15 @@ def load_params(directory: str | Path, abstract_params=None, step: int | None = 
     asked for; by default they are restored with the shapes and dtypes they were saved with,
     on this process's first device, whatever devices or processes saved them. `as_numpy`
     restores host numpy arrays instead (export: no device copy, no topology).
+
+    An adapter checkpoint (a LoRA stage's, meta `lora`) gives its base's params with the
+    adapter folded in (engine/models/lora.py: merge_into_base): the model it trained, for
+    whatever consumes a checkpoint (evaluate, generate, export, a further stage). Its base
+    may be an adapter checkpoint too.
     """
     step, meta = read_meta(directory, step)
+    if meta.get("lora"):
+        return _load_merged(directory, meta, step, abstract_params, as_numpy)
     model_cfg = ModelConfig.model_validate(meta["model"])
     manager = ocp.CheckpointManager(
         Path(directory).absolute(), item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True)
@@ -303,3 +326,40 @@ def load_params(directory: str | Path, abstract_params=None, step: int | None = 
     restored = manager.restore(step, args=ocp.args.Composite(params=args))
     manager.close()
     return model_cfg, restored.params, step
+
+
+def load_adapter(directory: str | Path, step: int | None = None) -> tuple[ModelConfig, LoraConfig, dict, int, Path]:
+    """(model config, LoRA config, adapter params as numpy, step, base directory) of an
+    adapter checkpoint; a ConfigError if `directory` holds a full checkpoint."""
+    step, meta = read_meta(directory, step)
+    if not meta.get("lora"):
+        raise ConfigError(f"{directory}: is a full checkpoint, not a LoRA adapter")
+    model_cfg = ModelConfig.model_validate(meta["model"])
+    compute = ComputeConfig.model_validate(meta["compute"])
+    lora = LoraConfig.model_validate({k: v for k, v in meta["lora"].items() if k in LoraConfig.model_fields})
+    base = adapter_base(directory, meta)
+    shapes = split_adapter(abstract_model_params(model_cfg, compute, None, lora))[0]
+    restore_args = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype), shapes)
+    manager = ocp.CheckpointManager(Path(directory).absolute(), item_names=ITEMS,
+                                    options=ocp.CheckpointManagerOptions(read_only=True))
+    restored = manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.PyTreeRestore(item=shapes, restore_args=restore_args)))
+    manager.close()
+    return model_cfg, lora, restored.params, step, base
+
+
+def _load_merged(directory, meta, step, abstract_params, as_numpy):
+    model_cfg, lora, adapter, step, base_dir = load_adapter(directory, step)
+    base_cfg, base, _ = load_params(base_dir, as_numpy=True)
+    if base_cfg != model_cfg:
+        raise ConfigError(f"{directory}: the adapter was trained on a {model_cfg.family} model that differs from "
+                          f"its base checkpoint {base_dir} ({base_cfg.family})")
+    merged = merge_into_base(join(adapter, base), lora.scale)
+    if as_numpy:
+        return model_cfg, merged, step
+    if abstract_params is None:
+        here = SingleDeviceSharding(jax.local_devices()[0])
+        return model_cfg, jax.tree.map(lambda a: jax.device_put(a, here), merged), step
+    placed = jax.tree.map(lambda a, want: global_array(np.asarray(a, want.dtype), want.sharding),
+                          merged, abstract_params)
+    return model_cfg, placed, step

@@ -17,6 +17,7 @@ evaluation instead of training again.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -124,7 +125,9 @@ def checkpoint_meta(trainer: Trainer, **extra) -> dict:
     meta = {"config": cfg.model_dump(mode="json"), "model": cfg.model.model_dump(mode="json"),
             "compute": cfg.compute.model_dump(mode="json"), "seed": cfg.seed, "format": CHECKPOINT_FORMAT, **extra}
     if cfg.lora is not None:  # the params are an adapter of this base (engine/models/lora.py)
-        meta["lora"] = {**cfg.lora.model_dump(mode="json"), "base_checkpoint": str(cfg.checkpoint.init_from)}
+        base = Path(cfg.checkpoint.init_from).absolute()
+        meta["lora"] = {**cfg.lora.model_dump(mode="json"), "base_checkpoint": str(base),
+                        "base_relative": os.path.relpath(base, Path(cfg.checkpoint.directory).absolute())}
     return meta
 
 

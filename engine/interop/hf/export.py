@@ -22,7 +22,8 @@ from engine.interop.hf.files import check_export_dir, copy_tokenizer, remove_sta
 from engine.interop.hf.mapping import TensorSpec, hf_shape, interleave, model_config_to_hf, tensor_table, to_hf
 from engine.interop.hf.safetensors_io import write_safetensors
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.train.checkpoint import load_params, read_meta
+from engine.interop.hf.peft import ADAPTER_WEIGHTS, write_peft
+from engine.train.checkpoint import adapter_base, load_adapter, load_params, read_meta
 
 
 def _at(tree: dict, path: tuple[str, ...]):
@@ -45,18 +46,25 @@ def _plan_shards(names_bytes: list[tuple[str, int]], max_shard_bytes: int) -> li
 
 def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: str | Path | None = None, *,
               step: int | None = None, max_shard_bytes: int = 5 * 10**9, overwrite: bool = False,
-              log: Callable[[str], None] | None = None) -> dict[str, Any]:
+              merged: bool = False, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Write a checkpoint as a HF model directory that AutoModelForCausalLM loads.
 
     `tokenizer_dir` defaults to the `tokenizer/` beside the checkpoint directory (the
     artifact layout of convert and pretrain), if there is one. A non-empty `out_dir` is a
     ConfigError unless `overwrite`, which deletes the weights there before writing.
+
+    A LoRA adapter checkpoint is written in PEFT's format (export_peft), or with `merged`
+    as the whole model with the adapter folded in.
     """
     log = log or (lambda msg: None)
     start = time.perf_counter()
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     check_export_dir(out_dir, overwrite)
     step, meta = read_meta(checkpoint_dir, step)
+    if meta.get("lora") and not merged:
+        return export_peft(checkpoint_dir, out_dir, tokenizer_dir, step=step, log=log)
+    if meta.get("lora"):  # the base's Hugging Face token ids and generation config
+        meta = {**meta, "hf": read_meta(adapter_base(checkpoint_dir, meta))[1].get("hf")}
     cfg, compute = ModelConfig.model_validate(meta["model"]), ComputeConfig.model_validate(meta["compute"])
     hf_meta = meta.get("hf") or {}
     token_ids = hf_meta.get("token_ids") or {}
@@ -128,3 +136,29 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: st
         "shards": len(shards), "seconds": seconds, "tokenizer_files": tokenizer_files, "removed_weights": removed,
         "source": {"checkpoint": str(checkpoint_dir.absolute()), "step": step},
     }
+
+
+def export_peft(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: str | Path | None = None, *,
+                step: int | None = None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """An adapter checkpoint as PEFT's adapter directory (adapter_config.json +
+    adapter_model.safetensors, and the tokenizer files), which
+    `peft.PeftModel.from_pretrained(base, out_dir)` loads onto the base exported by export_hf.
+    base_model_name_or_path names the Hugging Face directory the base was converted from,
+    where it was one."""
+    log = log or (lambda msg: None)
+    start = time.perf_counter()
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    cfg, lora, adapter, step, base = load_adapter(checkpoint_dir, step)
+    _, meta = read_meta(checkpoint_dir, step)
+    compute = ComputeConfig.model_validate(meta["compute"])
+    source = read_meta(base)[1].get("source") or {}
+    files = write_peft(out_dir, cfg, lora, adapter, scan_layers=compute.scan_layers,
+                       base_model=source.get("path") if source.get("kind") == "huggingface" else None)
+    if tokenizer_dir is None and (checkpoint_dir.parent / TOKENIZER_DIR).is_dir():
+        tokenizer_dir = checkpoint_dir.parent / TOKENIZER_DIR
+    tokenizer_files = copy_tokenizer(Path(tokenizer_dir), out_dir) if tokenizer_dir else []
+    nbytes = (out_dir / ADAPTER_WEIGHTS).stat().st_size
+    log(f"export: wrote a rank-{lora.rank} PEFT adapter ({nbytes / 1e6:.2f} MB) to {out_dir}")
+    return {"architecture": "peft-lora", "family": cfg.family, "step": step, "bytes": nbytes, "shards": 1,
+            "seconds": time.perf_counter() - start, "files": files, "tokenizer_files": tokenizer_files,
+            "base_checkpoint": str(base), "source": {"checkpoint": str(checkpoint_dir.absolute()), "step": step}}
