@@ -384,10 +384,11 @@ class LoraConfig(Strict):
     PEFT's for Llama-shaped models."""
     use_rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(rank) (arXiv 2312.03732)."""
-    base_dtype: Literal["float32", "bfloat16"] | None = None
+    base_dtype: Literal["float32", "bfloat16", "int8", "nf4"] | None = None
     """How the frozen base is held during training: None keeps the checkpoint's parameter
-    dtype; bfloat16 halves it. The adapter and its optimizer state stay in the run's
-    compute.param_dtype."""
+    dtype; bfloat16 halves it; int8 and nf4 (QLoRA) store its attention and MLP projections
+    quantized with qwix (engine/models/quantize.py). The adapter and its optimizer state
+    stay in the run's compute.param_dtype."""
 
     @field_validator("target_modules")
     @classmethod

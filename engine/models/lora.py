@@ -20,6 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import qwix
 from flax import nnx
 
 from engine.models.config import LoraConfig, ModelConfig
@@ -66,9 +67,16 @@ def lora_delta(module: nnx.Module, attr: str, x, n_in: int, dtype, **dense_kw):
     return dense(dense(x, a, n_in, **dense_kw), b, 1, **dense_kw) * jnp.asarray(module.lora_scale, dtype)
 
 
+def weight_value(variable: nnx.Variable, dtype):
+    """A weight's value in `dtype`, dequantized where a QLoRA base holds it quantized
+    (engine/models/quantize.py): read one layer at a time, inside the layer scan."""
+    value = variable.get_value()
+    return (qwix.dequantize(value) if isinstance(value, qwix.QArray) else value).astype(dtype)
+
+
 def project(module: nnx.Module, attr: str, x, n_in: int, dtype, **dense_kw):
     """x . w (+ the adapter's update where `attr` has one): every adaptable projection's product."""
-    y = dense(x, getattr(module, attr)[...].astype(dtype), n_in, **dense_kw)
+    y = dense(x, weight_value(getattr(module, attr), dtype), n_in, **dense_kw)
     return y + lora_delta(module, attr, x, n_in, dtype, **dense_kw) if has_adapter(module, attr) else y
 
 

@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from engine.models.common import ACTIVATIONS, RMSNorm, dtype_of, param
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.models.kv_cache import KVCache
-from engine.models.lora import ATTENTION_WEIGHTS, MLP_WEIGHTS, add_adapters, has_adapter, project
+from engine.models.lora import ATTENTION_WEIGHTS, MLP_WEIGHTS, add_adapters, has_adapter, project, weight_value
 from engine.models.mla import MLA
 from engine.models.moe import MoE, MoEStats, combine_stats
 from engine.models.rope import rope_cos_sin, rope_inverse_frequencies, rotate
@@ -157,8 +157,8 @@ class MLP(nnx.Module):
             hidden = constrain((self.activation(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dt),
                                ("act_batch", "act_seq", "act_mlp"))
             return project(self, "w_down_fd", hidden, 1, dt, **kw)
-        return gated_mlp(x_btd, self.w_gate_df[...].astype(dt), self.w_up_df[...].astype(dt),
-                         self.w_down_fd[...].astype(dt), self.activation, ("act_batch", "act_seq", "act_mlp"),
+        return gated_mlp(x_btd, weight_value(self.w_gate_df, dt), weight_value(self.w_up_df, dt),
+                         weight_value(self.w_down_fd, dt), self.activation, ("act_batch", "act_seq", "act_mlp"),
                          backward=self.matmul_backward, dot_general=self.dot_general)
 
 

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from engine.contract import CHECKPOINT_FORMAT, METRICS_FILE
 from engine.models.params import flops_per_token
+from engine.models.quantize import describe_path
 from engine.train.checkpoint import Checkpointer
 from engine.train.metrics import MetricsWriter, flat_params, peak_flops, read_metrics
 from engine.train.trainer import BatchSource, StepInfo, Trainer
@@ -141,6 +142,8 @@ def run_training(trainer: Trainer, source: BatchSource, *, log: Callable[[str], 
     Returns the final metrics.
     """
     cfg = trainer.cfg
+    if trainer.quantized_base:  # which path QLoRA takes on this platform
+        log(describe_path(cfg.lora.base_dtype, trainer.mesh.devices.flat[0].platform))
     checkpointer = Checkpointer(cfg.checkpoint.directory, keep=cfg.checkpoint.keep,
                                 async_save=cfg.checkpoint.async_save)
     metrics_dir = cfg.metrics_dir or str(Path(cfg.checkpoint.directory).parent)

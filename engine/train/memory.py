@@ -67,7 +67,9 @@ def shard_bytes(tree) -> float:
     """Bytes of the largest shard of each array of `tree` (ShapeDtypeStructs with shardings), summed."""
     def one(x) -> float:
         shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-        return math.prod(shape) * np.dtype(x.dtype).itemsize
+        bits = jax.numpy.iinfo(x.dtype).bits if jax.numpy.issubdtype(x.dtype, jax.numpy.integer) else \
+            np.dtype(x.dtype).itemsize * 8
+        return math.prod(shape) * bits / 8  # 4-bit types (a QLoRA base) count half a byte
     return float(sum(one(x) for x in jax.tree.leaves(tree)))
 
 

@@ -22,9 +22,11 @@ from typing import Any, Callable, Iterable, Protocol
 import jax
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
 
 from engine.config import ConfigError
 from engine.models.lora import join, split_adapter
+from engine.models.quantize import QUANTIZED_DTYPES, quantizable, quantize_leaf, quantized_abstract
 from engine.models.params import abstract_model_params, graphdef_of, init_params
 from engine.ops.partitioning import use_mesh
 from engine.parallel.config import unsplittable
@@ -171,9 +173,13 @@ class Trainer:
                 raise ConfigError("lora: needs checkpoint.init_from, the base model the adapter trains on")
             self.abstract_params, base = split_adapter(self.abstract_params)
             dtype = cfg.lora.base_dtype
-            self.abstract_base = base if dtype is None else jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(a.shape, np.dtype(jax.numpy.bfloat16 if dtype == "bfloat16" else dtype),
-                                               sharding=a.sharding), base)
+            if dtype in QUANTIZED_DTYPES:  # QLoRA: the projections held quantized (engine/models/quantize.py)
+                self.abstract_base = quantized_abstract(base, dtype)
+            else:
+                self.abstract_base = base if dtype is None else jax.tree.map(
+                    lambda a: jax.ShapeDtypeStruct(a.shape, np.dtype(jax.numpy.bfloat16 if dtype == "bfloat16"
+                                                                     else dtype), sharding=a.sharding), base)
+        self.quantized_base = cfg.lora is not None and cfg.lora.base_dtype in QUANTIZED_DTYPES
         self.param_shardings = jax.tree.map(lambda a: a.sharding, self.abstract_params)
         self.base_shardings = None if self.abstract_base is None else jax.tree.map(lambda a: a.sharding,
                                                                                    self.abstract_base)
@@ -220,7 +226,9 @@ class Trainer:
         if self._compiled_step is None:
             self.compile_train_step(batch)
         signature, compiled = self._compiled_step
-        if _signature(batch) == signature:
+        # A 4-bit QLoRA base: XLA:CPU hands its quantized values over in an unpacked layout the
+        # ahead-of-time executable refuses; jit's own call adopts the arrays' layouts.
+        if _signature(batch) == signature and not (self.quantized_base and jax.default_backend() == "cpu"):
             return compiled(params, opt_state, batch, *self._base_args())
         with use_mesh(self.mesh):  # a batch of another shape or dtype: jit compiles it
             return self._train_step(params, opt_state, batch, *self._base_args())
@@ -273,17 +281,33 @@ class Trainer:
 
     # -- state
     def load_base(self):
-        """The frozen base of a LoRA run: checkpoint.init_from's params, in lora.base_dtype."""
-        return self._load_init_from(self.abstract_base)
+        """The frozen base of a LoRA run: checkpoint.init_from's params, in lora.base_dtype.
+        Quantized (QLoRA): read on the host, then each weight is placed and quantized on the
+        devices in turn, so no full-precision copy of the base is ever on them."""
+        if self.cfg.lora.base_dtype not in QUANTIZED_DTYPES:
+            return self._load_init_from(self.abstract_base)
+        host = self._load_init_from(None, as_numpy=True)
+        dtype = self.cfg.lora.base_dtype
 
-    def _load_init_from(self, abstract):
+        def place(path, value, want):
+            attr = quantizable(path)
+            if attr is None:
+                return global_array(np.asarray(value, want.dtype), want.sharding)
+            full = global_array(np.asarray(value, np.float32), NamedSharding(self.mesh, want.qvalue.sharding.spec))
+            return jax.jit(lambda x: quantize_leaf(x, attr, dtype),
+                           out_shardings=jax.tree.map(lambda a: a.sharding, want))(full)
+
+        with use_mesh(self.mesh):
+            return jax.tree_util.tree_map_with_path(place, host, self.abstract_base)
+
+    def _load_init_from(self, abstract, *, as_numpy: bool = False):
         cfg = self.cfg
         _, stored = stored_configs(cfg.checkpoint.init_from)
         if stored.scan_layers != cfg.compute.scan_layers:  # the one compute setting that changes the layout
             raise ConfigError(
                 f"checkpoint.init_from: {cfg.checkpoint.init_from} holds {'stacked' if stored.scan_layers else 'per-layer'} "
                 f"parameters; set compute.scan_layers: {str(stored.scan_layers).lower()} to restore them")
-        model_cfg, params, _ = load_params(cfg.checkpoint.init_from, abstract)
+        model_cfg, params, _ = load_params(cfg.checkpoint.init_from, abstract, as_numpy=as_numpy)
         saved, wanted = model_cfg.model_dump(), cfg.model.model_dump()
         if saved != wanted:  # compute settings (precision, remat, ...) may differ; the architecture may not
             differing = ", ".join(f"{k} ({saved[k]!r} vs {wanted[k]!r})" for k in saved if saved[k] != wanted.get(k))
