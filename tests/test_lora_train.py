@@ -153,3 +153,29 @@ def test_qlora_holds_the_base_quantized_and_learns(base, colours, tmp_path, base
     assert 0 < error < (0.35 if base_dtype == "nf4" else 0.02)  # of weights with std 0.25
     result = run_sft(cfg)
     assert result["eval_loss"] < 0.4 * np.log(300), result["eval_loss"]
+
+
+def test_the_preflight_prices_the_adapter_and_the_frozen_base_and_names_lora_among_the_knobs():
+    """`trainflow plan` of a LoRA step: the arguments hold the base and the adapter, the
+    optimizer state and the gradients the adapter's alone; a quantized base is smaller still;
+    a full fine-tune's does-not-fit sentence names lora and lora.base_dtype."""
+    from engine.config import load_config
+    from engine.train.config import TrainConfig
+    from engine.train.memory import knobs
+    from engine.train.plan import plan_step
+    from engine.train.targets import get_target
+
+    tree = {"model": "tiny", "data": {"seq_len": 64, "batch_size": 8}, "steps": 3}
+    full = plan_step(load_config(tree=tree, schema=TrainConfig), get_target("local"))
+    lora_cfg = load_config(tree={**tree, "lora": {"rank": 4, "target_modules": "all-linear"}}, schema=TrainConfig)
+    lora = plan_step(lora_cfg, get_target("local"))
+    nf4 = plan_step(lora_cfg.model_copy(update={"lora": lora_cfg.lora.model_copy(update={"base_dtype": "nf4"})}),
+                    get_target("local"))
+    assert lora.how == "compiled" and lora.memory.gradients < 0.1 * full.memory.gradients
+    assert lora.memory.optimizer_state < 0.1 * full.memory.optimizer_state
+    assert lora.memory.parameters == pytest.approx(full.memory.parameters + lora.memory.gradients)
+    assert lora.memory.parameters + lora.memory.optimizer_state + lora.memory.batch == pytest.approx(
+        lora.memory.argument, rel=1e-3)  # the compiled step's arguments are base + adapter + its state
+    assert nf4.memory.argument < lora.memory.argument
+    assert "lora: {rank: 16}" in knobs(load_config(tree=tree, schema=TrainConfig))
+    assert "lora.base_dtype: nf4" in knobs(lora_cfg) and "lora: {rank" not in knobs(lora_cfg)

@@ -30,6 +30,11 @@ def knobs(cfg) -> str:
     found.append("fewer rows per step or per micro-batch (data.batch_size, grad_accum)")
     if cfg.compute.param_dtype != "bfloat16":
         found.append("bfloat16 parameters (compute.param_dtype)")
+    lora = getattr(cfg, "lora", None)
+    if lora is None:
+        found.append("train a low-rank adapter on the frozen model instead of every weight (lora: {rank: 16})")
+    if lora is None or lora.base_dtype not in ("int8", "nf4"):
+        found.append("with lora, hold the frozen base quantized (lora.base_dtype: nf4 or int8)")
     return ", ".join(found[:-1]) + f", or {found[-1]}"
 
 

@@ -28,13 +28,16 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.experimental import topologies
 from jax.sharding import AbstractMesh
 
 from engine.config import ConfigError
+from engine.models.lora import split_adapter
 from engine.models.params import flops_per_token, param_shardings
+from engine.models.quantize import QUANTIZED_DTYPES, quantized_abstract
 from engine.ops.partitioning import BATCH_AXES, MESH_AXES, use_mesh
 from engine.parallel.config import MeshConfig
 from engine.train.config import TrainConfig
@@ -144,6 +147,11 @@ def mesh_shape(cfg: MeshConfig, devices: int, target: str) -> dict[str, int]:
 def _flops(cfg: TrainConfig, tokens: int, updates: int) -> tuple[float, float, str]:
     """(model FLOPs, hardware FLOPs, where they come from) of one step, all devices together."""
     model = flops_per_token(cfg.model, cfg.data.seq_len) * tokens * updates
+    if cfg.lora is not None:  # a frozen base has no weight gradients: forward + input gradients, 4 of 6
+        model = model * 4 / 6
+        if cfg.compute.remat == "full":
+            return model, model * 6 / 4, "analytic (LoRA): 4 x parameters x tokens + attention, x 6/4 for remat full"
+        return model, model, "analytic (LoRA): 4 x parameters x tokens + attention (no base weight gradients)"
     if cfg.compute.remat == "full":  # the backward pass runs the forward again: 8 instead of 6
         return model, model * 8 / 6, "analytic: 6 x parameters x tokens + attention, x 8/6 for remat full"
     return model, model, "analytic: 6 x parameters x tokens + attention"
@@ -171,13 +179,14 @@ def plan_step(cfg: TrainConfig, target: Target, *, stage: str = "train",
         raise ConfigError(f"--target {target.name} ({len(devices)} devices): {e}") from None
     abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
                       for k, v in batch.items()}
-    parts = dict(parameters=shard_bytes(trainer.abstract_params),
+    base = () if trainer.abstract_base is None else (trainer.abstract_base,)  # LoRA: the frozen base
+    parts = dict(parameters=shard_bytes(trainer.abstract_params) + sum(shard_bytes(b) for b in base),
                  optimizer_state=shard_bytes(trainer.abstract_opt_state), batch=shard_bytes(abstract_batch),
                  gradients=shard_bytes(trainer.abstract_params))
     message, compiled = None, None
     with use_mesh(trainer.mesh):
         lowered = trainer.jitted_train_step().trace(trainer.abstract_params, trainer.abstract_opt_state,
-                                                    abstract_batch).lower()
+                                                    abstract_batch, *base).lower()
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
@@ -225,10 +234,19 @@ def _estimate(cfg: TrainConfig, target: Target, stage: str, batch: dict, tokens:
     sizes = mesh_shape(cfg.mesh, target.chips, target.name)
     mesh = AbstractMesh(tuple(sizes.values()), MESH_AXES)
     try:
-        shapes, shardings = param_shardings(cfg.model, cfg.compute, mesh)
+        shapes, shardings = param_shardings(cfg.model, cfg.compute, mesh, cfg.lora)
     except ConfigError as e:
         raise ConfigError(f"--target {target.name} ({target.chips} devices): {e}") from None
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+    frozen = 0.0
+    if cfg.lora is not None:  # the adapter trains; the base is held (quantized with QLoRA), no gradient or state
+        params, base = split_adapter(params)
+        if cfg.lora.base_dtype in QUANTIZED_DTYPES:
+            base = quantized_abstract(base, cfg.lora.base_dtype)
+        elif cfg.lora.base_dtype is not None:
+            base = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(cfg.lora.base_dtype),
+                                                               sharding=a.sharding), base)
+        frozen = shard_bytes(base)
     tx, _ = make_optimizer(cfg.optimizer, cfg.schedule, cfg.steps, params)
     opt = jax.eval_shape(tx.init, params)
     opt = optax.tree_map_params(tx, lambda o, p: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=p.sharding), opt,
@@ -241,9 +259,10 @@ def _estimate(cfg: TrainConfig, target: Target, stage: str, batch: dict, tokens:
     kept = 2 * m.d_model * local_tokens * m.num_layers + per_layer if cfg.compute.remat == "full" \
         else per_layer * m.num_layers
     logits = 8 * m.vocab_size * local_tokens / sizes["tensor"]
-    parameters = shard_bytes(params)
-    memory = Memory(parameters, shard_bytes(opt), batch_bytes, parameters, argument=parameters + shard_bytes(opt)
-                    + batch_bytes, output=0.0, alias=0.0, temporaries=parameters + kept + logits, generated_code=0.0)
+    trained = shard_bytes(params)
+    memory = Memory(trained + frozen, shard_bytes(opt), batch_bytes, trained, argument=trained + frozen
+                    + shard_bytes(opt) + batch_bytes, output=0.0, alias=0.0, temporaries=trained + kept + logits,
+                    generated_code=0.0)
     model_flops, hardware_flops, source = _flops(cfg, tokens, updates)
     return Plan(stage, target, target.chips, chip.kind, sizes, "estimate (no GPU here)", memory, chip.memory_bytes,
                 tokens, updates, model_flops, hardware_flops, source, chip.peak_flops, chip.memory_bandwidth,

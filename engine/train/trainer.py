@@ -169,8 +169,6 @@ class Trainer:
         the state (params, optimizer, checkpoints) the adapter's alone."""
         self.base_params = None
         if cfg.lora is not None:
-            if not cfg.checkpoint.init_from:
-                raise ConfigError("lora: needs checkpoint.init_from, the base model the adapter trains on")
             self.abstract_params, base = split_adapter(self.abstract_params)
             dtype = cfg.lora.base_dtype
             if dtype in QUANTIZED_DTYPES:  # QLoRA: the projections held quantized (engine/models/quantize.py)
@@ -284,6 +282,8 @@ class Trainer:
         """The frozen base of a LoRA run: checkpoint.init_from's params, in lora.base_dtype.
         Quantized (QLoRA): read on the host, then each weight is placed and quantized on the
         devices in turn, so no full-precision copy of the base is ever on them."""
+        if not self.cfg.checkpoint.init_from:
+            raise ConfigError("lora: needs checkpoint.init_from, the base model the adapter trains on")
         if self.cfg.lora.base_dtype not in QUANTIZED_DTYPES:
             return self._load_init_from(self.abstract_base)
         host = self._load_init_from(None, as_numpy=True)
