@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from engine.data.shards import write_dataset
-from engine.train.checkpoint import load_params
+from engine.train.checkpoint import load_adapter, load_params
 from tasks.gang import child_env
 from tasks.launch import LauncherSpec, commands, run_child
 
@@ -70,6 +70,12 @@ def losses(out: Path) -> list[float]:
 
 def params(out: Path) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(load_params(out / "checkpoint", as_numpy=True)[1])]
+
+
+def adapter(out: Path) -> dict[str, np.ndarray]:
+    """A LoRA run's saved A and B by key path (not load_params: that folds them into the base)."""
+    leaves = jax.tree_util.tree_flatten_with_path(load_adapter(out / "checkpoint")[2])[0]
+    return {jax.tree_util.keystr(path): np.asarray(x) for path, x in leaves}
 
 
 @pytest.fixture(scope="module")
@@ -217,10 +223,12 @@ def copy_task(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("stage", ["sft", "grpo"])
+@pytest.mark.parametrize("stage", ["sft", "grpo", "sft-lora"])
 def test_fine_tuning_on_two_processes_equals_one(copy_task, tmp_path, stage):
     """SFT's packed rows and held-out loss, GRPO's rollouts (sampled on every process from the
-    same seed), rewards and updates: the same on 2 processes x 1 device as on 1 x 2."""
+    same seed), rewards and updates: the same on 2 processes x 1 device as on 1 x 2. With a
+    LoRA section the saved adapter (on the frozen base) is what must agree."""
+    stage, _, variant = stage.partition("-")
     results = {}
     for processes, devices in ((1, 2), (2, 1)):
         out = tmp_path / f"{processes}x{devices}"
@@ -235,18 +243,26 @@ def test_fine_tuning_on_two_processes_equals_one(copy_task, tmp_path, stage):
         else:
             cfg.update(data={"path": str(copy_task / "sft.jsonl"), "seq_len": 8, "batch_size": 4, "eval_fraction": 0.2},
                        steps=4, eval_every=2)
+        if variant == "lora":
+            cfg.update(lora={"rank": 4, "alpha": 8, "target_modules": "all-linear"},
+                       optimizer={"learning_rate": 2e-2})  # the default 2e-5 barely moves B from zero in 4 steps
         out.mkdir()
         (out / "run.yaml").write_text(yaml.safe_dump(cfg))
         run_child([sys.executable, "-m", f"engine.posttrain.{stage}", str(out / "run.yaml")],
                   launcher=launcher(processes, devices), log=lambda line: None)
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         timings = ("_seconds", "tokens_per_second", "tflops_per_device", "mfu")
-        results[processes] = ([{k: v for k, v in r.items() if not k.endswith(timings)} for r in records], params(out))
+        trained = list(adapter(out).items()) if variant == "lora" else params(out)
+        results[processes] = ([{k: v for k, v in r.items() if not k.endswith(timings)} for r in records], trained)
     (one, one_params), (two, two_params) = results[1], results[2]
     assert [r["step"] for r in one] == [r["step"] for r in two] and len(one) >= 3
     for a, b in zip(one, two):
         assert a.keys() == b.keys()
         values = [[np.nan if r[k] is None else r[k] for k in sorted(r)] for r in (a, b)]  # None: not finite
         np.testing.assert_allclose(*values, rtol=1e-6, atol=1e-7)
+    if variant == "lora":  # A and B of 7 projections; B starts at zero, so nonzero B means it trained
+        assert [k for k, _ in one_params] == [k for k, _ in two_params] and len(one_params) == 2 * 7
+        assert all(np.abs(b).max() > 1e-4 for k, b in one_params if k.endswith("_lora_b']")), one_params
+        one_params, two_params = [b for _, b in one_params], [b for _, b in two_params]
     for a, b in zip(one_params, two_params):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
