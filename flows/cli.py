@@ -8,6 +8,7 @@
     trainflow serve PIPELINE.yaml --cron "0 3 * * *"            a scheduled Prefect deployment
     trainflow plan PIPELINE.yaml --target v5e-16|h100x8|local   compile each training stage for a target: fits?
     trainflow convert HF_DIR|URL [--store DIR] [--dtype bfloat16]  a Hugging Face model -> checkpoint artifact
+    trainflow convert PEFT_DIR --base PATH|ID                      a PEFT LoRA adapter -> adapter artifact
     trainflow export PATH|ID [--store DIR] [--out DIR|URL]      a checkpoint artifact -> Hugging Face model
     trainflow generate PATH|ID --prompt TEXT [--temperature T]  sample completions from a checkpoint artifact
 
@@ -260,7 +261,12 @@ def _run_one_stage(task: str, config: dict, inputs: dict, store: ArtifactStore):
 
 def cmd_convert(args) -> int:
     config = {"source": args.hf_dir, **({"dtype": args.dtype} if args.dtype else {})}
-    return 0 if _run_one_stage("convert", config, {}, ArtifactStore(_store_arg(args))) else 1
+    inputs, store = {}, ArtifactStore(_store_arg(args))
+    if args.base:  # a PEFT adapter onto the checkpoint artifact it adapts, stored beside it
+        directory = resolve_artifact(args.base, _store_arg(args))
+        manifest = json.loads((directory / MANIFEST).read_text())
+        inputs, store = {"base": (manifest["stage"], manifest["id"])}, ArtifactStore(directory.parent.parent)
+    return 0 if _run_one_stage("convert", config, inputs, store) else 1
 
 
 def _local_artifact(args) -> Path:
@@ -323,10 +329,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("plan", cmd_plan, "compile each training stage for a target and say whether it fits", pipeline=True)
     p.add_argument("--target", default="local",
                    help="a TPU slice (v5e-16, v5p-128, v6e-8, ...), a GPU host (h100x8, h200x8, a100x8) or local")
-    p = add("convert", cmd_convert, "convert a Hugging Face model directory into a checkpoint artifact")
+    p = add("convert", cmd_convert, "convert a Hugging Face model (or, with --base, a PEFT adapter) into an artifact")
     p.add_argument("hf_dir", help="directory with config.json and safetensors weights (or a folder URL: "
                                   "s3://bucket/prefix, gs://bucket/prefix)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="stored dtype (default: the source's)")
+    p.add_argument("--base", help="hf_dir is a PEFT LoRA adapter: the checkpoint artifact (path or id) it adapts; "
+                                  "the result is an adapter artifact")
     p = add("export", cmd_export, "export a checkpoint artifact as a Hugging Face model directory", artifact=True)
     p.add_argument("--out", help="also copy the Hugging Face directory here (a directory or a folder URL)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")

@@ -26,11 +26,13 @@ from typing import Any, Literal
 import yaml
 
 from engine.config import ConfigError, Strict, validate
+from engine.contract import CHECKPOINT_DIR
 from engine.interop.hf.files import TOKENIZER_FILES, source_fingerprint
 from engine.interop.hf.mapping import model_config_from_hf
+from engine.interop.hf.peft import ADAPTER_CONFIG, lora_config_from_peft
 from tasks.engine_stage import EngineStage
 from tasks.objectstore import StoreAccessError, download_dir, is_url, list_url, read_url, url_cache
-from tasks.registry import StageContext
+from tasks.registry import MODEL_KINDS, Input, StageContext
 
 
 class ConvertConfig(Strict):
@@ -44,18 +46,34 @@ class ConvertConfig(Strict):
     """Stored parameter dtype. None keeps the source's: bfloat16 stays, others become float32."""
 
 
+def is_peft_adapter(source: str) -> bool:
+    """A local PEFT adapter directory (adapter_config.json), not a model."""
+    return not is_url(source) and (Path(source).expanduser() / ADAPTER_CONFIG).is_file()
+
+
 class ConvertStage(EngineStage):
     task = "convert"
     entry_point = "hf"
     output = "checkpoint"
-    inputs = {}
+    possible_outputs = ("adapter",)
+    inputs = {"base": Input(MODEL_KINDS, required=False,
+                            doc="a PEFT adapter source's base model (the checkpoint it adapts)")}
     config_schema = ConvertConfig
     version = 2  # 2: the checkpoint's meta holds `compute` apart from the architecture
+
+    def output_kind(self, config: ConvertConfig) -> str:
+        return "adapter" if is_peft_adapter(config.source) else "checkpoint"
 
     def resolve_config(self, raw: dict, source: str) -> ConvertConfig:
         cfg = validate(ConvertConfig, raw, source)
         if is_url(cfg.source):
             return self._resolve_url(cfg, source)
+        if is_peft_adapter(cfg.source):  # a LoRA adapter; its base comes as input `base`
+            try:
+                lora_config_from_peft(Path(cfg.source).expanduser())
+            except ConfigError as e:
+                raise ConfigError(f"{source}: key 'source': {e}") from None
+            return cfg.model_copy(update={"source": str(Path(cfg.source).expanduser().absolute())})
         config_path = Path(cfg.source).expanduser() / "config.json"
         if not config_path.is_file():
             raise ConfigError(f"{source}: key 'source': {cfg.source} is not a Hugging Face model directory "
@@ -89,6 +107,11 @@ class ConvertStage(EngineStage):
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
         cfg, out = ctx.config, ctx.out_dir
+        if is_peft_adapter(cfg.source):
+            return self._run_adapter(ctx)
+        if "base" in ctx.inputs:
+            raise ConfigError(f"stage '{ctx.stage}': input 'base' is only for a PEFT adapter source; {cfg.source} "
+                              "is a whole model")
         local = url_cache(cfg.source) / "hf" if is_url(cfg.source) else None
         if local is not None:
             ctx.log(f"downloading {cfg.source} into {local}")
@@ -109,6 +132,17 @@ class ConvertStage(EngineStage):
             "source_bytes": result.get("source_bytes"), "dtype": result.get("dtype"), "seconds": seconds,
             "gb_per_second": (result.get("source_bytes") or 0) / 1e9 / seconds,
         }
+
+
+    def _run_adapter(self, ctx: StageContext) -> dict[str, Any]:
+        if "base" not in ctx.inputs:
+            raise ConfigError(f"stage '{ctx.stage}': {ctx.config.source} is a PEFT adapter: give the model it adapts "
+                              "as input 'base' (a checkpoint artifact, e.g. the convert of its base model)")
+        base = ctx.inputs["base"].path
+        self.carry_tokenizer(ctx, base)
+        result = self.launch_engine(ctx, "convert-adapter", ctx.config.source, str(ctx.out_dir), "--base",
+                                    str(base / CHECKPOINT_DIR))
+        return {key: result.get(key) for key in ("architecture", "family", "rank")}
 
 
 def url_fingerprint(url: str) -> dict[str, Any]:

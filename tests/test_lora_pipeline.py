@@ -132,3 +132,46 @@ def test_an_adapter_whose_base_is_gone_is_refused_in_one_sentence(tmp_path):
     meta = {"lora": {"base_checkpoint": str(tmp_path / "gone" / "checkpoint"), "base_relative": "../../gone"}}
     with pytest.raises(ConfigError, match="holds a LoRA adapter whose base checkpoint .*gone; restore the base"):
         adapter_base(tmp_path / "adapter", meta)
+
+
+def test_trainflow_convert_takes_a_peft_adapter_onto_its_base_and_refuses_one_that_does_not_fit(
+        hf_base, tmp_path, capsys):
+    from flows.cli import main as trainflow
+
+    store = tmp_path / "store"
+    assert trainflow(["convert", str(hf_base), "--store", str(store)]) == 0
+    base_path = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["path"]
+    torch.manual_seed(3)
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(hf_base),
+                                peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(tmp_path / "peft")
+
+    assert trainflow(["convert", str(tmp_path / "peft"), "--base", base_path]) == 0
+    converted = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    manifest = read_manifest(Path(converted["path"]))
+    assert manifest["kind"] == "adapter" and [p["input"] for p in manifest["parents"]] == ["base"]
+    cfg, params, _ = load_params(Path(converted["path"]) / "checkpoint")  # the base with the adapter folded in
+    _, compute = stored_configs(Path(converted["path"]) / "checkpoint")
+    tokens = np.random.default_rng(1).integers(0, 300, (2, 9))
+    ours = np.asarray(apply_model(graphdef_of(cfg, compute), params, jnp.asarray(tokens)))
+    with torch.no_grad():
+        ref = model(torch.tensor(tokens)).logits.numpy()
+    assert np.abs(ours - ref).max() <= 1e-5 * max(1.0, float(np.abs(ref).max()))
+
+    # An adapter of a wider model: one sentence naming both shapes, exit 2, no artifact.
+    wide = transformers.LlamaConfig(vocab_size=300, hidden_size=36, intermediate_size=26, num_hidden_layers=2,
+                                    num_attention_heads=6, num_key_value_heads=2, head_dim=8)
+    other = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(wide),
+                                peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    other.save_pretrained(tmp_path / "wide")
+    before = sorted(p.name for p in (store / "convert").iterdir())
+    assert trainflow(["convert", str(tmp_path / "wide"), "--base", base_path]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "lora_A.weight' has shape (2, 36), which does not fit this base model's (30, 2)" in err, err
+    assert sorted(p.name for p in (store / "convert").iterdir()) == before or all(
+        read_manifest(store / "convert" / name).get("status") != "complete"
+        for name in set(p.name for p in (store / "convert").iterdir()) - set(before))

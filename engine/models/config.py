@@ -365,6 +365,9 @@ LORA_ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 LORA_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 LORA_TARGETS = (*LORA_ATTENTION_TARGETS, *LORA_MLP_TARGETS)
 """The modules a LoRA adapter can target, in PEFT's names (Llama's nn.Linear names)."""
+LORA_WEIGHTS = {"q_proj": ("wq_dnh", 1), "k_proj": ("wk_dkh", 1), "v_proj": ("wv_dkh", 1), "o_proj": ("wo_nhd", 2),
+                "gate_proj": ("w_gate_df", 1), "up_proj": ("w_up_df", 1), "down_proj": ("w_down_fd", 1)}
+"""PEFT's module name -> (the engine parameter it adapts, its number of input axes)."""
 
 
 class LoraConfig(Strict):

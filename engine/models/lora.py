@@ -23,16 +23,14 @@ import numpy as np
 import qwix
 from flax import nnx
 
-from engine.models.config import LoraConfig, ModelConfig
+from engine.models.config import LORA_ATTENTION_TARGETS, LORA_MLP_TARGETS, LORA_WEIGHTS, LoraConfig, ModelConfig
 from engine.ops.dense import dense
 
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
 
-ATTENTION_WEIGHTS = {"q_proj": ("wq_dnh", 1), "k_proj": ("wk_dkh", 1), "v_proj": ("wv_dkh", 1),
-                     "o_proj": ("wo_nhd", 2)}
-MLP_WEIGHTS = {"gate_proj": ("w_gate_df", 1), "up_proj": ("w_up_df", 1), "down_proj": ("w_down_fd", 1)}
-"""PEFT's module name -> (the engine parameter it adapts, its number of input axes)."""
-WEIGHTS = {**ATTENTION_WEIGHTS, **MLP_WEIGHTS}
+WEIGHTS = LORA_WEIGHTS
+ATTENTION_WEIGHTS = {m: WEIGHTS[m] for m in LORA_ATTENTION_TARGETS}
+MLP_WEIGHTS = {m: WEIGHTS[m] for m in LORA_MLP_TARGETS}
 
 
 def add_adapters(module: nnx.Module, targets: dict[str, tuple[str, int]], lora: LoraConfig | None,

@@ -120,7 +120,9 @@ def target_devices(target: Target) -> list | None:
         # Compiling needs no chip: let this process load libtpu beside another that holds it.
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         try:
-            return list(topologies.get_topology_desc(target.topology, "tpu").devices)
+            # One chip: its own host (libtpu's default host bounds are a 2x2 board).
+            bounds = {"chips_per_host_bounds": (1, 1, 1)} if target.chips == 1 else {}
+            return list(topologies.get_topology_desc(target.topology, "tpu", **bounds).devices)
         except jax.errors.JaxRuntimeError as e:
             raise ConfigError(f"--target {target.name}: libtpu cannot describe topology {target.topology}: "
                               f"{str(e).splitlines()[0]}") from None

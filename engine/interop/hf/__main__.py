@@ -1,8 +1,9 @@
 """Hugging Face checkpoints in and out, from the command line.
 
     python -m engine.interop.hf convert HF_DIR OUT_DIR [--dtype float32|bfloat16]
+    python -m engine.interop.hf convert-adapter PEFT_DIR OUT_DIR --base CHECKPOINT_DIR
     python -m engine.interop.hf export CHECKPOINT_DIR OUT_DIR [--tokenizer DIR] [--step N] [--max-shard-gb 5]
-                                   [--overwrite]
+                                   [--merged] [--overwrite]
 
 Prints `{"result": {...}}` on the last stdout line; a bad input is one `error: ...` line on
 stderr and exit code EXIT_CONFIG_ERROR (engine/contract.py).
@@ -16,7 +17,7 @@ import sys
 
 from engine.config import ConfigError
 from engine.contract import EXIT_CONFIG_ERROR, EXIT_OK
-from engine.interop.hf.convert import NP_DTYPES, convert_hf
+from engine.interop.hf.convert import NP_DTYPES, convert_hf, convert_peft
 from engine.interop.hf.export import export_hf
 
 
@@ -27,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("hf_dir")
     conv.add_argument("out_dir")
     conv.add_argument("--dtype", choices=sorted(NP_DTYPES), default=None)
+    adapter = sub.add_parser("convert-adapter", help="a PEFT LoRA adapter directory -> an adapter checkpoint on BASE")
+    adapter.add_argument("adapter_dir")
+    adapter.add_argument("out_dir")
+    adapter.add_argument("--base", required=True, help="the engine checkpoint directory of the adapter's base model")
     exp = sub.add_parser("export", help="an Orbax checkpoint directory -> a Hugging Face model directory")
     exp.add_argument("checkpoint_dir")
     exp.add_argument("out_dir")
@@ -45,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "convert":
             result = convert_hf(args.hf_dir, args.out_dir, dtype=args.dtype, log=log)
+        elif args.command == "convert-adapter":
+            result = convert_peft(args.adapter_dir, args.out_dir, args.base, log=log)
         else:
             result = export_hf(args.checkpoint_dir, args.out_dir, args.tokenizer, step=args.step,
                                max_shard_bytes=int(args.max_shard_gb * 1e9), overwrite=args.overwrite,

@@ -29,10 +29,13 @@ from engine.interop.hf.files import copy_tokenizer, source_fingerprint
 from engine.interop.hf.mapping import (
     TensorSpec, check_table_covers, copy_into, deinterleave, hf_shape, model_config_from_hf, tensor_table,
 )
+from engine.interop.hf.peft import ADAPTER_CONFIG, adapter_from_peft, lora_config_from_peft
 from engine.interop.hf.safetensors_io import SafetensorsFile
 from engine.models.families import get_family
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.lora import split_adapter
 from engine.models.params import abstract_model_params
-from engine.train.checkpoint import save_params
+from engine.train.checkpoint import read_meta, save_params
 
 NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
@@ -279,3 +282,36 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
         "tokenizer_files": tokenizer_files, "model": cfg.model_dump(mode="json"),
         "compute": compute.model_dump(mode="json"), "source": meta["source"],
     }
+
+
+def convert_peft(adapter_dir: str | Path, out_dir: str | Path, base_checkpoint: str | Path, *,
+                 log=None) -> dict[str, Any]:
+    """A PEFT LoRA adapter directory -> an adapter checkpoint on the engine's base
+    `base_checkpoint` (<out_dir>/checkpoint, params the adapter alone, meta `lora` naming the
+    base), which every stage that takes a checkpoint reads as the base with the adapter folded
+    in. An adapter whose tensors do not fit the base (another architecture or size) is a
+    ConfigError naming both shapes; nothing is written then."""
+    log = log or (lambda msg: None)
+    adapter_dir, out_dir, base_checkpoint = Path(adapter_dir), Path(out_dir), Path(base_checkpoint).absolute()
+    lora = lora_config_from_peft(adapter_dir)
+    _, meta = read_meta(base_checkpoint)
+    if meta.get("lora"):
+        raise ConfigError(f"{base_checkpoint}: is itself an adapter; convert a PEFT adapter onto a full checkpoint")
+    cfg = ModelConfig.model_validate(meta["model"])
+    compute = ComputeConfig.model_validate(meta["compute"])
+    try:
+        lora.targets(cfg)
+    except ValueError as e:
+        raise ConfigError(f"{adapter_dir / ADAPTER_CONFIG}: {e}") from None
+    shapes = split_adapter(abstract_model_params(cfg, compute, None, lora))[0]
+    adapter = adapter_from_peft(adapter_dir, cfg, lora, shapes, scan_layers=compute.scan_layers)
+    checkpoint = out_dir / "checkpoint"
+    out_meta = {"step": 0, "model": cfg.model_dump(mode="json"), "compute": compute.model_dump(mode="json"),
+                "format": meta.get("format"), "stage": "convert",
+                "lora": {**lora.model_dump(mode="json"), "base_checkpoint": str(base_checkpoint),
+                         "base_relative": os.path.relpath(base_checkpoint, checkpoint.absolute())},
+                "source": {"kind": "peft", "path": str(adapter_dir.absolute())}}
+    save_params(checkpoint, 0, adapter, out_meta)
+    log(f"convert: a rank-{lora.rank} PEFT adapter on {', '.join(lora.targets(cfg))} of {base_checkpoint}")
+    return {"architecture": "peft-lora", "family": cfg.family, "rank": lora.rank,
+            "targets": list(lora.targets(cfg)), "base_checkpoint": str(base_checkpoint)}

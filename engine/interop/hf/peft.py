@@ -4,7 +4,7 @@
 PEFT names an adapted nn.Linear's two factors `<module>.lora_A.weight` (r, in_features) and
 `<module>.lora_B.weight` (out_features, r) under `base_model.model.`; the engine's A is
 (in..., r) and B (r, out...) beside the base weight (engine/models/lora.py), so each is a
-reshape and a transpose. numpy only.
+reshape and a transpose. numpy only: pipeline validation reads adapter_config.json here.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import numpy as np
 from engine.config import ConfigError
 from engine.interop.hf.mapping import tensor_table
 from engine.interop.hf.safetensors_io import SafetensorsFile, write_safetensors
-from engine.models.config import LORA_TARGETS, LoraConfig, ModelConfig
-from engine.models.lora import WEIGHTS
+from engine.models.config import LORA_TARGETS, LORA_WEIGHTS as WEIGHTS, LoraConfig, ModelConfig
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
@@ -167,3 +166,4 @@ def _at(tree: dict, path: tuple[str, ...]):
     for key in path:
         tree = tree[key]
     return tree
+
