@@ -51,6 +51,7 @@ ENTRY_POINTS = {
     "tokenize": "engine.data.tokenize",
     "hf": "engine.interop.hf",
     "generate": "engine.inference.generate",
+    "merge": "engine.posttrain.merge",
 }
 
 # --------------------------------------------------------------------------- fingerprints

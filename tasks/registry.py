@@ -87,6 +87,7 @@ BUILTIN_STAGES: dict[str, str] = {
     "pretrain": "tasks.pretrain:PretrainStage",
     "convert": "tasks.convert:ConvertStage",
     "export": "tasks.export:ExportStage",
+    "merge": "tasks.merge:MergeStage",
     "sft": "tasks.sft:SFTStage",
     "grpo": "tasks.grpo:GRPOStage",
     "evaluate": "tasks.evaluate:EvaluateStage",

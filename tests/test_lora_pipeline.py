@@ -55,6 +55,7 @@ def lora_pipeline(hf_dir: Path, store: Path, data: Path) -> Pipeline:
     p.stage("export_base", task="export", inputs={"checkpoint": base})
     p.stage("export_adapter", task="export", inputs={"checkpoint": sft})
     p.stage("export_merged", task="export", inputs={"checkpoint": sft}, config={"merged": True})
+    p.stage("merge", task="merge", inputs={"adapter": sft})
     return p
 
 
@@ -106,6 +107,14 @@ def test_a_lora_sft_stage_exports_a_peft_adapter_and_a_merged_model_with_the_eng
     assert np.abs(peft_logits - base_logits).max() > 1e-3  # training moved the adapter off zero
     assert np.abs(ours - peft_logits).max() <= 1e-5 * scale
     assert np.abs(merged_logits - peft_logits).max() <= 1e-5 * scale
+
+    # The merge stage: a plain checkpoint artifact of the same model, its lineage through the adapter.
+    assert read_manifest(out("merge"))["kind"] == "checkpoint"
+    assert [p["stage"] for p in read_manifest(out("merge"))["parents"]] == ["sft"]
+    merged_cfg, merged_params, _ = load_params(out("merge") / "checkpoint")
+    again = np.asarray(apply_model(graphdef_of(merged_cfg, compute), merged_params, jnp.asarray(tokens), None,
+                                   jnp.asarray(mask)))
+    np.testing.assert_array_equal(again, ours)
 
 
 class _captured:
