@@ -1,12 +1,12 @@
-"""LoRA and QLoRA memory from the compiler: llama3.1-8b SFT steps (4 rows of 4,096 tokens,
+"""LoRA and QLoRA memory from the compiler: llama3.1-8b SFT steps (rows of 4,096 tokens,
 the preset's bf16 compute and full remat, float32 parameters) compiled for TPU topologies
 through libtpu on this host, as `trainflow plan` compiles them (no step runs, so the load on
 the machine does not change the figures):
 
-    full fine-tune            v5e-4 (4 x 16 GiB), fsdp 4
-    LoRA rank 16, all-linear  v5e-4, fsdp 4
-    QLoRA nf4 / int8 base     v5e-1 (one 16 GiB chip)
-    LoRA, bfloat16 base       v5e-1
+    full fine-tune            v5e-4 (4 x 16 GiB), fsdp 4, 4 rows
+    LoRA rank 16, all-linear  v5e-4, fsdp 4, 4 rows
+    LoRA, bfloat16 base       v5e-1 (one 16 GiB chip), 1 row
+    QLoRA int8 / nf4 base     v5e-1, 1 row (nf4 also 4 rows)
 
 plus the bytes of a rank-16 adapter against the base checkpoint's.
 
@@ -31,31 +31,32 @@ from engine.train.plan import plan_step
 from engine.train.targets import GiB, get_target
 
 LORA = {"rank": 16, "alpha": 32, "target_modules": "all-linear"}
-CASES = [  # (name, target, lora section or None)
-    ("full fine-tune", "v5e-4", None),
-    ("LoRA r16 all-linear", "v5e-4", LORA),
-    ("LoRA r16, bfloat16 base", "v5e-1", {**LORA, "base_dtype": "bfloat16"}),
-    ("QLoRA r16, int8 base", "v5e-1", {**LORA, "base_dtype": "int8"}),
-    ("QLoRA r16, nf4 base", "v5e-1", {**LORA, "base_dtype": "nf4"}),
+CASES = [  # (name, target, rows of 4,096 tokens, lora section or None)
+    ("full fine-tune", "v5e-4", 4, None),
+    ("LoRA r16 all-linear", "v5e-4", 4, LORA),
+    ("LoRA r16, bfloat16 base", "v5e-1", 1, {**LORA, "base_dtype": "bfloat16"}),
+    ("QLoRA r16, int8 base", "v5e-1", 1, {**LORA, "base_dtype": "int8"}),
+    ("QLoRA r16, nf4 base", "v5e-1", 1, {**LORA, "base_dtype": "nf4"}),
+    ("QLoRA r16, nf4 base", "v5e-1", 4, {**LORA, "base_dtype": "nf4"}),
 ]
 
 
-def config(lora: dict | None) -> TrainConfig:
-    tree = {"model": "llama3.1-8b", "mesh": {"data": 1, "fsdp": -1}, "data": {"seq_len": 4096, "batch_size": 4},
+def config(lora: dict | None, rows: int = 4) -> TrainConfig:
+    tree = {"model": "llama3.1-8b", "mesh": {"data": 1, "fsdp": -1}, "data": {"seq_len": 4096, "batch_size": rows},
             "steps": 10, **({"lora": lora} if lora else {})}
     return load_config(tree=tree, schema=TrainConfig)
 
 
 def main() -> None:
     rows = []
-    for name, target, lora in CASES:
-        plan = plan_step(config(lora), get_target(target), stage=name)
+    for name, target, rows_per_step, lora in CASES:
+        plan = plan_step(config(lora, rows_per_step), get_target(target), stage=name)
         m = plan.memory
-        row = {"case": name, "target": target, "how": plan.how, "fits": plan.fits, "total_gib": m.total / GiB,
+        row = {"case": name, "target": target, "rows": rows_per_step, "how": plan.how, "fits": plan.fits, "total_gib": m.total / GiB,
                "parameters_gib": m.parameters / GiB, "optimizer_state_gib": m.optimizer_state / GiB,
                "temporaries_gib": m.temporaries / GiB, "capacity_gib": plan.capacity / GiB}
         rows.append(row)
-        print(f"{name:28s} {target:6s} {plan.how:24s} total {row['total_gib']:6.2f} GiB of {row['capacity_gib']:.0f} "
+        print(f"{name:28s} {target:6s} {rows_per_step} x 4096 {plan.how:24s} total {row['total_gib']:6.2f} GiB of {row['capacity_gib']:.0f} "
               f"(params {row['parameters_gib']:.2f}, Adam {row['optimizer_state_gib']:.3f}, "
               f"temporaries {row['temporaries_gib']:.2f}) {'fits' if plan.fits else 'DOES NOT FIT'}", flush=True)
     cfg = config(LORA)

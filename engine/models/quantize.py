@@ -1,8 +1,8 @@
 """The frozen base of QLoRA held quantized (qwix): int8 or NF4 projection weights.
 
 `lora.base_dtype: int8 | nf4` stores every dense projection of attention and the MLP
-(engine/models/lora.py: WEIGHTS; embeddings, norms, the LM head, routers and experts stay
-as they are) as a qwix QArray:
+(engine/models/lora.py: WEIGHTS) as a qwix QArray, and the rest of the base (embeddings,
+norms, the LM head, routers and experts) in bfloat16:
 
     int8  absmax per output channel (and per layer)                     ~1 byte per weight
     nf4   NormalFloat4 (QLoRA, arXiv 2305.14314) in blocks of 64 along the last
@@ -56,12 +56,14 @@ def quantize_leaf(value, attr: str, base_dtype: str):
 def quantized_abstract(abstract: dict, base_dtype: str) -> dict:
     """The ShapeDtypeStructs (with shardings) of `abstract` (the base's) once quantized: each
     projection a QArray of its quantized values (sharded as the weight) and scales (sharded
-    as the weight on the axes they keep whole, replicated on the others)."""
+    as the weight on the axes they keep whole, replicated on the others); the other floating
+    leaves in bfloat16 (QLoRA's storage of what it does not quantize)."""
 
     def one(path, a):
         attr = quantizable(path)
-        if attr is None:
-            return a
+        if attr is None:  # embeddings, norms, the head: bfloat16, as QLoRA keeps them
+            floating = jnp.issubdtype(a.dtype, jnp.floating)
+            return jax.ShapeDtypeStruct(a.shape, jnp.bfloat16 if floating else a.dtype, sharding=a.sharding)
         q = jax.eval_shape(lambda x: quantize_leaf(x, attr, base_dtype), jax.ShapeDtypeStruct(a.shape, a.dtype))
         spec = tuple(a.sharding.spec) + (None,) * (len(a.shape) - len(a.sharding.spec)) if a.sharding else None
 
