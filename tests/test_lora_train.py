@@ -92,7 +92,8 @@ def restore_adapter(directory: Path, item: str = "params") -> dict[str, np.ndarr
 
 
 def test_lora_sft_on_data_fsdp_tensor_equals_data_parallel(base, colours, tmp_path):
-    common = {**LORA, "optimizer.learning_rate": 3e-2, "data.batch_size": 8}
+    """With dropout on: each row's masks come from its seed, not from where the row lives."""
+    common = {**LORA, "optimizer.learning_rate": 3e-2, "data.batch_size": 8, "lora.dropout": 0.1}  # masks too
     one = run_sft(sft_config(base, tmp_path / "one", colours, steps=4, **common, **{"mesh.data": 8}))
     sharded = run_sft(sft_config(base, tmp_path / "mesh", colours, steps=4, **common,
                                  **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}))
@@ -184,7 +185,7 @@ def test_the_preflight_prices_the_adapter_and_the_frozen_base_and_names_lora_amo
 def test_a_lora_run_killed_with_sigkill_resumes_and_ends_bitwise_equal(base, colours, tmp_path):
     """SIGKILL the engine's process mid-run (asynchronous checkpoints, so possibly mid-save);
     the rerun resumes from the newest committed step and its adapter equals an uninterrupted
-    run's bit for bit."""
+    run's bit for bit, dropout masks included (they are drawn from the seed and the step)."""
     import os
     import signal
     import subprocess
@@ -193,7 +194,7 @@ def test_a_lora_run_killed_with_sigkill_resumes_and_ends_bitwise_equal(base, col
 
     from engine.config import to_yaml
 
-    overrides = {**LORA, "optimizer.learning_rate": 3e-2, "checkpoint.every_steps": 4}
+    overrides = {**LORA, "optimizer.learning_rate": 3e-2, "checkpoint.every_steps": 4, "lora.dropout": 0.1}
     straight = run_sft(sft_config(base, tmp_path / "straight", colours, steps=24, **overrides))
     cfg = sft_config(base, tmp_path / "killed", colours, steps=24, **overrides, **{"checkpoint.async_save": True})
     (tmp_path / "killed").mkdir()
@@ -215,3 +216,22 @@ def test_a_lora_run_killed_with_sigkill_resumes_and_ends_bitwise_equal(base, col
     assert a.keys() == b.keys() and straight["steps"] == 24
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_lora_dropout_is_inverted_per_row_per_layer_and_off_outside_training():
+    import jax.numpy as jnp
+
+    from engine.models.lora import _dropout, dropout_rows, in_layer
+
+    x = jnp.ones((4, 64, 32))
+    assert _dropout(x, "wq_dnh", 0.25) is x  # no seeds: evaluation and sampling drop nothing
+    seeds = jnp.array([[1], [2], [1], [3]], jnp.int32)
+    with dropout_rows(seeds), in_layer(jnp.int32(0)):
+        a = np.asarray(_dropout(x, "wq_dnh", 0.25))
+        other_module = np.asarray(_dropout(x, "wv_dkh", 0.25))
+    with dropout_rows(seeds), in_layer(jnp.int32(1)):
+        other_layer = np.asarray(_dropout(x, "wq_dnh", 0.25))
+    assert set(np.unique(a)) == {0.0, np.float32(1 / 0.75)}  # kept values scaled by 1 / (1 - p)
+    assert abs((a == 0).mean() - 0.25) < 0.02
+    np.testing.assert_array_equal(a[0], a[2])  # the same seed, the same mask
+    assert (a[0] != a[1]).any() and (a != other_module).any() and (a != other_layer).any()

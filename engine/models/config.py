@@ -380,8 +380,9 @@ class LoraConfig(Strict):
     alpha: float = Field(8.0, gt=0)
     """The update is scaled by alpha / rank (alpha / sqrt(rank) with use_rslora); PEFT `lora_alpha`."""
     dropout: float = Field(0.0, ge=0, lt=1)
-    """Dropout on the adapter's input during training (PEFT `lora_dropout`). Only 0.0 (PEFT's
-    default) trains yet; a PEFT adapter trained with dropout imports and exports as usual."""
+    """Dropout on the adapter's input in training steps (PEFT `lora_dropout`; inverted, as
+    torch's); evaluation and sampling drop nothing. Masks are drawn per row from the run's
+    seed and the step, so they do not depend on the mesh and a resumed run redraws them."""
     target_modules: list[str] | Literal["all-linear"] = Field(default_factory=lambda: ["q_proj", "v_proj"])
     """PEFT's module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or
     `all-linear` (every one of them the model has; never the LM head, as PEFT). The default is

@@ -15,6 +15,8 @@ nn.Linear), B zero, so a fresh adapter leaves the model unchanged.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 
 import jax
@@ -38,6 +40,7 @@ def add_adapters(module: nnx.Module, targets: dict[str, tuple[str, int]], lora: 
     """Give each of `module`'s weights that `lora` targets its A and B (created after the base
     weights, so the base initialises as without an adapter only when none is targeted)."""
     module.lora_scale = None if lora is None else lora.scale
+    module.lora_dropout = 0.0 if lora is None else lora.dropout
     if lora is None:
         return
     wanted = lora.targets(model)
@@ -59,7 +62,10 @@ def has_adapter(module: nnx.Module, attr: str) -> bool:
 
 
 def lora_delta(module: nnx.Module, attr: str, x, n_in: int, dtype, **dense_kw):
-    """scale * ((x . A) . B) of `module`'s adapter on `attr`, in `dtype`."""
+    """scale * ((dropout(x) . A) . B) of `module`'s adapter on `attr`, in `dtype` (dropout
+    only in a training step, `dropout_rows`)."""
+    if module.lora_dropout:
+        x = _dropout(x, attr, module.lora_dropout)
     a = getattr(module, attr + "_lora_a")[...].astype(dtype)
     b = getattr(module, attr + "_lora_b")[...].astype(dtype)
     return dense(dense(x, a, n_in, **dense_kw), b, 1, **dense_kw) * jnp.asarray(module.lora_scale, dtype)
@@ -76,6 +82,58 @@ def project(module: nnx.Module, attr: str, x, n_in: int, dtype, **dense_kw):
     """x . w (+ the adapter's update where `attr` has one): every adaptable projection's product."""
     y = dense(x, weight_value(getattr(module, attr), dtype), n_in, **dense_kw)
     return y + lora_delta(module, attr, x, n_in, dtype, **dense_kw) if has_adapter(module, attr) else y
+
+
+# --------------------------------------------------------------------------- dropout
+#
+# PEFT drops the adapter's input (inverted dropout: kept values scaled by 1 / (1 - p)) in
+# training only. Here each row of a training batch carries a seed (`lora_seed`, drawn from the
+# run's seed and the step by the trainer), and a row's mask at a projection is drawn from
+# (its seed, the layer's index, the projection): the same whatever the mesh or process count,
+# and the same again when a resumed run redoes the step. Where no seeds are set (evaluation,
+# sampling, the log-probs of a rollout) nothing is dropped.
+
+LORA_SEED = "lora_seed"
+"""The batch key of the rows' dropout seeds (int32, (rows, 1): sharded as the rows are)."""
+_ROW_SEEDS: contextvars.ContextVar = contextvars.ContextVar("lora_row_seeds", default=None)
+_LAYER: contextvars.ContextVar = contextvars.ContextVar("lora_layer", default=None)
+_ATTR_IDS = {attr: i for i, (attr, _) in enumerate(WEIGHTS.values())}
+
+
+@contextlib.contextmanager
+def dropout_rows(seeds_b):
+    """Turn LoRA dropout on, inside a traced training loss, with one seed per batch row (or
+    None: off)."""
+    token = _ROW_SEEDS.set(seeds_b)
+    try:
+        yield
+    finally:
+        _ROW_SEEDS.reset(token)
+
+
+@contextlib.contextmanager
+def in_layer(index):
+    """The model's layer index (a traced int inside the layer scan) while a block runs."""
+    token = _LAYER.set(index)
+    try:
+        yield
+    finally:
+        _LAYER.reset(token)
+
+
+def _dropout(x, attr: str, rate: float):
+    seeds_b = _ROW_SEEDS.get()
+    if seeds_b is None:
+        return x
+    layer = _LAYER.get()
+    layer = 0 if layer is None else layer
+
+    def row_mask(seed):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), layer), _ATTR_IDS[attr])
+        return jax.random.bernoulli(key, 1.0 - rate, x.shape[1:])
+
+    keep = jax.vmap(row_mask)(seeds_b.reshape(-1).astype(jnp.uint32))
+    return jnp.where(keep, x / jnp.asarray(1.0 - rate, x.dtype), jnp.zeros((), x.dtype))
 
 
 # --------------------------------------------------------------------------- param trees

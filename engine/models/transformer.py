@@ -20,7 +20,8 @@ from jax.ad_checkpoint import checkpoint_name
 from engine.models.common import ACTIVATIONS, RMSNorm, dtype_of, param
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.models.kv_cache import KVCache
-from engine.models.lora import ATTENTION_WEIGHTS, MLP_WEIGHTS, add_adapters, has_adapter, project, weight_value
+from engine.models.lora import (ATTENTION_WEIGHTS, MLP_WEIGHTS, add_adapters, has_adapter, in_layer, project,
+                                weight_value)
 from engine.models.mla import MLA
 from engine.models.moe import MoE, MoEStats, combine_stats
 from engine.models.rope import rope_cos_sin, rope_inverse_frequencies, rotate
@@ -305,11 +306,11 @@ class Transformer(nnx.Module):
         is_local, stats = self.cfg.layer_is_local(), []
         for name, first, count in self.cfg.layer_stacks():
             x_btd, stack_stats = self._run_stack(getattr(self, name), is_local[first:first + count], x_btd,
-                                                 positions_bt, segment_ids_bt)
+                                                 positions_bt, segment_ids_bt, first)
             stats += _layers(stack_stats)
         return x_btd, _stack(stats)
 
-    def _run_stack(self, blocks, flags: list[bool], x_btd, positions_bt, segment_ids_bt):
+    def _run_stack(self, blocks, flags: list[bool], x_btd, positions_bt, segment_ids_bt, first: int = 0):
         """(x, MoEStats with a leading layer axis, or None for dense layers): the blocks,
         each local or global as attention_pattern says, that flag static, so a local layer
         computes only its window (engine/ops/attention.py) and a global one pays nothing for it.
@@ -319,15 +320,17 @@ class Transformer(nnx.Module):
         left over run after that scan. Within a unit each run of equal flags is one block,
         scanned when the run is longer than one layer: Gemma 3's unit, five local layers and
         a global one, compiles two blocks, not six. The params keep their one stacked
-        `layers` axis; each step slices its share.
+        `layers` axis; each step slices its share, and with it the layer's index in the model
+        (`first` is the stack's), which a LoRA adapter's dropout draws its mask from.
         """
         cfg, compute = self.cfg, self.compute
         unroll = scan_unroll(compute)
         one_per_step = unroll is not True and unroll == 1  # (True == 1 in Python)
 
-        def layer_fn(local: bool, in_scan: bool):
+        def layer_fn(local: bool, in_scan: bool, index=None):
             def layer(block: Block, x):
-                x, _, stats = block.forward(x, positions_bt, segment_ids_bt, local)
+                with in_layer(index):
+                    x, _, stats = block.forward(x, positions_bt, segment_ids_bt, local)
                 return x, stats
 
             if compute.remat == "none":
@@ -339,23 +342,25 @@ class Transformer(nnx.Module):
 
         if not compute.scan_layers:
             stats = []
-            for block, local in zip(blocks, flags):
-                x_btd, layer_stats = layer_fn(local, in_scan=False)(block, x_btd)
+            for i, (block, local) in enumerate(zip(blocks, flags)):
+                x_btd, layer_stats = layer_fn(local, in_scan=False, index=first + i)(block, x_btd)
                 stats += _one_layer(layer_stats)
             return x_btd, _stack(stats)
         graphdef, stacked = nnx.split(blocks)
+        stacked = (stacked, jnp.arange(first, first + len(flags)))  # each layer's params and index
 
         def run_layers(x, state, flags: list[bool], in_scan: bool):
-            """The layers of `state` (leaves (len(flags), ...)), run by run of equal flags."""
+            """The layers of `state` ((params, index), leaves (len(flags), ...)), run by run of equal flags."""
             start, stats = 0, []
             for local, length in _runs(flags):
                 if length == 1:
-                    block = nnx.merge(graphdef, jax.tree.map(lambda a, i=start: a[i], state))
-                    x, layer_stats = layer_fn(local, in_scan)(block, x)
+                    layer_state, index = jax.tree.map(lambda a, i=start: a[i], state)
+                    x, layer_stats = layer_fn(local, in_scan, index)(nnx.merge(graphdef, layer_state), x)
                     stats += _one_layer(layer_stats)
                 else:
-                    def step(x, layer_state, local=local):
-                        return layer_fn(local, in_scan=True)(nnx.merge(graphdef, layer_state), x)
+                    def step(x, layer, local=local):
+                        layer_state, index = layer
+                        return layer_fn(local, True, index)(nnx.merge(graphdef, layer_state), x)
 
                     run_state = jax.tree.map(lambda a, lo=start, hi=start + length: a[lo:hi], state)
                     x, run_stats = jax.lax.scan(step, x, run_state, unroll=unroll)

@@ -63,9 +63,6 @@ def finetune_start(cfg: Any) -> tuple[ModelConfig, ComputeConfig, TokenizerBundl
             cfg.lora.targets(model_cfg)
         except ValueError as e:
             raise ConfigError(f"lora.target_modules: {e}") from None
-        if cfg.lora.dropout:
-            raise ConfigError(f"lora.dropout: {cfg.lora.dropout} is not supported yet (the adapter trains without "
-                              "dropout, PEFT's default); set 0.0")
     bundle = load_saved(tokenizer_dir(cfg))
     if bundle.vocab_size > model_cfg.vocab_size:
         raise ConfigError(f"the tokenizer's vocabulary ({bundle.vocab_size}) is larger than the model's "

@@ -37,6 +37,7 @@ from engine.config import ConfigError
 from engine.data.tokenizer import TokenizerBundle
 from engine.inference.sample import Sampler, decode_completions, encode_prompts, left_pad, prompt_positions
 from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.lora import LORA_SEED, dropout_rows
 from engine.models.params import apply_model_with_aux, graphdef_of
 from engine.ops.partitioning import use_mesh
 from engine.posttrain.config import GRPOConfig, GRPODataConfig
@@ -136,8 +137,9 @@ def make_logps_fn(graphdef, prompt_len: int, temperature: float, *, with_aux: bo
     with_aux: ((log p, entropy), aux), aux a mixture of experts' router losses (empty if dense)."""
 
     def logps(params, batch):
-        logits, aux = apply_model_with_aux(graphdef, params, batch["tokens"], batch["positions"],
-                                           batch["segment_ids"])
+        with dropout_rows(batch.get(LORA_SEED)):  # set in training steps only: never in the rollout's log-probs
+            logits, aux = apply_model_with_aux(graphdef, params, batch["tokens"], batch["positions"],
+                                               batch["segment_ids"])
         completion = batch["tokens"][:, prompt_len:]
         out = completion_logps(logits[:, prompt_len - 1:-1], completion, temperature)
         return (out, aux) if with_aux else out

@@ -170,7 +170,9 @@ def plan_step(cfg: TrainConfig, target: Target, *, stage: str = "train",
     `objective` and `batch` (name -> ShapeDtypeStruct) describe a stage whose loss or batch is not
     language modelling (GRPO); by default next-token cross-entropy over cfg.data's rows.
     """
-    batch = batch or lm_batch(cfg.data.batch_size, cfg.data.seq_len)
+    batch = dict(batch or lm_batch(cfg.data.batch_size, cfg.data.seq_len))
+    if cfg.lora is not None and cfg.lora.dropout:  # the rows' dropout seeds (engine/models/lora.py)
+        batch["lora_seed"] = jax.ShapeDtypeStruct((cfg.data.batch_size, 1), np.int32)
     tokens = cfg.data.batch_size * cfg.data.seq_len
     devices = target_devices(target)
     if devices is None:

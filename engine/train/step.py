@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from engine.models.lora import join
+from engine.models.lora import LORA_SEED, dropout_rows, join
 from engine.models.params import apply_model_with_aux
 from engine.ops.cross_entropy import log_z_and_target
 
@@ -55,8 +55,9 @@ def lm_loss_fn(graphdef, z_loss: float = 0.0):
     """loss_fn(params, batch, normaliser) -> (loss, aux) for next-token prediction."""
 
     def loss_fn(params, batch, normaliser):
-        logits, moe = apply_model_with_aux(graphdef, params, batch["tokens"], batch["positions"],
-                                           batch["segment_ids"])
+        with dropout_rows(batch.get(LORA_SEED)):  # a LoRA adapter's dropout, in training steps only
+            logits, moe = apply_model_with_aux(graphdef, params, batch["tokens"], batch["positions"],
+                                               batch["segment_ids"])
         total, nll_sum = cross_entropy(logits, batch["targets"], batch["loss_mask"], z_loss)
         tokens = jnp.sum(batch["loss_mask"])
         aux = {"loss": nll_sum / normaliser, "nll_sum": nll_sum, "tokens": tokens}

@@ -25,7 +25,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from engine.config import ConfigError
-from engine.models.lora import join, split_adapter
+from engine.models.lora import LORA_SEED, join, split_adapter
 from engine.models.quantize import QUANTIZED_DTYPES, quantizable, quantize_leaf, quantized_abstract
 from engine.models.params import abstract_model_params, graphdef_of, init_params
 from engine.ops.partitioning import use_mesh
@@ -162,6 +162,7 @@ class Trainer:
                 f"rows per micro-batch must divide over the data x expert x fsdp mesh axes ({n_batch_shards} shards)"
             )
         self.lora = cfg.lora
+        self.lora_dropout = cfg.lora is not None and cfg.lora.dropout > 0
         self.graphdef = graphdef_of(cfg.model, cfg.compute, cfg.lora)
         self.abstract_params = abstract_model_params(cfg.model, cfg.compute, self.mesh, cfg.lora)
         self.abstract_base = None
@@ -195,6 +196,8 @@ class Trainer:
         self.batch_sharding = batch_sharding(self.mesh)
         self.hooks: list[_Hook] = []
         self.batch_shapes = lm_batch(cfg.data.batch_size, cfg.data.seq_len) if objective is None else None
+        if self.batch_shapes is not None and self.lora_dropout:
+            self.batch_shapes[LORA_SEED] = jax.ShapeDtypeStruct((cfg.data.batch_size, 1), np.int32)
         """A batch's shapes when known before the first one exists (language modelling), so the
         step compiles, and its memory is checked, before any state is allocated."""
         self._train_step = None
@@ -230,6 +233,11 @@ class Trainer:
             return compiled(params, opt_state, batch, *self._base_args())
         with use_mesh(self.mesh):  # a batch of another shape or dtype: jit compiles it
             return self._train_step(params, opt_state, batch, *self._base_args())
+
+    def lora_seeds(self, step: int, rows: int) -> jax.Array:
+        """One dropout seed per row of step `step + 1`'s batch (engine/models/lora.py: dropout_rows)."""
+        seeds = np.random.default_rng([self.cfg.seed, step, 0x10A]).integers(0, 2**31 - 1, (rows, 1), dtype=np.int32)
+        return global_array(seeds, self.batch_sharding)
 
     def model_params(self, params):
         """The whole model's params for `params` of the state: with LoRA the adapter joined to
@@ -398,6 +406,8 @@ class Trainer:
         while state.step < cfg.steps:
             start = time.perf_counter()
             batch, source_metrics = source.next_batch(state)
+            if self.lora_dropout:  # the rows' dropout seeds: from the run's seed and the step, layout-free
+                batch = {**batch, LORA_SEED: self.lora_seeds(state.step, len(next(iter(batch.values()))))}
             for _ in range(self.updates_per_batch):
                 state.params, state.opt_state, metrics = self.train_step(state.params, state.opt_state, batch)
             state.step += 1
