@@ -235,3 +235,20 @@ def test_lora_dropout_is_inverted_per_row_per_layer_and_off_outside_training():
     assert abs((a == 0).mean() - 0.25) < 0.02
     np.testing.assert_array_equal(a[0], a[2])  # the same seed, the same mask
     assert (a[0] != a[1]).any() and (a != other_module).any() and (a != other_layer).any()
+
+
+def test_grpo_samples_and_trains_on_a_quantized_base(tmp_path):
+    """QLoRA in GRPO: rollouts decode through the NF4 base (dequantized per layer) plus the
+    adapter, and the KL reference is that quantized base with the adapter off."""
+    from engine.posttrain.grpo import run_grpo
+    from tests.test_grpo import grpo_config, make_copy_task
+
+    cfg = ModelConfig(vocab_size=16, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=64,
+                      max_seq_len=16, init_std=0.25)
+    task = make_copy_task(tmp_path / "task", cfg)
+    result = run_grpo(grpo_config(task, tmp_path / "run", **LORA, **{"lora.base_dtype": "nf4", "beta": 0.01,
+                                                                      "steps": 3, "prompts_per_step": 4,
+                                                                      "num_generations": 4}))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert result["steps"] == 3 and len(records) == 3
+    assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6) and all(np.isfinite(r["loss"]) for r in records)
