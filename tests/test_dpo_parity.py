@@ -40,9 +40,6 @@ PAIRS, TOKENS, VOCAB = 5, 7, 17  # per-token arrays are (2 * PAIRS, TOKENS): row
 SEEDS = (0, 1, 2)
 TOLERANCE = 1e-6  # float64 on both sides
 
-ROBUST_BUG = ("engine's robust is conservative DPO, -(1-e)*logsig(b*d) - e*logsig(-b*d); trl 1.16 "
-              "dpo_trainer.py `robust` is (-(1-e)*logsig(b*d) + e*logsig(-b*d)) / (1 - 2e) (Chowdhury et al. "
-              "2024): the flipped term's sign and the 1/(1-2e) factor differ; equal only at label_smoothing 0")
 
 
 @pytest.fixture(autouse=True)
@@ -139,10 +136,8 @@ DPO_CASES = [pytest.param(loss_type, beta, 0.0, id=f"{loss_type}-beta{beta}")
 DPO_CASES += [
     # TRL 1.16's sigmoid ignores label_smoothing (cDPO is gone from it); so must the engine's.
     pytest.param("sigmoid", 0.5, 0.2, id="sigmoid-beta0.5-smoothing0.2"),
-    pytest.param("robust", 0.1, 0.2, id="robust-beta0.1-smoothing0.2", marks=pytest.mark.xfail(strict=True,
-                                                                                                reason=ROBUST_BUG)),
-    pytest.param("robust", 0.5, 0.3, id="robust-beta0.5-smoothing0.3", marks=pytest.mark.xfail(strict=True,
-                                                                                                reason=ROBUST_BUG)),
+    pytest.param("robust", 0.1, 0.2, id="robust-beta0.1-smoothing0.2"),
+    pytest.param("robust", 0.5, 0.3, id="robust-beta0.5-smoothing0.3"),
 ]
 
 

@@ -154,3 +154,79 @@ class GRPOConfig(Strict):
         if self.algorithm == "grpo":
             return "token"
         return "sequence" if self.gspo_variant == "sequence" else "sequence_token"
+
+
+class DPODataConfig(Strict):
+    """Preference pairs: JSONL in TRL's formats, one pair per line:
+
+        {"prompt": "...", "chosen": "...", "rejected": "..."}                      text
+        {"prompt": [messages], "chosen": [messages], "rejected": [messages]}      conversational
+        {"chosen": [messages], "rejected": [messages]}                            implicit prompt: the
+                                                                                   messages they share
+    """
+
+    path: str | None = None
+    """A JSONL file, or a directory whose *.jsonl files are read in name order; required."""
+    prompt_field: str = "prompt"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+    eval_path: str | None = None
+    """Held-out pairs (same format). None: the last `eval_fraction` of `path`."""
+    eval_fraction: float = Field(0.0, ge=0, lt=1)
+    eval_batches: int = Field(0, ge=0)
+    """Batches of held-out pairs per evaluation (0 = all of them)."""
+    max_prompt_length: int = Field(128, gt=0)
+    """A longer prompt keeps its last tokens (truncated on the left, as TRL's DPO did)."""
+    max_length: int = Field(256, gt=1)
+    """Prompt + completion tokens of each sequence; a longer completion keeps its start. Each
+    row holds a pair: the chosen then the rejected sequence, apart by segment ids (2 x max_length)."""
+    batch_size: int = Field(8, gt=0)
+    """Pairs per optimizer step."""
+    shuffle: bool = True
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_lengths(self) -> "DPODataConfig":
+        if self.max_prompt_length >= self.max_length:
+            raise ValueError(f"max_prompt_length ({self.max_prompt_length}) must be below max_length "
+                             f"({self.max_length}), which leaves the completion its share")
+        return self
+
+
+class DPOConfig(RunFields):
+    """One DPO run (TRL's DPOTrainer definitions): a policy starting at checkpoint.init_from
+    and a frozen reference, on preference pairs."""
+
+    model: ModelConfig | None = None
+    """None: the architecture stored with checkpoint.init_from."""
+    compute: ComputeConfig | None = None
+    """None: the settings checkpoint.init_from was saved with."""
+    tokenizer: str | None = None
+    """Tokenizer directory. None: `tokenizer/` next to checkpoint.init_from."""
+    optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-6, weight_decay=0.0)
+    """TRL's default learning rate for DPO."""
+    data: DPODataConfig = DPODataConfig()
+    loss_type: Literal["sigmoid", "robust", "hinge", "ipo", "sppo_hard", "apo_zero", "apo_down", "sigmoid_norm",
+                       "simpo"] = "sigmoid"
+    """TRL's names (engine/posttrain/preference_loss.py); simpo is reference-free (no reference model)."""
+    beta: float = Field(0.1, gt=0)
+    """The KL strength (DPO's beta; IPO's tau)."""
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """robust and simpo: the assumed fraction of flipped labels."""
+    simpo_gamma: float = Field(0.5, ge=0)
+    """simpo: the target reward margin gamma (TRL's simpo_gamma)."""
+    rpo_alpha: float | None = Field(None, ge=0)
+    """RPO: add alpha x the NLL of the chosen completions (mean per token; TRL's `sft` loss term)."""
+    precompute_ref: bool = False
+    """Compute the reference's log-probabilities of every pair once before training (TRL's
+    precompute_ref_log_probs), so no reference model is held while training."""
+    lora: LoraConfig | None = None
+    """Train a LoRA adapter; the reference is then the base with the adapter off (no copy)."""
+
+    @model_validator(mode="after")
+    def _check_loss(self) -> "DPOConfig":
+        if self.label_smoothing and self.loss_type not in ("robust", "simpo"):
+            raise ValueError(f"label_smoothing applies to loss_type robust or simpo, not {self.loss_type}")
+        if self.precompute_ref and self.loss_type == "simpo":
+            raise ValueError("loss_type simpo is reference-free: precompute_ref has nothing to compute")
+        return self

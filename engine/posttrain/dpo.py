@@ -1,0 +1,381 @@
+"""DPO and its variants on the shared trainer: preference pairs in, a policy out.
+
+Data is JSONL in TRL's preference formats (engine/posttrain/config.py: DPODataConfig). A
+pair becomes one row: prompt + chosen as segment 1, then prompt + rejected as segment 2
+(attention never crosses them, positions restart), so a micro-batch always holds whole pairs
+and the row shards like any other. A prompt longer than max_prompt_length keeps its last
+tokens; a completion is cut to what max_length leaves it; eos closes text completions.
+
+The loss (engine/posttrain/preference_loss.py, TRL's definitions) compares the policy's
+summed completion log-probabilities with the reference's. The reference is the start
+checkpoint, frozen: with LoRA the base with the adapter off (no copy of the weights),
+otherwise a second copy of the start params; `precompute_ref` computes its log-probs for
+every pair once up front and keeps no reference during training. Its log-probs join each
+batch (`ref_logps`: (pairs, 2), chosen then rejected), computed by the batch source, as
+GRPO's reference is. Metrics are TRL's: rewards/chosen, rewards/rejected, rewards/margins,
+rewards/accuracies, logps/chosen, logps/rejected, per step and on the held-out pairs.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.config import ConfigError
+from engine.data.chat import render
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.params import apply_model_with_aux, graphdef_of
+from engine.ops.cross_entropy import log_z_and_target
+from engine.ops.partitioning import use_mesh
+from engine.posttrain.config import DPOConfig, DPODataConfig
+from engine.posttrain.finetune import finetune_start, read_jsonl
+from engine.posttrain.preference_loss import per_pair_loss, preference_rewards
+from engine.train.checkpoint import load_params
+from engine.train.cli import run_cli
+from engine.train.config import TrainConfig
+from engine.train.hooks import log_to_stderr, run_training
+from engine.train.step import Objective, moe_metrics
+from engine.train.trainer import Trainer, TrainState
+
+CHOSEN, REJECTED = 1, 2  # the segment ids of a row's two sequences
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+           "logps/rejected")
+
+
+def train_config(cfg: DPOConfig, model_cfg: ModelConfig, compute: ComputeConfig) -> TrainConfig:
+    """The trainer's view: rows of 2 x max_length tokens, one pair each."""
+    seq_len = 2 * cfg.data.max_length
+    if cfg.data.max_length > model_cfg.max_seq_len:
+        raise ConfigError(f"data.max_length ({cfg.data.max_length}) exceeds the model's max_seq_len "
+                          f"({model_cfg.max_seq_len})")
+    tree = cfg.model_dump(exclude={"tokenizer", "data", "loss_type", "beta", "label_smoothing", "simpo_gamma",
+                                   "rpo_alpha", "precompute_ref"})
+    tree.update(model=model_cfg.model_dump(), compute=compute.model_dump(),
+                data={"seq_len": seq_len, "batch_size": cfg.data.batch_size, "seed": cfg.data.seed})
+    try:
+        return TrainConfig.model_validate(tree)
+    except ValueError as e:
+        raise ConfigError(f"dpo: {e}") from None
+
+
+# --------------------------------------------------------------------------- pairs
+
+
+@dataclass
+class Pair:
+    prompt: np.ndarray  # (n,) int32, special tokens included
+    chosen: np.ndarray  # completion tokens
+    rejected: np.ndarray
+
+
+def _common_prefix(a: list, b: list) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _encode_completion(bundle, prompt, completion, where: str, field: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids) of a text or conversational prompt/completion."""
+    if isinstance(prompt, list) != isinstance(completion, list):
+        raise ConfigError(f"{where}: prompt and {field} must both be text or both be message lists")
+    if isinstance(prompt, list):
+        before = render(bundle, prompt, add_generation_prompt=True)
+        text = render(bundle, prompt + completion)
+        if not text.startswith(before):
+            raise ConfigError(f"{where}: the chat template does not render the prompt as a prefix of the conversation")
+        prompt_ids = bundle.tokenizer.encode(before, add_special_tokens=False).ids
+        return list(prompt_ids), list(bundle.tokenizer.encode(text[len(before):], add_special_tokens=False).ids)
+    if not isinstance(prompt, str) or not isinstance(completion, str):
+        raise ConfigError(f"{where}: prompt and {field} must be strings or message lists")
+    prompt_ids = bundle.tokenizer.encode(prompt, add_special_tokens=True).ids
+    return list(prompt_ids), list(bundle.tokenizer.encode(completion, add_special_tokens=False).ids) + [bundle.eos_id]
+
+
+def tokenize_pair(record: dict, where: str, bundle, data: DPODataConfig) -> Pair:
+    for field in (data.chosen_field, data.rejected_field):
+        if field not in record:
+            raise ConfigError(f"{where}: no '{field}' key (the record has: {', '.join(record) or 'nothing'})")
+    chosen, rejected = record[data.chosen_field], record[data.rejected_field]
+    if data.prompt_field in record:
+        prompt = record[data.prompt_field]
+    elif isinstance(chosen, list) and isinstance(rejected, list):  # implicit prompt: the shared messages
+        shared = _common_prefix(chosen, rejected)
+        if shared == 0:
+            raise ConfigError(f"{where}: no '{data.prompt_field}' key, and {data.chosen_field} and "
+                              f"{data.rejected_field} share no leading message to take as the prompt")
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    else:
+        raise ConfigError(f"{where}: no '{data.prompt_field}' key (an implicit prompt needs message lists)")
+    prompt_ids, chosen_ids = _encode_completion(bundle, prompt, chosen, where, data.chosen_field)
+    _, rejected_ids = _encode_completion(bundle, prompt, rejected, where, data.rejected_field)
+    prompt_ids = prompt_ids[-data.max_prompt_length:]  # keep the prompt's end
+    room = data.max_length - len(prompt_ids)
+    return Pair(np.asarray(prompt_ids, np.int32), np.asarray(chosen_ids[:room], np.int32),
+                np.asarray(rejected_ids[:room], np.int32))
+
+
+def load_pairs(data: DPODataConfig, bundle, log: Callable[[str], None]) -> tuple[list[Pair], list[Pair]]:
+    """(train, held-out) pairs, tokenized; pairs whose chosen and rejected are the same are
+    counted, reported and left out (they carry no preference)."""
+    if not data.path:
+        raise ConfigError("data.path is required: a JSONL file of preference pairs")
+
+    def read(path: str) -> list[Pair]:
+        pairs, same = [], []
+        for where, record in read_jsonl(path):
+            pair = tokenize_pair(record, where, bundle, data)
+            if np.array_equal(pair.chosen, pair.rejected):
+                same.append(where)
+            else:
+                pairs.append(pair)
+        if same:
+            log(f"dpo: {len(same)} pair(s) of {path} have identical chosen and rejected completions and are left "
+                f"out (first: {same[0]})")
+        return pairs
+
+    pairs = read(data.path)
+    if data.eval_path:
+        held_out = read(data.eval_path)
+    else:
+        n_eval = int(round(len(pairs) * data.eval_fraction))
+        pairs, held_out = pairs[: len(pairs) - n_eval], pairs[len(pairs) - n_eval:]
+    if not pairs:
+        raise ConfigError(f"data.path: {data.path} has no preference pair to train on")
+    return pairs, held_out
+
+
+def pair_rows(pairs: list[Pair], max_length: int) -> dict[str, np.ndarray]:
+    """One row per pair: tokens, targets, positions, segment_ids, loss_mask (pairs, 2 x max_length)."""
+    n, width = len(pairs), 2 * max_length
+    out = {k: np.zeros((n, width), np.int32) for k in ("tokens", "targets", "positions", "segment_ids")}
+    out["loss_mask"] = np.zeros((n, width), np.float32)
+    for r, pair in enumerate(pairs):
+        at = 0
+        for segment, completion in ((CHOSEN, pair.chosen), (REJECTED, pair.rejected)):
+            ids = np.concatenate([pair.prompt, completion])
+            m = len(ids) - 1  # targets
+            out["tokens"][r, at:at + m] = ids[:-1]
+            out["targets"][r, at:at + m] = ids[1:]
+            out["positions"][r, at:at + m] = np.arange(m)
+            out["segment_ids"][r, at:at + m] = segment
+            out["loss_mask"][r, at + len(pair.prompt) - 1:at + m] = 1.0  # the completion's tokens are targets
+            at += max_length
+    return out
+
+
+# --------------------------------------------------------------------------- log-probs and the loss
+
+
+def sequence_logps(logits_btv, batch):
+    """(log p of the chosen completion, of the rejected, their token counts, chosen-token NLL
+    sum), each (pairs,): summed over the completion tokens of each segment."""
+    log_z, target = log_z_and_target(logits_btv, batch["targets"])
+    logp_bt = (target - log_z) * batch["loss_mask"]
+    chosen_bt, rejected_bt = batch["segment_ids"] == CHOSEN, batch["segment_ids"] == REJECTED
+    mask = batch["loss_mask"]
+    return (jnp.sum(logp_bt * chosen_bt, 1), jnp.sum(logp_bt * rejected_bt, 1), jnp.sum(mask * chosen_bt, 1),
+            jnp.sum(mask * rejected_bt, 1))
+
+
+def make_logps_fn(graphdef):
+    """logps(params, batch) -> (pairs, 2): the summed completion log-probs, chosen then rejected."""
+
+    def logps(params, batch):
+        logits, _ = apply_model_with_aux(graphdef, params, batch["tokens"], batch["positions"], batch["segment_ids"])
+        chosen, rejected, _, _ = sequence_logps(logits, batch)
+        return jnp.stack([chosen, rejected], axis=1)
+
+    return logps
+
+
+def pairs_and_chosen_tokens(batch):
+    """The normalisers of a batch: its pairs (rows with a chosen completion) and chosen completion tokens."""
+    chosen = batch["loss_mask"] * (batch["segment_ids"] == CHOSEN)
+    return jnp.maximum(jnp.sum(jnp.any(chosen > 0, axis=1)), 1.0), jnp.maximum(jnp.sum(chosen), 1.0)
+
+
+def make_loss_fn(graphdef, cfg: DPOConfig):
+    """loss_fn(params, batch, (pairs, chosen tokens)) -> (loss, metrics): each metric a sum over
+    the micro-batch / the batch's pairs, so micro-batches add up to the batch's means."""
+
+    def loss_fn(params, batch, normaliser):
+        pairs, chosen_tokens_total = normaliser if isinstance(normaliser, tuple) else (normaliser, normaliser)
+        logits, moe = apply_model_with_aux(graphdef, params, batch["tokens"], batch["positions"], batch["segment_ids"])
+        chosen, rejected, chosen_tokens, rejected_tokens = sequence_logps(logits, batch)
+        valid = (chosen_tokens > 0).astype(jnp.float32)
+        ref = batch.get("ref_logps")
+        ref_chosen, ref_rejected = (0.0, 0.0) if ref is None else (ref[:, 0], ref[:, 1])
+        losses = per_pair_loss(cfg.loss_type, chosen, rejected, ref_chosen, ref_rejected, chosen_tokens,
+                               rejected_tokens, beta=cfg.beta, label_smoothing=cfg.label_smoothing,
+                               simpo_gamma=cfg.simpo_gamma)
+        loss = jnp.sum(losses * valid) / pairs
+        if cfg.rpo_alpha:  # TRL's `sft` term: the mean NLL per chosen completion token of the batch
+            loss = loss + cfg.rpo_alpha * -jnp.sum(chosen) / chosen_tokens_total
+        reward_chosen, reward_rejected = preference_rewards(cfg.loss_type, chosen, rejected, ref_chosen, ref_rejected,
+                                                            chosen_tokens, rejected_tokens, cfg.beta)
+        share = lambda x: jnp.sum(x * valid) / pairs  # noqa: E731
+        metrics = {"loss": loss, "pairs": jnp.sum(valid), "rewards/chosen": share(reward_chosen),
+                   "rewards/rejected": share(reward_rejected),
+                   "rewards/margins": share(reward_chosen - reward_rejected),
+                   "rewards/accuracies": share((reward_chosen > reward_rejected).astype(jnp.float32)),
+                   "logps/chosen": share(jax.lax.stop_gradient(chosen)),
+                   "logps/rejected": share(jax.lax.stop_gradient(rejected))}
+        if moe:  # a mixture of experts keeps its router losses, weighted by this micro-batch's share
+            part = jnp.sum(valid) / pairs
+            loss = loss + part * moe["aux_loss"]
+            metrics.update(moe_metrics(moe, part))
+        return loss, metrics
+
+    return loss_fn
+
+
+def dpo_objective(graphdef, cfg: DPOConfig) -> Objective:
+    return Objective(make_loss_fn(graphdef, cfg), pairs_and_chosen_tokens)
+
+
+# --------------------------------------------------------------------------- the reference and the batches
+
+
+class Reference:
+    """The frozen reference's log-probs of pair rows: the base without the adapter (LoRA), or
+    a copy of the start params; None for a reference-free loss. `precompute` fills a table
+    for given rows once and lets the reference go."""
+
+    def __init__(self, cfg: DPOConfig, trainer: Trainer, model_cfg: ModelConfig):
+        self.trainer, self.table = trainer, None
+        self.enabled = cfg.loss_type != "simpo"
+        if not self.enabled:
+            return
+        rows = trainer.batch_sharding
+        if cfg.lora is not None:  # the base, through the model without adapters
+            fn = make_logps_fn(graphdef_of(model_cfg, trainer.cfg.compute))
+            self._params = lambda: trainer._base_args()[0]
+            shardings = trainer.base_shardings
+        else:
+            fn = make_logps_fn(trainer.graphdef)
+            loaded = {}
+            self._params = lambda: loaded.setdefault("p", load_params(cfg.checkpoint.init_from,
+                                                                      trainer.abstract_params)[1])
+            shardings = trainer.param_shardings
+        self._fn = jax.jit(fn, in_shardings=(shardings, rows), out_shardings=rows)
+
+    def __call__(self, rows: dict[str, np.ndarray]) -> jax.Array | None:
+        if not self.enabled:
+            return None
+        with use_mesh(self.trainer.mesh):
+            return self._fn(self._params(), self.trainer.global_batch(rows))
+
+
+class PairBatches:
+    """The trainer's batch source: endless batches of pair rows over epochs, reshuffled each
+    epoch, with the reference's log-probs; its state is (epoch, index)."""
+
+    def __init__(self, pairs: list[Pair], cfg: DPOConfig, trainer: Trainer, reference: Reference,
+                 table: np.ndarray | None = None):
+        self.pairs, self.cfg, self.trainer, self.reference, self.table = pairs, cfg, trainer, reference, table
+        self.epoch, self.index = 0, 0
+
+    def _order(self) -> np.ndarray:
+        order = np.arange(len(self.pairs))
+        if self.cfg.data.shuffle:
+            order = np.random.default_rng([self.cfg.data.seed, self.epoch]).permutation(order)
+        return order
+
+    def next_batch(self, state: TrainState):
+        chosen: list[int] = []
+        while len(chosen) < self.cfg.data.batch_size:
+            order = self._order()
+            take = min(self.cfg.data.batch_size - len(chosen), len(order) - self.index)
+            chosen += order[self.index:self.index + take].tolist()
+            self.index += take
+            if self.index == len(order):
+                self.epoch, self.index = self.epoch + 1, 0
+        rows = pair_rows([self.pairs[i] for i in chosen], self.cfg.data.max_length)
+        batch = self.trainer.global_batch(rows)
+        if self.table is not None:
+            batch["ref_logps"] = self.trainer.global_batch({"r": self.table[chosen]})["r"]
+        elif self.reference.enabled:
+            batch["ref_logps"] = self.reference(rows)
+        return batch, {}
+
+    def get_state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def set_state(self, state: dict) -> None:
+        self.epoch, self.index = int(state.get("epoch", 0)), int(state.get("index", 0))
+
+
+def reference_table(pairs: list[Pair], cfg: DPOConfig, reference: Reference, rows_per_batch: int) -> np.ndarray:
+    """The reference's (chosen, rejected) log-probs of every pair, in batches of whole rows."""
+    out = []
+    for start in range(0, len(pairs), rows_per_batch):
+        chunk = pairs[start:start + rows_per_batch]
+        rows = pair_rows(chunk + [chunk[-1]] * (rows_per_batch - len(chunk)), cfg.data.max_length)
+        out.append(np.asarray(jax.device_get(reference(rows)))[:len(chunk)])
+    return np.concatenate(out).astype(np.float32)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run_dpo(cfg: DPOConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Train `cfg.steps` batches of pairs, resuming from checkpoint.directory if it has one."""
+    log = log or log_to_stderr
+    model_cfg, compute, bundle = finetune_start(cfg)
+    train_pairs, held_out = load_pairs(cfg.data, bundle, log)
+    log(f"dpo: {len(train_pairs)} training and {len(held_out)} held-out pairs, loss {cfg.loss_type}, beta {cfg.beta}")
+    trainer = Trainer(train_config(cfg, model_cfg, compute), lambda graphdef: dpo_objective(graphdef, cfg))
+    reference = Reference(cfg, trainer, model_cfg)
+    rows_per_batch = cfg.data.batch_size // cfg.grad_accum
+    table = held_out_table = None
+    if cfg.precompute_ref:
+        table = reference_table(train_pairs, cfg, reference, cfg.data.batch_size)
+        held_out_table = reference_table(held_out, cfg, reference, rows_per_batch) if held_out else None
+        log(f"dpo: the reference's log-probs of {len(train_pairs) + len(held_out)} pairs precomputed")
+    source = PairBatches(train_pairs, cfg, trainer, reference, table)
+    evaluate = None
+    if held_out:
+        def evaluate(params) -> dict[str, float]:
+            sums: dict[str, float] = {}
+            batches = math.ceil(len(held_out) / rows_per_batch)
+            if cfg.data.eval_batches:
+                batches = min(batches, cfg.data.eval_batches)
+            for b in range(batches):
+                chunk = held_out[b * rows_per_batch:(b + 1) * rows_per_batch]
+                filler = rows_per_batch - len(chunk)  # rows without a completion carry no pair
+                rows = pair_rows(chunk, cfg.data.max_length)
+                rows = {k: np.concatenate([v, np.zeros((filler, *v.shape[1:]), v.dtype)]) for k, v in rows.items()}
+                batch = trainer.global_batch(rows)
+                if held_out_table is not None:
+                    ref = held_out_table[b * rows_per_batch:(b + 1) * rows_per_batch]
+                    batch["ref_logps"] = trainer.global_batch({"r": np.concatenate(
+                        [ref, np.zeros((filler, 2), np.float32)])})["r"]
+                elif reference.enabled:
+                    batch["ref_logps"] = reference(rows)
+                aux = trainer.eval_step(params, batch)
+                for key in ("loss", "pairs", *METRICS):
+                    sums[key] = sums.get(key, 0.0) + float(aux[key])
+            pairs = max(sums["pairs"], 1.0)
+            return {"eval_loss": sums["loss"] / pairs, **{f"eval_{k}": sums[k] / pairs for k in METRICS},
+                    "eval_pairs": sums["pairs"]}
+
+    result = run_training(trainer, source, log=log, evaluate=evaluate,
+                          meta={"stage": "dpo", "dpo_config": cfg.model_dump(mode="json")},
+                          logged=("loss", "grad_norm", *METRICS))
+    result.update({"train_pairs": len(train_pairs), "eval_pairs": len(held_out)})
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(argv, "engine.posttrain.dpo", DPOConfig, run_dpo)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""DPO on the shared trainer: preference rows, the reference, learning on a task whose
+preferred answer is known, resume, bad input; sequence log-probs equal transformers'."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine.config import ConfigError, load_config
+from engine.data.tokenizer import load_saved
+from engine.posttrain.config import DPOConfig
+from engine.posttrain.dpo import CHOSEN, REJECTED, load_pairs, pair_rows, run_dpo, tokenize_pair
+from engine.train.checkpoint import load_params
+from tests.test_lora_train import base  # noqa: F401  (a tiny checkpoint artifact, init std 0.25)
+
+NAMES = ["red", "green", "blue"]
+
+
+@pytest.fixture(scope="module")
+def preferences(tmp_path_factory) -> Path:
+    """'colour i:' prefers the i-th colour to another one: learnable, the answer known."""
+    path = tmp_path_factory.mktemp("dpo-data") / "pairs.jsonl"
+    rng = np.random.default_rng(0)
+    with path.open("w") as f:
+        for i in range(72):
+            right, wrong = i % 3, (i % 3 + 1 + rng.integers(0, 2)) % 3
+            f.write(json.dumps({"prompt": f"colour {right}:", "chosen": f" {NAMES[right]}",
+                                "rejected": f" {NAMES[wrong]}"}) + "\n")
+    return path
+
+
+def dpo_config(base: Path, out: Path, data: Path, **overrides) -> DPOConfig:  # noqa: F811
+    tree = {
+        "checkpoint": {"init_from": str(base / "checkpoint"), "directory": str(out / "checkpoint"),
+                       "every_steps": 10, "async_save": False},
+        "data": {"path": str(data), "max_prompt_length": 8, "max_length": 16, "batch_size": 8,
+                 "eval_fraction": 0.25},
+        "optimizer": {"learning_rate": 1e-3}, "schedule": {"kind": "constant"},
+        "steps": 20, "log_every": 5, "eval_every": 0, "progress": False, "metrics_dir": str(out),
+    }
+    return load_config(tree=tree, overrides=[f"{k}={v}" for k, v in overrides.items()], schema=DPOConfig)
+
+
+def test_pair_rows_hold_chosen_then_rejected_with_the_completion_as_targets(base):  # noqa: F811
+    bundle = load_saved(base / "tokenizer")
+    cfg = dpo_config(base, Path("unused"), Path("unused.jsonl"))
+    pair = tokenize_pair({"prompt": "colour 1:", "chosen": " green", "rejected": " red"}, "x:1", bundle, cfg.data)
+    rows = pair_rows([pair], cfg.data.max_length)
+    seg, mask = rows["segment_ids"][0], rows["loss_mask"][0]
+    n_prompt = len(pair.prompt)
+    assert (seg[:16][:n_prompt + len(pair.chosen) - 1] == CHOSEN).all() and seg[16] == REJECTED
+    np.testing.assert_array_equal(rows["targets"][0][mask.astype(bool) & (seg == CHOSEN)], pair.chosen)
+    np.testing.assert_array_equal(rows["targets"][0][mask.astype(bool) & (seg == REJECTED)], pair.rejected)
+    assert pair.chosen[-1] == bundle.eos_id and rows["positions"][0][16] == 0
+
+
+def test_dpo_learns_the_preferred_answers_and_resumes_bitwise(base, preferences, tmp_path):  # noqa: F811
+    first = run_dpo(dpo_config(base, tmp_path / "run", preferences, steps=30))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "rewards/chosen" in r]
+    assert first["eval_rewards/accuracies"] > 0.9, first  # held out: the policy prefers the chosen answers
+    assert first["eval_rewards/margins"] > 0 and steps[-1]["rewards/chosen"] > steps[-1]["rewards/rejected"]
+    assert steps[0]["rewards/accuracies"] < steps[-1]["rewards/accuracies"]
+    assert first["train_pairs"] == 54 and first["eval_pairs"] == 18
+    print(f"\nDPO held-out preference accuracy {first['eval_rewards/accuracies']:.3f}, "
+          f"margin {first['eval_rewards/margins']:.3f}")
+
+    # Interrupted at 10 and resumed to 30 == 30 straight (the reference's log-probs precomputed
+    # this time: the same numbers, so the same run).
+    run_dpo(dpo_config(base, tmp_path / "split", preferences, steps=10, precompute_ref=True))
+    logs = []
+    resumed = run_dpo(dpo_config(base, tmp_path / "split", preferences, steps=30, precompute_ref=True),
+                      log=logs.append)
+    assert any("resumed from checkpoint step 10" in line for line in logs)
+    assert any("precomputed" in line for line in logs)
+    a = load_params(tmp_path / "run" / "checkpoint")[1]
+    b = load_params(tmp_path / "split" / "checkpoint")[1]
+    for (path, x), (_, y) in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6,
+                                   err_msg=jax.tree_util.keystr(path))
+    assert resumed["eval_rewards/accuracies"] == pytest.approx(first["eval_rewards/accuracies"])
+
+
+@pytest.mark.parametrize("loss_type", ["ipo", "simpo", "apo_zero"])
+def test_other_loss_types_train_with_lora_and_no_reference_copy(base, preferences, tmp_path, loss_type):  # noqa: F811
+    result = run_dpo(dpo_config(base, tmp_path / loss_type, preferences, steps=12, loss_type=loss_type,
+                                **{"lora.rank": 4, "lora.target_modules": "all-linear",
+                                   "optimizer.learning_rate": 2e-2}))
+    assert result["eval_rewards/accuracies"] > 0.7, result
+
+
+def test_a_pair_without_rejected_names_its_line_and_identical_pairs_are_counted(base, tmp_path):  # noqa: F811
+    bundle = load_saved(base / "tokenizer")
+    cfg = dpo_config(base, tmp_path, tmp_path / "pairs.jsonl")
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "a", "chosen": " b", "rejected": " c"}) + "\n"
+                                          + json.dumps({"prompt": "a", "chosen": " b"}) + "\n")
+    with pytest.raises(ConfigError, match=r"pairs.jsonl:2: no 'rejected' key \(the record has: prompt, chosen\)"):
+        load_pairs(cfg.data, bundle, print)
+    (tmp_path / "pairs.jsonl").write_text("".join(
+        json.dumps({"prompt": "a", "chosen": " b", "rejected": r}) + "\n" for r in (" c", " b", " b")))
+    logs = []
+    pairs, _ = load_pairs(cfg.data.model_copy(update={"eval_fraction": 0.0}), bundle, logs.append)
+    assert len(pairs) == 1 and "2 pair(s)" in logs[0] and "pairs.jsonl:2" in logs[0]
+    with pytest.raises(ConfigError, match="beta"):
+        dpo_config(base, tmp_path, tmp_path / "pairs.jsonl", beta=0)
+    # An implicit prompt: the messages chosen and rejected share.
+    chat = [{"role": "user", "content": "colour 1?"}]
+    pair = tokenize_pair({"chosen": chat + [{"role": "assistant", "content": "green"}],
+                          "rejected": chat + [{"role": "assistant", "content": "red"}]}, "x:1", bundle, cfg.data)
+    assert "green" in bundle.tokenizer.decode(pair.chosen.tolist())
+    # The shared messages are the prompt, cut to max_prompt_length (8) from the left: its end is kept.
+    assert len(pair.prompt) == 8 and bundle.tokenizer.decode(pair.prompt.tolist()).endswith("our 1?")
+
+
+def test_sequence_log_probs_equal_transformers_on_a_converted_model(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from engine.interop.hf.convert import convert_hf
+    from engine.models.params import graphdef_of
+    from engine.posttrain.dpo import Pair, make_logps_fn
+    from engine.train.checkpoint import stored_configs
+    from tests.test_hf_parity import random_hf_model
+
+    model = random_hf_model("qwen3")
+    model.save_pretrained(tmp_path / "hf")
+    convert_hf(tmp_path / "hf", tmp_path / "out")
+    cfg, params, _ = load_params(tmp_path / "out" / "checkpoint")
+    _, compute = stored_configs(tmp_path / "out" / "checkpoint")
+    rng = np.random.default_rng(4)
+    pairs = [Pair(rng.integers(0, 37, n), rng.integers(0, 37, c), rng.integers(0, 37, r))
+             for n, c, r in ((3, 5, 2), (6, 1, 7), (2, 9, 4))]  # odd, unequal lengths
+    rows = pair_rows(pairs, 16)
+    ours = np.asarray(make_logps_fn(graphdef_of(cfg, compute))(params, {k: jnp.asarray(v) for k, v in rows.items()}))
+    for i, pair in enumerate(pairs):
+        for j, completion in enumerate((pair.chosen, pair.rejected)):
+            ids = torch.tensor(np.concatenate([pair.prompt, completion]))[None]
+            with torch.no_grad():
+                logp = torch.log_softmax(model(ids).logits.double(), -1)[0, :-1]
+            ref = logp[torch.arange(len(ids[0]) - 1), ids[0, 1:]][len(pair.prompt) - 1:].sum().item()
+            assert abs(ours[i, j] - ref) <= 1e-5 * max(1.0, abs(ref)), (i, j, ours[i, j], ref)
+
