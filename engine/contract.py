@@ -52,6 +52,7 @@ ENTRY_POINTS = {
     "hf": "engine.interop.hf",
     "generate": "engine.inference.generate",
     "merge": "engine.posttrain.merge",
+    "dpo": "engine.posttrain.dpo",
 }
 
 # --------------------------------------------------------------------------- fingerprints

@@ -17,13 +17,13 @@ import numpy as np
 from engine.config import ConfigError
 from engine.contract import CHECKPOINT_DIR
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.posttrain import grpo, sft
-from engine.posttrain.config import GRPOConfig
+from engine.posttrain import dpo, grpo, sft
+from engine.posttrain.config import DPOConfig, GRPOConfig
 from engine.train.checkpoint import stored_configs
 from engine.train.plan import Plan, plan_step, report
 from engine.train.targets import get_target
 
-TRAINING_TASKS = ("pretrain", "sft", "grpo")
+TRAINING_TASKS = ("pretrain", "sft", "grpo", "dpo")
 
 
 def grpo_batch(cfg: GRPOConfig) -> dict[str, jax.ShapeDtypeStruct]:
@@ -38,6 +38,17 @@ def grpo_batch(cfg: GRPOConfig) -> dict[str, jax.ShapeDtypeStruct]:
         batch["ref_logps"] = jax.ShapeDtypeStruct((rows, completion), np.float32)
     if cfg.num_iterations > 1:
         batch["old_logps"] = jax.ShapeDtypeStruct((rows, completion), np.float32)
+    return batch
+
+
+def dpo_batch(cfg: DPOConfig) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes of one DPO batch: a row per pair (chosen then rejected), and the reference's log-probs."""
+    rows, width = cfg.data.batch_size, 2 * cfg.data.max_length
+    batch = {k: jax.ShapeDtypeStruct((rows, width), np.int32) for k in ("tokens", "targets", "positions",
+                                                                         "segment_ids")}
+    batch["loss_mask"] = jax.ShapeDtypeStruct((rows, width), np.float32)
+    if cfg.loss_type != "simpo":
+        batch["ref_logps"] = jax.ShapeDtypeStruct((rows, 2), np.float32)
     return batch
 
 
@@ -62,6 +73,14 @@ def plan_pipeline(plan, target_name: str) -> tuple[list[Plan], list[str]]:
         models[name] = (model_cfg, compute)
         if task == "sft":
             plans.append(plan_step(sft.train_config(cfg, model_cfg, compute), target, stage=name))
+        elif task == "dpo":
+            plans.append(plan_step(dpo.train_config(cfg, model_cfg, compute), target, stage=name,
+                                   objective=lambda graphdef, cfg=cfg: dpo.dpo_objective(graphdef, cfg),
+                                   batch=dpo_batch(cfg)))
+            if cfg.loss_type != "simpo" and cfg.lora is None and not cfg.precompute_ref:
+                notes.append(f"note: stage {name} (dpo): the frozen reference's parameters, a second copy of "
+                             f"{plans[-1].memory.parameters / 2**30:.2f} GiB per device, are held beside this step "
+                             "and not counted in it (lora: or precompute_ref: true hold none)")
         else:
             plans.append(plan_step(
                 grpo.train_config(cfg, model_cfg, compute), target, stage=name,

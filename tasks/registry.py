@@ -90,6 +90,7 @@ BUILTIN_STAGES: dict[str, str] = {
     "merge": "tasks.merge:MergeStage",
     "sft": "tasks.sft:SFTStage",
     "grpo": "tasks.grpo:GRPOStage",
+    "dpo": "tasks.dpo:DPOStage",
     "evaluate": "tasks.evaluate:EvaluateStage",
     "arithmetic": "tasks.arithmetic:ArithmeticStage",
 }

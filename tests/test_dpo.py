@@ -144,3 +144,27 @@ def test_sequence_log_probs_equal_transformers_on_a_converted_model(tmp_path):
             ref = logp[torch.arange(len(ids[0]) - 1), ids[0, 1:]][len(pair.prompt) - 1:].sum().item()
             assert abs(ours[i, j] - ref) <= 1e-5 * max(1.0, abs(ref)), (i, j, ours[i, j], ref)
 
+
+
+@pytest.mark.slow
+def test_dpo_is_a_pipeline_stage_with_lineage_and_a_plan(base, preferences, tmp_path):  # noqa: F811
+    from flows.spec import Pipeline
+    from tasks.artifacts import read_manifest
+    from tasks.plan import plan_pipeline
+    from tasks.runner import RAN, execute_stage
+    from tests.test_grpo import _CheckpointCopy  # noqa: F401  (registers test-checkpoint-copy)
+
+    p = Pipeline("prefs", store=tmp_path / "store")
+    start = p.stage("base", task="test-checkpoint-copy", config={"path": str(base)})
+    p.stage("dpo", task="dpo", inputs={"checkpoint": start}, launcher={"kind": "local", "env": {"XLA_FLAGS": ""}},
+            config={"data": {"path": str(preferences), "max_prompt_length": 8, "max_length": 16, "batch_size": 8,
+                             "eval_fraction": 0.1},
+                    "steps": 3, "log_every": 1, "lora": {"rank": 4, "target_modules": "all-linear"}})
+    plan = p.plan()
+    assert [execute_stage(s.job, plan.store).status for s in plan.stages.values()] == [RAN, RAN]
+    out = plan.store.artifact_dir("dpo", plan.stages["dpo"].job.artifact_id)
+    manifest = read_manifest(out)
+    assert manifest["kind"] == "adapter" and [q["stage"] for q in manifest["parents"]] == ["base"]
+    assert manifest["metrics"]["steps"] == 3 and "eval_rewards/accuracies" in manifest["metrics"]
+    plans, notes = plan_pipeline(plan, "local")
+    assert [q.stage for q in plans] == ["dpo"] and plans[0].fits and plans[0].memory.gradients < plans[0].memory.parameters

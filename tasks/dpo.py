@@ -1,0 +1,36 @@
+"""The dpo stage: a checkpoint (or adapter) artifact and a JSONL file of preference pairs in,
+a checkpoint (or, with `lora:`, an adapter) artifact out.
+
+    <out>/checkpoint/     Orbax checkpoints of the policy (engine.train.checkpoint.load_params)
+    <out>/tokenizer/      the input's tokenizer, carried along
+    <out>/dpo.yaml        the resolved engine config the child ran
+    <out>/metrics.jsonl   per step and held out: loss, rewards/{chosen,rejected,margins,accuracies}, logps/...
+
+The engine runs in a child process (`python -m engine.posttrain.dpo <out>/dpo.yaml`); a re-run
+resumes from the latest checkpoint. The artifact id covers the pairs' bytes.
+"""
+
+from __future__ import annotations
+
+from engine.posttrain.config import DPOConfig
+from tasks.engine_stage import FineTuneStage, absolute_data_path, file_digests
+
+
+class DPOStage(FineTuneStage):
+    task = "dpo"
+    entry_point = "dpo"
+    inputs = FineTuneStage.checkpoint_inputs("the policy to start from (and the frozen reference) and its tokenizer/")
+    config_schema = DPOConfig
+    version = 1
+    data_doc = "a JSONL file of preference pairs (prompt, chosen, rejected)"
+
+    def resolve_config(self, raw: dict, source: str) -> DPOConfig:
+        cfg = self.validate_raw(raw, source)
+        data = cfg.data.model_copy(update={
+            "path": absolute_data_path(cfg.data.path, "data.path", source),
+            "eval_path": absolute_data_path(cfg.data.eval_path, "data.eval_path", source)})
+        return cfg.model_copy(update={"data": data})
+
+    def fingerprint(self, config: DPOConfig) -> dict:
+        fp = self.fingerprint_without_paths(config, ("path", "eval_path"))
+        return {**fp, "data_files": file_digests(config.data.path), "eval_files": file_digests(config.data.eval_path)}
