@@ -204,3 +204,13 @@ def test_inspection_commands_do_not_import_prefect_or_jax():
             "print(sorted(m for m in ('prefect', 'jax') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "[]", proc.stderr
+
+
+def test_the_quickstart_ids_are_the_readmes_so_new_config_fields_keep_finished_stages(tmp_path):
+    """A field added to a stage's schema (e.g. `lora`, `mesh.context`) is left out of artifact
+    ids at its default (engine.contract.ADDED_AT_DEFAULT): the ids the README shows for the
+    quickstart stay those a store already holds, and its finished stages are skipped."""
+    plan = load_plan(str(REPO / "configs" / "pipelines" / "quickstart.yaml"), store=str(tmp_path))
+    readme = (REPO / "README.md").read_text()
+    for name, stage in plan.stages.items():
+        assert f"{name}/{stage.job.artifact_id}" in readme, (name, stage.job.artifact_id)
