@@ -10,6 +10,8 @@ Output directory:
     sft.jsonl      {"prompt", "completion", "answer"}: the question/answer format
     rl.jsonl       {"prompt", "answer"}: prompts for GRPO, disjoint from sft.jsonl
     eval.jsonl     {"prompt", "answer"}: held out from everything above
+    prefs.jsonl    {"prompt", "chosen", "rejected", "answer"}: with preference_pairs > 0, RL
+                   problems as preference pairs, the right answer over a near miss
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class ArithmeticConfig(Strict):
     sft_problems: int = Field(2_000, ge=1)
     rl_problems: int = Field(2_000, ge=1)
     eval_problems: int = Field(500, ge=1)
+    preference_pairs: int = Field(0, ge=0)
+    """Also write prefs.jsonl: this many of the RL problems as preference pairs (TRL's
+    prompt/chosen/rejected), the right answer chosen over a near miss (off by 1 to 3)."""
 
 
 def _identity(template: int, name: str, thing: str, a: int, b: int) -> str:
@@ -128,4 +133,22 @@ def write_arithmetic(cfg: ArithmeticConfig, out_dir: str | Path) -> dict:
     for split in ("rl", "eval"):
         write(f"{split}.jsonl", [json.dumps({"prompt": format_prompt(p["question"]), "answer": p["answer"]})
                                  for p in problems[split]])
-    return {f"{split}_problems": len(items) for split, items in problems.items()}
+    counts = {f"{split}_problems": len(items) for split, items in problems.items()}
+    if cfg.preference_pairs:
+        pairs = preference_pairs(problems["rl"][:cfg.preference_pairs], cfg.seed)
+        write("prefs.jsonl", [json.dumps(pair) for pair in pairs])
+        counts["preference_pairs"] = len(pairs)
+    return counts
+
+
+def preference_pairs(problems: list[dict], seed: int) -> list[dict]:
+    """The right answer chosen over a near miss, off by 1 to 3 (never below zero)."""
+    rng = np.random.default_rng([seed, 1])
+    pairs = []
+    for p in problems:
+        right = int(p["answer"])
+        wrong = right + int(rng.choice([-3, -2, -1, 1, 2, 3]))
+        wrong = wrong if wrong >= 0 else right + abs(wrong - right)
+        pairs.append({"prompt": format_prompt(p["question"]), "chosen": f" {right}\n", "rejected": f" {wrong}\n",
+                      "answer": p["answer"]})
+    return pairs
