@@ -45,7 +45,10 @@ from engine.train.trainer import Trainer, TrainState
 
 CHOSEN, REJECTED = 1, 2  # the segment ids of a row's two sequences
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-           "logps/rejected")
+           "logps/rejected", "logps/accuracies", "ref_logps/accuracies")
+"""TRL's metrics, plus how often the policy (logps/) and the reference (ref_logps/) give the
+chosen completion the higher log-probability: a preference accuracy that needs no reference,
+whose ref_ value is the start policy's."""
 
 
 def train_config(cfg: DPOConfig, model_cfg: ModelConfig, compute: ComputeConfig) -> TrainConfig:
@@ -226,7 +229,9 @@ def make_loss_fn(graphdef, cfg: DPOConfig):
                    "rewards/margins": share(reward_chosen - reward_rejected),
                    "rewards/accuracies": share((reward_chosen > reward_rejected).astype(jnp.float32)),
                    "logps/chosen": share(jax.lax.stop_gradient(chosen)),
-                   "logps/rejected": share(jax.lax.stop_gradient(rejected))}
+                   "logps/rejected": share(jax.lax.stop_gradient(rejected)),
+                   "logps/accuracies": share((chosen > rejected).astype(jnp.float32)),
+                   "ref_logps/accuracies": share((ref_chosen > ref_rejected) * jnp.ones_like(chosen))}
         if moe:  # a mixture of experts keeps its router losses, weighted by this micro-batch's share
             part = jnp.sum(valid) / pairs
             loss = loss + part * moe["aux_loss"]
