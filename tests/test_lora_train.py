@@ -186,32 +186,16 @@ def test_a_lora_run_killed_with_sigkill_resumes_and_ends_bitwise_equal(base, col
     """SIGKILL the engine's process mid-run (asynchronous checkpoints, so possibly mid-save);
     the rerun resumes from the newest committed step and its adapter equals an uninterrupted
     run's bit for bit, dropout masks included (they are drawn from the seed and the step)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     from engine.config import to_yaml
+    from tests.engine_kill import kill_then_resume
 
     overrides = {**LORA, "optimizer.learning_rate": 3e-2, "checkpoint.every_steps": 4, "lora.dropout": 0.1}
     straight = run_sft(sft_config(base, tmp_path / "straight", colours, steps=24, **overrides))
     cfg = sft_config(base, tmp_path / "killed", colours, steps=24, **overrides, **{"checkpoint.async_save": True})
     (tmp_path / "killed").mkdir()
     (tmp_path / "killed" / "sft.yaml").write_text(to_yaml(cfg))
-    argv = [sys.executable, "-m", "engine.posttrain.sft", str(tmp_path / "killed" / "sft.yaml")]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     checkpoints = tmp_path / "killed" / "checkpoint"
-    deadline = time.monotonic() + 300
-    while not any(p.name.isdigit() and int(p.name) >= 8 for p in checkpoints.glob("*")) and proc.poll() is None:
-        assert time.monotonic() < deadline, "no checkpoint at step 8 in time"
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    resumed = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resumed from checkpoint step" in resumed.stderr
+    kill_then_resume("engine.posttrain.sft", tmp_path / "killed" / "sft.yaml", checkpoints, after_step=8)
     a, b = restore_adapter(tmp_path / "straight" / "checkpoint"), restore_adapter(checkpoints)
     assert a.keys() == b.keys() and straight["steps"] == 24
     for key in a:

@@ -220,14 +220,17 @@ def copy_task(tmp_path_factory) -> Path:
     checkpointer.close()
     (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{d}=", "answer": d}) + "\n" for d in digits))
     (out / "sft.jsonl").write_text("".join(json.dumps({"prompt": f"{d}=", "completion": d}) + "\n" for d in digits))
+    (out / "prefs.jsonl").write_text("".join(json.dumps({"prompt": f"{d}=", "chosen": d, "rejected": str((int(d) + 1) % 10)})
+                                             + "\n" for d in digits))
     return out
 
 
-@pytest.mark.parametrize("stage", ["sft", "grpo", "sft-lora"])
+@pytest.mark.parametrize("stage", ["sft", "grpo", "sft-lora", "dpo"])
 def test_fine_tuning_on_two_processes_equals_one(copy_task, tmp_path, stage):
     """SFT's packed rows and held-out loss, GRPO's rollouts (sampled on every process from the
     same seed), rewards and updates: the same on 2 processes x 1 device as on 1 x 2. With a
-    LoRA section the saved adapter (on the frozen base) is what must agree."""
+    LoRA section the saved adapter (on the frozen base) is what must agree. DPO's pair rows and
+    its reference's log-probs (computed on every process's share of the rows) too."""
     stage, _, variant = stage.partition("-")
     results = {}
     for processes, devices in ((1, 2), (2, 1)):
@@ -240,6 +243,10 @@ def test_fine_tuning_on_two_processes_equals_one(copy_task, tmp_path, stage):
             cfg.update(data={"path": str(copy_task / "prompts.jsonl")}, optimizer={"learning_rate": 2e-2}, steps=3,
                        rewards=[{"function": "exact_match", "kwargs": {"pattern": r"^(\d)"}}], prompts_per_step=4,
                        num_generations=4, max_prompt_length=2, max_completion_length=2)
+        elif stage == "dpo":
+            cfg.update(data={"path": str(copy_task / "prefs.jsonl"), "max_prompt_length": 2, "max_length": 4,
+                             "batch_size": 4, "eval_fraction": 0.2}, steps=4, eval_every=2,
+                       optimizer={"learning_rate": 1e-2})
         else:
             cfg.update(data={"path": str(copy_task / "sft.jsonl"), "seq_len": 8, "batch_size": 4, "eval_fraction": 0.2},
                        steps=4, eval_every=2)
