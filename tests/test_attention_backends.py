@@ -156,6 +156,21 @@ def test_auto_on_cpu_picks_blocked_where_the_cpu_kernel_cannot_run():
     np.testing.assert_array_equal(auto, _run("blocked", CASES["packed"])(q, k, v))
 
 
+def test_auto_leaves_the_cpu_kernel_to_cpus_with_avx512(monkeypatch):
+    """On AVX2 alone the C++ kernel ran 2.5x slower than blocked (docs/benchmarks.md): auto
+    picks it only where the CPU has AVX-512; a named cpu_kernel still runs anywhere."""
+    from engine.ops import cpu_kernels
+
+    case = dict(dtype=jnp.float32, head_dim=64, seq_len=256, softcap=None)
+    monkeypatch.setattr(cpu_kernels, "_cpu", lambda: "model name : AMD EPYC 7B13\nflags : fpu sse avx avx2 fma")
+    assert not cpu_kernels.has_avx512()
+    assert choose_implementation("auto", platform="cpu", **case) == "blocked"
+    monkeypatch.setattr(cpu_kernels, "_cpu", lambda: "model name : Intel Xeon\nflags : fpu avx2 avx512f avx512bw")
+    assert cpu_kernels.has_avx512()
+    if cpu_kernels.unavailable("train_attention") is None:  # a C++ compiler here
+        assert choose_implementation("auto", platform="cpu", **case) == "cpu_kernel"
+
+
 def test_auto_picks_cudnn_on_gpu_and_splash_on_tpu_where_they_fit():
     assert choose_implementation("auto", platform="gpu", **BF16_CASE) == "cudnn"
     assert choose_implementation("auto", platform="tpu", **{**BF16_CASE, "softcap": 30.0}) == "splash"

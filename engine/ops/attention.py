@@ -86,7 +86,8 @@ def cache_values(x):
     """A stored cache array as values: bfloat16 from BF16_BITS, else x."""
     return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == BF16_BITS else x
 AUTO = {"cpu": "cpu_kernel", "gpu": "cudnn", "tpu": "splash"}
-"""What `auto` picks on each platform (anything else: blocked)."""
+"""What `auto` picks on each platform (anything else: blocked); on a CPU without AVX-512,
+blocked (cpu_kernels.has_avx512: the kernel lost 2.5x to it on AVX2)."""
 FALLBACK = "blocked"
 
 _told: set[str] = set()
@@ -151,6 +152,8 @@ def choose_implementation(impl: Impl, *, platform: str, dtype, head_dim: int, se
     if impl == "auto":
         wanted = AUTO.get(platform, FALLBACK)
         reason = _unsupported(wanted, **case)
+        if reason is None and wanted == "cpu_kernel" and not cpu_kernels.has_avx512():
+            return FALLBACK  # measured 2.5x slower than blocked on AVX2-only CPUs: auto leaves it there
         if reason is None:
             return wanted
         _tell_once(f"attention: auto uses {FALLBACK}, not {wanted}, on {platform}: {reason}")

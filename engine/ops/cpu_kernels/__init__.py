@@ -71,6 +71,14 @@ def _cpu() -> str:
         return platform.processor() or platform.machine()
 
 
+def has_avx512() -> bool:
+    """Whether this x86 CPU has AVX-512 (avx512f): where the training-attention kernel was
+    measured faster than XLA's `blocked` lowering. On AVX2 alone (AMD EPYC Zen 3) it ran 2.5x
+    slower (docs/benchmarks.md), so `attention_impl: auto` does not pick it there."""
+    return any(line.startswith("flags") and " avx512f" in f" {line.split(':', 1)[-1]} "
+               for line in _cpu().splitlines())
+
+
 def build(name: str) -> Path:
     """The compiled library of kernel `name`, built (once per source, compiler and CPU) if missing."""
     cxx = compiler()
