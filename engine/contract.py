@@ -53,6 +53,7 @@ ENTRY_POINTS = {
     "generate": "engine.inference.generate",
     "merge": "engine.posttrain.merge",
     "dpo": "engine.posttrain.dpo",
+    "distill": "engine.posttrain.distill",
 }
 
 # --------------------------------------------------------------------------- fingerprints

@@ -17,13 +17,13 @@ import numpy as np
 from engine.config import ConfigError
 from engine.contract import CHECKPOINT_DIR
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.posttrain import dpo, grpo, sft
+from engine.posttrain import distill, dpo, grpo, sft
 from engine.posttrain.config import DPOConfig, GRPOConfig
 from engine.train.checkpoint import stored_configs
 from engine.train.plan import Plan, plan_step, report
 from engine.train.targets import get_target
 
-TRAINING_TASKS = ("pretrain", "sft", "grpo", "dpo")
+TRAINING_TASKS = ("pretrain", "sft", "grpo", "dpo", "distill")
 
 
 def grpo_batch(cfg: GRPOConfig) -> dict[str, jax.ShapeDtypeStruct]:
@@ -81,6 +81,16 @@ def plan_pipeline(plan, target_name: str) -> tuple[list[Plan], list[str]]:
                 notes.append(f"note: stage {name} (dpo): the frozen reference's parameters, a second copy of "
                              f"{plans[-1].memory.parameters / 2**30:.2f} GiB per device, are held beside this step "
                              "and not counted in it (lora: or precompute_ref: true hold none)")
+        elif task == "distill":
+            plans.append(plan_step(distill.train_config(cfg, model_cfg, compute), target, stage=name,
+                                   objective=lambda graphdef, cfg=cfg: distill.distill_objective(graphdef, cfg),
+                                   batch=distill.batch_shapes(cfg, model_cfg.vocab_size)))
+            teacher, teacher_compute = _input_model(plan, name, models, "teacher")
+            teacher_compute = cfg.teacher.compute or teacher_compute
+            size = teacher.num_params() * jax.numpy.dtype(teacher_compute.param_dtype).itemsize / 2**30
+            notes.append(f"note: stage {name} (distill): the batch counts the teacher's logits; the frozen teacher's "
+                         f"parameters ({teacher.num_params():,}, {size:.2f} GiB in all, sharded over the same mesh) "
+                         "are held beside this step and not counted in it, nor is sampling (lmbda, seq_kd)")
         else:
             plans.append(plan_step(
                 grpo.train_config(cfg, model_cfg, compute), target, stage=name,
@@ -106,9 +116,9 @@ def print_pipeline_plan(plan, target_name: str, print_fn: Callable[[str], None] 
             print_fn(note)
 
 
-def _input_model(plan, name: str, models: dict) -> tuple[ModelConfig, ComputeConfig]:
-    """The model (and compute settings) of stage `name`'s input checkpoint."""
-    upstream, artifact_id = plan.stages[name].job.inputs["checkpoint"]
+def _input_model(plan, name: str, models: dict, input_name: str = "checkpoint") -> tuple[ModelConfig, ComputeConfig]:
+    """The model (and compute settings) of stage `name`'s input checkpoint (or other model input)."""
+    upstream, artifact_id = plan.stages[name].job.inputs[input_name]
     if upstream in models:
         return models[upstream]
     path = plan.store.artifact_dir(upstream, artifact_id) / CHECKPOINT_DIR

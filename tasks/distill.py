@@ -1,0 +1,54 @@
+"""The distill stage: a student checkpoint (or adapter) artifact, a teacher checkpoint (or
+adapter) artifact and a JSONL file of examples in, the student's checkpoint (or, with
+`lora:`, adapter) artifact out.
+
+    <out>/checkpoint/     Orbax checkpoints of the student (engine.train.checkpoint.load_params)
+    <out>/tokenizer/      the student's tokenizer, carried along (the teacher's must equal it)
+    <out>/distill.yaml    the resolved engine config the child ran
+    <out>/metrics.jsonl   per step and held out: loss, jsd, nll/student, nll/teacher; on_policy
+
+The engine runs in a child process (`python -m engine.posttrain.distill <out>/distill.yaml`); a
+re-run resumes from the latest checkpoint. A teacher of another vocabulary exits 2 in one
+sentence naming both. The artifact id covers both inputs' ids and the examples' bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from engine.contract import CHECKPOINT_DIR, TOKENIZER_DIR
+from engine.posttrain.distill_config import DistillConfig
+from tasks.engine_stage import FineTuneStage, absolute_data_path, file_digests
+from tasks.registry import MODEL_KINDS, Input, StageContext
+
+
+class DistillStage(FineTuneStage):
+    task = "distill"
+    entry_point = "distill"
+    inputs = {**FineTuneStage.checkpoint_inputs("the student: the model trained (params; a fresh optimizer) and its "
+                                                "tokenizer/"),
+              "teacher": Input(MODEL_KINDS, doc="the frozen teacher, of the student's vocabulary")}
+    pipeline_owned = {**FineTuneStage.pipeline_owned, "teacher.checkpoint": "input 'teacher'",
+                      "teacher.tokenizer": "input 'teacher' (its tokenizer/)"}
+    non_semantic = (*FineTuneStage.non_semantic, "teacher.checkpoint", "teacher.tokenizer")
+    config_schema = DistillConfig
+    version = 1
+    data_doc = "a JSONL file of examples (prompt/completion or messages)"
+
+    def resolve_config(self, raw: dict, source: str) -> DistillConfig:
+        cfg = self.validate_raw(raw, source)
+        data = cfg.data.model_copy(update={
+            "path": absolute_data_path(cfg.data.path, "data.path", source),
+            "eval_path": absolute_data_path(cfg.data.eval_path, "data.eval_path", source)})
+        return cfg.model_copy(update={"data": data})
+
+    def fingerprint(self, config: DistillConfig) -> dict:
+        fp = self.fingerprint_without_paths(config, ("path", "eval_path"))
+        return {**fp, "data_files": file_digests(config.data.path), "eval_files": file_digests(config.data.eval_path)}
+
+    def run(self, ctx: StageContext) -> dict[str, Any]:
+        teacher = ctx.inputs["teacher"].path
+        cfg = ctx.config.model_copy(update={"teacher": ctx.config.teacher.model_copy(update={
+            "checkpoint": str(teacher / CHECKPOINT_DIR), "tokenizer": str(teacher / TOKENIZER_DIR)})})
+        return super().run(dataclasses.replace(ctx, config=cfg))
