@@ -29,6 +29,7 @@ from engine.posttrain.sft import eval_batches, load_examples, run_sft
 from engine.train.checkpoint import Checkpointer, load_params
 from engine.train.step import lm_loss_fn
 from engine.train.trainer import Trainer, TrainState
+from tests.engine_kill import kill_then_resume
 from tests.test_lora_train import colours  # noqa: F401  ('colour i:' -> the i-th of three colours, 60 lines)
 from tests.test_sft import MODEL, base, sft_config  # noqa: F401  (a random tiny checkpoint artifact)
 
@@ -175,19 +176,21 @@ def test_on_policy_steps_train_on_the_students_own_samples(student, teacher, col
     assert metrics["on_policy"] == 1.0 and batch["teacher_logits"].shape == (8, 32, MODEL["vocab_size"])
 
 
-def test_a_resumed_run_equals_an_uninterrupted_one(student, teacher, colours, tmp_path):  # noqa: F811
+def test_a_run_killed_with_sigkill_resumes_and_equals_an_uninterrupted_one(student, teacher, colours, tmp_path):  # noqa: F811
     overrides = {"lmbda": 0.5, "seed": 1, "steps": 8}
     kinds = [on_policy(distill_config(student, teacher, tmp_path, colours, **overrides), s) for s in range(8)]
     assert any(kinds[:4]) and not all(kinds[:4]) and any(kinds[4:]) and not all(kinds[4:]), kinds
-    straight = run_distill(distill_config(student, teacher, tmp_path / "run", colours, **overrides))
-    run_distill(distill_config(student, teacher, tmp_path / "split", colours, **{**overrides, "steps": 4}))
-    logs = []
-    resumed = run_distill(distill_config(student, teacher, tmp_path / "split", colours, **overrides), log=logs.append)
-    assert any("resumed from checkpoint step 4" in line for line in logs)
-    a, b = load_params(tmp_path / "run" / "checkpoint")[1], load_params(tmp_path / "split" / "checkpoint")[1]
+    run_distill(distill_config(student, teacher, tmp_path / "run", colours, **overrides))
+    # SIGKILLed once step 4 is committed (asynchronous checkpoints), then rerun to the end.
+    cfg = distill_config(student, teacher, tmp_path / "killed", colours,
+                         **{**overrides, "checkpoint.async_save": True, "checkpoint.every_steps": 2})
+    (tmp_path / "killed").mkdir()
+    (tmp_path / "killed" / "distill.yaml").write_text(to_yaml(cfg))
+    kill_then_resume("engine.posttrain.distill", tmp_path / "killed" / "distill.yaml",
+                     tmp_path / "killed" / "checkpoint", after_step=4)
+    a, b = load_params(tmp_path / "run" / "checkpoint")[1], load_params(tmp_path / "killed" / "checkpoint")[1]
     for (path, x), (_, y) in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
-    assert resumed["eval_jsd"] == straight["eval_jsd"]
 
 
 # --------------------------------------------------------------------------- bad input
