@@ -225,7 +225,7 @@ def copy_task(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("stage", ["sft", "grpo", "sft-lora", "dpo"])
+@pytest.mark.parametrize("stage", ["sft", "grpo", "sft-lora", "dpo", "distill"])
 def test_fine_tuning_on_two_processes_equals_one(copy_task, tmp_path, stage):
     """SFT's packed rows and held-out loss, GRPO's rollouts (sampled on every process from the
     same seed), rewards and updates: the same on 2 processes x 1 device as on 1 x 2. With a
@@ -243,6 +243,10 @@ def test_fine_tuning_on_two_processes_equals_one(copy_task, tmp_path, stage):
             cfg.update(data={"path": str(copy_task / "prompts.jsonl")}, optimizer={"learning_rate": 2e-2}, steps=3,
                        rewards=[{"function": "exact_match", "kwargs": {"pattern": r"^(\d)"}}], prompts_per_step=4,
                        num_generations=4, max_prompt_length=2, max_completion_length=2)
+        elif stage == "distill":  # on- and off-policy steps; the teacher here is the start model itself
+            cfg.update(data={"path": str(copy_task / "sft.jsonl"), "seq_len": 8, "batch_size": 4, "eval_fraction": 0.2},
+                       teacher={"checkpoint": str(copy_task / "checkpoint")}, lmbda=0.5, seed=1, max_new_tokens=2,
+                       steps=4, eval_every=2, optimizer={"learning_rate": 1e-2})
         elif stage == "dpo":
             cfg.update(data={"path": str(copy_task / "prefs.jsonl"), "max_prompt_length": 2, "max_length": 4,
                              "batch_size": 4, "eval_fraction": 0.2}, steps=4, eval_every=2,
