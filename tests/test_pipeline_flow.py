@@ -84,7 +84,7 @@ def test_a_pipeline_is_one_flow_run_with_a_task_run_and_artifacts_per_stage(pref
 def test_rerun_skips_everything_and_a_config_change_reruns_only_descendants(prefect_server, tmp_path):
     store, trace = tmp_path / "store", tmp_path / "trace"
     first = run_plan(diamond(store, trace).plan())
-    again = run_plan(diamond(store, trace).plan())
+    again = diamond(store, trace).run()  # the documented Python API (docs/pipelines.md)
     assert {r["status"] for r in again.values()} == {"skipped"}
     assert {s: r["artifact_id"] for s, r in again.items()} == {s: r["artifact_id"] for s, r in first.items()}
     task_runs = task_runs_of(flow_run_of(again).id)
