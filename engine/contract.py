@@ -53,6 +53,7 @@ ENTRY_POINTS = {
     "generate": "engine.inference.generate",
     "merge": "engine.posttrain.merge",
     "dpo": "engine.posttrain.dpo",
+    "reward_model": "engine.posttrain.reward_model",
     "distill": "engine.posttrain.distill",
 }
 

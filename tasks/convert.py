@@ -1,4 +1,5 @@
-"""The convert stage: a Hugging Face model directory in, a checkpoint artifact out.
+"""The convert stage: a Hugging Face model directory in, a checkpoint artifact out (a
+*ForSequenceClassification with one label: a reward_model artifact, the same layout).
 
     <out>/checkpoint/   Orbax CheckpointManager directory, step 0, params + meta only
                         (engine.train.checkpoint.load_params; a pretrain/SFT stage's `init` input)
@@ -28,11 +29,12 @@ import yaml
 from engine.config import ConfigError, Strict, validate
 from engine.contract import CHECKPOINT_DIR
 from engine.interop.hf.files import TOKENIZER_FILES, source_fingerprint
-from engine.interop.hf.mapping import model_config_from_hf
+from engine.interop.hf.mapping import causal_view, is_sequence_classification, model_config_from_hf
 from engine.interop.hf.peft import ADAPTER_CONFIG, lora_config_from_peft
 from tasks.engine_stage import EngineStage
 from tasks.objectstore import StoreAccessError, download_dir, is_url, list_url, read_url, url_cache
 from tasks.registry import MODEL_KINDS, Input, StageContext
+from tasks.reward_model import REWARD_MODEL
 
 
 class ConvertConfig(Strict):
@@ -55,14 +57,16 @@ class ConvertStage(EngineStage):
     task = "convert"
     entry_point = "hf"
     output = "checkpoint"
-    possible_outputs = ("adapter",)
+    possible_outputs = ("adapter", REWARD_MODEL)
     inputs = {"base": Input(MODEL_KINDS, required=False,
                             doc="a PEFT adapter source's base model (the checkpoint it adapts)")}
     config_schema = ConvertConfig
     version = 2  # 2: the checkpoint's meta holds `compute` apart from the architecture
 
     def output_kind(self, config: ConvertConfig) -> str:
-        return "adapter" if is_peft_adapter(config.source) else "checkpoint"
+        if is_peft_adapter(config.source):
+            return "adapter"
+        return REWARD_MODEL if is_reward_model_source(config.source) else "checkpoint"
 
     def resolve_config(self, raw: dict, source: str) -> ConvertConfig:
         cfg = validate(ConvertConfig, raw, source)
@@ -79,7 +83,7 @@ class ConvertStage(EngineStage):
             raise ConfigError(f"{source}: key 'source': {cfg.source} is not a Hugging Face model directory "
                               f"(no config.json)")
         try:  # an unsupported architecture fails here, before anything runs
-            model_config_from_hf(json.loads(config_path.read_text()), where=str(config_path))
+            model_config_from_hf(causal_view(json.loads(config_path.read_text())), where=str(config_path))
         except (ConfigError, json.JSONDecodeError) as e:
             raise ConfigError(f"{source}: key 'source': {e}") from None
         return cfg.model_copy(update={"source": str(Path(cfg.source).expanduser().absolute())})
@@ -95,7 +99,7 @@ class ConvertStage(EngineStage):
         if text is None:
             raise ConfigError(f"{source}: key 'source': {url} is not a Hugging Face model directory (no config.json)")
         try:
-            model_config_from_hf(json.loads(text), where=f"{url}/config.json")
+            model_config_from_hf(causal_view(json.loads(text)), where=f"{url}/config.json")
         except (ConfigError, json.JSONDecodeError) as e:
             raise ConfigError(f"{source}: key 'source': {e}") from None
         return cfg.model_copy(update={"source": url})
@@ -143,6 +147,16 @@ class ConvertStage(EngineStage):
         result = self.launch_engine(ctx, "convert-adapter", ctx.config.source, str(ctx.out_dir), "--base",
                                     str(base / CHECKPOINT_DIR))
         return {key: result.get(key) for key in ("architecture", "family", "rank")}
+
+
+def is_reward_model_source(source: str) -> bool:
+    """A *ForSequenceClassification directory (local or in a bucket): it converts to a reward model."""
+    try:
+        text = read_url(f"{source.rstrip('/')}/config.json") if is_url(source) else (
+            (Path(source).expanduser() / "config.json").read_text())
+        return is_sequence_classification(json.loads(text))
+    except (OSError, StoreAccessError, json.JSONDecodeError, TypeError):
+        return False
 
 
 def url_fingerprint(url: str) -> dict[str, Any]:

@@ -3,7 +3,9 @@
     <out>/hf/   config.json, generation_config.json, model.safetensors (or
                 model-0000i-of-0000n.safetensors + model.safetensors.index.json past
                 max_shard_gb) and the checkpoint's tokenizer files:
-                transformers.AutoModelForCausalLM.from_pretrained("<out>/hf") loads it
+                transformers.AutoModelForCausalLM.from_pretrained("<out>/hf") loads it; a
+                reward_model artifact is written as its family's *ForSequenceClassification
+                (AutoModelForSequenceClassification, one label, score.weight the head)
 
 The engine runs in a child process (`python -m engine.interop.hf export`). The checkpoint's model
 config must be expressible in its family's transformers class (e.g. a `llama` with
@@ -26,6 +28,7 @@ from engine.interop.hf.files import WEIGHT_FILES, check_export_dir, remove_stale
 from tasks.engine_stage import EngineStage
 from tasks.objectstore import StoreAccessError, is_url, list_url, remove_url_files, upload_dir
 from tasks.registry import MODEL_KINDS, Input, StageContext
+from tasks.reward_model import REWARD_MODEL
 
 
 class ExportConfig(Strict):
@@ -44,7 +47,8 @@ class ExportStage(EngineStage):
     task = "export"
     entry_point = "hf"
     output = "hf_model"
-    inputs = {"checkpoint": Input(MODEL_KINDS, doc="a checkpoint or adapter artifact (convert, pretrain, SFT, ...)")}
+    inputs = {"checkpoint": Input((*MODEL_KINDS, REWARD_MODEL),
+                                  doc="a checkpoint, adapter or reward_model artifact (convert, pretrain, SFT, ...)")}
     config_schema = ExportConfig
     version = 2  # 2: one shard is model.safetensors; config.json has every key transformers 5 writes
 

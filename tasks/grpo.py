@@ -9,24 +9,32 @@ checkpoint artifact out.
 The engine runs in a child process (`python -m engine.posttrain.grpo <out>/grpo.yaml`); a re-run
 resumes from the latest checkpoint. The artifact id covers the prompts' bytes and the
 source of every user reward module (`module:function`), so editing either makes a new one.
+
+A reward model scores completions with `rewards: [{model: rm, weight: 1.0}]`, where `rm` is
+an input of the stage (any name besides checkpoint and corpus: a reward_model artifact,
+its own lineage edge); its tokenizer must be the policy's.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 from engine.config import ConfigError
+from engine.contract import CHECKPOINT_DIR
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.rewards import BUILTIN
 from tasks.artifacts import sha256_file
 from tasks.engine_stage import FineTuneStage, absolute_data_path, file_digests
+from tasks.registry import Input, StageContext
+from tasks.reward_model import REWARD_MODEL
 
 
 def reward_sources(cfg: GRPOConfig) -> dict[str, str | None]:
     """sha256 of each user reward module's source file (found without importing it)."""
     digests = {}
     for spec in cfg.rewards:
-        if spec.function in BUILTIN:
+        if spec.function is None or spec.function in BUILTIN:  # a reward model's bytes: its input's id
             continue
         module = spec.function.partition(":")[0]
         try:
@@ -42,6 +50,7 @@ class GRPOStage(FineTuneStage):
     task = "grpo"
     entry_point = "grpo"
     inputs = FineTuneStage.checkpoint_inputs("the policy to start from (and the KL reference) and its tokenizer/")
+    other_inputs = Input(REWARD_MODEL, doc="a reward model that `rewards: [{model: <this input>}]` scores with")
     config_schema = GRPOConfig
     version = 2  # 2: the checkpoint's meta holds `compute` apart from the architecture
     data_doc = "a JSONL file of prompts"
@@ -49,9 +58,9 @@ class GRPOStage(FineTuneStage):
     def resolve_config(self, raw: dict, source: str) -> GRPOConfig:
         cfg = self.validate_raw(raw, source)
         for i, spec in enumerate(cfg.rewards):  # a misspelt reward fails validation, not the run
-            module, sep, name = spec.function.partition(":")
-            if spec.function in BUILTIN:
+            if spec.function is None or spec.function in BUILTIN:
                 continue
+            module, sep, name = spec.function.partition(":")
             if not sep or not module or not name:
                 raise ConfigError(f"{source}: key 'rewards.{i}.function': '{spec.function}' is neither a built-in "
                                   f"({', '.join(BUILTIN)}) nor of the form module:function")
@@ -64,3 +73,17 @@ class GRPOStage(FineTuneStage):
     def fingerprint(self, config: GRPOConfig) -> dict:
         fp = self.fingerprint_without_paths(config, ("path",))
         return {**fp, "prompt_files": file_digests(config.data.path), "reward_sources": reward_sources(config)}
+
+    def run(self, ctx: StageContext) -> dict:
+        """Each `rewards[i].model` names an input (a reward_model artifact): the engine gets its
+        checkpoint directory, and the term is named after the input unless it has a name."""
+        rewards = []
+        for i, spec in enumerate(ctx.config.rewards):
+            if spec.model is not None:
+                if spec.model not in ctx.inputs or ctx.inputs[spec.model].kind != REWARD_MODEL:
+                    raise ConfigError(f"stage '{ctx.stage}': rewards.{i}.model '{spec.model}' must name an input of "
+                                      f"the stage that is a reward_model artifact (its inputs: {', '.join(ctx.inputs)})")
+                spec = spec.model_copy(update={"model": str(ctx.inputs[spec.model].path / CHECKPOINT_DIR),
+                                               "name": spec.name or spec.model})
+            rewards.append(spec)
+        return super().run(replace(ctx, config=ctx.config.model_copy(update={"rewards": rewards})))

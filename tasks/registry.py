@@ -91,6 +91,7 @@ BUILTIN_STAGES: dict[str, str] = {
     "sft": "tasks.sft:SFTStage",
     "grpo": "tasks.grpo:GRPOStage",
     "dpo": "tasks.dpo:DPOStage",
+    "reward_model": "tasks.reward_model:RewardModelStage",
     "distill": "tasks.distill:DistillStage",
     "evaluate": "tasks.evaluate:EvaluateStage",
     "arithmetic": "tasks.arithmetic:ArithmeticStage",

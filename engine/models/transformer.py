@@ -423,11 +423,12 @@ class Transformer(nnx.Module):
             return self.forward(tokens_bt, positions_bt, segment_ids_bt)[0]
         return self._forward(tokens_bt, positions_bt, segment_ids_bt, cache)[0::2]
 
-    def forward(self, tokens_bt, positions_bt=None, segment_ids_bt=None):
+    def forward(self, tokens_bt, positions_bt=None, segment_ids_bt=None, *, lm_head: bool = True):
         """(logits, aux) without a cache: aux is a mixture of experts' router losses and
         expert loads (engine/models/moe.py: combine_stats) and `aux_loss`, their sum weighted
-        as ComputeConfig says, to add to the training loss; empty for a dense model."""
-        logits_btv, stats, _ = self._forward(tokens_bt, positions_bt, segment_ids_bt, None)
+        as ComputeConfig says, to add to the training loss; empty for a dense model. Without
+        the `lm_head`: the final-normed hidden states (b, t, d) in place of the logits."""
+        logits_btv, stats, _ = self._forward(tokens_bt, positions_bt, segment_ids_bt, None, lm_head)
         if stats is None:
             return logits_btv, {}
         aux = combine_stats(stats, self.cfg.num_experts, self.cfg.experts_per_token)
@@ -435,8 +436,15 @@ class Transformer(nnx.Module):
                            + self.compute.moe_router_z_loss * aux["router_z_loss"])
         return logits_btv, aux
 
-    def _forward(self, tokens_bt, positions_bt, segment_ids_bt, cache: KVCache | None):
-        """(logits, router stats of every layer or None, cache or None)."""
+    def hidden_states(self, tokens_bt, positions_bt=None, segment_ids_bt=None):
+        """(final-normed hidden states (b, t, d) in the compute dtype, aux as `forward`'s):
+        what a head other than the LM head reads (a reward model's score,
+        engine/posttrain/reward_model.py), by `forward`'s path stopped before the head."""
+        return self.forward(tokens_bt, positions_bt, segment_ids_bt, lm_head=False)
+
+    def _forward(self, tokens_bt, positions_bt, segment_ids_bt, cache: KVCache | None, lm_head: bool = True):
+        """(logits, router stats of every layer or None, cache or None); without the `lm_head`,
+        the final-normed hidden states in place of the logits."""
         cfg = self.cfg
         dt = _dtype(self.compute.dtype)
         if positions_bt is None:
@@ -454,6 +462,8 @@ class Transformer(nnx.Module):
             x_btd, cache = self._decode_blocks(x_btd, positions_bt, segment_ids_bt, cache)
         with jax.named_scope("lm_head"):
             x_btd = self.final_norm(x_btd)
+            if not lm_head:
+                return x_btd, stats, cache
             head_dv = self.embed_vd[...].T if cfg.tie_embeddings else self.lm_head_dv[...]
             if cache is None:
                 # On CPU the logits stay float32, as the loss reads them: XLA:CPU would write

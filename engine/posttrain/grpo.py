@@ -5,7 +5,8 @@ One step (a "rollout batch"):
 
     prompts_per_step prompts  -> G completions each (engine/inference/sample.py, the live params;
                                  one prefill per prompt, its cache shared by the G rows)
-    -> rewards (rewards.py) -> group advantages (policy_loss.py)      = RolloutSource, the batches
+    -> rewards (rewards.py; a reward model's scores: reward_model.py)
+    -> group advantages (policy_loss.py)                              = RolloutSource, the batches
     -> num_iterations (mu) optimizer updates on that batch            = policy_objective, the loss
 
 The old policy's log-probs are the current params' before the first update: with mu = 1
@@ -43,6 +44,7 @@ from engine.ops.partitioning import use_mesh
 from engine.posttrain.config import GRPOConfig, GRPODataConfig
 from engine.posttrain.finetune import finetune_start, read_jsonl
 from engine.posttrain.policy_loss import completion_logps, group_advantages, policy_loss
+from engine.posttrain.reward_model import RewardScorer
 from engine.posttrain.rewards import RewardError, compute_rewards, load_reward, nan_stats, total_reward
 from engine.train.checkpoint import load_params
 from engine.train.cli import run_cli
@@ -185,9 +187,18 @@ class RolloutSource:
     def __init__(self, cfg: GRPOConfig, trainer: Trainer, model_cfg: ModelConfig, bundle: TokenizerBundle):
         self.cfg, self.trainer, self.bundle = cfg, trainer, bundle
         self.prompts = PromptStream(load_prompts(cfg.data), cfg.data.shuffle, cfg.data.seed)
-        self.reward_fns = [(*load_reward(spec), spec) for spec in cfg.rewards]
+        self.reward_fns = [(*load_reward(spec), spec) for spec in cfg.rewards if spec.model is None]
         self.weights = [spec.weight for spec in cfg.rewards]
         self.pad_id = bundle.pad_id if bundle.pad_id is not None else bundle.eos_id
+        # Reward models score the rollout's rows on the mesh, as they are (same tokenizer), by column.
+        self.function_columns = [j for j, spec in enumerate(cfg.rewards) if spec.model is None]
+        self.reward_models = {
+            j: RewardScorer(spec.model, trainer.mesh, trainer.batch_sharding, policy_tokenizer=bundle,
+                            max_length=cfg.max_prompt_length + cfg.max_completion_length, where=f"rewards.{j}.model")
+            for j, spec in enumerate(cfg.rewards) if spec.model is not None}
+        names = iter(name for name, _, _ in self.reward_fns)
+        self.reward_names = [(spec.name or "reward_model") if spec.model is not None else next(names)
+                             for spec in cfg.rewards]
         # With LoRA the sampler and the log-probs read the adapter and the frozen base side by
         # side (trainer.model_params), never a merged copy.
         self.sampler = Sampler(model_cfg, trainer.cfg.compute, trainer.mesh, trainer.model_param_shardings(),
@@ -221,22 +232,26 @@ class RolloutSource:
         prompt_tokens, prompt_mask = np.repeat(prompt_tokens, G, 0), np.repeat(prompt_mask, G, 0)  # rows p * G + g
         rollout_seconds = time.perf_counter() - t0
 
-        # ---- rewards and advantages (on the host)
+        tokens = np.concatenate([prompt_tokens, out.tokens], 1)
+        segments = np.concatenate([prompt_mask, out.mask.astype(np.int32)], 1)
+        rows = {"tokens": tokens, "segment_ids": segments, "positions": np.asarray(prompt_positions(segments)),
+                "completion_mask": out.mask.astype(np.float32)}
+        batch = self.trainer.global_batch(rows)  # every process sampled the whole rollout
+
+        # ---- rewards (functions on the host, reward models on the mesh) and advantages
         completions = decode_completions(bundle, out)
         completion_ids = [row[mask].tolist() for row, mask in zip(out.tokens, out.mask)]
         names = dict.fromkeys(k for r in records for k in r if k != cfg.data.prompt_field)
         columns = {k: [r.get(k) for r in records for _ in range(G)] for k in names}
-        per_function = compute_rewards(
+        per_function = np.full((len(completions), len(cfg.rewards)), np.nan)
+        per_function[:, self.function_columns] = compute_rewards(
             self.reward_fns, prompts=[p for p in prompt_inputs for _ in range(G)], completions=completions,
             completion_ids=completion_ids, columns=columns, max_completion_length=C, step=state.step)
+        for j, scorer in self.reward_models.items():
+            per_function[:, j] = scorer(batch)
         rewards, valid = total_reward(per_function, self.weights)
         advantages, scale_std = group_advantages(rewards, valid, G, cfg.scale_rewards)
-
-        tokens = np.concatenate([prompt_tokens, out.tokens], 1)
-        segments = np.concatenate([prompt_mask, out.mask.astype(np.int32)], 1)
-        rows = {"tokens": tokens, "segment_ids": segments, "positions": np.asarray(prompt_positions(segments)),
-                "completion_mask": out.mask.astype(np.float32), "advantages": advantages[:, None]}
-        batch = self.trainer.global_batch(rows)  # every process sampled the whole rollout
+        batch["advantages"] = self.trainer.global_batch({"advantages": advantages[:, None]})["advantages"]
         with use_mesh(self.trainer.mesh):
             if self.cfg.beta != 0.0:
                 reference = self.ref_params if self.cfg.lora is None else self.trainer._base_args()[0]
@@ -255,7 +270,7 @@ class RolloutSource:
             "completion_clipped_ratio": float(np.mean(~np.isin(out.tokens, [bundle.eos_id]).any(1))),
             "rollout_seconds": rollout_seconds,
         }
-        for j, (name, _, _) in enumerate(self.reward_fns):
+        for j, name in enumerate(self.reward_names):
             values[f"reward/{name}/mean"], values[f"reward/{name}/std"] = nan_stats(per_function[:, j])
         return batch, values
 

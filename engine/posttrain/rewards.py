@@ -29,7 +29,7 @@ import re
 from typing import Any, Callable, Literal
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, model_serializer, model_validator
 
 from engine.config import ConfigError, Strict
 
@@ -37,15 +37,37 @@ NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
 
 
 class RewardSpec(Strict):
-    """One reward term: a function, its weight in the total, its fixed keyword arguments."""
+    """One reward term: a function (or a reward model), its weight in the total, its fixed
+    keyword arguments."""
 
-    function: str
+    function: str | None = None
     """A built-in (exact_match, numeric_match, regex, length_penalty) or `module:function`."""
+    model: str | None = None
+    """Instead of a function, a reward model scores each prompt + completion
+    (engine/posttrain/reward_model.py: RewardScorer): its checkpoint directory, which a grpo
+    stage fills in from the input this names (a reward_model artifact)."""
     weight: float = 1.0
     name: str | None = None
-    """Name in metrics (reward/<name>/mean); default: the function's name."""
+    """Name in metrics (reward/<name>/mean); default: the function's name (reward_model for a model)."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Fixed keyword arguments, e.g. {pattern: '#### (.*)'} or {tolerance: 0.01}."""
+
+    @model_validator(mode="after")
+    def _one_scorer(self) -> "RewardSpec":
+        if (self.function is None) == (self.model is None):
+            raise ValueError("a reward term has either a `function` or a `model` (a reward model), not both")
+        if self.model is not None and self.kwargs:
+            raise ValueError("kwargs apply to a reward function, not to a reward model")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler):
+        """`model` came after artifacts were made: a function term dumps as it did before, so
+        the ids of GRPO and evaluate stages that hold one stay as they were."""
+        data = handler(self)
+        if self.model is None:
+            data.pop("model", None)
+        return data
 
 
 class RewardError(RuntimeError):
@@ -143,7 +165,9 @@ BUILTIN: dict[str, Callable] = {
 
 
 def load_reward(spec: RewardSpec) -> tuple[str, Callable]:
-    """(metric name, function); a bad reference is a ConfigError naming it."""
+    """(metric name, function) of a function term; a bad reference is a ConfigError naming it."""
+    if spec.function is None:  # GRPO scores reward models itself (reward_model.RewardScorer)
+        raise ConfigError(f"rewards: a reward model term (model: {spec.model}) is scored only by GRPO; give a function")
     if spec.function in BUILTIN:
         return spec.name or spec.function, BUILTIN[spec.function]
     module_name, sep, attr = spec.function.partition(":")

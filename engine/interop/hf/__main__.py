@@ -5,6 +5,10 @@
     python -m engine.interop.hf export CHECKPOINT_DIR OUT_DIR [--tokenizer DIR] [--step N] [--max-shard-gb 5]
                                    [--merged] [--overwrite]
 
+A reward model goes both ways as transformers' <Family>ForSequenceClassification: `export` of a
+reward-model checkpoint writes one, `convert` of one gives a reward-model checkpoint
+(engine/interop/hf/sequence_classification.py).
+
 Prints `{"result": {...}}` on the last stdout line; a bad input is one `error: ...` line on
 stderr and exit code EXIT_CONFIG_ERROR (engine/contract.py).
 """
@@ -14,11 +18,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from engine.config import ConfigError
 from engine.contract import EXIT_CONFIG_ERROR, EXIT_OK
 from engine.interop.hf.convert import NP_DTYPES, convert_hf, convert_peft
 from engine.interop.hf.export import export_hf
+from engine.interop.hf.mapping import is_sequence_classification
+from engine.interop.hf.sequence_classification import convert_reward_model, export_reward_model
+from engine.posttrain.reward_model import is_reward_model
+
+
+def _config(hf_dir: str) -> dict:
+    path = Path(hf_dir) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,10 +61,16 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     try:
-        if args.command == "convert":
+        if args.command == "convert" and is_sequence_classification(_config(args.hf_dir)):  # a reward model
+            result = convert_reward_model(args.hf_dir, args.out_dir, dtype=args.dtype, log=log)
+        elif args.command == "convert":
             result = convert_hf(args.hf_dir, args.out_dir, dtype=args.dtype, log=log)
         elif args.command == "convert-adapter":
             result = convert_peft(args.adapter_dir, args.out_dir, args.base, log=log)
+        elif is_reward_model(args.checkpoint_dir, args.step):  # as <Family>ForSequenceClassification
+            result = export_reward_model(args.checkpoint_dir, args.out_dir, args.tokenizer, step=args.step,
+                                         max_shard_bytes=int(args.max_shard_gb * 1e9), overwrite=args.overwrite,
+                                         log=log)
         else:
             result = export_hf(args.checkpoint_dir, args.out_dir, args.tokenizer, step=args.step,
                                max_shard_bytes=int(args.max_shard_gb * 1e9), overwrite=args.overwrite,

@@ -145,3 +145,32 @@ def to_hf(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
     out = np.empty(shape, array.dtype)
     _transpose_into(out, array.reshape(shape[::-1]))
     return out
+
+
+# --------------------------------------------------------------------------- sequence classification
+# A reward model is transformers' <Family>ForSequenceClassification: its family's decoder
+# (`model.*`) and a `score` Linear (d_model -> num_labels, no bias). Its config.json is the
+# causal model's plus num_labels (id2label); engine/interop/hf/sequence_classification.py.
+
+SEQUENCE_CLASSIFICATION = "ForSequenceClassification"
+_SEQUENCE_CLASSIFICATION_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextForSequenceClassification"}  # text-only Gemma 3
+
+
+def sequence_classification_architecture(family: str) -> str:
+    """The transformers *ForSequenceClassification class of a family (LlamaForSequenceClassification)."""
+    causal = get_family(family).architecture
+    return _SEQUENCE_CLASSIFICATION_CLASSES.get(causal, causal.replace("ForCausalLM", SEQUENCE_CLASSIFICATION))
+
+
+def is_sequence_classification(hf: dict) -> bool:
+    """Whether a config.json describes a *ForSequenceClassification model."""
+    return str((hf.get("architectures") or ["?"])[0]).endswith(SEQUENCE_CLASSIFICATION)
+
+
+def causal_view(hf: dict) -> dict:
+    """A *ForSequenceClassification config.json as its family's causal model's (the same
+    decoder keys), for model_config_from_hf; the labels are the caller's to read."""
+    family = family_of_model_type(hf.get("model_type"))
+    if family is None or (hf.get("architectures") or ["?"])[0] != sequence_classification_architecture(family.name):
+        return hf  # model_config_from_hf names what it cannot read
+    return {**hf, "architectures": [family.architecture]}

@@ -1,0 +1,49 @@
+"""The reward_model stage: a checkpoint (or adapter) artifact and a JSONL file of preference
+pairs in, a reward_model artifact out (with `lora:` too: its checkpoint is then the adapter
+and the head, on the input's base).
+
+    <out>/checkpoint/     Orbax checkpoints of decoder + score head (engine.posttrain.reward_model:
+                          load_reward_params); meta `reward_model`
+    <out>/tokenizer/      the input's tokenizer, carried along (a GRPO stage scoring with this
+                          model must have the same)
+    <out>/reward_model.yaml  the resolved engine config the child ran
+    <out>/metrics.jsonl   per step and held out: loss, accuracy, margin, mean/min/max reward
+
+The engine runs in a child process (`python -m engine.posttrain.reward_model <out>/reward_model.yaml`);
+a re-run resumes from the latest checkpoint. The artifact id covers the pairs' bytes.
+`trainflow export` writes it as transformers' <Family>ForSequenceClassification; `trainflow
+convert` of one gives a reward_model artifact back.
+"""
+
+from __future__ import annotations
+
+from engine.posttrain.reward_config import RewardModelConfig
+from tasks.engine_stage import FineTuneStage, absolute_data_path, file_digests
+
+REWARD_MODEL = "reward_model"
+"""The artifact kind."""
+
+
+class RewardModelStage(FineTuneStage):
+    task = "reward_model"
+    entry_point = "reward_model"
+    output = REWARD_MODEL
+    possible_outputs = ()
+    inputs = FineTuneStage.checkpoint_inputs("the decoder the reward model starts from, and its tokenizer/")
+    config_schema = RewardModelConfig
+    version = 1
+    data_doc = "a JSONL file of preference pairs (prompt, chosen, rejected[, margin])"
+
+    def output_kind(self, config) -> str:
+        return REWARD_MODEL
+
+    def resolve_config(self, raw: dict, source: str) -> RewardModelConfig:
+        cfg = self.validate_raw(raw, source)
+        data = cfg.data.model_copy(update={
+            "path": absolute_data_path(cfg.data.path, "data.path", source),
+            "eval_path": absolute_data_path(cfg.data.eval_path, "data.eval_path", source)})
+        return cfg.model_copy(update={"data": data})
+
+    def fingerprint(self, config: RewardModelConfig) -> dict:
+        fp = self.fingerprint_without_paths(config, ("path", "eval_path"))
+        return {**fp, "data_files": file_digests(config.data.path), "eval_files": file_digests(config.data.eval_path)}
