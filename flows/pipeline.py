@@ -50,6 +50,7 @@ from engine.config import ConfigError
 from flows.reporter import Reporter, observing, unreachable
 from flows.server import ApiUnreachable, api_answers
 from flows.summary import asset_key, format_duration, format_number, line_level, summary_markdown
+from flows.spec import Pipeline as SpecPipeline
 from flows.spec import Plan, apply_pipeline_overrides, build_plan, load_plan, parse_spec
 from tasks.artifacts import ArtifactError, read_manifest
 from tasks.gang import stopping, terminate_children
@@ -449,3 +450,14 @@ def _wait_for_final_state(outcome: _Outcome, reporter: Reporter) -> None:
 def _api_url() -> str:
     """The API this run reports to (Prefect's temporary server's, if it started one)."""
     return PREFECT_API_URL.value() or str(get_client(sync_client=True).api_url).rstrip("/")
+
+
+class Pipeline(SpecPipeline):
+    """flows.spec.Pipeline that runs: `Pipeline(...).run()` is one Prefect flow run of it, as
+    `trainflow run` makes (docs/pipelines.md, "The Python API")."""
+
+    def run(self, store: str | Path | None = None, *, max_workers: int | None = None,
+            raise_on_failure: bool = True) -> dict[str, dict]:
+        """{stage: {status, artifact_id, path, metrics, ...}}; a failed stage raises
+        PipelineFailed unless `raise_on_failure` is False."""
+        return run_plan(self.plan(store), max_workers=max_workers, raise_on_failure=raise_on_failure)

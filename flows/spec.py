@@ -327,7 +327,10 @@ class Pipeline:
         p = Pipeline("tiny", store="artifacts")
         data = p.stage("tokenize", task="tokenize", config={...})
         p.stage("pretrain", task="pretrain", inputs={"dataset": data}, config={...}, retries=2)
-        results = p.run()
+        p.status()                # what is done, without Prefect
+
+    flows.pipeline.Pipeline is the same class with `run()` (one Prefect flow run), kept
+    there so that building and validating a pipeline imports no Prefect.
     """
 
     def __init__(self, name: str, store: str | Path = "artifacts", *, imports: list[str] | None = None,
@@ -356,12 +359,3 @@ class Pipeline:
 
     def status(self, store: str | Path | None = None) -> dict:
         return self.plan(store).status()
-
-    def run(self, store: str | Path | None = None, *, max_workers: int | None = None,
-            raise_on_failure: bool = True) -> dict[str, dict]:
-        """Run the pipeline as one Prefect flow run (as `trainflow run` does); returns
-        {stage: {status, artifact_id, path, metrics, ...}}. A failed stage raises
-        flows.pipeline.PipelineFailed unless `raise_on_failure` is False."""
-        from flows.pipeline import run_plan  # noqa: PLC0415  (Prefect only when running: validation stays Prefect-free)
-
-        return run_plan(self.plan(store), max_workers=max_workers, raise_on_failure=raise_on_failure)

@@ -15,8 +15,7 @@ import pytest
 import yaml
 
 import tests.pipeline_toys  # noqa: F401
-from flows.pipeline import PipelineFailed, run_plan
-from flows.spec import Pipeline
+from flows.pipeline import Pipeline, PipelineFailed, run_plan
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
