@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from engine.data.shards import write_dataset
+from engine.posttrain.reward_model import load_reward_params
 from engine.train.checkpoint import load_adapter, load_params
 from tasks.gang import child_env
 from tasks.launch import LauncherSpec, commands, run_child
@@ -225,7 +226,7 @@ def copy_task(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("stage", ["sft", "grpo", "sft-lora", "dpo", "distill"])
+@pytest.mark.parametrize("stage", ["sft", "grpo", "sft-lora", "dpo", "distill", "reward_model"])
 def test_fine_tuning_on_two_processes_equals_one(copy_task, tmp_path, stage):
     """SFT's packed rows and held-out loss, GRPO's rollouts (sampled on every process from the
     same seed), rewards and updates: the same on 2 processes x 1 device as on 1 x 2. With a
@@ -247,7 +248,7 @@ def test_fine_tuning_on_two_processes_equals_one(copy_task, tmp_path, stage):
             cfg.update(data={"path": str(copy_task / "sft.jsonl"), "seq_len": 8, "batch_size": 4, "eval_fraction": 0.2},
                        teacher={"checkpoint": str(copy_task / "checkpoint")}, lmbda=0.5, seed=1, max_new_tokens=2,
                        steps=4, eval_every=2, optimizer={"learning_rate": 1e-2})
-        elif stage == "dpo":
+        elif stage in ("dpo", "reward_model"):
             cfg.update(data={"path": str(copy_task / "prefs.jsonl"), "max_prompt_length": 2, "max_length": 4,
                              "batch_size": 4, "eval_fraction": 0.2}, steps=4, eval_every=2,
                        optimizer={"learning_rate": 1e-2})
@@ -263,7 +264,10 @@ def test_fine_tuning_on_two_processes_equals_one(copy_task, tmp_path, stage):
                   launcher=launcher(processes, devices), log=lambda line: None)
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         timings = ("_seconds", "tokens_per_second", "tflops_per_device", "mfu")
-        trained = list(adapter(out).items()) if variant == "lora" else params(out)
+        if stage == "reward_model":  # the decoder and its scalar head
+            trained = [np.asarray(a) for a in jax.tree.leaves(load_reward_params(out / "checkpoint")[2])]
+        else:
+            trained = list(adapter(out).items()) if variant == "lora" else params(out)
         results[processes] = ([{k: v for k, v in r.items() if not k.endswith(timings)} for r in records], trained)
     (one, one_params), (two, two_params) = results[1], results[2]
     assert [r["step"] for r in one] == [r["step"] for r in two] and len(one) >= 3

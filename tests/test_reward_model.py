@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.config import ConfigError, load_config
+from engine.config import ConfigError, load_config, to_yaml
 from engine.data.tokenizer import TokenizerConfig, load_saved, save_tokenizer, train_tokenizer
 from engine.interop.hf.__main__ import main as hf_main
 from engine.models.params import graphdef_of
@@ -26,6 +26,7 @@ from engine.posttrain.reward_model import (HEAD, load_reward_pairs, load_reward_
                                            run_reward_model, sequence_scores)
 from engine.posttrain.finetune import finetune_start
 from engine.train.trainer import Trainer
+from tests.engine_kill import kill_then_resume
 from tests.test_dpo import preferences  # noqa: F401  (the colour preference pairs)
 from tests.test_lora_train import base, restore_adapter  # noqa: F401  (a tiny checkpoint artifact)
 
@@ -128,7 +129,7 @@ def test_rows_end_each_sequence_with_its_last_token_and_a_margin_column_is_read(
 # --------------------------------------------------------------------------- training
 
 
-def test_learns_held_out_preferences_and_a_resumed_run_equals_an_uninterrupted_one(trained, base, preferences,  # noqa: F811
+def test_learns_held_out_preferences_and_a_killed_run_resumes_to_the_uninterrupted_one(trained, base, preferences,  # noqa: F811
                                                                                   tmp_path):
     out, first = trained
     steps = [r for r in metrics_of(out) if "accuracy" in r]
@@ -137,16 +138,18 @@ def test_learns_held_out_preferences_and_a_resumed_run_equals_an_uninterrupted_o
     print(f"\nreward model: held-out pairwise accuracy {first['eval_accuracy']:.3f}, margin "
           f"{first['eval_margin']:.2f} (step {steps[0]['step']}: accuracy {steps[0]['accuracy']:.3f})")
 
-    run_reward_model(rm_config(base, tmp_path / "split", preferences, steps=10))
-    logs = []
-    resumed = run_reward_model(rm_config(base, tmp_path / "split", preferences), log=logs.append)
-    assert any("resumed from checkpoint step 10" in line for line in logs)
+    # SIGKILLed once step 10 is committed (asynchronous checkpoints), then rerun to the end.
+    cfg = rm_config(base, tmp_path / "killed", preferences, **{"checkpoint.async_save": True,
+                                                                "checkpoint.every_steps": 5})
+    (tmp_path / "killed").mkdir()
+    (tmp_path / "killed" / "rm.yaml").write_text(to_yaml(cfg))
+    kill_then_resume("engine.posttrain.reward_model", tmp_path / "killed" / "rm.yaml",
+                     tmp_path / "killed" / "checkpoint", after_step=10)
     a = load_reward_params(out / "checkpoint")[2]
-    b = load_reward_params(tmp_path / "split" / "checkpoint")[2]
+    b = load_reward_params(tmp_path / "killed" / "checkpoint")[2]
     assert HEAD in a and a[HEAD].shape == (32,)
     for (path, x), (_, y) in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)):
         np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
-    assert resumed["eval_accuracy"] == first["eval_accuracy"]
 
 
 def test_lora_trains_the_head_beside_the_adapter(base, preferences, tmp_path):  # noqa: F811
