@@ -17,13 +17,13 @@ import numpy as np
 from engine.config import ConfigError
 from engine.contract import CHECKPOINT_DIR
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.posttrain import distill, dpo, grpo, sft
+from engine.posttrain import distill, dpo, grpo, reward_model, sft
 from engine.posttrain.config import DPOConfig, GRPOConfig
 from engine.train.checkpoint import stored_configs
 from engine.train.plan import Plan, plan_step, report
 from engine.train.targets import get_target
 
-TRAINING_TASKS = ("pretrain", "sft", "grpo", "dpo", "distill")
+TRAINING_TASKS = ("pretrain", "sft", "grpo", "dpo", "reward_model", "distill")
 
 
 def grpo_batch(cfg: GRPOConfig) -> dict[str, jax.ShapeDtypeStruct]:
@@ -38,6 +38,16 @@ def grpo_batch(cfg: GRPOConfig) -> dict[str, jax.ShapeDtypeStruct]:
         batch["ref_logps"] = jax.ShapeDtypeStruct((rows, completion), np.float32)
     if cfg.num_iterations > 1:
         batch["old_logps"] = jax.ShapeDtypeStruct((rows, completion), np.float32)
+    return batch
+
+
+def reward_batch(cfg) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes of one reward-model batch: a row per pair, where each sequence ends, margins."""
+    rows, width = cfg.data.batch_size, 2 * cfg.data.max_length
+    batch = {k: jax.ShapeDtypeStruct((rows, width), np.int32) for k in ("tokens", "positions", "segment_ids")}
+    batch["last_bk"] = jax.ShapeDtypeStruct((rows, 2), np.int32)
+    batch.update(margin=jax.ShapeDtypeStruct((rows, 1), np.float32), pair_mask=jax.ShapeDtypeStruct((rows, 1),
+                                                                                                    np.float32))
     return batch
 
 
@@ -73,6 +83,12 @@ def plan_pipeline(plan, target_name: str) -> tuple[list[Plan], list[str]]:
         models[name] = (model_cfg, compute)
         if task == "sft":
             plans.append(plan_step(sft.train_config(cfg, model_cfg, compute), target, stage=name))
+        elif task == "reward_model":
+            plans.append(plan_step(reward_model.train_config(cfg, model_cfg, compute), target, stage=name,
+                                   objective=lambda graphdef, cfg=cfg: reward_model.reward_objective(graphdef, cfg),
+                                   batch=reward_batch(cfg),
+                                   make_trainer=lambda c, o, devices, cfg=cfg: reward_model.RewardTrainer(
+                                       c, o, cfg.head_init, devices=devices)))
         elif task == "dpo":
             plans.append(plan_step(dpo.train_config(cfg, model_cfg, compute), target, stage=name,
                                    objective=lambda graphdef, cfg=cfg: dpo.dpo_objective(graphdef, cfg),

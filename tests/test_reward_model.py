@@ -310,3 +310,13 @@ def test_reward_model_is_a_stage_that_grpo_scores_with_and_export_writes(base, p
     assert sorted(q["stage"] for q in manifests["grpo"]["parents"]) == ["base", "rm"]  # the reward model's edge
     assert "reward/judge/mean" in manifests["grpo"]["metrics"]
     assert manifests["export"]["metrics"]["architecture"] == "LlamaForSequenceClassification"
+    # trainflow plan prices the reward model's step, its head included (rows: 8, one per device here).
+    from tasks.plan import plan_pipeline
+
+    priced = Pipeline("rm-plan", store=tmp_path / "store")
+    priced.stage("base", task="test-checkpoint-copy", config={"path": str(base)})
+    priced.stage("rm", task="reward_model", inputs={"checkpoint": "base"}, config={
+        "data": {"path": str(preferences), "max_prompt_length": 8, "max_length": 16, "batch_size": 8}, "steps": 2})
+    plans, _ = plan_pipeline(priced.plan(), "local")
+    assert [q.stage for q in plans] == ["rm"] and plans[0].fits and plans[0].how == "compiled"
+    assert plans[0].memory.gradients == plans[0].memory.parameters  # the decoder and its head both train

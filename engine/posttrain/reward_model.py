@@ -239,8 +239,8 @@ class RewardTrainer(Trainer):
     N(0, initializer_range^2) with std model.init_std, or zero); the decoder from
     checkpoint.init_from (with LoRA: the frozen base and a fresh adapter)."""
 
-    def __init__(self, cfg: TrainConfig, objective, head_init: str):
-        super().__init__(cfg, objective)
+    def __init__(self, cfg: TrainConfig, objective, head_init: str, *, devices=None):
+        super().__init__(cfg, objective, devices=devices)
         self.head_init = head_init
         dtype = jax.tree.leaves(self.abstract_params)[0].dtype
         self.abstract_params = {**self.abstract_params, HEAD: head_abstract(cfg.model, dtype, self.mesh)}

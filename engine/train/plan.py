@@ -164,11 +164,14 @@ def _flops(cfg: TrainConfig, tokens: int, updates: int) -> tuple[float, float, s
 
 def plan_step(cfg: TrainConfig, target: Target, *, stage: str = "train",
               objective: Callable[[Any], Objective] | None = None,
-              batch: dict[str, jax.ShapeDtypeStruct] | None = None, updates_per_batch: int = 1) -> Plan:
+              batch: dict[str, jax.ShapeDtypeStruct] | None = None, updates_per_batch: int = 1,
+              make_trainer: Callable[..., Trainer] | None = None) -> Plan:
     """Compile `cfg`'s training step for `target` (or estimate it) and size it per device.
 
     `objective` and `batch` (name -> ShapeDtypeStruct) describe a stage whose loss or batch is not
     language modelling (GRPO); by default next-token cross-entropy over cfg.data's rows.
+    `make_trainer(cfg, objective, devices=...)` builds a Trainer subclass (a reward model's,
+    whose params carry a head).
     """
     batch = dict(batch or lm_batch(cfg.data.batch_size, cfg.data.seq_len))
     if cfg.lora is not None and cfg.lora.dropout:  # the rows' dropout seeds (engine/models/lora.py)
@@ -178,7 +181,8 @@ def plan_step(cfg: TrainConfig, target: Target, *, stage: str = "train",
     if devices is None:
         return _estimate(cfg, target, stage, batch, tokens, updates_per_batch)
     try:
-        trainer = Trainer(cfg, objective, updates_per_batch=updates_per_batch, devices=devices)
+        trainer = (make_trainer(cfg, objective, devices=devices) if make_trainer is not None else
+                   Trainer(cfg, objective, updates_per_batch=updates_per_batch, devices=devices))
     except ConfigError as e:
         raise ConfigError(f"--target {target.name} ({len(devices)} devices): {e}") from None
     abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
