@@ -78,6 +78,25 @@ def weight_value(variable: nnx.Variable, dtype):
     return (qwix.dequantize(value) if isinstance(value, qwix.QArray) else value).astype(dtype)
 
 
+def project_shared(module: nnx.Module, attrs: tuple[str, ...], x, dtype, **dense_kw) -> list:
+    """[x . w (+ its update)] for projections of the same input x (one input axis): the adapted
+    ones' x . A run as one product over their A's side by side (q, k, v; gate, up), which on
+    CPU is markedly cheaper than one thin rank-r product each."""
+    adapted = [attr for attr in attrs if has_adapter(module, attr)]
+    if len(adapted) < 2 or any(getattr(module, "lora_dropout", 0.0) for _ in adapted):
+        return [project(module, attr, x, 1, dtype, **dense_kw) for attr in attrs]
+    a = jnp.concatenate([getattr(module, attr + "_lora_a")[...].astype(dtype) for attr in adapted], axis=-1)
+    xa = jnp.split(dense(x, a, 1, **dense_kw), len(adapted), axis=-1)
+    scale = jnp.asarray(module.lora_scale, dtype)
+    deltas = {attr: dense(part, getattr(module, attr + "_lora_b")[...].astype(dtype), 1, **dense_kw) * scale
+              for attr, part in zip(adapted, xa)}
+    out = []
+    for attr in attrs:
+        y = dense(x, weight_value(getattr(module, attr), dtype), 1, **dense_kw)
+        out.append(y + deltas[attr] if attr in deltas else y)
+    return out
+
+
 def project(module: nnx.Module, attr: str, x, n_in: int, dtype, **dense_kw):
     """x . w (+ the adapter's update where `attr` has one): every adaptable projection's product."""
     y = dense(x, weight_value(getattr(module, attr), dtype), n_in, **dense_kw)

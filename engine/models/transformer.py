@@ -21,7 +21,7 @@ from engine.models.common import ACTIVATIONS, RMSNorm, dtype_of, param
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.models.kv_cache import KVCache
 from engine.models.lora import (ATTENTION_WEIGHTS, MLP_WEIGHTS, add_adapters, has_adapter, in_layer, project,
-                                weight_value)
+                                project_shared, weight_value)
 from engine.models.mla import MLA
 from engine.models.moe import MoE, MoEStats, combine_stats
 from engine.models.rope import rope_cos_sin, rope_inverse_frequencies, rotate
@@ -102,7 +102,8 @@ class Attention(nnx.Module):
         None: one unpadded document per row. With a cache (decoding) returns (out, updated cache).
         `rotary`: this layer's (cos, sin) at `positions_bt`, if the caller computed them."""
         dt = self.dtype
-        q, k, v = self._dense(x_btd, "wq_dnh"), self._dense(x_btd, "wk_dkh"), self._dense(x_btd, "wv_dkh")
+        q, k, v = project_shared(self, ("wq_dnh", "wk_dkh", "wv_dkh"), x_btd, self.dtype,
+                                 backward=self.matmul_backward, dot_general=self.dot_general)
         if self.qkv_bias:
             q, k, v = q + self.bq_nh[...].astype(dt), k + self.bk_kh[...].astype(dt), v + self.bv_kh[...].astype(dt)
         if self.qk_norm:
@@ -152,12 +153,14 @@ class MLP(nnx.Module):
         dt = self.dtype
         if any(has_adapter(self, attr) for attr, _ in MLP_WEIGHTS.values()):
             # With adapters, three products, each with its update (x.w + scale * x.A.B); the
-            # fused gated_mlp has no seam for them.
+            # fused gated_mlp has no seam for them. The activation is recomputed in the backward
+            # pass (as gated_mlp's is), so only gate and up are kept, not its intermediates.
             kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
-            gate, up = project(self, "w_gate_df", x_btd, 1, dt, **kw), project(self, "w_up_df", x_btd, 1, dt, **kw)
-            hidden = constrain((self.activation(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dt),
-                               ("act_batch", "act_seq", "act_mlp"))
-            return project(self, "w_down_fd", hidden, 1, dt, **kw)
+            gate, up = project_shared(self, ("w_gate_df", "w_up_df"), x_btd, dt, **kw)
+            activation = self.activation
+            hidden = jax.checkpoint(lambda g, u: (activation(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dt),
+                                    prevent_cse=False)(gate, up)
+            return project(self, "w_down_fd", constrain(hidden, ("act_batch", "act_seq", "act_mlp")), 1, dt, **kw)
         return gated_mlp(x_btd, weight_value(self.w_gate_df, dt), weight_value(self.w_up_df, dt),
                          weight_value(self.w_down_fd, dt), self.activation, ("act_batch", "act_seq", "act_mlp"),
                          backward=self.matmul_backward, dot_general=self.dot_general)
