@@ -278,30 +278,47 @@ class Reference:
             return self._fn(self._params(), self.trainer.global_batch(rows))
 
 
-class PairBatches:
-    """The trainer's batch source: endless batches of pair rows over epochs, reshuffled each
-    epoch, with the reference's log-probs; its state is (epoch, index)."""
+class EpochIndices:
+    """Endless batches of indices into `n` items over epochs, reshuffled each epoch from
+    (seed, epoch); the state is (epoch, index). The batch sources of pairs share it."""
 
-    def __init__(self, pairs: list[Pair], cfg: DPOConfig, trainer: Trainer, reference: Reference,
-                 table: np.ndarray | None = None):
-        self.pairs, self.cfg, self.trainer, self.reference, self.table = pairs, cfg, trainer, reference, table
+    def __init__(self, n: int, batch_size: int, shuffle: bool, seed: int):
+        self.n, self.batch_size, self.shuffle, self.seed = n, batch_size, shuffle, seed
         self.epoch, self.index = 0, 0
 
     def _order(self) -> np.ndarray:
-        order = np.arange(len(self.pairs))
-        if self.cfg.data.shuffle:
-            order = np.random.default_rng([self.cfg.data.seed, self.epoch]).permutation(order)
-        return order
+        order = np.arange(self.n)
+        return np.random.default_rng([self.seed, self.epoch]).permutation(order) if self.shuffle else order
 
-    def next_batch(self, state: TrainState):
+    def take(self) -> list[int]:
         chosen: list[int] = []
-        while len(chosen) < self.cfg.data.batch_size:
+        while len(chosen) < self.batch_size:
             order = self._order()
-            take = min(self.cfg.data.batch_size - len(chosen), len(order) - self.index)
+            take = min(self.batch_size - len(chosen), len(order) - self.index)
             chosen += order[self.index:self.index + take].tolist()
             self.index += take
             if self.index == len(order):
                 self.epoch, self.index = self.epoch + 1, 0
+        return chosen
+
+    def get_state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def set_state(self, state: dict) -> None:
+        self.epoch, self.index = int(state.get("epoch", 0)), int(state.get("index", 0))
+
+
+class PairBatches:
+    """The trainer's batch source: endless batches of pair rows over epochs (EpochIndices),
+    with the reference's log-probs."""
+
+    def __init__(self, pairs: list[Pair], cfg: DPOConfig, trainer: Trainer, reference: Reference,
+                 table: np.ndarray | None = None):
+        self.pairs, self.cfg, self.trainer, self.reference, self.table = pairs, cfg, trainer, reference, table
+        self.indices = EpochIndices(len(pairs), cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
+
+    def next_batch(self, state: TrainState):
+        chosen = self.indices.take()
         rows = pair_rows([self.pairs[i] for i in chosen], self.cfg.data.max_length)
         batch = self.trainer.global_batch(rows)
         if self.table is not None:
@@ -311,10 +328,10 @@ class PairBatches:
         return batch, {}
 
     def get_state(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
+        return self.indices.get_state()
 
     def set_state(self, state: dict) -> None:
-        self.epoch, self.index = int(state.get("epoch", 0)), int(state.get("index", 0))
+        self.indices.set_state(state)
 
 
 def reference_table(pairs: list[Pair], cfg: DPOConfig, reference: Reference, rows_per_batch: int) -> np.ndarray:

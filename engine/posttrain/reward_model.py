@@ -52,7 +52,7 @@ from engine.models.lora import LORA_SEED, dropout_rows, join, merge_into_base, s
 from engine.models.params import abstract_model_params, graphdef_of, init_params
 from engine.ops.partitioning import logical_to_spec, use_mesh
 from engine.parallel.mesh import global_array, replicated, to_host
-from engine.posttrain.dpo import Pair, pair_rows, tokenize_pair
+from engine.posttrain.dpo import EpochIndices, Pair, pair_rows, tokenize_pair
 from engine.posttrain.finetune import finetune_start, read_jsonl
 from engine.posttrain.reward_config import RewardModelConfig
 from engine.train.checkpoint import ITEMS, adapter_base, load_params, read_meta
@@ -280,31 +280,17 @@ class RewardPairBatches:
 
     def __init__(self, pairs: list[RewardPair], cfg: RewardModelConfig, trainer: Trainer):
         self.pairs, self.cfg, self.trainer = pairs, cfg, trainer
-        self.epoch, self.index = 0, 0
-
-    def _order(self) -> np.ndarray:
-        order = np.arange(len(self.pairs))
-        if self.cfg.data.shuffle:
-            order = np.random.default_rng([self.cfg.data.seed, self.epoch]).permutation(order)
-        return order
+        self.indices = EpochIndices(len(pairs), cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
 
     def next_batch(self, state: TrainState):
-        chosen: list[int] = []
-        while len(chosen) < self.cfg.data.batch_size:
-            order = self._order()
-            take = min(self.cfg.data.batch_size - len(chosen), len(order) - self.index)
-            chosen += order[self.index:self.index + take].tolist()
-            self.index += take
-            if self.index == len(order):
-                self.epoch, self.index = self.epoch + 1, 0
-        rows = reward_rows([self.pairs[i] for i in chosen], self.cfg.data.max_length)
+        rows = reward_rows([self.pairs[i] for i in self.indices.take()], self.cfg.data.max_length)
         return self.trainer.global_batch(rows), {}
 
     def get_state(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
+        return self.indices.get_state()
 
     def set_state(self, state: dict) -> None:
-        self.epoch, self.index = int(state.get("epoch", 0)), int(state.get("index", 0))
+        self.indices.set_state(state)
 
 
 # --------------------------------------------------------------------------- reading a reward model back
