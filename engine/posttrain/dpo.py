@@ -124,23 +124,25 @@ def tokenize_pair(record: dict, where: str, bundle, data: DPODataConfig) -> Pair
                 np.asarray(rejected_ids[:room], np.int32))
 
 
-def load_pairs(data: DPODataConfig, bundle, log: Callable[[str], None]) -> tuple[list[Pair], list[Pair]]:
-    """(train, held-out) pairs, tokenized; pairs whose chosen and rejected are the same are
-    counted, reported and left out (they carry no preference)."""
+def load_pairs(data: DPODataConfig, bundle, log: Callable[[str], None], *, make_pair: Callable = tokenize_pair,
+               stage: str = "dpo") -> tuple[list[Pair], list[Pair]]:
+    """(train, held-out) pairs, tokenized by `make_pair(record, where, bundle, data)`; pairs
+    whose chosen and rejected are the same are counted, reported and left out (they carry no
+    preference)."""
     if not data.path:
         raise ConfigError("data.path is required: a JSONL file of preference pairs")
 
     def read(path: str) -> list[Pair]:
         pairs, same = [], []
         for where, record in read_jsonl(path):
-            pair = tokenize_pair(record, where, bundle, data)
+            pair = make_pair(record, where, bundle, data)
             if np.array_equal(pair.chosen, pair.rejected):
                 same.append(where)
             else:
                 pairs.append(pair)
         if same:
-            log(f"dpo: {len(same)} pair(s) of {path} have identical chosen and rejected completions and are left "
-                f"out (first: {same[0]})")
+            log(f"{stage}: {len(same)} pair(s) of {path} have identical chosen and rejected completions and are "
+                f"left out (first: {same[0]})")
         return pairs
 
     pairs = read(data.path)

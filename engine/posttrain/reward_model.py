@@ -52,8 +52,8 @@ from engine.models.lora import LORA_SEED, dropout_rows, join, merge_into_base, s
 from engine.models.params import abstract_model_params, graphdef_of, init_params
 from engine.ops.partitioning import logical_to_spec, use_mesh
 from engine.parallel.mesh import global_array, replicated, to_host
-from engine.posttrain.dpo import EpochIndices, Pair, pair_rows, tokenize_pair
-from engine.posttrain.finetune import finetune_start, read_jsonl
+from engine.posttrain.dpo import EpochIndices, Pair, load_pairs, pair_rows, tokenize_pair
+from engine.posttrain.finetune import finetune_start
 from engine.posttrain.reward_config import RewardModelConfig
 from engine.train.checkpoint import ITEMS, adapter_base, load_params, read_meta
 from engine.train.cli import run_cli
@@ -93,37 +93,19 @@ class RewardPair(Pair):
     """TRL's optional per-pair margin: the loss asks r_chosen - r_rejected to exceed it."""
 
 
+def reward_pair(record: dict, where: str, bundle: TokenizerBundle, data) -> RewardPair:
+    """dpo.tokenize_pair's pair with its `margin` (0 where the record has none)."""
+    pair = tokenize_pair(record, where, bundle, data)
+    margin = record.get("margin", 0.0)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+        raise ConfigError(f"{where}: 'margin' must be a finite number, got {margin!r}")
+    return RewardPair(pair.prompt, pair.chosen, pair.rejected, float(margin))
+
+
 def load_reward_pairs(data, bundle: TokenizerBundle, log: Callable[[str], None]) -> tuple[list, list]:
-    """(train, held-out) pairs as dpo.load_pairs makes them (tokenize_pair; identical pairs
-    counted and left out; the held-out split), each with its `margin` (0 where absent)."""
-    if not data.path:
-        raise ConfigError("data.path is required: a JSONL file of preference pairs")
-
-    def read(path: str) -> list[RewardPair]:
-        pairs, same = [], []
-        for where, record in read_jsonl(path):
-            pair = tokenize_pair(record, where, bundle, data)
-            margin = record.get("margin", 0.0)
-            if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
-                raise ConfigError(f"{where}: 'margin' must be a finite number, got {margin!r}")
-            if np.array_equal(pair.chosen, pair.rejected):
-                same.append(where)
-            else:
-                pairs.append(RewardPair(pair.prompt, pair.chosen, pair.rejected, float(margin)))
-        if same:
-            log(f"reward_model: {len(same)} pair(s) of {path} have identical chosen and rejected completions and "
-                f"are left out (first: {same[0]})")
-        return pairs
-
-    pairs = read(data.path)
-    if data.eval_path:
-        held_out = read(data.eval_path)
-    else:
-        n_eval = int(round(len(pairs) * data.eval_fraction))
-        pairs, held_out = pairs[: len(pairs) - n_eval], pairs[len(pairs) - n_eval:]
-    if not pairs:
-        raise ConfigError(f"data.path: {data.path} has no preference pair to train on")
-    return pairs, held_out
+    """(train, held-out) pairs as dpo.load_pairs makes them (identical pairs counted and left
+    out; the held-out split), each with its `margin`."""
+    return load_pairs(data, bundle, log, make_pair=reward_pair, stage="reward_model")
 
 
 def reward_rows(pairs: list[RewardPair], max_length: int, rows: int | None = None) -> dict[str, np.ndarray]:
