@@ -52,11 +52,14 @@ def test_pair_rows_hold_chosen_then_rejected_with_the_completion_as_targets(base
     pair = tokenize_pair({"prompt": "colour 1:", "chosen": " green", "rejected": " red"}, "x:1", bundle, cfg.data)
     rows = pair_rows([pair], cfg.data.max_length)
     seg, mask = rows["segment_ids"][0], rows["loss_mask"][0]
-    n_prompt = len(pair.prompt)
-    assert (seg[:16][:n_prompt + len(pair.chosen) - 1] == CHOSEN).all() and seg[16] == REJECTED
+    n_prompt, n_chosen = len(pair.prompt), len(pair.prompt) + len(pair.chosen) - 1
+    # Padding-free within the row: the rejected sequence starts where the chosen one ends.
+    assert (seg[:n_chosen] == CHOSEN).all() and seg[n_chosen] == REJECTED
+    assert (seg[n_chosen:n_chosen + n_prompt + len(pair.rejected) - 1] == REJECTED).all()
+    assert not seg[n_chosen + n_prompt + len(pair.rejected) - 1:].any()
     np.testing.assert_array_equal(rows["targets"][0][mask.astype(bool) & (seg == CHOSEN)], pair.chosen)
     np.testing.assert_array_equal(rows["targets"][0][mask.astype(bool) & (seg == REJECTED)], pair.rejected)
-    assert pair.chosen[-1] == bundle.eos_id and rows["positions"][0][16] == 0
+    assert pair.chosen[-1] == bundle.eos_id and rows["positions"][0][n_chosen] == 0
 
 
 def test_dpo_learns_the_preferred_answers_and_resumes_bitwise_after_sigkill(base, preferences, tmp_path):  # noqa: F811

@@ -118,7 +118,8 @@ def test_rows_end_each_sequence_with_its_last_token_and_a_margin_column_is_read(
             np.testing.assert_array_equal(rows["tokens"][r, at - len(sequence) + 1:at + 1], sequence)
             assert rows["tokens"][r, at] == bundle.eos_id and rows["segment_ids"][r, at] == k + 1
             assert rows["positions"][r, at] == len(sequence) - 1
-            assert at + 1 == (k + 1) * 16 or rows["segment_ids"][r, at + 1] == 0  # a full sequence fills its half
+            # padding-free: the rejected sequence starts right after the chosen one, then padding
+            assert rows["segment_ids"][r, at + 1] == (2 if k == 0 else 0)  # 2: the rejected segment
     np.testing.assert_array_equal(rows["pair_mask"][:, 0], [1, 1, 0, 0])
     np.testing.assert_array_equal(rows["margin"][:, 0], [0.5, 0, 0, 0])
     data.write_text(json.dumps({"prompt": "a", "chosen": " b", "rejected": " c", "margin": "big"}) + "\n")

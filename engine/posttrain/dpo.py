@@ -1,9 +1,10 @@
 """DPO and its variants on the shared trainer: preference pairs in, a policy out.
 
 Data is JSONL in TRL's preference formats (engine/posttrain/config.py: DPODataConfig). A
-pair becomes one row: prompt + chosen as segment 1, then prompt + rejected as segment 2
-(attention never crosses them, positions restart), so a micro-batch always holds whole pairs
-and the row shards like any other. A prompt longer than max_prompt_length keeps its last
+pair becomes one row: prompt + chosen as segment 1, then at once prompt + rejected as
+segment 2 (padding-free within the row: attention never crosses them, positions restart;
+the row's tail is padding), so a micro-batch always holds whole pairs and the row shards
+like any other. A prompt longer than max_prompt_length keeps its last
 tokens; a completion is cut to what max_length leaves it; eos closes text completions.
 
 The loss (engine/posttrain/preference_loss.py, TRL's definitions) compares the policy's
@@ -156,22 +157,32 @@ def load_pairs(data: DPODataConfig, bundle, log: Callable[[str], None], *, make_
     return pairs, held_out
 
 
-def pair_rows(pairs: list[Pair], max_length: int) -> dict[str, np.ndarray]:
-    """One row per pair: tokens, targets, positions, segment_ids, loss_mask (pairs, 2 x max_length)."""
+def pair_rows(pairs: list[Pair], max_length: int, *, whole: bool = False) -> dict[str, np.ndarray]:
+    """One row per pair, padding-free within it: prompt + chosen as segment 1, then at once
+    prompt + rejected as segment 2, the rest of the 2 x max_length row padding (segment 0).
+    tokens, targets, positions, segment_ids, loss_mask (pairs, 2 x max_length).
+
+    A sequence of n tokens takes its first n - 1 as inputs of next-token targets; `whole`
+    takes all n (a reward model reads each sequence's last token) and adds `last_bk`
+    (pairs, 2): where each sequence ends."""
     n, width = len(pairs), 2 * max_length
     out = {k: np.zeros((n, width), np.int32) for k in ("tokens", "targets", "positions", "segment_ids")}
     out["loss_mask"] = np.zeros((n, width), np.float32)
+    if whole:
+        out["last_bk"] = np.zeros((n, 2), np.int32)
     for r, pair in enumerate(pairs):
         at = 0
-        for segment, completion in ((CHOSEN, pair.chosen), (REJECTED, pair.rejected)):
+        for k, (segment, completion) in enumerate(((CHOSEN, pair.chosen), (REJECTED, pair.rejected))):
             ids = np.concatenate([pair.prompt, completion])
-            m = len(ids) - 1  # targets
-            out["tokens"][r, at:at + m] = ids[:-1]
-            out["targets"][r, at:at + m] = ids[1:]
+            m = len(ids) if whole else len(ids) - 1
+            out["tokens"][r, at:at + m] = ids[:m]
+            out["targets"][r, at:at + len(ids) - 1] = ids[1:]
             out["positions"][r, at:at + m] = np.arange(m)
             out["segment_ids"][r, at:at + m] = segment
-            out["loss_mask"][r, at + len(pair.prompt) - 1:at + m] = 1.0  # the completion's tokens are targets
-            at += max_length
+            out["loss_mask"][r, at + len(pair.prompt) - 1:at + len(ids) - 1] = 1.0  # the completion's targets
+            if whole:
+                out["last_bk"][r, k] = at + m - 1
+            at += m
     return out
 
 

@@ -109,18 +109,11 @@ def load_reward_pairs(data, bundle: TokenizerBundle, log: Callable[[str], None])
 
 
 def reward_rows(pairs: list[RewardPair], max_length: int, rows: int | None = None) -> dict[str, np.ndarray]:
-    """pair_rows' tokens, positions and segment_ids with each sequence's last token put back,
-    plus `last_bk` (rows, 2): where each sequence ends (its reward is read there), `margin`
-    and `pair_mask` (rows, 1). `rows` pads with empty rows (pair_mask 0) up to that many."""
-    full = pair_rows(pairs, max_length)
-    out = {k: full[k] for k in ("tokens", "positions", "segment_ids")}
-    out["last_bk"] = np.zeros((len(pairs), 2), np.int32)
-    for r, pair in enumerate(pairs):
-        for k, completion in enumerate((pair.chosen, pair.rejected)):
-            n = len(pair.prompt) + len(completion)  # the sequence; pair_rows placed its first n - 1 tokens
-            at = k * max_length + n - 1
-            out["tokens"][r, at] = completion[-1] if len(completion) else pair.prompt[-1]
-            out["positions"][r, at], out["segment_ids"][r, at], out["last_bk"][r, k] = n - 1, k + 1, at
+    """pair_rows(whole=True)'s tokens, positions and segment_ids (every token of each sequence,
+    its last included) and `last_bk` (rows, 2): where each sequence ends (its reward is read
+    there); `margin` and `pair_mask` (rows, 1). `rows` pads with empty rows (pair_mask 0)."""
+    full = pair_rows(pairs, max_length, whole=True)
+    out = {k: full[k] for k in ("tokens", "positions", "segment_ids", "last_bk")}
     out["margin"] = np.asarray([[p.margin] for p in pairs], np.float32).reshape(-1, 1)
     out["pair_mask"] = np.ones((len(pairs), 1), np.float32)
     if rows is not None and rows > len(pairs):
