@@ -22,9 +22,10 @@ reward model back (an adapter folded into its base), `RewardScorer` scores rows 
 (GRPO's `rewards: [{model: ...}]`).
 
 Data is DPO's (engine/posttrain/dpo.py): the same TRL formats, truncation and pair rows (a
-pair per row, chosen as segment 1, rejected as segment 2). pair_rows holds each sequence's
-next-token inputs (its last token only as a target); `reward_rows` puts that token back, so
-the reward reads the whole sequence, eos included, as TRL's RewardTrainer scores it.
+pair per row, chosen as segment 1, rejected right after it as segment 2). `reward_rows`
+takes `pair_rows(whole=True)`: every token of each sequence, its last included, and where
+each ends, so the reward reads the whole sequence, eos included, as TRL's RewardTrainer
+scores it.
 """
 
 from __future__ import annotations
