@@ -173,3 +173,25 @@ def test_dpo_is_a_pipeline_stage_with_lineage_and_a_plan(base, preferences, tmp_
     assert manifest["metrics"]["steps"] == 3 and "eval_rewards/accuracies" in manifest["metrics"]
     plans, notes = plan_pipeline(plan, "local")
     assert [q.stage for q in plans] == ["dpo"] and plans[0].fits and plans[0].memory.gradients < plans[0].memory.parameters
+
+
+def test_the_held_out_loss_is_the_training_loss_definition_with_rpo(base):  # noqa: F811
+    """Evaluation adds the loss's parts up over batches (normaliser 1) and divides once: on one
+    batch that equals the training step's loss, RPO's per-token NLL term included."""
+    from engine.models.params import graphdef_of
+    from engine.posttrain.dpo import HELD_OUT_SUMS, held_out_metrics, make_loss_fn, pairs_and_chosen_tokens
+    from engine.train.checkpoint import stored_configs
+
+    bundle = load_saved(base / "tokenizer")
+    cfg = dpo_config(base, Path("unused"), Path("unused.jsonl"), rpo_alpha=0.7)
+    pairs = [tokenize_pair({"prompt": f"colour {i}:", "chosen": f" {NAMES[i]}", "rejected": " red blue green"},
+                           f"x:{i}", bundle, cfg.data) for i in range(3)]
+    batch = {k: jnp.asarray(v) for k, v in pair_rows(pairs, cfg.data.max_length).items()}
+    batch["ref_logps"] = jnp.asarray(np.random.default_rng(0).normal(-20, 3, (3, 2)), jnp.float32)
+    model_cfg, params, _ = load_params(base / "checkpoint")
+    loss_fn = make_loss_fn(graphdef_of(model_cfg, stored_configs(base / "checkpoint")[1]), cfg)
+    training, _ = loss_fn(params, batch, pairs_and_chosen_tokens(batch))
+    _, aux = loss_fn(params, batch, 1.0)
+    held_out = held_out_metrics({k: float(aux[k]) for k in HELD_OUT_SUMS}, cfg)
+    assert held_out["eval_loss"] == pytest.approx(float(training), rel=1e-5)
+    assert float(aux["chosen_nll_sum"]) > 0 and held_out["eval_pairs"] == 3

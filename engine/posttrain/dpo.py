@@ -231,13 +231,17 @@ def make_loss_fn(graphdef, cfg: DPOConfig):
         losses = per_pair_loss(cfg.loss_type, chosen, rejected, ref_chosen, ref_rejected, chosen_tokens,
                                rejected_tokens, beta=cfg.beta, label_smoothing=cfg.label_smoothing,
                                simpo_gamma=cfg.simpo_gamma)
-        loss = jnp.sum(losses * valid) / pairs
+        pair_loss = jnp.sum(losses * valid) / pairs
+        nll_sum = -jnp.sum(chosen * valid)
+        loss = pair_loss
         if cfg.rpo_alpha:  # TRL's `sft` term: the mean NLL per chosen completion token of the batch
-            loss = loss + cfg.rpo_alpha * -jnp.sum(chosen) / chosen_tokens_total
+            loss = loss + cfg.rpo_alpha * nll_sum / chosen_tokens_total
         reward_chosen, reward_rejected = preference_rewards(cfg.loss_type, chosen, rejected, ref_chosen, ref_rejected,
                                                             chosen_tokens, rejected_tokens, cfg.beta)
         share = lambda x: jnp.sum(x * valid) / pairs  # noqa: E731
-        metrics = {"loss": loss, "pairs": jnp.sum(valid), "rewards/chosen": share(reward_chosen),
+        metrics = {"loss": loss, "pair_loss": pair_loss, "pairs": jnp.sum(valid),
+                   "chosen_nll_sum": jax.lax.stop_gradient(nll_sum), "chosen_tokens": jnp.sum(chosen_tokens * valid),
+                   "rewards/chosen": share(reward_chosen),
                    "rewards/rejected": share(reward_rejected),
                    "rewards/margins": share(reward_chosen - reward_rejected),
                    "rewards/accuracies": share((reward_chosen > reward_rejected).astype(jnp.float32)),
@@ -252,6 +256,19 @@ def make_loss_fn(graphdef, cfg: DPOConfig):
         return loss, metrics
 
     return loss_fn
+
+
+HELD_OUT_SUMS = ("pair_loss", "pairs", "chosen_nll_sum", "chosen_tokens", *METRICS)
+"""What the held-out evaluation adds up over its batches (the loss's aux with normaliser 1)."""
+
+
+def held_out_metrics(sums: dict[str, float], cfg: DPOConfig) -> dict[str, float]:
+    """eval_ metrics from batch sums: the training loss's definition over all held-out pairs
+    (their mean pair loss, plus rpo_alpha x the NLL per chosen completion token), and the
+    metrics' means over pairs."""
+    pairs = max(sums["pairs"], 1.0)
+    loss = sums["pair_loss"] / pairs + (cfg.rpo_alpha or 0.0) * sums["chosen_nll_sum"] / max(sums["chosen_tokens"], 1.0)
+    return {"eval_loss": loss, **{f"eval_{k}": sums[k] / pairs for k in METRICS}, "eval_pairs": sums["pairs"]}
 
 
 def dpo_objective(graphdef, cfg: DPOConfig) -> Objective:
@@ -395,11 +412,9 @@ def run_dpo(cfg: DPOConfig, log: Callable[[str], None] | None = None) -> dict[st
                 elif reference.enabled:
                     batch["ref_logps"] = reference(rows)
                 aux = trainer.eval_step(params, batch)
-                for key in ("loss", "pairs", *METRICS):
+                for key in HELD_OUT_SUMS:
                     sums[key] = sums.get(key, 0.0) + float(aux[key])
-            pairs = max(sums["pairs"], 1.0)
-            return {"eval_loss": sums["loss"] / pairs, **{f"eval_{k}": sums[k] / pairs for k in METRICS},
-                    "eval_pairs": sums["pairs"]}
+            return held_out_metrics(sums, cfg)
 
     result = run_training(trainer, source, log=log, evaluate=evaluate,
                           meta={"stage": "dpo", "dpo_config": cfg.model_dump(mode="json")},
