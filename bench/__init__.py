@@ -14,15 +14,15 @@ import collections
 import glob
 import json
 import os
-import re
 import platform
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -48,8 +48,12 @@ def cpu_description() -> dict:
                 flags = set(value.split())
     except OSError:
         pass
-    return {"cpu": model, "cpu_family": numbers.get("cpu family"), "cpu_model_number": numbers.get("model"),
-            "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS}}
+    return {
+        "cpu": model,
+        "cpu_family": numbers.get("cpu family"),
+        "cpu_model_number": numbers.get("model"),
+        "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS},
+    }
 
 
 def load_limit() -> float:
@@ -59,8 +63,14 @@ def load_limit() -> float:
 def machine(**extra) -> dict:
     """What a result was measured on: platform, CPU model, flags and count, Python, and the
     load average at the start; `extra` adds versions."""
-    return {"platform": platform.platform(), "python": platform.python_version(), **cpu_description(),
-            "cpu_count": os.cpu_count(), "load_average_at_start": list(os.getloadavg()), **extra}
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        **cpu_description(),
+        "cpu_count": os.cpu_count(),
+        "load_average_at_start": list(os.getloadavg()),
+        **extra,
+    }
 
 
 # The 1-minute load average lags: a benchmark that kept both cores busy leaves it near 2 by
@@ -77,13 +87,20 @@ def finish(info: dict, settle: float = SETTLE_SECONDS) -> dict:
     ended = list(os.getloadavg())
     while os.getloadavg()[0] > load_limit() and time.monotonic() < deadline:
         time.sleep(2.0)
-    info = {**info, "load_average_when_the_run_ended": ended, "load_average_at_end": list(os.getloadavg()),
-            "settle_seconds": round(time.monotonic() - waited, 1), "load_limit": load_limit()}
+    info = {
+        **info,
+        "load_average_when_the_run_ended": ended,
+        "load_average_at_end": list(os.getloadavg()),
+        "settle_seconds": round(time.monotonic() - waited, 1),
+        "load_limit": load_limit(),
+    }
     worst = max(info["load_average_at_start"][0], info["load_average_at_end"][0])
     info["comparable"] = worst <= info["load_limit"]
     if not info["comparable"]:
-        info["note"] = (f"under load, not comparable: 1-minute load average {worst:.2f} > {info['load_limit']:.2f} "
-                        f"on {info['cpu_count']} cores")
+        info["note"] = (
+            f"under load, not comparable: 1-minute load average {worst:.2f} > {info['load_limit']:.2f} "
+            f"on {info['cpu_count']} cores"
+        )
     return info
 
 
@@ -91,7 +108,8 @@ def load_line(info: dict) -> str:
     """One line for the printed table: the CPU, its flags and the load verdict."""
     flags = " ".join(flag for flag, present in info["cpu_flags"].items() if present) or "none of " + " ".join(CPU_FLAGS)
     verdict = info.get("note") or "quiet machine (load {:.2f} -> {:.2f})".format(
-        info["load_average_at_start"][0], info["load_average_at_end"][0])
+        info["load_average_at_start"][0], info["load_average_at_end"][0]
+    )
     return f"{info['cpu']} ({info['cpu_count']} CPUs; {flags}); {verdict}"
 
 
@@ -99,15 +117,17 @@ def run_worker(argv: list[str], env: dict | None = None) -> dict:
     """Run `python -m ...argv` in a fresh process from the repository root; the JSON object it
     printed last on stdout."""
     environment = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, env=environment, cwd=REPO,
-                          check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", *argv], capture_output=True, text=True, env=environment, cwd=REPO, check=False
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed with exit code {proc.returncode}:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def alternate(workers: dict[str, list[str]], repeats: int, env: dict | None = None,
-              log=lambda msg: print(msg, file=sys.stderr)) -> dict[str, list[dict]]:
+def alternate(
+    workers: dict[str, list[str]], repeats: int, env: dict | None = None, log=lambda msg: print(msg, file=sys.stderr)
+) -> dict[str, list[dict]]:
     """Each worker command `repeats` times, in turns (A B A B ...), each run a fresh process;
     the results of each, in order."""
     results: dict[str, list[dict]] = {name: [] for name in workers}
@@ -121,8 +141,14 @@ def alternate(workers: dict[str, list[str]], repeats: int, env: dict | None = No
 def summary(values: list[float]) -> dict:
     """Median, min, max and the spread ((max - min) / median) of repeated measurements."""
     median = statistics.median(values)
-    return {"median": median, "min": min(values), "max": max(values), "n": len(values),
-            "spread": (max(values) - min(values)) / median if median else float("nan"), "values": values}
+    return {
+        "median": median,
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+        "spread": (max(values) - min(values)) / median if median else float("nan"),
+        "values": values,
+    }
 
 
 def xla_busy(hlo: str, run: Callable[[], object]) -> tuple[dict[str, tuple[str, str]], collections.Counter]:
@@ -132,8 +158,10 @@ def xla_busy(hlo: str, run: Callable[[], object]) -> tuple[dict[str, tuple[str, 
     import jax
     from jax.profiler import ProfileData
 
-    ops = {m.group(1): (m.group(2), m.group(3)) for m in re.finditer(
-        r'^\s*(?:ROOT )?%(\S+) = (\S+) .*?op_name="([^"]*)"', hlo, re.M)}
+    ops = {
+        m.group(1): (m.group(2), m.group(3))
+        for m in re.finditer(r'^\s*(?:ROOT )?%(\S+) = (\S+) .*?op_name="([^"]*)"', hlo, re.M)
+    }
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             jax.block_until_ready(run())

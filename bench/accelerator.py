@@ -32,12 +32,27 @@ import time
 from bench import REPO, finish, load_line, machine, run_worker, summary
 
 SHAPES = {
-    "1b": {"model": "llama3-1b", "batch": 8, "seq": 2048, "compute": {"param_dtype": "float32"},
-           "torch_checkpointing": False},
-    "8b": {"model": "llama3.1-8b", "batch": 4, "seq": 2048, "compute": {"param_dtype": "bfloat16", "remat": "full"},
-           "torch_checkpointing": True},
-    "tiny": {"model": {"preset": "tiny", "max_seq_len": 256}, "batch": 4, "seq": 256, "compute": {},
-             "torch_checkpointing": False},
+    "1b": {
+        "model": "llama3-1b",
+        "batch": 8,
+        "seq": 2048,
+        "compute": {"param_dtype": "float32"},
+        "torch_checkpointing": False,
+    },
+    "8b": {
+        "model": "llama3.1-8b",
+        "batch": 4,
+        "seq": 2048,
+        "compute": {"param_dtype": "bfloat16", "remat": "full"},
+        "torch_checkpointing": True,
+    },
+    "tiny": {
+        "model": {"preset": "tiny", "max_seq_len": 256},
+        "batch": 4,
+        "seq": 256,
+        "compute": {},
+        "torch_checkpointing": False,
+    },
 }
 RUNS = ("engine-cudnn", "engine-blocked", "torch-sdpa")
 
@@ -47,10 +62,17 @@ def engine_config(shape: dict, attention: str):
     from engine.config import load_config
     from engine.train.config import TrainConfig
 
-    return load_config(tree={
-        "model": shape["model"], "compute": {**shape["compute"], "dtype": "bfloat16", "attention_impl": attention},
-        "mesh": {"data": -1}, "data": {"batch_size": shape["batch"], "seq_len": shape["seq"]},
-        "optimizer": {"learning_rate": 1e-5}, "steps": 1000}, schema=TrainConfig)
+    return load_config(
+        tree={
+            "model": shape["model"],
+            "compute": {**shape["compute"], "dtype": "bfloat16", "attention_impl": attention},
+            "mesh": {"data": -1},
+            "data": {"batch_size": shape["batch"], "seq_len": shape["seq"]},
+            "optimizer": {"learning_rate": 1e-5},
+            "steps": 1000,
+        },
+        schema=TrainConfig,
+    )
 
 
 def run_engine(shape_name: str, attention: str, steps: int, warmup: int) -> dict:
@@ -69,10 +91,15 @@ def run_engine(shape_name: str, attention: str, steps: int, warmup: int) -> dict
     state = trainer.init_state()
     rows, seq = shape["batch"], shape["seq"]
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (rows, seq + 1)).astype(np.int32)
-    batch = trainer.global_batch({
-        "tokens": tokens[:, :-1], "targets": tokens[:, 1:], "positions": np.tile(np.arange(seq, dtype=np.int32),
-                                                                                 (rows, 1)),
-        "segment_ids": np.ones((rows, seq), np.int32), "loss_mask": np.ones((rows, seq), np.float32)})
+    batch = trainer.global_batch(
+        {
+            "tokens": tokens[:, :-1],
+            "targets": tokens[:, 1:],
+            "positions": np.tile(np.arange(seq, dtype=np.int32), (rows, 1)),
+            "segment_ids": np.ones((rows, seq), np.int32),
+            "loss_mask": np.ones((rows, seq), np.float32),
+        }
+    )
     params, opt_state = state.params, state.opt_state
     for i in range(warmup + steps):
         if i == warmup:
@@ -84,9 +111,17 @@ def run_engine(shape_name: str, attention: str, steps: int, warmup: int) -> dict
     peak, peak_source = peak_flops(devices)
     tokens_per_second = rows * seq / step_seconds
     flops = flops_per_token(cfg.model, seq) * tokens_per_second
-    return {"run": f"engine-{attention}", "step_seconds": step_seconds, "tokens_per_second": tokens_per_second,
-            "mfu": flops / peak, "peak_flops": peak, "peak_source": peak_source, "loss": float(metrics["loss"]),
-            "device": devices[0].device_kind, "jax": jax.__version__}
+    return {
+        "run": f"engine-{attention}",
+        "step_seconds": step_seconds,
+        "tokens_per_second": tokens_per_second,
+        "mfu": flops / peak,
+        "peak_flops": peak,
+        "peak_source": peak_source,
+        "loss": float(metrics["loss"]),
+        "device": devices[0].device_kind,
+        "jax": jax.__version__,
+    }
 
 
 def run_torch(shape_name: str, steps: int, warmup: int) -> dict:
@@ -102,11 +137,19 @@ def run_torch(shape_name: str, steps: int, warmup: int) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=model_cfg.vocab_size, hidden_size=model_cfg.d_model, num_hidden_layers=model_cfg.num_layers,
-        num_attention_heads=model_cfg.num_heads, num_key_value_heads=model_cfg.num_kv_heads,
-        head_dim=model_cfg.head_dim, intermediate_size=model_cfg.mlp_dim, max_position_embeddings=shape["seq"],
-        rope_theta=model_cfg.rope_theta, rms_norm_eps=model_cfg.norm_eps,
-        tie_word_embeddings=model_cfg.tie_embeddings, attn_implementation="sdpa")
+        vocab_size=model_cfg.vocab_size,
+        hidden_size=model_cfg.d_model,
+        num_hidden_layers=model_cfg.num_layers,
+        num_attention_heads=model_cfg.num_heads,
+        num_key_value_heads=model_cfg.num_kv_heads,
+        head_dim=model_cfg.head_dim,
+        intermediate_size=model_cfg.mlp_dim,
+        max_position_embeddings=shape["seq"],
+        rope_theta=model_cfg.rope_theta,
+        rms_norm_eps=model_cfg.norm_eps,
+        tie_word_embeddings=model_cfg.tie_embeddings,
+        attn_implementation="sdpa",
+    )
     model = LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16)
     if shape["torch_checkpointing"]:
         model.gradient_checkpointing_enable()
@@ -131,9 +174,17 @@ def run_torch(shape_name: str, steps: int, warmup: int) -> dict:
     peak = peak or measure_matmul_flops()
     tokens_per_second = shape["batch"] * shape["seq"] / step_seconds
     flops = flops_per_token(model_cfg, shape["seq"]) * tokens_per_second
-    return {"run": "torch-sdpa", "step_seconds": step_seconds, "tokens_per_second": tokens_per_second,
-            "mfu": flops / peak, "peak_flops": peak, "peak_source": peak_source, "loss": float(out.loss.detach()),
-            "device": kind, "torch": torch.__version__}
+    return {
+        "run": "torch-sdpa",
+        "step_seconds": step_seconds,
+        "tokens_per_second": tokens_per_second,
+        "mfu": flops / peak,
+        "peak_flops": peak,
+        "peak_source": peak_source,
+        "loss": float(out.loss.detach()),
+        "device": kind,
+        "torch": torch.__version__,
+    }
 
 
 def error_line(stderr: str) -> str:
@@ -157,8 +208,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         sys.path.insert(0, str(REPO))
-        result = (run_torch(args.shape, args.steps, args.warmup) if args.worker == "torch-sdpa"
-                  else run_engine(args.shape, args.worker.removeprefix("engine-"), args.steps, args.warmup))
+        result = (
+            run_torch(args.shape, args.steps, args.warmup)
+            if args.worker == "torch-sdpa"
+            else run_engine(args.shape, args.worker.removeprefix("engine-"), args.steps, args.warmup)
+        )
         print(json.dumps(result))
         return
 
@@ -176,28 +230,55 @@ def main() -> None:
                     results[run].append({"error": error_line(str(e))})
         for run, runs in results.items():
             good = [r for r in runs if "error" not in r]
-            rows.append({"shape": shape, "run": run, "runs": runs,
-                         **({"tokens_per_second": summary([r["tokens_per_second"] for r in good]),
-                             "mfu": statistics.median(r["mfu"] for r in good), "device": good[0]["device"],
-                             "peak_source": good[0]["peak_source"]} if good else {"error": runs[-1]["error"]})})
+            rows.append(
+                {
+                    "shape": shape,
+                    "run": run,
+                    "runs": runs,
+                    **(
+                        {
+                            "tokens_per_second": summary([r["tokens_per_second"] for r in good]),
+                            "mfu": statistics.median(r["mfu"] for r in good),
+                            "device": good[0]["device"],
+                            "peak_source": good[0]["peak_source"],
+                        }
+                        if good
+                        else {"error": runs[-1]["error"]}
+                    ),
+                }
+            )
     info = finish(info)
     print(f"\n{'shape':<6} {'run':<16} {'tokens/s (spread)':>22} {'MFU':>6} {'vs torch':>9}  device")
     for row in rows:
         if "error" in row:
             print(f"{row['shape']:<6} {row['run']:<16} {'failed: ' + row['error'][:90]}")
             continue
-        peer = next((r for r in rows if r["shape"] == row["shape"] and r["run"] == "torch-sdpa" and "error" not in r),
-                    None)
+        peer = next(
+            (r for r in rows if r["shape"] == row["shape"] and r["run"] == "torch-sdpa" and "error" not in r), None
+        )
         tokens = row["tokens_per_second"]["median"]
         ratio = tokens / peer["tokens_per_second"]["median"] if peer else float("nan")
-        print(f"{row['shape']:<6} {row['run']:<16} {tokens:>13,.0f} ({row['tokens_per_second']['spread']:>5.1%}) "
-              f"{row['mfu']:>6.1%} {ratio:>8.2f}x  {row['device']} ({row['peak_source']})")
+        print(
+            f"{row['shape']:<6} {row['run']:<16} {tokens:>13,.0f} ({row['tokens_per_second']['spread']:>5.1%}) "
+            f"{row['mfu']:>6.1%} {ratio:>8.2f}x  {row['device']} ({row['peak_source']})"
+        )
     print(load_line(info))
     name = "accelerator-tiny.json" if shapes == ["tiny"] else "accelerator.json"
     out = REPO / "bench" / "results" / name
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": "python -m bench.accelerator " + " ".join(sys.argv[1:]), "machine": info,
-                               "shapes": {s: SHAPES[s] for s in shapes}, "rows": rows}, indent=2, default=str) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "command": "python -m bench.accelerator " + " ".join(sys.argv[1:]),
+                "machine": info,
+                "shapes": {s: SHAPES[s] for s in shapes},
+                "rows": rows,
+            },
+            indent=2,
+            default=str,
+        )
+        + "\n"
+    )
     print(f"wrote {out.relative_to(REPO)}")
 
 

@@ -48,19 +48,33 @@ GiB = 2**30
 
 def cpu_temporaries(seq: int, context: int, rows: int = 2, fsdp: int = 2) -> float:
     """Bytes of temporaries per device of the tiny model's compiled training step."""
-    cfg = load_config(tree={"model": {"preset": "tiny", "max_seq_len": seq}, "mesh": {"fsdp": fsdp, "context": context},
-                            "data": {"batch_size": rows, "seq_len": seq}, "compute": {"attention_impl": "blocked"}},
-                      schema=TrainConfig)
-    trainer = Trainer(cfg, devices=jax.devices()[:fsdp * context])
-    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                          jax.eval_shape(lambda: init_params(cfg.model, cfg.compute, trainer.mesh, seed=0)),
-                          trainer.param_shardings)
-    batch = {name: jax.ShapeDtypeStruct((rows, seq), jnp.float32 if name == "loss_mask" else jnp.int32,
-                                        sharding=trainer.batch_sharding)
-             for name in ("tokens", "targets", "positions", "segment_ids", "loss_mask")}
+    cfg = load_config(
+        tree={
+            "model": {"preset": "tiny", "max_seq_len": seq},
+            "mesh": {"fsdp": fsdp, "context": context},
+            "data": {"batch_size": rows, "seq_len": seq},
+            "compute": {"attention_impl": "blocked"},
+        },
+        schema=TrainConfig,
+    )
+    trainer = Trainer(cfg, devices=jax.devices()[: fsdp * context])
+    params = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        jax.eval_shape(lambda: init_params(cfg.model, cfg.compute, trainer.mesh, seed=0)),
+        trainer.param_shardings,
+    )
+    batch = {
+        name: jax.ShapeDtypeStruct(
+            (rows, seq), jnp.float32 if name == "loss_mask" else jnp.int32, sharding=trainer.batch_sharding
+        )
+        for name in ("tokens", "targets", "positions", "segment_ids", "loss_mask")
+    }
     with use_mesh(trainer.mesh):
-        compiled = jax.jit(jax.value_and_grad(trainer.objective.loss_fn, has_aux=True)).lower(
-            params, batch, jnp.float32(1.0)).compile()
+        compiled = (
+            jax.jit(jax.value_and_grad(trainer.objective.loss_fn, has_aux=True))
+            .lower(params, batch, jnp.float32(1.0))
+            .compile()
+        )
     return float(compiled.memory_analysis().temp_size_in_bytes)
 
 
@@ -77,26 +91,61 @@ def tpu_plans(seq: int) -> dict:
     from flows.spec import load_plan
     from tasks.plan import plan_pipeline
 
-    stages = {f"m{i}": {"task": "pretrain", "inputs": {"dataset": "tokenize"}, "config": {
-        "model": {"preset": "llama3-1b", "max_seq_len": seq}, "mesh": mesh, "steps": 3,
-        "data": {"seq_len": seq, "batch_size": 1}, "compute": {"remat": "full", "attention_impl": impl}}}
-        for i, (mesh, impl) in enumerate(TPU_MESHES.values())}
+    stages = {
+        f"m{i}": {
+            "task": "pretrain",
+            "inputs": {"dataset": "tokenize"},
+            "config": {
+                "model": {"preset": "llama3-1b", "max_seq_len": seq},
+                "mesh": mesh,
+                "steps": 3,
+                "data": {"seq_len": seq, "batch_size": 1},
+                "compute": {"remat": "full", "attention_impl": impl},
+            },
+        }
+        for i, (mesh, impl) in enumerate(TPU_MESHES.values())
+    }
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "pipeline.yaml"
-        path.write_text(yaml.safe_dump({"name": "cpbench", "store": str(Path(tmp) / "store"), "stages": {
-            "tokenize": {"task": "tokenize", "config": {
-                "sources": [{"format": "text", "path": "{stdlib}/a*.py", "name": "stdlib-a"}],
-                "tokenizer": {"vocab_size": 512}}}, **stages}}))
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "name": "cpbench",
+                    "store": str(Path(tmp) / "store"),
+                    "stages": {
+                        "tokenize": {
+                            "task": "tokenize",
+                            "config": {
+                                "sources": [{"format": "text", "path": "{stdlib}/a*.py", "name": "stdlib-a"}],
+                                "tokenizer": {"vocab_size": 512},
+                            },
+                        },
+                        **stages,
+                    },
+                }
+            )
+        )
         started = time.perf_counter()
         plans = {p.stage: p for p in plan_pipeline(load_plan(str(path)), "v5p-8")[0]}
         seconds = time.perf_counter() - started
     out = {}
     for i, name in enumerate(TPU_MESHES):
         plan = plans[f"m{i}"]
-        out[name] = {"how": plan.how, "mesh": plan.mesh, "temporaries_gib": round(plan.memory.temporaries / GiB, 2),
-                     "total_gib": round(plan.memory.total / GiB, 2), "fits": plan.fits}
-    return {"model": "llama3-1b", "rows": 1, "seq": seq, "target": "v5p-8", "compile_seconds": round(seconds, 1),
-            "plans": out}
+        out[name] = {
+            "how": plan.how,
+            "mesh": plan.mesh,
+            "temporaries_gib": round(plan.memory.temporaries / GiB, 2),
+            "total_gib": round(plan.memory.total / GiB, 2),
+            "fits": plan.fits,
+        }
+    return {
+        "model": "llama3-1b",
+        "rows": 1,
+        "seq": seq,
+        "target": "v5p-8",
+        "compile_seconds": round(seconds, 1),
+        "plans": out,
+    }
 
 
 def splash_tiles(seq: int, shards: int) -> dict:
@@ -124,22 +173,30 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'positions':>10} {'context 1':>10} {'context 2':>10} {'context 4':>10}")
     for seq, by_context in cpu.items():
         print(f"{seq:>10} " + " ".join(f"{by_context[c] / MB:>10.1f}" for c in (1, 2, 4)))
-    result = {"machine": info, "cpu": {"model": "tiny", "rows": 2, "fsdp": 2, "attention": "blocked",
-                                       "temporaries_bytes": cpu}}
+    result = {
+        "machine": info,
+        "cpu": {"model": "tiny", "rows": 2, "fsdp": 2, "attention": "blocked", "temporaries_bytes": cpu},
+    }
     result["splash_tiles"] = {shards: splash_tiles(args.tpu_seq, shards) for shards in (2, 4, 8)}
     print(f"\nsplash tiles per context shard, causal, {args.tpu_seq} positions (the slowest shard bounds the step)")
     for shards, layouts in result["splash_tiles"].items():
         print(f"  context {shards}: in order {layouts['contiguous']}, balanced {layouts['balanced']}")
     if not args.no_tpu and importlib.util.find_spec("libtpu") is not None:
         result["tpu"] = tpu_plans(args.tpu_seq)
-        print(f"\nTPU v5p-8 (4 chips), llama3-1b, 1 row of {args.tpu_seq}, remat full: per chip "
-              f"(compiled in {result['tpu']['compile_seconds']} s)")
+        print(
+            f"\nTPU v5p-8 (4 chips), llama3-1b, 1 row of {args.tpu_seq}, remat full: per chip "
+            f"(compiled in {result['tpu']['compile_seconds']} s)"
+        )
         for name, plan in result["tpu"]["plans"].items():
-            print(f"  {name:32} temporaries {plan['temporaries_gib']:6.2f} GiB, total {plan['total_gib']:6.2f} GiB"
-                  f" ({plan['how']}{', fits' if plan['fits'] else ', DOES NOT FIT'})")
+            print(
+                f"  {name:32} temporaries {plan['temporaries_gib']:6.2f} GiB, total {plan['total_gib']:6.2f} GiB"
+                f" ({plan['how']}{', fits' if plan['fits'] else ', DOES NOT FIT'})"
+            )
     result["machine"] = finish(info, settle=0)
-    result["what"] = ("compile-time memory analysis and the splash kernel's block tables: no timing, so the "
-                      "machine's load does not change these figures (its load is recorded all the same)")
+    result["what"] = (
+        "compile-time memory analysis and the splash kernel's block tables: no timing, so the "
+        "machine's load does not change these figures (its load is recorded all the same)"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"wrote {args.out}")

@@ -78,28 +78,56 @@ def disk_speed(directory: Path, nbytes: int) -> dict:
 
 def llama_shaped(layers: int) -> dict:
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 1024,
-        "intermediate_size": 2816, "num_hidden_layers": layers, "num_attention_heads": 16, "num_key_value_heads": 4,
-        "head_dim": 64, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "hidden_act": "silu", "dtype": "bfloat16",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "dtype": "bfloat16",
     }
 
 
 def write_source(directory: Path, config: dict) -> int:
     """A HF directory with random bfloat16 weights in two shards + index; returns bytes."""
-    d, f, v, n, k, h = (config[key] for key in ("hidden_size", "intermediate_size", "vocab_size",
-                                                  "num_attention_heads", "num_key_value_heads", "head_dim"))
+    d, f, v, n, k, h = (
+        config[key]
+        for key in (
+            "hidden_size",
+            "intermediate_size",
+            "vocab_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        )
+    )
     shapes = {"model.embed_tokens.weight": (v, d)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (d,), p + "self_attn.q_proj.weight": (n * h, d),
-                       p + "self_attn.k_proj.weight": (k * h, d), p + "self_attn.v_proj.weight": (k * h, d),
-                       p + "self_attn.o_proj.weight": (d, n * h), p + "post_attention_layernorm.weight": (d,),
-                       p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
-                       p + "mlp.down_proj.weight": (d, f)})
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (d,),
+                p + "self_attn.q_proj.weight": (n * h, d),
+                p + "self_attn.k_proj.weight": (k * h, d),
+                p + "self_attn.v_proj.weight": (k * h, d),
+                p + "self_attn.o_proj.weight": (d, n * h),
+                p + "post_attention_layernorm.weight": (d,),
+                p + "mlp.gate_proj.weight": (f, d),
+                p + "mlp.up_proj.weight": (f, d),
+                p + "mlp.down_proj.weight": (d, f),
+            }
+        )
     shapes.update({"model.norm.weight": (d,), "lm_head.weight": (v, d)})
     names = list(shapes)
-    halves = [names[: len(names) // 2], names[len(names) // 2:]]
+    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
     bf16 = np.dtype(ml_dtypes.bfloat16)
     rng = np.random.default_rng(0)
     directory.mkdir(parents=True)
@@ -107,11 +135,13 @@ def write_source(directory: Path, config: dict) -> int:
     for i, part in enumerate(halves):
         filename = f"model-{i + 1:05d}-of-00002.safetensors"
         tensors = ((name, (0.02 * rng.standard_normal(shapes[name], np.float32)).astype(bf16)) for name in part)
-        total += write_safetensors(directory / filename, tensors, {"format": "pt"},
-                                   shapes={name: (shapes[name], bf16) for name in part})
+        total += write_safetensors(
+            directory / filename, tensors, {"format": "pt"}, shapes={name: (shapes[name], bf16) for name in part}
+        )
         weight_map.update({name: filename for name in part})
     (directory / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     (directory / "config.json").write_text(json.dumps(config))
     return total
 
@@ -119,8 +149,9 @@ def write_source(directory: Path, config: dict) -> int:
 def run_child(argv: list[str]) -> tuple[dict | None, float, float, float]:
     """(the child's JSON result, wall seconds, peak RSS in MB, CPU seconds) of `python argv...`."""
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            cwd=os.path.dirname(_HERE), text=True)
+    proc = subprocess.Popen(
+        [sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=os.path.dirname(_HERE), text=True
+    )
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     out, err = proc.stdout.read(), proc.stderr.read()
@@ -133,10 +164,12 @@ def run_child(argv: list[str]) -> tuple[dict | None, float, float, float]:
 
 
 # What the converter's process imports and plans before it reads a weight: the baseline.
-BASELINE = ("import jax, orbax.checkpoint, numpy, engine.interop.hf.convert, engine.interop.hf.export; "
-            "from engine.interop.hf.mapping import model_config_from_hf; "
-            "from engine.models.params import abstract_model_params; import json, sys; "
-            "abstract_model_params(*model_config_from_hf(json.load(open(sys.argv[1]))), None)")
+BASELINE = (
+    "import jax, orbax.checkpoint, numpy, engine.interop.hf.convert, engine.interop.hf.export; "
+    "from engine.interop.hf.mapping import model_config_from_hf; "
+    "from engine.models.params import abstract_model_params; import json, sys; "
+    "abstract_model_params(*model_config_from_hf(json.load(open(sys.argv[1]))), None)"
+)
 
 
 def main() -> int:
@@ -166,26 +199,50 @@ def main() -> int:
                 out = work / f"converted-{dtype}"
                 shutil.rmtree(out, ignore_errors=True)
                 drop_cache(work / "hf")
-                result, wall, rss, cpu = run_child(["-m", "engine.interop.hf", "convert", str(work / "hf"),
-                                                    str(out), "--dtype", dtype])
+                result, wall, rss, cpu = run_child(
+                    ["-m", "engine.interop.hf", "convert", str(work / "hf"), str(out), "--dtype", dtype]
+                )
                 if best is None or result["seconds"] < best[0]["seconds"]:
                     best = (result, wall, rss, cpu)
             result, wall, rss, cpu = best
-            rows.append({"operation": f"convert HF bf16 -> Orbax {dtype}", "gb": source_bytes / GB,
-                         "seconds": result["seconds"], "process_seconds": wall, "peak_rss_mb": rss, "cpu_seconds_above_baseline": cpu - baseline_cpu,
-                         "model_mb": model_bytes / 1e6})
+            rows.append(
+                {
+                    "operation": f"convert HF bf16 -> Orbax {dtype}",
+                    "gb": source_bytes / GB,
+                    "seconds": result["seconds"],
+                    "process_seconds": wall,
+                    "peak_rss_mb": rss,
+                    "cpu_seconds_above_baseline": cpu - baseline_cpu,
+                    "model_mb": model_bytes / 1e6,
+                }
+            )
         best = None
         for _ in range(args.repeats):
             shutil.rmtree(work / "exported", ignore_errors=True)
             drop_cache(work / "converted-bfloat16")
-            result, wall, rss, cpu = run_child(["-m", "engine.interop.hf", "export",
-                                                str(work / "converted-bfloat16" / "checkpoint"), str(work / "exported")])
+            result, wall, rss, cpu = run_child(
+                [
+                    "-m",
+                    "engine.interop.hf",
+                    "export",
+                    str(work / "converted-bfloat16" / "checkpoint"),
+                    str(work / "exported"),
+                ]
+            )
             if best is None or result["seconds"] < best[0]["seconds"]:
                 best = (result, wall, rss, cpu)
         result, wall, rss, cpu = best
-        rows.append({"operation": "export Orbax bf16 -> HF bf16", "gb": result["bytes"] / GB,
-                     "seconds": result["seconds"], "process_seconds": wall, "peak_rss_mb": rss, "cpu_seconds_above_baseline": cpu - baseline_cpu,
-                     "model_mb": source_bytes / 1e6})
+        rows.append(
+            {
+                "operation": "export Orbax bf16 -> HF bf16",
+                "gb": result["bytes"] / GB,
+                "seconds": result["seconds"],
+                "process_seconds": wall,
+                "peak_rss_mb": rss,
+                "cpu_seconds_above_baseline": cpu - baseline_cpu,
+                "model_mb": source_bytes / 1e6,
+            }
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -194,16 +251,22 @@ def main() -> int:
         if "peak_rss_mb" in row:
             row["above_baseline_per_model"] = (row["peak_rss_mb"] - baseline_mb) / row["model_mb"]
     disk_read = rows[1]["gb_per_second"]
-    print(f"model: Llama-shaped, {args.layers} layers, {source_bytes / 1e6:.0f} MB bfloat16 in 2 shards; "
-          f"baseline RSS (imports) {baseline_mb:.0f} MB; best of {args.repeats}")
-    print(f"{'operation':34s} {'GB':>6s} {'s':>7s} {'GB/s':>6s} {'vs disk read':>12s} {'CPU s':>6s} "
-          f"{'peak RSS MB':>11s} {'(RSS-base)/model':>16s}")
+    print(
+        f"model: Llama-shaped, {args.layers} layers, {source_bytes / 1e6:.0f} MB bfloat16 in 2 shards; "
+        f"baseline RSS (imports) {baseline_mb:.0f} MB; best of {args.repeats}"
+    )
+    print(
+        f"{'operation':34s} {'GB':>6s} {'s':>7s} {'GB/s':>6s} {'vs disk read':>12s} {'CPU s':>6s} "
+        f"{'peak RSS MB':>11s} {'(RSS-base)/model':>16s}"
+    )
     for row in rows:
         rss = f"{row['peak_rss_mb']:11.0f}" if "peak_rss_mb" in row else f"{'-':>11s}"
         ratio = f"{row['above_baseline_per_model']:16.2f}" if "above_baseline_per_model" in row else f"{'-':>16s}"
         cpu = f"{row['cpu_seconds_above_baseline']:6.2f}" if "cpu_seconds_above_baseline" in row else f"{'-':>6s}"
-        print(f"{row['operation']:34s} {row['gb']:6.3f} {row['seconds']:7.2f} {row['gb_per_second']:6.2f} "
-              f"{row['gb_per_second'] / disk_read:12.2f} {cpu} {rss} {ratio}")
+        print(
+            f"{row['operation']:34s} {row['gb']:6.3f} {row['seconds']:7.2f} {row['gb_per_second']:6.2f} "
+            f"{row['gb_per_second'] / disk_read:12.2f} {cpu} {rss} {ratio}"
+        )
     info["load_average_at_end"] = list(os.getloadavg())
     results = {
         "command": "python -m bench.convert " + " ".join(sys.argv[1:]),
@@ -213,9 +276,9 @@ def main() -> int:
         "baseline_cpu_seconds": baseline_cpu,
         "rows": rows,
         "notes": "seconds of convert/export are engine.interop.hf's own timing (no interpreter start-up); "
-                 "process_seconds include starting Python and importing JAX; cpu_seconds_above_baseline "
-                 "is the child's user+sys time minus that of a child that only imports and plans (less "
-                 "sensitive to other load on a shared machine than wall time).",
+        "process_seconds include starting Python and importing JAX; cpu_seconds_above_baseline "
+        "is the child's user+sys time minus that of a child that only imports and plans (less "
+        "sensitive to other load on a shared machine than wall time).",
     }
     out = Path(_HERE) / "results" / "convert.json"
     out.parent.mkdir(exist_ok=True)

@@ -47,9 +47,15 @@ def make_trainer(kind: str, dtype: str, base: str | None):
     from engine.train.config import TrainConfig
     from engine.train.trainer import Trainer
 
-    tree = {"model": SHAPE, "compute": {"dtype": dtype}, "mesh": {"data": -1},
-            "data": {"batch_size": BATCH, "seq_len": SEQ}, "optimizer": {"learning_rate": 1e-4}, "steps": 1000,
-            "checkpoint": {"init_from": base}}
+    tree = {
+        "model": SHAPE,
+        "compute": {"dtype": dtype},
+        "mesh": {"data": -1},
+        "data": {"batch_size": BATCH, "seq_len": SEQ},
+        "optimizer": {"learning_rate": 1e-4},
+        "steps": 1000,
+        "checkpoint": {"init_from": base},
+    }
     if kind == "lora":
         tree["lora"] = LORA
     return Trainer(load_config(tree=tree, schema=TrainConfig))
@@ -66,8 +72,17 @@ def write_base(directory: str, dtype: str) -> dict:
     trainer = make_trainer("full", dtype, None)
     params = jax.tree.map(np.asarray, trainer.init_state().params)
     cfg = trainer.cfg
-    save_params(directory, 0, params, {"step": 0, "model": cfg.model.model_dump(mode="json"),
-                                       "compute": cfg.compute.model_dump(mode="json"), "format": CHECKPOINT_FORMAT})
+    save_params(
+        directory,
+        0,
+        params,
+        {
+            "step": 0,
+            "model": cfg.model.model_dump(mode="json"),
+            "compute": cfg.compute.model_dump(mode="json"),
+            "format": CHECKPOINT_FORMAT,
+        },
+    )
     return {"base": directory, "parameters": sum(int(p.size) for p in jax.tree.leaves(params))}
 
 
@@ -82,11 +97,15 @@ def run_step(kind: str, dtype: str, base: str, steps: int, warmup: int) -> dict:
     state = trainer.init_state()  # with LoRA: loads the frozen base from `base`
     params, opt_state = state.params, state.opt_state
     tokens = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], (BATCH, SEQ + 1)).astype(np.int32)
-    batch = trainer.global_batch({
-        "tokens": tokens[:, :-1], "targets": tokens[:, 1:],
-        "positions": np.tile(np.arange(SEQ, dtype=np.int32), (BATCH, 1)),
-        "segment_ids": np.ones((BATCH, SEQ), np.int32), "loss_mask": np.ones((BATCH, SEQ), np.float32),
-    })
+    batch = trainer.global_batch(
+        {
+            "tokens": tokens[:, :-1],
+            "targets": tokens[:, 1:],
+            "positions": np.tile(np.arange(SEQ, dtype=np.int32), (BATCH, 1)),
+            "segment_ids": np.ones((BATCH, SEQ), np.int32),
+            "loss_mask": np.ones((BATCH, SEQ), np.float32),
+        }
+    )
     start = time.perf_counter()
     trainer.compile_train_step(batch)
     compile_seconds = time.perf_counter() - start
@@ -99,15 +118,24 @@ def run_step(kind: str, dtype: str, base: str, steps: int, warmup: int) -> dict:
         if i >= warmup:
             times.append(time.perf_counter() - start)
     frozen = trainer.abstract_base
-    return {"kind": kind, "dtype": dtype, "steps": steps, "step_seconds": statistics.median(times),
-            "step_times": times, "compile_seconds": compile_seconds, "loss": float(metrics["loss"]),
-            "trained_parameters": sum(math.prod(a.shape) for a in jax.tree.leaves(trainer.abstract_params)),
-            "trained_parameter_bytes": shard_bytes(trainer.abstract_params),
-            "frozen_parameter_bytes": 0.0 if frozen is None else shard_bytes(frozen),
-            "optimizer_state_bytes": shard_bytes(trainer.abstract_opt_state),
-            "temp_bytes": None if analysis is None else analysis.temp_size_in_bytes,
-            "argument_bytes": None if analysis is None else analysis.argument_size_in_bytes,
-            "peak_rss_mb": peak_rss_mb(), "jax": jax.__version__, "devices": jax.device_count()}
+    return {
+        "kind": kind,
+        "dtype": dtype,
+        "steps": steps,
+        "step_seconds": statistics.median(times),
+        "step_times": times,
+        "compile_seconds": compile_seconds,
+        "loss": float(metrics["loss"]),
+        "trained_parameters": sum(math.prod(a.shape) for a in jax.tree.leaves(trainer.abstract_params)),
+        "trained_parameter_bytes": shard_bytes(trainer.abstract_params),
+        "frozen_parameter_bytes": 0.0 if frozen is None else shard_bytes(frozen),
+        "optimizer_state_bytes": shard_bytes(trainer.abstract_opt_state),
+        "temp_bytes": None if analysis is None else analysis.temp_size_in_bytes,
+        "argument_bytes": None if analysis is None else analysis.argument_size_in_bytes,
+        "peak_rss_mb": peak_rss_mb(),
+        "jax": jax.__version__,
+        "devices": jax.device_count(),
+    }
 
 
 def main() -> None:
@@ -122,8 +150,11 @@ def main() -> None:
     if args.worker:
         kind, base = args.worker
         sys.path.insert(0, str(REPO))
-        result = (write_base(base, args.dtype) if kind == "base"
-                  else run_step(kind, args.dtype, base, args.steps, args.warmup))
+        result = (
+            write_base(base, args.dtype)
+            if kind == "base"
+            else run_step(kind, args.dtype, base, args.steps, args.warmup)
+        )
         print(json.dumps(result))
         return
 
@@ -133,37 +164,73 @@ def main() -> None:
         base = str(Path(tmp) / "checkpoint")
         written = run_worker(["bench.lora", "--worker", "base", base, *common], env)
         info = machine(engine_commit=engine_commit())  # the load from here on: the measured runs
-        runs = alternate({kind: ["bench.lora", "--worker", kind, base, *common] for kind in ("full", "lora")},
-                         args.repeats, env=env)
+        runs = alternate(
+            {kind: ["bench.lora", "--worker", kind, base, *common] for kind in ("full", "lora")}, args.repeats, env=env
+        )
     info = finish(info)
-    rows = {kind: {"step_seconds": summary([r["step_seconds"] for r in results]),
-                   **{k: results[0][k] for k in ("trained_parameters", "trained_parameter_bytes",
-                                                 "frozen_parameter_bytes", "optimizer_state_bytes",
-                                                 "temp_bytes", "argument_bytes")},
-                   "peak_rss_mb": summary([r["peak_rss_mb"] for r in results]), "runs": results}
-            for kind, results in runs.items()}
+    rows = {
+        kind: {
+            "step_seconds": summary([r["step_seconds"] for r in results]),
+            **{
+                k: results[0][k]
+                for k in (
+                    "trained_parameters",
+                    "trained_parameter_bytes",
+                    "frozen_parameter_bytes",
+                    "optimizer_state_bytes",
+                    "temp_bytes",
+                    "argument_bytes",
+                )
+            },
+            "peak_rss_mb": summary([r["peak_rss_mb"] for r in results]),
+            "runs": results,
+        }
+        for kind, results in runs.items()
+    }
     full, lora = rows["full"], rows["lora"]
     ratio = full["step_seconds"]["median"] / lora["step_seconds"]["median"]
     verdict = "comparable" if info["comparable"] else "not comparable (under load)"
 
     mb = lambda b: "-" if b is None else f"{b / 2**20:,.1f}"  # noqa: E731
-    print(f"\n{'step':<6} {'s/step (spread)':>17} {'trained params':>15} {'trained MiB':>12} {'frozen MiB':>11} "
-          f"{'opt state MiB':>14} {'temp MiB':>10} {'peak RSS MiB':>13}")
+    print(
+        f"\n{'step':<6} {'s/step (spread)':>17} {'trained params':>15} {'trained MiB':>12} {'frozen MiB':>11} "
+        f"{'opt state MiB':>14} {'temp MiB':>10} {'peak RSS MiB':>13}"
+    )
     for kind, r in rows.items():
         s = r["step_seconds"]
-        print(f"{kind:<6} {s['median']:>8.3f} ({s['spread']:>5.1%}) {r['trained_parameters']:>15,} "
-              f"{mb(r['trained_parameter_bytes']):>12} {mb(r['frozen_parameter_bytes']):>11} "
-              f"{mb(r['optimizer_state_bytes']):>14} {mb(r['temp_bytes']):>10} {r['peak_rss_mb']['median']:>13,.0f}")
-    print(f"full / lora step time: {ratio:.2f}x (target >= {TARGET_RATIO}x; {verdict}); "
-          f"{args.dtype}, batch {BATCH} x {SEQ}, LoRA rank {LORA['rank']} on {LORA['target_modules']}")
+        print(
+            f"{kind:<6} {s['median']:>8.3f} ({s['spread']:>5.1%}) {r['trained_parameters']:>15,} "
+            f"{mb(r['trained_parameter_bytes']):>12} {mb(r['frozen_parameter_bytes']):>11} "
+            f"{mb(r['optimizer_state_bytes']):>14} {mb(r['temp_bytes']):>10} {r['peak_rss_mb']['median']:>13,.0f}"
+        )
+    print(
+        f"full / lora step time: {ratio:.2f}x (target >= {TARGET_RATIO}x; {verdict}); "
+        f"{args.dtype}, batch {BATCH} x {SEQ}, LoRA rank {LORA['rank']} on {LORA['target_modules']}"
+    )
     print(load_line(info))
     out = Path(args.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "command": "python -m bench.lora " + " ".join(sys.argv[1:]), "machine": info, "shape": SHAPE,
-        "batch": BATCH, "seq": SEQ, "dtype": args.dtype, "lora": LORA, "base_parameters": written["parameters"],
-        "ratio_full_over_lora": ratio, "ratio_status": verdict, "target_ratio": TARGET_RATIO,
-        "meets_target": ratio >= TARGET_RATIO if info["comparable"] else None, "rows": rows}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "command": "python -m bench.lora " + " ".join(sys.argv[1:]),
+                "machine": info,
+                "shape": SHAPE,
+                "batch": BATCH,
+                "seq": SEQ,
+                "dtype": args.dtype,
+                "lora": LORA,
+                "base_parameters": written["parameters"],
+                "ratio_full_over_lora": ratio,
+                "ratio_status": verdict,
+                "target_ratio": TARGET_RATIO,
+                "meets_target": ratio >= TARGET_RATIO if info["comparable"] else None,
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
 
 

@@ -42,8 +42,13 @@ CASES = [  # (name, target, rows of 4,096 tokens, lora section or None)
 
 
 def config(lora: dict | None, rows: int = 4) -> TrainConfig:
-    tree = {"model": "llama3.1-8b", "mesh": {"data": 1, "fsdp": -1}, "data": {"seq_len": 4096, "batch_size": rows},
-            "steps": 10, **({"lora": lora} if lora else {})}
+    tree = {
+        "model": "llama3.1-8b",
+        "mesh": {"data": 1, "fsdp": -1},
+        "data": {"seq_len": 4096, "batch_size": rows},
+        "steps": 10,
+        **({"lora": lora} if lora else {}),
+    }
     return load_config(tree=tree, schema=TrainConfig)
 
 
@@ -52,21 +57,41 @@ def main() -> None:
     for name, target, rows_per_step, lora in CASES:
         plan = plan_step(config(lora, rows_per_step), get_target(target), stage=name)
         m = plan.memory
-        row = {"case": name, "target": target, "rows": rows_per_step, "how": plan.how, "fits": plan.fits, "total_gib": m.total / GiB,
-               "parameters_gib": m.parameters / GiB, "optimizer_state_gib": m.optimizer_state / GiB,
-               "temporaries_gib": m.temporaries / GiB, "capacity_gib": plan.capacity / GiB}
+        row = {
+            "case": name,
+            "target": target,
+            "rows": rows_per_step,
+            "how": plan.how,
+            "fits": plan.fits,
+            "total_gib": m.total / GiB,
+            "parameters_gib": m.parameters / GiB,
+            "optimizer_state_gib": m.optimizer_state / GiB,
+            "temporaries_gib": m.temporaries / GiB,
+            "capacity_gib": plan.capacity / GiB,
+        }
         rows.append(row)
-        print(f"{name:28s} {target:6s} {rows_per_step} x 4096 {plan.how:24s} total {row['total_gib']:6.2f} GiB of {row['capacity_gib']:.0f} "
-              f"(params {row['parameters_gib']:.2f}, Adam {row['optimizer_state_gib']:.3f}, "
-              f"temporaries {row['temporaries_gib']:.2f}) {'fits' if plan.fits else 'DOES NOT FIT'}", flush=True)
+        print(
+            f"{name:28s} {target:6s} {rows_per_step} x 4096 {plan.how:24s} "
+            f"total {row['total_gib']:6.2f} GiB of {row['capacity_gib']:.0f} "
+            f"(params {row['parameters_gib']:.2f}, Adam {row['optimizer_state_gib']:.3f}, "
+            f"temporaries {row['temporaries_gib']:.2f}) {'fits' if plan.fits else 'DOES NOT FIT'}",
+            flush=True,
+        )
     cfg = config(LORA)
     adapter, base = split_adapter(abstract_model_params(cfg.model, cfg.compute, None, LoraConfig(**LORA)))
     adapter_bytes, base_bytes = shard_bytes(adapter), shard_bytes(base)
-    print(f"rank-16 all-linear adapter: {adapter_bytes / 2**20:.1f} MiB float32 = "
-          f"{100 * adapter_bytes / base_bytes:.2f}% of the base's {base_bytes / GiB:.1f} GiB")
-    info = machine(description=__doc__.split("\n\n")[0], rows=rows, adapter_bytes=adapter_bytes,
-                   base_bytes=base_bytes, adapter_fraction=adapter_bytes / base_bytes,
-                   figures="compile-time, from libtpu's memory analysis: not load-sensitive")
+    print(
+        f"rank-16 all-linear adapter: {adapter_bytes / 2**20:.1f} MiB float32 = "
+        f"{100 * adapter_bytes / base_bytes:.2f}% of the base's {base_bytes / GiB:.1f} GiB"
+    )
+    info = machine(
+        description=__doc__.split("\n\n")[0],
+        rows=rows,
+        adapter_bytes=adapter_bytes,
+        base_bytes=base_bytes,
+        adapter_fraction=adapter_bytes / base_bytes,
+        figures="compile-time, from libtpu's memory analysis: not load-sensitive",
+    )
     out = REPO / "bench" / "results" / "lora_plan.json"
     out.write_text(json.dumps(finish(info, settle=0), indent=1) + "\n")
     print(f"wrote {out.relative_to(REPO)}")

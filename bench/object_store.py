@@ -52,8 +52,12 @@ def start_server() -> dict[str, str]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "bench",
-           "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     os.environ.update(env)
     return env
 
@@ -74,8 +78,7 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=64, help="checkpoint size in MiB (float32 arrays)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    info = machine(jax=jax.__version__, orbax=version("orbax-checkpoint"), s3fs=version("s3fs"),
-                   moto=version("moto"))
+    info = machine(jax=jax.__version__, orbax=version("orbax-checkpoint"), s3fs=version("s3fs"), moto=version("moto"))
     info["load_average_at_start"] = LOAD_AT_START
     start_server()
     work = Path(tempfile.mkdtemp(prefix="trainflow-bench-objectstore-"))
@@ -87,13 +90,20 @@ def main() -> None:
     fs = fsspec.filesystem("s3")
     params = make_params(args.mb)
     opt_state = {"count": jnp.zeros((), jnp.int32)}
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=SingleDeviceSharding(jax.devices()[0])), params)
-    abstract_opt = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                               sharding=SingleDeviceSharding(jax.devices()[0])),
-                                opt_state)
-    rows = {"trainflow save": [], "trainflow restore": [], "s3fs put": [], "s3fs get": [],
-            "orbax local save": [], "orbax local restore": []}
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(jax.devices()[0])), params
+    )
+    abstract_opt = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=SingleDeviceSharding(jax.devices()[0])), opt_state
+    )
+    rows = {
+        "trainflow save": [],
+        "trainflow restore": [],
+        "s3fs put": [],
+        "s3fs get": [],
+        "orbax local save": [],
+        "orbax local restore": [],
+    }
     size = 0
     for round_ in range(args.repeats):
         print(f"[{round_ + 1}/{args.repeats}]", file=sys.stderr)
@@ -135,10 +145,14 @@ def main() -> None:
         shutil.rmtree(resumed, ignore_errors=True)
         shutil.rmtree(work / f"peer-{round_}", ignore_errors=True)
 
-    results = {name: {**summary(seconds), "mb_per_second": size / 1e6 / summary(seconds)["median"]}
-               for name, seconds in rows.items()}
-    ratios = {"save / s3fs put": results["trainflow save"]["median"] / results["s3fs put"]["median"],
-              "restore / s3fs get": results["trainflow restore"]["median"] / results["s3fs get"]["median"]}
+    results = {
+        name: {**summary(seconds), "mb_per_second": size / 1e6 / summary(seconds)["median"]}
+        for name, seconds in rows.items()
+    }
+    ratios = {
+        "save / s3fs put": results["trainflow save"]["median"] / results["s3fs put"]["median"],
+        "restore / s3fs get": results["trainflow restore"]["median"] / results["s3fs get"]["median"],
+    }
     info = finish(info)
     print(f"checkpoint step: {size / 1e6:.1f} MB, {args.repeats} rounds (A B A B), moto S3 on 127.0.0.1")
     print(f"{'':22}{'median s':>10}{'MB/s':>10}{'spread':>9}")
@@ -148,13 +162,22 @@ def main() -> None:
         print(f"time ratio {name}: {ratio:.2f}")
     print(load_line(info))
     out_path = REPO / "bench" / "results" / "object_store.json"
-    out_path.write_text(json.dumps({
-        "description": "checkpoint save (Orbax into local staging + StepMirror upload) and restore "
-                       "(newest whole step downloaded + Orbax restore) against a moto S3 server on 127.0.0.1, "
-                       "beside s3fs put/get of the same step directory",
-        "command": f"python -m bench.object_store --mb {args.mb} --repeats {args.repeats}",
-        "step_bytes": size, "results": results, "time_ratios": ratios, "machine": info,
-    }, indent=2) + "\n")
+    out_path.write_text(
+        json.dumps(
+            {
+                "description": "checkpoint save (Orbax into local staging + StepMirror upload) and restore "
+                "(newest whole step downloaded + Orbax restore) against a moto S3 server on 127.0.0.1, "
+                "beside s3fs put/get of the same step directory",
+                "command": f"python -m bench.object_store --mb {args.mb} --repeats {args.repeats}",
+                "step_bytes": size,
+                "results": results,
+                "time_ratios": ratios,
+                "machine": info,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out_path.relative_to(REPO)}")
     shutil.rmtree(work, ignore_errors=True)
 

@@ -79,8 +79,12 @@ def chain(n: int, seconds: float, store: Path):
     p = Pipeline("bench-chain", store=store)
     previous = None
     for i in range(n):
-        previous = p.stage(f"s{i}", task="bench-sleep" if previous is None else "bench-sleep-after",
-                           inputs={"previous": previous} if previous else {}, config={"index": i, "seconds": seconds})
+        previous = p.stage(
+            f"s{i}",
+            task="bench-sleep" if previous is None else "bench-sleep-after",
+            inputs={"previous": previous} if previous else {},
+            config={"index": i, "seconds": seconds},
+        )
     return p.plan()
 
 
@@ -101,15 +105,17 @@ def bench_chain(n: int, seconds: float, root: Path) -> dict:
     for mode in ("prefect", "plain"):
         store = root / f"chain-{mode}"
         runner = (lambda plan: run_plan(plan)) if mode == "prefect" else plain
-        first, _ = timed(lambda: runner(chain(n, seconds, store)))
-        rerun, statuses = timed(lambda: runner(chain(n, seconds, store)))
+        first, _ = timed(lambda: runner(chain(n, seconds, store)))  # noqa: B023
+        rerun, statuses = timed(lambda: runner(chain(n, seconds, store)))  # noqa: B023
         skipped = {s["status"] if isinstance(s, dict) else s for s in statuses.values()}
         assert skipped == {"skipped"}, statuses
         work = n * seconds
         rows[mode] = {
-            "first_run_s": round(first, 3), "work_s": work,
+            "first_run_s": round(first, 3),
+            "work_s": work,
             "overhead_per_stage_s": round((first - work) / n, 4),
-            "all_skipped_rerun_s": round(rerun, 3), "skipped_per_stage_s": round(rerun / n, 4),
+            "all_skipped_rerun_s": round(rerun, 3),
+            "skipped_per_stage_s": round(rerun / n, 4),
         }
     return rows
 
@@ -123,8 +129,12 @@ def bench_real(root: Path, steps: int) -> dict:
     store = root / "real"
     first, summary = timed(lambda: run_plan(load_plan(pipeline, overrides, store)))
     stages = {
-        name: {"status": s["status"], "task_s": round(s["seconds"], 3), "work_s": round(s["work_seconds"], 3),
-               "store_bookkeeping_s": round(s["seconds"] - s["work_seconds"], 3)}
+        name: {
+            "status": s["status"],
+            "task_s": round(s["seconds"], 3),
+            "work_s": round(s["work_seconds"], 3),
+            "store_bookkeeping_s": round(s["seconds"] - s["work_seconds"], 3),
+        }
         for name, s in summary.items()
     }
     rerun, again = timed(lambda: run_plan(load_plan(pipeline, overrides, store)))
@@ -132,15 +142,30 @@ def bench_real(root: Path, steps: int) -> dict:
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cli = [sys.executable, "-m", "flows.cli"]
-    cli_rerun, proc = timed(lambda: subprocess.run(
-        [*cli, "run", str(pipeline), "--store", str(store), *overrides], cwd=REPO, env=env, capture_output=True, text=True))
+    cli_rerun, proc = timed(
+        lambda: subprocess.run(
+            [*cli, "run", str(pipeline), "--store", str(store), *overrides],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    cli_status, proc = timed(lambda: subprocess.run(
-        [*cli, "status", str(pipeline), "--store", str(store), *overrides], cwd=REPO, env=env, capture_output=True, text=True))
+    cli_status, proc = timed(
+        lambda: subprocess.run(
+            [*cli, "status", str(pipeline), "--store", str(store), *overrides],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return {
         "pipeline": "configs/pipelines/tiny.yaml " + " ".join(overrides),
-        "first_run_s": round(first, 3), "stages": stages,
+        "first_run_s": round(first, 3),
+        "stages": stages,
         "flow_overhead_s": round(first - sum(s["seconds"] for s in summary.values()), 3),
         "all_skipped_rerun_in_process_s": round(rerun, 3),
         "all_skipped_rerun_cli_s": round(cli_rerun, 3),
@@ -175,29 +200,43 @@ def main() -> None:
     print(f"\nchain of {args.stages} stages, {args.work_seconds} s of work each")
     print(f"{'runner':<10}{'first run s':>13}{'overhead/stage s':>18}{'all-skipped s':>15}{'per stage s':>13}")
     for mode, row in chain_rows.items():
-        print(f"{mode:<10}{row['first_run_s']:>13.2f}{row['overhead_per_stage_s']:>18.3f}"
-              f"{row['all_skipped_rerun_s']:>15.2f}{row['skipped_per_stage_s']:>13.3f}")
+        print(
+            f"{mode:<10}{row['first_run_s']:>13.2f}{row['overhead_per_stage_s']:>18.3f}"
+            f"{row['all_skipped_rerun_s']:>15.2f}{row['skipped_per_stage_s']:>13.3f}"
+        )
     if real:
         print(f"\n{real['pipeline']}")
         print(f"{'stage':<10}{'status':>8}{'task s':>9}{'work s':>9}{'store s':>9}")
         for name, row in real["stages"].items():
-            print(f"{name:<10}{row['status']:>8}{row['task_s']:>9.2f}{row['work_s']:>9.2f}"
-                  f"{row['store_bookkeeping_s']:>9.2f}")
-        print(f"first run {real['first_run_s']:.2f} s (flow + task overhead {real['flow_overhead_s']:.2f} s); "
-              f"all-skipped re-run {real['all_skipped_rerun_in_process_s']:.2f} s in process, "
-              f"{real['all_skipped_rerun_cli_s']:.2f} s as `trainflow run`; "
-              f"`trainflow status` {real['status_cli_s']:.2f} s")
+            print(
+                f"{name:<10}{row['status']:>8}{row['task_s']:>9.2f}{row['work_s']:>9.2f}"
+                f"{row['store_bookkeeping_s']:>9.2f}"
+            )
+        print(
+            f"first run {real['first_run_s']:.2f} s (flow + task overhead {real['flow_overhead_s']:.2f} s); "
+            f"all-skipped re-run {real['all_skipped_rerun_in_process_s']:.2f} s in process, "
+            f"{real['all_skipped_rerun_cli_s']:.2f} s as `trainflow run`; "
+            f"`trainflow status` {real['status_cli_s']:.2f} s"
+        )
 
     out = REPO / "bench" / "results" / "pipeline_overhead.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "description": "Orchestration overhead of trainflow pipelines (Prefect flow + artifact store) beside "
-                       "the stages' own work; see bench/pipeline_overhead.py",
-        "command": " ".join(["python -m bench.pipeline_overhead", *sys.argv[1:]]),
-        "machine": machine(prefect=version("prefect"), prefect_server=server, load_average_at_start=LOAD_AT_START),
-        "chain": {"stages": args.stages, "work_seconds_per_stage": args.work_seconds, **chain_rows},
-        "tiny_pipeline": real,
-    }, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "description": "Orchestration overhead of trainflow pipelines (Prefect flow + artifact store) beside "
+                "the stages' own work; see bench/pipeline_overhead.py",
+                "command": " ".join(["python -m bench.pipeline_overhead", *sys.argv[1:]]),
+                "machine": machine(
+                    prefect=version("prefect"), prefect_server=server, load_average_at_start=LOAD_AT_START
+                ),
+                "chain": {"stages": args.stages, "work_seconds_per_stage": args.work_seconds, **chain_rows},
+                "tiny_pipeline": real,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"\nwrote {out.relative_to(REPO)}")
 
 

@@ -46,8 +46,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="the sampler's dtype (Sampler dtype): bfloat16 samples with a bf16 copy of the weights")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the sampler's dtype (Sampler dtype): bfloat16 samples with a bf16 copy of the weights",
+    )
     parser.add_argument("--top", type=int, default=20)
     args = parser.parse_args()
     info = machine()
@@ -61,12 +65,20 @@ def main() -> None:
 
     cfg = ModelConfig(**SHAPE, init_std=0.2)
     params = jax.jit(lambda: nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1]))()
-    prompts = np.random.default_rng(0).integers(1, SHAPE["vocab_size"], (args.prompts, args.prompt_len)).astype(np.int32)
+    prompts = (
+        np.random.default_rng(0).integers(1, SHAPE["vocab_size"], (args.prompts, args.prompt_len)).astype(np.int32)
+    )
     sampler = Sampler(cfg, dtype=args.dtype)
 
     def call():
-        return sampler(params, prompts, np.ones_like(prompts), max_new_tokens=args.new_tokens,
-                       num_generations=args.generations, temperature=args.temperature)
+        return sampler(
+            params,
+            prompts,
+            np.ones_like(prompts),
+            max_new_tokens=args.new_tokens,
+            num_generations=args.generations,
+            temperature=args.temperature,
+        )
 
     call()  # compile
     start = time.perf_counter()
@@ -82,8 +94,11 @@ def main() -> None:
     info = finish(info)
 
     rows = args.prompts * args.generations
-    print(f"{rows} rows x {args.new_tokens} tokens in {seconds:.2f} s ({rows * args.new_tokens / seconds:,.0f} tokens/s); "
-          f"XLA's threads were busy {total / 1e6:,.0f} ms")
+    print(
+        f"{rows} rows x {args.new_tokens} tokens in {seconds:.2f} s "
+        f"({rows * args.new_tokens / seconds:,.0f} tokens/s); "
+        f"XLA's threads were busy {total / 1e6:,.0f} ms"
+    )
     print(f"\n{'part':<40} {'busy ms':>8} {'share':>6}")
     for name, ns in by_part.most_common():
         print(f"{name:<40} {ns / 1e6:>8.0f} {ns / total:>6.1%}")
@@ -96,10 +111,22 @@ def main() -> None:
     print(load_line(info))
     out = REPO / "bench" / "results" / "profile_sample.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": "python -m bench.profile_sample", "machine": info, "args": vars(args),
-                               "seconds": seconds, "busy_ms": total / 1e6,
-                               "parts_ms": {k: v / 1e6 for k, v in by_part.items()}, "top_ops": top,
-                               "jax": jax.__version__}, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "command": "python -m bench.profile_sample",
+                "machine": info,
+                "args": vars(args),
+                "seconds": seconds,
+                "busy_ms": total / 1e6,
+                "parts_ms": {k: v / 1e6 for k, v in by_part.items()},
+                "top_ops": top,
+                "jax": jax.__version__,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out.relative_to(REPO)}")
 
 
@@ -110,8 +137,15 @@ def fn_args(sampler, prompts: np.ndarray, args) -> tuple:
     width = sampler._bucket(prompts.shape[1])
     tokens = np.pad(prompts, ((0, 0), (width - prompts.shape[1], 0)))
     mask = np.pad(np.ones_like(prompts), ((0, 0), (width - prompts.shape[1], 0)))
-    return (tokens, mask, jax.random.key_data(jax.random.key(0)), np.float32(args.temperature),
-            np.asarray([-1], np.int32), np.int32(0), np.int32(args.new_tokens))
+    return (
+        tokens,
+        mask,
+        jax.random.key_data(jax.random.key(0)),
+        np.float32(args.temperature),
+        np.asarray([-1], np.int32),
+        np.int32(0),
+        np.int32(args.new_tokens),
+    )
 
 
 if __name__ == "__main__":

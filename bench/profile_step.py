@@ -73,8 +73,10 @@ def main() -> None:
 
     info = finish(info)
     tokens_per_second = BATCH * SEQ / step_s
-    print(f"step {step_s:.2f} s ({tokens_per_second:,.0f} tokens/s), {args.dtype}, remat {args.remat}; "
-          f"XLA's two threads were busy {total_busy / 1e6:,.0f} ms in all")
+    print(
+        f"step {step_s:.2f} s ({tokens_per_second:,.0f} tokens/s), {args.dtype}, remat {args.remat}; "
+        f"XLA's two threads were busy {total_busy / 1e6:,.0f} ms in all"
+    )
     for title, table in (("phase", by_phase), ("part", by_part)):
         print(f"\n{title:<34} {'busy ms':>8} {'share':>6}")
         for name, ns in table.most_common():
@@ -88,10 +90,24 @@ def main() -> None:
     print(load_line(info))
     out = REPO / "bench" / "results" / "profile_step.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": "python -m bench.profile_step", "machine": info, "dtype": args.dtype, "remat": args.remat, "step_seconds": step_s,
-                               "tokens_per_second": tokens_per_second, "busy_ms": total_busy / 1e6,
-                               "phases_ms": {k: v / 1e6 for k, v in by_phase.items()},
-                               "parts_ms": {k: v / 1e6 for k, v in by_part.items()}, "top_ops": top, "jax": jax.__version__}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "command": "python -m bench.profile_step",
+                "machine": info,
+                "dtype": args.dtype,
+                "remat": args.remat,
+                "step_seconds": step_s,
+                "tokens_per_second": tokens_per_second,
+                "busy_ms": total_busy / 1e6,
+                "phases_ms": {k: v / 1e6 for k, v in by_phase.items()},
+                "parts_ms": {k: v / 1e6 for k, v in by_part.items()},
+                "top_ops": top,
+                "jax": jax.__version__,
+            },
+            indent=2,
+        )
+    )
     print(f"\nwrote {out.relative_to(REPO)}")
 
 

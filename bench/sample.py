@@ -41,8 +41,17 @@ import numpy as np
 
 from bench import REPO, alternate, finish, load_line, machine, summary
 
-SHAPE = dict(vocab_size=8192, d_model=384, num_layers=6, num_heads=6, num_kv_heads=2, head_dim=64,
-             mlp_dim=1024, max_seq_len=512, tie_embeddings=False)  # configs/models/bench-16m.yaml
+SHAPE = dict(
+    vocab_size=8192,
+    d_model=384,
+    num_layers=6,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=64,
+    mlp_dim=1024,
+    max_seq_len=512,
+    tie_embeddings=False,
+)  # configs/models/bench-16m.yaml
 DTYPES = ("float32", "bfloat16")
 CASES = {  # name: (prompts, completions per prompt, sampled)
     "batch1": (1, 1, False),
@@ -60,10 +69,16 @@ def save_model(workdir: Path) -> None:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=SHAPE["vocab_size"], hidden_size=SHAPE["d_model"], num_hidden_layers=SHAPE["num_layers"],
-        num_attention_heads=SHAPE["num_heads"], num_key_value_heads=SHAPE["num_kv_heads"],
-        head_dim=SHAPE["head_dim"], intermediate_size=SHAPE["mlp_dim"], max_position_embeddings=SHAPE["max_seq_len"],
-        tie_word_embeddings=False, initializer_range=0.2,  # peaked distributions: few greedy near-ties
+        vocab_size=SHAPE["vocab_size"],
+        hidden_size=SHAPE["d_model"],
+        num_hidden_layers=SHAPE["num_layers"],
+        num_attention_heads=SHAPE["num_heads"],
+        num_key_value_heads=SHAPE["num_kv_heads"],
+        head_dim=SHAPE["head_dim"],
+        intermediate_size=SHAPE["mlp_dim"],
+        max_position_embeddings=SHAPE["max_seq_len"],
+        tie_word_embeddings=False,
+        initializer_range=0.2,  # peaked distributions: few greedy near-ties
     )
     LlamaForCausalLM(config).eval().save_pretrained(workdir / "hf")
     convert_hf(workdir / "hf", workdir / "engine", log=lambda msg: None)
@@ -82,8 +97,9 @@ def time_best(fn, inner: int) -> tuple[float, np.ndarray]:
     return best, out
 
 
-def engine_worker(workdir: Path, case: str, dtype: str, prompt_len: int, new_tokens: int,
-                  inner: int) -> tuple[float, np.ndarray]:
+def engine_worker(
+    workdir: Path, case: str, dtype: str, prompt_len: int, new_tokens: int, inner: int
+) -> tuple[float, np.ndarray]:
     import jax
 
     from engine.inference.sample import Sampler
@@ -97,14 +113,22 @@ def engine_worker(workdir: Path, case: str, dtype: str, prompt_len: int, new_tok
     seeds = iter(range(1_000_000))
 
     def run():  # Sampler returns host arrays: the time includes the transfer
-        return sampler(params, prompts, np.ones_like(prompts), seed=next(seeds), max_new_tokens=new_tokens,
-                       num_generations=generations, temperature=1.0 if sampled else 0.0).tokens
+        return sampler(
+            params,
+            prompts,
+            np.ones_like(prompts),
+            seed=next(seeds),
+            max_new_tokens=new_tokens,
+            num_generations=generations,
+            temperature=1.0 if sampled else 0.0,
+        ).tokens
 
     return time_best(run, inner)
 
 
-def transformers_worker(workdir: Path, case: str, dtype: str, prompt_len: int, new_tokens: int,
-                        inner: int) -> tuple[float, np.ndarray]:
+def transformers_worker(
+    workdir: Path, case: str, dtype: str, prompt_len: int, new_tokens: int, inner: int
+) -> tuple[float, np.ndarray]:
     import torch
     from transformers import LlamaForCausalLM
 
@@ -115,9 +139,16 @@ def transformers_worker(workdir: Path, case: str, dtype: str, prompt_len: int, n
 
     def run():
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0,
-                                 num_return_sequences=generations, **sampling)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                eos_token_id=None,
+                pad_token_id=0,
+                num_return_sequences=generations,
+                **sampling,
+            )
         return out[:, prompt_len:].numpy()
 
     torch.manual_seed(0)
@@ -132,9 +163,11 @@ def worker(args) -> None:
     info = {"seconds": seconds, "rows": int(tokens.shape[0]), "tokens_per_second": tokens.size / seconds}
     if side == "engine":
         import jax
+
         info.update(jax=jax.__version__, jax_backend=jax.default_backend())
     else:
         import torch
+
         info.update(torch=torch.__version__, torch_threads=torch.get_num_threads())
     print(json.dumps(info))
 
@@ -147,8 +180,11 @@ def main() -> None:
     parser.add_argument("--inner", type=int, default=2, help="timed calls per process (the best is kept)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated subset of {', '.join(DTYPES)}")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "sample.json"),
-                        help="where the JSON goes (default: %(default)s)")
+    parser.add_argument(
+        "--out",
+        default=str(REPO / "bench" / "results" / "sample.json"),
+        help="where the JSON goes (default: %(default)s)",
+    )
     parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)  # side, dtype, case, workdir
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
@@ -161,24 +197,40 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         save_model(Path(tmp))
         for case in args.cases.split(","):
-            sides = {f"{side} {dtype}": ["bench.sample", "--worker", side, dtype, case, tmp, *common]
-                     for dtype in dtypes for side in ("engine", "transformers")}
+            sides = {
+                f"{side} {dtype}": ["bench.sample", "--worker", side, dtype, case, tmp, *common]
+                for dtype in dtypes
+                for side in ("engine", "transformers")
+            }
             results = alternate(sides, args.repeats)
             speed = {name: summary([r["tokens_per_second"] for r in results[name]]) for name in sides}
-            ratios = {f"engine {e} / transformers {t}":  # each engine dtype against float32 and its own dtype
-                      speed[f"engine {e}"]["median"] / speed[f"transformers {t}"]["median"]
-                      for e in dtypes for t in dtypes if t in ("float32", e)}
-            run = {"case": case, "prompts": CASES[case][0], "completions_per_prompt": CASES[case][1],
-                   "sampled": CASES[case][2], "new_tokens": args.new_tokens, "prompt_len": args.prompt_len,
-                   "tokens_per_second": speed, "speedup_of_medians": ratios,
-                   "versions": {**{k: v for k, v in results[f"engine {dtypes[0]}"][0].items() if k.startswith("jax")},
-                                **{k: v for k, v in results[f"transformers {dtypes[0]}"][0].items()
-                                   if k.startswith("torch")}}}
+            ratios = {
+                f"engine {e} / transformers {t}":  # each engine dtype against float32 and its own dtype
+                speed[f"engine {e}"]["median"] / speed[f"transformers {t}"]["median"]
+                for e in dtypes
+                for t in dtypes
+                if t in ("float32", e)
+            }
+            run = {
+                "case": case,
+                "prompts": CASES[case][0],
+                "completions_per_prompt": CASES[case][1],
+                "sampled": CASES[case][2],
+                "new_tokens": args.new_tokens,
+                "prompt_len": args.prompt_len,
+                "tokens_per_second": speed,
+                "speedup_of_medians": ratios,
+                "versions": {
+                    **{k: v for k, v in results[f"engine {dtypes[0]}"][0].items() if k.startswith("jax")},
+                    **{k: v for k, v in results[f"transformers {dtypes[0]}"][0].items() if k.startswith("torch")},
+                },
+            }
             if not CASES[case][2]:  # greedy agreement: tokens equal up to each row's first disagreement
                 run["greedy_prefix_agreement"] = {}
                 for dtype in dtypes:
-                    a, b = (np.load(Path(tmp) / f"tokens-{side}-{dtype}-{case}.npy")
-                            for side in ("engine", "transformers"))
+                    a, b = (
+                        np.load(Path(tmp) / f"tokens-{side}-{dtype}-{case}.npy") for side in ("engine", "transformers")
+                    )
                     differs = a != b
                     agree = np.where(differs.any(1), differs.argmax(1), args.new_tokens)
                     run["greedy_prefix_agreement"][dtype] = float(agree.mean() / args.new_tokens)
@@ -190,20 +242,35 @@ def main() -> None:
         for name, s in r["tokens_per_second"].items():
             side, dtype = name.split()
             agreement = r.get("greedy_prefix_agreement", {}).get(dtype) if side == "engine" else None
-            print(f"{r['case']:<8} {r['prompts'] * r['completions_per_prompt']:>5} {name:<22} "
-                  f"{s['median']:>12,.0f} ({s['spread']:>5.1%})  {'-' if agreement is None else f'{agreement:.0%}'}")
+            print(
+                f"{r['case']:<8} {r['prompts'] * r['completions_per_prompt']:>5} {name:<22} "
+                f"{s['median']:>12,.0f} ({s['spread']:>5.1%})  {'-' if agreement is None else f'{agreement:.0%}'}"
+            )
         for name, ratio in r["speedup_of_medians"].items():
             print(f"{'':<8} {'':>5} {name:<44} {ratio:>5.2f}x")
     print(load_line(info))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    description = ("tokens/s = rows * new_tokens / best wall time of a full generate call (prefill included), "
-                   "median over alternating processes; fixed length, no EOS; same weights in both frameworks; "
-                   "engine bfloat16 = Sampler dtype=bfloat16 (a bf16 copy of the f32 weights per call), "
-                   "transformers bfloat16 = the model cast with .to(torch.bfloat16)")
-    out.write_text(json.dumps({"command": "python -m bench.sample " + " ".join(sys.argv[1:]), "machine": info,
-                               "shape": SHAPE, "dtypes": dtypes, "description": description, "runs": runs},
-                              indent=2) + "\n")
+    description = (
+        "tokens/s = rows * new_tokens / best wall time of a full generate call (prefill included), "
+        "median over alternating processes; fixed length, no EOS; same weights in both frameworks; "
+        "engine bfloat16 = Sampler dtype=bfloat16 (a bf16 copy of the f32 weights per call), "
+        "transformers bfloat16 = the model cast with .to(torch.bfloat16)"
+    )
+    out.write_text(
+        json.dumps(
+            {
+                "command": "python -m bench.sample " + " ".join(sys.argv[1:]),
+                "machine": info,
+                "shape": SHAPE,
+                "dtypes": dtypes,
+                "description": description,
+                "runs": runs,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
 
 

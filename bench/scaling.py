@@ -50,11 +50,17 @@ def run(processes: int, args: argparse.Namespace, data: Path, work: Path) -> dic
     out = work / f"p{processes}"
     out.mkdir()
     devices = args.devices // processes
-    cfg = {"model": {"preset": args.model, "vocab_size": 260, "max_seq_len": args.seq}, "mesh": {"data": args.devices},
-           "steps": args.steps, "log_every": 1, "seed": 0,
-           "data": {"path": str(data), "seq_len": args.seq, "batch_size": args.batch, "eval_batches": 1},
-           "checkpoint": {"directory": str(out / "checkpoint"), "every_steps": 10_000, "async_save": False},
-           "metrics_dir": str(out), "progress": False}
+    cfg = {
+        "model": {"preset": args.model, "vocab_size": 260, "max_seq_len": args.seq},
+        "mesh": {"data": args.devices},
+        "steps": args.steps,
+        "log_every": 1,
+        "seed": 0,
+        "data": {"path": str(data), "seq_len": args.seq, "batch_size": args.batch, "eval_batches": 1},
+        "checkpoint": {"directory": str(out / "checkpoint"), "every_steps": 10_000, "async_save": False},
+        "metrics_dir": str(out),
+        "progress": False,
+    }
     (out / "train.yaml").write_text(yaml.safe_dump(cfg))
     env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
     spec = LauncherSpec(kind="local-multi", processes=processes, env=env) if processes > 1 else LauncherSpec(env=env)
@@ -63,13 +69,18 @@ def run(processes: int, args: argparse.Namespace, data: Path, work: Path) -> dic
     wall = time.perf_counter() - start
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r and "tokens_per_second" in r]
-    rates = [r["tokens_per_second"] for r in train[args.warmup:] if r["tokens_per_second"] == r["tokens_per_second"]]
+    rates = [r["tokens_per_second"] for r in train[args.warmup :] if r["tokens_per_second"] == r["tokens_per_second"]]
     rate = statistics.median(rates)
     tokens = args.batch * args.seq
-    return {"processes": processes, "devices_per_process": devices, "wall_seconds": round(wall, 2),
-            "step_seconds_median": round(tokens / rate, 4),
-            "step_seconds_spread": [round(tokens / max(rates), 4), round(tokens / min(rates), 4)],
-            "tokens_per_second": round(rate, 1), "final_loss": train[-1]["loss"]}
+    return {
+        "processes": processes,
+        "devices_per_process": devices,
+        "wall_seconds": round(wall, 2),
+        "step_seconds_median": round(tokens / rate, 4),
+        "step_seconds_spread": [round(tokens / max(rates), 4), round(tokens / min(rates), 4)],
+        "tokens_per_second": round(rate, 1),
+        "final_loss": train[-1]["loss"],
+    }
 
 
 def main() -> None:
@@ -90,16 +101,22 @@ def main() -> None:
         data = dataset(work / "data")
         runs = [run(p, args, data, work) for p in args.processes]
     losses = {r["final_loss"] for r in runs}
-    result = {"bench": "scaling", "config": vars(args), "runs": runs,
-              "same_final_loss": len(losses) == 1 or max(losses) - min(losses) <= 1e-5 * max(abs(x) for x in losses),
-              "machine": {**machine(load_average_at_end=list(os.getloadavg())), "load_average_at_start": LOAD_AT_START},
-              "load_average_before": LOAD_AT_START}
+    result = {
+        "bench": "scaling",
+        "config": vars(args),
+        "runs": runs,
+        "same_final_loss": len(losses) == 1 or max(losses) - min(losses) <= 1e-5 * max(abs(x) for x in losses),
+        "machine": {**machine(load_average_at_end=list(os.getloadavg())), "load_average_at_start": LOAD_AT_START},
+        "load_average_before": LOAD_AT_START,
+    }
     under_load = max(LOAD_AT_START[0], os.getloadavg()[0]) > 1.5 * (os.cpu_count() or 1) / 2
     result["under_load"] = under_load
     print(f"{'processes':>9} {'devices/proc':>12} {'step s (median)':>16} {'tokens/s':>10} {'final loss':>11}")
     for r in runs:
-        print(f"{r['processes']:>9} {r['devices_per_process']:>12} {r['step_seconds_median']:>16.4f} "
-              f"{r['tokens_per_second']:>10.0f} {r['final_loss']:>11.5f}")
+        print(
+            f"{r['processes']:>9} {r['devices_per_process']:>12} {r['step_seconds_median']:>16.4f} "
+            f"{r['tokens_per_second']:>10.0f} {r['final_loss']:>11.5f}"
+        )
     if under_load:
         print("under load (load average above 1.5 on 2 cores): not comparable")
     results = REPO / "bench" / "results"

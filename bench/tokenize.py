@@ -35,7 +35,6 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from bench import alternate, finish, load_line, machine, summary  # noqa: E402
-
 from engine.data.tokenize import TokenizeConfig, run_tokenize  # noqa: E402
 
 MB = 1 << 20
@@ -78,17 +77,28 @@ def worker(kind: str, workdir: Path, workers: int, shard_mb: float) -> dict:
         texts = corpus_texts(workdir / "corpus")
         begin, cpu = time.perf_counter(), cpu_seconds()
         encodings = getattr(tok, kind.removeprefix("raw-"))(texts, add_special_tokens=False)
-        return {"seconds": time.perf_counter() - begin, "cpu_seconds": cpu_seconds() - cpu,
-                "tokens": sum(len(e.ids) for e in encodings)}
+        return {
+            "seconds": time.perf_counter() - begin,
+            "cpu_seconds": cpu_seconds() - cpu,
+            "tokens": sum(len(e.ids) for e in encodings),
+        }
     out = workdir / f"stage-{workers}"
     shutil.rmtree(out, ignore_errors=True)
-    cfg = TokenizeConfig(sources=[{"format": "text", "path": str(workdir / "corpus" / "*.py")}],
-                         tokenizer={"path": str(workdir / "trained" / "tokenizer")}, workers=workers,
-                         shard_size_mb=shard_mb)
+    cfg = TokenizeConfig(
+        sources=[{"format": "text", "path": str(workdir / "corpus" / "*.py")}],
+        tokenizer={"path": str(workdir / "trained" / "tokenizer")},
+        workers=workers,
+        shard_size_mb=shard_mb,
+    )
     begin, cpu = time.perf_counter(), cpu_seconds()
     stats = run_tokenize(cfg, out, log=lambda _: None)
-    return {"seconds": time.perf_counter() - begin, "cpu_seconds": cpu_seconds() - cpu,
-            "tokens": stats["text_tokens"], "documents": stats["documents"], "bytes": stats["bytes"]}
+    return {
+        "seconds": time.perf_counter() - begin,
+        "cpu_seconds": cpu_seconds() - cpu,
+        "tokens": stats["text_tokens"],
+        "documents": stats["documents"],
+        "bytes": stats["bytes"],
+    }
 
 
 def main() -> None:
@@ -108,8 +118,10 @@ def main() -> None:
     import tokenizers
 
     # The raw side's parallelism is the tokenizer's own thread pool: record what shapes it.
-    info = machine(tokenizers=tokenizers.__version__,
-                   **{k.lower(): os.environ[k] for k in ("TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS") if k in os.environ})
+    info = machine(
+        tokenizers=tokenizers.__version__,
+        **{k.lower(): os.environ[k] for k in ("TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS") if k in os.environ},
+    )
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -117,23 +129,33 @@ def main() -> None:
         stdlib_corpus(tmp / "corpus", args.mb)
         source = {"format": "text", "path": str(tmp / "corpus" / "*.py")}
         started = time.perf_counter()
-        setup = run_tokenize(TokenizeConfig(sources=[source], tokenizer={"vocab_size": args.vocab}, workers=args.workers),
-                             tmp / "trained", log=lambda _: None)
+        setup = run_tokenize(
+            TokenizeConfig(sources=[source], tokenizer={"vocab_size": args.vocab}, workers=args.workers),
+            tmp / "trained",
+            log=lambda _: None,
+        )
         train_seconds = time.perf_counter() - started
         texts = corpus_texts(tmp / "corpus")
         documents, text_bytes = len(texts), sum(len(t.encode()) for t in texts)
 
         common = ["--mb", str(args.mb)]
-        runs = {"raw encode_batch": ["raw-encode_batch", str(tmp), "1"],
-                f"stage workers={args.workers}": ["stage", str(tmp), str(args.workers)],
-                "raw encode_batch_fast": ["raw-encode_batch_fast", str(tmp), "1"],
-                "stage workers=1": ["stage", str(tmp), "1"]}
-        results = alternate({name: ["bench.tokenize", *common, "--worker", *argv] for name, argv in runs.items()},
-                            args.repeats)
+        runs = {
+            "raw encode_batch": ["raw-encode_batch", str(tmp), "1"],
+            f"stage workers={args.workers}": ["stage", str(tmp), str(args.workers)],
+            "raw encode_batch_fast": ["raw-encode_batch_fast", str(tmp), "1"],
+            "stage workers=1": ["stage", str(tmp), "1"],
+        }
+        results = alternate(
+            {name: ["bench.tokenize", *common, "--worker", *argv] for name, argv in runs.items()}, args.repeats
+        )
     raw_tokens = results["raw encode_batch"][0]["tokens"]
     for name, rs in results.items():  # every run did the same work
-        assert all(r.get("documents", documents) == documents and r.get("bytes", text_bytes) == text_bytes
-                   and r["tokens"] == raw_tokens for r in rs), name
+        assert all(
+            r.get("documents", documents) == documents
+            and r.get("bytes", text_bytes) == text_bytes
+            and r["tokens"] == raw_tokens
+            for r in rs
+        ), name
     info = finish(info)
 
     base = summary([r["seconds"] for r in results["raw encode_batch"]])["median"]
@@ -142,26 +164,39 @@ def main() -> None:
     for name, rs in results.items():
         seconds, cpu = summary([r["seconds"] for r in rs]), summary([r["cpu_seconds"] for r in rs])
         tokens = rs[0]["tokens"]
-        rows.append({
-            "run": name, "seconds": seconds, "cpu_seconds": cpu,
-            "documents_per_s": round(documents / seconds["median"], 1), "tokens_per_s": round(tokens / seconds["median"]),
-            "mb_per_s": round(text_bytes / MB / seconds["median"], 3),
-            "vs_raw_encode_batch": round(base / seconds["median"], 3),
-            "vs_raw_encode_batch_cpu": round(base_cpu / cpu["median"], 3),
-        })
-    print(f"corpus: {documents} stdlib files, {text_bytes / MB:.1f} MB, {results['raw encode_batch'][0]['tokens']} "
-          f"tokens; vocab {args.vocab}; medians of {args.repeats} alternating runs")
+        rows.append(
+            {
+                "run": name,
+                "seconds": seconds,
+                "cpu_seconds": cpu,
+                "documents_per_s": round(documents / seconds["median"], 1),
+                "tokens_per_s": round(tokens / seconds["median"]),
+                "mb_per_s": round(text_bytes / MB / seconds["median"], 3),
+                "vs_raw_encode_batch": round(base / seconds["median"], 3),
+                "vs_raw_encode_batch_cpu": round(base_cpu / cpu["median"], 3),
+            }
+        )
+    print(
+        f"corpus: {documents} stdlib files, {text_bytes / MB:.1f} MB, {results['raw encode_batch'][0]['tokens']} "
+        f"tokens; vocab {args.vocab}; medians of {args.repeats} alternating runs"
+    )
     print(f"{'run':<24}{'seconds':>9}{'spread':>8}{'cpu s':>8}{'tokens/s':>11}{'MB/s':>7}{'vs raw':>8}{'(cpu)':>7}")
     for r in rows:
-        print(f"{r['run']:<24}{r['seconds']['median']:>9.2f}{r['seconds']['spread']:>8.1%}"
-              f"{r['cpu_seconds']['median']:>8.2f}{r['tokens_per_s']:>11.0f}{r['mb_per_s']:>7.2f}"
-              f"{r['vs_raw_encode_batch']:>7.2f}x{r['vs_raw_encode_batch_cpu']:>6.2f}x")
+        print(
+            f"{r['run']:<24}{r['seconds']['median']:>9.2f}{r['seconds']['spread']:>8.1%}"
+            f"{r['cpu_seconds']['median']:>8.2f}{r['tokens_per_s']:>11.0f}{r['mb_per_s']:>7.2f}"
+            f"{r['vs_raw_encode_batch']:>7.2f}x{r['vs_raw_encode_batch_cpu']:>6.2f}x"
+        )
     print(load_line(info))
     result = {
         "command": "python -m bench.tokenize " + " ".join(sys.argv[1:]),
         "machine": info,
-        "corpus": {"source": "python stdlib *.py", "documents": documents, "bytes": text_bytes,
-                   "tokens": results["raw encode_batch"][0]["tokens"]},
+        "corpus": {
+            "source": "python stdlib *.py",
+            "documents": documents,
+            "bytes": text_bytes,
+            "tokens": results["raw encode_batch"][0]["tokens"],
+        },
         "vocab_size": args.vocab,
         "tokenizer_training_stage_seconds": round(train_seconds, 2),
         "tokenizer_training_stage_stats": {k: setup[k] for k in ("documents", "tokens", "bytes")},

@@ -24,8 +24,17 @@ from pathlib import Path
 
 from bench import REPO, alternate, finish, load_line, machine, summary, time_torch_steps
 
-SHAPE = dict(vocab_size=8192, d_model=384, num_layers=6, num_heads=6, num_kv_heads=2, head_dim=64,
-             mlp_dim=1024, max_seq_len=512, tie_embeddings=False)  # configs/models/bench-16m.yaml
+SHAPE = dict(
+    vocab_size=8192,
+    d_model=384,
+    num_layers=6,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=64,
+    mlp_dim=1024,
+    max_seq_len=512,
+    tie_embeddings=False,
+)  # configs/models/bench-16m.yaml
 BATCH, SEQ = 8, 512
 
 
@@ -42,20 +51,30 @@ def synthetic_step(dtype: str, remat: str):
     from engine.train.config import TrainConfig
     from engine.train.trainer import Trainer
 
-    cfg = load_config(tree={
-        "model": SHAPE, "compute": {"dtype": dtype, "remat": remat},  # float32 params, `dtype` matmuls
-        "mesh": {"data": -1}, "data": {"batch_size": BATCH, "seq_len": SEQ},
-        "optimizer": {"learning_rate": 1e-4}, "steps": 1000,
-    }, schema=TrainConfig)
+    cfg = load_config(
+        tree={
+            "model": SHAPE,
+            "compute": {"dtype": dtype, "remat": remat},  # float32 params, `dtype` matmuls
+            "mesh": {"data": -1},
+            "data": {"batch_size": BATCH, "seq_len": SEQ},
+            "optimizer": {"learning_rate": 1e-4},
+            "steps": 1000,
+        },
+        schema=TrainConfig,
+    )
     trainer = Trainer(cfg)
     state = trainer.init_state()
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, SHAPE["vocab_size"], (BATCH, SEQ + 1)).astype(np.int32)
-    batch = trainer.global_batch({
-        "tokens": tokens[:, :-1], "targets": tokens[:, 1:],
-        "positions": np.tile(np.arange(SEQ, dtype=np.int32), (BATCH, 1)),
-        "segment_ids": np.ones((BATCH, SEQ), np.int32), "loss_mask": np.ones((BATCH, SEQ), np.float32),
-    })
+    batch = trainer.global_batch(
+        {
+            "tokens": tokens[:, :-1],
+            "targets": tokens[:, 1:],
+            "positions": np.tile(np.arange(SEQ, dtype=np.int32), (BATCH, 1)),
+            "segment_ids": np.ones((BATCH, SEQ), np.int32),
+            "loss_mask": np.ones((BATCH, SEQ), np.float32),
+        }
+    )
     return trainer, state.params, state.opt_state, batch
 
 
@@ -92,10 +111,21 @@ def run_jax(dtype: str, steps: int, warmup: int, remat: str) -> dict:
     step_s = (time.perf_counter() - t0) / steps
     tokens_per_second = BATCH * SEQ / step_s
     flops = flops_per_token(trainer.cfg.model, SEQ) * tokens_per_second
-    return {"framework": "jax", "dtype": dtype, "remat": remat, "steps": steps, "step_seconds": step_s,
-            "tokens_per_second": tokens_per_second, "tflops": flops / 1e12, "matmul_peak_tflops": peak / 1e12,
-            "mfu_vs_matmul_peak": flops / peak, "peak_rss_mb": peak_rss_mb(),
-            "loss": float(metrics["loss"]), "jax": jax.__version__, "devices": jax.device_count()}
+    return {
+        "framework": "jax",
+        "dtype": dtype,
+        "remat": remat,
+        "steps": steps,
+        "step_seconds": step_s,
+        "tokens_per_second": tokens_per_second,
+        "tflops": flops / 1e12,
+        "matmul_peak_tflops": peak / 1e12,
+        "mfu_vs_matmul_peak": flops / peak,
+        "peak_rss_mb": peak_rss_mb(),
+        "loss": float(metrics["loss"]),
+        "jax": jax.__version__,
+        "devices": jax.device_count(),
+    }
 
 
 def run_torch(dtype: str, steps: int, warmup: int) -> dict:
@@ -108,10 +138,16 @@ def run_torch(dtype: str, steps: int, warmup: int) -> dict:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=SHAPE["vocab_size"], hidden_size=SHAPE["d_model"], num_hidden_layers=SHAPE["num_layers"],
-        num_attention_heads=SHAPE["num_heads"], num_key_value_heads=SHAPE["num_kv_heads"],
-        head_dim=SHAPE["head_dim"], intermediate_size=SHAPE["mlp_dim"], max_position_embeddings=SEQ,
-        tie_word_embeddings=False, attn_implementation="sdpa",
+        vocab_size=SHAPE["vocab_size"],
+        hidden_size=SHAPE["d_model"],
+        num_hidden_layers=SHAPE["num_layers"],
+        num_attention_heads=SHAPE["num_heads"],
+        num_key_value_heads=SHAPE["num_kv_heads"],
+        head_dim=SHAPE["head_dim"],
+        intermediate_size=SHAPE["mlp_dim"],
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
     )
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     model = LlamaForCausalLM(config).to(torch_dtype)
@@ -119,9 +155,18 @@ def run_torch(dtype: str, steps: int, warmup: int) -> dict:
     step_s, loss = time_torch_steps(model, tokens, warmup, steps)
     tokens_per_second = BATCH * SEQ / step_s
     flops = flops_per_token(ModelConfig(**SHAPE), SEQ) * tokens_per_second
-    return {"framework": "torch", "dtype": dtype, "steps": steps, "step_seconds": step_s, "tokens_per_second": tokens_per_second,
-            "tflops": flops / 1e12, "peak_rss_mb": peak_rss_mb(), "loss": loss,
-            "torch": torch.__version__, "threads": torch.get_num_threads()}
+    return {
+        "framework": "torch",
+        "dtype": dtype,
+        "steps": steps,
+        "step_seconds": step_s,
+        "tokens_per_second": tokens_per_second,
+        "tflops": flops / 1e12,
+        "peak_rss_mb": peak_rss_mb(),
+        "loss": loss,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def main() -> None:
@@ -130,8 +175,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="rounds of engine, torch (each a process) per dtype")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "train_throughput.json"),
-                        help="where the JSON goes (bench/results/<cpu kind>/ for a second CPU kind)")
+    parser.add_argument(
+        "--out",
+        default=str(REPO / "bench" / "results" / "train_throughput.json"),
+        help="where the JSON goes (bench/results/<cpu kind>/ for a second CPU kind)",
+    )
     parser.add_argument("--worker", nargs="*")
     parser.add_argument("--skip-torch", action="store_true")
     args = parser.parse_args()
@@ -152,28 +200,49 @@ def main() -> None:
             workers["torch"] = ["bench.train_throughput", "--worker", "torch", dtype, *steps]
         results = alternate(workers, args.repeats, env={"XLA_FLAGS": ""})  # one device, the engine's defaults
         for framework, runs in results.items():
-            rows.append({"framework": framework, "dtype": dtype,
-                         "tokens_per_second": summary([r["tokens_per_second"] for r in runs]),
-                         "peak_rss_mb": summary([r["peak_rss_mb"] for r in runs]), "runs": runs})
+            rows.append(
+                {
+                    "framework": framework,
+                    "dtype": dtype,
+                    "tokens_per_second": summary([r["tokens_per_second"] for r in runs]),
+                    "peak_rss_mb": summary([r["peak_rss_mb"] for r in runs]),
+                    "runs": runs,
+                }
+            )
     info = finish(info)
     by = {(r["framework"], r["dtype"]): r for r in rows}
-    print(f"\n{'framework':<8} {'dtype':<9} {'tokens/s (spread)':>20} {'MFU*':>6} {'peak RSS MB':>12} "
-          f"{'vs torch':>9} {'RSS vs torch':>13}")
+    print(
+        f"\n{'framework':<8} {'dtype':<9} {'tokens/s (spread)':>20} {'MFU*':>6} {'peak RSS MB':>12} "
+        f"{'vs torch':>9} {'RSS vs torch':>13}"
+    )
     for r in rows:
         peer = by.get(("torch", r["dtype"]))
         tokens, rss = r["tokens_per_second"]["median"], r["peak_rss_mb"]["median"]
         ratio = tokens / peer["tokens_per_second"]["median"] if peer else float("nan")
         rss_ratio = rss / peer["peak_rss_mb"]["median"] if peer else float("nan")
         mfu = statistics.median(run.get("mfu_vs_matmul_peak", float("nan")) for run in r["runs"])
-        print(f"{r['framework']:<8} {r['dtype']:<9} {tokens:>11,.0f} ({r['tokens_per_second']['spread']:>5.1%}) "
-              f"{mfu:>6.1%} {rss:>12,.0f} {ratio:>8.2f}x {rss_ratio:>12.2f}x")
+        print(
+            f"{r['framework']:<8} {r['dtype']:<9} {tokens:>11,.0f} ({r['tokens_per_second']['spread']:>5.1%}) "
+            f"{mfu:>6.1%} {rss:>12,.0f} {ratio:>8.2f}x {rss_ratio:>12.2f}x"
+        )
     print("* MFU against the matmul peak of the run's dtype (bf16 x bf16 -> f32 for bf16), measured in its process.")
     print(load_line(info))
     out = Path(args.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": "python -m bench.train_throughput " + " ".join(sys.argv[1:]),
-                               "machine": info, "shape": SHAPE, "batch": BATCH, "seq": SEQ, "rows": rows},
-                              indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "command": "python -m bench.train_throughput " + " ".join(sys.argv[1:]),
+                "machine": info,
+                "shape": SHAPE,
+                "batch": BATCH,
+                "seq": SEQ,
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
 
 

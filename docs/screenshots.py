@@ -57,8 +57,9 @@ def wait_for(url: str, timeout: float = 180.0) -> None:
 
 
 def api(base: str, path: str, body: dict) -> list | dict:
-    request = urllib.request.Request(f"{base}/api{path}", data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{base}/api{path}", data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.load(response)
 
@@ -68,18 +69,35 @@ def pipeline(store: str) -> dict:
     spec = yaml.safe_load((REPO / "configs" / "pipelines" / "tiny.yaml").read_text())
     spec["name"], spec["store"] = "tiny-eval", store
     spec["stages"]["pretrain"]["config"].update(steps=60, eval_every=30, checkpoint={"every_steps": 20})
-    spec["stages"]["evaluate"] = {"task": "evaluate", "inputs": {"dataset": "tokenize", "pretrain": "pretrain"},
-                                  "config": {"loss_batches": 2}}
+    spec["stages"]["evaluate"] = {
+        "task": "evaluate",
+        "inputs": {"dataset": "tokenize", "pretrain": "pretrain"},
+        "config": {"loss_batches": 2},
+    }
     return spec
 
 
 def screenshot(chromium: str, url: str, out: Path, window: str = WINDOW) -> None:
     """The page after its scripts ran (virtual time lets the UI fetch and render)."""
     with tempfile.TemporaryDirectory() as profile:
-        subprocess.run([chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                        "--run-all-compositor-stages-before-draw", f"--user-data-dir={profile}",
-                        f"--window-size={window}", "--virtual-time-budget=20000", f"--screenshot={out}", url],
-                       check=True, capture_output=True, timeout=180)
+        subprocess.run(
+            [
+                chromium,
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--hide-scrollbars",
+                "--run-all-compositor-stages-before-draw",
+                f"--user-data-dir={profile}",
+                f"--window-size={window}",
+                "--virtual-time-budget=20000",
+                f"--screenshot={out}",
+                url,
+            ],
+            check=True,
+            capture_output=True,
+            timeout=180,
+        )
     print(f"{out}  <- {url}")
 
 
@@ -97,11 +115,20 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="trainflow-screenshots-"))
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PREFECT_HOME": str(work / "prefect"), "PREFECT_API_URL": f"{base}/api",
-           "PREFECT_UI_API_URL": f"{base}/api", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                               "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(work / "prefect"),
+        "PREFECT_API_URL": f"{base}/api",
+        "PREFECT_UI_API_URL": f"{base}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         wait_for(f"{base}/api/health")
         spec_path = work / "tiny-eval.yaml"
@@ -111,19 +138,37 @@ def main() -> int:
         (flow_run,) = api(base, "/flow_runs/filter", {"sort": "START_TIME_DESC", "limit": 1})
         artifacts = api(base, "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}}})
         summary = next(a for a in artifacts if a["key"] == "tiny-eval-evaluate")
-        evaluate = next(t for t in api(base, "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run["id"]]}}})
-                        if t["name"] == "evaluate")
+        evaluate = next(
+            t
+            for t in api(base, "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run["id"]]}}})
+            if t["name"] == "evaluate"
+        )
         deadline = time.monotonic() + 60  # the server persists events in batches
-        while not (events := api(base, "/events/filter", {"limit": 50, "filter": {
-                "event": {"prefix": ["prefect.asset.materialization"]},
-                "related": {"id": [f"prefect.task-run.{evaluate['id']}"]}}})["events"]) \
-                and time.monotonic() < deadline:
+        while (
+            not (
+                events := api(
+                    base,
+                    "/events/filter",
+                    {
+                        "limit": 50,
+                        "filter": {
+                            "event": {"prefix": ["prefect.asset.materialization"]},
+                            "related": {"id": [f"prefect.task-run.{evaluate['id']}"]},
+                        },
+                    },
+                )["events"]
+            )
+            and time.monotonic() < deadline
+        ):
             time.sleep(2)
         screenshot(chromium, f"{base}/runs/flow-run/{flow_run['id']}", out / "prefect-flow-run.png")
         screenshot(chromium, f"{base}/artifacts/artifact/{summary['id']}", out / "prefect-summary.png", TALL)
         if events:
-            screenshot(chromium, f"{base}/events/event/{events[0]['occurred'][:10]}/{events[0]['id']}",
-                       out / "prefect-asset-event.png")
+            screenshot(
+                chromium,
+                f"{base}/events/event/{events[0]['occurred'][:10]}/{events[0]['id']}",
+                out / "prefect-asset-event.png",
+            )
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)

@@ -10,13 +10,12 @@ installed trainflow finds them from any directory.
 from __future__ import annotations
 
 import difflib
-from pathlib import Path
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
-
 
 
 class ConfigError(ValueError):
@@ -24,8 +23,9 @@ class ConfigError(ValueError):
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=(),
-                              use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, protected_namespaces=(), use_attribute_docstrings=True
+    )
 
 
 # --------------------------------------------------------------------------- loading
@@ -107,10 +107,11 @@ def apply_overrides(tree: dict, overrides: list[str] | dict[str, Any], source: s
                     raise ConfigError(f"{source}: '{key}': '{where}' is a list; index it with a number, not '{part}'")
                 index = int(part)
                 if index > len(node) or (index == len(node) and not last):
-                    raise ConfigError(f"{source}: '{key}': '{where}' has {len(node)} item(s); "
-                                      f"index {index} is out of range")
+                    raise ConfigError(
+                        f"{source}: '{key}': '{where}' has {len(node)} item(s); index {index} is out of range"
+                    )
                 if last:
-                    node[index:index + 1] = [value]
+                    node[index : index + 1] = [value]
                     break
                 node = node[index]
             elif isinstance(node, dict):

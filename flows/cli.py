@@ -42,7 +42,12 @@ from engine.inference.options import add_sampling_arguments
 from flows.inspect import format_lineage, format_table, lineage, list_rows, status_rows
 from flows.spec import load_plan
 from tasks.artifacts import (
-    ArtifactError, ArtifactStore, artifact_id, resolve_artifact, split_artifact_url, verify_artifact,
+    ArtifactError,
+    ArtifactStore,
+    artifact_id,
+    resolve_artifact,
+    split_artifact_url,
+    verify_artifact,
 )
 from tasks.export import check_export_target, copy_export
 from tasks.gang import terminate_children
@@ -70,8 +75,12 @@ def cmd_run(args) -> int:
             os._exit(EXIT_SIGNAL)
         stopping.set()
         count = terminate_children(signal.SIGTERM)
-        print(f"trainflow: {signal.Signals(signum).name}: asked {count} engine process(es) to checkpoint "
-              f"and exit; re-run the same command to resume", file=sys.stderr, flush=True)
+        print(
+            f"trainflow: {signal.Signals(signum).name}: asked {count} engine process(es) to checkpoint "
+            f"and exit; re-run the same command to resume",
+            file=sys.stderr,
+            flush=True,
+        )
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -114,15 +123,21 @@ def _print_reports(plan, summary: dict) -> None:
     for name, result in summary.items():
         path = Path(result.get("path", ""))
         # Where users find it: the artifact's URL on a bucket store (`path` is its staging copy).
-        shown = plan.store.location(name, result["artifact_id"]) if plan.store.remote and "artifact_id" in result \
+        shown = (
+            plan.store.location(name, result["artifact_id"])
+            if plan.store.remote and "artifact_id" in result
             else str(path)
+        )
         if (path / "report.md").is_file():
             table = [line for line in (path / "report.md").read_text().splitlines() if line.startswith("|")]
             print(f"\n{name}: {shown}/report.md\n" + "\n".join(table))
         if name not in consumed and (path / "artifact.json").is_file():
             # The tree's artifact lines only; `trainflow lineage PATH` shows configs and metrics too.
-            tree = [line for line in format_lineage(lineage(path, store=plan.store)).splitlines()
-                    if re.search(r"\S+/[0-9a-f]{16}\s+\S+\s+(complete|running|failed)", line)]
+            tree = [
+                line
+                for line in format_lineage(lineage(path, store=plan.store)).splitlines()
+                if re.search(r"\S+/[0-9a-f]{16}\s+\S+\s+(complete|running|failed)", line)
+            ]
             print(f"\nlineage of {name} (trainflow lineage {shown}):\n" + "\n".join(tree))
 
 
@@ -155,7 +170,7 @@ def cmd_verify(args) -> int:
         for problem in problems:
             print(f"  {problem}", file=sys.stderr)
         return 1
-    files = (json.loads((directory / "artifact.json").read_text()).get("files") or {})
+    files = json.loads((directory / "artifact.json").read_text()).get("files") or {}
     print(f"OK {label} ({len(files)} files match their digests)")
     return 0
 
@@ -190,8 +205,11 @@ def cmd_serve(args) -> int:
     from flows.server import ApiUnreachable, check_api
 
     if not PREFECT_API_URL.value():  # a run's temporary server has no scheduler: nothing would ever run
-        print("error: `trainflow serve` needs a persistent Prefect server to schedule runs: start one with "
-              "`prefect server start` and set PREFECT_API_URL=http://127.0.0.1:4200/api", file=sys.stderr)
+        print(
+            "error: `trainflow serve` needs a persistent Prefect server to schedule runs: start one with "
+            "`prefect server start` and set PREFECT_API_URL=http://127.0.0.1:4200/api",
+            file=sys.stderr,
+        )
         return 1
     try:
         check_api(PREFECT_API_URL.value())
@@ -205,8 +223,11 @@ def cmd_serve(args) -> int:
         run_pipeline.serve(
             name=args.name or plan.name,
             cron=args.cron,
-            parameters={"pipeline": str(Path(args.pipeline).resolve()), "store": plan.store.url,
-                        "overrides": list(args.overrides)},
+            parameters={
+                "pipeline": str(Path(args.pipeline).resolve()),
+                "store": plan.store.url,
+                "overrides": list(args.overrides),
+            },
             description=f"trainflow pipeline {plan.name} ({args.pipeline})",
             tags=flow_run_tags(plan.name),
             entrypoint_type=EntrypointType.MODULE_PATH,
@@ -247,15 +268,31 @@ def _run_one_stage(task: str, config: dict, inputs: dict, store: ArtifactStore):
     kind = get_stage_kind(task)
     cfg = kind.resolve_config(dict(config), f"trainflow {task}")
     ids = {name: aid for name, (_, aid) in inputs.items()}
-    job = StageJob(stage=task, kind=kind, config=cfg, config_as_written=config, inputs=inputs,
-                   artifact_id=artifact_id(kind.task, kind.version, kind.fingerprint(cfg), ids), pipeline=task)
+    job = StageJob(
+        stage=task,
+        kind=kind,
+        config=cfg,
+        config_as_written=config,
+        inputs=inputs,
+        artifact_id=artifact_id(kind.task, kind.version, kind.fingerprint(cfg), ids),
+        pipeline=task,
+    )
     try:
         result = execute_stage(job, store, StageHooks(log=lambda m: print(m, file=sys.stderr, flush=True)))
     except (StageFailed, PermanentFailure) as e:
         print(f"error: {e}", file=sys.stderr)
         return None
-    print(json.dumps({"stage": task, "status": result.status, "artifact_id": result.artifact_id,
-                      "path": store.location(task, result.artifact_id), "metrics": result.metrics}))
+    print(
+        json.dumps(
+            {
+                "stage": task,
+                "status": result.status,
+                "artifact_id": result.artifact_id,
+                "path": store.location(task, result.artifact_id),
+                "metrics": result.metrics,
+            }
+        )
+    )
     return result
 
 
@@ -285,8 +322,11 @@ def cmd_export(args) -> int:
     manifest = json.loads((directory / MANIFEST).read_text())
     # The export lands beside its input: in the same bucket store, or the same directory.
     store = _store_of(args) or ArtifactStore(directory.parent.parent)
-    config = {"max_shard_gb": args.max_shard_gb, **({"step": args.step} if args.step is not None else {}),
-              **({"merged": True} if args.merged else {})}
+    config = {
+        "max_shard_gb": args.max_shard_gb,
+        **({"step": args.step} if args.step is not None else {}),
+        **({"merged": True} if args.merged else {}),
+    }
     result = _run_one_stage("export", config, {"checkpoint": (manifest["stage"], manifest["id"])}, store)
     if result is None:
         return 1
@@ -306,8 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("pipeline", help="pipeline YAML file")
         if artifact:
             p.add_argument("artifact", help="artifact directory, its artifact.json, or an id (prefix) in --store")
-        p.add_argument("--store", help="artifact store directory (default: the pipeline's `store`, "
-                                       "else $TRAINFLOW_STORE, else ./artifacts)")
+        p.add_argument(
+            "--store",
+            help="artifact store directory (default: the pipeline's `store`, else $TRAINFLOW_STORE, else ./artifacts)",
+        )
         if pipeline:
             p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. pretrain.steps=200")
         p.set_defaults(func=func)
@@ -315,8 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("run", cmd_run, "run a pipeline, skipping finished stages and resuming partial ones", pipeline=True)
     p.add_argument("--max-parallel", type=int, default=None, help="stages run at once (default: all ready)")
-    p = add("status", cmd_status, "show each stage's state and artifact id without running anything",
-            pipeline=True)
+    p = add("status", cmd_status, "show each stage's state and artifact id without running anything", pipeline=True)
     p.add_argument("--json", action="store_true")
     p = add("lineage", cmd_lineage, "show the artifacts an artifact was made from", artifact=True)
     p.add_argument("--json", action="store_true")
@@ -327,21 +368,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cron", required=True, help='cron schedule, e.g. "0 3 * * *"')
     p.add_argument("--name", help="deployment name (default: the pipeline's name)")
     p = add("plan", cmd_plan, "compile each training stage for a target and say whether it fits", pipeline=True)
-    p.add_argument("--target", default="local",
-                   help="a TPU slice (v5e-16, v5p-128, v6e-8, ...), a GPU host (h100x8, h200x8, a100x8) or local")
+    p.add_argument(
+        "--target",
+        default="local",
+        help="a TPU slice (v5e-16, v5p-128, v6e-8, ...), a GPU host (h100x8, h200x8, a100x8) or local",
+    )
     p = add("convert", cmd_convert, "convert a Hugging Face model (or, with --base, a PEFT adapter) into an artifact")
-    p.add_argument("hf_dir", help="directory with config.json and safetensors weights (or a folder URL: "
-                                  "s3://bucket/prefix, gs://bucket/prefix)")
+    p.add_argument(
+        "hf_dir",
+        help="directory with config.json and safetensors weights (or a folder URL: "
+        "s3://bucket/prefix, gs://bucket/prefix)",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="stored dtype (default: the source's)")
-    p.add_argument("--base", help="hf_dir is a PEFT LoRA adapter: the checkpoint artifact (path or id) it adapts; "
-                                  "the result is an adapter artifact")
+    p.add_argument(
+        "--base",
+        help="hf_dir is a PEFT LoRA adapter: the checkpoint artifact (path or id) it adapts; "
+        "the result is an adapter artifact",
+    )
     p = add("export", cmd_export, "export a checkpoint artifact as a Hugging Face model directory", artifact=True)
     p.add_argument("--out", help="also copy the Hugging Face directory here (a directory or a folder URL)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--max-shard-gb", type=float, default=5.0)
     p.add_argument("--overwrite", action="store_true", help="copy into a non-empty --out, deleting its weights")
-    p.add_argument("--merged", action="store_true",
-                   help="an adapter artifact: the whole model with the adapter folded in (default: PEFT's adapter format)")
+    p.add_argument(
+        "--merged",
+        action="store_true",
+        help="an adapter artifact: the whole model with the adapter folded in (default: PEFT's adapter format)",
+    )
     p = add("generate", cmd_generate, "sample completions of prompts from a checkpoint artifact", artifact=True)
     add_sampling_arguments(p)
     return parser

@@ -45,11 +45,17 @@ def status_rows(plan: Plan) -> list[dict[str, Any]]:
     rows = []
     for name, info in plan.status().items():
         manifest = read_manifest(Path(info["path"])) if info["state"] != "pending" else None
-        rows.append({
-            "stage": name, "task": info["task"], "state": info["state"], "artifact_id": info["artifact_id"],
-            "inputs": ", ".join(plan.stages[name].depends_on) or "-",
-            "finished_at": (manifest or {}).get("finished_at") or "-", "path": info["path"],
-        })
+        rows.append(
+            {
+                "stage": name,
+                "task": info["task"],
+                "state": info["state"],
+                "artifact_id": info["artifact_id"],
+                "inputs": ", ".join(plan.stages[name].depends_on) or "-",
+                "finished_at": (manifest or {}).get("finished_at") or "-",
+                "path": info["path"],
+            }
+        )
     return rows
 
 
@@ -70,12 +76,21 @@ def lineage(directory: Path, _seen: set | None = None, store: ArtifactStore | No
     # died (or could not write its last manifest) is partial once no process holds its lock.
     status = (store if remote else ArtifactStore(store_root)).state(directory.parent.name, directory.name)
     node = {
-        "stage": manifest.get("stage"), "id": manifest.get("id"), "kind": manifest.get("kind"),
-        "task": manifest.get("task"), "status": status, "path": where,
-        "format_version": manifest.get("format_version"), "pipeline": manifest.get("pipeline"),
-        "config": manifest.get("config"), "config_as_written": manifest.get("config_as_written"),
-        "metrics": manifest.get("metrics"), "code": manifest.get("code"), "prefect": manifest.get("prefect"),
-        "created_at": manifest.get("created_at"), "finished_at": manifest.get("finished_at"),
+        "stage": manifest.get("stage"),
+        "id": manifest.get("id"),
+        "kind": manifest.get("kind"),
+        "task": manifest.get("task"),
+        "status": status,
+        "path": where,
+        "format_version": manifest.get("format_version"),
+        "pipeline": manifest.get("pipeline"),
+        "config": manifest.get("config"),
+        "config_as_written": manifest.get("config_as_written"),
+        "metrics": manifest.get("metrics"),
+        "code": manifest.get("code"),
+        "prefect": manifest.get("prefect"),
+        "created_at": manifest.get("created_at"),
+        "finished_at": manifest.get("finished_at"),
         "parents": [],
     }
     key = str(directory.resolve())
@@ -99,8 +114,10 @@ def _node_lines(node: dict, width: int) -> list[str]:
     lines.append(f"task: {node.get('task')} (format {node.get('format_version')})   code: {code_text}")
     prefect = node.get("prefect") or {}
     if prefect:
-        lines.append(f"prefect: flow run '{prefect.get('flow_run_name')}' {prefect.get('flow_run_id')}, "
-                     f"task run {prefect.get('task_run_id')}")
+        lines.append(
+            f"prefect: flow run '{prefect.get('flow_run_name')}' {prefect.get('flow_run_id')}, "
+            f"task run {prefect.get('task_run_id')}"
+        )
         if prefect.get("ui_url"):
             lines.append(f"         {prefect['ui_url']}")
     config = flatten(node.get("config_as_written") or {})
@@ -156,12 +173,17 @@ def list_rows(store: ArtifactStore) -> list[dict[str, Any]]:
         files = manifest.get("files") or {}
         metrics = manifest.get("metrics") or {}
         shown = [f"{k}={_fmt(v)}" for k, v in metrics.items() if isinstance(v, (int, float))][:3]
-        rows.append({
-            "stage": directory.parent.name, "id": directory.name, "kind": manifest.get("kind", "?"),
-            "status": store.state(directory.parent.name, directory.name),
-            "size": _size(sum(f.get("size", 0) for f in files.values())) if files else "-",
-            "finished_at": manifest.get("finished_at") or "-", "metrics": " ".join(shown) or "-",
-        })
+        rows.append(
+            {
+                "stage": directory.parent.name,
+                "id": directory.name,
+                "kind": manifest.get("kind", "?"),
+                "status": store.state(directory.parent.name, directory.name),
+                "size": _size(sum(f.get("size", 0) for f in files.values())) if files else "-",
+                "finished_at": manifest.get("finished_at") or "-",
+                "metrics": " ".join(shown) or "-",
+            }
+        )
     return rows
 
 

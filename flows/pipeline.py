@@ -38,8 +38,8 @@ from prefect import flow, get_run_logger, runtime, tags
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.assets import Asset, AssetProperties, add_asset_metadata
 from prefect.cache_policies import NO_CACHE
-from prefect.context import AssetContext
 from prefect.client.orchestration import get_client
+from prefect.context import AssetContext
 from prefect.exceptions import TerminationSignal
 from prefect.settings import PREFECT_API_URL
 from prefect.states import Completed, Failed, State
@@ -49,9 +49,9 @@ from prefect.tasks import MaterializingTask
 from engine.config import ConfigError
 from flows.reporter import Reporter, observing, unreachable
 from flows.server import ApiUnreachable, api_answers
-from flows.summary import asset_key, format_duration, format_number, line_level, summary_markdown
 from flows.spec import Pipeline as SpecPipeline
 from flows.spec import Plan, apply_pipeline_overrides, build_plan, load_plan, parse_spec
+from flows.summary import asset_key, format_duration, format_number, line_level, summary_markdown
 from tasks.artifacts import ArtifactError, read_manifest
 from tasks.gang import stopping, terminate_children
 from tasks.launch import Interrupted, PermanentFailure
@@ -92,16 +92,25 @@ def flow_run_tags(pipeline: str) -> list[str]:
 
 def stage_tags(plan: Plan, stage: str) -> list[str]:
     job = plan.stages[stage].job
-    return [*flow_run_tags(plan.name), f"stage:{stage}", f"task:{job.task}",
-            *([ENGINE_TAG] if job.kind.launches_child else [])]
+    return [
+        *flow_run_tags(plan.name),
+        f"stage:{stage}",
+        f"task:{job.task}",
+        *([ENGINE_TAG] if job.kind.launches_child else []),
+    ]
 
 
 def stage_asset(plan: Plan, stage: str) -> Asset:
     job = plan.stages[stage].job
-    return Asset(key=asset_key(stage, job.artifact_id), properties=AssetProperties(
-        name=f"{stage}/{job.artifact_id}",
-        description=f"{job.kind.output_kind(job.config)} artifact of stage '{stage}' (task {job.task}) in pipeline '{plan.name}', "
-                    f"at {plan.store.location(stage, job.artifact_id)}"))
+    return Asset(
+        key=asset_key(stage, job.artifact_id),
+        properties=AssetProperties(
+            name=f"{stage}/{job.artifact_id}",
+            description=f"{job.kind.output_kind(job.config)} artifact of stage '{stage}' (task {job.task}) "
+            f"in pipeline '{plan.name}', "
+            f"at {plan.store.location(stage, job.artifact_id)}",
+        ),
+    )
 
 
 def pipeline_name(pipeline: str | dict | None) -> str:
@@ -132,8 +141,15 @@ class PrefectHooks(StageHooks):
     the reporter (flows/reporter.py), which sends them from its own thread or drops them.
     """
 
-    def __init__(self, logger, reporter: Reporter, progress_key: str, description: str, min_interval: float = 2.0,
-                 total_steps: int | None = None):
+    def __init__(
+        self,
+        logger,
+        reporter: Reporter,
+        progress_key: str,
+        description: str,
+        min_interval: float = 2.0,
+        total_steps: int | None = None,
+    ):
         self._logger = logger
         self._reporter = reporter
         self._progress_id = None
@@ -157,8 +173,11 @@ class PrefectHooks(StageHooks):
         step = int(record.get("step", 0))
         total = self._total_steps
         head = f"step {step}/{total} ({100 * step / total:.0f}%)" if total else f"step {step}"
-        shown = " ".join(f"{k}={format_number(v)}" for k, v in record.items()
-                         if k != "step" and k not in _PERF_KEYS and v is not None)
+        shown = " ".join(
+            f"{k}={format_number(v)}"
+            for k, v in record.items()
+            if k != "step" and k not in _PERF_KEYS and v is not None
+        )
         tail = []
         if record.get("tokens_per_second") is not None:
             tail.append(f"{format_number(record['tokens_per_second'])} tokens/s")
@@ -194,8 +213,11 @@ class PrefectHooks(StageHooks):
 
 def _publish(plan: Plan, stage: str, result: StageResult) -> None:
     manifest = read_manifest(result.path) or {}
-    create_markdown_artifact(summary_markdown(plan, stage, result, manifest), key=artifact_key(plan.name, stage),
-                             description=f"{stage}: {result.status}")
+    create_markdown_artifact(
+        summary_markdown(plan, stage, result, manifest),
+        key=artifact_key(plan.name, stage),
+        description=f"{stage}: {result.status}",
+    )
 
 
 def _retryable(task, task_run, state: State) -> bool:
@@ -213,12 +235,19 @@ def _run_stage(plan: Plan, stage: str, reporter: Reporter) -> Any:
     job = plan.stages[stage].job
     if stopping():  # the run was asked to stop before this stage began
         raise Interrupted(f"stage '{stage}': not started, the run is stopping; re-run to resume")
-    hooks = PrefectHooks(logger, reporter, artifact_key(plan.name, stage, "progress"), f"{stage}: progress",
-                         total_steps=getattr(job.config, "steps", None))
+    hooks = PrefectHooks(
+        logger,
+        reporter,
+        artifact_key(plan.name, stage, "progress"),
+        f"{stage}: progress",
+        total_steps=getattr(job.config, "steps", None),
+    )
     run_info = {
-        "flow_run_id": str(runtime.flow_run.id), "flow_run_name": runtime.flow_run.name,
+        "flow_run_id": str(runtime.flow_run.id),
+        "flow_run_name": runtime.flow_run.name,
         "flow_name": runtime.flow_run.flow_name,
-        "task_run_id": str(runtime.task_run.id), "task_run_name": runtime.task_run.name,
+        "task_run_id": str(runtime.task_run.id),
+        "task_run_name": runtime.task_run.name,
         "api_url": runtime.flow_run.api_url,
     }
     if runtime.flow_run.ui_url and not str(runtime.flow_run.ui_url).startswith("None"):
@@ -230,10 +259,16 @@ def _run_stage(plan: Plan, stage: str, reporter: Reporter) -> Any:
     if result.status == SKIPPED and assets is not None:
         assets.downstream_assets = set()  # made by an earlier run: nothing materialised now
     elif assets is not None:
-        add_asset_metadata(asset_key(stage, job.artifact_id), {
-            "stage": stage, "task": job.task, "status": result.status, "location": plan.store.location(stage,
-                                                                                                       job.artifact_id),
-            "metrics": {k: v for k, v in result.metrics.items() if isinstance(v, (int, float, str))}})
+        add_asset_metadata(
+            asset_key(stage, job.artifact_id),
+            {
+                "stage": stage,
+                "task": job.task,
+                "status": result.status,
+                "location": plan.store.location(stage, job.artifact_id),
+                "metrics": {k: v for k, v in result.metrics.items() if isinstance(v, (int, float, str))},
+            },
+        )
     # Artifacts are published by the reporter's thread (in this task run's context), so a
     # chain of skipped stages does not wait on API round trips.
     reporter.call(_publish, plan, stage, result)
@@ -271,11 +306,18 @@ def _run_stages(plan: Plan, reporter: Reporter, logger) -> dict[str, dict]:
     for name, planned in plan.stages.items():
         job = planned.job
         stage_task = MaterializingTask(
-            run_stage, assets=[stage_asset(plan, name)], materialized_by=_MATERIALIZED_BY,
+            run_stage,
+            assets=[stage_asset(plan, name)],
+            materialized_by=_MATERIALIZED_BY,
             asset_deps=[stage_asset(plan, stage) for stage, _ in job.inputs.values()],  # as their tasks name them
-            name=name, task_run_name=name, tags=stage_tags(plan, name), retries=planned.retries,
-            retry_delay_seconds=planned.retry_delays or 0, retry_condition_fn=_retryable,
-            cache_policy=NO_CACHE, persist_result=False,
+            name=name,
+            task_run_name=name,
+            tags=stage_tags(plan, name),
+            retries=planned.retries,
+            retry_delay_seconds=planned.retry_delays or 0,
+            retry_condition_fn=_retryable,
+            cache_policy=NO_CACHE,
+            persist_result=False,
         )
         futures[name] = stage_task.submit(name, wait_for=[futures[d] for d in planned.depends_on])
     try:
@@ -297,11 +339,14 @@ def _run_stages(plan: Plan, reporter: Reporter, logger) -> dict[str, dict]:
             continue
         error = state.result(raise_on_failure=False) if (state.is_failed() or state.is_crashed()) else None
         summary[name] = {
-            "stage": name, "task": job.task, "artifact_id": job.artifact_id,
+            "stage": name,
+            "task": job.task,
+            "artifact_id": job.artifact_id,
             "path": str(plan.store.artifact_dir(name, job.artifact_id)),
             "status": "failed" if isinstance(error, BaseException) else "not run",
-            "error": _describe(name, error) if isinstance(error, BaseException) else
-            f"stage '{name}': not run, an input stage did not finish",
+            "error": _describe(name, error)
+            if isinstance(error, BaseException)
+            else f"stage '{name}': not run, an input stage did not finish",
         }
     for name, s in summary.items():
         logger.info(f"{name}: {s['status']} {s['artifact_id']}")
@@ -351,8 +396,9 @@ def pipeline_flow(plan: Plan, max_workers: int | None = None):
     has as many tags as the pool has threads; as there can be none here, the pool is sized
     past the tag count too (threads start only when used)."""
     most_tags = max(len(stage_tags(plan, stage)) for stage in plan.stages)
-    return run_pipeline.with_options(task_runner=ThreadPoolTaskRunner(
-        max_workers=max_workers or max(len(plan.stages), most_tags + 1)))
+    return run_pipeline.with_options(
+        task_runner=ThreadPoolTaskRunner(max_workers=max_workers or max(len(plan.stages), most_tags + 1))
+    )
 
 
 class _Outcome:
@@ -404,8 +450,9 @@ def run_plan(plan: Plan, *, max_workers: int | None = None, raise_on_failure: bo
         with tags(*flow_run_tags(plan.name)):
             outcome.run(flow_obj, spec, plan.store.url)
 
-    thread = threading.Thread(target=contextvars.copy_context().run, args=(call,), name=f"flow-{plan.name}",
-                              daemon=True)
+    thread = threading.Thread(
+        target=contextvars.copy_context().run, args=(call,), name=f"flow-{plan.name}", daemon=True
+    )
     with observing(api_url) as reporter:  # the flow engine's own log records too
         thread.start()
         try:
@@ -421,8 +468,9 @@ def run_plan(plan: Plan, *, max_workers: int | None = None, raise_on_failure: bo
     if outcome.returned.is_set() and outcome.summary is None:  # the flow broke before the stages ended
         if outcome.error is not None:
             if unreachable(outcome.error):
-                raise ApiUnreachable(f"the Prefect API at {api_url} is unreachable "
-                                     f"({type(outcome.error).__name__}: {outcome.error})") from outcome.error
+                raise ApiUnreachable(
+                    f"the Prefect API at {api_url} is unreachable ({type(outcome.error).__name__}: {outcome.error})"
+                ) from outcome.error
             raise outcome.error
         result = outcome.state.result(raise_on_failure=False)
         if isinstance(result, BaseException):
@@ -456,8 +504,9 @@ class Pipeline(SpecPipeline):
     """flows.spec.Pipeline that runs: `Pipeline(...).run()` is one Prefect flow run of it, as
     `trainflow run` makes (docs/pipelines.md, "The Python API")."""
 
-    def run(self, store: str | Path | None = None, *, max_workers: int | None = None,
-            raise_on_failure: bool = True) -> dict[str, dict]:
+    def run(
+        self, store: str | Path | None = None, *, max_workers: int | None = None, raise_on_failure: bool = True
+    ) -> dict[str, dict]:
         """{stage: {status, artifact_id, path, metrics, ...}}; a failed stage raises
         PipelineFailed unless `raise_on_failure` is False."""
         return run_plan(self.plan(store), max_workers=max_workers, raise_on_failure=raise_on_failure)

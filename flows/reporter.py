@@ -29,20 +29,24 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import httpx
 import prefect.task_engine
 from prefect.client.orchestration import get_client
-from prefect.concurrency._sync import concurrency as prefect_concurrency
 from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError
+from prefect.concurrency._sync import concurrency as prefect_concurrency
 from prefect.context import get_settings_context
 from prefect.events.schemas.events import Event
 from prefect.events.worker import EventsWorker, ProcessPoolForwardingEventsClient
 from prefect.logging.handlers import APILogHandler
 from prefect.settings import (
-    PREFECT_API_REQUEST_TIMEOUT, PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings,
+    PREFECT_API_REQUEST_TIMEOUT,
+    PREFECT_API_URL,
+    PREFECT_CLIENT_MAX_RETRIES,
+    temporary_settings,
 )
 
 from flows.server import api_answers
@@ -54,8 +58,15 @@ _BATCH = 200  # logs or events sent in one request
 class Reporter:
     """One background thread sending queued records to the Prefect API at `api_url`."""
 
-    def __init__(self, api_url: str, *, max_pending: int = 5000, timeout: float = 5.0,
-                 probe_every: float = 30.0, warn: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        api_url: str,
+        *,
+        max_pending: int = 5000,
+        timeout: float = 5.0,
+        probe_every: float = 30.0,
+        warn: Callable[[str], None] | None = None,
+    ):
         self.api_url = api_url
         self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=max_pending)
         self._timeout, self._probe_every = timeout, probe_every
@@ -125,9 +136,11 @@ class Reporter:
             if self.down:
                 return
             self._down_since = self._last_probe = time.monotonic()
-        self._warn(f"trainflow: warning: the Prefect API at {self.api_url} is not answering ({reason}); "
-                   f"the run goes on without it, and its progress, logs and artifacts are not reported "
-                   f"until it answers again")
+        self._warn(
+            f"trainflow: warning: the Prefect API at {self.api_url} is not answering ({reason}); "
+            f"the run goes on without it, and its progress, logs and artifacts are not reported "
+            f"until it answers again"
+        )
 
     # ---------------------------------------------------------------- the reporter's thread
 
@@ -189,8 +202,13 @@ class Reporter:
         """`fn` in `context`, with a short timeout and no retries for its API requests."""
 
         def quick():
-            with temporary_settings({PREFECT_API_URL: self.api_url, PREFECT_CLIENT_MAX_RETRIES: 0,
-                                     PREFECT_API_REQUEST_TIMEOUT: self._timeout}):
+            with temporary_settings(
+                {
+                    PREFECT_API_URL: self.api_url,
+                    PREFECT_CLIENT_MAX_RETRIES: 0,
+                    PREFECT_API_REQUEST_TIMEOUT: self._timeout,
+                }
+            ):
                 fn(*args, **kwargs)
 
         try:
@@ -205,8 +223,10 @@ class Reporter:
         """A record the API refused (not a dead API): say so once per kind of error."""
         if type(error).__name__ not in self._warned:
             self._warned.add(type(error).__name__)
-            self._warn(f"trainflow: warning: a report to the Prefect API at {self.api_url} failed "
-                       f"({type(error).__name__}: {error}); the run goes on")
+            self._warn(
+                f"trainflow: warning: a report to the Prefect API at {self.api_url} failed "
+                f"({type(error).__name__}: {error}); the run goes on"
+            )
 
 
 def unreachable(error: BaseException) -> bool:

@@ -20,9 +20,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 from prefect.context import refresh_global_settings_context
 from prefect.settings import PREFECT_API_URL, get_current_settings
@@ -52,7 +52,8 @@ def check_api(api_url: str, timeout: float = 5.0) -> None:
     if not api_answers(api_url, timeout):
         raise ApiUnreachable(
             f"the Prefect API at {api_url} (PREFECT_API_URL) is unreachable; start it with `prefect server "
-            f"start`, or unset PREFECT_API_URL to let trainflow start a local server for the run")
+            f"start`, or unset PREFECT_API_URL to let trainflow start a local server for the run"
+        )
 
 
 def _free_port() -> int:
@@ -98,8 +99,9 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def start_server(env: dict[str, str] | None = None, timeout: float = 120.0,
-                 settings_env: dict[str, str] | None = None) -> LocalServer:
+def start_server(
+    env: dict[str, str] | None = None, timeout: float = 120.0, settings_env: dict[str, str] | None = None
+) -> LocalServer:
     """Start a Prefect API server on a free loopback port and wait until it answers.
 
     It runs in a new session (the terminal's Ctrl-C goes to trainflow alone, which stops
@@ -111,13 +113,30 @@ def start_server(env: dict[str, str] | None = None, timeout: float = 120.0,
     deadline = time.monotonic() + timeout
     while True:
         port = _free_port()
-        argv = [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app",
-                "--host", "127.0.0.1", "--port", str(port), "--log-level", "error", "--lifespan", "on",
-                "--timeout-graceful-shutdown", "3"]
+        argv = [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--factory",
+            "prefect.server.api.server:create_app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "error",
+            "--lifespan",
+            "on",
+            "--timeout-graceful-shutdown",
+            "3",
+        ]
         with tempfile.TemporaryFile() as errors:  # uvicorn logs errors only; read if it fails to start
             process = subprocess.Popen(
-                guarded(argv), env={**os.environ, **(settings_env or {}), **(env or {}), **_SERVER_ENV},
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=errors,
+                guarded(argv),
+                env={**os.environ, **(settings_env or {}), **(env or {}), **_SERVER_ENV},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=errors,
                 start_new_session=True,
             )
             server = LocalServer(process, port)
@@ -129,8 +148,10 @@ def start_server(env: dict[str, str] | None = None, timeout: float = 120.0,
             error = errors.read().decode(errors="replace").strip()
         if process.poll() is None:  # still starting at the deadline
             server.stop()
-            raise ApiUnreachable(f"the local Prefect server did not answer within {timeout:.0f} s; start one with "
-                                 f"`prefect server start` and set PREFECT_API_URL=http://127.0.0.1:4200/api")
+            raise ApiUnreachable(
+                f"the local Prefect server did not answer within {timeout:.0f} s; start one with "
+                f"`prefect server start` and set PREFECT_API_URL=http://127.0.0.1:4200/api"
+            )
         if "address already in use" not in error.lower():  # another process took the port: try another
             last = error.splitlines()[-1] if error else f"exit code {process.returncode}"
             raise ApiUnreachable(f"the local Prefect server did not start: {last}")
@@ -147,8 +168,10 @@ def prefect_api(say: Callable[[str], None] = lambda line: print(line, file=sys.s
         yield configured
         return
     server = start_server(settings_env=get_current_settings().to_environment_variables(exclude_unset=True))
-    say(f"trainflow: Prefect API: a local server at {server.api_url} (pid {server.pid}) for this run; "
-        f"`prefect server start` and PREFECT_API_URL keep one running, with its UI")
+    say(
+        f"trainflow: Prefect API: a local server at {server.api_url} (pid {server.pid}) for this run; "
+        f"`prefect server start` and PREFECT_API_URL keep one running, with its UI"
+    )
     # For this process (threads without a settings context too) and its children; an empty
     # UI URL, as the server has no UI to link to.
     run_env = {"PREFECT_API_URL": server.api_url, "PREFECT_UI_URL": ""}

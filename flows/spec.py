@@ -111,9 +111,12 @@ class Plan:
     def status(self) -> dict[str, dict[str, str]]:
         """Each stage: complete | running | partial | failed | pending, with id and path."""
         return {
-            name: {"task": p.job.task, "artifact_id": p.job.artifact_id,
-                   "state": self.store.state(name, p.job.artifact_id),
-                   "path": str(self.store.artifact_dir(name, p.job.artifact_id))}
+            name: {
+                "task": p.job.task,
+                "artifact_id": p.job.artifact_id,
+                "state": self.store.state(name, p.job.artifact_id),
+                "path": str(self.store.artifact_dir(name, p.job.artifact_id)),
+            }
             for name, p in self.stages.items()
         }
 
@@ -165,8 +168,11 @@ def parse_spec(tree: dict, source: str) -> PipelineSpec:
     bad_stages = sorted({str(err["loc"][1]) for err in errors if in_a_stage(err["loc"])})
     messages = []
     if not all(in_a_stage(err["loc"]) for err in errors):  # the rest, with those stages stood in for
-        stand_in = {**tree, "stages": {name: {"task": "-"} if name in bad_stages else stage
-                                       for name, stage in stages.items()} or tree.get("stages")}
+        stand_in = {
+            **tree,
+            "stages": {name: {"task": "-"} if name in bad_stages else stage for name, stage in stages.items()}
+            or tree.get("stages"),
+        }
         try:
             PipelineSpec.model_validate(stand_in)
         except ValidationError as e:
@@ -206,7 +212,7 @@ def _topological_order(spec: PipelineSpec, source: str) -> list[str]:
         if state.get(name) == "done":
             return
         if state.get(name) == "visiting":
-            cycle = path[path.index(name):] + [name]
+            cycle = path[path.index(name) :] + [name]
             raise ConfigError(f"{source}: stages form a cycle: {' -> '.join(cycle)}")
         state[name] = "visiting"
         for upstream in spec.stages[name].inputs.values():
@@ -271,8 +277,10 @@ def build_plan(spec: PipelineSpec, source: str = "pipeline", store: str | Path |
             continue
         written[name] = _deep_merge(spec.defaults.config.get(stage.task, {}), stage.config)
         for ref in sorted(input_refs(written[name]) - set(stage.inputs)):
-            errors.append(f"{source}: stages.{name}.config: '{{input:{ref}}}' refers to input '{ref}', "
-                          f"which the stage does not have (its inputs: {', '.join(stage.inputs) or 'none'})")
+            errors.append(
+                f"{source}: stages.{name}.config: '{{input:{ref}}}' refers to input '{ref}', "
+                f"which the stage does not have (its inputs: {', '.join(stage.inputs) or 'none'})"
+            )
         try:
             configs[name] = kind.resolve_config(copy.deepcopy(written[name]), f"{source}: stages.{name}.config")
         except ConfigError as e:
@@ -284,8 +292,10 @@ def build_plan(spec: PipelineSpec, source: str = "pipeline", store: str | Path |
             message = format_validation_error(e, LauncherSpec, f"{source}: stages.{name}.launcher")
             errors.append(message.replace("key '<root>': Value error, ", ""))
         if stage.launcher is not None and not kind.launches_child:
-            errors.append(f"{source}: stages.{name}.launcher: task '{kind.task}' runs in-process; "
-                          f"launcher applies only to stages that start the engine")
+            errors.append(
+                f"{source}: stages.{name}.launcher: task '{kind.task}' runs in-process; "
+                f"launcher applies only to stages that start the engine"
+            )
     try:
         order = _topological_order(spec, source)
     except ConfigError as e:
@@ -298,17 +308,28 @@ def build_plan(spec: PipelineSpec, source: str = "pipeline", store: str | Path |
         stage, kind = spec.stages[name], kinds[name]
         input_ids = {inp: (up, stages[up].job.artifact_id) for inp, up in stage.inputs.items()}
         job = StageJob(
-            stage=name, kind=kind, config=configs[name], config_as_written=written[name],
+            stage=name,
+            kind=kind,
+            config=configs[name],
+            config_as_written=written[name],
             inputs=input_ids,
-            artifact_id=artifact_id(kind.task, kind.version, kind.fingerprint(configs[name]),
-                                    {inp: aid for inp, (_, aid) in input_ids.items()}),
-            launcher=launchers[name], pipeline=spec.name,
+            artifact_id=artifact_id(
+                kind.task,
+                kind.version,
+                kind.fingerprint(configs[name]),
+                {inp: aid for inp, (_, aid) in input_ids.items()},
+            ),
+            launcher=launchers[name],
+            pipeline=spec.name,
         )
         retries = stage.retries if stage.retries is not None else spec.defaults.retries
-        delay = stage.retry_delay_seconds if stage.retry_delay_seconds is not None else spec.defaults.retry_delay_seconds
+        delay = (
+            stage.retry_delay_seconds if stage.retry_delay_seconds is not None else spec.defaults.retry_delay_seconds
+        )
         backoff = stage.retry_backoff if stage.retry_backoff is not None else spec.defaults.retry_backoff
-        stages[name] = PlannedStage(job, retries, [delay * backoff**i for i in range(retries)],
-                                    sorted(set(stage.inputs.values())))
+        stages[name] = PlannedStage(
+            job, retries, [delay * backoff**i for i in range(retries)], sorted(set(stage.inputs.values()))
+        )
     return Plan(spec, source, ArtifactStore(store if store is not None else spec.store), stages)
 
 
@@ -333,24 +354,40 @@ class Pipeline:
     there so that building and validating a pipeline imports no Prefect.
     """
 
-    def __init__(self, name: str, store: str | Path = "artifacts", *, imports: list[str] | None = None,
-                 defaults: dict | None = None):
-        self.tree: dict[str, Any] = {"name": name, "store": str(store), "imports": list(imports or []),
-                                     "defaults": dict(defaults or {}), "stages": {}}
+    def __init__(
+        self,
+        name: str,
+        store: str | Path = "artifacts",
+        *,
+        imports: list[str] | None = None,
+        defaults: dict | None = None,
+    ):
+        self.tree: dict[str, Any] = {
+            "name": name,
+            "store": str(store),
+            "imports": list(imports or []),
+            "defaults": dict(defaults or {}),
+            "stages": {},
+        }
 
     @classmethod
-    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> "Pipeline":
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> Pipeline:
         p = cls.__new__(cls)
         p.tree = load_spec_tree(path, overrides)
         return p
 
-    def stage(self, name: str, *, task: str, inputs: dict[str, str] | None = None,
-              config: dict | None = None, **options: Any) -> str:
+    def stage(
+        self, name: str, *, task: str, inputs: dict[str, str] | None = None, config: dict | None = None, **options: Any
+    ) -> str:
         """Add a stage; returns its name, to be used in other stages' `inputs`."""
         if name in self.tree["stages"]:
             raise ConfigError(f"pipeline '{self.tree['name']}': stage '{name}' is defined twice")
-        self.tree["stages"][name] = {"task": task, "inputs": dict(inputs or {}), "config": dict(config or {}),
-                                     **options}
+        self.tree["stages"][name] = {
+            "task": task,
+            "inputs": dict(inputs or {}),
+            "config": dict(config or {}),
+            **options,
+        }
         return name
 
     def plan(self, store: str | Path | None = None) -> Plan:

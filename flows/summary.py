@@ -58,9 +58,18 @@ _LEVEL_PATTERNS = (
     (re.compile(r"^(error|Traceback \(most recent call last\))"), logging.ERROR),
     (re.compile(r"^warning:"), logging.WARNING),
 )
-_LEVEL_NAMES = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR,
-                "CRITICAL": logging.CRITICAL, "FATAL": logging.CRITICAL, "I": logging.INFO, "W": logging.WARNING,
-                "E": logging.ERROR, "F": logging.CRITICAL}
+_LEVEL_NAMES = {
+    "DEBUG": logging.DEBUG,
+    "INFO": logging.INFO,
+    "WARNING": logging.WARNING,
+    "ERROR": logging.ERROR,
+    "CRITICAL": logging.CRITICAL,
+    "FATAL": logging.CRITICAL,
+    "I": logging.INFO,
+    "W": logging.WARNING,
+    "E": logging.ERROR,
+    "F": logging.CRITICAL,
+}
 
 
 def line_level(line: str) -> int:
@@ -103,8 +112,10 @@ def summary_markdown(plan: Plan, stage: str, result: StageResult, manifest: dict
     job = plan.stages[stage].job
     where = plan.store.location(stage, job.artifact_id)
     lines = [
-        f"# {stage} ({job.task}): {result.status}", "",
-        "| | |", "|---|---|",
+        f"# {stage} ({job.task}): {result.status}",
+        "",
+        "| | |",
+        "|---|---|",
         f"| pipeline | `{plan.name}` |",
         f"| artifact | `{stage}/{job.artifact_id}` ({job.kind.output_kind(job.config)}) |",
         f"| asset | `{asset_key(stage, job.artifact_id)}` |",
@@ -112,15 +123,24 @@ def summary_markdown(plan: Plan, stage: str, result: StageResult, manifest: dict
         f"| manifest | `{where.rstrip('/')}/artifact.json` |",
         f"| time | {result.seconds:.1f} s (work {result.work_seconds:.1f} s) |",
         f"| inspect | `trainflow lineage {where}` |",
-        "", "## Metrics", "",
+        "",
+        "## Metrics",
+        "",
     ]
     metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float, str, type(None)))}
-    lines += ["| metric | value |", "|---|---|", *(f"| {k} | {format_number(v)} |" for k, v in metrics.items())] \
-        if metrics else ["none"]
+    lines += (
+        ["| metric | value |", "|---|---|", *(f"| {k} | {format_number(v)} |" for k, v in metrics.items())]
+        if metrics
+        else ["none"]
+    )
     report = result.path / "report.md"
     if report.is_file():  # e.g. an evaluation report: its tables and plots, in the Prefect UI
-        lines += ["", "## Report", "", re.sub(r"^(#+) ", r"##\1 ", inline_images(report.read_text(), result.path),
-                                                  flags=re.MULTILINE)]
+        lines += [
+            "",
+            "## Report",
+            "",
+            re.sub(r"^(#+) ", r"##\1 ", inline_images(report.read_text(), result.path), flags=re.MULTILINE),
+        ]
     lines += ["", "## Lineage", ""]
     parents = manifest.get("parents", [])
     if parents:
@@ -128,10 +148,17 @@ def summary_markdown(plan: Plan, stage: str, result: StageResult, manifest: dict
         for parent in parents:
             upstream = read_manifest(plan.store.artifact_dir(parent["stage"], parent["id"])) or {}
             artifact = _task_run_link(upstream, f"{parent['stage']}/{parent['id']}")
-            lines.append(f"| {parent['input']} | {artifact} | {parent['kind']} | "
-                         f"`{asset_key(parent['stage'], parent['id'])}` |")
+            lines.append(
+                f"| {parent['input']} | {artifact} | {parent['kind']} | `{asset_key(parent['stage'], parent['id'])}` |"
+            )
     else:
         lines.append("no inputs")
-    lines += ["", "## Config", "", "```yaml", yaml.safe_dump(job.config_as_written, sort_keys=False).rstrip() or "{}",
-              "```"]
+    lines += [
+        "",
+        "## Config",
+        "",
+        "```yaml",
+        yaml.safe_dump(job.config_as_written, sort_keys=False).rstrip() or "{}",
+        "```",
+    ]
     return "\n".join(lines)

@@ -23,11 +23,12 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from engine.contract import MANIFEST
 from tasks.objectstore import RemoteBackend, StoreAccessError, flock_held, is_url
@@ -123,7 +124,7 @@ def compare_files(directory: Path, recorded: dict[str, dict[str, Any]]) -> list[
 
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def write_json_atomic(path: Path, value: dict) -> None:
@@ -178,7 +179,10 @@ def code_version() -> dict:
                 info["git_commit"] = commit.stdout.strip()
                 dirty = subprocess.run(
                     ["git", "status", "--porcelain", "--untracked-files=no", "--", "engine", "tasks", "flows"],
-                    cwd=root, capture_output=True, text=True, timeout=10,
+                    cwd=root,
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
                 )
                 info["git_dirty"] = bool(dirty.stdout.strip()) if dirty.returncode == 0 else None
         except (OSError, subprocess.SubprocessError):
@@ -222,8 +226,13 @@ class ArtifactLock:
         assert self._fd is not None, "the lock is not held"
         return self._fd
 
-    def acquire(self, blocking: bool = True, poll_seconds: float = 1.0,
-                on_wait: Callable[[str], None] | None = None, wait_message_every: float = 30.0) -> bool:
+    def acquire(
+        self,
+        blocking: bool = True,
+        poll_seconds: float = 1.0,
+        on_wait: Callable[[str], None] | None = None,
+        wait_message_every: float = 30.0,
+    ) -> bool:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         last_message = -float("inf")
@@ -265,7 +274,7 @@ class ArtifactLock:
             os.close(self._fd)
             self._fd = None
 
-    def __enter__(self) -> "ArtifactLock":
+    def __enter__(self) -> ArtifactLock:
         self.acquire()
         return self
 
@@ -411,7 +420,6 @@ class ArtifactStore:
                 )
         return ArtifactRef(stage, artifact_id, directory, manifest)
 
-
     def _open_remote_input(self, stage: str, artifact_id: str, verify: bool) -> ArtifactRef:
         """Download a complete artifact into the cache (kept there: same id, same bytes) and
         re-hash the local copy against the manifest; one fresh download if they differ."""
@@ -434,8 +442,10 @@ class ArtifactStore:
                 problems = compare_files(directory, manifest.get("files", {}))
             if problems:
                 shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-                raise ArtifactError(f"artifact {stage}/{artifact_id} changed since it was finished: {shown}. "
-                                    f"Run `trainflow verify {where}`; delete it to rebuild it")
+                raise ArtifactError(
+                    f"artifact {stage}/{artifact_id} changed since it was finished: {shown}. "
+                    f"Run `trainflow verify {where}`; delete it to rebuild it"
+                )
         finally:
             lock.release()
         os.utime(directory / MANIFEST)  # most recently used, for the cache's eviction

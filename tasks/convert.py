@@ -58,8 +58,9 @@ class ConvertStage(EngineStage):
     entry_point = "hf"
     output = "checkpoint"
     possible_outputs = ("adapter", REWARD_MODEL)
-    inputs = {"base": Input(MODEL_KINDS, required=False,
-                            doc="a PEFT adapter source's base model (the checkpoint it adapts)")}
+    inputs = {
+        "base": Input(MODEL_KINDS, required=False, doc="a PEFT adapter source's base model (the checkpoint it adapts)")
+    }
     config_schema = ConvertConfig
     version = 2  # 2: the checkpoint's meta holds `compute` apart from the architecture
 
@@ -80,8 +81,9 @@ class ConvertStage(EngineStage):
             return cfg.model_copy(update={"source": str(Path(cfg.source).expanduser().absolute())})
         config_path = Path(cfg.source).expanduser() / "config.json"
         if not config_path.is_file():
-            raise ConfigError(f"{source}: key 'source': {cfg.source} is not a Hugging Face model directory "
-                              f"(no config.json)")
+            raise ConfigError(
+                f"{source}: key 'source': {cfg.source} is not a Hugging Face model directory (no config.json)"
+            )
         try:  # an unsupported architecture fails here, before anything runs
             model_config_from_hf(causal_view(json.loads(config_path.read_text())), where=str(config_path))
         except (ConfigError, json.JSONDecodeError) as e:
@@ -114,8 +116,9 @@ class ConvertStage(EngineStage):
         if is_peft_adapter(cfg.source):
             return self._run_adapter(ctx)
         if "base" in ctx.inputs:
-            raise ConfigError(f"stage '{ctx.stage}': input 'base' is only for a PEFT adapter source; {cfg.source} "
-                              "is a whole model")
+            raise ConfigError(
+                f"stage '{ctx.stage}': input 'base' is only for a PEFT adapter source; {cfg.source} is a whole model"
+            )
         local = url_cache(cfg.source) / "hf" if is_url(cfg.source) else None
         if local is not None:
             ctx.log(f"downloading {cfg.source} into {local}")
@@ -132,28 +135,36 @@ class ConvertStage(EngineStage):
             (out / "model.yaml").write_text(yaml.safe_dump(result["model"], sort_keys=False))
         seconds = result.get("seconds") or float("nan")
         return {
-            "architecture": result.get("architecture"), "num_params": result.get("num_params"),
-            "source_bytes": result.get("source_bytes"), "dtype": result.get("dtype"), "seconds": seconds,
+            "architecture": result.get("architecture"),
+            "num_params": result.get("num_params"),
+            "source_bytes": result.get("source_bytes"),
+            "dtype": result.get("dtype"),
+            "seconds": seconds,
             "gb_per_second": (result.get("source_bytes") or 0) / 1e9 / seconds,
         }
 
-
     def _run_adapter(self, ctx: StageContext) -> dict[str, Any]:
         if "base" not in ctx.inputs:
-            raise ConfigError(f"stage '{ctx.stage}': {ctx.config.source} is a PEFT adapter: give the model it adapts "
-                              "as input 'base' (a checkpoint artifact, e.g. the convert of its base model)")
+            raise ConfigError(
+                f"stage '{ctx.stage}': {ctx.config.source} is a PEFT adapter: give the model it adapts "
+                "as input 'base' (a checkpoint artifact, e.g. the convert of its base model)"
+            )
         base = ctx.inputs["base"].path
         self.carry_tokenizer(ctx, base)
-        result = self.launch_engine(ctx, "convert-adapter", ctx.config.source, str(ctx.out_dir), "--base",
-                                    str(base / CHECKPOINT_DIR))
+        result = self.launch_engine(
+            ctx, "convert-adapter", ctx.config.source, str(ctx.out_dir), "--base", str(base / CHECKPOINT_DIR)
+        )
         return {key: result.get(key) for key in ("architecture", "family", "rank")}
 
 
 def is_reward_model_source(source: str) -> bool:
     """A *ForSequenceClassification directory (local or in a bucket): it converts to a reward model."""
     try:
-        text = read_url(f"{source.rstrip('/')}/config.json") if is_url(source) else (
-            (Path(source).expanduser() / "config.json").read_text())
+        text = (
+            read_url(f"{source.rstrip('/')}/config.json")
+            if is_url(source)
+            else ((Path(source).expanduser() / "config.json").read_text())
+        )
         return is_sequence_classification(json.loads(text))
     except (OSError, StoreAccessError, json.JSONDecodeError, TypeError):
         return False

@@ -26,11 +26,17 @@ from tasks.registry import MODEL_KINDS, Input, StageContext
 class DistillStage(FineTuneStage):
     task = "distill"
     entry_point = "distill"
-    inputs = {**FineTuneStage.checkpoint_inputs("the student: the model trained (params; a fresh optimizer) and its "
-                                                "tokenizer/"),
-              "teacher": Input(MODEL_KINDS, doc="the frozen teacher, of the student's vocabulary")}
-    pipeline_owned = {**FineTuneStage.pipeline_owned, "teacher.checkpoint": "input 'teacher'",
-                      "teacher.tokenizer": "input 'teacher' (its tokenizer/)"}
+    inputs = {
+        **FineTuneStage.checkpoint_inputs(
+            "the student: the model trained (params; a fresh optimizer) and its tokenizer/"
+        ),
+        "teacher": Input(MODEL_KINDS, doc="the frozen teacher, of the student's vocabulary"),
+    }
+    pipeline_owned = {
+        **FineTuneStage.pipeline_owned,
+        "teacher.checkpoint": "input 'teacher'",
+        "teacher.tokenizer": "input 'teacher' (its tokenizer/)",
+    }
     non_semantic = (*FineTuneStage.non_semantic, "teacher.checkpoint", "teacher.tokenizer")
     config_schema = DistillConfig
     version = 1
@@ -38,9 +44,12 @@ class DistillStage(FineTuneStage):
 
     def resolve_config(self, raw: dict, source: str) -> DistillConfig:
         cfg = self.validate_raw(raw, source)
-        data = cfg.data.model_copy(update={
-            "path": absolute_data_path(cfg.data.path, "data.path", source),
-            "eval_path": absolute_data_path(cfg.data.eval_path, "data.eval_path", source)})
+        data = cfg.data.model_copy(
+            update={
+                "path": absolute_data_path(cfg.data.path, "data.path", source),
+                "eval_path": absolute_data_path(cfg.data.eval_path, "data.eval_path", source),
+            }
+        )
         return cfg.model_copy(update={"data": data})
 
     def fingerprint(self, config: DistillConfig) -> dict:
@@ -49,6 +58,11 @@ class DistillStage(FineTuneStage):
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
         teacher = ctx.inputs["teacher"].path
-        cfg = ctx.config.model_copy(update={"teacher": ctx.config.teacher.model_copy(update={
-            "checkpoint": str(teacher / CHECKPOINT_DIR), "tokenizer": str(teacher / TOKENIZER_DIR)})})
+        cfg = ctx.config.model_copy(
+            update={
+                "teacher": ctx.config.teacher.model_copy(
+                    update={"checkpoint": str(teacher / CHECKPOINT_DIR), "tokenizer": str(teacher / TOKENIZER_DIR)}
+                )
+            }
+        )
         return super().run(dataclasses.replace(ctx, config=cfg))

@@ -25,8 +25,14 @@ from typing import Any, ClassVar
 from pydantic import BaseModel
 
 from engine.config import ConfigError, resolve_model_preset, to_yaml, validate
-from engine.contract import (CHECKPOINT_CADENCE_FIELDS, CHECKPOINT_DIR, ENTRY_POINTS, METRICS_FILE,
-                             NON_SEMANTIC_FIELDS, TOKENIZER_DIR)
+from engine.contract import (
+    CHECKPOINT_CADENCE_FIELDS,
+    CHECKPOINT_DIR,
+    ENTRY_POINTS,
+    METRICS_FILE,
+    NON_SEMANTIC_FIELDS,
+    TOKENIZER_DIR,
+)
 from tasks.artifacts import sha256_file
 from tasks.launch import run_child
 from tasks.registry import MODEL_KINDS, Input, StageContext, StageKind, has_input_ref
@@ -101,16 +107,25 @@ def drop_unverified_steps(ctx: StageContext, directory: Path) -> list[int]:
     steps = checkpoint_steps(directory)
     if not steps:
         return []
-    checked = run_child([sys.executable, "-c", _VERIFY_STEPS, str(directory), *map(str, steps)], log=ctx.log,
-                        what=f"stage '{ctx.stage}': verifying {directory}").result or {}
+    checked = (
+        run_child(
+            [sys.executable, "-c", _VERIFY_STEPS, str(directory), *map(str, steps)],
+            log=ctx.log,
+            what=f"stage '{ctx.stage}': verifying {directory}",
+        ).result
+        or {}
+    )
     problems = {step: checked.get(str(step), ["not verified"]) for step in steps}
     intact = [step for step in steps if not problems[step]]
     dropped = [step for step in steps if intact and step < intact[-1] and problems[step]]
     for step in dropped:
-        shown = ", ".join(problems[step][:3]) + (f" and {len(problems[step]) - 3} more" if len(problems[step]) > 3
-                                                 else "")
-        ctx.log(f"checkpoint step {step} in {directory} differs from the digests recorded when it was committed "
-                f"({shown}): deleted")
+        shown = ", ".join(problems[step][:3]) + (
+            f" and {len(problems[step]) - 3} more" if len(problems[step]) > 3 else ""
+        )
+        ctx.log(
+            f"checkpoint step {step} in {directory} differs from the digests recorded when it was committed "
+            f"({shown}): deleted"
+        )
         shutil.rmtree(directory / str(step))
     return dropped
 
@@ -149,12 +164,16 @@ class EngineStage(StageKind):
         shutil.copytree(artifact / TOKENIZER_DIR, ctx.out_dir / TOKENIZER_DIR, dirs_exist_ok=True)
         return True
 
-    def launch_engine(self, ctx: StageContext, *args: str, metrics_file: Path | None = None,
-                      total_steps: int | None = None) -> dict[str, Any]:
+    def launch_engine(
+        self, ctx: StageContext, *args: str, metrics_file: Path | None = None, total_steps: int | None = None
+    ) -> dict[str, Any]:
         """Run `python -m <entry point> ARGS...`; the child's `{"result": ...}` (else the last
         metrics it logged)."""
-        result = ctx.launch([sys.executable, "-m", ENTRY_POINTS[self.entry_point], *args],
-                            metrics_file=metrics_file, total_steps=total_steps)
+        result = ctx.launch(
+            [sys.executable, "-m", ENTRY_POINTS[self.entry_point], *args],
+            metrics_file=metrics_file,
+            total_steps=total_steps,
+        )
         return result.result or (last_metrics(metrics_file) if metrics_file else {})
 
     def train(self, ctx: StageContext, cfg: BaseModel, config_name: str, steps: int) -> dict[str, Any]:
@@ -212,8 +231,10 @@ class FineTuneStage(EngineStage):
 
     @staticmethod
     def checkpoint_inputs(doc: str) -> dict[str, Input]:
-        return {"checkpoint": Input(MODEL_KINDS, doc=doc),
-                "corpus": Input("corpus", required=False, doc="files that data paths name as {input:corpus}/...")}
+        return {
+            "checkpoint": Input(MODEL_KINDS, doc=doc),
+            "corpus": Input("corpus", required=False, doc="files that data paths name as {input:corpus}/..."),
+        }
 
     def validate_raw(self, raw: dict, source: str):
         """The config validated, with data.path required; pipeline-owned keys refused."""
@@ -238,9 +259,12 @@ class FineTuneStage(EngineStage):
         if not self.carry_tokenizer(ctx, checkpoint_input):
             raise ConfigError(f"stage '{ctx.stage}': input checkpoint {checkpoint_input} has no {TOKENIZER_DIR}/")
         tree = ctx.config.model_dump(mode="json")
-        for key, value in {"checkpoint.directory": str(out / CHECKPOINT_DIR),
-                           "checkpoint.init_from": str(checkpoint_input / CHECKPOINT_DIR),
-                           "metrics_dir": str(out), "tokenizer": str(out / TOKENIZER_DIR)}.items():
+        for key, value in {
+            "checkpoint.directory": str(out / CHECKPOINT_DIR),
+            "checkpoint.init_from": str(checkpoint_input / CHECKPOINT_DIR),
+            "metrics_dir": str(out),
+            "tokenizer": str(out / TOKENIZER_DIR),
+        }.items():
             set_dotted(tree, key, value)
         tree["progress"] = False  # progress reaches the pipeline log through metrics.jsonl
         cfg = self.config_schema.model_validate(tree)

@@ -78,11 +78,18 @@ class EvaluateStage(EngineStage):
             for stage, path in _ancestors(ref.path, store_root):
                 if (path / METRICS_FILE).is_file() and (path / CHECKPOINT_DIR).is_dir():
                     curves[stage] = str(path / METRICS_FILE)
-        job = {"config": tree, "checkpoints": {name: str(ref.path / CHECKPOINT_DIR) for name, ref in models.items()},
-               "curves": curves}
+        job = {
+            "config": tree,
+            "checkpoints": {name: str(ref.path / CHECKPOINT_DIR) for name, ref in models.items()},
+            "curves": curves,
+        }
         (out / "evaluate.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
         self.launch_engine(ctx, str(out / "evaluate.yaml"), str(out))
         report = json.loads((out / "report.json").read_text())
         ctx.log((out / "report.md").read_text().split("\n\n")[1])  # the table
-        return {f"{name}/{key}": value for name, metrics in report["models"].items()
-                for key, value in metrics.items() if isinstance(value, (int, float))}
+        return {
+            f"{name}/{key}": value
+            for name, metrics in report["models"].items()
+            for key, value in metrics.items()
+            if isinstance(value, (int, float))
+        }

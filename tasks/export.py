@@ -47,16 +47,26 @@ class ExportStage(EngineStage):
     task = "export"
     entry_point = "hf"
     output = "hf_model"
-    inputs = {"checkpoint": Input((*MODEL_KINDS, REWARD_MODEL),
-                                  doc="a checkpoint, adapter or reward_model artifact (convert, pretrain, SFT, ...)")}
+    inputs = {
+        "checkpoint": Input(
+            (*MODEL_KINDS, REWARD_MODEL),
+            doc="a checkpoint, adapter or reward_model artifact (convert, pretrain, SFT, ...)",
+        )
+    }
     config_schema = ExportConfig
     version = 2  # 2: one shard is model.safetensors; config.json has every key transformers 5 writes
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
         source = ctx.inputs["checkpoint"].path
         # --overwrite: <out>/hf is this artifact's own; what is there is an earlier attempt's.
-        argv = ["export", str(source / CHECKPOINT_DIR), str(ctx.out_dir / "hf"), "--max-shard-gb",
-                str(ctx.config.max_shard_gb), "--overwrite"]
+        argv = [
+            "export",
+            str(source / CHECKPOINT_DIR),
+            str(ctx.out_dir / "hf"),
+            "--max-shard-gb",
+            str(ctx.config.max_shard_gb),
+            "--overwrite",
+        ]
         if ctx.config.step is not None:
             argv += ["--step", str(ctx.config.step)]
         if ctx.config.merged:
@@ -76,8 +86,9 @@ def check_export_target(out: str, overwrite: bool) -> None:
     except StoreAccessError as e:
         raise ConfigError(str(e)) from None
     if present and not overwrite:
-        raise ConfigError(f"{out} is not empty; export into an empty folder, or pass --overwrite "
-                          f"to replace the model there")
+        raise ConfigError(
+            f"{out} is not empty; export into an empty folder, or pass --overwrite to replace the model there"
+        )
 
 
 def copy_export(hf_dir: Path, out: str) -> None:

@@ -26,14 +26,14 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, ClassVar
 
 from engine.contract import EXIT_PREEMPTED, RESULT_PREFIX
-
 
 # --------------------------------------------------------------------------- locks held by children
 
@@ -306,16 +306,22 @@ class LocalRank(Rank):
 
     def __init__(self, argv: list[str], output: GangOutput, rank: int, *, cwd: Path | None, env: dict[str, str]):
         self.proc = subprocess.Popen(
-            guarded(argv), cwd=cwd, env=child_env(env),
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            guarded(argv),
+            cwd=cwd,
+            env=child_env(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             start_new_session=True,  # terminal signals go to trainflow, which forwards SIGTERM
             pass_fds=_held_fds.get(),  # the artifact's lock: held while this child lives
         )
         if not self.remote:
             with _children_lock:
                 _children.add(self.proc)
-        self.pumps = [threading.Thread(target=_pump, args=(stream, output, rank), daemon=True)
-                      for stream in (self.proc.stdout, self.proc.stderr)]
+        self.pumps = [
+            threading.Thread(target=_pump, args=(stream, output, rank), daemon=True)
+            for stream in (self.proc.stdout, self.proc.stderr)
+        ]
         for pump in self.pumps:
             pump.start()
 
@@ -421,8 +427,9 @@ def stop(ranks: list[Rank], grace: float = STOP_GRACE_SECONDS) -> None:
         rank.close()
 
 
-def cause(ranks: list[Rank], codes: list[int | None], first: int,
-           output: GangOutput) -> tuple[int | None, int, str, deque]:
+def cause(
+    ranks: list[Rank], codes: list[int | None], first: int, output: GangOutput
+) -> tuple[int | None, int, str, deque]:
     """(rank, exit code, how it ended, its output) of what ended a gang; rank None when
     there was one process (or an srun that failed before any task did)."""
     code = codes[first]

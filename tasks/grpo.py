@@ -62,11 +62,15 @@ class GRPOStage(FineTuneStage):
                 continue
             module, sep, name = spec.function.partition(":")
             if not sep or not module or not name:
-                raise ConfigError(f"{source}: key 'rewards.{i}.function': '{spec.function}' is neither a built-in "
-                                  f"({', '.join(BUILTIN)}) nor of the form module:function")
+                raise ConfigError(
+                    f"{source}: key 'rewards.{i}.function': '{spec.function}' is neither a built-in "
+                    f"({', '.join(BUILTIN)}) nor of the form module:function"
+                )
             if reward_sources(cfg.model_copy(update={"rewards": [spec]})).get(module) is None:
-                raise ConfigError(f"{source}: key 'rewards.{i}.function': cannot find module '{module}' "
-                                  "(run from its directory or add it to PYTHONPATH)")
+                raise ConfigError(
+                    f"{source}: key 'rewards.{i}.function': cannot find module '{module}' "
+                    "(run from its directory or add it to PYTHONPATH)"
+                )
         data = cfg.data.model_copy(update={"path": absolute_data_path(cfg.data.path, "data.path", source)})
         return cfg.model_copy(update={"data": data})
 
@@ -81,9 +85,12 @@ class GRPOStage(FineTuneStage):
         for i, spec in enumerate(ctx.config.rewards):
             if spec.model is not None:
                 if spec.model not in ctx.inputs or ctx.inputs[spec.model].kind != REWARD_MODEL:
-                    raise ConfigError(f"stage '{ctx.stage}': rewards.{i}.model '{spec.model}' must name an input of "
-                                      f"the stage that is a reward_model artifact (its inputs: {', '.join(ctx.inputs)})")
-                spec = spec.model_copy(update={"model": str(ctx.inputs[spec.model].path / CHECKPOINT_DIR),
-                                               "name": spec.name or spec.model})
+                    raise ConfigError(
+                        f"stage '{ctx.stage}': rewards.{i}.model '{spec.model}' must name an input of "
+                        f"the stage that is a reward_model artifact (its inputs: {', '.join(ctx.inputs)})"
+                    )
+                spec = spec.model_copy(
+                    update={"model": str(ctx.inputs[spec.model].path / CHECKPOINT_DIR), "name": spec.name or spec.model}
+                )
             rewards.append(spec)
         return super().run(replace(ctx, config=ctx.config.model_copy(update={"rewards": rewards})))

@@ -39,10 +39,11 @@ import shlex
 import shutil
 import signal
 import socket
+from collections.abc import Callable
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -113,11 +114,14 @@ class LauncherSpec(Strict):
     evenly over the ranks, nothing on a host without GPUs (CPU ranks share the host)."""
 
     _KIND_FIELDS: ClassVar[dict[str, tuple[str, ...]]] = {
-        "command": ("template",), "ray": ("address", "resources", "spread"), "slurm": ("nodes", "srun_args"),
-        "local-multi": ("devices_per_process",)}
+        "command": ("template",),
+        "ray": ("address", "resources", "spread"),
+        "slurm": ("nodes", "srun_args"),
+        "local-multi": ("devices_per_process",),
+    }
 
     @model_validator(mode="after")
-    def _check(self) -> "LauncherSpec":
+    def _check(self) -> LauncherSpec:
         for kind, names in self._KIND_FIELDS.items():
             for name in names:
                 if self.kind != kind and name in self.model_fields_set:
@@ -129,8 +133,10 @@ class LauncherSpec(Strict):
         if isinstance(self.devices_per_process, int) and self.devices_per_process < 1:
             raise ValueError("launcher kind 'local-multi': devices_per_process must be >= 1 (or auto)")
         if self.kind in ("local", "command") and self.processes != 1:
-            raise ValueError(f"launcher kind '{self.kind}' runs one process; for {self.processes} use "
-                             "'local-multi', 'ray' or 'slurm'")
+            raise ValueError(
+                f"launcher kind '{self.kind}' runs one process; for {self.processes} use "
+                "'local-multi', 'ray' or 'slurm'"
+            )
         if self.kind == "ray" and not all(amount > 0 for amount in self.resources.values()):
             raise ValueError("launcher kind 'ray': resources must be positive amounts, e.g. {CPU: 1}")
         if self.kind == "slurm" and self.nodes is not None and self.nodes > self.processes:
@@ -138,7 +144,7 @@ class LauncherSpec(Strict):
         return self
 
     @classmethod
-    def parse(cls, value: "str | dict | LauncherSpec | None") -> "LauncherSpec":
+    def parse(cls, value: str | dict | LauncherSpec | None) -> LauncherSpec:
         if value is None:
             return cls()
         if isinstance(value, LauncherSpec):
@@ -180,8 +186,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def commands(spec: LauncherSpec, argv: list[str], *, gpu_count: int | None = None
-             ) -> list[tuple[list[str], dict[str, str]]]:
+def commands(
+    spec: LauncherSpec, argv: list[str], *, gpu_count: int | None = None
+) -> list[tuple[list[str], dict[str, str]]]:
     """(argv, extra env) of each process the launcher starts for one engine command.
 
     ray: one per rank, without TRAINFLOW_COORDINATOR, which names rank 0's node and is known
@@ -196,16 +203,25 @@ def commands(spec: LauncherSpec, argv: list[str], *, gpu_count: int | None = Non
         # One job step; --kill-on-bad-exit ends it when a task fails, --label prefixes each line
         # with the task's rank ("1: ..."), which is how run_child tells the ranks apart;
         # --verbose names the step, which run_child stops with scancel.
-        srun = ["srun", f"--nodes={spec.nodes or spec.processes}", f"--ntasks={spec.processes}",
-                "--kill-on-bad-exit=1", "--label", "--verbose", *spec.srun_args]
+        srun = [
+            "srun",
+            f"--nodes={spec.nodes or spec.processes}",
+            f"--ntasks={spec.processes}",
+            "--kill-on-bad-exit=1",
+            "--label",
+            "--verbose",
+            *spec.srun_args,
+        ]
         return [([*srun, *argv], {**spec.env, "TRAINFLOW_CLUSTER": "slurm"})]
     ranks = {"TRAINFLOW_NUM_PROCESSES": str(spec.processes)}
     devices: list[dict[str, str]] = [{}] * spec.processes
     if spec.kind == "local-multi":
         ranks["TRAINFLOW_COORDINATOR"] = f"127.0.0.1:{_free_port()}"
         devices = rank_devices(spec, gpu_count)
-    return [(argv, {**spec.env, **ranks, **devices[rank], "TRAINFLOW_PROCESS_ID": str(rank)})
-            for rank in range(spec.processes)]
+    return [
+        (argv, {**spec.env, **ranks, **devices[rank], "TRAINFLOW_PROCESS_ID": str(rank)})
+        for rank in range(spec.processes)
+    ]
 
 
 def local_gpu_count() -> int:
@@ -214,7 +230,7 @@ def local_gpu_count() -> int:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return len([d for d in visible.split(",") if d.strip()])
-    return len([p for p in Path("/dev").glob("nvidia*") if p.name[len("nvidia"):].isdigit()])
+    return len([p for p in Path("/dev").glob("nvidia*") if p.name[len("nvidia") :].isdigit()])
 
 
 def rank_devices(spec: LauncherSpec, gpu_count: int | None = None) -> list[dict[str, str]]:
@@ -229,14 +245,19 @@ def rank_devices(spec: LauncherSpec, gpu_count: int | None = None) -> list[dict[
         if gpus == 0:
             return [{} for _ in range(spec.processes)]
         if gpus % spec.processes:
-            raise StageConfigError(f"launcher local-multi: {gpus} GPUs do not split evenly over {spec.processes} "
-                                   f"processes; set processes to a divisor of {gpus} or devices_per_process")
+            raise StageConfigError(
+                f"launcher local-multi: {gpus} GPUs do not split evenly over {spec.processes} "
+                f"processes; set processes to a divisor of {gpus} or devices_per_process"
+            )
         per = gpus // spec.processes
     if gpus and per * spec.processes > gpus:
-        raise StageConfigError(f"launcher local-multi: {spec.processes} processes x {per} devices need "
-                               f"{per * spec.processes} GPUs; this host has {gpus}")
-    return [{"JAX_LOCAL_DEVICE_IDS": ",".join(str(rank * per + i) for i in range(per))}
-            for rank in range(spec.processes)]
+        raise StageConfigError(
+            f"launcher local-multi: {spec.processes} processes x {per} devices need "
+            f"{per * spec.processes} GPUs; this host has {gpus}"
+        )
+    return [
+        {"JAX_LOCAL_DEVICE_IDS": ",".join(str(rank * per + i) for i in range(per))} for rank in range(spec.processes)
+    ]
 
 
 def _ray_launcher():
@@ -246,16 +267,19 @@ def _ray_launcher():
     return importlib.import_module("tasks.ray_launcher")
 
 
-def _start(launcher: LauncherSpec, argv: list[str], output: GangOutput, *, cwd: Path | None,
-           env: dict[str, str]) -> tuple[list[Rank], Callable[[], None]]:
+def _start(
+    launcher: LauncherSpec, argv: list[str], output: GangOutput, *, cwd: Path | None, env: dict[str, str]
+) -> tuple[list[Rank], Callable[[], None]]:
     """Start the gang; its ranks and what tears it down once they have exited."""
     plan = commands(launcher, argv)
     if launcher.kind == "ray":
         return _ray_launcher().start(launcher, plan, output, cwd=cwd, env=env)
     if launcher.kind == "slurm":
         if shutil.which("srun") is None:
-            raise StageConfigError("launcher kind 'slurm' needs `srun` on PATH: run trainflow on a Slurm login "
-                                   "node or inside an allocation (salloc, sbatch)")
+            raise StageConfigError(
+                "launcher kind 'slurm' needs `srun` on PATH: run trainflow on a Slurm login "
+                "node or inside an allocation (salloc, sbatch)"
+            )
         ((srun, extra_env),) = plan
         return [SrunRank(srun, output, cwd=cwd, env={**env, **extra_env})], lambda: None
     ranks: list[Rank] = []
@@ -333,5 +357,3 @@ def run_child(
         raise Diverged(f"{what}: {last.removeprefix('error: ')}")
     stopped = "; the other ranks were stopped" if rank is not None and len(output.tails) > 1 else ""
     raise StageFailed(f"{what}: {how}: {last}{stopped}")
-
-

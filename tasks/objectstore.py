@@ -68,8 +68,10 @@ def _filesystem(url: str):
         return fsspec.filesystem(protocol, **_options(protocol))
     except (ImportError, ValueError) as e:
         extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs"}.get(protocol, protocol)
-        raise StoreAccessError(f"artifact store {url}: the {protocol}:// file system is not installed "
-                               f"(pip install 'trainflow[{extra}]'): {e}") from None
+        raise StoreAccessError(
+            f"artifact store {url}: the {protocol}:// file system is not installed "
+            f"(pip install 'trainflow[{extra}]'): {e}"
+        ) from None
 
 
 def _options(protocol: str) -> dict:
@@ -106,18 +108,25 @@ class RemoteBackend:
         try:
             self.fs.ls(self.bucket, refresh=True)
         except FileNotFoundError:
-            raise StoreAccessError(f"artifact store {self.url}: bucket '{self.bucket}' does not exist "
-                                   f"(or the endpoint does not serve it)") from None
+            raise StoreAccessError(
+                f"artifact store {self.url}: bucket '{self.bucket}' does not exist (or the endpoint does not serve it)"
+            ) from None
         except PermissionError:
-            raise StoreAccessError(f"artifact store {self.url}: permission denied listing bucket "
-                                   f"'{self.bucket}' with the credentials in this environment") from None
+            raise StoreAccessError(
+                f"artifact store {self.url}: permission denied listing bucket "
+                f"'{self.bucket}' with the credentials in this environment"
+            ) from None
         except Exception as e:  # botocore's NoCredentialsError, connection errors, ...
             name = type(e).__name__
             if "Credential" in name or "credential" in str(e):
-                how = ("set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile" if self.protocol == "s3" else
-                       "set GOOGLE_APPLICATION_CREDENTIALS or run `gcloud auth application-default login`")
-                raise StoreAccessError(f"artifact store {self.url}: no credentials found for {self.protocol}:// "
-                                       f"({how})") from None
+                how = (
+                    "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile"
+                    if self.protocol == "s3"
+                    else "set GOOGLE_APPLICATION_CREDENTIALS or run `gcloud auth application-default login`"
+                )
+                raise StoreAccessError(
+                    f"artifact store {self.url}: no credentials found for {self.protocol}:// ({how})"
+                ) from None
             raise StoreAccessError(f"artifact store {self.url}: cannot reach the bucket: {name}: {e}") from None
 
     def key(self, stage: str, artifact_id: str, rel: str = "") -> str:
@@ -140,8 +149,9 @@ class RemoteBackend:
         return self.read_json(self.key(stage, artifact_id, MANIFEST))
 
     def write_manifest(self, stage: str, artifact_id: str, manifest: dict) -> None:
-        self.fs.pipe_file(self.key(stage, artifact_id, MANIFEST),
-                          (json.dumps(manifest, indent=2, default=str) + "\n").encode())
+        self.fs.pipe_file(
+            self.key(stage, artifact_id, MANIFEST), (json.dumps(manifest, indent=2, default=str) + "\n").encode()
+        )
 
     def exists(self, stage: str, artifact_id: str) -> bool:
         return bool(self.payload(stage, artifact_id)) or self.read_manifest(stage, artifact_id) is not None
@@ -156,7 +166,7 @@ class RemoteBackend:
             return {}
         out = {}
         for key, info in found.items():
-            rel = key[len(prefix) + 1:]
+            rel = key[len(prefix) + 1 :]
             if rel and rel not in (MANIFEST, LEASE) and info.get("type", "file") == "file":
                 out[rel] = int(info.get("size") or 0)
         return out
@@ -200,8 +210,9 @@ class RemoteBackend:
 
     # ------------------------------------------------------------------ moving bytes
 
-    def upload(self, local: Path, stage: str, artifact_id: str, skip: tuple[str, ...] = (),
-               delete_extra: bool = False) -> int:
+    def upload(
+        self, local: Path, stage: str, artifact_id: str, skip: tuple[str, ...] = (), delete_extra: bool = False
+    ) -> int:
         """Upload every payload file of a local staging directory whose remote copy differs in
         size (checkpoint steps are immutable once committed), each step's digests last; with
         `delete_extra`, delete the payload objects that are not there locally (steps Orbax
@@ -217,8 +228,10 @@ class RemoteBackend:
             if remote.get(rel) != path.stat().st_size or rel.endswith((".jsonl", ".json", ".md")):
                 todo.append(rel)
         # Concurrently (fsspec's batched put), the steps' digests after everything else.
-        for batch in ([r for r in todo if r.rsplit("/", 1)[-1] != STEP_DIGESTS],
-                      [r for r in todo if r.rsplit("/", 1)[-1] == STEP_DIGESTS]):
+        for batch in (
+            [r for r in todo if r.rsplit("/", 1)[-1] != STEP_DIGESTS],
+            [r for r in todo if r.rsplit("/", 1)[-1] == STEP_DIGESTS],
+        ):
             if batch:
                 self.fs.put([str(local / rel) for rel in batch], [self.key(stage, artifact_id, rel) for rel in batch])
         if delete_extra:
@@ -227,8 +240,15 @@ class RemoteBackend:
                 self.fs.rm(extra)
         return len(todo)
 
-    def download(self, stage: str, artifact_id: str, local: Path, with_manifest: bool = True,
-                 partial: bool = False, log: Callable[[str], None] | None = None) -> int:
+    def download(
+        self,
+        stage: str,
+        artifact_id: str,
+        local: Path,
+        with_manifest: bool = True,
+        partial: bool = False,
+        log: Callable[[str], None] | None = None,
+    ) -> int:
         """Fetch the artifact's payload objects missing (or of another size) locally. With
         `partial` (resuming someone's unfinished artifact), of its checkpoint steps only the
         newest one uploaded whole (`complete_steps`): that is the one the engine resumes from."""
@@ -238,14 +258,23 @@ class RemoteBackend:
             steps = complete_steps(self, stage, artifact_id, payload)
             keep = f"{CHECKPOINT_DIR}/{steps[-1]}/" if steps else None
             # Files of checkpoint/ itself are kept; of its subdirectories only the chosen step.
-            payload = {rel: size for rel, size in payload.items()
-                       if not rel.startswith(CHECKPOINT_DIR + "/") or rel.count("/") < 2
-                       or (keep is not None and rel.startswith(keep))}
+            payload = {
+                rel: size
+                for rel, size in payload.items()
+                if not rel.startswith(CHECKPOINT_DIR + "/")
+                or rel.count("/") < 2
+                or (keep is not None and rel.startswith(keep))
+            }
             if steps and log:
-                log(f"resuming from checkpoint step {steps[-1]} of the partial artifact at "
-                    f"{self.url_of(stage, artifact_id)}")
-        missing = [rel for rel, size in sorted(payload.items())
-                   if not ((local / rel).is_file() and (local / rel).stat().st_size == size)]
+                log(
+                    f"resuming from checkpoint step {steps[-1]} of the partial artifact at "
+                    f"{self.url_of(stage, artifact_id)}"
+                )
+        missing = [
+            rel
+            for rel, size in sorted(payload.items())
+            if not ((local / rel).is_file() and (local / rel).stat().st_size == size)
+        ]
         parts = [local / (rel + ".part") for rel in missing]  # renamed into place once all arrived
         for part in parts:
             part.parent.mkdir(parents=True, exist_ok=True)
@@ -260,8 +289,14 @@ class RemoteBackend:
                 (local / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
         return count
 
-    def mirror(self, stage: str, artifact_id: str, local: Path, log: Callable[[str], None] | None = None,
-               keep_going: Callable[[], bool] = lambda: True) -> StepMirror:
+    def mirror(
+        self,
+        stage: str,
+        artifact_id: str,
+        local: Path,
+        log: Callable[[str], None] | None = None,
+        keep_going: Callable[[], bool] = lambda: True,
+    ) -> StepMirror:
         return StepMirror(self, stage, artifact_id, local, log=log, keep_going=keep_going)
 
     def evict(self, keep: set[Path]) -> None:
@@ -314,10 +349,14 @@ def list_url(url: str) -> dict[str, dict[str, Any]]:
         entries = fs.ls(path, detail=True)
     except FileNotFoundError:
         return {}
-    return {entry["name"].rstrip("/").rsplit("/", 1)[-1]:
-            {"size": int(entry.get("size") or 0),
-             "version": str(entry.get("ETag") or entry.get("generation") or entry.get("etag") or "")}
-            for entry in entries if entry.get("type") == "file"}
+    return {
+        entry["name"].rstrip("/").rsplit("/", 1)[-1]: {
+            "size": int(entry.get("size") or 0),
+            "version": str(entry.get("ETag") or entry.get("generation") or entry.get("etag") or ""),
+        }
+        for entry in entries
+        if entry.get("type") == "file"
+    }
 
 
 def read_url(url: str) -> bytes:
@@ -357,8 +396,9 @@ def remove_url_files(url: str, names: list[str]) -> None:
         fs.rm([f"{path}/{name}" for name in names])
 
 
-def complete_steps(backend: RemoteBackend, stage: str, artifact_id: str,
-                   payload: dict[str, int] | None = None) -> list[int]:
+def complete_steps(
+    backend: RemoteBackend, stage: str, artifact_id: str, payload: dict[str, int] | None = None
+) -> list[int]:
     """The checkpoint steps of an artifact on the bucket that were uploaded whole: their
     digests are there and so is every file they list, at its recorded size. Ascending."""
     payload = backend.payload(stage, artifact_id) if payload is None else payload
@@ -369,8 +409,9 @@ def complete_steps(backend: RemoteBackend, stage: str, artifact_id: str,
             prefix = f"{CHECKPOINT_DIR}/{parts[1]}/"
             recorded = backend.read_json(backend.key(stage, artifact_id, rel)) or {}
             files = recorded.get("files") if isinstance(recorded.get("files"), dict) else None
-            if files is not None and all(payload.get(prefix + name) == entry.get("size")
-                                         for name, entry in files.items()):
+            if files is not None and all(
+                payload.get(prefix + name) == entry.get("size") for name, entry in files.items()
+            ):
                 steps.append(int(parts[1]))
     return sorted(steps)
 
@@ -393,9 +434,16 @@ class StepMirror:
     around the stage's work; `keep_going()` False (the lease was lost) stops the uploads.
     """
 
-    def __init__(self, backend: RemoteBackend, stage: str, artifact_id: str, local: Path,
-                 log: Callable[[str], None] | None = None, keep_going: Callable[[], bool] = lambda: True,
-                 interval: float | None = None):
+    def __init__(
+        self,
+        backend: RemoteBackend,
+        stage: str,
+        artifact_id: str,
+        local: Path,
+        log: Callable[[str], None] | None = None,
+        keep_going: Callable[[], bool] = lambda: True,
+        interval: float | None = None,
+    ):
         self.backend, self.stage, self.artifact_id = backend, stage, artifact_id
         self.local = Path(local)
         self.log = log or (lambda _: None)
@@ -437,8 +485,7 @@ class StepMirror:
         directory = self.local / CHECKPOINT_DIR
         if not directory.is_dir():
             return []
-        return sorted(int(p.name) for p in directory.iterdir()
-                      if p.name.isdigit() and (p / STEP_DIGESTS).is_file())
+        return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and (p / STEP_DIGESTS).is_file())
 
     def sync(self) -> list[int]:
         """Upload the committed steps not on the bucket yet; returns them."""
@@ -461,8 +508,10 @@ class StepMirror:
             return False
         prefix = self.backend.key(self.stage, self.artifact_id, rel_dir)
         try:
-            remote = {key[len(prefix) + 1:]: int(info.get("size") or 0)
-                      for key, info in self.backend.fs.find(prefix, detail=True).items()}
+            remote = {
+                key[len(prefix) + 1 :]: int(info.get("size") or 0)
+                for key, info in self.backend.fs.find(prefix, detail=True).items()
+            }
         except FileNotFoundError:
             remote = {}
         try:
@@ -471,14 +520,21 @@ class StepMirror:
             # A file already there counts only if this mirror sent it: a run killed while
             # uploading the step leaves files of the same size and other bytes (Orbax's
             # metadata carries a timestamp), which the digests uploaded after them would not match.
-            files = [p for p in step_dir.rglob("*") if p.is_file()
-                     and (remote.get(rel := p.relative_to(step_dir).as_posix()) != p.stat().st_size
-                          or self._step_files.get(f"{rel_dir}/{rel}") != _stamp(p))]
+            files = [
+                p
+                for p in step_dir.rglob("*")
+                if p.is_file()
+                and (
+                    remote.get(rel := p.relative_to(step_dir).as_posix()) != p.stat().st_size
+                    or self._step_files.get(f"{rel_dir}/{rel}") != _stamp(p)
+                )
+            ]
             # The step's files concurrently (fsspec's batched put), then its digests, alone and last.
             first = [p for p in files if p.relative_to(step_dir).as_posix() != STEP_DIGESTS]
             if first:
-                self.backend.fs.put([str(p) for p in first],
-                                    [f"{prefix}/{p.relative_to(step_dir).as_posix()}" for p in first])
+                self.backend.fs.put(
+                    [str(p) for p in first], [f"{prefix}/{p.relative_to(step_dir).as_posix()}" for p in first]
+                )
                 self._step_files.update({f"{rel_dir}/{p.relative_to(step_dir).as_posix()}": _stamp(p) for p in first})
             if len(first) < len(files):
                 self.backend.fs.put_file(str(step_dir / STEP_DIGESTS), f"{prefix}/{STEP_DIGESTS}")
@@ -491,8 +547,11 @@ class StepMirror:
         for path in sorted(p for p in self.local.rglob("*") if p.is_file()):
             rel = path.relative_to(self.local).as_posix()
             parts = rel.split("/")
-            if (parts[0] == CHECKPOINT_DIR and len(parts) > 2) or rel in (MANIFEST, LEASE, ".lock") \
-                    or rel.endswith((".tmp", ".part")):
+            if (
+                (parts[0] == CHECKPOINT_DIR and len(parts) > 2)
+                or rel in (MANIFEST, LEASE, ".lock")
+                or rel.endswith((".tmp", ".part"))
+            ):
                 continue
             try:
                 stat = path.stat()
@@ -539,8 +598,7 @@ class LeaseHeld(RuntimeError):
 class Lease:
     """A lease object created with a conditional create, renewed by a thread while held."""
 
-    def __init__(self, backend: RemoteBackend, key: str, run_id: str | None = None,
-                 seconds: float | None = None):
+    def __init__(self, backend: RemoteBackend, key: str, run_id: str | None = None, seconds: float | None = None):
         self.backend = backend
         self.key = key
         self.seconds = float(seconds if seconds is not None else LEASE_SECONDS)
@@ -555,8 +613,16 @@ class Lease:
         return f"{self.backend.protocol}://{self.key}"
 
     def _body(self) -> bytes:
-        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), **_this_process(), "run_id": self.run_id,
-                           "token": self.token, "expires": time.time() + self.seconds}).encode()
+        return json.dumps(
+            {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                **_this_process(),
+                "run_id": self.run_id,
+                "token": self.token,
+                "expires": time.time() + self.seconds,
+            }
+        ).encode()
 
     def _client_put(self, body: bytes, if_none_match: bool) -> bool:
         """PUT the lease; with if_none_match, only if no object exists (False when one does)."""
@@ -602,8 +668,13 @@ class Lease:
             return self._client_put(self._body(), if_none_match=True)
         return False
 
-    def acquire(self, blocking: bool = True, poll_seconds: float = 2.0,
-                on_wait: Callable[[str], None] | None = None, wait_message_every: float = 30.0) -> bool:
+    def acquire(
+        self,
+        blocking: bool = True,
+        poll_seconds: float = 2.0,
+        on_wait: Callable[[str], None] | None = None,
+        wait_message_every: float = 30.0,
+    ) -> bool:
         last = -float("inf")
         while not self.try_acquire():
             if not blocking:
@@ -664,8 +735,11 @@ def _this_process() -> dict:
     pid = os.getpid()
     if pid not in _PROCESSES:
         try:
-            _PROCESSES[pid] = {"boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
-                               "pid_namespace": os.readlink("/proc/self/ns/pid"), "started": _start_time(pid)}
+            _PROCESSES[pid] = {
+                "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+                "pid_namespace": os.readlink("/proc/self/ns/pid"),
+                "started": _start_time(pid),
+            }
         except OSError:
             _PROCESSES[pid] = {}
     return _PROCESSES[pid]
@@ -676,8 +750,12 @@ def holder_is_gone(info: dict) -> bool:
     and no longer runs. A holder elsewhere, or on a machine without /proc, is never judged
     gone: its lease runs out instead."""
     here = _this_process()
-    if not here or not info.get("started") or info.get("host") != socket.gethostname() or any(
-            info.get(key) != here[key] for key in ("boot_id", "pid_namespace")):
+    if (
+        not here
+        or not info.get("started")
+        or info.get("host") != socket.gethostname()
+        or any(info.get(key) != here[key] for key in ("boot_id", "pid_namespace"))
+    ):
         return False
     try:
         return _start_time(int(info["pid"])) != info.get("started")
@@ -689,8 +767,10 @@ def describe(info: dict | None) -> str:
     if not info:
         return "another run"
     left = float(info.get("expires", 0)) - time.time()
-    return (f"pid {info.get('pid')} on {info.get('host')} (run {info.get('run_id') or '?'}), "
-            f"lease expires in {max(left, 0):.0f}s")
+    return (
+        f"pid {info.get('pid')} on {info.get('host')} (run {info.get('run_id') or '?'}), "
+        f"lease expires in {max(left, 0):.0f}s"
+    )
 
 
 _CLIENT = None

@@ -28,10 +28,14 @@ TRAINING_TASKS = ("pretrain", "sft", "grpo", "dpo", "reward_model", "distill")
 
 def grpo_batch(cfg: GRPOConfig) -> dict[str, jax.ShapeDtypeStruct]:
     """The shapes of one GRPO update's batch: prompts x G rollouts (engine/posttrain/grpo.py)."""
-    rows, prompt, completion = cfg.prompts_per_step * cfg.num_generations, cfg.max_prompt_length, \
-        cfg.max_completion_length
-    batch = {k: jax.ShapeDtypeStruct((rows, prompt + completion), np.int32)
-             for k in ("tokens", "segment_ids", "positions")}
+    rows, prompt, completion = (
+        cfg.prompts_per_step * cfg.num_generations,
+        cfg.max_prompt_length,
+        cfg.max_completion_length,
+    )
+    batch = {
+        k: jax.ShapeDtypeStruct((rows, prompt + completion), np.int32) for k in ("tokens", "segment_ids", "positions")
+    }
     batch["completion_mask"] = jax.ShapeDtypeStruct((rows, completion), np.float32)
     batch["advantages"] = jax.ShapeDtypeStruct((rows, 1), np.float32)
     if cfg.beta > 0:
@@ -46,16 +50,18 @@ def reward_batch(cfg) -> dict[str, jax.ShapeDtypeStruct]:
     rows, width = cfg.data.batch_size, 2 * cfg.data.max_length
     batch = {k: jax.ShapeDtypeStruct((rows, width), np.int32) for k in ("tokens", "positions", "segment_ids")}
     batch["last_bk"] = jax.ShapeDtypeStruct((rows, 2), np.int32)
-    batch.update(margin=jax.ShapeDtypeStruct((rows, 1), np.float32), pair_mask=jax.ShapeDtypeStruct((rows, 1),
-                                                                                                    np.float32))
+    batch.update(
+        margin=jax.ShapeDtypeStruct((rows, 1), np.float32), pair_mask=jax.ShapeDtypeStruct((rows, 1), np.float32)
+    )
     return batch
 
 
 def dpo_batch(cfg: DPOConfig) -> dict[str, jax.ShapeDtypeStruct]:
     """The shapes of one DPO batch: a row per pair (chosen then rejected), and the reference's log-probs."""
     rows, width = cfg.data.batch_size, 2 * cfg.data.max_length
-    batch = {k: jax.ShapeDtypeStruct((rows, width), np.int32) for k in ("tokens", "targets", "positions",
-                                                                         "segment_ids")}
+    batch = {
+        k: jax.ShapeDtypeStruct((rows, width), np.int32) for k in ("tokens", "targets", "positions", "segment_ids")
+    }
     batch["loss_mask"] = jax.ShapeDtypeStruct((rows, width), np.float32)
     if cfg.loss_type != "simpo":
         batch["ref_logps"] = jax.ShapeDtypeStruct((rows, 2), np.float32)
@@ -84,37 +90,69 @@ def plan_pipeline(plan, target_name: str) -> tuple[list[Plan], list[str]]:
         if task == "sft":
             plans.append(plan_step(sft.train_config(cfg, model_cfg, compute), target, stage=name))
         elif task == "reward_model":
-            plans.append(plan_step(reward_model.train_config(cfg, model_cfg, compute), target, stage=name,
-                                   objective=lambda graphdef, cfg=cfg: reward_model.reward_objective(graphdef, cfg),
-                                   batch=reward_batch(cfg),
-                                   make_trainer=lambda c, o, devices, cfg=cfg: reward_model.RewardTrainer(
-                                       c, o, cfg.head_init, devices=devices)))
+            plans.append(
+                plan_step(
+                    reward_model.train_config(cfg, model_cfg, compute),
+                    target,
+                    stage=name,
+                    objective=lambda graphdef, cfg=cfg: reward_model.reward_objective(graphdef, cfg),
+                    batch=reward_batch(cfg),
+                    make_trainer=lambda c, o, devices, cfg=cfg: reward_model.RewardTrainer(
+                        c, o, cfg.head_init, devices=devices
+                    ),
+                )
+            )
         elif task == "dpo":
-            plans.append(plan_step(dpo.train_config(cfg, model_cfg, compute), target, stage=name,
-                                   objective=lambda graphdef, cfg=cfg: dpo.dpo_objective(graphdef, cfg),
-                                   batch=dpo_batch(cfg)))
+            plans.append(
+                plan_step(
+                    dpo.train_config(cfg, model_cfg, compute),
+                    target,
+                    stage=name,
+                    objective=lambda graphdef, cfg=cfg: dpo.dpo_objective(graphdef, cfg),
+                    batch=dpo_batch(cfg),
+                )
+            )
             if cfg.loss_type != "simpo" and cfg.lora is None and not cfg.precompute_ref:
-                notes.append(f"note: stage {name} (dpo): the frozen reference's parameters, a second copy of "
-                             f"{plans[-1].memory.parameters / 2**30:.2f} GiB per device, are held beside this step "
-                             "and not counted in it (lora: or precompute_ref: true hold none)")
+                notes.append(
+                    f"note: stage {name} (dpo): the frozen reference's parameters, a second copy of "
+                    f"{plans[-1].memory.parameters / 2**30:.2f} GiB per device, are held beside this step "
+                    "and not counted in it (lora: or precompute_ref: true hold none)"
+                )
         elif task == "distill":
-            plans.append(plan_step(distill.train_config(cfg, model_cfg, compute), target, stage=name,
-                                   objective=lambda graphdef, cfg=cfg: distill.distill_objective(graphdef, cfg),
-                                   batch=distill.batch_shapes(cfg, model_cfg.vocab_size)))
+            plans.append(
+                plan_step(
+                    distill.train_config(cfg, model_cfg, compute),
+                    target,
+                    stage=name,
+                    objective=lambda graphdef, cfg=cfg: distill.distill_objective(graphdef, cfg),
+                    batch=distill.batch_shapes(cfg, model_cfg.vocab_size),
+                )
+            )
             teacher, teacher_compute = _input_model(plan, name, models, "teacher")
             teacher_compute = cfg.teacher.compute or teacher_compute
             size = teacher.num_params() * jax.numpy.dtype(teacher_compute.param_dtype).itemsize / 2**30
-            notes.append(f"note: stage {name} (distill): the batch counts the teacher's logits; the frozen teacher's "
-                         f"parameters ({teacher.num_params():,}, {size:.2f} GiB in all, sharded over the same mesh) "
-                         "are held beside this step and not counted in it, nor is sampling (lmbda, seq_kd)")
+            notes.append(
+                f"note: stage {name} (distill): the batch counts the teacher's logits; the frozen teacher's "
+                f"parameters ({teacher.num_params():,}, {size:.2f} GiB in all, sharded over the same mesh) "
+                "are held beside this step and not counted in it, nor is sampling (lmbda, seq_kd)"
+            )
         else:
-            plans.append(plan_step(
-                grpo.train_config(cfg, model_cfg, compute), target, stage=name,
-                objective=lambda graphdef, cfg=cfg: grpo.policy_objective(
-                    grpo.make_loss_fn(graphdef, cfg, cfg.max_prompt_length)),
-                batch=grpo_batch(cfg), updates_per_batch=cfg.num_iterations))
-            notes.append(f"note: stage {name} (grpo): the plan is of its train step; rollout sampling and the KL "
-                         "reference's parameters are not counted")
+            plans.append(
+                plan_step(
+                    grpo.train_config(cfg, model_cfg, compute),
+                    target,
+                    stage=name,
+                    objective=lambda graphdef, cfg=cfg: grpo.policy_objective(
+                        grpo.make_loss_fn(graphdef, cfg, cfg.max_prompt_length)
+                    ),
+                    batch=grpo_batch(cfg),
+                    updates_per_batch=cfg.num_iterations,
+                )
+            )
+            notes.append(
+                f"note: stage {name} (grpo): the plan is of its train step; rollout sampling and the KL "
+                "reference's parameters are not counted"
+            )
     return plans, notes
 
 
@@ -140,5 +178,7 @@ def _input_model(plan, name: str, models: dict, input_name: str = "checkpoint") 
     path = plan.store.artifact_dir(upstream, artifact_id) / CHECKPOINT_DIR
     if plan.store.state(upstream, artifact_id) == "complete" and path.is_dir():
         return stored_configs(path)
-    raise ConfigError(f"{plan.source}: stages.{name}: its model is the checkpoint of stage '{upstream}', which "
-                      f"is not in the store yet; run that stage first, or set stages.{name}.config.model")
+    raise ConfigError(
+        f"{plan.source}: stages.{name}: its model is the checkpoint of stage '{upstream}', which "
+        f"is not in the store yet; run that stage first, or set stages.{name}.config.model"
+    )

@@ -31,8 +31,8 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import ray
 from ray.exceptions import GetTimeoutError
@@ -71,8 +71,15 @@ class RankWorker:
         if argv and argv[0] == driver_python:  # the driver's interpreter: use this node's
             argv = [sys.executable, *argv[1:]]
         # guarded(): the engine gets SIGTERM (and saves) when this actor's process dies.
-        self.proc = subprocess.Popen(guarded(argv), cwd=cwd, env=child_env(env), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            guarded(argv),
+            cwd=cwd,
+            env=child_env(env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         threading.Thread(target=self._read, daemon=True).start()
         return self.proc.pid
 
@@ -156,8 +163,14 @@ def connect(address: str | None) -> None:
                 signal.signal(signal.SIGTERM, previous)
 
 
-def start(spec: LauncherSpec, plan: list[tuple[list[str], dict[str, str]]], output: GangOutput, *,
-          cwd: Path | None, env: dict[str, str]) -> tuple[list[Rank], Callable[[], None]]:
+def start(
+    spec: LauncherSpec,
+    plan: list[tuple[list[str], dict[str, str]]],
+    output: GangOutput,
+    *,
+    cwd: Path | None,
+    env: dict[str, str],
+) -> tuple[list[Rank], Callable[[], None]]:
     """Place the gang and start rank 0's engine, then the others; its ranks and its teardown."""
     connect(spec.address)
     strategy = "STRICT_SPREAD" if spec.spread else "PACK"
@@ -173,8 +186,13 @@ def start(spec: LauncherSpec, plan: list[tuple[list[str], dict[str, str]]], outp
         _wait_for_placement(group, spec, strategy)
         resources = dict(spec.resources)
         options = {"num_cpus": resources.pop("CPU", 0), "num_gpus": resources.pop("GPU", 0), "resources": resources}
-        workers += [RankWorker.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
-            group, placement_group_bundle_index=rank)).remote() for rank in range(spec.processes)]
+        workers += [
+            RankWorker.options(
+                **options,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
+            ).remote()
+            for rank in range(spec.processes)
+        ]
         coordinator = ray.get(workers[0].free_address.remote())
         ranks: list[Rank] = []
         for rank, (worker, (argv, extra_env)) in enumerate(zip(workers, plan)):

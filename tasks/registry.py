@@ -26,9 +26,10 @@ from __future__ import annotations
 import difflib
 import importlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
@@ -70,8 +71,9 @@ def substitute_inputs(config: BaseModel, inputs: dict[str, Any], stage: str) -> 
         def path_of(match):
             name = match.group(1)
             if name not in inputs:
-                raise ConfigError(f"stage '{stage}': config refers to '{{input:{name}}}' but the stage has no "
-                                  f"input '{name}'")
+                raise ConfigError(
+                    f"stage '{stage}': config refers to '{{input:{name}}}' but the stage has no input '{name}'"
+                )
             return str(inputs[name].path)
 
         return INPUT_REF.sub(path_of, value)
@@ -97,7 +99,7 @@ BUILTIN_STAGES: dict[str, str] = {
     "arithmetic": "tasks.arithmetic:ArithmeticStage",
 }
 
-_registry: dict[str, type["StageKind"] | str] = dict(BUILTIN_STAGES)
+_registry: dict[str, type[StageKind] | str] = dict(BUILTIN_STAGES)
 
 
 MODEL_KINDS = ("checkpoint", "adapter")
@@ -143,8 +145,15 @@ class StageContext:
     def log(self, message: str) -> None:
         self.hooks.log(message)
 
-    def launch(self, argv: list[str], *, metrics_file: Path | None = None, total_steps: int | None = None,
-               env: dict[str, str] | None = None, on_line: Callable[[str], None] | None = None) -> ChildResult:
+    def launch(
+        self,
+        argv: list[str],
+        *,
+        metrics_file: Path | None = None,
+        total_steps: int | None = None,
+        env: dict[str, str] | None = None,
+        on_line: Callable[[str], None] | None = None,
+    ) -> ChildResult:
         """Run an engine command (e.g. [sys.executable, "-m", "engine.train", cfg]) through
         the stage's launcher, streaming its output (each line also to `on_line`) and the
         metrics it appends to `metrics_file` into the run log; raises on a non-zero exit
@@ -161,8 +170,13 @@ class StageContext:
                 on_line(line)
 
         return run_child(
-            argv, launcher=self.launcher, log=log, env=env, metrics_file=metrics_file,
-            on_metrics=on_metrics, what=f"stage '{self.stage}'",
+            argv,
+            launcher=self.launcher,
+            log=log,
+            env=env,
+            metrics_file=metrics_file,
+            on_metrics=on_metrics,
+            what=f"stage '{self.stage}'",
         )
 
 

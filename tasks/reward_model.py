@@ -39,9 +39,12 @@ class RewardModelStage(FineTuneStage):
 
     def resolve_config(self, raw: dict, source: str) -> RewardModelConfig:
         cfg = self.validate_raw(raw, source)
-        data = cfg.data.model_copy(update={
-            "path": absolute_data_path(cfg.data.path, "data.path", source),
-            "eval_path": absolute_data_path(cfg.data.eval_path, "data.eval_path", source)})
+        data = cfg.data.model_copy(
+            update={
+                "path": absolute_data_path(cfg.data.path, "data.path", source),
+                "eval_path": absolute_data_path(cfg.data.eval_path, "data.eval_path", source),
+            }
+        )
         return cfg.model_copy(update={"data": data})
 
     def fingerprint(self, config: RewardModelConfig) -> dict:

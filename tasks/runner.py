@@ -22,8 +22,18 @@ from pathlib import Path
 from typing import Any
 
 from tasks.artifacts import (
-    COMPLETE, FAILED, MANIFEST, RUNNING, ArtifactError, ArtifactLock, ArtifactStore, code_version,
-    digest_files, now_iso, read_manifest, write_json_atomic,
+    COMPLETE,
+    FAILED,
+    MANIFEST,
+    RUNNING,
+    ArtifactError,
+    ArtifactLock,
+    ArtifactStore,
+    code_version,
+    digest_files,
+    now_iso,
+    read_manifest,
+    write_json_atomic,
 )
 from tasks.gang import holding_locks
 from tasks.launch import DISK_FULL_ERRNOS, DiskFull, LauncherSpec, recording_layouts
@@ -68,9 +78,16 @@ class StageResult:
     """Wall time inside StageKind.run (0 when skipped)."""
 
     def to_dict(self) -> dict:
-        return {"stage": self.stage, "task": self.task, "artifact_id": self.artifact_id, "path": str(self.path),
-                "status": self.status, "metrics": self.metrics, "seconds": round(self.seconds, 3),
-                "work_seconds": round(self.work_seconds, 3)}
+        return {
+            "stage": self.stage,
+            "task": self.task,
+            "artifact_id": self.artifact_id,
+            "path": str(self.path),
+            "status": self.status,
+            "metrics": self.metrics,
+            "seconds": round(self.seconds, 3),
+            "work_seconds": round(self.work_seconds, 3),
+        }
 
 
 def _has_partial_payload(directory: Path) -> bool:
@@ -88,24 +105,37 @@ def _classify(error: BaseException, stage: str, out_dir: Path) -> BaseException:
 
 def _record_failure(path: Path, manifest: dict, error: BaseException, hooks: StageHooks) -> None:
     """The manifest turned `failed` with the error, if the disk still takes it."""
-    manifest.update(status=FAILED, error=f"{type(error).__name__}: {error}",
-                    error_traceback=traceback.format_exc(limit=20), finished_at=now_iso())
+    manifest.update(
+        status=FAILED,
+        error=f"{type(error).__name__}: {error}",
+        error_traceback=traceback.format_exc(limit=20),
+        finished_at=now_iso(),
+    )
     try:
         write_json_atomic(path, manifest)
     except OSError as e:  # e.g. the disk is full: the released lock still marks it partial
         hooks.log(f"could not record the failure in {path}: {e}")
 
 
-def execute_stage(job: StageJob, store: ArtifactStore, hooks: StageHooks | None = None,
-                  run_info: dict[str, Any] | None = None) -> StageResult:
+def execute_stage(
+    job: StageJob, store: ArtifactStore, hooks: StageHooks | None = None, run_info: dict[str, Any] | None = None
+) -> StageResult:
     """Make sure the artifact `job.artifact_id` exists in `store`, doing only missing work."""
     hooks = hooks or StageHooks()
     start = time.perf_counter()
     out_dir = store.artifact_dir(job.stage, job.artifact_id)
 
     def done(status: str, manifest: dict, work_seconds: float = 0.0) -> StageResult:
-        return StageResult(job.stage, job.task, job.artifact_id, out_dir, status, manifest.get("metrics") or {},
-                           time.perf_counter() - start, work_seconds)
+        return StageResult(
+            job.stage,
+            job.task,
+            job.artifact_id,
+            out_dir,
+            status,
+            manifest.get("metrics") or {},
+            time.perf_counter() - start,
+            work_seconds,
+        )
 
     where = store.location(job.stage, job.artifact_id)
     remote = store.remote
@@ -143,8 +173,13 @@ def execute_stage(job: StageJob, store: ArtifactStore, hooks: StageHooks | None 
             "pipeline": job.pipeline,
             "status": RUNNING,
             "parents": [
-                {"input": name, "stage": ref.stage, "id": ref.id, "kind": ref.kind,
-                 "path": ref.path.relative_to(store.root).as_posix()}
+                {
+                    "input": name,
+                    "stage": ref.stage,
+                    "id": ref.id,
+                    "kind": ref.kind,
+                    "path": ref.path.relative_to(store.root).as_posix(),
+                }
                 for name, ref in inputs.items()
             ],
             "config": job.config.model_dump(mode="json"),
@@ -165,23 +200,42 @@ def execute_stage(job: StageJob, store: ArtifactStore, hooks: StageHooks | None 
             remote.write_manifest(job.stage, job.artifact_id, manifest)
         hooks.log(f"{'resuming' if resumed else 'running'} {job.stage} ({job.task}) -> {where}")
         config = substitute_inputs(job.config, inputs, job.stage)
-        ctx = StageContext(job.stage, config, inputs, out_dir, job.launcher, resumed,
-                           hooks if remote is None else _showing_urls(hooks, store))
+        ctx = StageContext(
+            job.stage,
+            config,
+            inputs,
+            out_dir,
+            job.launcher,
+            resumed,
+            hooks if remote is None else _showing_urls(hooks, store),
+        )
         work_start = time.perf_counter()
         try:
             # On a bucket, checkpoint steps are uploaded as they commit: a SIGKILLed run resumes elsewhere.
-            mirror = nullcontext() if remote is None else remote.mirror(
-                job.stage, job.artifact_id, out_dir, log=hooks.log, keep_going=lambda: not lease.lost)
+            mirror = (
+                nullcontext()
+                if remote is None
+                else remote.mirror(
+                    job.stage, job.artifact_id, out_dir, log=hooks.log, keep_going=lambda: not lease.lost
+                )
+            )
             with holding_locks(lock.fd), recording_layouts() as layouts, mirror:  # the children hold the lock too
                 metrics = job.kind.run(ctx) or {}
             work_seconds = time.perf_counter() - work_start
-            manifest.update(status=COMPLETE, metrics=metrics, layout=layouts[-1] if layouts else None,
-                            files=digest_files(out_dir), finished_at=now_iso())
+            manifest.update(
+                status=COMPLETE,
+                metrics=metrics,
+                layout=layouts[-1] if layouts else None,
+                files=digest_files(out_dir),
+                finished_at=now_iso(),
+            )
             if remote is not None:  # the payload, then the manifest: one atomic PUT, last
                 remote.upload(out_dir, job.stage, job.artifact_id, delete_extra=True)  # the manifest's files only
                 if lease.lost:
-                    raise ArtifactError(f"stage '{job.stage}': the lease on {where} expired and was taken over "
-                                        f"by another run; not committing")
+                    raise ArtifactError(
+                        f"stage '{job.stage}': the lease on {where} expired and was taken over "
+                        f"by another run; not committing"
+                    )
                 remote.write_manifest(job.stage, job.artifact_id, manifest)
             write_json_atomic(out_dir / MANIFEST, manifest)  # last: from here on the artifact exists
         except BaseException as e:
@@ -206,8 +260,9 @@ def _showing_urls(hooks: StageHooks, store: ArtifactStore) -> StageHooks:
     """The stage's hooks, its log lines naming the bucket's URLs instead of the local staging
     copies the engine works in (`<cache>/pretrain/ID/checkpoint` -> `s3://b/p/pretrain/ID/checkpoint`)."""
     root, url = str(store.root), store.url
-    return StageHooks(log=lambda message: hooks.log(message.replace(root, url)), metrics=hooks.metrics,
-                      progress=hooks.progress)
+    return StageHooks(
+        log=lambda message: hooks.log(message.replace(root, url)), metrics=hooks.metrics, progress=hooks.progress
+    )
 
 
 def _upload_partial(remote, job: StageJob, out_dir: Path, hooks: StageHooks) -> None:

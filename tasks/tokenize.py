@@ -41,8 +41,9 @@ def _input_parts(cfg: TokenizeConfig) -> list:
     target = max(int(cfg.shard_size_mb * MB), 1)
     # A source inside an input artifact (`{input:corpus}/...`) does not exist before the
     # pipeline runs; the input's artifact id identifies its content instead.
-    return [part for i, src in enumerate(cfg.sources) if not has_input_ref(src.path)
-            for part in plan_source(i, src, target)]
+    return [
+        part for i, src in enumerate(cfg.sources) if not has_input_ref(src.path) for part in plan_source(i, src, target)
+    ]
 
 
 class TokenizeStage(StageKind):
@@ -69,8 +70,10 @@ class TokenizeStage(StageKind):
     def run(self, ctx: StageContext) -> dict:
         out = ctx.out_dir
         if ctx.resumed and (out / DATA_DIR / "meta.json").is_file():
-            ctx.log(f"{out} holds a finished dataset without a complete manifest: its shards cannot be "
-                    "verified, so it is made again")
+            ctx.log(
+                f"{out} holds a finished dataset without a complete manifest: its shards cannot be "
+                "verified, so it is made again"
+            )
             for path in out.iterdir():
                 if path.is_dir():
                     shutil.rmtree(path)
@@ -78,15 +81,17 @@ class TokenizeStage(StageKind):
                     path.unlink()
         # Only the keys that were set: defaults stay defaults when the child re-validates.
         (out / "tokenize.yaml").write_text(
-            yaml.safe_dump(ctx.config.model_dump(mode="json", exclude_unset=True), sort_keys=False))
+            yaml.safe_dump(ctx.config.model_dump(mode="json", exclude_unset=True), sort_keys=False)
+        )
 
         def on_line(line: str) -> None:
             match = _PROGRESS.search(line)
             if match:
                 ctx.hooks.progress(int(match.group(1)) / max(int(match.group(2)), 1))
 
-        ctx.launch([sys.executable, "-m", ENTRY_POINTS["tokenize"], str(out / "tokenize.yaml"), str(out)],
-                   on_line=on_line)
+        ctx.launch(
+            [sys.executable, "-m", ENTRY_POINTS["tokenize"], str(out / "tokenize.yaml"), str(out)], on_line=on_line
+        )
         meta = json.loads((out / DATA_DIR / "meta.json").read_text())
         stats = meta.get("stats", {})
         metrics = {key: stats[key] for key in ("documents", "tokens", "bytes") if key in stats}

@@ -62,10 +62,14 @@ def bpe_dataset(tmp_path_factory) -> Path:
     encoded = tokenizer.encode_batch(texts)
 
     def pieces(files):
-        return [np.array(e.ids[i:i + 512] + [eos], np.int32) for e in files for i in range(0, len(e.ids), 512)]
+        return [np.array(e.ids[i : i + 512] + [eos], np.int32) for e in files for i in range(0, len(e.ids), 512)]
 
-    write_dataset(out, {"train": pieces(encoded[:-16]), "validation": pieces(encoded[-16:])},
-                  vocab_size=tokenizer.get_vocab_size(), eos_id=eos)
+    write_dataset(
+        out,
+        {"train": pieces(encoded[:-16]), "validation": pieces(encoded[-16:])},
+        vocab_size=tokenizer.get_vocab_size(),
+        eos_id=eos,
+    )
     return out
 
 

@@ -17,7 +17,9 @@ def kill_then_resume(module: str, config: Path, checkpoints: Path, after_step: i
     argv = [sys.executable, "-m", module, str(config)]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout
-    while not any(p.name.isdigit() and int(p.name) >= after_step for p in checkpoints.glob("*")) and proc.poll() is None:
+    while (
+        not any(p.name.isdigit() and int(p.name) >= after_step for p in checkpoints.glob("*")) and proc.poll() is None
+    ):
         assert time.monotonic() < deadline, f"no checkpoint at step {after_step} in {timeout} s"
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)

@@ -135,7 +135,14 @@ class ToyChild(StageKind):
 
     def run(self, ctx: StageContext) -> dict:
         _trace(ctx)
-        argv = [sys.executable, "-c", CHILD, str(ctx.out_dir), str(ctx.config.steps),
-                str(ctx.config.step_seconds), str(ctx.config.exit_code)]
+        argv = [
+            sys.executable,
+            "-c",
+            CHILD,
+            str(ctx.out_dir),
+            str(ctx.config.steps),
+            str(ctx.config.step_seconds),
+            str(ctx.config.exit_code),
+        ]
         result = ctx.launch(argv, metrics_file=ctx.out_dir / "metrics.jsonl", total_steps=ctx.config.steps)
         return result.result or {}

@@ -77,8 +77,11 @@ def test_unpacked_blocked_attention_and_its_gradients_equal_the_reference(window
     q, k, v, w = _qkv(seed=4)
     run = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v, None, scale=0.3, window=window) * w)  # noqa: E731
     blocked = functools.partial(blocked_attention, block=8)
-    np.testing.assert_allclose(blocked(q, k, v, None, scale=0.3, window=window),
-                               reference_attention(q, k, v, None, scale=0.3, window=window), atol=2e-6)
+    np.testing.assert_allclose(
+        blocked(q, k, v, None, scale=0.3, window=window),
+        reference_attention(q, k, v, None, scale=0.3, window=window),
+        atol=2e-6,
+    )
     g_ref = jax.grad(run(reference_attention), argnums=(0, 1, 2))(q, k, v)
     g_new = jax.grad(run(blocked), argnums=(0, 1, 2))(q, k, v)
     for name, a, b in zip("qkv", g_ref, g_new):
@@ -99,6 +102,7 @@ def test_a_local_layer_skips_the_key_blocks_left_of_its_window():
     def step(window):
         def loss(q, k, v):
             return jnp.sum(blocked_attention(q, k, v, segments, scale=0.3, window=window, block=16) ** 2)
+
         return lambda q, k, v: jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     local, global_ = _flops(step(16), q, k, v), _flops(step(None), q, k, v)
@@ -112,7 +116,9 @@ def test_bfloat16_attention_keeps_its_dtype_and_tracks_float32():
     assert out.dtype == jnp.bfloat16
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     np.testing.assert_allclose(np.asarray(out * VALID, np.float32), _reference(*f32, case) * VALID, atol=3e-2)
-    grads = jax.grad(lambda q, k, v: jnp.sum(_blocked(q, k, v, case, 8).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+    grads = jax.grad(lambda q, k, v: jnp.sum(_blocked(q, k, v, case, 8).astype(jnp.float32)), argnums=(0, 1, 2))(
+        q, k, v
+    )
     assert [g.dtype for g in grads] == [jnp.bfloat16] * 3
 
 
@@ -162,8 +168,9 @@ def test_bfloat16_blocked_attention_runs_every_product_in_bfloat16():
 
 
 def test_model_logits_do_not_depend_on_the_attention_block():
-    cfg = ModelConfig(vocab_size=37, d_model=22, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=10,
-                      mlp_dim=26, max_seq_len=64)
+    cfg = ModelConfig(
+        vocab_size=37, d_model=22, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=10, mlp_dim=26, max_seq_len=64
+    )
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, 37, (2, 32)))
     blocked = Transformer(cfg, ComputeConfig(attention_block=8), rngs=nnx.Rngs(0))(tokens)
     single = Transformer(cfg, ComputeConfig(attention_block=0), rngs=nnx.Rngs(0))(tokens)
@@ -176,8 +183,11 @@ BACKWARDS = ["cpu", "autodiff"]
 
 
 @pytest.mark.parametrize("backward", BACKWARDS)
-@pytest.mark.parametrize("shapes", [((3, 5, 4), (4, 9), 1), ((3, 5, 9), (9, 4), 1), ((3, 5, 3, 2), (3, 2, 7), 2)],
-                         ids=["narrow_input", "narrow_output", "two_contracted_axes"])
+@pytest.mark.parametrize(
+    "shapes",
+    [((3, 5, 4), (4, 9), 1), ((3, 5, 9), (9, 4), 1), ((3, 5, 3, 2), (3, 2, 7), 2)],
+    ids=["narrow_input", "narrow_output", "two_contracted_axes"],
+)
 def test_dense_gradients_equal_autodiff_of_a_plain_contraction(shapes, backward):
     x_shape, w_shape, n_in = shapes
     rng = np.random.default_rng(1)
@@ -201,7 +211,9 @@ def test_dense_gradients_equal_autodiff_of_a_plain_contraction(shapes, backward)
 def test_gated_mlp_gradients_equal_autodiff(activation, backward):
     act = ACTIVATIONS[activation]
     rng = np.random.default_rng(2)
-    x, wg, wu, wd, probe = (jnp.asarray(rng.standard_normal(s)) for s in [(2, 7, 5), (5, 11), (5, 11), (11, 5), (2, 7, 5)])
+    x, wg, wu, wd, probe = (
+        jnp.asarray(rng.standard_normal(s)) for s in [(2, 7, 5), (5, 11), (5, 11), (11, 5), (2, 7, 5)]
+    )
 
     def plain(x, wg, wu, wd):
         return (act(x @ wg) * (x @ wu)) @ wd
@@ -231,8 +243,9 @@ def test_float32_out_returns_the_unrounded_accumulator_and_rounds_its_gradient(b
     assert out.dtype == jnp.float32 and dense(x, w, backward=backward).dtype == jnp.bfloat16
     np.testing.assert_array_equal(out, plain(x, w))
     g_plain = jax.grad(lambda x, w: jnp.sum(plain(x, w) * probe), argnums=(0, 1))(x, w)
-    g_dense = jax.grad(lambda x, w: jnp.sum(dense(x, w, float32_out=True, backward=backward) * probe),
-                       argnums=(0, 1))(x, w)
+    g_dense = jax.grad(lambda x, w: jnp.sum(dense(x, w, float32_out=True, backward=backward) * probe), argnums=(0, 1))(
+        x, w
+    )
     for a, b in zip(g_plain, g_dense):
         assert b.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.float32(b), np.float32(a), rtol=2e-2, atol=2e-2)
@@ -243,7 +256,9 @@ def test_a_bfloat16_gated_mlp_rounds_its_hidden_activation_once():
     once, as torch's bf16 kernels do; left to XLA, a bf16 silu is rounded after each of its
     negate, exp, add and divide."""
     rng = np.random.default_rng(6)
-    x, wg, wu, wd = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in [(2, 7, 16), (16, 32), (16, 32), (32, 16)])
+    x, wg, wu, wd = (
+        jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in [(2, 7, 16), (16, 32), (16, 32), (32, 16)]
+    )
     f32 = jnp.float32
 
     def product(a, b):
@@ -252,16 +267,21 @@ def test_a_bfloat16_gated_mlp_rounds_its_hidden_activation_once():
     gate, up = product(x, wg), product(x, wu)
     hidden = (jax.nn.silu(gate.astype(f32)) * up.astype(f32)).astype(jnp.bfloat16)
     for backward in BACKWARDS:
-        np.testing.assert_array_equal(np.float32(gated_mlp(x, wg, wu, wd, jax.nn.silu, backward=backward)),
-                                      np.float32(product(hidden, wd)), err_msg=backward)
+        np.testing.assert_array_equal(
+            np.float32(gated_mlp(x, wg, wu, wd, jax.nn.silu, backward=backward)),
+            np.float32(product(hidden, wd)),
+            err_msg=backward,
+        )
 
 
 @pytest.mark.parametrize("platform,hand_written", [("cpu", True), ("gpu", False), ("tpu", False)])
 def test_auto_uses_the_hand_written_matmul_backward_only_on_cpu(platform, hand_written, monkeypatch):
     monkeypatch.setattr(dense_module, "current_platform", lambda: platform)
     x, w = jnp.ones((3, 5, 4)), jnp.ones((4, 9))
-    jaxprs = [str(jax.make_jaxpr(lambda x, w: dense(x, w))(x, w)),
-              str(jax.make_jaxpr(lambda x: gated_mlp(x, w, w, w.T, jax.nn.silu))(x))]
+    jaxprs = [
+        str(jax.make_jaxpr(lambda x, w: dense(x, w))(x, w)),
+        str(jax.make_jaxpr(lambda x: gated_mlp(x, w, w, w.T, jax.nn.silu))(x)),
+    ]
     assert all(("custom_vjp_call" in jaxpr) == hand_written for jaxpr in jaxprs)
 
 
@@ -275,8 +295,9 @@ def test_every_model_matmul_goes_through_the_injected_dot_general(backward):
         calls.append(lhs.shape)
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, **kwargs)
 
-    cfg = ModelConfig(vocab_size=37, d_model=22, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=10,
-                      mlp_dim=26, max_seq_len=64)
+    cfg = ModelConfig(
+        vocab_size=37, d_model=22, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=10, mlp_dim=26, max_seq_len=64
+    )
     compute = ComputeConfig(scan_layers=False, matmul_backward=backward)
     model = Transformer(cfg, compute, rngs=nnx.Rngs(0), dot_general=counting_dot_general)
     plain = Transformer(cfg, compute, rngs=nnx.Rngs(0))
@@ -289,5 +310,8 @@ def test_every_model_matmul_goes_through_the_injected_dot_general(backward):
     forward = 2 * 7 + 1
     jax.grad(loss)(state)
     assert len(calls) == (3 * forward if backward == "cpu" else forward)
-    np.testing.assert_allclose(jax.grad(loss)(state)["embed_vd"][...],
-                               jax.grad(lambda s: loss(s, nnx.split(plain)[0]))(state)["embed_vd"][...], rtol=1e-6)
+    np.testing.assert_allclose(
+        jax.grad(loss)(state)["embed_vd"][...],
+        jax.grad(lambda s: loss(s, nnx.split(plain)[0]))(state)["embed_vd"][...],
+        rtol=1e-6,
+    )

@@ -56,12 +56,14 @@ def _run(impl: str, case: dict, segments=SEGMENTS):
     window, softcap = case["window"], case["softcap"]
     if impl == "cudnn_via_xla":
         return lambda q, k, v: cudnn_attention(q, k, v, segments, scale=SCALE, window=window, implementation="xla")
-    return lambda q, k, v: attention(q, k, v, segments, impl=impl, scale=SCALE, softcap=softcap, window=window,
-                                     local=True, block=32)
+    return lambda q, k, v: attention(
+        q, k, v, segments, impl=impl, scale=SCALE, softcap=softcap, window=window, local=True, block=32
+    )
 
 
 def _value_and_grads(fn, q, k, v, probe, valid=VALID):
     """Outputs and d(sum(out * probe))/d(q, k, v), padding positions left out."""
+
     def loss(q, k, v):
         return jnp.sum((fn(q, k, v) * probe * valid).astype(jnp.float32))
 
@@ -121,8 +123,9 @@ def test_bfloat16_keeps_its_dtype_and_tracks_float32(impl):
     assert out.dtype == jnp.bfloat16 and [g.dtype for g in grads] == [jnp.bfloat16] * 3
     np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=3e-2)
     for name, got, want in zip("qkv", grads, ref_grads):
-        np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=0.03 * float(jnp.abs(want).max()),
-                                   err_msg=f"d{name}")
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), want, atol=0.03 * float(jnp.abs(want).max()), err_msg=f"d{name}"
+        )
 
 
 def test_splash_under_a_mesh_runs_per_shard_and_equals_the_reference():
@@ -201,10 +204,13 @@ def test_cudnn_off_a_gpu_is_a_config_error():
         _run("cudnn", CASES["packed"])(q, k, v)
 
 
-@pytest.mark.parametrize("impl,platform,change,reason", [
-    ("cudnn", "gpu", dict(softcap=50.0), "no logit soft-cap"),
-    ("splash", "tpu", dict(seq_len=200), "multiple of 128"),
-])
+@pytest.mark.parametrize(
+    "impl,platform,change,reason",
+    [
+        ("cudnn", "gpu", dict(softcap=50.0), "no logit soft-cap"),
+        ("splash", "tpu", dict(seq_len=200), "multiple of 128"),
+    ],
+)
 def test_a_named_kernel_that_cannot_take_the_model_is_a_config_error(impl, platform, change, reason):
     with pytest.raises(ConfigError, match=f"compute.attention_impl: {impl} cannot run this model: .*{reason}"):
         choose_implementation(impl, platform=platform, **{**BF16_CASE, **change})
@@ -219,9 +225,23 @@ def test_splash_off_tpu_says_it_runs_in_the_interpreter():
 
 # Gemma-3-like: five local layers then a global one, over 8 layers (2 left after the scan).
 GEMMA3_LIKE = ModelConfig(
-    family="gemma3", vocab_size=37, d_model=22, num_layers=8, num_heads=6, num_kv_heads=2, head_dim=10,
-    mlp_dim=26, max_seq_len=64, attention_pattern=["local"] * 5 + ["global"], sliding_window=5,
-    rope_local_theta=100.0, attn_logit_softcap=3.0, qk_norm=True, post_norms=True, norm_zero_centered=True)
+    family="gemma3",
+    vocab_size=37,
+    d_model=22,
+    num_layers=8,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=10,
+    mlp_dim=26,
+    max_seq_len=64,
+    attention_pattern=["local"] * 5 + ["global"],
+    sliding_window=5,
+    rope_local_theta=100.0,
+    attn_logit_softcap=3.0,
+    qk_norm=True,
+    post_norms=True,
+    norm_zero_centered=True,
+)
 
 
 def _batch(t, seed=3):
@@ -263,13 +283,17 @@ def test_the_pattern_scan_equals_unrolled_layers_in_logits_and_gradients(name):
     def logits_and_grads(gd, p):
         def loss(p):
             return jnp.sum(jnp.where(valid, apply_model(gd, p, tokens, positions, segments), 0.0) ** 2)
+
         return jax.jit(lambda p: (apply_model(gd, p, tokens, positions, segments), jax.grad(loss)(p)))(p)
 
     logits, grads = logits_and_grads(graphdef, params)
     logits_unrolled, grads_unrolled = logits_and_grads(unrolled_graphdef, _unrolled(cfg, params))
     np.testing.assert_allclose(logits * valid, logits_unrolled * valid, atol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, float(jnp.abs(b).max()))),
-                 _unrolled(cfg, grads), grads_unrolled)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5 * max(1.0, float(jnp.abs(b).max()))),
+        _unrolled(cfg, grads),
+        grads_unrolled,
+    )
     # The window matters here: with every layer global the logits move (the test can fail).
     all_global = cfg.model_copy(update={"attention_pattern": ["global"]})
     global_graphdef = nnx.split(Transformer(all_global, scanned, rngs=nnx.Rngs(0)))[0]
@@ -278,8 +302,7 @@ def test_the_pattern_scan_equals_unrolled_layers_in_logits_and_gradients(name):
 
 
 def test_the_model_gives_the_same_logits_with_every_cpu_implementation():
-    cfg = GEMMA3_LIKE.model_copy(update={"num_layers": 2, "attention_pattern": ["local", "global"],
-                                         "max_seq_len": T})
+    cfg = GEMMA3_LIKE.model_copy(update={"num_layers": 2, "attention_pattern": ["local", "global"], "max_seq_len": T})
     tokens, positions, segments = _batch(T, seed=4)
     valid = (segments != 0)[..., None]
     logits = {}
@@ -301,20 +324,45 @@ def test_the_train_step_with_splash_compiles_for_a_v5e_8_topology():
     mesh: compiled ahead of time for a v5e-8 slice (8 chips) on this CPU host, the real kernel
     inside."""
     topology = topologies.get_topology_desc("v5e:2x4", "tpu")
-    model = dict(family="gemma3", vocab_size=256, d_model=96, num_layers=3, num_heads=4, num_kv_heads=2,
-                 head_dim=64, mlp_dim=160, max_seq_len=256, attention_pattern=["local", "local", "global"],
-                 sliding_window=64, attn_logit_softcap=20.0, qk_norm=True)
-    cfg = load_config(tree={"model": model, "compute": {"attention_impl": "splash", "dtype": "bfloat16"},
-                            "mesh": {"data": 2, "fsdp": 2, "tensor": 2}, "data": {"batch_size": 4, "seq_len": 256}},
-                      schema=TrainConfig)
+    model = dict(
+        family="gemma3",
+        vocab_size=256,
+        d_model=96,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        mlp_dim=160,
+        max_seq_len=256,
+        attention_pattern=["local", "local", "global"],
+        sliding_window=64,
+        attn_logit_softcap=20.0,
+        qk_norm=True,
+    )
+    cfg = load_config(
+        tree={
+            "model": model,
+            "compute": {"attention_impl": "splash", "dtype": "bfloat16"},
+            "mesh": {"data": 2, "fsdp": 2, "tensor": 2},
+            "data": {"batch_size": 4, "seq_len": 256},
+        },
+        schema=TrainConfig,
+    )
     trainer = Trainer(cfg, devices=topology.devices)
     assert len(topology.devices) == 8 and dict(trainer.mesh.shape)["fsdp"] == 2
-    step = jax.jit(make_train_step(trainer.objective, trainer.tx, cfg.grad_accum),
-                   in_shardings=(trainer.param_shardings, trainer.opt_shardings, trainer.batch_sharding),
-                   out_shardings=(trainer.param_shardings, trainer.opt_shardings, replicated(trainer.mesh)))
+    step = jax.jit(
+        make_train_step(trainer.objective, trainer.tx, cfg.grad_accum),
+        in_shardings=(trainer.param_shardings, trainer.opt_shardings, trainer.batch_sharding),
+        out_shardings=(trainer.param_shardings, trainer.opt_shardings, replicated(trainer.mesh)),
+    )
     row = lambda dtype: jax.ShapeDtypeStruct((4, 256), dtype, sharding=trainer.batch_sharding)  # noqa: E731
-    batch = {"tokens": row(jnp.int32), "targets": row(jnp.int32), "positions": row(jnp.int32),
-             "segment_ids": row(jnp.int32), "loss_mask": row(jnp.float32)}
+    batch = {
+        "tokens": row(jnp.int32),
+        "targets": row(jnp.int32),
+        "positions": row(jnp.int32),
+        "segment_ids": row(jnp.int32),
+        "loss_mask": row(jnp.float32),
+    }
     with use_mesh(trainer.mesh):
         lowered = step.trace(trainer.abstract_params, trainer.abstract_opt_state, batch).lower()
     # Local and global layers: forward, dq and dkv kernels each (the interpreter has none).

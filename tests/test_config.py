@@ -8,8 +8,8 @@ import pytest
 
 from engine.config import ConfigError, load_config, load_yaml
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.train.config import TrainConfig
 from engine.parallel.mesh import make_mesh
+from engine.train.config import TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,9 @@ def test_wrong_type_and_range_fail_before_anything_compiles():
     with pytest.raises(ConfigError, match=r"key 'optimizer.learning_rate'.*greater than 0"):
         load_config(tree={"model": "tiny"}, overrides=["optimizer.learning_rate=-1"], schema=TrainConfig)
     for bad in ("0", "all", "true"):  # one line naming the key, not a line per branch of its type
-        with pytest.raises(ConfigError, match=r"^[^\n]*key 'compute.scan_unroll': .*'auto' or a number of layers >= 1[^\n]*$"):
+        with pytest.raises(
+            ConfigError, match=r"^[^\n]*key 'compute.scan_unroll': .*'auto' or a number of layers >= 1[^\n]*$"
+        ):
             load_config(tree={"model": "tiny"}, overrides=[f"compute.scan_unroll={bad}"], schema=TrainConfig)
 
 
@@ -51,8 +53,11 @@ def test_unknown_preset_suggests_a_name():
 
 
 def test_overrides_parse_yaml_scalars():
-    cfg = load_config(tree={"model": "tiny"}, overrides=["steps=7", "optimizer.grad_clip_norm=null",
-                                                         "compute.remat=full", "data.packing=false"], schema=TrainConfig)
+    cfg = load_config(
+        tree={"model": "tiny"},
+        overrides=["steps=7", "optimizer.grad_clip_norm=null", "compute.remat=full", "data.packing=false"],
+        schema=TrainConfig,
+    )
     assert cfg.steps == 7 and cfg.optimizer.grad_clip_norm is None
     assert cfg.compute.remat == "full" and cfg.data.packing is False
 
@@ -70,7 +75,9 @@ def test_impossible_meshes_are_clear_errors():
     with pytest.raises(ConfigError, match=r"data=3 fsdp=1 tensor=-1 does not divide 8 devices"):
         make_mesh(load_config(tree={"model": "tiny", "mesh": {"data": 3, "tensor": -1}}, schema=TrainConfig).mesh)
     with pytest.raises(ConfigError, match=r"needs 4 devices but 8 are available"):
-        make_mesh(load_config(tree={"model": "tiny", "mesh": {"data": 2, "fsdp": 2, "tensor": 1}}, schema=TrainConfig).mesh)
+        make_mesh(
+            load_config(tree={"model": "tiny", "mesh": {"data": 2, "fsdp": 2, "tensor": 1}}, schema=TrainConfig).mesh
+        )
     with pytest.raises(ConfigError, match="at most one mesh axis may be -1"):
         load_config(tree={"model": "tiny", "mesh": {"data": -1, "fsdp": -1}}, schema=TrainConfig)
 
@@ -121,8 +128,10 @@ def test_overrides_index_lists_and_name_what_is_wrong():
 
     tree = {"tasks": [{"name": "a", "limit": 5}, {"name": "b"}], "steps": 3}
     apply_overrides(tree, ["tasks.0.limit=50", "tasks.1.rewards.0=x", "tasks.2={name: c}"])
-    assert tree["tasks"] == [{"name": "a", "limit": 50}, {"name": "b", "rewards": {"0": "x"}}, {"name": "c"}] or \
-        tree["tasks"][0]["limit"] == 50
+    assert (
+        tree["tasks"] == [{"name": "a", "limit": 50}, {"name": "b", "rewards": {"0": "x"}}, {"name": "c"}]
+        or tree["tasks"][0]["limit"] == 50
+    )
     assert tree["tasks"][2] == {"name": "c"}
     with pytest.raises(ConfigError, match=r"'tasks.7.limit': 'tasks' has 3 item\(s\); index 7 is out of range"):
         apply_overrides(tree, ["tasks.7.limit=1"])

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from engine.config import ConfigError, load_config, load_preset
 from engine.inference.sample import Sampler
@@ -21,8 +22,8 @@ from engine.ops.attention_reference import reference_attention
 from engine.ops.attention_splash import _kernel, balanced, balanced_order
 from engine.ops.partitioning import MESH_AXES, use_mesh
 from engine.parallel.config import MeshConfig
-from engine.posttrain.config import GRPOConfig
 from engine.parallel.mesh import make_mesh
+from engine.posttrain.config import GRPOConfig
 from engine.train.config import TrainConfig
 from engine.train.trainer import Trainer
 
@@ -35,17 +36,23 @@ SEGMENTS[2, :10], SEGMENTS[2, 10:33], SEGMENTS[2, 33:] = 1, 2, 3  # boundaries a
 
 def _mesh(data=1, expert=1, fsdp=1, context=1, tensor=1) -> Mesh:
     shape = (data, expert, fsdp, context, tensor)
-    return Mesh(np.asarray(jax.devices()[:int(np.prod(shape))]).reshape(shape), MESH_AXES)
+    return Mesh(np.asarray(jax.devices()[: int(np.prod(shape))]).reshape(shape), MESH_AXES)
 
 
 def _draw(rng, *shape):
     return jnp.asarray(rng.standard_normal(shape), jnp.float32)
 
 
-@pytest.mark.parametrize("axes", [dict(context=2), dict(data=2, context=2, tensor=2), dict(fsdp=2, context=4)],
-                         ids=["context2", "data2-context2-tensor2", "fsdp2-context4"])
-@pytest.mark.parametrize("case", [dict(), dict(window=24, local=True), dict(softcap=5.0), dict(sinks=True)],
-                         ids=["global", "window", "softcap", "sinks"])
+@pytest.mark.parametrize(
+    "axes",
+    [dict(context=2), dict(data=2, context=2, tensor=2), dict(fsdp=2, context=4)],
+    ids=["context2", "data2-context2-tensor2", "fsdp2-context4"],
+)
+@pytest.mark.parametrize(
+    "case",
+    [dict(), dict(window=24, local=True), dict(softcap=5.0), dict(sinks=True)],
+    ids=["global", "window", "softcap", "sinks"],
+)
 def test_context_parallel_attention_equals_one_device_in_values_and_gradients(axes, case):
     """Values and the gradients of q, k, v (and sinks) equal `blocked` on one device, over
     packed documents whose boundaries fall inside and across the shards' edges; each device's
@@ -66,8 +73,9 @@ def test_context_parallel_attention_equals_one_device_in_values_and_gradients(ax
 
     def sharded(q, k, v, s):
         with use_mesh(mesh):
-            return attention_ops.attention(q, k, v, segments, impl="blocked", window=window,
-                                           local=bool(case.get("local")), sinks_n=s, **kwargs)
+            return attention_ops.attention(
+                q, k, v, segments, impl="blocked", window=window, local=bool(case.get("local")), sinks_n=s, **kwargs
+            )
 
     want = jax.jit(jax.value_and_grad(loss(one), argnums=(0, 1, 2, 3) if sinks is not None else (0, 1, 2)))
     got = jax.jit(jax.value_and_grad(loss(sharded), argnums=(0, 1, 2, 3) if sinks is not None else (0, 1, 2)))
@@ -101,17 +109,25 @@ def _eqns(jaxpr, primitive: str) -> list:
 
 SPLASH_CASES = [  # (mesh axes, positions, case): 256 positions in shards of 128 keep their order;
     # 512 and more take the load-balanced layout (two half-chunks of 128 or more per shard)
-    *[(axes, 256, case) for axes in (dict(context=2), dict(data=2, context=2, tensor=2))
-      for case in (dict(), dict(window=40), dict(sinks=True))],
-    *[(axes, 512, case) for axes in (dict(context=2), dict(data=2, context=2, tensor=2))
-      for case in (dict(), dict(window=200))],
+    *[
+        (axes, 256, case)
+        for axes in (dict(context=2), dict(data=2, context=2, tensor=2))
+        for case in (dict(), dict(window=40), dict(sinks=True))
+    ],
+    *[
+        (axes, 512, case)
+        for axes in (dict(context=2), dict(data=2, context=2, tensor=2))
+        for case in (dict(), dict(window=200))
+    ],
     (dict(context=4), 1024, dict(window=200, sinks=True)),
 ]
 
 
-@pytest.mark.parametrize("axes, t, case", SPLASH_CASES,
-                         ids=lambda v: "-".join(f"{k}{x}" for k, x in v.items()) or "global" if isinstance(v, dict)
-                         else str(v))
+@pytest.mark.parametrize(
+    "axes, t, case",
+    SPLASH_CASES,
+    ids=lambda v: "-".join(f"{k}{x}" for k, x in v.items()) or "global" if isinstance(v, dict) else str(v),
+)
 def test_splash_with_context_parallelism_equals_the_reference(axes, t, case):
     """The TPU kernel, made once for the whole mask with its tables split by query rows over
     `context` (run here in the Pallas interpreter): values and gradients equal the reference's
@@ -122,7 +138,7 @@ def test_splash_with_context_parallelism_equals_the_reference(axes, t, case):
     q, k, v, probe = _draw(rng, b, t, N, h), _draw(rng, b, t, K, h), _draw(rng, b, t, K, h), _draw(rng, b, t, N, h)
     sinks = _draw(rng, N) if case.get("sinks") else None
     segments = np.ones((b, t), np.int32)
-    segments[0, 100:], segments[0, 300:], segments[1, t - 56:] = 2, 3, 0  # documents; padding at the end
+    segments[0, 100:], segments[0, 300:], segments[1, t - 56 :] = 2, 3, 0  # documents; padding at the end
     segments = jnp.asarray(segments)
     valid = (segments != 0)[:, :, None, None]
     window = case.get("window")
@@ -130,8 +146,9 @@ def test_splash_with_context_parallelism_equals_the_reference(axes, t, case):
 
     def sharded(q, k, v):
         with use_mesh(mesh):
-            return attention_ops.attention(q, k, v, segments, impl="splash", scale=0.125, window=window,
-                                           local=window is not None, sinks_n=sinks)
+            return attention_ops.attention(
+                q, k, v, segments, impl="splash", scale=0.125, window=window, local=window is not None, sinks_n=sinks
+            )
 
     def one(q, k, v):
         return reference_attention(q, k, v, segments, scale=0.125, window=window, sinks_n=sinks)
@@ -139,8 +156,9 @@ def test_splash_with_context_parallelism_equals_the_reference(axes, t, case):
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v) * probe * valid)
 
-    (got, got_grads), (want, want_grads) = (jax.jit(jax.value_and_grad(loss(fn), argnums=(0, 1, 2)))(q, k, v)
-                                            for fn in (sharded, one))
+    (got, got_grads), (want, want_grads) = (
+        jax.jit(jax.value_and_grad(loss(fn), argnums=(0, 1, 2)))(q, k, v) for fn in (sharded, one)
+    )
     assert float(got) == pytest.approx(float(want), rel=1e-5)
     for name, a, g in zip("qkv", want_grads, got_grads):
         np.testing.assert_allclose(g, a, atol=1e-5 * float(np.abs(a).max()), err_msg=f"d{name}")
@@ -158,6 +176,7 @@ def test_the_balanced_layout_gives_every_shard_the_same_number_of_tiles(t, shard
     with each shard's positions in order the last shard computes the most; in the balanced
     layout (half-chunks d and 2C - 1 - d) every shard computes the same number, fewer than
     that last one (8,192 positions over 4 shards: 34 each against 10, 26, 42 and 58)."""
+
     def tiles(rows):
         table = np.asarray(_kernel(1, t, None, None, True, q_seq_shards=shards, rows=rows).fwd_mask_info.block_mask)
         return [int((part != 0).sum()) for part in np.array_split(table[0], shards, axis=0)]
@@ -179,11 +198,14 @@ def test_a_context_shard_takes_every_key_on_a_global_layer_and_its_window_on_a_l
 
     def fn(q, k, v):
         with use_mesh(mesh):
-            return attention_ops.attention(q, k, v, None, impl="blocked", scale=0.25, block=16, window=window,
-                                           local=window is not None)
+            return attention_ops.attention(
+                q, k, v, None, impl="blocked", scale=0.25, block=16, window=window, local=window is not None
+            )
 
     # The forward's score products: (b, kv heads, 16 query rows, h) x (b, kv heads, keys, h).
-    products = [tuple(v.aval.shape for v in e.invars[:2]) for e in _eqns(jax.make_jaxpr(fn)(q, k, v).jaxpr, "dot_general")]
+    products = [
+        tuple(v.aval.shape for v in e.invars[:2]) for e in _eqns(jax.make_jaxpr(fn)(q, k, v).jaxpr, "dot_general")
+    ]
     scores = [rhs for lhs, rhs in products if lhs[2:] == (16, H)]
     assert scores and {rhs[2] for rhs in scores} == {T if window is None else 16 + 24 - 1}
     want = blocked_attention(q, k, v, scale=0.25, block=16, window=window)
@@ -191,14 +213,27 @@ def test_a_context_shard_takes_every_key_on_a_global_layer_and_its_window_on_a_l
 
 
 def _trainer(mesh: dict, devices: int) -> Trainer:
-    model = dict(vocab_size=38, d_model=24, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=10, mlp_dim=28,
-                 max_seq_len=64, sliding_window=6, attention_pattern=["local", "global"])
+    model = dict(
+        vocab_size=38,
+        d_model=24,
+        num_layers=3,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=10,
+        mlp_dim=28,
+        max_seq_len=64,
+        sliding_window=6,
+        attention_pattern=["local", "global"],
+    )
     cfg = load_config(tree={"model": model, "mesh": mesh, "data": {"batch_size": 8, "seq_len": 16}}, schema=TrainConfig)
     return Trainer(cfg, devices=jax.devices()[:devices])
 
 
-@pytest.mark.parametrize("mesh", [dict(data=2, context=2, tensor=2), dict(data=1, fsdp=2, context=4)],
-                         ids=["data2-context2-tensor2", "fsdp2-context4"])
+@pytest.mark.parametrize(
+    "mesh",
+    [dict(data=2, context=2, tensor=2), dict(data=1, fsdp=2, context=4)],
+    ids=["data2-context2-tensor2", "fsdp2-context4"],
+)
 def test_a_training_step_with_context_parallelism_equals_one_device(mesh):
     """Packed rows (a document boundary, padding) through sliding-window and global layers:
     the loss and every gradient equal one device's; the parameters are split over `context`
@@ -209,14 +244,21 @@ def test_a_training_step_with_context_parallelism_equals_one_device(mesh):
     segments[0, 5:], segments[1, 12:] = 2, 0
     positions = np.tile(np.arange(16, dtype=np.int32), (8, 1))
     positions[0, 5:] -= 5
-    batch_np = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "positions": positions,
-                "segment_ids": segments, "loss_mask": (segments > 0).astype(np.float32)}
+    batch_np = {
+        "tokens": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "positions": positions,
+        "segment_ids": segments,
+        "loss_mask": (segments > 0).astype(np.float32),
+    }
     results = []
     for trainer in (_trainer({"data": 1}, 1), _trainer(mesh, 8)):
         params = init_params(trainer.cfg.model, trainer.cfg.compute, trainer.mesh, seed=0)
         batch = trainer.global_batch(batch_np)
-        grad_fn = jax.jit(jax.value_and_grad(trainer.objective.loss_fn, has_aux=True),
-                          in_shardings=(trainer.param_shardings, trainer.batch_sharding, None))
+        grad_fn = jax.jit(
+            jax.value_and_grad(trainer.objective.loss_fn, has_aux=True),
+            in_shardings=(trainer.param_shardings, trainer.batch_sharding, None),
+        )
         with use_mesh(trainer.mesh):
             compiled = grad_fn.lower(params, batch, jnp.float32(120)).compile()
             traced = jax.make_jaxpr(trainer.objective.loss_fn)(params, batch, jnp.float32(120))
@@ -225,8 +267,9 @@ def test_a_training_step_with_context_parallelism_equals_one_device(mesh):
     (_, loss_1, grads_1, _), (params_n, loss_n, grads_n, traced) = results
     assert np.isfinite(loss_1) and loss_n == pytest.approx(loss_1, rel=1e-6)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_1), jax.tree.leaves(grads_n)):
-        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6 * float(np.abs(a).max()),
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            b, a, rtol=1e-4, atol=1e-6 * float(np.abs(a).max()), err_msg=jax.tree_util.keystr(path)
+        )
     wq = params_n["blocks"]["attn"]["wq_dnh"]
     assert wq.sharding.spec == P(None, ("fsdp", "context"), "tensor", None)
     assert wq.addressable_shards[0].data.shape[1] == 24 // (mesh.get("fsdp", 1) * mesh["context"])
@@ -275,18 +318,25 @@ def test_a_mixture_of_experts_with_context_parallelism_equals_one_device(family)
     segments[3, 11:], segments[0, 6:] = 0, 2  # padding; a second document across the shards' edge
     positions = np.broadcast_to(np.arange(16), (8, 16)).copy()
     positions[0, 6:] -= 6
-    batch = {"tokens": tokens, "positions": positions, "segment_ids": segments, "targets": np.roll(tokens, -1, 1),
-             "loss_mask": (segments > 0).astype(np.float32)}
-    assert_mesh_step_equals_one_device(cfg, compute, random_params(cfg, compute, std=0.2), batch,
-                                       MeshConfig(data=2, expert=2, context=2))
+    batch = {
+        "tokens": tokens,
+        "positions": positions,
+        "segment_ids": segments,
+        "targets": np.roll(tokens, -1, 1),
+        "loss_mask": (segments > 0).astype(np.float32),
+    }
+    assert_mesh_step_equals_one_device(
+        cfg, compute, random_params(cfg, compute, std=0.2), batch, MeshConfig(data=2, expert=2, context=2)
+    )
 
 
 def test_sampling_on_a_context_parallel_mesh_equals_one_device():
     """The prompts' prefill splits its hidden states' positions over `context` (its attention
     over the KV cache runs unsplit) and the decode steps (one position) do not split: the
     same tokens and log-probabilities as one device."""
-    cfg = ModelConfig(vocab_size=38, d_model=24, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=10, mlp_dim=26,
-                      max_seq_len=64)
+    cfg = ModelConfig(
+        vocab_size=38, d_model=24, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=10, mlp_dim=26, max_seq_len=64
+    )
     params = init_params(cfg, ComputeConfig(), make_mesh(MeshConfig(data=1), jax.devices()[:1]), seed=0)
     prompts = np.random.default_rng(5).integers(1, 38, (4, 8)).astype(np.int32)
     mask = np.ones_like(prompts, bool)
@@ -295,8 +345,9 @@ def test_sampling_on_a_context_parallel_mesh_equals_one_device():
     one = Sampler(cfg)(params, prompts, mask, **settings)
     mesh = make_mesh(MeshConfig(data=2, context=2, tensor=2))
     _, shardings = param_shardings(cfg, ComputeConfig(), mesh)
-    sharded = Sampler(cfg, ComputeConfig(), mesh, shardings)(jax.device_put(params, shardings), prompts, mask,
-                                                             **settings)
+    sharded = Sampler(cfg, ComputeConfig(), mesh, shardings)(
+        jax.device_put(params, shardings), prompts, mask, **settings
+    )
     np.testing.assert_array_equal(sharded.tokens, one.tokens)
     np.testing.assert_allclose(sharded.logprobs, one.logprobs, atol=1e-5)
 
@@ -305,20 +356,41 @@ def test_what_context_parallelism_cannot_take_is_a_clear_error():
     with pytest.raises(ConfigError, match=r"data.seq_len \(30\) must be divisible by the mesh's context axis \(4 "):
         load_config(tree={"model": "tiny", "mesh": {"context": 4}, "data": {"seq_len": 30}}, schema=TrainConfig)
     with pytest.raises(ConfigError, match=r"data.seq_len \(30\) must be divisible by the mesh's context axis \(4 "):
-        Trainer(load_config(tree={"model": "tiny", "mesh": {"data": 2, "context": -1}, "data": {"seq_len": 30}},
-                            schema=TrainConfig))
-    with pytest.raises(ConfigError, match=r"max_prompt_length \+ max_completion_length \(5\) must be divisible "
-                                          r"by the mesh's context axis \(2 devices\)"):
-        load_config(tree={"mesh": {"context": 2}, "max_prompt_length": 3, "max_completion_length": 2,
-                          "data": {"path": "prompts.jsonl"}, "rewards": [{"function": "exact_match"}]},
-                    schema=GRPOConfig)
+        Trainer(
+            load_config(
+                tree={"model": "tiny", "mesh": {"data": 2, "context": -1}, "data": {"seq_len": 30}}, schema=TrainConfig
+            )
+        )
+    with pytest.raises(
+        ConfigError,
+        match=r"max_prompt_length \+ max_completion_length \(5\) must be divisible "
+        r"by the mesh's context axis \(2 devices\)",
+    ):
+        load_config(
+            tree={
+                "mesh": {"context": 2},
+                "max_prompt_length": 3,
+                "max_completion_length": 2,
+                "data": {"path": "prompts.jsonl"},
+                "rewards": [{"function": "exact_match"}],
+            },
+            schema=GRPOConfig,
+        )
     # The CPU kernel takes no query offset: by name it is refused, naming the axis; auto runs blocked.
-    with pytest.raises(ConfigError, match=r"cpu_kernel cannot run this model: context parallelism "
-                                          r"\(mesh axis context=2\)"):
-        attention_ops.choose_implementation("cpu_kernel", platform="cpu", dtype=jnp.float32, head_dim=16,
-                                            seq_len=64, context=2)
-    assert attention_ops.choose_implementation("auto", platform="cpu", dtype=jnp.float32, head_dim=16, seq_len=64,
-                                               context=2) == "blocked"
+    with pytest.raises(
+        ConfigError,
+        match=r"cpu_kernel cannot run this model: context parallelism "
+        r"\(mesh axis context=2\)",
+    ):
+        attention_ops.choose_implementation(
+            "cpu_kernel", platform="cpu", dtype=jnp.float32, head_dim=16, seq_len=64, context=2
+        )
+    assert (
+        attention_ops.choose_implementation(
+            "auto", platform="cpu", dtype=jnp.float32, head_dim=16, seq_len=64, context=2
+        )
+        == "blocked"
+    )
     # Splash splits its mask by query rows: each shard's positions must be whole 128-lane blocks.
     tpu = dict(platform="tpu", dtype=jnp.bfloat16, head_dim=128)
     assert attention_ops.choose_implementation("auto", seq_len=1024, context=2, **tpu) == "splash"

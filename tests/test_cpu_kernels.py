@@ -43,23 +43,46 @@ def case(dtype, *, group=0, softcap=None, sinks=False, seed=0, G=G, H=H, S=S):
         mask_p = rng.random((prompts, P)) < 0.6
         shared = (stored(jnp.asarray(kp), dtype), stored(jnp.asarray(vp), dtype), jnp.asarray(mask_p), group)
     sinks_kg = jnp.asarray(rng.normal(size=(K, G)) + 1.0, jnp.float32) if sinks else None
-    return stored(q, dtype), stored(jnp.asarray(k), dtype), stored(jnp.asarray(v), dtype), jnp.asarray(mask), shared, \
-        sinks_kg
+    return (
+        stored(q, dtype),
+        stored(jnp.asarray(k), dtype),
+        stored(jnp.asarray(v), dtype),
+        jnp.asarray(mask),
+        shared,
+        sinks_kg,
+    )
 
 
 def reference(q, k, v, mask, shared, sinks_kg, *, scale, softcap):
     q, k, v = (attention.cache_values(x) for x in (q, k, v))
     if shared is not None:
         shared = (attention.cache_values(shared[0]), attention.cache_values(shared[1]), *shared[2:])
-    return _one_query_attention(q[:, None], k.transpose(0, 3, 1, 2), v.swapaxes(1, 2), mask[:, None], scale=scale,
-                                softcap=softcap, sinks_kg=sinks_kg, shared=shared)
+    return _one_query_attention(
+        q[:, None],
+        k.transpose(0, 3, 1, 2),
+        v.swapaxes(1, 2),
+        mask[:, None],
+        scale=scale,
+        softcap=softcap,
+        sinks_kg=sinks_kg,
+        shared=shared,
+    )
 
 
 def kernel(q, k, v, mask, shared, sinks_kg, *, scale, softcap):
     group = None if shared is None else shared[3]
-    fn = jax.jit(lambda q, k, v, mask, prefix: cpu_kernels.decode_attention(
-        attention.cache_values(q), k, v, mask, None if prefix is None else (*prefix, group), scale=scale,
-        softcap=softcap, sinks_kg=sinks_kg))
+    fn = jax.jit(
+        lambda q, k, v, mask, prefix: cpu_kernels.decode_attention(
+            attention.cache_values(q),
+            k,
+            v,
+            mask,
+            None if prefix is None else (*prefix, group),
+            scale=scale,
+            softcap=softcap,
+            sinks_kg=sinks_kg,
+        )
+    )
     return fn(q, k, v, mask, None if shared is None else shared[:3])
 
 
@@ -86,8 +109,12 @@ def test_other_group_sizes_head_dims_and_lengths(heads, head_dim, slots):
 @pytest.mark.parametrize("dtype", [jnp.float32, BF16_BITS], ids=["float32", "bfloat16_bits"])
 @pytest.mark.parametrize("variant", ["plain", "shared_prefix", "softcap_and_sinks", "prefix_and_sinks"])
 def test_the_kernel_equals_the_reference(dtype, variant):
-    options = dict(plain={}, shared_prefix=dict(group=4), softcap_and_sinks=dict(softcap=2.5, sinks=True),
-                   prefix_and_sinks=dict(group=2, sinks=True))[variant]
+    options = dict(
+        plain={},
+        shared_prefix=dict(group=4),
+        softcap_and_sinks=dict(softcap=2.5, sinks=True),
+        prefix_and_sinks=dict(group=2, sinks=True),
+    )[variant]
     softcap = options.get("softcap")
     args = case(dtype, **options)
     ours = np.asarray(kernel(*args, scale=0.2, softcap=softcap).astype(jnp.float32))
@@ -109,8 +136,9 @@ def test_slots_past_the_last_visible_one_are_never_read():
     poisoned_k = jnp.where(jnp.asarray(beyond)[:, None, None, :], jnp.nan, k)
     poisoned_v = jnp.where(jnp.asarray(beyond)[:, None, :, None], jnp.nan, v)
     ours = np.asarray(kernel(q, poisoned_k, poisoned_v, mask, None, None, scale=0.2, softcap=None))
-    np.testing.assert_allclose(ours, np.asarray(reference(q, k, v, mask, None, None, scale=0.2, softcap=None)),
-                               atol=2e-6)
+    np.testing.assert_allclose(
+        ours, np.asarray(reference(q, k, v, mask, None, None, scale=0.2, softcap=None)), atol=2e-6
+    )
 
 
 def test_auto_and_named_choice():
@@ -121,14 +149,19 @@ def test_auto_and_named_choice():
     assert choose_decode_implementation("reference", platform="cpu") == "reference"
     with pytest.raises(ConfigError, match=r"compute\.decode_attention_impl: cpu_kernel runs on CPU.*compiles for tpu"):
         choose_decode_implementation("cpu_kernel", platform="tpu")
-    with pytest.raises(ConfigError, match=r"compute\.decode_attention_impl: cpu_kernel runs on each device's rows, "
-                                          r"and 3 rows do not divide"):
+    with pytest.raises(
+        ConfigError,
+        match=r"compute\.decode_attention_impl: cpu_kernel runs on each device's rows, "
+        r"and 3 rows do not divide",
+    ):
         choose_decode_implementation("cpu_kernel", platform="cpu", unsplit=unsplit)
 
 
-@pytest.mark.parametrize("shape, group, split", [((2, 1, 1, 1, 1), 4, True), ((2, 1, 2, 1, 1), 2, True),
-                                                 ((8, 1, 1, 1, 1), 4, False)],
-                         ids=["data2", "data2-fsdp2", "data8-prompts-do-not-divide"])
+@pytest.mark.parametrize(
+    "shape, group, split",
+    [((2, 1, 1, 1, 1), 4, True), ((2, 1, 2, 1, 1), 2, True), ((8, 1, 1, 1, 1), 4, False)],
+    ids=["data2", "data2-fsdp2", "data8-prompts-do-not-divide"],
+)
 def test_under_a_mesh_a_decode_step_runs_per_shard_where_its_rows_and_prompts_divide(shape, group, split):
     """8 rows in groups sharing their prompt (GRPO's shared prefix), with sinks: on 2 and 4
     batch devices each runs the kernel on its rows and its prompts (one shard's shapes at the
@@ -138,12 +171,15 @@ def test_under_a_mesh_a_decode_step_runs_per_shard_where_its_rows_and_prompts_di
     q_btnh = attention.cache_values(q).reshape(B, 1, K * G, H)
 
     def step(impl):
-        fn = jax.jit(lambda q, k, v, mask, prefix, sinks: attention.decode_attention(
-            q, k, v, mask[:, None], impl=impl, scale=0.2, sinks_n=sinks, shared=(*prefix, group)))
+        fn = jax.jit(
+            lambda q, k, v, mask, prefix, sinks: attention.decode_attention(
+                q, k, v, mask[:, None], impl=impl, scale=0.2, sinks_n=sinks, shared=(*prefix, group)
+            )
+        )
         args = (q_btnh, k, v, mask, shared[:3], sinks_kg.reshape(-1))
         return np.asarray(fn(*args).astype(jnp.float32)), fn.lower(*args).compile().as_text()
 
-    mesh = Mesh(np.asarray(jax.devices()[:int(np.prod(shape))]).reshape(shape), MESH_AXES)
+    mesh = Mesh(np.asarray(jax.devices()[: int(np.prod(shape))]).reshape(shape), MESH_AXES)
     with use_mesh(mesh):
         ours, hlo = step("auto")
     theirs, _ = step("reference")
@@ -165,11 +201,16 @@ def test_a_failed_build_falls_back_under_auto_and_is_an_error_by_name(monkeypatc
     monkeypatch.setenv("CXX", "false")  # exits 1
     monkeypatch.setattr(cpu_kernels, "_state", {})
     monkeypatch.setattr(attention, "_told", set())
-    with pytest.warns(UserWarning, match="decode attention: auto uses reference, not cpu_kernel: .*compiling "
-                                         "decode_attention.cc failed"):
+    with pytest.warns(
+        UserWarning,
+        match="decode attention: auto uses reference, not cpu_kernel: .*compiling decode_attention.cc failed",
+    ):
         assert choose_decode_implementation("auto", platform="cpu") == "reference"
-    with pytest.raises(ConfigError, match=r"compute\.decode_attention_impl: the CPU kernel decode_attention is "
-                                          r"unavailable: compiling decode_attention.cc failed"):
+    with pytest.raises(
+        ConfigError,
+        match=r"compute\.decode_attention_impl: the CPU kernel decode_attention is "
+        r"unavailable: compiling decode_attention.cc failed",
+    ):
         choose_decode_implementation("cpu_kernel", platform="cpu")
     assert [p.name for p in tmp_path.iterdir()] == ["decode_attention.lock"]
 
@@ -177,8 +218,12 @@ def test_a_failed_build_falls_back_under_auto_and_is_an_error_by_name(monkeypatc
 def test_processes_building_at_once_share_one_complete_library(tmp_path):
     script = "from engine.ops import cpu_kernels; print(cpu_kernels.build('decode_attention'))"
     env = {**os.environ, "TRAINFLOW_KERNEL_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
-    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
     paths = {out.strip().splitlines()[-1] for out, _ in outs}
@@ -217,26 +262,32 @@ def kernel_and_reference(q, k, v, d_out, segments, window):
 SEGMENTS_3x70 = [[1] * 30 + [2] * 31 + [0] * 9, [3] * 70, [1] * 20 + [2] * 20 + [1] * 30]
 
 
-@pytest.mark.parametrize("n, kv, h, window", [(6, 2, 64, None), (6, 2, 16, 9), (8, 1, 48, None), (4, 4, 32, 40)],
-                         ids=["gqa3-h64", "gqa3-h16-window", "gqa8-h48", "mha-h32-window"])
+@pytest.mark.parametrize(
+    "n, kv, h, window",
+    [(6, 2, 64, None), (6, 2, 16, 9), (8, 1, 48, None), (4, 4, 32, 40)],
+    ids=["gqa3-h64", "gqa3-h16-window", "gqa8-h48", "mha-h32-window"],
+)
 def test_training_attention_and_its_gradients_equal_the_reference(n, kv, h, window):
     """70 positions: two whole 32-position blocks and a partial one, keys padded to tiles of 32."""
     (out, grads), (ref_out, ref_grads) = kernel_and_reference(
-        *training_case(3, 70, n, kv, h, jnp.float32, SEGMENTS_3x70), window)
+        *training_case(3, 70, n, kv, h, jnp.float32, SEGMENTS_3x70), window
+    )
     np.testing.assert_allclose(out, ref_out, atol=2e-6)
     for name, got, want in zip("qkv", grads, ref_grads):
         np.testing.assert_allclose(got, want, atol=1e-5, err_msg=f"d{name}")
 
 
 def test_training_attention_in_bfloat16_keeps_its_dtype_and_tracks_float32():
-    q, k, v, d_out, segments = training_case(2, 96, 6, 2, 64, jnp.bfloat16, [[1] * 50 + [2] * 40 + [0] * 6, [1] * 96],
-                                             seed=1)
+    q, k, v, d_out, segments = training_case(
+        2, 96, 6, 2, 64, jnp.bfloat16, [[1] * 50 + [2] * 40 + [0] * 6, [1] * 96], seed=1
+    )
     (out, grads), (ref_out, ref_grads) = kernel_and_reference(q, k, v, d_out, segments, None)
     assert out.dtype == jnp.bfloat16 and [g.dtype for g in grads] == [jnp.bfloat16] * 3
     np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=2e-2)
     for name, got, want in zip("qkv", grads, ref_grads):
-        np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=0.02 * float(jnp.abs(want).max()),
-                                   err_msg=f"d{name}")
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32), want, atol=0.02 * float(jnp.abs(want).max()), err_msg=f"d{name}"
+        )
 
 
 def test_the_model_trains_through_the_kernel_as_through_blocked():
@@ -247,8 +298,9 @@ def test_the_model_trains_through_the_kernel_as_through_blocked():
     from engine.models.params import apply_model
     from engine.models.transformer import Transformer
 
-    cfg = ModelConfig(vocab_size=61, d_model=48, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16, mlp_dim=64,
-                      max_seq_len=80)
+    cfg = ModelConfig(
+        vocab_size=61, d_model=48, num_layers=2, num_heads=6, num_kv_heads=2, head_dim=16, mlp_dim=64, max_seq_len=80
+    )
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, 61, (2, 80)))
     segments = jnp.asarray([[1] * 40 + [2] * 40, [1] * 80])
 
@@ -265,8 +317,9 @@ def test_the_model_trains_through_the_kernel_as_through_blocked():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5), grads, ref_grads)
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 1, 1, 2), (4, 1, 1, 1, 1), (1, 1, 2, 1, 2)],
-                         ids=["data2-tensor2", "data4", "fsdp2-tensor2"])
+@pytest.mark.parametrize(
+    "shape", [(2, 1, 1, 1, 2), (4, 1, 1, 1, 1), (1, 1, 2, 1, 2)], ids=["data2-tensor2", "data4", "fsdp2-tensor2"]
+)
 def test_under_a_mesh_the_kernel_runs_per_shard_and_equals_blocked(shape):
     """On a mesh of several CPU devices the kernel runs in a shard_map, each device on its rows
     and (with a tensor axis) its kv heads with their query heads: values and gradients equal
@@ -283,6 +336,7 @@ def test_under_a_mesh_the_kernel_runs_per_shard_and_equals_blocked(shape):
 
         def loss(q, k, v):
             return jnp.sum(fn(q, k, v) * probe * valid)
+
         hlo = jax.jit(fn).lower(q, k, v).compile().as_text()
         return jax.jit(fn)(q, k, v) * valid, jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v), hlo
 
@@ -304,14 +358,22 @@ def test_training_attention_choice(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning where the kernel runs
         assert choose_implementation("auto", platform="cpu", **case) == "cpu_kernel"
-    for change, reason in [(dict(softcap=30.0), "no logit soft-cap"), (dict(sinks=True), "no attention sinks"),
-                           (dict(head_dim=72, value_dim=72), "multiple of 16"), (dict(value_dim=32), "alike"),
-                           (dict(groups=12), "at most 8"), (dict(dtype=jnp.float16), "not float16")]:
+    for change, reason in [
+        (dict(softcap=30.0), "no logit soft-cap"),
+        (dict(sinks=True), "no attention sinks"),
+        (dict(head_dim=72, value_dim=72), "multiple of 16"),
+        (dict(value_dim=32), "alike"),
+        (dict(groups=12), "at most 8"),
+        (dict(dtype=jnp.float16), "not float16"),
+    ]:
         attention._told.clear()  # two reasons share a message
         with pytest.warns(UserWarning, match=f"auto uses blocked, not cpu_kernel, on cpu: .*{reason}"):
             assert choose_implementation("auto", platform="cpu", **{**case, **change}) == "blocked"
         with pytest.raises(ConfigError, match=f"compute.attention_impl: cpu_kernel cannot run this model: .*{reason}"):
             choose_implementation("cpu_kernel", platform="cpu", **{**case, **change})
-    with pytest.raises(ConfigError, match=r"compute\.attention_impl: cpu_kernel runs on CPU, and this run compiles "
-                                          r"for gpu"):
+    with pytest.raises(
+        ConfigError,
+        match=r"compute\.attention_impl: cpu_kernel runs on CPU, and this run compiles "
+        r"for gpu",
+    ):
         choose_implementation("cpu_kernel", platform="gpu", **case)

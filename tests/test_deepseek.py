@@ -37,27 +37,89 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 37
-HF_TINY = dict(vocab_size=VOCAB, hidden_size=30, intermediate_size=26, moe_intermediate_size=10, num_hidden_layers=3,
-               num_attention_heads=3, num_key_value_heads=3, n_routed_experts=6, num_experts_per_tok=2, n_group=3,
-               topk_group=2, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=7, q_lora_rank=11,
-               qk_rope_head_dim=4, qk_nope_head_dim=5, v_head_dim=5, routed_scaling_factor=2.5, norm_topk_prob=True,
-               rope_interleave=True, num_mtp_layers=0, max_position_embeddings=64,
-               rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "mscale": 1.0,
-                                "mscale_all_dim": 0.8, "original_max_position_embeddings": 16})
+HF_TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=30,
+    intermediate_size=26,
+    moe_intermediate_size=10,
+    num_hidden_layers=3,
+    num_attention_heads=3,
+    num_key_value_heads=3,
+    n_routed_experts=6,
+    num_experts_per_tok=2,
+    n_group=3,
+    topk_group=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    kv_lora_rank=7,
+    q_lora_rank=11,
+    qk_rope_head_dim=4,
+    qk_nope_head_dim=5,
+    v_head_dim=5,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    rope_interleave=True,
+    num_mtp_layers=0,
+    max_position_embeddings=64,
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "rope_theta": 10000.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.8,
+        "original_max_position_embeddings": 16,
+    },
+)
 
 # deepseek-ai/DeepSeek-V3's config.json (its quantization and remote-code keys left out)
 PUBLISHED = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
-    "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 3, "hidden_act": "silu",
-    "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
-    "max_position_embeddings": 163840, "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8,
-    "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128,
-    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1,
-    "pretraining_tp": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
-                     "original_max_position_embeddings": 4096, "type": "yarn"},
-    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
-    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 128,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "pretraining_tp": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "v_head_dim": 128,
     "vocab_size": 129280,
 }
 
@@ -66,9 +128,9 @@ PUBLISHED = {
 def case(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek")
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV3Config(**HF_TINY),
-                                                          attn_implementation="eager",
-                                                          experts_implementation="eager").float()
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.DeepseekV3Config(**HF_TINY), attn_implementation="eager", experts_implementation="eager"
+    ).float()
     with torch.no_grad():
         for _, p in model.named_parameters():
             p.add_(0.3 * torch.randn_like(p)) if p.ndim == 1 else p.normal_(0.0, 0.3)
@@ -99,8 +161,11 @@ def unstacked(params: dict) -> dict:
 def routed_experts(model, tokens, mask) -> list[torch.Tensor]:
     """Each MoE layer's chosen experts (sorted), as transformers' router chooses them."""
     chosen = []
-    hooks = [m.register_forward_hook(lambda _m, _in, out: chosen.append(out[2].sort(-1).values))
-             for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    hooks = [
+        m.register_forward_hook(lambda _m, _in, out: chosen.append(out[2].sort(-1).values))
+        for n, m in model.named_modules()
+        if n.endswith("mlp.gate")
+    ]
     try:
         hf_logits(model, tokens, mask)
     finally:
@@ -111,8 +176,11 @@ def routed_experts(model, tokens, mask) -> list[torch.Tensor]:
 
 def test_converted_deepseek_matches_transformers_with_and_without_layer_scan(case):
     cfg = case["cfg"]
-    assert cfg.family == "deepseek_v3" and cfg.first_dense_layers == 1 and cfg.layer_stacks() == [
-        ("dense_blocks", 0, 1), ("blocks", 1, 2)]
+    assert (
+        cfg.family == "deepseek_v3"
+        and cfg.first_dense_layers == 1
+        and cfg.layer_stacks() == [("dense_blocks", 0, 1), ("blocks", 1, 2)]
+    )
     assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.head_dim, cfg.rope_head_dim, cfg.value_head_dim) == (7, 11, 9, 4, 5)
     assert cfg.router_groups == 3 and cfg.router_group_top == 2 and cfg.router_scale == 2.5 and cfg.rope_interleave
     tokens, mask = padded_batch()
@@ -133,8 +201,9 @@ def test_direct_queries_and_half_split_rope_match_transformers(tmp_path):
     false) in a model whose layers are all dense (first_k_dense_replace >= layers: no
     experts' stack at all)."""
     torch.manual_seed(1)
-    config = transformers.DeepseekV3Config(**{**HF_TINY, "q_lora_rank": None, "rope_interleave": False,
-                                              "num_hidden_layers": 2, "first_k_dense_replace": 2})
+    config = transformers.DeepseekV3Config(
+        **{**HF_TINY, "q_lora_rank": None, "rope_interleave": False, "num_hidden_layers": 2, "first_k_dense_replace": 2}
+    )
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
     with torch.no_grad():
         for _, p in model.named_parameters():
@@ -145,8 +214,11 @@ def test_direct_queries_and_half_split_rope_match_transformers(tmp_path):
     assert cfg.q_lora_rank is None and not cfg.rope_interleave and cfg.layer_stacks() == [("dense_blocks", 0, 2)]
     _, compute = stored_configs(tmp_path / "converted" / "checkpoint")
     tokens, mask = padded_batch()
-    ours = np.asarray(jax.jit(functools.partial(apply_model, graphdef_of(cfg, compute)))(
-        params, jnp.asarray(tokens), None, jnp.asarray(mask)))
+    ours = np.asarray(
+        jax.jit(functools.partial(apply_model, graphdef_of(cfg, compute)))(
+            params, jnp.asarray(tokens), None, jnp.asarray(mask)
+        )
+    )
     ref = hf_logits(model, tokens, mask)
     valid = mask.astype(bool)
     assert float(np.abs(ours - ref)[valid].max()) <= 1e-4 and np.abs(ref[valid]).max() > 0.5
@@ -168,7 +240,9 @@ def test_the_routing_is_uneven_group_limited_and_near_its_margins(case):
         for hook in hooks:
             hook.remove()
         scores = [torch.sigmoid(h @ g.weight.T) for h, g in zip(hidden, gates)]
-        ungrouped = [torch.topk(s + g.e_score_correction_bias, 2).indices.sort(-1).values for s, g in zip(scores, gates)]
+        ungrouped = [
+            torch.topk(s + g.e_score_correction_bias, 2).indices.sort(-1).values for s, g in zip(scores, gates)
+        ]
         unbiased = [torch.topk(s, 2).indices.sort(-1).values for s in scores]
         assert any(bool((u != c).any()) for u, c in zip(ungrouped, chosen))
         assert any(bool((u != c).any()) for u, c in zip(unbiased, chosen))
@@ -187,13 +261,20 @@ def test_greedy_generation_through_the_compressed_cache_is_identical(case):
     prompt = np.random.default_rng(2).integers(0, VOCAB, (2, 7))
     case["model"].generation_config.eos_token_id = None
     with torch.no_grad():
-        out = case["model"].generate(torch.tensor(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
-                                     max_new_tokens=16, do_sample=False, pad_token_id=0, output_logits=True,
-                                     return_dict_in_generate=True)
-    ref = out.sequences[:, prompt.shape[1]:].numpy()
+        out = case["model"].generate(
+            torch.tensor(prompt),
+            attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+            max_new_tokens=16,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    ref = out.sequences[:, prompt.shape[1] :].numpy()
     ref_logprobs = np.take_along_axis(torch.log_softmax(torch.stack(out.logits, 1), -1).numpy(), ref[..., None], -1)
-    ours = Sampler(case["cfg"], case["compute"])(case["params"], prompt, np.ones_like(prompt), max_new_tokens=16,
-                                                 temperature=0.0)
+    ours = Sampler(case["cfg"], case["compute"])(
+        case["params"], prompt, np.ones_like(prompt), max_new_tokens=16, temperature=0.0
+    )
     assert ref.shape == (2, 16)
     np.testing.assert_array_equal(ours.tokens, ref)
     np.testing.assert_allclose(ours.logprobs, ref_logprobs[..., 0], atol=1e-4)
@@ -215,8 +296,9 @@ def test_export_loads_cleanly_in_transformers_and_converts_back_bitwise(case, tm
     reloaded = export_loads_cleanly(case, tmp_path / "export")
     tokens, mask = padded_batch()
     valid = mask.astype(bool)
-    np.testing.assert_array_equal(hf_logits(reloaded.eval(), tokens, mask)[valid],
-                                  hf_logits(case["model"], tokens, mask)[valid])
+    np.testing.assert_array_equal(
+        hf_logits(reloaded.eval(), tokens, mask)[valid], hf_logits(case["model"], tokens, mask)[valid]
+    )
     ours = json.loads((tmp_path / "export" / "config.json").read_text())
     source = json.loads((case["hf_dir"] / "config.json").read_text())
     for key, value in source.items():
@@ -245,7 +327,18 @@ def test_what_deepseek_does_not_implement_or_allow_is_refused():
     with pytest.raises(ConfigError, match=r"num_experts \(256\) must be router_groups \(7\) groups"):
         model_config_from_hf({**PUBLISHED, "n_group": 7})
     with pytest.raises(ValueError, match=r"rope_head_dim \(3\) must be even"):
-        ModelConfig(family="deepseek_v3", vocab_size=17, d_model=12, num_layers=2, num_heads=2, num_kv_heads=2,
-                    head_dim=9, mlp_dim=8, num_experts=4, kv_lora_rank=5, rope_head_dim=3)
+        ModelConfig(
+            family="deepseek_v3",
+            vocab_size=17,
+            d_model=12,
+            num_layers=2,
+            num_heads=2,
+            num_kv_heads=2,
+            head_dim=9,
+            mlp_dim=8,
+            num_experts=4,
+            kv_lora_rank=5,
+            rope_head_dim=3,
+        )
     # no query compression (DeepSeek-V2-Lite): q_lora_rank null is kept, not defaulted
     assert model_config_from_hf({**PUBLISHED, "q_lora_rank": None})[0].q_lora_rank is None

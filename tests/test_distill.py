@@ -20,8 +20,17 @@ from engine.inference.sample import Sampler
 from engine.models.config import ModelConfig
 from engine.models.params import graphdef_of
 from engine.models.transformer import Transformer
-from engine.posttrain.distill import (DistillBatches, Teacher, distill_objective, main, on_policy, prompt_ids,
-                                      run_distill, teacher_model, train_config)
+from engine.posttrain.distill import (
+    DistillBatches,
+    Teacher,
+    distill_objective,
+    main,
+    on_policy,
+    prompt_ids,
+    run_distill,
+    teacher_model,
+    train_config,
+)
 from engine.posttrain.distill_config import DistillConfig
 from engine.posttrain.distill_loss import generalized_jsd_loss
 from engine.posttrain.finetune import finetune_start, tokenizer_dir
@@ -40,16 +49,20 @@ def random_checkpoint(out: Path, model: dict, tokenizer: Path) -> Path:
     """An artifact directory: checkpoint/ (random weights of `model`) and a copy of `tokenizer`."""
     cfg = ModelConfig(**model)
     ckpt = Checkpointer(out / "checkpoint", async_save=False)
-    ckpt.save(0, nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(1)))[1]),
-              {"unused": np.zeros((), np.int32)},
-              {"step": 0, "model": cfg.model_dump(mode="json"), "format": "trainflow.checkpoint/1"}, {})
+    ckpt.save(
+        0,
+        nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(1)))[1]),
+        {"unused": np.zeros((), np.int32)},
+        {"step": 0, "model": cfg.model_dump(mode="json"), "format": "trainflow.checkpoint/1"},
+        {},
+    )
     ckpt.close()
     shutil.copytree(tokenizer, out / "tokenizer")
     return out
 
 
 @pytest.fixture(scope="module")
-def teacher(base, colours, tmp_path_factory) -> Path:  # noqa: F811
+def teacher(base, colours, tmp_path_factory) -> Path:
     """The teacher: the tiny base after a quick SFT on the colours (held-out NLL ~0.05)."""
     out = tmp_path_factory.mktemp("teacher")
     run_sft(sft_config(base, out, colours, steps=40))
@@ -58,18 +71,28 @@ def teacher(base, colours, tmp_path_factory) -> Path:  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def student(base, tmp_path_factory) -> Path:  # noqa: F811
+def student(base, tmp_path_factory) -> Path:
     return random_checkpoint(tmp_path_factory.mktemp("student"), STUDENT, base / "tokenizer")
 
 
 def distill_config(student: Path, teacher: Path, out: Path, data: Path, **overrides) -> DistillConfig:
     tree = {
-        "checkpoint": {"init_from": str(student / "checkpoint"), "directory": str(out / "checkpoint"),
-                       "every_steps": 4, "async_save": False},
+        "checkpoint": {
+            "init_from": str(student / "checkpoint"),
+            "directory": str(out / "checkpoint"),
+            "every_steps": 4,
+            "async_save": False,
+        },
         "teacher": {"checkpoint": str(teacher / "checkpoint")},
         "data": {"path": str(data), "seq_len": 32, "batch_size": 8, "eval_fraction": 0.2},
-        "optimizer": {"learning_rate": 1e-2}, "schedule": {"kind": "constant"},
-        "lmbda": 0.0, "max_new_tokens": 8, "steps": 30, "log_every": 5, "progress": False, "metrics_dir": str(out),
+        "optimizer": {"learning_rate": 1e-2},
+        "schedule": {"kind": "constant"},
+        "lmbda": 0.0,
+        "max_new_tokens": 8,
+        "steps": 30,
+        "log_every": 5,
+        "progress": False,
+        "metrics_dir": str(out),
     }
     return load_config(tree=tree, overrides=[f"{k}={v}" for k, v in overrides.items()], schema=DistillConfig)
 
@@ -90,17 +113,24 @@ def test_generalized_jsd_equals_trls_loss_and_gradient(beta, temperature):
     labels[2] = -100  # a row with no completion token
     student_t = torch.tensor(student, requires_grad=True)
     with jax.enable_x64(True):
-        for kwargs, mask, num_items in (({"labels": torch.tensor(labels)}, labels != -100, None),
-                                        ({"labels": torch.tensor(labels), "num_items_in_batch": 23},
-                                         labels != -100, 23),
-                                        ({}, None, None)):  # no labels: TRL's batchmean divides by rows
+        for kwargs, mask, num_items in (
+            ({"labels": torch.tensor(labels)}, labels != -100, None),
+            ({"labels": torch.tensor(labels), "num_items_in_batch": 23}, labels != -100, 23),
+            ({}, None, None),
+        ):  # no labels: TRL's batchmean divides by rows
             student_t.grad = None
-            expected = GKDTrainer.generalized_jsd_loss(student_t, torch.tensor(teacher), beta=beta,
-                                                       temperature=temperature, **kwargs)
+            expected = GKDTrainer.generalized_jsd_loss(
+                student_t, torch.tensor(teacher), beta=beta, temperature=temperature, **kwargs
+            )
             expected.backward()
             ours, grad = jax.value_and_grad(generalized_jsd_loss)(
-                jnp.asarray(student), jnp.asarray(teacher), None if mask is None else jnp.asarray(mask, jnp.float64),
-                beta=beta, temperature=temperature, num_items=num_items)
+                jnp.asarray(student),
+                jnp.asarray(teacher),
+                None if mask is None else jnp.asarray(mask, jnp.float64),
+                beta=beta,
+                temperature=temperature,
+                num_items=num_items,
+            )
             assert ours.dtype == jnp.float64
             assert abs(float(ours) - expected.item()) <= 1e-6, (kwargs.keys(), float(ours), expected.item())
             np.testing.assert_allclose(np.asarray(grad), student_t.grad.numpy(), atol=1e-6, rtol=0)
@@ -122,8 +152,12 @@ def held_out_nll(cfg: DistillConfig, checkpoint: Path) -> float:
     return nll / tokens
 
 
-def test_a_smaller_student_learns_a_trained_teacher_and_closes_most_of_the_gap(student, teacher, colours,  # noqa: F811
-                                                                              tmp_path):
+def test_a_smaller_student_learns_a_trained_teacher_and_closes_most_of_the_gap(
+    student,
+    teacher,
+    colours,
+    tmp_path,
+):
     cfg = distill_config(student, teacher, tmp_path / "run", colours, **{"optimizer.learning_rate": 3e-2})
     before = held_out_nll(cfg, student / "checkpoint")
     result = run_distill(cfg)
@@ -131,10 +165,12 @@ def test_a_smaller_student_learns_a_trained_teacher_and_closes_most_of_the_gap(s
     steps = [r for r in records if "jsd" in r]
     after, teacher_nll = result["eval_nll/student"], result["eval_nll/teacher"]
     closed = (before - after) / (before - teacher_nll)
-    print(f"\ndistill: held-out student NLL {before:.3f} -> {after:.3f} (teacher {teacher_nll:.3f}, "
-          f"{closed:.0%} of the gap closed), held-out JSD {result['eval_jsd']:.4f}; per-step JSD "
-          f"{steps[0]['jsd']:.3f} -> {steps[-1]['jsd']:.3f}; student {result['num_params']:,} parameters, "
-          f"teacher {result['teacher_params']:,}")
+    print(
+        f"\ndistill: held-out student NLL {before:.3f} -> {after:.3f} (teacher {teacher_nll:.3f}, "
+        f"{closed:.0%} of the gap closed), held-out JSD {result['eval_jsd']:.4f}; per-step JSD "
+        f"{steps[0]['jsd']:.3f} -> {steps[-1]['jsd']:.3f}; student {result['num_params']:,} parameters, "
+        f"teacher {result['teacher_params']:,}"
+    )
     # The metric is the language-modelling loss of each model on the held-out completions.
     assert teacher_nll == pytest.approx(held_out_nll(cfg, teacher / "checkpoint"), rel=1e-4)
     assert after == pytest.approx(held_out_nll(cfg, tmp_path / "run" / "checkpoint"), rel=1e-4)
@@ -143,7 +179,7 @@ def test_a_smaller_student_learns_a_trained_teacher_and_closes_most_of_the_gap(s
     assert closed > 0.8, (before, after, teacher_nll)
 
 
-def test_on_policy_steps_train_on_the_students_own_samples(student, teacher, colours, tmp_path):  # noqa: F811
+def test_on_policy_steps_train_on_the_students_own_samples(student, teacher, colours, tmp_path):
     cfg = distill_config(student, teacher, tmp_path / "run", colours, lmbda=1.0, steps=3, log_every=1)
     result = run_distill(cfg)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -161,14 +197,20 @@ def test_on_policy_steps_train_on_the_students_own_samples(student, teacher, col
     source.set_state({"rows": {"epoch": 0, "row": 0}, "prompts": {"epoch": 0, "index": 16}})
     params = load_params(tmp_path / "run" / "checkpoint", trainer.abstract_params)[1]
     batch, metrics = source.next_batch(TrainState(3, params, None))
-    prompts = [prompt_ids(examples[i])[-cfg.prompt_length:] for i in source.prompts._order()[16:24]]
+    prompts = [prompt_ids(examples[i])[-cfg.prompt_length :] for i in source.prompts._order()[16:24]]
     tokens, mask = np.zeros((8, cfg.prompt_length), np.int32), np.zeros((8, cfg.prompt_length), np.int32)
     for r, p in enumerate(prompts):
-        tokens[r, -len(p):], mask[r, -len(p):] = p, 1
-    out = Sampler(model_cfg, compute)(load_params(tmp_path / "run" / "checkpoint")[1], tokens, mask,
-                                      seed=jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), 3), 0),
-                                      max_new_tokens=8, temperature=cfg.temperature, eos_ids=(bundle.eos_id,),
-                                      pad_id=bundle.eos_id)
+        tokens[r, -len(p) :], mask[r, -len(p) :] = p, 1
+    out = Sampler(model_cfg, compute)(
+        load_params(tmp_path / "run" / "checkpoint")[1],
+        tokens,
+        mask,
+        seed=jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), 3), 0),
+        max_new_tokens=8,
+        temperature=cfg.temperature,
+        eos_ids=(bundle.eos_id,),
+        pad_id=bundle.eos_id,
+    )
     targets, loss_mask = np.asarray(batch["targets"]), np.asarray(batch["loss_mask"]).astype(bool)
     for r in range(8):
         np.testing.assert_array_equal(targets[r][loss_mask[r]], out.tokens[r][out.mask[r]])
@@ -176,18 +218,27 @@ def test_on_policy_steps_train_on_the_students_own_samples(student, teacher, col
     assert metrics["on_policy"] == 1.0 and batch["teacher_logits"].shape == (8, 32, MODEL["vocab_size"])
 
 
-def test_a_run_killed_with_sigkill_resumes_and_equals_an_uninterrupted_one(student, teacher, colours, tmp_path):  # noqa: F811
+def test_a_run_killed_with_sigkill_resumes_and_equals_an_uninterrupted_one(student, teacher, colours, tmp_path):
     overrides = {"lmbda": 0.5, "seed": 1, "steps": 8}
     kinds = [on_policy(distill_config(student, teacher, tmp_path, colours, **overrides), s) for s in range(8)]
     assert any(kinds[:4]) and not all(kinds[:4]) and any(kinds[4:]) and not all(kinds[4:]), kinds
     run_distill(distill_config(student, teacher, tmp_path / "run", colours, **overrides))
     # SIGKILLed once step 4 is committed (asynchronous checkpoints), then rerun to the end.
-    cfg = distill_config(student, teacher, tmp_path / "killed", colours,
-                         **{**overrides, "checkpoint.async_save": True, "checkpoint.every_steps": 2})
+    cfg = distill_config(
+        student,
+        teacher,
+        tmp_path / "killed",
+        colours,
+        **{**overrides, "checkpoint.async_save": True, "checkpoint.every_steps": 2},
+    )
     (tmp_path / "killed").mkdir()
     (tmp_path / "killed" / "distill.yaml").write_text(to_yaml(cfg))
-    kill_then_resume("engine.posttrain.distill", tmp_path / "killed" / "distill.yaml",
-                     tmp_path / "killed" / "checkpoint", after_step=4)
+    kill_then_resume(
+        "engine.posttrain.distill",
+        tmp_path / "killed" / "distill.yaml",
+        tmp_path / "killed" / "checkpoint",
+        after_step=4,
+    )
     a, b = load_params(tmp_path / "run" / "checkpoint")[1], load_params(tmp_path / "killed" / "checkpoint")[1]
     for (path, x), (_, y) in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
@@ -196,11 +247,17 @@ def test_a_run_killed_with_sigkill_resumes_and_equals_an_uninterrupted_one(stude
 # --------------------------------------------------------------------------- bad input
 
 
-def test_a_teacher_of_another_vocabulary_is_refused_in_one_sentence(student, teacher, colours, tmp_path,  # noqa: F811
-                                                                    capsys):
+def test_a_teacher_of_another_vocabulary_is_refused_in_one_sentence(
+    student,
+    teacher,
+    colours,
+    tmp_path,
+    capsys,
+):
     other = tmp_path / "other-tokenizer"
-    save_tokenizer(train_tokenizer(TokenizerConfig(vocab_size=300), ["lorem ipsum dolor sit amet " * 30],
-                                   add_bos=True), other)
+    save_tokenizer(
+        train_tokenizer(TokenizerConfig(vocab_size=300), ["lorem ipsum dolor sit amet " * 30], add_bos=True), other
+    )
     cfg = distill_config(student, teacher, tmp_path / "run", colours, **{"teacher.tokenizer": str(other)})
     (tmp_path / "distill.yaml").write_text(to_yaml(cfg))
     assert main([str(tmp_path / "distill.yaml")]) == 2
@@ -210,8 +267,11 @@ def test_a_teacher_of_another_vocabulary_is_refused_in_one_sentence(student, tea
     assert not (tmp_path / "run" / "checkpoint").exists()
 
     wider = random_checkpoint(tmp_path / "wider", dict(MODEL, vocab_size=304), student / "tokenizer")
-    with pytest.raises(ConfigError, match=r"the teacher's vocab_size \(304, .*wider.*\) differs from the "
-                                          r"student's \(300, .*student.*\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"the teacher's vocab_size \(304, .*wider.*\) differs from the "
+        r"student's \(300, .*student.*\)",
+    ):
         run_distill(distill_config(student, wider, tmp_path / "run", colours))
     with pytest.raises(ConfigError, match="data.loss_on must be completion"):
         distill_config(student, teacher, tmp_path / "run", colours, **{"data.loss_on": "all", "lmbda": 0.5})
@@ -221,8 +281,12 @@ def test_a_teacher_of_another_vocabulary_is_refused_in_one_sentence(student, tea
 
 
 @pytest.mark.slow
-def test_distill_is_a_pipeline_stage_with_both_lineage_edges_and_a_plan(student, teacher, colours,  # noqa: F811
-                                                                        tmp_path):
+def test_distill_is_a_pipeline_stage_with_both_lineage_edges_and_a_plan(
+    student,
+    teacher,
+    colours,
+    tmp_path,
+):
     from flows.spec import Pipeline
     from tasks.artifacts import read_manifest
     from tasks.plan import plan_pipeline
@@ -232,15 +296,26 @@ def test_distill_is_a_pipeline_stage_with_both_lineage_edges_and_a_plan(student,
     p = Pipeline("distil", store=tmp_path / "store")
     small = p.stage("student", task="test-checkpoint-copy", config={"path": str(student)})
     big = p.stage("teacher", task="test-checkpoint-copy", config={"path": str(teacher)})
-    p.stage("distill", task="distill", inputs={"checkpoint": small, "teacher": big},
-            launcher={"kind": "local", "env": {"XLA_FLAGS": ""}},
-            config={"data": {"path": str(colours), "seq_len": 32, "batch_size": 8, "eval_fraction": 0.1},
-                    "lmbda": 0.5, "max_new_tokens": 4, "steps": 2, "log_every": 1})
+    p.stage(
+        "distill",
+        task="distill",
+        inputs={"checkpoint": small, "teacher": big},
+        launcher={"kind": "local", "env": {"XLA_FLAGS": ""}},
+        config={
+            "data": {"path": str(colours), "seq_len": 32, "batch_size": 8, "eval_fraction": 0.1},
+            "lmbda": 0.5,
+            "max_new_tokens": 4,
+            "steps": 2,
+            "log_every": 1,
+        },
+    )
     plan = p.plan()
     assert [execute_stage(s.job, plan.store).status for s in plan.stages.values()] == [RAN, RAN, RAN]
     manifest = read_manifest(plan.store.artifact_dir("distill", plan.stages["distill"].job.artifact_id))
-    assert manifest["kind"] == "checkpoint" and sorted(q["stage"] for q in manifest["parents"]) == ["student",
-                                                                                                    "teacher"]
+    assert manifest["kind"] == "checkpoint" and sorted(q["stage"] for q in manifest["parents"]) == [
+        "student",
+        "teacher",
+    ]
     assert manifest["metrics"]["steps"] == 2 and "eval_nll/teacher" in manifest["metrics"]
     plans, notes = plan_pipeline(plan, "local")
     assert [q.stage for q in plans] == ["distill"] and plans[0].fits

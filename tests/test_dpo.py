@@ -29,24 +29,34 @@ def preferences(tmp_path_factory) -> Path:
     with path.open("w") as f:
         for i in range(72):
             right, wrong = i % 3, (i % 3 + 1 + rng.integers(0, 2)) % 3
-            f.write(json.dumps({"prompt": f"colour {right}:", "chosen": f" {NAMES[right]}",
-                                "rejected": f" {NAMES[wrong]}"}) + "\n")
+            f.write(
+                json.dumps({"prompt": f"colour {right}:", "chosen": f" {NAMES[right]}", "rejected": f" {NAMES[wrong]}"})
+                + "\n"
+            )
     return path
 
 
-def dpo_config(base: Path, out: Path, data: Path, **overrides) -> DPOConfig:  # noqa: F811
+def dpo_config(base: Path, out: Path, data: Path, **overrides) -> DPOConfig:
     tree = {
-        "checkpoint": {"init_from": str(base / "checkpoint"), "directory": str(out / "checkpoint"),
-                       "every_steps": 10, "async_save": False},
-        "data": {"path": str(data), "max_prompt_length": 8, "max_length": 16, "batch_size": 8,
-                 "eval_fraction": 0.25},
-        "optimizer": {"learning_rate": 1e-3}, "schedule": {"kind": "constant"},
-        "steps": 20, "log_every": 5, "eval_every": 0, "progress": False, "metrics_dir": str(out),
+        "checkpoint": {
+            "init_from": str(base / "checkpoint"),
+            "directory": str(out / "checkpoint"),
+            "every_steps": 10,
+            "async_save": False,
+        },
+        "data": {"path": str(data), "max_prompt_length": 8, "max_length": 16, "batch_size": 8, "eval_fraction": 0.25},
+        "optimizer": {"learning_rate": 1e-3},
+        "schedule": {"kind": "constant"},
+        "steps": 20,
+        "log_every": 5,
+        "eval_every": 0,
+        "progress": False,
+        "metrics_dir": str(out),
     }
     return load_config(tree=tree, overrides=[f"{k}={v}" for k, v in overrides.items()], schema=DPOConfig)
 
 
-def test_pair_rows_hold_chosen_then_rejected_with_the_completion_as_targets(base):  # noqa: F811
+def test_pair_rows_hold_chosen_then_rejected_with_the_completion_as_targets(base):
     bundle = load_saved(base / "tokenizer")
     cfg = dpo_config(base, Path("unused"), Path("unused.jsonl"))
     pair = tokenize_pair({"prompt": "colour 1:", "chosen": " green", "rejected": " red"}, "x:1", bundle, cfg.data)
@@ -55,14 +65,14 @@ def test_pair_rows_hold_chosen_then_rejected_with_the_completion_as_targets(base
     n_prompt, n_chosen = len(pair.prompt), len(pair.prompt) + len(pair.chosen) - 1
     # Padding-free within the row: the rejected sequence starts where the chosen one ends.
     assert (seg[:n_chosen] == CHOSEN).all() and seg[n_chosen] == REJECTED
-    assert (seg[n_chosen:n_chosen + n_prompt + len(pair.rejected) - 1] == REJECTED).all()
-    assert not seg[n_chosen + n_prompt + len(pair.rejected) - 1:].any()
+    assert (seg[n_chosen : n_chosen + n_prompt + len(pair.rejected) - 1] == REJECTED).all()
+    assert not seg[n_chosen + n_prompt + len(pair.rejected) - 1 :].any()
     np.testing.assert_array_equal(rows["targets"][0][mask.astype(bool) & (seg == CHOSEN)], pair.chosen)
     np.testing.assert_array_equal(rows["targets"][0][mask.astype(bool) & (seg == REJECTED)], pair.rejected)
     assert pair.chosen[-1] == bundle.eos_id and rows["positions"][0][n_chosen] == 0
 
 
-def test_dpo_learns_the_preferred_answers_and_resumes_bitwise_after_sigkill(base, preferences, tmp_path):  # noqa: F811
+def test_dpo_learns_the_preferred_answers_and_resumes_bitwise_after_sigkill(base, preferences, tmp_path):
     first = run_dpo(dpo_config(base, tmp_path / "run", preferences, steps=30))
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "rewards/chosen" in r]
@@ -70,20 +80,29 @@ def test_dpo_learns_the_preferred_answers_and_resumes_bitwise_after_sigkill(base
     assert first["eval_rewards/margins"] > 0 and steps[-1]["rewards/chosen"] > steps[-1]["rewards/rejected"]
     assert steps[0]["rewards/accuracies"] < steps[-1]["rewards/accuracies"]
     assert first["train_pairs"] == 54 and first["eval_pairs"] == 18
-    print(f"\nDPO held-out preference accuracy {first['eval_rewards/accuracies']:.3f}, "
-          f"margin {first['eval_rewards/margins']:.3f}")
+    print(
+        f"\nDPO held-out preference accuracy {first['eval_rewards/accuracies']:.3f}, "
+        f"margin {first['eval_rewards/margins']:.3f}"
+    )
 
     # SIGKILLed past step 10 (asynchronous checkpoints) and rerun == 30 straight, the reference's
     # log-probs precomputed this time: the same numbers, so the same run.
     from engine.config import to_yaml
     from tests.engine_kill import kill_then_resume
 
-    cfg = dpo_config(base, tmp_path / "killed", preferences, steps=30, precompute_ref=True,
-                     **{"checkpoint.async_save": True, "checkpoint.every_steps": 5})
+    cfg = dpo_config(
+        base,
+        tmp_path / "killed",
+        preferences,
+        steps=30,
+        precompute_ref=True,
+        **{"checkpoint.async_save": True, "checkpoint.every_steps": 5},
+    )
     (tmp_path / "killed").mkdir()
     (tmp_path / "killed" / "dpo.yaml").write_text(to_yaml(cfg))
-    logs = kill_then_resume("engine.posttrain.dpo", tmp_path / "killed" / "dpo.yaml",
-                            tmp_path / "killed" / "checkpoint", after_step=10)
+    logs = kill_then_resume(
+        "engine.posttrain.dpo", tmp_path / "killed" / "dpo.yaml", tmp_path / "killed" / "checkpoint", after_step=10
+    )
     assert "precomputed" in logs
     a = load_params(tmp_path / "run" / "checkpoint")[1]
     b = load_params(tmp_path / "killed" / "checkpoint")[1]
@@ -92,22 +111,34 @@ def test_dpo_learns_the_preferred_answers_and_resumes_bitwise_after_sigkill(base
 
 
 @pytest.mark.parametrize("loss_type", ["ipo", "simpo", "apo_zero"])
-def test_other_loss_types_train_with_lora_and_no_reference_copy(base, preferences, tmp_path, loss_type):  # noqa: F811
-    result = run_dpo(dpo_config(base, tmp_path / loss_type, preferences, steps=12, loss_type=loss_type,
-                                **{"lora.rank": 4, "lora.target_modules": "all-linear",
-                                   "optimizer.learning_rate": 2e-2}))
+def test_other_loss_types_train_with_lora_and_no_reference_copy(base, preferences, tmp_path, loss_type):
+    result = run_dpo(
+        dpo_config(
+            base,
+            tmp_path / loss_type,
+            preferences,
+            steps=12,
+            loss_type=loss_type,
+            **{"lora.rank": 4, "lora.target_modules": "all-linear", "optimizer.learning_rate": 2e-2},
+        )
+    )
     assert result["eval_rewards/accuracies"] > 0.7, result
 
 
-def test_a_pair_without_rejected_names_its_line_and_identical_pairs_are_counted(base, tmp_path):  # noqa: F811
+def test_a_pair_without_rejected_names_its_line_and_identical_pairs_are_counted(base, tmp_path):
     bundle = load_saved(base / "tokenizer")
     cfg = dpo_config(base, tmp_path, tmp_path / "pairs.jsonl")
-    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "a", "chosen": " b", "rejected": " c"}) + "\n"
-                                          + json.dumps({"prompt": "a", "chosen": " b"}) + "\n")
+    (tmp_path / "pairs.jsonl").write_text(
+        json.dumps({"prompt": "a", "chosen": " b", "rejected": " c"})
+        + "\n"
+        + json.dumps({"prompt": "a", "chosen": " b"})
+        + "\n"
+    )
     with pytest.raises(ConfigError, match=r"pairs.jsonl:2: no 'rejected' key \(the record has: prompt, chosen\)"):
         load_pairs(cfg.data, bundle, print)
-    (tmp_path / "pairs.jsonl").write_text("".join(
-        json.dumps({"prompt": "a", "chosen": " b", "rejected": r}) + "\n" for r in (" c", " b", " b")))
+    (tmp_path / "pairs.jsonl").write_text(
+        "".join(json.dumps({"prompt": "a", "chosen": " b", "rejected": r}) + "\n" for r in (" c", " b", " b"))
+    )
     logs = []
     pairs, _ = load_pairs(cfg.data.model_copy(update={"eval_fraction": 0.0}), bundle, logs.append)
     assert len(pairs) == 1 and "2 pair(s)" in logs[0] and "pairs.jsonl:2" in logs[0]
@@ -115,8 +146,15 @@ def test_a_pair_without_rejected_names_its_line_and_identical_pairs_are_counted(
         dpo_config(base, tmp_path, tmp_path / "pairs.jsonl", beta=0)
     # An implicit prompt: the messages chosen and rejected share.
     chat = [{"role": "user", "content": "colour 1?"}]
-    pair = tokenize_pair({"chosen": chat + [{"role": "assistant", "content": "green"}],
-                          "rejected": chat + [{"role": "assistant", "content": "red"}]}, "x:1", bundle, cfg.data)
+    pair = tokenize_pair(
+        {
+            "chosen": chat + [{"role": "assistant", "content": "green"}],
+            "rejected": chat + [{"role": "assistant", "content": "red"}],
+        },
+        "x:1",
+        bundle,
+        cfg.data,
+    )
     assert "green" in bundle.tokenizer.decode(pair.chosen.tolist())
     # The shared messages are the prompt, cut to max_prompt_length (8) from the left: its end is kept.
     assert len(pair.prompt) == 8 and bundle.tokenizer.decode(pair.prompt.tolist()).endswith("our 1?")
@@ -124,7 +162,7 @@ def test_a_pair_without_rejected_names_its_line_and_identical_pairs_are_counted(
 
 def test_sequence_log_probs_equal_transformers_on_a_converted_model(tmp_path):
     torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from engine.interop.hf.convert import convert_hf
     from engine.models.params import graphdef_of
     from engine.posttrain.dpo import Pair, make_logps_fn
@@ -137,8 +175,10 @@ def test_sequence_log_probs_equal_transformers_on_a_converted_model(tmp_path):
     cfg, params, _ = load_params(tmp_path / "out" / "checkpoint")
     _, compute = stored_configs(tmp_path / "out" / "checkpoint")
     rng = np.random.default_rng(4)
-    pairs = [Pair(rng.integers(0, 37, n), rng.integers(0, 37, c), rng.integers(0, 37, r))
-             for n, c, r in ((3, 5, 2), (6, 1, 7), (2, 9, 4))]  # odd, unequal lengths
+    pairs = [
+        Pair(rng.integers(0, 37, n), rng.integers(0, 37, c), rng.integers(0, 37, r))
+        for n, c, r in ((3, 5, 2), (6, 1, 7), (2, 9, 4))
+    ]  # odd, unequal lengths
     rows = pair_rows(pairs, 16)
     ours = np.asarray(make_logps_fn(graphdef_of(cfg, compute))(params, {k: jnp.asarray(v) for k, v in rows.items()}))
     for i, pair in enumerate(pairs):
@@ -146,13 +186,12 @@ def test_sequence_log_probs_equal_transformers_on_a_converted_model(tmp_path):
             ids = torch.tensor(np.concatenate([pair.prompt, completion]))[None]
             with torch.no_grad():
                 logp = torch.log_softmax(model(ids).logits.double(), -1)[0, :-1]
-            ref = logp[torch.arange(len(ids[0]) - 1), ids[0, 1:]][len(pair.prompt) - 1:].sum().item()
+            ref = logp[torch.arange(len(ids[0]) - 1), ids[0, 1:]][len(pair.prompt) - 1 :].sum().item()
             assert abs(ours[i, j] - ref) <= 1e-5 * max(1.0, abs(ref)), (i, j, ours[i, j], ref)
 
 
-
 @pytest.mark.slow
-def test_dpo_is_a_pipeline_stage_with_lineage_and_a_plan(base, preferences, tmp_path):  # noqa: F811
+def test_dpo_is_a_pipeline_stage_with_lineage_and_a_plan(base, preferences, tmp_path):
     from flows.spec import Pipeline
     from tasks.artifacts import read_manifest
     from tasks.plan import plan_pipeline
@@ -161,10 +200,24 @@ def test_dpo_is_a_pipeline_stage_with_lineage_and_a_plan(base, preferences, tmp_
 
     p = Pipeline("prefs", store=tmp_path / "store")
     start = p.stage("base", task="test-checkpoint-copy", config={"path": str(base)})
-    p.stage("dpo", task="dpo", inputs={"checkpoint": start}, launcher={"kind": "local", "env": {"XLA_FLAGS": ""}},
-            config={"data": {"path": str(preferences), "max_prompt_length": 8, "max_length": 16, "batch_size": 8,
-                             "eval_fraction": 0.1},
-                    "steps": 3, "log_every": 1, "lora": {"rank": 4, "target_modules": "all-linear"}})
+    p.stage(
+        "dpo",
+        task="dpo",
+        inputs={"checkpoint": start},
+        launcher={"kind": "local", "env": {"XLA_FLAGS": ""}},
+        config={
+            "data": {
+                "path": str(preferences),
+                "max_prompt_length": 8,
+                "max_length": 16,
+                "batch_size": 8,
+                "eval_fraction": 0.1,
+            },
+            "steps": 3,
+            "log_every": 1,
+            "lora": {"rank": 4, "target_modules": "all-linear"},
+        },
+    )
     plan = p.plan()
     assert [execute_stage(s.job, plan.store).status for s in plan.stages.values()] == [RAN, RAN]
     out = plan.store.artifact_dir("dpo", plan.stages["dpo"].job.artifact_id)
@@ -172,10 +225,12 @@ def test_dpo_is_a_pipeline_stage_with_lineage_and_a_plan(base, preferences, tmp_
     assert manifest["kind"] == "adapter" and [q["stage"] for q in manifest["parents"]] == ["base"]
     assert manifest["metrics"]["steps"] == 3 and "eval_rewards/accuracies" in manifest["metrics"]
     plans, notes = plan_pipeline(plan, "local")
-    assert [q.stage for q in plans] == ["dpo"] and plans[0].fits and plans[0].memory.gradients < plans[0].memory.parameters
+    assert (
+        [q.stage for q in plans] == ["dpo"] and plans[0].fits and plans[0].memory.gradients < plans[0].memory.parameters
+    )
 
 
-def test_the_held_out_loss_is_the_training_loss_definition_with_rpo(base):  # noqa: F811
+def test_the_held_out_loss_is_the_training_loss_definition_with_rpo(base):
     """Evaluation adds the loss's parts up over batches (normaliser 1) and divides once: on one
     batch that equals the training step's loss, RPO's per-token NLL term included."""
     from engine.models.params import graphdef_of
@@ -184,8 +239,15 @@ def test_the_held_out_loss_is_the_training_loss_definition_with_rpo(base):  # no
 
     bundle = load_saved(base / "tokenizer")
     cfg = dpo_config(base, Path("unused"), Path("unused.jsonl"), rpo_alpha=0.7)
-    pairs = [tokenize_pair({"prompt": f"colour {i}:", "chosen": f" {NAMES[i]}", "rejected": " red blue green"},
-                           f"x:{i}", bundle, cfg.data) for i in range(3)]
+    pairs = [
+        tokenize_pair(
+            {"prompt": f"colour {i}:", "chosen": f" {NAMES[i]}", "rejected": " red blue green"},
+            f"x:{i}",
+            bundle,
+            cfg.data,
+        )
+        for i in range(3)
+    ]
     batch = {k: jnp.asarray(v) for k, v in pair_rows(pairs, cfg.data.max_length).items()}
     batch["ref_logps"] = jnp.asarray(np.random.default_rng(0).normal(-20, 3, (3, 2)), jnp.float32)
     model_cfg, params, _ = load_params(base / "checkpoint")

@@ -41,7 +41,6 @@ SEEDS = (0, 1, 2)
 TOLERANCE = 1e-6  # float64 on both sides
 
 
-
 @pytest.fixture(autouse=True)
 def float64():
     with jax.enable_x64(True):
@@ -62,12 +61,19 @@ def random_batch(seed: int) -> SimpleNamespace:
     # The reference differs from the policy by a few nats per completion, so sigmoids are not
     # saturated and hinge has pairs on both sides of its kink.
     ref_sums = (log_probs_bt * mask_bt).sum(-1) + rng.normal(0.0, 3.0, rows)
-    return SimpleNamespace(input_ids=rng.integers(0, VOCAB, (rows, TOKENS + 1)), attention_mask=attention_mask,
-                           completion_mask=completion_mask, mask_bt=mask_bt, log_probs_bt=log_probs_bt,
-                           ref_chosen_logps=ref_sums[:PAIRS], ref_rejected_logps=ref_sums[PAIRS:])
+    return SimpleNamespace(
+        input_ids=rng.integers(0, VOCAB, (rows, TOKENS + 1)),
+        attention_mask=attention_mask,
+        completion_mask=completion_mask,
+        mask_bt=mask_bt,
+        log_probs_bt=log_probs_bt,
+        ref_chosen_logps=ref_sums[:PAIRS],
+        ref_rejected_logps=ref_sums[PAIRS:],
+    )
 
 
 # ---- TRL's side -------------------------------------------------------------------------------
+
 
 def stand_in_accelerator():
     return SimpleNamespace(device=torch.device("cpu"), gather=lambda x: x, gather_for_metrics=lambda x: x)
@@ -75,22 +81,36 @@ def stand_in_accelerator():
 
 def fused_head_model(log_probs_bt):
     """What `_compute_loss` reads of TRL's fused LM head: per-token fields, zero where the label is -100."""
+
     def model(*, labels, fused_lm_head, **model_kwargs):
         assert fused_lm_head
         label_mask_bt = labels[:, 1:] != -100
         zeros_bt = torch.zeros_like(log_probs_bt)
-        return SimpleNamespace(log_probs=log_probs_bt * label_mask_bt, entropy=zeros_bt, mean_logits=zeros_bt,
-                               is_top1=label_mask_bt)
+        return SimpleNamespace(
+            log_probs=log_probs_bt * label_mask_bt, entropy=zeros_bt, mean_logits=zeros_bt, is_top1=label_mask_bt
+        )
+
     return model
 
 
 def trl_dpo(batch, loss_types, loss_weights, *, beta, label_smoothing=0.0):
     """TRL's loss, its gradient w.r.t. the per-token log-probs, and the metrics it logged."""
     trainer = SimpleNamespace(
-        beta=beta, loss_types=loss_types, loss_weights=loss_weights, f_divergence_type="reverse_kl",
-        label_smoothing=label_smoothing, ld_alpha=None, precompute_ref_logps=True, use_weighting=False,
-        aux_loss_enabled=False, model=SimpleNamespace(training=True), accelerator=stand_in_accelerator(),
-        _metrics=defaultdict(lambda: defaultdict(list)), _total_train_tokens=0, _tp_size=1)
+        beta=beta,
+        loss_types=loss_types,
+        loss_weights=loss_weights,
+        f_divergence_type="reverse_kl",
+        label_smoothing=label_smoothing,
+        ld_alpha=None,
+        precompute_ref_logps=True,
+        use_weighting=False,
+        aux_loss_enabled=False,
+        model=SimpleNamespace(training=True),
+        accelerator=stand_in_accelerator(),
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        _total_train_tokens=0,
+        _tp_size=1,
+    )
     log_probs_bt = torch.tensor(batch.log_probs_bt, dtype=torch.float64, requires_grad=True)
     inputs = {
         "input_ids": torch.tensor(batch.input_ids),
@@ -106,18 +126,27 @@ def trl_dpo(batch, loss_types, loss_weights, *, beta, label_smoothing=0.0):
 
 # ---- the engine's side ------------------------------------------------------------------------
 
+
 def sequence_inputs(log_probs_bt, batch):
     """per_pair_loss's positional inputs: masked per-sequence sums, reference sums, token counts."""
     mask_bt = jnp.asarray(batch.mask_bt)
     sums, tokens = (log_probs_bt * mask_bt).sum(-1), mask_bt.sum(-1)
-    return (sums[:PAIRS], sums[PAIRS:], jnp.asarray(batch.ref_chosen_logps), jnp.asarray(batch.ref_rejected_logps),
-            tokens[:PAIRS], tokens[PAIRS:])
+    return (
+        sums[:PAIRS],
+        sums[PAIRS:],
+        jnp.asarray(batch.ref_chosen_logps),
+        jnp.asarray(batch.ref_rejected_logps),
+        tokens[:PAIRS],
+        tokens[PAIRS:],
+    )
 
 
 def engine_dpo(batch, loss_type, *, beta, label_smoothing=0.0):
     def loss_fn(log_probs_bt):
-        return per_pair_loss(loss_type, *sequence_inputs(log_probs_bt, batch), beta=beta,
-                             label_smoothing=label_smoothing).mean()
+        return per_pair_loss(
+            loss_type, *sequence_inputs(log_probs_bt, batch), beta=beta, label_smoothing=label_smoothing
+        ).mean()
+
     loss, grad_bt = jax.value_and_grad(loss_fn)(jnp.asarray(batch.log_probs_bt))
     return float(loss), np.asarray(grad_bt)
 
@@ -129,10 +158,11 @@ def assert_close(ours, theirs, what):
 
 # ---- tests -------------------------------------------------------------------------------------
 
-DPO_CASES = [pytest.param(loss_type, beta, 0.0, id=f"{loss_type}-beta{beta}")
-             for loss_type in ("sigmoid", "robust", "hinge", "ipo", "sppo_hard", "apo_zero", "apo_down",
-                               "sigmoid_norm")
-             for beta in (0.1, 0.5)]
+DPO_CASES = [
+    pytest.param(loss_type, beta, 0.0, id=f"{loss_type}-beta{beta}")
+    for loss_type in ("sigmoid", "robust", "hinge", "ipo", "sppo_hard", "apo_zero", "apo_down", "sigmoid_norm")
+    for beta in (0.1, 0.5)
+]
 DPO_CASES += [
     # TRL 1.16's sigmoid ignores label_smoothing (cDPO is gone from it); so must the engine's.
     pytest.param("sigmoid", 0.5, 0.2, id="sigmoid-beta0.5-smoothing0.2"),
@@ -160,10 +190,11 @@ def test_rpo_matches_trl_sigmoid_plus_sft(alpha):
         trl_loss, trl_grad, _ = trl_dpo(batch, ["sigmoid", "sft"], [1.0, alpha], beta=beta)
 
         def loss_fn(log_probs_bt):
-            chosen_mask_bt = jnp.asarray(batch.mask_bt[:PAIRS])
+            chosen_mask_bt = jnp.asarray(batch.mask_bt[:PAIRS])  # noqa: B023
             chosen_nll = -(log_probs_bt[:PAIRS] * chosen_mask_bt).sum()
-            return (per_pair_loss("sigmoid", *sequence_inputs(log_probs_bt, batch), beta=beta).mean()
-                    + alpha * (chosen_nll / chosen_mask_bt.sum()))
+            return per_pair_loss("sigmoid", *sequence_inputs(log_probs_bt, batch), beta=beta).mean() + alpha * (  # noqa: B023
+                chosen_nll / chosen_mask_bt.sum()
+            )
 
         loss, grad = jax.value_and_grad(loss_fn)(jnp.asarray(batch.log_probs_bt))
         assert_close(loss, trl_loss, f"rpo loss, seed {seed}")
@@ -187,8 +218,14 @@ def test_dpo_rewards_match_trl_metrics(loss_type):
 @pytest.mark.parametrize("beta,simpo_gamma,label_smoothing", [(2.0, 0.5, 0.0), (2.5, 1.0, 0.1), (0.5, 0.3, 0.2)])
 def test_simpo_matches_trl_cpo(beta, simpo_gamma, label_smoothing):
     """SimPO's loss, gradient w.r.t. the logits, and per-pair rewards, against CPO's from the same logits."""
-    cpo = SimpleNamespace(loss_type="simpo", alpha=0.0, beta=beta, simpo_gamma=simpo_gamma,
-                          label_smoothing=label_smoothing, accelerator=stand_in_accelerator())
+    cpo = SimpleNamespace(
+        loss_type="simpo",
+        alpha=0.0,
+        beta=beta,
+        simpo_gamma=simpo_gamma,
+        label_smoothing=label_smoothing,
+        accelerator=stand_in_accelerator(),
+    )
     for seed in SEEDS:
         batch = random_batch(seed)
         logits_btv = np.random.default_rng(100 + seed).normal(0.0, 2.0, (2 * PAIRS, TOKENS + 1, VOCAB))
@@ -203,16 +240,22 @@ def test_simpo_matches_trl_cpo(beta, simpo_gamma, label_smoothing):
 
         def per_token_logps(logits):
             log_probs_btv = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-            return jnp.take_along_axis(log_probs_btv, jnp.asarray(batch.input_ids[:, 1:, None]), axis=-1)[..., 0]
+            return jnp.take_along_axis(log_probs_btv, jnp.asarray(batch.input_ids[:, 1:, None]), axis=-1)[..., 0]  # noqa: B023
 
         def loss_fn(logits):
-            return per_pair_loss("simpo", *sequence_inputs(per_token_logps(logits), batch), beta=beta,
-                                 label_smoothing=label_smoothing, simpo_gamma=simpo_gamma).mean()
+            return per_pair_loss(
+                "simpo",
+                *sequence_inputs(per_token_logps(logits), batch),  # noqa: B023
+                beta=beta,
+                label_smoothing=label_smoothing,
+                simpo_gamma=simpo_gamma,
+            ).mean()
 
         loss, grad = jax.value_and_grad(loss_fn)(jnp.asarray(logits_btv))
         assert_close(loss, trl_loss.item(), f"simpo loss, seed {seed}")
         assert_close(grad, trl_grad.numpy(), f"simpo gradient, seed {seed}")
-        chosen, rejected = preference_rewards("simpo", *sequence_inputs(per_token_logps(jnp.asarray(logits_btv)),
-                                                                        batch), beta=beta)
+        chosen, rejected = preference_rewards(
+            "simpo", *sequence_inputs(per_token_logps(jnp.asarray(logits_btv)), batch), beta=beta
+        )
         assert_close(chosen, trl_chosen.numpy(), "simpo chosen rewards")
         assert_close(rejected, trl_rejected.numpy(), "simpo rejected rewards")

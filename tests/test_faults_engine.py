@@ -20,7 +20,14 @@ from engine.models.config import ModelConfig
 from engine.models.transformer import Transformer
 from engine.posttrain.config import SFTConfig
 from engine.posttrain.sft import run_sft
-from engine.train.checkpoint import DIGESTS_FILE, DIGESTS_FORMAT, Checkpointer, CorruptCheckpoint, load_params, verify_step
+from engine.train.checkpoint import (
+    DIGESTS_FILE,
+    DIGESTS_FORMAT,
+    Checkpointer,
+    CorruptCheckpoint,
+    load_params,
+    verify_step,
+)
 from engine.train.config import TrainConfig
 from engine.train.metrics import read_metrics
 from engine.train.pretrain import run_pretrain
@@ -34,7 +41,10 @@ def tiny_config(dataset, out: Path, **overrides) -> TrainConfig:
         "checkpoint": {"directory": str(out / "checkpoint"), "every_steps": 4, "keep": 10},
         "optimizer": {"learning_rate": 3e-3},
         "schedule": {"warmup_steps": 2},
-        "steps": 12, "log_every": 1, "progress": False, "metrics_dir": str(out),
+        "steps": 12,
+        "log_every": 1,
+        "progress": False,
+        "metrics_dir": str(out),
     }
     return load_config(tree=tree, overrides=[f"{k}={v}" for k, v in overrides.items()], schema=TrainConfig)
 
@@ -61,8 +71,11 @@ def test_an_empty_validation_split_or_a_train_split_under_one_batch_is_refused_b
     meta["splits"]["validation"] = {"shards": [], "documents": 0, "tokens": 0}
     (dataset / "meta.json").write_text(json.dumps(meta))
     started = time.perf_counter()
-    with pytest.raises(ConfigError, match=rf"the 'validation' split of {dataset} has no documents, but evaluation "
-                                          r"is configured \(data.eval_batches=2\); set data.eval_batches=0"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"the 'validation' split of {dataset} has no documents, but evaluation "
+        r"is configured \(data.eval_batches=2\); set data.eval_batches=0",
+    ):
         run_pretrain(tiny_config(dataset, tmp_path))
     assert time.perf_counter() - started < 5  # nothing compiled
     assert steps_on_disk(tmp_path / "checkpoint") == []
@@ -70,8 +83,11 @@ def test_an_empty_validation_split_or_a_train_split_under_one_batch_is_refused_b
     # Two short documents cannot fill one 8 x 64 batch.
     small = tmp_path / "small"
     write_dataset(small, {"train": [np.arange(40) % 256, np.arange(30) % 256]}, vocab_size=257, eos_id=256)
-    with pytest.raises(ConfigError, match=r"'train' split of .* holds 68 tokens to predict, fewer than one batch "
-                                          r"\(data.batch_size 8 x data.seq_len 64 = 512\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'train' split of .* holds 68 tokens to predict, fewer than one batch "
+        r"\(data.batch_size 8 x data.seq_len 64 = 512\)",
+    ):
         run_pretrain(tiny_config(small, tmp_path))
     assert steps_on_disk(tmp_path / "checkpoint") == []
 
@@ -79,8 +95,9 @@ def test_an_empty_validation_split_or_a_train_split_under_one_batch_is_refused_b
 def test_held_out_sft_examples_with_nothing_to_evaluate_are_refused_before_step_1(tmp_path):
     texts = ["the quick brown fox jumps over the lazy dog " * 10]
     save_tokenizer(train_tokenizer(TokenizerConfig(vocab_size=300), texts, add_bos=True), tmp_path / "tokenizer")
-    model = ModelConfig(vocab_size=300, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, mlp_dim=32,
-                        max_seq_len=64)
+    model = ModelConfig(
+        vocab_size=300, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, mlp_dim=32, max_seq_len=64
+    )
     ckpt = Checkpointer(tmp_path / "base", async_save=False)
     params = nnx.to_pure_dict(nnx.split(Transformer(model, rngs=nnx.Rngs(0)))[1])
     ckpt.save(0, params, {"unused": np.zeros((), np.int32)}, {"step": 0, "model": model.model_dump(mode="json")}, {})
@@ -89,18 +106,27 @@ def test_held_out_sft_examples_with_nothing_to_evaluate_are_refused_before_step_
     train.write_text("".join(json.dumps({"prompt": f"fox {i}", "completion": " dog"}) + "\n" for i in range(8)))
     # Conversations without an assistant turn: rows, but no token the loss counts.
     held_out.write_text(json.dumps({"messages": [{"role": "user", "content": "the fox?"}]}) + "\n")
-    cfg = load_config(tree={
-        "checkpoint": {"init_from": str(tmp_path / "base"), "directory": str(tmp_path / "run" / "checkpoint")},
-        "tokenizer": str(tmp_path / "tokenizer"),
-        "data": {"path": str(train), "eval_path": str(held_out), "seq_len": 32, "batch_size": 8},
-        "steps": 2, "progress": False, "metrics_dir": str(tmp_path / "run")}, schema=SFTConfig)
-    with pytest.raises(ConfigError, match=rf"data.eval_path: {held_out}: the held-out examples give no token to evaluate"):
+    cfg = load_config(
+        tree={
+            "checkpoint": {"init_from": str(tmp_path / "base"), "directory": str(tmp_path / "run" / "checkpoint")},
+            "tokenizer": str(tmp_path / "tokenizer"),
+            "data": {"path": str(train), "eval_path": str(held_out), "seq_len": 32, "batch_size": 8},
+            "steps": 2,
+            "progress": False,
+            "metrics_dir": str(tmp_path / "run"),
+        },
+        schema=SFTConfig,
+    )
+    with pytest.raises(
+        ConfigError, match=rf"data.eval_path: {held_out}: the held-out examples give no token to evaluate"
+    ):
         run_sft(cfg, log=lambda _: None)
     assert steps_on_disk(tmp_path / "run" / "checkpoint") == []
 
 
 def test_a_failing_final_evaluation_keeps_the_final_checkpoint_and_the_retry_only_evaluates(
-        byte_dataset, tmp_path, monkeypatch):
+    byte_dataset, tmp_path, monkeypatch
+):
     cfg = tiny_config(byte_dataset, tmp_path, steps=4, **{"checkpoint.every_steps": 10})  # saves only the final step
 
     def broken(self, params, batches):
@@ -182,10 +208,22 @@ def test_each_step_commits_its_digests_and_a_step_without_them_is_never_restored
 def test_a_non_finite_update_found_one_step_late_never_writes_a_checkpoint_after_it(byte_dataset, tmp_path):
     # Checkpoints every 2 steps, logs only at the end. At this learning rate step 3 is the first
     # bad one: not a checkpoint step, so it is found one step late, before step 4's hooks run.
-    cfg = tiny_config(byte_dataset, tmp_path, steps=10, log_every=100, **{
-        "optimizer.learning_rate": 1e6, "optimizer.grad_clip_norm": "null", "schedule.warmup_steps": 0,
-        "schedule.kind": "constant", "checkpoint.every_steps": 2})
-    with pytest.raises(TrainingError, match=r"non-finite (loss|gradient norm) \((nan|inf)\b.* at step \d+; stopped") as e:
+    cfg = tiny_config(
+        byte_dataset,
+        tmp_path,
+        steps=10,
+        log_every=100,
+        **{
+            "optimizer.learning_rate": 1e6,
+            "optimizer.grad_clip_norm": "null",
+            "schedule.warmup_steps": 0,
+            "schedule.kind": "constant",
+            "checkpoint.every_steps": 2,
+        },
+    )
+    with pytest.raises(
+        TrainingError, match=r"non-finite (loss|gradient norm) \((nan|inf)\b.* at step \d+; stopped"
+    ) as e:
         run_pretrain(cfg)
     bad_step = int(re.search(r"at step (\d+)", str(e.value)).group(1))
     assert bad_step % 2 == 1, f"the first bad step ({bad_step}) should fall between checkpoints"

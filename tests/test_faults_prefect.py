@@ -39,8 +39,11 @@ def prefect_home(tmp_path_factory) -> Path:
 
 def write_pipeline(tmp_path: Path, name: str, stages: dict) -> Path:
     path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({"name": name, "store": str(tmp_path / "store"),
-                                    "imports": ["tests.pipeline_toys"], "stages": stages}))
+    path.write_text(
+        yaml.safe_dump(
+            {"name": name, "store": str(tmp_path / "store"), "imports": ["tests.pipeline_toys"], "stages": stages}
+        )
+    )
     return path
 
 
@@ -58,8 +61,14 @@ def start_trainflow(path: Path, env: dict, **popen) -> subprocess.Popen:
     """`trainflow run` in the background, its output in files (a full pipe would block it)."""
     out, err = path.with_suffix(".out"), path.with_suffix(".err")
     with open(out, "w") as stdout, open(err, "w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(path)], cwd=REPO, env=env,
-                                stdout=stdout, stderr=stderr, **popen)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "run", str(path)],
+            cwd=REPO,
+            env=env,
+            stdout=stdout,
+            stderr=stderr,
+            **popen,
+        )
     proc.outputs = (out, err)
     return proc
 
@@ -68,8 +77,10 @@ def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 120.
     deadline = time.monotonic() + timeout
     while not (value := condition()):
         if proc.poll() is not None:
-            raise AssertionError(f"trainflow exited ({proc.returncode}) before {what}:\n"
-                                 + "\n".join(p.read_text()[-3000:] for p in proc.outputs))
+            raise AssertionError(
+                f"trainflow exited ({proc.returncode}) before {what}:\n"
+                + "\n".join(p.read_text()[-3000:] for p in proc.outputs)
+            )
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
     return value
@@ -80,7 +91,7 @@ def statuses(stdout: str) -> dict[str, str]:
     lines = stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("stage "))
     rows = []
-    for line in lines[header + 1:]:
+    for line in lines[header + 1 :]:
         if not line.strip():  # reports and lineage follow the table
             break
         rows.append(line.split())
@@ -128,17 +139,22 @@ if "flows.cli" in sys.orig_argv:
 
 
 def test_a_prefect_server_killed_mid_stage_costs_one_warning_not_the_run(prefect_home, tmp_path):
-    path = write_pipeline(tmp_path, "observed", {
-        "train": {"task": "toy-child", "config": {"steps": 60, "step_seconds": 0.05}},
-        "src": {"task": "toy-source", "config": {"value": 3, "sleep": 1.5}},
-        "after": {"task": "toy-sum", "inputs": {"a": "src"}},  # starts once the API is gone
-    })
+    path = write_pipeline(
+        tmp_path,
+        "observed",
+        {
+            "train": {"task": "toy-child", "config": {"steps": 60, "step_seconds": 0.05}},
+            "src": {"task": "toy-source", "config": {"value": 3, "sleep": 1.5}},
+            "after": {"task": "toy-sum", "inputs": {"a": "src"}},  # starts once the API is gone
+        },
+    )
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(LAGGING_EVENTS_WORKER)
     server = start_server(env={"PREFECT_HOME": str(prefect_home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
     try:
-        proc = start_trainflow(path, env_with(PREFECT_API_URL=server.api_url,
-                                              PYTHONPATH=f"{tmp_path / 'site'}{os.pathsep}{REPO}"))
+        proc = start_trainflow(
+            path, env_with(PREFECT_API_URL=server.api_url, PYTHONPATH=f"{tmp_path / 'site'}{os.pathsep}{REPO}")
+        )
         wait_for(lambda: list((tmp_path / "store").glob("train/*/metrics.jsonl")), proc, "train started")
         server.kill()
         killed_at = time.monotonic()
@@ -188,13 +204,21 @@ def test_an_unreachable_prefect_api_url_is_one_line(tmp_path):
     path = write_pipeline(tmp_path, "nowhere", {"only": {"task": "toy-source"}})
     url = "http://127.0.0.1:9/api"  # the discard port: nothing listens there
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(path)], cwd=REPO,
-                          env=env_with(PREFECT_API_URL=url), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", str(path)],
+        cwd=REPO,
+        env=env_with(PREFECT_API_URL=url),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1
     (line,) = proc.stderr.strip().splitlines()
-    assert line == (f"error: the Prefect API at {url} (PREFECT_API_URL) is unreachable; start it with "
-                    f"`prefect server start`, or unset PREFECT_API_URL to let trainflow start a local server "
-                    f"for the run")
+    assert line == (
+        f"error: the Prefect API at {url} (PREFECT_API_URL) is unreachable; start it with "
+        f"`prefect server start`, or unset PREFECT_API_URL to let trainflow start a local server "
+        f"for the run"
+    )
     assert not (tmp_path / "store").exists()  # nothing ran
     assert time.monotonic() - started < 30
 
@@ -203,13 +227,22 @@ def test_an_unreachable_prefect_api_url_is_one_line(tmp_path):
 
 
 def test_ctrl_c_to_the_process_group_stops_every_stage_with_143_and_the_rerun_resumes(
-        prefect_server, prefect_home, tmp_path):
-    stages = {name: {"task": "toy-child", "retries": 2, "retry_delay_seconds": 0,
-                     "config": {"steps": steps, "step_seconds": 0.05}} for name, steps in (("a", 400), ("b", 402))}
+    prefect_server, prefect_home, tmp_path
+):
+    stages = {
+        name: {
+            "task": "toy-child",
+            "retries": 2,
+            "retry_delay_seconds": 0,
+            "config": {"steps": steps, "step_seconds": 0.05},
+        }
+        for name, steps in (("a", 400), ("b", 402))
+    }
     path = write_pipeline(tmp_path, "interrupted", stages)
     # No PREFECT_API_URL: trainflow starts its local server, which must not get the Ctrl-C.
-    proc = start_trainflow(path, env_with(PREFECT_API_URL=None, PREFECT_HOME=str(prefect_home)),
-                           start_new_session=True)  # its own group, as a terminal's foreground job
+    proc = start_trainflow(
+        path, env_with(PREFECT_API_URL=None, PREFECT_HOME=str(prefect_home)), start_new_session=True
+    )  # its own group, as a terminal's foreground job
     wait_for(lambda: len(list((tmp_path / "store").glob("*/*/metrics.jsonl"))) == 2, proc, "both stages started")
     server_url, server_pid = LOCAL_SERVER.search(proc.outputs[1].read_text()).groups()
     started = time.monotonic()
@@ -229,16 +262,22 @@ def test_ctrl_c_to_the_process_group_stops_every_stage_with_143_and_the_rerun_re
         assert manifest["status"] == "failed" and manifest["attempts"] == 1  # a stop is not retried
     assert process_gone(int(server_pid)) and port_closed(server_url)  # stopped with the run
 
-    rerun = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(path), "a.step_seconds=0",
-                            "b.step_seconds=0"], cwd=REPO, env=env_with(PREFECT_API_URL=prefect_server),
-                           capture_output=True, text=True, timeout=120)
+    rerun = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", str(path), "a.step_seconds=0", "b.step_seconds=0"],
+        cwd=REPO,
+        env=env_with(PREFECT_API_URL=prefect_server),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert statuses(rerun.stdout) == {"a": "resumed", "b": "resumed"}
 
 
 def test_sigkill_of_trainflow_takes_its_local_prefect_server_down(prefect_home, tmp_path):
-    path = write_pipeline(tmp_path, "killed", {"train": {"task": "toy-child",
-                                                         "config": {"steps": 400, "step_seconds": 0.05}}})
+    path = write_pipeline(
+        tmp_path, "killed", {"train": {"task": "toy-child", "config": {"steps": 400, "step_seconds": 0.05}}}
+    )
     proc = start_trainflow(path, env_with(PREFECT_API_URL=None, PREFECT_HOME=str(prefect_home)))
     wait_for(lambda: list((tmp_path / "store").glob("train/*/metrics.jsonl")), proc, "train started")
     server_url, server_pid = LOCAL_SERVER.search(proc.outputs[1].read_text()).groups()

@@ -31,7 +31,7 @@ from flows.spec import Pipeline
 from tasks import runner
 from tasks.artifacts import read_manifest, verify_artifact
 from tasks.engine_stage import with_logged_finals
-from tasks.launch import Diverged, DiskFull, StageFailed, run_child
+from tasks.launch import DiskFull, Diverged, StageFailed, run_child
 from tasks.registry import StageContext, StageHooks, StageKind, register_stage, substitute_inputs
 from tasks.runner import RAN, RESUMED, SKIPPED, execute_stage
 from tests.conftest import REPO
@@ -42,15 +42,42 @@ ONE_DEVICE = {"kind": "local", "env": {"XLA_FLAGS": ""}}  # the engine child com
 def data_pipeline(store: Path, *, pretrain: bool = False) -> Pipeline:
     """The quickstart's first stages, tiny: arithmetic problems -> tokenize (-> pretrain)."""
     p = Pipeline("faults", store=store)
-    p.stage("problems", task="arithmetic", config={"max_number": 20, "pretrain_problems": 2000, "sft_problems": 10,
-                                                   "rl_problems": 10, "eval_problems": 10})
-    p.stage("tokenize", task="tokenize", inputs={"corpus": "problems"}, config={
-        "sources": [{"format": "text", "path": "{input:corpus}/pretrain.txt", "unit": "line"}],
-        "tokenizer": {"vocab_size": 300}, "validation_fraction": 0.05, "workers": 1})
+    p.stage(
+        "problems",
+        task="arithmetic",
+        config={
+            "max_number": 20,
+            "pretrain_problems": 2000,
+            "sft_problems": 10,
+            "rl_problems": 10,
+            "eval_problems": 10,
+        },
+    )
+    p.stage(
+        "tokenize",
+        task="tokenize",
+        inputs={"corpus": "problems"},
+        config={
+            "sources": [{"format": "text", "path": "{input:corpus}/pretrain.txt", "unit": "line"}],
+            "tokenizer": {"vocab_size": 300},
+            "validation_fraction": 0.05,
+            "workers": 1,
+        },
+    )
     if pretrain:
-        p.stage("pretrain", task="pretrain", inputs={"dataset": "tokenize"}, launcher=ONE_DEVICE, config={
-            "model": "tiny", "steps": 6, "log_every": 1, "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 1},
-            "checkpoint": {"every_steps": 2, "keep": 3, "async_save": False}})
+        p.stage(
+            "pretrain",
+            task="pretrain",
+            inputs={"dataset": "tokenize"},
+            launcher=ONE_DEVICE,
+            config={
+                "model": "tiny",
+                "steps": 6,
+                "log_every": 1,
+                "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 1},
+                "checkpoint": {"every_steps": 2, "keep": 3, "async_save": False},
+            },
+        )
     return p
 
 
@@ -95,12 +122,23 @@ def test_a_copied_store_with_deleted_manifests_rebuilds_them_under_the_same_ids(
     assert after["status"] == "complete" and after["id"] == ids["tokenize"]
     # The same shards and tokenizer (tokenize.yaml and meta.json also hold the input's path).
     located = {"tokenize.yaml", "data/meta.json"}
-    assert {k: v for k, v in after["files"].items() if k not in located} == \
-        {k: v for k, v in before["files"].items() if k not in located}
+    assert {k: v for k, v in after["files"].items() if k not in located} == {
+        k: v for k, v in before["files"].items() if k not in located
+    }
     assert after["metrics"] == before["metrics"]
-    assert after["parents"] == before["parents"] == [
-        {"input": "corpus", "stage": "problems", "id": ids["problems"], "kind": "corpus",
-         "path": f"problems/{ids['problems']}"}]
+    assert (
+        after["parents"]
+        == before["parents"]
+        == [
+            {
+                "input": "corpus",
+                "stage": "problems",
+                "id": ids["problems"],
+                "kind": "corpus",
+                "path": f"problems/{ids['problems']}",
+            }
+        ]
+    )
     assert verify_artifact(tokenize_dir) == []
 
 
@@ -130,8 +168,9 @@ def test_a_deleted_manifest_over_tampered_checkpoints_resumes_from_verified_step
     result = execute_stage(plan.stages["pretrain"].job, plan.store, StageHooks(log=log.append))
 
     assert result.status == RESUMED
-    assert any(f"checkpoint step 2 in {out / 'checkpoint'} differs from the digests" in line and older in line
-               for line in log), log
+    assert any(
+        f"checkpoint step 2 in {out / 'checkpoint'} differs from the digests" in line and older in line for line in log
+    ), log
     assert any("falling back to checkpoint step 4" in line for line in log), log
     manifest = read_manifest(out)
     assert manifest["status"] == "complete" and verify_artifact(out) == []
@@ -147,11 +186,25 @@ def test_a_deleted_manifest_over_tampered_checkpoints_resumes_from_verified_step
 
 def test_a_child_resumed_at_its_last_step_still_reports_its_final_metrics(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("".join(json.dumps(r) + "\n" for r in [
-        {"step": 5, "loss": 2.5}, {"step": 6, "loss": 2.0, "grad_norm": 0.5}, {"step": 6, "eval_loss": 2.25}]))
+    metrics.write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in [
+                {"step": 5, "loss": 2.5},
+                {"step": 6, "loss": 2.0, "grad_norm": 0.5},
+                {"step": 6, "eval_loss": 2.25},
+            ]
+        )
+    )
     nothing_trained = {"steps": 6, "final_loss": None, "num_params": 7}
     assert with_logged_finals(nothing_trained, metrics) == {
-        "loss": 2.0, "grad_norm": 0.5, "eval_loss": 2.25, "steps": 6, "final_loss": 2.0, "num_params": 7}
+        "loss": 2.0,
+        "grad_norm": 0.5,
+        "eval_loss": 2.25,
+        "steps": 6,
+        "final_loss": 2.0,
+        "num_params": 7,
+    }
     trained = {"steps": 6, "final_loss": 1.0, "loss": 1.0}
     assert with_logged_finals(trained, metrics) == trained
 
@@ -224,8 +277,12 @@ def events_of(path: Path) -> list[tuple[str, int, float]]:
 
 def test_a_new_run_waits_for_the_orphaned_engine_of_a_killed_run(tmp_path):
     store, events = tmp_path / "store", tmp_path / "events"
-    first = subprocess.Popen([sys.executable, "-c", ORPHANING_RUN, str(store), str(events)], cwd=REPO,
-                             env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL)
+    first = subprocess.Popen(
+        [sys.executable, "-c", ORPHANING_RUN, str(store), str(events)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 60
     while not events_of(events):
         assert first.poll() is None and time.monotonic() < deadline, "the first run's engine never started"
@@ -235,8 +292,7 @@ def test_a_new_run_waits_for_the_orphaned_engine_of_a_killed_run(tmp_path):
 
     plan = slow_saver_plan(store, events)
     log: list[tuple[float, str]] = []
-    result = execute_stage(plan.stages["train"].job, plan.store,
-                           StageHooks(log=lambda m: log.append((time.time(), m))))
+    result = execute_stage(plan.stages["train"].job, plan.store, StageHooks(log=lambda m: log.append((time.time(), m))))
 
     (orphan_start, orphan, _), (saved, saver, saved_at), (start, engine, started_at), (finished, *_) = events_of(events)
     assert (orphan_start, saved, start, finished) == ("start", "saved", "start", "finished")
@@ -285,7 +341,9 @@ def test_a_full_disk_is_not_retried_and_names_the_path(tmp_path, filename, retry
     with pytest.raises(DiskFull) as caught:
         execute_stage(plan.stages["fill"].job, plan.store)
     # A failed write() often carries no filename: the artifact directory is named instead.
-    assert str(caught.value) == f"stage 'fill': No space left on device writing {filename or out}; free space, then re-run"
+    assert (
+        str(caught.value) == f"stage 'fill': No space left on device writing {filename or out}; free space, then re-run"
+    )
     assert not retryable(caught.value)
     manifest = read_manifest(out)
     assert manifest["status"] == "failed" and str(filename or out) in manifest["error"]
@@ -305,12 +363,22 @@ raise MemoryError("a worker was lost")
 """
 
 
-@pytest.mark.parametrize("kind, error, message, retried", [
-    ("disk", DiskFull, ("stage 'x': OSError: [Errno 28] No space left on device: "
-                        "'/store/pretrain/0123/checkpoint/6.orbax-checkpoint-tmp/params' (exit 1)"), False),
-    ("nan", Diverged, "stage 'x': non-finite loss (nan) at step 7", False),
-    ("crash", StageFailed, "stage 'x': exited with code 1: MemoryError: a worker was lost", True),
-])
+@pytest.mark.parametrize(
+    "kind, error, message, retried",
+    [
+        (
+            "disk",
+            DiskFull,
+            (
+                "stage 'x': OSError: [Errno 28] No space left on device: "
+                "'/store/pretrain/0123/checkpoint/6.orbax-checkpoint-tmp/params' (exit 1)"
+            ),
+            False,
+        ),
+        ("nan", Diverged, "stage 'x': non-finite loss (nan) at step 7", False),
+        ("crash", StageFailed, "stage 'x': exited with code 1: MemoryError: a worker was lost", True),
+    ],
+)
 def test_child_failures_are_classified_retryable_or_not(kind, error, message, retried, retryable):
     with pytest.raises(error) as caught:
         run_child([sys.executable, "-c", CRASHES_WITH, kind], log=lambda _: None, what="stage 'x'")
@@ -322,8 +390,15 @@ def test_tokenize_on_a_full_disk_says_where_it_was_writing(tmp_path, monkeypatch
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"line {i} of a small corpus\n" for i in range(200)))
     config = tmp_path / "tokenize.yaml"
-    config.write_text(yaml.safe_dump({"sources": [{"format": "text", "path": str(corpus), "unit": "line"}],
-                                      "tokenizer": {"vocab_size": 300}, "workers": 1}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "sources": [{"format": "text", "path": str(corpus), "unit": "line"}],
+                "tokenizer": {"vocab_size": 300},
+                "workers": 1,
+            }
+        )
+    )
 
     def full(*_args, **_kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as a failed write() raises it: no filename
@@ -349,6 +424,7 @@ def test_a_manifest_that_cannot_be_written_never_stays_running(tmp_path, monkeyp
             if value["status"] in status:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             write(path, value)
+
         return write_json_atomic
 
     # The final write fails, the failure is recorded.
@@ -379,11 +455,12 @@ def test_an_unknown_stage_key_lists_the_valid_ones_or_the_closest(tmp_path):
         return str(caught.value)
 
     assert error_of(retires=2) == "pipeline 'keys': stages.a: unknown key 'retires'; did you mean 'retries'?"
-    assert error_of(zzz=1) == ("pipeline 'keys': stages.a: unknown key 'zzz'; valid keys: config, inputs, launcher, "
-                               "retries, retry_backoff, retry_delay_seconds, task")
+    assert error_of(zzz=1) == (
+        "pipeline 'keys': stages.a: unknown key 'zzz'; valid keys: config, inputs, launcher, "
+        "retries, retry_backoff, retry_delay_seconds, task"
+    )
 
 
 def test_lineage_of_a_directory_that_is_not_an_artifact_fails_in_one_line(tmp_path, capsys):
     assert cli.main(["lineage", str(tmp_path)]) == 1
-    assert capsys.readouterr().err.splitlines() == [
-        f"error: {tmp_path} is not an artifact (no readable artifact.json)"]
+    assert capsys.readouterr().err.splitlines() == [f"error: {tmp_path} is not an artifact (no readable artifact.json)"]

@@ -57,11 +57,13 @@ def test_blocked_attention_with_sinks_equals_the_reference_in_values_and_gradien
     def run(fn):
         def loss(q, k, v, sinks):
             return jnp.sum(fn(q, k, v, sinks) * probe * valid)
+
         out = jax.jit(fn)(q, k, v, sinks)
         return out * valid, jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
 
-    blocked = run(lambda q, k, v, s: blocked_attention(q, k, v, SEGMENTS, scale=0.4, window=window, block=block,
-                                                       sinks_n=s))
+    blocked = run(
+        lambda q, k, v, s: blocked_attention(q, k, v, SEGMENTS, scale=0.4, window=window, block=block, sinks_n=s)
+    )
     reference = run(lambda q, k, v, s: reference_attention(q, k, v, SEGMENTS, scale=0.4, window=window, sinks_n=s))
     np.testing.assert_allclose(blocked[0], reference[0], atol=5e-6)
     for name, got, want in zip(["q", "k", "v", "sinks"], blocked[1], reference[1]):
@@ -99,6 +101,7 @@ def test_splash_with_sinks_under_a_mesh_equals_the_reference_in_values_and_gradi
 
         def loss(q, k, v, s):
             return jnp.sum(fn(q, k, v, s) * probe * valid)
+
         return jax.jit(fn)(q, k, v, sinks) * valid, jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
 
     mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 1, 1, 1, 2), MESH_AXES)
@@ -138,20 +141,32 @@ def test_a_training_step_on_data_expert_and_tensor_axes_equals_one_device():
     from engine.parallel.config import MeshConfig
     from tests.test_moe import assert_mesh_step_equals_one_device, random_params
 
-    cfg = ModelConfig(**{**load_preset("tiny-gpt-oss", "test"), "num_experts": 4, "sliding_window": 5,
-                         "max_seq_len": 16})
+    cfg = ModelConfig(
+        **{**load_preset("tiny-gpt-oss", "test"), "num_experts": 4, "sliding_window": 5, "max_seq_len": 16}
+    )
     compute = ComputeConfig()
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (4, 16))
     segments = np.ones((4, 16), np.int32)
     segments[1, 11:] = 0  # padding
     segments[2, 7:] = 2  # two documents
-    batch = {"tokens": tokens, "positions": np.broadcast_to(np.arange(16), (4, 16)), "segment_ids": segments,
-             "targets": np.roll(tokens, -1, 1), "loss_mask": (segments > 0).astype(np.float32)}
+    batch = {
+        "tokens": tokens,
+        "positions": np.broadcast_to(np.arange(16), (4, 16)),
+        "segment_ids": segments,
+        "targets": np.roll(tokens, -1, 1),
+        "loss_mask": (segments > 0).astype(np.float32),
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # auto attention names its fallback (sinks) once
-        assert_mesh_step_equals_one_device(cfg, compute, random_params(cfg, compute, std=0.2), batch,
-                                           MeshConfig(data=2, expert=2, tensor=2), denominator=50.0)
+        assert_mesh_step_equals_one_device(
+            cfg,
+            compute,
+            random_params(cfg, compute, std=0.2),
+            batch,
+            MeshConfig(data=2, expert=2, tensor=2),
+            denominator=50.0,
+        )
 
 
 # --------------------------------------------------------------------------- Hugging Face parity
@@ -161,19 +176,37 @@ LIMIT = 2.0
 
 def hf_config():
     return transformers.GptOssConfig(
-        vocab_size=VOCAB, hidden_size=30, intermediate_size=13, num_hidden_layers=3, num_attention_heads=6,
-        num_key_value_heads=2, head_dim=8, num_local_experts=5, num_experts_per_tok=2, sliding_window=5,
-        max_position_embeddings=64, swiglu_limit=LIMIT,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16})
+        vocab_size=VOCAB,
+        hidden_size=30,
+        intermediate_size=13,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=5,
+        num_experts_per_tok=2,
+        sliding_window=5,
+        max_position_embeddings=64,
+        swiglu_limit=LIMIT,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "rope_theta": 10000.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 16,
+        },
+    )
 
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpt_oss")
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(), attn_implementation="eager",
-                                                          experts_implementation="eager").float()
+    model = transformers.AutoModelForCausalLM.from_config(
+        hf_config(), attn_implementation="eager", experts_implementation="eager"
+    ).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("sinks"):
@@ -184,8 +217,15 @@ def case(tmp_path_factory):
     convert_hf(root / "hf", root / "converted")
     cfg, params, _ = load_params(root / "converted" / "checkpoint")
     _, compute = stored_configs(root / "converted" / "checkpoint")
-    return dict(model=model, hf_dir=root / "hf", out=root / "converted", cfg=cfg, compute=compute, params=params,
-                forward=engine_forward(cfg, compute))
+    return dict(
+        model=model,
+        hf_dir=root / "hf",
+        out=root / "converted",
+        cfg=cfg,
+        compute=compute,
+        params=params,
+        forward=engine_forward(cfg, compute),
+    )
 
 
 def padded_batch():
@@ -238,8 +278,9 @@ def test_the_sinks_the_clamps_and_the_routing_all_matter_here(case):
         moved = model(torch.tensor(tokens), attention_mask=torch.tensor(mask), output_router_logits=True)
         for r, w in zip(routers, saved):
             r.weight.copy_(w)
-    changed = sum(int((torch.topk(r, 2).indices.sort().values != c).any(-1).sum())
-                  for r, c in zip(moved.router_logits, chosen))
+    changed = sum(
+        int((torch.topk(r, 2).indices.sort().values != c).any(-1).sum()) for r, c in zip(moved.router_logits, chosen)
+    )
     assert changed > 0
 
 
@@ -249,8 +290,11 @@ def test_the_capacity_dispatch_with_expert_biases_equals_the_dropless_one(case):
     tokens, mask = padded_batch()
     valid = mask.astype(bool)
     capacity = case["compute"].model_copy(update={"moe_dispatch": "capacity", "moe_capacity_factor": 2.5})
-    np.testing.assert_allclose(engine_forward(case["cfg"], capacity)(case["params"], tokens, mask)[valid],
-                               case["forward"](case["params"], tokens, mask)[valid], atol=2e-5)
+    np.testing.assert_allclose(
+        engine_forward(case["cfg"], capacity)(case["params"], tokens, mask)[valid],
+        case["forward"](case["params"], tokens, mask)[valid],
+        atol=2e-5,
+    )
 
 
 def test_greedy_generation_with_the_engine_sampler_is_identical(case):
@@ -265,8 +309,9 @@ def test_export_loads_cleanly_in_transformers_and_converts_back_bitwise(case, tm
         torch.testing.assert_close(reloaded.state_dict()[name], tensor, rtol=0, atol=0, msg=name)
     tokens, mask = padded_batch()
     valid = mask.astype(bool)
-    np.testing.assert_array_equal(hf_logits(reloaded.eval(), tokens, mask)[valid],
-                                  hf_logits(case["model"], tokens, mask)[valid])
+    np.testing.assert_array_equal(
+        hf_logits(reloaded.eval(), tokens, mask)[valid], hf_logits(case["model"], tokens, mask)[valid]
+    )
     ours = json.loads((tmp_path / "export" / "config.json").read_text())
     source = json.loads((case["hf_dir"] / "config.json").read_text())
     for key, value in source.items():
@@ -285,8 +330,11 @@ def _mxfp4_checkpoint(root, model, rng):
     random MXFP4 blocks and scales (quantization_config mxfp4), everything else as is."""
     from safetensors.numpy import save_file
 
-    tensors = {k: v.detach().numpy() for k, v in model.state_dict().items()
-               if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    tensors = {
+        k: v.detach().numpy()
+        for k, v in model.state_dict().items()
+        if not k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    }
     cfg = model.config
     e, d, f = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
     for i in range(cfg.num_hidden_layers):
@@ -297,8 +345,15 @@ def _mxfp4_checkpoint(root, model, rng):
     root.mkdir()
     save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
     config = cfg.to_dict()
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
     (root / "config.json").write_text(json.dumps(config))
     return tensors
 
@@ -312,19 +367,26 @@ def test_an_mxfp4_checkpoint_converts_to_the_weights_transformers_dequantizes(tm
     config = hf_config()
     config.hidden_size, config.intermediate_size = 64, 32  # MXFP4 blocks hold 32 inputs
     torch.manual_seed(1)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
-                                                          experts_implementation="eager").float()
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", experts_implementation="eager"
+    ).float()
     tensors = _mxfp4_checkpoint(tmp_path / "hf", model, np.random.default_rng(0))
     convert_hf(tmp_path / "hf", tmp_path / "converted")
     cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
     assert params["blocks"]["mlp"]["w_down_efd"].dtype == np.float32  # the float tensors' dtype, not uint8's
     reference = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "hf", quantization_config=transformers.Mxfp4Config(dequantize=True), torch_dtype=torch.float32,
-        attn_implementation="eager").eval()
+        tmp_path / "hf",
+        quantization_config=transformers.Mxfp4Config(dequantize=True),
+        torch_dtype=torch.float32,
+        attn_implementation="eager",
+    ).eval()
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}.mlp.experts.down_proj"
-        down = convert_moe_packed_tensors(torch.from_numpy(tensors[prefix + "_blocks"]),
-                                          torch.from_numpy(tensors[prefix + "_scales"]), dtype=torch.float32)
+        down = convert_moe_packed_tensors(
+            torch.from_numpy(tensors[prefix + "_blocks"]),
+            torch.from_numpy(tensors[prefix + "_scales"]),
+            dtype=torch.float32,
+        )
         np.testing.assert_array_equal(np.asarray(params["blocks"]["mlp"]["w_down_efd"][i]), down.numpy())
         np.testing.assert_array_equal(reference.model.layers[i].mlp.experts.down_proj.detach().numpy(), down.numpy())
     tokens, mask = padded_batch()
@@ -356,20 +418,28 @@ def test_a_sharded_bf16_mxfp4_checkpoint_converts_to_bf16_whatever_the_uint8_byt
     bf16_bytes = sum(v.nbytes for v in tensors.values() if v.dtype != np.uint8) // 2
     assert sum(v.nbytes for v in tensors.values() if v.dtype == np.uint8) > bf16_bytes
     (tmp_path / "hf" / "model.safetensors").unlink()
-    shards = {"model-00001-of-00002.safetensors": {k: v for k, v in tensors.items() if not k.endswith("_scales")},
-              "model-00002-of-00002.safetensors": {k: v for k, v in tensors.items() if k.endswith("_scales")}}
+    shards = {
+        "model-00001-of-00002.safetensors": {k: v for k, v in tensors.items() if not k.endswith("_scales")},
+        "model-00002-of-00002.safetensors": {k: v for k, v in tensors.items() if k.endswith("_scales")},
+    }
     for file, part in shards.items():
-        write_safetensors(tmp_path / "hf" / file, sorted(
-            (k, v if v.dtype == np.uint8 else v.astype(ml_dtypes.bfloat16)) for k, v in part.items()))
-    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {k: file for file, part in shards.items() for k in part}}))
+        write_safetensors(
+            tmp_path / "hf" / file,
+            sorted((k, v if v.dtype == np.uint8 else v.astype(ml_dtypes.bfloat16)) for k, v in part.items()),
+        )
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: file for file, part in shards.items() for k in part}})
+    )
     convert_hf(tmp_path / "hf", tmp_path / "converted")
     _, params, _ = load_params(tmp_path / "converted" / "checkpoint")
     down = params["blocks"]["mlp"]["w_down_efd"]
     assert down.dtype == ml_dtypes.bfloat16 and params["embed_vd"].dtype == ml_dtypes.bfloat16
     prefix = "model.layers.2.mlp.experts.down_proj"
-    want = convert_moe_packed_tensors(torch.from_numpy(tensors[prefix + "_blocks"]),
-                                      torch.from_numpy(tensors[prefix + "_scales"]), dtype=torch.float32)
+    want = convert_moe_packed_tensors(
+        torch.from_numpy(tensors[prefix + "_blocks"]),
+        torch.from_numpy(tensors[prefix + "_scales"]),
+        dtype=torch.float32,
+    )
     np.testing.assert_array_equal(np.asarray(down[2], np.float32), want.numpy())
 
 
@@ -382,20 +452,34 @@ def test_a_damaged_mxfp4_checkpoint_is_refused_by_tensor_name(tmp_path):
 
     del tensors["model.layers.1.mlp.experts.down_proj_scales"]
     save_file(tensors, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ConfigError, match=r"'model.layers.1.mlp.experts.down_proj_blocks' has no "
-                                          r"'model.layers.1.mlp.experts.down_proj_scales' in the checkpoint"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'model.layers.1.mlp.experts.down_proj_blocks' has no "
+        r"'model.layers.1.mlp.experts.down_proj_scales' in the checkpoint",
+    ):
         convert_hf(tmp_path / "hf", tmp_path / "out")
     tensors["model.layers.1.mlp.experts.down_proj_scales"] = np.zeros((5, 64, 2), np.uint8)  # 2 blocks: 64 inputs
     save_file(tensors, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ConfigError, match=r"'model.layers.1.mlp.experts.down_proj_blocks' \[5, 64, 1, 16\] with "
-                                          r"scales \[5, 64, 2\] does not dequantize"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'model.layers.1.mlp.experts.down_proj_blocks' \[5, 64, 1, 16\] with "
+        r"scales \[5, 64, 2\] does not dequantize",
+    ):
         convert_hf(tmp_path / "hf", tmp_path / "out")
     assert not (tmp_path / "out" / "checkpoint").exists()
 
 
 def test_what_the_engine_does_not_implement_is_refused_by_name():
-    base = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 17, "hidden_size": 16,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 7, "head_dim": 4}
+    base = {
+        "model_type": "gpt_oss",
+        "architectures": ["GptOssForCausalLM"],
+        "vocab_size": 17,
+        "hidden_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 7,
+        "head_dim": 4,
+    }
     cfg, _ = model_config_from_hf(base)  # transformers' defaults: alternating windows of 128, YaRN x32
     assert cfg.attention_pattern == ["local", "global"] and cfg.sliding_window == 128
     assert (cfg.rope_theta, cfg.rope_scaling.factor, cfg.rope_scaling.truncate) == (150000.0, 32.0, False)

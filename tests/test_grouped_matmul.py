@@ -98,9 +98,10 @@ def test_bf16_keeps_its_dtype_and_accumulates_in_float32(form):
     assert y.dtype == jnp.bfloat16
     # Within one bf16 rounding of the float32 product: accumulated in float32, rounded once.
     want = np.asarray(_ragged(x, w, sizes))
-    assert np.all(np.abs(np.asarray(y, np.float32) - want) <= np.abs(want) * 2.0 ** -8 + 1e-6)
-    dx, dw = jax.jit(jax.grad(lambda x, w: jnp.sum(tiled_grouped_matmul(x, w, sizes).astype(jnp.float32)),
-                              argnums=(0, 1)))(x, w)
+    assert np.all(np.abs(np.asarray(y, np.float32) - want) <= np.abs(want) * 2.0**-8 + 1e-6)
+    dx, dw = jax.jit(
+        jax.grad(lambda x, w: jnp.sum(tiled_grouped_matmul(x, w, sizes).astype(jnp.float32)), argnums=(0, 1))
+    )(x, w)
     assert dx.dtype == dw.dtype == jnp.bfloat16
 
 
@@ -121,10 +122,15 @@ def test_the_cpu_dropless_experts_run_the_tiled_product_not_ragged_dot():
     hlo = jax.jit(jax.grad(lambda *a: jnp.sum(run(*a) ** 2), argnums=(0, 1, 2, 3))).lower(x, *ws).as_text()
     assert "ragged" not in hlo
     # The per-token definition: each token's k experts, weighted.
-    want = sum(weights[:, j, None] * jnp.einsum(
-        "nf,nfd->nd", glu(jnp.einsum("nd,ndf->nf", x, ws[0][experts[:, j]]),
-                          jnp.einsum("nd,ndf->nf", x, ws[1][experts[:, j]])), ws[2][experts[:, j]])
-        for j in range(k))
+    want = sum(
+        weights[:, j, None]
+        * jnp.einsum(
+            "nf,nfd->nd",
+            glu(jnp.einsum("nd,ndf->nf", x, ws[0][experts[:, j]]), jnp.einsum("nd,ndf->nf", x, ws[1][experts[:, j]])),
+            ws[2][experts[:, j]],
+        )
+        for j in range(k)
+    )
     np.testing.assert_allclose(jax.jit(run)(x, *ws), want, rtol=1e-5, atol=1e-5)
 
 
@@ -136,8 +142,13 @@ def test_the_loop_takes_over_where_the_per_tile_copies_would_be_too_large(monkey
     sizes = jnp.asarray([50, 50, 50, 50, 50, 50], jnp.int32)
 
     def hlo():
-        return jax.jit(jax.grad(lambda x, w, s: jnp.sum(tiled_grouped_matmul(x, w, s)), argnums=(0, 1))).lower(
-            x, w, sizes).compile().as_text()
+        return (
+            jax.jit(jax.grad(lambda x, w, s: jnp.sum(tiled_grouped_matmul(x, w, s)), argnums=(0, 1)))
+            .lower(x, w, sizes)
+            .compile()
+            .as_text()
+        )
+
     assert "lhs_batch_dims={0}" in hlo()
     tiles = -(-(300 + 6 * 63) // 64)  # tiles of 64 rows
     monkeypatch.setattr(grouped, "LOOP_ABOVE_BYTES", tiles * 64 * 96 * 4 - 1)  # just under the copies' bytes

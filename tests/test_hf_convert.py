@@ -20,13 +20,14 @@ from jax.sharding import PartitionSpec as P
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from safetensors import safe_open  # noqa: E402
+
 from engine.config import ConfigError, preset_names, resolve_model_preset  # noqa: E402
 from engine.interop.hf.__main__ import main  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_to_hf  # noqa: E402
 from engine.interop.hf.safetensors_io import SafetensorsFile, write_safetensors  # noqa: E402
-from safetensors import safe_open  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
 from engine.models.params import abstract_model_params, apply_model, graphdef_of  # noqa: E402
 from engine.parallel.config import MeshConfig  # noqa: E402
@@ -34,8 +35,16 @@ from engine.parallel.mesh import make_mesh  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 
 # Sizes that divide fsdp=8 and tensor=4, so the restore is really sharded.
-DIVISIBLE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
-                 num_key_value_heads=4, head_dim=8, max_position_embeddings=64)
+DIVISIBLE = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=8,
+    max_position_embeddings=64,
+)
 
 
 def random_llama(seed: int, out: Path) -> Path:
@@ -60,8 +69,14 @@ def converted(llama_dir, tmp_path_factory) -> Path:
     return out / "checkpoint"
 
 
-@pytest.mark.parametrize("mesh", [{"data": 1, "fsdp": 8, "tensor": 1}, {"data": 2, "fsdp": 1, "tensor": 4},
-                                  {"data": 1, "fsdp": 2, "context": 2, "tensor": 2}])
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        {"data": 1, "fsdp": 8, "tensor": 1},
+        {"data": 2, "fsdp": 1, "tensor": 4},
+        {"data": 1, "fsdp": 2, "context": 2, "tensor": 2},
+    ],
+)
 def test_a_converted_checkpoint_restores_onto_any_mesh(converted, mesh):
     cfg, reference, _ = load_params(converted)
     _, compute = stored_configs(converted)
@@ -73,8 +88,11 @@ def test_a_converted_checkpoint_restores_onto_any_mesh(converted, mesh):
     assert wq.addressable_shards[0].data.shape == (2, 32 // (mesh["fsdp"] * context), 8 // mesh["tensor"], 8)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 9)))
     graphdef = graphdef_of(cfg, compute)
-    np.testing.assert_allclose(np.asarray(apply_model(graphdef, params, tokens)),
-                               np.asarray(apply_model(graphdef, reference, tokens)), atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(apply_model(graphdef, params, tokens)),
+        np.asarray(apply_model(graphdef, reference, tokens)),
+        atol=1e-5,
+    )
 
 
 def test_bfloat16_conversion_rounds_once_and_round_trips_bitwise(llama_dir, converted, tmp_path):
@@ -106,8 +124,9 @@ def test_a_bfloat16_checkpoint_with_a_few_float32_tensors_converts_as_bfloat16(l
     shutil.copytree(llama_dir, tmp_path / "hf")
     path = tmp_path / "hf" / "model.safetensors"
     with SafetensorsFile(path) as st:
-        tensors = [(n, st.get(n) if n == "model.norm.weight" else st.get(n).astype(ml_dtypes.bfloat16))
-                   for n in st.names()]
+        tensors = [
+            (n, st.get(n) if n == "model.norm.weight" else st.get(n).astype(ml_dtypes.bfloat16)) for n in st.names()
+        ]
     write_safetensors(path, tensors)
     convert_hf(tmp_path / "hf", tmp_path / "out")
     _, compute = stored_configs(tmp_path / "out" / "checkpoint")
@@ -134,7 +153,8 @@ def files_of(directory: Path) -> dict[str, tuple[int, int]]:
 
 
 def test_export_into_a_folder_with_a_model_is_refused_unless_overwrite_which_loads_the_new_one(
-        converted, tmp_path, capsys):
+    converted, tmp_path, capsys
+):
     """The reported case: DIR holds model.safetensors (model A); exporting model B there as
     shards must not leave A beside them, or transformers loads A."""
     other = tmp_path / "b"
@@ -177,8 +197,11 @@ def test_export_hf_refuses_a_non_empty_directory_naming_it(converted, tmp_path):
 
 def test_safetensors_written_here_read_back_by_the_package_bit_for_bit(tmp_path):
     rng = np.random.default_rng(0)
-    tensors = {"w": rng.standard_normal((5, 3), np.float32).astype(ml_dtypes.bfloat16),
-               "b": rng.standard_normal((7,), np.float32), "h": np.arange(11, dtype=np.float16)}
+    tensors = {
+        "w": rng.standard_normal((5, 3), np.float32).astype(ml_dtypes.bfloat16),
+        "b": rng.standard_normal((7,), np.float32),
+        "h": np.arange(11, dtype=np.float16),
+    }
     shapes = {name: (a.shape, a.dtype) for name, a in tensors.items()}
     write_safetensors(tmp_path / "x.safetensors", iter(tensors.items()), {"format": "pt"}, shapes=shapes)
     with safe_open(tmp_path / "x.safetensors", framework="pt") as f:  # torch's reader, bfloat16 included
@@ -276,9 +299,21 @@ def test_export_refuses_a_config_its_family_cannot_express(converted):
 # --------------------------------------------------------------------------- presets
 
 PUBLISHED_BILLIONS = {  # parameter counts of the released models
-    "llama2-7b": 6.74, "llama3.1-8b": 8.03, "llama3.2-3b": 3.21, "mistral-7b": 7.24, "qwen2.5-0.5b": 0.49,
-    "qwen2.5-7b": 7.62, "qwen3-0.6b": 0.60, "qwen3-8b": 8.19, "gemma-2b": 2.51, "gemma2-2b": 2.61, "gemma3-1b": 1.00,
-    "mixtral-8x7b": 46.70, "qwen3-30b-a3b": 30.53, "gpt-oss-20b": 20.91, "gpt-oss-120b": 116.83,
+    "llama2-7b": 6.74,
+    "llama3.1-8b": 8.03,
+    "llama3.2-3b": 3.21,
+    "mistral-7b": 7.24,
+    "qwen2.5-0.5b": 0.49,
+    "qwen2.5-7b": 7.62,
+    "qwen3-0.6b": 0.60,
+    "qwen3-8b": 8.19,
+    "gemma-2b": 2.51,
+    "gemma2-2b": 2.61,
+    "gemma3-1b": 1.00,
+    "mixtral-8x7b": 46.70,
+    "qwen3-30b-a3b": 30.53,
+    "gpt-oss-20b": 20.91,
+    "gpt-oss-120b": 116.83,
     "deepseek-v3": 671.03,  # the causal LM without its multi-token-prediction layer (685B with it)
 }
 

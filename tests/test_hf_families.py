@@ -22,9 +22,19 @@ SHAPE = dict(vocab_size=17, d_model=12, num_layers=3, num_heads=4, num_kv_heads=
 def tiny(family: str, tie: bool) -> tuple:
     """A tiny config.json of `family`, odd sizes, through the family's own mapping."""
     fam = get_family(family)
-    hf = {"model_type": fam.model_type, "architectures": [fam.architecture], "vocab_size": 17, "hidden_size": 12,
-          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 6,
-          "intermediate_size": 7, "sliding_window": 5, "tie_word_embeddings": tie}
+    hf = {
+        "model_type": fam.model_type,
+        "architectures": [fam.architecture],
+        "vocab_size": 17,
+        "hidden_size": 12,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 6,
+        "intermediate_size": 7,
+        "sliding_window": 5,
+        "tie_word_embeddings": tie,
+    }
     return model_config_from_hf(hf)
 
 
@@ -57,6 +67,8 @@ def test_every_family_config_round_trips_through_config_json(family):
 
 def test_reading_a_config_json_imports_no_jax():
     """Pipeline validation reads config.json and fingerprints a source without JAX."""
-    code = ("import sys, engine.interop.hf.files, engine.interop.hf.mapping, engine.models.families; "
-            "sys.exit('jax' in sys.modules)")
+    code = (
+        "import sys, engine.interop.hf.files, engine.interop.hf.mapping, engine.models.families; "
+        "sys.exit('jax' in sys.modules)"
+    )
     assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent).returncode == 0

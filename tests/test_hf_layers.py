@@ -8,6 +8,7 @@ engine module gets the transformers module's weights through its family's tensor
 from __future__ import annotations
 
 import importlib
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,18 +20,28 @@ transformers = pytest.importorskip("transformers")
 from engine.interop.hf.mapping import model_config_from_hf, tensor_table, to_engine  # noqa: E402
 from engine.models.transformer import MLP, Attention, Block, RMSNorm  # noqa: E402
 
-COMMON = dict(vocab_size=37, hidden_size=30, intermediate_size=26, num_hidden_layers=3, num_attention_heads=6,
-              num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+COMMON = dict(
+    vocab_size=37,
+    hidden_size=30,
+    intermediate_size=26,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
 WINDOW = 4
 CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**COMMON),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON),
     "gemma": lambda: transformers.GemmaConfig(**COMMON),
-    "gemma2": lambda: transformers.Gemma2Config(**COMMON, sliding_window=WINDOW, query_pre_attn_scalar=12,
-                                                attn_logit_softcapping=1.5),
-    "gemma3": lambda: transformers.Gemma3TextConfig(**COMMON, sliding_window=WINDOW, query_pre_attn_scalar=12,
-                                                    sliding_window_pattern=2),
+    "gemma2": lambda: transformers.Gemma2Config(
+        **COMMON, sliding_window=WINDOW, query_pre_attn_scalar=12, attn_logit_softcapping=1.5
+    ),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **COMMON, sliding_window=WINDOW, query_pre_attn_scalar=12, sliding_window_pattern=2
+    ),
 }
 
 
@@ -64,7 +75,7 @@ def load_into(engine_module, hf_module, cfg, prefix: tuple[str, ...], hf_prefix:
         if spec.path[: len(prefix)] != prefix:
             continue
         node = pure
-        *parents, leaf = spec.path[len(prefix):]
+        *parents, leaf = spec.path[len(prefix) :]
         for key in parents:
             node = node[key]
         name = spec.hf_name.format(i=0).removeprefix("model.layers.0.").removeprefix(hf_prefix)
@@ -121,8 +132,10 @@ def test_mlp(family):
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(x))), ref(torch.tensor(x)).detach().numpy(), atol=1e-5)
 
 
-@pytest.mark.parametrize("family,local", [("llama", False), ("qwen2", False), ("qwen3", False),
-                                          ("gemma2", True), ("gemma2", False), ("gemma3", True)])
+@pytest.mark.parametrize(
+    "family,local",
+    [("llama", False), ("qwen2", False), ("qwen3", False), ("gemma2", True), ("gemma2", False), ("gemma3", True)],
+)
 def test_attention(family, local):
     hf_cfg, cfg, compute, mod = setup(family)
     ref = getattr(mod, f"{family.capitalize()}Attention")(hf_cfg, layer_idx=0 if local else 1).eval()

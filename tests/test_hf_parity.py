@@ -31,8 +31,16 @@ from engine.models.params import apply_model, graphdef_of  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 
 VOCAB, WINDOW = 37, 5
-COMMON = dict(vocab_size=VOCAB, hidden_size=30, intermediate_size=26, num_hidden_layers=3, num_attention_heads=6,
-              num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=30,
+    intermediate_size=26,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+)
 GEMMA2 = dict(sliding_window=WINDOW, query_pre_attn_scalar=12)
 
 
@@ -40,9 +48,17 @@ def hf_config(family: str):
     t = transformers
     return {
         # Llama 3.1 RoPE scaling, with an original context short enough to matter here.
-        "llama": lambda: t.LlamaConfig(**COMMON, rope_theta=500.0, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16}),
+        "llama": lambda: t.LlamaConfig(
+            **COMMON,
+            rope_theta=500.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
         "mistral": lambda: t.MistralConfig(**COMMON, sliding_window=WINDOW),
         # Qwen's per-layer window: layer 0 global, the rest local (a non-repeating pattern).
         "qwen2": lambda: t.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
@@ -50,8 +66,12 @@ def hf_config(family: str):
         "gemma": lambda: t.GemmaConfig(**COMMON),
         "gemma2": lambda: t.Gemma2Config(**COMMON, **GEMMA2, attn_logit_softcapping=1.5, final_logit_softcapping=2.0),
         # Pattern local, local, global over 4 layers; linear RoPE scaling on global layers.
-        "gemma3": lambda: t.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 4}, **GEMMA2, sliding_window_pattern=3,
-                                             rope_scaling={"rope_type": "linear", "factor": 4.0}),
+        "gemma3": lambda: t.Gemma3TextConfig(
+            **{**COMMON, "num_hidden_layers": 4},
+            **GEMMA2,
+            sliding_window_pattern=3,
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+        ),
     }[family]()
 
 
@@ -139,7 +159,7 @@ def engine_greedy(cfg, compute, params, prompt: np.ndarray, steps: int) -> np.nd
         segments = np.broadcast_to((np.arange(length) < n).astype(np.int32), buffer.shape)
         logits = forward(params, buffer, segments)
         buffer[:, n] = np.asarray(jnp.argmax(logits[:, n - 1], axis=-1))
-    return buffer[:, prompt.shape[1]:]
+    return buffer[:, prompt.shape[1] :]
 
 
 def test_greedy_generation_of_16_tokens_is_identical(case):
@@ -147,16 +167,25 @@ def test_greedy_generation_of_16_tokens_is_identical(case):
     case.hf_model.generation_config.eos_token_id = None  # no early stop, no eos suppression
     with torch.no_grad():
         out = case.hf_model.generate(
-            torch.tensor(prompt), attention_mask=torch.ones_like(torch.tensor(prompt)), max_new_tokens=16,
-            do_sample=False, pad_token_id=0,
+            torch.tensor(prompt),
+            attention_mask=torch.ones_like(torch.tensor(prompt)),
+            max_new_tokens=16,
+            do_sample=False,
+            pad_token_id=0,
         )
     assert out.shape[1] == prompt.shape[1] + 16
-    ref = out[:, prompt.shape[1]:].numpy()
+    ref = out[:, prompt.shape[1] :].numpy()
     ours = engine_greedy(case.cfg, case.compute, case.params, prompt, 16)
     np.testing.assert_array_equal(ours, ref)
     # The KV-cache sampler, two completions per prompt from one prefill: the same tokens.
-    sampled = Sampler(case.cfg, case.compute)(case.params, prompt.astype(np.int32), np.ones_like(prompt),
-                                              max_new_tokens=16, num_generations=2, temperature=0.0)
+    sampled = Sampler(case.cfg, case.compute)(
+        case.params,
+        prompt.astype(np.int32),
+        np.ones_like(prompt),
+        max_new_tokens=16,
+        num_generations=2,
+        temperature=0.0,
+    )
     np.testing.assert_array_equal(sampled.tokens, np.repeat(ref, 2, axis=0))
 
 
@@ -174,7 +203,8 @@ def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_pat
     hf_logger.addHandler(handler)
     try:
         reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
-            out, output_loading_info=True, attn_implementation="eager")
+            out, output_loading_info=True, attn_implementation="eager"
+        )
     finally:
         hf_logger.removeHandler(handler)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
@@ -182,8 +212,9 @@ def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_pat
     assert type(reloaded) is type(case.hf_model)
     tokens, mask = batch()
     valid = mask.astype(bool)
-    np.testing.assert_array_equal(hf_logits(reloaded.eval(), tokens, mask)[valid],
-                                  hf_logits(case.hf_model, tokens, mask)[valid])
+    np.testing.assert_array_equal(
+        hf_logits(reloaded.eval(), tokens, mask)[valid], hf_logits(case.hf_model, tokens, mask)[valid]
+    )
 
 
 # Written by transformers but about the file, not the model.
@@ -237,8 +268,11 @@ def test_unrolled_layers_match_the_scanned_local_global_stack(case):
         pytest.skip("only the families with a mixed local/global pattern")
     unrolled = case.compute.model_copy(update={"scan_layers": False})
     params = dict(case.params)
-    params["blocks"] = {i: jax.tree.map(lambda x: x[i], case.params["blocks"]) for i in range(case.cfg.num_layers)}
+    params["blocks"] = {i: jax.tree.map(lambda x: x[i], case.params["blocks"]) for i in range(case.cfg.num_layers)}  # noqa: B023
     tokens, mask = batch()
     valid = mask.astype(bool)
-    np.testing.assert_allclose(engine_logits(case.cfg, unrolled, params, tokens, mask)[valid],
-                               engine_logits(case.cfg, case.compute, case.params, tokens, mask)[valid], atol=1e-5)
+    np.testing.assert_allclose(
+        engine_logits(case.cfg, unrolled, params, tokens, mask)[valid],
+        engine_logits(case.cfg, case.compute, case.params, tokens, mask)[valid],
+        atol=1e-5,
+    )

@@ -17,8 +17,15 @@ from flows.spec import build_plan, parse_spec  # noqa: E402
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
-    config = transformers.Qwen3Config(vocab_size=37, hidden_size=30, intermediate_size=26, num_hidden_layers=2,
-                                      num_attention_heads=6, num_key_value_heads=2, head_dim=8)
+    config = transformers.Qwen3Config(
+        vocab_size=37,
+        hidden_size=30,
+        intermediate_size=26,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     out = tmp_path_factory.mktemp("qwen3") / "hf"
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out)
     (out / "tokenizer_config.json").write_text('{"model_max_length": 64}')
@@ -48,8 +55,15 @@ def test_convert_then_export_records_lineage_and_skips_when_done(hf_dir, tmp_pat
     exported = last_json(capsys.readouterr().out)
     export_manifest = json.loads((Path(exported["path"]) / "artifact.json").read_text())
     assert export_manifest["kind"] == "hf_model"
-    assert export_manifest["parents"] == [{"input": "checkpoint", "stage": "convert", "id": converted["artifact_id"],
-                                           "kind": "checkpoint", "path": f"convert/{converted['artifact_id']}"}]
+    assert export_manifest["parents"] == [
+        {
+            "input": "checkpoint",
+            "stage": "convert",
+            "id": converted["artifact_id"],
+            "kind": "checkpoint",
+            "path": f"convert/{converted['artifact_id']}",
+        }
+    ]
     assert transformers.AutoConfig.from_pretrained(tmp_path / "hf_out").model_type == "qwen3"
     assert (tmp_path / "hf_out" / "tokenizer_config.json").is_file()
 
@@ -86,13 +100,16 @@ def test_a_bad_source_is_rejected_before_anything_runs(tmp_path, capsys):
 
 
 def test_pipelines_wire_convert_into_training_and_export(hf_dir):
-    spec = parse_spec({
-        "name": "finetune",
-        "stages": {
-            "base": {"task": "convert", "config": {"source": str(hf_dir), "dtype": "bfloat16"}},
-            "release": {"task": "export", "inputs": {"checkpoint": "base"}},
-            "wrong": {"task": "export", "inputs": {"checkpoint": "release"}},
+    spec = parse_spec(
+        {
+            "name": "finetune",
+            "stages": {
+                "base": {"task": "convert", "config": {"source": str(hf_dir), "dtype": "bfloat16"}},
+                "release": {"task": "export", "inputs": {"checkpoint": "base"}},
+                "wrong": {"task": "export", "inputs": {"checkpoint": "release"}},
+            },
         },
-    }, "finetune.yaml")
+        "finetune.yaml",
+    )
     with pytest.raises(Exception, match=r"stage 'release' \(export\) produces a hf_model, but input 'checkpoint'"):
         build_plan(spec, "finetune.yaml")

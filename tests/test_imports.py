@@ -92,8 +92,9 @@ def broken_contracts(root: Path, contracts: Path, *ids: str) -> str | None:
     cli = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
     args = [str(contracts), "--no-cache", "--no-logo", *(f"--contract={i}" for i in ids)]
     env = {k: v for k, v in os.environ.items() if k != "FORCE_COLOR"} | {"COLUMNS": "250", "NO_COLOR": "1"}
-    run = subprocess.run([sys.executable, "-c", cli, *args], check=False, cwd=root, env=env,
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", cli, *args], check=False, cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
     return None if run.returncode == 0 else run.stdout + run.stderr
 
 
@@ -102,8 +103,9 @@ def function_level_imports(source: str, filename: str) -> list[str]:
     tree = ast.parse(source, filename)
     functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
     # A set: an import in a nested function is inside its outer function too.
-    nested = {node for function in functions for node in ast.walk(function)
-              if isinstance(node, (ast.Import, ast.ImportFrom))}
+    nested = {
+        node for function in functions for node in ast.walk(function) if isinstance(node, (ast.Import, ast.ImportFrom))
+    }
     found = []
     for node in sorted(nested, key=lambda node: node.lineno):
         if isinstance(node, ast.Import):

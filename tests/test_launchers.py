@@ -97,12 +97,19 @@ LOCAL_MULTI = LauncherSpec(kind="local-multi", processes=2)
 # --------------------------------------------------------------------------- the gang
 
 
-@pytest.mark.parametrize("roles, error", [
-    (("blocked", "killed"), "stage 'x': rank 1 was killed by SIGKILL: rank 1 lost its memory; the other ranks "
-                            "were stopped"),
-    (("training", "exit3"), "stage 'x': rank 1 exited with code 3: error: rank 1 gave up; the other ranks were "
-                            "stopped"),
-])
+@pytest.mark.parametrize(
+    "roles, error",
+    [
+        (
+            ("blocked", "killed"),
+            "stage 'x': rank 1 was killed by SIGKILL: rank 1 lost its memory; the other ranks were stopped",
+        ),
+        (
+            ("training", "exit3"),
+            "stage 'x': rank 1 exited with code 3: error: rank 1 gave up; the other ranks were stopped",
+        ),
+    ],
+)
 def test_one_rank_failing_stops_the_others_within_seconds_and_is_named(tmp_path, roles, error):
     lines: list[str] = []
     started = time.monotonic()
@@ -130,13 +137,19 @@ def test_a_rank_stopped_at_the_agreed_step_leaves_the_others_to_save(tmp_path):
 
 
 def test_launcher_keys_are_checked_against_their_kind():
-    cases = [({"kind": "local-multi", "processes": 2, "address": "auto"},
-              "key 'address' applies to launcher kind 'ray', not 'local-multi'"),
-             ({"kind": "ray", "processes": 2, "srun_args": ["-p", "gpu"]},
-              "key 'srun_args' applies to launcher kind 'slurm', not 'ray'"),
-             ({"kind": "local", "processes": 4}, "launcher kind 'local' runs one process; for 4 use"),
-             ({"kind": "slurm", "processes": 2, "nodes": 3}, "nodes (3) cannot exceed processes (2)"),
-             ({"kind": "ray", "resources": {"GPU": 0}}, "resources must be positive amounts")]
+    cases = [
+        (
+            {"kind": "local-multi", "processes": 2, "address": "auto"},
+            "key 'address' applies to launcher kind 'ray', not 'local-multi'",
+        ),
+        (
+            {"kind": "ray", "processes": 2, "srun_args": ["-p", "gpu"]},
+            "key 'srun_args' applies to launcher kind 'slurm', not 'ray'",
+        ),
+        ({"kind": "local", "processes": 4}, "launcher kind 'local' runs one process; for 4 use"),
+        ({"kind": "slurm", "processes": 2, "nodes": 3}, "nodes (3) cannot exceed processes (2)"),
+        ({"kind": "ray", "resources": {"GPU": 0}}, "resources must be positive amounts"),
+    ]
     for launcher, message in cases:
         p = Pipeline("p")
         p.stage("train", task="toy-child", launcher=launcher)
@@ -166,24 +179,41 @@ def test_jax_distributed_restricts_a_rank_to_the_devices_it_was_given(tmp_path):
     """JAX_LOCAL_DEVICE_IDS is what jax.distributed.initialize reads: each rank of a real
     2-process run sets its CUDA visible devices to its own ids."""
     script = tmp_path / "rank.py"
-    script.write_text("import jax\nfrom engine.parallel.distributed import maybe_initialize_distributed\n"
-                      "maybe_initialize_distributed()\n"
-                      "print('visible', jax.process_index(), jax.config.values['jax_cuda_visible_devices'], flush=True)\n")
+    script.write_text(
+        "import jax\nfrom engine.parallel.distributed import maybe_initialize_distributed\n"
+        "maybe_initialize_distributed()\n"
+        "print('visible', jax.process_index(), jax.config.values['jax_cuda_visible_devices'], flush=True)\n"
+    )
     lines: list[str] = []
     spec = LauncherSpec(kind="local-multi", processes=2, devices_per_process=2, env={"JAX_PLATFORMS": "cpu"})
     run_child([sys.executable, str(script)], launcher=spec, log=lines.append)
-    assert sorted(line.split("] ", 1)[1] for line in lines if "visible" in line) == \
-        ["visible 0 0,1", "visible 1 2,3"], lines
+    assert sorted(line.split("] ", 1)[1] for line in lines if "visible" in line) == [
+        "visible 0 0,1",
+        "visible 1 2,3",
+    ], lines
 
 
 def test_slurm_is_one_srun_job_step_whose_tasks_find_each_other_through_jax():
-    spec = LauncherSpec(kind="slurm", processes=4, nodes=2, srun_args=["--partition=gpu", "--gpus-per-task=1"],
-                        env={"TOY": "1"})
+    spec = LauncherSpec(
+        kind="slurm", processes=4, nodes=2, srun_args=["--partition=gpu", "--gpus-per-task=1"], env={"TOY": "1"}
+    )
     argv = [sys.executable, "-m", "engine.train", "/store/pretrain/abc/train.yaml"]
-    assert commands(spec, argv) == [(
-        ["srun", "--nodes=2", "--ntasks=4", "--kill-on-bad-exit=1", "--label", "--verbose", "--partition=gpu",
-         "--gpus-per-task=1", *argv],
-        {"TOY": "1", "TRAINFLOW_CLUSTER": "slurm"})]
+    assert commands(spec, argv) == [
+        (
+            [
+                "srun",
+                "--nodes=2",
+                "--ntasks=4",
+                "--kill-on-bad-exit=1",
+                "--label",
+                "--verbose",
+                "--partition=gpu",
+                "--gpus-per-task=1",
+                *argv,
+            ],
+            {"TOY": "1", "TRAINFLOW_CLUSTER": "slurm"},
+        )
+    ]
     assert commands(LauncherSpec(kind="slurm", processes=2), argv)[0][0][1:3] == ["--nodes=2", "--ntasks=2"]
 
 
@@ -211,22 +241,42 @@ def test_srun_output_names_the_task_that_failed_first(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     lines: list[str] = []
     with pytest.raises(StageFailed) as failure:
-        run_child(["python", "-m", "engine.train", "t.yaml"], launcher=LauncherSpec(kind="slurm", processes=2),
-                  log=lines.append, what="stage 'x'")
-    assert str(failure.value) == "stage 'x': rank 1 was killed by SIGKILL: rank 1 lost its memory; the other ranks " \
-                                 "were stopped"
+        run_child(
+            ["python", "-m", "engine.train", "t.yaml"],
+            launcher=LauncherSpec(kind="slurm", processes=2),
+            log=lines.append,
+            what="stage 'x'",
+        )
+    assert (
+        str(failure.value) == "stage 'x': rank 1 was killed by SIGKILL: rank 1 lost its memory; the other ranks "
+        "were stopped"
+    )
     assert "[rank 1] rank 1 at step 3" in lines and "srun: error: n2: task 1: Killed" in lines
     assert json.loads((tmp_path / "srun.json").read_text()) == {
-        "argv": ["--nodes=2", "--ntasks=2", "--kill-on-bad-exit=1", "--label", "--verbose", "python", "-m",
-                 "engine.train", "t.yaml"], "cluster": "slurm"}
+        "argv": [
+            "--nodes=2",
+            "--ntasks=2",
+            "--kill-on-bad-exit=1",
+            "--label",
+            "--verbose",
+            "python",
+            "-m",
+            "engine.train",
+            "t.yaml",
+        ],
+        "cluster": "slurm",
+    }
 
 
 def test_the_artifact_id_does_not_depend_on_the_launcher(tmp_path):
-    launchers = [None, "local", {"kind": "local-multi", "processes": 4},
-                 {"kind": "ray", "processes": 8, "address": "ray://head:10001", "resources": {"GPU": 1},
-                  "spread": True},
-                 {"kind": "slurm", "processes": 16, "nodes": 2, "srun_args": ["--partition=gpu"]},
-                 {"kind": "command", "template": "nice -n 10 {command}"}]
+    launchers = [
+        None,
+        "local",
+        {"kind": "local-multi", "processes": 4},
+        {"kind": "ray", "processes": 8, "address": "ray://head:10001", "resources": {"GPU": 1}, "spread": True},
+        {"kind": "slurm", "processes": 16, "nodes": 2, "srun_args": ["--partition=gpu"]},
+        {"kind": "command", "template": "nice -n 10 {command}"},
+    ]
     ids = set()
     for launcher in launchers:
         p = Pipeline("p", store=tmp_path)
@@ -254,13 +304,31 @@ LAYOUT = {"processes": 2, "devices": 2, "mesh": {"data": 2, "expert": 1, "fsdp":
 
 def pretrain_pipeline(store: Path, launcher: dict) -> Pipeline:
     p = Pipeline("launchers", store=store)
-    p.stage("tokenize", task="tokenize", config={
-        "sources": [{"format": "text", "path": "{stdlib}/[a-b]*.py"}], "tokenizer": {"vocab_size": 300},
-        "validation_fraction": 0.1, "workers": 1})
-    p.stage("pretrain", task="pretrain", inputs={"dataset": "tokenize"}, launcher=launcher, config={
-        "model": {"preset": "tiny", "num_layers": 1, "max_seq_len": 64}, "steps": 10, "log_every": 1, "seed": 3,
-        "data": {"seq_len": 32, "batch_size": 8, "eval_batches": 0}, "optimizer": {"learning_rate": 1e-2},
-        "checkpoint": {"every_steps": 1000, "async_save": False}})
+    p.stage(
+        "tokenize",
+        task="tokenize",
+        config={
+            "sources": [{"format": "text", "path": "{stdlib}/[a-b]*.py"}],
+            "tokenizer": {"vocab_size": 300},
+            "validation_fraction": 0.1,
+            "workers": 1,
+        },
+    )
+    p.stage(
+        "pretrain",
+        task="pretrain",
+        inputs={"dataset": "tokenize"},
+        launcher=launcher,
+        config={
+            "model": {"preset": "tiny", "num_layers": 1, "max_seq_len": 64},
+            "steps": 10,
+            "log_every": 1,
+            "seed": 3,
+            "data": {"seq_len": 32, "batch_size": 8, "eval_batches": 0},
+            "optimizer": {"learning_rate": 1e-2},
+            "checkpoint": {"every_steps": 1000, "async_save": False},
+        },
+    )
     return p
 
 
@@ -296,10 +364,15 @@ def assert_same_training(out: Path, reference: Path) -> None:
 @pytest.fixture(scope="module")
 def local_multi_run(dataset_store, tmp_path_factory):
     if not loopback_hostname():
-        pytest.skip(f"this machine's name ({socket.gethostname()}) does not resolve to 127.0.0.1: gloo would "
-                    "listen on another address")
-    return run_pretrain(dataset_store, tmp_path_factory.mktemp("local") / "store",
-                        {"kind": "local-multi", "processes": 2, "env": RANK_ENV})
+        pytest.skip(
+            f"this machine's name ({socket.gethostname()}) does not resolve to 127.0.0.1: gloo would "
+            "listen on another address"
+        )
+    return run_pretrain(
+        dataset_store,
+        tmp_path_factory.mktemp("local") / "store",
+        {"kind": "local-multi", "processes": 2, "env": RANK_ENV},
+    )
 
 
 @pytest.mark.slow
@@ -330,13 +403,29 @@ main()
 def start_ray_node(root: Path, name: str, argv: list[str], env: dict) -> subprocess.Popen:
     """`ray start ... --block` in its own process group (every Ray process of the node joins it)."""
     log = root / f"{name}.log"
-    ports = ["--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--metrics-export-port",
-             "--runtime-env-agent-port", "--node-manager-port", "--object-manager-port"]
-    proc = subprocess.Popen([*argv, "--block", "--node-ip-address=127.0.0.1", "--num-cpus=1",
-                             "--disable-usage-stats", f"--temp-dir={root / name}",
-                             *(f"{option}={free_port()}" for option in ports)],
-                            env={**env, "AUTOSCALER_METRIC_PORT": str(free_port())}, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    ports = [
+        "--dashboard-agent-listen-port",
+        "--dashboard-agent-grpc-port",
+        "--metrics-export-port",
+        "--runtime-env-agent-port",
+        "--node-manager-port",
+        "--object-manager-port",
+    ]
+    proc = subprocess.Popen(
+        [
+            *argv,
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            "--num-cpus=1",
+            "--disable-usage-stats",
+            f"--temp-dir={root / name}",
+            *(f"{option}={free_port()}" for option in ports),
+        ],
+        env={**env, "AUTOSCALER_METRIC_PORT": str(free_port())},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
     while "Ray runtime started" not in log.read_text():
         assert proc.poll() is None and time.monotonic() < deadline, f"ray {name} did not start:\n{log.read_text()}"
@@ -375,11 +464,20 @@ def ray_cluster():
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 sets, read when Ray is imported).
     ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
     try:
-        head = [str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={address.split(':')[1]}",
-                "--include-dashboard=false", f"--ray-client-server-port={free_port()}"]
+        head = [
+            str(Path(sys.executable).parent / "ray"),
+            "start",
+            "--head",
+            f"--port={address.split(':')[1]}",
+            "--include-dashboard=false",
+            f"--ray-client-server-port={free_port()}",
+        ]
         nodes.append(start_ray_node(root, "head", head, {**env, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}))
-        nodes.append(start_ray_node(root, "worker", [sys.executable, "-c", RAY_WORKER_NODE, "start",
-                                                     f"--address={address}"], env))
+        nodes.append(
+            start_ray_node(
+                root, "worker", [sys.executable, "-c", RAY_WORKER_NODE, "start", f"--address={address}"], env
+            )
+        )
         yield address
     finally:
         ray.shutdown()  # before the cluster goes: a driver whose GCS vanished exits after a while
@@ -404,8 +502,12 @@ def test_ray_gang_one_worker_killed_stops_the_other_and_is_torn_down(ray_cluster
     lines: list[str] = []
     started = time.monotonic()
     with pytest.raises(StageFailed, match=r"^stage 'x': rank 1 was killed by SIGKILL: rank 1 lost its memory; the "):
-        run_child(rank_argv(tmp_path, "blocked", "killed"), launcher=ray_launcher(ray_cluster), log=lines.append,
-                  what="stage 'x'")
+        run_child(
+            rank_argv(tmp_path, "blocked", "killed"),
+            launcher=ray_launcher(ray_cluster),
+            log=lines.append,
+            what="stage 'x'",
+        )
     assert time.monotonic() - started < GANG_GRACE_SECONDS + 20
     assert signal.getsignal(signal.SIGTERM) is handler  # ray.init's own handler was undone
     assert not alive(tmp_path / "pid0")  # STRICT_SPREAD: one rank per node, both on this machine
@@ -423,8 +525,9 @@ def test_ray_gang_cancelled_by_trainflow_gets_sigterm_and_saves(ray_cluster, tmp
     threading.Thread(target=stop_soon, daemon=True).start()
     try:
         with pytest.raises(Interrupted):
-            run_child(rank_argv(tmp_path, "training", "training"), launcher=ray_launcher(ray_cluster),
-                      log=lambda _: None)
+            run_child(
+                rank_argv(tmp_path, "training", "training"), launcher=ray_launcher(ray_cluster), log=lambda _: None
+            )
     finally:
         gang._stopping.clear()
     assert (tmp_path / "sigterm0").exists() and (tmp_path / "sigterm1").exists()
@@ -434,13 +537,21 @@ def test_ray_gang_cancelled_by_trainflow_gets_sigterm_and_saves(ray_cluster, tmp
 @pytest.mark.slow
 def test_ray_pretrain_equals_local_multi(ray_cluster, dataset_store, local_multi_run, tmp_path):
     reference, reference_manifest, _ = local_multi_run
-    out, manifest, lines = run_pretrain(dataset_store, tmp_path / "store",
-                                        {"kind": "ray", "processes": 2, "address": ray_cluster, "spread": True,
-                                         "env": RANK_ENV})
+    out, manifest, lines = run_pretrain(
+        dataset_store,
+        tmp_path / "store",
+        {"kind": "ray", "processes": 2, "address": ray_cluster, "spread": True, "env": RANK_ENV},
+    )
     assert out.name == reference.name  # the same artifact id
     assert_same_training(out, reference)
-    assert manifest["launcher"] == {"kind": "ray", "processes": 2, "address": ray_cluster, "resources": {"CPU": 1},
-                                    "spread": True, "env": sorted(RANK_ENV)}
+    assert manifest["launcher"] == {
+        "kind": "ray",
+        "processes": 2,
+        "address": ray_cluster,
+        "resources": {"CPU": 1},
+        "spread": True,
+        "env": sorted(RANK_ENV),
+    }
     assert manifest["layout"] == LAYOUT
     assert any(line.startswith("[rank 1] ") for line in lines)
 
@@ -485,28 +596,35 @@ def slurm_cluster():
     if missing:
         pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing): apt-get install slurm-wlm")
     if not loopback_hostname():
-        pytest.skip(f"this machine's name ({socket.gethostname()}) does not resolve to 127.0.0.1: srun would "
-                    "listen on another address")
+        pytest.skip(
+            f"this machine's name ({socket.gethostname()}) does not resolve to 127.0.0.1: srun would "
+            "listen on another address"
+        )
     root = Path(tempfile.mkdtemp(prefix="tf-slurm-", dir="/tmp"))
     for directory in ("state", "spool/n1", "spool/n2"):
         (root / directory).mkdir(parents=True)
     conf = root / "slurm.conf"
-    conf.write_text(SLURM_CONF.format(root=root, ctld_port=free_port(), n1_port=free_port(), n2_port=free_port(),
-                                      kill_wait=SLURM_KILL_WAIT))
+    conf.write_text(
+        SLURM_CONF.format(
+            root=root, ctld_port=free_port(), n1_port=free_port(), n2_port=free_port(), kill_wait=SLURM_KILL_WAIT
+        )
+    )
     env = {**os.environ, "SLURM_CONF": str(conf)}
     daemons = []
     try:
         for argv in (["slurmctld", "-D", "-i"], ["slurmd", "-D", "-N", "n1"], ["slurmd", "-D", "-N", "n2"]):
             log = (root / f"{argv[0]}-{argv[-1]}.log").open("w")
-            daemons.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True))
+            daemons.append(
+                subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            )
         deadline = time.monotonic() + 60
         while True:
             states = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], env=env, capture_output=True, text=True).stdout
             if states.split() == ["idle", "idle"]:
                 break
-            assert time.monotonic() < deadline and all(d.poll() is None for d in daemons), \
+            assert time.monotonic() < deadline and all(d.poll() is None for d in daemons), (
                 f"Slurm did not come up ({states!r}): " + "".join(p.read_text() for p in root.glob("*.log"))
+            )
             time.sleep(0.2)
         yield conf
     finally:
@@ -519,21 +637,29 @@ def slurm_env(conf: Path) -> dict[str, str]:
     """On a real cluster JAX takes the step's first node and a port from the job id; the fake
     nodes' names do not resolve, so the test names the coordinator (JAX's own variables)."""
     coordinator = f"127.0.0.1:{free_port()}"
-    return {"SLURM_CONF": str(conf), "JAX_COORDINATOR_ADDRESS": coordinator,
-            "JAX_COORDINATOR_BIND_ADDRESS": coordinator}
+    return {
+        "SLURM_CONF": str(conf),
+        "JAX_COORDINATOR_ADDRESS": coordinator,
+        "JAX_COORDINATOR_BIND_ADDRESS": coordinator,
+    }
 
 
 def test_srun_task_killed_fails_the_step_naming_the_rank(slurm_cluster, tmp_path):
     started = time.monotonic()
     with pytest.raises(StageFailed, match=r"^stage 'x': rank 1 was killed by SIGKILL: rank 1 lost its memory; the "):
-        run_child(rank_argv(tmp_path, "blocked", "killed"), what="stage 'x'", log=lambda _: None,
-                  launcher=LauncherSpec(kind="slurm", processes=2, env={"SLURM_CONF": str(slurm_cluster)}))
+        run_child(
+            rank_argv(tmp_path, "blocked", "killed"),
+            what="stage 'x'",
+            log=lambda _: None,
+            launcher=LauncherSpec(kind="slurm", processes=2, env={"SLURM_CONF": str(slurm_cluster)}),
+        )
     assert time.monotonic() - started < SLURM_KILL_WAIT + 15  # Slurm's KillWait bounds the blocked rank
     assert not alive(tmp_path / "pid0")
 
 
 def test_srun_step_cancelled_by_trainflow_gets_sigterm_and_saves(slurm_cluster, tmp_path):
     """SIGTERM to srun (trainflow's stop) reaches every task; each saves and exits 143."""
+
     def stop_soon():
         deadline = time.monotonic() + 60
         while not all((tmp_path / f"pid{rank}").exists() for rank in (0, 1)) and time.monotonic() < deadline:
@@ -543,8 +669,11 @@ def test_srun_step_cancelled_by_trainflow_gets_sigterm_and_saves(slurm_cluster, 
     threading.Thread(target=stop_soon, daemon=True).start()
     try:
         with pytest.raises(Interrupted):
-            run_child(rank_argv(tmp_path, "training", "training"), log=lambda _: None,
-                      launcher=LauncherSpec(kind="slurm", processes=2, env={"SLURM_CONF": str(slurm_cluster)}))
+            run_child(
+                rank_argv(tmp_path, "training", "training"),
+                log=lambda _: None,
+                launcher=LauncherSpec(kind="slurm", processes=2, env={"SLURM_CONF": str(slurm_cluster)}),
+            )
     finally:
         gang._stopping.clear()
     assert (tmp_path / "sigterm0").exists() and (tmp_path / "sigterm1").exists()

@@ -8,8 +8,6 @@ adapter factors (PEFT starts B at zero, which would hide a wrong B), float32.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,19 +25,29 @@ from engine.models.params import abstract_model_params, apply_model, graphdef_of
 from engine.parallel.config import MeshConfig  # noqa: E402
 from engine.parallel.mesh import make_mesh  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
-from tests.test_hf_parity import batch, hf_config, random_hf_model  # noqa: E402
+from tests.test_hf_parity import batch, random_hf_model  # noqa: E402
 
 RANK, ALPHA = 3, 5.0
 
 
 def moe_model():
     torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(vocab_size=37, hidden_size=30, intermediate_size=26, num_hidden_layers=3,
-                                         num_attention_heads=6, num_key_value_heads=2, head_dim=8,
-                                         max_position_embeddings=64, num_experts_per_tok=2, num_experts=5,
-                                         moe_intermediate_size=10)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
-                                                          experts_implementation="eager").float()
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=37,
+        hidden_size=30,
+        intermediate_size=26,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        num_experts_per_tok=2,
+        num_experts=5,
+        moe_intermediate_size=10,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", experts_implementation="eager"
+    ).float()
     with torch.no_grad():
         for _, p in model.named_parameters():
             p.add_(0.3 * torch.randn_like(p)) if p.ndim == 1 else p.normal_(0.0, 0.3)
@@ -47,8 +55,12 @@ def moe_model():
 
 
 # (family, PEFT target_modules, use_rslora)
-CASES = [("llama", "all-linear", False), ("qwen3", ["q_proj", "v_proj", "down_proj"], True),
-         ("gemma2", "all-linear", False), ("qwen3_moe", ["q_proj", "k_proj", "v_proj", "o_proj"], False)]
+CASES = [
+    ("llama", "all-linear", False),
+    ("qwen3", ["q_proj", "v_proj", "down_proj"], True),
+    ("gemma2", "all-linear", False),
+    ("qwen3_moe", ["q_proj", "k_proj", "v_proj", "o_proj"], False),
+]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
@@ -71,8 +83,9 @@ def case(request, tmp_path_factory):
     lora = lora_config_from_peft(root / "adapter")
     shapes = split_adapter(abstract_model_params(cfg, compute, None, lora))[0]
     adapter = adapter_from_peft(root / "adapter", cfg, lora, shapes, scan_layers=compute.scan_layers)
-    return dict(family=family, model=model, cfg=cfg, compute=compute, base=params, lora=lora, adapter=adapter,
-                root=root)
+    return dict(
+        family=family, model=model, cfg=cfg, compute=compute, base=params, lora=lora, adapter=adapter, root=root
+    )
 
 
 def peft_logits(model, tokens, mask, grad_weights=None):
@@ -106,17 +119,23 @@ def test_adapter_gradients_match_torch_autograd(case):
     model.zero_grad()
     loss = (peft_logits(model, tokens, mask) * torch.tensor(weights)).sum()
     loss.backward()
-    ref = {name.removesuffix(".default.weight") + ".weight": p.grad.numpy()
-           for name, p in model.named_parameters() if "lora_" in name}
-    ref = {k.replace(".lora_A.weight", ".lora_A.weight").replace(".lora_B.weight", ".lora_B.weight"): v
-           for k, v in ref.items()}
+    ref = {
+        name.removesuffix(".default.weight") + ".weight": p.grad.numpy()
+        for name, p in model.named_parameters()
+        if "lora_" in name
+    }
+    ref = {
+        k.replace(".lora_A.weight", ".lora_A.weight").replace(".lora_B.weight", ".lora_B.weight"): v
+        for k, v in ref.items()
+    }
 
     def objective(adapter):
         return jnp.sum(engine_logits(case, adapter, tokens, mask) * weights)
 
     grads = jax.grad(objective)(jax.tree.map(jnp.asarray, case["adapter"]))
-    ours = adapter_to_peft(case["cfg"], case["lora"], jax.tree.map(np.asarray, grads),
-                           scan_layers=case["compute"].scan_layers)
+    ours = adapter_to_peft(
+        case["cfg"], case["lora"], jax.tree.map(np.asarray, grads), scan_layers=case["compute"].scan_layers
+    )
     assert set(ours) == set(ref)
     scale = max(float(np.abs(g).max()) for g in ref.values())
     worst = max(float(np.abs(ours[k] - ref[k]).max()) for k in ref)
@@ -139,12 +158,18 @@ def test_written_adapter_loads_in_peft_with_the_same_logits(case, tmp_path):
 def test_merged_weights_give_the_adapted_logits(case):
     tokens, mask = batch()
     merged = merge_into_base(jax.tree.map(np.asarray, join(case["adapter"], case["base"])), case["lora"].scale)
-    plain = apply_model(graphdef_of(case["cfg"], case["compute"]), jax.tree.map(jnp.asarray, merged),
-                        jnp.asarray(tokens), None, jnp.asarray(mask))
+    plain = apply_model(
+        graphdef_of(case["cfg"], case["compute"]),
+        jax.tree.map(jnp.asarray, merged),
+        jnp.asarray(tokens),
+        None,
+        jnp.asarray(mask),
+    )
     adapted = engine_logits(case, case["adapter"], tokens, mask)
     valid = mask.astype(bool)
     assert np.abs(np.asarray(plain) - np.asarray(adapted))[valid].max() <= 1e-5 * max(
-        1.0, float(np.abs(np.asarray(adapted)[valid]).max()))
+        1.0, float(np.abs(np.asarray(adapted)[valid]).max())
+    )
 
 
 def test_a_fresh_adapter_is_peft_initialised_and_changes_nothing():
@@ -152,6 +177,7 @@ def test_a_fresh_adapter_is_peft_initialised_and_changes_nothing():
     lora = LoraConfig(rank=4, alpha=8, target_modules="all-linear")
     mesh = make_mesh(MeshConfig(data=1), jax.devices()[:1])
     from engine.models.config import ComputeConfig
+
     compute = ComputeConfig()
     base = init_params(cfg, compute, mesh, seed=0)
     adapter = init_params(cfg, compute, mesh, seed=0, lora=lora, adapter_only=True)
@@ -168,13 +194,17 @@ def test_a_fresh_adapter_is_peft_initialised_and_changes_nothing():
 
 def hf_tiny_cfg():
     from engine.models.config import ModelConfig
+
     return ModelConfig(vocab_size=17, d_model=11, num_layers=2, num_heads=3, num_kv_heads=1, head_dim=6, mlp_dim=13)
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(target_modules=["q_proj", "qkv"]), "unknown target module 'qkv'; valid: q_proj, k_proj"),
-    (dict(rank=0), "greater than 0"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(target_modules=["q_proj", "qkv"]), "unknown target module 'qkv'; valid: q_proj, k_proj"),
+        (dict(rank=0), "greater than 0"),
+    ],
+)
 def test_bad_lora_configs_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         LoraConfig(**bad)
@@ -182,8 +212,19 @@ def test_bad_lora_configs_are_refused(bad, message):
 
 def test_experts_and_latent_attention_are_refused_in_one_sentence():
     from engine.models.config import ModelConfig
-    moe = ModelConfig(family="qwen3_moe", vocab_size=17, d_model=11, num_layers=2, num_heads=3, num_kv_heads=1,
-                      head_dim=6, mlp_dim=13, num_experts=4, qk_norm=True)
+
+    moe = ModelConfig(
+        family="qwen3_moe",
+        vocab_size=17,
+        d_model=11,
+        num_layers=2,
+        num_heads=3,
+        num_kv_heads=1,
+        head_dim=6,
+        mlp_dim=13,
+        num_experts=4,
+        qk_norm=True,
+    )
     with pytest.raises(ValueError, match="mixture of experts: LoRA on its experts \\(up_proj\\) is not supported"):
         LoraConfig(target_modules=["q_proj", "up_proj"]).targets(moe)
     assert LoraConfig(target_modules="all-linear").targets(moe) == ("q_proj", "k_proj", "v_proj", "o_proj")

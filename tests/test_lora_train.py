@@ -10,7 +10,6 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-
 from flax import nnx
 
 from engine.config import ConfigError
@@ -29,14 +28,22 @@ def base(tmp_path_factory) -> Path:
     """A checkpoint artifact whose random weights are large enough (std 0.25) that a frozen
     LM head can express confident answers: with GPT-2's 0.02 only the full fine-tune could."""
     out = tmp_path_factory.mktemp("lora-base")
-    bundle = train_tokenizer(TokenizerConfig(vocab_size=300), ["the quick brown fox jumps over the lazy dog " * 20,
-                                                               "colour 0: red, 1: green, 2: blue"], add_bos=True)
+    bundle = train_tokenizer(
+        TokenizerConfig(vocab_size=300),
+        ["the quick brown fox jumps over the lazy dog " * 20, "colour 0: red, 1: green, 2: blue"],
+        add_bos=True,
+    )
     save_tokenizer(bundle, out / "tokenizer")
     cfg = ModelConfig(**MODEL, init_std=0.25)
     params = nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
     ckpt = Checkpointer(out / "checkpoint", async_save=False)
-    ckpt.save(0, params, {"unused": np.zeros((), np.int32)},
-              {"step": 0, "model": cfg.model_dump(mode="json"), "format": "trainflow.checkpoint/1"}, {})
+    ckpt.save(
+        0,
+        params,
+        {"unused": np.zeros((), np.int32)},
+        {"step": 0, "model": cfg.model_dump(mode="json"), "format": "trainflow.checkpoint/1"},
+        {},
+    )
     ckpt.close()
     return out
 
@@ -85,8 +92,9 @@ def test_lora_sft_trains_only_the_adapter_and_resumes_bitwise(base, colours, tmp
 
 def restore_adapter(directory: Path, item: str = "params") -> dict[str, np.ndarray]:
     """The saved arrays of a checkpoint item by key path, restored as they were saved."""
-    with ocp.CheckpointManager(directory, item_names=(item,),
-                               options=ocp.CheckpointManagerOptions(read_only=True)) as manager:
+    with ocp.CheckpointManager(
+        directory, item_names=(item,), options=ocp.CheckpointManagerOptions(read_only=True)
+    ) as manager:
         restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(**{item: ocp.args.StandardRestore()}))
     return leaves(restored[item])
 
@@ -95,8 +103,11 @@ def test_lora_sft_on_data_fsdp_tensor_equals_data_parallel(base, colours, tmp_pa
     """With dropout on: each row's masks come from its seed, not from where the row lives."""
     common = {**LORA, "optimizer.learning_rate": 3e-2, "data.batch_size": 8, "lora.dropout": 0.1}  # masks too
     one = run_sft(sft_config(base, tmp_path / "one", colours, steps=4, **common, **{"mesh.data": 8}))
-    sharded = run_sft(sft_config(base, tmp_path / "mesh", colours, steps=4, **common,
-                                 **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}))
+    sharded = run_sft(
+        sft_config(
+            base, tmp_path / "mesh", colours, steps=4, **common, **{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
+        )
+    )
     assert sharded["layout"]["mesh"]["tensor"] == 2
     a, b = restore_adapter(tmp_path / "one" / "checkpoint"), restore_adapter(tmp_path / "mesh" / "checkpoint")
     for key in a:
@@ -116,8 +127,17 @@ def test_grpo_with_lora_learns_and_its_reference_is_the_base_with_the_adapter_of
     from engine.posttrain.grpo import run_grpo
     from tests.test_grpo import grpo_config, make_copy_task
 
-    cfg = ModelConfig(vocab_size=16, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
-                      max_seq_len=16, init_std=0.25)
+    cfg = ModelConfig(
+        vocab_size=16,
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        mlp_dim=64,
+        max_seq_len=16,
+        init_std=0.25,
+    )
     task = make_copy_task(tmp_path / "task", cfg)
     overrides = {**LORA, "beta": 0.01, "num_iterations": 2, "steps": 12}
     result = run_grpo(grpo_config(task, tmp_path / "run", **overrides))
@@ -136,12 +156,18 @@ def test_qlora_holds_the_base_quantized_and_learns(base, colours, tmp_path, base
     learns; the quantized base's loss at step 0 is close to the float one's."""
     import qwix
 
-    from engine.posttrain.sft import train_config
     from engine.posttrain.finetune import finetune_start
+    from engine.posttrain.sft import train_config
     from engine.train.trainer import Trainer
 
-    overrides = {**LORA, "optimizer.learning_rate": 3e-2, "lora.base_dtype": base_dtype,
-                 "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}
+    overrides = {
+        **LORA,
+        "optimizer.learning_rate": 3e-2,
+        "lora.base_dtype": base_dtype,
+        "mesh.data": 2,
+        "mesh.fsdp": 2,
+        "mesh.tensor": 2,
+    }
     cfg = sft_config(base, tmp_path / "q", colours, steps=20, **overrides)
     trainer = Trainer(train_config(cfg, *finetune_start(cfg)[:2]))
     quantized = trainer.load_base()
@@ -149,8 +175,12 @@ def test_qlora_holds_the_base_quantized_and_learns(base, colours, tmp_path, base
     assert isinstance(wq, qwix.QArray) and str(wq.qvalue.dtype) == ("uint4" if base_dtype == "nf4" else "int8")
     assert not isinstance(quantized["embed_vd"], qwix.QArray)  # embeddings, norms and the head stay float
     assert wq.qvalue.sharding.spec == trainer.abstract_base["blocks"]["attn"]["wq_dnh"].qvalue.sharding.spec
-    error = float(np.abs(np.asarray(qwix.dequantize(wq)) - np.asarray(
-        trainer._load_init_from(None, as_numpy=True)["blocks"]["attn"]["wq_dnh"])).max())
+    error = float(
+        np.abs(
+            np.asarray(qwix.dequantize(wq))
+            - np.asarray(trainer._load_init_from(None, as_numpy=True)["blocks"]["attn"]["wq_dnh"])
+        ).max()
+    )
     assert 0 < error < (0.35 if base_dtype == "nf4" else 0.02)  # of weights with std 0.25
     result = run_sft(cfg)
     assert result["eval_loss"] < 0.4 * np.log(300), result["eval_loss"]
@@ -170,13 +200,16 @@ def test_the_preflight_prices_the_adapter_and_the_frozen_base_and_names_lora_amo
     full = plan_step(load_config(tree=tree, schema=TrainConfig), get_target("local"))
     lora_cfg = load_config(tree={**tree, "lora": {"rank": 4, "target_modules": "all-linear"}}, schema=TrainConfig)
     lora = plan_step(lora_cfg, get_target("local"))
-    nf4 = plan_step(lora_cfg.model_copy(update={"lora": lora_cfg.lora.model_copy(update={"base_dtype": "nf4"})}),
-                    get_target("local"))
+    nf4 = plan_step(
+        lora_cfg.model_copy(update={"lora": lora_cfg.lora.model_copy(update={"base_dtype": "nf4"})}),
+        get_target("local"),
+    )
     assert lora.how == "compiled" and lora.memory.gradients < 0.1 * full.memory.gradients
     assert lora.memory.optimizer_state < 0.1 * full.memory.optimizer_state
     assert lora.memory.parameters == pytest.approx(full.memory.parameters + lora.memory.gradients)
     assert lora.memory.parameters + lora.memory.optimizer_state + lora.memory.batch == pytest.approx(
-        lora.memory.argument, rel=1e-3)  # the compiled step's arguments are base + adapter + its state
+        lora.memory.argument, rel=1e-3
+    )  # the compiled step's arguments are base + adapter + its state
     assert nf4.memory.argument < lora.memory.argument
     assert "lora: {rank: 16}" in knobs(load_config(tree=tree, schema=TrainConfig))
     assert "lora.base_dtype: nf4" in knobs(lora_cfg) and "lora: {rank" not in knobs(lora_cfg)
@@ -227,12 +260,26 @@ def test_grpo_samples_and_trains_on_a_quantized_base(tmp_path):
     from engine.posttrain.grpo import run_grpo
     from tests.test_grpo import grpo_config, make_copy_task
 
-    cfg = ModelConfig(vocab_size=16, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=64,
-                      max_seq_len=16, init_std=0.25)
+    cfg = ModelConfig(
+        vocab_size=16,
+        d_model=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        mlp_dim=64,
+        max_seq_len=16,
+        init_std=0.25,
+    )
     task = make_copy_task(tmp_path / "task", cfg)
-    result = run_grpo(grpo_config(task, tmp_path / "run", **LORA, **{"lora.base_dtype": "nf4", "beta": 0.01,
-                                                                      "steps": 3, "prompts_per_step": 4,
-                                                                      "num_generations": 4}))
+    result = run_grpo(
+        grpo_config(
+            task,
+            tmp_path / "run",
+            **LORA,
+            **{"lora.base_dtype": "nf4", "beta": 0.01, "steps": 3, "prompts_per_step": 4, "num_generations": 4},
+        )
+    )
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert result["steps"] == 3 and len(records) == 3
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6) and all(np.isfinite(r["loss"]) for r in records)

@@ -10,16 +10,18 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from engine.train.config import TrainConfig
 from engine.config import load_config
 from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.params import apply_model, init_params
 from engine.models.rope import apply_rope, rope_inverse_frequencies
 from engine.models.transformer import Transformer
-from engine.models.params import apply_model, init_params
+from engine.train.config import TrainConfig
 from engine.train.trainer import Trainer
 
 # Odd sizes so a transposed or mis-broadcast dimension cannot hide.
-ODD = dict(vocab_size=37, d_model=22, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=10, mlp_dim=26, max_seq_len=64)
+ODD = dict(
+    vocab_size=37, d_model=22, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=10, mlp_dim=26, max_seq_len=64
+)
 
 
 def test_a_documents_logits_in_a_packed_row_equal_its_logits_alone():
@@ -64,7 +66,7 @@ def test_scanned_and_unrolled_layers_compute_the_same_function():
     graphdef, state = nnx.split(Transformer(cfg, ComputeConfig(scan_layers=False), rngs=nnx.Rngs(0)))
     unrolled = nnx.to_pure_dict(state)
     for i in range(cfg.num_layers):  # copy layer i of the stacked params into block i
-        unrolled["blocks"][i] = jax.tree.map(lambda x: x[i], scanned["blocks"])
+        unrolled["blocks"][i] = jax.tree.map(lambda x: x[i], scanned["blocks"])  # noqa: B023
     for key in ("embed_vd", "final_norm", "lm_head_dv"):
         unrolled[key] = scanned[key]
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 37, (2, 7)))
@@ -125,8 +127,8 @@ def test_rope_from_a_position_table_equals_the_direct_rotation():
     x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 5, 6, 10)), jnp.float32)
     positions = jnp.asarray([[0, 1, 2, 3, 4], [0, 0, 7, 8, 9], [63, 62, 40, 1, 0]], jnp.int32)
     for scale in (1.0, 1.3):
-        direct = jax.jit(lambda x, p: apply_rope(x, p, inv_freq, scale))(x, positions)
-        table = jax.jit(lambda x, p: apply_rope(x, p, inv_freq, scale, max_position=64))(x, positions)
+        direct = jax.jit(lambda x, p: apply_rope(x, p, inv_freq, scale))(x, positions)  # noqa: B023
+        table = jax.jit(lambda x, p: apply_rope(x, p, inv_freq, scale, max_position=64))(x, positions)  # noqa: B023
         np.testing.assert_allclose(np.asarray(table), np.asarray(direct), rtol=1e-6, atol=1e-6)
     # A table too short for a position is not silently clamped to its last row.
     short = jax.jit(lambda x, p: apply_rope(x, p, inv_freq, 1.0, max_position=10))(x, positions)
@@ -156,16 +158,20 @@ def test_a_step_on_a_2x2x2_mesh_equals_one_device_and_params_are_sharded():
     rng = np.random.default_rng(3)
     tokens = rng.integers(0, 38, (8, 17)).astype(np.int32)
     batch_np = {
-        "tokens": tokens[:, :-1], "targets": tokens[:, 1:],
+        "tokens": tokens[:, :-1],
+        "targets": tokens[:, 1:],
         "positions": np.tile(np.arange(16, dtype=np.int32), (8, 1)),
-        "segment_ids": np.ones((8, 16), np.int32), "loss_mask": np.ones((8, 16), np.float32),
+        "segment_ids": np.ones((8, 16), np.int32),
+        "loss_mask": np.ones((8, 16), np.float32),
     }
     results = []
     for trainer in (single, sharded):
         params = init_params(trainer.cfg.model, trainer.cfg.compute, trainer.mesh, seed=0)
         batch = trainer.global_batch(batch_np)
-        grad_fn = jax.jit(jax.value_and_grad(trainer.objective.loss_fn, has_aux=True),
-                          in_shardings=(trainer.param_shardings, trainer.batch_sharding, None))
+        grad_fn = jax.jit(
+            jax.value_and_grad(trainer.objective.loss_fn, has_aux=True),
+            in_shardings=(trainer.param_shardings, trainer.batch_sharding, None),
+        )
         from engine.ops.partitioning import use_mesh
 
         with use_mesh(trainer.mesh):

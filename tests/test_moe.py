@@ -13,9 +13,9 @@ margins a perturbation of the router changes (checked), padding in the batch.
 from __future__ import annotations
 
 import io
-from functools import partial
 import json
 import logging
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -31,9 +31,9 @@ from engine.inference.sample import Sampler
 from engine.interop.hf.convert import convert_hf
 from engine.interop.hf.export import export_hf
 from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf
+from engine.models import moe_ep
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.families.base import rope_from_hf, rope_to_hf
-from engine.models import moe_ep
 from engine.models.moe import MoE, clamped_swiglu, combine_stats, dropless_experts, route, router_stats
 from engine.models.params import abstract_model_params, apply_model, graphdef_of, param_shardings
 from engine.models.transformer import Transformer, rope_inverse_frequencies
@@ -54,8 +54,9 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 37
-SHAPE = dict(vocab_size=VOCAB, d_model=12, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=6, mlp_dim=7,
-             init_std=0.3)
+SHAPE = dict(
+    vocab_size=VOCAB, d_model=12, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=6, mlp_dim=7, init_std=0.3
+)
 
 
 def tiny(**fields) -> ModelConfig:
@@ -66,8 +67,9 @@ def random_params(cfg: ModelConfig, compute: ComputeConfig, std: float = 0.3) ->
     """N(0, std^2) values (numpy) in the model's parameter shapes, for tests whose point is not the
     initialiser: the engine's compiles one threefry program per parameter shape (~1 s each here)."""
     rng = np.random.default_rng(0)
-    return jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape) * std, s.dtype),
-                        abstract_model_params(cfg, compute, None))
+    return jax.tree.map(
+        lambda s: jnp.asarray(rng.normal(size=s.shape) * std, s.dtype), abstract_model_params(cfg, compute, None)
+    )
 
 
 # --------------------------------------------------------------------------- the block
@@ -77,8 +79,7 @@ def reference_moe(block: MoE, x_nd: np.ndarray) -> np.ndarray:
     """Every expert on every token, then each token's top-k mixed: the definition, in numpy."""
     w_router = np.asarray(block.w_router_de[...], np.float64)
     logits = x_nd @ w_router
-    scores = (np.exp(logits - logits.max(-1, keepdims=True)) if block.score == "softmax"
-              else 1 / (1 + np.exp(-logits)))
+    scores = np.exp(logits - logits.max(-1, keepdims=True)) if block.score == "softmax" else 1 / (1 + np.exp(-logits))
     if block.score == "softmax":
         scores = scores / scores.sum(-1, keepdims=True)
     choice = scores + (np.asarray(block.b_router_e[...]) if block.router_bias else 0.0)
@@ -91,18 +92,24 @@ def reference_moe(block: MoE, x_nd: np.ndarray) -> np.ndarray:
     every = np.stack([(silu(x_nd @ gate[e]) * (x_nd @ up[e])) @ down[e] for e in range(block.num_experts)], 1)
     out = np.einsum("nkd,nk->nd", np.take_along_axis(every, top[..., None], 1), weights)
     if block.shared:
-        g, u, d = (np.asarray(w[...], np.float64) for w in (block.w_shared_gate_dg, block.w_shared_up_dg,
-                                                            block.w_shared_down_gd))
+        g, u, d = (
+            np.asarray(w[...], np.float64)
+            for w in (block.w_shared_gate_dg, block.w_shared_up_dg, block.w_shared_down_gd)
+        )
         out = out + (silu(x_nd @ g) * (x_nd @ u)) @ d
     return out
 
 
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
-@pytest.mark.parametrize("routing", [
-    dict(),  # Mixtral: softmax, renormalised top-k
-    dict(router_score="sigmoid", router_bias=True, num_shared_experts=2),  # DeepSeek-style
-    dict(router_renormalize=False, expert_mlp_dim=3),  # Qwen3-MoE without norm_topk_prob
-], ids=["softmax", "sigmoid-bias-shared", "unnormalised"])
+@pytest.mark.parametrize(
+    "routing",
+    [
+        dict(),  # Mixtral: softmax, renormalised top-k
+        dict(router_score="sigmoid", router_bias=True, num_shared_experts=2),  # DeepSeek-style
+        dict(router_renormalize=False, expert_mlp_dim=3),  # Qwen3-MoE without norm_topk_prob
+    ],
+    ids=["softmax", "sigmoid-bias-shared", "unnormalised"],
+)
 def test_moe_block_matches_the_per_token_definition(routing, dispatch):
     cfg = tiny(**routing)
     compute = ComputeConfig(moe_dispatch=dispatch, moe_capacity_factor=5 / 2)  # capacity >= every token
@@ -140,8 +147,12 @@ def test_capacity_dispatch_drops_the_assignments_past_capacity():
     weights = weights / weights.sum(-1, keepdims=True) * kept
     silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
     gate, up, down = (np.asarray(w[...]) for w in (block.w_gate_edf, block.w_up_edf, block.w_down_efd))
-    expected = np.stack([sum(weights[n, s] * ((silu(x[0, n] @ gate[e]) * (x[0, n] @ up[e])) @ down[e])
-                             for s, e in enumerate(top[n])) for n in range(11)])
+    expected = np.stack(
+        [
+            sum(weights[n, s] * ((silu(x[0, n] @ gate[e]) * (x[0, n] @ up[e])) @ down[e]) for s, e in enumerate(top[n]))
+            for n in range(11)
+        ]
+    )
     assert 0 < kept.sum() < kept.size  # some dropped, some kept
     np.testing.assert_allclose(np.asarray(out[0]), expected, atol=2e-5, rtol=1e-4)
 
@@ -162,7 +173,7 @@ def test_balance_loss_equals_transformers_load_balancing_loss_func():
     # z-loss: the mean over layers and non-padding tokens of logsumexp^2
     valid = mask.reshape(-1) > 0
     lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))[:, valid]
-    np.testing.assert_allclose(float(combined["router_z_loss"]), np.mean(lse ** 2), rtol=1e-5)
+    np.testing.assert_allclose(float(combined["router_z_loss"]), np.mean(lse**2), rtol=1e-5)
     np.testing.assert_allclose(float(jnp.sum(combined["expert_load_e"])), 1.0, rtol=1e-6)
 
 
@@ -187,8 +198,13 @@ def test_dropless_and_capacity_agree_when_nothing_is_dropped():
         compute = ComputeConfig(moe_dispatch=dispatch, moe_capacity_factor=5 / 2)
         graphdef = graphdef_of(cfg, compute)
         params = random_params(cfg, compute)
-        batch = {"tokens": tokens, "positions": None, "segment_ids": None, "targets": jnp.roll(tokens, -1, 1),
-                 "loss_mask": jnp.ones(tokens.shape)}
+        batch = {
+            "tokens": tokens,
+            "positions": None,
+            "segment_ids": None,
+            "targets": jnp.roll(tokens, -1, 1),
+            "loss_mask": jnp.ones(tokens.shape),
+        }
         loss_fn = lm_loss_fn(graphdef)
         (loss, aux), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, batch, 18.0)
         results[dispatch] = (loss, aux, grads)
@@ -212,8 +228,17 @@ def test_a_dense_family_with_experts_and_an_moe_family_without_are_refused():
 
 # --------------------------------------------------------------------------- Hugging Face parity
 
-HF_COMMON = dict(vocab_size=VOCAB, hidden_size=30, intermediate_size=26, num_hidden_layers=3, num_attention_heads=6,
-                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_experts_per_tok=2)
+HF_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=30,
+    intermediate_size=26,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    num_experts_per_tok=2,
+)
 
 
 def hf_config(family: str):
@@ -221,9 +246,18 @@ def hf_config(family: str):
         return transformers.MixtralConfig(**HF_COMMON, num_local_experts=5, sliding_window=5)
     # narrower experts than the dense width, top-k weights not renormalised (Qwen3-MoE's default),
     # YaRN with an original context short enough to matter here
-    return transformers.Qwen3MoeConfig(**HF_COMMON, num_experts=5, moe_intermediate_size=10, norm_topk_prob=False,
-                                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                                                        "original_max_position_embeddings": 16})
+    return transformers.Qwen3MoeConfig(
+        **HF_COMMON,
+        num_experts=5,
+        moe_intermediate_size=10,
+        norm_topk_prob=False,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "rope_theta": 10000.0,
+            "original_max_position_embeddings": 16,
+        },
+    )
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
@@ -231,8 +265,9 @@ def case(request, tmp_path_factory):
     family = request.param
     root = tmp_path_factory.mktemp(family)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager",
-                                                      experts_implementation="eager").float()
+    model = transformers.AutoModelForCausalLM.from_config(
+        hf_config(family), attn_implementation="eager", experts_implementation="eager"
+    ).float()
     with torch.no_grad():
         for _, p in model.named_parameters():
             p.add_(0.3 * torch.randn_like(p)) if p.ndim == 1 else p.normal_(0.0, 0.3)
@@ -240,8 +275,9 @@ def case(request, tmp_path_factory):
     convert_hf(root / "hf", root / "converted")
     cfg, params, _ = load_params(root / "converted" / "checkpoint")
     _, compute = stored_configs(root / "converted" / "checkpoint")
-    return dict(family=family, model=model, hf_dir=root / "hf", out=root / "converted", cfg=cfg, compute=compute,
-                params=params)
+    return dict(
+        family=family, model=model, hf_dir=root / "hf", out=root / "converted", cfg=cfg, compute=compute, params=params
+    )
 
 
 def padded_batch():
@@ -263,8 +299,9 @@ def test_converted_moe_matches_transformers_logits_and_routing_is_sensitive(case
     assert cfg.family == case["family"] and cfg.num_experts == 5 and cfg.experts_per_token == 2
     assert (cfg.rope_scaling is not None) == (case["family"] == "qwen3_moe")  # YaRN
     tokens, mask = padded_batch()
-    ours = np.asarray(apply_model(graphdef_of(cfg, case["compute"]), case["params"], jnp.asarray(tokens), None,
-                                  jnp.asarray(mask)))
+    ours = np.asarray(
+        apply_model(graphdef_of(cfg, case["compute"]), case["params"], jnp.asarray(tokens), None, jnp.asarray(mask))
+    )
     ref = hf_logits(case["model"], tokens, mask)
     valid = mask.astype(bool)
     delta = float(np.abs(ours - ref)[valid].max())
@@ -284,8 +321,9 @@ def test_converted_moe_matches_transformers_logits_and_routing_is_sensitive(case
         moved = case["model"](torch.tensor(tokens), attention_mask=torch.tensor(mask), output_router_logits=True)
         for g, w in zip(gates, saved):
             g.weight.copy_(w)
-    changed = sum(int((torch.topk(r, 2).indices.sort().values != c).any(-1).sum())
-                  for r, c in zip(moved.router_logits, chosen))
+    changed = sum(
+        int((torch.topk(r, 2).indices.sort().values != c).any(-1).sum()) for r, c in zip(moved.router_logits, chosen)
+    )
     assert changed > 0
 
 
@@ -299,11 +337,17 @@ def assert_greedy_tokens_equal_transformers(case, vocab: int, prompt_len: int = 
     prompt = np.random.default_rng(2).integers(0, vocab, (2, prompt_len))
     case["model"].generation_config.eos_token_id = None
     with torch.no_grad():
-        out = case["model"].generate(torch.tensor(prompt), attention_mask=torch.ones(prompt.shape, dtype=torch.long),
-                                     max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        out = case["model"].generate(
+            torch.tensor(prompt),
+            attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
     ref = out[:, prompt_len:].numpy()
-    ours = Sampler(case["cfg"], case["compute"])(case["params"], prompt, np.ones_like(prompt),
-                                                 max_new_tokens=new_tokens, temperature=0.0)
+    ours = Sampler(case["cfg"], case["compute"])(
+        case["params"], prompt, np.ones_like(prompt), max_new_tokens=new_tokens, temperature=0.0
+    )
     assert ref.shape == (2, new_tokens)
     np.testing.assert_array_equal(ours.tokens, ref)
 
@@ -317,7 +361,8 @@ def export_loads_cleanly(case, directory):
     logging.getLogger("transformers").addHandler(handler)
     try:
         reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
-            directory, output_loading_info=True, attn_implementation="eager", experts_implementation="eager")
+            directory, output_loading_info=True, attn_implementation="eager", experts_implementation="eager"
+        )
     finally:
         logging.getLogger("transformers").removeHandler(handler)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
@@ -330,8 +375,9 @@ def test_export_loads_cleanly_in_transformers_and_converts_back_bitwise(case, tm
     reloaded = export_loads_cleanly(case, tmp_path / "export")
     tokens, mask = padded_batch()
     valid = mask.astype(bool)
-    np.testing.assert_array_equal(hf_logits(reloaded.eval(), tokens, mask)[valid],
-                                  hf_logits(case["model"], tokens, mask)[valid])
+    np.testing.assert_array_equal(
+        hf_logits(reloaded.eval(), tokens, mask)[valid], hf_logits(case["model"], tokens, mask)[valid]
+    )
     # every key transformers wrote for the source model, with its value
     ours = json.loads((tmp_path / "export" / "config.json").read_text())
     source = json.loads((case["hf_dir"] / "config.json").read_text())
@@ -360,10 +406,16 @@ def test_expert_x_fsdp_x_data_parallel_equals_one_device(dispatch):
     tokens = np.random.default_rng(0).integers(0, VOCAB, (8, 8))
     segments = np.ones((8, 8), np.int32)
     segments[3, 5:] = 0  # padding: left out of the loss and of the router's statistics
-    batch = {"tokens": tokens, "positions": np.broadcast_to(np.arange(8), (8, 8)), "segment_ids": segments,
-             "targets": np.roll(tokens, -1, 1), "loss_mask": segments.astype(np.float32)}
-    assert_mesh_step_equals_one_device(cfg, compute, random_params(cfg, compute), batch,
-                                       MeshConfig(data=2, expert=2, fsdp=2))
+    batch = {
+        "tokens": tokens,
+        "positions": np.broadcast_to(np.arange(8), (8, 8)),
+        "segment_ids": segments,
+        "targets": np.roll(tokens, -1, 1),
+        "loss_mask": segments.astype(np.float32),
+    }
+    assert_mesh_step_equals_one_device(
+        cfg, compute, random_params(cfg, compute), batch, MeshConfig(data=2, expert=2, fsdp=2)
+    )
 
 
 def assert_mesh_step_equals_one_device(cfg, compute, host_params, batch, mesh_config, denominator: float = 61.0):
@@ -389,8 +441,9 @@ def assert_mesh_step_equals_one_device(cfg, compute, host_params, batch, mesh_co
         b = grads_8
         for key in path:
             b = b[key.key]
-        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(np.abs(a).max()),
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            b, a, rtol=1e-5, atol=1e-6 * float(np.abs(a).max()), err_msg=jax.tree_util.keystr(path)
+        )
 
 
 @pytest.mark.parametrize("with_biases", [True, False])
@@ -404,7 +457,11 @@ def test_expert_parallel_dropless_with_a_tensor_axis_equals_the_plain_dropless(w
     weights, experts = route(jnp.asarray(rng.normal(size=(n, e)) * 3, jnp.float32), None, k, "softmax", True)
     assert len(np.unique(np.asarray(experts))) == e  # every expert, so every shard, gets rows
     w = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((e, d, f), (e, d, f), (e, f, d))]
-    b = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((e, f), (e, f), (e, d))] if with_biases else None
+    b = (
+        [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((e, f), (e, f), (e, d))]
+        if with_biases
+        else None
+    )
     glu = lambda gate, up: clamped_swiglu(gate, up, limit=1.5, alpha=1.702)  # noqa: E731 (a limit the values reach)
     mesh = make_mesh(MeshConfig(data=2, expert=2, tensor=2))
     assert moe_ep.applies(mesh, n) and not moe_ep.applies(mesh, 2)  # 2 rows do not split over 4 batch devices
@@ -414,8 +471,11 @@ def test_expert_parallel_dropless_with_a_tensor_axis_equals_the_plain_dropless(w
 
     plain = jax.value_and_grad(lambda *a: loss(dropless_experts, *a), argnums=(0, 1, 2))(x, w, b)
     ep = partial(moe_ep.expert_parallel_dropless, mesh=mesh)
-    compiled = jax.jit(jax.value_and_grad(lambda *a: loss(lambda *c: ep(*c[:7], biases=c[7]), *a),
-                                          argnums=(0, 1, 2))).lower(x, w, b).compile()
+    compiled = (
+        jax.jit(jax.value_and_grad(lambda *a: loss(lambda *c: ep(*c[:7], biases=c[7]), *a), argnums=(0, 1, 2)))
+        .lower(x, w, b)
+        .compile()
+    )
     assert "all-to-all" in compiled.as_text() and "all-reduce" in compiled.as_text()
     value, grads = compiled(x, w, b)
     assert float(value) == pytest.approx(float(plain[0]), rel=1e-5)
@@ -428,16 +488,21 @@ def test_a_choosing_bias_moves_against_its_layers_load_imbalance_and_nothing_els
     """DeepSeek-V3's auxiliary-loss-free balancing: each step every MoE layer's routing bias
     moves by `rate` per expert, down for experts over the mean load, up under it; the other
     parameters get AdamW's update exactly as without the bias, and rate 0 keeps it as loaded."""
-    cfg = ModelConfig.model_validate(yaml.safe_load((REPO / "configs" / "models" / "tiny-deepseek-v3.yaml").read_text()))
+    cfg = ModelConfig.model_validate(
+        yaml.safe_load((REPO / "configs" / "models" / "tiny-deepseek-v3.yaml").read_text())
+    )
     compute = ComputeConfig(scan_layers=True)
     graphdef = graphdef_of(cfg, compute)
     params = random_params(cfg, compute)
-    params["blocks"]["mlp"]["b_router_e"] = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8)) * 0.1,
-                                                        jnp.float32)
+    params["blocks"]["mlp"]["b_router_e"] = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8)) * 0.1, jnp.float32)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (4, 16))
-    batch = {"tokens": tokens, "positions": np.broadcast_to(np.arange(16), (4, 16)),
-             "segment_ids": np.ones((4, 16), np.int32), "targets": np.roll(tokens, -1, 1),
-             "loss_mask": np.ones((4, 16), np.float32)}
+    batch = {
+        "tokens": tokens,
+        "positions": np.broadcast_to(np.arange(16), (4, 16)),
+        "segment_ids": np.ones((4, 16), np.int32),
+        "targets": np.roll(tokens, -1, 1),
+        "loss_mask": np.ones((4, 16), np.float32),
+    }
     (_, aux), grads = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef), has_aux=True))(params, batch, 64.0)
     # The bias's gradient is each layer's imbalance: the per-layer loads, minus their mean.
     imbalance = np.asarray(grads["blocks"]["mlp"]["b_router_e"])
@@ -451,8 +516,15 @@ def test_a_choosing_bias_moves_against_its_layers_load_imbalance_and_nothing_els
     updates = jax.jit(partial(first_update, tx))(grads, params)
     np.testing.assert_array_equal(np.asarray(updates["blocks"]["mlp"]["b_router_e"]), -rate * np.sign(imbalance))
     # Every other leaf: plain AdamW on the gradients without the bias's.
-    rest = lambda tree: {**tree, "blocks": {**tree["blocks"], "mlp": {  # noqa: E731
-        k: v for k, v in tree["blocks"]["mlp"].items() if k != "b_router_e"}}}
+    rest = lambda tree: {
+        **tree,
+        "blocks": {
+            **tree["blocks"],
+            "mlp": {  # noqa: E731
+                k: v for k, v in tree["blocks"]["mlp"].items() if k != "b_router_e"
+            },
+        },
+    }
     plain, _ = make_optimizer(opt, ScheduleConfig(kind="constant"), 10, rest(params))
     expected = jax.jit(partial(first_update, plain))(rest(grads), rest(params))
     for ours, theirs in zip(jax.tree.leaves(rest(updates)), jax.tree.leaves(expected), strict=True):
@@ -465,27 +537,58 @@ def test_a_choosing_bias_moves_against_its_layers_load_imbalance_and_nothing_els
 def test_sft_on_a_mixture_of_experts_checkpoint_learns_and_logs_the_router(tmp_path):
     """SFT from an MoE checkpoint: the completions are learnt, the router's losses and every
     expert's load are in metrics.jsonl, the result is still the same architecture."""
-    bundle = train_tokenizer(TokenizerConfig(vocab_size=300), ["the quick brown fox jumps " * 20, "colour red"],
-                             add_bos=True)
+    bundle = train_tokenizer(
+        TokenizerConfig(vocab_size=300), ["the quick brown fox jumps " * 20, "colour red"], add_bos=True
+    )
     save_tokenizer(bundle, tmp_path / "base" / "tokenizer")
-    cfg = ModelConfig(family="mixtral", vocab_size=300, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=8, mlp_dim=48, max_seq_len=64, num_experts=4, experts_per_token=2)
+    cfg = ModelConfig(
+        family="mixtral",
+        vocab_size=300,
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        mlp_dim=48,
+        max_seq_len=64,
+        num_experts=4,
+        experts_per_token=2,
+    )
     params = nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
     checkpointer = Checkpointer(tmp_path / "base" / "checkpoint", async_save=False)
-    checkpointer.save(0, params, {"unused": np.zeros((), np.int32)},
-                      {"step": 0, "model": cfg.model_dump(mode="json"), "format": "trainflow.checkpoint/1"}, {})
+    checkpointer.save(
+        0,
+        params,
+        {"unused": np.zeros((), np.int32)},
+        {"step": 0, "model": cfg.model_dump(mode="json"), "format": "trainflow.checkpoint/1"},
+        {},
+    )
     checkpointer.close()
     data = tmp_path / "pairs.jsonl"
     colours = ["red", "green", "blue"]
-    data.write_text("".join(json.dumps({"prompt": f"colour {i % 3}:", "completion": f" {colours[i % 3]}"}) + "\n"
-                            for i in range(40)))
-    config = load_config(tree={
-        "checkpoint": {"init_from": str(tmp_path / "base" / "checkpoint"), "directory": str(tmp_path / "run" / "ckpt"),
-                       "every_steps": 100, "async_save": False},
-        "data": {"path": str(data), "seq_len": 32, "batch_size": 8, "eval_fraction": 0.2},
-        "optimizer": {"learning_rate": 1e-2}, "schedule": {"kind": "constant"},
-        "steps": 25, "log_every": 5, "progress": False, "metrics_dir": str(tmp_path / "run"),
-    }, schema=SFTConfig)
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"colour {i % 3}:", "completion": f" {colours[i % 3]}"}) + "\n" for i in range(40)
+        )
+    )
+    config = load_config(
+        tree={
+            "checkpoint": {
+                "init_from": str(tmp_path / "base" / "checkpoint"),
+                "directory": str(tmp_path / "run" / "ckpt"),
+                "every_steps": 100,
+                "async_save": False,
+            },
+            "data": {"path": str(data), "seq_len": 32, "batch_size": 8, "eval_fraction": 0.2},
+            "optimizer": {"learning_rate": 1e-2},
+            "schedule": {"kind": "constant"},
+            "steps": 25,
+            "log_every": 5,
+            "progress": False,
+            "metrics_dir": str(tmp_path / "run"),
+        },
+        schema=SFTConfig,
+    )
     result = run_sft(config)
     assert result["eval_loss"] < 0.25 * np.log(300), result["eval_loss"]
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -498,29 +601,49 @@ def test_sft_on_a_mixture_of_experts_checkpoint_learns_and_logs_the_router(tmp_p
 # --------------------------------------------------------------------------- YaRN
 
 
-@pytest.mark.parametrize("rope", [
-    {"factor": 4.0, "original_max_position_embeddings": 16},  # Qwen3's long context
-    {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
-     "mscale": 1.0, "mscale_all_dim": 0.707},  # DeepSeek-V3's
-    {"factor": 8.0, "original_max_position_embeddings": 64, "attention_factor": 1.3, "truncate": False},
-], ids=["qwen3", "deepseek-mscale", "explicit-factor-untruncated"])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"factor": 4.0, "original_max_position_embeddings": 16},  # Qwen3's long context
+        {
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+        },  # DeepSeek-V3's
+        {"factor": 8.0, "original_max_position_embeddings": 64, "attention_factor": 1.3, "truncate": False},
+    ],
+    ids=["qwen3", "deepseek-mscale", "explicit-factor-untruncated"],
+)
 def test_yarn_frequencies_and_attention_factor_equal_transformers(rope):
     params = {"rope_type": "yarn", "rope_theta": 10000.0, **rope}
-    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=16,
-                                      max_position_embeddings=4 * rope["original_max_position_embeddings"],
-                                      rope_parameters=params)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        head_dim=16,
+        max_position_embeddings=4 * rope["original_max_position_embeddings"],
+        rope_parameters=params,
+    )
     ref_inv_freq, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
     theta, scaling = rope_from_hf(params, "config.json")
     scaling = ModelConfig(**SHAPE, rope_scaling=scaling).rope_scaling
-    np.testing.assert_allclose(np.asarray(rope_inverse_frequencies(16, theta, scaling)), ref_inv_freq.numpy(),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(rope_inverse_frequencies(16, theta, scaling)), ref_inv_freq.numpy(), rtol=1e-6
+    )
     assert scaling.yarn_attention_factor() == pytest.approx(ref_factor, rel=1e-9)
     assert rope_from_hf({**rope_to_hf(scaling), "rope_theta": theta}, "again")[1] == rope_from_hf(params, "x")[1]
 
 
 def test_what_the_engine_does_not_implement_is_refused_by_name():
-    base = {"vocab_size": 17, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "intermediate_size": 7}
+    base = {
+        "vocab_size": 17,
+        "hidden_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 7,
+    }
     qwen = {**base, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4}
     with pytest.raises(ConfigError, match=r"decoder_sparse_step=2 is not supported \(only 1: every layer"):
         model_config_from_hf({**qwen, "decoder_sparse_step": 2})
@@ -533,5 +656,7 @@ def test_what_the_engine_does_not_implement_is_refused_by_name():
         model_config_from_hf({**mixtral, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     # a Mixtral with a field its config.json cannot hold is refused at export, naming it
     cfg, _ = model_config_from_hf(mixtral)
-    with pytest.raises(ConfigError, match=r"model.router_score='sigmoid' cannot be expressed as a Hugging Face Mixtral"):
+    with pytest.raises(
+        ConfigError, match=r"model.router_score='sigmoid' cannot be expressed as a Hugging Face Mixtral"
+    ):
         model_config_to_hf(cfg.model_copy(update={"router_score": "sigmoid"}))

@@ -35,8 +35,12 @@ pytestmark = pytest.mark.slow
 STEPS = 30
 MESH_2x2 = {"data": 2, "fsdp": 1, "tensor": 2}
 # processes x devices per process -> the mesh; every axis of size > 1 spans processes somewhere.
-LAYOUTS = {"1x4": (1, 4, MESH_2x2), "2x2": (2, 2, MESH_2x2), "4x1": (4, 1, {"data": 1, "fsdp": 2, "tensor": 2}),
-           "2x2-context": (2, 2, {"data": 1, "context": 2, "tensor": 2})}  # each row's positions on 2 processes
+LAYOUTS = {
+    "1x4": (1, 4, MESH_2x2),
+    "2x2": (2, 2, MESH_2x2),
+    "4x1": (4, 1, {"data": 1, "fsdp": 2, "tensor": 2}),
+    "2x2-context": (2, 2, {"data": 1, "context": 2, "tensor": 2}),
+}  # each row's positions on 2 processes
 
 
 @pytest.fixture(scope="module")
@@ -44,17 +48,25 @@ def dataset(tmp_path_factory) -> Path:
     """Standard-library sources as byte tokens: enough documents that packing mixes them."""
     out = tmp_path_factory.mktemp("bytes")
     files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:60]
-    docs = [np.concatenate([np.frombuffer(Path(p).read_bytes(), np.uint8).astype(np.int32)[:3000], [256]])
-            for p in files]
+    docs = [
+        np.concatenate([np.frombuffer(Path(p).read_bytes(), np.uint8).astype(np.int32)[:3000], [256]]) for p in files
+    ]
     write_dataset(out, {"train": docs[:-8], "validation": docs[-8:]}, vocab_size=257, eos_id=256)
     return out
 
 
 def write_config(out: Path, dataset: Path, mesh: dict) -> Path:
-    cfg = {"model": {"preset": "tiny", "vocab_size": 260, "max_seq_len": 64}, "mesh": mesh, "steps": STEPS,
-           "log_every": 1, "data": {"path": str(dataset), "seq_len": 32, "batch_size": 8, "eval_batches": 1},
-           "checkpoint": {"directory": str(out / "checkpoint"), "every_steps": 1000, "async_save": False},
-           "metrics_dir": str(out), "progress": False, "optimizer": {"learning_rate": 1e-2}}
+    cfg = {
+        "model": {"preset": "tiny", "vocab_size": 260, "max_seq_len": 64},
+        "mesh": mesh,
+        "steps": STEPS,
+        "log_every": 1,
+        "data": {"path": str(dataset), "seq_len": 32, "batch_size": 8, "eval_batches": 1},
+        "checkpoint": {"directory": str(out / "checkpoint"), "every_steps": 1000, "async_save": False},
+        "metrics_dir": str(out),
+        "progress": False,
+        "optimizer": {"learning_rate": 1e-2},
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "train.yaml").write_text(yaml.safe_dump(cfg))
     return out / "train.yaml"
@@ -85,8 +97,11 @@ def layouts(dataset, tmp_path_factory) -> dict[str, Path]:
     for name, (processes, devices, mesh) in LAYOUTS.items():
         out = tmp_path_factory.mktemp(name)
         config = write_config(out, dataset, mesh)
-        run_child([sys.executable, "-m", "engine.train", str(config)], launcher=launcher(processes, devices),
-                  log=lambda line: None)
+        run_child(
+            [sys.executable, "-m", "engine.train", str(config)],
+            launcher=launcher(processes, devices),
+            log=lambda line: None,
+        )
         runs[name] = out
     return runs
 
@@ -107,8 +122,9 @@ def test_pretraining_does_not_depend_on_the_process_layout(layouts):
             if name == "2x2":
                 np.testing.assert_array_equal(ours, theirs, err_msg=name)
             else:
-                np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=3e-5 if "context" in name else 1e-5,
-                                           err_msg=name)
+                np.testing.assert_allclose(
+                    ours, theirs, rtol=1e-5, atol=3e-5 if "context" in name else 1e-5, err_msg=name
+                )
 
 
 def test_a_checkpoint_four_processes_saved_loads_on_whatever_devices_are_here(layouts):
@@ -122,8 +138,10 @@ def test_sigterm_to_two_ranks_a_second_apart_saves_once_and_the_resume_is_bitwis
     processes, devices, mesh = LAYOUTS["2x2"]
     config = write_config(tmp_path, dataset, mesh)
     argv = [sys.executable, "-m", "engine.train", str(config)]
-    ranks = [subprocess.Popen(rank_argv, env=child_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for rank_argv, env in commands(launcher(processes, devices), argv)]
+    ranks = [
+        subprocess.Popen(rank_argv, env=child_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for rank_argv, env in commands(launcher(processes, devices), argv)
+    ]
     try:
         deadline = time.time() + 180
         while not (tmp_path / "metrics.jsonl").is_file() or len(losses(tmp_path)) < 5:
@@ -150,8 +168,11 @@ def rank_pid(config: Path, rank: int) -> int | None:
     """The pid of the engine process that is `rank` of the run of `config` (from /proc)."""
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and str(config) in (proc / "cmdline").read_bytes().decode(errors="replace") and \
-                    f"TRAINFLOW_PROCESS_ID={rank}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+            if (
+                proc.name.isdigit()
+                and str(config) in (proc / "cmdline").read_bytes().decode(errors="replace")
+                and f"TRAINFLOW_PROCESS_ID={rank}".encode() in (proc / "environ").read_bytes().split(b"\0")
+            ):
                 return int(proc.name)
         except OSError:
             continue
@@ -207,22 +228,32 @@ def copy_task(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("copy_task")
     digits = [str(d) for d in range(10)]
-    tok = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, **{d: i + 2 for i, d in enumerate(digits)}, "=": 12},
-                                     unk_token="<pad>"))
+    tok = Tokenizer(
+        models.WordLevel(
+            {"<pad>": 0, "<eos>": 1, **{d: i + 2 for i, d in enumerate(digits)}, "=": 12}, unk_token="<pad>"
+        )
+    )
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(["<pad>", "<eos>"])
     save_tokenizer(TokenizerBundle(tok, eos_token="<eos>", pad_token="<pad>"), out / "tokenizer")
-    cfg = ModelConfig(vocab_size=16, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
-                      max_seq_len=16)
+    cfg = ModelConfig(
+        vocab_size=16, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=16
+    )
     checkpointer = Checkpointer(out / "checkpoint", async_save=False)
-    checkpointer.save(0, nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1]),
-                      {"unused": np.zeros((), np.int32)}, {"step": 0, "model": cfg.model_dump(mode="json")}, {})
+    checkpointer.save(
+        0,
+        nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1]),
+        {"unused": np.zeros((), np.int32)},
+        {"step": 0, "model": cfg.model_dump(mode="json")},
+        {},
+    )
     checkpointer.close()
     (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{d}=", "answer": d}) + "\n" for d in digits))
     (out / "sft.jsonl").write_text("".join(json.dumps({"prompt": f"{d}=", "completion": d}) + "\n" for d in digits))
-    (out / "prefs.jsonl").write_text("".join(json.dumps({"prompt": f"{d}=", "chosen": d, "rejected": str((int(d) + 1) % 10)})
-                                             + "\n" for d in digits))
+    (out / "prefs.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"{d}=", "chosen": d, "rejected": str((int(d) + 1) % 10)}) + "\n" for d in digits)
+    )
     return out
 
 
@@ -236,32 +267,71 @@ def test_fine_tuning_on_two_processes_equals_one(copy_task, tmp_path, stage):
     results = {}
     for processes, devices in ((1, 2), (2, 1)):
         out = tmp_path / f"{processes}x{devices}"
-        cfg = {"checkpoint": {"init_from": str(copy_task / "checkpoint"), "directory": str(out / "checkpoint"),
-                              "every_steps": 100, "async_save": False},
-               "tokenizer": str(copy_task / "tokenizer"), "metrics_dir": str(out), "progress": False,
-               "mesh": {"data": 2}, "log_every": 1}
+        cfg = {
+            "checkpoint": {
+                "init_from": str(copy_task / "checkpoint"),
+                "directory": str(out / "checkpoint"),
+                "every_steps": 100,
+                "async_save": False,
+            },
+            "tokenizer": str(copy_task / "tokenizer"),
+            "metrics_dir": str(out),
+            "progress": False,
+            "mesh": {"data": 2},
+            "log_every": 1,
+        }
         if stage == "grpo":
-            cfg.update(data={"path": str(copy_task / "prompts.jsonl")}, optimizer={"learning_rate": 2e-2}, steps=3,
-                       rewards=[{"function": "exact_match", "kwargs": {"pattern": r"^(\d)"}}], prompts_per_step=4,
-                       num_generations=4, max_prompt_length=2, max_completion_length=2)
+            cfg.update(
+                data={"path": str(copy_task / "prompts.jsonl")},
+                optimizer={"learning_rate": 2e-2},
+                steps=3,
+                rewards=[{"function": "exact_match", "kwargs": {"pattern": r"^(\d)"}}],
+                prompts_per_step=4,
+                num_generations=4,
+                max_prompt_length=2,
+                max_completion_length=2,
+            )
         elif stage == "distill":  # on- and off-policy steps; the teacher here is the start model itself
-            cfg.update(data={"path": str(copy_task / "sft.jsonl"), "seq_len": 8, "batch_size": 4, "eval_fraction": 0.2},
-                       teacher={"checkpoint": str(copy_task / "checkpoint")}, lmbda=0.5, seed=1, max_new_tokens=2,
-                       steps=4, eval_every=2, optimizer={"learning_rate": 1e-2})
+            cfg.update(
+                data={"path": str(copy_task / "sft.jsonl"), "seq_len": 8, "batch_size": 4, "eval_fraction": 0.2},
+                teacher={"checkpoint": str(copy_task / "checkpoint")},
+                lmbda=0.5,
+                seed=1,
+                max_new_tokens=2,
+                steps=4,
+                eval_every=2,
+                optimizer={"learning_rate": 1e-2},
+            )
         elif stage in ("dpo", "reward_model"):
-            cfg.update(data={"path": str(copy_task / "prefs.jsonl"), "max_prompt_length": 2, "max_length": 4,
-                             "batch_size": 4, "eval_fraction": 0.2}, steps=4, eval_every=2,
-                       optimizer={"learning_rate": 1e-2})
+            cfg.update(
+                data={
+                    "path": str(copy_task / "prefs.jsonl"),
+                    "max_prompt_length": 2,
+                    "max_length": 4,
+                    "batch_size": 4,
+                    "eval_fraction": 0.2,
+                },
+                steps=4,
+                eval_every=2,
+                optimizer={"learning_rate": 1e-2},
+            )
         else:
-            cfg.update(data={"path": str(copy_task / "sft.jsonl"), "seq_len": 8, "batch_size": 4, "eval_fraction": 0.2},
-                       steps=4, eval_every=2)
+            cfg.update(
+                data={"path": str(copy_task / "sft.jsonl"), "seq_len": 8, "batch_size": 4, "eval_fraction": 0.2},
+                steps=4,
+                eval_every=2,
+            )
         if variant == "lora":
-            cfg.update(lora={"rank": 4, "alpha": 8, "target_modules": "all-linear"},
-                       optimizer={"learning_rate": 2e-2})  # the default 2e-5 barely moves B from zero in 4 steps
+            cfg.update(
+                lora={"rank": 4, "alpha": 8, "target_modules": "all-linear"}, optimizer={"learning_rate": 2e-2}
+            )  # the default 2e-5 barely moves B from zero in 4 steps
         out.mkdir()
         (out / "run.yaml").write_text(yaml.safe_dump(cfg))
-        run_child([sys.executable, "-m", f"engine.posttrain.{stage}", str(out / "run.yaml")],
-                  launcher=launcher(processes, devices), log=lambda line: None)
+        run_child(
+            [sys.executable, "-m", f"engine.posttrain.{stage}", str(out / "run.yaml")],
+            launcher=launcher(processes, devices),
+            log=lambda line: None,
+        )
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         timings = ("_seconds", "tokens_per_second", "tflops_per_device", "mfu")
         if stage == "reward_model":  # the decoder and its scalar head

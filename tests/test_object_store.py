@@ -40,9 +40,13 @@ def s3_endpoint(tmp_path_factory):
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "TRAINFLOW_CACHE": str(tmp_path_factory.mktemp("s3-cache"))}
+    env = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "TRAINFLOW_CACHE": str(tmp_path_factory.mktemp("s3-cache")),
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -72,17 +76,29 @@ def trainflow(*args, check: bool = True, env: dict | None = None, timeout: float
     # CPU only: a TPU runtime plugin installed beside jax (libtpu) aborts the process at exit
     # ("FATAL: exception not rethrown") on machines without a TPU.
     full_env.setdefault("JAX_PLATFORMS", "cpu")
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *map(str, args)], cwd=REPO, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
-    if proc.returncode == -6 and proc.stderr.rstrip().endswith(EXIT_ABORT) and args[0] == "run" \
-            and "\nlineage of " in proc.stdout:
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *map(str, args)],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if (
+        proc.returncode == -6
+        and proc.stderr.rstrip().endswith(EXIT_ABORT)
+        and args[0] == "run"
+        and "\nlineage of " in proc.stdout
+    ):
         # KNOWN, not this module's: on this machine `trainflow run` (local stores too) aborts
         # in native code at interpreter exit after finishing and printing its report. The
         # store is checked by the tests themselves.
         proc.returncode = 0
     if check and proc.returncode != 0:
-        raise AssertionError(f"trainflow {' '.join(map(str, args))} exited {proc.returncode}:\n"
-                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"trainflow {' '.join(map(str, args))} exited {proc.returncode}:\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc
 
 
@@ -149,18 +165,34 @@ def test_rerun_on_s3_skips_everything(finished):
     store, pipeline, _ = finished
     proc = trainflow("run", pipeline, "--store", store, f"pretrain.steps={STEPS}")
     assert proc.stdout.count("skipped") >= 2, proc.stdout[-2000:]
-    assert "ran" not in {line.split()[2] for line in proc.stdout.splitlines()
-                         if line.split()[:1] in (["tokenize"], ["pretrain"]) and len(line.split()) > 2}
+    assert "ran" not in {
+        line.split()[2]
+        for line in proc.stdout.splitlines()
+        if line.split()[:1] in (["tokenize"], ["pretrain"]) and len(line.split()) > 2
+    }
 
 
 def test_generate_from_a_bucket_artifact_on_a_fresh_machine(finished, tmp_path):
     """`generate` downloads the checkpoint (verified) into an empty cache and samples from it."""
     store, _, _ = finished
-    pretrain_id = next(r["id"] for r in json.loads(trainflow("ls", "--store", store, "--json").stdout)
-                       if r["stage"] == "pretrain")
+    pretrain_id = next(
+        r["id"] for r in json.loads(trainflow("ls", "--store", store, "--json").stdout) if r["stage"] == "pretrain"
+    )
     cache = tmp_path / "fresh"
-    proc = trainflow("generate", pretrain_id, "--store", store, "--prompt", "import", "--max-new-tokens", "3",
-                     "--temperature", "0", "--json", env={"TRAINFLOW_CACHE": str(cache)})
+    proc = trainflow(
+        "generate",
+        pretrain_id,
+        "--store",
+        store,
+        "--prompt",
+        "import",
+        "--max-new-tokens",
+        "3",
+        "--temperature",
+        "0",
+        "--json",
+        env={"TRAINFLOW_CACHE": str(cache)},
+    )
     assert json.loads(proc.stdout.strip().splitlines()[-1])["prompt"] == "import"
     assert list(cache.glob(f"*/pretrain/{pretrain_id}/checkpoint/{STEPS}/digests.json"))
 
@@ -176,26 +208,42 @@ def test_sigkilled_pretrain_resumes_from_the_bucket_on_another_machine(finished,
     client = boto3.client("s3")
     killed = f"s3://{bucket}/runs/killed"
     for obj in client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/tokenize/")["Contents"]:  # inputs done
-        client.copy_object(Bucket=bucket, Key=f"runs/killed/{obj['Key'].removeprefix(prefix + '/')}",
-                           CopySource={"Bucket": bucket, "Key": obj["Key"]})
+        client.copy_object(
+            Bucket=bucket,
+            Key=f"runs/killed/{obj['Key'].removeprefix(prefix + '/')}",
+            CopySource={"Bucket": bucket, "Key": obj["Key"]},
+        )
     reference = ArtifactStore(store)
-    pretrain_id = next(r["id"] for r in json.loads(trainflow("ls", "--store", store, "--json").stdout)
-                       if r["stage"] == "pretrain")
+    pretrain_id = next(
+        r["id"] for r in json.loads(trainflow("ls", "--store", store, "--json").stdout) if r["stage"] == "pretrain"
+    )
     args = ("run", pipeline, "--store", killed, f"pretrain.steps={STEPS}", "pretrain.checkpoint.every_steps=2")
-    machine = {name: {"TRAINFLOW_CACHE": str(tmp_path / name), "TRAINFLOW_LEASE_SECONDS": "3",
-                      "TRAINFLOW_MIRROR_SECONDS": "0.3"} for name in ("a", "b")}
+    machine = {
+        name: {
+            "TRAINFLOW_CACHE": str(tmp_path / name),
+            "TRAINFLOW_LEASE_SECONDS": "3",
+            "TRAINFLOW_MIRROR_SECONDS": "0.3",
+        }
+        for name in ("a", "b")
+    }
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", **machine["a"]}
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *map(str, args)], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", *map(str, args)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     uploaded = []
     deadline = time.monotonic() + 300
     while not any(step >= 4 for step in uploaded):
         assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint step reached the bucket"
         time.sleep(0.2)
         listing = client.list_objects_v2(Bucket=bucket, Prefix=f"runs/killed/pretrain/{pretrain_id}/checkpoint/")
-        uploaded = [int(o["Key"].split("/")[-2]) for o in listing.get("Contents", [])
-                    if o["Key"].endswith("/digests.json")]
+        uploaded = [
+            int(o["Key"].split("/")[-2]) for o in listing.get("Contents", []) if o["Key"].endswith("/digests.json")
+        ]
     proc.kill()  # SIGKILL: no failed manifest, no partial upload, the lease left to expire
     proc.wait()
     staging = Path(machine["a"]["TRAINFLOW_CACHE"])
@@ -211,14 +259,16 @@ def test_sigkilled_pretrain_resumes_from_the_bucket_on_another_machine(finished,
     assert resumed, proc.stderr[-3000:]
     assert int(resumed.group(1)) >= 4 and resumed.group(2) == f"{killed}/pretrain/{pretrain_id}"
     # The engine's own line, naming the bucket rather than the staging copy it restored from.
-    assert f"resumed from checkpoint step {resumed.group(1)} in {killed}/pretrain/{pretrain_id}/checkpoint" \
-        in proc.stderr, proc.stderr[-3000:]
+    assert (
+        f"resumed from checkpoint step {resumed.group(1)} in {killed}/pretrain/{pretrain_id}/checkpoint" in proc.stderr
+    ), proc.stderr[-3000:]
     again = ArtifactStore(killed)
     assert again.is_complete("pretrain", pretrain_id)
     assert trainflow("verify", pretrain_id, "--store", killed).stdout.startswith("OK ")
     _, params, step = load_params(again.open_input("pretrain", pretrain_id).path / "checkpoint", as_numpy=True)
-    _, expected, expected_step = load_params(reference.open_input("pretrain", pretrain_id).path / "checkpoint",
-                                             as_numpy=True)
+    _, expected, expected_step = load_params(
+        reference.open_input("pretrain", pretrain_id).path / "checkpoint", as_numpy=True
+    )
     assert step == expected_step == STEPS
     leaves, want = jax.tree.leaves(params), jax.tree.leaves(expected)
     assert len(leaves) == len(want) and all(np.array_equal(a, b) for a, b in zip(leaves, want))
@@ -232,8 +282,10 @@ def test_tampered_checkpoint_object_fails_verify(finished, tmp_path):
     bucket, prefix = store.removeprefix("s3://").split("/", 1)
     client = boto3.client("s3")
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/pretrain/")["Contents"]]
-    victim = max((k for k in keys if "/checkpoint/" in k), key=lambda k: client.head_object(Bucket=bucket, Key=k)
-                 ["ContentLength"])
+    victim = max(
+        (k for k in keys if "/checkpoint/" in k),
+        key=lambda k: client.head_object(Bucket=bucket, Key=k)["ContentLength"],
+    )
     body = bytearray(client.get_object(Bucket=bucket, Key=victim)["Body"].read())
     body[len(body) // 2] ^= 0xFF
     client.put_object(Bucket=bucket, Key=victim, Body=bytes(body))
@@ -260,8 +312,13 @@ def test_missing_bucket_is_one_line_before_compute(s3_endpoint, tmp_path):
 
 
 def test_missing_credentials_is_one_line(s3_endpoint, bucket, tmp_path):
-    env = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
-           "AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_EC2_METADATA_DISABLED": "true"}
+    env = {
+        "AWS_ACCESS_KEY_ID": "",
+        "AWS_SECRET_ACCESS_KEY": "",
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
     proc = trainflow("ls", "--store", f"s3://{bucket}/x", check=False, env=env)
     assert proc.returncode == 1
     assert proc.stderr.strip().count("\n") == 0 and f"s3://{bucket}/x" in proc.stderr, proc.stderr
@@ -283,8 +340,9 @@ def test_second_lease_waits_then_expired_lease_is_taken_over(bucket):
     assert not second.try_acquire(), "the conditional create answers 412 to the second run"
     messages = []
     # The holder keeps renewing: the second run waits, and says who holds it.
-    waiter = threading.Thread(target=lambda: second.acquire(poll_seconds=0.2, on_wait=messages.append,
-                                                            wait_message_every=0.5))
+    waiter = threading.Thread(
+        target=lambda: second.acquire(poll_seconds=0.2, on_wait=messages.append, wait_message_every=0.5)
+    )
     waiter.start()
     time.sleep(5)  # longer than the lease: renewals keep it
     assert waiter.is_alive() and messages and "run-1" in messages[0]
@@ -352,11 +410,18 @@ def test_a_killed_holders_lease_is_taken_over_at_once_on_its_machine_and_nowhere
     from tasks.artifacts import ArtifactStore
 
     url = f"s3://{bucket}/killed-lease"
-    hold = ("import sys, time; from tasks.artifacts import ArtifactStore; "
-            "lease = ArtifactStore(sys.argv[1]).remote.lease('stage', 'abc', 'run-killed'); lease.seconds = 600; "
-            "assert lease.acquire(blocking=False); print('held', flush=True); time.sleep(600)")
-    proc = subprocess.Popen([sys.executable, "-c", hold, url], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    hold = (
+        "import sys, time; from tasks.artifacts import ArtifactStore; "
+        "lease = ArtifactStore(sys.argv[1]).remote.lease('stage', 'abc', 'run-killed'); lease.seconds = 600; "
+        "assert lease.acquire(blocking=False); print('held', flush=True); time.sleep(600)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", hold, url],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         assert proc.stdout.readline().strip() == "held"
         store = ArtifactStore(url)
@@ -392,8 +457,13 @@ def test_consumer_downloads_into_cache_and_refuses_a_tampered_input(bucket, tmp_
     client = boto3.client("s3")
     for rel, body in payload.items():
         client.put_object(Bucket=bucket, Key=f"consumers/tokenize/abc/{rel}", Body=body)
-    manifest = {"id": "abc", "kind": "dataset", "stage": "tokenize", "status": "complete",
-                "files": {rel: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for rel, b in payload.items()}}
+    manifest = {
+        "id": "abc",
+        "kind": "dataset",
+        "stage": "tokenize",
+        "status": "complete",
+        "files": {rel: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for rel, b in payload.items()},
+    }
     store.remote.write_manifest("tokenize", "abc", manifest)
     assert store.is_complete("tokenize", "abc") and store.state("tokenize", "abc") == "complete"
     ref = store.open_input("tokenize", "abc")
@@ -428,8 +498,9 @@ def test_steps_are_uploaded_as_they_commit_and_a_resume_takes_the_newest_whole_o
     fs.put_file = lambda local, key, **kw: (sent.append(key), put_file(local, key, **kw))
     uploads = []
     for step in (2, 4, 6):
-        checkpointer.save(step, {"w_df": jnp.full((8, 4), step, jnp.float32)}, {"count": jnp.zeros((), jnp.int32)},
-                          {"step": step}, {})
+        checkpointer.save(
+            step, {"w_df": jnp.full((8, 4), step, jnp.float32)}, {"count": jnp.zeros((), jnp.int32)}, {"step": step}, {}
+        )
         checkpointer.wait()
         with open(out / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": step}) + "\n")
@@ -468,15 +539,20 @@ def test_a_step_left_half_uploaded_by_a_killed_run_is_uploaded_whole_again(bucke
     out = store.artifact_dir("pretrain", "abc")
     out.mkdir(parents=True)
     checkpointer = Checkpointer(out / "checkpoint", keep=2, async_save=False)
-    checkpointer.save(18, {"w_df": jnp.ones((8, 4), jnp.float32)}, {"count": jnp.zeros((), jnp.int32)}, {"step": 18}, {})
+    checkpointer.save(
+        18, {"w_df": jnp.ones((8, 4), jnp.float32)}, {"count": jnp.zeros((), jnp.int32)}, {"step": 18}, {}
+    )
     checkpointer.wait()
     checkpointer.close()
     step_dir = out / "checkpoint" / "18"
     client = boto3.client("s3")
     leftovers = [p for p in step_dir.rglob("*") if p.is_file() and p.name != "digests.json"]
     for path in leftovers:  # the killed run's copy: same sizes, other bytes, no digests
-        client.put_object(Bucket=bucket, Key=f"half/pretrain/abc/checkpoint/18/{path.relative_to(step_dir).as_posix()}",
-                          Body=bytes(255 - b for b in path.read_bytes()))
+        client.put_object(
+            Bucket=bucket,
+            Key=f"half/pretrain/abc/checkpoint/18/{path.relative_to(step_dir).as_posix()}",
+            Body=bytes(255 - b for b in path.read_bytes()),
+        )
     assert complete_steps(store.remote, "pretrain", "abc") == []
     assert store.remote.mirror("pretrain", "abc", out).sync() == [18]
     elsewhere = tmp_path / "elsewhere"
@@ -533,8 +609,10 @@ def test_two_concurrent_runs_on_a_bucket_do_the_work_once(bucket, tmp_path, monk
         plans.append(_toy_plan(f"s3://{bucket}/concurrent", trace, sleep=2.0))
     assert plans[0].store.root != plans[1].store.root
     statuses = []
-    threads = [threading.Thread(target=lambda p=p: statuses.append(execute_stage(p.stages["a"].job, p.store).status))
-               for p in plans]
+    threads = [
+        threading.Thread(target=lambda p=p: statuses.append(execute_stage(p.stages["a"].job, p.store).status))
+        for p in plans
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -553,8 +631,15 @@ def test_convert_from_a_bucket_and_export_to_one(bucket, tmp_path, capsys):
 
     from flows.cli import main
 
-    config = transformers.Qwen3Config(vocab_size=37, hidden_size=30, intermediate_size=26, num_hidden_layers=2,
-                                      num_attention_heads=6, num_key_value_heads=2, head_dim=8)
+    config = transformers.Qwen3Config(
+        vocab_size=37,
+        hidden_size=30,
+        intermediate_size=26,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     local = tmp_path / "hf"
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(local)
     (local / "tokenizer_config.json").write_text('{"model_max_length": 64}')

@@ -49,12 +49,18 @@ def exact_multipart_uploads(read_data):
         boundary = b"--" + content_type.split("boundary=", 1)[1].strip('"').encode()
         _, meta_part, content_part = raw.split(boundary)[:3]
         newline = b"\r\n" if meta_part.startswith(b"\r\n") else b"\n"
-        _, meta = meta_part[len(newline):].split(newline * 2, 1)
-        headers, content = content_part[len(newline):].split(newline * 2, 1)
+        _, meta = meta_part[len(newline) :].split(newline * 2, 1)
+        headers, content = content_part[len(newline) :].split(newline * 2, 1)
         assert content.endswith(newline), "a part ends with a line ending before the next boundary"
-        part_type = next((line.split(b":", 1)[1].strip().decode() for line in headers.split(newline)
-                          if line.lower().startswith(b"content-type:")), "application/octet-stream")
-        return {"meta": json.loads(meta), "content": content[:-len(newline)], "content-type": part_type}
+        part_type = next(
+            (
+                line.split(b":", 1)[1].strip().decode()
+                for line in headers.split(newline)
+                if line.lower().startswith(b"content-type:")
+            ),
+            "application/octet-stream",
+        )
+        return {"meta": json.loads(meta), "content": content[: -len(newline)], "content-type": part_type}
 
     return read
 
@@ -75,9 +81,12 @@ def gcs(tmp_path_factory):
     logger.addHandler(requests)
     level = logger.level
     logger.setLevel(logging.INFO)
-    env = {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-           "TRAINFLOW_CACHE": str(tmp_path_factory.mktemp("gcs-cache")),
-           "TRAINFLOW_LEASE_SECONDS": "3"}  # renewed every second: the test sees renewals
+    env = {
+        "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}",
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+        "TRAINFLOW_CACHE": str(tmp_path_factory.mktemp("gcs-cache")),
+        "TRAINFLOW_LEASE_SECONDS": "3",
+    }  # renewed every second: the test sees renewals
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -122,16 +131,22 @@ def test_tiny_pipeline_on_gcs_complete_verified_with_lineage(finished):
 def test_rerun_on_gcs_skips_everything(finished):
     store, pipeline = finished
     proc = trainflow("run", pipeline, "--store", store, f"pretrain.steps={STEPS}")
-    statuses = {line.split()[0]: line.split()[2] for line in proc.stdout.splitlines()
-                if line.split()[:1] in (["tokenize"], ["pretrain"]) and len(line.split()) > 2}
+    statuses = {
+        line.split()[0]: line.split()[2]
+        for line in proc.stdout.splitlines()
+        if line.split()[:1] in (["tokenize"], ["pretrain"]) and len(line.split()) > 2
+    }
     assert statuses == {"tokenize": "skipped", "pretrain": "skipped"}, proc.stdout[-2000:]
 
 
 def test_gcs_lease_is_created_only_if_absent(finished, gcs):
     """Each stage's lease was created with ifGenerationMatch=0 (GCS answers 412 when the object
     exists; the emulator does not, hence the request check) and renewed without it."""
-    leases = [line for line in gcs.lines if "/.lease" in line and "upload_id=" not in line
-              and line.startswith('"POST /upload/storage/v1/b/')]
+    leases = [
+        line
+        for line in gcs.lines
+        if "/.lease" in line and "upload_id=" not in line and line.startswith('"POST /upload/storage/v1/b/')
+    ]
     creates = [line for line in leases if "ifGenerationMatch=0" in line]
     renewals = [line for line in leases if "ifGenerationMatch" not in line]
     assert any("/tokenize/" in line for line in creates) and any("/pretrain/" in line for line in creates), leases

@@ -44,8 +44,9 @@ class ToyReport(StageKind):
 
     def run(self, ctx: StageContext) -> dict:
         (ctx.out_dir / "plot.png").write_bytes(PNG)
-        (ctx.out_dir / "report.md").write_text("# Evaluation\n\n| model | loss |\n|---|---|\n| m | 1.5 |\n\n"
-                                               "![plot](plot.png)\n")
+        (ctx.out_dir / "report.md").write_text(
+            "# Evaluation\n\n| model | loss |\n|---|---|\n| m | 1.5 |\n\n![plot](plot.png)\n"
+        )
         return {"loss": 1.23456789, "tokens": 123456}
 
 
@@ -72,16 +73,19 @@ def asset_events(since, keys: set[str], expected: int, timeout: float = 60.0) ->
     deadline = time.monotonic() + timeout
     while True:
         with client() as c:
-            page = c.read_events(EventFilter(occurred=EventOccurredFilter(since=since),
-                                             event=EventNameFilter(prefix=["prefect.asset."])), limit=50)
+            page = c.read_events(
+                EventFilter(
+                    occurred=EventOccurredFilter(since=since), event=EventNameFilter(prefix=["prefect.asset."])
+                ),
+                limit=50,
+            )
         events = [e for e in page.events if e.resource.id in keys]
         if len(events) >= expected or time.monotonic() > deadline:
             return events
         time.sleep(1.0)
 
 
-def test_runs_are_tagged_stages_materialise_assets_from_their_inputs_and_publish_one_summary(prefect_server,
-                                                                                            tmp_path):
+def test_runs_are_tagged_stages_materialise_assets_from_their_inputs_and_publish_one_summary(prefect_server, tmp_path):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
     from prefect.types._datetime import now
 
@@ -92,10 +96,12 @@ def test_runs_are_tagged_stages_materialise_assets_from_their_inputs_and_publish
     with client() as c:
         flow_run = c.read_flow_run(flow_run_id)
         flow = c.read_flow(flow_run.flow_id)
-        task_runs = {r.name: r for r in c.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))}
-        artifacts = c.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
-            any_=[flow_run_id])))
+        task_runs = {
+            r.name: r for r in c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        }
+        artifacts = c.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
 
     # One flow and one naming scheme, tags a concurrency limit can use.
     assert flow.name == FLOW_NAME and flow_run.name.startswith("observed-20")
@@ -112,13 +118,14 @@ def test_runs_are_tagged_stages_materialise_assets_from_their_inputs_and_publish
     assert upstream == sorted([keys["a"], keys["b"]])
     assert [r.id for r in materialised[keys["report"]].related if r.role == "asset"] == [keys["ab"]]
     assert materialised[keys["ab"]].payload["metrics"] == {"value": 4}
-    assert any(r.role == "task-run" and r.id == f"prefect.task-run.{task_runs['ab'].id}"
-               for r in materialised[keys["ab"]].related)
+    assert any(
+        r.role == "task-run" and r.id == f"prefect.task-run.{task_runs['ab'].id}"
+        for r in materialised[keys["ab"]].related
+    )
 
     # One summary per stage (plus its progress): rounded metrics, lineage, the plot inline.
     by_key = {a.key: a for a in artifacts}
-    assert sorted(k for k, a in by_key.items() if a.type == "markdown") == sorted(
-        f"observed-{stage}" for stage in ids)
+    assert sorted(k for k, a in by_key.items() if a.type == "markdown") == sorted(f"observed-{stage}" for stage in ids)
     report = by_key["observed-report"].data
     assert "| loss | 1.235 |" in report and "| tokens | 123,456 |" in report
     assert f"| checkpoint | ab/{ids['ab']} | checkpoint | `{keys['ab']}` |" in report
@@ -130,8 +137,11 @@ def test_runs_are_tagged_stages_materialise_assets_from_their_inputs_and_publish
     again = run_plan(lineage_pipeline(tmp_path / "store").plan())
     assert {r["status"] for r in again.values()} == {"skipped"}
     time.sleep(3.0)  # what the server would have persisted by now
-    assert not [e for e in asset_events(since, set(keys.values()), expected=1, timeout=3.0)
-                if e.event.startswith("prefect.asset.materialization")]
+    assert not [
+        e
+        for e in asset_events(since, set(keys.values()), expected=1, timeout=3.0)
+        if e.event.startswith("prefect.asset.materialization")
+    ]
 
 
 def test_a_tag_concurrency_limit_holds_a_pipelines_stages_to_one_at_a_time(prefect_server, tmp_path):
@@ -149,8 +159,10 @@ def test_a_tag_concurrency_limit_holds_a_pipelines_stages_to_one_at_a_time(prefe
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     with client() as c:
-        runs = sorted(c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(
-            any_=[result["left"]["flow_run_id"]]))), key=lambda run: run.start_time)
+        runs = sorted(
+            c.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[result["left"]["flow_run_id"]]))),
+            key=lambda run: run.start_time,
+        )
     assert [run.state.is_completed() for run in runs] == [True, True]
     assert runs[1].start_time >= runs[0].end_time  # one after the other
 
@@ -162,8 +174,7 @@ def test_child_lines_keep_their_level_and_metrics_read_step_of_total_with_an_eta
     assert line_level("error: steps: must be even") == logging.ERROR
     assert line_level("step 10: loss=1.0") == logging.INFO
 
-    hooks = PrefectHooks(logging.getLogger("test"), reporter=None, progress_key="k", description="d",
-                         total_steps=300)
+    hooks = PrefectHooks(logging.getLogger("test"), reporter=None, progress_key="k", description="d", total_steps=300)
     first = hooks.format_metrics({"step": 10, "loss": 6.23612, "tokens_per_second": 9323.4, "mfu": 0.17}, now=100.0)
     assert first == "step 10/300 (3%): loss=6.236 | 9,323 tokens/s"
     later = hooks.format_metrics({"step": 60, "loss": 5.9, "tokens_per_second": 12431.0}, now=110.0)
@@ -187,10 +198,27 @@ def mlflow_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow")
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--default-artifact-root", str(root / "artifacts")],
-        stdout=subprocess.DEVNULL, stderr=open(root / "server.log", "w"), start_new_session=True,
-        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # no job runner: a third of the start-up
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--default-artifact-root",
+            str(root / "artifacts"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(root / "server.log", "w"),
+        start_new_session=True,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+    )  # no job runner: a third of the start-up
     uri = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -213,14 +241,24 @@ def tracked_run(byte_dataset, mlflow_server, tmp_path_factory):
     """A tiny pretrain whose metrics go to TensorBoard, MLflow and (offline) W&B."""
     out = tmp_path_factory.mktemp("tracked")
     sinks = ["tensorboard", "mlflow"] + (["wandb"] if _has_wandb() else [])
-    cfg = load_config(tree={
-        "model": "tiny", "steps": 4, "log_every": 2, "progress": False, "metrics_dir": str(out),
-        "data": {"path": str(byte_dataset), "seq_len": 32, "batch_size": 8, "eval_batches": 1},
-        "checkpoint": {"directory": str(out / "checkpoint"), "every_steps": 4},
-        "metrics": {"sinks": sinks, "run_name": "pretrain",
-                    "mlflow": {"tracking_uri": mlflow_server, "experiment": "observability"},
-                    "wandb": {"project": "observability", "mode": "offline"}},
-    }, schema=TrainConfig)
+    cfg = load_config(
+        tree={
+            "model": "tiny",
+            "steps": 4,
+            "log_every": 2,
+            "progress": False,
+            "metrics_dir": str(out),
+            "data": {"path": str(byte_dataset), "seq_len": 32, "batch_size": 8, "eval_batches": 1},
+            "checkpoint": {"directory": str(out / "checkpoint"), "every_steps": 4},
+            "metrics": {
+                "sinks": sinks,
+                "run_name": "pretrain",
+                "mlflow": {"tracking_uri": mlflow_server, "experiment": "observability"},
+                "wandb": {"project": "observability", "mode": "offline"},
+            },
+        },
+        schema=TrainConfig,
+    )
     return out, run_pretrain(cfg), cfg
 
 
@@ -246,7 +284,8 @@ def test_mlflow_gets_the_runs_params_and_metrics(tracked_run, mlflow_server):
     logged = [r for r in read_metrics(out) if "loss" in r]
     assert [(m.step, m.value) for m in losses] == [(r["step"], pytest.approx(r["loss"])) for r in logged]
     assert mlflow_client.get_metric_history(run.info.run_id, "eval/loss")[-1].value == pytest.approx(
-        result["eval_loss"])
+        result["eval_loss"]
+    )
 
 
 def test_evaluate_writes_each_models_results_to_tensorboard_at_its_step(tracked_run, byte_dataset, tmp_path):
@@ -256,15 +295,22 @@ def test_evaluate_writes_each_models_results_to_tensorboard_at_its_step(tracked_
     from engine.evaluate.evaluate import run_evaluate
 
     out, result, _ = tracked_run
-    cfg = EvalConfig(data_path=str(byte_dataset), loss_batches=1, seq_len=32, batch_size=8,
-                     metrics={"run_name": "evaluate"})
+    cfg = EvalConfig(
+        data_path=str(byte_dataset), loss_batches=1, seq_len=32, batch_size=8, metrics={"run_name": "evaluate"}
+    )
     report = run_evaluate(cfg, {"tiny": out / "checkpoint"}, tmp_path, log=lambda _: None)
     (events,) = (tmp_path / "tensorboard" / "evaluate").glob("events.out.tfevents*")
-    logged = {(value.tag, event.step): value.simple_value for event in tf.compat.v1.train.summary_iterator(str(events))
-              for value in event.summary.value}
-    assert logged == {("eval/tiny/eval_loss", result["steps"]): pytest.approx(report["models"]["tiny"]["eval_loss"]),
-                      ("eval/tiny/eval_perplexity", result["steps"]): pytest.approx(
-                          report["models"]["tiny"]["eval_perplexity"], rel=1e-6)}
+    logged = {
+        (value.tag, event.step): value.simple_value
+        for event in tf.compat.v1.train.summary_iterator(str(events))
+        for value in event.summary.value
+    }
+    assert logged == {
+        ("eval/tiny/eval_loss", result["steps"]): pytest.approx(report["models"]["tiny"]["eval_loss"]),
+        ("eval/tiny/eval_perplexity", result["steps"]): pytest.approx(
+            report["models"]["tiny"]["eval_perplexity"], rel=1e-6
+        ),
+    }
 
 
 def test_tensorboard_names_the_run_by_stage(tracked_run):
@@ -301,11 +347,11 @@ def wandb_records(path: Path):
     pos, pending = 7, b""
     while pos + 7 <= len(data):
         room = 32768 - pos % 32768
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if room >= 7 else (0, 0, 0)
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7]) if room >= 7 else (0, 0, 0)
         if kind == 0:  # the padding at a block's end
             pos += room
             continue
-        pending += data[pos + 7:pos + 7 + length]
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a full record, or the last chunk of one
             yield pending
@@ -323,9 +369,11 @@ def test_wandb_offline_keeps_the_metrics_in_the_run_directory(tracked_run):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(data)
         if record.WhichOneof("record_type") == "history":
-            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                            for item in record.history.item})
+            history.append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
     logged = [r for r in read_metrics(out) if "loss" in r]
     assert [(h["_step"], h["train/loss"]) for h in history if "train/loss" in h] == [
-        (r["step"], pytest.approx(r["loss"])) for r in logged]
+        (r["step"], pytest.approx(r["loss"])) for r in logged
+    ]
     assert json.loads((out / "wandb_run.json").read_text())["run_id"] in run_file.name

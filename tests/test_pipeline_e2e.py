@@ -25,18 +25,27 @@ STEPS = 60
 PIPELINE = {
     "name": "e2e",
     "stages": {
-        "tokenize": {"task": "tokenize", "config": {
-            "sources": [{"format": "text", "path": "{stdlib}/[a-c]*.py"}],
-            "tokenizer": {"vocab_size": 300},
-            "validation_fraction": 0.1,
-            "max_document_tokens": 2048,
-            "workers": 1,
-        }},
-        "pretrain": {"task": "pretrain", "inputs": {"dataset": "tokenize"}, "config": {
-            "model": "tiny", "steps": STEPS, "log_every": 10,
-            "data": {"seq_len": 64, "batch_size": 8, "eval_batches": 2},
-            "checkpoint": {"every_steps": 10, "async_save": False},
-        }},
+        "tokenize": {
+            "task": "tokenize",
+            "config": {
+                "sources": [{"format": "text", "path": "{stdlib}/[a-c]*.py"}],
+                "tokenizer": {"vocab_size": 300},
+                "validation_fraction": 0.1,
+                "max_document_tokens": 2048,
+                "workers": 1,
+            },
+        },
+        "pretrain": {
+            "task": "pretrain",
+            "inputs": {"dataset": "tokenize"},
+            "config": {
+                "model": "tiny",
+                "steps": STEPS,
+                "log_every": 10,
+                "data": {"seq_len": 64, "batch_size": 8, "eval_batches": 2},
+                "checkpoint": {"every_steps": 10, "async_save": False},
+            },
+        },
     },
 }
 
@@ -48,11 +57,19 @@ def trainflow_env() -> dict:
 
 
 def trainflow(*args, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *map(str, args)], cwd=REPO, env=trainflow_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *map(str, args)],
+        cwd=REPO,
+        env=trainflow_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"trainflow {' '.join(map(str, args))} exited {proc.returncode}:\n"
-                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"trainflow {' '.join(map(str, args))} exited {proc.returncode}:\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc
 
 
@@ -61,7 +78,7 @@ def summary_of(stdout: str) -> dict[str, str]:
     lines = stdout.strip().splitlines()
     header = max(i for i, line in enumerate(lines) if line.startswith("stage "))
     rows = []
-    for line in lines[header + 1:]:
+    for line in lines[header + 1 :]:
         if not line.strip():
             break
         rows.append(line)
@@ -84,8 +101,13 @@ def start_run(pipeline_file: Path, store: Path) -> subprocess.Popen:
     """`trainflow run` in the background, its output in files (a full pipe would block it)."""
     proc_outputs = (store.parent / f"{store.name}.out", store.parent / f"{store.name}.err")
     with open(proc_outputs[0], "w") as out, open(proc_outputs[1], "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(pipeline_file), "--store", str(store)],
-                                cwd=REPO, env=trainflow_env(), stdout=out, stderr=err)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "run", str(pipeline_file), "--store", str(store)],
+            cwd=REPO,
+            env=trainflow_env(),
+            stdout=out,
+            stderr=err,
+        )
     proc.outputs = proc_outputs
     return proc
 
@@ -111,8 +133,11 @@ def runs(prefect_server, pipeline_file, tmp_path_factory) -> dict:
         reference_proc.wait(timeout=600)
     out, err = (path.read_text() for path in reference_proc.outputs)
     assert reference_proc.returncode == 0, f"{out[-3000:]}\n{err[-3000:]}"
-    return {"reference": (reference, subprocess.CompletedProcess([], 0, out, err)), "killed": killed,
-            "killed_processes": processes}
+    return {
+        "reference": (reference, subprocess.CompletedProcess([], 0, out, err)),
+        "killed": killed,
+        "killed_processes": processes,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +148,12 @@ def reference(runs) -> tuple[Path, subprocess.CompletedProcess]:
 def test_run_is_visible_through_prefect(reference):
     from prefect import get_client
     from prefect.client.schemas.filters import (
-        ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId,
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterId,
+        LogFilter,
+        LogFilterFlowRunId,
     )
 
     store, proc = reference
@@ -134,7 +164,8 @@ def test_run_is_visible_through_prefect(reference):
         flow_run = client.read_flow_run(flow_run_id)
         task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
         artifacts = client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
     assert flow_run.state.is_completed() and flow_run.parameters["pipeline"]["name"] == "e2e"
     assert {r.name: r.state.type.value for r in task_runs} == {"tokenize": "COMPLETED", "pretrain": "COMPLETED"}
@@ -156,7 +187,9 @@ def test_checkpoint_artifact_layout_and_lineage(reference):
     store, _ = reference
     out = artifact_dir(store, "pretrain")
     tokenize_dir = artifact_dir(store, "tokenize")
-    assert (out / "tokenizer" / "tokenizer.json").read_bytes() == (tokenize_dir / "tokenizer" / "tokenizer.json").read_bytes()
+    assert (out / "tokenizer" / "tokenizer.json").read_bytes() == (
+        tokenize_dir / "tokenizer" / "tokenizer.json"
+    ).read_bytes()
     assert yaml.safe_load((out / "train.yaml").read_text())["data"]["path"] == str(tokenize_dir / "data")
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == STEPS
@@ -226,8 +259,9 @@ def _params(checkpoint_dir: Path):
     from engine.train.checkpoint import load_params
 
     _, params, step = load_params(checkpoint_dir)
-    return step, {jax.tree_util.keystr(path): np.asarray(leaf)
-                  for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+    return step, {
+        jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+    }
 
 
 def test_sigkill_during_pretraining_then_rerun_resumes_to_identical_params(runs, pipeline_file):
@@ -270,5 +304,7 @@ def test_tampered_dataset_fails_verify_and_is_refused_downstream(reference, pipe
     run = trainflow("run", pipeline_file, "--store", store, "pretrain.steps=61", check=False)
     assert run.returncode == 1
     assert summary_of(run.stdout)["pretrain"] == "failed"
-    assert (f"error: stage 'pretrain': input 'dataset': artifact tokenize/{dataset.name} changed since it was "
-            f"finished: data/train/{shard.name}: sha256 differs") in run.stderr
+    assert (
+        f"error: stage 'pretrain': input 'dataset': artifact tokenize/{dataset.name} changed since it was "
+        f"finished: data/train/{shard.name}: sha256 differs"
+    ) in run.stderr

@@ -70,7 +70,9 @@ def test_a_pipeline_is_one_flow_run_with_a_task_run_and_artifacts_per_stage(pref
 
     # One summary and one progress artifact per stage.
     by_key = {a.key: a for a in artifacts_of(flow_run.id)}
-    assert set(by_key) == {f"diamond-{stage}{suffix}" for stage in ("a", "b", "ab", "abb") for suffix in ("", "-progress")}
+    assert set(by_key) == {
+        f"diamond-{stage}{suffix}" for stage in ("a", "b", "ab", "abb") for suffix in ("", "-progress")
+    }
     for stage in ("a", "b", "ab", "abb"):
         assert by_key[f"diamond-{stage}"].type == "markdown"
         assert by_key[f"diamond-{stage}-progress"].type == "progress"
@@ -109,13 +111,25 @@ def test_independent_stages_run_concurrently(prefect_server, tmp_path):
 def test_retries_follow_the_spec_and_failures_stop_only_descendants(prefect_server, tmp_path):
     trace = tmp_path / "trace"
     p = Pipeline("retries", store=tmp_path / "store")
-    p.stage("flaky", task="toy-source", config={"fail_times": 2, "trace": str(trace)},
-            retries=2, retry_delay_seconds=0.2, retry_backoff=2)
-    p.stage("broken", task="toy-source", config={"value": 5, "fail_times": 9, "trace": str(trace)}, retries=1,
-            retry_delay_seconds=0)
+    p.stage(
+        "flaky",
+        task="toy-source",
+        config={"fail_times": 2, "trace": str(trace)},
+        retries=2,
+        retry_delay_seconds=0.2,
+        retry_backoff=2,
+    )
+    p.stage(
+        "broken",
+        task="toy-source",
+        config={"value": 5, "fail_times": 9, "trace": str(trace)},
+        retries=1,
+        retry_delay_seconds=0,
+    )
     p.stage("after_broken", task="toy-sum", inputs={"a": "broken"})
-    p.stage("bad_config", task="toy-child", config={"exit_code": 2, "trace": str(trace)}, retries=3,
-            retry_delay_seconds=0)
+    p.stage(
+        "bad_config", task="toy-child", config={"exit_code": 2, "trace": str(trace)}, retries=3, retry_delay_seconds=0
+    )
     with pytest.raises(PipelineFailed) as failure:
         run_plan(p.plan())
     summary = failure.value.summary
@@ -135,13 +149,25 @@ def test_retries_follow_the_spec_and_failures_stop_only_descendants(prefect_serv
 
 def test_serve_creates_a_scheduled_deployment_that_runs_the_pipeline(prefect_server, tmp_path):
     path = tmp_path / "served.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "served", "store": str(tmp_path / "store"), "imports": ["tests.pipeline_toys"],
-        "stages": {"only": {"task": "toy-source", "config": {"value": 3}}},
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "served",
+                "store": str(tmp_path / "store"),
+                "imports": ["tests.pipeline_toys"],
+                "stages": {"only": {"task": "toy-source", "config": {"value": 3}}},
+            }
+        )
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    server = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(path), "--cron", "0 3 * * *"],
-                              cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "serve", str(path), "--cron", "0 3 * * *"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         from prefect.deployments import run_deployment
 
@@ -173,16 +199,25 @@ def test_serve_creates_a_scheduled_deployment_that_runs_the_pipeline(prefect_ser
 
 def test_serve_without_a_persistent_server_says_so_in_one_line(tmp_path):
     path = tmp_path / "served.yaml"
-    path.write_text(yaml.safe_dump({"name": "served", "imports": ["tests.pipeline_toys"],
-                                    "stages": {"only": {"task": "toy-source"}}}))
+    path.write_text(
+        yaml.safe_dump(
+            {"name": "served", "imports": ["tests.pipeline_toys"], "stages": {"only": {"task": "toy-source"}}}
+        )
+    )
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "serve", str(path), "--cron", "0 3 * * *"], cwd=REPO,
-                          env={**env, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "home")},
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "serve", str(path), "--cron", "0 3 * * *"],
+        cwd=REPO,
+        env={**env, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "home")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         "error: `trainflow serve` needs a persistent Prefect server to schedule runs: start one with `prefect "
-        "server start` and set PREFECT_API_URL=http://127.0.0.1:4200/api"]
+        "server start` and set PREFECT_API_URL=http://127.0.0.1:4200/api"
+    ]
 
 
 def test_prefect_yaml_deployments_point_at_the_pipeline_flow(monkeypatch):
@@ -203,11 +238,23 @@ def test_prefect_yaml_deployments_point_at_the_pipeline_flow(monkeypatch):
 
 def test_sigterm_stops_the_engine_with_a_checkpoint_and_the_rerun_resumes(prefect_server, tmp_path):
     path = tmp_path / "p.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "stoppable", "store": str(tmp_path / "store"), "imports": ["tests.pipeline_toys"],
-        "stages": {"train": {"task": "toy-child", "retries": 2, "retry_delay_seconds": 0,
-                             "config": {"steps": 400, "step_seconds": 0.05}}},
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "stoppable",
+                "store": str(tmp_path / "store"),
+                "imports": ["tests.pipeline_toys"],
+                "stages": {
+                    "train": {
+                        "task": "toy-child",
+                        "retries": 2,
+                        "retry_delay_seconds": 0,
+                        "config": {"steps": 400, "step_seconds": 0.05},
+                    }
+                },
+            }
+        )
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     run = [sys.executable, "-m", "flows.cli", "run", str(path)]
     proc = subprocess.Popen(run, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -225,8 +272,14 @@ def test_sigterm_stops_the_engine_with_a_checkpoint_and_the_rerun_resumes(prefec
     assert manifest["status"] == "failed" and manifest["attempts"] == 1  # stopping is not retried
     assert "stopped by SIGTERM" in manifest["error"]
 
-    short = subprocess.run([*run, "train.steps=400", "train.step_seconds=0"], cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=180)
+    short = subprocess.run(
+        [*run, "train.steps=400", "train.step_seconds=0"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert short.returncode == 0, short.stderr
     rows = [line.split()[:3] for line in short.stdout.splitlines() if line.startswith("train ")]
     assert rows == [["train", "toy-child", "resumed"]]

@@ -43,28 +43,38 @@ def test_input_referencing_a_missing_stage():
 
 
 def test_cycle_is_spelled_out():
-    msg = error_of({
-        "a": {"task": "toy-sum", "inputs": {"a": "c"}},
-        "b": {"task": "toy-sum", "inputs": {"a": "a"}},
-        "c": {"task": "toy-sum", "inputs": {"a": "b"}},
-    })
+    msg = error_of(
+        {
+            "a": {"task": "toy-sum", "inputs": {"a": "c"}},
+            "b": {"task": "toy-sum", "inputs": {"a": "a"}},
+            "c": {"task": "toy-sum", "inputs": {"a": "b"}},
+        }
+    )
     assert "stages form a cycle: a -> c -> b -> a" in msg
 
 
 def test_input_of_the_wrong_kind():
     # pretrain needs a dataset; a toy-sum stage produces a checkpoint.
-    msg = error_of({
-        "data": {"task": "toy-source"},
-        "ckpt": {"task": "toy-sum", "inputs": {"a": "data"}},
-        "train": {"task": "pretrain", "inputs": {"dataset": "ckpt"}, "config": {"model": "tiny"}},
-    })
-    assert ("stages.train.inputs.dataset: stage 'ckpt' (toy-sum) produces a checkpoint, "
-            "but input 'dataset' of task 'pretrain' needs a dataset") in msg
+    msg = error_of(
+        {
+            "data": {"task": "toy-source"},
+            "ckpt": {"task": "toy-sum", "inputs": {"a": "data"}},
+            "train": {"task": "pretrain", "inputs": {"dataset": "ckpt"}, "config": {"model": "tiny"}},
+        }
+    )
+    assert (
+        "stages.train.inputs.dataset: stage 'ckpt' (toy-sum) produces a checkpoint, "
+        "but input 'dataset' of task 'pretrain' needs a dataset"
+    ) in msg
 
 
 def test_unknown_and_missing_inputs():
-    msg = error_of({"data": {"task": "toy-source"}, "train": {"task": "pretrain", "inputs": {"data": "data"},
-                                                              "config": {"model": "tiny"}}})
+    msg = error_of(
+        {
+            "data": {"task": "toy-source"},
+            "train": {"task": "pretrain", "inputs": {"data": "data"}, "config": {"model": "tiny"}},
+        }
+    )
     assert "stages.train.inputs.data: task 'pretrain' has no input 'data' (its inputs: dataset, init)" in msg
     assert "stages.train.inputs: task 'pretrain' needs input 'dataset' (a dataset artifact)" in msg
 
@@ -80,11 +90,13 @@ def test_bad_stage_config_names_stage_and_key():
 
 
 def test_every_error_is_reported_at_once():
-    msg = error_of({
-        "a": {"task": "nope"},
-        "b": {"task": "toy-sum", "inputs": {"a": "missing"}},
-        "c": {"task": "toy-source", "config": {"valu": 1}},
-    })
+    msg = error_of(
+        {
+            "a": {"task": "nope"},
+            "b": {"task": "toy-sum", "inputs": {"a": "missing"}},
+            "c": {"task": "toy-source", "config": {"valu": 1}},
+        }
+    )
     assert len(msg.splitlines()) == 3, msg
 
 
@@ -124,8 +136,19 @@ def test_non_semantic_fields_and_stage_options_keep_the_id():
     assert _ids(noisy) == before
     # pretrain: log cadence, checkpoint cadence and progress bars are not part of the result
     base = _ids(TOKENIZE_PRETRAIN)["train"]
-    cosmetic = {**TOKENIZE_PRETRAIN, "train": {**TOKENIZE_PRETRAIN["train"], "config": {
-        "model": "tiny", "steps": 5, "log_every": 1, "progress": False, "checkpoint": {"every_steps": 2, "keep": 9}}}}
+    cosmetic = {
+        **TOKENIZE_PRETRAIN,
+        "train": {
+            **TOKENIZE_PRETRAIN["train"],
+            "config": {
+                "model": "tiny",
+                "steps": 5,
+                "log_every": 1,
+                "progress": False,
+                "checkpoint": {"every_steps": 2, "keep": 9},
+            },
+        },
+    }
     assert _ids(cosmetic)["train"] == base
     semantic = {**TOKENIZE_PRETRAIN, "train": {**TOKENIZE_PRETRAIN["train"], "config": {"model": "tiny", "steps": 6}}}
     assert _ids(semantic)["train"] != base
@@ -139,13 +162,20 @@ def test_a_field_added_since_artifacts_were_made_keeps_their_ids_at_its_default(
     from tasks.pretrain import PretrainStage
 
     def mesh_of(**mesh):
-        return PretrainStage().fingerprint(load_config(tree={"model": "tiny", "mesh": mesh}, schema=TrainConfig))["mesh"]
+        return PretrainStage().fingerprint(load_config(tree={"model": "tiny", "mesh": mesh}, schema=TrainConfig))[
+            "mesh"
+        ]
 
     assert mesh_of() == {"data": -1, "fsdp": 1, "tensor": 1, "expert": 1}
     assert mesh_of(context=2)["context"] == 2
     base = _ids(TOKENIZE_PRETRAIN)["train"]
-    split = {**TOKENIZE_PRETRAIN, "train": {**TOKENIZE_PRETRAIN["train"], "config": {
-        **TOKENIZE_PRETRAIN["train"]["config"], "mesh": {"context": 2}}}}
+    split = {
+        **TOKENIZE_PRETRAIN,
+        "train": {
+            **TOKENIZE_PRETRAIN["train"],
+            "config": {**TOKENIZE_PRETRAIN["train"]["config"], "mesh": {"context": 2}},
+        },
+    }
     assert _ids(split)["train"] != base
 
 
@@ -163,18 +193,28 @@ def test_model_preset_is_resolved_into_the_fingerprint():
 
 def test_defaults_and_overrides(tmp_path):
     path = tmp_path / "p.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "p", "store": str(tmp_path / "store"), "imports": ["tests.pipeline_toys"],
-        "defaults": {"retries": 2, "retry_delay_seconds": 1, "config": {"toy-source": {"value": 7}}},
-        "stages": {"a": {"task": "toy-source"}, "b": {"task": "toy-source", "config": {"value": 3}, "retries": 0}},
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "p",
+                "store": str(tmp_path / "store"),
+                "imports": ["tests.pipeline_toys"],
+                "defaults": {"retries": 2, "retry_delay_seconds": 1, "config": {"toy-source": {"value": 7}}},
+                "stages": {
+                    "a": {"task": "toy-source"},
+                    "b": {"task": "toy-source", "config": {"value": 3}, "retries": 0},
+                },
+            }
+        )
+    )
     plan = load_plan(path, ["a.value=9", "stages.b.retries=1"])
     assert plan.stages["a"].job.config.value == 9
     assert plan.stages["b"].job.config.value == 3
     assert plan.stages["a"].retries == 2 and plan.stages["a"].retry_delays == [1.0, 2.0]
     assert plan.stages["b"].retries == 1
-    with pytest.raises(ConfigError, match="override 'stpes.a=1': 'stpes' is neither a stage nor a pipeline key; "
-                                          "did you mean 'stages'?"):
+    with pytest.raises(
+        ConfigError, match="override 'stpes.a=1': 'stpes' is neither a stage nor a pipeline key; did you mean 'stages'?"
+    ):
         load_plan(path, ["stpes.a=1"])
 
 
@@ -186,22 +226,29 @@ def test_shipped_pipelines_validate():
 
 def test_cli_reports_a_bad_pipeline_in_one_line_and_exits_2(tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         name: bad
         stages:
           train: {task: pretrain, inputs: {dataset: tokenise}, config: {model: tiny}}
-    """))
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "status", str(path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    """)
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "status", str(path)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == (f"error: {path}: stages.train.inputs.dataset: references stage 'tokenise', "
-                                   f"which is not in the pipeline; stages are: train")
+    assert proc.stderr.strip() == (
+        f"error: {path}: stages.train.inputs.dataset: references stage 'tokenise', "
+        f"which is not in the pipeline; stages are: train"
+    )
 
 
 def test_inspection_commands_do_not_import_prefect_or_jax():
     """status / ls / lineage / verify answer at once: no Prefect or JAX start-up."""
-    code = ("import sys, flows.cli, flows.spec, tasks.tokenize, tasks.pretrain; "
-            "print(sorted(m for m in ('prefect', 'jax') if m in sys.modules))")
+    code = (
+        "import sys, flows.cli, flows.spec, tasks.tokenize, tasks.pretrain; "
+        "print(sorted(m for m in ('prefect', 'jax') if m in sys.modules))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "[]", proc.stderr
 

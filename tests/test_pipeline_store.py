@@ -41,8 +41,15 @@ def test_runs_then_skips_and_records_a_complete_manifest(tmp_path):
     manifest = read_manifest(plan.store.artifact_dir("b", b.artifact_id))
     assert manifest["status"] == "complete" and manifest["id"] == b.artifact_id
     assert manifest["kind"] == "checkpoint" and manifest["task"] == "toy-sum" and manifest["stage"] == "b"
-    assert manifest["parents"] == [{"input": "a", "stage": "a", "id": plan.stages["a"].job.artifact_id,
-                                    "kind": "dataset", "path": f"a/{plan.stages['a'].job.artifact_id}"}]
+    assert manifest["parents"] == [
+        {
+            "input": "a",
+            "stage": "a",
+            "id": plan.stages["a"].job.artifact_id,
+            "kind": "dataset",
+            "path": f"a/{plan.stages['a'].job.artifact_id}",
+        }
+    ]
     assert manifest["metrics"] == {"value": 5}
     assert set(manifest["files"]) == {"value.json"} and len(manifest["files"]["value.json"]["sha256"]) == 64
     assert manifest["code"]["version"] and manifest["created_at"] and manifest["finished_at"]
@@ -69,8 +76,11 @@ def test_tampered_input_is_refused_and_verify_names_the_file(tmp_path):
     assert verify_artifact(a_dir) == []
     (a_dir / "value.json").write_text("7")  # same size, different content
     assert verify_artifact(a_dir) == ["value.json: sha256 differs from the recorded digest"]
-    with pytest.raises(ArtifactError, match=r"stage 'b': input 'a': artifact a/\w+ changed since it was finished: "
-                                            r"value.json: sha256 differs"):
+    with pytest.raises(
+        ArtifactError,
+        match=r"stage 'b': input 'a': artifact a/\w+ changed since it was finished: "
+        r"value.json: sha256 differs",
+    ):
         execute_stage(plan.stages["b"].job, plan.store)
     (a_dir / "extra.bin").write_bytes(b"x")
     assert "extra.bin: not part of the artifact (added after it was finished)" in verify_artifact(a_dir)
@@ -80,8 +90,10 @@ def test_two_concurrent_runs_do_the_work_once(tmp_path):
     trace = tmp_path / "trace"
     plans = [toy_plan(tmp_path / "store", trace, sleep=1.0) for _ in range(2)]
     statuses = []
-    threads = [threading.Thread(target=lambda p=p: statuses.append(execute_stage(p.stages["a"].job, p.store).status))
-               for p in plans]
+    threads = [
+        threading.Thread(target=lambda p=p: statuses.append(execute_stage(p.stages["a"].job, p.store).status))
+        for p in plans
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -123,26 +135,36 @@ CHILD = tests.pipeline_toys.CHILD
 
 def test_child_output_and_metrics_are_streamed(tmp_path):
     lines, records = [], []
-    result = run_child([sys.executable, "-c", CHILD, str(tmp_path), "3", "0.05", "0"], log=lines.append,
-                       metrics_file=tmp_path / "metrics.jsonl", on_metrics=records.append, poll_seconds=0.02)
+    result = run_child(
+        [sys.executable, "-c", CHILD, str(tmp_path), "3", "0.05", "0"],
+        log=lines.append,
+        metrics_file=tmp_path / "metrics.jsonl",
+        on_metrics=records.append,
+        poll_seconds=0.02,
+    )
     assert result.returncode == 0 and result.result == {"final_loss": 1 / 3, "steps": 3}
     assert "child started" in lines
     assert [r["step"] for r in records] == [1, 2, 3]
 
 
-@pytest.mark.parametrize("exit_code, error, message", [
-    (2, StageConfigError, "stage 'x': steps: must be even"),
-    (1, StageFailed, "stage 'x': exited with code 1: error: training diverged"),
-])
+@pytest.mark.parametrize(
+    "exit_code, error, message",
+    [
+        (2, StageConfigError, "stage 'x': steps: must be even"),
+        (1, StageFailed, "stage 'x': exited with code 1: error: training diverged"),
+    ],
+)
 def test_child_exit_codes_become_errors(tmp_path, exit_code, error, message):
     with pytest.raises(error, match=message):
-        run_child([sys.executable, "-c", CHILD, str(tmp_path), "1", "0", str(exit_code)], log=lambda _: None,
-                  what="stage 'x'")
+        run_child(
+            [sys.executable, "-c", CHILD, str(tmp_path), "1", "0", str(exit_code)], log=lambda _: None, what="stage 'x'"
+        )
 
 
 def test_command_template_launcher_wraps_the_command(tmp_path):
-    launcher = LauncherSpec.parse({"kind": "command", "template": "env TOY_WRAPPED=yes {command}",
-                                   "env": {"TOY_EXTRA": "1"}})
+    launcher = LauncherSpec.parse(
+        {"kind": "command", "template": "env TOY_WRAPPED=yes {command}", "env": {"TOY_EXTRA": "1"}}
+    )
     run_child([sys.executable, "-c", CHILD, str(tmp_path), "1", "0", "0"], launcher=launcher, log=lambda _: None)
     child_env = json.loads((tmp_path / "env.json").read_text())
     # What the launcher added (the child also inherits any TRAINFLOW_ variable this process has).
@@ -155,8 +177,10 @@ def test_local_multi_launcher_starts_ranks_with_a_coordinator(tmp_path):
     for d in dirs:
         d.mkdir()
     # each rank writes into its own directory, chosen by its rank
-    script = f"import os,sys; d=os.path.join({str(tmp_path)!r}, os.environ['TRAINFLOW_PROCESS_ID']); " \
-             f"sys.argv=['c', d, '1', '0', '0']; exec({CHILD!r})"
+    script = (
+        f"import os,sys; d=os.path.join({str(tmp_path)!r}, os.environ['TRAINFLOW_PROCESS_ID']); "
+        f"sys.argv=['c', d, '1', '0', '0']; exec({CHILD!r})"
+    )
     run_child([sys.executable, "-c", script], launcher=launcher, log=lambda _: None)
     envs = [json.loads((d / "env.json").read_text()) for d in dirs]
     assert [e["TRAINFLOW_PROCESS_ID"] for e in envs] == ["0", "1"]
@@ -174,8 +198,13 @@ run_child([sys.executable, "-c", CHILD, sys.argv[1], "600", "0.05", "0"], log=pr
 
 def test_sigkilled_parent_takes_its_child_down_with_a_checkpoint(tmp_path):
     """An orphaned engine must not keep writing an artifact a new run will lock."""
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
-                              text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(tmp_path)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert parent.stdout.readline().strip() == "child started"
     parent.kill()
     parent.wait()

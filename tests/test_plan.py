@@ -53,8 +53,12 @@ def test_local_plan_reports_the_memory_analysis_of_the_step_the_trainer_compiles
     m = plan.memory
     assert plan.how == "compiled" and plan.devices == len(jax.devices()) and plan.fits
     assert (m.argument, m.output, m.alias, m.temporaries, m.generated_code) == (
-        analysis.argument_size_in_bytes, analysis.output_size_in_bytes, analysis.alias_size_in_bytes,
-        analysis.temp_size_in_bytes, analysis.generated_code_size_in_bytes)
+        analysis.argument_size_in_bytes,
+        analysis.output_size_in_bytes,
+        analysis.alias_size_in_bytes,
+        analysis.temp_size_in_bytes,
+        analysis.generated_code_size_in_bytes,
+    )
     assert (theirs.argument_size_in_bytes, theirs.temp_size_in_bytes) == (m.argument, m.temporaries)
     # The split of the arguments: parameters, Adam's two moments (+ step counts), the batch's shard.
     assert m.parameters + m.optimizer_state + m.batch == m.argument
@@ -68,9 +72,13 @@ def test_the_trainer_refuses_a_step_too_big_for_its_devices_before_any_state(tmp
     refused at compile time, exit 2 (retrying cannot help), naming the numbers and the knobs."""
     capacity = device_memory(jax.devices()[0])
     vocab = 128 * math.ceil(capacity / (2 * 64 * 4) / 128)  # untied embedding + head, float32: > capacity
-    tree = {**TINY, "model": {"preset": "tiny", "vocab_size": vocab, "tie_embeddings": False},
-            "data": {**TINY["data"], "path": str(byte_dataset)}, "checkpoint": {"directory": str(tmp_path / "ck")},
-            "progress": False}
+    tree = {
+        **TINY,
+        "model": {"preset": "tiny", "vocab_size": vocab, "tie_embeddings": False},
+        "data": {**TINY["data"], "path": str(byte_dataset)},
+        "checkpoint": {"directory": str(tmp_path / "ck")},
+        "progress": False,
+    }
     code = pretrain.main([write(tmp_path / "run.yaml", tree)])
     err = capsys.readouterr().err
     assert code == EXIT_CONFIG_ERROR
@@ -85,14 +93,33 @@ def test_a_pipeline_stage_too_big_for_its_devices_fails_before_any_state_naming_
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # one CPU device: all of it
     vocab = 128 * math.ceil(host / (2 * 64 * 4) / 128)
     p = Pipeline("too-big", store=tmp_path / "store")
-    p.stage("problems", task="arithmetic", config={"max_number": 20, "pretrain_problems": 300, "sft_problems": 10,
-                                                   "rl_problems": 10, "eval_problems": 10})
-    p.stage("tokenize", task="tokenize", inputs={"corpus": "problems"}, config={
-        "sources": [{"format": "text", "path": "{input:corpus}/pretrain.txt", "unit": "line"}],
-        "tokenizer": {"vocab_size": 300}, "validation_fraction": 0.05, "workers": 1})
-    p.stage("pretrain", task="pretrain", inputs={"dataset": "tokenize"}, launcher={"kind": "local", "env": {"XLA_FLAGS": ""}},
-            config={"model": {"preset": "tiny", "vocab_size": vocab, "tie_embeddings": False}, "steps": 2,
-                    "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 0}})
+    p.stage(
+        "problems",
+        task="arithmetic",
+        config={"max_number": 20, "pretrain_problems": 300, "sft_problems": 10, "rl_problems": 10, "eval_problems": 10},
+    )
+    p.stage(
+        "tokenize",
+        task="tokenize",
+        inputs={"corpus": "problems"},
+        config={
+            "sources": [{"format": "text", "path": "{input:corpus}/pretrain.txt", "unit": "line"}],
+            "tokenizer": {"vocab_size": 300},
+            "validation_fraction": 0.05,
+            "workers": 1,
+        },
+    )
+    p.stage(
+        "pretrain",
+        task="pretrain",
+        inputs={"dataset": "tokenize"},
+        launcher={"kind": "local", "env": {"XLA_FLAGS": ""}},
+        config={
+            "model": {"preset": "tiny", "vocab_size": vocab, "tie_embeddings": False},
+            "steps": 2,
+            "data": {"seq_len": 32, "batch_size": 4, "eval_batches": 0},
+        },
+    )
     plan = p.plan()
     for name in ("problems", "tokenize"):
         execute_stage(plan.stages[name].job, plan.store)
@@ -107,20 +134,29 @@ def test_a_pipeline_stage_too_big_for_its_devices_fails_before_any_state_naming_
 
 
 def test_a_gpu_host_without_its_gpus_is_an_estimate_that_says_so():
-    cfg = load_config(tree={**TINY, "model": "llama3.1-8b", "mesh": {"data": 1, "fsdp": -1},
-                            "data": {"seq_len": 2048, "batch_size": 8}}, schema=TrainConfig)
+    cfg = load_config(
+        tree={
+            **TINY,
+            "model": "llama3.1-8b",
+            "mesh": {"data": 1, "fsdp": -1},
+            "data": {"seq_len": 2048, "batch_size": 8},
+        },
+        schema=TrainConfig,
+    )
     plan = plan_step(cfg, get_target("h100x8"))
     params = cfg.model.num_params()
     assert plan.how == "estimate (no GPU here)" and plan.devices == 8 and plan.fits
     assert plan.memory.parameters == pytest.approx(4 * params / 8, rel=1e-3)  # float32, fully sharded over 8
     assert plan.memory.optimizer_state == pytest.approx(2 * plan.memory.parameters, rel=1e-3)
     with pytest.raises(ConfigError, match=r"--target h100x8: mesh data=1 .*fsdp=3 .* does not fit its 8 devices"):
-        plan_step(cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update={"fsdp": 3, "data": 1})}),
-                  get_target("h100x8"))
+        plan_step(
+            cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update={"fsdp": 3, "data": 1})}), get_target("h100x8")
+        )
     # fsdp 4 x context 2: the same parameters and tokens per device (rows split 4 ways, each
     # row's positions 2 ways), so the same estimate, with twice the batch rows per device.
-    split = plan_step(cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update={"fsdp": 4, "context": 2})}),
-                      get_target("h100x8"))
+    split = plan_step(
+        cfg.model_copy(update={"mesh": cfg.mesh.model_copy(update={"fsdp": 4, "context": 2})}), get_target("h100x8")
+    )
     assert split.mesh["context"] == 2 and split.memory.parameters == plan.memory.parameters
     assert split.memory.temporaries == plan.memory.temporaries and split.memory.batch == 2 * plan.memory.batch
 
@@ -130,21 +166,37 @@ def test_a_gpu_host_without_its_gpus_is_an_estimate_that_says_so():
 
 def pretrain_pipeline(tmp_path, name: str, **stages) -> str:
     """A pipeline of pretraining stages (name -> config) on one tokenized dataset."""
-    return write(tmp_path / "pipeline.yaml", {
-        "name": name, "store": str(tmp_path / "store"),
-        "stages": {
-            "tokenize": {"task": "tokenize", "config": {
-                "sources": [{"format": "text", "path": "{stdlib}/a*.py", "name": "stdlib-a"}],
-                "tokenizer": {"vocab_size": 512}}},
-            **{stage: {"task": "pretrain", "inputs": {"dataset": "tokenize"}, "config": config}
-               for stage, config in stages.items()}}})
+    return write(
+        tmp_path / "pipeline.yaml",
+        {
+            "name": name,
+            "store": str(tmp_path / "store"),
+            "stages": {
+                "tokenize": {
+                    "task": "tokenize",
+                    "config": {
+                        "sources": [{"format": "text", "path": "{stdlib}/a*.py", "name": "stdlib-a"}],
+                        "tokenizer": {"vocab_size": 512},
+                    },
+                },
+                **{
+                    stage: {"task": "pretrain", "inputs": {"dataset": "tokenize"}, "config": config}
+                    for stage, config in stages.items()
+                },
+            },
+        },
+    )
 
 
 def two_model_pipeline(tmp_path) -> str:
     """Two pretraining stages on one dataset: llama3.1-8b (float32 parameters, fully sharded) and
     the tiny model."""
-    return pretrain_pipeline(tmp_path, "plan8b", small=TINY, big={
-        "model": "llama3.1-8b", "mesh": {"data": 1, "fsdp": -1}, "data": {"seq_len": 2048, "batch_size": 16}})
+    return pretrain_pipeline(
+        tmp_path,
+        "plan8b",
+        small=TINY,
+        big={"model": "llama3.1-8b", "mesh": {"data": 1, "fsdp": -1}, "data": {"seq_len": 2048, "batch_size": 16}},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -162,10 +214,17 @@ def test_on_a_v5e_8_the_tiny_model_fits_with_the_compiled_figures_and_llama3_8b_
     analysis = small.compiled.memory_analysis()
     assert small.how == "compiled" and small.fits and small.devices == 8 and small.device_kind.startswith("TPU v5")
     assert (small.memory.argument, small.memory.temporaries, small.memory.generated_code) == (
-        analysis.argument_size_in_bytes, analysis.temp_size_in_bytes, analysis.generated_code_size_in_bytes)
-    assert small.memory.total == (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
-                                  - analysis.alias_size_in_bytes + analysis.temp_size_in_bytes
-                                  + analysis.generated_code_size_in_bytes)
+        analysis.argument_size_in_bytes,
+        analysis.temp_size_in_bytes,
+        analysis.generated_code_size_in_bytes,
+    )
+    assert small.memory.total == (
+        analysis.argument_size_in_bytes
+        + analysis.output_size_in_bytes
+        - analysis.alias_size_in_bytes
+        + analysis.temp_size_in_bytes
+        + analysis.generated_code_size_in_bytes
+    )
     # 8.03e9 float32 parameters over 8 chips, Adam's moments twice that: the compiler refuses the
     # step (its temporaries alone exceed the chip) and the plan carries the compiler's figure.
     assert big.how == "refused by the compiler" and not big.fits and big.capacity == 16 * 2**30
@@ -208,7 +267,10 @@ def test_on_a_v5p_8_llama3_8b_fits_with_the_compiled_figures(tmp_path, capsys):
     analysis = big.compiled.memory_analysis()
     assert big.how == "compiled" and big.fits and big.devices == 4 and big.capacity == 95 * 2**30
     assert (big.memory.argument, big.memory.temporaries, big.memory.generated_code) == (
-        analysis.argument_size_in_bytes, analysis.temp_size_in_bytes, analysis.generated_code_size_in_bytes)
+        analysis.argument_size_in_bytes,
+        analysis.temp_size_in_bytes,
+        analysis.generated_code_size_in_bytes,
+    )
     assert big.memory.parameters == pytest.approx(4 * 8.03e9 / 4, rel=2e-3)
     assert big.memory.optimizer_state == pytest.approx(2 * big.memory.parameters, rel=1e-6)
     assert big.capacity > big.memory.total > big.memory.parameters + big.memory.optimizer_state
@@ -223,9 +285,16 @@ def test_a_mixture_of_experts_with_an_expert_axis_compiles_for_a_tpu_slice(tmp_p
     """The dropless expert-parallel step as XLA's TPU compiler lowers it: the grouped matmuls
     as ragged-dots (the tiled products are CPU-only), the tokens exchanged by all-to-all over
     the expert axis, and the plan's figures from that compile."""
-    path = pretrain_pipeline(tmp_path, "planmoe", moe={
-        "model": "tiny-qwen3-moe", "mesh": {"data": 1, "expert": 2, "fsdp": -1},
-        "data": {"seq_len": 256, "batch_size": 16}, "steps": 3})
+    path = pretrain_pipeline(
+        tmp_path,
+        "planmoe",
+        moe={
+            "model": "tiny-qwen3-moe",
+            "mesh": {"data": 1, "expert": 2, "fsdp": -1},
+            "data": {"seq_len": 256, "batch_size": 16},
+            "steps": 3,
+        },
+    )
     (plan,) = plan_pipeline(load_plan(path), "v5e-8")[0]
     assert plan.how == "compiled" and plan.fits and plan.devices == 8
     hlo = plan.compiled.as_text()
@@ -240,9 +309,16 @@ def test_context_parallelism_compiles_for_a_tpu_slice(tmp_path):
     shard (its mask tables split by query rows, the keys and values all-gathered, each chip's
     queries an early and a late half-chunk) and fits, with the plan's figures from that
     compile."""
-    path = pretrain_pipeline(tmp_path, "plancp", long={
-        "model": {"preset": "tiny", "max_seq_len": 4096}, "mesh": {"data": 1, "context": 4, "fsdp": -1},
-        "data": {"seq_len": 4096, "batch_size": 2}, "steps": 3})
+    path = pretrain_pipeline(
+        tmp_path,
+        "plancp",
+        long={
+            "model": {"preset": "tiny", "max_seq_len": 4096},
+            "mesh": {"data": 1, "context": 4, "fsdp": -1},
+            "data": {"seq_len": 4096, "batch_size": 2},
+            "steps": 3,
+        },
+    )
     (plan,) = plan_pipeline(load_plan(path), "v5e-8")[0]
     assert plan.how == "compiled" and plan.fits and plan.mesh["context"] == 4 and plan.mesh["fsdp"] == 2
     hlo = plan.compiled.as_text()

@@ -23,8 +23,14 @@ def test_the_quickstart_accuracy_rises_stage_by_stage_and_the_report_has_full_li
     # The README's command as a user runs it: one CPU device, XLA's default optimisation (not
     # the suite's 8 simulated devices and unoptimised kernels, conftest.py).
     env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(QUICKSTART), "--store", str(store), *REDUCED],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", str(QUICKSTART), "--store", str(store), *REDUCED],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     reports = list((store / "evaluate").glob("*/report.json"))
@@ -36,8 +42,10 @@ def test_the_quickstart_accuracy_rises_stage_by_stage_and_the_report_has_full_li
     assert accuracy["pretrain"] < accuracy["sft"] < accuracy["grpo"], accuracy
     assert accuracy["grpo"] >= accuracy["sft"] + 0.05, accuracy
     for stage in ("pretrain", "sft"):  # training loss went down
-        losses = [json.loads(line).get("loss") for line in
-                  next((store / stage).glob("*/metrics.jsonl")).read_text().splitlines()]
+        losses = [
+            json.loads(line).get("loss")
+            for line in next((store / stage).glob("*/metrics.jsonl")).read_text().splitlines()
+        ]
         losses = [x for x in losses if x is not None]
         assert losses[-1] < losses[0], (stage, losses)
     assert (report_dir / "loss_curves.png").stat().st_size > 0 and (report_dir / "report.md").is_file()
@@ -58,6 +66,12 @@ def test_the_quickstart_accuracy_rises_stage_by_stage_and_the_report_has_full_li
         assert verify_artifact(store / stage / m["id"]) == [], stage  # every file re-hashed
     assert verify_artifact(report_dir) == []
 
-    lineage = subprocess.run([sys.executable, "-m", "flows.cli", "lineage", str(report_dir)], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=120)
+    lineage = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "lineage", str(report_dir)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert lineage.returncode == 0 and all(s in lineage.stdout for s in seen), lineage.stdout

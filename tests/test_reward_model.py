@@ -20,11 +20,19 @@ from engine.data.tokenizer import TokenizerConfig, load_saved, save_tokenizer, t
 from engine.interop.hf.__main__ import main as hf_main
 from engine.models.params import graphdef_of
 from engine.posttrain.config import GRPOConfig
-from engine.posttrain.grpo import RolloutSource, make_loss_fn as grpo_loss_fn, policy_objective, train_config
-from engine.posttrain.reward_config import RewardModelConfig
-from engine.posttrain.reward_model import (HEAD, load_reward_pairs, load_reward_params, pair_losses, reward_rows,
-                                           run_reward_model, sequence_scores)
 from engine.posttrain.finetune import finetune_start
+from engine.posttrain.grpo import RolloutSource, policy_objective, train_config
+from engine.posttrain.grpo import make_loss_fn as grpo_loss_fn
+from engine.posttrain.reward_config import RewardModelConfig
+from engine.posttrain.reward_model import (
+    HEAD,
+    load_reward_pairs,
+    load_reward_params,
+    pair_losses,
+    reward_rows,
+    run_reward_model,
+    sequence_scores,
+)
 from engine.train.trainer import Trainer
 from tests.engine_kill import kill_then_resume
 from tests.test_dpo import preferences  # noqa: F401  (the colour preference pairs)
@@ -40,19 +48,28 @@ from trl import RewardTrainer  # noqa: E402
 from tests.test_hf_parity import hf_config  # noqa: E402
 
 
-def rm_config(base: Path, out: Path, data: Path, **overrides) -> RewardModelConfig:  # noqa: F811
+def rm_config(base: Path, out: Path, data: Path, **overrides) -> RewardModelConfig:
     tree = {
-        "checkpoint": {"init_from": str(base / "checkpoint"), "directory": str(out / "checkpoint"),
-                       "every_steps": 10, "async_save": False},
+        "checkpoint": {
+            "init_from": str(base / "checkpoint"),
+            "directory": str(out / "checkpoint"),
+            "every_steps": 10,
+            "async_save": False,
+        },
         "data": {"path": str(data), "max_prompt_length": 8, "max_length": 16, "batch_size": 8, "eval_fraction": 0.25},
-        "optimizer": {"learning_rate": 1e-3}, "schedule": {"kind": "constant"},
-        "steps": 20, "log_every": 5, "eval_every": 0, "progress": False, "metrics_dir": str(out),
+        "optimizer": {"learning_rate": 1e-3},
+        "schedule": {"kind": "constant"},
+        "steps": 20,
+        "log_every": 5,
+        "eval_every": 0,
+        "progress": False,
+        "metrics_dir": str(out),
     }
     return load_config(tree=tree, overrides=[f"{k}={v}" for k, v in overrides.items()], schema=RewardModelConfig)
 
 
 @pytest.fixture(scope="module")
-def trained(base, preferences, tmp_path_factory):  # noqa: F811
+def trained(base, preferences, tmp_path_factory):
     """A reward-model artifact (checkpoint/ + tokenizer/) trained 20 steps on the colour pairs."""
     out = tmp_path_factory.mktemp("reward-model")
     shutil.copytree(base / "tokenizer", out / "tokenizer")
@@ -77,9 +94,14 @@ def test_the_loss_and_its_gradient_are_trl_reward_trainers(margin, center):
     margins = rng.uniform(0.0, 1.5, n) if margin else np.zeros(n)
     leaf = torch.tensor(rewards, dtype=torch.float64, requires_grad=True)
     accelerator = SimpleNamespace(gather=lambda x: x, gather_for_metrics=lambda x: x)
-    this = SimpleNamespace(model=SimpleNamespace(training=True), args=SimpleNamespace(center_rewards_coefficient=center),
-                           accelerator=accelerator, _total_train_tokens=0, _tp_size=1,
-                           _metrics={"train": defaultdict(list)})
+    this = SimpleNamespace(
+        model=SimpleNamespace(training=True),
+        args=SimpleNamespace(center_rewards_coefficient=center),
+        accelerator=accelerator,
+        _total_train_tokens=0,
+        _tp_size=1,
+        _metrics={"train": defaultdict(list)},
+    )
     inputs = {"input_ids": torch.zeros(2 * n, 3, dtype=torch.long), "attention_mask": torch.ones(2 * n, 3)}
     if margin:
         inputs["margin"] = torch.tensor(margins, dtype=torch.float64)
@@ -87,6 +109,7 @@ def test_the_loss_and_its_gradient_are_trl_reward_trainers(margin, center):
     loss.backward()
 
     with jax.enable_x64(True):
+
         def ours(r):
             return jnp.mean(pair_losses(r[:n], r[n:], jnp.asarray(margins), center))
 
@@ -102,11 +125,15 @@ def test_the_loss_and_its_gradient_are_trl_reward_trainers(margin, center):
 # --------------------------------------------------------------------------- the data
 
 
-def test_rows_end_each_sequence_with_its_last_token_and_a_margin_column_is_read(base, tmp_path):  # noqa: F811
+def test_rows_end_each_sequence_with_its_last_token_and_a_margin_column_is_read(base, tmp_path):
     bundle = load_saved(base / "tokenizer")
     data = tmp_path / "pairs.jsonl"
-    data.write_text(json.dumps({"prompt": "colour 1:", "chosen": " green", "rejected": " red", "margin": 0.5}) + "\n"
-                    + json.dumps({"prompt": "colour 2:", "chosen": " blue", "rejected": " red blue"}) + "\n")
+    data.write_text(
+        json.dumps({"prompt": "colour 1:", "chosen": " green", "rejected": " red", "margin": 0.5})
+        + "\n"
+        + json.dumps({"prompt": "colour 2:", "chosen": " blue", "rejected": " red blue"})
+        + "\n"
+    )
     cfg = rm_config(base, tmp_path, data)
     pairs, held_out = load_reward_pairs(cfg.data.model_copy(update={"eval_fraction": 0.0}), bundle, print)
     assert [p.margin for p in pairs] == [0.5, 0.0] and not held_out
@@ -115,7 +142,7 @@ def test_rows_end_each_sequence_with_its_last_token_and_a_margin_column_is_read(
         for k, completion in enumerate((pair.chosen, pair.rejected)):
             sequence = np.concatenate([pair.prompt, completion])  # what TRL scores: prompt + completion + eos
             at = rows["last_bk"][r, k]
-            np.testing.assert_array_equal(rows["tokens"][r, at - len(sequence) + 1:at + 1], sequence)
+            np.testing.assert_array_equal(rows["tokens"][r, at - len(sequence) + 1 : at + 1], sequence)
             assert rows["tokens"][r, at] == bundle.eos_id and rows["segment_ids"][r, at] == k + 1
             assert rows["positions"][r, at] == len(sequence) - 1
             # padding-free: the rejected sequence starts right after the chosen one, then padding
@@ -130,22 +157,33 @@ def test_rows_end_each_sequence_with_its_last_token_and_a_margin_column_is_read(
 # --------------------------------------------------------------------------- training
 
 
-def test_learns_held_out_preferences_and_a_killed_run_resumes_to_the_uninterrupted_one(trained, base, preferences,  # noqa: F811
-                                                                                  tmp_path):
+def test_learns_held_out_preferences_and_a_killed_run_resumes_to_the_uninterrupted_one(
+    trained,
+    base,
+    preferences,
+    tmp_path,
+):
     out, first = trained
     steps = [r for r in metrics_of(out) if "accuracy" in r]
     assert first["eval_accuracy"] > 0.9 and first["eval_margin"] > 0, first  # held out: chosen scored higher
     assert steps[0]["loss"] > steps[-1]["loss"] and first["train_pairs"] == 54 and first["eval_pairs"] == 18
-    print(f"\nreward model: held-out pairwise accuracy {first['eval_accuracy']:.3f}, margin "
-          f"{first['eval_margin']:.2f} (step {steps[0]['step']}: accuracy {steps[0]['accuracy']:.3f})")
+    print(
+        f"\nreward model: held-out pairwise accuracy {first['eval_accuracy']:.3f}, margin "
+        f"{first['eval_margin']:.2f} (step {steps[0]['step']}: accuracy {steps[0]['accuracy']:.3f})"
+    )
 
     # SIGKILLed once step 10 is committed (asynchronous checkpoints), then rerun to the end.
-    cfg = rm_config(base, tmp_path / "killed", preferences, **{"checkpoint.async_save": True,
-                                                                "checkpoint.every_steps": 5})
+    cfg = rm_config(
+        base, tmp_path / "killed", preferences, **{"checkpoint.async_save": True, "checkpoint.every_steps": 5}
+    )
     (tmp_path / "killed").mkdir()
     (tmp_path / "killed" / "rm.yaml").write_text(to_yaml(cfg))
-    kill_then_resume("engine.posttrain.reward_model", tmp_path / "killed" / "rm.yaml",
-                     tmp_path / "killed" / "checkpoint", after_step=10)
+    kill_then_resume(
+        "engine.posttrain.reward_model",
+        tmp_path / "killed" / "rm.yaml",
+        tmp_path / "killed" / "checkpoint",
+        after_step=10,
+    )
     a = load_reward_params(out / "checkpoint")[2]
     b = load_reward_params(tmp_path / "killed" / "checkpoint")[2]
     assert HEAD in a and a[HEAD].shape == (32,)
@@ -153,10 +191,17 @@ def test_learns_held_out_preferences_and_a_killed_run_resumes_to_the_uninterrupt
         np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
 
 
-def test_lora_trains_the_head_beside_the_adapter(base, preferences, tmp_path):  # noqa: F811
-    result = run_reward_model(rm_config(base, tmp_path / "lora", preferences, steps=12, head_init="zero",
-                                        **{"lora.rank": 4, "lora.target_modules": "all-linear",
-                                           "optimizer.learning_rate": 2e-2}))
+def test_lora_trains_the_head_beside_the_adapter(base, preferences, tmp_path):
+    result = run_reward_model(
+        rm_config(
+            base,
+            tmp_path / "lora",
+            preferences,
+            steps=12,
+            head_init="zero",
+            **{"lora.rank": 4, "lora.target_modules": "all-linear", "optimizer.learning_rate": 2e-2},
+        )
+    )
     assert result["eval_accuracy"] > 0.8, result
     saved = restore_adapter(tmp_path / "lora" / "checkpoint")  # the trained tree: adapter + head
     assert f"['{HEAD}']" in saved and np.abs(saved[f"['{HEAD}']"]).max() > 0  # it left zero
@@ -182,14 +227,21 @@ def padded_batch(lengths: list[int], width: int, pad: int, vocab: int, seed: int
 
 def engine_scores(directory: Path, tokens, positions, segments) -> np.ndarray:
     cfg, compute, params, _, _ = load_reward_params(directory)
-    return np.asarray(sequence_scores(graphdef_of(cfg, compute), params, jnp.asarray(tokens), jnp.asarray(positions),
-                                      jnp.asarray(segments)))
+    return np.asarray(
+        sequence_scores(
+            graphdef_of(cfg, compute), params, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments)
+        )
+    )
 
 
 def hf_scores(model, tokens, segments) -> np.ndarray:
     with torch.no_grad():
-        return model(input_ids=torch.tensor(tokens, dtype=torch.long),
-                     attention_mask=torch.tensor(segments)).logits[:, 0].double().numpy()
+        return (
+            model(input_ids=torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(segments))
+            .logits[:, 0]
+            .double()
+            .numpy()
+        )
 
 
 def test_export_scores_equal_transformers_and_convert_gives_the_reward_model_back(trained, tmp_path):
@@ -224,10 +276,14 @@ def test_a_transformers_reward_model_converts_with_its_scores(family, tmp_path):
     model.save_pretrained(tmp_path / "hf")
     assert hf_main(["convert", str(tmp_path / "hf"), str(tmp_path / "rm")]) == 0
     batch = padded_batch([4, 11, 7], 12, 0, 37, seed=2)
-    np.testing.assert_allclose(engine_scores(tmp_path / "rm" / "checkpoint", *batch), hf_scores(model, batch[0], batch[2]),
-                               atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        engine_scores(tmp_path / "rm" / "checkpoint", *batch), hf_scores(model, batch[0], batch[2]), atol=1e-5, rtol=0
+    )
     assert hf_main(["export", str(tmp_path / "rm" / "checkpoint"), str(tmp_path / "again")]) == 0
-    before, after = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    before, after = (
+        load_file(tmp_path / "hf" / "model.safetensors"),
+        load_file(tmp_path / "again" / "model.safetensors"),
+    )
     assert before.keys() == after.keys()
     for name in before:
         np.testing.assert_array_equal(before[name], after[name], err_msg=name)
@@ -236,57 +292,78 @@ def test_a_transformers_reward_model_converts_with_its_scores(family, tmp_path):
 # --------------------------------------------------------------------------- GRPO
 
 
-def grpo_with_reward_model(base: Path, out: Path, reward_model: Path) -> GRPOConfig:  # noqa: F811
+def grpo_with_reward_model(base: Path, out: Path, reward_model: Path) -> GRPOConfig:
     (out / "prompts.jsonl").parent.mkdir(parents=True, exist_ok=True)
     (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"colour {i}:"}) + "\n" for i in range(3)))
-    tree = {"checkpoint": {"init_from": str(base / "checkpoint"), "directory": str(out / "checkpoint"),
-                           "async_save": False},
-            "data": {"path": str(out / "prompts.jsonl")}, "rewards": [{"model": str(reward_model), "name": "rm"}],
-            "prompts_per_step": 4, "num_generations": 4, "max_prompt_length": 8, "max_completion_length": 3,
-            "steps": 2, "progress": False, "metrics_dir": str(out)}
+    tree = {
+        "checkpoint": {
+            "init_from": str(base / "checkpoint"),
+            "directory": str(out / "checkpoint"),
+            "async_save": False,
+        },
+        "data": {"path": str(out / "prompts.jsonl")},
+        "rewards": [{"model": str(reward_model), "name": "rm"}],
+        "prompts_per_step": 4,
+        "num_generations": 4,
+        "max_prompt_length": 8,
+        "max_completion_length": 3,
+        "steps": 2,
+        "progress": False,
+        "metrics_dir": str(out),
+    }
     return load_config(tree=tree, schema=GRPOConfig)
 
 
-def test_grpo_rewards_completions_with_the_reward_models_scores(trained, base, tmp_path):  # noqa: F811
+def test_grpo_rewards_completions_with_the_reward_models_scores(trained, base, tmp_path):
     out, _ = trained
     cfg = grpo_with_reward_model(base, tmp_path / "grpo", out / "checkpoint")
     model_cfg, compute, bundle = finetune_start(cfg)
-    trainer = Trainer(train_config(cfg, model_cfg, compute),
-                      lambda graphdef: policy_objective(grpo_loss_fn(graphdef, cfg, cfg.max_prompt_length)))
+    trainer = Trainer(
+        train_config(cfg, model_cfg, compute),
+        lambda graphdef: policy_objective(grpo_loss_fn(graphdef, cfg, cfg.max_prompt_length)),
+    )
     source = RolloutSource(cfg, trainer, model_cfg, bundle)
     batch, values = source.next_batch(trainer.init_state())
     tokens, segments = np.asarray(batch["tokens"]), np.asarray(batch["segment_ids"])
     # Each prompt + completion alone, unpadded, through the reward model: the reward term's values.
-    expected = np.array([engine_scores(out / "checkpoint", ids[None], np.arange(len(ids))[None],
-                                       np.ones((1, len(ids)), np.int32))[0]
-                         for ids in (row[seg != 0] for row, seg in zip(tokens, segments))])
+    expected = np.array(
+        [
+            engine_scores(out / "checkpoint", ids[None], np.arange(len(ids))[None], np.ones((1, len(ids)), np.int32))[0]
+            for ids in (row[seg != 0] for row, seg in zip(tokens, segments))
+        ]
+    )
     assert len(expected) == 16 and expected.std() > 0
     assert values["reward"] == pytest.approx(expected.mean(), abs=1e-5)
     assert values["reward/rm/mean"] == pytest.approx(expected.mean(), abs=1e-5)
     assert values["reward/rm/std"] == pytest.approx(expected.std(ddof=1), abs=1e-5)
 
 
-def test_a_reward_model_from_another_tokenizer_is_refused(trained, base, tmp_path):  # noqa: F811
+def test_a_reward_model_from_another_tokenizer_is_refused(trained, base, tmp_path):
     out, _ = trained
     other = tmp_path / "other-rm"
     shutil.copytree(out / "checkpoint", other / "checkpoint")
-    save_tokenizer(train_tokenizer(TokenizerConfig(vocab_size=280), ["a different corpus " * 30], add_bos=True),
-                   other / "tokenizer")
+    save_tokenizer(
+        train_tokenizer(TokenizerConfig(vocab_size=280), ["a different corpus " * 30], add_bos=True),
+        other / "tokenizer",
+    )
     cfg = grpo_with_reward_model(base, tmp_path / "grpo", other / "checkpoint")
     model_cfg, compute, bundle = finetune_start(cfg)
     trainer = Trainer(train_config(cfg, model_cfg, compute))
-    with pytest.raises(ConfigError, match=r"^rewards.0.model: the reward model .* was trained with another tokenizer "
-                                          r"than the policy's; a reward model must share the policy's tokenizer$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^rewards.0.model: the reward model .* was trained with another tokenizer "
+        r"than the policy's; a reward model must share the policy's tokenizer$",
+    ):
         RolloutSource(cfg, trainer, model_cfg, bundle)
     assert not (tmp_path / "grpo" / "checkpoint").exists()
 
 
 @pytest.mark.slow
-def test_reward_model_is_a_stage_that_grpo_scores_with_and_export_writes(base, preferences, tmp_path):  # noqa: F811
+def test_reward_model_is_a_stage_that_grpo_scores_with_and_export_writes(base, preferences, tmp_path):
     from flows.spec import Pipeline
     from tasks.artifacts import read_manifest
-    from tasks.runner import RAN, execute_stage
     from tasks.registry import stage_kind_names
+    from tasks.runner import RAN, execute_stage
 
     if "test-checkpoint-copy" not in stage_kind_names():  # test_grpo.py registers it (maybe as another module)
         from tests.test_grpo import _CheckpointCopy  # noqa: F401
@@ -296,17 +373,44 @@ def test_reward_model_is_a_stage_that_grpo_scores_with_and_export_writes(base, p
     one_device = {"kind": "local", "env": {"XLA_FLAGS": ""}}
     p = Pipeline("rm", store=tmp_path / "store")
     start = p.stage("base", task="test-checkpoint-copy", config={"path": str(base)})
-    rm = p.stage("rm", task="reward_model", inputs={"checkpoint": start}, launcher=one_device, config={
-        "data": {"path": str(preferences), "max_prompt_length": 8, "max_length": 16, "batch_size": 8,
-                 "eval_fraction": 0.25}, "steps": 2, "log_every": 1})
-    p.stage("grpo", task="grpo", inputs={"checkpoint": start, "judge": rm}, launcher=one_device, config={
-        "data": {"path": str(prompts)}, "rewards": [{"model": "judge"}], "steps": 1, "prompts_per_step": 2,
-        "num_generations": 2, "max_prompt_length": 8, "max_completion_length": 2})
+    rm = p.stage(
+        "rm",
+        task="reward_model",
+        inputs={"checkpoint": start},
+        launcher=one_device,
+        config={
+            "data": {
+                "path": str(preferences),
+                "max_prompt_length": 8,
+                "max_length": 16,
+                "batch_size": 8,
+                "eval_fraction": 0.25,
+            },
+            "steps": 2,
+            "log_every": 1,
+        },
+    )
+    p.stage(
+        "grpo",
+        task="grpo",
+        inputs={"checkpoint": start, "judge": rm},
+        launcher=one_device,
+        config={
+            "data": {"path": str(prompts)},
+            "rewards": [{"model": "judge"}],
+            "steps": 1,
+            "prompts_per_step": 2,
+            "num_generations": 2,
+            "max_prompt_length": 8,
+            "max_completion_length": 2,
+        },
+    )
     p.stage("export", task="export", inputs={"checkpoint": rm})
     plan = p.plan()
     assert [execute_stage(s.job, plan.store).status for s in plan.stages.values()] == [RAN] * 4
-    manifests = {name: read_manifest(plan.store.artifact_dir(name, s.job.artifact_id))
-                 for name, s in plan.stages.items()}
+    manifests = {
+        name: read_manifest(plan.store.artifact_dir(name, s.job.artifact_id)) for name, s in plan.stages.items()
+    }
     assert manifests["rm"]["kind"] == "reward_model" and "eval_accuracy" in manifests["rm"]["metrics"]
     assert sorted(q["stage"] for q in manifests["grpo"]["parents"]) == ["base", "rm"]  # the reward model's edge
     assert "reward/judge/mean" in manifests["grpo"]["metrics"]
@@ -316,8 +420,15 @@ def test_reward_model_is_a_stage_that_grpo_scores_with_and_export_writes(base, p
 
     priced = Pipeline("rm-plan", store=tmp_path / "store")
     priced.stage("base", task="test-checkpoint-copy", config={"path": str(base)})
-    priced.stage("rm", task="reward_model", inputs={"checkpoint": "base"}, config={
-        "data": {"path": str(preferences), "max_prompt_length": 8, "max_length": 16, "batch_size": 8}, "steps": 2})
+    priced.stage(
+        "rm",
+        task="reward_model",
+        inputs={"checkpoint": "base"},
+        config={
+            "data": {"path": str(preferences), "max_prompt_length": 8, "max_length": 16, "batch_size": 8},
+            "steps": 2,
+        },
+    )
     plans, _ = plan_pipeline(priced.plan(), "local")
     assert [q.stage for q in plans] == ["rm"] and plans[0].fits and plans[0].how == "compiled"
     assert plans[0].memory.gradients == plans[0].memory.parameters  # the decoder and its head both train

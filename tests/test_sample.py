@@ -7,20 +7,36 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from engine.inference.sample import (
+    Sampler,
+    filter_logits,
+    first_argmax,
+    inverse_cdf_draw,
+    left_pad,
+    length_bucket,
+    prompt_positions,
+)
 from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.kv_cache import KVCache
+from engine.models.params import apply_model, graphdef_of, param_shardings
+from engine.models.transformer import Transformer
 from engine.ops import cpu_kernels
 from engine.parallel.config import MeshConfig
-from engine.models.kv_cache import KVCache
-from engine.models.transformer import Transformer
-from engine.inference.sample import (Sampler, filter_logits, first_argmax, inverse_cdf_draw, left_pad, length_bucket,
-                                     prompt_positions)
 from engine.parallel.mesh import make_mesh
-from engine.models.params import apply_model, graphdef_of, param_shardings
 
 # Odd sizes so a transposed or mis-broadcast dimension cannot hide; a large init_std makes
 # the distributions peaked enough that greedy decoding has no near-ties.
-ODD = dict(vocab_size=37, d_model=22, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=10, mlp_dim=26,
-           max_seq_len=64, init_std=0.4)
+ODD = dict(
+    vocab_size=37,
+    d_model=22,
+    num_layers=3,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=10,
+    mlp_dim=26,
+    max_seq_len=64,
+    init_std=0.4,
+)
 PROMPTS = [[5, 9, 2, 31, 7], [6, 7], [8, 30, 10], [1]]
 
 
@@ -41,15 +57,23 @@ def teacher_forced(cfg, params, prompt_tokens, prompt_mask, out, temperature):
     mask = np.concatenate([prompt_mask, out.mask], 1).astype(np.int32)
     graphdef = graphdef_of(cfg, ComputeConfig())
     logits = jax.jit(lambda *args: apply_model(graphdef, *args))(
-        params, tokens, prompt_positions(jnp.asarray(mask)), mask)
+        params, tokens, prompt_positions(jnp.asarray(mask)), mask
+    )
     logp = jax.nn.log_softmax(logits.astype(jnp.float32) / (temperature or 1.0), axis=-1)
     p = prompt_tokens.shape[1]
-    return np.take_along_axis(np.asarray(logp[:, p - 1:-1]), out.tokens[..., None], axis=-1)[..., 0], logits
+    return np.take_along_axis(np.asarray(logp[:, p - 1 : -1]), out.tokens[..., None], axis=-1)[..., 0], logits
 
 
 # XLA's lowering and the C++ kernel (engine/ops/cpu_kernels), which needs a C++ compiler.
-DECODE_IMPLS = ["reference", pytest.param("cpu_kernel", marks=pytest.mark.skipif(
-    cpu_kernels.compiler() is None, reason="no C++ compiler: the engine decodes with XLA's lowering"))]
+DECODE_IMPLS = [
+    "reference",
+    pytest.param(
+        "cpu_kernel",
+        marks=pytest.mark.skipif(
+            cpu_kernels.compiler() is None, reason="no C++ compiler: the engine decodes with XLA's lowering"
+        ),
+    ),
+]
 
 
 @pytest.mark.parametrize("impl", DECODE_IMPLS)
@@ -69,11 +93,12 @@ def test_kv_cache_decoding_equals_full_recomputation(variant, impl):
     full = forward(params, tokens, positions, mask)
 
     cache = KVCache.init(cfg, compute, len(PROMPTS), prompt_len + steps)
-    logits, cache = forward(params, tokens[:, :prompt_len], positions[:, :prompt_len], mask[:, :prompt_len],
-                            cache=cache)
+    logits, cache = forward(
+        params, tokens[:, :prompt_len], positions[:, :prompt_len], mask[:, :prompt_len], cache=cache
+    )
     pieces = [logits]
     for i in range(prompt_len, prompt_len + steps):  # one token at a time, as the decode loop does
-        logits, cache = forward(params, tokens[:, i:i + 1], positions[:, i:i + 1], mask[:, i:i + 1], cache=cache)
+        logits, cache = forward(params, tokens[:, i : i + 1], positions[:, i : i + 1], mask[:, i : i + 1], cache=cache)
         pieces.append(logits)
     incremental = np.asarray(jnp.concatenate(pieces, axis=1))
     real = mask.astype(bool)
@@ -106,7 +131,7 @@ def test_decoding_over_a_shared_prompt_cache_equals_full_recomputation(impl):
     cache = cache.share(group, steps)
     assert cache.k[0].shape[0] == len(PROMPTS) * group and cache.shared_k[0].shape[0] == len(PROMPTS)
     for i in range(prompt_len, prompt_len + steps):
-        logits, cache = forward(params, tokens[:, i:i + 1], positions[:, i:i + 1], mask[:, i:i + 1], cache=cache)
+        logits, cache = forward(params, tokens[:, i : i + 1], positions[:, i : i + 1], mask[:, i : i + 1], cache=cache)
         np.testing.assert_allclose(np.asarray(logits)[:, 0], full[:, i], atol=2e-5)
 
 
@@ -128,7 +153,7 @@ def test_greedy_is_deterministic_and_each_token_is_the_argmax_of_a_full_forward_
     assert first.mask.all()
     forced, logits = teacher_forced(cfg, params, tokens, mask, first, 0.0)
     p = tokens.shape[1]
-    np.testing.assert_array_equal(np.argmax(np.asarray(logits[:, p - 1:-1]), -1), first.tokens)
+    np.testing.assert_array_equal(np.argmax(np.asarray(logits[:, p - 1 : -1]), -1), first.tokens)
     np.testing.assert_allclose(first.logprobs, forced, atol=1e-4)
 
 
@@ -182,8 +207,9 @@ def test_group_rollouts_prefill_once_and_equal_sampling_each_prompt_g_times(mode
     tokens, mask = left_pad(PROMPTS)
     G = 3
     grouped = sampler(params, tokens, mask, num_generations=G, seed=11, temperature=0.7, eos_ids=(4,), **SETTINGS)
-    repeated = sampler(params, np.repeat(tokens, G, 0), np.repeat(mask, G, 0), seed=11, temperature=0.7,
-                       eos_ids=(4,), **SETTINGS)
+    repeated = sampler(
+        params, np.repeat(tokens, G, 0), np.repeat(mask, G, 0), seed=11, temperature=0.7, eos_ids=(4,), **SETTINGS
+    )
     np.testing.assert_array_equal(grouped.tokens, repeated.tokens)
     np.testing.assert_array_equal(grouped.mask, repeated.mask)
     np.testing.assert_allclose(grouped.logprobs, repeated.logprobs, atol=1e-4)  # float32 rounding (prefill batch)
@@ -262,8 +288,11 @@ def test_a_bfloat16_cache_on_cpu_is_written_in_place(impl):
     slots, rows = 16, len(PROMPTS)
     cache = KVCache.init(cfg, compute, rows, slots)
     assert cache.k[0].dtype == jnp.uint16 and cache.k[0].shape == (rows, 2, 10, slots)
-    step = jax.jit(lambda params, cache, token: nnx.merge(graphdef, params)(
-        token, jnp.zeros_like(token), jnp.ones_like(token), cache=cache))
+    step = jax.jit(
+        lambda params, cache, token: nnx.merge(graphdef, params)(
+            token, jnp.zeros_like(token), jnp.ones_like(token), cache=cache
+        )
+    )
     hlo = step.lower(params, cache, jnp.ones((rows, 1), jnp.int32)).compile().as_text()
     for shape in (f"{rows},2,10,{slots}", f"{rows},2,{slots},10"):  # keys, values
         assert f"u16[{shape}]" in hlo and f"f32[{shape}]" not in hlo

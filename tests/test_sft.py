@@ -8,17 +8,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from engine.train.checkpoint import Checkpointer, load_params, read_meta
 from engine.config import ConfigError, load_config
+from engine.data.tokenizer import TokenizerConfig, load_saved, save_tokenizer, train_tokenizer
 from engine.models.config import ModelConfig
 from engine.models.transformer import Transformer
 from engine.posttrain.config import SFTConfig, SFTDataConfig
 from engine.posttrain.sft import load_examples, pack_rows, run_sft, tokenize_example
-from engine.data.tokenizer import TokenizerConfig, load_saved, save_tokenizer, train_tokenizer
+from engine.train.checkpoint import Checkpointer, load_params, read_meta
 from engine.train.step import lm_loss_fn
 
-MODEL = dict(vocab_size=300, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
-             max_seq_len=128)
+MODEL = dict(
+    vocab_size=300, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=128
+)
 CHAT = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Capital of France?"},
@@ -67,8 +68,10 @@ def test_prompt_tokens_get_no_loss_and_completion_tokens_do(base):
 
 def test_conversational_prompt_completion_and_a_tokenizers_own_chat_template(base):
     bundle = load_saved(base / "tokenizer")
-    bundle.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}" \
-                           "{% if add_generation_prompt %}[assistant] {% endif %}"
+    bundle.chat_template = (
+        "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
     record = {"prompt": CHAT[:2], "completion": [CHAT[2]]}
     ex = tokenize_example(record, "x:1", bundle, SFTDataConfig())
     assert decode(bundle, ex.ids) == "[system] Be brief.\n[user] Capital of France?\n[assistant] Paris.\n"
@@ -95,8 +98,13 @@ def test_chat_rendering_matches_transformers(base, template):
     bundle.chat_template = CHATML if template == "chatml" else None
     for messages, prompt in ((CHAT, False), (CHAT[1:2], True)):
         expected, _ = render_jinja_template(
-            conversations=[messages], chat_template=chat_template(bundle), add_generation_prompt=prompt,
-            bos_token=bundle.bos_token, eos_token=bundle.eos_token, pad_token=bundle.pad_token)
+            conversations=[messages],
+            chat_template=chat_template(bundle),
+            add_generation_prompt=prompt,
+            bos_token=bundle.bos_token,
+            eos_token=bundle.eos_token,
+            pad_token=bundle.pad_token,
+        )
         assert render(bundle, messages, add_generation_prompt=prompt) == expected[0]
 
 
@@ -112,8 +120,13 @@ def test_packed_and_unpacked_batches_give_the_same_loss(base):
     bundle = load_saved(base / "tokenizer")
     rng = np.random.default_rng(0)
     words = ["fox", "dog", "lazy", "quick", "brown", "Paris", "Rome"]
-    records = [{"prompt": " ".join(rng.choice(words, rng.integers(1, 6))) + "?",
-                "completion": " " + " ".join(rng.choice(words, rng.integers(1, 5)))} for _ in range(12)]
+    records = [
+        {
+            "prompt": " ".join(rng.choice(words, rng.integers(1, 6))) + "?",
+            "completion": " " + " ".join(rng.choice(words, rng.integers(1, 5))),
+        }
+        for _ in range(12)
+    ]
     examples = [tokenize_example(r, f"x:{i}", bundle, SFTDataConfig()) for i, r in enumerate(records)]
     packed = pack_rows(examples, seq_len=64, packing=True)
     unpacked = pack_rows(examples, seq_len=64, packing=False)
@@ -129,12 +142,19 @@ def test_packed_and_unpacked_batches_give_the_same_loss(base):
 
 def sft_config(base: Path, out: Path, data: Path, **overrides) -> SFTConfig:
     tree = {
-        "checkpoint": {"init_from": str(base / "checkpoint"), "directory": str(out / "checkpoint"),
-                       "every_steps": 10, "async_save": False},
+        "checkpoint": {
+            "init_from": str(base / "checkpoint"),
+            "directory": str(out / "checkpoint"),
+            "every_steps": 10,
+            "async_save": False,
+        },
         "data": {"path": str(data), "seq_len": 64, "batch_size": 8, "eval_fraction": 0.2},
         "optimizer": {"learning_rate": 1e-2},
         "schedule": {"kind": "constant"},
-        "steps": 40, "log_every": 5, "progress": False, "metrics_dir": str(out),
+        "steps": 40,
+        "log_every": 5,
+        "progress": False,
+        "metrics_dir": str(out),
     }
     return load_config(tree=tree, overrides=[f"{k}={v}" for k, v in overrides.items()], schema=SFTConfig)
 
@@ -148,7 +168,10 @@ def test_sft_learns_the_completions_resumes_and_writes_a_loadable_checkpoint(bas
     first = run_sft(sft_config(base, tmp_path / "run", data, steps=30))
     assert first["train_examples"] == 48 and first["eval_examples"] == 12
     # An untrained model is near uniform, ln(300) = 5.7 nats per token; the answers take ~1.
-    assert first["eval_loss"] < 0.2 * np.log(300), (first["eval_loss"], (tmp_path / "run" / "metrics.jsonl").read_text())
+    assert first["eval_loss"] < 0.2 * np.log(300), (
+        first["eval_loss"],
+        (tmp_path / "run" / "metrics.jsonl").read_text(),
+    )
 
     logs = []
     resumed = run_sft(sft_config(base, tmp_path / "run", data, steps=40), log=logs.append)
@@ -161,7 +184,20 @@ def test_sft_learns_the_completions_resumes_and_writes_a_loadable_checkpoint(bas
     # `trainflow generate` on the result: greedy decoding answers a held-out prompt.
     from flows.cli import main as trainflow
 
-    code = trainflow(["generate", str(tmp_path / "run"), "--tokenizer", str(base / "tokenizer"), "--prompt",
-                      "colour 1:", "--temperature", "0", "--max-new-tokens", "8", "--json"])
+    code = trainflow(
+        [
+            "generate",
+            str(tmp_path / "run"),
+            "--tokenizer",
+            str(base / "tokenizer"),
+            "--prompt",
+            "colour 1:",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "8",
+            "--json",
+        ]
+    )
     assert code == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["completion"] == " green"

@@ -47,10 +47,16 @@ def run_stage(out: Path, tree: dict, **overrides) -> dict:
         return run_tokenize(cfg, out, log=lambda _: None)
     config = out.parent / f"{out.name}.yaml"
     config.write_text(yaml.safe_dump(tree))
-    proc = subprocess.run([sys.executable, "-m", "engine.data.tokenize", str(config), str(out)], cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.data.tokenize", str(config), str(out)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout[proc.stdout.index("{"):])
+    return json.loads(proc.stdout[proc.stdout.index("{") :])
 
 
 def records(out: Path, split: str) -> list[np.ndarray]:
@@ -103,12 +109,17 @@ def test_stdlib_round_trips_losslessly_and_loads_in_transformers(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
     out = tmp_path / "out"
-    stats = run_stage(out, {
-        "sources": [{"format": "text", "path": "{stdlib}/[a-c]*.py"},
-                    {"format": "text", "path": "{stdlib}/json/*.py", "name": "json", "weight": 1}],
-        "tokenizer": {"vocab_size": 1000},
-        "validation_fraction": 0.2,
-    })
+    stats = run_stage(
+        out,
+        {
+            "sources": [
+                {"format": "text", "path": "{stdlib}/[a-c]*.py"},
+                {"format": "text", "path": "{stdlib}/json/*.py", "name": "json", "weight": 1},
+            ],
+            "tokenizer": {"vocab_size": 1000},
+            "validation_fraction": 0.2,
+        },
+    )
     files = sorted(glob.glob(f"{STDLIB}/[a-c]*.py")) + sorted(glob.glob(f"{STDLIB}/json/*.py"))
     texts = [Path(f).read_text(encoding="utf-8") for f in files]
 
@@ -141,8 +152,13 @@ def test_stdlib_round_trips_losslessly_and_loads_in_transformers(tmp_path):
 def test_special_token_text_in_a_document_stays_text(tmp_path):
     doc = "a literal <|eos|> and <|user|> inside a document"
     out = tmp_path / "out"
-    run_stage(out, {"sources": [{"format": "text", "path": str(write_lines(tmp_path / "a.txt", [doc])),
-                                 "unit": "line"}], "validation_fraction": 0})
+    run_stage(
+        out,
+        {
+            "sources": [{"format": "text", "path": str(write_lines(tmp_path / "a.txt", [doc])), "unit": "line"}],
+            "validation_fraction": 0,
+        },
+    )
     (record,) = records(out, "train")
     meta = read_meta(out / "data")
     assert list(record).count(meta["eos_id"]) == 1  # only the real document end
@@ -160,8 +176,15 @@ def test_split_depends_only_on_each_document(tmp_path):
     a = tmp_path / "a"
     run_stage(a, {"sources": [{"format": "text", "path": str(tmp_path / "ordered.txt"), "unit": "line"}]}, **common)
     b = tmp_path / "b"
-    run_stage(b, {"sources": [{"format": "text", "path": str(tmp_path / "shuffled-*.txt"), "unit": "line"}],
-                  "tokenizer": {"path": str(a / "tokenizer")}, "shard_size_mb": 0.01}, **common)
+    run_stage(
+        b,
+        {
+            "sources": [{"format": "text", "path": str(tmp_path / "shuffled-*.txt"), "unit": "line"}],
+            "tokenizer": {"path": str(a / "tokenizer")},
+            "shard_size_mb": 0.01,
+        },
+        **common,
+    )
 
     validation = set(documents(a, "validation"))
     assert validation == set(documents(b, "validation"))
@@ -170,16 +193,25 @@ def test_split_depends_only_on_each_document(tmp_path):
     assert 0.07 < len(validation) / len(docs) < 0.13
 
     c = tmp_path / "c"
-    run_stage(c, {"sources": [{"format": "text", "path": str(tmp_path / "ordered.txt"), "unit": "line"}],
-                  "tokenizer": {"path": str(a / "tokenizer")}, "split_seed": 1}, **common)
+    run_stage(
+        c,
+        {
+            "sources": [{"format": "text", "path": str(tmp_path / "ordered.txt"), "unit": "line"}],
+            "tokenizer": {"path": str(a / "tokenizer")},
+            "split_seed": 1,
+        },
+        **common,
+    )
     assert set(documents(c, "validation")) != validation
 
 
 def test_output_is_identical_for_any_worker_count(tmp_path):
     write_lines(tmp_path / "big.jsonl", [json.dumps({"text": d}) for d in word_documents(600)])
     tree = {
-        "sources": [{"format": "text", "path": "{stdlib}/email/*.py"},
-                    {"format": "jsonl", "path": str(tmp_path / "big.jsonl")}],
+        "sources": [
+            {"format": "text", "path": "{stdlib}/email/*.py"},
+            {"format": "jsonl", "path": str(tmp_path / "big.jsonl")},
+        ],
         "shard_size_mb": 0.05,  # ~10 shards; the JSONL file is cut into byte ranges
         "validation_fraction": 0.1,
     }
@@ -220,13 +252,23 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
     docs = word_documents(2400, seed=3)
     for i in range(40):
         write_lines(corpus / f"part-{i:02d}.txt", docs[i::40])
-    config = _config_file(tmp_path, {
-        "sources": [{"format": "text", "path": str(corpus / "*.txt"), "unit": "line"}],
-        "tokenizer": {"vocab_size": 400}, "shard_size_mb": 0.001, "validation_fraction": 0.05,
-    })
+    config = _config_file(
+        tmp_path,
+        {
+            "sources": [{"format": "text", "path": str(corpus / "*.txt"), "unit": "line"}],
+            "tokenizer": {"vocab_size": 400},
+            "shard_size_mb": 0.001,
+            "validation_fraction": 0.05,
+        },
+    )
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "engine.data.tokenize", str(config), str(out), "workers=2"],
-                            cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.data.tokenize", str(config), str(out), "workers=2"],
+        cwd=REPO,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 60
     while proc.poll() is None and time.monotonic() < deadline:
         if len(list((out / ".work" / "tasks").glob("task-*.json"))) >= 3:
@@ -239,8 +281,11 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
     task_files = list((out / ".work" / "tasks").glob("task-*.json"))
     done = len(task_files)
     assert 3 <= done < 40
-    finished = {rel: (out / ".work" / "data" / rel).stat().st_ino
-                for task in task_files for rel in json.loads(task.read_text())["shards"].values()}
+    finished = {
+        rel: (out / ".work" / "data" / rel).stat().st_ino
+        for task in task_files
+        for rel in json.loads(task.read_text())["shards"].values()
+    }
 
     stats = run_tokenize(load_config(config, ["workers=1"], schema=TokenizeConfig), out, log=lambda _: None)
     assert stats["resumed_shards"] == done
@@ -264,14 +309,22 @@ def test_rerun_of_a_finished_stage_is_a_no_op_and_a_changed_config_is_refused(tm
 
 def test_cli_reports_a_user_error_in_one_line(tmp_path):
     config = _config_file(tmp_path, {"sources": [{"format": "text", "path": str(tmp_path / "none-*.txt")}]})
-    result = subprocess.run([sys.executable, "-m", "engine.data.tokenize", str(config), str(tmp_path / "out")],
-                            cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.data.tokenize", str(config), str(tmp_path / "out")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode != 0
     assert result.stderr.strip() == f"error: sources[0].path: '{tmp_path}/none-*.txt' matches no files"
     assert not (tmp_path / "out").exists()
 
-    result = subprocess.run([sys.executable, "-m", "engine.data.tokenize", str(config), str(tmp_path / "out"),
-                             "validation_fraktion=0.1"], cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.data.tokenize", str(config), str(tmp_path / "out"), "validation_fraktion=0.1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode != 0 and "did you mean 'validation_fraction'" in result.stderr
     assert "Traceback" not in result.stderr
 

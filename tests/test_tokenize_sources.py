@@ -26,8 +26,9 @@ def test_text_file_line_and_block_units(tmp_path):
     }
     for unit, docs in expected.items():
         out = tmp_path / unit
-        stats = run_stage(out, {"sources": [{"format": "text", "path": str(path), "unit": unit}]},
-                          validation_fraction=0)
+        stats = run_stage(
+            out, {"sources": [{"format": "text", "path": str(path), "unit": unit}]}, validation_fraction=0
+        )
         assert documents(out) == docs, unit
         assert stats["skipped"] == ({"empty": 2} if unit == "line" else {})  # the blank lines
 
@@ -45,8 +46,11 @@ def test_jsonl_cut_into_byte_ranges_reads_each_record_once(tmp_path):
     docs = word_documents(1500)
     write_lines(tmp_path / "a.jsonl", [json.dumps({"id": i, "body": d}) for i, d in enumerate(docs)])
     out = tmp_path / "out"
-    run_stage(out, {"sources": [{"format": "jsonl", "path": str(tmp_path / "a.jsonl"), "field": "body"}],
-                    "shard_size_mb": 0.01}, validation_fraction=0)
+    run_stage(
+        out,
+        {"sources": [{"format": "jsonl", "path": str(tmp_path / "a.jsonl"), "field": "body"}], "shard_size_mb": 0.01},
+        validation_fraction=0,
+    )
     assert len(records(out, "train")) == len(docs)
     assert documents(out) == docs  # parts in order, no record lost or doubled at a cut
 
@@ -63,8 +67,14 @@ def test_parquet_is_streamed_by_row_group(tmp_path, monkeypatch):
         monkeypatch.setattr(pq.ParquetFile, name, lambda *a, **k: pytest.fail("read whole"))
     monkeypatch.setattr(pq, "read_table", lambda *a, **k: pytest.fail("read whole"))
     out = tmp_path / "out"
-    run_stage(out, {"sources": [{"format": "parquet", "path": str(tmp_path / "*.parquet"), "field": "content"}],
-                    "shard_size_mb": 0.02}, validation_fraction=0)
+    run_stage(
+        out,
+        {
+            "sources": [{"format": "parquet", "path": str(tmp_path / "*.parquet"), "field": "content"}],
+            "shard_size_mb": 0.02,
+        },
+        validation_fraction=0,
+    )
     assert len(list((out / "data" / "train").iterdir())) > 1  # row groups spread over shards
     assert documents(out) == docs
 
@@ -74,17 +84,20 @@ def test_tfrecord_of_tf_examples(tmp_path):
     docs = word_documents(40)
     with tf.io.TFRecordWriter(str(tmp_path / "a.tfrecord")) as writer:
         for i, doc in enumerate(docs):
-            feature = {"text": tf.train.Feature(bytes_list=tf.train.BytesList(value=[doc.encode()])),
-                       "id": tf.train.Feature(int64_list=tf.train.Int64List(value=[i]))}
+            feature = {
+                "text": tf.train.Feature(bytes_list=tf.train.BytesList(value=[doc.encode()])),
+                "id": tf.train.Feature(int64_list=tf.train.Int64List(value=[i])),
+            }
             writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
     out = tmp_path / "out"
-    run_stage(out, {"sources": [{"format": "tfrecord", "path": str(tmp_path / "*.tfrecord")}]},
-              validation_fraction=0)
+    run_stage(out, {"sources": [{"format": "tfrecord", "path": str(tmp_path / "*.tfrecord")}]}, validation_fraction=0)
     assert documents(out) == docs
 
     with pytest.raises(ConfigError, match=r"sources\[0\]\.field: .*a\.tfrecord, record 0: no feature 'body'"):
-        run_stage(tmp_path / "bad", {"sources": [{"format": "tfrecord", "path": str(tmp_path / "*.tfrecord"),
-                                                  "field": "body"}]})
+        run_stage(
+            tmp_path / "bad",
+            {"sources": [{"format": "tfrecord", "path": str(tmp_path / "*.tfrecord"), "field": "body"}]},
+        )
     assert not (tmp_path / "bad").exists()
 
 
@@ -93,9 +106,13 @@ def test_tfds_dataset_on_disk(tmp_path):
     tfds = pytest.importorskip("tensorflow_datasets")
     docs = word_documents(30)
     builder = tfds.dataset_builders.TfDataBuilder(
-        name="tiny_corpus", version="1.0.0", data_dir=str(tmp_path / "tfds"),
-        split_datasets={"train": tf.data.Dataset.from_tensor_slices({"text": docs}),
-                        "test": tf.data.Dataset.from_tensor_slices({"text": ["held out"]})},
+        name="tiny_corpus",
+        version="1.0.0",
+        data_dir=str(tmp_path / "tfds"),
+        split_datasets={
+            "train": tf.data.Dataset.from_tensor_slices({"text": docs}),
+            "test": tf.data.Dataset.from_tensor_slices({"text": ["held out"]}),
+        },
         features=tfds.features.FeaturesDict({"text": tfds.features.Text()}),
     )
     builder.download_and_prepare()
@@ -104,18 +121,23 @@ def test_tfds_dataset_on_disk(tmp_path):
     assert sorted(documents(out)) == sorted(docs)  # TFDS shuffles on write
 
     with pytest.raises(ConfigError, match=r"sources\[0\]\.split: .* has no split 'validation' \(splits: "):
-        run_stage(tmp_path / "bad", {"sources": [{"format": "tfds", "path": builder.data_dir,
-                                                  "split": "validation"}]})
+        run_stage(tmp_path / "bad", {"sources": [{"format": "tfds", "path": builder.data_dir, "split": "validation"}]})
 
 
 def test_engine_token_shards_as_a_source(tmp_path):
     docs = word_documents(200)
     first = tmp_path / "first"
-    run_stage(first, {"sources": [{"format": "text", "path": str(write_lines(tmp_path / "a.txt", docs)),
-                                   "unit": "line"}]}, validation_fraction=0.2)
+    run_stage(
+        first,
+        {"sources": [{"format": "text", "path": str(write_lines(tmp_path / "a.txt", docs)), "unit": "line"}]},
+        validation_fraction=0.2,
+    )
     second = tmp_path / "second"
-    stats = run_stage(second, {"sources": [{"format": "tokens", "path": str(first / "data")}],
-                               "tokenizer": {"vocab_size": 300}}, validation_fraction=0.2)
+    stats = run_stage(
+        second,
+        {"sources": [{"format": "tokens", "path": str(first / "data")}], "tokenizer": {"vocab_size": 300}},
+        validation_fraction=0.2,
+    )
     assert sorted(documents(second)) == sorted(docs)  # decoded with the first tokenizer, re-encoded
     assert set(documents(second, "validation")) == set(documents(first, "validation"))
     assert stats["documents"] == len(docs)
@@ -169,9 +191,16 @@ def test_empty_documents_are_skipped_and_counted(tmp_path):
     write_lines(tmp_path / "a.jsonl", [json.dumps({"text": t}) for t in ["one", "", "  \n ", "two"]] + [""])
     pq.write_table(pa.table({"text": ["three", None, ""]}), tmp_path / "b.parquet")
     out = tmp_path / "out"
-    stats = run_stage(out, {"sources": [{"format": "jsonl", "path": str(tmp_path / "a.jsonl")},
-                                        {"format": "parquet", "path": str(tmp_path / "b.parquet")}]},
-                      validation_fraction=0)
+    stats = run_stage(
+        out,
+        {
+            "sources": [
+                {"format": "jsonl", "path": str(tmp_path / "a.jsonl")},
+                {"format": "parquet", "path": str(tmp_path / "b.parquet")},
+            ]
+        },
+        validation_fraction=0,
+    )
     assert documents(out) == ["one", "two", "three"]
     assert stats["skipped"] == {"empty": 4, "null": 1}
     assert stats["records_read"] == 8
@@ -188,8 +217,13 @@ def test_long_documents_are_split_or_truncated_and_counted(tmp_path):
     assert stats["long_documents"] == {"split": 1, "truncated": 0, "tokens_dropped": 0}
 
     out = tmp_path / "truncate"
-    stats = run_stage(out, {"sources": [source], "tokenizer": {"path": str(tmp_path / "split" / "tokenizer")}},
-                      validation_fraction=0, max_document_tokens=16, long_documents="truncate")
+    stats = run_stage(
+        out,
+        {"sources": [source], "tokenizer": {"path": str(tmp_path / "split" / "tokenizer")}},
+        validation_fraction=0,
+        max_document_tokens=16,
+        long_documents="truncate",
+    )
     first, short = documents(out)
     assert doc.startswith(first) and len(first) < len(doc) and short == "short"
     assert len(records(out, "train")[0]) == 16
@@ -199,8 +233,10 @@ def test_long_documents_are_split_or_truncated_and_counted(tmp_path):
 
 
 def test_malformed_records_stop_the_run_or_are_skipped(tmp_path):
-    write_lines(tmp_path / "a.jsonl", ['{"text": "ok"}', '{"text": 3}', "not json", '{"other": "x"}', "[1]",
-                                       '{"text": "also ok"}'])
+    write_lines(
+        tmp_path / "a.jsonl",
+        ['{"text": "ok"}', '{"text": 3}', "not json", '{"other": "x"}', "[1]", '{"text": "also ok"}'],
+    )
     source = {"format": "jsonl", "path": str(tmp_path / "a.jsonl")}
     with pytest.raises(ConfigError, match=r"a\.jsonl, line 2: field 'text' is a int, not a string \(set bad_records"):
         run_stage(tmp_path / "error", {"sources": [source]})
@@ -222,15 +258,26 @@ def test_bad_input_fails_before_anything_is_written(tmp_path, case):
     (tmp_path / "broken.parquet").write_bytes(b"PAR1 this is not parquet")
     (tmp_path / "broken.txt.gz").write_bytes(b"not gzip at all")
     source, message = {
-        "jsonl_field": ({"format": "jsonl", "path": str(tmp_path / "a.jsonl")},
-                        r"sources\[0\]\.field: .*a\.jsonl, line 1 has no field 'text' \(fields: body\)"),
-        "parquet_column": ({"format": "parquet", "path": str(tmp_path / "a.parquet")},
-                           r"sources\[0\]\.field: .*a\.parquet has no column 'text' \(columns: body\)"),
-        "glob": ({"format": "text", "path": str(tmp_path / "*.md")}, r"sources\[0\]\.path: '.*\*\.md' matches no files"),
-        "parquet_file": ({"format": "parquet", "path": str(tmp_path / "broken.parquet")},
-                         r"sources\[0\]: .*broken\.parquet is not a readable Parquet file"),
-        "gzip": ({"format": "text", "path": str(tmp_path / "broken.txt.gz")},
-                 r"sources\[0\]: cannot read .*broken\.txt\.gz"),
+        "jsonl_field": (
+            {"format": "jsonl", "path": str(tmp_path / "a.jsonl")},
+            r"sources\[0\]\.field: .*a\.jsonl, line 1 has no field 'text' \(fields: body\)",
+        ),
+        "parquet_column": (
+            {"format": "parquet", "path": str(tmp_path / "a.parquet")},
+            r"sources\[0\]\.field: .*a\.parquet has no column 'text' \(columns: body\)",
+        ),
+        "glob": (
+            {"format": "text", "path": str(tmp_path / "*.md")},
+            r"sources\[0\]\.path: '.*\*\.md' matches no files",
+        ),
+        "parquet_file": (
+            {"format": "parquet", "path": str(tmp_path / "broken.parquet")},
+            r"sources\[0\]: .*broken\.parquet is not a readable Parquet file",
+        ),
+        "gzip": (
+            {"format": "text", "path": str(tmp_path / "broken.txt.gz")},
+            r"sources\[0\]: cannot read .*broken\.txt\.gz",
+        ),
         "tfds_dir": ({"format": "tfds", "path": str(tmp_path)}, r"sources\[0\]\.path: .* is not a prepared TFDS"),
     }[case]
     good = {"format": "text", "path": str(write_lines(tmp_path / "good.txt", ["fine"]))}

@@ -14,7 +14,9 @@ from engine.config import ConfigError
 from engine.data.shards import read_meta
 from engine.data.tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer
 
-STDLIB_TEXTS = [Path(f).read_text(encoding="utf-8") for f in sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/json/*.py"))]
+STDLIB_TEXTS = [
+    Path(f).read_text(encoding="utf-8") for f in sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/json/*.py"))
+]
 
 
 def test_training_is_deterministic_and_specials_come_first():
@@ -36,7 +38,9 @@ def test_min_frequency_limits_merges():
 
 
 def test_vocab_smaller_than_bytes_plus_specials_is_an_error():
-    with pytest.raises(ConfigError, match=r"tokenizer\.vocab_size \(200\) must be at least 262 \(256 byte tokens \+ 6 special"):
+    with pytest.raises(
+        ConfigError, match=r"tokenizer\.vocab_size \(200\) must be at least 262 \(256 byte tokens \+ 6 special"
+    ):
         train_tokenizer(TokenizerConfig(vocab_size=200), STDLIB_TEXTS, add_bos=True)
 
 
@@ -69,11 +73,16 @@ def test_loading_a_hugging_face_directory_keeps_it_unchanged(tmp_path):
 
     base = train_tokenizer(TokenizerConfig(vocab_size=400, chat_roles=[]), STDLIB_TEXTS, add_bos=False)
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-    PreTrainedTokenizerFast(tokenizer_object=base.tokenizer, eos_token="<|eos|>", bos_token="<|bos|>",
-                            chat_template=template).save_pretrained(tmp_path / "hf")
+    PreTrainedTokenizerFast(
+        tokenizer_object=base.tokenizer, eos_token="<|eos|>", bos_token="<|bos|>", chat_template=template
+    ).save_pretrained(tmp_path / "hf")
     out = tmp_path / "out"
-    run_stage(out, {"sources": [{"format": "text", "path": "{stdlib}/json/*.py"}],
-                    "tokenizer": {"path": str(tmp_path / "hf")}}, validation_fraction=0, add_bos=False)
+    run_stage(
+        out,
+        {"sources": [{"format": "text", "path": "{stdlib}/json/*.py"}], "tokenizer": {"path": str(tmp_path / "hf")}},
+        validation_fraction=0,
+        add_bos=False,
+    )
     before = PreTrainedTokenizerFast.from_pretrained(tmp_path / "hf")
     after = PreTrainedTokenizerFast.from_pretrained(out / "tokenizer")
     assert after.chat_template == before.chat_template == template
@@ -86,11 +95,15 @@ def test_loading_a_hugging_face_directory_keeps_it_unchanged(tmp_path):
 def test_bare_tokenizer_json_needs_an_eos_and_gains_missing_specials(tmp_path):
     bundle = train_tokenizer(TokenizerConfig(vocab_size=400, chat_roles=[]), STDLIB_TEXTS, add_bos=True)
     bundle.tokenizer.save(str(tmp_path / "bare.json"))
-    with pytest.raises(ConfigError, match=r"tokenizer\.eos_token: .*bare\.json does not say which token ends a "
-                                          r"document; .*\(its special tokens: <\|bos\|>, <\|eos\|>, <\|pad\|>\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"tokenizer\.eos_token: .*bare\.json does not say which token ends a "
+        r"document; .*\(its special tokens: <\|bos\|>, <\|eos\|>, <\|pad\|>\)",
+    ):
         load_tokenizer(TokenizerConfig(path=str(tmp_path / "bare.json")))
-    loaded = load_tokenizer(TokenizerConfig(path=str(tmp_path / "bare.json"), eos_token="<|eos|>",
-                                            pad_token="<pad>", chat_roles=["user"]))
+    loaded = load_tokenizer(
+        TokenizerConfig(path=str(tmp_path / "bare.json"), eos_token="<|eos|>", pad_token="<pad>", chat_roles=["user"])
+    )
     assert loaded.eos_id == bundle.eos_id and loaded.pad_id == 400  # added after the vocabulary
     assert loaded.tokenizer.token_to_id("<|user|>") == 401 and loaded.vocab_size == 402
     with pytest.raises(ConfigError, match=r"tokenizer\.path: .*missing\.json does not exist"):
@@ -101,14 +114,21 @@ def test_bare_tokenizer_json_needs_an_eos_and_gains_missing_specials(tmp_path):
 def test_sentencepiece_model_matches_sentencepiece(tmp_path, model_type):
     spm = pytest.importorskip("sentencepiece")
     corpus = write_lines(tmp_path / "corpus.txt", [l for t in STDLIB_TEXTS for l in t.splitlines() if l.strip()])
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=300,
-                                   model_type=model_type, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=300, model_type=model_type, minloglevel=2
+    )
     reference = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
     lines = corpus.read_text().splitlines()[:200]
 
     out = tmp_path / "out"
-    run_stage(out, {"sources": [{"format": "text", "path": str(corpus), "unit": "line"}],
-                    "tokenizer": {"path": str(tmp_path / "sp.model")}}, validation_fraction=0)
+    run_stage(
+        out,
+        {
+            "sources": [{"format": "text", "path": str(corpus), "unit": "line"}],
+            "tokenizer": {"path": str(tmp_path / "sp.model")},
+        },
+        validation_fraction=0,
+    )
     meta = read_meta(out / "data")
     assert (meta["bos_id"], meta["eos_id"]) == (reference.bos_id(), reference.eos_id())
     assert meta["vocab_size"] == reference.get_piece_size()

@@ -14,14 +14,14 @@ import pytest
 import yaml
 from flax import nnx
 
+from engine.config import load_config
+from engine.data.shards import shard_paths
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.transformer import Transformer
 from engine.train.checkpoint import load_params
-from engine.train.optimizer import weight_decay_mask
 from engine.train.config import TrainConfig
-from engine.config import load_config
-from engine.data.shards import shard_paths
 from engine.train.metrics import read_metrics
+from engine.train.optimizer import weight_decay_mask
 from engine.train.pretrain import run_pretrain
 from engine.train.trainer import TrainingError
 
@@ -66,9 +66,19 @@ def test_loss_falls_well_below_the_unigram_entropy_of_real_text(bpe_dataset, tmp
     p = np.array(list(counts.values()), float) / sum(counts.values())
     unigram_entropy = float(-(p * np.log(p)).sum())  # nats per token
 
-    cfg = tiny_config(bpe_dataset, tmp_path, steps=300, log_every=1, **{
-        "data.seq_len": 128, "data.batch_size": 16, "data.eval_batches": 4, "optimizer.learning_rate": 1e-2,
-        "checkpoint.every_steps": 300})
+    cfg = tiny_config(
+        bpe_dataset,
+        tmp_path,
+        steps=300,
+        log_every=1,
+        **{
+            "data.seq_len": 128,
+            "data.batch_size": 16,
+            "data.eval_batches": 4,
+            "optimizer.learning_rate": 1e-2,
+            "checkpoint.every_steps": 300,
+        },
+    )
     result = run_pretrain(cfg)
     assert result["eval_loss"] < 0.8 * unigram_entropy, (result["eval_loss"], unigram_entropy)
     curve = losses(tmp_path)
@@ -101,8 +111,10 @@ def test_restoring_on_a_different_mesh_continues_with_the_same_loss(byte_dataset
     # over it as over fsdp).
     import shutil
 
-    remeshes = {"remesh": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
-                "context": {"mesh.data": 2, "mesh.context": 2, "mesh.tensor": 2}}
+    remeshes = {
+        "remesh": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
+        "context": {"mesh.data": 2, "mesh.context": 2, "mesh.tensor": 2},
+    }
     for name in remeshes:
         shutil.copytree(tmp_path / "fsdp", tmp_path / name)
     run_pretrain(tiny_config(byte_dataset, tmp_path / "fsdp", steps=16, **{"mesh.data": 1, "mesh.fsdp": 8}))
@@ -117,9 +129,18 @@ def test_restoring_on_a_different_mesh_continues_with_the_same_loss(byte_dataset
 
 def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeps_the_last_good_checkpoint(byte_dataset, tmp_path):
     # An absurd learning rate without clipping blows the logits up to inf within two steps.
-    cfg = tiny_config(byte_dataset, tmp_path, steps=10, **{
-        "optimizer.learning_rate": 1e12, "optimizer.grad_clip_norm": "null", "schedule.warmup_steps": 0,
-        "schedule.kind": "constant", "checkpoint.every_steps": 1})
+    cfg = tiny_config(
+        byte_dataset,
+        tmp_path,
+        steps=10,
+        **{
+            "optimizer.learning_rate": 1e12,
+            "optimizer.grad_clip_norm": "null",
+            "schedule.warmup_steps": 0,
+            "schedule.kind": "constant",
+            "checkpoint.every_steps": 1,
+        },
+    )
     with pytest.raises(TrainingError, match=r"non-finite loss \((nan|inf)\) at step \d+") as e:
         run_pretrain(cfg)
     import re
@@ -133,8 +154,14 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeps_the_last_good
 
 def _run_cli(config_path: Path, *extra) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "engine.train", str(config_path), *extra],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "engine.train", str(config_path), *extra],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_a_run_killed_with_sigkill_resumes_to_bitwise_identical_parameters(byte_dataset, tmp_path):
@@ -184,7 +211,9 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_caught_before_compiling
     from engine.config import ConfigError
 
     cfg = tiny_config(byte_dataset, tmp_path, **{"model.vocab_size": 200})
-    with pytest.raises(ConfigError, match=r"model.vocab_size \(200\) is smaller than the tokenizer's vocabulary \(257\)"):
+    with pytest.raises(
+        ConfigError, match=r"model.vocab_size \(200\) is smaller than the tokenizer's vocabulary \(257\)"
+    ):
         run_pretrain(cfg)
     assert not (tmp_path / "checkpoint").exists()
 
@@ -192,13 +221,18 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_caught_before_compiling
 def test_weight_decay_falls_on_matrices_not_on_biases_sinks_norms_or_embeddings():
     """A GPT-OSS-shaped model, layers stacked: its biases and sinks have two or more axes (layers,
     experts, heads) yet are offsets, not matrices, and get no decay; every weight matrix does."""
-    cfg = ModelConfig.model_validate(yaml.safe_load(
-        (Path(__file__).parent.parent / "configs" / "models" / "tiny-gpt-oss.yaml").read_text()))
-    params = nnx.to_pure_dict(nnx.eval_shape(lambda: nnx.split(
-        Transformer(cfg, ComputeConfig(scan_layers=True), rngs=nnx.Rngs(0)))[1]))
-    flat = {"/".join(map(str, (getattr(k, "key", k) for k in path))): (decay, leaf)
-            for (path, decay), leaf in zip(jax.tree_util.tree_flatten_with_path(weight_decay_mask(params, False))[0],
-                                           jax.tree.leaves(params))}
+    cfg = ModelConfig.model_validate(
+        yaml.safe_load((Path(__file__).parent.parent / "configs" / "models" / "tiny-gpt-oss.yaml").read_text())
+    )
+    params = nnx.to_pure_dict(
+        nnx.eval_shape(lambda: nnx.split(Transformer(cfg, ComputeConfig(scan_layers=True), rngs=nnx.Rngs(0)))[1])
+    )
+    flat = {
+        "/".join(map(str, (getattr(k, "key", k) for k in path))): (decay, leaf)
+        for (path, decay), leaf in zip(
+            jax.tree_util.tree_flatten_with_path(weight_decay_mask(params, False))[0], jax.tree.leaves(params)
+        )
+    }
     decayed = {name for name, (decay, _) in flat.items() if decay}
     matrix = lambda name: name.split("/")[-1].startswith(("w", "lm_head"))  # noqa: E731
     assert decayed and all(matrix(name) for name in decayed), sorted(decayed)

@@ -26,14 +26,20 @@ pytestmark = pytest.mark.slow
 
 # The shipped tiny pipeline, shortened: what is tested is where the code and the presets
 # come from, not the training.
-FAST = ["pretrain.steps=12", "pretrain.log_every=4", "pretrain.eval_every=12",
-        "pretrain.schedule.warmup_steps=2", "pretrain.checkpoint.every_steps=6"]
+FAST = [
+    "pretrain.steps=12",
+    "pretrain.log_every=4",
+    "pretrain.eval_every=12",
+    "pretrain.schedule.warmup_steps=2",
+    "pretrain.checkpoint.every_steps=6",
+]
 
 
 def run(argv: list, *, cwd: Path, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     proc = subprocess.run([str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (f"{' '.join(map(str, argv))} exited {proc.returncode}:\n"
-                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    assert proc.returncode == 0, (
+        f"{' '.join(map(str, argv))} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return proc
 
 
@@ -50,8 +56,21 @@ def build_wheel(out: Path) -> Path:
             shutil.copy2(REPO / name, source / name)
     # No build isolation: setuptools is already here (torch and tensorflow need it), and
     # an isolated build would fetch it from the network.
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-         "--wheel-dir", out / "dist", source], cwd=out)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--quiet",
+            "--wheel-dir",
+            out / "dist",
+            source,
+        ],
+        cwd=out,
+    )
     (wheel,) = (out / "dist").glob("trainflow-*.whl")
     return wheel
 
@@ -60,8 +79,10 @@ def fresh_venv(path: Path, wheel: Path) -> Path:
     """A venv holding the wheel, seeing this environment's third-party packages; its python."""
     run([sys.executable, "-m", "venv", "--without-pip", path], cwd=path.parent)
     python = path / "bin" / "python"
-    run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "--quiet", wheel],
-        cwd=path.parent)
+    run(
+        [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "--quiet", wheel],
+        cwd=path.parent,
+    )
     new_site = run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=path).stdout.strip()
     ours = dict.fromkeys([*site.getsitepackages(), sysconfig.get_path("purelib"), sysconfig.get_path("platlib")])
     (Path(new_site) / "_trainflow_test_dependencies.pth").write_text("".join(f"{p}\n" for p in ours))
@@ -78,9 +99,18 @@ def test_wheel_runs_the_tiny_pipeline_without_a_checkout(tmp_path, prefect_serve
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "XLA_FLAGS")}
     env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(venv))
 
-    where = json.loads(run([python, "-c", "import json, sys, configs, engine, flows, tasks; print(json.dumps("
-                            "{'modules': [m.__file__ for m in (configs, engine, flows, tasks)], 'path': sys.path}))"],
-                           cwd=empty, env=env).stdout)
+    where = json.loads(
+        run(
+            [
+                python,
+                "-c",
+                "import json, sys, configs, engine, flows, tasks; print(json.dumps("
+                "{'modules': [m.__file__ for m in (configs, engine, flows, tasks)], 'path': sys.path}))",
+            ],
+            cwd=empty,
+            env=env,
+        ).stdout
+    )
     for module_file in where["modules"]:
         assert Path(module_file).is_relative_to(venv), f"{module_file} is not from the wheel's venv"
     assert str(REPO) not in where["path"], "the checkout is on the new venv's sys.path"
@@ -90,16 +120,32 @@ def test_wheel_runs_the_tiny_pipeline_without_a_checkout(tmp_path, prefect_serve
     # The C++ kernels build from the wheel's own files (sources and their shared header), into
     # an empty cache: a missing file would only show as auto's fallback to XLA's lowering.
     if shutil.which("g++") or shutil.which("c++") or shutil.which("clang++"):
-        reasons = run([python, "-c", "from engine.ops import cpu_kernels; "
-                       "print([cpu_kernels.unavailable(n) for n in sorted(cpu_kernels.SOURCES)])"],
-                      cwd=empty, env={**env, "TRAINFLOW_KERNEL_CACHE": str(tmp_path / "kernels")}).stdout
+        reasons = run(
+            [
+                python,
+                "-c",
+                "from engine.ops import cpu_kernels; "
+                "print([cpu_kernels.unavailable(n) for n in sorted(cpu_kernels.SOURCES)])",
+            ],
+            cwd=empty,
+            env={**env, "TRAINFLOW_KERNEL_CACHE": str(tmp_path / "kernels")},
+        ).stdout
         assert reasons.strip().splitlines()[-1] == "[None, None]", reasons
 
     pipeline = tmp_path / "pipeline" / "tiny.yaml"
     pipeline.parent.mkdir()
-    pipeline.write_text(run([python, "-c", "from importlib.resources import files; "
-                             "print(files('configs').joinpath('pipelines', 'tiny.yaml').read_text(), end='')"],
-                            cwd=empty, env=env).stdout)
+    pipeline.write_text(
+        run(
+            [
+                python,
+                "-c",
+                "from importlib.resources import files; "
+                "print(files('configs').joinpath('pipelines', 'tiny.yaml').read_text(), end='')",
+            ],
+            cwd=empty,
+            env=env,
+        ).stdout
+    )
     store = tmp_path / "store"
     run([venv / "bin" / "trainflow", "run", pipeline, "--store", store, *FAST], cwd=empty, env=env, timeout=600)
 

@@ -66,8 +66,11 @@ def render(bundle: TokenizerBundle, messages: list[Message], *, add_generation_p
             raise ConfigError(f"message {i} must be a mapping with 'role' and 'content' (got {message!r})")
     try:
         return _compile(chat_template(bundle)).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=bundle.bos_token or "", eos_token=bundle.eos_token, pad_token=bundle.pad_token or "",
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bundle.bos_token or "",
+            eos_token=bundle.eos_token,
+            pad_token=bundle.pad_token or "",
         )
     except Exception as e:  # noqa: BLE001 - jinja raises many types; all are bad input here
         raise ConfigError(f"the chat template cannot render these messages: {e}") from None

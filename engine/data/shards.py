@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
@@ -56,7 +57,7 @@ class ShardWriter:
         self._writer.close()
         self._tmp.unlink(missing_ok=True)
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, exc_type, *_) -> None:
@@ -72,8 +73,9 @@ def write_meta(dataset_dir: str | Path, meta: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def write_dataset(dataset_dir: str | Path, splits: dict[str, list[np.ndarray]], vocab_size: int,
-                  docs_per_shard: int = 10_000, **extra) -> dict:
+def write_dataset(
+    dataset_dir: str | Path, splits: dict[str, list[np.ndarray]], vocab_size: int, docs_per_shard: int = 10_000, **extra
+) -> dict:
     """A small convenience writer (tests, synthetic data): documents per split -> shards."""
     dataset_dir = Path(dataset_dir)
     meta_splits = {}
@@ -82,7 +84,7 @@ def write_dataset(dataset_dir: str | Path, splits: dict[str, list[np.ndarray]], 
         for start in range(0, max(len(docs), 1), docs_per_shard):
             rel = f"{split}/shard-{len(shards):05d}.array_record"
             with ShardWriter(dataset_dir / rel) as w:
-                for doc in docs[start:start + docs_per_shard]:
+                for doc in docs[start : start + docs_per_shard]:
                     w.write(doc)
             shards.append(rel)
             tokens += w.tokens
@@ -108,9 +110,7 @@ def read_meta(dataset_dir: str | Path) -> dict:
 def shard_paths(dataset_dir: str | Path, split: str) -> list[str]:
     meta = read_meta(dataset_dir)
     if split not in meta["splits"]:
-        raise ConfigError(
-            f"data.path: dataset {dataset_dir} has no split '{split}' (has: {', '.join(meta['splits'])})"
-        )
+        raise ConfigError(f"data.path: dataset {dataset_dir} has no split '{split}' (has: {', '.join(meta['splits'])})")
     paths = [str(Path(dataset_dir) / rel) for rel in meta["splits"][split]["shards"]]
     for p in paths:
         if not Path(p).is_file():

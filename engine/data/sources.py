@@ -16,10 +16,11 @@ import json
 import os
 import re
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -64,9 +65,13 @@ class SourceConfig(Strict):
     dataset directory); documents are decoded with it and re-encoded."""
 
     @model_validator(mode="after")
-    def _check(self) -> "SourceConfig":
-        only = {"unit": ("text",), "split": ("tfds", "tokens"), "tokenizer": ("tokens",),
-                "field": ("jsonl", "parquet", "tfrecord", "tfds")}
+    def _check(self) -> SourceConfig:
+        only = {
+            "unit": ("text",),
+            "split": ("tfds", "tokens"),
+            "tokenizer": ("tokens",),
+            "field": ("jsonl", "parquet", "tfrecord", "tfds"),
+        }
         for key, formats in only.items():
             if key in self.model_fields_set and self.format not in formats:
                 raise ValueError(f"'{key}' applies to format {' or '.join(formats)}, not {self.format}")
@@ -174,7 +179,7 @@ def group_parts(parts: list[Part], target_bytes: int) -> list[list[Part]]:
 
 def _check_first_json(path: str, field: str, key: str) -> None:
     with _open(path) as f:
-        for number, line in enumerate(f, 1):
+        for number, line in enumerate(f, 1):  # noqa: B007 (number names the line in the errors below)
             if line.strip():
                 break
         else:
@@ -197,8 +202,13 @@ def _parquet_parts(index: int, path: str, stat, column: str, key: str, target_by
     if column not in schema.names:
         raise ConfigError(f"{key}.field: {path} has no column '{column}' (columns: {', '.join(schema.names)})")
     kind = schema.field(column).type
-    textual = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary, pa.types.is_large_binary,
-               getattr(pa.types, "is_string_view", lambda _: False))
+    textual = (
+        pa.types.is_string,
+        pa.types.is_large_string,
+        pa.types.is_binary,
+        pa.types.is_large_binary,
+        getattr(pa.types, "is_string_view", lambda _: False),
+    )
     if not any(test(kind) for test in textual):
         raise ConfigError(f"{key}.field: column '{column}' of {path} is {kind}, not text")
     groups = meta.metadata.num_row_groups
@@ -395,8 +405,9 @@ def _parquet(path: str, start: int, stop: int, column: str) -> Iterator[tuple[in
     if start >= stop:
         return
     # Streamed a batch at a time: a file is never loaded whole.
-    for batch in file.iter_batches(batch_size=4096, row_groups=list(range(start, stop)),
-                                   columns=[column], use_threads=False):
+    for batch in file.iter_batches(
+        batch_size=4096, row_groups=list(range(start, stop)), columns=[column], use_threads=False
+    ):
         for value in batch.column(0).to_pylist():
             yield row, value
             row += 1

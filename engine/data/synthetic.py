@@ -31,14 +31,26 @@ THINGS = ["apples", "books", "coins", "shells", "stamps", "pens", "cards", "marb
 
 # (operation, question template, narrative template). {a} and {b} are the numbers.
 TEMPLATES = [
-    ("add", "{n} has {a} {t} and finds {b} more. How many {t} does {n} have now?",
-     "{n} has {a} {t} and finds {b} more, so {n} has {r} {t}."),
-    ("add", "{n} had {a} {t}. A friend gave {n} {b} {t}. How many {t} does {n} have?",
-     "{n} had {a} {t} and got {b} more from a friend, making {r} {t}."),
-    ("sub", "{n} has {a} {t} and gives away {b}. How many {t} are left?",
-     "{n} has {a} {t} and gives away {b}, leaving {r} {t}."),
-    ("sub", "There are {a} {t} in a box. {n} takes out {b}. How many {t} are in the box?",
-     "There were {a} {t} in a box and {n} took out {b}, so {r} {t} remain."),
+    (
+        "add",
+        "{n} has {a} {t} and finds {b} more. How many {t} does {n} have now?",
+        "{n} has {a} {t} and finds {b} more, so {n} has {r} {t}.",
+    ),
+    (
+        "add",
+        "{n} had {a} {t}. A friend gave {n} {b} {t}. How many {t} does {n} have?",
+        "{n} had {a} {t} and got {b} more from a friend, making {r} {t}.",
+    ),
+    (
+        "sub",
+        "{n} has {a} {t} and gives away {b}. How many {t} are left?",
+        "{n} has {a} {t} and gives away {b}, leaving {r} {t}.",
+    ),
+    (
+        "sub",
+        "There are {a} {t} in a box. {n} takes out {b}. How many {t} are in the box?",
+        "There were {a} {t} in a box and {n} took out {b}, so {r} {t} remain.",
+    ),
 ]
 
 ANSWER_PREFIX = "Answer:"  # the answer follows as " 19": a space-prefixed number, as in the corpus
@@ -87,8 +99,12 @@ def format_prompt(question: str) -> str:
 def generate(cfg: ArithmeticConfig) -> dict[str, list[dict]]:
     """Problems per split: sample identities with the seed until each split is full."""
     rng = np.random.default_rng(cfg.seed)
-    want = {"pretrain": cfg.pretrain_problems, "sft": cfg.sft_problems, "rl": cfg.rl_problems,
-            "eval": cfg.eval_problems}
+    want = {
+        "pretrain": cfg.pretrain_problems,
+        "sft": cfg.sft_problems,
+        "rl": cfg.rl_problems,
+        "eval": cfg.eval_problems,
+    }
     out: dict[str, list[dict]] = {k: [] for k in want}
     seen: set[str] = set()
     space = len(TEMPLATES) * len(NAMES) * len(THINGS) * (cfg.max_number + 1) ** 2
@@ -128,14 +144,23 @@ def write_arithmetic(cfg: ArithmeticConfig, out_dir: str | Path) -> dict:
         os.replace(tmp, out_dir / name)
 
     write("pretrain.txt", [p["narrative"] for p in problems["pretrain"]])
-    write("sft.jsonl", [json.dumps({"prompt": format_prompt(p["question"]), "completion": " " + p["answer"] + "\n",
-                                    "answer": p["answer"]}) for p in problems["sft"]])
+    write(
+        "sft.jsonl",
+        [
+            json.dumps(
+                {"prompt": format_prompt(p["question"]), "completion": " " + p["answer"] + "\n", "answer": p["answer"]}
+            )
+            for p in problems["sft"]
+        ],
+    )
     for split in ("rl", "eval"):
-        write(f"{split}.jsonl", [json.dumps({"prompt": format_prompt(p["question"]), "answer": p["answer"]})
-                                 for p in problems[split]])
+        write(
+            f"{split}.jsonl",
+            [json.dumps({"prompt": format_prompt(p["question"]), "answer": p["answer"]}) for p in problems[split]],
+        )
     counts = {f"{split}_problems": len(items) for split, items in problems.items()}
     if cfg.preference_pairs:
-        pairs = preference_pairs(problems["rl"][:cfg.preference_pairs], cfg.seed)
+        pairs = preference_pairs(problems["rl"][: cfg.preference_pairs], cfg.seed)
         write("prefs.jsonl", [json.dumps(pair) for pair in pairs])
         counts["preference_pairs"] = len(pairs)
     return counts
@@ -149,6 +174,12 @@ def preference_pairs(problems: list[dict], seed: int) -> list[dict]:
         right = int(p["answer"])
         wrong = right + int(rng.choice([-3, -2, -1, 1, 2, 3]))
         wrong = wrong if wrong >= 0 else right + abs(wrong - right)
-        pairs.append({"prompt": format_prompt(p["question"]), "chosen": f" {right}\n", "rejected": f" {wrong}\n",
-                      "answer": p["answer"]})
+        pairs.append(
+            {
+                "prompt": format_prompt(p["question"]),
+                "chosen": f" {right}\n",
+                "rejected": f" {wrong}\n",
+                "answer": p["answer"],
+            }
+        )
     return pairs

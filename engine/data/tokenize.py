@@ -36,8 +36,9 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field
@@ -45,7 +46,7 @@ from tokenizers import Tokenizer
 
 from engine.config import ConfigError, Strict, load_config
 from engine.contract import DATA_DIR, MANIFEST, TOKENIZE_NON_SEMANTIC_FIELDS, TOKENIZER_DIR
-from engine.data.shards import ShardWriter, TOKEN_DTYPE, write_meta
+from engine.data.shards import TOKEN_DTYPE, ShardWriter, write_meta
 from engine.data.sources import BadRecord, Part, SourceConfig, describe, group_parts, plan_source, read_part
 from engine.data.tokenizer import TokenizerConfig, build_tokenizer, load_saved, save_tokenizer
 
@@ -136,8 +137,9 @@ def copies_for(weight: float, u: float) -> int:
 
 
 def _bad_record_error(src: SourceConfig, part: Part, position: int, bad: BadRecord) -> ConfigError:
-    return ConfigError(f"{describe(src, part, position)}: {bad.message} "
-                       "(set bad_records: skip to count and skip such records)")
+    return ConfigError(
+        f"{describe(src, part, position)}: {bad.message} (set bad_records: skip to count and skip such records)"
+    )
 
 
 # --------------------------------------------------------------------------- stats
@@ -161,8 +163,10 @@ def empty_stats(num_sources: int) -> dict:
 
 def merge_stats(total: Any, part: Any) -> Any:
     if isinstance(total, dict):
-        return {k: merge_stats(total[k], part[k]) if k in total and k in part else total.get(k, part.get(k))
-                for k in {**total, **part}}
+        return {
+            k: merge_stats(total[k], part[k]) if k in total and k in part else total.get(k, part.get(k))
+            for k in {**total, **part}
+        }
     if isinstance(total, list):
         return [merge_stats(a, b) for a, b in zip(total, part)]
     return total + part
@@ -297,7 +301,7 @@ class _Encoder:
                 pieces = [ids[:body]]
             else:
                 self.stats["long_documents"]["split"] += 1
-                pieces = [ids[i:i + body] for i in range(0, len(ids), body)]
+                pieces = [ids[i : i + body] for i in range(0, len(ids), body)]
         records = []
         for piece in pieces:
             record = np.empty(len(piece) + head + 1, TOKEN_DTYPE)
@@ -390,9 +394,12 @@ def _feed_helpers(tasks: _Tasks, settings: dict, helpers: int, threads: int, ray
     loudly: a helper that dies (or cannot start) raises BrokenProcessPool here, where
     multiprocessing.Pool would silently start another."""
     try:
-        with concurrent.futures.ProcessPoolExecutor(helpers, mp_context=multiprocessing.get_context("spawn"),
-                                                    initializer=_init_helper,
-                                                    initargs=(settings, rayon_threads)) as pool:
+        with concurrent.futures.ProcessPoolExecutor(
+            helpers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_helper,
+            initargs=(settings, rayon_threads),
+        ) as pool:
             running: set = set()
             while True:
                 # A batch per helper: one queued beside it would keep its tasks from idle threads.
@@ -563,19 +570,21 @@ def run_tokenize(cfg: TokenizeConfig, out_dir: str | Path, *, log: Callable[[str
     if (data_dir / "meta.json").is_file():
         meta = json.loads((data_dir / "meta.json").read_text())
         if meta.get("fingerprint") != key:
-            raise ConfigError(f"{out} already holds a dataset made from another config or input; "
-                              "choose another out_dir")
+            raise ConfigError(
+                f"{out} already holds a dataset made from another config or input; choose another out_dir"
+            )
         log(f"tokenize: {out} is complete")
         shutil.rmtree(work, ignore_errors=True)
         return {**meta["stats"], "resumed_shards": len(tasks), "seconds": 0.0}
     state = work / "state.json"
     if state.is_file():
         if json.loads(state.read_text()).get("fingerprint") != key:
-            raise ConfigError(f"{out} holds an unfinished run of another config or of input files "
-                              f"that have changed since; delete {work} or choose another out_dir")
+            raise ConfigError(
+                f"{out} holds an unfinished run of another config or of input files "
+                f"that have changed since; delete {work} or choose another out_dir"
+            )
     elif data_dir.exists() or (out / TOKENIZER_DIR).exists():
-        raise ConfigError(f"{out} already has a data/ or tokenizer/ this stage did not write; "
-                          "choose another out_dir")
+        raise ConfigError(f"{out} already has a data/ or tokenizer/ this stage did not write; choose another out_dir")
     else:
         _write_json(state, {"fingerprint": key, "tasks": len(tasks)})
 
@@ -586,8 +595,11 @@ def run_tokenize(cfg: TokenizeConfig, out_dir: str | Path, *, log: Callable[[str
     done = {i for i in range(len(tasks)) if (done_dir / f"task-{i:05d}.json").is_file()}
     todo = [(i, [p.to_json() for p in tasks[i]]) for i in range(len(tasks)) if i not in done]
     workers = min(cfg.workers or os.cpu_count() or 1, max(len(todo), 1))
-    log(f"tokenize: {len(parts)} input parts -> {len(tasks)} shards"
-        + (f" ({len(done)} already done)" if done else "") + f", {workers} worker(s)")
+    log(
+        f"tokenize: {len(parts)} input parts -> {len(tasks)} shards"
+        + (f" ({len(done)} already done)" if done else "")
+        + f", {workers} worker(s)"
+    )
 
     settings = {
         "config": cfg.model_dump(mode="json", exclude_unset=True),
@@ -620,24 +632,31 @@ def run_tokenize(cfg: TokenizeConfig, out_dir: str | Path, *, log: Callable[[str
         shutil.rmtree(out / TOKENIZER_DIR, ignore_errors=True)
         os.replace(tokenizer_dir, out / TOKENIZER_DIR)
     report = _report(stats, cfg)
-    write_meta(data_dir, {
-        "vocab_size": bundle.vocab_size,
-        "bos_id": bundle.bos_id,
-        "eos_id": bundle.eos_id,
-        "add_bos": cfg.add_bos and bundle.bos_id is not None,  # records start with bos_id
-        "pad_id": bundle.pad_id,
-        "splits": meta_splits,
-        "tokenizer": f"../{TOKENIZER_DIR}",
-        "fingerprint": key,
-        "stats": report,
-    })
+    write_meta(
+        data_dir,
+        {
+            "vocab_size": bundle.vocab_size,
+            "bos_id": bundle.bos_id,
+            "eos_id": bundle.eos_id,
+            "add_bos": cfg.add_bos and bundle.bos_id is not None,  # records start with bos_id
+            "pad_id": bundle.pad_id,
+            "splits": meta_splits,
+            "tokenizer": f"../{TOKENIZER_DIR}",
+            "fingerprint": key,
+            "stats": report,
+        },
+    )
     shutil.rmtree(work, ignore_errors=True)
     seconds = time.perf_counter() - started
     if not meta_splits["validation"]["documents"] and cfg.validation_fraction > 0:
-        log("tokenize: warning: no document fell in the validation split; pretraining on this dataset "
-            "needs data.eval_batches=0 (or re-tokenize with a larger validation_fraction)")
-    log(f"tokenize: {report['documents']} documents, {report['tokens']} tokens, "
-        f"{report['bytes'] / MB:.1f} MB in {seconds:.1f}s -> {out}")
+        log(
+            "tokenize: warning: no document fell in the validation split; pretraining on this dataset "
+            "needs data.eval_batches=0 (or re-tokenize with a larger validation_fraction)"
+        )
+    log(
+        f"tokenize: {report['documents']} documents, {report['tokens']} tokens, "
+        f"{report['bytes'] / MB:.1f} MB in {seconds:.1f}s -> {out}"
+    )
     return {**report, "resumed_shards": len(done), "seconds": round(seconds, 3)}
 
 

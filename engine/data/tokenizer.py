@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 from pydantic import Field, model_validator
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -63,7 +63,7 @@ class TokenizerConfig(Strict):
     trained tokenizer with chat roles, `<|role|>content<eos>` per message."""
 
     @model_validator(mode="after")
-    def _check(self) -> "TokenizerConfig":
+    def _check(self) -> TokenizerConfig:
         for name in ("bos_token", "eos_token", "pad_token"):
             if getattr(self, name) == "":
                 raise ValueError(f"{name} must not be empty (use null for the default)")
@@ -130,10 +130,12 @@ def default_chat_template(roles: list[str], *, add_bos: bool) -> str:
 
 def new_byte_level_bpe() -> Tokenizer:
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     return tok
 
@@ -161,16 +163,23 @@ def train_tokenizer(cfg: TokenizerConfig, texts: Iterable[str], *, add_bos: bool
     # `tokenizer(text)` in transformers then frames text the way the shards do (bos first).
     bos = names["bos_token"]
     tok.post_processor = (
-        processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                      special_tokens=[(bos, tok.token_to_id(bos))])
-        if add_bos else processors.ByteLevel(trim_offsets=False)
+        processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
+        )
+        if add_bos
+        else processors.ByteLevel(trim_offsets=False)
     )
     template = cfg.chat_template
     if template is None and roles:
         template = default_chat_template(roles, add_bos=add_bos)
-    return TokenizerBundle(tok, eos_token=names["eos_token"], bos_token=names["bos_token"],
-                           pad_token=names["pad_token"], extra_special_tokens=[role_token(r) for r in roles],
-                           chat_template=template)
+    return TokenizerBundle(
+        tok,
+        eos_token=names["eos_token"],
+        bos_token=names["bos_token"],
+        pad_token=names["pad_token"],
+        extra_special_tokens=[role_token(r) for r in roles],
+        chat_template=template,
+    )
 
 
 # --------------------------------------------------------------------------- loading
@@ -245,6 +254,7 @@ def _sentencepiece(path: Path) -> tuple[Tokenizer, dict]:
     """A SentencePiece model, converted with transformers' converter (needs protobuf)."""
     try:
         from transformers.convert_slow_tokenizer import SpmConverter, import_protobuf
+
         model_pb2 = import_protobuf()
     except ImportError:
         raise ConfigError(
@@ -300,8 +310,9 @@ def load_tokenizer(cfg: TokenizerConfig) -> TokenizerBundle:
     missing = [t for t in [*chosen.values(), *extra] if t and tok.token_to_id(t) is None]
     if missing:
         tok.add_special_tokens(list(dict.fromkeys(missing)))
-    return TokenizerBundle(tok, **chosen, extra_special_tokens=extra,
-                           chat_template=cfg.chat_template or settings.get("chat_template"))
+    return TokenizerBundle(
+        tok, **chosen, extra_special_tokens=extra, chat_template=cfg.chat_template or settings.get("chat_template")
+    )
 
 
 def build_tokenizer(cfg: TokenizerConfig, texts: Iterable[str] | None, *, add_bos: bool) -> TokenizerBundle:
@@ -340,7 +351,11 @@ def save_tokenizer(bundle: TokenizerBundle, directory: str | Path) -> None:
 def load_saved(directory: str | Path) -> TokenizerBundle:
     """Reload a directory written by `save_tokenizer` (no config overrides)."""
     tok, settings = _hf_directory(Path(directory))
-    return TokenizerBundle(tok, eos_token=settings["eos_token"], bos_token=settings.get("bos_token"),
-                           pad_token=settings.get("pad_token"),
-                           extra_special_tokens=settings.get("extra_special_tokens", []),
-                           chat_template=settings.get("chat_template"))
+    return TokenizerBundle(
+        tok,
+        eos_token=settings["eos_token"],
+        bos_token=settings.get("bos_token"),
+        pad_token=settings.get("pad_token"),
+        extra_special_tokens=settings.get("extra_special_tokens", []),
+        chat_template=settings.get("chat_template"),
+    )

@@ -18,8 +18,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     usage = "usage: python -m engine.evaluate JOB.yaml OUT_DIR"
     if argv and argv[0] in ("-h", "--help"):
-        print(f"{usage}\n\nJOB.yaml: {{config: EvalConfig, checkpoints: {{name: checkpoint dir}}, "
-              "curves: {stage: metrics.jsonl}}")
+        print(
+            f"{usage}\n\nJOB.yaml: {{config: EvalConfig, checkpoints: {{name: checkpoint dir}}, "
+            "curves: {stage: metrics.jsonl}}"
+        )
         return EXIT_OK
     if len(argv) != 2:
         print(usage, file=sys.stderr)
@@ -28,16 +30,27 @@ def main(argv: list[str] | None = None) -> int:
         job = load_yaml(argv[0])
         unknown = set(job) - {"config", "checkpoints", "curves"}
         if unknown:
-            raise ConfigError(f"{argv[0]}: unknown key(s) {', '.join(sorted(unknown))}; expected config, "
-                              "checkpoints, curves")
+            raise ConfigError(
+                f"{argv[0]}: unknown key(s) {', '.join(sorted(unknown))}; expected config, checkpoints, curves"
+            )
         cfg = validate(EvalConfig, job.get("config") or {}, f"{argv[0]}: config")
         maybe_initialize_distributed()  # under a multi-process launcher: one evaluation, its ranks joined
         report = run_evaluate(cfg, job.get("checkpoints") or {}, argv[1], curves=job.get("curves") or {})
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    print(json.dumps({"result": {f"{m}/{k}": v for m, metrics in report["models"].items()
-                                 for k, v in metrics.items() if isinstance(v, (int, float))}}))
+    print(
+        json.dumps(
+            {
+                "result": {
+                    f"{m}/{k}": v
+                    for m, metrics in report["models"].items()
+                    for k, v in metrics.items()
+                    if isinstance(v, (int, float))
+                }
+            }
+        )
+    )
     return EXIT_OK
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -76,8 +77,9 @@ def _generation_metrics(task: GenerationTask, model_cfg, params, bundle, sampler
     prompts = [r[task.prompt_field] for r in records]
     prompt_ids = encode_prompts(bundle, prompts)
     if max(map(len, prompt_ids)) + task.max_new_tokens > model_cfg.max_seq_len:
-        raise ConfigError(f"tasks.{task.name}: prompts plus max_new_tokens exceed the model's max_seq_len "
-                          f"({model_cfg.max_seq_len})")
+        raise ConfigError(
+            f"tasks.{task.name}: prompts plus max_new_tokens exceed the model's max_seq_len ({model_cfg.max_seq_len})"
+        )
     n = task.samples
     scores = np.zeros((len(records), n, len(rewards)))
     samples: list[dict] = []
@@ -86,19 +88,39 @@ def _generation_metrics(task: GenerationTask, model_cfg, params, bundle, sampler
         chunk = list(range(start, min(start + task.batch_size, len(records))))
         rows = [i for i in chunk for _ in range(n)]
         tokens, mask = left_pad([prompt_ids[i] for i in rows], pad_id=pad)
-        output = sampler(params, tokens, mask, seed=task.seed + start, max_new_tokens=task.max_new_tokens,
-                         temperature=task.temperature, top_k=task.top_k, top_p=task.top_p,
-                         eos_ids=(bundle.eos_id,), pad_id=pad)
+        output = sampler(
+            params,
+            tokens,
+            mask,
+            seed=task.seed + start,
+            max_new_tokens=task.max_new_tokens,
+            temperature=task.temperature,
+            top_k=task.top_k,
+            top_p=task.top_p,
+            eos_ids=(bundle.eos_id,),
+            pad_id=pad,
+        )
         texts = decode_completions(bundle, output)
         columns = {k: [records[i].get(k) for i in rows] for k in records[chunk[0]] if k != task.prompt_field}
         values = compute_rewards(
-            rewards, prompts=[prompts[i] for i in rows], completions=texts,
+            rewards,
+            prompts=[prompts[i] for i in rows],
+            completions=texts,
             completion_ids=[row[m].tolist() for row, m in zip(output.tokens, output.mask)],
-            columns=columns, max_completion_length=task.max_new_tokens, step=0)
-        scores[chunk[0]:chunk[-1] + 1] = values.reshape(len(chunk), n, len(rewards))
+            columns=columns,
+            max_completion_length=task.max_new_tokens,
+            step=0,
+        )
+        scores[chunk[0] : chunk[-1] + 1] = values.reshape(len(chunk), n, len(rewards))
         for j, i in enumerate(rows):
-            samples.append({"task": task.name, "prompt": prompts[i], "completion": texts[j],
-                            "rewards": dict(zip(names, map(_finite_or_none, values[j])))})
+            samples.append(
+                {
+                    "task": task.name,
+                    "prompt": prompts[i],
+                    "completion": texts[j],
+                    "rewards": dict(zip(names, map(_finite_or_none, values[j]))),
+                }
+            )
         log(f"evaluate: {task.name}: {min(start + task.batch_size, len(records))}/{len(records)} prompts")
     correct = np.nan_to_num(scores[:, :, correct_index], nan=-math.inf) >= task.correct_threshold
     metrics = {f"{task.name}/accuracy": float(correct[:, 0].mean())}
@@ -119,20 +141,31 @@ def evaluate_model(cfg: EvalConfig, checkpoint_dir: str | Path, log: Callable[[s
     """Every metric of one checkpoint (a directory holding Orbax steps), computed as it was saved."""
     checkpoint_dir = Path(checkpoint_dir)
     model_cfg, compute = stored_configs(checkpoint_dir)
-    train_cfg = TrainConfig.model_validate({
-        "model": model_cfg.model_dump(), "compute": compute.model_dump(), "mesh": cfg.mesh.model_dump(),
-        "data": {"path": cfg.data_path, "seq_len": min(cfg.seq_len, model_cfg.max_seq_len),
-                 "batch_size": cfg.batch_size, "shuffle": False},
-        "progress": False,
-    })
+    train_cfg = TrainConfig.model_validate(
+        {
+            "model": model_cfg.model_dump(),
+            "compute": compute.model_dump(),
+            "mesh": cfg.mesh.model_dump(),
+            "data": {
+                "path": cfg.data_path,
+                "seq_len": min(cfg.seq_len, model_cfg.max_seq_len),
+                "batch_size": cfg.batch_size,
+                "shuffle": False,
+            },
+            "progress": False,
+        }
+    )
     trainer = Trainer(train_cfg)
     _, params, step = load_params(checkpoint_dir, trainer.abstract_params)
     metrics: dict[str, Any] = {"step": step, "num_params": model_cfg.num_params()}
     if cfg.data_path:
         t0 = time.perf_counter()
         seq_len = train_cfg.data.seq_len
-        rows = iter(make_dataset(cfg.data_path, cfg.split, seq_len=seq_len, batch_size=cfg.batch_size, shuffle=False,
-                                 repeat=True))
+        rows = iter(
+            make_dataset(
+                cfg.data_path, cfg.split, seq_len=seq_len, batch_size=cfg.batch_size, shuffle=False, repeat=True
+            )
+        )
         held_out = trainer.held_out_loss(params, (next(rows) for _ in range(cfg.loss_batches)))
         metrics.update({k: held_out[k] for k in ("eval_loss", "eval_perplexity")})
         log(f"evaluate: held-out loss {metrics['eval_loss']:.4f} ({time.perf_counter() - t0:.1f} s)")
@@ -152,8 +185,14 @@ def evaluate_model(cfg: EvalConfig, checkpoint_dir: str | Path, log: Callable[[s
     return metrics, samples
 
 
-def run_evaluate(cfg: EvalConfig, checkpoints: dict[str, str | Path], out_dir: str | Path, *,
-                 curves: dict[str, str | Path] | None = None, log: Callable[[str], None] | None = None) -> dict:
+def run_evaluate(
+    cfg: EvalConfig,
+    checkpoints: dict[str, str | Path],
+    out_dir: str | Path,
+    *,
+    curves: dict[str, str | Path] | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict:
     """Evaluate every named checkpoint; write the report into out_dir; return report.json's content."""
     log = log or log_to_stderr
     if not checkpoints:
@@ -169,20 +208,32 @@ def run_evaluate(cfg: EvalConfig, checkpoints: dict[str, str | Path], out_dir: s
         models[name], samples[name] = evaluate_model(cfg, directory, log)
     primary = jax.process_index() == 0  # one report, however many ranks
     write_to_sinks(Path(out_dir), cfg, models, primary, log)
-    return write_report(Path(out_dir), cfg, models, samples, {k: str(v) for k, v in checkpoints.items()},
-                        curves or {}, write=primary)
+    return write_report(
+        Path(out_dir), cfg, models, samples, {k: str(v) for k, v in checkpoints.items()}, curves or {}, write=primary
+    )
 
 
-def write_to_sinks(out_dir: Path, cfg: EvalConfig, models: dict[str, dict], primary: bool,
-                   log: Callable[[str], None]) -> None:
+def write_to_sinks(
+    out_dir: Path, cfg: EvalConfig, models: dict[str, dict], primary: bool, log: Callable[[str], None]
+) -> None:
     """Each model's results to metrics.jsonl and the sinks (TensorBoard by default) as
     eval/<model>/<metric> at the step its checkpoint was saved at."""
-    writer = MetricsWriter(out_dir, enabled=primary, sinks=cfg.metrics, warn=log,
-                           params=flat_params(cfg.model_dump(mode="json", exclude={"metrics"})))
+    writer = MetricsWriter(
+        out_dir,
+        enabled=primary,
+        sinks=cfg.metrics,
+        warn=log,
+        params=flat_params(cfg.model_dump(mode="json", exclude={"metrics"})),
+    )
     try:
         for name, metrics in models.items():
-            writer.write(int(metrics.get("step") or 0), {
-                f"eval/{name}/{key}": value for key, value in metrics.items()
-                if key not in ("step", "num_params") and isinstance(value, (int, float))})
+            writer.write(
+                int(metrics.get("step") or 0),
+                {
+                    f"eval/{name}/{key}": value
+                    for key, value in metrics.items()
+                    if key not in ("step", "num_params") and isinstance(value, (int, float))
+                },
+            )
     finally:
         writer.close()

@@ -1,10 +1,10 @@
 """The evaluation report: one table comparing the models, their curves, sample completions.
 
-    report.json        {"models": {name: metrics}, "tasks": [...], "checkpoints": {...}}
-    report.md          the table, the plots, sample completions
-    loss_curves.png    per training stage in `curves`: its loss (GRPO: its mean reward)
-    metrics.png        each headline metric per model
-    samples.jsonl      every prompt's completions and rewards, per model
+report.json        {"models": {name: metrics}, "tasks": [...], "checkpoints": {...}}
+report.md          the table, the plots, sample completions
+loss_curves.png    per training stage in `curves`: its loss (GRPO: its mean reward)
+metrics.png        each headline metric per model
+samples.jsonl      every prompt's completions and rewards, per model
 """
 
 from __future__ import annotations
@@ -27,8 +27,12 @@ def headline_metrics(models: dict[str, dict]) -> list[str]:
     keys: list[str] = []
     for metrics in models.values():
         for key in metrics:
-            if key not in keys and (key in ("eval_loss", "eval_perplexity") or key.endswith("/accuracy")
-                                    or "/pass@" in key or "/reward/" in key):
+            if key not in keys and (
+                key in ("eval_loss", "eval_perplexity")
+                or key.endswith("/accuracy")
+                or "/pass@" in key
+                or "/reward/" in key
+            ):
                 keys.append(key)
     return keys
 
@@ -111,8 +115,16 @@ def plot_report(out_dir: Path, models: dict[str, dict], curves: dict[str, str | 
     return written
 
 
-def write_report(out_dir: Path, cfg: EvalConfig, models: dict[str, dict], samples: dict[str, list[dict]],
-                 checkpoints: dict[str, str], curves: dict[str, str | Path], *, write: bool = True) -> dict:
+def write_report(
+    out_dir: Path,
+    cfg: EvalConfig,
+    models: dict[str, dict],
+    samples: dict[str, list[dict]],
+    checkpoints: dict[str, str],
+    curves: dict[str, str | Path],
+    *,
+    write: bool = True,
+) -> dict:
     """The report's content; written into out_dir when `write` (the primary process of a run)."""
     if not write:
         return {"models": models, "checkpoints": checkpoints, "tasks": [t.model_dump(mode="json") for t in cfg.tasks]}
@@ -131,8 +143,10 @@ def write_report(out_dir: Path, cfg: EvalConfig, models: dict[str, dict], sample
     report = {"models": models, "checkpoints": checkpoints, "tasks": [t.model_dump(mode="json") for t in cfg.tasks]}
     _atomic_write(out_dir / "report.json", json.dumps(report, indent=2))
     _atomic_write(out_dir / "report.md", "\n".join(lines))
-    _atomic_write(out_dir / "samples.jsonl", "".join(
-        json.dumps({"model": name, **item}) + "\n" for name, items in samples.items() for item in items))
+    _atomic_write(
+        out_dir / "samples.jsonl",
+        "".join(json.dumps({"model": name, **item}) + "\n" for name, items in samples.items() for item in items),
+    )
     return report
 
 

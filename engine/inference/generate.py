@@ -29,10 +29,16 @@ def generate(args: argparse.Namespace) -> int:
         prompts = [line.rstrip("\n") for p in args.prompt for line in (sys.stdin if p == "-" else [p])]
         if not prompts:
             raise ConfigError("no prompts; pass --prompt TEXT (repeatable)")
-        if (args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1
-                or args.num_samples < 1):
-            raise ConfigError("--max-new-tokens must be >= 1, --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1, "
-                              "--num-samples >= 1")
+        if (
+            args.max_new_tokens < 1
+            or args.temperature < 0
+            or args.top_k < 0
+            or not 0 < args.top_p <= 1
+            or args.num_samples < 1
+        ):
+            raise ConfigError(
+                "--max-new-tokens must be >= 1, --temperature >= 0, --top-k >= 0, 0 < --top-p <= 1, --num-samples >= 1"
+            )
         bundle = load_saved(tokenizer_dir)
         model_cfg, compute = stored_configs(checkpoint)
         _, params, step = load_params(checkpoint)
@@ -40,20 +46,41 @@ def generate(args: argparse.Namespace) -> int:
         pad_id = bundle.pad_id if bundle.pad_id is not None else bundle.eos_id
         tokens, mask = left_pad(encode_prompts(bundle, inputs), pad_id=pad_id)
         if tokens.shape[1] + args.max_new_tokens > model_cfg.max_seq_len:
-            raise ConfigError(f"prompt ({tokens.shape[1]} tokens) + --max-new-tokens exceeds the model's "
-                              f"max_seq_len ({model_cfg.max_seq_len})")
+            raise ConfigError(
+                f"prompt ({tokens.shape[1]} tokens) + --max-new-tokens exceeds the model's "
+                f"max_seq_len ({model_cfg.max_seq_len})"
+            )
         sampler = Sampler(model_cfg, compute, dtype=args.dtype)  # None: the checkpoint's compute dtype
-        output = sampler(params, tokens, mask, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                         num_generations=args.num_samples, temperature=args.temperature, top_k=args.top_k,
-                         top_p=args.top_p, eos_ids=(bundle.eos_id,), pad_id=pad_id)
+        output = sampler(
+            params,
+            tokens,
+            mask,
+            seed=args.seed,
+            max_new_tokens=args.max_new_tokens,
+            num_generations=args.num_samples,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            eos_ids=(bundle.eos_id,),
+            pad_id=pad_id,
+        )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     rows = [prompt for prompt in prompts for _ in range(args.num_samples)]  # a prompt's samples are adjacent rows
     for row, (prompt, text, length) in enumerate(zip(rows, decode_completions(bundle, output), output.lengths)):
         if args.json:
-            print(json.dumps({"prompt": prompt, "sample": row % args.num_samples, "completion": text,
-                              "tokens": int(length), "step": step}))
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "sample": row % args.num_samples,
+                        "completion": text,
+                        "tokens": int(length),
+                        "step": step,
+                    }
+                )
+            )
         else:
             print(f"{prompt}{text}" if not args.chat else f"{prompt}\n---\n{text}")
             print("=" * 40)
@@ -61,8 +88,9 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.inference.generate",
-                                     description="Sample completions of prompts from a checkpoint.")
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.inference.generate", description="Sample completions of prompts from a checkpoint."
+    )
     parser.add_argument("checkpoint", help="checkpoint directory, or a checkpoint artifact holding checkpoint/")
     add_sampling_arguments(parser)
     return generate(parser.parse_args(argv))

@@ -182,16 +182,30 @@ def prompt_positions(prompt_mask_bp):
     return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0) * mask
 
 
-def sample(graphdef, params, prompt_tokens_bp, prompt_mask_bp, rng, temperature=1.0, eos_ids=(), pad_id=0,
-           new_tokens=None, *, max_new_tokens: int, num_generations: int = 1, top_k: int = 0,
-           top_p: float = 1.0) -> dict[str, jax.Array]:
+def sample(
+    graphdef,
+    params,
+    prompt_tokens_bp,
+    prompt_mask_bp,
+    rng,
+    temperature=1.0,
+    eos_ids=(),
+    pad_id=0,
+    new_tokens=None,
+    *,
+    max_new_tokens: int,
+    num_generations: int = 1,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> dict[str, jax.Array]:
     """`num_generations` (G) completions of each prompt, up to `new_tokens` tokens each (all
     `max_new_tokens` by default); a row stops at its first EOS.
 
     prompt_tokens_bp: left-padded ids; prompt_mask_bp: 1 on real tokens (each row needs one).
     The prompts are prefilled once, at batch b, and each prompt's cache is shared by its G
-    rows (row p * G + g is completion g of prompt p; an MLA model's cache is copied to them); the decode loop runs on device and ends
-    when every row has stopped. Row r samples with the key fold_in(rng, r), so a row's draws
+    rows (row p * G + g is completion g of prompt p; an MLA model's cache is copied to
+    them); the decode loop runs on device and ends when every row has stopped.
+    Row r samples with the key fold_in(rng, r), so a row's draws
     do not depend on the other rows or on how the batch was padded.
 
     rng, temperature, eos_ids, pad_id and new_tokens are traced (one compilation serves
@@ -234,8 +248,13 @@ def sample(graphdef, params, prompt_tokens_bp, prompt_mask_bp, rng, temperature=
         return i + 1, done_b, logits_btv[:, -1], cache, position_b + 1, tokens_bn, logprobs_bn, mask_bn
 
     state = (
-        jnp.int32(0), jnp.zeros((batch,), bool), logits_bv, cache, position_b,
-        jnp.full((batch, max_new_tokens), pad_id, jnp.int32), jnp.zeros((batch, max_new_tokens), jnp.float32),
+        jnp.int32(0),
+        jnp.zeros((batch,), bool),
+        logits_bv,
+        cache,
+        position_b,
+        jnp.full((batch, max_new_tokens), pad_id, jnp.int32),
+        jnp.zeros((batch, max_new_tokens), jnp.float32),
         jnp.zeros((batch, max_new_tokens), bool),
     )
     state = jax.lax.while_loop(cond, body, state)
@@ -278,7 +297,9 @@ def length_bucket(length: int, buckets: Sequence[int] = ()) -> int:
     return min(fitting) if fitting else max(8, 1 << (length - 1).bit_length())
 
 
-def left_pad(sequences: Sequence[Sequence[int]], pad_id: int = 0, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def left_pad(
+    sequences: Sequence[Sequence[int]], pad_id: int = 0, length: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(tokens_bp, mask_bp) with each sequence right-aligned; longer ones keep their last tokens."""
     length = length or max(len(s) for s in sequences)
     tokens = np.full((len(sequences), length), pad_id, np.int32)
@@ -287,8 +308,8 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int = 0, length: int | 
         seq = list(seq)[-length:]
         if not seq:
             raise ConfigError(f"prompt {row} is empty: a prompt needs at least one token")
-        tokens[row, length - len(seq):] = seq
-        mask[row, length - len(seq):] = 1
+        tokens[row, length - len(seq) :] = seq
+        mask[row, length - len(seq) :] = 1
     return tokens, mask
 
 
@@ -311,9 +332,16 @@ class Sampler:
     the same buckets reuse the compiled program.
     """
 
-    def __init__(self, model_cfg: ModelConfig, compute: ComputeConfig | None = None, mesh=None, param_shardings=None,
-                 length_buckets: Sequence[int] = (), dtype: RolloutDtype | None = None,
-                 lora: LoraConfig | None = None):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        compute: ComputeConfig | None = None,
+        mesh=None,
+        param_shardings=None,
+        length_buckets: Sequence[int] = (),
+        dtype: RolloutDtype | None = None,
+        lora: LoraConfig | None = None,
+    ):
         """`lora`: the params hold a LoRA adapter beside the base (engine/models/lora.py), and
         every step computes base + adapter unmerged."""
         self.model_cfg = model_cfg
@@ -336,10 +364,12 @@ class Sampler:
 
     def _function(self, settings: tuple):
         if settings not in self._compiled:
+
             def fn(params, tokens, mask, key_data, *rest):
                 params = rollout_params(params, self.compute.param_dtype, self._per_layer)
-                return sample(self.graphdef, params, tokens, mask, jax.random.wrap_key_data(key_data), *rest,
-                              **dict(settings))
+                return sample(
+                    self.graphdef, params, tokens, mask, jax.random.wrap_key_data(key_data), *rest, **dict(settings)
+                )
 
             if self.mesh is None:
                 self._compiled[settings] = jax.jit(fn)
@@ -348,13 +378,27 @@ class Sampler:
                 outputs = {"tokens": rows, "logprobs": rows, "mask": rows, "lengths": batch_sharding(self.mesh, 1)}
                 scalar = replicated(self.mesh)
                 self._compiled[settings] = jax.jit(
-                    fn, in_shardings=(self.param_shardings, rows, rows, scalar, scalar, scalar, scalar, scalar),
-                    out_shardings=outputs)
+                    fn,
+                    in_shardings=(self.param_shardings, rows, rows, scalar, scalar, scalar, scalar, scalar),
+                    out_shardings=outputs,
+                )
         return self._compiled[settings]
 
-    def __call__(self, params, prompt_tokens_bp, prompt_mask_bp, *, seed: int | jax.Array = 0,
-                 max_new_tokens: int, num_generations: int = 1, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, eos_ids: Sequence[int] = (), pad_id: int = 0) -> SampleOutput:
+    def __call__(
+        self,
+        params,
+        prompt_tokens_bp,
+        prompt_mask_bp,
+        *,
+        seed: int | jax.Array = 0,
+        max_new_tokens: int,
+        num_generations: int = 1,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        eos_ids: Sequence[int] = (),
+        pad_id: int = 0,
+    ) -> SampleOutput:
         """Completions of left-padded prompts: `num_generations` rows per prompt (prompt p's
         are rows p * G ... p * G + G - 1), `max_new_tokens` columns."""
         prompt_tokens_bp, prompt_mask_bp = np.asarray(prompt_tokens_bp), np.asarray(prompt_mask_bp)
@@ -366,18 +410,30 @@ class Sampler:
         mask_bp = np.pad(prompt_mask_bp, ((0, 0), (extra_columns, 0)))
         tokens_bp, mask_bp = (np.concatenate([a, np.repeat(a[-1:], extra_rows, 0)]) for a in (tokens_bp, mask_bp))
         rng = jax.random.key(seed) if isinstance(seed, int) else seed
-        settings = (("max_new_tokens", self._bucket(max_new_tokens)),
-                    ("num_generations", int(num_generations)), ("top_k", int(top_k)), ("top_p", float(top_p)))
-        args = (tokens_bp, mask_bp, jax.random.key_data(rng), np.float32(temperature),
-                np.asarray(list(eos_ids) or [-1], np.int32), np.int32(pad_id), np.int32(max_new_tokens))
+        settings = (
+            ("max_new_tokens", self._bucket(max_new_tokens)),
+            ("num_generations", int(num_generations)),
+            ("top_k", int(top_k)),
+            ("top_p", float(top_p)),
+        )
+        args = (
+            tokens_bp,
+            mask_bp,
+            jax.random.key_data(rng),
+            np.float32(temperature),
+            np.asarray(list(eos_ids) or [-1], np.int32),
+            np.int32(pad_id),
+            np.int32(max_new_tokens),
+        )
         if self.mesh is not None:  # global arrays, so any process layout works (every process holds all rows)
             rows, scalar = batch_sharding(self.mesh), replicated(self.mesh)
             args = tuple(global_array(a, rows if i < 2 else scalar) for i, a in enumerate(args))
         with use_mesh(self.mesh):
             out = self._function(settings)(params, *args)
         keep = prompts * num_generations
-        return SampleOutput(**{k: to_host(v)[:keep, :max_new_tokens] if v.ndim == 2 else to_host(v)[:keep]
-                               for k, v in out.items()})
+        return SampleOutput(
+            **{k: to_host(v)[:keep, :max_new_tokens] if v.ndim == 2 else to_host(v)[:keep] for k, v in out.items()}
+        )
 
 
 # --------------------------------------------------------------------------- text in, text out
@@ -397,8 +453,10 @@ def encode_prompts(bundle, prompts: Sequence[str | list[dict]]) -> list[list[int
 
 
 def decode_completions(bundle, output: SampleOutput, skip_special_tokens: bool = True) -> list[str]:
-    return [bundle.tokenizer.decode(row[mask].tolist(), skip_special_tokens=skip_special_tokens)
-            for row, mask in zip(output.tokens, output.mask)]
+    return [
+        bundle.tokenizer.decode(row[mask].tolist(), skip_special_tokens=skip_special_tokens)
+        for row, mask in zip(output.tokens, output.mask)
+    ]
 
 
 def tokenizer_dir_for(checkpoint_dir: str | Path) -> Path | None:

@@ -178,22 +178,21 @@ class ModelConfig(Strict):
         return name
 
     @model_validator(mode="after")
-    def _check_experts(self) -> "ModelConfig":
+    def _check_experts(self) -> ModelConfig:
         moe_family = get_family(self.family).moe
         if moe_family and not self.is_moe:
             raise ValueError(f"family '{self.family}' is a mixture of experts, so num_experts must be set")
         if self.is_moe and not moe_family:
             moe = ", ".join(name for name in family_names() if get_family(name).moe)
-            raise ValueError(f"family '{self.family}' has no experts (num_experts must be 0); "
-                             f"mixture-of-experts families: {moe}")
+            raise ValueError(
+                f"family '{self.family}' has no experts (num_experts must be 0); mixture-of-experts families: {moe}"
+            )
         return self
 
     @model_validator(mode="after")
-    def _check_heads(self) -> "ModelConfig":
+    def _check_heads(self) -> ModelConfig:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
-            )
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if "local" in self.attention_pattern and self.sliding_window is None:
             raise ValueError("attention_pattern has local layers, so sliding_window must be set")
         if self.kv_lora_rank is None and self.head_dim % 2:
@@ -206,30 +205,39 @@ class ModelConfig(Strict):
         return self
 
     @model_validator(mode="after")
-    def _check_deepseek(self) -> "ModelConfig":
+    def _check_deepseek(self) -> ModelConfig:
         if self.first_dense_layers and not self.is_moe:
             raise ValueError("first_dense_layers needs num_experts (the layers after them have experts)")
         if self.router_groups > 1:
             if self.num_experts % self.router_groups or self.num_experts // self.router_groups < 2:
-                raise ValueError(f"num_experts ({self.num_experts}) must be router_groups ({self.router_groups}) "
-                                 f"groups of at least 2 experts")
+                raise ValueError(
+                    f"num_experts ({self.num_experts}) must be router_groups ({self.router_groups}) "
+                    f"groups of at least 2 experts"
+                )
             if self.router_group_top > self.router_groups:
-                raise ValueError(f"router_group_top ({self.router_group_top}) exceeds router_groups "
-                                 f"({self.router_groups})")
+                raise ValueError(
+                    f"router_group_top ({self.router_group_top}) exceeds router_groups ({self.router_groups})"
+                )
             if self.experts_per_token > self.router_group_top * (self.num_experts // self.router_groups):
-                raise ValueError(f"experts_per_token ({self.experts_per_token}) exceeds the experts of "
-                                 f"router_group_top ({self.router_group_top}) groups")
+                raise ValueError(
+                    f"experts_per_token ({self.experts_per_token}) exceeds the experts of "
+                    f"router_group_top ({self.router_group_top}) groups"
+                )
         if self.kv_lora_rank is None:
             if self.q_lora_rank is not None or self.v_head_dim is not None or self.rope_interleave:
-                raise ValueError("q_lora_rank, v_head_dim and rope_interleave need kv_lora_rank "
-                                 "(multi-head latent attention)")
+                raise ValueError(
+                    "q_lora_rank, v_head_dim and rope_interleave need kv_lora_rank (multi-head latent attention)"
+                )
             return self
         if self.num_kv_heads != self.num_heads:
-            raise ValueError(f"multi-head latent attention has num_kv_heads = num_heads ({self.num_heads}), "
-                             f"got {self.num_kv_heads}")
+            raise ValueError(
+                f"multi-head latent attention has num_kv_heads = num_heads ({self.num_heads}), got {self.num_kv_heads}"
+            )
         if self.rope_head_dim % 2 or self.rope_head_dim >= self.head_dim:
-            raise ValueError(f"rope_head_dim ({self.rope_head_dim}) must be even and less than head_dim "
-                             f"({self.head_dim}), the whole query/key head")
+            raise ValueError(
+                f"rope_head_dim ({self.rope_head_dim}) must be even and less than head_dim "
+                f"({self.head_dim}), the whole query/key head"
+            )
         return self
 
     @property
@@ -284,7 +292,6 @@ class ModelConfig(Strict):
         if include_embedding:
             n += self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
         return n
-
 
     def _mla_params(self) -> int:
         """One layer's multi-head latent attention."""
@@ -365,8 +372,15 @@ LORA_ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 LORA_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 LORA_TARGETS = (*LORA_ATTENTION_TARGETS, *LORA_MLP_TARGETS)
 """The modules a LoRA adapter can target, in PEFT's names (Llama's nn.Linear names)."""
-LORA_WEIGHTS = {"q_proj": ("wq_dnh", 1), "k_proj": ("wk_dkh", 1), "v_proj": ("wv_dkh", 1), "o_proj": ("wo_nhd", 2),
-                "gate_proj": ("w_gate_df", 1), "up_proj": ("w_up_df", 1), "down_proj": ("w_down_fd", 1)}
+LORA_WEIGHTS = {
+    "q_proj": ("wq_dnh", 1),
+    "k_proj": ("wk_dkh", 1),
+    "v_proj": ("wv_dkh", 1),
+    "o_proj": ("wo_nhd", 2),
+    "gate_proj": ("w_gate_df", 1),
+    "up_proj": ("w_up_df", 1),
+    "down_proj": ("w_down_fd", 1),
+}
 """PEFT's module name -> (the engine parameter it adapts, its number of input axes)."""
 
 
@@ -418,14 +432,18 @@ class LoraConfig(Strict):
         wanted = LORA_TARGETS if self.target_modules == "all-linear" else tuple(self.target_modules)
         if model.is_mla and any(m in LORA_ATTENTION_TARGETS for m in wanted):
             if self.target_modules != "all-linear":
-                raise ValueError(f"family '{model.family}' uses latent attention (q_a_proj, kv_a_proj_with_mqa, ...), "
-                                 "whose projections LoRA does not adapt yet; target its MLP modules instead")
+                raise ValueError(
+                    f"family '{model.family}' uses latent attention (q_a_proj, kv_a_proj_with_mqa, ...), "
+                    "whose projections LoRA does not adapt yet; target its MLP modules instead"
+                )
             wanted = tuple(m for m in wanted if m not in LORA_ATTENTION_TARGETS)
         if model.is_moe and any(m in LORA_MLP_TARGETS for m in wanted):
             if self.target_modules != "all-linear":
-                raise ValueError(f"family '{model.family}' is a mixture of experts: LoRA on its experts "
-                                 f"({', '.join(m for m in wanted if m in LORA_MLP_TARGETS)}) is not supported; "
-                                 "target the attention projections (q_proj, k_proj, v_proj, o_proj)")
+                raise ValueError(
+                    f"family '{model.family}' is a mixture of experts: LoRA on its experts "
+                    f"({', '.join(m for m in wanted if m in LORA_MLP_TARGETS)}) is not supported; "
+                    "target the attention projections (q_proj, k_proj, v_proj, o_proj)"
+                )
             wanted = tuple(m for m in wanted if m not in LORA_MLP_TARGETS)
         if not wanted:
             raise ValueError(f"none of target_modules can be adapted in family '{model.family}'")

@@ -66,8 +66,10 @@ class KVCache:
         dtype = jnp.float32
         if compute.dtype == "bfloat16":  # on CPU as its bits (engine/ops/attention.py: BF16_BITS)
             dtype = BF16_BITS if current_platform() == "cpu" else jnp.bfloat16
-        k, v = (tuple(constrain(jnp.zeros(shape, dtype), _names(shape)) for _ in range(cfg.num_layers))
-                for shape in (k_shape, v_shape))
+        k, v = (
+            tuple(constrain(jnp.zeros(shape, dtype), _names(shape)) for _ in range(cfg.num_layers))
+            for shape in (k_shape, v_shape)
+        )
         return cls(k, v, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32))
 
     def expand(self, repeats: int, extra_slots: int) -> KVCache:
@@ -75,8 +77,10 @@ class KVCache:
         with `extra_slots` empty slots appended: a prompt's cache, computed once, shared by the
         group of completions sampled from it (GRPO's G per prompt)."""
         k_slots, v_slots = ((0, 0), (0, 0), (0, 0), (0, extra_slots)), ((0, 0), (0, 0), (0, extra_slots), (0, 0))
-        k, v = (tuple(constrain(jnp.pad(jnp.repeat(a, repeats, axis=0), slots), _names(a.shape)) for a in layers)
-                for layers, slots in ((self.k, k_slots), (self.v, v_slots)))
+        k, v = (
+            tuple(constrain(jnp.pad(jnp.repeat(a, repeats, axis=0), slots), _names(a.shape)) for a in layers)
+            for layers, slots in ((self.k, k_slots), (self.v, v_slots))
+        )
         valid_bs = jnp.pad(jnp.repeat(self.valid_bs, repeats, axis=0), ((0, 0), (0, extra_slots)))
         return self.replace(k=k, v=v, valid_bs=valid_bs)
 
@@ -89,10 +93,19 @@ class KVCache:
         assert not self.shared_k, "the cache already has a shared prefix"
         batch = self.valid_bs.shape[0] * repeats
         k = tuple(constrain(jnp.zeros((batch, *a.shape[1:3], slots), a.dtype), _names(a.shape)) for a in self.k)
-        v = tuple(constrain(jnp.zeros((batch, a.shape[1], slots, a.shape[3]), a.dtype), _names(a.shape))
-                  for a in self.v)
-        return KVCache(k, v, jnp.zeros((batch, slots), bool), jnp.zeros((), jnp.int32), shared_k=self.k,
-                       shared_v=self.v, shared_valid_ps=self.valid_bs, group=repeats)
+        v = tuple(
+            constrain(jnp.zeros((batch, a.shape[1], slots, a.shape[3]), a.dtype), _names(a.shape)) for a in self.v
+        )
+        return KVCache(
+            k,
+            v,
+            jnp.zeros((batch, slots), bool),
+            jnp.zeros((), jnp.int32),
+            shared_k=self.k,
+            shared_v=self.v,
+            shared_valid_ps=self.valid_bs,
+            group=repeats,
+        )
 
     @property
     def length(self) -> int:
@@ -123,12 +136,14 @@ class KVCache:
         order equal to position order: this is the full forward pass's causal mask.
         """
         t, s = k_btkh.shape[1], self.valid_bs.shape[1]
-        k_bkhs = jax.lax.dynamic_update_slice(self.k[self.layer], stored(k_btkh.transpose(0, 2, 3, 1), self.k[0].dtype),
-                                              (0, 0, 0, self.end))
-        v_bksh = jax.lax.dynamic_update_slice(self.v[self.layer], stored(v_btkh.swapaxes(1, 2), self.v[0].dtype),
-                                              (0, 0, self.end, 0))
-        k_all = (*self.k[:self.layer], k_bkhs, *self.k[self.layer + 1:])
-        v_all = (*self.v[:self.layer], v_bksh, *self.v[self.layer + 1:])
+        k_bkhs = jax.lax.dynamic_update_slice(
+            self.k[self.layer], stored(k_btkh.transpose(0, 2, 3, 1), self.k[0].dtype), (0, 0, 0, self.end)
+        )
+        v_bksh = jax.lax.dynamic_update_slice(
+            self.v[self.layer], stored(v_btkh.swapaxes(1, 2), self.v[0].dtype), (0, 0, self.end, 0)
+        )
+        k_all = (*self.k[: self.layer], k_bkhs, *self.k[self.layer + 1 :])
+        v_all = (*self.v[: self.layer], v_bksh, *self.v[self.layer + 1 :])
         distance_ts = self.end + jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
         visible_ts = distance_ts >= 0
         if window is not None:

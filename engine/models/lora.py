@@ -35,8 +35,9 @@ ATTENTION_WEIGHTS = {m: WEIGHTS[m] for m in LORA_ATTENTION_TARGETS}
 MLP_WEIGHTS = {m: WEIGHTS[m] for m in LORA_MLP_TARGETS}
 
 
-def add_adapters(module: nnx.Module, targets: dict[str, tuple[str, int]], lora: LoraConfig | None,
-                 model: ModelConfig, rngs: nnx.Rngs) -> None:
+def add_adapters(
+    module: nnx.Module, targets: dict[str, tuple[str, int]], lora: LoraConfig | None, model: ModelConfig, rngs: nnx.Rngs
+) -> None:
     """Give each of `module`'s weights that `lora` targets its A and B (created after the base
     weights, so the base initialises as without an adapter only when none is targeted)."""
     module.lora_scale = None if lora is None else lora.scale
@@ -53,8 +54,11 @@ def add_adapters(module: nnx.Module, targets: dict[str, tuple[str, int]], lora: 
         bound = 1.0 / math.sqrt(math.prod(in_shape))  # kaiming_uniform_(a=sqrt(5)): 1 / sqrt(fan_in)
         a = jax.random.uniform(rngs.params(), (*in_shape, lora.rank), jnp.float32, -bound, bound)
         setattr(module, attr + "_lora_a", nnx.Param(a.astype(base.dtype), out_sharding=(*names[:n_in], None)))
-        setattr(module, attr + "_lora_b", nnx.Param(jnp.zeros((lora.rank, *out_shape), base.dtype),
-                                                    out_sharding=(None, *names[n_in:])))
+        setattr(
+            module,
+            attr + "_lora_b",
+            nnx.Param(jnp.zeros((lora.rank, *out_shape), base.dtype), out_sharding=(None, *names[n_in:])),
+        )
 
 
 def has_adapter(module: nnx.Module, attr: str) -> bool:
@@ -88,8 +92,10 @@ def project_shared(module: nnx.Module, attrs: tuple[str, ...], x, dtype, **dense
     a = jnp.concatenate([getattr(module, attr + "_lora_a")[...].astype(dtype) for attr in adapted], axis=-1)
     xa = jnp.split(dense(x, a, 1, **dense_kw), len(adapted), axis=-1)
     scale = jnp.asarray(module.lora_scale, dtype)
-    deltas = {attr: dense(part, getattr(module, attr + "_lora_b")[...].astype(dtype), 1, **dense_kw) * scale
-              for attr, part in zip(adapted, xa)}
+    deltas = {
+        attr: dense(part, getattr(module, attr + "_lora_b")[...].astype(dtype), 1, **dense_kw) * scale
+        for attr, part in zip(adapted, xa)
+    }
     out = []
     for attr in attrs:
         y = dense(x, weight_value(getattr(module, attr), dtype), 1, **dense_kw)
@@ -210,7 +216,7 @@ def merge_into_base(params: dict, scale: float) -> dict:
             # times its float32 bytes on the host (15 GB for one of llama3.1-8b's MLP stacks).
             for i, (w_i, a_i, b_i) in enumerate(zip(w.reshape(-1, *w.shape[lead:]), a2, b2)):
                 delta = a_i.reshape(-1, r).astype(np.float64) @ b_i.reshape(r, -1).astype(np.float64)
-                merged.reshape(-1, *w.shape[lead:])[i] = (w_i.astype(np.float64) + scale * delta.reshape(w_i.shape))
+                merged.reshape(-1, *w.shape[lead:])[i] = w_i.astype(np.float64) + scale * delta.reshape(w_i.shape)
             out[key] = merged
         else:
             out[key] = value

@@ -46,7 +46,7 @@ NEG_INF = -1e30  # finite, as engine/ops/attention_reference.py's: a fully maske
 def softmax_scale(cfg: ModelConfig) -> float:
     """head_dim**-0.5, times YaRN's mscale(factor, mscale_all_dim) squared when the RoPE has one
     (DeepSeek-V3: the attention factor on cos and sin covers only the rotary part)."""
-    scale = cfg.head_dim ** -0.5
+    scale = cfg.head_dim**-0.5
     scaling = cfg.rope_scaling
     if scaling is not None and scaling.kind == "yarn" and scaling.mscale_all_dim and scaling.factor > 1:
         mscale = 0.1 * scaling.mscale_all_dim * math.log(scaling.factor) + 1.0
@@ -57,8 +57,9 @@ def softmax_scale(cfg: ModelConfig) -> float:
 class MLA(nnx.Module):
     """Multi-head latent attention, called as transformer.Attention is."""
 
-    def __init__(self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs,
-                 dot_general: DotGeneral = jax.lax.dot_general):
+    def __init__(
+        self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs, dot_general: DotGeneral = jax.lax.dot_general
+    ):
         d, n, h, r = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.rope_head_dim
         c, w = cfg.kv_lora_rank, cfg.value_head_dim
         pdt, std = dtype_of(compute.param_dtype), cfg.init_std
@@ -114,8 +115,15 @@ class MLA(nnx.Module):
         w_kb_cno, w_vb_cnw = self.wkv_b_cny[...][..., :o], self.wkv_b_cny[...][..., o:]
         if cache is not None:
             latent_bs1c, k_rope_bs1r, mask_bts, cache = cache.update(latent_btc[:, :, None], k_rope_bt1r, window=window)
-            out_btnw = self._absorbed(q_nope, q_rope, latent_bs1c[:, :, 0], k_rope_bs1r[:, :, 0], mask_bts,
-                                      w_kb_cno.astype(self.dtype), w_vb_cnw.astype(self.dtype))
+            out_btnw = self._absorbed(
+                q_nope,
+                q_rope,
+                latent_bs1c[:, :, 0],
+                k_rope_bs1r[:, :, 0],
+                mask_bts,
+                w_kb_cno.astype(self.dtype),
+                w_vb_cnw.astype(self.dtype),
+            )
             return self._dense(out_btnw, self.wo_nwd, 2), cache
         kv_btny = self._dense(latent_btc, self.wkv_b_cny)
         k_btnh = jnp.concatenate([kv_btny[..., :o], jnp.broadcast_to(k_rope_bt1r, (*q_nope.shape[:3], r))], axis=-1)
@@ -128,8 +136,17 @@ class MLA(nnx.Module):
         elif w > h:  # zeros on q and k leave the scores as they are
             q_btnh, k_btnh = (jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, w - h))) for a in (q_btnh, k_btnh))
         with jax.named_scope("core"):
-            out_btnh = attention(q_btnh, k_btnh, v_btnw, segment_ids_bt, impl=self.attention_impl, scale=self.scale,
-                                 window=window, local=local, block=self.attention_block)
+            out_btnh = attention(
+                q_btnh,
+                k_btnh,
+                v_btnw,
+                segment_ids_bt,
+                impl=self.attention_impl,
+                scale=self.scale,
+                window=window,
+                local=local,
+                block=self.attention_block,
+            )
         return self._dense(out_btnh[..., :w], self.wo_nwd, 2)
 
     def _absorbed(self, q_nope_btno, q_rope_btnr, latent_bsc, k_rope_bsr, mask_bts, w_kb_cno, w_vb_cnw):
@@ -137,8 +154,9 @@ class MLA(nnx.Module):
         + q_r . k_r, the output W_uv (sum_s p_s c_s)."""
         f32 = jnp.float32
         q_latent_btnc = jnp.einsum("btno,cno->btnc", q_nope_btno, w_kb_cno, preferred_element_type=f32)
-        scores_bnts = (jnp.einsum("btnc,bsc->bnts", q_latent_btnc, latent_bsc.astype(f32))
-                       + jnp.einsum("btnr,bsr->bnts", q_rope_btnr.astype(f32), k_rope_bsr.astype(f32)))
+        scores_bnts = jnp.einsum("btnc,bsc->bnts", q_latent_btnc, latent_bsc.astype(f32)) + jnp.einsum(
+            "btnr,bsr->bnts", q_rope_btnr.astype(f32), k_rope_bsr.astype(f32)
+        )
         scores_bnts = jnp.where(mask_bts[:, None], scores_bnts * self.scale, NEG_INF)
         probs_bnts = jax.nn.softmax(scores_bnts, axis=-1)
         out_latent_btnc = jnp.einsum("bnts,bsc->btnc", probs_bnts, latent_bsc.astype(f32))

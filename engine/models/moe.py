@@ -60,13 +60,16 @@ def combine_stats(stats: MoEStats, num_experts: int, experts_per_token: int) -> 
     """
     assigned_e = jnp.mean(stats.assigned_e, axis=0)
     probability_e = jnp.mean(stats.probability_e, axis=0)
-    return {"balance_loss": num_experts * jnp.sum(assigned_e * probability_e),
-            "router_z_loss": jnp.mean(stats.z_loss),
-            "expert_load_e": assigned_e / experts_per_token}
+    return {
+        "balance_loss": num_experts * jnp.sum(assigned_e * probability_e),
+        "router_z_loss": jnp.mean(stats.z_loss),
+        "expert_load_e": assigned_e / experts_per_token,
+    }
 
 
-def route(logits_ne, bias_e, k: int, score: str, renormalize: bool, *, groups: int = 1, group_top: int = 1,
-          scale: float = 1.0):
+def route(
+    logits_ne, bias_e, k: int, score: str, renormalize: bool, *, groups: int = 1, group_top: int = 1, scale: float = 1.0
+):
     """(weights (n, k) float32, experts (n, k) int32) of router logits (n, e) in float32.
 
     The bias (DeepSeek-V3) only chooses: the weights are the unbiased scores. With `groups`
@@ -100,8 +103,11 @@ def router_stats(logits_ne, experts_nk, valid_n, num_experts: int, score: str = 
         scores_ne = jax.nn.sigmoid(logits_ne)
         probs_ne = scores_ne / jnp.sum(scores_ne, axis=-1, keepdims=True)
     log_z_n = jax.nn.logsumexp(logits_ne, axis=-1)
-    return MoEStats(assigned_e=valid @ assigned_ne / count, probability_e=valid @ probs_ne / count,
-                    z_loss=jnp.sum(valid * jnp.square(log_z_n)) / count)
+    return MoEStats(
+        assigned_e=valid @ assigned_ne / count,
+        probability_e=valid @ probs_ne / count,
+        z_loss=jnp.sum(valid * jnp.square(log_z_n)) / count,
+    )
 
 
 @jax.custom_vjp
@@ -155,8 +161,19 @@ def dropless_experts(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_
         return jnp.einsum("nkd,nk->nd", y_nkd, weights_nk.astype(y_nkd.dtype))
 
 
-def capacity_experts(x_btd, experts_btk, weights_btk, valid_bt, w_gate_edf, w_up_edf, w_down_efd, glu,
-                     capacity: int, dot_general: DotGeneral = jax.lax.dot_general, biases=None):
+def capacity_experts(
+    x_btd,
+    experts_btk,
+    weights_btk,
+    valid_bt,
+    w_gate_edf,
+    w_up_edf,
+    w_down_efd,
+    glu,
+    capacity: int,
+    dot_general: DotGeneral = jax.lax.dot_general,
+    biases=None,
+):
     """GShard dispatch with a per-sequence capacity: each row fills (e, c) buffers, which move
     to the experts' devices (a sharding constraint: an all-to-all), go through the experts as
     batched matmuls and come back. Padding tokens take no capacity and get zeros. glu and
@@ -170,13 +187,16 @@ def capacity_experts(x_btd, experts_btk, weights_btk, valid_bt, w_gate_edf, w_up
         onehot_bme = jax.nn.one_hot(experts_bm, num_experts, dtype=jnp.int32) * valid_bm[..., None]
         position_bm = jnp.sum((jnp.cumsum(onehot_bme, axis=1) - 1) * onehot_bme, axis=-1)
         kept_bm = valid_bm & (position_bm < capacity)
-        slot_bm = jnp.where(kept_bm, experts_bm * capacity + position_bm, num_experts * capacity)  # past the end: dropped
+        slot_bm = jnp.where(
+            kept_bm, experts_bm * capacity + position_bm, num_experts * capacity
+        )  # past the end: dropped
         x_bmd = jnp.tile(x_btd, (1, k, 1))
         rows = jnp.arange(b)[:, None]
         buffer_bxd = jnp.zeros((b, num_experts * capacity, x_btd.shape[-1]), x_btd.dtype)
         buffer_bxd = buffer_bxd.at[rows, slot_bm].set(x_bmd, mode="drop")
-        buffer_becd = constrain(buffer_bxd.reshape(b, num_experts, capacity, -1),
-                                ("act_batch_moe", "act_expert", None, "act_embed"))
+        buffer_becd = constrain(
+            buffer_bxd.reshape(b, num_experts, capacity, -1), ("act_batch_moe", "act_expert", None, "act_embed")
+        )
 
     def expert_matmul(x_becd, w_exy, i):  # (b, e, c, x) . (e, x, y) -> (b, e, c, y), e the batch axis
         y_ebcy = dot_general(x_becd, w_exy, (((3,), (1,)), ((1,), (0,))))
@@ -200,8 +220,9 @@ class MoE(nnx.Module):
     __call__(x_btd, valid_bt) -> (out_btd, MoEStats); valid_bt False marks padding (it is
     routed like any token but left out of the router statistics and the capacity)."""
 
-    def __init__(self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs,
-                 dot_general: DotGeneral = jax.lax.dot_general):
+    def __init__(
+        self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs, dot_general: DotGeneral = jax.lax.dot_general
+    ):
         d, f, e = cfg.d_model, cfg.moe_mlp_dim, cfg.num_experts
         pdt, std = dtype_of(compute.param_dtype), cfg.init_std
         out_std = std / math.sqrt(2 * cfg.num_layers)
@@ -227,8 +248,11 @@ class MoE(nnx.Module):
         self.router_bias, self.shared = cfg.router_bias, cfg.num_shared_experts > 0
         self.groups, self.group_top, self.router_scale = cfg.router_groups, cfg.router_group_top, cfg.router_scale
         self.activation = ACTIVATIONS[cfg.activation]
-        self.glu = gated(self.activation) if cfg.swiglu_limit is None else functools.partial(
-            clamped_swiglu, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
+        self.glu = (
+            gated(self.activation)
+            if cfg.swiglu_limit is None
+            else functools.partial(clamped_swiglu, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
+        )
         self.logits_bias, self.expert_bias = cfg.router_logits_bias, cfg.expert_bias
         self.dtype = dtype_of(compute.dtype)
         self.dispatch, self.capacity_factor = compute.moe_dispatch, compute.moe_capacity_factor
@@ -246,33 +270,65 @@ class MoE(nnx.Module):
         with jax.named_scope("router"):
             # In float32 whatever the compute dtype (Switch Transformer's selective precision;
             # transformers' DeepSeek-V3 router too): a bf16 rounding of close logits flips choices.
-            logits_bte = dense(x_btd.astype(jnp.float32), self.w_router_de[...].astype(jnp.float32),
-                               backward=self.matmul_backward, dot_general=self.dot_general)
+            logits_bte = dense(
+                x_btd.astype(jnp.float32),
+                self.w_router_de[...].astype(jnp.float32),
+                backward=self.matmul_backward,
+                dot_general=self.dot_general,
+            )
             logits_ne = logits_bte.reshape(b * t, self.num_experts)
             if self.logits_bias:
                 logits_ne = logits_ne + self.b_logits_e[...].astype(jnp.float32)
             bias = self.b_router_e[...] if self.router_bias else None
-            weights_nk, experts_nk = route(logits_ne, bias, self.k, self.score, self.renormalize, groups=self.groups,
-                                           group_top=self.group_top, scale=self.router_scale)
+            weights_nk, experts_nk = route(
+                logits_ne,
+                bias,
+                self.k,
+                self.score,
+                self.renormalize,
+                groups=self.groups,
+                group_top=self.group_top,
+                scale=self.router_scale,
+            )
             stats = router_stats(logits_ne, experts_nk, valid_bt.reshape(-1), self.num_experts, self.score)
             feedback = load_feedback(bias, stats.assigned_e) if self.router_bias else 0.0
         experts = [w[...].astype(dt) for w in (self.w_gate_edf, self.w_up_edf, self.w_down_efd)]
-        biases = None if not self.expert_bias else [w[...].astype(dt) for w in (self.b_gate_ef, self.b_up_ef,
-                                                                                 self.b_down_ed)]
+        biases = (
+            None
+            if not self.expert_bias
+            else [w[...].astype(dt) for w in (self.b_gate_ef, self.b_up_ef, self.b_down_ed)]
+        )
         mesh = current_mesh()
         if self.dispatch == "dropless" and moe_ep.applies(mesh, b * t):  # engine/models/moe_ep.py
-            out_btd = moe_ep.expert_parallel_dropless(x_btd.reshape(b * t, d), experts_nk, weights_nk, *experts,
-                                                      self.glu, mesh, biases).reshape(b, t, d)
+            out_btd = moe_ep.expert_parallel_dropless(
+                x_btd.reshape(b * t, d), experts_nk, weights_nk, *experts, self.glu, mesh, biases
+            ).reshape(b, t, d)
         elif self.dispatch == "dropless":
-            out_btd = dropless_experts(x_btd.reshape(b * t, d), experts_nk, weights_nk, *experts,
-                                       self.glu, biases).reshape(b, t, d)
+            out_btd = dropless_experts(
+                x_btd.reshape(b * t, d), experts_nk, weights_nk, *experts, self.glu, biases
+            ).reshape(b, t, d)
         else:
-            out_btd = capacity_experts(x_btd, experts_nk.reshape(b, t, self.k), weights_nk.reshape(b, t, self.k),
-                                       valid_bt, *experts, self.glu, self.capacity(t), self.dot_general, biases)
+            out_btd = capacity_experts(
+                x_btd,
+                experts_nk.reshape(b, t, self.k),
+                weights_nk.reshape(b, t, self.k),
+                valid_bt,
+                *experts,
+                self.glu,
+                self.capacity(t),
+                self.dot_general,
+                biases,
+            )
         if self.shared:
             out_btd = out_btd + gated_mlp(
-                x_btd, self.w_shared_gate_dg[...].astype(dt), self.w_shared_up_dg[...].astype(dt),
-                self.w_shared_down_gd[...].astype(dt), self.activation, ("act_batch", "act_seq", "act_mlp"),
-                backward=self.matmul_backward, dot_general=self.dot_general)
+                x_btd,
+                self.w_shared_gate_dg[...].astype(dt),
+                self.w_shared_up_dg[...].astype(dt),
+                self.w_shared_down_gd[...].astype(dt),
+                self.activation,
+                ("act_batch", "act_seq", "act_mlp"),
+                backward=self.matmul_backward,
+                dot_general=self.dot_general,
+            )
         out_btd = out_btd + jnp.asarray(feedback, out_btd.dtype)
         return constrain(out_btd.astype(x_btd.dtype), ("act_batch", "act_seq", "act_embed")), stats

@@ -29,7 +29,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from engine.ops.grouped import grouped_mlp
 from engine.ops.partitioning import TOKEN_AXES
@@ -49,8 +50,9 @@ def applies(mesh: Mesh | None, tokens: int) -> bool:
     return tokens % math.prod(mesh.shape[a] for a in TOKEN_AXES if a in mesh.axis_names) == 0
 
 
-def expert_parallel_dropless(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, glu, mesh: Mesh,
-                             biases=None):
+def expert_parallel_dropless(
+    x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, glu, mesh: Mesh, biases=None
+):
     """sum_k weight * expert_k(x) with the experts sharded over `mesh`'s `expert` axis and the
     tokens over its batch and context axes; the same numbers as moe.dropless_experts (tests/test_moe.py)."""
     shards = expert_shards(mesh)
@@ -72,8 +74,7 @@ def expert_parallel_dropless(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf,
             slot_r = jnp.arange(r) - (jnp.cumsum(sent_s) - sent_s)[shard_r]  # its row in that shard's buffer
             send_srd = jnp.zeros((shards, r, x_nd.shape[-1]), x_nd.dtype).at[shard_r, slot_r].set(x_nd[order // k])
             # Empty rows carry expert id `local_experts`: past every group, so no matmul touches them.
-            send_sr = jnp.full((shards, r), local_experts, jnp.int32).at[shard_r, slot_r].set(
-                expert_r % local_experts)
+            send_sr = jnp.full((shards, r), local_experts, jnp.int32).at[shard_r, slot_r].set(expert_r % local_experts)
             recv_srd = jax.lax.all_to_all(send_srd, "expert", 0, 0, tiled=True)
             recv_sr = jax.lax.all_to_all(send_sr, "expert", 0, 0, tiled=True)
             # Grouped by local expert: every peer's rows for expert 0, then expert 1, ...
@@ -84,8 +85,16 @@ def expert_parallel_dropless(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf,
         with jax.named_scope("experts"):
             # Each tensor shard holds a slice of the MLP width: the down projection's partial
             # sums are summed over it. The empty rows (past the groups) come out unused.
-            y_md = grouped_mlp(x_md, groups, w_gate_edf, w_up_edf, w_down_efd, glu, biases or None,
-                               (lambda y: jax.lax.psum(y, tensor)) if tensor else None)
+            y_md = grouped_mlp(
+                x_md,
+                groups,
+                w_gate_edf,
+                w_up_edf,
+                w_down_efd,
+                glu,
+                biases or None,
+                (lambda y: jax.lax.psum(y, tensor)) if tensor else None,
+            )
         with jax.named_scope("combine"):
             y_srd = y_md[jnp.argsort(by_expert)].reshape(shards, r, -1)
             back_srd = jax.lax.all_to_all(y_srd, "expert", 0, 0, tiled=True)
@@ -96,6 +105,7 @@ def expert_parallel_dropless(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf,
     token = P(rows or None, None)
     f_in, f_out = P("expert", None, tensor), P("expert", tensor, None)
     bias_specs = () if biases is None else (P("expert", tensor), P("expert", tensor), P("expert", None))
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(token, token, token, f_in, f_in, f_out, *bias_specs),
-                       out_specs=token)
+    fn = jax.shard_map(
+        local, mesh=mesh, in_specs=(token, token, token, f_in, f_in, f_out, *bias_specs), out_specs=token
+    )
     return fn(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, *(biases or ()))

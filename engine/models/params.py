@@ -22,8 +22,7 @@ def _path_name(path) -> str:
     return ".".join(str(getattr(p, "key", p)) for p in path)
 
 
-def param_shardings(model_cfg: ModelConfig, compute: ComputeConfig, mesh: Mesh | None,
-                    lora: LoraConfig | None = None):
+def param_shardings(model_cfg: ModelConfig, compute: ComputeConfig, mesh: Mesh | None, lora: LoraConfig | None = None):
     """(shapes, per-parameter NamedSharding from the logical names in the model's metadata).
     With `lora`, the tree holds the adapters too (engine/models/lora.py)."""
     abstract = nnx.eval_shape(lambda: Transformer(model_cfg, compute, rngs=nnx.Rngs(0), lora=lora))
@@ -44,8 +43,9 @@ def param_shardings(model_cfg: ModelConfig, compute: ComputeConfig, mesh: Mesh |
     return shapes, shardings
 
 
-def abstract_model_params(model_cfg: ModelConfig, compute: ComputeConfig, mesh: Mesh | None,
-                          lora: LoraConfig | None = None):
+def abstract_model_params(
+    model_cfg: ModelConfig, compute: ComputeConfig, mesh: Mesh | None, lora: LoraConfig | None = None
+):
     """ShapeDtypeStructs (with shardings on `mesh`) of the model's parameters (and adapters)."""
     shapes, shardings = param_shardings(model_cfg, compute, mesh, lora)
     if shardings is None:
@@ -53,8 +53,15 @@ def abstract_model_params(model_cfg: ModelConfig, compute: ComputeConfig, mesh: 
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 
-def init_params(model_cfg: ModelConfig, compute: ComputeConfig, mesh: Mesh, seed: int,
-                lora: LoraConfig | None = None, *, adapter_only: bool = False):
+def init_params(
+    model_cfg: ModelConfig,
+    compute: ComputeConfig,
+    mesh: Mesh,
+    seed: int,
+    lora: LoraConfig | None = None,
+    *,
+    adapter_only: bool = False,
+):
     """Initialise directly into the sharded layout (no full copy on one device). With
     `adapter_only`, just the adapters of `lora` (the base is never computed: XLA drops it)."""
     _, shardings = param_shardings(model_cfg, compute, mesh, lora)

@@ -79,7 +79,9 @@ def quantized_abstract(abstract: dict, base_dtype: str) -> dict:
 
 
 def describe_path(base_dtype: str, platform: str) -> str:
-    return (f"lora.base_dtype {base_dtype}: the base's projections are stored as qwix {base_dtype} and "
-            f"dequantized to the compute dtype per layer for each product (no fused {base_dtype} matmul kernel "
-            f"on {platform}): the base takes {'~1/4' if base_dtype == 'int8' else '~1/8'} of float32's memory; "
-            "the step is not faster for it")
+    return (
+        f"lora.base_dtype {base_dtype}: the base's projections are stored as qwix {base_dtype} and "
+        f"dequantized to the compute dtype per layer for each product (no fused {base_dtype} matmul kernel "
+        f"on {platform}): the base takes {'~1/4' if base_dtype == 'int8' else '~1/8'} of float32's memory; "
+        "the step is not faster for it"
+    )

@@ -20,8 +20,16 @@ from jax.ad_checkpoint import checkpoint_name
 from engine.models.common import ACTIVATIONS, RMSNorm, dtype_of, param
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.models.kv_cache import KVCache
-from engine.models.lora import (ATTENTION_WEIGHTS, MLP_WEIGHTS, add_adapters, has_adapter, in_layer, project,
-                                project_shared, weight_value)
+from engine.models.lora import (
+    ATTENTION_WEIGHTS,
+    MLP_WEIGHTS,
+    add_adapters,
+    has_adapter,
+    in_layer,
+    project,
+    project_shared,
+    weight_value,
+)
 from engine.models.mla import MLA
 from engine.models.moe import MoE, MoEStats, combine_stats
 from engine.models.rope import rope_cos_sin, rope_inverse_frequencies, rotate
@@ -45,8 +53,15 @@ class Attention(nnx.Module):
     statically, so one stacked set of layers can mix both (Gemma 2/3) and a local layer
     computes only its window."""
 
-    def __init__(self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs,
-                 dot_general: DotGeneral = jax.lax.dot_general, lora: LoraConfig | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        compute: ComputeConfig,
+        *,
+        rngs: nnx.Rngs,
+        dot_general: DotGeneral = jax.lax.dot_general,
+        lora: LoraConfig | None = None,
+    ):
         d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         pdt, std = _dtype(compute.param_dtype), cfg.init_std
         self.wq_dnh = _param(rngs, (d, n, h), std, ("embed", "heads", "head_dim"), pdt)
@@ -96,14 +111,21 @@ class Attention(nnx.Module):
         """RoPE's (cos, sin) at `positions_bt` for a global or local layer (rope.py)."""
         return rope_cos_sin(positions_bt, self._inverse_frequencies(local), self._rope_scale(local), max_position)
 
-    def __call__(self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None,
-                 rotary=None):
+    def __call__(
+        self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None, rotary=None
+    ):
         """`local` (static) selects the sliding window and the local RoPE base. segment_ids_bt
         None: one unpadded document per row. With a cache (decoding) returns (out, updated cache).
         `rotary`: this layer's (cos, sin) at `positions_bt`, if the caller computed them."""
         dt = self.dtype
-        q, k, v = project_shared(self, ("wq_dnh", "wk_dkh", "wv_dkh"), x_btd, self.dtype,
-                                 backward=self.matmul_backward, dot_general=self.dot_general)
+        q, k, v = project_shared(
+            self,
+            ("wq_dnh", "wk_dkh", "wv_dkh"),
+            x_btd,
+            self.dtype,
+            backward=self.matmul_backward,
+            dot_general=self.dot_general,
+        )
         if self.qkv_bias:
             q, k, v = q + self.bq_nh[...].astype(dt), k + self.bk_kh[...].astype(dt), v + self.bv_kh[...].astype(dt)
         if self.qk_norm:
@@ -119,15 +141,33 @@ class Attention(nnx.Module):
         sinks_n = self.sinks_n[...] if self.sinks else None
         if cache is None:
             with jax.named_scope("core"):
-                out_btnh = attention(q, k, v, segment_ids_bt, impl=self.attention_impl, scale=self.scale,
-                                     softcap=self.softcap, window=self.sliding_window, local=local,
-                                     block=self.attention_block, sinks_n=sinks_n)
+                out_btnh = attention(
+                    q,
+                    k,
+                    v,
+                    segment_ids_bt,
+                    impl=self.attention_impl,
+                    scale=self.scale,
+                    softcap=self.softcap,
+                    window=self.sliding_window,
+                    local=local,
+                    block=self.attention_block,
+                    sinks_n=sinks_n,
+                )
         else:  # decoding: attend over the cache, this step's keys and values written into it
             window = self.sliding_window if local else None
             k, v, mask, cache = cache.update(k, v, window=window, raw=True)
-            out_btnh = decode_attention(q, k, v, mask, impl=self.decode_attention_impl, scale=self.scale,
-                                        softcap=self.softcap, sinks_n=sinks_n,
-                                        shared=cache.shared_prefix(window=window, raw=True))
+            out_btnh = decode_attention(
+                q,
+                k,
+                v,
+                mask,
+                impl=self.decode_attention_impl,
+                scale=self.scale,
+                softcap=self.softcap,
+                sinks_n=sinks_n,
+                shared=cache.shared_prefix(window=window, raw=True),
+            )
         out_btd = self._dense(out_btnh, "wo_nhd", 2)
         if self.out_bias:
             out_btd = out_btd + self.bo_d[...].astype(dt)
@@ -137,8 +177,15 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (gelu_tanh)."""
 
-    def __init__(self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs,
-                 dot_general: DotGeneral = jax.lax.dot_general, lora: LoraConfig | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        compute: ComputeConfig,
+        *,
+        rngs: nnx.Rngs,
+        dot_general: DotGeneral = jax.lax.dot_general,
+        lora: LoraConfig | None = None,
+    ):
         d, f = cfg.d_model, cfg.mlp_dim
         pdt, std = _dtype(compute.param_dtype), cfg.init_std
         self.w_gate_df = _param(rngs, (d, f), std, ("embed", "mlp"), pdt)
@@ -158,12 +205,20 @@ class MLP(nnx.Module):
             kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
             gate, up = project_shared(self, ("w_gate_df", "w_up_df"), x_btd, dt, **kw)
             activation = self.activation
-            hidden = jax.checkpoint(lambda g, u: (activation(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dt),
-                                    prevent_cse=False)(gate, up)
+            hidden = jax.checkpoint(
+                lambda g, u: (activation(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dt), prevent_cse=False
+            )(gate, up)
             return project(self, "w_down_fd", constrain(hidden, ("act_batch", "act_seq", "act_mlp")), 1, dt, **kw)
-        return gated_mlp(x_btd, weight_value(self.w_gate_df, dt), weight_value(self.w_up_df, dt),
-                         weight_value(self.w_down_fd, dt), self.activation, ("act_batch", "act_seq", "act_mlp"),
-                         backward=self.matmul_backward, dot_general=self.dot_general)
+        return gated_mlp(
+            x_btd,
+            weight_value(self.w_gate_df, dt),
+            weight_value(self.w_up_df, dt),
+            weight_value(self.w_down_fd, dt),
+            self.activation,
+            ("act_batch", "act_seq", "act_mlp"),
+            backward=self.matmul_backward,
+            dot_general=self.dot_general,
+        )
 
 
 class Block(nnx.Module):
@@ -176,9 +231,16 @@ class Block(nnx.Module):
     attention, or multi-head latent attention (kv_lora_rank set, engine/models/mla.py).
     """
 
-    def __init__(self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs,
-                 dot_general: DotGeneral = jax.lax.dot_general, moe: bool | None = None,
-                 lora: LoraConfig | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        compute: ComputeConfig,
+        *,
+        rngs: nnx.Rngs,
+        dot_general: DotGeneral = jax.lax.dot_general,
+        moe: bool | None = None,
+        lora: LoraConfig | None = None,
+    ):
         moe = cfg.is_moe if moe is None else moe
         self.attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
         if cfg.is_mla:
@@ -195,8 +257,9 @@ class Block(nnx.Module):
             self.post_mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
         self.post_norms, self.is_moe = cfg.post_norms, moe
 
-    def forward(self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None,
-                rotary=None):
+    def forward(
+        self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None, rotary=None
+    ):
         """(x, cache or None, MoEStats of the router or None for a dense MLP). `rotary`: the
         attention's RoPE (cos, sin), where the caller computed them for all layers at once."""
         with jax.named_scope("attention"):  # names the ops in profiles (bench/profile_step.py)
@@ -216,8 +279,9 @@ class Block(nnx.Module):
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
         return x_btd, cache, stats
 
-    def __call__(self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None,
-                 rotary=None):
+    def __call__(
+        self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None, rotary=None
+    ):
         x_btd, cache, _ = self.forward(x_btd, positions_bt, segment_ids_bt, local, cache, rotary)
         return x_btd if cache is None else (x_btd, cache)
 
@@ -272,8 +336,15 @@ class Transformer(nnx.Module):
     The blocks are `blocks`, or with first_dense_layers (DeepSeek-V3) two stacks, the dense
     `dense_blocks` then the experts' `blocks` (ModelConfig.layer_stacks), run in that order."""
 
-    def __init__(self, cfg: ModelConfig, compute: ComputeConfig | None = None, *, rngs: nnx.Rngs,
-                 dot_general: DotGeneral = jax.lax.dot_general, lora: LoraConfig | None = None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        compute: ComputeConfig | None = None,
+        *,
+        rngs: nnx.Rngs,
+        dot_general: DotGeneral = jax.lax.dot_general,
+        lora: LoraConfig | None = None,
+    ):
         compute = compute or ComputeConfig()
         self.cfg, self.compute = cfg, compute
         pdt = _dtype(compute.param_dtype)
@@ -283,8 +354,9 @@ class Transformer(nnx.Module):
             if compute.scan_layers:
                 stack = self._stacked_blocks(cfg, compute, rngs, dot_general, count, moe, lora)
             else:
-                stack = nnx.List([Block(cfg, compute, rngs=rngs, dot_general=dot_general, moe=moe, lora=lora)
-                                  for _ in range(count)])
+                stack = nnx.List(
+                    [Block(cfg, compute, rngs=rngs, dot_general=dot_general, moe=moe, lora=lora) for _ in range(count)]
+                )
             setattr(self, name, stack)
         self.final_norm = _norm(cfg, compute, cfg.d_model, rngs)
         if not cfg.tie_embeddings:
@@ -292,8 +364,15 @@ class Transformer(nnx.Module):
         self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
 
     @staticmethod
-    def _stacked_blocks(cfg: ModelConfig, compute: ComputeConfig, rngs: nnx.Rngs, dot_general, count: int,
-                        moe: bool, lora: LoraConfig | None = None) -> Block:
+    def _stacked_blocks(
+        cfg: ModelConfig,
+        compute: ComputeConfig,
+        rngs: nnx.Rngs,
+        dot_general,
+        count: int,
+        moe: bool,
+        lora: LoraConfig | None = None,
+    ) -> Block:
         """One Block whose every parameter has a leading `layers` axis (`count`), for lax.scan."""
 
         @nnx.split_rngs(splits=count)
@@ -308,8 +387,9 @@ class Transformer(nnx.Module):
         blocks in turn (ModelConfig.layer_stacks)."""
         is_local, stats = self.cfg.layer_is_local(), []
         for name, first, count in self.cfg.layer_stacks():
-            x_btd, stack_stats = self._run_stack(getattr(self, name), is_local[first:first + count], x_btd,
-                                                 positions_bt, segment_ids_bt, first)
+            x_btd, stack_stats = self._run_stack(
+                getattr(self, name), is_local[first : first + count], x_btd, positions_bt, segment_ids_bt, first
+            )
             stats += _layers(stack_stats)
         return x_btd, _stack(stats)
 
@@ -361,6 +441,7 @@ class Transformer(nnx.Module):
                     x, layer_stats = layer_fn(local, in_scan, index)(nnx.merge(graphdef, layer_state), x)
                     stats += _one_layer(layer_stats)
                 else:
+
                     def step(x, layer, local=local):
                         layer_state, index = layer
                         return layer_fn(local, True, index)(nnx.merge(graphdef, layer_state), x)
@@ -371,7 +452,7 @@ class Transformer(nnx.Module):
                 start += length
             return x, _stack(stats)
 
-        unit = flags[:len(cfg.attention_pattern)]  # the pattern from this stack's first layer on
+        unit = flags[: len(cfg.attention_pattern)]  # the pattern from this stack's first layer on
         if len(set(flags)) == 1:  # one kind of layer (Llama, Mistral): one scan over the stack
             return run_layers(x_btd, stacked, flags, in_scan=False)
         steps, left_over = divmod(len(flags), len(unit))
@@ -379,8 +460,9 @@ class Transformer(nnx.Module):
         stats = []
         if steps:
             by_unit = jax.tree.map(lambda a: a[:scanned].reshape(steps, len(unit), *a.shape[1:]), stacked)
-            x_btd, unit_stats = jax.lax.scan(lambda x, unit_state: run_layers(x, unit_state, unit, True),
-                                             x_btd, by_unit, unroll=unroll)
+            x_btd, unit_stats = jax.lax.scan(
+                lambda x, unit_state: run_layers(x, unit_state, unit, True), x_btd, by_unit, unroll=unroll
+            )
             if unit_stats is not None:  # (steps, P, ...) -> (steps * P, ...)
                 stats.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), unit_stats))
         if left_over:
@@ -410,8 +492,9 @@ class Transformer(nnx.Module):
         for i, (block, local) in enumerate(zip(blocks, self.cfg.layer_is_local(), strict=True)):
             if not self.cfg.is_mla and local not in rotary:
                 rotary[local] = block.attn.rotary(positions_bt, local, cache.length)
-            x_btd, cache = block(x_btd, positions_bt, segment_ids_bt, local, cache.replace(layer=i),
-                                 rotary=rotary.get(local))
+            x_btd, cache = block(
+                x_btd, positions_bt, segment_ids_bt, local, cache.replace(layer=i), rotary=rotary.get(local)
+            )
         return x_btd, cache.replace(end=cache.end + x_btd.shape[1], layer=0)
 
     def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, cache: KVCache | None = None):
@@ -435,8 +518,9 @@ class Transformer(nnx.Module):
         if stats is None:
             return logits_btv, {}
         aux = combine_stats(stats, self.cfg.num_experts, self.cfg.experts_per_token)
-        aux["aux_loss"] = (self.compute.moe_balance_loss * aux["balance_loss"]
-                           + self.compute.moe_router_z_loss * aux["router_z_loss"])
+        aux["aux_loss"] = (
+            self.compute.moe_balance_loss * aux["balance_loss"] + self.compute.moe_router_z_loss * aux["router_z_loss"]
+        )
         return logits_btv, aux
 
     def hidden_states(self, tokens_bt, positions_bt=None, segment_ids_bt=None):
@@ -471,11 +555,17 @@ class Transformer(nnx.Module):
             if cache is None:
                 # On CPU the logits stay float32, as the loss reads them: XLA:CPU would write
                 # out a rounded copy and a float32 one of this, the step's largest tensor.
-                logits_btv = dense(x_btd, head_dv.astype(dt), float32_out=uses_cpu_backward(self.matmul_backward),
-                                   backward=self.matmul_backward, dot_general=self.dot_general)
+                logits_btv = dense(
+                    x_btd,
+                    head_dv.astype(dt),
+                    float32_out=uses_cpu_backward(self.matmul_backward),
+                    backward=self.matmul_backward,
+                    dot_general=self.dot_general,
+                )
             else:  # decoding: f32 logits, not rounded to the compute dtype
-                logits_btv = self.dot_general(x_btd, head_dv.astype(dt), (((2,), (0,)), ((), ())),
-                                              preferred_element_type=jnp.float32)
+                logits_btv = self.dot_general(
+                    x_btd, head_dv.astype(dt), (((2,), (0,)), ((), ())), preferred_element_type=jnp.float32
+                )
         if cfg.final_logit_softcap is not None:
             cap = cfg.final_logit_softcap
             logits_btv = (cap * jnp.tanh(logits_btv.astype(jnp.float32) / cap)).astype(logits_btv.dtype)

@@ -85,6 +85,8 @@ def stored(x, dtype):
 def cache_values(x):
     """A stored cache array as values: bfloat16 from BF16_BITS, else x."""
     return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == BF16_BITS else x
+
+
 AUTO = {"cpu": "cpu_kernel", "gpu": "cudnn", "tpu": "splash"}
 """What `auto` picks on each platform (anything else: blocked); on a CPU without AVX-512,
 blocked (cpu_kernels.has_avx512: the kernel lost 2.5x to it on AVX2)."""
@@ -114,41 +116,79 @@ def context_shards(mesh, seq_len: int) -> int:
     return shards if seq_len % shards == 0 else 1
 
 
-def _unsupported(impl: str, *, dtype, head_dim: int, seq_len: int, softcap, segmented: bool,
-                 sinks: bool = False, groups: int = 1, value_dim: int | None = None, context: int = 1) -> str | None:
+def _unsupported(
+    impl: str,
+    *,
+    dtype,
+    head_dim: int,
+    seq_len: int,
+    softcap,
+    segmented: bool,
+    sinks: bool = False,
+    groups: int = 1,
+    value_dim: int | None = None,
+    context: int = 1,
+) -> str | None:
     if context > 1 and impl in ("cpu_kernel", "cudnn"):
-        return (f"context parallelism (mesh axis context={context}) gives each device a slice of the queries, "
-                f"and {impl} takes no query offset")
+        return (
+            f"context parallelism (mesh axis context={context}) gives each device a slice of the queries, "
+            f"and {impl} takes no query offset"
+        )
     if impl == "cpu_kernel":
         if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
             return f"the CPU kernel takes float32 or bfloat16, not {jnp.dtype(dtype).name}"
         if softcap or sinks:
             return "the CPU kernel takes no logit soft-cap and no attention sinks"
         if head_dim % 16 or (value_dim is not None and value_dim != head_dim):
-            return f"the CPU kernel needs a head_dim that is a multiple of 16 (here {head_dim}) for keys and values alike"
+            return (
+                f"the CPU kernel needs a head_dim that is a multiple of 16 (here {head_dim}) for keys and values alike"
+            )
         if groups > 8:
             return f"the CPU kernel takes at most 8 query heads per kv head (here {groups})"
         return cpu_kernels.unavailable("train_attention")
     if sinks and impl == "cudnn":  # jax.nn.dot_product_attention has no sinks argument
         return "cuDNN attention here takes no attention sinks (attention_sinks)"
     if impl == "cudnn":
-        return attention_cudnn.unsupported(dtype=dtype, head_dim=head_dim, seq_len=seq_len, softcap=softcap,
-                                           segmented=segmented, device=_device())
+        return attention_cudnn.unsupported(
+            dtype=dtype, head_dim=head_dim, seq_len=seq_len, softcap=softcap, segmented=segmented, device=_device()
+        )
     if impl == "splash":
         return attention_splash.unsupported(seq_len=seq_len, context=context)
     return None
 
 
-def choose_implementation(impl: Impl, *, platform: str, dtype, head_dim: int, seq_len: int,
-                          softcap: float | None = None, segmented: bool = True, sinks: bool = False,
-                          groups: int = 1, value_dim: int | None = None, context: int = 1) -> str:
+def choose_implementation(
+    impl: Impl,
+    *,
+    platform: str,
+    dtype,
+    head_dim: int,
+    seq_len: int,
+    softcap: float | None = None,
+    segmented: bool = True,
+    sinks: bool = False,
+    groups: int = 1,
+    value_dim: int | None = None,
+    context: int = 1,
+) -> str:
     """The implementation that runs `impl` on `platform` for this case (see the module
     docstring); `context`: the context shards the queries are split into."""
-    case = dict(dtype=dtype, head_dim=head_dim, seq_len=seq_len, softcap=softcap, segmented=segmented, sinks=sinks,
-                groups=groups, value_dim=value_dim, context=context)
+    case = dict(
+        dtype=dtype,
+        head_dim=head_dim,
+        seq_len=seq_len,
+        softcap=softcap,
+        segmented=segmented,
+        sinks=sinks,
+        groups=groups,
+        value_dim=value_dim,
+        context=context,
+    )
     if impl == "cpu_kernel" and platform != "cpu":
-        raise ConfigError(f"compute.attention_impl: cpu_kernel runs on CPU, and this run compiles for {platform}; "
-                          f"use auto ({AUTO.get(platform, FALLBACK)} here) or blocked")
+        raise ConfigError(
+            f"compute.attention_impl: cpu_kernel runs on CPU, and this run compiles for {platform}; "
+            f"use auto ({AUTO.get(platform, FALLBACK)} here) or blocked"
+        )
     if impl == "auto":
         wanted = AUTO.get(platform, FALLBACK)
         reason = _unsupported(wanted, **case)
@@ -159,20 +199,35 @@ def choose_implementation(impl: Impl, *, platform: str, dtype, head_dim: int, se
         _tell_once(f"attention: auto uses {FALLBACK}, not {wanted}, on {platform}: {reason}")
         return FALLBACK
     if impl == "cudnn" and platform != "gpu":
-        raise ConfigError(f"compute.attention_impl: cudnn runs on NVIDIA GPUs, and this run compiles for {platform}; "
-                          f"use auto ({AUTO.get(platform, FALLBACK)} here) or blocked")
+        raise ConfigError(
+            f"compute.attention_impl: cudnn runs on NVIDIA GPUs, and this run compiles for {platform}; "
+            f"use auto ({AUTO.get(platform, FALLBACK)} here) or blocked"
+        )
     reason = _unsupported(impl, **case)
     if reason is not None:
-        raise ConfigError(f"compute.attention_impl: {impl} cannot run this model: {reason}; "
-                          f"use auto (which falls back to {FALLBACK}) or {FALLBACK}")
+        raise ConfigError(
+            f"compute.attention_impl: {impl} cannot run this model: {reason}; "
+            f"use auto (which falls back to {FALLBACK}) or {FALLBACK}"
+        )
     if impl == "splash" and platform != "tpu":
         _tell_once(f"attention: splash on {platform} runs in the Pallas interpreter (exact but slow; meant for tests)")
     return impl
 
 
-def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, impl: Impl = "auto", scale: float,
-              softcap: float | None = None, window: int | None = None, local: bool = False, block: int = 128,
-              sinks_n=None):
+def attention(
+    q_btnh,
+    k_bskh,
+    v_bskh,
+    segment_ids_bt=None,
+    *,
+    impl: Impl = "auto",
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    local: bool = False,
+    block: int = 128,
+    sinks_n=None,
+):
     """Causal grouped-query self-attention over packed sequences: (b, t, n, h) in q's dtype.
 
     q (b, t, n, h); k, v (b, t, k, h) with n a multiple of k; segment_ids_bt (b, t), None for one
@@ -186,10 +241,19 @@ def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, impl: Impl = "auto
     platform = current_platform()
     mesh = current_mesh()
     context = context_shards(mesh, q_btnh.shape[1])
-    name = choose_implementation(impl, platform=platform, dtype=q_btnh.dtype, head_dim=q_btnh.shape[3],
-                                 seq_len=q_btnh.shape[1], softcap=softcap, segmented=segment_ids_bt is not None,
-                                 sinks=sinks_n is not None, groups=q_btnh.shape[2] // k_bskh.shape[2],
-                                 value_dim=v_bskh.shape[3], context=context)
+    name = choose_implementation(
+        impl,
+        platform=platform,
+        dtype=q_btnh.dtype,
+        head_dim=q_btnh.shape[3],
+        seq_len=q_btnh.shape[1],
+        softcap=softcap,
+        segmented=segment_ids_bt is not None,
+        sinks=sinks_n is not None,
+        groups=q_btnh.shape[2] // k_bskh.shape[2],
+        value_dim=v_bskh.shape[3],
+        context=context,
+    )
     args = (q_btnh, k_bskh, v_bskh, segment_ids_bt)
     if name == "reference":
         return reference_attention(*args, scale=scale, softcap=softcap, window=window, sinks_n=sinks_n)
@@ -202,10 +266,23 @@ def attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, impl: Impl = "auto
         return cudnn_attention(*args, scale=scale, window=window)
     if name == "cpu_kernel":
         segments = jnp.ones(q_btnh.shape[:2], jnp.int32) if segment_ids_bt is None else segment_ids_bt
-        return _per_shard(functools.partial(cpu_kernels.train_attention, scale=float(scale), window=int(window or 0)),
-                          mesh, q_btnh, k_bskh, v_bskh, segments)
-    return splash_attention(*args, scale=scale, softcap=softcap, window=window, interpret=platform != "tpu",
-                            sinks_n=sinks_n, context=context)
+        return _per_shard(
+            functools.partial(cpu_kernels.train_attention, scale=float(scale), window=int(window or 0)),
+            mesh,
+            q_btnh,
+            k_bskh,
+            v_bskh,
+            segments,
+        )
+    return splash_attention(
+        *args,
+        scale=scale,
+        softcap=softcap,
+        window=window,
+        interpret=platform != "tpu",
+        sinks_n=sinks_n,
+        context=context,
+    )
 
 
 def _per_shard(kernel, mesh, q_btnh, k_bskh, v_bskh, segment_ids_bt):
@@ -217,8 +294,9 @@ def _per_shard(kernel, mesh, q_btnh, k_bskh, v_bskh, segment_ids_bt):
         return kernel(q_btnh, k_bskh, v_bskh, segment_ids_bt)
     batch_axes, head_axes = kernel_axes(mesh, q_btnh.shape[0], q_btnh.shape[2], k_bskh.shape[2])
     heads = P(batch_axes, None, head_axes, None)
-    run = jax.shard_map(kernel, mesh=mesh, in_specs=(heads, heads, heads, P(batch_axes, None)), out_specs=heads,
-                        check_vma=False)
+    run = jax.shard_map(
+        kernel, mesh=mesh, in_specs=(heads, heads, heads, P(batch_axes, None)), out_specs=heads, check_vma=False
+    )
     return run(q_btnh, k_bskh, v_bskh, segment_ids_bt)
 
 
@@ -232,8 +310,15 @@ def _context_parallel(blocked, mesh, q_btnh, k_bskh, v_bskh, segment_ids_bt, sin
     def local(q, k, v, *rest):
         segments = rest[0] if segmented else None
         gather = functools.partial(jax.lax.all_gather, axis_name="context", axis=1, tiled=True)
-        return blocked(q, gather(k), gather(v), segments, shift=jax.lax.axis_index("context") * q.shape[1],
-                       key_segment_ids_bs=gather(segments) if segmented else None, sinks_n=rest[-1] if sinks else None)
+        return blocked(
+            q,
+            gather(k),
+            gather(v),
+            segments,
+            shift=jax.lax.axis_index("context") * q.shape[1],
+            key_segment_ids_bs=gather(segments) if segmented else None,
+            sinks_n=rest[-1] if sinks else None,
+        )
 
     args = [q_btnh, k_bskh, v_bskh] + ([segment_ids_bt] if segmented else []) + ([sinks_n] if sinks else [])
     specs = [heads, heads, heads] + ([positions] if segmented else []) + ([P(head_axes)] if sinks else [])
@@ -250,16 +335,22 @@ def choose_decode_implementation(impl: DecodeImpl, *, platform: str, unsplit: st
     if impl == "reference" or (impl == "auto" and (platform != "cpu" or unsplit)):
         return "reference"
     if impl == "cpu_kernel" and platform != "cpu":
-        raise ConfigError(f"compute.decode_attention_impl: cpu_kernel runs on CPU, and this run compiles for {platform}; "
-                          "use auto or reference")
+        raise ConfigError(
+            f"compute.decode_attention_impl: cpu_kernel runs on CPU, and this run compiles for {platform}; "
+            "use auto or reference"
+        )
     if impl == "cpu_kernel" and unsplit:
-        raise ConfigError(f"compute.decode_attention_impl: cpu_kernel runs on each device's rows, and {unsplit}; "
-                          "use auto (reference there) or reference")
+        raise ConfigError(
+            f"compute.decode_attention_impl: cpu_kernel runs on each device's rows, and {unsplit}; "
+            "use auto (reference there) or reference"
+        )
     reason = cpu_kernels.unavailable("decode_attention")
     if reason is None:
         return "cpu_kernel"
     if impl == "cpu_kernel":
-        raise ConfigError(f"compute.decode_attention_impl: {reason}; use auto (which falls back to reference) or reference")
+        raise ConfigError(
+            f"compute.decode_attention_impl: {reason}; use auto (which falls back to reference) or reference"
+        )
     _tell_once(f"decode attention: auto uses reference, not cpu_kernel: {reason}")
     return "reference"
 
@@ -279,8 +370,18 @@ def _row_split(mesh, rows: int, prompts: int | None):
     return axes, None
 
 
-def decode_attention(q_btnh, k_bkhs, v_bksh, mask_bts, *, impl: DecodeImpl = "auto", scale: float,
-                     softcap: float | None = None, sinks_n=None, shared=None):
+def decode_attention(
+    q_btnh,
+    k_bkhs,
+    v_bksh,
+    mask_bts,
+    *,
+    impl: DecodeImpl = "auto",
+    scale: float,
+    softcap: float | None = None,
+    sinks_n=None,
+    shared=None,
+):
     """Attention of queries (b, t, n, h) over a KV cache as KVCache.update(raw=True) returns it
     (keys (b, k, h, s), values (b, k, s, h), as stored, and the mask (b, t, s)) and `shared`,
     KVCache.shared_prefix(raw=True) or None: (b, t, n, h) in the cache's value dtype. The
@@ -292,21 +393,35 @@ def decode_attention(q_btnh, k_bkhs, v_bksh, mask_bts, *, impl: DecodeImpl = "au
     if t != 1 or choose_decode_implementation(impl, platform=current_platform(), unsplit=unsplit) == "reference":
         if shared is not None:
             shared = (cache_values(shared[0]), cache_values(shared[1]), *shared[2:])
-        return dot_product_attention(q_btnh, cache_values(k_bkhs).transpose(0, 3, 1, 2),
-                                     cache_values(v_bksh).swapaxes(1, 2), mask_bts, scale=scale, softcap=softcap,
-                                     sinks_n=sinks_n, shared=shared)
+        return dot_product_attention(
+            q_btnh,
+            cache_values(k_bkhs).transpose(0, 3, 1, 2),
+            cache_values(v_bksh).swapaxes(1, 2),
+            mask_bts,
+            scale=scale,
+            softcap=softcap,
+            sinks_n=sinks_n,
+            shared=shared,
+        )
     k = k_bkhs.shape[1]
     group = None if shared is None else shared[3]
     sinks = () if sinks_n is None else (sinks_n.reshape(k, n // k),)
     prefix = () if shared is None else tuple(shared[:3])
 
     def run(q, keys, values, mask, *rest):
-        return cpu_kernels.decode_attention(q, keys, values, mask, (*rest[:3], group) if prefix else None,
-                                            scale=scale, softcap=softcap, sinks_kg=rest[-1] if sinks else None)
+        return cpu_kernels.decode_attention(
+            q,
+            keys,
+            values,
+            mask,
+            (*rest[:3], group) if prefix else None,
+            scale=scale,
+            softcap=softcap,
+            sinks_kg=rest[-1] if sinks else None,
+        )
 
     args = (q_btnh.reshape(b, k, n // k, h), k_bkhs, v_bksh, mask_bts[:, 0], *prefix, *sinks)
     if axes is not None:
-        rows = [P(axes, *[None] * (a.ndim - 1)) for a in args[:4 + len(prefix)]]
-        run = jax.shard_map(run, mesh=mesh, in_specs=(*rows, *[P()] * len(sinks)), out_specs=rows[0],
-                            check_vma=False)
+        rows = [P(axes, *[None] * (a.ndim - 1)) for a in args[: 4 + len(prefix)]]
+        run = jax.shard_map(run, mesh=mesh, in_specs=(*rows, *[P()] * len(sinks)), out_specs=rows[0], check_vma=False)
     return run(*args).reshape(b, 1, n, h)

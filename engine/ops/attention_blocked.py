@@ -96,7 +96,8 @@ def _add(acc, start, value, axis: int):
         index = (slice(None),) * axis + (slice(start, start + value.shape[axis]),)
         return acc.at[index].add(value)
     return jax.lax.dynamic_update_slice_in_dim(
-        acc, jax.lax.dynamic_slice_in_dim(acc, start, value.shape[axis], axis) + value, start, axis)
+        acc, jax.lax.dynamic_slice_in_dim(acc, start, value.shape[axis], axis) + value, start, axis
+    )
 
 
 def _scores(q_bktgh, k_bksh, mask_bts, scale, softcap):
@@ -155,9 +156,12 @@ def _forward(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block):
     seg_q, seg_k = segments or (None, None)
     at = 0 if shift is None else shift
     for q0, q1, parts in _blocks(q, k.shape[2], window, block, shift):
-        scores = [_scores(q[:, :, q0:q1], _slice(k, a, n, 2), _mask(seg_q, q0, q1, a, n, window, at, seg_k),
-                          scale, softcap)[0]
-                  for a, n in parts]
+        scores = [
+            _scores(q[:, :, q0:q1], _slice(k, a, n, 2), _mask(seg_q, q0, q1, a, n, window, at, seg_k), scale, softcap)[
+                0
+            ]
+            for a, n in parts
+        ]
         m = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
         if sinks_kg is not None:
             m = jnp.maximum(m, _sinks(sinks_kg))
@@ -165,8 +169,10 @@ def _forward(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block):
         denom = sum(jnp.sum(p, axis=-1, dtype=jnp.float32) for p in ps)
         if sinks_kg is not None:
             denom = denom + jnp.exp(_sinks(sinks_kg) - m)[..., 0]
-        o = sum(jnp.einsum("bkrs,bksh->bkrh", _rows(p), _slice(v, a, n, 2), preferred_element_type=jnp.float32)
-                for p, (a, n) in zip(ps, parts))
+        o = sum(
+            jnp.einsum("bkrs,bksh->bkrh", _rows(p), _slice(v, a, n, 2), preferred_element_type=jnp.float32)
+            for p, (a, n) in zip(ps, parts)
+        )
         o = o.reshape(*ps[0].shape[:-1], v.shape[-1])
         outs.append((o / denom[..., None]).astype(q.dtype))
         lses.append(m[..., 0] + jnp.log(denom))
@@ -198,8 +204,13 @@ def _attention_bwd(scale, softcap, window, block, residuals, do):
     # XLA:CPU's bf16 kernels take them (contracted on the minor axis), transposed once here.
     q_t, do_t = _rows(q).swapaxes(2, 3), _rows(do).swapaxes(2, 3)
     for q0, q1, parts in _blocks(q, k.shape[2], window, block, shift):
-        q_b, do_b, lse_b, delta_b = q[:, :, q0:q1], do[:, :, q0:q1], lse[:, :, q0:q1, :, None], delta[:, :, q0:q1, :, None]
-        q_bt, do_bt = q_t[..., q0 * g:q1 * g], do_t[..., q0 * g:q1 * g]
+        q_b, do_b, lse_b, delta_b = (
+            q[:, :, q0:q1],
+            do[:, :, q0:q1],
+            lse[:, :, q0:q1, :, None],
+            delta[:, :, q0:q1, :, None],
+        )
+        q_bt, do_bt = q_t[..., q0 * g : q1 * g], do_t[..., q0 * g : q1 * g]
         dq = 0.0
         for a, n in parts:
             k_b, v_b = _slice(k, a, n, 2), _slice(v, a, n, 2)
@@ -223,9 +234,20 @@ def _attention_bwd(scale, softcap, window, block, residuals, do):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def blocked_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, scale: float, softcap: float | None = None,
-                      window: int | None = None, block: int = 128, sinks_n=None, shift=None,
-                      key_segment_ids_bs=None):
+def blocked_attention(
+    q_btnh,
+    k_bskh,
+    v_bskh,
+    segment_ids_bt=None,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    block: int = 128,
+    sinks_n=None,
+    shift=None,
+    key_segment_ids_bs=None,
+):
     """Causal, segment-aware grouped-query attention over one packed sequence.
 
     Returns (b, t, n, h) in the dtype of q. `window` (None: global) and `block` are static;
@@ -238,8 +260,9 @@ def blocked_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, scale: flo
     """
     b, t, n, h = q_btnh.shape
     assert shift is not None or k_bskh.shape[1] == t, "keys beyond the queries need the queries' shift"
-    assert segment_ids_bt is None or key_segment_ids_bs is not None or k_bskh.shape[1] == t, \
+    assert segment_ids_bt is None or key_segment_ids_bs is not None or k_bskh.shape[1] == t, (
         "keys beyond the queries need their own segment ids"
+    )
     assert key_segment_ids_bs is None or segment_ids_bt is not None, "key segment ids need the queries' too"
     q, k, v = _to_heads(q_btnh, k_bskh, v_bskh)
     sinks_kg = None if sinks_n is None else sinks_n.astype(jnp.float32).reshape(k.shape[1], n // k.shape[1])
@@ -247,6 +270,16 @@ def blocked_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, scale: flo
     if segment_ids_bt is not None:
         segments = (segment_ids_bt, segment_ids_bt if key_segment_ids_bs is None else key_segment_ids_bs)
     shift = None if shift is None else jnp.asarray(shift, jnp.int32)
-    out = _attention(q, k, v, segments, shift, sinks_kg, float(scale), None if softcap is None else float(softcap),
-                     window, int(block))
+    out = _attention(
+        q,
+        k,
+        v,
+        segments,
+        shift,
+        sinks_kg,
+        float(scale),
+        None if softcap is None else float(softcap),
+        window,
+        int(block),
+    )
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)

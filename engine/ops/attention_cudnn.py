@@ -36,8 +36,16 @@ def unsupported(*, dtype, head_dim: int, seq_len: int, softcap, segmented: bool,
     return None
 
 
-def cudnn_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, scale: float, window: int | None = None,
-                    implementation: str = "cudnn"):
+def cudnn_attention(
+    q_btnh,
+    k_bskh,
+    v_bskh,
+    segment_ids_bt=None,
+    *,
+    scale: float,
+    window: int | None = None,
+    implementation: str = "cudnn",
+):
     """Causal grouped-query attention with cuDNN; (b, t, n, h) in the dtype of q.
 
     `implementation="xla"` runs the same call through XLA: the tests check on CPU that the
@@ -48,5 +56,12 @@ def cudnn_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, scale: float
         # Padding (segment 0) sees padding, so no row is fully masked; real tokens never see it.
         mask_b1ts = (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])[:, None]
     return jax.nn.dot_product_attention(
-        q_btnh, k_bskh, v_bskh, mask=mask_b1ts, scale=scale, is_causal=True,
-        local_window_size=None if window is None else (window - 1, 0), implementation=implementation)
+        q_btnh,
+        k_bskh,
+        v_bskh,
+        mask=mask_b1ts,
+        scale=scale,
+        is_causal=True,
+        local_window_size=None if window is None else (window - 1, 0),
+        implementation=implementation,
+    )

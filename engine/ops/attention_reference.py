@@ -39,8 +39,7 @@ def softmax_with_sinks(scores, sinks):
     return jax.nn.softmax(jnp.concatenate([scores, sinks], axis=-1), axis=-1)[..., :-1]
 
 
-def dot_product_attention(q_btnh, k_bskh, v_bskh, mask_bts, *, scale=None, softcap=None, sinks_n=None,
-                          shared=None):
+def dot_product_attention(q_btnh, k_bskh, v_bskh, mask_bts, *, scale=None, softcap=None, sinks_n=None, shared=None):
     """Grouped-query attention over an explicit mask; softmax in float32. Scores are q.k * scale
     (default head_dim**-0.5), optionally soft-capped to (-softcap, softcap) before masking;
     `sinks_n` (per query head) join the softmax's denominator. A decode step (t = 1) may
@@ -51,8 +50,16 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, mask_bts, *, scale=None, softc
     q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
     sinks_kg = None if sinks_n is None else sinks_n.astype(jnp.float32).reshape(k, n // k)
     if t == 1:  # a decode step
-        return _one_query_attention(q_btkgh, k_bskh, v_bskh, mask_bts, scale=h**-0.5 if scale is None else scale,
-                                    softcap=softcap, sinks_kg=sinks_kg, shared=shared).reshape(b, t, n, h)
+        return _one_query_attention(
+            q_btkgh,
+            k_bskh,
+            v_bskh,
+            mask_bts,
+            scale=h**-0.5 if scale is None else scale,
+            softcap=softcap,
+            sinks_kg=sinks_kg,
+            shared=shared,
+        ).reshape(b, t, n, h)
     assert shared is None, "a shared prefix is for decode steps (one query per row)"
     scores = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh, preferred_element_type=jnp.float32)
     scores = scores * (h**-0.5 if scale is None else scale)
@@ -65,8 +72,9 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, mask_bts, *, scale=None, softc
     return out_btkgh.astype(v_bskh.dtype).reshape(b, t, n, h)  # f32 accumulation (engine/ops/dense.py)
 
 
-def _one_query_attention(q_btkgh, k_bskh, v_bskh, mask_bts, *, scale: float, softcap: float | None, sinks_kg=None,
-                         shared=None):
+def _one_query_attention(
+    q_btkgh, k_bskh, v_bskh, mask_bts, *, scale: float, softcap: float | None, sinks_kg=None, shared=None
+):
     """One query per row (decoding): two products batched over (b, kv_heads), (g x head_dim) .
     (head_dim x s) and (g x s) . (s x head_dim), in the cache's dtype with f32 accumulation.
     The KV cache (engine/models/kv_cache.py) stores keys head_dim-major and values slot-major,
@@ -92,8 +100,9 @@ def _one_query_attention(q_btkgh, k_bskh, v_bskh, mask_bts, *, scale: float, sof
     probs_bkgs = probs_bkgs.astype(v_bskh.dtype)
     if shared is not None:
         prefix = k_pkhp.shape[-1]
-        shared_out_bkgh = to_rows(jnp.einsum("pkqs,pksh->pkqh", to_groups(probs_bkgs[..., :prefix]), v_pkph,
-                                             preferred_element_type=f32))
+        shared_out_bkgh = to_rows(
+            jnp.einsum("pkqs,pksh->pkqh", to_groups(probs_bkgs[..., :prefix]), v_pkph, preferred_element_type=f32)
+        )
         probs_bkgs = probs_bkgs[..., prefix:]
     out_bkgh = jnp.einsum("bkgs,bskh->bkgh", probs_bkgs, v_bskh, preferred_element_type=f32)
     if shared is not None:
@@ -116,8 +125,17 @@ def _group_layout(shape_bkgx, group: int):
     return to_groups, to_rows
 
 
-def reference_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, *, scale: float, softcap: float | None = None,
-                        window: int | None = None, sinks_n=None):
+def reference_attention(
+    q_btnh,
+    k_bskh,
+    v_bskh,
+    segment_ids_bt,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    sinks_n=None,
+):
     """Causal self-attention over a packed sequence through the full (b, t, t) mask."""
     if segment_ids_bt is None:
         segment_ids_bt = jnp.ones(q_btnh.shape[:2], jnp.int32)

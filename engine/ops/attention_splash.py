@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from engine.ops.partitioning import current_mesh, kernel_axes, mesh_axis_size
 
@@ -51,8 +52,10 @@ def unsupported(*, seq_len: int, context: int = 1) -> str | None:
     if seq_len % LANES:
         return f"splash attention needs the sequence length a multiple of {LANES}, not {seq_len}"
     if (seq_len // context) % LANES:
-        return (f"splash attention needs each context shard's {seq_len // context} positions (mesh axis "
-                f"context={context}) a multiple of {LANES}")
+        return (
+            f"splash attention needs each context shard's {seq_len // context} positions (mesh axis "
+            f"context={context}) a multiple of {LANES}"
+        )
     return None
 
 
@@ -74,8 +77,16 @@ def balanced_order(t: int, shards: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[d], chunks[2 * shards - 1 - d]]) for d in range(shards)])
 
 
-def _kernel(heads: int, t: int, window: int | None, softcap: float | None, interpret: bool, head_shards: int = 1,
-            q_seq_shards: int = 1, rows: np.ndarray | None = None):
+def _kernel(
+    heads: int,
+    t: int,
+    window: int | None,
+    softcap: float | None,
+    interpret: bool,
+    head_shards: int = 1,
+    q_seq_shards: int = 1,
+    rows: np.ndarray | None = None,
+):
     """The kernel for one example: q (heads, t, h), k and v (kv heads, t, h); its tables split
     into head_shards x q_seq_shards parts (a shard_map's); `rows`: the query positions in the
     order the queries come (default: 0..t-1). Built per trace: it holds its block-sparsity
@@ -87,11 +98,24 @@ def _kernel(heads: int, t: int, window: int | None, softcap: float | None, inter
     if rows is not None:  # the mask's rows are these positions, as MaxText's load-balanced causal mask
         head_mask.q_sequence = rows
     b = _block(t // q_seq_shards // (1 if rows is None else 2))
-    sizes = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
-                              block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
-    return splash.make_splash_mha(splash.MultiHeadMask([head_mask] * heads), block_sizes=sizes,
-                                  head_shards=head_shards, q_seq_shards=q_seq_shards, attn_logits_soft_cap=softcap,
-                                  interpret=interpret)
+    sizes = splash.BlockSizes(
+        block_q=b,
+        block_kv=b,
+        block_kv_compute=b,
+        block_q_dkv=b,
+        block_kv_dkv=b,
+        block_kv_dkv_compute=b,
+        block_q_dq=b,
+        block_kv_dq=b,
+    )
+    return splash.make_splash_mha(
+        splash.MultiHeadMask([head_mask] * heads),
+        block_sizes=sizes,
+        head_shards=head_shards,
+        q_seq_shards=q_seq_shards,
+        attn_logits_soft_cap=softcap,
+        interpret=interpret,
+    )
 
 
 def _exchanges(shards: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -132,8 +156,19 @@ def _apply(kernel, q_bnth, k_bkth, v_bkth, segment_ids_bt, key_segment_ids_bs, s
     return jax.vmap(lambda q, k, v, s: kernel(q, k, v, s, sinks=sinks_n))(q_bnth, k_bkth, v_bkth, segments)
 
 
-def splash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, scale: float, softcap: float | None = None,
-                     window: int | None = None, interpret: bool = False, sinks_n=None, context: int = 1):
+def splash_attention(
+    q_btnh,
+    k_bskh,
+    v_bskh,
+    segment_ids_bt=None,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    window: int | None = None,
+    interpret: bool = False,
+    sinks_n=None,
+    context: int = 1,
+):
     """Causal grouped-query attention with the splash kernel; (b, t, n, h) in the dtype of q.
     `sinks_n` (n,): attention sinks (GPT-OSS), the kernel's `sinks`. `context` > 1: the
     current mesh splits the positions over its `context` axis (module docstring)."""
@@ -153,14 +188,25 @@ def splash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, scale: floa
     batch_axes, head_axes = kernel_axes(mesh, q_bnth.shape[0], heads, k_bkth.shape[1])
     seq_axis = "context" if context > 1 else None
     split = P(batch_axes, head_axes, seq_axis, None)
-    specs = (split, split, split) + ((P(batch_axes, seq_axis),) if segmented else ()) + (
-        (P(head_axes),) if has_sinks else ())
+    specs = (
+        (split, split, split)
+        + ((P(batch_axes, seq_axis),) if segmented else ())
+        + ((P(head_axes),) if has_sinks else ())
+    )
     if seq_axis is None:
         run = jax.shard_map(run, mesh=mesh, in_specs=specs, out_specs=split, check_vma=False)
         return run(*args).transpose(0, 2, 1, 3)
     balance = balanced(t, context)
-    kernel = _kernel(heads, t, window, softcap, interpret, head_shards=mesh_axis_size(mesh, head_axes),
-                     q_seq_shards=context, rows=balanced_order(t, context) if balance else None)
+    kernel = _kernel(
+        heads,
+        t,
+        window,
+        softcap,
+        interpret,
+        head_shards=mesh_axis_size(mesh, head_axes),
+        q_seq_shards=context,
+        rows=balanced_order(t, context) if balance else None,
+    )
     kernel_spec = kernel.manual_sharding_spec(NamedSharding(mesh, P(head_axes, seq_axis)))
 
     def run_shard(kernel, q, k, v, *rest):

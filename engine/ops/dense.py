@@ -43,8 +43,15 @@ def uses_cpu_backward(backward: Backward) -> bool:
     return backward == "cpu" or (backward == "auto" and current_platform() == "cpu")
 
 
-def dense(x, w, n_in: int = 1, *, float32_out: bool = False, backward: Backward = "auto",
-          dot_general: DotGeneral = jax.lax.dot_general):
+def dense(
+    x,
+    w,
+    n_in: int = 1,
+    *,
+    float32_out: bool = False,
+    backward: Backward = "auto",
+    dot_general: DotGeneral = jax.lax.dot_general,
+):
     """Contract the last `n_in` axes of x with the first `n_in` axes of w. `float32_out`
     returns a narrower product's float32 accumulator unrounded (the LM head's logits, which
     the loss reads in float32 anyway); its gradient is rounded to x's dtype for the backward
@@ -99,15 +106,26 @@ def _weight_grad(x, dy, n_in, dot_general):
 def _dense_bwd(n_in, dot_general, float32_out, residuals, dy):
     x, w = residuals
     dy = dy.astype(jnp.result_type(x, w))  # a float32_out gradient, rounded for the bf16 kernels
-    return (_input_grad(dy, w, n_in, dot_general).astype(x.dtype),
-            _weight_grad(x, dy, n_in, dot_general).astype(w.dtype))
+    return (
+        _input_grad(dy, w, n_in, dot_general).astype(x.dtype),
+        _weight_grad(x, dy, n_in, dot_general).astype(w.dtype),
+    )
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
 
 
-def gated_mlp(x, w_gate, w_up, w_down, activation, hidden_names=None, *, backward: Backward = "auto",
-              dot_general: DotGeneral = jax.lax.dot_general):
+def gated_mlp(
+    x,
+    w_gate,
+    w_up,
+    w_down,
+    activation,
+    hidden_names=None,
+    *,
+    backward: Backward = "auto",
+    dot_general: DotGeneral = jax.lax.dot_general,
+):
     """down(activation(x . w_gate) * (x . w_up)): SwiGLU / GeGLU.
 
     The CPU backward pass keeps only x and the two projections (not the activation, its
@@ -156,8 +174,12 @@ def _gated_bwd(activation, hidden_names, dot_general, residuals, dy):
     (d_gate,) = act_vjp(dh * _f32(up))
     d_gate = d_gate.astype(dtype)
     dx = _input_grad(d_gate, w_gate, 1, dot_general) + _input_grad(d_up, w_up, 1, dot_general)
-    return (dx.astype(x.dtype), _weight_grad(x, d_gate, 1, dot_general).astype(w_gate.dtype),
-            _weight_grad(x, d_up, 1, dot_general).astype(w_up.dtype), d_down.astype(w_down.dtype))
+    return (
+        dx.astype(x.dtype),
+        _weight_grad(x, d_gate, 1, dot_general).astype(w_gate.dtype),
+        _weight_grad(x, d_up, 1, dot_general).astype(w_up.dtype),
+        d_down.astype(w_down.dtype),
+    )
 
 
 _gated_mlp.defvjp(_gated_fwd, _gated_bwd)

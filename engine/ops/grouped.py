@@ -56,8 +56,9 @@ def tiled_grouped_matmul(x_md, w_gij, group_sizes_g, tile: int | None = None):
     return layout.rows_of(layout.matmul(layout.aligned(x_md), w_gij))
 
 
-def grouped_mlp(x_md, group_sizes_g, w_gate_gdf, w_up_gdf, w_down_gfd, glu: Callable, biases=None,
-                down_sum: Callable | None = None):
+def grouped_mlp(
+    x_md, group_sizes_g, w_gate_gdf, w_up_gdf, w_down_gfd, glu: Callable, biases=None, down_sum: Callable | None = None
+):
     """Each row's group's gated MLP, rows sorted by group:
     down_sum(glu(x . w_gate + b_gate, x . w_up + b_up) . w_down) + b_down, with `biases` None or
     (b_gate (g, f), b_up (g, f), b_down (g, d)) and `down_sum` a sum of partial products (a
@@ -65,8 +66,9 @@ def grouped_mlp(x_md, group_sizes_g, w_gate_gdf, w_up_gdf, w_down_gfd, glu: Call
     _check(x_md, w_gate_gdf)
     if current_platform() != "cpu":
         sizes = group_sizes_g.astype(jnp.int32)
-        row_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(x_md.shape[0]), side="right"),
-                                sizes.shape[0] - 1)
+        row_group = jnp.minimum(
+            jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(x_md.shape[0]), side="right"), sizes.shape[0] - 1
+        )
         bias = (lambda i: 0.0) if biases is None else (lambda i: biases[i][row_group])  # noqa: E731
         gate = jax.lax.ragged_dot(x_md, w_gate_gdf, sizes) + bias(0)
         hidden = glu(gate, jax.lax.ragged_dot(x_md, w_up_gdf, sizes) + bias(1))
@@ -109,15 +111,15 @@ class Layout:
         rows = jnp.arange(m)
         group = jnp.searchsorted(ends, rows, side="right")
         row_group = jnp.minimum(group, g - 1)
-        position = jnp.where(group < g, (aligned_ends - aligned_sizes)[row_group] + rows - (ends - sizes)[row_group],
-                             padded)
+        position = jnp.where(
+            group < g, (aligned_ends - aligned_sizes)[row_group] + rows - (ends - sizes)[row_group], padded
+        )
         tile_group = jnp.minimum(jnp.searchsorted(aligned_ends, jnp.arange(0, padded, tile), side="right"), g - 1)
         return cls(position, row_group, tile_group, padded, tile)
 
     def aligned(self, x_md):
         """(m, i) rows -> (padded, i), zeros between the groups."""
-        return jnp.zeros((self.padded, x_md.shape[1]), x_md.dtype).at[self.position].set(
-            x_md, mode="drop")
+        return jnp.zeros((self.padded, x_md.shape[1]), x_md.dtype).at[self.position].set(x_md, mode="drop")
 
     def rows_of(self, y_pj):
         """(padded, j) -> the (m, j) rows, zeros for rows past the groups."""
@@ -138,13 +140,15 @@ def _same_varying_axes(*arrays):
     of them varies over. A custom VJP's gradients must vary as its inputs do; marked here,
     outside it, a weight's gradient is summed over the axes the weight was cast over (the
     transpose of the cast), as autodiff does for an operand it broadcasts."""
+
     def varying(a):
         mat = getattr(jax.typeof(a), "manual_axis_type", None)
         return frozenset() if mat is None else mat.varying
 
     union = frozenset().union(*map(varying, arrays))
-    return tuple(jax.lax.pcast(a, tuple(sorted(union - varying(a))), to="varying") if union - varying(a) else a
-                 for a in arrays)
+    return tuple(
+        jax.lax.pcast(a, tuple(sorted(union - varying(a))), to="varying") if union - varying(a) else a for a in arrays
+    )
 
 
 def _dot(a, b, contract_a: int, contract_b: int, batched: bool = False):
@@ -174,6 +178,7 @@ def _looped(w_gij, tile_group) -> bool:
 def _tiled(x_pi, w_gij, tile_group, tile):
     dtype = jnp.result_type(x_pi, w_gij)
     if _looped(w_gij, tile_group):
+
         def body(q, y_pj):
             x_ti = jax.lax.dynamic_slice_in_dim(x_pi, q * tile, tile)
             w_ij = jax.lax.dynamic_index_in_dim(w_gij, tile_group[q], keepdims=False)
@@ -207,6 +212,7 @@ def _tiled_bwd(tile, residuals, dy_pj):
 
 def _looped_bwd(x_pi, w_gij, tile_group, tile, dy_pj):
     """The tile loop's gradients: dx = dy . w^T per tile; dw[g] += x^T . dy for each tile of g."""
+
     def body(q, carry):
         dx_pi, dw_gij = carry
         x_ti = jax.lax.dynamic_slice_in_dim(x_pi, q * tile, tile)
@@ -217,8 +223,9 @@ def _looped_bwd(x_pi, w_gij, tile_group, tile, dy_pj):
         dw_ij = jax.lax.dynamic_index_in_dim(dw_gij, g, keepdims=False) + _dot(x_ti, dy_tj, 0, 0)
         return dx_pi, jax.lax.dynamic_update_index_in_dim(dw_gij, dw_ij, g, 0)
 
-    dx, dw = jax.lax.fori_loop(0, tile_group.shape[0], body,
-                               (jnp.zeros(x_pi.shape, x_pi.dtype), jnp.zeros(w_gij.shape, jnp.float32)))
+    dx, dw = jax.lax.fori_loop(
+        0, tile_group.shape[0], body, (jnp.zeros(x_pi.shape, x_pi.dtype), jnp.zeros(w_gij.shape, jnp.float32))
+    )
     return dx, dw.astype(w_gij.dtype)
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from engine.config import ConfigError
 

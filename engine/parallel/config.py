@@ -11,8 +11,10 @@ def unsplittable(length: int, context: int, what: str) -> str | None:
     """Why a sequence of `length` positions (`what` names the keys that set it) cannot split
     over a context axis of `context` devices; None if it can."""
     if context > 1 and length % context:
-        return (f"{what} ({length}) must be divisible by the mesh's context axis ({context} devices): "
-                f"context parallelism splits each sequence's positions over it")
+        return (
+            f"{what} ({length}) must be divisible by the mesh's context axis ({context} devices): "
+            f"context parallelism splits each sequence's positions over it"
+        )
     return None
 
 
@@ -34,7 +36,7 @@ class MeshConfig(Strict):
         return [self.data, self.expert, self.fsdp, self.context, self.tensor]
 
     @model_validator(mode="after")
-    def _check(self) -> "MeshConfig":
+    def _check(self) -> MeshConfig:
         sizes = self.sizes()
         if any(s == 0 or s < -1 for s in sizes):
             raise ValueError("mesh sizes must be positive or -1")

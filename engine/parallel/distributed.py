@@ -43,8 +43,9 @@ def maybe_initialize_distributed() -> None:
         )
     elif cluster == "slurm":
         if "SLURM_PROCID" not in os.environ:
-            raise ConfigError("TRAINFLOW_CLUSTER=slurm, but this process is not a Slurm task (no SLURM_PROCID); "
-                              "start it with srun")
+            raise ConfigError(
+                "TRAINFLOW_CLUSTER=slurm, but this process is not a Slurm task (no SLURM_PROCID); start it with srun"
+            )
         # JAX_COORDINATOR_PORT and JAX_COORDINATOR_BIND_ADDRESS, when set, are JAX's own overrides.
         jax.distributed.initialize(cluster_detection_method="slurm")
     elif cluster == "auto":

@@ -8,12 +8,13 @@ fsdp); the model splits each row's positions over `context` itself.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 from jax.experimental import mesh_utils, multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from engine.config import ConfigError
 from engine.ops.partitioning import BATCH_AXES, MESH_AXES
@@ -21,9 +22,10 @@ from engine.parallel.config import MeshConfig
 
 
 def _describe(sizes: list[int]) -> str:
-    """"data=2 fsdp=4 tensor=1", naming `expert` and `context` only when they are used."""
-    return " ".join(f"{axis}={size}" for axis, size in zip(MESH_AXES, sizes)
-                    if axis not in ("expert", "context") or size != 1)
+    """ "data=2 fsdp=4 tensor=1", naming `expert` and `context` only when they are used."""
+    return " ".join(
+        f"{axis}={size}" for axis, size in zip(MESH_AXES, sizes) if axis not in ("expert", "context") or size != 1
+    )
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -35,9 +37,7 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
         if n % known:
-            raise ConfigError(
-                f"mesh: {described} does not divide {n} devices (the fixed axes multiply to {known})"
-            )
+            raise ConfigError(f"mesh: {described} does not divide {n} devices (the fixed axes multiply to {known})")
         sizes[sizes.index(-1)] = n // known
     if math.prod(sizes) != n:
         described = _describe(sizes)

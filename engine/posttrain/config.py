@@ -136,15 +136,19 @@ class GRPOConfig(Strict):
     progress: bool = True
 
     @model_validator(mode="after")
-    def _check(self) -> "GRPOConfig":
+    def _check(self) -> GRPOConfig:
         rows = self.prompts_per_step * self.num_generations
         if rows % self.grad_accum:
-            raise ValueError(f"prompts_per_step * num_generations ({rows}) must be divisible by grad_accum "
-                             f"({self.grad_accum})")
+            raise ValueError(
+                f"prompts_per_step * num_generations ({rows}) must be divisible by grad_accum ({self.grad_accum})"
+            )
         if self.gspo_variant != "sequence" and self.algorithm != "gspo":
             raise ValueError("gspo_variant applies to algorithm: gspo only")
-        reason = unsplittable(self.max_prompt_length + self.max_completion_length, self.mesh.context,
-                              "max_prompt_length + max_completion_length")
+        reason = unsplittable(
+            self.max_prompt_length + self.max_completion_length,
+            self.mesh.context,
+            "max_prompt_length + max_completion_length",
+        )
         if reason:
             raise ValueError(reason)
         return self
@@ -159,10 +163,10 @@ class GRPOConfig(Strict):
 class DPODataConfig(Strict):
     """Preference pairs: JSONL in TRL's formats, one pair per line:
 
-        {"prompt": "...", "chosen": "...", "rejected": "..."}                      text
-        {"prompt": [messages], "chosen": [messages], "rejected": [messages]}      conversational
-        {"chosen": [messages], "rejected": [messages]}                            implicit prompt: the
-                                                                                   messages they share
+    {"prompt": "...", "chosen": "...", "rejected": "..."}                      text
+    {"prompt": [messages], "chosen": [messages], "rejected": [messages]}      conversational
+    {"chosen": [messages], "rejected": [messages]}                            implicit prompt: the
+                                                                               messages they share
     """
 
     path: str | None = None
@@ -186,10 +190,12 @@ class DPODataConfig(Strict):
     seed: int = 0
 
     @model_validator(mode="after")
-    def _check_lengths(self) -> "DPODataConfig":
+    def _check_lengths(self) -> DPODataConfig:
         if self.max_prompt_length >= self.max_length:
-            raise ValueError(f"max_prompt_length ({self.max_prompt_length}) must be below max_length "
-                             f"({self.max_length}), which leaves the completion its share")
+            raise ValueError(
+                f"max_prompt_length ({self.max_prompt_length}) must be below max_length "
+                f"({self.max_length}), which leaves the completion its share"
+            )
         return self
 
 
@@ -206,8 +212,9 @@ class DPOConfig(RunFields):
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-6, weight_decay=0.0)
     """TRL's default learning rate for DPO."""
     data: DPODataConfig = DPODataConfig()
-    loss_type: Literal["sigmoid", "robust", "hinge", "ipo", "sppo_hard", "apo_zero", "apo_down", "sigmoid_norm",
-                       "simpo"] = "sigmoid"
+    loss_type: Literal[
+        "sigmoid", "robust", "hinge", "ipo", "sppo_hard", "apo_zero", "apo_down", "sigmoid_norm", "simpo"
+    ] = "sigmoid"
     """TRL's names (engine/posttrain/preference_loss.py); simpo is reference-free (no reference model)."""
     beta: float = Field(0.1, gt=0)
     """The KL strength (DPO's beta; IPO's tau)."""
@@ -224,7 +231,7 @@ class DPOConfig(RunFields):
     """Train a LoRA adapter; the reference is then the base with the adapter off (no copy)."""
 
     @model_validator(mode="after")
-    def _check_loss(self) -> "DPOConfig":
+    def _check_loss(self) -> DPOConfig:
         if self.label_smoothing and self.loss_type not in ("robust", "simpo"):
             raise ValueError(f"label_smoothing applies to loss_type robust or simpo, not {self.loss_type}")
         if self.precompute_ref and self.loss_type == "simpo":

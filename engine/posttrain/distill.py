@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,11 +68,34 @@ METRICS = ("jsd", "nll/student", "nll/teacher")
 
 def train_config(cfg: DistillConfig, model_cfg: ModelConfig, compute: ComputeConfig) -> TrainConfig:
     """The trainer's view: SFT's rows (a sampled completion fills one row the same size)."""
-    tree = cfg.model_dump(include={"mesh", "schedule", "checkpoint", "steps", "grad_accum", "seed", "log_every",
-                                   "eval_every", "metrics_dir", "metrics", "progress", "optimizer", "lora"})
-    tree.update(model=model_cfg.model_dump(), compute=compute.model_dump(),
-                data={"seq_len": cfg.data.seq_len, "batch_size": cfg.data.batch_size, "seed": cfg.data.seed,
-                      "shuffle": cfg.data.shuffle, "packing": cfg.data.packing})
+    tree = cfg.model_dump(
+        include={
+            "mesh",
+            "schedule",
+            "checkpoint",
+            "steps",
+            "grad_accum",
+            "seed",
+            "log_every",
+            "eval_every",
+            "metrics_dir",
+            "metrics",
+            "progress",
+            "optimizer",
+            "lora",
+        }
+    )
+    tree.update(
+        model=model_cfg.model_dump(),
+        compute=compute.model_dump(),
+        data={
+            "seq_len": cfg.data.seq_len,
+            "batch_size": cfg.data.batch_size,
+            "seed": cfg.data.seed,
+            "shuffle": cfg.data.shuffle,
+            "packing": cfg.data.packing,
+        },
+    )
     try:
         return TrainConfig.model_validate(tree)
     except ValueError as e:
@@ -81,15 +105,15 @@ def train_config(cfg: DistillConfig, model_cfg: ModelConfig, compute: ComputeCon
 def batch_shapes(cfg: DistillConfig, vocab_size: int) -> dict[str, jax.ShapeDtypeStruct]:
     """One step's batch: SFT's rows plus the teacher's logits of them."""
     rows, seq_len = cfg.data.batch_size, cfg.data.seq_len
-    return {**lm_batch(rows, seq_len),
-            "teacher_logits": jax.ShapeDtypeStruct((rows, seq_len, vocab_size), np.float32)}
+    return {**lm_batch(rows, seq_len), "teacher_logits": jax.ShapeDtypeStruct((rows, seq_len, vocab_size), np.float32)}
 
 
 # --------------------------------------------------------------------------- the teacher
 
 
-def teacher_model(cfg: DistillConfig, student: ModelConfig, student_bundle: TokenizerBundle,
-                  student_tokenizer: Path) -> tuple[ModelConfig, ComputeConfig]:
+def teacher_model(
+    cfg: DistillConfig, student: ModelConfig, student_bundle: TokenizerBundle, student_tokenizer: Path
+) -> tuple[ModelConfig, ComputeConfig]:
     """The teacher's architecture and compute settings, once it is known to share the
     student's vocabulary (its vocab_size and its tokenizer's tokens and ids); else one sentence."""
     path = cfg.teacher.checkpoint
@@ -99,21 +123,27 @@ def teacher_model(cfg: DistillConfig, student: ModelConfig, student_bundle: Toke
         raise ConfigError(f"teacher.checkpoint: no checkpoint directory at {path}")
     model_cfg, stored_compute = stored_configs(path)
     if model_cfg.vocab_size != student.vocab_size:
-        raise ConfigError(f"teacher.checkpoint: the teacher's vocab_size ({model_cfg.vocab_size}, {path}) differs "
-                          f"from the student's ({student.vocab_size}, {cfg.checkpoint.init_from}); distillation "
-                          "compares next-token distributions over one vocabulary")
+        raise ConfigError(
+            f"teacher.checkpoint: the teacher's vocab_size ({model_cfg.vocab_size}, {path}) differs "
+            f"from the student's ({student.vocab_size}, {cfg.checkpoint.init_from}); distillation "
+            "compares next-token distributions over one vocabulary"
+        )
     tokenizer = Path(cfg.teacher.tokenizer) if cfg.teacher.tokenizer else Path(path).parent / TOKENIZER_DIR
     if not tokenizer.is_dir():
         raise ConfigError(f"teacher.tokenizer: no tokenizer directory at {tokenizer}; set teacher.tokenizer")
     theirs = load_saved(tokenizer).tokenizer.get_vocab(with_added_tokens=True)
     ours = student_bundle.tokenizer.get_vocab(with_added_tokens=True)
-    differ = sorted({t for t in ours.keys() | theirs.keys() if ours.get(t) != theirs.get(t)},
-                    key=lambda t: ours.get(t, theirs.get(t)))
+    differ = sorted(
+        {t for t in ours.keys() | theirs.keys() if ours.get(t) != theirs.get(t)},
+        key=lambda t: ours.get(t, theirs.get(t)),
+    )
     if differ:
-        raise ConfigError(f"teacher.tokenizer: the teacher's tokenizer ({tokenizer}) does not match the student's "
-                          f"({student_tokenizer}): {len(differ)} of {len(ours | theirs)} tokens differ (first "
-                          f"{differ[0]!r}: id {ours.get(differ[0])} for the student, {theirs.get(differ[0])} for the "
-                          "teacher), and distillation compares next-token distributions over one vocabulary")
+        raise ConfigError(
+            f"teacher.tokenizer: the teacher's tokenizer ({tokenizer}) does not match the student's "
+            f"({student_tokenizer}): {len(differ)} of {len(ours | theirs)} tokens differ (first "
+            f"{differ[0]!r}: id {ours.get(differ[0])} for the student, {theirs.get(differ[0])} for the "
+            "teacher), and distillation compares next-token distributions over one vocabulary"
+        )
     return model_cfg, cfg.teacher.compute or stored_compute
 
 
@@ -128,8 +158,9 @@ class Teacher:
         graphdef = graphdef_of(model_cfg, compute)
 
         def logits(params, batch):
-            logits_btv, _ = apply_model_with_aux(graphdef, params, batch["tokens"], batch["positions"],
-                                                 batch["segment_ids"])
+            logits_btv, _ = apply_model_with_aux(
+                graphdef, params, batch["tokens"], batch["positions"], batch["segment_ids"]
+            )
             return logits_btv.astype(jnp.float32)
 
         rows = trainer.batch_sharding
@@ -158,19 +189,25 @@ def make_loss_fn(graphdef, cfg: DistillConfig):
 
     def loss_fn(params, batch, normaliser):
         with dropout_rows(batch.get(LORA_SEED)):  # a LoRA adapter's dropout, in training steps only
-            logits_btv, moe = apply_model_with_aux(graphdef, params, batch["tokens"], batch["positions"],
-                                                   batch["segment_ids"])
+            logits_btv, moe = apply_model_with_aux(
+                graphdef, params, batch["tokens"], batch["positions"], batch["segment_ids"]
+            )
         mask_bt, teacher_btv = batch["loss_mask"], batch["teacher_logits"]
-        jsd = generalized_jsd_loss(logits_btv, teacher_btv, mask_bt, beta=cfg.beta, temperature=cfg.loss_temperature,
-                                   num_items=normaliser)
+        jsd = generalized_jsd_loss(
+            logits_btv, teacher_btv, mask_bt, beta=cfg.beta, temperature=cfg.loss_temperature, num_items=normaliser
+        )
 
         def nll(logits):
             log_z_bt, target_bt = log_z_and_target(logits, batch["targets"])
             return jnp.sum((log_z_bt - target_bt) * mask_bt) / normaliser
 
         tokens = jnp.sum(mask_bt)
-        metrics = {"jsd": jsd, "nll/student": jax.lax.stop_gradient(nll(logits_btv)), "nll/teacher": nll(teacher_btv),
-                   "tokens": tokens}
+        metrics = {
+            "jsd": jsd,
+            "nll/student": jax.lax.stop_gradient(nll(logits_btv)),
+            "nll/teacher": nll(teacher_btv),
+            "tokens": tokens,
+        }
         loss = jsd
         if moe:  # a mixture of experts keeps its router losses, weighted by this micro-batch's share of tokens
             share = tokens / normaliser
@@ -201,7 +238,7 @@ def prompt_ids(example: Example) -> np.ndarray:
     if not targets.size:
         return example.ids
     breaks = np.flatnonzero(np.diff(targets) > 1)  # where one run of targets ends and another starts
-    return example.ids[:targets[breaks[-1] + 1] if breaks.size else targets[0]]
+    return example.ids[: targets[breaks[-1] + 1] if breaks.size else targets[0]]
 
 
 def sampled_rows(prompt_tokens_bp, prompt_mask_bp, out: SampleOutput, seq_len: int) -> dict[str, np.ndarray]:
@@ -214,10 +251,15 @@ def sampled_rows(prompt_tokens_bp, prompt_mask_bp, out: SampleOutput, seq_len: i
     full = np.pad(np.concatenate([prompt_tokens_bp, out.tokens], 1), pad)
     present = np.pad(np.concatenate([prompt_mask_bp, out.mask], 1).astype(np.int32), pad)
     loss_mask = np.zeros((rows, seq_len), np.float32)
-    loss_mask[:, prompt_len - 1:width - 1] = out.mask  # completion token j is the target at prompt_len - 1 + j
+    loss_mask[:, prompt_len - 1 : width - 1] = out.mask  # completion token j is the target at prompt_len - 1 + j
     positions = np.maximum(np.cumsum(present, 1) - 1, 0) * present
-    return {"tokens": full[:, :-1].astype(np.int32), "targets": full[:, 1:].astype(np.int32),
-            "positions": positions[:, :-1].astype(np.int32), "segment_ids": present[:, :-1], "loss_mask": loss_mask}
+    return {
+        "tokens": full[:, :-1].astype(np.int32),
+        "targets": full[:, 1:].astype(np.int32),
+        "positions": positions[:, :-1].astype(np.int32),
+        "segment_ids": present[:, :-1],
+        "loss_mask": loss_mask,
+    }
 
 
 class DistillBatches:
@@ -225,29 +267,56 @@ class DistillBatches:
     the teacher samples for the data's prompts) and the teacher's logits of them. Its state is
     the data's (SFT's epoch and row) and the prompts' (epoch and index)."""
 
-    def __init__(self, cfg: DistillConfig, trainer: Trainer, model_cfg: ModelConfig, bundle: TokenizerBundle,
-                 examples: list[Example], teacher: Teacher):
+    def __init__(
+        self,
+        cfg: DistillConfig,
+        trainer: Trainer,
+        model_cfg: ModelConfig,
+        bundle: TokenizerBundle,
+        examples: list[Example],
+        teacher: Teacher,
+    ):
         self.cfg, self.trainer, self.bundle, self.teacher = cfg, trainer, bundle, teacher
-        self.rows = SFTBatches(examples, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
-                               packing=cfg.data.packing, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+        self.rows = SFTBatches(
+            examples,
+            seq_len=cfg.data.seq_len,
+            batch_size=cfg.data.batch_size,
+            packing=cfg.data.packing,
+            shuffle=cfg.data.shuffle,
+            seed=cfg.data.seed,
+        )
         self.prompts = PromptStream([{"ids": prompt_ids(e)} for e in examples], cfg.data.shuffle, cfg.data.seed)
         self.pad_id = bundle.pad_id if bundle.pad_id is not None else bundle.eos_id
         self.sampler = None
         if cfg.lmbda > 0:  # with LoRA the adapter and its frozen base side by side, never merged
-            self.sampler = Sampler(model_cfg, trainer.cfg.compute, trainer.mesh, trainer.model_param_shardings(),
-                                   lora=cfg.lora)
+            self.sampler = Sampler(
+                model_cfg, trainer.cfg.compute, trainer.mesh, trainer.model_param_shardings(), lora=cfg.lora
+            )
 
     def sample(self, state: TrainState, student: bool) -> tuple[dict[str, np.ndarray], dict[str, float]]:
         cfg, start = self.cfg, time.perf_counter()
-        prompts = [r["ids"][-cfg.prompt_length:] for r in self.prompts.take(cfg.data.batch_size)]
+        prompts = [r["ids"][-cfg.prompt_length :] for r in self.prompts.take(cfg.data.batch_size)]
         tokens, mask = left_pad(prompts, pad_id=self.pad_id, length=cfg.prompt_length)
-        sampler, params = ((self.sampler, self.trainer.model_params(state.params)) if student
-                           else (self.teacher.sampler, self.teacher.params))
+        sampler, params = (
+            (self.sampler, self.trainer.model_params(state.params))
+            if student
+            else (self.teacher.sampler, self.teacher.params)
+        )
         seed = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), state.step), int(not student))
-        out = sampler(params, tokens, mask, seed=seed, max_new_tokens=cfg.max_new_tokens,
-                      temperature=cfg.temperature, eos_ids=(self.bundle.eos_id,), pad_id=self.pad_id)
+        out = sampler(
+            params,
+            tokens,
+            mask,
+            seed=seed,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            eos_ids=(self.bundle.eos_id,),
+            pad_id=self.pad_id,
+        )
         return sampled_rows(tokens, mask, out, cfg.data.seq_len), {
-            "completion_length": float(out.lengths.mean()), "sample_seconds": time.perf_counter() - start}
+            "completion_length": float(out.lengths.mean()),
+            "sample_seconds": time.perf_counter() - start,
+        }
 
     def next_batch(self, state: TrainState):
         student = on_policy(self.cfg, state.step)
@@ -280,20 +349,29 @@ def run_distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) ->
     teacher_cfg, teacher_compute = teacher_model(cfg, model_cfg, bundle, tokenizer_dir(cfg))
     train_examples, held_out = load_examples(cfg.data, bundle)
     if held_out and not pack_rows(held_out, cfg.data.seq_len, cfg.data.packing)["loss_mask"].any():
-        raise ConfigError(f"data: the {len(held_out)} held-out examples give no completion token to evaluate "
-                          f"(empty completions, or cut off by data.seq_len {cfg.data.seq_len}); fix them, or hold out "
-                          "none")
-    log(f"distill: {len(train_examples)} training and {len(held_out)} held-out examples; a "
+        raise ConfigError(
+            f"data: the {len(held_out)} held-out examples give no completion token to evaluate "
+            f"(empty completions, or cut off by data.seq_len {cfg.data.seq_len}); fix them, or hold out "
+            "none"
+        )
+    log(
+        f"distill: {len(train_examples)} training and {len(held_out)} held-out examples; a "
         f"{teacher_cfg.num_params():,}-parameter teacher into a {model_cfg.num_params():,}-parameter student, "
-        f"beta {cfg.beta}, lmbda {cfg.lmbda}" + (", seq_kd" if cfg.seq_kd else ""))
+        f"beta {cfg.beta}, lmbda {cfg.lmbda}" + (", seq_kd" if cfg.seq_kd else "")
+    )
     trainer = Trainer(train_config(cfg, model_cfg, compute), lambda graphdef: distill_objective(graphdef, cfg))
     teacher = Teacher(cfg, trainer, teacher_cfg, teacher_compute)
     source = DistillBatches(cfg, trainer, model_cfg, bundle, train_examples, teacher)
     evaluate = None
     if held_out:
+
         def evaluate(params) -> dict[str, float]:
-            batches = eval_batches(held_out, seq_len=cfg.data.seq_len,
-                                   rows_per_batch=cfg.data.batch_size // cfg.grad_accum, packing=cfg.data.packing)
+            batches = eval_batches(
+                held_out,
+                seq_len=cfg.data.seq_len,
+                rows_per_batch=cfg.data.batch_size // cfg.grad_accum,
+                packing=cfg.data.packing,
+            )
             if cfg.data.eval_batches:
                 batches = (rows for _, rows in zip(range(cfg.data.eval_batches), batches))
             sums: dict[str, float] = {}
@@ -304,14 +382,27 @@ def run_distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) ->
                 for key in ("loss", "tokens", *METRICS):
                     sums[key] = sums.get(key, 0.0) + float(aux[key])
             tokens = max(sums["tokens"], 1.0)
-            return {"eval_loss": sums["loss"] / tokens, **{f"eval_{k}": sums[k] / tokens for k in METRICS},
-                    "eval_tokens": sums["tokens"]}
+            return {
+                "eval_loss": sums["loss"] / tokens,
+                **{f"eval_{k}": sums[k] / tokens for k in METRICS},
+                "eval_tokens": sums["tokens"],
+            }
 
-    result = run_training(trainer, source, log=log, evaluate=evaluate,
-                          meta={"stage": "distill", "distill_config": cfg.model_dump(mode="json")},
-                          logged=("loss", "grad_norm", *METRICS))
-    result.update({"train_examples": len(train_examples), "eval_examples": len(held_out),
-                   "teacher_params": teacher_cfg.num_params()})
+    result = run_training(
+        trainer,
+        source,
+        log=log,
+        evaluate=evaluate,
+        meta={"stage": "distill", "distill_config": cfg.model_dump(mode="json")},
+        logged=("loss", "grad_norm", *METRICS),
+    )
+    result.update(
+        {
+            "train_examples": len(train_examples),
+            "eval_examples": len(held_out),
+            "teacher_params": teacher_cfg.num_params(),
+        }
+    )
     return result
 
 

@@ -66,18 +66,24 @@ class DistillConfig(RunFields):
     """Train a LoRA adapter on the student instead of every weight; the stage then writes an adapter."""
 
     @model_validator(mode="after")
-    def _check_sampling(self) -> "DistillConfig":
+    def _check_sampling(self) -> DistillConfig:
         if not self.samples:
             return self
         if self.data.loss_on != "completion":
-            raise ValueError("lmbda > 0 and seq_kd sample completions for the examples' prompts, so data.loss_on "
-                             "must be completion (the prompt is what comes before the last completion)")
+            raise ValueError(
+                "lmbda > 0 and seq_kd sample completions for the examples' prompts, so data.loss_on "
+                "must be completion (the prompt is what comes before the last completion)"
+            )
         if self.max_new_tokens >= self.data.seq_len:
-            raise ValueError(f"max_new_tokens ({self.max_new_tokens}) must be below data.seq_len "
-                             f"({self.data.seq_len}), the row a prompt and its sampled completion fill")
+            raise ValueError(
+                f"max_new_tokens ({self.max_new_tokens}) must be below data.seq_len "
+                f"({self.data.seq_len}), the row a prompt and its sampled completion fill"
+            )
         if self.prompt_length + self.max_new_tokens > self.data.seq_len:
-            raise ValueError(f"max_prompt_length ({self.prompt_length}) + max_new_tokens ({self.max_new_tokens}) "
-                             f"must fit in data.seq_len ({self.data.seq_len}), the row a sampled completion fills")
+            raise ValueError(
+                f"max_prompt_length ({self.prompt_length}) + max_new_tokens ({self.max_new_tokens}) "
+                f"must fit in data.seq_len ({self.data.seq_len}), the row a sampled completion fills"
+            )
         return self
 
     @property

@@ -40,8 +40,9 @@ def per_token_jsd(student_logits_btv, teacher_logits_btv, beta: float, temperatu
     return beta * kl(teacher_btv, mixture_btv) + (1 - beta) * kl(student_btv, mixture_btv)
 
 
-def generalized_jsd_loss(student_logits_btv, teacher_logits_btv, mask_bt=None, beta: float = 0.5,
-                         temperature: float = 1.0, num_items=None):
+def generalized_jsd_loss(
+    student_logits_btv, teacher_logits_btv, mask_bt=None, beta: float = 0.5, temperature: float = 1.0, num_items=None
+):
     """TRL's scalar loss: the masked positions' JSD summed, over `num_items` if given, else
     over the masked positions' count (at least 1; without a mask, over the batch's rows)."""
     jsd_bt = per_token_jsd(student_logits_btv, teacher_logits_btv, beta, temperature)

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +46,16 @@ from engine.train.step import Objective, moe_metrics
 from engine.train.trainer import Trainer, TrainState
 
 CHOSEN, REJECTED = 1, 2  # the segment ids of a row's two sequences
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-           "logps/rejected", "logps/accuracies", "ref_logps/accuracies")
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+    "logps/accuracies",
+    "ref_logps/accuracies",
+)
 """TRL's metrics, plus how often the policy (logps/) and the reference (ref_logps/) give the
 chosen completion the higher log-probability: a preference accuracy that needs no reference,
 whose ref_ value is the start policy's."""
@@ -56,12 +65,26 @@ def train_config(cfg: DPOConfig, model_cfg: ModelConfig, compute: ComputeConfig)
     """The trainer's view: rows of 2 x max_length tokens, one pair each."""
     seq_len = 2 * cfg.data.max_length
     if cfg.data.max_length > model_cfg.max_seq_len:
-        raise ConfigError(f"data.max_length ({cfg.data.max_length}) exceeds the model's max_seq_len "
-                          f"({model_cfg.max_seq_len})")
-    tree = cfg.model_dump(exclude={"tokenizer", "data", "loss_type", "beta", "label_smoothing", "simpo_gamma",
-                                   "rpo_alpha", "precompute_ref"})
-    tree.update(model=model_cfg.model_dump(), compute=compute.model_dump(),
-                data={"seq_len": seq_len, "batch_size": cfg.data.batch_size, "seed": cfg.data.seed})
+        raise ConfigError(
+            f"data.max_length ({cfg.data.max_length}) exceeds the model's max_seq_len ({model_cfg.max_seq_len})"
+        )
+    tree = cfg.model_dump(
+        exclude={
+            "tokenizer",
+            "data",
+            "loss_type",
+            "beta",
+            "label_smoothing",
+            "simpo_gamma",
+            "rpo_alpha",
+            "precompute_ref",
+        }
+    )
+    tree.update(
+        model=model_cfg.model_dump(),
+        compute=compute.model_dump(),
+        data={"seq_len": seq_len, "batch_size": cfg.data.batch_size, "seed": cfg.data.seed},
+    )
     try:
         return TrainConfig.model_validate(tree)
     except ValueError as e:
@@ -95,7 +118,7 @@ def _encode_completion(bundle, prompt, completion, where: str, field: str) -> tu
         if not text.startswith(before):
             raise ConfigError(f"{where}: the chat template does not render the prompt as a prefix of the conversation")
         prompt_ids = bundle.tokenizer.encode(before, add_special_tokens=False).ids
-        return list(prompt_ids), list(bundle.tokenizer.encode(text[len(before):], add_special_tokens=False).ids)
+        return list(prompt_ids), list(bundle.tokenizer.encode(text[len(before) :], add_special_tokens=False).ids)
     if not isinstance(prompt, str) or not isinstance(completion, str):
         raise ConfigError(f"{where}: prompt and {field} must be strings or message lists")
     prompt_ids = bundle.tokenizer.encode(prompt, add_special_tokens=True).ids
@@ -112,21 +135,27 @@ def tokenize_pair(record: dict, where: str, bundle, data: DPODataConfig) -> Pair
     elif isinstance(chosen, list) and isinstance(rejected, list):  # implicit prompt: the shared messages
         shared = _common_prefix(chosen, rejected)
         if shared == 0:
-            raise ConfigError(f"{where}: no '{data.prompt_field}' key, and {data.chosen_field} and "
-                              f"{data.rejected_field} share no leading message to take as the prompt")
+            raise ConfigError(
+                f"{where}: no '{data.prompt_field}' key, and {data.chosen_field} and "
+                f"{data.rejected_field} share no leading message to take as the prompt"
+            )
         prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
     else:
         raise ConfigError(f"{where}: no '{data.prompt_field}' key (an implicit prompt needs message lists)")
     prompt_ids, chosen_ids = _encode_completion(bundle, prompt, chosen, where, data.chosen_field)
     _, rejected_ids = _encode_completion(bundle, prompt, rejected, where, data.rejected_field)
-    prompt_ids = prompt_ids[-data.max_prompt_length:]  # keep the prompt's end
+    prompt_ids = prompt_ids[-data.max_prompt_length :]  # keep the prompt's end
     room = data.max_length - len(prompt_ids)
-    return Pair(np.asarray(prompt_ids, np.int32), np.asarray(chosen_ids[:room], np.int32),
-                np.asarray(rejected_ids[:room], np.int32))
+    return Pair(
+        np.asarray(prompt_ids, np.int32),
+        np.asarray(chosen_ids[:room], np.int32),
+        np.asarray(rejected_ids[:room], np.int32),
+    )
 
 
-def load_pairs(data: DPODataConfig, bundle, log: Callable[[str], None], *, make_pair: Callable = tokenize_pair,
-               stage: str = "dpo") -> tuple[list[Pair], list[Pair]]:
+def load_pairs(
+    data: DPODataConfig, bundle, log: Callable[[str], None], *, make_pair: Callable = tokenize_pair, stage: str = "dpo"
+) -> tuple[list[Pair], list[Pair]]:
     """(train, held-out) pairs, tokenized by `make_pair(record, where, bundle, data)`; pairs
     whose chosen and rejected are the same are counted, reported and left out (they carry no
     preference)."""
@@ -142,8 +171,10 @@ def load_pairs(data: DPODataConfig, bundle, log: Callable[[str], None], *, make_
             else:
                 pairs.append(pair)
         if same:
-            log(f"{stage}: {len(same)} pair(s) of {path} have identical chosen and rejected completions and are "
-                f"left out (first: {same[0]})")
+            log(
+                f"{stage}: {len(same)} pair(s) of {path} have identical chosen and rejected completions and are "
+                f"left out (first: {same[0]})"
+            )
         return pairs
 
     pairs = read(data.path)
@@ -151,7 +182,7 @@ def load_pairs(data: DPODataConfig, bundle, log: Callable[[str], None], *, make_
         held_out = read(data.eval_path)
     else:
         n_eval = int(round(len(pairs) * data.eval_fraction))
-        pairs, held_out = pairs[: len(pairs) - n_eval], pairs[len(pairs) - n_eval:]
+        pairs, held_out = pairs[: len(pairs) - n_eval], pairs[len(pairs) - n_eval :]
     if not pairs:
         raise ConfigError(f"data.path: {data.path} has no preference pair to train on")
     return pairs, held_out
@@ -175,11 +206,11 @@ def pair_rows(pairs: list[Pair], max_length: int, *, whole: bool = False) -> dic
         for k, (segment, completion) in enumerate(((CHOSEN, pair.chosen), (REJECTED, pair.rejected))):
             ids = np.concatenate([pair.prompt, completion])
             m = len(ids) if whole else len(ids) - 1
-            out["tokens"][r, at:at + m] = ids[:m]
-            out["targets"][r, at:at + len(ids) - 1] = ids[1:]
-            out["positions"][r, at:at + m] = np.arange(m)
-            out["segment_ids"][r, at:at + m] = segment
-            out["loss_mask"][r, at + len(pair.prompt) - 1:at + len(ids) - 1] = 1.0  # the completion's targets
+            out["tokens"][r, at : at + m] = ids[:m]
+            out["targets"][r, at : at + len(ids) - 1] = ids[1:]
+            out["positions"][r, at : at + m] = np.arange(m)
+            out["segment_ids"][r, at : at + m] = segment
+            out["loss_mask"][r, at + len(pair.prompt) - 1 : at + len(ids) - 1] = 1.0  # the completion's targets
             if whole:
                 out["last_bk"][r, k] = at + m - 1
             at += m
@@ -196,8 +227,12 @@ def sequence_logps(logits_btv, batch):
     logp_bt = (target - log_z) * batch["loss_mask"]
     chosen_bt, rejected_bt = batch["segment_ids"] == CHOSEN, batch["segment_ids"] == REJECTED
     mask = batch["loss_mask"]
-    return (jnp.sum(logp_bt * chosen_bt, 1), jnp.sum(logp_bt * rejected_bt, 1), jnp.sum(mask * chosen_bt, 1),
-            jnp.sum(mask * rejected_bt, 1))
+    return (
+        jnp.sum(logp_bt * chosen_bt, 1),
+        jnp.sum(logp_bt * rejected_bt, 1),
+        jnp.sum(mask * chosen_bt, 1),
+        jnp.sum(mask * rejected_bt, 1),
+    )
 
 
 def make_logps_fn(graphdef):
@@ -228,27 +263,42 @@ def make_loss_fn(graphdef, cfg: DPOConfig):
         valid = (chosen_tokens > 0).astype(jnp.float32)
         ref = batch.get("ref_logps")
         ref_chosen, ref_rejected = (0.0, 0.0) if ref is None else (ref[:, 0], ref[:, 1])
-        losses = per_pair_loss(cfg.loss_type, chosen, rejected, ref_chosen, ref_rejected, chosen_tokens,
-                               rejected_tokens, beta=cfg.beta, label_smoothing=cfg.label_smoothing,
-                               simpo_gamma=cfg.simpo_gamma)
+        losses = per_pair_loss(
+            cfg.loss_type,
+            chosen,
+            rejected,
+            ref_chosen,
+            ref_rejected,
+            chosen_tokens,
+            rejected_tokens,
+            beta=cfg.beta,
+            label_smoothing=cfg.label_smoothing,
+            simpo_gamma=cfg.simpo_gamma,
+        )
         pair_loss = jnp.sum(losses * valid) / pairs
         nll_sum = -jnp.sum(chosen * valid)
         loss = pair_loss
         if cfg.rpo_alpha:  # TRL's `sft` term: the mean NLL per chosen completion token of the batch
             loss = loss + cfg.rpo_alpha * nll_sum / chosen_tokens_total
-        reward_chosen, reward_rejected = preference_rewards(cfg.loss_type, chosen, rejected, ref_chosen, ref_rejected,
-                                                            chosen_tokens, rejected_tokens, cfg.beta)
+        reward_chosen, reward_rejected = preference_rewards(
+            cfg.loss_type, chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens, cfg.beta
+        )
         share = lambda x: jnp.sum(x * valid) / pairs  # noqa: E731
-        metrics = {"loss": loss, "pair_loss": pair_loss, "pairs": jnp.sum(valid),
-                   "chosen_nll_sum": jax.lax.stop_gradient(nll_sum), "chosen_tokens": jnp.sum(chosen_tokens * valid),
-                   "rewards/chosen": share(reward_chosen),
-                   "rewards/rejected": share(reward_rejected),
-                   "rewards/margins": share(reward_chosen - reward_rejected),
-                   "rewards/accuracies": share((reward_chosen > reward_rejected).astype(jnp.float32)),
-                   "logps/chosen": share(jax.lax.stop_gradient(chosen)),
-                   "logps/rejected": share(jax.lax.stop_gradient(rejected)),
-                   "logps/accuracies": share((chosen > rejected).astype(jnp.float32)),
-                   "ref_logps/accuracies": share((ref_chosen > ref_rejected) * jnp.ones_like(chosen))}
+        metrics = {
+            "loss": loss,
+            "pair_loss": pair_loss,
+            "pairs": jnp.sum(valid),
+            "chosen_nll_sum": jax.lax.stop_gradient(nll_sum),
+            "chosen_tokens": jnp.sum(chosen_tokens * valid),
+            "rewards/chosen": share(reward_chosen),
+            "rewards/rejected": share(reward_rejected),
+            "rewards/margins": share(reward_chosen - reward_rejected),
+            "rewards/accuracies": share((reward_chosen > reward_rejected).astype(jnp.float32)),
+            "logps/chosen": share(jax.lax.stop_gradient(chosen)),
+            "logps/rejected": share(jax.lax.stop_gradient(rejected)),
+            "logps/accuracies": share((chosen > rejected).astype(jnp.float32)),
+            "ref_logps/accuracies": share((ref_chosen > ref_rejected) * jnp.ones_like(chosen)),
+        }
         if moe:  # a mixture of experts keeps its router losses, weighted by this micro-batch's share
             part = jnp.sum(valid) / pairs
             loss = loss + part * moe["aux_loss"]
@@ -296,8 +346,9 @@ class Reference:
         else:
             fn = make_logps_fn(trainer.graphdef)
             loaded = {}
-            self._params = lambda: loaded.setdefault("p", load_params(cfg.checkpoint.init_from,
-                                                                      trainer.abstract_params)[1])
+            self._params = lambda: loaded.setdefault(
+                "p", load_params(cfg.checkpoint.init_from, trainer.abstract_params)[1]
+            )
             shardings = trainer.param_shardings
         self._fn = jax.jit(fn, in_shardings=(shardings, rows), out_shardings=rows)
 
@@ -325,7 +376,7 @@ class EpochIndices:
         while len(chosen) < self.batch_size:
             order = self._order()
             take = min(self.batch_size - len(chosen), len(order) - self.index)
-            chosen += order[self.index:self.index + take].tolist()
+            chosen += order[self.index : self.index + take].tolist()
             self.index += take
             if self.index == len(order):
                 self.epoch, self.index = self.epoch + 1, 0
@@ -342,8 +393,9 @@ class PairBatches:
     """The trainer's batch source: endless batches of pair rows over epochs (EpochIndices),
     with the reference's log-probs."""
 
-    def __init__(self, pairs: list[Pair], cfg: DPOConfig, trainer: Trainer, reference: Reference,
-                 table: np.ndarray | None = None):
+    def __init__(
+        self, pairs: list[Pair], cfg: DPOConfig, trainer: Trainer, reference: Reference, table: np.ndarray | None = None
+    ):
         self.pairs, self.cfg, self.trainer, self.reference, self.table = pairs, cfg, trainer, reference, table
         self.indices = EpochIndices(len(pairs), cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
 
@@ -368,9 +420,9 @@ def reference_table(pairs: list[Pair], cfg: DPOConfig, reference: Reference, row
     """The reference's (chosen, rejected) log-probs of every pair, in batches of whole rows."""
     out = []
     for start in range(0, len(pairs), rows_per_batch):
-        chunk = pairs[start:start + rows_per_batch]
+        chunk = pairs[start : start + rows_per_batch]
         rows = pair_rows(chunk + [chunk[-1]] * (rows_per_batch - len(chunk)), cfg.data.max_length)
-        out.append(np.asarray(jax.device_get(reference(rows)))[:len(chunk)])
+        out.append(np.asarray(jax.device_get(reference(rows)))[: len(chunk)])
     return np.concatenate(out).astype(np.float32)
 
 
@@ -394,21 +446,23 @@ def run_dpo(cfg: DPOConfig, log: Callable[[str], None] | None = None) -> dict[st
     source = PairBatches(train_pairs, cfg, trainer, reference, table)
     evaluate = None
     if held_out:
+
         def evaluate(params) -> dict[str, float]:
             sums: dict[str, float] = {}
             batches = math.ceil(len(held_out) / rows_per_batch)
             if cfg.data.eval_batches:
                 batches = min(batches, cfg.data.eval_batches)
             for b in range(batches):
-                chunk = held_out[b * rows_per_batch:(b + 1) * rows_per_batch]
+                chunk = held_out[b * rows_per_batch : (b + 1) * rows_per_batch]
                 filler = rows_per_batch - len(chunk)  # rows without a completion carry no pair
                 rows = pair_rows(chunk, cfg.data.max_length)
                 rows = {k: np.concatenate([v, np.zeros((filler, *v.shape[1:]), v.dtype)]) for k, v in rows.items()}
                 batch = trainer.global_batch(rows)
                 if held_out_table is not None:
-                    ref = held_out_table[b * rows_per_batch:(b + 1) * rows_per_batch]
-                    batch["ref_logps"] = trainer.global_batch({"r": np.concatenate(
-                        [ref, np.zeros((filler, 2), np.float32)])})["r"]
+                    ref = held_out_table[b * rows_per_batch : (b + 1) * rows_per_batch]
+                    batch["ref_logps"] = trainer.global_batch(
+                        {"r": np.concatenate([ref, np.zeros((filler, 2), np.float32)])}
+                    )["r"]
                 elif reference.enabled:
                     batch["ref_logps"] = reference(rows)
                 aux = trainer.eval_step(params, batch)
@@ -416,9 +470,14 @@ def run_dpo(cfg: DPOConfig, log: Callable[[str], None] | None = None) -> dict[st
                     sums[key] = sums.get(key, 0.0) + float(aux[key])
             return held_out_metrics(sums, cfg)
 
-    result = run_training(trainer, source, log=log, evaluate=evaluate,
-                          meta={"stage": "dpo", "dpo_config": cfg.model_dump(mode="json")},
-                          logged=("loss", "grad_norm", *METRICS))
+    result = run_training(
+        trainer,
+        source,
+        log=log,
+        evaluate=evaluate,
+        meta={"stage": "dpo", "dpo_config": cfg.model_dump(mode="json")},
+        logged=("loss", "grad_norm", *METRICS),
+    )
     result.update({"train_pairs": len(train_pairs), "eval_pairs": len(held_out)})
     return result
 

@@ -65,6 +65,7 @@ def finetune_start(cfg: Any) -> tuple[ModelConfig, ComputeConfig, TokenizerBundl
             raise ConfigError(f"lora.target_modules: {e}") from None
     bundle = load_saved(tokenizer_dir(cfg))
     if bundle.vocab_size > model_cfg.vocab_size:
-        raise ConfigError(f"the tokenizer's vocabulary ({bundle.vocab_size}) is larger than the model's "
-                          f"({model_cfg.vocab_size})")
+        raise ConfigError(
+            f"the tokenizer's vocabulary ({bundle.vocab_size}) is larger than the model's ({model_cfg.vocab_size})"
+        )
     return model_cfg, compute, bundle

@@ -28,7 +28,8 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,12 +60,31 @@ def train_config(cfg: GRPOConfig, model_cfg: ModelConfig, compute: ComputeConfig
     updates, so the schedule spans steps x mu)."""
     seq_len = cfg.max_prompt_length + cfg.max_completion_length
     if seq_len > model_cfg.max_seq_len:
-        raise ConfigError(f"max_prompt_length + max_completion_length ({seq_len}) exceeds the model's max_seq_len "
-                          f"({model_cfg.max_seq_len})")
-    tree = cfg.model_dump(include={"mesh", "optimizer", "schedule", "checkpoint", "grad_accum", "seed",
-                                   "metrics_dir", "metrics", "progress", "lora"})
-    tree.update(model=model_cfg.model_dump(), compute=compute.model_dump(), steps=cfg.steps, log_every=cfg.log_every,
-                data={"seq_len": max(seq_len, 2), "batch_size": cfg.prompts_per_step * cfg.num_generations})
+        raise ConfigError(
+            f"max_prompt_length + max_completion_length ({seq_len}) exceeds the model's max_seq_len "
+            f"({model_cfg.max_seq_len})"
+        )
+    tree = cfg.model_dump(
+        include={
+            "mesh",
+            "optimizer",
+            "schedule",
+            "checkpoint",
+            "grad_accum",
+            "seed",
+            "metrics_dir",
+            "metrics",
+            "progress",
+            "lora",
+        }
+    )
+    tree.update(
+        model=model_cfg.model_dump(),
+        compute=compute.model_dump(),
+        steps=cfg.steps,
+        log_every=cfg.log_every,
+        data={"seq_len": max(seq_len, 2), "batch_size": cfg.prompts_per_step * cfg.num_generations},
+    )
     return TrainConfig.model_validate(tree)
 
 
@@ -87,7 +107,7 @@ class PromptStream:
         while len(out) < n:
             order = self._order()
             take = min(n - len(out), len(order) - self.index)
-            out += [self.records[i] for i in order[self.index:self.index + take]]
+            out += [self.records[i] for i in order[self.index : self.index + take]]
             self.index += take
             if self.index == len(order):
                 self.epoch, self.index = self.epoch + 1, 0
@@ -140,10 +160,11 @@ def make_logps_fn(graphdef, prompt_len: int, temperature: float, *, with_aux: bo
 
     def logps(params, batch):
         with dropout_rows(batch.get(LORA_SEED)):  # set in training steps only: never in the rollout's log-probs
-            logits, aux = apply_model_with_aux(graphdef, params, batch["tokens"], batch["positions"],
-                                               batch["segment_ids"])
+            logits, aux = apply_model_with_aux(
+                graphdef, params, batch["tokens"], batch["positions"], batch["segment_ids"]
+            )
         completion = batch["tokens"][:, prompt_len:]
-        out = completion_logps(logits[:, prompt_len - 1:-1], completion, temperature)
+        out = completion_logps(logits[:, prompt_len - 1 : -1], completion, temperature)
         return (out, aux) if with_aux else out
 
     return logps
@@ -157,10 +178,19 @@ def make_loss_fn(graphdef, cfg: GRPOConfig, prompt_len: int):
         (logp, entropy), moe = logps_fn(params, batch)
         mask = batch["completion_mask"]
         loss, metrics = policy_loss(
-            logp, batch.get("old_logps"), batch["advantages"][:, 0], mask, ref_logp_bt=batch.get("ref_logps"),
-            level=cfg.importance_sampling_level, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high or cfg.epsilon,
-            beta=cfg.beta, loss_type=cfg.loss_type, max_completion_length=cfg.max_completion_length,
-            total_tokens=total_tokens, accumulation_steps=cfg.grad_accum,
+            logp,
+            batch.get("old_logps"),
+            batch["advantages"][:, 0],
+            mask,
+            ref_logp_bt=batch.get("ref_logps"),
+            level=cfg.importance_sampling_level,
+            epsilon_low=cfg.epsilon,
+            epsilon_high=cfg.epsilon_high or cfg.epsilon,
+            beta=cfg.beta,
+            loss_type=cfg.loss_type,
+            max_completion_length=cfg.max_completion_length,
+            total_tokens=total_tokens,
+            accumulation_steps=cfg.grad_accum,
         )
         metrics["entropy"] = jnp.sum(entropy * mask) / jnp.maximum(jnp.sum(mask), 1.0)
         if moe:
@@ -193,28 +223,46 @@ class RolloutSource:
         # Reward models score the rollout's rows on the mesh, as they are (same tokenizer), by column.
         self.function_columns = [j for j, spec in enumerate(cfg.rewards) if spec.model is None]
         self.reward_models = {
-            j: RewardScorer(spec.model, trainer.mesh, trainer.batch_sharding, policy_tokenizer=bundle,
-                            max_length=cfg.max_prompt_length + cfg.max_completion_length, where=f"rewards.{j}.model")
-            for j, spec in enumerate(cfg.rewards) if spec.model is not None}
+            j: RewardScorer(
+                spec.model,
+                trainer.mesh,
+                trainer.batch_sharding,
+                policy_tokenizer=bundle,
+                max_length=cfg.max_prompt_length + cfg.max_completion_length,
+                where=f"rewards.{j}.model",
+            )
+            for j, spec in enumerate(cfg.rewards)
+            if spec.model is not None
+        }
         names = iter(name for name, _, _ in self.reward_fns)
-        self.reward_names = [(spec.name or "reward_model") if spec.model is not None else next(names)
-                             for spec in cfg.rewards]
+        self.reward_names = [
+            (spec.name or "reward_model") if spec.model is not None else next(names) for spec in cfg.rewards
+        ]
         # With LoRA the sampler and the log-probs read the adapter and the frozen base side by
         # side (trainer.model_params), never a merged copy.
-        self.sampler = Sampler(model_cfg, trainer.cfg.compute, trainer.mesh, trainer.model_param_shardings(),
-                               dtype=cfg.rollout_dtype, lora=cfg.lora)
+        self.sampler = Sampler(
+            model_cfg,
+            trainer.cfg.compute,
+            trainer.mesh,
+            trainer.model_param_shardings(),
+            dtype=cfg.rollout_dtype,
+            lora=cfg.lora,
+        )
         rows = trainer.batch_sharding
         logps = make_logps_fn(trainer.graphdef, cfg.max_prompt_length, cfg.temperature)
-        self.logps = jax.jit(lambda p, b: logps(p, b)[0], in_shardings=(trainer.model_param_shardings(), rows),
-                             out_shardings=rows)
+        self.logps = jax.jit(
+            lambda p, b: logps(p, b)[0], in_shardings=(trainer.model_param_shardings(), rows), out_shardings=rows
+        )
         self.ref_logps, self.ref_params = self.logps, None
         if cfg.beta != 0.0 and cfg.lora is not None:
             # The reference is the base with the adapter switched off: the same arrays the
             # policy reads, through the model without adapters (no second copy; TRL, Tunix).
-            base_logps = make_logps_fn(graphdef_of(model_cfg, trainer.cfg.compute), cfg.max_prompt_length,
-                                       cfg.temperature)
-            self.ref_logps = jax.jit(lambda p, b: base_logps(p, b)[0], in_shardings=(trainer.base_shardings, rows),
-                                     out_shardings=rows)
+            base_logps = make_logps_fn(
+                graphdef_of(model_cfg, trainer.cfg.compute), cfg.max_prompt_length, cfg.temperature
+            )
+            self.ref_logps = jax.jit(
+                lambda p, b: base_logps(p, b)[0], in_shardings=(trainer.base_shardings, rows), out_shardings=rows
+            )
         elif cfg.beta != 0.0:  # the reference is the policy the run started from
             self.ref_params = load_params(cfg.checkpoint.init_from, trainer.abstract_params)[1]
 
@@ -225,17 +273,30 @@ class RolloutSource:
         records = self.prompts.take(cfg.prompts_per_step)
         prompt_inputs = [r[cfg.data.prompt_field] for r in records]
         prompt_tokens, prompt_mask = left_pad(encode_prompts(bundle, prompt_inputs), pad_id=self.pad_id, length=P)
-        out = self.sampler(self.trainer.model_params(state.params), prompt_tokens, prompt_mask, num_generations=G,  # one prefill per prompt
-                           seed=jax.random.fold_in(jax.random.key(cfg.seed), state.step), max_new_tokens=C,
-                           temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                           eos_ids=(bundle.eos_id,), pad_id=self.pad_id)
+        out = self.sampler(
+            self.trainer.model_params(state.params),
+            prompt_tokens,
+            prompt_mask,
+            num_generations=G,  # one prefill per prompt
+            seed=jax.random.fold_in(jax.random.key(cfg.seed), state.step),
+            max_new_tokens=C,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            eos_ids=(bundle.eos_id,),
+            pad_id=self.pad_id,
+        )
         prompt_tokens, prompt_mask = np.repeat(prompt_tokens, G, 0), np.repeat(prompt_mask, G, 0)  # rows p * G + g
         rollout_seconds = time.perf_counter() - t0
 
         tokens = np.concatenate([prompt_tokens, out.tokens], 1)
         segments = np.concatenate([prompt_mask, out.mask.astype(np.int32)], 1)
-        rows = {"tokens": tokens, "segment_ids": segments, "positions": np.asarray(prompt_positions(segments)),
-                "completion_mask": out.mask.astype(np.float32)}
+        rows = {
+            "tokens": tokens,
+            "segment_ids": segments,
+            "positions": np.asarray(prompt_positions(segments)),
+            "completion_mask": out.mask.astype(np.float32),
+        }
         batch = self.trainer.global_batch(rows)  # every process sampled the whole rollout
 
         # ---- rewards (functions on the host, reward models on the mesh) and advantages
@@ -245,8 +306,14 @@ class RolloutSource:
         columns = {k: [r.get(k) for r in records for _ in range(G)] for k in names}
         per_function = np.full((len(completions), len(cfg.rewards)), np.nan)
         per_function[:, self.function_columns] = compute_rewards(
-            self.reward_fns, prompts=[p for p in prompt_inputs for _ in range(G)], completions=completions,
-            completion_ids=completion_ids, columns=columns, max_completion_length=C, step=state.step)
+            self.reward_fns,
+            prompts=[p for p in prompt_inputs for _ in range(G)],
+            completions=completions,
+            completion_ids=completion_ids,
+            columns=columns,
+            max_completion_length=C,
+            step=state.step,
+        )
         for j, scorer in self.reward_models.items():
             per_function[:, j] = scorer(batch)
         rewards, valid = total_reward(per_function, self.weights)
@@ -266,7 +333,8 @@ class RolloutSource:
             "frac_reward_zero_std": float(np.mean(np.isclose(scale_std, 0.0))),
             "reward_invalid": float((~valid).sum()),
             "completion_length": float(lengths.mean()),
-            "completion_length_min": float(lengths.min()), "completion_length_max": float(lengths.max()),
+            "completion_length_min": float(lengths.min()),
+            "completion_length_max": float(lengths.max()),
             "completion_clipped_ratio": float(np.mean(~np.isin(out.tokens, [bundle.eos_id]).any(1))),
             "rollout_seconds": rollout_seconds,
         }
@@ -288,12 +356,16 @@ def run_grpo(cfg: GRPOConfig, log: Callable[[str], None] | None = None) -> dict[
     """Train `cfg.steps` rollout batches, resuming from checkpoint.directory if it has one."""
     log = log or log_to_stderr
     if cfg.algorithm == "gspo" and cfg.loss_type != "grpo":
-        log(f"note: algorithm gspo with loss_type {cfg.loss_type}: the GSPO paper's objective is loss_type grpo "
-            f"(a mean over sequences); {cfg.loss_type} weights each sequence by its length")
+        log(
+            f"note: algorithm gspo with loss_type {cfg.loss_type}: the GSPO paper's objective is loss_type grpo "
+            f"(a mean over sequences); {cfg.loss_type} weights each sequence by its length"
+        )
     model_cfg, compute, bundle = finetune_start(cfg)
-    trainer = Trainer(train_config(cfg, model_cfg, compute),
-                      lambda graphdef: policy_objective(make_loss_fn(graphdef, cfg, cfg.max_prompt_length)),
-                      updates_per_batch=cfg.num_iterations)
+    trainer = Trainer(
+        train_config(cfg, model_cfg, compute),
+        lambda graphdef: policy_objective(make_loss_fn(graphdef, cfg, cfg.max_prompt_length)),
+        updates_per_batch=cfg.num_iterations,
+    )
     source = RolloutSource(cfg, trainer, model_cfg, bundle)
     return run_training(trainer, source, log=log, meta={"stage": "grpo", "grpo_config": cfg.model_dump(mode="json")})
 

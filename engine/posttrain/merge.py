@@ -29,13 +29,28 @@ def merge_adapter(adapter_dir: str | Path, out_dir: str | Path, step: int | None
     _, merged, _ = load_params(adapter_dir, step=step, as_numpy=True)
     _, meta = read_meta(adapter_dir, step)
     hf = read_meta(base)[1].get("hf")  # the base's Hugging Face token ids, if it was converted
-    out_meta = {"step": 0, "model": meta["model"], "compute": meta["compute"], "format": CHECKPOINT_FORMAT,
-                "stage": "merge", **({"hf": hf} if hf else {}),
-                "merged": {"adapter": str(Path(adapter_dir).absolute()), "step": step, "base": str(base),
-                           "lora": lora.model_dump(mode="json")}}
+    out_meta = {
+        "step": 0,
+        "model": meta["model"],
+        "compute": meta["compute"],
+        "format": CHECKPOINT_FORMAT,
+        "stage": "merge",
+        **({"hf": hf} if hf else {}),
+        "merged": {
+            "adapter": str(Path(adapter_dir).absolute()),
+            "step": step,
+            "base": str(base),
+            "lora": lora.model_dump(mode="json"),
+        },
+    }
     save_params(out_dir, 0, merged, out_meta)
-    return {"family": model_cfg.family, "rank": lora.rank, "adapter_step": step, "base_checkpoint": str(base),
-            "num_params": model_cfg.num_params()}
+    return {
+        "family": model_cfg.family,
+        "rank": lora.rank,
+        "adapter_step": step,
+        "base_checkpoint": str(base),
+        "num_params": model_cfg.num_params(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,8 +36,9 @@ Level = Literal["token", "sequence", "sequence_token"]
 STD_EPS = 1e-4
 
 
-def group_advantages(rewards_b: np.ndarray, valid_b: np.ndarray, group_size: int,
-                     scale: Literal["group", "batch", "none"] = "group") -> tuple[np.ndarray, np.ndarray]:
+def group_advantages(
+    rewards_b: np.ndarray, valid_b: np.ndarray, group_size: int, scale: Literal["group", "batch", "none"] = "group"
+) -> tuple[np.ndarray, np.ndarray]:
     """(advantages_b, std_g): the std each group's advantages are scaled by (its own; the
     batch's with scale "batch"; its own, unused, with "none", as TRL logs it). Completions
     marked invalid get 0 and are left out of the statistics of their group; a group whose
@@ -92,10 +93,22 @@ def log_importance_weights(logp_bt, old_logp_bt, mask_bt, level: Level):
     return jax.lax.stop_gradient(seq_b1) + logp_bt - jax.lax.stop_gradient(logp_bt)
 
 
-def policy_loss(logp_bt, old_logp_bt, advantages_b, mask_bt, *, ref_logp_bt=None, level: Level = "token",
-                epsilon_low: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.0,
-                loss_type: LossType = "dapo", max_completion_length: int | None = None,
-                total_tokens=None, accumulation_steps: int = 1):
+def policy_loss(
+    logp_bt,
+    old_logp_bt,
+    advantages_b,
+    mask_bt,
+    *,
+    ref_logp_bt=None,
+    level: Level = "token",
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    beta: float = 0.0,
+    loss_type: LossType = "dapo",
+    max_completion_length: int | None = None,
+    total_tokens=None,
+    accumulation_steps: int = 1,
+):
     """(loss, metrics) of one (micro-)batch. `old_logp_bt` None: the policy that sampled is
     the current one (mu = 1), old = stop_gradient(logp) and every ratio is exactly 1.
 

@@ -34,9 +34,19 @@ LOSS_TYPES: tuple[str, ...] = LossType.__args__
 REFERENCE_FREE = ("simpo",)
 
 
-def per_pair_loss(loss_type: str, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
-                  chosen_tokens, rejected_tokens, *, beta: float, label_smoothing: float = 0.0,
-                  simpo_gamma: float = 0.5):
+def per_pair_loss(
+    loss_type: str,
+    chosen_logps,
+    rejected_logps,
+    ref_chosen_logps,
+    ref_rejected_logps,
+    chosen_tokens,
+    rejected_tokens,
+    *,
+    beta: float,
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.5,
+):
     """(p,) losses of one preference loss type (module docstring)."""
     log_sigmoid, sigmoid = jax.nn.log_sigmoid, jax.nn.sigmoid
     if loss_type == "simpo":
@@ -49,12 +59,14 @@ def per_pair_loss(loss_type: str, chosen_logps, rejected_logps, ref_chosen_logps
     if loss_type == "sigmoid":
         return -log_sigmoid(beta * delta)
     if loss_type == "robust":  # unbiased under label noise (Chowdhury et al. 2024), as TRL
-        return (-(1 - label_smoothing) * log_sigmoid(beta * delta)
-                + label_smoothing * log_sigmoid(-beta * delta)) / (1 - 2 * label_smoothing)
+        return (-(1 - label_smoothing) * log_sigmoid(beta * delta) + label_smoothing * log_sigmoid(-beta * delta)) / (
+            1 - 2 * label_smoothing
+        )
     if loss_type == "hinge":
         return jax.nn.relu(1 - beta * delta)
-    per_token = chosen_logratios / jnp.maximum(chosen_tokens, 1.0) - rejected_logratios / jnp.maximum(rejected_tokens,
-                                                                                                        1.0)
+    per_token = chosen_logratios / jnp.maximum(chosen_tokens, 1.0) - rejected_logratios / jnp.maximum(
+        rejected_tokens, 1.0
+    )
     if loss_type == "ipo":
         return (per_token - 1 / (2 * beta)) ** 2
     if loss_type == "sigmoid_norm":
@@ -68,8 +80,16 @@ def per_pair_loss(loss_type: str, chosen_logps, rejected_logps, ref_chosen_logps
     raise AssertionError(f"unknown loss type {loss_type}")  # the config validates it
 
 
-def preference_rewards(loss_type: str, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
-                       chosen_tokens, rejected_tokens, beta: float):
+def preference_rewards(
+    loss_type: str,
+    chosen_logps,
+    rejected_logps,
+    ref_chosen_logps,
+    ref_rejected_logps,
+    chosen_tokens,
+    rejected_tokens,
+    beta: float,
+):
     """(chosen, rejected) implicit rewards, as TRL logs them (no gradient)."""
     if loss_type == "simpo":
         chosen = beta * chosen_logps / jnp.maximum(chosen_tokens, 1.0)

@@ -33,9 +33,10 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,11 +75,15 @@ EXTREMES = ("min_reward", "max_reward")
 def train_config(cfg: RewardModelConfig, model_cfg: ModelConfig, compute: ComputeConfig) -> TrainConfig:
     """The trainer's view: rows of 2 x max_length tokens, one pair each."""
     if cfg.data.max_length > model_cfg.max_seq_len:
-        raise ConfigError(f"data.max_length ({cfg.data.max_length}) exceeds the model's max_seq_len "
-                          f"({model_cfg.max_seq_len})")
+        raise ConfigError(
+            f"data.max_length ({cfg.data.max_length}) exceeds the model's max_seq_len ({model_cfg.max_seq_len})"
+        )
     tree = cfg.model_dump(exclude={"tokenizer", "data", "center_rewards_coefficient", "head_init"})
-    tree.update(model=model_cfg.model_dump(), compute=compute.model_dump(),
-                data={"seq_len": 2 * cfg.data.max_length, "batch_size": cfg.data.batch_size, "seed": cfg.data.seed})
+    tree.update(
+        model=model_cfg.model_dump(),
+        compute=compute.model_dump(),
+        data={"seq_len": 2 * cfg.data.max_length, "batch_size": cfg.data.batch_size, "seed": cfg.data.seed},
+    )
     try:
         return TrainConfig.model_validate(tree)
     except ValueError as e:
@@ -177,15 +182,23 @@ def make_loss_fn(graphdef, cfg: RewardModelConfig):
         rewards_bk = score_at(hidden, params[HEAD], batch["last_bk"])
         chosen, rejected = rewards_bk[:, 0], rewards_bk[:, 1]
         valid = batch["pair_mask"][:, 0]
-        loss = jnp.sum(pair_losses(chosen, rejected, batch["margin"][:, 0], cfg.center_rewards_coefficient)
-                       * valid) / pairs
+        loss = (
+            jnp.sum(pair_losses(chosen, rejected, batch["margin"][:, 0], cfg.center_rewards_coefficient) * valid)
+            / pairs
+        )
         share = lambda x: jnp.sum(jax.lax.stop_gradient(x) * valid) / pairs  # noqa: E731
         seen = valid[:, None] > 0
-        metrics = {"loss": loss, "pairs": jnp.sum(valid), "accuracy": share((chosen > rejected).astype(jnp.float32)),
-                   "margin": share(chosen - rejected), "mean_reward": share((chosen + rejected) / 2),
-                   "rewards/chosen": share(chosen), "rewards/rejected": share(rejected),
-                   "min_reward": jnp.min(jnp.where(seen, rewards_bk, jnp.inf)),
-                   "max_reward": jnp.max(jnp.where(seen, rewards_bk, -jnp.inf))}
+        metrics = {
+            "loss": loss,
+            "pairs": jnp.sum(valid),
+            "accuracy": share((chosen > rejected).astype(jnp.float32)),
+            "margin": share(chosen - rejected),
+            "mean_reward": share((chosen + rejected) / 2),
+            "rewards/chosen": share(chosen),
+            "rewards/rejected": share(rejected),
+            "min_reward": jnp.min(jnp.where(seen, rewards_bk, jnp.inf)),
+            "max_reward": jnp.max(jnp.where(seen, rewards_bk, -jnp.inf)),
+        }
         if moe:  # a mixture of experts keeps its router losses, weighted by this micro-batch's share
             part = jnp.sum(valid) / pairs
             loss = loss + part * moe["aux_loss"]
@@ -204,8 +217,9 @@ def reward_objective(graphdef, cfg: RewardModelConfig) -> Objective:
 
 def head_abstract(model_cfg: ModelConfig, dtype, mesh) -> jax.ShapeDtypeStruct:
     """The head's shape, dtype and sharding (the `embed` axis, as the embeddings' columns)."""
-    return jax.ShapeDtypeStruct((model_cfg.d_model,), dtype,
-                                sharding=NamedSharding(mesh, logical_to_spec(("embed",), mesh=mesh)))
+    return jax.ShapeDtypeStruct(
+        (model_cfg.d_model,), dtype, sharding=NamedSharding(mesh, logical_to_spec(("embed",), mesh=mesh))
+    )
 
 
 class RewardTrainer(Trainer):
@@ -224,10 +238,16 @@ class RewardTrainer(Trainer):
         # The optimizer and its state over the tree with the head (as Trainer.__init__ builds them).
         self.tx, self.schedule = make_optimizer(cfg.optimizer, cfg.schedule, cfg.steps, self.abstract_params)
         abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
-        self.opt_shardings = optax.tree_map_params(self.tx, lambda _, sh: sh, abstract_opt, self.param_shardings,
-                                                   transform_non_params=lambda _: replicated(self.mesh))
-        self.abstract_opt_state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
-                                               abstract_opt, self.opt_shardings)
+        self.opt_shardings = optax.tree_map_params(
+            self.tx,
+            lambda _, sh: sh,
+            abstract_opt,
+            self.param_shardings,
+            transform_non_params=lambda _: replicated(self.mesh),
+        )
+        self.abstract_opt_state = jax.tree.map(
+            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract_opt, self.opt_shardings
+        )
 
     def init_head(self) -> jax.Array:
         want = self.abstract_params[HEAD]
@@ -276,14 +296,17 @@ def is_reward_model(directory: str | Path, step: int | None = None) -> bool:
     return bool(read_meta(directory, step)[1].get("reward_model"))
 
 
-def load_reward_params(directory: str | Path, step: int | None = None) -> tuple[ModelConfig, ComputeConfig, dict,
-                                                                                 int, dict]:
+def load_reward_params(
+    directory: str | Path, step: int | None = None
+) -> tuple[ModelConfig, ComputeConfig, dict, int, dict]:
     """(architecture, compute settings, params as host numpy arrays with the head, step, meta)
     of a reward-model checkpoint; a LoRA one comes with its adapter folded into its base."""
     step, meta = read_meta(directory, step)
     if not meta.get("reward_model"):
-        raise ConfigError(f"{directory}: is not a reward model (its checkpoint meta has no 'reward_model'); "
-                          "train one with a reward_model stage or convert a *ForSequenceClassification")
+        raise ConfigError(
+            f"{directory}: is not a reward model (its checkpoint meta has no 'reward_model'); "
+            "train one with a reward_model stage or convert a *ForSequenceClassification"
+        )
     model_cfg, compute = ModelConfig.model_validate(meta["model"]), ComputeConfig.model_validate(meta["compute"])
     lora = None
     if meta.get("lora"):
@@ -293,10 +316,12 @@ def load_reward_params(directory: str | Path, step: int | None = None) -> tuple[
         shapes = split_adapter(shapes)[0]
     shapes[HEAD] = jax.ShapeDtypeStruct((model_cfg.d_model,), jax.tree.leaves(shapes)[0].dtype)
     restore_args = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype), shapes)
-    manager = ocp.CheckpointManager(Path(directory).absolute(), item_names=ITEMS,
-                                    options=ocp.CheckpointManagerOptions(read_only=True))
-    params = manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.PyTreeRestore(item=shapes, restore_args=restore_args))).params
+    manager = ocp.CheckpointManager(
+        Path(directory).absolute(), item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True)
+    )
+    params = manager.restore(
+        step, args=ocp.args.Composite(params=ocp.args.PyTreeRestore(item=shapes, restore_args=restore_args))
+    ).params
     manager.close()
     if lora is not None:
         _, base, _ = load_params(adapter_base(directory, meta), as_numpy=True)
@@ -308,8 +333,10 @@ def tokenizer_fingerprint(bundle: TokenizerBundle) -> dict:
     """What makes two tokenizers the same: the model (vocabulary, merges), added tokens,
     normalizer and pre-tokenizer, and the special tokens."""
     tree = json.loads(bundle.tokenizer.to_str())
-    return {**{k: tree.get(k) for k in ("model", "added_tokens", "normalizer", "pre_tokenizer")},
-            "special": (bundle.bos_token, bundle.eos_token, bundle.pad_token)}
+    return {
+        **{k: tree.get(k) for k in ("model", "added_tokens", "normalizer", "pre_tokenizer")},
+        "special": (bundle.bos_token, bundle.eos_token, bundle.pad_token),
+    }
 
 
 class RewardScorer:
@@ -317,25 +344,41 @@ class RewardScorer:
     global batch (tokens, positions, segment_ids; segment 0 is padding, left or right), each
     read at its last non-padding token. Jitted once per batch shape."""
 
-    def __init__(self, directory: str | Path, mesh, rows_sharding, *, policy_tokenizer: TokenizerBundle,
-                 max_length: int, where: str = "rewards.model"):
+    def __init__(
+        self,
+        directory: str | Path,
+        mesh,
+        rows_sharding,
+        *,
+        policy_tokenizer: TokenizerBundle,
+        max_length: int,
+        where: str = "rewards.model",
+    ):
         directory = Path(directory)
         tokenizer = directory.parent / TOKENIZER_DIR
         if not tokenizer.is_dir():
-            raise ConfigError(f"{where}: no {TOKENIZER_DIR}/ beside the reward model {directory}; its tokenizer "
-                              "must be the policy's")
+            raise ConfigError(
+                f"{where}: no {TOKENIZER_DIR}/ beside the reward model {directory}; its tokenizer must be the policy's"
+            )
         if tokenizer_fingerprint(load_saved(tokenizer)) != tokenizer_fingerprint(policy_tokenizer):
-            raise ConfigError(f"{where}: the reward model {directory} was trained with another tokenizer than the "
-                              "policy's; a reward model must share the policy's tokenizer")
+            raise ConfigError(
+                f"{where}: the reward model {directory} was trained with another tokenizer than the "
+                "policy's; a reward model must share the policy's tokenizer"
+            )
         model_cfg, compute, host, _, _ = load_reward_params(directory)
         if max_length > model_cfg.max_seq_len:
-            raise ConfigError(f"{where}: prompt + completion ({max_length} tokens) exceeds the reward model's "
-                              f"max_seq_len ({model_cfg.max_seq_len})")
-        abstract = {**abstract_model_params(model_cfg, compute, mesh),
-                    HEAD: head_abstract(model_cfg, host[HEAD].dtype, mesh)}
+            raise ConfigError(
+                f"{where}: prompt + completion ({max_length} tokens) exceeds the reward model's "
+                f"max_seq_len ({model_cfg.max_seq_len})"
+            )
+        abstract = {
+            **abstract_model_params(model_cfg, compute, mesh),
+            HEAD: head_abstract(model_cfg, host[HEAD].dtype, mesh),
+        }
         self.mesh = mesh
-        self.params = jax.tree.map(lambda a, want: global_array(np.asarray(a, want.dtype), want.sharding),
-                                   host, abstract)
+        self.params = jax.tree.map(
+            lambda a, want: global_array(np.asarray(a, want.dtype), want.sharding), host, abstract
+        )
         graphdef = graphdef_of(model_cfg, compute)
         fn = lambda p, b: sequence_scores(graphdef, p, b["tokens"], b["positions"], b["segment_ids"])  # noqa: E731
         shardings = jax.tree.map(lambda a: a.sharding, abstract)
@@ -355,15 +398,22 @@ def run_reward_model(cfg: RewardModelConfig, log: Callable[[str], None] | None =
     log = log or log_to_stderr
     model_cfg, compute, bundle = finetune_start(cfg)
     train_pairs, held_out = load_reward_pairs(cfg.data, bundle, log)
-    log(f"reward_model: {len(train_pairs)} training and {len(held_out)} held-out pairs, head {cfg.head_init}"
-        + (f", center_rewards_coefficient {cfg.center_rewards_coefficient}" if cfg.center_rewards_coefficient
-           is not None else ""))
-    trainer = RewardTrainer(train_config(cfg, model_cfg, compute), lambda graphdef: reward_objective(graphdef, cfg),
-                            cfg.head_init)
+    log(
+        f"reward_model: {len(train_pairs)} training and {len(held_out)} held-out pairs, head {cfg.head_init}"
+        + (
+            f", center_rewards_coefficient {cfg.center_rewards_coefficient}"
+            if cfg.center_rewards_coefficient is not None
+            else ""
+        )
+    )
+    trainer = RewardTrainer(
+        train_config(cfg, model_cfg, compute), lambda graphdef: reward_objective(graphdef, cfg), cfg.head_init
+    )
     source = RewardPairBatches(train_pairs, cfg, trainer)
     rows_per_batch = cfg.data.batch_size // cfg.grad_accum
     evaluate = None
     if held_out:
+
         def evaluate(params) -> dict[str, float]:
             sums: dict[str, float] = {}
             low, high = math.inf, -math.inf
@@ -371,21 +421,35 @@ def run_reward_model(cfg: RewardModelConfig, log: Callable[[str], None] | None =
             if cfg.data.eval_batches:
                 batches = min(batches, cfg.data.eval_batches)
             for b in range(batches):
-                chunk = held_out[b * rows_per_batch:(b + 1) * rows_per_batch]
-                aux = trainer.eval_step(params, trainer.global_batch(reward_rows(chunk, cfg.data.max_length,
-                                                                                 rows_per_batch)))
+                chunk = held_out[b * rows_per_batch : (b + 1) * rows_per_batch]
+                aux = trainer.eval_step(
+                    params, trainer.global_batch(reward_rows(chunk, cfg.data.max_length, rows_per_batch))
+                )
                 for key in ("loss", "pairs", *METRICS):
                     sums[key] = sums.get(key, 0.0) + float(aux[key])
                 low, high = min(low, float(aux["min_reward"])), max(high, float(aux["max_reward"]))
             pairs = max(sums["pairs"], 1.0)
-            return {"eval_loss": sums["loss"] / pairs, **{f"eval_{k}": sums[k] / pairs for k in METRICS},
-                    "eval_min_reward": low, "eval_max_reward": high, "eval_pairs": sums["pairs"]}
+            return {
+                "eval_loss": sums["loss"] / pairs,
+                **{f"eval_{k}": sums[k] / pairs for k in METRICS},
+                "eval_min_reward": low,
+                "eval_max_reward": high,
+                "eval_pairs": sums["pairs"],
+            }
 
-    meta = {"stage": "reward_model", "reward_model_config": cfg.model_dump(mode="json"),
-            "reward_model": {"format": REWARD_MODEL_FORMAT, "head": HEAD, "head_init": cfg.head_init,
-                             "pooling": "last_token"}}
-    result = run_training(trainer, source, log=log, evaluate=evaluate, meta=meta,
-                          logged=("loss", "grad_norm", *METRICS, *EXTREMES))
+    meta = {
+        "stage": "reward_model",
+        "reward_model_config": cfg.model_dump(mode="json"),
+        "reward_model": {
+            "format": REWARD_MODEL_FORMAT,
+            "head": HEAD,
+            "head_init": cfg.head_init,
+            "pooling": "last_token",
+        },
+    }
+    result = run_training(
+        trainer, source, log=log, evaluate=evaluate, meta=meta, logged=("loss", "grad_norm", *METRICS, *EXTREMES)
+    )
     result.update({"train_pairs": len(train_pairs), "eval_pairs": len(held_out)})
     return result
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 import importlib
 import math
 import re
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field, model_serializer, model_validator
@@ -53,7 +54,7 @@ class RewardSpec(Strict):
     """Fixed keyword arguments, e.g. {pattern: '#### (.*)'} or {tolerance: 0.01}."""
 
     @model_validator(mode="after")
-    def _one_scorer(self) -> "RewardSpec":
+    def _one_scorer(self) -> RewardSpec:
         if (self.function is None) == (self.model is None):
             raise ValueError("a reward term has either a `function` or a `model` (a reward model), not both")
         if self.model is not None and self.kwargs:
@@ -111,8 +112,14 @@ def _to_number(text: str | None) -> float | None:
         return None
 
 
-def numeric_match(completions, pattern: str | None = None, answer_field: str = "answer", tolerance: float = 1e-6,
-                  relative: bool = False, **kwargs) -> list[float]:
+def numeric_match(
+    completions,
+    pattern: str | None = None,
+    answer_field: str = "answer",
+    tolerance: float = 1e-6,
+    relative: bool = False,
+    **kwargs,
+) -> list[float]:
     """1.0 if the last number in the extracted answer is within tolerance of the answer.
 
     `relative`: the tolerance is a fraction of |answer|. No number in the completion: 0.0.
@@ -128,16 +135,18 @@ def numeric_match(completions, pattern: str | None = None, answer_field: str = "
     return rewards
 
 
-def regex(completions, pattern: str, mode: Literal["search", "match", "fullmatch"] = "fullmatch",
-          **kwargs) -> list[float]:
+def regex(
+    completions, pattern: str, mode: Literal["search", "match", "fullmatch"] = "fullmatch", **kwargs
+) -> list[float]:
     """1.0 if the completion matches `pattern` (re.DOTALL), else 0.0."""
     compiled = re.compile(pattern, flags=re.DOTALL)
     match = getattr(compiled, mode)
     return [float(match(c) is not None) for c in completions]
 
 
-def length_penalty(completion_ids, max_completion_length: int, max_length: int | None = None,
-                   buffer: int | None = None, **kwargs) -> list[float]:
+def length_penalty(
+    completion_ids, max_completion_length: int, max_length: int | None = None, buffer: int | None = None, **kwargs
+) -> list[float]:
     """DAPO's soft overlong punishment (arXiv:2503.14476, eq. 13), in tokens.
 
     max_length defaults to max_completion_length, buffer to a quarter of it.
@@ -157,7 +166,10 @@ def length_penalty(completion_ids, max_completion_length: int, max_length: int |
 
 
 BUILTIN: dict[str, Callable] = {
-    "exact_match": exact_match, "numeric_match": numeric_match, "regex": regex, "length_penalty": length_penalty,
+    "exact_match": exact_match,
+    "numeric_match": numeric_match,
+    "regex": regex,
+    "length_penalty": length_penalty,
 }
 
 
@@ -172,8 +184,9 @@ def load_reward(spec: RewardSpec) -> tuple[str, Callable]:
         return spec.name or spec.function, BUILTIN[spec.function]
     module_name, sep, attr = spec.function.partition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"rewards: '{spec.function}' is neither a built-in ({', '.join(BUILTIN)}) "
-                          "nor of the form module:function")
+        raise ConfigError(
+            f"rewards: '{spec.function}' is neither a built-in ({', '.join(BUILTIN)}) nor of the form module:function"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -184,15 +197,29 @@ def load_reward(spec: RewardSpec) -> tuple[str, Callable]:
     return spec.name or attr, fn
 
 
-def compute_rewards(rewards: list[tuple[str, Callable, RewardSpec]], *, prompts: list, completions: list[str],
-                    completion_ids: list[list[int]], columns: dict[str, list], max_completion_length: int,
-                    step: int) -> np.ndarray:
+def compute_rewards(
+    rewards: list[tuple[str, Callable, RewardSpec]],
+    *,
+    prompts: list,
+    completions: list[str],
+    completion_ids: list[list[int]],
+    columns: dict[str, list],
+    max_completion_length: int,
+    step: int,
+) -> np.ndarray:
     """(completions, functions) float64 rewards, NaN where a function gave None or NaN."""
     out = np.full((len(completions), len(rewards)), np.nan)
     for j, (name, fn, spec) in enumerate(rewards):
         try:
-            values = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns,
-                        max_completion_length=max_completion_length, step=step, **spec.kwargs)
+            values = fn(
+                prompts=prompts,
+                completions=completions,
+                completion_ids=completion_ids,
+                **columns,
+                max_completion_length=max_completion_length,
+                step=step,
+                **spec.kwargs,
+            )
         except Exception as e:  # noqa: BLE001 - any failure of user code fails the stage, named
             raise RewardError(f"reward function '{name}' raised {type(e).__name__}: {e}") from e
         if values is None or len(values) != len(completions):

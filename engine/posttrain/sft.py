@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -45,8 +46,13 @@ def train_config(cfg: SFTConfig, model_cfg: ModelConfig, compute: ComputeConfig)
     """The trainer's view of an SFT run."""
     tree = cfg.model_dump(exclude={"tokenizer", "data"})
     tree["model"], tree["compute"] = model_cfg.model_dump(), compute.model_dump()
-    tree["data"] = {"seq_len": cfg.data.seq_len, "batch_size": cfg.data.batch_size, "seed": cfg.data.seed,
-                    "shuffle": cfg.data.shuffle, "packing": cfg.data.packing}
+    tree["data"] = {
+        "seq_len": cfg.data.seq_len,
+        "batch_size": cfg.data.batch_size,
+        "seed": cfg.data.seed,
+        "shuffle": cfg.data.shuffle,
+        "packing": cfg.data.packing,
+    }
     try:
         return TrainConfig.model_validate(tree)
     except ValueError as e:
@@ -101,8 +107,12 @@ def tokenize_example(record: dict, where: str, bundle, data: SFTDataConfig) -> E
                     raise ConfigError("prompt and completion must be strings or message lists")
                 encoding = bundle.tokenizer.encode(prompt + completion, add_special_tokens=True)
                 # Specials the post-processor adds (bos) have offset (0, 0): they count as prompt.
-                starts = np.array([s if not special else -1
-                                   for (s, _), special in zip(encoding.offsets, encoding.special_tokens_mask)])
+                starts = np.array(
+                    [
+                        s if not special else -1
+                        for (s, _), special in zip(encoding.offsets, encoding.special_tokens_mask)
+                    ]
+                )
                 ids = list(encoding.ids) + [bundle.eos_id]
                 loss = np.append((starts >= len(prompt)).astype(np.float32), 1.0)
     except ConfigError as e:
@@ -124,7 +134,7 @@ def load_examples(data: SFTDataConfig, bundle) -> tuple[list[Example], list[Exam
         held_out = [tokenize_example(r, where, bundle, data) for where, r in read_jsonl(data.eval_path)]
     else:
         n_eval = int(round(len(examples) * data.eval_fraction))
-        examples, held_out = examples[: len(examples) - n_eval], examples[len(examples) - n_eval:]
+        examples, held_out = examples[: len(examples) - n_eval], examples[len(examples) - n_eval :]
     if not examples:
         raise ConfigError(f"data.path: {data.path} has no training examples")
     if not any(e.loss[1:].any() for e in examples):
@@ -158,11 +168,11 @@ def pack_rows(examples: list[Example], seq_len: int, packing: bool) -> dict[str,
         at = 0
         for segment, example in enumerate(row, 1):
             n = min(len(example.ids) - 1, seq_len)
-            out["tokens"][r, at:at + n] = example.ids[:n]
-            out["targets"][r, at:at + n] = example.ids[1:n + 1]
-            out["positions"][r, at:at + n] = np.arange(n)
-            out["segment_ids"][r, at:at + n] = segment
-            out["loss_mask"][r, at:at + n] = example.loss[1:n + 1]
+            out["tokens"][r, at : at + n] = example.ids[:n]
+            out["targets"][r, at : at + n] = example.ids[1 : n + 1]
+            out["positions"][r, at : at + n] = np.arange(n)
+            out["segment_ids"][r, at : at + n] = segment
+            out["loss_mask"][r, at : at + n] = example.loss[1 : n + 1]
             at += n
     return out
 
@@ -173,8 +183,9 @@ class SFTBatches:
     Every process packs the same rows; the trainer keeps the ones its devices hold.
     """
 
-    def __init__(self, examples: list[Example], *, seq_len: int, batch_size: int, packing: bool, shuffle: bool,
-                 seed: int):
+    def __init__(
+        self, examples: list[Example], *, seq_len: int, batch_size: int, packing: bool, shuffle: bool, seed: int
+    ):
         self.examples, self.seq_len, self.batch_size = examples, seq_len, batch_size
         self.packing, self.shuffle, self.seed = packing, shuffle, seed
         self.epoch, self.row = 0, 0
@@ -197,7 +208,7 @@ class SFTBatches:
         while needed:
             rows = self._epoch_rows()
             take = min(needed, len(rows["tokens"]) - self.row)
-            pieces.append({k: v[self.row:self.row + take] for k, v in rows.items()})
+            pieces.append({k: v[self.row : self.row + take] for k, v in rows.items()})
             self.row += take
             needed -= take
             if self.row == len(rows["tokens"]):
@@ -219,7 +230,7 @@ def eval_batches(examples: list[Example], *, seq_len: int, rows_per_batch: int, 
     padded = math.ceil(n / rows_per_batch) * rows_per_batch
     rows = {k: np.concatenate([v, np.zeros((padded - n, *v.shape[1:]), v.dtype)]) for k, v in rows.items()}
     for start in range(0, padded, rows_per_batch):
-        yield {k: v[start:start + rows_per_batch] for k, v in rows.items()}
+        yield {k: v[start : start + rows_per_batch] for k, v in rows.items()}
 
 
 # --------------------------------------------------------------------------- the run
@@ -232,27 +243,48 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] | None = None) -> dict[st
     train_examples, held_out = load_examples(cfg.data, bundle)
     log(f"sft: {len(train_examples)} training and {len(held_out)} held-out examples")
     if held_out and not pack_rows(held_out, cfg.data.seq_len, cfg.data.packing)["loss_mask"].any():
-        where = (f"data.eval_path: {cfg.data.eval_path}" if cfg.data.eval_path
-                 else f"data.eval_fraction: the last {len(held_out)} examples of {cfg.data.path}")
+        where = (
+            f"data.eval_path: {cfg.data.eval_path}"
+            if cfg.data.eval_path
+            else f"data.eval_fraction: the last {len(held_out)} examples of {cfg.data.path}"
+        )
         raise ConfigError(  # caught before step 1, not at the first evaluation
             f"{where}: the held-out examples give no token to evaluate (empty completions or assistant turns, "
-            f"or cut off by data.seq_len {cfg.data.seq_len}); fix them, or hold out none")
+            f"or cut off by data.seq_len {cfg.data.seq_len}); fix them, or hold out none"
+        )
     tcfg = train_config(cfg, model_cfg, compute)
     trainer = Trainer(tcfg)
-    batches = SFTBatches(train_examples, seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
-                         packing=cfg.data.packing, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    batches = SFTBatches(
+        train_examples,
+        seq_len=cfg.data.seq_len,
+        batch_size=cfg.data.batch_size,
+        packing=cfg.data.packing,
+        shuffle=cfg.data.shuffle,
+        seed=cfg.data.seed,
+    )
     evaluate = None
     if held_out:
+
         def evaluate(params) -> dict[str, float]:
-            rows = eval_batches(held_out, seq_len=cfg.data.seq_len, rows_per_batch=cfg.data.batch_size // cfg.grad_accum,
-                                packing=cfg.data.packing)
+            rows = eval_batches(
+                held_out,
+                seq_len=cfg.data.seq_len,
+                rows_per_batch=cfg.data.batch_size // cfg.grad_accum,
+                packing=cfg.data.packing,
+            )
             if cfg.data.eval_batches:
                 rows = (batch for i, batch in zip(range(cfg.data.eval_batches), rows))
             return trainer.held_out_loss(params, rows)
 
-    result = run_training(trainer, IteratorSource(trainer, batches), log=log, evaluate=evaluate,
-                          meta={"stage": "sft", "sft_config": cfg.model_dump(mode="json")},
-                          tokens_per_step=cfg.data.batch_size * cfg.data.seq_len, logged=("loss", "grad_norm"))
+    result = run_training(
+        trainer,
+        IteratorSource(trainer, batches),
+        log=log,
+        evaluate=evaluate,
+        meta={"stage": "sft", "sft_config": cfg.model_dump(mode="json")},
+        tokens_per_step=cfg.data.batch_size * cfg.data.seq_len,
+        logged=("loss", "grad_norm"),
+    )
     result.update({"train_examples": len(train_examples), "eval_examples": len(held_out)})
     return result
 

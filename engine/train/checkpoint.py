@@ -20,15 +20,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import SingleDeviceSharding
 from etils import epath
 from jax.experimental import multihost_utils
+from jax.sharding import SingleDeviceSharding
 
 from engine.config import ConfigError
 from engine.contract import CHECKPOINT_FORMAT
@@ -51,8 +52,13 @@ class _ReadOnlyNotices(logging.Filter):
     off, the directory) and when it is closed, though reading read-only is exactly what
     `load_params` and `stored_configs` mean to do. Drops those messages, nothing else."""
 
-    MESSAGES = frozenset({"Given directory is read only=%s", "%s is read only, save will be skipped",
-                          "%s is read only, delete will be skipped"})
+    MESSAGES = frozenset(
+        {
+            "Given directory is read only=%s",
+            "%s is read only, save will be skipped",
+            "%s is read only, delete will be skipped",
+        }
+    )
     PREFIX = "CheckpointManagerOptions.read_only=True, setting "
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -90,11 +96,14 @@ def _sha256(path: epath.Path) -> str:
 def write_digests(step_dir: str | Path, step: int | None = None) -> None:
     """Record size and sha256 of every file of a step in `<step_dir>/digests.json` (atomically)."""
     step_dir = epath.Path(step_dir)
-    files = {rel: {"size": (step_dir / rel).stat().length, "sha256": _sha256(step_dir / rel)}
-             for rel in _step_files(step_dir)}
+    files = {
+        rel: {"size": (step_dir / rel).stat().length, "sha256": _sha256(step_dir / rel)}
+        for rel in _step_files(step_dir)
+    }
     tmp = step_dir / (DIGESTS_FILE + ".tmp")
-    tmp.write_text(json.dumps({"format": DIGESTS_FORMAT, "step": step, "algorithm": "sha256", "files": files},
-                              indent=1))
+    tmp.write_text(
+        json.dumps({"format": DIGESTS_FORMAT, "step": step, "algorithm": "sha256", "files": files}, indent=1)
+    )
     tmp.rename(step_dir / DIGESTS_FILE)
 
 
@@ -147,8 +156,11 @@ class Checkpointer:
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
-            cleanup_tmp_directories=True, temporary_path_class=_recording_digests(self.directory),
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            create=True,
+            cleanup_tmp_directories=True,
+            temporary_path_class=_recording_digests(self.directory),
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
         self._problems: dict[int, list[str]] = {}  # verification results; files do not change under a run
@@ -166,8 +178,10 @@ class Checkpointer:
                 if step not in self._problems:
                     self._problems[step] = verify_step(self.directory, step)
                     if self._problems[step] and log:
-                        log(f"checkpoint step {step} in {self.directory} failed verification: "
-                            f"{_describe(self._problems[step])}")
+                        log(
+                            f"checkpoint step {step} in {self.directory} failed verification: "
+                            f"{_describe(self._problems[step])}"
+                        )
                 if not self._problems[step]:
                     found = step
                     break
@@ -184,10 +198,13 @@ class Checkpointer:
         if newer and step is None:
             raise CorruptCheckpoint(
                 f"checkpoint.directory: no step in {self.directory} matches its digests (steps "
-                f"{', '.join(map(str, sorted(newer)))}); move the directory away to train from scratch")
+                f"{', '.join(map(str, sorted(newer)))}); move the directory away to train from scratch"
+            )
         if newer:
-            log(f"falling back to checkpoint step {step}, the newest intact one; removing step(s) "
-                f"{', '.join(map(str, sorted(newer)))}")
+            log(
+                f"falling back to checkpoint step {step}, the newest intact one; removing step(s) "
+                f"{', '.join(map(str, sorted(newer)))}"
+            )
             for bad in newer:
                 self.manager.delete(bad)
                 self._problems.pop(bad, None)
@@ -231,14 +248,19 @@ def save_params(directory: str | Path, step: int, params, meta: dict) -> None:
     on weights). Do not modify them until this returns.
     """
     registry = ocp.type_handlers.create_type_handler_registry(
-        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)))
-    handlers = {"params": ocp.PyTreeCheckpointHandler(use_compression=False, type_handler_registry=registry),
-                "meta": ocp.JsonCheckpointHandler()}
+        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False))
+    )
+    handlers = {
+        "params": ocp.PyTreeCheckpointHandler(use_compression=False, type_handler_registry=registry),
+        "meta": ocp.JsonCheckpointHandler(),
+    }
     directory = Path(directory).absolute()
     manager = ocp.CheckpointManager(
-        directory, item_handlers=handlers,
-        options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True,
-                                             temporary_path_class=_recording_digests(directory)),
+        directory,
+        item_handlers=handlers,
+        options=ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=False, create=True, temporary_path_class=_recording_digests(directory)
+        ),
     )
     manager.save(step, args=ocp.args.Composite(params=ocp.args.PyTreeSave(params), meta=ocp.args.JsonSave(meta)))
     manager.close()
@@ -254,8 +276,9 @@ def normalise_meta(meta: dict) -> dict:
     for key in ComputeConfig.model_fields:
         if key in model:
             compute.setdefault(key, model.pop(key))
-    meta.update(model=model, compute=ComputeConfig.model_validate(compute).model_dump(mode="json"),
-                format=CHECKPOINT_FORMAT)
+    meta.update(
+        model=model, compute=ComputeConfig.model_validate(compute).model_dump(mode="json"), format=CHECKPOINT_FORMAT
+    )
     return meta
 
 
@@ -289,12 +312,15 @@ def adapter_base(directory: str | Path, meta: dict) -> Path:
     for candidate in candidates:
         if candidate.is_dir():
             return candidate.resolve()
-    raise ConfigError(f"{directory}: holds a LoRA adapter whose base checkpoint {lora['base_checkpoint']} is gone; "
-                      "restore the base artifact (trainflow lineage names it)")
+    raise ConfigError(
+        f"{directory}: holds a LoRA adapter whose base checkpoint {lora['base_checkpoint']} is gone; "
+        "restore the base artifact (trainflow lineage names it)"
+    )
 
 
-def load_params(directory: str | Path, abstract_params=None, step: int | None = None, *,
-                as_numpy: bool = False) -> tuple[ModelConfig, Any, int]:
+def load_params(
+    directory: str | Path, abstract_params=None, step: int | None = None, *, as_numpy: bool = False
+) -> tuple[ModelConfig, Any, int]:
     """Params of the latest checkpoint in `directory`: (model config, params, step).
 
     `abstract_params` (ShapeDtypeStructs with shardings) places them on a mesh, in the dtypes
@@ -340,10 +366,12 @@ def load_adapter(directory: str | Path, step: int | None = None) -> tuple[ModelC
     base = adapter_base(directory, meta)
     shapes = split_adapter(abstract_model_params(model_cfg, compute, None, lora))[0]
     restore_args = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype), shapes)
-    manager = ocp.CheckpointManager(Path(directory).absolute(), item_names=ITEMS,
-                                    options=ocp.CheckpointManagerOptions(read_only=True))
-    restored = manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.PyTreeRestore(item=shapes, restore_args=restore_args)))
+    manager = ocp.CheckpointManager(
+        Path(directory).absolute(), item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True)
+    )
+    restored = manager.restore(
+        step, args=ocp.args.Composite(params=ocp.args.PyTreeRestore(item=shapes, restore_args=restore_args))
+    )
     manager.close()
     return model_cfg, lora, restored.params, step, base
 
@@ -352,14 +380,17 @@ def _load_merged(directory, meta, step, abstract_params, as_numpy):
     model_cfg, lora, adapter, step, base_dir = load_adapter(directory, step)
     base_cfg, base, _ = load_params(base_dir, as_numpy=True)
     if base_cfg != model_cfg:
-        raise ConfigError(f"{directory}: the adapter was trained on a {model_cfg.family} model that differs from "
-                          f"its base checkpoint {base_dir} ({base_cfg.family})")
+        raise ConfigError(
+            f"{directory}: the adapter was trained on a {model_cfg.family} model that differs from "
+            f"its base checkpoint {base_dir} ({base_cfg.family})"
+        )
     merged = merge_into_base(join(adapter, base), lora.scale)
     if as_numpy:
         return model_cfg, merged, step
     if abstract_params is None:
         here = SingleDeviceSharding(jax.local_devices()[0])
         return model_cfg, jax.tree.map(lambda a: jax.device_put(a, here), merged), step
-    placed = jax.tree.map(lambda a, want: global_array(np.asarray(a, want.dtype), want.sharding),
-                          merged, abstract_params)
+    placed = jax.tree.map(
+        lambda a, want: global_array(np.asarray(a, want.dtype), want.sharding), merged, abstract_params
+    )
     return model_cfg, placed, step

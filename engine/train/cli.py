@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from pydantic import BaseModel
 
@@ -18,23 +18,41 @@ from engine.train.trainer import Preempted, TrainingError
 def usage(module: str, schema: type[BaseModel], plan: bool = False) -> str:
     """The help text: the command line, then each config section or key with its first doc line."""
     command = f"python -m {module} CONFIG.yaml [key=value ...]" + (" [--plan [--target TARGET]]" if plan else "")
-    lines = [f"usage: {command}", "",
-             (schema.__doc__ or "").strip().splitlines()[0], "",
-             "Config sections and keys (override any with a dotted key=value, e.g. steps=200 model.num_layers=4):"]
+    lines = [
+        f"usage: {command}",
+        "",
+        (schema.__doc__ or "").strip().splitlines()[0],
+        "",
+        "Config sections and keys (override any with a dotted key=value, e.g. steps=200 model.num_layers=4):",
+    ]
     for name, field in schema.model_fields.items():
-        section = next((a for a in getattr(field.annotation, "__args__", (field.annotation,))
-                        if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        section = next(
+            (
+                a
+                for a in getattr(field.annotation, "__args__", (field.annotation,))
+                if isinstance(a, type) and issubclass(a, BaseModel)
+            ),
+            None,
+        )
         doc = field.description or (section.__doc__ if section else "") or ""
-        default = "" if section or field.is_required() else f" (default {field.get_default(call_default_factory=True)!r})"
-        lines.append(f"  {name + ('.*' if section else ''):<18} {doc.strip().splitlines()[0] if doc.strip() else ''}"
-                     f"{default}")
-    lines += ["", f"Exit codes: {EXIT_OK} success, {EXIT_CONFIG_ERROR} bad config or input (one line), "
-              f"{EXIT_FAILED} the run failed, {EXIT_PREEMPTED} stopped by SIGTERM after saving a checkpoint.",
-              'The last stdout line is {"result": {...final metrics...}}.']
+        default = (
+            "" if section or field.is_required() else f" (default {field.get_default(call_default_factory=True)!r})"
+        )
+        lines.append(
+            f"  {name + ('.*' if section else ''):<18} {doc.strip().splitlines()[0] if doc.strip() else ''}{default}"
+        )
+    lines += [
+        "",
+        f"Exit codes: {EXIT_OK} success, {EXIT_CONFIG_ERROR} bad config or input (one line), "
+        f"{EXIT_FAILED} the run failed, {EXIT_PREEMPTED} stopped by SIGTERM after saving a checkpoint.",
+        'The last stdout line is {"result": {...final metrics...}}.',
+    ]
     if plan:
-        lines += ["--plan: compile one training step for TARGET (a TPU slice such as v5e-16, a GPU host such as "
-                  "h100x8, or local, the default) and print its memory per device, FLOPs and roofline; exit "
-                  f"{EXIT_FAILED} if it does not fit."]
+        lines += [
+            "--plan: compile one training step for TARGET (a TPU slice such as v5e-16, a GPU host such as "
+            "h100x8, or local, the default) and print its memory per device, FLOPs and roofline; exit "
+            f"{EXIT_FAILED} if it does not fit."
+        ]
     return "\n".join(lines)
 
 
@@ -55,8 +73,14 @@ def plan_arguments(argv: list[str]) -> tuple[list[str], str | None]:
     return rest, target
 
 
-def run_cli(argv: list[str] | None, module: str, schema: type[BaseModel], run: Callable,
-            failures: tuple = (), plan: Callable | None = None) -> int:
+def run_cli(
+    argv: list[str] | None,
+    module: str,
+    schema: type[BaseModel],
+    run: Callable,
+    failures: tuple = (),
+    plan: Callable | None = None,
+) -> int:
     """Load CONFIG.yaml with overrides, join a multi-process run if launched as one, run.
 
     With `--plan [--target NAME]`, `plan(cfg, NAME)` runs instead: the preflight, which exits

@@ -149,9 +149,7 @@ class TrainConfig(RunFields):
     (engine/models/lora.py): the state, optimizer and checkpoints hold the adapter alone."""
 
     @model_validator(mode="after")
-    def _check_length(self) -> "TrainConfig":
+    def _check_length(self) -> TrainConfig:
         if self.data.seq_len > self.model.max_seq_len:
-            raise ValueError(
-                f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})"
-            )
+            raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
         return self

@@ -19,8 +19,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 from tqdm import tqdm
@@ -40,8 +41,13 @@ def log_to_stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def log_metrics(writer: MetricsWriter, *, tokens_per_step: int | None = None, progress: tqdm | None = None,
-                keys: tuple[str, ...] | None = None) -> Callable[[StepInfo], dict]:
+def log_metrics(
+    writer: MetricsWriter,
+    *,
+    tokens_per_step: int | None = None,
+    progress: tqdm | None = None,
+    keys: tuple[str, ...] | None = None,
+) -> Callable[[StepInfo], dict]:
     """Write the step's metrics. `keys`: which of the update's metrics to log (None: all);
     with `tokens_per_step`, also tokens/s, TFLOP/s per device and MFU since the last log."""
     peak = flops_token = None
@@ -54,17 +60,23 @@ def log_metrics(writer: MetricsWriter, *, tokens_per_step: int | None = None, pr
         update = info.scalars([*keys, *moe] if keys else [k for k in info.metrics if k not in _NOT_LOGGED])
         if "grad_norm" not in update:
             update["grad_norm"] = float(info.metrics["grad_norm"])
-        values = {**info.source_metrics, **update,
-                  "learning_rate": float(trainer.schedule(info.step * trainer.updates_per_batch - 1))}
+        values = {
+            **info.source_metrics,
+            **update,
+            "learning_rate": float(trainer.schedule(info.step * trainer.updates_per_batch - 1)),
+        }
         if tokens_per_step:
             if peak is None:
                 peak, _ = peak_flops()
                 flops_token = flops_per_token(cfg.model, cfg.data.seq_len)
-            tokens_per_second = (info.steps_timed * tokens_per_step / info.seconds_timed
-                                 if info.steps_timed else float("nan"))
-            values.update(tokens_per_second=tokens_per_second,
-                          tflops_per_device=tokens_per_second * flops_token / jax.device_count() / 1e12,
-                          mfu=tokens_per_second * flops_token / peak)
+            tokens_per_second = (
+                info.steps_timed * tokens_per_step / info.seconds_timed if info.steps_timed else float("nan")
+            )
+            values.update(
+                tokens_per_second=tokens_per_second,
+                tflops_per_device=tokens_per_second * flops_token / jax.device_count() / 1e12,
+                mfu=tokens_per_second * flops_token / peak,
+            )
             if progress is not None:
                 progress.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{tokens_per_second:,.0f}")
         writer.write(info.step, values)
@@ -84,8 +96,9 @@ def evaluate_held_out(writer: MetricsWriter, evaluate: Callable[[Any], dict]) ->
 
 def save_checkpoint(checkpointer: Checkpointer, source: BatchSource, meta: dict) -> Callable[[StepInfo], None]:
     def hook(info: StepInfo) -> None:
-        checkpointer.save(info.step, info.state.params, info.state.opt_state, {**meta, "step": info.step},
-                          source.get_state())
+        checkpointer.save(
+            info.step, info.state.params, info.state.opt_state, {**meta, "step": info.step}, source.get_state()
+        )
 
     return hook
 
@@ -123,18 +136,34 @@ def finish_final_step(writer: MetricsWriter, metrics_dir: str | Path, state, eva
 def checkpoint_meta(trainer: Trainer, **extra) -> dict:
     """What every checkpoint records besides its arrays (engine.contract.CHECKPOINT_FORMAT)."""
     cfg = trainer.cfg
-    meta = {"config": cfg.model_dump(mode="json"), "model": cfg.model.model_dump(mode="json"),
-            "compute": cfg.compute.model_dump(mode="json"), "seed": cfg.seed, "format": CHECKPOINT_FORMAT, **extra}
+    meta = {
+        "config": cfg.model_dump(mode="json"),
+        "model": cfg.model.model_dump(mode="json"),
+        "compute": cfg.compute.model_dump(mode="json"),
+        "seed": cfg.seed,
+        "format": CHECKPOINT_FORMAT,
+        **extra,
+    }
     if cfg.lora is not None:  # the params are an adapter of this base (engine/models/lora.py)
         base = Path(cfg.checkpoint.init_from).absolute()
-        meta["lora"] = {**cfg.lora.model_dump(mode="json"), "base_checkpoint": str(base),
-                        "base_relative": os.path.relpath(base, Path(cfg.checkpoint.directory).absolute())}
+        meta["lora"] = {
+            **cfg.lora.model_dump(mode="json"),
+            "base_checkpoint": str(base),
+            "base_relative": os.path.relpath(base, Path(cfg.checkpoint.directory).absolute()),
+        }
     return meta
 
 
-def run_training(trainer: Trainer, source: BatchSource, *, log: Callable[[str], None],
-                 evaluate: Callable[[Any], dict] | None = None, meta: dict | None = None,
-                 tokens_per_step: int | None = None, logged: tuple[str, ...] | None = None) -> dict[str, Any]:
+def run_training(
+    trainer: Trainer,
+    source: BatchSource,
+    *,
+    log: Callable[[str], None],
+    evaluate: Callable[[Any], dict] | None = None,
+    meta: dict | None = None,
+    tokens_per_step: int | None = None,
+    logged: tuple[str, ...] | None = None,
+) -> dict[str, Any]:
     """Train to cfg.steps with the standard hooks (resuming from cfg.checkpoint.directory).
 
     `evaluate(params)` returns held-out metrics; `meta` joins each checkpoint's meta;
@@ -144,8 +173,9 @@ def run_training(trainer: Trainer, source: BatchSource, *, log: Callable[[str], 
     cfg = trainer.cfg
     if trainer.quantized_base:  # which path QLoRA takes on this platform
         log(describe_path(cfg.lora.base_dtype, trainer.mesh.devices.flat[0].platform))
-    checkpointer = Checkpointer(cfg.checkpoint.directory, keep=cfg.checkpoint.keep,
-                                async_save=cfg.checkpoint.async_save)
+    checkpointer = Checkpointer(
+        cfg.checkpoint.directory, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save
+    )
     metrics_dir = cfg.metrics_dir or str(Path(cfg.checkpoint.directory).parent)
     primary = jax.process_index() == 0
     try:
@@ -154,19 +184,33 @@ def run_training(trainer: Trainer, source: BatchSource, *, log: Callable[[str], 
         checkpointer.close()
         raise
     truncate_metrics(metrics_dir, resume_step)
-    writer = MetricsWriter(metrics_dir, enabled=primary, sinks=cfg.metrics, params=flat_params(
-        {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ("metrics", "metrics_dir")}), warn=log)
+    writer = MetricsWriter(
+        metrics_dir,
+        enabled=primary,
+        sinks=cfg.metrics,
+        params=flat_params(
+            {k: v for k, v in cfg.model_dump(mode="json").items() if k not in ("metrics", "metrics_dir")}
+        ),
+        warn=log,
+    )
     progress = None
     if cfg.progress and primary:
-        progress = tqdm(total=cfg.steps, initial=resume_step, desc="train", unit="step",
-                        dynamic_ncols=True, file=sys.stderr)
+        progress = tqdm(
+            total=cfg.steps, initial=resume_step, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr
+        )
     # The step's metrics line before its checkpoint: a run killed between the two resumes from
     # the previous checkpoint and logs the step again, never after a checkpoint whose line is
     # lost. The evaluation after it: a failing evaluation must not cost the step's checkpoint.
-    trainer.add_hook(log_metrics(writer, tokens_per_step=tokens_per_step, progress=progress, keys=logged),
-                     every=cfg.log_every, resets_timer=True)
-    trainer.add_hook(save_checkpoint(checkpointer, source, checkpoint_meta(trainer, **(meta or {}))),
-                     every=cfg.checkpoint.every_steps, on_stop=True)
+    trainer.add_hook(
+        log_metrics(writer, tokens_per_step=tokens_per_step, progress=progress, keys=logged),
+        every=cfg.log_every,
+        resets_timer=True,
+    )
+    trainer.add_hook(
+        save_checkpoint(checkpointer, source, checkpoint_meta(trainer, **(meta or {}))),
+        every=cfg.checkpoint.every_steps,
+        on_stop=True,
+    )
     if evaluate is not None:
         trainer.add_hook(evaluate_held_out(writer, evaluate), every=cfg.eval_every or cfg.steps)
     if progress is not None:
@@ -180,9 +224,12 @@ def run_training(trainer: Trainer, source: BatchSource, *, log: Callable[[str], 
             progress.close()
         writer.close()
         checkpointer.close()
-    final.update(steps=state.step, final_loss=final.get("loss"), num_params=cfg.model.num_params(),
-                 layout={"processes": jax.process_count(), "devices": jax.device_count(),
-                         "mesh": dict(trainer.mesh.shape)})
+    final.update(
+        steps=state.step,
+        final_loss=final.get("loss"),
+        num_params=cfg.model.num_params(),
+        layout={"processes": jax.process_count(), "devices": jax.device_count(), "mesh": dict(trainer.mesh.shape)},
+    )
     if tokens_per_step:
         peak, peak_source = peak_flops()
         final.update(tokens=state.step * tokens_per_step, peak_flops=peak, peak_flops_source=peak_source)

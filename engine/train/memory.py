@@ -63,18 +63,31 @@ class Memory:
     @classmethod
     def of(cls, analysis, parameters: float, optimizer_state: float, batch: float, gradients: float) -> Memory:
         """From `compiled.memory_analysis()` and the state's shard sizes."""
-        return cls(parameters, optimizer_state, batch, gradients, analysis.argument_size_in_bytes,
-                   analysis.output_size_in_bytes, analysis.alias_size_in_bytes, analysis.temp_size_in_bytes,
-                   analysis.generated_code_size_in_bytes)
+        return cls(
+            parameters,
+            optimizer_state,
+            batch,
+            gradients,
+            analysis.argument_size_in_bytes,
+            analysis.output_size_in_bytes,
+            analysis.alias_size_in_bytes,
+            analysis.temp_size_in_bytes,
+            analysis.generated_code_size_in_bytes,
+        )
 
 
 def shard_bytes(tree) -> float:
     """Bytes of the largest shard of each array of `tree` (ShapeDtypeStructs with shardings), summed."""
+
     def one(x) -> float:
         shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-        bits = jax.numpy.iinfo(x.dtype).bits if jax.numpy.issubdtype(x.dtype, jax.numpy.integer) else \
-            np.dtype(x.dtype).itemsize * 8
+        bits = (
+            jax.numpy.iinfo(x.dtype).bits
+            if jax.numpy.issubdtype(x.dtype, jax.numpy.integer)
+            else np.dtype(x.dtype).itemsize * 8
+        )
         return math.prod(shape) * bits / 8  # 4-bit types (a QLoRA base) count half a byte
+
     return float(sum(one(x) for x in jax.tree.leaves(tree)))
 
 
@@ -96,6 +109,5 @@ def check_fits(memory: Memory, capacity: float, devices: int, kind: str, to_fit:
         f"the training step needs {memory.total / GiB:.2f} GiB per device (parameters "
         f"{memory.parameters / GiB:.2f}, optimizer state {memory.optimizer_state / GiB:.2f}, batch "
         f"{memory.batch / GiB:.2f}, temporaries {memory.temporaries / GiB:.2f} GiB with the gradients) but each of "
-        f"the {devices} {kind} devices has {capacity / GiB:.2f} GiB; to fit: {to_fit}")
-
-
+        f"the {devices} {kind} devices has {capacity / GiB:.2f} GiB; to fit: {to_fit}"
+    )

@@ -16,8 +16,9 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +36,9 @@ finally:
     for _name in _HIDDEN:
         del sys.modules[_name]
 
-from engine.config import ConfigError
-from engine.contract import METRICS_FILE, TENSORBOARD_DIR
-from engine.train.config import MetricsConfig
+from engine.config import ConfigError  # noqa: E402
+from engine.contract import METRICS_FILE, TENSORBOARD_DIR  # noqa: E402
+from engine.train.config import MetricsConfig  # noqa: E402
 
 # Dense bf16 peak FLOP/s per device, from the vendors' data sheets.
 PEAK_FLOPS_PER_DEVICE = {
@@ -92,7 +93,7 @@ def tensorboard_tag(key: str) -> str:
     if key.startswith(("train/", "eval/", "perf/", "rollout/", "reward/")):
         return key
     if key.startswith("eval_"):
-        return f"eval/{key[len('eval_'):]}"
+        return f"eval/{key[len('eval_') :]}"
     if key in _PERF or key.endswith("_seconds"):
         return f"perf/{key}"
     if key.startswith(("reward", "frac_reward")):
@@ -159,22 +160,27 @@ class MlflowSink:
         self.run_id = _saved_run_id(directory, "mlflow")
         if self.run_id is None:
             experiment = self.client.get_experiment_by_name(cfg.mlflow.experiment)
-            experiment_id = (experiment.experiment_id if experiment is not None
-                             else self.client.create_experiment(cfg.mlflow.experiment))
-            run = self.client.create_run(experiment_id, run_name=cfg.run_name,
-                                         tags={"trainflow.metrics_dir": str(directory)})
+            experiment_id = (
+                experiment.experiment_id
+                if experiment is not None
+                else self.client.create_experiment(cfg.mlflow.experiment)
+            )
+            run = self.client.create_run(
+                experiment_id, run_name=cfg.run_name, tags={"trainflow.metrics_dir": str(directory)}
+            )
             self.run_id = run.info.run_id
             _save_run_id(directory, "mlflow", self.run_id, tracking_uri=self.client.tracking_uri)
             items = [Param(k, v[:6000]) for k, v in params.items()]
             for start in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
-                self.client.log_batch(self.run_id, params=items[start:start + 100])
+                self.client.log_batch(self.run_id, params=items[start : start + 100])
         else:
             self.client.update_run(self.run_id, status="RUNNING")
 
     def write(self, step: int, values: dict[str, float]) -> None:
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[self._metric(tensorboard_tag(k), v, now, step)
-                                                    for k, v in values.items()])
+        self.client.log_batch(
+            self.run_id, metrics=[self._metric(tensorboard_tag(k), v, now, step) for k, v in values.items()]
+        )
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
@@ -190,9 +196,17 @@ class WandbSink:
             raise _missing_extra("wandb") from None
         run_id = _saved_run_id(directory, "wandb") or uuid.uuid4().hex[:12]
         _save_run_id(directory, "wandb", run_id)
-        self.run = wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.run_name, id=run_id,
-                              resume="allow", dir=str(directory), mode=cfg.wandb.mode or os.environ.get("WANDB_MODE"),
-                              config=params, settings=wandb.Settings(quiet=True, console="off"))
+        self.run = wandb.init(
+            project=cfg.wandb.project,
+            entity=cfg.wandb.entity,
+            name=cfg.run_name,
+            id=run_id,
+            resume="allow",
+            dir=str(directory),
+            mode=cfg.wandb.mode or os.environ.get("WANDB_MODE"),
+            config=params,
+            settings=wandb.Settings(quiet=True, console="off"),
+        )
 
     def write(self, step: int, values: dict[str, float]) -> None:
         self.run.log({tensorboard_tag(k): v for k, v in values.items()}, step=step)
@@ -208,8 +222,14 @@ class MetricsWriter:
     """One JSON object per line in metrics.jsonl; the finite values also to each sink of
     `sinks` (TensorBoard alone by default), under grouped tags."""
 
-    def __init__(self, directory: str | Path | None, enabled: bool = True, sinks: MetricsConfig | None = None,
-                 params: dict[str, str] | None = None, warn: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        directory: str | Path | None,
+        enabled: bool = True,
+        sinks: MetricsConfig | None = None,
+        params: dict[str, str] | None = None,
+        warn: Callable[[str], None] | None = None,
+    ):
         self.enabled = enabled and directory is not None
         if not self.enabled:
             return
@@ -217,8 +237,9 @@ class MetricsWriter:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
         cfg = sinks or MetricsConfig()
-        self.sinks: dict[str, Any] = {name: SINKS[name](self.directory, cfg, params or {})
-                                      for name in dict.fromkeys(cfg.sinks)}
+        self.sinks: dict[str, Any] = {
+            name: SINKS[name](self.directory, cfg, params or {}) for name in dict.fromkeys(cfg.sinks)
+        }
         self._jsonl = open(self.directory / METRICS_FILE, "a")
 
     def write(self, step: int, values: dict[str, float]) -> None:
@@ -239,8 +260,10 @@ class MetricsWriter:
             fn(*args)
         except Exception as e:  # a dashboard never stops a run
             del self.sinks[name]
-            self._warn(f"warning: metrics sink '{name}' failed ({type(e).__name__}: {e}); metrics go on to "
-                       f"{self.directory / METRICS_FILE} and the other sinks")
+            self._warn(
+                f"warning: metrics sink '{name}' failed ({type(e).__name__}: {e}); metrics go on to "
+                f"{self.directory / METRICS_FILE} and the other sinks"
+            )
 
     def close(self) -> None:
         if self.enabled:

@@ -61,14 +61,16 @@ def router_bias_update(inner: optax.GradientTransformation, params, rate: float)
     their load imbalance (DeepSeek-V3's auxiliary-loss-free balancing: an overloaded expert's
     bias goes down). `inner` sees zeros there, so clipping, Adam and its state are those of the
     other leaves alone, and the state's layout is `inner`'s."""
-    is_bias = jax.tree_util.tree_map_with_path(lambda path, _: str(getattr(path[-1], "key", path[-1])) == ROUTER_BIAS,
-                                               params)
+    is_bias = jax.tree_util.tree_map_with_path(
+        lambda path, _: str(getattr(path[-1], "key", path[-1])) == ROUTER_BIAS, params
+    )
 
     def update(grads, state, params=None):
         zeroed = jax.tree.map(lambda g, b: jnp.zeros_like(g) if b else g, grads, is_bias)
         updates, state = inner.update(zeroed, state, params)
-        updates = jax.tree.map(lambda u, g, b: (-rate * jnp.sign(g)).astype(u.dtype) if b else u,
-                               updates, grads, is_bias)
+        updates = jax.tree.map(
+            lambda u, g, b: (-rate * jnp.sign(g)).astype(u.dtype) if b else u, updates, grads, is_bias
+        )
         return updates, state
 
     return optax.GradientTransformation(inner.init, update)
@@ -82,11 +84,17 @@ def make_optimizer(opt: OptimizerConfig, sched: ScheduleConfig, total_steps: int
         parts.append(optax.clip_by_global_norm(opt.grad_clip_norm))
     parts.append(
         optax.adamw(
-            schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
+            schedule,
+            b1=opt.b1,
+            b2=opt.b2,
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
             mask=weight_decay_mask(params, opt.decay_norms_and_embeddings),
         )
     )
     tx = optax.chain(*parts)
-    has_bias = any(str(getattr(path[-1], "key", path[-1])) == ROUTER_BIAS
-                   for path, _ in jax.tree_util.tree_flatten_with_path(params)[0])
+    has_bias = any(
+        str(getattr(path[-1], "key", path[-1])) == ROUTER_BIAS
+        for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    )
     return (router_bias_update(tx, params, opt.router_bias_update_rate) if has_bias else tx), schedule

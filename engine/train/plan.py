@@ -14,7 +14,8 @@ Per device it reports what the compiled step holds (XLA's memory analysis: argum
 outputs not aliased to them, temporaries, generated code), what the arguments are made of
 (parameters, optimizer state, batch: their shard sizes) and the gradients' size, against the
 device's memory; the step's FLOPs; and a roofline bound on step time and MFU. Where the TPU
-compiler itself refuses a step that cannot fit (RESOURCE_EXHAUSTED), its figures are reported. `check_fits` is the same test the trainer applies before step 1.
+compiler itself refuses a step that cannot fit (RESOURCE_EXHAUSTED), its figures are reported.
+`check_fits` is the same test the trainer applies before step 1.
 """
 
 from __future__ import annotations
@@ -115,8 +116,9 @@ def target_devices(target: Target) -> list | None:
         return jax.devices()
     if target.platform == "tpu":
         if importlib.util.find_spec("libtpu") is None:
-            raise ConfigError(f"--target {target.name}: compiling for a TPU topology needs libtpu "
-                              "(pip install 'trainflow[tpu]')")
+            raise ConfigError(
+                f"--target {target.name}: compiling for a TPU topology needs libtpu (pip install 'trainflow[tpu]')"
+            )
         # Compiling needs no chip: let this process load libtpu beside another that holds it.
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         try:
@@ -124,10 +126,11 @@ def target_devices(target: Target) -> list | None:
             bounds = {"chips_per_host_bounds": (1, 1, 1)} if target.chips == 1 else {}
             return list(topologies.get_topology_desc(target.topology, "tpu", **bounds).devices)
         except jax.errors.JaxRuntimeError as e:
-            raise ConfigError(f"--target {target.name}: libtpu cannot describe topology {target.topology}: "
-                              f"{str(e).splitlines()[0]}") from None
+            raise ConfigError(
+                f"--target {target.name}: libtpu cannot describe topology {target.topology}: {str(e).splitlines()[0]}"
+            ) from None
     gpus = [d for d in jax.devices() if d.platform == "gpu"] if jax.default_backend() == "gpu" else []
-    return gpus[:target.chips] if len(gpus) >= target.chips else None
+    return gpus[: target.chips] if len(gpus) >= target.chips else None
 
 
 def mesh_shape(cfg: MeshConfig, devices: int, target: str) -> dict[str, int]:
@@ -138,8 +141,10 @@ def mesh_shape(cfg: MeshConfig, devices: int, target: str) -> dict[str, int]:
         sizes[sizes.index(-1)] = devices // known
     if math.prod(sizes) != devices:
         written = " ".join(f"{axis}={getattr(cfg, axis, 1)}" for axis in MESH_AXES)
-        raise ConfigError(f"--target {target}: mesh {written} does not fit its {devices} devices; "
-                          "set one mesh axis to -1 to take the rest")
+        raise ConfigError(
+            f"--target {target}: mesh {written} does not fit its {devices} devices; "
+            "set one mesh axis to -1 to take the rest"
+        )
     return dict(zip(MESH_AXES, sizes))
 
 
@@ -162,10 +167,16 @@ def _flops(cfg: TrainConfig, tokens: int, updates: int) -> tuple[float, float, s
 # --------------------------------------------------------------------------- the plan
 
 
-def plan_step(cfg: TrainConfig, target: Target, *, stage: str = "train",
-              objective: Callable[[Any], Objective] | None = None,
-              batch: dict[str, jax.ShapeDtypeStruct] | None = None, updates_per_batch: int = 1,
-              make_trainer: Callable[..., Trainer] | None = None) -> Plan:
+def plan_step(
+    cfg: TrainConfig,
+    target: Target,
+    *,
+    stage: str = "train",
+    objective: Callable[[Any], Objective] | None = None,
+    batch: dict[str, jax.ShapeDtypeStruct] | None = None,
+    updates_per_batch: int = 1,
+    make_trainer: Callable[..., Trainer] | None = None,
+) -> Plan:
     """Compile `cfg`'s training step for `target` (or estimate it) and size it per device.
 
     `objective` and `batch` (name -> ShapeDtypeStruct) describe a stage whose loss or batch is not
@@ -181,20 +192,30 @@ def plan_step(cfg: TrainConfig, target: Target, *, stage: str = "train",
     if devices is None:
         return _estimate(cfg, target, stage, batch, tokens, updates_per_batch)
     try:
-        trainer = (make_trainer(cfg, objective, devices=devices) if make_trainer is not None else
-                   Trainer(cfg, objective, updates_per_batch=updates_per_batch, devices=devices))
+        trainer = (
+            make_trainer(cfg, objective, devices=devices)
+            if make_trainer is not None
+            else Trainer(cfg, objective, updates_per_batch=updates_per_batch, devices=devices)
+        )
     except ConfigError as e:
         raise ConfigError(f"--target {target.name} ({len(devices)} devices): {e}") from None
-    abstract_batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding)
-                      for k, v in batch.items()}
+    abstract_batch = {
+        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=trainer.batch_sharding) for k, v in batch.items()
+    }
     base = () if trainer.abstract_base is None else (trainer.abstract_base,)  # LoRA: the frozen base
-    parts = dict(parameters=shard_bytes(trainer.abstract_params) + sum(shard_bytes(b) for b in base),
-                 optimizer_state=shard_bytes(trainer.abstract_opt_state), batch=shard_bytes(abstract_batch),
-                 gradients=shard_bytes(trainer.abstract_params))
+    parts = dict(
+        parameters=shard_bytes(trainer.abstract_params) + sum(shard_bytes(b) for b in base),
+        optimizer_state=shard_bytes(trainer.abstract_opt_state),
+        batch=shard_bytes(abstract_batch),
+        gradients=shard_bytes(trainer.abstract_params),
+    )
     message, compiled = None, None
     with use_mesh(trainer.mesh):
-        lowered = trainer.jitted_train_step().trace(trainer.abstract_params, trainer.abstract_opt_state,
-                                                    abstract_batch, *base).lower()
+        lowered = (
+            trainer.jitted_train_step()
+            .trace(trainer.abstract_params, trainer.abstract_opt_state, abstract_batch, *base)
+            .lower()
+        )
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
@@ -214,10 +235,26 @@ def plan_step(cfg: TrainConfig, target: Target, *, stage: str = "train",
             source = "XLA's cost analysis of the compiled step"
     chip = target.chip
     peak = chip.peak_flops if chip else peak_flops(devices[:1])[0]
-    return Plan(stage, target, len(devices), devices[0].device_kind, dict(trainer.mesh.shape), how, memory,
-                chip.memory_bytes if chip else device_memory(devices[0]), tokens, updates_per_batch,
-                model_flops, hardware_flops, source, peak, chip.memory_bandwidth if chip else None, knobs(cfg),
-                message, compiled)
+    return Plan(
+        stage,
+        target,
+        len(devices),
+        devices[0].device_kind,
+        dict(trainer.mesh.shape),
+        how,
+        memory,
+        chip.memory_bytes if chip else device_memory(devices[0]),
+        tokens,
+        updates_per_batch,
+        model_flops,
+        hardware_flops,
+        source,
+        peak,
+        chip.memory_bandwidth if chip else None,
+        knobs(cfg),
+        message,
+        compiled,
+    )
 
 
 _SIZE = r"([\d.]+)([KMGT]?)"
@@ -252,29 +289,61 @@ def _estimate(cfg: TrainConfig, target: Target, stage: str, batch: dict, tokens:
         if cfg.lora.base_dtype in QUANTIZED_DTYPES:
             base = quantized_abstract(base, cfg.lora.base_dtype)
         elif cfg.lora.base_dtype is not None:
-            base = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(cfg.lora.base_dtype),
-                                                               sharding=a.sharding), base)
+            base = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(cfg.lora.base_dtype), sharding=a.sharding), base
+            )
         frozen = shard_bytes(base)
     tx, _ = make_optimizer(cfg.optimizer, cfg.schedule, cfg.steps, params)
     opt = jax.eval_shape(tx.init, params)
-    opt = optax.tree_map_params(tx, lambda o, p: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=p.sharding), opt,
-                                params, transform_non_params=lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype))
+    opt = optax.tree_map_params(
+        tx,
+        lambda o, p: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=p.sharding),
+        opt,
+        params,
+        transform_non_params=lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype),
+    )
     batch_shards = math.prod(size for axis, size in sizes.items() if axis in BATCH_AXES)
     batch_bytes = sum(math.prod(v.shape) * np.dtype(v.dtype).itemsize for v in batch.values()) / batch_shards
     m = cfg.model
     local_tokens = tokens / cfg.grad_accum / batch_shards / sizes["context"]  # each row's positions split over it
     per_layer = 34 * m.d_model * local_tokens / sizes["tensor"]
-    kept = 2 * m.d_model * local_tokens * m.num_layers + per_layer if cfg.compute.remat == "full" \
+    kept = (
+        2 * m.d_model * local_tokens * m.num_layers + per_layer
+        if cfg.compute.remat == "full"
         else per_layer * m.num_layers
+    )
     logits = 8 * m.vocab_size * local_tokens / sizes["tensor"]
     trained = shard_bytes(params)
-    memory = Memory(trained + frozen, shard_bytes(opt), batch_bytes, trained, argument=trained + frozen
-                    + shard_bytes(opt) + batch_bytes, output=0.0, alias=0.0, temporaries=trained + kept + logits,
-                    generated_code=0.0)
+    memory = Memory(
+        trained + frozen,
+        shard_bytes(opt),
+        batch_bytes,
+        trained,
+        argument=trained + frozen + shard_bytes(opt) + batch_bytes,
+        output=0.0,
+        alias=0.0,
+        temporaries=trained + kept + logits,
+        generated_code=0.0,
+    )
     model_flops, hardware_flops, source = _flops(cfg, tokens, updates)
-    return Plan(stage, target, target.chips, chip.kind, sizes, "estimate (no GPU here)", memory, chip.memory_bytes,
-                tokens, updates, model_flops, hardware_flops, source, chip.peak_flops, chip.memory_bandwidth,
-                knobs(cfg))
+    return Plan(
+        stage,
+        target,
+        target.chips,
+        chip.kind,
+        sizes,
+        "estimate (no GPU here)",
+        memory,
+        chip.memory_bytes,
+        tokens,
+        updates,
+        model_flops,
+        hardware_flops,
+        source,
+        chip.peak_flops,
+        chip.memory_bandwidth,
+        knobs(cfg),
+    )
 
 
 # --------------------------------------------------------------------------- the report
@@ -286,33 +355,45 @@ def format_plan(plan: Plan) -> str:
     unit, scale = ("GiB", GiB) if m.total >= GiB else ("MiB", 2**20)
     size = lambda b: f"{b / scale:10.2f}"
     chip = plan.target.chip
-    where = (f"{plan.devices} x {chip.kind} (topology {plan.target.topology})" if plan.target.platform == "tpu"
-             else f"{plan.devices} x {plan.device_kind}")
+    where = (
+        f"{plan.devices} x {chip.kind} (topology {plan.target.topology})"
+        if plan.target.platform == "tpu"
+        else f"{plan.devices} x {plan.device_kind}"
+    )
     mesh = " ".join(f"{k}={v}" for k, v in plan.mesh.items())
-    lines = [f"stage {plan.stage} on {plan.target.name}: {where}, mesh {mesh}; {plan.how}",
-             f"  per device                        {unit}",
-             f"    parameters                 {size(m.parameters)}",
-             f"    optimizer state            {size(m.optimizer_state)}",
-             f"    batch                      {size(m.batch)}",
-             f"    arguments                  {size(m.argument)}   (the three above"
-             + (", as the compiler lays them out)" if plan.how == "compiled" else ")"),
-             f"    gradients                  {size(m.gradients)}   (param-shaped, the parameters' dtype)",
-             f"    temporaries                {size(m.temporaries)}   (activations, gradients, workspace)",
-             f"    outputs not donated        {size(m.output - m.alias)}",
-             f"    generated code             {size(m.generated_code)}",
-             f"    total                      {size(m.total)}   of {plan.capacity / scale:.2f}: "
-             + ("fits" if plan.fits else "DOES NOT FIT") + f" ({m.total / plan.capacity:.0%})"]
+    lines = [
+        f"stage {plan.stage} on {plan.target.name}: {where}, mesh {mesh}; {plan.how}",
+        f"  per device                        {unit}",
+        f"    parameters                 {size(m.parameters)}",
+        f"    optimizer state            {size(m.optimizer_state)}",
+        f"    batch                      {size(m.batch)}",
+        f"    arguments                  {size(m.argument)}   (the three above"
+        + (", as the compiler lays them out)" if plan.how == "compiled" else ")"),
+        f"    gradients                  {size(m.gradients)}   (param-shaped, the parameters' dtype)",
+        f"    temporaries                {size(m.temporaries)}   (activations, gradients, workspace)",
+        f"    outputs not donated        {size(m.output - m.alias)}",
+        f"    generated code             {size(m.generated_code)}",
+        f"    total                      {size(m.total)}   of {plan.capacity / scale:.2f}: "
+        + ("fits" if plan.fits else "DOES NOT FIT")
+        + f" ({m.total / plan.capacity:.0%})",
+    ]
     if plan.compiler_message:
         lines.append(f"  compiler: {plan.compiler_message}")
     seconds, bound = plan.step_seconds_bound
-    peak = (f"{plan.peak_flops / 1e12:.0f} TFLOP/s" if plan.peak_flops >= 1e12
-            else f"{plan.peak_flops / 1e9:.0f} GFLOP/s measured")
-    lines += [f"  step: {plan.tokens} tokens x {plan.updates} update(s), {plan.model_flops:.3g} model FLOPs, "
-              f"{plan.hardware_flops:.3g} executed ({plan.flops_source})",
-              f"  roofline: step >= {seconds * 1e3:{'.1f' if seconds >= 1e-3 else '.3g'}} ms ({bound}-bound at {peak}"
-              + (f", {plan.bandwidth / 1e9:.0f} GB/s" if plan.bandwidth else "") + " per device), "
-              f"MFU <= {plan.mfu_bound:.0%}, at most {plan.tokens * plan.updates / seconds / plan.devices:,.0f} "
-              "tokens/s per device"]
+    peak = (
+        f"{plan.peak_flops / 1e12:.0f} TFLOP/s"
+        if plan.peak_flops >= 1e12
+        else f"{plan.peak_flops / 1e9:.0f} GFLOP/s measured"
+    )
+    lines += [
+        f"  step: {plan.tokens} tokens x {plan.updates} update(s), {plan.model_flops:.3g} model FLOPs, "
+        f"{plan.hardware_flops:.3g} executed ({plan.flops_source})",
+        f"  roofline: step >= {seconds * 1e3:{'.1f' if seconds >= 1e-3 else '.3g'}} ms ({bound}-bound at {peak}"
+        + (f", {plan.bandwidth / 1e9:.0f} GB/s" if plan.bandwidth else "")
+        + " per device), "
+        f"MFU <= {plan.mfu_bound:.0%}, at most {plan.tokens * plan.updates / seconds / plan.devices:,.0f} "
+        "tokens/s per device",
+    ]
     if not plan.fits:
         lines.append(f"  to fit: {plan.to_fit}")
     return "\n".join(lines)
@@ -321,11 +402,22 @@ def format_plan(plan: Plan) -> str:
 def summary(plan: Plan) -> dict[str, Any]:
     """The plan's figures as JSON-able numbers (bytes, FLOPs, seconds)."""
     seconds, bound = plan.step_seconds_bound
-    return {"stage": plan.stage, "target": plan.target.name, "devices": plan.devices, "mesh": plan.mesh,
-            "how": plan.how, "fits": plan.fits, "capacity_bytes": plan.capacity,
-            "memory_bytes": {**dataclasses.asdict(plan.memory), "total": plan.memory.total},
-            "model_flops": plan.model_flops, "hardware_flops": plan.hardware_flops, "flops_source": plan.flops_source,
-            "step_seconds_bound": seconds, "bound": bound, "mfu_bound": plan.mfu_bound}
+    return {
+        "stage": plan.stage,
+        "target": plan.target.name,
+        "devices": plan.devices,
+        "mesh": plan.mesh,
+        "how": plan.how,
+        "fits": plan.fits,
+        "capacity_bytes": plan.capacity,
+        "memory_bytes": {**dataclasses.asdict(plan.memory), "total": plan.memory.total},
+        "model_flops": plan.model_flops,
+        "hardware_flops": plan.hardware_flops,
+        "flops_source": plan.flops_source,
+        "step_seconds_bound": seconds,
+        "bound": bound,
+        "mfu_bound": plan.mfu_bound,
+    }
 
 
 def report(plans: list[Plan], print_fn: Callable[[str], None] = print) -> dict[str, Any]:
@@ -334,9 +426,13 @@ def report(plans: list[Plan], print_fn: Callable[[str], None] = print) -> dict[s
         print_fn(format_plan(plan))
     too_big = [p for p in plans if not p.fits]
     if too_big:
-        raise DoesNotFit("; ".join(
-            f"stage {p.stage} does not fit {p.target.name}: {p.memory.total / GiB:.2f} GiB per device of "
-            f"{p.capacity / GiB:.2f}; to fit: {p.to_fit}" for p in too_big))
+        raise DoesNotFit(
+            "; ".join(
+                f"stage {p.stage} does not fit {p.target.name}: {p.memory.total / GiB:.2f} GiB per device of "
+                f"{p.capacity / GiB:.2f}; to fit: {p.to_fit}"
+                for p in too_big
+            )
+        )
     return {p.stage: summary(p) for p in plans}
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
-
+from collections.abc import Callable
+from typing import Any
 
 from engine.config import ConfigError
 from engine.data.pipeline import make_dataset
@@ -41,29 +41,35 @@ def check_splits(cfg: TrainConfig, meta: dict) -> bool:
         raise ConfigError(
             f"data.path: the 'train' split of {data.path} holds {targets} tokens to predict, fewer than one batch "
             f"(data.batch_size {data.batch_size} x data.seq_len {data.seq_len} = {batch_tokens}); tokenize more "
-            "input or make the batch smaller")
+            "input or make the batch smaller"
+        )
     if not data.packing and documents is not None and documents < data.batch_size:
         raise ConfigError(
             f"data.path: the 'train' split of {data.path} has {documents} documents, fewer than one batch's rows "
-            f"(data.batch_size {data.batch_size}, data.packing false); tokenize more input or make the batch smaller")
+            f"(data.batch_size {data.batch_size}, data.packing false); tokenize more input or make the batch smaller"
+        )
 
     if data.eval_split not in meta["splits"] or data.eval_batches == 0:
         return False
     documents, targets = size(data.eval_split)
     fix = "set data.eval_batches=0 to train without evaluation, or re-tokenize with a larger validation_fraction"
     if documents == 0:
-        raise ConfigError(f"data.path: the '{data.eval_split}' split of {data.path} has no documents, but "
-                          f"evaluation is configured (data.eval_batches={data.eval_batches}); {fix}")
+        raise ConfigError(
+            f"data.path: the '{data.eval_split}' split of {data.path} has no documents, but "
+            f"evaluation is configured (data.eval_batches={data.eval_batches}); {fix}"
+        )
     row_tokens = data.seq_len if data.packing else 1
     if targets is not None and targets < row_tokens:
         raise ConfigError(
             f"data.path: the '{data.eval_split}' split of {data.path} holds {targets} tokens to predict, fewer "
-            f"than one evaluation row (data.seq_len {data.seq_len}); {fix}")
+            f"than one evaluation row (data.seq_len {data.seq_len}); {fix}"
+        )
     return True
 
 
-def run_pretrain(cfg: TrainConfig, log: Callable[[str], None] | None = None,
-                 objective: Callable[[Any], Objective] | None = None) -> dict[str, Any]:
+def run_pretrain(
+    cfg: TrainConfig, log: Callable[[str], None] | None = None, objective: Callable[[Any], Objective] | None = None
+) -> dict[str, Any]:
     """Train `cfg.steps` steps, resuming from the latest checkpoint in checkpoint.directory.
 
     Returns the final metrics. Raises ConfigError for bad input (before anything compiles:
@@ -85,21 +91,41 @@ def run_pretrain(cfg: TrainConfig, log: Callable[[str], None] | None = None,
     evaluating = check_splits(cfg, meta)
     trainer = Trainer(cfg, objective)
     train_data = make_dataset(
-        cfg.data.path, "train", seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
-        seed=cfg.data.seed, shuffle=cfg.data.shuffle, packing=cfg.data.packing,
+        cfg.data.path,
+        "train",
+        seq_len=cfg.data.seq_len,
+        batch_size=cfg.data.batch_size,
+        seed=cfg.data.seed,
+        shuffle=cfg.data.shuffle,
+        packing=cfg.data.packing,
         prefetch=cfg.data.worker_buffer,
     )
     evaluate = None
     if evaluating:
+
         def evaluate(params):
-            rows = iter(make_dataset(
-                cfg.data.path, cfg.data.eval_split, seq_len=cfg.data.seq_len,
-                batch_size=cfg.data.batch_size // cfg.grad_accum, shuffle=False, packing=cfg.data.packing,
-                repeat=True))
+            rows = iter(
+                make_dataset(
+                    cfg.data.path,
+                    cfg.data.eval_split,
+                    seq_len=cfg.data.seq_len,
+                    batch_size=cfg.data.batch_size // cfg.grad_accum,
+                    shuffle=False,
+                    packing=cfg.data.packing,
+                    repeat=True,
+                )
+            )
             metrics = trainer.held_out_loss(params, (next(rows) for _ in range(cfg.data.eval_batches)))
             return {k: metrics[k] for k in ("eval_loss", "eval_perplexity")}
-    return run_training(trainer, IteratorSource(trainer, iter(train_data)), log=log, evaluate=evaluate,
-                        tokens_per_step=cfg.data.batch_size * cfg.data.seq_len, logged=("loss", "grad_norm"))
+
+    return run_training(
+        trainer,
+        IteratorSource(trainer, iter(train_data)),
+        log=log,
+        evaluate=evaluate,
+        tokens_per_step=cfg.data.batch_size * cfg.data.seq_len,
+        logged=("loss", "grad_norm"),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,8 @@ step all of them share; everything here is jit-able and free of I/O.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +57,9 @@ def lm_loss_fn(graphdef, z_loss: float = 0.0):
 
     def loss_fn(params, batch, normaliser):
         with dropout_rows(batch.get(LORA_SEED)):  # a LoRA adapter's dropout, in training steps only
-            logits, moe = apply_model_with_aux(graphdef, params, batch["tokens"], batch["positions"],
-                                               batch["segment_ids"])
+            logits, moe = apply_model_with_aux(
+                graphdef, params, batch["tokens"], batch["positions"], batch["segment_ids"]
+            )
         total, nll_sum = cross_entropy(logits, batch["targets"], batch["loss_mask"], z_loss)
         tokens = jnp.sum(batch["loss_mask"])
         aux = {"loss": nll_sum / normaliser, "nll_sum": nll_sum, "tokens": tokens}
@@ -78,8 +80,11 @@ def moe_metrics(moe: dict, share) -> dict:
     1/E each when balanced) as scalar metrics, each weighted by `share` (the micro-batch's
     share of the batch's tokens), so the default "sum" over micro-batches is their mean."""
     load_e = moe["expert_load_e"]
-    metrics = {"moe_balance_loss": moe["balance_loss"], "moe_router_z_loss": moe["router_z_loss"],
-               "moe_load_max": jnp.max(load_e) * load_e.shape[0]}
+    metrics = {
+        "moe_balance_loss": moe["balance_loss"],
+        "moe_router_z_loss": moe["router_z_loss"],
+        "moe_load_max": jnp.max(load_e) * load_e.shape[0],
+    }
     metrics.update({f"moe_load/{e}": load_e[e] for e in range(load_e.shape[0])})
     return {k: v * share for k, v in metrics.items()}
 
@@ -107,6 +112,7 @@ def make_train_step(objective: Objective, tx: optax.GradientTransformation, grad
     each stays evenly sharded) and their losses and gradients are summed under one scan.
     Metrics: "objective" (the minimised loss), "grad_norm" and the objective's aux.
     """
+
     def train_step(params, opt_state, batch, base=None):
         loss_fn = objective.loss_fn if base is None else (lambda p, b, n: objective.loss_fn(join(p, base), b, n))
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -115,11 +121,15 @@ def make_train_step(objective: Objective, tx: optax.GradientTransformation, grad
             (loss, aux), grads = grad_fn(params, batch, normaliser)
         else:
             micro = jax.tree.map(
-                lambda x: x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1), batch)
+                lambda x: x.reshape(x.shape[0] // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1), batch
+            )
             aux_shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro), normaliser)[0][1]
             how = {k: objective.reduce.get(k, objective.default) for k in aux_shapes}
-            start = (jnp.zeros(()), {k: jnp.full(s.shape, _START[how[k]], s.dtype) for k, s in aux_shapes.items()},
-                     jax.tree.map(jnp.zeros_like, params))
+            start = (
+                jnp.zeros(()),
+                {k: jnp.full(s.shape, _START[how[k]], s.dtype) for k, s in aux_shapes.items()},
+                jax.tree.map(jnp.zeros_like, params),
+            )
 
             def body(carry, mb):
                 loss, aux, grads = carry

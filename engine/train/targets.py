@@ -54,16 +54,26 @@ H100 = Chip("NVIDIA H100 SXM", 80 * GiB, 989e12, 3350 * GB)
 H200 = Chip("NVIDIA H200 SXM", 141 * GB, 989e12, 4800 * GB)
 
 _TPU_SLICES = {  # name -> (chip, topology)
-    "v4-8": (TPU_V4, "v4:2x2x1"), "v4-32": (TPU_V4, "v4:2x2x4"),
-    "v5e-1": (TPU_V5E, "v5e:1x1"), "v5e-4": (TPU_V5E, "v5e:2x2"), "v5e-8": (TPU_V5E, "v5e:2x4"), "v5e-16": (TPU_V5E, "v5e:4x4"),
-    "v5e-32": (TPU_V5E, "v5e:4x8"), "v5e-64": (TPU_V5E, "v5e:8x8"), "v5e-256": (TPU_V5E, "v5e:16x16"),
-    "v5p-8": (TPU_V5P, "v5p:2x2x1"), "v5p-16": (TPU_V5P, "v5p:2x2x2"), "v5p-64": (TPU_V5P, "v5p:2x4x4"),
+    "v4-8": (TPU_V4, "v4:2x2x1"),
+    "v4-32": (TPU_V4, "v4:2x2x4"),
+    "v5e-1": (TPU_V5E, "v5e:1x1"),
+    "v5e-4": (TPU_V5E, "v5e:2x2"),
+    "v5e-8": (TPU_V5E, "v5e:2x4"),
+    "v5e-16": (TPU_V5E, "v5e:4x4"),
+    "v5e-32": (TPU_V5E, "v5e:4x8"),
+    "v5e-64": (TPU_V5E, "v5e:8x8"),
+    "v5e-256": (TPU_V5E, "v5e:16x16"),
+    "v5p-8": (TPU_V5P, "v5p:2x2x1"),
+    "v5p-16": (TPU_V5P, "v5p:2x2x2"),
+    "v5p-64": (TPU_V5P, "v5p:2x4x4"),
     "v5p-128": (TPU_V5P, "v5p:4x4x4"),
-    "v6e-1": (TPU_V6E, "v6e:1x1"), "v6e-4": (TPU_V6E, "v6e:2x2"), "v6e-8": (TPU_V6E, "v6e:2x4"), "v6e-16": (TPU_V6E, "v6e:4x4"),
+    "v6e-1": (TPU_V6E, "v6e:1x1"),
+    "v6e-4": (TPU_V6E, "v6e:2x2"),
+    "v6e-8": (TPU_V6E, "v6e:2x4"),
+    "v6e-16": (TPU_V6E, "v6e:4x4"),
     "v6e-256": (TPU_V6E, "v6e:16x16"),
 }
-_GPU_HOSTS = {"a100x8": (A100, 8), "h100x8": (H100, 8), "h200x8": (H200, 8), "h100x1": (H100, 1),
-              "h200x1": (H200, 1)}
+_GPU_HOSTS = {"a100x8": (A100, 8), "h100x8": (H100, 8), "h200x8": (H200, 8), "h100x1": (H100, 1), "h200x1": (H200, 1)}
 
 
 def _chips(topology: str) -> int:

@@ -17,7 +17,8 @@ import dataclasses
 import math
 import signal
 import time
-from typing import Any, Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -26,12 +27,12 @@ from jax.sharding import NamedSharding
 
 from engine.config import ConfigError
 from engine.models.lora import LORA_SEED, join, split_adapter
-from engine.models.quantize import QUANTIZED_DTYPES, quantizable, quantize_leaf, quantized_abstract
 from engine.models.params import abstract_model_params, graphdef_of, init_params
+from engine.models.quantize import QUANTIZED_DTYPES, quantizable, quantize_leaf, quantized_abstract
 from engine.ops.partitioning import use_mesh
 from engine.parallel.config import unsplittable
 from engine.parallel.distributed import preemption_agreed
-from engine.parallel.mesh import batch_shards, batch_sharding, global_array, make_mesh, replicated
+from engine.parallel.mesh import batch_sharding, batch_shards, global_array, make_mesh, replicated
 from engine.train.checkpoint import Checkpointer, load_params, stored_configs
 from engine.train.config import TrainConfig
 from engine.train.memory import Memory, check_fits, device_memory, knobs, shard_bytes
@@ -42,8 +43,13 @@ from engine.train.step import Objective, lm_objective, make_eval_step, make_trai
 def lm_batch(rows: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
     """The shapes of a language-modelling batch (pretraining, SFT): what a Grain or SFT row holds."""
     row = lambda dtype: jax.ShapeDtypeStruct((rows, seq_len), dtype)  # noqa: E731
-    return {"tokens": row(np.int32), "targets": row(np.int32), "positions": row(np.int32),
-            "segment_ids": row(np.int32), "loss_mask": row(np.float32)}
+    return {
+        "tokens": row(np.int32),
+        "targets": row(np.int32),
+        "positions": row(np.int32),
+        "segment_ids": row(np.int32),
+        "loss_mask": row(np.float32),
+    }
 
 
 def _signature(batch) -> dict:
@@ -92,7 +98,7 @@ class StepInfo:
     steps_timed: int
     seconds_timed: float
     """Steps and seconds of training (hooks excluded) since the previous `log_metrics`."""
-    trainer: "Trainer"
+    trainer: Trainer
 
     def scalars(self, keys: Iterable[str] | None = None) -> dict[str, float]:
         keys = self.metrics if keys is None else keys
@@ -113,7 +119,7 @@ class _Hook:
 class IteratorSource:
     """A BatchSource over an iterator of whole batches (a Grain iterator, SFT rows)."""
 
-    def __init__(self, trainer: "Trainer", iterator):
+    def __init__(self, trainer: Trainer, iterator):
         self.trainer, self.iterator = trainer, iterator
 
     def next_batch(self, state: TrainState):
@@ -146,8 +152,14 @@ class Trainer:
     mu), so the schedule spans steps x updates_per_batch.
     """
 
-    def __init__(self, cfg: TrainConfig, objective: Callable[[Any], Objective] | None = None, *,
-                 updates_per_batch: int = 1, devices=None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        objective: Callable[[Any], Objective] | None = None,
+        *,
+        updates_per_batch: int = 1,
+        devices=None,
+    ):
         self.cfg, self.updates_per_batch = cfg, updates_per_batch
         self.mesh = make_mesh(cfg.mesh, devices)
         # The config checks a fixed context size; -1 is sized only now.
@@ -175,18 +187,30 @@ class Trainer:
             if dtype in QUANTIZED_DTYPES:  # QLoRA: the projections held quantized (engine/models/quantize.py)
                 self.abstract_base = quantized_abstract(base, dtype)
             else:
-                self.abstract_base = base if dtype is None else jax.tree.map(
-                    lambda a: jax.ShapeDtypeStruct(a.shape, np.dtype(jax.numpy.bfloat16 if dtype == "bfloat16"
-                                                                     else dtype), sharding=a.sharding), base)
+                self.abstract_base = (
+                    base
+                    if dtype is None
+                    else jax.tree.map(
+                        lambda a: jax.ShapeDtypeStruct(
+                            a.shape, np.dtype(jax.numpy.bfloat16 if dtype == "bfloat16" else dtype), sharding=a.sharding
+                        ),
+                        base,
+                    )
+                )
         self.quantized_base = cfg.lora is not None and cfg.lora.base_dtype in QUANTIZED_DTYPES
         self.param_shardings = jax.tree.map(lambda a: a.sharding, self.abstract_params)
-        self.base_shardings = None if self.abstract_base is None else jax.tree.map(lambda a: a.sharding,
-                                                                                   self.abstract_base)
-        self.tx, self.schedule = make_optimizer(cfg.optimizer, cfg.schedule, cfg.steps * updates_per_batch,
-                                                self.abstract_params)
+        self.base_shardings = (
+            None if self.abstract_base is None else jax.tree.map(lambda a: a.sharding, self.abstract_base)
+        )
+        self.tx, self.schedule = make_optimizer(
+            cfg.optimizer, cfg.schedule, cfg.steps * updates_per_batch, self.abstract_params
+        )
         abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
         self.opt_shardings = optax.tree_map_params(
-            self.tx, lambda _, sh: sh, abstract_opt, self.param_shardings,
+            self.tx,
+            lambda _, sh: sh,
+            abstract_opt,
+            self.param_shardings,
             transform_non_params=lambda _: replicated(self.mesh),
         )
         self.abstract_opt_state = jax.tree.map(
@@ -246,8 +270,7 @@ class Trainer:
 
     def model_param_shardings(self):
         """Shardings of `model_params(...)`."""
-        return self.param_shardings if self.abstract_base is None else join(self.param_shardings,
-                                                                            self.base_shardings)
+        return self.param_shardings if self.abstract_base is None else join(self.param_shardings, self.base_shardings)
 
     def compile_train_step(self, batch) -> None:
         """Compile the step for batches like `batch` (arrays or ShapeDtypeStructs) from the
@@ -257,15 +280,19 @@ class Trainer:
         batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.batch_sharding) for k, v in batch.items()}
         base = () if self.abstract_base is None else (self.abstract_base,)
         with use_mesh(self.mesh):
-            compiled = self._train_step.trace(self.abstract_params, self.abstract_opt_state, batch,
-                                              *base).lower().compile()
+            compiled = (
+                self._train_step.trace(self.abstract_params, self.abstract_opt_state, batch, *base).lower().compile()
+            )
         devices = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]  # this host's
         trained = shard_bytes(self.abstract_params)
-        memory = Memory.of(compiled.memory_analysis(), parameters=trained + sum(shard_bytes(b) for b in base),
-                           optimizer_state=shard_bytes(self.abstract_opt_state), batch=shard_bytes(batch),
-                           gradients=trained)
-        check_fits(memory, min(device_memory(d) for d in devices), self.mesh.size, devices[0].platform,
-                   knobs(self.cfg))
+        memory = Memory.of(
+            compiled.memory_analysis(),
+            parameters=trained + sum(shard_bytes(b) for b in base),
+            optimizer_state=shard_bytes(self.abstract_opt_state),
+            batch=shard_bytes(batch),
+            gradients=trained,
+        )
+        check_fits(memory, min(device_memory(d) for d in devices), self.mesh.size, devices[0].platform, knobs(self.cfg))
         self._compiled_step = (_signature(batch), compiled)
 
     def eval_step(self, params, batch):
@@ -302,8 +329,9 @@ class Trainer:
             if attr is None:
                 return global_array(np.asarray(value, want.dtype), want.sharding)
             full = global_array(np.asarray(value, np.float32), NamedSharding(self.mesh, want.qvalue.sharding.spec))
-            return jax.jit(lambda x: quantize_leaf(x, attr, dtype),
-                           out_shardings=jax.tree.map(lambda a: a.sharding, want))(full)
+            return jax.jit(
+                lambda x: quantize_leaf(x, attr, dtype), out_shardings=jax.tree.map(lambda a: a.sharding, want)
+            )(full)
 
         with use_mesh(self.mesh):
             return jax.tree_util.tree_map_with_path(place, host, self.abstract_base)
@@ -313,8 +341,10 @@ class Trainer:
         _, stored = stored_configs(cfg.checkpoint.init_from)
         if stored.scan_layers != cfg.compute.scan_layers:  # the one compute setting that changes the layout
             raise ConfigError(
-                f"checkpoint.init_from: {cfg.checkpoint.init_from} holds {'stacked' if stored.scan_layers else 'per-layer'} "
-                f"parameters; set compute.scan_layers: {str(stored.scan_layers).lower()} to restore them")
+                f"checkpoint.init_from: {cfg.checkpoint.init_from} holds "
+                f"{'stacked' if stored.scan_layers else 'per-layer'} "
+                f"parameters; set compute.scan_layers: {str(stored.scan_layers).lower()} to restore them"
+            )
         model_cfg, params, _ = load_params(cfg.checkpoint.init_from, abstract, as_numpy=as_numpy)
         saved, wanted = model_cfg.model_dump(), cfg.model.model_dump()
         if saved != wanted:  # compute settings (precision, remat, ...) may differ; the architecture may not
@@ -349,16 +379,28 @@ class Trainer:
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)), "eval_tokens": tokens}
 
     # -- the loop
-    def add_hook(self, fn: Callable[[StepInfo], dict[str, Any] | None], *, every: int = 1,
-                 on_stop: bool = False, resets_timer: bool = False) -> None:
+    def add_hook(
+        self,
+        fn: Callable[[StepInfo], dict[str, Any] | None],
+        *,
+        every: int = 1,
+        on_stop: bool = False,
+        resets_timer: bool = False,
+    ) -> None:
         """Run `fn(info)` after every `every`-th step and the last one (and when stopping on
         SIGTERM if `on_stop`). Hooks run in the order added; what one returns joins the run's
         final metrics. A hook that `resets_timer` consumed the throughput figures
         (`info.steps_timed`, `info.seconds_timed`): the next one counts from zero."""
         self.hooks.append(_Hook(fn, every, on_stop, resets_timer))
 
-    def fit(self, source: BatchSource, *, checkpointer: Checkpointer, log: Callable[[str], None],
-            state: TrainState | None = None) -> tuple[TrainState, dict[str, Any]]:
+    def fit(
+        self,
+        source: BatchSource,
+        *,
+        checkpointer: Checkpointer,
+        log: Callable[[str], None],
+        state: TrainState | None = None,
+    ) -> tuple[TrainState, dict[str, Any]]:
         """Run to cfg.steps, resuming from the checkpointer's newest intact step (params,
         optimizer and the source's state; `Checkpointer.resume_step`). Returns the final state
         and metrics.
@@ -378,7 +420,8 @@ class Trainer:
         resume_step = checkpointer.resume_step(log)
         if resume_step is not None:
             params, opt_state, _, source_state = checkpointer.restore(
-                resume_step, self.abstract_params, self.abstract_opt_state)
+                resume_step, self.abstract_params, self.abstract_opt_state
+            )
             source.set_state(source_state)
             state = TrainState(resume_step, params, opt_state)
             log(f"resumed from checkpoint step {resume_step} in {checkpointer.directory}")
@@ -395,9 +438,13 @@ class Trainer:
                 kept = checkpointer.latest_step()
                 what = f"loss ({loss})" if not math.isfinite(loss) else f"gradient norm ({grad_norm}; loss {loss:.4g})"
                 raise TrainingError(
-                    f"non-finite {what} at step {step}; stopped. " + (
+                    f"non-finite {what} at step {step}; stopped. "
+                    + (
                         f"The last good checkpoint (step {kept}) in {checkpointer.directory} is intact"
-                        if kept is not None else f"No checkpoint was saved in {checkpointer.directory}"))
+                        if kept is not None
+                        else f"No checkpoint was saved in {checkpointer.directory}"
+                    )
+                )
 
         pending = None  # the previous step's metrics, checked one step late to keep dispatch async
         steps_timed, seconds_timed, first = 0, 0.0, True
@@ -420,8 +467,9 @@ class Trainer:
             else:
                 steps_timed += 1
             stopping = preemption_agreed(state.step, stop["stop"])
-            info = StepInfo(state.step, state, metrics, source_metrics, state.step == cfg.steps, stopping,
-                            steps_timed, 0.0, self)
+            info = StepInfo(
+                state.step, state, metrics, source_metrics, state.step == cfg.steps, stopping, steps_timed, 0.0, self
+            )
             due = [hook for hook in self.hooks if hook.due(info)]
             if pending is not None:
                 check_finite(*pending)

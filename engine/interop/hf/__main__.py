@@ -51,10 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--tokenizer", default=None, help="tokenizer directory (default: ../tokenizer)")
     exp.add_argument("--step", type=int, default=None)
     exp.add_argument("--max-shard-gb", type=float, default=5.0)
-    exp.add_argument("--merged", action="store_true",
-                     help="an adapter checkpoint: write the whole model with the adapter folded in (default: PEFT's format)")
-    exp.add_argument("--overwrite", action="store_true",
-                     help="export into a non-empty OUT_DIR, deleting the weights already there")
+    exp.add_argument(
+        "--merged",
+        action="store_true",
+        help="an adapter checkpoint: write the whole model with the adapter folded in (default: PEFT's format)",
+    )
+    exp.add_argument(
+        "--overwrite", action="store_true", help="export into a non-empty OUT_DIR, deleting the weights already there"
+    )
     args = parser.parse_args(argv)
 
     def log(msg: str) -> None:
@@ -68,13 +72,26 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "convert-adapter":
             result = convert_peft(args.adapter_dir, args.out_dir, args.base, log=log)
         elif is_reward_model(args.checkpoint_dir, args.step):  # as <Family>ForSequenceClassification
-            result = export_reward_model(args.checkpoint_dir, args.out_dir, args.tokenizer, step=args.step,
-                                         max_shard_bytes=int(args.max_shard_gb * 1e9), overwrite=args.overwrite,
-                                         log=log)
+            result = export_reward_model(
+                args.checkpoint_dir,
+                args.out_dir,
+                args.tokenizer,
+                step=args.step,
+                max_shard_bytes=int(args.max_shard_gb * 1e9),
+                overwrite=args.overwrite,
+                log=log,
+            )
         else:
-            result = export_hf(args.checkpoint_dir, args.out_dir, args.tokenizer, step=args.step,
-                               max_shard_bytes=int(args.max_shard_gb * 1e9), overwrite=args.overwrite,
-                               merged=args.merged, log=log)
+            result = export_hf(
+                args.checkpoint_dir,
+                args.out_dir,
+                args.tokenizer,
+                step=args.step,
+                max_shard_bytes=int(args.max_shard_gb * 1e9),
+                overwrite=args.overwrite,
+                merged=args.merged,
+                log=log,
+            )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

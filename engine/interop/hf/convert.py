@@ -16,9 +16,10 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -27,12 +28,18 @@ from engine.config import ConfigError
 from engine.contract import CHECKPOINT_DIR, CHECKPOINT_FORMAT, TOKENIZER_DIR
 from engine.interop.hf.files import copy_tokenizer, source_fingerprint
 from engine.interop.hf.mapping import (
-    TensorSpec, check_table_covers, copy_into, deinterleave, hf_shape, model_config_from_hf, tensor_table,
+    TensorSpec,
+    check_table_covers,
+    copy_into,
+    deinterleave,
+    hf_shape,
+    model_config_from_hf,
+    tensor_table,
 )
 from engine.interop.hf.peft import ADAPTER_CONFIG, adapter_from_peft, lora_config_from_peft
 from engine.interop.hf.safetensors_io import SafetensorsFile
-from engine.models.families import get_family
 from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.families import get_family
 from engine.models.lora import split_adapter
 from engine.models.params import abstract_model_params
 from engine.train.checkpoint import read_meta, save_params
@@ -44,8 +51,9 @@ NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfl
 # E2M1 codes per byte, low nibble first, and `X_scales` (..., out, in / 32) uint8, one E8M0
 # power of two (bias 127) per block of 32. Dequantized, it is (..., in, out): the layout of X.
 MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
-FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                    np.float32)
+FP4_E2M1 = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32
+)
 
 
 def mxfp4_shape(blocks_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -127,15 +135,19 @@ def _check_mxfp4(st: SafetensorsFile, path: Path, scales_at: dict, blocks: str, 
     _, s_shape, s_dtype = scales_at[scales]
     b_shape = tuple(st.shape(blocks))
     if st.dtype(blocks) != np.uint8 or s_dtype != np.uint8:
-        raise ConfigError(f"{path.name}: MXFP4 tensors '{blocks}' and '{scales}' must be uint8, "
-                          f"got {st.dtype(blocks)} and {s_dtype}")
+        raise ConfigError(
+            f"{path.name}: MXFP4 tensors '{blocks}' and '{scales}' must be uint8, got {st.dtype(blocks)} and {s_dtype}"
+        )
     if len(b_shape) < 3 or b_shape[-1] != 16 or s_shape != b_shape[:-1] or mxfp4_shape(b_shape) != tuple(want):
-        raise ConfigError(f"{path.name}: MXFP4 tensor '{blocks}' {list(b_shape)} with scales {list(s_shape)} does "
-                          f"not dequantize to the shape config.json implies for '{name}', {list(want)}")
+        raise ConfigError(
+            f"{path.name}: MXFP4 tensor '{blocks}' {list(b_shape)} with scales {list(s_shape)} does "
+            f"not dequantize to the shape config.json implies for '{name}', {list(want)}"
+        )
 
 
-def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None,
-               log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def convert_hf(
+    hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None, log: Callable[[str], None] | None = None
+) -> dict[str, Any]:
     """Convert a HF model directory into out_dir/checkpoint (Orbax) + out_dir/tokenizer.
 
     `dtype` (float32 | bfloat16) of the stored params; None keeps the source's (bfloat16
@@ -191,10 +203,10 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
         with SafetensorsFile(path) as st:
             for stored in st.names():
                 name, blocks = stored, None
-                if mxfp4 and stored.endswith(MXFP4_SCALES) and stored[:-len(MXFP4_SCALES)] in expected:
+                if mxfp4 and stored.endswith(MXFP4_SCALES) and stored[: -len(MXFP4_SCALES)] in expected:
                     continue  # read with its blocks
-                if mxfp4 and stored.endswith(MXFP4_BLOCKS) and stored[:-len(MXFP4_BLOCKS)] in expected:
-                    name, blocks = stored[:-len(MXFP4_BLOCKS)], stored
+                if mxfp4 and stored.endswith(MXFP4_BLOCKS) and stored[: -len(MXFP4_BLOCKS)] in expected:
+                    name, blocks = stored[: -len(MXFP4_BLOCKS)], stored
                 if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved
                     continue
                 if get_family(cfg.family).ignored_tensor(name, cfg):
@@ -259,7 +271,9 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
 
     generation = hf_dir / "generation_config.json"
     meta = {
-        "step": 0, "model": cfg.model_dump(mode="json"), "compute": compute.model_dump(mode="json"),
+        "step": 0,
+        "model": cfg.model_dump(mode="json"),
+        "compute": compute.model_dump(mode="json"),
         "format": CHECKPOINT_FORMAT,
         "hf": {
             "architecture": architecture,
@@ -277,15 +291,23 @@ def convert_hf(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = N
     seconds = time.perf_counter() - start
     log(f"convert: {architecture}, {cfg.num_params():,} params, {nbytes / 1e9:.3f} GB in {seconds:.1f}s")
     return {
-        "architecture": architecture, "family": cfg.family, "num_params": cfg.num_params(),
-        "source_bytes": nbytes, "seconds": seconds, "dtype": dtype, "checkpoint": str(checkpoint_dir),
-        "tokenizer_files": tokenizer_files, "model": cfg.model_dump(mode="json"),
-        "compute": compute.model_dump(mode="json"), "source": meta["source"],
+        "architecture": architecture,
+        "family": cfg.family,
+        "num_params": cfg.num_params(),
+        "source_bytes": nbytes,
+        "seconds": seconds,
+        "dtype": dtype,
+        "checkpoint": str(checkpoint_dir),
+        "tokenizer_files": tokenizer_files,
+        "model": cfg.model_dump(mode="json"),
+        "compute": compute.model_dump(mode="json"),
+        "source": meta["source"],
     }
 
 
-def convert_peft(adapter_dir: str | Path, out_dir: str | Path, base_checkpoint: str | Path, *,
-                 log=None) -> dict[str, Any]:
+def convert_peft(
+    adapter_dir: str | Path, out_dir: str | Path, base_checkpoint: str | Path, *, log=None
+) -> dict[str, Any]:
     """A PEFT LoRA adapter directory -> an adapter checkpoint on the engine's base
     `base_checkpoint` (<out_dir>/checkpoint, params the adapter alone, meta `lora` naming the
     base), which every stage that takes a checkpoint reads as the base with the adapter folded
@@ -306,12 +328,25 @@ def convert_peft(adapter_dir: str | Path, out_dir: str | Path, base_checkpoint: 
     shapes = split_adapter(abstract_model_params(cfg, compute, None, lora))[0]
     adapter = adapter_from_peft(adapter_dir, cfg, lora, shapes, scan_layers=compute.scan_layers)
     checkpoint = out_dir / "checkpoint"
-    out_meta = {"step": 0, "model": cfg.model_dump(mode="json"), "compute": compute.model_dump(mode="json"),
-                "format": meta.get("format"), "stage": "convert",
-                "lora": {**lora.model_dump(mode="json"), "base_checkpoint": str(base_checkpoint),
-                         "base_relative": os.path.relpath(base_checkpoint, checkpoint.absolute())},
-                "source": {"kind": "peft", "path": str(adapter_dir.absolute())}}
+    out_meta = {
+        "step": 0,
+        "model": cfg.model_dump(mode="json"),
+        "compute": compute.model_dump(mode="json"),
+        "format": meta.get("format"),
+        "stage": "convert",
+        "lora": {
+            **lora.model_dump(mode="json"),
+            "base_checkpoint": str(base_checkpoint),
+            "base_relative": os.path.relpath(base_checkpoint, checkpoint.absolute()),
+        },
+        "source": {"kind": "peft", "path": str(adapter_dir.absolute())},
+    }
     save_params(checkpoint, 0, adapter, out_meta)
     log(f"convert: a rank-{lora.rank} PEFT adapter on {', '.join(lora.targets(cfg))} of {base_checkpoint}")
-    return {"architecture": "peft-lora", "family": cfg.family, "rank": lora.rank,
-            "targets": list(lora.targets(cfg)), "base_checkpoint": str(base_checkpoint)}
+    return {
+        "architecture": "peft-lora",
+        "family": cfg.family,
+        "rank": lora.rank,
+        "targets": list(lora.targets(cfg)),
+        "base_checkpoint": str(base_checkpoint),
+    }

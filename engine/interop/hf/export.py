@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
 from engine.contract import TOKENIZER_DIR
 from engine.interop.hf.files import check_export_dir, copy_tokenizer, remove_stale_weights
 from engine.interop.hf.mapping import TensorSpec, hf_shape, interleave, model_config_to_hf, tensor_table, to_hf
+from engine.interop.hf.peft import ADAPTER_WEIGHTS, write_peft
 from engine.interop.hf.safetensors_io import write_safetensors
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.interop.hf.peft import ADAPTER_WEIGHTS, write_peft
 from engine.train.checkpoint import adapter_base, load_adapter, load_params, read_meta
 
 
@@ -44,9 +45,17 @@ def _plan_shards(names_bytes: list[tuple[str, int]], max_shard_bytes: int) -> li
     return shards
 
 
-def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: str | Path | None = None, *,
-              step: int | None = None, max_shard_bytes: int = 5 * 10**9, overwrite: bool = False,
-              merged: bool = False, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def export_hf(
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    *,
+    step: int | None = None,
+    max_shard_bytes: int = 5 * 10**9,
+    overwrite: bool = False,
+    merged: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Write a checkpoint as a HF model directory that AutoModelForCausalLM loads.
 
     `tokenizer_dir` defaults to the `tokenizer/` beside the checkpoint directory (the
@@ -116,8 +125,9 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: st
                 spec, index, _, _ = entries[name]
                 yield name, hf_tensor(spec, index)
 
-        total += write_safetensors(out_dir / filename, tensors(), metadata={"format": "pt"},
-                                   shapes={n: entries[n][2:] for n in names})
+        total += write_safetensors(
+            out_dir / filename, tensors(), metadata={"format": "pt"}, shapes={n: entries[n][2:] for n in names}
+        )
         weight_map.update({name: filename for name in names})
         log(f"export: wrote {filename}")
     if len(shards) > 1:
@@ -125,21 +135,35 @@ def export_hf(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: st
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")  # as transformers
     generation = hf_meta.get("generation_config") or {
-        "_from_model_config": True, **{k: v for k, v in token_ids.items() if v is not None}}
+        "_from_model_config": True,
+        **{k: v for k, v in token_ids.items() if v is not None},
+    }
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     if tokenizer_dir is None and (checkpoint_dir.parent / TOKENIZER_DIR).is_dir():
         tokenizer_dir = checkpoint_dir.parent / TOKENIZER_DIR
     tokenizer_files = copy_tokenizer(Path(tokenizer_dir), out_dir) if tokenizer_dir else []
     seconds = time.perf_counter() - start
     return {
-        "architecture": hf_config["architectures"][0], "family": cfg.family, "step": step, "bytes": total,
-        "shards": len(shards), "seconds": seconds, "tokenizer_files": tokenizer_files, "removed_weights": removed,
+        "architecture": hf_config["architectures"][0],
+        "family": cfg.family,
+        "step": step,
+        "bytes": total,
+        "shards": len(shards),
+        "seconds": seconds,
+        "tokenizer_files": tokenizer_files,
+        "removed_weights": removed,
         "source": {"checkpoint": str(checkpoint_dir.absolute()), "step": step},
     }
 
 
-def export_peft(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: str | Path | None = None, *,
-                step: int | None = None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def export_peft(
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    *,
+    step: int | None = None,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """An adapter checkpoint as PEFT's adapter directory (adapter_config.json +
     adapter_model.safetensors, and the tokenizer files), which
     `peft.PeftModel.from_pretrained(base, out_dir)` loads onto the base exported by export_hf.
@@ -152,13 +176,28 @@ def export_peft(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: 
     _, meta = read_meta(checkpoint_dir, step)
     compute = ComputeConfig.model_validate(meta["compute"])
     source = read_meta(base)[1].get("source") or {}
-    files = write_peft(out_dir, cfg, lora, adapter, scan_layers=compute.scan_layers,
-                       base_model=source.get("path") if source.get("kind") == "huggingface" else None)
+    files = write_peft(
+        out_dir,
+        cfg,
+        lora,
+        adapter,
+        scan_layers=compute.scan_layers,
+        base_model=source.get("path") if source.get("kind") == "huggingface" else None,
+    )
     if tokenizer_dir is None and (checkpoint_dir.parent / TOKENIZER_DIR).is_dir():
         tokenizer_dir = checkpoint_dir.parent / TOKENIZER_DIR
     tokenizer_files = copy_tokenizer(Path(tokenizer_dir), out_dir) if tokenizer_dir else []
     nbytes = (out_dir / ADAPTER_WEIGHTS).stat().st_size
     log(f"export: wrote a rank-{lora.rank} PEFT adapter ({nbytes / 1e6:.2f} MB) to {out_dir}")
-    return {"architecture": "peft-lora", "family": cfg.family, "step": step, "bytes": nbytes, "shards": 1,
-            "seconds": time.perf_counter() - start, "files": files, "tokenizer_files": tokenizer_files,
-            "base_checkpoint": str(base), "source": {"checkpoint": str(checkpoint_dir.absolute()), "step": step}}
+    return {
+        "architecture": "peft-lora",
+        "family": cfg.family,
+        "step": step,
+        "bytes": nbytes,
+        "shards": 1,
+        "seconds": time.perf_counter() - start,
+        "files": files,
+        "tokenizer_files": tokenizer_files,
+        "base_checkpoint": str(base),
+        "source": {"checkpoint": str(checkpoint_dir.absolute()), "step": step},
+    }

@@ -12,8 +12,15 @@ from typing import Any
 from engine.config import ConfigError
 
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
 )
 
 WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
@@ -27,8 +34,9 @@ def check_export_dir(out_dir: str | Path, overwrite: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"{out_dir} is a file, not a directory to export into")
     if not overwrite and out_dir.is_dir() and any(out_dir.iterdir()):
-        raise ConfigError(f"{out_dir} is not empty; export into an empty directory, or pass --overwrite "
-                          f"to replace the model there")
+        raise ConfigError(
+            f"{out_dir} is not empty; export into an empty directory, or pass --overwrite to replace the model there"
+        )
 
 
 def remove_stale_weights(out_dir: str | Path) -> list[str]:

@@ -22,8 +22,9 @@ from engine.models.families import TensorSpec, family_names, family_of_model_typ
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def model_config_from_hf(hf: dict, *, param_dtype: str = "float32",
-                         where: str = "config.json") -> tuple[ModelConfig, ComputeConfig]:
+def model_config_from_hf(
+    hf: dict, *, param_dtype: str = "float32", where: str = "config.json"
+) -> tuple[ModelConfig, ComputeConfig]:
     """(architecture, compute settings) of a transformers config.json (legacy keys or
     transformers 5's); the params are stored, and computed with, in `param_dtype`."""
     model_type = hf.get("model_type")
@@ -42,8 +43,9 @@ def model_config_from_hf(hf: dict, *, param_dtype: str = "float32",
         raise ConfigError(f"{what}: does not make a valid model: {e}") from None
 
 
-def model_config_to_hf(cfg: ModelConfig, token_ids: dict | None = None, *,
-                       param_dtype: str = "float32") -> dict[str, Any]:
+def model_config_to_hf(
+    cfg: ModelConfig, token_ids: dict | None = None, *, param_dtype: str = "float32"
+) -> dict[str, Any]:
     """config.json for `cfg` as transformers 5 writes it, plus the older keys transformers 4
     reads. `token_ids` (bos/eos/pad_token_id) are written as given, null when unknown, so
     transformers does not fill in its class defaults, which may not be this tokenizer's.
@@ -99,7 +101,7 @@ def hf_shape(spec: TensorSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
     if spec.interleaved_with:
         return (*shape[:-1], shape[-1] * (1 + len(spec.interleaved_with)))
     if spec.in_dims is not None:
-        return (int(np.prod(shape[spec.in_dims:])), int(np.prod(shape[: spec.in_dims])))
+        return (int(np.prod(shape[spec.in_dims :])), int(np.prod(shape[: spec.in_dims])))
     return (int(np.prod(shape)),) if spec.flatten else tuple(shape)
 
 
@@ -114,7 +116,7 @@ def _transpose_into(dst_2d: np.ndarray, src_2d: np.ndarray, block: int = 16) -> 
     bits = np.dtype(f"u{src_2d.dtype.itemsize}")
     src, dst = src_2d.view(bits), dst_2d.view(bits)
     for i in range(0, src.shape[0], block):
-        dst[:, i:i + block] = src[i:i + block].T
+        dst[:, i : i + block] = src[i : i + block].T
 
 
 def interleave(arrays: list[np.ndarray]) -> np.ndarray:

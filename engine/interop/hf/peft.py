@@ -18,7 +18,8 @@ import numpy as np
 from engine.config import ConfigError
 from engine.interop.hf.mapping import tensor_table
 from engine.interop.hf.safetensors_io import SafetensorsFile, write_safetensors
-from engine.models.config import LORA_TARGETS, LORA_WEIGHTS as WEIGHTS, LoraConfig, ModelConfig
+from engine.models.config import LORA_TARGETS, LoraConfig, ModelConfig
+from engine.models.config import LORA_WEIGHTS as WEIGHTS
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
@@ -59,15 +60,33 @@ def adapter_to_peft(cfg: ModelConfig, lora: LoraConfig, adapter: dict, *, scan_l
 
 def peft_config(lora: LoraConfig, cfg: ModelConfig, base_model: str | None = None) -> dict[str, Any]:
     """adapter_config.json of `lora` (the keys PEFT's LoraConfig reads; its defaults for the rest)."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-            "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
-            "target_modules": list(lora.targets(cfg)), "use_rslora": lora.use_rslora, "bias": "none",
-            "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
-            "use_dora": False}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": list(lora.targets(cfg)),
+        "use_rslora": lora.use_rslora,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "use_dora": False,
+    }
 
 
-def write_peft(out_dir: str | Path, cfg: ModelConfig, lora: LoraConfig, adapter: dict, *, scan_layers: bool,
-               base_model: str | None = None) -> list[str]:
+def write_peft(
+    out_dir: str | Path,
+    cfg: ModelConfig,
+    lora: LoraConfig,
+    adapter: dict,
+    *,
+    scan_layers: bool,
+    base_model: str | None = None,
+) -> list[str]:
     """Write the PEFT adapter directory; returns the files written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -100,19 +119,26 @@ def lora_config_from_peft(adapter_dir: str | Path) -> LoraConfig:
     if targets != "all-linear":
         unknown = [t for t in targets or [] if t not in LORA_TARGETS]
         if unknown:
-            raise ConfigError(f"{path}: target module '{unknown[0]}' is not one the engine adapts "
-                              f"({', '.join(LORA_TARGETS)})")
+            raise ConfigError(
+                f"{path}: target module '{unknown[0]}' is not one the engine adapts ({', '.join(LORA_TARGETS)})"
+            )
     if raw.get("rank_pattern") or raw.get("alpha_pattern"):
         raise ConfigError(f"{path}: per-module rank_pattern / alpha_pattern are not supported")
     try:
-        return LoraConfig(rank=raw["r"], alpha=raw.get("lora_alpha", 8), dropout=raw.get("lora_dropout", 0.0),
-                          target_modules=targets, use_rslora=raw.get("use_rslora", False))
+        return LoraConfig(
+            rank=raw["r"],
+            alpha=raw.get("lora_alpha", 8),
+            dropout=raw.get("lora_dropout", 0.0),
+            target_modules=targets,
+            use_rslora=raw.get("use_rslora", False),
+        )
     except (KeyError, ValueError) as e:
         raise ConfigError(f"{path}: does not make a valid LoRA config: {e}") from None
 
 
-def adapter_from_peft(adapter_dir: str | Path, cfg: ModelConfig, lora: LoraConfig, shapes: dict, *,
-                      scan_layers: bool) -> dict:
+def adapter_from_peft(
+    adapter_dir: str | Path, cfg: ModelConfig, lora: LoraConfig, shapes: dict, *, scan_layers: bool
+) -> dict:
     """The engine's adapter tree (numpy, shaped as `shapes`: the adapter half of the model's
     abstract params) from PEFT's tensors; a ConfigError naming a missing or misshapen tensor."""
     path = Path(adapter_dir) / ADAPTER_WEIGHTS
@@ -145,19 +171,23 @@ def adapter_from_peft(adapter_dir: str | Path, cfg: ModelConfig, lora: LoraConfi
                 if tensor_name not in tensors:
                     raise ConfigError(f"{path}: no tensor '{tensor_name}'")
                 want = _layer(shapes, spec.stack, (*module, key), i, scan_layers) if not scan_layers else None
-                shape = (want.shape if want is not None else _at(shapes, (spec.stack, *module, key)).shape[1:])
+                shape = want.shape if want is not None else _at(shapes, (spec.stack, *module, key)).shape[1:]
                 value = tensors[tensor_name].T
                 if value.size != int(np.prod(shape)):
-                    raise ConfigError(f"{path}: tensor '{tensor_name}' has shape {tuple(tensors[tensor_name].shape)}, "
-                                      f"which does not fit this base model's {tuple(shape)} (rank {lora.rank})")
+                    raise ConfigError(
+                        f"{path}: tensor '{tensor_name}' has shape {tuple(tensors[tensor_name].shape)}, "
+                        f"which does not fit this base model's {tuple(shape)} (rank {lora.rank})"
+                    )
                 put(spec.stack, module, key, i, value.reshape(shape))
                 used.add(tensor_name)
     extra = sorted(set(tensors) - used)
     if extra:
         raise ConfigError(f"{path}: tensor '{extra[0]}' is not an adapter of this base model's targeted modules")
     if scan_layers:
+
         def stack(node):
             return {k: stack(v) if isinstance(v, dict) else np.stack(v) for k, v in node.items()}
+
         out = stack(out)
     return out
 
@@ -166,4 +196,3 @@ def _at(tree: dict, path: tuple[str, ...]):
     for key in path:
         tree = tree[key]
     return tree
-

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import ml_dtypes
 import numpy as np
@@ -32,9 +32,16 @@ from safetensors import SafetensorError, safe_open
 from engine.config import ConfigError
 
 DTYPES = {
-    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
 }
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
@@ -74,15 +81,19 @@ class SafetensorsFile:
         self._slices.clear()
         self._file.__exit__(None, None, None)
 
-    def __enter__(self) -> "SafetensorsFile":
+    def __enter__(self) -> SafetensorsFile:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-def write_safetensors(path: str | Path, tensors: Iterator[tuple[str, np.ndarray]] | list, metadata: dict | None = None,
-                      shapes: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None) -> int:
+def write_safetensors(
+    path: str | Path,
+    tensors: Iterator[tuple[str, np.ndarray]] | list,
+    metadata: dict | None = None,
+    shapes: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None,
+) -> int:
     """Write (name, array) pairs in order; returns bytes of tensor data written.
 
     `shapes` (name -> (shape, dtype), in write order) lets the header be written first and
@@ -95,7 +106,11 @@ def write_safetensors(path: str | Path, tensors: Iterator[tuple[str, np.ndarray]
     offset = 0
     for name, (shape, dtype) in shapes.items():
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        header[name] = {"dtype": NAMES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": NAMES[np.dtype(dtype)],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned

@@ -22,8 +22,9 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -32,9 +33,19 @@ from engine.config import ConfigError
 from engine.contract import CHECKPOINT_DIR, CHECKPOINT_FORMAT, TOKENIZER_DIR
 from engine.data.tokenizer import load_saved
 from engine.interop.hf.files import check_export_dir, copy_tokenizer, remove_stale_weights, source_fingerprint
-from engine.interop.hf.mapping import (causal_view, copy_into, deinterleave, hf_shape, interleave,
-                                       is_sequence_classification, model_config_from_hf, model_config_to_hf,
-                                       sequence_classification_architecture, tensor_table, to_hf)
+from engine.interop.hf.mapping import (
+    causal_view,
+    copy_into,
+    deinterleave,
+    hf_shape,
+    interleave,
+    is_sequence_classification,
+    model_config_from_hf,
+    model_config_to_hf,
+    sequence_classification_architecture,
+    tensor_table,
+    to_hf,
+)
 from engine.interop.hf.safetensors_io import SafetensorsFile, write_safetensors
 from engine.models.params import abstract_model_params
 from engine.posttrain.reward_model import HEAD, REWARD_MODEL_FORMAT, load_reward_params
@@ -80,21 +91,35 @@ def _token_ids(checkpoint_dir: Path, meta: dict, tokenizer_dir: Path | None, log
     ids = dict((meta.get("hf") or {}).get("token_ids") or {})
     if tokenizer_dir is not None:
         bundle = load_saved(tokenizer_dir)
-        ids.update(bos_token_id=bundle.bos_id, eos_token_id=bundle.eos_id,
-                   pad_token_id=bundle.pad_id if bundle.pad_id is not None else ids.get("pad_token_id"))
+        ids.update(
+            bos_token_id=bundle.bos_id,
+            eos_token_id=bundle.eos_id,
+            pad_token_id=bundle.pad_id if bundle.pad_id is not None else ids.get("pad_token_id"),
+        )
     if ids.get("pad_token_id") is None and ids.get("eos_token_id") is None:
-        raise ConfigError(f"{checkpoint_dir}: no tokenizer beside it and no token ids in its meta; give the "
-                          "tokenizer (transformers finds each sequence's last token by pad_token_id)")
+        raise ConfigError(
+            f"{checkpoint_dir}: no tokenizer beside it and no token ids in its meta; give the "
+            "tokenizer (transformers finds each sequence's last token by pad_token_id)"
+        )
     if ids.get("pad_token_id") is None:
         ids["pad_token_id"] = ids["eos_token_id"]
-        log("export: the tokenizer has no pad token; pad_token_id is eos, so transformers scores a sequence that "
-            "ends in eos at the token before it (it pools at the last token that is not pad_token_id)")
+        log(
+            "export: the tokenizer has no pad token; pad_token_id is eos, so transformers scores a sequence that "
+            "ends in eos at the token before it (it pools at the last token that is not pad_token_id)"
+        )
     return ids
 
 
-def export_reward_model(checkpoint_dir: str | Path, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
-                        *, step: int | None = None, max_shard_bytes: int = 5 * 10**9, overwrite: bool = False,
-                        log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def export_reward_model(
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    *,
+    step: int | None = None,
+    max_shard_bytes: int = 5 * 10**9,
+    overwrite: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Write a reward-model checkpoint as the transformers *ForSequenceClassification of its
     family (a LoRA one with its adapter folded in)."""
     log = log or (lambda msg: None)
@@ -104,15 +129,19 @@ def export_reward_model(checkpoint_dir: str | Path, out_dir: str | Path, tokeniz
     cfg, compute, params, step, meta = load_reward_params(checkpoint_dir, step)
     if tokenizer_dir is None and (checkpoint_dir.parent / TOKENIZER_DIR).is_dir():
         tokenizer_dir = checkpoint_dir.parent / TOKENIZER_DIR
-    hf_config = model_config_to_hf(cfg, _token_ids(checkpoint_dir, meta, tokenizer_dir and Path(tokenizer_dir), log),
-                                   param_dtype=compute.param_dtype)
+    hf_config = model_config_to_hf(
+        cfg,
+        _token_ids(checkpoint_dir, meta, tokenizer_dir and Path(tokenizer_dir), log),
+        param_dtype=compute.param_dtype,
+    )
     architecture = sequence_classification_architecture(cfg.family)
     hf_config.update(architectures=[architecture], id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
 
     def tensor(spec, index) -> np.ndarray:
         if spec.interleaved_with:  # several engine arrays in one HF tensor
-            return interleave([np.asarray(_slot(params, spec, index, path))
-                               for path in (spec.path, *spec.interleaved_with)])
+            return interleave(
+                [np.asarray(_slot(params, spec, index, path)) for path in (spec.path, *spec.interleaved_with)]
+            )
         return to_hf(spec, np.asarray(_slot(params, spec, index, spec.path)))
 
     slots = _slots(cfg, params)
@@ -135,8 +164,9 @@ def export_reward_model(checkpoint_dir: str | Path, out_dir: str | Path, tokeniz
     for k, names in enumerate(shards):
         filename = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         arrays = ((n, params[HEAD][None, :] if n == SCORE else tensor(*slots[n])) for n in names)
-        total += write_safetensors(out_dir / filename, arrays, metadata={"format": "pt"},
-                                   shapes={n: entries[n] for n in names})
+        total += write_safetensors(
+            out_dir / filename, arrays, metadata={"format": "pt"}, shapes={n: entries[n] for n in names}
+        )
         weight_map.update({n: filename for n in names})
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -144,10 +174,18 @@ def export_reward_model(checkpoint_dir: str | Path, out_dir: str | Path, tokeniz
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     tokenizer_files = copy_tokenizer(Path(tokenizer_dir), out_dir) if tokenizer_dir else []
     log(f"export: {architecture}, {total / 1e6:.2f} MB in {len(shards)} file(s) to {out_dir}")
-    return {"architecture": architecture, "family": cfg.family, "step": step, "bytes": total, "shards": len(shards),
-            "seconds": time.perf_counter() - start, "tokenizer_files": tokenizer_files, "removed_weights": removed,
-            "pad_token_id": hf_config["pad_token_id"],
-            "source": {"checkpoint": str(checkpoint_dir.absolute()), "step": step}}
+    return {
+        "architecture": architecture,
+        "family": cfg.family,
+        "step": step,
+        "bytes": total,
+        "shards": len(shards),
+        "seconds": time.perf_counter() - start,
+        "tokenizer_files": tokenizer_files,
+        "removed_weights": removed,
+        "pad_token_id": hf_config["pad_token_id"],
+        "source": {"checkpoint": str(checkpoint_dir.absolute()), "step": step},
+    }
 
 
 def _weight_files(hf_dir: Path) -> dict[str, Path]:
@@ -162,8 +200,9 @@ def _weight_files(hf_dir: Path) -> dict[str, Path]:
         return {name: single for name in st.names()}
 
 
-def convert_reward_model(hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None,
-                         log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def convert_reward_model(
+    hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None, log: Callable[[str], None] | None = None
+) -> dict[str, Any]:
     """A transformers *ForSequenceClassification directory with one label -> out_dir/checkpoint
     (a reward model: the decoder's params and `score_d`) + out_dir/tokenizer."""
     log = log or (lambda msg: None)
@@ -191,8 +230,10 @@ def convert_reward_model(hf_dir: str | Path, out_dir: str | Path, *, dtype: str 
     missing = [name for name in slots if name not in files]
     if unexpected or missing:
         name = (unexpected or missing)[0]
-        raise ConfigError(f"{hf_dir}: tensor '{name}' is {'unexpected' if unexpected else 'missing'} for "
-                          f"{hf['architectures'][0]} as config.json describes it ({cfg.num_layers} layers)")
+        raise ConfigError(
+            f"{hf_dir}: tensor '{name}' is {'unexpected' if unexpected else 'missing'} for "
+            f"{hf['architectures'][0]} as config.json describes it ({cfg.num_layers} layers)"
+        )
     handles = {path: SafetensorsFile(path) for path in set(files.values())}
     nbytes = 0
     try:
@@ -201,14 +242,19 @@ def convert_reward_model(hf_dir: str | Path, out_dir: str | Path, *, dtype: str 
             slot = _slot(params, spec, index, spec.path)
             want = hf_shape(spec, slot.shape)
             if tuple(st.shape(name)) != tuple(want):
-                raise ConfigError(f"{files[name].name}: tensor '{name}' has shape {list(st.shape(name))}, but "
-                                  f"config.json implies {list(want)}")
+                raise ConfigError(
+                    f"{files[name].name}: tensor '{name}' has shape {list(st.shape(name))}, but "
+                    f"config.json implies {list(want)}"
+                )
             raw = st.get(name)
             nbytes += raw.nbytes
             paths = (spec.path, *spec.interleaved_with)
             for part, path in enumerate(paths):
-                copy_into(_slot(params, spec, index, path), spec, deinterleave(raw, part, len(paths))
-                          if len(paths) > 1 else raw)
+                copy_into(
+                    _slot(params, spec, index, path),
+                    spec,
+                    deinterleave(raw, part, len(paths)) if len(paths) > 1 else raw,
+                )
         score = handles[files[SCORE]].get(SCORE)
     finally:
         for handle in handles.values():
@@ -217,10 +263,15 @@ def convert_reward_model(hf_dir: str | Path, out_dir: str | Path, *, dtype: str 
         raise ConfigError(f"{files[SCORE].name}: '{SCORE}' has shape {list(score.shape)}, not [1, {cfg.d_model}]")
     params[HEAD] = score[0].astype(target)
     meta = {
-        "step": 0, "model": cfg.model_dump(mode="json"), "compute": compute.model_dump(mode="json"),
-        "format": CHECKPOINT_FORMAT, "stage": "convert",
-        "hf": {"architecture": hf["architectures"][0],
-               "token_ids": {k: hf.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}},
+        "step": 0,
+        "model": cfg.model_dump(mode="json"),
+        "compute": compute.model_dump(mode="json"),
+        "format": CHECKPOINT_FORMAT,
+        "stage": "convert",
+        "hf": {
+            "architecture": hf["architectures"][0],
+            "token_ids": {k: hf.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+        },
         "source": {"kind": "huggingface", "path": str(hf_dir.absolute()), "files": source_fingerprint(hf_dir)},
         "reward_model": {"format": REWARD_MODEL_FORMAT, "head": HEAD, "pooling": "last_token"},
     }
@@ -230,10 +281,19 @@ def convert_reward_model(hf_dir: str | Path, out_dir: str | Path, *, dtype: str 
     save_params(checkpoint_dir, 0, params, meta)
     tokenizer_files = copy_tokenizer(hf_dir, out_dir / TOKENIZER_DIR)
     log(f"convert: {hf['architectures'][0]} -> a reward model, {cfg.num_params():,} params")
-    return {"architecture": hf["architectures"][0], "family": cfg.family, "num_params": cfg.num_params(),
-            "source_bytes": nbytes + score.nbytes, "dtype": dtype, "seconds": time.perf_counter() - start, "checkpoint": str(checkpoint_dir),
-            "tokenizer_files": tokenizer_files, "model": cfg.model_dump(mode="json"),
-            "compute": compute.model_dump(mode="json"), "source": meta["source"]}
+    return {
+        "architecture": hf["architectures"][0],
+        "family": cfg.family,
+        "num_params": cfg.num_params(),
+        "source_bytes": nbytes + score.nbytes,
+        "dtype": dtype,
+        "seconds": time.perf_counter() - start,
+        "checkpoint": str(checkpoint_dir),
+        "tokenizer_files": tokenizer_files,
+        "model": cfg.model_dump(mode="json"),
+        "compute": compute.model_dump(mode="json"),
+        "source": meta["source"],
+    }
 
 
 def _empty_like(shapes: dict, dtype: np.dtype) -> dict:

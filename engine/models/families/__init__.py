@@ -5,11 +5,15 @@ Importing this package registers the built-in families; it imports no JAX, so co
 validation (engine/models/config.py checks `family` here) stays cheap.
 """
 
-from engine.models.families.base import (
-    Family, TensorSpec, family_names, family_of_model_type, get_family, register_family,
-)
-
 # Importing a family module registers it; this order is the one error messages list.
-from engine.models.families import llama, mistral, qwen, gemma, moe, gpt_oss, deepseek  # noqa: F401, I001
+from engine.models.families import deepseek, gemma, gpt_oss, llama, mistral, moe, qwen  # noqa: F401, I001
+from engine.models.families.base import (
+    Family,
+    TensorSpec,
+    family_names,
+    family_of_model_type,
+    get_family,
+    register_family,
+)
 
 __all__ = ["Family", "TensorSpec", "family_names", "family_of_model_type", "get_family", "register_family"]

@@ -74,18 +74,26 @@ def rope_from_hf(params: dict, where: str) -> tuple[float, dict | None]:
         return theta, {"kind": "linear", "factor": params["factor"]}
     if kind == "llama3":
         return theta, {
-            "kind": "llama3", "factor": params["factor"], "low_freq_factor": params["low_freq_factor"],
+            "kind": "llama3",
+            "factor": params["factor"],
+            "low_freq_factor": params["low_freq_factor"],
             "high_freq_factor": params["high_freq_factor"],
             "original_max_position": params["original_max_position_embeddings"],
         }
     if kind == "yarn":
         if params.get("factor") is None or params.get("original_max_position_embeddings") is None:
             raise ConfigError(f"{where}: RoPE type 'yarn' needs factor and original_max_position_embeddings")
-        scaling = {"kind": "yarn", "factor": params["factor"],
-                   "original_max_position": params["original_max_position_embeddings"],
-                   "beta_fast": params.get("beta_fast") or 32.0, "beta_slow": params.get("beta_slow") or 1.0,
-                   "attention_factor": params.get("attention_factor"), "mscale": params.get("mscale"),
-                   "mscale_all_dim": params.get("mscale_all_dim"), "truncate": params.get("truncate", True)}
+        scaling = {
+            "kind": "yarn",
+            "factor": params["factor"],
+            "original_max_position": params["original_max_position_embeddings"],
+            "beta_fast": params.get("beta_fast") or 32.0,
+            "beta_slow": params.get("beta_slow") or 1.0,
+            "attention_factor": params.get("attention_factor"),
+            "mscale": params.get("mscale"),
+            "mscale_all_dim": params.get("mscale_all_dim"),
+            "truncate": params.get("truncate", True),
+        }
         return theta, scaling
     raise ConfigError(f"{where}: RoPE type '{kind}' is not supported (supported: default, linear, llama3, yarn)")
 
@@ -98,16 +106,27 @@ def rope_to_hf(scaling) -> dict | None:
         return {"rope_type": "linear", "factor": scaling.factor}
     if scaling.kind == "yarn":
         # Only what differs from transformers' defaults, as published configs write it.
-        optional = {"beta_fast": scaling.beta_fast if scaling.beta_fast != 32 else None,
-                    "beta_slow": scaling.beta_slow if scaling.beta_slow != 1 else None,
-                    "attention_factor": scaling.attention_factor, "mscale": scaling.mscale,
-                    "mscale_all_dim": scaling.mscale_all_dim, "truncate": None if scaling.truncate else False}
-        return {"rope_type": "yarn", "factor": scaling.factor,
-                "original_max_position_embeddings": scaling.original_max_position,
-                **{k: v for k, v in optional.items() if v is not None}}
-    return {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_position}
+        optional = {
+            "beta_fast": scaling.beta_fast if scaling.beta_fast != 32 else None,
+            "beta_slow": scaling.beta_slow if scaling.beta_slow != 1 else None,
+            "attention_factor": scaling.attention_factor,
+            "mscale": scaling.mscale,
+            "mscale_all_dim": scaling.mscale_all_dim,
+            "truncate": None if scaling.truncate else False,
+        }
+        return {
+            "rope_type": "yarn",
+            "factor": scaling.factor,
+            "original_max_position_embeddings": scaling.original_max_position,
+            **{k: v for k, v in optional.items() if v is not None},
+        }
+    return {
+        "rope_type": "llama3",
+        "factor": scaling.factor,
+        "low_freq_factor": scaling.low_freq_factor,
+        "high_freq_factor": scaling.high_freq_factor,
+        "original_max_position_embeddings": scaling.original_max_position,
+    }
 
 
 def rope_parameters_to_hf(theta: float, scaling) -> dict:
@@ -193,18 +212,24 @@ class Family:
         num_layers, num_heads = hf["num_hidden_layers"], hf["num_attention_heads"]
         is_local = parse_layer_types(self.layer_types(hf, num_layers), num_layers, where)
         return {
-            "family": self.name, "vocab_size": hf["vocab_size"], "d_model": hf["hidden_size"],
-            "num_layers": num_layers, "num_heads": num_heads,
+            "family": self.name,
+            "vocab_size": hf["vocab_size"],
+            "d_model": hf["hidden_size"],
+            "num_layers": num_layers,
+            "num_heads": num_heads,
             "num_kv_heads": hf.get("num_key_value_heads") or num_heads,
-            "head_dim": hf.get("head_dim") or hf["hidden_size"] // num_heads, "mlp_dim": hf["intermediate_size"],
+            "head_dim": hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            "mlp_dim": hf["intermediate_size"],
             "max_seq_len": self.hf_value(hf, "max_position_embeddings"),
             "norm_eps": self.hf_value(hf, "rms_norm_eps", 1e-6),
             **rope,
-            "tie_embeddings": self.hf_value(hf, "tie_word_embeddings"), "activation": ACTIVATIONS[activation],
+            "tie_embeddings": self.hf_value(hf, "tie_word_embeddings"),
+            "activation": ACTIVATIONS[activation],
             "attention_pattern": ["local" if x else "global" for x in _shortest_period(is_local)],
             "sliding_window": self.hf_value(hf, "sliding_window") if any(is_local) else None,
             "init_std": self.hf_value(hf, "initializer_range", 0.02),
-            **self.fixed, **self.extra_fields_from_hf(hf),
+            **self.fixed,
+            **self.extra_fields_from_hf(hf),
         }
 
     def activation_from_hf(self, hf: dict) -> str:
@@ -218,7 +243,9 @@ class Family:
     def rope_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
         """The RoPE fields: rope_theta and rope_scaling (and rope_local_theta for Gemma 3)."""
         rope = hf.get("rope_parameters") or {
-            "rope_theta": self.hf_value(hf, "rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
+            "rope_theta": self.hf_value(hf, "rope_theta", 10000.0),
+            **(hf.get("rope_scaling") or {}),
+        }
         theta, scaling = rope_from_hf(rope, where)
         return {"rope_theta": theta, "rope_scaling": scaling}
 
@@ -233,14 +260,25 @@ class Family:
         test_hf_parity.py compares), plus the older keys transformers 4 reads (`rope_theta`,
         `rope_scaling`). Fields the family cannot express are caught by the caller's round trip."""
         hf: dict[str, Any] = {
-            "architectures": [self.architecture], "model_type": self.model_type, "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-            "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model,
+            "intermediate_size": cfg.mlp_dim,
+            "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "max_position_embeddings": cfg.max_seq_len,
+            "rms_norm_eps": cfg.norm_eps,
             "rope_parameters": rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling),
-            "rope_theta": cfg.rope_theta, "rope_scaling": rope_to_hf(cfg.rope_scaling),
-            "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
-            "attention_dropout": 0.0, "use_cache": True, self.activation_key: self.activation_to_hf(cfg),
+            "rope_theta": cfg.rope_theta,
+            "rope_scaling": rope_to_hf(cfg.rope_scaling),
+            "tie_word_embeddings": cfg.tie_embeddings,
+            "initializer_range": cfg.init_std,
+            "attention_dropout": 0.0,
+            "use_cache": True,
+            self.activation_key: self.activation_to_hf(cfg),
             **self.hf_constants,
         }
         hf.update(self.extra_hf_keys(cfg))

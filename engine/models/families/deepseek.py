@@ -29,9 +29,11 @@ def _attention(stack: str, q_lora: bool) -> list[TensorSpec]:
     """The norms and the latent attention of one layer of `stack`."""
     attn = LAYER + "self_attn."
     if q_lora:
-        query = [TensorSpec(("attn", "wq_a_dq"), attn + "q_a_proj.weight", 1, stack=stack),
-                 TensorSpec(("attn", "q_norm", "scale"), attn + "q_a_layernorm.weight", None, stack=stack),
-                 TensorSpec(("attn", "wq_b_qnh"), attn + "q_b_proj.weight", 1, stack=stack)]
+        query = [
+            TensorSpec(("attn", "wq_a_dq"), attn + "q_a_proj.weight", 1, stack=stack),
+            TensorSpec(("attn", "q_norm", "scale"), attn + "q_a_layernorm.weight", None, stack=stack),
+            TensorSpec(("attn", "wq_b_qnh"), attn + "q_b_proj.weight", 1, stack=stack),
+        ]
     else:
         query = [TensorSpec(("attn", "wq_dnh"), attn + "q_proj.weight", 1, stack=stack)]
     return [
@@ -46,8 +48,10 @@ def _attention(stack: str, q_lora: bool) -> list[TensorSpec]:
 
 
 def _dense_mlp() -> list[TensorSpec]:
-    return [TensorSpec(("mlp", f"w_{x}_{dims}"), LAYER + f"mlp.{x}_proj.weight", 1, stack="dense_blocks")
-            for x, dims in (("gate", "df"), ("up", "df"), ("down", "fd"))]
+    return [
+        TensorSpec(("mlp", f"w_{x}_{dims}"), LAYER + f"mlp.{x}_proj.weight", 1, stack="dense_blocks")
+        for x, dims in (("gate", "df"), ("up", "df"), ("down", "fd"))
+    ]
 
 
 def _experts() -> list[TensorSpec]:
@@ -55,10 +59,14 @@ def _experts() -> list[TensorSpec]:
     return [
         TensorSpec(("mlp", "w_router_de"), LAYER + "mlp.gate.weight", 1),
         TensorSpec(("mlp", "b_router_e"), LAYER + "mlp.gate.e_score_correction_bias", None),
-        *(TensorSpec(("mlp", f"w_{x}_{dims}"), expert + f"{x}_proj.weight", 1, experts=True)
-          for x, dims in (("gate", "edf"), ("up", "edf"), ("down", "efd"))),
-        *(TensorSpec(("mlp", f"w_shared_{x}_{dims}"), shared + f"{x}_proj.weight", 1)
-          for x, dims in (("gate", "dg"), ("up", "dg"), ("down", "gd"))),
+        *(
+            TensorSpec(("mlp", f"w_{x}_{dims}"), expert + f"{x}_proj.weight", 1, experts=True)
+            for x, dims in (("gate", "edf"), ("up", "edf"), ("down", "efd"))
+        ),
+        *(
+            TensorSpec(("mlp", f"w_shared_{x}_{dims}"), shared + f"{x}_proj.weight", 1)
+            for x, dims in (("gate", "dg"), ("up", "dg"), ("down", "gd"))
+        ),
     ]
 
 
@@ -69,53 +77,87 @@ class DeepseekV3(Family):
     model_type = "deepseek_v3"
     moe = True
     fixed = {"router_score": "sigmoid", "router_bias": True}
-    hf_defaults = {"max_position_embeddings": 4096, "tie_word_embeddings": False, "rms_norm_eps": 1e-6,
-                   "n_routed_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
-                   "n_shared_experts": 1, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
-                   "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "n_group": 8,
-                   "topk_group": 4, "first_k_dense_replace": 3, "norm_topk_prob": True, "rope_interleave": True}
+    hf_defaults = {
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6,
+        "n_routed_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 2048,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "n_group": 8,
+        "topk_group": 4,
+        "first_k_dense_replace": 3,
+        "norm_topk_prob": True,
+        "rope_interleave": True,
+    }
     unsupported_flags = ("attention_bias",)
     # Training-only settings of transformers' class; the engine's loss weights are ComputeConfig's.
-    hf_constants = {"attention_bias": False, "pretraining_tp": 1, "output_router_logits": False,
-                    "num_nextn_predict_layers": 0}
+    hf_constants = {
+        "attention_bias": False,
+        "pretraining_tp": 1,
+        "output_router_logits": False,
+        "num_nextn_predict_layers": 0,
+    }
 
     def extra_fields_from_hf(self, hf: dict) -> dict[str, Any]:
         nope, rope = self.hf_value(hf, "qk_nope_head_dim"), self.hf_value(hf, "qk_rope_head_dim")
         expert_mlp_dim, value_dim = self.hf_value(hf, "moe_intermediate_size"), self.hf_value(hf, "v_head_dim")
         return {
             # MLA has no key-value heads: transformers' num_key_value_heads must equal the heads
-            "num_kv_heads": hf["num_attention_heads"], "head_dim": nope + rope, "rope_head_dim": rope,
+            "num_kv_heads": hf["num_attention_heads"],
+            "head_dim": nope + rope,
+            "rope_head_dim": rope,
             "v_head_dim": None if value_dim == nope + rope else value_dim,
             "kv_lora_rank": self.hf_value(hf, "kv_lora_rank"),
             # null is DeepSeek-V2-Lite's "no query compression", not "the default"
             "q_lora_rank": hf["q_lora_rank"] if "q_lora_rank" in hf else self.hf_defaults["q_lora_rank"],
             "rope_interleave": bool(self.hf_value(hf, "rope_interleave")),
-            "num_experts": (hf.get("n_routed_experts") or hf.get("num_local_experts")
-                            or self.hf_defaults["n_routed_experts"]),
+            "num_experts": (
+                hf.get("n_routed_experts") or hf.get("num_local_experts") or self.hf_defaults["n_routed_experts"]
+            ),
             "experts_per_token": self.hf_value(hf, "num_experts_per_tok"),
             "expert_mlp_dim": None if expert_mlp_dim == hf["intermediate_size"] else expert_mlp_dim,
             "num_shared_experts": self.hf_value(hf, "n_shared_experts"),
             "router_renormalize": bool(self.hf_value(hf, "norm_topk_prob")),
-            "router_groups": self.hf_value(hf, "n_group"), "router_group_top": self.hf_value(hf, "topk_group"),
+            "router_groups": self.hf_value(hf, "n_group"),
+            "router_group_top": self.hf_value(hf, "topk_group"),
             "router_scale": float(self.hf_value(hf, "routed_scaling_factor")),
             "first_dense_layers": self.hf_value(hf, "first_k_dense_replace"),
         }
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         return {
-            "head_dim": cfg.rope_head_dim, "qk_head_dim": cfg.head_dim,  # as transformers writes them
-            "qk_nope_head_dim": cfg.head_dim - cfg.rope_head_dim, "qk_rope_head_dim": cfg.rope_head_dim,
-            "v_head_dim": cfg.value_head_dim, "kv_lora_rank": cfg.kv_lora_rank, "q_lora_rank": cfg.q_lora_rank,
-            "rope_interleave": cfg.rope_interleave, "n_routed_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.experts_per_token, "moe_intermediate_size": cfg.moe_mlp_dim,
-            "n_shared_experts": cfg.num_shared_experts, "norm_topk_prob": cfg.router_renormalize,
-            "n_group": cfg.router_groups, "topk_group": cfg.router_group_top,
-            "routed_scaling_factor": cfg.router_scale, "first_k_dense_replace": cfg.first_dense_layers,
+            "head_dim": cfg.rope_head_dim,
+            "qk_head_dim": cfg.head_dim,  # as transformers writes them
+            "qk_nope_head_dim": cfg.head_dim - cfg.rope_head_dim,
+            "qk_rope_head_dim": cfg.rope_head_dim,
+            "v_head_dim": cfg.value_head_dim,
+            "kv_lora_rank": cfg.kv_lora_rank,
+            "q_lora_rank": cfg.q_lora_rank,
+            "rope_interleave": cfg.rope_interleave,
+            "n_routed_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.experts_per_token,
+            "moe_intermediate_size": cfg.moe_mlp_dim,
+            "n_shared_experts": cfg.num_shared_experts,
+            "norm_topk_prob": cfg.router_renormalize,
+            "n_group": cfg.router_groups,
+            "topk_group": cfg.router_group_top,
+            "routed_scaling_factor": cfg.router_scale,
+            "first_k_dense_replace": cfg.first_dense_layers,
         }
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
-        top = [TensorSpec(("embed_vd",), "model.embed_tokens.weight", None),
-               TensorSpec(("final_norm", "scale"), "model.norm.weight", None)]
+        top = [
+            TensorSpec(("embed_vd",), "model.embed_tokens.weight", None),
+            TensorSpec(("final_norm", "scale"), "model.norm.weight", None),
+        ]
         if not cfg.tie_embeddings:
             top.append(TensorSpec(("lm_head_dv",), "lm_head.weight", 1))
         per_layer = []

@@ -12,7 +12,13 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.models.families.base import (
-    LAYER, Family, TensorSpec, layer_types_to_hf, qk_norm_tensors, register_family, rope_from_hf,
+    LAYER,
+    Family,
+    TensorSpec,
+    layer_types_to_hf,
+    qk_norm_tensors,
+    register_family,
+    rope_from_hf,
     rope_parameters_to_hf,
 )
 
@@ -44,8 +50,14 @@ class Gemma2(Family):
     architecture = "Gemma2ForCausalLM"
     model_type = "gemma2"
     fixed = {**_GEMMA, "post_norms": True}
-    hf_defaults = {"max_position_embeddings": 8192, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
-                   "sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
+    hf_defaults = {
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+    }
     activation_key = "hidden_activation"
     hf_constants = _FLAGS
 
@@ -56,17 +68,20 @@ class Gemma2(Family):
 
     def extra_fields_from_hf(self, hf: dict) -> dict[str, Any]:
         # An explicit null soft-cap means none, so these are not hf_value (which fills nulls).
-        return {"query_pre_attn_scalar": self.hf_value(hf, "query_pre_attn_scalar"),
-                "attn_logit_softcap": hf.get("attn_logit_softcapping", self.hf_defaults.get("attn_logit_softcapping")),
-                "final_logit_softcap": hf.get("final_logit_softcapping",
-                                              self.hf_defaults.get("final_logit_softcapping"))}
+        return {
+            "query_pre_attn_scalar": self.hf_value(hf, "query_pre_attn_scalar"),
+            "attn_logit_softcap": hf.get("attn_logit_softcapping", self.hf_defaults.get("attn_logit_softcapping")),
+            "final_logit_softcap": hf.get("final_logit_softcapping", self.hf_defaults.get("final_logit_softcapping")),
+        }
 
     def extra_hf_keys(self, cfg) -> dict[str, Any]:
         scalar = cfg.query_pre_attn_scalar
-        return {**layer_types_to_hf(cfg),
-                "query_pre_attn_scalar": int(scalar) if scalar and scalar.is_integer() else scalar,  # an int field
-                "attn_logit_softcapping": cfg.attn_logit_softcap,
-                "final_logit_softcapping": cfg.final_logit_softcap}
+        return {
+            **layer_types_to_hf(cfg),
+            "query_pre_attn_scalar": int(scalar) if scalar and scalar.is_integer() else scalar,  # an int field
+            "attn_logit_softcapping": cfg.attn_logit_softcap,
+            "final_logit_softcapping": cfg.final_logit_softcap,
+        }
 
     def mlp_norm_tensors(self) -> list[TensorSpec]:
         # Here post_attention_layernorm is the attention output's norm, not the MLP's input.
@@ -83,8 +98,14 @@ class Gemma3(Gemma2):
     architecture = "Gemma3ForCausalLM"
     model_type = "gemma3_text"
     fixed = {**Gemma2.fixed, "qk_norm": True}
-    hf_defaults = {"max_position_embeddings": 131072, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
-                   "sliding_window": 4096, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0}
+    hf_defaults = {
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+    }
     hf_constants = {**_FLAGS, "use_bidirectional_attention": False}
 
     def layer_types(self, hf: dict, num_layers: int) -> list[str]:
@@ -110,9 +131,14 @@ class Gemma3(Gemma2):
 
     def extra_hf_keys(self, cfg) -> dict[str, Any]:
         local_theta = cfg.rope_local_theta or cfg.rope_theta
-        keys = {**super().extra_hf_keys(cfg), "rope_local_base_freq": local_theta,  # transformers 4
-                "rope_parameters": {"full_attention": rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling),
-                                    "sliding_attention": rope_parameters_to_hf(local_theta, None)}}
+        keys = {
+            **super().extra_hf_keys(cfg),
+            "rope_local_base_freq": local_theta,  # transformers 4
+            "rope_parameters": {
+                "full_attention": rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling),
+                "sliding_attention": rope_parameters_to_hf(local_theta, None),
+            },
+        }
         # The older key for the layer pattern: n-1 local layers then a global one, if it is that.
         period = len(cfg.attention_pattern)
         if cfg.attention_pattern == ["local"] * (period - 1) + ["global"]:

@@ -28,7 +28,6 @@ def _experts(prefix: str, gate: str, up: str, down: str) -> list[TensorSpec]:
     ]
 
 
-
 @register_family
 class Mixtral(Mistral):
     name = "mixtral"
@@ -36,8 +35,14 @@ class Mixtral(Mistral):
     model_type = "mixtral"
     moe = True
     fixed = {"router_score": "softmax", "router_renormalize": True}
-    hf_defaults = {"max_position_embeddings": 131072, "tie_word_embeddings": False, "rope_theta": 1_000_000.0,
-                   "rms_norm_eps": 1e-5, "num_local_experts": 8, "num_experts_per_tok": 2}
+    hf_defaults = {
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "rope_theta": 1_000_000.0,
+        "rms_norm_eps": 1e-5,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    }
     # Training-only settings of transformers' class; the engine's loss weights are ComputeConfig's.
     hf_constants = {"router_jitter_noise": 0.0, "output_router_logits": False, "router_aux_loss_coef": 0.001}
 
@@ -47,12 +52,17 @@ class Mixtral(Mistral):
         return super().config_from_hf(hf, where)
 
     def extra_fields_from_hf(self, hf: dict) -> dict[str, Any]:
-        return {"num_experts": self.hf_value(hf, "num_local_experts"),
-                "experts_per_token": self.hf_value(hf, "num_experts_per_tok")}
+        return {
+            "num_experts": self.hf_value(hf, "num_local_experts"),
+            "experts_per_token": self.hf_value(hf, "num_experts_per_tok"),
+        }
 
     def extra_hf_keys(self, cfg) -> dict[str, Any]:
-        return {**super().extra_hf_keys(cfg), "num_local_experts": cfg.num_experts,
-                "num_experts_per_tok": cfg.experts_per_token}
+        return {
+            **super().extra_hf_keys(cfg),
+            "num_local_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.experts_per_token,
+        }
 
     def mlp_tensors(self, cfg) -> list[TensorSpec]:
         return _experts("block_sparse_moe.", "w1", "w3", "w2")
@@ -65,20 +75,36 @@ class Qwen3Moe(_Qwen):
     model_type = "qwen3_moe"
     moe = True
     fixed = {"qk_norm": True, "router_score": "softmax"}
-    hf_defaults = {"max_position_embeddings": 32768, "tie_word_embeddings": False, "num_experts": 128,
-                   "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
-                   "decoder_sparse_step": 1, "sliding_window": 4096}
-    hf_constants = {"attention_bias": False, "output_router_logits": False, "router_aux_loss_coef": 0.001,
-                    "decoder_sparse_step": 1, "mlp_only_layers": []}
+    hf_defaults = {
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "sliding_window": 4096,
+    }
+    hf_constants = {
+        "attention_bias": False,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.001,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
         # Dense layers among the sparse ones would be a second kind of block in the layer stack.
         if self.hf_value(hf, "decoder_sparse_step") != 1:
-            raise ConfigError(f"{where}: decoder_sparse_step={hf['decoder_sparse_step']} is not supported "
-                              f"(only 1: every layer a mixture of experts)")
+            raise ConfigError(
+                f"{where}: decoder_sparse_step={hf['decoder_sparse_step']} is not supported "
+                f"(only 1: every layer a mixture of experts)"
+            )
         if hf.get("mlp_only_layers"):
-            raise ConfigError(f"{where}: mlp_only_layers={hf['mlp_only_layers']} is not supported "
-                              f"(only []: every layer a mixture of experts)")
+            raise ConfigError(
+                f"{where}: mlp_only_layers={hf['mlp_only_layers']} is not supported "
+                f"(only []: every layer a mixture of experts)"
+            )
         return super().config_from_hf(hf, where)
 
     def layer_types(self, hf: dict, num_layers: int) -> list[str]:
@@ -89,18 +115,25 @@ class Qwen3Moe(_Qwen):
     def extra_fields_from_hf(self, hf: dict) -> dict[str, Any]:
         # transformers 5 writes num_experts as num_local_experts (an attribute_map alias).
         expert_mlp_dim = self.hf_value(hf, "moe_intermediate_size")
-        return {"num_experts": hf.get("num_experts") or self.hf_value(hf, "num_local_experts", 128),
-                "experts_per_token": self.hf_value(hf, "num_experts_per_tok"),
-                "expert_mlp_dim": None if expert_mlp_dim == hf["intermediate_size"] else expert_mlp_dim,
-                "router_renormalize": bool(self.hf_value(hf, "norm_topk_prob"))}
+        return {
+            "num_experts": hf.get("num_experts") or self.hf_value(hf, "num_local_experts", 128),
+            "experts_per_token": self.hf_value(hf, "num_experts_per_tok"),
+            "expert_mlp_dim": None if expert_mlp_dim == hf["intermediate_size"] else expert_mlp_dim,
+            "router_renormalize": bool(self.hf_value(hf, "norm_topk_prob")),
+        }
 
     def extra_hf_keys(self, cfg) -> dict[str, Any]:
         local = all(cfg.layer_is_local())  # only an all-local pattern is expressible
-        return {"use_sliding_window": local, "sliding_window": cfg.sliding_window if local else None,
-                # published checkpoints (and transformers 4) say num_experts, transformers 5 its alias
-                "num_experts": cfg.num_experts, "num_local_experts": cfg.num_experts,
-                "num_experts_per_tok": cfg.experts_per_token,
-                "moe_intermediate_size": cfg.moe_mlp_dim, "norm_topk_prob": cfg.router_renormalize}
+        return {
+            "use_sliding_window": local,
+            "sliding_window": cfg.sliding_window if local else None,
+            # published checkpoints (and transformers 4) say num_experts, transformers 5 its alias
+            "num_experts": cfg.num_experts,
+            "num_local_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.experts_per_token,
+            "moe_intermediate_size": cfg.moe_mlp_dim,
+            "norm_topk_prob": cfg.router_renormalize,
+        }
 
     def extra_attention_tensors(self) -> list[TensorSpec]:
         return qk_norm_tensors()

@@ -42,8 +42,12 @@ class Qwen2(_Qwen):
     hf_constants = {}  # Qwen2Config has no bias flags
 
     def extra_attention_tensors(self) -> list[TensorSpec]:
-        return [TensorSpec(("attn", f"b{x}_{'nh' if x == 'q' else 'kh'}"), LAYER + f"self_attn.{x}_proj.bias",
-                           None, flatten=True) for x in "qkv"]
+        return [
+            TensorSpec(
+                ("attn", f"b{x}_{'nh' if x == 'q' else 'kh'}"), LAYER + f"self_attn.{x}_proj.bias", None, flatten=True
+            )
+            for x in "qkv"
+        ]
 
 
 @register_family

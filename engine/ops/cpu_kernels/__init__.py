@@ -21,8 +21,8 @@ final name only when complete. Where no compiler is found or the build fails,
 from __future__ import annotations
 
 import ctypes
-import functools
 import fcntl
+import functools
 import hashlib
 import os
 import platform
@@ -39,8 +39,10 @@ SOURCES = {name: Path(__file__).with_name(f"{name}.cc") for name in ("decode_att
 HEADERS = (Path(__file__).with_name("common.h"),)
 TARGETS = {  # library -> {XLA custom-call target: the handler's symbol}
     "decode_attention": {"trainflow_decode_attention": "TrainflowDecodeAttention"},
-    "train_attention": {"trainflow_train_attention_fwd": "TrainflowTrainAttentionForward",
-                        "trainflow_train_attention_bwd": "TrainflowTrainAttentionBackward"},
+    "train_attention": {
+        "trainflow_train_attention_fwd": "TrainflowTrainAttentionForward",
+        "trainflow_train_attention_bwd": "TrainflowTrainAttentionBackward",
+    },
 }
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
@@ -75,8 +77,7 @@ def has_avx512() -> bool:
     """Whether this x86 CPU has AVX-512 (avx512f): where the training-attention kernel was
     measured faster than XLA's `blocked` lowering. On AVX2 alone (AMD EPYC Zen 3) it ran 2.5x
     slower (docs/benchmarks.md), so `attention_impl: auto` does not pick it there."""
-    return any(line.startswith("flags") and " avx512f" in f" {line.split(':', 1)[-1]} "
-               for line in _cpu().splitlines())
+    return any(line.startswith("flags") and " avx512f" in f" {line.split(':', 1)[-1]} " for line in _cpu().splitlines())
 
 
 def build(name: str) -> Path:
@@ -124,8 +125,9 @@ def unavailable(name: str = "decode_attention") -> str | None:
     return _state[name]  # type: ignore[return-value]
 
 
-def decode_attention(q_bkgh, k_bkhs, v_bksh, mask_bs, shared=None, *, scale: float, softcap: float | None = None,
-                     sinks_kg=None):
+def decode_attention(
+    q_bkgh, k_bkhs, v_bksh, mask_bs, shared=None, *, scale: float, softcap: float | None = None, sinks_kg=None
+):
     """One query per row (b, k, g, h) against its cache, keys (b, k, h, s) and values (b, k, s,
     h) under mask (b, s), and a `shared` prefix (k_pkhp, v_pkph, mask_pp, group) or None: the
     output (b, k, g, h), as attention_reference._one_query_attention computes it (up to float32
@@ -142,9 +144,18 @@ def decode_attention(q_bkgh, k_bkhs, v_bksh, mask_bs, shared=None, *, scale: flo
         prefix = (*prefix[:2], prefix[2].astype(bool))
     sinks = jnp.zeros((k, g), jnp.float32) if sinks_kg is None else sinks_kg.astype(jnp.float32)
     call = jax.ffi.ffi_call("trainflow_decode_attention", jax.ShapeDtypeStruct((b, k, g, h), dtype))
-    return call(q_bkgh.astype(dtype), k_bkhs, v_bksh, mask_bs.astype(bool), *prefix, sinks,
-                scale=np.float32(scale), softcap=np.float32(softcap or 0.0), group=np.int64(group),
-                has_sinks=np.int64(sinks_kg is not None))
+    return call(
+        q_bkgh.astype(dtype),
+        k_bkhs,
+        v_bksh,
+        mask_bs.astype(bool),
+        *prefix,
+        sinks,
+        scale=np.float32(scale),
+        softcap=np.float32(softcap or 0.0),
+        group=np.int64(group),
+        has_sinks=np.int64(sinks_kg is not None),
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -160,22 +171,44 @@ def train_attention(q_btnh, k_btkh, v_btkh, segment_ids_bt, scale: float, window
 def _train_forward(q, k, v, segment_ids, scale, window):
     b, t, n, h = q.shape
     kv = k.shape[2]
-    call = jax.ffi.ffi_call("trainflow_train_attention_fwd", (jax.ShapeDtypeStruct(q.shape, q.dtype),
-                                                              jax.ShapeDtypeStruct((b, kv, t, n // kv), jnp.float32)),
-                            vmap_method="sequential")
-    out, lse = call(q, k.astype(q.dtype), v.astype(q.dtype), segment_ids.astype(jnp.int32),
-                    scale=np.float32(scale), window=np.int64(window))
+    call = jax.ffi.ffi_call(
+        "trainflow_train_attention_fwd",
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, kv, t, n // kv), jnp.float32)),
+        vmap_method="sequential",
+    )
+    out, lse = call(
+        q,
+        k.astype(q.dtype),
+        v.astype(q.dtype),
+        segment_ids.astype(jnp.int32),
+        scale=np.float32(scale),
+        window=np.int64(window),
+    )
     return out, (q, k, v, segment_ids, out, lse)
 
 
 def _train_backward(scale, window, residuals, d_out):
     q, k, v, segment_ids, out, lse = residuals
-    call = jax.ffi.ffi_call("trainflow_train_attention_bwd", (jax.ShapeDtypeStruct(q.shape, q.dtype),
-                                                              jax.ShapeDtypeStruct(k.shape, q.dtype),
-                                                              jax.ShapeDtypeStruct(v.shape, q.dtype)),
-                            vmap_method="sequential")
-    dq, dk, dv = call(q, k.astype(q.dtype), v.astype(q.dtype), segment_ids.astype(jnp.int32), out, lse,
-                      d_out.astype(q.dtype), scale=np.float32(scale), window=np.int64(window))
+    call = jax.ffi.ffi_call(
+        "trainflow_train_attention_bwd",
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(k.shape, q.dtype),
+            jax.ShapeDtypeStruct(v.shape, q.dtype),
+        ),
+        vmap_method="sequential",
+    )
+    dq, dk, dv = call(
+        q,
+        k.astype(q.dtype),
+        v.astype(q.dtype),
+        segment_ids.astype(jnp.int32),
+        out,
+        lse,
+        d_out.astype(q.dtype),
+        scale=np.float32(scale),
+        window=np.int64(window),
+    )
     return dq, dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
