@@ -60,7 +60,11 @@ def _compile(template: str):
     return env.from_string(template)
 
 
-def render(bundle: TokenizerBundle, messages: list[Message], *, add_generation_prompt: bool = False) -> str:
+def render(
+    bundle: TokenizerBundle, messages: list[Message], *, add_generation_prompt: bool = False, tools: list | None = None
+) -> str:
+    """The template's text of `messages`; `tools` (function schemas) is the template's `tools`
+    variable, as in `apply_chat_template(tools=...)` (a template that never reads it ignores it)."""
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise ConfigError(f"message {i} must be a mapping with 'role' and 'content' (got {message!r})")
@@ -71,6 +75,7 @@ def render(bundle: TokenizerBundle, messages: list[Message], *, add_generation_p
             bos_token=bundle.bos_token or "",
             eos_token=bundle.eos_token,
             pad_token=bundle.pad_token or "",
+            tools=tools,
         )
     except Exception as e:  # noqa: BLE001 - jinja raises many types; all are bad input here
         raise ConfigError(f"the chat template cannot render these messages: {e}") from None
