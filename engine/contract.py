@@ -62,7 +62,18 @@ NON_SEMANTIC_FIELDS = ("log_every", "progress", "metrics_dir", "metrics", "check
 """Fields of a training config that cannot change its result: left out of artifact ids."""
 CHECKPOINT_CADENCE_FIELDS = ("checkpoint.every_steps", "checkpoint.keep")
 """Change what is kept on disk, not the final result (a resumed run equals an uninterrupted one)."""
-ADDED_AT_DEFAULT = {"mesh.context": 1, "lora": None, "preference_pairs": 0}
+ADDED_AT_DEFAULT = {
+    "mesh.context": 1,
+    "lora": None,
+    "preference_pairs": 0,
+    # GRPO's estimators, off-policy correction and asynchronous rollouts
+    "loss_aggregation": None,
+    "advantage_estimator": "grpo",
+    "rollout_correction": None,
+    "max_staleness": 0,
+    "rollout_workers": 0,
+    "rollout_worker_restarts": 2,
+}
 """Fields added to a config after artifacts were made with it: at these values they are left
 out of artifact ids, so a store's finished stages keep their ids (and are skipped)."""
 TOKENIZE_NON_SEMANTIC_FIELDS = ("workers",)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from engine.config import Strict
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.parallel.config import MeshConfig, unsplittable
+from engine.posttrain import advantages  # noqa: F401 - registers the built-in advantage estimators
+from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from engine.posttrain.rewards import RewardSpec
 from engine.train.config import CheckpointConfig, MetricsConfig, OptimizerConfig, RunFields, ScheduleConfig
 
@@ -73,8 +75,23 @@ class GRPODataConfig(Strict):
     seed: int = 0
 
 
+class RolloutCorrectionConfig(Strict):
+    """Truncated (or masked) importance sampling between the policy that sampled a rollout (its
+    behaviour log-probs) and the trainer's policy the update starts from: TRL's
+    vllm_importance_sampling_correction, verl's rollout_corr. Corrects stale rollouts
+    (max_staleness > 0) and another engine's numerics (rollout_dtype bfloat16)."""
+
+    mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
+    """token_*: one ratio per token; sequence_*: the product over the completion's tokens.
+    *_truncate: the ratio clipped to [clip_min, clip_max] (TIS); *_mask: 0 outside it (MIS)."""
+    clip_max: float | None = Field(3.0, gt=0)
+    """C_max (TRL's vllm_importance_sampling_clip_max, default 3.0); None: no upper bound."""
+    clip_min: float | None = Field(None, ge=0)
+    """C_min; None: no lower bound."""
+
+
 class GRPOConfig(Strict):
-    """One GRPO/GSPO run."""
+    """One GRPO/GSPO run (and RLOO, REINFORCE++, CISPO through the estimator and loss fields)."""
 
     algorithm: Literal["grpo", "gspo"] = "grpo"
     """grpo: token-level importance ratios; gspo: the length-normalised sequence ratio."""
@@ -115,9 +132,32 @@ class GRPOConfig(Strict):
     logits and the draw in f32, as Tunix and MaxText roll out in bf16 (XLA:CPU runs its bf16
     products on AVX512-BF16 / AMX). None: the compute dtype of training. The loss's log-probs
     are always the training forward's."""
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
+    loss_type: str = "dapo"
+    """A registered policy loss (engine/posttrain/registry.py: grpo, bnpo, dr_grpo, dapo, luspo,
+    cispo, TRL's names) or your own surrogate as module:function."""
+    loss_aggregation: str | None = None
+    """How per-token losses become the loss (verl's loss_agg_mode): token_mean, token_mean_local,
+    seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm, or module:function. None:
+    the loss type's own (token_mean for a user's surrogate)."""
+    advantage_estimator: str = "grpo"
+    """A registered estimator (engine/posttrain/advantages.py: grpo, rloo, reinforce_plus_plus,
+    reinforce_plus_plus_baseline) or module:function."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    """Divide advantages by the group's reward std, the batch's, or not at all (Dr. GRPO)."""
+    """Divide advantages by the group's reward std, the batch's, or not at all (Dr. GRPO; rloo
+    with none is TRL's RLOOTrainer, with batch its normalize_advantages)."""
+    rollout_correction: RolloutCorrectionConfig | None = None
+    """Importance-sampling correction of off-policy rollouts; None: none applied (its metrics
+    are still logged whenever the rollout is off-policy)."""
+    max_staleness: int = 0
+    """Rollouts generated with weights this many updates old (exactly, after the first steps):
+    0 is on-policy, today's synchronous GRPO; 1-2 lets rollout workers generate the next batches
+    while the trainer updates (NeMo-RL's one-step off-policy, MaxText's off_policy_steps).
+    Needs rollout_workers >= 1 when above 0."""
+    rollout_workers: int = Field(0, ge=0)
+    """Processes that generate rollouts, each with its own copy of the weights, sent after every
+    update (no artifact store in between). 0: the trainer's process generates (synchronous)."""
+    rollout_worker_restarts: int = Field(2, ge=0)
+    """How many times a dead rollout worker is restarted before the stage fails."""
     epsilon: float = Field(0.2, gt=0)
     """Clipping: the ratio is kept within [1 - epsilon, 1 + epsilon_high]."""
     epsilon_high: float | None = Field(None, gt=0)
@@ -135,8 +175,42 @@ class GRPOConfig(Strict):
     """Metric sinks: TensorBoard, MLflow, Weights & Biases."""
     progress: bool = True
 
+    @field_validator("loss_type")
+    @classmethod
+    def _registered_loss(cls, value: str) -> str:
+        return POLICY_LOSSES.check(value)
+
+    @field_validator("loss_aggregation")
+    @classmethod
+    def _registered_aggregation(cls, value: str | None) -> str | None:
+        return value if value is None else LOSS_AGGREGATIONS.check(value)
+
+    @field_validator("advantage_estimator")
+    @classmethod
+    def _registered_estimator(cls, value: str) -> str:
+        return ADVANTAGE_ESTIMATORS.check(value)
+
+    @field_validator("max_staleness")
+    @classmethod
+    def _staleness(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError(f"max_staleness must be 0 (on-policy) or more updates, not {value}")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> GRPOConfig:
+        if self.max_staleness > 0 and self.rollout_workers == 0:
+            raise ValueError(
+                f"max_staleness {self.max_staleness} needs rollout_workers >= 1: with 0 the trainer's "
+                "process generates each batch on-policy"
+            )
+        if self.rollout_workers and self.lora is not None:
+            raise ValueError("rollout_workers with lora is not supported yet: set rollout_workers 0")
+        if self.loss_type == "cispo" and self.epsilon_high is None:
+            raise ValueError(
+                "loss_type cispo clips the importance weight at epsilon_high, an absolute bound "
+                "(ScaleRL's eps_max, e.g. 5.0): set epsilon_high"
+            )
         rows = self.prompts_per_step * self.num_generations
         if rows % self.grad_accum:
             raise ValueError(

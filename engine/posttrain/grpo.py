@@ -37,16 +37,19 @@ import numpy as np
 
 from engine.config import ConfigError
 from engine.data.tokenizer import TokenizerBundle
-from engine.inference.sample import Sampler, decode_completions, encode_prompts, left_pad, prompt_positions
+from engine.inference.sample import Sampler, decode_completions, prompt_positions
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.lora import LORA_SEED, dropout_rows
 from engine.models.params import apply_model_with_aux, graphdef_of
 from engine.ops.partitioning import use_mesh
+from engine.posttrain.async_rollout import RolloutWorkerError, RolloutWorkers
 from engine.posttrain.config import GRPOConfig, GRPODataConfig
 from engine.posttrain.finetune import finetune_start, read_jsonl
-from engine.posttrain.policy_loss import completion_logps, group_advantages, policy_loss
+from engine.posttrain.policy_loss import completion_logps, policy_loss, rollout_correction_weights
+from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from engine.posttrain.reward_model import RewardScorer
 from engine.posttrain.rewards import RewardError, compute_rewards, load_reward, nan_stats, total_reward
+from engine.posttrain.rollout import Rollout, generate_rollout
 from engine.train.checkpoint import load_params
 from engine.train.cli import run_cli
 from engine.train.config import TrainConfig
@@ -136,7 +139,7 @@ def load_prompts(data: GRPODataConfig) -> list[dict]:
 
 # How policy metrics combine over micro-batches: each micro-batch's loss is already scaled to
 # its share of the batch (policy_loss's accumulation_steps), the rest are per-micro-batch means.
-POLICY_REDUCE = {"loss": "sum", "ratio_max": "max", "ratio_min": "min"}
+POLICY_REDUCE = {"loss": "sum", "ratio_max": "max", "ratio_min": "min", "is_ratio_max": "max", "is_ratio_min": "min"}
 
 
 def completion_tokens(batch) -> jax.Array:
@@ -170,13 +173,37 @@ def make_logps_fn(graphdef, prompt_len: int, temperature: float, *, with_aux: bo
     return logps
 
 
+def resolve_objective(cfg: GRPOConfig) -> tuple[Callable, Callable]:
+    """The run's (policy loss, aggregation) functions; a user's module:function that cannot be
+    imported is a ConfigError naming it."""
+    try:
+        loss = POLICY_LOSSES.resolve(cfg.loss_type)
+        aggregation = cfg.loss_aggregation or getattr(loss, "aggregation", "token_mean")
+        return loss, LOSS_AGGREGATIONS.resolve(aggregation)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def make_loss_fn(graphdef, cfg: GRPOConfig, prompt_len: int):
     """loss_fn(params, batch, total_tokens) -> (loss, metrics) of one micro-batch."""
     logps_fn = make_logps_fn(graphdef, prompt_len, cfg.temperature, with_aux=True)
+    loss_def, aggregate = resolve_objective(cfg)
+    correction = cfg.rollout_correction
 
     def loss_fn(params, batch, total_tokens):
         (logp, entropy), moe = logps_fn(params, batch)
         mask = batch["completion_mask"]
+        is_weights, is_metrics = None, {}
+        if "behaviour_logps" in batch:  # an off-policy rollout: its importance ratios, always logged
+            weights, is_metrics = rollout_correction_weights(
+                batch["old_logps"],
+                batch["behaviour_logps"],
+                mask,
+                correction.mode if correction else "token_truncate",
+                correction.clip_min if correction else None,
+                correction.clip_max if correction else None,
+            )
+            is_weights = weights if correction else None
         loss, metrics = policy_loss(
             logp,
             batch.get("old_logps"),
@@ -187,11 +214,14 @@ def make_loss_fn(graphdef, cfg: GRPOConfig, prompt_len: int):
             epsilon_low=cfg.epsilon,
             epsilon_high=cfg.epsilon_high or cfg.epsilon,
             beta=cfg.beta,
-            loss_type=cfg.loss_type,
+            loss_type=loss_def,
+            aggregation=aggregate,
             max_completion_length=cfg.max_completion_length,
             total_tokens=total_tokens,
             accumulation_steps=cfg.grad_accum,
+            is_weights=is_weights,
         )
+        metrics.update(is_metrics)
         metrics["entropy"] = jnp.sum(entropy * mask) / jnp.maximum(jnp.sum(mask), 1.0)
         if moe:
             # A mixture of experts keeps its router losses, weighted by compute.moe_balance_loss
@@ -210,16 +240,28 @@ def make_loss_fn(graphdef, cfg: GRPOConfig, prompt_len: int):
 
 
 class RolloutSource:
-    """The trainer's batch source: prompts -> G completions each from the live policy ->
-    rewards -> group advantages, plus the old policy's (mu > 1) and the reference's (beta > 0)
-    log-probs. Every process samples the whole batch and passes on its rows."""
+    """The trainer's batch source: prompts -> G completions each (`generate`, the rollout seam)
+    -> rewards -> advantages, plus the old policy's (mu > 1, or an off-policy rollout) and the
+    reference's (beta > 0) log-probs. Every process samples the whole batch and passes on its rows.
 
-    def __init__(self, cfg: GRPOConfig, trainer: Trainer, model_cfg: ModelConfig, bundle: TokenizerBundle):
-        self.cfg, self.trainer, self.bundle = cfg, trainer, bundle
+    With rollout_workers > 0 the completions come from worker processes (async_rollout.py) that
+    generate `max_staleness` batches ahead with weights sent after each update (`weights_hook`);
+    with 0 this process generates each batch with the live params, on-policy."""
+
+    def __init__(self, cfg: GRPOConfig, trainer: Trainer, model_cfg: ModelConfig, bundle: TokenizerBundle, log=None):
+        self.cfg, self.trainer, self.bundle, self.log = cfg, trainer, bundle, log or log_to_stderr
         self.prompts = PromptStream(load_prompts(cfg.data), cfg.data.shuffle, cfg.data.seed)
         self.reward_fns = [(*load_reward(spec), spec) for spec in cfg.rewards if spec.model is None]
         self.weights = [spec.weight for spec in cfg.rewards]
         self.pad_id = bundle.pad_id if bundle.pad_id is not None else bundle.eos_id
+        try:
+            self.advantage_fn = ADVANTAGE_ESTIMATORS.resolve(cfg.advantage_estimator)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        # The rollout is off-policy (its sampler's log-probs differ from the trainer's) when it is
+        # stale or when a correction is asked for (e.g. bf16 rollouts): the batch then carries the
+        # behaviour log-probs and the old policy's, and the loss logs their ratios.
+        self.off_policy = cfg.max_staleness > 0 or cfg.rollout_correction is not None
         # Reward models score the rollout's rows on the mesh, as they are (same tokenizer), by column.
         self.function_columns = [j for j, spec in enumerate(cfg.rewards) if spec.model is None]
         self.reward_models = {
@@ -239,15 +281,21 @@ class RolloutSource:
             (spec.name or "reward_model") if spec.model is not None else next(names) for spec in cfg.rewards
         ]
         # With LoRA the sampler and the log-probs read the adapter and the frozen base side by
-        # side (trainer.model_params), never a merged copy.
-        self.sampler = Sampler(
-            model_cfg,
-            trainer.cfg.compute,
-            trainer.mesh,
-            trainer.model_param_shardings(),
-            dtype=cfg.rollout_dtype,
-            lora=cfg.lora,
-        )
+        # side (trainer.model_params), never a merged copy. Workers have their own samplers.
+        self.sampler = None
+        if cfg.rollout_workers == 0:
+            self.sampler = Sampler(
+                model_cfg,
+                trainer.cfg.compute,
+                trainer.mesh,
+                trainer.model_param_shardings(),
+                dtype=cfg.rollout_dtype,
+                lora=cfg.lora,
+            )
+        self.workers: RolloutWorkers | None = None
+        self.stream_states: dict[int, dict] = {}  # the prompt stream before batch j was taken
+        self.submitted = 0  # batches handed to the workers
+        self.consumed = 0  # batches trained on
         rows = trainer.batch_sharding
         logps = make_logps_fn(trainer.graphdef, cfg.max_prompt_length, cfg.temperature)
         self.logps = jax.jit(
@@ -266,37 +314,85 @@ class RolloutSource:
         elif cfg.beta != 0.0:  # the reference is the policy the run started from
             self.ref_params = load_params(cfg.checkpoint.init_from, trainer.abstract_params)[1]
 
-    def next_batch(self, state: TrainState) -> tuple[dict[str, jax.Array], dict[str, float]]:
-        cfg, bundle = self.cfg, self.bundle
-        G, P, C = cfg.num_generations, cfg.max_prompt_length, cfg.max_completion_length
-        t0 = time.perf_counter()
-        records = self.prompts.take(cfg.prompts_per_step)
-        prompt_inputs = [r[cfg.data.prompt_field] for r in records]
-        prompt_tokens, prompt_mask = left_pad(encode_prompts(bundle, prompt_inputs), pad_id=self.pad_id, length=P)
-        out = self.sampler(
-            self.trainer.model_params(state.params),
-            prompt_tokens,
-            prompt_mask,
-            num_generations=G,  # one prefill per prompt
-            seed=jax.random.fold_in(jax.random.key(cfg.seed), state.step),
-            max_new_tokens=C,
+    # ---- the rollout seam: prompts -> completions, masks and behaviour log-probs
+
+    def generate(self, params, prompt_inputs: list, step: int) -> Rollout:
+        """G completions of each prompt from `params` (this process's sampler)."""
+        cfg = self.cfg
+        return generate_rollout(
+            self.sampler,
+            self.bundle,
+            params,
+            prompt_inputs,
+            step=step,
+            seed=cfg.seed,
+            num_generations=cfg.num_generations,
+            max_prompt_length=cfg.max_prompt_length,
+            max_completion_length=cfg.max_completion_length,
             temperature=cfg.temperature,
             top_k=cfg.top_k,
             top_p=cfg.top_p,
-            eos_ids=(bundle.eos_id,),
             pad_id=self.pad_id,
         )
-        prompt_tokens, prompt_mask = np.repeat(prompt_tokens, G, 0), np.repeat(prompt_mask, G, 0)  # rows p * G + g
-        rollout_seconds = time.perf_counter() - t0
 
-        tokens = np.concatenate([prompt_tokens, out.tokens], 1)
-        segments = np.concatenate([prompt_mask, out.mask.astype(np.int32)], 1)
+    def _take(self, step: int) -> list[dict]:
+        self.stream_states[step] = self.prompts.get_state()
+        return self.prompts.take(self.cfg.prompts_per_step)
+
+    def _submit_until(self, last: int) -> None:
+        """Hand batches up to `last` (and below cfg.steps) to the workers."""
+        while self.submitted <= min(last, self.cfg.steps - 1):
+            records = self._take(self.submitted)
+            self.workers.submit(self.submitted, records, [r[self.cfg.data.prompt_field] for r in records])
+            self.submitted += 1
+
+    def weights_hook(self, info) -> None:
+        """After each update: the new weights to the workers, then the batch that may use them
+        (max_staleness ahead of the one the trainer takes next)."""
+        if self.workers is not None and not info.last:
+            self.workers.push(info.step, self.trainer.model_params(info.state.params))
+            self._submit_until(info.step + self.cfg.max_staleness)
+
+    def next_batch(self, state: TrainState) -> tuple[dict[str, jax.Array], dict[str, float]]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        if cfg.rollout_workers == 0:
+            records = self._take(state.step)
+            prompt_inputs = [r[cfg.data.prompt_field] for r in records]
+            rollout = self.generate(self.trainer.model_params(state.params), prompt_inputs, state.step)
+            rollout.weights_version = state.step
+        else:
+            if self.workers is None:  # started here, once the (restored) weights are known
+                self.workers = RolloutWorkers(cfg, self.log)
+                self.submitted = state.step
+                self.workers.push(state.step, self.trainer.model_params(state.params))
+                self._submit_until(state.step + cfg.max_staleness)
+            records, prompt_inputs, rollout = self.workers.result(state.step)
+        waited = time.perf_counter() - t0  # the trainer's idle time: generating, or waiting for a worker
+        self.consumed = state.step + 1
+        self.stream_states = {j: v for j, v in self.stream_states.items() if j > state.step}
+        batch, values = self.score(state, records, prompt_inputs, rollout)
+        values["rollout_seconds"] = rollout.seconds if cfg.rollout_workers else waited
+        values["rollout_wait_seconds"] = waited
+        values["rollout_staleness"] = float(state.step - rollout.weights_version)
+        return batch, values
+
+    def score(self, state: TrainState, records: list[dict], prompt_inputs: list, rollout: Rollout):
+        """Rewards, advantages and the log-probs the loss needs, as one global batch."""
+        cfg, bundle = self.cfg, self.bundle
+        G, C = cfg.num_generations, cfg.max_completion_length
+        out = rollout.output
+        loss_mask = out.mask if rollout.loss_mask is None else rollout.loss_mask
+        tokens = np.concatenate([rollout.prompt_tokens, out.tokens], 1)
+        segments = np.concatenate([rollout.prompt_mask, out.mask.astype(np.int32)], 1)
         rows = {
             "tokens": tokens,
             "segment_ids": segments,
             "positions": np.asarray(prompt_positions(segments)),
-            "completion_mask": out.mask.astype(np.float32),
+            "completion_mask": loss_mask.astype(np.float32),
         }
+        if self.off_policy:
+            rows["behaviour_logps"] = out.logprobs.astype(np.float32)
         batch = self.trainer.global_batch(rows)  # every process sampled the whole rollout
 
         # ---- rewards (functions on the host, reward models on the mesh) and advantages
@@ -317,13 +413,16 @@ class RolloutSource:
         for j, scorer in self.reward_models.items():
             per_function[:, j] = scorer(batch)
         rewards, valid = total_reward(per_function, self.weights)
-        advantages, scale_std = group_advantages(rewards, valid, G, cfg.scale_rewards)
-        batch["advantages"] = self.trainer.global_batch({"advantages": advantages[:, None]})["advantages"]
+        lengths = loss_mask.sum(1).astype(float)
+        advantages, scale_std = self.advantage_fn(rewards, valid, lengths, G, cfg.scale_rewards)
+        batch["advantages"] = self.trainer.global_batch({"advantages": np.asarray(advantages)[:, None]})["advantages"]
         with use_mesh(self.trainer.mesh):
             if self.cfg.beta != 0.0:
                 reference = self.ref_params if self.cfg.lora is None else self.trainer._base_args()[0]
                 batch["ref_logps"] = self.ref_logps(reference, batch)
-            if cfg.num_iterations > 1:  # the sampling policy's log-probs, before the first update moves it
+            if cfg.num_iterations > 1 or self.off_policy:
+                # The policy the updates start from (its log-probs before the first update moves it);
+                # an off-policy rollout's own (behaviour) log-probs are corrected towards it.
                 batch["old_logps"] = self.logps(self.trainer.model_params(state.params), batch)
 
         lengths = out.lengths.astype(float)
@@ -336,17 +435,24 @@ class RolloutSource:
             "completion_length_min": float(lengths.min()),
             "completion_length_max": float(lengths.max()),
             "completion_clipped_ratio": float(np.mean(~np.isin(out.tokens, [bundle.eos_id]).any(1))),
-            "rollout_seconds": rollout_seconds,
         }
         for j, name in enumerate(self.reward_names):
             values[f"reward/{name}/mean"], values[f"reward/{name}/std"] = nan_stats(per_function[:, j])
         return batch, values
 
     def get_state(self) -> dict:
-        return self.prompts.get_state()
+        """The prompt stream as of the next batch to train on (batches the workers hold beyond
+        it are generated again after a resume)."""
+        return self.stream_states.get(self.consumed, self.prompts.get_state())
 
     def set_state(self, state: dict) -> None:
         self.prompts.set_state(state)
+        self.stream_states = {}
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
 
 
 # --------------------------------------------------------------------------- the run
@@ -366,12 +472,19 @@ def run_grpo(cfg: GRPOConfig, log: Callable[[str], None] | None = None) -> dict[
         lambda graphdef: policy_objective(make_loss_fn(graphdef, cfg, cfg.max_prompt_length)),
         updates_per_batch=cfg.num_iterations,
     )
-    source = RolloutSource(cfg, trainer, model_cfg, bundle)
-    return run_training(trainer, source, log=log, meta={"stage": "grpo", "grpo_config": cfg.model_dump(mode="json")})
+    source = RolloutSource(cfg, trainer, model_cfg, bundle, log)
+    if cfg.rollout_workers:
+        trainer.add_hook(source.weights_hook)  # before the checkpoint's: the workers start sooner
+    try:
+        return run_training(
+            trainer, source, log=log, meta={"stage": "grpo", "grpo_config": cfg.model_dump(mode="json")}
+        )
+    finally:  # also on SIGTERM (Preempted) and failures: no worker outlives its stage
+        source.close()
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(argv, "engine.posttrain.grpo", GRPOConfig, run_grpo, failures=(RewardError,))
+    return run_cli(argv, "engine.posttrain.grpo", GRPOConfig, run_grpo, failures=(RewardError, RolloutWorkerError))
 
 
 if __name__ == "__main__":

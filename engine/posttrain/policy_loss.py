@@ -1,64 +1,55 @@
-"""The GRPO / GSPO objective as pure functions: group advantages, importance ratios,
-clipping, the k3 KL penalty and the four loss aggregations.
+"""The policy-gradient objective as pure functions: importance ratios, the registered
+surrogates (clipped PPO, CISPO) and aggregations, the k3 KL penalty and the off-policy
+(rollout) correction. Advantages are advantages.py's.
 
 Definitions follow TRL's GRPOTrainer (and Tunix's GRPO learner where noted):
 
-    advantage    A_i = r_i - mean(group); / (std + 1e-4) with scale_rewards = group (the
-                 group's std) or batch (the whole batch's std); none: not divided. std is
-                 the unbiased one (ddof=1), as in both TRL and Tunix.
     ratio        token (GRPO):     w_it = exp(logp_it - old_it)
                  sequence (GSPO):  w_i  = exp(mean_t(logp_it - old_it)), the length-normalised
                                    sequence ratio, shared by all tokens of the sequence
                  sequence_token (GSPO-token, Tunix `gspo-token`):
                                    w_it = sg(w_i) * pi_it / sg(pi_it): w_i's value, a per-token gradient
-    per token    L_it = -min(w A, clip(w, 1 - epsilon_low, 1 + epsilon_high) A) + beta * KL_it
-    k3 KL        KL_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1   (Schulman's k3)
-    loss_type    grpo:    mean over sequences of (sum_t L_it / |o_i|)
-                 bnpo:    sum L / number of completion tokens (in the micro-batch)
-                 dr_grpo: sum L / (sequences * max_completion_length)
-                 dapo:    sum L / number of completion tokens in the whole (accumulated) batch
+    surrogate    clipped: L_it = -min(w A, clip(w, 1 - epsilon_low, 1 + epsilon_high) A)
+                 cispo:   L_it = -sg(min(w, epsilon_high)) A logp_it
+    + beta KL    KL_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1   (Schulman's k3)
+    loss_type    (TRL's names = surrogate + aggregation, registry.POLICY_LOSSES)
+                 grpo:    clipped, mean over sequences of (sum_t L_it / |o_i|)   seq_mean_token_mean
+                 bnpo:    clipped, sum L / completion tokens of the micro-batch  token_mean_local
+                 dr_grpo: clipped, sum L / (sequences * max_completion_length)   seq_mean_token_sum_norm
+                 dapo:    clipped, sum L / completion tokens of the whole batch  token_mean
+                 luspo:   clipped, mean over sequences of sum_t L_it             seq_mean_token_sum
+                 cispo:   cispo,   sum L / completion tokens of the whole batch  token_mean
 
-With gradient accumulation, grpo, bnpo and dr_grpo are computed per micro-batch and
-averaged (TRL divides by the accumulation steps); dapo divides by the global token count,
-so it does not depend on how the batch is split. Without accumulation bnpo == dapo.
+`loss_aggregation` overrides a loss type's aggregation (sequence- vs token-level). With
+gradient accumulation every aggregation but token_mean is computed per micro-batch and
+averaged (TRL divides by the accumulation steps); token_mean divides by the global token
+count, so it does not depend on how the batch is split. Without accumulation bnpo == dapo.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+from engine.posttrain import advantages
+from engine.posttrain.registry import LOSS_AGGREGATIONS, POLICY_LOSSES
+
 Level = Literal["token", "sequence", "sequence_token"]
-STD_EPS = 1e-4
+RolloutCorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 
 def group_advantages(
     rewards_b: np.ndarray, valid_b: np.ndarray, group_size: int, scale: Literal["group", "batch", "none"] = "group"
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(advantages_b, std_g): the std each group's advantages are scaled by (its own; the
-    batch's with scale "batch"; its own, unused, with "none", as TRL logs it). Completions
-    marked invalid get 0 and are left out of the statistics of their group; a group whose
-    rewards are all equal has std 0."""
-    r = np.asarray(rewards_b, np.float64).reshape(-1, group_size)
-    v = np.asarray(valid_b, bool).reshape(-1, group_size)
-    count = v.sum(1)
-    mean = np.where(count > 0, (r * v).sum(1) / np.maximum(count, 1), 0.0)
-    centred = np.where(v, r - mean[:, None], 0.0)
-    std_g = np.sqrt((centred**2).sum(1) / np.maximum(count - 1, 1))
-    if scale == "group":
-        advantages = centred / (std_g[:, None] + STD_EPS)
-    elif scale == "batch":
-        valid_rewards = r[v]
-        std_batch = valid_rewards.std(ddof=1) if valid_rewards.size > 1 else 0.0
-        advantages = centred / (std_batch + STD_EPS)
-        std_g = np.full_like(std_g, std_batch)
-    else:
-        advantages = centred
-    return np.where(v, advantages, 0.0).reshape(-1).astype(np.float32), std_g
+    """GRPO's group advantages (advantages.grpo): (advantages_b, std_g), the std each group's
+    advantages are scaled by (its own; the batch's with scale "batch"; its own, unused, with
+    "none", as TRL logs it). Invalid completions get 0 and leave their group's statistics."""
+    return advantages.grpo(rewards_b, valid_b, None, group_size, scale)
 
 
 def completion_logps(logits_btv, tokens_bt, temperature: float = 1.0):
@@ -93,6 +84,123 @@ def log_importance_weights(logp_bt, old_logp_bt, mask_bt, level: Level):
     return jax.lax.stop_gradient(seq_b1) + logp_bt - jax.lax.stop_gradient(logp_bt)
 
 
+# --------------------------------------------------------------------------- surrogates
+
+
+def clipped_surrogate(ratio, advantages_b1, logp_bt, *, epsilon_low: float, epsilon_high: float):
+    """PPO's clipped objective: -min(w A, clip(w, 1 - eps_low, 1 + eps_high) A), and where it clipped."""
+    clipped = jnp.clip(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    per_token = -jnp.minimum(ratio * advantages_b1, clipped * advantages_b1)
+    low = (ratio < 1 - epsilon_low) & (advantages_b1 < 0)
+    high = (ratio > 1 + epsilon_high) & (advantages_b1 > 0)
+    return per_token, {"clip_ratio_low": low, "clip_ratio_high": high, "clip_ratio": low | high}
+
+
+def cispo_surrogate(ratio, advantages_b1, logp_bt, *, epsilon_low: float, epsilon_high: float):
+    """CISPO (MiniMax-M1, arXiv:2506.13585; TRL's loss_type cispo): the importance weight itself
+    is clipped, from above at epsilon_high (ScaleRL's eps_max, e.g. 5.0: an absolute bound, not
+    1 + eps), and held constant: -sg(min(w, eps_max)) A log p. Every token keeps a gradient."""
+    weight = jax.lax.stop_gradient(jnp.minimum(ratio, epsilon_high))
+    clipped = (ratio > epsilon_high) & (advantages_b1 > 0)  # TRL's cispo_clip_ratio
+    return -weight * advantages_b1 * logp_bt, {"cispo_clip_ratio": clipped}
+
+
+# --------------------------------------------------------------------------- aggregations
+# verl's loss_agg_mode names; TRL's loss types are a surrogate with one of these. With
+# gradient accumulation every one but token_mean is a per-micro-batch value divided by the
+# accumulation steps (TRL's rule); token_mean divides by the accumulated batch's tokens.
+
+
+def token_mean(per_token_bt, mask_bt, *, max_completion_length, total_tokens, accumulation_steps):
+    """sum L / completion tokens of the whole accumulated batch (TRL dapo and cispo, verl token-mean)."""
+    tokens = jnp.sum(mask_bt) if total_tokens is None else total_tokens
+    return jnp.sum(per_token_bt * mask_bt) / jnp.maximum(tokens, 1.0)
+
+
+def token_mean_local(per_token_bt, mask_bt, *, max_completion_length, total_tokens, accumulation_steps):
+    """sum L / completion tokens of this micro-batch (TRL bnpo)."""
+    return jnp.sum(per_token_bt * mask_bt) / jnp.maximum(jnp.sum(mask_bt), 1.0) / accumulation_steps
+
+
+def seq_mean_token_mean(per_token_bt, mask_bt, *, max_completion_length, total_tokens, accumulation_steps):
+    """Mean over sequences of each one's token mean (TRL grpo, verl seq-mean-token-mean)."""
+    per_seq = jnp.sum(per_token_bt * mask_bt, -1) / jnp.maximum(jnp.sum(mask_bt, -1), 1.0)
+    return jnp.mean(per_seq) / accumulation_steps
+
+
+def seq_mean_token_sum(per_token_bt, mask_bt, *, max_completion_length, total_tokens, accumulation_steps):
+    """Mean over sequences of each one's token sum (TRL luspo, verl seq-mean-token-sum)."""
+    return jnp.mean(jnp.sum(per_token_bt * mask_bt, -1)) / accumulation_steps
+
+
+def seq_mean_token_sum_norm(per_token_bt, mask_bt, *, max_completion_length, total_tokens, accumulation_steps):
+    """sum L / (sequences * max_completion_length) (TRL dr_grpo, verl seq-mean-token-sum-norm)."""
+    assert max_completion_length is not None, "seq_mean_token_sum_norm needs max_completion_length"
+    return jnp.sum(per_token_bt * mask_bt) / (mask_bt.shape[0] * max_completion_length) / accumulation_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLoss:
+    """A registered loss type: a surrogate per token and how its tokens are aggregated."""
+
+    surrogate: Callable
+    aggregation: str
+
+    def __call__(self, *args, **kwargs):
+        return self.surrogate(*args, **kwargs)
+
+
+GRPO = PolicyLoss(clipped_surrogate, "seq_mean_token_mean")
+BNPO = PolicyLoss(clipped_surrogate, "token_mean_local")
+DR_GRPO = PolicyLoss(clipped_surrogate, "seq_mean_token_sum_norm")
+DAPO = PolicyLoss(clipped_surrogate, "token_mean")
+LUSPO = PolicyLoss(clipped_surrogate, "seq_mean_token_sum")
+CISPO = PolicyLoss(cispo_surrogate, "token_mean")
+
+
+# --------------------------------------------------------------------------- off-policy correction
+
+
+def rollout_correction_weights(
+    old_logp_bt, behaviour_logp_bt, mask_bt, mode: RolloutCorrectionMode, clip_min=None, clip_max=3.0
+):
+    """(weights, metrics): truncated or masked importance weights pi_old / pi_behaviour of the
+    rollout's tokens (TRL's vllm_importance_sampling_correction; verl's rollout_corr), constant
+    (no gradient). `old`: the trainer's policy the update starts from; `behaviour`: the log-probs
+    the rollout sampled with (another engine's numerics, or weights `max_staleness` updates old).
+
+    token_*: one ratio per token, (b, t); sequence_*: exp of the sum of the token log-ratios, (b, 1).
+    *_truncate: clipped to [clip_min, clip_max]; *_mask: 0 outside it. Metrics: the raw ratio's
+    mean/max/min, the fraction truncated or masked, KL(behaviour || old) by k1 and k3.
+    """
+    mask_bt = mask_bt.astype(jnp.float32)
+    delta_bt = jnp.where(mask_bt > 0, old_logp_bt - behaviour_logp_bt, 0.0)
+    log_ratio = delta_bt if mode.startswith("token") else jnp.sum(delta_bt, -1, keepdims=True)
+    ratio = jnp.exp(log_ratio)
+    low = -jnp.inf if clip_min is None else clip_min
+    high = jnp.inf if clip_max is None else clip_max
+    outside = (ratio < low) | (ratio > high)
+    weights = jnp.clip(ratio, low, high) if mode.endswith("truncate") else jnp.where(outside, 0.0, ratio)
+    tokens = jnp.maximum(jnp.sum(mask_bt), 1.0)
+
+    def mean(x):  # over tokens at token level, over sequences at sequence level (as TRL logs)
+        return jnp.mean(x) if x.shape[-1] == 1 else jnp.sum(x * mask_bt) / tokens
+
+    live = mask_bt > 0 if ratio.shape[-1] != 1 else jnp.ones_like(ratio, bool)
+    metrics = {
+        "is_ratio_mean": mean(ratio),
+        "is_ratio_max": jnp.max(jnp.where(live, ratio, -jnp.inf)),
+        "is_ratio_min": jnp.min(jnp.where(live, ratio, jnp.inf)),
+        "is_clipped_fraction": mean(outside.astype(jnp.float32)),
+        "kl_behaviour": jnp.sum(-delta_bt * mask_bt) / tokens,  # k1: E_behaviour[log mu - log pi]
+        "kl_behaviour_k3": jnp.sum((jnp.exp(delta_bt) - delta_bt - 1.0) * mask_bt) / tokens,
+    }
+    return jax.lax.stop_gradient(weights), metrics
+
+
+# --------------------------------------------------------------------------- the loss
+
+
 def policy_loss(
     logp_bt,
     old_logp_bt,
@@ -104,60 +212,61 @@ def policy_loss(
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
     beta: float = 0.0,
-    loss_type: LossType = "dapo",
+    loss_type: str | PolicyLoss | Callable = "dapo",
+    aggregation: str | Callable | None = None,
     max_completion_length: int | None = None,
     total_tokens=None,
     accumulation_steps: int = 1,
+    is_weights=None,
 ):
     """(loss, metrics) of one (micro-)batch. `old_logp_bt` None: the policy that sampled is
     the current one (mu = 1), old = stop_gradient(logp) and every ratio is exactly 1.
 
-    `total_tokens`: completion tokens of the whole accumulated batch (dapo); defaults to
-    this batch's.
+    `loss_type`: a registered name (registry.POLICY_LOSSES), a PolicyLoss, or a user's surrogate;
+    `aggregation`: a registered name or function, None for the loss type's own (token_mean for a
+    user's surrogate). `total_tokens`: completion tokens of the whole accumulated batch
+    (token_mean); defaults to this batch's. `is_weights`: rollout_correction_weights' weights,
+    multiplying each token's policy term (not the KL), as TRL does.
     """
     mask_bt = mask_bt.astype(jnp.float32)
+    loss_def = POLICY_LOSSES.resolve(loss_type) if isinstance(loss_type, str) else loss_type
+    surrogate = loss_def.surrogate if isinstance(loss_def, PolicyLoss) else loss_def
+    aggregation = aggregation or (loss_def.aggregation if isinstance(loss_def, PolicyLoss) else "token_mean")
+    aggregate = LOSS_AGGREGATIONS.resolve(aggregation) if isinstance(aggregation, str) else aggregation
     if old_logp_bt is None:
         old_logp_bt = jax.lax.stop_gradient(logp_bt)
     log_w = log_importance_weights(logp_bt, old_logp_bt, mask_bt, level)
     coef_1 = jnp.exp(log_w)
-    coef_2 = jnp.clip(coef_1, 1 - epsilon_low, 1 + epsilon_high)
     adv_b1 = advantages_b[:, None].astype(jnp.float32)
-    per_token = -jnp.minimum(coef_1 * adv_b1, coef_2 * adv_b1)
+    per_token, flags = surrogate(coef_1, adv_b1, logp_bt, epsilon_low=epsilon_low, epsilon_high=epsilon_high)
+    if is_weights is not None:
+        per_token = per_token * is_weights
     kl_bt = None
     if beta != 0.0:
         kl_bt = k3_kl(logp_bt, ref_logp_bt, mask_bt)
         per_token = per_token + beta * kl_bt
-    tokens_b = jnp.sum(mask_bt, -1)
+    per_token = jnp.broadcast_to(per_token, mask_bt.shape)
+    loss = aggregate(
+        per_token,
+        mask_bt,
+        max_completion_length=max_completion_length,
+        total_tokens=total_tokens,
+        accumulation_steps=accumulation_steps,
+    )
     tokens = jnp.sum(mask_bt)
-    masked_sum = jnp.sum(per_token * mask_bt)
-    if loss_type == "grpo":
-        loss = jnp.mean(jnp.sum(per_token * mask_bt, -1) / jnp.maximum(tokens_b, 1.0)) / accumulation_steps
-    elif loss_type == "bnpo":
-        loss = masked_sum / jnp.maximum(tokens, 1.0) / accumulation_steps
-    elif loss_type == "dr_grpo":
-        assert max_completion_length is not None, "dr_grpo needs max_completion_length"
-        loss = masked_sum / (mask_bt.shape[0] * max_completion_length) / accumulation_steps
-    elif loss_type == "dapo":
-        loss = masked_sum / jnp.maximum(tokens if total_tokens is None else total_tokens, 1.0)
-    else:
-        raise ValueError(f"unknown loss_type {loss_type!r}")
 
     def masked_mean(x):  # (b, 1) sequence-level quantities: a mean over sequences, as TRL logs them
         if x.shape[-1] == 1:
             return jnp.mean(x)
         return jnp.sum(x * mask_bt) / jnp.maximum(tokens, 1.0)
 
-    low = (coef_1 < 1 - epsilon_low) & (adv_b1 < 0)
-    high = (coef_1 > 1 + epsilon_high) & (adv_b1 > 0)
     ratio = jnp.broadcast_to(coef_1, mask_bt.shape)
-    metrics = {
-        "clip_ratio_low": masked_mean(low.astype(jnp.float32)),
-        "clip_ratio_high": masked_mean(high.astype(jnp.float32)),
-        "clip_ratio": masked_mean((low | high).astype(jnp.float32)),
-        "ratio_mean": masked_mean(coef_1),
-        "ratio_max": jnp.max(jnp.where(mask_bt > 0, ratio, -jnp.inf)),
-        "ratio_min": jnp.min(jnp.where(mask_bt > 0, ratio, jnp.inf)),
-    }
+    metrics = {name: masked_mean(flag.astype(jnp.float32)) for name, flag in flags.items()}
+    metrics.update(
+        ratio_mean=masked_mean(coef_1),
+        ratio_max=jnp.max(jnp.where(mask_bt > 0, ratio, -jnp.inf)),
+        ratio_min=jnp.min(jnp.where(mask_bt > 0, ratio, jnp.inf)),
+    )
     if kl_bt is not None:
         metrics["kl"] = masked_mean(kl_bt)
     return loss, metrics

@@ -1,0 +1,72 @@
+"""The rollout seam of GRPO: prompts in, completions out, with what the loss needs to know
+about them (which tokens the model produced, and the log-probabilities it sampled them with).
+
+`generate_rollout` is the single-turn path on the engine's own sampler; the trainer's process
+calls it (synchronous GRPO) and so does each rollout worker (async_rollout.py). Another rollout
+path (multi-turn environments, an inference server) returns the same `Rollout`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from engine.data.tokenizer import TokenizerBundle
+from engine.inference.sample import SampleOutput, Sampler, encode_prompts, left_pad
+
+
+@dataclasses.dataclass
+class Rollout:
+    """G completions of each of a batch's prompts, rows p * G + g."""
+
+    prompt_tokens: np.ndarray  # (b, P) int32, left-padded, each prompt repeated G times
+    prompt_mask: np.ndarray  # (b, P) int32
+    output: SampleOutput
+    """tokens (b, C), logprobs (b, C): the behaviour policy's log-probs of the sampled tokens
+    (the sampler's numerics, its weights), mask (b, C): the completion's tokens, lengths (b,)."""
+    loss_mask: np.ndarray | None = None
+    """(b, C): the tokens that carry loss (the model's own); None: every completion token. A
+    multi-turn rollout masks the environment's tokens here, and keeps them in `output.mask`."""
+    weights_version: int = 0
+    """The optimizer update whose weights generated it (staleness = step - version)."""
+    seconds: float = 0.0
+
+
+def generate_rollout(
+    sampler: Sampler,
+    bundle: TokenizerBundle,
+    params,
+    prompt_inputs: list,
+    *,
+    step: int,
+    seed: int,
+    num_generations: int,
+    max_prompt_length: int,
+    max_completion_length: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    pad_id: int,
+) -> Rollout:
+    """Sample `num_generations` completions per prompt (one prefill per prompt, its cache
+    shared by the G rows) with the key of (seed, step), so any process draws the same ones."""
+    prompt_tokens, prompt_mask = left_pad(
+        encode_prompts(bundle, prompt_inputs), pad_id=pad_id, length=max_prompt_length
+    )
+    out = sampler(
+        params,
+        prompt_tokens,
+        prompt_mask,
+        num_generations=num_generations,
+        seed=jax.random.fold_in(jax.random.key(seed), step),
+        max_new_tokens=max_completion_length,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_ids=(bundle.eos_id,),
+        pad_id=pad_id,
+    )
+    G = num_generations
+    return Rollout(np.repeat(prompt_tokens, G, 0), np.repeat(prompt_mask, G, 0), out)
