@@ -76,7 +76,16 @@ ancestors = ["engine", "tasks", "flows"]
 # Function-level imports allowed only at the documented boundary (Prefect and JAX load
 # only for the CLI commands that need them) and for the optional extras.
 IMPORT_BOUNDARY = {"flows/cli.py"}
-OPTIONAL_EXTRAS = {"tensorflow", "tensorflow_datasets", "transformers", "boto3", "botocore", "mlflow", "wandb"}
+OPTIONAL_EXTRAS = {
+    "tensorflow",
+    "tensorflow_datasets",
+    "transformers",
+    "boto3",
+    "botocore",
+    "mlflow",
+    "wandb",
+    "lm_eval",
+}
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""What an evaluation measures: held-out loss on a token dataset and generation tasks
-scored by reward functions. Apart from the run so pipeline validation does not import JAX."""
+"""What an evaluation measures: held-out loss on a token dataset, generation tasks scored by
+reward functions, and lm-evaluation-harness tasks. Apart from the run so pipeline validation
+imports neither JAX nor lm-eval."""
 
 from __future__ import annotations
 
@@ -36,6 +37,32 @@ class GenerationTask(Strict):
     seed: int = 0
 
 
+class HarnessConfig(Strict):
+    """lm-evaluation-harness tasks run on every model (engine/evaluate/harness.py; the `eval`
+    extra). Their metrics are recorded as `harness/<task>/<metric>`."""
+
+    tasks: list[str] = Field(min_length=1)
+    """Task, group or tag names: lm-eval's own, or those the task YAMLs under `include_path` define."""
+    include_path: str | None = None
+    """A directory of task YAMLs (lm-eval's --include_path); `{input:corpus}/...` names one in an input."""
+    builtin_tasks: bool = True
+    """Index lm-eval's own tasks too (about 15,000 YAMLs, 10-20 s); false: only those under include_path."""
+    num_fewshot: int | None = Field(None, ge=0)
+    """Few-shot examples per prompt (None: each task's own setting)."""
+    limit: int | float | None = Field(None, gt=0)
+    """Documents per task: a count, or below 1 a fraction (None: all)."""
+    batch_size: int = Field(16, gt=0)
+    """Rows per scoring or generation batch on the mesh."""
+    max_length: int | None = Field(None, gt=1)
+    """Tokens a scored row holds (None: the model's max_seq_len); longer inputs keep their end."""
+    max_gen_toks: int = Field(256, gt=0)
+    """Tokens generated at most, unless a task's generation_kwargs say otherwise."""
+    bootstrap_iters: int = Field(1000, ge=0)
+    """Resamples for bootstrapped standard errors (lm-eval's default is 100000; 0: no standard errors)."""
+    seed: int = 0
+    """lm-eval's random, numpy and few-shot seeds, and the sampler's."""
+
+
 class EvalConfig(Strict):
     """What to measure for every model."""
 
@@ -46,6 +73,8 @@ class EvalConfig(Strict):
     seq_len: int = Field(128, gt=1)
     batch_size: int = Field(8, gt=0)
     tasks: list[GenerationTask] = []
+    harness: HarnessConfig | None = None
+    """lm-evaluation-harness tasks by name (None: none)."""
     mesh: MeshConfig = MeshConfig()
     samples_in_report: int = Field(3, ge=0)
     """Example completions per model shown in report.md."""

@@ -4,7 +4,8 @@ For every model: loss and perplexity on a token dataset's held-out split, and fo
 generation task the completions of its prompts scored by the same reward functions GRPO
 uses (engine/posttrain/rewards.py): accuracy (the share of prompts whose `correct` reward is at
 least `correct_threshold`), pass@k (the unbiased estimator of Chen et al. 2021) and the
-mean of each reward.
+mean of each reward; and for `harness:` the lm-evaluation-harness tasks it names, run on the
+model in this process (harness.py), as `harness/<task>/<metric>`.
 
 The output directory holds the report (report.py). `python -m engine.evaluate JOB.yaml OUT_DIR`
 runs it alone (__main__.py).
@@ -34,6 +35,13 @@ from engine.train.config import TrainConfig
 from engine.train.hooks import log_to_stderr
 from engine.train.metrics import MetricsWriter, flat_params
 from engine.train.trainer import Trainer
+
+try:  # the `eval` extra: lm-evaluation-harness tasks; without it a config naming them is refused
+    from engine.evaluate.harness import HarnessTasks, LoadedModel, prepare_harness, run_harness
+except ModuleNotFoundError as missing:
+    if missing.name != "lm_eval" and not (missing.name or "").startswith("lm_eval."):
+        raise
+    prepare_harness = None  # type: ignore[assignment]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -137,8 +145,11 @@ def _finite_or_none(x: float) -> float | None:
     return float(x) if math.isfinite(x) else None
 
 
-def evaluate_model(cfg: EvalConfig, checkpoint_dir: str | Path, log: Callable[[str], None]) -> tuple[dict, list[dict]]:
-    """Every metric of one checkpoint (a directory holding Orbax steps), computed as it was saved."""
+def evaluate_model(
+    cfg: EvalConfig, checkpoint_dir: str | Path, log: Callable[[str], None], harness: HarnessTasks | None = None
+) -> tuple[dict, list[dict]]:
+    """Every metric of one checkpoint (a directory holding Orbax steps), computed as it was saved;
+    `harness`: cfg.harness's tasks, prepared once for all models (prepare_harness)."""
     checkpoint_dir = Path(checkpoint_dir)
     model_cfg, compute = stored_configs(checkpoint_dir)
     train_cfg = TrainConfig.model_validate(
@@ -170,11 +181,13 @@ def evaluate_model(cfg: EvalConfig, checkpoint_dir: str | Path, log: Callable[[s
         metrics.update({k: held_out[k] for k in ("eval_loss", "eval_perplexity")})
         log(f"evaluate: held-out loss {metrics['eval_loss']:.4f} ({time.perf_counter() - t0:.1f} s)")
     samples: list[dict] = []
+    if not (cfg.tasks or harness):
+        return metrics, samples
+    tokenizer_dir = tokenizer_dir_for(checkpoint_dir)
+    if tokenizer_dir is None:
+        raise ConfigError(f"no tokenizer/ next to {checkpoint_dir}: generation and harness tasks need one")
+    bundle = load_saved(tokenizer_dir)
     if cfg.tasks:
-        tokenizer_dir = tokenizer_dir_for(checkpoint_dir)
-        if tokenizer_dir is None:
-            raise ConfigError(f"no tokenizer/ next to {checkpoint_dir}: generation tasks need one")
-        bundle = load_saved(tokenizer_dir)
         sampler = Sampler(model_cfg, compute, trainer.mesh, trainer.param_shardings)
         for task in cfg.tasks:
             t0 = time.perf_counter()
@@ -182,6 +195,11 @@ def evaluate_model(cfg: EvalConfig, checkpoint_dir: str | Path, log: Callable[[s
             metrics.update(task_metrics)
             metrics[f"{task.name}/seconds"] = time.perf_counter() - t0
             samples.extend(task_samples)
+    if harness:
+        t0 = time.perf_counter()
+        loaded = LoadedModel(model_cfg, compute, params, bundle, trainer.mesh, trainer.param_shardings, step)
+        metrics.update(run_harness(harness, loaded, log))
+        metrics["harness/seconds"] = time.perf_counter() - t0
     return metrics, samples
 
 
@@ -202,10 +220,15 @@ def run_evaluate(
             raise ConfigError(f"tasks.{task.name}.path is required")
         if max(task.pass_at) > task.samples:
             raise ConfigError(f"tasks.{task.name}: pass_at {max(task.pass_at)} needs samples >= {max(task.pass_at)}")
+    harness = None
+    if cfg.harness:
+        if prepare_harness is None:
+            raise ConfigError("harness: lm-eval is not installed; pip install 'trainflow[eval]'")
+        harness = prepare_harness(cfg.harness)  # bad task names fail here, before any model loads
     models, samples = {}, {}
     for name, directory in checkpoints.items():
         log(f"evaluate: model '{name}' ({directory})")
-        models[name], samples[name] = evaluate_model(cfg, directory, log)
+        models[name], samples[name] = evaluate_model(cfg, directory, log, harness)
     primary = jax.process_index() == 0  # one report, however many ranks
     write_to_sinks(Path(out_dir), cfg, models, primary, log)
     return write_report(

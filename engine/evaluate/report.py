@@ -32,6 +32,7 @@ def headline_metrics(models: dict[str, dict]) -> list[str]:
                 or key.endswith("/accuracy")
                 or "/pass@" in key
                 or "/reward/" in key
+                or (key.startswith("harness/") and "_stderr" not in key and not key.endswith(("/samples", "/seconds")))
             ):
                 keys.append(key)
     return keys
