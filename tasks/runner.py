@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,17 +26,16 @@ from tasks.artifacts import (
     MANIFEST,
     RUNNING,
     ArtifactError,
-    ArtifactLock,
     ArtifactStore,
     code_version,
     digest_files,
     now_iso,
-    read_manifest,
     write_json_atomic,
 )
 from tasks.gang import holding_locks
 from tasks.launch import DISK_FULL_ERRNOS, DiskFull, LauncherSpec, recording_layouts
 from tasks.registry import StageContext, StageHooks, StageKind, substitute_inputs
+from tasks.store.consume import STAMPS
 
 SKIPPED, RAN, RESUMED = "skipped", "ran", "resumed"
 
@@ -91,7 +89,9 @@ class StageResult:
 
 
 def _has_partial_payload(directory: Path) -> bool:
-    return directory.is_dir() and any(p.name not in (MANIFEST, ".lock") for p in directory.iterdir())
+    return directory.is_dir() and any(
+        p.name not in (MANIFEST, ".lock") and not p.name.startswith(STAMPS) for p in directory.iterdir()
+    )
 
 
 def _classify(error: BaseException, stage: str, out_dir: Path) -> BaseException:
@@ -120,7 +120,10 @@ def _record_failure(path: Path, manifest: dict, error: BaseException, hooks: Sta
 def execute_stage(
     job: StageJob, store: ArtifactStore, hooks: StageHooks | None = None, run_info: dict[str, Any] | None = None
 ) -> StageResult:
-    """Make sure the artifact `job.artifact_id` exists in `store`, doing only missing work."""
+    """Make sure the artifact `job.artifact_id` exists in `store`, doing only missing work.
+
+    The same protocol on every store (tasks/store/): the store's implementation decides what
+    claiming, preparing, running alongside, committing and keeping a partial result take."""
     hooks = hooks or StageHooks()
     start = time.perf_counter()
     out_dir = store.artifact_dir(job.stage, job.artifact_id)
@@ -138,18 +141,12 @@ def execute_stage(
         )
 
     where = store.location(job.stage, job.artifact_id)
-    remote = store.remote
     if store.is_complete(job.stage, job.artifact_id):
         hooks.log(f"skipped: {job.stage} is complete at {where}")
         return done(SKIPPED, store.manifest(job.stage, job.artifact_id) or {})
 
-    lock = ArtifactLock(out_dir)  # on a bucket: the local staging directory's lock ...
-    lock.acquire(on_wait=hooks.log)
-    lease = None
+    claim = store.claim(job.stage, job.artifact_id, (run_info or {}).get("flow_run_id"), on_wait=hooks.log)
     try:
-        if remote is not None:  # ... and the bucket's lease, for runs on other machines
-            lease = remote.lease(job.stage, job.artifact_id, (run_info or {}).get("flow_run_id"))
-            lease.acquire(on_wait=hooks.log)
         if store.is_complete(job.stage, job.artifact_id):  # another run finished it while we waited
             hooks.log(f"skipped: {job.stage} was completed by another run at {where}")
             return done(SKIPPED, store.manifest(job.stage, job.artifact_id) or {})
@@ -159,9 +156,7 @@ def execute_stage(
                 inputs[name] = store.open_input(stage, artifact_id)
             except ArtifactError as e:
                 raise ArtifactError(f"stage '{job.stage}': input '{name}': {e}") from None
-        if remote is not None:  # a partial artifact on the bucket: resume from its payload
-            out_dir.mkdir(parents=True, exist_ok=True)
-            remote.download(job.stage, job.artifact_id, out_dir, with_manifest=False, partial=True, log=hooks.log)
+        store.prepare(job.stage, job.artifact_id, log=hooks.log)  # a partial artifact's payload, to resume from
         resumed = _has_partial_payload(out_dir)
         previous = store.manifest(job.stage, job.artifact_id) or {}
         manifest = {
@@ -195,53 +190,31 @@ def execute_stage(
             "attempts": int(previous.get("attempts", 0)) + 1,
             "prefect": run_info or {},
         }
-        write_json_atomic(out_dir / MANIFEST, manifest)
-        if remote is not None:
-            remote.write_manifest(job.stage, job.artifact_id, manifest)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        store.write_manifest(job.stage, job.artifact_id, manifest)
         hooks.log(f"{'resuming' if resumed else 'running'} {job.stage} ({job.task}) -> {where}")
         config = substitute_inputs(job.config, inputs, job.stage)
-        ctx = StageContext(
-            job.stage,
-            config,
-            inputs,
-            out_dir,
-            job.launcher,
-            resumed,
-            hooks if remote is None else _showing_urls(hooks, store),
+        shown = StageHooks(
+            log=lambda line: hooks.log(store.shown(line)), metrics=hooks.metrics, progress=hooks.progress
         )
+        ctx = StageContext(job.stage, config, inputs, out_dir, job.launcher, resumed, shown)
         work_start = time.perf_counter()
         try:
-            # On a bucket, checkpoint steps are uploaded as they commit: a SIGKILLed run resumes elsewhere.
-            mirror = (
-                nullcontext()
-                if remote is None
-                else remote.mirror(
-                    job.stage, job.artifact_id, out_dir, log=hooks.log, keep_going=lambda: not lease.lost
-                )
-            )
-            with holding_locks(lock.fd), recording_layouts() as layouts, mirror:  # the children hold the lock too
+            running = store.running(job.stage, job.artifact_id, claim, log=hooks.log)
+            with holding_locks(claim.fd), recording_layouts() as layouts, running:  # the children hold the lock too
                 metrics = job.kind.run(ctx) or {}
             work_seconds = time.perf_counter() - work_start
             manifest.update(
                 status=COMPLETE,
                 metrics=metrics,
                 layout=layouts[-1] if layouts else None,
-                files=digest_files(out_dir),
+                files=digest_files(out_dir, stamp=True),
                 finished_at=now_iso(),
             )
-            if remote is not None:  # the payload, then the manifest: one atomic PUT, last
-                remote.upload(out_dir, job.stage, job.artifact_id, delete_extra=True)  # the manifest's files only
-                if lease.lost:
-                    raise ArtifactError(
-                        f"stage '{job.stage}': the lease on {where} expired and was taken over "
-                        f"by another run; not committing"
-                    )
-                remote.write_manifest(job.stage, job.artifact_id, manifest)
-            write_json_atomic(out_dir / MANIFEST, manifest)  # last: from here on the artifact exists
+            store.commit(job.stage, job.artifact_id, manifest, claim)  # last: from here on the artifact exists
         except BaseException as e:
             _record_failure(out_dir / MANIFEST, manifest, _classify(e, job.stage, out_dir), hooks)
-            if remote is not None and not (lease and lease.lost):
-                _upload_partial(remote, job, out_dir, hooks)
+            store.keep_partial(job.stage, job.artifact_id, claim, log=hooks.log)
             raise
         hooks.progress(1.0)
         return done(RESUMED if resumed else RAN, manifest, work_seconds)
@@ -251,27 +224,4 @@ def execute_stage(
             raise
         raise error from e
     finally:
-        if lease is not None:
-            lease.release()
-        lock.release()
-
-
-def _showing_urls(hooks: StageHooks, store: ArtifactStore) -> StageHooks:
-    """The stage's hooks, its log lines naming the bucket's URLs instead of the local staging
-    copies the engine works in (`<cache>/pretrain/ID/checkpoint` -> `s3://b/p/pretrain/ID/checkpoint`)."""
-    root, url = str(store.root), store.url
-    return StageHooks(
-        log=lambda message: hooks.log(message.replace(root, url)), metrics=hooks.metrics, progress=hooks.progress
-    )
-
-
-def _upload_partial(remote, job: StageJob, out_dir: Path, hooks: StageHooks) -> None:
-    """A failed or interrupted stage on a bucket: upload what it has (committed checkpoint
-    steps included) and the `failed` manifest, so any machine resumes from there."""
-    try:
-        remote.upload(out_dir, job.stage, job.artifact_id)
-        manifest = read_manifest(out_dir)
-        if manifest is not None:
-            remote.write_manifest(job.stage, job.artifact_id, manifest)
-    except Exception as e:  # the original error matters more
-        hooks.log(f"could not upload the partial artifact to {remote.url_of(job.stage, job.artifact_id)}: {e}")
+        claim.release()

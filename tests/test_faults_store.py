@@ -34,6 +34,7 @@ from tasks.engine_stage import with_logged_finals
 from tasks.launch import DiskFull, Diverged, StageFailed, run_child
 from tasks.registry import StageContext, StageHooks, StageKind, register_stage, substitute_inputs
 from tasks.runner import RAN, RESUMED, SKIPPED, execute_stage
+from tasks.store import base as store_base
 from tests.conftest import REPO
 
 ONE_DEVICE = {"kind": "local", "env": {"XLA_FLAGS": ""}}  # the engine child compiles fastest on one device
@@ -427,20 +428,24 @@ def test_a_manifest_that_cannot_be_written_never_stays_running(tmp_path, monkeyp
 
         return write_json_atomic
 
+    def failing(status):  # the runner writes the failed manifest, the store the others
+        monkeypatch.setattr(runner, "write_json_atomic", fail_when(status))
+        monkeypatch.setattr(store_base, "write_json_atomic", fail_when(status))
+
     # The final write fails, the failure is recorded.
-    monkeypatch.setattr(runner, "write_json_atomic", fail_when({"complete"}))
+    failing({"complete"})
     with pytest.raises(DiskFull, match=re.escape(f"No space left on device writing {out}")):
         execute_stage(plan.stages["a"].job, plan.store)
     assert read_manifest(out)["status"] == "failed" and plan.status()["a"]["state"] == "failed"
 
     # Nothing after the first write lands: the manifest still says running, the store does not.
-    monkeypatch.setattr(runner, "write_json_atomic", fail_when({"complete", "failed"}))
+    failing({"complete", "failed"})
     with pytest.raises(DiskFull):
         execute_stage(plan.stages["a"].job, plan.store)
     assert read_manifest(out)["status"] == "running"
     assert plan.status()["a"]["state"] == "partial" and lineage(out)["status"] == "partial"
 
-    monkeypatch.setattr(runner, "write_json_atomic", write)
+    failing(set())
     assert execute_stage(plan.stages["a"].job, plan.store).status == RESUMED
     assert plan.status()["a"]["state"] == "complete"
     assert execute_stage(plan.stages["a"].job, plan.store).status == SKIPPED

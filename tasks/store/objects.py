@@ -1,0 +1,843 @@
+"""Artifact stores on object storage (s3://, gs://) through fsspec, with a local staging copy.
+
+Design (docs/pipelines.md, "Object storage"): a stage never writes to the bucket directly.
+Every artifact has a local staging directory, `<cache>/<stage>/<id>/` (the same layout as a
+local store), and the runner moves bytes between it and the bucket:
+
+- before a stage runs, its inputs are downloaded into the cache (a complete artifact's
+  files are kept there, content-addressed by id, and re-hashed against the manifest), and a
+  partial artifact of the stage itself is downloaded so the engine resumes from its
+  checkpoints;
+- while it runs, each checkpoint step is uploaded as soon as Orbax commits it, its digests
+  last (`StepMirror`), so even a run killed outright resumes on another machine from the
+  newest step uploaded whole (`complete_steps`; only that step is downloaded);
+- when the stage ends, the payload files are uploaded (and objects no longer in the local
+  copy deleted), then the manifest, last (a single PUT is atomic on S3 and GCS: readers see
+  the old manifest or the new one);
+- a stage that fails or is interrupted uploads what it has (its partial payload) with a
+  `failed` manifest, so another machine resumes from there.
+
+Locks are lease objects `<artifact>/.lease` written with a conditional create
+(`If-None-Match: *` on S3, `ifGenerationMatch=0` on GCS), renewed by a thread while the
+stage runs and taken over only after they expire -- or at once when the holder ran on the same
+machine and is gone (a killed run resumed where it ran). Credentials and endpoints come from the
+environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, STORAGE_EMULATOR_HOST, ...; the libraries'
+own config files), never from a pipeline file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+from engine.contract import CHECKPOINT_DIR, MANIFEST
+from tasks.store.consume import STAMPS, read_stamps, stamp_holds, write_stamps
+
+LEASE = ".lease"
+LEASE_SECONDS = float(os.environ.get("TRAINFLOW_LEASE_SECONDS", "60"))
+DEFAULT_CACHE_BYTES = 20 << 30
+MIRROR_SECONDS = float(os.environ.get("TRAINFLOW_MIRROR_SECONDS", "2"))
+FETCH_BLOCK = 8 << 20  # bytes per ranged GET when a consumer streams an input in
+FETCH_THREADS = 8
+STEP_DIGESTS = "digests.json"
+"""engine.train.checkpoint.DIGESTS_FILE (named here too: that module loads JAX): Orbax's
+finalize writes it into a step just before committing the step, so a local step directory
+that holds it is committed; on the bucket it is uploaded last, so a step there with it is whole."""
+
+
+class StoreAccessError(RuntimeError):
+    """The bucket behind a store URL cannot be used (missing, no credentials, no permission)."""
+
+
+def is_url(root: str) -> bool:
+    return "://" in root and not root.startswith("file://")
+
+
+def _filesystem(url: str):
+    protocol = url.split("://", 1)[0]
+    try:
+        return fsspec.filesystem(protocol, **_options(protocol))
+    except (ImportError, ValueError) as e:
+        extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs"}.get(protocol, protocol)
+        raise StoreAccessError(
+            f"artifact store {url}: the {protocol}:// file system is not installed "
+            f"(pip install 'trainflow[{extra}]'): {e}"
+        ) from None
+
+
+def _options(protocol: str) -> dict:
+    if protocol == "s3":
+        # botocore reads AWS_ENDPOINT_URL itself; passing it also covers older releases.
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
+    return {}
+
+
+def url_cache(url: str) -> Path:
+    """The local cache directory that belongs to a URL (a store's staging copies, a source's download)."""
+    base = Path(os.environ.get("TRAINFLOW_CACHE") or Path.home() / ".cache" / "trainflow").expanduser()
+    return (base / hashlib.sha256(url.encode()).hexdigest()[:16]).absolute()
+
+
+class RemoteBackend:
+    """The bucket side of an ArtifactStore whose root is a URL."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.protocol, rest = self.url.split("://", 1)
+        self.base = rest.strip("/")
+        self.bucket = self.base.split("/", 1)[0]
+        self.fs = _filesystem(self.url)
+        self.cache = url_cache(self.url)
+        self.cache_bytes = int(os.environ.get("TRAINFLOW_CACHE_BYTES", DEFAULT_CACHE_BYTES))
+        self.check()
+
+    # ------------------------------------------------------------------ access
+
+    def check(self) -> None:
+        """One sentence naming the URL when the bucket cannot be used; before any compute."""
+        try:
+            self.fs.ls(self.bucket, refresh=True)
+        except FileNotFoundError:
+            raise StoreAccessError(
+                f"artifact store {self.url}: bucket '{self.bucket}' does not exist (or the endpoint does not serve it)"
+            ) from None
+        except PermissionError:
+            raise StoreAccessError(
+                f"artifact store {self.url}: permission denied listing bucket "
+                f"'{self.bucket}' with the credentials in this environment"
+            ) from None
+        except Exception as e:  # botocore's NoCredentialsError, connection errors, ...
+            name = type(e).__name__
+            if "Credential" in name or "credential" in str(e):
+                how = (
+                    "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile"
+                    if self.protocol == "s3"
+                    else "set GOOGLE_APPLICATION_CREDENTIALS or run `gcloud auth application-default login`"
+                )
+                raise StoreAccessError(
+                    f"artifact store {self.url}: no credentials found for {self.protocol}:// ({how})"
+                ) from None
+            raise StoreAccessError(f"artifact store {self.url}: cannot reach the bucket: {name}: {e}") from None
+
+    def key(self, stage: str, artifact_id: str, rel: str = "") -> str:
+        path = f"{self.base}/{stage}/{artifact_id}"
+        return f"{path}/{rel}" if rel else path
+
+    def url_of(self, stage: str, artifact_id: str) -> str:
+        return f"{self.protocol}://{self.key(stage, artifact_id)}"
+
+    # ------------------------------------------------------------------ manifests and listing
+
+    def read_json(self, key: str) -> dict | None:
+        try:  # one GET (an open file would check the ETag and fail when a lease is renewed)
+            return json.loads(self.fs.cat_file(key))
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def read_manifest(self, stage: str, artifact_id: str) -> dict | None:
+        self.fs.invalidate_cache(self.key(stage, artifact_id))
+        return self.read_json(self.key(stage, artifact_id, MANIFEST))
+
+    def write_manifest(self, stage: str, artifact_id: str, manifest: dict) -> None:
+        self.fs.pipe_file(
+            self.key(stage, artifact_id, MANIFEST), (json.dumps(manifest, indent=2, default=str) + "\n").encode()
+        )
+
+    def exists(self, stage: str, artifact_id: str) -> bool:
+        return bool(self.payload(stage, artifact_id)) or self.read_manifest(stage, artifact_id) is not None
+
+    def payload(self, stage: str, artifact_id: str) -> dict[str, int]:
+        """relative path -> size of every payload object of an artifact (no manifest, no lease)."""
+        prefix = self.key(stage, artifact_id)
+        self.fs.invalidate_cache()  # all of it: s3fs keeps subdirectories' listings (ETags) apart
+        try:
+            found = self.fs.find(prefix, detail=True)
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for key, info in found.items():
+            rel = key[len(prefix) + 1 :]
+            if rel and rel not in (MANIFEST, LEASE) and info.get("type", "file") == "file":
+                out[rel] = int(info.get("size") or 0)
+        return out
+
+    def artifacts(self) -> list[tuple[str, str]]:
+        """(stage, id) of every artifact directory under the store prefix."""
+        self.fs.invalidate_cache(self.base)
+        out = []
+        try:
+            stages = [p for p in self.fs.ls(self.base, detail=True) if p["type"] == "directory"]
+        except FileNotFoundError:
+            return []
+        for stage in sorted(stages, key=lambda p: p["name"]):
+            for art in sorted(self.fs.ls(stage["name"], detail=True), key=lambda p: p["name"]):
+                if art["type"] == "directory":
+                    out.append((stage["name"].rsplit("/", 1)[-1], art["name"].rsplit("/", 1)[-1]))
+        return out
+
+    # ------------------------------------------------------------------ digests, streamed
+
+    def sha256(self, key: str, chunk: int = 8 << 20) -> str:
+        h = hashlib.sha256()
+        with self.fs.open(key, "rb", block_size=chunk) as f:
+            while block := f.read(chunk):
+                h.update(block)
+        return h.hexdigest()
+
+    def compare(self, stage: str, artifact_id: str, recorded: dict[str, dict[str, Any]]) -> list[str]:
+        present = self.payload(stage, artifact_id)
+        problems = []
+        for rel, entry in sorted(recorded.items()):
+            if rel not in present:
+                problems.append(f"{rel}: missing")
+            elif present[rel] != entry["size"]:
+                problems.append(f"{rel}: size {present[rel]} != recorded {entry['size']}")
+            elif self.sha256(self.key(stage, artifact_id, rel)) != entry["sha256"]:
+                problems.append(f"{rel}: sha256 differs from the recorded digest")
+        for rel in sorted(set(present) - set(recorded)):
+            problems.append(f"{rel}: not part of the artifact (added after it was finished)")
+        return problems
+
+    # ------------------------------------------------------------------ moving bytes
+
+    def upload(
+        self, local: Path, stage: str, artifact_id: str, skip: tuple[str, ...] = (), delete_extra: bool = False
+    ) -> int:
+        """Upload every payload file of a local staging directory whose remote copy differs in
+        size (checkpoint steps are immutable once committed), each step's digests last; with
+        `delete_extra`, delete the payload objects that are not there locally (steps Orbax
+        has since removed, unfinished uploads), so the bucket holds what the manifest lists.
+        Returns the number of files uploaded."""
+        remote = self.payload(stage, artifact_id)
+        present, todo = set(), []
+        for path in sorted(p for p in local.rglob("*") if p.is_file()):
+            rel = path.relative_to(local).as_posix()
+            if rel in (MANIFEST, LEASE, ".lock", MANIFEST + ".tmp") or rel.startswith(STAMPS) or rel in skip:
+                continue
+            present.add(rel)
+            if remote.get(rel) != path.stat().st_size or rel.endswith((".jsonl", ".json", ".md")):
+                todo.append(rel)
+        # Concurrently (fsspec's batched put), the steps' digests after everything else.
+        for batch in (
+            [r for r in todo if r.rsplit("/", 1)[-1] != STEP_DIGESTS],
+            [r for r in todo if r.rsplit("/", 1)[-1] == STEP_DIGESTS],
+        ):
+            if batch:
+                self.fs.put([str(local / rel) for rel in batch], [self.key(stage, artifact_id, rel) for rel in batch])
+        if delete_extra:
+            extra = [self.key(stage, artifact_id, rel) for rel in sorted(set(remote) - present - set(skip))]
+            if extra:
+                self.fs.rm(extra)
+        return len(todo)
+
+    def download(
+        self,
+        stage: str,
+        artifact_id: str,
+        local: Path,
+        with_manifest: bool = True,
+        partial: bool = False,
+        log: Callable[[str], None] | None = None,
+    ) -> int:
+        """Fetch the artifact's payload objects missing (or of another size) locally. With
+        `partial` (resuming someone's unfinished artifact), of its checkpoint steps only the
+        newest one uploaded whole (`complete_steps`): that is the one the engine resumes from."""
+        local.mkdir(parents=True, exist_ok=True)
+        payload = self.payload(stage, artifact_id)
+        if partial:
+            steps = complete_steps(self, stage, artifact_id, payload)
+            keep = f"{CHECKPOINT_DIR}/{steps[-1]}/" if steps else None
+            # Files of checkpoint/ itself are kept; of its subdirectories only the chosen step.
+            payload = {
+                rel: size
+                for rel, size in payload.items()
+                if not rel.startswith(CHECKPOINT_DIR + "/")
+                or rel.count("/") < 2
+                or (keep is not None and rel.startswith(keep))
+            }
+            if steps and log:
+                log(
+                    f"resuming from checkpoint step {steps[-1]} of the partial artifact at "
+                    f"{self.url_of(stage, artifact_id)}"
+                )
+        missing = [
+            rel
+            for rel, size in sorted(payload.items())
+            if not ((local / rel).is_file() and (local / rel).stat().st_size == size)
+        ]
+        parts = [local / (rel + ".part") for rel in missing]  # renamed into place once all arrived
+        for part in parts:
+            part.parent.mkdir(parents=True, exist_ok=True)
+        if missing:  # concurrently: fsspec's batched get
+            self.fs.get([self.key(stage, artifact_id, rel) for rel in missing], [str(part) for part in parts])
+        for rel, part in zip(missing, parts):
+            os.replace(part, local / rel)
+        count = len(missing)
+        if with_manifest:
+            manifest = self.read_manifest(stage, artifact_id)
+            if manifest is not None:
+                (local / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+        return count
+
+    def fetch(
+        self,
+        stage: str,
+        artifact_id: str,
+        local: Path,
+        recorded: dict[str, dict[str, Any]],
+        wanted: dict[str, dict[str, Any]],
+        verify: bool = True,
+    ) -> list[str]:
+        """Bring the `wanted` files of a complete artifact into its cache directory `local`,
+        each hashed as it streams in (its bytes are read once), skipping cached files whose
+        stamp holds (tasks/store/consume.py). One LIST checks that every `recorded` object is
+        there at its size and nothing else is. Returns the problems ([] = all well)."""
+        payload = self.payload(stage, artifact_id)
+        problems = [
+            f"{rel}: missing" if rel not in payload else f"{rel}: size {payload[rel]} != recorded {entry['size']}"
+            for rel, entry in sorted(recorded.items())
+            if payload.get(rel) != entry["size"]
+        ]
+        problems += [
+            f"{rel}: not part of the artifact (added after it was finished)"
+            for rel in sorted(set(payload) - set(recorded))
+        ]
+        if problems:
+            return problems
+        local.mkdir(parents=True, exist_ok=True)
+        stamps = read_stamps(local)
+        todo = [rel for rel, entry in sorted(wanted.items()) if not stamp_holds(local / rel, entry, stamps.get(rel))]
+
+        def one(rel: str) -> str | None:
+            target, digest = local / rel, hashlib.sha256()
+            part = target.with_name(target.name + ".part")
+            part.parent.mkdir(parents=True, exist_ok=True)
+            with (
+                self.fs.open(self.key(stage, artifact_id, rel), "rb", block_size=FETCH_BLOCK) as src,
+                open(part, "wb") as dst,
+            ):
+                while block := src.read(FETCH_BLOCK):
+                    digest.update(block)
+                    dst.write(block)
+            if verify and digest.hexdigest() != wanted[rel]["sha256"]:
+                part.unlink(missing_ok=True)
+                return f"{rel}: sha256 differs from the recorded digest"
+            os.replace(part, target)
+            return None
+
+        with ThreadPoolExecutor(FETCH_THREADS) as pool:
+            results = list(pool.map(one, todo))
+        problems = [problem for problem in results if problem]
+        write_stamps(local, {rel: wanted[rel]["sha256"] for rel, problem in zip(todo, results) if not problem})
+        return problems
+
+    def mirror(
+        self,
+        stage: str,
+        artifact_id: str,
+        local: Path,
+        log: Callable[[str], None] | None = None,
+        keep_going: Callable[[], bool] = lambda: True,
+    ) -> StepMirror:
+        return StepMirror(self, stage, artifact_id, local, log=log, keep_going=keep_going)
+
+    def evict(self, keep: set[Path]) -> None:
+        """Keep the cache under its bound: delete the least recently used complete copies."""
+        entries = []
+        total = 0
+        for manifest in self.cache.glob(f"*/*/{MANIFEST}"):
+            directory = manifest.parent
+            size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+            total += size
+            entries.append((manifest.stat().st_atime, directory, size))
+        for _, directory, size in sorted(entries, key=lambda e: e[0]):
+            if total <= self.cache_bytes:
+                break
+            if directory in keep or (directory / ".lock").exists() and flock_held(directory / ".lock"):
+                continue
+            shutil.rmtree(directory, ignore_errors=True)
+            total -= size
+
+    # ------------------------------------------------------------------ leases
+
+    def lease(self, stage: str, artifact_id: str, run_id: str | None = None) -> Lease:
+        return Lease(self, self.key(stage, artifact_id, LEASE), run_id)
+
+
+# --------------------------------------------------------------------------- directories at a URL
+# What `trainflow convert s3://...` reads and `trainflow export --out gs://...` writes: a plain
+# folder of files in a bucket (a Hugging Face model directory), outside any artifact store.
+
+
+def _bucket_path(url: str) -> tuple[Any, str]:
+    """The file system of a URL and the path it takes ("bucket/prefix"); one line on failure."""
+    fs = _filesystem(url)
+    path = url.split("://", 1)[1].strip("/")
+    try:
+        fs.ls(path.split("/", 1)[0], refresh=True)
+    except FileNotFoundError:
+        raise StoreAccessError(f"{url}: bucket '{path.split('/', 1)[0]}' does not exist") from None
+    except PermissionError:
+        raise StoreAccessError(f"{url}: permission denied with the credentials in this environment") from None
+    return fs, path
+
+
+def list_url(url: str) -> dict[str, dict[str, Any]]:
+    """name -> {size, version} of the files directly under a folder URL ({} when there are none).
+    `version` is the object's ETag (S3) or generation (GCS): it changes when the bytes do."""
+    fs, path = _bucket_path(url)
+    fs.invalidate_cache(path)
+    try:
+        entries = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        return {}
+    return {
+        entry["name"].rstrip("/").rsplit("/", 1)[-1]: {
+            "size": int(entry.get("size") or 0),
+            "version": str(entry.get("ETag") or entry.get("generation") or entry.get("etag") or ""),
+        }
+        for entry in entries
+        if entry.get("type") == "file"
+    }
+
+
+def read_url(url: str) -> bytes:
+    fs, path = _bucket_path(url)
+    return fs.cat_file(path)
+
+
+def download_dir(url: str, local: Path) -> list[str]:
+    """Copy the files directly under a folder URL into `local` (those missing or of another
+    size); their names."""
+    fs, path = _bucket_path(url)
+    local.mkdir(parents=True, exist_ok=True)
+    listing = list_url(url)
+    for name, info in sorted(listing.items()):
+        target = local / name
+        if target.is_file() and target.stat().st_size == info["size"]:
+            continue
+        tmp = target.with_name(name + ".part")
+        fs.get_file(f"{path}/{name}", str(tmp))
+        os.replace(tmp, target)
+    return sorted(listing)
+
+
+def upload_dir(local: Path, url: str) -> int:
+    """Copy every file under `local` to the folder URL (the index last, after the shards it
+    names); the number of files."""
+    fs, path = _bucket_path(url)
+    files = sorted((p for p in local.rglob("*") if p.is_file()), key=lambda p: (p.name.endswith(".index.json"), p))
+    for file in files:
+        fs.put_file(str(file), f"{path}/{file.relative_to(local).as_posix()}")
+    return len(files)
+
+
+def remove_url_files(url: str, names: list[str]) -> None:
+    fs, path = _bucket_path(url)
+    if names:
+        fs.rm([f"{path}/{name}" for name in names])
+
+
+def complete_steps(
+    backend: RemoteBackend, stage: str, artifact_id: str, payload: dict[str, int] | None = None
+) -> list[int]:
+    """The checkpoint steps of an artifact on the bucket that were uploaded whole: their
+    digests are there and so is every file they list, at its recorded size. Ascending."""
+    payload = backend.payload(stage, artifact_id) if payload is None else payload
+    steps = []
+    for rel in payload:
+        parts = rel.split("/")
+        if len(parts) == 3 and parts[0] == CHECKPOINT_DIR and parts[1].isdigit() and parts[2] == STEP_DIGESTS:
+            prefix = f"{CHECKPOINT_DIR}/{parts[1]}/"
+            recorded = backend.read_json(backend.key(stage, artifact_id, rel)) or {}
+            files = recorded.get("files") if isinstance(recorded.get("files"), dict) else None
+            if files is not None and all(
+                payload.get(prefix + name) == entry.get("size") for name, entry in files.items()
+            ):
+                steps.append(int(parts[1]))
+    return sorted(steps)
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    """(size, mtime in ns) of a local file: what says it has not changed since it was sent."""
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+class StepMirror:
+    """Uploads a running stage's checkpoint steps to the bucket as Orbax commits them, so a
+    run killed outright (SIGKILL, a lost machine) resumes elsewhere from its newest step.
+
+    A thread polls `<local>/checkpoint/` every MIRROR_SECONDS. A step directory holding
+    STEP_DIGESTS is committed and immutable: its files are uploaded, the digests last. With
+    each new step, the other files that changed since (metrics.jsonl, TensorBoard events)
+    follow, and steps that Orbax has removed locally (`checkpoint.keep`) are deleted on the
+    bucket, older ones only: a newer step is always there first. Use as a context manager
+    around the stage's work; `keep_going()` False (the lease was lost) stops the uploads.
+    """
+
+    def __init__(
+        self,
+        backend: RemoteBackend,
+        stage: str,
+        artifact_id: str,
+        local: Path,
+        log: Callable[[str], None] | None = None,
+        keep_going: Callable[[], bool] = lambda: True,
+        interval: float | None = None,
+    ):
+        self.backend, self.stage, self.artifact_id = backend, stage, artifact_id
+        self.local = Path(local)
+        self.log = log or (lambda _: None)
+        self.keep_going = keep_going
+        self.interval = MIRROR_SECONDS if interval is None else float(interval)
+        self.uploaded: set[int] = set()
+        self._sent: dict[str, tuple[int, int]] = {}
+        self._step_files: dict[str, tuple[int, int]] = {}  # checkpoint files this mirror uploaded: (size, mtime)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = False
+
+    @property
+    def url(self) -> str:
+        return self.backend.url_of(self.stage, self.artifact_id)
+
+    def __enter__(self) -> StepMirror:
+        self._thread = threading.Thread(target=self._run, name="checkpoint-mirror", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.sync()
+                self._failing = False
+            except Exception as e:  # the bucket is unreachable for a moment: retried next tick
+                if not self._failing:
+                    self.log(f"could not upload checkpoint steps to {self.url} (retrying): {type(e).__name__}: {e}")
+                self._failing = True
+
+    def committed_steps(self) -> list[int]:
+        directory = self.local / CHECKPOINT_DIR
+        if not directory.is_dir():
+            return []
+        return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and (p / STEP_DIGESTS).is_file())
+
+    def sync(self) -> list[int]:
+        """Upload the committed steps not on the bucket yet; returns them."""
+        if not self.keep_going():
+            return []
+        committed = self.committed_steps()
+        new = [step for step in committed if step not in self.uploaded and self._upload_step(step)]
+        if new:
+            self.uploaded.update(new)
+            self._upload_changed_files()
+            self._prune(set(committed))
+            self.log(f"checkpoint step {new[-1]} uploaded to {self.url}")
+        return new
+
+    def _upload_step(self, step: int) -> bool:
+        """Whether the step is now on the bucket whole (False: Orbax removed it meanwhile)."""
+        rel_dir = f"{CHECKPOINT_DIR}/{step}"
+        step_dir = self.local / rel_dir
+        if not (step_dir / STEP_DIGESTS).is_file():
+            return False
+        prefix = self.backend.key(self.stage, self.artifact_id, rel_dir)
+        try:
+            remote = {
+                key[len(prefix) + 1 :]: int(info.get("size") or 0)
+                for key, info in self.backend.fs.find(prefix, detail=True).items()
+            }
+        except FileNotFoundError:
+            remote = {}
+        try:
+            if STEP_DIGESTS in remote:  # committed there already (its digests go last): whole
+                return True
+            # A file already there counts only if this mirror sent it: a run killed while
+            # uploading the step leaves files of the same size and other bytes (Orbax's
+            # metadata carries a timestamp), which the digests uploaded after them would not match.
+            files = [
+                p
+                for p in step_dir.rglob("*")
+                if p.is_file()
+                and (
+                    remote.get(rel := p.relative_to(step_dir).as_posix()) != p.stat().st_size
+                    or self._step_files.get(f"{rel_dir}/{rel}") != _stamp(p)
+                )
+            ]
+            # The step's files concurrently (fsspec's batched put), then its digests, alone and last.
+            first = [p for p in files if p.relative_to(step_dir).as_posix() != STEP_DIGESTS]
+            if first:
+                self.backend.fs.put(
+                    [str(p) for p in first], [f"{prefix}/{p.relative_to(step_dir).as_posix()}" for p in first]
+                )
+                self._step_files.update({f"{rel_dir}/{p.relative_to(step_dir).as_posix()}": _stamp(p) for p in first})
+            if len(first) < len(files):
+                self.backend.fs.put_file(str(step_dir / STEP_DIGESTS), f"{prefix}/{STEP_DIGESTS}")
+        except FileNotFoundError:  # removed meanwhile (`keep`): a newer step exists; never counted
+            return False
+        return True
+
+    def _upload_changed_files(self) -> None:
+        """The payload files outside checkpoint steps that changed since they were last sent."""
+        for path in sorted(p for p in self.local.rglob("*") if p.is_file()):
+            rel = path.relative_to(self.local).as_posix()
+            parts = rel.split("/")
+            if (
+                (parts[0] == CHECKPOINT_DIR and len(parts) > 2)
+                or rel in (MANIFEST, LEASE, ".lock")
+                or rel.startswith(STAMPS)
+                or rel.endswith((".tmp", ".part"))
+            ):
+                continue
+            try:
+                stat = path.stat()
+                state = (stat.st_size, stat.st_mtime_ns)
+                if self._sent.get(rel) != state:
+                    self.backend.fs.put_file(str(path), self.backend.key(self.stage, self.artifact_id, rel))
+                    self._sent[rel] = state
+            except FileNotFoundError:
+                pass
+
+    def _prune(self, committed: set[int]) -> None:
+        newest = max(self.uploaded)
+        prefix = self.backend.key(self.stage, self.artifact_id, CHECKPOINT_DIR)
+        self.backend.fs.invalidate_cache(prefix)
+        try:
+            entries = self.backend.fs.ls(prefix, detail=True)
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            if entry["type"] == "directory" and name.isdigit() and int(name) < newest and int(name) not in committed:
+                self.backend.fs.rm(entry["name"], recursive=True)
+
+
+def flock_held(path: Path) -> bool:
+    """Whether some process holds an flock on `path` (False when the file is missing)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+class LeaseHeld(RuntimeError):
+    pass
+
+
+class Lease:
+    """A lease object created with a conditional create, renewed by a thread while held."""
+
+    def __init__(self, backend: RemoteBackend, key: str, run_id: str | None = None, seconds: float | None = None):
+        self.backend = backend
+        self.key = key
+        self.seconds = float(seconds if seconds is not None else LEASE_SECONDS)
+        self.token = uuid.uuid4().hex
+        self.run_id = run_id
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.lost = False
+
+    @property
+    def url(self) -> str:
+        return f"{self.backend.protocol}://{self.key}"
+
+    def _body(self) -> bytes:
+        return json.dumps(
+            {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                **_this_process(),
+                "run_id": self.run_id,
+                "token": self.token,
+                "expires": time.time() + self.seconds,
+            }
+        ).encode()
+
+    def _client_put(self, body: bytes, if_none_match: bool) -> bool:
+        """PUT the lease; with if_none_match, only if no object exists (False when one does)."""
+        if self.backend.protocol != "s3":  # other backends: exclusive create where fsspec has it
+            try:
+                with self.backend.fs.open(self.key, "xb" if if_none_match else "wb") as f:
+                    f.write(body)
+                return True
+            except FileExistsError:
+                return False
+        import botocore.exceptions
+
+        bucket, key = self.key.split("/", 1)
+        client = _boto_client()
+        kwargs = {"IfNoneMatch": "*"} if if_none_match else {}
+        try:
+            client.put_object(Bucket=bucket, Key=key, Body=body, **kwargs)
+            return True
+        except botocore.exceptions.ClientError as e:
+            code = e.response.get("Error", {}).get("Code")
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                return False
+            raise
+
+    def holder(self) -> dict | None:
+        self.backend.fs.invalidate_cache(self.key)
+        return self.backend.read_json(self.key)
+
+    def try_acquire(self) -> bool:
+        if self._client_put(self._body(), if_none_match=True):
+            return True
+        info = self.holder()
+        if info is None:  # released between our PUT and our read
+            return self._client_put(self._body(), if_none_match=True)
+        # Expired, or its holder ran on this machine and is gone (a killed run, resumed here):
+        # take it over.
+        if float(info.get("expires", 0)) < time.time() or holder_is_gone(info):
+            try:
+                self.backend.fs.rm_file(self.key)
+            except FileNotFoundError:
+                pass
+            return self._client_put(self._body(), if_none_match=True)
+        return False
+
+    def acquire(
+        self,
+        blocking: bool = True,
+        poll_seconds: float = 2.0,
+        on_wait: Callable[[str], None] | None = None,
+        wait_message_every: float = 30.0,
+    ) -> bool:
+        last = -float("inf")
+        while not self.try_acquire():
+            if not blocking:
+                return False
+            if on_wait and time.monotonic() - last >= wait_message_every:
+                on_wait(f"waiting for {self.url.removesuffix('/' + LEASE)}: leased by {describe(self.holder())}")
+                last = time.monotonic()
+            time.sleep(poll_seconds)
+        self._thread = threading.Thread(target=self._renew, name="lease-renew", daemon=True)
+        self._thread.start()
+        return True
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.seconds / 3):
+            info = self.holder()
+            if not info or info.get("token") != self.token:
+                self.lost = True  # taken over: our run was presumed dead
+                return
+            try:
+                self._client_put(self._body(), if_none_match=False)
+            except Exception:
+                pass  # retried at the next tick; the lease lasts 3 ticks
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+            info = self.holder()
+            if info and info.get("token") == self.token:
+                try:
+                    self.backend.fs.rm_file(self.key)
+                except FileNotFoundError:
+                    pass
+
+    def is_held(self) -> bool:
+        info = self.holder()
+        return bool(info) and float(info.get("expires", 0)) >= time.time()
+
+
+def _start_time(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, /proc/PID/stat), None for a process
+    that has ended (or is a zombie); raises OSError where there is no /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+_PROCESSES: dict[int, dict] = {}
+
+
+def _this_process() -> dict:
+    """What lets another process on the same machine tell whether this one still runs: the
+    boot, the pid namespace and the start time (a pid can be reused). Empty without /proc.
+    Read once per process id: a forked child is a process of its own."""
+    pid = os.getpid()
+    if pid not in _PROCESSES:
+        try:
+            _PROCESSES[pid] = {
+                "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+                "pid_namespace": os.readlink("/proc/self/ns/pid"),
+                "started": _start_time(pid),
+            }
+        except OSError:
+            _PROCESSES[pid] = {}
+    return _PROCESSES[pid]
+
+
+def holder_is_gone(info: dict) -> bool:
+    """Whether a lease's holder ran on this machine -- same host name, boot and pid namespace --
+    and no longer runs. A holder elsewhere, or on a machine without /proc, is never judged
+    gone: its lease runs out instead."""
+    here = _this_process()
+    if (
+        not here
+        or not info.get("started")
+        or info.get("host") != socket.gethostname()
+        or any(info.get(key) != here[key] for key in ("boot_id", "pid_namespace"))
+    ):
+        return False
+    try:
+        return _start_time(int(info["pid"])) != info.get("started")
+    except (KeyError, TypeError, ValueError, OSError):
+        return False
+
+
+def describe(info: dict | None) -> str:
+    if not info:
+        return "another run"
+    left = float(info.get("expires", 0)) - time.time()
+    return (
+        f"pid {info.get('pid')} on {info.get('host')} (run {info.get('run_id') or '?'}), "
+        f"lease expires in {max(left, 0):.0f}s"
+    )
+
+
+_CLIENT = None
+
+
+def _boto_client():
+    global _CLIENT
+    if _CLIENT is None:
+        import boto3
+
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        _CLIENT = boto3.client("s3", endpoint_url=endpoint)
+    return _CLIENT
