@@ -30,12 +30,19 @@ import re
 import signal
 import threading
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 from prefect import flow, get_run_logger, runtime, tags
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.assets import Asset, AssetProperties, add_asset_metadata
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
@@ -44,14 +51,18 @@ from prefect.exceptions import TerminationSignal
 from prefect.settings import PREFECT_API_URL
 from prefect.states import Completed, Failed, State
 from prefect.task_runners import ThreadPoolTaskRunner
-from prefect.tasks import MaterializingTask
+from prefect.tasks import MaterializingTask, Task
 
 from engine.config import ConfigError
+from flows.gates import SKIPPED_CONDITION, clear_condition, record_condition, record_decisions
 from flows.reporter import Reporter, observing, unreachable
 from flows.server import ApiUnreachable, api_answers
 from flows.spec import Pipeline as SpecPipeline
 from flows.spec import Plan, apply_pipeline_overrides, build_plan, load_plan, parse_spec
+from flows.steps import snapshot_step, wait_for_step
 from flows.summary import asset_key, format_duration, format_number, line_level, summary_markdown
+from flows.sweep import label_value
+from flows.sweep_report import sweep_markdown, sweep_rows
 from tasks.artifacts import ArtifactError, read_manifest
 from tasks.gang import stopping, terminate_children
 from tasks.launch import Interrupted, PermanentFailure
@@ -91,19 +102,28 @@ def flow_run_tags(pipeline: str) -> list[str]:
 
 
 def stage_tags(plan: Plan, stage: str) -> list[str]:
-    job = plan.stages[stage].job
+    """A sweep point's also name its sweep and its parameters: `sweep:sft`, `lr=1e-05`, `rank=8`."""
+    planned = plan.stages[stage]
+    job = planned.job
     return [
         *flow_run_tags(plan.name),
         f"stage:{stage}",
         f"task:{job.task}",
         *([ENGINE_TAG] if job.kind.launches_child else []),
+        *([f"sweep:{planned.base}"] if planned.params else []),
+        *(f"{k}={label_value(v)}" for k, v in planned.params.items()),
     ]
+
+
+def _asset_key(stage: str, artifact_id: str) -> str:
+    """asset_key, with a sweep point's brackets as parentheses (Prefect refuses [ and ] in keys)."""
+    return asset_key(stage.replace("[", "(").replace("]", ")"), artifact_id)
 
 
 def stage_asset(plan: Plan, stage: str) -> Asset:
     job = plan.stages[stage].job
     return Asset(
-        key=asset_key(stage, job.artifact_id),
+        key=_asset_key(stage, job.artifact_id),
         properties=AssetProperties(
             name=f"{stage}/{job.artifact_id}",
             description=f"{job.kind.output_kind(job.config)} artifact of stage '{stage}' (task {job.task}) "
@@ -230,18 +250,75 @@ def _retryable(task, task_run, state: State) -> bool:
     return True
 
 
-def _run_stage(plan: Plan, stage: str, reporter: Reporter) -> Any:
-    logger = get_run_logger()
+@dataclass
+class _Run:
+    """What the stages of one flow run share: who was skipped by a gate, their futures (to
+    know whether a stage whose steps another reads has ended) and each sweep's slots."""
+
+    plan: Plan
+    skipped: set[str] = field(default_factory=set)
+    futures: dict[str, Any] = field(default_factory=dict)
+    slots: dict[str, threading.Semaphore] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    materializing: set[str] = field(default_factory=set)
+    """Stages whose task runs declare their asset (ids known when submitted)."""
+
+    def slot(self, stage: str):
+        """The sweep's semaphore (max_parallel points at once), else a no-op."""
+        planned = self.plan.stages[stage]
+        if planned.max_parallel is None:
+            return nullcontext()
+        with self.lock:
+            return self.slots.setdefault(planned.base, threading.Semaphore(planned.max_parallel))
+
+    def ended(self, stage: str) -> bool:
+        future = self.futures.get(stage)
+        return future is not None and future.wrapped_future.done()
+
+
+def _skip_for_condition(plan: Plan, stage: str, record: dict, run_info: dict, reporter: Reporter, logger) -> State:
     job = plan.stages[stage].job
+    record_condition(plan.store, stage, job.artifact_id, record)
+    outcome = {
+        "stage": stage,
+        "task": job.task,
+        "artifact_id": job.artifact_id,
+        "path": str(plan.store.artifact_dir(stage, job.artifact_id)),
+        "status": SKIPPED_CONDITION,
+        "metrics": {},
+        "seconds": 0.0,
+        "work_seconds": 0.0,
+        "condition": record,
+        "flow_run_id": run_info["flow_run_id"],
+        "task_run_id": run_info["task_run_id"],
+    }
+    seen = ", ".join(f"{k} = {v!r}" for k, v in record.get("values", {}).items())
+    why = record.get("because") or f"`{record['expression']}` is false ({seen})"
+    logger.info(f"{stage}: {SKIPPED_CONDITION}: {why}")
+    reporter.call(
+        create_markdown_artifact,
+        f"# {stage} ({job.task}): {SKIPPED_CONDITION}\n\n{why}",
+        key=artifact_key(plan.name, stage),
+        description=f"{stage}: {SKIPPED_CONDITION}",
+    )
+    return Completed(name="Skipped (condition)", message=why, data=outcome)
+
+
+def _publish_sweep(plan: Plan, stage: str, rows: dict[str, list[dict]]) -> None:
+    for input_name, points in rows.items():
+        labels = list(plan.stages[points[0]["point"]].params) if points else []
+        key = artifact_key(plan.name, stage, "sweep", *([input_name] if len(rows) > 1 else []))
+        create_table_artifact(points, key=key + "-table", description=f"{stage}: sweep over {input_name}")
+        create_markdown_artifact(
+            sweep_markdown(stage, input_name, points, labels), key=key, description=f"{stage}: sweep over {input_name}"
+        )
+
+
+def _run_stage(plan: Plan, stage: str, reporter: Reporter, run: _Run) -> Any:
+    logger = get_run_logger()
+    planned = plan.stages[stage]
     if stopping():  # the run was asked to stop before this stage began
         raise Interrupted(f"stage '{stage}': not started, the run is stopping; re-run to resume")
-    hooks = PrefectHooks(
-        logger,
-        reporter,
-        artifact_key(plan.name, stage, "progress"),
-        f"{stage}: progress",
-        total_steps=getattr(job.config, "steps", None),
-    )
     run_info = {
         "flow_run_id": str(runtime.flow_run.id),
         "flow_run_name": runtime.flow_run.name,
@@ -252,15 +329,53 @@ def _run_stage(plan: Plan, stage: str, reporter: Reporter) -> Any:
     }
     if runtime.flow_run.ui_url and not str(runtime.flow_run.ui_url).startswith("None"):
         run_info["ui_url"] = runtime.flow_run.ui_url  # absent on a server without a UI
-    if not plan.store.is_complete(stage, job.artifact_id):
+    job = plan.resolve(stage)  # its selections, now that their candidates are done
+    if job is None:
+        raise ArtifactError(f"stage '{stage}': its selection's candidates are not all complete")
+    blocked = sorted(s for s in (*planned.depends_on, *planned.follows) if s in run.skipped)
+    if blocked:
+        record = {"expression": planned.gate.text if planned.gate else None, "values": {}, "result": None}
+        record["because"] = f"stage(s) {', '.join(blocked)} it reads were {SKIPPED_CONDITION}"
+        run.skipped.add(stage)
+        return _skip_for_condition(plan, stage, record, run_info, reporter, logger)
+    for ref in planned.refs.values():  # checkpoint steps: once committed, as a snapshot artifact
+        if getattr(ref, "step", None) is not None:
+            upstream_id = plan.stages[ref.stage].job.artifact_id
+            wait_for_step(plan.store, ref.stage, upstream_id, ref.step, lambda r=ref: run.ended(r.stage), logger.info)
+            snapshot_step(plan.store, ref.stage, upstream_id, ref.step)
+    decisions = dict(planned.decisions)
+    if planned.gate is not None:
+        ok, seen = planned.gate.evaluate(plan.manifest_of, planned.gate_stages)
+        record = {"expression": planned.gate.text, "values": seen, "result": ok}
+        if not ok:
+            run.skipped.add(stage)
+            return _skip_for_condition(plan, stage, record, run_info, reporter, logger)
+        clear_condition(plan.store, stage, job.artifact_id)
+        decisions["when"] = record
+    hooks = PrefectHooks(
+        logger,
+        reporter,
+        artifact_key(plan.name, stage, "progress"),
+        f"{stage}: progress",
+        total_steps=getattr(job.config, "steps", None),
+    )
+    complete = plan.store.is_complete(stage, job.artifact_id)
+    if not complete:
         hooks.start()
-    result = execute_stage(job, plan.store, hooks, run_info)
-    assets = AssetContext.get()
+    with nullcontext() if complete else run.slot(stage):  # a sweep's max_parallel bounds its work, not its skips
+        result = execute_stage(job, plan.store, hooks, run_info)
+    rows = sweep_rows(plan, stage) if planned.fan_in else {}
+    if rows:
+        decisions["sweep"] = rows
+        reporter.call(_publish_sweep, plan, stage, rows)
+    if decisions:
+        record_decisions(plan.store, stage, job.artifact_id, decisions)
+    assets = AssetContext.get() if stage in run.materializing else None
     if result.status == SKIPPED and assets is not None:
         assets.downstream_assets = set()  # made by an earlier run: nothing materialised now
     elif assets is not None:
         add_asset_metadata(
-            asset_key(stage, job.artifact_id),
+            _asset_key(stage, job.artifact_id),
             {
                 "stage": stage,
                 "task": job.task,
@@ -274,6 +389,8 @@ def _run_stage(plan: Plan, stage: str, reporter: Reporter) -> Any:
     reporter.call(_publish, plan, stage, result)
     logger.info(f"{stage}: {result.status} in {result.seconds:.1f} s -> {result.path}")
     outcome = {**result.to_dict(), "flow_run_id": run_info["flow_run_id"], "task_run_id": run_info["task_run_id"]}
+    if decisions.get("select"):
+        outcome["selected"] = {name: d["chosen"] for name, d in decisions["select"].items()}
     if result.status == SKIPPED:
         return Completed(name="Skipped", message=f"artifact {job.artifact_id} is complete", data=outcome)
     return outcome
@@ -299,17 +416,14 @@ def _execute(plan: Plan) -> dict[str, dict]:
 def _run_stages(plan: Plan, reporter: Reporter, logger) -> dict[str, dict]:
     """Submit every stage as a task run, wait for all of them; returns {stage: summary}."""
 
-    def run_stage(stage: str) -> Any:
-        return _run_stage(plan, stage, reporter)
+    run = _Run(plan)
 
-    futures = {}
+    def run_stage(stage: str) -> Any:
+        return _run_stage(plan, stage, reporter, run)
+
+    futures = run.futures
     for name, planned in plan.stages.items():
-        job = planned.job
-        stage_task = MaterializingTask(
-            run_stage,
-            assets=[stage_asset(plan, name)],
-            materialized_by=_MATERIALIZED_BY,
-            asset_deps=[stage_asset(plan, stage) for stage, _ in job.inputs.values()],  # as their tasks name them
+        options = dict(
             name=name,
             task_run_name=name,
             tags=stage_tags(plan, name),
@@ -319,6 +433,18 @@ def _run_stages(plan: Plan, reporter: Reporter, logger) -> dict[str, dict]:
             cache_policy=NO_CACHE,
             persist_result=False,
         )
+        upstream = [*planned.depends_on, *planned.follows]
+        if planned.resolved and all(plan.stages[u].resolved for u in upstream):
+            stage_task = MaterializingTask(
+                run_stage,
+                assets=[stage_asset(plan, name)],
+                materialized_by=_MATERIALIZED_BY,
+                asset_deps=[stage_asset(plan, u) for u in upstream],  # as their tasks name them
+                **options,
+            )
+            run.materializing.add(name)
+        else:  # its id waits on a selection: no asset key to declare yet
+            stage_task = Task(run_stage, **options)
         futures[name] = stage_task.submit(name, wait_for=[futures[d] for d in planned.depends_on])
     try:
         _wait_all(futures.values())
@@ -341,8 +467,8 @@ def _run_stages(plan: Plan, reporter: Reporter, logger) -> dict[str, dict]:
         summary[name] = {
             "stage": name,
             "task": job.task,
-            "artifact_id": job.artifact_id,
-            "path": str(plan.store.artifact_dir(name, job.artifact_id)),
+            "artifact_id": job.artifact_id or "-",
+            "path": str(plan.store.artifact_dir(name, job.artifact_id)) if job.artifact_id else "-",
             "status": "failed" if isinstance(error, BaseException) else "not run",
             "error": _describe(name, error)
             if isinstance(error, BaseException)
@@ -442,7 +568,7 @@ def run_plan(plan: Plan, *, max_workers: int | None = None, raise_on_failure: bo
     with the caller's handlers — the CLI's — as Prefect handles them only on a main thread.)
     """
     flow_obj = pipeline_flow(plan, max_workers)
-    spec = plan.spec.model_dump(mode="json", exclude_unset=True)
+    spec = plan.spec.model_dump(mode="json", exclude_unset=True, by_alias=True)
     api_url = _api_url()
     outcome = _Outcome()
 

@@ -27,16 +27,19 @@ or feeding the wrong artifact kind, cycles, and bad stage configs.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from engine.config import ConfigError, Strict, apply_overrides, format_validation_error, load_yaml
-from tasks.artifacts import ArtifactStore, artifact_id
+from flows.gates import SKIPPED_CONDITION, Gate, read_condition, select_best
+from flows.sweep import Ref, Selection, base_dependencies, expand
+from tasks.artifacts import COMPLETE, ArtifactStore, artifact_id
 from tasks.launch import LauncherSpec
 from tasks.registry import get_stage_kind, input_refs
 from tasks.runner import StageJob
@@ -44,14 +47,36 @@ from tasks.runner import StageJob
 TOP_LEVEL_KEYS = ("name", "store", "imports", "defaults", "stages")
 
 
+class SelectSpec(Strict):
+    """The best point of a sweep by one number (flows/gates.py)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    from_: str = Field(alias="from")
+    """The candidates: `sft[*]` (every point of a sweep)."""
+    by: str
+    """`metrics.NAME`, `metrics["a/b"]` or `config.a.b`."""
+    best: Literal["min", "max"]
+
+
+class SelectInput(Strict):
+    select: SelectSpec
+
+
 class StageSpec(Strict):
     """One stage as written in the pipeline."""
 
     task: str
     """The stage kind (tokenize, pretrain, ...)."""
-    inputs: dict[str, str] = {}
-    """Input name -> the upstream stage whose artifact feeds it."""
+    inputs: dict[str, str | SelectInput] = {}
+    """Input name -> the upstream stage whose artifact feeds it: `stage`, `sweep[*]`,
+    `sweep[label=value,...]`, `stage@STEP`, or {select: {from, by, best}} (flows/sweep.py)."""
     config: dict[str, Any] = {}
+    matrix: dict[str, Any] | None = None
+    """Dotted config key (or `inputs.NAME`) -> values: one stage per combination."""
+    max_parallel: int | None = Field(None, ge=1)
+    """At most this many points of this sweep run at once."""
+    when: str | None = None
+    """A gate over upstream metrics and configs; false skips the stage (flows/gates.py)."""
     retries: int | None = Field(None, ge=0)
     retry_delay_seconds: float | None = Field(None, ge=0)
     retry_backoff: float | None = Field(None, ge=1)
@@ -90,9 +115,25 @@ class PipelineSpec(Strict):
 @dataclass
 class PlannedStage:
     job: StageJob
+    """The job; while `resolved` is False (a selection not made yet) its id is unknown ("")."""
     retries: int
     retry_delays: list[float]
     depends_on: list[str]
+    """Stages that must finish first: inputs, selection candidates, the stages a gate reads."""
+    base: str = ""
+    """The stage as written: a sweep point's sweep (`sft` for `sft[lr=1e-05]`)."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """A sweep point's label -> value."""
+    refs: dict[str, Ref | Selection] = field(default_factory=dict)
+    follows: list[str] = field(default_factory=list)
+    """Stages whose checkpoint steps feed this one (`pretrain@2000`): it runs beside them."""
+    gate: Gate | None = None
+    gate_stages: dict[str, str] = field(default_factory=dict)
+    fan_in: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    max_parallel: int | None = None
+    resolved: bool = True
+    decisions: dict[str, Any] = field(default_factory=dict)
+    """The selections made for it ({input: record}), recorded in its manifest."""
 
 
 @dataclass
@@ -109,16 +150,70 @@ class Plan:
         return self.spec.name
 
     def status(self) -> dict[str, dict[str, str]]:
-        """Each stage: complete | running | partial | failed | pending, with id and path."""
-        return {
-            name: {
+        """Each stage: complete | running | partial | failed | pending | skipped (condition) |
+        pending (selection), with id and path."""
+        out = {}
+        for name, p in self.stages.items():
+            if not p.resolved and self.resolve(name) is None:
+                out[name] = {"task": p.job.task, "artifact_id": "-", "state": "pending (selection)", "path": "-"}
+                continue
+            state = self.store.state(name, p.job.artifact_id)
+            if state != COMPLETE and p.gate is not None and read_condition(self.store, name, p.job.artifact_id):
+                state = SKIPPED_CONDITION
+            out[name] = {
                 "task": p.job.task,
                 "artifact_id": p.job.artifact_id,
-                "state": self.store.state(name, p.job.artifact_id),
+                "state": state,
                 "path": str(self.store.artifact_dir(name, p.job.artifact_id)),
             }
-            for name, p in self.stages.items()
-        }
+        return out
+
+    def manifest_of(self, stage: str) -> dict | None:
+        """The complete manifest of a planned stage's artifact (None: not complete, not resolved)."""
+        planned = self.stages[stage]
+        if not planned.resolved and self.resolve(stage) is None:
+            return None
+        manifest = self.store.manifest(stage, planned.job.artifact_id)
+        return manifest if manifest and manifest.get("status") == COMPLETE else None
+
+    def resolve(self, stage: str) -> StageJob | None:
+        """The stage's job with every input's id known, making its selections from the store
+        once all their candidates are complete (None until then). Selections are made once."""
+        planned = self.stages[stage]
+        if planned.resolved:
+            return planned.job
+        inputs, ids, decisions = {}, {}, {}
+        for name, ref in planned.refs.items():
+            if isinstance(ref, Selection):
+                if any(self.manifest_of(c) is None for c in ref.candidates):
+                    return None
+                where = f"{self.source}: stages.{planned.base}.inputs.{name}.select.by"
+                chosen, record = select_best(ref.candidates, ref.metric, ref.best, self.manifest_of, where)
+                upstream = self.stages[chosen].job
+                inputs[name], ids[name] = (chosen, upstream.artifact_id), upstream.artifact_id
+                decisions[name] = {**record, "chosen_id": upstream.artifact_id}
+                continue
+            upstream = self.resolve(ref.stage)
+            if upstream is None:
+                return None
+            inputs[name], ids[name] = _input_entry(ref, upstream.artifact_id)
+        job = planned.job
+        planned.job = dataclasses.replace(
+            job,
+            inputs=inputs,
+            artifact_id=artifact_id(job.task, job.kind.version, job.kind.fingerprint(job.config), ids),
+        )
+        planned.decisions = {"select": decisions} if decisions else {}
+        planned.resolved = True
+        return planned.job
+
+
+def _input_entry(ref: Ref, upstream_id: str) -> tuple[tuple[str, str], str]:
+    """(StageJob input entry, the id the consumer's fingerprint covers) for one Ref: a
+    checkpoint step is read from its snapshot artifact `<stage>@<step>/<id>` (flows/steps.py)."""
+    if ref.step is None:
+        return (ref.stage, upstream_id), upstream_id
+    return (f"{ref.stage}@{ref.step}", upstream_id), f"{upstream_id}@{ref.step}"
 
 
 # --------------------------------------------------------------------------- loading
@@ -203,8 +298,8 @@ def _import_modules(spec: PipelineSpec, source: str) -> None:
             raise ConfigError(f"{source}: imports: cannot import '{module}': {e}") from None
 
 
-def _topological_order(spec: PipelineSpec, source: str) -> list[str]:
-    """Stage names, each after its inputs; a cycle is an error that spells it out."""
+def _topological_order(deps: dict[str, list[str]], source: str) -> list[str]:
+    """Stage names, each after the stages it reads; a cycle is an error that spells it out."""
     order: list[str] = []
     state: dict[str, str] = {}  # visiting | done
 
@@ -215,19 +310,44 @@ def _topological_order(spec: PipelineSpec, source: str) -> list[str]:
             cycle = path[path.index(name) :] + [name]
             raise ConfigError(f"{source}: stages form a cycle: {' -> '.join(cycle)}")
         state[name] = "visiting"
-        for upstream in spec.stages[name].inputs.values():
-            if upstream in spec.stages:
-                visit(upstream, path + [name])
+        for upstream in deps[name]:
+            visit(upstream, path + [name])
         state[name] = "done"
         order.append(name)
 
-    for name in spec.stages:
+    for name in deps:
         visit(name, [])
     return order
 
 
+def _produced(kind) -> tuple[str, ...]:
+    return (kind.output, *kind.possible_outputs)
+
+
+def _check_step(where: str, ref: Ref, upstream, upstream_kind) -> str | None:
+    """Why `stage@STEP` cannot feed an input (None: it can); `upstream` is that stage's config."""
+    if not set(_produced(upstream_kind)) & {"checkpoint", "adapter"}:
+        return (
+            f"{where}: '{ref.stage}@{ref.step}': stage '{ref.stage}' ({upstream_kind.task}) writes no checkpoint steps"
+        )
+    steps = getattr(upstream, "steps", None)
+    every = getattr(getattr(upstream, "checkpoint", None), "every_steps", None)
+    if ref.step <= 0 or (steps is not None and ref.step > steps):
+        return (
+            f"{where}: '{ref.stage}@{ref.step}': stage '{ref.stage}' trains for {steps} steps; "
+            f"pick a step in 1..{steps}"
+        )
+    if every and ref.step % every and ref.step != steps:
+        return (
+            f"{where}: '{ref.stage}@{ref.step}': stage '{ref.stage}' saves every {every} steps "
+            f"(checkpoint.every_steps) and at step {steps}; step {ref.step} is never committed"
+        )
+    return None
+
+
 def build_plan(spec: PipelineSpec, source: str = "pipeline", store: str | Path | None = None) -> Plan:
-    """Validate the whole pipeline and resolve every stage's artifact id."""
+    """Validate the whole pipeline, expand its sweeps and resolve every stage's artifact id
+    (a stage behind a selection gets its id once the candidates are complete: Plan.resolve)."""
     _import_modules(spec, source)
     errors: list[str] = []
     kinds = {}
@@ -237,100 +357,152 @@ def build_plan(spec: PipelineSpec, source: str = "pipeline", store: str | Path |
         except ConfigError as e:
             errors.append(f"{source}: stages.{name}.task: {e}")
 
-    # Input wiring: names, references, kinds.
+    gates: dict[str, Gate] = {}
     for name, stage in spec.stages.items():
-        kind = kinds.get(name)
-        for input_name, upstream in stage.inputs.items():
-            where = f"{source}: stages.{name}.inputs.{input_name}"
-            if upstream not in spec.stages:
-                match = difflib.get_close_matches(upstream, list(spec.stages), n=1)
-                hint = f"; did you mean '{match[0]}'?" if match else f"; stages are: {', '.join(spec.stages)}"
-                errors.append(f"{where}: references stage '{upstream}', which is not in the pipeline{hint}")
-                continue
-            if kind is None:
-                continue
+        if stage.when is not None:
+            try:
+                gates[name] = Gate(stage.when, f"{source}: stages.{name}.when")
+                errors += gates[name].check_stages(list(spec.stages))
+            except ConfigError as e:
+                errors.append(str(e))
+    gate_names = {name: gate.stage_names & set(spec.stages) for name, gate in gates.items()}
+    try:
+        order = _topological_order(base_dependencies(spec.stages, gate_names), source)
+    except ConfigError as e:
+        raise ConfigError("\n".join([*errors, str(e)])) from None
+    schemas = {name: kind.config_schema for name, kind in kinds.items()}
+    points, expansion_errors = expand(spec.stages, order, schemas, source, gate_names)
+    errors += expansion_errors
+
+    # Input wiring: references and kinds, point by point.
+    for point in points.values():
+        kind = kinds.get(point.base)
+        if kind is None:
+            continue
+        stage = spec.stages[point.base]
+        for input_name, ref in point.inputs.items():
+            written = input_name.split("[", 1)[0]
+            where = f"{source}: stages.{point.base}.inputs.{written}"
             declared = kind.inputs.get(input_name) or kind.other_inputs
             if declared is None:
                 valid = ", ".join(kind.inputs) or "none"
-                errors.append(f"{where}: task '{kind.task}' has no input '{input_name}' (its inputs: {valid})")
-                continue
-            upstream_kind = kinds.get(upstream)
-            produced = (upstream_kind.output, *upstream_kind.possible_outputs) if upstream_kind else ()
-            if upstream_kind is not None and not set(produced) & set(declared.kinds):
-                errors.append(
-                    f"{where}: stage '{upstream}' ({upstream_kind.task}) produces a {' or '.join(produced)}, "
-                    f"but input '{input_name}' of task '{kind.task}' needs a {' or '.join(declared.kinds)}"
-                )
-        if kind is not None:
-            for input_name, declared in kind.inputs.items():
-                if declared.required and input_name not in stage.inputs:
+                if written in point.fan_in:
                     errors.append(
-                        f"{source}: stages.{name}.inputs: task '{kind.task}' needs input '{input_name}' "
-                        f"(a {' or '.join(declared.kinds)} artifact)"
+                        f"{where}: fans in {len(point.fan_in[written])} points of '{stage.inputs[written]}', but "
+                        f"task '{kind.task}' takes one artifact per input (its inputs: {valid}); "
+                        f"select one with {{select: {{from: ..., by: ..., best: ...}}}}"
                     )
+                else:
+                    errors.append(f"{where}: task '{kind.task}' has no input '{input_name}' (its inputs: {valid})")
+                continue
+            upstreams = ref.candidates if isinstance(ref, Selection) else (ref.stage,)
+            for upstream in upstreams:
+                upstream_kind = kinds.get(points[upstream].base)
+                if upstream_kind is None:
+                    continue
+                produced = _produced(upstream_kind)
+                if isinstance(ref, Ref) and ref.step is not None:
+                    produced = tuple(k for k in produced if k in ("checkpoint", "adapter"))
+                if produced and not set(produced) & set(declared.kinds):
+                    errors.append(
+                        f"{where}: stage '{upstream}' ({upstream_kind.task}) produces a {' or '.join(produced)}, "
+                        f"but input '{written}' of task '{kind.task}' needs a {' or '.join(declared.kinds)}"
+                    )
+                    break
+        for input_name, declared in kind.inputs.items():
+            if declared.required and input_name not in point.inputs:
+                errors.append(
+                    f"{source}: stages.{point.base}.inputs: task '{kind.task}' needs input '{input_name}' "
+                    f"(a {' or '.join(declared.kinds)} artifact)"
+                )
+                break
 
-    # Configs and launchers.
+    # Configs and launchers (once per point: a sweep's points differ in their config).
     configs, written, launchers = {}, {}, {}
-    for name, stage in spec.stages.items():
-        kind = kinds.get(name)
+    for name, point in points.items():
+        kind = kinds.get(point.base)
         if kind is None:
             continue
-        written[name] = _deep_merge(spec.defaults.config.get(stage.task, {}), stage.config)
-        for ref in sorted(input_refs(written[name]) - set(stage.inputs)):
+        stage = spec.stages[point.base]
+        where = f"{source}: stages.{name}"
+        written[name] = _deep_merge(spec.defaults.config.get(stage.task, {}), point.config)
+        for ref in sorted(input_refs(written[name]) - set(point.inputs)):
             errors.append(
-                f"{source}: stages.{name}.config: '{{input:{ref}}}' refers to input '{ref}', "
-                f"which the stage does not have (its inputs: {', '.join(stage.inputs) or 'none'})"
+                f"{where}.config: '{{input:{ref}}}' refers to input '{ref}', "
+                f"which the stage does not have (its inputs: {', '.join(point.inputs) or 'none'})"
             )
         try:
-            configs[name] = kind.resolve_config(copy.deepcopy(written[name]), f"{source}: stages.{name}.config")
+            configs[name] = kind.resolve_config(copy.deepcopy(written[name]), f"{where}.config")
         except ConfigError as e:
             errors.append(str(e))
         raw_launcher = stage.launcher if stage.launcher is not None else spec.defaults.launcher
         try:
             launchers[name] = LauncherSpec.parse(raw_launcher)
         except ValidationError as e:
-            message = format_validation_error(e, LauncherSpec, f"{source}: stages.{name}.launcher")
+            message = format_validation_error(e, LauncherSpec, f"{where}.launcher")
             errors.append(message.replace("key '<root>': Value error, ", ""))
-        if stage.launcher is not None and not kind.launches_child:
+        if stage.launcher is not None and not kind.launches_child and point.base == name:
             errors.append(
-                f"{source}: stages.{name}.launcher: task '{kind.task}' runs in-process; "
+                f"{where}.launcher: task '{kind.task}' runs in-process; "
                 f"launcher applies only to stages that start the engine"
             )
-    try:
-        order = _topological_order(spec, source)
-    except ConfigError as e:
-        errors.append(str(e))
     if errors:
-        raise ConfigError("\n".join(errors))
+        raise ConfigError("\n".join(dict.fromkeys(errors)))
 
-    stages: dict[str, PlannedStage] = {}
-    for name in order:
-        stage, kind = spec.stages[name], kinds[name]
-        input_ids = {inp: (up, stages[up].job.artifact_id) for inp, up in stage.inputs.items()}
-        job = StageJob(
-            stage=name,
-            kind=kind,
-            config=configs[name],
-            config_as_written=written[name],
-            inputs=input_ids,
-            artifact_id=artifact_id(
-                kind.task,
-                kind.version,
-                kind.fingerprint(configs[name]),
-                {inp: aid for inp, (_, aid) in input_ids.items()},
-            ),
-            launcher=launchers[name],
-            pipeline=spec.name,
-        )
+    for point in points.values():  # checkpoint steps: only steps the upstream commits
+        for input_name, ref in point.inputs.items():
+            if isinstance(ref, Ref) and ref.step is not None:
+                where = f"{source}: stages.{point.base}.inputs.{input_name.split('[', 1)[0]}"
+                problem = _check_step(where, ref, configs[ref.stage], kinds[points[ref.stage].base])
+                if problem:
+                    errors.append(problem)
+    if errors:
+        raise ConfigError("\n".join(dict.fromkeys(errors)))
+
+    plan = Plan(spec, source, ArtifactStore(store if store is not None else spec.store), {})
+    for name, point in points.items():
+        stage, kind = spec.stages[point.base], kinds[point.base]
+        depends, follows = [], []
+        for ref in point.inputs.values():
+            if isinstance(ref, Selection):
+                depends += ref.candidates
+            elif ref.step is None:
+                depends.append(ref.stage)
+            else:
+                follows.append(ref.stage)
+        depends += point.gate_stages.values()
         retries = stage.retries if stage.retries is not None else spec.defaults.retries
         delay = (
             stage.retry_delay_seconds if stage.retry_delay_seconds is not None else spec.defaults.retry_delay_seconds
         )
         backoff = stage.retry_backoff if stage.retry_backoff is not None else spec.defaults.retry_backoff
-        stages[name] = PlannedStage(
-            job, retries, [delay * backoff**i for i in range(retries)], sorted(set(stage.inputs.values()))
+        job = StageJob(
+            stage=name,
+            kind=kind,
+            config=configs[name],
+            config_as_written=written[name],
+            inputs={},
+            artifact_id="",
+            launcher=launchers[name],
+            pipeline=spec.name,
         )
-    return Plan(spec, source, ArtifactStore(store if store is not None else spec.store), stages)
+        plan.stages[name] = PlannedStage(
+            job,
+            retries,
+            [delay * backoff**i for i in range(retries)],
+            sorted(set(depends)),
+            base=point.base,
+            params=point.params,
+            refs=point.inputs,
+            follows=sorted(set(follows) - set(depends)),
+            gate=gates.get(point.base),
+            gate_stages=point.gate_stages,
+            fan_in=point.fan_in,
+            max_parallel=stage.max_parallel,
+            resolved=False,
+        )
+        plan.resolve(name)  # now, unless a selection waits on candidates not yet complete
+    return plan
 
 
 def load_plan(path: str | Path, overrides: list[str] | None = None, store: str | Path | None = None) -> Plan:

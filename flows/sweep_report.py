@@ -1,0 +1,88 @@
+"""A sweep's summary: one row per point (its labels and final metrics), as a table and a plot.
+
+The fan-in stage of a sweep (`inputs: {models: sft[*]}`) publishes it as Prefect artifacts
+(`<pipeline>-<stage>-sweep`: a table, and a markdown page with the plot inlined) and
+records the rows in its manifest (`decisions.sweep`), so `trainflow lineage` shows them.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display; must precede pyplot
+import matplotlib.pyplot as plt  # noqa: E402
+
+from flows.summary import format_number  # noqa: E402
+
+
+def sweep_rows(plan, stage: str) -> dict[str, list[dict[str, Any]]]:
+    """Input as written -> one row per point it gathers: {point, <labels>..., <metrics>...}."""
+    planned = plan.stages[stage]
+    out = {}
+    for input_name, points in planned.fan_in.items():
+        rows = []
+        for point in points:
+            manifest = plan.manifest_of(point) or {}
+            metrics = {k: v for k, v in (manifest.get("metrics") or {}).items() if _number(v)}
+            rows.append(
+                {
+                    "point": point,
+                    **plan.stages[point].params,
+                    **metrics,
+                    "artifact_id": plan.stages[point].job.artifact_id,
+                }
+            )
+        out[input_name] = rows
+    return out
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def metric_columns(rows: list[dict], labels: list[str]) -> list[str]:
+    skip = {"point", "artifact_id", *labels}
+    return list(dict.fromkeys(k for row in rows for k in row if k not in skip))
+
+
+def table_markdown(rows: list[dict], labels: list[str]) -> str:
+    metrics = metric_columns(rows, labels)
+    columns = ["point", *labels, *metrics]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append(
+            "| "
+            + " | ".join(format_number(row.get(c, "")) if c in metrics else str(row.get(c, "")) for c in columns)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def plot_png(rows: list[dict], labels: list[str]) -> bytes | None:
+    """One bar panel per metric, one bar per point (None when there is nothing to plot)."""
+    metrics = metric_columns(rows, labels)
+    if not rows or not metrics:
+        return None
+    names = [",".join(f"{k}={row.get(k)}" for k in labels) or row["point"] for row in rows]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(max(4.0, 0.5 * len(rows)) * len(metrics), 3.5), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        ax.bar(range(len(rows)), [row.get(metric) or 0.0 for row in rows])
+        ax.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=7)
+        ax.set_title(metric, fontsize=9)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=80)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def sweep_markdown(stage: str, input_name: str, rows: list[dict], labels: list[str]) -> str:
+    lines = [f"# {stage}: sweep over {input_name} ({len(rows)} points)", "", table_markdown(rows, labels)]
+    png = plot_png(rows, labels)
+    if png is not None:
+        lines += ["", f"![metrics per point](data:image/png;base64,{base64.b64encode(png).decode()})"]
+    return "\n".join(lines)

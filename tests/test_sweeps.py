@@ -1,0 +1,215 @@
+"""Sweeps, selections, gates and checkpoint-step inputs (flows/sweep.py, flows/gates.py,
+flows/steps.py) with the cheap stage kinds of tests/sweep_toys.py, on the session's real
+Prefect server: what ran is counted in each toy's trace file, what Prefect recorded is read
+back through its client."""
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import tests.sweep_toys  # noqa: F401
+from engine.config import ConfigError
+from flows.cli import main
+from flows.pipeline import Pipeline, run_plan
+from flows.spec import load_plan
+from tests.test_pipeline_flow import artifacts_of, flow_run_of, task_runs_of
+
+pytestmark = pytest.mark.slow
+
+LRS = [1e-5, 3e-4]
+RANKS = [8, 16]
+
+
+def sweep_yaml(path: Path, store: Path, trace: Path, lrs=LRS, ranks=RANKS, threshold=1.0, best_lr=1e-3) -> Path:
+    """base -> sft (lr x rank) -> evaluate (fan-in); best (select) -> export (gated on best's
+    own eval_loss: |lr - 3e-4| x 1000 + 1/rank, 0.95 at its default lr 1e-3 and rank 4)."""
+    spec = {
+        "name": "sweep",
+        "store": str(store),
+        "imports": ["tests.sweep_toys"],
+        "defaults": {"config": {"toy-train": {"trace": str(trace)}, "toy-eval": {"trace": str(trace)}}},
+        "stages": {
+            "base": {"task": "toy-train", "config": {"steps": 2}},
+            "sft": {
+                "task": "toy-train",
+                "inputs": {"checkpoint": "base"},
+                "matrix": {"optimizer.learning_rate": lrs, "lora.rank": ranks},
+                "max_parallel": 2,
+            },
+            "evaluate": {"task": "toy-eval", "inputs": {"models": "sft[*]"}},
+            "best": {
+                "task": "toy-train",
+                "inputs": {"checkpoint": {"select": {"from": "sft[*]", "by": "metrics.eval_loss", "best": "min"}}},
+                "config": {"optimizer": {"learning_rate": best_lr}},
+            },
+            "export": {
+                "task": "toy-eval",
+                "inputs": {"model": "best"},
+                "when": f'best.metrics["eval_loss"] < {threshold} '
+                'and evaluate.metrics["models[lr=0.0003,rank=8]/step"] == 1',
+            },
+        },
+    }
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def ran(trace: Path) -> list[str]:
+    return trace.read_text().split() if trace.is_file() else []
+
+
+def statuses(result: dict) -> dict[str, str]:
+    return {name: r["status"] for name, r in result.items()}
+
+
+def test_points_are_named_by_their_labels_and_fan_in_as_one_input_each(tmp_path):
+    plan = load_plan(sweep_yaml(tmp_path / "p.yaml", tmp_path / "store", tmp_path / "trace"))
+    points = [f"sft[lr={lr!r},rank={rank}]" for lr in LRS for rank in RANKS]
+    assert list(plan.stages) == ["base", *points, "evaluate", "best", "export"]
+    assert plan.stages["sft[lr=1e-05,rank=8]"].job.config.optimizer.learning_rate == 1e-5
+    assert plan.stages["sft[lr=1e-05,rank=8]"].params == {"lr": 1e-5, "rank": 8}
+    assert {n: up for n, (up, _) in plan.stages["evaluate"].job.inputs.items()} == {
+        f"models[{p[4:-1]}]": p for p in points
+    }
+    assert len({plan.stages[p].job.artifact_id for p in points}) == 4
+    status = plan.status()
+    assert status["best"]["state"] == "pending (selection)" and status["export"]["state"] == "pending (selection)"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"matrix": {"optimizer.lerning_rate": [1e-5]}},
+            "p.yaml: stages.sft.matrix.optimizer.lerning_rate: 'optimizer.lerning_rate' is not a config key of "
+            "this stage (did you mean 'optimizer.learning_rate'?)",
+        ),
+        ({"matrix": {}}, "p.yaml: stages.sft.matrix: is empty"),
+        ({"matrix": {"lora.rank": []}}, "p.yaml: stages.sft.matrix.lora.rank: needs a non-empty list of values"),
+        (
+            {"when": "evaluat.metrics['x'] > 1"},
+            "p.yaml: stages.sft.when: names stage 'evaluat', which is not in the pipeline; did you mean 'evaluate'?",
+        ),
+        ({"when": "base.metrics['x'] + 1 > 1"}, "p.yaml: stages.sft.when: 'base.metrics['x'] + 1' is a BinOp"),
+        ({"when": "__import__('os').system('true')"}, "is a Call"),
+        ({"inputs": {"checkpoint": "base@3"}}, "stage 'base' trains for 2 steps; pick a step in 1..2"),
+    ],
+)
+def test_bad_sweeps_and_gates_are_one_sentence_naming_the_file_and_key(tmp_path, capsys, change, message):
+    path = sweep_yaml(tmp_path / "p.yaml", tmp_path / "store", tmp_path / "trace")
+    spec = yaml.safe_load(path.read_text())
+    spec["stages"]["sft"].update(change)
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(ConfigError):
+        load_plan(path)
+    assert main(["status", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message.replace("p.yaml", str(path)) in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "store").exists()  # nothing ran, nothing was written
+
+
+def test_a_sweep_fans_in_selects_the_best_gates_and_grows_running_only_new_points(prefect_server, tmp_path):
+    store, trace = tmp_path / "store", tmp_path / "trace"
+    first = run_plan(load_plan(sweep_yaml(tmp_path / "p.yaml", store, trace)))
+    points = [f"sft[lr={lr!r},rank={rank}]" for lr in LRS for rank in RANKS]
+    assert statuses(first) == {
+        "base": "ran",
+        **dict.fromkeys(points, "ran"),
+        "evaluate": "ran",
+        "best": "ran",
+        "export": "ran",
+    }
+    # The selection took the point with the lowest eval_loss (lr=3e-4, rank=16) and says so in the lineage.
+    assert first["best"]["selected"] == {"checkpoint": "sft[lr=0.0003,rank=16]"}
+    best = json.loads((Path(first["best"]["path"]) / "artifact.json").read_text())
+    assert best["parents"][0]["stage"] == "sft[lr=0.0003,rank=16]"
+    chosen = best["decisions"]["select"]["checkpoint"]
+    assert chosen["chosen"] == "sft[lr=0.0003,rank=16]" and set(chosen["values"]) == set(points)
+    gate = json.loads((Path(first["export"]["path"]) / "artifact.json").read_text())["decisions"]["when"]
+    assert gate["result"] is True and gate["values"]["best.metrics['eval_loss']"] == pytest.approx(0.95)
+
+    # One task run per point, its parameters in its name and tags; the fan-in's sweep summary.
+    flow_run = flow_run_of(first)
+    runs = task_runs_of(flow_run.id)
+    assert set(points) <= set(runs)
+    assert {"sweep:sft", "lr=1e-05", "rank=16", "stage:sft[lr=1e-05,rank=16]"} <= set(
+        runs["sft[lr=1e-05,rank=16]"].tags
+    )
+    by_key = {a.key: a for a in artifacts_of(flow_run.id)}
+    table = by_key["sweep-evaluate-sweep-table"]
+    rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+    assert [row["point"] for row in rows] == points and {row["lr"] for row in rows} == set(LRS)
+    assert "data:image/png;base64," in by_key["sweep-evaluate-sweep"].data
+
+    # A 3 x 2 grid: the four points it had are skipped, only the two new ones run.
+    before = len(ran(trace))
+    grown = run_plan(load_plan(sweep_yaml(tmp_path / "p.yaml", store, trace, lrs=[*LRS, 1e-3])))
+    new = [f"sft[lr=0.001,rank={rank}]" for rank in RANKS]
+    assert [s for s in ran(trace)[before:] if s.startswith("sft")] == sorted(new, key=ran(trace)[before:].index)
+    assert {p: grown[p]["status"] for p in points + new} == {
+        **dict.fromkeys(points, "skipped"),
+        **dict.fromkeys(new, "ran"),
+    }
+    assert grown["evaluate"]["status"] == "ran" and grown["best"]["status"] == "skipped"  # the same point is best
+
+
+def test_a_false_gate_skips_records_what_it_saw_then_runs_after_a_config_change(prefect_server, tmp_path, capsys):
+    store, trace = tmp_path / "store", tmp_path / "trace"
+    path = sweep_yaml(tmp_path / "p.yaml", store, trace, lrs=[1e-5], ranks=[8], threshold=0.5)
+    spec = yaml.safe_load(path.read_text())
+    spec["stages"]["export"]["when"] = 'best.metrics["eval_loss"] < 0.5'
+    # A stage reading a skipped one is skipped too.
+    spec["stages"]["after"] = {"task": "toy-eval", "inputs": {"model": "best"}, "when": "export.config.trace != ''"}
+    path.write_text(yaml.safe_dump(spec))
+    first = run_plan(load_plan(path))
+    assert first["export"]["status"] == "skipped (condition)" and first["after"]["status"] == "skipped (condition)"
+    assert first["export"]["condition"]["values"] == {"best.metrics['eval_loss']": pytest.approx(0.95)}
+    assert "export" not in ran(trace) and "after" not in ran(trace)
+    assert main(["status", str(path)]) == 0
+    table = capsys.readouterr().out
+    assert any(line.startswith("export ") and "skipped (condition)" in line for line in table.splitlines()), table
+
+    # best's learning rate 1e-3 -> 3e-4: its eval_loss 0.25 < 0.5, the gate opens.
+    spec["stages"]["best"]["config"] = {"optimizer": {"learning_rate": 3e-4}}
+    path.write_text(yaml.safe_dump(spec))
+    second = run_plan(load_plan(path))
+    assert second["export"]["status"] == "ran" and second["after"]["status"] == "ran"
+    assert "export" in ran(trace)
+    assert main(["status", str(path)]) == 0
+    assert "skipped (condition)" not in capsys.readouterr().out
+
+
+def test_a_checkpoint_step_feeds_a_stage_while_its_trainer_still_runs(prefect_server, tmp_path):
+    hold = tmp_path / "hold"
+    p = Pipeline("steps", store=tmp_path / "store")
+    p.stage("pretrain", task="toy-train", config={"steps": 4, "every": 2, "hold": str(hold)})
+    p.stage("early", task="toy-eval", inputs={"model": "pretrain@2"})
+    plan = p.plan()
+    early_dir = plan.store.artifact_dir("early", plan.stages["early"].job.artifact_id)
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(run_plan(p.plan())))
+    runner.start()
+    try:
+        deadline = time.monotonic() + 120
+        while (
+            not (early_dir / "artifact.json").is_file() or "complete" not in (early_dir / "artifact.json").read_text()
+        ):
+            assert time.monotonic() < deadline, "the step's consumer never finished"
+            time.sleep(0.1)
+        # The consumer is done while pretrain still holds its lock, waiting for `hold`.
+        assert plan.status()["pretrain"]["state"] == "running"
+        report = json.loads((early_dir / "report.json").read_text())
+        assert report == {"model/step": 2, "model/weight": 2.0}
+    finally:
+        hold.touch()
+        runner.join(timeout=120)
+    assert statuses(result) == {"pretrain": "ran", "early": "ran"}
+    early = json.loads((early_dir / "artifact.json").read_text())
+    assert early["parents"][0]["stage"] == "pretrain@2"
+    snapshot = plan.store.artifact_dir("pretrain@2", plan.stages["pretrain"].job.artifact_id)
+    assert json.loads((snapshot / "artifact.json").read_text())["parents"][0]["stage"] == "pretrain"
+    assert sorted(p.name for p in (snapshot / "checkpoint").iterdir()) == ["2"]
