@@ -173,7 +173,7 @@ def rollout_correction_weights(
     *_truncate: clipped to [clip_min, clip_max]; *_mask: 0 outside it. Metrics: the raw ratio's
     mean/max/min, the fraction truncated or masked, KL(behaviour || old) by k1 and k3.
     """
-    mask_bt = mask_bt.astype(jnp.float32)
+    mask_bt = mask_bt.astype(old_logp_bt.dtype)
     delta_bt = jnp.where(mask_bt > 0, old_logp_bt - behaviour_logp_bt, 0.0)
     log_ratio = delta_bt if mode.startswith("token") else jnp.sum(delta_bt, -1, keepdims=True)
     ratio = jnp.exp(log_ratio)
@@ -191,7 +191,7 @@ def rollout_correction_weights(
         "is_ratio_mean": mean(ratio),
         "is_ratio_max": jnp.max(jnp.where(live, ratio, -jnp.inf)),
         "is_ratio_min": jnp.min(jnp.where(live, ratio, jnp.inf)),
-        "is_clipped_fraction": mean(outside.astype(jnp.float32)),
+        "is_clipped_fraction": mean(outside.astype(mask_bt.dtype)),
         "kl_behaviour": jnp.sum(-delta_bt * mask_bt) / tokens,  # k1: E_behaviour[log mu - log pi]
         "kl_behaviour_k3": jnp.sum((jnp.exp(delta_bt) - delta_bt - 1.0) * mask_bt) / tokens,
     }
@@ -228,7 +228,7 @@ def policy_loss(
     (token_mean); defaults to this batch's. `is_weights`: rollout_correction_weights' weights,
     multiplying each token's policy term (not the KL), as TRL does.
     """
-    mask_bt = mask_bt.astype(jnp.float32)
+    mask_bt = mask_bt.astype(logp_bt.dtype)  # float32 in training; float64 in the parity tests
     loss_def = POLICY_LOSSES.resolve(loss_type) if isinstance(loss_type, str) else loss_type
     surrogate = loss_def.surrogate if isinstance(loss_def, PolicyLoss) else loss_def
     aggregation = aggregation or (loss_def.aggregation if isinstance(loss_def, PolicyLoss) else "token_mean")
@@ -237,7 +237,7 @@ def policy_loss(
         old_logp_bt = jax.lax.stop_gradient(logp_bt)
     log_w = log_importance_weights(logp_bt, old_logp_bt, mask_bt, level)
     coef_1 = jnp.exp(log_w)
-    adv_b1 = advantages_b[:, None].astype(jnp.float32)
+    adv_b1 = advantages_b[:, None].astype(logp_bt.dtype)
     per_token, flags = surrogate(coef_1, adv_b1, logp_bt, epsilon_low=epsilon_low, epsilon_high=epsilon_high)
     if is_weights is not None:
         per_token = per_token * is_weights
@@ -261,7 +261,7 @@ def policy_loss(
         return jnp.sum(x * mask_bt) / jnp.maximum(tokens, 1.0)
 
     ratio = jnp.broadcast_to(coef_1, mask_bt.shape)
-    metrics = {name: masked_mean(flag.astype(jnp.float32)) for name, flag in flags.items()}
+    metrics = {name: masked_mean(flag.astype(mask_bt.dtype)) for name, flag in flags.items()}
     metrics.update(
         ratio_mean=masked_mean(coef_1),
         ratio_max=jnp.max(jnp.where(mask_bt > 0, ratio, -jnp.inf)),
