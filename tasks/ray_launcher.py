@@ -40,7 +40,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tasks.gang import GangOutput, Rank, child_env, guarded, split_lines
-from tasks.launch import LauncherSpec, StageFailed
+from tasks.launch_spec import LauncherSpec, StageFailed
 
 PLACEMENT_TIMEOUT_SECONDS = 300.0
 """How long a stage waits for the cluster to have room for the whole gang (an autoscaler may add nodes)."""

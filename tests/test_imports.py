@@ -1,10 +1,15 @@
-"""The import rules of DESIGN.md ("Layout") and engine/__init__.py, enforced.
+"""The import rules of docs/design.md ("Layout") and engine/__init__.py, enforced.
 
 Layering, package direction and acyclicity are import-linter contracts (CONTRACTS, the one
 copy), checked by its `lint-imports` CLI in a subprocess: the CLI puts its working
 directory first on sys.path, so the same check runs on this checkout or on a doctored copy
-of it without touching this process's imports. "Imports at the top" is an AST walk.
-No JAX is imported; the whole file takes two or three seconds.
+of it without touching this process's imports. The contracts see `if TYPE_CHECKING:`
+imports too (a cycle through annotations is still a cycle to a reader), and they see
+dynamic imports: `importlib.import_module("a.project.module")` is written into a copy of
+the tree as the static import it stands for, and the contracts run on that copy. A dynamic
+import of a name that is not a literal (a user's `module:function`, a pipeline's
+`imports:`) is allowed only in the registries that resolve such names (REGISTRIES).
+"Imports at the top" is an AST walk. No JAX is imported; the whole file takes seconds.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ CONTRACTS = """
 [tool.importlinter]
 root_packages = ["engine", "tasks", "flows"]
 include_external_packages = true
-# `if TYPE_CHECKING:` imports cost nothing at runtime; annotations may name any layer.
-exclude_type_checking_imports = true
+# `if TYPE_CHECKING:` imports count: an annotation that names a higher layer or closes a
+# cycle is a dependency a reader has to follow all the same.
+exclude_type_checking_imports = false
 
 [[tool.importlinter.contracts]]
 id = "engine-layers"
@@ -47,10 +53,10 @@ layers = [
 
 [[tool.importlinter.contracts]]
 id = "families-config"
-name = "engine.models.families never imports engine.models.config at runtime (config imports the families)"
+name = "engine.models.config never imports the families (they import ModelConfig; it reads family_registry)"
 type = "forbidden"
-source_modules = ["engine.models.families"]
-forbidden_modules = ["engine.models.config"]
+source_modules = ["engine.models.config"]
+forbidden_modules = ["engine.models.families"]
 
 [[tool.importlinter.contracts]]
 id = "engine-without-prefect"
@@ -76,6 +82,16 @@ ancestors = ["engine", "tasks", "flows"]
 # Function-level imports allowed only at the documented boundary (Prefect and JAX load
 # only for the CLI commands that need them) and for the optional extras.
 IMPORT_BOUNDARY = {"flows/cli.py"}
+# Modules that import modules named at run time (a stage kind's `module:Class`, a pipeline's
+# `imports:`, a user's `module:function`): the registries. Anywhere else an import_module
+# must name a literal module, which the contracts then see as an import.
+REGISTRIES = {
+    "tasks/registry.py",
+    "flows/spec.py",
+    "engine/posttrain/registry.py",
+    "engine/posttrain/rewards.py",
+    "engine/posttrain/environments.py",
+}
 OPTIONAL_EXTRAS = {
     "tensorflow",
     "tensorflow_datasets",
@@ -107,6 +123,39 @@ def broken_contracts(root: Path, contracts: Path, *ids: str) -> str | None:
     return None if run.returncode == 0 else run.stdout + run.stderr
 
 
+def dynamic_imports(source: str, filename: str) -> tuple[list[str], list[str]]:
+    """(project modules imported by a literal `importlib.import_module`/`__import__`,
+    `file:line` of each such call whose module is not a literal)."""
+    literal, computed = [], []
+    for node in ast.walk(ast.parse(source, filename)):
+        if not isinstance(node, ast.Call) or not node.args:
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+        if name not in ("import_module", "__import__"):
+            continue
+        arg = node.args[0]
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            if arg.value.split(".")[0] in PACKAGES:
+                literal.append(arg.value)
+        else:
+            computed.append(f"{filename}:{node.lineno}: {ast.unparse(node)}")
+    return literal, computed
+
+
+def tree_with_dynamic_imports(root: Path, out: Path) -> Path:
+    """A copy of the packages under `root` in which each literal dynamic import of a project
+    module is also a static import at the end of its module, for the contracts to see."""
+    for package in PACKAGES:
+        shutil.copytree(root / package, out / package, ignore=shutil.ignore_patterns("__pycache__"))
+        for path in sorted((out / package).rglob("*.py")):
+            literal, _ = dynamic_imports(path.read_text(), str(path))
+            if literal:
+                lines = [f"import {module}  # dynamic: importlib.import_module" for module in literal]
+                path.write_text(path.read_text() + "\n" + "\n".join(lines) + "\n")
+    return out
+
+
 def function_level_imports(source: str, filename: str) -> list[str]:
     """`file:line: import` for each import in a function or method body, bar the optional extras."""
     tree = ast.parse(source, filename)
@@ -126,19 +175,65 @@ def function_level_imports(source: str, filename: str) -> list[str]:
     return found
 
 
-def test_engine_layers(contracts):
-    report = broken_contracts(ROOT, contracts, "engine-layers", "families-config")
+@pytest.fixture(scope="module")
+def dynamic_tree(tmp_path_factory) -> Path:
+    return tree_with_dynamic_imports(ROOT, tmp_path_factory.mktemp("dynamic"))
+
+
+def test_engine_layers(contracts, dynamic_tree):
+    report = broken_contracts(dynamic_tree, contracts, "engine-layers", "families-config")
     assert report is None, report
 
 
-def test_flows_import_tasks_import_engine_never_back(contracts):
-    report = broken_contracts(ROOT, contracts, "package-direction")
+def test_flows_import_tasks_import_engine_never_back(contracts, dynamic_tree):
+    report = broken_contracts(dynamic_tree, contracts, "package-direction")
     assert report is None, report
 
 
-def test_no_import_cycles(contracts):
-    report = broken_contracts(ROOT, contracts, "acyclic")
+def test_no_import_cycles(contracts, dynamic_tree):
+    report = broken_contracts(dynamic_tree, contracts, "acyclic")
     assert report is None, report
+
+
+def test_modules_named_at_run_time_are_imported_only_by_registries():
+    found = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            filename = path.relative_to(ROOT).as_posix()
+            _, computed = dynamic_imports(path.read_text(), filename)
+            if filename not in REGISTRIES:
+                found += computed
+    assert not found, (
+        "import_module of a computed name outside the registries (name the module, or resolve it in one):\n"
+        + "\n".join(found)
+    )
+
+
+def test_cycle_check_sees_a_dynamic_import(contracts, tmp_path):
+    # The cycle the launchers had: tasks.launch loads tasks.ray_launcher with import_module,
+    # and ray_launcher imported its spec back from tasks.launch.
+    tree = tmp_path / "src"
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tree / package, ignore=shutil.ignore_patterns("__pycache__"))
+    ray_launcher = tree / "tasks/ray_launcher.py"
+    ray_launcher.write_text(ray_launcher.read_text() + "\nfrom tasks.launch import StageFailed as _StageFailed\n")
+    assert 'import_module("tasks.ray_launcher")' in (tree / "tasks/launch.py").read_text()
+    assert broken_contracts(tree, contracts, "acyclic") is None  # unseen without the rewrite
+
+    report = broken_contracts(tree_with_dynamic_imports(tree, tmp_path / "dynamic"), contracts, "acyclic")
+    assert report is not None and "tasks" in report and "launch" in report, report
+
+
+def test_cycle_check_sees_a_type_checking_import(contracts, tmp_path):
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    config = tmp_path / "engine/models/config.py"
+    config.write_text(
+        config.read_text()
+        + "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from engine.models import families\n"
+    )
+    report = broken_contracts(tmp_path, contracts, "families-config", "acyclic")
+    assert report is not None and "engine.models.config -> engine.models.families" in report, report
 
 
 def test_imports_at_the_top():

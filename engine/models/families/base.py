@@ -10,22 +10,21 @@ it differs from Llama (which the base class describes), and registers itself:
         fixed = {"qk_norm": True}
         ...
 
-Families speak plain dicts of ModelConfig fields (engine/models/config.py validates the
-`family` name against this registry, so nothing here may import it); engine/interop/hf/
-mapping.py builds the ModelConfig and moves the weights. config.json is read in the keys
+Families speak plain dicts of ModelConfig fields; engine/interop/hf/mapping.py builds the
+ModelConfig and moves the weights. The registry is engine/models/family_registry.py, below
+ModelConfig (which validates `family` against it), so a family may import ModelConfig. config.json is read in the keys
 published checkpoints use or in transformers 5's (`rope_parameters`, `layer_types`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from engine.config import ConfigError
-
-if TYPE_CHECKING:  # annotations only: config.py imports this package to validate `family`
-    from engine.models.config import ModelConfig
+from engine.models import family_registry
+from engine.models.config import ModelConfig
 
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 """config.json activation name -> ModelConfig.activation."""
@@ -337,36 +336,9 @@ class Family:
 
 # --------------------------------------------------------------------------- the registry
 
-_FAMILIES: dict[str, Family] = {}
-
-
-def register_family(cls: type[Family]) -> type[Family]:
-    """Class decorator: make `cls` the family `cls.name` (and its model_type)."""
-    assert cls.name not in _FAMILIES, f"family '{cls.name}' is registered twice"
-    assert all(f.model_type != cls.model_type for f in _FAMILIES.values()), f"model_type '{cls.model_type}' twice"
-    _FAMILIES[cls.name] = cls()
-    return cls
-
-
-def family_names() -> list[str]:
-    """Registered family names, in registration order."""
-    return list(_FAMILIES)
-
-
-def _unknown(name: str) -> str:
-    match = difflib.get_close_matches(str(name), list(_FAMILIES), n=1)
-    hint = f"did you mean '{match[0]}'?" if match else f"valid families: {', '.join(_FAMILIES)}"
-    return f"unknown family '{name}'; {hint}"
-
-
-def get_family(name: str) -> Family:
-    """The registered family `name`; a ConfigError (a ValueError) naming the closest one."""
-    family = _FAMILIES.get(name)
-    if family is None:
-        raise ConfigError(_unknown(name))
-    return family
-
-
-def family_of_model_type(model_type: str | None) -> Family | None:
-    """The family whose config.json `model_type` this is, if any."""
-    return next((f for f in _FAMILIES.values() if f.model_type == model_type), None)
+# The registry itself is engine/models/family_registry.py (below ModelConfig, which validates
+# `family` against it); these are its functions, typed for Family.
+register_family: Callable[[type[Family]], type[Family]] = family_registry.register_family
+family_names = family_registry.family_names
+get_family: Callable[[str], Family] = family_registry.get_family
+family_of_model_type: Callable[[str | None], Family | None] = family_registry.family_of_model_type

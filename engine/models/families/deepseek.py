@@ -15,12 +15,10 @@ transformers runs either: conversion skips its tensors and export writes none (a
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from engine.models.config import ModelConfig
 from engine.models.families.base import EXPERT, LAYER, Family, TensorSpec, register_family
-
-if TYPE_CHECKING:
-    from engine.models.config import ModelConfig
 
 _LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
