@@ -1,0 +1,231 @@
+"""Multi-turn rollouts: the loss mask covers exactly the model's tokens (token by token against
+hand-built episodes, chat and text), budgets truncate, failures are per episode; and a tool-
+using policy learns the two-turn arithmetic task with GRPO on CPU."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flax import nnx
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from engine.config import ConfigError, load_config
+from engine.data.tokenizer import TokenizerBundle, default_chat_template, save_tokenizer
+from engine.models.config import ModelConfig
+from engine.models.transformer import Transformer
+from engine.posttrain.config import GRPOConfig
+from engine.posttrain.environments import EnvironmentConfig, EnvironmentFailure, arithmetic_tool_rows
+from engine.posttrain.grpo import run_grpo
+from engine.posttrain.multiturn import EpisodeRunner
+from engine.train.checkpoint import Checkpointer
+
+SPECIAL = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|tool|>"]
+CHARS = [*"0123456789", "+", "=", "c", "x"]
+
+
+def char_bundle(chat: bool = True) -> TokenizerBundle:
+    """One token per character, plus the chat roles as special tokens (ids 0-4)."""
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL + CHARS)}, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL)
+    template = default_chat_template(["user", "assistant", "tool"], add_bos=False) if chat else None
+    return TokenizerBundle(tok, eos_token="<eos>", pad_token="<pad>", chat_template=template)
+
+
+BUNDLE = char_bundle()
+ID = {t: i for i, t in enumerate(SPECIAL + CHARS)}
+
+
+def ids(*pieces: str) -> list[int]:
+    """Token ids of special tokens and character strings, written out by hand."""
+    return [ID[p] if p in ID else ID[c] for p in pieces for c in ([p] if p in ID else p)]
+
+
+def scripted(turns: list[list[list[int]]]):
+    """A policy that plays given token ids: turns[t][row]; log-prob -(position + 1) per token
+    so the test can see where each sampled log-prob landed. It records what it was shown."""
+    seen = []
+
+    def generate(contexts, max_new_tokens, turn):
+        seen.append([list(c) for c in contexts])
+        out = []
+        for row, _ in enumerate(contexts):
+            played = turns[turn][row][:max_new_tokens]
+            out.append((played, [-(k + 1.0) for k in range(len(played))]))
+        return out
+
+    return generate, seen
+
+
+def runner(P=16, C=16, **env) -> EpisodeRunner:
+    cfg = EnvironmentConfig.model_validate({"factory": "arithmetic_tool", **env})
+    return EpisodeRunner(cfg, BUNDLE, max_prompt_length=P, max_completion_length=C, pad_id=0, log=lambda m: None)
+
+
+ROW = {"question": "3+4", "answer": "7"}
+
+
+def test_a_chat_episode_masks_exactly_the_models_tokens():
+    run = runner(kwargs={"chat": True})
+    # Row 0 calls the calculator, then copies its answer; row 1 answers at once, wrongly.
+    generate, seen = scripted([[ids("c", "<eos>"), ids("5", "<eos>")], [ids("7", "<eos>"), []]])
+    out = run(generate, [ROW, ROW])
+
+    prompt = ids("<|user|>", "3+4", "<eos>", "<|assistant|>")
+    # row 0: model "c<eos>" | env "<|tool|>7<eos><|assistant|>" | model "7<eos>"
+    episode = ids("c", "<eos>", "<|tool|>", "7", "<eos>", "<|assistant|>", "7", "<eos>")
+    model = [1, 1, 0, 0, 0, 0, 1, 1]
+    assert out.prompt_tokens[0, -len(prompt) :].tolist() == prompt and out.prompt_mask[0].sum() == len(prompt)
+    assert out.tokens[0].tolist() == episode + [0] * (16 - len(episode))
+    assert out.model_mask[0].astype(int).tolist() == model + [0] * (16 - len(model))
+    assert out.episode_mask[0].sum() == len(episode)
+    # The sampler's log-probs sit on the model's tokens, zeros on the environment's.
+    assert out.logprobs[0, : len(episode)].tolist() == [-1, -2, 0, 0, 0, 0, -1, -2]
+    # Turn 2 was shown the whole episode so far: prompt, the call, the observation.
+    assert seen[1][0] == prompt + episode[:6]
+    assert out.rewards.tolist() == [1.0, 0.0] and out.answers == ["7", "5"]
+    np.testing.assert_array_equal(out.turn_rewards, [[0.0, 1.0, np.nan, np.nan], [0.0, np.nan, np.nan, np.nan]])
+    assert out.metrics["env/turns"] == 1.5 and out.metrics["env/tool_calls"] == 0.5
+    assert out.metrics["env/truncated"] == 0.0 and out.metrics["env/failed"] == 0.0
+
+
+def test_a_turn_cut_by_its_token_budget_gets_the_templates_closing_token_masked():
+    run = runner(max_turn_tokens=1, kwargs={"chat": True})
+    generate, _ = scripted([[ids("c", "<eos>")], [ids("7", "<eos>")]])  # each turn cut to 1 token
+    out = run(generate, [ROW])
+    # The template closes the call turn with <eos>, which the model did not write: the
+    # environment supplies it, masked. The last turn ("7", cut) ends the episode as an answer.
+    episode = ids("c", "<eos>", "<|tool|>", "7", "<eos>", "<|assistant|>", "7")
+    assert out.tokens[0, : len(episode)].tolist() == episode
+    assert out.model_mask[0, : len(episode)].astype(int).tolist() == [1, 0, 0, 0, 0, 0, 1]
+    assert out.rewards.tolist() == [1.0]
+
+
+def test_a_text_episode_appends_the_observation_as_the_environment_wrote_it():
+    run = runner()
+    generate, _ = scripted([[ids("c", "<eos>")], [ids("7", "<eos>")]])
+    out = run(generate, [ROW])
+    assert out.prompt_tokens[0, -4:].tolist() == ids("3+4=")
+    episode = ids("c", "<eos>", "7=", "7", "<eos>")
+    assert out.tokens[0, : len(episode)].tolist() == episode
+    assert out.model_mask[0, : len(episode)].astype(int).tolist() == [1, 1, 0, 0, 1, 1]
+
+
+def test_budgets_truncate_an_episode():
+    call = ids("c", "<eos>")
+    # Out of turns: one turn allowed, and it is a call.
+    out = runner(max_turns=1)(scripted([[call]])[0], [ROW])
+    assert out.metrics["env/truncated"] == 1.0 and out.rewards.tolist() == [0.0]
+    assert out.model_mask[0].sum() == 2 and out.episode_mask[0].sum() == 2  # no observation appended
+    # Out of episode tokens: the observation ("7=") and a next token do not fit in C = 4.
+    out = runner(C=4)(scripted([[call]])[0], [ROW])
+    assert out.metrics["env/truncated"] == 1.0 and out.episode_mask[0].sum() == 2
+    # A prompt longer than max_prompt_length keeps its last tokens.
+    out = runner(P=2)(scripted([[ids("7", "<eos>")]])[0], [ROW])
+    assert out.prompt_tokens[0].tolist() == ids("4=")
+
+
+FLAKY = """
+from engine.posttrain.environments import Step
+
+
+class Flaky:
+    \"\"\"Raises in step on rows whose question is 'boom' (and in reset on 'reset').\"\"\"
+
+    def reset(self, row):
+        if row["question"] == "reset":
+            raise RuntimeError("no such row")
+        self.row = row
+        return row["question"] + "="
+
+    def step(self, turn):
+        if self.row["question"] == "boom":
+            raise ValueError("the environment broke")
+        return Step(reward=1.0, done=True)
+"""
+
+
+def flaky_runner(monkeypatch, tmp_path):
+    """A user environment named `module:Class`, imported from a directory on the path."""
+    (tmp_path / "flaky_env.py").write_text(FLAKY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    logged = []
+    cfg = EnvironmentConfig(factory="flaky_env:Flaky")
+    run = EpisodeRunner(cfg, BUNDLE, max_prompt_length=8, max_completion_length=8, pad_id=0, log=logged.append)
+    return run, logged
+
+
+def test_a_failing_step_fails_its_episode_and_the_batch_goes_on(monkeypatch, tmp_path):
+    run, logged = flaky_runner(monkeypatch, tmp_path)
+    rows = [{"question": "1+1"}, {"question": "boom"}, {"question": "reset"}]
+    out = run(scripted([[ids("2", "<eos>")] * 3])[0], rows)
+    assert out.rewards[0] == 1.0 and np.isnan(out.rewards[1:]).all()
+    assert out.errors[1] == "step raised ValueError: the environment broke"
+    assert out.errors[2] == "reset raised RuntimeError: no such row"
+    assert out.metrics["env/failed"] == 2.0 and len(logged) == 2 and "episode 1" in logged[0]
+    with pytest.raises(EnvironmentFailure, match="every episode of the rollout batch failed; the first: step raised"):
+        run(scripted([[ids("2", "<eos>")] * 2])[0], [{"question": "boom"}] * 2)
+
+
+def test_an_environment_that_cannot_be_imported_is_one_sentence_naming_the_key():
+    for factory, message in [
+        ("no_such_module_xyz:Env", "environment.factory: cannot import module 'no_such_module_xyz' for"),
+        ("engine.posttrain.environments:Nope", "environment.factory: module 'engine.posttrain.environments' has no"),
+        ("arithmetic", "environment.factory: 'arithmetic' is neither a built-in (tools, arithmetic_tool) nor"),
+    ]:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            runner(factory=factory)
+    with pytest.raises(ConfigError, match="environment.kwargs: arithmetic_tool does not take these arguments"):
+        runner(kwargs={"colour": "red"})
+
+
+# --------------------------------------------------------------------------- learning, end to end
+
+
+@pytest.fixture(scope="module")
+def tool_task(tmp_path_factory) -> Path:
+    """A random 2-layer policy with the character tokenizer, and arithmetic_tool rows."""
+    out = tmp_path_factory.mktemp("tool_task")
+    bundle = char_bundle(chat=False)
+    save_tokenizer(bundle, out / "tokenizer")
+    cfg = ModelConfig(
+        vocab_size=32, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=32
+    )
+    params = nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
+    ckpt = Checkpointer(out / "checkpoint", async_save=False)
+    ckpt.save(0, params, {"unused": np.zeros((), np.int32)}, {"step": 0, "model": cfg.model_dump(mode="json")}, {})
+    ckpt.close()
+    with (out / "rows.jsonl").open("w") as f:
+        for row in arithmetic_tool_rows(200, seed=0):
+            f.write(json.dumps(row) + "\n")
+    return out
+
+
+def test_a_tool_using_policy_learns_the_two_turn_arithmetic_task(tool_task, tmp_path):
+    tree = {
+        "checkpoint": {
+            "init_from": str(tool_task / "checkpoint"),
+            "directory": str(tmp_path / "checkpoint"),
+            "every_steps": 100,
+            "async_save": False,
+        },
+        "data": {"path": str(tool_task / "rows.jsonl"), "prompt_field": "question"},
+        "environment": {"factory": "arithmetic_tool", "max_turns": 2, "max_turn_tokens": 2},
+        "optimizer": {"learning_rate": 2e-2},
+        "prompts_per_step": 10,
+        "num_generations": 16,
+        "max_prompt_length": 4,
+        "max_completion_length": 8,
+        "steps": 30,
+        "progress": False,
+        "metrics_dir": str(tmp_path),
+    }
+    run_grpo(load_config(tree=tree, schema=GRPOConfig))
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    curve = [r["reward"] for r in records]
+    first, last = np.mean(curve[:3]), np.mean(curve[-3:])
+    print(f"reward first 3 steps {first:.3f}, last 3 steps {last:.3f}; tool calls {records[-1]['env/tool_calls']}")
+    assert last > first + 0.4, curve
+    assert records[-1]["env/tool_calls"] > 0.5  # it learned to call the calculator, not to add
