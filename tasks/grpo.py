@@ -23,6 +23,7 @@ from dataclasses import replace
 from engine.config import ConfigError
 from engine.contract import CHECKPOINT_DIR
 from engine.posttrain.config import GRPOConfig
+from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from engine.posttrain.rewards import BUILTIN
 from tasks.artifacts import sha256_file
 from tasks.engine_stage import FineTuneStage, absolute_data_path, file_digests
@@ -30,19 +31,43 @@ from tasks.registry import Input, StageContext
 from tasks.reward_model import REWARD_MODEL
 
 
+def module_digest(module: str) -> str | None:
+    """sha256 of a user module's source file (found without importing it); None if not found."""
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        found = None
+    origin = getattr(found, "origin", None)
+    return sha256_file(origin) if origin and origin.endswith(".py") else None
+
+
 def reward_sources(cfg: GRPOConfig) -> dict[str, str | None]:
-    """sha256 of each user reward module's source file (found without importing it)."""
+    """sha256 of each user reward module's source file."""
     digests = {}
     for spec in cfg.rewards:
         if spec.function is None or spec.function in BUILTIN:  # a reward model's bytes: its input's id
             continue
         module = spec.function.partition(":")[0]
-        try:
-            found = importlib.util.find_spec(module)
-        except (ImportError, ValueError):
-            found = None
-        origin = getattr(found, "origin", None)
-        digests[module] = sha256_file(origin) if origin and origin.endswith(".py") else None
+        digests[module] = module_digest(module)
+    return digests
+
+
+OBJECTIVE_KEYS = {
+    "loss_type": POLICY_LOSSES,
+    "loss_aggregation": LOSS_AGGREGATIONS,
+    "advantage_estimator": ADVANTAGE_ESTIMATORS,
+}
+
+
+def objective_sources(cfg: GRPOConfig) -> dict[str, str | None]:
+    """sha256 of the user modules that a module:function loss, aggregation or advantage
+    estimator names (registered built-ins are the package's code)."""
+    digests = {}
+    for key, registry in OBJECTIVE_KEYS.items():
+        value = getattr(cfg, key)
+        if value is not None and value not in registry.names():
+            module = value.partition(":")[0]
+            digests[module] = module_digest(module)
     return digests
 
 
@@ -71,12 +96,23 @@ class GRPOStage(FineTuneStage):
                     f"{source}: key 'rewards.{i}.function': cannot find module '{module}' "
                     "(run from its directory or add it to PYTHONPATH)"
                 )
+        for key in OBJECTIVE_KEYS:  # a misspelt user module fails validation too
+            value = getattr(cfg, key)
+            if value is not None and value not in OBJECTIVE_KEYS[key].names():
+                module = value.partition(":")[0]
+                if module_digest(module) is None:
+                    raise ConfigError(
+                        f"{source}: key '{key}': cannot find module '{module}' of '{value}' "
+                        "(run from its directory or add it to PYTHONPATH)"
+                    )
         data = cfg.data.model_copy(update={"path": absolute_data_path(cfg.data.path, "data.path", source)})
         return cfg.model_copy(update={"data": data})
 
     def fingerprint(self, config: GRPOConfig) -> dict:
         fp = self.fingerprint_without_paths(config, ("path",))
-        return {**fp, "prompt_files": file_digests(config.data.path), "reward_sources": reward_sources(config)}
+        fp = {**fp, "prompt_files": file_digests(config.data.path), "reward_sources": reward_sources(config)}
+        objective = objective_sources(config)
+        return {**fp, "objective_sources": objective} if objective else fp  # absent: the ids made before
 
     def run(self, ctx: StageContext) -> dict:
         """Each `rewards[i].model` names an input (a reward_model artifact): the engine gets its
