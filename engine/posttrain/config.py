@@ -15,6 +15,7 @@ from engine.parallel.config import MeshConfig, unsplittable
 from engine.posttrain import advantages  # noqa: F401 - registers the built-in advantage estimators
 from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from engine.posttrain.rewards import RewardSpec
+from engine.posttrain.rollout_server import RolloutServerConfig
 from engine.train.config import CheckpointConfig, MetricsConfig, OptimizerConfig, RunFields, ScheduleConfig
 
 
@@ -145,6 +146,10 @@ class GRPOConfig(Strict):
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Divide advantages by the group's reward std, the batch's, or not at all (Dr. GRPO; rloo
     with none is TRL's RLOOTrainer, with batch its normalize_advantages)."""
+    rollout: RolloutServerConfig | None = None
+    """Rollouts from an inference server (vLLM) the policy's weights are pushed to after each
+    update (engine/posttrain/rollout_server.py): `{engine: vllm, url: ...}`; None: the engine's
+    own sampler."""
     rollout_correction: RolloutCorrectionConfig | None = None
     """Importance-sampling correction of off-policy rollouts; None: none applied (its metrics
     are still logged whenever the rollout is off-policy)."""

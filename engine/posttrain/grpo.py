@@ -50,6 +50,7 @@ from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, P
 from engine.posttrain.reward_model import RewardScorer
 from engine.posttrain.rewards import RewardError, compute_rewards, load_reward, nan_stats, total_reward
 from engine.posttrain.rollout import Rollout, generate_rollout
+from engine.posttrain.rollout_server import ROLLOUT_ENTRY_POINT
 from engine.train.checkpoint import load_params
 from engine.train.cli import run_cli
 from engine.train.config import TrainConfig
@@ -282,8 +283,8 @@ class RolloutSource:
         ]
         # With LoRA the sampler and the log-probs read the adapter and the frozen base side by
         # side (trainer.model_params), never a merged copy. Workers have their own samplers.
-        self.sampler = None
-        if cfg.rollout_workers == 0:
+        self.sampler = None  # a rollout server's sampler is set by run_grpo
+        if cfg.rollout_workers == 0 and cfg.rollout is None:
             self.sampler = Sampler(
                 model_cfg,
                 trainer.cfg.compute,
@@ -458,8 +459,10 @@ class RolloutSource:
 # --------------------------------------------------------------------------- the run
 
 
-def run_grpo(cfg: GRPOConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Train `cfg.steps` rollout batches, resuming from checkpoint.directory if it has one."""
+def run_grpo(cfg: GRPOConfig, log: Callable[[str], None] | None = None, sampler_factory=None) -> dict[str, Any]:
+    """Train `cfg.steps` rollout batches, resuming from checkpoint.directory if it has one.
+    `sampler_factory(cfg, trainer, model_cfg, bundle)`: the sampler of `cfg.rollout`'s server
+    (engine/interop/vllm_server.py, whose entry point passes it)."""
     log = log or log_to_stderr
     if cfg.algorithm == "gspo" and cfg.loss_type != "grpo":
         log(
@@ -473,6 +476,10 @@ def run_grpo(cfg: GRPOConfig, log: Callable[[str], None] | None = None) -> dict[
         updates_per_batch=cfg.num_iterations,
     )
     source = RolloutSource(cfg, trainer, model_cfg, bundle, log)
+    if cfg.rollout is not None:  # an inference server samples, holding the weights pushed to it
+        if sampler_factory is None:
+            raise ConfigError(ROLLOUT_ENTRY_POINT)
+        source.sampler = sampler_factory(cfg, trainer, model_cfg, bundle)
     if cfg.rollout_workers:
         trainer.add_hook(source.weights_hook)  # before the checkpoint's: the workers start sooner
     try:

