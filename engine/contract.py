@@ -30,7 +30,7 @@ dtype and memory settings the params were saved with (1 kept both in `model`).""
 CHECKPOINT_FORMATS_READ = ("trainflow.checkpoint/1", CHECKPOINT_FORMAT)
 
 # --------------------------------------------------------------------------- artifact layout
-# <store>/<stage>/<artifact-id>/ holds these (DESIGN.md, "Artifacts and lineage").
+# <store>/<stage>/<artifact-id>/ holds these (docs/design.md, "Artifacts and lineage").
 MANIFEST = "artifact.json"
 CHECKPOINT_DIR = "checkpoint"
 """An Orbax CheckpointManager directory (engine.train.checkpoint)."""

@@ -1,7 +1,7 @@
 """The artifact store's records and the stores, under the names the rest of trainflow imports.
 
 The code lives in tasks/store/: records.py (ids, digests, manifests, locks: the layout of
-DESIGN.md "Artifacts and lineage"), base.py / local.py / bucket.py (one store interface, a
+docs/design.md "Artifacts and lineage"), base.py / local.py / bucket.py (one store interface, a
 local and an object-storage implementation; `ArtifactStore(root)` gives the one for a path
 or a URL), consume.py (what a consuming stage reads of an input, and its verification).
 """

@@ -1,6 +1,6 @@
 """The artifact store: content-addressed stage outputs with manifests, digests and locks.
 
-Layout (DESIGN.md, "Artifacts and lineage"):
+Layout (docs/design.md, "Artifacts and lineage"):
 
     <store>/<stage-name>/<artifact-id>/
         artifact.json    manifest; its final `complete` version is written last, atomically
