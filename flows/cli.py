@@ -11,6 +11,8 @@
     trainflow convert PEFT_DIR --base PATH|ID                      a PEFT LoRA adapter -> adapter artifact
     trainflow export PATH|ID [--store DIR] [--out DIR|URL]      a checkpoint artifact -> Hugging Face model
     trainflow generate PATH|ID --prompt TEXT [--temperature T]  sample completions from a checkpoint artifact
+    trainflow gc [--store S] [--keep PIPELINE.yaml ...] [--keep-steps N] [--dry-run]   delete what nothing reaches
+    trainflow diff A B [--store S] [--json]                      two artifacts: config, metrics, lineage
 
 Overrides: `pretrain.steps=200` sets stages.pretrain.config.steps; other keys start at the
 top of the pipeline (`store=/data/artifacts`, `stages.pretrain.retries=3`).
@@ -39,6 +41,8 @@ from engine import __version__
 from engine.config import ConfigError
 from engine.contract import MANIFEST
 from engine.inference.options import add_sampling_arguments
+from flows.diff import diff, format_diff
+from flows.gc import apply, collect, human
 from flows.inspect import format_lineage, format_table, lineage, list_rows, status_rows
 from flows.spec import load_plan
 from tasks.artifacts import (
@@ -195,6 +199,69 @@ def cmd_ls(args) -> int:
         print(f"no artifacts in {store.url}")
     else:
         print(format_table(rows, ["stage", "id", "kind", "status", "size", "finished_at", "metrics"]))
+    return 0
+
+
+def cmd_gc(args) -> int:
+    """Delete the artifacts no kept pipeline reaches and old checkpoint steps (flows/gc.py)."""
+    if args.keep_steps is not None and args.keep_steps < 1:
+        raise ConfigError(f"gc: --keep-steps {args.keep_steps}: keep at least the newest step (1)")
+    store_arg = args.store
+    plans = []
+    for path in args.keep:
+        plan = load_plan(path, [], store_arg)  # a bad pipeline: exit 2 before anything is listed
+        store_arg = store_arg or plan.store.url
+        plans.append(plan)
+    store_arg = store_arg or _store_arg(args)
+    try:
+        store = ArtifactStore(store_arg)
+    except ArtifactError as e:
+        raise ConfigError(f"gc: {e}") from None
+    if plans and any(plan.store.url != store.url for plan in plans):
+        plans = [load_plan(path, [], store.url) for path in args.keep]
+    found = collect(store, plans, args.keep_steps)
+    verb = "would delete" if args.dry_run else "delete"
+    for entry in found.delete:
+        kind = (entry.manifest or {}).get("kind", "?")
+        print(f"{verb}  {entry.name}  {kind}  {entry.state}  {human(entry.size)}")
+    for entry, steps, size in found.prune:
+        print(
+            f"{'would prune' if args.dry_run else 'prune'}  {entry.name}  "
+            f"steps {', '.join(map(str, steps))}  {human(size)}"
+        )
+    for entry in found.in_use:
+        print(f"in use  {entry.name}  (a run is writing it: left alone)")
+    if not plans:
+        print("gc: no --keep pipeline given: no artifact is deleted, only checkpoint steps (--keep-steps)")
+    if args.dry_run:
+        print(
+            f"gc: would free {human(found.freed)} in {store.url} ({len(found.delete)} artifact(s), "
+            f"{len(found.prune)} with old steps; {found.kept} kept)"
+        )
+        return 0
+    freed, busy = apply(store, found, log=lambda _: None)
+    for entry in busy:
+        print(f"in use  {entry.name}  (a run took it meanwhile: left alone)")
+    print(
+        f"gc: freed {human(freed)} in {store.url} ({len(found.delete) - len(busy)} artifact(s) deleted, "
+        f"{len(found.prune)} pruned; {found.kept} kept)"
+    )
+    return 0
+
+
+def cmd_diff(args) -> int:
+    store = _store_arg(args)
+    dirs = [resolve_artifact(a, store) for a in (args.a, args.b)]
+    stores = []
+    for given in (args.a, args.b):
+        split = split_artifact_url(given)
+        stores.append(
+            ArtifactStore(split[0])
+            if split
+            else (ArtifactStore(store) if is_url(store) and not Path(given).expanduser().exists() else None)
+        )
+    result = diff(dirs[0], dirs[1], stores[0], stores[1])
+    print(json.dumps(result, indent=2, default=str) if args.json else format_diff(result))
     return 0
 
 
@@ -395,6 +462,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="an adapter artifact: the whole model with the adapter folded in (default: PEFT's adapter format)",
     )
+    p = add("gc", cmd_gc, "delete the artifacts no kept pipeline reaches, and old checkpoint steps")
+    p.add_argument(
+        "--keep", action="append", default=[], metavar="PIPELINE.yaml", help="a pipeline whose artifacts stay (repeat)"
+    )
+    p.add_argument("--keep-steps", type=int, help="in each kept artifact, keep only the newest N checkpoint steps")
+    p.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
+    p = add("diff", cmd_diff, "compare two artifacts: config, metrics and lineage side by side")
+    p.add_argument("a", help="artifact directory, URL or id (prefix) in --store")
+    p.add_argument("b", help="artifact directory, URL or id (prefix) in --store")
+    p.add_argument("--json", action="store_true")
     p = add("generate", cmd_generate, "sample completions of prompts from a checkpoint artifact", artifact=True)
     add_sampling_arguments(p)
     return parser

@@ -97,8 +97,9 @@ def collect(store: ArtifactStore, plans: list[Plan], keep_steps: int | None) -> 
         entries[(stage, artifact_id)] = Entry(
             stage, artifact_id, directory, manifest, store.state(stage, artifact_id), 0
         )
-    roots = set().union(*(planned_roots(plan) for plan in plans)) if plans else set()
-    roots |= {key for key, e in entries.items() if e.state == "running"}
+    named = set().union(*(planned_roots(plan) for plan in plans)) if plans else set()
+    running = {key for key, e in entries.items() if e.state == "running"}
+    roots = named | running
     reachable: set[tuple[str, str]] = set()
     todo = list(roots)
     while todo:  # lineage: parents of what is kept are kept
@@ -111,6 +112,9 @@ def collect(store: ArtifactStore, plans: list[Plan], keep_steps: int | None) -> 
             todo.append((parent["stage"], parent["id"]))
     out = Collection()
     for key, entry in entries.items():
+        if key in running and key not in named:
+            out.in_use.append(entry)  # kept, with its lineage: a run is writing it
+            continue
         if key in reachable or not plans:
             out.kept += 1
             if keep_steps is not None and entry.state == COMPLETE:
@@ -124,9 +128,6 @@ def collect(store: ArtifactStore, plans: list[Plan], keep_steps: int | None) -> 
                         if rel.split("/")[:2] in ([CHECKPOINT_DIR, str(s)] for s in old)
                     )
                     out.prune.append((entry, old, size))
-            continue
-        if entry.state == "running":
-            out.in_use.append(entry)
             continue
         entry.size = _size(store, entry.stage, entry.artifact_id, entry.directory, entry.manifest)
         out.delete.append(entry)

@@ -91,6 +91,7 @@ def lineage(directory: Path, _seen: set | None = None, store: ArtifactStore | No
         "prefect": manifest.get("prefect"),
         "created_at": manifest.get("created_at"),
         "finished_at": manifest.get("finished_at"),
+        "decisions": manifest.get("decisions"),
         "parents": [],
     }
     key = str(directory.resolve())
@@ -125,6 +126,12 @@ def _node_lines(node: dict, width: int) -> list[str]:
     metrics = node.get("metrics") or {}
     lines += _wrapped("metrics: ", [f"{k}={_fmt(v)}" for k, v in metrics.items()] or ["-"], width)
     lines.append(f"made: {node.get('created_at')} -> {node.get('finished_at')}")
+    decisions = node.get("decisions") or {}
+    if decisions.get("when"):  # the gate that let it run, and what it saw (flows/gates.py)
+        seen = " ".join(f"{k}={_fmt(v)}" for k, v in decisions["when"].get("values", {}).items())
+        lines.append(f"gate: {decisions['when'].get('expression')}  saw: {seen}")
+    for name, chosen in (decisions.get("select") or {}).items():
+        lines.append(f"selected {name}: {chosen.get('chosen')} ({chosen.get('best')} {chosen.get('by')})")
     return lines
 
 

@@ -39,6 +39,9 @@ class TrainToyConfig(Strict):
     every: int = Field(1, gt=0)
     step_seconds: float = 0.0
     hold: str | None = None
+    slots: str | None = None
+    """A directory: the stage keeps a file there while it works and reports the most files
+    it saw at once (`concurrent`), i.e. how many stages of the sweep ran together."""
     trace: str | None = None
 
 
@@ -72,21 +75,29 @@ class ToyTrain(StageKind):
     output = "checkpoint"
     inputs = {"checkpoint": Input("checkpoint", required=False)}
     config_schema = TrainToyConfig
-    non_semantic = ("trace", "step_seconds", "hold")
+    non_semantic = ("trace", "step_seconds", "hold", "slots")
 
     def run(self, ctx: StageContext) -> dict:
         _trace(ctx)
         cfg = ctx.config
         base = _weight(ctx)
+        concurrent = 0
+        if cfg.slots:
+            Path(cfg.slots).mkdir(parents=True, exist_ok=True)
+            (Path(cfg.slots) / ctx.stage).touch()
         for step in range(1, cfg.steps + 1):
             time.sleep(cfg.step_seconds)
+            concurrent = max(concurrent, len(list(Path(cfg.slots).iterdir())) if cfg.slots else 0)
             if step % cfg.every == 0 or step == cfg.steps:
                 _commit_step(ctx.out_dir, step, base + step)
+        if cfg.slots:
+            (Path(cfg.slots) / ctx.stage).unlink()
         while cfg.hold and not Path(cfg.hold).exists():
             time.sleep(0.05)
         lr, rank = cfg.optimizer.learning_rate, cfg.lora.rank
         # Lowest at lr=3e-4, and lower for a larger rank.
-        return {"eval_loss": round(abs(lr - 3e-4) * 1000 + 1.0 / rank, 6), "weight": base + cfg.steps}
+        metrics = {"eval_loss": round(abs(lr - 3e-4) * 1000 + 1.0 / rank, 6), "weight": base + cfg.steps}
+        return {**metrics, **({"concurrent": concurrent} if cfg.slots else {})}
 
 
 class EvalToyConfig(Strict):

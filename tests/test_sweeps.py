@@ -39,6 +39,7 @@ def sweep_yaml(path: Path, store: Path, trace: Path, lrs=LRS, ranks=RANKS, thres
                 "inputs": {"checkpoint": "base"},
                 "matrix": {"optimizer.learning_rate": lrs, "lora.rank": ranks},
                 "max_parallel": 2,
+                "config": {"steps": 3, "step_seconds": 0.2, "slots": str(path.parent / "slots")},
             },
             "evaluate": {"task": "toy-eval", "inputs": {"models": "sft[*]"}},
             "best": {
@@ -50,7 +51,7 @@ def sweep_yaml(path: Path, store: Path, trace: Path, lrs=LRS, ranks=RANKS, thres
                 "task": "toy-eval",
                 "inputs": {"model": "best"},
                 "when": f'best.metrics["eval_loss"] < {threshold} '
-                'and evaluate.metrics["models[lr=0.0003,rank=8]/step"] == 1',
+                'and evaluate.metrics["models[lr=0.0003,rank=8]/step"] == 3',
             },
         },
     }
@@ -123,6 +124,8 @@ def test_a_sweep_fans_in_selects_the_best_gates_and_grows_running_only_new_point
         "best": "ran",
         "export": "ran",
     }
+    # max_parallel: 2 -> no more than two points ever worked at once.
+    assert max(first[p]["metrics"]["concurrent"] for p in points) <= 2
     # The selection took the point with the lowest eval_loss (lr=3e-4, rank=16) and says so in the lineage.
     assert first["best"]["selected"] == {"checkpoint": "sft[lr=0.0003,rank=16]"}
     best = json.loads((Path(first["best"]["path"]) / "artifact.json").read_text())

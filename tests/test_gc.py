@@ -1,0 +1,135 @@
+"""`trainflow gc` and `trainflow diff` (flows/gc.py, flows/diff.py) on a local store and on
+the moto S3 store of tests/test_object_store.py. Stages run through tasks.runner.execute_stage
+(the store protocol without Prefect), with the toy kinds of tests/sweep_toys.py."""
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+import tests.sweep_toys  # noqa: F401
+from flows.cli import main
+from flows.spec import load_plan
+from tasks.runner import execute_stage
+from tests.test_object_store import bucket, s3_endpoint  # noqa: F401  (the moto server and a bucket per test)
+
+
+def pipeline(path: Path, store: str, lrs, name="grid") -> Path:
+    spec = {
+        "name": name,
+        "store": store,
+        "imports": ["tests.sweep_toys"],
+        "stages": {
+            "base": {"task": "toy-train", "config": {"steps": 4, "every": 2}},
+            "sft": {"task": "toy-train", "inputs": {"checkpoint": "base"}, "matrix": {"optimizer.learning_rate": lrs}},
+            "evaluate": {"task": "toy-eval", "inputs": {"models": "sft[*]"}},
+        },
+    }
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def run_plain(path: Path, store: str) -> dict[str, str]:
+    """Every stage of the pipeline, in order, without Prefect: {stage: artifact id}."""
+    plan = load_plan(path, [], store)
+    for name in plan.stages:
+        execute_stage(plan.resolve(name), plan.store)
+    return {name: planned.job.artifact_id for name, planned in plan.stages.items()}
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path) -> str:
+    if request.param == "local":
+        return str(tmp_path / "store")
+    return f"{request.getfixturevalue('bucket')}/artifacts"
+
+
+def listed(store: str) -> set[str]:
+    from tasks.artifacts import ArtifactStore
+
+    return {f"{d.parent.name}/{d.name}" for d, m in ArtifactStore(store).iter_artifacts() if m is not None}
+
+
+def test_gc_deletes_exactly_what_no_kept_pipeline_reaches_and_spares_a_running_artifact(store, tmp_path, capsys):
+    old = run_plain(pipeline(tmp_path / "old.yaml", store, [1e-4, 3e-4, 1e-3]), store)
+    kept_path = pipeline(tmp_path / "grid.yaml", store, [1e-4, 3e-4])
+    kept = run_plain(kept_path, store)
+    unreferenced = {"sft[lr=0.001]/" + old["sft[lr=0.001]"], "evaluate/" + old["evaluate"]}
+    assert unreferenced.isdisjoint({f"{s}/{i}" for s, i in kept.items()})
+
+    # Another pipeline is writing an artifact (its lock and, on a bucket, its lease held) on
+    # top of a finished one that no kept pipeline names: gc must leave both alone.
+    hold = tmp_path / "hold"
+    other = tmp_path / "other.yaml"
+    other.write_text(
+        yaml.safe_dump(
+            {
+                "name": "other",
+                "store": store,
+                "imports": ["tests.sweep_toys"],
+                "stages": {
+                    "seed": {"task": "toy-train", "config": {"steps": 3}},
+                    "long": {"task": "toy-train", "inputs": {"checkpoint": "seed"}, "config": {"hold": str(hold)}},
+                },
+            }
+        )
+    )
+    plan = load_plan(other, [], store)
+    execute_stage(plan.resolve("seed"), plan.store)
+    writer = threading.Thread(target=execute_stage, args=(plan.resolve("long"), plan.store))
+    writer.start()
+    try:
+        deadline = time.monotonic() + 60
+        while plan.store.state("long", plan.stages["long"].job.artifact_id) != "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        before = listed(store)
+        assert main(["gc", "--store", store, "--keep", str(kept_path), "--dry-run"]) == 0
+        out = capsys.readouterr().out
+        would = {line.split()[2] for line in out.splitlines() if line.startswith("would delete")}
+        assert would == unreferenced, out
+        assert f"in use  long/{plan.stages['long'].job.artifact_id}" in out
+        assert listed(store) == before  # a dry run deletes nothing
+
+        assert main(["gc", "--store", store, "--keep", str(kept_path)]) == 0
+        out = capsys.readouterr().out
+        assert "gc: freed " in out and "2 artifact(s) deleted" in out, out
+        assert listed(store) == before - unreferenced
+        assert f"seed/{plan.stages['seed'].job.artifact_id}" in listed(store)  # the running one's input
+    finally:
+        hold.touch()
+        writer.join(timeout=60)
+    assert plan.store.is_complete("long", plan.stages["long"].job.artifact_id)  # it lost nothing
+    assert main(["status", str(kept_path), "--store", store, "--json"]) == 0
+    states = {row["stage"]: row["state"] for row in json.loads(capsys.readouterr().out)["stages"]}
+    assert set(states.values()) == {"complete"}
+
+    # Old checkpoint steps: base committed steps 2 and 4; the newest one stays, and verify holds.
+    assert main(["gc", "--store", store, "--keep", str(kept_path), "--keep-steps", "1"]) == 0
+    assert f"prune  base/{kept['base']}  steps 2" in capsys.readouterr().out
+    manifest = plan.store.manifest("base", kept["base"])
+    assert sorted({rel.split("/")[1] for rel in manifest["files"] if rel.startswith("checkpoint/")}) == ["4"]
+    assert main(["verify", kept["base"], "--store", store]) == 0
+    capsys.readouterr()
+
+    # diff: two points of the grid differ in their learning rate and loss, not in their base.
+    assert main(["diff", kept["sft[lr=0.0001]"], kept["sft[lr=0.0003]"], "--store", store, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["config"] == [{"key": "optimizer.learning_rate", "a": 1e-4, "b": 3e-4}]
+    loss = next(row for row in result["metrics"] if row["metric"] == "eval_loss")
+    assert loss["b - a"] == pytest.approx(-0.2)
+    assert result["lineage"] == [] and result["same_ancestors"] == ["base"]
+
+
+def test_gc_on_a_store_it_cannot_list_is_one_sentence_and_exit_2(s3_endpoint, tmp_path, capsys):  # noqa: F811
+    missing = tmp_path / "nowhere"
+    assert main(["gc", "--store", str(missing), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: gc: store {missing} does not exist (nothing to list)"
+    assert main(["gc", "--store", "s3://no-such-bucket/artifacts"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: gc: artifact store s3://no-such-bucket/artifacts: bucket 'no-such-bucket'")
+    assert len(err.splitlines()) == 1
