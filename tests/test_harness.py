@@ -12,6 +12,8 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
+from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +28,7 @@ transformers = pytest.importorskip("transformers")
 
 from flax import nnx  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
-from lm_eval.api.registry import get_model  # noqa: E402
+from lm_eval.api.registry import get_model, model_registry  # noqa: E402
 from lm_eval.evaluator import simple_evaluate  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
@@ -34,10 +36,10 @@ from engine.config import ConfigError  # noqa: E402
 from engine.data.tokenizer import TokenizerConfig, save_tokenizer, train_tokenizer  # noqa: E402
 from engine.evaluate.config import HarnessConfig  # noqa: E402
 from engine.evaluate.harness import TrainflowLM, harness_metrics, prepare_harness  # noqa: E402
+from engine.evaluate.harness_cli import ENTRY_POINT_GROUP  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
 from engine.models.transformer import Transformer  # noqa: E402
-from engine.parallel.config import MeshConfig  # noqa: E402
 from engine.train.checkpoint import save_params  # noqa: E402
 from flows.spec import Pipeline  # noqa: E402
 from tasks.artifacts import read_manifest  # noqa: E402
@@ -59,6 +61,8 @@ DOCUMENTS = [  # the second is longer than max_length: several rolling windows
     {"text": "the quick brown fox jumps over the lazy dog, and the dog sleeps in the sun all day long."},
 ]
 MAX_LENGTH = 24
+# Child processes on one device (compiles faster); the adapter's sharding is tested in-process.
+ONE_DEVICE_ENV = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +101,13 @@ def _numpy(tree):
     return np.asarray(tree)
 
 
+def docs_task() -> dict:
+    """The task YAML docs/evaluation.md shows (its data file is the test's)."""
+    text = (REPO / "docs/evaluation.md").read_text()
+    start = text.index("# harness_tasks/colours.yaml")
+    return yaml.safe_load(text[start : text.index("```", start)])
+
+
 def write_tasks(tasks: Path, data: Path, cache: Path) -> None:
     data.mkdir()
     for name, rows in (("questions", QUESTIONS), ("documents", DOCUMENTS)):
@@ -110,14 +121,7 @@ def write_tasks(tasks: Path, data: Path, cache: Path) -> None:
         }
 
     specs = {
-        "tf_choice": {
-            **dataset("questions"),
-            "output_type": "multiple_choice",
-            "doc_to_text": "{{question}}",
-            "doc_to_choice": "{{choices}}",
-            "doc_to_target": "{{label}}",
-            "metric_list": [{"metric": "acc"}],
-        },
+        "tf_choice": {**docs_task(), **dataset("questions")},  # docs/evaluation.md's example
         "tf_perplexity": {
             **dataset("documents"),
             "output_type": "loglikelihood_rolling",
@@ -135,13 +139,13 @@ def write_tasks(tasks: Path, data: Path, cache: Path) -> None:
         },
     }
     for name, spec in specs.items():
-        (tasks / f"{name}.yaml").write_text(yaml.safe_dump({"task": name, **spec}))
+        (tasks / f"{name}.yaml").write_text(yaml.safe_dump({**spec, "task": name}))
 
 
 @pytest.fixture(scope="module")
 def trainflow_lm(model) -> TrainflowLM:
     """The adapter on 8 devices: rows over data=2, params over fsdp=2 x tensor=2."""
-    return TrainflowLM(checkpoint=str(model["artifact"]), max_length=MAX_LENGTH, batch_size=5, data=2, fsdp=2, tensor=2)
+    return TrainflowLM(checkpoint=str(model["artifact"]), max_length=MAX_LENGTH, batch_size=8, data=2, fsdp=2, tensor=2)
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +224,7 @@ def test_lm_eval_command_line_runs_the_trainflow_model(model, tmp_path):
             str(out),
         ],
         cwd=REPO,
+        env={**os.environ, **ONE_DEVICE_ENV},
         capture_output=True,
         text=True,
         timeout=600,
@@ -237,20 +242,26 @@ def test_an_evaluate_stage_records_harness_metrics(model, tmp_path):
     pipeline = Pipeline("harness", store=tmp_path / "store")
     base = pipeline.stage("base", task="convert", config={"source": str(model["hf"])})
     harness = {
-        "tasks": ["tf_choice", "tf_generate"],
+        "tasks": ["tf_choice", "tf_perplexity"],
         "include_path": str(model["tasks"]),
         "builtin_tasks": False,
         "num_fewshot": 0,
         "limit": 3,
     }
-    pipeline.stage("evaluate", task="evaluate", inputs={"base": base}, config={"harness": harness})
+    pipeline.stage(
+        "evaluate",
+        task="evaluate",
+        inputs={"base": base},
+        config={"harness": harness},
+        launcher={"kind": "local", "env": ONE_DEVICE_ENV},
+    )
     plan = pipeline.plan()
     assert [execute_stage(s.job, plan.store).status for s in plan.stages.values()] == [RAN, RAN]
     out = plan.store.artifact_dir("evaluate", plan.stages["evaluate"].job.artifact_id)
     metrics = read_manifest(out)["metrics"]
-    assert metrics["base/harness/tf_choice/samples"] == 3 and metrics["base/harness/tf_generate/samples"] == 3
+    assert metrics["base/harness/tf_choice/samples"] == 3 and metrics["base/harness/tf_perplexity/samples"] == 2
     assert 0.0 <= metrics["base/harness/tf_choice/acc"] <= 1.0
-    assert "base/harness/tf_generate/exact_match" in metrics
+    assert metrics["base/harness/tf_perplexity/word_perplexity"] > 1.0
     assert "harness/tf_choice/acc" in (out / "report.md").read_text()  # a column of the report's table
 
 
@@ -263,4 +274,12 @@ def test_bad_harness_input_is_one_sentence_naming_the_key(model, tmp_path):
         prepare_harness(HarnessConfig(tasks=["tf_choise"], include_path=str(model["tasks"]), builtin_tasks=False))
     with pytest.raises(ConfigError, match=r"model argument 'checkpont' .* did you mean 'checkpoint'"):
         TrainflowLM(checkpont=str(model["artifact"]))
-    assert MeshConfig()  # the adapter's mesh arguments are MeshConfig's fields
+
+
+def test_the_entry_point_pyproject_declares_loads_the_adapter_through_lm_evals_registry():
+    """What `python -m engine.evaluate.harness_cli` does with each installed `lm_eval.models`
+    entry point: registered as a lazy target, lm-eval's registry loads the adapter from it."""
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"][ENTRY_POINT_GROUP]
+    point = EntryPoint(name="trainflow-entry-point", value=declared["trainflow"], group=ENTRY_POINT_GROUP)
+    model_registry.register(point.name, target=point)
+    assert get_model(point.name) is TrainflowLM is get_model("trainflow")

@@ -235,13 +235,16 @@ class TrainflowLM(TemplateLM):
 
     def _score_rows(self, rows: list[tuple[list[int], list[int], int]]) -> tuple[np.ndarray, np.ndarray]:
         """(logprob, greedy) of (inputs, targets, scored tail length) rows, right-padded to a
-        bucket and to a multiple of the mesh's row shards."""
+        length bucket."""
         longest = max(len(inputs) for inputs, _, _ in rows)
         length = min(length_bucket(longest), max(longest, self.model_cfg.max_seq_len))
         length += -length % self._context
         if unsplittable(length, self._context, "a scored row"):
             raise ConfigError(unsplittable(length, self._context, "a scored row"))
-        n = len(rows) + (-len(rows) % self._shards)  # extra rows all padding: they score 0 and are dropped
+        # Every batch has batch_size rows (rounded up to the mesh's row shards), so one compilation
+        # per length bucket serves them all; the extra rows are all padding, score 0 and are dropped.
+        n = max(len(rows), self.batch_size)
+        n += -n % self._shards
         tokens, targets, segments, scored = (np.zeros((n, length), np.int32) for _ in range(4))
         for r, (inputs, row_targets, tail) in enumerate(rows):
             tokens[r, : len(inputs)], targets[r, : len(inputs)], segments[r, : len(inputs)] = inputs, row_targets, 1
