@@ -34,7 +34,7 @@ from engine.models.mla import MLA
 from engine.models.moe import MoE, MoEStats, combine_stats
 from engine.models.rope import rope_cos_sin, rope_inverse_frequencies, rotate
 from engine.ops.attention import attention, decode_attention
-from engine.ops.dense import DotGeneral, dense, gated_mlp, uses_cpu_backward
+from engine.ops.dense import DotGeneral, dense, gated_mlp, uses_cpu_backward, weight_grads_in
 from engine.ops.partitioning import constrain, current_platform
 
 # Parameters are created unsharded and placed by engine/models/params.py under jit with the
@@ -514,7 +514,8 @@ class Transformer(nnx.Module):
         expert loads (engine/models/moe.py: combine_stats) and `aux_loss`, their sum weighted
         as ComputeConfig says, to add to the training loss; empty for a dense model. Without
         the `lm_head`: the final-normed hidden states (b, t, d) in place of the logits."""
-        logits_btv, stats, _ = self._forward(tokens_bt, positions_bt, segment_ids_bt, None, lm_head)
+        with weight_grads_in(self.compute.weight_grad_dtype):  # what the backward's products round to
+            logits_btv, stats, _ = self._forward(tokens_bt, positions_bt, segment_ids_bt, None, lm_head)
         if stats is None:
             return logits_btv, {}
         aux = combine_stats(stats, self.cfg.num_experts, self.cfg.experts_per_token)

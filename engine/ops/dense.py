@@ -20,13 +20,25 @@ end. On CPU this is also what lets the hardware's bf16 instructions run: XLA:CPU
 bf16 x bf16 -> f32 dot to its YNNPACK kernels (AVX512-BF16 / AMX where the CPU has them),
 but a bf16 -> bf16 dot it converts to float32 first and multiplies in f32 (4-15x slower at
 the benchmark shape, docs/benchmarks.md).
+
+Weight gradients are produced, and so reduced across the devices that split the batch (the
+fsdp/data all-reduce or reduce-scatter XLA's partitioner puts on their products), in float32
+by default: the backward's products accumulate as the forward's do. Inside
+`weight_grads_in("bfloat16")` (ComputeConfig.weight_grad_dtype; the model's forward enters
+it) the dense layers' weight-gradient products come out in the bf16 compute dtype instead, as
+MaxText's do, halving the bytes those collectives move; the MXU and XLA:CPU still accumulate
+each product in float32 internally, so only its rounding point moves ahead of the reduction.
+On CPU a bf16-output product runs XLA's slower f32 lowering (above): the option is for
+accelerators. Float32 compute is unaffected either way.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import jax
@@ -36,6 +48,21 @@ from engine.ops.partitioning import constrain, current_platform
 
 Backward = Literal["auto", "cpu", "autodiff"]
 DotGeneral = Callable[..., jax.Array]  # jax.lax.dot_general's signature
+
+
+_BF16_WEIGHT_GRADS: contextvars.ContextVar[bool] = contextvars.ContextVar("bf16_weight_grads", default=False)
+
+
+@contextlib.contextmanager
+def weight_grads_in(dtype: str) -> Iterator[None]:
+    """Within: weight gradients of narrower-than-f32 products come out in their compute dtype
+    ("bfloat16") or in float32 ("float32", the default). Read when a product is traced, so
+    the backward pass (traced later by autodiff) follows the forward's setting."""
+    token = _BF16_WEIGHT_GRADS.set(dtype == "bfloat16")
+    try:
+        yield
+    finally:
+        _BF16_WEIGHT_GRADS.reset(token)
 
 
 def uses_cpu_backward(backward: Backward) -> bool:
@@ -56,32 +83,38 @@ def dense(
     returns a narrower product's float32 accumulator unrounded (the LM head's logits, which
     the loss reads in float32 anyway); its gradient is rounded to x's dtype for the backward
     products."""
+    narrow_grads = _BF16_WEIGHT_GRADS.get()
     if uses_cpu_backward(backward):
-        return _dense(x, w, n_in, dot_general, float32_out)
+        return _dense(x, w, n_in, dot_general, float32_out, narrow_grads)
+    if narrow_grads and not float32_out:
+        # Autodiff transposes a product with its forward's output dtype: a bf16-output
+        # forward gives bf16 weight (and input) gradient products, as MaxText's layers do.
+        return _dot(x, w, n_in, dot_general, accumulate=None)
     return _dot(x, w, n_in, dot_general, rounded=not float32_out)
 
 
-def _product(dot_general, a, b, dimensions, rounded: bool = True):
+def _product(dot_general, a, b, dimensions, rounded: bool = True, accumulate=jnp.float32):
     """dot_general(a, b), accumulated in float32 when the operands are narrower (and, if
-    `rounded`, rounded back to their dtype)."""
+    `rounded`, rounded back to their dtype). `accumulate=None`: the product in the operands'
+    dtype (the backend accumulates internally as it will)."""
     dtype = jnp.result_type(a, b)
-    if jnp.finfo(dtype).bits >= 32:
+    if jnp.finfo(dtype).bits >= 32 or accumulate is None:
         return dot_general(a, b, dimensions)
     out = dot_general(a, b, dimensions, preferred_element_type=jnp.float32)
     return out.astype(dtype) if rounded else out
 
 
-def _dot(x, w, n_in, dot_general, rounded: bool = True):
+def _dot(x, w, n_in, dot_general, rounded: bool = True, accumulate=jnp.float32):
     x_axes = tuple(range(x.ndim - n_in, x.ndim))
-    return _product(dot_general, x, w, ((x_axes, tuple(range(n_in))), ((), ())), rounded)
+    return _product(dot_general, x, w, ((x_axes, tuple(range(n_in))), ((), ())), rounded, accumulate)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _dense(x, w, n_in, dot_general, float32_out):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _dense(x, w, n_in, dot_general, float32_out, narrow_grads):
     return _dot(x, w, n_in, dot_general, rounded=not float32_out)
 
 
-def _dense_fwd(x, w, n_in, dot_general, float32_out):
+def _dense_fwd(x, w, n_in, dot_general, float32_out, narrow_grads):
     return _dot(x, w, n_in, dot_general, rounded=not float32_out), (x, w)
 
 
@@ -91,24 +124,26 @@ def _input_grad(dy, w, n_in, dot_general, rounded: bool = True):
     return _product(dot_general, dy, w, ((dy_out, tuple(range(n_in, w.ndim))), ((), ())), rounded)
 
 
-def _weight_grad(x, dy, n_in, dot_general):
+def _weight_grad(x, dy, n_in, dot_general, narrow: bool = False):
     """x^T . dy over the batch axes (in..., out...), the narrower operand put first: XLA:CPU
-    transposes the first operand, and the narrow one is the cheap one to transpose."""
+    transposes the first operand, and the narrow one is the cheap one to transpose. `narrow`:
+    the product comes out in the operands' dtype (weight_grads_in("bfloat16"))."""
     n_batch = x.ndim - n_in
     batch = tuple(range(n_batch))
+    accumulate = None if narrow else jnp.float32
     if math.prod(x.shape[n_batch:]) <= math.prod(dy.shape[n_batch:]):
-        return _product(dot_general, x, dy, ((batch, batch), ((), ())))
+        return _product(dot_general, x, dy, ((batch, batch), ((), ())), accumulate=accumulate)
     n_out = dy.ndim - n_batch
-    dw_t = _product(dot_general, dy, x, ((batch, batch), ((), ())))  # (out..., in...)
+    dw_t = _product(dot_general, dy, x, ((batch, batch), ((), ())), accumulate=accumulate)  # (out..., in...)
     return dw_t.transpose(*range(n_out, n_out + n_in), *range(n_out))
 
 
-def _dense_bwd(n_in, dot_general, float32_out, residuals, dy):
+def _dense_bwd(n_in, dot_general, float32_out, narrow_grads, residuals, dy):
     x, w = residuals
     dy = dy.astype(jnp.result_type(x, w))  # a float32_out gradient, rounded for the bf16 kernels
     return (
         _input_grad(dy, w, n_in, dot_general).astype(x.dtype),
-        _weight_grad(x, dy, n_in, dot_general).astype(w.dtype),
+        _weight_grad(x, dy, n_in, dot_general, narrow_grads).astype(w.dtype),
     )
 
 
@@ -132,13 +167,15 @@ def gated_mlp(
     derivative or their product, which autodiff would also save) and recomputes the rest.
     `hidden_names`, logical axis names of the hidden activation, constrain its sharding.
     """
+    narrow_grads = _BF16_WEIGHT_GRADS.get()
     if uses_cpu_backward(backward):
-        return _gated_mlp(x, w_gate, w_up, w_down, activation, hidden_names, dot_general)
-    return _gated_fwd(x, w_gate, w_up, w_down, activation, hidden_names, dot_general)[0]
+        return _gated_mlp(x, w_gate, w_up, w_down, activation, hidden_names, dot_general, narrow_grads)
+    accumulate = None if narrow_grads else jnp.float32
+    return _gated_fwd(x, w_gate, w_up, w_down, activation, hidden_names, dot_general, accumulate)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _gated_mlp(x, w_gate, w_up, w_down, activation, hidden_names, dot_general):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _gated_mlp(x, w_gate, w_up, w_down, activation, hidden_names, dot_general, narrow_grads):
     return _gated_fwd(x, w_gate, w_up, w_down, activation, hidden_names, dot_general)[0]
 
 
@@ -155,18 +192,27 @@ def _f32(x):
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
-def _gated_fwd(x, w_gate, w_up, w_down, activation, hidden_names, dot_general):
-    gate, up = _dot(x, w_gate, 1, dot_general), _dot(x, w_up, 1, dot_general)
-    out = _dot(_hidden(gate, up, activation, hidden_names), w_down, 1, dot_general)
+def _gated_fwd(x, w_gate, w_up, w_down, activation, hidden_names, dot_general, accumulate=jnp.float32):
+    """(out, residuals); `accumulate=None` (autodiff's path with bf16 weight gradients): the
+    products in the compute dtype, which autodiff's transposes then follow."""
+    gate, up = (
+        _dot(x, w_gate, 1, dot_general, accumulate=accumulate),
+        _dot(x, w_up, 1, dot_general, accumulate=accumulate),
+    )
+    out = _dot(_hidden(gate, up, activation, hidden_names), w_down, 1, dot_general, accumulate=accumulate)
     return out, (x, gate, up, w_gate, w_up, w_down)
 
 
-def _gated_bwd(activation, hidden_names, dot_general, residuals, dy):
+def _gated_mlp_fwd(x, w_gate, w_up, w_down, activation, hidden_names, dot_general, narrow_grads):
+    return _gated_fwd(x, w_gate, w_up, w_down, activation, hidden_names, dot_general)
+
+
+def _gated_bwd(activation, hidden_names, dot_general, narrow_grads, residuals, dy):
     x, gate, up, w_gate, w_up, w_down = residuals
     dtype = gate.dtype
     act, act_vjp = jax.vjp(activation, _f32(gate))
     h = (act * _f32(up)).astype(dtype)
-    d_down = _weight_grad(h, dy, 1, dot_general)
+    d_down = _weight_grad(h, dy, 1, dot_general, narrow_grads)
     dh = _input_grad(dy, w_down, 1, dot_general, rounded=False)  # float32: read once, unrounded
     if hidden_names is not None:
         dh = constrain(dh, hidden_names)
@@ -176,10 +222,10 @@ def _gated_bwd(activation, hidden_names, dot_general, residuals, dy):
     dx = _input_grad(d_gate, w_gate, 1, dot_general) + _input_grad(d_up, w_up, 1, dot_general)
     return (
         dx.astype(x.dtype),
-        _weight_grad(x, d_gate, 1, dot_general).astype(w_gate.dtype),
-        _weight_grad(x, d_up, 1, dot_general).astype(w_up.dtype),
+        _weight_grad(x, d_gate, 1, dot_general, narrow_grads).astype(w_gate.dtype),
+        _weight_grad(x, d_up, 1, dot_general, narrow_grads).astype(w_up.dtype),
         d_down.astype(w_down.dtype),
     )
 
 
-_gated_mlp.defvjp(_gated_fwd, _gated_bwd)
+_gated_mlp.defvjp(_gated_mlp_fwd, _gated_bwd)

@@ -21,6 +21,7 @@ compiler itself refuses a step that cannot fit (RESOURCE_EXHAUSTED), its figures
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import math
 import os
@@ -439,3 +440,72 @@ def report(plans: list[Plan], print_fn: Callable[[str], None] = print) -> dict[s
 def plan_train(cfg: TrainConfig, target: str) -> dict[str, Any]:
     """`python -m engine.train CONFIG --plan --target NAME`: plan pretraining's step."""
     return report([plan_step(cfg, get_target(target), stage="pretrain")])
+
+
+# --------------------------------------------------------------------------- collectives
+
+REDUCTIONS = ("all-reduce", "all-reduce-start", "reduce-scatter")
+"""The ops that sum gradients over the devices that split the batch."""
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.-]+) .*\{$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.-]+) = (.+?) ([a-z][\w-]*)\((.*)$")
+_CALLS = re.compile(r"\b(calls|to_apply|body|condition)=%?([\w.-]+)")
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+
+
+def _group_size(attributes: str) -> int:
+    """Devices in each replica group: {{0,1,2,3},...}, [groups,size]<=[n], or mesh[...] {axes}."""
+    if found := re.search(r"replica_groups=\{\{([\d,]*)\}", attributes):
+        return len(found.group(1).split(","))
+    if found := re.search(r"replica_groups=\[\d+,(\d+)\]<=", attributes):
+        return int(found.group(1))
+    if found := re.search(r"replica_groups=mesh\[([^\]]*)\](?: \{([^}]*)\})?", attributes):
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", found.group(1)))
+        axes = re.findall(r"'(\w+)'", found.group(2)) if found.group(2) else list(sizes)
+        return math.prod(int(sizes[a]) for a in axes)
+    return 1
+
+
+def collective_bytes(hlo_text: str, ops: tuple[str, ...] = REDUCTIONS) -> dict[str, float]:
+    """Bytes per step that the compiled module's `ops` reduce, by element type ("f32", "bf16"),
+    from its optimized HLO text (`compiled.as_text()`): each op's full (unscattered) operand,
+    times how often its computation runs, a while loop's body (the layer scan) as many times
+    as its condition's bound (its largest integer constant)."""
+    computations: dict[str, list[tuple[str, str, str]]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        if (start := _COMPUTATION.match(line)) and not line.startswith(" "):
+            current = start.group(1)
+            computations[current] = []
+            entry = current if line.startswith("ENTRY") else entry
+        elif current is not None and (instruction := _INSTRUCTION.match(line)):
+            computations[current].append(instruction.group(2, 3, 4))
+    bounds = {
+        name: max(
+            (int(rest.split(")")[0]) for shape, op, rest in body if op == "constant" and shape.startswith("s32[]")),
+            default=1,
+        )
+        for name, body in computations.items()
+    }
+    callers: dict[str, list[tuple[str, int]]] = {}
+    for name, body in computations.items():
+        for _, opcode, rest in body:
+            called = dict(_CALLS.findall(rest))
+            trips = bounds.get(called.get("condition", ""), 1) if opcode == "while" else 1
+            for kind, callee in called.items():
+                callers.setdefault(callee, []).append((name, trips if kind == "body" else 1))
+
+    @functools.cache
+    def runs(name: str) -> int:
+        return 1 if name == entry else sum(runs(caller) * factor for caller, factor in callers.get(name, ()))
+
+    totals: dict[str, float] = {}
+    for name, body in computations.items():
+        for shape, opcode, rest in body:
+            if opcode not in ops:
+                continue
+            scale = _group_size(rest) if opcode == "reduce-scatter" else 1
+            for dtype, dims in _ARRAY.findall(shape):
+                elements = math.prod(int(d) for d in dims.split(",") if d)
+                bits = 4 if dtype in ("s4", "u4") else int(re.sub(r"\D", "", dtype) or 8)
+                totals[dtype] = totals.get(dtype, 0.0) + runs(name) * scale * elements * bits / 8
+    return totals
