@@ -21,7 +21,7 @@ from engine.posttrain.multiturn import EpisodeRunner
 from engine.train.checkpoint import Checkpointer
 
 SPECIAL = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|tool|>"]
-CHARS = [*"0123456789", "+", "=", "c", "x"]
+CHARS = [*"0123456789", "+", "=", ">", "c"]
 
 
 def char_bundle(chat: bool = True) -> TokenizerBundle:
@@ -85,8 +85,10 @@ def test_a_chat_episode_masks_exactly_the_models_tokens():
     assert out.logprobs[0, : len(episode)].tolist() == [-1, -2, 0, 0, 0, 0, -1, -2]
     # Turn 2 was shown the whole episode so far: prompt, the call, the observation.
     assert seen[1][0] == prompt + episode[:6]
-    assert out.rewards.tolist() == [1.0, 0.0] and out.answers == ["7", "5"]
-    np.testing.assert_array_equal(out.turn_rewards, [[0.0, 1.0, np.nan, np.nan], [0.0, np.nan, np.nan, np.nan]])
+    # Per-turn rewards: 0.5 for the call, 1 for the right answer; the episode's is their sum.
+    assert out.rewards.tolist() == [1.5, 0.0] and out.answers == ["7", "5"]
+    np.testing.assert_array_equal(out.turn_rewards, [[0.5, 1.0, np.nan, np.nan], [0.0, np.nan, np.nan, np.nan]])
+    assert out.metrics["reward/turn_1/mean"] == 0.25 and out.metrics["reward/turn_2/mean"] == 1.0
     assert out.metrics["env/turns"] == 1.5 and out.metrics["env/tool_calls"] == 0.5
     assert out.metrics["env/truncated"] == 0.0 and out.metrics["env/failed"] == 0.0
 
@@ -100,7 +102,7 @@ def test_a_turn_cut_by_its_token_budget_gets_the_templates_closing_token_masked(
     episode = ids("c", "<eos>", "<|tool|>", "7", "<eos>", "<|assistant|>", "7")
     assert out.tokens[0, : len(episode)].tolist() == episode
     assert out.model_mask[0, : len(episode)].astype(int).tolist() == [1, 0, 0, 0, 0, 0, 1]
-    assert out.rewards.tolist() == [1.0]
+    assert out.rewards.tolist() == [1.5]
 
 
 def test_a_text_episode_appends_the_observation_as_the_environment_wrote_it():
@@ -108,7 +110,7 @@ def test_a_text_episode_appends_the_observation_as_the_environment_wrote_it():
     generate, _ = scripted([[ids("c", "<eos>")], [ids("7", "<eos>")]])
     out = run(generate, [ROW])
     assert out.prompt_tokens[0, -4:].tolist() == ids("3+4=")
-    episode = ids("c", "<eos>", "7=", "7", "<eos>")
+    episode = ids("c", "<eos>", "7>", "7", "<eos>")
     assert out.tokens[0, : len(episode)].tolist() == episode
     assert out.model_mask[0, : len(episode)].astype(int).tolist() == [1, 1, 0, 0, 1, 1]
 
@@ -117,9 +119,9 @@ def test_budgets_truncate_an_episode():
     call = ids("c", "<eos>")
     # Out of turns: one turn allowed, and it is a call.
     out = runner(max_turns=1)(scripted([[call]])[0], [ROW])
-    assert out.metrics["env/truncated"] == 1.0 and out.rewards.tolist() == [0.0]
+    assert out.metrics["env/truncated"] == 1.0 and out.rewards.tolist() == [0.5]  # the call's reward
     assert out.model_mask[0].sum() == 2 and out.episode_mask[0].sum() == 2  # no observation appended
-    # Out of episode tokens: the observation ("7=") and a next token do not fit in C = 4.
+    # Out of episode tokens: the observation ("7>") and a next token do not fit in C = 4.
     out = runner(C=4)(scripted([[call]])[0], [ROW])
     assert out.metrics["env/truncated"] == 1.0 and out.episode_mask[0].sum() == 2
     # A prompt longer than max_prompt_length keeps its last tokens.
@@ -191,7 +193,14 @@ def tool_task(tmp_path_factory) -> Path:
     bundle = char_bundle(chat=False)
     save_tokenizer(bundle, out / "tokenizer")
     cfg = ModelConfig(
-        vocab_size=32, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64, max_seq_len=32
+        vocab_size=len(ID),
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        mlp_dim=64,
+        max_seq_len=16,
     )
     params = nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
     ckpt = Checkpointer(out / "checkpoint", async_save=False)
@@ -204,6 +213,8 @@ def tool_task(tmp_path_factory) -> Path:
 
 
 def test_a_tool_using_policy_learns_the_two_turn_arithmetic_task(tool_task, tmp_path):
+    """From a random policy: it learns to call the calculator (a per-turn reward of 0.5) and
+    then, slower, to answer with the result it was shown (reward 1; chance is 1 in 19)."""
     tree = {
         "checkpoint": {
             "init_from": str(tool_task / "checkpoint"),
@@ -212,20 +223,28 @@ def test_a_tool_using_policy_learns_the_two_turn_arithmetic_task(tool_task, tmp_
             "async_save": False,
         },
         "data": {"path": str(tool_task / "rows.jsonl"), "prompt_field": "question"},
-        "environment": {"factory": "arithmetic_tool", "max_turns": 2, "max_turn_tokens": 2},
-        "optimizer": {"learning_rate": 2e-2},
+        "environment": {"factory": "arithmetic_tool", "max_turns": 2, "max_turn_tokens": 1},
+        "optimizer": {"learning_rate": 1e-2},
         "prompts_per_step": 10,
         "num_generations": 16,
         "max_prompt_length": 4,
-        "max_completion_length": 8,
-        "steps": 30,
+        "max_completion_length": 4,
+        "steps": 40,
         "progress": False,
         "metrics_dir": str(tmp_path),
     }
     run_grpo(load_config(tree=tree, schema=GRPOConfig))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     curve = [r["reward"] for r in records]
-    first, last = np.mean(curve[:3]), np.mean(curve[-3:])
-    print(f"reward first 3 steps {first:.3f}, last 3 steps {last:.3f}; tool calls {records[-1]['env/tool_calls']}")
-    assert last > first + 0.4, curve
-    assert records[-1]["env/tool_calls"] > 0.5  # it learned to call the calculator, not to add
+    first, last = np.mean(curve[:3]), np.mean(curve[-5:])
+    calls = [r["env/tool_calls"] for r in records]
+    # Right answers after a call: the episode reward less the call's 0.5, once calls are all.
+    right = np.mean([r["reward"] - 0.5 * r["env/tool_calls"] for r in records[-5:]])
+    print(
+        f"reward: first 3 steps {first:.3f}, last 5 {last:.3f}; calls {calls[0]:.2f} -> {calls[-1]:.2f}; "
+        f"right after a call (last 5) {right:.3f}"
+    )
+    assert first < 0.2 and last > first + 0.4, curve
+    assert calls[0] < 0.2 and min(calls[-5:]) > 0.9, calls
+    assert right > 2 / 19, right  # above chance: it reads the observation
+    assert all(r["env/failed"] == 0 and r["env/truncated"] == 0 for r in records)

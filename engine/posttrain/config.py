@@ -13,6 +13,7 @@ from engine.config import Strict
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.parallel.config import MeshConfig, unsplittable
 from engine.posttrain import advantages  # noqa: F401 - registers the built-in advantage estimators
+from engine.posttrain.environments import EnvironmentConfig
 from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from engine.posttrain.rewards import RewardSpec
 from engine.posttrain.rollout_server import RolloutServerConfig
@@ -111,8 +112,15 @@ class GRPOConfig(Strict):
     data: GRPODataConfig = GRPODataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     """checkpoint.init_from (the policy to start from) and checkpoint.directory are required."""
-    rewards: list[RewardSpec] = Field(min_length=1)
-    """Reward terms; the reward of a completion is their weighted sum."""
+    rewards: list[RewardSpec] = Field(default_factory=list)
+    """Reward terms; the reward of a completion is their weighted sum.
+    At least one, unless an `environment` scores the episodes (its reward is then one more
+    term, of weight 1)."""
+    environment: EnvironmentConfig | None = None
+    """Multi-turn episodes against an environment (engine/posttrain/environments.py,
+    multiturn.py) instead of one completion per prompt: `factory` (a built-in or
+    module:Class), max_turns, max_turn_tokens, kwargs. max_completion_length is then the
+    budget of the whole episode after the prompt; the loss is on the model's tokens only."""
     lora: LoraConfig | None = None
     """Train a LoRA adapter on the frozen checkpoint.init_from: rollouts sample from base +
     adapter unmerged, and the KL reference (beta > 0) is the base with the adapter off."""
@@ -204,6 +212,10 @@ class GRPOConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> GRPOConfig:
+        if not self.rewards and self.environment is None:
+            raise ValueError("rewards: give at least one reward term (or an environment that scores the episodes)")
+        if self.environment is not None and self.rollout_workers:
+            raise ValueError("environment with rollout_workers is not supported yet: set rollout_workers 0")
         if self.max_staleness > 0 and self.rollout_workers == 0:
             raise ValueError(
                 f"max_staleness {self.max_staleness} needs rollout_workers >= 1: with 0 the trainer's "

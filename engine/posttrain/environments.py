@@ -303,7 +303,10 @@ class ArithmeticToolTask(ToolEnvironment):
     """Two turns, learnable by a tiny model on CPU in a few dozen GRPO steps: the row asks
     `question` (e.g. "3+4"); the model either answers at once or calls the calculator by
     writing `call_word` alone, which evaluates the question, and answers after seeing the
-    result. The answer is right if it is the row's `answer` exactly.
+    result. The answer is right if it is the row's `answer` exactly (reward 1); the call earns
+    `call_reward` (a per-turn reward, paid for the episode's one call; a second `call_word`
+    ends the episode and takes it back, so calling cannot be farmed), without which a random
+    policy almost never sees the call pay off (it must call and then copy the result).
 
     The call takes its argument from the question, so a randomly initialised model only has
     to learn two things (to call, then to copy the observed result) instead of copying an
@@ -317,10 +320,10 @@ class ArithmeticToolTask(ToolEnvironment):
         answer_field: str = "answer",
         call_word: str = "c",
         prompt_suffix: str = "=",
-        observation_suffix: str = "=",
+        observation_suffix: str = ">",
         chat: bool = False,
         observation_role: str = "tool",
-        call_reward: float = 0.0,
+        call_reward: float = 0.5,
     ):
         super().__init__(
             tools=["calculator"],
@@ -333,19 +336,23 @@ class ArithmeticToolTask(ToolEnvironment):
         self.prompt_suffix, self.observation_suffix = prompt_suffix, observation_suffix
 
     def reset(self, row: dict[str, Any]) -> Prompt:
+        self.called = False
         question = str(super().reset(row))
         return [{"role": "user", "content": question}] if self.chat else question + self.prompt_suffix
 
     def parse_calls(self, turn: str) -> list[tuple[str, Any]] | None:
-        if turn.strip() != self.call_word:
+        if turn.strip() != self.call_word or self.called:
             return None
+        self.called = True
         return [("calculator", {"expression": str(self.row[self.prompt_field])})]
+
+    def score(self, answer: str) -> float:
+        if self.called and answer.strip() == self.call_word:  # calling again: the call's reward is taken back
+            return -self.call_reward
+        return float(answer.strip() == str(self.row[self.answer_field]).strip())
 
     def format_results(self, results: list[str]) -> str:
         return "\n".join(results) + ("" if self.chat else self.observation_suffix)
-
-    def score(self, answer: str) -> float:
-        return float(answer.strip() == str(self.row[self.answer_field]).strip())
 
 
 def arithmetic_tool_rows(count: int, seed: int = 0, max_sum: int = 9) -> list[dict[str, str]]:

@@ -45,6 +45,7 @@ from engine.ops.partitioning import use_mesh
 from engine.posttrain.async_rollout import RolloutWorkerError, RolloutWorkers
 from engine.posttrain.config import GRPOConfig, GRPODataConfig
 from engine.posttrain.finetune import finetune_start, read_jsonl
+from engine.posttrain.multiturn import EpisodeRunner, multiturn_rollout
 from engine.posttrain.policy_loss import completion_logps, policy_loss, rollout_correction_weights
 from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from engine.posttrain.reward_model import RewardScorer
@@ -293,6 +294,16 @@ class RolloutSource:
                 dtype=cfg.rollout_dtype,
                 lora=cfg.lora,
             )
+        self.episodes = None  # an environment's episodes replace the single completion (multiturn.py)
+        if cfg.environment is not None:
+            self.episodes = EpisodeRunner(
+                cfg.environment,
+                bundle,
+                max_prompt_length=cfg.max_prompt_length,
+                max_completion_length=cfg.max_completion_length,
+                pad_id=self.pad_id,
+                log=self.log,
+            )
         self.workers: RolloutWorkers | None = None
         self.stream_states: dict[int, dict] = {}  # the prompt stream before batch j was taken
         self.submitted = 0  # batches handed to the workers
@@ -317,9 +328,12 @@ class RolloutSource:
 
     # ---- the rollout seam: prompts -> completions, masks and behaviour log-probs
 
-    def generate(self, params, prompt_inputs: list, step: int) -> Rollout:
-        """G completions of each prompt from `params` (this process's sampler)."""
+    def generate(self, params, prompt_inputs: list, step: int, records: list[dict] | None = None) -> Rollout:
+        """G completions of each prompt from `params` (this process's sampler); with an
+        environment, G episodes of each record."""
         cfg = self.cfg
+        if self.episodes is not None:
+            return multiturn_rollout(self.episodes, self.sampler, self.bundle, params, records, cfg=cfg, step=step)
         return generate_rollout(
             self.sampler,
             self.bundle,
@@ -360,7 +374,7 @@ class RolloutSource:
         if cfg.rollout_workers == 0:
             records = self._take(state.step)
             prompt_inputs = [r[cfg.data.prompt_field] for r in records]
-            rollout = self.generate(self.trainer.model_params(state.params), prompt_inputs, state.step)
+            rollout = self.generate(self.trainer.model_params(state.params), prompt_inputs, state.step, records)
             rollout.weights_version = state.step
         else:
             if self.workers is None:  # started here, once the (restored) weights are known
@@ -413,7 +427,11 @@ class RolloutSource:
         )
         for j, scorer in self.reward_models.items():
             per_function[:, j] = scorer(batch)
-        rewards, valid = total_reward(per_function, self.weights)
+        weights = self.weights
+        if rollout.rewards is not None:  # an environment's episode rewards; a failed episode is unscored
+            per_function[np.isnan(rollout.rewards)] = np.nan
+            per_function, weights = np.column_stack([per_function, rollout.rewards]), [*weights, 1.0]
+        rewards, valid = total_reward(per_function, weights)
         lengths = loss_mask.sum(1).astype(float)
         advantages, scale_std = self.advantage_fn(rewards, valid, lengths, G, cfg.scale_rewards)
         batch["advantages"] = self.trainer.global_batch({"advantages": np.asarray(advantages)[:, None]})["advantages"]
@@ -439,6 +457,9 @@ class RolloutSource:
         }
         for j, name in enumerate(self.reward_names):
             values[f"reward/{name}/mean"], values[f"reward/{name}/std"] = nan_stats(per_function[:, j])
+        if rollout.rewards is not None:
+            values["reward/environment/mean"], values["reward/environment/std"] = nan_stats(rollout.rewards)
+        values.update(rollout.metrics)
         return batch, values
 
     def get_state(self) -> dict:

@@ -29,6 +29,11 @@ class Rollout:
     loss_mask: np.ndarray | None = None
     """(b, C): the tokens that carry loss (the model's own); None: every completion token. A
     multi-turn rollout masks the environment's tokens here, and keeps them in `output.mask`."""
+    rewards: np.ndarray | None = None
+    """(b,) float64: an environment's episode rewards (multiturn.py; NaN for a failed episode),
+    one more reward term of weight 1; None: the reward functions alone score the rollout."""
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The rollout path's own metrics (a multi-turn rollout's env/turns, env/tool_calls, ...)."""
     weights_version: int = 0
     """The optimizer update whose weights generated it (staleness = step - version)."""
     seconds: float = 0.0
