@@ -15,7 +15,6 @@ from pydantic import Field, field_validator, model_validator
 
 from engine.config import Strict
 from engine.models.family_registry import family_names, get_family
-from engine.ops.attention_names import DecodeImpl, Impl
 
 
 class RopeScaling(Strict):
@@ -327,16 +326,15 @@ class ComputeConfig(Strict):
     remat: Literal["none", "full", "save_dots", "save_qkv_proj"] = "none"
     """Which activations the backward pass recomputes (none = keep all)."""
 
-    attention_impl: Impl = "auto"
-    """Attention in training and prefill (engine/ops/attention.py; the names are
-    engine/ops/attention_names.py's): auto picks by platform (cpu: cpu_kernel, the C++ kernel
-    engine/ops/cpu_kernels/train_attention.cc, on one device of a CPU with AVX-512, where it
-    is faster, else blocked; gpu cudnn; tpu splash) and falls back to blocked, with a
+    attention_impl: Literal["auto", "reference", "blocked", "cudnn", "splash", "cpu_kernel"] = "auto"
+    """Attention in training and prefill (engine/ops/attention.py): auto picks by platform (cpu
+    cpu_kernel, the C++ kernel engine/ops/cpu_kernels/train_attention.cc, on one device and
+    blocked on a mesh of several; gpu cudnn; tpu splash) and falls back to blocked, with a
     warning, where that kernel cannot take the model (cudnn: softcap, float32, head_dim,
     attention sinks; splash: seq_len % 128; cpu_kernel: softcap, sinks, head_dim % 16, a
     kernel that cannot be built); a named one that cannot is an error. reference: the plain
     masked softmax (tests)."""
-    decode_attention_impl: DecodeImpl = "auto"
+    decode_attention_impl: Literal["auto", "reference", "cpu_kernel"] = "auto"
     """Attention of a decode step (one query per row against the KV cache; engine/ops/attention.py):
     cpu_kernel = the C++ kernel engine/ops/cpu_kernels/decode_attention.cc, compiled on first
     use; reference = XLA's lowering of the masked softmax; auto = cpu_kernel on a single CPU
