@@ -34,7 +34,8 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from engine.config import ConfigError  # noqa: E402
 from engine.data.tokenizer import TokenizerConfig, save_tokenizer, train_tokenizer  # noqa: E402
-from engine.evaluate.config import HarnessConfig  # noqa: E402
+from engine.evaluate.config import EvalConfig, HarnessConfig  # noqa: E402
+from engine.evaluate.evaluate import run_evaluate  # noqa: E402
 from engine.evaluate.harness import TrainflowLM, harness_metrics, prepare_harness  # noqa: E402
 from engine.evaluate.harness_cli import ENTRY_POINT_GROUP  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
@@ -268,8 +269,12 @@ def test_an_evaluate_stage_records_harness_metrics(model, tmp_path):
 def test_bad_harness_input_is_one_sentence_naming_the_key(model, tmp_path):
     with pytest.raises(ConfigError, match=r"^harness.include_path: .*missing is not a directory"):
         prepare_harness(HarnessConfig(tasks=["tf_choice"], include_path=str(tmp_path / "missing")))
+    # Through the evaluation itself (what `python -m engine.evaluate` turns into exit 2): before any model loads.
+    cfg = EvalConfig(harness={"tasks": ["tf_choise"], "include_path": str(model["tasks"]), "builtin_tasks": False})
+    with pytest.raises(ConfigError, match=r"^harness.tasks: 'tf_choise' is not among the tasks under "):
+        run_evaluate(cfg, {"model": tmp_path / "no-such-checkpoint"}, tmp_path / "out")
     with pytest.raises(
-        ConfigError, match=r"^harness.tasks: 'tf_choise' is not one of .* tasks; did you mean 'tf_choice'"
+        ConfigError, match=r"^harness.tasks: 'tf_choise' is not among the tasks under .*; did you mean 'tf_choice'\?$"
     ):
         prepare_harness(HarnessConfig(tasks=["tf_choise"], include_path=str(model["tasks"]), builtin_tasks=False))
     with pytest.raises(ConfigError, match=r"model argument 'checkpont' .* did you mean 'checkpoint'"):

@@ -350,16 +350,13 @@ def prepare_harness(cfg: HarnessConfig) -> HarnessTasks:
     for name in cfg.tasks:
         if not manager.match_tasks([name]):
             close = difflib.get_close_matches(name, manager.all_tasks, n=1)
-            where = " or ".join(
-                w
-                for w in (
-                    "lm-eval's own" if cfg.builtin_tasks else "",
-                    f"those under {cfg.include_path}" if cfg.include_path else "",
-                )
-                if w
-            )
+            where = {
+                (True, False): "lm-eval's own tasks",
+                (False, True): f"the tasks under {cfg.include_path}",
+                (True, True): f"lm-eval's own tasks or those under {cfg.include_path}",
+            }[cfg.builtin_tasks, cfg.include_path is not None]
             hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(f"harness.tasks: '{name}' is not one of {where} tasks{hint}")
+            raise ConfigError(f"harness.tasks: '{name}' is not among {where}{hint}")
     return HarnessTasks(cfg, manager, list(cfg.tasks))
 
 
