@@ -11,7 +11,9 @@ each under the name it gets in the report:
       task: evaluate
       inputs: {dataset: tokenize, corpus: problems, pretrain: pretrain, sft: sft, grpo: grpo}
 
-The loss curves are those of every training stage in the models' lineage.
+The loss curves are those of every training stage in the models' lineage. `harness:` in the
+config runs lm-evaluation-harness tasks on every model too (docs/evaluation.md); their metrics
+land in the artifact's as `<model>/harness/<task>/<metric>`.
 """
 
 from __future__ import annotations
