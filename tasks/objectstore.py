@@ -17,6 +17,7 @@ from tasks.store.objects import (  # noqa: F401
     RemoteBackend,
     StepMirror,
     StoreAccessError,
+    StoreWriteError,
     _boto_client,
     _bucket_path,
     _filesystem,

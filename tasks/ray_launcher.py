@@ -16,7 +16,9 @@
    whose worker dies gets SIGTERM (PR_SET_PDEATHSIG, as for local children) and saves.
 
 Every node needs trainflow installed (a worker runs its own `python -m engine...`) and the
-artifact store at the same path (a shared filesystem), as for Slurm. The artifact's lock is
+artifact store at the same path (a shared filesystem), as for Slurm; a bucket store does not
+lift that (its stages run in the staging directory on the machine running trainflow, which
+the runner mirrors to the bucket: docs/pipelines.md, "Object storage"). The artifact's lock is
 held by trainflow only: remote processes cannot inherit it. This module imports Ray, an
 optional extra (`trainflow[ray]`): tasks/launch.py loads it only for `kind: ray`.
 """

@@ -51,8 +51,11 @@ class ThreeSteps(StageKind):
     def run(self, ctx: StageContext) -> dict:
         params = nnx.to_pure_dict(nnx.split(Transformer(MODEL, rngs=nnx.Rngs(ctx.config.seed)))[1])
         ckpt = Checkpointer(ctx.out_dir / CHECKPOINT_DIR, keep=3, async_save=False)
+        done = ckpt.latest_step() or 0  # resumed: the steps already saved are skipped
         for step in STEPS:
             params = _jitter(params, step)
+            if step <= done:
+                continue
             adam = {"mu": _jitter(params, step + 1), "nu": _jitter(params, step + 2)}
             meta = {"step": step, "model": MODEL.model_dump(mode="json"), "format": "trainflow.checkpoint/1"}
             ckpt.save(step, params, adam, meta, {"position": step * 8})

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tasks.store.base import ArtifactStore, Claim, Log, refuse, write_manifest_copy
 from tasks.store.consume import consumed_files
-from tasks.store.objects import RemoteBackend, StoreAccessError, is_url
+from tasks.store.objects import RemoteBackend, StoreAccessError, StoreWriteError, is_url
 from tasks.store.records import COMPLETE, FAILED, ArtifactError, ArtifactLock, ArtifactRef, read_manifest
 
 
@@ -93,7 +93,13 @@ class BucketStore(ArtifactStore):
     def commit(self, stage: str, artifact_id: str, manifest: dict, claim: Claim) -> None:
         """The payload (objects no longer staged deleted: the bucket holds what the manifest
         lists), then the manifest: one atomic PUT, last; then the staging copy's."""
-        self.remote.upload(self.artifact_dir(stage, artifact_id), stage, artifact_id, delete_extra=True)
+        try:
+            self.remote.upload(self.artifact_dir(stage, artifact_id), stage, artifact_id, delete_extra=True)
+        except OSError as e:  # refused (permissions, expired credentials), unreachable, full
+            raise StoreWriteError(
+                f"stage '{stage}': could not upload the artifact to {self.location(stage, artifact_id)}: "
+                f"{type(e).__name__}: {e}; not committed (its checkpoint steps already there are kept for a resume)"
+            ) from e
         if claim.lost:
             raise ArtifactError(
                 f"stage '{stage}': the lease on {self.location(stage, artifact_id)} expired and was taken over "

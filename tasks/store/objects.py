@@ -2,12 +2,12 @@
 
 Design (docs/pipelines.md, "Object storage"): a stage never writes to the bucket directly.
 Every artifact has a local staging directory, `<cache>/<stage>/<id>/` (the same layout as a
-local store), and the runner moves bytes between it and the bucket:
+local store), and the runner (through tasks/store/bucket.py) moves bytes between it and the bucket:
 
-- before a stage runs, its inputs are downloaded into the cache (a complete artifact's
-  files are kept there, content-addressed by id, and re-hashed against the manifest), and a
-  partial artifact of the stage itself is downloaded so the engine resumes from its
-  checkpoints;
+- before a stage runs, of each input only the files it consumes are downloaded into the
+  cache, hashed as they stream in (`fetch`; a complete artifact's files are kept there,
+  content-addressed by id, vouched for by their stamps), and of a partial artifact of the
+  stage itself the newest whole checkpoint step, so the engine resumes from it;
 - while it runs, each checkpoint step is uploaded as soon as Orbax commits it, its digests
   last (`StepMirror`), so even a run killed outright resumes on another machine from the
   newest step uploaded whole (`complete_steps`; only that step is downloaded);
@@ -60,6 +60,10 @@ that holds it is committed; on the bucket it is uploaded last, so a step there w
 
 class StoreAccessError(RuntimeError):
     """The bucket behind a store URL cannot be used (missing, no credentials, no permission)."""
+
+
+class StoreWriteError(RuntimeError):
+    """The bucket refused (or lost) a write while a stage committed: retried like a crash."""
 
 
 def is_url(root: str) -> bool:
@@ -830,14 +834,15 @@ def describe(info: dict | None) -> str:
     )
 
 
-_CLIENT = None
+_CLIENTS: dict[str | None, Any] = {}
 
 
 def _boto_client():
-    global _CLIENT
-    if _CLIENT is None:
+    """One boto3 S3 client per endpoint (the environment may point elsewhere later: a test's
+    second server, a process that switches stores)."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint not in _CLIENTS:
         import boto3
 
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        _CLIENT = boto3.client("s3", endpoint_url=endpoint)
-    return _CLIENT
+        _CLIENTS[endpoint] = boto3.client("s3", endpoint_url=endpoint)
+    return _CLIENTS[endpoint]
