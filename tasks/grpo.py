@@ -23,6 +23,7 @@ from dataclasses import replace
 from engine.config import ConfigError
 from engine.contract import CHECKPOINT_DIR
 from engine.posttrain.config import GRPOConfig
+from engine.posttrain.environments import BUILTIN_ENVIRONMENTS
 from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from engine.posttrain.rewards import BUILTIN
 from tasks.artifacts import sha256_file
@@ -71,6 +72,13 @@ def objective_sources(cfg: GRPOConfig) -> dict[str, str | None]:
     return digests
 
 
+def environment_module(cfg: GRPOConfig) -> str | None:
+    """The user module a `module:Class` environment names (None: none, or a built-in)."""
+    if cfg.environment is None or cfg.environment.factory in BUILTIN_ENVIRONMENTS:
+        return None
+    return cfg.environment.factory.partition(":")[0]
+
+
 class GRPOStage(FineTuneStage):
     task = "grpo"
     entry_point = "grpo"
@@ -105,6 +113,12 @@ class GRPOStage(FineTuneStage):
                         f"{source}: key '{key}': cannot find module '{module}' of '{value}' "
                         "(run from its directory or add it to PYTHONPATH)"
                     )
+        module = environment_module(cfg)
+        if module is not None and module_digest(module) is None:  # a misspelt environment fails here too
+            raise ConfigError(
+                f"{source}: key 'environment.factory': cannot find module '{module}' of "
+                f"'{cfg.environment.factory}' (run from its directory or add it to PYTHONPATH)"
+            )
         data = cfg.data.model_copy(update={"path": absolute_data_path(cfg.data.path, "data.path", source)})
         return cfg.model_copy(update={"data": data})
 
@@ -112,7 +126,9 @@ class GRPOStage(FineTuneStage):
         fp = self.fingerprint_without_paths(config, ("path",))
         fp = {**fp, "prompt_files": file_digests(config.data.path), "reward_sources": reward_sources(config)}
         objective = objective_sources(config)
-        return {**fp, "objective_sources": objective} if objective else fp  # absent: the ids made before
+        fp = {**fp, "objective_sources": objective} if objective else fp  # absent: the ids made before
+        module = environment_module(config)  # a user environment's code is part of the result
+        return {**fp, "environment_source": module_digest(module)} if module else fp
 
     def run(self, ctx: StageContext) -> dict:
         """Each `rewards[i].model` names an input (a reward_model artifact): the engine gets its

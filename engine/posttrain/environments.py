@@ -237,11 +237,13 @@ class ToolEnvironment:
         self.tolerance, self.call_reward, self.correct_reward = tolerance, call_reward, correct_reward
         self.max_calls_per_turn, self.observation_role = max_calls_per_turn, observation_role
         self.row: dict[str, Any] = {}
+        self.text_mode = False
 
     def reset(self, row: dict[str, Any]) -> Prompt:
         if self.prompt_field not in row:
             raise KeyError(f"the row has no '{self.prompt_field}' (prompt_field); it has {sorted(row)}")
         self.row = row
+        self.text_mode = isinstance(row[self.prompt_field], str)
         return row[self.prompt_field]
 
     def parse_calls(self, turn: str) -> list[tuple[str, Any]] | None:
@@ -276,7 +278,10 @@ class ToolEnvironment:
             return f"error: bad arguments for {name}: {e}", True
 
     def format_results(self, results: list[str]) -> str:
-        return "\n".join(results)
+        """Chat mode: the results, one per line (the template wraps the tool message). Text
+        mode: in Hermes' <tool_response> tags, where the model reads them next."""
+        text = "\n".join(results)
+        return f"\n<tool_response>\n{text}\n</tool_response>\n" if self.text_mode else text
 
     def score(self, answer: str) -> float:
         if self.answer_field not in self.row:
