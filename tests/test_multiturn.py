@@ -11,7 +11,13 @@ from flax import nnx
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from engine.config import ConfigError, load_config
-from engine.data.tokenizer import TokenizerBundle, default_chat_template, save_tokenizer
+from engine.data.tokenizer import (
+    TokenizerBundle,
+    TokenizerConfig,
+    default_chat_template,
+    save_tokenizer,
+    train_tokenizer,
+)
 from engine.models.config import ModelConfig
 from engine.models.transformer import Transformer
 from engine.posttrain.config import GRPOConfig
@@ -181,6 +187,31 @@ def test_an_environment_that_cannot_be_imported_is_one_sentence_naming_the_key()
             runner(factory=factory)
     with pytest.raises(ConfigError, match="environment.kwargs: arithmetic_tool does not take these arguments"):
         runner(kwargs={"colour": "red"})
+
+
+def test_tool_calls_through_the_runner_a_hanging_tool_is_killed_and_the_episode_goes_on():
+    """The `tools` environment in chat mode with a byte-level tokenizer: one episode's Python
+    call hangs (killed at its wall limit: a tool error the model sees), the other's runs."""
+    bundle = train_tokenizer(TokenizerConfig(vocab_size=300), ["hello world"] * 10, add_bos=False)
+    cfg = EnvironmentConfig(
+        factory="tools",
+        max_turns=3,
+        max_turn_tokens=200,
+        kwargs={"tools": ["python"], "observation_role": "user", "sandbox": {"wall_seconds": 2, "cpu_seconds": 1}},
+    )
+    run = EpisodeRunner(cfg, bundle, max_prompt_length=64, max_completion_length=600, pad_id=bundle.pad_id)
+    encode = lambda text: bundle.tokenizer.encode(text, add_special_tokens=False).ids + [bundle.eos_id]  # noqa: E731
+    call = '<tool_call>{"name": "python", "arguments": {"code": "%s"}}</tool_call>'
+    turns = [[encode(call % "while True: pass"), encode(call % "print(6 * 7)")], [encode("42")] * 2]
+    rows = [{"prompt": [{"role": "user", "content": "6 * 7?"}], "answer": "42"}] * 2
+    out = run(scripted(turns)[0], rows)
+    assert out.rewards.tolist() == [1.0, 1.0] and out.metrics["env/tool_calls"] == 1.0
+    assert out.metrics["env/tool_errors"] == 0.5 and out.metrics["env/failed"] == 0.0
+    shown = [
+        bundle.tokenizer.decode(t[m & ~k].tolist()) for t, m, k in zip(out.tokens, out.episode_mask, out.model_mask)
+    ]
+    assert "error: the code ran past the CPU-time limit of 1 s" in shown[0] or "wall-time limit of 2 s" in shown[0]
+    assert "42" in shown[1] and "error" not in shown[1]
 
 
 # --------------------------------------------------------------------------- learning, end to end

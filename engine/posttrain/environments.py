@@ -86,6 +86,10 @@ class EnvironmentConfig(Strict):
     tokens) has max_completion_length: an observation that does not fit truncates it."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the factory, e.g. {tools: [calculator], answer_field: answer}."""
+    step_workers: int = Field(4, gt=0)
+    """Episodes whose steps run at once, in threads (a sandboxed tool call is a child process,
+    so they overlap); each episode has its own environment instance. 1: one after another,
+    for an environment whose instances share state."""
 
 
 class EnvironmentFailure(RuntimeError):

@@ -19,7 +19,8 @@ the chat template adds for it: render(history + [observation], add_generation_pr
 render(history), plus whatever the template closes the model's turn with that the model did
 not write (its EOS, when the turn was cut by max_turn_tokens).
 
-Every turn samples all the batch's rows at once (rows whose episode ended are sampled and
+The environments' steps of a turn run in up to `step_workers` threads (a sandboxed tool call
+waits on its child process). Every turn samples all the batch's rows at once (rows whose episode ended are sampled and
 thrown away), so the sampler compiles once per context-length bucket, not once per number
 of live episodes. The context is re-prefilled each turn (no prefix cache across turns).
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -111,6 +113,7 @@ class EpisodeRunner:
         self.cfg, self.bundle, self.log = cfg, bundle, log
         self.make_env = load_environment(cfg)  # a bad factory or kwargs fails here, before any sampling
         self.P, self.C, self.pad_id = max_prompt_length, max_completion_length, pad_id
+        self.pool = ThreadPoolExecutor(cfg.step_workers, thread_name_prefix="env-step")
 
     # ---- text <-> tokens
 
@@ -179,12 +182,14 @@ class EpisodeRunner:
             # Every row, so the sampler's batch keeps its shape (finished rows are thrown away).
             contexts = [(e.prompt + e.ids) or [self.pad_id] for e in episodes]
             outputs = generate(contexts, new_tokens, turn)
-            for episode, (ids, logprobs) in zip(episodes, outputs):
-                if not episode.done:
-                    self._turn(episode, list(ids), list(logprobs), last_turn=turn == cfg.max_turns - 1)
+            last = turn == cfg.max_turns - 1
+            steps = [(e, list(ids), list(lp), last) for e, (ids, lp) in zip(episodes, outputs) if not e.done]
+            # Each step touches only its own episode: the environments' steps overlap in threads.
+            for _ in self.pool.map(lambda job: self._turn(*job), steps):
+                pass
         return self._collect(episodes)
 
-    def _turn(self, episode: _Episode, ids: list[int], logprobs: list[float], *, last_turn: bool) -> None:
+    def _turn(self, episode: _Episode, ids: list[int], logprobs: list[float], last_turn: bool) -> None:
         room = self.C - len(episode.ids)
         ids, logprobs = ids[:room], logprobs[:room]
         episode.extend(ids, True, logprobs)
