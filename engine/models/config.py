@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from engine.config import Strict
 from engine.models.family_registry import family_names, get_family
+from engine.ops.attention_names import DecodeImpl, Impl
 
 
 class RopeScaling(Strict):
@@ -326,15 +327,16 @@ class ComputeConfig(Strict):
     remat: Literal["none", "full", "save_dots", "save_qkv_proj"] = "none"
     """Which activations the backward pass recomputes (none = keep all)."""
 
-    attention_impl: Literal["auto", "reference", "blocked", "cudnn", "splash", "cpu_kernel"] = "auto"
-    """Attention in training and prefill (engine/ops/attention.py): auto picks by platform (cpu
-    cpu_kernel, the C++ kernel engine/ops/cpu_kernels/train_attention.cc, on one device and
-    blocked on a mesh of several; gpu cudnn; tpu splash) and falls back to blocked, with a
+    attention_impl: Impl = "auto"
+    """Attention in training and prefill (engine/ops/attention.py; the names are
+    engine/ops/attention_names.py's): auto picks by platform (cpu: cpu_kernel, the C++ kernel
+    engine/ops/cpu_kernels/train_attention.cc, on one device of a CPU with AVX-512, where it
+    is faster, else blocked; gpu cudnn; tpu splash) and falls back to blocked, with a
     warning, where that kernel cannot take the model (cudnn: softcap, float32, head_dim,
     attention sinks; splash: seq_len % 128; cpu_kernel: softcap, sinks, head_dim % 16, a
     kernel that cannot be built); a named one that cannot is an error. reference: the plain
     masked softmax (tests)."""
-    decode_attention_impl: Literal["auto", "reference", "cpu_kernel"] = "auto"
+    decode_attention_impl: DecodeImpl = "auto"
     """Attention of a decode step (one query per row against the KV cache; engine/ops/attention.py):
     cpu_kernel = the C++ kernel engine/ops/cpu_kernels/decode_attention.cc, compiled on first
     use; reference = XLA's lowering of the masked softmax; auto = cpu_kernel on a single CPU
@@ -359,11 +361,6 @@ class ComputeConfig(Strict):
     E * sum_e f_e * P_e, which is k when balanced; transformers' router_aux_loss_coef)."""
     moe_router_z_loss: float = Field(0.001, ge=0)
     """Weight of the router z-loss, the mean squared log-normaliser of the router logits (ST-MoE)."""
-    weight_grad_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype in which the dense layers' weight gradients are produced, and so reduced over the
-    devices that split the batch (engine/ops/dense.py): float32, or bfloat16 as MaxText's are
-    (half the bytes of the gradient all-reduce/reduce-scatter per step; docs/benchmarks.md).
-    Only a bfloat16 `dtype` has anything to round; the parameters' update stays in param_dtype."""
 
     @field_validator("scan_unroll", mode="before")
     @classmethod

@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -61,12 +60,10 @@ from engine.config import ConfigError
 from engine.ops import attention_cudnn, attention_splash, cpu_kernels
 from engine.ops.attention_blocked import blocked_attention
 from engine.ops.attention_cudnn import cudnn_attention
+from engine.ops.attention_names import DecodeImpl, Impl  # noqa: F401  (the one list; importable from here)
 from engine.ops.attention_reference import dot_product_attention, reference_attention
 from engine.ops.attention_splash import splash_attention
 from engine.ops.partitioning import current_mesh, current_platform, kernel_axes, logical_to_spec, mesh_axis_size
-
-Impl = Literal["auto", "reference", "blocked", "cudnn", "splash", "cpu_kernel"]
-DecodeImpl = Literal["auto", "reference", "cpu_kernel"]
 
 BF16_BITS = jnp.uint16
 """How a bfloat16 KV cache is stored on CPU: its values' bits. XLA:CPU computes bfloat16
