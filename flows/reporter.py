@@ -34,14 +34,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
-import prefect.task_engine
 from prefect.client.orchestration import get_client
-from prefect.concurrency._asyncio import ConcurrencySlotAcquisitionError
-from prefect.concurrency._sync import concurrency as prefect_concurrency
-from prefect.context import get_settings_context
 from prefect.events.schemas.events import Event
-from prefect.events.worker import EventsWorker, ProcessPoolForwardingEventsClient
-from prefect.logging.handlers import APILogHandler
 from prefect.settings import (
     PREFECT_API_REQUEST_TIMEOUT,
     PREFECT_API_URL,
@@ -49,6 +43,19 @@ from prefect.settings import (
     temporary_settings,
 )
 
+from flows.prefect_compat import (
+    RUN_LOGGERS,
+    SERVICES_LOGGER,
+    APILogHandler,
+    ConcurrencySlotAcquisitionError,
+    is_service_failure,
+    log_payload,
+    logs_to_api,
+    set_events_queue,
+    set_task_run_concurrency,
+    task_run_concurrency,
+    wait_for_events_worker,
+)
 from flows.server import api_answers
 
 CALL, LOG, EVENT = "call", "log", "event"
@@ -116,9 +123,7 @@ class Reporter:
         observing, first for Prefect's events worker to hand its events over."""
         deadline = time.monotonic() + timeout
         if _observing_depth:
-            handed_over = threading.Thread(target=EventsWorker.instance().wait_until_empty, daemon=True)
-            handed_over.start()
-            handed_over.join(timeout)
+            wait_for_events_worker(timeout)
         while self._queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.02)
         return not self._queue.unfinished_tasks
@@ -261,11 +266,9 @@ class _QueuedLogs(APILogHandler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            if not get_settings_context().settings.logging.to_api.enabled or not getattr(record, "send_to_api", True):
+            if not logs_to_api() or not getattr(record, "send_to_api", True):
                 return
-            payload = self.prepare(record)
-            payload.pop("__payload_size__", None)
-            self._reporter.log(payload)
+            self._reporter.log(log_payload(self, record))
         except Exception:
             self.handleError(record)
 
@@ -287,8 +290,8 @@ class _EventQueue:
 def _slots_or_none(reporter: Reporter):
     """Prefect's task-run concurrency (the slots of the run's tags), except that a run whose
     API does not answer goes on without them: a concurrency limit cannot be honoured then,
-    and a stage must not fail for want of a record. (Prefect's engine calls this by name,
-    prefect.task_engine._concurrency; `observing` swaps it in for the length of a run.)"""
+    and a stage must not fail for want of a record. (`observing` makes it what Prefect's task
+    engine enters, through flows/prefect_compat.py, for the length of a run.)"""
 
     @contextmanager
     def slots(names, *args, **kwargs) -> Iterator[None]:
@@ -297,7 +300,7 @@ def _slots_or_none(reporter: Reporter):
         if names and reporter.down:  # asking would only fail, after Prefect's retries
             yield
             return
-        held = prefect_concurrency(names, *args, **kwargs)
+        held = task_run_concurrency(names, *args, **kwargs)
         try:
             held.__enter__()
         except ConcurrencySlotAcquisitionError as e:
@@ -335,7 +338,7 @@ class _ServiceErrorsOfADeadApi(logging.Filter):
     answer, those are the reporter's one warning; otherwise they pass."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not (isinstance(record.msg, str) and record.msg.startswith("Service %r failed")):
+        if not is_service_failure(record):
             return True
         with _reporters_lock:
             reporters = list(_reporters.values())
@@ -348,9 +351,7 @@ class _ServiceErrorsOfADeadApi(logging.Filter):
         return True
 
 
-_SERVICES_LOGGER = "prefect._internal.concurrency"
 _service_errors = _ServiceErrorsOfADeadApi()
-_RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs", "prefect.extra")
 _observing: list[tuple[logging.Logger, logging.Handler, logging.Handler]] = []
 _observing_depth = 0
 _observing_lock = threading.Lock()
@@ -364,10 +365,10 @@ def observing(api_url: str) -> Iterator[Reporter]:
     reporter = reporter_for(api_url)
     with _observing_lock:
         # Stays on after the run: Prefect's services drain their queues at exit.
-        if _service_errors not in logging.getLogger(_SERVICES_LOGGER).filters:
-            logging.getLogger(_SERVICES_LOGGER).addFilter(_service_errors)
+        if _service_errors not in logging.getLogger(SERVICES_LOGGER).filters:
+            logging.getLogger(SERVICES_LOGGER).addFilter(_service_errors)
         if _observing_depth == 0:
-            for name in _RUN_LOGGERS:
+            for name in RUN_LOGGERS:
                 logger = logging.getLogger(name)
                 for handler in list(logger.handlers):
                     if isinstance(handler, APILogHandler):
@@ -376,8 +377,8 @@ def observing(api_url: str) -> Iterator[Reporter]:
                         logger.removeHandler(handler)
                         logger.addHandler(queued)
                         _observing.append((logger, handler, queued))
-            EventsWorker.set_client_override(ProcessPoolForwardingEventsClient, event_queue=_EventQueue(reporter))
-            prefect.task_engine._concurrency = _slots_or_none(reporter)
+            set_events_queue(_EventQueue(reporter))
+            set_task_run_concurrency(_slots_or_none(reporter))
         _observing_depth += 1
     try:
         yield reporter
@@ -385,8 +386,8 @@ def observing(api_url: str) -> Iterator[Reporter]:
         with _observing_lock:
             _observing_depth -= 1
             if _observing_depth == 0:
-                EventsWorker.set_client_override(None)
-                prefect.task_engine._concurrency = prefect_concurrency
+                set_events_queue(None)
+                set_task_run_concurrency(task_run_concurrency)
                 while _observing:
                     logger, handler, queued = _observing.pop()
                     logger.removeHandler(queued)
