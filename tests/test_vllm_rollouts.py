@@ -273,10 +273,20 @@ def test_grpo_on_server_rollouts_pushes_the_weights_after_each_update(served, tm
     run_grpo_on_server(cfg.model_copy(update=update))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
+    for row in rows:
+        print(
+            f"step {row['step']}: importance ratio {row['is_ratio_min']:.6f}..{row['is_ratio_max']:.6f}, "
+            f"kl_behaviour {row['kl_behaviour']:.2e}"
+        )
     for row in rows:  # behaviour (server) vs. old (trainer) log-probs of every sampled token
         assert abs(row["is_ratio_max"] - 1) < 1e-3 and abs(row["is_ratio_min"] - 1) < 1e-3, row
         assert abs(row["kl_behaviour"]) < 1e-5, row
     after = client.prompt_logprobs(FIXED)
     params, model_cfg = checkpoint_params(tmp_path / "checkpoint", step=2)
     assert np.max(np.abs(after - before)) > 1e-2  # the policy moved, and the server with it
-    np.testing.assert_allclose(after, engine_logps(params, model_cfg, FIXED), atol=1e-4)
+    engine = engine_logps(params, model_cfg, FIXED)
+    print(
+        f"after the run: max |server - engine (step 2)| {np.max(np.abs(after - engine)):.2e}, "
+        f"moved {np.max(np.abs(after - before)):.2e}"
+    )
+    np.testing.assert_allclose(after, engine, atol=1e-4)
