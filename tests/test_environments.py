@@ -106,8 +106,10 @@ def grpo_tree(**extra):
 def test_a_grpo_config_takes_an_environment_section_and_checks_it():
     cfg = load_config(tree=grpo_tree(environment={"factory": "arithmetic_tool", "max_turns": 2}), schema=GRPOConfig)
     assert cfg.environment.factory == "arithmetic_tool" and cfg.environment.max_turn_tokens == 64 and not cfg.rewards
-    with pytest.raises(ConfigError, match="rewards: give at least one reward term"):
+    with pytest.raises(ConfigError, match="missing required key 'rewards'"):  # as before, without one
         load_config(tree=grpo_tree(), schema=GRPOConfig)
+    with pytest.raises(ConfigError, match="rewards: give at least one reward term"):
+        load_config(tree=grpo_tree(rewards=[]), schema=GRPOConfig)
     with pytest.raises(ConfigError, match="unknown key 'environment.max_turn'; did you mean 'max_turns'"):
         load_config(tree=grpo_tree(environment={"factory": "tools", "max_turn": 2}), schema=GRPOConfig)
     with pytest.raises(ConfigError, match="environment with rollout_workers is not supported yet"):

@@ -112,7 +112,7 @@ class GRPOConfig(Strict):
     data: GRPODataConfig = GRPODataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     """checkpoint.init_from (the policy to start from) and checkpoint.directory are required."""
-    rewards: list[RewardSpec] = Field(default_factory=list)
+    rewards: list[RewardSpec]
     """Reward terms; the reward of a completion is their weighted sum.
     At least one, unless an `environment` scores the episodes (its reward is then one more
     term, of weight 1)."""
@@ -209,6 +209,14 @@ class GRPOConfig(Strict):
         if value < 0:
             raise ValueError(f"max_staleness must be 0 (on-policy) or more updates, not {value}")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _environment_scores(cls, data):
+        """With an environment, `rewards` may be left out (the environment's reward is a term)."""
+        if isinstance(data, dict) and data.get("environment") is not None and "rewards" not in data:
+            data = {**data, "rewards": []}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> GRPOConfig:
