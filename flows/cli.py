@@ -418,7 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
             help="artifact store directory (default: the pipeline's `store`, else $TRAINFLOW_STORE, else ./artifacts)",
         )
         if pipeline:
-            p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. pretrain.steps=200")
+            # default=[]: without a default argparse counts a "*" positional as required, and a
+            # bare `trainflow status` would say key=value is required.
+            p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="e.g. pretrain.steps=200")
         p.set_defaults(func=func)
         return p
 

@@ -183,7 +183,12 @@ class EngineStage(StageKind):
         (out / config_name).write_text(to_yaml(cfg))
         if ctx.resumed:  # files of an earlier attempt: trusted only where their digests match
             drop_unverified_steps(ctx, out / CHECKPOINT_DIR)
-            ctx.log(f"resuming from the checkpoints in {out / CHECKPOINT_DIR}")
+            steps = checkpoint_steps(out / CHECKPOINT_DIR)
+            if steps:
+                shown = ", ".join(map(str, steps[-3:]))
+                ctx.log(f"resuming from the checkpoints in {out / CHECKPOINT_DIR} (steps {shown})")
+            else:
+                ctx.log(f"an earlier attempt saved no checkpoint in {out / CHECKPOINT_DIR}: starting at step 0")
         result = self.launch_engine(ctx, str(out / config_name), metrics_file=out / METRICS_FILE, total_steps=steps)
         return scalars(with_logged_finals(result, out / METRICS_FILE))
 

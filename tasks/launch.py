@@ -243,7 +243,9 @@ def run_child(
         return ChildResult(0, list(output.tails[0]), result)
     rank, code, how, tail = gang.cause(ranks, codes, first, output)
     last = gang.summary_line(tail)
-    interrupted = f"{what}: stopped by SIGTERM (exit {code}); re-run to resume. {last}"
+    # The engine stops on SIGTERM however the run was asked to stop (trainflow forwards Ctrl-C
+    # as SIGTERM; a preemption sends it directly) and exits 143 once its checkpoint is saved.
+    interrupted = f"{what}: stopped by SIGTERM after saving a checkpoint (exit {code}); re-run to resume. {last}"
     if code in (EXIT_PREEMPTED, -signal.SIGTERM):  # a checkpoint was saved
         raise Interrupted(interrupted)
     # The failing rank's lines first, newest first; then the others' (the full disk may be theirs).

@@ -230,6 +230,8 @@ def resolve_artifact(path_or_id: str, store: str | Path | None) -> Path:
         candidate = candidate.parent
     if candidate.is_dir():
         return candidate.absolute()
+    if "/" in path_or_id or candidate.name == MANIFEST or not path_or_id.isalnum():  # a path, not an id
+        raise ArtifactError(f"no artifact directory at {path_or_id} (nor is it an id: ids are hex, e.g. 3f2a9c1d)")
     if store is None:
         raise ArtifactError(f"'{path_or_id}' is not an artifact directory; pass --store to look it up by id")
     return ArtifactStore(store).find(path_or_id)
