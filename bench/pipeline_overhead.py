@@ -12,9 +12,13 @@ Three measurements, each side by side with its peer:
    and training included).
 3. `trainflow run` of that finished pipeline as a user types it (process start, imports,
    flow run, every stage skipped) beside `trainflow status` (no Prefect).
+4. A sweep (`matrix:`) of N points (default 100) whose every point is finished: expanding it
+   into a plan (ids and all), then skipping every point through the Prefect flow, beside the
+   same skips through execute_stage in a plain loop and beside the single-stage skip of 1.
+   Target: expand + skip under 10 s for 100 points.
 
 Uses $PREFECT_API_URL if set, else starts a local Prefect server (SQLite) for the run.
-Writes bench/results/pipeline_overhead.json.
+Writes bench/results/pipeline_overhead.json (with --only-sweep: pipeline_overhead_sweep.json).
 """
 
 from __future__ import annotations
@@ -120,6 +124,47 @@ def bench_chain(n: int, seconds: float, root: Path) -> dict:
     return rows
 
 
+def sweep(n: int, store: Path):
+    from flows.spec import Pipeline
+
+    p = Pipeline("bench-sweep", store=store)
+    p.stage("source", task="bench-sleep", config={"seconds": 0})
+    p.stage(
+        "point",
+        task="bench-sleep-after",
+        inputs={"previous": "source"},
+        config={"seconds": 0},
+        matrix={"index": list(range(n))},
+    )
+    return p.plan()
+
+
+def bench_sweep(n: int, root: Path, chain_seconds: float) -> dict:
+    from flows.pipeline import run_plan
+    from tasks.runner import execute_stage
+
+    store = root / "sweep"
+    for planned in sweep(n, store).stages.values():  # every point finished, without Prefect
+        execute_stage(planned.job, sweep(1, store).store)
+    expand_s, plan = timed(lambda: sweep(n, store))
+    assert len(plan.stages) == n + 1
+    plain_s, statuses = timed(lambda: [execute_stage(p.job, plan.store).status for p in plan.stages.values()])
+    assert set(statuses) == {"skipped"}, statuses
+    prefect_s, summary = timed(lambda: run_plan(sweep(n, store)))
+    assert {s["status"] for s in summary.values()} == {"skipped"}, summary
+    single_s, single = timed(lambda: run_plan(chain(1, chain_seconds, root / "chain-prefect")))  # s0 is finished
+    assert single["s0"]["status"] == "skipped", single
+    return {
+        "points": n,
+        "expand_s": round(expand_s, 3),
+        "all_skipped_plain_s": round(plain_s, 3),
+        "all_skipped_prefect_s": round(prefect_s, 3),
+        "expand_plus_skip_s": round(expand_s + prefect_s, 3),
+        "skipped_per_point_s": round(prefect_s / (n + 1), 4),
+        "single_stage_skip_prefect_s": round(single_s, 3),
+    }
+
+
 def bench_real(root: Path, steps: int) -> dict:
     from flows.pipeline import run_plan
     from flows.spec import load_plan
@@ -179,6 +224,8 @@ def main() -> None:
     parser.add_argument("--work-seconds", type=float, default=0.5)
     parser.add_argument("--steps", type=int, default=20, help="pretrain steps of the real pipeline")
     parser.add_argument("--skip-real", action="store_true", help="only the sleep chain (no JAX)")
+    parser.add_argument("--sweep", type=int, default=100, help="points of the all-finished sweep (0: skip it)")
+    parser.add_argument("--only-sweep", action="store_true", help="only the sweep measurement")
     args = parser.parse_args()
 
     from prefect.testing.utilities import prefect_test_harness
@@ -192,17 +239,27 @@ def main() -> None:
                 from prefect.settings import PREFECT_API_URL
 
                 os.environ["PREFECT_API_URL"] = PREFECT_API_URL.value()
-            chain_rows = bench_chain(args.stages, args.work_seconds, root)
-            real = None if args.skip_real else bench_real(root, args.steps)
+            chain_rows = bench_chain(1 if args.only_sweep else args.stages, args.work_seconds, root)
+            sweep_row = bench_sweep(args.sweep, root, args.work_seconds) if args.sweep else None
+            real = None if args.skip_real or args.only_sweep else bench_real(root, args.steps)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    print(f"\nchain of {args.stages} stages, {args.work_seconds} s of work each")
+    print(f"\nchain of {1 if args.only_sweep else args.stages} stages, {args.work_seconds} s of work each")
     print(f"{'runner':<10}{'first run s':>13}{'overhead/stage s':>18}{'all-skipped s':>15}{'per stage s':>13}")
     for mode, row in chain_rows.items():
         print(
             f"{mode:<10}{row['first_run_s']:>13.2f}{row['overhead_per_stage_s']:>18.3f}"
             f"{row['all_skipped_rerun_s']:>15.2f}{row['skipped_per_stage_s']:>13.3f}"
+        )
+    if sweep_row:
+        print(
+            f"\nsweep of {sweep_row['points']} finished points: expand {sweep_row['expand_s']:.2f} s, "
+            f"skip all through Prefect {sweep_row['all_skipped_prefect_s']:.2f} s "
+            f"({sweep_row['skipped_per_point_s']:.3f} s per point; "
+            f"plain loop {sweep_row['all_skipped_plain_s']:.2f} s), "
+            f"expand + skip {sweep_row['expand_plus_skip_s']:.2f} s (target < 10 s); "
+            f"a single-stage skip through Prefect {sweep_row['single_stage_skip_prefect_s']:.2f} s"
         )
     if real:
         print(f"\n{real['pipeline']}")
@@ -219,7 +276,8 @@ def main() -> None:
             f"`trainflow status` {real['status_cli_s']:.2f} s"
         )
 
-    out = REPO / "bench" / "results" / "pipeline_overhead.json"
+    # --only-sweep records apart, so the chain and tiny-pipeline figures of a full run stay.
+    out = REPO / "bench" / "results" / f"pipeline_overhead{'_sweep' if args.only_sweep else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
@@ -231,6 +289,7 @@ def main() -> None:
                     prefect=version("prefect"), prefect_server=server, load_average_at_start=LOAD_AT_START
                 ),
                 "chain": {"stages": args.stages, "work_seconds_per_stage": args.work_seconds, **chain_rows},
+                "sweep": sweep_row,
                 "tiny_pipeline": real,
             },
             indent=2,

@@ -212,7 +212,8 @@ def read_reference(ref: Reference, manifest_of: Callable[[str], dict | None], st
 def by_reference(by: str, where: str) -> Reference:
     """A selection's `by` (`metrics.eval_loss`, `metrics["a/b"]`, `config.lora.rank`)."""
     try:
-        return _reference(ast.parse(f"_.{by.strip()}", mode="eval").body, where)
+        ref = _reference(ast.parse(f"_.{by.strip()}", mode="eval").body, where)
+        return Reference(ref.stage, ref.path, by)
     except (SyntaxError, ConfigError):
         root, dot, rest = by.partition(".")
         if root in _ROOTS and dot and rest:

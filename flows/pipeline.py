@@ -385,8 +385,11 @@ def _run_stage(plan: Plan, stage: str, reporter: Reporter, run: _Run) -> Any:
             },
         )
     # Artifacts are published by the reporter's thread (in this task run's context), so a
-    # chain of skipped stages does not wait on API round trips.
-    reporter.call(_publish, plan, stage, result)
+    # chain of skipped stages does not wait on API round trips. A skipped sweep point's
+    # summary is the one the run that made it published: a grown grid of 100 points does
+    # not send 100 unchanged pages again.
+    if not (result.status == SKIPPED and planned.params):
+        reporter.call(_publish, plan, stage, result)
     logger.info(f"{stage}: {result.status} in {result.seconds:.1f} s -> {result.path}")
     outcome = {**result.to_dict(), "flow_run_id": run_info["flow_run_id"], "task_run_id": run_info["task_run_id"]}
     if decisions.get("select"):
@@ -413,6 +416,36 @@ def _execute(plan: Plan) -> dict[str, dict]:
     return summary
 
 
+def _finished_points(plan: Plan) -> dict[str, list[str]]:
+    """Sweep -> its points that are complete now and need nothing but a skip (no gate, no
+    checkpoint-step input, no fan-in to publish): they share one task run, so expanding and
+    skipping a finished grid of hundreds of points costs about what one stage's skip does."""
+    out: dict[str, list[str]] = {}
+    for name, planned in plan.stages.items():
+        if (
+            planned.params
+            and planned.resolved
+            and planned.gate is None
+            and not planned.fan_in
+            and not planned.follows
+            and plan.store.is_complete(name, planned.job.artifact_id)
+        ):
+            out.setdefault(planned.base, []).append(name)
+    return {base: points for base, points in out.items() if len(points) > 1}
+
+
+def _skip_points(plan: Plan, base: str, points: list[str]) -> State:
+    """The task run of a sweep's finished points: each skipped through execute_stage."""
+    logger = get_run_logger()
+    run_info = {"flow_run_id": str(runtime.flow_run.id), "task_run_id": str(runtime.task_run.id)}
+    outcomes = {}
+    for point in points:
+        result = execute_stage(plan.stages[point].job, plan.store, StageHooks(log=lambda _: None), run_info)
+        outcomes[point] = {**result.to_dict(), **run_info}
+    logger.info(f"{base}: {len(points)} finished points skipped ({', '.join(points)})")
+    return Completed(name="Skipped", message=f"{len(points)} points of {base} are complete", data=outcomes)
+
+
 def _run_stages(plan: Plan, reporter: Reporter, logger) -> dict[str, dict]:
     """Submit every stage as a task run, wait for all of them; returns {stage: summary}."""
 
@@ -421,8 +454,27 @@ def _run_stages(plan: Plan, reporter: Reporter, logger) -> dict[str, dict]:
     def run_stage(stage: str) -> Any:
         return _run_stage(plan, stage, reporter, run)
 
+    def skip_points(base: str, points: list[str]) -> Any:
+        return _skip_points(plan, base, points)
+
     futures = run.futures
+    grouped = _finished_points(plan)
+    groups: dict[str, Any] = {}
+    for base, points in grouped.items():  # one task run per sweep for the points already made
+        group_task = Task(
+            skip_points,
+            name=f"{base}[*]",
+            task_run_name=f"{base}[{len(points)} finished points]",
+            tags=[*flow_run_tags(plan.name), f"sweep:{base}", f"task:{plan.stages[points[0]].job.task}"],
+            cache_policy=NO_CACHE,
+            persist_result=False,
+        )
+        groups[base] = group_task.submit(base, points)
+        for point in points:
+            futures[point] = groups[base]
     for name, planned in plan.stages.items():
+        if name in futures:
+            continue
         options = dict(
             name=name,
             task_run_name=name,
@@ -461,7 +513,8 @@ def _run_stages(plan: Plan, reporter: Reporter, logger) -> dict[str, dict]:
         state = future.state
         job = plan.stages[name].job
         if state.is_completed():
-            summary[name] = future.result()
+            result = future.result()
+            summary[name] = result[name] if plan.stages[name].base in groups and name in result else result
             continue
         error = state.result(raise_on_failure=False) if (state.is_failed() or state.is_crashed()) else None
         summary[name] = {

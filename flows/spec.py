@@ -502,6 +502,9 @@ def build_plan(spec: PipelineSpec, source: str = "pipeline", store: str | Path |
             resolved=False,
         )
         plan.resolve(name)  # now, unless a selection waits on candidates not yet complete
+        gate = plan.stages[name].gate
+        if gate is not None and all(plan.manifest_of(s) is not None for s in point.gate_stages.values()):
+            gate.evaluate(plan.manifest_of, point.gate_stages)  # an unknown metric: an error now (exit 2)
     return plan
 
 

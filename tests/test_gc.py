@@ -133,3 +133,31 @@ def test_gc_on_a_store_it_cannot_list_is_one_sentence_and_exit_2(s3_endpoint, tm
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: gc: artifact store s3://no-such-bucket/artifacts: bucket 'no-such-bucket'")
     assert len(err.splitlines()) == 1
+
+
+def test_a_gate_or_selection_naming_a_metric_the_finished_stages_lack_is_exit_2(tmp_path, capsys):
+    store = str(tmp_path / "store")
+    path = pipeline(tmp_path / "grid.yaml", store, [1e-4, 3e-4])
+    run_plain(path, store)
+    spec = yaml.safe_load(path.read_text())
+    spec["stages"]["gated"] = {"task": "toy-eval", "inputs": {"m": "base"}, "when": "base.metrics['eval_los'] < 1"}
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["status", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"error: {path}: stages.gated.when: 'base.metrics['eval_los']': base.metrics has no metric 'eval_los' "
+        f"(did you mean 'eval_loss'?)"
+    )
+    del spec["stages"]["gated"]
+    spec["stages"]["best"] = {
+        "task": "toy-train",
+        "inputs": {"checkpoint": {"select": {"from": "sft[*]", "by": "metrics.accuracy", "best": "max"}}},
+    }
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["status", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        f"error: {path}: stages.best.inputs.checkpoint.select.by: 'metrics.accuracy': "
+        f"sft[lr=0.0001].metrics has no metric 'accuracy'"
+    ), err
+    assert len(err.splitlines()) == 1

@@ -16,6 +16,7 @@ from engine.config import ConfigError
 from flows.cli import main
 from flows.pipeline import Pipeline, run_plan
 from flows.spec import load_plan
+from tests.conftest import REPO
 from tests.test_pipeline_flow import artifacts_of, flow_run_of, task_runs_of
 
 pytestmark = pytest.mark.slow
@@ -79,6 +80,18 @@ def test_points_are_named_by_their_labels_and_fan_in_as_one_input_each(tmp_path)
     assert len({plan.stages[p].job.artifact_id for p in points}) == 4
     status = plan.status()
     assert status["best"]["state"] == "pending (selection)" and status["export"]["state"] == "pending (selection)"
+
+
+def test_the_shipped_sweep_expands_real_sft_configs_into_named_points():
+    plan = load_plan(REPO / "configs" / "pipelines" / "sweep.yaml")
+    points = [name for name in plan.stages if name.startswith("sft[")]
+    assert points == [f"sft[lr={lr},rank={rank}]" for lr in ("0.001", "0.005") for rank in (8, 16)]
+    config = plan.stages["sft[lr=0.005,rank=16]"].job.config
+    assert (config.optimizer.learning_rate, config.lora.rank, config.lora.alpha) == (5e-3, 16, 32)
+    assert plan.stages["sft[lr=0.005,rank=16]"].job.kind.output_kind(config) == "adapter"
+    assert plan.stages["early"].follows == ["pretrain"] and plan.stages["early"].depends_on == ["tokenize"]
+    assert plan.stages["early"].job.inputs["pretrain"][0] == "pretrain@100"
+    assert plan.status()["export"]["state"] == "pending (selection)"
 
 
 @pytest.mark.parametrize(
