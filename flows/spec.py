@@ -19,9 +19,13 @@
         config: {model: tiny, steps: 40}
         retries: 2
 
-Everything is checked before anything runs, and every problem is reported at once, each
-naming the file, the stage and the key: unknown task kinds, inputs naming missing stages
-or feeding the wrong artifact kind, cycles, and bad stage configs.
+A stage may also have `matrix:` (one stage per combination), `max_parallel:`, `when:` (a
+gate) and inputs that fan out or in, name a point, a checkpoint step or a selection; the
+sweep is expanded by flows/sweep.py and gates are checked by flows/gates.py, and the plan
+holds the concrete stages (`sft[lr=1e-05,rank=8]`). Everything is checked before anything
+runs, and every problem is reported at once, each naming the file, the stage and the key:
+unknown task kinds, inputs naming missing stages or feeding the wrong artifact kind,
+cycles, bad matrices and gates, and bad stage configs.
 """
 
 from __future__ import annotations
@@ -153,12 +157,16 @@ class Plan:
         """Each stage: complete | running | partial | failed | pending | skipped (condition) |
         pending (selection), with id and path."""
         out = {}
+        gated: set[str] = set()  # stages a gate may have skipped: gated, or reading one that is
+        for name, p in self.stages.items():
+            if p.gate is not None or any(u in gated for u in (*p.depends_on, *p.follows)):
+                gated.add(name)
         for name, p in self.stages.items():
             if not p.resolved and self.resolve(name) is None:
                 out[name] = {"task": p.job.task, "artifact_id": "-", "state": "pending (selection)", "path": "-"}
                 continue
             state = self.store.state(name, p.job.artifact_id)
-            if state != COMPLETE and p.gate is not None and read_condition(self.store, name, p.job.artifact_id):
+            if state != COMPLETE and name in gated and read_condition(self.store, name, p.job.artifact_id):
                 state = SKIPPED_CONDITION
             out[name] = {
                 "task": p.job.task,

@@ -82,6 +82,27 @@ def test_points_are_named_by_their_labels_and_fan_in_as_one_input_each(tmp_path)
     assert status["best"]["state"] == "pending (selection)" and status["export"]["state"] == "pending (selection)"
 
 
+def test_a_stage_reading_a_sweep_fans_out_and_a_matrix_may_range_over_inputs(tmp_path):
+    p = Pipeline("fan", store=tmp_path / "store")
+    p.stage("a", task="toy-train")
+    p.stage("b", task="toy-train", config={"steps": 2})
+    p.stage("sft", task="toy-train", inputs={"checkpoint": "a"}, matrix={"lora.rank": [8, 16]})
+    p.stage("grpo", task="toy-train", inputs={"checkpoint": "sft"})  # one per point, same labels
+    p.stage("probe", task="toy-eval", inputs={"m": "grpo[rank=16]"})
+    p.stage("again", task="toy-train", matrix={"inputs.checkpoint": ["a", "b"], "steps": [1, 3]})
+    plan = p.plan()
+    assert [n for n in plan.stages if n.startswith("grpo")] == ["grpo[rank=8]", "grpo[rank=16]"]
+    assert plan.stages["grpo[rank=16]"].job.inputs["checkpoint"][0] == "sft[rank=16]"
+    assert plan.stages["probe"].depends_on == ["grpo[rank=16]"]
+    again = {n: plan.stages[n].job.inputs["checkpoint"][0] for n in plan.stages if n.startswith("again")}
+    assert again == {
+        "again[checkpoint=a,steps=1]": "a",
+        "again[checkpoint=a,steps=3]": "a",
+        "again[checkpoint=b,steps=1]": "b",
+        "again[checkpoint=b,steps=3]": "b",
+    }
+
+
 def test_the_shipped_sweep_expands_real_sft_configs_into_named_points():
     plan = load_plan(REPO / "configs" / "pipelines" / "sweep.yaml")
     points = [name for name in plan.stages if name.startswith("sft[")]
