@@ -179,7 +179,11 @@ def list_rows(store: ArtifactStore) -> list[dict[str, Any]]:
         manifest = manifest or {}
         files = manifest.get("files") or {}
         metrics = manifest.get("metrics") or {}
-        shown = [f"{k}={_fmt(v)}" for k, v in metrics.items() if isinstance(v, (int, float))][:3]
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        # Accuracies first (an evaluation's per model: its headline), then the first others.
+        headline = [k for k in numbers if k.rsplit("/", 1)[-1] == "accuracy"]
+        keys = [*headline, *(k for k in numbers if k not in headline)][: max(3, len(headline))]
+        shown = [f"{k}={_fmt(numbers[k])}" for k in keys]
         rows.append(
             {
                 "stage": directory.parent.name,

@@ -3,6 +3,8 @@ No Prefect, no JAX: the commands below fail before either loads."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from flows.cli import main
@@ -24,3 +26,19 @@ def test_verify_of_a_missing_path_says_path_not_id(tmp_path, capsys):
     # An id is still looked up as one.
     assert main(["verify", "0123abcd", "--store", str(tmp_path / "artifacts")]) == 1
     assert "no artifact with id '0123abcd' in store" in capsys.readouterr().err
+
+
+def test_ls_shows_an_evaluation_s_accuracies(tmp_path, capsys):
+    directory = tmp_path / "artifacts/evaluate/c609c3cd47ec17a7"
+    directory.mkdir(parents=True)
+    metrics = {
+        f"{model}/{key}": value
+        for model, accuracy in (("pretrain", 0.0), ("sft", 0.5), ("grpo", 0.576))
+        for key, value in (("eval_loss", 2.1), ("eval_perplexity", 8.2), ("arithmetic/accuracy", accuracy))
+    }
+    manifest = {"id": directory.name, "kind": "eval_report", "stage": "evaluate", "status": "complete"}
+    (directory / "artifact.json").write_text(json.dumps({**manifest, "metrics": metrics}))
+    assert main(["ls", "--store", str(tmp_path / "artifacts")]) == 0
+    out = capsys.readouterr().out
+    for model, accuracy in (("pretrain", "0"), ("sft", "0.5"), ("grpo", "0.576")):
+        assert f"{model}/arithmetic/accuracy={accuracy}" in out, out
