@@ -249,7 +249,7 @@ class TrainflowLM(TemplateLM):
         for r, (inputs, row_targets, tail) in enumerate(rows):
             tokens[r, : len(inputs)], targets[r, : len(inputs)], segments[r, : len(inputs)] = inputs, row_targets, 1
             scored[r, len(inputs) - tail : len(inputs)] = 1
-        arrays = (tokens, targets, segments, scored)
+        arrays: tuple = (tokens, targets, segments, scored)
         if self.loaded.mesh is not None:  # global arrays: any process layout (every process holds all rows)
             arrays = tuple(global_array(a, batch_sharding(self.loaded.mesh)) for a in arrays)
         with use_mesh(self.loaded.mesh):
