@@ -51,12 +51,24 @@ def status_rows(plan: Plan) -> list[dict[str, Any]]:
                 "task": info["task"],
                 "state": info["state"],
                 "artifact_id": info["artifact_id"],
-                "inputs": ", ".join(plan.stages[name].depends_on) or "-",
+                "inputs": _inputs_text(plan, name),
                 "finished_at": (manifest or {}).get("finished_at") or "-",
                 "path": info["path"],
             }
         )
     return rows
+
+
+def _inputs_text(plan: Plan, name: str) -> str:
+    """The stages a stage waits for, a sweep's points as `sft[*] (6 points)`."""
+    planned = plan.stages[name]
+    shown: dict[str, list[str]] = {}
+    for upstream in (*planned.depends_on, *planned.follows):
+        shown.setdefault(plan.stages[upstream].base or upstream, []).append(upstream)
+    parts = [
+        f"{base}[*] ({len(points)} points)" if len(points) > 2 else ", ".join(points) for base, points in shown.items()
+    ]
+    return ", ".join(parts) or "-"
 
 
 # --------------------------------------------------------------------------- lineage
