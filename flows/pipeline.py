@@ -233,8 +233,12 @@ class PrefectHooks(StageHooks):
 
 def _publish(plan: Plan, stage: str, result: StageResult) -> None:
     manifest = read_manifest(result.path) or {}
+    text = summary_markdown(plan, stage, result, manifest)
+    for input_name, rows in ((manifest.get("decisions") or {}).get("sweep") or {}).items():
+        labels = list(plan.stages[rows[0]["point"]].params) if rows and rows[0]["point"] in plan.stages else []
+        text += "\n\n" + sweep_markdown(stage, input_name, rows, labels).replace("# ", "## ", 1)  # a fan-in's sweep
     create_markdown_artifact(
-        summary_markdown(plan, stage, result, manifest),
+        text,
         key=artifact_key(plan.name, stage),
         description=f"{stage}: {result.status}",
     )

@@ -449,7 +449,11 @@ def build_plan(spec: PipelineSpec, source: str = "pipeline", store: str | Path |
         except ValidationError as e:
             message = format_validation_error(e, LauncherSpec, f"{where}.launcher")
             errors.append(message.replace("key '<root>': Value error, ", ""))
-        if stage.launcher is not None and not kind.launches_child and point.base == name:
+        if (
+            stage.launcher is not None
+            and not kind.launches_child
+            and name == next(n for n, q in points.items() if q.base == point.base)
+        ):  # once per stage as written, not once per point
             errors.append(
                 f"{where}.launcher: task '{kind.task}' runs in-process; "
                 f"launcher applies only to stages that start the engine"

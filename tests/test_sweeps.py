@@ -87,12 +87,14 @@ def test_a_stage_reading_a_sweep_fans_out_and_a_matrix_may_range_over_inputs(tmp
     p.stage("a", task="toy-train")
     p.stage("b", task="toy-train", config={"steps": 2})
     p.stage("sft", task="toy-train", inputs={"checkpoint": "a"}, matrix={"lora.rank": [8, 16]})
-    p.stage("grpo", task="toy-train", inputs={"checkpoint": "sft"})  # one per point, same labels
+    # One per point, same labels; its gate reads its own point of the sweep.
+    p.stage("grpo", task="toy-train", inputs={"checkpoint": "sft"}, when="sft.metrics['eval_loss'] < 1")
     p.stage("probe", task="toy-eval", inputs={"m": "grpo[rank=16]"})
     p.stage("again", task="toy-train", matrix={"inputs.checkpoint": ["a", "b"], "steps": [1, 3]})
     plan = p.plan()
     assert [n for n in plan.stages if n.startswith("grpo")] == ["grpo[rank=8]", "grpo[rank=16]"]
     assert plan.stages["grpo[rank=16]"].job.inputs["checkpoint"][0] == "sft[rank=16]"
+    assert plan.stages["grpo[rank=16]"].gate_stages == {"sft": "sft[rank=16]"}
     assert plan.stages["probe"].depends_on == ["grpo[rank=16]"]
     again = {n: plan.stages[n].job.inputs["checkpoint"][0] for n in plan.stages if n.startswith("again")}
     assert again == {
@@ -181,6 +183,7 @@ def test_a_sweep_fans_in_selects_the_best_gates_and_grows_running_only_new_point
     rows = json.loads(table.data) if isinstance(table.data, str) else table.data
     assert [row["point"] for row in rows] == points and {row["lr"] for row in rows} == set(LRS)
     assert "data:image/png;base64," in by_key["sweep-evaluate-sweep"].data
+    assert "## evaluate: sweep over models (4 points)" in by_key["sweep-evaluate"].data  # its summary page too
 
     # A 3 x 2 grid: the four points it had are skipped, only the two new ones run.
     before = len(ran(trace))
