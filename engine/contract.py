@@ -73,6 +73,7 @@ ADDED_AT_DEFAULT = {
     "max_staleness": 0,
     "rollout_workers": 0,
     "rollout_worker_restarts": 2,
+    "rollout_worker_env": {},
     "compute.weight_grad_dtype": "float32",
 }
 """Fields added to a config after artifacts were made with it: at these values they are left

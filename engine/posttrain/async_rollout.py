@@ -33,6 +33,7 @@ import numpy as np
 from engine.config import ConfigError
 from engine.inference.sample import Sampler
 from engine.models.params import abstract_model_params
+from engine.parallel.config import MeshConfig
 from engine.parallel.mesh import make_mesh
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.finetune import finetune_start
@@ -49,17 +50,18 @@ class RolloutWorkerError(RuntimeError):
 def worker_main(conn, cfg_tree: dict) -> None:
     """A rollout worker's process: build the sampler on this process's devices, then serve
     `weights` and `rollout` messages in order until `stop`."""
+    os.environ.update(cfg_tree.get("rollout_worker_env") or {})  # before the runtime reads its devices
     try:
         cfg = GRPOConfig.model_validate(cfg_tree)
         model_cfg, compute, bundle = finetune_start(cfg)
-        mesh = make_mesh(cfg.mesh)
+        mesh = make_mesh(cfg.mesh if not cfg.rollout_worker_env else MeshConfig())
         shardings = jax.tree.map(lambda a: a.sharding, abstract_model_params(model_cfg, compute, mesh))
         sampler = Sampler(model_cfg, compute, mesh, shardings, dtype=cfg.rollout_dtype)
         pad_id = bundle.pad_id if bundle.pad_id is not None else bundle.eos_id
     except Exception as e:  # noqa: BLE001 - reported to the trainer, which names it
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", os.getpid()))
+    conn.send(("ready", os.getpid(), jax.device_count()))
     params, version = None, -1
     while True:
         message = conn.recv()
@@ -165,7 +167,7 @@ class RolloutWorkers:
             self.close()
             raise ConfigError(f"rollout worker {worker.index} could not start: {why}")
         worker.pid = message[1]
-        self.log(f"rollout worker {worker.index} started (pid {worker.pid})")
+        self.log(f"rollout worker {worker.index} started (pid {worker.pid}, {message[2]} devices)")
 
     def push(self, version: int, params) -> None:
         """The weights of update `version` to every worker (host arrays, through the pipes)."""

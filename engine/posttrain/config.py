@@ -171,6 +171,11 @@ class GRPOConfig(Strict):
     update (no artifact store in between). 0: the trainer's process generates (synchronous)."""
     rollout_worker_restarts: int = Field(2, ge=0)
     """How many times a dead rollout worker is restarted before the stage fails."""
+    rollout_worker_env: dict[str, str] = Field(default_factory=dict)
+    """Environment variables of the worker processes, set before their JAX runtime starts: how
+    a worker gets devices of its own (CUDA_VISIBLE_DEVICES on a GPU host; XLA_FLAGS'
+    --xla_force_host_platform_device_count on CPU). Empty: the trainer's environment and
+    mesh; set: the worker lays its devices out on `data` alone (its own mesh)."""
     epsilon: float = Field(0.2, gt=0)
     """Clipping: the ratio is kept within [1 - epsilon, 1 + epsilon_high]."""
     epsilon_high: float | None = Field(None, gt=0)
