@@ -24,9 +24,11 @@ one read of the weights per update (in /dev/shm: memory bandwidth).
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -77,6 +79,8 @@ class VLLMSampler:
         else:
             shm = SHARED_MEMORY if SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK) else None
             self.weights_dir = Path(tempfile.mkdtemp(prefix="trainflow-rollout-weights-", dir=shm))
+            # A copy of the model in memory (/dev/shm): removed with the sampler, or at exit.
+            weakref.finalize(self, shutil.rmtree, self.weights_dir, ignore_errors=True)
         self.hf_meta = read_meta(cfg.checkpoint.init_from)[1].get("hf")  # token ids for config.json
         copy_tokenizer(tokenizer_dir(cfg), self.weights_dir)  # a complete HF directory, servable as it is
         self.pushed = None  # the params the server holds (by identity)

@@ -45,7 +45,8 @@ class RolloutServerConfig(Strict):
     weights_dir: str | None = None
     """Where the policy's weights are written after each update for the server to reload: a
     directory the server's machine sees at the same path (a shared file system, or /dev/shm
-    when it runs on this machine). None: a new temporary directory, in /dev/shm if there is one."""
+    when it runs on this machine). None: a new temporary directory, in /dev/shm if there is one,
+    removed when the run ends."""
     timeout_seconds: float = Field(600.0, gt=0)
     """How long one request may take (a rollout batch's completions, or a reload)."""
     retries: int = Field(3, ge=0)
