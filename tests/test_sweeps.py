@@ -1,7 +1,7 @@
 """Sweeps, selections, gates and checkpoint-step inputs (flows/sweep.py, flows/gates.py,
 flows/steps.py) with the cheap stage kinds of tests/sweep_toys.py, on the session's real
-Prefect server: what ran is counted in each toy's trace file, what Prefect recorded is read
-back through its client."""
+Prefect server, on a local store and on the moto S3 store: what ran is counted in each
+toy's trace file, what Prefect recorded is read back through its client."""
 
 import json
 import threading
@@ -17,6 +17,7 @@ from flows.cli import main
 from flows.pipeline import Pipeline, run_plan
 from flows.spec import load_plan
 from tests.conftest import REPO
+from tests.test_object_store import bucket, s3_endpoint  # noqa: F401  (the moto server and a bucket per test)
 from tests.test_pipeline_flow import artifacts_of, flow_run_of, task_runs_of
 
 pytestmark = pytest.mark.slow
@@ -253,3 +254,34 @@ def test_a_checkpoint_step_feeds_a_stage_while_its_trainer_still_runs(prefect_se
     snapshot = plan.store.artifact_dir("pretrain@2", plan.stages["pretrain"].job.artifact_id)
     assert json.loads((snapshot / "artifact.json").read_text())["parents"][0]["stage"] == "pretrain"
     assert sorted(p.name for p in (snapshot / "checkpoint").iterdir()) == ["2"]
+
+
+def test_sweep_selection_gates_and_a_step_input_on_the_s3_store(prefect_server, bucket, tmp_path, capsys):  # noqa: F811
+    store = f"s3://{bucket}/artifacts"
+    p = Pipeline("s3sweep", store=store)
+    p.stage("base", task="toy-train", config={"steps": 2})
+    p.stage("early", task="toy-eval", inputs={"model": "base@1"})
+    p.stage("sft", task="toy-train", inputs={"checkpoint": "base"}, matrix={"lora.rank": [8, 16]})
+    p.stage("evaluate", task="toy-eval", inputs={"models": "sft[*]"})
+    best = {"select": {"from": "sft[*]", "by": "metrics.eval_loss", "best": "min"}}
+    p.stage("best", task="toy-train", inputs={"checkpoint": best})
+    p.stage("yes", task="toy-eval", inputs={"m": "best"}, when="evaluate.metrics['models[rank=16]/step'] == 1")
+    p.stage("no", task="toy-eval", inputs={"m": "best"}, when="best.metrics['eval_loss'] < 0.5")
+    result = p.run()
+    assert statuses(result) == {
+        "base": "ran",
+        "early": "ran",
+        "sft[rank=8]": "ran",
+        "sft[rank=16]": "ran",
+        "evaluate": "ran",
+        "best": "ran",
+        "yes": "ran",
+        "no": "skipped (condition)",
+    }
+    plan = p.plan()
+    manifest = plan.store.manifest("best", result["best"]["artifact_id"])  # read from the bucket
+    assert manifest["decisions"]["select"]["checkpoint"]["chosen"] == "sft[rank=16]"
+    assert plan.store.manifest("yes", result["yes"]["artifact_id"])["decisions"]["when"]["result"] is True
+    assert plan.store.manifest("early", result["early"]["artifact_id"])["parents"][0]["stage"] == "base@1"
+    assert plan.store.is_complete("base@1", result["base"]["artifact_id"])
+    assert plan.status()["no"]["state"] == "skipped (condition)"  # the record is in the bucket
