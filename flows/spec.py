@@ -513,7 +513,15 @@ def build_plan(spec: PipelineSpec, source: str = "pipeline", store: str | Path |
             max_parallel=stage.max_parallel,
             resolved=False,
         )
-        plan.resolve(name)  # now, unless a selection waits on candidates not yet complete
+        if plan.resolve(name) is None:  # a selection waits on candidates not yet complete:
+            # its first candidate stands in among the inputs (the id stays unknown, ""), so
+            # what reads a stage's inputs before it runs (`trainflow plan`'s model) still can.
+            plan.stages[name].job.inputs = {
+                input_name: (ref.candidates[0], plan.stages[ref.candidates[0]].job.artifact_id)
+                if isinstance(ref, Selection)
+                else _input_entry(ref, plan.stages[ref.stage].job.artifact_id)[0]
+                for input_name, ref in point.inputs.items()
+            }
         gate = plan.stages[name].gate
         if gate is not None and all(plan.manifest_of(s) is not None for s in point.gate_stages.values()):
             gate.evaluate(plan.manifest_of, point.gate_stages)  # an unknown metric: an error now (exit 2)
