@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import importlib.util
 import math
 import os
@@ -177,13 +178,15 @@ def plan_step(
     batch: dict[str, jax.ShapeDtypeStruct] | None = None,
     updates_per_batch: int = 1,
     make_trainer: Callable[..., Trainer] | None = None,
+    compiler_options: dict[str, Any] | None = None,
 ) -> Plan:
     """Compile `cfg`'s training step for `target` (or estimate it) and size it per device.
 
     `objective` and `batch` (name -> ShapeDtypeStruct) describe a stage whose loss or batch is not
     language modelling (GRPO); by default next-token cross-entropy over cfg.data's rows.
     `make_trainer(cfg, objective, devices=...)` builds a Trainer subclass (a reward model's,
-    whose params carry a head).
+    whose params carry a head). `compiler_options` go to XLA with the compile (debug options
+    such as {"xla_dump_to": DIR}: `buffer_assignment` reads what that dump holds).
     """
     batch = dict(batch or lm_batch(cfg.data.batch_size, cfg.data.seq_len))
     if cfg.lora is not None and cfg.lora.dropout:  # the rows' dropout seeds (engine/models/lora.py)
@@ -218,14 +221,14 @@ def plan_step(
             .lower()
         )
     try:
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options)
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         message = str(e).splitlines()[0]
         memory, how = _refused(message, parts), "refused by the compiler"
     else:
-        memory, how = Memory.of(compiled.memory_analysis(), **parts), "compiled"
+        memory, how = Memory.of(compiled.memory_analysis(), **parts, platform=devices[0].platform), "compiled"
     model_flops, hardware_flops, source = _flops(cfg, tokens, updates_per_batch)
     if compiled is not None and not cfg.compute.scan_layers and cfg.grad_accum == 1:
         # XLA counts a loop's body once, so its count is the step's only without scanned layers.
@@ -509,3 +512,26 @@ def collective_bytes(hlo_text: str, ops: tuple[str, ...] = REDUCTIONS) -> dict[s
                 bits = 4 if dtype in ("s4", "u4") else int(re.sub(r"\D", "", dtype) or 8)
                 totals[dtype] = totals.get(dtype, 0.0) + runs(name) * scale * elements * bits / 8
     return totals
+
+
+def dump_options(directory: str) -> dict[str, Any]:
+    """compiler_options that make XLA write the compiled step's buffer assignment to `directory`."""
+    return {"xla_dump_to": directory, "xla_dump_hlo_as_text": True, "xla_dump_hlo_module_re": ".*train_step.*"}
+
+
+def buffer_assignment(directory: str) -> dict[str, float]:
+    """What the compiler's own buffer assignment holds in device memory (memory space 0, HBM on
+    an accelerator) for the train step dumped into `directory` (dump_options): `total` bytes
+    (every allocation there: arguments, outputs, temporaries, constants) and `temporaries`
+    (its preallocated temporary block)."""
+    reports = sorted(glob.glob(os.path.join(directory, "*train_step*memory-usage-report.txt")))
+    assignments = sorted(glob.glob(os.path.join(directory, "*train_step*buffer-assignment.txt")))
+    assert reports and assignments, f"no train_step buffer assignment dumped in {directory}"
+    report = open(reports[-1]).read()
+    total = re.search(r"Memory Space: default \(color=0\)\s*\nTotal bytes: (\d+)", report)
+    temporaries = sum(
+        int(size)
+        for size, rest in re.findall(r"^allocation \d+: size (\d+), (.*)$", open(assignments[-1]).read(), re.M)
+        if "preallocated-temp" in rest and "color" not in rest
+    )
+    return {"total": float(total.group(1)), "temporaries": float(temporaries)}

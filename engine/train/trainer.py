@@ -291,6 +291,7 @@ class Trainer:
             optimizer_state=shard_bytes(self.abstract_opt_state),
             batch=shard_bytes(batch),
             gradients=trained,
+            platform=devices[0].platform,
         )
         check_fits(memory, min(device_memory(d) for d in devices), self.mesh.size, devices[0].platform, knobs(self.cfg))
         self._compiled_step = (_signature(batch), compiled)
