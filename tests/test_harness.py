@@ -128,7 +128,10 @@ def write_tasks(tasks: Path, data: Path, cache: Path) -> None:
             "output_type": "loglikelihood_rolling",
             "doc_to_text": "",
             "doc_to_target": "{{text}}",
-            "metric_list": [{"metric": "word_perplexity"}, {"metric": "bits_per_byte"}],
+            "metric_list": [
+                {"metric": "word_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
+                {"metric": "bits_per_byte", "aggregation": "bits_per_byte", "higher_is_better": False},
+            ],
         },
         "tf_generate": {
             **dataset("questions"),
@@ -136,7 +139,7 @@ def write_tasks(tasks: Path, data: Path, cache: Path) -> None:
             "doc_to_text": "{{question}}",
             "doc_to_target": "{{choices[label]}}",
             "generation_kwargs": {"until": ["."], "max_gen_toks": 6, "do_sample": False},
-            "metric_list": [{"metric": "exact_match"}],
+            "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
         },
     }
     for name, spec in specs.items():
