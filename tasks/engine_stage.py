@@ -164,13 +164,17 @@ class EngineStage(StageKind):
         shutil.copytree(artifact / TOKENIZER_DIR, ctx.out_dir / TOKENIZER_DIR, dirs_exist_ok=True)
         return True
 
+    def entry_module(self, ctx: StageContext) -> str:
+        """The module the children run: ENTRY_POINTS[entry_point], unless the stage's config picks another."""
+        return ENTRY_POINTS[self.entry_point]
+
     def launch_engine(
         self, ctx: StageContext, *args: str, metrics_file: Path | None = None, total_steps: int | None = None
     ) -> dict[str, Any]:
         """Run `python -m <entry point> ARGS...`; the child's `{"result": ...}` (else the last
         metrics it logged)."""
         result = ctx.launch(
-            [sys.executable, "-m", ENTRY_POINTS[self.entry_point], *args],
+            [sys.executable, "-m", self.entry_module(ctx), *args],
             metrics_file=metrics_file,
             total_steps=total_steps,
         )
@@ -183,9 +187,9 @@ class EngineStage(StageKind):
         (out / config_name).write_text(to_yaml(cfg))
         if ctx.resumed:  # files of an earlier attempt: trusted only where their digests match
             drop_unverified_steps(ctx, out / CHECKPOINT_DIR)
-            steps = checkpoint_steps(out / CHECKPOINT_DIR)
-            if steps:
-                shown = ", ".join(map(str, steps[-3:]))
+            saved = checkpoint_steps(out / CHECKPOINT_DIR)
+            if saved:
+                shown = ", ".join(map(str, saved[-3:]))
                 ctx.log(f"resuming from the checkpoints in {out / CHECKPOINT_DIR} (steps {shown})")
             else:
                 ctx.log(f"an earlier attempt saved no checkpoint in {out / CHECKPOINT_DIR}: starting at step 0")

@@ -11,17 +11,15 @@ these names with `Family` as their type.
 from __future__ import annotations
 
 import difflib
-from typing import Any, TypeVar
+from typing import Any
 
 from engine.config import ConfigError
-
-F = TypeVar("F", bound=type)
 
 _FAMILIES: dict[str, Any] = {}
 """name -> an instance of its families/base.py Family subclass, in registration order."""
 
 
-def register_family(cls: F) -> F:
+def register_family(cls: type[Any]) -> type[Any]:
     """Class decorator: make `cls` the family `cls.name` (and its model_type)."""
     assert cls.name not in _FAMILIES, f"family '{cls.name}' is registered twice"
     assert all(f.model_type != cls.model_type for f in _FAMILIES.values()), f"model_type '{cls.model_type}' twice"
