@@ -38,7 +38,7 @@ import math
 import operator
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -220,7 +220,7 @@ class ToolEnvironment:
 
     def __init__(
         self,
-        tools: list[str] = ("calculator", "python"),
+        tools: Sequence[str] = ("calculator", "python"),
         prompt_field: str = "prompt",
         answer_field: str = "answer",
         answer_pattern: str | None = None,
@@ -378,6 +378,7 @@ def load_environment(cfg: EnvironmentConfig) -> Callable[[], Environment]:
     """A factory of fresh environments (no arguments); a bad reference or bad kwargs is a
     ConfigError naming `environment.factory` or `environment.kwargs`."""
     spec = cfg.factory
+    cls: Any
     if spec in BUILTIN_ENVIRONMENTS:
         cls = BUILTIN_ENVIRONMENTS[spec]
     else:

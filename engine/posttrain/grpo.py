@@ -333,6 +333,7 @@ class RolloutSource:
         environment, G episodes of each record."""
         cfg = self.cfg
         if self.episodes is not None:
+            assert self.sampler is not None and records is not None
             return multiturn_rollout(self.episodes, self.sampler, self.bundle, params, records, cfg=cfg, step=step)
         return generate_rollout(
             self.sampler,

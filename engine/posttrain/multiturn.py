@@ -124,6 +124,7 @@ class EpisodeRunner:
         return self.bundle.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def _start(self, episode: _Episode, row: dict) -> None:
+        assert episode.env is not None
         prompt = episode.env.reset(row)
         tools = getattr(episode.env, "tools", None)
         if isinstance(prompt, str):
@@ -197,6 +198,7 @@ class EpisodeRunner:
         episode.answer = self._decode(ids)
         if episode.chat is not None:
             episode.chat.append({"role": "assistant", "content": episode.answer})
+        assert episode.env is not None
         try:
             step = episode.env.step(episode.answer)
         except Exception as e:  # noqa: BLE001 - user code: the episode fails, the batch goes on

@@ -38,6 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from pydantic import Field
 
@@ -170,25 +171,29 @@ class SandboxResult:
         return "\n".join(filter(None, [self.stdout.rstrip(), f"error: {self.error}", *tail]))
 
 
-def _read_bounded(proc: subprocess.Popen, deadline: float, limit: int) -> tuple[str, str, bool]:
+def _read_bounded(stdout: IO[bytes], stderr: IO[bytes], deadline: float, limit: int) -> tuple[str, str, bool]:
     """(stdout, stderr, timed out): read both pipes until EOF or the deadline, keeping the first
     `limit` bytes of each (a child that prints forever cannot fill the parent's memory)."""
-    kept = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    kept = {stdout.fileno(): bytearray(), stderr.fileno(): bytearray()}
+
+    def texts() -> tuple[str, str]:
+        return kept[stdout.fileno()].decode(errors="replace"), kept[stderr.fileno()].decode(errors="replace")
+
     with selectors.DefaultSelector() as sel:
-        for pipe in kept:
-            sel.register(pipe, selectors.EVENT_READ)
+        for fd in kept:
+            sel.register(fd, selectors.EVENT_READ)
         while sel.get_map():
             left = deadline - time.monotonic()
             if left <= 0:
-                return *(kept[p].decode(errors="replace") for p in (proc.stdout, proc.stderr)), True
+                return *texts(), True
             for key, _ in sel.select(timeout=left):
                 chunk = os.read(key.fd, 65536)
                 if not chunk:
-                    sel.unregister(key.fileobj)
+                    sel.unregister(key.fd)
                     continue
-                buffer = kept[key.fileobj]
+                buffer = kept[key.fd]
                 buffer += chunk[: max(limit - len(buffer), 0)]
-    return *(kept[p].decode(errors="replace") for p in (proc.stdout, proc.stderr)), False
+    return *texts(), False
 
 
 def _kill_group(pid: int) -> None:
@@ -240,8 +245,11 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
             stderr=subprocess.PIPE,
             start_new_session=True,  # its own process group, killed as one
         )
+        assert proc.stdout is not None and proc.stderr is not None
         try:
-            stdout, stderr, timed_out = _read_bounded(proc, start + limits.wall_seconds, limits.max_output_chars * 4)
+            stdout, stderr, timed_out = _read_bounded(
+                proc.stdout, proc.stderr, start + limits.wall_seconds, limits.max_output_chars * 4
+            )
             if timed_out:
                 _kill_group(proc.pid)
             try:
