@@ -6,8 +6,14 @@ One step (a "rollout batch"):
     prompts_per_step prompts  -> G completions each (engine/inference/sample.py, the live params;
                                  one prefill per prompt, its cache shared by the G rows)
     -> rewards (rewards.py; a reward model's scores: reward_model.py)
-    -> group advantages (policy_loss.py)                              = RolloutSource, the batches
+    -> advantages (advantages.py, `advantage_estimator`)              = RolloutSource, the batches
     -> num_iterations (mu) optimizer updates on that batch            = policy_objective, the loss
+                                 (policy_loss.py: `loss_type`, `loss_aggregation`)
+
+With rollout_workers > 0 the completions come from worker processes (async_rollout.py) that
+generate max_staleness batches ahead with weights sent after every update; the rollout's
+behaviour log-probs then travel with the batch, and `rollout_correction` weights the loss by
+their truncated importance ratios (logged whenever a batch is off-policy).
 
 The old policy's log-probs are the current params' before the first update: with mu = 1
 they equal the live ones (stop_gradient) and every ratio is exactly 1; with mu > 1 one
@@ -16,8 +22,9 @@ reference model of the k3 KL penalty; with beta = 0 none is kept.
 
 The choices where TRL and Tunix differ are config fields: `algorithm` grpo (token ratio) or
 gspo with `gspo_variant` sequence (TRL's importance_sampling_level=sequence) or token
-(Tunix's gspo-token); `loss_type` grpo | bnpo | dr_grpo | dapo (TRL's default dapo; Tunix's
-grpo aggregation is bnpo, its gspo-token aggregation is grpo); `beta` (TRL 0.0, Tunix 0.04).
+(Tunix's gspo-token); `loss_type`, a registered name (registry.py: TRL's grpo, bnpo, dr_grpo,
+dapo, luspo, cispo; TRL's default dapo; Tunix's grpo aggregation is bnpo, its gspo-token
+aggregation is grpo); `beta` (TRL 0.0, Tunix 0.04).
 
 Everything else (mesh, shardings, optimizer, resume, checkpoints, SIGTERM, logging) is the
 trainer's: GRPO is a batch source and an objective on the loop every stage shares.
