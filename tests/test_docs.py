@@ -570,7 +570,8 @@ def test_a_renamed_function_fails_the_docs_check(pages, tmp_path, monkeypatch):
     monkeypatch.setattr(engine.config, "load_configuration", engine.config.load_config, raising=False)
     monkeypatch.delattr(engine.config, "load_config")
     monkeypatch.delattr(flows.pipeline.Pipeline, "run")
-    report = check_pages(pages, tmp_path)
+    named = {page: text for page, text in pages.items() if page.name in ("engine.md", "pipelines.md")}
+    report = check_pages(named, tmp_path)
     assert any("engine.config has no `load_config`" in problem for problem in report.problems), report.problems
     assert any("`p.run`" in problem and "Pipeline has no `run`" in problem for problem in report.problems), report
 
