@@ -47,6 +47,7 @@ ENTRY_POINTS = {
     "pretrain": "engine.train",
     "sft": "engine.posttrain.sft",
     "grpo": "engine.posttrain.grpo",
+    "grpo_server": "engine.interop.vllm_server",  # GRPO with `rollout:` (a vLLM server samples)
     "evaluate": "engine.evaluate",
     "tokenize": "engine.data.tokenize",
     "hf": "engine.interop.hf",

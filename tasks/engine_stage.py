@@ -164,13 +164,17 @@ class EngineStage(StageKind):
         shutil.copytree(artifact / TOKENIZER_DIR, ctx.out_dir / TOKENIZER_DIR, dirs_exist_ok=True)
         return True
 
+    def entry_module(self, ctx: StageContext) -> str:
+        """The module the children run: ENTRY_POINTS[entry_point], unless the stage's config picks another."""
+        return ENTRY_POINTS[self.entry_point]
+
     def launch_engine(
         self, ctx: StageContext, *args: str, metrics_file: Path | None = None, total_steps: int | None = None
     ) -> dict[str, Any]:
         """Run `python -m <entry point> ARGS...`; the child's `{"result": ...}` (else the last
         metrics it logged)."""
         result = ctx.launch(
-            [sys.executable, "-m", ENTRY_POINTS[self.entry_point], *args],
+            [sys.executable, "-m", self.entry_module(ctx), *args],
             metrics_file=metrics_file,
             total_steps=total_steps,
         )

@@ -21,7 +21,7 @@ import importlib.util
 from dataclasses import replace
 
 from engine.config import ConfigError
-from engine.contract import CHECKPOINT_DIR
+from engine.contract import CHECKPOINT_DIR, ENTRY_POINTS
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.environments import BUILTIN_ENVIRONMENTS
 from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
@@ -87,6 +87,11 @@ class GRPOStage(FineTuneStage):
     config_schema = GRPOConfig
     version = 2  # 2: the checkpoint's meta holds `compute` apart from the architecture
     data_doc = "a JSONL file of prompts"
+
+    def entry_module(self, ctx: StageContext) -> str:
+        """With `rollout:` GRPO's entry point whose sampler is the server (it writes the weights
+        with the HF exporter, engine/interop/vllm_server.py)."""
+        return ENTRY_POINTS["grpo_server"] if ctx.config.rollout is not None else super().entry_module(ctx)
 
     def resolve_config(self, raw: dict, source: str) -> GRPOConfig:
         cfg = self.validate_raw(raw, source)

@@ -20,6 +20,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -41,6 +42,9 @@ from engine.posttrain.rollout_server import (
     completion_rows,
 )
 from engine.train.checkpoint import load_params, read_meta
+from flows.spec import Pipeline
+from tasks.grpo import GRPOStage
+from tasks.runner import RAN, execute_stage
 from tests.test_grpo import copy_task, grpo_config, make_copy_task  # noqa: F401 - the shared fixture
 
 # --------------------------------------------------------------------------- a small local server
@@ -175,6 +179,12 @@ def test_grpo_with_a_rollout_server_that_is_not_there_stops_in_one_sentence(copy
     with pytest.raises(RolloutServerError, match=f"127.0.0.1:{closed}/v1/models did not answer after 1 tries"):
         run_grpo_on_server(cfg)
 
+    # A pipeline's grpo stage runs the same entry point when its config has `rollout:`.
+    assert GRPOStage().entry_module(SimpleNamespace(config=cfg)) == "engine.interop.vllm_server"
+    assert GRPOStage().entry_module(SimpleNamespace(config=cfg.model_copy(update={"rollout": None}))) == (
+        "engine.posttrain.grpo"
+    )
+
 
 # --------------------------------------------------------------------------- a real vLLM server (opt-in)
 
@@ -290,3 +300,35 @@ def test_grpo_on_server_rollouts_pushes_the_weights_after_each_update(served, tm
         f"moved {np.max(np.abs(after - before)):.2e}"
     )
     np.testing.assert_allclose(after, engine, atol=1e-4)
+
+
+@needs_vllm
+def test_a_pipelines_grpo_stage_samples_on_the_server(served, tmp_path):
+    task, client, _ = served
+    before = client.prompt_logprobs(FIXED)
+    p = Pipeline("served", store=tmp_path / "store")
+    base = p.stage("base", task="test-checkpoint-copy", config={"path": str(task)})
+    p.stage(
+        "grpo",
+        task="grpo",
+        inputs={"checkpoint": base},
+        launcher={"kind": "local", "env": {"XLA_FLAGS": ""}},
+        config={
+            "data": {"path": str(task / "prompts.jsonl")},
+            "steps": 2,
+            "rewards": [{"function": "exact_match", "kwargs": {"pattern": r"^(\d)"}}],
+            "optimizer": {"learning_rate": 2e-2},
+            "prompts_per_step": 4,
+            "num_generations": 4,
+            "max_prompt_length": 2,
+            "max_completion_length": 2,
+            "rollout": {"url": client.url},
+        },
+    )
+    plan = p.plan()
+    assert execute_stage(plan.stages["base"].job, plan.store).status == RAN
+    assert execute_stage(plan.stages["grpo"].job, plan.store).status == RAN
+    out = plan.store.artifact_dir("grpo", plan.stages["grpo"].job.artifact_id)
+    params, model_cfg = checkpoint_params(out / "checkpoint")
+    assert np.max(np.abs(client.prompt_logprobs(FIXED) - before)) > 1e-3  # the stage pushed its updates
+    assert params is not None and model_cfg.head_dim == 64
