@@ -202,14 +202,18 @@ def main() -> None:
     try:
         for gb in [float(x) for x in args.local_gb.split(",") if x]:
             cases.append(run_case("local", gb, args.repeats, work, None))
+            print(json.dumps({k: v for k, v in cases[-1].items() if k != "runs"}), file=sys.stderr)
         s3_sizes = [float(x) for x in args.s3_gb.split(",") if x]
         if s3_sizes:
             server, url = s3_server()
             try:
                 for gb in s3_sizes:
                     cases.append(run_case("s3 (moto)", gb, args.repeats, work, f"{url}-{gb}"))
+                    print(json.dumps({k: v for k, v in cases[-1].items() if k != "runs"}), file=sys.stderr)
             finally:
                 server.stop()
+    except BaseException as e:  # keep what was measured
+        print(f"stopped after {len(cases)} case(s): {type(e).__name__}: {e}", file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     info = finish(info)

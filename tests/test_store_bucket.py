@@ -1,4 +1,5 @@
-"""Faults on a bucket store (moto S3): a bucket that refuses writes while a stage commits.
+"""A bucket store on moto S3: a bucket that refuses writes while a stage commits, and the
+engine's checkpoints written and read at the bucket's URL.
 
 The stage's committed checkpoint steps are on the bucket (the step mirror's sync); then
 the bucket starts refusing PUTs -- an expired credential or a policy change, injected by
@@ -10,13 +11,18 @@ once the bucket takes writes again resumes and commits.
 
 from __future__ import annotations
 
+import jax
+import numpy as np
 import pytest
+from flax import nnx
 
+from engine.models.transformer import Transformer
+from engine.train.checkpoint import Checkpointer, load_params, verify_step
 from tasks.artifacts import ArtifactStore
 from tasks.objectstore import StoreWriteError, complete_steps
 from tasks.runner import RESUMED, execute_stage
-from tests.test_consume import STEPS, _job
-from tests.test_object_store import bucket, s3_endpoint  # noqa: F401  (moto S3 fixtures)
+from tests.test_consume import MODEL, STEPS, _jitter, _job
+from tests.test_object_store import boto3, bucket, s3_endpoint  # noqa: F401  (moto S3 fixtures)
 
 
 class Refusing:
@@ -71,3 +77,50 @@ def test_a_bucket_refusing_writes_at_commit_fails_naming_the_url_and_keeps_the_c
     assert execute_stage(job, store).status == RESUMED
     assert store.is_complete(job.stage, job.artifact_id)
     assert store.verify(store.artifact_dir(job.stage, job.artifact_id)) == []
+
+
+# --------------------------------------------------------------------------- the engine at the bucket's URL
+
+
+def test_the_engine_checkpoints_straight_to_s3_and_resumes_from_the_newest_intact_step(
+    bucket,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """Checkpointer at an s3:// URL: Orbax writes every shard through TensorStore's s3 driver
+    (no local copy: the working directory stays empty), the digests commit with each step,
+    resume verifies them in the bucket and falls back past a damaged step, load_params reads
+    the URL."""
+    monkeypatch.chdir(tmp_path)
+    url = f"s3://{bucket}/engine/checkpoint"
+    params = nnx.to_pure_dict(nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))[1])
+    meta = {"model": MODEL.model_dump(mode="json"), "format": "trainflow.checkpoint/1"}
+    ckpt = Checkpointer(url, keep=3, async_save=False)
+    saved = {}
+    for step in (1, 2):
+        saved[step] = _jitter(params, step)
+        ckpt.save(step, saved[step], {"mu": _jitter(params, step + 10)}, {**meta, "step": step}, {"position": step})
+    ckpt.close()
+    assert list(tmp_path.iterdir()) == []  # nothing staged on local disk
+    client = boto3.client("s3")
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="engine/checkpoint/")["Contents"]]
+    assert {"engine/checkpoint/1/digests.json", "engine/checkpoint/2/digests.json"} <= set(keys)
+
+    again = Checkpointer(url, keep=3, async_save=False)
+    assert again.resume_step(lambda _: None) == 2 and verify_step(url, 2) == []
+    _, restored, step = load_params(url, as_numpy=True)
+    assert step == 2
+    for want, got in zip(jax.tree.leaves(saved[2]), jax.tree.leaves(restored)):
+        assert np.array_equal(want, got)
+
+    victim = max(
+        (k for k in keys if k.startswith("engine/checkpoint/2/params/")),
+        key=lambda k: client.head_object(Bucket=bucket, Key=k)["ContentLength"],
+    )
+    body = bytearray(client.get_object(Bucket=bucket, Key=victim)["Body"].read())
+    body[len(body) // 2] ^= 0xFF
+    client.put_object(Bucket=bucket, Key=victim, Body=bytes(body))
+    logs = []
+    again = Checkpointer(url, keep=3, async_save=False)
+    assert again.resume_step(logs.append) == 1
+    assert any(f"checkpoint step 2 in {url} failed verification" in line for line in logs), logs

@@ -37,6 +37,7 @@ from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.models.lora import join, merge_into_base, split_adapter
 from engine.models.params import abstract_model_params
 from engine.parallel.mesh import global_array
+from engine.train.bucket_paths import checkpoint_path, is_url, temporary_path_class
 
 ITEMS = ("params", "opt_state", "meta", "data")
 DIGESTS_FILE = "digests.json"
@@ -110,8 +111,9 @@ def write_digests(step_dir: str | Path, step: int | None = None) -> None:
 def verify_step(directory: str | Path, step: int) -> list[str]:
     """Files of checkpoint `step` in `directory` that do not match the digests recorded when it
     was committed (changed, missing, or not recorded); [DIGESTS_FILE] when there are none.
-    Empty: the step is intact. Reads every file of the step."""
-    step_dir = epath.Path(directory) / str(step)
+    Empty: the step is intact. Reads every file of the step; one that cannot be read (in a
+    bucket: replaced while it was being read) does not match."""
+    step_dir = epath.Path(checkpoint_path(directory)) / str(step)
     try:
         recorded = json.loads((step_dir / DIGESTS_FILE).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -120,7 +122,10 @@ def verify_step(directory: str | Path, step: int) -> list[str]:
     bad = sorted(present - set(recorded))  # files nobody recorded
     for rel, want in recorded.items():
         path = step_dir / rel
-        if rel not in present or path.stat().length != want["size"] or _sha256(path) != want["sha256"]:
+        try:
+            if rel not in present or path.stat().length != want["size"] or _sha256(path) != want["sha256"]:
+                bad.append(rel)
+        except OSError:
             bad.append(rel)
     return sorted(bad)
 
@@ -129,7 +134,7 @@ def _recording_digests(root: Path) -> type:
     """Orbax's temporary-path class for `root`, extended to write a step's digests into its
     temporary directory just before Orbax commits it (a rename; a commit file on object
     stores). Orbax finalizes on the primary process once every process has written."""
-    base = ocp.path.atomicity_defaults.get_default_temporary_path_class(epath.Path(root))
+    base = temporary_path_class(root)
     root_name = str(root)
 
     class RecordingDigests(base):
@@ -154,7 +159,7 @@ def _describe(problems: list[str]) -> str:
 
 class Checkpointer:
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
-        self.directory = Path(directory).absolute()
+        self.directory = checkpoint_path(directory)  # a local path, or a bucket URL every process writes to
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             enable_async_checkpointing=async_save,
@@ -254,7 +259,7 @@ def save_params(directory: str | Path, step: int, params, meta: dict) -> None:
         "params": ocp.PyTreeCheckpointHandler(use_compression=False, type_handler_registry=registry),
         "meta": ocp.JsonCheckpointHandler(),
     }
-    directory = Path(directory).absolute()
+    directory = checkpoint_path(directory)
     manager = ocp.CheckpointManager(
         directory,
         item_handlers=handlers,
@@ -284,7 +289,7 @@ def normalise_meta(meta: dict) -> dict:
 
 def read_meta(directory: str | Path, step: int | None = None) -> tuple[int, dict]:
     """(step, meta) of the latest (or given) checkpoint in `directory`, meta normalised."""
-    directory = Path(directory).absolute()
+    directory = checkpoint_path(directory)
     if not directory.is_dir():
         raise ConfigError(f"checkpoint directory not found: {directory}")
     manager = ocp.CheckpointManager(directory, item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True))
@@ -307,6 +312,8 @@ def adapter_base(directory: str | Path, meta: dict) -> Path:
     trained, or (a store moved or copied) the same place relative to the adapter. A
     ConfigError when neither holds it."""
     lora = meta["lora"]
+    if is_url(directory):  # an adapter in a bucket names its base by URL
+        return checkpoint_path(lora["base_checkpoint"])
     candidates = [Path(directory).absolute() / lora["base_relative"]] if lora.get("base_relative") else []
     candidates.append(Path(lora["base_checkpoint"]))
     for candidate in candidates:
@@ -338,7 +345,7 @@ def load_params(
         return _load_merged(directory, meta, step, abstract_params, as_numpy)
     model_cfg = ModelConfig.model_validate(meta["model"])
     manager = ocp.CheckpointManager(
-        Path(directory).absolute(), item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True)
+        checkpoint_path(directory), item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True)
     )
     saved = abstract_model_params(model_cfg, ComputeConfig.model_validate(meta["compute"]), mesh=None)
     if as_numpy:
@@ -367,7 +374,7 @@ def load_adapter(directory: str | Path, step: int | None = None) -> tuple[ModelC
     shapes = split_adapter(abstract_model_params(model_cfg, compute, None, lora))[0]
     restore_args = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype), shapes)
     manager = ocp.CheckpointManager(
-        Path(directory).absolute(), item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True)
+        checkpoint_path(directory), item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True)
     )
     restored = manager.restore(
         step, args=ocp.args.Composite(params=ocp.args.PyTreeRestore(item=shapes, restore_args=restore_args))

@@ -1,0 +1,96 @@
+"""Checkpoint directories at a bucket URL: every process reads and writes its own shards there.
+
+Orbax writes `gs://` through TensorStore's GCS driver itself. For `s3://` it needs three
+things that orbax-checkpoint 0.12 does not do (measured against moto's S3 server):
+
+- etils' path layer must use fsspec (s3fs) rather than TensorFlow's `gfile`, which it picks
+  whenever TensorFlow is installed and which has no S3: `EPATH_USE_TF=false`;
+- Orbax builds TensorStore specs only for local and GCS paths ("Checkpoint path should be
+  absolute"); TensorStore's own `s3` kvstore driver (endpoint and region from the AWS
+  environment variables, credentials from the AWS chain) reads and writes OCDBT there;
+- a step is committed by a `commit_success.txt` file, as on GCS, not by a directory rename
+  (S3 has none): Orbax's CommitFileTemporaryPath.
+
+`checkpoint_path` is where the engine turns a checkpoint directory into a path: a local one
+absolute, a URL an etils path with the above in place. A step written at a URL is whole once
+its digests.json is there (engine/train/checkpoint.py writes it at Orbax's finalize, before
+the commit file), and `resume_step` trusts no other sign.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import orbax.checkpoint as ocp
+from etils import epath
+from etils.epath import gpath
+from orbax.checkpoint._src.path import atomicity, gcs_utils
+from orbax.checkpoint._src.serialization import tensorstore_utils
+
+from engine.config import ConfigError
+
+URL_SCHEMES = ("gs://", "s3://")
+_PATCHED = False
+
+
+def is_url(directory: str | os.PathLike) -> bool:
+    return str(directory).startswith(URL_SCHEMES)
+
+
+def checkpoint_path(directory: str | os.PathLike) -> Path | epath.Path:
+    """A checkpoint directory as the engine opens it: a URL (gs://, s3://) as an etils path
+    that Orbax and TensorStore write themselves, anything else as an absolute local path."""
+    text = str(directory)
+    if text.startswith("s3://"):
+        _enable_s3()
+    if is_url(text):
+        return epath.Path(text)
+    if "://" in text:
+        raise ConfigError(f"checkpoint directory {text}: only local paths, gs:// and s3:// URLs are supported")
+    return Path(text).absolute()
+
+
+def temporary_path_class(directory: Path | epath.Path) -> type:
+    """How a step commits in `directory`: a rename locally, a commit file in a bucket."""
+    if str(directory).startswith("s3://"):
+        return atomicity.CommitFileTemporaryPath
+    return ocp.path.atomicity_defaults.get_default_temporary_path_class(epath.Path(directory))
+
+
+def s3_kvstore(url: str) -> dict:
+    """TensorStore's spec of the S3 prefix `url` (s3://bucket/path)."""
+    bucket, _, path = url.removeprefix("s3://").partition("/")
+    spec = {"driver": "s3", "bucket": bucket, "path": path}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if endpoint:
+        spec["endpoint"] = endpoint
+    if region:
+        spec["aws_region"] = region
+    return spec
+
+
+def _enable_s3() -> None:
+    """Teach this process's Orbax the s3:// paths (once)."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    os.environ["EPATH_USE_TF"] = "false"  # read by etils once (cached): cleared below
+    getattr(getattr(gpath, "_is_tf_installed", None), "cache_clear", lambda: None)()
+    use_gcs_driver = getattr(tensorstore_utils, "_use_gcs_driver", None)
+    normalize = getattr(tensorstore_utils, "_normalize_path", None)
+    gcs_kvstore = getattr(gcs_utils, "get_kvstore_for_gcs", None)
+    if not (use_gcs_driver and normalize and gcs_kvstore):
+        raise ConfigError(
+            "checkpoint directories at s3:// need orbax-checkpoint's TensorStore spec hooks "
+            "(tensorstore_utils._use_gcs_driver, _normalize_path, gcs_utils.get_kvstore_for_gcs), "
+            "which this orbax-checkpoint release does not have; use gs:// or a local path"
+        )
+
+    # Orbax asks "GCS driver?" and then builds the kvstore spec for it: answer yes for s3://
+    # too and build TensorStore's s3 spec there; gs:// and local paths are left as they were.
+    tensorstore_utils._use_gcs_driver = lambda directory: directory.startswith("s3://") or use_gcs_driver(directory)
+    tensorstore_utils._normalize_path = lambda path: normalize(path).replace("s3:/", "s3://", 1)
+    gcs_utils.get_kvstore_for_gcs = lambda path: s3_kvstore(path) if path.startswith("s3://") else gcs_kvstore(path)
+    _PATCHED = True
