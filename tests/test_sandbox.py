@@ -106,6 +106,9 @@ def test_the_python_tool_reports_a_hang_as_an_error_observation():
     env.reset({"prompt": "p", "answer": "1"})
     step = env.step('<tool_call>{"name": "python", "arguments": {"code": "while True: pass"}}</tool_call>')
     assert not step.done and step.tool_calls == 1 and step.tool_errors == 1
-    assert step.observation.startswith("error:") and "limit" in step.observation
+    assert step.observation.startswith("\n<tool_response>\nerror: the code ran past the wall-time limit of 1 s")
     step = env.step('<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>')
-    assert step.tool_errors == 0 and step.observation.strip() == "42"
+    assert step.tool_errors == 0 and step.observation == "\n<tool_response>\n42\n</tool_response>\n"
+    step = env.step('<tool_call>{"name": "python", "arguments": {"code": "print(1)\\n1/0"}}</tool_call>')
+    assert step.tool_errors == 1 and "error: the code exited with status 1: ZeroDivisionError" in step.observation
+    assert step.observation.endswith("output before it failed:\n1\n</tool_response>\n")

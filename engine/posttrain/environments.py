@@ -180,8 +180,10 @@ def python_tool(limits: SandboxLimits) -> Tool:
         if not isinstance(code, str):
             raise ToolError("code must be text")
         result = run_python(code, limits)
-        if not result.ok:
-            raise ToolError(result.observation())
+        if not result.ok:  # the limit or exception, the end of its traceback, what it printed first
+            tail = result.stderr.strip().splitlines()[-3:]
+            printed = ["output before it failed:", result.stdout.rstrip()] if result.stdout.strip() else []
+            raise ToolError("\n".join([str(result.error), *tail, *printed]))
         return result.observation()
 
     return Tool(
@@ -284,7 +286,7 @@ class ToolEnvironment:
     def format_results(self, results: list[str]) -> str:
         """Chat mode: the results, one per line (the template wraps the tool message). Text
         mode: in Hermes' <tool_response> tags, where the model reads them next."""
-        text = "\n".join(results)
+        text = "\n".join(result.rstrip() for result in results)
         return f"\n<tool_response>\n{text}\n</tool_response>\n" if self.text_mode else text
 
     def score(self, answer: str) -> float:
