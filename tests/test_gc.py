@@ -83,7 +83,8 @@ def test_gc_deletes_exactly_what_no_kept_pipeline_reaches_and_spares_a_running_a
     writer.start()
     try:
         deadline = time.monotonic() + 60
-        while plan.store.state("long", plan.stages["long"].job.artifact_id) != "running":
+        long_id = plan.stages["long"].job.artifact_id
+        while plan.store.state("long", long_id) != "running" or plan.store.manifest("long", long_id) is None:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         before = listed(store)
