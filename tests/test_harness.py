@@ -16,6 +16,7 @@ import tomllib
 from importlib.metadata import EntryPoint
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import yaml
@@ -85,7 +86,8 @@ def model(tmp_path_factory) -> dict[str, Path]:
         max_seq_len=64,
         init_std=0.25,  # peaked distributions: greedy choices and generations are not near-ties
     )
-    params = nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
+    # Initialised under jit: one compilation, where eager NNX init runs op by op.
+    params = jax.jit(lambda: nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1]))()
     meta = {"step": 0, "model": cfg.model_dump(mode="json"), "compute": ComputeConfig().model_dump(mode="json")}
     save_params(artifact / "checkpoint", 0, _numpy(params), meta)
     export_hf(artifact / "checkpoint", root / "hf")

@@ -304,7 +304,10 @@ class TrainflowLM(TemplateLM):
             for start in range(0, len(members), self.batch_size):
                 chunk = members[start : start + self.batch_size]
                 pad = self.bundle.pad_id if self.bundle.pad_id is not None else self.eot_token_id
-                tokens, mask = left_pad([encoded[i] for i in chunk], pad_id=pad)
+                # A short last batch is filled with copies of its last prompt (dropped below), so
+                # every batch has the same rows and the sampler compiles once per length bucket.
+                prompts = [encoded[i] for i in chunk] + [encoded[chunk[-1]]] * (self.batch_size - len(chunk))
+                tokens, mask = left_pad(prompts, pad_id=pad)
                 output = self._sampler(
                     self.loaded.params,
                     tokens,
