@@ -271,7 +271,7 @@ def clear_condition(store: ArtifactStore, stage: str, artifact_id: str) -> None:
     (store.root / stage / f"{artifact_id}{CONDITION_SUFFIX}").unlink(missing_ok=True)
     if store.remote is not None:
         try:
-            store.remote.fs.rm(_condition_key(store, stage, artifact_id))
+            store.remote.fs.rm_file(_condition_key(store, stage, artifact_id))  # not rm: `[` is no glob here
         except FileNotFoundError:
             pass
 

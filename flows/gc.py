@@ -181,10 +181,8 @@ def apply(store: ArtifactStore, collection: Collection, log=print) -> tuple[int,
         try:
             if store.remote is not None:
                 prefix = store.remote.key(entry.stage, entry.artifact_id)
-                store.remote.fs.rm(f"{prefix}/{MANIFEST}")  # first: never complete-but-half-gone
-                remaining = [k for k in store.remote.fs.find(prefix) if not k.endswith("/.lease")]
-                if remaining:
-                    store.remote.fs.rm(remaining)
+                _rm_keys(store, [f"{prefix}/{MANIFEST}"])  # first: never complete-but-half-gone
+                _rm_keys(store, [k for k in store.remote.fs.find(prefix) if not k.endswith("/.lease")])
             (entry.directory / MANIFEST).unlink(missing_ok=True)
             for child in list(entry.directory.iterdir()) if entry.directory.is_dir() else []:
                 if child.name != ".lock":
@@ -215,8 +213,7 @@ def apply(store: ArtifactStore, collection: Collection, log=print) -> tuple[int,
                 doomed = [
                     store.remote.key(entry.stage, entry.artifact_id, rel) for rel in files if _in_steps(rel, gone)
                 ]
-                if doomed:
-                    store.remote.fs.rm(doomed)
+                _rm_keys(store, doomed)
             if (entry.directory / MANIFEST).is_file():
                 write_json_atomic(entry.directory / MANIFEST, manifest)  # the smaller file list first
             for step in steps:
@@ -226,6 +223,15 @@ def apply(store: ArtifactStore, collection: Collection, log=print) -> tuple[int,
         freed += size
         log(f"pruned {entry.name}: checkpoint steps {', '.join(map(str, steps))} ({human(size)})")
     return freed, busy
+
+
+def _rm_keys(store: ArtifactStore, keys: list[str]) -> None:
+    """Delete bucket objects one key at a time: `fs.rm` would read a point's `[...]` as a glob."""
+    for key in keys:
+        try:
+            store.remote.fs.rm_file(key)
+        except FileNotFoundError:
+            pass
 
 
 def _in_steps(rel: str, steps: set[str]) -> bool:

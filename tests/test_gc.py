@@ -1,6 +1,7 @@
-"""`trainflow gc` and `trainflow diff` (flows/gc.py, flows/diff.py) on a local store and on
-the moto S3 store of tests/test_object_store.py. Stages run through tasks.runner.execute_stage
-(the store protocol without Prefect), with the toy kinds of tests/sweep_toys.py."""
+"""`trainflow gc` and `trainflow diff` (flows/gc.py, flows/diff.py) on a local store, on the
+moto S3 store of tests/test_object_store.py and on the GCS emulator of
+tests/test_object_store_gcs.py. Stages run through tasks.runner.execute_stage (the store
+protocol without Prefect), with the toy kinds of tests/sweep_toys.py."""
 
 import json
 import threading
@@ -15,6 +16,11 @@ from flows.cli import main
 from flows.spec import load_plan
 from tasks.runner import execute_stage
 from tests.test_object_store import bucket, s3_endpoint  # noqa: F401  (the moto server and a bucket per test)
+
+try:  # the GCS emulator of tests/test_object_store_gcs.py, where it is installed
+    from tests.test_object_store_gcs import BUCKET, gcs  # noqa: F401
+except pytest.skip.Exception:
+    BUCKET = None
 
 
 def pipeline(path: Path, store: str, lrs, name="grid") -> Path:
@@ -40,10 +46,15 @@ def run_plain(path: Path, store: str) -> dict[str, str]:
     return {name: planned.job.artifact_id for name, planned in plan.stages.items()}
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", "s3", "gs"])
 def store(request, tmp_path) -> str:
     if request.param == "local":
         return str(tmp_path / "store")
+    if request.param == "gs":
+        if BUCKET is None:
+            pytest.skip("the GCS emulator is not installed")
+        request.getfixturevalue("gcs")
+        return f"gs://{BUCKET}/gc-{tmp_path.name}"
     return f"{request.getfixturevalue('bucket')}/artifacts"
 
 
