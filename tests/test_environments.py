@@ -88,7 +88,7 @@ def test_the_arithmetic_task_pays_one_call_and_the_right_answer():
     env = ArithmeticToolTask()
     assert env.reset({"question": "3+4", "answer": "7"}) == "3+4="
     step = env.step("c")
-    assert (step.observation, step.reward, step.done, step.tool_calls) == ("7>", 0.5, False, 1)
+    assert (step.observation, step.reward, step.done, step.tool_calls) == ("7", 0.5, False, 1)
     assert env.step("7").reward == 1.0
     env.reset({"question": "3+4", "answer": "7"})
     env.step("c")

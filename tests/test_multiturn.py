@@ -116,9 +116,9 @@ def test_a_text_episode_appends_the_observation_as_the_environment_wrote_it():
     generate, _ = scripted([[ids("c", "<eos>")], [ids("7", "<eos>")]])
     out = run(generate, [ROW])
     assert out.prompt_tokens[0, -4:].tolist() == ids("3+4=")
-    episode = ids("c", "<eos>", "7>", "7", "<eos>")
+    episode = ids("c", "<eos>", "7", "7", "<eos>")
     assert out.tokens[0, : len(episode)].tolist() == episode
-    assert out.model_mask[0, : len(episode)].astype(int).tolist() == [1, 1, 0, 0, 1, 1]
+    assert out.model_mask[0, : len(episode)].astype(int).tolist() == [1, 1, 0, 1, 1]
 
 
 def test_budgets_truncate_an_episode():
@@ -127,8 +127,8 @@ def test_budgets_truncate_an_episode():
     out = runner(max_turns=1)(scripted([[call]])[0], [ROW])
     assert out.metrics["env/truncated"] == 1.0 and out.rewards.tolist() == [0.5]  # the call's reward
     assert out.model_mask[0].sum() == 2 and out.episode_mask[0].sum() == 2  # no observation appended
-    # Out of episode tokens: the observation ("7>") and a next token do not fit in C = 4.
-    out = runner(C=4)(scripted([[call]])[0], [ROW])
+    # Out of episode tokens: the observation ("7") and a next token do not fit in C = 3.
+    out = runner(C=3)(scripted([[call]])[0], [ROW])
     assert out.metrics["env/truncated"] == 1.0 and out.episode_mask[0].sum() == 2
     # A prompt longer than max_prompt_length keeps its last tokens.
     out = runner(P=2)(scripted([[ids("7", "<eos>")]])[0], [ROW])

@@ -38,6 +38,7 @@ import math
 import operator
 import random
 import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -113,6 +114,9 @@ _BINARY = {
     ast.Pow: operator.pow,
 }
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
+# CPython 3.11's ast.parse is not safe in concurrent threads ("AST constructor recursion depth
+# mismatch"), and the episodes' steps run in threads (multiturn.py, step_workers).
+_PARSE_LOCK = threading.Lock()
 MAX_MAGNITUDE = 1e100  # beyond this an integer power or product is refused (no 9**9**9 hang)
 
 
@@ -140,7 +144,8 @@ def calculate(expression: str) -> str:
     if not isinstance(expression, str) or len(expression) > 500:
         raise ToolError("expression must be text of at most 500 characters")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        with _PARSE_LOCK:
+            tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError:
         raise ToolError(f"cannot parse {expression!r}") from None
     result = value(tree.body)
@@ -331,7 +336,7 @@ class ArithmeticToolTask(ToolEnvironment):
         answer_field: str = "answer",
         call_word: str = "c",
         prompt_suffix: str = "=",
-        observation_suffix: str = ">",
+        observation_suffix: str = "",
         chat: bool = False,
         observation_role: str = "tool",
         call_reward: float = 0.5,
