@@ -75,6 +75,11 @@ ADDED_AT_DEFAULT = {
     "rollout_workers": 0,
     "rollout_worker_restarts": 2,
     "rollout_worker_env": {},
+    # multi-turn environments and a rollout server
+    "environment": None,
+    "rollout": None,
+    # evaluate's lm-eval harness tasks
+    "harness": None,
     "compute.weight_grad_dtype": "float32",
 }
 """Fields added to a config after artifacts were made with it: at these values they are left

@@ -227,9 +227,11 @@ def apply(store: ArtifactStore, collection: Collection, log=print) -> tuple[int,
 
 def _rm_keys(store: ArtifactStore, keys: list[str]) -> None:
     """Delete bucket objects one key at a time: `fs.rm` would read a point's `[...]` as a glob."""
+    remote = store.remote
+    assert remote is not None, "bucket keys come from a bucket store"
     for key in keys:
         try:
-            store.remote.fs.rm_file(key)
+            remote.fs.rm_file(key)
         except FileNotFoundError:
             pass
 
