@@ -244,8 +244,11 @@ def test_on_a_v5e_8_the_tiny_model_fits_with_the_compiled_figures_and_llama3_8b_
         analysis.argument_size_in_bytes,
         analysis.generated_code_size_in_bytes,
     )
-    # The temporaries the buffer assignment holds at once (Memory.of), not the sum of them all.
-    assert 0 < small.memory.temporaries < analysis.temp_size_in_bytes
+    # The temporaries the buffer assignment holds at once (Memory.of: its total allocation, or
+    # under jax 0.10 the heap peak), not temp_size_in_bytes, which libtpu 0.0.42 reads as 0 here.
+    held = getattr(analysis, "total_allocation_bytes", 0) or analysis.peak_memory_in_bytes
+    assert small.memory.temporaries > 0
+    assert small.memory.total - small.memory.generated_code == pytest.approx(held, rel=0.02)
     assert small.memory.total == (
         analysis.argument_size_in_bytes
         + analysis.output_size_in_bytes
