@@ -462,7 +462,7 @@ def test_an_unknown_stage_key_lists_the_valid_ones_or_the_closest(tmp_path):
     assert error_of(retires=2) == "pipeline 'keys': stages.a: unknown key 'retires'; did you mean 'retries'?"
     assert error_of(zzz=1) == (
         "pipeline 'keys': stages.a: unknown key 'zzz'; valid keys: config, inputs, launcher, "
-        "retries, retry_backoff, retry_delay_seconds, task"
+        "matrix, max_parallel, retries, retry_backoff, retry_delay_seconds, task, when"
     )
 
 
