@@ -361,6 +361,11 @@ class ComputeConfig(Strict):
     E * sum_e f_e * P_e, which is k when balanced; transformers' router_aux_loss_coef)."""
     moe_router_z_loss: float = Field(0.001, ge=0)
     """Weight of the router z-loss, the mean squared log-normaliser of the router logits (ST-MoE)."""
+    weight_grad_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype in which the dense layers' weight gradients are produced, and so reduced over the
+    devices that split the batch (engine/ops/dense.py): float32, or bfloat16 as MaxText's are
+    (half the bytes of the gradient all-reduce/reduce-scatter per step; docs/benchmarks.md).
+    Only a bfloat16 `dtype` has anything to round; the parameters' update stays in param_dtype."""
 
     @field_validator("scan_unroll", mode="before")
     @classmethod
