@@ -42,8 +42,8 @@ from engine.config import ConfigError
 from engine.contract import MANIFEST
 from engine.inference.options import add_sampling_arguments
 from flows.diff import diff, format_diff
-from flows.gc import apply, collect, human
-from flows.inspect import format_lineage, format_table, lineage, list_rows, status_rows
+from flows.inspection import format_lineage, format_table, lineage, list_rows, status_rows
+from flows.retention import apply, collect, human
 from flows.spec import load_plan
 from tasks.artifacts import (
     ArtifactError,
@@ -209,7 +209,7 @@ def cmd_ls(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    """Delete the artifacts no kept pipeline reaches and old checkpoint steps (flows/gc.py)."""
+    """Delete the artifacts no kept pipeline reaches and old checkpoint steps (flows/retention.py)."""
     if args.keep_steps is not None and args.keep_steps < 1:
         raise ConfigError(f"gc: --keep-steps {args.keep_steps}: keep at least the newest step (1)")
     store_arg = args.store

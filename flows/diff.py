@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from flows.inspect import flatten, format_table
+from flows.inspection import flatten, format_table
 from tasks.artifacts import ArtifactStore, parent_dir, read_manifest
 
 

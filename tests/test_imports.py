@@ -274,3 +274,11 @@ def test_import_check_reports_an_import_in_a_function():
     assert f"{filename}:{len(lines) - 5}: from engine.train.trainer import Trainer" in found
     assert f"{filename}:{len(lines)}: import jax.numpy as jnp" in found
     assert not any("transformers" in entry for entry in found)
+
+
+def test_no_module_of_flows_shadows_the_standard_library():
+    """Prefect puts the directory of a flow's entrypoint (flows/) first on sys.path when it loads
+    it, and processes spawned from there inherit that path: a flows/inspect.py would be imported
+    as the standard library's inspect (numpy's import then fails), a flows/gc.py as gc."""
+    shadows = sorted(p.name for p in (ROOT / "flows").glob("*.py") if p.stem in sys.stdlib_module_names)
+    assert not shadows, f"flows/ modules named as standard-library modules: {shadows}"
