@@ -333,7 +333,7 @@ READERS_OWN = re.compile(
 def validate_pipeline(tree: dict, where: str, store: Path, overrides: list[str] | None = None) -> str | None:
     """What `trainflow status` says of the pipeline `tree`, if it refuses it."""
     from engine.config import ConfigError
-    from flows.inspect import status_rows
+    from flows.inspection import status_rows
     from flows.spec import load_plan
 
     path = store / "pipeline.yaml"

@@ -26,7 +26,7 @@ from engine.data import tokenize as engine_tokenize
 from engine.data.sources import plan_source
 from engine.train.checkpoint import load_params
 from flows import cli
-from flows.inspect import lineage
+from flows.inspection import lineage
 from flows.spec import Pipeline
 from tasks import runner
 from tasks.artifacts import read_manifest, verify_artifact

@@ -1,4 +1,4 @@
-"""`trainflow gc` and `trainflow diff` (flows/gc.py, flows/diff.py) on a local store, on the
+"""`trainflow gc` and `trainflow diff` (flows/retention.py, flows/diff.py) on a local store, on the
 moto S3 store of tests/test_object_store.py and on the GCS emulator of
 tests/test_object_store_gcs.py. Stages run through tasks.runner.execute_stage (the store
 protocol without Prefect), with the toy kinds of tests/sweep_toys.py."""
