@@ -237,7 +237,7 @@ def test_sigkilled_pretrain_resumes_from_the_bucket_on_another_machine(finished,
     )
     uploaded = []
     deadline = time.monotonic() + 300
-    while not any(step >= 4 for step in uploaded):
+    while not any(step >= 2 for step in uploaded):  # the first committed step: long before the last
         assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint step reached the bucket"
         time.sleep(0.2)
         listing = client.list_objects_v2(Bucket=bucket, Prefix=f"runs/killed/pretrain/{pretrain_id}/checkpoint/")
@@ -257,7 +257,7 @@ def test_sigkilled_pretrain_resumes_from_the_bucket_on_another_machine(finished,
     proc = trainflow(*args, env=machine["b"])
     resumed = re.search(r"resuming from checkpoint step (\d+) of the partial artifact at (\S+)", proc.stderr)
     assert resumed, proc.stderr[-3000:]
-    assert int(resumed.group(1)) >= 4 and resumed.group(2) == f"{killed}/pretrain/{pretrain_id}"
+    assert int(resumed.group(1)) >= 2 and resumed.group(2) == f"{killed}/pretrain/{pretrain_id}"
     # The engine's own line, naming the bucket rather than the staging copy it restored from.
     assert (
         f"resumed from checkpoint step {resumed.group(1)} in {killed}/pretrain/{pretrain_id}/checkpoint" in proc.stderr
