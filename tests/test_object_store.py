@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import s3fs
 import yaml
 
 from engine.train.checkpoint import Checkpointer, load_params, verify_step
@@ -49,6 +50,9 @@ def s3_endpoint(tmp_path_factory):
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    # fsspec keeps one S3 file system per set of arguments; one made without an endpoint (etils'
+    # epath) read the endpoint of an earlier module's server: start from none.
+    s3fs.S3FileSystem.clear_instance_cache()
     try:
         yield env
     finally:
