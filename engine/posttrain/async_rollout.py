@@ -37,7 +37,7 @@ from engine.parallel.config import MeshConfig
 from engine.parallel.mesh import make_mesh
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.finetune import finetune_start
-from engine.posttrain.rollout import Rollout, generate_rollout
+from engine.posttrain.rollout import Rollout, rollout_of_config
 
 READY_TIMEOUT_S = 600.0  # a worker's start: importing JAX and compiling its sampler
 POLL_S = 0.2
@@ -73,21 +73,7 @@ def worker_main(conn, cfg_tree: dict) -> None:
         _, step, prompt_inputs = message
         start = time.perf_counter()
         try:
-            rollout = generate_rollout(
-                sampler,
-                bundle,
-                params,
-                prompt_inputs,
-                step=step,
-                seed=cfg.seed,
-                num_generations=cfg.num_generations,
-                max_prompt_length=cfg.max_prompt_length,
-                max_completion_length=cfg.max_completion_length,
-                temperature=cfg.temperature,
-                top_k=cfg.top_k,
-                top_p=cfg.top_p,
-                pad_id=pad_id,
-            )
+            rollout = rollout_of_config(cfg, sampler, bundle, params, prompt_inputs, step=step, pad_id=pad_id)
         except Exception as e:  # noqa: BLE001
             conn.send(("error", f"batch {step}: {type(e).__name__}: {e}"))
             return

@@ -57,7 +57,7 @@ from engine.posttrain.policy_loss import completion_logps, policy_loss, rollout_
 from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from engine.posttrain.reward_model import RewardScorer
 from engine.posttrain.rewards import RewardError, compute_rewards, load_reward, nan_stats, total_reward
-from engine.posttrain.rollout import Rollout, generate_rollout
+from engine.posttrain.rollout import Rollout, rollout_of_config
 from engine.posttrain.rollout_server import ROLLOUT_ENTRY_POINT
 from engine.train.checkpoint import load_params
 from engine.train.cli import run_cli
@@ -342,21 +342,7 @@ class RolloutSource:
         if self.episodes is not None:
             assert self.sampler is not None and records is not None
             return multiturn_rollout(self.episodes, self.sampler, self.bundle, params, records, cfg=cfg, step=step)
-        return generate_rollout(
-            self.sampler,
-            self.bundle,
-            params,
-            prompt_inputs,
-            step=step,
-            seed=cfg.seed,
-            num_generations=cfg.num_generations,
-            max_prompt_length=cfg.max_prompt_length,
-            max_completion_length=cfg.max_completion_length,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
-            pad_id=self.pad_id,
-        )
+        return rollout_of_config(cfg, self.sampler, self.bundle, params, prompt_inputs, step=step, pad_id=self.pad_id)
 
     def _take(self, step: int) -> list[dict]:
         self.stream_states[step] = self.prompts.get_state()

@@ -75,3 +75,25 @@ def generate_rollout(
     )
     G = num_generations
     return Rollout(np.repeat(prompt_tokens, G, 0), np.repeat(prompt_mask, G, 0), out)
+
+
+def rollout_of_config(
+    cfg, sampler: Sampler, bundle: TokenizerBundle, params, prompt_inputs: list, *, step: int, pad_id: int
+) -> Rollout:
+    """`generate_rollout` with the sampling settings of a GRPO config (the trainer's own
+    rollouts and a rollout worker's draw alike)."""
+    return generate_rollout(
+        sampler,
+        bundle,
+        params,
+        prompt_inputs,
+        step=step,
+        seed=cfg.seed,
+        num_generations=cfg.num_generations,
+        max_prompt_length=cfg.max_prompt_length,
+        max_completion_length=cfg.max_completion_length,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        pad_id=pad_id,
+    )
