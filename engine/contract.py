@@ -34,6 +34,9 @@ CHECKPOINT_FORMATS_READ = ("trainflow.checkpoint/1", CHECKPOINT_FORMAT)
 MANIFEST = "artifact.json"
 CHECKPOINT_DIR = "checkpoint"
 """An Orbax CheckpointManager directory (engine.train.checkpoint)."""
+CHECKPOINT_URL_SCHEMES = ("gs://", "s3://")
+"""Where the engine's checkpoints are written and read at the URL itself, by every process
+(engine/train/bucket_paths.py); a bucket store of these schemes hands its stages the URL."""
 TOKENIZER_DIR = "tokenizer"
 """A checkpoint or dataset artifact carries its tokenizer here."""
 DATA_DIR = "data"

@@ -385,7 +385,7 @@ def _local_artifact(args) -> Path:
     remote_store = _store_of(args)
     if remote_store is None:
         return directory
-    return remote_store.open_input(directory.parent.name, directory.name).path
+    return remote_store.open_input(directory.parent.name, directory.name, local_checkpoint=True).path
 
 
 def cmd_export(args) -> int:

@@ -123,7 +123,7 @@ class ConvertStage(EngineStage):
         if local is not None:
             ctx.log(f"downloading {cfg.source} into {local}")
             download_dir(cfg.source, local)
-        argv = ["convert", str(local or cfg.source), str(out)]
+        argv = ["convert", str(local or cfg.source), str(out), "--checkpoint", ctx.checkpoint_dir]
         if cfg.dtype:
             argv += ["--dtype", cfg.dtype]
         try:

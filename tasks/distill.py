@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from engine.contract import CHECKPOINT_DIR, TOKENIZER_DIR
+from engine.contract import TOKENIZER_DIR
 from engine.posttrain.distill_config import DistillConfig
 from tasks.engine_stage import FineTuneStage, absolute_data_path, file_digests
 from tasks.registry import MODEL_KINDS, Input, StageContext
@@ -57,11 +57,11 @@ class DistillStage(FineTuneStage):
         return {**fp, "data_files": file_digests(config.data.path), "eval_files": file_digests(config.data.eval_path)}
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
-        teacher = ctx.inputs["teacher"].path
+        teacher = ctx.inputs["teacher"]
         cfg = ctx.config.model_copy(
             update={
                 "teacher": ctx.config.teacher.model_copy(
-                    update={"checkpoint": str(teacher / CHECKPOINT_DIR), "tokenizer": str(teacher / TOKENIZER_DIR)}
+                    update={"checkpoint": teacher.checkpoint_dir, "tokenizer": str(teacher.path / TOKENIZER_DIR)}
                 )
             }
         )

@@ -27,7 +27,6 @@ from pydantic import BaseModel
 from engine.config import ConfigError, resolve_model_preset, to_yaml, validate
 from engine.contract import (
     CHECKPOINT_CADENCE_FIELDS,
-    CHECKPOINT_DIR,
     ENTRY_POINTS,
     METRICS_FILE,
     NON_SEMANTIC_FIELDS,
@@ -36,6 +35,7 @@ from engine.contract import (
 from tasks.artifacts import sha256_file
 from tasks.launch import run_child
 from tasks.registry import MODEL_KINDS, Input, StageContext, StageKind, has_input_ref
+from tasks.store.objects import is_url, list_url_dirs, remove_url_tree
 
 
 def get_dotted(tree: dict, dotted: str) -> Any:
@@ -82,11 +82,22 @@ def with_logged_finals(result: dict, metrics_file: Path) -> dict:
     return filled
 
 
-def checkpoint_steps(directory: Path) -> list[int]:
-    """The committed steps of an Orbax checkpoint directory (unfinished saves are not digits)."""
+def checkpoint_steps(directory: str | Path) -> list[int]:
+    """The steps of an Orbax checkpoint directory or URL. Locally an unfinished save is not
+    a digit; at a URL it is (Orbax commits there with a file), and fails verification."""
+    if is_url(str(directory)):
+        return sorted(int(name) for name in list_url_dirs(str(directory)) if name.isdigit())
+    directory = Path(directory)
     if not directory.is_dir():
         return []
     return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def remove_step(directory: str | Path, step: int) -> None:
+    if is_url(str(directory)):
+        remove_url_tree(f"{directory}/{step}")
+    else:
+        shutil.rmtree(Path(directory) / str(step))
 
 
 # Runs in a child: engine.train.checkpoint loads Orbax and JAX, which the pipeline process
@@ -98,7 +109,7 @@ _VERIFY_STEPS = (
 )
 
 
-def drop_unverified_steps(ctx: StageContext, directory: Path) -> list[int]:
+def drop_unverified_steps(ctx: StageContext, directory: str | Path) -> list[int]:
     """Delete the steps older than the newest intact one whose files no longer match the
     digests recorded when they were committed (engine.train.checkpoint.verify_step); returns
     them. The engine resumes from the newest intact step and itself removes the failing steps
@@ -126,7 +137,7 @@ def drop_unverified_steps(ctx: StageContext, directory: Path) -> list[int]:
             f"checkpoint step {step} in {directory} differs from the digests recorded when it was committed "
             f"({shown}): deleted"
         )
-        shutil.rmtree(directory / str(step))
+        remove_step(directory, step)
     return dropped
 
 
@@ -186,13 +197,13 @@ class EngineStage(StageKind):
         cfg = named_run(cfg, ctx.stage)
         (out / config_name).write_text(to_yaml(cfg))
         if ctx.resumed:  # files of an earlier attempt: trusted only where their digests match
-            drop_unverified_steps(ctx, out / CHECKPOINT_DIR)
-            saved = checkpoint_steps(out / CHECKPOINT_DIR)
+            drop_unverified_steps(ctx, ctx.checkpoint_dir)
+            saved = checkpoint_steps(ctx.checkpoint_dir)
             if saved:
                 shown = ", ".join(map(str, saved[-3:]))
-                ctx.log(f"resuming from the checkpoints in {out / CHECKPOINT_DIR} (steps {shown})")
+                ctx.log(f"resuming from the checkpoints in {ctx.checkpoint_dir} (steps {shown})")
             else:
-                ctx.log(f"an earlier attempt saved no checkpoint in {out / CHECKPOINT_DIR}: starting at step 0")
+                ctx.log(f"an earlier attempt saved no checkpoint in {ctx.checkpoint_dir}: starting at step 0")
         result = self.launch_engine(ctx, str(out / config_name), metrics_file=out / METRICS_FILE, total_steps=steps)
         return scalars(with_logged_finals(result, out / METRICS_FILE))
 
@@ -264,13 +275,13 @@ class FineTuneStage(EngineStage):
         return fp
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
-        out, checkpoint_input = ctx.out_dir, ctx.inputs["checkpoint"].path
-        if not self.carry_tokenizer(ctx, checkpoint_input):
-            raise ConfigError(f"stage '{ctx.stage}': input checkpoint {checkpoint_input} has no {TOKENIZER_DIR}/")
+        out, checkpoint_input = ctx.out_dir, ctx.inputs["checkpoint"]
+        if not self.carry_tokenizer(ctx, checkpoint_input.path):
+            raise ConfigError(f"stage '{ctx.stage}': input checkpoint {checkpoint_input.path} has no {TOKENIZER_DIR}/")
         tree = ctx.config.model_dump(mode="json")
         for key, value in {
-            "checkpoint.directory": str(out / CHECKPOINT_DIR),
-            "checkpoint.init_from": str(checkpoint_input / CHECKPOINT_DIR),
+            "checkpoint.directory": ctx.checkpoint_dir,
+            "checkpoint.init_from": checkpoint_input.checkpoint_dir,
             "metrics_dir": str(out),
             "tokenizer": str(out / TOKENIZER_DIR),
         }.items():

@@ -48,6 +48,14 @@ def _ancestors(ref_path: Path, store_root: Path) -> list[tuple[str, Path]]:
     return [(stage, path) for path, stage in seen.items()]
 
 
+def _trained(path: Path) -> bool:
+    """Whether the artifact at `path` holds a checkpoint (at the URL of a bucket store, its
+    manifest lists the files)."""
+    manifest = json.loads((path / MANIFEST).read_text())
+    files = manifest.get("files", {})
+    return (path / CHECKPOINT_DIR).is_dir() or any(rel.startswith(CHECKPOINT_DIR + "/") for rel in files)
+
+
 class EvaluateStage(EngineStage):
     task = "evaluate"
     entry_point = "evaluate"
@@ -78,11 +86,11 @@ class EvaluateStage(EngineStage):
         curves = {}
         for ref in models.values():
             for stage, path in _ancestors(ref.path, store_root):
-                if (path / METRICS_FILE).is_file() and (path / CHECKPOINT_DIR).is_dir():
+                if (path / METRICS_FILE).is_file() and _trained(path):
                     curves[stage] = str(path / METRICS_FILE)
         job = {
             "config": tree,
-            "checkpoints": {name: str(ref.path / CHECKPOINT_DIR) for name, ref in models.items()},
+            "checkpoints": {name: ref.checkpoint_dir for name, ref in models.items()},
             "curves": curves,
         }
         (out / "evaluate.yaml").write_text(yaml.safe_dump(job, sort_keys=False))

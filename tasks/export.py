@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import Field
 
 from engine.config import ConfigError, Strict
-from engine.contract import CHECKPOINT_DIR, TOKENIZER_DIR
+from engine.contract import TOKENIZER_DIR
 from engine.interop.hf.files import WEIGHT_FILES, check_export_dir, remove_stale_weights
 from tasks.engine_stage import EngineStage
 from tasks.objectstore import StoreAccessError, is_url, list_url, remove_url_files, upload_dir
@@ -61,7 +61,7 @@ class ExportStage(EngineStage):
         # --overwrite: <out>/hf is this artifact's own; what is there is an earlier attempt's.
         argv = [
             "export",
-            str(source / CHECKPOINT_DIR),
+            ctx.inputs["checkpoint"].checkpoint_dir,
             str(ctx.out_dir / "hf"),
             "--max-shard-gb",
             str(ctx.config.max_shard_gb),

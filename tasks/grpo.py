@@ -21,7 +21,7 @@ import importlib.util
 from dataclasses import replace
 
 from engine.config import ConfigError
-from engine.contract import CHECKPOINT_DIR, ENTRY_POINTS
+from engine.contract import ENTRY_POINTS
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.environments import BUILTIN_ENVIRONMENTS
 from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
@@ -147,7 +147,7 @@ class GRPOStage(FineTuneStage):
                         f"the stage that is a reward_model artifact (its inputs: {', '.join(ctx.inputs)})"
                     )
                 spec = spec.model_copy(
-                    update={"model": str(ctx.inputs[spec.model].path / CHECKPOINT_DIR), "name": spec.name or spec.model}
+                    update={"model": ctx.inputs[spec.model].checkpoint_dir, "name": spec.name or spec.model}
                 )
             rewards.append(spec)
         return super().run(replace(ctx, config=ctx.config.model_copy(update={"rewards": rewards})))

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import Field
 
 from engine.config import ConfigError, Strict
-from engine.contract import CHECKPOINT_DIR, TOKENIZER_DIR
+from engine.contract import TOKENIZER_DIR
 from tasks.engine_stage import EngineStage
 from tasks.registry import Input, StageContext
 
@@ -36,10 +36,10 @@ class MergeStage(EngineStage):
     version = 1
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
-        source = ctx.inputs["adapter"].path
-        if not self.carry_tokenizer(ctx, source):
-            raise ConfigError(f"stage '{ctx.stage}': input adapter {source} has no {TOKENIZER_DIR}/")
-        argv = [str(source / CHECKPOINT_DIR), str(ctx.out_dir / CHECKPOINT_DIR)]
+        source = ctx.inputs["adapter"]
+        if not self.carry_tokenizer(ctx, source.path):
+            raise ConfigError(f"stage '{ctx.stage}': input adapter {source.path} has no {TOKENIZER_DIR}/")
+        argv = [source.checkpoint_dir, ctx.checkpoint_dir]
         if ctx.config.step is not None:
             argv += ["--step", str(ctx.config.step)]
         result = self.launch_engine(ctx, *argv)

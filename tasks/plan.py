@@ -10,15 +10,16 @@ artifact when it is already in the store.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import numpy as np
 
 from engine.config import ConfigError
-from engine.contract import CHECKPOINT_DIR
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.posttrain import distill, dpo, grpo, reward_model, sft
 from engine.posttrain.config import DPOConfig, GRPOConfig
+from engine.train.bucket_paths import is_url
 from engine.train.checkpoint import stored_configs
 from engine.train.plan import Plan, plan_step, report
 from engine.train.targets import get_target
@@ -175,8 +176,8 @@ def _input_model(plan, name: str, models: dict, input_name: str = "checkpoint") 
     upstream, artifact_id = plan.stages[name].job.inputs[input_name]
     if upstream in models:
         return models[upstream]
-    path = plan.store.artifact_dir(upstream, artifact_id) / CHECKPOINT_DIR
-    if plan.store.state(upstream, artifact_id) == "complete" and path.is_dir():
+    path = plan.store.checkpoint_location(upstream, artifact_id)  # a directory, or the bucket's URL
+    if plan.store.state(upstream, artifact_id) == "complete" and (is_url(path) or Path(path).is_dir()):
         return stored_configs(path)
     raise ConfigError(
         f"{plan.source}: stages.{name}: its model is the checkpoint of stage '{upstream}', which "

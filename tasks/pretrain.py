@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.config import resolve_model_preset, validate
-from engine.contract import CHECKPOINT_CADENCE_FIELDS, CHECKPOINT_DIR, DATA_DIR, NON_SEMANTIC_FIELDS
+from engine.contract import CHECKPOINT_CADENCE_FIELDS, DATA_DIR, NON_SEMANTIC_FIELDS
 from engine.train.config import TrainConfig
 from tasks.engine_stage import EngineStage, set_dotted
 from tasks.registry import Input, StageContext
@@ -51,9 +51,9 @@ class PretrainStage(EngineStage):
         out, dataset = ctx.out_dir, ctx.inputs["dataset"].path
         tree = ctx.config.model_dump(mode="json")
         set_dotted(tree, "data.path", str(dataset / DATA_DIR))
-        set_dotted(tree, "checkpoint.directory", str(out / CHECKPOINT_DIR))
+        set_dotted(tree, "checkpoint.directory", ctx.checkpoint_dir)
         if "init" in ctx.inputs:
-            set_dotted(tree, "checkpoint.init_from", str(ctx.inputs["init"].path / CHECKPOINT_DIR))
+            set_dotted(tree, "checkpoint.init_from", ctx.inputs["init"].checkpoint_dir)
         tree["metrics_dir"] = str(out)
         tree["progress"] = False  # progress goes to the pipeline log through metrics.jsonl
         cfg = TrainConfig.model_validate(tree)

@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel
 
 from engine.config import ConfigError, validate
-from engine.contract import ADDED_AT_DEFAULT
+from engine.contract import ADDED_AT_DEFAULT, CHECKPOINT_DIR
 from tasks.artifacts import ArtifactRef, drop_fields
 from tasks.gang import ChildResult
 from tasks.launch import LauncherSpec, run_child
@@ -141,6 +141,13 @@ class StageContext:
     resumed: bool = False
     """The output directory holds a partial result of an earlier attempt."""
     hooks: StageHooks = field(default_factory=StageHooks)
+    checkpoint_dir: str = ""
+    """Where the engine writes (and resumes) the output's checkpoint: `out_dir`/checkpoint,
+    or on a bucket store its URL, which every process writes its shards to."""
+
+    def __post_init__(self) -> None:
+        if not self.checkpoint_dir:
+            self.checkpoint_dir = str(Path(self.out_dir) / CHECKPOINT_DIR)
 
     def log(self, message: str) -> None:
         self.hooks.log(message)

@@ -28,14 +28,12 @@ from tasks.artifacts import (
     ArtifactError,
     ArtifactStore,
     code_version,
-    digest_files,
     now_iso,
     write_json_atomic,
 )
 from tasks.gang import holding_locks
 from tasks.launch import DISK_FULL_ERRNOS, DiskFull, LauncherSpec, recording_layouts
 from tasks.registry import StageContext, StageHooks, StageKind, substitute_inputs
-from tasks.store.consume import STAMPS
 
 SKIPPED, RAN, RESUMED = "skipped", "ran", "resumed"
 
@@ -86,12 +84,6 @@ class StageResult:
             "seconds": round(self.seconds, 3),
             "work_seconds": round(self.work_seconds, 3),
         }
-
-
-def _has_partial_payload(directory: Path) -> bool:
-    return directory.is_dir() and any(
-        p.name not in (MANIFEST, ".lock") and not p.name.startswith(STAMPS) for p in directory.iterdir()
-    )
 
 
 def _classify(error: BaseException, stage: str, out_dir: Path) -> BaseException:
@@ -157,7 +149,7 @@ def execute_stage(
             except ArtifactError as e:
                 raise ArtifactError(f"stage '{job.stage}': input '{name}': {e}") from None
         store.prepare(job.stage, job.artifact_id, log=hooks.log)  # a partial artifact's payload, to resume from
-        resumed = _has_partial_payload(out_dir)
+        resumed = store.has_partial(job.stage, job.artifact_id)
         previous = store.manifest(job.stage, job.artifact_id) or {}
         manifest = {
             "id": job.artifact_id,
@@ -197,7 +189,16 @@ def execute_stage(
         shown = StageHooks(
             log=lambda line: hooks.log(store.shown(line)), metrics=hooks.metrics, progress=hooks.progress
         )
-        ctx = StageContext(job.stage, config, inputs, out_dir, job.launcher, resumed, shown)
+        ctx = StageContext(
+            job.stage,
+            config,
+            inputs,
+            out_dir,
+            job.launcher,
+            resumed,
+            shown,
+            checkpoint_dir=store.checkpoint_location(job.stage, job.artifact_id),
+        )
         work_start = time.perf_counter()
         try:
             running = store.running(job.stage, job.artifact_id, claim, log=hooks.log)
@@ -208,7 +209,7 @@ def execute_stage(
                 status=COMPLETE,
                 metrics=metrics,
                 layout=layouts[-1] if layouts else None,
-                files=digest_files(out_dir, stamp=True),
+                files=store.digest_payload(job.stage, job.artifact_id),
                 finished_at=now_iso(),
             )
             store.commit(job.stage, job.artifact_id, manifest, claim)  # last: from here on the artifact exists

@@ -164,11 +164,16 @@ def test_a_local_consumer_reads_only_what_it_consumes_and_refuses_changed_params
     store.open_input("producer", artifact_id)
 
 
-def test_a_bucket_consumer_downloads_the_consumed_files_only_hashed_as_they_arrive(
+def test_a_bucket_consumer_reads_the_checkpoint_at_the_url_checked_by_its_versions(
     bucket,  # noqa: F811
     tmp_path,
     monkeypatch,
 ):
+    """On a bucket, a consumer's engine reads the consumed step at the URL: nothing of the
+    checkpoint comes into the cache, one LIST finds every consumed object at the version the
+    manifest recorded at commit. An object rewritten since (another version) is streamed
+    through sha256: other bytes are refused, naming it. `local_checkpoint` (what `trainflow
+    generate` asks) downloads the consumed files, hashed as they arrive, and only those."""
     url = f"s3://{bucket}/consume"
     execute_stage(_job(), ArtifactStore(url))  # staged in the fixture's cache, uploaded
     monkeypatch.setenv("TRAINFLOW_CACHE", str(tmp_path / "fresh"))  # another machine
@@ -176,27 +181,38 @@ def test_a_bucket_consumer_downloads_the_consumed_files_only_hashed_as_they_arri
     artifact_id = _job().artifact_id
     ref = store.open_input("producer", artifact_id)
     consumed = consumed_files(ref.manifest["files"])
-    cached = {
-        p.relative_to(ref.path).as_posix(): p.stat().st_size
-        for p in ref.path.rglob("*")
-        if p.is_file() and p.name not in ("artifact.json", ".lock") and not p.name.startswith(STAMPS)
-    }
-    assert cached == {rel: entry["size"] for rel, entry in consumed.items()}
-    _, params, step = load_params(ref.path / CHECKPOINT_DIR, as_numpy=True)
+    assert set(ref.manifest["versions"]) == set(ref.manifest["files"])
+    assert ref.checkpoint_dir == f"{url}/producer/{artifact_id}/{CHECKPOINT_DIR}"
+    assert not (ref.path / CHECKPOINT_DIR).exists()
+    _, params, step = load_params(ref.checkpoint_dir, as_numpy=True)
     assert step == STEPS[-1]
     assert store.verify(ref.path) == []  # every object, streamed from the bucket
 
-    # A consumed object replaced in the bucket (same size): a consumer without a cached copy refuses it.
+    local = store.open_input("producer", artifact_id, local_checkpoint=True)
+    cached = {
+        p.relative_to(local.path).as_posix(): p.stat().st_size
+        for p in local.path.rglob("*")
+        if p.is_file() and p.name not in ("artifact.json", ".lock") and not p.name.startswith(STAMPS)
+    }
+    assert cached == {rel: entry["size"] for rel, entry in consumed.items()}
+    assert local.checkpoint_dir == str(local.path / CHECKPOINT_DIR)
+    shutil.rmtree(local.path)
+
+    # A consumed object rewritten in the bucket with its own bytes: a new version, re-hashed, accepted.
     client = boto3.client("s3")
     victim = max(
         (rel for rel in consumed if "/params/" in rel), key=lambda rel: consumed[rel]["size"]
     )  # the params' data file
     key = f"consume/producer/{artifact_id}/{victim}"
     body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    assert store.open_input("producer", artifact_id).checkpoint_dir.startswith("s3://")
+    # ... with other bytes of the same size: refused, naming the object.
     body[len(body) // 2] ^= 0xFF
     client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
     assert hashlib.sha256(body).hexdigest() != consumed[victim]["sha256"]
-    shutil.rmtree(ref.path)
     with pytest.raises(ArtifactError, match=rf"{victim}: sha256 differs.*trainflow verify {url}/producer/"):
         store.open_input("producer", artifact_id)
+    with pytest.raises(ArtifactError, match=rf"{victim}: sha256 differs"):
+        store.open_input("producer", artifact_id, local_checkpoint=True)
     assert not (ref.path / victim).exists()  # nothing unverified left in the cache

@@ -269,9 +269,9 @@ def test_sigkilled_pretrain_resumes_from_the_bucket_on_another_machine(finished,
     again = ArtifactStore(killed)
     assert again.is_complete("pretrain", pretrain_id)
     assert trainflow("verify", pretrain_id, "--store", killed).stdout.startswith("OK ")
-    _, params, step = load_params(again.open_input("pretrain", pretrain_id).path / "checkpoint", as_numpy=True)
+    _, params, step = load_params(again.open_input("pretrain", pretrain_id).checkpoint_dir, as_numpy=True)
     _, expected, expected_step = load_params(
-        reference.open_input("pretrain", pretrain_id).path / "checkpoint", as_numpy=True
+        reference.open_input("pretrain", pretrain_id).checkpoint_dir, as_numpy=True
     )
     assert step == expected_step == STEPS
     leaves, want = jax.tree.leaves(params), jax.tree.leaves(expected)

@@ -1,5 +1,7 @@
 """The artifact store on gs:// against a real GCS protocol server (gcp-storage-emulator) on
 127.0.0.1, started by this module; the environment points gcsfs at it (STORAGE_EMULATOR_HOST).
+Checkpoints are staged (TRAINFLOW_STAGED_CHECKPOINTS, see the fixture): TensorStore's GCS
+driver does not accept this emulator's responses.
 
 The emulator ignores `ifGenerationMatch=0` (it overwrites), so the GCS lease is checked on the
 request it sends, read from the emulator's request log; the lease race itself is tested end to
@@ -85,8 +87,12 @@ def gcs(tmp_path_factory):
         "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}",
         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
         "TRAINFLOW_CACHE": str(tmp_path_factory.mktemp("gcs-cache")),
-        "TRAINFLOW_LEASE_SECONDS": "3",
-    }  # renewed every second: the test sees renewals
+        "TRAINFLOW_LEASE_SECONDS": "3",  # renewed every second: the test sees renewals
+        # TensorStore's GCS driver rejects the emulator's upload responses ("Malformed
+        # StorageGeneration" writing an OCDBT manifest), so here the engine's checkpoints are
+        # staged and uploaded by the runner; the engine at the URL is tested on moto's S3.
+        "TRAINFLOW_STAGED_CHECKPOINTS": "1",
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

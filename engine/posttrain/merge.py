@@ -20,6 +20,7 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.contract import CHECKPOINT_FORMAT, EXIT_CONFIG_ERROR, EXIT_OK
+from engine.train.bucket_paths import checkpoint_path
 from engine.train.checkpoint import load_adapter, load_params, read_meta, save_params
 
 
@@ -37,7 +38,7 @@ def merge_adapter(adapter_dir: str | Path, out_dir: str | Path, step: int | None
         "stage": "merge",
         **({"hf": hf} if hf else {}),
         "merged": {
-            "adapter": str(Path(adapter_dir).absolute()),
+            "adapter": str(checkpoint_path(adapter_dir)),  # absolute, or the URL
             "step": step,
             "base": str(base),
             "lora": lora.model_dump(mode="json"),

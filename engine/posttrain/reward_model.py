@@ -57,6 +57,7 @@ from engine.parallel.mesh import global_array, replicated, to_host
 from engine.posttrain.dpo import EpochIndices, Pair, load_pairs, pair_rows, tokenize_pair
 from engine.posttrain.finetune import finetune_start
 from engine.posttrain.reward_config import RewardModelConfig
+from engine.train.bucket_paths import checkpoint_path, local_folder
 from engine.train.checkpoint import ITEMS, adapter_base, load_params, read_meta
 from engine.train.cli import run_cli
 from engine.train.config import TrainConfig
@@ -317,7 +318,7 @@ def load_reward_params(
     shapes[HEAD] = jax.ShapeDtypeStruct((model_cfg.d_model,), jax.tree.leaves(shapes)[0].dtype)
     restore_args = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype), shapes)
     manager = ocp.CheckpointManager(
-        Path(directory).absolute(), item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True)
+        checkpoint_path(directory), item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True)
     )
     params = manager.restore(
         step, args=ocp.args.Composite(params=ocp.args.PyTreeRestore(item=shapes, restore_args=restore_args))
@@ -354,9 +355,9 @@ class RewardScorer:
         max_length: int,
         where: str = "rewards.model",
     ):
-        directory = Path(directory)
-        tokenizer = directory.parent / TOKENIZER_DIR
-        if not tokenizer.is_dir():
+        directory = checkpoint_path(directory)
+        tokenizer = local_folder(directory.parent / TOKENIZER_DIR)  # a bucket's: copied here
+        if not tokenizer.is_dir() or not any(tokenizer.iterdir()):
             raise ConfigError(
                 f"{where}: no {TOKENIZER_DIR}/ beside the reward model {directory}; its tokenizer must be the policy's"
             )

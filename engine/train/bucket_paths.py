@@ -4,7 +4,9 @@ Orbax writes `gs://` through TensorStore's GCS driver itself. For `s3://` it nee
 things that orbax-checkpoint 0.12 does not do (measured against moto's S3 server):
 
 - etils' path layer must use fsspec (s3fs) rather than TensorFlow's `gfile`, which it picks
-  whenever TensorFlow is installed and which has no S3: `EPATH_USE_TF=false`;
+  whenever TensorFlow is installed and which has no S3: `EPATH_USE_TF=false` (for gs:// too:
+  gcsfs, the store's own file system, which honours STORAGE_EMULATOR_HOST as gfile does not;
+  TensorStore's GCS driver is pointed at the emulator through TENSORSTORE_GCS_HTTP_URL);
 - Orbax builds TensorStore specs only for local and GCS paths ("Checkpoint path should be
   absolute"); TensorStore's own `s3` kvstore driver (endpoint and region from the AWS
   environment variables, credentials from the AWS chain) reads and writes OCDBT there;
@@ -20,6 +22,7 @@ the commit file), and `resume_step` trusts no other sign.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import orbax.checkpoint as ocp
@@ -29,8 +32,8 @@ from orbax.checkpoint._src.path import atomicity, gcs_utils
 from orbax.checkpoint._src.serialization import tensorstore_utils
 
 from engine.config import ConfigError
+from engine.contract import CHECKPOINT_URL_SCHEMES as URL_SCHEMES
 
-URL_SCHEMES = ("gs://", "s3://")
 _PATCHED = False
 
 
@@ -42,8 +45,13 @@ def checkpoint_path(directory: str | os.PathLike) -> Path | epath.Path:
     """A checkpoint directory as the engine opens it: a URL (gs://, s3://) as an etils path
     that Orbax and TensorStore write themselves, anything else as an absolute local path."""
     text = str(directory)
+    if is_url(text):
+        _use_fsspec_paths()
     if text.startswith("s3://"):
         _enable_s3()
+    if text.startswith("gs://") and os.environ.get("STORAGE_EMULATOR_HOST"):
+        # An emulator (gcsfs reads STORAGE_EMULATOR_HOST itself): TensorStore's GCS driver too.
+        os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", os.environ["STORAGE_EMULATOR_HOST"])
     if is_url(text):
         return epath.Path(text)
     if "://" in text:
@@ -71,13 +79,18 @@ def s3_kvstore(url: str) -> dict:
     return spec
 
 
+def _use_fsspec_paths() -> None:
+    """etils' paths at a URL through fsspec (s3fs, gcsfs), the file systems the store uses."""
+    if os.environ.get("EPATH_USE_TF") != "false":
+        os.environ["EPATH_USE_TF"] = "false"  # read by etils once (cached): cleared here
+        getattr(getattr(gpath, "_is_tf_installed", None), "cache_clear", lambda: None)()
+
+
 def _enable_s3() -> None:
     """Teach this process's Orbax the s3:// paths (once)."""
     global _PATCHED
     if _PATCHED:
         return
-    os.environ["EPATH_USE_TF"] = "false"  # read by etils once (cached): cleared below
-    getattr(getattr(gpath, "_is_tf_installed", None), "cache_clear", lambda: None)()
     use_gcs_driver = getattr(tensorstore_utils, "_use_gcs_driver", None)
     normalize = getattr(tensorstore_utils, "_normalize_path", None)
     gcs_kvstore = getattr(gcs_utils, "get_kvstore_for_gcs", None)
@@ -94,3 +107,17 @@ def _enable_s3() -> None:
     tensorstore_utils._normalize_path = lambda path: normalize(path).replace("s3:/", "s3://", 1)
     gcs_utils.get_kvstore_for_gcs = lambda path: s3_kvstore(path) if path.startswith("s3://") else gcs_kvstore(path)
     _PATCHED = True
+
+
+def local_folder(directory: str | os.PathLike) -> Path:
+    """A folder of small files (a tokenizer) as a local directory: itself, or for a URL a
+    temporary copy of its files."""
+    if not is_url(directory):
+        return Path(directory)
+    source = checkpoint_path(directory)
+    target = Path(tempfile.mkdtemp(prefix="trainflow-folder-"))
+    if source.is_dir():
+        for path in source.iterdir():
+            if not path.is_dir():
+                (target / path.name).write_bytes(path.read_bytes())
+    return target

@@ -312,7 +312,7 @@ def adapter_base(directory: str | Path, meta: dict) -> Path:
     trained, or (a store moved or copied) the same place relative to the adapter. A
     ConfigError when neither holds it."""
     lora = meta["lora"]
-    if is_url(directory):  # an adapter in a bucket names its base by URL
+    if is_url(directory) or is_url(lora["base_checkpoint"]):  # an adapter in a bucket names its base by URL
         return checkpoint_path(lora["base_checkpoint"])
     candidates = [Path(directory).absolute() / lora["base_relative"]] if lora.get("base_relative") else []
     candidates.append(Path(lora["base_checkpoint"]))

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from engine.contract import CHECKPOINT_FORMAT, METRICS_FILE
 from engine.models.params import flops_per_token
 from engine.models.quantize import describe_path
+from engine.train.bucket_paths import is_url
 from engine.train.checkpoint import Checkpointer
 from engine.train.metrics import MetricsWriter, flat_params, peak_flops, read_metrics
 from engine.train.trainer import BatchSource, StepInfo, Trainer
@@ -144,8 +145,11 @@ def checkpoint_meta(trainer: Trainer, **extra) -> dict:
         "format": CHECKPOINT_FORMAT,
         **extra,
     }
-    if cfg.lora is not None:  # the params are an adapter of this base (engine/models/lora.py)
-        base = Path(cfg.checkpoint.init_from).absolute()
+    init_from = cfg.checkpoint.init_from or ""
+    if cfg.lora is not None and is_url(init_from):  # a base in a bucket is named by its URL
+        meta["lora"] = {**cfg.lora.model_dump(mode="json"), "base_checkpoint": init_from}
+    elif cfg.lora is not None:  # the params are an adapter of this base (engine/models/lora.py)
+        base = Path(init_from).absolute()
         meta["lora"] = {
             **cfg.lora.model_dump(mode="json"),
             "base_checkpoint": str(base),

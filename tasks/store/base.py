@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.contract import MANIFEST
-from tasks.store.consume import check_consumed
+from engine.contract import CHECKPOINT_DIR, MANIFEST
+from tasks.store.consume import STAMPS, check_consumed
 from tasks.store.objects import is_url
 from tasks.store.records import (
     COMPLETE,
@@ -28,6 +28,7 @@ from tasks.store.records import (
     ArtifactError,
     ArtifactLock,
     ArtifactRef,
+    digest_files,
     payload_files,
     read_manifest,
     verify_artifact,
@@ -95,6 +96,11 @@ class ArtifactStore:
         """The local directory a stage writes the artifact in and a consumer reads it from."""
         return self.root / stage / artifact_id
 
+    def checkpoint_location(self, stage: str, artifact_id: str) -> str:
+        """Where the stage's engine writes (and resumes) the artifact's checkpoint: here its
+        directory's checkpoint/; on a bucket the URL itself, written by every process."""
+        return str(self.artifact_dir(stage, artifact_id) / CHECKPOINT_DIR)
+
     def manifest(self, stage: str, artifact_id: str) -> dict | None:
         return read_manifest(self.artifact_dir(stage, artifact_id))
 
@@ -145,6 +151,18 @@ class ArtifactStore:
     def prepare(self, stage: str, artifact_id: str, log: Log) -> None:
         """Bring what a resumed stage needs of its partial artifact to `artifact_dir` (here: it is there)."""
 
+    def has_partial(self, stage: str, artifact_id: str) -> bool:
+        """Whether an earlier attempt left payload (checkpoint steps among it) to resume over."""
+        directory = self.artifact_dir(stage, artifact_id)
+        return directory.is_dir() and any(
+            p.name not in (MANIFEST, ".lock") and not p.name.startswith(STAMPS) for p in directory.iterdir()
+        )
+
+    def digest_payload(self, stage: str, artifact_id: str) -> dict[str, dict[str, Any]]:
+        """The finished payload's `files` for the manifest: size and sha256 of every file
+        (stamped as verified, tasks/store/consume.py)."""
+        return digest_files(self.artifact_dir(stage, artifact_id), stamp=True)
+
     def write_manifest(self, stage: str, artifact_id: str, manifest: dict) -> None:
         write_json_atomic(self.artifact_dir(stage, artifact_id) / MANIFEST, manifest)
 
@@ -165,7 +183,9 @@ class ArtifactStore:
 
     # ------------------------------------------------------------------ reading
 
-    def open_input(self, stage: str, artifact_id: str, verify: bool = True) -> ArtifactRef:
+    def open_input(
+        self, stage: str, artifact_id: str, verify: bool = True, local_checkpoint: bool = False
+    ) -> ArtifactRef:
         """A complete artifact, checked as far as a consumer reads it; else ArtifactError.
 
         Of its bytes, the consumer's files are checked (tasks/store/consume.py: the newest

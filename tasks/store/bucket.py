@@ -1,29 +1,51 @@
 """The artifact store on object storage (s3://, gs://): a local store of staging directories
 plus the bucket, through fsspec (tasks/objectstore.py moves the bytes and holds the leases).
 
+Checkpoints do not pass through the staging directory: a stage's engine writes them at the
+artifact's URL (`checkpoint_location`), every process its own shards, and resumes from
+there; a consumer's engine restores the one step it reads from there (`open_input` gives
+`ArtifactRef.checkpoint_url`). Staged locally are only the small files (the tokenizer,
+metrics, the engine's config; token shards a stage reads). TRAINFLOW_STAGED_CHECKPOINTS=1
+(or a scheme the engine cannot write, e.g. memory://) stages checkpoints too, as before:
+each step uploaded from the staging directory as it commits, a consumer's step downloaded.
+
 What it changes of the local store's behaviour, and nothing else: where an artifact is
 shown and its state read (the bucket), the claim (the staging flock plus the bucket lease),
-`prepare` (the newest whole checkpoint step of a partial artifact downloaded), `running`
-(each checkpoint step uploaded as it commits), `commit` (the payload, then the manifest,
-one PUT, last), `keep_partial` (what a failed stage has, uploaded), `open_input` (only the
-consumed files downloaded into the cache, hashed as they arrive) and `verify` (every object
-streamed through sha256, nothing written to disk).
+`prepare` (a partial artifact's small files, or with staged checkpoints its newest whole
+step, downloaded), `running` (the small files uploaded as each checkpoint step commits),
+`digest_payload` (the staged files hashed; each checkpoint step's files as its digests.json
+recorded them when it committed), `commit` (the payload, then the manifest with every
+object's version, one PUT, last), `keep_partial` (what a failed stage has, uploaded),
+`open_input` (the consumed small files downloaded into the cache, hashed as they arrive;
+the consumed checkpoint files checked by one LIST against the versions the manifest
+recorded) and `verify` (every object streamed through sha256, nothing written to disk).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+from engine.contract import CHECKPOINT_DIR, CHECKPOINT_URL_SCHEMES
 from tasks.store.base import ArtifactStore, Claim, Log, refuse, write_manifest_copy
 from tasks.store.consume import consumed_files
 from tasks.store.objects import RemoteBackend, StoreAccessError, StoreWriteError, is_url
 from tasks.store.records import COMPLETE, FAILED, ArtifactError, ArtifactLock, ArtifactRef, read_manifest
 
+STAGED_ENV = "TRAINFLOW_STAGED_CHECKPOINTS"
+
+
+def in_checkpoint(rel: str) -> bool:
+    return rel.startswith(CHECKPOINT_DIR + "/")
+
 
 class BucketStore(ArtifactStore):
     """Artifacts under a bucket prefix; `root` is that prefix's local staging directory (cache)."""
+
+    remote: RemoteBackend
 
     @classmethod
     def handles(cls, root: str) -> bool:
@@ -36,6 +58,13 @@ class BucketStore(ArtifactStore):
             raise ArtifactError(str(e)) from None
         self.root = self.remote.cache
         self.url = self.remote.url
+        self.direct = self.url.startswith(CHECKPOINT_URL_SCHEMES) and os.environ.get(STAGED_ENV, "") in ("", "0")
+        """Whether stages write and read checkpoints at the URL (else through the staging directory)."""
+
+    def checkpoint_location(self, stage: str, artifact_id: str) -> str:
+        if self.direct:
+            return f"{self.location(stage, artifact_id)}/{CHECKPOINT_DIR}"
+        return super().checkpoint_location(stage, artifact_id)
 
     def location(self, stage: str, artifact_id: str) -> str:
         return self.remote.url_of(stage, artifact_id)
@@ -75,26 +104,55 @@ class BucketStore(ArtifactStore):
         return claim
 
     def prepare(self, stage: str, artifact_id: str, log: Log) -> None:
-        """A partial artifact on the bucket: its newest whole checkpoint step (and the files
-        beside the steps) into the staging directory, for the engine to resume from."""
+        """A partial artifact on the bucket: the files beside its checkpoint into the staging
+        directory (the engine resumes from the checkpoint at the URL), or with staged
+        checkpoints also its newest whole step."""
         directory = self.artifact_dir(stage, artifact_id)
-        self.remote.download(stage, artifact_id, directory, with_manifest=False, partial=True, log=log)
+        self.remote.download(
+            stage, artifact_id, directory, with_manifest=False, partial=True, log=log, checkpoints=not self.direct
+        )
+
+    def has_partial(self, stage: str, artifact_id: str) -> bool:
+        return super().has_partial(stage, artifact_id) or bool(self.remote.payload(stage, artifact_id))
+
+    def digest_payload(self, stage: str, artifact_id: str) -> dict[str, dict[str, Any]]:
+        """The staged files' digests and, at the URL, every file of each committed checkpoint
+        step as its digests.json recorded it when the step committed (the engine hashed what
+        it wrote), the step's own small files streamed through sha256."""
+        files = super().digest_payload(stage, artifact_id)
+        if self.direct:
+            files.update(self.remote.checkpoint_files(stage, artifact_id))
+        return files
 
     def write_manifest(self, stage: str, artifact_id: str, manifest: dict) -> None:
         super().write_manifest(stage, artifact_id, manifest)
         self.remote.write_manifest(stage, artifact_id, manifest)
 
     def running(self, stage: str, artifact_id: str, claim: Claim, log: Log) -> contextlib.AbstractContextManager:
-        # Checkpoint steps are uploaded as they commit: a SIGKILLed run resumes elsewhere.
+        # As each checkpoint step commits (staged: uploaded), the small files follow: a
+        # SIGKILLed run resumes elsewhere.
         return self.remote.mirror(
-            stage, artifact_id, self.artifact_dir(stage, artifact_id), log=log, keep_going=lambda: not claim.lost
+            stage,
+            artifact_id,
+            self.artifact_dir(stage, artifact_id),
+            log=log,
+            keep_going=lambda: not claim.lost,
+            direct=self.direct,
         )
 
     def commit(self, stage: str, artifact_id: str, manifest: dict, claim: Claim) -> None:
-        """The payload (objects no longer staged deleted: the bucket holds what the manifest
-        lists), then the manifest: one atomic PUT, last; then the staging copy's."""
+        """The payload (objects the manifest does not list deleted: the bucket holds what it
+        lists), then the manifest with each object's version: one atomic PUT, last; then the
+        staging copy's."""
         try:
-            self.remote.upload(self.artifact_dir(stage, artifact_id), stage, artifact_id, delete_extra=True)
+            self.remote.upload(
+                self.artifact_dir(stage, artifact_id),
+                stage,
+                artifact_id,
+                delete_extra=True,
+                keep=set(manifest.get("files", {})),
+            )
+            manifest["versions"] = self.remote.versions(stage, artifact_id)
         except OSError as e:  # refused (permissions, expired credentials), unreachable, full
             raise StoreWriteError(
                 f"stage '{stage}': could not upload the artifact to {self.location(stage, artifact_id)}: "
@@ -128,23 +186,44 @@ class BucketStore(ArtifactStore):
 
     # ------------------------------------------------------------------ reading
 
-    def open_input(self, stage: str, artifact_id: str, verify: bool = True) -> ArtifactRef:
-        """The consumed files of a complete artifact in the cache (kept there: same id, same
-        bytes), downloaded and hashed as they arrive unless a stamp vouches for a cached copy;
-        one LIST checks the other objects' presence and sizes."""
+    def open_input(
+        self, stage: str, artifact_id: str, verify: bool = True, local_checkpoint: bool = False
+    ) -> ArtifactRef:
+        """A complete artifact as a consumer reads it. Its consumed small files come into the
+        cache (kept there: same id, same bytes), hashed as they arrive unless a stamp vouches
+        for a cached copy. Its checkpoint is read at the URL when the manifest recorded the
+        objects' versions: one LIST finds each consumed checkpoint object at the version and
+        size it had when its sha256 was recorded (one whose version differs is streamed
+        through sha256); otherwise the consumed step is downloaded and hashed too. The same
+        LIST checks every other object's presence and size. `local_checkpoint`: the consumed
+        step into the cache in any case (`trainflow generate` reads a local copy)."""
         manifest = self._complete_manifest(stage, artifact_id)
         directory = self.artifact_dir(stage, artifact_id)
         recorded = manifest.get("files", {})
+        wanted = consumed_files(recorded)
+        at_url = self.direct and bool(manifest.get("versions")) and not local_checkpoint
+        if at_url:
+            wanted = {rel: entry for rel, entry in wanted.items() if not in_checkpoint(rel)}
         lock = ArtifactLock(directory)  # one process fills a cache entry at a time
         lock.acquire()
         try:
-            problems = self.remote.fetch(stage, artifact_id, directory, recorded, consumed_files(recorded), verify)
+            problems = self.remote.fetch(
+                stage,
+                artifact_id,
+                directory,
+                recorded,
+                wanted,
+                verify,
+                versions=manifest.get("versions") if at_url and verify else None,
+                in_place={rel for rel in consumed_files(recorded) if in_checkpoint(rel)} if at_url else (),
+            )
             refuse(stage, artifact_id, problems, self.location(stage, artifact_id))
             write_manifest_copy(directory, manifest)  # most recently used, for the cache's eviction
         finally:
             lock.release()
         self.remote.evict(keep={directory})
-        return ArtifactRef(stage, artifact_id, directory, manifest)
+        url = f"{self.location(stage, artifact_id)}/{CHECKPOINT_DIR}" if at_url else None
+        return ArtifactRef(stage, artifact_id, directory, manifest, checkpoint_url=url)
 
     def verify(self, directory: Path) -> list[str]:
         """Every object of the artifact streamed through sha256 (a staging or cache directory

@@ -1,21 +1,30 @@
 """Artifact stores on object storage (s3://, gs://) through fsspec, with a local staging copy.
 
-Design (docs/pipelines.md, "Object storage"): a stage never writes to the bucket directly.
-Every artifact has a local staging directory, `<cache>/<stage>/<id>/` (the same layout as a
-local store), and the runner (through tasks/store/bucket.py) moves bytes between it and the bucket:
+Design (docs/pipelines.md, "Object storage"). A stage's engine writes its checkpoint at the
+artifact's URL itself, every process its own shards (engine/train/bucket_paths.py), and a
+consumer's engine restores the step it reads from there. Every artifact also has a local
+staging directory, `<cache>/<stage>/<id>/` (the same layout as a local store), for its small
+files, and the runner (through tasks/store/bucket.py) moves those between it and the bucket:
 
 - before a stage runs, of each input only the files it consumes are downloaded into the
   cache, hashed as they stream in (`fetch`; a complete artifact's files are kept there,
-  content-addressed by id, vouched for by their stamps), and of a partial artifact of the
-  stage itself the newest whole checkpoint step, so the engine resumes from it;
-- while it runs, each checkpoint step is uploaded as soon as Orbax commits it, its digests
-  last (`StepMirror`), so even a run killed outright resumes on another machine from the
-  newest step uploaded whole (`complete_steps`; only that step is downloaded);
-- when the stage ends, the payload files are uploaded (and objects no longer in the local
-  copy deleted), then the manifest, last (a single PUT is atomic on S3 and GCS: readers see
-  the old manifest or the new one);
+  content-addressed by id, vouched for by their stamps), its checkpoint objects checked by
+  one LIST against the versions its manifest recorded (`versions`); of a partial artifact of
+  the stage itself its small files, the engine resuming from the steps at the URL;
+- while it runs, as each checkpoint step commits at the URL (its digests.json appears) the
+  small files that changed follow (`StepMirror`), so even a run killed outright resumes on
+  another machine from the newest whole step (`complete_steps`);
+- when the stage ends, the manifest's `files` take each step's digests as the engine recorded
+  them (`checkpoint_files`), the small files are uploaded (and objects the manifest does not
+  list deleted: unfinished saves), then the manifest with every object's version, last (a
+  single PUT is atomic on S3 and GCS: readers see the old manifest or the new one);
 - a stage that fails or is interrupted uploads what it has (its partial payload) with a
   `failed` manifest, so another machine resumes from there.
+
+With staged checkpoints (TRAINFLOW_STAGED_CHECKPOINTS=1, or a scheme the engine cannot write)
+the checkpoint lives in the staging directory too: the mirror uploads each step as Orbax
+commits it, its digests last, a resume downloads the newest step uploaded whole, and a
+consumer downloads the step it reads.
 
 Locks are lease objects `<artifact>/.lease` written with a conditional create
 (`If-None-Match: *` on S3, `ifGenerationMatch=0` on GCS), renewed by a thread while the
@@ -166,6 +175,11 @@ class RemoteBackend:
 
     def payload(self, stage: str, artifact_id: str) -> dict[str, int]:
         """relative path -> size of every payload object of an artifact (no manifest, no lease)."""
+        return {rel: size for rel, (size, _) in self.listing(stage, artifact_id).items()}
+
+    def listing(self, stage: str, artifact_id: str) -> dict[str, tuple[int, str]]:
+        """relative path -> (size, version) of every payload object of an artifact, one LIST.
+        The version is the object's ETag (S3) or generation (GCS): it changes when it is rewritten."""
         prefix = self.key(stage, artifact_id)
         self.fs.invalidate_cache()  # all of it: s3fs keeps subdirectories' listings (ETags) apart
         try:
@@ -176,7 +190,36 @@ class RemoteBackend:
         for key, info in found.items():
             rel = key[len(prefix) + 1 :]
             if rel and rel not in (MANIFEST, LEASE) and info.get("type", "file") == "file":
-                out[rel] = int(info.get("size") or 0)
+                out[rel] = (int(info.get("size") or 0), object_version(info))
+        return out
+
+    def versions(self, stage: str, artifact_id: str) -> dict[str, str]:
+        """relative path -> version of every payload object (what a manifest records at commit)."""
+        return {rel: version for rel, (_, version) in self.listing(stage, artifact_id).items()}
+
+    def checkpoint_files(self, stage: str, artifact_id: str) -> dict[str, dict[str, Any]]:
+        """The manifest's `files` entries of a checkpoint the engine wrote at the URL: for
+        each step whose digests.json is there with every file it lists (`complete_steps`),
+        those files as it records them (the engine hashed them as it committed the step),
+        and the step's files it does not cover (Orbax's commit file and metadata, the
+        digests themselves) and the files beside the steps, streamed through sha256.
+        Objects of an unfinished step are not listed: the commit deletes them."""
+        payload = self.payload(stage, artifact_id)
+        steps = complete_steps(self, stage, artifact_id, payload)
+        out: dict[str, dict[str, Any]] = {}
+        for step in steps:
+            prefix = f"{CHECKPOINT_DIR}/{step}/"
+            recorded = self.read_json(self.key(stage, artifact_id, prefix + STEP_DIGESTS)) or {}
+            for name, entry in recorded.get("files", {}).items():
+                out[prefix + name] = {"size": int(entry["size"]), "sha256": entry["sha256"]}
+        kept = tuple(f"{CHECKPOINT_DIR}/{step}/" for step in steps)
+        for rel, size in sorted(payload.items()):
+            parts = rel.split("/")
+            if parts[0] != CHECKPOINT_DIR or rel in out:
+                continue
+            if len(parts) > 2 and parts[1].isdigit() and not rel.startswith(kept):
+                continue  # an unfinished step
+            out[rel] = {"size": size, "sha256": self.sha256(self.key(stage, artifact_id, rel))}
         return out
 
     def artifacts(self) -> list[tuple[str, str]]:
@@ -219,13 +262,19 @@ class RemoteBackend:
     # ------------------------------------------------------------------ moving bytes
 
     def upload(
-        self, local: Path, stage: str, artifact_id: str, skip: tuple[str, ...] = (), delete_extra: bool = False
+        self,
+        local: Path,
+        stage: str,
+        artifact_id: str,
+        skip: tuple[str, ...] = (),
+        delete_extra: bool = False,
+        keep: set[str] | frozenset[str] = frozenset(),
     ) -> int:
         """Upload every payload file of a local staging directory whose remote copy differs in
         size (checkpoint steps are immutable once committed), each step's digests last; with
-        `delete_extra`, delete the payload objects that are not there locally (steps Orbax
-        has since removed, unfinished uploads), so the bucket holds what the manifest lists.
-        Returns the number of files uploaded."""
+        `delete_extra`, delete the payload objects that are neither there locally nor in
+        `keep` (steps Orbax has since removed, unfinished uploads or saves), so the bucket
+        holds what the manifest lists. Returns the number of files uploaded."""
         remote = self.payload(stage, artifact_id)
         present, todo = set(), []
         for path in sorted(p for p in local.rglob("*") if p.is_file()):
@@ -243,7 +292,7 @@ class RemoteBackend:
             if batch:
                 self.fs.put([str(local / rel) for rel in batch], [self.key(stage, artifact_id, rel) for rel in batch])
         if delete_extra:
-            extra = [self.key(stage, artifact_id, rel) for rel in sorted(set(remote) - present - set(skip))]
+            extra = [self.key(stage, artifact_id, rel) for rel in sorted(set(remote) - present - set(skip) - set(keep))]
             if extra:
                 self.fs.rm(extra)
         return len(todo)
@@ -256,15 +305,19 @@ class RemoteBackend:
         with_manifest: bool = True,
         partial: bool = False,
         log: Callable[[str], None] | None = None,
+        checkpoints: bool = True,
     ) -> int:
         """Fetch the artifact's payload objects missing (or of another size) locally. With
         `partial` (resuming someone's unfinished artifact), of its checkpoint steps only the
-        newest one uploaded whole (`complete_steps`): that is the one the engine resumes from."""
+        newest one uploaded whole (`complete_steps`): that is the one the engine resumes from;
+        without `checkpoints`, none (the engine resumes at the URL)."""
         local.mkdir(parents=True, exist_ok=True)
         payload = self.payload(stage, artifact_id)
         if partial:
             steps = complete_steps(self, stage, artifact_id, payload)
-            keep = f"{CHECKPOINT_DIR}/{steps[-1]}/" if steps else None
+            if not checkpoints:
+                payload = {rel: size for rel, size in payload.items() if not rel.startswith(CHECKPOINT_DIR + "/")}
+            keep = f"{CHECKPOINT_DIR}/{steps[-1]}/" if steps and checkpoints else None
             # Files of checkpoint/ itself are kept; of its subdirectories only the chosen step.
             payload = {
                 rel: size
@@ -305,12 +358,18 @@ class RemoteBackend:
         recorded: dict[str, dict[str, Any]],
         wanted: dict[str, dict[str, Any]],
         verify: bool = True,
+        versions: dict[str, str] | None = None,
+        in_place: set[str] | frozenset[str] | tuple = (),
     ) -> list[str]:
         """Bring the `wanted` files of a complete artifact into its cache directory `local`,
         each hashed as it streams in (its bytes are read once), skipping cached files whose
         stamp holds (tasks/store/consume.py). One LIST checks that every `recorded` object is
-        there at its size and nothing else is. Returns the problems ([] = all well)."""
-        payload = self.payload(stage, artifact_id)
+        there at its size and nothing else is, and that each `in_place` object (read at the
+        URL by the consumer) still has the version the manifest recorded in `versions`; one
+        whose version differs is streamed through sha256 (nothing written). Returns the
+        problems ([] = all well)."""
+        listing = self.listing(stage, artifact_id)
+        payload = {rel: size for rel, (size, _) in listing.items()}
         problems = [
             f"{rel}: missing" if rel not in payload else f"{rel}: size {payload[rel]} != recorded {entry['size']}"
             for rel, entry in sorted(recorded.items())
@@ -322,6 +381,17 @@ class RemoteBackend:
         ]
         if problems:
             return problems
+        if versions is not None:
+            changed = [rel for rel in sorted(in_place) if listing[rel][1] != versions.get(rel) or not versions.get(rel)]
+            with ThreadPoolExecutor(FETCH_THREADS) as pool:
+                digests = list(pool.map(lambda rel: self.sha256(self.key(stage, artifact_id, rel)), changed))
+            problems = [
+                f"{rel}: sha256 differs from the recorded digest"
+                for rel, digest in zip(changed, digests)
+                if digest != recorded[rel]["sha256"]
+            ]
+            if problems:
+                return problems
         local.mkdir(parents=True, exist_ok=True)
         stamps = read_stamps(local)
         todo = [rel for rel, entry in sorted(wanted.items()) if not stamp_holds(local / rel, entry, stamps.get(rel))]
@@ -356,8 +426,9 @@ class RemoteBackend:
         local: Path,
         log: Callable[[str], None] | None = None,
         keep_going: Callable[[], bool] = lambda: True,
+        direct: bool = False,
     ) -> StepMirror:
-        return StepMirror(self, stage, artifact_id, local, log=log, keep_going=keep_going)
+        return StepMirror(self, stage, artifact_id, local, log=log, keep_going=keep_going, direct=direct)
 
     def evict(self, keep: set[Path]) -> None:
         """Keep the cache under its bound: delete the least recently used complete copies."""
@@ -400,6 +471,11 @@ def _bucket_path(url: str) -> tuple[Any, str]:
     return fs, path
 
 
+def object_version(info: dict[str, Any]) -> str:
+    """An fsspec listing entry's version: the ETag on S3, the generation on GCS."""
+    return str(info.get("ETag") or info.get("generation") or info.get("etag") or "")
+
+
 def list_url(url: str) -> dict[str, dict[str, Any]]:
     """name -> {size, version} of the files directly under a folder URL ({} when there are none).
     `version` is the object's ETag (S3) or generation (GCS): it changes when the bytes do."""
@@ -412,7 +488,7 @@ def list_url(url: str) -> dict[str, dict[str, Any]]:
     return {
         entry["name"].rstrip("/").rsplit("/", 1)[-1]: {
             "size": int(entry.get("size") or 0),
-            "version": str(entry.get("ETag") or entry.get("generation") or entry.get("etag") or ""),
+            "version": object_version(entry),
         }
         for entry in entries
         if entry.get("type") == "file"
@@ -450,6 +526,23 @@ def upload_dir(local: Path, url: str) -> int:
     return len(files)
 
 
+def list_url_dirs(url: str) -> list[str]:
+    """Names of the folders directly under a folder URL ([] when there are none)."""
+    fs, path = _bucket_path(url)
+    fs.invalidate_cache(path)
+    try:
+        entries = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        return []
+    return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
+
+
+def remove_url_tree(url: str) -> None:
+    """Delete every object under a folder URL."""
+    fs, path = _bucket_path(url)
+    fs.rm(path, recursive=True)
+
+
 def remove_url_files(url: str, names: list[str]) -> None:
     fs, path = _bucket_path(url)
     if names:
@@ -485,6 +578,8 @@ def _stamp(path: Path) -> tuple[int, int]:
 class StepMirror:
     """Uploads a running stage's checkpoint steps to the bucket as Orbax commits them, so a
     run killed outright (SIGKILL, a lost machine) resumes elsewhere from its newest step.
+    With `direct` (the engine writes its steps at the URL) it watches the steps there and
+    uploads only the other files that changed, as each step commits.
 
     A thread polls `<local>/checkpoint/` every MIRROR_SECONDS. A step directory holding
     STEP_DIGESTS is committed and immutable: its files are uploaded, the digests last. With
@@ -503,8 +598,11 @@ class StepMirror:
         log: Callable[[str], None] | None = None,
         keep_going: Callable[[], bool] = lambda: True,
         interval: float | None = None,
+        direct: bool = False,
     ):
         self.backend, self.stage, self.artifact_id = backend, stage, artifact_id
+        self.direct = direct
+        """The engine writes the steps at the URL itself: watch them there, upload only the rest."""
         self.local = Path(local)
         self.log = log or (lambda _: None)
         self.keep_going = keep_going
@@ -547,17 +645,32 @@ class StepMirror:
             return []
         return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and (p / STEP_DIGESTS).is_file())
 
+    def remote_steps(self) -> list[int]:
+        """The steps the engine committed at the URL (a step there is whole once its digests are)."""
+        prefix = self.backend.key(self.stage, self.artifact_id, CHECKPOINT_DIR)
+        self.backend.fs.invalidate_cache(prefix)
+        try:
+            keys = self.backend.fs.find(prefix)
+        except FileNotFoundError:
+            return []
+        parts = (key[len(prefix) + 1 :].split("/") for key in keys)
+        return sorted({int(p[0]) for p in parts if len(p) == 2 and p[0].isdigit() and p[1] == STEP_DIGESTS})
+
     def sync(self) -> list[int]:
         """Upload the committed steps not on the bucket yet; returns them."""
         if not self.keep_going():
             return []
-        committed = self.committed_steps()
+        committed = self.committed_steps()  # staged: a stage that writes its checkpoint locally
         new = [step for step in committed if step not in self.uploaded and self._upload_step(step)]
+        if new:
+            self.log(f"checkpoint step {new[-1]} uploaded to {self.url}")
+        if self.direct:  # the engine's steps at the URL
+            new = sorted({*new, *(step for step in self.remote_steps() if step not in self.uploaded)})
         if new:
             self.uploaded.update(new)
             self._upload_changed_files()
-            self._prune(set(committed))
-            self.log(f"checkpoint step {new[-1]} uploaded to {self.url}")
+            if not self.direct:  # at the URL, Orbax deletes the steps it no longer keeps itself
+                self._prune(set(committed))
         return new
 
     def _upload_step(self, step: int) -> bool:

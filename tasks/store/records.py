@@ -29,7 +29,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from engine.contract import MANIFEST
+from engine.contract import CHECKPOINT_DIR, MANIFEST
 from tasks.store.consume import STAMPS, write_stamps
 from tasks.store.objects import flock_held
 
@@ -306,11 +306,19 @@ class ArtifactRef:
     stage: str
     id: str
     path: Path
+    """The local directory of its small files (tokenizer, metrics, manifest)."""
     manifest: dict
+    checkpoint_url: str | None = None
+    """Its checkpoint's URL where the engine reads it in the bucket (tasks/store/bucket.py)."""
 
     @property
     def kind(self) -> str:
         return self.manifest["kind"]
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where the engine reads its checkpoint: the bucket URL, or `path`/checkpoint."""
+        return self.checkpoint_url or str(self.path / CHECKPOINT_DIR)
 
 
 def verify_artifact(directory: Path) -> list[str]:

@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out, from the command line.
 
-    python -m engine.interop.hf convert HF_DIR OUT_DIR [--dtype float32|bfloat16]
+    python -m engine.interop.hf convert HF_DIR OUT_DIR [--dtype float32|bfloat16] [--checkpoint DIR_OR_URL]
     python -m engine.interop.hf convert-adapter PEFT_DIR OUT_DIR --base CHECKPOINT_DIR
     python -m engine.interop.hf export CHECKPOINT_DIR OUT_DIR [--tokenizer DIR] [--step N] [--max-shard-gb 5]
                                    [--merged] [--overwrite]
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("hf_dir")
     conv.add_argument("out_dir")
     conv.add_argument("--dtype", choices=sorted(NP_DTYPES), default=None)
+    conv.add_argument("--checkpoint", default=None, help="write the checkpoint here (a directory or a bucket URL)")
     adapter = sub.add_parser("convert-adapter", help="a PEFT LoRA adapter directory -> an adapter checkpoint on BASE")
     adapter.add_argument("adapter_dir")
     adapter.add_argument("out_dir")
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "convert" and is_sequence_classification(_config(args.hf_dir)):  # a reward model
             result = convert_reward_model(args.hf_dir, args.out_dir, dtype=args.dtype, log=log)
         elif args.command == "convert":
-            result = convert_hf(args.hf_dir, args.out_dir, dtype=args.dtype, log=log)
+            result = convert_hf(args.hf_dir, args.out_dir, dtype=args.dtype, log=log, checkpoint=args.checkpoint)
         elif args.command == "convert-adapter":
             result = convert_peft(args.adapter_dir, args.out_dir, args.base, log=log)
         elif is_reward_model(args.checkpoint_dir, args.step):  # as <Family>ForSequenceClassification

@@ -23,6 +23,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from etils import epath
 
 from engine.config import ConfigError
 from engine.contract import CHECKPOINT_DIR, CHECKPOINT_FORMAT, TOKENIZER_DIR
@@ -42,6 +43,7 @@ from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.families import get_family
 from engine.models.lora import split_adapter
 from engine.models.params import abstract_model_params
+from engine.train.bucket_paths import checkpoint_path, is_url
 from engine.train.checkpoint import read_meta, save_params
 
 NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -146,9 +148,15 @@ def _check_mxfp4(st: SafetensorsFile, path: Path, scales_at: dict, blocks: str, 
 
 
 def convert_hf(
-    hf_dir: str | Path, out_dir: str | Path, *, dtype: str | None = None, log: Callable[[str], None] | None = None
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str | None = None,
+    log: Callable[[str], None] | None = None,
+    checkpoint: str | None = None,
 ) -> dict[str, Any]:
-    """Convert a HF model directory into out_dir/checkpoint (Orbax) + out_dir/tokenizer.
+    """Convert a HF model directory into out_dir/checkpoint (Orbax; or the directory or bucket
+    URL `checkpoint`) + out_dir/tokenizer.
 
     `dtype` (float32 | bfloat16) of the stored params; None keeps the source's (bfloat16
     stays bfloat16, anything else becomes float32). Returns a summary (lineage included).
@@ -282,9 +290,9 @@ def convert_hf(
         },
         "source": {"kind": "huggingface", "path": str(hf_dir.absolute()), "files": source_fingerprint(hf_dir)},
     }
-    checkpoint_dir = out_dir / CHECKPOINT_DIR
-    if checkpoint_dir.exists():
-        shutil.rmtree(checkpoint_dir)  # a partial earlier attempt
+    checkpoint_dir = checkpoint_path(checkpoint or out_dir / CHECKPOINT_DIR)
+    if checkpoint_dir.exists():  # a partial earlier attempt
+        epath.Path(checkpoint_dir).rmtree() if is_url(checkpoint_dir) else shutil.rmtree(checkpoint_dir)
     save_params(checkpoint_dir, 0, params, meta)
     params.clear()  # the host copy is on disk now: free it before the tokenizer copy
     tokenizer_files = copy_tokenizer(hf_dir, out_dir / TOKENIZER_DIR)

@@ -24,6 +24,7 @@ from engine.interop.hf.mapping import TensorSpec, hf_shape, interleave, model_co
 from engine.interop.hf.peft import ADAPTER_WEIGHTS, write_peft
 from engine.interop.hf.safetensors_io import write_safetensors
 from engine.models.config import ComputeConfig, ModelConfig
+from engine.train.bucket_paths import checkpoint_path, is_url
 from engine.train.checkpoint import adapter_base, load_adapter, load_params, read_meta
 
 
@@ -67,7 +68,7 @@ def export_hf(
     """
     log = log or (lambda msg: None)
     start = time.perf_counter()
-    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    checkpoint_dir, out_dir = checkpoint_path(checkpoint_dir), Path(out_dir)
     check_export_dir(out_dir, overwrite)
     step, meta = read_meta(checkpoint_dir, step)
     if meta.get("lora") and not merged:
@@ -77,7 +78,7 @@ def export_hf(
     cfg, compute = ModelConfig.model_validate(meta["model"]), ComputeConfig.model_validate(meta["compute"])
     _, params, step = load_params(checkpoint_dir, step=step, as_numpy=True)  # host arrays, as saved
     written = write_hf_model(params, cfg, compute, out_dir, meta.get("hf"), max_shard_bytes=max_shard_bytes, log=log)
-    if tokenizer_dir is None and (checkpoint_dir.parent / TOKENIZER_DIR).is_dir():
+    if tokenizer_dir is None and not is_url(checkpoint_dir) and (checkpoint_dir.parent / TOKENIZER_DIR).is_dir():
         tokenizer_dir = checkpoint_dir.parent / TOKENIZER_DIR
     tokenizer_files = copy_tokenizer(Path(tokenizer_dir), out_dir) if tokenizer_dir else []
     seconds = time.perf_counter() - start
@@ -90,7 +91,7 @@ def export_hf(
         "seconds": seconds,
         "tokenizer_files": tokenizer_files,
         "removed_weights": written["removed_weights"],
-        "source": {"checkpoint": str(checkpoint_dir.absolute()), "step": step},
+        "source": {"checkpoint": str(checkpoint_dir), "step": step},
     }
 
 
@@ -193,7 +194,7 @@ def export_peft(
     where it was one."""
     log = log or (lambda msg: None)
     start = time.perf_counter()
-    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    checkpoint_dir, out_dir = checkpoint_path(checkpoint_dir), Path(out_dir)
     cfg, lora, adapter, step, base = load_adapter(checkpoint_dir, step)
     _, meta = read_meta(checkpoint_dir, step)
     compute = ComputeConfig.model_validate(meta["compute"])
@@ -206,7 +207,7 @@ def export_peft(
         scan_layers=compute.scan_layers,
         base_model=source.get("path") if source.get("kind") == "huggingface" else None,
     )
-    if tokenizer_dir is None and (checkpoint_dir.parent / TOKENIZER_DIR).is_dir():
+    if tokenizer_dir is None and not is_url(checkpoint_dir) and (checkpoint_dir.parent / TOKENIZER_DIR).is_dir():
         tokenizer_dir = checkpoint_dir.parent / TOKENIZER_DIR
     tokenizer_files = copy_tokenizer(Path(tokenizer_dir), out_dir) if tokenizer_dir else []
     nbytes = (out_dir / ADAPTER_WEIGHTS).stat().st_size
@@ -221,5 +222,5 @@ def export_peft(
         "files": files,
         "tokenizer_files": tokenizer_files,
         "base_checkpoint": str(base),
-        "source": {"checkpoint": str(checkpoint_dir.absolute()), "step": step},
+        "source": {"checkpoint": str(checkpoint_dir), "step": step},
     }

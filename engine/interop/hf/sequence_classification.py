@@ -49,6 +49,7 @@ from engine.interop.hf.mapping import (
 from engine.interop.hf.safetensors_io import SafetensorsFile, write_safetensors
 from engine.models.params import abstract_model_params
 from engine.posttrain.reward_model import HEAD, REWARD_MODEL_FORMAT, load_reward_params
+from engine.train.bucket_paths import checkpoint_path, is_url
 from engine.train.checkpoint import adapter_base, read_meta, save_params
 
 SCORE = "score.weight"
@@ -124,10 +125,10 @@ def export_reward_model(
     family (a LoRA one with its adapter folded in)."""
     log = log or (lambda msg: None)
     start = time.perf_counter()
-    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    checkpoint_dir, out_dir = checkpoint_path(checkpoint_dir), Path(out_dir)
     check_export_dir(out_dir, overwrite)
     cfg, compute, params, step, meta = load_reward_params(checkpoint_dir, step)
-    if tokenizer_dir is None and (checkpoint_dir.parent / TOKENIZER_DIR).is_dir():
+    if tokenizer_dir is None and not is_url(checkpoint_dir) and (checkpoint_dir.parent / TOKENIZER_DIR).is_dir():
         tokenizer_dir = checkpoint_dir.parent / TOKENIZER_DIR
     hf_config = model_config_to_hf(
         cfg,
@@ -184,7 +185,7 @@ def export_reward_model(
         "tokenizer_files": tokenizer_files,
         "removed_weights": removed,
         "pad_token_id": hf_config["pad_token_id"],
-        "source": {"checkpoint": str(checkpoint_dir.absolute()), "step": step},
+        "source": {"checkpoint": str(checkpoint_dir), "step": step},
     }
 
 
