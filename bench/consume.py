@@ -10,16 +10,21 @@ the real ones). For a local store and for an s3:// store on a moto server on 127
 three ways to get from "the stage starts" to "its parameters are restored" alternate
 (A B C A B C ...):
 
-- `consume`: what a stage does now: `store.open_input` (tasks/store/: the newest step's
-  params and meta, checked by stamp or sha256; on S3 downloaded into an empty cache and
-  hashed as they stream in), then Orbax restores the params from it;
-- `before`: what it did before: every file of the artifact (all steps, optimizer and data
-  state) re-hashed (and on S3 downloaded first), then the same restore;
-- `bare`: Orbax restores the params straight from the producer's directory (no store).
+- `consume`: what a stage does now: `store.open_input` (tasks/store/: locally the newest
+  step's params and meta checked by stamp or sha256; on S3 one LIST against the object
+  versions the manifest recorded, the small files into an empty cache), then Orbax
+  restores the params from where `ArtifactRef.checkpoint_dir` says (on S3 the bucket's URL);
+- `before`: what trainflow did before the store read what it consumes: every file of the
+  artifact (all steps, optimizer and data state) re-hashed (and on S3 downloaded first),
+  then the same restore from the copy;
+- `bare`: Orbax restores the params straight from the producer's checkpoint (its directory,
+  on S3 its URL), no store.
 
 Bytes read from the store are, on a local store, the kernel's count of bytes this process
 read (/proc/self/io rchar: the check and the restore together) and, on S3, the bytes
-downloaded (the restore then reads the cache copy). The first step's compile is left out (it does not depend on
+downloaded into the cache plus the bytes TensorStore's s3 driver read (its
+/tensorstore/kvstore/s3/bytes_read metric; Orbax's few small metadata files, read through
+fsspec, are not counted). The first step's compile is left out (it does not depend on
 the store). The local files are in the page cache for all three alike (just written).
 Writes bench/results/consume.json.
 """
@@ -41,10 +46,12 @@ sys.path.insert(0, str(REPO))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
+import tensorstore as ts  # noqa: E402
 
 from bench import finish, load_line, machine, summary  # noqa: E402
 from engine.config import Strict  # noqa: E402
 from engine.contract import CHECKPOINT_DIR  # noqa: E402
+from engine.train.bucket_paths import checkpoint_path  # noqa: E402
 from engine.train.checkpoint import ITEMS, Checkpointer  # noqa: E402
 from tasks.artifacts import ArtifactStore, compare_files  # noqa: E402
 from tasks.registry import StageContext, StageHooks, StageKind, register_stage  # noqa: E402
@@ -69,7 +76,7 @@ class BigCheckpoint(StageKind):
     def run(self, ctx: StageContext) -> dict:
         n = int(ctx.config.gigabytes * 1e9) // 4 // LEAVES
         rng = np.random.default_rng(0)
-        ckpt = Checkpointer(ctx.out_dir / CHECKPOINT_DIR, keep=3, async_save=False)
+        ckpt = Checkpointer(ctx.checkpoint_dir, keep=3, async_save=False)  # on S3: at the bucket's URL
         for step in STEPS:
             params = {f"w{i}": rng.standard_normal(n, dtype=np.float32) for i in range(LEAVES)}
             adam = {"mu": {k: v * 0.5 for k, v in params.items()}, "nu": {k: v * v for k, v in params.items()}}
@@ -88,11 +95,19 @@ def rchar() -> int:
     return 0
 
 
-def restore_params(checkpoint: Path, gigabytes: float) -> float:
+def tensorstore_bytes_read() -> int:
+    """Bytes TensorStore's S3 driver has read in this process (the arrays Orbax restores)."""
+    metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/s3/bytes_read")
+    return int(sum(v.get("value", 0) for m in metrics for v in m.get("values", [])))
+
+
+def restore_params(checkpoint: str | Path, gigabytes: float) -> float:
     """Orbax restores the newest step's params as numpy; returns their sum (so nothing is skipped)."""
     n = int(gigabytes * 1e9) // 4 // LEAVES
     item = {f"w{i}": jax.ShapeDtypeStruct((n,), np.float32) for i in range(LEAVES)}
-    manager = ocp.CheckpointManager(checkpoint, item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True))
+    manager = ocp.CheckpointManager(
+        checkpoint_path(checkpoint), item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True)
+    )
     restore_args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in item}
     restored = manager.restore(
         manager.latest_step(),
@@ -102,29 +117,36 @@ def restore_params(checkpoint: Path, gigabytes: float) -> float:
     return float(sum(float(v[:8].sum()) for v in restored.params.values()))
 
 
-def measure(kind: str, url: str, producer_dir: Path, gigabytes: float, artifact_id: str, cache: Path) -> dict:
-    """One timed start of `kind` (consume | before | bare); the cache is emptied first."""
+def measure(kind: str, url: str, producer: str, gigabytes: float, artifact_id: str, cache: Path) -> dict:
+    """One timed start of `kind` (consume | before | bare); the cache is emptied first.
+    `producer` is where the upstream checkpoint is (its directory, or on S3 its URL)."""
     shutil.rmtree(cache, ignore_errors=True)
     os.environ["TRAINFLOW_CACHE"] = str(cache)
-    start, read = time.perf_counter(), rchar()
+    start, read, streamed = time.perf_counter(), rchar(), tensorstore_bytes_read()
+    downloaded = 0
     if kind == "bare":
-        restore_params(producer_dir / CHECKPOINT_DIR, gigabytes)
-        downloaded = 0
+        restore_params(producer, gigabytes)
     else:
         store = ArtifactStore(url)
         if kind == "consume":
-            directory = store.open_input("producer", artifact_id).path
-        else:
+            ref = store.open_input("producer", artifact_id)
+            directory, checkpoint = ref.path, ref.checkpoint_dir
+        else:  # before: every object downloaded (on S3) and re-hashed, then restored from the copy
             directory = store.artifact_dir("producer", artifact_id)
             if store.remote is not None:
                 store.remote.download("producer", artifact_id, directory)
             manifest = store.manifest("producer", artifact_id)
             assert compare_files(directory, manifest["files"]) == []
-        downloaded = (
-            sum(p.stat().st_size for p in directory.rglob("*") if p.is_file()) if store.remote is not None else 0
-        )
-        restore_params(directory / CHECKPOINT_DIR, gigabytes)
-    return {"seconds": time.perf_counter() - start, "bytes_read": rchar() - read, "bytes_downloaded": downloaded}
+            checkpoint = str(directory / CHECKPOINT_DIR)
+        if store.remote is not None:
+            downloaded = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+        restore_params(checkpoint, gigabytes)
+    return {
+        "seconds": time.perf_counter() - start,
+        "bytes_read": rchar() - read,
+        "bytes_downloaded": downloaded,
+        "bytes_streamed": tensorstore_bytes_read() - streamed,
+    }
 
 
 def run_case(where: str, gigabytes: float, repeats: int, work: Path, url: str | None) -> dict:
@@ -136,16 +158,17 @@ def run_case(where: str, gigabytes: float, repeats: int, work: Path, url: str | 
     print(f"{where} {gigabytes} GB: writing the upstream artifact ...", file=sys.stderr)
     result = execute_stage(job, ArtifactStore(root), hooks=StageHooks(log=lambda line: None))
     producer_dir = result.path
+    producer = ArtifactStore(root).checkpoint_location("producer", job.artifact_id)
     manifest = json.loads((producer_dir / "artifact.json").read_text())
     files = manifest["files"]
     params_bytes = sum(e["size"] for rel, e in files.items() if f"/{STEPS[-1]}/params/" in rel)
     consumed_bytes = sum(e["size"] for e in consumed_files(files).values())
-    restore_params(producer_dir / CHECKPOINT_DIR, gigabytes)  # warm-up: Orbax's and JAX's first-use costs
+    restore_params(producer, gigabytes)  # warm-up: Orbax's and JAX's first-use costs
     runs: dict[str, list[dict]] = {"consume": [], "before": [], "bare": []}
     for round_ in range(repeats):
         for name in runs:
             print(f"  [{round_ + 1}/{repeats}] {name} ...", file=sys.stderr)
-            runs[name].append(measure(name, root, producer_dir, gigabytes, job.artifact_id, work / "consumer-cache"))
+            runs[name].append(measure(name, root, producer, gigabytes, job.artifact_id, work / "consumer-cache"))
     out = {
         "store": where,
         "params_gb": gigabytes,
@@ -159,9 +182,12 @@ def run_case(where: str, gigabytes: float, repeats: int, work: Path, url: str | 
             "seconds": summary([r["seconds"] for r in values]),
             "bytes_read_median": int(np.median([r["bytes_read"] for r in values])),
             "bytes_downloaded_median": int(np.median([r["bytes_downloaded"] for r in values])),
+            "bytes_streamed_median": int(np.median([r["bytes_streamed"] for r in values])),
         }
-        # What came from the store: downloaded bytes on a bucket, bytes read on a local store.
-        out[name]["store_bytes"] = out[name]["bytes_downloaded_median" if url else "bytes_read_median"]
+        # What came from the store: on a bucket the bytes downloaded into the cache plus those
+        # TensorStore read at the URL; on a local store the bytes the process read.
+        m = out[name]
+        m["store_bytes"] = m["bytes_downloaded_median"] + m["bytes_streamed_median"] if url else m["bytes_read_median"]
     bare = out["bare"]["seconds"]["median"]
     out["consume_vs_bare"] = out["consume"]["seconds"]["median"] / bare
     out["before_vs_bare"] = out["before"]["seconds"]["median"] / bare

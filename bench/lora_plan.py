@@ -8,7 +8,8 @@ the machine does not change the figures):
     LoRA, bfloat16 base       v5e-1 (one 16 GiB chip), 1 row
     QLoRA int8 / nf4 base     v5e-1, 1 row (nf4 also 4 rows)
 
-plus the bytes of a rank-16 adapter against the base checkpoint's.
+plus the bytes of a rank-16 adapter against the base checkpoint's, and each compiled step's
+FLOPs per chip (the work LoRA saves: no weight gradients for the frozen base).
 
     python -m bench.lora_plan
 
@@ -68,13 +69,19 @@ def main() -> None:
             "optimizer_state_gib": m.optimizer_state / GiB,
             "temporaries_gib": m.temporaries / GiB,
             "capacity_gib": plan.capacity / GiB,
+            # The compiled step's FLOPs per chip (XLA's cost analysis of the TPU program) and the
+            # compute-bound step time they imply at the chip's peak: what LoRA saves of the work.
+            "tflops_per_chip": plan.hardware_flops / plan.devices / 1e12,
+            "flops_source": plan.flops_source,
+            "compute_seconds": plan.hardware_flops / plan.devices / plan.peak_flops,
         }
         rows.append(row)
         print(
             f"{name:28s} {target:6s} {rows_per_step} x 4096 {plan.how:24s} "
             f"total {row['total_gib']:6.2f} GiB of {row['capacity_gib']:.0f} "
             f"(params {row['parameters_gib']:.2f}, Adam {row['optimizer_state_gib']:.3f}, "
-            f"temporaries {row['temporaries_gib']:.2f}) {'fits' if plan.fits else 'DOES NOT FIT'}",
+            f"temporaries {row['temporaries_gib']:.2f}) {'fits' if plan.fits else 'DOES NOT FIT'}; "
+            f"{row['tflops_per_chip']:.1f} TFLOP per chip ({row['flops_source']})",
             flush=True,
         )
     cfg = config(LORA)

@@ -290,8 +290,10 @@ def test_training_attention_in_bfloat16_keeps_its_dtype_and_tracks_float32():
         )
 
 
-def test_the_model_trains_through_the_kernel_as_through_blocked():
-    """A whole model's loss and gradients: auto (the kernel, on one CPU device) against blocked."""
+def test_the_model_trains_through_the_kernel_as_through_blocked(monkeypatch):
+    """A whole model's loss and gradients: auto (the kernel, on one CPU device; on an AVX2-only
+    CPU auto leaves it for blocked, so it is taken as on AVX-512 here) against blocked."""
+    monkeypatch.setattr(cpu_kernels, "has_avx512", lambda: True)
     from flax import nnx
 
     from engine.models.config import ComputeConfig, ModelConfig
@@ -353,7 +355,13 @@ def test_under_a_mesh_the_kernel_runs_per_shard_and_equals_blocked(shape):
 
 
 def test_training_attention_choice(monkeypatch):
+    """What auto takes for training on CPU, and why not the kernel. On a CPU without AVX-512
+    auto takes blocked (the kernel lost 2.5x there); the reasons are checked as on AVX-512."""
     monkeypatch.setattr(attention, "_told", set())  # each reason's warning afresh
+    case0 = dict(dtype=jnp.bfloat16, head_dim=64, seq_len=512, softcap=None, groups=3, value_dim=64)
+    monkeypatch.setattr(cpu_kernels, "has_avx512", lambda: False)
+    assert choose_implementation("auto", platform="cpu", **case0) == "blocked"
+    monkeypatch.setattr(cpu_kernels, "has_avx512", lambda: True)
     case = dict(dtype=jnp.bfloat16, head_dim=64, seq_len=512, softcap=None, groups=3, value_dim=64)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning where the kernel runs

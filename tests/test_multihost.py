@@ -117,7 +117,10 @@ def test_pretraining_does_not_depend_on_the_process_layout(layouts):
     reference = losses(layouts["1x4"])
     assert len(reference) == STEPS and reference[-1] < reference[0]
     for name in ("2x2", "4x1", "2x2-context"):
-        np.testing.assert_allclose(losses(layouts[name]), reference, rtol=1e-6, err_msg=name)
+        # Context parallelism's other summation order moves a loss by up to 1.4e-6 (AMD EPYC, AVX2).
+        np.testing.assert_allclose(
+            losses(layouts[name]), reference, rtol=3e-6 if "context" in name else 1e-6, err_msg=name
+        )
         for ours, theirs in zip(params(layouts[name]), params(layouts["1x4"])):
             if name == "2x2":
                 np.testing.assert_array_equal(ours, theirs, err_msg=name)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import s3fs
 import yaml
+from etils.epath import backend as epath_backend
 
 from engine.train.checkpoint import Checkpointer, load_params, verify_step
 from tasks.objectstore import flock_held
@@ -32,6 +33,12 @@ pytest.importorskip("s3fs")
 
 STEPS = 20
 EXIT_ABORT = "FATAL: exception not rethrown"
+
+
+def _forget_s3_clients() -> None:
+    s3fs.S3FileSystem.clear_instance_cache()
+    epath_backend._FileSystemSpecBackend._get_filesystem.cache_clear()
+    boto3.DEFAULT_SESSION = None
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +57,14 @@ def s3_endpoint(tmp_path_factory):
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    # fsspec keeps one S3 file system per set of arguments; one made without an endpoint (etils'
-    # epath) read the endpoint of an earlier module's server: start from none.
-    s3fs.S3FileSystem.clear_instance_cache()
+    # fsspec keeps one S3 file system per set of arguments, etils' epath one per protocol and
+    # boto3 its default session: each made under an earlier module's server keeps its endpoint.
+    _forget_s3_clients()
     try:
         yield env
     finally:
         server.stop()
+        _forget_s3_clients()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
