@@ -113,7 +113,8 @@ def test_pretraining_does_not_depend_on_the_process_layout(layouts):
     ~2e-6 in 2 of the 16,640 entries of a 260 x 64 matrix (5.8e-7 before the fused cross
     entropy changed the rounding). Context parallelism sums each query's keys in one product,
     not in blocked's two parts: one entry of a 4,096-entry attention matrix ends 1.4e-5 away
-    (an entry whose gradient is near zero, which AdamW's normalised update magnifies)."""
+    (an entry whose gradient is near zero, which AdamW's normalised update magnifies; 3.2e-5 on
+    an AMD EPYC with AVX2, and its losses up to 1.4e-6 apart)."""
     reference = losses(layouts["1x4"])
     assert len(reference) == STEPS and reference[-1] < reference[0]
     for name in ("2x2", "4x1", "2x2-context"):
@@ -126,7 +127,7 @@ def test_pretraining_does_not_depend_on_the_process_layout(layouts):
                 np.testing.assert_array_equal(ours, theirs, err_msg=name)
             else:
                 np.testing.assert_allclose(
-                    ours, theirs, rtol=1e-5, atol=3e-5 if "context" in name else 1e-5, err_msg=name
+                    ours, theirs, rtol=1e-5, atol=5e-5 if "context" in name else 1e-5, err_msg=name
                 )
 
 
