@@ -12,13 +12,11 @@ reads the step it needs at the URL (nothing downloaded but the small files).
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -27,7 +25,6 @@ import numpy as np
 import pytest
 
 from engine.config import Strict
-from engine.data.shards import write_dataset
 from engine.train.checkpoint import load_params
 from tasks.artifacts import ArtifactStore
 from tasks.launch import LauncherSpec
@@ -35,6 +32,7 @@ from tasks.objectstore import flock_held
 from tasks.pretrain import PretrainStage
 from tasks.registry import StageContext, StageKind
 from tasks.runner import RAN, RESUMED, StageJob, execute_stage
+from tests.test_multihost import stdlib_bytes
 from tests.test_object_store import boto3, bucket, s3_endpoint  # noqa: F401  (moto S3 fixtures)
 
 pytestmark = pytest.mark.slow
@@ -56,13 +54,8 @@ class ByteDataset(StageKind):
     config_schema = BytesConfig
 
     def run(self, ctx: StageContext) -> dict:
-        files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[: ctx.config.documents]
-        docs = [
-            np.concatenate([np.frombuffer(Path(p).read_bytes(), np.uint8).astype(np.int32)[:2000], [256]])
-            for p in files
-        ]
-        write_dataset(ctx.out_dir / "data", {"train": docs[:-4], "validation": docs[-4:]}, vocab_size=257, eos_id=256)
-        return {"documents": len(docs)}
+        stdlib_bytes(ctx.out_dir / "data", documents=ctx.config.documents, length=2000, validation=4)
+        return {"documents": ctx.config.documents}
 
 
 def _launcher(processes: int, devices: int) -> LauncherSpec:

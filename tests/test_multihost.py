@@ -43,15 +43,20 @@ LAYOUTS = {
 }  # each row's positions on 2 processes
 
 
+def stdlib_bytes(out: Path, documents: int, length: int, validation: int) -> None:
+    """A token dataset at `out` of standard-library sources as byte tokens (vocab 257, EOS 256)."""
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:documents]
+    docs = [
+        np.concatenate([np.frombuffer(Path(p).read_bytes(), np.uint8).astype(np.int32)[:length], [256]]) for p in files
+    ]
+    write_dataset(out, {"train": docs[:-validation], "validation": docs[-validation:]}, vocab_size=257, eos_id=256)
+
+
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
     """Standard-library sources as byte tokens: enough documents that packing mixes them."""
     out = tmp_path_factory.mktemp("bytes")
-    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))[:60]
-    docs = [
-        np.concatenate([np.frombuffer(Path(p).read_bytes(), np.uint8).astype(np.int32)[:3000], [256]]) for p in files
-    ]
-    write_dataset(out, {"train": docs[:-8], "validation": docs[-8:]}, vocab_size=257, eos_id=256)
+    stdlib_bytes(out, documents=60, length=3000, validation=8)
     return out
 
 
