@@ -131,12 +131,17 @@ def load_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
+    return parse_yaml(path.read_text(), str(path))
+
+
+def parse_yaml(text: str, source: str) -> dict:
+    """A config file's text as a mapping; `source` names the file in the error."""
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raise ConfigError(f"{source}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
+        raise ConfigError(f"{source}: expected a mapping at the top level")
     return data
 
 
@@ -194,9 +199,11 @@ def load_config(
     tree: dict | None = None,
     *,
     schema: type[BaseModel],
+    source: str | None = None,
 ) -> Any:
-    """Load a run config from YAML (or a dict), apply overrides, resolve presets, validate."""
-    source = str(path) if path else "config"
+    """Load a run config from YAML (or a dict read from `source`), apply overrides, resolve
+    presets, validate."""
+    source = source or (str(path) if path else "config")
     data = load_yaml(path) if path else dict(tree or {})
     if isinstance(data.get("model"), str):  # so `model.num_layers=2` can refine a preset
         data["model"] = {"preset": data["model"]}

@@ -61,7 +61,10 @@ class DistillStage(FineTuneStage):
         cfg = ctx.config.model_copy(
             update={
                 "teacher": ctx.config.teacher.model_copy(
-                    update={"checkpoint": teacher.checkpoint_dir, "tokenizer": str(teacher.path / TOKENIZER_DIR)}
+                    update={
+                        "checkpoint": teacher.checkpoint_dir,
+                        "tokenizer": teacher.for_ranks(str(teacher.path / TOKENIZER_DIR)),
+                    }
                 )
             }
         )

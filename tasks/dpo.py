@@ -22,6 +22,7 @@ class DPOStage(FineTuneStage):
     inputs = FineTuneStage.checkpoint_inputs("the policy to start from (and the frozen reference) and its tokenizer/")
     config_schema = DPOConfig
     version = 1
+    data_path_keys = ("data.path", "data.eval_path")
     data_doc = "a JSONL file of preference pairs (prompt, chosen, rejected)"
 
     def resolve_config(self, raw: dict, source: str) -> DPOConfig:

@@ -35,7 +35,7 @@ from engine.contract import (
 from tasks.artifacts import sha256_file
 from tasks.launch import run_child
 from tasks.registry import MODEL_KINDS, Input, StageContext, StageKind, has_input_ref
-from tasks.store.objects import is_url, list_url_dirs, remove_url_tree
+from tasks.store.objects import is_url, list_url_dirs, remove_url_tree, write_url
 
 
 def get_dotted(tree: dict, dotted: str) -> Any:
@@ -196,6 +196,10 @@ class EngineStage(StageKind):
         out = ctx.out_dir
         cfg = named_run(cfg, ctx.stage)
         (out / config_name).write_text(to_yaml(cfg))
+        config_arg = str(out / config_name)
+        if ctx.artifact_url:  # a bucket store: every rank, on any host, reads the config at the URL
+            config_arg = f"{ctx.artifact_url}/{config_name}"
+            write_url(config_arg, (out / config_name).read_bytes())
         if ctx.resumed:  # files of an earlier attempt: trusted only where their digests match
             drop_unverified_steps(ctx, ctx.checkpoint_dir)
             saved = checkpoint_steps(ctx.checkpoint_dir)
@@ -204,7 +208,7 @@ class EngineStage(StageKind):
                 ctx.log(f"resuming from the checkpoints in {ctx.checkpoint_dir} (steps {shown})")
             else:
                 ctx.log(f"an earlier attempt saved no checkpoint in {ctx.checkpoint_dir}: starting at step 0")
-        result = self.launch_engine(ctx, str(out / config_name), metrics_file=out / METRICS_FILE, total_steps=steps)
+        result = self.launch_engine(ctx, config_arg, metrics_file=out / METRICS_FILE, total_steps=steps)
         return scalars(with_logged_finals(result, out / METRICS_FILE))
 
 
@@ -243,6 +247,8 @@ class FineTuneStage(EngineStage):
     non_semantic = (*NON_SEMANTIC_FIELDS, *CHECKPOINT_CADENCE_FIELDS, *pipeline_owned)
     data_doc: ClassVar[str]
     """What data.path holds, for the error when it is missing."""
+    data_path_keys: ClassVar[tuple[str, ...]] = ("data.path",)
+    """Dotted keys of the data files the engine reads (moved to an input's URL where it has one)."""
 
     possible_outputs = ("adapter",)
 
@@ -282,10 +288,14 @@ class FineTuneStage(EngineStage):
         for key, value in {
             "checkpoint.directory": ctx.checkpoint_dir,
             "checkpoint.init_from": checkpoint_input.checkpoint_dir,
-            "metrics_dir": str(out),
-            "tokenizer": str(out / TOKENIZER_DIR),
+            "metrics_dir": str(out),  # written by rank 0 only, which runs beside this process
+            # Read by every rank: at the input's URL on a bucket store, else the copy carried here.
+            "tokenizer": checkpoint_input.url and f"{checkpoint_input.url}/{TOKENIZER_DIR}" or str(out / TOKENIZER_DIR),
         }.items():
             set_dotted(tree, key, value)
+        for key in self.data_path_keys:  # `{input:corpus}/...`: a file of an input, at its URL where it has one
+            if isinstance(get_dotted(tree, key), str):
+                set_dotted(tree, key, ctx.for_ranks(get_dotted(tree, key)))
         tree["progress"] = False  # progress reaches the pipeline log through metrics.jsonl
         cfg = self.config_schema.model_validate(tree)
         return self.train(ctx, cfg, f"{self.task}.yaml", cfg.steps)

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from engine.config import ConfigError, validate
-from engine.contract import CHECKPOINT_DIR, DATA_DIR, MANIFEST, METRICS_FILE
+from engine.contract import CHECKPOINT_DIR, MANIFEST, METRICS_FILE
 from engine.evaluate.config import EvalConfig
 from tasks.engine_stage import EngineStage, named_run
 from tasks.registry import MODEL_KINDS, Input, StageContext
@@ -81,7 +81,7 @@ class EvaluateStage(EngineStage):
             raise ConfigError(f"stage '{ctx.stage}': no checkpoint inputs to evaluate")
         tree = named_run(ctx.config, ctx.stage).model_dump(mode="json")
         if "dataset" in ctx.inputs:
-            tree["data_path"] = str(ctx.inputs["dataset"].path / DATA_DIR)
+            tree["data_path"] = ctx.inputs["dataset"].data_dir  # the shards at the bucket's URL, or here
         store_root = next(iter(models.values())).path.parent.parent
         curves = {}
         for ref in models.values():

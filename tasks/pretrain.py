@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.config import resolve_model_preset, validate
-from engine.contract import CHECKPOINT_CADENCE_FIELDS, DATA_DIR, NON_SEMANTIC_FIELDS
+from engine.contract import CHECKPOINT_CADENCE_FIELDS, NON_SEMANTIC_FIELDS
 from engine.train.config import TrainConfig
 from tasks.engine_stage import EngineStage, set_dotted
 from tasks.registry import Input, StageContext
@@ -48,14 +48,14 @@ class PretrainStage(EngineStage):
         return validate(TrainConfig, raw, source)
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
-        out, dataset = ctx.out_dir, ctx.inputs["dataset"].path
+        out, dataset = ctx.out_dir, ctx.inputs["dataset"]
         tree = ctx.config.model_dump(mode="json")
-        set_dotted(tree, "data.path", str(dataset / DATA_DIR))
+        set_dotted(tree, "data.path", dataset.data_dir)  # the shards at the bucket's URL, or here
         set_dotted(tree, "checkpoint.directory", ctx.checkpoint_dir)
         if "init" in ctx.inputs:
             set_dotted(tree, "checkpoint.init_from", ctx.inputs["init"].checkpoint_dir)
-        tree["metrics_dir"] = str(out)
+        tree["metrics_dir"] = str(out)  # written by rank 0 only, which runs beside this process
         tree["progress"] = False  # progress goes to the pipeline log through metrics.jsonl
         cfg = TrainConfig.model_validate(tree)
-        self.carry_tokenizer(ctx, dataset)
+        self.carry_tokenizer(ctx, dataset.path)
         return self.train(ctx, cfg, "train.yaml", cfg.steps)

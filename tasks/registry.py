@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel
 
 from engine.config import ConfigError, validate
-from engine.contract import ADDED_AT_DEFAULT, CHECKPOINT_DIR
+from engine.contract import ADDED_AT_DEFAULT, CHECKPOINT_DIR, CHECKPOINT_URL_SCHEMES
 from tasks.artifacts import ArtifactRef, drop_fields
 from tasks.gang import ChildResult
 from tasks.launch import LauncherSpec, run_child
@@ -148,6 +148,19 @@ class StageContext:
     def __post_init__(self) -> None:
         if not self.checkpoint_dir:
             self.checkpoint_dir = str(Path(self.out_dir) / CHECKPOINT_DIR)
+
+    @property
+    def artifact_url(self) -> str | None:
+        """The artifact's URL when its engine writes there (a bucket store), else None."""
+        return self.checkpoint_dir.rsplit("/", 1)[0] if self.checkpoint_dir.startswith(CHECKPOINT_URL_SCHEMES) else None
+
+    def for_ranks(self, path: str) -> str:
+        """A file of an input as every process of the stage reads it: at the input's URL where
+        it has one (ranks on other hosts share no disk with this one), else `path`."""
+        for ref in self.inputs.values():
+            if (moved := ref.for_ranks(path)) != path:
+                return moved
+        return path
 
     def log(self, message: str) -> None:
         self.hooks.log(message)

@@ -22,6 +22,7 @@ class SFTStage(FineTuneStage):
     inputs = FineTuneStage.checkpoint_inputs("the model to fine-tune (params; a fresh optimizer) and its tokenizer/")
     config_schema = SFTConfig
     version = 2  # 2: the checkpoint's meta holds `compute` apart from the architecture
+    data_path_keys = ("data.path", "data.eval_path")
     data_doc = "a JSONL file of examples"
 
     def resolve_config(self, raw: dict, source: str) -> SFTConfig:

@@ -1,9 +1,10 @@
 """Two processes, a bucket, nothing of the checkpoint on any local disk (moto S3 on 127.0.0.1).
 
 A pretrain stage on an s3:// store, fsdp spanning 2 processes (2 x 2 simulated CPU devices, tensor within each,
-jax.distributed with gloo): the engine writes its checkpoint at the artifact's URL, every
-process its own OCDBT shards (`ocdbt.process_0/`, `ocdbt.process_1/`), and nothing of it is
-staged on the runner's disk. The runner (no Prefect) is SIGKILLed once a step is in the
+jax.distributed with gloo): every rank reads its config and the dataset's token shards at
+their URLs (no path of the runner's but the metrics folder, which rank 0 alone writes), the
+engine writes its checkpoint at the artifact's URL, every process its own OCDBT shards
+(`ocdbt.process_0/`, `ocdbt.process_1/`), and nothing of it is staged on the runner's disk. The runner (no Prefect) is SIGKILLed once a step is in the
 bucket; its orphaned ranks save and exit; the partial artifact is copied to a second prefix;
 one copy resumes on 1 process x 4 devices, the other on 2 x 2, each from a fresh cache (another
 machine), and both end bitwise equal to the uninterrupted 2-process run. A consumer then
@@ -23,6 +24,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import yaml
 
 from engine.config import Strict
 from engine.train.checkpoint import load_params
@@ -32,6 +34,7 @@ from tasks.objectstore import flock_held
 from tasks.pretrain import PretrainStage
 from tasks.registry import StageContext, StageKind
 from tasks.runner import RAN, RESUMED, StageJob, execute_stage
+from tasks.store.objects import read_url
 from tests.test_multihost import stdlib_bytes
 from tests.test_object_store import boto3, bucket, s3_endpoint  # noqa: F401  (moto S3 fixtures)
 
@@ -146,6 +149,12 @@ def test_two_processes_checkpoint_to_the_bucket_and_resume_on_one_or_two_bitwise
     assert set(manifest["versions"]) >= listed
     assert store.verify(store.artifact_dir("pretrain", PRETRAIN_ID)) == []
     want = _params(f"{reference}/{checkpoint}")
+    # Every rank read its config at the artifact's URL, and in it only URLs: the dataset's shards,
+    # the checkpoint; the one local path is the metrics folder, which rank 0 alone writes.
+    config = yaml.safe_load(read_url(f"{reference}/pretrain/{PRETRAIN_ID}/train.yaml"))
+    assert config["data"]["path"] == f"{reference}/bytes/{DATASET_ID}/data"
+    assert config["checkpoint"]["directory"] == f"{reference}/{checkpoint}"
+    assert config["metrics_dir"] == str(store.artifact_dir("pretrain", PRETRAIN_ID))
 
     # Killed: the runner SIGKILLed once a step is committed in the bucket; its ranks save and exit.
     killed = f"s3://{bucket}/killed"
@@ -178,10 +187,14 @@ def test_two_processes_checkpoint_to_the_bucket_and_resume_on_one_or_two_bitwise
         )
 
     # Resumed from the bucket on another machine (a fresh cache): 1 process x 4 devices, and 2 x 2.
+    # The dataset is read at its URL too: its shards reach the engine's host cache, not the runner's.
     for prefix, (processes, devices) in {"killed": (1, 4), "copy": (2, 2)}.items():
         monkeypatch.setenv("TRAINFLOW_CACHE", str(tmp_path / f"{prefix}-resume"))
+        monkeypatch.setenv("TRAINFLOW_ENGINE_CACHE", str(tmp_path / f"{prefix}-hosts"))
         assert run(f"s3://{bucket}/{prefix}", processes, devices) == ["skipped", RESUMED], prefix
         assert _staged_checkpoint_files(tmp_path / f"{prefix}-resume") == []
+        assert not list((tmp_path / f"{prefix}-resume").rglob("*.array_record"))
+        assert list((tmp_path / f"{prefix}-hosts").glob("*.array_record"))
         metrics = ArtifactStore(f"s3://{bucket}/{prefix}").artifact_dir("pretrain", PRETRAIN_ID) / "metrics.jsonl"
         steps = [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
         assert steps[-1] == STEPS

@@ -12,7 +12,7 @@ import grain
 import numpy as np
 
 from engine.config import ConfigError
-from engine.data.shards import TOKEN_DTYPE, shard_paths
+from engine.data.shards import TOKEN_DTYPE, open_split
 
 
 def _decode(record: bytes) -> dict[str, np.ndarray]:
@@ -68,7 +68,7 @@ def make_dataset(
     document fills consecutive rows, so corpora of long files should be split into pieces
     when tokenized (tokenize's `max_document_tokens`).
     """
-    source = grain.sources.ArrayRecordDataSource(shard_paths(dataset_dir, split))
+    source = open_split(dataset_dir, split)  # local shards, or at a bucket URL (fetched as read)
     ds = grain.MapDataset.source(source)
     if len(ds) == 0:
         raise ConfigError(f"data.path: split '{split}' of {dataset_dir} has no documents")

@@ -46,7 +46,7 @@ from tokenizers import Tokenizer
 
 from engine.config import ConfigError, Strict, load_config
 from engine.contract import DATA_DIR, MANIFEST, TOKENIZE_NON_SEMANTIC_FIELDS, TOKENIZER_DIR
-from engine.data.shards import TOKEN_DTYPE, ShardWriter, write_meta
+from engine.data.shards import TOKEN_DTYPE, ShardWriter, record_count, write_meta
 from engine.data.sources import BadRecord, Part, SourceConfig, describe, group_parts, plan_source, read_part
 from engine.data.tokenizer import TokenizerConfig, build_tokenizer, load_saved, save_tokenizer
 
@@ -627,7 +627,8 @@ def run_tokenize(cfg: TokenizeConfig, out_dir: str | Path, *, log: Callable[[str
                 final.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(staged, final)
             assert final.is_file(), final
-        meta_splits[split] = {"shards": shards, **stats["splits"][split]}
+        counts = [record_count(data_dir / rel) for rel in shards]  # footers only: no record read
+        meta_splits[split] = {"shards": shards, "shard_documents": counts, **stats["splits"][split]}
     if tokenizer_dir != out / TOKENIZER_DIR:
         shutil.rmtree(out / TOKENIZER_DIR, ignore_errors=True)
         os.replace(tokenizer_dir, out / TOKENIZER_DIR)

@@ -44,6 +44,7 @@ import numpy as np
 
 from engine.config import ConfigError
 from engine.contract import TOKENIZER_DIR
+from engine.data import urls
 from engine.data.tokenizer import TokenizerBundle, load_saved
 from engine.inference.sample import SampleOutput, Sampler, left_pad
 from engine.models.config import ComputeConfig, ModelConfig
@@ -119,7 +120,7 @@ def teacher_model(
     path = cfg.teacher.checkpoint
     if not path:
         raise ConfigError("teacher.checkpoint is required: the checkpoint to distil from")
-    if not Path(path).is_dir():
+    if not urls.exists(path) or not (urls.is_url(path) or Path(path).is_dir()):
         raise ConfigError(f"teacher.checkpoint: no checkpoint directory at {path}")
     model_cfg, stored_compute = stored_configs(path)
     if model_cfg.vocab_size != student.vocab_size:
@@ -128,9 +129,10 @@ def teacher_model(
             f"from the student's ({student.vocab_size}, {cfg.checkpoint.init_from}); distillation "
             "compares next-token distributions over one vocabulary"
         )
-    tokenizer = Path(cfg.teacher.tokenizer) if cfg.teacher.tokenizer else Path(path).parent / TOKENIZER_DIR
-    if not tokenizer.is_dir():
-        raise ConfigError(f"teacher.tokenizer: no tokenizer directory at {tokenizer}; set teacher.tokenizer")
+    where = cfg.teacher.tokenizer or urls.join(urls.parent(path), TOKENIZER_DIR)
+    tokenizer = urls.existing_folder(where)  # at a bucket URL: this host's cached copy
+    if tokenizer is None:
+        raise ConfigError(f"teacher.tokenizer: no tokenizer directory at {where}; set teacher.tokenizer")
     theirs = load_saved(tokenizer).tokenizer.get_vocab(with_added_tokens=True)
     ours = student_bundle.tokenizer.get_vocab(with_added_tokens=True)
     differ = sorted(

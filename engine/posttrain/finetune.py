@@ -8,6 +8,7 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.contract import TOKENIZER_DIR
+from engine.data import urls
 from engine.data.tokenizer import TokenizerBundle, load_saved
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.train.checkpoint import stored_configs
@@ -15,13 +16,19 @@ from engine.train.checkpoint import stored_configs
 
 def read_jsonl(path: str | Path) -> list[tuple[str, dict]]:
     """[(\"file:line\", record)] of a JSONL file or of a directory's *.jsonl files."""
-    path = Path(path)
-    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
-    if not files or not all(f.is_file() for f in files):
-        raise ConfigError(f"data: no JSONL examples at {path}")
+    if urls.is_url(path):  # at a bucket URL (a stage on a bucket store): a file or a folder's *.jsonl
+        url = str(path).rstrip("/")
+        files = [url] if url.endswith(".jsonl") else urls.list_files(url, ".jsonl")
+        if not files or not all(urls.exists(f) for f in files):
+            raise ConfigError(f"data: no JSONL examples at {url}")
+    else:
+        path = Path(path)
+        files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+        if not files or not all(f.is_file() for f in files):
+            raise ConfigError(f"data: no JSONL examples at {path}")
     records = []
     for file in files:
-        for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+        for number, line in enumerate(urls.read_text(file).splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -46,9 +53,12 @@ def resolve_model(cfg: Any) -> tuple[ModelConfig, ComputeConfig]:
 
 
 def tokenizer_dir(cfg: Any) -> Path:
-    path = Path(cfg.tokenizer) if cfg.tokenizer else Path(cfg.checkpoint.init_from).parent / TOKENIZER_DIR
-    if not path.is_dir():
-        raise ConfigError(f"tokenizer: no tokenizer directory at {path}; set `tokenizer`")
+    """The tokenizer's local directory: `tokenizer`, else the one beside checkpoint.init_from;
+    at a bucket URL, this host's cached copy of it."""
+    where = cfg.tokenizer or urls.join(urls.parent(cfg.checkpoint.init_from), TOKENIZER_DIR)
+    path = urls.existing_folder(where)
+    if path is None:
+        raise ConfigError(f"tokenizer: no tokenizer directory at {where}; set `tokenizer`")
     return path
 
 

@@ -49,6 +49,7 @@ from jax.sharding import NamedSharding
 from engine.config import ConfigError
 from engine.contract import TOKENIZER_DIR
 from engine.data.tokenizer import TokenizerBundle, load_saved
+from engine.data.urls import existing_folder
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.models.lora import LORA_SEED, dropout_rows, join, merge_into_base, split_adapter
 from engine.models.params import abstract_model_params, graphdef_of, init_params
@@ -57,7 +58,7 @@ from engine.parallel.mesh import global_array, replicated, to_host
 from engine.posttrain.dpo import EpochIndices, Pair, load_pairs, pair_rows, tokenize_pair
 from engine.posttrain.finetune import finetune_start
 from engine.posttrain.reward_config import RewardModelConfig
-from engine.train.bucket_paths import checkpoint_path, local_folder
+from engine.train.bucket_paths import checkpoint_path
 from engine.train.checkpoint import ITEMS, adapter_base, load_params, read_meta
 from engine.train.cli import run_cli
 from engine.train.config import TrainConfig
@@ -356,8 +357,8 @@ class RewardScorer:
         where: str = "rewards.model",
     ):
         directory = checkpoint_path(directory)
-        tokenizer = local_folder(directory.parent / TOKENIZER_DIR)  # a bucket's: copied here
-        if not tokenizer.is_dir() or not any(tokenizer.iterdir()):
+        tokenizer = existing_folder(str(directory.parent / TOKENIZER_DIR))  # a bucket's: cached here
+        if tokenizer is None or not any(tokenizer.iterdir()):
             raise ConfigError(
                 f"{where}: no {TOKENIZER_DIR}/ beside the reward model {directory}; its tokenizer must be the policy's"
             )

@@ -22,7 +22,6 @@ the commit file), and `resume_step` trusts no other sign.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import orbax.checkpoint as ocp
@@ -107,17 +106,3 @@ def _enable_s3() -> None:
     tensorstore_utils._normalize_path = lambda path: normalize(path).replace("s3:/", "s3://", 1)
     gcs_utils.get_kvstore_for_gcs = lambda path: s3_kvstore(path) if path.startswith("s3://") else gcs_kvstore(path)
     _PATCHED = True
-
-
-def local_folder(directory: str | os.PathLike) -> Path:
-    """A folder of small files (a tokenizer) as a local directory: itself, or for a URL a
-    temporary copy of its files."""
-    if not is_url(directory):
-        return Path(directory)
-    source = checkpoint_path(directory)
-    target = Path(tempfile.mkdtemp(prefix="trainflow-folder-"))
-    if source.is_dir():
-        for path in source.iterdir():
-            if not path.is_dir():
-                (target / path.name).write_bytes(path.read_bytes())
-    return target

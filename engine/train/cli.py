@@ -9,8 +9,9 @@ from collections.abc import Callable
 
 from pydantic import BaseModel
 
-from engine.config import ConfigError, load_config
+from engine.config import ConfigError, load_config, parse_yaml
 from engine.contract import EXIT_CONFIG_ERROR, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED
+from engine.data import urls
 from engine.parallel.distributed import maybe_initialize_distributed
 from engine.train.trainer import Preempted, TrainingError
 
@@ -100,7 +101,11 @@ def run_cli(
         print(usage(module, schema, plan is not None).splitlines()[0], file=sys.stderr)
         return EXIT_CONFIG_ERROR
     try:
-        cfg = load_config(argv[0], argv[1:], schema=schema)
+        if urls.is_url(argv[0]):  # a stage on a bucket store: every rank reads its config there
+            tree = parse_yaml(urls.read_text(argv[0]), argv[0])
+            cfg = load_config(None, argv[1:], tree, schema=schema, source=argv[0])
+        else:
+            cfg = load_config(argv[0], argv[1:], schema=schema)
         maybe_initialize_distributed()
         result = run(cfg)
     except ConfigError as e:

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.contract import CHECKPOINT_DIR, CHECKPOINT_URL_SCHEMES
+from engine.contract import CHECKPOINT_DIR, CHECKPOINT_URL_SCHEMES, DATA_DIR
 from tasks.store.base import ArtifactStore, Claim, Log, refuse, write_manifest_copy
 from tasks.store.consume import consumed_files
 from tasks.store.objects import RemoteBackend, StoreAccessError, StoreWriteError, is_url
@@ -40,6 +40,13 @@ STAGED_ENV = "TRAINFLOW_STAGED_CHECKPOINTS"
 
 def in_checkpoint(rel: str) -> bool:
     return rel.startswith(CHECKPOINT_DIR + "/")
+
+
+def read_in_place(rel: str) -> bool:
+    """A file the engine's processes read at the URL, not from the consumer's cache: a
+    checkpoint's, or a token shard (engine/data/shards.py ShardSource copies each into the
+    reading host's cache when it first reads from it)."""
+    return in_checkpoint(rel) or (rel.startswith(DATA_DIR + "/") and rel.endswith(".array_record"))
 
 
 class BucketStore(ArtifactStore):
@@ -202,8 +209,8 @@ class BucketStore(ArtifactStore):
         recorded = manifest.get("files", {})
         wanted = consumed_files(recorded)
         at_url = self.direct and bool(manifest.get("versions")) and not local_checkpoint
-        if at_url:
-            wanted = {rel: entry for rel, entry in wanted.items() if not in_checkpoint(rel)}
+        if at_url:  # the checkpoint and the token shards are read at the URL by the engine's processes
+            wanted = {rel: entry for rel, entry in wanted.items() if not read_in_place(rel)}
         lock = ArtifactLock(directory)  # one process fills a cache entry at a time
         lock.acquire()
         try:
@@ -215,15 +222,16 @@ class BucketStore(ArtifactStore):
                 wanted,
                 verify,
                 versions=manifest.get("versions") if at_url and verify else None,
-                in_place={rel for rel in consumed_files(recorded) if in_checkpoint(rel)} if at_url else (),
+                in_place={rel for rel in consumed_files(recorded) if read_in_place(rel)} if at_url else (),
             )
             refuse(stage, artifact_id, problems, self.location(stage, artifact_id))
             write_manifest_copy(directory, manifest)  # most recently used, for the cache's eviction
         finally:
             lock.release()
         self.remote.evict(keep={directory})
-        url = f"{self.location(stage, artifact_id)}/{CHECKPOINT_DIR}" if at_url else None
-        return ArtifactRef(stage, artifact_id, directory, manifest, checkpoint_url=url)
+        url = self.location(stage, artifact_id) if at_url else None
+        checkpoint_url = f"{url}/{CHECKPOINT_DIR}" if url else None
+        return ArtifactRef(stage, artifact_id, directory, manifest, checkpoint_url=checkpoint_url, url=url)
 
     def verify(self, directory: Path) -> list[str]:
         """Every object of the artifact streamed through sha256 (a staging or cache directory

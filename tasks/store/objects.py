@@ -500,6 +500,12 @@ def read_url(url: str) -> bytes:
     return fs.cat_file(path)
 
 
+def write_url(url: str, data: bytes) -> None:
+    """One object at a URL (a single PUT: whole or absent)."""
+    fs, path = _bucket_path(url)
+    fs.pipe_file(path, data)
+
+
 def download_dir(url: str, local: Path) -> list[str]:
     """Copy the files directly under a folder URL into `local` (those missing or of another
     size); their names."""

@@ -29,7 +29,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from engine.contract import CHECKPOINT_DIR, MANIFEST
+from engine.contract import CHECKPOINT_DIR, DATA_DIR, MANIFEST
 from tasks.store.consume import STAMPS, write_stamps
 from tasks.store.objects import flock_held
 
@@ -310,6 +310,9 @@ class ArtifactRef:
     manifest: dict
     checkpoint_url: str | None = None
     """Its checkpoint's URL where the engine reads it in the bucket (tasks/store/bucket.py)."""
+    url: str | None = None
+    """Its URL where the engine's processes read it in place (a bucket store whose stages read
+    and write at the URL: its checkpoint and token shards are not in `path`); else None."""
 
     @property
     def kind(self) -> str:
@@ -319,6 +322,16 @@ class ArtifactRef:
     def checkpoint_dir(self) -> str:
         """Where the engine reads its checkpoint: the bucket URL, or `path`/checkpoint."""
         return self.checkpoint_url or str(self.path / CHECKPOINT_DIR)
+
+    @property
+    def data_dir(self) -> str:
+        """Where the engine reads its token shards (a dataset): the bucket URL, or `path`/data."""
+        return f"{self.url}/{DATA_DIR}" if self.url else str(self.path / DATA_DIR)
+
+    def for_ranks(self, local: str) -> str:
+        """A path under `path` as every process of a stage reads it: at the URL when there is one."""
+        inside = self.url is not None and (local == str(self.path) or local.startswith(str(self.path) + "/"))
+        return self.url + local[len(str(self.path)) :] if inside and self.url else local
 
 
 def verify_artifact(directory: Path) -> list[str]:
