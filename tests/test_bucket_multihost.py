@@ -1,14 +1,16 @@
-"""Two processes, a bucket, nothing of the checkpoint on any local disk (moto S3 on 127.0.0.1).
+"""Two processes, a bucket, no disk shared with the runner (moto S3 on 127.0.0.1).
 
-A pretrain stage on an s3:// store, fsdp spanning 2 processes (2 x 2 simulated CPU devices, tensor within each,
-jax.distributed with gloo): every rank reads its config and the dataset's token shards at
-their URLs (no path of the runner's but the metrics folder, which rank 0 alone writes), the
-engine writes its checkpoint at the artifact's URL, every process its own OCDBT shards
-(`ocdbt.process_0/`, `ocdbt.process_1/`), and nothing of it is staged on the runner's disk. The runner (no Prefect) is SIGKILLed once a step is in the
-bucket; its orphaned ranks save and exit; the partial artifact is copied to a second prefix;
-one copy resumes on 1 process x 4 devices, the other on 2 x 2, each from a fresh cache (another
+A pretrain stage on an s3:// store, fsdp spanning 2 processes (2 x 2 simulated CPU devices,
+tensor within each, jax.distributed with gloo): every rank reads its config and the
+dataset's token shards at their URLs (no path of the runner's but the metrics folder, which
+rank 0 alone writes), the engine writes its checkpoint at the artifact's URL, every process
+its own OCDBT shards (`ocdbt.process_0/`, `ocdbt.process_1/`), and nothing of it is staged
+on the runner's disk. The runner (no Prefect) is SIGKILLed once a step is in the bucket; its
+orphaned ranks save and exit; the partial artifact is copied to a second prefix; one copy
+resumes on 1 process x 4 devices, the other on 2 x 2, each from a fresh cache (another
 machine), and both end bitwise equal to the uninterrupted 2-process run. A consumer then
-reads the step it needs at the URL (nothing downloaded but the small files).
+reads the step it needs at the URL (nothing downloaded but the small files). SFT and GRPO
+on 2 processes read their tokenizer and a corpus input's JSONL at the URL too.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import yaml
 
 from engine.config import Strict
 from engine.train.checkpoint import load_params
+from flows.spec import load_plan
 from tasks.artifacts import ArtifactStore
 from tasks.launch import LauncherSpec
 from tasks.objectstore import flock_held
@@ -206,3 +209,77 @@ def test_two_processes_checkpoint_to_the_bucket_and_resume_on_one_or_two_bitwise
     ref = ArtifactStore(reference).open_input("pretrain", PRETRAIN_ID)
     assert ref.checkpoint_dir == f"{reference}/{checkpoint}"
     assert _staged_checkpoint_files(tmp_path / "consumer") == []
+
+
+QUICKSTART_ON_A_BUCKET = """
+name: bucket-posttrain
+stages:
+  problems:
+    task: arithmetic
+    config: {seed: 0, max_number: 9, pretrain_problems: 400, sft_problems: 64, rl_problems: 16, eval_problems: 8}
+  tokenize:
+    task: tokenize
+    inputs: {corpus: problems}
+    config:
+      sources: [{format: text, path: "{input:corpus}/pretrain.txt", unit: line, name: arithmetic}]
+      tokenizer: {vocab_size: 300}
+  pretrain:
+    task: pretrain
+    inputs: {dataset: tokenize}
+    config: {model: tiny, steps: 2, data: {seq_len: 32, batch_size: 8}, checkpoint: {every_steps: 2, async_save: false}}
+  sft:
+    task: sft
+    inputs: {checkpoint: pretrain, corpus: problems}
+    launcher: {kind: local-multi, processes: 2, env: {XLA_FLAGS: --xla_force_host_platform_device_count=1}}
+    config:
+      steps: 2
+      mesh: {data: 2}
+      data: {path: "{input:corpus}/sft.jsonl", seq_len: 32, batch_size: 4}
+      checkpoint: {every_steps: 2, async_save: false}
+  grpo:
+    task: grpo
+    inputs: {checkpoint: sft, corpus: problems}
+    launcher: {kind: local-multi, processes: 2, env: {XLA_FLAGS: --xla_force_host_platform_device_count=1}}
+    config:
+      steps: 2
+      mesh: {data: 2}
+      data: {path: "{input:corpus}/rl.jsonl"}
+      rewards: [{function: exact_match, name: correct, kwargs: {pattern: '^\\\\s*(-?\\\\d+)'}}]
+      prompts_per_step: 2
+      num_generations: 2
+      max_prompt_length: 16
+      max_completion_length: 3
+      checkpoint: {every_steps: 2, async_save: false}
+"""
+
+
+def test_sft_and_grpo_on_two_processes_read_their_inputs_at_the_bucket(
+    bucket,  # noqa: F811
+    s3_endpoint,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """Fine-tuning stages on 2 processes: each rank reads the config, the tokenizer and the JSONL
+    of a corpus input at their URLs (the corpus is not the runner's path), and writes its
+    checkpoint shards at the artifact's URL."""
+    monkeypatch.setenv("TRAINFLOW_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(QUICKSTART_ON_A_BUCKET)
+    url = f"s3://{bucket}/posttrain"
+    plan, store = load_plan(path, store=url), ArtifactStore(url)
+    for name in plan.stages:
+        job = plan.resolve(name)
+        assert job is not None and execute_stage(job, store).status == RAN, name
+    client = boto3.client("s3")
+    for name, data_key in {"sft": "path", "grpo": "path"}.items():
+        artifact_id = plan.stages[name].job.artifact_id
+        config = yaml.safe_load(read_url(f"{url}/{name}/{artifact_id}/{name}.yaml"))
+        corpus = f"{url}/problems/{plan.stages['problems'].job.artifact_id}"
+        assert config["data"][data_key] == f"{corpus}/{'sft' if name == 'sft' else 'rl'}.jsonl", name
+        upstream = "pretrain" if name == "sft" else "sft"
+        assert config["tokenizer"] == f"{url}/{upstream}/{plan.stages[upstream].job.artifact_id}/tokenizer", name
+        keys = _keys(client, bucket, f"posttrain/{name}/{artifact_id}/checkpoint/2/")
+        for process in (0, 1):
+            assert any(f"ocdbt.process_{process}/" in key for key in keys), (name, process)
+        assert store.manifest(name, artifact_id)["layout"]["processes"] == 2
+    assert _staged_checkpoint_files(tmp_path / "cache") == []
