@@ -15,11 +15,11 @@
 4. However the stage ends, the actors are killed and the placement group removed. An engine
    whose worker dies gets SIGTERM (PR_SET_PDEATHSIG, as for local children) and saves.
 
-Every node needs trainflow installed (a worker runs its own `python -m engine...`) and the
-artifact store at the same path (a shared filesystem), as for Slurm. With a bucket store the
-checkpoints need none (every rank writes and reads its shards at the bucket's URL), but the
-engine's config, tokenizer and token shards are still read from the staging directory of
-the machine running trainflow: docs/cluster.md, "What every layout shares". The artifact's lock is
+Every node needs trainflow installed (a worker runs its own `python -m engine...`) and a
+local artifact store at the same path (a shared filesystem), as for Slurm. A bucket store
+needs none: every rank reads its config, tokenizer, data and checkpoints at the bucket's URL
+and writes its shards there; rank 0 writes metrics.jsonl beside trainflow (docs/cluster.md,
+"What every layout shares"). The artifact's lock is
 held by trainflow only: remote processes cannot inherit it. This module imports Ray, an
 optional extra (`trainflow[ray]`): tasks/launch.py loads it only for `kind: ray`.
 """

@@ -4,8 +4,10 @@ plus the bucket, through fsspec (tasks/objectstore.py moves the bytes and holds 
 Checkpoints do not pass through the staging directory: a stage's engine writes them at the
 artifact's URL (`checkpoint_location`), every process its own shards, and resumes from
 there; a consumer's engine restores the one step it reads from there (`open_input` gives
-`ArtifactRef.checkpoint_url`). Staged locally are only the small files (the tokenizer,
-metrics, the engine's config; token shards a stage reads). TRAINFLOW_STAGED_CHECKPOINTS=1
+`ArtifactRef.checkpoint_url`), and reads a dataset's token shards there too
+(`ArtifactRef.data_dir`; `read_in_place`). Staged locally are only the small files (the
+tokenizer, metrics, the engine's config, which tasks/engine_stage.py also puts at the URL
+for ranks on other hosts). TRAINFLOW_STAGED_CHECKPOINTS=1
 (or a scheme the engine cannot write, e.g. memory://) stages checkpoints too, as before:
 each step uploaded from the staging directory as it commits, a consumer's step downloaded.
 
