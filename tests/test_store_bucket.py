@@ -6,10 +6,17 @@ the bucket starts refusing PUTs -- an expired credential or a policy change, inj
 a wrapper around the store's real s3fs file system -- while the runner uploads the payload
 before the manifest. The stage fails with one sentence naming the artifact's URL, the
 bucket holds no `complete` manifest, the steps committed before stay whole, and a re-run
-once the bucket takes writes again resumes and commits.
+once the bucket takes writes again resumes and commits. The engine's own saves at the URL
+meet the same refusal mid-run (a proxy in front of moto answering writes with 403): the step
+is not committed, the error names the URL, the step before stays whole and resumes.
 """
 
 from __future__ import annotations
+
+import contextlib
+import http.client
+import http.server
+import threading
 
 import jax
 import numpy as np
@@ -17,12 +24,12 @@ import pytest
 from flax import nnx
 
 from engine.models.transformer import Transformer
-from engine.train.checkpoint import Checkpointer, load_params, verify_step
+from engine.train.checkpoint import Checkpointer, CheckpointWriteError, load_params, verify_step
 from tasks.artifacts import ArtifactStore
 from tasks.objectstore import StoreWriteError, complete_steps
 from tasks.runner import RESUMED, execute_stage
 from tests.test_consume import MODEL, STEPS, _jitter, _job
-from tests.test_object_store import boto3, bucket, s3_endpoint  # noqa: F401  (moto S3 fixtures)
+from tests.test_object_store import _forget_s3_clients, boto3, bucket, s3_endpoint  # noqa: F401  (moto S3 fixtures)
 
 
 class Refusing:
@@ -124,3 +131,113 @@ def test_the_engine_checkpoints_straight_to_s3_and_resumes_from_the_newest_intac
     again = Checkpointer(url, keep=3, async_save=False)
     assert again.resume_step(logs.append) == 1
     assert any(f"checkpoint step 2 in {url} failed verification" in line for line in logs), logs
+
+
+class RefusingProxy:
+    """An HTTP proxy on 127.0.0.1 in front of the moto server that, once `refuse` is set,
+    answers every write (PUT, POST, DELETE) with S3's 403 AccessDenied, as a bucket does when
+    a credential expires or a policy changes mid-run; reads pass through."""
+
+    def __init__(self, upstream: str):
+        host, port = upstream.removeprefix("http://").split(":")
+        proxy = self
+        self.refuse, self.refused = False, 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _forward(self):
+                if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+                    body = b""
+                    while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
+                        body += self.rfile.read(size)
+                        self.rfile.readline()
+                    while self.rfile.readline().strip():  # trailers, then the blank line
+                        pass
+                else:
+                    body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if proxy.refuse and self.command in ("PUT", "POST", "DELETE"):
+                    proxy.refused += 1
+                    denied = (
+                        b'<?xml version="1.0"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>'
+                    )
+                    self.send_response(403)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(denied)))
+                    self.end_headers()
+                    self.wfile.write(denied)
+                    return
+                connection = http.client.HTTPConnection(host, int(port), timeout=60)
+                skip = ("host", "transfer-encoding", "content-length", "expect")
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in skip}
+                headers["Content-Length"] = str(len(body))
+                headers["Host"] = f"{host}:{port}"
+                connection.request(self.command, self.path, body=body, headers=headers)
+                reply = connection.getresponse()
+                data = reply.read()
+                self.send_response(reply.status, reply.reason)
+                for key, value in reply.getheaders():
+                    if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(key, value)
+                # A HEAD's length is the object's (no body follows); otherwise the body's.
+                length = reply.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
+                self.send_header("Content-Length", length)
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                connection.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def test_a_bucket_refusing_writes_mid_save_leaves_the_step_uncommitted_and_the_last_one_intact(
+    bucket,  # noqa: F811
+    s3_endpoint,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """The engine saving at an s3:// URL when the bucket starts refusing writes between two
+    steps (TensorStore's s3 driver and s3fs both go through the proxy): the save fails with one
+    sentence naming the URL and the step, that step never counts as committed, the step
+    before it stays whole, and a later run resumes from it once writes are taken again."""
+    proxy = RefusingProxy(s3_endpoint["AWS_ENDPOINT_URL"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    _forget_s3_clients()
+    try:
+        url = f"s3://{bucket}/refused/checkpoint"
+        params = nnx.to_pure_dict(nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))[1])
+        meta = {"model": MODEL.model_dump(mode="json"), "format": "trainflow.checkpoint/1"}
+        ckpt = Checkpointer(url, keep=3, async_save=False)
+        ckpt.save(1, _jitter(params, 1), {"mu": _jitter(params, 11)}, {**meta, "step": 1}, {"position": 1})
+        proxy.refuse = True
+        with pytest.raises(CheckpointWriteError) as failed:
+            ckpt.save(2, _jitter(params, 2), {"mu": _jitter(params, 12)}, {**meta, "step": 2}, {"position": 2})
+        message = str(failed.value)
+        assert message.startswith(f"checkpoint step 2: could not write to {url} (") and proxy.refused > 0
+        assert message.endswith("it is not committed, step 1, the newest committed, is kept"), message
+        with contextlib.suppress(CheckpointWriteError):
+            ckpt.close()
+        proxy.refuse = False
+        keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix="refused/")["Contents"]]
+        assert "refused/checkpoint/2/digests.json" not in keys
+        logs: list[str] = []
+        again = Checkpointer(url, keep=3, async_save=False)
+        assert again.resume_step(logs.append) == 1 and verify_step(url, 1) == []
+        _, restored, step = load_params(url, as_numpy=True)
+        assert step == 1
+        for want, got in zip(jax.tree.leaves(_jitter(params, 1)), jax.tree.leaves(restored)):
+            assert np.array_equal(want, got)
+        again.close()
+    finally:
+        proxy.close()
+        _forget_s3_clients()

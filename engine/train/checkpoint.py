@@ -17,6 +17,8 @@ restores `resume_step()`, the newest step whose files still match them (`verify_
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -71,6 +73,11 @@ logging.getLogger("absl").addFilter(_ReadOnlyNotices())  # Orbax logs through ab
 
 class CorruptCheckpoint(ConfigError):
     """A checkpoint directory holds steps, but none whose files match their digests."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint step could not be written (a bucket refusing writes, expired credentials,
+    a full disk): that step is not committed, the ones committed before are kept."""
 
 
 # --------------------------------------------------------------------------- digests
@@ -222,7 +229,29 @@ class Checkpointer:
             meta=ocp.args.JsonSave(meta),
             data=ocp.args.JsonSave(data_state or {}),
         )
-        self.manager.save(step, args=args, force=True)
+        with self._writing(step):
+            self.manager.save(step, args=args, force=True)
+
+    @contextlib.contextmanager
+    def _writing(self, step: int | None):
+        """A failed write (here, or of an async save finishing) as one sentence naming the
+        directory; Orbax commits a step only once all of it is written, so nothing half-written
+        counts: resume takes the newest committed step."""
+        try:
+            yield
+        except Exception as e:
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise  # the launcher names a full disk itself
+            what = f"checkpoint step {step}" if step is not None else "a checkpoint step"
+            committed = self.manager.latest_step()
+            kept = (
+                f"step {committed}, the newest committed, is kept" if committed is not None else "no step is committed"
+            )
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise CheckpointWriteError(
+                f"{what}: could not write to {self.directory} ({type(e).__name__}: {first[:300]}); "
+                f"it is not committed, {kept}"
+            ) from e
 
     def restore(self, step: int, abstract_params, abstract_opt_state) -> tuple[Any, Any, dict, dict]:
         restored = self.manager.restore(
@@ -237,11 +266,14 @@ class Checkpointer:
         return restored.params, restored.opt_state, restored.meta, restored.data
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        with self._writing(None):
+            self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
 
 
 def save_params(directory: str | Path, step: int, params, meta: dict) -> None:

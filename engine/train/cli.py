@@ -13,6 +13,7 @@ from engine.config import ConfigError, load_config, parse_yaml
 from engine.contract import EXIT_CONFIG_ERROR, EXIT_FAILED, EXIT_OK, EXIT_PREEMPTED
 from engine.data import urls
 from engine.parallel.distributed import maybe_initialize_distributed
+from engine.train.checkpoint import CheckpointWriteError
 from engine.train.trainer import Preempted, TrainingError
 
 
@@ -111,7 +112,7 @@ def run_cli(
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    except (TrainingError, *failures) as e:
+    except (TrainingError, CheckpointWriteError, *failures) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED
     except Preempted as e:
