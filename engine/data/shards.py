@@ -87,7 +87,9 @@ def write_dataset(
     dataset_dir = Path(dataset_dir)
     meta_splits = {}
     for split, docs in splits.items():
-        shards, counts, tokens = [], [], 0
+        shards: list[str] = []
+        counts: list[int] = []
+        tokens = 0
         for start in range(0, max(len(docs), 1), docs_per_shard):
             rel = f"{split}/shard-{len(shards):05d}.array_record"
             with ShardWriter(dataset_dir / rel) as w:
@@ -153,6 +155,9 @@ class ShardSource:
     (`shard_documents`, written by the tokenize stage) no shard is opened to count it."""
 
     def __init__(self, paths: list[str], counts: list[int] | None = None):
+        self._open(paths, counts)
+
+    def _open(self, paths: list[str], counts: list[int] | None) -> None:
         self.paths = list(paths)
         if counts is None or len(counts) != len(self.paths):
             counts = [record_count(self._local(i)) for i in range(len(self.paths))]
@@ -196,7 +201,7 @@ class ShardSource:
         return {"paths": self.paths, "counts": self.counts}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["paths"], state["counts"])
+        self._open(state["paths"], state["counts"])
 
     def close(self) -> None:
         for reader in self._readers.values():

@@ -16,16 +16,17 @@ from engine.train.checkpoint import stored_configs
 
 def read_jsonl(path: str | Path) -> list[tuple[str, dict]]:
     """[(\"file:line\", record)] of a JSONL file or of a directory's *.jsonl files."""
+    files: list[str | Path]
     if urls.is_url(path):  # at a bucket URL (a stage on a bucket store): a file or a folder's *.jsonl
         url = str(path).rstrip("/")
-        files = [url] if url.endswith(".jsonl") else urls.list_files(url, ".jsonl")
+        files = [url] if url.endswith(".jsonl") else list(urls.list_files(url, ".jsonl"))
         if not files or not all(urls.exists(f) for f in files):
             raise ConfigError(f"data: no JSONL examples at {url}")
     else:
-        path = Path(path)
-        files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
-        if not files or not all(f.is_file() for f in files):
-            raise ConfigError(f"data: no JSONL examples at {path}")
+        local = Path(path)
+        files = list(sorted(local.glob("*.jsonl")) if local.is_dir() else [local])
+        if not files or not all(Path(f).is_file() for f in files):
+            raise ConfigError(f"data: no JSONL examples at {local}")
     records = []
     for file in files:
         for number, line in enumerate(urls.read_text(file).splitlines(), 1):
