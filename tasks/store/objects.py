@@ -652,15 +652,23 @@ class StepMirror:
         return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and (p / STEP_DIGESTS).is_file())
 
     def remote_steps(self) -> list[int]:
-        """The steps the engine committed at the URL (a step there is whole once its digests are)."""
+        """The steps the engine committed at the URL that this mirror has not seen yet (a step
+        there is whole once its digests are): one LIST of the step folders, one HEAD of each
+        new one's digests. Its cost does not grow with the checkpoint's objects."""
         prefix = self.backend.key(self.stage, self.artifact_id, CHECKPOINT_DIR)
         self.backend.fs.invalidate_cache(prefix)
         try:
-            keys = self.backend.fs.find(prefix)
+            entries = self.backend.fs.ls(prefix, detail=True)
         except FileNotFoundError:
             return []
-        parts = (key[len(prefix) + 1 :].split("/") for key in keys)
-        return sorted({int(p[0]) for p in parts if len(p) == 2 and p[0].isdigit() and p[1] == STEP_DIGESTS})
+        names = (entry["name"].rstrip("/").rsplit("/", 1)[-1] for entry in entries if entry["type"] == "directory")
+        candidates = sorted(int(name) for name in names if name.isdigit() and int(name) not in self.uploaded)
+        committed = []
+        for step in candidates:
+            self.backend.fs.invalidate_cache(f"{prefix}/{step}")
+            if self.backend.fs.exists(f"{prefix}/{step}/{STEP_DIGESTS}"):
+                committed.append(step)
+        return committed
 
     def sync(self) -> list[int]:
         """Upload the committed steps not on the bucket yet; returns them."""
