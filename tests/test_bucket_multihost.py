@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,7 +36,7 @@ from tasks.artifacts import ArtifactStore
 from tasks.launch import LauncherSpec
 from tasks.objectstore import flock_held
 from tasks.pretrain import PretrainStage
-from tasks.registry import StageContext, StageKind
+from tasks.registry import StageContext, StageHooks, StageKind
 from tasks.runner import RAN, RESUMED, StageJob, execute_stage
 from tasks.store.objects import read_url
 from tests.test_multihost import stdlib_bytes
@@ -100,10 +101,10 @@ def _jobs(processes: int, devices: int) -> list[StageJob]:
     ]
 
 
-def run(store_url: str, processes: int, devices: int) -> list[str]:
+def run(store_url: str, processes: int, devices: int, log=None) -> list[str]:
     """Both stages on the store (this process is the runner); the statuses."""
-    store = ArtifactStore(store_url)
-    return [execute_stage(job, store).status for job in _jobs(processes, devices)]
+    store, hooks = ArtifactStore(store_url), StageHooks(log=log or (lambda line: None))
+    return [execute_stage(job, store, hooks).status for job in _jobs(processes, devices)]
 
 
 def _staged_checkpoint_files(cache: Path) -> list[Path]:
@@ -194,13 +195,22 @@ def test_two_processes_checkpoint_to_the_bucket_and_resume_on_one_or_two_bitwise
     for prefix, (processes, devices) in {"killed": (1, 4), "copy": (2, 2)}.items():
         monkeypatch.setenv("TRAINFLOW_CACHE", str(tmp_path / f"{prefix}-resume"))
         monkeypatch.setenv("TRAINFLOW_ENGINE_CACHE", str(tmp_path / f"{prefix}-hosts"))
-        assert run(f"s3://{bucket}/{prefix}", processes, devices) == ["skipped", RESUMED], prefix
+        lines: list[str] = []
+        assert run(f"s3://{bucket}/{prefix}", processes, devices, lines.append) == ["skipped", RESUMED], prefix
+        # The engine's own line names the bucket (it restored there, from a step past 0).
+        resumed = next(
+            (m for m in map(re.compile(r"resumed from checkpoint step (\d+) in (\S+)").search, lines) if m), None
+        )
+        assert resumed and int(resumed.group(1)) >= 2, lines[-20:]
+        assert resumed.group(2) == f"s3://{bucket}/{prefix}/{checkpoint}", resumed.group(0)
         assert _staged_checkpoint_files(tmp_path / f"{prefix}-resume") == []
         assert not list((tmp_path / f"{prefix}-resume").rglob("*.array_record"))
         assert list((tmp_path / f"{prefix}-hosts").glob("*.array_record"))
         metrics = ArtifactStore(f"s3://{bucket}/{prefix}").artifact_dir("pretrain", PRETRAIN_ID) / "metrics.jsonl"
         steps = [r["step"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
         assert steps[-1] == STEPS
+        resumed_store = ArtifactStore(f"s3://{bucket}/{prefix}")
+        assert resumed_store.verify(resumed_store.artifact_dir("pretrain", PRETRAIN_ID)) == []
         got = _params(f"s3://{bucket}/{prefix}/{checkpoint}")
         assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want)), prefix
 
