@@ -291,5 +291,10 @@ def test_sft_and_grpo_on_two_processes_read_their_inputs_at_the_bucket(
         keys = _keys(client, bucket, f"posttrain/{name}/{artifact_id}/checkpoint/2/")
         for process in (0, 1):
             assert any(f"ocdbt.process_{process}/" in key for key in keys), (name, process)
-        assert store.manifest(name, artifact_id)["layout"]["processes"] == 2
+        manifest = store.manifest(name, artifact_id)
+        assert manifest["layout"]["processes"] == 2 and manifest["kind"] == "checkpoint"
+        parents = [(p["input"], p["stage"]) for p in manifest["parents"]]
+        assert parents == [("checkpoint", upstream), ("corpus", "problems")]
+        assert manifest["metrics"]["steps"] == 2 and (name == "sft" or "reward" in manifest["metrics"])
+        assert {"tokenizer/tokenizer.json", f"{name}.yaml"} <= set(manifest["files"])
     assert _staged_checkpoint_files(tmp_path / "cache") == []

@@ -25,9 +25,7 @@ from engine.posttrain.rewards import RewardError, RewardSpec, compute_rewards, l
 from engine.train.checkpoint import Checkpointer, load_params, read_meta
 from engine.train.step import make_train_step
 from flows.spec import Pipeline
-from tasks.artifacts import read_manifest
 from tasks.registry import StageContext, StageKind, register_stage
-from tasks.runner import RAN, execute_stage
 
 # --------------------------------------------------------------------------- NumPy references
 
@@ -466,25 +464,12 @@ def post_training_pipeline(task: Path, store: Path, sft_data: Path) -> Pipeline:
 
 
 @pytest.mark.slow
-def test_sft_and_grpo_are_pipeline_stages_with_lineage(copy_task, tmp_path):
+def test_the_examples_of_sft_and_grpo_stages_are_part_of_their_ids(copy_task, tmp_path):
+    """New data: new sft and grpo artifacts, the base stays (running them is
+    tests/test_bucket_multihost.py's SFT -> GRPO pipeline)."""
     sft_data = tmp_path / "sft.jsonl"
     sft_data.write_text("".join(json.dumps({"prompt": f"{d}=", "completion": d}) + "\n" for d in DIGITS))
     plan = post_training_pipeline(copy_task, tmp_path / "store", sft_data).plan()
-    assert {name: execute_stage(s.job, plan.store).status for name, s in plan.stages.items()} == {
-        "base": RAN,
-        "sft": RAN,
-        "grpo": RAN,
-    }
-    grpo_job = plan.stages["grpo"].job
-    out = plan.store.artifact_dir("grpo", grpo_job.artifact_id)
-    manifest = read_manifest(out)
-    assert manifest["kind"] == "checkpoint" and manifest["status"] == "complete"
-    assert [(p["input"], p["stage"]) for p in manifest["parents"]] == [("checkpoint", "sft")]
-    assert manifest["metrics"]["steps"] == 2 and "reward" in manifest["metrics"]
-    assert (out / "tokenizer" / "tokenizer.json").is_file() and (out / "grpo.yaml").is_file()
-    assert load_params(out / "checkpoint")[2] == 2
-
-    # The examples are part of the id: new data, new sft and grpo artifacts; the base stays.
     sft_data.write_text(sft_data.read_text() + json.dumps({"prompt": "1=", "completion": "1"}) + "\n")
     changed = post_training_pipeline(copy_task, tmp_path / "store", sft_data).plan()
     assert [changed.stages[s].job.artifact_id == plan.stages[s].job.artifact_id for s in ("base", "sft", "grpo")] == [
