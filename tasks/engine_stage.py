@@ -290,7 +290,9 @@ class FineTuneStage(EngineStage):
             "checkpoint.init_from": checkpoint_input.checkpoint_dir,
             "metrics_dir": str(out),  # written by rank 0 only, which runs beside this process
             # Read by every rank: at the input's URL on a bucket store, else the copy carried here.
-            "tokenizer": checkpoint_input.url and f"{checkpoint_input.url}/{TOKENIZER_DIR}" or str(out / TOKENIZER_DIR),
+            "tokenizer": checkpoint_input.for_ranks(str(checkpoint_input.path / TOKENIZER_DIR))
+            if checkpoint_input.url
+            else str(out / TOKENIZER_DIR),
         }.items():
             set_dotted(tree, key, value)
         for key in self.data_path_keys:  # `{input:corpus}/...`: a file of an input, at its URL where it has one

@@ -19,8 +19,11 @@ def read_jsonl(path: str | Path) -> list[tuple[str, dict]]:
     files: list[str | Path]
     if urls.is_url(path):  # at a bucket URL (a stage on a bucket store): a file or a folder's *.jsonl
         url = str(path).rstrip("/")
-        files = [url] if url.endswith(".jsonl") else list(urls.list_files(url, ".jsonl"))
-        if not files or not all(urls.exists(f) for f in files):
+        # A folder's listing shows its files are there; a single file needs its own check.
+        files = (
+            list(urls.list_files(url, ".jsonl")) if not url.endswith(".jsonl") else [url] if urls.exists(url) else []
+        )
+        if not files:
             raise ConfigError(f"data: no JSONL examples at {url}")
     else:
         local = Path(path)
