@@ -32,7 +32,7 @@ import yaml
 
 from bench import machine
 from engine.data.shards import write_dataset
-from tasks.launch import LauncherSpec, run_child
+from tasks.launch.run import LauncherSpec, run_child
 
 REPO = Path(__file__).resolve().parent.parent
 LOAD_AT_START = list(os.getloadavg())

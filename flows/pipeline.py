@@ -64,8 +64,8 @@ from flows.summary import asset_key, format_duration, format_number, line_level,
 from flows.sweep import label_value
 from flows.sweep_report import sweep_markdown, sweep_rows
 from tasks.artifacts import ArtifactError, read_manifest
-from tasks.gang import stopping, terminate_children
-from tasks.launch import Interrupted, PermanentFailure
+from tasks.launch.gang import stopping, terminate_children
+from tasks.launch.run import Interrupted, PermanentFailure
 from tasks.registry import StageHooks
 from tasks.runner import SKIPPED, StageResult, execute_stage
 

@@ -5,7 +5,7 @@ Without PREFECT_API_URL, Prefect would start its own temporary server as a plain
 spent minutes retrying a dead API, and without a tie to its parent, so a SIGKILLed
 `trainflow` left it running. trainflow starts the same server itself instead (uvicorn
 serving Prefect's API app on a free loopback port, SQLite under PREFECT_HOME), in a session
-of its own and with PR_SET_PDEATHSIG (tasks/launch.py's guard), and points PREFECT_API_URL
+of its own and with PR_SET_PDEATHSIG (tasks/launch/run.py's guard), and points PREFECT_API_URL
 at it for the run. A configured PREFECT_API_URL that does not answer is one line, not a
 traceback.
 """
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from prefect.context import refresh_global_settings_context
 from prefect.settings import PREFECT_API_URL, get_current_settings
 
-from tasks.gang import guarded
+from tasks.launch.gang import guarded
 
 # What Prefect sets for its own temporary server: the API only, without the UI and with
 # the services an ephemeral server runs.

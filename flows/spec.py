@@ -44,7 +44,7 @@ from engine.config import ConfigError, Strict, apply_overrides, format_validatio
 from flows.gates import SKIPPED_CONDITION, Gate, read_condition, select_best
 from flows.sweep import Ref, Selection, base_dependencies, expand
 from tasks.artifacts import COMPLETE, ArtifactStore, artifact_id
-from tasks.launch import LauncherSpec
+from tasks.launch.run import LauncherSpec
 from tasks.registry import get_stage_kind, input_refs
 from tasks.runner import StageJob
 

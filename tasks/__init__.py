@@ -1,4 +1,6 @@
-"""Stage kinds and the artifact store: the only layer that knows both the engine and the
-store. registry.py (stage kinds), artifacts.py (store, ids, digests, locks), runner.py
-(skip / resume / lock protocol of one stage), launch.py (child processes), and one module
-per built-in stage kind."""
+"""Stage kinds, the artifact store and process launching: the only layer that knows both the
+engine and the store. Three subpackages, one concern each: stages/ (one module per built-in
+stage kind), store/ (ids, digests, manifests, locks; a local and a bucket store behind one
+interface), launch/ (a stage's processes). Beside them: registry.py (stage kinds by name),
+runner.py (skip / resume / lock protocol of one stage), plan.py (`trainflow plan`), and
+artifacts.py / objectstore.py (the store's names where the rest of trainflow imports them)."""

@@ -36,8 +36,8 @@ from pydantic import BaseModel
 from engine.config import ConfigError, validate
 from engine.contract import ADDED_AT_DEFAULT, CHECKPOINT_DIR, CHECKPOINT_URL_SCHEMES
 from tasks.artifacts import ArtifactRef, drop_fields
-from tasks.gang import ChildResult
-from tasks.launch import LauncherSpec, run_child
+from tasks.launch.gang import ChildResult
+from tasks.launch.run import LauncherSpec, run_child
 
 # A config string may name an input artifact's directory: `path: "{input:corpus}/sft.jsonl"`.
 # The stage's artifact id covers the input's id, so such paths are resolved only at run time.
@@ -85,18 +85,18 @@ def substitute_inputs(config: BaseModel, inputs: dict[str, Any], stage: str) -> 
 
 
 BUILTIN_STAGES: dict[str, str] = {
-    "tokenize": "tasks.tokenize:TokenizeStage",
-    "pretrain": "tasks.pretrain:PretrainStage",
-    "convert": "tasks.convert:ConvertStage",
-    "export": "tasks.export:ExportStage",
-    "merge": "tasks.merge:MergeStage",
-    "sft": "tasks.sft:SFTStage",
-    "grpo": "tasks.grpo:GRPOStage",
-    "dpo": "tasks.dpo:DPOStage",
-    "reward_model": "tasks.reward_model:RewardModelStage",
-    "distill": "tasks.distill:DistillStage",
-    "evaluate": "tasks.evaluate:EvaluateStage",
-    "arithmetic": "tasks.arithmetic:ArithmeticStage",
+    "tokenize": "tasks.stages.tokenize:TokenizeStage",
+    "pretrain": "tasks.stages.pretrain:PretrainStage",
+    "convert": "tasks.stages.convert:ConvertStage",
+    "export": "tasks.stages.export:ExportStage",
+    "merge": "tasks.stages.merge:MergeStage",
+    "sft": "tasks.stages.sft:SFTStage",
+    "grpo": "tasks.stages.grpo:GRPOStage",
+    "dpo": "tasks.stages.dpo:DPOStage",
+    "reward_model": "tasks.stages.reward_model:RewardModelStage",
+    "distill": "tasks.stages.distill:DistillStage",
+    "evaluate": "tasks.stages.evaluate:EvaluateStage",
+    "arithmetic": "tasks.stages.arithmetic:ArithmeticStage",
 }
 
 _registry: dict[str, type[StageKind] | str] = dict(BUILTIN_STAGES)
@@ -177,7 +177,7 @@ class StageContext:
         """Run an engine command (e.g. [sys.executable, "-m", "engine.train", cfg]) through
         the stage's launcher, streaming its output (each line also to `on_line`) and the
         metrics it appends to `metrics_file` into the run log; raises on a non-zero exit
-        (see tasks/launch.py)."""
+        (see tasks/launch/run.py)."""
 
         def on_metrics(record: dict) -> None:
             self.hooks.metrics(record)

@@ -31,8 +31,8 @@ from tasks.artifacts import (
     now_iso,
     write_json_atomic,
 )
-from tasks.gang import holding_locks
-from tasks.launch import DISK_FULL_ERRNOS, DiskFull, LauncherSpec, recording_layouts
+from tasks.launch.gang import holding_locks
+from tasks.launch.run import DISK_FULL_ERRNOS, DiskFull, LauncherSpec, recording_layouts
 from tasks.registry import StageContext, StageHooks, StageKind, substitute_inputs
 
 SKIPPED, RAN, RESUMED = "skipped", "ran", "resumed"

@@ -33,9 +33,9 @@ from engine.config import Strict
 from engine.train.checkpoint import load_params
 from flows.spec import load_plan
 from tasks.artifacts import ArtifactStore
-from tasks.launch import LauncherSpec
+from tasks.launch.run import LauncherSpec
 from tasks.objectstore import flock_held
-from tasks.pretrain import PretrainStage
+from tasks.stages.pretrain import PretrainStage
 from tasks.registry import StageContext, StageHooks, StageKind
 from tasks.runner import RAN, RESUMED, StageJob, execute_stage
 from tasks.store.objects import read_url

@@ -351,7 +351,7 @@ def validate_pipeline(tree: dict, where: str, store: Path, overrides: list[str] 
 def config_schemas() -> list[type[BaseModel]]:
     """Every schema a config fragment may belong to: the stage kinds' and the nested ones users write."""
     from engine.models.config import ModelConfig
-    from tasks.launch import LauncherSpec
+    from tasks.launch.run import LauncherSpec
     from tasks.registry import get_stage_kind, stage_kind_names
 
     schemas = [get_stage_kind(task).config_schema for task in stage_kind_names()]

@@ -124,7 +124,7 @@ def test_the_shipped_tools_pipeline_validates_with_its_environment():
 
 
 def test_a_user_environments_module_is_checked_at_validation_and_part_of_the_stage_id(tmp_path, monkeypatch):
-    from tasks.grpo import GRPOStage
+    from tasks.stages.grpo import GRPOStage
 
     stage = GRPOStage()
     raw = {"data": {"path": "rows.jsonl"}, "environment": {"factory": "my_tool_env_xyz:Env"}}

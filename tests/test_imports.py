@@ -210,14 +210,14 @@ def test_modules_named_at_run_time_are_imported_only_by_registries():
 
 
 def test_cycle_check_sees_a_dynamic_import(contracts, tmp_path):
-    # The cycle the launchers had: tasks.launch loads tasks.ray_launcher with import_module,
+    # The cycle the launchers had: tasks.launch.run loads tasks.launch.ray_launcher with import_module,
     # and ray_launcher imported its spec back from tasks.launch.
     tree = tmp_path / "src"
     for package in PACKAGES:
         shutil.copytree(ROOT / package, tree / package, ignore=shutil.ignore_patterns("__pycache__"))
-    ray_launcher = tree / "tasks/ray_launcher.py"
-    ray_launcher.write_text(ray_launcher.read_text() + "\nfrom tasks.launch import StageFailed as _StageFailed\n")
-    assert 'import_module("tasks.ray_launcher")' in (tree / "tasks/launch.py").read_text()
+    ray_launcher = tree / "tasks/launch/ray_launcher.py"
+    ray_launcher.write_text(ray_launcher.read_text() + "\nfrom tasks.launch.run import StageFailed as _StageFailed\n")
+    assert 'import_module("tasks.launch.ray_launcher")' in (tree / "tasks/launch/run.py").read_text()
     assert broken_contracts(tree, contracts, "acyclic") is None  # unseen without the rewrite
 
     report = broken_contracts(tree_with_dynamic_imports(tree, tmp_path / "dynamic"), contracts, "acyclic")

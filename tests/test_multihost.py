@@ -27,8 +27,8 @@ import yaml
 from engine.data.shards import write_dataset
 from engine.posttrain.reward_model import load_reward_params
 from engine.train.checkpoint import load_adapter, load_params
-from tasks.gang import child_env
-from tasks.launch import LauncherSpec, commands, run_child
+from tasks.launch.gang import child_env
+from tasks.launch.run import LauncherSpec, commands, run_child
 
 pytestmark = pytest.mark.slow
 

@@ -159,7 +159,7 @@ def test_a_field_added_since_artifacts_were_made_keeps_their_ids_at_its_default(
     stages are still skipped as done); any other value is."""
     from engine.config import load_config
     from engine.train.config import TrainConfig
-    from tasks.pretrain import PretrainStage
+    from tasks.stages.pretrain import PretrainStage
 
     def mesh_of(**mesh):
         return PretrainStage().fingerprint(load_config(tree={"model": "tiny", "mesh": mesh}, schema=TrainConfig))[
@@ -246,7 +246,7 @@ def test_cli_reports_a_bad_pipeline_in_one_line_and_exits_2(tmp_path):
 def test_inspection_commands_do_not_import_prefect_or_jax():
     """status / ls / lineage / verify answer at once: no Prefect or JAX start-up."""
     code = (
-        "import sys, flows.cli, flows.spec, tasks.tokenize, tasks.pretrain; "
+        "import sys, flows.cli, flows.spec, tasks.stages.tokenize, tasks.stages.pretrain; "
         "print(sorted(m for m in ('prefect', 'jax') if m in sys.modules))"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -14,7 +14,7 @@ import pytest
 import tests.pipeline_toys  # noqa: F401
 from flows.spec import Pipeline
 from tasks.artifacts import ArtifactError, ArtifactLock, read_manifest, verify_artifact
-from tasks.launch import Interrupted, LauncherSpec, StageConfigError, StageFailed, run_child
+from tasks.launch.run import Interrupted, LauncherSpec, StageConfigError, StageFailed, run_child
 from tasks.runner import RAN, RESUMED, SKIPPED, execute_stage
 from tests.conftest import REPO
 
@@ -190,7 +190,7 @@ def test_local_multi_launcher_starts_ranks_with_a_coordinator(tmp_path):
 
 PARENT = """
 import sys
-from tasks.launch import run_child
+from tasks.launch.run import run_child
 from tests.pipeline_toys import CHILD
 run_child([sys.executable, "-c", CHILD, sys.argv[1], "600", "0.05", "0"], log=print)
 """
@@ -215,7 +215,7 @@ def test_sigkilled_parent_takes_its_child_down_with_a_checkpoint(tmp_path):
 
 
 def test_interrupt_is_not_a_failure_to_retry(tmp_path):
-    from tasks import gang
+    from tasks.launch import gang
 
     def stop_soon():
         time.sleep(0.5)

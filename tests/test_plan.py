@@ -22,7 +22,7 @@ from engine.train.targets import get_target
 from engine.train.trainer import Trainer, lm_batch
 from flows import cli
 from flows.spec import Pipeline, load_plan
-from tasks.launch import StageConfigError
+from tasks.launch.run import StageConfigError
 from tasks.plan import plan_pipeline
 from tasks.runner import execute_stage
 

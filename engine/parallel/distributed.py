@@ -1,6 +1,6 @@
 """Runs of more than one process: joining them, and agreeing on when to stop.
 
-A launcher (tasks/launch.py) starts N processes that each join with
+A launcher (tasks/launch/run.py) starts N processes that each join with
 `maybe_initialize_distributed()` before JAX starts its backend, told how by either
 
     TRAINFLOW_COORDINATOR (host:port of rank 0), TRAINFLOW_NUM_PROCESSES, TRAINFLOW_PROCESS_ID

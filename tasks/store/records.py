@@ -212,7 +212,7 @@ class ArtifactLock:
     """An exclusive `flock` on `<artifact>/.lock`.
 
     An flock belongs to the open file description, not the process: the runner passes its
-    descriptor to the stage's engine children (tasks/launch.py, `holding_locks`), and the
+    descriptor to the stage's engine children (tasks/launch/run.py, `holding_locks`), and the
     kernel drops the lock only when the last of them exits, however it exits (SIGKILL
     included). So a dead run never blocks the next one, and a new run never shares the
     artifact with an orphaned engine still saving into it. The file records which run took

@@ -1,5 +1,5 @@
 """The files of a Hugging Face model directory, without JAX: what a conversion reads
-(`tasks/convert.py` fingerprints a source while validating a pipeline) and what an export
+(`tasks/stages/convert.py` fingerprints a source while validating a pipeline) and what an export
 replaces (`trainflow export --out` checks its target before any work)."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
    engine/parallel/distributed.py).
 3. Each worker runs the engine command as a child process on its node and keeps its output
    lines; the driver (trainflow) polls every worker for new lines and its exit code, which
-   run_child watches like any other gang (tasks/launch.py): rank prefixes, one rank failing
+   run_child watches like any other gang (tasks/launch/run.py): rank prefixes, one rank failing
    stops the others, the error names it.
 4. However the stage ends, the actors are killed and the placement group removed. An engine
    whose worker dies gets SIGTERM (PR_SET_PDEATHSIG, as for local children) and saves.
@@ -21,7 +21,7 @@ needs none: every rank reads its config, tokenizer, data and checkpoints at the 
 and writes its shards there; rank 0 writes metrics.jsonl beside trainflow (docs/cluster.md,
 "What every layout shares"). The artifact's lock is
 held by trainflow only: remote processes cannot inherit it. This module imports Ray, an
-optional extra (`trainflow[ray]`): tasks/launch.py loads it only for `kind: ray`.
+optional extra (`trainflow[ray]`): tasks/launch/run.py loads it only for `kind: ray`.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tasks.gang import GangOutput, Rank, child_env, guarded, split_lines
-from tasks.launch_spec import LauncherSpec, StageFailed
+from tasks.launch.gang import GangOutput, Rank, child_env, guarded, split_lines
+from tasks.launch.spec import LauncherSpec, StageFailed
 
 PLACEMENT_TIMEOUT_SECONDS = 300.0
 """How long a stage waits for the cluster to have room for the whole gang (an autoscaler may add nodes)."""

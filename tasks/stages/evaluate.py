@@ -27,7 +27,7 @@ import yaml
 from engine.config import ConfigError, validate
 from engine.contract import CHECKPOINT_DIR, MANIFEST, METRICS_FILE
 from engine.evaluate.config import EvalConfig
-from tasks.engine_stage import EngineStage, named_run
+from tasks.stages.engine_stage import EngineStage, named_run
 from tasks.registry import MODEL_KINDS, Input, StageContext
 
 

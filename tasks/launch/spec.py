@@ -1,9 +1,9 @@
 """What every launcher shares: how a stage asks for its processes (LauncherSpec, a stage's
 `launcher:`) and how a launch can fail (StageFailed and the permanent failures).
 
-A leaf: tasks/launch.py (the local, local-multi, slurm and command launchers) and
-tasks/ray_launcher.py (loaded for `kind: ray` only) both import it, and neither imports the
-other back; tasks.launch re-exports every name for the code that imports them from there.
+A leaf: tasks/launch/run.py (the local, local-multi, slurm and command launchers) and
+tasks/launch/ray_launcher.py (loaded for `kind: ray` only) both import it, and neither imports the
+other back; tasks.launch.run re-exports every name for the code that imports them from there.
 """
 
 from __future__ import annotations

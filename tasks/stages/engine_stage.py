@@ -33,7 +33,7 @@ from engine.contract import (
     TOKENIZER_DIR,
 )
 from tasks.artifacts import sha256_file
-from tasks.launch import run_child
+from tasks.launch.run import run_child
 from tasks.registry import MODEL_KINDS, Input, StageContext, StageKind, has_input_ref
 from tasks.store.objects import is_url, list_url_dirs, remove_url_tree, write_url
 

@@ -13,7 +13,7 @@ resumes from the latest checkpoint. The artifact id covers the pairs' bytes.
 from __future__ import annotations
 
 from engine.posttrain.config import DPOConfig
-from tasks.engine_stage import FineTuneStage, absolute_data_path, file_digests
+from tasks.stages.engine_stage import FineTuneStage, absolute_data_path, file_digests
 
 
 class DPOStage(FineTuneStage):

@@ -1,8 +1,8 @@
 """A stage's engine processes as one gang: starting them, streaming their output, watching them.
 
-A launcher (tasks/launch.py) turns one engine command into ranks; this module runs them:
+A launcher (tasks/launch/run.py) turns one engine command into ranks; this module runs them:
 
-- `LocalRank` / `SrunRank` (and tasks/ray_launcher.py's remote ranks) behind one `Rank`
+- `LocalRank` / `SrunRank` (and tasks/launch/ray_launcher.py's remote ranks) behind one `Rank`
   interface: poll, signal, finish, close. Local children get PR_SET_PDEATHSIG (`guarded`),
   lead their own process group, inherit the artifact's lock descriptors (`holding_locks`) and
   are registered so that `terminate_children` (the CLI's signal handler) reaches them.
@@ -279,7 +279,7 @@ def _pump(stream, output: GangOutput, rank: int) -> None:
 
 class Rank:
     """One process of a gang as run_child watches it: a child of this process, or a worker
-    elsewhere (tasks/ray_launcher.py). One `srun` stands for all the tasks of its job step."""
+    elsewhere (tasks/launch/ray_launcher.py). One `srun` stands for all the tasks of its job step."""
 
     remote: ClassVar[bool] = False
     """Out of terminate_children's reach: run_child forwards a stop to it."""

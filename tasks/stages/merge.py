@@ -16,7 +16,7 @@ from pydantic import Field
 
 from engine.config import ConfigError, Strict
 from engine.contract import TOKENIZER_DIR
-from tasks.engine_stage import EngineStage
+from tasks.stages.engine_stage import EngineStage
 from tasks.registry import Input, StageContext
 
 

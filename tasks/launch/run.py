@@ -4,12 +4,12 @@
     local-multi  N processes on this machine joined by jax.distributed (engine/parallel/distributed.py
                  reads TRAINFLOW_COORDINATOR / TRAINFLOW_NUM_PROCESSES / TRAINFLOW_PROCESS_ID)
     ray          N workers gang-scheduled on a Ray cluster (a placement group), each running
-                 one rank (tasks/ray_launcher.py, loaded only for this kind: Ray is an extra)
+                 one rank (tasks/launch/ray_launcher.py, loaded only for this kind: Ray is an extra)
     slurm        one `srun` job step of N tasks; each task joins as one rank through JAX's own
                  Slurm detection (TRAINFLOW_CLUSTER=slurm)
     command      a template around the one engine command: "nice -n 10 {command}"
 
-The ranks of one stage are a gang (tasks/gang.py): when one fails, the others get SIGTERM
+The ranks of one stage are a gang (tasks/launch/gang.py): when one fails, the others get SIGTERM
 and, if they are still there GANG_GRACE_SECONDS later, SIGKILL (a rank blocked in a
 collective on the dead one ignores SIGTERM, which JAX's coordination service owns in a
 multi-process run); the error names the rank that failed first, how, and its last line. A
@@ -45,11 +45,11 @@ from contextvars import ContextVar
 from pathlib import Path
 
 from engine.contract import EXIT_CONFIG_ERROR, EXIT_PREEMPTED
-from tasks import gang
-from tasks.gang import ChildResult, GangOutput, LocalRank, MetricsTail, Rank, SrunRank
+from tasks.launch import gang
+from tasks.launch.gang import ChildResult, GangOutput, LocalRank, MetricsTail, Rank, SrunRank
 
 # Re-exported: callers import the launcher's spec and failures from here.
-from tasks.launch_spec import (  # noqa: F401
+from tasks.launch.spec import (  # noqa: F401
     DiskFull,
     Diverged,
     Interrupted,
@@ -94,7 +94,7 @@ def commands(
     """(argv, extra env) of each process the launcher starts for one engine command.
 
     ray: one per rank, without TRAINFLOW_COORDINATOR, which names rank 0's node and is known
-    only once the gang is placed (tasks/ray_launcher.py adds it)."""
+    only once the gang is placed (tasks/launch/ray_launcher.py adds it)."""
     if spec.kind == "local":
         return [(argv, dict(spec.env))]
     if spec.kind == "command":
@@ -163,10 +163,10 @@ def rank_devices(spec: LauncherSpec, gpu_count: int | None = None) -> list[dict[
 
 
 def _ray_launcher():
-    """tasks/ray_launcher.py, which imports Ray: an optional extra, loaded for `kind: ray` only."""
+    """tasks/launch/ray_launcher.py, which imports Ray: an optional extra, loaded for `kind: ray` only."""
     if importlib.util.find_spec("ray") is None:
         raise StageConfigError("launcher kind 'ray' needs Ray on this machine: pip install 'trainflow[ray]'")
-    return importlib.import_module("tasks.ray_launcher")
+    return importlib.import_module("tasks.launch.ray_launcher")
 
 
 def _start(

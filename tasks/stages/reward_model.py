@@ -18,7 +18,7 @@ convert` of one gives a reward_model artifact back.
 from __future__ import annotations
 
 from engine.posttrain.reward_config import RewardModelConfig
-from tasks.engine_stage import FineTuneStage, absolute_data_path, file_digests
+from tasks.stages.engine_stage import FineTuneStage, absolute_data_path, file_digests
 
 REWARD_MODEL = "reward_model"
 """The artifact kind."""

@@ -13,7 +13,7 @@ outside the store, so the artifact id covers their bytes: editing the data makes
 from __future__ import annotations
 
 from engine.posttrain.config import SFTConfig
-from tasks.engine_stage import FineTuneStage, absolute_data_path, file_digests
+from tasks.stages.engine_stage import FineTuneStage, absolute_data_path, file_digests
 
 
 class SFTStage(FineTuneStage):

@@ -27,9 +27,9 @@ from engine.posttrain.environments import BUILTIN_ENVIRONMENTS
 from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from engine.posttrain.rewards import BUILTIN
 from tasks.artifacts import sha256_file
-from tasks.engine_stage import FineTuneStage, absolute_data_path, file_digests
+from tasks.stages.engine_stage import FineTuneStage, absolute_data_path, file_digests
 from tasks.registry import Input, StageContext
-from tasks.reward_model import REWARD_MODEL
+from tasks.stages.reward_model import REWARD_MODEL
 
 
 def module_digest(module: str) -> str | None:
