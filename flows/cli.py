@@ -53,12 +53,12 @@ from tasks.artifacts import (
     split_artifact_url,
     verify_artifact,
 )
-from tasks.stages.export import check_export_target, copy_export
 from tasks.launch.gang import terminate_children
 from tasks.launch.run import PermanentFailure, StageFailed
 from tasks.objectstore import is_url
 from tasks.registry import StageHooks, get_stage_kind
 from tasks.runner import StageJob, execute_stage
+from tasks.stages.export import check_export_target, copy_export
 
 DEFAULT_STORE = "artifacts"
 EXIT_SIGNAL = 143  # stopped by SIGTERM or SIGINT (Ctrl-C), after the engines checkpointed

@@ -32,8 +32,8 @@ import tests.pipeline_toys  # noqa: F401  (registers toy-child)
 from engine.config import ConfigError
 from engine.train.checkpoint import load_params
 from flows.spec import Pipeline
-from tasks.launch import gang
 from tasks.artifacts import read_manifest
+from tasks.launch import gang
 from tasks.launch.gang import GANG_GRACE_SECONDS, terminate_children
 from tasks.launch.run import Interrupted, LauncherSpec, StageConfigError, StageFailed, commands, run_child
 from tasks.registry import StageHooks

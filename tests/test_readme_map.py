@@ -90,4 +90,4 @@ def test_the_map_check_names_a_missing_module():
     readme = (ROOT / "README.md").read_text()
     assert "  gang.py" in readme
     missing, stale = unmapped(readme.replace("  gang.py", "  gangs.py"))
-    assert "tasks/launch/gang.py" in missing and "tasks/gangs.py" in stale
+    assert "tasks/launch/gang.py" in missing and "tasks/launch/gangs.py" in stale

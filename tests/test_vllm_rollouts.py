@@ -43,8 +43,8 @@ from engine.posttrain.rollout_server import (
 )
 from engine.train.checkpoint import load_params, read_meta
 from flows.spec import Pipeline
-from tasks.stages.grpo import GRPOStage
 from tasks.runner import RAN, execute_stage
+from tasks.stages.grpo import GRPOStage
 from tests.test_grpo import copy_task, grpo_config, make_copy_task  # noqa: F401 - the shared fixture
 
 # --------------------------------------------------------------------------- a small local server

@@ -19,8 +19,8 @@ from typing import Any
 
 from engine.contract import TOKENIZER_DIR
 from engine.posttrain.distill_config import DistillConfig
-from tasks.stages.engine_stage import FineTuneStage, absolute_data_path, file_digests
 from tasks.registry import MODEL_KINDS, Input, StageContext
+from tasks.stages.engine_stage import FineTuneStage, absolute_data_path, file_digests
 
 
 class DistillStage(FineTuneStage):

@@ -27,8 +27,8 @@ from engine.posttrain.environments import BUILTIN_ENVIRONMENTS
 from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from engine.posttrain.rewards import BUILTIN
 from tasks.artifacts import sha256_file
-from tasks.stages.engine_stage import FineTuneStage, absolute_data_path, file_digests
 from tasks.registry import Input, StageContext
+from tasks.stages.engine_stage import FineTuneStage, absolute_data_path, file_digests
 from tasks.stages.reward_model import REWARD_MODEL
 
 

@@ -16,8 +16,8 @@ from pydantic import Field
 
 from engine.config import ConfigError, Strict
 from engine.contract import TOKENIZER_DIR
-from tasks.stages.engine_stage import EngineStage
 from tasks.registry import Input, StageContext
+from tasks.stages.engine_stage import EngineStage
 
 
 class MergeConfig(Strict):

@@ -20,8 +20,8 @@ from typing import Any
 from engine.config import resolve_model_preset, validate
 from engine.contract import CHECKPOINT_CADENCE_FIELDS, NON_SEMANTIC_FIELDS
 from engine.train.config import TrainConfig
-from tasks.stages.engine_stage import EngineStage, set_dotted
 from tasks.registry import Input, StageContext
+from tasks.stages.engine_stage import EngineStage, set_dotted
 
 
 class PretrainStage(EngineStage):
