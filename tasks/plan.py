@@ -3,12 +3,13 @@
 Each pretrain, sft and grpo stage's engine config is built as the stage builds it (the
 trainer's view of SFT and GRPO, GRPO's policy objective and rollout batch), and its step is
 compiled for the target (engine/train/plan.py). A fine-tuning stage without a `model` trains
-the model of its input checkpoint: that of the upstream training stage, or of the upstream
-artifact when it is already in the store.
+the model of its input checkpoint: that of the upstream training stage (also when it reads
+one of its steps, `pretrain@2000`), or of the upstream artifact when it is already in the store.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from engine.train.plan import Plan, plan_step, report
 from engine.train.targets import get_target
 
 TRAINING_TASKS = ("pretrain", "sft", "grpo", "dpo", "reward_model", "distill")
+_STEP_INPUT = re.compile(r"@\d+$")  # an input `stage@STEP` (flows/sweep.py), as a job names it
 
 
 def grpo_batch(cfg: GRPOConfig) -> dict[str, jax.ShapeDtypeStruct]:
@@ -174,11 +176,15 @@ def print_pipeline_plan(plan, target_name: str, print_fn: Callable[[str], None] 
 def _input_model(plan, name: str, models: dict, input_name: str = "checkpoint") -> tuple[ModelConfig, ComputeConfig]:
     """The model (and compute settings) of stage `name`'s input checkpoint (or other model input)."""
     upstream, artifact_id = plan.stages[name].job.inputs[input_name]
-    if upstream in models:
-        return models[upstream]
-    path = plan.store.checkpoint_location(upstream, artifact_id)  # a directory, or the bucket's URL
-    if plan.store.state(upstream, artifact_id) == "complete" and (is_url(path) or Path(path).is_dir()):
-        return stored_configs(path)
+    # `pretrain@2000` reads a step of pretrain (its snapshot artifact `pretrain@2000/<id>`):
+    # the model is pretrain's, planned above or stored in either artifact.
+    stage = _STEP_INPUT.sub("", upstream)
+    if stage in models:
+        return models[stage]
+    for stored in dict.fromkeys((upstream, stage)):
+        path = plan.store.checkpoint_location(stored, artifact_id)  # a directory, or the bucket's URL
+        if plan.store.state(stored, artifact_id) == "complete" and (is_url(path) or Path(path).is_dir()):
+            return stored_configs(path)
     raise ConfigError(
         f"{plan.source}: stages.{name}: its model is the checkpoint of stage '{upstream}', which "
         f"is not in the store yet; run that stage first, or set stages.{name}.config.model"

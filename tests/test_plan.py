@@ -366,3 +366,32 @@ def test_context_parallelism_compiles_for_a_tpu_slice(tmp_path):
     assert forward and all("f32[4,1024,16]" in line for line in forward)
     assert dkv and all("f32[2,4096,16]" in line for line in dkv)
     assert plan.memory.argument == plan.compiled.memory_analysis().argument_size_in_bytes
+
+
+def test_a_stage_fed_by_a_checkpoint_step_is_planned_with_the_upstream_stages_model(tmp_path):
+    """`inputs: {checkpoint: pretrain@2}`: the sft stage trains pretrain's model (a one-layer
+    tiny here, which only pretrain's config names), as it would from a plain `pretrain`."""
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+1=", "completion": "{i + 1}"}}\n' for i in range(8)))
+    path = pretrain_pipeline(
+        tmp_path,
+        "planstep",
+        pretrain={
+            "model": {"preset": "tiny", "num_layers": 1},
+            "data": {"seq_len": 32, "batch_size": 8},
+            "steps": 4,
+            "checkpoint": {"every_steps": 2},
+        },
+    )
+    tree = yaml.safe_load(open(path))
+    tree["stages"]["sft"] = {
+        "task": "sft",
+        "inputs": {"checkpoint": "pretrain@2"},
+        "config": {"data": {"path": str(data), "seq_len": 32, "batch_size": 8}, "steps": 2},
+    }
+    write(tmp_path / "pipeline.yaml", tree)
+    plans, _ = plan_pipeline(load_plan(path), "local")
+    by_stage = {p.stage: p for p in plans}
+    assert set(by_stage) == {"pretrain", "sft"} and by_stage["sft"].how == "compiled" and by_stage["sft"].fits
+    # The same parameters as pretrain's one-layer model (the preset's two layers would be more).
+    assert by_stage["sft"].memory.parameters == by_stage["pretrain"].memory.parameters
