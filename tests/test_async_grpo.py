@@ -24,11 +24,13 @@ from engine.posttrain.grpo import run_grpo
 from engine.train.checkpoint import load_params
 from flows.spec import Pipeline
 from tests.test_grpo import copy_task, grpo_config, rewards_logged  # noqa: F401 - the shared fixture
+from tests.test_lora_train import restore_adapter
 
 # The workers of the runs that need not equal a synchronous one take a device of their own
 # (the trainer keeps the 8 simulated ones): a smaller program to compile in each new worker.
 ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
 UNTIMED = ("_seconds", "tokens_per_second", "tflops_per_device", "mfu")
+LORA = {"lora.rank": 4, "lora.alpha": 8, "lora.target_modules": "all-linear"}
 
 
 def logged(out) -> list[dict]:
@@ -47,6 +49,27 @@ def test_staleness_zero_with_a_worker_is_the_synchronous_run_bitwise(copy_task, 
     params = [load_params(tmp_path / name / "checkpoint")[1] for name in ("sync", "async")]
     flat = [np.concatenate([np.ravel(a) for a in jax.tree.leaves(p)]) for p in params]
     np.testing.assert_array_equal(flat[0], flat[1])
+
+
+def test_lora_with_a_worker_sends_only_the_adapter_and_at_staleness_zero_is_the_synchronous_run_bitwise(
+    copy_task,  # noqa: F811
+    tmp_path,
+):
+    """The worker loads the frozen base once and samples from base + adapter unmerged; after
+    each update only the adapter travels (the logged size is the adapter's bytes)."""
+    small = {"steps": 3, "prompts_per_step": 4, "num_generations": 8, **LORA}
+    run_grpo(grpo_config(copy_task, tmp_path / "sync", **small))
+    logs: list[str] = []
+    run_grpo(grpo_config(copy_task, tmp_path / "async", rollout_workers=1, **small), log=logs.append)
+    sync, async_ = logged(tmp_path / "sync"), logged(tmp_path / "async")
+    assert len(sync) == 3 and sync == async_
+    assert sync[-1]["reward"] != sync[0]["reward"]  # the adapter moved: later rollouts sample through it
+    adapters = [restore_adapter(tmp_path / name / "checkpoint") for name in ("sync", "async")]
+    assert adapters[0].keys() == adapters[1].keys() and all(k.endswith(("_lora_a']", "_lora_b']")) for k in adapters[1])
+    for key, value in adapters[0].items():
+        np.testing.assert_array_equal(value, adapters[1][key])
+    size = f"{len(adapters[1])} arrays, {sum(v.nbytes for v in adapters[1].values()) / 1e6:.3f} MB per update"
+    assert any(f"weights to the rollout workers: {size}" in line for line in logs), logs
 
 
 def test_stale_rollouts_log_their_importance_ratios_and_still_learn(copy_task, tmp_path):  # noqa: F811

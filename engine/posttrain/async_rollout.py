@@ -1,27 +1,34 @@
-"""Asynchronous rollouts: worker processes that generate GRPO's completions while the trainer
+"""Asynchronous rollouts: worker processes that generate GRPO's rollouts while the trainer
 updates, with weights at most `max_staleness` updates old.
 
     trainer (grpo.RolloutSource)                      worker i (its own process and devices)
     push(v, params)        --- weights v ------------> place them on its mesh
-    submit(j, prompts)     --- batch j --------------> generate_rollout with the newest weights
+    submit(j, records)     --- batch j --------------> generate_batch with the newest weights
     result(j)              <-- Rollout j, version ---  (FIFO per worker; batch j on worker j % N)
 
 The trainer hands over batch j after update j - max_staleness and its weights, and each
 worker reads its pipe in order, so batch j is generated with exactly the weights of update
 j - max_staleness (fewer after a start or a restart): the run is as reproducible as a
 synchronous one, and max_staleness 0 is the synchronous run, bitwise, with the sampling moved
-to another process. The trainer waits only when a batch is not ready. Weights travel through
-the pipe as host arrays (never the artifact store).
+to another process. A worker runs the very code the trainer's process runs without workers
+(`generate_batch`): single-turn completions, or an environment's multi-turn episodes, whose
+token masks, per-turn rewards and metrics come back in the Rollout. The trainer waits only
+when a batch is not ready. Weights travel through the pipe as host arrays (never the artifact
+store); with LoRA only the adapter travels: each worker loads the frozen base from
+checkpoint.init_from once, as the trainer does, and samples from base + adapter unmerged.
 
 A worker that dies (a crash, SIGKILL, the OOM killer) is started again with the newest
 weights and its unfinished batches (up to `rollout_worker_restarts` times), otherwise the
-stage fails with one sentence; its checkpoints are intact and a re-run resumes.
+stage fails with one sentence; its checkpoints are intact and a re-run resumes. Workers
+ignore SIGTERM and SIGINT (a preemption or Ctrl-C reaching the whole process group): the
+trainer saves its checkpoint and then stops them, so none outlives the stage.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -31,15 +38,17 @@ import jax
 import numpy as np
 
 from engine.config import ConfigError
+from engine.data.tokenizer import TokenizerBundle
 from engine.inference.sample import Sampler
-from engine.models.params import abstract_model_params
 from engine.parallel.config import MeshConfig
-from engine.parallel.mesh import make_mesh
-from engine.posttrain.config import GRPOConfig
+from engine.posttrain.config import GRPOConfig, train_config
+from engine.posttrain.environments import EnvironmentFailure
 from engine.posttrain.finetune import finetune_start
+from engine.posttrain.multiturn import EpisodeRunner, multiturn_rollout
 from engine.posttrain.rollout import Rollout, rollout_of_config
+from engine.train.trainer import Trainer
 
-READY_TIMEOUT_S = 600.0  # a worker's start: importing JAX and compiling its sampler
+READY_TIMEOUT_S = 600.0  # a worker's start: importing JAX, loading a LoRA base, compiling its sampler
 POLL_S = 0.2
 
 
@@ -47,38 +56,92 @@ class RolloutWorkerError(RuntimeError):
     """A rollout worker died more often than the config allows, or raised."""
 
 
+def episode_runner(cfg: GRPOConfig, bundle: TokenizerBundle, pad_id: int, log: Callable[[str], None]):
+    """The environment's episode runner of a run (None: single-turn completions)."""
+    if cfg.environment is None:
+        return None
+    return EpisodeRunner(
+        cfg.environment,
+        bundle,
+        max_prompt_length=cfg.max_prompt_length,
+        max_completion_length=cfg.max_completion_length,
+        pad_id=pad_id,
+        log=log,
+    )
+
+
+def generate_batch(
+    cfg: GRPOConfig,
+    sampler: Sampler,
+    bundle: TokenizerBundle,
+    params,
+    records: list[dict],
+    *,
+    step: int,
+    pad_id: int,
+    episodes: EpisodeRunner | None,
+) -> Rollout:
+    """Batch `step`'s rollout from `params`: G completions of each record's prompt, or with an
+    environment G episodes of each record. The one rollout path of the trainer's process and
+    of a worker alike."""
+    if episodes is not None:
+        return multiturn_rollout(episodes, sampler, bundle, params, records, cfg=cfg, step=step)
+    prompt_inputs = [r[cfg.data.prompt_field] for r in records]
+    return rollout_of_config(cfg, sampler, bundle, params, prompt_inputs, step=step, pad_id=pad_id)
+
+
 def worker_main(conn, cfg_tree: dict) -> None:
-    """A rollout worker's process: build the sampler on this process's devices, then serve
-    `weights` and `rollout` messages in order until `stop`."""
+    """A rollout worker's process: hold the weights as the trainer does (a Trainer's mesh,
+    shardings and, with LoRA, its frozen base), build the sampler, then serve `weights` and
+    `rollout` messages in order until `stop` (or the trainer's end of the pipe closes)."""
     os.environ.update(cfg_tree.get("rollout_worker_env") or {})  # before the runtime reads its devices
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the trainer saves, then stops us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    lines: list[str] = []  # the episodes' log lines, sent back with the rollout they belong to
     try:
         cfg = GRPOConfig.model_validate(cfg_tree)
         model_cfg, compute, bundle = finetune_start(cfg)
-        mesh = make_mesh(cfg.mesh if not cfg.rollout_worker_env else MeshConfig())
-        shardings = jax.tree.map(lambda a: a.sharding, abstract_model_params(model_cfg, compute, mesh))
-        sampler = Sampler(model_cfg, compute, mesh, shardings, dtype=cfg.rollout_dtype)
+        if cfg.rollout_worker_env:  # devices of its own: laid out on `data` alone
+            cfg = cfg.model_copy(update={"mesh": MeshConfig()})
+        holder = Trainer(train_config(cfg, model_cfg, compute), lambda graphdef: None)
+        holder.model_params({})  # a LoRA run's frozen base, loaded once (nothing without LoRA)
+        sampler = Sampler(
+            model_cfg,
+            holder.cfg.compute,
+            holder.mesh,
+            holder.model_param_shardings(),
+            dtype=cfg.rollout_dtype,
+            lora=cfg.lora,
+        )
         pad_id = bundle.pad_id if bundle.pad_id is not None else bundle.eos_id
+        episodes = episode_runner(cfg, bundle, pad_id, lines.append)
     except Exception as e:  # noqa: BLE001 - reported to the trainer, which names it
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        conn.send(("error", f"{type(e).__name__}: {e}", None))
         return
     conn.send(("ready", os.getpid(), jax.device_count()))
     params, version = None, -1
     while True:
-        message = conn.recv()
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the trainer is gone
+            return
         if message[0] == "stop":
             return
-        if message[0] == "weights":
-            version, params = message[1], jax.device_put(message[2], shardings)
+        if message[0] == "weights":  # the whole params, or a LoRA run's adapter (joined to the base)
+            version = message[1]
+            params = holder.model_params(jax.device_put(message[2], holder.param_shardings))
             continue
-        _, step, prompt_inputs = message
+        _, step, records = message
         start = time.perf_counter()
         try:
-            rollout = rollout_of_config(cfg, sampler, bundle, params, prompt_inputs, step=step, pad_id=pad_id)
+            rollout = generate_batch(cfg, sampler, bundle, params, records, step=step, pad_id=pad_id, episodes=episodes)
         except Exception as e:  # noqa: BLE001
-            conn.send(("error", f"batch {step}: {type(e).__name__}: {e}"))
+            failure = e if isinstance(e, EnvironmentFailure) else None  # raised again by the trainer
+            conn.send(("error", f"batch {step}: {type(e).__name__}: {e}", failure))
             return
         rollout.weights_version, rollout.seconds = version, time.perf_counter() - start
-        conn.send(("rollout", step, rollout))
+        conn.send(("rollout", step, rollout, lines[:]))
+        lines.clear()
 
 
 class _Worker:
@@ -93,7 +156,7 @@ class _Worker:
         )
         self.process.start()
         child.close()
-        self.pending: deque[tuple[int, list[dict], list]] = deque()  # batches sent, not answered
+        self.pending: deque[tuple[int, list[dict]]] = deque()  # batches sent, not answered
 
     def send(self, message) -> bool:
         try:
@@ -124,8 +187,10 @@ class _Worker:
         return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
     def stop(self) -> None:
-        self.send(("stop",))
-        self.process.join(timeout=10)
+        """An idle worker ends at `stop`; a busy one is killed (a stopping trainer, on SIGTERM
+        or a failure, does not wait for batches it will not train on)."""
+        if not self.pending and self.send(("stop",)):
+            self.process.join(timeout=10)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=5)
@@ -158,30 +223,40 @@ class RolloutWorkers:
     def push(self, version: int, params) -> None:
         """The weights of update `version` to every worker (host arrays, through the pipes)."""
         host = jax.tree.map(np.asarray, jax.device_get(params))
+        if self.latest is None:
+            leaves = jax.tree.leaves(host)
+            megabytes = sum(leaf.nbytes for leaf in leaves) / 1e6
+            self.log(f"weights to the rollout workers: {len(leaves)} arrays, {megabytes:.3f} MB per update")
         self.latest = (version, host)
         for worker in self.workers:
             worker.send(("weights", version, host))  # a dead worker is found (and restarted) by result()
 
-    def submit(self, step: int, records: list[dict], prompt_inputs: list) -> None:
+    def submit(self, step: int, records: list[dict]) -> None:
         worker = self.workers[step % len(self.workers)]
-        worker.pending.append((step, records, prompt_inputs))
-        worker.send(("rollout", step, prompt_inputs))
+        worker.pending.append((step, records))
+        worker.send(("rollout", step, records))
 
-    def result(self, step: int) -> tuple[list[dict], list, Rollout]:
-        """Batch `step`'s (records, prompts, rollout), waiting for it only if it is not ready."""
+    def result(self, step: int) -> tuple[list[dict], Rollout]:
+        """Batch `step`'s (records, rollout), waiting for it only if it is not ready."""
         worker = self.workers[step % len(self.workers)]
         assert worker.pending and worker.pending[0][0] == step, (step, [p[0] for p in worker.pending])
         while True:
             message = worker.receive()
             if message is not None and message[0] == "rollout":
-                answered, records, prompt_inputs = worker.pending.popleft()
+                answered, records = worker.pending.popleft()
                 assert answered == message[1] == step, (answered, message[1], step)
-                return records, prompt_inputs, message[2]
+                for line in message[3]:  # the episodes' own lines (a failed episode), in the trainer's log
+                    self.log(line)
+                return records, message[2]
+            if message is not None and message[2] is not None:  # an environment that cannot run, as without workers
+                self.close()
+                raise message[2]
             worker = self._restart(worker, step, None if message is None else message[1])
 
     def _restart(self, worker: _Worker, step: int, error: str | None) -> _Worker:
         what = f"raised {error}" if error else worker.how_it_ended()
         if error or self.restarts_left == 0:
+            worker.pending.clear()  # it raised and returned, or it is dead: nothing to wait for
             self.close()
             raise RolloutWorkerError(
                 f"rollout worker {worker.index} {what} while generating batch {step + 1}; the stage stopped "
@@ -197,8 +272,8 @@ class RolloutWorkers:
         self.workers[worker.index] = replacement
         if self.latest is not None:  # the newest weights: the resent batches are at most as stale as before
             replacement.send(("weights", *self.latest))
-        for pending_step, _, prompt_inputs in replacement.pending:
-            replacement.send(("rollout", pending_step, prompt_inputs))
+        for pending_step, records in replacement.pending:
+            replacement.send(("rollout", pending_step, records))
         return replacement
 
     def close(self) -> None:

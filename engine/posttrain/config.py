@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from engine.config import Strict
+from engine.config import ConfigError, Strict
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.parallel.config import MeshConfig, unsplittable
 from engine.posttrain import advantages  # noqa: F401 - registers the built-in advantage estimators
@@ -17,7 +17,14 @@ from engine.posttrain.environments import EnvironmentConfig
 from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from engine.posttrain.rewards import RewardSpec
 from engine.posttrain.rollout_server import RolloutServerConfig
-from engine.train.config import CheckpointConfig, MetricsConfig, OptimizerConfig, RunFields, ScheduleConfig
+from engine.train.config import (
+    CheckpointConfig,
+    MetricsConfig,
+    OptimizerConfig,
+    RunFields,
+    ScheduleConfig,
+    TrainConfig,
+)
 
 
 class SFTDataConfig(Strict):
@@ -227,15 +234,11 @@ class GRPOConfig(Strict):
     def _check(self) -> GRPOConfig:
         if not self.rewards and self.environment is None:
             raise ValueError("rewards: give at least one reward term (or an environment that scores the episodes)")
-        if self.environment is not None and self.rollout_workers:
-            raise ValueError("environment with rollout_workers is not supported yet: set rollout_workers 0")
         if self.max_staleness > 0 and self.rollout_workers == 0:
             raise ValueError(
                 f"max_staleness {self.max_staleness} needs rollout_workers >= 1: with 0 the trainer's "
                 "process generates each batch on-policy"
             )
-        if self.rollout_workers and self.lora is not None:
-            raise ValueError("rollout_workers with lora is not supported yet: set rollout_workers 0")
         if self.loss_type == "cispo" and self.epsilon_high is None:
             raise ValueError(
                 "loss_type cispo clips the importance weight at epsilon_high, an absolute bound "
@@ -262,6 +265,40 @@ class GRPOConfig(Strict):
         if self.algorithm == "grpo":
             return "token"
         return "sequence" if self.gspo_variant == "sequence" else "sequence_token"
+
+
+def train_config(cfg: GRPOConfig, model_cfg: ModelConfig, compute: ComputeConfig) -> TrainConfig:
+    """GRPO's trainer view (the trainer's, and a rollout worker's, which holds the weights as
+    the trainer does): a step is a rollout batch of prompts x G rows (each makes mu updates, so
+    the schedule spans steps x mu)."""
+    seq_len = cfg.max_prompt_length + cfg.max_completion_length
+    if seq_len > model_cfg.max_seq_len:
+        raise ConfigError(
+            f"max_prompt_length + max_completion_length ({seq_len}) exceeds the model's max_seq_len "
+            f"({model_cfg.max_seq_len})"
+        )
+    tree = cfg.model_dump(
+        include={
+            "mesh",
+            "optimizer",
+            "schedule",
+            "checkpoint",
+            "grad_accum",
+            "seed",
+            "metrics_dir",
+            "metrics",
+            "progress",
+            "lora",
+        }
+    )
+    tree.update(
+        model=model_cfg.model_dump(),
+        compute=compute.model_dump(),
+        steps=cfg.steps,
+        log_every=cfg.log_every,
+        data={"seq_len": max(seq_len, 2), "batch_size": cfg.prompts_per_step * cfg.num_generations},
+    )
+    return TrainConfig.model_validate(tree)
 
 
 class DPODataConfig(Strict):

@@ -45,60 +45,25 @@ import numpy as np
 from engine.config import ConfigError
 from engine.data.tokenizer import TokenizerBundle
 from engine.inference.sample import Sampler, decode_completions, prompt_positions
-from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.config import ModelConfig
 from engine.models.lora import LORA_SEED, dropout_rows
 from engine.models.params import apply_model_with_aux, graphdef_of
 from engine.ops.partitioning import use_mesh
-from engine.posttrain.async_rollout import RolloutWorkerError, RolloutWorkers
-from engine.posttrain.config import GRPOConfig, GRPODataConfig
+from engine.posttrain.async_rollout import RolloutWorkerError, RolloutWorkers, episode_runner, generate_batch
+from engine.posttrain.config import GRPOConfig, GRPODataConfig, train_config
+from engine.posttrain.environments import EnvironmentFailure
 from engine.posttrain.finetune import finetune_start, read_jsonl
-from engine.posttrain.multiturn import EpisodeRunner, multiturn_rollout
 from engine.posttrain.policy_loss import completion_logps, policy_loss, rollout_correction_weights
 from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from engine.posttrain.reward_model import RewardScorer
 from engine.posttrain.rewards import RewardError, compute_rewards, load_reward, nan_stats, total_reward
-from engine.posttrain.rollout import Rollout, rollout_of_config
+from engine.posttrain.rollout import Rollout
 from engine.posttrain.rollout_server import ROLLOUT_ENTRY_POINT
 from engine.train.checkpoint import load_params
 from engine.train.cli import run_cli
-from engine.train.config import TrainConfig
 from engine.train.hooks import log_to_stderr, run_training
 from engine.train.step import Objective, moe_metrics
 from engine.train.trainer import Trainer, TrainState
-
-
-def train_config(cfg: GRPOConfig, model_cfg: ModelConfig, compute: ComputeConfig) -> TrainConfig:
-    """The trainer's view: a step is a rollout batch of prompts x G rows (each makes mu
-    updates, so the schedule spans steps x mu)."""
-    seq_len = cfg.max_prompt_length + cfg.max_completion_length
-    if seq_len > model_cfg.max_seq_len:
-        raise ConfigError(
-            f"max_prompt_length + max_completion_length ({seq_len}) exceeds the model's max_seq_len "
-            f"({model_cfg.max_seq_len})"
-        )
-    tree = cfg.model_dump(
-        include={
-            "mesh",
-            "optimizer",
-            "schedule",
-            "checkpoint",
-            "grad_accum",
-            "seed",
-            "metrics_dir",
-            "metrics",
-            "progress",
-            "lora",
-        }
-    )
-    tree.update(
-        model=model_cfg.model_dump(),
-        compute=compute.model_dump(),
-        steps=cfg.steps,
-        log_every=cfg.log_every,
-        data={"seq_len": max(seq_len, 2), "batch_size": cfg.prompts_per_step * cfg.num_generations},
-    )
-    return TrainConfig.model_validate(tree)
-
 
 # --------------------------------------------------------------------------- prompts
 
@@ -301,16 +266,9 @@ class RolloutSource:
                 dtype=cfg.rollout_dtype,
                 lora=cfg.lora,
             )
-        self.episodes = None  # an environment's episodes replace the single completion (multiturn.py)
-        if cfg.environment is not None:
-            self.episodes = EpisodeRunner(
-                cfg.environment,
-                bundle,
-                max_prompt_length=cfg.max_prompt_length,
-                max_completion_length=cfg.max_completion_length,
-                pad_id=self.pad_id,
-                log=self.log,
-            )
+        # An environment's episodes replace the single completion (multiturn.py); the workers
+        # run their own (a bad factory fails here, before any worker starts).
+        self.episodes = episode_runner(cfg, bundle, self.pad_id, self.log)
         self.workers: RolloutWorkers | None = None
         self.stream_states: dict[int, dict] = {}  # the prompt stream before batch j was taken
         self.submitted = 0  # batches handed to the workers
@@ -335,14 +293,13 @@ class RolloutSource:
 
     # ---- the rollout seam: prompts -> completions, masks and behaviour log-probs
 
-    def generate(self, params, prompt_inputs: list, step: int, records: list[dict] | None = None) -> Rollout:
-        """G completions of each prompt from `params` (this process's sampler); with an
+    def generate(self, params, records: list[dict], step: int) -> Rollout:
+        """G completions of each record's prompt from `params` (this process's sampler); with an
         environment, G episodes of each record."""
-        cfg = self.cfg
-        if self.episodes is not None:
-            assert self.sampler is not None and records is not None
-            return multiturn_rollout(self.episodes, self.sampler, self.bundle, params, records, cfg=cfg, step=step)
-        return rollout_of_config(cfg, self.sampler, self.bundle, params, prompt_inputs, step=step, pad_id=self.pad_id)
+        assert self.sampler is not None
+        return generate_batch(
+            self.cfg, self.sampler, self.bundle, params, records, step=step, pad_id=self.pad_id, episodes=self.episodes
+        )
 
     def _take(self, step: int) -> list[dict]:
         self.stream_states[step] = self.prompts.get_state()
@@ -351,15 +308,15 @@ class RolloutSource:
     def _submit_until(self, last: int) -> None:
         """Hand batches up to `last` (and below cfg.steps) to the workers."""
         while self.submitted <= min(last, self.cfg.steps - 1):
-            records = self._take(self.submitted)
-            self.workers.submit(self.submitted, records, [r[self.cfg.data.prompt_field] for r in records])
+            self.workers.submit(self.submitted, self._take(self.submitted))
             self.submitted += 1
 
     def weights_hook(self, info) -> None:
-        """After each update: the new weights to the workers, then the batch that may use them
-        (max_staleness ahead of the one the trainer takes next)."""
-        if self.workers is not None and not info.last:
-            self.workers.push(info.step, self.trainer.model_params(info.state.params))
+        """After each update: the new weights to the workers (with LoRA the adapter alone: each
+        worker holds the frozen base), then the batch that may use them (max_staleness ahead of
+        the one the trainer takes next). Not when stopping: no batch follows."""
+        if self.workers is not None and not info.last and not info.stopping:
+            self.workers.push(info.step, info.state.params)
             self._submit_until(info.step + self.cfg.max_staleness)
 
     def next_batch(self, state: TrainState) -> tuple[dict[str, jax.Array], dict[str, float]]:
@@ -367,28 +324,28 @@ class RolloutSource:
         t0 = time.perf_counter()
         if cfg.rollout_workers == 0:
             records = self._take(state.step)
-            prompt_inputs = [r[cfg.data.prompt_field] for r in records]
-            rollout = self.generate(self.trainer.model_params(state.params), prompt_inputs, state.step, records)
+            rollout = self.generate(self.trainer.model_params(state.params), records, state.step)
             rollout.weights_version = state.step
         else:
             if self.workers is None:  # started here, once the (restored) weights are known
                 self.workers = RolloutWorkers(cfg, self.log)
                 self.submitted = state.step
-                self.workers.push(state.step, self.trainer.model_params(state.params))
+                self.workers.push(state.step, state.params)
                 self._submit_until(state.step + cfg.max_staleness)
-            records, prompt_inputs, rollout = self.workers.result(state.step)
+            records, rollout = self.workers.result(state.step)
         waited = time.perf_counter() - t0  # the trainer's idle time: generating, or waiting for a worker
         self.consumed = state.step + 1
         self.stream_states = {j: v for j, v in self.stream_states.items() if j > state.step}
-        batch, values = self.score(state, records, prompt_inputs, rollout)
+        batch, values = self.score(state, records, rollout)
         values["rollout_seconds"] = rollout.seconds if cfg.rollout_workers else waited
         values["rollout_wait_seconds"] = waited
         values["rollout_staleness"] = float(state.step - rollout.weights_version)
         return batch, values
 
-    def score(self, state: TrainState, records: list[dict], prompt_inputs: list, rollout: Rollout):
+    def score(self, state: TrainState, records: list[dict], rollout: Rollout):
         """Rewards, advantages and the log-probs the loss needs, as one global batch."""
         cfg, bundle = self.cfg, self.bundle
+        prompt_inputs = [r[cfg.data.prompt_field] for r in records]
         G, C = cfg.num_generations, cfg.max_completion_length
         out = rollout.output
         loss_mask = out.mask if rollout.loss_mask is None else rollout.loss_mask
@@ -506,7 +463,8 @@ def run_grpo(cfg: GRPOConfig, log: Callable[[str], None] | None = None, sampler_
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(argv, "engine.posttrain.grpo", GRPOConfig, run_grpo, failures=(RewardError, RolloutWorkerError))
+    failures = (RewardError, RolloutWorkerError, EnvironmentFailure)
+    return run_cli(argv, "engine.posttrain.grpo", GRPOConfig, run_grpo, failures=failures)
 
 
 if __name__ == "__main__":
