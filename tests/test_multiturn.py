@@ -5,6 +5,7 @@ using policy learns the two-turn arithmetic task with GRPO on CPU."""
 import json
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -24,10 +25,11 @@ from engine.posttrain.config import GRPOConfig
 from engine.posttrain.environments import EnvironmentConfig, EnvironmentFailure, arithmetic_tool_rows
 from engine.posttrain.grpo import run_grpo
 from engine.posttrain.multiturn import EpisodeRunner
-from engine.train.checkpoint import Checkpointer
+from engine.train.checkpoint import Checkpointer, load_params
 
 SPECIAL = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|tool|>"]
 CHARS = [*"0123456789", "+", "=", ">", "c"]
+UNTIMED = ("_seconds", "tokens_per_second", "tflops_per_device", "mfu")
 
 
 def char_bundle(chat: bool = True) -> TokenizerBundle:
@@ -243,17 +245,16 @@ def tool_task(tmp_path_factory) -> Path:
     return out
 
 
-def test_a_tool_using_policy_learns_the_two_turn_arithmetic_task(tool_task, tmp_path):
-    """From a random policy: it learns to call the calculator (a per-turn reward of 0.5) and
-    then, slower, to answer with the result it was shown (reward 1; chance is 1 in 19)."""
+def tool_config(task: Path, out: Path, **overrides) -> GRPOConfig:
+    """GRPO on the arithmetic_tool environment: two turns of one token each."""
     tree = {
         "checkpoint": {
-            "init_from": str(tool_task / "checkpoint"),
-            "directory": str(tmp_path / "checkpoint"),
+            "init_from": str(task / "checkpoint"),
+            "directory": str(out / "checkpoint"),
             "every_steps": 100,
             "async_save": False,
         },
-        "data": {"path": str(tool_task / "rows.jsonl"), "prompt_field": "question"},
+        "data": {"path": str(task / "rows.jsonl"), "prompt_field": "question"},
         "environment": {"factory": "arithmetic_tool", "max_turns": 2, "max_turn_tokens": 1},
         "optimizer": {"learning_rate": 1e-2},
         "prompts_per_step": 10,
@@ -262,9 +263,15 @@ def test_a_tool_using_policy_learns_the_two_turn_arithmetic_task(tool_task, tmp_
         "max_completion_length": 4,
         "steps": 40,
         "progress": False,
-        "metrics_dir": str(tmp_path),
+        "metrics_dir": str(out),
     }
-    run_grpo(load_config(tree=tree, schema=GRPOConfig))
+    return load_config(tree=tree, overrides=[f"{k}={v}" for k, v in overrides.items()], schema=GRPOConfig)
+
+
+def test_a_tool_using_policy_learns_the_two_turn_arithmetic_task(tool_task, tmp_path):
+    """From a random policy: it learns to call the calculator (a per-turn reward of 0.5) and
+    then, slower, to answer with the result it was shown (reward 1; chance is 1 in 19)."""
+    run_grpo(tool_config(tool_task, tmp_path))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     curve = [r["reward"] for r in records]
     first, last = np.mean(curve[:3]), np.mean(curve[-5:])
@@ -279,3 +286,24 @@ def test_a_tool_using_policy_learns_the_two_turn_arithmetic_task(tool_task, tmp_
     assert calls[0] < 0.2 and min(calls[-5:]) > 0.9, calls
     assert right > 2 / 19, right  # above chance: it reads the observation
     assert all(r["env/failed"] == 0 and r["env/truncated"] == 0 for r in records)
+
+
+def test_episodes_in_a_rollout_worker_at_staleness_zero_are_the_synchronous_run_bitwise(tool_task, tmp_path):
+    """A worker process runs the same episodes with the weights it was sent: every logged
+    number (rewards per turn, env/turns, tool calls, ...) and the trained params are equal."""
+    small = {"steps": 3, "prompts_per_step": 4, "num_generations": 8, "optimizer.learning_rate": 5e-2}
+    run_grpo(tool_config(tool_task, tmp_path / "sync", **small))
+    logs: list[str] = []
+    run_grpo(tool_config(tool_task, tmp_path / "async", rollout_workers=1, max_staleness=0, **small), log=logs.append)
+    assert any("rollout worker 0 started" in line for line in logs), logs
+    untimed = lambda r: {k: v for k, v in r.items() if not k.endswith(UNTIMED)}  # noqa: E731
+    sync, async_ = (
+        [untimed(json.loads(x)) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
+        for n in ("sync", "async")
+    )
+    assert len(sync) == 3 and sync == async_
+    assert all("env/tool_calls" in r and "reward/turn_1/mean" in r for r in sync)
+    assert len({r["env/tool_calls"] for r in sync}) > 1  # the policy moved between batches
+    params = [load_params(tmp_path / name / "checkpoint")[1] for name in ("sync", "async")]
+    for a, b in zip(jax.tree.leaves(params[0]), jax.tree.leaves(params[1]), strict=True):
+        np.testing.assert_array_equal(a, b)
