@@ -4,11 +4,16 @@
     python -m engine.evaluate.harness_cli --model trainflow --model_args checkpoint=ARTIFACT \\
         --tasks my_task --include_path tasks/ --limit 10
 
-lm-eval 0.4 discovers no third-party models: its registry accepts entry points as lazy
-targets but never reads them (lm_eval/api/registry.py), so a bare `lm_eval --model
-trainflow` cannot see an installed adapter. This module is that discovery: it imports the
-adapter (its `register_model` decorator) and registers every other `lm_eval.models` entry
-point installed (pyproject.toml declares trainflow's), then hands over to lm-eval's CLI.
+lm-eval 0.4 (0.4.13) discovers no third-party models: its registry accepts entry points as
+lazy targets but never reads them (lm_eval/api/registry.py: `get_model` fills an empty
+registry from lm_eval/models/__init__.py's fixed MODEL_MAPPING only; nothing in the package
+calls importlib.metadata.entry_points), `--include_path` names task directories, and the
+only user code it imports is a task YAML's `!function` (lm_eval/tasks/_yaml_loader.py). So a
+bare `lm_eval --model trainflow` cannot see an installed adapter, and no clean hook makes it
+(upstream's PR #4013 adds entry-point discovery, in no release yet). This module is that
+discovery: it imports the adapter (its `register_model` decorator) and registers every other
+`lm_eval.models` entry point installed (pyproject.toml declares trainflow's), then hands
+over to lm-eval's CLI.
 """
 
 from __future__ import annotations
