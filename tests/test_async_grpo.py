@@ -9,15 +9,20 @@ fresh process, ~10 s on 2 cores.)
 
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
 from engine.config import ConfigError, load_config
+from engine.contract import EXIT_PREEMPTED
 from engine.posttrain.async_rollout import RolloutWorkerError
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.grpo import run_grpo
@@ -144,6 +149,67 @@ def test_a_killed_worker_is_restarted_or_stops_the_stage_in_one_sentence_and_a_r
     assert any("was killed by signal 9" in line and "restarting it" in line for line in lines), lines
     assert result["steps"] == 8
     assert [r["step"] for r in logged(tmp_path)] == list(range(1, 9))
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_sigterm_with_a_worker_in_flight_saves_exits_143_leaves_no_worker_and_a_rerun_resumes(
+    copy_task,  # noqa: F811
+    tmp_path,
+):
+    """The engine's entry point, SIGTERMed as a process group (a preemption notice or Ctrl-C
+    reaching the worker too) while the worker generates ahead: the trainer saves the current
+    step and exits EXIT_PREEMPTED, its worker is gone, and the same config resumes there."""
+    steps = 30
+    cfg = grpo_config(
+        copy_task,
+        tmp_path,
+        steps=steps,
+        prompts_per_step=4,
+        num_generations=4,
+        rollout_workers=1,
+        max_staleness=1,
+        rollout_worker_env=ONE_DEVICE,
+    )  # checkpoint.every_steps is 100: the only checkpoint is SIGTERM's
+    config = tmp_path / "grpo.yaml"
+    config.write_text(json.dumps(cfg.model_dump(mode="json")))
+    stderr = tmp_path / "stderr.txt"
+    with stderr.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.posttrain.grpo", str(config)],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 300
+        metrics = tmp_path / "metrics.jsonl"
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, stderr.read_text()[-2000:]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == EXIT_PREEMPTED, stderr.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = stderr.read_text()
+    saved = int(re.search(r"SIGTERM: saved checkpoint at step (\d+)", log).group(1))
+    assert 2 <= saved < steps and load_params(tmp_path / "checkpoint")[2] == saved
+    workers = [int(pid) for pid in re.findall(r"rollout worker 0 started \(pid (\d+)", log)]
+    assert workers == [workers[0]] and workers[0] != proc.pid  # it ignored SIGTERM: never restarted
+    assert not alive(workers[0])  # the trainer stopped it before exiting
+
+    lines: list[str] = []
+    result = run_grpo(cfg, log=lines.append)
+    assert any(f"resumed from checkpoint step {saved}" in line for line in lines), lines
+    assert result["steps"] == steps
+    assert [r["step"] for r in logged(tmp_path)] == list(range(1, steps + 1))
 
 
 def test_bad_estimator_loss_and_staleness_settings_are_refused_in_one_sentence(copy_task, tmp_path):  # noqa: F811
