@@ -112,8 +112,11 @@ def test_a_grpo_config_takes_an_environment_section_and_checks_it():
         load_config(tree=grpo_tree(rewards=[]), schema=GRPOConfig)
     with pytest.raises(ConfigError, match="unknown key 'environment.max_turn'; did you mean 'max_turns'"):
         load_config(tree=grpo_tree(environment={"factory": "tools", "max_turn": 2}), schema=GRPOConfig)
-    with pytest.raises(ConfigError, match="environment with rollout_workers is not supported yet"):
-        load_config(tree=grpo_tree(environment={"factory": "tools"}, rollout_workers=1), schema=GRPOConfig)
+    # Rollout workers run the episodes too (tests/test_multiturn.py: bitwise at staleness 0).
+    cfg = load_config(
+        tree=grpo_tree(environment={"factory": "tools"}, rollout_workers=1, max_staleness=1), schema=GRPOConfig
+    )
+    assert cfg.rollout_workers == 1 and cfg.environment.factory == "tools"
 
 
 def test_the_shipped_tools_pipeline_validates_with_its_environment():
