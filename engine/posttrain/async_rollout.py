@@ -103,7 +103,7 @@ def worker_main(conn, cfg_tree: dict) -> None:
         model_cfg, compute, bundle = finetune_start(cfg)
         if cfg.rollout_worker_env:  # devices of its own: laid out on `data` alone
             cfg = cfg.model_copy(update={"mesh": MeshConfig()})
-        holder = Trainer(train_config(cfg, model_cfg, compute), lambda graphdef: None)
+        holder = Trainer(train_config(cfg, model_cfg, compute))  # never steps: it holds the weights
         holder.model_params({})  # a LoRA run's frozen base, loaded once (nothing without LoRA)
         sampler = Sampler(
             model_cfg,
@@ -150,6 +150,7 @@ class _Worker:
     def __init__(self, index: int, cfg_tree: dict):
         context = multiprocessing.get_context("spawn")  # JAX's runtime does not survive a fork
         self.index = index
+        self.pid: int | None = None  # the worker's own, once it is ready
         self.conn, child = context.Pipe()
         self.process = context.Process(
             target=worker_main, args=(child, cfg_tree), name=f"rollout-worker-{index}", daemon=True
