@@ -34,6 +34,7 @@ from typing import Any
 from engine.config import ConfigError
 from engine.contract import MANIFEST
 from tasks.artifacts import ArtifactStore, now_iso, read_manifest, write_json_atomic
+from tasks.store.names import stage_folder
 
 SKIPPED_CONDITION = "skipped (condition)"
 CONDITION_SUFFIX = ".condition.json"
@@ -244,13 +245,13 @@ def select_best(
 
 
 def _condition_key(store: ArtifactStore, stage: str, artifact_id: str) -> str:
-    return f"{store.remote.base}/{stage}/{artifact_id}{CONDITION_SUFFIX}"
+    return f"{store.remote.base}/{stage_folder(stage)}/{artifact_id}{CONDITION_SUFFIX}"
 
 
 def record_condition(store: ArtifactStore, stage: str, artifact_id: str, record: dict) -> None:
     """A false gate: what it saw, beside where the artifact would be."""
     record = {**record, "stage": stage, "id": artifact_id, "status": SKIPPED_CONDITION, "decided_at": now_iso()}
-    path = store.root / stage / f"{artifact_id}{CONDITION_SUFFIX}"
+    path = store.root / stage_folder(stage) / f"{artifact_id}{CONDITION_SUFFIX}"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, record)
     if store.remote is not None:
@@ -260,7 +261,7 @@ def record_condition(store: ArtifactStore, stage: str, artifact_id: str, record:
 def read_condition(store: ArtifactStore, stage: str, artifact_id: str) -> dict | None:
     if store.remote is not None:
         return store.remote.read_json(_condition_key(store, stage, artifact_id))
-    path = store.root / stage / f"{artifact_id}{CONDITION_SUFFIX}"
+    path = store.root / stage_folder(stage) / f"{artifact_id}{CONDITION_SUFFIX}"
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -268,7 +269,7 @@ def read_condition(store: ArtifactStore, stage: str, artifact_id: str) -> dict |
 
 
 def clear_condition(store: ArtifactStore, stage: str, artifact_id: str) -> None:
-    (store.root / stage / f"{artifact_id}{CONDITION_SUFFIX}").unlink(missing_ok=True)
+    (store.root / stage_folder(stage) / f"{artifact_id}{CONDITION_SUFFIX}").unlink(missing_ok=True)
     if store.remote is not None:
         try:
             store.remote.fs.rm_file(_condition_key(store, stage, artifact_id))  # not rm: `[` is no glob here

@@ -12,6 +12,7 @@ from typing import Any
 
 from flows.spec import Plan
 from tasks.artifacts import ArtifactStore, parent_dir, read_manifest
+from tasks.store.names import folder_stage
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -198,7 +199,7 @@ def list_rows(store: ArtifactStore) -> list[dict[str, Any]]:
         shown = [f"{k}={_fmt(numbers[k])}" for k in keys]
         rows.append(
             {
-                "stage": directory.parent.name,
+                "stage": folder_stage(directory.parent.name),
                 "id": directory.name,
                 "kind": manifest.get("kind", "?"),
                 "status": store.state(directory.parent.name, directory.name),

@@ -29,6 +29,7 @@ from flows.spec import Plan
 from flows.steps import committed_steps
 from flows.sweep import Ref, Selection
 from tasks.artifacts import COMPLETE, ArtifactLock, ArtifactStore, write_json_atomic
+from tasks.store.names import folder_stage
 
 
 @dataclass
@@ -93,7 +94,7 @@ def collect(store: ArtifactStore, plans: list[Plan], keep_steps: int | None) -> 
         raise ConfigError(f"gc: cannot list store {store.url}: {type(e).__name__}: {e}") from None
     entries = {}
     for directory, manifest in listing:
-        stage, artifact_id = directory.parent.name, directory.name
+        stage, artifact_id = folder_stage(directory.parent.name), directory.name
         entries[(stage, artifact_id)] = Entry(
             stage, artifact_id, directory, manifest, store.state(stage, artifact_id), 0
         )

@@ -47,6 +47,7 @@ from tasks.artifacts import COMPLETE, ArtifactStore, artifact_id
 from tasks.launch.run import LauncherSpec
 from tasks.registry import get_stage_kind, input_refs
 from tasks.runner import StageJob
+from tasks.store.names import GLOB_CHARACTERS
 
 TOP_LEVEL_KEYS = ("name", "store", "imports", "defaults", "stages")
 
@@ -113,6 +114,11 @@ class PipelineSpec(Strict):
         for name in stages:
             if not name or "/" in name or name.startswith(".") or name in TOP_LEVEL_KEYS:
                 raise ValueError(f"'{name}' cannot be a stage name")
+            if any(c in name for c in GLOB_CHARACTERS):
+                raise ValueError(
+                    f"stage name '{name}' may not contain any of {' '.join(GLOB_CHARACTERS)} "
+                    "(a stage's folder in the store is named after it, and libraries glob in it)"
+                )
         return stages
 
 

@@ -39,6 +39,7 @@ from tasks.artifacts import (
     read_manifest,
     write_json_atomic,
 )
+from tasks.store.names import stage_folder
 
 STEP_DIGESTS = "digests.json"
 _GROWING = ("tensorboard", "metrics.jsonl")  # appended to while a stage runs: not part of a step's view
@@ -164,7 +165,7 @@ def snapshot_step(store: ArtifactStore, stage: str, artifact_id: str, step: int)
                     "stage": stage,
                     "id": artifact_id,
                     "kind": source.get("kind", "checkpoint"),
-                    "path": f"{stage}/{artifact_id}",
+                    "path": f"{stage_folder(stage)}/{artifact_id}",
                 }
             ],
             "config": source.get("config"),

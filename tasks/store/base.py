@@ -21,6 +21,7 @@ from typing import Any
 
 from engine.contract import CHECKPOINT_DIR, MANIFEST
 from tasks.store.consume import STAMPS, check_consumed
+from tasks.store.names import folder_stage, stage_folder
 from tasks.store.objects import is_url
 from tasks.store.records import (
     COMPLETE,
@@ -94,7 +95,7 @@ class ArtifactStore:
 
     def artifact_dir(self, stage: str, artifact_id: str) -> Path:
         """The local directory a stage writes the artifact in and a consumer reads it from."""
-        return self.root / stage / artifact_id
+        return self.root / stage_folder(stage) / artifact_id
 
     def checkpoint_location(self, stage: str, artifact_id: str) -> str:
         """Where the stage's engine writes (and resumes) the artifact's checkpoint: here its
@@ -136,7 +137,7 @@ class ArtifactStore:
         if not matches:
             raise ArtifactError(f"no artifact with id '{artifact_id}' in store {self.url}")
         if len({d.name for d in matches}) > 1:
-            names = ", ".join(f"{d.parent.name}/{d.name}" for d in matches)
+            names = ", ".join(f"{folder_stage(d.parent.name)}/{d.name}" for d in matches)
             raise ArtifactError(f"id prefix '{artifact_id}' is ambiguous in store {self.url}: {names}")
         return matches[0]
 

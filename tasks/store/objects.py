@@ -54,6 +54,7 @@ import fsspec
 
 from engine.contract import CHECKPOINT_DIR, MANIFEST
 from tasks.store.consume import STAMPS, read_stamps, stamp_holds, write_stamps
+from tasks.store.names import stage_folder
 
 LEASE = ".lease"
 LEASE_SECONDS = float(os.environ.get("TRAINFLOW_LEASE_SECONDS", "60"))
@@ -147,7 +148,7 @@ class RemoteBackend:
             raise StoreAccessError(f"artifact store {self.url}: cannot reach the bucket: {name}: {e}") from None
 
     def key(self, stage: str, artifact_id: str, rel: str = "") -> str:
-        path = f"{self.base}/{stage}/{artifact_id}"
+        path = f"{self.base}/{stage_folder(stage)}/{artifact_id}"
         return f"{path}/{rel}" if rel else path
 
     def url_of(self, stage: str, artifact_id: str) -> str:
