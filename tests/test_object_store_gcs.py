@@ -1,25 +1,41 @@
 """The artifact store on gs:// against a real GCS protocol server (gcp-storage-emulator) on
-127.0.0.1, started by this module; the environment points gcsfs at it (STORAGE_EMULATOR_HOST).
-Checkpoints are staged (TRAINFLOW_STAGED_CHECKPOINTS, see the fixture): TensorStore's GCS
-driver does not accept this emulator's responses.
+127.0.0.1, started by this module; the environment points gcsfs at it (STORAGE_EMULATOR_HOST)
+and TensorStore's GCS driver too (engine/train/bucket_paths.py). The engine writes its
+checkpoints at the artifact's gs:// URL, as on GCS; nothing of them is staged on the runner's disk.
+
+Three gaps of the emulator, each a departure from GCS, are corrected where the fixture starts it
+(see `corrected_emulator`): media downloads without the object's generation headers, the
+objects.move endpoint missing, and a multipart upload's last byte dropped.
 
 The emulator ignores `ifGenerationMatch=0` (it overwrites), so the GCS lease is checked on the
 request it sends, read from the emulator's request log; the lease race itself is tested end to
 end on S3 (tests/test_object_store.py).
 """
 
+import contextlib
 import json
 import logging
 import os
 import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from http import HTTPStatus
+from pathlib import Path
 
 import pytest
+import yaml
 
 from tasks import objectstore
+from tasks.artifacts import ArtifactStore
+from tasks.store.objects import read_url
 from tests.test_object_store import tiny_pipeline, trainflow
 
 emulator = pytest.importorskip("gcp_storage_emulator.server")
 pytest.importorskip("gcsfs")
+from gcp_storage_emulator import settings  # noqa: E402  (after the skip: the emulator is a test extra)
+from gcp_storage_emulator.exceptions import NotFound  # noqa: E402
+from gcp_storage_emulator.handlers import objects  # noqa: E402
 
 STEPS = 6
 BUCKET = "trainflow-gcs"
@@ -67,46 +83,111 @@ def exact_multipart_uploads(read_data):
     return read
 
 
+def with_generation_headers(download):
+    """The emulator's object download with the object's `x-goog-generation` and
+    `x-goog-metageneration` headers, which GCS sends with an object's bytes and the emulator
+    leaves out. TensorStore's GCS driver takes a read's generation from that header, 0 when
+    it is absent (SetObjectMetadataFromHeaders), and refuses a write conditioned on generation
+    0 (IsValidStorageGeneration: "Malformed StorageGeneration"): without the header, a handle
+    that read an OCDBT manifest it had not written itself (another process's, or one written
+    before a restart) could not rewrite it."""
+
+    def download_with_generation(request, response, storage, *args, **kwargs):
+        try:  # read before the bytes: the header names a generation no newer than they are
+            obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+        except NotFound:
+            obj = None
+        download(request, response, storage, *args, **kwargs)
+        if obj is not None and response.status in (HTTPStatus.OK, HTTPStatus.PARTIAL_CONTENT):
+            response["x-goog-generation"] = obj["generation"]
+            response["x-goog-metageneration"] = obj["metageneration"]
+
+    return download_with_generation
+
+
+def move(request, response, storage, *args, **kwargs):
+    """objects.move (`POST .../o/SOURCE/moveTo/o/DESTINATION`), which GCS has and the emulator
+    answers 501: gcsfs's rename (an engine step's digests.json) retried that with backoff for
+    ~36 s before falling back to a copy and a delete, which this does in one request."""
+    bucket, source = request.params["bucket_name"], request.params["object_id"]
+    try:
+        moved = objects._copy(request.base_url, storage, bucket, source, bucket, request.params["dest_object_id"])
+    except NotFound:
+        response.status = HTTPStatus.NOT_FOUND
+        return
+    objects._delete(storage, bucket, source)
+    response.json(moved)
+
+
+@contextlib.contextmanager
+def corrected_emulator():
+    """The emulator's routes and multipart reader with the corrections above, for as long as
+    the context lasts (the emulator's module globals, read on every request)."""
+    handlers, download, read_data = emulator.HANDLERS, objects.download, emulator._read_data
+    corrected = with_generation_headers(download)
+    moves = tuple(
+        (
+            rf"^{prefix}/b/(?P<bucket_name>[-.\w]+)/o/(?P<object_id>.*[^/]+)/moveTo/o/(?P<dest_object_id>.*[^/]+)$",
+            {"POST": move},
+        )
+        for prefix in (settings.API_ENDPOINT, "")
+    )
+    emulator.HANDLERS = moves + tuple(
+        (regex, {method: corrected if handler is download else handler for method, handler in routes.items()})
+        for regex, routes in handlers
+    )
+    objects.download = corrected  # objects.get serves `?alt=media` through this name
+    emulator._read_data = exact_multipart_uploads(read_data)
+    try:
+        yield
+    finally:
+        emulator.HANDLERS, objects.download, emulator._read_data = handlers, download, read_data
+
+
+@dataclass
+class Emulator:
+    url: str
+    requests: RequestLog
+    cache: Path
+    """TRAINFLOW_CACHE: the runner's disk (staging directories, consumed inputs)."""
+
+
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
-    """The emulator on a free loopback port with one bucket, and the environment (this module
-    only) that points gcsfs at it. gcsfs's experimental zonal/HNS layer stalls on the emulator."""
+    """The corrected emulator on a free loopback port with one bucket, and the environment (this
+    module only) that points gcsfs and TensorStore at it. gcsfs's experimental zonal/HNS layer
+    stalls on the emulator."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = emulator.create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
-    read_data = emulator._read_data
-    emulator._read_data = exact_multipart_uploads(read_data)
-    server.start()
-    requests = RequestLog()
-    logger = logging.getLogger(emulator.__name__)
-    logger.addHandler(requests)
-    level = logger.level
-    logger.setLevel(logging.INFO)
+    url, cache = f"http://127.0.0.1:{port}", tmp_path_factory.mktemp("gcs-cache")
     env = {
-        "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{port}",
+        "STORAGE_EMULATOR_HOST": url,
         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-        "TRAINFLOW_CACHE": str(tmp_path_factory.mktemp("gcs-cache")),
+        "TRAINFLOW_CACHE": str(cache),
         "TRAINFLOW_LEASE_SECONDS": "3",  # renewed every second: the test sees renewals
-        # TensorStore's GCS driver rejects the emulator's upload responses ("Malformed
-        # StorageGeneration" writing an OCDBT manifest), so here the engine's checkpoints are
-        # staged and uploaded by the runner; the engine at the URL is tested on moto's S3.
-        "TRAINFLOW_STAGED_CHECKPOINTS": "1",
+        "TRAINFLOW_STAGED_CHECKPOINTS": "",  # the engine writes its checkpoints at the URL
     }
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield requests
-    finally:
-        logger.removeHandler(requests)
-        logger.setLevel(level)
-        server.stop()
-        emulator._read_data = read_data
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    logger = logging.getLogger(emulator.__name__)
+    requests, level = RequestLog(), logger.level
+    with corrected_emulator():
+        server = emulator.create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET)
+        server.start()
+        logger.addHandler(requests)
+        logger.setLevel(logging.INFO)
+        os.environ.update(env)
+        try:
+            yield Emulator(url, requests, cache)
+        finally:
+            logger.removeHandler(requests)
+            logger.setLevel(level)
+            server.stop()
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +215,32 @@ def test_tiny_pipeline_on_gcs_complete_verified_with_lineage(finished):
     assert f"pretrain/{pretrain['id']}" in text and "└─ dataset: tokenize/" in text
 
 
+def _checkpoint_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and "/checkpoint/" in p.as_posix()]
+
+
+def test_pretrain_on_gcs_writes_its_checkpoint_at_the_url_and_none_on_the_runners_disk(finished, gcs):
+    """The engine was handed the artifact's gs:// URL and wrote the step there itself (its OCDBT
+    shards, digests.json); the manifest records exactly those objects; the runner's disk (the
+    store's staging directories, the cache) holds no checkpoint file."""
+    store, pipeline = finished
+    rows = json.loads(trainflow("ls", "--store", store, "--json").stdout)
+    url = f"{store}/pretrain/{next(r for r in rows if r['stage'] == 'pretrain')['id']}"
+    config = yaml.safe_load(read_url(f"{url}/train.yaml"))
+    assert config["checkpoint"]["directory"] == f"{url}/checkpoint"
+    fs = objectstore._filesystem(store)
+    fs.invalidate_cache()
+    prefix = url.removeprefix("gs://") + "/"
+    listed = {key.removeprefix(prefix) for key in fs.find(prefix + "checkpoint")}
+    assert f"checkpoint/{STEPS}/digests.json" in listed, sorted(listed)
+    assert any(key.startswith(f"checkpoint/{STEPS}/params/ocdbt.process_0/") for key in listed), sorted(listed)
+    manifest = ArtifactStore(store).manifest(*url.rsplit("/", 2)[-2:])
+    assert manifest is not None
+    assert {rel for rel in manifest["files"] if rel.startswith("checkpoint/")} == listed
+    assert _checkpoint_files(gcs.cache) == []
+    assert _checkpoint_files(pipeline.parent) == []
+
+
 def test_rerun_on_gcs_skips_everything(finished):
     store, pipeline = finished
     proc = trainflow("run", pipeline, "--store", store, f"pretrain.steps={STEPS}")
@@ -150,7 +257,7 @@ def test_gcs_lease_is_created_only_if_absent(finished, gcs):
     exists; the emulator does not, hence the request check) and renewed without it."""
     leases = [
         line
-        for line in gcs.lines
+        for line in gcs.requests.lines
         if "/.lease" in line and "upload_id=" not in line and line.startswith('"POST /upload/storage/v1/b/')
     ]
     creates = [line for line in leases if "ifGenerationMatch=0" in line]
@@ -168,3 +275,37 @@ def test_small_binary_files_keep_their_last_byte_whatever_it_is(gcs, tmp_path):
         local.write_bytes(b"\x08\x01manifest" + tail)
         fs.put_file(str(local), f"{BUCKET}/bytes/f{i}")
         assert fs.cat_file(f"{BUCKET}/bytes/f{i}") == local.read_bytes(), tail
+
+
+OCDBT_WRITE = """
+import sys, tensorstore as ts
+store = ts.KvStore.open({"driver": "ocdbt", "base": {"driver": "gcs", "bucket": sys.argv[1], "path": "ocdbt/"}})
+store.result().write(sys.argv[2], b"value").result()
+print(sorted(key.decode() for key in store.result().list().result()))
+"""
+
+
+def test_a_process_rewrites_an_ocdbt_manifest_that_another_process_wrote(gcs):
+    """As Orbax's processes and a resumed run do: each write is a fresh process that reads the
+    manifest (its generation from the download's headers) and rewrites it conditioned on that
+    generation. Without the emulator's generation headers the second write failed."""
+    env = {**os.environ, "TENSORSTORE_GCS_HTTP_URL": gcs.url}
+    for i, want in enumerate((["a"], ["a", "b"], ["a", "b", "c"])):
+        proc = subprocess.run(
+            [sys.executable, "-c", OCDBT_WRITE, BUCKET, "abc"[i]], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.split("\n")[-2] == str(want)
+
+
+def test_a_rename_in_the_bucket_is_one_move(gcs):
+    """gcsfs renames with objects.move (how an engine step's digests.json lands); the emulator
+    moves the bytes in that one request."""
+    fs = objectstore._filesystem(f"gs://{BUCKET}")
+    fs.pipe_file(f"{BUCKET}/moves/digests.json.tmp", b"{}\r")
+    before = len(gcs.requests.lines)
+    fs.mv(f"{BUCKET}/moves/digests.json.tmp", f"{BUCKET}/moves/digests.json")
+    assert fs.cat_file(f"{BUCKET}/moves/digests.json") == b"{}\r"
+    assert not fs.exists(f"{BUCKET}/moves/digests.json.tmp")
+    moves = [line for line in gcs.requests.lines[before:] if "/moveTo/o/" in line]
+    assert len(moves) == 1 and '" 200 ' in moves[0], gcs.requests.lines[before:]
