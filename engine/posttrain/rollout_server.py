@@ -5,7 +5,10 @@ prompts go to the server's /v1/completions as token ids, G completions each, and
 token ids with the log-probability the server sampled each one with (the behaviour
 log-probs). The policy's weights reach the server without the artifact store: after each
 update they are written as Hugging Face safetensors to a directory both processes see and
-the server reloads them in place (engine/interop/vllm_server.py, the vLLM side).
+the server reloads them in place (engine/interop/vllm_server.py, the vLLM side); with LoRA the
+server holds the frozen base and each update's adapter is loaded under `adapter_name`, the
+model the completions then name. An `environment:`'s episodes go through the same sampler:
+each turn is one request per episode (multiturn.py sends every row, finished ones too).
 
 This module is the half without JAX (GRPOConfig imports the schema, and validating a
 pipeline must not load JAX): the schema, the HTTP client with its retries, and the
@@ -53,6 +56,11 @@ class RolloutServerConfig(Strict):
     """Further tries of a request whose connection failed or dropped (or that got 502-504)."""
     retry_seconds: float = Field(2.0, ge=0)
     """The wait before the first retry, doubled before each next one."""
+    adapter_name: str = "trainflow-policy"
+    """With `lora:`, the name the policy's adapter is loaded under (/v1/load_lora_adapter) and
+    that completions name as their model; the server holds the frozen base once, and each
+    update replaces the adapter (its server needs --enable-lora --max-lora-rank >= lora.rank
+    and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)."""
 
 
 # The sampler pushes weights through the HF exporter (engine.interop, above this layer), so a
@@ -97,7 +105,8 @@ class CompletionsClient:
         self._model = model
 
     def request(self, path: str, body: dict | None = None, *, method: str | None = None) -> Any:
-        """The decoded JSON answer to `body` at `path` (None for an empty one)."""
+        """The decoded JSON answer to `body` at `path` (None for an empty one; the text of one
+        that is not JSON, as vLLM's /v1/load_lora_adapter answers)."""
         where = f"{self.url}{path}"
         data = None if body is None else json.dumps(body).encode()
         last = ""
@@ -109,7 +118,12 @@ class CompletionsClient:
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_seconds) as answer:
                     text = answer.read()
-                return json.loads(text) if text.strip() else None
+                if not text.strip():
+                    return None
+                try:
+                    return json.loads(text)
+                except ValueError:
+                    return text.decode(errors="replace")
             except urllib.error.HTTPError as e:  # the server answered, with an error
                 detail = e.read().decode(errors="replace").strip().replace("\n", " ")[:300]
                 if e.code not in RETRY_STATUS:
@@ -152,11 +166,13 @@ class CompletionsClient:
         top_p: float = 1.0,
         seed: int | None = None,
         stop_token_ids: Sequence[int] = (),
+        model: str | None = None,
     ) -> list[tuple[list[int], list[float]]]:
         """`n` completions of one prompt: (token ids, the log-prob each was sampled with), in
-        the order the server numbers them. Stop tokens are kept, as the engine's sampler keeps EOS."""
+        the order the server numbers them. Stop tokens are kept, as the engine's sampler keeps EOS.
+        `model`: a LoRA adapter the server has loaded; None: the served model."""
         body = {
-            "model": self.model,
+            "model": model or self.model,
             "prompt": [int(t) for t in prompt_ids],
             "n": n,
             "max_tokens": max_tokens,
@@ -175,11 +191,12 @@ class CompletionsClient:
             raise RolloutServerError(f"the rollout server at {self.url} returned {len(choices)} completions, not {n}")
         return [(list(c["token_ids"]), list(c["logprobs"]["token_logprobs"])) for c in choices]
 
-    def prompt_logprobs(self, token_ids: Sequence[int]) -> np.ndarray:
+    def prompt_logprobs(self, token_ids: Sequence[int], *, model: str | None = None) -> np.ndarray:
         """log p(token t | tokens < t) for t = 1 .. len - 1 under the served weights (float64,
-        NaN-free): a fixed sequence scored, e.g. to check the weights the server holds."""
+        NaN-free): a fixed sequence scored, e.g. to check the weights the server holds. `model`:
+        a loaded LoRA adapter (base + adapter); None: the served model."""
         body = {
-            "model": self.model,
+            "model": model or self.model,
             "prompt": [int(t) for t in token_ids],
             "max_tokens": 1,
             "prompt_logprobs": 0,
