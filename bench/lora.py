@@ -40,16 +40,17 @@ def engine_commit() -> str:
     return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain", "engine") else "")
 
 
-def make_trainer(kind: str, dtype: str, base: str | None):
+def make_trainer(kind: str, dtype: str, base: str | None, scan_layers: bool = True):
     """A Trainer of the bench shape: `full` trains every parameter, `lora` an adapter on the
-    frozen base; both start from checkpoint `base` (None: from scratch, to write the base)."""
+    frozen base; both start from checkpoint `base` (None: from scratch, to write the base).
+    `scan_layers=False` lays the layers out one by one (for --flops)."""
     from engine.config import load_config
     from engine.train.config import TrainConfig
     from engine.train.trainer import Trainer
 
     tree = {
         "model": SHAPE,
-        "compute": {"dtype": dtype},
+        "compute": {"dtype": dtype, "scan_layers": scan_layers},
         "mesh": {"data": -1},
         "data": {"batch_size": BATCH, "seq_len": SEQ},
         "optimizer": {"learning_rate": 1e-4},
@@ -61,7 +62,7 @@ def make_trainer(kind: str, dtype: str, base: str | None):
     return Trainer(load_config(tree=tree, schema=TrainConfig))
 
 
-def write_base(directory: str, dtype: str) -> dict:
+def write_base(directory: str, dtype: str, scan_layers: bool = True) -> dict:
     """A params-only checkpoint of the bench shape in `directory`, as a conversion writes one."""
     import jax
     import numpy as np
@@ -69,7 +70,7 @@ def write_base(directory: str, dtype: str) -> dict:
     from engine.contract import CHECKPOINT_FORMAT
     from engine.train.checkpoint import save_params
 
-    trainer = make_trainer("full", dtype, None)
+    trainer = make_trainer("full", dtype, None, scan_layers)
     params = jax.tree.map(np.asarray, trainer.init_state().params)
     cfg = trainer.cfg
     save_params(
@@ -86,18 +87,12 @@ def write_base(directory: str, dtype: str) -> dict:
     return {"base": directory, "parameters": sum(int(p.size) for p in jax.tree.leaves(params))}
 
 
-def run_step(kind: str, dtype: str, base: str, steps: int, warmup: int) -> dict:
-    """Compile, warm up and time one trainer's steps; its state's sizes and the step's memory."""
-    import jax
+def bench_batch(trainer) -> dict:
+    """The bench's batch (random tokens, one document per row) placed for `trainer`."""
     import numpy as np
 
-    from engine.train.memory import shard_bytes
-
-    trainer = make_trainer(kind, dtype, base)
-    state = trainer.init_state()  # with LoRA: loads the frozen base from `base`
-    params, opt_state = state.params, state.opt_state
     tokens = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], (BATCH, SEQ + 1)).astype(np.int32)
-    batch = trainer.global_batch(
+    return trainer.global_batch(
         {
             "tokens": tokens[:, :-1],
             "targets": tokens[:, 1:],
@@ -106,6 +101,37 @@ def run_step(kind: str, dtype: str, base: str, steps: int, warmup: int) -> dict:
             "loss_mask": np.ones((BATCH, SEQ), np.float32),
         }
     )
+
+
+def step_flops(dtype: str) -> dict:
+    """The compiled full and LoRA steps' FLOPs (XLA's cost analysis). It counts a loop body
+    once, so the layers are laid out one by one here (scan_layers false, base written so); the
+    programs are otherwise the timed ones. Compile-time figures: the machine's load does not
+    move them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        base = str(Path(tmp) / "checkpoint")
+        write_base(base, dtype, scan_layers=False)
+        flops = {}
+        for kind in ("full", "lora"):
+            trainer = make_trainer(kind, dtype, base, scan_layers=False)
+            trainer.init_state()
+            trainer.compile_train_step(bench_batch(trainer))
+            analysis = trainer._compiled_step[1].cost_analysis()
+            analysis = analysis[0] if isinstance(analysis, list) else analysis
+            flops[kind] = {"flops": analysis["flops"], "bytes_accessed": analysis["bytes accessed"]}
+    return flops
+
+
+def run_step(kind: str, dtype: str, base: str, steps: int, warmup: int) -> dict:
+    """Compile, warm up and time one trainer's steps; its state's sizes and the step's memory."""
+    import jax
+
+    from engine.train.memory import shard_bytes
+
+    trainer = make_trainer(kind, dtype, base)
+    state = trainer.init_state()  # with LoRA: loads the frozen base from `base`
+    params, opt_state = state.params, state.opt_state
+    batch = bench_batch(trainer)
     start = time.perf_counter()
     trainer.compile_train_step(batch)
     compile_seconds = time.perf_counter() - start
@@ -144,18 +170,25 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="rounds of full, lora (each a process)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--out", default=str(REPO / "bench" / "results" / "lora.json"))
+    parser.add_argument("--out", default=None, help="bench/results/lora.json (lora_flops.json with --flops)")
+    parser.add_argument(
+        "--flops", action="store_true", help="only the compiled steps' FLOPs (one process; load-independent)"
+    )
     parser.add_argument("--worker", nargs="*")
     args = parser.parse_args()
     if args.worker:
         kind, base = args.worker
         sys.path.insert(0, str(REPO))
-        result = (
-            write_base(base, args.dtype)
-            if kind == "base"
-            else run_step(kind, args.dtype, base, args.steps, args.warmup)
-        )
+        if kind == "flops":
+            result = step_flops(args.dtype)
+        elif kind == "base":
+            result = write_base(base, args.dtype)
+        else:
+            result = run_step(kind, args.dtype, base, args.steps, args.warmup)
         print(json.dumps(result))
+        return
+    if args.flops:
+        flops_only(args)
         return
 
     env = {"XLA_FLAGS": ""}  # one device, the engine's defaults
@@ -208,7 +241,7 @@ def main() -> None:
         f"{args.dtype}, batch {BATCH} x {SEQ}, LoRA rank {LORA['rank']} on {LORA['target_modules']}"
     )
     print(load_line(info))
-    out = Path(args.out).resolve()
+    out = Path(args.out or REPO / "bench" / "results" / "lora.json").resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
         json.dumps(
@@ -226,6 +259,38 @@ def main() -> None:
                 "target_ratio": TARGET_RATIO,
                 "meets_target": ratio >= TARGET_RATIO if info["comparable"] else None,
                 "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(f"wrote {out}")
+
+
+def flops_only(args) -> None:
+    """--flops: the FLOPs ratio is the most a LoRA step can gain from the work it skips (the
+    weight gradients of the frozen projections and LM head); the timed ratio falls short of it
+    by what both steps spend outside those products."""
+    result = run_worker(["bench.lora", "--worker", "flops", "-", "--dtype", args.dtype], {"XLA_FLAGS": ""})
+    full, lora = result["full"]["flops"], result["lora"]["flops"]
+    print(
+        f"compiled step FLOPs ({args.dtype}, batch {BATCH} x {SEQ}): full {full / 1e9:,.1f} G, LoRA {lora / 1e9:,.1f} G"
+    )
+    print(f"full / LoRA FLOPs: {full / lora:.3f}x (timed-step target >= {TARGET_RATIO}x)")
+    out = Path(args.out or REPO / "bench" / "results" / "lora_flops.json").resolve()
+    out.write_text(
+        json.dumps(
+            {
+                "command": "python -m bench.lora " + " ".join(sys.argv[1:]),
+                "description": step_flops.__doc__,
+                "machine": machine(engine_commit=engine_commit()),
+                "shape": SHAPE,
+                "batch": BATCH,
+                "seq": SEQ,
+                "dtype": args.dtype,
+                "lora": LORA,
+                "steps": result,
+                "ratio_full_over_lora_flops": full / lora,
             },
             indent=2,
         )
