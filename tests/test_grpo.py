@@ -466,7 +466,7 @@ def post_training_pipeline(task: Path, store: Path, sft_data: Path) -> Pipeline:
 @pytest.mark.slow
 def test_the_examples_of_sft_and_grpo_stages_are_part_of_their_ids(copy_task, tmp_path):
     """New data: new sft and grpo artifacts, the base stays (running them is
-    tests/test_bucket_multihost.py's SFT -> GRPO pipeline)."""
+    tests/test_bucket_posttrain.py's SFT -> GRPO pipeline)."""
     sft_data = tmp_path / "sft.jsonl"
     sft_data.write_text("".join(json.dumps({"prompt": f"{d}=", "completion": d}) + "\n" for d in DIGITS))
     plan = post_training_pipeline(copy_task, tmp_path / "store", sft_data).plan()
