@@ -61,8 +61,12 @@ def store(request, tmp_path) -> str:
 
 def listed(store: str) -> set[str]:
     from tasks.artifacts import ArtifactStore
+    from tasks.store.names import folder_stage
 
-    return {f"{d.parent.name}/{d.name}" for d, m in ArtifactStore(store).iter_artifacts() if m is not None}
+    # A sweep point's folder has its brackets as parentheses (tasks/store/names.py).
+    return {
+        f"{folder_stage(d.parent.name)}/{d.name}" for d, m in ArtifactStore(store).iter_artifacts() if m is not None
+    }
 
 
 def test_gc_deletes_exactly_what_no_kept_pipeline_reaches_and_spares_a_running_artifact(store, tmp_path, capsys):
