@@ -1,6 +1,6 @@
 """`trainflow diff A B`: two artifacts side by side — config, metrics, lineage.
 
-    trainflow diff artifacts/sft[lr=1e-05,rank=8]/<id> artifacts/sft[lr=0.0003,rank=8]/<id>
+    trainflow diff "artifacts/sft(lr=1e-05,rank=8)/<id>" "artifacts/sft(lr=0.0003,rank=8)/<id>"
     trainflow diff <id-prefix> <id-prefix> --store s3://bucket/artifacts --json
 
 Config: the keys whose values differ (the config as written, flattened: `optimizer.learning_rate`),
