@@ -5,7 +5,6 @@
   `checkpoint/<step>/` every `every` steps as a training stage does (files, then digests,
   then a rename), sleeping `step_seconds` between steps; `hold` (a path) makes it wait at
   the end until that file exists, so a test can act while it is still running.
-- `toy-checkpoint`: a real checkpoint artifact copied from a directory (a test fixture's model).
 - `toy-eval`: an "eval_report" over any number of models (inputs named as it likes): for each,
   the step it read and the sum of its weights.
 
@@ -16,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import time
 from pathlib import Path
 
@@ -124,23 +122,3 @@ class ToyEval(StageKind):
             metrics[f"{name}/weight"] = weights["weight"]
         (ctx.out_dir / "report.json").write_text(json.dumps(metrics))
         return metrics
-
-
-class CheckpointCopyConfig(Strict):
-    path: str
-    """A directory holding checkpoint/ and tokenizer/ (a test fixture's model)."""
-
-
-@register_stage
-class ToyCheckpoint(StageKind):
-    """A real checkpoint artifact from a directory the test made: the start of the sweep test
-    over real `sft` and `evaluate` stages."""
-
-    task = "toy-checkpoint"
-    output = "checkpoint"
-    config_schema = CheckpointCopyConfig
-
-    def run(self, ctx: StageContext) -> dict:
-        for name in ("checkpoint", "tokenizer"):
-            shutil.copytree(Path(ctx.config.path) / name, ctx.out_dir / name)
-        return {}

@@ -42,6 +42,14 @@ def test_input_referencing_a_missing_stage():
     assert "stages.sum.inputs.a: references stage 'dta', which is not in the pipeline; did you mean 'data'?" in msg
 
 
+@pytest.mark.parametrize("name", ["eval*", "sft(v2)", "a?"])
+def test_a_stage_name_with_glob_characters_is_refused_in_one_sentence(name):
+    """A stage's store folder is named after it (a sweep point's brackets as parentheses,
+    tasks/store/names.py), and Orbax globs inside checkpoint directories."""
+    msg = error_of({name: {"task": "toy-source"}})
+    assert f"stage name '{name}' may not contain any of ( ) * ?" in msg
+
+
 def test_cycle_is_spelled_out():
     msg = error_of(
         {

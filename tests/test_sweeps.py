@@ -8,24 +8,20 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
-from flax import nnx
 
 import tests.sweep_toys  # noqa: F401
-from engine.config import ConfigError, load_preset
-from engine.data.tokenizer import TokenizerConfig, save_tokenizer, train_tokenizer
-from engine.models.config import ModelConfig
-from engine.models.transformer import Transformer
-from engine.train.checkpoint import Checkpointer
+from engine.config import ConfigError
 from flows.cli import main
 from flows.pipeline import Pipeline, run_plan
 from flows.spec import load_plan
 from tasks.artifacts import read_manifest
 from tests.conftest import REPO
+from tests.test_grpo import _CheckpointCopy  # noqa: F401  (registers test-checkpoint-copy)
 from tests.test_object_store import bucket, s3_endpoint  # noqa: F401  (the moto server and a bucket per test)
 from tests.test_pipeline_flow import artifacts_of, flow_run_of, task_runs_of
+from tests.test_sft import base  # noqa: F401  (a random tiny checkpoint artifact, with its tokenizer)
 
 pytestmark = pytest.mark.slow
 
@@ -300,27 +296,12 @@ ONE_DEVICE = {"kind": "local", "env": {"XLA_FLAGS": ""}}  # the fastest compile 
 COLOURS = ["red", "green", "blue"]
 
 
-@pytest.fixture(scope="module")
-def tiny_base(tmp_path_factory) -> Path:
-    """checkpoint/ (the `tiny` preset, randomly initialised) and tokenizer/ (a byte-level BPE)."""
-    out = tmp_path_factory.mktemp("tiny_base")
-    texts = [" ".join(f"colour {i}: {c}." for i, c in enumerate(COLOURS)) * 30]
-    save_tokenizer(train_tokenizer(TokenizerConfig(vocab_size=300), texts, add_bos=True), out / "tokenizer")
-    cfg = ModelConfig(**load_preset("tiny", "tiny_base"))
-    params = nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
-    ckpt = Checkpointer(out / "checkpoint", async_save=False)
-    meta = {"step": 0, "model": cfg.model_dump(mode="json"), "format": "trainflow.checkpoint/1"}
-    ckpt.save(0, params, {"unused": np.zeros((), np.int32)}, meta, {})
-    ckpt.close()
-    return out
-
-
 def real_sweep(store: Path, base: Path, data: Path, seeds: list[int]) -> Pipeline:
     """A real sft sweep (data order x steps) over the tiny model, fanned into one evaluate.
     Neither key changes the compiled step (a constant schedule keeps `steps` out of it): every
     point after the first loads it from the JAX compilation cache."""
     p = Pipeline("realsweep", store=store)
-    p.stage("base", task="toy-checkpoint", config={"path": str(base)})
+    p.stage("base", task="test-checkpoint-copy", config={"path": str(base)})
     p.stage(
         "sft",
         task="sft",
@@ -340,7 +321,7 @@ def real_sweep(store: Path, base: Path, data: Path, seeds: list[int]) -> Pipelin
 
 
 def test_a_real_sft_sweep_fans_into_one_evaluate_and_a_grown_grid_trains_only_its_new_points(
-    prefect_server, tiny_base, tmp_path
+    prefect_server, base, tmp_path
 ):
     data = tmp_path / "colours.jsonl"
     data.write_text(
@@ -349,13 +330,13 @@ def test_a_real_sft_sweep_fans_into_one_evaluate_and_a_grown_grid_trains_only_it
         )
     )
     store = tmp_path / "store"
-    first = real_sweep(store, tiny_base, data, [0, 1]).run()
+    first = real_sweep(store, base, data, [0, 1]).run()
     points = [f"sft[seed={seed},steps={steps}]" for seed in (0, 1) for steps in (2, 3)]
     assert statuses(first) == {"base": "ran", **dict.fromkeys(points, "ran"), "evaluate": "ran"}
     # A point's folder has no glob characters (Orbax globs in a checkpoint's step directory).
     assert Path(first["sft[seed=0,steps=2]"]["path"]).parent == store / "sft(seed=0,steps=2)"
 
-    grown = real_sweep(store, tiny_base, data, [0, 1, 2]).run()
+    grown = real_sweep(store, base, data, [0, 1, 2]).run()
     new = [f"sft[seed=2,steps={steps}]" for steps in (2, 3)]
     assert statuses(grown) == {
         "base": "skipped",

@@ -70,6 +70,19 @@ def episode_runner(cfg: GRPOConfig, bundle: TokenizerBundle, pad_id: int, log: C
     )
 
 
+def rollout_sampler(cfg: GRPOConfig, model_cfg, trainer: Trainer) -> Sampler:
+    """The engine's sampler over `trainer`'s weights as they are laid out (with LoRA: the
+    adapter beside the frozen base, never merged), in the run's rollout dtype."""
+    return Sampler(
+        model_cfg,
+        trainer.cfg.compute,
+        trainer.mesh,
+        trainer.model_param_shardings(),
+        dtype=cfg.rollout_dtype,
+        lora=cfg.lora,
+    )
+
+
 def generate_batch(
     cfg: GRPOConfig,
     sampler: Sampler,
@@ -105,14 +118,7 @@ def worker_main(conn, cfg_tree: dict) -> None:
             cfg = cfg.model_copy(update={"mesh": MeshConfig()})
         holder = Trainer(train_config(cfg, model_cfg, compute))  # never steps: it holds the weights
         holder.model_params({})  # a LoRA run's frozen base, loaded once (nothing without LoRA)
-        sampler = Sampler(
-            model_cfg,
-            holder.cfg.compute,
-            holder.mesh,
-            holder.model_param_shardings(),
-            dtype=cfg.rollout_dtype,
-            lora=cfg.lora,
-        )
+        sampler = rollout_sampler(cfg, model_cfg, holder)
         pad_id = bundle.pad_id if bundle.pad_id is not None else bundle.eos_id
         episodes = episode_runner(cfg, bundle, pad_id, lines.append)
     except Exception as e:  # noqa: BLE001 - reported to the trainer, which names it

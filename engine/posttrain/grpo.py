@@ -44,12 +44,18 @@ import numpy as np
 
 from engine.config import ConfigError
 from engine.data.tokenizer import TokenizerBundle
-from engine.inference.sample import Sampler, decode_completions, prompt_positions
+from engine.inference.sample import decode_completions, prompt_positions
 from engine.models.config import ModelConfig
 from engine.models.lora import LORA_SEED, dropout_rows
 from engine.models.params import apply_model_with_aux, graphdef_of
 from engine.ops.partitioning import use_mesh
-from engine.posttrain.async_rollout import RolloutWorkerError, RolloutWorkers, episode_runner, generate_batch
+from engine.posttrain.async_rollout import (
+    RolloutWorkerError,
+    RolloutWorkers,
+    episode_runner,
+    generate_batch,
+    rollout_sampler,
+)
 from engine.posttrain.config import GRPOConfig, GRPODataConfig, train_config
 from engine.posttrain.environments import EnvironmentFailure
 from engine.posttrain.finetune import finetune_start, read_jsonl
@@ -258,14 +264,7 @@ class RolloutSource:
         # side (trainer.model_params), never a merged copy. Workers have their own samplers.
         self.sampler = None  # a rollout server's sampler is set by run_grpo
         if cfg.rollout_workers == 0 and cfg.rollout is None:
-            self.sampler = Sampler(
-                model_cfg,
-                trainer.cfg.compute,
-                trainer.mesh,
-                trainer.model_param_shardings(),
-                dtype=cfg.rollout_dtype,
-                lora=cfg.lora,
-            )
+            self.sampler = rollout_sampler(cfg, model_cfg, trainer)
         # An environment's episodes replace the single completion (multiturn.py); the workers
         # run their own (a bad factory fails here, before any worker starts).
         self.episodes = episode_runner(cfg, bundle, self.pad_id, self.log)
