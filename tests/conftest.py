@@ -14,6 +14,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import atexit  # noqa: E402
 import glob  # noqa: E402
+import json  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
@@ -134,3 +135,32 @@ def pytest_sessionfinish(session):
     session's temporary directories)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         signal.signal(signal.SIGINT, _exit_quietly)
+
+
+# --------------------------------------------------------------------------- file order
+
+# Each file's recorded seconds (.ci/durations writes them from a JUnit report).
+_DURATIONS = REPO / "tests" / "durations.json"
+
+
+def pytest_configure(config):
+    """xdist's `--no-loadscope-reorder`: whole files go out in collection order (below)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """The test files longest first, each file's tests in their own order. Under
+    `-n 2 --dist loadfile` xdist hands out whole files in collection order (pytest_configure
+    turns off its own order, most tests first, which put the one-test end-to-end
+    files last, so that the suite ended with one worker on a 200-second file and the other
+    idle). Longest first is the classic greedy schedule: the files left at the end are
+    short ones. A file with no figure yet counts as a middling one."""
+    recorded = json.loads(_DURATIONS.read_text()) if _DURATIONS.is_file() else {}
+    middling = float(np.median(list(recorded.values()))) if recorded else 0.0
+    weight = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        weight.setdefault(path, recorded.get(path, middling))
+    first_seen = {path: i for i, path in enumerate(weight)}
+    items.sort(key=lambda item: (-weight[p := item.nodeid.split("::", 1)[0]], first_seen[p]))
