@@ -93,9 +93,16 @@ def peft_logits(model, tokens, mask, grad_weights=None):
     return out
 
 
+def jitted_apply(graphdef, params, *args):
+    """The forward pass compiled as one program (as the engine's trainer and sampler run it):
+    op by op, each of a family's dozens of primitives is dispatched and compiled on its own,
+    and the gradient through them took ~30 s on 2 cores."""
+    return jax.jit(lambda params, *args: apply_model(graphdef, params, *args))(params, *args)
+
+
 def engine_logits(case, adapter, tokens, mask):
     graphdef = graphdef_of(case["cfg"], case["compute"], case["lora"])
-    return apply_model(graphdef, join(adapter, case["base"]), jnp.asarray(tokens), None, jnp.asarray(mask))
+    return jitted_apply(graphdef, join(adapter, case["base"]), jnp.asarray(tokens), None, jnp.asarray(mask))
 
 
 def test_adapter_logits_match_peft(case):
@@ -132,7 +139,7 @@ def test_adapter_gradients_match_torch_autograd(case):
     def objective(adapter):
         return jnp.sum(engine_logits(case, adapter, tokens, mask) * weights)
 
-    grads = jax.grad(objective)(jax.tree.map(jnp.asarray, case["adapter"]))
+    grads = jax.jit(jax.grad(objective))(jax.tree.map(jnp.asarray, case["adapter"]))
     ours = adapter_to_peft(
         case["cfg"], case["lora"], jax.tree.map(np.asarray, grads), scan_layers=case["compute"].scan_layers
     )
@@ -158,7 +165,7 @@ def test_written_adapter_loads_in_peft_with_the_same_logits(case, tmp_path):
 def test_merged_weights_give_the_adapted_logits(case):
     tokens, mask = batch()
     merged = merge_into_base(jax.tree.map(np.asarray, join(case["adapter"], case["base"])), case["lora"].scale)
-    plain = apply_model(
+    plain = jitted_apply(
         graphdef_of(case["cfg"], case["compute"]),
         jax.tree.map(jnp.asarray, merged),
         jnp.asarray(tokens),
@@ -187,8 +194,8 @@ def test_a_fresh_adapter_is_peft_initialised_and_changes_nothing():
     assert np.abs(a).max() <= bound and np.abs(a).max() > 0.8 * bound  # Kaiming-uniform, fan-in d_model
     assert not np.asarray(adapter["blocks"]["mlp"]["w_down_fd_lora_b"]).any()  # B starts at zero
     tokens = jnp.arange(12).reshape(2, 6) % cfg.vocab_size
-    plain = apply_model(graphdef_of(cfg, compute), base, tokens)
-    adapted = apply_model(graphdef_of(cfg, compute, lora), join(adapter, base), tokens)
+    plain = jitted_apply(graphdef_of(cfg, compute), base, tokens)
+    adapted = jitted_apply(graphdef_of(cfg, compute, lora), join(adapter, base), tokens)
     np.testing.assert_array_equal(np.asarray(plain), np.asarray(adapted))
 
 
