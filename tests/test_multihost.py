@@ -33,6 +33,8 @@ from tasks.launch.run import LauncherSpec, commands, run_child
 
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parents[1]
+
 STEPS = 16  # enough for a signal after step 5 to land well before the end
 MESH_2x2 = {"data": 2, "fsdp": 1, "tensor": 2}
 # processes x devices per process -> the mesh; every axis of size > 1 spans processes somewhere.
@@ -78,8 +80,13 @@ def write_config(out: Path, dataset: Path, mesh: dict) -> Path:
     return out / "train.yaml"
 
 
+# LLVM's optimisation level 0, as tests/conftest.py sets for this process: a rank's tiny model
+# spends far more time compiling than running, and every layout compared compiles with it.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+
+
 def launcher(processes: int, devices: int) -> LauncherSpec:
-    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}", "JAX_PLATFORMS": "cpu"}
     return LauncherSpec(kind="local-multi", processes=processes, env=env) if processes > 1 else LauncherSpec(env=env)
 
 
@@ -93,16 +100,27 @@ def params(out: Path) -> list[np.ndarray]:
 
 @pytest.fixture(scope="module")
 def layouts(dataset, tmp_path_factory) -> dict[str, Path]:
-    runs = {}
-    for name, (processes, devices, mesh) in LAYOUTS.items():
-        out = tmp_path_factory.mktemp(name)
-        config = write_config(out, dataset, mesh)
+    """Each layout's run, 16 steps from the same start. The layouts of one shape (2 x 2, and
+    2 x 2 with context parallelism) run one after another in one gang (tests/mh_driver.py): their
+    2 processes start, import and join once."""
+    runs = {
+        name: write_config(tmp_path_factory.mktemp(name), dataset, mesh).parent for name, (*_, mesh) in LAYOUTS.items()
+    }
+    shapes: dict[tuple[int, int], list[str]] = {}
+    for name, (processes, devices, _) in LAYOUTS.items():
+        shapes.setdefault((processes, devices), []).append(name)
+    for (processes, devices), names in shapes.items():
         run_child(
-            [sys.executable, "-m", "engine.train", str(config)],
+            [
+                sys.executable,
+                "-m",
+                "tests.mh_driver",
+                *(f"engine.train.pretrain={runs[n] / 'train.yaml'}" for n in names),
+            ],
             launcher=launcher(processes, devices),
             log=lambda line: None,
+            cwd=REPO,
         )
-        runs[name] = out
     return runs
 
 
