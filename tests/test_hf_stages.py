@@ -36,10 +36,22 @@ def last_json(text: str) -> dict:
     return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
 
 
-def test_convert_then_export_records_lineage_and_skips_when_done(hf_dir, tmp_path, capsys):
-    store = tmp_path / "store"
-    assert main(["convert", str(hf_dir), "--store", str(store)]) == 0
-    converted = last_json(capsys.readouterr().out)
+@pytest.fixture(scope="module")
+def converted(hf_dir, tmp_path_factory) -> tuple[Path, dict]:
+    """One `trainflow convert` of the model into a store, shared by the tests below (each
+    export of it is an artifact of its own)."""
+    import contextlib
+    import io
+
+    store = tmp_path_factory.mktemp("converted") / "store"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["convert", str(hf_dir), "--store", str(store)]) == 0
+    return store, last_json(out.getvalue())
+
+
+def test_convert_then_export_records_lineage_and_skips_when_done(hf_dir, converted, tmp_path, capsys):
+    store, converted = converted
     assert converted["status"] == "ran" and converted["metrics"]["architecture"] == "Qwen3ForCausalLM"
     path = Path(converted["path"])
     manifest = json.loads((path / "artifact.json").read_text())
@@ -68,10 +80,10 @@ def test_convert_then_export_records_lineage_and_skips_when_done(hf_dir, tmp_pat
     assert (tmp_path / "hf_out" / "tokenizer_config.json").is_file()
 
 
-def test_export_out_refuses_an_occupied_folder_and_overwrite_replaces_its_weights(hf_dir, tmp_path, capsys):
-    store, out = tmp_path / "store", tmp_path / "hf_out"
-    assert main(["convert", str(hf_dir), "--store", str(store)]) == 0
-    path = last_json(capsys.readouterr().out)["path"]
+def test_export_out_refuses_an_occupied_folder_and_overwrite_replaces_its_weights(hf_dir, converted, tmp_path, capsys):
+    (store, converted), out = converted, tmp_path / "hf_out"
+    path = converted["path"]
+    exports = sorted((store / "export").glob("*"))  # those of other tests
     out.mkdir()
     stale = ["model.safetensors", "model-00001-of-00002.safetensors", "model.safetensors.index.json"]
     for name in stale:
@@ -80,7 +92,7 @@ def test_export_out_refuses_an_occupied_folder_and_overwrite_replaces_its_weight
     assert main(["export", path, "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {out} is not empty") and "--overwrite" in err
-    assert not (store / "export").exists()  # refused before the stage ran
+    assert sorted((store / "export").glob("*")) == exports  # refused before the stage ran
     assert sorted(p.name for p in out.iterdir()) == sorted(stale)
 
     assert main(["export", path, "--out", str(out), "--overwrite"]) == 0
