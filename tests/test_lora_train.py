@@ -62,13 +62,25 @@ def leaves(tree) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def test_lora_sft_trains_only_the_adapter_and_resumes_bitwise(base, colours, tmp_path):
-    overrides = {**LORA, "optimizer.learning_rate": 3e-2}
-    first = run_sft(sft_config(base, tmp_path / "run", colours, steps=20, **overrides))
+# One uninterrupted LoRA run (dropout on) is the reference of both resume tests below.
+LEARNING = {**LORA, "optimizer.learning_rate": 3e-2, "lora.dropout": 0.1, "checkpoint.every_steps": 4}
+
+
+@pytest.fixture(scope="module")
+def straight(base, colours, tmp_path_factory) -> tuple[Path, dict]:
+    """(run directory, result) of 24 uninterrupted LoRA SFT steps with dropout, checkpointed
+    every 4: what a run resumed in-process and one SIGKILLed mid-run must both end equal to
+    (one reference run, not one per test)."""
+    out = tmp_path_factory.mktemp("lora-straight")
+    return out, run_sft(sft_config(base, out, colours, steps=24, **LEARNING))
+
+
+def test_lora_sft_trains_only_the_adapter_and_resumes_bitwise(base, colours, straight, tmp_path):
+    run, first = straight
     assert first["eval_loss"] < 0.35 * np.log(300), first["eval_loss"]  # it learns, with the base frozen
 
     # The checkpoint is the adapter: A and B of every projection, nothing of the base.
-    directory = tmp_path / "run" / "checkpoint"
+    directory = run / "checkpoint"
     _, meta = read_meta(directory)
     assert meta["lora"]["rank"] == 4 and meta["lora"]["base_checkpoint"] == str(base / "checkpoint")
     params, opt = restore_adapter(directory), restore_adapter(directory, "opt_state")
@@ -78,16 +90,16 @@ def test_lora_sft_trains_only_the_adapter_and_resumes_bitwise(base, colours, tmp
     assert sum(v.size for v in opt.values()) <= 2 * adapter_size + 8  # Adam's moments of the adapter alone
     assert all(k.endswith(("_lora_a']", "_lora_b']")) for k in opt if "mu" in k or "nu" in k)
 
-    # Interrupted at 10 and resumed to 20 == 20 straight.
-    run_sft(sft_config(base, tmp_path / "split", colours, steps=10, **overrides))
+    # Interrupted at 12 and resumed to 24 == 24 straight (dropout masks included).
+    run_sft(sft_config(base, tmp_path / "split", colours, steps=12, **LEARNING))
     logs = []
-    run_sft(sft_config(base, tmp_path / "split", colours, steps=20, **overrides), log=logs.append)
-    assert any("resumed from checkpoint step 10" in line for line in logs)
-    straight = restore_adapter(tmp_path / "run" / "checkpoint")
+    run_sft(sft_config(base, tmp_path / "split", colours, steps=24, **LEARNING), log=logs.append)
+    assert any("resumed from checkpoint step 12" in line for line in logs)
+    straight_adapter = restore_adapter(run / "checkpoint")
     resumed = restore_adapter(tmp_path / "split" / "checkpoint")
-    assert straight.keys() == resumed.keys()
-    for key in straight:
-        np.testing.assert_array_equal(straight[key], resumed[key], err_msg=key)
+    assert straight_adapter.keys() == resumed.keys()
+    for key in straight_adapter:
+        np.testing.assert_array_equal(straight_adapter[key], resumed[key], err_msg=key)
 
 
 def restore_adapter(directory: Path, item: str = "params") -> dict[str, np.ndarray]:
@@ -215,22 +227,21 @@ def test_the_preflight_prices_the_adapter_and_the_frozen_base_and_names_lora_amo
     assert "lora.base_dtype: nf4" in knobs(lora_cfg) and "lora: {rank" not in knobs(lora_cfg)
 
 
-def test_a_lora_run_killed_with_sigkill_resumes_and_ends_bitwise_equal(base, colours, tmp_path):
+def test_a_lora_run_killed_with_sigkill_resumes_and_ends_bitwise_equal(base, colours, straight, tmp_path):
     """SIGKILL the engine's process mid-run (asynchronous checkpoints, so possibly mid-save);
     the rerun resumes from the newest committed step and its adapter equals an uninterrupted
     run's bit for bit, dropout masks included (they are drawn from the seed and the step)."""
     from engine.config import to_yaml
     from tests.engine_kill import kill_then_resume
 
-    overrides = {**LORA, "optimizer.learning_rate": 3e-2, "checkpoint.every_steps": 4, "lora.dropout": 0.1}
-    straight = run_sft(sft_config(base, tmp_path / "straight", colours, steps=24, **overrides))
-    cfg = sft_config(base, tmp_path / "killed", colours, steps=24, **overrides, **{"checkpoint.async_save": True})
+    run, result = straight
+    cfg = sft_config(base, tmp_path / "killed", colours, steps=24, **LEARNING, **{"checkpoint.async_save": True})
     (tmp_path / "killed").mkdir()
     (tmp_path / "killed" / "sft.yaml").write_text(to_yaml(cfg))
     checkpoints = tmp_path / "killed" / "checkpoint"
     kill_then_resume("engine.posttrain.sft", tmp_path / "killed" / "sft.yaml", checkpoints, after_step=8)
-    a, b = restore_adapter(tmp_path / "straight" / "checkpoint"), restore_adapter(checkpoints)
-    assert a.keys() == b.keys() and straight["steps"] == 24
+    a, b = restore_adapter(run / "checkpoint"), restore_adapter(checkpoints)
+    assert a.keys() == b.keys() and result["steps"] == 24
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
