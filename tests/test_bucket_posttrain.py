@@ -22,6 +22,8 @@ from tests.test_object_store import boto3, bucket, s3_endpoint  # noqa: F401  (m
 pytestmark = pytest.mark.slow
 
 
+# The ranks compile at LLVM's optimisation level 0, as tests/conftest.py sets for this process:
+# the tiny models spend far more time compiling than running.
 QUICKSTART_ON_A_BUCKET = """
 name: bucket-posttrain
 stages:
@@ -41,7 +43,10 @@ stages:
   sft:
     task: sft
     inputs: {checkpoint: pretrain, corpus: problems}
-    launcher: {kind: local-multi, processes: 2, env: {XLA_FLAGS: --xla_force_host_platform_device_count=1}}
+    launcher:
+      kind: local-multi
+      processes: 2
+      env: {XLA_FLAGS: "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"}
     config:
       steps: 2
       mesh: {data: 2}
@@ -50,7 +55,10 @@ stages:
   grpo:
     task: grpo
     inputs: {checkpoint: sft, corpus: problems}
-    launcher: {kind: local-multi, processes: 2, env: {XLA_FLAGS: --xla_force_host_platform_device_count=1}}
+    launcher:
+      kind: local-multi
+      processes: 2
+      env: {XLA_FLAGS: "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"}
     config:
       steps: 2
       mesh: {data: 2}
