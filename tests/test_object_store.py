@@ -7,6 +7,7 @@ and credentials from the environment, as a user's would.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -80,7 +81,8 @@ def bucket(s3_endpoint) -> str:
 
 def trainflow(*args, check: bool = True, env: dict | None = None, timeout: float = 600):
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    full_env.pop("XLA_FLAGS", None)
+    # One CPU device, LLVM -O0 as the test process compiles (tests/conftest.py): the fastest compile.
+    full_env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
     # CPU only: a TPU runtime plugin installed beside jax (libtpu) aborts the process at exit
     # ("FATAL: exception not rethrown") on machines without a TPU.
     full_env.setdefault("JAX_PLATFORMS", "cpu")
@@ -137,6 +139,15 @@ def finished(prefect_server, s3_endpoint, tmp_path_factory):
     return store, pipeline, proc
 
 
+def pretrain_id(finished) -> str:
+    """The pretrain artifact's id, from the lineage line `trainflow run` printed (the tests that
+    only need the id start no `trainflow ls` of their own: test_verify_and_lineage_on_s3 checks
+    that listing)."""
+    store, _, proc = finished
+    (artifact,) = re.findall(rf"\(trainflow lineage {re.escape(store)}/pretrain/([0-9a-f]+)\)", proc.stdout)
+    return artifact
+
+
 def test_tiny_pipeline_on_s3_every_stage_complete(finished):
     store, pipeline, _ = finished
     status = json.loads(trainflow("status", pipeline, "--store", store, f"pretrain.steps={STEPS}", "--json").stdout)
@@ -155,6 +166,7 @@ def test_verify_and_lineage_on_s3(finished):
     store, pipeline, _ = finished
     rows = json.loads(trainflow("ls", "--store", store, "--json").stdout)
     pretrain = next(r for r in rows if r["stage"] == "pretrain")
+    assert pretrain["id"] == pretrain_id(finished)
     out = trainflow("verify", pretrain["id"], "--store", store).stdout
     assert out.startswith(f"OK {store}/pretrain/{pretrain['id']}")
     out = trainflow("verify", f"{store}/pretrain/{pretrain['id']}").stdout  # the artifact's URL works too
@@ -183,13 +195,11 @@ def test_rerun_on_s3_skips_everything(finished):
 def test_generate_from_a_bucket_artifact_on_a_fresh_machine(finished, tmp_path):
     """`generate` downloads the checkpoint (verified) into an empty cache and samples from it."""
     store, _, _ = finished
-    pretrain_id = next(
-        r["id"] for r in json.loads(trainflow("ls", "--store", store, "--json").stdout) if r["stage"] == "pretrain"
-    )
+    artifact = pretrain_id(finished)
     cache = tmp_path / "fresh"
     proc = trainflow(
         "generate",
-        pretrain_id,
+        artifact,
         "--store",
         store,
         "--prompt",
@@ -202,14 +212,13 @@ def test_generate_from_a_bucket_artifact_on_a_fresh_machine(finished, tmp_path):
         env={"TRAINFLOW_CACHE": str(cache)},
     )
     assert json.loads(proc.stdout.strip().splitlines()[-1])["prompt"] == "import"
-    assert list(cache.glob(f"*/pretrain/{pretrain_id}/checkpoint/{STEPS}/digests.json"))
+    assert list(cache.glob(f"*/pretrain/{artifact}/checkpoint/{STEPS}/digests.json"))
 
 
 def test_tampered_checkpoint_object_fails_verify(finished, tmp_path):
     """Runs last in this module: it damages the store the tests above share."""
     store, _, _ = finished
-    rows = json.loads(trainflow("ls", "--store", store, "--json").stdout)
-    pretrain = next(r for r in rows if r["stage"] == "pretrain")
+    artifact = pretrain_id(finished)
     bucket, prefix = store.removeprefix("s3://").split("/", 1)
     client = boto3.client("s3")
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/pretrain/")["Contents"]]
@@ -220,7 +229,7 @@ def test_tampered_checkpoint_object_fails_verify(finished, tmp_path):
     body = bytearray(client.get_object(Bucket=bucket, Key=victim)["Body"].read())
     body[len(body) // 2] ^= 0xFF
     client.put_object(Bucket=bucket, Key=victim, Body=bytes(body))
-    proc = trainflow("verify", pretrain["id"], "--store", store, check=False)
+    proc = trainflow("verify", artifact, "--store", store, check=False)
     assert proc.returncode == 1
     assert "sha256 differs" in proc.stderr and victim.rsplit("/checkpoint/", 1)[1] in proc.stderr
 
