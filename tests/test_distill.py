@@ -44,6 +44,10 @@ from tests.test_sft import MODEL, base, sft_config  # noqa: F401  (a random tiny
 
 STUDENT = dict(MODEL, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=32)  # narrower, shallower
 
+# A stage's engine process on one device at LLVM -O0 (the test session's level): its few steps
+# are mostly compilation, which -O0 does in about half the time of the default -O2.
+ONE_DEVICE_ENV = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
+
 
 def random_checkpoint(out: Path, model: dict, tokenizer: Path) -> Path:
     """An artifact directory: checkpoint/ (random weights of `model`) and a copy of `tokenizer`."""
@@ -144,7 +148,7 @@ def held_out_nll(cfg: DistillConfig, checkpoint: Path) -> float:
     model_cfg, compute, bundle = finetune_start(cfg)
     _, held_out = load_examples(cfg.data, bundle)
     stored, params, _ = load_params(checkpoint)
-    loss_fn = lm_loss_fn(graphdef_of(stored, compute))
+    loss_fn = jax.jit(lm_loss_fn(graphdef_of(stored, compute)))  # one program, not op by op
     nll = tokens = 0.0
     for rows in eval_batches(held_out, seq_len=cfg.data.seq_len, rows_per_batch=8, packing=True):
         _, aux = loss_fn(params, rows, 1.0)
@@ -300,7 +304,7 @@ def test_distill_is_a_pipeline_stage_with_both_lineage_edges_and_a_plan(
         "distill",
         task="distill",
         inputs={"checkpoint": small, "teacher": big},
-        launcher={"kind": "local", "env": {"XLA_FLAGS": ""}},
+        launcher={"kind": "local", "env": ONE_DEVICE_ENV},
         config={
             "data": {"path": str(colours), "seq_len": 32, "batch_size": 8, "eval_fraction": 0.1},
             "lmbda": 0.5,
