@@ -298,7 +298,12 @@ def test_the_manifest_records_the_launcher(tmp_path):
 
 # --------------------------------------------------------------------------- one pretrain stage, three launchers
 
-RANK_ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+# LLVM's optimisation level 0, as tests/conftest.py sets for this process: the tiny model
+# spends far more time compiling than running, and every launcher's ranks compile with it.
+RANK_ENV = {
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0",
+    "JAX_PLATFORMS": "cpu",
+}
 LAYOUT = {"processes": 2, "devices": 2, "mesh": {"data": 2, "expert": 1, "fsdp": 1, "context": 1, "tensor": 1}}
 
 
