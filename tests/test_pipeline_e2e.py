@@ -52,7 +52,8 @@ PIPELINE = {
 
 def trainflow_env() -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("XLA_FLAGS", None)  # one CPU device: the fastest compile
+    # One CPU device, LLVM -O0 as the test process compiles (tests/conftest.py): the fastest compile.
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
     return env
 
 
