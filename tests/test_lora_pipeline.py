@@ -26,7 +26,9 @@ from flows.spec import Pipeline  # noqa: E402
 from tasks.artifacts import read_manifest  # noqa: E402
 from tasks.runner import RAN, execute_stage  # noqa: E402
 
-ONE_DEVICE = {"kind": "local", "env": {"XLA_FLAGS": ""}}
+# The SFT stage's process on one device at LLVM -O0 (the test session's level): its few steps
+# are mostly compilation, which -O0 does in about half the time of the default -O2.
+ONE_DEVICE = {"kind": "local", "env": {"XLA_FLAGS": "--xla_backend_optimization_level=0"}}
 
 
 @pytest.fixture(scope="module")
