@@ -370,7 +370,7 @@ def test_reward_model_is_a_stage_that_grpo_scores_with_and_export_writes(base, p
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"colour {i}:"}) + "\n" for i in range(3)))
-    one_device = {"kind": "local", "env": {"XLA_FLAGS": "--xla_backend_optimization_level=0"}}  # -O0: faster compiles
+    one_device = {"kind": "local", "env": {"XLA_FLAGS": ""}}
     p = Pipeline("rm", store=tmp_path / "store")
     start = p.stage("base", task="test-checkpoint-copy", config={"path": str(base)})
     rm = p.stage(
