@@ -37,7 +37,8 @@ from tasks.stages.engine_stage import with_logged_finals
 from tasks.store import base as store_base
 from tests.conftest import REPO
 
-ONE_DEVICE = {"kind": "local", "env": {"XLA_FLAGS": ""}}  # the engine child compiles fastest on one device
+# The engine child compiles fastest on one device, at LLVM -O0 as the test process does (tests/conftest.py).
+ONE_DEVICE = {"kind": "local", "env": {"XLA_FLAGS": "--xla_backend_optimization_level=0"}}
 
 
 def data_pipeline(store: Path, *, pretrain: bool = False) -> Pipeline:
