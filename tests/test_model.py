@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from engine.config import load_config
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.models.params import apply_model, init_params
+from engine.models.params import apply_model, graphdef_of, init_params
 from engine.models.rope import apply_rope, rope_inverse_frequencies
 from engine.models.transformer import Transformer
 from engine.train.config import TrainConfig
@@ -42,21 +42,28 @@ def test_a_documents_logits_in_a_packed_row_equal_its_logits_alone():
     assert np.abs(np.asarray(unsegmented[0, 9:22] - alone_b[0])).max() > 1e-3
 
 
+_NO_REMAT: dict = {}  # the parameters and gradients without remat
+
+
 @pytest.mark.parametrize("unroll", [ODD["num_layers"], 1], ids=["unrolled", "loop"])
 @pytest.mark.parametrize("remat", ["full", "save_dots", "save_qkv_proj"])
 def test_remat_changes_memory_not_math(remat, unroll):
+    """The gradients under each remat policy, the layer loop rolled or unrolled, equal those
+    without remat (computed once for every case)."""
     base = ModelConfig(**ODD)
-    model = Transformer(base, ComputeConfig(scan_unroll=1), rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(model)
-    params = nnx.to_pure_dict(state)
-    remat_graphdef = nnx.split(Transformer(base, ComputeConfig(remat=remat, scan_unroll=unroll), rngs=nnx.Rngs(0)))[0]
+    remat_graphdef = graphdef_of(base, ComputeConfig(remat=remat, scan_unroll=unroll))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 37, (2, 11)))
 
-    def loss(gd, p):
-        return jnp.mean(apply_model(gd, p, tokens) ** 2)
+    def grad(gd, p):
+        return jax.jit(jax.grad(lambda p: jnp.mean(apply_model(gd, p, tokens) ** 2)))(p)
 
-    g0 = jax.grad(loss, argnums=1)(graphdef, params)
-    g1 = jax.grad(loss, argnums=1)(remat_graphdef, params)
+    if "remat" not in _NO_REMAT:
+        model = Transformer(base, ComputeConfig(scan_unroll=1), rngs=nnx.Rngs(0))
+        graphdef, state = nnx.split(model)
+        params = nnx.to_pure_dict(state)
+        _NO_REMAT["remat"] = params, grad(graphdef, params)
+    params, g0 = _NO_REMAT["remat"]
+    g1 = grad(remat_graphdef, params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g0, g1)
 
 
@@ -70,7 +77,7 @@ def test_scanned_and_unrolled_layers_compute_the_same_function():
     for key in ("embed_vd", "final_norm", "lm_head_dv"):
         unrolled[key] = scanned[key]
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 37, (2, 7)))
-    a = apply_model(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[0], scanned, tokens)
+    a = apply_model(graphdef_of(cfg, ComputeConfig()), scanned, tokens)
     b = apply_model(graphdef, unrolled, tokens)
     np.testing.assert_allclose(a, b, atol=1e-5)
 
