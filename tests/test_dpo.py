@@ -184,7 +184,8 @@ def test_sequence_log_probs_equal_transformers_on_a_converted_model(tmp_path):
         for n, c, r in ((3, 5, 2), (6, 1, 7), (2, 9, 4))
     ]  # odd, unequal lengths
     rows = pair_rows(pairs, 16)
-    ours = np.asarray(make_logps_fn(graphdef_of(cfg, compute))(params, {k: jnp.asarray(v) for k, v in rows.items()}))
+    logps = jax.jit(make_logps_fn(graphdef_of(cfg, compute)))  # one program, not op by op
+    ours = np.asarray(logps(params, {k: jnp.asarray(v) for k, v in rows.items()}))
     for i, pair in enumerate(pairs):
         for j, completion in enumerate((pair.chosen, pair.rejected)):
             ids = torch.tensor(np.concatenate([pair.prompt, completion]))[None]
