@@ -292,7 +292,9 @@ def test_sweep_selection_gates_and_a_step_input_on_the_s3_store(prefect_server, 
 
 # --------------------------------------------------------------------------- real stages
 
-ONE_DEVICE = {"kind": "local", "env": {"XLA_FLAGS": ""}}  # the fastest compile in the children
+# One device and LLVM -O0 in the children, as the test process compiles (tests/conftest.py): the
+# fastest compile.
+ONE_DEVICE = {"kind": "local", "env": {"XLA_FLAGS": "--xla_backend_optimization_level=0"}}
 COLOURS = ["red", "green", "blue"]
 
 
@@ -330,21 +332,21 @@ def test_a_real_sft_sweep_fans_into_one_evaluate_and_a_grown_grid_trains_only_it
         )
     )
     store = tmp_path / "store"
-    first = real_sweep(store, base, data, [0, 1]).run()
-    points = [f"sft[seed={seed},steps={steps}]" for seed in (0, 1) for steps in (2, 3)]
+    first = real_sweep(store, base, data, [0]).run()
+    points = [f"sft[seed=0,steps={steps}]" for steps in (2, 3)]
     assert statuses(first) == {"base": "ran", **dict.fromkeys(points, "ran"), "evaluate": "ran"}
     # A point's folder has no glob characters (Orbax globs in a checkpoint's step directory).
     assert Path(first["sft[seed=0,steps=2]"]["path"]).parent == store / "sft(seed=0,steps=2)"
 
-    grown = real_sweep(store, base, data, [0, 1, 2]).run()
-    new = [f"sft[seed=2,steps={steps}]" for steps in (2, 3)]
+    grown = real_sweep(store, base, data, [0, 1]).run()
+    new = [f"sft[seed=1,steps={steps}]" for steps in (2, 3)]
     assert statuses(grown) == {
         "base": "skipped",
         **dict.fromkeys(points, "skipped"),
         **dict.fromkeys(new, "ran"),
         "evaluate": "ran",
     }
-    # The four points it had are the first run's artifacts.
+    # The two points it had are the first run's artifacts.
     assert {p: grown[p]["artifact_id"] for p in points} == {p: first[p]["artifact_id"] for p in points}
     # The evaluate's report has every point, each at the step its own config trained to.
     evaluate = Path(grown["evaluate"]["path"])
@@ -352,4 +354,4 @@ def test_a_real_sft_sweep_fans_into_one_evaluate_and_a_grown_grid_trains_only_it
     want = {f"models[{p[4:-1]}]": int(p[-2]) for p in points + new}
     assert {name: metrics["step"] for name, metrics in report["models"].items()} == want
     rows = read_manifest(evaluate)["decisions"]["sweep"]["models"]
-    assert [row["point"] for row in rows] == [f"sft[seed={seed},steps={s}]" for seed in (0, 1, 2) for s in (2, 3)]
+    assert [row["point"] for row in rows] == [f"sft[seed={seed},steps={s}]" for seed in (0, 1) for s in (2, 3)]
