@@ -55,11 +55,13 @@ def test_blocked_attention_with_sinks_equals_the_reference_in_values_and_gradien
     valid = (SEGMENTS != 0)[:, :, None, None]
 
     def run(fn):
-        def loss(q, k, v, sinks):
-            return jnp.sum(fn(q, k, v, sinks) * probe * valid)
+        """Outputs and d(sum(out * probe))/d(q, k, v, sinks): one program, the forward once."""
 
-        out = jax.jit(fn)(q, k, v, sinks)
-        return out * valid, jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+        def values_and_grads(q, k, v, sinks):
+            out, vjp = jax.vjp(fn, q, k, v, sinks)
+            return out * valid, vjp(probe * valid)
+
+        return jax.jit(values_and_grads)(q, k, v, sinks)
 
     blocked = run(
         lambda q, k, v, s: blocked_attention(q, k, v, SEGMENTS, scale=0.4, window=window, block=block, sinks_n=s)
@@ -70,7 +72,7 @@ def test_blocked_attention_with_sinks_equals_the_reference_in_values_and_gradien
         np.testing.assert_allclose(got, want, atol=2e-5, err_msg=f"d{name}")
     assert float(jnp.abs(reference[1][3]).min()) > 1e-3  # every head's sink has a gradient
     # the sinks take probability mass: without them the output is another one
-    plain = reference_attention(q, k, v, SEGMENTS, scale=0.4, window=window)
+    plain = jax.jit(lambda q, k, v: reference_attention(q, k, v, SEGMENTS, scale=0.4, window=window))(q, k, v)
     assert float(jnp.abs((plain - reference[0]) * valid).max()) > 1e-2
 
 
@@ -99,10 +101,11 @@ def test_splash_with_sinks_under_a_mesh_equals_the_reference_in_values_and_gradi
         def fn(q, k, v, s):
             return attention(q, k, v, segments, impl=impl, scale=0.3, window=7, local=True, sinks_n=s)
 
-        def loss(q, k, v, s):
-            return jnp.sum(fn(q, k, v, s) * probe * valid)
+        def values_and_grads(q, k, v, s):  # one program: the forward once, its vjp with probe * valid
+            out, vjp = jax.vjp(fn, q, k, v, s)
+            return out * valid, vjp(probe * valid)
 
-        return jax.jit(fn)(q, k, v, sinks) * valid, jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+        return jax.jit(values_and_grads)(q, k, v, sinks)
 
     mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 1, 1, 1, 2), MESH_AXES)
     with use_mesh(mesh), warnings.catch_warnings():

@@ -469,7 +469,7 @@ def test_expert_parallel_dropless_with_a_tensor_axis_equals_the_plain_dropless(w
     def loss(fn, x, w, b):
         return jnp.sum(jnp.sin(fn(x, experts, weights, *w, glu, b)))
 
-    plain = jax.value_and_grad(lambda *a: loss(dropless_experts, *a), argnums=(0, 1, 2))(x, w, b)
+    plain = jax.jit(jax.value_and_grad(lambda *a: loss(dropless_experts, *a), argnums=(0, 1, 2)))(x, w, b)
     ep = partial(moe_ep.expert_parallel_dropless, mesh=mesh)
     compiled = (
         jax.jit(jax.value_and_grad(lambda *a: loss(lambda *c: ep(*c[:7], biases=c[7]), *a), argnums=(0, 1, 2)))
@@ -483,11 +483,10 @@ def test_expert_parallel_dropless_with_a_tensor_axis_equals_the_plain_dropless(w
         np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5 * float(np.abs(theirs).max()))
 
 
-@pytest.mark.parametrize("rate", [1e-3, 0.0])
-def test_a_choosing_bias_moves_against_its_layers_load_imbalance_and_nothing_else_changes(rate):
-    """DeepSeek-V3's auxiliary-loss-free balancing: each step every MoE layer's routing bias
-    moves by `rate` per expert, down for experts over the mean load, up under it; the other
-    parameters get AdamW's update exactly as without the bias, and rate 0 keeps it as loaded."""
+@pytest.fixture(scope="module")
+def deepseek_step():
+    """The tiny DeepSeek-V3's parameters (a routing bias set), its gradients and aux on one
+    batch: the same for every rate, so computed once."""
     cfg = ModelConfig.model_validate(
         yaml.safe_load((REPO / "configs" / "models" / "tiny-deepseek-v3.yaml").read_text())
     )
@@ -504,6 +503,15 @@ def test_a_choosing_bias_moves_against_its_layers_load_imbalance_and_nothing_els
         "loss_mask": np.ones((4, 16), np.float32),
     }
     (_, aux), grads = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef), has_aux=True))(params, batch, 64.0)
+    return params, grads, aux
+
+
+@pytest.mark.parametrize("rate", [1e-3, 0.0])
+def test_a_choosing_bias_moves_against_its_layers_load_imbalance_and_nothing_else_changes(rate, deepseek_step):
+    """DeepSeek-V3's auxiliary-loss-free balancing: each step every MoE layer's routing bias
+    moves by `rate` per expert, down for experts over the mean load, up under it; the other
+    parameters get AdamW's update exactly as without the bias, and rate 0 keeps it as loaded."""
+    params, grads, aux = deepseek_step
     # The bias's gradient is each layer's imbalance: the per-layer loads, minus their mean.
     imbalance = np.asarray(grads["blocks"]["mlp"]["b_router_e"])
     assert imbalance.shape == (2, 8) and np.allclose(imbalance.sum(-1), 0, atol=1e-6) and np.abs(imbalance).max() > 0
