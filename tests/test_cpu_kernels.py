@@ -251,10 +251,14 @@ def kernel_and_reference(q, k, v, d_out, segments, window):
     valid = (segments != 0)[:, :, None, None]
     ker = lambda q, k, v: cpu_kernels.train_attention(q, k, v, segments, scale, window or 0)  # noqa: E731
     ref = lambda q, k, v: reference_attention(q, k, v, segments, scale=scale, window=window)  # noqa: E731
-    out, vjp = jax.vjp(jax.jit(ker), q, k, v)
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    ref_out, ref_vjp = jax.vjp(ref, *f32)
-    return (jnp.where(valid, out, 0), vjp(d_out)), (jnp.where(valid, ref_out, 0), ref_vjp(d_out.astype(jnp.float32)))
+
+    def values_and_grads(fn, q, k, v, d_out):  # one program each: the forward, its vjp with d_out
+        out, vjp = jax.vjp(fn, q, k, v)
+        return jnp.where(valid, out, 0), vjp(d_out)
+
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, d_out)]
+    run = jax.jit(values_and_grads, static_argnums=0)
+    return run(ker, q, k, v, d_out), run(ref, *f32)
 
 
 # Row 0: two documents and padding; row 1: one document; row 2: a document id that comes back
@@ -336,11 +340,12 @@ def test_under_a_mesh_the_kernel_runs_per_shard_and_equals_blocked(shape):
         def fn(q, k, v):
             return attention.attention(q, k, v, segments, impl=impl, scale=0.25, window=9, local=True)
 
-        def loss(q, k, v):
-            return jnp.sum(fn(q, k, v) * probe * valid)
+        def values_and_grads(q, k, v):  # one program: the forward, its vjp with probe * valid
+            out, vjp = jax.vjp(fn, q, k, v)
+            return out * valid, vjp(probe * valid)
 
-        hlo = jax.jit(fn).lower(q, k, v).compile().as_text()
-        return jax.jit(fn)(q, k, v) * valid, jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v), hlo
+        compiled = jax.jit(values_and_grads).lower(q, k, v).compile()
+        return *compiled(q, k, v), compiled.as_text()
 
     mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(shape), MESH_AXES)
     with use_mesh(mesh):
