@@ -6,7 +6,8 @@ import os
 # for XLA:CPU's generated kernels: the suite's tiny models spend far more time compiling than
 # running, and level 0 compiles them in about half the time (the HLO, and so every test of
 # the compiled program's structure, is the same; products run in YNNPACK either way).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+FAST_COMPILE = "--xla_backend_optimization_level=0"
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -26,6 +27,13 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def child_xla_flags(devices: int = 1) -> str:
+    """XLA_FLAGS for an engine process a test starts: `devices` simulated CPU devices (this
+    process has 8), compiled at LLVM -O0 as this process compiles. A child given an XLA_FLAGS
+    without the level compiles at XLA's default -O2, about twice as slow for these tiny models."""
+    return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
 
 
 def stdlib_files(limit: int | None = None) -> list[str]:

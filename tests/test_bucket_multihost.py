@@ -40,7 +40,8 @@ from tasks.registry import StageContext, StageHooks, StageKind
 from tasks.runner import RAN, RESUMED, StageJob, execute_stage
 from tasks.stages.pretrain import PretrainStage
 from tasks.store.objects import read_url
-from tests.test_multihost import FAST_COMPILE, stdlib_bytes
+from tests.conftest import child_xla_flags
+from tests.test_multihost import stdlib_bytes
 from tests.test_object_store import boto3, bucket, s3_endpoint  # noqa: F401  (moto S3 fixtures)
 
 pytestmark = pytest.mark.slow
@@ -67,7 +68,7 @@ class ByteDataset(StageKind):
 
 
 def _launcher(processes: int, devices: int) -> LauncherSpec:
-    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}", "JAX_PLATFORMS": "cpu"}
+    env = {"XLA_FLAGS": child_xla_flags(devices), "JAX_PLATFORMS": "cpu"}
     return LauncherSpec(kind="local-multi", processes=processes, env=env) if processes > 1 else LauncherSpec(env=env)
 
 

@@ -38,6 +38,7 @@ from engine.posttrain.sft import eval_batches, load_examples, run_sft
 from engine.train.checkpoint import Checkpointer, load_params
 from engine.train.step import lm_loss_fn
 from engine.train.trainer import Trainer, TrainState
+from tests.conftest import child_xla_flags
 from tests.engine_kill import kill_then_resume
 from tests.test_lora_train import colours  # noqa: F401  ('colour i:' -> the i-th of three colours, 60 lines)
 from tests.test_sft import MODEL, base, sft_config  # noqa: F401  (a random tiny checkpoint artifact)
@@ -46,7 +47,7 @@ STUDENT = dict(MODEL, d_model=16, num_layers=1, num_heads=2, num_kv_heads=1, mlp
 
 # A stage's engine process on one device at LLVM -O0 (the test session's level): its few steps
 # are mostly compilation, which -O0 does in about half the time of the default -O2.
-ONE_DEVICE_ENV = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
+ONE_DEVICE_ENV = {"XLA_FLAGS": child_xla_flags()}
 
 
 def random_checkpoint(out: Path, model: dict, tokenizer: Path) -> Path:

@@ -16,13 +16,14 @@ from engine.data.tokenizer import load_saved
 from engine.posttrain.config import DPOConfig
 from engine.posttrain.dpo import CHOSEN, REJECTED, load_pairs, pair_rows, run_dpo, tokenize_pair
 from engine.train.checkpoint import load_params
+from tests.conftest import child_xla_flags
 from tests.test_lora_train import base  # noqa: F401  (a tiny checkpoint artifact, init std 0.25)
 
 NAMES = ["red", "green", "blue"]
 
 # A stage's engine process on one device at LLVM -O0 (the test session's level): its few steps
 # are mostly compilation, which -O0 does in about half the time of the default -O2.
-ONE_DEVICE_ENV = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
+ONE_DEVICE_ENV = {"XLA_FLAGS": child_xla_flags()}
 
 
 @pytest.fixture(scope="module")

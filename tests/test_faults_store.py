@@ -35,10 +35,10 @@ from tasks.registry import StageContext, StageHooks, StageKind, register_stage, 
 from tasks.runner import RAN, RESUMED, SKIPPED, execute_stage
 from tasks.stages.engine_stage import with_logged_finals
 from tasks.store import base as store_base
-from tests.conftest import REPO
+from tests.conftest import REPO, child_xla_flags
 
 # The engine child compiles fastest on one device, at LLVM -O0 as the test process does (tests/conftest.py).
-ONE_DEVICE = {"kind": "local", "env": {"XLA_FLAGS": "--xla_backend_optimization_level=0"}}
+ONE_DEVICE = {"kind": "local", "env": {"XLA_FLAGS": child_xla_flags()}}
 
 
 def data_pipeline(store: Path, *, pretrain: bool = False) -> Pipeline:

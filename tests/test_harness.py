@@ -46,6 +46,7 @@ from engine.train.checkpoint import save_params  # noqa: E402
 from flows.spec import Pipeline  # noqa: E402
 from tasks.artifacts import read_manifest  # noqa: E402
 from tasks.runner import RAN, execute_stage  # noqa: E402
+from tests.conftest import child_xla_flags  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = [
@@ -64,7 +65,7 @@ DOCUMENTS = [  # the second is longer than max_length: several rolling windows
 ]
 MAX_LENGTH = 24
 # Child processes on one device (compiles faster); the adapter's sharding is tested in-process.
-ONE_DEVICE_ENV = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
+ONE_DEVICE_ENV = {"XLA_FLAGS": child_xla_flags()}
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ from tasks.launch.gang import GANG_GRACE_SECONDS, terminate_children
 from tasks.launch.run import Interrupted, LauncherSpec, StageConfigError, StageFailed, commands, run_child
 from tasks.registry import StageHooks
 from tasks.runner import execute_stage
+from tests.conftest import child_xla_flags
 
 # A stand-in for one rank of an engine: its role is argv[2 + rank].
 RANK = r"""
@@ -301,7 +302,7 @@ def test_the_manifest_records_the_launcher(tmp_path):
 # LLVM's optimisation level 0, as tests/conftest.py sets for this process: the tiny model
 # spends far more time compiling than running, and every launcher's ranks compile with it.
 RANK_ENV = {
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0",
+    "XLA_FLAGS": child_xla_flags(),
     "JAX_PLATFORMS": "cpu",
 }
 LAYOUT = {"processes": 2, "devices": 2, "mesh": {"data": 2, "expert": 1, "fsdp": 1, "context": 1, "tensor": 1}}

@@ -25,10 +25,11 @@ from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from flows.spec import Pipeline  # noqa: E402
 from tasks.artifacts import read_manifest  # noqa: E402
 from tasks.runner import RAN, execute_stage  # noqa: E402
+from tests.conftest import child_xla_flags  # noqa: E402
 
 # The SFT stage's process on one device at LLVM -O0 (the test session's level): its few steps
 # are mostly compilation, which -O0 does in about half the time of the default -O2.
-ONE_DEVICE = {"kind": "local", "env": {"XLA_FLAGS": "--xla_backend_optimization_level=0"}}
+ONE_DEVICE = {"kind": "local", "env": {"XLA_FLAGS": child_xla_flags()}}
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from engine.data.shards import write_dataset
 from engine.train.checkpoint import load_params
 from tasks.launch.gang import child_env
 from tasks.launch.run import LauncherSpec, commands, run_child
+from tests.conftest import child_xla_flags
 
 pytestmark = pytest.mark.slow
 
@@ -80,13 +81,8 @@ def write_config(out: Path, dataset: Path, mesh: dict) -> Path:
     return out / "train.yaml"
 
 
-# LLVM's optimisation level 0, as tests/conftest.py sets for this process: a rank's tiny model
-# spends far more time compiling than running, and every layout compared compiles with it.
-FAST_COMPILE = "--xla_backend_optimization_level=0"
-
-
 def launcher(processes: int, devices: int) -> LauncherSpec:
-    env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}", "JAX_PLATFORMS": "cpu"}
+    env = {"XLA_FLAGS": child_xla_flags(devices), "JAX_PLATFORMS": "cpu"}
     return LauncherSpec(kind="local-multi", processes=processes, env=env) if processes > 1 else LauncherSpec(env=env)
 
 

@@ -22,7 +22,7 @@ import yaml
 from etils.epath import backend as epath_backend
 
 from engine.train.checkpoint import Checkpointer, verify_step
-from tests.conftest import REPO
+from tests.conftest import REPO, child_xla_flags
 
 moto_server = pytest.importorskip("moto.server")
 boto3 = pytest.importorskip("boto3")
@@ -82,7 +82,7 @@ def bucket(s3_endpoint) -> str:
 def trainflow(*args, check: bool = True, env: dict | None = None, timeout: float = 600):
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     # One CPU device, LLVM -O0 as the test process compiles (tests/conftest.py): the fastest compile.
-    full_env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    full_env["XLA_FLAGS"] = child_xla_flags()
     # CPU only: a TPU runtime plugin installed beside jax (libtpu) aborts the process at exit
     # ("FATAL: exception not rethrown") on machines without a TPU.
     full_env.setdefault("JAX_PLATFORMS", "cpu")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import REPO, child_xla_flags
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +53,7 @@ PIPELINE = {
 def trainflow_env() -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     # One CPU device, LLVM -O0 as the test process compiles (tests/conftest.py): the fastest compile.
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    env["XLA_FLAGS"] = child_xla_flags()
     return env
 
 

@@ -17,7 +17,7 @@ from flows.cli import main
 from flows.pipeline import Pipeline, run_plan
 from flows.spec import load_plan
 from tasks.artifacts import read_manifest
-from tests.conftest import REPO
+from tests.conftest import REPO, child_xla_flags
 from tests.test_grpo import _CheckpointCopy  # noqa: F401  (registers test-checkpoint-copy)
 from tests.test_object_store import bucket, s3_endpoint  # noqa: F401  (the moto server and a bucket per test)
 from tests.test_pipeline_flow import artifacts_of, flow_run_of, task_runs_of
@@ -294,7 +294,7 @@ def test_sweep_selection_gates_and_a_step_input_on_the_s3_store(prefect_server, 
 
 # One device and LLVM -O0 in the children, as the test process compiles (tests/conftest.py): the
 # fastest compile.
-ONE_DEVICE = {"kind": "local", "env": {"XLA_FLAGS": "--xla_backend_optimization_level=0"}}
+ONE_DEVICE = {"kind": "local", "env": {"XLA_FLAGS": child_xla_flags()}}
 COLOURS = ["red", "green", "blue"]
 
 

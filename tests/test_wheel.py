@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, child_xla_flags
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +98,7 @@ def test_wheel_runs_the_tiny_pipeline_without_a_checkout(tmp_path, prefect_serve
     empty.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "XLA_FLAGS")}
     env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(venv))
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # one device, compiled as the tests compile: the fastest
+    env["XLA_FLAGS"] = child_xla_flags()  # one device, compiled as the tests compile: the fastest
 
     where = json.loads(
         run(
