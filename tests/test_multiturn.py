@@ -53,17 +53,21 @@ def ids(*pieces: str) -> list[int]:
 
 def scripted(turns: list[list[list[int]]]):
     """A policy that plays given token ids: turns[t][row]; log-prob -(position + 1) per token
-    so the test can see where each sampled log-prob landed. It records what it was shown."""
+    so the test can see where each sampled log-prob landed. It records what it was shown, and
+    in `generate.asked` which rows it was asked for; the others come back empty, as a
+    server-backed sampler returns them."""
     seen = []
 
-    def generate(contexts, max_new_tokens, turn):
+    def generate(contexts, max_new_tokens, turn, live):
         seen.append([list(c) for c in contexts])
+        generate.asked.append(list(live))
         out = []
         for row, _ in enumerate(contexts):
-            played = turns[turn][row][:max_new_tokens]
+            played = turns[turn][row][:max_new_tokens] if row in live else []
             out.append((played, [-(k + 1.0) for k in range(len(played))]))
         return out
 
+    generate.asked = []
     return generate, seen
 
 
@@ -91,8 +95,10 @@ def test_a_chat_episode_masks_exactly_the_models_tokens():
     assert out.episode_mask[0].sum() == len(episode)
     # The sampler's log-probs sit on the model's tokens, zeros on the environment's.
     assert out.logprobs[0, : len(episode)].tolist() == [-1, -2, 0, 0, 0, 0, -1, -2]
-    # Turn 2 was shown the whole episode so far: prompt, the call, the observation.
+    # Turn 2 was shown the whole episode so far: prompt, the call, the observation; and only
+    # row 0, still running, was asked for (row 1 answered in turn 1).
     assert seen[1][0] == prompt + episode[:6]
+    assert generate.asked == [[0, 1], [0]]
     # Per-turn rewards: 0.5 for the call, 1 for the right answer; the episode's is their sum.
     assert out.rewards.tolist() == [1.5, 0.0] and out.answers == ["7", "5"]
     np.testing.assert_array_equal(out.turn_rewards, [[0.5, 1.0, np.nan, np.nan], [0.0, np.nan, np.nan, np.nan]])

@@ -398,9 +398,13 @@ class Sampler:
         top_p: float = 1.0,
         eos_ids: Sequence[int] = (),
         pad_id: int = 0,
+        rows: Sequence[int] | None = None,
     ) -> SampleOutput:
         """Completions of left-padded prompts: `num_generations` rows per prompt (prompt p's
-        are rows p * G ... p * G + G - 1), `max_new_tokens` columns."""
+        are rows p * G ... p * G + G - 1), `max_new_tokens` columns. `rows`: the prompts whose
+        completions the caller reads (None: all). This sampler computes every prompt anyway
+        (the batch keeps its shape and so its compiled program, and no prompt's draws depend
+        on another's); a server-backed one (engine/interop/vllm_server.py) asks for these alone."""
         prompt_tokens_bp, prompt_mask_bp = np.asarray(prompt_tokens_bp), np.asarray(prompt_mask_bp)
         prompts, prompt_len = prompt_tokens_bp.shape
         shards = 1 if self.mesh is None else batch_shards(self.mesh)
@@ -426,8 +430,8 @@ class Sampler:
             np.int32(max_new_tokens),
         )
         if self.mesh is not None:  # global arrays, so any process layout works (every process holds all rows)
-            rows, scalar = batch_sharding(self.mesh), replicated(self.mesh)
-            args = tuple(global_array(a, rows if i < 2 else scalar) for i, a in enumerate(args))
+            by_row, scalar = batch_sharding(self.mesh), replicated(self.mesh)
+            args = tuple(global_array(a, by_row if i < 2 else scalar) for i, a in enumerate(args))
         with use_mesh(self.mesh):
             out = self._function(settings)(params, *args)
         keep = prompts * num_generations

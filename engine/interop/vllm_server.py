@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -221,8 +222,11 @@ class VLLMSampler:
         top_p: float = 1.0,
         eos_ids=(),
         pad_id: int = 0,
+        rows: Sequence[int] | None = None,
     ) -> SampleOutput:
-        """Sampler's contract: `num_generations` completions of each left-padded prompt."""
+        """Sampler's contract: `num_generations` completions of each left-padded prompt; with
+        `rows`, of those prompts only (the others' rows come back empty, and no request is
+        sent for them: a multi-turn rollout's finished episodes)."""
         if params is not self.pushed:
             self.push(params)
         # One request per prompt, each with its own seed, so that prompts do not share draws
@@ -243,9 +247,14 @@ class VLLMSampler:
                 model=self.request_model,
             )
 
+        wanted = sorted(set(range(len(prompts)) if rows is None else rows))
+        empty: list[tuple[list[int], list[float]]] = [([], [])] * num_generations
+        by_prompt = {p: empty for p in range(len(prompts))}
         # All at once: the server batches concurrent requests (continuous batching).
-        with ThreadPoolExecutor(min(len(prompts), MAX_CONCURRENT_REQUESTS)) as pool:
-            completions = [row for rows in pool.map(complete, range(len(prompts))) for row in rows]
+        if wanted:
+            with ThreadPoolExecutor(min(len(wanted), MAX_CONCURRENT_REQUESTS)) as pool:
+                by_prompt.update(zip(wanted, pool.map(complete, wanted)))
+        completions = [row for p in range(len(prompts)) for row in by_prompt[p]]
         tokens, logprobs, mask = completion_rows(completions, max_new_tokens, pad_id)
         return SampleOutput(tokens=tokens, logprobs=logprobs, mask=mask, lengths=mask.sum(1).astype(np.int32))
 

@@ -52,9 +52,11 @@ from engine.posttrain.rollout import Rollout
 if TYPE_CHECKING:
     from engine.posttrain.config import GRPOConfig
 
-# generate(contexts, max_new_tokens, turn) -> [(token ids, their log-probs)] per context: the
-# policy's next turn for each context (the whole episode so far), ending at EOS or the limit.
-Generate = Callable[[list[list[int]], int, int], list[tuple[list[int], list[float]]]]
+# generate(contexts, max_new_tokens, turn, live) -> [(token ids, their log-probs)] per context:
+# the policy's next turn for each context (the whole episode so far), ending at EOS or the
+# limit. Only the contexts listed in `live` (the episodes still running) are read; the others
+# keep the batch's shape, and a sampler may return them empty.
+Generate = Callable[[list[list[int]], int, int, list[int]], list[tuple[list[int], list[float]]]]
 
 
 @dataclass
@@ -176,13 +178,14 @@ class EpisodeRunner:
             episodes.append(episode)
 
         for turn in range(cfg.max_turns):
-            live = [e for e in episodes if not e.done]
+            live = [i for i, e in enumerate(episodes) if not e.done]
             if not live:
                 break
-            new_tokens = min(cfg.max_turn_tokens, max(self.C - len(e.ids) for e in live))
-            # Every row, so the sampler's batch keeps its shape (finished rows are thrown away).
+            new_tokens = min(cfg.max_turn_tokens, max(self.C - len(episodes[i].ids) for i in live))
+            # Every row, so the engine sampler's batch keeps its shape (and its compiled
+            # program); a server-backed sampler is asked for the live rows only.
             contexts = [(e.prompt + e.ids) or [self.pad_id] for e in episodes]
-            outputs = generate(contexts, new_tokens, turn)
+            outputs = generate(contexts, new_tokens, turn, live)
             last = turn == cfg.max_turns - 1
             steps = [(e, list(ids), list(lp), last) for e, (ids, lp) in zip(episodes, outputs) if not e.done]
             # Each step touches only its own episode: the environments' steps overlap in threads.
@@ -289,9 +292,10 @@ def sampler_generate(
     top_p: float = 1.0,
 ) -> Generate:
     """The policy's turns from the engine's sampler: each turn's contexts left-padded into one
-    batch (one draw per row; the turn's key is fold_in(seed, turn))."""
+    batch (one draw per row; the turn's key is fold_in(seed, turn)), the live rows named to
+    the sampler (`rows`), which a server-backed one asks for alone."""
 
-    def generate(contexts: list[list[int]], max_new_tokens: int, turn: int):
+    def generate(contexts: list[list[int]], max_new_tokens: int, turn: int, live: list[int]):
         tokens, mask = left_pad(contexts, pad_id=pad_id)
         out = sampler(
             params,
@@ -304,6 +308,7 @@ def sampler_generate(
             top_p=top_p,
             eos_ids=(eos_id,),
             pad_id=pad_id,
+            rows=live,
         )
         return [(row[keep].tolist(), lp[keep].tolist()) for row, lp, keep in zip(out.tokens, out.logprobs, out.mask)]
 

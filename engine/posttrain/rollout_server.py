@@ -8,7 +8,7 @@ update they are written as Hugging Face safetensors to a directory both processe
 the server reloads them in place (engine/interop/vllm_server.py, the vLLM side); with LoRA the
 server holds the frozen base and each update's adapter is loaded under `adapter_name`, the
 model the completions then name. An `environment:`'s episodes go through the same sampler:
-each turn is one request per episode (multiturn.py sends every row, finished ones too).
+each turn is one request per episode still running (finished ones are not sent).
 
 This module is the half without JAX (GRPOConfig imports the schema, and validating a
 pipeline must not load JAX): the schema, the HTTP client with its retries, and the
