@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 def child_xla_flags(devices: int = 1) -> str:
     """XLA_FLAGS for an engine process a test starts: `devices` simulated CPU devices (this
     process has 8), compiled at LLVM -O0 as this process compiles. A child given an XLA_FLAGS
-    without the level compiles at XLA's default -O2, about twice as slow for these tiny models."""
+    without the level compiles at XLA's default -O2 (one SFT child: 18.9 CPU s against 12.8)."""
     return f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
 
 

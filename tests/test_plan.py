@@ -80,7 +80,7 @@ def test_the_plans_total_is_the_compilers_buffer_assignment_within_2_percent(tar
         pytest.skip("needs libtpu (the test extra)")
     # A shape no other test compiles: the persistent compilation cache's key leaves the dump
     # options out, and an executable loaded from it is not compiled, so dumps nothing.
-    tree = {**TINY, "data": {"seq_len": 56, "batch_size": 8}}  # 56: no other test compiles it
+    tree = {**TINY, "data": {"seq_len": 56, "batch_size": 8}}
     plan = plan_step(
         load_config(tree=tree, schema=TrainConfig), get_target(target), compiler_options=dump_options(str(tmp_path))
     )

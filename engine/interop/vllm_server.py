@@ -247,7 +247,7 @@ class VLLMSampler:
                 model=self.request_model,
             )
 
-        wanted = sorted(set(range(len(prompts)) if rows is None else rows))
+        wanted = list(range(len(prompts))) if rows is None else sorted(set(rows))
         empty: list[tuple[list[int], list[float]]] = [([], [])] * num_generations
         by_prompt = {p: empty for p in range(len(prompts))}
         # All at once: the server batches concurrent requests (continuous batching).
