@@ -19,12 +19,13 @@ from engine.data.tokenizer import (
     save_tokenizer,
     train_tokenizer,
 )
+from engine.inference.sample import SampleOutput
 from engine.models.config import ModelConfig
 from engine.models.transformer import Transformer
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.environments import EnvironmentConfig, EnvironmentFailure, arithmetic_tool_rows
 from engine.posttrain.grpo import run_grpo
-from engine.posttrain.multiturn import EpisodeRunner
+from engine.posttrain.multiturn import EpisodeRunner, sampler_generate
 from engine.train.checkpoint import Checkpointer, load_params
 
 SPECIAL = ["<pad>", "<eos>", "<|user|>", "<|assistant|>", "<|tool|>"]
@@ -105,6 +106,40 @@ def test_a_chat_episode_masks_exactly_the_models_tokens():
     assert out.metrics["reward/turn_1/mean"] == 0.25 and out.metrics["reward/turn_2/mean"] == 1.0
     assert out.metrics["env/turns"] == 1.5 and out.metrics["env/tool_calls"] == 0.5
     assert out.metrics["env/truncated"] == 0.0 and out.metrics["env/failed"] == 0.0
+
+
+class RecordingSampler:
+    """A sampler in Sampler's calling convention that plays scripted turns (turns[t][row]) and
+    records, per call, the `rows` it was asked for and its seed; rows not asked for come back
+    empty, as a server-backed sampler returns them."""
+
+    def __init__(self, turns: list[list[list[int]]]):
+        self.turns, self.rows, self.seeds = turns, [], []
+
+    def __call__(self, params, tokens, mask, *, seed, max_new_tokens, rows=None, **settings):
+        turn = len(self.rows)
+        self.rows.append(None if rows is None else list(rows))
+        self.seeds.append(np.asarray(jax.random.key_data(seed)).tolist())
+        out = np.zeros((len(tokens), max_new_tokens), np.int32)
+        keep = np.zeros(out.shape, bool)
+        for row in range(len(tokens)):
+            played = self.turns[turn][row][:max_new_tokens] if rows is None or row in rows else []
+            out[row, : len(played)], keep[row, : len(played)] = played, True
+        return SampleOutput(out, -np.ones(out.shape, np.float32), keep, keep.sum(1))
+
+
+def test_the_engines_turns_name_the_running_episodes_to_the_sampler():
+    """sampler_generate (the policy's turns from a Sampler) passes each turn's live rows on as
+    `rows` and folds the turn into the seed: a server-backed sampler sends nothing for an
+    episode that has ended."""
+    sampler = RecordingSampler([[ids("c", "<eos>"), ids("5", "<eos>")], [ids("7", "<eos>"), []]])
+    generate = sampler_generate(sampler, None, seed=jax.random.key(3), eos_id=ID["<eos>"], pad_id=0, temperature=1.0)
+    out = runner(kwargs={"chat": True})(generate, [ROW, ROW])
+    assert sampler.rows == [[0, 1], [0]]  # row 1 answered (wrongly) in turn 1
+    assert sampler.seeds == [
+        np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(3), t))).tolist() for t in (0, 1)
+    ]
+    assert out.rewards.tolist() == [1.5, 0.0] and out.answers == ["7", "5"]
 
 
 def test_a_turn_cut_by_its_token_budget_gets_the_templates_closing_token_masked():
