@@ -28,12 +28,13 @@ from engine.posttrain.config import GRPOConfig
 from engine.posttrain.grpo import run_grpo
 from engine.train.checkpoint import load_params
 from flows.spec import Pipeline
+from tests.conftest import child_xla_flags
 from tests.test_grpo import copy_task, grpo_config, rewards_logged  # noqa: F401 - the shared fixture
 from tests.test_lora_train import restore_adapter
 
 # The workers of the runs that need not equal a synchronous one take a device of their own
 # (the trainer keeps the 8 simulated ones): a smaller program to compile in each new worker.
-ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+ONE_DEVICE = {"XLA_FLAGS": child_xla_flags(1)}
 UNTIMED = ("_seconds", "tokens_per_second", "tflops_per_device", "mfu")
 LORA = {"lora.rank": 4, "lora.alpha": 8, "lora.target_modules": "all-linear"}
 

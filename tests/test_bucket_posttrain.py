@@ -16,14 +16,15 @@ from flows.spec import load_plan
 from tasks.artifacts import ArtifactStore
 from tasks.runner import RAN, execute_stage
 from tasks.store.objects import read_url
+from tests.conftest import child_xla_flags
 from tests.test_bucket_multihost import _keys, _staged_checkpoint_files
 from tests.test_object_store import boto3, bucket, s3_endpoint  # noqa: F401  (moto S3 fixtures)
 
 pytestmark = pytest.mark.slow
 
 
-# The ranks compile at LLVM's optimisation level 0, as tests/conftest.py sets for this process:
-# the tiny models spend far more time compiling than running.
+# The ranks compile as tests/conftest.py has this process compile (child_xla_flags): the tiny
+# models spend far more time compiling than running.
 QUICKSTART_ON_A_BUCKET = """
 name: bucket-posttrain
 stages:
@@ -46,7 +47,7 @@ stages:
     launcher:
       kind: local-multi
       processes: 2
-      env: {XLA_FLAGS: "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"}
+      env: {XLA_FLAGS: "FLAGS"}
     config:
       steps: 2
       mesh: {data: 2}
@@ -58,7 +59,7 @@ stages:
     launcher:
       kind: local-multi
       processes: 2
-      env: {XLA_FLAGS: "--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0"}
+      env: {XLA_FLAGS: "FLAGS"}
     config:
       steps: 2
       mesh: {data: 2}
@@ -83,7 +84,7 @@ def test_sft_and_grpo_on_two_processes_read_their_inputs_at_the_bucket(
     checkpoint shards at the artifact's URL."""
     monkeypatch.setenv("TRAINFLOW_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "pipeline.yaml"
-    path.write_text(QUICKSTART_ON_A_BUCKET)
+    path.write_text(QUICKSTART_ON_A_BUCKET.replace("FLAGS", child_xla_flags(1)))
     url = f"s3://{bucket}/posttrain"
     plan, store = load_plan(path, store=url), ArtifactStore(url)
     for name in plan.stages:
