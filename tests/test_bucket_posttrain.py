@@ -47,7 +47,7 @@ stages:
     launcher:
       kind: local-multi
       processes: 2
-      env: {XLA_FLAGS: "FLAGS"}
+      env: {XLA_FLAGS: "CHILD_XLA_FLAGS"}
     config:
       steps: 2
       mesh: {data: 2}
@@ -59,7 +59,7 @@ stages:
     launcher:
       kind: local-multi
       processes: 2
-      env: {XLA_FLAGS: "FLAGS"}
+      env: {XLA_FLAGS: "CHILD_XLA_FLAGS"}
     config:
       steps: 2
       mesh: {data: 2}
@@ -84,7 +84,7 @@ def test_sft_and_grpo_on_two_processes_read_their_inputs_at_the_bucket(
     checkpoint shards at the artifact's URL."""
     monkeypatch.setenv("TRAINFLOW_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "pipeline.yaml"
-    path.write_text(QUICKSTART_ON_A_BUCKET.replace("FLAGS", child_xla_flags(1)))
+    path.write_text(QUICKSTART_ON_A_BUCKET.replace("CHILD_XLA_FLAGS", child_xla_flags(1)))
     url = f"s3://{bucket}/posttrain"
     plan, store = load_plan(path, store=url), ArtifactStore(url)
     for name in plan.stages:

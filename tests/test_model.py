@@ -83,12 +83,15 @@ def test_scanned_and_unrolled_layers_compute_the_same_function():
 
 
 def _compiled_grad(compute: ComputeConfig) -> str:
-    """The optimized HLO of a loss gradient under `compute`, on CPU."""
+    """The optimized HLO of a loss gradient under `compute`, on CPU, as XLA compiles it outside
+    the suite: with its MLIR fusion emitters (tests/conftest.py turns them off, and XLA's loop
+    emitter turns the embedding gradient's scatter into a while loop of its own)."""
     cfg = ModelConfig(**ODD)
     graphdef, state = nnx.split(Transformer(cfg, compute, rngs=nnx.Rngs(0)))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 37, (2, 11)))
     grad = jax.jit(jax.grad(lambda p: jnp.mean(apply_model(graphdef, p, tokens) ** 2)))
-    return grad.lower(nnx.to_pure_dict(state)).compile().as_text()
+    lowered = grad.lower(nnx.to_pure_dict(state))
+    return lowered.compile(compiler_options={"xla_cpu_use_fusion_emitters": True}).as_text()
 
 
 def test_the_layer_scan_is_unrolled_on_cpu_and_remat_still_recomputes():
