@@ -26,6 +26,7 @@ from engine.train.checkpoint import Checkpointer, load_params, read_meta
 from engine.train.step import make_train_step
 from flows.spec import Pipeline
 from tasks.registry import StageContext, StageKind, register_stage
+from tests.conftest import child_xla_flags
 
 # --------------------------------------------------------------------------- NumPy references
 
@@ -434,7 +435,7 @@ register_stage(_CheckpointCopy, replace=True)
 
 
 def post_training_pipeline(task: Path, store: Path, sft_data: Path) -> Pipeline:
-    one_device = {"kind": "local", "env": {"XLA_FLAGS": ""}}  # the fastest compile in the children
+    one_device = {"kind": "local", "env": {"XLA_FLAGS": child_xla_flags()}}  # one device, compiled as here
     p = Pipeline("post", store=store)
     base = p.stage("base", task="test-checkpoint-copy", config={"path": str(task)})
     sft = p.stage(

@@ -26,6 +26,7 @@ from flows.spec import Pipeline, load_plan
 from tasks.launch.run import StageConfigError
 from tasks.plan import plan_pipeline
 from tasks.runner import execute_stage
+from tests.conftest import child_xla_flags
 
 TINY = {"model": "tiny", "data": {"seq_len": 128, "batch_size": 16}, "steps": 3}
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the test extra)")
@@ -141,7 +142,7 @@ def test_a_pipeline_stage_too_big_for_its_devices_fails_before_any_state_naming_
         "pretrain",
         task="pretrain",
         inputs={"dataset": "tokenize"},
-        launcher={"kind": "local", "env": {"XLA_FLAGS": ""}},
+        launcher={"kind": "local", "env": {"XLA_FLAGS": child_xla_flags()}},
         config={
             "model": {"preset": "tiny", "vocab_size": vocab, "tie_embeddings": False},
             "steps": 2,

@@ -34,6 +34,7 @@ from engine.posttrain.reward_model import (
     sequence_scores,
 )
 from engine.train.trainer import Trainer
+from tests.conftest import child_xla_flags
 from tests.engine_kill import kill_then_resume
 from tests.test_dpo import preferences  # noqa: F401  (the colour preference pairs)
 from tests.test_lora_train import base, restore_adapter  # noqa: F401  (a tiny checkpoint artifact)
@@ -370,7 +371,7 @@ def test_reward_model_is_a_stage_that_grpo_scores_with_and_export_writes(base, p
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"colour {i}:"}) + "\n" for i in range(3)))
-    one_device = {"kind": "local", "env": {"XLA_FLAGS": ""}}
+    one_device = {"kind": "local", "env": {"XLA_FLAGS": child_xla_flags()}}
     p = Pipeline("rm", store=tmp_path / "store")
     start = p.stage("base", task="test-checkpoint-copy", config={"path": str(base)})
     rm = p.stage(
