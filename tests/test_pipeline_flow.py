@@ -159,7 +159,8 @@ def test_serve_creates_a_scheduled_deployment_that_runs_the_pipeline(prefect_ser
             }
         )
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # The served process looks for scheduled runs every second, not Prefect's default 10.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
     server = subprocess.Popen(
         [sys.executable, "-m", "flows.cli", "serve", str(path), "--cron", "0 3 * * *"],
         cwd=REPO,
@@ -184,7 +185,7 @@ def test_serve_creates_a_scheduled_deployment_that_runs_the_pipeline(prefect_ser
         assert deployment.parameters["pipeline"] == str(path)
         assert deployment.entrypoint == "flows.pipeline.run_pipeline"  # by module, not relative to the cwd
 
-        flow_run = run_deployment("trainflow-pipeline/served", timeout=180)
+        flow_run = run_deployment("trainflow-pipeline/served", timeout=180, poll_interval=1)
         assert flow_run.state.is_completed(), flow_run.state
         # Named and tagged as `trainflow run` names and tags its runs.
         assert flow_run.name.startswith("served-20") and "pipeline:served" in flow_run.tags
