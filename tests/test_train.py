@@ -25,6 +25,7 @@ from engine.train.metrics import read_metrics
 from engine.train.optimizer import weight_decay_mask
 from engine.train.pretrain import run_pretrain
 from engine.train.trainer import TrainingError
+from tests.conftest import child_xla_flags
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -164,7 +165,7 @@ def test_a_non_finite_loss_stops_the_run_naming_the_step_and_keeps_the_last_good
 
 
 def _run_cli(config_path: Path, *extra) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": child_xla_flags(1)}
     return subprocess.Popen(
         [sys.executable, "-m", "engine.train", str(config_path), *extra],
         cwd=REPO,
