@@ -6,8 +6,8 @@ import os
 # spend far more time compiling than running, so XLA:CPU compiles them the cheap way:
 # - LLVM's optimisation level 0 for the generated kernels: about half the compile time of -O2;
 # - fusions emitted by XLA's older loop emitter, not the MLIR fusion emitters (which jax 0.10
-#   turns on): on six MoE and context-parallel tests, 23.7-25.1 s of backend compile instead
-#   of 47.1-48.4, 59-63 CPU s instead of 102 (docs/development.md).
+#   turns on): on six MoE and context-parallel tests, 22.4-25.1 s of backend compile instead
+#   of 47.1-48.4, 57-63 CPU s instead of 102 (docs/development.md).
 # Both are how XLA:CPU generates code, not what it computes: the optimised HLO holds the same
 # operations (a tiny model's training step: 138 loop fusions with the loop emitter; 136 and 29
 # single operations wrapped as fusions with the MLIR emitters), and products run in YNNPACK
