@@ -34,13 +34,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
-from prefect.client.orchestration import get_client
+from prefect.client.orchestration import SyncPrefectClient, get_client
+from prefect.context import SettingsContext, get_settings_context
 from prefect.events.schemas.events import Event
 from prefect.settings import (
     PREFECT_API_REQUEST_TIMEOUT,
     PREFECT_API_URL,
     PREFECT_CLIENT_MAX_RETRIES,
-    temporary_settings,
 )
 
 from flows.prefect_compat import (
@@ -84,6 +84,16 @@ class Reporter:
         self._warned: set[str] = set()
         self._closing = threading.Event()
         self._lock = threading.Lock()
+        # The settings every report is sent under (this API, a short timeout, no retries), built
+        # once: Prefect's `temporary_settings` validates the whole settings tree each time, and
+        # per record that was most of the reporter's CPU (below).
+        current = get_settings_context()
+        self._profile = current.profile
+        self._settings = current.settings.copy_with_update(
+            updates={PREFECT_API_URL: api_url, PREFECT_CLIENT_MAX_RETRIES: 0, PREFECT_API_REQUEST_TIMEOUT: timeout}
+        )
+        self._client: SyncPrefectClient | None = None
+        """The client logs and events are posted with, kept open by the reporter's thread."""
         self._thread = threading.Thread(target=self._serve, name="prefect-reporter", daemon=True)
         self._thread.start()
 
@@ -161,6 +171,12 @@ class Reporter:
         return True
 
     def _serve(self) -> None:
+        try:
+            self._serve_until_closed()
+        finally:
+            self._drop_client()
+
+    def _serve_until_closed(self) -> None:
         while True:
             try:
                 items = [self._queue.get(timeout=0.1)]
@@ -198,28 +214,35 @@ class Reporter:
             else:
                 self._attempt(context, fn, *args, **kwargs)
 
-    @staticmethod
-    def _post(path: str, body: list) -> None:
-        with get_client(sync_client=True) as client:
-            client.request("POST", path, json=body).raise_for_status()
+    def _post(self, path: str, body: list) -> None:
+        """POST `body` with the reporter's client, opened on first use (under the reporter's
+        settings, in `_attempt`) and kept: a new client per request (an SSL context, an httpx
+        pool) cost as much CPU as the settings did."""
+        if self._client is None:
+            self._client = get_client(sync_client=True).__enter__()
+        self._client.request("POST", path, json=body).raise_for_status()
+
+    def _drop_client(self) -> None:
+        """Close the kept client (the next post opens a new one)."""
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.__exit__(None, None, None)
+            except Exception:  # closing what a dead API left half open: nothing to keep
+                pass
 
     def _attempt(self, context: contextvars.Context, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """`fn` in `context`, with a short timeout and no retries for its API requests."""
 
         def quick():
-            with temporary_settings(
-                {
-                    PREFECT_API_URL: self.api_url,
-                    PREFECT_CLIENT_MAX_RETRIES: 0,
-                    PREFECT_API_REQUEST_TIMEOUT: self._timeout,
-                }
-            ):
+            with SettingsContext(profile=self._profile, settings=self._settings):
                 fn(*args, **kwargs)
 
         try:
             context.run(quick)
         except Exception as e:
             if unreachable(e):
+                self._drop_client()
                 self.api_failed(f"{type(e).__name__}: {e}".rstrip(": "))
             else:
                 self._warn_once(e)

@@ -6,6 +6,7 @@ parent (flows/server.py). Real `trainflow run` processes, real Prefect servers, 
 (tests/pipeline_toys.py) that run in seconds: the engine is not the point here.
 """
 
+import http.server
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -198,6 +200,68 @@ def test_a_hanging_api_never_holds_up_a_stage():
     assert reporter.dropped >= 10000 - 100 - 200  # at most a full queue and one batch got through
     (warning,) = warnings
     assert warning.startswith(f"trainflow: warning: the Prefect API at {url} is not answering (ReadTimeout")
+
+
+def test_the_reporter_sends_over_one_kept_connection_and_opens_a_new_one_after_a_failure():
+    """The reporter keeps one client for its posts: a client per record (an SSL context, a new
+    connection) and Prefect's settings validated per record were most of a runner's CPU while
+    its stages trained. A request the API fails drops that client; once a probe finds the API
+    answering again, the next post opens a new one."""
+    connections: list[list[str]] = []  # each connection's requests, in order
+    statuses = iter([200] * 8 + [500] + [200] * 8)
+
+    class Api(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: one connection carries many requests
+
+        def setup(self):
+            super().setup()
+            self.requests: list[str] = []
+            connections.append(self.requests)
+
+        def do_POST(self):
+            (record,) = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.requests.append(f"POST {self.path} {record['message']}")
+            self.answer(next(statuses), b"[]")
+
+        def do_GET(self):
+            path = self.path.split("?")[0]
+            self.requests.append(f"GET {path}")
+            if path == "/api/csrf-token":  # as a Prefect server answers by default; a client asks once
+                self.answer(422, b'{"detail": "CSRF protection is disabled."}')
+            else:
+                self.answer(200, b"true")
+
+        def answer(self, status: int, body: bytes):
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Api)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/api"
+    warnings: list[str] = []
+    reporter = Reporter(url, timeout=5.0, probe_every=0.0, warn=warnings.append)
+    try:
+        for step in range(17):  # one record at a time: one request each
+            reporter.log({"message": f"step {step}", "level": 20})
+            assert reporter.flush(10)
+    finally:
+        reporter.close()
+        server.shutdown()
+        server.server_close()
+    assert connections == [
+        ["GET /api/csrf-token", *(f"POST /api/logs/ step {step}" for step in range(9))],  # the 9th got a 500
+        ["GET /api/health"],  # the probe before the next record
+        ["GET /api/csrf-token", *(f"POST /api/logs/ step {step}" for step in range(9, 17))],
+    ]
+    assert len(warnings) == 2, warnings
+    down = f"trainflow: warning: the Prefect API at {url} is not answering (PrefectHTTPStatusError: Server error"
+    assert warnings[0].startswith(down), warnings
+    assert warnings[1] == f"trainflow: the Prefect API at {url} answers again; reporting resumed"
 
 
 def test_an_unreachable_prefect_api_url_is_one_line(tmp_path):
