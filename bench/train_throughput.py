@@ -8,6 +8,10 @@ table gives the median and the spread. bf16 is the compute dtype (float32 params
 matmuls with float32 accumulation; torch: the whole model in bf16).
 
     python -m bench.train_throughput [--steps 8] [--warmup 2] [--repeats 3] [--dtypes float32,bfloat16]
+        [--attention auto,blocked] [--skip-torch]
+
+`--attention` lists the engine's `compute.attention_impl` values to run, each its own engine
+worker in the alternation (engine rows named `jax (blocked)` etc. when more than one).
 
 Prints a table and writes bench/results/train_throughput.json.
 """
@@ -42,7 +46,7 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def synthetic_step(dtype: str, remat: str):
+def synthetic_step(dtype: str, remat: str, attention: str = "auto"):
     """(trainer, params, opt_state, batch) of the reference shape on random tokens."""
     sys.path.insert(0, str(REPO))
     import numpy as np
@@ -54,7 +58,7 @@ def synthetic_step(dtype: str, remat: str):
     cfg = load_config(
         tree={
             "model": SHAPE,
-            "compute": {"dtype": dtype, "remat": remat},  # float32 params, `dtype` matmuls
+            "compute": {"dtype": dtype, "remat": remat, "attention_impl": attention},  # f32 params, `dtype` matmuls
             "mesh": {"data": -1},
             "data": {"batch_size": BATCH, "seq_len": SEQ},
             "optimizer": {"learning_rate": 1e-4},
@@ -94,13 +98,13 @@ def matmul_peak(dtype: str, n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / best
 
 
-def run_jax(dtype: str, steps: int, warmup: int, remat: str) -> dict:
+def run_jax(dtype: str, steps: int, warmup: int, remat: str, attention: str = "auto") -> dict:
     import jax
 
     from engine.models.params import flops_per_token
 
     peak = matmul_peak(dtype)
-    trainer, params, opt_state, batch = synthetic_step(dtype, remat)
+    trainer, params, opt_state, batch = synthetic_step(dtype, remat, attention)
     t0 = time.perf_counter()
     for i in range(warmup + steps):
         if i == warmup:
@@ -115,6 +119,7 @@ def run_jax(dtype: str, steps: int, warmup: int, remat: str) -> dict:
         "framework": "jax",
         "dtype": dtype,
         "remat": remat,
+        "attention_impl": attention,
         "steps": steps,
         "step_seconds": step_s,
         "tokens_per_second": tokens_per_second,
@@ -182,11 +187,12 @@ def main() -> None:
     )
     parser.add_argument("--worker", nargs="*")
     parser.add_argument("--skip-torch", action="store_true")
+    parser.add_argument("--attention", default="auto", help="engine attention_impl values, comma-separated")
     args = parser.parse_args()
     if args.worker:
         framework, dtype, *rest = args.worker
         if framework == "jax":
-            result = run_jax(dtype, args.steps, args.warmup, rest[0] if rest else "none")
+            result = run_jax(dtype, args.steps, args.warmup, *(rest or ["none"]))
         else:
             result = run_torch(dtype, args.steps, args.warmup)
         print(json.dumps(result))
@@ -195,7 +201,14 @@ def main() -> None:
     info, rows = machine(), []
     steps = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     for dtype in args.dtypes.split(","):
-        workers = {"jax": ["bench.train_throughput", "--worker", "jax", dtype, "none", *steps]}
+        impls = args.attention.split(",")
+        workers = {
+            "jax" if len(impls) == 1 else f"jax ({impl})": [
+                *("bench.train_throughput", "--worker", "jax", dtype, "none", impl),
+                *steps,
+            ]
+            for impl in impls
+        }
         if not args.skip_torch:
             workers["torch"] = ["bench.train_throughput", "--worker", "torch", dtype, *steps]
         results = alternate(workers, args.repeats, env={"XLA_FLAGS": ""})  # one device, the engine's defaults
@@ -212,7 +225,7 @@ def main() -> None:
     info = finish(info)
     by = {(r["framework"], r["dtype"]): r for r in rows}
     print(
-        f"\n{'framework':<8} {'dtype':<9} {'tokens/s (spread)':>20} {'MFU*':>6} {'peak RSS MB':>12} "
+        f"\n{'framework':<15} {'dtype':<9} {'tokens/s (spread)':>20} {'MFU*':>6} {'peak RSS MB':>12} "
         f"{'vs torch':>9} {'RSS vs torch':>13}"
     )
     for r in rows:
@@ -222,7 +235,7 @@ def main() -> None:
         rss_ratio = rss / peer["peak_rss_mb"]["median"] if peer else float("nan")
         mfu = statistics.median(run.get("mfu_vs_matmul_peak", float("nan")) for run in r["runs"])
         print(
-            f"{r['framework']:<8} {r['dtype']:<9} {tokens:>11,.0f} ({r['tokens_per_second']['spread']:>5.1%}) "
+            f"{r['framework']:<15} {r['dtype']:<9} {tokens:>11,.0f} ({r['tokens_per_second']['spread']:>5.1%}) "
             f"{mfu:>6.1%} {rss:>12,.0f} {ratio:>8.2f}x {rss_ratio:>12.2f}x"
         )
     print("* MFU against the matmul peak of the run's dtype (bf16 x bf16 -> f32 for bf16), measured in its process.")
