@@ -174,10 +174,13 @@ def apply(store: ArtifactStore, collection: Collection, log=print) -> tuple[int,
     freed, busy = 0, []
     for entry in collection.delete:
         held = _hold(store, entry)
-        if held is None or store.state(entry.stage, entry.artifact_id) == "running":
+        # Under the lock (and lease) no run writes it; a manifest that changed since `collect`
+        # read it means one did meanwhile. (`store.state` would read our own lock as a run's.)
+        if held is not None and store.manifest(entry.stage, entry.artifact_id) != entry.manifest:
+            _release(held)
+            held = None
+        if held is None:
             busy.append(entry)
-            if held is not None:
-                _release(held)
             continue
         try:
             if store.remote is not None:

@@ -179,3 +179,75 @@ def test_a_gate_or_selection_naming_a_metric_the_finished_stages_lack_is_exit_2(
         f"sft[lr=0.0001].metrics has no metric 'accuracy'"
     ), err
     assert len(err.splitlines()) == 1
+
+
+HOLDER = """
+import sys
+from tasks.artifacts import ArtifactStore
+claim = ArtifactStore(sys.argv[1]).claim(sys.argv[2], sys.argv[3])
+print("held", flush=True)
+sys.stdin.read()  # until the test closes it
+claim.release()
+"""
+
+
+def failed_artifact(directory: Path, store: str, value: int, name: str) -> str:
+    """A pipeline of one toy stage that fails every attempt, run once: the id of its failed artifact."""
+    path = directory / f"{name}.yaml"
+    trace = directory / f"{name}.trace"
+    spec = {
+        "name": name,
+        "store": store,
+        "imports": ["tests.pipeline_toys"],
+        "stages": {"a": {"task": "toy-source", "config": {"value": value, "fail_times": 99, "trace": str(trace)}}},
+    }
+    path.write_text(yaml.safe_dump(spec))
+    plan = load_plan(path, [], store)
+    with pytest.raises(RuntimeError, match="planned failure"):
+        execute_stage(plan.resolve("a"), plan.store, StageHooks(log=lambda line: None))
+    assert plan.store.state("a", plan.stages["a"].job.artifact_id) == "failed"
+    return plan.stages["a"].job.artifact_id
+
+
+def test_gc_deletes_failed_artifacts_no_kept_pipeline_reaches_and_spares_resumable_and_held_ones(
+    store, tmp_path, capsys
+):
+    import subprocess
+    import sys
+
+    from flows.retention import apply, collect
+    from tasks.artifacts import ArtifactStore
+
+    orphan = failed_artifact(tmp_path, store, 1, "old")  # no kept pipeline reaches it
+    resumable = failed_artifact(tmp_path, store, 2, "kept")  # the kept pipeline resumes from it
+    held = failed_artifact(tmp_path, store, 3, "other")  # a live process holds it (below)
+    kept_path = tmp_path / "kept.yaml"
+    capsys.readouterr()
+
+    # A run that claims `held` after gc listed it: apply() must find its lock (and lease) and leave it.
+    found = collect(ArtifactStore(store), [load_plan(kept_path, [], store)], None)
+    assert {e.name for e in found.delete} == {f"a/{orphan}", f"a/{held}"}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, store, "a", held], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        freed, busy = apply(ArtifactStore(store), found, log=lambda line: None)
+        assert [e.name for e in busy] == [f"a/{held}"]
+        assert listed(store) == {f"a/{resumable}", f"a/{held}"}
+
+        # The same through the command, the holder still alive: the held one is listed in use.
+        orphan = failed_artifact(tmp_path, store, 4, "old")
+        capsys.readouterr()
+        assert main(["gc", "--store", store, "--keep", str(kept_path)]) == 0
+        out = capsys.readouterr().out
+        assert f"delete  a/{orphan}  dataset  failed" in out, out
+        assert "took it meanwhile" not in out and "1 artifact(s) deleted" in out, out
+        assert listed(store) == {f"a/{resumable}", f"a/{held}"}
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    # Released: the next gc deletes it, and the kept pipeline's failed artifact still stays.
+    assert main(["gc", "--store", store, "--keep", str(kept_path)]) == 0
+    assert f"delete  a/{held}" in capsys.readouterr().out
+    assert listed(store) == {f"a/{resumable}"}
