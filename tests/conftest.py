@@ -2,6 +2,8 @@
 
 import os
 
+from engine import compat
+
 # Must be set before jax is imported anywhere in the test session. The suite's tiny models
 # spend far more time compiling than running, so XLA:CPU compiles them the cheap way:
 # - LLVM's optimisation level 0 for the generated kernels: about half the compile time of -O2;
@@ -11,8 +13,10 @@ import os
 # Both are how XLA:CPU generates code, not what it computes: the optimised HLO holds the same
 # operations (a tiny model's training step: 138 loop fusions with the loop emitter; 136 and 29
 # single operations wrapped as fusions with the MLIR emitters), and products run in YNNPACK
-# either way. The quickstart test runs on XLA's defaults, as a user runs it.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# either way. The quickstart test runs on XLA's defaults, as a user runs it. jax 0.12's XLA
+# has dropped the loop emitter and its flag (an unknown flag aborts the process), so the
+# flag is passed only to an XLA that knows it (engine/compat.py, read without importing jax).
+FAST_COMPILE = " ".join(["--xla_backend_optimization_level=0", *compat.cpu_loop_emitter_flags()])
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

@@ -39,6 +39,7 @@ from engine.train.checkpoint import Checkpointer, load_params
 from engine.train.step import lm_loss_fn
 from engine.train.trainer import Trainer, TrainState
 from tests.conftest import child_xla_flags
+from tests.deps import need
 from tests.engine_kill import kill_then_resume
 from tests.test_lora_train import colours  # noqa: F401  ('colour i:' -> the i-th of three colours, 60 lines)
 from tests.test_sft import MODEL, base, sft_config  # noqa: F401  (a random tiny checkpoint artifact)
@@ -108,8 +109,8 @@ def distill_config(student: Path, teacher: Path, out: Path, data: Path, **overri
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 2.0])
 @pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
 def test_generalized_jsd_equals_trls_loss_and_gradient(beta, temperature):
-    torch = pytest.importorskip("torch")
-    GKDTrainer = pytest.importorskip("trl.experimental.gkd").GKDTrainer
+    torch = need("torch")
+    GKDTrainer = need("trl.experimental.gkd").GKDTrainer
     rng = np.random.default_rng(int(beta * 10 + temperature * 100))
     student = rng.normal(0, 2, (3, 7, 17))
     teacher = rng.normal(0, 2, (3, 7, 17))

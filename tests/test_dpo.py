@@ -17,6 +17,7 @@ from engine.posttrain.config import DPOConfig
 from engine.posttrain.dpo import CHOSEN, REJECTED, load_pairs, pair_rows, run_dpo, tokenize_pair
 from engine.train.checkpoint import load_params
 from tests.conftest import child_xla_flags
+from tests.deps import need
 from tests.test_lora_train import base  # noqa: F401  (a tiny checkpoint artifact, init std 0.25)
 
 NAMES = ["red", "green", "blue"]
@@ -166,8 +167,8 @@ def test_a_pair_without_rejected_names_its_line_and_identical_pairs_are_counted(
 
 
 def test_sequence_log_probs_equal_transformers_on_a_converted_model(tmp_path):
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+    torch = need("torch")
+    need("transformers")
     from engine.interop.hf.convert import convert_hf
     from engine.models.params import graphdef_of
     from engine.posttrain.dpo import Pair, make_logps_fn

@@ -28,8 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("trl")
+from tests.deps import need
+
+torch = need("torch")
+need("trl")
 
 from trl import DPOTrainer  # noqa: E402
 from trl.experimental.cpo import CPOTrainer  # noqa: E402

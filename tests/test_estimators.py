@@ -27,9 +27,10 @@ from engine.posttrain import advantages as estimators
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.policy_loss import policy_loss, rollout_correction_weights
 from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from tests.deps import need
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("trl")
+torch = need("torch")
+need("trl")
 
 from trl import GRPOTrainer  # noqa: E402
 

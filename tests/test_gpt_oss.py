@@ -29,11 +29,12 @@ from engine.ops.attention_blocked import blocked_attention
 from engine.ops.attention_reference import attention_mask, dot_product_attention, reference_attention
 from engine.ops.partitioning import MESH_AXES, use_mesh
 from engine.train.checkpoint import load_params, stored_configs
+from tests.deps import need
 from tests.test_hf_parity import batch, hf_logits
 from tests.test_moe import assert_greedy_tokens_equal_transformers, export_loads_cleanly
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = need("torch")
+transformers = need("transformers")
 
 VOCAB = 37
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tomllib
@@ -21,11 +22,13 @@ import numpy as np
 import pytest
 import yaml
 
+from tests.deps import need
+
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-lm_eval = pytest.importorskip("lm_eval")
-transformers = pytest.importorskip("transformers")
+lm_eval = need("lm_eval")
+transformers = need("transformers")
 
 from flax import nnx  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
@@ -210,31 +213,35 @@ def test_harness_tasks_score_as_with_the_hf_backend(model, trainflow_lm, hf_lm):
     assert ours["harness/tf_choice/samples"] == len(QUESTIONS)
 
 
-def test_lm_eval_command_line_runs_the_trainflow_model(model, tmp_path):
+def docs_command(**values: str) -> list[str]:
+    """docs/evaluation.md's `python -m engine.evaluate.harness_cli` command, with the values of
+    its options (and of its model arguments) replaced by `values` where given."""
+    text = (REPO / "docs/evaluation.md").read_text()
+    start = text.index("python -m engine.evaluate.harness_cli --model trainflow")
+    argv = shlex.split(text[start : text.index("```", start)].replace("\\\n", " "))
+    for i, word in enumerate(argv):
+        if word.startswith("--") and word[2:] in values:
+            argv[i + 1] = values[word[2:]]
+    i = argv.index("--model_args")
+    model_args = dict(pair.split("=", 1) for pair in argv[i + 1].split(","))
+    argv[i + 1] = ",".join(f"{k}={values.get(k, v)}" for k, v in model_args.items())
+    return [sys.executable, *argv[1:]]
+
+
+def test_the_docs_lm_eval_command_runs_the_trainflow_model(model, tmp_path):
+    """As docs/evaluation.md writes it (batch_size among the model arguments, which lm-eval
+    also passes from its own --batch_size), on the test's checkpoint and task."""
     out = tmp_path / "results"
+    command = docs_command(
+        checkpoint=str(model["artifact"]),
+        tasks="tf_choice",
+        include_path=str(model["tasks"]),
+        limit="3",
+        output_path=str(out),
+    )
+    assert "batch_size=16" in command[command.index("--model_args") + 1]
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "engine.evaluate.harness_cli",
-            "--model",
-            "trainflow",
-            "--model_args",
-            f"checkpoint={model['artifact']},max_length={MAX_LENGTH}",
-            "--tasks",
-            "tf_choice",
-            "--include_path",
-            str(model["tasks"]),
-            "--limit",
-            "3",
-            "--output_path",
-            str(out),
-        ],
-        cwd=REPO,
-        env={**os.environ, **ONE_DEVICE_ENV},
-        capture_output=True,
-        text=True,
-        timeout=600,
+        command, cwd=REPO, env={**os.environ, **ONE_DEVICE_ENV}, capture_output=True, text=True, timeout=600
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "tf_choice" in run.stdout and "acc" in run.stdout  # lm-eval's results table
@@ -242,6 +249,15 @@ def test_lm_eval_command_line_runs_the_trainflow_model(model, tmp_path):
     scored = json.loads(results.read_text())
     assert scored["config"]["model"] == "trainflow" and scored["n-samples"]["tf_choice"]["effective"] == 3
     assert 0.0 <= scored["results"]["tf_choice"]["acc,none"] <= 1.0
+
+
+def test_the_model_arguments_batch_size_wins_over_lm_evals_own(model):
+    """lm-eval hands every model its --batch_size (1 unless given) beside --model_args."""
+    args = f"checkpoint={model['artifact']},batch_size=5"
+    lm = TrainflowLM.create_from_arg_string(args, {"batch_size": 1, "max_batch_size": None, "device": None})
+    assert lm.batch_size == 5
+    lm = TrainflowLM.create_from_arg_string(f"checkpoint={model['artifact']}", {"batch_size": 3, "device": "cpu"})
+    assert lm.batch_size == 3
 
 
 def test_an_evaluate_stage_records_harness_metrics(model, tmp_path):

@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from tests.deps import need
+
+torch = need("torch")
+transformers = need("transformers")
 
 from safetensors import safe_open  # noqa: E402
 

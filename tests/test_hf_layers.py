@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from tests.deps import need
+
+torch = need("torch")
+transformers = need("transformers")
 
 from engine.interop.hf.mapping import model_config_from_hf, tensor_table, to_engine  # noqa: E402
 from engine.models.transformer import MLP, Attention, Block, RMSNorm  # noqa: E402

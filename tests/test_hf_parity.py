@@ -20,8 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from tests.deps import need
+
+torch = need("torch")
+transformers = need("transformers")
 
 from engine.inference.sample import Sampler  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402

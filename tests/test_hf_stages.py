@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from tests.deps import need
+
+torch = need("torch")
+transformers = need("transformers")
 
 from flows.cli import main  # noqa: E402
 from flows.spec import build_plan, parse_spec  # noqa: E402

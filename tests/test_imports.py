@@ -48,7 +48,7 @@ layers = [
     "engine.parallel",
     "engine.models",
     "engine.ops | engine.data",
-    "engine.config : engine.contract",
+    "engine.config : engine.contract : engine.compat",
 ]
 
 [[tool.importlinter.contracts]]

@@ -39,6 +39,7 @@ from tasks.launch.run import Interrupted, LauncherSpec, StageConfigError, StageF
 from tasks.registry import StageHooks
 from tasks.runner import execute_stage
 from tests.conftest import child_xla_flags
+from tests.deps import need
 
 # A stand-in for one rank of an engine: its role is argv[2 + rank].
 RANK = r"""
@@ -457,7 +458,7 @@ def stop_process_group(proc: subprocess.Popen, timeout: float = 5) -> None:
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A head and a worker node, 1 CPU each, on 127.0.0.1; yields the GCS address."""
-    ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'trainflow[ray]'")
+    ray = need("ray")
     if not loopback_hostname():
         pytest.skip(f"this machine's name ({socket.gethostname()}) does not resolve to 127.0.0.1")
     # Short: Ray's socket paths under it must fit a Unix socket name.

@@ -13,9 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+from tests.deps import need
+
+torch = need("torch")
+transformers = need("transformers")
+peft = need("peft")
 
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.peft import adapter_from_peft, adapter_to_peft, lora_config_from_peft, write_peft  # noqa: E402

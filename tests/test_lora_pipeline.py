@@ -14,9 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+from tests.deps import need
+
+torch = need("torch")
+transformers = need("transformers")
+peft = need("peft")
 
 from engine.config import ConfigError  # noqa: E402
 from engine.data.tokenizer import TokenizerConfig, save_tokenizer, train_tokenizer  # noqa: E402

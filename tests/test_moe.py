@@ -46,9 +46,10 @@ from engine.train.checkpoint import Checkpointer, load_params, stored_configs
 from engine.train.config import OptimizerConfig, ScheduleConfig
 from engine.train.optimizer import make_optimizer
 from engine.train.step import lm_loss_fn
+from tests.deps import need
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+torch = need("torch")
+transformers = need("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func  # noqa: E402
 

@@ -23,10 +23,11 @@ from etils.epath import backend as epath_backend
 
 from engine.train.checkpoint import Checkpointer, verify_step
 from tests.conftest import REPO, child_xla_flags
+from tests.deps import need
 
-moto_server = pytest.importorskip("moto.server")
-boto3 = pytest.importorskip("boto3")
-pytest.importorskip("s3fs")
+moto_server = need("moto.server")
+boto3 = need("boto3")
+need("s3fs")
 
 STEPS = 20
 EXIT_ABORT = "FATAL: exception not rethrown"
@@ -565,8 +566,8 @@ def test_two_concurrent_runs_on_a_bucket_do_the_work_once(bucket, tmp_path, monk
 
 
 def test_convert_from_a_bucket_and_export_to_one(bucket, tmp_path, capsys):
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
+    transformers = need("transformers")
+    torch = need("torch")
     import fsspec
 
     from flows.cli import main

@@ -29,10 +29,11 @@ import yaml
 from tasks import objectstore
 from tasks.artifacts import ArtifactStore
 from tasks.store.objects import read_url
+from tests.deps import need
 from tests.test_object_store import tiny_pipeline, trainflow
 
-emulator = pytest.importorskip("gcp_storage_emulator.server")
-pytest.importorskip("gcsfs")
+emulator = need("gcp_storage_emulator.server")
+need("gcsfs")
 from gcp_storage_emulator import settings  # noqa: E402  (after the skip: the emulator is a test extra)
 from gcp_storage_emulator.exceptions import NotFound  # noqa: E402
 from gcp_storage_emulator.handlers import objects  # noqa: E402

@@ -27,6 +27,7 @@ from flows.pipeline import FLOW_NAME, PrefectHooks, run_plan
 from flows.spec import Pipeline
 from flows.summary import format_number, line_level
 from tasks.registry import Input, StageContext, StageKind, register_stage
+from tests.deps import need
 from tests.pipeline_toys import ValueConfig
 
 # A 1x1 PNG: what an evaluation report's plot is to the stage summary.
@@ -194,7 +195,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """A real MLflow tracking server on 127.0.0.1, SQLite in a temp dir; yields its URI."""
-    pytest.importorskip("mlflow")
+    need("mlflow")
     root = tmp_path_factory.mktemp("mlflow")
     port = _free_port()
     server = subprocess.Popen(
@@ -359,7 +360,7 @@ def wandb_records(path: Path):
 
 
 def test_wandb_offline_keeps_the_metrics_in_the_run_directory(tracked_run):
-    pytest.importorskip("wandb")
+    need("wandb")
     from wandb.proto import wandb_internal_pb2
 
     out, _, _ = tracked_run

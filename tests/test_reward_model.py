@@ -35,13 +35,14 @@ from engine.posttrain.reward_model import (
 )
 from engine.train.trainer import Trainer
 from tests.conftest import child_xla_flags
+from tests.deps import need
 from tests.engine_kill import kill_then_resume
 from tests.test_dpo import preferences  # noqa: F401  (the colour preference pairs)
 from tests.test_lora_train import base, restore_adapter  # noqa: F401  (a tiny checkpoint artifact)
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("trl")
+torch = need("torch")
+transformers = need("transformers")
+need("trl")
 
 from safetensors.numpy import load_file  # noqa: E402
 from trl import RewardTrainer  # noqa: E402

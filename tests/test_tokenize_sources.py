@@ -11,6 +11,7 @@ import pytest
 from test_tokenize import documents, records, run_stage, word_documents, write_lines
 
 from engine.config import ConfigError
+from tests.deps import need
 
 # --------------------------------------------------------------------------- formats
 
@@ -80,7 +81,7 @@ def test_parquet_is_streamed_by_row_group(tmp_path, monkeypatch):
 
 
 def test_tfrecord_of_tf_examples(tmp_path):
-    tf = pytest.importorskip("tensorflow")
+    tf = need("tensorflow")
     docs = word_documents(40)
     with tf.io.TFRecordWriter(str(tmp_path / "a.tfrecord")) as writer:
         for i, doc in enumerate(docs):
@@ -102,8 +103,8 @@ def test_tfrecord_of_tf_examples(tmp_path):
 
 
 def test_tfds_dataset_on_disk(tmp_path):
-    tf = pytest.importorskip("tensorflow")
-    tfds = pytest.importorskip("tensorflow_datasets")
+    tf = need("tensorflow")
+    tfds = need("tensorflow_datasets")
     docs = word_documents(30)
     builder = tfds.dataset_builders.TfDataBuilder(
         name="tiny_corpus",

@@ -13,6 +13,7 @@ from test_tokenize import documents, records, run_stage, write_lines
 from engine.config import ConfigError
 from engine.data.shards import read_meta
 from engine.data.tokenizer import TokenizerConfig, load_tokenizer, train_tokenizer
+from tests.deps import need
 
 STDLIB_TEXTS = [
     Path(f).read_text(encoding="utf-8") for f in sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/json/*.py"))
@@ -112,7 +113,7 @@ def test_bare_tokenizer_json_needs_an_eos_and_gains_missing_specials(tmp_path):
 
 @pytest.mark.parametrize("model_type", ["bpe", "unigram"])
 def test_sentencepiece_model_matches_sentencepiece(tmp_path, model_type):
-    spm = pytest.importorskip("sentencepiece")
+    spm = need("sentencepiece")
     corpus = write_lines(tmp_path / "corpus.txt", [l for t in STDLIB_TEXTS for l in t.splitlines() if l.strip()])
     spm.SentencePieceTrainer.train(
         input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=300, model_type=model_type, minloglevel=2
