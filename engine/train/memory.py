@@ -18,6 +18,24 @@ import numpy as np
 from engine.config import ConfigError
 from engine.train.targets import GiB
 
+OLDER_TPU_COMPILER = (
+    "this compiler (jax < 0.11) states no buffer-assignment total, so the temporaries are its heap peak; "
+    "its own temporaries figure (temp_size_in_bytes, {temp:.2f} GiB here) sums every buffer and overstates "
+    "what it holds: measured for llama3.1-8b on a v5p-8 (8 rows, remat full), 17.86 GiB per chip against its "
+    "buffer assignment's 13.96 at 4,096 positions (+28%) and 23.65 against 17.43 at 8,192 (+36%); "
+    "jax >= 0.11 (Python 3.12+) states the assignment itself"
+)
+"""What the plan says of a TPU step compiled under jax < 0.11 (libtpu 0.0.42): figures from
+issue 31's dumps of that compiler, docs/engine.md "What the total counts"."""
+
+
+def older_compiler_note(analysis, platform: str) -> str | None:
+    """The OLDER_TPU_COMPILER sentence for a TPU step whose memory analysis states no
+    buffer-assignment total; None where it does (or off TPU, where temp_size is exact)."""
+    if platform != "tpu" or getattr(analysis, "total_allocation_bytes", 0):
+        return None
+    return OLDER_TPU_COMPILER.format(temp=analysis.temp_size_in_bytes / GiB)
+
 
 def knobs(cfg) -> str:
     """What would make the step of run config `cfg` smaller, for the does-not-fit sentence
@@ -75,8 +93,8 @@ class Memory:
         live arguments and outputs: its total allocation where the analysis states it (jax >=
         0.11), else its heap peak (TPU, GPU) or, on CPU, temp_size_in_bytes, which there is
         exactly the one preallocated temporary block (XLA:CPU's peak leaves it out). On TPU,
-        temp_size_in_bytes sums every temporary buffer and overstates the assignment: by 3.9 /
-        6.4 GiB per chip for llama3.1-8b on a v5p-8 under libtpu 0.0.42 (docs/engine.md)."""
+        temp_size_in_bytes sums every temporary buffer and overstates the assignment
+        (`OLDER_TPU_COMPILER`)."""
         live = analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
         assigned = getattr(analysis, "total_allocation_bytes", 0) or 0
         peak = getattr(analysis, "peak_memory_in_bytes", 0) or 0

@@ -44,7 +44,7 @@ from engine.models.quantize import QUANTIZED_DTYPES, quantized_abstract
 from engine.ops.partitioning import BATCH_AXES, MESH_AXES, use_mesh
 from engine.parallel.config import MeshConfig
 from engine.train.config import TrainConfig
-from engine.train.memory import Memory, device_memory, knobs, shard_bytes
+from engine.train.memory import Memory, device_memory, knobs, older_compiler_note, shard_bytes
 from engine.train.metrics import peak_flops
 from engine.train.optimizer import make_optimizer
 from engine.train.step import Objective
@@ -85,6 +85,8 @@ class Plan:
     to_fit: str = ""
     """What would make the step smaller (memory.knobs)."""
     compiler_message: str | None = None
+    compiler_note: str | None = None
+    """What to know of the compiler's figures (memory.older_compiler_note: a TPU step under jax < 0.11)."""
     compiled: Any = dataclasses.field(default=None, repr=False)
     """The compiled step (None when refused or estimated)."""
 
@@ -213,7 +215,7 @@ def plan_step(
         batch=shard_bytes(abstract_batch),
         gradients=shard_bytes(trainer.abstract_params),
     )
-    message, compiled = None, None
+    message, compiled, note = None, None, None
     with use_mesh(trainer.mesh):
         lowered = (
             trainer.jitted_train_step()
@@ -228,7 +230,9 @@ def plan_step(
         message = str(e).splitlines()[0]
         memory, how = _refused(message, parts), "refused by the compiler"
     else:
-        memory, how = Memory.of(compiled.memory_analysis(), **parts, platform=devices[0].platform), "compiled"
+        analysis = compiled.memory_analysis()
+        memory, how = Memory.of(analysis, **parts, platform=devices[0].platform), "compiled"
+        note = older_compiler_note(analysis, devices[0].platform)
     model_flops, hardware_flops, source = _flops(cfg, tokens, updates_per_batch)
     if compiled is not None and not cfg.compute.scan_layers and cfg.grad_accum == 1:
         # XLA counts a loop's body once, so its count is the step's only without scanned layers.
@@ -257,6 +261,7 @@ def plan_step(
         chip.memory_bandwidth if chip else None,
         knobs(cfg),
         message,
+        note,
         compiled,
     )
 
@@ -383,6 +388,8 @@ def format_plan(plan: Plan) -> str:
     ]
     if plan.compiler_message:
         lines.append(f"  compiler: {plan.compiler_message}")
+    if plan.compiler_note:
+        lines.append(f"  compiler: {plan.compiler_note}")
     seconds, bound = plan.step_seconds_bound
     peak = (
         f"{plan.peak_flops / 1e12:.0f} TFLOP/s"
