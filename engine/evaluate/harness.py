@@ -38,7 +38,7 @@ import numpy as np
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 
 from engine.config import ConfigError
 from engine.contract import CHECKPOINT_DIR
@@ -170,6 +170,18 @@ class TrainflowLM(TemplateLM):
         self._sampler = Sampler(self.model_cfg, compute, loaded.mesh, loaded.param_shardings)
         self._shards = 1 if loaded.mesh is None else batch_shards(loaded.mesh)
         self._context = 1 if loaded.mesh is None else loaded.mesh.shape["context"]
+
+    # lm-eval passes its own --batch_size (default 1), --max_batch_size and --device beside
+    # the --model_args to every model, as keywords: a batch_size in both would be given twice
+    # (a TypeError for every lm-eval model, `hf` included). Here the model's own arguments win.
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> TrainflowLM:
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None) -> TrainflowLM:
+        given = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return cls(**{**given, **arg_dict})
 
     def _jit_score(self, mesh, param_shardings):
         fn = lambda params, *rows: continuation_scores(self._graphdef, params, *rows)
