@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from flows.spec import Plan
-from tasks.artifacts import ArtifactStore, parent_dir, read_manifest
+from tasks.artifacts import COMPLETE, ArtifactStore, parent_dir, read_manifest
 from tasks.store.names import folder_stage
 
 
@@ -46,11 +46,14 @@ def status_rows(plan: Plan) -> list[dict[str, Any]]:
     rows = []
     for name, info in plan.status().items():
         manifest = read_manifest(Path(info["path"])) if info["state"] != "pending" else None
+        reused = (manifest or {}).get("reused") if info["state"] == COMPLETE else None
         rows.append(
             {
                 "stage": name,
                 "task": info["task"],
-                "state": info["state"],
+                # early cutoff (tasks/cutoff.py): complete, its bytes those of an earlier equal artifact
+                "state": f"{COMPLETE} (reused)" if reused else info["state"],
+                "reused_from": f"{reused['stage']}/{reused['id']}" if reused else None,
                 "artifact_id": info["artifact_id"],
                 "inputs": _inputs_text(plan, name),
                 "finished_at": (manifest or {}).get("finished_at") or "-",
@@ -105,6 +108,7 @@ def lineage(directory: Path, _seen: set | None = None, store: ArtifactStore | No
         "created_at": manifest.get("created_at"),
         "finished_at": manifest.get("finished_at"),
         "decisions": manifest.get("decisions"),
+        "reused": manifest.get("reused"),
         "parents": [],
     }
     key = str(directory.resolve())
@@ -139,6 +143,13 @@ def _node_lines(node: dict, width: int) -> list[str]:
     metrics = node.get("metrics") or {}
     lines += _wrapped("metrics: ", [f"{k}={_fmt(v)}" for k, v in metrics.items()] or ["-"], width)
     lines.append(f"made: {node.get('created_at')} -> {node.get('finished_at')}")
+    reused = node.get("reused")
+    if reused:  # early cutoff: these bytes were made by an earlier run, from inputs of equal content
+        made_from = ", ".join(f"{p.get('input')}={p.get('stage')}/{p.get('id')}" for p in reused.get("parents") or [])
+        lines.append(
+            f"reused: the bytes of {reused.get('stage')}/{reused.get('id')} (made {reused.get('finished_at')} "
+            f"from {made_from or 'no inputs'}); the inputs below hold what that consumed, byte for byte"
+        )
     decisions = node.get("decisions") or {}
     if decisions.get("when"):  # the gate that let it run, and what it saw (flows/gates.py)
         seen = " ".join(f"{k}={_fmt(v)}" for k, v in decisions["when"].get("values", {}).items())
@@ -168,7 +179,8 @@ def format_lineage(node: dict, width: int | None = None) -> str:
         if "error" in n:
             out.append(f"{head}{label}{n['path']}  ({n['error']})")
             return
-        out.append(f"{head}{label}{n['stage']}/{n['id']}  {n['kind']}  {n['status']}")
+        reused = " (reused)" if n.get("reused") else ""
+        out.append(f"{head}{label}{n['stage']}/{n['id']}  {n['kind']}  {n['status']}{reused}")
         parents = n["parents"]
         if isinstance(parents, str):
             out.append(f"{body}  {parents}")

@@ -64,10 +64,11 @@ from flows.summary import asset_key, format_duration, format_number, line_level,
 from flows.sweep import label_value
 from flows.sweep_report import sweep_markdown, sweep_rows
 from tasks.artifacts import ArtifactError, read_manifest
+from tasks.cutoff import REUSED_WHY
 from tasks.launch.gang import stopping, terminate_children
 from tasks.launch.run import Interrupted, PermanentFailure
 from tasks.registry import StageHooks
-from tasks.runner import SKIPPED, StageResult, execute_stage
+from tasks.runner import REUSED, SKIPPED, StageResult, execute_stage
 
 # Failures a retry cannot fix: a bad config, a tampered input, a deliberate stop, a full
 # disk or a diverged loss.
@@ -400,6 +401,8 @@ def _run_stage(plan: Plan, stage: str, reporter: Reporter, run: _Run) -> Any:
         outcome["selected"] = {name: d["chosen"] for name, d in decisions["select"].items()}
     if result.status == SKIPPED:
         return Completed(name="Skipped", message=f"artifact {job.artifact_id} is complete", data=outcome)
+    if result.status == REUSED:  # early cutoff (tasks/cutoff.py): nothing ran, an equal artifact's bytes taken
+        return Completed(name="Reused", message=REUSED_WHY, data=outcome)
     return outcome
 
 

@@ -114,6 +114,9 @@ class Input:
     kind: str | tuple[str, ...]
     required: bool = True
     doc: str = ""
+    through_paths: bool = False
+    """The stage reads this input only through `{input:NAME}/...` paths in its config, so
+    what it consumes of it is the files those paths name (tasks/cutoff.py)."""
 
     @property
     def kinds(self) -> tuple[str, ...]:

@@ -31,11 +31,13 @@ from tasks.artifacts import (
     now_iso,
     write_json_atomic,
 )
+from tasks.cutoff import REUSED_WHY, content_key, find_equivalent, reused_record
 from tasks.launch.gang import holding_locks
 from tasks.launch.run import DISK_FULL_ERRNOS, DiskFull, LauncherSpec, recording_layouts
 from tasks.registry import StageContext, StageHooks, StageKind, substitute_inputs
 
-SKIPPED, RAN, RESUMED = "skipped", "ran", "resumed"
+SKIPPED, RAN, RESUMED, REUSED = "skipped", "ran", "resumed", "reused"
+"""A stage's outcome; `reused`: early cutoff linked in an equal artifact (tasks/cutoff.py)."""
 
 
 @dataclass
@@ -66,7 +68,7 @@ class StageResult:
     artifact_id: str
     path: Path
     status: str
-    """skipped | ran | resumed"""
+    """skipped | ran | resumed | reused"""
     metrics: dict[str, Any]
     seconds: float
     """Wall time of execute_stage."""
@@ -109,6 +111,74 @@ def _record_failure(path: Path, manifest: dict, error: BaseException, hooks: Sta
         hooks.log(f"could not record the failure in {path}: {e}")
 
 
+def _manifest(
+    job: StageJob, store: ArtifactStore, inputs: dict, key: str, previous: dict, run_info: dict[str, Any] | None
+) -> dict:
+    """The stage's manifest as it starts (`running`, no files yet)."""
+    return {
+        "id": job.artifact_id,
+        "kind": job.kind.output_kind(job.config),
+        "stage": job.stage,
+        "task": job.task,
+        "format_version": job.kind.version,
+        "pipeline": job.pipeline,
+        "status": RUNNING,
+        "parents": [
+            {
+                "input": name,
+                "stage": ref.stage,
+                "id": ref.id,
+                "kind": ref.kind,
+                "path": ref.path.relative_to(store.root).as_posix(),
+            }
+            for name, ref in inputs.items()
+        ],
+        "content_key": key,  # looked up for early cutoff (tasks/cutoff.py), not part of the id
+        "config": job.config.model_dump(mode="json"),
+        "config_as_written": job.config_as_written,
+        # How it was computed, not what: neither is part of the id (results do not depend on them).
+        "launcher": job.launcher.provenance() if job.kind.launches_child else None,
+        "layout": None,
+        "metrics": {},
+        "files": {},
+        "code": code_version(),
+        "created_at": previous.get("created_at") or now_iso(),
+        "finished_at": None,
+        "attempts": int(previous.get("attempts", 0)) + 1,
+        "prefect": run_info or {},
+    }
+
+
+def _reuse(job: StageJob, store: ArtifactStore, key: str, manifest: dict, claim: Any, hooks: StageHooks) -> dict | None:
+    """Early cutoff: the committed manifest when a complete artifact of the stage holds what
+    it would write (the same content key), its payload now this artifact's; else None."""
+    source = find_equivalent(store, job.stage, key, job.artifact_id)
+    if source is None:
+        return None
+    origin = source.get("reused") or reused_record(source)  # where the bytes were made
+    manifest.update(
+        status=COMPLETE,
+        metrics=source.get("metrics") or {},
+        files=source["files"],
+        launcher=source.get("launcher"),
+        layout=source.get("layout"),
+        code=source.get("code"),
+        reused={**origin, "linked_from": f"{job.stage}/{source['id']}"},
+        finished_at=now_iso(),
+    )
+    store.artifact_dir(job.stage, job.artifact_id).mkdir(parents=True, exist_ok=True)
+    problems = store.reuse(job.stage, source["id"], job.artifact_id, manifest, claim)
+    if problems:
+        hooks.log(f"not reusing {store.location(job.stage, source['id'])}: {problems[0]}; running the stage")
+        return None
+    hooks.log(
+        f"{REUSED_WHY}: {job.stage} holds the bytes of {origin['stage']}/{origin['id']} "
+        f"-> {store.location(job.stage, job.artifact_id)}"
+    )
+    hooks.progress(1.0)
+    return manifest
+
+
 def execute_stage(
     job: StageJob, store: ArtifactStore, hooks: StageHooks | None = None, run_info: dict[str, Any] | None = None
 ) -> StageResult:
@@ -148,40 +218,14 @@ def execute_stage(
                 inputs[name] = store.open_input(stage, artifact_id)
             except ArtifactError as e:
                 raise ArtifactError(f"stage '{job.stage}': input '{name}': {e}") from None
+        previous = store.manifest(job.stage, job.artifact_id) or {}
+        key = content_key(job.kind, job.config, inputs)
+        reused = _reuse(job, store, key, _manifest(job, store, inputs, key, previous, run_info), claim, hooks)
+        if reused is not None:
+            return done(REUSED, reused)
         store.prepare(job.stage, job.artifact_id, log=hooks.log)  # a partial artifact's payload, to resume from
         resumed = store.has_partial(job.stage, job.artifact_id)
-        previous = store.manifest(job.stage, job.artifact_id) or {}
-        manifest = {
-            "id": job.artifact_id,
-            "kind": job.kind.output_kind(job.config),
-            "stage": job.stage,
-            "task": job.task,
-            "format_version": job.kind.version,
-            "pipeline": job.pipeline,
-            "status": RUNNING,
-            "parents": [
-                {
-                    "input": name,
-                    "stage": ref.stage,
-                    "id": ref.id,
-                    "kind": ref.kind,
-                    "path": ref.path.relative_to(store.root).as_posix(),
-                }
-                for name, ref in inputs.items()
-            ],
-            "config": job.config.model_dump(mode="json"),
-            "config_as_written": job.config_as_written,
-            # How it was computed, not what: neither is part of the id (results do not depend on them).
-            "launcher": job.launcher.provenance() if job.kind.launches_child else None,
-            "layout": None,
-            "metrics": {},
-            "files": {},
-            "code": code_version(),
-            "created_at": previous.get("created_at") or now_iso(),
-            "finished_at": None,
-            "attempts": int(previous.get("attempts", 0)) + 1,
-            "prefect": run_info or {},
-        }
+        manifest = _manifest(job, store, inputs, key, previous, run_info)
         out_dir.mkdir(parents=True, exist_ok=True)
         store.write_manifest(job.stage, job.artifact_id, manifest)
         hooks.log(f"{'resuming' if resumed else 'running'} {job.stage} ({job.task}) -> {where}")

@@ -146,3 +146,56 @@ class ToyChild(StageKind):
         ]
         result = ctx.launch(argv, metrics_file=ctx.out_dir / "metrics.jsonl", total_steps=ctx.config.steps)
         return result.result or {}
+
+
+class FilesConfig(Strict):
+    files: dict[str, str] = {}
+    """File name -> text, written into the artifact."""
+    label: str = ""
+    """In the id, not in the output: a config change that leaves the bytes as they were."""
+    trace: str | None = None
+
+
+@register_stage
+class ToyFiles(StageKind):
+    """A corpus of the files its config spells out."""
+
+    task = "toy-files"
+    output = "corpus"
+    config_schema = FilesConfig
+    non_semantic = ("trace",)
+
+    def run(self, ctx: StageContext) -> dict:
+        _trace(ctx)
+        for name, text in ctx.config.files.items():
+            (ctx.out_dir / name).write_text(text)
+        return {"files": len(ctx.config.files)}
+
+
+class ReadConfig(Strict):
+    path: str | None = None
+    """`{input:corpus}/NAME`: the file whose length becomes the value."""
+    trace: str | None = None
+
+
+@register_stage
+class ToyRead(StageKind):
+    """A dataset holding the length of one file of a corpus it reads through a path, or the
+    total size of a corpus it reads whole."""
+
+    task = "toy-read"
+    output = "dataset"
+    inputs = {
+        "corpus": Input("corpus", required=False, through_paths=True),
+        "whole": Input("corpus", required=False),
+    }
+    config_schema = ReadConfig
+    non_semantic = ("trace",)
+
+    def run(self, ctx: StageContext) -> dict:
+        _trace(ctx)
+        value = len(Path(ctx.config.path).read_text()) if ctx.config.path else 0
+        if "whole" in ctx.inputs:
+            value += sum(p.stat().st_size for p in ctx.inputs["whole"].path.glob("*.txt"))
+        (ctx.out_dir / "value.json").write_text(json.dumps(value))
+        return {"value": value}

@@ -259,7 +259,9 @@ class FineTuneStage(EngineStage):
     def checkpoint_inputs(doc: str) -> dict[str, Input]:
         return {
             "checkpoint": Input(MODEL_KINDS, doc=doc),
-            "corpus": Input("corpus", required=False, doc="files that data paths name as {input:corpus}/..."),
+            "corpus": Input(
+                "corpus", required=False, doc="files that data paths name as {input:corpus}/...", through_paths=True
+            ),
         }
 
     def validate_raw(self, raw: dict, source: str):

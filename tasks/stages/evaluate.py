@@ -62,7 +62,9 @@ class EvaluateStage(EngineStage):
     output = "eval_report"
     inputs = {
         "dataset": Input("dataset", required=False, doc="token dataset for held-out loss"),
-        "corpus": Input("corpus", required=False, doc="files that tasks name as {input:corpus}/..."),
+        "corpus": Input(
+            "corpus", required=False, doc="files that tasks name as {input:corpus}/...", through_paths=True
+        ),
     }
     other_inputs = Input(MODEL_KINDS, doc="a model (checkpoint or adapter) to evaluate, named by its input name")
     config_schema = EvalConfig

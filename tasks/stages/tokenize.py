@@ -49,7 +49,11 @@ def _input_parts(cfg: TokenizeConfig) -> list:
 class TokenizeStage(StageKind):
     task = "tokenize"
     output = "dataset"
-    inputs = {"corpus": Input("corpus", required=False, doc="files that sources name as {input:corpus}/...")}
+    inputs = {
+        "corpus": Input(
+            "corpus", required=False, doc="files that sources name as {input:corpus}/...", through_paths=True
+        )
+    }
     config_schema = TokenizeConfig
     version = 1
     non_semantic = TOKENIZE_NON_SEMANTIC_FIELDS

@@ -14,18 +14,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engine.contract import CHECKPOINT_DIR, MANIFEST
-from tasks.store.consume import STAMPS, check_consumed
+from tasks.store.consume import STAMPS, check_consumed, consumed_files, write_stamps
 from tasks.store.names import folder_stage, stage_folder
 from tasks.store.objects import is_url
 from tasks.store.records import (
     COMPLETE,
     FAILED,
+    LOCK,
     ArtifactError,
     ArtifactLock,
     ArtifactRef,
@@ -131,6 +133,11 @@ class ArtifactStore:
             for directory in sorted(p for p in stage_dir.iterdir() if p.is_dir()):
                 yield directory, read_manifest(directory)
 
+    def stage_artifacts(self, stage: str) -> list[str]:
+        """The ids of the artifact directories of one stage (whatever their state)."""
+        folder = self.root / stage_folder(stage)
+        return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+
     def find(self, artifact_id: str) -> Path:
         """The directory of an artifact given its id (or a unique prefix of it)."""
         matches = [d for d, _ in self.iter_artifacts() if d.name.startswith(artifact_id)]
@@ -174,6 +181,33 @@ class ArtifactStore:
     def commit(self, stage: str, artifact_id: str, manifest: dict, claim: Claim) -> None:
         """The `complete` manifest, written last and atomically: from here on the artifact exists."""
         self.write_manifest(stage, artifact_id, manifest)
+
+    def reuse(self, stage: str, source_id: str, artifact_id: str, manifest: dict, claim: Claim) -> list[str]:
+        """Commit `manifest` as the artifact `artifact_id` over the payload of the complete
+        artifact `source_id` of the same stage (tasks/cutoff.py): hard links to its files (a
+        copy where the file system cannot link), once its consumed files are found intact as a
+        consumer would check them. Returns the problems that stopped it ([] = committed)."""
+        src, dst = self.artifact_dir(stage, source_id), self.artifact_dir(stage, artifact_id)
+        files = manifest["files"]
+        present = {p.relative_to(src).as_posix(): p for p in payload_files(src)}
+        problems = check_consumed(src, files, present)
+        if problems:
+            return problems
+        for entry in dst.iterdir():  # what an earlier attempt left
+            if entry.name != LOCK:
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        for rel in files:
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src / rel, dst / rel)
+            except OSError:
+                shutil.copy2(src / rel, dst / rel)
+        # Linking changed the files' ctime: the bytes just checked get fresh stamps, in both.
+        checked = {rel: entry["sha256"] for rel, entry in consumed_files(files).items()}
+        write_stamps(dst, checked)
+        write_stamps(src, checked)
+        self.commit(stage, artifact_id, manifest, claim)
+        return []
 
     def keep_partial(self, stage: str, artifact_id: str, claim: Claim, log: Log) -> None:
         """After a failure (its `failed` manifest written): keep what is there for a resume."""

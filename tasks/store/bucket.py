@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,18 @@ from typing import Any
 from engine.contract import CHECKPOINT_DIR, CHECKPOINT_URL_SCHEMES, DATA_DIR
 from tasks.store.base import ArtifactStore, Claim, Log, refuse, write_manifest_copy
 from tasks.store.consume import consumed_files
+from tasks.store.names import stage_folder
 from tasks.store.objects import RemoteBackend, StoreAccessError, StoreWriteError, is_url
-from tasks.store.records import COMPLETE, FAILED, ArtifactError, ArtifactLock, ArtifactRef, read_manifest
+from tasks.store.records import (
+    COMPLETE,
+    FAILED,
+    LOCK,
+    ArtifactError,
+    ArtifactLock,
+    ArtifactRef,
+    InputError,
+    read_manifest,
+)
 
 STAGED_ENV = "TRAINFLOW_STAGED_CHECKPOINTS"
 
@@ -64,7 +75,7 @@ class BucketStore(ArtifactStore):
         try:
             self.remote = RemoteBackend(str(root))
         except StoreAccessError as e:
-            raise ArtifactError(str(e)) from None
+            raise InputError(str(e)) from None
         self.root = self.remote.cache
         self.url = self.remote.url
         self.direct = self.url.startswith(CHECKPOINT_URL_SCHEMES) and os.environ.get(STAGED_ENV, "") in ("", "0")
@@ -99,6 +110,15 @@ class BucketStore(ArtifactStore):
             if manifest is not None:
                 write_manifest_copy(directory, manifest)
             yield directory, manifest
+
+    def stage_artifacts(self, stage: str) -> list[str]:
+        prefix = f"{self.remote.base}/{stage_folder(stage)}"
+        self.remote.fs.invalidate_cache(prefix)
+        try:
+            entries = self.remote.fs.ls(prefix, detail=True)
+        except FileNotFoundError:
+            return []
+        return sorted(e["name"].rsplit("/", 1)[-1] for e in entries if e["type"] == "directory")
 
     # ------------------------------------------------------------------ writing one artifact
 
@@ -174,6 +194,45 @@ class BucketStore(ArtifactStore):
             )
         self.remote.write_manifest(stage, artifact_id, manifest)
         super().write_manifest(stage, artifact_id, manifest)
+
+    def reuse(self, stage: str, source_id: str, artifact_id: str, manifest: dict, claim: Claim) -> list[str]:
+        """As the local store's, with copies made in the bucket (server-side): the source's
+        objects checked by one LIST (presence, size, and the consumed ones' versions, any
+        other version streamed through sha256), the copies' versions recorded."""
+        files, remote = manifest["files"], self.remote
+        recorded = (remote.read_manifest(stage, source_id) or {}).get("versions") or {}
+        listing = remote.listing(stage, source_id)
+        problems = [f"{rel}: not part of the artifact" for rel in sorted(set(listing) - set(files))]
+        consumed = consumed_files(files)
+        for rel, entry in sorted(files.items()):
+            if rel not in listing:
+                problems.append(f"{rel}: missing")
+            elif listing[rel][0] != entry["size"]:
+                problems.append(f"{rel}: size {listing[rel][0]} != recorded {entry['size']}")
+            elif rel in consumed and recorded.get(rel) != listing[rel][1]:
+                if remote.sha256(remote.key(stage, source_id, rel)) != entry["sha256"]:
+                    problems.append(f"{rel}: sha256 differs from the recorded digest")
+        if problems:
+            return problems
+        staging = self.artifact_dir(stage, artifact_id)
+        for entry in staging.iterdir():  # what an earlier attempt left here
+            if entry.name != LOCK:
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        left = remote.payload(stage, artifact_id)  # ... and in the bucket
+        if left:
+            remote.fs.rm([remote.key(stage, artifact_id, rel) for rel in left])
+        rels = sorted(files)
+        targets = [remote.key(stage, artifact_id, r) for r in rels]
+        remote.fs.copy([remote.key(stage, source_id, r) for r in rels], targets)  # in the bucket
+        manifest["versions"] = remote.versions(stage, artifact_id)
+        if claim.lost:
+            raise ArtifactError(
+                f"stage '{stage}': the lease on {self.location(stage, artifact_id)} expired and was taken over "
+                f"by another run; not committing"
+            )
+        remote.write_manifest(stage, artifact_id, manifest)
+        ArtifactStore.write_manifest(self, stage, artifact_id, manifest)  # the staging copy's
+        return []
 
     def keep_partial(self, stage: str, artifact_id: str, claim: Claim, log: Log) -> None:
         """What the failed or interrupted stage has (committed checkpoint steps included) and its

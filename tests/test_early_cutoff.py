@@ -1,0 +1,143 @@
+"""Early cutoff (tasks/cutoff.py): a stage whose consumed bytes equal those of a finished
+artifact of the stage is not run again; its artifact links that one's payload in under its
+own id, and the cutoff goes on down the DAG. Ids stay what they were."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+import tests.pipeline_toys  # noqa: F401
+from flows.inspection import format_lineage, lineage, status_rows
+from flows.retention import apply, collect
+from flows.spec import Pipeline
+from tasks.artifacts import read_manifest, verify_artifact
+from tasks.runner import RAN, REUSED, SKIPPED, execute_stage
+
+
+def chain(store: Path, trace: Path, files: dict[str, str], label: str = "", whole: bool = False):
+    """src (a corpus) -> read (the length of src's a.txt; with `whole`, src's size) -> total (+3)."""
+    p = Pipeline("cutoff", store=store)
+    p.stage("src", task="toy-files", config={"files": files, "label": label, "trace": str(trace)})
+    if whole:
+        p.stage("read", task="toy-read", inputs={"whole": "src"}, config={"trace": str(trace)})
+    else:
+        p.stage(
+            "read",
+            task="toy-read",
+            inputs={"corpus": "src"},
+            config={"path": "{input:corpus}/a.txt", "trace": str(trace)},
+        )
+    p.stage("total", task="toy-sum", inputs={"a": "read"}, config={"value": 3, "trace": str(trace)})
+    return p.plan()
+
+
+def run_all(plan) -> dict[str, str]:
+    return {name: execute_stage(p.job, plan.store).status for name, p in plan.stages.items()}
+
+
+def ids(plan) -> dict[str, str]:
+    return {name: p.job.artifact_id for name, p in plan.stages.items()}
+
+
+def ran(trace: Path) -> list[str]:
+    return trace.read_text().split()
+
+
+def test_a_change_that_leaves_the_consumed_bytes_equal_reruns_nothing_downstream(tmp_path):
+    store, trace = tmp_path / "store", tmp_path / "trace"
+    first = chain(store, trace, {"a.txt": "one", "b.txt": "two"})
+    assert run_all(first) == {"src": RAN, "read": RAN, "total": RAN}
+
+    # b.txt changes: src must run (to know its bytes); read consumes only a.txt, total only read.
+    second = chain(store, trace, {"a.txt": "one", "b.txt": "zwei"})
+    assert run_all(second) == {"src": RAN, "read": REUSED, "total": REUSED}
+    assert ran(trace) == ["src", "read", "total", "src"]
+    assert all(ids(second)[s] != ids(first)[s] for s in ids(first))  # ids as before: config and input ids
+
+    read_dir = second.store.artifact_dir("read", ids(second)["read"])
+    manifest = read_manifest(read_dir)
+    assert manifest["status"] == "complete" and manifest["id"] == ids(second)["read"]
+    assert [(p["stage"], p["id"]) for p in manifest["parents"]] == [("src", ids(second)["src"])]  # what feeds it now
+    reused = manifest["reused"]  # ... and what its bytes were made from
+    assert (reused["stage"], reused["id"]) == ("read", ids(first)["read"])
+    assert [(p["stage"], p["id"]) for p in reused["parents"]] == [("src", ids(first)["src"])]
+    assert manifest["metrics"] == {"value": 3} and verify_artifact(read_dir) == []
+    old_dir = first.store.artifact_dir("read", ids(first)["read"])
+    assert os.stat(read_dir / "value.json").st_ino == os.stat(old_dir / "value.json").st_ino  # linked, not copied
+
+    total = read_manifest(second.store.artifact_dir("total", ids(second)["total"]))
+    assert total["reused"]["id"] == ids(first)["total"] and total["metrics"] == {"value": 6}
+
+    rows = {row["stage"]: row for row in status_rows(second)}
+    assert [rows[s]["state"] for s in ("src", "read", "total")] == [
+        "complete",
+        "complete (reused)",
+        "complete (reused)",
+    ]
+    assert rows["read"]["reused_from"] == f"read/{ids(first)['read']}"
+    shown = format_lineage(lineage(second.store.artifact_dir("total", ids(second)["total"])))
+    assert f"total/{ids(second)['total']}  checkpoint  complete (reused)" in shown
+    assert f"reused: the bytes of read/{ids(first)['read']}" in shown
+    assert f"from corpus=src/{ids(first)['src']}" in shown
+
+    assert run_all(chain(store, trace, {"a.txt": "one", "b.txt": "zwei"})) == dict.fromkeys(ids(first), SKIPPED)
+    assert run_all(chain(store, trace, {"a.txt": "one", "b.txt": "two"})) == dict.fromkeys(ids(first), SKIPPED)
+    assert len(ran(trace)) == 4
+
+
+def test_a_change_to_the_consumed_bytes_reruns_exactly_the_affected_stages(tmp_path):
+    store, trace = tmp_path / "store", tmp_path / "trace"
+    run_all(chain(store, trace, {"a.txt": "one", "b.txt": "two"}))
+    # a.txt changes at the same length: read runs, and writes the bytes it wrote before.
+    assert run_all(chain(store, trace, {"a.txt": "uno", "b.txt": "two"})) == {"src": RAN, "read": RAN, "total": REUSED}
+    # ... at another length: everything downstream of it runs.
+    assert run_all(chain(store, trace, {"a.txt": "eins", "b.txt": "two"})) == {"src": RAN, "read": RAN, "total": RAN}
+    assert ran(trace) == ["src", "read", "total", "src", "read", "src", "read", "total"]
+
+
+def test_an_input_read_whole_is_keyed_on_all_of_its_bytes(tmp_path):
+    store, trace = tmp_path / "store", tmp_path / "trace"
+    files = {"a.txt": "one", "b.txt": "two"}
+    run_all(chain(store, trace, files, whole=True))
+    # A config change that writes the same bytes (label is in src's id, not in its files).
+    assert run_all(chain(store, trace, files, label="x", whole=True)) == {"src": RAN, "read": REUSED, "total": REUSED}
+    # b.txt is read too, when the input is read whole.
+    changed = chain(store, trace, {"a.txt": "one", "b.txt": "six"}, whole=True)
+    assert run_all(changed) == {"src": RAN, "read": RAN, "total": REUSED}  # same size: same value
+
+
+def test_gc_keeps_a_reused_artifact_whose_source_it_deletes(tmp_path):
+    store, trace = tmp_path / "store", tmp_path / "trace"
+    first = chain(store, trace, {"a.txt": "one", "b.txt": "two"})
+    run_all(first)
+    second = chain(store, trace, {"a.txt": "one", "b.txt": "zwei"})
+    assert run_all(second) == {"src": RAN, "read": REUSED, "total": REUSED}
+    collection = collect(second.store, [second], None)
+    assert {(e.stage, e.artifact_id) for e in collection.delete} == {(s, ids(first)[s]) for s in ids(first)}
+    apply(second.store, collection, log=lambda _: None)
+    assert not second.store.artifact_dir("read", ids(first)["read"]).exists()
+    for stage, artifact_id in ids(second).items():  # the links hold the bytes
+        assert verify_artifact(second.store.artifact_dir(stage, artifact_id)) == []
+    assert run_all(chain(store, trace, {"a.txt": "one", "b.txt": "zwei"})) == dict.fromkeys(ids(first), SKIPPED)
+
+
+def test_a_reused_source_that_changed_since_it_was_finished_is_not_reused(tmp_path):
+    store, trace = tmp_path / "store", tmp_path / "trace"
+    first = chain(store, trace, {"a.txt": "one", "b.txt": "two"})
+    run_all(first)
+    (first.store.artifact_dir("read", ids(first)["read"]) / "value.json").write_text("7")  # same size
+    second = chain(store, trace, {"a.txt": "one", "b.txt": "zwei"})
+    assert run_all(second) == {"src": RAN, "read": RAN, "total": REUSED}
+    assert "reused" not in read_manifest(second.store.artifact_dir("read", ids(second)["read"]))
+
+
+@pytest.mark.slow
+def test_the_flow_reports_a_reused_stage(prefect_server, tmp_path):
+    from flows.pipeline import run_plan
+
+    store, trace = tmp_path / "store", tmp_path / "trace"
+    run_plan(chain(store, trace, {"a.txt": "one", "b.txt": "two"}))
+    result = run_plan(chain(store, trace, {"a.txt": "one", "b.txt": "zwei"}))
+    assert {s: r["status"] for s, r in result.items()} == {"src": "ran", "read": "reused", "total": "reused"}
+    assert result["total"]["metrics"] == {"value": 6}
