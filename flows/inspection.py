@@ -145,11 +145,10 @@ def _node_lines(node: dict, width: int) -> list[str]:
     lines.append(f"made: {node.get('created_at')} -> {node.get('finished_at')}")
     reused = node.get("reused")
     if reused:  # early cutoff: these bytes were made by an earlier run, from inputs of equal content
-        made_from = ", ".join(f"{p.get('input')}={p.get('stage')}/{p.get('id')}" for p in reused.get("parents") or [])
-        lines.append(
-            f"reused: the bytes of {reused.get('stage')}/{reused.get('id')} (made {reused.get('finished_at')} "
-            f"from {made_from or 'no inputs'}); the inputs below hold what that consumed, byte for byte"
-        )
+        origin = f"{reused.get('stage')}/{reused.get('id')}"
+        lines.append(f"reused: the bytes of {origin}, made {reused.get('finished_at')}")
+        made_from = [f"{p.get('input')}={p.get('stage')}/{p.get('id')}" for p in reused.get("parents") or []]
+        lines += _wrapped("        from ", [*made_from, "(consumed the same bytes as below)"], width)
     decisions = node.get("decisions") or {}
     if decisions.get("when"):  # the gate that let it run, and what it saw (flows/gates.py)
         seen = " ".join(f"{k}={_fmt(v)}" for k, v in decisions["when"].get("values", {}).items())

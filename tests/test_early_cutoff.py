@@ -8,11 +8,15 @@ from pathlib import Path
 import pytest
 
 import tests.pipeline_toys  # noqa: F401
+from engine.config import load_yaml
 from flows.inspection import format_lineage, lineage, status_rows
 from flows.retention import apply, collect
 from flows.spec import Pipeline
 from tasks.artifacts import read_manifest, verify_artifact
 from tasks.runner import RAN, REUSED, SKIPPED, execute_stage
+from tests.conftest import REPO
+
+PIPELINES = ("quickstart", "posttrain")
 
 
 def chain(store: Path, trace: Path, files: dict[str, str], label: str = "", whole: bool = False):
@@ -76,10 +80,10 @@ def test_a_change_that_leaves_the_consumed_bytes_equal_reruns_nothing_downstream
         "complete (reused)",
     ]
     assert rows["read"]["reused_from"] == f"read/{ids(first)['read']}"
-    shown = format_lineage(lineage(second.store.artifact_dir("total", ids(second)["total"])))
+    shown = format_lineage(lineage(second.store.artifact_dir("total", ids(second)["total"])), width=120)
     assert f"total/{ids(second)['total']}  checkpoint  complete (reused)" in shown
-    assert f"reused: the bytes of read/{ids(first)['read']}" in shown
-    assert f"from corpus=src/{ids(first)['src']}" in shown
+    assert f"reused: the bytes of read/{ids(first)['read']}, made" in shown
+    assert f"from corpus=src/{ids(first)['src']} (consumed the same bytes as below)" in shown
 
     assert run_all(chain(store, trace, {"a.txt": "one", "b.txt": "zwei"})) == dict.fromkeys(ids(first), SKIPPED)
     assert run_all(chain(store, trace, {"a.txt": "one", "b.txt": "two"})) == dict.fromkeys(ids(first), SKIPPED)
@@ -141,3 +145,28 @@ def test_the_flow_reports_a_reused_stage(prefect_server, tmp_path):
     result = run_plan(chain(store, trace, {"a.txt": "one", "b.txt": "zwei"}))
     assert {s: r["status"] for s, r in result.items()} == {"src": "ran", "read": "reused", "total": "reused"}
     assert result["total"]["metrics"] == {"value": 6}
+
+
+def test_posttrain_reuses_the_quickstarts_tokenized_dataset(tmp_path):
+    """posttrain.yaml's problems differ from the quickstart's by preference_pairs alone (prefs.jsonl
+    is added), and tokenize reads pretrain.txt: the dataset is reused, not tokenized again.
+    Problem counts are scaled down; the stages are the shipped ones."""
+    stages = {name: load_yaml(REPO / "configs" / "pipelines" / f"{name}.yaml")["stages"] for name in PIPELINES}
+    quick, post = (stages[name]["problems"]["config"] for name in PIPELINES)
+    assert {k: v for k, v in post.items() if k != "preference_pairs"} == quick
+    assert stages["quickstart"]["tokenize"] == stages["posttrain"]["tokenize"]
+    small = {"pretrain_problems": 400, "sft_problems": 20, "rl_problems": 60, "eval_problems": 20}
+
+    def plan(name: str):
+        p = Pipeline(name, store=tmp_path / "store")
+        p.stage("problems", task="arithmetic", config={**stages[name]["problems"]["config"], **small})
+        tokenize = stages[name]["tokenize"]
+        p.stage("tokenize", task="tokenize", inputs=tokenize["inputs"], config=tokenize["config"])
+        return p.plan()
+
+    quickstart, posttrain = plan("quickstart"), plan("posttrain")
+    assert run_all(quickstart) == {"problems": RAN, "tokenize": RAN}
+    assert run_all(posttrain) == {"problems": RAN, "tokenize": REUSED}
+    dataset = read_manifest(posttrain.store.artifact_dir("tokenize", ids(posttrain)["tokenize"]))
+    assert dataset["reused"]["id"] == ids(quickstart)["tokenize"] != ids(posttrain)["tokenize"]
+    assert "prefs.jsonl" in read_manifest(posttrain.store.artifact_dir("problems", ids(posttrain)["problems"]))["files"]

@@ -188,24 +188,27 @@ class ArtifactStore:
         copy where the file system cannot link), once its consumed files are found intact as a
         consumer would check them. Returns the problems that stopped it ([] = committed)."""
         src, dst = self.artifact_dir(stage, source_id), self.artifact_dir(stage, artifact_id)
+        if not src.is_dir():
+            return [f"{src}: deleted"]
         files = manifest["files"]
-        present = {p.relative_to(src).as_posix(): p for p in payload_files(src)}
-        problems = check_consumed(src, files, present)
-        if problems:
-            return problems
-        for entry in dst.iterdir():  # what an earlier attempt left
-            if entry.name != LOCK:
-                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
-        for rel in files:
-            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(src / rel, dst / rel)
-            except OSError:
-                shutil.copy2(src / rel, dst / rel)
-        # Linking changed the files' ctime: the bytes just checked get fresh stamps, in both.
-        checked = {rel: entry["sha256"] for rel, entry in consumed_files(files).items()}
-        write_stamps(dst, checked)
-        write_stamps(src, checked)
+        with ArtifactLock(src):  # gc leaves it alone meanwhile
+            if not self.is_complete(stage, source_id):
+                return [f"{src}: no longer complete"]
+            present = {p.relative_to(src).as_posix(): p for p in payload_files(src)}
+            problems = check_consumed(src, files, present)
+            if problems:
+                return problems
+            _clear(dst)  # what an earlier attempt left
+            for rel in files:
+                (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(src / rel, dst / rel)
+                except OSError:
+                    shutil.copy2(src / rel, dst / rel)
+            # Linking changed the files' ctime: the bytes just checked get fresh stamps, in both.
+            checked = {rel: entry["sha256"] for rel, entry in consumed_files(files).items()}
+            write_stamps(dst, checked)
+            write_stamps(src, checked)
         self.commit(stage, artifact_id, manifest, claim)
         return []
 
@@ -244,6 +247,13 @@ class ArtifactStore:
     def verify(self, directory: Path) -> list[str]:
         """Every file of a finished artifact re-hashed against its manifest ([] = intact)."""
         return verify_artifact(directory)
+
+
+def _clear(directory: Path) -> None:
+    """Everything in an artifact directory but its lock."""
+    for entry in directory.iterdir():
+        if entry.name != LOCK:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
 
 
 def refuse(stage: str, artifact_id: str, problems: list[str], where) -> None:
