@@ -16,9 +16,11 @@
 
 Overrides: `pretrain.steps=200` sets stages.pretrain.config.steps; other keys start at the
 top of the pipeline (`store=/data/artifacts`, `stages.pretrain.retries=3`).
-Exit codes: 0 success, 1 a stage or check failed (or PREFECT_API_URL does not answer), 2 bad
-input, 143 stopped by a signal (SIGTERM, or Ctrl-C's SIGINT) after the engines checkpointed.
-`trainflow --version` prints the installed version.
+Exit codes (the table in docs/pipelines.md, "Exit codes"): 0 success, 1 a stage or check
+failed (or PREFECT_API_URL does not answer), 2 bad input (arguments, pipeline, store, path or
+id, artifact kind), 141 stdout closed early (`trainflow ls | head`: quiet, as coreutils), 143
+stopped by a signal (SIGTERM, or Ctrl-C's SIGINT) after the engines checkpointed. Every error
+is one line on stderr. `trainflow --version` prints the installed version.
 
 This module is the one documented place where imports sit inside functions: Prefect (seconds
 to import) loads only for `run` and `serve`, JAX only for `generate` and `plan`, so validating a
@@ -29,6 +31,7 @@ holds every other module to module-level imports.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import re
@@ -46,9 +49,13 @@ from flows.inspection import format_lineage, format_table, lineage, list_rows, s
 from flows.retention import apply, collect, human
 from flows.spec import load_plan
 from tasks.artifacts import (
+    COMPLETE,
     ArtifactError,
     ArtifactStore,
+    InputError,
+    LocalStore,
     artifact_id,
+    read_manifest,
     resolve_artifact,
     split_artifact_url,
     verify_artifact,
@@ -56,16 +63,49 @@ from tasks.artifacts import (
 from tasks.launch.gang import terminate_children
 from tasks.launch.run import PermanentFailure, StageFailed
 from tasks.objectstore import is_url
-from tasks.registry import StageHooks, get_stage_kind
+from tasks.registry import MODEL_KINDS, StageHooks, get_stage_kind
 from tasks.runner import StageJob, execute_stage
 from tasks.stages.export import check_export_target, copy_export
 
 DEFAULT_STORE = "artifacts"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_PIPE = 141  # stdout closed before the output ended (128 + SIGPIPE, as coreutils and git)
 EXIT_SIGNAL = 143  # stopped by SIGTERM or SIGINT (Ctrl-C), after the engines checkpointed
+EXIT_CODES = (EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PIPE, EXIT_SIGNAL)
+"""Every code the command exits with; docs/pipelines.md's table lists each (tests/test_cli_messages.py)."""
 
 
 def _store_arg(args) -> str:
     return args.store or os.environ.get("TRAINFLOW_STORE") or DEFAULT_STORE
+
+
+def _require(store: ArtifactStore) -> None:
+    """For a command that only reads the store: a local one must exist (a bucket's was checked)."""
+    if isinstance(store, LocalStore):
+        store.require()
+
+
+def _kinds_text(kinds: tuple[str, ...]) -> str:
+    return " or ".join(", ".join(kinds).rsplit(", ", 1))
+
+
+def _artifact(args, command: str, kinds: tuple[str, ...] | None = None, complete: bool = True) -> tuple[Path, dict]:
+    """The artifact argument's directory and manifest, refused in one sentence (InputError, exit
+    2) before any work when it is no artifact, not of one of `kinds`, or (with `complete`) unfinished."""
+    directory = resolve_artifact(args.artifact, _store_arg(args))
+    remote_store = _store_of(args)
+    shown = remote_store.location(directory.parent.name, directory.name) if remote_store else str(directory)
+    manifest = read_manifest(directory)
+    takes = f"`trainflow {command}` takes " + (f"a {_kinds_text(kinds)} artifact" if kinds else "an artifact")
+    if manifest is None:
+        raise InputError(f"{shown} is not an artifact (no readable {MANIFEST}); {takes}")
+    if kinds and manifest.get("kind") not in kinds:
+        raise InputError(f"{shown} is a {manifest.get('kind')} artifact; {takes}")
+    if complete and manifest.get("status") != COMPLETE:
+        store = remote_store or ArtifactStore(directory.parent.parent)
+        state = store.state(directory.parent.name, directory.name)
+        raise InputError(f"{shown} is {state}, not complete; run the pipeline that makes it again to finish it")
+    return directory, manifest
 
 
 def cmd_run(args) -> int:
@@ -153,6 +193,10 @@ def _print_reports(plan, summary: dict) -> None:
 
 def cmd_status(args) -> int:
     plan = load_plan(args.pipeline, args.overrides, args.store)
+    try:
+        _require(plan.store)
+    except InputError as e:
+        raise InputError(f"{e}: {args.pipeline} is valid, nothing has run there (`trainflow run` creates it)") from None
     rows = status_rows(plan)
     if args.json:
         print(json.dumps({"pipeline": plan.name, "store": plan.store.url, "stages": rows}, indent=2))
@@ -163,23 +207,23 @@ def cmd_status(args) -> int:
 
 
 def cmd_lineage(args) -> int:
-    tree = lineage(resolve_artifact(args.artifact, _store_arg(args)), store=_store_of(args))
-    if "error" in tree:  # not an artifact directory: main prints the one line, exit 1
-        raise ArtifactError(f"{tree['path']} is not an artifact ({tree['error']})")
+    directory, _ = _artifact(args, "lineage", complete=False)
+    tree = lineage(directory, store=_store_of(args))
     print(json.dumps(tree, indent=2) if args.json else format_lineage(tree))
     return 0
 
 
 def cmd_verify(args) -> int:
-    directory = resolve_artifact(args.artifact, _store_arg(args))
+    directory, _ = _artifact(args, "verify", complete=False)
     remote_store = _store_of(args)
     problems = remote_store.verify(directory) if remote_store else verify_artifact(directory)
     label = remote_store.location(directory.parent.name, directory.name) if remote_store else directory
-    if problems:
-        print(f"FAILED {label}", file=sys.stderr)
+    if problems:  # each on stdout, the verdict in one line on stderr
         for problem in problems:
-            print(f"  {problem}", file=sys.stderr)
-        return 1
+            print(problem)
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        print(f"error: {label} does not match its manifest: {shown}", file=sys.stderr)
+        return EXIT_FAILED
     files = json.loads((directory / "artifact.json").read_text()).get("files") or {}
     print(f"OK {label} ({len(files)} files match their digests)")
     return 0
@@ -198,6 +242,7 @@ def _store_of(args) -> ArtifactStore | None:
 
 def cmd_ls(args) -> int:
     store = ArtifactStore(_store_arg(args))
+    _require(store)
     rows = list_rows(store)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -258,6 +303,9 @@ def cmd_gc(args) -> int:
 def cmd_diff(args) -> int:
     store = _store_arg(args)
     dirs = [resolve_artifact(a, store) for a in (args.a, args.b)]
+    for given, directory in zip((args.a, args.b), dirs):
+        if read_manifest(directory) is None:
+            raise InputError(f"{given} is not an artifact (no readable {MANIFEST}); `trainflow diff` takes two")
     stores = []
     for given in (args.a, args.b):
         split = split_artifact_url(given)
@@ -273,7 +321,17 @@ def cmd_diff(args) -> int:
 
 def cmd_serve(args) -> int:
     plan = load_plan(args.pipeline, args.overrides, args.store)
+    from prefect.client.schemas.schedules import CronSchedule
     from prefect.settings import PREFECT_API_URL
+    from pydantic import ValidationError
+
+    try:
+        CronSchedule(cron=args.cron)
+    except ValidationError:
+        raise ConfigError(
+            f"--cron {args.cron!r} is not a cron schedule: five fields, minute hour day-of-month month "
+            f'day-of-week, e.g. "0 3 * * *" (03:00 every day)'
+        ) from None
 
     from flows.server import ApiUnreachable, check_api
 
@@ -314,12 +372,12 @@ def cmd_serve(args) -> int:
 def cmd_generate(args) -> int:
     from engine.inference.generate import generate  # JAX loads only for this command
 
-    try:
+    local = Path(args.artifact).expanduser()
+    if local.is_dir() and not (local / MANIFEST).exists():
+        args.checkpoint = str(local)  # a plain checkpoint directory (an engine run's) also works
+    else:
+        _artifact(args, "generate", MODEL_KINDS)
         args.checkpoint = str(_local_artifact(args))
-    except ArtifactError:
-        if not Path(args.artifact).is_dir():  # a plain checkpoint directory also works
-            raise
-        args.checkpoint = args.artifact
     return generate(args)
 
 
@@ -336,8 +394,9 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def _run_one_stage(task: str, config: dict, inputs: dict, store: ArtifactStore):
-    """Run a single stage outside a pipeline (no Prefect), with the usual skip, manifest and lineage."""
+def _run_one_stage(task: str, config: dict, inputs: dict, store: ArtifactStore, as_json: bool = False):
+    """Run a single stage outside a pipeline (no Prefect), with the usual skip, manifest and
+    lineage; print what it wrote where (a JSON line with `as_json`)."""
     kind = get_stage_kind(task)
     cfg = kind.resolve_config(dict(config), f"trainflow {task}")
     ids = {name: aid for name, (_, aid) in inputs.items()}
@@ -355,17 +414,15 @@ def _run_one_stage(task: str, config: dict, inputs: dict, store: ArtifactStore):
     except (StageFailed, PermanentFailure) as e:
         print(f"error: {e}", file=sys.stderr)
         return None
-    print(
-        json.dumps(
-            {
-                "stage": task,
-                "status": result.status,
-                "artifact_id": result.artifact_id,
-                "path": store.location(task, result.artifact_id),
-                "metrics": result.metrics,
-            }
-        )
-    )
+    where = store.location(task, result.artifact_id)
+    if as_json:
+        record = {"stage": task, "status": result.status, "artifact_id": result.artifact_id, "path": where}
+        print(json.dumps({**record, "seconds": round(result.seconds, 2), "metrics": result.metrics}))
+    elif result.status == "skipped":
+        print(f"{task}: nothing to do, the same {task} is complete at {where}")
+    else:
+        manifest = store.manifest(task, result.artifact_id) or {}
+        print(f"{task}: wrote a {manifest.get('kind', task)} artifact to {where} in {result.seconds:.1f} s")
     return result
 
 
@@ -373,10 +430,10 @@ def cmd_convert(args) -> int:
     config = {"source": args.hf_dir, **({"dtype": args.dtype} if args.dtype else {})}
     inputs, store = {}, ArtifactStore(_store_arg(args))
     if args.base:  # a PEFT adapter onto the checkpoint artifact it adapts, stored beside it
-        directory = resolve_artifact(args.base, _store_arg(args))
-        manifest = json.loads((directory / MANIFEST).read_text())
+        args.artifact = args.base
+        directory, manifest = _artifact(args, "convert --base", get_stage_kind("convert").inputs["base"].kinds)
         inputs, store = {"base": (manifest["stage"], manifest["id"])}, ArtifactStore(directory.parent.parent)
-    return 0 if _run_one_stage("convert", config, inputs, store) else 1
+    return 0 if _run_one_stage("convert", config, inputs, store, args.json) else 1
 
 
 def _local_artifact(args) -> Path:
@@ -391,8 +448,7 @@ def _local_artifact(args) -> Path:
 def cmd_export(args) -> int:
     if args.out:
         check_export_target(args.out, args.overwrite)  # refused before any work, nothing written
-    directory = resolve_artifact(args.artifact, _store_arg(args))
-    manifest = json.loads((directory / MANIFEST).read_text())
+    directory, manifest = _artifact(args, "export", get_stage_kind("export").inputs["checkpoint"].kinds)
     # The export lands beside its input: in the same bucket store, or the same directory.
     store = _store_of(args) or ArtifactStore(directory.parent.parent)
     config = {
@@ -400,45 +456,79 @@ def cmd_export(args) -> int:
         **({"step": args.step} if args.step is not None else {}),
         **({"merged": True} if args.merged else {}),
     }
-    result = _run_one_stage("export", config, {"checkpoint": (manifest["stage"], manifest["id"])}, store)
+    result = _run_one_stage("export", config, {"checkpoint": (manifest["stage"], manifest["id"])}, store, args.json)
     if result is None:
         return 1
     if args.out:
         copy_export(result.path / "hf", args.out)
+    if not args.json:
+        print(
+            f"export: the Hugging Face model is in {args.out or store.location('export', result.artifact_id) + '/hf'}"
+        )
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainflow", description="Declarative LLM training pipelines on Prefect.")
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line: what is wrong, the closest valid word where one is
+    near, and where the help is (argparse's own print the usage first, then the error)."""
+
+    commands: dict[str, argparse.ArgumentParser]
+    """The top-level parser's: each command's parser, by name."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
+
+
+def _did_you_mean(word: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(word, valid, n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+STORE_HELP = {
+    "pipeline": "artifact store: a directory or an s3:// / gs:// URL (default: the pipeline's `store`)",
+    "artifact": "the store to look an id up in (default: $TRAINFLOW_STORE, else ./artifacts)",
+    "ls": "the store to list (default: $TRAINFLOW_STORE, else ./artifacts)",
+    "convert": "the store to write the artifact in (default: $TRAINFLOW_STORE, else ./artifacts; "
+    "a missing directory is created)",
+    "gc": "the store to clean (default: the first --keep pipeline's `store`, else $TRAINFLOW_STORE, else ./artifacts)",
+}
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="trainflow", description="Declarative LLM training pipelines on Prefect.")
+    parser.commands = {}
     parser.add_argument("--version", action="version", version=f"trainflow {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name, func, help_text, pipeline=False, artifact=False):
+    def add(name, func, help_text, pipeline=False, artifact=False, store_help=None):
         p = sub.add_parser(name, help=help_text, description=help_text)
         if pipeline:
             p.add_argument("pipeline", help="pipeline YAML file")
         if artifact:
             p.add_argument("artifact", help="artifact directory, its artifact.json, or an id (prefix) in --store")
         p.add_argument(
-            "--store",
-            help="artifact store directory (default: the pipeline's `store`, else $TRAINFLOW_STORE, else ./artifacts)",
+            "--store", help=STORE_HELP[store_help or ("pipeline" if pipeline else "artifact" if artifact else name)]
         )
         if pipeline:
             # default=[]: without a default argparse counts a "*" positional as required, and a
             # bare `trainflow status` would say key=value is required.
             p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="e.g. pretrain.steps=200")
         p.set_defaults(func=func)
+        parser.commands[name] = p
         return p
+
+    def json_flag(p, what: str) -> None:
+        p.add_argument("--json", action="store_true", help=f"print {what} as JSON")
 
     p = add("run", cmd_run, "run a pipeline, skipping finished stages and resuming partial ones", pipeline=True)
     p.add_argument("--max-parallel", type=int, default=None, help="stages run at once (default: all ready)")
     p = add("status", cmd_status, "show each stage's state and artifact id without running anything", pipeline=True)
-    p.add_argument("--json", action="store_true")
+    json_flag(p, "the pipeline, its store and each stage's row")
     p = add("lineage", cmd_lineage, "show the artifacts an artifact was made from", artifact=True)
-    p.add_argument("--json", action="store_true")
+    json_flag(p, "the tree (each artifact with its config, metrics and parents)")
     add("verify", cmd_verify, "re-hash an artifact's files against its manifest", artifact=True)
     p = add("ls", cmd_ls, "list the artifacts in a store")
-    p.add_argument("--json", action="store_true")
+    json_flag(p, "the rows")
     p = add("serve", cmd_serve, "serve the pipeline as a scheduled Prefect deployment", pipeline=True)
     p.add_argument("--cron", required=True, help='cron schedule, e.g. "0 3 * * *"')
     p.add_argument("--name", help="deployment name (default: the pipeline's name)")
@@ -458,47 +548,71 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--base",
         help="hf_dir is a PEFT LoRA adapter: the checkpoint artifact (path or id) it adapts; "
-        "the result is an adapter artifact",
+        "the result is an adapter artifact, stored beside it",
     )
+    json_flag(p, "the result (stage, status, artifact_id, path, seconds, metrics)")
     p = add("export", cmd_export, "export a checkpoint artifact as a Hugging Face model directory", artifact=True)
     p.add_argument("--out", help="also copy the Hugging Face directory here (a directory or a folder URL)")
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    p.add_argument("--max-shard-gb", type=float, default=5.0)
+    p.add_argument(
+        "--max-shard-gb", type=float, default=5.0, help="largest safetensors file, in GB (default: 5, as transformers)"
+    )
     p.add_argument("--overwrite", action="store_true", help="copy into a non-empty --out, deleting its weights")
     p.add_argument(
         "--merged",
         action="store_true",
         help="an adapter artifact: the whole model with the adapter folded in (default: PEFT's adapter format)",
     )
+    json_flag(p, "the result (stage, status, artifact_id, path, seconds, metrics)")
     p = add("gc", cmd_gc, "delete the artifacts no kept pipeline reaches, and old checkpoint steps")
     p.add_argument(
         "--keep", action="append", default=[], metavar="PIPELINE.yaml", help="a pipeline whose artifacts stay (repeat)"
     )
     p.add_argument("--keep-steps", type=int, help="in each kept artifact, keep only the newest N checkpoint steps")
     p.add_argument("--dry-run", action="store_true", help="list what would be deleted, delete nothing")
-    p = add("diff", cmd_diff, "compare two artifacts: config, metrics and lineage side by side")
+    p = add("diff", cmd_diff, "compare two artifacts: config, metrics and lineage side by side", store_help="artifact")
     p.add_argument("a", help="artifact directory, URL or id (prefix) in --store")
     p.add_argument("b", help="artifact directory, URL or id (prefix) in --store")
-    p.add_argument("--json", action="store_true")
+    json_flag(p, "the differences")
     p = add("generate", cmd_generate, "sample completions of prompts from a checkpoint artifact", artifact=True)
     add_sampling_arguments(p)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    # key=value overrides may come before or after options: collect them from the leftovers.
+def _parse(parser: Parser, argv: list[str]) -> argparse.Namespace:
+    """The arguments; key=value overrides may come before or after options (collected from the
+    leftovers). A mistyped command or option is one line naming the closest valid one."""
+    commands = parser.commands
+    if argv and not argv[0].startswith("-") and argv[0] not in commands:
+        hint = _did_you_mean(argv[0], list(commands))
+        parser.error(f"unknown command '{argv[0]}'{hint}; the commands are {', '.join(commands)}")
     args, extra = parser.parse_known_args(argv)
-    unknown = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    command = commands[args.command]
+    options = [o for action in command._actions for o in action.option_strings]
+    for word in extra:
+        if word.startswith("-"):
+            command.error(f"unrecognized option '{word}'{_did_you_mean(word.split('=', 1)[0], options)}")
+        if "=" not in word or not hasattr(args, "overrides"):
+            command.error(f"unrecognized argument '{word}'")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(build_parser(), sys.argv[1:] if argv is None else list(argv))
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # `trainflow ls | head`: the reader has what it wanted. Quiet, as coreutils and git;
+        # stdout goes to /dev/null so that the interpreter's own flush at exit cannot fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
     except (ConfigError, ArtifactError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else 1
+        return EXIT_USAGE if isinstance(e, (ConfigError, InputError)) else EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from tasks.store.records import (  # noqa: F401
     ArtifactError,
     ArtifactLock,
     ArtifactRef,
+    InputError,
     artifact_id,
     canonical_json,
     code_version,

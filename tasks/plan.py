@@ -85,7 +85,8 @@ def plan_pipeline(plan, target_name: str) -> tuple[list[Plan], list[str]]:
         cfg = job.config
         if task == "pretrain":
             models[name] = (cfg.model, cfg.compute)
-            plans.append(plan_step(cfg, target, stage=name))
+            # Without an `init` input it trains from random weights: no adapter to offer.
+            plans.append(plan_step(cfg, target, stage=name, from_scratch="init" not in planned.refs))
             continue
         model_cfg, compute = _input_model(plan, name, models)
         model_cfg, compute = cfg.model or model_cfg, cfg.compute or compute

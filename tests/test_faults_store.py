@@ -468,5 +468,7 @@ def test_an_unknown_stage_key_lists_the_valid_ones_or_the_closest(tmp_path):
 
 
 def test_lineage_of_a_directory_that_is_not_an_artifact_fails_in_one_line(tmp_path, capsys):
-    assert cli.main(["lineage", str(tmp_path)]) == 1
-    assert capsys.readouterr().err.splitlines() == [f"error: {tmp_path} is not an artifact (no readable artifact.json)"]
+    assert cli.main(["lineage", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {tmp_path} is not an artifact (no readable artifact.json); `trainflow lineage` takes an artifact"
+    ]

@@ -48,7 +48,7 @@ def converted(hf_dir, tmp_path_factory) -> tuple[Path, dict]:
     store = tmp_path_factory.mktemp("converted") / "store"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["convert", str(hf_dir), "--store", str(store)]) == 0
+        assert main(["convert", str(hf_dir), "--store", str(store), "--json"]) == 0
     return store, last_json(out.getvalue())
 
 
@@ -62,10 +62,10 @@ def test_convert_then_export_records_lineage_and_skips_when_done(hf_dir, convert
     assert (path / "tokenizer" / "tokenizer_config.json").is_file() and (path / "model.yaml").is_file()
     assert any(name.startswith("checkpoint/") for name in manifest["files"])
 
-    assert main(["convert", str(hf_dir), "--store", str(store)]) == 0  # same source: nothing to do
+    assert main(["convert", str(hf_dir), "--store", str(store), "--json"]) == 0  # same source: nothing to do
     assert last_json(capsys.readouterr().out)["status"] == "skipped"
 
-    assert main(["export", str(path), "--out", str(tmp_path / "hf_out")]) == 0
+    assert main(["export", str(path), "--out", str(tmp_path / "hf_out"), "--json"]) == 0
     exported = last_json(capsys.readouterr().out)
     export_manifest = json.loads((Path(exported["path"]) / "artifact.json").read_text())
     assert export_manifest["kind"] == "hf_model"

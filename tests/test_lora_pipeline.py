@@ -183,7 +183,7 @@ def test_trainflow_convert_takes_a_peft_adapter_onto_its_base_and_refuses_one_th
     from flows.cli import main as trainflow
 
     store = tmp_path / "store"
-    assert trainflow(["convert", str(hf_base), "--store", str(store)]) == 0
+    assert trainflow(["convert", str(hf_base), "--store", str(store), "--json"]) == 0
     base_path = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["path"]
     torch.manual_seed(3)
     model = peft.get_peft_model(
@@ -196,7 +196,7 @@ def test_trainflow_convert_takes_a_peft_adapter_onto_its_base_and_refuses_one_th
                 p.normal_(0.0, 0.3)
     model.save_pretrained(tmp_path / "peft")
 
-    assert trainflow(["convert", str(tmp_path / "peft"), "--base", base_path]) == 0
+    assert trainflow(["convert", str(tmp_path / "peft"), "--base", base_path, "--json"]) == 0
     converted = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     manifest = read_manifest(Path(converted["path"]))
     assert manifest["kind"] == "adapter" and [p["input"] for p in manifest["parents"]] == ["base"]

@@ -249,7 +249,7 @@ def test_missing_bucket_is_one_line_before_compute(s3_endpoint, tmp_path):
     assert time.monotonic() - start < 60
     for command in (("ls",), ("verify", "abc")):
         proc = trainflow(*command, "--store", "s3://no-such-bucket-here/x", check=False)
-        assert proc.returncode == 1 and proc.stderr.strip().count("\n") == 0, proc.stderr
+        assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
 
 
 def test_missing_credentials_is_one_line(s3_endpoint, bucket, tmp_path):
@@ -261,7 +261,7 @@ def test_missing_credentials_is_one_line(s3_endpoint, bucket, tmp_path):
         "AWS_EC2_METADATA_DISABLED": "true",
     }
     proc = trainflow("ls", "--store", f"s3://{bucket}/x", check=False, env=env)
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and f"s3://{bucket}/x" in proc.stderr, proc.stderr
     assert "credentials" in proc.stderr
 
@@ -591,15 +591,15 @@ def test_convert_from_a_bucket_and_export_to_one(bucket, tmp_path, capsys):
     def last_json() -> dict:
         return json.loads([line for line in capsys.readouterr().out.splitlines() if line.startswith("{")][-1])
 
-    assert main(["convert", source, "--store", store]) == 0
+    assert main(["convert", source, "--store", store, "--json"]) == 0
     converted = last_json()
     assert converted["status"] == "ran" and converted["path"] == f"{store}/convert/{converted['artifact_id']}"
-    assert main(["convert", source + "/", "--store", store]) == 0  # the same objects: nothing to do
+    assert main(["convert", source + "/", "--store", store, "--json"]) == 0  # the same objects: nothing to do
     assert last_json()["status"] == "skipped"
     manifest = json.loads(fs.cat_file(f"{bucket}/store/convert/{converted['artifact_id']}/artifact.json"))
     assert manifest["config"]["source"] == source and manifest["status"] == "complete"
 
-    assert main(["export", converted["artifact_id"], "--store", store, "--out", out]) == 0
+    assert main(["export", converted["artifact_id"], "--store", store, "--out", out, "--json"]) == 0
     exported = last_json()
     assert exported["path"] == f"{store}/export/{exported['artifact_id']}"
     assert trainflow("verify", exported["path"]).stdout.startswith("OK ")

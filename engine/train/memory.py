@@ -37,9 +37,10 @@ def older_compiler_note(analysis, platform: str) -> str | None:
     return OLDER_TPU_COMPILER.format(temp=analysis.temp_size_in_bytes / GiB)
 
 
-def knobs(cfg) -> str:
+def knobs(cfg, from_scratch: bool = False) -> str:
     """What would make the step of run config `cfg` smaller, for the does-not-fit sentence
-    (less what it already does)."""
+    (less what it already does). A model trained `from_scratch` (pretraining without
+    checkpoint.init_from) has no trained base for an adapter: LoRA is not offered to it."""
     found = ["shard the state over more devices (mesh.fsdp)"]
     if cfg.mesh.context == 1:
         found.append("split each sequence's positions over devices (mesh.context)")
@@ -49,9 +50,9 @@ def knobs(cfg) -> str:
     if cfg.compute.param_dtype != "bfloat16":
         found.append("bfloat16 parameters (compute.param_dtype)")
     lora = getattr(cfg, "lora", None)
-    if lora is None:
+    if lora is None and not from_scratch:
         found.append("train a low-rank adapter on the frozen model instead of every weight (lora: {rank: 16})")
-    if lora is None or lora.base_dtype not in ("int8", "nf4"):
+    if (lora is None and not from_scratch) or (lora is not None and lora.base_dtype not in ("int8", "nf4")):
         found.append("with lora, hold the frozen base quantized (lora.base_dtype: nf4 or int8)")
     return ", ".join(found[:-1]) + f", or {found[-1]}"
 

@@ -181,6 +181,7 @@ def plan_step(
     updates_per_batch: int = 1,
     make_trainer: Callable[..., Trainer] | None = None,
     compiler_options: dict[str, Any] | None = None,
+    from_scratch: bool = False,
 ) -> Plan:
     """Compile `cfg`'s training step for `target` (or estimate it) and size it per device.
 
@@ -189,6 +190,7 @@ def plan_step(
     `make_trainer(cfg, objective, devices=...)` builds a Trainer subclass (a reward model's,
     whose params carry a head). `compiler_options` go to XLA with the compile (debug options
     such as {"xla_dump_to": DIR}: `buffer_assignment` reads what that dump holds).
+    `from_scratch`: a pretraining without a model to start from (the knobs offer no adapter).
     """
     batch = dict(batch or lm_batch(cfg.data.batch_size, cfg.data.seq_len))
     if cfg.lora is not None and cfg.lora.dropout:  # the rows' dropout seeds (engine/models/lora.py)
@@ -196,7 +198,7 @@ def plan_step(
     tokens = cfg.data.batch_size * cfg.data.seq_len
     devices = target_devices(target)
     if devices is None:
-        return _estimate(cfg, target, stage, batch, tokens, updates_per_batch)
+        return _estimate(cfg, target, stage, batch, tokens, updates_per_batch, from_scratch)
     try:
         trainer = (
             make_trainer(cfg, objective, devices=devices)
@@ -259,7 +261,7 @@ def plan_step(
         source,
         peak,
         chip.memory_bandwidth if chip else None,
-        knobs(cfg),
+        knobs(cfg, from_scratch),
         message,
         note,
         compiled,
@@ -279,7 +281,9 @@ def _refused(message: str, parts: dict[str, float]) -> Memory:
     return Memory(**parts, argument=argument, output=0.0, alias=0.0, temporaries=temporaries, generated_code=0.0)
 
 
-def _estimate(cfg: TrainConfig, target: Target, stage: str, batch: dict, tokens: int, updates: int) -> Plan:
+def _estimate(
+    cfg: TrainConfig, target: Target, stage: str, batch: dict, tokens: int, updates: int, from_scratch: bool
+) -> Plan:
     """A GPU host planned without its GPUs: the state's exact shard sizes on an abstract mesh,
     and activations by the usual count (Korthikanti et al. 2022, flash attention: 34 bytes x
     d_model per token per layer in 16-bit, 2 with full remat plus one layer's 34) plus the
@@ -351,7 +355,7 @@ def _estimate(cfg: TrainConfig, target: Target, stage: str, batch: dict, tokens:
         source,
         chip.peak_flops,
         chip.memory_bandwidth,
-        knobs(cfg),
+        knobs(cfg, from_scratch),
     )
 
 

@@ -293,7 +293,8 @@ class Trainer:
             gradients=trained,
             platform=devices[0].platform,
         )
-        check_fits(memory, min(device_memory(d) for d in devices), self.mesh.size, devices[0].platform, knobs(self.cfg))
+        to_fit = knobs(self.cfg, from_scratch=self.cfg.checkpoint.init_from is None)
+        check_fits(memory, min(device_memory(d) for d in devices), self.mesh.size, devices[0].platform, to_fit)
         self._compiled_step = (_signature(batch), compiled)
 
     def eval_step(self, params, batch):

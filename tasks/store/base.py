@@ -31,6 +31,7 @@ from tasks.store.records import (
     ArtifactError,
     ArtifactLock,
     ArtifactRef,
+    InputError,
     digest_files,
     payload_files,
     read_manifest,
@@ -142,10 +143,10 @@ class ArtifactStore:
         """The directory of an artifact given its id (or a unique prefix of it)."""
         matches = [d for d, _ in self.iter_artifacts() if d.name.startswith(artifact_id)]
         if not matches:
-            raise ArtifactError(f"no artifact with id '{artifact_id}' in store {self.url}")
+            raise InputError(f"no artifact with id '{artifact_id}' in store {self.url}")
         if len({d.name for d in matches}) > 1:
             names = ", ".join(f"{folder_stage(d.parent.name)}/{d.name}" for d in matches)
-            raise ArtifactError(f"id prefix '{artifact_id}' is ambiguous in store {self.url}: {names}")
+            raise InputError(f"id prefix '{artifact_id}' is ambiguous in store {self.url}: {names}")
         return matches[0]
 
     # ------------------------------------------------------------------ writing one artifact
@@ -295,8 +296,10 @@ def resolve_artifact(path_or_id: str, store: str | Path | None) -> Path:
         candidate = candidate.parent
     if candidate.is_dir():
         return candidate.absolute()
+    if candidate.exists():
+        raise InputError(f"{path_or_id} is a file, not an artifact directory")
     if "/" in path_or_id or candidate.name == MANIFEST or not path_or_id.isalnum():  # a path, not an id
-        raise ArtifactError(f"no artifact directory at {path_or_id} (nor is it an id: ids are hex, e.g. 3f2a9c1d)")
+        raise InputError(f"no artifact directory at {path_or_id} (nor is it an id: ids are hex, e.g. 3f2a9c1d)")
     if store is None:
-        raise ArtifactError(f"'{path_or_id}' is not an artifact directory; pass --store to look it up by id")
+        raise InputError(f"'{path_or_id}' is not an artifact directory; pass --store to look it up by id")
     return ArtifactStore(store).find(path_or_id)

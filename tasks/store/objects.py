@@ -39,6 +39,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -55,6 +56,10 @@ import fsspec
 from engine.contract import CHECKPOINT_DIR, MANIFEST
 from tasks.store.consume import STAMPS, read_stamps, stamp_holds, write_stamps
 from tasks.store.names import stage_folder
+
+# gcsfs logs each request it gives up on with its traceback; with no handler configured,
+# Python would print those to stderr beside the one line the command answers.
+logging.getLogger("gcsfs").addHandler(logging.NullHandler())
 
 LEASE = ".lease"
 LEASE_SECONDS = float(os.environ.get("TRAINFLOW_LEASE_SECONDS", "60"))
@@ -90,6 +95,13 @@ def _filesystem(url: str):
             f"artifact store {url}: the {protocol}:// file system is not installed "
             f"(pip install 'trainflow[{extra}]'): {e}"
         ) from None
+    except Exception as e:  # google.auth's DefaultCredentialsError (gs:// with no credentials)
+        if "Credentials" not in type(e).__name__:
+            raise
+        raise StoreAccessError(f"artifact store {url}: no credentials found for {protocol}:// ({GCS_LOGIN})") from None
+
+
+GCS_LOGIN = "set GOOGLE_APPLICATION_CREDENTIALS or run `gcloud auth application-default login`"
 
 
 def _options(protocol: str) -> dict:
@@ -97,6 +109,10 @@ def _options(protocol: str) -> dict:
         # botocore reads AWS_ENDPOINT_URL itself; passing it also covers older releases.
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
+    if protocol in ("gs", "gcs") and not os.environ.get("STORAGE_EMULATOR_HOST"):
+        # Application default credentials or none: gcsfs's own default would go on
+        # anonymously when there are none, and retry each refused request for most of a minute.
+        return {"token": "google_default"}
     return {}
 
 
@@ -137,11 +153,7 @@ class RemoteBackend:
         except Exception as e:  # botocore's NoCredentialsError, connection errors, ...
             name = type(e).__name__
             if "Credential" in name or "credential" in str(e):
-                how = (
-                    "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile"
-                    if self.protocol == "s3"
-                    else "set GOOGLE_APPLICATION_CREDENTIALS or run `gcloud auth application-default login`"
-                )
+                how = "set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or a profile" if self.protocol == "s3" else GCS_LOGIN
                 raise StoreAccessError(
                     f"artifact store {self.url}: no credentials found for {self.protocol}:// ({how})"
                 ) from None

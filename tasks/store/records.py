@@ -44,6 +44,11 @@ class ArtifactError(RuntimeError):
     """An artifact is missing, incomplete or its files no longer match their digests."""
 
 
+class InputError(ArtifactError):
+    """What a user named cannot be used as given: a store that is a file, is missing or cannot
+    be reached, an artifact path or id that is not there. `trainflow` exits 2 with its sentence."""
+
+
 # --------------------------------------------------------------------------- ids
 
 
