@@ -18,13 +18,18 @@ from typing import Any
 
 import numpy as np
 
-from engine.contract import TOKENIZER_DIR
-from engine.interop.hf.files import check_export_dir, copy_tokenizer, remove_stale_weights
+from engine.interop.hf.files import (
+    check_export_dir,
+    copy_tokenizer,
+    export_token_ids,
+    remove_stale_weights,
+    tokenizer_beside,
+)
 from engine.interop.hf.mapping import TensorSpec, hf_shape, interleave, model_config_to_hf, tensor_table, to_hf
 from engine.interop.hf.peft import ADAPTER_WEIGHTS, write_peft
 from engine.interop.hf.safetensors_io import write_safetensors
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.train.bucket_paths import checkpoint_path, is_url
+from engine.train.bucket_paths import checkpoint_path
 from engine.train.checkpoint import adapter_base, load_adapter, load_params, read_meta
 
 
@@ -77,9 +82,11 @@ def export_hf(
         meta = {**meta, "hf": read_meta(adapter_base(checkpoint_dir, meta))[1].get("hf")}
     cfg, compute = ModelConfig.model_validate(meta["model"]), ComputeConfig.model_validate(meta["compute"])
     _, params, step = load_params(checkpoint_dir, step=step, as_numpy=True)  # host arrays, as saved
-    written = write_hf_model(params, cfg, compute, out_dir, meta.get("hf"), max_shard_bytes=max_shard_bytes, log=log)
-    if tokenizer_dir is None and not is_url(checkpoint_dir) and (checkpoint_dir.parent / TOKENIZER_DIR).is_dir():
-        tokenizer_dir = checkpoint_dir.parent / TOKENIZER_DIR
+    if tokenizer_dir is None:
+        tokenizer_dir = tokenizer_beside(checkpoint_dir)
+    hf_meta = meta.get("hf") or {}
+    hf_meta = {**hf_meta, "token_ids": export_token_ids(meta.get("hf"), tokenizer_dir)}
+    written = write_hf_model(params, cfg, compute, out_dir, hf_meta, max_shard_bytes=max_shard_bytes, log=log)
     tokenizer_files = copy_tokenizer(Path(tokenizer_dir), out_dir) if tokenizer_dir else []
     seconds = time.perf_counter() - start
     return {
@@ -207,8 +214,8 @@ def export_peft(
         scan_layers=compute.scan_layers,
         base_model=source.get("path") if source.get("kind") == "huggingface" else None,
     )
-    if tokenizer_dir is None and not is_url(checkpoint_dir) and (checkpoint_dir.parent / TOKENIZER_DIR).is_dir():
-        tokenizer_dir = checkpoint_dir.parent / TOKENIZER_DIR
+    if tokenizer_dir is None:
+        tokenizer_dir = tokenizer_beside(checkpoint_dir)
     tokenizer_files = copy_tokenizer(Path(tokenizer_dir), out_dir) if tokenizer_dir else []
     nbytes = (out_dir / ADAPTER_WEIGHTS).stat().st_size
     log(f"export: wrote a rank-{lora.rank} PEFT adapter ({nbytes / 1e6:.2f} MB) to {out_dir}")

@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import ConfigError
+from engine.contract import TOKENIZER_DIR
+from engine.data.tokenizer import load_saved
+from engine.data.urls import is_url
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -71,3 +74,31 @@ def copy_tokenizer(src: Path, dst: Path) -> list[str]:
         for name in names:
             shutil.copy2(src / name, dst / name)
     return names
+
+
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def tokenizer_beside(checkpoint_dir: Path) -> Path | None:
+    """The `tokenizer/` next to a local checkpoint directory (an artifact's), if there is one."""
+    if is_url(checkpoint_dir):
+        return None
+    here = Path(checkpoint_dir).parent / TOKENIZER_DIR
+    return here if here.is_dir() else None
+
+
+def tokenizer_token_ids(tokenizer_dir: str | Path) -> dict[str, int | None]:
+    """A saved tokenizer's bos/eos/pad ids, under config.json's names."""
+    bundle = load_saved(Path(tokenizer_dir))
+    return dict(zip(TOKEN_ID_KEYS, (bundle.bos_id, bundle.eos_id, bundle.pad_id), strict=True))
+
+
+def export_token_ids(source: dict | None, tokenizer_dir: str | Path | None) -> dict[str, int | None]:
+    """bos/eos/pad ids for a causal LM export's config.json and generation_config.json. A
+    checkpoint converted from Hugging Face keeps those its source wrote (`source`: its `hf`
+    meta, even where they are null); one trained here from scratch has no source and takes its
+    tokenizer's, so transformers' generate() stops at its eos."""
+    if source is not None or tokenizer_dir is None:
+        given = (source or {}).get("token_ids") or {}
+        return {key: given.get(key) for key in TOKEN_ID_KEYS}
+    return tokenizer_token_ids(tokenizer_dir)

@@ -31,8 +31,14 @@ import numpy as np
 
 from engine.config import ConfigError
 from engine.contract import CHECKPOINT_DIR, CHECKPOINT_FORMAT, TOKENIZER_DIR
-from engine.data.tokenizer import load_saved
-from engine.interop.hf.files import check_export_dir, copy_tokenizer, remove_stale_weights, source_fingerprint
+from engine.interop.hf.files import (
+    check_export_dir,
+    copy_tokenizer,
+    remove_stale_weights,
+    source_fingerprint,
+    tokenizer_beside,
+    tokenizer_token_ids,
+)
 from engine.interop.hf.mapping import (
     causal_view,
     copy_into,
@@ -49,7 +55,7 @@ from engine.interop.hf.mapping import (
 from engine.interop.hf.safetensors_io import SafetensorsFile, write_safetensors
 from engine.models.params import abstract_model_params
 from engine.posttrain.reward_model import HEAD, REWARD_MODEL_FORMAT, load_reward_params
-from engine.train.bucket_paths import checkpoint_path, is_url
+from engine.train.bucket_paths import checkpoint_path
 from engine.train.checkpoint import adapter_base, read_meta, save_params
 
 SCORE = "score.weight"
@@ -91,11 +97,9 @@ def _token_ids(checkpoint_dir: Path, meta: dict, tokenizer_dir: Path | None, log
         meta = read_meta(adapter_base(checkpoint_dir, meta))[1]
     ids = dict((meta.get("hf") or {}).get("token_ids") or {})
     if tokenizer_dir is not None:
-        bundle = load_saved(tokenizer_dir)
+        ours = tokenizer_token_ids(tokenizer_dir)
         ids.update(
-            bos_token_id=bundle.bos_id,
-            eos_token_id=bundle.eos_id,
-            pad_token_id=bundle.pad_id if bundle.pad_id is not None else ids.get("pad_token_id"),
+            ours, pad_token_id=ours["pad_token_id"] if ours["pad_token_id"] is not None else ids.get("pad_token_id")
         )
     if ids.get("pad_token_id") is None and ids.get("eos_token_id") is None:
         raise ConfigError(
@@ -128,8 +132,8 @@ def export_reward_model(
     checkpoint_dir, out_dir = checkpoint_path(checkpoint_dir), Path(out_dir)
     check_export_dir(out_dir, overwrite)
     cfg, compute, params, step, meta = load_reward_params(checkpoint_dir, step)
-    if tokenizer_dir is None and not is_url(checkpoint_dir) and (checkpoint_dir.parent / TOKENIZER_DIR).is_dir():
-        tokenizer_dir = checkpoint_dir.parent / TOKENIZER_DIR
+    if tokenizer_dir is None:
+        tokenizer_dir = tokenizer_beside(checkpoint_dir)
     hf_config = model_config_to_hf(
         cfg,
         _token_ids(checkpoint_dir, meta, tokenizer_dir and Path(tokenizer_dir), log),
