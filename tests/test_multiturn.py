@@ -250,6 +250,9 @@ def test_tool_calls_through_the_runner_a_hanging_tool_is_killed_and_the_episode_
     out = run(scripted(turns)[0], rows)
     assert out.rewards.tolist() == [1.0, 1.0] and out.metrics["env/tool_calls"] == 1.0
     assert out.metrics["env/tool_errors"] == 0.5 and out.metrics["env/failed"] == 0.0
+    hung = out.metrics["env/tool_failures/cpu_time"] + out.metrics["env/tool_failures/wall_time"]
+    assert hung == 1.0 and out.metrics["env/tool_failures/error"] == 0.0
+    assert out.metrics["env/tool_sandbox_weaker"] == 0.0  # bubblewrap, the default
     shown = [
         bundle.tokenizer.decode(t[m & ~k].tolist()) for t, m, k in zip(out.tokens, out.episode_mask, out.model_mask)
     ]

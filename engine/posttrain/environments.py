@@ -27,6 +27,10 @@ the final one).
 
 Built-in tools: `calculator` (arithmetic on numbers, evaluated from the syntax tree, no
 eval) and `python` (the code runs in engine/posttrain/sandbox.py; its stdout is the result).
+A sandboxed call's failure (a limit, a crash, a hang) is that call's error observation; its
+kind is counted in `Step.tool_failures`, which the runner sums into `env/tool_failures/<kind>`.
+An environment that runs a sandbox says which isolation in `sandbox_isolation` (the runner
+records `env/tool_sandbox_weaker`: 1 for the opted-in namespaces mode).
 """
 
 from __future__ import annotations
@@ -39,15 +43,16 @@ import operator
 import random
 import re
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from engine.config import ConfigError, Strict
 from engine.posttrain.rewards import numeric_match
-from engine.posttrain.sandbox import SandboxLimits, run_python
+from engine.posttrain.sandbox import SandboxLimits, check_sandbox, run_python
 
 Prompt = str | list[dict[str, Any]]
 
@@ -65,6 +70,8 @@ class Step:
     tool_calls: int = 0
     tool_errors: int = 0
     """Calls that failed: an unknown tool, bad arguments, or an error the tool reported."""
+    tool_failures: dict[str, int] = field(default_factory=dict)
+    """Sandboxed calls that failed, by kind (sandbox.FAILURE_KINDS: wall_time, memory, crash ...)."""
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -101,7 +108,12 @@ class EnvironmentFailure(RuntimeError):
 
 
 class ToolError(Exception):
-    """A tool could not do what it was asked; the message is the model's observation."""
+    """A tool could not do what it was asked; the message is the model's observation. `kind`:
+    a sandboxed call's failure kind (sandbox.FAILURE_KINDS), counted in Step.tool_failures."""
+
+    def __init__(self, message: str, kind: str | None = None):
+        super().__init__(message)
+        self.kind = kind
 
 
 _BINARY = {
@@ -188,7 +200,7 @@ def python_tool(limits: SandboxLimits) -> Tool:
         if not result.ok:  # the limit or exception, the end of its traceback, what it printed first
             tail = result.stderr.strip().splitlines()[-3:]
             printed = ["output before it failed:", result.stdout.rstrip()] if result.stdout.strip() else []
-            raise ToolError("\n".join([str(result.error), *tail, *printed]))
+            raise ToolError("\n".join([str(result.error), *tail, *printed]), kind=result.failure)
         return result.observation()
 
     return Tool(
@@ -238,10 +250,20 @@ class ToolEnvironment:
         observation_role: str = "tool",
         sandbox: dict[str, Any] | None = None,
     ):
-        limits = SandboxLimits.model_validate(sandbox or {})
+        try:
+            limits = SandboxLimits.model_validate(sandbox or {})
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise ConfigError(f"environment.kwargs.sandbox.{where}: {first['msg']}") from None
         unknown = [t for t in tools if t not in TOOLS]
         if unknown:
             raise ConfigError(f"environment.kwargs.tools: unknown tool(s) {unknown}; built-ins: {', '.join(TOOLS)}")
+        self.sandbox_isolation = limits.isolation if "python" in tools else None
+        """The python tool's isolation (None: no sandboxed tool); the runner records it."""
+        if self.sandbox_isolation is not None:
+            check_sandbox(limits)  # bwrap missing or refused: one sentence, before any episode
+        self.tool_failures: Counter[str] = Counter()
         self.toolbox = {name: TOOLS[name](limits) for name in tools}
         self.tools = [tool.schema() for tool in self.toolbox.values()]
         self.prompt_field, self.answer_field, self.answer_pattern = prompt_field, answer_field, answer_pattern
@@ -284,6 +306,8 @@ class ToolEnvironment:
         try:
             return tool.run(**arguments), False
         except ToolError as e:
+            if e.kind is not None:
+                self.tool_failures[e.kind] += 1
             return f"error: {e}", True
         except TypeError as e:  # wrong argument names
             return f"error: bad arguments for {name}: {e}", True
@@ -307,12 +331,19 @@ class ToolEnvironment:
         if calls is None:
             return Step(reward=self.score(turn), done=True)
         results, errors = [], 0
+        self.tool_failures.clear()
         for name, arguments in calls:
             text, failed = self.call(name, arguments)
             results.append(text)
             errors += failed
         reward = self.call_reward * (len(calls) - errors)
-        return Step(self.format_results(results), reward, tool_calls=len(calls), tool_errors=errors)
+        return Step(
+            self.format_results(results),
+            reward,
+            tool_calls=len(calls),
+            tool_errors=errors,
+            tool_failures=dict(self.tool_failures),
+        )
 
 
 class ArithmeticToolTask(ToolEnvironment):

@@ -27,13 +27,16 @@ of live episodes. The context is re-prefilled each turn (no prefix cache across 
 Failures: an environment whose reset or step raises fails that episode (reward NaN: zero
 advantage, as an unscorable completion; `env/failed`, the error logged); a whole batch of
 failed episodes raises EnvironmentFailure. A tool that hangs is the tool's to stop (the
-sandbox kills it at its limit and the call is a tool error).
+sandbox kills it at its limit and the call is a tool error); `env/tool_failures/<kind>` counts
+the batch's failed sandboxed calls by kind, and `env/tool_sandbox_weaker` is 1 when the
+sandbox ran in the opted-in namespaces mode (both only for environments with a sandbox).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,6 +51,7 @@ from engine.data.tokenizer import TokenizerBundle
 from engine.inference.sample import SampleOutput, Sampler, left_pad
 from engine.posttrain.environments import Environment, EnvironmentConfig, EnvironmentFailure, load_environment
 from engine.posttrain.rollout import Rollout
+from engine.posttrain.sandbox import FAILURE_KINDS
 
 if TYPE_CHECKING:
     from engine.posttrain.config import GRPOConfig
@@ -87,6 +91,7 @@ class _Episode:
         self.rewards: list[float] = []
         self.answer = ""
         self.turns = self.tool_calls = self.tool_errors = 0
+        self.tool_failures: Counter[str] = Counter()
         self.done = error is not None
         self.truncated = False
 
@@ -210,6 +215,7 @@ class EpisodeRunner:
         episode.rewards.append(float(step.reward))
         episode.tool_calls += step.tool_calls
         episode.tool_errors += step.tool_errors
+        episode.tool_failures.update(step.tool_failures)
         if step.done:
             episode.done = True
             return
@@ -261,6 +267,11 @@ class EpisodeRunner:
             "env/failed": float(len(failed)),
             "env/episode_length": float(np.mean([len(e.ids) for e in ok])),
         }
+        isolations = {getattr(e.env, "sandbox_isolation", None) for e in episodes} - {None}
+        if isolations:  # a sandboxed tool: its failures by kind (batch totals) and its isolation
+            for kind in FAILURE_KINDS:
+                metrics[f"env/tool_failures/{kind}"] = float(sum(e.tool_failures[kind] for e in episodes))
+            metrics["env/tool_sandbox_weaker"] = float(isolations != {"bubblewrap"})
         for t in range(T):
             column = turn_rewards[:, t]
             if not np.isnan(column).all():

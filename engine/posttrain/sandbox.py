@@ -1,29 +1,32 @@
-"""A sandbox for model-written Python: a child process with CPU-time, wall-time, memory and
-process limits, no network, its own temporary directory, killed on timeout.
+"""A sandbox for model-written Python: `run_python(code, SandboxLimits)` runs the code in a
+child process that sees nothing of the host, under limits on its whole process tree, and
+reports how it failed in one sentence; it never raises for anything the code does.
 
 The tool-calling environments (engine/posttrain/environments.py) run a model's code here.
-The layers, each enforced by the kernel where it can be:
+Two isolations, chosen by `SandboxLimits.isolation`:
 
-    limits     setrlimit in the child: RLIMIT_CPU (SIGXCPU, then SIGKILL), RLIMIT_AS (an
-               allocation past it is a MemoryError), RLIMIT_NPROC (fork/thread creation fails
-               past it), RLIMIT_FSIZE (files it writes), no core dumps.
-    network    a new network namespace (unshare(CLONE_NEWNET); unprivileged users get it
-               inside a new user namespace): no interface but a loopback that is down, so
-               any connect, to 127.0.0.1 or elsewhere, and any DNS lookup fail. Where the
-               kernel refuses namespaces, an audit hook (sys.addaudithook) refuses to create
-               sockets or resolve names instead: that one lives inside the interpreter, so
-               code that reaches C (ctypes) could get past it; `SandboxResult.isolation` says
-               which of the two a run had.
-    processes  a new PID namespace where the kernel allows it: the child's processes die
-               with it, even one that left its process group. Otherwise the process group is
-               killed. As root the code runs as `nobody` (root is exempt from RLIMIT_NPROC).
-    files      the working directory is a fresh temporary directory, removed afterwards;
-               the rest of the file system is read with the permissions of the user it
-               runs as (no chroot).
-    time       the parent waits `wall_seconds`, then kills the whole group (SIGKILL).
+    bubblewrap  (the default) an existing isolation tool, bubblewrap (engine/posttrain/
+                bubblewrap.py): its own mount, PID, network, IPC and UTS namespaces, a
+                read-only view of the interpreter and the whitelisted modules only, a
+                private tmpfs as working directory and /tmp, no capabilities, no_new_privs,
+                a seccomp filter (engine/posttrain/seccomp.py), the code as `nobody`. A
+                missing or refused bwrap is a SandboxUnavailable error naming the package,
+                never a silent fallback.
+    namespaces  the weaker mode, only when a config asks for it: network and PID namespaces
+                where the kernel allows them (an in-interpreter audit hook where it does
+                not), the code as `nobody`, but the host's file system stays readable (as
+                root the code keeps CAP_DAC_READ_SEARCH, because the interpreter may live
+                where nobody cannot read). `SandboxResult.isolation` says what a run had.
 
-The bootstrap below runs first in a fresh `python -I` (one thread, no user code yet), so
-nothing is done between fork and exec in the parent, which holds JAX's threads.
+Limits, set by the bootstrap before any of the code runs and inherited by every process it
+starts (rlimits; the machines' cgroups are v1 or not delegated, so there is no cgroup-wide
+accounting): CPU seconds and address space per process, processes and threads (RLIMIT_NPROC),
+file size, open files, no core dumps. The parent kills the whole run at the wall-time limit
+and as soon as stdout or stderr passes `max_output_bytes` (the process group; in bubblewrap
+the PID namespace dies with bwrap).
+
+The bootstraps run first in a fresh `python -I` (one thread, no user code yet), so nothing
+is done between fork and exec in the parent, which holds JAX's threads.
 """
 
 from __future__ import annotations
@@ -35,38 +38,89 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from engine.config import Strict
+from engine.posttrain import bubblewrap
+from engine.posttrain.bubblewrap import SandboxUnavailable as SandboxUnavailable  # re-exported
+from engine.posttrain.seccomp import seccomp_program
 
 NOBODY = 65534
-STATE_FILE = ".sandbox.json"  # the bootstrap writes the isolation it got here
+STATE_FILE = ".sandbox.json"  # the namespaces bootstrap writes the isolation it got here
+
+# How a tool call can fail, the names of its `env/tool_failures/<kind>` metric.
+FAILURE_KINDS = (
+    "wall_time",  # ran (or slept, or hung) past wall_seconds: killed
+    "cpu_time",  # a process used cpu_seconds of CPU: killed by the kernel
+    "memory",  # an allocation past memory_mb failed
+    "processes",  # a fork or thread past max_processes failed
+    "file_size",  # a write past file_size_mb (or scratch_mb) failed
+    "output",  # printed past max_output_bytes: killed
+    "network",  # tried the network, which the sandbox does not have
+    "crash",  # the interpreter died of a signal (SIGSEGV, SIGABRT ...)
+    "error",  # the code raised or exited with a non-zero status
+    "sandbox",  # the sandbox itself could not start the code
+)
 
 
 class SandboxLimits(Strict):
-    """What one run of sandboxed code may use."""
+    """What one run of sandboxed code may use, and how it is isolated."""
 
+    isolation: Literal["bubblewrap", "namespaces"] = "bubblewrap"
+    """bubblewrap: the code sees nothing of the host (bwrap must be installed: Debian's
+    `bubblewrap`). namespaces: the weaker mode, no network but the host's files readable;
+    only when asked for, and recorded in the rollout metrics (env/tool_sandbox_weaker)."""
+    modules: list[str] = Field(default_factory=list)
+    """Top-level modules installed here that the code may import besides the standard library
+    (bubblewrap; e.g. [numpy]); each is bound read-only, with its `<name>.libs` beside it."""
     cpu_seconds: float = Field(2.0, gt=0)
-    """CPU time of the code (RLIMIT_CPU, whole seconds, rounded up): past it the kernel kills it."""
+    """CPU time of each process (RLIMIT_CPU, whole seconds, rounded up): past it the kernel kills it."""
     wall_seconds: float = Field(5.0, gt=0)
-    """Wall-clock time: past it the process group is killed (a sleeping or blocked child too)."""
+    """Wall-clock time: past it the whole run is killed (a sleeping or blocked child too)."""
     memory_mb: int = Field(1024, gt=0)
-    """Address space (RLIMIT_AS): an allocation past it raises MemoryError in the child."""
+    """Address space of each process (RLIMIT_AS): an allocation past it raises MemoryError."""
     max_processes: int = Field(16, gt=0)
     """Processes and threads (RLIMIT_NPROC): a fork past it fails (a fork bomb stops there)."""
     file_size_mb: int = Field(64, gt=0)
     """Largest file the code may write (RLIMIT_FSIZE)."""
+    scratch_mb: int = Field(256, gt=0)
+    """bubblewrap: the size of the working directory and of /tmp, each a fresh tmpfs (memory)."""
+    max_open_files: int = Field(256, ge=16)
+    """Open file descriptors per process (RLIMIT_NOFILE)."""
     max_output_chars: int = Field(4000, gt=0)
-    """stdout and stderr are each cut to this many characters (the rest is read and dropped)."""
+    """stdout and stderr are each cut to this many characters in the result."""
+    max_output_bytes: int = Field(1 << 20, gt=0)
+    """Past this many bytes on stdout or stderr the run is killed (an output-limit error)."""
+
+    @field_validator("modules")
+    @classmethod
+    def _top_level(cls, modules: list[str]) -> list[str]:
+        bad = [m for m in modules if not m.isidentifier()]
+        if bad:
+            raise ValueError(f"modules are top-level module names (e.g. numpy), not {bad}")
+        return modules
+
+    def rlimits(self) -> list[tuple[str, int]]:
+        cpu = int(-(-self.cpu_seconds // 1))
+        return [
+            ("RLIMIT_CPU", cpu),
+            ("RLIMIT_AS", self.memory_mb << 20),
+            ("RLIMIT_NPROC", self.max_processes),
+            ("RLIMIT_FSIZE", self.file_size_mb << 20),
+            ("RLIMIT_NOFILE", self.max_open_files),
+            ("RLIMIT_CORE", 0),
+        ]
 
 
-# Runs as `python -I -c BOOTSTRAP LIMITS_JSON SCRIPT` in the sandbox's temporary directory.
-BOOTSTRAP = r"""
+# The weaker mode (isolation: namespaces). Runs as `python -I -c NAMESPACES_BOOTSTRAP LIMITS_JSON SCRIPT`
+# in the sandbox's temporary directory.
+NAMESPACES_BOOTSTRAP = r"""
 import ctypes, json, os, resource, sys
 limits = json.loads(sys.argv[1])
 NEWUSER, NEWNET, NEWPID = 0x10000000, 0x40000000, 0x20000000
@@ -128,7 +182,7 @@ if root:
 cpu = int(-(-limits["cpu_seconds"] // 1))
 for name, value in (("RLIMIT_CPU", (cpu, cpu + 1)), ("RLIMIT_AS", limits["memory_mb"] << 20),
                     ("RLIMIT_NPROC", limits["max_processes"]), ("RLIMIT_FSIZE", limits["file_size_mb"] << 20),
-                    ("RLIMIT_CORE", 0)):
+                    ("RLIMIT_NOFILE", limits["max_open_files"]), ("RLIMIT_CORE", 0)):
     resource.setrlimit(getattr(resource, name), value if isinstance(value, tuple) else (value, value))
 if "netns" not in isolation:
     BLOCKED = {"socket.__new__", "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyname_ex",
@@ -154,10 +208,12 @@ class SandboxResult:
     error: str | None = None
     """None if the code exited 0; otherwise one sentence: the limit it hit or how it failed."""
     killed: bool = False
-    """Killed by the sandbox (wall time) or the kernel (CPU time)."""
+    """Killed by the sandbox (wall time, output) or the kernel (CPU time)."""
     seconds: float = 0.0
     isolation: list[str] = field(default_factory=list)
-    """How the network was cut and processes were contained: netns (+ pidns), or audit-hook."""
+    """How the code was isolated: [bubblewrap, seccomp]; or netns (+ pidns), or audit-hook."""
+    failure: str | None = None
+    """The kind of failure, one of FAILURE_KINDS (None if the code exited 0)."""
 
     @property
     def ok(self) -> bool:
@@ -171,10 +227,14 @@ class SandboxResult:
         return "\n".join(filter(None, [self.stdout.rstrip(), f"error: {self.error}", *tail]))
 
 
-def _read_bounded(stdout: IO[bytes], stderr: IO[bytes], deadline: float, limit: int) -> tuple[str, str, bool]:
-    """(stdout, stderr, timed out): read both pipes until EOF or the deadline, keeping the first
-    `limit` bytes of each (a child that prints forever cannot fill the parent's memory)."""
+def _read_bounded(
+    stdout: IO[bytes], stderr: IO[bytes], deadline: float, keep: int, most: int
+) -> tuple[str, str, str | None]:
+    """(stdout, stderr, why it stopped early: wall_time, output or None): read both pipes until
+    EOF, the deadline, or more than `most` bytes on either, keeping the first `keep` bytes of each
+    (a child that prints forever cannot fill the parent's memory)."""
     kept = {stdout.fileno(): bytearray(), stderr.fileno(): bytearray()}
+    seen = dict.fromkeys(kept, 0)
 
     def texts() -> tuple[str, str]:
         return kept[stdout.fileno()].decode(errors="replace"), kept[stderr.fileno()].decode(errors="replace")
@@ -185,15 +245,18 @@ def _read_bounded(stdout: IO[bytes], stderr: IO[bytes], deadline: float, limit: 
         while sel.get_map():
             left = deadline - time.monotonic()
             if left <= 0:
-                return *texts(), True
+                return *texts(), "wall_time"
             for key, _ in sel.select(timeout=left):
                 chunk = os.read(key.fd, 65536)
                 if not chunk:
                     sel.unregister(key.fd)
                     continue
                 buffer = kept[key.fd]
-                buffer += chunk[: max(limit - len(buffer), 0)]
-    return *texts(), False
+                buffer += chunk[: max(keep - len(buffer), 0)]
+                seen[key.fd] += len(chunk)
+                if seen[key.fd] > most:
+                    return *texts(), "output"
+    return *texts(), None
 
 
 def _kill_group(pid: int) -> None:
@@ -203,73 +266,156 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-def _diagnose(result: SandboxResult, limits: SandboxLimits, timed_out: bool) -> str | None:
-    """One sentence for a failed run: the limit it hit, else its exception's last line."""
+def _diagnose(result: SandboxResult, limits: SandboxLimits, stopped: str | None) -> tuple[str | None, str | None]:
+    """(failure kind, one sentence) of a run: the limit it hit, else its exception's last line."""
     code, stderr = result.exit_code, result.stderr
     signalled = {-(code or 0), (code or 0) - 128}
-    if timed_out:
-        return f"the code ran past the wall-time limit of {limits.wall_seconds:g} s and was killed"
+    if stopped == "wall_time":
+        return stopped, f"the code ran past the wall-time limit of {limits.wall_seconds:g} s and was killed"
+    if stopped == "output":
+        return stopped, f"the code printed more than {limits.max_output_bytes} bytes (the output limit) and was killed"
+    if "bubblewrap" in result.isolation and (said := bubblewrap.start_failure(code, stderr)):
+        return "sandbox", f"the sandbox could not start the code: {said}"
     if signal.SIGXCPU in signalled or (signal.SIGKILL in signalled and code != 0):
-        return f"the code ran past the CPU-time limit of {limits.cpu_seconds:g} s and was killed"
-    if "MemoryError" in stderr:
-        return f"the code ran out of memory: the sandbox allows {limits.memory_mb} MB"
+        return "cpu_time", f"the code ran past the CPU-time limit of {limits.cpu_seconds:g} s and was killed"
+    if "MemoryError" in stderr or "Cannot allocate memory" in stderr:
+        return "memory", f"the code ran out of memory: the sandbox allows {limits.memory_mb} MB"
     if (
         "BlockingIOError" in stderr
         or "Resource temporarily unavailable" in stderr
         or "can't start new thread" in stderr
     ):
-        return f"the code tried to start more than {limits.max_processes} processes or threads"
-    network = ("Network is unreachable", "name resolution", "Name or service not known", "network access is disabled")
+        return "processes", f"the code tried to start more than {limits.max_processes} processes or threads"
+    if "File too large" in stderr:
+        return "file_size", f"the code wrote a file past the limit of {limits.file_size_mb} MB"
+    if "No space left on device" in stderr:
+        return "file_size", f"the code filled its scratch space of {limits.scratch_mb} MB"
+    network = (
+        "Network is unreachable",
+        "Connection refused",  # bubblewrap's network namespace has its own loopback, where nothing listens
+        "name resolution",
+        "Name or service not known",
+        "network access is disabled",
+    )
     if any(marker in stderr for marker in network):
-        return "the code tried to use the network: the sandbox has none"
+        return "network", "the code tried to use the network: the sandbox has none"
     if code == 0:
-        return None
+        return None, None
+    crashed = next((s for s in signalled if s > 0 and s in signal.valid_signals()), None) if code else None
+    if crashed is not None and code is not None and (code < 0 or code > 128):
+        return "crash", f"the interpreter crashed ({signal.Signals(crashed).name})"
     last = next((line for line in reversed(stderr.strip().splitlines()) if line.strip()), "")
-    return f"the code exited with status {code}" + (f": {last.strip()}" if last else "")
+    return "error", f"the code exited with status {code}" + (f": {last.strip()}" if last else "")
+
+
+def _environment() -> dict[str, str]:
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
+    env.update({k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")})
+    return env
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _bubblewrap_argv(code: str, limits: SandboxLimits) -> tuple[list[str], tuple[int, int]]:
+    """The bwrap command of one run and the two file descriptors it reads (the caller closes them)."""
+    view = bubblewrap.view(tuple(limits.modules))
+    as_root = os.geteuid() == 0
+    fds = (_memfd("trainflow-code", code.encode()), _memfd("trainflow-seccomp", seccomp_program()))
+    argv = bubblewrap.command(
+        view,
+        bwrap=bubblewrap.find_bwrap(),
+        as_root=as_root,
+        env=_environment(),
+        scratch_mb=limits.scratch_mb,
+        code_fd=fds[0],
+        seccomp_fd=fds[1],
+    )
+    return [*argv, json.dumps(bubblewrap.bootstrap_config(view, as_root, limits.rlimits()))], fds
+
+
+_checked: set[tuple[str, ...]] = set()
+_check_lock = threading.Lock()
+
+
+def check_sandbox(limits: SandboxLimits) -> None:
+    """Raise SandboxUnavailable (one sentence, naming the package) unless `limits.isolation` can
+    run here: bwrap installed and able to build the sandbox, libseccomp, the whitelisted
+    modules. The first check per configuration runs a tiny script in the sandbox; later ones
+    are free. The namespaces mode needs nothing."""
+    if limits.isolation != "bubblewrap":
+        return
+    key = tuple(limits.modules)
+    with _check_lock:
+        if key in _checked:
+            return
+        argv, fds = _bubblewrap_argv("print('ok')", limits)
+        try:
+            bubblewrap.probe(argv, fds, _environment())
+        finally:
+            for fd in fds:
+                os.close(fd)
+        _checked.add(key)
+
+
+def _supervise(proc: subprocess.Popen, limits: SandboxLimits, start: float) -> tuple[str, str, int, str | None]:
+    """Read the run's output under its limits; kill its process group at the wall-time limit or
+    the output limit. (stdout, stderr, exit code, why it was stopped or None)."""
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        stdout, stderr, stopped = _read_bounded(
+            proc.stdout, proc.stderr, start + limits.wall_seconds, limits.max_output_chars * 4, limits.max_output_bytes
+        )
+        if stopped:
+            _kill_group(proc.pid)
+        try:
+            exit_code = proc.wait(timeout=max(start + limits.wall_seconds - time.monotonic(), 0.5))
+        except subprocess.TimeoutExpired:  # output closed but the process lingers
+            stopped = "wall_time"
+            _kill_group(proc.pid)
+            exit_code = proc.wait()
+    finally:
+        _kill_group(proc.pid)  # whatever it left behind in its group
+        proc.stdout.close()
+        proc.stderr.close()
+    return stdout, stderr, exit_code, stopped
 
 
 def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
-    """Run `code` as a script in a fresh sandbox; never raises for anything the code does."""
+    """Run `code` as a script in a fresh sandbox; never raises for anything the code does (a
+    sandbox that cannot run here is SandboxUnavailable)."""
     limits = limits or SandboxLimits()
+    pipes = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="trainflow-sandbox-") as tmp:
-        Path(tmp, "main.py").write_text(code, encoding="utf-8")
-        env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
-        env.update({k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")})
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", BOOTSTRAP, limits.model_dump_json(), "main.py"],
-            cwd=tmp,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # its own process group, killed as one
-        )
-        assert proc.stdout is not None and proc.stderr is not None
-        try:
-            stdout, stderr, timed_out = _read_bounded(
-                proc.stdout, proc.stderr, start + limits.wall_seconds, limits.max_output_chars * 4
-            )
-            if timed_out:
-                _kill_group(proc.pid)
-            try:
-                exit_code = proc.wait(timeout=max(start + limits.wall_seconds - time.monotonic(), 0.5))
-            except subprocess.TimeoutExpired:  # output closed but the process lingers
-                timed_out = True
-                _kill_group(proc.pid)
-                exit_code = proc.wait()
+    if limits.isolation == "bubblewrap":
+        check_sandbox(limits)
+        argv, fds = _bubblewrap_argv(code, limits)
+        try:  # its own session and process group, killed as one
+            proc = subprocess.Popen(argv, env=_environment(), pass_fds=fds, start_new_session=True, **pipes)
         finally:
-            _kill_group(proc.pid)  # whatever it left behind in its group
-            proc.stdout.close()
-            proc.stderr.close()
-        try:
-            isolation = json.loads(Path(tmp, STATE_FILE).read_text())["isolation"]
-        except (OSError, ValueError, KeyError):
-            isolation = []
+            for fd in fds:
+                os.close(fd)
+        stdout, stderr, exit_code, stopped = _supervise(proc, limits, start)
+        isolation = ["bubblewrap", "seccomp"]
+    else:
+        with tempfile.TemporaryDirectory(prefix="trainflow-sandbox-") as tmp:
+            Path(tmp, "main.py").write_text(code, encoding="utf-8")
+            env = {**_environment(), "HOME": tmp, "TMPDIR": tmp}
+            argv = [sys.executable, "-I", "-c", NAMESPACES_BOOTSTRAP, limits.model_dump_json(), "main.py"]
+            proc = subprocess.Popen(argv, cwd=tmp, env=env, start_new_session=True, **pipes)
+            stdout, stderr, exit_code, stopped = _supervise(proc, limits, start)
+            try:
+                isolation = json.loads(Path(tmp, STATE_FILE).read_text())["isolation"]
+            except (OSError, ValueError, KeyError):
+                isolation = []
     cut = limits.max_output_chars
     result = SandboxResult(
         stdout[:cut], stderr[-cut:], exit_code, seconds=time.monotonic() - start, isolation=isolation
     )
-    result.error = _diagnose(result, limits, timed_out)
+    result.failure, result.error = _diagnose(result, limits, stopped)
     result.killed = result.error is not None and "killed" in result.error
     return result
