@@ -150,4 +150,8 @@ class GRPOStage(FineTuneStage):
                     update={"model": ctx.inputs[spec.model].checkpoint_dir, "name": spec.name or spec.model}
                 )
             rewards.append(spec)
-        return super().run(replace(ctx, config=ctx.config.model_copy(update={"rewards": rewards})))
+        metrics = super().run(replace(ctx, config=ctx.config.model_copy(update={"rewards": rewards})))
+        if "env/tool_sandbox_weaker" in metrics:  # the manifest says in words how tool code was isolated
+            weaker = metrics["env/tool_sandbox_weaker"]
+            metrics["tool_sandbox"] = "namespaces (weaker, opted in)" if weaker else "bubblewrap"
+        return metrics
