@@ -15,6 +15,7 @@ from flows.spec import Pipeline
 from tasks.artifacts import read_manifest, verify_artifact
 from tasks.runner import RAN, REUSED, SKIPPED, execute_stage
 from tests.conftest import REPO
+from tests.test_object_store import _forget_s3_clients, boto3, bucket, s3_endpoint  # noqa: F401  (moto S3 fixtures)
 
 PIPELINES = ("quickstart", "posttrain")
 
@@ -170,3 +171,20 @@ def test_posttrain_reuses_the_quickstarts_tokenized_dataset(tmp_path):
     dataset = read_manifest(posttrain.store.artifact_dir("tokenize", ids(posttrain)["tokenize"]))
     assert dataset["reused"]["id"] == ids(quickstart)["tokenize"] != ids(posttrain)["tokenize"]
     assert "prefs.jsonl" in read_manifest(posttrain.store.artifact_dir("problems", ids(posttrain)["problems"]))["files"]
+
+
+def test_on_a_bucket_the_reused_payload_is_copied_inside_the_bucket(bucket, tmp_path):
+    store, trace = f"s3://{bucket}/store", tmp_path / "trace"
+    first = chain(store, trace, {"a.txt": "one", "b.txt": "two"})
+    run_all(first)
+    second = chain(store, trace, {"a.txt": "one", "b.txt": "zwei"})
+    assert run_all(second) == {"src": RAN, "read": REUSED, "total": REUSED}
+    assert ran(trace) == ["src", "read", "total", "src"]
+    remote = second.store.remote
+    for stage in ("read", "total"):
+        manifest = remote.read_manifest(stage, ids(second)[stage])
+        assert manifest["reused"]["id"] == ids(first)[stage]
+        assert set(manifest["versions"]) == set(manifest["files"]) == {"value.json"}
+        assert second.store.verify(second.store.artifact_dir(stage, ids(second)[stage])) == []
+    rows = {row["stage"]: row["state"] for row in status_rows(second)}
+    assert rows == {"src": "complete", "read": "complete (reused)", "total": "complete (reused)"}
