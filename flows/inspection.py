@@ -51,8 +51,7 @@ def status_rows(plan: Plan) -> list[dict[str, Any]]:
             {
                 "stage": name,
                 "task": info["task"],
-                # early cutoff (tasks/cutoff.py): complete, its bytes those of an earlier equal artifact
-                "state": f"{COMPLETE} (reused)" if reused else info["state"],
+                "state": _listed_state(info["state"], manifest or {}),
                 "reused_from": f"{reused['stage']}/{reused['id']}" if reused else None,
                 "artifact_id": info["artifact_id"],
                 "inputs": _inputs_text(plan, name),
@@ -213,13 +212,18 @@ def list_rows(store: ArtifactStore) -> list[dict[str, Any]]:
                 "stage": folder_stage(directory.parent.name),
                 "id": directory.name,
                 "kind": manifest.get("kind", "?"),
-                "status": store.state(directory.parent.name, directory.name),
+                "status": _listed_state(store.state(directory.parent.name, directory.name), manifest),
                 "size": _size(sum(f.get("size", 0) for f in files.values())) if files else "-",
                 "finished_at": manifest.get("finished_at") or "-",
                 "metrics": " ".join(shown) or "-",
             }
         )
     return rows
+
+
+def _listed_state(state: str, manifest: dict) -> str:
+    """`complete (reused)` for an artifact whose bytes an earlier equal one made (tasks/cutoff.py)."""
+    return f"{state} (reused)" if state == COMPLETE and manifest.get("reused") else state
 
 
 def _size(n: float) -> str:

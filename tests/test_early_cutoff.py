@@ -9,7 +9,7 @@ import pytest
 
 import tests.pipeline_toys  # noqa: F401
 from engine.config import load_yaml
-from flows.inspection import format_lineage, lineage, status_rows
+from flows.inspection import format_lineage, lineage, list_rows, status_rows
 from flows.retention import apply, collect
 from flows.spec import Pipeline
 from tasks.artifacts import read_manifest, verify_artifact
@@ -81,6 +81,9 @@ def test_a_change_that_leaves_the_consumed_bytes_equal_reruns_nothing_downstream
         "complete (reused)",
     ]
     assert rows["read"]["reused_from"] == f"read/{ids(first)['read']}"
+    listed = {(row["stage"], row["id"]): row["status"] for row in list_rows(second.store)}
+    assert listed[("read", ids(second)["read"])] == "complete (reused)"
+    assert listed[("read", ids(first)["read"])] == "complete"
     shown = format_lineage(lineage(second.store.artifact_dir("total", ids(second)["total"])), width=120)
     assert f"total/{ids(second)['total']}  checkpoint  complete (reused)" in shown
     assert f"reused: the bytes of read/{ids(first)['read']}, made" in shown
