@@ -60,7 +60,7 @@ from flows.server import ApiUnreachable, api_answers
 from flows.spec import Pipeline as SpecPipeline
 from flows.spec import Plan, apply_pipeline_overrides, build_plan, load_plan, parse_spec
 from flows.steps import snapshot_step, wait_for_step
-from flows.summary import asset_key, format_duration, format_number, line_level, summary_markdown
+from flows.summary import Eta, PipelineProgress, asset_key, line_level, step_line, summary_markdown
 from flows.sweep import label_value
 from flows.sweep_report import sweep_markdown, sweep_rows
 from tasks.artifacts import ArtifactError, read_manifest
@@ -150,16 +150,13 @@ def flow_run_name() -> str:
     return f"{pipeline_name(runtime.flow_run.parameters.get('pipeline'))}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-_PERF_KEYS = ("tokens_per_second", "tflops_per_device", "mfu")  # shown after the other metrics
-
-
 class PrefectHooks(StageHooks):
     """Stage reports -> the task run's log, and a progress artifact (updates rate-limited).
 
-    A child's lines keep their level; metrics records become `step n/N (p%): loss=...,
-    tokens/s, ETA` (the ETA from the steps done since the first record, compilation
-    excluded). Nothing here waits on the API: log records and artifact calls are handed to
-    the reporter (flows/reporter.py), which sends them from its own thread or drops them.
+    A child's lines keep their level; metrics records become `step n/N (p%): loss=... |
+    tokens/s, ETA`, the few metrics of the stage's kind (flows/summary.step_line). Nothing
+    here waits on the API: log records and artifact calls are handed to the reporter
+    (flows/reporter.py), which sends them from its own thread or drops them.
     """
 
     def __init__(
@@ -170,6 +167,7 @@ class PrefectHooks(StageHooks):
         description: str,
         min_interval: float = 2.0,
         total_steps: int | None = None,
+        task: str = "",
     ):
         self._logger = logger
         self._reporter = reporter
@@ -179,8 +177,8 @@ class PrefectHooks(StageHooks):
         self._last = (0.0, -1.0)
         self._min_interval = min_interval
         self._lock = threading.Lock()
-        self._total_steps = total_steps
-        self._first_record: tuple[float, int] | None = None
+        self._total_steps, self._task = total_steps, task
+        self._eta = Eta(total_steps)
         super().__init__(log=self._log, metrics=self._metrics, progress=self._progress)
 
     def _log(self, message: str) -> None:
@@ -190,24 +188,7 @@ class PrefectHooks(StageHooks):
         self._logger.info(self.format_metrics(record))
 
     def format_metrics(self, record: dict, now: float | None = None) -> str:
-        now = time.monotonic() if now is None else now
-        step = int(record.get("step", 0))
-        total = self._total_steps
-        head = f"step {step}/{total} ({100 * step / total:.0f}%)" if total else f"step {step}"
-        shown = " ".join(
-            f"{k}={format_number(v)}"
-            for k, v in record.items()
-            if k != "step" and k not in _PERF_KEYS and v is not None
-        )
-        tail = []
-        if record.get("tokens_per_second") is not None:
-            tail.append(f"{format_number(record['tokens_per_second'])} tokens/s")
-        if self._first_record is None:
-            self._first_record = (now, step)
-        elif total and step > self._first_record[1] and now > self._first_record[0]:
-            per_step = (now - self._first_record[0]) / (step - self._first_record[1])
-            tail.append(f"ETA {format_duration(per_step * max(total - step, 0))}")
-        return f"{head}: {shown}" + (f" | {', '.join(tail)}" if tail else "")
+        return step_line(self._task, record, self._total_steps, self._eta, now)
 
     def start(self) -> None:
         self._started = True
@@ -267,6 +248,11 @@ class _Run:
     lock: threading.Lock = field(default_factory=threading.Lock)
     materializing: set[str] = field(default_factory=set)
     """Stages whose task runs declare their asset (ids known when submitted)."""
+    progress: PipelineProgress = field(init=False)
+    """The pipeline's line as each stage ends: stages done of all, elapsed, skipped."""
+
+    def __post_init__(self) -> None:
+        self.progress = PipelineProgress(self.plan.name, len(self.plan.stages))
 
     def slot(self, stage: str):
         """The sweep's semaphore (max_parallel points at once), else a no-op."""
@@ -281,7 +267,9 @@ class _Run:
         return future is not None and future.wrapped_future.done()
 
 
-def _skip_for_condition(plan: Plan, stage: str, record: dict, run_info: dict, reporter: Reporter, logger) -> State:
+def _skip_for_condition(
+    plan: Plan, stage: str, record: dict, run_info: dict, reporter: Reporter, logger, progress: PipelineProgress
+) -> State:
     job = plan.stages[stage].job
     record_condition(plan.store, stage, job.artifact_id, record)
     outcome = {
@@ -300,6 +288,7 @@ def _skip_for_condition(plan: Plan, stage: str, record: dict, run_info: dict, re
     seen = ", ".join(f"{k} = {v!r}" for k, v in record.get("values", {}).items())
     why = record.get("because") or f"`{record['expression']}` is false ({seen})"
     logger.info(f"{stage}: {SKIPPED_CONDITION}: {why}")
+    logger.info(progress.finished(stage, SKIPPED_CONDITION))
     reporter.call(
         create_markdown_artifact,
         f"# {stage} ({job.task}): {SKIPPED_CONDITION}\n\n{why}",
@@ -342,7 +331,7 @@ def _run_stage(plan: Plan, stage: str, reporter: Reporter, run: _Run) -> Any:
         record = {"expression": planned.gate.text if planned.gate else None, "values": {}, "result": None}
         record["because"] = f"stage(s) {', '.join(blocked)} it reads were {SKIPPED_CONDITION}"
         run.skipped.add(stage)
-        return _skip_for_condition(plan, stage, record, run_info, reporter, logger)
+        return _skip_for_condition(plan, stage, record, run_info, reporter, logger, run.progress)
     for ref in planned.refs.values():  # checkpoint steps: once committed, as a snapshot artifact
         if getattr(ref, "step", None) is not None:
             upstream_id = plan.stages[ref.stage].job.artifact_id
@@ -354,7 +343,7 @@ def _run_stage(plan: Plan, stage: str, reporter: Reporter, run: _Run) -> Any:
         record = {"expression": planned.gate.text, "values": seen, "result": ok}
         if not ok:
             run.skipped.add(stage)
-            return _skip_for_condition(plan, stage, record, run_info, reporter, logger)
+            return _skip_for_condition(plan, stage, record, run_info, reporter, logger, run.progress)
         clear_condition(plan.store, stage, job.artifact_id)
         decisions["when"] = record
     hooks = PrefectHooks(
@@ -363,10 +352,12 @@ def _run_stage(plan: Plan, stage: str, reporter: Reporter, run: _Run) -> Any:
         artifact_key(plan.name, stage, "progress"),
         f"{stage}: progress",
         total_steps=getattr(job.config, "steps", None),
+        task=job.task,
     )
     complete = plan.store.is_complete(stage, job.artifact_id)
     if not complete:
         hooks.start()
+        run.progress.started(stage)
     with nullcontext() if complete else run.slot(stage):  # a sweep's max_parallel bounds its work, not its skips
         result = execute_stage(job, plan.store, hooks, run_info)
     rows = sweep_rows(plan, stage) if planned.fan_in else {}
@@ -396,6 +387,7 @@ def _run_stage(plan: Plan, stage: str, reporter: Reporter, run: _Run) -> Any:
     if not (result.status == SKIPPED and planned.params):
         reporter.call(_publish, plan, stage, result)
     logger.info(f"{stage}: {result.status} in {result.seconds:.1f} s -> {result.path}")
+    logger.info(run.progress.finished(stage, result.status))
     outcome = {**result.to_dict(), "flow_run_id": run_info["flow_run_id"], "task_run_id": run_info["task_run_id"]}
     if decisions.get("select"):
         outcome["selected"] = {name: d["chosen"] for name, d in decisions["select"].items()}
@@ -441,7 +433,7 @@ def _finished_points(plan: Plan) -> dict[str, list[str]]:
     return {base: points for base, points in out.items() if len(points) > 1}
 
 
-def _skip_points(plan: Plan, base: str, points: list[str]) -> State:
+def _skip_points(plan: Plan, base: str, points: list[str], progress: PipelineProgress) -> State:
     """The task run of a sweep's finished points: each skipped through execute_stage."""
     logger = get_run_logger()
     run_info = {"flow_run_id": str(runtime.flow_run.id), "task_run_id": str(runtime.task_run.id)}
@@ -450,6 +442,7 @@ def _skip_points(plan: Plan, base: str, points: list[str]) -> State:
         result = execute_stage(plan.stages[point].job, plan.store, StageHooks(log=lambda _: None), run_info)
         outcomes[point] = {**result.to_dict(), **run_info}
     logger.info(f"{base}: {len(points)} finished points skipped ({', '.join(points)})")
+    logger.info([progress.finished(point, SKIPPED) for point in points][-1])
     return Completed(name="Skipped", message=f"{len(points)} points of {base} are complete", data=outcomes)
 
 
@@ -462,7 +455,7 @@ def _run_stages(plan: Plan, reporter: Reporter, logger) -> dict[str, dict]:
         return _run_stage(plan, stage, reporter, run)
 
     def skip_points(base: str, points: list[str]) -> Any:
-        return _skip_points(plan, base, points)
+        return _skip_points(plan, base, points, run.progress)
 
     futures = run.futures
     grouped = _finished_points(plan)

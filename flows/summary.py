@@ -8,11 +8,14 @@ import base64
 import logging
 import math
 import re
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from engine.progress import Eta, format_duration
 from flows.spec import Plan
 from tasks.artifacts import read_manifest
 from tasks.runner import StageResult
@@ -37,15 +40,78 @@ def format_number(value: Any) -> str:
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
 
 
-def format_duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    minutes, seconds = divmod(seconds, 60)
-    if minutes < 60:
-        return f"{minutes}m{seconds:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m"
+# --------------------------------------------------------------------------- the console
+
+CONSOLE_WIDTH = 160
+"""A step line's most characters; every metric stays in metrics.jsonl and TensorBoard."""
+
+CONSOLE_METRICS = {
+    "grpo": ("reward", "reward_std", "completion_length", "kl", "entropy"),
+    "dpo": ("loss", "rewards/accuracies", "rewards/margins"),
+    "reward_model": ("loss", "accuracy", "margin"),
+    "distill": ("loss", "jsd"),
+}
+"""The few metrics of a step line, by stage kind (others: CONSOLE_DEFAULT); an eval record
+shows their `eval_` counterparts."""
+CONSOLE_DEFAULT = ("loss", "grad_norm", "learning_rate")
+
+
+def step_line(
+    task: str, record: dict, total_steps: int | None, eta: Eta | None = None, now: float | None = None
+) -> str:
+    """`step 60/300 (20%): loss=5.9 grad_norm=1.04 learning_rate=0.0029 | 12,431 tokens/s, ETA 48s`.
+
+    The ETA is paced from the first record `eta` saw (compilation excluded)."""
+    step = int(record.get("step", 0))
+    head = f"step {step}/{total_steps} ({100 * step / total_steps:.0f}%)" if total_steps else f"step {step}"
+    wanted = CONSOLE_METRICS.get(task, CONSOLE_DEFAULT)
+    keys = [k for k in (*wanted, *(f"eval_{k}" for k in wanted)) if record.get(k) is not None]
+    if not keys:  # a record of another kind (an unknown stage's): its first few numbers
+        keys = [k for k, v in record.items() if k != "step" and isinstance(v, (int, float))][:4]
+    tail = []
+    if record.get("tokens_per_second") is not None:
+        tail.append(f"{format_number(record['tokens_per_second'])} tokens/s")
+    if eta is not None:
+        left = eta.update(step, now)
+        if left is not None:
+            tail.append(f"ETA {format_duration(left)}")
+    end = f" | {', '.join(tail)}" if tail else ""
+    shown = [f"{k}={format_number(record[k])}" for k in keys]
+    while shown and len(f"{head}: {' '.join(shown)}{end}") > CONSOLE_WIDTH:
+        shown.pop()
+    return f"{head}: {' '.join(shown)}{end}"[:CONSOLE_WIDTH]
+
+
+class PipelineProgress:
+    """`pipeline quickstart: 3/6 stages done (2 skipped: problems, tokenize), 1m02s; running: sft`,
+    logged as each stage ends. Thread-safe: stages end on the flow's worker threads."""
+
+    def __init__(self, name: str, stages: int, now: float | None = None):
+        self.name, self.total = name, stages
+        self.started_at = time.monotonic() if now is None else now
+        self.running: list[str] = []
+        self.done: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def started(self, stage: str) -> None:
+        with self._lock:
+            self.running.append(stage)
+
+    def finished(self, stage: str, status: str, now: float | None = None) -> str:
+        with self._lock:
+            if stage in self.running:
+                self.running.remove(stage)
+            self.done[stage] = status
+            skipped = [s for s, st in self.done.items() if st.startswith("skipped") or st == "reused"]
+            now = time.monotonic() if now is None else now
+            line = f"pipeline {self.name}: {len(self.done)}/{self.total} stages done"
+            if skipped:
+                names = ", ".join(skipped[:4]) + (f" and {len(skipped) - 4} more" if len(skipped) > 4 else "")
+                line += f" ({len(skipped)} skipped: {names})"
+            line += f", {format_duration(now - self.started_at)}"
+            if self.running:
+                line += f"; running: {', '.join(self.running[:4])}" + (" ..." if len(self.running) > 4 else "")
+            return line
 
 
 # Level of a child's line, from the formats the engine's libraries log in: Python logging's

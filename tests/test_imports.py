@@ -48,7 +48,7 @@ layers = [
     "engine.parallel",
     "engine.models",
     "engine.ops | engine.data",
-    "engine.config : engine.contract : engine.compat",
+    "engine.config : engine.contract : engine.compat : engine.progress",
 ]
 
 [[tool.importlinter.contracts]]

@@ -183,6 +183,99 @@ def test_child_lines_keep_their_level_and_metrics_read_step_of_total_with_an_eta
     assert format_number(16.260341347000008) == "16.26" and format_number(None) == "n/a"
 
 
+# A GRPO metrics record as the engine logs it (engine/posttrain/grpo.py, policy_loss.py,
+# engine/train/hooks.py): 31 keys, 570-656 characters a line when every one was shown.
+GRPO_RECORD = {
+    "step": 35,
+    "loss": 0.0041,
+    "pg_loss": 0.0039,
+    "kl": 0.00213,
+    "entropy": 1.2931,
+    "clip_ratio": 0.0,
+    "clip_ratio_low": 0.0,
+    "clip_ratio_high": 0.0,
+    "grad_norm": 0.41632,
+    "reward": 0.55078125,
+    "reward_std": 0.31245,
+    "frac_reward_zero_std": 0.40625,
+    "reward_invalid": 0.0,
+    "completion_length": 3.91796875,
+    "completion_length_min": 2.0,
+    "completion_length_max": 6.0,
+    "completion_clipped_ratio": 0.0234375,
+    "reward/correct/mean": 0.55078125,
+    "reward/correct/std": 0.49741,
+    "reward/length/mean": -0.0123,
+    "reward/length/std": 0.0456,
+    "rollout_seconds": 0.61234,
+    "update_seconds": 0.4132,
+    "staleness": 0.0,
+    "learning_rate": 2.9e-05,
+    "updates": 1,
+    "prompts": 32,
+    "completions": 256,
+    "tokens_per_second": 1874.3,
+    "tflops_per_device": 0.0123,
+    "mfu": 0.0061,
+}
+
+
+def test_a_step_line_shows_the_few_metrics_of_its_stage_kind_in_at_most_160_characters():
+    from flows.summary import CONSOLE_WIDTH, step_line
+
+    old = ", ".join(f"{k}={format_number(v)}" for k, v in GRPO_RECORD.items())
+    assert len(old) > 500  # what every metric in the line came to
+    hooks = PrefectHooks(logging.getLogger("t"), None, "k", "d", total_steps=60, task="grpo")
+    hooks.format_metrics({**GRPO_RECORD, "step": 5}, now=10.0)
+    line = hooks.format_metrics(GRPO_RECORD, now=25.0)  # 30 steps in 15 s, 25 to go
+    assert line == (
+        "step 35/60 (58%): reward=0.5508 reward_std=0.3125 completion_length=3.918 kl=0.00213 entropy=1.293 "
+        "| 1,874 tokens/s, ETA 12s"
+    )
+    # Each kind its own few; an eval record their eval_ counterparts; all within the width.
+    dpo = {"step": 20, "loss": 0.61, "rewards/accuracies": 0.75, "rewards/margins": 0.31, "logps/chosen": -41.2}
+    assert step_line("dpo", dpo, 100) == "step 20/100 (20%): loss=0.61 rewards/accuracies=0.75 rewards/margins=0.31"
+    assert step_line("sft", {"step": 50, "eval_loss": 2.31, "eval_perplexity": 10.1}, 150) == (
+        "step 50/150 (33%): eval_loss=2.31"
+    )
+    assert step_line("toy", {"step": 3, "a": 1, "b": 2.5}, None) == "step 3: a=1 b=2.5"  # an unknown kind
+    long_names = {"step": 1, **{f"a_rather_long_metric_name_{i}": 1.0 for i in range(20)}}
+    assert len(step_line("pretrain", {**long_names, "loss": 1.0, "grad_norm": 1.0}, 10)) <= CONSOLE_WIDTH
+    assert len(step_line("toy", long_names, 10)) <= CONSOLE_WIDTH
+
+
+def test_the_pipeline_line_says_stages_done_of_all_elapsed_and_what_was_skipped():
+    from flows.summary import PipelineProgress
+
+    progress = PipelineProgress("quickstart", 6, now=0.0)
+    first = progress.finished("problems", "skipped", now=1.0)
+    assert first == "pipeline quickstart: 1/6 stages done (1 skipped: problems), 1s"
+    progress.finished("tokenize", "skipped", now=1.5)
+    progress.started("pretrain")
+    progress.started("other")
+    assert progress.finished("other", "ran", now=62.0) == (
+        "pipeline quickstart: 3/6 stages done (2 skipped: problems, tokenize), 1m02s; running: pretrain"
+    )
+    assert progress.finished("gated", "skipped (condition)", now=63.0).startswith(
+        "pipeline quickstart: 4/6 stages done (3 skipped: problems, tokenize, gated)"
+    )
+
+
+def test_evaluate_says_its_share_done_and_an_eta_for_all_its_models():
+    from engine.evaluate.evaluate import Progress
+
+    lines: list[str] = []
+    progress = Progress(total_batches=16, models=2, log=lines.append)  # 2 models x (4 loss + 4 prompt batches)
+    progress.start_model("sft")
+    progress.advance(4, "held-out loss 2.1139 (3.1 s)")
+    progress.advance(1, "arithmetic 128/500 prompts")
+    assert lines[0] == "evaluate: sft (1/2): held-out loss 2.1139 (3.1 s) | 25%"  # the pace is not known yet
+    assert lines[1].startswith("evaluate: sft (1/2): arithmetic 128/500 prompts | 31%, ETA ")
+    progress.start_model("grpo")
+    progress.advance(11, "arithmetic 500/500 prompts")
+    assert lines[-1].startswith("evaluate: grpo (2/2): arithmetic 500/500 prompts | 100%, ETA 0s")
+
+
 # --------------------------------------------------------------------------- metric sinks
 
 

@@ -30,6 +30,7 @@ from engine.evaluate.config import EvalConfig, GenerationTask
 from engine.evaluate.report import write_report
 from engine.inference.sample import Sampler, decode_completions, encode_prompts, left_pad, tokenizer_dir_for
 from engine.posttrain.rewards import compute_rewards, load_reward, nan_stats
+from engine.progress import Eta, format_duration
 from engine.train.checkpoint import load_params, stored_configs
 from engine.train.config import TrainConfig
 from engine.train.hooks import log_to_stderr
@@ -71,7 +72,38 @@ def load_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
     return records
 
 
-def _generation_metrics(task: GenerationTask, model_cfg, params, bundle, sampler, log) -> tuple[dict, list[dict]]:
+class Progress:
+    """`evaluate: <model> (2/3): arithmetic 256/500 prompts | 45%, ETA 32s`: a line per batch,
+    the share of all batches of all models done and the time left at the pace so far (the
+    evaluate stage reads the share as its progress)."""
+
+    def __init__(self, total_batches: int, models: int, log: Callable[[str], None]):
+        self.total, self.done, self.models = total_batches, 0, models
+        self.model, self.index = "", 0
+        self.log = log
+        self.eta = Eta(total_batches)  # paced from the first batch done: compilation is not in it
+
+    def start_model(self, name: str) -> None:
+        self.model, self.index = name, self.index + 1
+
+    def advance(self, batches: int, what: str) -> None:
+        self.done += batches
+        left = self.eta.update(self.done)
+        tail = f"{100 * self.done / max(self.total, 1):.0f}%"
+        if left is not None:
+            tail += f", ETA {format_duration(left)}"
+        self.log(f"evaluate: {self.model} ({self.index}/{self.models}): {what} | {tail}")
+
+
+def batches_of(cfg: EvalConfig) -> int:
+    """The batches one model's evaluation takes (the harness's tasks count as one)."""
+    prompts = [(len(load_jsonl(task.path, task.limit)), task.batch_size) for task in cfg.tasks if task.path]
+    return (cfg.loss_batches if cfg.data_path else 0) + sum(-(-n // size) for n, size in prompts) + bool(cfg.harness)
+
+
+def _generation_metrics(
+    task: GenerationTask, model_cfg, params, bundle, sampler, progress: Progress
+) -> tuple[dict, list[dict]]:
     records = load_jsonl(task.path, task.limit)
     for i, r in enumerate(records):
         if task.prompt_field not in r:
@@ -127,9 +159,11 @@ def _generation_metrics(task: GenerationTask, model_cfg, params, bundle, sampler
                     "prompt": prompts[i],
                     "completion": texts[j],
                     "rewards": dict(zip(names, map(_finite_or_none, values[j]))),
+                    "correct": bool(np.nan_to_num(values[j][correct_index], nan=-math.inf) >= task.correct_threshold),
+                    "reference": {k: v for k, v in records[i].items() if k != task.prompt_field},
                 }
             )
-        log(f"evaluate: {task.name}: {min(start + task.batch_size, len(records))}/{len(records)} prompts")
+        progress.advance(1, f"{task.name} {min(start + task.batch_size, len(records))}/{len(records)} prompts")
     correct = np.nan_to_num(scores[:, :, correct_index], nan=-math.inf) >= task.correct_threshold
     metrics = {f"{task.name}/accuracy": float(correct[:, 0].mean())}
     for k in task.pass_at:
@@ -146,10 +180,17 @@ def _finite_or_none(x: float) -> float | None:
 
 
 def evaluate_model(
-    cfg: EvalConfig, checkpoint_dir: str | Path, log: Callable[[str], None], harness: HarnessTasks | None = None
+    cfg: EvalConfig,
+    checkpoint_dir: str | Path,
+    log: Callable[[str], None],
+    harness: HarnessTasks | None = None,
+    progress: Progress | None = None,
 ) -> tuple[dict, list[dict]]:
     """Every metric of one checkpoint (a directory holding Orbax steps), computed as it was saved;
     `harness`: cfg.harness's tasks, prepared once for all models (prepare_harness)."""
+    if progress is None:
+        progress = Progress(batches_of(cfg), 1, log)
+        progress.start_model(Path(checkpoint_dir).name)
     checkpoint_dir = Path(checkpoint_dir)
     model_cfg, compute = stored_configs(checkpoint_dir)
     train_cfg = TrainConfig.model_validate(
@@ -179,7 +220,9 @@ def evaluate_model(
         )
         held_out = trainer.held_out_loss(params, (next(rows) for _ in range(cfg.loss_batches)))
         metrics.update({k: held_out[k] for k in ("eval_loss", "eval_perplexity")})
-        log(f"evaluate: held-out loss {metrics['eval_loss']:.4f} ({time.perf_counter() - t0:.1f} s)")
+        progress.advance(
+            cfg.loss_batches, f"held-out loss {metrics['eval_loss']:.4f} ({time.perf_counter() - t0:.1f} s)"
+        )
     samples: list[dict] = []
     if not (cfg.tasks or harness):
         return metrics, samples
@@ -191,7 +234,7 @@ def evaluate_model(
         sampler = Sampler(model_cfg, compute, trainer.mesh, trainer.param_shardings)
         for task in cfg.tasks:
             t0 = time.perf_counter()
-            task_metrics, task_samples = _generation_metrics(task, model_cfg, params, bundle, sampler, log)
+            task_metrics, task_samples = _generation_metrics(task, model_cfg, params, bundle, sampler, progress)
             metrics.update(task_metrics)
             metrics[f"{task.name}/seconds"] = time.perf_counter() - t0
             samples.extend(task_samples)
@@ -200,6 +243,7 @@ def evaluate_model(
         loaded = LoadedModel(model_cfg, compute, params, bundle, trainer.mesh, trainer.param_shardings, step)
         metrics.update(run_harness(harness, loaded, log))
         metrics["harness/seconds"] = time.perf_counter() - t0
+        progress.advance(1, f"harness tasks ({metrics['harness/seconds']:.1f} s)")
     return metrics, samples
 
 
@@ -209,9 +253,12 @@ def run_evaluate(
     out_dir: str | Path,
     *,
     curves: dict[str, str | Path] | None = None,
+    about: dict | None = None,
     log: Callable[[str], None] | None = None,
 ) -> dict:
-    """Evaluate every named checkpoint; write the report into out_dir; return report.json's content."""
+    """Evaluate every named checkpoint; write the report into out_dir; return report.json's content.
+    `about`: what the inputs are, for the report to say what each metric was measured on
+    (report.measured_on)."""
     log = log or log_to_stderr
     if not checkpoints:
         raise ConfigError("evaluate: no checkpoints to evaluate")
@@ -226,13 +273,22 @@ def run_evaluate(
             raise ConfigError("harness: lm-eval is not installed; pip install 'trainflow[eval]'")
         harness = prepare_harness(cfg.harness)  # bad task names fail here, before any model loads
     models, samples = {}, {}
+    progress = Progress(batches_of(cfg) * len(checkpoints), len(checkpoints), log)
     for name, directory in checkpoints.items():
         log(f"evaluate: model '{name}' ({directory})")
-        models[name], samples[name] = evaluate_model(cfg, directory, log, harness)
+        progress.start_model(name)
+        models[name], samples[name] = evaluate_model(cfg, directory, log, harness, progress)
     primary = jax.process_index() == 0  # one report, however many ranks
     write_to_sinks(Path(out_dir), cfg, models, primary, log)
     return write_report(
-        Path(out_dir), cfg, models, samples, {k: str(v) for k, v in checkpoints.items()}, curves or {}, write=primary
+        Path(out_dir),
+        cfg,
+        models,
+        samples,
+        {k: str(v) for k, v in checkpoints.items()},
+        curves or {},
+        about=about,
+        write=primary,
     )
 
 

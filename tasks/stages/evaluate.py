@@ -19,6 +19,8 @@ land in the artifact's as `<model>/harness/<task>/<metric>`.
 from __future__ import annotations
 
 import json
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ import yaml
 from engine.config import ConfigError, validate
 from engine.contract import CHECKPOINT_DIR, MANIFEST, METRICS_FILE
 from engine.evaluate.config import EvalConfig
+from tasks.artifacts import ArtifactRef
 from tasks.registry import MODEL_KINDS, Input, StageContext
 from tasks.stages.engine_stage import EngineStage, named_run
 
@@ -48,12 +51,38 @@ def _ancestors(ref_path: Path, store_root: Path) -> list[tuple[str, Path]]:
     return [(stage, path) for path, stage in seen.items()]
 
 
+def about_inputs(inputs: dict[str, ArtifactRef], split: str, ancestors: list[tuple[str, Path]]) -> dict:
+    """What the report says its data is (engine.evaluate.report.measured_on): the dataset by
+    stage and id, and which training stages learned from the rest of it (held-out loss on the
+    text pretraining read is not a measure of the tasks); the inputs' directories by name."""
+    about: dict[str, Any] = {"paths": {str(ref.path): f"{ref.stage}/{ref.id[:8]}" for ref in inputs.values()}}
+    dataset = inputs.get("dataset")
+    if dataset is None:
+        return about
+    sources = [s.get("name") or s.get("path") for s in (dataset.manifest.get("config") or {}).get("sources", [])]
+    trained = []
+    for stage, path in ancestors:
+        manifest = json.loads((path / MANIFEST).read_text())
+        if any(p.get("id") == dataset.id for p in manifest.get("parents", [])) and stage not in trained:
+            trained.append(stage)
+    data = f"dataset {dataset.stage}/{dataset.id[:8]}"
+    if sources:
+        data += f" (sources: {', '.join(map(str, sources))})"
+    if trained:
+        data += f", held out from the text that {' and '.join(trained)} trained on, not the tasks' prompts"
+    about.update(data=data, data_label=f"{dataset.stage}:{split}")
+    return about
+
+
 def _trained(path: Path) -> bool:
     """Whether the artifact at `path` holds a checkpoint (at the URL of a bucket store, its
     manifest lists the files)."""
     manifest = json.loads((path / MANIFEST).read_text())
     files = manifest.get("files", {})
     return (path / CHECKPOINT_DIR).is_dir() or any(rel.startswith(CHECKPOINT_DIR + "/") for rel in files)
+
+
+_PROGRESS = re.compile(r"^evaluate: .* \| (\d+)%")
 
 
 class EvaluateStage(EngineStage):
@@ -68,7 +97,7 @@ class EvaluateStage(EngineStage):
     }
     other_inputs = Input(MODEL_KINDS, doc="a model (checkpoint or adapter) to evaluate, named by its input name")
     config_schema = EvalConfig
-    version = 1
+    version = 2  # 2: the report says what each metric was measured on, merges equal columns
     pipeline_owned = {"data_path": "input 'dataset'"}
     non_semantic = ("metrics",)
 
@@ -85,20 +114,29 @@ class EvaluateStage(EngineStage):
         if "dataset" in ctx.inputs:
             tree["data_path"] = ctx.inputs["dataset"].data_dir  # the shards at the bucket's URL, or here
         store_root = next(iter(models.values())).path.parent.parent
-        curves = {}
+        curves, ancestors = {}, []
         for ref in models.values():
             for stage, path in _ancestors(ref.path, store_root):
+                ancestors.append((stage, path))
                 if (path / METRICS_FILE).is_file() and _trained(path):
                     curves[stage] = str(path / METRICS_FILE)
         job = {
             "config": tree,
             "checkpoints": {name: ref.checkpoint_dir for name, ref in models.items()},
             "curves": curves,
+            "about": about_inputs(ctx.inputs, ctx.config.split, ancestors),
         }
         (out / "evaluate.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
-        self.launch_engine(ctx, str(out / "evaluate.yaml"), str(out))
+
+        def on_line(line: str) -> None:  # `evaluate: sft (2/3): ... | 45%, ETA 32s`
+            match = _PROGRESS.search(line)
+            if match:
+                ctx.hooks.progress(int(match.group(1)) / 100)
+
+        argv = [sys.executable, "-m", self.entry_module(ctx), str(out / "evaluate.yaml"), str(out)]
+        ctx.launch(argv, on_line=on_line)
         report = json.loads((out / "report.json").read_text())
-        ctx.log((out / "report.md").read_text().split("\n\n")[1])  # the table
+        ctx.log("\n".join(line for line in (out / "report.md").read_text().splitlines() if line.startswith("|")))
         return {
             f"{name}/{key}": value
             for name, metrics in report["models"].items()
