@@ -17,7 +17,9 @@ directory or a glob covers what it may read (a bare `{input:corpus}` covers ever
 of any other, what a consumer reads (tasks/store/consume.py: the newest checkpoint step's
 parameters, and every file outside checkpoint/). A reused artifact's manifest records both
 lineages: `parents` are the inputs it stands for now, `reused` names the artifact whose bytes
-it holds and the parents that one was made from.
+it holds and the parents that one was made from. An artifact made before manifests recorded
+the key gets it recomputed from its manifest and its parents' (`recorded_key`), where its id
+can be recomputed too.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import hashlib
 from collections.abc import Iterator
 from typing import Any
 
-from tasks.artifacts import COMPLETE, ID_LENGTH, ArtifactRef, ArtifactStore, canonical_json
+from tasks.artifacts import COMPLETE, ID_LENGTH, ArtifactRef, ArtifactStore, artifact_id, canonical_json
 from tasks.registry import INPUT_REF, StageKind
 from tasks.store.consume import consumed_files
 from tasks.store.names import stage_folder
@@ -78,7 +80,7 @@ def content_key(kind: StageKind, config: Any, inputs: dict[str, ArtifactRef]) ->
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:ID_LENGTH]
 
 
-def find_equivalent(store: ArtifactStore, stage: str, key: str, artifact_id: str) -> dict | None:
+def find_equivalent(store: ArtifactStore, kind: StageKind, stage: str, key: str, artifact_id: str) -> dict | None:
     """The manifest of a complete artifact of `stage` (not `artifact_id`) whose content key is
     `key`, the most recently finished if several; else None."""
     found = []
@@ -86,10 +88,36 @@ def find_equivalent(store: ArtifactStore, stage: str, key: str, artifact_id: str
         if other == artifact_id:
             continue
         manifest = store.manifest(stage, other)
-        if manifest and manifest.get("status") == COMPLETE and manifest.get("content_key") == key:
-            if manifest.get("id") == other and manifest.get("files"):
-                found.append(manifest)
+        if not (manifest and manifest.get("status") == COMPLETE and manifest.get("id") == other):
+            continue
+        recorded = manifest.get("content_key") or recorded_key(store, kind, manifest)
+        if recorded == key and manifest.get("files"):
+            found.append(manifest)
     return max(found, key=lambda m: str(m.get("finished_at") or ""), default=None)
+
+
+def recorded_key(store: ArtifactStore, kind: StageKind, manifest: dict) -> str | None:
+    """The content key of an artifact made before manifests recorded one, from its manifest and
+    its parents'; None unless its id, recomputed from the same config, is its own (so the
+    config was read back as it was fingerprinted) and every parent is complete."""
+    if manifest.get("task") != kind.task or manifest.get("format_version") != kind.version:
+        return None
+    try:
+        config = kind.config_schema.model_validate(manifest["config"])
+        refs, input_ids = {}, {}
+        for parent in manifest.get("parents") or []:
+            upstream = store.manifest(parent["stage"], parent["id"])
+            if not upstream or upstream.get("status") != COMPLETE:
+                return None
+            path = store.artifact_dir(parent["stage"], parent["id"])
+            refs[parent["input"]] = ArtifactRef(parent["stage"], parent["id"], path, upstream)
+            step = parent["stage"].rpartition("@")[2] if "@" in parent["stage"] else None  # a checkpoint step
+            input_ids[parent["input"]] = f"{parent['id']}@{step}" if step else parent["id"]
+        if artifact_id(kind.task, kind.version, kind.fingerprint(config), input_ids) != manifest["id"]:
+            return None
+        return content_key(kind, config, refs)
+    except Exception:  # a manifest this code cannot read back: not reused, never an error
+        return None
 
 
 def reused_record(source: dict) -> dict:

@@ -152,7 +152,7 @@ def _manifest(
 def _reuse(job: StageJob, store: ArtifactStore, key: str, manifest: dict, claim: Any, hooks: StageHooks) -> dict | None:
     """Early cutoff: the committed manifest when a complete artifact of the stage holds what
     it would write (the same content key), its payload now this artifact's; else None."""
-    source = find_equivalent(store, job.stage, key, job.artifact_id)
+    source = find_equivalent(store, job.kind, job.stage, key, job.artifact_id)
     if source is None:
         return None
     origin = source.get("reused") or reused_record(source)  # where the bytes were made

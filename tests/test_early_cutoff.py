@@ -12,7 +12,8 @@ from engine.config import load_yaml
 from flows.inspection import format_lineage, lineage, list_rows, status_rows
 from flows.retention import apply, collect
 from flows.spec import Pipeline
-from tasks.artifacts import read_manifest, verify_artifact
+from tasks.artifacts import read_manifest, verify_artifact, write_json_atomic
+from tasks.cutoff import recorded_key
 from tasks.runner import RAN, REUSED, SKIPPED, execute_stage
 from tests.conftest import REPO
 from tests.test_object_store import _forget_s3_clients, boto3, bucket, s3_endpoint  # noqa: F401  (moto S3 fixtures)
@@ -113,6 +114,27 @@ def test_an_input_read_whole_is_keyed_on_all_of_its_bytes(tmp_path):
     # b.txt is read too, when the input is read whole.
     changed = chain(store, trace, {"a.txt": "one", "b.txt": "six"}, whole=True)
     assert run_all(changed) == {"src": RAN, "read": RAN, "total": REUSED}  # same size: same value
+
+
+def test_artifacts_made_before_content_keys_are_reused_by_a_key_recomputed_from_their_manifests(tmp_path):
+    store, trace = tmp_path / "store", tmp_path / "trace"
+    first = chain(store, trace, {"a.txt": "one", "b.txt": "two"})
+    run_all(first)
+    keys = {}
+    for stage, artifact_id in ids(first).items():  # as an older trainflow wrote them
+        path = first.store.artifact_dir(stage, artifact_id) / "artifact.json"
+        manifest = read_manifest(path.parent)
+        keys[stage] = manifest.pop("content_key")
+        write_json_atomic(path, manifest)
+    read = read_manifest(first.store.artifact_dir("read", ids(first)["read"]))
+    kind = first.stages["read"].job.kind
+    assert recorded_key(first.store, kind, read) == keys["read"]
+    # A config that does not give back the artifact's id cannot vouch for its bytes.
+    edited = {**read, "config": {**read["config"], "path": "{input:corpus}/b.txt"}}
+    assert recorded_key(first.store, kind, edited) is None
+
+    second = chain(store, trace, {"a.txt": "one", "b.txt": "zwei"})
+    assert run_all(second) == {"src": RAN, "read": REUSED, "total": REUSED}
 
 
 def test_gc_keeps_a_reused_artifact_whose_source_it_deletes(tmp_path):
