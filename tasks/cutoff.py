@@ -24,6 +24,7 @@ can be recomputed too.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Iterator
 from typing import Any
@@ -103,7 +104,8 @@ def recorded_key(store: ArtifactStore, kind: StageKind, manifest: dict) -> str |
     if manifest.get("task") != kind.task or manifest.get("format_version") != kind.version:
         return None
     try:
-        config = kind.config_schema.model_validate(manifest["config"])
+        # As the pipeline resolved it (a dump of the resolved config does not always validate again).
+        config = kind.resolve_config(copy.deepcopy(manifest["config_as_written"]), f"{manifest['stage']} (manifest)")
         refs, input_ids = {}, {}
         for parent in manifest.get("parents") or []:
             upstream = store.manifest(parent["stage"], parent["id"])

@@ -130,7 +130,7 @@ def test_artifacts_made_before_content_keys_are_reused_by_a_key_recomputed_from_
     kind = first.stages["read"].job.kind
     assert recorded_key(first.store, kind, read) == keys["read"]
     # A config that does not give back the artifact's id cannot vouch for its bytes.
-    edited = {**read, "config": {**read["config"], "path": "{input:corpus}/b.txt"}}
+    edited = {**read, "config_as_written": {**read["config_as_written"], "path": "{input:corpus}/b.txt"}}
     assert recorded_key(first.store, kind, edited) is None
 
     second = chain(store, trace, {"a.txt": "one", "b.txt": "zwei"})
