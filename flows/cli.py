@@ -7,9 +7,9 @@
     trainflow ls [--store DIR] [--json]                         artifacts in a store
     trainflow serve PIPELINE.yaml --cron "0 3 * * *"            a scheduled Prefect deployment
     trainflow plan PIPELINE.yaml --target v5e-16|h100x8|local   compile each training stage for a target: fits?
-    trainflow convert HF_DIR|URL [--store DIR] [--dtype bfloat16]  a Hugging Face model -> checkpoint artifact
+    trainflow convert HF_DIR|URL [--store DIR] [--dtype bfloat16] [--json]  a Hugging Face model -> checkpoint artifact
     trainflow convert PEFT_DIR --base PATH|ID                      a PEFT LoRA adapter -> adapter artifact
-    trainflow export PATH|ID [--store DIR] [--out DIR|URL]      a checkpoint artifact -> Hugging Face model
+    trainflow export PATH|ID [--store DIR] [--out DIR|URL] [--json]  a checkpoint artifact -> Hugging Face model
     trainflow generate PATH|ID --prompt TEXT [--temperature T]  sample completions from a checkpoint artifact
     trainflow gc [--store S] [--keep PIPELINE.yaml ...] [--keep-steps N] [--dry-run]   delete what nothing reaches
     trainflow diff A B [--store S] [--json]                      two artifacts: config, metrics, lineage
@@ -370,14 +370,14 @@ def cmd_serve(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from engine.inference.generate import generate  # JAX loads only for this command
-
     local = Path(args.artifact).expanduser()
     if local.is_dir() and not (local / MANIFEST).exists():
         args.checkpoint = str(local)  # a plain checkpoint directory (an engine run's) also works
     else:
-        _artifact(args, "generate", MODEL_KINDS)
+        _artifact(args, "generate", MODEL_KINDS)  # a wrong kind: refused before JAX loads
         args.checkpoint = str(_local_artifact(args))
+    from engine.inference.generate import generate  # JAX loads only for this command
+
     return generate(args)
 
 
