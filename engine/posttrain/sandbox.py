@@ -385,17 +385,30 @@ def _supervise(proc: subprocess.Popen, limits: SandboxLimits, start: float) -> t
     return stdout, stderr, exit_code, stopped
 
 
+def _start(argv: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = (), cwd: str | None = None):
+    """The run's process: its own session and process group (killed as one), stdin closed."""
+    return subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=env,
+        pass_fds=pass_fds,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
 def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
     """Run `code` as a script in a fresh sandbox; never raises for anything the code does (a
     sandbox that cannot run here is SandboxUnavailable)."""
     limits = limits or SandboxLimits()
-    pipes = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
     start = time.monotonic()
     if limits.isolation == "bubblewrap":
         check_sandbox(limits)
         argv, fds = _bubblewrap_argv(code, limits)
-        try:  # its own session and process group, killed as one
-            proc = subprocess.Popen(argv, env=_environment(), pass_fds=fds, start_new_session=True, **pipes)
+        try:
+            proc = _start(argv, env=_environment(), pass_fds=fds)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -406,7 +419,7 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
             Path(tmp, "main.py").write_text(code, encoding="utf-8")
             env = {**_environment(), "HOME": tmp, "TMPDIR": tmp}
             argv = [sys.executable, "-I", "-c", NAMESPACES_BOOTSTRAP, limits.model_dump_json(), "main.py"]
-            proc = subprocess.Popen(argv, cwd=tmp, env=env, start_new_session=True, **pipes)
+            proc = _start(argv, env=env, cwd=tmp)
             stdout, stderr, exit_code, stopped = _supervise(proc, limits, start)
             try:
                 isolation = json.loads(Path(tmp, STATE_FILE).read_text())["isolation"]
