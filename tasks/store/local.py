@@ -23,9 +23,9 @@ class LocalStore(ArtifactStore):
 
     def __init__(self, root: str | Path):
         super().__init__(root)
-        existing = next(p for p in (self.root, *self.root.parents) if p.exists())
-        if not existing.is_dir():
-            where = "is a file" if existing == self.root else f"lies under {existing}, a file"
+        blocking = _nearest_file(self.root)
+        if blocking is not None:
+            where = "is a file" if blocking == self.root else f"lies under {blocking}, a file"
             raise InputError(f"artifact store {self.root} {where}, not a directory; pass a directory as --store")
 
     def require(self) -> None:
@@ -36,3 +36,14 @@ class LocalStore(ArtifactStore):
     def find(self, artifact_id: str) -> Path:
         self.require()
         return super().find(artifact_id)
+
+
+def _nearest_file(path: Path) -> Path | None:
+    """The file that `path` is or lies under (nothing could be created there), else None."""
+    for candidate in (path, *path.parents):
+        try:
+            if candidate.exists():
+                return None if candidate.is_dir() else candidate
+        except OSError:  # not searchable: the stage that writes there will say so
+            return None
+    return None
