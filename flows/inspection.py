@@ -135,8 +135,9 @@ def _node_lines(node: dict, width: int) -> list[str]:
             f"prefect: flow run '{prefect.get('flow_run_name')}' {prefect.get('flow_run_id')}, "
             f"task run {prefect.get('task_run_id')}"
         )
-        if prefect.get("ui_url"):
-            lines.append(f"         {prefect['ui_url']}")
+        url = shown_url(prefect)
+        if url:
+            lines.append(f"         {url}")
     config = flatten(node.get("config_as_written") or {})
     lines += _wrapped("config: ", [f"{k}={_fmt(v)}" for k, v in config.items()] or ["(defaults)"], width)
     metrics = node.get("metrics") or {}
@@ -155,6 +156,17 @@ def _node_lines(node: dict, width: int) -> list[str]:
     for name, chosen in (decisions.get("select") or {}).items():
         lines.append(f"selected {name}: {chosen.get('chosen')} ({chosen.get('best')} {chosen.get('by')})")
     return lines
+
+
+def shown_url(prefect: dict) -> str | None:
+    """The UI address lineage prints for the run that made an artifact: its task run, else its
+    flow run, and only an absolute one (flows/links.py records those where a UI URL is
+    configured; an older manifest's relative one was of a server that no longer runs)."""
+    for key in ("task_run_ui_url", "ui_url"):
+        url = prefect.get(key) or ""
+        if url.startswith(("http://", "https://")):
+            return url.replace("/flow-runs/flow-run/", "/runs/flow-run/")  # prefect.runtime's form: not a route
+    return None
 
 
 def _wrapped(label: str, items: list[str], width: int) -> list[str]:

@@ -55,6 +55,7 @@ from prefect.tasks import MaterializingTask, Task
 
 from engine.config import ConfigError
 from flows.gates import SKIPPED_CONDITION, clear_condition, record_condition, record_decisions
+from flows.links import run_links
 from flows.reporter import Reporter, observing, unreachable
 from flows.server import ApiUnreachable, api_answers
 from flows.spec import Pipeline as SpecPipeline
@@ -319,10 +320,9 @@ def _run_stage(plan: Plan, stage: str, reporter: Reporter, run: _Run) -> Any:
         "flow_name": runtime.flow_run.flow_name,
         "task_run_id": str(runtime.task_run.id),
         "task_run_name": runtime.task_run.name,
-        "api_url": runtime.flow_run.api_url,
+        "summary_key": artifact_key(plan.name, stage),
+        **run_links(str(runtime.flow_run.id), str(runtime.task_run.id)),  # UI addresses where there is a UI
     }
-    if runtime.flow_run.ui_url and not str(runtime.flow_run.ui_url).startswith("None"):
-        run_info["ui_url"] = runtime.flow_run.ui_url  # absent on a server without a UI
     job = plan.resolve(stage)  # its selections, now that their candidates are done
     if job is None:
         raise ArtifactError(f"stage '{stage}': its selection's candidates are not all complete")

@@ -1,6 +1,7 @@
-"""What a pipeline shows people: each stage's summary (markdown for the Prefect UI), metrics
-as numbers people read, the level of a child's output line, and the asset key of an artifact.
-Free of Prefect: flows/pipeline.py sends what these build."""
+"""What a pipeline shows people: each stage's summary (markdown for the Prefect UI, its inputs
+linked to the runs that made them), metrics as numbers people read, the console's step and
+pipeline lines, the level of a child's output line, and the asset key of an artifact.
+Nothing here talks to Prefect: flows/pipeline.py sends what these build."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 import yaml
 
 from engine.progress import Eta, format_duration
+from flows.links import input_links
 from flows.spec import Plan
 from tasks.artifacts import read_manifest
 from tasks.runner import StageResult
@@ -25,8 +27,9 @@ ASSET_SCHEME = "trainflow"
 
 def asset_key(stage: str, artifact_id: str) -> str:
     """An artifact's Prefect asset key. Its id is a fingerprint of what it holds, so the key
-    names the same asset whichever store holds it."""
-    return f"{ASSET_SCHEME}://{stage}/{artifact_id}"
+    names the same asset whichever store holds it. A sweep point's brackets are parentheses
+    (Prefect refuses [ and ] in keys)."""
+    return f"{ASSET_SCHEME}://{stage.replace('[', '(').replace(']', ')')}/{artifact_id}"
 
 
 def format_number(value: Any) -> str:
@@ -164,15 +167,6 @@ def inline_images(markdown: str, directory: Path) -> str:
     return _IMAGE.sub(inline, markdown)
 
 
-def _task_run_link(manifest: dict, text: str) -> str:
-    """`text` linked to the task run that made an artifact, where the UI's address is known."""
-    prefect = manifest.get("prefect") or {}
-    ui_url, task_run_id = prefect.get("ui_url"), prefect.get("task_run_id")
-    if not ui_url or not task_run_id or "/runs/flow-run/" not in ui_url:
-        return text
-    return f"[{text}]({ui_url.split('/runs/flow-run/')[0]}/runs/task-run/{task_run_id})"
-
-
 def summary_markdown(plan: Plan, stage: str, result: StageResult, manifest: dict) -> str:
     """A stage's one summary: status, where its artifact is, metrics, report, lineage, config."""
     job = plan.stages[stage].job
@@ -210,13 +204,18 @@ def summary_markdown(plan: Plan, stage: str, result: StageResult, manifest: dict
     lines += ["", "## Lineage", ""]
     parents = manifest.get("parents", [])
     if parents:
-        lines += ["| input | artifact | kind | asset |", "|---|---|---|---|"]
+        # Each input linked to the run that made it, its summary and its asset's events, in the
+        # Prefect UI of that run (flows/links.py); plain text where it had no UI.
+        lines += ["| input | artifact | kind | asset | made by |", "|---|---|---|---|---|"]
         for parent in parents:
             upstream = read_manifest(plan.store.artifact_dir(parent["stage"], parent["id"])) or {}
-            artifact = _task_run_link(upstream, f"{parent['stage']}/{parent['id']}")
-            lines.append(
-                f"| {parent['input']} | {artifact} | {parent['kind']} | `{asset_key(parent['stage'], parent['id'])}` |"
-            )
+            key = asset_key(parent["stage"], parent["id"])
+            links = input_links(upstream, key)
+            artifact, asset = f"{parent['stage']}/{parent['id']}", f"`{key}`"
+            if "asset events" in links:
+                asset = f"[{asset}]({links['asset events']})"
+            made_by = " · ".join(f"[{name}]({links[name]})" for name in ("task run", "summary") if name in links)
+            lines.append(f"| {parent['input']} | {artifact} | {parent['kind']} | {asset} | {made_by or '-'} |")
     else:
         lines.append("no inputs")
     lines += [

@@ -4,15 +4,18 @@ metric sinks beside TensorBoard (a real local MLflow server; Weights & Biases of
 """
 
 import base64
+import functools
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import struct
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from engine.config import load_config
 from engine.train.config import TrainConfig
 from engine.train.metrics import read_metrics
 from engine.train.pretrain import run_pretrain
+from flows.links import input_links
 from flows.pipeline import FLOW_NAME, PrefectHooks, run_plan
 from flows.spec import Pipeline
 from flows.summary import format_number, line_level
@@ -129,9 +133,44 @@ def test_runs_are_tagged_stages_materialise_assets_from_their_inputs_and_publish
     assert sorted(k for k, a in by_key.items() if a.type == "markdown") == sorted(f"observed-{stage}" for stage in ids)
     report = by_key["observed-report"].data
     assert "| loss | 1.235 |" in report and "| tokens | 123,456 |" in report
-    assert f"| checkpoint | ab/{ids['ab']} | checkpoint | `{keys['ab']}` |" in report
     assert f"![plot](data:image/png;base64,{base64.b64encode(PNG).decode()})" in report
     assert "file://" not in report
+
+    # Lineage in the UI: each input is linked to the task run that made it, the summary that
+    # run published and its asset's events (the pinned UI's closest view of an asset), at
+    # addresses the installed UI routes, whose records the API serves.
+    ui = prefect_server.removesuffix("/api")
+    ab = json.loads((Path(result["ab"]["path"]) / "artifact.json").read_text())
+    links = input_links(ab, keys["ab"])
+    assert links["task run"] == f"{ui}/runs/task-run/{task_runs['ab'].id}"
+    assert links["summary"] == f"{ui}/artifacts/key/observed-ab"
+    assert links["asset events"].startswith(f"{ui}/events?resource=%5B%22trainflow%3A%2F%2Fab%2F")
+    assert (
+        f"| checkpoint | ab/{ids['ab']} | checkpoint | [`{keys['ab']}`]({links['asset events']}) "
+        f"| [task run]({links['task run']}) · [summary]({links['summary']}) |"
+    ) in report
+    assert ab["prefect"]["ui_url"] == f"{ui}/runs/flow-run/{flow_run_id}"
+    for url in (*links.values(), ab["prefect"]["ui_url"]):
+        assert ui_routed(url), url
+    assert not ui_routed(f"{ui}/assets") and not ui_routed(f"{ui}/assets/{keys['ab']}")  # no asset page in 3.9
+    assert http_json(ab["prefect"]["api_url"])["id"] == flow_run_id  # was .../flow-runs/flow-run/<id>: a 404
+    assert http_json(f"{prefect_server}/task_runs/{task_runs['ab'].id}")["name"] == "ab"
+    assert http_json(f"{prefect_server}/artifacts/observed-ab/latest")["data"].startswith("# ab (toy-sum)")
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(links["asset events"]).query)
+    shown = http_json(
+        f"{prefect_server}/events/filter",
+        {
+            "filter": {
+                "occurred": {"since": query["start"][0], "until": query["end"][0]},
+                "any_resource": {"id_prefix": json.loads(query["resource"][0])},
+            }
+        },
+    )["events"]
+    assert {e["event"] for e in shown} >= {"prefect.asset.materialization.succeeded", "prefect.asset.referenced"}
+    # trainflow lineage prints the UI address of each run, absolute.
+    from flows.inspection import format_lineage, lineage
+
+    assert f"         {links['task run']}" in format_lineage(lineage(Path(result["report"]["path"])), width=200)
 
     # A re-run skips every stage and materialises nothing.
     since = now("UTC")
@@ -143,6 +182,60 @@ def test_runs_are_tagged_stages_materialise_assets_from_their_inputs_and_publish
         for e in asset_events(since, set(keys.values()), expected=1, timeout=3.0)
         if e.event.startswith("prefect.asset.materialization")
     ]
+
+
+def http_json(url: str, body: dict | None = None) -> dict:
+    """GET (or POST `body` to) a URL of the server; raises HTTPError on a 404."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status in (200, 201)
+        return json.loads(response.read())
+
+
+@functools.cache
+def ui_routes() -> list[re.Pattern]:
+    """The page routes of the installed Prefect's default UI (the React one: its router's
+    route ids, e.g. `/runs/task-run/$id`), as patterns of URL paths. The test server serves
+    no UI (Prefect's harness turns it off), and the UI answers every path with its page:
+    the route table is what says whether an address opens a view."""
+    import prefect
+
+    static = Path(prefect.__ui_v2_static_path__)
+    entry = re.search(r'src="[^"]*/(assets/index-[^"/]*\.js)"', (static / "index.html").read_text()).group(1)
+    ids = set(re.findall(r"id:`(/[^`]*)`", (static / entry).read_text()))
+    assert {"/runs/task-run/$id", "/artifacts/key/$key", "/events/"} <= ids, sorted(ids)
+    return [re.compile("^" + re.sub(r"\$\w+", "[^/]+", i.rstrip("/") or "/") + "/?$") for i in ids]
+
+
+def ui_routed(url: str) -> bool:
+    path = urllib.parse.urlsplit(url).path
+    return any(pattern.match(path) for pattern in ui_routes())
+
+
+def test_ui_addresses_are_recorded_only_where_the_ui_has_one():
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
+
+    from flows.inspection import shown_url
+    from flows.links import run_links
+
+    api = "http://127.0.0.1:4200/api"
+    with temporary_settings({PREFECT_API_URL: api}):  # a configured server: its UI's addresses
+        assert run_links("f", "t") == {
+            "api_url": f"{api}/flow_runs/f",
+            "ui": "http://127.0.0.1:4200",
+            "ui_url": "http://127.0.0.1:4200/runs/flow-run/f",
+            "task_run_ui_url": "http://127.0.0.1:4200/runs/task-run/t",
+        }
+    with temporary_settings({PREFECT_API_URL: api, PREFECT_UI_URL: ""}):  # the local server of a run: no UI
+        assert run_links("f", "t") == {"api_url": f"{api}/flow_runs/f"}
+    assert input_links({"prefect": {"api_url": f"{api}/flow_runs/f"}}, "trainflow://a/1") == {}
+    # lineage: absolute addresses only; a manifest of before this fix has prefect.runtime's.
+    assert shown_url({"ui_url": "/flow-runs/flow-run/f"}) is None
+    assert shown_url({"ui_url": "http://h:4200/flow-runs/flow-run/f"}) == "http://h:4200/runs/flow-run/f"
+    assert shown_url({"ui_url": "http://h/runs/flow-run/f", "task_run_ui_url": "http://h/runs/task-run/t"}) == (
+        "http://h/runs/task-run/t"
+    )
 
 
 def test_a_tag_concurrency_limit_holds_a_pipelines_stages_to_one_at_a_time(prefect_server, tmp_path):
@@ -259,6 +352,16 @@ def test_the_pipeline_line_says_stages_done_of_all_elapsed_and_what_was_skipped(
     assert progress.finished("gated", "skipped (condition)", now=63.0).startswith(
         "pipeline quickstart: 4/6 stages done (3 skipped: problems, tokenize, gated)"
     )
+
+
+def test_tokenize_says_shards_done_with_an_eta():
+    from engine.data.tokenize import _Progress
+
+    lines: list[str] = []
+    progress = _Progress(total=2, done=0, log=lines.append)
+    for _ in range(2):
+        progress.update({"stats": {"bytes": 1 << 20, "text_tokens": 1000}})
+    assert re.fullmatch(r"tokenize: 2/2 shards, 2000 tokens, [\d.]+ MB/s, ETA 0s", lines[-1]), lines
 
 
 def test_evaluate_says_its_share_done_and_an_eta_for_all_its_models():

@@ -49,6 +49,7 @@ from engine.contract import DATA_DIR, MANIFEST, TOKENIZE_NON_SEMANTIC_FIELDS, TO
 from engine.data.shards import TOKEN_DTYPE, ShardWriter, record_count, write_meta
 from engine.data.sources import BadRecord, Part, SourceConfig, describe, group_parts, plan_source, read_part
 from engine.data.tokenizer import TokenizerConfig, build_tokenizer, load_saved, save_tokenizer
+from engine.progress import Eta, format_duration
 
 MB = 1 << 20
 SPLITS = ("train", "validation")
@@ -710,6 +711,8 @@ class _Progress:
         self.total, self.done, self.log = total, done, log
         self.started = self.last = time.perf_counter()
         self.bytes = self.tokens = 0
+        self.eta = Eta(total)
+        self.eta.update(done)  # paced from the start: nothing compiles first
 
     def update(self, record: dict) -> None:
         self.done += 1
@@ -719,7 +722,9 @@ class _Progress:
         if now - self.last >= 2 or self.done == self.total:
             self.last = now
             rate = self.bytes / MB / max(now - self.started, 1e-9)
-            self.log(f"tokenize: {self.done}/{self.total} shards, {self.tokens} tokens, {rate:.1f} MB/s")
+            left = self.eta.update(self.done)
+            eta = f", ETA {format_duration(left)}" if left is not None else ""
+            self.log(f"tokenize: {self.done}/{self.total} shards, {self.tokens} tokens, {rate:.1f} MB/s{eta}")
 
 
 # --------------------------------------------------------------------------- CLI
