@@ -93,6 +93,7 @@ CASES = [
     (["status", "PIPE", "--jsn"], 2, "trainflow status: error: unrecognized option '--jsn' (did you mean '--json'?)"),
     (["gc", "--keep-step", "1", "--dry-runn"], 2, "unrecognized option '--dry-runn' (did you mean '--dry-run'?)"),
     (["ls", "extra"], 2, "unrecognized argument 'extra'"),
+    (["status", "PIPE", "steps"], 2, "override 'steps' is not of the form key=value"),
     (["run", "PIPE", "--max-parallel", "two"], 2, "argument --max-parallel: invalid int value: 'two'"),
     (["status"], 2, "the following arguments are required: pipeline; see `trainflow status --help`"),
     (["convert", "PLAIN", "--dtype", "float16"], 2, "argument --dtype: invalid choice"),
