@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from engine.contract import EXIT_PREEMPTED, RESULT_PREFIX
+from engine.tpu_probe import drop_quiet_tpu_env
 
 # --------------------------------------------------------------------------- locks held by children
 
@@ -100,8 +101,10 @@ def guarded(argv: list[str]) -> list[str]:
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The parent's environment with output unbuffered. Children run `sys.executable -m
     engine...`, which imports the installed package (a wheel, or an editable install of a
-    checkout), so no PYTHONPATH is added."""
+    checkout), so no PYTHONPATH is added. What this process set to quiet libtpu's TPU probe
+    is left out: the child may run on another host and decides for itself."""
     env = dict(os.environ)
+    drop_quiet_tpu_env(env)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
