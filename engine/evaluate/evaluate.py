@@ -97,7 +97,7 @@ class Progress:
 
 def batches_of(cfg: EvalConfig) -> int:
     """The batches one model's evaluation takes (the harness's tasks count as one)."""
-    prompts = [(len(load_jsonl(task.path, task.limit)), task.batch_size) for task in cfg.tasks if task.path]
+    prompts = [(len(load_jsonl(path, task.limit)), task.batch_size) for task in cfg.tasks if (path := task.path)]
     return (cfg.loss_batches if cfg.data_path else 0) + sum(-(-n // size) for n, size in prompts) + bool(cfg.harness)
 
 

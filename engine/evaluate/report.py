@@ -221,7 +221,7 @@ def loss_curves_figure(series: dict[str, dict[str, list[tuple[int, float]]]]) ->
     """One panel per metric, every stage on it (a sweep's points overlaid, one colour per
     stage): loss (training solid, held-out dashed with markers) and mean reward (raw faint,
     an EMA over it). Stages' own step counts on x."""
-    panels = {
+    panels: dict[str, list[tuple[str, str]]] = {
         "loss": [(s, k) for s, found in series.items() for k in ("training loss", "held-out loss") if k in found],
         "mean reward": [(s, "mean reward") for s, found in series.items() if "mean reward" in found],
     }
@@ -320,20 +320,21 @@ def write_report(
     `about`: what the inputs are (see measured_on)."""
     about = about or {}
     columns = equal_columns(models, headline_metrics(models))
+    measured, merged = measured_on(cfg, models, about), {k: v for k, v in columns.items() if v}
     report = {
         "models": models,
         "checkpoints": checkpoints,
         "tasks": [t.model_dump(mode="json") for t in cfg.tasks],
-        "measured_on": measured_on(cfg, models, about),
-        "equal_columns": {k: v for k, v in columns.items() if v},
+        "measured_on": measured,
+        "equal_columns": merged,
     }
     if not write:
         return report
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = plot_report(out_dir, models, curves, about.get("data_label"))
     lines = ["# Evaluation report", "", markdown_table(models, columns, about.get("data_label")), ""]
-    lines += [f"- `{group}`: {text}" for group, text in report["measured_on"].items()]
-    for key, equal in report["equal_columns"].items():
+    lines += [f"- `{group}`: {text}" for group, text in measured.items()]
+    for key, equal in merged.items():
         lines.append(f"- {', '.join(f'`{k}`' for k in equal)}: equal to `{key}` for every model, shown once")
     lines.append("")
     for plot in plots:
