@@ -8,5 +8,8 @@ attention_splash.py     the Pallas splash-attention kernel (TPUs)
 cpu_kernels/            C++ kernels for XLA:CPU (decode and training attention), built on first use
 dense.py                the matmuls: one injectable dot_general, a CPU-ordered backward
 grouped.py              the experts' grouped matmuls: ragged_dot, or a tile-aligned layout on CPU
+gated_delta.py          Gated DeltaNet's delta rule: chunked (training), one step (decoding), per-token reference
+ssd.py                  Mamba2's SSD: chunked scan (training), one step (decoding), per-token reference
+linear_mixing.py        shared by both: short causal convolution and its window, gated RMSNorm
 partitioning.py         logical axis names -> mesh axes; the current mesh and platform
 """
