@@ -84,6 +84,8 @@ ADDED_AT_DEFAULT = {
     # evaluate's lm-eval harness tasks
     "harness": None,
     "compute.weight_grad_dtype": "float32",
+    # DPO's separate reference (its checkpoint comes from an input, and is not in the id)
+    "reference": {"checkpoint": None, "compute": None},
 }
 """Fields added to a config after artifacts were made with it: at these values they are left
 out of artifact ids, so a store's finished stages keep their ids (and are skipped)."""

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import yaml
 
 from engine.config import ConfigError, load_config
 from engine.data.tokenizer import load_saved
@@ -198,7 +199,7 @@ def test_sequence_log_probs_equal_transformers_on_a_converted_model(tmp_path):
 
 
 @pytest.mark.slow
-def test_dpo_is_a_pipeline_stage_with_lineage_and_a_plan(base, preferences, tmp_path):
+def test_dpo_is_a_pipeline_stage_with_a_reference_input_lineage_and_a_plan(base, preferences, tmp_path):
     from flows.spec import Pipeline
     from tasks.artifacts import read_manifest
     from tasks.plan import plan_pipeline
@@ -207,10 +208,11 @@ def test_dpo_is_a_pipeline_stage_with_lineage_and_a_plan(base, preferences, tmp_
 
     p = Pipeline("prefs", store=tmp_path / "store")
     start = p.stage("base", task="test-checkpoint-copy", config={"path": str(base)})
+    reference = p.stage("reference", task="test-checkpoint-copy", config={"path": str(base)})
     p.stage(
         "dpo",
         task="dpo",
-        inputs={"checkpoint": start},
+        inputs={"checkpoint": start, "reference": reference},  # TRL's ref_model
         launcher={"kind": "local", "env": ONE_DEVICE_ENV},
         config={
             "data": {
@@ -226,10 +228,13 @@ def test_dpo_is_a_pipeline_stage_with_lineage_and_a_plan(base, preferences, tmp_
         },
     )
     plan = p.plan()
-    assert [execute_stage(s.job, plan.store).status for s in plan.stages.values()] == [RAN, RAN]
+    assert [execute_stage(s.job, plan.store).status for s in plan.stages.values()] == [RAN, RAN, RAN]
     out = plan.store.artifact_dir("dpo", plan.stages["dpo"].job.artifact_id)
     manifest = read_manifest(out)
-    assert manifest["kind"] == "adapter" and [q["stage"] for q in manifest["parents"]] == ["base"]
+    assert manifest["kind"] == "adapter" and [q["stage"] for q in manifest["parents"]] == ["base", "reference"]
+    ran = yaml.safe_load((out / "dpo.yaml").read_text())  # the child read the reference input's checkpoint
+    reference_dir = plan.store.artifact_dir("reference", plan.stages["reference"].job.artifact_id)
+    assert ran["reference"]["checkpoint"] == str(reference_dir / "checkpoint")
     assert manifest["metrics"]["steps"] == 3 and "eval_rewards/accuracies" in manifest["metrics"]
     plans, notes = plan_pipeline(plan, "local")
     assert (

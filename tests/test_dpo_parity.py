@@ -261,3 +261,138 @@ def test_simpo_matches_trl_cpo(beta, simpo_gamma, label_smoothing):
         )
         assert_close(chosen, trl_chosen.numpy(), "simpo chosen rewards")
         assert_close(rejected, trl_rejected.numpy(), "simpo rejected rewards")
+
+
+# ---- a separate reference: the engine's DPO stage against DPOTrainer with a ref_model --------
+
+PREFERENCES = [
+    ("2 + 3 =", " 5", " 6"),
+    ("the sky is", " blue", " green and red"),
+    ("4 + 4 =", " 8", " 9"),
+    ("the fox jumps over the", " lazy dog", " moon"),
+    ("1 + 1 =", " 2", " 11"),
+    ("grass is", " green", " blue"),
+    ("3 + 4 =", " 7", " 8 or so"),
+    ("the sun is", " yellow", " cold"),
+]
+
+
+def tiny_model_artifact(root, bundle, seed: int, outputs: tuple[str, ...] = ("log_probs",)):
+    """A checkpoint artifact (checkpoint/ + tokenizer/) of a random tiny model, and its
+    Hugging Face export as transformers loads it (float64, with TRL's fused LM head computing
+    `outputs`, as DPOTrainer patches its model and its ref_model)."""
+    from flax import nnx
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from engine.data.tokenizer import save_tokenizer
+    from engine.interop.hf.export import export_hf
+    from engine.models.config import ComputeConfig, ModelConfig
+    from engine.models.transformer import Transformer
+    from engine.train.checkpoint import save_params
+
+    cfg = ModelConfig(
+        vocab_size=bundle.vocab_size,
+        d_model=16,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        mlp_dim=24,
+        max_seq_len=64,
+        init_std=0.3,  # peaked distributions: the two models' log-probs differ by nats
+    )
+    params = jax.jit(lambda: nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(seed)))[1]))()
+    meta = {"step": 0, "model": cfg.model_dump(mode="json"), "compute": ComputeConfig().model_dump(mode="json")}
+    save_params(root / "checkpoint", 0, jax.tree.map(np.asarray, params), meta)
+    save_tokenizer(bundle, root / "tokenizer")
+    export_hf(root / "checkpoint", root / "hf")
+    model = AutoModelForCausalLM.from_pretrained(root / "hf").double().eval()
+    add_fused_lm_head(model, outputs=outputs)
+    return model
+
+
+def test_dpo_with_a_separate_reference_matches_trl_with_that_ref_model(tmp_path):
+    """The engine's first DPO step (policy = the start checkpoint, reference = another model)
+    has the loss `DPOTrainer._compute_loss` computes with `ref_model` set to that model's
+    Hugging Face export, on the same token rows; with the start policy as its own reference
+    the loss would be log 2."""
+    import json
+
+    from engine.data.tokenizer import TokenizerConfig, train_tokenizer
+    from engine.posttrain.config import DPOConfig
+    from engine.posttrain.dpo import load_pairs, run_dpo
+
+    with jax.enable_x64(False):  # the engine as it runs (the module's float64 is for the loss tests)
+        texts = [" ".join(p + c + r for p, c, r in PREFERENCES) * 5]
+        bundle = train_tokenizer(TokenizerConfig(vocab_size=300), texts, add_bos=True)
+        policy = tiny_model_artifact(
+            tmp_path / "policy", bundle, seed=0, outputs=("log_probs", "entropy", "mean_logits", "is_top1")
+        )
+        reference = tiny_model_artifact(tmp_path / "reference", bundle, seed=1)
+        data = tmp_path / "prefs.jsonl"
+        data.write_text("".join(json.dumps(dict(zip(("prompt", "chosen", "rejected"), p))) + "\n" for p in PREFERENCES))
+        cfg = DPOConfig.model_validate(
+            {
+                "checkpoint": {
+                    "init_from": str(tmp_path / "policy" / "checkpoint"),
+                    "directory": str(tmp_path / "run" / "checkpoint"),
+                    "async_save": False,
+                },
+                "reference": {"checkpoint": str(tmp_path / "reference" / "checkpoint")},
+                "data": {"path": str(data), "max_prompt_length": 8, "max_length": 16, "batch_size": 8}
+                | {"shuffle": False},
+                "beta": 0.5,
+                "steps": 1,
+                "log_every": 1,
+                "progress": False,
+            }
+        )
+        engine_loss = run_dpo(cfg, log=lambda message: None)["final_loss"]
+        pairs, _ = load_pairs(cfg.data, bundle, lambda message: None)
+
+    # TRL's rows: chosen sequences, then rejected ones, right-padded; the completion marked.
+    sequences = [np.concatenate([p.prompt, p.chosen]) for p in pairs] + [
+        np.concatenate([p.prompt, p.rejected]) for p in pairs
+    ]
+    prompt_lengths = [len(p.prompt) for p in pairs] * 2
+    width = max(map(len, sequences))
+    input_ids = np.zeros((len(sequences), width), np.int64)
+    attention_mask = np.zeros_like(input_ids)
+    completion_mask = np.zeros_like(input_ids)
+    for row, (ids, prompt) in enumerate(zip(sequences, prompt_lengths, strict=True)):
+        input_ids[row, : len(ids)], attention_mask[row, : len(ids)] = ids, 1
+        completion_mask[row, prompt : len(ids)] = 1
+    inputs = {
+        "input_ids": torch.tensor(input_ids),
+        "attention_mask": torch.tensor(attention_mask),
+        "completion_mask": torch.tensor(completion_mask),
+    }
+
+    def trl_loss(ref_model):
+        trainer = SimpleNamespace(
+            beta=0.5,
+            loss_types=["sigmoid"],
+            loss_weights=[1.0],
+            f_divergence_type="reverse_kl",
+            label_smoothing=0.0,
+            ld_alpha=None,
+            precompute_ref_logps=False,
+            use_weighting=False,
+            aux_loss_enabled=False,
+            model=policy,
+            ref_model=ref_model,
+            args=SimpleNamespace(gradient_checkpointing_kwargs=None),
+            accelerator=stand_in_accelerator(),
+            _metrics=defaultdict(lambda: defaultdict(list)),
+            _total_train_tokens=0,
+            _tp_size=1,
+        )
+        with torch.no_grad():
+            return DPOTrainer._compute_loss(trainer, policy, inputs, return_outputs=False).item()
+
+    theirs = trl_loss(reference)
+    print(f"\nDPO with a separate reference: engine loss {engine_loss:.6f}, TRL's {theirs:.6f}")
+    assert abs(engine_loss - theirs) <= 1e-4 * max(1.0, abs(theirs)), (engine_loss, theirs)
+    assert abs(theirs - np.log(2.0)) > 0.05, theirs  # the reference is not the policy
+    assert abs(trl_loss(policy) - np.log(2.0)) < 1e-6  # TRL with the start policy as its own reference

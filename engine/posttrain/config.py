@@ -340,6 +340,17 @@ class DPODataConfig(Strict):
         return self
 
 
+class ReferenceConfig(Strict):
+    """DPO's frozen reference when it is not the start policy (TRL's `ref_model`)."""
+
+    checkpoint: str | None = None
+    """Its checkpoint directory (a checkpoint, or an adapter read as its merged model), of the
+    policy's vocabulary; any architecture. None: the start policy (checkpoint.init_from; with
+    LoRA, the base with the adapter off)."""
+    compute: ComputeConfig | None = None
+    """How the reference computes. None: the settings its checkpoint was saved with."""
+
+
 class DPOConfig(RunFields):
     """One DPO run (TRL's DPOTrainer definitions): a policy starting at checkpoint.init_from
     and a frozen reference, on preference pairs."""
@@ -365,11 +376,15 @@ class DPOConfig(RunFields):
     """simpo: the target reward margin gamma (TRL's simpo_gamma)."""
     rpo_alpha: float | None = Field(None, ge=0)
     """RPO: add alpha x the NLL of the chosen completions (mean per token; TRL's `sft` loss term)."""
+    reference: ReferenceConfig = ReferenceConfig()
+    """The reference; by default the start policy. A pipeline sets it from the stage's
+    `reference` input."""
     precompute_ref: bool = False
     """Compute the reference's log-probabilities of every pair once before training (TRL's
     precompute_ref_log_probs), so no reference model is held while training."""
     lora: LoraConfig | None = None
-    """Train a LoRA adapter; the reference is then the base with the adapter off (no copy)."""
+    """Train a LoRA adapter; the reference is then the base with the adapter off (no copy),
+    unless reference.checkpoint names another."""
 
     @model_validator(mode="after")
     def _check_loss(self) -> DPOConfig:
@@ -377,4 +392,6 @@ class DPOConfig(RunFields):
             raise ValueError(f"label_smoothing applies to loss_type robust or simpo, not {self.loss_type}")
         if self.precompute_ref and self.loss_type == "simpo":
             raise ValueError("loss_type simpo is reference-free: precompute_ref has nothing to compute")
+        if self.reference.checkpoint and self.loss_type == "simpo":
+            raise ValueError("loss_type simpo is reference-free: it reads no reference.checkpoint")
         return self

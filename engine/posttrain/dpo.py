@@ -8,9 +8,11 @@ like any other. A prompt longer than max_prompt_length keeps its last
 tokens; a completion is cut to what max_length leaves it; eos closes text completions.
 
 The loss (engine/posttrain/preference_loss.py, TRL's definitions) compares the policy's
-summed completion log-probabilities with the reference's. The reference is the start
-checkpoint, frozen: with LoRA the base with the adapter off (no copy of the weights),
-otherwise a second copy of the start params; `precompute_ref` computes its log-probs for
+summed completion log-probabilities with the reference's. The reference is frozen: another
+checkpoint where `reference.checkpoint` names one (TRL's `ref_model`: any architecture of
+the policy's vocabulary, sharded on the policy's mesh by its own logical axes), else the
+start checkpoint: with LoRA the base with the adapter off (no copy of the weights),
+otherwise a second copy of the start params. `precompute_ref` computes its log-probs for
 every pair once up front and keeps no reference during training. Its log-probs join each
 batch (`ref_logps`: (pairs, 2), chosen then rejected), computed by the batch source, as
 GRPO's reference is. Metrics are TRL's: rewards/chosen, rewards/rejected, rewards/margins,
@@ -23,6 +25,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -30,15 +33,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.config import ConfigError
+from engine.contract import TOKENIZER_DIR
+from engine.data import urls
 from engine.data.chat import render
+from engine.data.tokenizer import TokenizerBundle, load_saved
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.models.params import apply_model_with_aux, graphdef_of
+from engine.models.lora import LORA_SEED, dropout_rows
+from engine.models.params import abstract_model_params, apply_model_with_aux, graphdef_of
 from engine.ops.cross_entropy import log_z_and_target
 from engine.ops.partitioning import use_mesh
 from engine.posttrain.config import DPOConfig, DPODataConfig
 from engine.posttrain.finetune import finetune_start, read_jsonl
 from engine.posttrain.preference_loss import per_pair_loss, preference_rewards
-from engine.train.checkpoint import load_params
+from engine.train.checkpoint import load_params, stored_configs
 from engine.train.cli import run_cli
 from engine.train.config import TrainConfig
 from engine.train.hooks import log_to_stderr, run_training
@@ -58,7 +65,7 @@ METRICS = (
 )
 """TRL's metrics, plus how often the policy (logps/) and the reference (ref_logps/) give the
 chosen completion the higher log-probability: a preference accuracy that needs no reference,
-whose ref_ value is the start policy's."""
+whose ref_ value is the reference's."""
 
 
 def train_config(cfg: DPOConfig, model_cfg: ModelConfig, compute: ComputeConfig) -> TrainConfig:
@@ -78,6 +85,7 @@ def train_config(cfg: DPOConfig, model_cfg: ModelConfig, compute: ComputeConfig)
             "simpo_gamma",
             "rpo_alpha",
             "precompute_ref",
+            "reference",
         }
     )
     tree.update(
@@ -258,7 +266,10 @@ def make_loss_fn(graphdef, cfg: DPOConfig):
 
     def loss_fn(params, batch, normaliser):
         pairs, chosen_tokens_total = normaliser if isinstance(normaliser, tuple) else (normaliser, normaliser)
-        logits, moe = apply_model_with_aux(graphdef, params, batch["tokens"], batch["positions"], batch["segment_ids"])
+        with dropout_rows(batch.get(LORA_SEED)):  # a LoRA adapter's dropout, in training steps only
+            logits, moe = apply_model_with_aux(
+                graphdef, params, batch["tokens"], batch["positions"], batch["segment_ids"]
+            )
         chosen, rejected, chosen_tokens, rejected_tokens = sequence_logps(logits, batch)
         valid = (chosen_tokens > 0).astype(jnp.float32)
         ref = batch.get("ref_logps")
@@ -328,24 +339,59 @@ def dpo_objective(graphdef, cfg: DPOConfig) -> Objective:
 # --------------------------------------------------------------------------- the reference and the batches
 
 
-class Reference:
-    """The frozen reference's log-probs of pair rows: the base without the adapter (LoRA), or
-    a copy of the start params; None for a reference-free loss. `precompute` fills a table
-    for given rows once and lets the reference go."""
+def reference_model(cfg: DPOConfig, policy: ModelConfig, bundle: TokenizerBundle) -> tuple[ModelConfig, ComputeConfig]:
+    """reference.checkpoint's architecture and compute settings, once it is known to score the
+    policy's token ids (the same vocab_size, and the same tokens and ids where a tokenizer/ is
+    beside it); else one sentence."""
+    path = cfg.reference.checkpoint
+    assert path
+    if not urls.exists(path) or not (urls.is_url(path) or Path(path).is_dir()):
+        raise ConfigError(f"reference.checkpoint: no checkpoint directory at {path}")
+    model_cfg, stored_compute = stored_configs(path)
+    if model_cfg.vocab_size != policy.vocab_size:
+        raise ConfigError(
+            f"reference.checkpoint: the reference's vocab_size ({model_cfg.vocab_size}, {path}) differs from the "
+            f"policy's ({policy.vocab_size}, {cfg.checkpoint.init_from}); DPO compares the two models' "
+            "log-probabilities of the same token ids"
+        )
+    tokenizer = urls.existing_folder(urls.join(urls.parent(path), TOKENIZER_DIR))
+    if tokenizer is not None:
+        theirs = load_saved(tokenizer).tokenizer.get_vocab(with_added_tokens=True)
+        ours = bundle.tokenizer.get_vocab(with_added_tokens=True)
+        differ = sorted(t for t in ours.keys() | theirs.keys() if ours.get(t) != theirs.get(t))
+        if differ:
+            raise ConfigError(
+                f"reference.checkpoint: the reference's tokenizer ({tokenizer}) is not the policy's: "
+                f"{len(differ)} tokens differ (first {differ[0]!r}: id {ours.get(differ[0])} for the policy, "
+                f"{theirs.get(differ[0])} for the reference); DPO compares the log-probabilities of the same token ids"
+            )
+    return model_cfg, cfg.reference.compute or stored_compute
 
-    def __init__(self, cfg: DPOConfig, trainer: Trainer, model_cfg: ModelConfig):
+
+class Reference:
+    """The frozen reference's log-probs of pair rows: reference.checkpoint's model, else the
+    base without the adapter (LoRA) or a copy of the start params; None for a reference-free
+    loss. `precompute` fills a table for given rows once and lets the reference go."""
+
+    def __init__(self, cfg: DPOConfig, trainer: Trainer, model_cfg: ModelConfig, bundle: TokenizerBundle):
         self.trainer, self.table = trainer, None
         self.enabled = cfg.loss_type != "simpo"
         if not self.enabled:
             return
         rows = trainer.batch_sharding
-        if cfg.lora is not None:  # the base, through the model without adapters
+        loaded: dict = {}
+        if cfg.reference.checkpoint:  # another model (TRL's ref_model), on the policy's mesh by its own axes
+            ref_cfg, ref_compute = reference_model(cfg, model_cfg, bundle)
+            abstract = abstract_model_params(ref_cfg, ref_compute, trainer.mesh)
+            fn = make_logps_fn(graphdef_of(ref_cfg, ref_compute))
+            self._params = lambda: loaded.setdefault("p", load_params(cfg.reference.checkpoint, abstract)[1])
+            shardings = jax.tree.map(lambda a: a.sharding, abstract)
+        elif cfg.lora is not None:  # the base, through the model without adapters
             fn = make_logps_fn(graphdef_of(model_cfg, trainer.cfg.compute))
             self._params = lambda: trainer._base_args()[0]
             shardings = trainer.base_shardings
         else:
             fn = make_logps_fn(trainer.graphdef)
-            loaded = {}
             self._params = lambda: loaded.setdefault(
                 "p", load_params(cfg.checkpoint.init_from, trainer.abstract_params)[1]
             )
@@ -436,7 +482,7 @@ def run_dpo(cfg: DPOConfig, log: Callable[[str], None] | None = None) -> dict[st
     train_pairs, held_out = load_pairs(cfg.data, bundle, log)
     log(f"dpo: {len(train_pairs)} training and {len(held_out)} held-out pairs, loss {cfg.loss_type}, beta {cfg.beta}")
     trainer = Trainer(train_config(cfg, model_cfg, compute), lambda graphdef: dpo_objective(graphdef, cfg))
-    reference = Reference(cfg, trainer, model_cfg)
+    reference = Reference(cfg, trainer, model_cfg, bundle)
     rows_per_batch = cfg.data.batch_size // cfg.grad_accum
     table = held_out_table = None
     if cfg.precompute_ref:
