@@ -21,18 +21,22 @@ and the seccomp filter of engine/posttrain/seccomp.py, loaded by bwrap just befo
 interpreter starts. The environment is cleared (--clearenv). --die-with-parent and the PID
 namespace: when bwrap dies every process of the run dies with it.
 
-Who the code runs as: `nobody` (65534). As an ordinary user bwrap maps nobody to that user
-in a new user namespace. As root it cannot: in a user namespace the code would still be the
+Who the code runs as: an unprivileged uid of its own, so that RLIMIT_NPROC counts that run's
+processes only (concurrent runs, one of them a fork bomb, do not starve each other). As an
+ordinary user bwrap maps `nobody` (65534) to that user in a new user namespace, where the
+count is the namespace's. As root it cannot: in a user namespace the code would still be the
 host's uid 0, which the kernel exempts from RLIMIT_NPROC (a fork bomb would not stop), so
 bwrap runs privileged, without a user namespace, keeping only CAP_SETUID, CAP_SETGID and
 CAP_SETPCAP for the bootstrap, which empties every capability set (bounding included) and
-becomes the host's nobody before it sets the limits and runs the code.
+becomes a host uid from RUN_UIDS (no account has it; it owns nothing outside the run's
+tmpfs) before it sets the limits and runs the code.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 import os
 import shutil
 import subprocess
@@ -44,6 +48,10 @@ from pathlib import Path
 from engine.config import ConfigError
 
 NOBODY = 65534
+# Host uids for runs started as root: one per run in flight (this process's pid picks a block
+# of 256, a counter the uid in it), below 2**31 and far above any account's.
+RUN_UIDS = range(0x7FFE0000, 0x7FFF0000)
+_run_counter = itertools.count()
 PREFIX = "/opt/python"  # where the interpreter appears inside
 SITE = f"{PREFIX}/site"  # the whitelisted modules
 SCRATCH = "/sandbox"
@@ -55,16 +63,17 @@ INSTALL_HINT = "install the `bubblewrap` package (Debian/Ubuntu: apt-get install
 BOOTSTRAP = r"""
 import json, os, resource, sys
 config = json.loads(sys.argv[1])
-if config["drop"]:
+uid = config["uid"]
+if uid is not None:
     # Privileged bwrap (trainflow runs as root): empty every capability set, then become the
-    # host's nobody, whose processes RLIMIT_NPROC counts.
+    # run's own unprivileged uid, whose processes RLIMIT_NPROC counts.
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     for cap in range(64):
         libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP (EINVAL past the last capability)
     os.setgroups([])
-    os.setresgid(65534, 65534, 65534)
-    os.setresuid(65534, 65534, 65534)  # clears the permitted and effective sets
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)  # clears the permitted and effective sets
     class Header(ctypes.Structure):
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
     if libc.capset(ctypes.byref(Header(0x20080522, 0)), ctypes.byref((ctypes.c_uint32 * 6)())) != 0:
@@ -168,7 +177,7 @@ def command(
     # would show the host paths of the view); when it exits, the kernel kills what is left.
     argv = [bwrap, "--die-with-parent", "--new-session", "--as-pid-1", "--clearenv", "--hostname", "sandbox"]
     argv += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
-    if as_root:  # privileged, no user namespace: the bootstrap drops these three and becomes nobody
+    if as_root:  # privileged, no user namespace: the bootstrap drops these three, takes its uid
         argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
     else:
         argv += ["--unshare-user", "--disable-userns", "--uid", str(NOBODY), "--gid", str(NOBODY)]
@@ -198,8 +207,15 @@ def command(
     return argv
 
 
+def run_uid() -> int:
+    """A host uid for the next run started as root (see RUN_UIDS)."""
+    block = (os.getpid() % (len(RUN_UIDS) // 256)) * 256
+    return RUN_UIDS[block + next(_run_counter) % 256]
+
+
 def bootstrap_config(v: View, as_root: bool, rlimits: list[tuple[str, int]]) -> dict:
-    return {"drop": as_root, "rlimits": rlimits, "site": SITE if v.site else None}
+    """The bootstrap's argument: the uid to become (as root), the limits, the modules' directory."""
+    return {"uid": run_uid() if as_root else None, "rlimits": rlimits, "site": SITE if v.site else None}
 
 
 def start_failure(exit_code: int | None, stderr: str) -> str | None:

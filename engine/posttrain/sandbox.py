@@ -9,9 +9,9 @@ Two isolations, chosen by `SandboxLimits.isolation`:
                 bubblewrap.py): its own mount, PID, network, IPC and UTS namespaces, a
                 read-only view of the interpreter and the whitelisted modules only, a
                 private tmpfs as working directory and /tmp, no capabilities, no_new_privs,
-                a seccomp filter (engine/posttrain/seccomp.py), the code as `nobody`. A
-                missing or refused bwrap is a SandboxUnavailable error naming the package,
-                never a silent fallback.
+                a seccomp filter (engine/posttrain/seccomp.py), the code as an unprivileged
+                user of its own. A missing or refused bwrap is a SandboxUnavailable error
+                naming the package, never a silent fallback.
     namespaces  the weaker mode, only when a config asks for it: network and PID namespaces
                 where the kernel allows them (an in-interpreter audit hook where it does
                 not), the code as `nobody`, but the host's file system stays readable (as
