@@ -84,6 +84,11 @@ ADDED_AT_DEFAULT = {
     # evaluate's lm-eval harness tasks
     "harness": None,
     "compute.weight_grad_dtype": "float32",
+    # the layer pattern's per-layer kinds (engine/models/config.py: ModelConfig.layer_pattern)
+    "model.rope_pattern": None,
+    "model.pre_norms": True,
+    "model.qk_norm_across_heads": False,
+    "model.ffn_pattern": None,
     # DPO's separate reference (its checkpoint comes from an input, and is not in the id)
     "reference": {"checkpoint": None, "compute": None},
 }

@@ -24,13 +24,26 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approx
 class RMSNorm(nnx.Module):
     """x / rms(x) * scale, in float32. Zero-centred (Gemma): * (1 + scale), scale starting at 0."""
 
-    def __init__(self, dim: int, eps: float, param_dtype, *, zero_centered: bool = False, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        dim: int,
+        eps: float,
+        param_dtype,
+        *,
+        zero_centered: bool = False,
+        heads: tuple[int, str] | None = None,
+        rngs: nnx.Rngs,
+    ):
+        """`heads` (count, logical name): normalise the last two axes (heads, dim) as one
+        vector, with a scale per (head, dim) (OLMo 2's QK norm over all heads)."""
         init = jnp.zeros if zero_centered else jnp.ones
-        self.scale = nnx.Param(init((dim,), param_dtype), out_sharding=("norm",))
-        self.eps, self.zero_centered = eps, zero_centered
+        shape, names = ((heads[0], dim), (heads[1], "head_dim")) if heads else ((dim,), ("norm",))
+        self.scale = nnx.Param(init(shape, param_dtype), out_sharding=names)
+        self.eps, self.zero_centered, self.axes = eps, zero_centered, len(shape)
 
     def __call__(self, x):
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        axes = tuple(range(-self.axes, 0))
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + self.eps)
         scale = self.scale[...].astype(jnp.float32)
         return (x32 * (1.0 + scale if self.zero_centered else scale)).astype(x.dtype)

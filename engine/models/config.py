@@ -9,7 +9,7 @@ size; only the layer layout, scan_layers, must match), and a different architect
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import Field, field_validator, model_validator
 
@@ -56,6 +56,24 @@ class RopeScaling(Strict):
         if self.mscale and self.mscale_all_dim:
             return get_mscale(self.factor, self.mscale) / get_mscale(self.factor, self.mscale_all_dim)
         return get_mscale(self.factor)
+
+
+class Layer(NamedTuple):
+    """One decoder layer as data (ModelConfig.layer_pattern): its sequence mixer and
+    feed-forward, and the static flags its call takes. Layers whose parameters have the same
+    structure form one stack (`stack`), stacked and scanned together whatever their flags."""
+
+    stack: str
+    """The params key of its stack: `blocks`, or `dense_blocks` for the dense-MLP layers of
+    a mixture of experts (DeepSeek-V3's first layers, Qwen3-MoE's mlp_only_layers)."""
+    mixer: Literal["attention", "mla"]
+    """Grouped-query attention (transformer.Attention) or multi-head latent attention (mla.py)."""
+    ffn: Literal["mlp", "moe"]
+    """The gated MLP or a mixture of experts (moe.py)."""
+    local: bool
+    """Sliding-window attention (else global)."""
+    rope: bool
+    """RoPE on queries and keys (else NoPE: no position signal but the causal mask)."""
 
 
 class ModelConfig(Strict):
@@ -107,6 +125,15 @@ class ModelConfig(Strict):
     """Attention scores become cap * tanh(scores / cap) before masking (Gemma 2)."""
     final_logit_softcap: float | None = Field(None, gt=0)
     """Output logits become cap * tanh(logits / cap) (Gemma 2)."""
+    rope_pattern: list[bool] | None = Field(None, min_length=1)
+    """Layer i rotates queries and keys (RoPE) iff rope_pattern[i % len]; None: every layer.
+    SmolLM3: three RoPE layers then a NoPE one ([true, true, true, false])."""
+    pre_norms: bool = True
+    """Normalise each sublayer's input (pre-norm). False with post_norms: only the outputs are
+    normalised, x + norm(attn(x)) (OLMo 2)."""
+    qk_norm_across_heads: bool = False
+    """With qk_norm: one RMSNorm over all heads' dimensions of the projected queries (keys),
+    scales (heads * head_dim), instead of one over head_dim shared by the heads (OLMo 2)."""
     init_std: float = Field(0.02, gt=0)
     # Mixture of experts (engine/models/moe.py): every layer's MLP becomes `num_experts`
     # gated MLPs of width expert_mlp_dim, each token routed to `experts_per_token` of them.
@@ -140,6 +167,10 @@ class ModelConfig(Strict):
     first_dense_layers: int = Field(0, ge=0)
     """With experts: the first this many layers have a dense MLP (mlp_dim) instead, and form a
     layer stack of their own, `dense_blocks` (DeepSeek-V3's first_k_dense_replace)."""
+    ffn_pattern: list[Literal["mlp", "moe"]] | None = Field(None, min_length=1)
+    """With experts: layer i (past first_dense_layers) has experts iff ffn_pattern[i % len] is
+    moe, else a dense MLP (mlp_dim) in the `dense_blocks` stack; None: experts in every layer.
+    Qwen3-MoE's decoder_sparse_step 2: [mlp, moe]; its mlp_only_layers: one entry per layer."""
     # Multi-head latent attention (engine/models/mla.py; DeepSeek-V2/V3) when kv_lora_rank is
     # set: keys and values are up-projected per head from one compressed latent per position,
     # plus a rotary key shared by the heads. head_dim is then a query/key head's whole width,
@@ -209,6 +240,14 @@ class ModelConfig(Strict):
     def _check_deepseek(self) -> ModelConfig:
         if self.first_dense_layers and not self.is_moe:
             raise ValueError("first_dense_layers needs num_experts (the layers after them have experts)")
+        if self.ffn_pattern is not None and not self.is_moe:
+            raise ValueError("ffn_pattern needs num_experts (it says which layers have experts)")
+        if self.qk_norm_across_heads and not self.qk_norm:
+            raise ValueError("qk_norm_across_heads needs qk_norm")
+        if not self.pre_norms and not self.post_norms:
+            raise ValueError("pre_norms false needs post_norms (a block normalises its input or its output)")
+        if self.is_mla and (self.qk_norm_across_heads or self.rope_pattern is not None):
+            raise ValueError("qk_norm_across_heads and rope_pattern are settings of grouped-query attention, not MLA")
         if self.router_groups > 1:
             if self.num_experts % self.router_groups or self.num_experts // self.router_groups < 2:
                 raise ValueError(
@@ -250,12 +289,26 @@ class ModelConfig(Strict):
         """Width of a value head (MLA's v_head_dim, else head_dim)."""
         return self.v_head_dim or self.head_dim
 
-    def layer_stacks(self) -> list[tuple[str, int, int]]:
-        """(params key, first layer, layers) of each stack of like layers: `blocks` alone, or
-        the first_dense_layers dense ones in `dense_blocks` and the experts' in `blocks`."""
-        dense = min(self.first_dense_layers, self.num_layers)
-        stacks = [("dense_blocks", 0, dense)] if dense else []
-        return stacks + ([("blocks", dense, self.num_layers - dense)] if dense < self.num_layers else [])
+    def layer_pattern(self) -> list[Layer]:
+        """Every layer as data, in order: the decoder is this list (transformer.py runs it)."""
+        mixer = "mla" if self.is_mla else "attention"
+        ffn_pattern = self.ffn_pattern or ["moe"]
+        rope_pattern = self.rope_pattern or [True]
+        layers = []
+        for i, local in enumerate(self.layer_is_local()):
+            moe = self.is_moe and i >= self.first_dense_layers and ffn_pattern[i % len(ffn_pattern)] == "moe"
+            stack = "dense_blocks" if self.is_moe and not moe else "blocks"
+            layers.append(Layer(stack, mixer, "moe" if moe else "mlp", local, rope_pattern[i % len(rope_pattern)]))
+        return layers
+
+    def layer_stacks(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(params key, the model's layers in it, in order) of each stack of like layers, in the
+        order of their first layer: `blocks` alone, or with experts also the dense layers'
+        `dense_blocks` (DeepSeek-V3's first layers, or interleaved: Qwen3-MoE's)."""
+        stacks: dict[str, list[int]] = {}
+        for i, layer in enumerate(self.layer_pattern()):
+            stacks.setdefault(layer.stack, []).append(i)
+        return [(name, tuple(indices)) for name, indices in stacks.items()]
 
     @property
     def is_moe(self) -> bool:
@@ -275,7 +328,7 @@ class ModelConfig(Strict):
         """Parameters; `active`: only those one token computes with (its k experts of each layer)."""
         attn = self.d_model * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn += self.head_dim * (self.num_heads + 2 * self.num_kv_heads) * self.qkv_bias
-        attn += 2 * self.head_dim * self.qk_norm
+        attn += (self.num_heads + self.num_kv_heads if self.qk_norm_across_heads else 2) * self.head_dim * self.qk_norm
         if self.is_mla:
             attn = self._mla_params()
         attn += self.num_heads * self.attention_sinks + self.d_model * self.attention_out_bias
@@ -287,8 +340,8 @@ class ModelConfig(Strict):
             mlp += self.num_experts * self.router_logits_bias
         else:
             mlp = 3 * self.d_model * self.mlp_dim
-        block = attn + mlp + (4 if self.post_norms else 2) * self.d_model
-        dense_layers = min(self.first_dense_layers, self.num_layers)  # a dense MLP instead of experts
+        block = attn + mlp + (2 * self.pre_norms + 2 * self.post_norms) * self.d_model
+        dense_layers = sum(layer.ffn == "mlp" for layer in self.layer_pattern()) if self.is_moe else 0
         n = self.num_layers * block + dense_layers * (3 * self.d_model * self.mlp_dim - mlp) + self.d_model
         if include_embedding:
             n += self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)

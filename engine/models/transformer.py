@@ -18,7 +18,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from engine.models.common import ACTIVATIONS, RMSNorm, dtype_of, param
-from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
+from engine.models.config import ComputeConfig, Layer, LoraConfig, ModelConfig
 from engine.models.kv_cache import KVCache
 from engine.models.lora import (
     ATTENTION_WEIGHTS,
@@ -44,14 +44,15 @@ nnx.use_eager_sharding(False)
 _dtype, _param = dtype_of, param  # engine/models/common.py: the one initialiser
 
 
-def _norm(cfg: ModelConfig, compute: ComputeConfig, dim: int, rngs: nnx.Rngs) -> RMSNorm:
-    return RMSNorm(dim, cfg.norm_eps, _dtype(compute.param_dtype), zero_centered=cfg.norm_zero_centered, rngs=rngs)
+def _norm(cfg: ModelConfig, compute: ComputeConfig, dim: int, rngs: nnx.Rngs, heads=None) -> RMSNorm:
+    pdt = _dtype(compute.param_dtype)
+    return RMSNorm(dim, cfg.norm_eps, pdt, zero_centered=cfg.norm_zero_centered, heads=heads, rngs=rngs)
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention with RoPE. Local (sliding-window) or global is chosen per call,
-    statically, so one stacked set of layers can mix both (Gemma 2/3) and a local layer
-    computes only its window."""
+    """Grouped-query attention with RoPE. Local (sliding-window) or global, and RoPE or NoPE,
+    are chosen per call, statically, so one stacked set of layers can mix them (Gemma 2/3,
+    SmolLM3) and a local layer computes only its window."""
 
     def __init__(
         self,
@@ -71,9 +72,10 @@ class Attention(nnx.Module):
             self.bq_nh = nnx.Param(jnp.zeros((n, h), pdt), out_sharding=("heads", "head_dim"))
             self.bk_kh = nnx.Param(jnp.zeros((k, h), pdt), out_sharding=("kv_heads", "head_dim"))
             self.bv_kh = nnx.Param(jnp.zeros((k, h), pdt), out_sharding=("kv_heads", "head_dim"))
-        if cfg.qk_norm:
-            self.q_norm = _norm(cfg, compute, h, rngs)
-            self.k_norm = _norm(cfg, compute, h, rngs)
+        if cfg.qk_norm:  # over head_dim, or (OLMo 2) over all heads' dims at once
+            across = cfg.qk_norm_across_heads
+            self.q_norm = _norm(cfg, compute, h, rngs, heads=(n, "heads") if across else None)
+            self.k_norm = _norm(cfg, compute, h, rngs, heads=(k, "kv_heads") if across else None)
         # Residual-branch outputs are scaled down with depth (GPT-2) so the stream stays O(1).
         out_std = std / math.sqrt(2 * cfg.num_layers)
         self.wo_nhd = _param(rngs, (n, h, d), out_std, ("heads", "head_dim", "embed"), pdt)
@@ -112,10 +114,18 @@ class Attention(nnx.Module):
         return rope_cos_sin(positions_bt, self._inverse_frequencies(local), self._rope_scale(local), max_position)
 
     def __call__(
-        self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None, rotary=None
+        self,
+        x_btd,
+        positions_bt,
+        segment_ids_bt,
+        local: bool = False,
+        cache: KVCache | None = None,
+        rotary=None,
+        rope: bool = True,
     ):
-        """`local` (static) selects the sliding window and the local RoPE base. segment_ids_bt
-        None: one unpadded document per row. With a cache (decoding) returns (out, updated cache).
+        """`local` (static) selects the sliding window and the local RoPE base; `rope` False
+        (static) leaves queries and keys unrotated (a NoPE layer). segment_ids_bt None: one
+        unpadded document per row. With a cache (decoding) returns (out, updated cache).
         `rotary`: this layer's (cos, sin) at `positions_bt`, if the caller computed them."""
         dt = self.dtype
         q, k, v = project_shared(
@@ -133,10 +143,10 @@ class Attention(nnx.Module):
         q = constrain(q, ("act_batch", "act_seq", "act_heads", None))
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", None))
-        if rotary is None:  # looked up in a table of the positions below the row's (cache's) length (rope.py)
+        if rope and rotary is None:  # looked up in a table of the positions below the row's (cache's) length
             rotary = self.rotary(positions_bt, local, positions_bt.shape[1] if cache is None else cache.length)
-        q = checkpoint_name(rotate(q, *rotary), "qkv_proj")
-        k = checkpoint_name(rotate(k, *rotary), "qkv_proj")
+        q = checkpoint_name(rotate(q, *rotary) if rope else q, "qkv_proj")
+        k = checkpoint_name(rotate(k, *rotary) if rope else k, "qkv_proj")
         v = checkpoint_name(v, "qkv_proj")
         sinks_n = self.sinks_n[...] if self.sinks else None
         if cache is None:
@@ -223,7 +233,8 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). With post_norms
-    (Gemma 2/3) each branch output is normalised again before the add.
+    (Gemma 2/3) each branch output is normalised again before the add; without pre_norms
+    (OLMo 2) only the outputs are: x + norm(attn(x)).
 
     `self.mlp` is the replaceable slot: a dense MLP, or a mixture of experts (num_experts > 0,
     engine/models/moe.py) that also returns its router statistics; `moe` False makes a dense
@@ -242,12 +253,14 @@ class Block(nnx.Module):
         lora: LoraConfig | None = None,
     ):
         moe = cfg.is_moe if moe is None else moe
-        self.attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
+        if cfg.pre_norms:
+            self.attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
         if cfg.is_mla:
             self.attn = MLA(cfg, compute, rngs=rngs, dot_general=dot_general)
         else:
             self.attn = Attention(cfg, compute, rngs=rngs, dot_general=dot_general, lora=lora)
-        self.mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
+        if cfg.pre_norms:
+            self.mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
         if moe:
             self.mlp = MoE(cfg, compute, rngs=rngs, dot_general=dot_general)
         else:  # LoRAConfig.targets leaves a mixture of experts' dense layers unadapted
@@ -255,46 +268,106 @@ class Block(nnx.Module):
         if cfg.post_norms:
             self.post_attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
             self.post_mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
-        self.post_norms, self.is_moe = cfg.post_norms, moe
+        self.pre_norms, self.post_norms, self.is_moe = cfg.pre_norms, cfg.post_norms, moe
 
     def forward(
-        self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None, rotary=None
+        self,
+        x_btd,
+        positions_bt,
+        segment_ids_bt,
+        local: bool = False,
+        cache: KVCache | None = None,
+        rotary=None,
+        rope: bool = True,
     ):
         """(x, cache or None, MoEStats of the router or None for a dense MLP). `rotary`: the
-        attention's RoPE (cos, sin), where the caller computed them for all layers at once."""
+        attention's RoPE (cos, sin), where the caller computed them for all layers at once;
+        `rope` False: a NoPE layer (grouped-query attention only)."""
         with jax.named_scope("attention"):  # names the ops in profiles (bench/profile_step.py)
             extra = {} if rotary is None else {"rotary": rotary}
-            attn_out = self.attn(self.attn_norm(x_btd), positions_bt, segment_ids_bt, local, cache, **extra)
+            if not rope:
+                extra["rope"] = False
+            attn_in = self.attn_norm(x_btd) if self.pre_norms else x_btd
+            attn_out = self.attn(attn_in, positions_bt, segment_ids_bt, local, cache, **extra)
         if cache is not None:
             attn_out, cache = attn_out
         x_btd = x_btd + (self.post_attn_norm(attn_out) if self.post_norms else attn_out)
         stats = None
         with jax.named_scope("mlp"):
+            mlp_in = self.mlp_norm(x_btd) if self.pre_norms else x_btd
             if self.is_moe:
                 valid_bt = None if segment_ids_bt is None else segment_ids_bt != 0
-                mlp_out, stats = self.mlp(self.mlp_norm(x_btd), valid_bt)
+                mlp_out, stats = self.mlp(mlp_in, valid_bt)
             else:
-                mlp_out = self.mlp(self.mlp_norm(x_btd))
+                mlp_out = self.mlp(mlp_in)
         x_btd = x_btd + (self.post_mlp_norm(mlp_out) if self.post_norms else mlp_out)
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
         return x_btd, cache, stats
 
     def __call__(
-        self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None, rotary=None
+        self,
+        x_btd,
+        positions_bt,
+        segment_ids_bt,
+        local: bool = False,
+        cache: KVCache | None = None,
+        rotary=None,
+        rope: bool = True,
     ):
-        x_btd, cache, _ = self.forward(x_btd, positions_bt, segment_ids_bt, local, cache, rotary)
+        x_btd, cache, _ = self.forward(x_btd, positions_bt, segment_ids_bt, local, cache, rotary, rope)
         return x_btd if cache is None else (x_btd, cache)
 
 
-def _runs(flags: list[bool]) -> list[tuple[bool, int]]:
-    """Runs of equal flags: [L, L, L, G] -> [(L, 3), (G, 1)]."""
-    runs: list[tuple[bool, int]] = []
-    for flag in flags:
-        if runs and runs[-1][0] == flag:
-            runs[-1] = (flag, runs[-1][1] + 1)
+def _runs(items: list[tuple[Layer, int]]) -> list[tuple[Layer, int, int]]:
+    """(layer kind, first slot, length) of each run of like layers in consecutive slots of one
+    stack: [(L, 0), (L, 1), (G, 2)] -> [(L, 0, 2), (G, 2, 1)]."""
+    runs: list[tuple[Layer, int, int]] = []
+    for layer, slot in items:
+        if runs and runs[-1][0] == layer and runs[-1][1] + runs[-1][2] == slot:
+            runs[-1] = (layer, runs[-1][1], runs[-1][2] + 1)
         else:
-            runs.append((flag, 1))
+            runs.append((layer, slot, 1))
     return runs
+
+
+def _smallest_period(kinds: list[Layer]) -> int:
+    """The smallest p with kinds[i] == kinds[i + p] wherever both exist (KMP's border)."""
+    border, k = [0] * len(kinds), 0
+    for i in range(1, len(kinds)):
+        while k and kinds[i] != kinds[k]:
+            k = border[k - 1]
+        if kinds[i] == kinds[k]:
+            k += 1
+        border[i] = k
+    return len(kinds) - border[-1]
+
+
+def layer_schedule(layers: list[Layer]) -> tuple[int, int, int]:
+    """(start, period, steps): the layers [start, start + period * steps) repeat one unit of
+    `period` layers, run as a scan of `steps` unit steps; the layers before and after it run
+    as runs of like layers, a run longer than one layer scanned. The choice compiles the
+    fewest layer bodies (ties: the earliest start); (len, 0, 0) when no repeat saves one.
+
+    Llama: no unit (one run, one scan). DeepSeek-V3: none either (a run of dense layers, a run
+    of expert layers). Gemma 3: a unit of six (five local layers, one scan, and a global one)
+    from layer 0, the left-over layers after it. Qwen3-MoE with decoder_sparse_step 2: a unit
+    of a dense and an expert layer, each from its own stack."""
+
+    def cost(part: list[Layer]) -> int:  # like layers in a row count once (consecutive slots)
+        return sum(1 for i, layer in enumerate(part) if i == 0 or part[i - 1] != layer)
+
+    n = len(layers)
+    best_cost, best = cost(layers), (n, 0, 0)
+    for start in range(n):
+        period = _smallest_period(layers[start:])
+        steps = (n - start) // period
+        if period == 1 or steps < 2:
+            continue
+        end = start + period * steps
+        total = cost(layers[:start]) + cost(layers[start : start + period]) + cost(layers[end:])
+        if total < best_cost:
+            best_cost, best = total, (start, period, steps)
+    return best
 
 
 def _one_layer(stats: MoEStats | None) -> list[MoEStats]:
@@ -333,8 +406,10 @@ class Transformer(nnx.Module):
     implementations); `dot_general` is every matmul's product (jax.lax.dot_general, or a
     quantized one).
 
-    The blocks are `blocks`, or with first_dense_layers (DeepSeek-V3) two stacks, the dense
-    `dense_blocks` then the experts' `blocks` (ModelConfig.layer_stacks), run in that order."""
+    The layers are ModelConfig.layer_pattern, data: each a (mixer, feed-forward) pair and its
+    static flags (sliding window, RoPE). Layers whose parameters have one structure form one
+    stack (ModelConfig.layer_stacks): `blocks`, and in a mixture of experts with dense layers
+    (DeepSeek-V3's first ones, Qwen3-MoE's interleaved ones) `dense_blocks`."""
 
     def __init__(
         self,
@@ -349,13 +424,14 @@ class Transformer(nnx.Module):
         self.cfg, self.compute = cfg, compute
         pdt = _dtype(compute.param_dtype)
         self.embed_vd = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std, ("vocab", "embed"), pdt)
-        for name, _, count in cfg.layer_stacks():
-            moe = cfg.is_moe and name == "blocks"
+        layers = cfg.layer_pattern()
+        for name, indices in cfg.layer_stacks():
+            moe = layers[indices[0]].ffn == "moe"
             if compute.scan_layers:
-                stack = self._stacked_blocks(cfg, compute, rngs, dot_general, count, moe, lora)
+                stack = self._stacked_blocks(cfg, compute, rngs, dot_general, len(indices), moe, lora)
             else:
                 stack = nnx.List(
-                    [Block(cfg, compute, rngs=rngs, dot_general=dot_general, moe=moe, lora=lora) for _ in range(count)]
+                    [Block(cfg, compute, rngs=rngs, dot_general=dot_general, moe=moe, lora=lora) for _ in indices]
                 )
             setattr(self, name, stack)
         self.final_norm = _norm(cfg, compute, cfg.d_model, rngs)
@@ -382,92 +458,103 @@ class Transformer(nnx.Module):
 
         return make(rngs)
 
+    def _slots(self) -> list[tuple[Layer, int]]:
+        """Per layer of the model: (its kind, its slot in its stack)."""
+        layers, slots = self.cfg.layer_pattern(), {}
+        for _, indices in self.cfg.layer_stacks():
+            slots.update({layer: slot for slot, layer in enumerate(indices)})
+        return [(layer, slots[i]) for i, layer in enumerate(layers)]
+
     def _run_blocks(self, x_btd, positions_bt, segment_ids_bt):
-        """(x, MoEStats with a leading layer axis, or None for a dense model): every stack of
-        blocks in turn (ModelConfig.layer_stacks)."""
-        is_local, stats = self.cfg.layer_is_local(), []
-        for name, first, count in self.cfg.layer_stacks():
-            x_btd, stack_stats = self._run_stack(
-                getattr(self, name), is_local[first : first + count], x_btd, positions_bt, segment_ids_bt, first
-            )
-            stats += _layers(stack_stats)
-        return x_btd, _stack(stats)
+        """(x, MoEStats with a leading layer axis, or None for a dense model): every layer in
+        turn, each with its static flags (a local layer computes only its window,
+        engine/ops/attention.py; a global one pays nothing for it).
 
-    def _run_stack(self, blocks, flags: list[bool], x_btd, positions_bt, segment_ids_bt, first: int = 0):
-        """(x, MoEStats with a leading layer axis, or None for dense layers): the blocks,
-        each local or global as attention_pattern says, that flag static, so a local layer
-        computes only its window (engine/ops/attention.py) and a global one pays nothing for it.
-
-        Stacked layers of one kind are one scan over the stack. A mixed pattern of P layers
-        is scanned a unit at a time (a stack's layers // P steps), and the layers
-        left over run after that scan. Within a unit each run of equal flags is one block,
-        scanned when the run is longer than one layer: Gemma 3's unit, five local layers and
-        a global one, compiles two blocks, not six. The params keep their one stacked
-        `layers` axis; each step slices its share, and with it the layer's index in the model
-        (`first` is the stack's), which a LoRA adapter's dropout draws its mask from.
+        Stacked layers are scanned (layer_schedule): a run of like layers of one stack is one
+        scan; a repeating unit of mixed layers (Gemma 3's five local and one global, Qwen3-MoE's
+        dense and expert layers) is one scan over units, each step slicing every stack it uses
+        its share, within a step each run of like layers one block again. The params keep
+        their stacked `layers` axis; each step slices its share, and with it the layers' index
+        in the model, which a LoRA adapter's dropout draws its mask from.
         """
-        cfg, compute = self.cfg, self.compute
+        compute = self.compute
         unroll = scan_unroll(compute)
         one_per_step = unroll is not True and unroll == 1  # (True == 1 in Python)
 
-        def layer_fn(local: bool, in_scan: bool, index=None):
-            def layer(block: Block, x):
+        def layer_fn(layer: Layer, in_scan: bool, index=None):
+            def run(block: Block, x):
                 with in_layer(index):
-                    x, _, stats = block.forward(x, positions_bt, segment_ids_bt, local)
+                    x, _, stats = block.forward(x, positions_bt, segment_ids_bt, layer.local, rope=layer.rope)
                 return x, stats
 
             if compute.remat == "none":
-                return layer
+                return run
             # Remat's guard against XLA merging a layer's recomputation with its forward pass
             # may go only where each loop iteration runs one layer; an unrolled scan puts
             # layers in straight-line code and keeps it.
-            return nnx.remat(layer, policy=REMAT_POLICIES[compute.remat], prevent_cse=not (in_scan and one_per_step))
+            return nnx.remat(run, policy=REMAT_POLICIES[compute.remat], prevent_cse=not (in_scan and one_per_step))
 
+        items = self._slots()
         if not compute.scan_layers:
             stats = []
-            for i, (block, local) in enumerate(zip(blocks, flags)):
-                x_btd, layer_stats = layer_fn(local, in_scan=False, index=first + i)(block, x_btd)
+            for i, (layer, slot) in enumerate(items):
+                block = getattr(self, layer.stack)[slot]
+                x_btd, layer_stats = layer_fn(layer, in_scan=False, index=i)(block, x_btd)
                 stats += _one_layer(layer_stats)
             return x_btd, _stack(stats)
-        graphdef, stacked = nnx.split(blocks)
-        stacked = (stacked, jnp.arange(first, first + len(flags)))  # each layer's params and index
+        graphdefs, stacked = {}, {}
+        for name, indices in self.cfg.layer_stacks():  # each layer's params and index in the model
+            graphdefs[name], state = nnx.split(getattr(self, name))
+            contiguous = indices == tuple(range(indices[0], indices[0] + len(indices)))
+            stacked[name] = (
+                state,
+                jnp.arange(indices[0], indices[0] + len(indices)) if contiguous else jnp.array(indices),
+            )
 
-        def run_layers(x, state, flags: list[bool], in_scan: bool):
-            """The layers of `state` ((params, index), leaves (len(flags), ...)), run by run of equal flags."""
-            start, stats = 0, []
-            for local, length in _runs(flags):
+        def run_layers(x, state: dict, part: list[tuple[Layer, int]], in_scan: bool):
+            """The layers `part` ((kind, slot in `state`[its stack])), run by run of like layers."""
+            stats = []
+            for layer, first, length in _runs(part):
+                graphdef, stack_state = graphdefs[layer.stack], state[layer.stack]
                 if length == 1:
-                    layer_state, index = jax.tree.map(lambda a, i=start: a[i], state)
-                    x, layer_stats = layer_fn(local, in_scan, index)(nnx.merge(graphdef, layer_state), x)
+                    layer_state, index = jax.tree.map(lambda a, i=first: a[i], stack_state)
+                    x, layer_stats = layer_fn(layer, in_scan, index)(nnx.merge(graphdef, layer_state), x)
                     stats += _one_layer(layer_stats)
                 else:
 
-                    def step(x, layer, local=local):
-                        layer_state, index = layer
-                        return layer_fn(local, True, index)(nnx.merge(graphdef, layer_state), x)
+                    def step(x, one, layer=layer, graphdef=graphdef):
+                        layer_state, index = one
+                        return layer_fn(layer, True, index)(nnx.merge(graphdef, layer_state), x)
 
-                    run_state = jax.tree.map(lambda a, lo=start, hi=start + length: a[lo:hi], state)
+                    run_state = jax.tree.map(lambda a, lo=first, hi=first + length: a[lo:hi], stack_state)
                     x, run_stats = jax.lax.scan(step, x, run_state, unroll=unroll)
                     stats += _layers(run_stats)
-                start += length
             return x, _stack(stats)
 
-        unit = flags[: len(cfg.attention_pattern)]  # the pattern from this stack's first layer on
-        if len(set(flags)) == 1:  # one kind of layer (Llama, Mistral): one scan over the stack
-            return run_layers(x_btd, stacked, flags, in_scan=False)
-        steps, left_over = divmod(len(flags), len(unit))
-        scanned = steps * len(unit)
-        stats = []
+        start, period, steps = layer_schedule([layer for layer, _ in items])
+        x_btd, before = run_layers(x_btd, stacked, items[:start], False)
+        stats = _layers(before)
         if steps:
-            by_unit = jax.tree.map(lambda a: a[:scanned].reshape(steps, len(unit), *a.shape[1:]), stacked)
+            unit = items[start : start + period]
+            base, count = {}, {}  # per stack: its first slot in the repeated layers, slots per unit
+            for layer, slot in unit:
+                base.setdefault(layer.stack, slot)
+                count[layer.stack] = count.get(layer.stack, 0) + 1
+            by_unit = {
+                name: jax.tree.map(
+                    lambda a, lo=base[name], c=count[name]: a[lo : lo + steps * c].reshape(steps, c, *a.shape[1:]),
+                    stacked[name],
+                )
+                for name in count
+            }
+            in_unit = [(layer, slot - base[layer.stack]) for layer, slot in unit]
             x_btd, unit_stats = jax.lax.scan(
-                lambda x, unit_state: run_layers(x, unit_state, unit, True), x_btd, by_unit, unroll=unroll
+                lambda x, unit_state: run_layers(x, unit_state, in_unit, True), x_btd, by_unit, unroll=unroll
             )
-            if unit_stats is not None:  # (steps, P, ...) -> (steps * P, ...)
+            if unit_stats is not None:  # (steps, experts' layers per unit, ...) -> (steps * those, ...)
                 stats.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), unit_stats))
-        if left_over:
-            x_btd, rest = run_layers(x_btd, jax.tree.map(lambda a: a[scanned:], stacked), flags[scanned:], False)
-            stats += _layers(rest)
+            x_btd, after = run_layers(x_btd, stacked, items[start + period * steps :], False)
+            stats += _layers(after)
         return x_btd, _stack(stats)
 
     def _decode_blocks(self, x_btd, positions_bt, segment_ids_bt, cache: KVCache):
@@ -479,21 +566,29 @@ class Transformer(nnx.Module):
         """
         valid_bt = segment_ids_bt != 0
         cache = cache.replace(valid_bs=jax.lax.dynamic_update_slice(cache.valid_bs, valid_bt, (0, cache.end)))
-        blocks = []
-        for name, _, count in self.cfg.layer_stacks():
+        stacks = {}
+        for name, _ in self.cfg.layer_stacks():
             if self.compute.scan_layers:
-                graphdef, stacked = nnx.split(getattr(self, name))
-                blocks += [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], stacked)) for i in range(count)]
-            else:
-                blocks += list(getattr(self, name))
+                stacks[name] = nnx.split(getattr(self, name))
         # RoPE's cos and sin once per step for all global (local) layers: XLA:CPU kept each
         # layer's table lookups apart, four small gathers per layer in every decode step.
         rotary = {}
-        for i, (block, local) in enumerate(zip(blocks, self.cfg.layer_is_local(), strict=True)):
-            if not self.cfg.is_mla and local not in rotary:
-                rotary[local] = block.attn.rotary(positions_bt, local, cache.length)
+        for i, (layer, slot) in enumerate(self._slots()):
+            if self.compute.scan_layers:
+                graphdef, stacked = stacks[layer.stack]
+                block = nnx.merge(graphdef, jax.tree.map(lambda a, j=slot: a[j], stacked))
+            else:
+                block = getattr(self, layer.stack)[slot]
+            if layer.mixer == "attention" and layer.rope and layer.local not in rotary:
+                rotary[layer.local] = block.attn.rotary(positions_bt, layer.local, cache.length)
             x_btd, cache = block(
-                x_btd, positions_bt, segment_ids_bt, local, cache.replace(layer=i), rotary=rotary.get(local)
+                x_btd,
+                positions_bt,
+                segment_ids_bt,
+                layer.local,
+                cache.replace(layer=i),
+                rotary=rotary.get(layer.local) if layer.rope else None,
+                rope=layer.rope,
             )
         return x_btd, cache.replace(end=cache.end + x_btd.shape[1], layer=0)
 

@@ -181,16 +181,15 @@ def convert_hf(
     # engine shape of one slot)
     top, per_layer = tensor_table(cfg)
     expected: dict[str, tuple[TensorSpec, tuple, tuple]] = {s.hf_name: (s, (), _at(shapes, s.path).shape) for s in top}
-    stacks = {name: (first, count) for name, first, count in cfg.layer_stacks()}
+    stacks = dict(cfg.layer_stacks())
     for spec in per_layer:  # index: the layer within its stack; {i}: the model's layer
         stacked = _at(shapes, (spec.stack, *spec.path)).shape
-        first, count = stacks[spec.stack]
-        for i in range(count):
+        for i, layer in enumerate(stacks[spec.stack]):
             if spec.experts:
                 for j in range(stacked[1]):
-                    expected[spec.hf_name.format(i=first + i, j=j)] = (spec, (i, j), stacked[2:])
+                    expected[spec.hf_name.format(i=layer, j=j)] = (spec, (i, j), stacked[2:])
             else:
-                expected[spec.hf_name.format(i=first + i)] = (spec, (i,), stacked[1:])
+                expected[spec.hf_name.format(i=layer)] = (spec, (i,), stacked[1:])
     target = NP_DTYPES[dtype]
     params: dict = {}
     for spec in top:

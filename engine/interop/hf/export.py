@@ -141,18 +141,18 @@ def write_hf_model(
     top, per_layer = tensor_table(cfg)
     num_experts = cfg.num_experts
     order = [(top[0], ())]
-    first_layer = {}
-    for stack, first, count in cfg.layer_stacks():  # index: the layer within its stack
-        first_layer[stack] = first
-        for i in range(count):
-            for s in per_layer:
-                if s.stack == stack:
-                    order += [(s, (i, j)) for j in range(num_experts)] if s.experts else [(s, (i,))]
+    layers_of = dict(cfg.layer_stacks())
+    slot = {layer: (stack, i) for stack, layers in layers_of.items() for i, layer in enumerate(layers)}
+    for layer in range(cfg.num_layers):  # in the model's order; index: the layer within its stack
+        stack, i = slot[layer]
+        for s in per_layer:
+            if s.stack == stack:
+                order += [(s, (i, j)) for j in range(num_experts)] if s.experts else [(s, (i,))]
     order += [(s, ()) for s in top[1:]]
     entries = {}
     for spec, index in order:
         array = leaf(spec, index)
-        name = spec.hf_name.format(i=first_layer[spec.stack] + index[0], j=index[-1]) if index else spec.hf_name
+        name = spec.hf_name.format(i=layers_of[spec.stack][index[0]], j=index[-1]) if index else spec.hf_name
         entries[name] = (spec, index, hf_shape(spec, array.shape), array.dtype)
     sizes = [(name, int(np.prod(e[2])) * e[3].itemsize) for name, e in entries.items()]
     shards = _plan_shards(sizes, max_shard_bytes)

@@ -26,15 +26,15 @@ PREFIX = "base_model.model."
 
 
 def _adapted_specs(cfg: ModelConfig, lora: LoraConfig):
-    """(PEFT module name, TensorSpec of its base weight, first layer and count of its stack)
+    """(PEFT module name, TensorSpec of its base weight, the model's layers in its stack)
     for every per-layer weight `lora` adapts."""
     targets = lora.targets(cfg)
     attrs = {WEIGHTS[m][0]: m for m in targets}
-    stacks = {name: (first, count) for name, first, count in cfg.layer_stacks()}
+    stacks = dict(cfg.layer_stacks())
     _, per_layer = tensor_table(cfg)
     for spec in per_layer:
         if spec.path[-1] in attrs and not spec.experts:
-            yield attrs[spec.path[-1]], spec, *stacks[spec.stack]
+            yield attrs[spec.path[-1]], spec, stacks[spec.stack]
 
 
 def _layer(tree: dict, stack: str, path: tuple[str, ...], i: int, scan_layers: bool) -> Any:
@@ -47,12 +47,12 @@ def _layer(tree: dict, stack: str, path: tuple[str, ...], i: int, scan_layers: b
 def adapter_to_peft(cfg: ModelConfig, lora: LoraConfig, adapter: dict, *, scan_layers: bool) -> dict[str, np.ndarray]:
     """PEFT's tensors (name -> C-contiguous array) of the engine's adapter tree."""
     out = {}
-    for _, spec, first, count in _adapted_specs(cfg, lora):
+    for _, spec, layers in _adapted_specs(cfg, lora):
         *module, attr = spec.path
-        for i in range(count):
+        for i, layer in enumerate(layers):
             a = np.asarray(_layer(adapter, spec.stack, (*module, attr + "_lora_a"), i, scan_layers))
             b = np.asarray(_layer(adapter, spec.stack, (*module, attr + "_lora_b"), i, scan_layers))
-            name = PREFIX + spec.hf_name.format(i=first + i).removesuffix(".weight")
+            name = PREFIX + spec.hf_name.format(i=layer).removesuffix(".weight")
             out[name + ".lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, lora.rank).T)
             out[name + ".lora_B.weight"] = np.ascontiguousarray(b.reshape(lora.rank, -1).T)
     return out
@@ -162,10 +162,10 @@ def adapter_from_peft(
             node[key] = value
 
     used = set()
-    for _, spec, first, count in _adapted_specs(cfg, lora):
+    for _, spec, layers in _adapted_specs(cfg, lora):
         *module, attr = spec.path
-        for i in range(count):
-            name = PREFIX + spec.hf_name.format(i=first + i).removesuffix(".weight")
+        for i, layer in enumerate(layers):
+            name = PREFIX + spec.hf_name.format(i=layer).removesuffix(".weight")
             for factor, key in (("lora_A", attr + "_lora_a"), ("lora_B", attr + "_lora_b")):
                 tensor_name = f"{name}.{factor}.weight"
                 if tensor_name not in tensors:

@@ -73,16 +73,16 @@ def _slots(cfg, shapes: dict) -> dict[str, tuple[Any, tuple]]:
     index () for a top-level tensor, (layer,) or (layer, expert) within its stack."""
     top, per_layer = tensor_table(cfg)
     out = {top[0].hf_name: (top[0], ())}
-    for stack, first, count in cfg.layer_stacks():
-        for i in range(count):
+    for stack, layers in cfg.layer_stacks():
+        for i, layer in enumerate(layers):
             for spec in per_layer:
                 if spec.stack != stack:
                     continue
                 if spec.experts:
                     experts = _at(shapes, (stack, *spec.path)).shape[1]
-                    out.update({spec.hf_name.format(i=first + i, j=j): (spec, (i, j)) for j in range(experts)})
+                    out.update({spec.hf_name.format(i=layer, j=j): (spec, (i, j)) for j in range(experts)})
                 else:
-                    out[spec.hf_name.format(i=first + i)] = (spec, (i,))
+                    out[spec.hf_name.format(i=layer)] = (spec, (i,))
     out.update({s.hf_name: (s, ()) for s in top[1:] if s.hf_name != LM_HEAD})
     return out
 

@@ -54,7 +54,8 @@ class TensorSpec:
     i-th is HF's [..., i::n]. Same shapes; in_dims must be None."""
     stack: str = "blocks"
     """The layer stack a per-layer tensor belongs to (ModelConfig.layer_stacks): `blocks`, or
-    DeepSeek-V3's `dense_blocks` of its first layers; `{i}` is then the model's layer index."""
+    the `dense_blocks` of a mixture of experts' dense layers (DeepSeek-V3's first layers,
+    Qwen3-MoE's mlp_only_layers); `{i}` is always the model's layer index."""
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -157,9 +158,27 @@ def _shortest_period(flags: list[bool]) -> list[bool]:
     raise AssertionError("unreachable")
 
 
-def qk_norm_tensors() -> list[TensorSpec]:
-    """RMSNorm over head_dim on queries and keys (Qwen3, Gemma 3)."""
-    return [TensorSpec(("attn", f"{x}_norm", "scale"), LAYER + f"self_attn.{x}_norm.weight", None) for x in "qk"]
+def qk_norm_tensors(flatten: bool = False) -> list[TensorSpec]:
+    """RMSNorm over head_dim on queries and keys (Qwen3, Gemma 3); `flatten`: over all heads'
+    dims, HF's (heads * head_dim,) scale the engine's (heads, head_dim) (OLMo 2)."""
+    return [
+        TensorSpec(("attn", f"{x}_norm", "scale"), LAYER + f"self_attn.{x}_norm.weight", None, flatten=flatten)
+        for x in "qk"
+    ]
+
+
+def gated_mlp_tensors(prefix: str = "mlp.") -> list[TensorSpec]:
+    """Llama's gated MLP: gate_proj, up_proj, down_proj (also a mixture of experts' dense layers)."""
+    return [
+        TensorSpec(("mlp", "w_gate_df"), LAYER + prefix + "gate_proj.weight", 1),
+        TensorSpec(("mlp", "w_up_df"), LAYER + prefix + "up_proj.weight", 1),
+        TensorSpec(("mlp", "w_down_fd"), LAYER + prefix + "down_proj.weight", 1),
+    ]
+
+
+def shortest_period(flags: list) -> list:
+    """The shortest prefix that repeats to `flags` (a ModelConfig *_pattern)."""
+    return _shortest_period(flags)
 
 
 # --------------------------------------------------------------------------- the base class
@@ -294,30 +313,41 @@ class Family:
     # ----------------------------------------------------------------- tensors
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
-        """(top-level tensors, per-layer tensors) of `cfg`, in the order HF files list them."""
+        """(top-level tensors, per-layer tensors) of `cfg`, in the order HF files list them:
+        each layer stack's (ModelConfig.layer_stacks), its feed-forward the stack's kind."""
         top = [TensorSpec(("embed_vd",), "model.embed_tokens.weight", None)]
-        per_layer = [
-            TensorSpec(("attn_norm", "scale"), LAYER + "input_layernorm.weight", None),
-            TensorSpec(("attn", "wq_dnh"), LAYER + "self_attn.q_proj.weight", 1),
-            TensorSpec(("attn", "wk_dkh"), LAYER + "self_attn.k_proj.weight", 1),
-            TensorSpec(("attn", "wv_dkh"), LAYER + "self_attn.v_proj.weight", 1),
-            TensorSpec(("attn", "wo_nhd"), LAYER + "self_attn.o_proj.weight", 2),
-            *self.extra_attention_tensors(),
-            *self.mlp_norm_tensors(),
-            *self.mlp_tensors(cfg),
-        ]
+        layers, per_layer = cfg.layer_pattern(), []
+        for stack, indices in cfg.layer_stacks():
+            moe = layers[indices[0]].ffn == "moe"
+            specs = [
+                *self.attention_tensors(cfg),
+                *self.extra_attention_tensors(),
+                *self.mlp_norm_tensors(),
+                *(self.mlp_tensors(cfg) if moe or not cfg.is_moe else self.dense_mlp_tensors(cfg)),
+            ]
+            per_layer += [dataclasses.replace(spec, stack=stack) for spec in specs]
         top.append(TensorSpec(("final_norm", "scale"), "model.norm.weight", None))
         if not cfg.tie_embeddings:
             top.append(TensorSpec(("lm_head_dv",), "lm_head.weight", 1))
         return top, per_layer
 
+    def attention_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
+        """The input norm and the q, k, v, o projections (Phi-3: one fused qkv_proj)."""
+        return [
+            TensorSpec(("attn_norm", "scale"), LAYER + "input_layernorm.weight", None),
+            TensorSpec(("attn", "wq_dnh"), LAYER + "self_attn.q_proj.weight", 1),
+            TensorSpec(("attn", "wk_dkh"), LAYER + "self_attn.k_proj.weight", 1),
+            TensorSpec(("attn", "wv_dkh"), LAYER + "self_attn.v_proj.weight", 1),
+            TensorSpec(("attn", "wo_nhd"), LAYER + "self_attn.o_proj.weight", 2),
+        ]
+
     def mlp_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
         """The MLP's tensors: Llama's gated MLP (a mixture of experts' families: router and experts)."""
-        return [
-            TensorSpec(("mlp", "w_gate_df"), LAYER + "mlp.gate_proj.weight", 1),
-            TensorSpec(("mlp", "w_up_df"), LAYER + "mlp.up_proj.weight", 1),
-            TensorSpec(("mlp", "w_down_fd"), LAYER + "mlp.down_proj.weight", 1),
-        ]
+        return gated_mlp_tensors()
+
+    def dense_mlp_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
+        """A mixture of experts' dense layers' MLP (ModelConfig.ffn_pattern): Llama's names."""
+        return gated_mlp_tensors()
 
     def extra_attention_tensors(self) -> list[TensorSpec]:
         """Attention tensors after o_proj: biases (Qwen2), QK-norm scales (Qwen3, Gemma 3)."""

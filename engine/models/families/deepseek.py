@@ -159,7 +159,7 @@ class DeepseekV3(Family):
         if not cfg.tie_embeddings:
             top.append(TensorSpec(("lm_head_dv",), "lm_head.weight", 1))
         per_layer = []
-        for stack, _, _ in cfg.layer_stacks():
+        for stack, _ in cfg.layer_stacks():
             per_layer += _attention(stack, cfg.q_lora_rank is not None)
             per_layer += _dense_mlp() if stack == "dense_blocks" else _experts()
         return top, per_layer

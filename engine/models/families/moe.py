@@ -1,9 +1,11 @@
 """Mixtures of experts: Mixtral (MixtralForCausalLM) and Qwen3-MoE (Qwen3MoeForCausalLM).
 
-Both replace every layer's MLP by a softmax router over E SwiGLU experts, k per token
+Both replace the layers' MLP by a softmax router over E SwiGLU experts, k per token
 (engine/models/moe.py). Mixtral is Mistral's attention with experts as wide as
 intermediate_size and the k weights renormalised; Qwen3-MoE is Qwen3's attention (QK-norm)
-with narrower experts (moe_intermediate_size) and renormalisation as norm_topk_prob says.
+with narrower experts (moe_intermediate_size) and renormalisation as norm_topk_prob says. A
+Qwen3-MoE layer may keep a dense MLP instead (mlp_only_layers, decoder_sparse_step): those
+form the `dense_blocks` stack (ModelConfig.ffn_pattern).
 Checkpoints store one tensor per expert (`experts.{j}.`), as transformers saves them.
 """
 
@@ -12,7 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 from engine.config import ConfigError
-from engine.models.families.base import EXPERT, LAYER, TensorSpec, qk_norm_tensors, register_family
+from engine.models.families.base import (
+    EXPERT,
+    LAYER,
+    TensorSpec,
+    qk_norm_tensors,
+    register_family,
+    shortest_period,
+)
 from engine.models.families.mistral import Mistral
 from engine.models.families.qwen import _Qwen
 
@@ -85,27 +94,23 @@ class Qwen3Moe(_Qwen):
         "decoder_sparse_step": 1,
         "sliding_window": 4096,
     }
-    hf_constants = {
-        "attention_bias": False,
-        "output_router_logits": False,
-        "router_aux_loss_coef": 0.001,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-    }
+    hf_constants = {"attention_bias": False, "output_router_logits": False, "router_aux_loss_coef": 0.001}
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
-        # Dense layers among the sparse ones would be a second kind of block in the layer stack.
-        if self.hf_value(hf, "decoder_sparse_step") != 1:
-            raise ConfigError(
-                f"{where}: decoder_sparse_step={hf['decoder_sparse_step']} is not supported "
-                f"(only 1: every layer a mixture of experts)"
-            )
-        if hf.get("mlp_only_layers"):
-            raise ConfigError(
-                f"{where}: mlp_only_layers={hf['mlp_only_layers']} is not supported "
-                f"(only []: every layer a mixture of experts)"
-            )
+        step = self.hf_value(hf, "decoder_sparse_step")
+        if not isinstance(step, int) or step < 1:
+            raise ConfigError(f"{where}: decoder_sparse_step must be a whole number >= 1, got {step!r}")
+        dense = hf.get("mlp_only_layers") or []
+        layers = hf["num_hidden_layers"]
+        if any(not isinstance(i, int) or not 0 <= i < layers for i in dense):
+            raise ConfigError(f"{where}: mlp_only_layers must list layers in [0, {layers}), got {dense}")
         return super().config_from_hf(hf, where)
+
+    @staticmethod
+    def moe_layers(hf: dict, num_layers: int, step: int) -> list[bool]:
+        """transformers' rule: layer i has experts unless in mlp_only_layers, and when (i + 1) % step == 0."""
+        dense = set(hf.get("mlp_only_layers") or [])
+        return [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
 
     def layer_types(self, hf: dict, num_layers: int) -> list[str]:
         # Qwen3MoeConfig has no max_window_layers: a window, when used, is every layer's.
@@ -115,7 +120,9 @@ class Qwen3Moe(_Qwen):
     def extra_fields_from_hf(self, hf: dict) -> dict[str, Any]:
         # transformers 5 writes num_experts as num_local_experts (an attribute_map alias).
         expert_mlp_dim = self.hf_value(hf, "moe_intermediate_size")
+        moe = self.moe_layers(hf, hf["num_hidden_layers"], self.hf_value(hf, "decoder_sparse_step"))
         return {
+            "ffn_pattern": None if all(moe) else ["moe" if x else "mlp" for x in shortest_period(moe)],
             "num_experts": hf.get("num_experts") or self.hf_value(hf, "num_local_experts", 128),
             "experts_per_token": self.hf_value(hf, "num_experts_per_tok"),
             "expert_mlp_dim": None if expert_mlp_dim == hf["intermediate_size"] else expert_mlp_dim,
@@ -124,7 +131,13 @@ class Qwen3Moe(_Qwen):
 
     def extra_hf_keys(self, cfg) -> dict[str, Any]:
         local = all(cfg.layer_is_local())  # only an all-local pattern is expressible
+        moe = [layer.ffn == "moe" for layer in cfg.layer_pattern()]
+        # the sparse step that gives this pattern, if one does; else every dense layer listed
+        step = next((s for s in range(1, cfg.num_layers + 1) if moe == self.moe_layers({}, cfg.num_layers, s)), 1)
+        dense = [i for i, x in enumerate(moe) if not x and (i + 1) % step == 0]
         return {
+            "decoder_sparse_step": step,
+            "mlp_only_layers": dense,
             "use_sliding_window": local,
             "sliding_window": cfg.sliding_window if local else None,
             # published checkpoints (and transformers 4) say num_experts, transformers 5 its alias

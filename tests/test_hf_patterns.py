@@ -1,0 +1,179 @@
+"""Hugging Face parity of the families whose layers differ from one another (the layer
+pattern, ModelConfig.layer_pattern): Qwen3-MoE with dense layers among the expert ones
+(decoder_sparse_step, mlp_only_layers), SmolLM3's NoPE layers, OLMo 2's output-only norms
+and whole-projection QK norm, OLMo 3's sliding pattern with its unscaled local RoPE.
+
+Each family gets the checks tests/test_hf_parity.py makes of every family (the same test
+functions, collected here over this module's `case`): greedy tokens and the KV-cache
+sampler equal transformers', export loads cleanly with the same logits, config.json as
+transformers writes it, export -> convert bitwise. The logits here are held to 1e-5.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import jax
+import numpy as np
+import pytest
+
+from tests.deps import need
+
+torch = need("torch")
+transformers = need("transformers")
+
+from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.export import export_hf  # noqa: E402
+from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
+from tests import test_hf_parity  # noqa: E402
+from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
+    COMMON,
+    Case,
+    batch,
+    engine_logits,
+    hf_logits,
+    test_export_then_convert_is_bitwise_identical,
+    test_greedy_generation_of_16_tokens_is_identical,
+)
+
+WINDOW = 5
+FIVE = {**COMMON, "num_hidden_layers": 5}
+EXPERTS = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=14, norm_topk_prob=True)
+
+
+def hf_config(name: str):
+    t = transformers
+    return {
+        # dense, expert, dense, expert, dense: a unit of two stacks' layers, scanned twice
+        "qwen3_moe_sparse_step": lambda: t.Qwen3MoeConfig(**FIVE, **EXPERTS, decoder_sparse_step=2),
+        # dense layers 0 and 3 only: [mlp, moe, moe] repeating
+        "qwen3_moe_mlp_only": lambda: t.Qwen3MoeConfig(**FIVE, **EXPERTS, mlp_only_layers=[0, 3]),
+        # NoPE every second layer, and those slide a window
+        "smollm3": lambda: t.SmolLM3Config(
+            **FIVE,
+            no_rope_layer_interval=2,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            rope_theta=500.0,
+            pad_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
+        ),
+        "olmo2": lambda: t.Olmo2Config(**COMMON, rope_theta=500.0),
+        # three local layers then a global one; linear RoPE scaling on the global layers only
+        "olmo3": lambda: t.Olmo3Config(
+            **FIVE,
+            sliding_window=WINDOW,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+            },
+        ),
+    }[name]()
+
+
+CASES = ["qwen3_moe_sparse_step", "qwen3_moe_mlp_only", "smollm3", "olmo2", "olmo3"]
+
+
+def implementations(name: str) -> dict:
+    """transformers' plain loops: its grouped-matmul experts need 16-byte strides (odd sizes have not)."""
+    return {"attn_implementation": "eager", **({"experts_implementation": "eager"} if "moe" in name else {})}
+
+
+def random_hf_model(name: str, seed: int = 0):
+    """N(0, 0.3^2) matrices and norm weights away from their init, so routing and gating matter."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(name), **implementations(name))
+    model = model.float().eval()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request, tmp_path_factory) -> Case:
+    name = request.param
+    root = tmp_path_factory.mktemp(name)
+    model = random_hf_model(name)
+    model.save_pretrained(root / "hf")
+    convert_hf(root / "hf", root / "converted")
+    cfg, params, _ = load_params(root / "converted" / "checkpoint")
+    _, compute = stored_configs(root / "converted" / "checkpoint")
+    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+
+
+def test_converted_model_matches_transformers_logits_to_1e5(case):
+    tokens, mask = batch()
+    ours = engine_logits(case.cfg, case.compute, case.params, tokens, mask)
+    ref = hf_logits(case.hf_model, tokens, mask)
+    valid = mask.astype(bool)
+    delta = float(np.abs(ours - ref)[valid].max())
+    print(f"\n{case.family}: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref[valid]).max():.1f})")
+    assert delta <= 1e-5, f"{case.family}: max |delta logit| {delta}"
+    assert np.abs(ref[valid]).max() > 0.5
+
+
+def test_the_pattern_is_what_the_config_says(case):
+    """The converted layers are transformers': which have experts, RoPE and a window."""
+    hf = case.hf_model.config
+    layers = case.cfg.layer_pattern()
+    if case.family.startswith("qwen3_moe"):
+        moe = [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in case.hf_model.model.layers]
+        assert [x.ffn == "moe" for x in layers] == moe and not all(moe) and any(moe)
+        stacks = dict(case.cfg.layer_stacks())
+        assert stacks["blocks"] == tuple(i for i, x in enumerate(moe) if x)
+        assert case.params["dense_blocks"]["mlp"]["w_gate_df"].shape[0] == len(moe) - sum(moe)
+    if case.family == "smollm3":
+        assert [x.rope for x in layers] == [bool(x) for x in hf.no_rope_layers] == [True, False] * 2 + [True]
+        assert [x.local for x in layers] == [not x.rope for x in layers]
+    if case.family == "olmo3":
+        assert [x.local for x in layers] == [t == "sliding_attention" for t in hf.layer_types]
+        assert case.cfg.rope_local_theta == 500.0 and case.cfg.rope_scaling.kind == "linear"
+
+
+def test_unrolled_layers_match_the_scanned_stacks(case):
+    """scan_layers: false runs each layer as the scanned schedule does (stacks interleaved)."""
+    unrolled = case.compute.model_copy(update={"scan_layers": False})
+    params = dict(case.params)
+    for name, layers in case.cfg.layer_stacks():
+        params[name] = {i: jax.tree.map(lambda x, i=i: x[i], case.params[name]) for i in range(len(layers))}
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(
+        engine_logits(case.cfg, unrolled, params, tokens, mask)[valid],
+        engine_logits(case.cfg, case.compute, case.params, tokens, mask)[valid],
+        atol=1e-5,
+    )
+
+
+def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
+    export_hf(case.out_dir / "checkpoint", tmp_path / "export")
+    records = io.StringIO()
+    handler = logging.StreamHandler(records)
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "export", output_loading_info=True, **implementations(case.family)
+        )
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert "were not initialized" not in records.getvalue() and "not used" not in records.getvalue()
+    assert type(reloaded) is type(case.hf_model)
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    np.testing.assert_array_equal(
+        hf_logits(reloaded.eval(), tokens, mask)[valid], hf_logits(case.hf_model, tokens, mask)[valid]
+    )
+
+
+def test_exported_config_json_is_what_transformers_writes(case, tmp_path, monkeypatch):
+    """test_hf_parity's check; Qwen3-MoE's export also names the expert count `num_experts`,
+    as its published checkpoints (and transformers 4) do (transformers 5: num_local_experts)."""
+    monkeypatch.setattr(test_hf_parity, "OLDER_KEYS", test_hf_parity.OLDER_KEYS | {"num_experts"})
+    test_hf_parity.test_exported_config_json_is_what_transformers_writes(case, tmp_path)
