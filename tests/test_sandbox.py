@@ -499,3 +499,21 @@ def test_a_fork_bomb_does_not_starve_a_concurrent_run():
         held = holding.result()
     assert held.stdout.startswith("held ") and int(held.stdout.split()[1]) >= LIMITS.max_processes - 2, held
     assert other.ok and other.stdout == "forked 4\n", other
+
+
+def test_the_seccomp_filter_refuses_what_escapes_namespaces_with_eperm():
+    """Each call the filter lists fails with EPERM whatever its arguments (the kernel would
+    say EINVAL, EFAULT or ENOSYS to these zeros), clone3 with ENOSYS (so libc uses clone)."""
+    from engine.posttrain.seccomp import DENIED, _library
+
+    lib = _library()
+    numbers = {name: lib.seccomp_syscall_resolve_name(name.encode()) for name in DENIED}
+    numbers = {name: nr for name, nr in numbers.items() if nr >= 0}
+    numbers["clone3"] = lib.seccomp_syscall_resolve_name(b"clone3")
+    code = f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nfor name, nr in {sorted(numbers.items())!r}:\n"
+    code += "    rc = libc.syscall(nr, 0, 0, 0, 0, 0, 0)\n    print(name, rc, ctypes.get_errno())"
+    result = run(code)
+    assert result.ok, result
+    seen = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()}
+    assert seen.pop("clone3") == ["-1", "38"]  # ENOSYS
+    assert len(seen) >= 30 and all(out == ["-1", "1"] for out in seen.values()), seen
