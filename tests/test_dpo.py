@@ -269,3 +269,38 @@ def test_the_held_out_loss_is_the_training_loss_definition_with_rpo(base):
     held_out = held_out_metrics({k: float(aux[k]) for k in HELD_OUT_SUMS}, cfg)
     assert held_out["eval_loss"] == pytest.approx(float(training), rel=1e-5)
     assert float(aux["chosen_nll_sum"]) > 0 and held_out["eval_pairs"] == 3
+
+
+def test_lora_dropout_acts_in_dpo_training_steps_only(base):
+    """A training batch carries the rows' dropout seeds (the trainer adds them with
+    lora.dropout > 0): the loss then drops the adapter's inputs; without seeds it does not."""
+    from flax import nnx
+
+    from engine.models.lora import LORA_SEED
+    from engine.models.transformer import Transformer
+    from engine.posttrain.dpo import make_loss_fn, pairs_and_chosen_tokens
+    from engine.train.checkpoint import stored_configs
+
+    bundle = load_saved(base / "tokenizer")
+    cfg = dpo_config(base, Path("unused"), Path("unused.jsonl"), lora={"rank": 4, "dropout": 0.5})
+    model_cfg, compute = stored_configs(base / "checkpoint")
+    graphdef, state = nnx.split(Transformer(model_cfg, compute, rngs=nnx.Rngs(0), lora=cfg.lora))
+    # B away from zero, so the adapter (and what dropout does to its input) shows in the loss.
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x + 0.5 if "lora_b" in jax.tree_util.keystr(path) else x, nnx.to_pure_dict(state)
+    )
+    pairs = [
+        tokenize_pair(
+            {"prompt": f"colour {i}:", "chosen": f" {NAMES[i]}", "rejected": " red"}, f"x:{i}", bundle, cfg.data
+        )
+        for i in range(3)
+    ]
+    batch = {k: jnp.asarray(v) for k, v in pair_rows(pairs, cfg.data.max_length).items()}
+    batch["ref_logps"] = jnp.zeros((len(pairs), 2), jnp.float32)
+    loss_fn = jax.jit(make_loss_fn(graphdef, cfg))
+    normaliser = pairs_and_chosen_tokens(batch)
+    plain = float(loss_fn(params, batch, normaliser)[0])
+    seeds = jnp.arange(len(pairs), dtype=jnp.int32)[:, None]
+    dropped = float(loss_fn(params, {**batch, LORA_SEED: seeds}, normaliser)[0])
+    again = float(loss_fn(params, {**batch, LORA_SEED: seeds}, normaliser)[0])
+    assert dropped != plain and dropped == again, (plain, dropped, again)
