@@ -331,6 +331,8 @@ def test_ordinary_code_runs_in_a_private_scratch_directory():
     assert result.stdout == "/sandbox ['main.py', 'out.txt']\n" and result.isolation == ["bubblewrap", "seccomp"]
     assert run("print(sum(range(10)))").observation() == "45\n"
     assert run("import os\nprint(os.listdir('.'))").stdout == "['main.py']\n"  # a fresh one each run
+    pool = "import multiprocessing as mp\nwith mp.Pool(2) as pool:\n    print(pool.map(abs, [-1, -2]))"
+    assert run(pool).stdout == "[1, 2]\n"  # child processes, semaphores in /dev/shm
 
 
 def test_a_busy_loop_is_stopped_by_the_cpu_limit():

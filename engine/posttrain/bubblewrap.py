@@ -12,7 +12,7 @@ What the code sees (everything else of the host is absent, not merely unreadable
                     the system's shared libraries, read-only (the standard library's C
                     extensions link against them); no /etc/passwd, no /etc/shadow, no /usr/bin
     /sandbox        the working directory: a fresh tmpfs of `scratch_mb`, gone afterwards
-    /tmp            another fresh tmpfs of `scratch_mb`
+    /tmp, /dev/shm  fresh tmpfs of `scratch_mb` each (multiprocessing's semaphores live in /dev/shm)
     /proc, /dev     the PID namespace's own /proc; bwrap's minimal /dev (null, zero, urandom ...)
 
 Namespaces: mount, PID, network (only a loopback that is down), IPC, UTS and cgroup, and a
@@ -195,6 +195,7 @@ def command(
     size = str(scratch_mb << 20)
     argv += ["--proc", "/proc", "--dev", "/dev"]
     argv += ["--perms", "1777", "--size", size, "--tmpfs", "/tmp"]
+    argv += ["--perms", "1777", "--size", size, "--tmpfs", "/dev/shm"]  # multiprocessing's semaphores
     argv += ["--perms", "0777", "--size", size, "--tmpfs", SCRATCH, "--perms", "0644", "--file", str(code_fd)]
     argv += [f"{SCRATCH}/main.py", "--chdir", SCRATCH]
     argv += ["--remount-ro", "/"]  # the root tmpfs bwrap built the view in (its mounts keep their own modes)
