@@ -15,10 +15,11 @@ What the code sees (everything else of the host is absent, not merely unreadable
     /tmp, /dev/shm  fresh tmpfs of `scratch_mb` each (multiprocessing's semaphores live in /dev/shm)
     /proc, /dev     the PID namespace's own /proc; bwrap's minimal /dev (null, zero, urandom ...)
 
-Namespaces: mount, PID, network (only a loopback that is down), IPC, UTS and cgroup, and a
-user namespace when trainflow runs as an ordinary user. Capabilities: none. no_new_privs
-and the seccomp filter of engine/posttrain/seccomp.py, loaded by bwrap just before the code's
-interpreter starts. The environment is cleared (--clearenv). --die-with-parent and the PID
+Namespaces: mount, PID (the bootstrap is its init, --as-pid-1), network (only its own
+loopback), IPC, UTS and cgroup, and a user namespace when trainflow runs as an ordinary user
+(further ones disabled). The root of the view is remounted read-only. Capabilities: none.
+no_new_privs and the seccomp filter of engine/posttrain/seccomp.py, loaded by bwrap just
+before the code's interpreter starts. The environment is cleared (--clearenv). --die-with-parent and the PID
 namespace: when bwrap dies every process of the run dies with it.
 
 Who the code runs as: an unprivileged uid of its own, so that RLIMIT_NPROC counts that run's
