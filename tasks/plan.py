@@ -116,7 +116,16 @@ def plan_pipeline(plan, target_name: str) -> tuple[list[Plan], list[str]]:
                     batch=dpo_batch(cfg),
                 )
             )
-            if cfg.loss_type != "simpo" and cfg.lora is None and not cfg.precompute_ref:
+            if cfg.loss_type != "simpo" and "reference" in plan.stages[name].job.inputs and not cfg.precompute_ref:
+                reference, reference_compute = _input_model(plan, name, models, "reference")
+                reference_compute = cfg.reference.compute or reference_compute
+                size = reference.num_params() * jax.numpy.dtype(reference_compute.param_dtype).itemsize / 2**30
+                notes.append(
+                    f"note: stage {name} (dpo): the frozen reference's parameters ({reference.num_params():,}, "
+                    f"{size:.2f} GiB in all, sharded over the same mesh) are held beside this step and not counted "
+                    "in it (precompute_ref: true holds none)"
+                )
+            elif cfg.loss_type != "simpo" and cfg.lora is None and not cfg.precompute_ref:
                 notes.append(
                     f"note: stage {name} (dpo): the frozen reference's parameters, a second copy of "
                     f"{plans[-1].memory.parameters / 2**30:.2f} GiB per device, are held beside this step "

@@ -240,6 +240,7 @@ def test_dpo_is_a_pipeline_stage_with_a_reference_input_lineage_and_a_plan(base,
     assert (
         [q.stage for q in plans] == ["dpo"] and plans[0].fits and plans[0].memory.gradients < plans[0].memory.parameters
     )
+    assert any("(dpo): the frozen reference's parameters (" in note for note in notes), notes
 
 
 def test_the_held_out_loss_is_the_training_loss_definition_with_rpo(base):
