@@ -32,7 +32,9 @@ def causal_conv1d(
     if window_bkc is None:
         window_bkc = jnp.zeros((batch, taps - 1, channels), x_btc.dtype)
     padded = jnp.concatenate([window_bkc.astype(x_btc.dtype), x_btc], axis=1)  # (b, K-1+t, c)
-    y_btc = sum(padded[:, j : j + time] * weight_kc[j] for j in range(taps))
+    y_btc = padded[:, :time] * weight_kc[0]
+    for j in range(1, taps):
+        y_btc = y_btc + padded[:, j : j + time] * weight_kc[j]
     if bias_c is not None:
         y_btc = y_btc + bias_c
     if activation:
