@@ -98,7 +98,7 @@ def test_stale_rollouts_log_their_importance_ratios_and_still_learn(copy_task, t
     stale = records[2:]
     assert all(r["is_ratio_min"] <= r["is_ratio_mean"] <= r["is_ratio_max"] for r in records)
     assert any(r["is_ratio_max"] > 1.0 or r["is_ratio_min"] < 1.0 for r in stale)
-    assert all(r["kl_behaviour_k3"] >= 0 and 0 <= r["is_clipped_fraction"] <= 1 for r in records)
+    assert all(r["rollout_corr/k3_kl"] >= 0 and 0 <= r["is_clipped_fraction"] <= 1 for r in records)
     assert result["steps"] == 15
 
 

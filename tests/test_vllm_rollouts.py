@@ -297,11 +297,11 @@ def test_grpo_on_server_rollouts_pushes_the_weights_after_each_update(served, tm
     for row in rows:
         print(
             f"step {row['step']}: importance ratio {row['is_ratio_min']:.6f}..{row['is_ratio_max']:.6f}, "
-            f"kl_behaviour {row['kl_behaviour']:.2e}"
+            f"KL(behaviour || trainer) {row['rollout_corr/kl']:.2e}"
         )
     for row in rows:  # behaviour (server) vs. old (trainer) log-probs of every sampled token
         assert abs(row["is_ratio_max"] - 1) < 1e-3 and abs(row["is_ratio_min"] - 1) < 1e-3, row
-        assert abs(row["kl_behaviour"]) < 1e-5, row
+        assert abs(row["rollout_corr/kl"]) < 1e-5, row
     after = client.prompt_logprobs(FIXED)
     params, model_cfg = checkpoint_params(tmp_path / "checkpoint", step=2)
     assert np.max(np.abs(after - before)) > 1e-2  # the policy moved, and the server with it
@@ -356,7 +356,7 @@ def step_rows(out: Path) -> list[dict]:
     for row in rows:
         print(
             f"step {row['step']}: importance ratio {row['is_ratio_min']:.6f}..{row['is_ratio_max']:.6f}, "
-            f"kl_behaviour {row['kl_behaviour']:.2e}"
+            f"KL(behaviour || trainer) {row['rollout_corr/kl']:.2e}"
         )
     return rows
 
@@ -366,7 +366,7 @@ def assert_on_policy(rows: list[dict]) -> None:
     agree: the server sampled with the trainer's policy of that step."""
     for row in rows:
         assert abs(row["is_ratio_max"] - 1) < 1e-3 and abs(row["is_ratio_min"] - 1) < 1e-3, row
-        assert abs(row["kl_behaviour"]) < 1e-5, row
+        assert abs(row["rollout_corr/kl"]) < 1e-5, row
 
 
 @needs_vllm

@@ -14,7 +14,13 @@ from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.parallel.config import MeshConfig, unsplittable
 from engine.posttrain import advantages  # noqa: F401 - registers the built-in advantage estimators
 from engine.posttrain.environments import EnvironmentConfig
-from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from engine.posttrain.registry import (
+    ADVANTAGE_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+    ROLLOUT_CORRECTION_BOUNDS,
+    ROLLOUT_CORRECTIONS,
+)
 from engine.posttrain.rewards import RewardSpec
 from engine.posttrain.rollout_server import RolloutServerConfig
 from engine.train.config import (
@@ -90,13 +96,38 @@ class RolloutCorrectionConfig(Strict):
     vllm_importance_sampling_correction, verl's rollout_corr. Corrects stale rollouts
     (max_staleness > 0) and another engine's numerics (rollout_dtype bfloat16)."""
 
-    mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "token_truncate"
-    """token_*: one ratio per token; sequence_*: the product over the completion's tokens.
-    *_truncate: the ratio clipped to [clip_min, clip_max] (TIS); *_mask: 0 outside it (MIS)."""
+    mode: str = "token_truncate"
+    """A registered correction (registry.ROLLOUT_CORRECTIONS; engine/posttrain/rollout_correction.py)
+    or module:function. token_*: one ratio per token; sequence_*: the product over the
+    completion's tokens. *_truncate: the ratio clipped to [clip_min, clip_max] (TIS); *_mask: 0
+    outside it (MIS, TRL's). icepop: tokens whose ratio is outside [clip_min, clip_max] removed
+    from the loss (IcePop); sequence_geometric_mask: sequences whose geometric-mean ratio is
+    outside it removed (verl's geometric rejection)."""
     clip_max: float | None = Field(3.0, gt=0)
-    """C_max (TRL's vllm_importance_sampling_clip_max, default 3.0); None: no upper bound."""
+    """C_max (TRL's vllm_importance_sampling_clip_max, default 3.0; icepop 5.0, IcePop's beta;
+    sequence_geometric_mask 1.001); None: no upper bound."""
     clip_min: float | None = Field(None, ge=0)
-    """C_min; None: no lower bound."""
+    """C_min; None: no lower bound (icepop 0.5, IcePop's alpha; sequence_geometric_mask 0.999)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_bounds(cls, data):
+        """A mode whose reference fixes its own bounds gets them where the config leaves them out."""
+        if isinstance(data, dict) and data.get("mode") in ROLLOUT_CORRECTION_BOUNDS:
+            low, high = ROLLOUT_CORRECTION_BOUNDS[data["mode"]]
+            data = {"clip_min": low, "clip_max": high, **data}
+        return data
+
+    @field_validator("mode")
+    @classmethod
+    def _registered_mode(cls, value: str) -> str:
+        return ROLLOUT_CORRECTIONS.check(value)
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> RolloutCorrectionConfig:
+        if self.clip_min is not None and self.clip_max is not None and self.clip_min > self.clip_max:
+            raise ValueError(f"clip_min ({self.clip_min}) must not exceed clip_max ({self.clip_max})")
+        return self
 
 
 class GRPOConfig(Strict):
@@ -167,7 +198,8 @@ class GRPOConfig(Strict):
     own sampler."""
     rollout_correction: RolloutCorrectionConfig | None = None
     """Importance-sampling correction of off-policy rollouts; None: none applied (its metrics
-    are still logged whenever the rollout is off-policy)."""
+    are still logged whenever the rollout is off-policy). The rollout/trainer log-prob gap is
+    logged every step either way (engine/posttrain/rollout_correction.py)."""
     max_staleness: int = 0
     """Rollouts generated with weights this many updates old (exactly, after the first steps):
     0 is on-policy, today's synchronous GRPO; 1-2 lets rollout workers generate the next batches
@@ -259,6 +291,12 @@ class GRPOConfig(Strict):
         if reason:
             raise ValueError(reason)
         return self
+
+    @property
+    def off_policy(self) -> bool:
+        """Whether a batch carries the old policy's log-probs to correct the rollout's towards (and
+        logs the correction's ratios): stale rollouts, or a correction asked for (e.g. bf16 rollouts)."""
+        return self.max_staleness > 0 or self.rollout_correction is not None
 
     @property
     def importance_sampling_level(self) -> str:

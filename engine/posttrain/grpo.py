@@ -11,9 +11,10 @@ One step (a "rollout batch"):
                                  (policy_loss.py: `loss_type`, `loss_aggregation`)
 
 With rollout_workers > 0 the completions come from worker processes (async_rollout.py) that
-generate max_staleness batches ahead with weights sent after every update; the rollout's
-behaviour log-probs then travel with the batch, and `rollout_correction` weights the loss by
-their truncated importance ratios (logged whenever a batch is off-policy).
+generate max_staleness batches ahead with weights sent after every update. Every batch carries
+the sampler's own (behaviour) log-probs: each step logs their gap to the trainer's on the same
+tokens (rollout_correction.py's mismatch metrics), and `rollout_correction` weights or masks the
+loss by their importance ratios (logged whenever a batch is off-policy).
 
 The old policy's log-probs are the current params' before the first update: with mu = 1
 they equal the live ones (stop_gradient) and every ratio is exactly 1; with mu > 1 one
@@ -59,11 +60,12 @@ from engine.posttrain.async_rollout import (
 from engine.posttrain.config import GRPOConfig, GRPODataConfig, train_config
 from engine.posttrain.environments import EnvironmentFailure
 from engine.posttrain.finetune import finetune_start, read_jsonl
-from engine.posttrain.policy_loss import completion_logps, policy_loss, rollout_correction_weights
+from engine.posttrain.policy_loss import completion_logps, policy_loss
 from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from engine.posttrain.reward_model import RewardScorer
 from engine.posttrain.rewards import RewardError, compute_rewards, load_reward, nan_stats, total_reward
 from engine.posttrain.rollout import Rollout
+from engine.posttrain.rollout_correction import mismatch_metrics, rollout_correction
 from engine.posttrain.rollout_server import ROLLOUT_ENTRY_POINT
 from engine.train.checkpoint import load_params
 from engine.train.cli import run_cli
@@ -119,7 +121,16 @@ def load_prompts(data: GRPODataConfig) -> list[dict]:
 
 # How policy metrics combine over micro-batches: each micro-batch's loss is already scaled to
 # its share of the batch (policy_loss's accumulation_steps), the rest are per-micro-batch means.
-POLICY_REDUCE = {"loss": "sum", "ratio_max": "max", "ratio_min": "min", "is_ratio_max": "max", "is_ratio_min": "min"}
+POLICY_REDUCE = {
+    "loss": "sum",
+    "ratio_max": "max",
+    "ratio_min": "min",
+    "is_ratio_max": "max",
+    "is_ratio_min": "min",
+    "sampling/sampling_logp_difference/max": "max",
+    "rollout_corr/rollout_is_max": "max",
+    "rollout_corr/rollout_is_min": "min",
+}
 
 
 def completion_tokens(batch) -> jax.Array:
@@ -127,14 +138,41 @@ def completion_tokens(batch) -> jax.Array:
     return jnp.sum(batch["completion_mask"])
 
 
-def policy_objective(loss_fn: Callable) -> Objective:
+def policy_objective(loss_fn: Callable, normaliser: Callable = completion_tokens) -> Objective:
     """An Objective from `loss_fn(params, batch, total_tokens) -> (loss, policy metrics)`."""
 
     def with_loss(params, batch, total_tokens):
         loss, metrics = loss_fn(params, batch, total_tokens)
         return loss, {**metrics, "loss": loss}
 
-    return Objective(with_loss, completion_tokens, reduce=POLICY_REDUCE, default="mean")
+    return Objective(with_loss, normaliser, reduce=POLICY_REDUCE, default="mean")
+
+
+def corrected(cfg: GRPOConfig, batch) -> tuple[jax.Array, jax.Array | None, dict]:
+    """(the loss's mask, importance weights or None, their metrics) of an off-policy batch
+    (`rollout_correction`, or stale rollouts: their ratios logged, uncorrected). Row by row, so a
+    micro-batch's are the whole batch's rows."""
+    mask = batch["completion_mask"]
+    if not cfg.off_policy:
+        return mask, None, {}
+    correction = cfg.rollout_correction
+    weights, keep, metrics = rollout_correction(
+        batch["old_logps"],
+        batch["behaviour_logps"],
+        mask,
+        correction.mode if correction else "token_truncate",
+        correction.clip_min if correction else None,
+        correction.clip_max if correction else None,
+    )
+    if correction is None:
+        return mask, None, metrics
+    return (mask if keep is None else keep), weights, metrics
+
+
+def loss_tokens(cfg: GRPOConfig) -> Callable:
+    """The normaliser of token_mean: the completion tokens the loss keeps (a correction such as
+    icepop removes some), over the whole rollout batch."""
+    return lambda batch: jnp.sum(corrected(cfg, batch)[0])
 
 
 def make_logps_fn(graphdef, prompt_len: int, temperature: float, *, with_aux: bool = False):
@@ -168,22 +206,11 @@ def make_loss_fn(graphdef, cfg: GRPOConfig, prompt_len: int):
     """loss_fn(params, batch, total_tokens) -> (loss, metrics) of one micro-batch."""
     logps_fn = make_logps_fn(graphdef, prompt_len, cfg.temperature, with_aux=True)
     loss_def, aggregate = resolve_objective(cfg)
-    correction = cfg.rollout_correction
 
     def loss_fn(params, batch, total_tokens):
         (logp, entropy), moe = logps_fn(params, batch)
-        mask = batch["completion_mask"]
-        is_weights, is_metrics = None, {}
-        if "behaviour_logps" in batch:  # an off-policy rollout: its importance ratios, always logged
-            weights, is_metrics = rollout_correction_weights(
-                batch["old_logps"],
-                batch["behaviour_logps"],
-                mask,
-                correction.mode if correction else "token_truncate",
-                correction.clip_min if correction else None,
-                correction.clip_max if correction else None,
-            )
-            is_weights = weights if correction else None
+        sampled = batch["completion_mask"]
+        mask, is_weights, is_metrics = corrected(cfg, batch)
         loss, metrics = policy_loss(
             logp,
             batch.get("old_logps"),
@@ -202,7 +229,12 @@ def make_loss_fn(graphdef, cfg: GRPOConfig, prompt_len: int):
             is_weights=is_weights,
         )
         metrics.update(is_metrics)
-        metrics["entropy"] = jnp.sum(entropy * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+        if "behaviour_logps" in batch:
+            # The rollout/trainer gap, every step: the sampler's log-probs against the trainer's
+            # policy the update starts from (with mu = 1 and no correction, this forward's own).
+            trainer_logp = batch.get("old_logps", jax.lax.stop_gradient(logp))
+            metrics.update(mismatch_metrics(trainer_logp, batch["behaviour_logps"], sampled))
+        metrics["entropy"] = jnp.sum(entropy * sampled) / jnp.maximum(jnp.sum(sampled), 1.0)
         if moe:
             # A mixture of experts keeps its router losses, weighted by compute.moe_balance_loss
             # and moe_router_z_loss (0 turns each off), as in pretraining and SFT. (TRL adds
@@ -241,7 +273,7 @@ class RolloutSource:
         # The rollout is off-policy (its sampler's log-probs differ from the trainer's) when it is
         # stale or when a correction is asked for (e.g. bf16 rollouts): the batch then carries the
         # behaviour log-probs and the old policy's, and the loss logs their ratios.
-        self.off_policy = cfg.max_staleness > 0 or cfg.rollout_correction is not None
+        self.off_policy = cfg.off_policy
         # Reward models score the rollout's rows on the mesh, as they are (same tokenizer), by column.
         self.function_columns = [j for j, spec in enumerate(cfg.rewards) if spec.model is None]
         self.reward_models = {
@@ -355,9 +387,10 @@ class RolloutSource:
             "segment_ids": segments,
             "positions": np.asarray(prompt_positions(segments)),
             "completion_mask": loss_mask.astype(np.float32),
+            # The sampler's own log-probs of its tokens (engine sampler, workers, vLLM): the
+            # rollout/trainer gap is measured on them every step, and corrected when off-policy.
+            "behaviour_logps": out.logprobs.astype(np.float32),
         }
-        if self.off_policy:
-            rows["behaviour_logps"] = out.logprobs.astype(np.float32)
         batch = self.trainer.global_batch(rows)  # every process sampled the whole rollout
 
         # ---- rewards (functions on the host, reward models on the mesh) and advantages
@@ -443,7 +476,7 @@ def run_grpo(cfg: GRPOConfig, log: Callable[[str], None] | None = None, sampler_
     model_cfg, compute, bundle = finetune_start(cfg)
     trainer = Trainer(
         train_config(cfg, model_cfg, compute),
-        lambda graphdef: policy_objective(make_loss_fn(graphdef, cfg, cfg.max_prompt_length)),
+        lambda graphdef: policy_objective(make_loss_fn(graphdef, cfg, cfg.max_prompt_length), loss_tokens(cfg)),
         updates_per_batch=cfg.num_iterations,
     )
     source = RolloutSource(cfg, trainer, model_cfg, bundle, log)

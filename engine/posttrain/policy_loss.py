@@ -1,6 +1,6 @@
 """The policy-gradient objective as pure functions: importance ratios, the registered
-surrogates (clipped PPO, CISPO) and aggregations, the k3 KL penalty and the off-policy
-(rollout) correction. Advantages are advantages.py's.
+surrogates (clipped PPO, CISPO) and aggregations and the k3 KL penalty. Advantages are
+advantages.py's; the off-policy (rollout) correction's weights are rollout_correction.py's.
 
 Definitions follow TRL's GRPOTrainer (and Tunix's GRPO learner where noted):
 
@@ -40,7 +40,6 @@ from engine.posttrain import advantages
 from engine.posttrain.registry import LOSS_AGGREGATIONS, POLICY_LOSSES
 
 Level = Literal["token", "sequence", "sequence_token"]
-RolloutCorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 
 def group_advantages(
@@ -158,46 +157,6 @@ LUSPO = PolicyLoss(clipped_surrogate, "seq_mean_token_sum")
 CISPO = PolicyLoss(cispo_surrogate, "token_mean")
 
 
-# --------------------------------------------------------------------------- off-policy correction
-
-
-def rollout_correction_weights(
-    old_logp_bt, behaviour_logp_bt, mask_bt, mode: RolloutCorrectionMode, clip_min=None, clip_max=3.0
-):
-    """(weights, metrics): truncated or masked importance weights pi_old / pi_behaviour of the
-    rollout's tokens (TRL's vllm_importance_sampling_correction; verl's rollout_corr), constant
-    (no gradient). `old`: the trainer's policy the update starts from; `behaviour`: the log-probs
-    the rollout sampled with (another engine's numerics, or weights `max_staleness` updates old).
-
-    token_*: one ratio per token, (b, t); sequence_*: exp of the sum of the token log-ratios, (b, 1).
-    *_truncate: clipped to [clip_min, clip_max]; *_mask: 0 outside it. Metrics: the raw ratio's
-    mean/max/min, the fraction truncated or masked, KL(behaviour || old) by k1 and k3.
-    """
-    mask_bt = mask_bt.astype(old_logp_bt.dtype)
-    delta_bt = jnp.where(mask_bt > 0, old_logp_bt - behaviour_logp_bt, 0.0)
-    log_ratio = delta_bt if mode.startswith("token") else jnp.sum(delta_bt, -1, keepdims=True)
-    ratio = jnp.exp(log_ratio)
-    low = -jnp.inf if clip_min is None else clip_min
-    high = jnp.inf if clip_max is None else clip_max
-    outside = (ratio < low) | (ratio > high)
-    weights = jnp.clip(ratio, low, high) if mode.endswith("truncate") else jnp.where(outside, 0.0, ratio)
-    tokens = jnp.maximum(jnp.sum(mask_bt), 1.0)
-
-    def mean(x):  # over tokens at token level, over sequences at sequence level (as TRL logs)
-        return jnp.mean(x) if x.shape[-1] == 1 else jnp.sum(x * mask_bt) / tokens
-
-    live = mask_bt > 0 if ratio.shape[-1] != 1 else jnp.ones_like(ratio, bool)
-    metrics = {
-        "is_ratio_mean": mean(ratio),
-        "is_ratio_max": jnp.max(jnp.where(live, ratio, -jnp.inf)),
-        "is_ratio_min": jnp.min(jnp.where(live, ratio, jnp.inf)),
-        "is_clipped_fraction": mean(outside.astype(mask_bt.dtype)),
-        "kl_behaviour": jnp.sum(-delta_bt * mask_bt) / tokens,  # k1: E_behaviour[log mu - log pi]
-        "kl_behaviour_k3": jnp.sum((jnp.exp(delta_bt) - delta_bt - 1.0) * mask_bt) / tokens,
-    }
-    return jax.lax.stop_gradient(weights), metrics
-
-
 # --------------------------------------------------------------------------- the loss
 
 
@@ -225,7 +184,7 @@ def policy_loss(
     `loss_type`: a registered name (registry.POLICY_LOSSES), a PolicyLoss, or a user's surrogate;
     `aggregation`: a registered name or function, None for the loss type's own (token_mean for a
     user's surrogate). `total_tokens`: completion tokens of the whole accumulated batch
-    (token_mean); defaults to this batch's. `is_weights`: rollout_correction_weights' weights,
+    (token_mean); defaults to this batch's. `is_weights`: rollout_correction's weights,
     multiplying each token's policy term (not the KL), as TRL does.
     """
     mask_bt = mask_bt.astype(logp_bt.dtype)  # float32 in training; float64 in the parity tests

@@ -87,3 +87,18 @@ for _name in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo"):
     POLICY_LOSSES.register(_name, f"engine.posttrain.policy_loss:{_name.upper()}")
 for _name in ("token_mean", "token_mean_local", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"):
     LOSS_AGGREGATIONS.register(_name, f"engine.posttrain.policy_loss:{_name}")
+
+ROLLOUT_CORRECTIONS = Registry("rollout correction", "rollout_correction.mode")
+"""fn(log_ratio_bt, mask_bt, low, high) -> (ratio, weights, keep): the off-policy correction
+between the trainer's and the rollout's log-probs (engine/posttrain/rollout_correction.py, where
+the built-ins are defined and what each returns is described)."""
+
+# TRL's vllm_importance_sampling_mode names, then IcePop's token masks and verl's geometric rejection.
+for _name in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"):
+    ROLLOUT_CORRECTIONS.register(_name, f"engine.posttrain.rollout_correction:{_name}")
+for _name in ("icepop", "sequence_geometric_mask"):
+    ROLLOUT_CORRECTIONS.register(_name, f"engine.posttrain.rollout_correction:{_name}")
+
+ROLLOUT_CORRECTION_BOUNDS = {"icepop": (0.5, 5.0), "sequence_geometric_mask": (0.999, 1.001)}
+"""(clip_min, clip_max) of a mode whose reference sets its own when a config leaves them out:
+IcePop's alpha and beta (Ring-1T), verl's geometric rejection preset. Others: (None, 3.0)."""
