@@ -4,7 +4,8 @@ The convention (docs/development.md, "Tests that keep the docs honest"):
 
 - A block is a paragraph, a list item, or a table. A block cites a results file when it
   names `bench/results/NAME.json` (in backticks, as a Markdown link, or as a bare path); a
-  table also cites what its caption (the paragraph right above it) cites.
+  table also cites what its caption (the paragraph right above it, or the caption of a
+  table right above it) cites.
 - Every figure of a citing block must be a value of a file it cites, within the rounding of
   its printed digits: a number with a decimal point or a thousands separator, a number with
   a unit (`x`, `%`, `s`, `ms`, `GB`, `MiB`, `tokens/s`, ...), and in a table every cell
@@ -87,7 +88,9 @@ def blocks(doc: str, text: str | None = None) -> list[Block]:
         nonlocal barrier
         if current:
             above = None if barrier or not out else out[-1]
-            caption = above.text if kind == "table" and above and not above.is_table else ""
+            caption = ""
+            if kind == "table" and above is not None:  # a table right below another shares its caption
+                caption = above.caption if above.is_table else above.text
             out.append(Block(doc, start + 1, "\n".join(current), kind == "table", caption))
             barrier = False
         current.clear()
