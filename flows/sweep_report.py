@@ -15,6 +15,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 from flows.summary import format_number  # noqa: E402
 
@@ -62,20 +63,35 @@ def table_markdown(rows: list[dict], labels: list[str]) -> str:
     return "\n".join(lines)
 
 
-def plot_png(rows: list[dict], labels: list[str]) -> bytes | None:
-    """One bar panel per metric, one bar per point (None when there is nothing to plot)."""
+def sweep_figure(rows: list[dict], labels: list[str]) -> Figure:
+    """One bar panel per metric, one bar per point labelled with its value, in a grid of up
+    to 3 columns (a row of dozens of panels was unreadable)."""
     metrics = metric_columns(rows, labels)
-    if not rows or not metrics:
-        return None
-    names = [",".join(f"{k}={row.get(k)}" for k in labels) or row["point"] for row in rows]
-    fig, axes = plt.subplots(1, len(metrics), figsize=(max(4.0, 0.5 * len(rows)) * len(metrics), 3.5), squeeze=False)
-    for ax, metric in zip(axes[0], metrics):
-        ax.bar(range(len(rows)), [row.get(metric) or 0.0 for row in rows])
-        ax.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=7)
+    names = [",\n".join(f"{k}={row.get(k)}" for k in labels) or row["point"] for row in rows]
+    cols = min(3, len(metrics))
+    grid_rows = -(-len(metrics) // cols)
+    width = max(4.0, 0.6 * len(rows) + 1.0)
+    fig, axes = plt.subplots(grid_rows, cols, figsize=(width * cols, 3.8 * grid_rows), squeeze=False)
+    for ax, metric in zip(axes.flat, metrics):
+        values = [row.get(metric) for row in rows]
+        bars = ax.bar(range(len(rows)), [v if _number(v) else 0.0 for v in values])
+        ax.bar_label(bars, labels=[format_number(v) if _number(v) else "n/a" for v in values], fontsize=7, padding=2)
+        ax.set_xticks(range(len(rows)), names, rotation=60 if len(rows) > 4 else 0, ha="right", fontsize=7)
         ax.set_title(metric, fontsize=9)
+        ax.margins(y=0.15)
+    for ax in list(axes.flat)[len(metrics) :]:
+        ax.set_visible(False)
     fig.tight_layout()
+    return fig
+
+
+def plot_png(rows: list[dict], labels: list[str]) -> bytes | None:
+    """sweep_figure as PNG bytes (None when there is nothing to plot)."""
+    if not rows or not metric_columns(rows, labels):
+        return None
+    fig = sweep_figure(rows, labels)
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=80)
+    fig.savefig(buffer, format="png", dpi=80, bbox_inches="tight")
     plt.close(fig)
     return buffer.getvalue()
 

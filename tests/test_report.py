@@ -273,3 +273,21 @@ def test_metrics_bars_carry_their_values_and_long_labels_stay_whole(tmp_path):
 @pytest.mark.parametrize("count", [1, 2, 3])
 def test_chosen_samples_never_exceed_the_count(count):
     assert len(chosen_samples(SAMPLES, count)) == count
+
+
+def test_a_sweeps_plot_is_a_grid_of_labelled_bars(tmp_path):
+    import io
+
+    from flows.sweep_report import plot_png, sweep_figure
+
+    rows = [
+        {"point": f"sft[lr={lr},rank={rank}]", "lr": lr, "rank": rank, **{f"metric_{i}": i * lr for i in range(7)}}
+        for lr in (1e-4, 3e-4, 1e-3, 3e-3)
+        for rank in (8, 16)
+    ]
+    fig = sweep_figure(rows, ["lr", "rank"])
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(panels) == 7 and len(fig.axes) == 9  # 3 x 3, not 7 in a row
+    assert [t.get_text() for t in panels[1].texts][:2] == ["0.0001", "0.0001"]
+    width, height = Image.open(io.BytesIO(plot_png(rows, ["lr", "rank"]))).size
+    assert 0.8 <= width / height <= 3.0, (width, height)
