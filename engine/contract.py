@@ -86,6 +86,7 @@ ADDED_AT_DEFAULT = {
     "compute.weight_grad_dtype": "float32",
     # the layer pattern's per-layer kinds (engine/models/config.py: ModelConfig.layer_pattern)
     "model.rope_pattern": None,
+    "model.rotary_dim": None,
     "model.pre_norms": True,
     "model.qk_norm_across_heads": False,
     "model.ffn_pattern": None,

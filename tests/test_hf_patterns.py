@@ -70,10 +70,26 @@ def hf_config(name: str):
                 "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
             },
         ),
+        # a dense first layer, then DeepSeek-style experts (2 groups of 3, one group per token,
+        # a shared expert, scaled weights) behind q/k/v biases, QK norm and RoPE on half of each head
+        "glm4_moe": lambda: t.Glm4MoeConfig(
+            **COMMON,
+            n_routed_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=14,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            first_k_dense_replace=1,
+            attention_bias=True,
+            use_qk_norm=True,
+            num_mtp_layers=0,
+            rope_theta=500.0,
+        ),
     }[name]()
 
 
-CASES = ["qwen3_moe_sparse_step", "qwen3_moe_mlp_only", "smollm3", "olmo2", "olmo3"]
+CASES = ["qwen3_moe_sparse_step", "qwen3_moe_mlp_only", "smollm3", "olmo2", "olmo3", "glm4_moe"]
 
 
 def implementations(name: str) -> dict:
@@ -131,6 +147,9 @@ def test_the_pattern_is_what_the_config_says(case):
     if case.family == "smollm3":
         assert [x.rope for x in layers] == [bool(x) for x in hf.no_rope_layers] == [True, False] * 2 + [True]
         assert [x.local for x in layers] == [not x.rope for x in layers]
+    if case.family == "glm4_moe":
+        assert case.cfg.rotary_dim == 4 and case.cfg.qkv_bias and case.cfg.qk_norm
+        assert [x.ffn for x in layers] == ["mlp", "moe", "moe"] and case.cfg.router_groups == 2
     if case.family == "olmo3":
         assert [x.local for x in layers] == [t == "sliding_attention" for t in hf.layer_types]
         assert case.cfg.rope_local_theta == 500.0 and case.cfg.rope_scaling.kind == "linear"
@@ -174,6 +193,8 @@ def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_pat
 
 def test_exported_config_json_is_what_transformers_writes(case, tmp_path, monkeypatch):
     """test_hf_parity's check; Qwen3-MoE's export also names the expert count `num_experts`,
-    as its published checkpoints (and transformers 4) do (transformers 5: num_local_experts)."""
-    monkeypatch.setattr(test_hf_parity, "OLDER_KEYS", test_hf_parity.OLDER_KEYS | {"num_experts"})
+    as its published checkpoints (and transformers 4) do (transformers 5: num_local_experts),
+    and GLM-4.5's `partial_rotary_factor` sits at the top level too, where its published ones have it."""
+    older = test_hf_parity.OLDER_KEYS | {"num_experts", "partial_rotary_factor"}
+    monkeypatch.setattr(test_hf_parity, "OLDER_KEYS", older)
     test_hf_parity.test_exported_config_json_is_what_transformers_writes(case, tmp_path)

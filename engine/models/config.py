@@ -125,6 +125,10 @@ class ModelConfig(Strict):
     """Attention scores become cap * tanh(scores / cap) before masking (Gemma 2)."""
     final_logit_softcap: float | None = Field(None, gt=0)
     """Output logits become cap * tanh(logits / cap) (Gemma 2)."""
+    rotary_dim: int | None = Field(None, gt=0)
+    """RoPE rotates only the first rotary_dim dimensions of each query/key head, its
+    frequencies those of a rotary_dim-wide head (GLM-4.5's partial_rotary_factor: head_dim / 2);
+    None: all of head_dim."""
     rope_pattern: list[bool] | None = Field(None, min_length=1)
     """Layer i rotates queries and keys (RoPE) iff rope_pattern[i % len]; None: every layer.
     SmolLM3: three RoPE layers then a NoPE one ([true, true, true, false])."""
@@ -246,8 +250,12 @@ class ModelConfig(Strict):
             raise ValueError("qk_norm_across_heads needs qk_norm")
         if not self.pre_norms and not self.post_norms:
             raise ValueError("pre_norms false needs post_norms (a block normalises its input or its output)")
-        if self.is_mla and (self.qk_norm_across_heads or self.rope_pattern is not None):
-            raise ValueError("qk_norm_across_heads and rope_pattern are settings of grouped-query attention, not MLA")
+        if self.is_mla and (self.qk_norm_across_heads or self.rope_pattern is not None or self.rotary_dim):
+            raise ValueError(
+                "qk_norm_across_heads, rope_pattern and rotary_dim are settings of grouped-query attention, not MLA"
+            )
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or self.rotary_dim > self.head_dim):
+            raise ValueError(f"rotary_dim ({self.rotary_dim}) must be even and at most head_dim ({self.head_dim})")
         if self.router_groups > 1:
             if self.num_experts % self.router_groups or self.num_experts // self.router_groups < 2:
                 raise ValueError(

@@ -85,6 +85,7 @@ class Attention(nnx.Module):
             self.sinks_n = nnx.Param(jnp.zeros((n,), pdt), out_sharding=("heads",))
         self.out_bias, self.sinks = cfg.attention_out_bias, cfg.attention_sinks
         self.head_dim, self.rope_theta, self.rope_scaling = h, cfg.rope_theta, cfg.rope_scaling
+        self.rotary_dim = cfg.rotary_dim or h
         self.rope_local_theta, self.sliding_window = cfg.rope_local_theta, cfg.sliding_window
         self.qkv_bias, self.qk_norm = cfg.qkv_bias, cfg.qk_norm
         self.scale = (cfg.query_pre_attn_scalar or h) ** -0.5
@@ -101,13 +102,20 @@ class Attention(nnx.Module):
 
     def _inverse_frequencies(self, local: bool):
         if local and self.rope_local_theta is not None:
-            return rope_inverse_frequencies(self.head_dim, self.rope_local_theta, None)
-        return rope_inverse_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)
+            return rope_inverse_frequencies(self.rotary_dim, self.rope_local_theta, None)
+        return rope_inverse_frequencies(self.rotary_dim, self.rope_theta, self.rope_scaling)
 
     def _rope_scale(self, local: bool) -> float:
         if (local and self.rope_local_theta is not None) or self.rope_scaling is None:
             return 1.0
         return self.rope_scaling.yarn_attention_factor()
+
+    def _rotate(self, x_btnh, rotary):
+        """RoPE on the first rotary_dim dimensions of each head, the rest passed through."""
+        if self.rotary_dim == self.head_dim:
+            return rotate(x_btnh, *rotary)
+        r = self.rotary_dim
+        return jnp.concatenate([rotate(x_btnh[..., :r], *rotary), x_btnh[..., r:]], axis=-1)
 
     def rotary(self, positions_bt, local: bool, max_position: int | None = None):
         """RoPE's (cos, sin) at `positions_bt` for a global or local layer (rope.py)."""
@@ -145,8 +153,8 @@ class Attention(nnx.Module):
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", None))
         if rope and rotary is None:  # looked up in a table of the positions below the row's (cache's) length
             rotary = self.rotary(positions_bt, local, positions_bt.shape[1] if cache is None else cache.length)
-        q = checkpoint_name(rotate(q, *rotary) if rope else q, "qkv_proj")
-        k = checkpoint_name(rotate(k, *rotary) if rope else k, "qkv_proj")
+        q = checkpoint_name(self._rotate(q, rotary) if rope else q, "qkv_proj")
+        k = checkpoint_name(self._rotate(k, rotary) if rope else k, "qkv_proj")
         v = checkpoint_name(v, "qkv_proj")
         sinks_n = self.sinks_n[...] if self.sinks else None
         if cache is None:

@@ -52,7 +52,9 @@ def _dense_mlp() -> list[TensorSpec]:
     ]
 
 
-def _experts() -> list[TensorSpec]:
+def routed_and_shared_experts() -> list[TensorSpec]:
+    """A DeepSeek-style mixture of experts: the sigmoid router, its score bias, the experts (one
+    tensor each) and the shared experts (also GLM-4.5's, families/glm.py)."""
     expert, shared = LAYER + "mlp." + EXPERT, LAYER + "mlp.shared_experts."
     return [
         TensorSpec(("mlp", "w_router_de"), LAYER + "mlp.gate.weight", 1),
@@ -161,7 +163,7 @@ class DeepseekV3(Family):
         per_layer = []
         for stack, _ in cfg.layer_stacks():
             per_layer += _attention(stack, cfg.q_lora_rank is not None)
-            per_layer += _dense_mlp() if stack == "dense_blocks" else _experts()
+            per_layer += _dense_mlp() if stack == "dense_blocks" else routed_and_shared_experts()
         return top, per_layer
 
     def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:
