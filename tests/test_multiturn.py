@@ -330,6 +330,8 @@ def test_a_tool_using_policy_learns_the_two_turn_arithmetic_task(tool_task, tmp_
     assert calls[0] < 0.2 and min(calls[-5:]) > 0.9, calls
     assert right > 2 / 19, right  # above chance: it reads the observation
     assert all(r["env/failed"] == 0 and r["env/truncated"] == 0 for r in records)
+    # The sampler's log-probs of the model's turns are the trainer's of the whole episode (rounding).
+    assert max(r["sampling/sampling_logp_difference/max"] for r in records) < 1e-4
 
 
 def test_episodes_in_a_rollout_worker_at_staleness_zero_are_the_synchronous_run_bitwise(tool_task, tmp_path):
