@@ -20,8 +20,8 @@ from engine.train.targets import GiB
 
 OLDER_TPU_COMPILER = (
     "this compiler (jax < 0.11) states no buffer-assignment total, so the temporaries are its heap peak; "
-    "its own temporaries figure (temp_size_in_bytes, {temp:.2f} GiB here) sums every buffer and overstates "
-    "what it holds: measured for llama3.1-8b on a v5p-8 (8 rows, remat full), 17.86 GiB per chip against its "
+    "its own temporaries figure (temp_size_in_bytes, {temp} here) sums every buffer and overstates "
+    "what a large step holds: measured for llama3.1-8b on a v5p-8 (8 rows, remat full), 17.86 GiB per chip against its "
     "buffer assignment's 13.96 at 4,096 positions (+28%) and 23.65 against 17.43 at 8,192 (+36%); "
     "jax >= 0.11 (Python 3.12+) states the assignment itself"
 )
@@ -34,7 +34,8 @@ def older_compiler_note(analysis, platform: str) -> str | None:
     buffer-assignment total; None where it does (or off TPU, where temp_size is exact)."""
     if platform != "tpu" or getattr(analysis, "total_allocation_bytes", 0):
         return None
-    return OLDER_TPU_COMPILER.format(temp=analysis.temp_size_in_bytes / GiB)
+    temp = analysis.temp_size_in_bytes
+    return OLDER_TPU_COMPILER.format(temp=f"{temp / GiB:.2f} GiB" if temp >= GiB else f"{temp / 2**20:.2f} MiB")
 
 
 def knobs(cfg, from_scratch: bool = False) -> str:
