@@ -25,6 +25,8 @@ transformers = need("transformers")
 
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
+from engine.models.config import ModelConfig  # noqa: E402
+from engine.models.transformer import layer_schedule  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
@@ -198,3 +200,27 @@ def test_exported_config_json_is_what_transformers_writes(case, tmp_path, monkey
     older = test_hf_parity.OLDER_KEYS | {"num_experts", "partial_rotary_factor"}
     monkeypatch.setattr(test_hf_parity, "OLDER_KEYS", older)
     test_hf_parity.test_exported_config_json_is_what_transformers_writes(case, tmp_path)
+
+
+def test_the_layer_schedule_scans_like_layers_together():
+    """layer_schedule: identical layers are one run (no unit); Gemma 3's five local and one
+    global layer are a unit of six from layer 0; DeepSeek-V3's dense then expert layers are
+    two runs; Qwen3-MoE's alternating dense and expert layers a unit of two stacks' layers;
+    an irregular pattern nothing repeats in runs layer by layer."""
+    tiny = dict(vocab_size=17, d_model=8, num_heads=2, num_kv_heads=1, head_dim=4, mlp_dim=8)
+    moe = dict(family="qwen3_moe", num_experts=4, experts_per_token=2)
+
+    def schedule(**fields):
+        return layer_schedule(ModelConfig(**{**tiny, **fields}).layer_pattern())
+
+    assert schedule(num_layers=32) == (32, 0, 0)
+    gemma3 = dict(family="gemma3", attention_pattern=["local"] * 5 + ["global"], sliding_window=4)
+    assert schedule(num_layers=26, **gemma3) == (0, 6, 4)  # + two local layers after the scan
+    assert schedule(num_layers=61, first_dense_layers=3, **moe) == (61, 0, 0)
+    assert schedule(num_layers=48, ffn_pattern=["mlp", "moe"], **moe) == (0, 2, 24)
+    assert schedule(num_layers=7, ffn_pattern=["mlp", "moe", "moe", "mlp", "moe", "moe", "moe"], **moe) == (7, 0, 0)
+    # two dense layers then experts: two runs, whatever ffn_pattern says after them
+    cfg = ModelConfig(**tiny, num_layers=18, first_dense_layers=2, ffn_pattern=["moe"], **moe)
+    assert layer_schedule(cfg.layer_pattern()) == (18, 0, 0)
+    smol = dict(family="smollm3", rope_pattern=[True, True, True, False])
+    assert schedule(num_layers=36, **smol) == (0, 4, 9)
