@@ -299,7 +299,7 @@ class ModelConfig(Strict):
 
     def layer_pattern(self) -> list[Layer]:
         """Every layer as data, in order: the decoder is this list (transformer.py runs it)."""
-        mixer = "mla" if self.is_mla else "attention"
+        mixer: Literal["attention", "mla"] = "mla" if self.is_mla else "attention"
         ffn_pattern = self.ffn_pattern or ["moe"]
         rope_pattern = self.rope_pattern or [True]
         layers = []
