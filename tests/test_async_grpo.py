@@ -99,6 +99,10 @@ def test_stale_rollouts_log_their_importance_ratios_and_still_learn(copy_task, t
     assert all(r["is_ratio_min"] <= r["is_ratio_mean"] <= r["is_ratio_max"] for r in records)
     assert any(r["is_ratio_max"] > 1.0 or r["is_ratio_min"] < 1.0 for r in stale)
     assert all(r["rollout_corr/k3_kl"] >= 0 and 0 <= r["is_clipped_fraction"] <= 1 for r in records)
+    # The gap the step monitors: rounding for the first batch (the worker sampled with the trainer's
+    # weights), the staleness for the later ones.
+    gap = "sampling/sampling_logp_difference/max"
+    assert records[0][gap] < 1e-4 < max(r[gap] for r in stale), [r[gap] for r in records]
     assert result["steps"] == 15
 
 
