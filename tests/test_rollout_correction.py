@@ -26,6 +26,7 @@ from engine.posttrain.config import GRPOConfig, RolloutCorrectionConfig
 from engine.posttrain.grpo import corrected, loss_tokens, run_grpo
 from engine.posttrain.policy_loss import policy_loss
 from engine.posttrain.rollout_correction import mismatch_metrics, rollout_correction
+from flows.spec import Pipeline
 from tests.deps import need
 from tests.test_grpo import grpo_config, make_copy_task
 
@@ -234,6 +235,43 @@ def test_an_unknown_mode_or_crossed_bounds_are_refused_in_one_sentence():
         correction_config("icepo")
     with pytest.raises(ConfigError, match=r"clip_min \(2.0\) must not exceed clip_max \(1.5\)"):
         correction_config("token_mask", clip_min=2.0, clip_max=1.5)
+
+
+USER_CORRECTION = """
+import jax.numpy as jnp
+
+
+def keep_the_likelier(log_ratio_bt, mask_bt, low, high):
+    ratio = jnp.exp(log_ratio_bt)
+    return ratio, jnp.ones_like(ratio), log_ratio_bt >= 0  # drop tokens the trainer finds less likely
+"""
+
+
+def test_a_user_correction_runs_is_found_at_plan_time_and_its_source_is_part_of_the_id(
+    tiny_task, tmp_path, monkeypatch, float64
+):
+    def plan():
+        p = Pipeline("user-correction", store=tmp_path / "store")
+        base = p.stage("base", task="test-checkpoint-copy", config={"path": str(tiny_task)})
+        config = {
+            "data": {"path": str(tiny_task / "prompts.jsonl")},
+            "rewards": [{"function": "exact_match"}],
+            "rollout_correction": {"mode": "my_correction:keep_the_likelier"},
+        }
+        p.stage("grpo", task="grpo", inputs={"checkpoint": base}, config=config)
+        return p.plan().stages["grpo"].job.artifact_id
+
+    with pytest.raises(ConfigError, match=r"key 'rollout_correction.mode': cannot find module 'my_correction'"):
+        plan()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = tmp_path / "my_correction.py"
+    module.write_text(USER_CORRECTION)
+    first = plan()
+    module.write_text(module.read_text() + "# edited\n")
+    assert plan() != first
+    _, keep, metrics = rollout_correction(TRAINER, BEHAVIOUR, MASK, "my_correction:keep_the_likelier")
+    np.testing.assert_array_equal(np.asarray(keep), [[1, 1, 0, 0], [1, 0, 0, 0]])  # rho 1, 2, 1/4 | 3/2, 4/5
+    assert float(metrics["rollout_corr/rollout_rs_masked_fraction"]) == pytest.approx(2 / 5)
 
 
 # --------------------------------------------------------------------------- a run

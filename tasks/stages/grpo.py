@@ -24,7 +24,7 @@ from engine.config import ConfigError
 from engine.contract import ENTRY_POINTS
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.environments import BUILTIN_ENVIRONMENTS
-from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
 from engine.posttrain.rewards import BUILTIN
 from tasks.artifacts import sha256_file
 from tasks.registry import Input, StageContext
@@ -57,15 +57,24 @@ OBJECTIVE_KEYS = {
     "loss_type": POLICY_LOSSES,
     "loss_aggregation": LOSS_AGGREGATIONS,
     "advantage_estimator": ADVANTAGE_ESTIMATORS,
+    "rollout_correction.mode": ROLLOUT_CORRECTIONS,
 }
 
 
+def objective_value(cfg: GRPOConfig, key: str) -> str | None:
+    """The config's value at a dotted key of OBJECTIVE_KEYS (None where a section is unset)."""
+    value = cfg
+    for part in key.split("."):
+        value = getattr(value, part) if value is not None else None
+    return value
+
+
 def objective_sources(cfg: GRPOConfig) -> dict[str, str | None]:
-    """sha256 of the user modules that a module:function loss, aggregation or advantage
-    estimator names (registered built-ins are the package's code)."""
+    """sha256 of the user modules that a module:function loss, aggregation, advantage estimator
+    or rollout correction names (registered built-ins are the package's code)."""
     digests = {}
     for key, registry in OBJECTIVE_KEYS.items():
-        value = getattr(cfg, key)
+        value = objective_value(cfg, key)
         if value is not None and value not in registry.names():
             module = value.partition(":")[0]
             digests[module] = module_digest(module)
@@ -110,7 +119,7 @@ class GRPOStage(FineTuneStage):
                     "(run from its directory or add it to PYTHONPATH)"
                 )
         for key in OBJECTIVE_KEYS:  # a misspelt user module fails validation too
-            value = getattr(cfg, key)
+            value = objective_value(cfg, key)
             if value is not None and value not in OBJECTIVE_KEYS[key].names():
                 module = value.partition(":")[0]
                 if module_digest(module) is None:
