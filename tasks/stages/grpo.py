@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import replace
+from typing import Any
 
 from engine.config import ConfigError
 from engine.contract import ENTRY_POINTS
@@ -63,7 +64,7 @@ OBJECTIVE_KEYS = {
 
 def objective_value(cfg: GRPOConfig, key: str) -> str | None:
     """The config's value at a dotted key of OBJECTIVE_KEYS (None where a section is unset)."""
-    value = cfg
+    value: Any = cfg
     for part in key.split("."):
         value = getattr(value, part) if value is not None else None
     return value
