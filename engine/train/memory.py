@@ -32,7 +32,7 @@ issue 31's dumps of that compiler, docs/engine.md "What the total counts"."""
 def older_compiler_note(analysis, platform: str) -> str | None:
     """The OLDER_TPU_COMPILER sentence for a TPU step whose memory analysis states no
     buffer-assignment total; None where it does (or off TPU, where temp_size is exact)."""
-    if platform != "tpu" or getattr(analysis, "total_allocation_bytes", 0):
+    if platform != "tpu" or hasattr(analysis, "total_allocation_bytes"):
         return None
     temp = analysis.temp_size_in_bytes
     return OLDER_TPU_COMPILER.format(temp=f"{temp / GiB:.2f} GiB" if temp >= GiB else f"{temp / 2**20:.2f} MiB")
