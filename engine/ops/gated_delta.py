@@ -10,10 +10,11 @@ with q, k L2-normalised and q scaled by key_dim^-1/2, g_t = -exp(A_log) softplus
 <= 0 the log decay and beta_t = sigmoid(b_t) the delta rule's step size. Three forms compute it:
 
 - `gated_delta_chunked`, for training: chunks of C tokens; inside a chunk the delta updates are
-  condensed with the UT transform (one unit-lower-triangular solve per chunk), so the work is
-  batched matmuls of C x C and C x key_dim, and only the state passes from chunk to chunk
-  (a lax.scan over t / C steps). Work is linear in t; padding to a multiple of C uses g = 0,
-  beta = 0, k = 0, which leaves the state untouched, so the final state is exact.
+  condensed with the UT transform (the inverse of one unit-lower-triangular C x C matrix per
+  chunk, built from matmuls), so the work is batched matmuls of C x C and C x key_dim, and
+  only the state passes from chunk to chunk (a lax.scan over t / C steps). Work is linear in
+  t; padding to a multiple of C uses g = 0, beta = 0, k = 0, which leaves the state untouched,
+  so the final state is exact. C must be a power of two.
 - `gated_delta_step`, for decoding: one token, carrying S.
 - `gated_delta_scan`, the per-token lax.scan of that step: the tests' reference.
 
@@ -133,6 +134,39 @@ def gated_delta_scan(
     return jnp.moveaxis(out_tbhv, 0, 1).astype(q_bthk.dtype), state
 
 
+def _unit_lower_inverse(m_cc: jax.Array) -> jax.Array:
+    """(I + strictly_lower(m))^-1 for a power-of-two size C (m's diagonal is not read).
+
+    Block by block, bottom up: the inverse of [[A, 0], [B, D]] is [[A^-1, 0], [-D^-1 B A^-1,
+    D^-1]], so log2(C) rounds of batched matmuls build it from the 1 x 1 blocks (each 1). XLA:CPU
+    expands a batched `triangular_solve` into a slow loop (at C = 64 it took most of the chunked
+    step's time, bench/linear_mixers.py); this is matmuls on every backend, as substitution is
+    sequential and a Neumann series cancels badly in float32.
+    """
+    size = m_cc.shape[-1]
+    assert size & (size - 1) == 0, f"chunk size {size} must be a power of two"
+    lead = m_cc.shape[:-2]
+    inverse = jnp.ones((*lead, size, 1, 1), m_cc.dtype)  # the 1 x 1 diagonal blocks
+    block = 1
+    while block < size:
+        pairs = size // (2 * block)
+        tiles = m_cc.reshape(*lead, pairs, 2 * block, pairs, 2 * block)
+        diagonal = jnp.moveaxis(jnp.diagonal(tiles, axis1=-4, axis2=-2), -1, -3)  # (..., pairs, 2s, 2s)
+        below = diagonal[..., block:, :block]
+        halves = inverse.reshape(*lead, pairs, 2, block, block)
+        upper_inv, lower_inv = halves[..., 0, :, :], halves[..., 1, :, :]
+        corner = -(lower_inv @ below @ upper_inv)
+        inverse = jnp.concatenate(
+            [
+                jnp.concatenate([upper_inv, jnp.zeros_like(upper_inv)], axis=-1),
+                jnp.concatenate([corner, lower_inv], axis=-1),
+            ],
+            axis=-2,
+        )
+        block *= 2
+    return inverse[..., 0, :, :]
+
+
 def gated_delta_chunked(
     q_bthk: jax.Array,
     k_bthk: jax.Array,
@@ -167,7 +201,7 @@ def gated_delta_chunked(
     # UT transform: (I + strictly_lower(beta k k^T * decay)) [u, w] = [beta v, beta k exp(cum)].
     ut_system = jnp.einsum("...ik,...jk->...ij", k_beta, k) * decay_cc
     rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(cum_decay)[..., None]], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(ut_system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    solved = _unit_lower_inverse(ut_system) @ rhs
     new_values, k_cumdecay = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
     intra_cc = jnp.einsum("...ik,...jk->...ij", q, k) * decay_cc
     q_decayed = q * jnp.exp(cum_decay)[..., None]
