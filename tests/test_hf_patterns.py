@@ -15,6 +15,7 @@ import io
 import logging
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -23,11 +24,14 @@ from tests.deps import need
 torch = need("torch")
 transformers = need("transformers")
 
+from engine.config import resolve_model_preset  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
-from engine.models.config import ModelConfig  # noqa: E402
+from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
+from engine.models.params import graphdef_of  # noqa: E402
 from engine.models.transformer import layer_schedule  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
+from engine.train.step import lm_loss_fn  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
     COMMON,
@@ -38,6 +42,7 @@ from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over th
     test_export_then_convert_is_bitwise_identical,
     test_greedy_generation_of_16_tokens_is_identical,
 )
+from tests.test_moe import random_params  # noqa: E402
 
 WINDOW = 5
 FIVE = {**COMMON, "num_hidden_layers": 5}
@@ -224,3 +229,50 @@ def test_the_layer_schedule_scans_like_layers_together():
     assert layer_schedule(cfg.layer_pattern()) == (18, 0, 0)
     smol = dict(family="smollm3", rope_pattern=[True, True, True, False])
     assert schedule(num_layers=36, **smol) == (0, 4, 9)
+
+
+def test_a_training_step_over_interleaved_stacks_is_the_unrolled_layers_step():
+    """A training step (loss, router losses and loads, every gradient) of a model whose dense
+    and expert layers alternate, with a choosing bias on the router: the scanned unit of two
+    stacks' layers (and the layer left after it) gives what running the layers one by one
+    gives, so each expert layer's statistics reach its own bias."""
+    preset = resolve_model_preset({"model": "tiny-qwen3-moe-mixed"}, "tiny")["model"]
+    cfg = ModelConfig.model_validate({**preset, "num_layers": 5, "router_score": "sigmoid", "router_bias": True})
+    assert layer_schedule(cfg.layer_pattern()) == (0, 2, 2)
+    scanned, unrolled = ComputeConfig(), ComputeConfig(scan_layers=False)
+    params = random_params(cfg, scanned)
+    params["blocks"]["mlp"]["b_router_e"] = jnp.asarray(np.random.default_rng(3).normal(size=(2, 6)) * 0.1)
+    per_layer = {
+        **params,
+        **{
+            name: {i: jax.tree.map(lambda x, i=i: x[i], params[name]) for i in range(len(layers))}
+            for name, layers in cfg.layer_stacks()
+        },
+    }
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12))
+    batch = {
+        "tokens": tokens,
+        "positions": np.broadcast_to(np.arange(12), (2, 12)),
+        "segment_ids": np.ones((2, 12), np.int32),
+        "targets": np.roll(tokens, -1, 1),
+        "loss_mask": np.ones((2, 12), np.float32),
+    }
+    results = []
+    for compute, p in ((scanned, params), (unrolled, per_layer)):
+        step = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef_of(cfg, compute)), has_aux=True))
+        (loss, aux), grads = step(p, batch, 24.0)
+        results.append((loss, aux, grads))
+    (loss_a, aux_a, grads_a), (loss_b, aux_b, grads_b) = results
+    np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)
+    for key in aux_a:
+        np.testing.assert_allclose(aux_a[key], aux_b[key], rtol=1e-5, atol=1e-7, err_msg=key)
+    bias_grad = np.asarray(grads_a["blocks"]["mlp"]["b_router_e"])
+    assert np.abs(bias_grad[0] - bias_grad[1]).max() > 0  # each layer its own imbalance
+    for name, layers in cfg.layer_stacks():
+        for i in range(len(layers)):
+            for a, b in zip(
+                jax.tree.leaves(jax.tree.map(lambda x, i=i: x[i], grads_a[name])),
+                jax.tree.leaves(grads_b[name][i]),
+                strict=True,
+            ):
+                np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
