@@ -5,7 +5,7 @@ else of the file changes), on the session's Prefect server.
 Which test runs which shipped pipeline:
     quickstart.yaml  tests/test_quickstart.py (as shipped, full size)
     tiny.yaml        tests/test_object_store.py (on an S3 store, a smaller corpus and fewer steps)
-    sweep.yaml       here
+    sweep.yaml, posttrain.yaml, tools.yaml   here
 """
 
 from __future__ import annotations
@@ -24,11 +24,17 @@ pytestmark = pytest.mark.slow
 
 PIPELINES = REPO / "configs" / "pipelines"
 
-SWEEP_SMALL = [
+# The same problems for every pipeline (the stages they share are made once, in one store).
+SMALL_PROBLEMS = [
     "problems.pretrain_problems=2000",
-    "problems.sft_problems=160",  # sft's eval_fraction 0.05: 8 held out
+    "problems.sft_problems=160",  # the sweep's sft holds out 5%: 8 examples
     "problems.rl_problems=8",
-    "problems.eval_problems=16",
+    "problems.eval_problems=8",
+    "problems.preference_pairs=48",  # reward_model and dpo hold out 10%
+]
+
+SWEEP_SMALL = [
+    *SMALL_PROBLEMS,
     "pretrain.steps=4",
     "pretrain.data.batch_size=4",
     "pretrain.data.seq_len=64",
@@ -48,16 +54,65 @@ SWEEP_SMALL = [
 ]
 
 
-def test_the_shipped_sweep_runs_to_its_export_of_the_point_with_the_best_held_out_loss(prefect_server, tmp_path):
-    pipeline, store = PIPELINES / "sweep.yaml", tmp_path / "store"
-    trainflow("run", pipeline, "--store", store, *SWEEP_SMALL, timeout=1200)
+SMALL_LM = ["steps=2", "data.batch_size=4", "data.seq_len=64", "checkpoint.every_steps=2"]
+SMALL_PAIRS = ["steps=2", "data.batch_size=4", "eval_every=2", "checkpoint.every_steps=2"]
+SMALL_GRPO = ["steps=2", "prompts_per_step=2", "num_generations=2", "checkpoint.every_steps=2"]
+SMALL_EVALUATE = ["evaluate.loss_batches=1", "evaluate.tasks.0.limit=4"]
 
-    status = json.loads(trainflow("status", pipeline, "--store", store, *SWEEP_SMALL, "--json").stdout)
-    states = {row["stage"]: row["state"] for row in status["stages"]}
+
+def at(stage: str, overrides: list[str]) -> list[str]:
+    return [f"{stage}.{item}" for item in overrides]
+
+
+POSTTRAIN_SMALL = [
+    *SMALL_PROBLEMS,
+    *at("pretrain", SMALL_LM),
+    *at("pretrain_small", SMALL_LM),
+    *at("sft", SMALL_LM),
+    *at("distill", SMALL_LM),
+    *at("reward_model", SMALL_PAIRS),
+    *at("dpo", SMALL_PAIRS),
+    *at("grpo", SMALL_GRPO),
+    *SMALL_EVALUATE,
+]
+
+TOOLS_SMALL = [
+    *SMALL_PROBLEMS,
+    *at("pretrain", SMALL_LM),
+    *at("sft", SMALL_LM),
+    *at("grpo", SMALL_GRPO),
+    "grpo.environment.max_turns=2",
+    "grpo.environment.max_turn_tokens=4",
+    "grpo.max_completion_length=16",
+]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    """One store for the module: a stage two pipelines share at the same config runs once."""
+    return tmp_path_factory.mktemp("shipped") / "store"
+
+
+def run_to_completion(name: str, overrides: list[str], store: Path) -> dict[str, dict]:
+    """`trainflow run` of a shipped pipeline, then `trainflow status`: stage -> its row."""
+    pipeline = PIPELINES / name
+    trainflow("run", pipeline, "--store", store, *overrides, timeout=1200)
+    status = json.loads(trainflow("status", pipeline, "--store", store, *overrides, "--json").stdout)
+    return {row["stage"]: row for row in status["stages"]}
+
+
+@pytest.mark.parametrize("name, overrides", [("posttrain.yaml", POSTTRAIN_SMALL), ("tools.yaml", TOOLS_SMALL)])
+def test_a_shipped_pipeline_runs_to_completion(prefect_server, store, name, overrides):
+    states = {stage: row["state"] for stage, row in run_to_completion(name, overrides, store).items()}
+    assert set(states.values()) == {"complete"}, states
+
+
+def test_the_shipped_sweep_runs_to_its_export_of_the_point_with_the_best_held_out_loss(prefect_server, store):
+    rows = run_to_completion("sweep.yaml", SWEEP_SMALL, store)
     points = ["sft[lr=0.001,rank=8]", "sft[lr=0.001,rank=16]"]
     stages = ["problems", "tokenize", "pretrain", "early", *points, "evaluate", "export"]
-    assert states == dict.fromkeys(stages, "complete"), states
-    ids = {row["stage"]: row["artifact_id"] for row in status["stages"]}
+    assert {stage: row["state"] for stage, row in rows.items()} == dict.fromkeys(stages, "complete"), rows
+    ids = {stage: row["artifact_id"] for stage, row in rows.items()}
 
     # The selection ranked the points by the held-out loss each one's manifest records.
     def artifact(stage: str) -> Path:  # a point's folder: its name with parentheses

@@ -381,10 +381,11 @@ class Reference:
         rows = trainer.batch_sharding
         loaded: dict = {}
         if cfg.reference.checkpoint:  # another model (TRL's ref_model), on the policy's mesh by its own axes
+            reference: str = cfg.reference.checkpoint
             ref_cfg, ref_compute = reference_model(cfg, model_cfg, bundle)
             abstract = abstract_model_params(ref_cfg, ref_compute, trainer.mesh)
             fn = make_logps_fn(graphdef_of(ref_cfg, ref_compute))
-            self._params = lambda: loaded.setdefault("p", load_params(cfg.reference.checkpoint, abstract)[1])
+            self._params = lambda: loaded.setdefault("p", load_params(reference, abstract)[1])
             shardings = jax.tree.map(lambda a: a.sharding, abstract)
         elif cfg.lora is not None:  # the base, through the model without adapters
             fn = make_logps_fn(graphdef_of(model_cfg, trainer.cfg.compute))
