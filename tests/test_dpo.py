@@ -305,3 +305,27 @@ def test_lora_dropout_acts_in_dpo_training_steps_only(base):
     dropped = float(loss_fn(params, {**batch, LORA_SEED: seeds}, normaliser)[0])
     again = float(loss_fn(params, {**batch, LORA_SEED: seeds}, normaliser)[0])
     assert dropped != plain and dropped == again, (plain, dropped, again)
+
+
+def test_a_reference_of_another_vocabulary_is_one_sentence_naming_it(base, tmp_path):
+    import shutil
+
+    from engine.data.tokenizer import TokenizerConfig, save_tokenizer, train_tokenizer
+    from engine.posttrain.dpo import reference_model
+    from engine.train.checkpoint import stored_configs
+
+    other = tmp_path / "other"
+    shutil.copytree(base / "checkpoint", other / "checkpoint")  # the same model, another tokenizer beside it
+    bundle = train_tokenizer(TokenizerConfig(vocab_size=300), ["zebra quartz " * 50], add_bos=True)
+    save_tokenizer(bundle, other / "tokenizer")
+    model_cfg, _ = stored_configs(base / "checkpoint")
+    ours = load_saved(base / "tokenizer")
+    cfg = dpo_config(base, tmp_path / "run", Path("unused.jsonl"), reference={"checkpoint": str(other / "checkpoint")})
+    with pytest.raises(
+        ConfigError, match=r"^reference.checkpoint: the reference's tokenizer \(.*other/tokenizer\) is not"
+    ):
+        reference_model(cfg, model_cfg, ours)
+    same = dpo_config(base, tmp_path / "run", Path("unused.jsonl"), reference={"checkpoint": str(base / "checkpoint")})
+    assert reference_model(same, model_cfg, ours)[0] == model_cfg
+    with pytest.raises(ConfigError, match="loss_type simpo is reference-free: it reads no reference.checkpoint"):
+        dpo_config(base, tmp_path / "run", Path("unused.jsonl"), loss_type="simpo", reference={"checkpoint": "x"})
