@@ -14,13 +14,13 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from engine.data.tokenizer import load_saved
+from flows.spec import load_plan
 from tasks.artifacts import read_manifest
 from tests.conftest import REPO
 from tests.test_object_store import trainflow
-
-pytestmark = pytest.mark.slow
 
 PIPELINES = REPO / "configs" / "pipelines"
 
@@ -101,12 +101,34 @@ def run_to_completion(name: str, overrides: list[str], store: Path) -> dict[str,
     return {row["stage"]: row for row in status["stages"]}
 
 
+def test_a_shipped_selection_by_a_held_out_metric_ranks_points_that_hold_data_out():
+    """What the run below finds after minutes, found at once: `select: {by: metrics.eval_...}`
+    needs candidates that measure a held-out metric (eval_fraction or eval_path)."""
+    checked = []
+    for path in sorted(PIPELINES.glob("*.yaml")):
+        plan, stages = load_plan(path), yaml.safe_load(path.read_text())["stages"]
+        for name, stage in stages.items():
+            for input_name, source in (stage.get("inputs") or {}).items():
+                select = source.get("select") if isinstance(source, dict) else None
+                if not select or not select["by"].startswith("metrics.eval_"):
+                    continue
+                sweep = select["from"].removesuffix("[*]")
+                for point, planned in plan.stages.items():
+                    if point.startswith(f"{sweep}["):
+                        data = planned.job.config.data
+                        assert data.eval_fraction > 0 or data.eval_path, f"{path.name}: {name}.{input_name}: {point}"
+                        checked.append(point)
+    assert checked  # sweep.yaml's export selects among its sft points
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name, overrides", [("posttrain.yaml", POSTTRAIN_SMALL), ("tools.yaml", TOOLS_SMALL)])
 def test_a_shipped_pipeline_runs_to_completion(prefect_server, store, name, overrides):
     states = {stage: row["state"] for stage, row in run_to_completion(name, overrides, store).items()}
     assert set(states.values()) == {"complete"}, states
 
 
+@pytest.mark.slow
 def test_the_shipped_sweep_runs_to_its_export_of_the_point_with_the_best_held_out_loss(prefect_server, store):
     rows = run_to_completion("sweep.yaml", SWEEP_SMALL, store)
     points = ["sft[lr=0.001,rank=8]", "sft[lr=0.001,rank=16]"]
