@@ -319,6 +319,7 @@ PUBLISHED_BILLIONS = {  # parameter counts of the released models
     "deepseek-v3": 671.03,  # the causal LM without its multi-token-prediction layer (685B with it)
     "smollm3-3b": 3.08,
     "olmo2-7b": 7.30,
+    "phi3-mini-4k": 3.82,
 }
 
 

@@ -30,7 +30,7 @@ def tiny(family: str, tie: bool) -> tuple:
         "num_hidden_layers": 3,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "head_dim": 6,
+        "head_dim": 8,  # GLM-4.5 rotates half of each head: an even half
         "intermediate_size": 7,
         "sliding_window": 5,
         "tie_word_embeddings": tie,

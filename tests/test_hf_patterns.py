@@ -24,10 +24,11 @@ from tests.deps import need
 torch = need("torch")
 transformers = need("transformers")
 
-from engine.config import resolve_model_preset  # noqa: E402
+from engine.config import ConfigError, resolve_model_preset  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
-from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
+from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
+from engine.models.config import ComputeConfig, LoraConfig, ModelConfig  # noqa: E402
 from engine.models.params import graphdef_of  # noqa: E402
 from engine.models.transformer import layer_schedule  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
@@ -93,10 +94,20 @@ def hf_config(name: str):
             num_mtp_layers=0,
             rope_theta=500.0,
         ),
+        # fused qkv_proj and gate_up_proj; a window on every layer; RoPE on 3/4 of each head (Phi-4-mini's)
+        "phi3": lambda: t.Phi3Config(
+            **COMMON,
+            original_max_position_embeddings=64,
+            sliding_window=WINDOW,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.75},
+            pad_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
+        ),
     }[name]()
 
 
-CASES = ["qwen3_moe_sparse_step", "qwen3_moe_mlp_only", "smollm3", "olmo2", "olmo3", "glm4_moe"]
+CASES = ["qwen3_moe_sparse_step", "qwen3_moe_mlp_only", "smollm3", "olmo2", "olmo3", "glm4_moe", "phi3"]
 
 
 def implementations(name: str) -> dict:
@@ -157,6 +168,11 @@ def test_the_pattern_is_what_the_config_says(case):
     if case.family == "glm4_moe":
         assert case.cfg.rotary_dim == 4 and case.cfg.qkv_bias and case.cfg.qk_norm
         assert [x.ffn for x in layers] == ["mlp", "moe", "moe"] and case.cfg.router_groups == 2
+    if case.family == "phi3":
+        assert case.cfg.rotary_dim == 6 and all(x.local for x in layers)
+        qkv = case.hf_model.model.layers[1].self_attn.qkv_proj.weight.detach().numpy()
+        wk = np.asarray(case.params["blocks"]["attn"]["wk_dkh"][1])  # (d, k, h): k's rows of qkv_proj
+        np.testing.assert_array_equal(qkv[48:64], wk.reshape(wk.shape[0], -1).T)
     if case.family == "olmo3":
         assert [x.local for x in layers] == [t == "sliding_attention" for t in hf.layer_types]
         assert case.cfg.rope_local_theta == 500.0 and case.cfg.rope_scaling.kind == "linear"
@@ -276,3 +292,15 @@ def test_a_training_step_over_interleaved_stacks_is_the_unrolled_layers_step():
                 strict=True,
             ):
                 np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_what_phi3_cannot_do_yet_is_refused_in_one_sentence():
+    """LongRoPE (Phi-3-mini-128k, Phi-3.5, Phi-4-mini) and LoRA on a fused projection."""
+    hf = {**hf_config("phi3").to_dict(), "architectures": ["Phi3ForCausalLM"]}
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}
+    with pytest.raises(ConfigError, match=r"RoPE type 'longrope' \(LongRoPE\) is not supported"):
+        model_config_from_hf({**hf, "rope_parameters": longrope})
+    cfg, _ = model_config_from_hf(hf)
+    with pytest.raises(ValueError, match=r"family 'phi3' stores q_proj, v_proj fused with others in one tensor"):
+        LoraConfig(target_modules=["q_proj", "v_proj"]).targets(cfg)
+    assert LoraConfig(target_modules="all-linear").targets(cfg) == ("o_proj", "down_proj")

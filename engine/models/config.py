@@ -505,6 +505,15 @@ class LoraConfig(Strict):
                     "whose projections LoRA does not adapt yet; target its MLP modules instead"
                 )
             wanted = tuple(m for m in wanted if m not in LORA_ATTENTION_TARGETS)
+        fused = get_family(model.family).fused_projections
+        if any(m in fused for m in wanted):
+            if self.target_modules != "all-linear":
+                raise ValueError(
+                    f"family '{model.family}' stores {', '.join(m for m in wanted if m in fused)} fused with "
+                    "others in one tensor (qkv_proj, gate_up_proj), which LoRA does not adapt yet; "
+                    "target o_proj or down_proj"
+                )
+            wanted = tuple(m for m in wanted if m not in fused)
         if model.is_moe and any(m in LORA_MLP_TARGETS for m in wanted):
             if self.target_modules != "all-linear":
                 raise ValueError(

@@ -33,9 +33,12 @@ from engine.interop.hf.mapping import (
     check_table_covers,
     copy_into,
     deinterleave,
+    fused_hf_shape,
     hf_shape,
     model_config_from_hf,
+    parts,
     tensor_table,
+    unfuse,
 )
 from engine.interop.hf.peft import ADAPTER_CONFIG, adapter_from_peft, lora_config_from_peft
 from engine.interop.hf.safetensors_io import SafetensorsFile
@@ -193,11 +196,15 @@ def convert_hf(
     target = NP_DTYPES[dtype]
     params: dict = {}
     for spec in top:
-        for path in (spec.path, *spec.interleaved_with):
+        for path in parts(spec):
             _set(params, path, np.empty(_at(shapes, path).shape, target))
     for spec in per_layer:
-        for path in (spec.path, *spec.interleaved_with):
+        for path in parts(spec):
             _set(params, (spec.stack, *path), np.empty(_at(shapes, (spec.stack, *path)).shape, target))
+
+    def slots(spec: TensorSpec, index: tuple) -> list[np.ndarray]:
+        """The engine arrays (views of `params`) one HF tensor fills."""
+        return [_at(params, p) if not index else _at(params, (spec.stack, *p))[index] for p in parts(spec)]
 
     log(f"convert: {architecture}, {len(expected)} tensors to read")
     # Every header first: a mismatch fails in a second, not after reading gigabytes.
@@ -227,7 +234,8 @@ def convert_hf(
                         f"({cfg.num_layers} layers); config and weights do not match"
                     )
                 spec, index, shape = expected[name]
-                want = hf_shape(spec, shape)
+                fused = [slot.shape for slot in slots(spec, index)] if spec.fused_with else None
+                want = fused_hf_shape(spec, fused) if fused else hf_shape(spec, shape)
                 if blocks is not None:
                     _check_mxfp4(st, path, scales_at, blocks, name, want)
                 elif st.shape(name) != want:
@@ -255,10 +263,15 @@ def convert_hf(
         else:
             scales = name + MXFP4_SCALES
             raw = dequantize_mxfp4(handles[path].get(blocks), handles[scales_at[scales][0]].get(scales))
-        paths = (spec.path, *spec.interleaved_with)  # one path, or the arrays HF interleaves in this tensor
-        for part, engine_path in enumerate(paths):
-            slot = _at(params, engine_path) if not index else _at(params, (spec.stack, *engine_path))[index]
-            copy_into(slot, spec, deinterleave(raw, part, len(paths)) if len(paths) > 1 else raw)
+        targets = slots(spec, index)  # one array, or those HF interleaves or fuses in this tensor
+        if spec.fused_with:
+            pieces = unfuse(spec, raw, [slot.shape for slot in targets])
+        else:
+            pieces = [
+                deinterleave(raw, part, len(targets)) if len(targets) > 1 else raw for part in range(len(targets))
+            ]
+        for slot, piece in zip(targets, pieces, strict=True):
+            copy_into(slot, spec, np.ascontiguousarray(piece) if spec.fused_with else piece)
         return raw.nbytes
 
     try:

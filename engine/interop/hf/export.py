@@ -25,7 +25,15 @@ from engine.interop.hf.files import (
     remove_stale_weights,
     tokenizer_beside,
 )
-from engine.interop.hf.mapping import TensorSpec, hf_shape, interleave, model_config_to_hf, tensor_table, to_hf
+from engine.interop.hf.mapping import (
+    TensorSpec,
+    fused_hf_shape,
+    hf_shape,
+    interleave,
+    model_config_to_hf,
+    tensor_table,
+    to_hf,
+)
 from engine.interop.hf.peft import ADAPTER_WEIGHTS, write_peft
 from engine.interop.hf.safetensors_io import write_safetensors
 from engine.models.config import ComputeConfig, ModelConfig
@@ -136,6 +144,8 @@ def write_hf_model(
     def hf_tensor(spec: TensorSpec, index: tuple) -> np.ndarray:
         if spec.interleaved_with:  # several engine arrays in one HF tensor
             return interleave([leaf(spec, index, path) for path in (spec.path, *spec.interleaved_with)])
+        if spec.fused_with:  # several engine arrays one after another (Phi-3's qkv_proj)
+            return np.concatenate([to_hf(spec, leaf(spec, index, path)) for path in (spec.path, *spec.fused_with)])
         return to_hf(spec, leaf(spec, index))
 
     top, per_layer = tensor_table(cfg)
@@ -153,7 +163,10 @@ def write_hf_model(
     for spec, index in order:
         array = leaf(spec, index)
         name = spec.hf_name.format(i=layers_of[spec.stack][index[0]], j=index[-1]) if index else spec.hf_name
-        entries[name] = (spec, index, hf_shape(spec, array.shape), array.dtype)
+        shape = hf_shape(spec, array.shape)
+        if spec.fused_with:
+            shape = fused_hf_shape(spec, [leaf(spec, index, p).shape for p in (spec.path, *spec.fused_with)])
+        entries[name] = (spec, index, shape, array.dtype)
     sizes = [(name, int(np.prod(e[2])) * e[3].itemsize) for name, e in entries.items()]
     shards = _plan_shards(sizes, max_shard_bytes)
     removed = remove_stale_weights(out_dir)

@@ -83,12 +83,17 @@ def _leaf_paths(tree: dict, prefix: tuple[str, ...] = ()) -> set[tuple[str, ...]
     return paths
 
 
+def parts(spec: TensorSpec) -> tuple[tuple[str, ...], ...]:
+    """The engine params one HF tensor holds: `path`, and those interleaved or fused with it."""
+    return (spec.path, *spec.interleaved_with, *spec.fused_with)
+
+
 def check_table_covers(cfg: ModelConfig, shapes: dict) -> None:
     """Assert that the tensor table names every parameter in `shapes` (the stacked layout
     of engine.models.params.abstract_model_params) and nothing else."""
     top, per_layer = tensor_table(cfg)
-    mapped = {path for s in top for path in (s.path, *s.interleaved_with)}
-    mapped |= {(s.stack, *path) for s in per_layer for path in (s.path, *s.interleaved_with)}
+    mapped = {path for s in top for path in parts(s)}
+    mapped |= {(s.stack, *path) for s in per_layer for path in parts(s)}
     leaves = _leaf_paths(shapes)
     assert mapped == leaves, f"tensor_table and the model disagree: {sorted(mapped ^ leaves)}"
 
@@ -103,6 +108,18 @@ def hf_shape(spec: TensorSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
     if spec.in_dims is not None:
         return (int(np.prod(shape[spec.in_dims :])), int(np.prod(shape[: spec.in_dims])))
     return (int(np.prod(shape)),) if spec.flatten else tuple(shape)
+
+
+def fused_hf_shape(spec: TensorSpec, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The HF shape of the tensor that fuses engine arrays of `shapes` (TensorSpec.fused_with)."""
+    each = [hf_shape(spec, shape) for shape in shapes]
+    return (sum(h[0] for h in each), *each[0][1:])
+
+
+def unfuse(spec: TensorSpec, hf_array: np.ndarray, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+    """A fused HF tensor's row blocks, one per engine array of `shapes` (views)."""
+    ends = np.cumsum([hf_shape(spec, shape)[0] for shape in shapes])[:-1]
+    return np.split(hf_array, ends, axis=0)
 
 
 def to_engine(spec: TensorSpec, hf_array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

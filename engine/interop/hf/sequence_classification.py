@@ -43,14 +43,17 @@ from engine.interop.hf.mapping import (
     causal_view,
     copy_into,
     deinterleave,
+    fused_hf_shape,
     hf_shape,
     interleave,
     is_sequence_classification,
     model_config_from_hf,
     model_config_to_hf,
+    parts,
     sequence_classification_architecture,
     tensor_table,
     to_hf,
+    unfuse,
 )
 from engine.interop.hf.safetensors_io import SafetensorsFile, write_safetensors
 from engine.models.params import abstract_model_params
@@ -147,13 +150,18 @@ def export_reward_model(
             return interleave(
                 [np.asarray(_slot(params, spec, index, path)) for path in (spec.path, *spec.interleaved_with)]
             )
+        if spec.fused_with:  # several engine arrays one after another (Phi-3's qkv_proj)
+            return np.concatenate([to_hf(spec, np.asarray(_slot(params, spec, index, p))) for p in parts(spec)])
         return to_hf(spec, np.asarray(_slot(params, spec, index, spec.path)))
 
     slots = _slots(cfg, params)
     entries = {}
     for name, (spec, index) in slots.items():
         array = np.asarray(_slot(params, spec, index, spec.path))
-        entries[name] = (hf_shape(spec, array.shape), array.dtype)
+        shape = hf_shape(spec, array.shape)
+        if spec.fused_with:
+            shape = fused_hf_shape(spec, [np.shape(_slot(params, spec, index, p)) for p in parts(spec)])
+        entries[name] = (shape, array.dtype)
     entries[SCORE] = ((1, cfg.d_model), params[HEAD].dtype)
     shards: list[list[str]] = [[]]
     size = 0
@@ -245,7 +253,8 @@ def convert_reward_model(
         for name, (spec, index) in slots.items():
             st = handles[files[name]]
             slot = _slot(params, spec, index, spec.path)
-            want = hf_shape(spec, slot.shape)
+            fused = [_slot(params, spec, index, p).shape for p in parts(spec)] if spec.fused_with else None
+            want = fused_hf_shape(spec, fused) if fused else hf_shape(spec, slot.shape)
             if tuple(st.shape(name)) != tuple(want):
                 raise ConfigError(
                     f"{files[name].name}: tensor '{name}' has shape {list(st.shape(name))}, but "
@@ -253,6 +262,10 @@ def convert_reward_model(
                 )
             raw = st.get(name)
             nbytes += raw.nbytes
+            if fused:
+                for path, piece in zip(parts(spec), unfuse(spec, raw, fused), strict=True):
+                    copy_into(_slot(params, spec, index, path), spec, piece)
+                continue
             paths = (spec.path, *spec.interleaved_with)
             for part, path in enumerate(paths):
                 copy_into(

@@ -52,6 +52,10 @@ class TensorSpec:
     """More engine params stored interleaved with `path` in HF's one tensor, along its last
     axis (GPT-OSS's gate_up_proj: gate at even columns, up at odd): of the n arrays, the
     i-th is HF's [..., i::n]. Same shapes; in_dims must be None."""
+    fused_with: tuple[tuple[str, ...], ...] = ()
+    """More engine params stored after `path` in HF's one tensor, concatenated along its first
+    (output) axis, each laid out as in_dims says (Phi-3's qkv_proj: q, k, v; gate_up_proj:
+    gate, up). Their shapes may differ."""
     stack: str = "blocks"
     """The layer stack a per-layer tensor belongs to (ModelConfig.layer_stacks): `blocks`, or
     the `dense_blocks` of a mixture of experts' dense layers (DeepSeek-V3's first layers,
@@ -207,6 +211,9 @@ class Family:
     the engine runs (flags of layers it does not have). Only keys the class defines."""
     moe: ClassVar[bool] = False
     """A mixture of experts: its models have num_experts > 0 (engine/models/moe.py)."""
+    fused_projections: ClassVar[tuple[str, ...]] = ()
+    """PEFT module names the family's checkpoints store fused into one tensor (Phi-3's q/k/v in
+    qkv_proj, gate/up in gate_up_proj): LoraConfig.targets refuses them."""
 
     # ----------------------------------------------------------------- config.json -> fields
 

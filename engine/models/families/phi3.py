@@ -1,0 +1,87 @@
+"""Phi-3 and Phi-4 (Phi3ForCausalLM): Llama whose checkpoints fuse projections.
+
+`self_attn.qkv_proj` holds q, k and v one after another along its output axis, and
+`mlp.gate_up_proj` gate then up (TensorSpec.fused_with); conversion splits them into the
+engine's separate arrays and export fuses them again. A `sliding_window` applies to every
+layer; `partial_rotary_factor` (Phi-4-mini) rotates the first part of each head
+(ModelConfig.rotary_dim). LongRoPE (`rope_type: longrope`, Phi-3-mini-128k, Phi-3.5,
+Phi-4-mini) is refused: its two frequency tables switched by sequence length are not
+implemented. LoRA cannot adapt the fused projections yet (Family.fused_projections).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.config import ConfigError
+from engine.models.config import ModelConfig
+from engine.models.families.base import LAYER, Family, TensorSpec, register_family, rope_from_hf
+from engine.models.families.base import rope_parameters_to_hf as _rope_parameters
+
+
+@register_family
+class Phi3(Family):
+    name = "phi3"
+    architecture = "Phi3ForCausalLM"
+    model_type = "phi3"
+    hf_defaults = {"max_position_embeddings": 4096, "tie_word_embeddings": False, "rms_norm_eps": 1e-5}
+    unsupported_flags = ()
+    hf_constants = {"resid_pdrop": 0.0, "embd_pdrop": 0.0}
+    fused_projections = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+    def layer_types(self, hf: dict, num_layers: int) -> list[str]:
+        kind = "full_attention" if hf.get("sliding_window") is None else "sliding_attention"
+        return [kind] * num_layers
+
+    def _partial_rotary_factor(self, hf: dict) -> float:
+        return float(
+            (hf.get("rope_parameters") or {}).get("partial_rotary_factor") or hf.get("partial_rotary_factor") or 1.0
+        )
+
+    def rope_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
+        rope = dict(
+            hf.get("rope_parameters")
+            or {"rope_theta": self.hf_value(hf, "rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
+        )
+        rope.pop("partial_rotary_factor", None)  # rotary_dim, below
+        if rope.get("rope_type", rope.get("type")) == "longrope":
+            raise ConfigError(f"{where}: RoPE type 'longrope' (LongRoPE) is not supported; Phi-3 models without it are")
+        theta, scaling = rope_from_hf(rope, where)
+        return {"rope_theta": theta, "rope_scaling": scaling}
+
+    def extra_fields_from_hf(self, hf: dict) -> dict[str, Any]:
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        rotary = int(head_dim * self._partial_rotary_factor(hf))
+        return {"rotary_dim": None if rotary == head_dim else rotary}
+
+    def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
+        keys: dict[str, Any] = {
+            "sliding_window": cfg.sliding_window if all(cfg.layer_is_local()) else None,
+            "original_max_position_embeddings": cfg.max_seq_len,
+        }
+        if cfg.rotary_dim is not None:
+            factor = cfg.rotary_dim / cfg.head_dim
+            keys["rope_parameters"] = {
+                **_rope_parameters(cfg.rope_theta, cfg.rope_scaling),
+                "partial_rotary_factor": factor,
+            }
+            keys["partial_rotary_factor"] = factor
+        return keys
+
+    def attention_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
+        return [
+            TensorSpec(("attn_norm", "scale"), LAYER + "input_layernorm.weight", None),
+            TensorSpec(
+                ("attn", "wq_dnh"),
+                LAYER + "self_attn.qkv_proj.weight",
+                1,
+                fused_with=(("attn", "wk_dkh"), ("attn", "wv_dkh")),
+            ),
+            TensorSpec(("attn", "wo_nhd"), LAYER + "self_attn.o_proj.weight", 2),
+        ]
+
+    def mlp_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
+        return [
+            TensorSpec(("mlp", "w_gate_df"), LAYER + "mlp.gate_up_proj.weight", 1, fused_with=(("mlp", "w_up_df"),)),
+            TensorSpec(("mlp", "w_down_fd"), LAYER + "mlp.down_proj.weight", 1),
+        ]
