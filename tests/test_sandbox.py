@@ -459,33 +459,6 @@ def test_concurrent_runs_do_not_share_their_scratch_or_tmp():
     assert time.monotonic() - start < 60
 
 
-@pytest.mark.slow
-def test_the_shipped_tools_pipeline_runs_with_the_sandbox_and_its_manifest_says_so(prefect_server, tmp_path):
-    """configs/pipelines/tools.yaml end to end, shortened: the grpo stage builds its python
-    tool's sandbox (bwrap checked before any episode), logs the failure kinds, and its
-    manifest records the isolation."""
-    store = tmp_path / "store"
-    shorter = ["problems.pretrain_problems=2000", "problems.sft_problems=200", "problems.rl_problems=64"]
-    shorter += ["problems.eval_problems=50", "pretrain.steps=3", "sft.steps=3", "grpo.steps=2"]
-    shorter += ["grpo.prompts_per_step=2", "grpo.num_generations=2"]
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", str(REPO / "configs/pipelines/tools.yaml"), "--store", str(store)]
-        + shorter,
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    manifest = json.loads(next((store / "grpo").glob("*/artifact.json")).read_text())
-    metrics = manifest["metrics"]
-    assert manifest["status"] == "complete" and metrics["tool_sandbox"] == "bubblewrap"
-    assert metrics["env/tool_sandbox_weaker"] == 0.0
-    assert {f"env/tool_failures/{kind}" for kind in FAILURE_KINDS} <= set(metrics)
-
-
 def test_a_fork_bomb_does_not_starve_a_concurrent_run():
     """Each run's processes are counted on their own (its user namespace, or as root a uid
     of its own): a run that holds its whole process limit leaves a concurrent one its own."""

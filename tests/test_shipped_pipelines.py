@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from engine.data.tokenizer import load_saved
+from engine.posttrain.sandbox import FAILURE_KINDS
 from flows.spec import load_plan
 from tasks.artifacts import read_manifest
 from tests.conftest import REPO
@@ -124,8 +125,13 @@ def test_a_shipped_selection_by_a_held_out_metric_ranks_points_that_hold_data_ou
 @pytest.mark.slow
 @pytest.mark.parametrize("name, overrides", [("posttrain.yaml", POSTTRAIN_SMALL), ("tools.yaml", TOOLS_SMALL)])
 def test_a_shipped_pipeline_runs_to_completion(prefect_server, store, name, overrides):
-    states = {stage: row["state"] for stage, row in run_to_completion(name, overrides, store).items()}
+    rows = run_to_completion(name, overrides, store)
+    states = {stage: row["state"] for stage, row in rows.items()}
     assert set(states.values()) == {"complete"}, states
+    if name == "tools.yaml":  # the python tool ran under bubblewrap, and the manifest says so
+        metrics = read_manifest(store / "grpo" / rows["grpo"]["artifact_id"])["metrics"]
+        assert metrics["tool_sandbox"] == "bubblewrap" and metrics["env/tool_sandbox_weaker"] == 0.0, metrics
+        assert {f"env/tool_failures/{kind}" for kind in FAILURE_KINDS} <= set(metrics), metrics
 
 
 @pytest.mark.slow
