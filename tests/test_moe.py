@@ -654,10 +654,19 @@ def test_what_the_engine_does_not_implement_is_refused_by_name():
         "intermediate_size": 7,
     }
     qwen = {**base, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4}
-    with pytest.raises(ConfigError, match=r"decoder_sparse_step=2 is not supported \(only 1: every layer"):
-        model_config_from_hf({**qwen, "decoder_sparse_step": 2})
-    with pytest.raises(ConfigError, match=r"mlp_only_layers=\[1\] is not supported"):
-        model_config_from_hf({**qwen, "mlp_only_layers": [1]})
+    # dense layers among the expert ones are a layer pattern (tests/test_hf_patterns.py); nonsense is refused
+    assert model_config_from_hf({**qwen, "num_experts_per_tok": 2, "decoder_sparse_step": 2})[0].ffn_pattern == [
+        "mlp",
+        "moe",
+    ]
+    assert model_config_from_hf({**qwen, "num_experts_per_tok": 2, "mlp_only_layers": [1]})[0].ffn_pattern == [
+        "moe",
+        "mlp",
+    ]
+    with pytest.raises(ConfigError, match=r"decoder_sparse_step must be a whole number >= 1, got 0"):
+        model_config_from_hf({**qwen, "decoder_sparse_step": 0})
+    with pytest.raises(ConfigError, match=r"mlp_only_layers must list layers in \[0, 2\), got \[2\]"):
+        model_config_from_hf({**qwen, "mlp_only_layers": [2]})
     mixtral = {**base, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}
     with pytest.raises(ConfigError, match=r"router_jitter_noise=0.1 is not supported \(only 0\)"):
         model_config_from_hf({**mixtral, "router_jitter_noise": 0.1})
