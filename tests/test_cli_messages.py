@@ -252,7 +252,7 @@ def test_plan_offers_an_adapter_only_to_a_stage_that_starts_from_a_model(tmp_pat
 
 
 def test_ls_shows_an_evaluation_s_accuracies(tmp_path, capsys):
-    directory = tmp_path / "artifacts/evaluate/c609c3cd47ec17a7"
+    directory = tmp_path / "artifacts/evaluate/922e4ee894f31038"
     directory.mkdir(parents=True)
     metrics = {
         f"{model}/{key}": value
