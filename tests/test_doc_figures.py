@@ -21,8 +21,8 @@ The convention (docs/development.md, "Tests that keep the docs honest"):
 A results file a later run overwrote is kept as `bench/results/history/COMMIT/NAME.json`,
 the file as COMMIT recorded it, and the doc cites that.
 A figure that no results file holds does not cite one: its block sits in docs/benchmarks.md's
-last section, "Figures without a kept results file (not checked)", and says which run (commit
-or date) it is from. Everywhere else a block that quotes a figure cites a results file.
+last section, "Figures without a kept results file (not checked)", under a line that says
+which run (commit or date) it is from. Everywhere else a block that quotes a figure cites a results file.
 Nothing here imports JAX; the test reads Markdown and JSON only.
 """
 
@@ -272,26 +272,55 @@ def cites(block: Block) -> bool:
     return any("NAME" not in c for c in CITATION.findall(block.caption) + CITATION.findall(block.text))
 
 
-def uncited(doc: str, text: str | None = None) -> list[Block]:
-    """Blocks that quote a figure and cite no results file, outside the UNCHECKED section
-    (from its heading to the next heading of its level or above)."""
-    text = (ROOT / doc).read_text() if text is None else text
-    lines = text.splitlines()
-    headings: list[tuple[int, int, str]] = []  # (1-based line, level, title), outside code blocks
+RUN = re.compile(r"\b\d{4}-\d{2}-\d{2}\b|`[0-9a-f]{7,40}`")  # a date or a commit: which run
+
+
+def headings(text: str) -> list[tuple[int, int, str]]:
+    """(1-based line, level, title) of each heading outside code blocks."""
+    out = []
     fenced = False
-    for i, line in enumerate(lines):
+    for i, line in enumerate(text.splitlines()):
         fenced ^= line.strip().startswith("```")
         m = re.match(r"(#+)\s+(.*)", line)
         if m and not fenced:
-            headings.append((i + 1, len(m.group(1)), m.group(2).strip()))
-    exempt = []  # line ranges (start, end), ends excluded
-    for k, (start, level, title) in enumerate(headings):
+            out.append((i + 1, len(m.group(1)), m.group(2).strip()))
+    return out
+
+
+def unchecked_ranges(text: str) -> list[tuple[int, int]]:
+    """The UNCHECKED section's lines: from its heading to the next of its level or above."""
+    heads = headings(text)
+    out = []
+    for k, (start, level, title) in enumerate(heads):
         if title == UNCHECKED:
-            end = next((h for h, lv, _ in headings[k + 1 :] if lv <= level), len(lines) + 1)
-            exempt.append((start, end))
-    return [
-        b for b in blocks(doc, text) if not cites(b) and figures(b) and not any(a < b.line + 1 < z for a, z in exempt)
-    ]
+            end = next((h for h, lv, _ in heads[k + 1 :] if lv <= level), len(text.splitlines()) + 1)
+            out.append((start, end))
+    return out
+
+
+def uncited(doc: str, text: str | None = None) -> list[Block]:
+    """Blocks that quote a figure and cite no results file, outside the UNCHECKED section."""
+    text = (ROOT / doc).read_text() if text is None else text
+    exempt = unchecked_ranges(text)
+    return [b for b in blocks(doc, text) if not cites(b) and figures(b) and not any(a < b.line < z for a, z in exempt)]
+
+
+def unsourced(doc: str, text: str | None = None) -> list[Block]:
+    """Blocks of the UNCHECKED section that quote a figure with no date or commit, in
+    themselves or in a block before them under the same heading, to say which run it was."""
+    text = (ROOT / doc).read_text() if text is None else text
+    exempt = unchecked_ranges(text)
+    heads = [h for h, _, _ in headings(text)]
+    out, named_under = [], None  # the heading under which a run was last named
+    for b in blocks(doc, text):
+        if not any(a < b.line < z for a, z in exempt):
+            continue
+        heading = max((h for h in heads if h < b.line), default=0)
+        if RUN.search(b.text):
+            named_under = heading
+        elif figures(b) and named_under != heading:
+            out.append(b)
+    return out
 
 
 CASES = [(block, cited) for doc in DOCS for block, cited in citations(doc)]
@@ -327,15 +356,26 @@ def test_measured_figures_cite_a_results_file(doc: str):
     )
 
 
+def test_unchecked_figures_name_their_run():
+    for doc in DOCS:
+        bare = unsourced(doc)
+        assert not bare, f"{doc}: under '{UNCHECKED}', these blocks name no run (a date or a commit): " + ", ".join(
+            f"line {b.line}" for b in bare
+        )
+
+
 def test_an_uncited_figure_fails_outside_the_unchecked_section():
     text = (
         "# Bench\n\nThe step took 1.86 s (`bench/results/train_throughput.json`).\n\n"
         "An in-process A/B read 0.84x.\n\n| step |\n|--:|\n| 6.8 s |\n\n"
         "Layers: 6, issue 18, ~80 GFLOP/s, target >= 1.0x.\n\n"
-        f"## {UNCHECKED}\n\n### Training\n\nCommit abc1234 (2026-12-01): 0.84x.\n\n"
+        f"## {UNCHECKED}\n\n### Training\n\nWritten at `abc1234` (2026-12-01):\n\n0.84x.\n\n"
+        "### Sampling\n\nA run read 3.05x.\n\n"
         "## After\n\nThen 0.92x.\n"
     )
-    assert [b.line for b in uncited("x.md", text)] == [5, 7, 21]
+    assert [b.line for b in uncited("x.md", text)] == [5, 7, 27]
+    # Under its own heading, a figure with no date or commit before it says nothing of its run.
+    assert [b.line for b in unsourced("x.md", text)] == [23]
 
 
 # docs/benchmarks.md's first Xeon table as issue 48 found it: it cited a file a later run had
