@@ -19,14 +19,14 @@ from engine.config import ConfigError
 from engine.train.targets import GiB
 
 OLDER_TPU_COMPILER = (
-    "this compiler (jax < 0.11) states no buffer-assignment total, so the temporaries are its heap peak; "
-    "its own temporaries figure (temp_size_in_bytes, {temp} here) sums every buffer and overstates "
-    "what a large step holds: measured for llama3.1-8b on a v5p-8 (8 rows, remat full), 17.86 GiB per chip against its "
-    "buffer assignment's 13.96 at 4,096 positions (+28%) and 23.65 against 17.43 at 8,192 (+36%); "
-    "jax >= 0.11 (Python 3.12+) states the assignment itself"
+    "this compiler (jax < 0.11) states no buffer-assignment total, so the temporaries are its heap peak, "
+    "which for llama3.1-8b on a v5p-8 (8 rows, remat full) came within 0.4% of its buffer assignment; its own "
+    "temporaries figure (temp_size_in_bytes, {temp} here) sums every buffer and overstates what a large step "
+    "holds: for that step 17.86 GiB per chip against the assignment's 13.96 at 4,096 positions (+28%) and "
+    "23.65 against 17.43 at 8,192 (+36%); jax >= 0.11 (Python 3.12+) states the assignment itself"
 )
-"""What the plan says of a TPU step compiled under jax < 0.11 (libtpu 0.0.42): figures from
-issue 31's dumps of that compiler, docs/engine.md "What the total counts"."""
+"""What the plan says of a TPU step compiled under jax < 0.11 (libtpu 0.0.42.1): the figures of
+bench/results/compiled_step-jax0.10.2.json (`python -m bench.compiled_step` under jax 0.10.2)."""
 
 
 def older_compiler_note(analysis, platform: str) -> str | None:
