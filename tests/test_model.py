@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from engine import compat
 from engine.config import load_config
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.params import apply_model, graphdef_of, init_params
@@ -91,7 +92,7 @@ def _compiled_grad(compute: ComputeConfig) -> str:
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 37, (2, 11)))
     grad = jax.jit(jax.grad(lambda p: jnp.mean(apply_model(graphdef, p, tokens) ** 2)))
     lowered = grad.lower(nnx.to_pure_dict(state))
-    return lowered.compile(compiler_options={"xla_cpu_use_fusion_emitters": True}).as_text()
+    return lowered.compile(compiler_options=compat.cpu_fusion_emitter_options()).as_text()
 
 
 def test_the_layer_scan_is_unrolled_on_cpu_and_remat_still_recomputes():
