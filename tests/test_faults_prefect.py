@@ -300,7 +300,9 @@ def test_ctrl_c_to_the_process_group_stops_every_stage_with_143_and_the_rerun_re
             "retry_delay_seconds": 0,
             "config": {"steps": steps, "step_seconds": 0.05},
         }
-        for name, steps in (("a", 400), ("b", 402))
+        # Long enough (200 s) that neither ends before both have started, however loaded the machine:
+        # the SIGINT stops them long before that.
+        for name, steps in (("a", 4000), ("b", 4002))
     }
     path = write_pipeline(tmp_path, "interrupted", stages)
     # No PREFECT_API_URL: trainflow starts its local server, which must not get the Ctrl-C.
