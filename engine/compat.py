@@ -12,7 +12,8 @@ What differs, and where it is used:
                              the compiler's own peak; under 0.10 the plan takes the heap peak
                              on TPU and GPU (within 0.4% of the assignment for llama3.1-8b on a
                              v5p-8) and says that the older compiler's temporaries' sum
-                             overstates (engine/train/memory.py).
+                             overstates. engine/train/memory.py tells the two apart by the
+                             analysis itself (whether it has the attribute), not by version.
 """
 
 from __future__ import annotations
