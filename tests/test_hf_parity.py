@@ -91,11 +91,11 @@ class Case:
     params: dict
 
 
-def random_hf_model(family: str, seed: int = 0):
-    """A transformers model with N(0, 0.3^2) matrices and norm weights away from their init."""
+def random_causal_lm(config, seed: int = 0, **implementations):
+    """A float32 transformers model of `config` with N(0, 0.3^2) matrices and norm weights
+    away from their init, so routing, gating and norms matter."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager")
-    model = model.float().eval()
+    model = transformers.AutoModelForCausalLM.from_config(config, **implementations).float().eval()
     with torch.no_grad():
         for _, p in model.named_parameters():
             if p.ndim == 1:
@@ -103,6 +103,10 @@ def random_hf_model(family: str, seed: int = 0):
             else:
                 p.normal_(0.0, 0.3)
     return model
+
+
+def random_hf_model(family: str, seed: int = 0):
+    return random_causal_lm(hf_config(family), seed, attn_implementation="eager")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

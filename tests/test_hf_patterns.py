@@ -40,6 +40,7 @@ from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over th
     batch,
     engine_logits,
     hf_logits,
+    random_causal_lm,
     test_export_then_convert_is_bitwise_identical,
     test_greedy_generation_of_16_tokens_is_identical,
 )
@@ -116,17 +117,7 @@ def implementations(name: str) -> dict:
 
 
 def random_hf_model(name: str, seed: int = 0):
-    """N(0, 0.3^2) matrices and norm weights away from their init, so routing and gating matter."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(name), **implementations(name))
-    model = model.float().eval()
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.ndim == 1:
-                p.add_(0.3 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.3)
-    return model
+    return random_causal_lm(hf_config(name), seed, **implementations(name))
 
 
 @pytest.fixture(scope="module", params=CASES)
