@@ -43,9 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.config import ConfigError
-from engine.contract import TOKENIZER_DIR
-from engine.data import urls
-from engine.data.tokenizer import TokenizerBundle, load_saved
+from engine.data.tokenizer import TokenizerBundle
 from engine.inference.sample import SampleOutput, Sampler, left_pad
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.lora import LORA_SEED, dropout_rows
@@ -54,10 +52,10 @@ from engine.ops.cross_entropy import log_z_and_target
 from engine.ops.partitioning import use_mesh
 from engine.posttrain.distill_config import DistillConfig
 from engine.posttrain.distill_loss import generalized_jsd_loss
-from engine.posttrain.finetune import finetune_start, tokenizer_dir
+from engine.posttrain.finetune import finetune_start, frozen_model_of_same_vocab, tokenizer_dir
 from engine.posttrain.grpo import PromptStream
 from engine.posttrain.sft import Example, SFTBatches, eval_batches, load_examples, pack_rows
-from engine.train.checkpoint import load_params, stored_configs
+from engine.train.checkpoint import load_params
 from engine.train.cli import run_cli
 from engine.train.config import TrainConfig
 from engine.train.hooks import log_to_stderr, run_training
@@ -120,32 +118,19 @@ def teacher_model(
     path = cfg.teacher.checkpoint
     if not path:
         raise ConfigError("teacher.checkpoint is required: the checkpoint to distil from")
-    if not urls.exists(path) or not (urls.is_url(path) or Path(path).is_dir()):
-        raise ConfigError(f"teacher.checkpoint: no checkpoint directory at {path}")
-    model_cfg, stored_compute = stored_configs(path)
-    if model_cfg.vocab_size != student.vocab_size:
-        raise ConfigError(
-            f"teacher.checkpoint: the teacher's vocab_size ({model_cfg.vocab_size}, {path}) differs "
-            f"from the student's ({student.vocab_size}, {cfg.checkpoint.init_from}); distillation "
-            "compares next-token distributions over one vocabulary"
-        )
-    where = cfg.teacher.tokenizer or urls.join(urls.parent(path), TOKENIZER_DIR)
-    tokenizer = urls.existing_folder(where)  # at a bucket URL: this host's cached copy
-    if tokenizer is None:
-        raise ConfigError(f"teacher.tokenizer: no tokenizer directory at {where}; set teacher.tokenizer")
-    theirs = load_saved(tokenizer).tokenizer.get_vocab(with_added_tokens=True)
-    ours = student_bundle.tokenizer.get_vocab(with_added_tokens=True)
-    differ = sorted(
-        {t for t in ours.keys() | theirs.keys() if ours.get(t) != theirs.get(t)},
-        key=lambda t: ours.get(t, theirs.get(t)),
+    model_cfg, stored_compute = frozen_model_of_same_vocab(
+        "teacher.checkpoint",
+        path,
+        "teacher",
+        student,
+        "student",
+        cfg.checkpoint.init_from,
+        student_bundle,
+        "distillation compares next-token distributions over one vocabulary",
+        tokenizer=cfg.teacher.tokenizer,
+        tokenizer_key="teacher.tokenizer",
+        trained_tokenizer=student_tokenizer,
     )
-    if differ:
-        raise ConfigError(
-            f"teacher.tokenizer: the teacher's tokenizer ({tokenizer}) does not match the student's "
-            f"({student_tokenizer}): {len(differ)} of {len(ours | theirs)} tokens differ (first "
-            f"{differ[0]!r}: id {ours.get(differ[0])} for the student, {theirs.get(differ[0])} for the "
-            "teacher), and distillation compares next-token distributions over one vocabulary"
-        )
     return model_cfg, cfg.teacher.compute or stored_compute
 
 

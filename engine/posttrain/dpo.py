@@ -25,7 +25,6 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -33,19 +32,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.config import ConfigError
-from engine.contract import TOKENIZER_DIR
-from engine.data import urls
 from engine.data.chat import render
-from engine.data.tokenizer import TokenizerBundle, load_saved
+from engine.data.tokenizer import TokenizerBundle
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.lora import LORA_SEED, dropout_rows
 from engine.models.params import abstract_model_params, apply_model_with_aux, graphdef_of
 from engine.ops.cross_entropy import log_z_and_target
 from engine.ops.partitioning import use_mesh
 from engine.posttrain.config import DPOConfig, DPODataConfig
-from engine.posttrain.finetune import finetune_start, read_jsonl
+from engine.posttrain.finetune import finetune_start, frozen_model_of_same_vocab, read_jsonl
 from engine.posttrain.preference_loss import per_pair_loss, preference_rewards
-from engine.train.checkpoint import load_params, stored_configs
+from engine.train.checkpoint import load_params
 from engine.train.cli import run_cli
 from engine.train.config import TrainConfig
 from engine.train.hooks import log_to_stderr, run_training
@@ -345,26 +342,16 @@ def reference_model(cfg: DPOConfig, policy: ModelConfig, bundle: TokenizerBundle
     beside it); else one sentence."""
     path = cfg.reference.checkpoint
     assert path
-    if not urls.exists(path) or not (urls.is_url(path) or Path(path).is_dir()):
-        raise ConfigError(f"reference.checkpoint: no checkpoint directory at {path}")
-    model_cfg, stored_compute = stored_configs(path)
-    if model_cfg.vocab_size != policy.vocab_size:
-        raise ConfigError(
-            f"reference.checkpoint: the reference's vocab_size ({model_cfg.vocab_size}, {path}) differs from the "
-            f"policy's ({policy.vocab_size}, {cfg.checkpoint.init_from}); DPO compares the two models' "
-            "log-probabilities of the same token ids"
-        )
-    tokenizer = urls.existing_folder(urls.join(urls.parent(path), TOKENIZER_DIR))
-    if tokenizer is not None:
-        theirs = load_saved(tokenizer).tokenizer.get_vocab(with_added_tokens=True)
-        ours = bundle.tokenizer.get_vocab(with_added_tokens=True)
-        differ = sorted(t for t in ours.keys() | theirs.keys() if ours.get(t) != theirs.get(t))
-        if differ:
-            raise ConfigError(
-                f"reference.checkpoint: the reference's tokenizer ({tokenizer}) is not the policy's: "
-                f"{len(differ)} tokens differ (first {differ[0]!r}: id {ours.get(differ[0])} for the policy, "
-                f"{theirs.get(differ[0])} for the reference); DPO compares the log-probabilities of the same token ids"
-            )
+    model_cfg, stored_compute = frozen_model_of_same_vocab(
+        "reference.checkpoint",
+        path,
+        "reference",
+        policy,
+        "policy",
+        cfg.checkpoint.init_from,
+        bundle,
+        "DPO compares the log-probabilities of the same token ids",
+    )
     return model_cfg, cfg.reference.compute or stored_compute
 
 

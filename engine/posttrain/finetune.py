@@ -83,3 +83,51 @@ def finetune_start(cfg: Any) -> tuple[ModelConfig, ComputeConfig, TokenizerBundl
             f"the tokenizer's vocabulary ({bundle.vocab_size}) is larger than the model's ({model_cfg.vocab_size})"
         )
     return model_cfg, compute, bundle
+
+
+def frozen_model_of_same_vocab(
+    key: str,
+    path: str,
+    role: str,
+    trained: ModelConfig,
+    trained_role: str,
+    trained_from: str | None,
+    bundle: TokenizerBundle,
+    why: str,
+    *,
+    tokenizer: str | None = None,
+    tokenizer_key: str | None = None,
+    trained_tokenizer: str | Path | None = None,
+) -> tuple[ModelConfig, ComputeConfig]:
+    """(ModelConfig, stored ComputeConfig) of a frozen second model read beside the trained one
+    (DPO's reference, distillation's teacher), once it is known to score the same token ids:
+    the same vocab_size and, where its tokenizer is found (`tokenizer`, else tokenizer/ beside
+    the checkpoint), the same tokens and ids. Else one sentence naming `key` (`tokenizer_key`
+    for the tokenizer, which is then required) and ending with `why`."""
+    if not urls.exists(path) or not (urls.is_url(path) or Path(path).is_dir()):
+        raise ConfigError(f"{key}: no checkpoint directory at {path}")
+    model_cfg, stored_compute = stored_configs(path)
+    if model_cfg.vocab_size != trained.vocab_size:
+        raise ConfigError(
+            f"{key}: the {role}'s vocab_size ({model_cfg.vocab_size}, {path}) differs from the {trained_role}'s "
+            f"({trained.vocab_size}, {trained_from}); {why}"
+        )
+    where = tokenizer or urls.join(urls.parent(path), TOKENIZER_DIR)
+    folder = urls.existing_folder(where)  # at a bucket URL: this host's cached copy
+    if folder is None:
+        if tokenizer_key:
+            raise ConfigError(f"{tokenizer_key}: no tokenizer directory at {where}; set {tokenizer_key}")
+        return model_cfg, stored_compute
+    theirs = load_saved(folder).tokenizer.get_vocab(with_added_tokens=True)
+    ours = bundle.tokenizer.get_vocab(with_added_tokens=True)
+    changed = {t for t in ours.keys() | theirs.keys() if ours.get(t) != theirs.get(t)}
+    differ = sorted(changed, key=lambda t: ours[t] if t in ours else theirs[t])  # by id
+    if differ:
+        raise ConfigError(
+            f"{tokenizer_key or key}: the {role}'s tokenizer ({folder}) is not the {trained_role}'s"
+            + (f" ({trained_tokenizer})" if trained_tokenizer else "")
+            + f": "
+            f"{len(differ)} of {len(ours | theirs)} tokens differ (first {differ[0]!r}: id {ours.get(differ[0])} for "
+            f"the {trained_role}, {theirs.get(differ[0])} for the {role}); {why}"
+        )
+    return model_cfg, stored_compute
