@@ -36,8 +36,10 @@ from engine.interop.hf.mapping import (
     fused_hf_shape,
     hf_shape,
     model_config_from_hf,
+    multimodal_of,
     parts,
     tensor_table,
+    text_config_of,
     unfuse,
 )
 from engine.interop.hf.peft import ADAPTER_CONFIG, adapter_from_peft, lora_config_from_peft
@@ -177,6 +179,10 @@ def convert_hf(
     dtype = dtype or _source_dtype(files)
     cfg, compute = model_config_from_hf(hf_config, param_dtype=dtype, where=str(config_path))
     architecture = get_family(cfg.family).architecture
+    # A multimodal checkpoint (Llama4ForConditionalGeneration): its text decoder, under the
+    # family's names (families/base.py Multimodal); the vision tower and projector are skipped.
+    multimodal = (multimodal_of(hf_config) or (None, None))[1]
+    text_config = text_config_of(hf_config)
     shapes = abstract_model_params(cfg, compute, mesh=None)  # the stacked layout: scan_layers
     check_table_covers(cfg, shapes)
 
@@ -206,16 +212,27 @@ def convert_hf(
         """The engine arrays (views of `params`) one HF tensor fills."""
         return [_at(params, p) if not index else _at(params, (spec.stack, *p))[index] for p in parts(spec)]
 
+    if multimodal is not None:
+        log(f"convert: {multimodal.architecture}: reading its text decoder as {architecture}")
     log(f"convert: {architecture}, {len(expected)} tensors to read")
     # Every header first: a mismatch fails in a second, not after reading gigabytes.
     # (file, HF name, spec, index, the MXFP4 blocks' name or None)
     jobs: list[tuple[Path, str, TensorSpec, tuple, str | None]] = []
     tied_head: Path | None = None
+    source_names: dict[str, str] = {}  # a multimodal checkpoint's name of each text-model name
+    skipped: list[str] = []  # its tensors outside the text decoder
     mxfp4 = (hf_config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
     scales_at = _mxfp4_scales(files) if mxfp4 else {}
     for path in files:
         with SafetensorsFile(path) as st:
             for stored in st.names():
+                if multimodal is not None:
+                    text_name = multimodal.text_name(stored)
+                    if text_name is None:
+                        skipped.append(stored)
+                        continue
+                    source_names[text_name] = stored
+                    stored = text_name
                 name, blocks = stored, None
                 if mxfp4 and stored.endswith(MXFP4_SCALES) and stored[: -len(MXFP4_SCALES)] in expected:
                     continue  # read with its blocks
@@ -259,7 +276,7 @@ def convert_hf(
     def load(job) -> int:
         path, name, spec, index, blocks = job
         if blocks is None:
-            raw = handles[path].get(name)
+            raw = handles[path].get(source_names.get(name, name))
         else:
             scales = name + MXFP4_SCALES
             raw = dequantize_mxfp4(handles[path].get(blocks), handles[scales_at[scales][0]].get(scales))
@@ -281,9 +298,16 @@ def convert_hf(
         for handle in handles.values():
             handle.close()
     log(f"convert: read {len(jobs)} tensors from {len(files)} file(s)")
+    if skipped and multimodal is not None:
+        outside = sorted({name.split(".")[0] + "." for name in skipped})
+        log(
+            f"convert: skipped {len(skipped)} tensors of {multimodal.architecture} outside the text decoder "
+            f"(the vision tower and projector: {', '.join(outside)}); the checkpoint is the text model {architecture}"
+        )
     if tied_head is not None:
         with SafetensorsFile(tied_head) as st:
-            if not np.array_equal(st.get("lm_head.weight").astype(target), params["embed_vd"]):
+            head = source_names.get("lm_head.weight", "lm_head.weight")
+            if not np.array_equal(st.get(head).astype(target), params["embed_vd"]):
                 raise ConfigError(
                     f"{tied_head.name}: tie_word_embeddings is true but 'lm_head.weight' differs from "
                     f"'model.embed_tokens.weight'"
@@ -297,7 +321,7 @@ def convert_hf(
         "format": CHECKPOINT_FORMAT,
         "hf": {
             "architecture": architecture,
-            "token_ids": {k: hf_config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+            "token_ids": {k: text_config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
             "generation_config": json.loads(generation.read_text()) if generation.is_file() else None,
         },
         "source": {"kind": "huggingface", "path": str(hf_dir.absolute()), "files": source_fingerprint(hf_dir)},
@@ -319,6 +343,7 @@ def convert_hf(
         "dtype": dtype,
         "checkpoint": str(checkpoint_dir),
         "tokenizer_files": tokenizer_files,
+        "skipped_tensors": len(skipped),
         "model": cfg.model_dump(mode="json"),
         "compute": compute.model_dump(mode="json"),
         "source": meta["source"],

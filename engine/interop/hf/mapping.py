@@ -22,11 +22,36 @@ from engine.models.families import TensorSpec, family_names, family_of_model_typ
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
+def multimodal_of(hf: dict):
+    """(the text family, its families/base.py Multimodal) when config.json `hf` describes a
+    multimodal ...ForConditionalGeneration checkpoint whose text decoder a family reads
+    (Llama 4's model_type llama4); None for any other config."""
+    for name in family_names():
+        family = get_family(name)
+        if family.multimodal is not None and hf.get("model_type") == family.multimodal.model_type:
+            return family, family.multimodal
+    return None
+
+
+def text_config_of(hf: dict) -> dict:
+    """config.json as its text decoder's: a multimodal checkpoint's `text_config` (its keys
+    over the top level's token ids), named as the text family; any other config as it is."""
+    found = multimodal_of(hf)
+    if found is None:
+        return hf
+    family, multimodal = found
+    text = hf.get(multimodal.text_config) or {}
+    inherited = {key: hf[key] for key in TOKEN_ID_KEYS if hf.get(key) is not None}
+    return {**inherited, **text, "architectures": [family.architecture], "model_type": family.model_type}
+
+
 def model_config_from_hf(
     hf: dict, *, param_dtype: str = "float32", where: str = "config.json"
 ) -> tuple[ModelConfig, ComputeConfig]:
     """(architecture, compute settings) of a transformers config.json (legacy keys or
-    transformers 5's); the params are stored, and computed with, in `param_dtype`."""
+    transformers 5's); the params are stored, and computed with, in `param_dtype`. A
+    multimodal checkpoint's config is read as its text decoder's (text_config_of)."""
+    hf = text_config_of(hf)
     model_type = hf.get("model_type")
     architecture = (hf.get("architectures") or ["?"])[0]
     family = family_of_model_type(model_type)

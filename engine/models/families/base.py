@@ -62,6 +62,35 @@ class TensorSpec:
     Qwen3-MoE's mlp_only_layers); `{i}` is always the model's layer index."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Multimodal:
+    """The multimodal `...ForConditionalGeneration` checkpoints a text family is published in
+    (Llama 4, Gemma 3/4): config.json holds the family's config under `text_config`, and the
+    text decoder's tensors sit under other prefixes beside a vision tower and a projector.
+    Conversion reads the decoder and skips the rest (engine/interop/hf/convert.py); export
+    writes the text-only model (the family's `architecture`)."""
+
+    architecture: str
+    """The multimodal class (config.json `architectures[0]`): Llama4ForConditionalGeneration."""
+    model_type: str
+    """Its config.json `model_type` (llama4), not the text family's own (llama4_text)."""
+    prefixes: tuple[tuple[str, str], ...]
+    """(the text model's name prefix, the multimodal checkpoint's) pairs: Llama 4's
+    ("model.", "language_model.model."), ("lm_head.", "language_model.lm_head."); Gemma 3's
+    ("model.", "model.language_model."), ("lm_head.", "lm_head."). A tensor under none of the
+    checkpoint's prefixes is not the decoder's (vision tower, projector): skipped."""
+    text_config: str = "text_config"
+    """The config.json key of the text decoder's config."""
+
+    def text_name(self, name: str) -> str | None:
+        """The text model's name of a multimodal checkpoint's tensor; None for one outside
+        the text decoder."""
+        for text, multimodal in self.prefixes:
+            if name.startswith(multimodal):
+                return text + name[len(multimodal) :]
+        return None
+
+
 # --------------------------------------------------------------------------- shared helpers
 
 
@@ -214,6 +243,9 @@ class Family:
     fused_projections: ClassVar[tuple[str, ...]] = ()
     """PEFT module names the family's checkpoints store fused into one tensor (Phi-3's q/k/v in
     qkv_proj, gate/up in gate_up_proj): LoraConfig.targets refuses them."""
+    multimodal: ClassVar[Multimodal | None] = None
+    """The multimodal checkpoints whose text decoder is this family's model (Llama 4's
+    Llama4ForConditionalGeneration): convert reads them, skipping the vision tower."""
 
     # ----------------------------------------------------------------- config.json -> fields
 
