@@ -30,6 +30,7 @@ from engine.train.config import (
     RunFields,
     ScheduleConfig,
     TrainConfig,
+    trainer_view,
 )
 
 
@@ -315,28 +316,8 @@ def train_config(cfg: GRPOConfig, model_cfg: ModelConfig, compute: ComputeConfig
             f"max_prompt_length + max_completion_length ({seq_len}) exceeds the model's max_seq_len "
             f"({model_cfg.max_seq_len})"
         )
-    tree = cfg.model_dump(
-        include={
-            "mesh",
-            "optimizer",
-            "schedule",
-            "checkpoint",
-            "grad_accum",
-            "seed",
-            "metrics_dir",
-            "metrics",
-            "progress",
-            "lora",
-        }
-    )
-    tree.update(
-        model=model_cfg.model_dump(),
-        compute=compute.model_dump(),
-        steps=cfg.steps,
-        log_every=cfg.log_every,
-        data={"seq_len": max(seq_len, 2), "batch_size": cfg.prompts_per_step * cfg.num_generations},
-    )
-    return TrainConfig.model_validate(tree)
+    rows = {"seq_len": max(seq_len, 2), "batch_size": cfg.prompts_per_step * cfg.num_generations}
+    return trainer_view(cfg, model_cfg, compute, rows)
 
 
 class DPODataConfig(Strict):

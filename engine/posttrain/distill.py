@@ -57,7 +57,7 @@ from engine.posttrain.grpo import PromptStream
 from engine.posttrain.sft import Example, SFTBatches, eval_batches, load_examples, pack_rows
 from engine.train.checkpoint import load_params
 from engine.train.cli import run_cli
-from engine.train.config import TrainConfig
+from engine.train.config import TrainConfig, trainer_view
 from engine.train.hooks import log_to_stderr, run_training
 from engine.train.step import Objective, moe_metrics, token_count
 from engine.train.trainer import Trainer, TrainState, lm_batch
@@ -67,38 +67,9 @@ METRICS = ("jsd", "nll/student", "nll/teacher")
 
 def train_config(cfg: DistillConfig, model_cfg: ModelConfig, compute: ComputeConfig) -> TrainConfig:
     """The trainer's view: SFT's rows (a sampled completion fills one row the same size)."""
-    tree = cfg.model_dump(
-        include={
-            "mesh",
-            "schedule",
-            "checkpoint",
-            "steps",
-            "grad_accum",
-            "seed",
-            "log_every",
-            "eval_every",
-            "metrics_dir",
-            "metrics",
-            "progress",
-            "optimizer",
-            "lora",
-        }
-    )
-    tree.update(
-        model=model_cfg.model_dump(),
-        compute=compute.model_dump(),
-        data={
-            "seq_len": cfg.data.seq_len,
-            "batch_size": cfg.data.batch_size,
-            "seed": cfg.data.seed,
-            "shuffle": cfg.data.shuffle,
-            "packing": cfg.data.packing,
-        },
-    )
-    try:
-        return TrainConfig.model_validate(tree)
-    except ValueError as e:
-        raise ConfigError(f"distill: {e}") from None
+    data = cfg.data
+    rows = {"seq_len": data.seq_len, "batch_size": data.batch_size, "seed": data.seed, "shuffle": data.shuffle}
+    return trainer_view(cfg, model_cfg, compute, {**rows, "packing": data.packing}, stage="distill")
 
 
 def batch_shapes(cfg: DistillConfig, vocab_size: int) -> dict[str, jax.ShapeDtypeStruct]:

@@ -44,7 +44,7 @@ from engine.posttrain.finetune import finetune_start, frozen_model_of_same_vocab
 from engine.posttrain.preference_loss import per_pair_loss, preference_rewards
 from engine.train.checkpoint import load_params
 from engine.train.cli import run_cli
-from engine.train.config import TrainConfig
+from engine.train.config import TrainConfig, trainer_view
 from engine.train.hooks import log_to_stderr, run_training
 from engine.train.step import Objective, moe_metrics
 from engine.train.trainer import Trainer, TrainState
@@ -72,28 +72,8 @@ def train_config(cfg: DPOConfig, model_cfg: ModelConfig, compute: ComputeConfig)
         raise ConfigError(
             f"data.max_length ({cfg.data.max_length}) exceeds the model's max_seq_len ({model_cfg.max_seq_len})"
         )
-    tree = cfg.model_dump(
-        exclude={
-            "tokenizer",
-            "data",
-            "loss_type",
-            "beta",
-            "label_smoothing",
-            "simpo_gamma",
-            "rpo_alpha",
-            "precompute_ref",
-            "reference",
-        }
-    )
-    tree.update(
-        model=model_cfg.model_dump(),
-        compute=compute.model_dump(),
-        data={"seq_len": seq_len, "batch_size": cfg.data.batch_size, "seed": cfg.data.seed},
-    )
-    try:
-        return TrainConfig.model_validate(tree)
-    except ValueError as e:
-        raise ConfigError(f"dpo: {e}") from None
+    rows = {"seq_len": seq_len, "batch_size": cfg.data.batch_size, "seed": cfg.data.seed}
+    return trainer_view(cfg, model_cfg, compute, rows, stage="dpo")
 
 
 # --------------------------------------------------------------------------- pairs

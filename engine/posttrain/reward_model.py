@@ -61,7 +61,7 @@ from engine.posttrain.reward_config import RewardModelConfig
 from engine.train.bucket_paths import checkpoint_path
 from engine.train.checkpoint import ITEMS, adapter_base, load_params, read_meta
 from engine.train.cli import run_cli
-from engine.train.config import TrainConfig
+from engine.train.config import TrainConfig, trainer_view
 from engine.train.hooks import log_to_stderr, run_training
 from engine.train.optimizer import make_optimizer
 from engine.train.step import Objective, moe_metrics
@@ -80,16 +80,8 @@ def train_config(cfg: RewardModelConfig, model_cfg: ModelConfig, compute: Comput
         raise ConfigError(
             f"data.max_length ({cfg.data.max_length}) exceeds the model's max_seq_len ({model_cfg.max_seq_len})"
         )
-    tree = cfg.model_dump(exclude={"tokenizer", "data", "center_rewards_coefficient", "head_init"})
-    tree.update(
-        model=model_cfg.model_dump(),
-        compute=compute.model_dump(),
-        data={"seq_len": 2 * cfg.data.max_length, "batch_size": cfg.data.batch_size, "seed": cfg.data.seed},
-    )
-    try:
-        return TrainConfig.model_validate(tree)
-    except ValueError as e:
-        raise ConfigError(f"reward_model: {e}") from None
+    rows = {"seq_len": 2 * cfg.data.max_length, "batch_size": cfg.data.batch_size, "seed": cfg.data.seed}
+    return trainer_view(cfg, model_cfg, compute, rows, stage="reward_model")
 
 
 # --------------------------------------------------------------------------- pairs and rows

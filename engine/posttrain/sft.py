@@ -35,7 +35,7 @@ from engine.models.config import ComputeConfig, ModelConfig
 from engine.posttrain.config import SFTConfig, SFTDataConfig
 from engine.posttrain.finetune import finetune_start, read_jsonl
 from engine.train.cli import run_cli
-from engine.train.config import TrainConfig
+from engine.train.config import TrainConfig, trainer_view
 from engine.train.hooks import log_to_stderr, run_training
 from engine.train.trainer import IteratorSource, Trainer
 
@@ -44,19 +44,9 @@ from engine.train.trainer import IteratorSource, Trainer
 
 def train_config(cfg: SFTConfig, model_cfg: ModelConfig, compute: ComputeConfig) -> TrainConfig:
     """The trainer's view of an SFT run."""
-    tree = cfg.model_dump(exclude={"tokenizer", "data"})
-    tree["model"], tree["compute"] = model_cfg.model_dump(), compute.model_dump()
-    tree["data"] = {
-        "seq_len": cfg.data.seq_len,
-        "batch_size": cfg.data.batch_size,
-        "seed": cfg.data.seed,
-        "shuffle": cfg.data.shuffle,
-        "packing": cfg.data.packing,
-    }
-    try:
-        return TrainConfig.model_validate(tree)
-    except ValueError as e:
-        raise ConfigError(f"sft: {e}") from None
+    data = cfg.data
+    rows = {"seq_len": data.seq_len, "batch_size": data.batch_size, "seed": data.seed, "shuffle": data.shuffle}
+    return trainer_view(cfg, model_cfg, compute, {**rows, "packing": data.packing}, stage="sft")
 
 
 # --------------------------------------------------------------------------- examples

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from engine.config import Strict
+from engine.config import ConfigError, Strict
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.parallel.config import MeshConfig, unsplittable
 
@@ -153,3 +153,24 @@ class TrainConfig(RunFields):
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
         return self
+
+
+TRAINER_FIELDS = (*RunFields.model_fields, "optimizer", "lora")
+"""The fields a post-training config shares with the trainer's: the loop's (RunFields), the
+optimizer and the adapter. A config that lacks one (GRPO has no eval_every) gets its default."""
+
+
+def trainer_view(
+    cfg: Strict, model: ModelConfig, compute: ComputeConfig, data: dict, *, stage: str | None = None
+) -> TrainConfig:
+    """The trainer's view of a post-training run: `cfg`'s TRAINER_FIELDS, the model it trains
+    and the rows the trainer sees (`data`: seq_len, batch_size, ...). With `stage`, an invalid
+    combination is a ConfigError naming it."""
+    tree = cfg.model_dump(include=set(TRAINER_FIELDS) & set(type(cfg).model_fields))
+    tree.update(model=model.model_dump(), compute=compute.model_dump(), data=data)
+    try:
+        return TrainConfig.model_validate(tree)
+    except ValueError as e:
+        if stage is None:
+            raise
+        raise ConfigError(f"{stage}: {e}") from None
