@@ -19,6 +19,7 @@ def causal_conv1d(
     *,
     window_bkc: jax.Array | None = None,
     activation: bool = True,
+    segment_ids_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Depthwise causal convolution over time, then SiLU: y[t] = sum_j w[j] x[t - (K-1) + j].
 
@@ -26,15 +27,26 @@ def causal_conv1d(
     second item is the window after x, so a prompt's forward followed by one call per decoded
     token (t = 1) gives the same outputs as one forward over everything. `weight_kc` is the
     transpose of torch's depthwise Conv1d weight[:, 0, :] (kernel tap first, channel last).
+    `segment_ids_bt` (packed rows): a tap reads only inputs of its output's own document (the
+    window counts as the first token's).
     """
     taps = weight_kc.shape[0]
     batch, time, channels = x_btc.shape
     if window_bkc is None:
         window_bkc = jnp.zeros((batch, taps - 1, channels), x_btc.dtype)
     padded = jnp.concatenate([window_bkc.astype(x_btc.dtype), x_btc], axis=1)  # (b, K-1+t, c)
-    y_btc = padded[:, :time] * weight_kc[0]
+    if segment_ids_bt is not None:
+        segments = jnp.concatenate([jnp.repeat(segment_ids_bt[:, :1], taps - 1, axis=1), segment_ids_bt], axis=1)
+
+    def tap(j):
+        x_j = padded[:, j : j + time]
+        if segment_ids_bt is not None:
+            x_j = jnp.where((segments[:, j : j + time] == segment_ids_bt)[..., None], x_j, 0)
+        return x_j * weight_kc[j]
+
+    y_btc = tap(0)
     for j in range(1, taps):
-        y_btc = y_btc + padded[:, j : j + time] * weight_kc[j]
+        y_btc = y_btc + tap(j)
     if bias_c is not None:
         y_btc = y_btc + bias_c
     if activation:

@@ -141,17 +141,25 @@ def ssd_scan(
     *,
     d_h: jax.Array | None = None,
     state_bhpn: jax.Array | None = None,
+    segment_ids_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """The per-token recurrence (a lax.scan over t): (output (b, t, h, p), final state)."""
+    """The per-token recurrence (a lax.scan over t): (output (b, t, h, p), final state).
+    `segment_ids_bt` (packed rows): the state restarts from zero where the id changes."""
     x, b, c = _prepare(x_bthp, b_btgn, c_btgn)
     state = _zeros_like_state(x, b) if state_bhpn is None else state_bhpn.astype(jnp.float32)
     d_h = jnp.zeros(x.shape[2], jnp.float32) if d_h is None else d_h
+    if segment_ids_bt is None:
+        segment_ids_bt = jnp.zeros(x.shape[:2], jnp.int32)
+    keep_bt = jnp.concatenate(
+        [jnp.ones_like(segment_ids_bt[:, :1], bool), segment_ids_bt[:, 1:] == segment_ids_bt[:, :-1]], 1
+    )
 
     def step(state, token):
-        x_bhp, dt_bh, b_bhn, c_bhn = token
+        x_bhp, dt_bh, b_bhn, c_bhn, keep_b = token
+        state = jnp.where(keep_b[:, None, None, None], state, 0.0)
         return _ssd_step(state, (x_bhp, dt_bh, a_h, b_bhn, c_bhn, d_h))
 
-    time_major = tuple(jnp.moveaxis(v, 1, 0) for v in (x, dt_bth.astype(jnp.float32), b, c))
+    time_major = tuple(jnp.moveaxis(v, 1, 0) for v in (x, dt_bth.astype(jnp.float32), b, c, keep_bt))
     state, y_tbhp = jax.lax.scan(step, state, time_major)
     return jnp.moveaxis(y_tbhp, 0, 1).astype(x_bthp.dtype), state
 
@@ -166,8 +174,12 @@ def ssd_chunked(
     chunk_size: int = 256,
     d_h: jax.Array | None = None,
     state_bhpn: jax.Array | None = None,
+    segment_ids_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """The SSD chunked form (training, prefill): same result as `ssd_scan`."""
+    """The SSD chunked form (training, prefill): same result as `ssd_scan`. With
+    `segment_ids_bt` (packed rows) no state crosses a change of id: the terms between
+    positions of different documents are masked out (a mask, not an infinite decay, whose
+    cumulative sums would lose the small decays' precision)."""
     x, b, c = _prepare(x_bthp, b_btgn, c_btgn)
     batch, time, heads, head_dim = x.shape
     state = _zeros_like_state(x, b) if state_bhpn is None else state_bhpn.astype(jnp.float32)
@@ -187,11 +199,20 @@ def ssd_chunked(
 
     # 1. Within a chunk: y_l = sum_{s <= l} (C_l . B_s) exp(sum a over (s, l]) x_s dt_s.
     decay_bhnls = jnp.exp(_segment_sum(a_bhnc))
+    decay_to_end = jnp.exp(a_cum[..., -1:] - a_cum)  # (b, h, n, C)
+    chunk_decay_bhn, start_decay_bhnc = jnp.exp(a_cum[..., -1]), jnp.exp(a_cum)
+    if segment_ids_bt is not None:  # padded with the last id, which the padding's x = 0 leaves inert
+        seg_bnc = jnp.pad(segment_ids_bt, [(0, 0), (0, pad)], mode="edge").reshape(batch, chunks, chunk_size)
+        last_bn = seg_bnc[..., -1]
+        before_bn = jnp.concatenate([seg_bnc[:, :1, 0], last_bn[:, :-1]], axis=1)  # the id before each chunk
+        decay_bhnls = decay_bhnls * (seg_bnc[..., :, None] == seg_bnc[..., None, :])[:, None]
+        decay_to_end = decay_to_end * (seg_bnc == last_bn[..., None])[:, None]
+        chunk_decay_bhn = chunk_decay_bhn * (last_bn == before_bn)[:, None]
+        start_decay_bhnc = start_decay_bhnc * (seg_bnc == before_bn[..., None])[:, None]
     scores = jnp.einsum("bclhn,bcshn->bhcls", c, b) * decay_bhnls
     y_diag = jnp.einsum("bhcls,bcshp->bclhp", scores, x_dt)
 
     # 2. Each chunk's own contribution to the state at its end.
-    decay_to_end = jnp.exp(a_cum[..., -1:] - a_cum)  # (b, h, n, C)
     chunk_states = jnp.einsum("bclhn,bhcl,bclhp->cbhpn", b, decay_to_end, x_dt)
 
     # 3. The state at each chunk's start: a scan over chunks (linear in their number).
@@ -199,10 +220,10 @@ def ssd_chunked(
         contribution, decay_bh = chunk
         return state_bhpn * decay_bh[..., None, None] + contribution, state_bhpn
 
-    state, start_states = jax.lax.scan(carry, state, (chunk_states, jnp.moveaxis(jnp.exp(a_cum[..., -1]), 2, 0)))
+    state, start_states = jax.lax.scan(carry, state, (chunk_states, jnp.moveaxis(chunk_decay_bhn, 2, 0)))
 
     # 4. The start state read out through C, decayed to each position.
-    y_off = jnp.einsum("bclhn,cbhpn,bhcl->bclhp", c, start_states, jnp.exp(a_cum))
+    y_off = jnp.einsum("bclhn,cbhpn,bhcl->bclhp", c, start_states, start_decay_bhnc)
     y = (y_diag + y_off).reshape(batch, chunks * chunk_size, heads, head_dim)[:, :time] + skip
     return y.astype(x_bthp.dtype), state
 
@@ -226,35 +247,61 @@ def mamba2_mixer(
     convolution, as transformers does. With t = 1 and a state the token takes the step form.
     """
     if mask_bt is not None:
-        mask_bt1 = mask_bt[..., None].astype(x_btd.dtype)
-        x_btd = x_btd * mask_bt1
-    batch, time, _ = x_btd.shape
-    heads, head_dim, groups, size = dims.num_heads, dims.head_dim, dims.n_groups, dims.state_size
+        x_btd = x_btd * mask_bt[..., None].astype(x_btd.dtype)
     projected = x_btd @ params["w_in"]
     if "b_in" in params:
         projected = projected + params["b_in"]
-    gate = projected[..., : dims.inner]
+    y_btf, state = mamba2_inner(params, projected, dims, state=state, mask_bt=mask_bt, form=form, chunk_size=chunk_size)
+    out = y_btf @ params["w_out"]
+    if "b_out" in params:
+        out = out + params["b_out"]
+    return out, state
+
+
+def mamba2_inner(
+    params: Params,
+    projected_btp: jax.Array,
+    dims: Mamba2Dims,
+    *,
+    state: Mamba2State | None = None,
+    mask_bt: jax.Array | None = None,
+    form: Literal["chunked", "scan"] = "chunked",
+    chunk_size: int = 256,
+    segment_ids_bt: jax.Array | None = None,
+) -> tuple[jax.Array, Mamba2State]:
+    """The mixer between its two projections: in_proj's output (b, t, inner + conv_channels +
+    heads) -> the gated-normed scan output (b, t, inner), and the state after it. Uses params'
+    conv_kc, conv_bias (optional), dt_bias, a_log, d and norm. `segment_ids_bt`: packed rows,
+    each document's convolution and state starting afresh (ssd_chunked)."""
+    batch, time, _ = projected_btp.shape
+    heads, head_dim, groups, size = dims.num_heads, dims.head_dim, dims.n_groups, dims.state_size
+    gate = projected_btp[..., : dims.inner]
     xbc_btc, conv_window = causal_conv1d(
-        projected[..., dims.inner : dims.inner + dims.conv_channels],
+        projected_btp[..., dims.inner : dims.inner + dims.conv_channels],
         params["conv_kc"],
         params.get("conv_bias"),
         window_bkc=None if state is None else state.conv_bkc,
+        segment_ids_bt=segment_ids_bt,
     )
     if mask_bt is not None:
-        xbc_btc = xbc_btc * mask_bt1
+        xbc_btc = xbc_btc * mask_bt[..., None].astype(xbc_btc.dtype)
     x = xbc_btc[..., : dims.inner].reshape(batch, time, heads, head_dim)
     b = xbc_btc[..., dims.inner : dims.inner + groups * size].reshape(batch, time, groups, size)
     c = xbc_btc[..., dims.inner + groups * size :].reshape(batch, time, groups, size)
-    dt = discretize_dt(projected[..., dims.inner + dims.conv_channels :], params["dt_bias"], dims.dt_min, dims.dt_max)
+    dt_raw = projected_btp[..., dims.inner + dims.conv_channels :]
+    dt = discretize_dt(dt_raw, params["dt_bias"], dims.dt_min, dims.dt_max)
     a_h = -jnp.exp(params["a_log"].astype(jnp.float32))
+    d_h = params["d"].astype(jnp.float32)
     ssm = None if state is None else state.ssm_bhpn
     if time == 1 and ssm is not None:
-        y, ssm = ssd_step(x[:, 0], dt[:, 0], a_h, b[:, 0], c[:, 0], ssm, d_h=params["d"])
+        y, ssm = ssd_step(x[:, 0], dt[:, 0], a_h, b[:, 0], c[:, 0], ssm, d_h=d_h)
         y_bthp = y[:, None]
     elif form == "scan":
-        y_bthp, ssm = ssd_scan(x, dt, a_h, b, c, d_h=params["d"], state_bhpn=ssm)
+        y_bthp, ssm = ssd_scan(x, dt, a_h, b, c, d_h=d_h, state_bhpn=ssm, segment_ids_bt=segment_ids_bt)
     else:
-        y_bthp, ssm = ssd_chunked(x, dt, a_h, b, c, d_h=params["d"], state_bhpn=ssm, chunk_size=chunk_size)
+        y_bthp, ssm = ssd_chunked(
+            x, dt, a_h, b, c, d_h=d_h, state_bhpn=ssm, chunk_size=chunk_size, segment_ids_bt=segment_ids_bt
+        )
     y_btf = gated_rms_norm(
         y_bthp.reshape(batch, time, dims.inner),
         gate,
@@ -263,7 +310,4 @@ def mamba2_mixer(
         norm_before_gate=False,
         group_size=dims.inner // groups,
     )
-    out = y_btf @ params["w_out"]
-    if "b_out" in params:
-        out = out + params["b_out"]
-    return out, Mamba2State(conv_window, ssm)
+    return y_btf, Mamba2State(conv_window, ssm)

@@ -1,0 +1,123 @@
+"""The Mamba2 sequence mixer (Dao & Gu 2024) as an NNX module: in_proj, the depthwise causal
+convolution, dt's bias and softplus, A = -exp(A_log), the skip D, the gated RMSNorm and
+out_proj, on engine/ops/ssd.py's SSD chunked scan for training and its one-token step for
+decoding. Nemotron-H's, Granite 4's and Falcon-H1's Mamba2 layers are this module; their
+tensors are transformers' `mixer.*` / `mamba.*` ones, one engine array each (in_proj fused
+as transformers stores it: gate z, then x B C, then dt).
+
+Decoding carries a `Mamba2State` per sequence (the convolution's last K-1 inputs and the
+(heads, head_dim, state_size) state) instead of a KV cache. Shapes: b batch, t time, d model
+width, p in_proj's width, c convolution channels, k kernel taps, h heads, f heads * head_dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from engine.models.common import dtype_of, param
+from engine.models.config import ComputeConfig
+from engine.ops.dense import DotGeneral, dense
+from engine.ops.ssd import Mamba2Dims, Mamba2State, initial_state, mamba2_inner
+
+nnx.use_eager_sharding(False)  # placed by engine/models/params.py, as transformer.py's layers
+
+# transformers' initialisation of the SSM's own parameters (Mamba2PreTrainedModel._init_weights):
+# dt drawn log-uniformly in [DT_MIN, DT_MAX] (floored), stored through softplus's inverse.
+DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 0.1, 1e-4
+
+
+class Mamba2(nnx.Module):
+    """One Mamba2 mixer: x (b, t, d) -> (b, t, d), and the state after x.
+
+    `bias`: biases on in_proj and out_proj (transformers' use_bias / mamba_proj_bias);
+    `conv_bias`: on the convolution. `num_layers` scales out_proj's initial weights down with
+    depth, as the attention output's are (engine/models/transformer.py)."""
+
+    def __init__(
+        self,
+        dims: Mamba2Dims,
+        d_model: int,
+        compute: ComputeConfig,
+        *,
+        rngs: nnx.Rngs,
+        init_std: float = 0.02,
+        num_layers: int = 1,
+        bias: bool = False,
+        conv_bias: bool = True,
+        chunk_size: int = 256,
+        dot_general: DotGeneral = jax.lax.dot_general,
+    ):
+        pdt = dtype_of(compute.param_dtype)
+        heads, projected = dims.num_heads, dims.inner + dims.conv_channels + dims.num_heads
+        # in_proj's columns mix the gate, x, B, C and dt, so its output axis is not split.
+        self.w_in_dp = param(rngs, (d_model, projected), init_std, ("embed", None), pdt)
+        if bias:
+            self.b_in_p = nnx.Param(jnp.zeros((projected,), pdt), out_sharding=(None,))
+        bound = 1 / math.sqrt(dims.conv_kernel)  # torch's Conv1d default: fan-in = the taps
+        conv = jax.random.uniform(rngs.params(), (dims.conv_kernel, dims.conv_channels), jnp.float32, -bound, bound)
+        self.conv_kc = nnx.Param(conv.astype(pdt), out_sharding=(None, None))
+        if conv_bias:
+            self.conv_bias_c = nnx.Param(jnp.zeros((dims.conv_channels,), pdt), out_sharding=(None,))
+        log_dt = jax.random.uniform(rngs.params(), (heads,), jnp.float32, math.log(DT_MIN), math.log(DT_MAX))
+        dt = jnp.maximum(jnp.exp(log_dt), DT_FLOOR)
+        self.dt_bias_h = nnx.Param((dt + jnp.log(-jnp.expm1(-dt))).astype(pdt), out_sharding=(None,))
+        self.a_log_h = nnx.Param(jnp.log(jnp.arange(1, heads + 1, dtype=jnp.float32)).astype(pdt), out_sharding=(None,))
+        self.d_h = nnx.Param(jnp.ones((heads,), pdt), out_sharding=(None,))
+        self.norm_f = nnx.Param(jnp.ones((dims.inner,), pdt), out_sharding=("norm",))
+        out_std = init_std / math.sqrt(2 * num_layers)
+        self.w_out_fd = param(rngs, (dims.inner, d_model), out_std, (None, "embed"), pdt)
+        if bias:
+            self.b_out_d = nnx.Param(jnp.zeros((d_model,), pdt), out_sharding=("embed",))
+        self.dims, self.bias, self.conv_bias, self.chunk_size = dims, bias, conv_bias, chunk_size
+        self.dtype = dtype_of(compute.dtype)
+        self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
+
+    def initial_state(self, batch: int) -> Mamba2State:
+        """The decoding state before a sequence's first token (zeros)."""
+        return initial_state(batch, self.dims, self.dtype)
+
+    def __call__(
+        self,
+        x_btd: jax.Array,
+        segment_ids_bt: jax.Array | None = None,
+        state: Mamba2State | None = None,
+    ) -> tuple[jax.Array, Mamba2State]:
+        """(out (b, t, d) in the compute dtype, state after x). segment_ids_bt: 0 marks padding,
+        whose inputs are zeroed before in_proj and after the convolution (transformers'
+        attention-mask handling), and a packed row's documents each start from a zero state
+        and convolution window; None: one unpadded sequence per row. `state`: carried from earlier tokens
+        (decoding; a token at a time takes the recurrent step), None: a sequence's start."""
+        dt = self.dtype
+        mask_bt = None if segment_ids_bt is None else segment_ids_bt != 0
+        if mask_bt is not None:
+            x_btd = x_btd * mask_bt[..., None].astype(x_btd.dtype)
+        kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
+        projected = dense(x_btd.astype(dt), self.w_in_dp[...].astype(dt), **kw)
+        if self.bias:
+            projected = projected + self.b_in_p[...].astype(dt)
+        params = {
+            "conv_kc": self.conv_kc[...].astype(dt),
+            "dt_bias": self.dt_bias_h[...].astype(jnp.float32),
+            "a_log": self.a_log_h[...],
+            "d": self.d_h[...],
+            "norm": self.norm_f[...].astype(dt),
+        }
+        if self.conv_bias:
+            params["conv_bias"] = self.conv_bias_c[...].astype(dt)
+        y_btf, state = mamba2_inner(
+            params,
+            projected,
+            self.dims,
+            state=state,
+            mask_bt=mask_bt,
+            chunk_size=self.chunk_size,
+            segment_ids_bt=None if state is not None and x_btd.shape[1] == 1 else segment_ids_bt,
+        )
+        out_btd = dense(y_btf.astype(dt), self.w_out_fd[...].astype(dt), **kw)
+        if self.bias:
+            out_btd = out_btd + self.b_out_d[...].astype(dt)
+        return out_btd, state
