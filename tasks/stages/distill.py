@@ -20,7 +20,7 @@ from typing import Any
 from engine.contract import TOKENIZER_DIR
 from engine.posttrain.distill_config import DistillConfig
 from tasks.registry import MODEL_KINDS, Input, StageContext
-from tasks.stages.engine_stage import FineTuneStage, absolute_data_path, file_digests
+from tasks.stages.engine_stage import FineTuneStage
 
 
 class DistillStage(FineTuneStage):
@@ -41,20 +41,6 @@ class DistillStage(FineTuneStage):
     config_schema = DistillConfig
     version = 1
     data_doc = "a JSONL file of examples (prompt/completion or messages)"
-
-    def resolve_config(self, raw: dict, source: str) -> DistillConfig:
-        cfg = self.validate_raw(raw, source)
-        data = cfg.data.model_copy(
-            update={
-                "path": absolute_data_path(cfg.data.path, "data.path", source),
-                "eval_path": absolute_data_path(cfg.data.eval_path, "data.eval_path", source),
-            }
-        )
-        return cfg.model_copy(update={"data": data})
-
-    def fingerprint(self, config: DistillConfig) -> dict:
-        fp = self.fingerprint_without_paths(config, ("path", "eval_path"))
-        return {**fp, "data_files": file_digests(config.data.path), "eval_files": file_digests(config.data.eval_path)}
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
         teacher = ctx.inputs["teacher"]

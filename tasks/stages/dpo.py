@@ -19,7 +19,7 @@ from typing import Any
 
 from engine.posttrain.config import DPOConfig
 from tasks.registry import MODEL_KINDS, Input, StageContext
-from tasks.stages.engine_stage import FineTuneStage, absolute_data_path, file_digests
+from tasks.stages.engine_stage import FineTuneStage
 
 
 class DPOStage(FineTuneStage):
@@ -37,22 +37,7 @@ class DPOStage(FineTuneStage):
     non_semantic = (*FineTuneStage.non_semantic, "reference.checkpoint")
     config_schema = DPOConfig
     version = 1
-    data_path_keys = ("data.path", "data.eval_path")
     data_doc = "a JSONL file of preference pairs (prompt, chosen, rejected)"
-
-    def resolve_config(self, raw: dict, source: str) -> DPOConfig:
-        cfg = self.validate_raw(raw, source)
-        data = cfg.data.model_copy(
-            update={
-                "path": absolute_data_path(cfg.data.path, "data.path", source),
-                "eval_path": absolute_data_path(cfg.data.eval_path, "data.eval_path", source),
-            }
-        )
-        return cfg.model_copy(update={"data": data})
-
-    def fingerprint(self, config: DPOConfig) -> dict:
-        fp = self.fingerprint_without_paths(config, ("path", "eval_path"))
-        return {**fp, "data_files": file_digests(config.data.path), "eval_files": file_digests(config.data.eval_path)}
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
         reference = ctx.inputs.get("reference")

@@ -46,6 +46,14 @@ def get_dotted(tree: dict, dotted: str) -> Any:
     return tree
 
 
+def with_dotted(model: BaseModel, dotted: str, value: Any) -> BaseModel:
+    """A copy of a pydantic model with the field at `a.b.c` set to `value`."""
+    head, _, rest = dotted.partition(".")
+    if rest:
+        value = with_dotted(getattr(model, head), rest, value)
+    return model.model_copy(update={head: value})
+
+
 def set_dotted(tree: dict, dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     for part in parents:
@@ -247,8 +255,11 @@ class FineTuneStage(EngineStage):
     non_semantic = (*NON_SEMANTIC_FIELDS, *CHECKPOINT_CADENCE_FIELDS, *pipeline_owned)
     data_doc: ClassVar[str]
     """What data.path holds, for the error when it is missing."""
-    data_path_keys: ClassVar[tuple[str, ...]] = ("data.path",)
-    """Dotted keys of the data files the engine reads (moved to an input's URL where it has one)."""
+    data_files: ClassVar[dict[str, str]] = {"data.path": "data_files", "data.eval_path": "eval_files"}
+    """Dotted keys of the data files the engine reads -> the fingerprint entry that holds their
+    bytes' digests. Resolved to absolute paths when planned, identified by their bytes (a path
+    inside an input, `{input:corpus}/...`, by the input's id and the path), and moved to an
+    input's URL where it has one when run."""
 
     possible_outputs = ("adapter",)
 
@@ -273,13 +284,22 @@ class FineTuneStage(EngineStage):
             raise ConfigError(f"{source}: missing required key 'data.path' ({self.data_doc})")
         return cfg
 
-    def fingerprint_without_paths(self, config, keys: tuple[str, ...]) -> dict:
-        """The fingerprint less data paths outside the store: their files' bytes identify them
-        (added by the caller), not where they lie. A path inside an input names which file."""
+    def resolve_config(self, raw: dict, source: str) -> BaseModel:
+        cfg = self.validate_raw(raw, source)
+        for key in self.data_files:
+            cfg = with_dotted(cfg, key, absolute_data_path(get_dotted(cfg.model_dump(), key), key, source))
+        return cfg
+
+    def fingerprint(self, config: BaseModel) -> dict:
+        """The config's fingerprint, where each data file outside the store counts by its bytes
+        (the `data_files` entries), not by where it lies."""
         fp = super().fingerprint(config)
-        for key in keys:
-            if not has_input_ref(fp["data"].get(key) or ""):
-                fp["data"].pop(key, None)
+        for key, entry in self.data_files.items():
+            path = get_dotted(fp, key)
+            if not has_input_ref(path or ""):
+                parent, _, leaf = key.rpartition(".")
+                (get_dotted(fp, parent) if parent else fp).pop(leaf, None)
+            fp[entry] = file_digests(path)
         return fp
 
     def run(self, ctx: StageContext) -> dict[str, Any]:
@@ -297,7 +317,7 @@ class FineTuneStage(EngineStage):
             else str(out / TOKENIZER_DIR),
         }.items():
             set_dotted(tree, key, value)
-        for key in self.data_path_keys:  # `{input:corpus}/...`: a file of an input, at its URL where it has one
+        for key in self.data_files:  # `{input:corpus}/...`: a file of an input, at its URL where it has one
             if isinstance(get_dotted(tree, key), str):
                 set_dotted(tree, key, ctx.for_ranks(get_dotted(tree, key)))
         tree["progress"] = False  # progress reaches the pipeline log through metrics.jsonl

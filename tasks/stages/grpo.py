@@ -29,7 +29,7 @@ from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, P
 from engine.posttrain.rewards import BUILTIN
 from tasks.artifacts import sha256_file
 from tasks.registry import Input, StageContext
-from tasks.stages.engine_stage import FineTuneStage, absolute_data_path, file_digests
+from tasks.stages.engine_stage import FineTuneStage
 from tasks.stages.reward_model import REWARD_MODEL
 
 
@@ -97,6 +97,7 @@ class GRPOStage(FineTuneStage):
     config_schema = GRPOConfig
     version = 2  # 2: the checkpoint's meta holds `compute` apart from the architecture
     data_doc = "a JSONL file of prompts"
+    data_files = {"data.path": "prompt_files"}
 
     def entry_module(self, ctx: StageContext) -> str:
         """With `rollout:` GRPO's entry point whose sampler is the server (it writes the weights
@@ -104,7 +105,7 @@ class GRPOStage(FineTuneStage):
         return ENTRY_POINTS["grpo_server"] if ctx.config.rollout is not None else super().entry_module(ctx)
 
     def resolve_config(self, raw: dict, source: str) -> GRPOConfig:
-        cfg = self.validate_raw(raw, source)
+        cfg = super().resolve_config(raw, source)
         for i, spec in enumerate(cfg.rewards):  # a misspelt reward fails validation, not the run
             if spec.function is None or spec.function in BUILTIN:
                 continue
@@ -134,12 +135,10 @@ class GRPOStage(FineTuneStage):
                 f"{source}: key 'environment.factory': cannot find module '{module}' of "
                 f"'{cfg.environment.factory}' (run from its directory or add it to PYTHONPATH)"
             )
-        data = cfg.data.model_copy(update={"path": absolute_data_path(cfg.data.path, "data.path", source)})
-        return cfg.model_copy(update={"data": data})
+        return cfg
 
     def fingerprint(self, config: GRPOConfig) -> dict:
-        fp = self.fingerprint_without_paths(config, ("path",))
-        fp = {**fp, "prompt_files": file_digests(config.data.path), "reward_sources": reward_sources(config)}
+        fp = {**super().fingerprint(config), "reward_sources": reward_sources(config)}
         objective = objective_sources(config)
         fp = {**fp, "objective_sources": objective} if objective else fp  # absent: the ids made before
         module = environment_module(config)  # a user environment's code is part of the result

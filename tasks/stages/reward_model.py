@@ -18,7 +18,7 @@ convert` of one gives a reward_model artifact back.
 from __future__ import annotations
 
 from engine.posttrain.reward_config import RewardModelConfig
-from tasks.stages.engine_stage import FineTuneStage, absolute_data_path, file_digests
+from tasks.stages.engine_stage import FineTuneStage
 
 REWARD_MODEL = "reward_model"
 """The artifact kind."""
@@ -36,17 +36,3 @@ class RewardModelStage(FineTuneStage):
 
     def output_kind(self, config) -> str:
         return REWARD_MODEL
-
-    def resolve_config(self, raw: dict, source: str) -> RewardModelConfig:
-        cfg = self.validate_raw(raw, source)
-        data = cfg.data.model_copy(
-            update={
-                "path": absolute_data_path(cfg.data.path, "data.path", source),
-                "eval_path": absolute_data_path(cfg.data.eval_path, "data.eval_path", source),
-            }
-        )
-        return cfg.model_copy(update={"data": data})
-
-    def fingerprint(self, config: RewardModelConfig) -> dict:
-        fp = self.fingerprint_without_paths(config, ("path", "eval_path"))
-        return {**fp, "data_files": file_digests(config.data.path), "eval_files": file_digests(config.data.eval_path)}

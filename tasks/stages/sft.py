@@ -13,7 +13,7 @@ outside the store, so the artifact id covers their bytes: editing the data makes
 from __future__ import annotations
 
 from engine.posttrain.config import SFTConfig
-from tasks.stages.engine_stage import FineTuneStage, absolute_data_path, file_digests
+from tasks.stages.engine_stage import FineTuneStage
 
 
 class SFTStage(FineTuneStage):
@@ -22,19 +22,4 @@ class SFTStage(FineTuneStage):
     inputs = FineTuneStage.checkpoint_inputs("the model to fine-tune (params; a fresh optimizer) and its tokenizer/")
     config_schema = SFTConfig
     version = 2  # 2: the checkpoint's meta holds `compute` apart from the architecture
-    data_path_keys = ("data.path", "data.eval_path")
     data_doc = "a JSONL file of examples"
-
-    def resolve_config(self, raw: dict, source: str) -> SFTConfig:
-        cfg = self.validate_raw(raw, source)
-        data = cfg.data.model_copy(
-            update={
-                "path": absolute_data_path(cfg.data.path, "data.path", source),
-                "eval_path": absolute_data_path(cfg.data.eval_path, "data.eval_path", source),
-            }
-        )
-        return cfg.model_copy(update={"data": data})
-
-    def fingerprint(self, config: SFTConfig) -> dict:
-        fp = self.fingerprint_without_paths(config, ("path", "eval_path"))
-        return {**fp, "data_files": file_digests(config.data.path), "eval_files": file_digests(config.data.eval_path)}
