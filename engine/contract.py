@@ -90,6 +90,7 @@ ADDED_AT_DEFAULT = {
     "model.pre_norms": True,
     "model.qk_norm_across_heads": False,
     "model.ffn_pattern": None,
+    "model.router_group_score": "top2_sum",
     # DPO's separate reference (its checkpoint comes from an input, and is not in the id)
     "reference": {"checkpoint": None, "compute": None},
 }

@@ -206,6 +206,10 @@ class ModelConfig(Strict):
     limit], out = (up + 1) * gate * sigmoid(swiglu_alpha * gate). None: activation(gate) * up."""
     swiglu_alpha: float = Field(1.702, gt=0)
     """Sigmoid gain of that clamped SwiGLU (swiglu_limit set only)."""
+    # DeepSeek-V2 (engine/models/families/deepseek.py)
+    router_group_score: Literal["top2_sum", "max"] = "top2_sum"
+    """With router_groups: what scores a group, the sum of its two best (biased) scores
+    (DeepSeek-V3's noaux_tc) or its best score (DeepSeek-V2's group_limited_greedy)."""
 
     @field_validator("family")
     @classmethod

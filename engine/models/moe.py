@@ -68,18 +68,32 @@ def combine_stats(stats: MoEStats, num_experts: int, experts_per_token: int) -> 
 
 
 def route(
-    logits_ne, bias_e, k: int, score: str, renormalize: bool, *, groups: int = 1, group_top: int = 1, scale: float = 1.0
+    logits_ne,
+    bias_e,
+    k: int,
+    score: str,
+    renormalize: bool,
+    *,
+    groups: int = 1,
+    group_top: int = 1,
+    scale: float = 1.0,
+    group_score: str = "top2_sum",
 ):
     """(weights (n, k) float32, experts (n, k) int32) of router logits (n, e) in float32.
 
     The bias (DeepSeek-V3) only chooses: the weights are the unbiased scores. With `groups`
-    (DeepSeek-V3's group-limited routing) the k experts come from the `group_top` groups whose
-    two best biased scores sum highest. The weights end multiplied by `scale`."""
+    (group-limited routing) the k experts come from the `group_top` groups whose two best
+    biased scores sum highest (DeepSeek-V3), or whose best score is highest (group_score max,
+    DeepSeek-V2). The weights end multiplied by `scale`."""
     scores_ne = jax.nn.softmax(logits_ne, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits_ne)
     choice_ne = scores_ne if bias_e is None else scores_ne + bias_e
     if groups > 1:
         n, e = choice_ne.shape
-        group_scores_ng = jnp.sum(jax.lax.top_k(choice_ne.reshape(n, groups, e // groups), 2)[0], axis=-1)
+        grouped_ngx = choice_ne.reshape(n, groups, e // groups)
+        if group_score == "max":
+            group_scores_ng = jnp.max(grouped_ngx, axis=-1)
+        else:
+            group_scores_ng = jnp.sum(jax.lax.top_k(grouped_ngx, 2)[0], axis=-1)
         _, top_groups = jax.lax.top_k(group_scores_ng, group_top)
         kept_ng = jnp.any(jax.nn.one_hot(top_groups, groups, dtype=jnp.bool_), axis=1)
         choice_ne = jnp.where(jnp.repeat(kept_ng, e // groups, axis=1), choice_ne, -jnp.inf)
@@ -247,6 +261,7 @@ class MoE(nnx.Module):
         self.score, self.renormalize = cfg.router_score, cfg.router_renormalize
         self.router_bias, self.shared = cfg.router_bias, cfg.num_shared_experts > 0
         self.groups, self.group_top, self.router_scale = cfg.router_groups, cfg.router_group_top, cfg.router_scale
+        self.group_score = cfg.router_group_score
         self.activation = ACTIVATIONS[cfg.activation]
         self.glu = (
             gated(self.activation)
@@ -289,6 +304,7 @@ class MoE(nnx.Module):
                 groups=self.groups,
                 group_top=self.group_top,
                 scale=self.router_scale,
+                group_score=self.group_score,
             )
             stats = router_stats(logits_ne, experts_nk, valid_bt.reshape(-1), self.num_experts, self.score)
             feedback = load_feedback(bias, stats.assigned_e) if self.router_bias else 0.0

@@ -1,4 +1,5 @@
-"""DeepSeek-V3 (DeepseekV3ForCausalLM).
+"""DeepSeek-V3 (DeepseekV3ForCausalLM; Kimi K2 is this architecture) and DeepSeek-V2
+(DeepseekV2ForCausalLM, below: the softmax router).
 
 Multi-head latent attention (engine/models/mla.py) in every layer; the first
 first_k_dense_replace layers have a dense MLP and form their own layer stack (`dense_blocks`),
@@ -17,6 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from engine.config import ConfigError
 from engine.models.config import ModelConfig
 from engine.models.families.base import EXPERT, LAYER, Family, TensorSpec, register_family
 
@@ -52,13 +54,14 @@ def _dense_mlp() -> list[TensorSpec]:
     ]
 
 
-def routed_and_shared_experts() -> list[TensorSpec]:
-    """A DeepSeek-style mixture of experts: the sigmoid router, its score bias, the experts (one
-    tensor each) and the shared experts (also GLM-4.5's, families/glm.py)."""
+def routed_and_shared_experts(bias: bool = True) -> list[TensorSpec]:
+    """A DeepSeek-style mixture of experts: the router, its score bias (DeepSeek-V3's sigmoid
+    router; not `bias`: DeepSeek-V2's softmax one has none), the experts (one tensor each) and
+    the shared experts (also GLM-4.5's, families/glm.py)."""
     expert, shared = LAYER + "mlp." + EXPERT, LAYER + "mlp.shared_experts."
     return [
         TensorSpec(("mlp", "w_router_de"), LAYER + "mlp.gate.weight", 1),
-        TensorSpec(("mlp", "b_router_e"), LAYER + "mlp.gate.e_score_correction_bias", None),
+        *([TensorSpec(("mlp", "b_router_e"), LAYER + "mlp.gate.e_score_correction_bias", None)] if bias else []),
         *(
             TensorSpec(("mlp", f"w_{x}_{dims}"), expert + f"{x}_proj.weight", 1, experts=True)
             for x, dims in (("gate", "edf"), ("up", "edf"), ("down", "efd"))
@@ -163,7 +166,7 @@ class DeepseekV3(Family):
         per_layer = []
         for stack, _ in cfg.layer_stacks():
             per_layer += _attention(stack, cfg.q_lora_rank is not None)
-            per_layer += _dense_mlp() if stack == "dense_blocks" else routed_and_shared_experts()
+            per_layer += _dense_mlp() if stack == "dense_blocks" else routed_and_shared_experts(cfg.router_bias)
         return top, per_layer
 
     def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:
@@ -171,3 +174,81 @@ class DeepseekV3(Family):
         # right after the last; any other extra layer is a config/weights mismatch convert names.
         layer = _LAYER_INDEX.match(name)
         return layer is not None and int(layer.group(1)) == cfg.num_layers
+
+
+@register_family
+class DeepseekV2(DeepseekV3):
+    """DeepSeek-V2 and V2-Lite (DeepseekV2ForCausalLM): DeepSeek-V3's layers with a softmax
+    router and no score bias, the k weights not renormalised (transformers' class ignores
+    norm_topk_prob) but scaled by routed_scaling_factor, and either plain top-k (topk_method
+    greedy) or group-limited top-k whose groups are scored by their best expert
+    (group_limited_greedy; DeepSeek-V3 sums the two best). RoPE always rotates adjacent pairs."""
+
+    name = "deepseek_v2"
+    architecture = "DeepseekV2ForCausalLM"
+    model_type = "deepseek_v2"
+    fixed = {
+        "router_score": "softmax",
+        "router_bias": False,
+        "router_renormalize": False,
+        "router_group_score": "max",
+        "rope_interleave": True,
+    }
+    hf_defaults = {
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6,
+        "n_routed_experts": 64,
+        "num_experts_per_tok": 6,  # transformers' is None (which it cannot run); V2's and V2-Lite's
+        "moe_intermediate_size": 1407,
+        "n_shared_experts": 2,
+        "routed_scaling_factor": 1.0,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "first_k_dense_replace": 0,
+        "topk_method": "greedy",
+        "norm_topk_prob": False,
+        "rope_interleave": True,
+    }
+    unsupported_flags = ("attention_bias", "mlp_bias")
+    hf_constants = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1, "output_router_logits": False}
+
+    def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
+        # Keys of DeepSeek's own code that transformers' class ignores: only the values it runs.
+        method = self.hf_value(hf, "topk_method")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ConfigError(f"{where}: topk_method '{method}' is not supported (greedy, group_limited_greedy)")
+        for key, value in (("norm_topk_prob", False), ("moe_layer_freq", 1), ("scoring_func", "softmax")):
+            if hf.get(key) not in (None, value):
+                raise ConfigError(
+                    f"{where}: {key}={hf[key]!r} is not supported ({self.architecture} runs {key}={value!r})"
+                )
+        return super().config_from_hf(hf, where)
+
+    def extra_fields_from_hf(self, hf: dict) -> dict[str, Any]:
+        fields = super().extra_fields_from_hf(hf)
+        grouped = self.hf_value(hf, "topk_method") == "group_limited_greedy"
+        fields.pop("rope_interleave")  # fixed: always adjacent pairs
+        return {
+            **fields,
+            "router_renormalize": False,
+            "router_groups": hf["n_group"] if grouped else 1,
+            "router_group_top": hf["topk_group"] if grouped else 1,
+        }
+
+    def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
+        keys = super().extra_hf_keys(cfg)
+        del keys["rope_interleave"]
+        grouped = cfg.router_groups > 1
+        return {
+            **keys,
+            "topk_method": "group_limited_greedy" if grouped else "greedy",
+            "n_group": cfg.router_groups if grouped else None,
+            "topk_group": cfg.router_group_top if grouped else None,
+        }
+
+    def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:
+        return False  # DeepSeek-V2 has no multi-token-prediction layer

@@ -1,0 +1,320 @@
+"""Hugging Face parity of the mixture-of-experts families added by issue 50: MiniMax-M2 (QK
+norm over all heads, RoPE on part of each head, a sigmoid router with a choosing bias),
+DeepSeek-V2 (latent attention, a softmax router, group-limited top-k whose groups are scored
+by their best expert) and V2-Lite (plain top-k, direct queries), and Kimi K2 (DeepSeek-V3's
+architecture at its own hyper-parameters: one expert group, routed_scaling_factor 2.827,
+YaRN with beta 1/1).
+
+Each case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
+collected here over this module's `case`): greedy tokens and the KV-cache sampler equal
+transformers', config.json as transformers writes it, export -> convert bitwise; and here
+logits to 1e-5 at transformers' initialisation and to 1e-4 with N(0, 0.3^2) weights (and a
+random routing bias) where the routing is near its margins, export loading cleanly, and a
+training step whose loss is transformers'.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.deps import need
+
+torch = need("torch")
+transformers = need("transformers")
+
+from engine.config import ConfigError  # noqa: E402
+from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.export import export_hf  # noqa: E402
+from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
+from engine.models.params import graphdef_of  # noqa: E402
+from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
+from engine.train.step import lm_loss_fn  # noqa: E402
+from tests import test_hf_parity  # noqa: E402
+from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
+    COMMON,
+    Case,
+    batch,
+    engine_logits,
+    hf_logits,
+    random_causal_lm,
+    test_export_then_convert_is_bitwise_identical,
+    test_greedy_generation_of_16_tokens_is_identical,
+)
+
+# DeepSeek's latent attention: as many key-value heads as query heads, odd widths.
+MLA = dict(
+    num_key_value_heads=6,
+    head_dim=4,  # transformers' MLA configs: the rotary width
+    kv_lora_rank=10,
+    qk_rope_head_dim=4,
+    qk_nope_head_dim=6,
+    v_head_dim=7,
+    moe_intermediate_size=14,
+    first_k_dense_replace=1,
+)
+YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 16}
+
+
+def hf_config(name: str):
+    t = transformers
+    return {
+        # 5 experts, top-2, as wide as intermediate_size; RoPE on half of each 8-wide head
+        "minimax_m2": lambda: t.MiniMaxM2Config(
+            **COMMON,
+            num_local_experts=5,
+            num_experts_per_tok=2,
+            rotary_dim=4,
+            rope_theta=500.0,
+            bos_token_id=None,
+            eos_token_id=None,
+        ),
+        # 6 experts in 3 groups, each token's 2 from its 2 groups of best single expert;
+        # compressed queries, 2 shared experts, scaled weights, YaRN with mscale_all_dim
+        "deepseek_v2": lambda: t.DeepseekV2Config(
+            **{**COMMON, **MLA},
+            q_lora_rank=12,
+            n_routed_experts=6,
+            num_experts_per_tok=2,
+            n_shared_experts=2,
+            topk_method="group_limited_greedy",
+            n_group=3,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+            rope_parameters={**YARN, "mscale": 0.707, "mscale_all_dim": 0.707},
+            bos_token_id=None,
+            eos_token_id=None,
+        ),
+        # V2-Lite's shape: direct queries, plain top-k over 7 experts, no groups
+        "deepseek_v2_lite": lambda: t.DeepseekV2Config(
+            **{**COMMON, **MLA},
+            q_lora_rank=None,
+            n_routed_experts=7,
+            num_experts_per_tok=3,
+            n_shared_experts=1,
+            rope_theta=500.0,
+            bos_token_id=None,
+            eos_token_id=None,
+        ),
+        # Kimi K2 scaled down: 384 experts / 8 per token -> 12 / 4 in one group, one shared
+        # expert, a dense first layer, routed_scaling_factor 2.827, YaRN beta 1/1, mscale 1/1
+        "kimi_k2": lambda: t.DeepseekV3Config(
+            **{**COMMON, **MLA},
+            q_lora_rank=12,
+            n_routed_experts=12,
+            num_experts_per_tok=4,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.827,
+            num_nextn_predict_layers=0,  # K2 publishes none
+            rope_interleave=True,
+            rope_parameters={**YARN, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+            bos_token_id=None,
+            eos_token_id=None,
+        ),
+    }[name]()
+
+
+CASES = ["minimax_m2", "deepseek_v2", "deepseek_v2_lite", "kimi_k2"]
+FAMILY = {"minimax_m2": "minimax_m2", "deepseek_v2": "deepseek_v2", "deepseek_v2_lite": "deepseek_v2"}
+IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
+"""transformers' plain loops: its grouped-matmul experts need 16-byte strides (odd sizes have not)."""
+
+
+def randomise_routing_bias(model, seed: int = 0) -> None:
+    """The choosing bias is a buffer (random_causal_lm draws parameters only): N(0, 0.1^2)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn(buffer.shape, generator=generator))
+
+
+def random_hf_model(name: str, seed: int = 0):
+    model = random_causal_lm(hf_config(name), seed, **IMPLEMENTATIONS)
+    randomise_routing_bias(model, seed)
+    return model
+
+
+def converted(model, root) -> tuple:
+    model.save_pretrained(root / "hf")
+    convert_hf(root / "hf", root / "converted")
+    cfg, params, _ = load_params(root / "converted" / "checkpoint")
+    _, compute = stored_configs(root / "converted" / "checkpoint")
+    return cfg, compute, params
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request, tmp_path_factory) -> Case:
+    name = request.param
+    root = tmp_path_factory.mktemp(name)
+    model = random_hf_model(name)
+    cfg, compute, params = converted(model, root)
+    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+
+
+def chosen_experts(model, tokens, mask) -> list[torch.Tensor]:
+    """Each expert layer's chosen experts per token (sorted), as transformers routes them."""
+    chosen, hooks = [], []
+    for name, module in model.named_modules():
+        if name.endswith(".experts"):
+            hooks.append(module.register_forward_hook(lambda m, args, out: chosen.append(args[1].sort(-1).values)))
+    try:
+        hf_logits(model, tokens, mask)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return chosen
+
+
+def test_converted_model_matches_transformers_and_the_routing_is_near_its_margins(case):
+    """Logits to 1e-4 with weights large enough that routing matters: every expert is used,
+    unevenly, and a 5% change of the routers moves some choices (so matching logits means
+    matching routing)."""
+    assert case.cfg.family == FAMILY.get(case.family, "deepseek_v3")
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    ours = engine_logits(case.cfg, case.compute, case.params, tokens, mask)
+    ref = hf_logits(case.hf_model, tokens, mask)
+    delta = float(np.abs(ours - ref)[valid].max())
+    print(f"\n{case.family}: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref[valid]).max():.1f})")
+    assert delta <= 1e-4 and np.abs(ref[valid]).max() > 0.5
+    chosen = chosen_experts(case.hf_model, tokens, mask)
+    loads = torch.bincount(chosen[0].flatten(), minlength=case.cfg.num_experts)
+    assert loads.min() > 0 and loads.max() > loads.min()
+    routers = [p for n, p in case.hf_model.named_parameters() if n.endswith(".gate.weight")]
+    saved = [w.detach().clone() for w in routers]
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for w in routers:
+            w.mul_(1 + 0.05 * torch.randn(w.shape, generator=generator))
+    try:
+        moved = chosen_experts(case.hf_model, tokens, mask)
+    finally:
+        with torch.no_grad():
+            for w, s in zip(routers, saved, strict=True):
+                w.copy_(s)
+    assert sum(int((a != b).any(-1).sum()) for a, b in zip(chosen, moved, strict=True)) > 0
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_converted_model_at_initialisation_scale_matches_transformers_to_1e5(name, tmp_path):
+    """transformers' own initialisation (std initializer_range), no weight scaled."""
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(name), **IMPLEMENTATIONS).float().eval()
+    cfg, compute, params = converted(model, tmp_path)
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    ours = engine_logits(cfg, compute, params, tokens, mask)
+    ref = hf_logits(model, tokens, mask)
+    delta = float(np.abs(ours - ref)[valid].max())
+    print(f"\n{name} at init scale: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref[valid]).max():.3f})")
+    assert delta <= 1e-5 and np.abs(ref[valid]).max() > 1e-3
+
+
+def test_the_family_reads_what_the_config_says(case):
+    cfg, layers = case.cfg, case.cfg.layer_pattern()
+    if case.family == "minimax_m2":
+        assert cfg.rotary_dim == 4 and cfg.qk_norm_across_heads and cfg.router_bias and cfg.router_renormalize
+        assert case.params["blocks"]["attn"]["q_norm"]["scale"].shape == (3, 6, 8)  # HF's (48,) per layer
+        assert case.params["blocks"]["attn"]["k_norm"]["scale"].shape == (3, 2, 8)
+    elif case.family.startswith("deepseek_v2"):
+        assert cfg.router_score == "softmax" and not cfg.router_bias and not cfg.router_renormalize
+        assert cfg.rope_interleave and [x.ffn for x in layers] == ["mlp", "moe", "moe"]
+        assert "b_router_e" not in case.params["blocks"]["mlp"]
+        grouped = case.family == "deepseek_v2"
+        assert (cfg.router_groups, cfg.router_group_top, cfg.router_scale) == ((3, 2, 1.5) if grouped else (1, 1, 1.0))
+        assert (cfg.q_lora_rank is None) == (not grouped) and cfg.router_group_score == "max"
+    else:  # kimi_k2
+        assert (cfg.router_groups, cfg.router_scale, cfg.num_experts, cfg.experts_per_token) == (1, 2.827, 12, 4)
+        assert cfg.rope_scaling.beta_fast == cfg.rope_scaling.beta_slow == 1.0
+
+
+def test_group_limited_routing_scores_a_group_by_its_best_expert():
+    """DeepSeek-V2's group_limited_greedy: with groups {0, 1} and {2, 3}, a token whose best
+    expert is in the first group but whose second group has the larger top-2 sum is routed
+    into the first (DeepSeek-V3's rule would pick the second)."""
+    from engine.models.moe import route
+
+    scores = np.log(np.array([[0.4, 0.01, 0.3, 0.29]], np.float32))  # softmax gives these back
+    _, by_max = route(jnp.asarray(scores), None, 1, "softmax", False, groups=2, group_top=1, group_score="max")
+    _, by_sum = route(jnp.asarray(scores), None, 1, "softmax", False, groups=2, group_top=1)
+    assert int(by_max[0, 0]) == 0 and int(by_sum[0, 0]) in (2, 3)
+
+
+def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
+    export_hf(case.out_dir / "checkpoint", tmp_path / "export")
+    records = io.StringIO()
+    handler = logging.StreamHandler(records)
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "export", output_loading_info=True, **IMPLEMENTATIONS
+        )
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert "were not initialized" not in records.getvalue() and "not used" not in records.getvalue()
+    assert type(reloaded) is type(case.hf_model)
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    np.testing.assert_array_equal(
+        hf_logits(reloaded.eval(), tokens, mask)[valid], hf_logits(case.hf_model, tokens, mask)[valid]
+    )
+
+
+def test_exported_config_json_is_what_transformers_writes(case, tmp_path, monkeypatch):
+    """test_hf_parity's check; MiniMax-M2's export also writes the published `rotary_dim`."""
+    monkeypatch.setattr(test_hf_parity, "OLDER_KEYS", test_hf_parity.OLDER_KEYS | {"rotary_dim"})
+    test_hf_parity.test_exported_config_json_is_what_transformers_writes(case, tmp_path)
+
+
+def test_a_training_step_has_transformers_loss_and_moves_every_parameter(case):
+    """The training loss (next-token cross entropy, its router losses apart) is transformers'
+    loss on the same rows; every parameter gets a finite gradient, none all zero (the
+    choosing bias's is its layer's load imbalance), and one SGD step lowers the loss."""
+    tokens = np.random.default_rng(4).integers(0, case.cfg.vocab_size, (2, 12))
+    data = {
+        "tokens": tokens,
+        "positions": np.broadcast_to(np.arange(12), (2, 12)),
+        "segment_ids": np.ones((2, 12), np.int32),
+        "targets": np.roll(tokens, -1, 1),
+        "loss_mask": np.concatenate([np.ones((2, 11)), np.zeros((2, 1))], axis=1).astype(np.float32),
+    }
+    step = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef_of(case.cfg, case.compute)), has_aux=True))
+    (loss, aux), grads = step(case.params, data, 22.0)
+    with torch.no_grad():
+        ref = case.hf_model(torch.tensor(tokens), labels=torch.tensor(tokens)).loss.item()
+    assert float(aux["loss"]) == pytest.approx(ref, rel=1e-5)
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        assert np.isfinite(np.asarray(g)).all() and np.abs(np.asarray(g)).max() > 0, jax.tree_util.keystr(path)
+    stepped = jax.tree.map(lambda p, g: p - 0.05 * g, case.params, grads)
+    (after, _), _ = step(stepped, data, 22.0)
+    assert float(after) < float(loss)
+
+
+def test_what_the_families_do_not_run_is_refused_in_one_sentence():
+    v2 = {**hf_config("deepseek_v2").to_dict(), "architectures": ["DeepseekV2ForCausalLM"]}
+    for key, value, message in (
+        ("topk_method", "noaux_tc", r"topk_method 'noaux_tc' is not supported"),
+        ("norm_topk_prob", True, r"norm_topk_prob=True is not supported \(DeepseekV2ForCausalLM runs"),
+        ("moe_layer_freq", 2, r"moe_layer_freq=2 is not supported"),
+        ("attention_bias", True, r"attention_bias=true is not supported"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            model_config_from_hf({**v2, key: value})
+    m2 = {**hf_config("minimax_m2").to_dict(), "architectures": ["MiniMaxM2ForCausalLM"]}
+    for key, value in (("scoring_func", "softmax"), ("use_qk_norm", False), ("shared_intermediate_size", 64)):
+        with pytest.raises(ConfigError, match=rf"{key}={value!r} is not supported \(MiniMaxM2ForCausalLM runs"):
+            model_config_from_hf({**m2, key: value})
+    # the published file's keys: rotary_dim at the top level, no rope_parameters
+    published = {k: v for k, v in m2.items() if k != "rope_parameters"} | {"rotary_dim": 4, "rope_theta": 5e6}
+    cfg, _ = model_config_from_hf({**published, "use_qk_norm": True, "scoring_func": "sigmoid"})
+    assert cfg.rotary_dim == 4 and cfg.rope_theta == 5e6
