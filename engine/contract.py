@@ -84,6 +84,7 @@ ADDED_AT_DEFAULT = {
     # evaluate's lm-eval harness tasks
     "harness": None,
     "compute.weight_grad_dtype": "float32",
+    "compute.matmul_precision": "default",
     # the layer pattern's per-layer kinds (engine/models/config.py: ModelConfig.layer_pattern)
     "model.rope_pattern": None,
     "model.rotary_dim": None,

@@ -431,6 +431,11 @@ class ComputeConfig(Strict):
     devices that split the batch (engine/ops/dense.py): float32, or bfloat16 as MaxText's are
     (half the bytes of the gradient all-reduce/reduce-scatter per step; docs/benchmarks.md).
     Only a bfloat16 `dtype` has anything to round; the parameters' update stays in param_dtype."""
+    matmul_precision: Literal["default", "fp8", "int8"] = "default"
+    """Recipe of the layers' trainable matmuls (engine/ops/low_precision.py, qwix): default =
+    in `dtype`; fp8 = e4m3 operands and e5m2 gradients, int8 = int8 forward and backward
+    (quantization-aware training), both with current absmax scaling per channel. The LM head,
+    the MoE router and experts and attention's QK/PV products stay in `dtype`."""
 
     @field_validator("scan_unroll", mode="before")
     @classmethod

@@ -34,7 +34,7 @@ from flax import nnx
 from engine.models import moe_ep
 from engine.models.common import ACTIVATIONS, dtype_of, param
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.ops.dense import DotGeneral, dense, gated_mlp
+from engine.ops.dense import DotGeneral, dense, gated_mlp, matmuls_in
 from engine.ops.grouped import grouped_mlp
 from engine.ops.partitioning import constrain, current_mesh
 
@@ -282,7 +282,7 @@ class MoE(nnx.Module):
         dt = self.dtype
         if valid_bt is None:
             valid_bt = jnp.ones((b, t), bool)
-        with jax.named_scope("router"):
+        with jax.named_scope("router"), matmuls_in("default"):  # never quantized (fp8/int8 recipes)
             # In float32 whatever the compute dtype (Switch Transformer's selective precision;
             # transformers' DeepSeek-V3 router too): a bf16 rounding of close logits flips choices.
             logits_bte = dense(

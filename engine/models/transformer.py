@@ -34,7 +34,7 @@ from engine.models.mla import MLA
 from engine.models.moe import MoE, MoEStats, combine_stats
 from engine.models.rope import rope_cos_sin, rope_inverse_frequencies, rotate
 from engine.ops.attention import attention, decode_attention
-from engine.ops.dense import DotGeneral, dense, gated_mlp, uses_cpu_backward, weight_grads_in
+from engine.ops.dense import DotGeneral, dense, gated_mlp, matmuls_in, uses_cpu_backward, weight_grads_in
 from engine.ops.partitioning import constrain, current_platform
 
 # Parameters are created unsharded and placed by engine/models/params.py under jit with the
@@ -646,7 +646,8 @@ class Transformer(nnx.Module):
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
         stats = None
         if cache is None:  # segment_ids_bt None: one unpadded document per row, no mask needed
-            x_btd, stats = self._run_blocks(x_btd, positions_bt, segment_ids_bt)
+            with matmuls_in(self.compute.matmul_precision):  # fp8/int8 recipes: the layers' products only
+                x_btd, stats = self._run_blocks(x_btd, positions_bt, segment_ids_bt)
         else:
             if segment_ids_bt is None:
                 segment_ids_bt = jnp.ones_like(tokens_bt)

@@ -7,6 +7,7 @@ attention_cudnn.py      cuDNN flash attention (NVIDIA GPUs)
 attention_splash.py     the Pallas splash-attention kernel (TPUs)
 cpu_kernels/            C++ kernels for XLA:CPU (decode and training attention), built on first use
 dense.py                the matmuls: one injectable dot_general, a CPU-ordered backward
+low_precision.py        fp8 / int8 training recipes of those matmuls (qwix's quantized dot_general)
 grouped.py              the experts' grouped matmuls: ragged_dot, or a tile-aligned layout on CPU
 gated_delta.py          Gated DeltaNet's delta rule: chunked (training), one step (decoding), per-token reference
 ssd.py                  Mamba2's SSD: chunked scan (training), one step (decoding), per-token reference

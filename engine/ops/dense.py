@@ -13,7 +13,11 @@ pick layouts themselves, so there (`backward="auto"` off CPU, ComputeConfig.matm
 plain autodiff runs and leaves XLA its fusions.
 
 Every product goes through one `dot_general` (jax.lax.dot_general by default, the backward's
-too): the seam where a quantized or fp8 matmul slots in.
+too): the seam where a quantized or fp8 matmul slots in. Inside `matmuls_in("fp8" | "int8")`
+(ComputeConfig.matmul_precision; the model enters it around its layers) the products of
+`dense` and `gated_mlp` that would use the default one run as that recipe's quantized
+product (engine/ops/low_precision.py, qwix) instead, differentiated by the recipe's own
+backward (quantized too), not the CPU one below.
 
 Low-precision products accumulate in float32 (preferred_element_type) and round once at the
 end. On CPU this is also what lets the hardware's bf16 instructions run: XLA:CPU hands a
@@ -44,6 +48,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from engine.ops import low_precision
 from engine.ops.partitioning import constrain, current_platform
 
 Backward = Literal["auto", "cpu", "autodiff"]
@@ -65,6 +70,27 @@ def weight_grads_in(dtype: str) -> Iterator[None]:
         _BF16_WEIGHT_GRADS.reset(token)
 
 
+_RECIPE: contextvars.ContextVar[DotGeneral | None] = contextvars.ContextVar("matmul_recipe", default=None)
+
+
+@contextlib.contextmanager
+def matmuls_in(precision: str) -> Iterator[None]:
+    """Within: the default products of `dense` and `gated_mlp` run as `precision`'s recipe
+    ("fp8", "int8": engine/ops/low_precision.py) or plainly ("default", also how a product
+    inside such a scope opts out, as the MoE router does). Read when a product is traced."""
+    token = _RECIPE.set(low_precision.dot_general(precision))
+    try:
+        yield
+    finally:
+        _RECIPE.reset(token)
+
+
+def _recipe(dot_general: DotGeneral) -> DotGeneral | None:
+    """The quantized product that replaces `dot_general` here, if one does."""
+    recipe = _RECIPE.get()
+    return recipe if recipe is not None and dot_general is jax.lax.dot_general else None
+
+
 def uses_cpu_backward(backward: Backward) -> bool:
     """Whether the hand-written backward runs: `cpu`, or `auto` when compiling for CPU."""
     return backward == "cpu" or (backward == "auto" and current_platform() == "cpu")
@@ -83,6 +109,9 @@ def dense(
     returns a narrower product's float32 accumulator unrounded (the LM head's logits, which
     the loss reads in float32 anyway); its gradient is rounded to x's dtype for the backward
     products."""
+    if (quantized := _recipe(dot_general)) is not None:  # its product in the operands' dtype, its own backward
+        out = _dot(x, w, n_in, quantized, accumulate=None)
+        return out.astype(jnp.float32) if float32_out else out
     narrow_grads = _BF16_WEIGHT_GRADS.get()
     if uses_cpu_backward(backward):
         return _dense(x, w, n_in, dot_general, float32_out, narrow_grads)
@@ -167,6 +196,8 @@ def gated_mlp(
     derivative or their product, which autodiff would also save) and recomputes the rest.
     `hidden_names`, logical axis names of the hidden activation, constrain its sharding.
     """
+    if (quantized := _recipe(dot_general)) is not None:
+        return _gated_fwd(x, w_gate, w_up, w_down, activation, hidden_names, quantized, accumulate=None)[0]
     narrow_grads = _BF16_WEIGHT_GRADS.get()
     if uses_cpu_backward(backward):
         return _gated_mlp(x, w_gate, w_up, w_down, activation, hidden_names, dot_general, narrow_grads)
