@@ -1,0 +1,197 @@
+"""Gemma 4 text (Gemma4ForCausalLM, model_type gemma4_text): the dense models (31B).
+
+Gemma 3's block (GeGLU, a norm before and after each sublayer, QK-norm, five sliding layers
+per global one, logits soft-capped, embeddings scaled by sqrt(d_model)) with:
+
+- norms that multiply by their scale (not 1 + scale), and attention unscaled (scaling 1.0:
+  the QK norms set the logits' size);
+- an RMSNorm without a scale on the values (`value_norm`), and a learned scalar per layer
+  multiplying the residual stream after it (`layer_scale`, HF's `layer_scalar` buffer);
+- global layers with heads of their own shape (`global_head_dim`, and with
+  `attention_k_eq_v` `global_num_kv_heads` and no v_proj: the values are the key
+  projection), so they form a stack of their own, `global_blocks`;
+- per-layer-type RoPE: the sliding layers' plain RoPE (rope_local_theta), the global ones'
+  `proportional` RoPE, whose frequencies are a whole head's with only the fastest quarter
+  kept (RopeScaling kind proportional).
+
+The small models' per-layer embeddings (E2B, E4B: `hidden_size_per_layer_input`) and KV
+sharing (`num_kv_shared_layers`), and the mixture-of-experts model (26B-A4B:
+`enable_moe_block`) are refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from engine.config import ConfigError
+from engine.models.config import ModelConfig
+from engine.models.families.base import (
+    LAYER,
+    Family,
+    TensorSpec,
+    layer_types_to_hf,
+    qk_norm_tensors,
+    register_family,
+    rope_from_hf,
+    rope_parameters_to_hf,
+)
+
+DEFAULT_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
+"""transformers' RoPE of each layer type when config.json gives none."""
+REFUSED = {
+    "hidden_size_per_layer_input": "per-layer embeddings (Gemma 4 E2B/E4B)",
+    "num_kv_shared_layers": "layers sharing another layer's keys and values (Gemma 4 E2B/E4B)",
+    "enable_moe_block": "the mixture-of-experts block (Gemma 4 26B-A4B)",
+}
+"""config.json keys of Gemma 4 features the engine does not run yet: refused when true (non-zero)."""
+
+
+@register_family
+class Gemma4(Family):
+    name = "gemma4"
+    architecture = "Gemma4ForCausalLM"
+    model_type = "gemma4_text"
+    fixed = {
+        "scale_embeddings": True,
+        "post_norms": True,
+        "qk_norm": True,
+        "value_norm": True,
+        "layer_scale": True,
+        "query_pre_attn_scalar": 1.0,  # transformers' scaling = 1.0
+    }
+    hf_defaults = {
+        "max_position_embeddings": 131_072,
+        "tie_word_embeddings": True,
+        "sliding_window": 512,
+        "global_head_dim": 512,
+        "hidden_size_per_layer_input": 256,
+    }
+    activation_key = "hidden_activation"
+    unsupported_flags = ("attention_bias",)
+    hf_constants = {
+        "attention_bias": False,
+        "use_bidirectional_attention": None,
+        "vocab_size_per_layer_input": 262_144,
+        "hidden_size_per_layer_input": 0,
+        "num_kv_shared_layers": 0,
+        "enable_moe_block": False,
+        "use_double_wide_mlp": False,
+        "num_experts": None,
+        "top_k_experts": None,
+        "moe_intermediate_size": None,
+    }
+
+    def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
+        for key, what in REFUSED.items():
+            if self.hf_value(hf, key):
+                raise ConfigError(f"{where}: {key}={self.hf_value(hf, key)} ({what}) is not supported yet")
+        if hf.get("use_bidirectional_attention") == "all":
+            raise ConfigError(f"{where}: use_bidirectional_attention='all' is not supported (a causal decoder)")
+        return super().config_from_hf(hf, where)
+
+    def layer_types(self, hf: dict, num_layers: int) -> list[str]:
+        types = hf.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(num_layers)
+        ]
+        return [*types[:-1], "full_attention"]  # transformers forces the last layer global
+
+    def rope_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
+        rope = hf.get("rope_parameters") or DEFAULT_ROPE
+        global_rope, local_rope = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+        local_theta, local_scaling = rope_from_hf({"rope_theta": 10_000.0, **local_rope}, where)
+        if local_scaling is not None:
+            raise ConfigError(f"{where}: RoPE scaling of sliding-window layers is not supported")
+        if global_rope.get("rope_type") == "proportional":
+            scaling = {
+                "kind": "proportional",
+                "factor": global_rope.get("factor", 1.0),
+                "rotated_fraction": global_rope.get("partial_rotary_factor", 1.0),
+            }
+            theta = float(global_rope.get("rope_theta", 10_000.0))
+        else:  # transformers' default RoPE of Gemma 4 rotates the whole head whatever the factor
+            plain = {k: v for k, v in global_rope.items() if k != "partial_rotary_factor"}
+            theta, scaling = rope_from_hf({"rope_theta": 10_000.0, **plain}, where)
+        return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": local_theta}
+
+    def extra_fields_from_hf(self, hf: dict) -> dict[str, Any]:
+        where = "config.json"
+        types = self.layer_types(hf, hf["num_hidden_layers"])
+        k_eq_v = bool(hf.get("attention_k_eq_v"))
+        overrides = hf.get("per_layer_config")
+        if overrides is None:  # the published checkpoints' keys (transformers 5.25 writes per_layer_config)
+            head_dim = self.hf_value(hf, "global_head_dim")
+            kv_heads = hf.get("num_global_key_value_heads") if k_eq_v else None
+        else:
+            global_layers = {i for i, t in enumerate(types) if t == "full_attention"}
+            found = {int(i): dict(o) for i, o in overrides.items()}
+            shapes = {tuple(sorted(o.items())) for o in found.values()}
+            unknown = sorted({k for o in found.values() for k in o} - {"head_dim", "num_key_value_heads"})
+            if set(found) != global_layers or len(shapes) != 1 or unknown:
+                raise ConfigError(
+                    f"{where}: per_layer_config must give every full_attention layer, and only those, "
+                    "the same head_dim (and num_key_value_heads)"
+                )
+            one = next(iter(found.values()))
+            head_dim, kv_heads = one.get("head_dim"), one.get("num_key_value_heads")
+        base_heads = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+        return {
+            "final_logit_softcap": hf.get("final_logit_softcapping"),
+            "global_head_dim": None if head_dim in (None, hf.get("head_dim")) else head_dim,
+            "global_num_kv_heads": None if kv_heads in (None, base_heads) else kv_heads,
+            "global_values_from_keys": k_eq_v,
+        }
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
+        hf = super().config_to_hf(cfg)
+        del hf["rope_theta"], hf["rope_scaling"]  # transformers 4 has no Gemma 4: no older RoPE keys
+        return hf
+
+    def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
+        global_rope = rope_parameters_to_hf(cfg.rope_theta, None)
+        if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "proportional":
+            global_rope = {"rope_type": "proportional", "partial_rotary_factor": cfg.rope_scaling.rotated_fraction}
+            if cfg.rope_scaling.factor != 1.0:
+                global_rope["factor"] = cfg.rope_scaling.factor
+            global_rope["rope_theta"] = cfg.rope_theta
+        elif cfg.rope_scaling is not None:
+            global_rope = rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling)
+        head_dim = cfg.global_head_dim or cfg.head_dim
+        override: dict[str, Any] = {"head_dim": head_dim}
+        if cfg.global_values_from_keys:
+            override["num_key_value_heads"] = cfg.global_num_kv_heads or cfg.num_kv_heads
+        types = layer_types_to_hf(cfg)
+        return {
+            **types,
+            "final_logit_softcapping": cfg.final_logit_softcap,
+            "attention_k_eq_v": cfg.global_values_from_keys,
+            "rope_parameters": {
+                "sliding_attention": rope_parameters_to_hf(cfg.rope_local_theta or cfg.rope_theta, None),
+                "full_attention": global_rope,
+            },
+            "per_layer_config": {str(i): override for i, t in enumerate(types["layer_types"]) if t == "full_attention"},
+            # The published checkpoints' keys for the same (read by transformers before 5.25 and vLLM).
+            "global_head_dim": head_dim,
+            "num_global_key_value_heads": override.get("num_key_value_heads"),
+        }
+
+    def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        top, per_layer = super().tensor_table(cfg)
+        layers, stacks = cfg.layer_pattern(), dict(cfg.layer_stacks())
+        no_values = {stack for stack, indices in stacks.items() if layers[indices[0]].values_from_keys}
+        per_layer = [s for s in per_layer if not (s.stack in no_values and s.path == ("attn", "wv_dkh"))]
+        scalar = TensorSpec(("layer_scale",), LAYER + "layer_scalar", None)
+        return top, per_layer + [dataclasses.replace(scalar, stack=stack) for stack in stacks]
+
+    def extra_attention_tensors(self) -> list[TensorSpec]:
+        return qk_norm_tensors()
+
+    def mlp_norm_tensors(self) -> list[TensorSpec]:
+        return [  # Gemma 2's: post_attention_layernorm is the attention output's norm
+            TensorSpec(("post_attn_norm", "scale"), LAYER + "post_attention_layernorm.weight", None),
+            TensorSpec(("mlp_norm", "scale"), LAYER + "pre_feedforward_layernorm.weight", None),
+            TensorSpec(("post_mlp_norm", "scale"), LAYER + "post_feedforward_layernorm.weight", None),
+        ]

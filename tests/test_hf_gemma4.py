@@ -1,0 +1,282 @@
+"""Hugging Face parity of Gemma 4's dense text models (Gemma4ForCausalLM, transformers 5.25).
+
+The tiny models carry what sets Gemma 4 apart: global layers with heads of their own shape
+(12 wide where the sliding ones are 8; with attention_k_eq_v one KV head and no v_proj, the
+values the key projection), the values' scale-free norm, a learned scalar per layer,
+proportional RoPE on the global layers (half of each head rotating, its own base), plain
+RoPE of another base on the sliding ones, a window (5) shorter than the sequences and a
+final soft-cap. Each case gets test_hf_parity's checks (the same test functions, collected
+over this module's `case`): greedy tokens and the KV-cache sampler equal transformers', a
+clean `from_pretrained` of the export with the same logits, config.json as transformers
+writes it, export -> convert bitwise. Then a training step's gradients against torch
+autograd and a LoRA adapter against PEFT's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.deps import need
+
+torch = need("torch")
+transformers = need("transformers")
+peft = need("peft")
+
+from engine.config import ConfigError  # noqa: E402
+from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
+from engine.interop.hf.peft import adapter_from_peft, adapter_to_peft, lora_config_from_peft  # noqa: E402
+from engine.models.lora import join, split_adapter  # noqa: E402
+from engine.models.params import abstract_model_params, apply_model, graphdef_of  # noqa: E402
+from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
+from engine.train.step import lm_loss_fn  # noqa: E402
+from tests import test_hf_parity  # noqa: E402
+from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
+    COMMON,
+    VOCAB,
+    WINDOW,
+    Case,
+    batch,
+    engine_logits,
+    hf_logits,
+    random_causal_lm,
+    test_export_loads_in_transformers_cleanly_with_the_same_logits,
+    test_export_then_convert_is_bitwise_identical,
+    test_greedy_generation_of_16_tokens_is_identical,
+)
+
+LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+
+def hf_config(name: str):
+    common = dict(
+        **{**COMMON, "num_hidden_layers": 5},
+        layer_types=LAYER_TYPES,
+        sliding_window=WINDOW,
+        hidden_size_per_layer_input=0,
+        final_logit_softcapping=8.0,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 800.0},
+        },
+    )
+    return {
+        # 31B's shape: global heads 12 wide, one KV head whose values are its keys
+        "gemma4": lambda: transformers.Gemma4TextConfig(
+            **common, global_head_dim=12, num_global_key_value_heads=1, attention_k_eq_v=True
+        ),
+        # global heads 12 wide with their own v_proj (the small models' attention)
+        "gemma4_own_values": lambda: transformers.Gemma4TextConfig(**common, global_head_dim=12),
+    }[name]()
+
+
+CASES = ["gemma4", "gemma4_own_values"]
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request, tmp_path_factory) -> Case:
+    name = request.param
+    root = tmp_path_factory.mktemp(name)
+    model = random_causal_lm(hf_config(name), 0, attn_implementation="eager")
+    model.save_pretrained(root / "hf")
+    (root / "hf" / "tokenizer.json").write_text('{"stand-in": true}')
+    convert_hf(root / "hf", root / "converted")
+    cfg, params, _ = load_params(root / "converted" / "checkpoint")
+    _, compute = stored_configs(root / "converted" / "checkpoint")
+    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+
+
+def test_converted_model_matches_transformers_logits(case):
+    """Weights N(0, 0.3^2), norms and layer scalars away from 1: within 1e-4 (float32's own
+    error at this size is ~1e-5: transformers in float32 is as far from float64)."""
+    tokens, mask = batch()
+    ours = engine_logits(case.cfg, case.compute, case.params, tokens, mask)
+    ref = hf_logits(case.hf_model, tokens, mask)
+    valid = mask.astype(bool)
+    delta = float(np.abs(ours - ref)[valid].max())
+    print(f"\n{case.family}: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref[valid]).max():.1f})")
+    assert delta <= 1e-4, f"{case.family}: max |delta logit| {delta}"
+    assert np.abs(ref[valid]).max() > 0.5
+
+
+def test_the_pattern_is_what_the_config_says(case):
+    """Global layers in a stack of their own with transformers' head shapes; the values'
+    projection only where transformers has one."""
+    layers = case.cfg.layer_pattern()
+    assert [not x.local for x in layers] == [t == "full_attention" for t in LAYER_TYPES]
+    stacks = dict(case.cfg.layer_stacks())
+    assert stacks == {"blocks": (0, 1, 3), "global_blocks": (2, 4)}
+    hf_attn = case.hf_model.model.layers[2].self_attn
+    wk = case.params["global_blocks"]["attn"]["wk_dkh"]  # (layers, d, k, h)
+    assert wk.shape[2:] == (hf_attn.k_proj.out_features // hf_attn.head_dim, hf_attn.head_dim) == (wk.shape[2], 12)
+    assert ("wv_dkh" in case.params["global_blocks"]["attn"]) == (hf_attn.v_proj is not None)
+    assert case.cfg.rope_scaling.kind == "proportional" and case.cfg.rope_local_theta == 500.0
+    scalars = np.asarray(case.params["blocks"]["layer_scale"])[:, 0]
+    np.testing.assert_array_equal(scalars, [float(case.hf_model.model.layers[i].layer_scalar) for i in (0, 1, 3)])
+
+
+def test_init_scale_weights_match_to_1e5(tmp_path):
+    """transformers' own initialisation (weights N(0, 0.02^2), norms 1): logits within 1e-5."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config("gemma4"), attn_implementation="eager")
+    model = model.float().eval()
+    model.save_pretrained(tmp_path / "hf")
+    convert_hf(tmp_path / "hf", tmp_path / "converted")
+    cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
+    _, compute = stored_configs(tmp_path / "converted" / "checkpoint")
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    ours, ref = engine_logits(cfg, compute, params, tokens, mask), hf_logits(model, tokens, mask)
+    assert np.abs(ref[valid]).std() > 1e-3
+    assert float(np.abs(ours - ref)[valid].max()) <= 1e-5
+
+
+def test_unrolled_layers_match_the_scanned_stacks(case):
+    unrolled = case.compute.model_copy(update={"scan_layers": False})
+    params = dict(case.params)
+    for name, layers in case.cfg.layer_stacks():
+        params[name] = {i: jax.tree.map(lambda x, i=i: x[i], case.params[name]) for i in range(len(layers))}
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(
+        engine_logits(case.cfg, unrolled, params, tokens, mask)[valid],
+        engine_logits(case.cfg, case.compute, case.params, tokens, mask)[valid],
+        atol=1e-5,
+    )
+
+
+def test_exported_config_json_is_what_transformers_writes(case, tmp_path, monkeypatch):
+    """test_hf_parity's check; export also writes the global heads' shape in the published
+    checkpoints' keys (global_head_dim, num_global_key_value_heads), which transformers
+    5.25 folds into per_layer_config."""
+    older = test_hf_parity.OLDER_KEYS | {"global_head_dim", "num_global_key_value_heads"}
+    monkeypatch.setattr(test_hf_parity, "OLDER_KEYS", older)
+    test_hf_parity.test_exported_config_json_is_what_transformers_writes(case, tmp_path)
+
+
+def test_the_published_config_keys_read_as_per_layer_config(case):
+    """A config.json as Google publishes it (global_head_dim, num_global_key_value_heads, no
+    per_layer_config; use_bidirectional_attention 'vision', which a text model never uses)
+    gives the same model."""
+    hf = case.hf_model.config.to_dict()
+    del hf["per_layer_config"]
+    hf.update(global_head_dim=12, num_global_key_value_heads=1, use_bidirectional_attention="vision")
+    hf["architectures"] = ["Gemma4ForCausalLM"]
+    assert model_config_from_hf(hf)[0] == case.cfg
+
+
+def test_a_training_step_gives_torch_autograd_gradients(case):
+    """The training loss and every weight's gradient of the step (the global stack's shared
+    key/value projection, the layer scalars, the norms) are torch autograd's."""
+    tokens = np.random.default_rng(4).integers(0, VOCAB, (2, 13))
+    targets = np.random.default_rng(5).integers(0, VOCAB, (2, 13))
+    step_batch = {
+        "tokens": tokens,
+        "positions": np.broadcast_to(np.arange(13), (2, 13)),
+        "segment_ids": np.ones((2, 13), np.int32),
+        "targets": targets,
+        "loss_mask": np.ones((2, 13), np.float32),
+    }
+    loss_fn = lm_loss_fn(graphdef_of(case.cfg, case.compute))
+    (loss, _), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(case.params, step_batch, 26.0)
+    model = copy.deepcopy(case.hf_model)
+    for layer in model.model.layers:  # a buffer in transformers: made a parameter to get its gradient
+        layer.layer_scalar = torch.nn.Parameter(layer.layer_scalar.detach().clone())
+    logits = model(torch.tensor(tokens)).logits
+    ref_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), torch.tensor(targets).reshape(-1))
+    ref_loss.backward()
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    hf = dict(model.named_parameters())
+    layers = model.model.layers
+    checks = {  # (engine gradient, torch gradient laid out as the engine's)
+        "global wk": (
+            grads["global_blocks"]["attn"]["wk_dkh"][1],
+            hf["model.layers.4.self_attn.k_proj.weight"].grad.T.reshape(30, -1, 12),
+        ),
+        "local wv": (
+            grads["blocks"]["attn"]["wv_dkh"][2],
+            hf["model.layers.3.self_attn.v_proj.weight"].grad.T.reshape(30, 2, 8),
+        ),
+        "global q_norm": (grads["global_blocks"]["attn"]["q_norm"]["scale"][0], layers[2].self_attn.q_norm.weight.grad),
+        "post_mlp_norm": (
+            grads["blocks"]["post_mlp_norm"]["scale"][0],
+            layers[0].post_feedforward_layernorm.weight.grad,
+        ),
+        "embedding": (grads["embed_vd"], hf["model.embed_tokens.weight"].grad),
+        "layer scalars": (
+            grads["blocks"]["layer_scale"][:, 0],
+            torch.cat([layers[i].layer_scalar.grad for i in (0, 1, 3)]),
+        ),
+    }
+    for name, (ours, ref) in checks.items():
+        ref = ref.numpy()
+        np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-5 * max(1.0, np.abs(ref).max()), err_msg=name)
+        assert np.abs(ref).max() > 1e-4, name
+
+
+def test_lora_adapter_matches_peft(case, tmp_path):
+    """A PEFT adapter on every projection PEFT finds (v_proj only in the sliding layers where
+    the global ones have none), random factors: the engine's logits and the adapter's
+    gradients are PEFT's / torch's, and its tensors carry PEFT's names both ways."""
+    base = random_causal_lm(hf_config(case.family), 0, attn_implementation="eager")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=3, lora_alpha=5.0, target_modules="all-linear"))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(tmp_path / "adapter")
+    lora = lora_config_from_peft(tmp_path / "adapter")
+    assert lora.targets(case.cfg) == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    shapes = split_adapter(abstract_model_params(case.cfg, case.compute, None, lora))[0]
+    adapter = adapter_from_peft(tmp_path / "adapter", case.cfg, lora, shapes, scan_layers=True)
+    has_values = "wv_dkh" in case.params["global_blocks"]["attn"]
+    assert ("wv_dkh_lora_a" in adapter["global_blocks"]["attn"]) == has_values
+    graphdef = graphdef_of(case.cfg, case.compute, lora)
+    tokens, mask = batch()
+    weights = np.random.default_rng(2).normal(size=(*tokens.shape, VOCAB)).astype(np.float32) * mask[..., None]
+
+    def objective(adapter):
+        logits = apply_model(graphdef, join(adapter, case.params), jnp.asarray(tokens), None, jnp.asarray(mask))
+        return jnp.sum(logits * weights), logits
+
+    (_, ours), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(jax.tree.map(jnp.asarray, adapter))
+    model.zero_grad()
+    logits = model(torch.tensor(tokens), attention_mask=torch.tensor(mask)).logits
+    (logits * torch.tensor(weights)).sum().backward()
+    valid = mask.astype(bool)
+    ref = logits.detach().numpy()
+    assert np.abs(np.asarray(ours) - ref)[valid].max() <= 1e-4
+    ref_grads = {
+        name.removesuffix(".default.weight") + ".weight": p.grad.numpy()
+        for name, p in model.named_parameters()
+        if "lora_" in name
+    }
+    ours_grads = adapter_to_peft(case.cfg, lora, jax.tree.map(np.asarray, grads), scan_layers=True)
+    assert set(ours_grads) == set(ref_grads)
+    scale = max(float(np.abs(g).max()) for g in ref_grads.values())
+    worst = max(float(np.abs(ours_grads[k] - ref_grads[k]).max()) for k in ref_grads)
+    assert worst <= 1e-4 * max(1.0, scale), worst
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("hidden_size_per_layer_input", 16, r"hidden_size_per_layer_input=16 \(per-layer embeddings"),
+        ("num_kv_shared_layers", 2, r"num_kv_shared_layers=2 \(layers sharing another layer's keys"),
+        ("enable_moe_block", True, r"enable_moe_block=True \(the mixture-of-experts block"),
+        ("use_bidirectional_attention", "all", r"use_bidirectional_attention='all' is not supported"),
+    ],
+)
+def test_what_gemma4_cannot_do_yet_is_refused_in_one_sentence(key, value, message):
+    hf = {**hf_config("gemma4").to_dict(), "architectures": ["Gemma4ForCausalLM"], key: value}
+    with pytest.raises(ConfigError, match=message):
+        model_config_from_hf(hf)
+    hf.pop(key), hf.pop("hidden_size_per_layer_input", None)  # transformers' default is 256: per-layer embeddings
+    with pytest.raises(ConfigError, match="hidden_size_per_layer_input=256"):
+        model_config_from_hf(hf)
