@@ -102,7 +102,7 @@ def hf_config(name: str):
             eos_token_id=None,
         ),
         # Kimi K2 scaled down: 384 experts / 8 per token -> 12 / 4 in one group, one shared
-        # expert, a dense first layer, routed_scaling_factor 2.827, YaRN beta 1/1, mscale 1/1
+        # expert, a dense first layer, routed_scaling_factor 2.827, YaRN beta_fast 1, mscale 1/1
         "kimi_k2": lambda: t.DeepseekV3Config(
             **{**COMMON, **MLA},
             q_lora_rank=12,
@@ -115,7 +115,8 @@ def hf_config(name: str):
             routed_scaling_factor=2.827,
             num_nextn_predict_layers=0,  # K2 publishes none
             rope_interleave=True,
-            rope_parameters={**YARN, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+            # (K2's beta_slow 1.0 is transformers' default, which export leaves out)
+            rope_parameters={**YARN, "beta_fast": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
             bos_token_id=None,
             eos_token_id=None,
         ),
@@ -234,7 +235,7 @@ def test_the_family_reads_what_the_config_says(case):
         assert (cfg.q_lora_rank is None) == (not grouped) and cfg.router_group_score == "max"
     else:  # kimi_k2
         assert (cfg.router_groups, cfg.router_scale, cfg.num_experts, cfg.experts_per_token) == (1, 2.827, 12, 4)
-        assert cfg.rope_scaling.beta_fast == cfg.rope_scaling.beta_slow == 1.0
+        assert cfg.rope_scaling.beta_fast == cfg.rope_scaling.beta_slow == 1.0 and cfg.num_heads == cfg.num_kv_heads
 
 
 def test_group_limited_routing_scores_a_group_by_its_best_expert():
@@ -318,3 +319,31 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
     published = {k: v for k, v in m2.items() if k != "rope_parameters"} | {"rotary_dim": 4, "rope_theta": 5e6}
     cfg, _ = model_config_from_hf({**published, "use_qk_norm": True, "scoring_func": "sigmoid"})
     assert cfg.rotary_dim == 4 and cfg.rope_theta == 5e6
+
+
+PUBLISHED = {  # the model cards' totals (billions) and how closely ModelConfig.num_params meets them
+    "minimax-m2": (230, 0.01),
+    "deepseek-v2": (236, 0.002),
+    "deepseek-v2-lite": (15.7, 0.001),
+    "kimi-k2": (1000, 0.03),  # "1T"; 1,026.4B counted
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_the_presets_are_the_published_models(preset):
+    """Each preset builds as the transformers model of the same parameter count (on the meta
+    device) and of the size its model card gives."""
+    from engine.config import resolve_model_preset
+    from engine.interop.hf.mapping import model_config_to_hf
+    from engine.models.config import ModelConfig
+
+    cfg = ModelConfig.model_validate(resolve_model_preset({"model": preset}, preset)["model"])
+    hf = transformers.AutoConfig.for_model(**model_config_to_hf(cfg))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    billions, tolerance = PUBLISHED[preset]
+    assert cfg.num_params() / 1e9 == pytest.approx(billions, rel=tolerance)
+    tiny = "tiny-" + ("deepseek-v2" if preset.startswith("deepseek") else preset)
+    small = ModelConfig.model_validate(resolve_model_preset({"model": tiny}, tiny)["model"])
+    assert small.family == cfg.family and small.layer_stacks()[0][0] == cfg.layer_stacks()[0][0]
