@@ -85,6 +85,7 @@ ADDED_AT_DEFAULT = {
     "harness": None,
     "compute.weight_grad_dtype": "float32",
     "compute.matmul_precision": "default",
+    "mesh.dcn": {"data": 1, "expert": 1, "fsdp": 1, "context": 1},
     # the layer pattern's per-layer kinds (engine/models/config.py: ModelConfig.layer_pattern)
     "model.rope_pattern": None,
     "model.rotary_dim": None,

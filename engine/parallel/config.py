@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from engine.config import Strict
 
@@ -18,6 +18,23 @@ def unsplittable(length: int, context: int, what: str) -> str | None:
     return None
 
 
+class DcnConfig(Strict):
+    """How many slices each mesh axis spans (MaxText's dcn_*_parallelism): the axis's size is
+    this factor (over the data-center network between slices) times its size within a slice
+    (over ICI). The factors multiply to the number of slices; with every factor 1 on several
+    slices, `data` spans them (whole replicas per slice: one gradient all-reduce over DCN per
+    step). Tensor parallelism never crosses slices."""
+
+    data: int = Field(1, ge=1)
+    expert: int = Field(1, ge=1)
+    fsdp: int = Field(1, ge=1)
+    context: int = Field(1, ge=1)
+
+    def sizes(self) -> list[int]:
+        """In the mesh's axis order (the tensor axis: 1)."""
+        return [self.data, self.expert, self.fsdp, self.context, 1]
+
+
 class MeshConfig(Strict):
     """Device mesh sizes; -1 takes the remaining devices (at most one axis)."""
 
@@ -30,6 +47,8 @@ class MeshConfig(Strict):
     context: int = 1
     """Context parallelism: each sequence's positions are split over this axis; attention
     gathers the keys and values, and the parameters are split over it as over fsdp."""
+    dcn: DcnConfig = Field(default_factory=DcnConfig)
+    """On a multi-slice job: the part of each axis laid over slices (engine/parallel/mesh.py)."""
 
     def sizes(self) -> list[int]:
         """In the mesh's axis order (engine/ops/partitioning.py: MESH_AXES)."""

@@ -3,6 +3,11 @@
 `make_mesh` lays the devices out as (data, expert, fsdp, context, tensor); a size of -1 takes the
 devices the other axes leave. Batches are global arrays whose rows are split over (data, expert,
 fsdp); the model splits each row's positions over `context` itself.
+
+Devices of several TPU slices (their `slice_index`) form a hybrid mesh, as MaxText's
+create_device_mesh does: each axis is its `mesh.dcn` factor over slices times the rest within
+a slice (jax's create_hybrid_device_mesh), so only the collectives of the axes that span
+slices cross the data-center network.
 """
 
 from __future__ import annotations
@@ -45,11 +50,39 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
             f"mesh: {described} needs {math.prod(sizes)} devices but {n} are available; "
             f"set one axis to -1 to take the rest"
         )
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if slices > 1:
+        return Mesh(_hybrid(cfg, sizes, slices, devices), MESH_AXES)
+    if math.prod(cfg.dcn.sizes()) > 1:
+        raise ConfigError(f"mesh.dcn: {_describe(cfg.dcn.sizes())} spans slices, but the devices are one slice")
     try:  # a topology-aware layout on TPU/GPU; plain order on CPU
         device_array = mesh_utils.create_device_mesh(sizes, devices)
     except Exception:
         device_array = np.asarray(devices).reshape(sizes)
     return Mesh(device_array, MESH_AXES)
+
+
+def dcn_sizes(cfg: MeshConfig, slices: int) -> list[int]:
+    """Each axis's factor over `slices` slices (mesh.dcn; `data` takes them all when unset)."""
+    dcn = cfg.dcn.sizes()
+    if math.prod(dcn) == 1:
+        dcn[0] = slices
+    if math.prod(dcn) != slices:
+        raise ConfigError(f"mesh.dcn: {_describe(dcn)} spans {math.prod(dcn)} slices but the devices are {slices}")
+    return dcn
+
+
+def _hybrid(cfg: MeshConfig, sizes: list[int], slices: int, devices: Sequence[jax.Device]) -> np.ndarray:
+    """The devices of `slices` slices as the (data, ..., tensor) mesh of `sizes`: each axis its
+    DCN factor (major: whole slices) times its ICI part (within each slice, topology-aware)."""
+    dcn = dcn_sizes(cfg, slices)
+    if any(size % factor for size, factor in zip(sizes, dcn)):
+        raise ConfigError(
+            f"mesh: {_describe(sizes)} cannot span {slices} slices as mesh.dcn {_describe(dcn)}: "
+            "each axis must be a multiple of its dcn factor (set mesh.dcn to an axis that is)"
+        )
+    ici = [size // factor for size, factor in zip(sizes, dcn)]
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
 
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:

@@ -89,6 +89,10 @@ class Plan:
     """What to know of the compiler's figures (memory.older_compiler_note: a TPU step under jax < 0.11)."""
     compiled: Any = dataclasses.field(default=None, repr=False)
     """The compiled step (None when refused or estimated)."""
+    network: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Bytes per device per step over ICI and DCN (`network_bytes`; compiled TPU steps only)."""
+    matmuls: str = "default"
+    """compute.matmul_precision: the recipe the layers' matmuls were compiled with."""
 
     @property
     def fits(self) -> bool:
@@ -127,7 +131,9 @@ def target_devices(target: Target) -> list | None:
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         try:
             # One chip: its own host (libtpu's default host bounds are a 2x2 board).
-            bounds = {"chips_per_host_bounds": (1, 1, 1)} if target.chips == 1 else {}
+            bounds: dict[str, Any] = {"chips_per_host_bounds": (1, 1, 1)} if target.chips == 1 else {}
+            if target.slices > 1:  # several slices over DCN: the devices carry their slice_index
+                bounds["num_slices"] = target.slices
             return list(topologies.get_topology_desc(target.topology, "tpu", **bounds).devices)
         except jax.errors.JaxRuntimeError as e:
             raise ConfigError(
@@ -245,7 +251,7 @@ def plan_step(
             source = "XLA's cost analysis of the compiled step"
     chip = target.chip
     peak = chip.peak_flops if chip else peak_flops(devices[:1])[0]
-    return Plan(
+    plan = Plan(
         stage,
         target,
         len(devices),
@@ -266,6 +272,10 @@ def plan_step(
         note,
         compiled,
     )
+    if compiled is not None and target.platform == "tpu":
+        plan.network = network_bytes(compiled.as_text())
+    plan.matmuls = cfg.compute.matmul_precision
+    return plan
 
 
 _SIZE = r"([\d.]+)([KMGT]?)"
@@ -368,14 +378,16 @@ def format_plan(plan: Plan) -> str:
     unit, scale = ("GiB", GiB) if m.total >= GiB else ("MiB", 2**20)
     size = lambda b: f"{b / scale:10.2f}"
     chip = plan.target.chip
+    slices = f"{plan.target.slices} slices of " if plan.target.slices > 1 else ""
     where = (
-        f"{plan.devices} x {chip.kind} (topology {plan.target.topology})"
+        f"{plan.devices} x {chip.kind} ({slices}topology {plan.target.topology})"
         if plan.target.platform == "tpu"
         else f"{plan.devices} x {plan.device_kind}"
     )
     mesh = " ".join(f"{k}={v}" for k, v in plan.mesh.items())
+    matmuls = f", {plan.matmuls} matmuls" if plan.matmuls != "default" else ""
     lines = [
-        f"stage {plan.stage} on {plan.target.name}: {where}, mesh {mesh}; {plan.how}",
+        f"stage {plan.stage} on {plan.target.name}: {where}, mesh {mesh}{matmuls}; {plan.how}",
         f"  per device                        {unit}",
         f"    parameters                 {size(m.parameters)}",
         f"    optimizer state            {size(m.optimizer_state)}",
@@ -390,6 +402,12 @@ def format_plan(plan: Plan) -> str:
         + ("fits" if plan.fits else "DOES NOT FIT")
         + f" ({m.total / plan.capacity:.0%})",
     ]
+    if plan.network:
+        lines.append(
+            f"  collectives per device per step: ICI {plan.network['ici'] / 2**20:.2f} MiB, "
+            f"DCN {plan.network['dcn'] / 2**20:.2f} MiB"
+            + (" (sent to other slices)" if plan.target.slices > 1 else "")
+        )
     if plan.compiler_message:
         lines.append(f"  compiler: {plan.compiler_message}")
     if plan.compiler_note:
@@ -432,6 +450,8 @@ def summary(plan: Plan) -> dict[str, Any]:
         "step_seconds_bound": seconds,
         "bound": bound,
         "mfu_bound": plan.mfu_bound,
+        "network_bytes": plan.network,
+        "matmul_precision": plan.matmuls,
     }
 
 
@@ -479,11 +499,10 @@ def _group_size(attributes: str) -> int:
     return 1
 
 
-def collective_bytes(hlo_text: str, ops: tuple[str, ...] = REDUCTIONS) -> dict[str, float]:
-    """Bytes per step that the compiled module's `ops` reduce, by element type ("f32", "bf16"),
-    from its optimized HLO text (`compiled.as_text()`): each op's full (unscattered) operand,
-    times how often its computation runs, a while loop's body (the layer scan) as many times
-    as its condition's bound (its largest integer constant)."""
+def _executed(hlo_text: str) -> list[tuple[int, str, str, str]]:
+    """(times it runs per step, shape, opcode, the rest of the line) of every instruction in an
+    optimized HLO module's text: a while loop's body (the layer scan) runs as many times as its
+    condition's bound (its largest integer constant), a called computation as its callers do."""
     computations: dict[str, list[tuple[str, str, str]]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -512,16 +531,49 @@ def collective_bytes(hlo_text: str, ops: tuple[str, ...] = REDUCTIONS) -> dict[s
     def runs(name: str) -> int:
         return 1 if name == entry else sum(runs(caller) * factor for caller, factor in callers.get(name, ()))
 
+    return [(runs(name), *instruction) for name, body in computations.items() for instruction in body]
+
+
+def _bytes(dtype: str, dims: str) -> float:
+    elements = math.prod(int(d) for d in dims.split(",") if d)
+    return elements * (4 if dtype in ("s4", "u4") else int(re.sub(r"\D", "", dtype) or 8)) / 8
+
+
+def collective_bytes(hlo_text: str, ops: tuple[str, ...] = REDUCTIONS) -> dict[str, float]:
+    """Bytes per step that the compiled module's `ops` reduce, by element type ("f32", "bf16"),
+    from its optimized HLO text (`compiled.as_text()`): each op's full (unscattered) operand,
+    times how often its computation runs (_executed)."""
     totals: dict[str, float] = {}
-    for name, body in computations.items():
-        for shape, opcode, rest in body:
-            if opcode not in ops:
-                continue
-            scale = _group_size(rest) if opcode == "reduce-scatter" else 1
-            for dtype, dims in _ARRAY.findall(shape):
-                elements = math.prod(int(d) for d in dims.split(",") if d)
-                bits = 4 if dtype in ("s4", "u4") else int(re.sub(r"\D", "", dtype) or 8)
-                totals[dtype] = totals.get(dtype, 0.0) + runs(name) * scale * elements * bits / 8
+    for runs, shape, opcode, rest in _executed(hlo_text):
+        if opcode not in ops:
+            continue
+        scale = _group_size(rest) if opcode == "reduce-scatter" else 1
+        for dtype, dims in _ARRAY.findall(shape):
+            totals[dtype] = totals.get(dtype, 0.0) + runs * scale * _bytes(dtype, dims)
+    return totals
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def network_bytes(hlo_text: str) -> dict[str, float]:
+    """Bytes per device per step on each network, from the compiled step's HLO text:
+
+    dcn  what the device sends to other slices. A multi-slice TPU compile lowers a collective
+         over slices to one within each slice plus transfers of the Megascale runtime (`send`
+         instructions with `_xla_megascale_transfer_type`): their payloads, padded as laid out.
+    ici  the arrays its collectives within the slice reduce, gather or exchange (a reduce-
+         scatter's or all-gather's full array; asynchronous `-start` forms counted once).
+    """
+    totals = {"ici": 0.0, "dcn": 0.0}
+    for runs, shape, opcode, rest in _executed(hlo_text):
+        arrays = _ARRAY.findall(shape)
+        if opcode == "send" and "_xla_megascale_transfer_type" in rest:
+            totals["dcn"] += runs * _bytes(*arrays[0])
+        elif opcode.removesuffix("-start") in COLLECTIVES and arrays:
+            dtype, dims = ([a for a in arrays if a[1]] or arrays)[-1]  # a -start's tuple ends with its result
+            scale = _group_size(rest) if opcode.startswith("reduce-scatter") else 1
+            totals["ici"] += runs * scale * _bytes(dtype, dims)
     return totals
 
 

@@ -6,6 +6,10 @@ Per chip: memory, dense bf16 peak FLOP/s and memory bandwidth, from the vendors'
 also names its topology as libtpu spells it (`v5e:4x4`), so its step compiles ahead of time
 on any host with libtpu installed (`jax.experimental.topologies`). A slice's name counts
 chips, except v4 and v5p, whose names count TensorCores (two per chip): v5p-128 is 64 chips.
+
+Several slices joined by the data-center network (DCN) are the slice's name and `x` the
+count: `v5p-256x2` is two v5p-256 slices (256 chips), compiled for as libtpu's multi-slice
+topology; the mesh's `dcn` factors say which axes span the slices (engine/parallel/mesh.py).
 """
 
 from __future__ import annotations
@@ -42,7 +46,9 @@ class Target:
     """None for `local`: the devices here say what they are."""
     chips: int
     topology: str | None = None
-    """libtpu's topology name (TPU slices only)."""
+    """libtpu's topology name (TPU slices only; of one slice)."""
+    slices: int = 1
+    """TPU slices joined over DCN (`chips` counts all of them)."""
 
 
 TPU_V4 = Chip("TPU v4", 32 * GiB, 275e12, 1228 * GB)
@@ -67,6 +73,8 @@ _TPU_SLICES = {  # name -> (chip, topology)
     "v5p-16": (TPU_V5P, "v5p:2x2x2"),
     "v5p-64": (TPU_V5P, "v5p:2x4x4"),
     "v5p-128": (TPU_V5P, "v5p:4x4x4"),
+    "v5p-256": (TPU_V5P, "v5p:4x4x8"),
+    "v5p-512": (TPU_V5P, "v5p:4x8x8"),
     "v6e-1": (TPU_V6E, "v6e:1x1"),
     "v6e-4": (TPU_V6E, "v6e:2x2"),
     "v6e-8": (TPU_V6E, "v6e:2x4"),
@@ -91,7 +99,15 @@ TARGETS: dict[str, Target] = {
 
 
 def get_target(name: str) -> Target:
-    """The target called `name`; an unknown name is one sentence listing the valid ones."""
+    """The target called `name` (a TPU slice's name + `xN`: N such slices); an unknown name is
+    one sentence listing the valid ones."""
+    base, _, count = name.rpartition("x")
+    if name not in TARGETS and count.isdigit() and int(count) > 1 and TARGETS.get(base, TARGETS["local"]).topology:
+        one = TARGETS[base]
+        return dataclasses.replace(one, name=name, chips=one.chips * int(count), slices=int(count))
     if name not in TARGETS:
-        raise ConfigError(f"--target: unknown target '{name}'; valid targets: {', '.join(TARGETS)}")
+        raise ConfigError(
+            f"--target: unknown target '{name}'; valid targets: {', '.join(TARGETS)}, "
+            "or a TPU slice's name x N slices (v5p-256x2)"
+        )
     return TARGETS[name]
