@@ -1,6 +1,6 @@
 """What the engine promises the processes that run it: exit codes, the result line, the
-checkpoint format, the names of an artifact's files, the entry-point modules, and which
-config fields cannot change a result.
+checkpoint format, the names of an artifact's files, and which config fields cannot change a
+result. (Each stage kind names its own entry-point module: tasks/registry.py, `entry_point`.)
 
 `tasks/` (the launchers and stage kinds) and the engine both read these names from here,
 so a contract is written once. Nothing here imports more than the standard library.
@@ -43,23 +43,6 @@ DATA_DIR = "data"
 """A dataset artifact's token shards (engine/data/shards.py)."""
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
-
-# --------------------------------------------------------------------------- entry points
-# `python -m MODULE` of each stage kind's engine process.
-ENTRY_POINTS = {
-    "pretrain": "engine.train",
-    "sft": "engine.posttrain.sft",
-    "grpo": "engine.posttrain.grpo",
-    "grpo_server": "engine.interop.vllm_server",  # GRPO with `rollout:` (a vLLM server samples)
-    "evaluate": "engine.evaluate",
-    "tokenize": "engine.data.tokenize",
-    "hf": "engine.interop.hf",
-    "generate": "engine.inference.generate",
-    "merge": "engine.posttrain.merge",
-    "dpo": "engine.posttrain.dpo",
-    "reward_model": "engine.posttrain.reward_model",
-    "distill": "engine.posttrain.distill",
-}
 
 # --------------------------------------------------------------------------- fingerprints
 NON_SEMANTIC_FIELDS = ("log_every", "progress", "metrics_dir", "metrics", "checkpoint.async_save")

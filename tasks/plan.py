@@ -1,74 +1,49 @@
 """`trainflow plan PIPELINE.yaml --target NAME`: the preflight of every training stage.
 
-Each pretrain, sft and grpo stage's engine config is built as the stage builds it (the
-trainer's view of SFT and GRPO, GRPO's policy objective and rollout batch), and its step is
-compiled for the target (engine/train/plan.py). A fine-tuning stage without a `model` trains
-the model of its input checkpoint: that of the upstream training stage (also when it reads
-one of its steps, `pretrain@2000`), or of the upstream artifact when it is already in the store.
+A stage is planned when its kind names a planner hook (tasks/registry.py: StageKind.planner):
+the hook builds the stage's step as the stage's engine does (the trainer's view of its config,
+its objective and batch) and says what the step does not count; the step is compiled for the
+target (engine/train/plan.py). Any other kind trains nothing and is left out. A fine-tuning
+stage without a `model` trains the model of its input checkpoint: that of the upstream
+training stage (also when it reads one of its steps, `pretrain@2000`), or of the upstream
+artifact when it is already in the store.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-
-import jax
-import numpy as np
 
 from engine.config import ConfigError
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.posttrain import distill, dpo, grpo, reward_model, sft
-from engine.posttrain.config import DPOConfig, GRPOConfig
 from engine.train.bucket_paths import is_url
 from engine.train.checkpoint import stored_configs
 from engine.train.plan import Plan, plan_step, report
 from engine.train.targets import get_target
+from tasks.registry import planner_of, training_kinds
 
-TRAINING_TASKS = ("pretrain", "sft", "grpo", "dpo", "reward_model", "distill")
 _STEP_INPUT = re.compile(r"@\d+$")  # an input `stage@STEP` (flows/sweep.py), as a job names it
 
 
-def grpo_batch(cfg: GRPOConfig) -> dict[str, jax.ShapeDtypeStruct]:
-    """The shapes of one GRPO update's batch: prompts x G rollouts (engine/posttrain/grpo.py)."""
-    rows, prompt, completion = (
-        cfg.prompts_per_step * cfg.num_generations,
-        cfg.max_prompt_length,
-        cfg.max_completion_length,
-    )
-    batch = {
-        k: jax.ShapeDtypeStruct((rows, prompt + completion), np.int32) for k in ("tokens", "segment_ids", "positions")
-    }
-    batch["completion_mask"] = jax.ShapeDtypeStruct((rows, completion), np.float32)
-    batch["advantages"] = jax.ShapeDtypeStruct((rows, 1), np.float32)
-    if cfg.beta > 0:
-        batch["ref_logps"] = jax.ShapeDtypeStruct((rows, completion), np.float32)
-    if cfg.num_iterations > 1:
-        batch["old_logps"] = jax.ShapeDtypeStruct((rows, completion), np.float32)
-    return batch
+class InputModels(Mapping[str, tuple[ModelConfig, ComputeConfig]]):
+    """A stage's inputs -> the model each holds (engine/train/plan.py: InputModels), looked up
+    only when a hook asks: planned upstream, or read from the store."""
 
+    def __init__(self, plan, name: str, models: dict[str, tuple[ModelConfig, ComputeConfig]]):
+        self.plan, self.name, self.models = plan, name, models
+        self.inputs = plan.stages[name].job.inputs
 
-def reward_batch(cfg) -> dict[str, jax.ShapeDtypeStruct]:
-    """The shapes of one reward-model batch: a row per pair, where each sequence ends, margins."""
-    rows, width = cfg.data.batch_size, 2 * cfg.data.max_length
-    batch = {k: jax.ShapeDtypeStruct((rows, width), np.int32) for k in ("tokens", "positions", "segment_ids")}
-    batch["last_bk"] = jax.ShapeDtypeStruct((rows, 2), np.int32)
-    batch.update(
-        margin=jax.ShapeDtypeStruct((rows, 1), np.float32), pair_mask=jax.ShapeDtypeStruct((rows, 1), np.float32)
-    )
-    return batch
+    def __getitem__(self, input_name: str) -> tuple[ModelConfig, ComputeConfig]:
+        if input_name not in self.inputs:
+            raise KeyError(input_name)
+        return _input_model(self.plan, self.name, self.models, input_name)
 
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.inputs)
 
-def dpo_batch(cfg: DPOConfig) -> dict[str, jax.ShapeDtypeStruct]:
-    """The shapes of one DPO batch: a row per pair (chosen then rejected), and the reference's log-probs."""
-    rows, width = cfg.data.batch_size, 2 * cfg.data.max_length
-    batch = {
-        k: jax.ShapeDtypeStruct((rows, width), np.int32) for k in ("tokens", "targets", "positions", "segment_ids")
-    }
-    batch["loss_mask"] = jax.ShapeDtypeStruct((rows, width), np.float32)
-    if cfg.loss_type != "simpo":
-        batch["ref_logps"] = jax.ShapeDtypeStruct((rows, 2), np.float32)
-    return batch
+    def __len__(self) -> int:
+        return len(self.inputs)
 
 
 def plan_pipeline(plan, target_name: str) -> tuple[list[Plan], list[str]]:
@@ -79,93 +54,25 @@ def plan_pipeline(plan, target_name: str) -> tuple[list[Plan], list[str]]:
     plans: list[Plan] = []
     notes: list[str] = []
     for name, planned in plan.stages.items():
-        job, task = planned.job, planned.job.kind.task
-        if task not in TRAINING_TASKS:
+        job = planned.job
+        hook = planner_of(job.kind)
+        if hook is None:
             continue
-        cfg = job.config
-        if task == "pretrain":
-            models[name] = (cfg.model, cfg.compute)
-            # Without an `init` input it trains from random weights: no adapter to offer.
-            plans.append(plan_step(cfg, target, stage=name, from_scratch="init" not in planned.refs))
-            continue
-        model_cfg, compute = _input_model(plan, name, models)
-        model_cfg, compute = cfg.model or model_cfg, cfg.compute or compute
-        models[name] = (model_cfg, compute)
-        if task == "sft":
-            plans.append(plan_step(sft.train_config(cfg, model_cfg, compute), target, stage=name))
-        elif task == "reward_model":
-            plans.append(
-                plan_step(
-                    reward_model.train_config(cfg, model_cfg, compute),
-                    target,
-                    stage=name,
-                    objective=lambda graphdef, cfg=cfg: reward_model.reward_objective(graphdef, cfg),
-                    batch=reward_batch(cfg),
-                    make_trainer=lambda c, o, devices, cfg=cfg: reward_model.RewardTrainer(
-                        c, o, cfg.head_init, devices=devices
-                    ),
-                )
+        spec = hook(job.config, InputModels(plan, name, models))
+        models[name] = (spec.config.model, spec.config.compute)
+        plans.append(
+            plan_step(
+                spec.config,
+                target,
+                stage=name,
+                objective=spec.objective,
+                batch=spec.batch,
+                updates_per_batch=spec.updates_per_batch,
+                make_trainer=spec.make_trainer,
+                from_scratch=spec.from_scratch,
             )
-        elif task == "dpo":
-            plans.append(
-                plan_step(
-                    dpo.train_config(cfg, model_cfg, compute),
-                    target,
-                    stage=name,
-                    objective=lambda graphdef, cfg=cfg: dpo.dpo_objective(graphdef, cfg),
-                    batch=dpo_batch(cfg),
-                )
-            )
-            if cfg.loss_type != "simpo" and "reference" in plan.stages[name].job.inputs and not cfg.precompute_ref:
-                reference, reference_compute = _input_model(plan, name, models, "reference")
-                reference_compute = cfg.reference.compute or reference_compute
-                size = reference.num_params() * jax.numpy.dtype(reference_compute.param_dtype).itemsize / 2**30
-                notes.append(
-                    f"note: stage {name} (dpo): the frozen reference's parameters ({reference.num_params():,}, "
-                    f"{size:.2f} GiB in all, sharded over the same mesh) are held beside this step and not counted "
-                    "in it (precompute_ref: true holds none)"
-                )
-            elif cfg.loss_type != "simpo" and cfg.lora is None and not cfg.precompute_ref:
-                notes.append(
-                    f"note: stage {name} (dpo): the frozen reference's parameters, a second copy of "
-                    f"{plans[-1].memory.parameters / 2**30:.2f} GiB per device, are held beside this step "
-                    "and not counted in it (lora: or precompute_ref: true hold none)"
-                )
-        elif task == "distill":
-            plans.append(
-                plan_step(
-                    distill.train_config(cfg, model_cfg, compute),
-                    target,
-                    stage=name,
-                    objective=lambda graphdef, cfg=cfg: distill.distill_objective(graphdef, cfg),
-                    batch=distill.batch_shapes(cfg, model_cfg.vocab_size),
-                )
-            )
-            teacher, teacher_compute = _input_model(plan, name, models, "teacher")
-            teacher_compute = cfg.teacher.compute or teacher_compute
-            size = teacher.num_params() * jax.numpy.dtype(teacher_compute.param_dtype).itemsize / 2**30
-            notes.append(
-                f"note: stage {name} (distill): the batch counts the teacher's logits; the frozen teacher's "
-                f"parameters ({teacher.num_params():,}, {size:.2f} GiB in all, sharded over the same mesh) "
-                "are held beside this step and not counted in it, nor is sampling (lmbda, seq_kd)"
-            )
-        else:
-            plans.append(
-                plan_step(
-                    grpo.train_config(cfg, model_cfg, compute),
-                    target,
-                    stage=name,
-                    objective=lambda graphdef, cfg=cfg: grpo.policy_objective(
-                        grpo.make_loss_fn(graphdef, cfg, cfg.max_prompt_length)
-                    ),
-                    batch=grpo_batch(cfg),
-                    updates_per_batch=cfg.num_iterations,
-                )
-            )
-            notes.append(
-                f"note: stage {name} (grpo): the plan is of its train step; rollout sampling and the KL "
-                "reference's parameters are not counted"
-            )
+        )
+        notes += [f"note: stage {name} ({job.kind.task}): {text}" for text in spec.uncounted(plans[-1])]
     return plans, notes
 
 
@@ -174,7 +81,7 @@ def print_pipeline_plan(plan, target_name: str, print_fn: Callable[[str], None] 
     when a stage does not fit the target."""
     plans, notes = plan_pipeline(plan, target_name)
     if not plans:
-        print_fn(f"pipeline {plan.name} has no training stage ({', '.join(TRAINING_TASKS)}): nothing to plan")
+        print_fn(f"pipeline {plan.name} has no training stage ({', '.join(training_kinds())}): nothing to plan")
         return {}
     try:
         return report(plans, print_fn)

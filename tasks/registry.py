@@ -17,14 +17,16 @@ A stage kind declares what it consumes and produces and how to run it; the pipel
 
     register_stage(Evaluate)
 
-Built-in kinds are listed in BUILTIN_STAGES by import path, so validating a pipeline does
-not import the engine (or JAX) for kinds it does not use.
+A built-in kind is the module tasks/stages/<task>.py that defines it; it is imported when a
+pipeline uses it, so validating a pipeline does not import the engine (or JAX) for kinds it
+does not use. A training kind names its planner hook (`planner`), which `trainflow plan` loads.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import pkgutil
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -84,22 +86,13 @@ def substitute_inputs(config: BaseModel, inputs: dict[str, Any], stage: str) -> 
     return type(config).model_validate(sub(tree))
 
 
-BUILTIN_STAGES: dict[str, str] = {
-    "tokenize": "tasks.stages.tokenize:TokenizeStage",
-    "pretrain": "tasks.stages.pretrain:PretrainStage",
-    "convert": "tasks.stages.convert:ConvertStage",
-    "export": "tasks.stages.export:ExportStage",
-    "merge": "tasks.stages.merge:MergeStage",
-    "sft": "tasks.stages.sft:SFTStage",
-    "grpo": "tasks.stages.grpo:GRPOStage",
-    "dpo": "tasks.stages.dpo:DPOStage",
-    "reward_model": "tasks.stages.reward_model:RewardModelStage",
-    "distill": "tasks.stages.distill:DistillStage",
-    "evaluate": "tasks.stages.evaluate:EvaluateStage",
-    "arithmetic": "tasks.stages.arithmetic:ArithmeticStage",
-}
+_BUILTIN_PACKAGE = "tasks.stages"
+BUILTIN_STAGES: tuple[str, ...] = tuple(
+    sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent / "stages")]))
+)
+"""The built-in kinds: one module tasks/stages/<task>.py each, defining the kind of that `task`."""
 
-_registry: dict[str, type[StageKind] | str] = dict(BUILTIN_STAGES)
+_registry: dict[str, type[StageKind]] = {}
 
 
 MODEL_KINDS = ("checkpoint", "adapter")
@@ -221,6 +214,13 @@ class StageKind:
     """Dotted config fields that cannot change the result; left out of the artifact id."""
     launches_child: ClassVar[bool] = False
     """Whether the stage runs the engine through a launcher (so `launcher:` applies)."""
+    entry_point: ClassVar[str | None] = None
+    """The engine module its child processes run (`python -m ...`); None: it runs in-process."""
+    planner: ClassVar[str | None] = None
+    """A training kind's planner hook, `module:function` (engine/train/plan.py: `step_spec(cfg,
+    models) -> StepSpec`, what `trainflow plan` compiles for a stage of the kind). Named by
+    path: it imports JAX, which validating a pipeline does not. None: the kind trains nothing
+    and `trainflow plan` leaves it out."""
 
     possible_outputs: ClassVar[tuple[str, ...]] = ()
     """Other artifact kinds the stage may produce, by its config (output_kind)."""
@@ -261,33 +261,62 @@ def register_stage(cls: type[StageKind], *, replace: bool = False) -> type[Stage
     for attr in ("task", "output", "config_schema"):
         if not hasattr(cls, attr):
             raise TypeError(f"stage kind {cls.__name__} must set `{attr}`")
-    current = _registry.get(cls.task)
-    same = current is cls or (isinstance(current, str) and current == f"{cls.__module__}:{cls.__qualname__}")
-    if current is not None and not same and not replace:
-        raise ValueError(f"stage kind '{cls.task}' is already registered ({current}); pass replace=True")
+    current = _registry.get(cls.task) or (_builtin_kind(cls.task) if cls.task in BUILTIN_STAGES else None)
+    if current is not None and current is not cls and not replace:
+        where = f"{current.__module__}:{current.__qualname__}"
+        raise ValueError(f"stage kind '{cls.task}' is already registered ({where}); pass replace=True")
     _registry[cls.task] = cls
     return cls
 
 
 def unregister_stage(task: str) -> None:
+    """Forget a registered kind (a built-in one reads as built in again)."""
     _registry.pop(task, None)
-    if task in BUILTIN_STAGES:
-        _registry[task] = BUILTIN_STAGES[task]
 
 
 def stage_kind_names() -> list[str]:
-    return sorted(_registry)
+    return sorted({*BUILTIN_STAGES, *_registry})
+
+
+def _builtin_kind(task: str) -> type[StageKind]:
+    """The class that tasks/stages/<task>.py defines for `task`."""
+    module = importlib.import_module(f"{_BUILTIN_PACKAGE}.{task}")
+    (kind,) = (
+        value
+        for value in vars(module).values()
+        if isinstance(value, type)
+        and issubclass(value, StageKind)
+        and value.__module__ == module.__name__
+        and getattr(value, "task", None) == task
+    )
+    return kind
 
 
 def get_stage_kind(task: str) -> StageKind:
-    """An instance of the stage kind registered as `task` (importing it on first use)."""
+    """An instance of the stage kind registered as `task` (importing a built-in on first use)."""
+    if task not in _registry and task in BUILTIN_STAGES:
+        _registry[task] = _builtin_kind(task)
     entry = _registry.get(task)
     if entry is None:
-        match = difflib.get_close_matches(task, list(_registry), n=1)
+        match = difflib.get_close_matches(task, stage_kind_names(), n=1)
         hint = f"did you mean '{match[0]}'?" if match else f"known kinds: {', '.join(stage_kind_names())}"
         raise ConfigError(f"unknown task kind '{task}'; {hint}")
-    if isinstance(entry, str):
-        module, _, name = entry.partition(":")
-        entry = getattr(importlib.import_module(module), name)
-        _registry[task] = entry
     return entry()
+
+
+def entry_points() -> dict[str, str]:
+    """Each kind that runs the engine -> the module its children run (imports every kind)."""
+    return {task: kind.entry_point for task in stage_kind_names() if (kind := get_stage_kind(task)).entry_point}
+
+
+def planner_of(kind: StageKind) -> Callable[..., Any] | None:
+    """A kind's planner hook (`planner`), imported; None for a kind that trains nothing."""
+    if kind.planner is None:
+        return None
+    module, _, name = kind.planner.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def training_kinds() -> list[str]:
+    """The kinds `trainflow plan` plans: those with a planner hook (imports every kind)."""
+    return [task for task in stage_kind_names() if get_stage_kind(task).planner is not None]

@@ -30,10 +30,10 @@ from flows.inspection import lineage
 from flows.spec import Pipeline
 from tasks import runner
 from tasks.artifacts import read_manifest, verify_artifact
+from tasks.engine_stage import with_logged_finals
 from tasks.launch.run import DiskFull, Diverged, StageFailed, run_child
 from tasks.registry import StageContext, StageHooks, StageKind, register_stage, substitute_inputs
 from tasks.runner import RAN, RESUMED, SKIPPED, execute_stage
-from tasks.stages.engine_stage import with_logged_finals
 from tasks.store import base as store_base
 from tests.conftest import REPO, child_xla_flags
 

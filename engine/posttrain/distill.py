@@ -59,6 +59,7 @@ from engine.train.checkpoint import load_params
 from engine.train.cli import run_cli
 from engine.train.config import TrainConfig, trainer_view
 from engine.train.hooks import log_to_stderr, run_training
+from engine.train.plan import InputModels, StepSpec, fine_tuned_model, frozen_params_gib
 from engine.train.step import Objective, moe_metrics, token_count
 from engine.train.trainer import Trainer, TrainState, lm_batch
 
@@ -366,6 +367,23 @@ def run_distill(cfg: DistillConfig, log: Callable[[str], None] | None = None) ->
 
 def main(argv: list[str] | None = None) -> int:
     return run_cli(argv, "engine.posttrain.distill", DistillConfig, run_distill)
+
+
+def step_spec(cfg: DistillConfig, models: InputModels) -> StepSpec:
+    """The planner hook (`trainflow plan`): the batch counts the teacher's logits; the teacher's
+    parameters and sampling are beside the step."""
+    model, compute = fine_tuned_model(cfg, models)
+    count, size = frozen_params_gib(models, "teacher", cfg.teacher.compute)
+    return StepSpec(
+        train_config(cfg, model, compute),
+        objective=lambda graphdef: distill_objective(graphdef, cfg),
+        batch=batch_shapes(cfg, model.vocab_size),
+        uncounted=lambda plan: [
+            f"the batch counts the teacher's logits; the frozen teacher's parameters ({count:,}, {size:.2f} GiB "
+            "in all, sharded over the same mesh) are held beside this step and not counted in it, nor is "
+            "sampling (lmbda, seq_kd)"
+        ],
+    )
 
 
 if __name__ == "__main__":

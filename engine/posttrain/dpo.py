@@ -46,6 +46,7 @@ from engine.train.checkpoint import load_params
 from engine.train.cli import run_cli
 from engine.train.config import TrainConfig, trainer_view
 from engine.train.hooks import log_to_stderr, run_training
+from engine.train.plan import InputModels, StepSpec, fine_tuned_model, frozen_params_gib
 from engine.train.step import Objective, moe_metrics
 from engine.train.trainer import Trainer, TrainState
 
@@ -498,6 +499,46 @@ def run_dpo(cfg: DPOConfig, log: Callable[[str], None] | None = None) -> dict[st
 
 def main(argv: list[str] | None = None) -> int:
     return run_cli(argv, "engine.posttrain.dpo", DPOConfig, run_dpo)
+
+
+def batch_shapes(cfg: DPOConfig) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes of one DPO batch: a row per pair (chosen then rejected), and the reference's log-probs."""
+    rows, width = cfg.data.batch_size, 2 * cfg.data.max_length
+    batch = {
+        k: jax.ShapeDtypeStruct((rows, width), np.int32) for k in ("tokens", "targets", "positions", "segment_ids")
+    }
+    batch["loss_mask"] = jax.ShapeDtypeStruct((rows, width), np.float32)
+    if cfg.loss_type != "simpo":
+        batch["ref_logps"] = jax.ShapeDtypeStruct((rows, 2), np.float32)
+    return batch
+
+
+def step_spec(cfg: DPOConfig, models: InputModels) -> StepSpec:
+    """The planner hook (`trainflow plan`): the DPO objective over pair rows; the frozen
+    reference's parameters are held beside the step."""
+
+    def uncounted(plan) -> list[str]:
+        if cfg.loss_type == "simpo" or cfg.precompute_ref:
+            return []
+        if "reference" in models:
+            count, size = frozen_params_gib(models, "reference", cfg.reference.compute)
+            return [
+                f"the frozen reference's parameters ({count:,}, {size:.2f} GiB in all, sharded over the same mesh) "
+                "are held beside this step and not counted in it (precompute_ref: true holds none)"
+            ]
+        if cfg.lora is None:
+            return [
+                f"the frozen reference's parameters, a second copy of {plan.memory.parameters / 2**30:.2f} GiB per "
+                "device, are held beside this step and not counted in it (lora: or precompute_ref: true hold none)"
+            ]
+        return []
+
+    return StepSpec(
+        train_config(cfg, *fine_tuned_model(cfg, models)),
+        objective=lambda graphdef: dpo_objective(graphdef, cfg),
+        batch=batch_shapes(cfg),
+        uncounted=uncounted,
+    )
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ from engine.posttrain.rollout_server import ROLLOUT_ENTRY_POINT
 from engine.train.checkpoint import load_params
 from engine.train.cli import run_cli
 from engine.train.hooks import log_to_stderr, run_training
+from engine.train.plan import InputModels, StepSpec, fine_tuned_model
 from engine.train.step import Objective, moe_metrics
 from engine.train.trainer import Trainer, TrainState
 
@@ -497,6 +498,38 @@ def run_grpo(cfg: GRPOConfig, log: Callable[[str], None] | None = None, sampler_
 def main(argv: list[str] | None = None) -> int:
     failures = (RewardError, RolloutWorkerError, EnvironmentFailure)
     return run_cli(argv, "engine.posttrain.grpo", GRPOConfig, run_grpo, failures=failures)
+
+
+def batch_shapes(cfg: GRPOConfig) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes of one GRPO update's batch: prompts x G rollouts."""
+    rows, prompt, completion = (
+        cfg.prompts_per_step * cfg.num_generations,
+        cfg.max_prompt_length,
+        cfg.max_completion_length,
+    )
+    batch = {
+        k: jax.ShapeDtypeStruct((rows, prompt + completion), np.int32) for k in ("tokens", "segment_ids", "positions")
+    }
+    batch["completion_mask"] = jax.ShapeDtypeStruct((rows, completion), np.float32)
+    batch["advantages"] = jax.ShapeDtypeStruct((rows, 1), np.float32)
+    if cfg.beta > 0:
+        batch["ref_logps"] = jax.ShapeDtypeStruct((rows, completion), np.float32)
+    if cfg.num_iterations > 1:
+        batch["old_logps"] = jax.ShapeDtypeStruct((rows, completion), np.float32)
+    return batch
+
+
+def step_spec(cfg: GRPOConfig, models: InputModels) -> StepSpec:
+    """The planner hook (`trainflow plan`): the policy objective over one rollout batch, mu updates each."""
+    return StepSpec(
+        train_config(cfg, *fine_tuned_model(cfg, models)),
+        objective=lambda graphdef: policy_objective(make_loss_fn(graphdef, cfg, cfg.max_prompt_length)),
+        batch=batch_shapes(cfg),
+        updates_per_batch=cfg.num_iterations,
+        uncounted=lambda plan: [
+            "the plan is of its train step; rollout sampling and the KL reference's parameters are not counted"
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ from engine.train.cli import run_cli
 from engine.train.config import TrainConfig, trainer_view
 from engine.train.hooks import log_to_stderr, run_training
 from engine.train.optimizer import make_optimizer
+from engine.train.plan import InputModels, StepSpec, fine_tuned_model
 from engine.train.step import Objective, moe_metrics
 from engine.train.trainer import Trainer, TrainState
 
@@ -450,6 +451,29 @@ def run_reward_model(cfg: RewardModelConfig, log: Callable[[str], None] | None =
 
 def main(argv: list[str] | None = None) -> int:
     return run_cli(argv, "engine.posttrain.reward_model", RewardModelConfig, run_reward_model)
+
+
+def batch_shapes(cfg: RewardModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
+    """The shapes of one reward-model batch: a row per pair, where each sequence ends, margins."""
+    rows, width = cfg.data.batch_size, 2 * cfg.data.max_length
+    batch = {k: jax.ShapeDtypeStruct((rows, width), np.int32) for k in ("tokens", "positions", "segment_ids")}
+    batch["last_bk"] = jax.ShapeDtypeStruct((rows, 2), np.int32)
+    batch.update(
+        margin=jax.ShapeDtypeStruct((rows, 1), np.float32), pair_mask=jax.ShapeDtypeStruct((rows, 1), np.float32)
+    )
+    return batch
+
+
+def step_spec(cfg: RewardModelConfig, models: InputModels) -> StepSpec:
+    """The planner hook (`trainflow plan`): the Bradley-Terry loss, the head trained beside the decoder."""
+    return StepSpec(
+        train_config(cfg, *fine_tuned_model(cfg, models)),
+        objective=lambda graphdef: reward_objective(graphdef, cfg),
+        batch=batch_shapes(cfg),
+        make_trainer=lambda train_cfg, objective, devices: RewardTrainer(
+            train_cfg, objective, cfg.head_init, devices=devices
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from engine.posttrain.finetune import finetune_start, read_jsonl
 from engine.train.cli import run_cli
 from engine.train.config import TrainConfig, trainer_view
 from engine.train.hooks import log_to_stderr, run_training
+from engine.train.plan import InputModels, StepSpec, fine_tuned_model
 from engine.train.trainer import IteratorSource, Trainer
 
 # --------------------------------------------------------------------------- config
@@ -281,6 +282,11 @@ def run_sft(cfg: SFTConfig, log: Callable[[str], None] | None = None) -> dict[st
 
 def main(argv: list[str] | None = None) -> int:
     return run_cli(argv, "engine.posttrain.sft", SFTConfig, run_sft)
+
+
+def step_spec(cfg: SFTConfig, models: InputModels) -> StepSpec:
+    """The planner hook (`trainflow plan`): language modelling over the examples' rows."""
+    return StepSpec(train_config(cfg, *fine_tuned_model(cfg, models)))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import importlib.util
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -38,6 +38,7 @@ from jax.experimental import topologies
 from jax.sharding import AbstractMesh
 
 from engine.config import ConfigError
+from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.lora import split_adapter
 from engine.models.params import flops_per_token, param_shardings
 from engine.models.quantize import QUANTIZED_DTYPES, quantized_abstract
@@ -598,3 +599,45 @@ def buffer_assignment(directory: str) -> dict[str, float]:
         if "preallocated-temp" in rest and "color" not in rest
     )
     return {"total": float(total.group(1)), "temporaries": float(temporaries)}
+
+
+# --------------------------------------------------------------------------- planner hooks
+# A training stage kind names a hook `step_spec(cfg, models) -> StepSpec` (tasks/registry.py:
+# StageKind.planner): what `trainflow plan` compiles for one stage of that kind.
+
+InputModels = Mapping[str, tuple[ModelConfig, ComputeConfig]]
+"""A stage's model inputs (`checkpoint`, DPO's `reference`, distillation's `teacher`) -> the
+model and compute settings each holds: `name in models` says whether the stage has it."""
+
+
+@dataclasses.dataclass
+class StepSpec:
+    """One training stage's step as `plan_step` compiles it (the arguments it takes)."""
+
+    config: TrainConfig
+    """The trainer's view; its model is what a later stage that fine-tunes this one trains."""
+    objective: Callable[[Any], Objective] | None = None
+    batch: dict[str, jax.ShapeDtypeStruct] | None = None
+    updates_per_batch: int = 1
+    make_trainer: Callable[..., Trainer] | None = None
+    from_scratch: bool = False
+    uncounted: Callable[[Plan], list[str]] = lambda plan: []
+    """What the stage holds beside the step that the plan does not count, in words (given the plan)."""
+
+
+def fine_tuned_model(cfg: Any, models: InputModels) -> tuple[ModelConfig, ComputeConfig]:
+    """The model a fine-tune trains: its input checkpoint's, unless its config sets one."""
+    model, compute = models["checkpoint"]
+    return cfg.model or model, cfg.compute or compute
+
+
+def frozen_params_gib(models: InputModels, name: str, compute: ComputeConfig | None) -> tuple[int, float]:
+    """(parameters, GiB in all) of a frozen model input, in its compute's (or `compute`'s) dtype."""
+    model, own = models[name]
+    count = model.num_params()
+    return count, count * jnp.dtype((compute or own).param_dtype).itemsize / 2**30
+
+
+def step_spec(cfg: TrainConfig, models: InputModels) -> StepSpec:
+    """Pretraining's planner hook: without an `init` input it trains from random weights."""
+    return StepSpec(cfg, from_scratch="init" not in models)

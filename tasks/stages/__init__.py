@@ -1,2 +1,2 @@
-"""The built-in stage kinds, one module each (tasks/registry.py names them), and
-engine_stage.py, the base of the kinds that run the engine in child processes."""
+"""The built-in stage kinds: the module tasks/stages/<task>.py defines the kind `task` (and
+nothing else lives here: tasks/registry.py lists the kinds from these modules' names)."""

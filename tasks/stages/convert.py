@@ -31,9 +31,9 @@ from engine.contract import CHECKPOINT_DIR
 from engine.interop.hf.files import TOKENIZER_FILES, source_fingerprint
 from engine.interop.hf.mapping import causal_view, is_sequence_classification, model_config_from_hf
 from engine.interop.hf.peft import ADAPTER_CONFIG, lora_config_from_peft
+from tasks.engine_stage import EngineStage
 from tasks.objectstore import StoreAccessError, download_dir, is_url, list_url, read_url, url_cache
 from tasks.registry import MODEL_KINDS, Input, StageContext
-from tasks.stages.engine_stage import EngineStage
 from tasks.stages.reward_model import REWARD_MODEL
 
 
@@ -55,7 +55,7 @@ def is_peft_adapter(source: str) -> bool:
 
 class ConvertStage(EngineStage):
     task = "convert"
-    entry_point = "hf"
+    entry_point = "engine.interop.hf"
     output = "checkpoint"
     possible_outputs = ("adapter", REWARD_MODEL)
     inputs = {

@@ -19,13 +19,14 @@ from typing import Any
 
 from engine.contract import TOKENIZER_DIR
 from engine.posttrain.distill_config import DistillConfig
+from tasks.engine_stage import FineTuneStage
 from tasks.registry import MODEL_KINDS, Input, StageContext
-from tasks.stages.engine_stage import FineTuneStage
 
 
 class DistillStage(FineTuneStage):
     task = "distill"
-    entry_point = "distill"
+    entry_point = "engine.posttrain.distill"
+    planner = "engine.posttrain.distill:step_spec"
     inputs = {
         **FineTuneStage.checkpoint_inputs(
             "the student: the model trained (params; a fresh optimizer) and its tokenizer/"

@@ -18,13 +18,14 @@ import dataclasses
 from typing import Any
 
 from engine.posttrain.config import DPOConfig
+from tasks.engine_stage import FineTuneStage
 from tasks.registry import MODEL_KINDS, Input, StageContext
-from tasks.stages.engine_stage import FineTuneStage
 
 
 class DPOStage(FineTuneStage):
     task = "dpo"
-    entry_point = "dpo"
+    entry_point = "engine.posttrain.dpo"
+    planner = "engine.posttrain.dpo:step_spec"
     inputs = {
         **FineTuneStage.checkpoint_inputs(
             "the policy to start from (and the frozen reference, unless `reference` is given) and its tokenizer/"

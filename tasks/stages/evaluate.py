@@ -30,8 +30,8 @@ from engine.config import ConfigError, validate
 from engine.contract import CHECKPOINT_DIR, MANIFEST, METRICS_FILE
 from engine.evaluate.config import EvalConfig
 from tasks.artifacts import ArtifactRef
+from tasks.engine_stage import EngineStage, named_run
 from tasks.registry import MODEL_KINDS, Input, StageContext
-from tasks.stages.engine_stage import EngineStage, named_run
 
 
 def _ancestors(ref_path: Path, store_root: Path) -> list[tuple[str, Path]]:
@@ -87,7 +87,7 @@ _PROGRESS = re.compile(r"^evaluate: .* \| (\d+)%")
 
 class EvaluateStage(EngineStage):
     task = "evaluate"
-    entry_point = "evaluate"
+    entry_point = "engine.evaluate"
     output = "eval_report"
     inputs = {
         "dataset": Input("dataset", required=False, doc="token dataset for held-out loss"),

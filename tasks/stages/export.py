@@ -25,9 +25,9 @@ from pydantic import Field
 from engine.config import ConfigError, Strict
 from engine.contract import TOKENIZER_DIR
 from engine.interop.hf.files import WEIGHT_FILES, check_export_dir, remove_stale_weights
+from tasks.engine_stage import EngineStage
 from tasks.objectstore import StoreAccessError, is_url, list_url, remove_url_files, upload_dir
 from tasks.registry import MODEL_KINDS, Input, StageContext
-from tasks.stages.engine_stage import EngineStage
 from tasks.stages.reward_model import REWARD_MODEL
 
 
@@ -45,7 +45,7 @@ class ExportConfig(Strict):
 
 class ExportStage(EngineStage):
     task = "export"
-    entry_point = "hf"
+    entry_point = "engine.interop.hf"
     output = "hf_model"
     inputs = {
         "checkpoint": Input(

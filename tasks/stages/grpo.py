@@ -22,14 +22,13 @@ from dataclasses import replace
 from typing import Any
 
 from engine.config import ConfigError
-from engine.contract import ENTRY_POINTS
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.environments import BUILTIN_ENVIRONMENTS
 from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
 from engine.posttrain.rewards import BUILTIN
 from tasks.artifacts import sha256_file
+from tasks.engine_stage import FineTuneStage
 from tasks.registry import Input, StageContext
-from tasks.stages.engine_stage import FineTuneStage
 from tasks.stages.reward_model import REWARD_MODEL
 
 
@@ -89,9 +88,14 @@ def environment_module(cfg: GRPOConfig) -> str | None:
     return cfg.environment.factory.partition(":")[0]
 
 
+ROLLOUT_SERVER_ENTRY_POINT = "engine.interop.vllm_server"
+"""GRPO with `rollout:`: the entry point whose sampler is a vLLM server."""
+
+
 class GRPOStage(FineTuneStage):
     task = "grpo"
-    entry_point = "grpo"
+    entry_point = "engine.posttrain.grpo"
+    planner = "engine.posttrain.grpo:step_spec"
     inputs = FineTuneStage.checkpoint_inputs("the policy to start from (and the KL reference) and its tokenizer/")
     other_inputs = Input(REWARD_MODEL, doc="a reward model that `rewards: [{model: <this input>}]` scores with")
     config_schema = GRPOConfig
@@ -102,7 +106,7 @@ class GRPOStage(FineTuneStage):
     def entry_module(self, ctx: StageContext) -> str:
         """With `rollout:` GRPO's entry point whose sampler is the server (it writes the weights
         with the HF exporter, engine/interop/vllm_server.py)."""
-        return ENTRY_POINTS["grpo_server"] if ctx.config.rollout is not None else super().entry_module(ctx)
+        return ROLLOUT_SERVER_ENTRY_POINT if ctx.config.rollout is not None else super().entry_module(ctx)
 
     def resolve_config(self, raw: dict, source: str) -> GRPOConfig:
         cfg = super().resolve_config(raw, source)

@@ -16,8 +16,8 @@ from pydantic import Field
 
 from engine.config import ConfigError, Strict
 from engine.contract import TOKENIZER_DIR
+from tasks.engine_stage import EngineStage
 from tasks.registry import Input, StageContext
-from tasks.stages.engine_stage import EngineStage
 
 
 class MergeConfig(Strict):
@@ -29,7 +29,7 @@ class MergeConfig(Strict):
 
 class MergeStage(EngineStage):
     task = "merge"
-    entry_point = "merge"
+    entry_point = "engine.posttrain.merge"
     output = "checkpoint"
     inputs = {"adapter": Input("adapter", doc="a LoRA adapter artifact (an SFT or GRPO stage with lora:, a convert)")}
     config_schema = MergeConfig

@@ -20,13 +20,14 @@ from typing import Any
 from engine.config import resolve_model_preset, validate
 from engine.contract import CHECKPOINT_CADENCE_FIELDS, NON_SEMANTIC_FIELDS
 from engine.train.config import TrainConfig
+from tasks.engine_stage import EngineStage, set_dotted
 from tasks.registry import Input, StageContext
-from tasks.stages.engine_stage import EngineStage, set_dotted
 
 
 class PretrainStage(EngineStage):
     task = "pretrain"
-    entry_point = "pretrain"
+    entry_point = "engine.train"
+    planner = "engine.train.plan:step_spec"
     output = "checkpoint"
     inputs = {
         "dataset": Input("dataset", doc="token shards (data/) and tokenizer (tokenizer/) from a tokenize stage"),

@@ -18,7 +18,7 @@ convert` of one gives a reward_model artifact back.
 from __future__ import annotations
 
 from engine.posttrain.reward_config import RewardModelConfig
-from tasks.stages.engine_stage import FineTuneStage
+from tasks.engine_stage import FineTuneStage
 
 REWARD_MODEL = "reward_model"
 """The artifact kind."""
@@ -26,7 +26,8 @@ REWARD_MODEL = "reward_model"
 
 class RewardModelStage(FineTuneStage):
     task = "reward_model"
-    entry_point = "reward_model"
+    entry_point = "engine.posttrain.reward_model"
+    planner = "engine.posttrain.reward_model:step_spec"
     output = REWARD_MODEL
     possible_outputs = ()
     inputs = FineTuneStage.checkpoint_inputs("the decoder the reward model starts from, and its tokenizer/")

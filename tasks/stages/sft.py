@@ -13,12 +13,13 @@ outside the store, so the artifact id covers their bytes: editing the data makes
 from __future__ import annotations
 
 from engine.posttrain.config import SFTConfig
-from tasks.stages.engine_stage import FineTuneStage
+from tasks.engine_stage import FineTuneStage
 
 
 class SFTStage(FineTuneStage):
     task = "sft"
-    entry_point = "sft"
+    entry_point = "engine.posttrain.sft"
+    planner = "engine.posttrain.sft:step_spec"
     inputs = FineTuneStage.checkpoint_inputs("the model to fine-tune (params; a fresh optimizer) and its tokenizer/")
     config_schema = SFTConfig
     version = 2  # 2: the checkpoint's meta holds `compute` apart from the architecture

@@ -28,7 +28,7 @@ import sys
 import yaml
 
 from engine.config import ConfigError, validate
-from engine.contract import DATA_DIR, ENTRY_POINTS, MANIFEST, TOKENIZE_NON_SEMANTIC_FIELDS
+from engine.contract import DATA_DIR, MANIFEST, TOKENIZE_NON_SEMANTIC_FIELDS
 from engine.data.sources import plan_source
 from engine.data.tokenize import MB, TokenizeConfig, fingerprint
 from tasks.artifacts import LOCK
@@ -48,6 +48,7 @@ def _input_parts(cfg: TokenizeConfig) -> list:
 
 class TokenizeStage(StageKind):
     task = "tokenize"
+    entry_point = "engine.data.tokenize"
     output = "dataset"
     inputs = {
         "corpus": Input(
@@ -94,7 +95,7 @@ class TokenizeStage(StageKind):
                 ctx.hooks.progress(int(match.group(1)) / max(int(match.group(2)), 1))
 
         ctx.launch(
-            [sys.executable, "-m", ENTRY_POINTS["tokenize"], str(out / "tokenize.yaml"), str(out)], on_line=on_line
+            [sys.executable, "-m", self.entry_point, str(out / "tokenize.yaml"), str(out)], on_line=on_line
         )
         meta = json.loads((out / DATA_DIR / "meta.json").read_text())
         stats = meta.get("stats", {})

@@ -6,7 +6,7 @@ artifact's URL (`checkpoint_location`), every process its own shards, and resume
 there; a consumer's engine restores the one step it reads from there (`open_input` gives
 `ArtifactRef.checkpoint_url`), and reads a dataset's token shards there too
 (`ArtifactRef.data_dir`; `read_in_place`). Staged locally are only the small files (the
-tokenizer, metrics, the engine's config, which tasks/stages/engine_stage.py also puts at the URL
+tokenizer, metrics, the engine's config, which tasks/engine_stage.py also puts at the URL
 for ranks on other hosts). TRAINFLOW_STAGED_CHECKPOINTS=1
 (or a scheme the engine cannot write, e.g. memory://) stages checkpoints too, as before:
 each step uploaded from the staging directory as it commits, a consumer's step downloaded.

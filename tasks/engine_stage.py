@@ -27,7 +27,6 @@ from pydantic import BaseModel
 from engine.config import ConfigError, resolve_model_preset, to_yaml, validate
 from engine.contract import (
     CHECKPOINT_CADENCE_FIELDS,
-    ENTRY_POINTS,
     METRICS_FILE,
     NON_SEMANTIC_FIELDS,
     TOKENIZER_DIR,
@@ -158,11 +157,10 @@ def named_run(cfg: BaseModel, stage: str) -> BaseModel:
 
 
 class EngineStage(StageKind):
-    """A stage kind whose work is one engine entry point (engine.contract.ENTRY_POINTS)."""
+    """A stage kind whose work is one engine entry point (`entry_point`)."""
 
     launches_child = True
     entry_point: ClassVar[str]
-    """Key of engine.contract.ENTRY_POINTS: the module the children run."""
     pipeline_owned: ClassVar[dict[str, str]] = {}
     """Dotted config keys the stage sets (from an input or its directory) -> where from."""
 
@@ -184,8 +182,8 @@ class EngineStage(StageKind):
         return True
 
     def entry_module(self, ctx: StageContext) -> str:
-        """The module the children run: ENTRY_POINTS[entry_point], unless the stage's config picks another."""
-        return ENTRY_POINTS[self.entry_point]
+        """The module the children run: `entry_point`, unless the stage's config picks another."""
+        return self.entry_point
 
     def launch_engine(
         self, ctx: StageContext, *args: str, metrics_file: Path | None = None, total_steps: int | None = None
