@@ -41,7 +41,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding
@@ -63,7 +62,6 @@ from engine.train.checkpoint import ITEMS, adapter_base, load_params, read_meta
 from engine.train.cli import run_cli
 from engine.train.config import TrainConfig, trainer_view
 from engine.train.hooks import log_to_stderr, run_training
-from engine.train.optimizer import make_optimizer
 from engine.train.plan import InputModels, StepSpec, fine_tuned_model
 from engine.train.step import Objective, moe_metrics
 from engine.train.trainer import Trainer, TrainState
@@ -225,24 +223,12 @@ class RewardTrainer(Trainer):
     checkpoint.init_from (with LoRA: the frozen base and a fresh adapter)."""
 
     def __init__(self, cfg: TrainConfig, objective, head_init: str, *, devices=None):
-        super().__init__(cfg, objective, devices=devices)
         self.head_init = head_init
+        super().__init__(cfg, objective, devices=devices)
+
+    def extra_trainable_params(self) -> dict[str, jax.ShapeDtypeStruct]:
         dtype = jax.tree.leaves(self.abstract_params)[0].dtype
-        self.abstract_params = {**self.abstract_params, HEAD: head_abstract(cfg.model, dtype, self.mesh)}
-        self.param_shardings = jax.tree.map(lambda a: a.sharding, self.abstract_params)
-        # The optimizer and its state over the tree with the head (as Trainer.__init__ builds them).
-        self.tx, self.schedule = make_optimizer(cfg.optimizer, cfg.schedule, cfg.steps, self.abstract_params)
-        abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
-        self.opt_shardings = optax.tree_map_params(
-            self.tx,
-            lambda _, sh: sh,
-            abstract_opt,
-            self.param_shardings,
-            transform_non_params=lambda _: replicated(self.mesh),
-        )
-        self.abstract_opt_state = jax.tree.map(
-            lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract_opt, self.opt_shardings
-        )
+        return {HEAD: head_abstract(self.cfg.model, dtype, self.mesh)}
 
     def init_head(self) -> jax.Array:
         want = self.abstract_params[HEAD]

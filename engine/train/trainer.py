@@ -198,6 +198,9 @@ class Trainer:
                     )
                 )
         self.quantized_base = cfg.lora is not None and cfg.lora.base_dtype in QUANTIZED_DTYPES
+        # Trained beside the model's (or adapter's) params: the optimizer, its state's shardings,
+        # the train step and the checkpoints below all cover them.
+        self.abstract_params = {**self.abstract_params, **self.extra_trainable_params()}
         self.param_shardings = jax.tree.map(lambda a: a.sharding, self.abstract_params)
         self.base_shardings = (
             None if self.abstract_base is None else jax.tree.map(lambda a: a.sharding, self.abstract_base)
@@ -227,6 +230,13 @@ class Trainer:
         self._train_step = None
         self._compiled_step = None
         self._eval_step = None
+
+    def extra_trainable_params(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """Parameters a subclass trains beside the model's (a reward model's head), as top-level
+        entries of the params tree, each a ShapeDtypeStruct with its sharding: the hook
+        `__init__` calls before it lays out the optimizer over the tree. A subclass that adds
+        some initialises them in `init_state`."""
+        return {}
 
     # -- jitted functions (compiled lazily, once)
     def jitted_train_step(self):
