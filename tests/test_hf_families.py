@@ -34,6 +34,7 @@ def tiny(family: str, tie: bool) -> tuple:
         "intermediate_size": 7,
         "sliding_window": 5,
         "tie_word_embeddings": tie,
+        "hidden_size_per_layer_input": 0,  # Gemma 4: none of its per-layer embeddings (default 256)
     }
     return model_config_from_hf(hf)
 

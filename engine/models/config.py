@@ -21,10 +21,12 @@ from engine.ops.attention_names import DecodeImpl, Impl
 class RopeScaling(Strict):
     """RoPE frequency scaling for long context."""
 
-    kind: Literal["llama3", "linear", "yarn"] = "llama3"
+    kind: Literal["llama3", "linear", "yarn", "proportional"] = "llama3"
     """llama3: frequency-dependent (Llama 3.1+); linear: every frequency / factor (Gemma 3);
     yarn: YaRN (arXiv 2309.00071; Qwen3, DeepSeek), frequencies interpolated by a linear ramp
-    between beta_fast and beta_slow rotations, and cos/sin scaled by an attention factor."""
+    between beta_fast and beta_slow rotations, and cos/sin scaled by an attention factor;
+    proportional: the frequencies of the whole head, only the fastest rotated_fraction of them
+    kept (the rest zero: those pairs not rotated), every one / factor (Gemma 4's global layers)."""
     factor: float = Field(8.0, gt=0)
     low_freq_factor: float = Field(1.0, gt=0)
     """llama3 only, as is the next one."""
@@ -42,6 +44,9 @@ class RopeScaling(Strict):
     mscale_all_dim: float | None = None
     truncate: bool = True
     """Round the ramp's ends to whole dimensions (transformers' default)."""
+    rotated_fraction: float = Field(1.0, gt=0, le=1)
+    """proportional only: the share of each head's dimension pairs that rotate
+    (transformers' partial_rotary_factor of that RoPE type)."""
 
     def yarn_attention_factor(self) -> float:
         """The factor YaRN scales cos and sin by (1.0 for the other kinds)."""
@@ -74,6 +79,13 @@ class Layer(NamedTuple):
     """Sliding-window attention (else global)."""
     rope: bool
     """RoPE on queries and keys (else NoPE: no position signal but the causal mask)."""
+    head_dim: int | None = None
+    """This layer's query/key/value head width; None: ModelConfig.head_dim (Gemma 4's global
+    layers: global_head_dim, in a stack of their own)."""
+    kv_heads: int | None = None
+    """This layer's key/value heads; None: ModelConfig.num_kv_heads."""
+    values_from_keys: bool = False
+    """No value projection: the values are the key projection (Gemma 4's attention_k_eq_v)."""
 
 
 class ModelConfig(Strict):
@@ -206,6 +218,20 @@ class ModelConfig(Strict):
     limit], out = (up + 1) * gate * sigmoid(swiglu_alpha * gate). None: activation(gate) * up."""
     swiglu_alpha: float = Field(1.702, gt=0)
     """Sigmoid gain of that clamped SwiGLU (swiglu_limit set only)."""
+    # Gemma 4 (engine/models/families/gemma4.py): its global layers have heads of their own
+    # shape, so they form a layer stack of their own, `global_blocks`.
+    global_head_dim: int | None = Field(None, gt=0)
+    """Head width of the global (non-sliding) layers; None: head_dim."""
+    global_num_kv_heads: int | None = Field(None, gt=0)
+    """Key/value heads of the global layers; None: num_kv_heads."""
+    global_values_from_keys: bool = False
+    """The global layers have no value projection: their values are the key projection,
+    taken before the key norm and RoPE (Gemma 4's attention_k_eq_v)."""
+    value_norm: bool = False
+    """An RMSNorm without a scale on the values, over head_dim (Gemma 4)."""
+    layer_scale: bool = False
+    """A learned scalar per layer multiplying the residual stream after the layer (Gemma 4's
+    layer_scalar)."""
     # DeepSeek-V2 (engine/models/families/deepseek.py)
     router_group_score: Literal["top2_sum", "max"] = "top2_sum"
     """With router_groups: what scores a group, the sum of its two best (biased) scores
@@ -257,6 +283,17 @@ class ModelConfig(Strict):
         if self.is_mla and (self.qk_norm_across_heads or self.rope_pattern is not None or self.rotary_dim):
             raise ValueError(
                 "qk_norm_across_heads, rope_pattern and rotary_dim are settings of grouped-query attention, not MLA"
+            )
+        if self.has_global_shape and (self.is_mla or "global" not in self.attention_pattern):
+            raise ValueError(
+                "global_head_dim, global_num_kv_heads and global_values_from_keys need global layers "
+                "of grouped-query attention (attention_pattern with 'global')"
+            )
+        if (self.global_head_dim or 0) % 2 or (self.rotary_dim or 0) > (self.global_head_dim or self.head_dim):
+            raise ValueError(f"global_head_dim ({self.global_head_dim}) must be even and at least rotary_dim")
+        if self.num_heads % (self.global_num_kv_heads or self.num_kv_heads):
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of global_num_kv_heads ({self.global_num_kv_heads})"
             )
         if self.rotary_dim is not None and (self.rotary_dim % 2 or self.rotary_dim > self.head_dim):
             raise ValueError(f"rotary_dim ({self.rotary_dim}) must be even and at most head_dim ({self.head_dim})")
@@ -310,8 +347,22 @@ class ModelConfig(Strict):
         for i, local in enumerate(self.layer_is_local()):
             moe = self.is_moe and i >= self.first_dense_layers and ffn_pattern[i % len(ffn_pattern)] == "moe"
             stack = "dense_blocks" if self.is_moe and not moe else "blocks"
-            layers.append(Layer(stack, mixer, "moe" if moe else "mlp", local, rope_pattern[i % len(rope_pattern)]))
+            shape = {}
+            if not local and self.has_global_shape:  # Gemma 4: global heads of their own shape
+                stack = "global_" + stack
+                shape = dict(
+                    head_dim=self.global_head_dim,
+                    kv_heads=self.global_num_kv_heads,
+                    values_from_keys=self.global_values_from_keys,
+                )
+            rope = rope_pattern[i % len(rope_pattern)]
+            layers.append(Layer(stack, mixer, "moe" if moe else "mlp", local, rope, **shape))
         return layers
+
+    @property
+    def has_global_shape(self) -> bool:
+        """The global layers' attention differs in its parameters (Gemma 4): a stack of their own."""
+        return bool(self.global_head_dim or self.global_num_kv_heads or self.global_values_from_keys)
 
     def layer_stacks(self) -> list[tuple[str, tuple[int, ...]]]:
         """(params key, the model's layers in it, in order) of each stack of like layers, in the
@@ -338,12 +389,7 @@ class ModelConfig(Strict):
 
     def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
         """Parameters; `active`: only those one token computes with (its k experts of each layer)."""
-        attn = self.d_model * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
-        attn += self.head_dim * (self.num_heads + 2 * self.num_kv_heads) * self.qkv_bias
-        attn += (self.num_heads + self.num_kv_heads if self.qk_norm_across_heads else 2) * self.head_dim * self.qk_norm
-        if self.is_mla:
-            attn = self._mla_params()
-        attn += self.num_heads * self.attention_sinks + self.d_model * self.attention_out_bias
+        attn = self.num_heads * self.attention_sinks + self.d_model * self.attention_out_bias
         if self.is_moe:
             experts = self.experts_per_token if active else self.num_experts
             mlp = 3 * self.d_model * self.moe_mlp_dim * (experts + self.num_shared_experts)
@@ -352,12 +398,23 @@ class ModelConfig(Strict):
             mlp += self.num_experts * self.router_logits_bias
         else:
             mlp = 3 * self.d_model * self.mlp_dim
-        block = attn + mlp + (2 * self.pre_norms + 2 * self.post_norms) * self.d_model
-        dense_layers = sum(layer.ffn == "mlp" for layer in self.layer_pattern()) if self.is_moe else 0
+        block = attn + mlp + (2 * self.pre_norms + 2 * self.post_norms) * self.d_model + self.layer_scale
+        pattern = self.layer_pattern()
+        dense_layers = sum(layer.ffn == "mlp" for layer in pattern) if self.is_moe else 0
         n = self.num_layers * block + dense_layers * (3 * self.d_model * self.mlp_dim - mlp) + self.d_model
+        n += sum(self._attention_params(layer) for layer in pattern)
         if include_embedding:
             n += self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
         return n
+
+    def _attention_params(self, layer: Layer) -> int:
+        """One layer's attention projections, biases and QK norms (not sinks or output bias)."""
+        if self.is_mla:
+            return self._mla_params()
+        n, h, k = self.num_heads, layer.head_dim or self.head_dim, layer.kv_heads or self.num_kv_heads
+        v = 0 if layer.values_from_keys else k
+        attn = self.d_model * h * (2 * n + k + v) + h * (n + k + v) * self.qkv_bias
+        return attn + (n + k if self.qk_norm_across_heads else 2) * h * self.qk_norm
 
     def _mla_params(self) -> int:
         """One layer's multi-head latent attention."""

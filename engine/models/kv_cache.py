@@ -59,16 +59,19 @@ class KVCache:
 
     @classmethod
     def init(cls, cfg: ModelConfig, compute: ComputeConfig, batch: int, max_len: int) -> KVCache:
-        k_shape = v_shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        if cfg.is_mla:
-            k_shape, v_shape = (batch, 1, max_len, cfg.kv_lora_rank), (batch, 1, max_len, cfg.rope_head_dim)
-        k_shape = (*k_shape[:2], k_shape[3], k_shape[2])  # keys slot-minor
         dtype = jnp.float32
         if compute.dtype == "bfloat16":  # on CPU as its bits (engine/ops/attention.py: BF16_BITS)
             dtype = BF16_BITS if current_platform() == "cpu" else jnp.bfloat16
+        k_shapes, v_shapes = [], []
+        for layer in cfg.layer_pattern():  # a layer's heads may have a shape of their own (Gemma 4's global ones)
+            k_shape = v_shape = (batch, layer.kv_heads or cfg.num_kv_heads, max_len, layer.head_dim or cfg.head_dim)
+            if cfg.is_mla:
+                k_shape, v_shape = (batch, 1, max_len, cfg.kv_lora_rank), (batch, 1, max_len, cfg.rope_head_dim)
+            k_shapes.append((*k_shape[:2], k_shape[3], k_shape[2]))  # keys slot-minor
+            v_shapes.append(v_shape)
         k, v = (
-            tuple(constrain(jnp.zeros(shape, dtype), _names(shape)) for _ in range(cfg.num_layers))
-            for shape in (k_shape, v_shape)
+            tuple(constrain(jnp.zeros(shape, dtype), _names(shape)) for shape in shapes)
+            for shapes in (k_shapes, v_shapes)
         )
         return cls(k, v, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32))
 

@@ -46,7 +46,7 @@ def add_adapters(
         return
     wanted = lora.targets(model)
     for peft_name, (attr, n_in) in targets.items():
-        if peft_name not in wanted:
+        if peft_name not in wanted or not hasattr(module, attr):  # (Gemma 4's global layers have no v_proj)
             continue
         base: nnx.Param = getattr(module, attr)
         names = base.get_metadata().get("out_sharding") or (None,) * base.ndim

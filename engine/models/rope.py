@@ -21,6 +21,9 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling |
         return inv_freq / scaling.factor
     if scaling.kind == "yarn":
         return _yarn_inverse_frequencies(inv_freq, head_dim, theta, scaling)
+    if scaling.kind == "proportional":  # the fastest pairs rotate, the rest (frequency 0) do not
+        rotated = int(scaling.rotated_fraction * head_dim // 2)
+        return jnp.where(jnp.arange(head_dim // 2) < rotated, inv_freq, 0.0) / scaling.factor
     low_wavelen = scaling.original_max_position / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq

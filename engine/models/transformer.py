@@ -62,12 +62,18 @@ class Attention(nnx.Module):
         rngs: nnx.Rngs,
         dot_general: DotGeneral = jax.lax.dot_general,
         lora: LoraConfig | None = None,
+        layer: Layer | None = None,
     ):
+        """`layer`: the stack's kind, where its heads differ from cfg's (Gemma 4's global layers)."""
         d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        if layer is not None:
+            k, h = layer.kv_heads or k, layer.head_dim or h
+        self.values_from_keys = layer is not None and layer.values_from_keys
         pdt, std = _dtype(compute.param_dtype), cfg.init_std
         self.wq_dnh = _param(rngs, (d, n, h), std, ("embed", "heads", "head_dim"), pdt)
         self.wk_dkh = _param(rngs, (d, k, h), std, ("embed", "kv_heads", "head_dim"), pdt)
-        self.wv_dkh = _param(rngs, (d, k, h), std, ("embed", "kv_heads", "head_dim"), pdt)
+        if not self.values_from_keys:
+            self.wv_dkh = _param(rngs, (d, k, h), std, ("embed", "kv_heads", "head_dim"), pdt)
         if cfg.qkv_bias:
             self.bq_nh = nnx.Param(jnp.zeros((n, h), pdt), out_sharding=("heads", "head_dim"))
             self.bk_kh = nnx.Param(jnp.zeros((k, h), pdt), out_sharding=("kv_heads", "head_dim"))
@@ -87,7 +93,8 @@ class Attention(nnx.Module):
         self.head_dim, self.rope_theta, self.rope_scaling = h, cfg.rope_theta, cfg.rope_scaling
         self.rotary_dim = cfg.rotary_dim or h
         self.rope_local_theta, self.sliding_window = cfg.rope_local_theta, cfg.sliding_window
-        self.qkv_bias, self.qk_norm = cfg.qkv_bias, cfg.qk_norm
+        self.qkv_bias, self.qk_norm, self.value_norm = cfg.qkv_bias, cfg.qk_norm, cfg.value_norm
+        self.norm_eps = cfg.norm_eps
         self.scale = (cfg.query_pre_attn_scalar or h) ** -0.5
         self.softcap = cfg.attn_logit_softcap
         self.dtype = _dtype(compute.dtype)
@@ -136,18 +143,22 @@ class Attention(nnx.Module):
         unpadded document per row. With a cache (decoding) returns (out, updated cache).
         `rotary`: this layer's (cos, sin) at `positions_bt`, if the caller computed them."""
         dt = self.dtype
-        q, k, v = project_shared(
+        q, k, *v = project_shared(
             self,
-            ("wq_dnh", "wk_dkh", "wv_dkh"),
+            ("wq_dnh", "wk_dkh") if self.values_from_keys else ("wq_dnh", "wk_dkh", "wv_dkh"),
             x_btd,
             self.dtype,
             backward=self.matmul_backward,
             dot_general=self.dot_general,
         )
+        v = k if self.values_from_keys else v[0]  # Gemma 4's global layers: the keys before their norm
         if self.qkv_bias:
             q, k, v = q + self.bq_nh[...].astype(dt), k + self.bk_kh[...].astype(dt), v + self.bv_kh[...].astype(dt)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.value_norm:  # RMSNorm over head_dim without a scale (Gemma 4)
+            v32 = v.astype(jnp.float32)
+            v = (v32 * jax.lax.rsqrt(jnp.mean(v32 * v32, axis=-1, keepdims=True) + self.norm_eps)).astype(v.dtype)
         q = constrain(q, ("act_batch", "act_seq", "act_heads", None))
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", None))
@@ -259,14 +270,16 @@ class Block(nnx.Module):
         dot_general: DotGeneral = jax.lax.dot_general,
         moe: bool | None = None,
         lora: LoraConfig | None = None,
+        layer: Layer | None = None,
     ):
+        """`layer`: the kind of the stack's layers (their attention's head shape)."""
         moe = cfg.is_moe if moe is None else moe
         if cfg.pre_norms:
             self.attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
         if cfg.is_mla:
             self.attn = MLA(cfg, compute, rngs=rngs, dot_general=dot_general)
         else:
-            self.attn = Attention(cfg, compute, rngs=rngs, dot_general=dot_general, lora=lora)
+            self.attn = Attention(cfg, compute, rngs=rngs, dot_general=dot_general, lora=lora, layer=layer)
         if cfg.pre_norms:
             self.mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
         if moe:
@@ -276,7 +289,10 @@ class Block(nnx.Module):
         if cfg.post_norms:
             self.post_attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
             self.post_mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
+        if cfg.layer_scale:  # Gemma 4: the stream times a learned scalar after the layer
+            self.layer_scale = nnx.Param(jnp.ones((1,), _dtype(compute.param_dtype)), out_sharding=("norm",))
         self.pre_norms, self.post_norms, self.is_moe = cfg.pre_norms, cfg.post_norms, moe
+        self.scaled = cfg.layer_scale
 
     def forward(
         self,
@@ -309,6 +325,8 @@ class Block(nnx.Module):
             else:
                 mlp_out = self.mlp(mlp_in)
         x_btd = x_btd + (self.post_mlp_norm(mlp_out) if self.post_norms else mlp_out)
+        if self.scaled:
+            x_btd = x_btd * self.layer_scale[...].astype(x_btd.dtype)
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
         return x_btd, cache, stats
 
@@ -434,12 +452,16 @@ class Transformer(nnx.Module):
         self.embed_vd = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std, ("vocab", "embed"), pdt)
         layers = cfg.layer_pattern()
         for name, indices in cfg.layer_stacks():
-            moe = layers[indices[0]].ffn == "moe"
+            layer = layers[indices[0]]
+            moe = layer.ffn == "moe"
             if compute.scan_layers:
-                stack = self._stacked_blocks(cfg, compute, rngs, dot_general, len(indices), moe, lora)
+                stack = self._stacked_blocks(cfg, compute, rngs, dot_general, len(indices), moe, lora, layer)
             else:
                 stack = nnx.List(
-                    [Block(cfg, compute, rngs=rngs, dot_general=dot_general, moe=moe, lora=lora) for _ in indices]
+                    [
+                        Block(cfg, compute, rngs=rngs, dot_general=dot_general, moe=moe, lora=lora, layer=layer)
+                        for _ in indices
+                    ]
                 )
             setattr(self, name, stack)
         self.final_norm = _norm(cfg, compute, cfg.d_model, rngs)
@@ -456,13 +478,14 @@ class Transformer(nnx.Module):
         count: int,
         moe: bool,
         lora: LoraConfig | None = None,
+        layer: Layer | None = None,
     ) -> Block:
         """One Block whose every parameter has a leading `layers` axis (`count`), for lax.scan."""
 
         @nnx.split_rngs(splits=count)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make(rngs):
-            return Block(cfg, compute, rngs=rngs, dot_general=dot_general, moe=moe, lora=lora)
+            return Block(cfg, compute, rngs=rngs, dot_general=dot_general, moe=moe, lora=lora, layer=layer)
 
         return make(rngs)
 
