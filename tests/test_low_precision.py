@@ -7,6 +7,8 @@ reaches every projection of the layers (LoRA's adapters too) and neither the LM 
 MoE router; a few steps of the tiny pretraining end within a stated distance of bf16's loss;
 the default leaves the program and the artifact ids as they were."""
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +22,9 @@ from engine.ops.low_precision import fake_quantize
 from engine.parallel.config import MeshConfig
 from engine.parallel.mesh import make_mesh
 from engine.train.config import TrainConfig
+from engine.train.plan import format_plan, plan_step
 from engine.train.pretrain import run_pretrain
+from engine.train.targets import get_target
 from tasks.registry import get_stage_kind
 from tests.test_train import losses, tiny_config
 
@@ -174,3 +178,31 @@ def test_a_few_steps_of_pretraining_with_each_recipe_end_near_bfloat16s_loss(byt
     for recipe, tolerance in LOSS_TOLERANCE.items():
         assert len(curves[recipe]) == 12 and curves[recipe] != curves["default"]
         assert abs(np.mean(curves[recipe][-4:]) - bf16) < tolerance, (recipe, curves[recipe][-4:], bf16)
+
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the test extra)")
+
+
+@needs_libtpu
+def test_the_plan_compiles_each_recipe_for_a_tpu_slice_and_names_it():
+    """The tiny model in bf16 on a v5p-8 with each recipe: the TPU compiler's step holds the
+    quantized operands (f8e4m3fn / s8 arrays; none in bf16's), the plan's header names the
+    recipe, and the memory it holds stays within 10% of bf16's."""
+    plans = {}
+    for recipe in ("default", "fp8", "int8"):
+        tree = {
+            "model": "tiny",
+            "mesh": {"data": 1, "fsdp": -1},
+            "data": {"seq_len": 128, "batch_size": 8},
+            "steps": 3,
+            "compute": {"dtype": "bfloat16", "matmul_precision": recipe},
+        }
+        plans[recipe] = plan_step(load_config(tree=tree, schema=TrainConfig), get_target("v5p-8"))
+    for recipe, narrow in (("default", None), ("fp8", "f8e4m3fn["), ("int8", "s8[")):
+        plan = plans[recipe]
+        hlo = plan.compiled.as_text()
+        assert plan.how == "compiled" and plan.fits and plan.matmuls == recipe
+        assert (f", {recipe} matmuls;" in format_plan(plan)) == (recipe != "default")
+        if narrow:
+            assert narrow in hlo and plan.memory.total < 1.1 * plans["default"].memory.total
+    assert "f8e4m3fn[" not in plans["default"].compiled.as_text()
