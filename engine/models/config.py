@@ -218,6 +218,17 @@ class ModelConfig(Strict):
     limit], out = (up + 1) * gate * sigmoid(swiglu_alpha * gate). None: activation(gate) * up."""
     swiglu_alpha: float = Field(1.702, gt=0)
     """Sigmoid gain of that clamped SwiGLU (swiglu_limit set only)."""
+    # DeepSeek Sparse Attention (engine/models/dsa.py; DeepSeek-V3.2, GLM-5)
+    index_topk: int | None = Field(None, gt=0)
+    """MLA with a lightning indexer: each query attends only to the index_topk earlier keys
+    its indexer scores highest (every one while there are no more); None: dense attention."""
+    index_heads: int = Field(64, gt=0)
+    """The indexer's query heads (index_n_heads)."""
+    index_head_dim: int = Field(128, gt=0)
+    """Width of the indexer's query heads and its one key (index_head_dim), the first
+    rope_head_dim of them rotary."""
+    index_rope_interleave: bool = False
+    """The indexer's RoPE rotates adjacent pairs (GLM-5), else halves (DeepSeek-V3.2)."""
     # Gemma 4 (engine/models/families/gemma4.py): its global layers have heads of their own
     # shape, so they form a layer stack of their own, `global_blocks`.
     global_head_dim: int | None = Field(None, gt=0)
@@ -312,6 +323,11 @@ class ModelConfig(Strict):
                     f"experts_per_token ({self.experts_per_token}) exceeds the experts of "
                     f"router_group_top ({self.router_group_top}) groups"
                 )
+        if self.index_topk is not None and (self.q_lora_rank is None or self.index_head_dim < self.rope_head_dim):
+            raise ValueError(
+                "index_topk (sparse attention) needs kv_lora_rank and q_lora_rank (its indexer reads the "
+                f"compressed query) and index_head_dim ({self.index_head_dim}) >= rope_head_dim ({self.rope_head_dim})"
+            )
         if self.kv_lora_rank is None:
             if self.q_lora_rank is not None or self.v_head_dim is not None or self.rope_interleave:
                 raise ValueError(
@@ -425,6 +441,9 @@ class ModelConfig(Strict):
         else:
             q = d * n * self.head_dim
         kv = d * (rank + self.rope_head_dim) + rank + rank * n * (nope + self.value_head_dim)
+        if self.index_topk is not None:  # the indexer: wq_b, wk, its key LayerNorm, weights_proj
+            h, w = self.index_heads, self.index_head_dim
+            q += self.q_lora_rank * h * w + d * w + 2 * w + d * h
         return q + kv + n * self.value_head_dim * d
 
 
@@ -488,6 +507,18 @@ class ComputeConfig(Strict):
     devices that split the batch (engine/ops/dense.py): float32, or bfloat16 as MaxText's are
     (half the bytes of the gradient all-reduce/reduce-scatter per step; docs/benchmarks.md).
     Only a bfloat16 `dtype` has anything to round; the parameters' update stays in param_dtype."""
+    indexer_loss: Literal["none", "warmup", "sparse"] = "none"
+    """How a sparse-attention model (ModelConfig.index_topk) trains its lightning indexer
+    (engine/models/dsa.py; DeepSeek-V3.2's recipe, arXiv 2512.02556): none = not at all (the
+    selection is applied, the indexer gets no gradient); warmup = dense warm-up: attention
+    stays dense, only the indexer's weights change (engine/train/optimizer.py freezes the
+    rest), by the KL from the main attention's head-summed distribution over every visible
+    key to the indexer's softmax; sparse = each query attends to its top-k keys, every
+    weight trains on the LM loss and the indexer on the same KL over the selected keys,
+    its inputs detached so neither loss reaches the other's weights."""
+    indexer_loss_weight: float = Field(1.0, gt=0)
+    """Weight of that KL (its mean over layers and query tokens) in the training loss
+    (MaxText's indexer_loss_scaling_factor)."""
     matmul_precision: Literal["default", "fp8", "int8"] = "default"
     """Recipe of the layers' trainable matmuls (engine/ops/low_precision.py, qwix): default =
     in `dtype`; fp8 = e4m3 operands and e5m2 gradients, int8 = int8 forward and backward

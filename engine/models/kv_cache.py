@@ -10,6 +10,7 @@ from engine.models.config import ComputeConfig, ModelConfig
 from engine.ops.attention import BF16_BITS, cache_values, stored
 from engine.ops.partitioning import constrain, current_platform
 
+INDEX_NAMES = ("act_batch", None, None)  # sparse attention's indexer keys (b, s, index_head_dim)
 CACHE_NAMES = ("act_batch", "act_kv_heads", None, None)  # keys (b, kv_heads, head_dim, s); values (b, kv_heads, s, h)
 
 
@@ -56,6 +57,7 @@ class KVCache:
     shared_v: tuple[jax.Array, ...] = ()  # per layer (prompts, kv_heads, p, head_dim)
     shared_valid_ps: jax.Array | None = None  # (prompts, p) bool
     group: int = struct.field(pytree_node=False, default=1)  # rows per prompt sharing a prefix
+    index_k: tuple[jax.Array, ...] = ()  # per layer (b, s, index_head_dim): sparse attention's indexer keys (dsa.py)
 
     @classmethod
     def init(cls, cfg: ModelConfig, compute: ComputeConfig, batch: int, max_len: int) -> KVCache:
@@ -73,7 +75,13 @@ class KVCache:
             tuple(constrain(jnp.zeros(shape, dtype), _names(shape)) for shape in shapes)
             for shapes in (k_shapes, v_shapes)
         )
-        return cls(k, v, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32))
+        index_k = ()
+        if cfg.index_topk is not None:  # DeepSeek Sparse Attention: the indexer's key per position
+            index_k = tuple(
+                constrain(jnp.zeros((batch, max_len, cfg.index_head_dim), dtype), INDEX_NAMES)
+                for _ in range(cfg.num_layers)
+            )
+        return cls(k, v, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32), index_k=index_k)
 
     def expand(self, repeats: int, extra_slots: int) -> KVCache:
         """Each row `repeats` times (row r becomes rows r * repeats ... r * repeats + repeats - 1)
@@ -85,7 +93,11 @@ class KVCache:
             for layers, slots in ((self.k, k_slots), (self.v, v_slots))
         )
         valid_bs = jnp.pad(jnp.repeat(self.valid_bs, repeats, axis=0), ((0, 0), (0, extra_slots)))
-        return self.replace(k=k, v=v, valid_bs=valid_bs)
+        index_k = tuple(  # sparse attention's indexer keys (dsa.py)
+            constrain(jnp.pad(jnp.repeat(a, repeats, axis=0), ((0, 0), (0, extra_slots), (0, 0))), INDEX_NAMES)
+            for a in self.index_k
+        )
+        return self.replace(k=k, v=v, valid_bs=valid_bs, index_k=index_k)
 
     def share(self, repeats: int, slots: int) -> KVCache:
         """This (prompt) cache as the prefix shared by groups of `repeats` rows (row r of the
@@ -156,3 +168,12 @@ class KVCache:
         if raw:
             return k_bkhs, v_bksh, mask_bts, cache
         return cache_values(k_bkhs).transpose(0, 3, 1, 2), cache_values(v_bksh).swapaxes(1, 2), mask_bts, cache
+
+    def update_index(self, k_bti):
+        """Write this layer's new indexer keys (sparse attention, engine/models/dsa.py) into
+        slots [end, end + t); (all its keys (b, s, index_head_dim) as values, cache)."""
+        k_bsi = jax.lax.dynamic_update_slice(
+            self.index_k[self.layer], stored(k_bti, self.index_k[0].dtype), (0, self.end, 0)
+        )
+        index_k = (*self.index_k[: self.layer], k_bsi, *self.index_k[self.layer + 1 :])
+        return cache_values(k_bsi), self.replace(index_k=index_k)

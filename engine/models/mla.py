@@ -30,9 +30,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from engine.models.common import RMSNorm, dtype_of, param
 from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.dsa import Indexer, indexer_kl, select_top_k
 from engine.models.kv_cache import KVCache
 from engine.models.rope import apply_rope, rope_inverse_frequencies
 from engine.ops.attention import attention
+from engine.ops.attention_reference import attention_mask, dot_product_attention
 from engine.ops.dense import DotGeneral, dense
 from engine.ops.partitioning import constrain
 
@@ -83,6 +85,10 @@ class MLA(nnx.Module):
         self.dtype = dtype_of(compute.dtype)
         self.attention_impl, self.attention_block = compute.attention_impl, compute.attention_block
         self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
+        self.index_topk = cfg.index_topk  # DeepSeek Sparse Attention (dsa.py)
+        if cfg.index_topk is not None:
+            self.indexer = Indexer(cfg, compute, rngs=rngs, dot_general=dot_general)
+        self.indexer_loss = compute.indexer_loss if cfg.index_topk is not None else "none"
 
     def _dense(self, x, w: nnx.Param, n_in: int = 1):
         return dense(x, w[...].astype(self.dtype), n_in, backward=self.matmul_backward, dot_general=self.dot_general)
@@ -99,10 +105,12 @@ class MLA(nnx.Module):
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None):
         """As transformer.Attention: `local` (static) slides the window; with a cache (decoding)
-        returns (out, updated cache)."""
+        returns (out, updated cache). With a training indexer loss (dsa.py) and no cache:
+        (out, the indexer's KL)."""
         o, r, c = self.nope_dim, self.rope_dim, self.latent_dim
         if self.q_lora:
-            q_btnh = self._dense(self.q_norm(self._dense(x_btd, self.wq_a_dq)), self.wq_b_qnh)
+            q_latent_btq = self.q_norm(self._dense(x_btd, self.wq_a_dq))
+            q_btnh = self._dense(q_latent_btq, self.wq_b_qnh)
         else:
             q_btnh = self._dense(x_btd, self.wq_dnh)
         q_btnh = constrain(q_btnh, ("act_batch", "act_seq", "act_heads", None))
@@ -113,8 +121,16 @@ class MLA(nnx.Module):
         k_rope_bt1r = self._rope(kv_btx[..., None, c:], positions_bt, max_position)
         window = self.sliding_window if local else None
         w_kb_cno, w_vb_cnw = self.wkv_b_cny[...][..., :o], self.wkv_b_cny[...][..., o:]
+        if self.index_topk is not None:  # its inputs detached: only its KL trains it (dsa.py)
+            index_x_btd, index_q_btq = jax.lax.stop_gradient(x_btd), jax.lax.stop_gradient(q_latent_btq)
+            index_q_btgi, index_w_btg = self.indexer.queries(index_x_btd, index_q_btq, positions_bt, max_position)
+            index_k_bti = self.indexer.keys(index_x_btd, positions_bt, max_position)
         if cache is not None:
             latent_bs1c, k_rope_bs1r, mask_bts, cache = cache.update(latent_btc[:, :, None], k_rope_bt1r, window=window)
+            if self.index_topk is not None:
+                index_k_bsi, cache = cache.update_index(index_k_bti)
+                scores_bts = self.indexer.scores(index_q_btgi, index_w_btg, index_k_bsi, mask_bts)
+                mask_bts = mask_bts & select_top_k(scores_bts, self.index_topk)
             out_btnw = self._absorbed(
                 q_nope,
                 q_rope,
@@ -135,6 +151,8 @@ class MLA(nnx.Module):
             v_btnw = jnp.pad(v_btnw, ((0, 0), (0, 0), (0, 0), (0, h - w)))
         elif w > h:  # zeros on q and k leave the scores as they are
             q_btnh, k_btnh = (jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, w - h))) for a in (q_btnh, k_btnh))
+        if self.index_topk is not None:
+            return self._sparse(q_btnh, k_btnh, v_btnw, segment_ids_bt, index_q_btgi, index_w_btg, index_k_bti, w)
         with jax.named_scope("core"):
             out_btnh = attention(
                 q_btnh,
@@ -148,6 +166,39 @@ class MLA(nnx.Module):
                 block=self.attention_block,
             )
         return self._dense(out_btnh[..., :w], self.wo_nwd, 2)
+
+    def _sparse(self, q_btnh, k_btnh, v_btnh, segment_ids_bt, index_q_btgi, index_w_btg, index_k_bti, w: int):
+        """Training and prefill with the indexer: each query attends to its top-k visible keys
+        over an explicit mask. Dense where no query can see more than index_topk keys (the
+        selection keeps them all) and in the indexer's dense warm-up; the indexer's KL
+        returned beside the output when it trains."""
+        t = q_btnh.shape[1]
+        segments_bt = jnp.ones(q_btnh.shape[:2], jnp.int32) if segment_ids_bt is None else segment_ids_bt
+        dense = t <= self.index_topk or self.indexer_loss == "warmup"
+        visible_bts = attention_mask(segments_bt, segments_bt)
+        if dense and self.indexer_loss == "none":
+            scores_bts = None
+        else:
+            scores_bts = self.indexer.scores(index_q_btgi, index_w_btg, index_k_bti, visible_bts)
+        with jax.named_scope("core"):
+            if dense:
+                out_btnh = attention(
+                    q_btnh,
+                    k_btnh,
+                    v_btnh,
+                    segment_ids_bt,
+                    impl=self.attention_impl,
+                    scale=self.scale,
+                    block=self.attention_block,
+                )
+                selected_bts = visible_bts
+            else:
+                selected_bts = visible_bts & select_top_k(scores_bts, self.index_topk)
+                out_btnh = dot_product_attention(q_btnh, k_btnh, v_btnh, selected_bts, scale=self.scale)
+        out_btd = self._dense(out_btnh[..., :w], self.wo_nwd, 2)
+        if self.indexer_loss == "none":
+            return out_btd
+        return out_btd, indexer_kl(q_btnh, k_btnh, self.scale, selected_bts, scores_bts, segments_bt != 0)
 
     def _absorbed(self, q_nope_btno, q_rope_btnr, latent_bsc, k_rope_bsr, mask_bts, w_kb_cno, w_vb_cnw):
         """Attention over the compressed cache, softmax in float32: scores are (W_uk^T q_o) . c

@@ -19,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from engine.models.common import ACTIVATIONS, RMSNorm, dtype_of, param
 from engine.models.config import ComputeConfig, Layer, LoraConfig, ModelConfig
+from engine.models.dsa import WithIndexerLoss
 from engine.models.kv_cache import KVCache
 from engine.models.lora import (
     ATTENTION_WEIGHTS,
@@ -313,8 +314,11 @@ class Block(nnx.Module):
                 extra["rope"] = False
             attn_in = self.attn_norm(x_btd) if self.pre_norms else x_btd
             attn_out = self.attn(attn_in, positions_bt, segment_ids_bt, local, cache, **extra)
+        indexer_kl = None
         if cache is not None:
             attn_out, cache = attn_out
+        elif getattr(self.attn, "indexer_loss", "none") != "none":  # sparse attention's indexer trains (dsa.py)
+            attn_out, indexer_kl = attn_out
         x_btd = x_btd + (self.post_attn_norm(attn_out) if self.post_norms else attn_out)
         stats = None
         with jax.named_scope("mlp"):
@@ -328,7 +332,7 @@ class Block(nnx.Module):
         if self.scaled:
             x_btd = x_btd * self.layer_scale[...].astype(x_btd.dtype)
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
-        return x_btd, cache, stats
+        return x_btd, cache, stats if indexer_kl is None else WithIndexerLoss(stats, indexer_kl)
 
     def __call__(
         self,
@@ -407,7 +411,11 @@ def _layers(stats: MoEStats | None) -> list[MoEStats]:
 
 
 def _stack(stats: list[MoEStats]) -> MoEStats | None:
-    """The layers' router stats as one MoEStats (leading axis: layers); None for dense."""
+    """The layers' router stats as one MoEStats (leading axis: layers); None for dense. With
+    a training indexer (dsa.py), a WithIndexerLoss of those and every layer's KL."""
+    if stats and isinstance(stats[0], WithIndexerLoss):
+        moe = [s.moe for s in stats if s.moe is not None]
+        return WithIndexerLoss(_stack(moe), jnp.concatenate([s.indexer_kl for s in stats]))
     return jax.tree.map(lambda *a: jnp.concatenate(a), *stats) if stats else None
 
 
@@ -642,12 +650,23 @@ class Transformer(nnx.Module):
         the `lm_head`: the final-normed hidden states (b, t, d) in place of the logits."""
         with weight_grads_in(self.compute.weight_grad_dtype):  # what the backward's products round to
             logits_btv, stats, _ = self._forward(tokens_bt, positions_bt, segment_ids_bt, None, lm_head)
-        if stats is None:
+        indexer_kl = None
+        if isinstance(stats, WithIndexerLoss):  # sparse attention's indexer trains (dsa.py)
+            stats, indexer_kl = stats
+            if self.compute.indexer_loss == "warmup":  # the dense warm-up: only the indexer learns
+                logits_btv = jax.lax.stop_gradient(logits_btv)
+        if stats is None and indexer_kl is None:
             return logits_btv, {}
-        aux = combine_stats(stats, self.cfg.num_experts, self.cfg.experts_per_token)
-        aux["aux_loss"] = (
-            self.compute.moe_balance_loss * aux["balance_loss"] + self.compute.moe_router_z_loss * aux["router_z_loss"]
-        )
+        aux = {"aux_loss": jnp.zeros((), jnp.float32)}
+        if stats is not None:
+            aux = combine_stats(stats, self.cfg.num_experts, self.cfg.experts_per_token)
+            aux["aux_loss"] = (
+                self.compute.moe_balance_loss * aux["balance_loss"]
+                + self.compute.moe_router_z_loss * aux["router_z_loss"]
+            )
+        if indexer_kl is not None:  # the mean over layers of each one's mean over query tokens
+            aux["indexer_loss"] = jnp.mean(indexer_kl)
+            aux["aux_loss"] = aux["aux_loss"] + self.compute.indexer_loss_weight * aux["indexer_loss"]
         return logits_btv, aux
 
     def hidden_states(self, tokens_bt, positions_bt=None, segment_ids_bt=None):

@@ -76,8 +76,28 @@ def router_bias_update(inner: optax.GradientTransformation, params, rate: float)
     return optax.GradientTransformation(inner.init, update)
 
 
-def make_optimizer(opt: OptimizerConfig, sched: ScheduleConfig, total_steps: int, params) -> tuple:
-    """(optax transformation, schedule). Clipping happens before the Adam moments."""
+def train_only(inner: optax.GradientTransformation, params, trained: str) -> optax.GradientTransformation:
+    """`inner` over the leaves whose path names `trained` (a module name: "indexer"); every
+    other leaf gets a zero gradient going in (so clipping sees only the trained ones) and a
+    zero update coming out (no weight decay either): frozen, the state's layout unchanged."""
+    keep = jax.tree_util.tree_map_with_path(
+        lambda path, _: any(str(getattr(p, "key", p)) == trained for p in path), params
+    )
+
+    def update(grads, state, params=None):
+        grads = jax.tree.map(lambda g, k: g if k else jnp.zeros_like(g), grads, keep)
+        updates, state = inner.update(grads, state, params)
+        return jax.tree.map(lambda u, k: u if k else jnp.zeros_like(u), updates, keep), state
+
+    return optax.GradientTransformation(inner.init, update)
+
+
+def make_optimizer(
+    opt: OptimizerConfig, sched: ScheduleConfig, total_steps: int, params, *, only: str | None = None
+) -> tuple:
+    """(optax transformation, schedule). Clipping happens before the Adam moments. `only`:
+    train just the leaves under that module name (train_only; the sparse-attention indexer's
+    dense warm-up, ComputeConfig.indexer_loss)."""
     schedule = learning_rate_schedule(opt, sched, total_steps)
     parts = []
     if opt.grad_clip_norm is not None:
@@ -97,4 +117,5 @@ def make_optimizer(opt: OptimizerConfig, sched: ScheduleConfig, total_steps: int
         str(getattr(path[-1], "key", path[-1])) == ROUTER_BIAS
         for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
     )
-    return (router_bias_update(tx, params, opt.router_bias_update_rate) if has_bias else tx), schedule
+    tx = router_bias_update(tx, params, opt.router_bias_update_rate) if has_bias else tx
+    return (tx if only is None else train_only(tx, params, only)), schedule

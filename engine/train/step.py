@@ -69,7 +69,10 @@ def lm_loss_fn(graphdef, z_loss: float = 0.0):
         # tokens: one micro-batch gives the batch's value; with accumulation their weighted
         # mean (the balancing loss, a product of means, is then per micro-batch).
         share = tokens / normaliser
-        aux.update(moe_metrics(moe, share))
+        if "expert_load_e" in moe:
+            aux.update(moe_metrics(moe, share))
+        if "indexer_loss" in moe:  # sparse attention's indexer KL (engine/models/dsa.py), weighted alike
+            aux["indexer_loss"] = share * moe["indexer_loss"]
         return total / normaliser + share * moe["aux_loss"], aux
 
     return loss_fn

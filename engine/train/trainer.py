@@ -205,8 +205,13 @@ class Trainer:
         self.base_shardings = (
             None if self.abstract_base is None else jax.tree.map(lambda a: a.sharding, self.abstract_base)
         )
-        self.tx, self.schedule = make_optimizer(
-            cfg.optimizer, cfg.schedule, cfg.steps * updates_per_batch, self.abstract_params
+        warmup = cfg.compute.indexer_loss == "warmup" and cfg.model.index_topk is not None
+        self.tx, self.schedule = make_optimizer(  # the indexer's dense warm-up trains it alone (dsa.py)
+            cfg.optimizer,
+            cfg.schedule,
+            cfg.steps * updates_per_batch,
+            self.abstract_params,
+            only="indexer" if warmup else None,
         )
         abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
         self.opt_shardings = optax.tree_map_params(

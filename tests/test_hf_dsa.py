@@ -1,0 +1,281 @@
+"""DeepSeek Sparse Attention (engine/models/dsa.py): DeepSeek-V3.2 and GLM-5 against
+transformers 5, and the indexer's two training phases.
+
+The tiny models keep index_topk = 5 keys per query, so on the 20-token rows (one
+right-padded, one left-padded) and in 16 decoded tokens the selection decides what most
+queries see; 8 indexer heads keep exact ties among its ReLU'd scores unlikely. Each family
+gets test_hf_parity's checks (greedy tokens of the KV-cache sampler, with the indexer's key
+cache, equal to transformers'; export -> convert bitwise; config.json as transformers
+writes it), logits within 1e-5 with weights at their init scale, 1e-4 with N(0, 0.3^2) ones.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests.deps import need
+
+torch = need("torch")
+transformers = need("transformers")
+
+from engine.config import ConfigError, resolve_model_preset  # noqa: E402
+from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.export import export_hf  # noqa: E402
+from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
+from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
+from engine.models.dsa import indexer_kl, select_top_k  # noqa: E402
+from engine.models.params import graphdef_of  # noqa: E402
+from engine.models.transformer import Transformer  # noqa: E402
+from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
+from engine.train.config import OptimizerConfig, ScheduleConfig  # noqa: E402
+from engine.train.optimizer import make_optimizer  # noqa: E402
+from engine.train.step import lm_loss_fn  # noqa: E402
+from tests import test_hf_parity  # noqa: E402
+from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
+    Case,
+    batch,
+    engine_logits,
+    hf_logits,
+    random_causal_lm,
+    test_export_then_convert_is_bitwise_identical,
+    test_greedy_generation_of_16_tokens_is_identical,
+)
+
+TOPK = 5
+SIZES = dict(
+    vocab_size=37,
+    hidden_size=30,
+    intermediate_size=26,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+    q_lora_rank=12,
+    kv_lora_rank=10,
+    qk_rope_head_dim=4,
+    qk_nope_head_dim=6,
+    v_head_dim=8,
+    index_topk=TOPK,
+    index_head_dim=8,
+    index_n_heads=8,
+    n_routed_experts=6,
+    num_experts_per_tok=2,
+    moe_intermediate_size=14,
+    first_k_dense_replace=1,
+    rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+)
+
+
+def hf_config(name: str):
+    if name == "deepseek_v32":  # group-limited routing: 2 groups of 3, one per token
+        return transformers.DeepseekV32Config(**SIZES, n_group=2, topk_group=1)
+    return transformers.GlmMoeDsaConfig(**SIZES, n_group=1, topk_group=1)
+
+
+CASES = ["deepseek_v32", "glm_moe_dsa"]
+IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request, tmp_path_factory) -> Case:
+    name = request.param
+    root = tmp_path_factory.mktemp(name)
+    model = random_causal_lm(hf_config(name), 0, **IMPLEMENTATIONS)
+    model.save_pretrained(root / "hf")
+    convert_hf(root / "hf", root / "converted")
+    cfg, params, _ = load_params(root / "converted" / "checkpoint")
+    _, compute = stored_configs(root / "converted" / "checkpoint")
+    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+
+
+def test_converted_model_matches_transformers_logits_to_1e4(case):
+    """Scaled weights (logits up to ~6: float32 sums of another order); and the selection
+    matters: all keys visible moves the logits."""
+    tokens, mask = batch()
+    ours = engine_logits(case.cfg, case.compute, case.params, tokens, mask)
+    ref = hf_logits(case.hf_model, tokens, mask)
+    valid = mask.astype(bool)
+    delta = float(np.abs(ours - ref)[valid].max())
+    print(f"\n{case.family}: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref[valid]).max():.1f})")
+    assert delta <= 1e-4, f"{case.family}: max |delta logit| {delta}"
+    assert case.cfg.index_topk == TOPK and case.cfg.index_rope_interleave == (case.family == "glm_moe_dsa")
+    dense = case.cfg.model_copy(update={"index_topk": 64})
+    moved = np.abs(engine_logits(dense, case.compute, case.params, tokens, mask) - ours)[valid].max()
+    assert moved > 0.1, f"{case.family}: selecting {TOPK} keys changed the logits by {moved} only"
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_logits_match_transformers_to_1e5_at_init_scale(name, tmp_path):
+    torch.manual_seed(1)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(name), **IMPLEMENTATIONS).float().eval()
+    with torch.no_grad():  # transformers' init leaves these at 1 and 0: move them by their init scale
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.02 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "hf")
+    convert_hf(tmp_path / "hf", tmp_path / "converted")
+    cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
+    _, compute = stored_configs(tmp_path / "converted" / "checkpoint")
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    delta = np.abs(engine_logits(cfg, compute, params, tokens, mask) - hf_logits(model, tokens, mask))[valid].max()
+    print(f"\n{name} at init scale: max |delta logit| = {delta:.2e}")
+    assert delta <= 1e-5
+
+
+def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
+    export_hf(case.out_dir / "checkpoint", tmp_path / "export")
+    records = io.StringIO()
+    handler = logging.StreamHandler(records)
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "export", output_loading_info=True, **IMPLEMENTATIONS
+        )
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert "were not initialized" not in records.getvalue() and "not used" not in records.getvalue()
+    assert type(reloaded) is type(case.hf_model)
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    np.testing.assert_array_equal(
+        hf_logits(reloaded.eval(), tokens, mask)[valid], hf_logits(case.hf_model, tokens, mask)[valid]
+    )
+
+
+def test_exported_config_json_is_what_transformers_writes(case, tmp_path):
+    test_hf_parity.test_exported_config_json_is_what_transformers_writes(case, tmp_path)
+
+
+def test_what_the_engine_cannot_run_is_refused_in_one_sentence():
+    """GLM-5's cross-layer sharing of the selection ('shared' layers), and a config whose
+    dense layers do not come first."""
+    hf = {**hf_config("glm_moe_dsa").to_dict(), "architectures": ["GlmMoeDsaForCausalLM"]}
+    with pytest.raises(ConfigError, match=r"indexer_types .* reuse another layer's top-k \('shared'\)"):
+        model_config_from_hf({**hf, "indexer_types": ["full", "shared", "full"]})
+    with pytest.raises(ConfigError, match=r"indexer_types"):
+        model_config_from_hf({k: v for k, v in hf.items() if k != "indexer_types"} | {"index_topk_freq": 2})
+    with pytest.raises(ConfigError, match=r"mlp_layer_types must be 3 entries, 'dense' ones first"):
+        model_config_from_hf({**hf, "mlp_layer_types": ["sparse", "dense", "sparse"]})
+    cfg, _ = model_config_from_hf(hf)
+    assert cfg.family == "glm_moe_dsa" and cfg.first_dense_layers == 1 and cfg.index_heads == 8
+
+
+# --------------------------------------------------------------------------- selection and loss
+
+
+def test_top_k_selection_keeps_the_k_best_visible_keys_and_all_of_a_short_row():
+    scores = jnp.asarray([[[3.0, 1.0, 2.0, 0.5, 2.5, -1e30]]])
+    np.testing.assert_array_equal(select_top_k(scores, 3)[0, 0], [True, False, True, False, True, False])
+    assert bool(select_top_k(scores, 6).all()) and select_top_k(scores, 9).shape == scores.shape
+
+
+def test_indexer_kl_is_the_kl_from_the_head_summed_attention():
+    """indexer_kl against the formula written out in NumPy: p = L1-normalised sum over heads
+    of softmax(q.k * scale) over the target keys, KL(p || softmax(I)), mean over valid queries."""
+    rng = np.random.default_rng(0)
+    b, t, n, h = 2, 6, 3, 4
+    q, k = rng.normal(size=(b, t, n, h)), rng.normal(size=(b, t, n, h))
+    scores = rng.normal(size=(b, t, t))
+    target = np.tril(np.ones((t, t), bool))[None] & (rng.random((b, t, t)) < 0.7)
+    target |= np.eye(t, dtype=bool)[None]
+    valid = np.ones((b, t), bool)
+    valid[1, 4:] = False
+    got = float(indexer_kl(*(jnp.asarray(a, jnp.float32) for a in (q, k)), 0.5, target, scores, valid))
+    logits = np.einsum("btnh,bsnh->bnts", q, k) * 0.5
+    logits = np.where(target[:, None], logits, -np.inf)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    p = (probs / probs.sum(-1, keepdims=True)).sum(1)
+    p /= p.sum(-1, keepdims=True)
+    i = np.where(target, scores, -np.inf)
+    log_q = i - i.max(-1, keepdims=True) - np.log(np.exp(i - i.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    kl = np.where(target, p * (np.log(np.where(target, p, 1)) - np.where(target, log_q, 0)), 0).sum(-1)
+    np.testing.assert_allclose(got, kl[valid].mean(), rtol=1e-5)
+
+
+def _train_steps(preset: str, phase: str, steps: int = 1):
+    """(params before, params after, the metrics of each step) of `steps` optimizer steps on a
+    tiny preset, the indexer trained in `phase` (the trainer's optimizer: the warm-up trains
+    the indexer alone)."""
+    model = resolve_model_preset({"model": preset}, "tiny")["model"]
+    cfg = ModelConfig.model_validate(model)
+    compute = ComputeConfig(indexer_loss=phase)
+    params = nnx.to_pure_dict(nnx.split(Transformer(cfg, compute, rngs=nnx.Rngs(0)))[1])
+    tx, _ = make_optimizer(
+        OptimizerConfig(learning_rate=1e-3),
+        ScheduleConfig(kind="constant", warmup_steps=0),
+        steps,
+        params,
+        only="indexer" if phase == "warmup" else None,
+    )
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 24))
+    segments = np.ones((2, 24), np.int32)
+    segments[1, 17:] = 0  # a right-padded row
+    data = {
+        "tokens": tokens,
+        "positions": np.broadcast_to(np.arange(24), (2, 24)),
+        "segment_ids": segments,
+        "targets": np.roll(tokens, -1, 1),
+        "loss_mask": segments.astype(np.float32),
+    }
+    grad_fn = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef_of(cfg, compute)), has_aux=True))
+    state, current, metrics = tx.init(params), params, []
+    for _ in range(steps):
+        (_, aux), grads = grad_fn(current, data, jnp.sum(data["loss_mask"]))
+        updates, state = tx.update(grads, state, current)
+        current = jax.tree.map(lambda p, u: p + u, current, updates)
+        metrics.append({k: float(v) for k, v in aux.items() if np.ndim(v) == 0})
+    return params, current, metrics
+
+
+def _changed(before, after) -> dict[str, bool]:
+    flat = jax.tree_util.tree_flatten_with_path(jax.tree.map(lambda a, b: bool(np.any(a != b)), before, after))[0]
+    return {jax.tree_util.keystr(path): changed for path, changed in flat}
+
+
+@pytest.mark.parametrize("preset", ["tiny-deepseek-v3.2", "tiny-glm-5"])
+def test_the_dense_warm_up_trains_the_indexer_alone_and_lowers_its_kl(preset):
+    before, after, metrics = _train_steps(preset, "warmup", steps=3)
+    changed = _changed(before, after)
+    indexer = {k: v for k, v in changed.items() if "'indexer'" in k}
+    assert indexer and all(indexer.values()), indexer
+    assert not any(v for k, v in changed.items() if "'indexer'" not in k), [k for k, v in changed.items() if v]
+    assert metrics[0]["indexer_loss"] > 0 and metrics[-1]["indexer_loss"] < metrics[0]["indexer_loss"], metrics
+    assert metrics[-1]["loss"] == pytest.approx(metrics[0]["loss"], rel=1e-6)  # the LM is frozen
+
+
+def test_sparse_training_moves_every_weight_and_each_loss_only_its_own():
+    """Sparse phase: a step changes every weight; the indexer's gradient is its KL's alone
+    (the LM loss's through the selection is zero) and the KL reaches no other weight."""
+    before, after, metrics = _train_steps("tiny-deepseek-v3.2", "sparse")
+    changed = _changed(before, after)  # (the routers' choosing bias moves by its own rule, not a gradient)
+    assert all(v for k, v in changed.items() if "b_router_e" not in k), [k for k, v in changed.items() if not v]
+    assert metrics[0]["indexer_loss"] > 0
+    cfg = ModelConfig.model_validate(resolve_model_preset({"model": "tiny-deepseek-v3.2"}, "tiny")["model"])
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 20))
+    data = {
+        "tokens": tokens,
+        "positions": np.arange(20)[None],
+        "segment_ids": np.ones((1, 20), np.int32),
+        "targets": np.roll(tokens, -1, 1),
+        "loss_mask": np.ones((1, 20), np.float32),
+    }
+    grads = {}
+    for phase in ("none", "sparse"):
+        compute = ComputeConfig(indexer_loss=phase)
+        loss_fn = lm_loss_fn(graphdef_of(cfg, compute))
+        grads[phase] = jax.grad(lambda p, f=loss_fn: f(p, data, 20.0)[0])(before)
+    lm_only, both = grads["none"], grads["sparse"]
+    indexer_lm = jax.tree.leaves(lm_only["blocks"]["attn"]["indexer"])
+    assert all(float(jnp.abs(g).max()) == 0 for g in indexer_lm)
+    assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(both["blocks"]["attn"]["indexer"]))
+    for key in ("wq_b_qnh", "wkv_b_cny", "wo_nwd"):  # the KL leaves the main attention's gradient as it is
+        np.testing.assert_allclose(both["blocks"]["attn"][key], lm_only["blocks"]["attn"][key], rtol=1e-4, atol=1e-7)
