@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -75,7 +76,7 @@ class KVCache:
             tuple(constrain(jnp.zeros(shape, dtype), _names(shape)) for shape in shapes)
             for shapes in (k_shapes, v_shapes)
         )
-        index_k = ()
+        index_k: tuple[jax.Array, ...] = ()
         if cfg.index_topk is not None:  # DeepSeek Sparse Attention: the indexer's key per position
             index_k = tuple(
                 constrain(jnp.zeros((batch, max_len, cfg.index_head_dim), dtype), INDEX_NAMES)
@@ -176,4 +177,4 @@ class KVCache:
             self.index_k[self.layer], stored(k_bti, self.index_k[0].dtype), (0, self.end, 0)
         )
         index_k = (*self.index_k[: self.layer], k_bsi, *self.index_k[self.layer + 1 :])
-        return cache_values(k_bsi), self.replace(index_k=index_k)
+        return cache_values(k_bsi), dataclasses.replace(self, index_k=index_k)
