@@ -172,9 +172,10 @@ class MLA(nnx.Module):
         over an explicit mask. Dense where no query can see more than index_topk keys (the
         selection keeps them all) and in the indexer's dense warm-up; the indexer's KL
         returned beside the output when it trains."""
-        t = q_btnh.shape[1]
+        t, top_k = q_btnh.shape[1], self.index_topk
+        assert top_k is not None
         segments_bt = jnp.ones(q_btnh.shape[:2], jnp.int32) if segment_ids_bt is None else segment_ids_bt
-        dense = t <= self.index_topk or self.indexer_loss == "warmup"
+        dense = t <= top_k or self.indexer_loss == "warmup"
         visible_bts = attention_mask(segments_bt, segments_bt)
         if dense and self.indexer_loss == "none":
             scores_bts = None
@@ -193,7 +194,7 @@ class MLA(nnx.Module):
                 )
                 selected_bts = visible_bts
             else:
-                selected_bts = visible_bts & select_top_k(scores_bts, self.index_topk)
+                selected_bts = visible_bts & select_top_k(scores_bts, top_k)
                 out_btnh = dot_product_attention(q_btnh, k_btnh, v_btnh, selected_bts, scale=self.scale)
         out_btd = self._dense(out_btnh[..., :w], self.wo_nwd, 2)
         if self.indexer_loss == "none":

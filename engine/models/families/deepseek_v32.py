@@ -48,9 +48,10 @@ class DeepseekV32(DeepseekV3):
         "index_n_heads": 64,
     }
     hf_constants = {"attention_bias": False, "mlp_bias": False, "output_router_logits": False}
-    unsupported_flags = ("attention_bias", "mlp_bias")
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
+        if hf.get("mlp_bias"):  # (attention_bias: DeepseekV3.unsupported_flags)
+            raise ConfigError(f"{where}: mlp_bias=true is not supported")
         layers = hf.get("num_hidden_layers")
         types = hf.get("layer_types")
         if types is not None and any(t != "indexed_attention" for t in types):
