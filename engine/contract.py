@@ -76,6 +76,18 @@ ADDED_AT_DEFAULT = {
     "model.qk_norm_across_heads": False,
     "model.ffn_pattern": None,
     "model.router_group_score": "top2_sum",
+    # Gemma 4's global layers and DeepSeek Sparse Attention's indexer (engine/models/config.py)
+    "model.global_head_dim": None,
+    "model.global_num_kv_heads": None,
+    "model.global_values_from_keys": False,
+    "model.value_norm": False,
+    "model.layer_scale": False,
+    "model.index_topk": None,
+    "model.index_heads": 64,
+    "model.index_head_dim": 128,
+    "model.index_rope_interleave": False,
+    "compute.indexer_loss": "none",
+    "compute.indexer_loss_weight": 1.0,
     # DPO's separate reference (its checkpoint comes from an input, and is not in the id)
     "reference": {"checkpoint": None, "compute": None},
 }
