@@ -7,7 +7,7 @@ Starts a moto S3 server on 127.0.0.1 (the one the tests use) and measures, in tu
 
 - save: what a training stage on `store: s3://...` pays per checkpoint step: Orbax writes
   the step into the local staging directory (engine.train.checkpoint.Checkpointer, digests
-  included), then tasks.objectstore.StepMirror uploads it (digests last);
+  included), then tasks.store.objects.StepMirror uploads it (digests last);
 - restore: what a run resuming on another machine pays: the newest whole step is found and
   downloaded (RemoteBackend.download, partial=True), then Orbax restores it;
 - the peer, on the same bytes: `s3fs.put` of the committed step directory, and `s3fs.get`

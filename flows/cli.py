@@ -62,10 +62,10 @@ from tasks.artifacts import (
 )
 from tasks.launch.gang import terminate_children
 from tasks.launch.run import PermanentFailure, StageFailed
-from tasks.objectstore import is_url
 from tasks.registry import MODEL_KINDS, StageHooks, get_stage_kind
 from tasks.runner import StageJob, execute_stage
 from tasks.stages.export import check_export_target, copy_export
+from tasks.store.urls import is_url
 
 DEFAULT_STORE = "artifacts"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

@@ -19,7 +19,6 @@ the local staging copy of a stage running on this machine and uploaded like any 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -37,6 +36,7 @@ from tasks.artifacts import (
     digest_files,
     now_iso,
     read_manifest,
+    sha256_file,
     write_json_atomic,
 )
 from tasks.store.names import stage_folder
@@ -53,14 +53,6 @@ def committed_steps(directory: Path) -> list[int]:
     return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / STEP_DIGESTS).is_file())
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def verify_committed_step(step_dir: Path) -> list[str]:
     """Files of a committed step that differ from the digests recorded at its commit."""
     try:
@@ -70,7 +62,7 @@ def verify_committed_step(step_dir: Path) -> list[str]:
     problems = []
     for rel, want in sorted(recorded.items()):
         path = step_dir / rel
-        if not path.is_file() or path.stat().st_size != want["size"] or _sha256(path) != want["sha256"]:
+        if not path.is_file() or path.stat().st_size != want["size"] or sha256_file(path) != want["sha256"]:
             problems.append(rel)
     return problems
 

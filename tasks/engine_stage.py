@@ -34,7 +34,8 @@ from engine.contract import (
 from tasks.artifacts import sha256_file
 from tasks.launch.run import run_child
 from tasks.registry import MODEL_KINDS, Input, StageContext, StageKind, has_input_ref
-from tasks.store.objects import is_url, list_url_dirs, remove_url_tree, write_url
+from tasks.store.objects import list_url_dirs, remove_url_tree, write_url
+from tasks.store.urls import is_url
 
 
 def get_dotted(tree: dict, dotted: str) -> Any:

@@ -35,11 +35,11 @@ from engine.config import Strict
 from engine.train.checkpoint import load_params
 from tasks.artifacts import ArtifactStore
 from tasks.launch.run import LauncherSpec
-from tasks.objectstore import flock_held
 from tasks.registry import StageContext, StageHooks, StageKind
 from tasks.runner import RAN, RESUMED, StageJob, execute_stage
 from tasks.stages.pretrain import PretrainStage
 from tasks.store.objects import read_url
+from tasks.store.records import flock_held
 from tests.conftest import child_xla_flags
 from tests.test_multihost import stdlib_bytes
 from tests.test_object_store import boto3, bucket, s3_endpoint  # noqa: F401  (moto S3 fixtures)

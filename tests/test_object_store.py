@@ -321,7 +321,7 @@ def test_a_forked_holder_is_judged_by_its_own_start_time(bucket):
     its own start time in its lease, not its parent's: while it runs its lease is not judged
     gone, and once it has exited it is."""
     from tasks.artifacts import ArtifactStore
-    from tasks.objectstore import _start_time, holder_is_gone
+    from tasks.store.objects import _start_time, holder_is_gone
 
     lease = ArtifactStore(f"s3://{bucket}/forked-lease").remote.lease("stage", "abc", "run-forked")
     parent = json.loads(lease._body())  # the parent's identity, read before the fork
@@ -425,7 +425,7 @@ def test_consumer_downloads_into_cache_and_refuses_a_tampered_input(bucket, tmp_
 
 def test_steps_are_uploaded_as_they_commit_and_a_resume_takes_the_newest_whole_one(bucket, tmp_path):
     from tasks.artifacts import ArtifactStore
-    from tasks.objectstore import complete_steps
+    from tasks.store.objects import complete_steps
 
     store = ArtifactStore(f"s3://{bucket}/mirror")
     out = store.artifact_dir("pretrain", "abc")
@@ -474,7 +474,7 @@ def test_a_step_left_half_uploaded_by_a_killed_run_is_uploaded_whole_again(bucke
     The new run's mirror sends every file of the step, not only those of another size: the
     step then verifies against the digests uploaded last."""
     from tasks.artifacts import ArtifactStore
-    from tasks.objectstore import complete_steps
+    from tasks.store.objects import complete_steps
 
     store = ArtifactStore(f"s3://{bucket}/half")
     out = store.artifact_dir("pretrain", "abc")

@@ -32,9 +32,10 @@ from engine.interop.hf.files import TOKENIZER_FILES, source_fingerprint
 from engine.interop.hf.mapping import causal_view, is_sequence_classification, model_config_from_hf
 from engine.interop.hf.peft import ADAPTER_CONFIG, lora_config_from_peft
 from tasks.engine_stage import EngineStage
-from tasks.objectstore import StoreAccessError, download_dir, is_url, list_url, read_url, url_cache
 from tasks.registry import MODEL_KINDS, Input, StageContext
 from tasks.stages.reward_model import REWARD_MODEL
+from tasks.store.objects import StoreAccessError, download_dir, list_url, read_url, url_cache
+from tasks.store.urls import is_url
 
 
 class ConvertConfig(Strict):

@@ -26,9 +26,10 @@ from engine.config import ConfigError, Strict
 from engine.contract import TOKENIZER_DIR
 from engine.interop.hf.files import WEIGHT_FILES, check_export_dir, remove_stale_weights
 from tasks.engine_stage import EngineStage
-from tasks.objectstore import StoreAccessError, is_url, list_url, remove_url_files, upload_dir
 from tasks.registry import MODEL_KINDS, Input, StageContext
 from tasks.stages.reward_model import REWARD_MODEL
+from tasks.store.objects import StoreAccessError, list_url, remove_url_files, upload_dir
+from tasks.store.urls import is_url
 
 
 class ExportConfig(Strict):

@@ -23,7 +23,6 @@ from typing import Any
 from engine.contract import CHECKPOINT_DIR, MANIFEST
 from tasks.store.consume import STAMPS, check_consumed, consumed_files, write_stamps
 from tasks.store.names import folder_stage, stage_folder
-from tasks.store.objects import is_url
 from tasks.store.records import (
     COMPLETE,
     FAILED,
@@ -38,6 +37,7 @@ from tasks.store.records import (
     verify_artifact,
     write_json_atomic,
 )
+from tasks.store.urls import is_url
 
 Log = Callable[[str], None]
 _IMPLEMENTATIONS: list[type] = []  # ArtifactStore's subclasses, in the order they were defined
@@ -70,7 +70,7 @@ class ArtifactStore:
     """A directory of artifacts. Constructed on this class, the implementation for `root`."""
 
     remote = None
-    """The bucket backend (tasks/objectstore.py RemoteBackend) of a bucket store; None here."""
+    """The bucket backend (tasks/store/objects.py RemoteBackend) of a bucket store; None here."""
 
     def __new__(cls, root: str | Path):
         if cls is ArtifactStore:

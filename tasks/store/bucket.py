@@ -1,5 +1,5 @@
 """The artifact store on object storage (s3://, gs://): a local store of staging directories
-plus the bucket, through fsspec (tasks/objectstore.py moves the bytes and holds the leases).
+plus the bucket, through fsspec (tasks/store/objects.py moves the bytes and holds the leases).
 
 Checkpoints do not pass through the staging directory: a stage's engine writes them at the
 artifact's URL (`checkpoint_location`), every process its own shards, and resumes from
@@ -36,7 +36,7 @@ from engine.contract import CHECKPOINT_DIR, CHECKPOINT_URL_SCHEMES, DATA_DIR
 from tasks.store.base import ArtifactStore, Claim, Log, refuse, write_manifest_copy
 from tasks.store.consume import consumed_files
 from tasks.store.names import stage_folder
-from tasks.store.objects import RemoteBackend, StoreAccessError, StoreWriteError, is_url
+from tasks.store.objects import RemoteBackend, StoreAccessError, StoreWriteError
 from tasks.store.records import (
     COMPLETE,
     FAILED,
@@ -47,6 +47,7 @@ from tasks.store.records import (
     InputError,
     read_manifest,
 )
+from tasks.store.urls import is_url
 
 STAGED_ENV = "TRAINFLOW_STAGED_CHECKPOINTS"
 

@@ -55,6 +55,7 @@ def consumed_files(files: dict[str, Any]) -> dict[str, Any]:
 
 
 def sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    """The sha256 of a file's bytes (hex): the one file hasher of the store and the pipeline."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):

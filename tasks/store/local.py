@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from tasks.store.base import ArtifactStore
-from tasks.store.objects import is_url
 from tasks.store.records import InputError
+from tasks.store.urls import is_url
 
 
 class LocalStore(ArtifactStore):

@@ -36,7 +36,6 @@ own config files), never from a pipeline file.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -56,6 +55,7 @@ import fsspec
 from engine.contract import CHECKPOINT_DIR, MANIFEST
 from tasks.store.consume import STAMPS, read_stamps, stamp_holds, write_stamps
 from tasks.store.names import stage_folder
+from tasks.store.records import flock_held
 
 # gcsfs logs each request it gives up on with its traceback; with no handler configured,
 # Python would print those to stderr beside the one line the command answers.
@@ -79,10 +79,6 @@ class StoreAccessError(RuntimeError):
 
 class StoreWriteError(RuntimeError):
     """The bucket refused (or lost) a write while a stage committed: retried like a crash."""
-
-
-def is_url(root: str) -> bool:
-    return "://" in root and not root.startswith("file://")
 
 
 def _filesystem(url: str):
@@ -775,21 +771,6 @@ class StepMirror:
             name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
             if entry["type"] == "directory" and name.isdigit() and int(name) < newest and int(name) not in committed:
                 self.backend.fs.rm(entry["name"], recursive=True)
-
-
-def flock_held(path: Path) -> bool:
-    """Whether some process holds an flock on `path` (False when the file is missing)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
 
 
 class LeaseHeld(RuntimeError):

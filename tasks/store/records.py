@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.contract import CHECKPOINT_DIR, DATA_DIR, MANIFEST
-from tasks.store.consume import STAMPS, write_stamps
-from tasks.store.objects import flock_held
+from tasks.store.consume import STAMPS, sha256_file, write_stamps
 
 LOCK = ".lock"
 ID_LENGTH = 16  # hex digits of sha256 kept in an id: 64 bits, plenty for one store
@@ -50,6 +49,21 @@ class InputError(ArtifactError):
 
 
 # --------------------------------------------------------------------------- ids
+
+
+def flock_held(path: Path) -> bool:
+    """Whether some process holds an flock on `path` (False when the file is missing)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def canonical_json(value: Any) -> str:
@@ -78,14 +92,6 @@ def drop_fields(tree: dict, dotted: tuple[str, ...] | list[str]) -> dict:
 
 
 # --------------------------------------------------------------------------- digests
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def payload_files(directory: Path) -> Iterator[Path]:
