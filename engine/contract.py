@@ -76,7 +76,6 @@ ADDED_AT_DEFAULT = {
     "model.qk_norm_across_heads": False,
     "model.ffn_pattern": None,
     "model.router_group_score": "top2_sum",
-    "model.mtp_layers": 0,
     # Gemma 4's global layers and DeepSeek Sparse Attention's indexer (engine/models/config.py)
     "model.global_head_dim": None,
     "model.global_num_kv_heads": None,

@@ -33,7 +33,6 @@ from engine.models.lora import (
 )
 from engine.models.mla import MLA
 from engine.models.moe import MoE, MoEStats, combine_stats
-from engine.models.mtp import MTPHead
 from engine.models.rope import rope_cos_sin, rope_inverse_frequencies, rotate
 from engine.ops.attention import attention, decode_attention
 from engine.ops.dense import DotGeneral, dense, gated_mlp, matmuls_in, uses_cpu_backward, weight_grads_in
@@ -473,15 +472,6 @@ class Transformer(nnx.Module):
                     ]
                 )
             setattr(self, name, stack)
-        if cfg.mtp_layers:  # multi-token prediction (engine/models/mtp.py): run by its loss only
-            self.mtp = MTPHead(cfg, compute, rngs=rngs)
-            layer = cfg.mtp_layer()
-            moe = layer.ffn == "moe"
-            self.mtp_blocks = (
-                self._stacked_blocks(cfg, compute, rngs, dot_general, cfg.mtp_layers, moe, None, layer)
-                if compute.scan_layers
-                else nnx.List([Block(cfg, compute, rngs=rngs, dot_general=dot_general, moe=moe, layer=layer)])
-            )
         self.final_norm = _norm(cfg, compute, cfg.d_model, rngs)
         if not cfg.tie_embeddings:
             self.lm_head_dv = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, ("embed", "vocab"), pdt)
