@@ -26,12 +26,13 @@ torch = need("torch")
 transformers = need("transformers")
 
 from engine.config import ConfigError, resolve_model_preset  # noqa: E402
+from engine.inference.sample import Sampler  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
 from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
 from engine.models.dsa import indexer_kl, select_top_k  # noqa: E402
-from engine.models.params import graphdef_of  # noqa: E402
+from engine.models.params import apply_model, graphdef_of  # noqa: E402
 from engine.models.transformer import Transformer  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from engine.train.config import OptimizerConfig, ScheduleConfig  # noqa: E402
@@ -279,3 +280,23 @@ def test_sparse_training_moves_every_weight_and_each_loss_only_its_own():
     assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(both["blocks"]["attn"]["indexer"]))
     for key in ("wq_b_qnh", "wkv_b_cny", "wo_nwd"):  # the KL leaves the main attention's gradient as it is
         np.testing.assert_allclose(both["blocks"]["attn"][key], lm_only["blocks"]["attn"][key], rtol=1e-4, atol=1e-7)
+
+
+def test_the_kv_cache_sampler_selects_as_the_full_forward_does(case):
+    """Left-padded prompts of 3 and 9 tokens, 14 decoded (past index_topk at every step): the
+    sampler's log-probabilities, from the cache and the indexer's cached keys, are those of
+    one teacher-forced forward over each row's real tokens."""
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, case.cfg.vocab_size, (2, 9)).astype(np.int32)
+    mask = np.ones_like(prompt)
+    mask[0, :6] = 0
+    out = Sampler(case.cfg, case.compute)(case.params, prompt, mask, max_new_tokens=14, temperature=0.0)
+    graphdef = graphdef_of(case.cfg, case.compute)
+    for row in range(2):
+        tokens = np.concatenate([prompt[row][mask[row].astype(bool)], out.tokens[row]])[None]
+        logits = np.asarray(apply_model(graphdef, case.params, jnp.asarray(tokens)))[0].astype(np.float64)
+        log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        log_probs -= logits.max(-1, keepdims=True)
+        start = int(mask[row].sum())
+        expected = log_probs[np.arange(start - 1, tokens.shape[1] - 1), tokens[0, start:]]
+        np.testing.assert_allclose(out.logprobs[row], expected, atol=2e-5)
