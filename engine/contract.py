@@ -88,6 +88,12 @@ ADDED_AT_DEFAULT = {
     "model.index_rope_interleave": False,
     "compute.indexer_loss": "none",
     "compute.indexer_loss_weight": 1.0,
+    # Llama 4 (engine/models/families/llama4.py)
+    "model.attention_chunk_size": None,
+    "model.qk_l2_norm": False,
+    "model.attn_temperature_floor": None,
+    "model.attn_temperature_scale": 0.1,
+    "model.router_scales_input": False,
     # DPO's separate reference (its checkpoint comes from an input, and is not in the id)
     "reference": {"checkpoint": None, "compute": None},
 }

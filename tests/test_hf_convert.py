@@ -320,6 +320,10 @@ PUBLISHED_BILLIONS = {  # parameter counts of the released models
     "smollm3-3b": 3.08,
     "olmo2-7b": 7.30,
     "phi3-mini-4k": 3.82,
+    # Llama 4's text decoders (Llama4ForCausalLM); the published 109B / 400B count the
+    # multimodal checkpoints, vision tower included
+    "llama4-scout": 107.77,
+    "llama4-maverick": 400.71,
     "gemma4-31b": 30.70,  # the text decoder of google/gemma-4-31B (its vision tower apart)
 }
 

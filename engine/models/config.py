@@ -86,6 +86,9 @@ class Layer(NamedTuple):
     """This layer's key/value heads; None: ModelConfig.num_kv_heads."""
     values_from_keys: bool = False
     """No value projection: the values are the key projection (Gemma 4's attention_k_eq_v)."""
+    chunked: bool = False
+    """Chunked attention: a query sees the earlier keys of its own chunk of
+    ModelConfig.attention_chunk_size positions (Llama 4's chunked_attention layers)."""
 
 
 class ModelConfig(Strict):
@@ -124,8 +127,11 @@ class ModelConfig(Strict):
     """Multiply token embeddings by sqrt(d_model) (Gemma)."""
     post_norms: bool = False
     """Also normalise each sublayer's output before the residual add (Gemma 2/3)."""
-    attention_pattern: list[Literal["global", "local"]] = Field(default_factory=lambda: ["global"], min_length=1)
-    """Layer i attends as attention_pattern[i % len]; local = sliding window. Mistral: [local];
+    attention_pattern: list[Literal["global", "local", "chunked"]] = Field(
+        default_factory=lambda: ["global"], min_length=1
+    )
+    """Layer i attends as attention_pattern[i % len]; local = sliding window, chunked = within
+    chunks of attention_chunk_size positions (Llama 4: [chunked, chunked, chunked, global]). Mistral: [local];
     Gemma 2: [local, global]; Gemma 3: five local then one global."""
     sliding_window: int | None = Field(None, gt=0)
     """Local layers see this many most recent positions, the query's own included."""
@@ -200,8 +206,8 @@ class ModelConfig(Strict):
     v_head_dim: int | None = Field(None, gt=0)
     """MLA: width of each value head; None: head_dim."""
     rope_interleave: bool = False
-    """MLA: RoPE rotates adjacent pairs (x0, x1), (x2, x3), ... instead of (first half, second
-    half) pairs (DeepSeek-V3's checkpoints)."""
+    """RoPE rotates adjacent pairs (x0, x1), (x2, x3), ... instead of (first half, second
+    half) pairs (DeepSeek-V3's MLA checkpoints; Llama 4's attention)."""
     # GPT-OSS (engine/models/families/gpt_oss.py)
     attention_sinks: bool = False
     """A learned logit per query head that joins each softmax's denominator and no value
@@ -247,6 +253,23 @@ class ModelConfig(Strict):
     router_group_score: Literal["top2_sum", "max"] = "top2_sum"
     """With router_groups: what scores a group, the sum of its two best (biased) scores
     (DeepSeek-V3's noaux_tc) or its best score (DeepSeek-V2's group_limited_greedy)."""
+    # Llama 4 (engine/models/families/llama4.py)
+    attention_chunk_size: int | None = Field(None, gt=0)
+    """Chunked layers (attention_pattern `chunked`) attend within chunks of this many positions:
+    query i sees key j iff j <= i and i // size == j // size, i and j positions in the
+    document (Llama 4's attention_chunk_size)."""
+    qk_l2_norm: bool = False
+    """On RoPE layers, queries and keys are divided by their root mean square over head_dim
+    (norm_eps inside, no scale) after RoPE (Llama 4's use_qk_norm); NoPE layers have none."""
+    attn_temperature_floor: int | None = Field(None, gt=0)
+    """NoPE layers multiply their queries by 1 + attn_temperature_scale * log(1 + floor((p + 1) /
+    attn_temperature_floor)), p the query's position (Llama 4's attn_temperature_tuning with
+    floor_scale, arXiv 2501.19399); None: no such scaling."""
+    attn_temperature_scale: float = Field(0.1, ge=0)
+    """That scaling's strength (Llama 4's attn_scale)."""
+    router_scales_input: bool = False
+    """The routing weight multiplies each chosen expert's input instead of its output (Llama 4:
+    expert(w * x), not w * expert(x); the two differ as the experts are not linear)."""
 
     @field_validator("family")
     @classmethod
@@ -272,6 +295,8 @@ class ModelConfig(Strict):
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if "local" in self.attention_pattern and self.sliding_window is None:
             raise ValueError("attention_pattern has local layers, so sliding_window must be set")
+        if ("chunked" in self.attention_pattern) != (self.attention_chunk_size is not None):
+            raise ValueError("attention_chunk_size is set exactly when attention_pattern has chunked layers")
         if self.kv_lora_rank is None and self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
         if self.num_experts and self.experts_per_token > self.num_experts:
@@ -329,10 +354,8 @@ class ModelConfig(Strict):
                 f"compressed query) and index_head_dim ({self.index_head_dim}) >= rope_head_dim ({self.rope_head_dim})"
             )
         if self.kv_lora_rank is None:
-            if self.q_lora_rank is not None or self.v_head_dim is not None or self.rope_interleave:
-                raise ValueError(
-                    "q_lora_rank, v_head_dim and rope_interleave need kv_lora_rank (multi-head latent attention)"
-                )
+            if self.q_lora_rank is not None or self.v_head_dim is not None:
+                raise ValueError("q_lora_rank and v_head_dim need kv_lora_rank (multi-head latent attention)")
             return self
         if self.num_kv_heads != self.num_heads:
             raise ValueError(
@@ -372,6 +395,8 @@ class ModelConfig(Strict):
                     values_from_keys=self.global_values_from_keys,
                 )
             rope = rope_pattern[i % len(rope_pattern)]
+            if self.attention_pattern[i % len(self.attention_pattern)] == "chunked":
+                shape["chunked"] = True
             layers.append(Layer(stack, mixer, "moe" if moe else "mlp", local, rope, **shape))
         return layers
 

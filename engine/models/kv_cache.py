@@ -128,10 +128,10 @@ class KVCache:
         """Slots a row attends to: its own and a shared prefix's (every position is below it)."""
         return self.valid_bs.shape[1] + (0 if self.shared_valid_ps is None else self.shared_valid_ps.shape[1])
 
-    def shared_prefix(self, *, window: int | None = None, raw: bool = False):
+    def shared_prefix(self, *, window: int | None = None, raw: bool = False, chunk=None):
         """None, or this layer's shared prefix as (k_pkhs, v_pksh, mask_ps, group) for a
         step's one query (slot `end` of the rows' own slots, which follow the prefix's); `raw`:
-        the keys and values as stored (maybe BF16_BITS), else as values."""
+        the keys and values as stored (maybe BF16_BITS), else as values. `chunk`: as update's."""
         if not self.shared_k:
             return None
         mask_ps = self.shared_valid_ps
@@ -139,17 +139,24 @@ class KVCache:
             prefix = mask_ps.shape[1]
             distance_s = prefix + self.end - jnp.arange(prefix)
             mask_ps = mask_ps & (distance_s < window)[None]
+        if chunk is not None:  # a group's rows share their query's position (prompt length + step)
+            size, positions_bt = chunk
+            key_positions_ps = jnp.cumsum(mask_ps.astype(jnp.int32), axis=1) - 1
+            query_p = positions_bt[:: self.group, 0]
+            mask_ps = mask_ps & (key_positions_ps // size == query_p[:, None] // size)
         k, v = self.shared_k[self.layer], self.shared_v[self.layer]
         return (k, v, mask_ps, self.group) if raw else (cache_values(k), cache_values(v), mask_ps, self.group)
 
-    def update(self, k_btkh, v_btkh, *, window: int | None = None, raw: bool = False):
+    def update(self, k_btkh, v_btkh, *, window: int | None = None, raw: bool = False, chunk=None):
         """Write this layer's new keys/values; (k_bskh, v_bskh, mask_bts, cache) to attend with,
         or with `raw` (k_bkhs, v_bksh, mask_bts, cache): keys and values as stored, in the
         cache's layouts (for engine/ops/attention.py: decode_attention).
 
         Query i (slot end + i) sees slot j iff j <= end + i and the slot is valid; with a
         sliding `window` (a local layer) also end + i - j < window. Left padding keeps slot
-        order equal to position order: this is the full forward pass's causal mask.
+        order equal to position order: this is the full forward pass's causal mask. `chunk`
+        (size, the queries' positions (b, t)): chunked attention (Llama 4), the key's position
+        (its valid slots before it, and a shared prefix's) in the query's chunk of `size`.
         """
         t, s = k_btkh.shape[1], self.valid_bs.shape[1]
         k_bkhs = jax.lax.dynamic_update_slice(
@@ -165,6 +172,11 @@ class KVCache:
         if window is not None:
             visible_ts = visible_ts & (distance_ts < window)
         mask_bts = visible_ts[None] & self.valid_bs[:, None, :]
+        if chunk is not None:
+            size, positions_bt = chunk
+            prefix_b = 0 if self.shared_valid_ps is None else jnp.repeat(jnp.sum(self.shared_valid_ps, 1), self.group)
+            key_positions_bs = jnp.cumsum(self.valid_bs.astype(jnp.int32), axis=1) - 1 + jnp.reshape(prefix_b, (-1, 1))
+            mask_bts = mask_bts & (key_positions_bs[:, None, :] // size == positions_bt[:, :, None] // size)
         cache = self.replace(k=k_all, v=v_all)
         if raw:
             return k_bkhs, v_bksh, mask_bts, cache

@@ -262,6 +262,7 @@ class MoE(nnx.Module):
         self.router_bias, self.shared = cfg.router_bias, cfg.num_shared_experts > 0
         self.groups, self.group_top, self.router_scale = cfg.router_groups, cfg.router_group_top, cfg.router_scale
         self.group_score = cfg.router_group_score
+        self.scales_input = cfg.router_scales_input
         self.activation = ACTIVATIONS[cfg.activation]
         self.glu = (
             gated(self.activation)
@@ -276,6 +277,32 @@ class MoE(nnx.Module):
     def capacity(self, seq_len: int) -> int:
         """Assignments each expert takes per sequence in the capacity dispatch."""
         return max(1, math.ceil(self.capacity_factor * seq_len * self.k / self.num_experts))
+
+    def _routed(self, x_btd, experts_nk, weights_nk, valid_bt, experts, biases, seq_len: int):
+        """sum_k weight * expert_k(x) of the tokens x (b, t, d), by the configured dispatch;
+        `seq_len`: the sequence length the capacity is for."""
+        b, t, d = x_btd.shape
+        k = experts_nk.shape[1]
+        mesh = current_mesh()
+        if self.dispatch == "dropless" and moe_ep.applies(mesh, b * t):  # engine/models/moe_ep.py
+            return moe_ep.expert_parallel_dropless(
+                x_btd.reshape(b * t, d), experts_nk, weights_nk, *experts, self.glu, mesh, biases
+            ).reshape(b, t, d)
+        if self.dispatch == "dropless":
+            return dropless_experts(
+                x_btd.reshape(b * t, d), experts_nk, weights_nk, *experts, self.glu, biases
+            ).reshape(b, t, d)
+        return capacity_experts(
+            x_btd,
+            experts_nk.reshape(b, t, k),
+            weights_nk.reshape(b, t, k),
+            valid_bt,
+            *experts,
+            self.glu,
+            self.capacity(seq_len),
+            self.dot_general,
+            biases,
+        )
 
     def __call__(self, x_btd, valid_bt=None):
         b, t, d = x_btd.shape
@@ -314,27 +341,16 @@ class MoE(nnx.Module):
             if not self.expert_bias
             else [w[...].astype(dt) for w in (self.b_gate_ef, self.b_up_ef, self.b_down_ed)]
         )
-        mesh = current_mesh()
-        if self.dispatch == "dropless" and moe_ep.applies(mesh, b * t):  # engine/models/moe_ep.py
-            out_btd = moe_ep.expert_parallel_dropless(
-                x_btd.reshape(b * t, d), experts_nk, weights_nk, *experts, self.glu, mesh, biases
-            ).reshape(b, t, d)
-        elif self.dispatch == "dropless":
-            out_btd = dropless_experts(
-                x_btd.reshape(b * t, d), experts_nk, weights_nk, *experts, self.glu, biases
-            ).reshape(b, t, d)
+        if self.scales_input:  # Llama 4: expert(w * x), each assignment a row of its own, summed unweighted
+            k = self.k
+            rows_w = weights_nk.reshape(b, t, k, 1)
+            x_rows = (x_btd[:, :, None, :].astype(jnp.float32) * rows_w).astype(x_btd.dtype).reshape(b, t * k, d)
+            ones = jnp.ones((b * t * k, 1), weights_nk.dtype)
+            valid_rows = jnp.repeat(valid_bt, k, axis=1)
+            out_rows = self._routed(x_rows, experts_nk.reshape(-1, 1), ones, valid_rows, experts, biases, t)
+            out_btd = jnp.sum(out_rows.reshape(b, t, k, d), axis=2)
         else:
-            out_btd = capacity_experts(
-                x_btd,
-                experts_nk.reshape(b, t, self.k),
-                weights_nk.reshape(b, t, self.k),
-                valid_bt,
-                *experts,
-                self.glu,
-                self.capacity(t),
-                self.dot_general,
-                biases,
-            )
+            out_btd = self._routed(x_btd, experts_nk, weights_nk, valid_bt, experts, biases, t)
         if self.shared:
             out_btd = out_btd + gated_mlp(
                 x_btd,

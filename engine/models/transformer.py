@@ -34,7 +34,7 @@ from engine.models.lora import (
 from engine.models.mla import MLA
 from engine.models.moe import MoE, MoEStats, combine_stats
 from engine.models.rope import rope_cos_sin, rope_inverse_frequencies, rotate
-from engine.ops.attention import attention, decode_attention
+from engine.ops.attention import attention, chunked_segment_ids, decode_attention
 from engine.ops.dense import DotGeneral, dense, gated_mlp, matmuls_in, uses_cpu_backward, weight_grads_in
 from engine.ops.partitioning import constrain, current_platform
 
@@ -43,6 +43,12 @@ from engine.ops.partitioning import constrain, current_platform
 nnx.use_eager_sharding(False)
 
 _dtype, _param = dtype_of, param  # engine/models/common.py: the one initialiser
+
+
+def _unit_rms(x, eps: float):
+    """x / rms(x) over the last axis, in float32, no scale (Llama 4's L2 QK norm)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 def _norm(cfg: ModelConfig, compute: ComputeConfig, dim: int, rngs: nnx.Rngs, heads=None) -> RMSNorm:
@@ -96,6 +102,11 @@ class Attention(nnx.Module):
         self.rope_local_theta, self.sliding_window = cfg.rope_local_theta, cfg.sliding_window
         self.qkv_bias, self.qk_norm, self.value_norm = cfg.qkv_bias, cfg.qk_norm, cfg.value_norm
         self.norm_eps = cfg.norm_eps
+        # Llama 4: interleaved RoPE pairs, chunked layers, an unweighted QK norm after RoPE,
+        # NoPE layers' query temperature.
+        self.rope_interleave, self.chunk_size = cfg.rope_interleave, cfg.attention_chunk_size
+        self.qk_l2_norm = cfg.qk_l2_norm
+        self.temperature_floor, self.temperature_scale = cfg.attn_temperature_floor, cfg.attn_temperature_scale
         self.scale = (cfg.query_pre_attn_scalar or h) ** -0.5
         self.softcap = cfg.attn_logit_softcap
         self.dtype = _dtype(compute.dtype)
@@ -119,10 +130,14 @@ class Attention(nnx.Module):
         return self.rope_scaling.yarn_attention_factor()
 
     def _rotate(self, x_btnh, rotary):
-        """RoPE on the first rotary_dim dimensions of each head, the rest passed through."""
+        """RoPE on the first rotary_dim dimensions of each head, the rest passed through. With
+        rope_interleave the pairs are (x0, x1), (x2, x3), ...: the half-split rotation of the
+        evens then the odds, a reordering of head_dim that queries and keys share (mla.py)."""
+        r = self.rotary_dim
+        if self.rope_interleave:
+            x_btnh = jnp.concatenate([x_btnh[..., 0:r:2], x_btnh[..., 1:r:2], x_btnh[..., r:]], axis=-1)
         if self.rotary_dim == self.head_dim:
             return rotate(x_btnh, *rotary)
-        r = self.rotary_dim
         return jnp.concatenate([rotate(x_btnh[..., :r], *rotary), x_btnh[..., r:]], axis=-1)
 
     def rotary(self, positions_bt, local: bool, max_position: int | None = None):
@@ -138,9 +153,11 @@ class Attention(nnx.Module):
         cache: KVCache | None = None,
         rotary=None,
         rope: bool = True,
+        chunked: bool = False,
     ):
         """`local` (static) selects the sliding window and the local RoPE base; `rope` False
-        (static) leaves queries and keys unrotated (a NoPE layer). segment_ids_bt None: one
+        (static) leaves queries and keys unrotated (a NoPE layer); `chunked` (static) attends
+        within chunks of attention_chunk_size positions. segment_ids_bt None: one
         unpadded document per row. With a cache (decoding) returns (out, updated cache).
         `rotary`: this layer's (cos, sin) at `positions_bt`, if the caller computed them."""
         dt = self.dtype
@@ -165,11 +182,21 @@ class Attention(nnx.Module):
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", None))
         if rope and rotary is None:  # looked up in a table of the positions below the row's (cache's) length
             rotary = self.rotary(positions_bt, local, positions_bt.shape[1] if cache is None else cache.length)
-        q = checkpoint_name(self._rotate(q, rotary) if rope else q, "qkv_proj")
-        k = checkpoint_name(self._rotate(k, rotary) if rope else k, "qkv_proj")
+        q = self._rotate(q, rotary) if rope else q
+        k = self._rotate(k, rotary) if rope else k
+        if rope and self.qk_l2_norm:  # Llama 4: RMS over head_dim, no scale, after RoPE
+            q, k = _unit_rms(q, self.norm_eps), _unit_rms(k, self.norm_eps)
+        if not rope and self.temperature_floor is not None:  # Llama 4's NoPE layers (arXiv 2501.19399)
+            steps_bt = jnp.floor((positions_bt.astype(jnp.float32) + 1.0) / self.temperature_floor)
+            temperature_bt = jnp.log1p(steps_bt) * self.temperature_scale + 1.0
+            q = (q * temperature_bt[:, :, None, None]).astype(q.dtype)
+        q = checkpoint_name(q, "qkv_proj")
+        k = checkpoint_name(k, "qkv_proj")
         v = checkpoint_name(v, "qkv_proj")
         sinks_n = self.sinks_n[...] if self.sinks else None
         if cache is None:
+            if chunked:  # each chunk of each document its own segment (engine/ops/attention.py)
+                segment_ids_bt = chunked_segment_ids(segment_ids_bt, positions_bt, self.chunk_size)
             with jax.named_scope("core"):
                 out_btnh = attention(
                     q,
@@ -186,7 +213,8 @@ class Attention(nnx.Module):
                 )
         else:  # decoding: attend over the cache, this step's keys and values written into it
             window = self.sliding_window if local else None
-            k, v, mask, cache = cache.update(k, v, window=window, raw=True)
+            chunk = (self.chunk_size, positions_bt) if chunked else None
+            k, v, mask, cache = cache.update(k, v, window=window, raw=True, chunk=chunk)
             out_btnh = decode_attention(
                 q,
                 k,
@@ -196,7 +224,7 @@ class Attention(nnx.Module):
                 scale=self.scale,
                 softcap=self.softcap,
                 sinks_n=sinks_n,
-                shared=cache.shared_prefix(window=window, raw=True),
+                shared=cache.shared_prefix(window=window, raw=True, chunk=chunk),
             )
         out_btd = self._dense(out_btnh, "wo_nhd", 2)
         if self.out_bias:
@@ -304,6 +332,7 @@ class Block(nnx.Module):
         cache: KVCache | None = None,
         rotary=None,
         rope: bool = True,
+        chunked: bool = False,
     ):
         """(x, cache or None, MoEStats of the router or None for a dense MLP). `rotary`: the
         attention's RoPE (cos, sin), where the caller computed them for all layers at once;
@@ -312,6 +341,8 @@ class Block(nnx.Module):
             extra = {} if rotary is None else {"rotary": rotary}
             if not rope:
                 extra["rope"] = False
+            if chunked:  # attention within chunks (Llama 4)
+                extra["chunked"] = True
             attn_in = self.attn_norm(x_btd) if self.pre_norms else x_btd
             attn_out = self.attn(attn_in, positions_bt, segment_ids_bt, local, cache, **extra)
         indexer_kl = None
@@ -343,8 +374,9 @@ class Block(nnx.Module):
         cache: KVCache | None = None,
         rotary=None,
         rope: bool = True,
+        chunked: bool = False,
     ):
-        x_btd, cache, _ = self.forward(x_btd, positions_bt, segment_ids_bt, local, cache, rotary, rope)
+        x_btd, cache, _ = self.forward(x_btd, positions_bt, segment_ids_bt, local, cache, rotary, rope, chunked)
         return x_btd if cache is None else (x_btd, cache)
 
 
@@ -523,7 +555,9 @@ class Transformer(nnx.Module):
         def layer_fn(layer: Layer, in_scan: bool, index=None):
             def run(block: Block, x):
                 with in_layer(index):
-                    x, _, stats = block.forward(x, positions_bt, segment_ids_bt, layer.local, rope=layer.rope)
+                    x, _, stats = block.forward(
+                        x, positions_bt, segment_ids_bt, layer.local, rope=layer.rope, chunked=layer.chunked
+                    )
                 return x, stats
 
             if compute.remat == "none":
@@ -628,6 +662,7 @@ class Transformer(nnx.Module):
                 cache.replace(layer=i),
                 rotary=rotary.get(layer.local) if layer.rope else None,
                 rope=layer.rope,
+                chunked=layer.chunked,
             )
         return x_btd, cache.replace(end=cache.end + x_btd.shape[1], layer=0)
 

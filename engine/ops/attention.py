@@ -211,6 +211,16 @@ def choose_implementation(
     return impl
 
 
+def chunked_segment_ids(segment_ids_bt, positions_bt, chunk: int):
+    """Segment ids under which causal attention is chunked attention (Llama 4): each chunk of
+    `chunk` positions of each document its own segment, so query i sees key j iff both are in
+    one document, j <= i and position_i // chunk == position_j // chunk; padding (0) stays 0.
+    Positions lie in [0, t). Every implementation takes segments, so each computes it as is."""
+    chunks = positions_bt.shape[1] // chunk + 1  # chunk indices per document lie in [0, chunks)
+    segments = jnp.ones(positions_bt.shape, jnp.int32) if segment_ids_bt is None else segment_ids_bt.astype(jnp.int32)
+    return jnp.where(segments != 0, segments * chunks + positions_bt.astype(jnp.int32) // chunk, 0)
+
+
 def attention(
     q_btnh,
     k_bskh,

@@ -255,13 +255,14 @@ def convert_hf(
                 want = fused_hf_shape(spec, fused) if fused else hf_shape(spec, shape)
                 if blocks is not None:
                     _check_mxfp4(st, path, scales_at, blocks, name, want)
-                elif st.shape(name) != want:
+                elif st.shape(source_names.get(name, name)) != want:
                     raise ConfigError(
-                        f"{path.name}: tensor '{name}' has shape {list(st.shape(name))}, but config.json "
-                        f"({architecture}) implies {list(want)}"
+                        f"{path.name}: tensor '{source_names.get(name, name)}' has shape "
+                        f"{list(st.shape(source_names.get(name, name)))}, but config.json ({architecture}) "
+                        f"implies {list(want)}"
                     )
                 else:
-                    st.dtype(name)  # raises for a dtype we cannot read
+                    st.dtype(source_names.get(name, name))  # raises for a dtype we cannot read
                 jobs.append((path, name, spec, index, blocks))
     seen = {name for _, name, _, _, _ in jobs}
     missing = [name for name in expected if name not in seen]
@@ -283,6 +284,8 @@ def convert_hf(
         targets = slots(spec, index)  # one array, or those HF interleaves or fuses in this tensor
         if spec.fused_with:
             pieces = unfuse(spec, raw, [slot.shape for slot in targets])
+        elif spec.concatenated_with:  # Llama 4's gate_up_proj: the parts one after another on the last axis
+            pieces = np.split(raw, len(targets), axis=-1)
         else:
             pieces = [
                 deinterleave(raw, part, len(targets)) if len(targets) > 1 else raw for part in range(len(targets))

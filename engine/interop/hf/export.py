@@ -144,6 +144,8 @@ def write_hf_model(
     def hf_tensor(spec: TensorSpec, index: tuple) -> np.ndarray:
         if spec.interleaved_with:  # several engine arrays in one HF tensor
             return interleave([leaf(spec, index, path) for path in (spec.path, *spec.interleaved_with)])
+        if spec.concatenated_with:  # one after another along the last axis (Llama 4's gate_up_proj)
+            return np.concatenate([leaf(spec, index, path) for path in (spec.path, *spec.concatenated_with)], axis=-1)
         if spec.fused_with:  # several engine arrays one after another (Phi-3's qkv_proj)
             return np.concatenate([to_hf(spec, leaf(spec, index, path)) for path in (spec.path, *spec.fused_with)])
         return to_hf(spec, leaf(spec, index))

@@ -110,7 +110,7 @@ def _leaf_paths(tree: dict, prefix: tuple[str, ...] = ()) -> set[tuple[str, ...]
 
 def parts(spec: TensorSpec) -> tuple[tuple[str, ...], ...]:
     """The engine params one HF tensor holds: `path`, and those interleaved or fused with it."""
-    return (spec.path, *spec.interleaved_with, *spec.fused_with)
+    return (spec.path, *spec.interleaved_with, *spec.fused_with, *spec.concatenated_with)
 
 
 def check_table_covers(cfg: ModelConfig, shapes: dict) -> None:
@@ -128,8 +128,8 @@ def check_table_covers(cfg: ModelConfig, shapes: dict) -> None:
 
 def hf_shape(spec: TensorSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The HF shape of an engine array of `shape`."""
-    if spec.interleaved_with:
-        return (*shape[:-1], shape[-1] * (1 + len(spec.interleaved_with)))
+    if spec.interleaved_with or spec.concatenated_with:
+        return (*shape[:-1], shape[-1] * (1 + len(spec.interleaved_with) + len(spec.concatenated_with)))
     if spec.in_dims is not None:
         return (int(np.prod(shape[spec.in_dims :])), int(np.prod(shape[: spec.in_dims])))
     return (int(np.prod(shape)),) if spec.flatten else tuple(shape)

@@ -8,6 +8,7 @@ validation (engine/models/config.py checks `family` here) stays cheap.
 # Importing a family module registers it; this order is the one error messages list.
 from engine.models.families import deepseek, gemma, gpt_oss, llama, mistral, moe, qwen  # noqa: F401, I001
 from engine.models.families import glm, minimax, olmo, phi3, smollm3  # noqa: F401, I001
+from engine.models.families import llama4  # noqa: F401, I001
 from engine.models.families import deepseek_v32  # noqa: F401, I001
 from engine.models.families import gemma4  # noqa: F401, I001
 from engine.models.families.base import (

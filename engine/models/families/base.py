@@ -56,6 +56,10 @@ class TensorSpec:
     """More engine params stored after `path` in HF's one tensor, concatenated along its first
     (output) axis, each laid out as in_dims says (Phi-3's qkv_proj: q, k, v; gate_up_proj:
     gate, up). Their shapes may differ."""
+    concatenated_with: tuple[tuple[str, ...], ...] = ()
+    """More engine params stored after `path` in HF's one tensor, concatenated along its last
+    axis (Llama 4's experts' gate_up_proj (E, d, 2f): gate then up, `chunk(2, -1)`). Same
+    shapes; in_dims must be None."""
     stack: str = "blocks"
     """The layer stack a per-layer tensor belongs to (ModelConfig.layer_stacks): `blocks`, or
     the `dense_blocks` of a mixture of experts' dense layers (DeepSeek-V3's first layers,
