@@ -11,6 +11,7 @@ writes it), logits within 1e-5 with weights at their init scale, 1e-4 with N(0, 
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import logging
 
@@ -25,7 +26,7 @@ from tests.deps import need
 torch = need("torch")
 transformers = need("transformers")
 
-from engine.config import ConfigError, resolve_model_preset  # noqa: E402
+from engine.config import ConfigError, load_config, resolve_model_preset  # noqa: E402
 from engine.inference.sample import Sampler  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
@@ -35,9 +36,11 @@ from engine.models.dsa import indexer_kl, select_top_k  # noqa: E402
 from engine.models.params import apply_model, graphdef_of  # noqa: E402
 from engine.models.transformer import Transformer  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
-from engine.train.config import OptimizerConfig, ScheduleConfig  # noqa: E402
+from engine.train.config import OptimizerConfig, ScheduleConfig, TrainConfig  # noqa: E402
 from engine.train.optimizer import make_optimizer  # noqa: E402
+from engine.train.plan import plan_step  # noqa: E402
 from engine.train.step import lm_loss_fn  # noqa: E402
+from engine.train.targets import get_target  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
     Case,
@@ -300,3 +303,22 @@ def test_the_kv_cache_sampler_selects_as_the_full_forward_does(case):
         start = int(mask[row].sum())
         expected = log_probs[np.arange(start - 1, tokens.shape[1] - 1), tokens[0, start:]]
         np.testing.assert_allclose(out.logprobs[row], expected, atol=2e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the test extra)")
+def test_a_sparse_training_step_compiles_for_a_tpu_slice():
+    """The sparse phase's training step of tiny-deepseek-v3.2 at 256 positions (past
+    index_topk), the indexer's heads split over the tensor axis, as XLA's TPU compiler lowers
+    it for a v5p-8."""
+    cfg = load_config(
+        tree={
+            "model": "tiny-deepseek-v3.2",
+            "compute": {"indexer_loss": "sparse"},
+            "mesh": {"data": 1, "fsdp": -1, "tensor": 2},
+            "data": {"seq_len": 256, "batch_size": 16},
+            "steps": 3,
+        },
+        schema=TrainConfig,
+    )
+    plan = plan_step(cfg, get_target("v5p-8"))
+    assert plan.how == "compiled" and plan.fits and plan.devices == 4
