@@ -94,6 +94,11 @@ ADDED_AT_DEFAULT = {
     "model.attn_temperature_floor": None,
     "model.attn_temperature_scale": 0.1,
     "model.router_scales_input": False,
+    # mixer kinds (ModelConfig.mixer_pattern: Qwen3-Next's Gated DeltaNet layers)
+    "model.mixer_pattern": None,
+    "model.gated_delta": None,
+    "model.attention_output_gate": False,
+    "model.shared_expert_gate": False,
     # DPO's separate reference (its checkpoint comes from an input, and is not in the id)
     "reference": {"checkpoint": None, "compute": None},
 }

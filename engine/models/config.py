@@ -71,8 +71,10 @@ class Layer(NamedTuple):
     stack: str
     """The params key of its stack: `blocks`, or `dense_blocks` for the dense-MLP layers of
     a mixture of experts (DeepSeek-V3's first layers, Qwen3-MoE's mlp_only_layers)."""
-    mixer: Literal["attention", "mla"]
-    """Grouped-query attention (transformer.Attention) or multi-head latent attention (mla.py)."""
+    mixer: Literal["attention", "mla", "gated_delta"]
+    """The sequence mixer, a kind in transformer.MIXERS: grouped-query attention
+    (transformer.Attention), multi-head latent attention (mla.py), or a Gated DeltaNet
+    linear-attention layer (gated_delta_block.py), which decodes with a recurrent state."""
     ffn: Literal["mlp", "moe"]
     """The gated MLP or a mixture of experts (moe.py)."""
     local: bool
@@ -89,6 +91,38 @@ class Layer(NamedTuple):
     chunked: bool = False
     """Chunked attention: a query sees the earlier keys of its own chunk of
     ModelConfig.attention_chunk_size positions (Llama 4's chunked_attention layers)."""
+
+
+class GatedDeltaConfig(Strict):
+    """The sizes of a Gated DeltaNet mixer (engine/models/gated_delta_block.py; Qwen3-Next's
+    and Qwen3.5's linear_* config.json keys)."""
+
+    num_key_heads: int = Field(gt=0)
+    num_value_heads: int = Field(gt=0)
+    """A multiple of num_key_heads: each key head serves a group of value heads."""
+    key_head_dim: int = Field(gt=0)
+    value_head_dim: int = Field(gt=0)
+    conv_kernel: int = Field(4, gt=1)
+    """Taps of the short causal convolution over q, k and v."""
+    fused_projections: bool = False
+    """Qwen3-Next's layout: q, k, v, z in one projection and b, a in another, grouped per key
+    head (in_proj_qkvz, in_proj_ba); else Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a."""
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> GatedDeltaConfig:
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(
+                f"num_value_heads ({self.num_value_heads}) must be a multiple of num_key_heads ({self.num_key_heads})"
+            )
+        return self
+
+    def params(self, d_model: int) -> int:
+        """One layer's parameters: projections, convolution, decay, gated norm, output."""
+        keys, values = self.num_key_heads * self.key_head_dim, self.num_value_heads * self.value_head_dim
+        channels = 2 * keys + values
+        projections = d_model * (channels + values + 2 * self.num_value_heads) + values * d_model
+        return projections + channels * self.conv_kernel + 2 * self.num_value_heads + self.value_head_dim
+
 
 
 class ModelConfig(Strict):
@@ -271,6 +305,21 @@ class ModelConfig(Strict):
     """The routing weight multiplies each chosen expert's input instead of its output (Llama 4:
     expert(w * x), not w * expert(x); the two differ as the experts are not linear)."""
 
+    # Hybrid models (Qwen3-Next, Qwen3.5): layers of another mixer kind among the attention ones.
+    mixer_pattern: list[Literal["attention", "gated_delta"]] | None = Field(None, min_length=1)
+    """Layer i's sequence mixer is mixer_pattern[i % len] (attention: the model's attention,
+    MLA where kv_lora_rank is set); None: attention in every layer. Each other kind's layers
+    form stacks of their own (`gated_delta_blocks`). Qwen3-Next: three gated_delta then one
+    attention."""
+    gated_delta: GatedDeltaConfig | None = None
+    """The Gated DeltaNet layers' sizes (mixer_pattern has gated_delta)."""
+    attention_output_gate: bool = False
+    """Attention's output is multiplied by sigmoid(x . W_gate) per head and dimension before
+    o_proj (Qwen3-Next): the query projection yields each head's query and gate side by side,
+    wq_dnh of shape (d, heads, 2 head_dim)."""
+    shared_expert_gate: bool = False
+    """The shared experts' output is multiplied by sigmoid(x . w), a learned scalar gate per
+    token (Qwen3-Next's shared_expert_gate)."""
     @field_validator("family")
     @classmethod
     def _known_family(cls, name: str) -> str:
@@ -368,6 +417,16 @@ class ModelConfig(Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_mixers(self) -> ModelConfig:
+        if ("gated_delta" in (self.mixer_pattern or [])) != (self.gated_delta is not None):
+            raise ValueError("gated_delta (the sizes) is set exactly when mixer_pattern has gated_delta layers")
+        if self.shared_expert_gate and not self.num_shared_experts:
+            raise ValueError("shared_expert_gate needs num_shared_experts")
+        if self.attention_output_gate and self.is_mla:
+            raise ValueError("attention_output_gate is a setting of grouped-query attention, not MLA")
+        return self
+
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank is not None
@@ -383,9 +442,14 @@ class ModelConfig(Strict):
         ffn_pattern = self.ffn_pattern or ["moe"]
         rope_pattern = self.rope_pattern or [True]
         layers = []
+        mixer_pattern = self.mixer_pattern or ["attention"]
         for i, local in enumerate(self.layer_is_local()):
             moe = self.is_moe and i >= self.first_dense_layers and ffn_pattern[i % len(ffn_pattern)] == "moe"
             stack = "dense_blocks" if self.is_moe and not moe else "blocks"
+            kind = mixer_pattern[i % len(mixer_pattern)]
+            if kind != "attention":  # another mixer kind: stacks of its own, no window, no RoPE
+                layers.append(Layer(f"{kind}_{stack}", kind, "moe" if moe else "mlp", False, False))
+                continue
             shape = {}
             if not local and self.has_global_shape:  # Gemma 4: global heads of their own shape
                 stack = "global_" + stack
@@ -434,6 +498,7 @@ class ModelConfig(Strict):
         if self.is_moe:
             experts = self.experts_per_token if active else self.num_experts
             mlp = 3 * self.d_model * self.moe_mlp_dim * (experts + self.num_shared_experts)
+            mlp += self.d_model * self.shared_expert_gate
             mlp += self.d_model * self.num_experts  # not router_bias: transformers keeps it as a buffer
             mlp += (2 * self.moe_mlp_dim + self.d_model) * experts * self.expert_bias
             mlp += self.num_experts * self.router_logits_bias
@@ -449,12 +514,16 @@ class ModelConfig(Strict):
         return n
 
     def _attention_params(self, layer: Layer) -> int:
-        """One layer's attention projections, biases and QK norms (not sinks or output bias)."""
+        """One layer's attention projections, biases and QK norms (not sinks or output bias), or
+        its other mixer (ModelConfig.mixer_pattern)."""
+        if layer.mixer == "gated_delta":
+            return self.gated_delta.params(self.d_model)
         if self.is_mla:
             return self._mla_params()
         n, h, k = self.num_heads, layer.head_dim or self.head_dim, layer.kv_heads or self.num_kv_heads
         v = 0 if layer.values_from_keys else k
         attn = self.d_model * h * (2 * n + k + v) + h * (n + k + v) * self.qkv_bias
+        attn += self.d_model * n * h * self.attention_output_gate
         return attn + (n + k if self.qk_norm_across_heads else 2) * h * self.qk_norm
 
     def _mla_params(self) -> int:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -13,6 +16,12 @@ from engine.ops.partitioning import constrain, current_platform
 
 INDEX_NAMES = ("act_batch", None, None)  # sparse attention's indexer keys (b, s, index_head_dim)
 CACHE_NAMES = ("act_batch", "act_kv_heads", None, None)  # keys (b, kv_heads, head_dim, s); values (b, kv_heads, s, h)
+
+
+DECODE_STATES: dict[str, Callable[[ModelConfig, ComputeConfig, int], Any]] = {}
+"""Mixer kind (Layer.mixer) -> its per-sequence decoding state at a sequence's start, for the
+kinds that carry a state instead of keys and values; the kind's module registers it
+(engine/models/gated_delta_block.py: the convolution window and the recurrent state)."""
 
 
 def _names(shape: tuple[int, ...]) -> tuple:
@@ -43,6 +52,10 @@ class KVCache:
     `raw` as stored. On CPU a bfloat16 cache stores its values' bits (uint16,
     engine/ops/attention.py: BF16_BITS), so that a step's write is in place.
 
+    A layer whose mixer carries a state instead (a kind in DECODE_STATES: Gated DeltaNet) has
+    empty keys and values (no heads) and its state in `states` (None for the attention
+    layers), one per row: expanding or sharing a prompt cache repeats it for each row.
+
     Group rollouts (GRPO's G completions per prompt) can keep the prompts' keys and values
     once per prompt (`share`): then `shared_k`/`shared_v` hold them (prompts, ...) in the
     same layouts, a prefix every row of a group of `group` consecutive rows attends to
@@ -58,6 +71,7 @@ class KVCache:
     shared_v: tuple[jax.Array, ...] = ()  # per layer (prompts, kv_heads, p, head_dim)
     shared_valid_ps: jax.Array | None = None  # (prompts, p) bool
     group: int = struct.field(pytree_node=False, default=1)  # rows per prompt sharing a prefix
+    states: tuple = ()  # per layer: a stateful mixer's state (DECODE_STATES), None for attention; () if none
     index_k: tuple[jax.Array, ...] = ()  # per layer (b, s, index_head_dim): sparse attention's indexer keys (dsa.py)
 
     @classmethod
@@ -65,8 +79,13 @@ class KVCache:
         dtype = jnp.float32
         if compute.dtype == "bfloat16":  # on CPU as its bits (engine/ops/attention.py: BF16_BITS)
             dtype = BF16_BITS if current_platform() == "cpu" else jnp.bfloat16
-        k_shapes, v_shapes = [], []
+        k_shapes, v_shapes, states = [], [], []
         for layer in cfg.layer_pattern():  # a layer's heads may have a shape of their own (Gemma 4's global ones)
+            states.append(DECODE_STATES[layer.mixer](cfg, compute, batch) if layer.mixer in DECODE_STATES else None)
+            if states[-1] is not None:  # no keys and values: (batch, 0 heads, ...)
+                k_shapes.append((batch, 0, 0, max_len))
+                v_shapes.append((batch, 0, max_len, 0))
+                continue
             k_shape = v_shape = (batch, layer.kv_heads or cfg.num_kv_heads, max_len, layer.head_dim or cfg.head_dim)
             if cfg.is_mla:
                 k_shape, v_shape = (batch, 1, max_len, cfg.kv_lora_rank), (batch, 1, max_len, cfg.rope_head_dim)
@@ -82,7 +101,8 @@ class KVCache:
                 constrain(jnp.zeros((batch, max_len, cfg.index_head_dim), dtype), INDEX_NAMES)
                 for _ in range(cfg.num_layers)
             )
-        return cls(k, v, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32), index_k=index_k)
+        states = tuple(states) if any(state is not None for state in states) else ()
+        return cls(k, v, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32), index_k=index_k, states=states)
 
     def expand(self, repeats: int, extra_slots: int) -> KVCache:
         """Each row `repeats` times (row r becomes rows r * repeats ... r * repeats + repeats - 1)
@@ -98,7 +118,11 @@ class KVCache:
             constrain(jnp.pad(jnp.repeat(a, repeats, axis=0), ((0, 0), (0, extra_slots), (0, 0))), INDEX_NAMES)
             for a in self.index_k
         )
-        return self.replace(k=k, v=v, valid_bs=valid_bs, index_k=index_k)
+        return self.replace(k=k, v=v, valid_bs=valid_bs, index_k=index_k, states=self._repeat_states(repeats))
+
+    def _repeat_states(self, repeats: int) -> tuple:
+        """The stateful layers' states, each row `repeats` times (a state is per row, never shared)."""
+        return jax.tree.map(lambda a: jnp.repeat(a, repeats, axis=0), self.states)
 
     def share(self, repeats: int, slots: int) -> KVCache:
         """This (prompt) cache as the prefix shared by groups of `repeats` rows (row r of the
@@ -121,6 +145,7 @@ class KVCache:
             shared_v=self.v,
             shared_valid_ps=self.valid_bs,
             group=repeats,
+            states=self._repeat_states(repeats),
         )
 
     @property

@@ -20,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 from engine.models.common import ACTIVATIONS, RMSNorm, dtype_of, param
 from engine.models.config import ComputeConfig, Layer, LoraConfig, ModelConfig
 from engine.models.dsa import WithIndexerLoss
+from engine.models.gated_delta_block import GatedDeltaNet
 from engine.models.kv_cache import KVCache
 from engine.models.lora import (
     ATTENTION_WEIGHTS,
@@ -77,7 +78,9 @@ class Attention(nnx.Module):
             k, h = layer.kv_heads or k, layer.head_dim or h
         self.values_from_keys = layer is not None and layer.values_from_keys
         pdt, std = _dtype(compute.param_dtype), cfg.init_std
-        self.wq_dnh = _param(rngs, (d, n, h), std, ("embed", "heads", "head_dim"), pdt)
+        # With an output gate (Qwen3-Next) each head's query and gate, side by side, as HF's q_proj has them.
+        self.output_gate = cfg.attention_output_gate
+        self.wq_dnh = _param(rngs, (d, n, 2 * h if self.output_gate else h), std, ("embed", "heads", "head_dim"), pdt)
         self.wk_dkh = _param(rngs, (d, k, h), std, ("embed", "kv_heads", "head_dim"), pdt)
         if not self.values_from_keys:
             self.wv_dkh = _param(rngs, (d, k, h), std, ("embed", "kv_heads", "head_dim"), pdt)
@@ -170,6 +173,8 @@ class Attention(nnx.Module):
             dot_general=self.dot_general,
         )
         v = k if self.values_from_keys else v[0]  # Gemma 4's global layers: the keys before their norm
+        if self.output_gate:
+            q, gate = q[..., : self.head_dim], q[..., self.head_dim :]
         if self.qkv_bias:
             q, k, v = q + self.bq_nh[...].astype(dt), k + self.bk_kh[...].astype(dt), v + self.bv_kh[...].astype(dt)
         if self.qk_norm:
@@ -226,6 +231,8 @@ class Attention(nnx.Module):
                 sinks_n=sinks_n,
                 shared=cache.shared_prefix(window=window, raw=True, chunk=chunk),
             )
+        if self.output_gate:  # sigmoid(gate) per head and dimension, in the compute dtype
+            out_btnh = out_btnh * jax.nn.sigmoid(gate).astype(out_btnh.dtype)
         out_btd = self._dense(out_btnh, "wo_nhd", 2)
         if self.out_bias:
             out_btd = out_btd + self.bo_d[...].astype(dt)
@@ -279,6 +286,21 @@ class MLP(nnx.Module):
         )
 
 
+def _mla(cfg, compute, *, rngs, dot_general, lora=None, layer=None) -> MLA:
+    return MLA(cfg, compute, rngs=rngs, dot_general=dot_general)  # LoraConfig.targets refuses its projections
+
+
+def _gated_delta(cfg, compute, *, rngs, dot_general, lora=None, layer=None) -> GatedDeltaNet:
+    return GatedDeltaNet(cfg, compute, rngs=rngs, dot_general=dot_general)  # no LoRA on its projections
+
+
+MIXERS = {"attention": Attention, "mla": _mla, "gated_delta": _gated_delta}
+"""Layer.mixer -> its module, built (cfg, compute, rngs=, dot_general=, lora=, layer=) and called
+as Attention is: (x, positions, segment_ids, local, cache, rotary=, rope=) -> out, or with a
+cache (out, cache). A kind that decodes with a state instead of keys and values registers its
+initial state in kv_cache.DECODE_STATES and reads and writes cache.states[cache.layer]."""
+
+
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). With post_norms
     (Gemma 2/3) each branch output is normalised again before the add; without pre_norms
@@ -286,8 +308,9 @@ class Block(nnx.Module):
 
     `self.mlp` is the replaceable slot: a dense MLP, or a mixture of experts (num_experts > 0,
     engine/models/moe.py) that also returns its router statistics; `moe` False makes a dense
-    layer of an MoE model (DeepSeek-V3's first layers). `self.attn` is grouped-query
-    attention, or multi-head latent attention (kv_lora_rank set, engine/models/mla.py).
+    layer of an MoE model (DeepSeek-V3's first layers). `self.attn` is the sequence mixer of
+    the layer's kind (MIXERS): grouped-query attention, multi-head latent attention
+    (kv_lora_rank set, engine/models/mla.py), or a Gated DeltaNet (gated_delta_block.py).
     """
 
     def __init__(
@@ -305,10 +328,8 @@ class Block(nnx.Module):
         moe = cfg.is_moe if moe is None else moe
         if cfg.pre_norms:
             self.attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
-        if cfg.is_mla:
-            self.attn = MLA(cfg, compute, rngs=rngs, dot_general=dot_general)
-        else:
-            self.attn = Attention(cfg, compute, rngs=rngs, dot_general=dot_general, lora=lora, layer=layer)
+        mixer = layer.mixer if layer is not None else "mla" if cfg.is_mla else "attention"
+        self.attn = MIXERS[mixer](cfg, compute, rngs=rngs, dot_general=dot_general, lora=lora, layer=layer)
         if cfg.pre_norms:
             self.mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
         if moe:
