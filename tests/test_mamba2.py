@@ -93,7 +93,7 @@ def engine_mixer(module, bias: bool) -> Mamba2:
     weights = {name: np.asarray(p.detach().numpy()) for name, p in module.named_parameters()}
     values = {
         "w_in_dp": weights["in_proj.weight"].T,
-        "conv_kc": weights["conv1d.weight"][:, 0, :].T,
+        "conv_c1k": weights["conv1d.weight"],
         "conv_bias_c": weights["conv1d.bias"],
         "dt_bias_h": weights["dt_bias"],
         "a_log_h": weights["A_log"],
@@ -127,7 +127,7 @@ def test_the_module_matches_transformers_mixer(kind, bias):
     x, segments = padded_batch(seed=3)
     with torch.no_grad():
         expected = module(torch.from_numpy(x), attention_mask=torch.from_numpy(segments)).numpy()
-    out, _ = jax.jit(lambda x, s: ours(x, s))(x, segments)
+    out, _ = jax.jit(lambda x, s: ours.mix(x, s))(x, segments)
     valid = segments.astype(bool)
     assert np.abs(expected[valid]).max() > 0.1
     assert max_diff(out[valid], expected[valid]) <= 1e-5, kind
@@ -146,9 +146,9 @@ def test_a_prompt_then_decoded_tokens_leave_the_full_forwards_state(nemotron_mix
     segments = np.ones((B, T), np.int32)
     segments[1, :3] = 0
     prompt = 29
-    full_out, full_state = jax.jit(lambda x, s: ours(x, s))(x, segments)
-    out, state = jax.jit(lambda x, s: ours(x, s))(x[:, :prompt], segments[:, :prompt])
-    step = jax.jit(lambda x_b1d, s, state: ours(x_b1d, s, state))
+    full_out, full_state = jax.jit(lambda x, s: ours.mix(x, s))(x, segments)
+    out, state = jax.jit(lambda x, s: ours.mix(x, s))(x[:, :prompt], segments[:, :prompt])
+    step = jax.jit(lambda x_b1d, s, state: ours.mix(x_b1d, s, state))
     outputs = [out]
     for t in range(prompt, T):
         out, state = step(x[:, t : t + 1], segments[:, t : t + 1], state)

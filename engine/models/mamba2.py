@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from engine.models.common import dtype_of, param
-from engine.models.config import ComputeConfig
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.kv_cache import DECODE_STATES, KVCache
 from engine.ops.dense import DotGeneral, dense
 from engine.ops.ssd import Mamba2Dims, Mamba2State, initial_state, mamba2_inner
 
@@ -28,6 +29,23 @@ nnx.use_eager_sharding(False)  # placed by engine/models/params.py, as transform
 # transformers' initialisation of the SSM's own parameters (Mamba2PreTrainedModel._init_weights):
 # dt drawn log-uniformly in [DT_MIN, DT_MAX] (floored), stored through softplus's inverse.
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 0.1, 1e-4
+
+
+def dims_of(cfg: ModelConfig) -> Mamba2Dims:
+    """The Mamba2 layers' sizes (cfg.mamba2); the gated norm's epsilon is cfg.norm_eps (Nemotron-H's
+    and Granite 4's one epsilon)."""
+    m = cfg.mamba2
+    low, high = m.dt_limit or (0.0, float("inf"))
+    return Mamba2Dims(m.num_heads, m.head_dim, m.state_size, m.n_groups, m.conv_kernel, cfg.norm_eps, low, high)
+
+
+def decode_state(cfg: ModelConfig, compute: ComputeConfig, batch: int) -> Mamba2State:
+    """A sequence's decoding state before its first token (zeros): the convolution window in
+    the compute dtype, the SSM state in float32."""
+    return initial_state(batch, dims_of(cfg), dtype_of(compute.dtype))
+
+
+DECODE_STATES["mamba2"] = decode_state
 
 
 class Mamba2(nnx.Module):
@@ -58,8 +76,8 @@ class Mamba2(nnx.Module):
         if bias:
             self.b_in_p = nnx.Param(jnp.zeros((projected,), pdt), out_sharding=(None,))
         bound = 1 / math.sqrt(dims.conv_kernel)  # torch's Conv1d default: fan-in = the taps
-        conv = jax.random.uniform(rngs.params(), (dims.conv_kernel, dims.conv_channels), jnp.float32, -bound, bound)
-        self.conv_kc = nnx.Param(conv.astype(pdt), out_sharding=(None, None))
+        conv = jax.random.uniform(rngs.params(), (dims.conv_channels, 1, dims.conv_kernel), jnp.float32, -bound, bound)
+        self.conv_c1k = nnx.Param(conv.astype(pdt), out_sharding=(None, None, None))  # torch's Conv1d layout
         if conv_bias:
             self.conv_bias_c = nnx.Param(jnp.zeros((dims.conv_channels,), pdt), out_sharding=(None,))
         log_dt = jax.random.uniform(rngs.params(), (heads,), jnp.float32, math.log(DT_MIN), math.log(DT_MAX))
@@ -76,11 +94,44 @@ class Mamba2(nnx.Module):
         self.dtype = dtype_of(compute.dtype)
         self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
 
-    def initial_state(self, batch: int) -> Mamba2State:
-        """The decoding state before a sequence's first token (zeros)."""
-        return initial_state(batch, self.dims, self.dtype)
+    @classmethod
+    def of_layer(cls, cfg: ModelConfig, compute: ComputeConfig, *, rngs, dot_general=jax.lax.dot_general, **_):
+        """The mixer of a `mamba2` layer (transformer.MIXERS), its sizes dims_of(cfg)."""
+        m = cfg.mamba2
+        return cls(
+            dims_of(cfg),
+            cfg.d_model,
+            compute,
+            rngs=rngs,
+            init_std=cfg.init_std,
+            num_layers=cfg.num_layers,
+            bias=m.proj_bias,
+            conv_bias=m.conv_bias,
+            chunk_size=m.chunk_size,
+            dot_general=dot_general,
+        )
 
     def __call__(
+        self,
+        x_btd,
+        positions_bt,
+        segment_ids_bt,
+        local: bool = False,
+        cache: KVCache | None = None,
+        rotary=None,
+        rope: bool = True,
+    ):
+        """Called as transformer.Attention is (positions, window and RoPE flags ignored): (b, t, d),
+        or with a cache (decoding) (out, the cache with this layer's state advanced)."""
+        state = None if cache is None else cache.states[cache.layer]
+        out_btd, state = self.mix(x_btd, segment_ids_bt, state)
+        if cache is None:
+            return out_btd
+        states = list(cache.states)
+        states[cache.layer] = state
+        return out_btd, cache.replace(states=tuple(states))
+
+    def mix(
         self,
         x_btd: jax.Array,
         segment_ids_bt: jax.Array | None = None,
@@ -100,7 +151,7 @@ class Mamba2(nnx.Module):
         if self.bias:
             projected = projected + self.b_in_p[...].astype(dt)
         params = {
-            "conv_kc": self.conv_kc[...].astype(dt),
+            "conv_kc": self.conv_c1k[...][:, 0, :].T.astype(dt),
             "dt_bias": self.dt_bias_h[...].astype(jnp.float32),
             "a_log": self.a_log_h[...],
             "d": self.d_h[...],
