@@ -54,16 +54,16 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.tasks import MaterializingTask, Task
 
 from engine.config import ConfigError
-from flows.gates import SKIPPED_CONDITION, clear_condition, record_condition, record_decisions
+from flows.gates import SKIPPED_CONDITION
 from flows.links import run_links
 from flows.reporter import Reporter, observing, unreachable
 from flows.server import ApiUnreachable, api_answers
 from flows.spec import Pipeline as SpecPipeline
 from flows.spec import Plan, apply_pipeline_overrides, build_plan, load_plan, parse_spec
-from flows.steps import snapshot_step, wait_for_step
+from flows.stage_rules import after_stage, before_stage, skip_stage
 from flows.summary import Eta, PipelineProgress, asset_key, line_level, step_line, summary_markdown
 from flows.sweep import label_value
-from flows.sweep_report import sweep_markdown, sweep_rows
+from flows.sweep_report import sweep_markdown
 from tasks.artifacts import ArtifactError, read_manifest
 from tasks.cutoff import REUSED_WHY
 from tasks.launch.gang import stopping, terminate_children
@@ -172,7 +172,7 @@ class PrefectHooks(StageHooks):
     ):
         self._logger = logger
         self._reporter = reporter
-        self._progress_id = None
+        self._progress_id: Any = None
         self._started = False
         self._key, self._description = progress_key, description
         self._last = (0.0, -1.0)
@@ -269,25 +269,10 @@ class _Run:
 
 
 def _skip_for_condition(
-    plan: Plan, stage: str, record: dict, run_info: dict, reporter: Reporter, logger, progress: PipelineProgress
+    plan: Plan, stage: str, job, record: dict, run_info: dict, reporter: Reporter, logger, progress: PipelineProgress
 ) -> State:
-    job = plan.stages[stage].job
-    record_condition(plan.store, stage, job.artifact_id, record)
-    outcome = {
-        "stage": stage,
-        "task": job.task,
-        "artifact_id": job.artifact_id,
-        "path": str(plan.store.artifact_dir(stage, job.artifact_id)),
-        "status": SKIPPED_CONDITION,
-        "metrics": {},
-        "seconds": 0.0,
-        "work_seconds": 0.0,
-        "condition": record,
-        "flow_run_id": run_info["flow_run_id"],
-        "task_run_id": run_info["task_run_id"],
-    }
-    seen = ", ".join(f"{k} = {v!r}" for k, v in record.get("values", {}).items())
-    why = record.get("because") or f"`{record['expression']}` is false ({seen})"
+    outcome, why = skip_stage(plan, stage, job, record)
+    outcome = {**outcome, "flow_run_id": run_info["flow_run_id"], "task_run_id": run_info["task_run_id"]}
     logger.info(f"{stage}: {SKIPPED_CONDITION}: {why}")
     logger.info(progress.finished(stage, SKIPPED_CONDITION))
     reporter.call(
@@ -323,29 +308,11 @@ def _run_stage(plan: Plan, stage: str, reporter: Reporter, run: _Run) -> Any:
         "summary_key": artifact_key(plan.name, stage),
         **run_links(str(runtime.flow_run.id), str(runtime.task_run.id)),  # UI addresses where there is a UI
     }
-    job = plan.resolve(stage)  # its selections, now that their candidates are done
-    if job is None:
-        raise ArtifactError(f"stage '{stage}': its selection's candidates are not all complete")
-    blocked = sorted(s for s in (*planned.depends_on, *planned.follows) if s in run.skipped)
-    if blocked:
-        record = {"expression": planned.gate.text if planned.gate else None, "values": {}, "result": None}
-        record["because"] = f"stage(s) {', '.join(blocked)} it reads were {SKIPPED_CONDITION}"
+    before = before_stage(plan, stage, run.skipped, run.ended, logger.info)
+    job, decisions = before.job, before.decisions
+    if before.skip is not None:
         run.skipped.add(stage)
-        return _skip_for_condition(plan, stage, record, run_info, reporter, logger, run.progress)
-    for ref in planned.refs.values():  # checkpoint steps: once committed, as a snapshot artifact
-        if getattr(ref, "step", None) is not None:
-            upstream_id = plan.stages[ref.stage].job.artifact_id
-            wait_for_step(plan.store, ref.stage, upstream_id, ref.step, lambda r=ref: run.ended(r.stage), logger.info)
-            snapshot_step(plan.store, ref.stage, upstream_id, ref.step)
-    decisions = dict(planned.decisions)
-    if planned.gate is not None:
-        ok, seen = planned.gate.evaluate(plan.manifest_of, planned.gate_stages)
-        record = {"expression": planned.gate.text, "values": seen, "result": ok}
-        if not ok:
-            run.skipped.add(stage)
-            return _skip_for_condition(plan, stage, record, run_info, reporter, logger, run.progress)
-        clear_condition(plan.store, stage, job.artifact_id)
-        decisions["when"] = record
+        return _skip_for_condition(plan, stage, job, before.skip, run_info, reporter, logger, run.progress)
     hooks = PrefectHooks(
         logger,
         reporter,
@@ -360,12 +327,9 @@ def _run_stage(plan: Plan, stage: str, reporter: Reporter, run: _Run) -> Any:
         run.progress.started(stage)
     with nullcontext() if complete else run.slot(stage):  # a sweep's max_parallel bounds its work, not its skips
         result = execute_stage(job, plan.store, hooks, run_info)
-    rows = sweep_rows(plan, stage) if planned.fan_in else {}
+    rows = after_stage(plan, stage, job, decisions)
     if rows:
-        decisions["sweep"] = rows
         reporter.call(_publish_sweep, plan, stage, rows)
-    if decisions:
-        record_decisions(plan.store, stage, job.artifact_id, decisions)
     assets = AssetContext.get() if stage in run.materializing else None
     if result.status == SKIPPED and assets is not None:
         assets.downstream_assets = set()  # made by an earlier run: nothing materialised now
@@ -398,7 +362,7 @@ def _run_stage(plan: Plan, stage: str, reporter: Reporter, run: _Run) -> Any:
     return outcome
 
 
-def _execute(plan: Plan) -> dict[str, dict]:
+def _execute(plan: Plan) -> dict[str, dict] | State:
     logger = get_run_logger()
     logger.info(f"pipeline '{plan.name}': {len(plan.stages)} stages, store {plan.store.url}")
     with observing(_api_url()) as reporter:
@@ -475,7 +439,7 @@ def _run_stages(plan: Plan, reporter: Reporter, logger) -> dict[str, dict]:
     for name, planned in plan.stages.items():
         if name in futures:
             continue
-        options = dict(
+        options: dict[str, Any] = dict(
             name=name,
             task_run_name=name,
             tags=stage_tags(plan, name),
@@ -486,6 +450,7 @@ def _run_stages(plan: Plan, reporter: Reporter, logger) -> dict[str, dict]:
             persist_result=False,
         )
         upstream = [*planned.depends_on, *planned.follows]
+        stage_task: Task[[str], Any]
         if planned.resolved and all(plan.stages[u].resolved for u in upstream):
             stage_task = MaterializingTask(
                 run_stage,
@@ -497,7 +462,7 @@ def _run_stages(plan: Plan, reporter: Reporter, logger) -> dict[str, dict]:
             run.materializing.add(name)
         else:  # its id waits on a selection: no asset key to declare yet
             stage_task = Task(run_stage, **options)
-        futures[name] = stage_task.submit(name, wait_for=[futures[d] for d in planned.depends_on])
+        futures[name] = stage_task.submit(name, wait_for=[futures[d] for d in planned.depends_on], return_state=False)
     try:
         _wait_all(futures.values())
     except TerminationSignal:
@@ -558,7 +523,9 @@ def _plan_from(pipeline: str | dict, store: str | None, overrides: list[str] | N
 
 
 @flow(name=FLOW_NAME, flow_run_name=flow_run_name, persist_result=False)
-def run_pipeline(pipeline: str | dict, store: str | None = None, overrides: list[str] | None = None) -> dict[str, dict]:
+def run_pipeline(
+    pipeline: str | dict, store: str | None = None, overrides: list[str] | None = None
+) -> dict[str, dict] | State:
     """Run a pipeline: a path to its YAML, or the spec as a dict (the Python API).
 
     Deployments (`trainflow serve`, configs/prefect.yaml) run this flow with a path; their
@@ -575,9 +542,8 @@ def pipeline_flow(plan: Plan, max_workers: int | None = None):
     has as many tags as the pool has threads; as there can be none here, the pool is sized
     past the tag count too (threads start only when used)."""
     most_tags = max(len(stage_tags(plan, stage)) for stage in plan.stages)
-    return run_pipeline.with_options(
-        task_runner=ThreadPoolTaskRunner(max_workers=max_workers or max(len(plan.stages), most_tags + 1))
-    )
+    runner: Any = ThreadPoolTaskRunner(max_workers=max_workers or max(len(plan.stages), most_tags + 1))
+    return run_pipeline.with_options(task_runner=runner)  # Any: Prefect types the runner by its futures
 
 
 class _Outcome:
@@ -651,6 +617,7 @@ def run_plan(plan: Plan, *, max_workers: int | None = None, raise_on_failure: bo
                     f"the Prefect API at {api_url} is unreachable ({type(outcome.error).__name__}: {outcome.error})"
                 ) from outcome.error
             raise outcome.error
+        assert outcome.state is not None  # returned: the flow's final state is known
         result = outcome.state.result(raise_on_failure=False)
         if isinstance(result, BaseException):
             raise result
@@ -659,6 +626,7 @@ def run_plan(plan: Plan, *, max_workers: int | None = None, raise_on_failure: bo
         if not unreachable(outcome.error):
             raise outcome.error
         reporter.api_failed(f"{type(outcome.error).__name__}: {outcome.error}")
+    assert outcome.summary is not None  # the stages ended, or the flow's result said how
     if outcome.message and raise_on_failure:
         raise PipelineFailed(outcome.message, outcome.summary)
     return outcome.summary

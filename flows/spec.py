@@ -207,10 +207,10 @@ class Plan:
                 inputs[name], ids[name] = (chosen, upstream.artifact_id), upstream.artifact_id
                 decisions[name] = {**record, "chosen_id": upstream.artifact_id}
                 continue
-            upstream = self.resolve(ref.stage)
-            if upstream is None:
+            resolved = self.resolve(ref.stage)
+            if resolved is None:
                 return None
-            inputs[name], ids[name] = _input_entry(ref, upstream.artifact_id)
+            inputs[name], ids[name] = _input_entry(ref, resolved.artifact_id)
         job = planned.job
         planned.job = dataclasses.replace(
             job,
@@ -244,7 +244,7 @@ def load_spec_tree(path: str | Path, overrides: list[str] | None = None) -> dict
 
 
 def apply_pipeline_overrides(tree: dict, overrides: list[str], source: str) -> dict:
-    stages = tree.get("stages") if isinstance(tree.get("stages"), dict) else {}
+    stages: dict = tree["stages"] if isinstance(tree.get("stages"), dict) else {}
     rewritten = []
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -269,7 +269,7 @@ def parse_spec(tree: dict, source: str) -> PipelineSpec:
         errors = e.errors()
     # A stage's own keys are checked against StageSpec, so that an unknown one gets the
     # closest valid key: the error's path runs through the stage's name, which no schema has.
-    stages = tree.get("stages") if isinstance(tree.get("stages"), dict) else {}
+    stages: dict = tree["stages"] if isinstance(tree.get("stages"), dict) else {}
 
     def in_a_stage(loc: tuple) -> bool:
         return len(loc) > 2 and loc[0] == "stages" and isinstance(stages.get(loc[1]), dict)
@@ -340,6 +340,7 @@ def _produced(kind) -> tuple[str, ...]:
 
 def _check_step(where: str, ref: Ref, upstream, upstream_kind) -> str | None:
     """Why `stage@STEP` cannot feed an input (None: it can); `upstream` is that stage's config."""
+    assert ref.step is not None  # a step input
     if not set(_produced(upstream_kind)) & {"checkpoint", "adapter"}:
         return (
             f"{where}: '{ref.stage}@{ref.step}': stage '{ref.stage}' ({upstream_kind.task}) writes no checkpoint steps"
@@ -432,21 +433,23 @@ def build_plan(spec: PipelineSpec, source: str = "pipeline", store: str | Path |
                 break
 
     # Configs and launchers (once per point: a sweep's points differ in their config).
-    configs, written, launchers = {}, {}, {}
+    configs: dict[str, Any] = {}
+    written_configs: dict[str, dict] = {}
+    launchers: dict[str, LauncherSpec] = {}
     for name, point in points.items():
         kind = kinds.get(point.base)
         if kind is None:
             continue
         stage = spec.stages[point.base]
         where = f"{source}: stages.{name}"
-        written[name] = _deep_merge(spec.defaults.config.get(stage.task, {}), point.config)
-        for ref in sorted(input_refs(written[name]) - set(point.inputs)):
+        written_configs[name] = _deep_merge(spec.defaults.config.get(stage.task, {}), point.config)
+        for missing in sorted(input_refs(written_configs[name]) - set(point.inputs)):
             errors.append(
-                f"{where}.config: '{{input:{ref}}}' refers to input '{ref}', "
+                f"{where}.config: '{{input:{missing}}}' refers to input '{missing}', "
                 f"which the stage does not have (its inputs: {', '.join(point.inputs) or 'none'})"
             )
         try:
-            configs[name] = kind.resolve_config(copy.deepcopy(written[name]), f"{where}.config")
+            configs[name] = kind.resolve_config(copy.deepcopy(written_configs[name]), f"{where}.config")
         except ConfigError as e:
             errors.append(str(e))
         raw_launcher = stage.launcher if stage.launcher is not None else spec.defaults.launcher
@@ -480,7 +483,8 @@ def build_plan(spec: PipelineSpec, source: str = "pipeline", store: str | Path |
     plan = Plan(spec, source, ArtifactStore(store if store is not None else spec.store), {})
     for name, point in points.items():
         stage, kind = spec.stages[point.base], kinds[point.base]
-        depends, follows = [], []
+        depends: list[str] = []
+        follows: list[str] = []
         for ref in point.inputs.values():
             if isinstance(ref, Selection):
                 depends += ref.candidates
@@ -498,7 +502,7 @@ def build_plan(spec: PipelineSpec, source: str = "pipeline", store: str | Path |
             stage=name,
             kind=kind,
             config=configs[name],
-            config_as_written=written[name],
+            config_as_written=written_configs[name],
             inputs={},
             artifact_id="",
             launcher=launchers[name],

@@ -149,7 +149,7 @@ def drop_unverified_steps(ctx: StageContext, directory: str | Path) -> list[int]
     return dropped
 
 
-def named_run(cfg: BaseModel, stage: str) -> BaseModel:
+def named_run(cfg: Any, stage: str) -> Any:
     """`cfg` with `metrics.run_name` set to the stage's name unless the stage set one, so the
     run is `stage` in TensorBoard, MLflow and W&B rather than an artifact id."""
     if cfg.metrics.run_name:
@@ -283,13 +283,13 @@ class FineTuneStage(EngineStage):
             raise ConfigError(f"{source}: missing required key 'data.path' ({self.data_doc})")
         return cfg
 
-    def resolve_config(self, raw: dict, source: str) -> BaseModel:
+    def resolve_config(self, raw: dict, source: str) -> Any:
         cfg = self.validate_raw(raw, source)
         for key in self.data_files:
             cfg = with_dotted(cfg, key, absolute_data_path(get_dotted(cfg.model_dump(), key), key, source))
         return cfg
 
-    def fingerprint(self, config: BaseModel) -> dict:
+    def fingerprint(self, config: Any) -> dict:
         """The config's fingerprint, where each data file outside the store counts by its bytes
         (the `data_files` entries), not by where it lies."""
         fp = super().fingerprint(config)
@@ -320,5 +320,5 @@ class FineTuneStage(EngineStage):
             if isinstance(get_dotted(tree, key), str):
                 set_dotted(tree, key, ctx.for_ranks(get_dotted(tree, key)))
         tree["progress"] = False  # progress reaches the pipeline log through metrics.jsonl
-        cfg = self.config_schema.model_validate(tree)
+        cfg: Any = self.config_schema.model_validate(tree)  # a training schema: it has `steps`
         return self.train(ctx, cfg, f"{self.task}.yaml", cfg.steps)
