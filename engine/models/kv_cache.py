@@ -160,6 +160,7 @@ class KVCache:
         if not self.shared_k:
             return None
         mask_ps = self.shared_valid_ps
+        assert mask_ps is not None  # set with shared_k
         if window is not None:
             prefix = mask_ps.shape[1]
             distance_s = prefix + self.end - jnp.arange(prefix)

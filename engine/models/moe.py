@@ -278,26 +278,29 @@ class MoE(nnx.Module):
         """Assignments each expert takes per sequence in the capacity dispatch."""
         return max(1, math.ceil(self.capacity_factor * seq_len * self.k / self.num_experts))
 
-    def _routed(self, x_btd, experts_nk, weights_nk, valid_bt, experts, biases, seq_len: int):
+    def _routed(self, x_btd, experts_nk, weights_nk, valid_bt, experts: list, biases: list | None, seq_len: int):
         """sum_k weight * expert_k(x) of the tokens x (b, t, d), by the configured dispatch;
         `seq_len`: the sequence length the capacity is for."""
         b, t, d = x_btd.shape
         k = experts_nk.shape[1]
+        w_gate, w_up, w_down = experts
         mesh = current_mesh()
-        if self.dispatch == "dropless" and moe_ep.applies(mesh, b * t):  # engine/models/moe_ep.py
+        if self.dispatch == "dropless" and mesh is not None and moe_ep.applies(mesh, b * t):  # moe_ep.py
             return moe_ep.expert_parallel_dropless(
-                x_btd.reshape(b * t, d), experts_nk, weights_nk, *experts, self.glu, mesh, biases
+                x_btd.reshape(b * t, d), experts_nk, weights_nk, w_gate, w_up, w_down, self.glu, mesh, biases
             ).reshape(b, t, d)
         if self.dispatch == "dropless":
             return dropless_experts(
-                x_btd.reshape(b * t, d), experts_nk, weights_nk, *experts, self.glu, biases
+                x_btd.reshape(b * t, d), experts_nk, weights_nk, w_gate, w_up, w_down, self.glu, biases
             ).reshape(b, t, d)
         return capacity_experts(
             x_btd,
             experts_nk.reshape(b, t, k),
             weights_nk.reshape(b, t, k),
             valid_bt,
-            *experts,
+            w_gate,
+            w_up,
+            w_down,
             self.glu,
             self.capacity(seq_len),
             self.dot_general,

@@ -201,6 +201,7 @@ class Attention(nnx.Module):
         sinks_n = self.sinks_n[...] if self.sinks else None
         if cache is None:
             if chunked:  # each chunk of each document its own segment (engine/ops/attention.py)
+                assert self.chunk_size is not None, "chunked layers need attention_chunk_size"
                 segment_ids_bt = chunked_segment_ids(segment_ids_bt, positions_bt, self.chunk_size)
             with jax.named_scope("core"):
                 out_btnh = attention(
