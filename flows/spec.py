@@ -45,7 +45,7 @@ from flows.gates import SKIPPED_CONDITION, Gate, read_condition, select_best
 from flows.sweep import Ref, Selection, base_dependencies, expand
 from tasks.artifacts import COMPLETE, ArtifactStore, artifact_id
 from tasks.launch.run import LauncherSpec
-from tasks.registry import get_stage_kind, input_refs
+from tasks.registry import StageKind, get_stage_kind, input_refs
 from tasks.runner import StageJob
 from tasks.store.names import GLOB_CHARACTERS
 
@@ -365,7 +365,7 @@ def build_plan(spec: PipelineSpec, source: str = "pipeline", store: str | Path |
     (a stage behind a selection gets its id once the candidates are complete: Plan.resolve)."""
     _import_modules(spec, source)
     errors: list[str] = []
-    kinds = {}
+    kinds: dict[str, StageKind] = {}
     for name, stage in spec.stages.items():
         try:
             kinds[name] = get_stage_kind(stage.task)
@@ -389,7 +389,21 @@ def build_plan(spec: PipelineSpec, source: str = "pipeline", store: str | Path |
     points, expansion_errors = expand(spec.stages, order, schemas, source, gate_names)
     errors += expansion_errors
 
-    # Input wiring: references and kinds, point by point.
+    errors += _wiring_errors(spec, points, kinds, source)
+    configs, written_configs, launchers, config_errors = _configs_and_launchers(spec, points, kinds, source)
+    errors += config_errors
+    if errors:
+        raise ConfigError("\n".join(dict.fromkeys(errors)))
+    errors += _step_errors(points, configs, kinds, source)
+    if errors:
+        raise ConfigError("\n".join(dict.fromkeys(errors)))
+    return _planned_stages(spec, source, store, points, kinds, gates, configs, written_configs, launchers)
+
+
+def _wiring_errors(spec: PipelineSpec, points: dict, kinds: dict[str, StageKind], source: str) -> list[str]:
+    """What is wrong with the stages' inputs: an input a kind does not take, a fan-in where
+    it takes one artifact, an upstream of another kind, a required input left out."""
+    errors: list[str] = []
     for point in points.values():
         kind = kinds.get(point.base)
         if kind is None:
@@ -431,8 +445,15 @@ def build_plan(spec: PipelineSpec, source: str = "pipeline", store: str | Path |
                     f"(a {' or '.join(declared.kinds)} artifact)"
                 )
                 break
+    return errors
 
-    # Configs and launchers (once per point: a sweep's points differ in their config).
+
+def _configs_and_launchers(
+    spec: PipelineSpec, points: dict, kinds: dict[str, StageKind], source: str
+) -> tuple[dict[str, Any], dict[str, dict], dict[str, LauncherSpec], list[str]]:
+    """Each point's resolved config, its config as written and its launcher (once per point:
+    a sweep's points differ in their config), and what is wrong with them."""
+    errors: list[str] = []
     configs: dict[str, Any] = {}
     written_configs: dict[str, dict] = {}
     launchers: dict[str, LauncherSpec] = {}
@@ -467,9 +488,12 @@ def build_plan(spec: PipelineSpec, source: str = "pipeline", store: str | Path |
                 f"{where}.launcher: task '{kind.task}' runs in-process; "
                 f"launcher applies only to stages that start the engine"
             )
-    if errors:
-        raise ConfigError("\n".join(dict.fromkeys(errors)))
+    return configs, written_configs, launchers, errors
 
+
+def _step_errors(points: dict, configs: dict[str, Any], kinds: dict[str, StageKind], source: str) -> list[str]:
+    """Checkpoint-step inputs (`stage@STEP`) that name a step their upstream never commits."""
+    errors: list[str] = []
     for point in points.values():  # checkpoint steps: only steps the upstream commits
         for input_name, ref in point.inputs.items():
             if isinstance(ref, Ref) and ref.step is not None:
@@ -477,9 +501,22 @@ def build_plan(spec: PipelineSpec, source: str = "pipeline", store: str | Path |
                 problem = _check_step(where, ref, configs[ref.stage], kinds[points[ref.stage].base])
                 if problem:
                     errors.append(problem)
-    if errors:
-        raise ConfigError("\n".join(dict.fromkeys(errors)))
+    return errors
 
+
+def _planned_stages(
+    spec: PipelineSpec,
+    source: str,
+    store: str | Path | None,
+    points: dict,
+    kinds: dict[str, StageKind],
+    gates: dict[str, Gate],
+    configs: dict[str, Any],
+    written_configs: dict[str, dict],
+    launchers: dict[str, LauncherSpec],
+) -> Plan:
+    """The plan of validated points: each stage's job, retries, dependencies and gate, its id
+    resolved (or left for Plan.resolve behind a selection)."""
     plan = Plan(spec, source, ArtifactStore(store if store is not None else spec.store), {})
     for name, point in points.items():
         stage, kind = spec.stages[point.base], kinds[point.base]
