@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,12 @@ def test_a_toy_kind_is_listed_with_its_entry_point_and_planned_as_itself():
     # A kind without a planner hook trains nothing: never planned as another kind.
     assert planner_of(get_stage_kind("arithmetic")) is None and "evaluate" not in training_kinds()
     assert set(training_kinds()) >= {"pretrain", "sft", "grpo", "dpo", "reward_model", "distill"}
+
+
+def test_the_readmes_list_of_built_in_kinds_is_the_registrys():
+    text = (REPO / "README.md").read_text()
+    listed = text.split("  stages/", 1)[1].split("one module per built-in stage kind", 1)[0]
+    assert sorted(re.findall(r"(\w+)\.py", listed)) == sorted(BUILTIN_STAGES)
 
 
 def test_every_built_in_kind_is_its_module_and_its_entry_point_exists():
