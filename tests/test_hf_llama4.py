@@ -28,11 +28,15 @@ torch = need("torch")
 transformers = need("transformers")
 peft = need("peft")
 
+from engine.config import resolve_model_preset  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.peft import adapter_to_peft  # noqa: E402
-from engine.models.config import ComputeConfig, LoraConfig  # noqa: E402
+from engine.models.config import ComputeConfig, LoraConfig, ModelConfig  # noqa: E402
 from engine.models.lora import split_adapter  # noqa: E402
-from engine.models.params import abstract_model_params, graphdef_of  # noqa: E402
+from engine.models.params import abstract_model_params, graphdef_of, param_shardings  # noqa: E402
+from engine.ops.partitioning import use_mesh  # noqa: E402
+from engine.parallel.config import MeshConfig  # noqa: E402
+from engine.parallel.mesh import batch_sharding, global_array, make_mesh  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from engine.train.step import lm_loss_fn  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
@@ -47,6 +51,7 @@ from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over th
     test_export_then_convert_is_bitwise_identical,
     test_greedy_generation_of_16_tokens_is_identical,
 )
+from tests.test_moe import random_params  # noqa: E402
 
 TEXT = {
     **COMMON,
@@ -268,3 +273,45 @@ def test_the_multimodal_checkpoint_converts_to_the_text_model(case, tmp_path):
     assert summary["skipped_tensors"] == sum(
         1 for n, _ in multimodal.named_parameters() if not n.startswith("language_model.")
     )
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_expert_parallel_step_equals_one_device(dispatch):
+    """tiny-llama4 (top-2 here, chunks of 3) on expert=2 x fsdp=2 x data=2 simulated devices:
+    the loss, router statistics and every gradient of a step equal one device's, the experts'
+    input-scaled rows reaching their devices by all-to-all (tests/test_moe.py's check; the
+    gradients to 1e-5 of each one's largest entry, float32 sums in another order)."""
+    preset = resolve_model_preset({"model": "tiny-llama4"}, "tiny-llama4")["model"]
+    cfg = ModelConfig.model_validate({**preset, "experts_per_token": 2, "attention_chunk_size": 3})
+    compute = ComputeConfig(moe_dispatch=dispatch, moe_capacity_factor=2.0)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (8, 8))
+    segments = np.ones((8, 8), np.int32)
+    segments[3, 5:] = 0
+    batch_ = {
+        "tokens": tokens,
+        "positions": np.broadcast_to(np.arange(8), (8, 8)),
+        "segment_ids": segments,
+        "targets": np.roll(tokens, -1, 1),
+        "loss_mask": segments.astype(np.float32),
+    }
+    host_params = random_params(cfg, compute)
+    step = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef_of(cfg, compute)), has_aux=True))
+    results = {}
+    one = make_mesh(MeshConfig(data=1), jax.devices()[:1])
+    for name, mesh in (("one", one), ("mesh", make_mesh(MeshConfig(data=2, expert=2, fsdp=2)))):
+        params = jax.device_put(host_params, param_shardings(cfg, compute, mesh)[1])
+        sharded = {k: global_array(v, batch_sharding(mesh)) for k, v in batch_.items()}
+        with use_mesh(mesh):
+            compiled = step.lower(params, sharded, 61.0).compile()
+        (loss, aux), grads = compiled(params, sharded, 61.0)
+        results[name] = float(loss), float(aux["moe_balance_loss"]), jax.tree.map(np.asarray, grads)
+        if name == "mesh":
+            assert params["blocks"]["mlp"]["w_gate_edf"].sharding.spec[:2] == (None, "expert")
+            assert "all-to-all" in compiled.as_text()
+    (loss_1, balance_1, grads_1), (loss_8, balance_8, grads_8) = results["one"], results["mesh"]
+    assert np.isfinite(loss_1) and loss_8 == pytest.approx(loss_1, rel=1e-6)
+    assert balance_8 == pytest.approx(balance_1, rel=1e-6)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_1), jax.tree.leaves(grads_8), strict=True):
+        np.testing.assert_allclose(
+            b, a, rtol=1e-5, atol=1e-5 * float(np.abs(a).max()), err_msg=jax.tree_util.keystr(path)
+        )
