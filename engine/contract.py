@@ -67,6 +67,7 @@ ADDED_AT_DEFAULT = {
     # evaluate's lm-eval harness tasks
     "harness": None,
     "compute.weight_grad_dtype": "float32",
+    "compute.mtp_loss": 0.0,
     "compute.matmul_precision": "default",
     "mesh.dcn": {"data": 1, "expert": 1, "fsdp": 1, "context": 1},
     # the layer pattern's per-layer kinds (engine/models/config.py: ModelConfig.layer_pattern)
@@ -76,6 +77,7 @@ ADDED_AT_DEFAULT = {
     "model.qk_norm_across_heads": False,
     "model.ffn_pattern": None,
     "model.router_group_score": "top2_sum",
+    "model.mtp_layers": 0,
     # Gemma 4's global layers and DeepSeek Sparse Attention's indexer (engine/models/config.py)
     "model.global_head_dim": None,
     "model.global_num_kv_heads": None,

@@ -347,3 +347,175 @@ def test_the_presets_are_the_published_models(preset):
     tiny = "tiny-" + ("deepseek-v2" if preset.startswith("deepseek") else preset)
     small = ModelConfig.model_validate(resolve_model_preset({"model": tiny}, tiny)["model"])
     assert small.family == cfg.family and small.layer_stacks()[0][0] == cfg.layer_stacks()[0][0]
+
+
+# --------------------------------------------------------------------------- multi-token prediction
+
+
+def mtp_hf_config(name: str, layers: int = 3, mtp: int = 1):
+    """DeepSeek-V3 (Kimi K2's shape above) and GLM-4.5 (test_hf_patterns' tiny case) with one
+    multi-token-prediction layer, or `layers` decoder layers."""
+    if name == "deepseek_v3":
+        config = hf_config("kimi_k2")
+        config.num_nextn_predict_layers = mtp
+    else:
+        config = transformers.Glm4MoeConfig(
+            **{**COMMON, "num_hidden_layers": layers},
+            n_routed_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=14,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            first_k_dense_replace=1,
+            attention_bias=True,
+            use_qk_norm=True,
+            num_mtp_layers=mtp,
+            rope_theta=500.0,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+    config.num_hidden_layers = layers
+    return config
+
+
+def with_mtp_layer(name: str, root):
+    """A checkpoint as DeepSeek-V3 and GLM-4.5 publish them: the model's tensors (what
+    transformers saves) plus, as `model.layers.{L}.`, a multi-token-prediction layer (a
+    decoder layer with experts, random; its enorm, hnorm, eh_proj and shared_head.norm; copies
+    of the embedding and head). Returns (the main model, transformers' MtpModel loaded from it
+    by its own weight mapping)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.modeling_layers import MtpModel
+
+    main = random_causal_lm(mtp_hf_config(name), 0, **IMPLEMENTATIONS)
+    randomise_routing_bias(main)
+    main.save_pretrained(root)
+    donor = random_causal_lm(mtp_hf_config(name, layers=4, mtp=0), 1, **IMPLEMENTATIONS)
+    randomise_routing_bias(donor, 1)
+    donor.save_pretrained(root / "donor")
+    tensors = load_file(root / "model.safetensors")
+    layer = "model.layers.3."
+    tensors |= {k: v for k, v in load_file(root / "donor" / "model.safetensors").items() if k.startswith(layer)}
+    generator = torch.Generator().manual_seed(2)
+    d = main.config.hidden_size
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{layer}{norm}.weight"] = 1 + 0.3 * torch.randn(d, generator=generator)
+    tensors[f"{layer}eh_proj.weight"] = 0.3 * torch.randn(d, 2 * d, generator=generator)
+    tensors[f"{layer}embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors[f"{layer}shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, root / "model.safetensors", metadata={"format": "pt"})
+    main.config._name_or_path = str(root)
+    main.config.dtype = torch.float32  # save_pretrained left its name, which MtpModel cannot take
+    main._keys_to_ignore_on_load_unexpected = [r"model\.layers\.3.*"]  # the class names layer 61 (46, 92)
+    return main, MtpModel.from_pretrained(main).float().eval()
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+def mtp_case(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"{request.param}_mtp")
+    main, mtp = with_mtp_layer(request.param, root / "hf")
+    convert_hf(root / "hf", root / "converted")
+    cfg, params, _ = load_params(root / "converted" / "checkpoint")
+    _, compute = stored_configs(root / "converted" / "checkpoint")
+    return dict(name=request.param, main=main, mtp=mtp, root=root, cfg=cfg, compute=compute, params=params)
+
+
+def test_the_multi_token_prediction_layer_converts_and_predicts_as_transformers_mtp_model(mtp_case):
+    """The converted MTP layer's logits (token i + 2 from the final hidden state at i and token
+    i + 1) are transformers' MtpModel's; the main model's are unchanged by it."""
+    from flax import nnx
+
+    from engine.models.mtp import mtp_logits
+
+    cfg, main, mtp = mtp_case["cfg"], mtp_case["main"], mtp_case["mtp"]
+    assert (
+        cfg.mtp_layers == 1
+        and "mtp_blocks" in mtp_case["params"]
+        and "w_router_de" in str(jax.tree_util.tree_structure(mtp_case["params"]["mtp_blocks"]))
+    )
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 20))
+    positions = torch.arange(20)[None].expand(2, 20)
+    with torch.no_grad():
+        out = main(torch.tensor(tokens), output_hidden_states=True)
+        hidden = out.hidden_states[-1]
+        ref = mtp._project_to_logits(
+            mtp.forward_layer(0, hidden[:, :-1], positions[:, 1:], None, input_ids=torch.tensor(tokens[:, 1:]))
+        ).numpy()
+    model = nnx.merge(graphdef_of(cfg, mtp_case["compute"]), mtp_case["params"])
+    ours_hidden, _ = model.hidden_states(jnp.asarray(tokens))
+    ours, stats = mtp_logits(model, ours_hidden, jnp.asarray(tokens))
+    delta = float(np.abs(np.asarray(ours)[:, :-1] - ref).max())
+    print(f"\n{mtp_case['name']} MTP: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref).max():.1f})")
+    assert delta <= 1e-4 and np.abs(ref).max() > 0.5 and stats is not None
+    main_delta = np.abs(np.asarray(model(jnp.asarray(tokens))) - out.logits.numpy()).max()
+    assert main_delta <= 1e-4
+
+
+def test_a_checkpoint_with_its_mtp_layer_exports_bitwise(mtp_case, tmp_path):
+    """HF -> checkpoint -> HF: every tensor of the source, the MTP layer's included, comes back
+    with the same bytes (and nothing else), config.json says the layer is there, and export ->
+    convert is bitwise; a checkpoint whose config names the layer but whose weights lack it
+    (transformers' save_pretrained) converts without it."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    export_hf(mtp_case["root"] / "converted" / "checkpoint", tmp_path / "export")
+    source = load_file(mtp_case["root"] / "hf" / "model.safetensors")
+    exported = load_file(tmp_path / "export" / "model.safetensors")
+    assert sorted(exported) == sorted(source) and any(".layers.3.eh_proj" in k for k in exported)
+    for name, array in source.items():
+        assert exported[name].dtype == array.dtype and exported[name].tobytes() == array.tobytes(), name
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    convert_hf(tmp_path / "export", tmp_path / "again")
+    cfg, params, _ = load_params(tmp_path / "again" / "checkpoint")
+    assert cfg == mtp_case["cfg"]
+    for a, b in zip(jax.tree.leaves(mtp_case["params"]), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    mtp_case["main"].save_pretrained(tmp_path / "plain")  # config num_nextn_predict_layers 1, no such weights
+    convert_hf(tmp_path / "plain", tmp_path / "plain_converted")
+    plain, plain_params, _ = load_params(tmp_path / "plain_converted" / "checkpoint")
+    assert plain.mtp_layers == 0 and "mtp" not in plain_params
+
+
+def test_the_mtp_loss_is_transformers_cross_entropy_and_trains_the_layer_only_when_asked(mtp_case):
+    """compute.mtp_loss 0.3: the training loss gains 0.3 x the mean cross entropy of the MTP
+    layer's predictions of token i + 2 (from transformers' MtpModel logits here), and the
+    layer's parameters get gradients; at 0 (the default) it is not run and gets none."""
+
+    cfg, main, mtp = mtp_case["cfg"], mtp_case["main"], mtp_case["mtp"]
+    tokens = np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 12))
+    data = {
+        "tokens": tokens,
+        "positions": np.broadcast_to(np.arange(12), (2, 12)),
+        "segment_ids": np.ones((2, 12), np.int32),
+        "targets": np.roll(tokens, -1, 1),
+        "loss_mask": np.concatenate([np.ones((2, 11)), np.zeros((2, 1))], axis=1).astype(np.float32),
+    }
+    results = {}
+    for weight in (0.0, 0.3):
+        compute = mtp_case["compute"].model_copy(update={"mtp_loss": weight})
+        step = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef_of(cfg, compute)), has_aux=True))
+        results[weight] = step(mtp_case["params"], data, 22.0)
+    (loss_off, aux_off), grads_off = results[0.0]
+    (loss_on, aux_on), grads_on = results[0.3]
+    with torch.no_grad():
+        hidden = main(torch.tensor(tokens), output_hidden_states=True).hidden_states[-1]
+        positions = torch.arange(12)[None].expand(2, 12)
+        logits = mtp._project_to_logits(
+            mtp.forward_layer(0, hidden[:, :-1], positions[:, 1:], None, input_ids=torch.tensor(tokens[:, 1:]))
+        )
+        ref = torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, cfg.vocab_size), torch.tensor(tokens[:, 2:]).reshape(-1)
+        )
+    assert "mtp_loss" not in aux_off and float(aux_on["mtp_loss"]) == pytest.approx(ref.item(), rel=1e-5)
+    assert float(loss_on) == pytest.approx(float(loss_off) + 0.3 * ref.item(), rel=1e-5)
+    assert float(aux_on["loss"]) == pytest.approx(float(aux_off["loss"]), rel=1e-6)  # the main loss as before
+    for name in ("mtp", "mtp_blocks"):
+        assert all(not np.asarray(g).any() for g in jax.tree.leaves(grads_off[name]))
+    moved = [np.isfinite(g).all() and np.abs(np.asarray(g)).max() > 0 for g in jax.tree.leaves(grads_on["mtp"])]
+    assert (
+        all(moved)
+        and np.abs(np.asarray(grads_on["mtp_blocks"]["attn"]["wo_nwd" if cfg.is_mla else "wo_nhd"])).max() > 0
+    )

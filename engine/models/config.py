@@ -287,6 +287,13 @@ class ModelConfig(Strict):
     router_group_score: Literal["top2_sum", "max"] = "top2_sum"
     """With router_groups: what scores a group, the sum of its two best (biased) scores
     (DeepSeek-V3's noaux_tc) or its best score (DeepSeek-V2's group_limited_greedy)."""
+    mtp_layers: int = Field(0, ge=0, le=1)
+    """Multi-token-prediction modules after the last layer (DeepSeek-V3's and GLM-4.5's
+    num_nextn_predict_layers; at most one, as they publish): the module joins the main model's
+    final hidden state at i with the embedding of token i + 1 and runs one more layer of the
+    last layer's kind, whose output the LM head reads as a prediction of token i + 2
+    (engine/models/mtp.py; the `mtp_blocks` stack). Converted, kept and exported; trained
+    only under ComputeConfig.mtp_loss."""
     # Llama 4 (engine/models/families/llama4.py)
     attention_chunk_size: int | None = Field(None, gt=0)
     """Chunked layers (attention_pattern `chunked`) attend within chunks of this many positions:
@@ -361,6 +368,8 @@ class ModelConfig(Strict):
             raise ValueError("first_dense_layers needs num_experts (the layers after them have experts)")
         if self.ffn_pattern is not None and not self.is_moe:
             raise ValueError("ffn_pattern needs num_experts (it says which layers have experts)")
+        if self.mtp_layers and not self.is_moe:
+            raise ValueError("mtp_layers (DeepSeek-V3's and GLM-4.5's multi-token prediction) needs num_experts")
         if self.qk_norm_across_heads and not self.qk_norm:
             raise ValueError("qk_norm_across_heads needs qk_norm")
         if not self.pre_norms and not self.post_norms:
@@ -469,6 +478,19 @@ class ModelConfig(Strict):
         """The global layers' attention differs in its parameters (Gemma 4): a stack of their own."""
         return bool(self.global_head_dim or self.global_num_kv_heads or self.global_values_from_keys)
 
+    def mtp_layer(self) -> Layer:
+        """The kind of the multi-token-prediction module's layer: the last layer's, with its
+        experts (transformers' MtpModel builds it with first_k_dense_replace 0), in `mtp_blocks`."""
+        last = self.layer_pattern()[-1]
+        return last._replace(stack="mtp_blocks", ffn="moe" if self.is_moe else last.ffn)
+
+    def mtp_stacks(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(params key, HF layer indices) of the multi-token-prediction layers: layer_stacks'
+        form for the tensor table (model.layers.{num_layers}. ...); empty without them."""
+        if not self.mtp_layers:
+            return []
+        return [("mtp_blocks", tuple(range(self.num_layers, self.num_layers + self.mtp_layers)))]
+
     def layer_stacks(self) -> list[tuple[str, tuple[int, ...]]]:
         """(params key, the model's layers in it, in order) of each stack of like layers, in the
         order of their first layer: `blocks` alone, or with experts also the dense layers'
@@ -508,6 +530,10 @@ class ModelConfig(Strict):
         pattern = self.layer_pattern()
         dense_layers = sum(layer.ffn == "mlp" for layer in pattern) if self.is_moe else 0
         n = self.num_layers * block + dense_layers * (3 * self.d_model * self.mlp_dim - mlp) + self.d_model
+        # multi-token prediction: a layer like the last (experts), its two input norms, the
+        # (2d, d) projection and its output norm
+        mtp = block + self._attention_params(self.mtp_layer()) + 2 * self.d_model * self.d_model + 3 * self.d_model
+        n += self.mtp_layers * mtp
         n += sum(self._attention_params(layer) for layer in pattern)
         if include_embedding:
             n += self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
@@ -601,6 +627,11 @@ class ComputeConfig(Strict):
     devices that split the batch (engine/ops/dense.py): float32, or bfloat16 as MaxText's are
     (half the bytes of the gradient all-reduce/reduce-scatter per step; docs/benchmarks.md).
     Only a bfloat16 `dtype` has anything to round; the parameters' update stays in param_dtype."""
+    mtp_loss: float = Field(0.0, ge=0)
+    """Weight in the training loss of the multi-token-prediction loss (a model with
+    mtp_layers; DeepSeek-V3 trained with 0.3, then 0.1; MaxText's mtp_loss_scaling_factor):
+    the mean cross entropy of its predictions of token i + 2 (engine/models/mtp.py). 0: the
+    layer is not run (and its parameters get no gradient)."""
     indexer_loss: Literal["none", "warmup", "sparse"] = "none"
     """How a sparse-attention model (ModelConfig.index_topk) trains its lightning indexer
     (engine/models/dsa.py; DeepSeek-V3.2's recipe, arXiv 2512.02556): none = not at all (the

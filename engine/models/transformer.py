@@ -34,6 +34,7 @@ from engine.models.lora import (
 )
 from engine.models.mla import MLA
 from engine.models.moe import MoE, MoEStats, combine_stats
+from engine.models.mtp import MTPHead, mtp_loss
 from engine.models.rope import rope_cos_sin, rope_inverse_frequencies, rotate
 from engine.ops.attention import attention, chunked_segment_ids, decode_attention
 from engine.ops.dense import DotGeneral, dense, gated_mlp, matmuls_in, uses_cpu_backward, weight_grads_in
@@ -526,6 +527,15 @@ class Transformer(nnx.Module):
                     ]
                 )
             setattr(self, name, stack)
+        if cfg.mtp_layers:  # multi-token prediction (engine/models/mtp.py): run by its loss only
+            self.mtp = MTPHead(cfg, compute, rngs=rngs)
+            layer = cfg.mtp_layer()
+            moe = layer.ffn == "moe"
+            self.mtp_blocks = (
+                self._stacked_blocks(cfg, compute, rngs, dot_general, cfg.mtp_layers, moe, None, layer)
+                if compute.scan_layers
+                else nnx.List([Block(cfg, compute, rngs=rngs, dot_general=dot_general, moe=moe, layer=layer)])
+            )
         self.final_norm = _norm(cfg, compute, cfg.d_model, rngs)
         if not cfg.tie_embeddings:
             self.lm_head_dv = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, ("embed", "vocab"), pdt)
@@ -706,7 +716,10 @@ class Transformer(nnx.Module):
         as ComputeConfig says, to add to the training loss; empty for a dense model. Without
         the `lm_head`: the final-normed hidden states (b, t, d) in place of the logits."""
         with weight_grads_in(self.compute.weight_grad_dtype):  # what the backward's products round to
-            logits_btv, stats, _ = self._forward(tokens_bt, positions_bt, segment_ids_bt, None, lm_head)
+            hidden = [] if self.cfg.mtp_layers and self.compute.mtp_loss and lm_head else None
+            logits_btv, stats, _ = self._forward(tokens_bt, positions_bt, segment_ids_bt, None, lm_head, hidden)
+            if hidden:  # multi-token prediction (engine/models/mtp.py): its loss joins aux_loss
+                mtp_ce = mtp_loss(self, hidden[0], tokens_bt, positions_bt, segment_ids_bt)
         indexer_kl = None
         if isinstance(stats, WithIndexerLoss):  # sparse attention's indexer trains (dsa.py)
             stats, indexer_kl = stats
@@ -724,6 +737,9 @@ class Transformer(nnx.Module):
         if indexer_kl is not None:  # the mean over layers of each one's mean over query tokens
             aux["indexer_loss"] = jnp.mean(indexer_kl)
             aux["aux_loss"] = aux["aux_loss"] + self.compute.indexer_loss_weight * aux["indexer_loss"]
+        if hidden:
+            aux["mtp_loss"] = mtp_ce
+            aux["aux_loss"] = aux["aux_loss"] + self.compute.mtp_loss * mtp_ce
         return logits_btv, aux
 
     def hidden_states(self, tokens_bt, positions_bt=None, segment_ids_bt=None):
@@ -732,9 +748,11 @@ class Transformer(nnx.Module):
         engine/posttrain/reward_model.py), by `forward`'s path stopped before the head."""
         return self.forward(tokens_bt, positions_bt, segment_ids_bt, lm_head=False)
 
-    def _forward(self, tokens_bt, positions_bt, segment_ids_bt, cache: KVCache | None, lm_head: bool = True):
+    def _forward(
+        self, tokens_bt, positions_bt, segment_ids_bt, cache: KVCache | None, lm_head: bool = True, hidden=None
+    ):
         """(logits, router stats of every layer or None, cache or None); without the `lm_head`,
-        the final-normed hidden states in place of the logits."""
+        the final-normed hidden states in place of the logits, which a list `hidden` gets too."""
         cfg = self.cfg
         dt = _dtype(self.compute.dtype)
         if positions_bt is None:
@@ -753,6 +771,8 @@ class Transformer(nnx.Module):
             x_btd, cache = self._decode_blocks(x_btd, positions_bt, segment_ids_bt, cache)
         with jax.named_scope("lm_head"):
             x_btd = self.final_norm(x_btd)
+            if hidden is not None:  # the multi-token-prediction layer's input (forward)
+                hidden.append(x_btd)
             if not lm_head:
                 return x_btd, stats, cache
             head_dv = self.embed_vd[...].T if cfg.tie_embeddings else self.lm_head_dv[...]

@@ -89,6 +89,8 @@ def moe_metrics(moe: dict, share) -> dict:
         "moe_load_max": jnp.max(load_e) * load_e.shape[0],
     }
     metrics.update({f"moe_load/{e}": load_e[e] for e in range(load_e.shape[0])})
+    if "mtp_loss" in moe:  # the multi-token-prediction layer's (engine/models/mtp.py)
+        metrics["mtp_loss"] = moe["mtp_loss"]
     return {k: v * share for k, v in metrics.items()}
 
 

@@ -107,6 +107,15 @@ def _weight_files(hf_dir: Path) -> list[Path]:
     raise ConfigError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json")
 
 
+def _has_tensors(files: list[Path], prefix: str) -> bool:
+    """Does any weight file hold a tensor whose name starts with `prefix`?"""
+    for path in files:
+        with SafetensorsFile(path) as st:
+            if any(name.startswith(prefix) for name in st.names()):
+                return True
+    return False
+
+
 def _source_dtype(files: list[Path]) -> str:
     """bfloat16 when most of the first file's float bytes are bfloat16, else float32: a bf16
     checkpoint may keep a few small tensors in float32 (DeepSeek-V3's router weight and
@@ -178,6 +187,11 @@ def convert_hf(
         raise ConfigError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     dtype = dtype or _source_dtype(files)
     cfg, compute = model_config_from_hf(hf_config, param_dtype=dtype, where=str(config_path))
+    if cfg.mtp_layers and not _has_tensors(files, f"model.layers.{cfg.num_layers}."):
+        # config.json names a multi-token-prediction layer the weights do not hold (transformers
+        # saves none): the model without it.
+        log(f"convert: config.json has num_nextn_predict_layers {cfg.mtp_layers} but the weights have no such layer")
+        cfg = cfg.model_copy(update={"mtp_layers": 0})
     architecture = get_family(cfg.family).architecture
     # A multimodal checkpoint (Llama4ForConditionalGeneration): its text decoder, under the
     # family's names (families/base.py Multimodal); the vision tower and projector are skipped.
@@ -189,8 +203,10 @@ def convert_hf(
     # HF name -> (spec, index into the stacked array: () top-level, (layer,) or (layer, expert),
     # engine shape of one slot)
     top, per_layer = tensor_table(cfg)
-    expected: dict[str, tuple[TensorSpec, tuple, tuple]] = {s.hf_name: (s, (), _at(shapes, s.path).shape) for s in top}
-    stacks = dict(cfg.layer_stacks())
+    expected: dict[str, tuple[TensorSpec, tuple, tuple]] = {
+        s.hf_name: (s, (), _at(shapes, s.path).shape) for s in top if not s.export_only
+    }
+    stacks = dict(cfg.layer_stacks() + cfg.mtp_stacks())  # the model's layers, its MTP layer's index
     for spec in per_layer:  # index: the layer within its stack; {i}: the model's layer
         stacked = _at(shapes, (spec.stack, *spec.path)).shape
         for i, layer in enumerate(stacks[spec.stack]):

@@ -153,9 +153,9 @@ def write_hf_model(
     top, per_layer = tensor_table(cfg)
     num_experts = cfg.num_experts
     order = [(top[0], ())]
-    layers_of = dict(cfg.layer_stacks())
+    layers_of = dict(cfg.layer_stacks() + cfg.mtp_stacks())  # and the MTP layer after the last
     slot = {layer: (stack, i) for stack, layers in layers_of.items() for i, layer in enumerate(layers)}
-    for layer in range(cfg.num_layers):  # in the model's order; index: the layer within its stack
+    for layer in range(cfg.num_layers + cfg.mtp_layers):  # in the model's order; index: the layer within its stack
         stack, i = slot[layer]
         for s in per_layer:
             if s.stack == stack:

@@ -64,6 +64,10 @@ class TensorSpec:
     """The layer stack a per-layer tensor belongs to (ModelConfig.layer_stacks): `blocks`, or
     the `dense_blocks` of a mixture of experts' dense layers (DeepSeek-V3's first layers,
     Qwen3-MoE's mlp_only_layers); `{i}` is always the model's layer index."""
+    export_only: bool = False
+    """A copy of another tensor that export writes and conversion skips (a multi-token-
+    prediction layer's embed_tokens and shared_head.head: transformers' MtpModel uses the main
+    model's, as the engine does)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +220,37 @@ def gated_mlp_tensors(prefix: str = "mlp.") -> list[TensorSpec]:
 def shortest_period(flags: list) -> list:
     """The shortest prefix that repeats to `flags` (a ModelConfig *_pattern)."""
     return _shortest_period(flags)
+
+
+def mtp_tensors(cfg: ModelConfig, per_layer: list[TensorSpec]) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(top-level, per-layer) tensors of the multi-token-prediction layer (ModelConfig.mtp_layers)
+    as DeepSeek-V3 and GLM-4.5 publish it, `model.layers.{num_layers}.`: its norms and eh_proj,
+    a layer named as the last layer's stack's (`per_layer`'s specs of it, in the `mtp_blocks`
+    stack), and copies of the embedding and LM head that export writes and conversion skips."""
+    if not cfg.mtp_layers:
+        return [], []
+    mtp = f"model.layers.{cfg.num_layers}."
+    head = ("embed_vd",) if cfg.tie_embeddings else ("lm_head_dv",)
+    top = [
+        TensorSpec(("mtp", "enorm", "scale"), mtp + "enorm.weight", None),
+        TensorSpec(("mtp", "hnorm", "scale"), mtp + "hnorm.weight", None),
+        TensorSpec(("mtp", "w_eh_xd"), mtp + "eh_proj.weight", 1),
+        TensorSpec(("mtp", "post_norm", "scale"), mtp + "shared_head.norm.weight", None),
+        TensorSpec(("embed_vd",), mtp + "embed_tokens.weight", None, export_only=True),
+        TensorSpec(head, mtp + "shared_head.head.weight", None if cfg.tie_embeddings else 1, export_only=True),
+    ]
+    last = cfg.layer_pattern()[-1].stack
+    return top, [dataclasses.replace(spec, stack="mtp_blocks") for spec in per_layer if spec.stack == last]
+
+
+def mtp_copy(name: str, cfg: ModelConfig) -> bool:
+    """A tensor of the checkpoint's layer after the last that conversion skips: all of it
+    without mtp_layers (a module the engine would not keep), else the embedding and LM head
+    copies (the engine's are the main model's)."""
+    prefix = f"model.layers.{cfg.num_layers}."
+    if not name.startswith(prefix):
+        return False
+    return not cfg.mtp_layers or name[len(prefix) :] in ("embed_tokens.weight", "shared_head.head.weight")
 
 
 # --------------------------------------------------------------------------- the base class
@@ -372,7 +407,8 @@ class Family:
         top.append(TensorSpec(("final_norm", "scale"), "model.norm.weight", None))
         if not cfg.tie_embeddings:
             top.append(TensorSpec(("lm_head_dv",), "lm_head.weight", 1))
-        return top, per_layer
+        mtp_top, mtp_layer = mtp_tensors(cfg, per_layer)
+        return top + mtp_top, per_layer + mtp_layer
 
     def attention_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
         """The input norm and the q, k, v, o projections (Phi-3: one fused qkv_proj)."""

@@ -9,20 +9,18 @@ renormalised (norm_topk_prob) and scaled (routed_scaling_factor), plus shared ex
 Checkpoints store one tensor per expert (`experts.{j}.`), as transformers saves them.
 
 The multi-token-prediction layer published checkpoints carry after the last layer
-(num_nextn_predict_layers, `model.layers.{num_hidden_layers}.`) is not part of the causal LM
-transformers runs either: conversion skips its tensors and export writes none (and 0).
+(num_nextn_predict_layers, `model.layers.{num_hidden_layers}.`; transformers' MtpModel) is
+ModelConfig.mtp_layers: converted and exported with the rest (base.mtp_tensors), or left
+out by conversion when the checkpoint has none (transformers' save_pretrained writes none).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from engine.config import ConfigError
 from engine.models.config import ModelConfig
-from engine.models.families.base import EXPERT, LAYER, Family, TensorSpec, register_family
-
-_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+from engine.models.families.base import EXPERT, LAYER, Family, TensorSpec, mtp_copy, mtp_tensors, register_family
 
 
 def _attention(stack: str, q_lora: bool) -> list[TensorSpec]:
@@ -106,7 +104,6 @@ class DeepseekV3(Family):
         "attention_bias": False,
         "pretraining_tp": 1,
         "output_router_logits": False,
-        "num_nextn_predict_layers": 0,
     }
 
     def extra_fields_from_hf(self, hf: dict) -> dict[str, Any]:
@@ -133,10 +130,12 @@ class DeepseekV3(Family):
             "router_group_top": self.hf_value(hf, "topk_group"),
             "router_scale": float(self.hf_value(hf, "routed_scaling_factor")),
             "first_dense_layers": self.hf_value(hf, "first_k_dense_replace"),
+            "mtp_layers": hf.get("num_nextn_predict_layers") or 0,
         }
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         return {
+            "num_nextn_predict_layers": cfg.mtp_layers,
             "head_dim": cfg.rope_head_dim,
             "qk_head_dim": cfg.head_dim,  # as transformers writes them
             "qk_nope_head_dim": cfg.head_dim - cfg.rope_head_dim,
@@ -167,13 +166,14 @@ class DeepseekV3(Family):
         for stack, _ in cfg.layer_stacks():
             per_layer += _attention(stack, cfg.q_lora_rank is not None)
             per_layer += _dense_mlp() if stack == "dense_blocks" else routed_and_shared_experts(cfg.router_bias)
-        return top, per_layer
+        mtp_top, mtp_layer = mtp_tensors(cfg, per_layer)
+        return top + mtp_top, per_layer + mtp_layer
 
     def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:
-        # The multi-token-prediction layer (DeepSeek-V3 and R1 ship one, num_nextn_predict_layers: 1)
-        # right after the last; any other extra layer is a config/weights mismatch convert names.
-        layer = _LAYER_INDEX.match(name)
-        return layer is not None and int(layer.group(1)) == cfg.num_layers
+        # The multi-token-prediction layer's copies of the embedding and head (DeepSeek-V3 and R1
+        # ship one layer, num_nextn_predict_layers: 1), or all of it where the config has none;
+        # any other extra layer is a config/weights mismatch convert names.
+        return mtp_copy(name, cfg)
 
 
 @register_family
@@ -237,11 +237,12 @@ class DeepseekV2(DeepseekV3):
             "router_renormalize": False,
             "router_groups": hf["n_group"] if grouped else 1,
             "router_group_top": hf["topk_group"] if grouped else 1,
+            "mtp_layers": 0,
         }
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         keys = super().extra_hf_keys(cfg)
-        del keys["rope_interleave"]
+        del keys["rope_interleave"], keys["num_nextn_predict_layers"]
         grouped = cfg.router_groups > 1
         return {
             **keys,

@@ -7,21 +7,27 @@ ModelConfig.rotary_dim); the first first_k_dense_replace layers have a dense MLP
 bias that only chooses (e_score_correction_bias), group-limited top-k, renormalised and
 scaled weights, shared experts. Checkpoints store one tensor per expert, as transformers
 saves them; the multi-token-prediction layer published checkpoints carry after the last
-layer (num_nextn_predict_layers) is skipped on conversion and not written by export.
+layer (num_nextn_predict_layers) is ModelConfig.mtp_layers, converted and exported as
+DeepSeek-V3's (families/base.py: mtp_tensors).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from engine.config import ConfigError
 from engine.models.config import ModelConfig
-from engine.models.families.base import LAYER, Family, TensorSpec, qk_norm_tensors, register_family, rope_from_hf
+from engine.models.families.base import (
+    LAYER,
+    Family,
+    TensorSpec,
+    mtp_copy,
+    qk_norm_tensors,
+    register_family,
+    rope_from_hf,
+)
 from engine.models.families.base import rope_parameters_to_hf as _rope_parameters
 from engine.models.families.deepseek import routed_and_shared_experts
-
-_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @register_family
@@ -48,7 +54,7 @@ class Glm4Moe(Family):
     }
     unsupported_flags = ()  # attention_bias is the q/k/v biases (qkv_bias)
     # Training-only settings of transformers' class; the engine's loss weights are ComputeConfig's.
-    hf_constants = {"output_router_logits": False, "num_nextn_predict_layers": 0}
+    hf_constants = {"output_router_logits": False}
 
     def _partial_rotary_factor(self, hf: dict) -> float:
         return float(
@@ -86,6 +92,7 @@ class Glm4Moe(Family):
             "router_group_top": self.hf_value(hf, "topk_group"),
             "router_scale": float(self.hf_value(hf, "routed_scaling_factor")),
             "first_dense_layers": self.hf_value(hf, "first_k_dense_replace"),
+            "mtp_layers": hf.get("num_nextn_predict_layers") or 0,
         }
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
@@ -107,6 +114,7 @@ class Glm4Moe(Family):
             "topk_group": cfg.router_group_top,
             "routed_scaling_factor": cfg.router_scale,
             "first_k_dense_replace": cfg.first_dense_layers,
+            "num_nextn_predict_layers": cfg.mtp_layers,
         }
 
     def attention_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
@@ -126,6 +134,5 @@ class Glm4Moe(Family):
         return routed_and_shared_experts()
 
     def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:
-        # The multi-token-prediction layer right after the last (GLM-4.5 ships one).
-        layer = _LAYER_INDEX.match(name)
-        return layer is not None and int(layer.group(1)) == cfg.num_layers
+        # The multi-token-prediction layer's embedding and head copies (GLM-4.5 ships one layer).
+        return mtp_copy(name, cfg)
