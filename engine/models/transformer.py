@@ -716,7 +716,7 @@ class Transformer(nnx.Module):
         as ComputeConfig says, to add to the training loss; empty for a dense model. Without
         the `lm_head`: the final-normed hidden states (b, t, d) in place of the logits."""
         with weight_grads_in(self.compute.weight_grad_dtype):  # what the backward's products round to
-            hidden = [] if self.cfg.mtp_layers and self.compute.mtp_loss and lm_head else None
+            hidden: list | None = [] if self.cfg.mtp_layers and self.compute.mtp_loss and lm_head else None
             logits_btv, stats, _ = self._forward(tokens_bt, positions_bt, segment_ids_bt, None, lm_head, hidden)
             if hidden:  # multi-token prediction (engine/models/mtp.py): its loss joins aux_loss
                 mtp_ce = mtp_loss(self, hidden[0], tokens_bt, positions_bt, segment_ids_bt)

@@ -16,7 +16,7 @@ out by conversion when the checkpoint has none (transformers' save_pretrained wr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from engine.config import ConfigError
 from engine.models.config import ModelConfig
@@ -98,7 +98,7 @@ class DeepseekV3(Family):
         "norm_topk_prob": True,
         "rope_interleave": True,
     }
-    unsupported_flags = ("attention_bias",)
+    unsupported_flags: ClassVar[tuple[str, ...]] = ("attention_bias",)
     # Training-only settings of transformers' class; the engine's loss weights are ComputeConfig's.
     hf_constants = {
         "attention_bias": False,
