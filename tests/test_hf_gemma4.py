@@ -15,6 +15,8 @@ autograd and a LoRA adapter against PEFT's.
 from __future__ import annotations
 
 import copy
+import io
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +31,10 @@ peft = need("peft")
 
 from engine.config import ConfigError  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
 from engine.interop.hf.peft import adapter_from_peft, adapter_to_peft, lora_config_from_peft  # noqa: E402
+from engine.models.config import LoraConfig  # noqa: E402
 from engine.models.lora import join, split_adapter  # noqa: E402
 from engine.models.params import abstract_model_params, apply_model, graphdef_of  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
@@ -45,7 +49,6 @@ from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over th
     engine_logits,
     hf_logits,
     random_causal_lm,
-    test_export_loads_in_transformers_cleanly_with_the_same_logits,
     test_export_then_convert_is_bitwise_identical,
     test_greedy_generation_of_16_tokens_is_identical,
 )
@@ -72,17 +75,33 @@ def hf_config(name: str):
         ),
         # global heads 12 wide with their own v_proj (the small models' attention)
         "gemma4_own_values": lambda: transformers.Gemma4TextConfig(**common, global_head_dim=12),
+        # 26B-A4B's shape: 5 experts (top-2) beside the dense MLP in every layer
+        "gemma4_moe": lambda: transformers.Gemma4TextConfig(
+            **common,
+            global_head_dim=12,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            enable_moe_block=True,
+            num_experts=5,
+            top_k_experts=2,
+            moe_intermediate_size=14,
+        ),
     }[name]()
 
 
-CASES = ["gemma4", "gemma4_own_values"]
+CASES = ["gemma4", "gemma4_own_values", "gemma4_moe"]
+
+
+def implementations(name: str) -> dict:
+    """transformers' plain loops: its grouped-matmul experts need 16-byte strides (odd sizes have not)."""
+    return {"attn_implementation": "eager", **({"experts_implementation": "eager"} if "moe" in name else {})}
 
 
 @pytest.fixture(scope="module", params=CASES)
 def case(request, tmp_path_factory) -> Case:
     name = request.param
     root = tmp_path_factory.mktemp(name)
-    model = random_causal_lm(hf_config(name), 0, attn_implementation="eager")
+    model = random_causal_lm(hf_config(name), 0, **implementations(name))
     model.save_pretrained(root / "hf")
     (root / "hf" / "tokenizer.json").write_text('{"stand-in": true}')
     convert_hf(root / "hf", root / "converted")
@@ -150,6 +169,42 @@ def test_unrolled_layers_match_the_scanned_stacks(case):
     )
 
 
+def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
+    export_hf(case.out_dir / "checkpoint", tmp_path / "export")
+    records = io.StringIO()
+    handler = logging.StreamHandler(records)
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "export", output_loading_info=True, **implementations(case.family)
+        )
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert "were not initialized" not in records.getvalue() and "not used" not in records.getvalue()
+    assert type(reloaded) is type(case.hf_model)
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    np.testing.assert_array_equal(
+        hf_logits(reloaded.eval(), tokens, mask)[valid], hf_logits(case.hf_model, tokens, mask)[valid]
+    )
+
+
+def test_the_per_expert_scale_weighs_the_experts(case):
+    """The per-expert scale reaches the logits: scaling one layer's experts apart (0.8 to 1.2)
+    moves them (scaling all alike would not: the experts' output is normalised)."""
+    if not case.cfg.is_moe:
+        pytest.skip("the mixture of experts only")
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    base = engine_logits(case.cfg, case.compute, case.params, tokens, mask)
+    params = jax.tree.map(lambda x: x, case.params)
+    params["blocks"]["mlp"]["expert_scale_e"] = (
+        params["blocks"]["mlp"]["expert_scale_e"].at[0].multiply(jnp.linspace(0.8, 1.2, case.cfg.num_experts))
+    )
+    assert np.abs(engine_logits(case.cfg, case.compute, params, tokens, mask) - base)[valid].max() > 1e-3
+
+
 def test_exported_config_json_is_what_transformers_writes(case, tmp_path, monkeypatch):
     """test_hf_parity's check; export also writes the global heads' shape in the published
     checkpoints' keys (global_head_dim, num_global_key_value_heads), which transformers
@@ -182,7 +237,8 @@ def test_a_training_step_gives_torch_autograd_gradients(case):
         "targets": targets,
         "loss_mask": np.ones((2, 13), np.float32),
     }
-    loss_fn = lm_loss_fn(graphdef_of(case.cfg, case.compute))
+    compute = case.compute.model_copy(update={"moe_balance_loss": 0.0, "moe_router_z_loss": 0.0})  # HF's loss alone
+    loss_fn = lm_loss_fn(graphdef_of(case.cfg, compute))
     (loss, _), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(case.params, step_batch, 26.0)
     model = copy.deepcopy(case.hf_model)
     for layer in model.model.layers:  # a buffer in transformers: made a parameter to get its gradient
@@ -213,6 +269,32 @@ def test_a_training_step_gives_torch_autograd_gradients(case):
             torch.cat([layers[i].layer_scalar.grad for i in (0, 1, 3)]),
         ),
     }
+    if case.cfg.is_moe:  # the router (its weights, input scale, per-expert scale) and the stacked experts
+        router = layers[3].router
+        f = case.cfg.moe_mlp_dim
+        checks.update(
+            {
+                "router": (grads["blocks"]["mlp"]["w_router_de"][2], router.proj.weight.grad.T),
+                "router scale": (grads["blocks"]["mlp"]["router_scale_d"][2], router.scale.grad),
+                "per-expert scale": (grads["blocks"]["mlp"]["expert_scale_e"][2], router.per_expert_scale.grad),
+                "experts' up": (
+                    grads["blocks"]["mlp"]["w_up_edf"][2],
+                    layers[3].experts.gate_up_proj.grad[:, f:].transpose(1, 2),
+                ),
+                "experts' down": (
+                    grads["global_blocks"]["mlp"]["w_down_efd"][0],
+                    layers[2].experts.down_proj.grad.transpose(1, 2),
+                ),
+                "dense MLP beside": (
+                    grads["blocks"]["dense_mlp"]["w_gate_df"][0],
+                    hf["model.layers.0.mlp.gate_proj.weight"].grad.T,
+                ),
+                "experts' pre-norm": (
+                    grads["blocks"]["moe_norm"]["scale"][1],
+                    layers[1].pre_feedforward_layernorm_2.weight.grad,
+                ),
+            }
+        )
     for name, (ours, ref) in checks.items():
         ref = ref.numpy()
         np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-5 * max(1.0, np.abs(ref).max()), err_msg=name)
@@ -223,8 +305,10 @@ def test_lora_adapter_matches_peft(case, tmp_path):
     """A PEFT adapter on every projection PEFT finds (v_proj only in the sliding layers where
     the global ones have none), random factors: the engine's logits and the adapter's
     gradients are PEFT's / torch's, and its tensors carry PEFT's names both ways."""
-    base = random_causal_lm(hf_config(case.family), 0, attn_implementation="eager")
-    model = peft.get_peft_model(base, peft.LoraConfig(r=3, lora_alpha=5.0, target_modules="all-linear"))
+    base = random_causal_lm(hf_config(case.family), 0, **implementations(case.family))
+    # A mixture of experts: the attention only (LoraConfig.targets refuses its MLPs in one sentence)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if case.cfg.is_moe else "all-linear"
+    model = peft.get_peft_model(base, peft.LoraConfig(r=3, lora_alpha=5.0, target_modules=targets))
     torch.manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -232,7 +316,11 @@ def test_lora_adapter_matches_peft(case, tmp_path):
                 p.normal_(0.0, 0.2)
     model.save_pretrained(tmp_path / "adapter")
     lora = lora_config_from_peft(tmp_path / "adapter")
-    assert lora.targets(case.cfg) == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    mlp = () if case.cfg.is_moe else ("gate_proj", "up_proj", "down_proj")
+    assert lora.targets(case.cfg) == ("q_proj", "k_proj", "v_proj", "o_proj", *mlp)
+    if case.cfg.is_moe:
+        with pytest.raises(ValueError, match=r"family 'gemma4' is a mixture of experts: LoRA on its experts"):
+            LoraConfig(target_modules=["down_proj"]).targets(case.cfg)
     shapes = split_adapter(abstract_model_params(case.cfg, case.compute, None, lora))[0]
     adapter = adapter_from_peft(tmp_path / "adapter", case.cfg, lora, shapes, scan_layers=True)
     has_values = "wv_dkh" in case.params["global_blocks"]["attn"]
@@ -264,12 +352,41 @@ def test_lora_adapter_matches_peft(case, tmp_path):
     assert worst <= 1e-4 * max(1.0, scale), worst
 
 
+def test_the_published_multimodal_checkpoint_converts_to_its_text_decoder(tmp_path):
+    """Gemma4ForConditionalGeneration, as Google publishes Gemma 4: conversion reads the text
+    decoder (model.language_model.*), skips the vision tower and says so; the logits of a text
+    prompt are the multimodal model's, and export writes the text-only Gemma4ForCausalLM."""
+    vision = transformers.Gemma4VisionConfig(
+        hidden_size=16, intermediate_size=20, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2
+    )
+    config = transformers.Gemma4Config(text_config=hf_config("gemma4").to_dict(), vision_config=vision.to_dict())
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.add_(0.3 * torch.randn_like(p)) if p.ndim == 1 else p.normal_(0.0, 0.3)
+    model.save_pretrained(tmp_path / "hf")
+    lines: list[str] = []
+    convert_hf(tmp_path / "hf", tmp_path / "converted", log=lines.append)
+    assert any("Gemma4ForConditionalGeneration" in line and "skipped" in line for line in lines), lines
+    cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
+    _, compute = stored_configs(tmp_path / "converted" / "checkpoint")
+    assert cfg.family == "gemma4" and cfg.global_values_from_keys
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    ref = hf_logits(model, tokens, mask)
+    assert np.abs(engine_logits(cfg, compute, params, tokens, mask) - ref)[valid].max() <= 1e-4
+    export_hf(tmp_path / "converted" / "checkpoint", tmp_path / "export")
+    text = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="eager")
+    assert type(text).__name__ == "Gemma4ForCausalLM"
+    np.testing.assert_allclose(hf_logits(text.eval(), tokens, mask)[valid], ref[valid], atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "key, value, message",
     [
         ("hidden_size_per_layer_input", 16, r"hidden_size_per_layer_input=16 \(per-layer embeddings"),
         ("num_kv_shared_layers", 2, r"num_kv_shared_layers=2 \(layers sharing another layer's keys"),
-        ("enable_moe_block", True, r"enable_moe_block=True \(the mixture-of-experts block"),
         ("use_bidirectional_attention", "all", r"use_bidirectional_attention='all' is not supported"),
     ],
 )

@@ -327,6 +327,17 @@ class ModelConfig(Strict):
     shared_expert_gate: bool = False
     """The shared experts' output is multiplied by sigmoid(x . w), a learned scalar gate per
     token (Qwen3-Next's shared_expert_gate)."""
+    # Gemma 4's mixture of experts (26B-A4B; engine/models/families/gemma4.py)
+    moe_beside_mlp: bool = False
+    """With experts: each expert layer also runs the dense MLP (mlp_dim) beside them, on its
+    usual pre-norm; each output gets its own norm and their sum the layer's post-MLP norm. The
+    experts read their own pre-norm of the residual, the router the residual itself."""
+    router_input_norm: bool = False
+    """The router reads RMSNorm(x) without a scale, times a learned scale (d_model) and
+    d_model**-0.5 (Gemma 4)."""
+    router_expert_scale: bool = False
+    """A learned factor per expert on its routing weight, after renormalisation (Gemma 4)."""
+
     @field_validator("family")
     @classmethod
     def _known_family(cls, name: str) -> str:
@@ -338,7 +349,7 @@ class ModelConfig(Strict):
         moe_family = get_family(self.family).moe
         if moe_family and not self.is_moe:
             raise ValueError(f"family '{self.family}' is a mixture of experts, so num_experts must be set")
-        if self.is_moe and not moe_family:
+        if self.is_moe and moe_family is False:  # None: a family of dense and expert models (Gemma 4)
             moe = ", ".join(name for name in family_names() if get_family(name).moe)
             raise ValueError(
                 f"family '{self.family}' has no experts (num_experts must be 0); mixture-of-experts families: {moe}"
@@ -364,6 +375,11 @@ class ModelConfig(Strict):
 
     @model_validator(mode="after")
     def _check_deepseek(self) -> ModelConfig:
+        gemma4_moe = [n for n in ("moe_beside_mlp", "router_input_norm", "router_expert_scale") if getattr(self, n)]
+        if gemma4_moe and not self.is_moe:
+            raise ValueError(f"{gemma4_moe[0]} is a setting of the experts, so num_experts must be set")
+        if self.moe_beside_mlp and not (self.pre_norms and self.post_norms):
+            raise ValueError("moe_beside_mlp needs pre_norms and post_norms (each branch has its norms)")
         if self.first_dense_layers and not self.is_moe:
             raise ValueError("first_dense_layers needs num_experts (the layers after them have experts)")
         if self.ffn_pattern is not None and not self.is_moe:
@@ -524,6 +540,8 @@ class ModelConfig(Strict):
             mlp += self.d_model * self.num_experts  # not router_bias: transformers keeps it as a buffer
             mlp += (2 * self.moe_mlp_dim + self.d_model) * experts * self.expert_bias
             mlp += self.num_experts * self.router_logits_bias
+            mlp += self.d_model * self.router_input_norm + self.num_experts * self.router_expert_scale
+            mlp += (3 * self.d_model * self.mlp_dim + 3 * self.d_model) * self.moe_beside_mlp  # and 3 norms
         else:
             mlp = 3 * self.d_model * self.mlp_dim
         block = attn + mlp + (2 * self.pre_norms + 2 * self.post_norms) * self.d_model + self.layer_scale

@@ -241,6 +241,10 @@ class MoE(nnx.Module):
         pdt, std = dtype_of(compute.param_dtype), cfg.init_std
         out_std = std / math.sqrt(2 * cfg.num_layers)
         self.w_router_de = param(rngs, (d, e), std, ("embed", None), pdt)
+        if cfg.router_input_norm:  # Gemma 4: the router reads rms-normed x times this / sqrt(d)
+            self.router_scale_d = nnx.Param(jnp.ones((d,), pdt), out_sharding=("norm",))
+        if cfg.router_expert_scale:  # Gemma 4: a factor per expert on its routing weight
+            self.expert_scale_e = nnx.Param(jnp.ones((e,), pdt), out_sharding=(None,))
         if cfg.router_bias:
             self.b_router_e = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=(None,))
         if cfg.router_logits_bias:  # GPT-OSS: the router Linear's bias
@@ -270,6 +274,7 @@ class MoE(nnx.Module):
             else functools.partial(clamped_swiglu, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
         )
         self.logits_bias, self.expert_bias = cfg.router_logits_bias, cfg.expert_bias
+        self.input_norm, self.expert_scale, self.norm_eps = cfg.router_input_norm, cfg.router_expert_scale, cfg.norm_eps
         self.dtype = dtype_of(compute.dtype)
         self.dispatch, self.capacity_factor = compute.moe_dispatch, compute.moe_capacity_factor
         self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
@@ -307,7 +312,8 @@ class MoE(nnx.Module):
             biases,
         )
 
-    def __call__(self, x_btd, valid_bt=None):
+    def __call__(self, x_btd, valid_bt=None, router_x_btd=None):
+        """`router_x_btd`: what the router reads, where it is not the experts' input (Gemma 4)."""
         b, t, d = x_btd.shape
         dt = self.dtype
         if valid_bt is None:
@@ -315,8 +321,12 @@ class MoE(nnx.Module):
         with jax.named_scope("router"), matmuls_in("default"):  # never quantized (fp8/int8 recipes)
             # In float32 whatever the compute dtype (Switch Transformer's selective precision;
             # transformers' DeepSeek-V3 router too): a bf16 rounding of close logits flips choices.
+            router_in = (x_btd if router_x_btd is None else router_x_btd).astype(jnp.float32)
+            if self.input_norm:
+                router_in = router_in * jax.lax.rsqrt(jnp.mean(router_in**2, axis=-1, keepdims=True) + self.norm_eps)
+                router_in = router_in * self.router_scale_d[...].astype(jnp.float32) * d**-0.5
             logits_bte = dense(
-                x_btd.astype(jnp.float32),
+                router_in,
                 self.w_router_de[...].astype(jnp.float32),
                 backward=self.matmul_backward,
                 dot_general=self.dot_general,
@@ -336,6 +346,8 @@ class MoE(nnx.Module):
                 scale=self.router_scale,
                 group_score=self.group_score,
             )
+            if self.expert_scale:
+                weights_nk = weights_nk * self.expert_scale_e[...].astype(jnp.float32)[experts_nk]
             stats = router_stats(logits_ne, experts_nk, valid_bt.reshape(-1), self.num_experts, self.score)
             feedback = load_feedback(bias, stats.assigned_e) if self.router_bias else 0.0
         experts = [w[...].astype(dt) for w in (self.w_gate_edf, self.w_up_edf, self.w_down_efd)]

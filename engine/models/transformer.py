@@ -336,6 +336,11 @@ class Block(nnx.Module):
             self.mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
         if moe:
             self.mlp = MoE(cfg, compute, rngs=rngs, dot_general=dot_general)
+            if cfg.moe_beside_mlp:  # Gemma 4's 26B-A4B: the dense MLP beside the experts, each with its norms
+                self.dense_mlp = MLP(cfg, compute, rngs=rngs, dot_general=dot_general)
+                self.post_dense_norm = _norm(cfg, compute, cfg.d_model, rngs)
+                self.moe_norm = _norm(cfg, compute, cfg.d_model, rngs)
+                self.post_moe_norm = _norm(cfg, compute, cfg.d_model, rngs)
         else:  # LoRAConfig.targets leaves a mixture of experts' dense layers unadapted
             self.mlp = MLP(cfg, compute, rngs=rngs, dot_general=dot_general, lora=None if cfg.is_moe else lora)
         if cfg.post_norms:
@@ -344,7 +349,7 @@ class Block(nnx.Module):
         if cfg.layer_scale:  # Gemma 4: the stream times a learned scalar after the layer
             self.layer_scale = nnx.Param(jnp.ones((1,), _dtype(compute.param_dtype)), out_sharding=("norm",))
         self.pre_norms, self.post_norms, self.is_moe = cfg.pre_norms, cfg.post_norms, moe
-        self.scaled = cfg.layer_scale
+        self.scaled, self.beside = cfg.layer_scale, moe and cfg.moe_beside_mlp
 
     def forward(
         self,
@@ -377,7 +382,11 @@ class Block(nnx.Module):
         stats = None
         with jax.named_scope("mlp"):
             mlp_in = self.mlp_norm(x_btd) if self.pre_norms else x_btd
-            if self.is_moe:
+            if self.beside:  # the experts on their own pre-norm, routed by the residual itself
+                valid_bt = None if segment_ids_bt is None else segment_ids_bt != 0
+                moe_out, stats = self.mlp(self.moe_norm(x_btd), valid_bt, router_x_btd=x_btd)
+                mlp_out = self.post_dense_norm(self.dense_mlp(mlp_in)) + self.post_moe_norm(moe_out)
+            elif self.is_moe:
                 valid_bt = None if segment_ids_bt is None else segment_ids_bt != 0
                 mlp_out, stats = self.mlp(mlp_in, valid_bt)
             else:

@@ -298,6 +298,8 @@ def convert_hf(
             scales = name + MXFP4_SCALES
             raw = dequantize_mxfp4(handles[path].get(blocks), handles[scales_at[scales][0]].get(scales))
         targets = slots(spec, index)  # one array, or those HF interleaves or fuses in this tensor
+        if spec.swap_last:  # Gemma 4's experts: HF's last two axes are the engine's swapped
+            raw = raw.swapaxes(-1, -2)
         if spec.fused_with:
             pieces = unfuse(spec, raw, [slot.shape for slot in targets])
         elif spec.concatenated_with:  # Llama 4's gate_up_proj: the parts one after another on the last axis

@@ -128,6 +128,11 @@ def check_table_covers(cfg: ModelConfig, shapes: dict) -> None:
 
 def hf_shape(spec: TensorSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The HF shape of an engine array of `shape`."""
+    if spec.swap_last:
+        shape = (*shape[:-2], shape[-1], shape[-2])
+        if spec.concatenated_with:  # the parts one after another along HF's second-last axis
+            return (*shape[:-2], shape[-2] * (1 + len(spec.concatenated_with)), shape[-1])
+        return tuple(shape)
     if spec.interleaved_with or spec.concatenated_with:
         return (*shape[:-1], shape[-1] * (1 + len(spec.interleaved_with) + len(spec.concatenated_with)))
     if spec.in_dims is not None:

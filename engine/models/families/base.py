@@ -64,6 +64,9 @@ class TensorSpec:
     """The layer stack a per-layer tensor belongs to (ModelConfig.layer_stacks): `blocks`, or
     the `dense_blocks` of a mixture of experts' dense layers (DeepSeek-V3's first layers,
     Qwen3-MoE's mlp_only_layers); `{i}` is always the model's layer index."""
+    swap_last: bool = False
+    """in_dims None: HF's tensor is the engine's (or its concatenation's) with the last two
+    axes swapped (Gemma 4's stacked experts: gate_up_proj (E, 2f, d), down_proj (E, d, f))."""
     export_only: bool = False
     """A copy of another tensor that export writes and conversion skips (a multi-token-
     prediction layer's embed_tokens and shared_head.head: transformers' MtpModel uses the main
@@ -277,8 +280,9 @@ class Family:
     hf_constants: ClassVar[dict[str, Any]] = {"attention_bias": False, "mlp_bias": False, "pretraining_tp": 1}
     """config.json keys the transformers class writes whose value is the same for every model
     the engine runs (flags of layers it does not have). Only keys the class defines."""
-    moe: ClassVar[bool] = False
-    """A mixture of experts: its models have num_experts > 0 (engine/models/moe.py)."""
+    moe: ClassVar[bool | None] = False
+    """A mixture of experts: its models have num_experts > 0 (engine/models/moe.py); None:
+    dense and expert models both (Gemma 4)."""
     fused_projections: ClassVar[tuple[str, ...]] = ()
     """PEFT module names the family's checkpoints store fused into one tensor (Phi-3's q/k/v in
     qkv_proj, gate/up in gate_up_proj): LoraConfig.targets refuses them."""

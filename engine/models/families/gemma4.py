@@ -1,4 +1,5 @@
-"""Gemma 4 text (Gemma4ForCausalLM, model_type gemma4_text): the dense models (31B).
+"""Gemma 4 text (Gemma4ForCausalLM, model_type gemma4_text): the dense models (31B) and the
+mixture of experts (26B-A4B).
 
 Gemma 3's block (GeGLU, a norm before and after each sublayer, QK-norm, five sliding layers
 per global one, logits soft-capped, embeddings scaled by sqrt(d_model)) with:
@@ -14,9 +15,14 @@ per global one, logits soft-capped, embeddings scaled by sqrt(d_model)) with:
   `proportional` RoPE, whose frequencies are a whole head's with only the fastest quarter
   kept (RopeScaling kind proportional).
 
+The mixture of experts (`enable_moe_block`) keeps the dense MLP and runs 128 experts beside
+it (`moe_beside_mlp`), the router reading the residual through a scale-free norm, a learned
+scale and d**-0.5 (`router_input_norm`), its renormalised top-k weights times a learned
+factor per expert (`router_expert_scale`); its experts are stored stacked, gate and up in
+one (E, 2f, d) tensor (TensorSpec.swap_last).
+
 The small models' per-layer embeddings (E2B, E4B: `hidden_size_per_layer_input`) and KV
-sharing (`num_kv_shared_layers`), and the mixture-of-experts model (26B-A4B:
-`enable_moe_block`) are refused by name.
+sharing (`num_kv_shared_layers`) are refused by name.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from engine.models.config import ModelConfig
 from engine.models.families.base import (
     LAYER,
     Family,
+    Multimodal,
     TensorSpec,
     layer_types_to_hf,
     qk_norm_tensors,
@@ -45,7 +52,6 @@ DEFAULT_ROPE = {
 REFUSED = {
     "hidden_size_per_layer_input": "per-layer embeddings (Gemma 4 E2B/E4B)",
     "num_kv_shared_layers": "layers sharing another layer's keys and values (Gemma 4 E2B/E4B)",
-    "enable_moe_block": "the mixture-of-experts block (Gemma 4 26B-A4B)",
 }
 """config.json keys of Gemma 4 features the engine does not run yet: refused when true (non-zero)."""
 
@@ -71,6 +77,12 @@ class Gemma4(Family):
         "hidden_size_per_layer_input": 256,
     }
     activation_key = "hidden_activation"
+    moe = None  # dense models (31B) and a mixture of experts (26B-A4B)
+    multimodal = Multimodal(  # the checkpoints Google publishes: the decoder read, the vision tower skipped
+        architecture="Gemma4ForConditionalGeneration",
+        model_type="gemma4",
+        prefixes=(("model.", "model.language_model."), ("lm_head.", "lm_head.")),
+    )
     unsupported_flags = ("attention_bias",)
     hf_constants = {
         "attention_bias": False,
@@ -101,10 +113,12 @@ class Gemma4(Family):
 
     def rope_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
         rope = hf.get("rope_parameters") or DEFAULT_ROPE
-        global_rope, local_rope = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+        global_rope: dict[str, Any] = rope.get("full_attention") or {}
+        local_rope: dict[str, Any] = rope.get("sliding_attention") or {}
         local_theta, local_scaling = rope_from_hf({"rope_theta": 10_000.0, **local_rope}, where)
         if local_scaling is not None:
             raise ConfigError(f"{where}: RoPE scaling of sliding-window layers is not supported")
+        scaling: dict[str, Any] | None
         if global_rope.get("rope_type") == "proportional":
             scaling = {
                 "kind": "proportional",
@@ -138,7 +152,18 @@ class Gemma4(Family):
             one = next(iter(found.values()))
             head_dim, kv_heads = one.get("head_dim"), one.get("num_key_value_heads")
         base_heads = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+        experts = {}
+        if hf.get("enable_moe_block"):
+            experts = {
+                "num_experts": hf["num_experts"],
+                "experts_per_token": hf["top_k_experts"],
+                "expert_mlp_dim": hf["moe_intermediate_size"],
+                "moe_beside_mlp": True,
+                "router_input_norm": True,
+                "router_expert_scale": True,
+            }
         return {
+            **experts,
             "final_logit_softcap": hf.get("final_logit_softcapping"),
             "global_head_dim": None if head_dim in (None, hf.get("head_dim")) else head_dim,
             "global_num_kv_heads": None if kv_heads in (None, base_heads) else kv_heads,
@@ -176,6 +201,18 @@ class Gemma4(Family):
             # The published checkpoints' keys for the same (read by transformers before 5.25 and vLLM).
             "global_head_dim": head_dim,
             "num_global_key_value_heads": override.get("num_key_value_heads"),
+            **self._experts_to_hf(cfg),
+        }
+
+    @staticmethod
+    def _experts_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+        if not cfg.is_moe:
+            return {}
+        return {
+            "enable_moe_block": True,
+            "num_experts": cfg.num_experts,
+            "top_k_experts": cfg.experts_per_token,
+            "moe_intermediate_size": cfg.moe_mlp_dim,
         }
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -185,6 +222,29 @@ class Gemma4(Family):
         per_layer = [s for s in per_layer if not (s.stack in no_values and s.path == ("attn", "wv_dkh"))]
         scalar = TensorSpec(("layer_scale",), LAYER + "layer_scalar", None)
         return top, per_layer + [dataclasses.replace(scalar, stack=stack) for stack in stacks]
+
+    def mlp_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
+        if not cfg.is_moe:
+            return super().mlp_tensors(cfg)
+        return [  # the dense MLP beside the experts, the router, the stacked experts, the branches' norms
+            TensorSpec(("dense_mlp", "w_gate_df"), LAYER + "mlp.gate_proj.weight", 1),
+            TensorSpec(("dense_mlp", "w_up_df"), LAYER + "mlp.up_proj.weight", 1),
+            TensorSpec(("dense_mlp", "w_down_fd"), LAYER + "mlp.down_proj.weight", 1),
+            TensorSpec(("mlp", "w_router_de"), LAYER + "router.proj.weight", 1),
+            TensorSpec(("mlp", "router_scale_d"), LAYER + "router.scale", None),
+            TensorSpec(("mlp", "expert_scale_e"), LAYER + "router.per_expert_scale", None),
+            TensorSpec(
+                ("mlp", "w_gate_edf"),
+                LAYER + "experts.gate_up_proj",
+                None,
+                concatenated_with=(("mlp", "w_up_edf"),),
+                swap_last=True,
+            ),
+            TensorSpec(("mlp", "w_down_efd"), LAYER + "experts.down_proj", None, swap_last=True),
+            TensorSpec(("post_dense_norm", "scale"), LAYER + "post_feedforward_layernorm_1.weight", None),
+            TensorSpec(("moe_norm", "scale"), LAYER + "pre_feedforward_layernorm_2.weight", None),
+            TensorSpec(("post_moe_norm", "scale"), LAYER + "post_feedforward_layernorm_2.weight", None),
+        ]
 
     def extra_attention_tensors(self) -> list[TensorSpec]:
         return qk_norm_tensors()
