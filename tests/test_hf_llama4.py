@@ -28,8 +28,9 @@ torch = need("torch")
 transformers = need("transformers")
 peft = need("peft")
 
-from engine.config import resolve_model_preset  # noqa: E402
+from engine.config import ConfigError, resolve_model_preset  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
 from engine.interop.hf.peft import adapter_to_peft  # noqa: E402
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig  # noqa: E402
 from engine.models.lora import split_adapter  # noqa: E402
@@ -315,3 +316,13 @@ def test_expert_parallel_step_equals_one_device(dispatch):
         np.testing.assert_allclose(
             b, a, rtol=1e-5, atol=1e-5 * float(np.abs(a).max()), err_msg=jax.tree_util.keystr(path)
         )
+
+
+def test_what_the_engine_cannot_run_is_refused_in_one_sentence():
+    """Router jitter (training noise the engine does not add) and a layer kind it lacks."""
+    hf = {**hf_config("llama4_interleaved").to_dict(), "architectures": ["Llama4ForCausalLM"]}
+    assert model_config_from_hf(hf)[0].attention_pattern == ["chunked", "chunked", "global"]  # RoPE layers chunked
+    with pytest.raises(ConfigError, match=r"router_jitter_noise=0.1 is not supported \(only 0\)$"):
+        model_config_from_hf({**hf, "router_jitter_noise": 0.1})
+    with pytest.raises(ConfigError, match=r"layer type 'sliding_attention' is not supported \(chunked_attention, full"):
+        model_config_from_hf({**hf, "layer_types": ["sliding_attention"] * 5})
