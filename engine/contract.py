@@ -84,6 +84,10 @@ ADDED_AT_DEFAULT = {
     "model.global_values_from_keys": False,
     "model.value_norm": False,
     "model.layer_scale": False,
+    "model.rope_scaling.rotated_fraction": 1.0,  # RoPE kind proportional's share (Gemma 4)
+    "model.moe_beside_mlp": False,  # Gemma 4's mixture of experts
+    "model.router_input_norm": False,
+    "model.router_expert_scale": False,
     "model.index_topk": None,
     "model.index_heads": 64,
     "model.index_head_dim": 128,
