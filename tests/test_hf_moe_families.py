@@ -519,3 +519,17 @@ def test_the_mtp_loss_is_transformers_cross_entropy_and_trains_the_layer_only_wh
         all(moved)
         and np.abs(np.asarray(grads_on["mtp_blocks"]["attn"]["wo_nwd" if cfg.is_mla else "wo_nhd"])).max() > 0
     )
+
+
+def test_lora_targets_are_what_peft_names_and_the_rest_is_refused_in_one_sentence():
+    """MiniMax-M2: LoRA on q/k/v/o_proj (its experts are refused, as every mixture of experts');
+    DeepSeek-V2: latent attention and experts, nothing a LoRA adapter takes yet."""
+    from engine.models.config import LoraConfig
+
+    minimax, _ = model_config_from_hf({**hf_config("minimax_m2").to_dict(), "architectures": ["MiniMaxM2ForCausalLM"]})
+    assert LoraConfig(target_modules="all-linear").targets(minimax) == ("q_proj", "k_proj", "v_proj", "o_proj")
+    with pytest.raises(ValueError, match=r"family 'minimax_m2' is a mixture of experts: LoRA on its experts"):
+        LoraConfig(target_modules=["gate_proj"]).targets(minimax)
+    v2, _ = model_config_from_hf({**hf_config("deepseek_v2").to_dict(), "architectures": ["DeepseekV2ForCausalLM"]})
+    with pytest.raises(ValueError, match=r"family 'deepseek_v2' uses latent attention"):
+        LoraConfig(target_modules=["q_proj"]).targets(v2)
