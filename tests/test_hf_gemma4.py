@@ -29,14 +29,17 @@ torch = need("torch")
 transformers = need("transformers")
 peft = need("peft")
 
-from engine.config import ConfigError  # noqa: E402
+from engine.config import ConfigError, resolve_model_preset  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
 from engine.interop.hf.peft import adapter_from_peft, adapter_to_peft, lora_config_from_peft  # noqa: E402
-from engine.models.config import LoraConfig  # noqa: E402
+from engine.models.config import ComputeConfig, LoraConfig, ModelConfig  # noqa: E402
 from engine.models.lora import join, split_adapter  # noqa: E402
-from engine.models.params import abstract_model_params, apply_model, graphdef_of  # noqa: E402
+from engine.models.params import abstract_model_params, apply_model, graphdef_of, param_shardings  # noqa: E402
+from engine.ops.partitioning import use_mesh  # noqa: E402
+from engine.parallel.config import MeshConfig  # noqa: E402
+from engine.parallel.mesh import batch_sharding, global_array, make_mesh  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from engine.train.step import lm_loss_fn  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
@@ -52,6 +55,7 @@ from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over th
     test_export_then_convert_is_bitwise_identical,
     test_greedy_generation_of_16_tokens_is_identical,
 )
+from tests.test_moe import random_params  # noqa: E402
 
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 
@@ -380,6 +384,45 @@ def test_the_published_multimodal_checkpoint_converts_to_its_text_decoder(tmp_pa
     text = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="eager")
     assert type(text).__name__ == "Gemma4ForCausalLM"
     np.testing.assert_allclose(hf_logits(text.eval(), tokens, mask)[valid], ref[valid], atol=1e-5)
+
+
+def test_expert_parallel_step_equals_one_device():
+    """tiny-gemma4 with 4 experts (top-2) beside its MLP on expert=2 x fsdp=2 x data=2
+    simulated devices: the loss and every gradient of a step equal one device's, the
+    experts' rows reaching their devices by all-to-all (tests/test_moe.py's check)."""
+    preset = resolve_model_preset({"model": "tiny-gemma4"}, "tiny-gemma4")["model"]
+    moe = dict(num_experts=4, experts_per_token=2, expert_mlp_dim=24, moe_beside_mlp=True)
+    cfg = ModelConfig.model_validate({**preset, **moe, "router_input_norm": True, "router_expert_scale": True})
+    compute = ComputeConfig()
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (8, 8))
+    segments = np.ones((8, 8), np.int32)
+    segments[3, 5:] = 0
+    step_batch = {
+        "tokens": tokens,
+        "positions": np.broadcast_to(np.arange(8), (8, 8)),
+        "segment_ids": segments,
+        "targets": np.roll(tokens, -1, 1),
+        "loss_mask": segments.astype(np.float32),
+    }
+    host_params = random_params(cfg, compute)
+    step = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef_of(cfg, compute)), has_aux=True))
+    results = {}
+    one = make_mesh(MeshConfig(data=1), jax.devices()[:1])
+    for name, mesh in (("one", one), ("mesh", make_mesh(MeshConfig(data=2, expert=2, fsdp=2)))):
+        params = jax.device_put(host_params, param_shardings(cfg, compute, mesh)[1])
+        sharded = {k: global_array(v, batch_sharding(mesh)) for k, v in step_batch.items()}
+        with use_mesh(mesh):
+            compiled = step.lower(params, sharded, 61.0).compile()
+        (loss, _), grads = compiled(params, sharded, 61.0)
+        results[name] = float(loss), jax.tree.map(np.asarray, grads)
+        if name == "mesh":
+            assert "all-to-all" in compiled.as_text()
+    (loss_1, grads_1), (loss_8, grads_8) = results["one"], results["mesh"]
+    assert np.isfinite(loss_1) and loss_8 == pytest.approx(loss_1, rel=1e-6)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(grads_1), jax.tree.leaves(grads_8), strict=True):
+        np.testing.assert_allclose(
+            b, a, rtol=1e-5, atol=1e-5 * float(np.abs(a).max()), err_msg=jax.tree_util.keystr(path)
+        )
 
 
 @pytest.mark.parametrize(
