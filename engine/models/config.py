@@ -9,7 +9,7 @@ size; only the layer layout, scan_layers, must match), and a different architect
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from pydantic import Field, field_validator, model_validator
 
@@ -475,7 +475,7 @@ class ModelConfig(Strict):
             if kind != "attention":  # another mixer kind: stacks of its own, no window, no RoPE
                 layers.append(Layer(f"{kind}_{stack}", kind, "moe" if moe else "mlp", False, False))
                 continue
-            shape = {}
+            shape: dict[str, Any] = {}  # Layer's per-layer fields with values other than their defaults
             if not local and self.has_global_shape:  # Gemma 4: global heads of their own shape
                 stack = "global_" + stack
                 shape = dict(
