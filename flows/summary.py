@@ -16,10 +16,12 @@ from typing import Any
 
 import yaml
 
+from engine.config import ConfigError
 from engine.progress import Eta, format_duration
 from flows.links import input_links
 from flows.spec import Plan
 from tasks.artifacts import read_manifest
+from tasks.registry import StageKind, get_stage_kind
 from tasks.runner import StageResult
 
 ASSET_SCHEME = "trainflow"
@@ -48,15 +50,14 @@ def format_number(value: Any) -> str:
 CONSOLE_WIDTH = 160
 """A step line's most characters; every metric stays in metrics.jsonl and TensorBoard."""
 
-CONSOLE_METRICS = {
-    "grpo": ("reward", "reward_std", "completion_length", "kl", "entropy"),
-    "dpo": ("loss", "rewards/accuracies", "rewards/margins"),
-    "reward_model": ("loss", "accuracy", "margin"),
-    "distill": ("loss", "jsd"),
-}
-"""The few metrics of a step line, by stage kind (others: CONSOLE_DEFAULT); an eval record
-shows their `eval_` counterparts."""
-CONSOLE_DEFAULT = ("loss", "grad_norm", "learning_rate")
+
+def console_metrics(task: str) -> tuple[str, ...]:
+    """The few metrics of a step line: its stage kind's (StageKind.console_metrics), the
+    default for a kind this process does not know."""
+    try:
+        return get_stage_kind(task).console_metrics
+    except ConfigError:
+        return StageKind.console_metrics
 
 
 def step_line(
@@ -67,7 +68,7 @@ def step_line(
     The ETA is paced from the first record `eta` saw (compilation excluded)."""
     step = int(record.get("step", 0))
     head = f"step {step}/{total_steps} ({100 * step / total_steps:.0f}%)" if total_steps else f"step {step}"
-    wanted = CONSOLE_METRICS.get(task, CONSOLE_DEFAULT)
+    wanted = console_metrics(task)
     keys = [k for k in (*wanted, *(f"eval_{k}" for k in wanted)) if record.get(k) is not None]
     if not keys:  # a record of another kind (an unknown stage's): its first few numbers
         keys = [k for k, v in record.items() if k != "step" and isinstance(v, (int, float))][:4]

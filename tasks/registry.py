@@ -222,6 +222,10 @@ class StageKind:
     path: it imports JAX, which validating a pipeline does not. None: the kind trains nothing
     and `trainflow plan` leaves it out."""
 
+    console_metrics: ClassVar[tuple[str, ...]] = ("loss", "grad_norm", "learning_rate")
+    """The few metrics of its step lines in the run log (flows/summary.py: step_line); an eval
+    record shows their `eval_` counterparts. Every metric stays in metrics.jsonl."""
+
     possible_outputs: ClassVar[tuple[str, ...]] = ()
     """Other artifact kinds the stage may produce, by its config (output_kind)."""
 

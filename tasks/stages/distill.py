@@ -40,6 +40,7 @@ class DistillStage(FineTuneStage):
     }
     non_semantic = (*FineTuneStage.non_semantic, "teacher.checkpoint", "teacher.tokenizer")
     config_schema = DistillConfig
+    console_metrics = ("loss", "jsd")
     version = 1
     data_doc = "a JSONL file of examples (prompt/completion or messages)"
 

@@ -37,6 +37,7 @@ class DPOStage(FineTuneStage):
     pipeline_owned = {**FineTuneStage.pipeline_owned, "reference.checkpoint": "input 'reference'"}
     non_semantic = (*FineTuneStage.non_semantic, "reference.checkpoint")
     config_schema = DPOConfig
+    console_metrics = ("loss", "rewards/accuracies", "rewards/margins")
     version = 1
     data_doc = "a JSONL file of preference pairs (prompt, chosen, rejected)"
 

@@ -102,6 +102,7 @@ class GRPOStage(FineTuneStage):
     version = 2  # 2: the checkpoint's meta holds `compute` apart from the architecture
     data_doc = "a JSONL file of prompts"
     data_files = {"data.path": "prompt_files"}
+    console_metrics = ("reward", "reward_std", "completion_length", "kl", "entropy")
 
     def entry_module(self, ctx: StageContext) -> str:
         """With `rollout:` GRPO's entry point whose sampler is the server (it writes the weights

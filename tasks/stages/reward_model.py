@@ -32,6 +32,7 @@ class RewardModelStage(FineTuneStage):
     possible_outputs = ()
     inputs = FineTuneStage.checkpoint_inputs("the decoder the reward model starts from, and its tokenizer/")
     config_schema = RewardModelConfig
+    console_metrics = ("loss", "accuracy", "margin")
     version = 1
     data_doc = "a JSONL file of preference pairs (prompt, chosen, rejected[, margin])"
 

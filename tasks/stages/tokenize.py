@@ -94,9 +94,7 @@ class TokenizeStage(StageKind):
             if match:
                 ctx.hooks.progress(int(match.group(1)) / max(int(match.group(2)), 1))
 
-        ctx.launch(
-            [sys.executable, "-m", self.entry_point, str(out / "tokenize.yaml"), str(out)], on_line=on_line
-        )
+        ctx.launch([sys.executable, "-m", self.entry_point, str(out / "tokenize.yaml"), str(out)], on_line=on_line)
         meta = json.loads((out / DATA_DIR / "meta.json").read_text())
         stats = meta.get("stats", {})
         metrics = {key: stats[key] for key in ("documents", "tokens", "bytes") if key in stats}
