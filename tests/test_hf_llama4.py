@@ -30,6 +30,7 @@ peft = need("peft")
 
 from engine.config import ConfigError, resolve_model_preset  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
 from engine.interop.hf.peft import adapter_to_peft  # noqa: E402
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig  # noqa: E402
@@ -274,6 +275,18 @@ def test_the_multimodal_checkpoint_converts_to_the_text_model(case, tmp_path):
     assert summary["skipped_tensors"] == sum(
         1 for n, _ in multimodal.named_parameters() if not n.startswith("language_model.")
     )
+    # ... and the decoder goes back into that layout beside the source's vision tower: transformers
+    # loads it as the same Llama4ForConditionalGeneration, every tensor bitwise.
+    result = export_hf(tmp_path / "converted" / "checkpoint", tmp_path / "back", multimodal_source=tmp_path / "mm")
+    assert result["architecture"] == "Llama4ForConditionalGeneration"
+    reloaded, info = transformers.Llama4ForConditionalGeneration.from_pretrained(
+        tmp_path / "back", output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    theirs, ours = multimodal.state_dict(), reloaded.state_dict()
+    assert theirs.keys() == ours.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(tensor, ours[name]), name
 
 
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])

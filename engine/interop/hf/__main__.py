@@ -60,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument(
         "--overwrite", action="store_true", help="export into a non-empty OUT_DIR, deleting the weights already there"
     )
+    exp.add_argument(
+        "--multimodal-source",
+        default=None,
+        help="a multimodal ...ForConditionalGeneration directory (Llama 4's): write the decoder back into its "
+        "layout, its vision tower and projector copied from there (default: the text-only model)",
+    )
     args = parser.parse_args(argv)
 
     def log(msg: str) -> None:
@@ -92,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                 overwrite=args.overwrite,
                 merged=args.merged,
                 log=log,
+                multimodal_source=args.multimodal_source,
             )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

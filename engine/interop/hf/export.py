@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.config import ConfigError
 from engine.interop.hf.files import (
     check_export_dir,
     copy_tokenizer,
@@ -31,12 +32,14 @@ from engine.interop.hf.mapping import (
     hf_shape,
     interleave,
     model_config_to_hf,
+    multimodal_of,
     tensor_table,
     to_hf,
 )
 from engine.interop.hf.peft import ADAPTER_WEIGHTS, write_peft
-from engine.interop.hf.safetensors_io import write_safetensors
+from engine.interop.hf.safetensors_io import SafetensorsFile, write_safetensors
 from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.families import family_of_model_type
 from engine.train.bucket_paths import checkpoint_path
 from engine.train.checkpoint import adapter_base, load_adapter, load_params, read_meta
 
@@ -69,8 +72,13 @@ def export_hf(
     overwrite: bool = False,
     merged: bool = False,
     log: Callable[[str], None] | None = None,
+    multimodal_source: str | Path | None = None,
 ) -> dict[str, Any]:
     """Write a checkpoint as a HF model directory that AutoModelForCausalLM loads.
+
+    `multimodal_source`: a multimodal ...ForConditionalGeneration directory of the family
+    (the one converted, say): the decoder is written back into its layout, beside its other
+    tensors (vision tower, projector) copied from there (to_multimodal_layout).
 
     `tokenizer_dir` defaults to the `tokenizer/` beside the checkpoint directory (the
     artifact layout of convert and pretrain), if there is one. A non-empty `out_dir` is a
@@ -94,7 +102,11 @@ def export_hf(
         tokenizer_dir = tokenizer_beside(checkpoint_dir)
     hf_meta = meta.get("hf") or {}
     hf_meta = {**hf_meta, "token_ids": export_token_ids(meta.get("hf"), tokenizer_dir)}
+    if multimodal_source is not None:  # refused before anything is written
+        multimodal_layout_of(multimodal_source, cfg.family)
     written = write_hf_model(params, cfg, compute, out_dir, hf_meta, max_shard_bytes=max_shard_bytes, log=log)
+    if multimodal_source is not None:
+        written["config"] = to_multimodal_layout(out_dir, multimodal_source, max_shard_bytes=max_shard_bytes, log=log)
     tokenizer_files = copy_tokenizer(Path(tokenizer_dir), out_dir) if tokenizer_dir else []
     seconds = time.perf_counter() - start
     return {
@@ -202,6 +214,98 @@ def write_hf_model(
     }
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return {"config": hf_config, "bytes": total, "shards": len(shards), "removed_weights": removed}
+
+
+def _weights(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return [model_dir / name for name in dict.fromkeys(json.loads(index.read_text())["weight_map"].values())]
+    return [model_dir / "model.safetensors"]
+
+
+def multimodal_layout_of(source_dir: str | Path, family: str):
+    """(config.json, families/base.py Multimodal) of `source_dir`, a multimodal checkpoint of
+    the family `family`; a ConfigError naming the file otherwise."""
+    source = Path(source_dir) / "config.json"
+    if not source.is_file():
+        raise ConfigError(f"{source_dir}: no config.json (not a Hugging Face model directory)")
+    source_config = json.loads(source.read_text())
+    found = multimodal_of(source_config)
+    if found is None or found[0].name != family:
+        raise ConfigError(
+            f"{source}: is not a multimodal checkpoint of family '{family}' (model_type "
+            f"{source_config.get('model_type')!r}); export without multimodal_source for the text model"
+        )
+    return source_config, found[1]
+
+
+def to_multimodal_layout(
+    out_dir: str | Path,
+    source_dir: str | Path,
+    *,
+    max_shard_bytes: int = 5 * 10**9,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Rewrite the text model written in `out_dir` as the multimodal checkpoint `source_dir`
+    is (families/base.py Multimodal): the decoder's tensors under the checkpoint's prefixes,
+    the source's other tensors (vision tower, projector) copied beside them, config.json the
+    source's with this model as its text config. Returns the new config.json."""
+    log = log or (lambda msg: None)
+    out_dir, source_dir = Path(out_dir), Path(source_dir)
+    text_config = json.loads((out_dir / "config.json").read_text())
+    family = family_of_model_type(text_config.get("model_type"))
+    source_config, multimodal = multimodal_layout_of(source_dir, family.name if family else "?")
+    to_source = {text: mm for text, mm in multimodal.prefixes}
+
+    def source_name(name: str) -> str:
+        text = next(p for p in to_source if name.startswith(p))
+        return to_source[text] + name[len(text) :]
+
+    written = _weights(out_dir)
+    entries: dict[str, tuple[Path, str, tuple, Any]] = {}  # new name -> (file, its name there, shape, dtype)
+    for path in written:
+        with SafetensorsFile(path) as st:
+            for name in st.names():
+                entries[source_name(name)] = (path, name, tuple(st.shape(name)), st.dtype(name))
+    kept = 0
+    for path in _weights(source_dir):
+        with SafetensorsFile(path) as st:
+            for name in st.names():
+                if multimodal.text_name(name) is None:  # the vision tower, the projector
+                    entries[name] = (path, name, tuple(st.shape(name)), st.dtype(name))
+                    kept += 1
+    staging = out_dir / ".multimodal"
+    staging.mkdir(exist_ok=True)
+    sizes = [(name, int(np.prod(e[2])) * np.dtype(e[3]).itemsize) for name, e in entries.items()]
+    shards = _plan_shards(sizes, max_shard_bytes)
+    weight_map, total = {}, 0
+    for k, names in enumerate(shards):
+        filename = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+
+        def tensors(names=names) -> Iterator[tuple[str, np.ndarray]]:
+            for name in names:
+                path, stored, _, _ = entries[name]
+                with SafetensorsFile(path) as st:
+                    yield name, st.get(stored)
+
+        total += write_safetensors(
+            staging / filename, tensors(), metadata={"format": "pt"}, shapes={n: entries[n][2:] for n in names}
+        )
+        weight_map.update({name: filename for name in names})
+    for path in written:
+        path.unlink()
+    (out_dir / "model.safetensors.index.json").unlink(missing_ok=True)
+    for path in sorted(staging.iterdir()):
+        path.rename(out_dir / path.name)
+    staging.rmdir()
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    text = {key: value for key, value in text_config.items() if key != "architectures"}
+    config = {**source_config, multimodal.text_config: text, "architectures": [multimodal.architecture]}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    log(f"export: the decoder in {multimodal.architecture}'s layout, with {kept} tensors of {source_dir} beside it")
+    return config
 
 
 def export_peft(
