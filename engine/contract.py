@@ -94,17 +94,24 @@ ADDED_AT_DEFAULT = {
     "model.index_rope_interleave": False,
     "compute.indexer_loss": "none",
     "compute.indexer_loss_weight": 1.0,
+    # mixer kinds (ModelConfig.mixer_pattern: Qwen3-Next's Gated DeltaNet layers)
+    "model.mixer_pattern": None,
+    "model.gated_delta": None,
+    "model.attention_output_gate": False,
+    "model.shared_expert_gate": False,
     # Llama 4 (engine/models/families/llama4.py)
     "model.attention_chunk_size": None,
     "model.qk_l2_norm": False,
     "model.attn_temperature_floor": None,
     "model.attn_temperature_scale": 0.1,
     "model.router_scales_input": False,
-    # mixer kinds (ModelConfig.mixer_pattern: Qwen3-Next's Gated DeltaNet layers)
-    "model.mixer_pattern": None,
-    "model.gated_delta": None,
-    "model.attention_output_gate": False,
-    "model.shared_expert_gate": False,
+    # Mamba2 layers and MLPs without a gate (engine/models/mamba2.py; Nemotron-H)
+    "model.mamba2": None,
+    "model.mlp_gated": True,
+    "model.embedding_multiplier": None,
+    "model.residual_multiplier": None,
+    "model.attention_scale": None,
+    "model.logits_scaling": None,
     # DPO's separate reference (its checkpoint comes from an input, and is not in the id)
     "reference": {"checkpoint": None, "compute": None},
 }

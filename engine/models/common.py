@@ -18,7 +18,11 @@ def param(rngs: nnx.Rngs, shape, std: float, names, dtype) -> nnx.Param:
     return nnx.Param(value.astype(dtype), out_sharding=names)
 
 
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu2": lambda x: jnp.square(jax.nn.relu(x)),  # Nemotron-H's MLP
+}
 
 
 class RMSNorm(nnx.Module):

@@ -71,12 +71,13 @@ class Layer(NamedTuple):
     stack: str
     """The params key of its stack: `blocks`, or `dense_blocks` for the dense-MLP layers of
     a mixture of experts (DeepSeek-V3's first layers, Qwen3-MoE's mlp_only_layers)."""
-    mixer: Literal["attention", "mla", "gated_delta"]
+    mixer: Literal["attention", "mla", "gated_delta", "mamba2", "none"]
     """The sequence mixer, a kind in transformer.MIXERS: grouped-query attention
     (transformer.Attention), multi-head latent attention (mla.py), or a Gated DeltaNet
     linear-attention layer (gated_delta_block.py), which decodes with a recurrent state."""
-    ffn: Literal["mlp", "moe"]
-    """The gated MLP or a mixture of experts (moe.py)."""
+    ffn: Literal["mlp", "moe", "none"]
+    """The gated MLP or a mixture of experts (moe.py), or none (a layer that is only its mixer;
+    Nemotron-H's, whose MLP layers have mixer "none" in turn)."""
     local: bool
     """Sliding-window attention (else global)."""
     rope: bool
@@ -124,6 +125,39 @@ class GatedDeltaConfig(Strict):
         return projections + channels * self.conv_kernel + 2 * self.num_value_heads + self.value_head_dim
 
 
+class Mamba2Config(Strict):
+    """The sizes of a Mamba2 mixer (engine/models/mamba2.py; Nemotron-H's and Granite 4's
+    mamba_* config.json keys)."""
+
+    num_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    state_size: int = Field(gt=0)
+    """N, each head's state is (head_dim, state_size)."""
+    n_groups: int = Field(1, gt=0)
+    """Groups of heads sharing B and C (and a group of the gated norm)."""
+    conv_kernel: int = Field(4, gt=1)
+    chunk_size: int = Field(256, gt=0)
+    """Tokens per chunk of the SSD chunked scan (the results do not depend on it)."""
+    conv_bias: bool = True
+    proj_bias: bool = False
+    """Biases on in_proj and out_proj."""
+    dt_limit: tuple[float, float] | None = None
+    """dt clamped to [low, high] after the softplus (time_step_limit); None: no clamp."""
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> Mamba2Config:
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of n_groups ({self.n_groups})")
+        return self
+
+    def params(self, d_model: int) -> int:
+        """One layer's parameters: in_proj, convolution, dt_bias, A_log, D, gated norm, out_proj."""
+        inner = self.num_heads * self.head_dim
+        channels = inner + 2 * self.n_groups * self.state_size
+        projected = inner + channels + self.num_heads
+        n = d_model * projected + channels * self.conv_kernel + 3 * self.num_heads + inner + inner * d_model
+        return n + channels * self.conv_bias + (projected + d_model) * self.proj_bias
+
 
 class ModelConfig(Strict):
     """The architecture of a decoder-only transformer: what a checkpoint's parameters mean.
@@ -149,8 +183,9 @@ class ModelConfig(Strict):
     rope_theta: float = Field(10000.0, gt=0)
     rope_scaling: RopeScaling | None = None
     tie_embeddings: bool = False
-    activation: Literal["silu", "gelu_tanh"] = "silu"
-    """Gate of the gated MLP: silu = SwiGLU (Llama, Qwen, Mistral), gelu_tanh = GeGLU (Gemma)."""
+    activation: Literal["silu", "gelu_tanh", "relu2"] = "silu"
+    """Gate of the gated MLP: silu = SwiGLU (Llama, Qwen, Mistral), gelu_tanh = GeGLU (Gemma);
+    relu2 = relu(x)^2, the activation of Nemotron-H's MLP, which is not gated (mlp_gated)."""
     qkv_bias: bool = False
     """Biases on the query, key and value projections (Qwen2)."""
     qk_norm: bool = False
@@ -223,10 +258,13 @@ class ModelConfig(Strict):
     first_dense_layers: int = Field(0, ge=0)
     """With experts: the first this many layers have a dense MLP (mlp_dim) instead, and form a
     layer stack of their own, `dense_blocks` (DeepSeek-V3's first_k_dense_replace)."""
-    ffn_pattern: list[Literal["mlp", "moe"]] | None = Field(None, min_length=1)
+    ffn_pattern: list[Literal["mlp", "moe", "none"]] | None = Field(None, min_length=1)
     """With experts: layer i (past first_dense_layers) has experts iff ffn_pattern[i % len] is
     moe, else a dense MLP (mlp_dim) in the `dense_blocks` stack; None: experts in every layer.
-    Qwen3-MoE's decoder_sparse_step 2: [mlp, moe]; its mlp_only_layers: one entry per layer."""
+    Qwen3-MoE's decoder_sparse_step 2: [mlp, moe]; its mlp_only_layers: one entry per layer.
+    none: the layer has no feed-forward, only its mixer (Nemotron-H's Mamba2 and attention
+    layers), and the layers of each mixer kind without one form a stack of their own
+    (`mamba2_only_blocks`, `attention_only_blocks`), as do those with no mixer (`mlp_only_blocks`)."""
     # Multi-head latent attention (engine/models/mla.py; DeepSeek-V2/V3) when kv_lora_rank is
     # set: keys and values are up-projected per head from one compressed latent per position,
     # plus a rotary key shared by the heads. head_dim is then a query/key head's whole width,
@@ -294,6 +332,21 @@ class ModelConfig(Strict):
     last layer's kind, whose output the LM head reads as a prediction of token i + 2
     (engine/models/mtp.py; the `mtp_blocks` stack). Converted, kept and exported; trained
     only under ComputeConfig.mtp_loss."""
+    # Hybrid models (Qwen3-Next, Qwen3.5): layers of another mixer kind among the attention ones.
+    mixer_pattern: list[Literal["attention", "gated_delta", "mamba2", "none"]] | None = Field(None, min_length=1)
+    """Layer i's sequence mixer is mixer_pattern[i % len] (attention: the model's attention,
+    MLA where kv_lora_rank is set); None: attention in every layer. Each other kind's layers
+    form stacks of their own (`gated_delta_blocks`). Qwen3-Next: three gated_delta then one
+    attention."""
+    gated_delta: GatedDeltaConfig | None = None
+    """The Gated DeltaNet layers' sizes (mixer_pattern has gated_delta)."""
+    attention_output_gate: bool = False
+    """Attention's output is multiplied by sigmoid(x . W_gate) per head and dimension before
+    o_proj (Qwen3-Next): the query projection yields each head's query and gate side by side,
+    wq_dnh of shape (d, heads, 2 head_dim)."""
+    shared_expert_gate: bool = False
+    """The shared experts' output is multiplied by sigmoid(x . w), a learned scalar gate per
+    token (Qwen3-Next's shared_expert_gate)."""
     # Llama 4 (engine/models/families/llama4.py)
     attention_chunk_size: int | None = Field(None, gt=0)
     """Chunked layers (attention_pattern `chunked`) attend within chunks of this many positions:
@@ -311,22 +364,21 @@ class ModelConfig(Strict):
     router_scales_input: bool = False
     """The routing weight multiplies each chosen expert's input instead of its output (Llama 4:
     expert(w * x), not w * expert(x); the two differ as the experts are not linear)."""
-
-    # Hybrid models (Qwen3-Next, Qwen3.5): layers of another mixer kind among the attention ones.
-    mixer_pattern: list[Literal["attention", "gated_delta"]] | None = Field(None, min_length=1)
-    """Layer i's sequence mixer is mixer_pattern[i % len] (attention: the model's attention,
-    MLA where kv_lora_rank is set); None: attention in every layer. Each other kind's layers
-    form stacks of their own (`gated_delta_blocks`). Qwen3-Next: three gated_delta then one
-    attention."""
-    gated_delta: GatedDeltaConfig | None = None
-    """The Gated DeltaNet layers' sizes (mixer_pattern has gated_delta)."""
-    attention_output_gate: bool = False
-    """Attention's output is multiplied by sigmoid(x . W_gate) per head and dimension before
-    o_proj (Qwen3-Next): the query projection yields each head's query and gate side by side,
-    wq_dnh of shape (d, heads, 2 head_dim)."""
-    shared_expert_gate: bool = False
-    """The shared experts' output is multiplied by sigmoid(x . w), a learned scalar gate per
-    token (Qwen3-Next's shared_expert_gate)."""
+    # Mamba2 layers (engine/models/mamba2.py; Nemotron-H, Granite 4)
+    mamba2: Mamba2Config | None = None
+    """The Mamba2 layers' sizes (mixer_pattern has mamba2)."""
+    mlp_gated: bool = True
+    """The MLP is down(act(gate(x)) * up(x)); false: down(act(up(x))), no gate (Nemotron-H)."""
+    # Granite's multipliers (engine/models/families/granite_hybrid.py)
+    embedding_multiplier: float | None = Field(None, gt=0)
+    """Token embeddings are multiplied by this (Granite); None: not scaled (but see scale_embeddings)."""
+    residual_multiplier: float | None = Field(None, gt=0)
+    """Each sublayer's output is multiplied by this before the residual add (Granite)."""
+    attention_scale: float | None = Field(None, gt=0)
+    """Attention scores are multiplied by this (Granite's attention_multiplier); None: as
+    query_pre_attn_scalar says."""
+    logits_scaling: float | None = Field(None, gt=0)
+    """Output logits are divided by this (Granite)."""
     # Gemma 4's mixture of experts (26B-A4B; engine/models/families/gemma4.py)
     moe_beside_mlp: bool = False
     """With experts: each expert layer also runs the dense MLP (mlp_dim) beside them, on its
@@ -382,7 +434,7 @@ class ModelConfig(Strict):
             raise ValueError("moe_beside_mlp needs pre_norms and post_norms (each branch has its norms)")
         if self.first_dense_layers and not self.is_moe:
             raise ValueError("first_dense_layers needs num_experts (the layers after them have experts)")
-        if self.ffn_pattern is not None and not self.is_moe:
+        if "moe" in (self.ffn_pattern or []) and not self.is_moe:
             raise ValueError("ffn_pattern needs num_experts (it says which layers have experts)")
         if self.mtp_layers and not self.is_moe:
             raise ValueError("mtp_layers (DeepSeek-V3's and GLM-4.5's multi-token prediction) needs num_experts")
@@ -446,6 +498,12 @@ class ModelConfig(Strict):
     def _check_mixers(self) -> ModelConfig:
         if ("gated_delta" in (self.mixer_pattern or [])) != (self.gated_delta is not None):
             raise ValueError("gated_delta (the sizes) is set exactly when mixer_pattern has gated_delta layers")
+        if ("mamba2" in (self.mixer_pattern or [])) != (self.mamba2 is not None):
+            raise ValueError("mamba2 (the sizes) is set exactly when mixer_pattern has mamba2 layers")
+        if any(layer.mixer == layer.ffn == "none" for layer in self.layer_pattern()):
+            raise ValueError("mixer_pattern and ffn_pattern leave a layer with neither a mixer nor a feed-forward")
+        if not self.mlp_gated and self.is_moe:
+            raise ValueError("mlp_gated false (an MLP without a gate) is a setting of dense models")
         if self.shared_expert_gate and not self.num_shared_experts:
             raise ValueError("shared_expert_gate needs num_shared_experts")
         if self.attention_output_gate and self.is_mla:
@@ -472,6 +530,16 @@ class ModelConfig(Strict):
             moe = self.is_moe and i >= self.first_dense_layers and ffn_pattern[i % len(ffn_pattern)] == "moe"
             stack = "dense_blocks" if self.is_moe and not moe else "blocks"
             kind = mixer_pattern[i % len(mixer_pattern)]
+            if "none" in (kind, ffn_pattern[i % len(ffn_pattern)]):  # a layer that is its mixer or its MLP
+                ffn: Literal["mlp", "moe", "none"] = (
+                    "none" if ffn_pattern[i % len(ffn_pattern)] == "none" else "moe" if moe else "mlp"
+                )
+                attention = kind == "attention"
+                only = ffn if kind == "none" else "attention" if attention else kind
+                rope = attention and rope_pattern[i % len(rope_pattern)]
+                stack = f"{only}_only_blocks"
+                layers.append(Layer(stack, mixer if attention else kind, ffn, attention and local, rope))
+                continue
             if kind != "attention":  # another mixer kind: stacks of its own, no window, no RoPE
                 layers.append(Layer(f"{kind}_{stack}", kind, "moe" if moe else "mlp", False, False))
                 continue
@@ -543,7 +611,7 @@ class ModelConfig(Strict):
             mlp += self.d_model * self.router_input_norm + self.num_experts * self.router_expert_scale
             mlp += (3 * self.d_model * self.mlp_dim + 3 * self.d_model) * self.moe_beside_mlp  # and 3 norms
         else:
-            mlp = 3 * self.d_model * self.mlp_dim
+            mlp = (3 if self.mlp_gated else 2) * self.d_model * self.mlp_dim
         block = attn + mlp + (2 * self.pre_norms + 2 * self.post_norms) * self.d_model + self.layer_scale
         pattern = self.layer_pattern()
         dense_layers = sum(layer.ffn == "mlp" for layer in pattern) if self.is_moe else 0
@@ -553,6 +621,9 @@ class ModelConfig(Strict):
         mtp = block + self._attention_params(self.mtp_layer()) + 2 * self.d_model * self.d_model + 3 * self.d_model
         n += self.mtp_layers * mtp
         n += sum(self._attention_params(layer) for layer in pattern)
+        norm = (self.pre_norms + self.post_norms) * self.d_model  # each sublayer's
+        n -= sum(mlp + norm for layer in pattern if layer.ffn == "none")
+        n -= sum(attn + norm for layer in pattern if layer.mixer == "none")
         if include_embedding:
             n += self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
         return n
@@ -562,6 +633,11 @@ class ModelConfig(Strict):
         its other mixer (ModelConfig.mixer_pattern)."""
         if layer.mixer == "gated_delta":
             return self.gated_delta.params(self.d_model)
+        if layer.mixer == "mamba2":
+            assert self.mamba2 is not None  # _check_mixers
+            return self.mamba2.params(self.d_model)
+        if layer.mixer == "none":
+            return 0
         if self.is_mla:
             return self._mla_params()
         n, h, k = self.num_heads, layer.head_dim or self.head_dim, layer.kv_heads or self.num_kv_heads
@@ -650,6 +726,11 @@ class ComputeConfig(Strict):
     mtp_layers; DeepSeek-V3 trained with 0.3, then 0.1; MaxText's mtp_loss_scaling_factor):
     the mean cross entropy of its predictions of token i + 2 (engine/models/mtp.py). 0: the
     layer is not run (and its parameters get no gradient)."""
+    matmul_precision: Literal["default", "fp8", "int8"] = "default"
+    """Recipe of the layers' trainable matmuls (engine/ops/low_precision.py, qwix): default =
+    in `dtype`; fp8 = e4m3 operands and e5m2 gradients, int8 = int8 forward and backward
+    (quantization-aware training), both with current absmax scaling per channel. The LM head,
+    the MoE router and experts and attention's QK/PV products stay in `dtype`."""
     indexer_loss: Literal["none", "warmup", "sparse"] = "none"
     """How a sparse-attention model (ModelConfig.index_topk) trains its lightning indexer
     (engine/models/dsa.py; DeepSeek-V3.2's recipe, arXiv 2512.02556): none = not at all (the
@@ -662,11 +743,6 @@ class ComputeConfig(Strict):
     indexer_loss_weight: float = Field(1.0, gt=0)
     """Weight of that KL (its mean over layers and query tokens) in the training loss
     (MaxText's indexer_loss_scaling_factor)."""
-    matmul_precision: Literal["default", "fp8", "int8"] = "default"
-    """Recipe of the layers' trainable matmuls (engine/ops/low_precision.py, qwix): default =
-    in `dtype`; fp8 = e4m3 operands and e5m2 gradients, int8 = int8 forward and backward
-    (quantization-aware training), both with current absmax scaling per channel. The LM head,
-    the MoE router and experts and attention's QK/PV products stay in `dtype`."""
 
     @field_validator("scan_unroll", mode="before")
     @classmethod
@@ -745,6 +821,12 @@ class LoraConfig(Strict):
                     "whose projections LoRA does not adapt yet; target its MLP modules instead"
                 )
             wanted = tuple(m for m in wanted if m not in LORA_ATTENTION_TARGETS)
+        if not model.mlp_gated and "gate_proj" in wanted:
+            if self.target_modules != "all-linear":
+                raise ValueError(
+                    f"family '{model.family}' has no gate_proj (its MLP is up_proj, down_proj); target those"
+                )
+            wanted = tuple(m for m in wanted if m != "gate_proj")
         fused = get_family(model.family).fused_projections
         if any(m in fused for m in wanted):
             if self.target_modules != "all-linear":

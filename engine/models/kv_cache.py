@@ -82,7 +82,7 @@ class KVCache:
         k_shapes, v_shapes, states = [], [], []
         for layer in cfg.layer_pattern():  # a layer's heads may have a shape of their own (Gemma 4's global ones)
             states.append(DECODE_STATES[layer.mixer](cfg, compute, batch) if layer.mixer in DECODE_STATES else None)
-            if states[-1] is not None:  # no keys and values: (batch, 0 heads, ...)
+            if states[-1] is not None or layer.mixer == "none":  # no keys and values: (batch, 0 heads, ...)
                 k_shapes.append((batch, 0, 0, max_len))
                 v_shapes.append((batch, 0, max_len, 0))
                 continue
@@ -95,14 +95,14 @@ class KVCache:
             tuple(constrain(jnp.zeros(shape, dtype), _names(shape)) for shape in shapes)
             for shapes in (k_shapes, v_shapes)
         )
+        states = tuple(states) if any(state is not None for state in states) else ()
         index_k: tuple[jax.Array, ...] = ()
         if cfg.index_topk is not None:  # DeepSeek Sparse Attention: the indexer's key per position
             index_k = tuple(
                 constrain(jnp.zeros((batch, max_len, cfg.index_head_dim), dtype), INDEX_NAMES)
                 for _ in range(cfg.num_layers)
             )
-        states = tuple(states) if any(state is not None for state in states) else ()
-        return cls(k, v, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32), index_k=index_k, states=states)
+        return cls(k, v, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32), states=states, index_k=index_k)
 
     def expand(self, repeats: int, extra_slots: int) -> KVCache:
         """Each row `repeats` times (row r becomes rows r * repeats ... r * repeats + repeats - 1)
@@ -118,7 +118,7 @@ class KVCache:
             constrain(jnp.pad(jnp.repeat(a, repeats, axis=0), ((0, 0), (0, extra_slots), (0, 0))), INDEX_NAMES)
             for a in self.index_k
         )
-        return self.replace(k=k, v=v, valid_bs=valid_bs, index_k=index_k, states=self._repeat_states(repeats))
+        return self.replace(k=k, v=v, valid_bs=valid_bs, states=self._repeat_states(repeats), index_k=index_k)
 
     def _repeat_states(self, repeats: int) -> tuple:
         """The stateful layers' states, each row `repeats` times (a state is per row, never shared)."""

@@ -32,6 +32,7 @@ from engine.models.lora import (
     project_shared,
     weight_value,
 )
+from engine.models.mamba2 import Mamba2
 from engine.models.mla import MLA
 from engine.models.moe import MoE, MoEStats, combine_stats
 from engine.models.mtp import MTPHead, mtp_loss
@@ -111,7 +112,7 @@ class Attention(nnx.Module):
         self.rope_interleave, self.chunk_size = cfg.rope_interleave, cfg.attention_chunk_size
         self.qk_l2_norm = cfg.qk_l2_norm
         self.temperature_floor, self.temperature_scale = cfg.attn_temperature_floor, cfg.attn_temperature_scale
-        self.scale = (cfg.query_pre_attn_scalar or h) ** -0.5
+        self.scale = cfg.attention_scale or (cfg.query_pre_attn_scalar or h) ** -0.5
         self.softcap = cfg.attn_logit_softcap
         self.dtype = _dtype(compute.dtype)
         self.attention_impl, self.attention_block = compute.attention_impl, compute.attention_block
@@ -242,7 +243,8 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (gelu_tanh)."""
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (gelu_tanh). Without
+    cfg.mlp_gated: down(act(up(x))) (Nemotron-H's relu2)."""
 
     def __init__(
         self,
@@ -255,7 +257,9 @@ class MLP(nnx.Module):
     ):
         d, f = cfg.d_model, cfg.mlp_dim
         pdt, std = _dtype(compute.param_dtype), cfg.init_std
-        self.w_gate_df = _param(rngs, (d, f), std, ("embed", "mlp"), pdt)
+        self.gated = cfg.mlp_gated
+        if self.gated:
+            self.w_gate_df = _param(rngs, (d, f), std, ("embed", "mlp"), pdt)
         self.w_up_df = _param(rngs, (d, f), std, ("embed", "mlp"), pdt)
         self.w_down_fd = _param(rngs, (f, d), std / math.sqrt(2 * cfg.num_layers), ("mlp", "embed"), pdt)
         self.activation = ACTIVATIONS[cfg.activation]
@@ -265,6 +269,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x_btd):
         dt = self.dtype
+        if not self.gated:
+            kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
+            hidden = self.activation(project(self, "w_up_df", x_btd, 1, dt, **kw).astype(jnp.float32)).astype(dt)
+            return project(self, "w_down_fd", constrain(hidden, ("act_batch", "act_seq", "act_mlp")), 1, dt, **kw)
         if any(has_adapter(self, attr) for attr, _ in MLP_WEIGHTS.values()):
             # With adapters, three products, each with its update (x.w + scale * x.A.B); the
             # fused gated_mlp has no seam for them. The activation is recomputed in the backward
@@ -296,7 +304,7 @@ def _gated_delta(cfg, compute, *, rngs, dot_general, lora=None, layer=None) -> G
     return GatedDeltaNet(cfg, compute, rngs=rngs, dot_general=dot_general)  # no LoRA on its projections
 
 
-MIXERS = {"attention": Attention, "mla": _mla, "gated_delta": _gated_delta}
+MIXERS = {"attention": Attention, "mla": _mla, "gated_delta": _gated_delta, "mamba2": Mamba2.of_layer}
 """Layer.mixer -> its module, built (cfg, compute, rngs=, dot_general=, lora=, layer=) and called
 as Attention is: (x, positions, segment_ids, local, cache, rotary=, rope=) -> out, or with a
 cache (out, cache). A kind that decodes with a state instead of keys and values registers its
@@ -328,13 +336,18 @@ class Block(nnx.Module):
     ):
         """`layer`: the kind of the stack's layers (their attention's head shape)."""
         moe = cfg.is_moe if moe is None else moe
-        if cfg.pre_norms:
-            self.attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
         mixer = layer.mixer if layer is not None else "mla" if cfg.is_mla else "attention"
-        self.attn = MIXERS[mixer](cfg, compute, rngs=rngs, dot_general=dot_general, lora=lora, layer=layer)
-        if cfg.pre_norms:
+        # A layer may be only its mixer or only its feed-forward (Nemotron-H): kind "none".
+        self.has_mixer, self.has_ffn = mixer != "none", layer is None or layer.ffn != "none"
+        if cfg.pre_norms and self.has_mixer:
+            self.attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
+        if self.has_mixer:
+            self.attn = MIXERS[mixer](cfg, compute, rngs=rngs, dot_general=dot_general, lora=lora, layer=layer)
+        if cfg.pre_norms and self.has_ffn:
             self.mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
-        if moe:
+        if not self.has_ffn:
+            pass
+        elif moe:
             self.mlp = MoE(cfg, compute, rngs=rngs, dot_general=dot_general)
             if cfg.moe_beside_mlp:  # Gemma 4's 26B-A4B: the dense MLP beside the experts, each with its norms
                 self.dense_mlp = MLP(cfg, compute, rngs=rngs, dot_general=dot_general)
@@ -343,12 +356,14 @@ class Block(nnx.Module):
                 self.post_moe_norm = _norm(cfg, compute, cfg.d_model, rngs)
         else:  # LoRAConfig.targets leaves a mixture of experts' dense layers unadapted
             self.mlp = MLP(cfg, compute, rngs=rngs, dot_general=dot_general, lora=None if cfg.is_moe else lora)
-        if cfg.post_norms:
+        if cfg.post_norms and self.has_mixer:
             self.post_attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
+        if cfg.post_norms and self.has_ffn:
             self.post_mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
         if cfg.layer_scale:  # Gemma 4: the stream times a learned scalar after the layer
             self.layer_scale = nnx.Param(jnp.ones((1,), _dtype(compute.param_dtype)), out_sharding=("norm",))
         self.pre_norms, self.post_norms, self.is_moe = cfg.pre_norms, cfg.post_norms, moe
+        self.residual_scale = cfg.residual_multiplier
         self.scaled, self.beside = cfg.layer_scale, moe and cfg.moe_beside_mlp
 
     def forward(
@@ -365,21 +380,13 @@ class Block(nnx.Module):
         """(x, cache or None, MoEStats of the router or None for a dense MLP). `rotary`: the
         attention's RoPE (cos, sin), where the caller computed them for all layers at once;
         `rope` False: a NoPE layer (grouped-query attention only)."""
-        with jax.named_scope("attention"):  # names the ops in profiles (bench/profile_step.py)
-            extra = {} if rotary is None else {"rotary": rotary}
-            if not rope:
-                extra["rope"] = False
-            if chunked:  # attention within chunks (Llama 4)
-                extra["chunked"] = True
-            attn_in = self.attn_norm(x_btd) if self.pre_norms else x_btd
-            attn_out = self.attn(attn_in, positions_bt, segment_ids_bt, local, cache, **extra)
-        indexer_kl = None
-        if cache is not None:
-            attn_out, cache = attn_out
-        elif getattr(self.attn, "indexer_loss", "none") != "none":  # sparse attention's indexer trains (dsa.py)
-            attn_out, indexer_kl = attn_out
-        x_btd = x_btd + (self.post_attn_norm(attn_out) if self.post_norms else attn_out)
-        stats = None
+        indexer_kl = stats = None
+        if self.has_mixer:
+            mixed = self._mix(x_btd, positions_bt, segment_ids_bt, local, cache, rotary, rope, chunked)
+            x_btd, cache, indexer_kl = mixed
+        if not self.has_ffn:
+            x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
+            return x_btd, cache, None if indexer_kl is None else WithIndexerLoss(None, indexer_kl)
         with jax.named_scope("mlp"):
             mlp_in = self.mlp_norm(x_btd) if self.pre_norms else x_btd
             if self.beside:  # the experts on their own pre-norm, routed by the residual itself
@@ -391,6 +398,8 @@ class Block(nnx.Module):
                 mlp_out, stats = self.mlp(mlp_in, valid_bt)
             else:
                 mlp_out = self.mlp(mlp_in)
+        if self.residual_scale is not None:  # Granite
+            mlp_out = mlp_out * jnp.asarray(self.residual_scale, mlp_out.dtype)
         x_btd = x_btd + (self.post_mlp_norm(mlp_out) if self.post_norms else mlp_out)
         if self.scaled:
             x_btd = x_btd * self.layer_scale[...].astype(x_btd.dtype)
@@ -410,6 +419,25 @@ class Block(nnx.Module):
     ):
         x_btd, cache, _ = self.forward(x_btd, positions_bt, segment_ids_bt, local, cache, rotary, rope, chunked)
         return x_btd if cache is None else (x_btd, cache)
+
+    def _mix(self, x_btd, positions_bt, segment_ids_bt, local, cache, rotary, rope, chunked):
+        """The mixer sublayer: (x, cache, sparse attention's indexer KL or None)."""
+        with jax.named_scope("attention"):  # names the ops in profiles (bench/profile_step.py)
+            extra = {} if rotary is None else {"rotary": rotary}
+            if not rope:
+                extra["rope"] = False
+            if chunked:  # attention within chunks (Llama 4)
+                extra["chunked"] = True
+            attn_in = self.attn_norm(x_btd) if self.pre_norms else x_btd
+            attn_out = self.attn(attn_in, positions_bt, segment_ids_bt, local, cache, **extra)
+        indexer_kl = None
+        if cache is not None:
+            attn_out, cache = attn_out
+        elif getattr(self.attn, "indexer_loss", "none") != "none":  # sparse attention's indexer trains (dsa.py)
+            attn_out, indexer_kl = attn_out
+        if self.residual_scale is not None:  # Granite
+            attn_out = attn_out * jnp.asarray(self.residual_scale, attn_out.dtype)
+        return x_btd + (self.post_attn_norm(attn_out) if self.post_norms else attn_out), cache, indexer_kl
 
 
 def _runs(items: list[tuple[Layer, int]]) -> list[tuple[Layer, int, int]]:
@@ -769,6 +797,8 @@ class Transformer(nnx.Module):
         x_btd = self.embed_vd[...].astype(dt)[tokens_bt]
         if cfg.scale_embeddings:  # the factor rounded to the compute dtype, as Gemma does
             x_btd = x_btd * jnp.asarray(math.sqrt(cfg.d_model), dt)
+        if cfg.embedding_multiplier is not None:  # Granite
+            x_btd = x_btd * jnp.asarray(cfg.embedding_multiplier, dt)
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
         stats = None
         if cache is None:  # segment_ids_bt None: one unpadded document per row, no mask needed
@@ -799,6 +829,8 @@ class Transformer(nnx.Module):
                 logits_btv = self.dot_general(
                     x_btd, head_dv.astype(dt), (((2,), (0,)), ((), ())), preferred_element_type=jnp.float32
                 )
+        if cfg.logits_scaling is not None:  # Granite
+            logits_btv = logits_btv / jnp.asarray(cfg.logits_scaling, logits_btv.dtype)
         if cfg.final_logit_softcap is not None:
             cap = cfg.final_logit_softcap
             logits_btv = (cap * jnp.tanh(logits_btv.astype(jnp.float32) / cap)).astype(logits_btv.dtype)

@@ -20,6 +20,7 @@ from engine.interop.hf.mapping import tensor_table
 from engine.interop.hf.safetensors_io import SafetensorsFile, write_safetensors
 from engine.models.config import LORA_TARGETS, LoraConfig, ModelConfig
 from engine.models.config import LORA_WEIGHTS as WEIGHTS
+from engine.models.families import get_family
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
@@ -52,7 +53,8 @@ def adapter_to_peft(cfg: ModelConfig, lora: LoraConfig, adapter: dict, *, scan_l
         for i, layer in enumerate(layers):
             a = np.asarray(_layer(adapter, spec.stack, (*module, attr + "_lora_a"), i, scan_layers))
             b = np.asarray(_layer(adapter, spec.stack, (*module, attr + "_lora_b"), i, scan_layers))
-            name = PREFIX + spec.hf_name.format(i=layer).removesuffix(".weight")
+            module_name = get_family(cfg.family).module_name(spec.hf_name.format(i=layer))
+            name = PREFIX + module_name.removesuffix(".weight")
             out[name + ".lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, lora.rank).T)
             out[name + ".lora_B.weight"] = np.ascontiguousarray(b.reshape(lora.rank, -1).T)
     return out
@@ -165,7 +167,8 @@ def adapter_from_peft(
     for _, spec, layers in _adapted_specs(cfg, lora):
         *module, attr = spec.path
         for i, layer in enumerate(layers):
-            name = PREFIX + spec.hf_name.format(i=layer).removesuffix(".weight")
+            module_name = get_family(cfg.family).module_name(spec.hf_name.format(i=layer))
+            name = PREFIX + module_name.removesuffix(".weight")
             for factor, key in (("lora_A", attr + "_lora_a"), ("lora_B", attr + "_lora_b")):
                 tensor_name = f"{name}.{factor}.weight"
                 if tensor_name not in tensors:

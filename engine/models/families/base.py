@@ -64,13 +64,13 @@ class TensorSpec:
     """The layer stack a per-layer tensor belongs to (ModelConfig.layer_stacks): `blocks`, or
     the `dense_blocks` of a mixture of experts' dense layers (DeepSeek-V3's first layers,
     Qwen3-MoE's mlp_only_layers); `{i}` is always the model's layer index."""
-    swap_last: bool = False
-    """in_dims None: HF's tensor is the engine's (or its concatenation's) with the last two
-    axes swapped (Gemma 4's stacked experts: gate_up_proj (E, 2f, d), down_proj (E, d, f))."""
     export_only: bool = False
     """A copy of another tensor that export writes and conversion skips (a multi-token-
     prediction layer's embed_tokens and shared_head.head: transformers' MtpModel uses the main
     model's, as the engine does)."""
+    swap_last: bool = False
+    """in_dims None: HF's tensor is the engine's (or its concatenation's) with the last two
+    axes swapped (Gemma 4's stacked experts: gate_up_proj (E, 2f, d), down_proj (E, d, f))."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,8 +402,7 @@ class Family:
         for stack, indices in cfg.layer_stacks():
             moe = layers[indices[0]].ffn == "moe"
             specs = [
-                *self.attention_tensors(cfg),
-                *self.extra_attention_tensors(),
+                *self.mixer_tensors(cfg, layers[indices[0]]),
                 *self.mlp_norm_tensors(),
                 *(self.mlp_tensors(cfg) if moe or not cfg.is_moe else self.dense_mlp_tensors(cfg)),
             ]
@@ -413,6 +412,12 @@ class Family:
             top.append(TensorSpec(("lm_head_dv",), "lm_head.weight", 1))
         mtp_top, mtp_layer = mtp_tensors(cfg, per_layer)
         return top + mtp_top, per_layer + mtp_layer
+
+    def mixer_tensors(self, cfg: ModelConfig, layer) -> list[TensorSpec]:
+        """The input norm and sequence mixer of a stack of `layer`'s kind (a config.Layer):
+        attention_tensors and extra_attention_tensors; a family with another mixer kind
+        (ModelConfig.mixer_pattern: Qwen3-Next's Gated DeltaNet) names that kind's tensors."""
+        return [*self.attention_tensors(cfg), *self.extra_attention_tensors()]
 
     def attention_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
         """The input norm and the q, k, v, o projections (Phi-3: one fused qkv_proj)."""
@@ -435,6 +440,11 @@ class Family:
     def extra_attention_tensors(self) -> list[TensorSpec]:
         """Attention tensors after o_proj: biases (Qwen2), QK-norm scales (Qwen3, Gemma 3)."""
         return []
+
+    def module_name(self, hf_name: str) -> str:
+        """The torch module path of a checkpoint tensor's name, which PEFT names adapters by:
+        the same, unless transformers renames the model on saving (Nemotron-H's `backbone.`)."""
+        return hf_name
 
     def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:
         """A checkpoint tensor conversion skips: one of a module the engine does not run
