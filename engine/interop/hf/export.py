@@ -11,6 +11,7 @@ deleted first; other files are replaced or left as they are.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -122,6 +123,18 @@ def export_hf(
     }
 
 
+def _transformers_floats(value):
+    """`value` with each non-finite float as transformers 5 writes it into config.json,
+    {"__float__": "Infinity"} (Mamba2's time_step_limit), not JSON's invalid bare Infinity."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"__float__": str(value).replace("inf", "Infinity").replace("nan", "NaN")}
+    if isinstance(value, dict):
+        return {key: _transformers_floats(v) for key, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_transformers_floats(v) for v in value]
+    return value
+
+
 def write_hf_model(
     params: dict,
     cfg: ModelConfig,
@@ -207,7 +220,8 @@ def write_hf_model(
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")  # as transformers
+    config_json = json.dumps(_transformers_floats(hf_config), indent=2, sort_keys=True)
+    (out_dir / "config.json").write_text(config_json + "\n")  # as transformers
     generation = hf_meta.get("generation_config") or {
         "_from_model_config": True,
         **{k: v for k, v in token_ids.items() if v is not None},
