@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from pydantic import Field
 
 from engine.config import Strict, resolve_model_preset, validate
@@ -20,6 +21,7 @@ from engine.contract import CHECKPOINT_CADENCE_FIELDS, CHECKPOINT_DIR, MANIFEST,
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.train.config import OptimizerConfig, RunFields, TrainConfig, trainer_view
 from engine.train.plan import StepSpec
+from flows import cli
 from flows.spec import Pipeline, load_plan
 from tasks.artifacts import read_manifest
 from tasks.engine_stage import EngineStage
@@ -211,7 +213,7 @@ def losses(out: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_a_toy_training_kind_runs_resumes_and_is_planned(tmp_path):
+def test_a_toy_training_kind_runs_resumes_and_is_planned(tmp_path, capsys):
     plan = toy_pipeline(tmp_path).plan()
     statuses = {name: execute_stage(stage.job, plan.store).status for name, stage in plan.stages.items()}
     assert statuses == {"problems": RAN, "tokenize": RAN, "toy": RAN}
@@ -242,3 +244,10 @@ def test_a_toy_training_kind_runs_resumes_and_is_planned(tmp_path):
     plans, notes = plan_pipeline(plan, "local")
     assert [p.stage for p in plans] == ["toy"] and not notes
     assert plans[0].fits and plans[0].how == "compiled"
+    # The command, on the pipeline as YAML that imports this module: the same plan.
+    spec = {**toy_pipeline(tmp_path).tree, "imports": [__name__]}
+    (tmp_path / "toy.yaml").write_text(yaml.safe_dump(spec))
+    capsys.readouterr()
+    assert cli.main(["plan", str(tmp_path / "toy.yaml"), "--target", "local"]) == 0
+    out = capsys.readouterr().out
+    assert "stage toy on local" in out and "stage tokenize" not in out
