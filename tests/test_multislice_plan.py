@@ -15,6 +15,7 @@ from engine.parallel.mesh import make_mesh
 from engine.train.config import TrainConfig
 from engine.train.plan import format_plan, plan_step, summary, target_devices
 from engine.train.targets import get_target
+from tasks.registry import get_stage_kind
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the test extra)")
 
@@ -87,3 +88,11 @@ def test_the_plan_reports_what_crosses_dcn_data_over_slices_moves_the_gradients_
     assert "8 x TPU v5p (2 slices of topology v5p:2x2x1)" in text
     assert f"DCN {data.network['dcn'] / 2**20:.2f} MiB (sent to other slices)" in text
     assert summary(data)["network_bytes"] == data.network
+
+
+def test_mesh_dcn_unset_stays_out_of_artifact_ids_and_set_enters_them():
+    kind = get_stage_kind("pretrain")
+    base = {"model": "tiny", "steps": 3, "data": {"seq_len": 32, "batch_size": 4}}
+    plain = kind.fingerprint(kind.resolve_config(base, "t.yaml"))
+    spread = kind.fingerprint(kind.resolve_config({**base, "mesh": {"dcn": {"data": 2}}}, "t.yaml"))
+    assert "dcn" not in plain["mesh"] and spread["mesh"]["dcn"]["data"] == 2
