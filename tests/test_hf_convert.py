@@ -325,6 +325,13 @@ PUBLISHED_BILLIONS = {  # parameter counts of the released models
     "llama4-scout": 107.77,
     "llama4-maverick": 400.71,
     "gemma4-31b": 30.70,  # the text decoder of google/gemma-4-31B (its vision tower apart)
+    # Qwen3-Next without its multi-token-prediction layer; Qwen3.5's text decoders (their
+    # published counts include the vision tower and the MTP layer)
+    "qwen3-next-80b-a3b": 79.67,
+    "qwen3.5-27b": 26.90,
+    "qwen3.5-35b-a3b": 34.66,
+    "qwen3.5-122b-a10b": 122.11,
+    "qwen3.5-397b-a17b": 396.35,
 }
 
 

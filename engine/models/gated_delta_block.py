@@ -11,8 +11,8 @@ of their own (`gated_delta_blocks`).
 Per layer: x -> projections (q, k, v through a short causal convolution and SiLU; z the output
 gate; b, a the step size and decay) -> the gated delta rule -> RMSNorm(out) * silu(z) -> out_proj.
 Padding tokens (segment id 0) are zeroed on input, as transformers does, so left padding
-leaves the state as it was. Each row is one sequence: the state does not reset at packed
-document boundaries. Shapes: b batch, t time, d d_model, k key heads, v value heads,
+leaves the state as it was; in packed rows the convolution and the state restart at each
+document (segment ids), as attention's mask does. Shapes: b batch, t time, d d_model, k key heads, v value heads,
 c convolution channels (q, k and v side by side).
 """
 
@@ -136,7 +136,9 @@ class GatedDeltaNet(nnx.Module):
         mixed_btc, z_btvh, b_btv, a_btv = self._projections(x_btd)
         state = None if cache is None else cache.states[cache.layer]
         conv_kc = self.conv_c1k[...][:, 0, :].T.astype(self.dtype)
-        mixed_btc, window_bkc = causal_conv1d(mixed_btc, conv_kc, window_bkc=None if state is None else state.conv_bkc)
+        mixed_btc, window_bkc = causal_conv1d(
+            mixed_btc, conv_kc, window_bkc=None if state is None else state.conv_bkc, segment_ids_bt=segment_ids_bt
+        )
         q = mixed_btc[..., : hk * dk].reshape(batch, time, hk, dk)
         k = mixed_btc[..., hk * dk : 2 * hk * dk].reshape(batch, time, hk, dk)
         v = mixed_btc[..., 2 * hk * dk :].reshape(batch, time, hv, dv)
@@ -147,7 +149,9 @@ class GatedDeltaNet(nnx.Module):
             out, recurrent = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g_btv[:, 0], beta_btv[:, 0], recurrent)
             out_btvh = out[:, None]
         else:
-            out_btvh, recurrent = gated_delta_chunked(q, k, v, g_btv, beta_btv, chunk_size=CHUNK, state_bhkv=recurrent)
+            out_btvh, recurrent = gated_delta_chunked(
+                q, k, v, g_btv, beta_btv, chunk_size=CHUNK, state_bhkv=recurrent, segment_ids_bt=segment_ids_bt
+            )
         out_btvh = gated_rms_norm(
             out_btvh, z_btvh, self.norm_h[...].astype(self.dtype), eps=self.norm_eps, norm_before_gate=True
         )

@@ -261,6 +261,9 @@ class MoE(nnx.Module):
             self.w_shared_gate_dg = param(rngs, (d, g), std, ("embed", "mlp"), pdt)
             self.w_shared_up_dg = param(rngs, (d, g), std, ("embed", "mlp"), pdt)
             self.w_shared_down_gd = param(rngs, (g, d), out_std, ("mlp", "embed"), pdt)
+        if cfg.shared_expert_gate:  # Qwen3-Next: the shared experts' output times sigmoid(x . w)
+            self.w_shared_scale_d1 = param(rngs, (d, 1), std, ("embed", None), pdt)
+        self.shared_gate = cfg.shared_expert_gate
         self.num_experts, self.k = e, cfg.experts_per_token
         self.score, self.renormalize = cfg.router_score, cfg.router_renormalize
         self.router_bias, self.shared = cfg.router_bias, cfg.num_shared_experts > 0
@@ -367,7 +370,7 @@ class MoE(nnx.Module):
         else:
             out_btd = self._routed(x_btd, experts_nk, weights_nk, valid_bt, experts, biases, t)
         if self.shared:
-            out_btd = out_btd + gated_mlp(
+            shared_btd = gated_mlp(
                 x_btd,
                 self.w_shared_gate_dg[...].astype(dt),
                 self.w_shared_up_dg[...].astype(dt),
@@ -377,5 +380,10 @@ class MoE(nnx.Module):
                 backward=self.matmul_backward,
                 dot_general=self.dot_general,
             )
+            if self.shared_gate:
+                kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
+                scale_bt1 = dense(x_btd, self.w_shared_scale_d1[...].astype(dt), **kw)
+                shared_btd = shared_btd * jax.nn.sigmoid(scale_bt1)
+            out_btd = out_btd + shared_btd
         out_btd = out_btd + jnp.asarray(feedback, out_btd.dtype)
         return constrain(out_btd.astype(x_btd.dtype), ("act_batch", "act_seq", "act_embed")), stats

@@ -125,13 +125,25 @@ def gated_delta_scan(
     *,
     state_bhkv: jax.Array | None = None,
     qk_l2norm: bool = True,
+    segment_ids_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """The per-token recurrence (a lax.scan over t): (output (b, t, h, v), final state)."""
+    """The per-token recurrence (a lax.scan over t): (output (b, t, h, v), final state).
+    `segment_ids_bt` (packed rows): the state restarts at zero where the document changes
+    (the start state counts as the first token's document)."""
     q, k, v, g, beta = _prepare(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, qk_l2norm)
+    if segment_ids_bt is not None:  # a new document: decay exp(-inf) = 0 forgets the state
+        g = jnp.where(_document_starts(segment_ids_bt)[..., None], -jnp.inf, g)
     state = _zero_state(q, v) if state_bhkv is None else state_bhkv.astype(jnp.float32)
     time_major = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
     state, out_tbhv = jax.lax.scan(_delta_step, state, time_major)
     return jnp.moveaxis(out_tbhv, 0, 1).astype(q_bthk.dtype), state
+
+
+def _document_starts(segment_ids_bt: jax.Array) -> jax.Array:
+    """(b, t) bool: the token's document differs from the previous token's (never the first)."""
+    return jnp.concatenate(
+        [jnp.zeros_like(segment_ids_bt[:, :1], bool), segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1]], axis=1
+    )
 
 
 def _unit_lower_inverse(m_cc: jax.Array) -> jax.Array:
@@ -177,8 +189,15 @@ def gated_delta_chunked(
     chunk_size: int = 64,
     state_bhkv: jax.Array | None = None,
     qk_l2norm: bool = True,
+    segment_ids_bt: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """The chunked parallel form (training, prefill): same result as `gated_delta_scan`."""
+    """The chunked parallel form (training, prefill): same result as `gated_delta_scan`.
+
+    `segment_ids_bt` (packed rows): no token reads another document's writes. Within a chunk
+    the decays between tokens of different documents are zero; a token reads the state
+    carried into its chunk only if no document starts between the chunk's start and it, and
+    the state leaves the chunk decayed only if none starts in the chunk, plus the writes of
+    the chunk's last document."""
     q, k, v, g, beta = _prepare(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, qk_l2norm)
     batch, time, heads, _ = q.shape
     state = _zero_state(q, v) if state_bhkv is None else state_bhkv.astype(jnp.float32)
@@ -196,17 +215,28 @@ def gated_delta_chunked(
     # decay_ij = prod of exp(g) over (j, i] for j <= i, else 0: exponents are <= 0, nothing overflows.
     cum_decay = jnp.cumsum(g, axis=-1)
     lower = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
+    decay_from_start, decay_to_end = jnp.exp(cum_decay), jnp.exp(cum_decay[..., -1:] - cum_decay)
+    chunk_decay = jnp.exp(cum_decay[..., -1])
+    if segment_ids_bt is not None:  # (n, b, 1, C): the padding continues the last document
+        segments = jnp.pad(segment_ids_bt, [(0, 0), (0, pad)], mode="edge").reshape(batch, chunks, 1, chunk_size)
+        segments = jnp.moveaxis(segments, 1, 0)
+        before = jnp.concatenate([segments[:1, ..., :1], segments[:-1, ..., -1:]])  # the token before each chunk
+        lower = lower & (segments[..., :, None] == segments[..., None, :])
+        continues = segments == before  # no document starts between the chunk's start and the token
+        decay_from_start = jnp.where(continues, decay_from_start, 0.0)
+        decay_to_end = jnp.where(segments == segments[..., -1:], decay_to_end, 0.0)  # the chunk's last document
+        chunk_decay = jnp.where(continues[..., -1], chunk_decay, 0.0)
     decay_cc = jnp.exp(jnp.where(lower, cum_decay[..., :, None] - cum_decay[..., None, :], -jnp.inf))
 
     # UT transform: (I + strictly_lower(beta k k^T * decay)) [u, w] = [beta v, beta k exp(cum)].
     ut_system = jnp.einsum("...ik,...jk->...ij", k_beta, k) * decay_cc
-    rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(cum_decay)[..., None]], axis=-1)
+    rhs = jnp.concatenate([v_beta, k_beta * decay_from_start[..., None]], axis=-1)
     solved = _unit_lower_inverse(ut_system) @ rhs
     new_values, k_cumdecay = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
     intra_cc = jnp.einsum("...ik,...jk->...ij", q, k) * decay_cc
-    q_decayed = q * jnp.exp(cum_decay)[..., None]
-    k_to_end = k * jnp.exp(cum_decay[..., -1:] - cum_decay)[..., None]
-    chunk_decay = jnp.exp(cum_decay[..., -1])[..., None, None]  # (n, b, h, 1, 1)
+    q_decayed = q * decay_from_start[..., None]
+    k_to_end = k * decay_to_end[..., None]
+    chunk_decay = chunk_decay[..., None, None]  # (n, b, h, 1, 1)
 
     def chunk_step(state_bhkv, chunk):
         new_v, k_cum, q_dec, intra, k_end, decay = chunk
