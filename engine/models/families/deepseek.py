@@ -134,8 +134,11 @@ class DeepseekV3(Family):
         }
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
+        # DeepseekV3Config's key (its num_mtp_layers); a subclass whose config class lacks it
+        # (DeepSeek-V3.2's, GLM-5's) writes it only for a model that has the layer
+        mtp = {"num_nextn_predict_layers": cfg.mtp_layers} if cfg.mtp_layers or type(self) is DeepseekV3 else {}
         return {
-            "num_nextn_predict_layers": cfg.mtp_layers,
+            **mtp,
             "head_dim": cfg.rope_head_dim,
             "qk_head_dim": cfg.head_dim,  # as transformers writes them
             "qk_nope_head_dim": cfg.head_dim - cfg.rope_head_dim,
@@ -242,7 +245,7 @@ class DeepseekV2(DeepseekV3):
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         keys = super().extra_hf_keys(cfg)
-        del keys["rope_interleave"], keys["num_nextn_predict_layers"]
+        del keys["rope_interleave"]
         grouped = cfg.router_groups > 1
         return {
             **keys,
