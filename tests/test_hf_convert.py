@@ -325,6 +325,8 @@ PUBLISHED_BILLIONS = {  # parameter counts of the released models
     "llama4-scout": 107.77,
     "llama4-maverick": 400.71,
     "gemma4-31b": 30.70,  # the text decoder of google/gemma-4-31B (its vision tower apart)
+    "nemotron-h-8b": 8.10,  # nvidia/Nemotron-H-8B-Base-8K
+    "nemotron-h-56b": 56.32,  # nvidia/Nemotron-H-56B-Base-8K
     # Qwen3-Next without its multi-token-prediction layer; Qwen3.5's text decoders (their
     # published counts include the vision tower and the MTP layer)
     "qwen3-next-80b-a3b": 79.67,

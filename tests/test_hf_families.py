@@ -18,6 +18,14 @@ from engine.models.params import abstract_model_params
 
 SHAPE = dict(vocab_size=17, d_model=12, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=6, mlp_dim=7)
 
+GRANITE = {
+    "num_local_experts": 0,
+    "shared_intermediate_size": 7,
+    "mamba_n_heads": 2,
+    "layer_types": ["mamba", "attention", "mamba"],
+    "num_attention_heads": 2,  # head_dim = hidden_size / heads, even
+}
+
 
 def tiny(family: str, tie: bool) -> tuple:
     """A tiny config.json of `family`, odd sizes, through the family's own mapping."""
@@ -35,6 +43,14 @@ def tiny(family: str, tie: bool) -> tuple:
         "sliding_window": 5,
         "tie_word_embeddings": tie,
         "hidden_size_per_layer_input": 0,  # Gemma 4: none of its per-layer embeddings (default 256)
+        # Nemotron-H: a Mamba2, an MLP and an attention layer, Mamba2 of 2 heads of 3, state 4
+        "layers_block_type": ["linear_attention", "mlp", "full_attention"],
+        "mamba_num_heads": 2,
+        "mamba_head_dim": 3,
+        "ssm_state_size": 4,
+        "n_groups": 1,
+        # Granite 4 hybrid: dense (no experts), Mamba2 of 2 heads, a Mamba2, an attention and a Mamba2 layer
+        **(GRANITE if family == "granite_hybrid" else {}),
     }
     return model_config_from_hf(hf)
 
