@@ -51,6 +51,8 @@ def tiny(family: str, tie: bool) -> tuple:
         "n_groups": 1,
         # Granite 4 hybrid: dense (no experts), Mamba2 of 2 heads, a Mamba2, an attention and a Mamba2 layer
         **(GRANITE if family == "granite_hybrid" else {}),
+        # DeepSeek Sparse Attention: the indexer reads the compressed query
+        **({"q_lora_rank": 6} if family in ("deepseek_v32", "glm_moe_dsa") else {}),
     }
     return model_config_from_hf(hf)
 
