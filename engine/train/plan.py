@@ -406,8 +406,7 @@ def format_plan(plan: Plan) -> str:
     if plan.network:
         lines.append(
             f"  collectives per device per step: ICI {plan.network['ici'] / 2**20:.2f} MiB, "
-            f"DCN {plan.network['dcn'] / 2**20:.2f} MiB"
-            + (" (sent to other slices)" if plan.target.slices > 1 else "")
+            f"DCN {plan.network['dcn'] / 2**20:.2f} MiB" + (" (sent to other slices)" if plan.target.slices > 1 else "")
         )
     if plan.compiler_message:
         lines.append(f"  compiler: {plan.compiler_message}")
