@@ -632,6 +632,7 @@ class ModelConfig(Strict):
         """One layer's attention projections, biases and QK norms (not sinks or output bias), or
         its other mixer (ModelConfig.mixer_pattern)."""
         if layer.mixer == "gated_delta":
+            assert self.gated_delta is not None  # _check_mixers
             return self.gated_delta.params(self.d_model)
         if layer.mixer == "mamba2":
             assert self.mamba2 is not None  # _check_mixers

@@ -18,6 +18,7 @@ c convolution channels (q, k and v side by side).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from engine.models.common import dtype_of, param
-from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
+from engine.models.config import ComputeConfig, GatedDeltaConfig, LoraConfig, ModelConfig
 from engine.models.kv_cache import DECODE_STATES, KVCache
 from engine.ops.dense import DotGeneral, dense
 from engine.ops.gated_delta import (
@@ -40,10 +41,16 @@ CHUNK = 64
 """Tokens per chunk of the chunked form (transformers' and FLA's chunk size)."""
 
 
+def sizes(cfg: ModelConfig) -> GatedDeltaConfig:
+    """The model's Gated DeltaNet sizes (set whenever a layer has this kind: ModelConfig._check_mixers)."""
+    assert cfg.gated_delta is not None, "mixer_pattern has gated_delta layers, so gated_delta is set"
+    return cfg.gated_delta
+
+
 def initial_state(cfg: ModelConfig, compute: ComputeConfig, batch: int) -> GatedDeltaState:
     """A sequence's decoding state before its first token: the convolution's window (its last
     conv_kernel - 1 inputs, in the compute dtype) and the recurrent state (float32), zeros."""
-    gd = cfg.gated_delta
+    gd = sizes(cfg)
     channels = 2 * gd.num_key_heads * gd.key_head_dim + gd.num_value_heads * gd.value_head_dim
     return GatedDeltaState(
         jnp.zeros((batch, gd.conv_kernel - 1, channels), dtype_of(compute.dtype)),
@@ -67,7 +74,7 @@ class GatedDeltaNet(nnx.Module):
         dot_general: DotGeneral = jax.lax.dot_general,
         lora: LoraConfig | None = None,
     ):
-        gd = cfg.gated_delta
+        gd = sizes(cfg)
         d, hk, hv, dk, dv = cfg.d_model, gd.num_key_heads, gd.num_value_heads, gd.key_head_dim, gd.value_head_dim
         pdt, std = dtype_of(compute.param_dtype), cfg.init_std
         group = hv // hk
@@ -158,6 +165,7 @@ class GatedDeltaNet(nnx.Module):
         out_btd = self._dense(out_btvh, "w_out_vhd", 2)
         if cache is None:
             return out_btd
+        assert state is not None
         states = list(cache.states)
         states[cache.layer] = GatedDeltaState(window_bkc.astype(state.conv_bkc.dtype), recurrent)
-        return out_btd, cache.replace(states=tuple(states))
+        return out_btd, dataclasses.replace(cache, states=tuple(states))
