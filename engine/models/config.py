@@ -63,6 +63,10 @@ class RopeScaling(Strict):
         return get_mscale(self.factor)
 
 
+AttentionKind = Literal["global", "local", "chunked"]
+"""How a layer's attention sees the keys: all earlier, a sliding window, or its chunk."""
+
+
 class Layer(NamedTuple):
     """One decoder layer as data (ModelConfig.layer_pattern): its sequence mixer and
     feed-forward, and the static flags its call takes. Layers whose parameters have the same
@@ -196,9 +200,7 @@ class ModelConfig(Strict):
     """Multiply token embeddings by sqrt(d_model) (Gemma)."""
     post_norms: bool = False
     """Also normalise each sublayer's output before the residual add (Gemma 2/3)."""
-    attention_pattern: list[Literal["global", "local", "chunked"]] = Field(
-        default_factory=lambda: ["global"], min_length=1
-    )
+    attention_pattern: list[AttentionKind] = Field(default_factory=lambda: ["global"], min_length=1)
     """Layer i attends as attention_pattern[i % len]; local = sliding window, chunked = within
     chunks of attention_chunk_size positions (Llama 4: [chunked, chunked, chunked, global]). Mistral: [local];
     Gemma 2: [local, global]; Gemma 3: five local then one global."""
@@ -657,6 +659,7 @@ class ModelConfig(Strict):
             q = d * n * self.head_dim
         kv = d * (rank + self.rope_head_dim) + rank + rank * n * (nope + self.value_head_dim)
         if self.index_topk is not None:  # the indexer: wq_b, wk, its key LayerNorm, weights_proj
+            assert self.q_lora_rank is not None  # _check_deepseek
             h, w = self.index_heads, self.index_head_dim
             q += self.q_lora_rank * h * w + d * w + 2 * w + d * h
         return q + kv + n * self.value_head_dim * d
