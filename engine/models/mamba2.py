@@ -12,6 +12,7 @@ width, p in_proj's width, c convolution channels, k kernel taps, h heads, f head
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -35,6 +36,7 @@ def dims_of(cfg: ModelConfig) -> Mamba2Dims:
     """The Mamba2 layers' sizes (cfg.mamba2); the gated norm's epsilon is cfg.norm_eps (Nemotron-H's
     and Granite 4's one epsilon)."""
     m = cfg.mamba2
+    assert m is not None, "a model with mamba2 layers has ModelConfig.mamba2"
     low, high = m.dt_limit or (0.0, float("inf"))
     return Mamba2Dims(m.num_heads, m.head_dim, m.state_size, m.n_groups, m.conv_kernel, cfg.norm_eps, low, high)
 
@@ -98,6 +100,7 @@ class Mamba2(nnx.Module):
     def of_layer(cls, cfg: ModelConfig, compute: ComputeConfig, *, rngs, dot_general=jax.lax.dot_general, **_):
         """The mixer of a `mamba2` layer (transformer.MIXERS), its sizes dims_of(cfg)."""
         m = cfg.mamba2
+        assert m is not None, "a model with mamba2 layers has ModelConfig.mamba2"
         return cls(
             dims_of(cfg),
             cfg.d_model,
@@ -129,7 +132,7 @@ class Mamba2(nnx.Module):
             return out_btd
         states = list(cache.states)
         states[cache.layer] = state
-        return out_btd, cache.replace(states=tuple(states))
+        return out_btd, dataclasses.replace(cache, states=tuple(states))
 
     def mix(
         self,
@@ -146,8 +149,8 @@ class Mamba2(nnx.Module):
         mask_bt = None if segment_ids_bt is None else segment_ids_bt != 0
         if mask_bt is not None:
             x_btd = x_btd * mask_bt[..., None].astype(x_btd.dtype)
-        kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
-        projected = dense(x_btd.astype(dt), self.w_in_dp[...].astype(dt), **kw)
+        backward, dot_general = self.matmul_backward, self.dot_general
+        projected = dense(x_btd.astype(dt), self.w_in_dp[...].astype(dt), backward=backward, dot_general=dot_general)
         if self.bias:
             projected = projected + self.b_in_p[...].astype(dt)
         params = {
@@ -168,7 +171,7 @@ class Mamba2(nnx.Module):
             chunk_size=self.chunk_size,
             segment_ids_bt=None if state is not None and x_btd.shape[1] == 1 else segment_ids_bt,
         )
-        out_btd = dense(y_btf.astype(dt), self.w_out_fd[...].astype(dt), **kw)
+        out_btd = dense(y_btf.astype(dt), self.w_out_fd[...].astype(dt), backward=backward, dot_general=dot_general)
         if self.bias:
             out_btd = out_btd + self.b_out_d[...].astype(dt)
         return out_btd, state
