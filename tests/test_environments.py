@@ -130,13 +130,12 @@ def test_a_user_environments_module_is_checked_at_validation_and_part_of_the_sta
     from tasks.stages.grpo import GRPOStage
 
     stage = GRPOStage()
-    raw = {"data": {"path": "rows.jsonl"}, "environment": {"factory": "my_tool_env_xyz:Env"}}
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1"}\n')  # data files are checked first
+    raw = {"data": {"path": str(tmp_path / "rows.jsonl")}, "environment": {"factory": "my_tool_env_xyz:Env"}}
     with pytest.raises(ConfigError, match="key 'environment.factory': cannot find module 'my_tool_env_xyz'"):
         stage.resolve_config(raw, "p.yaml")
     (tmp_path / "my_tool_env_xyz.py").write_text("class Env: ...\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1"}\n')
-    raw["data"]["path"] = str(tmp_path / "rows.jsonl")
     cfg = stage.resolve_config(raw, "p.yaml")
     before = stage.fingerprint(cfg)["environment_source"]
     (tmp_path / "my_tool_env_xyz.py").write_text("class Env:  # changed\n    ...\n")

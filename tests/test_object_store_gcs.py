@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from tasks.artifacts import ArtifactStore
-from tasks.store import objects
+from tasks.store import objects as store_objects
 from tasks.store.objects import read_url
 from tests.deps import need
 from tests.test_object_store import tiny_pipeline, trainflow
@@ -229,7 +229,7 @@ def test_pretrain_on_gcs_writes_its_checkpoint_at_the_url_and_none_on_the_runner
     url = f"{store}/pretrain/{next(r for r in rows if r['stage'] == 'pretrain')['id']}"
     config = yaml.safe_load(read_url(f"{url}/train.yaml"))
     assert config["checkpoint"]["directory"] == f"{url}/checkpoint"
-    fs = objects._filesystem(store)
+    fs = store_objects._filesystem(store)
     fs.invalidate_cache()
     prefix = url.removeprefix("gs://") + "/"
     listed = {key.removeprefix(prefix) for key in fs.find(prefix + "checkpoint")}
@@ -270,7 +270,7 @@ def test_gcs_lease_is_created_only_if_absent(finished, gcs):
 def test_small_binary_files_keep_their_last_byte_whatever_it_is(gcs, tmp_path):
     """The bytes a checkpoint file may end with, a carriage return included, round-trip through
     the store's gs:// file system (the emulator's multipart reader, above, keeps them)."""
-    fs = objects._filesystem(f"gs://{BUCKET}")
+    fs = store_objects._filesystem(f"gs://{BUCKET}")
     for i, tail in enumerate((b"\r", b"\n", b"\r\n", b"\x00")):
         local = tmp_path / f"f{i}"
         local.write_bytes(b"\x08\x01manifest" + tail)
@@ -302,7 +302,7 @@ def test_a_process_rewrites_an_ocdbt_manifest_that_another_process_wrote(gcs):
 def test_a_rename_in_the_bucket_is_one_move(gcs):
     """gcsfs renames with objects.move (how an engine step's digests.json lands); the emulator
     moves the bytes in that one request."""
-    fs = objects._filesystem(f"gs://{BUCKET}")
+    fs = store_objects._filesystem(f"gs://{BUCKET}")
     fs.pipe_file(f"{BUCKET}/moves/digests.json.tmp", b"{}\r")
     before = len(gcs.requests.lines)
     fs.mv(f"{BUCKET}/moves/digests.json.tmp", f"{BUCKET}/moves/digests.json")

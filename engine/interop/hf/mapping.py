@@ -84,12 +84,21 @@ def model_config_to_hf(
     again, _ = model_config_from_hf(hf, where=f"family '{cfg.family}'")
     ours, theirs = cfg.model_dump(), again.model_dump()
     for key in ours:
-        if ours[key] != theirs[key]:
+        if ours[key] != theirs[key] and not _same_layers(ours[key], theirs[key], key, cfg.num_layers):
             raise ConfigError(
                 f"model.{key}={ours[key]!r} cannot be expressed as a Hugging Face {family.architecture} "
                 f"(family '{cfg.family}' implies {theirs[key]!r}); choose the family that has it"
             )
     return hf
+
+
+def _same_layers(ours: Any, theirs: Any, key: str, num_layers: int) -> bool:
+    """Two values of a per-layer `*_pattern` field (a period repeated over the layers) that give
+    every layer the same kind: [mamba2, attention, mamba2, mamba2] over 4 layers is
+    [mamba2, attention, mamba2], the period config.json reads back as."""
+    if not key.endswith("_pattern") or not isinstance(ours, list) or not isinstance(theirs, list):
+        return False
+    return all(ours[i % len(ours)] == theirs[i % len(theirs)] for i in range(num_layers))
 
 
 # --------------------------------------------------------------------------- tensor names
