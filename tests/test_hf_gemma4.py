@@ -15,8 +15,6 @@ autograd and a LoRA adapter against PEFT's.
 from __future__ import annotations
 
 import copy
-import io
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -175,23 +173,7 @@ def test_unrolled_layers_match_the_scanned_stacks(case):
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
     export_hf(case.out_dir / "checkpoint", tmp_path / "export")
-    records = io.StringIO()
-    handler = logging.StreamHandler(records)
-    logging.getLogger("transformers").addHandler(handler)
-    try:
-        reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
-            tmp_path / "export", output_loading_info=True, **implementations(case.family)
-        )
-    finally:
-        logging.getLogger("transformers").removeHandler(handler)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert "were not initialized" not in records.getvalue() and "not used" not in records.getvalue()
-    assert type(reloaded) is type(case.hf_model)
-    tokens, mask = batch()
-    valid = mask.astype(bool)
-    np.testing.assert_array_equal(
-        hf_logits(reloaded.eval(), tokens, mask)[valid], hf_logits(case.hf_model, tokens, mask)[valid]
-    )
+    test_hf_parity.assert_export_reloads_cleanly(case, tmp_path / "export", **implementations(case.family))
 
 
 def test_the_per_expert_scale_weighs_the_experts(case):

@@ -195,21 +195,16 @@ def test_greedy_generation_of_16_tokens_is_identical(case):
     np.testing.assert_array_equal(sampled.tokens, np.repeat(ref, 2, axis=0))
 
 
-def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
-    result = export_hf(case.out_dir / "checkpoint", tmp_path / "export")
-    out = tmp_path / "export"
-    # One shard is named as transformers names it, with no index.
-    assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"] and result["shards"] == 1
-    assert (out / "generation_config.json").is_file() and (out / "tokenizer.json").is_file()
-    assert result["architecture"] == case.hf_model.config.architectures[0]
-
+def assert_export_reloads_cleanly(case, out, **implementations):
+    """transformers loads the export at `out` as the case's class with no missing, unexpected or
+    mismatched tensor and no warning about them, and its logits are the reference model's."""
     records = io.StringIO()
     handler = logging.StreamHandler(records)
     hf_logger = logging.getLogger("transformers")
     hf_logger.addHandler(handler)
     try:
         reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
-            out, output_loading_info=True, attn_implementation="eager"
+            out, output_loading_info=True, **implementations
         )
     finally:
         hf_logger.removeHandler(handler)
@@ -221,6 +216,17 @@ def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_pat
     np.testing.assert_array_equal(
         hf_logits(reloaded.eval(), tokens, mask)[valid], hf_logits(case.hf_model, tokens, mask)[valid]
     )
+
+
+def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
+    result = export_hf(case.out_dir / "checkpoint", tmp_path / "export")
+    out = tmp_path / "export"
+    # One shard is named as transformers names it, with no index.
+    assert sorted(p.name for p in out.glob("model*")) == ["model.safetensors"] and result["shards"] == 1
+    assert (out / "generation_config.json").is_file() and (out / "tokenizer.json").is_file()
+    assert result["architecture"] == case.hf_model.config.architectures[0]
+
+    assert_export_reloads_cleanly(case, out, attn_implementation="eager")
 
 
 # Written by transformers but about the file, not the model.

@@ -11,9 +11,6 @@ transformers writes it, export -> convert bitwise. The logits here are held to 1
 
 from __future__ import annotations
 
-import io
-import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -186,23 +183,7 @@ def test_unrolled_layers_match_the_scanned_stacks(case):
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
     export_hf(case.out_dir / "checkpoint", tmp_path / "export")
-    records = io.StringIO()
-    handler = logging.StreamHandler(records)
-    logging.getLogger("transformers").addHandler(handler)
-    try:
-        reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
-            tmp_path / "export", output_loading_info=True, **implementations(case.family)
-        )
-    finally:
-        logging.getLogger("transformers").removeHandler(handler)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert "were not initialized" not in records.getvalue() and "not used" not in records.getvalue()
-    assert type(reloaded) is type(case.hf_model)
-    tokens, mask = batch()
-    valid = mask.astype(bool)
-    np.testing.assert_array_equal(
-        hf_logits(reloaded.eval(), tokens, mask)[valid], hf_logits(case.hf_model, tokens, mask)[valid]
-    )
+    test_hf_parity.assert_export_reloads_cleanly(case, tmp_path / "export", **implementations(case.family))
 
 
 def test_exported_config_json_is_what_transformers_writes(case, tmp_path, monkeypatch):
