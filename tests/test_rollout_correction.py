@@ -26,6 +26,7 @@ from engine.posttrain.config import GRPOConfig, RolloutCorrectionConfig
 from engine.posttrain.grpo import corrected, loss_tokens, run_grpo
 from engine.posttrain.policy_loss import policy_loss
 from engine.posttrain.rollout_correction import mismatch_metrics, rollout_correction
+from flows.gates import Gate
 from flows.spec import Pipeline
 from tests.deps import need
 from tests.test_grpo import grpo_config, make_copy_task
@@ -301,10 +302,12 @@ def tiny_task(tmp_path_factory):
 def test_a_grpo_run_logs_the_rollout_trainer_gap_every_step_by_default(tiny_task, tmp_path):
     """The engine's KV-cache sampler against the trainer's forward, on-policy, no correction
     configured: the gap is logged each step; in float32 it is rounding, a bf16 rollout's is not."""
-    gaps = {}
+    gaps, finals = {}, {}
     for dtype in ("float32", "bfloat16"):
         out = tmp_path / dtype
-        run_grpo(grpo_config(tiny_task, out, steps=2, prompts_per_step=2, num_generations=4, rollout_dtype=dtype))
+        finals[dtype] = run_grpo(
+            grpo_config(tiny_task, out, steps=2, prompts_per_step=2, num_generations=4, rollout_dtype=dtype)
+        )
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert len(records) == 2 and all(set(GAP) <= set(r) for r in records)
         for r in records:
@@ -315,4 +318,19 @@ def test_a_grpo_run_logs_the_rollout_trainer_gap_every_step_by_default(tiny_task
             )
             assert r["rollout_corr/k3_kl"] >= 0 and "is_ratio_mean" not in r  # on-policy: no correction metrics
         gaps[dtype] = max(r["sampling/sampling_logp_difference/max"] for r in records)
+        # The stage's final metrics carry the worst step's gap, for a pipeline gate.
+        final = finals[dtype]
+        assert final["rollout_divergence/worst_logp_difference_max"] == gaps[dtype]
+        assert final["rollout_divergence/worst_k3_kl"] == max(r["rollout_corr/k3_kl"] for r in records)
+        assert final["rollout_divergence/worst_fraction_past_threshold"] == max(
+            r["rollout_corr/rollout_is_ratio_fraction_high"] + r["rollout_corr/rollout_is_ratio_fraction_low"]
+            for r in records
+        )
+        assert final["rollout_divergence/steps"] == 2
     assert gaps["float32"] < 1e-4 < gaps["bfloat16"], gaps
+    # A gate over the bf16 run's summary stops what follows it past a bound, and lets it run below.
+    gate = Gate('grpo.metrics["rollout_divergence/worst_logp_difference_max"] < 1e-4', "p.yaml: stages.export.when")
+    manifests = {dtype: {"metrics": final} for dtype, final in finals.items()}
+    assert gate.evaluate(lambda stage: manifests["float32"], {"grpo": "grpo"})[0]
+    passed, seen = gate.evaluate(lambda stage: manifests["bfloat16"], {"grpo": "grpo"})
+    assert not passed and seen == {gate.references[0].text: gaps["bfloat16"]}

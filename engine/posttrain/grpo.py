@@ -37,6 +37,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -65,11 +66,12 @@ from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, P
 from engine.posttrain.reward_model import RewardScorer
 from engine.posttrain.rewards import RewardError, compute_rewards, load_reward, nan_stats, total_reward
 from engine.posttrain.rollout import Rollout
-from engine.posttrain.rollout_correction import mismatch_metrics, rollout_correction
+from engine.posttrain.rollout_correction import divergence_summary, mismatch_metrics, rollout_correction
 from engine.posttrain.rollout_server import ROLLOUT_ENTRY_POINT
 from engine.train.checkpoint import load_params
 from engine.train.cli import run_cli
 from engine.train.hooks import log_to_stderr, run_training
+from engine.train.metrics import read_metrics
 from engine.train.plan import InputModels, StepSpec, fine_tuned_model
 from engine.train.step import Objective, moe_metrics
 from engine.train.trainer import Trainer, TrainState
@@ -488,9 +490,13 @@ def run_grpo(cfg: GRPOConfig, log: Callable[[str], None] | None = None, sampler_
     if cfg.rollout_workers:
         trainer.add_hook(source.weights_hook)  # before the checkpoint's: the workers start sooner
     try:
-        return run_training(
+        final = run_training(
             trainer, source, log=log, meta={"stage": "grpo", "grpo_config": cfg.model_dump(mode="json")}
         )
+        # The run's worst rollout/trainer gap, for a pipeline gate (rollout_correction.py).
+        metrics_dir = trainer.cfg.metrics_dir or Path(trainer.cfg.checkpoint.directory).parent
+        final.update(divergence_summary(read_metrics(metrics_dir)))
+        return final
     finally:  # also on SIGTERM (Preempted) and failures: no worker outlives its stage
         source.close()
 

@@ -16,6 +16,10 @@ with c = MISMATCH_THRESHOLD (verl's default rollout_is_threshold). pi is the tra
 update starts from: its forward pass before the first update (old_logps), or with one update
 per batch the loss's own forward (the same numbers, at no cost).
 
+The stage's final metrics summarise the run's worst step (divergence_summary: `rollout_divergence/*`),
+so a pipeline gate reads one number per quantity, e.g. a stage that runs only while the gap stayed
+small: `when: 'grpo.metrics["rollout_divergence/worst_logp_difference_max"] < 0.5'`.
+
 The corrections (`fn(log_ratio_bt, mask_bt, low, high) -> (ratio, weights, keep)`): `ratio` at
 the mode's level ((b, t) or (b, 1)), `weights` multiplying each token's policy term (no
 gradient), `keep` the tokens or sequences left in the loss, None for all. A token not kept is
@@ -75,6 +79,33 @@ def mismatch_metrics(trainer_logp_bt, behaviour_logp_bt, mask_bt, threshold: flo
         prefix + "kl": mean(-delta),
         prefix + "k3_kl": mean(jnp.exp(delta) - delta - 1.0),
     }
+
+
+DIVERGENCE_SUMMARY = {
+    "rollout_divergence/worst_logp_difference_mean": ("sampling/sampling_logp_difference/mean",),
+    "rollout_divergence/worst_logp_difference_max": ("sampling/sampling_logp_difference/max",),
+    "rollout_divergence/worst_kl": ("rollout_corr/kl",),
+    "rollout_divergence/worst_k3_kl": ("rollout_corr/k3_kl",),
+    "rollout_divergence/worst_fraction_past_threshold": (
+        "rollout_corr/rollout_is_ratio_fraction_high",
+        "rollout_corr/rollout_is_ratio_fraction_low",
+    ),
+}
+"""Each summary: the largest over the run's steps of the sum of these per-step metrics."""
+
+
+def divergence_summary(records: list[dict]) -> dict[str, float]:
+    """The worst step's gap over a run's metrics records (metrics.jsonl, resumed steps included):
+    what a pipeline gate reads from the stage's manifest. Empty when no step measured it."""
+    measured = [r for r in records if "sampling/sampling_logp_difference/mean" in r]
+    if not measured:
+        return {}
+    summary = {
+        name: max(sum(float(r.get(key, 0.0)) for key in keys) for r in measured)
+        for name, keys in DIVERGENCE_SUMMARY.items()
+    }
+    summary["rollout_divergence/steps"] = len({r.get("step") for r in measured})
+    return summary
 
 
 # --------------------------------------------------------------------------- the corrections
