@@ -114,6 +114,9 @@ ADDED_AT_DEFAULT = {
     "model.logits_scaling": None,
     # DPO's separate reference (its checkpoint comes from an input, and is not in the id)
     "reference": {"checkpoint": None, "compute": None},
+    # DPO's list-valued loss_type with weights, DiscoPOP's temperature (issue 53)
+    "loss_weights": None,
+    "discopop_tau": 0.05,
 }
 """Fields added to a config after artifacts were made with it: at these values they are left
 out of artifact ids, so a store's finished stages keep their ids (and are skipped)."""

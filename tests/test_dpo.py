@@ -4,6 +4,7 @@ preferred answer is known, resume, bad input; sequence log-probs equal transform
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -117,12 +118,12 @@ def test_dpo_learns_the_preferred_answers_and_resumes_bitwise_after_sigkill(base
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("loss_type", ["ipo", "simpo", "apo_zero"])
+@pytest.mark.parametrize("loss_type", ["ipo", "simpo", "apo_zero", "orpo", ["aot", "sft"]])
 def test_other_loss_types_train_with_lora_and_no_reference_copy(base, preferences, tmp_path, loss_type):
     result = run_dpo(
         dpo_config(
             base,
-            tmp_path / loss_type,
+            tmp_path / "+".join(loss_type if isinstance(loss_type, list) else [loss_type]),
             preferences,
             steps=12,
             loss_type=loss_type,
@@ -329,3 +330,19 @@ def test_a_reference_of_another_vocabulary_is_one_sentence_naming_it(base, tmp_p
     assert reference_model(same, model_cfg, ours)[0] == model_cfg
     with pytest.raises(ConfigError, match="loss_type simpo is reference-free: it reads no reference.checkpoint"):
         dpo_config(base, tmp_path / "run", Path("unused.jsonl"), loss_type="simpo", reference={"checkpoint": "x"})
+
+
+def test_loss_type_lists_and_the_new_loss_types_are_checked_in_one_sentence(base, tmp_path):
+    data = Path("unused.jsonl")
+    cases = [
+        ({"loss_type": ["sigmoid", "ipo"], "loss_weights": [1.0]}, "loss_weights has 1 weights for 2 loss type"),
+        ({"loss_type": ["sigmoid", "orpo"]}, "loss_type orpo stands alone"),
+        ({"loss_type": ["sigmoid", "sigmoid"]}, "loss_type lists a loss type twice"),
+        ({"loss_type": "exo_pair"}, "loss_type exo_pair needs label_smoothing > 0"),
+        ({"loss_type": ["sigmoid", "sft"], "rpo_alpha": 1.0}, "rpo_alpha and an `sft` loss_type are the same"),
+        ({"loss_type": "orpo", "precompute_ref": True}, "loss_type orpo is reference-free: precompute_ref"),
+        ({"loss_type": "nca_pair", "label_smoothing": 0.1}, "label_smoothing applies to loss_type robust"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            dpo_config(base, tmp_path / "run", data, **overrides)

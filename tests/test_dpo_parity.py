@@ -95,9 +95,10 @@ def fused_head_model(log_probs_bt):
     return model
 
 
-def trl_dpo(batch, loss_types, loss_weights, *, beta, label_smoothing=0.0):
+def trl_dpo(batch, loss_types, loss_weights, *, beta, label_smoothing=0.0, discopop_tau=0.05):
     """TRL's loss, its gradient w.r.t. the per-token log-probs, and the metrics it logged."""
     trainer = SimpleNamespace(
+        args=SimpleNamespace(discopop_tau=discopop_tau),
         beta=beta,
         loss_types=loss_types,
         loss_weights=loss_weights,
@@ -143,10 +144,14 @@ def sequence_inputs(log_probs_bt, batch):
     )
 
 
-def engine_dpo(batch, loss_type, *, beta, label_smoothing=0.0):
+def engine_dpo(batch, loss_type, *, beta, label_smoothing=0.0, discopop_tau=0.05):
     def loss_fn(log_probs_bt):
         return per_pair_loss(
-            loss_type, *sequence_inputs(log_probs_bt, batch), beta=beta, label_smoothing=label_smoothing
+            loss_type,
+            *sequence_inputs(log_probs_bt, batch),
+            beta=beta,
+            label_smoothing=label_smoothing,
+            discopop_tau=discopop_tau,
         ).mean()
 
     loss, grad_bt = jax.value_and_grad(loss_fn)(jnp.asarray(batch.log_probs_bt))
@@ -162,7 +167,10 @@ def assert_close(ours, theirs, what):
 
 DPO_CASES = [
     pytest.param(loss_type, beta, 0.0, id=f"{loss_type}-beta{beta}")
-    for loss_type in ("sigmoid", "robust", "hinge", "ipo", "sppo_hard", "apo_zero", "apo_down", "sigmoid_norm")
+    for loss_type in (
+        *("sigmoid", "robust", "hinge", "ipo", "sppo_hard", "apo_zero", "apo_down", "sigmoid_norm"),
+        *("nca_pair", "bco_pair", "aot", "aot_unpaired", "discopop"),
+    )
     for beta in (0.1, 0.5)
 ]
 DPO_CASES += [
@@ -170,6 +178,10 @@ DPO_CASES += [
     pytest.param("sigmoid", 0.5, 0.2, id="sigmoid-beta0.5-smoothing0.2"),
     pytest.param("robust", 0.1, 0.2, id="robust-beta0.1-smoothing0.2"),
     pytest.param("robust", 0.5, 0.3, id="robust-beta0.5-smoothing0.3"),
+    pytest.param("exo_pair", 0.1, 1e-3, id="exo_pair-beta0.1-smoothing0.001"),
+    pytest.param("exo_pair", 0.5, 0.2, id="exo_pair-beta0.5-smoothing0.2"),
+    pytest.param("aot", 0.5, 0.2, id="aot-beta0.5-smoothing0.2"),
+    pytest.param("aot_unpaired", 0.1, 0.3, id="aot_unpaired-beta0.1-smoothing0.3"),
 ]
 
 
@@ -181,6 +193,65 @@ def test_dpo_loss_and_gradient_match_trl(loss_type, beta, label_smoothing):
         loss, grad = engine_dpo(batch, loss_type, beta=beta, label_smoothing=label_smoothing)
         assert_close(loss, trl_loss, f"{loss_type} loss, seed {seed}")
         assert_close(grad, trl_grad, f"{loss_type} gradient, seed {seed}")
+
+
+def test_discopop_temperature_matches_trl():
+    for seed in SEEDS:
+        batch = random_batch(seed)
+        trl_loss, trl_grad, _ = trl_dpo(batch, ["discopop"], [1.0], beta=0.5, discopop_tau=0.3)
+        loss, grad = engine_dpo(batch, "discopop", beta=0.5, discopop_tau=0.3)
+        assert_close(loss, trl_loss, f"discopop loss, seed {seed}")
+        assert_close(grad, trl_grad, f"discopop gradient, seed {seed}")
+
+
+@pytest.mark.parametrize(
+    "loss_types,loss_weights",
+    [
+        (["sigmoid", "bco_pair", "sft"], [0.8, 0.2, 1.0]),  # MPO, TRL's example of a combination
+        (["aot", "nca_pair", "ipo"], [1.0, 0.5, 0.25]),
+        (["discopop", "exo_pair"], None),
+    ],
+)
+def test_a_list_of_loss_types_with_weights_matches_trl(loss_types, loss_weights):
+    """The stage's combination (DPOConfig.weighted_losses through dpo.weighted_loss, the code
+    the training step runs) equals TRL's loss and gradient for the same list and weights."""
+    from engine.posttrain.config import DPOConfig
+    from engine.posttrain.dpo import weighted_loss
+
+    smoothing = 0.1 if {"aot", "exo_pair"} & set(loss_types) else 0.0  # the config refuses it elsewhere
+    cfg = DPOConfig.model_validate(
+        {"loss_type": loss_types, "loss_weights": loss_weights, "beta": 0.3, "label_smoothing": smoothing}
+        | {"checkpoint": {"init_from": "unused", "directory": "unused"}}
+    )
+    for seed in SEEDS:
+        batch = random_batch(seed)
+        weights = loss_weights or [1.0] * len(loss_types)
+        trl_loss, trl_grad, _ = trl_dpo(batch, loss_types, weights, beta=0.3, label_smoothing=smoothing)
+
+        def loss_fn(log_probs_bt):
+            inputs = sequence_inputs(log_probs_bt, batch)  # noqa: B023
+            chosen_mask_bt = jnp.asarray(batch.mask_bt[:PAIRS])  # noqa: B023
+            valid = jnp.ones(PAIRS)
+            return weighted_loss(cfg, inputs, valid, (float(PAIRS), chosen_mask_bt.sum()))[0]
+
+        loss, grad = jax.value_and_grad(loss_fn)(jnp.asarray(batch.log_probs_bt))
+        assert_close(loss, trl_loss, f"{'+'.join(loss_types)} loss, seed {seed}")
+        assert_close(grad, trl_grad, f"{'+'.join(loss_types)} gradient, seed {seed}")
+
+
+@pytest.mark.parametrize("loss_type", ["aot", "aot_unpaired", "sigmoid"])
+def test_rows_without_a_pair_leave_the_loss_and_the_sorted_losses_unchanged(loss_type):
+    """Held-out batches are filled up with rows that hold no pair (valid 0): the sum of the
+    losses over the valid pairs is the loss of those pairs alone, also for aot, which sorts."""
+    batch = random_batch(0)
+    inputs = sequence_inputs(jnp.asarray(batch.log_probs_bt), batch)
+    alone = per_pair_loss(loss_type, *inputs, beta=0.5, label_smoothing=0.1).sum()
+    filler = 3
+    padded = [jnp.concatenate([x, jnp.full(filler, v)]) for x, v in zip(inputs, (0.0, 0.0, 5.0, -5.0, 0.0, 0.0))]
+    order = np.random.default_rng(1).permutation(PAIRS + filler)  # filler rows anywhere in the batch
+    valid = jnp.concatenate([jnp.ones(PAIRS), jnp.zeros(filler)])[order]
+    with_filler = per_pair_loss(loss_type, *[x[order] for x in padded], beta=0.5, label_smoothing=0.1, valid=valid)
+    assert_close(with_filler.sum(), alone, f"{loss_type} with filler rows")
 
 
 @pytest.mark.parametrize("alpha", [0.5, 1.0])
@@ -261,6 +332,70 @@ def test_simpo_matches_trl_cpo(beta, simpo_gamma, label_smoothing):
         )
         assert_close(chosen, trl_chosen.numpy(), "simpo chosen rewards")
         assert_close(rejected, trl_rejected.numpy(), "simpo rejected rewards")
+
+
+@pytest.mark.parametrize("beta", [0.1, 0.5])
+def test_orpo_matches_trl_orpo(beta):
+    """ORPO (loss_type orpo): the NLL of the chosen sequences (prompt included) minus beta x
+    log sigmoid of the log odds ratio of the mean completion log-probs; its loss and gradient
+    w.r.t. the logits equal trl's ORPOTrainer.concatenated_forward + odds_ratio_loss on the same
+    logits, the engine's through dpo.chosen_sequence_nll_sum on rows in its segment layout."""
+    from trl.experimental.orpo import ORPOTrainer
+
+    from engine.posttrain.dpo import CHOSEN, REJECTED, chosen_sequence_nll_sum
+
+    orpo = SimpleNamespace(
+        beta=beta,
+        is_encoder_decoder=False,
+        padding_value=0,
+        aux_loss_enabled=False,
+        accelerator=stand_in_accelerator(),
+        concatenated_inputs=ORPOTrainer.concatenated_inputs,
+        get_batch_logps=ORPOTrainer.get_batch_logps,
+    )
+    for seed in SEEDS:
+        batch = random_batch(seed)
+        # Peaked distributions: mean log-probs near 0 exercise log1mexp's second branch too.
+        logits_btv = np.random.default_rng(200 + seed).normal(0.0, 4.0, (2 * PAIRS, TOKENS + 1, VOCAB))
+        ids = torch.tensor(batch.input_ids)
+        labels = torch.where(torch.tensor(batch.completion_mask), ids, -100)
+        attention = torch.tensor(batch.attention_mask, dtype=torch.long)
+        trl_logits = torch.tensor(logits_btv, requires_grad=True)
+        model = lambda *args, **kwargs: SimpleNamespace(logits=trl_logits)  # noqa: B023, E731
+        trl_batch = {
+            "chosen_input_ids": ids[:PAIRS],
+            "chosen_attention_mask": attention[:PAIRS],
+            "chosen_labels": labels[:PAIRS],
+            "rejected_input_ids": ids[PAIRS:],
+            "rejected_attention_mask": attention[PAIRS:],
+            "rejected_labels": labels[PAIRS:],
+        }
+        chosen_logps, rejected_logps, _, _, nll = ORPOTrainer.concatenated_forward(orpo, model, trl_batch)
+        losses, trl_chosen, trl_rejected, _, _ = ORPOTrainer.odds_ratio_loss(orpo, chosen_logps, rejected_logps)
+        trl_loss = nll - losses.mean()
+        (trl_grad,) = torch.autograd.grad(trl_loss, trl_logits)
+
+        # The engine's rows: chosen rows segment 1, rejected rows segment 2 where a target exists.
+        segment_ids = np.where(batch.attention_mask[:, 1:], np.repeat([CHOSEN, REJECTED], PAIRS)[:, None], 0)
+        rows = {"targets": jnp.asarray(batch.input_ids[:, 1:]), "segment_ids": jnp.asarray(segment_ids)}
+
+        def per_token_logps(logits):
+            log_probs_btv = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+            return jnp.take_along_axis(log_probs_btv, rows["targets"][..., None], axis=-1)[..., 0]  # noqa: B023
+
+        def loss_fn(logits):
+            pair_losses = per_pair_loss("orpo", *sequence_inputs(per_token_logps(logits), batch), beta=beta)  # noqa: B023
+            nll_sum = chosen_sequence_nll_sum(logits[:, :-1], rows)  # noqa: B023
+            return nll_sum / np.sum(segment_ids == CHOSEN) + pair_losses.mean()  # noqa: B023
+
+        loss, grad = jax.value_and_grad(loss_fn)(jnp.asarray(logits_btv))
+        assert_close(loss, trl_loss.item(), f"orpo loss, seed {seed}")
+        assert_close(grad, trl_grad.numpy(), f"orpo gradient, seed {seed}")
+        chosen, rejected = preference_rewards(
+            "orpo", *sequence_inputs(per_token_logps(jnp.asarray(logits_btv)), batch), beta=beta
+        )
+        assert_close(chosen, trl_chosen.numpy(), "orpo chosen rewards")
+        assert_close(rejected, trl_rejected.numpy(), "orpo rejected rewards")
 
 
 # ---- a separate reference: the engine's DPO stage against DPOTrainer with a ref_model --------

@@ -14,6 +14,8 @@ from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.parallel.config import MeshConfig, unsplittable
 from engine.posttrain import advantages  # noqa: F401 - registers the built-in advantage estimators
 from engine.posttrain.environments import EnvironmentConfig
+from engine.posttrain.preference_types import LABEL_SMOOTHING, MEAN_LOGP, REFERENCE_FREE
+from engine.posttrain.preference_types import LossType as PreferenceLoss
 from engine.posttrain.registry import (
     ADVANTAGE_ESTIMATORS,
     LOSS_AGGREGATIONS,
@@ -383,16 +385,21 @@ class DPOConfig(RunFields):
     optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-6, weight_decay=0.0)
     """TRL's default learning rate for DPO."""
     data: DPODataConfig = DPODataConfig()
-    loss_type: Literal[
-        "sigmoid", "robust", "hinge", "ipo", "sppo_hard", "apo_zero", "apo_down", "sigmoid_norm", "simpo"
-    ] = "sigmoid"
-    """TRL's names (engine/posttrain/preference_loss.py); simpo is reference-free (no reference model)."""
+    loss_type: PreferenceLoss | list[PreferenceLoss] = "sigmoid"
+    """TRL's names (engine/posttrain/preference_loss.py); simpo and orpo are reference-free (no
+    reference model). A list combines several, as TRL's list-valued loss_type: the loss is
+    sum_k loss_weights[k] * loss_k; `sft` in a list is the NLL per chosen completion token."""
+    loss_weights: list[float] | None = None
+    """One weight per loss_type of a list (TRL's loss_weights); None: 1.0 each."""
     beta: float = Field(0.1, gt=0)
-    """The KL strength (DPO's beta; IPO's tau)."""
+    """The KL strength (DPO's beta; IPO's tau; ORPO's lambda, the odds-ratio term's weight)."""
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
-    """robust and simpo: the assumed fraction of flipped labels."""
+    """robust, simpo, aot, aot_unpaired: the assumed fraction of flipped labels; exo_pair: its
+    epsilon (> 0; EXO's paper suggests 1e-3)."""
     simpo_gamma: float = Field(0.5, ge=0)
     """simpo: the target reward margin gamma (TRL's simpo_gamma)."""
+    discopop_tau: float = Field(0.05, gt=0)
+    """discopop: the temperature of its log-ratio modulation (TRL's discopop_tau)."""
     rpo_alpha: float | None = Field(None, ge=0)
     """RPO: add alpha x the NLL of the chosen completions (mean per token; TRL's `sft` loss term)."""
     reference: ReferenceConfig = ReferenceConfig()
@@ -405,12 +412,47 @@ class DPOConfig(RunFields):
     """Train a LoRA adapter; the reference is then the base with the adapter off (no copy),
     unless reference.checkpoint names another."""
 
+    @property
+    def loss_types(self) -> tuple[str, ...]:
+        return tuple(self.loss_type) if isinstance(self.loss_type, list) else (self.loss_type,)
+
+    @property
+    def weighted_losses(self) -> tuple[tuple[str, float], ...]:
+        """(loss type, weight) of every term."""
+        return tuple(zip(self.loss_types, self.loss_weights or [1.0] * len(self.loss_types), strict=True))
+
+    @property
+    def reference_free(self) -> bool:
+        """No term reads a reference model (simpo, orpo, sft)."""
+        return all(t in REFERENCE_FREE for t in self.loss_types)
+
+    @property
+    def loss_name(self) -> str:
+        return "+".join(self.loss_types)
+
     @model_validator(mode="after")
     def _check_loss(self) -> DPOConfig:
-        if self.label_smoothing and self.loss_type not in ("robust", "simpo"):
-            raise ValueError(f"label_smoothing applies to loss_type robust or simpo, not {self.loss_type}")
-        if self.precompute_ref and self.loss_type == "simpo":
-            raise ValueError("loss_type simpo is reference-free: precompute_ref has nothing to compute")
-        if self.reference.checkpoint and self.loss_type == "simpo":
-            raise ValueError("loss_type simpo is reference-free: it reads no reference.checkpoint")
+        types, name = self.loss_types, self.loss_name
+        if not types:
+            raise ValueError("loss_type: give a loss type or a non-empty list of them")
+        if len(set(types)) != len(types):
+            raise ValueError(f"loss_type lists a loss type twice ({', '.join(types)})")
+        if self.loss_weights is not None and len(self.loss_weights) != len(types):
+            raise ValueError(
+                f"loss_weights has {len(self.loss_weights)} weights for {len(types)} loss type(s) ({name}): "
+                "give one per loss_type"
+            )
+        alone = [t for t in types if t in MEAN_LOGP]
+        if alone and len(types) > 1:
+            raise ValueError(f"loss_type {alone[0]} stands alone: it cannot be combined with others in a list")
+        if self.label_smoothing and not set(types) & set(LABEL_SMOOTHING):
+            raise ValueError(f"label_smoothing applies to loss_type {', '.join(LABEL_SMOOTHING)}, not {name}")
+        if "exo_pair" in types and not self.label_smoothing:
+            raise ValueError("loss_type exo_pair needs label_smoothing > 0, its epsilon (EXO's paper suggests 1e-3)")
+        if self.rpo_alpha is not None and "sft" in types:
+            raise ValueError("rpo_alpha and an `sft` loss_type are the same NLL term: give one of them")
+        if self.precompute_ref and self.reference_free:
+            raise ValueError(f"loss_type {name} is reference-free: precompute_ref has nothing to compute")
+        if self.reference.checkpoint and self.reference_free:
+            raise ValueError(f"loss_type {name} is reference-free: it reads no reference.checkpoint")
         return self

@@ -233,17 +233,52 @@ def make_logps_fn(graphdef):
 
 
 def pairs_and_chosen_tokens(batch):
-    """The normalisers of a batch: its pairs (rows with a chosen completion) and chosen completion tokens."""
-    chosen = batch["loss_mask"] * (batch["segment_ids"] == CHOSEN)
-    return jnp.maximum(jnp.sum(jnp.any(chosen > 0, axis=1)), 1.0), jnp.maximum(jnp.sum(chosen), 1.0)
+    """The normalisers of a batch: its pairs (rows with a chosen completion), chosen completion
+    tokens, and chosen sequence tokens (prompt too: ORPO's NLL)."""
+    chosen_bt = batch["segment_ids"] == CHOSEN
+    chosen = batch["loss_mask"] * chosen_bt
+    pairs = jnp.maximum(jnp.sum(jnp.any(chosen > 0, axis=1)), 1.0)
+    return pairs, jnp.maximum(jnp.sum(chosen), 1.0), jnp.maximum(jnp.sum(chosen_bt), 1.0)
+
+
+def weighted_loss(cfg: DPOConfig, inputs: tuple, valid, normaliser: tuple) -> tuple[jax.Array, jax.Array]:
+    """(loss, pair loss) of cfg.loss_type's terms: sum_k weight_k x the mean over the batch's
+    pairs of term k, the `sft` term (or rpo_alpha) the NLL per chosen completion token of the
+    batch. `inputs`: per_pair_loss's six (pairs,) arrays; normaliser: (pairs, chosen tokens)."""
+    pairs, chosen_tokens_total = normaliser
+    pair_loss = jnp.zeros((), inputs[0].dtype)
+    for loss_type, weight in cfg.weighted_losses:
+        if loss_type == "sft":
+            continue
+        losses = per_pair_loss(
+            loss_type,
+            *inputs,
+            beta=cfg.beta,
+            label_smoothing=cfg.label_smoothing,
+            simpo_gamma=cfg.simpo_gamma,
+            discopop_tau=cfg.discopop_tau,
+            valid=valid,
+        )
+        pair_loss = pair_loss + weight * jnp.sum(losses) / pairs
+    sft_weight = dict(cfg.weighted_losses).get("sft", 0.0) + (cfg.rpo_alpha or 0.0)
+    if not sft_weight:
+        return pair_loss, pair_loss
+    nll_sum = -jnp.sum(inputs[0] * valid)  # TRL's `sft` term (RPO)
+    return pair_loss + sft_weight * nll_sum / chosen_tokens_total, pair_loss
 
 
 def make_loss_fn(graphdef, cfg: DPOConfig):
-    """loss_fn(params, batch, (pairs, chosen tokens)) -> (loss, metrics): each metric a sum over
-    the micro-batch / the batch's pairs, so micro-batches add up to the batch's means."""
+    """loss_fn(params, batch, (pairs, chosen tokens, chosen sequence tokens)) -> (loss, metrics):
+    each metric a sum over the micro-batch / the batch's pairs, so micro-batches add up to the
+    batch's means. The loss is weighted_loss's, plus ORPO's NLL for loss_type orpo."""
+    orpo = "orpo" in cfg.loss_types
+    reward_type = cfg.loss_types[0]
 
     def loss_fn(params, batch, normaliser):
-        pairs, chosen_tokens_total = normaliser if isinstance(normaliser, tuple) else (normaliser, normaliser)
+        if isinstance(normaliser, tuple):
+            pairs, chosen_tokens_total, chosen_sequence_tokens = normaliser
+        else:
+            pairs = chosen_tokens_total = chosen_sequence_tokens = normaliser
         with dropout_rows(batch.get(LORA_SEED)):  # a LoRA adapter's dropout, in training steps only
             logits, moe = apply_model_with_aux(
                 graphdef, params, batch["tokens"], batch["positions"], batch["segment_ids"]
@@ -252,26 +287,13 @@ def make_loss_fn(graphdef, cfg: DPOConfig):
         valid = (chosen_tokens > 0).astype(jnp.float32)
         ref = batch.get("ref_logps")
         ref_chosen, ref_rejected = (0.0, 0.0) if ref is None else (ref[:, 0], ref[:, 1])
-        losses = per_pair_loss(
-            cfg.loss_type,
-            chosen,
-            rejected,
-            ref_chosen,
-            ref_rejected,
-            chosen_tokens,
-            rejected_tokens,
-            beta=cfg.beta,
-            label_smoothing=cfg.label_smoothing,
-            simpo_gamma=cfg.simpo_gamma,
-        )
-        pair_loss = jnp.sum(losses * valid) / pairs
+        inputs = (chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens)
+        loss, pair_loss = weighted_loss(cfg, inputs, valid, (pairs, chosen_tokens_total))
         nll_sum = -jnp.sum(chosen * valid)
-        loss = pair_loss
-        if cfg.rpo_alpha:  # TRL's `sft` term: the mean NLL per chosen completion token of the batch
-            loss = loss + cfg.rpo_alpha * nll_sum / chosen_tokens_total
-        reward_chosen, reward_rejected = preference_rewards(
-            cfg.loss_type, chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens, cfg.beta
-        )
+        chosen_sequence_nll = chosen_sequence_nll_sum(logits, batch) if orpo else jnp.zeros(())
+        if orpo:  # ORPO's NLL: every token of the chosen sequences, prompt included (trl's ORPOTrainer)
+            loss = loss + chosen_sequence_nll / chosen_sequence_tokens
+        reward_chosen, reward_rejected = preference_rewards(reward_type, *inputs, cfg.beta)
         share = lambda x: jnp.sum(x * valid) / pairs  # noqa: E731
         metrics = {
             "loss": loss,
@@ -279,6 +301,8 @@ def make_loss_fn(graphdef, cfg: DPOConfig):
             "pairs": jnp.sum(valid),
             "chosen_nll_sum": jax.lax.stop_gradient(nll_sum),
             "chosen_tokens": jnp.sum(chosen_tokens * valid),
+            "chosen_sequence_nll_sum": jax.lax.stop_gradient(chosen_sequence_nll),
+            "chosen_sequence_tokens": jnp.sum(batch["segment_ids"] == CHOSEN).astype(jnp.float32),
             "rewards/chosen": share(reward_chosen),
             "rewards/rejected": share(reward_rejected),
             "rewards/margins": share(reward_chosen - reward_rejected),
@@ -297,16 +321,33 @@ def make_loss_fn(graphdef, cfg: DPOConfig):
     return loss_fn
 
 
-HELD_OUT_SUMS = ("pair_loss", "pairs", "chosen_nll_sum", "chosen_tokens", *METRICS)
+def chosen_sequence_nll_sum(logits_btv, batch):
+    """The NLL summed over every target of the chosen sequences, prompt tokens included."""
+    log_z, target = log_z_and_target(logits_btv, batch["targets"])
+    return jnp.sum((log_z - target) * (batch["segment_ids"] == CHOSEN))
+
+
+HELD_OUT_SUMS = (
+    "pair_loss",
+    "pairs",
+    "chosen_nll_sum",
+    "chosen_tokens",
+    "chosen_sequence_nll_sum",
+    "chosen_sequence_tokens",
+    *METRICS,
+)
 """What the held-out evaluation adds up over its batches (the loss's aux with normaliser 1)."""
 
 
 def held_out_metrics(sums: dict[str, float], cfg: DPOConfig) -> dict[str, float]:
     """eval_ metrics from batch sums: the training loss's definition over all held-out pairs
-    (their mean pair loss, plus rpo_alpha x the NLL per chosen completion token), and the
-    metrics' means over pairs."""
+    (their weighted pair losses, plus the sft / rpo_alpha weight x the NLL per chosen completion
+    token, plus ORPO's NLL per chosen sequence token), and the metrics' means over pairs."""
     pairs = max(sums["pairs"], 1.0)
-    loss = sums["pair_loss"] / pairs + (cfg.rpo_alpha or 0.0) * sums["chosen_nll_sum"] / max(sums["chosen_tokens"], 1.0)
+    sft_weight = dict(cfg.weighted_losses).get("sft", 0.0) + (cfg.rpo_alpha or 0.0)
+    loss = sums["pair_loss"] / pairs + sft_weight * sums["chosen_nll_sum"] / max(sums["chosen_tokens"], 1.0)
+    if "orpo" in cfg.loss_types:
+        loss += sums["chosen_sequence_nll_sum"] / max(sums["chosen_sequence_tokens"], 1.0)
     return {"eval_loss": loss, **{f"eval_{k}": sums[k] / pairs for k in METRICS}, "eval_pairs": sums["pairs"]}
 
 
@@ -343,7 +384,7 @@ class Reference:
 
     def __init__(self, cfg: DPOConfig, trainer: Trainer, model_cfg: ModelConfig, bundle: TokenizerBundle):
         self.trainer, self.table = trainer, None
-        self.enabled = cfg.loss_type != "simpo"
+        self.enabled = not cfg.reference_free
         if not self.enabled:
             return
         rows = trainer.batch_sharding
@@ -449,7 +490,7 @@ def run_dpo(cfg: DPOConfig, log: Callable[[str], None] | None = None) -> dict[st
     log = log or log_to_stderr
     model_cfg, compute, bundle = finetune_start(cfg)
     train_pairs, held_out = load_pairs(cfg.data, bundle, log)
-    log(f"dpo: {len(train_pairs)} training and {len(held_out)} held-out pairs, loss {cfg.loss_type}, beta {cfg.beta}")
+    log(f"dpo: {len(train_pairs)} training and {len(held_out)} held-out pairs, loss {cfg.loss_name}, beta {cfg.beta}")
     trainer = Trainer(train_config(cfg, model_cfg, compute), lambda graphdef: dpo_objective(graphdef, cfg))
     reference = Reference(cfg, trainer, model_cfg, bundle)
     rows_per_batch = cfg.data.batch_size // cfg.grad_accum
@@ -508,7 +549,7 @@ def batch_shapes(cfg: DPOConfig) -> dict[str, jax.ShapeDtypeStruct]:
         k: jax.ShapeDtypeStruct((rows, width), np.int32) for k in ("tokens", "targets", "positions", "segment_ids")
     }
     batch["loss_mask"] = jax.ShapeDtypeStruct((rows, width), np.float32)
-    if cfg.loss_type != "simpo":
+    if not cfg.reference_free:
         batch["ref_logps"] = jax.ShapeDtypeStruct((rows, 2), np.float32)
     return batch
 
@@ -518,7 +559,7 @@ def step_spec(cfg: DPOConfig, models: InputModels) -> StepSpec:
     reference's parameters are held beside the step."""
 
     def uncounted(plan) -> list[str]:
-        if cfg.loss_type == "simpo" or cfg.precompute_ref:
+        if cfg.reference_free or cfg.precompute_ref:
             return []
         if "reference" in models:
             count, size = frozen_params_gib(models, "reference", cfg.reference.compute)
