@@ -34,6 +34,7 @@ from flax import nnx
 from engine.config import ConfigError
 from engine.contract import TOKENIZER_DIR
 from engine.data.chat import render
+from engine.models import router_replay
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.models.kv_cache import KVCache
 from engine.models.params import abstract_model_params, graphdef_of
@@ -197,6 +198,7 @@ def sample(
     num_generations: int = 1,
     top_k: int = 0,
     top_p: float = 1.0,
+    record_experts: bool = False,
 ) -> dict[str, jax.Array]:
     """`num_generations` (G) completions of each prompt, up to `new_tokens` tokens each (all
     `max_new_tokens` by default); a row stops at its first EOS.
@@ -212,7 +214,9 @@ def sample(
     them all); max_new_tokens (the width of the outputs), num_generations, top_k and top_p
     are static. Returns tokens_bn (pad_id after a row stopped), logprobs_bn (0 there),
     mask_bn (1 on generated tokens, the EOS included) and lengths_b, b * G rows each.
-    Deterministic for a given rng.
+    Deterministic for a given rng. `record_experts` (a mixture of experts): also experts_bltk,
+    each token's routed experts per layer (engine/models/router_replay.py), prompt then
+    completion columns, zeros at dense layers.
     """
     model = nnx.merge(graphdef, params)
     prompts, prompt_len = prompt_tokens_bp.shape
@@ -220,7 +224,9 @@ def sample(
     new_tokens = max_new_tokens if new_tokens is None else new_tokens
     mask_bp = prompt_mask_bp.astype(jnp.int32)
     cache = KVCache.init(model.cfg, model.compute, prompts, prompt_len)
-    logits_btv, cache = model(prompt_tokens_bp, prompt_positions(mask_bp), mask_bp, cache=cache)
+    moe_layers = router_replay.moe_layers(model.cfg) if record_experts else []
+    with router_replay.recording(bool(moe_layers)) as prefill_routes:
+        logits_btv, cache = model(prompt_tokens_bp, prompt_positions(mask_bp), mask_bp, cache=cache)
     if num_generations > 1 and not model.cfg.is_mla:  # the group's rows attend to one copy of its prompt
         cache = cache.share(num_generations, max_new_tokens)
     else:
@@ -236,7 +242,7 @@ def sample(
         return (i < new_tokens) & ~jnp.all(done_b)
 
     def body(state):
-        i, done_b, logits_bv, cache, position_b, tokens_bn, logprobs_bn, mask_bn = state
+        i, done_b, logits_bv, cache, position_b, tokens_bn, logprobs_bn, mask_bn, *experts = state
         token_b, logprob_b = choose(logits_bv, jax.vmap(jax.random.fold_in, (0, None))(row_keys_b, i))
         live_b = ~done_b
         token_b = jnp.where(live_b, token_b, pad_id)
@@ -244,8 +250,14 @@ def sample(
         logprobs_bn = logprobs_bn.at[:, i].set(jnp.where(live_b, logprob_b, 0.0))
         mask_bn = mask_bn.at[:, i].set(live_b)
         done_b = done_b | jnp.isin(token_b, eos)
-        logits_btv, cache = model(token_b[:, None], position_b[:, None], jnp.ones((batch, 1), jnp.int32), cache=cache)
-        return i + 1, done_b, logits_btv[:, -1], cache, position_b + 1, tokens_bn, logprobs_bn, mask_bn
+        with router_replay.recording(bool(experts)) as routes:
+            logits_btv, cache = model(
+                token_b[:, None], position_b[:, None], jnp.ones((batch, 1), jnp.int32), cache=cache
+            )
+        if experts:  # the fed token's routes: completion column i
+            step_bl1k = router_replay.model_layer_routes(routes, moe_layers, model.cfg.num_layers)
+            experts = [jax.lax.dynamic_update_slice_in_dim(experts[0], step_bl1k, i, axis=2)]
+        return i + 1, done_b, logits_btv[:, -1], cache, position_b + 1, tokens_bn, logprobs_bn, mask_bn, *experts
 
     state = (
         jnp.int32(0),
@@ -257,9 +269,16 @@ def sample(
         jnp.zeros((batch, max_new_tokens), jnp.float32),
         jnp.zeros((batch, max_new_tokens), bool),
     )
+    if moe_layers:
+        k = model.cfg.experts_per_token
+        state = (*state, jnp.zeros((batch, model.cfg.num_layers, max_new_tokens, k), jnp.int32))
     state = jax.lax.while_loop(cond, body, state)
-    tokens_bn, logprobs_bn, mask_bn = state[5:]
-    return {"tokens": tokens_bn, "logprobs": logprobs_bn, "mask": mask_bn, "lengths": jnp.sum(mask_bn, axis=1)}
+    tokens_bn, logprobs_bn, mask_bn = state[5:8]
+    out = {"tokens": tokens_bn, "logprobs": logprobs_bn, "mask": mask_bn, "lengths": jnp.sum(mask_bn, axis=1)}
+    if moe_layers:
+        prompt_blpk = router_replay.model_layer_routes(prefill_routes, moe_layers, model.cfg.num_layers)
+        out["experts"] = jnp.concatenate([jnp.repeat(prompt_blpk, num_generations, axis=0), state[8]], axis=2)
+    return out
 
 
 def rollout_params(params, dtype: RolloutDtype, per_layer=None):
@@ -322,6 +341,9 @@ class SampleOutput:
     logprobs: np.ndarray  # (b, n) float32
     mask: np.ndarray  # (b, n) bool
     lengths: np.ndarray  # (b,)
+    experts: np.ndarray | None = None
+    """(b, layers, p + n, k) int32: each prompt and completion token's routed experts per layer
+    (Sampler's record_experts; router_replay.py), or None."""
 
 
 class Sampler:
@@ -341,10 +363,13 @@ class Sampler:
         length_buckets: Sequence[int] = (),
         dtype: RolloutDtype | None = None,
         lora: LoraConfig | None = None,
+        record_experts: bool = False,
     ):
         """`lora`: the params hold a LoRA adapter beside the base (engine/models/lora.py), and
-        every step computes base + adapter unmerged."""
+        every step computes base + adapter unmerged. `record_experts`: a mixture of experts'
+        outputs carry each token's routed experts (SampleOutput.experts), for router replay."""
         self.model_cfg = model_cfg
+        self.record_experts = record_experts and model_cfg.is_moe
         compute = (compute or ComputeConfig()).model_copy(update={"remat": "none"})  # no backward pass here
         self.dtype = dtype or compute.dtype
         if dtype is not None:  # the rollout copy: params and products in `dtype`, cast once per call
@@ -368,7 +393,14 @@ class Sampler:
             def fn(params, tokens, mask, key_data, *rest):
                 params = rollout_params(params, self.compute.param_dtype, self._per_layer)
                 return sample(
-                    self.graphdef, params, tokens, mask, jax.random.wrap_key_data(key_data), *rest, **dict(settings)
+                    self.graphdef,
+                    params,
+                    tokens,
+                    mask,
+                    jax.random.wrap_key_data(key_data),
+                    *rest,
+                    **dict(settings),
+                    record_experts=self.record_experts,
                 )
 
             if self.mesh is None:
@@ -376,6 +408,8 @@ class Sampler:
             else:
                 rows = batch_sharding(self.mesh)
                 outputs = {"tokens": rows, "logprobs": rows, "mask": rows, "lengths": batch_sharding(self.mesh, 1)}
+                if self.record_experts:
+                    outputs["experts"] = batch_sharding(self.mesh, 4)
                 scalar = replicated(self.mesh)
                 self._compiled[settings] = jax.jit(
                     fn,
@@ -435,8 +469,13 @@ class Sampler:
         with use_mesh(self.mesh):
             out = self._function(settings)(params, *args)
         keep = prompts * num_generations
+        experts = out.pop("experts", None)
+        if experts is not None:  # the prompt's own columns, then the completion's first max_new_tokens
+            bucket = tokens_bp.shape[1]
+            experts = to_host(experts)[:keep, :, extra_columns : bucket + max_new_tokens]
         return SampleOutput(
-            **{k: to_host(v)[:keep, :max_new_tokens] if v.ndim == 2 else to_host(v)[:keep] for k, v in out.items()}
+            **{k: to_host(v)[:keep, :max_new_tokens] if v.ndim == 2 else to_host(v)[:keep] for k, v in out.items()},
+            experts=experts,
         )
 
 

@@ -146,6 +146,11 @@ def in_layer(index):
         _LAYER.reset(token)
 
 
+def current_layer():
+    """The model's layer index set by `in_layer` (None outside the decoder's blocks)."""
+    return _LAYER.get()
+
+
 def _dropout(x, attr: str, rate: float):
     seeds_b = _ROW_SEEDS.get()
     if seeds_b is None:

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from engine.models import moe_ep
+from engine.models import moe_ep, router_replay
 from engine.models.common import ACTIVATIONS, dtype_of, param
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.ops.dense import DotGeneral, dense, gated_mlp, matmuls_in
@@ -78,14 +78,26 @@ def route(
     group_top: int = 1,
     scale: float = 1.0,
     group_score: str = "top2_sum",
+    experts_nk=None,
 ):
     """(weights (n, k) float32, experts (n, k) int32) of router logits (n, e) in float32.
 
     The bias (DeepSeek-V3) only chooses: the weights are the unbiased scores. With `groups`
     (group-limited routing) the k experts come from the `group_top` groups whose two best
     biased scores sum highest (DeepSeek-V3), or whose best score is highest (group_score max,
-    DeepSeek-V2). The weights end multiplied by `scale`."""
+    DeepSeek-V2). The weights end multiplied by `scale`. `experts_nk` given (router replay,
+    router_replay.py): those experts, weighted by these logits' scores, nothing chosen."""
     scores_ne = jax.nn.softmax(logits_ne, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits_ne)
+    if experts_nk is None:
+        experts_nk = _choose(scores_ne, bias_e, k, groups, group_top, group_score)
+    weights_nk = jnp.take_along_axis(scores_ne, experts_nk, axis=-1)
+    if renormalize:
+        weights_nk = weights_nk / jnp.sum(weights_nk, axis=-1, keepdims=True)
+    return weights_nk * scale if scale != 1.0 else weights_nk, experts_nk
+
+
+def _choose(scores_ne, bias_e, k: int, groups: int, group_top: int, group_score: str):
+    """The router's top-k experts (n, k) of its scores (see `route`)."""
     choice_ne = scores_ne if bias_e is None else scores_ne + bias_e
     if groups > 1:
         n, e = choice_ne.shape
@@ -97,11 +109,7 @@ def route(
         _, top_groups = jax.lax.top_k(group_scores_ng, group_top)
         kept_ng = jnp.any(jax.nn.one_hot(top_groups, groups, dtype=jnp.bool_), axis=1)
         choice_ne = jnp.where(jnp.repeat(kept_ng, e // groups, axis=1), choice_ne, -jnp.inf)
-    _, experts_nk = jax.lax.top_k(choice_ne, k)
-    weights_nk = jnp.take_along_axis(scores_ne, experts_nk, axis=-1)
-    if renormalize:
-        weights_nk = weights_nk / jnp.sum(weights_nk, axis=-1, keepdims=True)
-    return weights_nk * scale if scale != 1.0 else weights_nk, experts_nk
+    return jax.lax.top_k(choice_ne, k)[1]
 
 
 def router_stats(logits_ne, experts_nk, valid_n, num_experts: int, score: str = "softmax") -> MoEStats:
@@ -348,7 +356,9 @@ class MoE(nnx.Module):
                 group_top=self.group_top,
                 scale=self.router_scale,
                 group_score=self.group_score,
+                experts_nk=router_replay.replayed(b, t),
             )
+            router_replay.record(experts_nk, b, t)
             if self.expert_scale:
                 weights_nk = weights_nk * self.expert_scale_e[...].astype(jnp.float32)[experts_nk]
             stats = router_stats(logits_ne, experts_nk, valid_bt.reshape(-1), self.num_experts, self.score)

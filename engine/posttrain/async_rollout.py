@@ -70,9 +70,34 @@ def episode_runner(cfg: GRPOConfig, bundle: TokenizerBundle, pad_id: int, log: C
     )
 
 
+def replays_routes(cfg: GRPOConfig, model_cfg) -> bool:
+    """Whether the rollout records each token's experts for the trainer to replay
+    (GRPOConfig.router_replay; engine/models/router_replay.py); true where it cannot is refused."""
+    if cfg.router_replay is False:
+        return False
+    why = None
+    if not model_cfg.is_moe:
+        why = "needs a mixture of experts, and this model has none (num_experts 0)"
+    elif cfg.rollout is not None:
+        why = (
+            "cannot replay a rollout server's routing (rollout.engine vllm): trainflow's vLLM seam does not "
+            "return the experts the server routed each token to; set router_replay false, or leave out "
+            "`rollout:` to sample with the engine"
+        )
+    elif cfg.environment is not None:
+        why = (
+            "is not supported with an environment: a multi-turn episode's sampler calls do not record "
+            "the routes of the environment's tokens between them; set router_replay false"
+        )
+    if why and cfg.router_replay:
+        raise ConfigError(f"router_replay: true {why}")
+    return why is None
+
+
 def rollout_sampler(cfg: GRPOConfig, model_cfg, trainer: Trainer) -> Sampler:
     """The engine's sampler over `trainer`'s weights as they are laid out (with LoRA: the
-    adapter beside the frozen base, never merged), in the run's rollout dtype."""
+    adapter beside the frozen base, never merged), in the run's rollout dtype; recording each
+    token's experts where the trainer replays them (router replay)."""
     return Sampler(
         model_cfg,
         trainer.cfg.compute,
@@ -80,6 +105,7 @@ def rollout_sampler(cfg: GRPOConfig, model_cfg, trainer: Trainer) -> Sampler:
         trainer.model_param_shardings(),
         dtype=cfg.rollout_dtype,
         lora=cfg.lora,
+        record_experts=replays_routes(cfg, model_cfg),
     )
 
 

@@ -184,7 +184,7 @@ class GRPOConfig(Strict):
     are always the training forward's."""
     loss_type: str = "dapo"
     """A registered policy loss (engine/posttrain/registry.py: grpo, bnpo, dr_grpo, dapo, luspo,
-    cispo, TRL's names) or your own surrogate as module:function."""
+    cispo, sapo, gmpo, TRL's names) or your own surrogate as module:function."""
     loss_aggregation: str | None = None
     """How per-token losses become the loss (verl's loss_agg_mode): token_mean, token_mean_local,
     seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm, or module:function. None:
@@ -203,6 +203,12 @@ class GRPOConfig(Strict):
     """Importance-sampling correction of off-policy rollouts; None: none applied (its metrics
     are still logged whenever the rollout is off-policy). The rollout/trainer log-prob gap is
     logged every step either way (engine/posttrain/rollout_correction.py)."""
+    router_replay: bool | None = None
+    """A mixture of experts' rollout routing replay (R3; engine/models/router_replay.py): the
+    engine's sampler records each token's experts per layer and the trainer's forwards over
+    the rollout use them instead of choosing again (the weights still the trainer's router
+    scores). None: on for a mixture of experts sampled by the engine (synchronous or workers),
+    off with a rollout server or an environment; true there is refused."""
     max_staleness: int = 0
     """Rollouts generated with weights this many updates old (exactly, after the first steps):
     0 is on-policy, today's synchronous GRPO; 1-2 lets rollout workers generate the next batches
@@ -219,11 +225,16 @@ class GRPOConfig(Strict):
     --xla_force_host_platform_device_count on CPU). Empty: the trainer's environment and
     mesh; set: the worker lays its devices out on `data` alone (its own mesh)."""
     epsilon: float = Field(0.2, gt=0)
-    """Clipping: the ratio is kept within [1 - epsilon, 1 + epsilon_high]."""
+    """Clipping: the ratio is kept within [1 - epsilon, 1 + epsilon_high]. gmpo: log-space bounds,
+    the ratio within (exp(-epsilon), exp(epsilon_high)); 0.4 when left out (TRL's GMPO default)."""
     epsilon_high: float | None = Field(None, gt=0)
     """None: epsilon. DAPO's clip-higher uses e.g. 0.28."""
     beta: float = Field(0.0, ge=0)
     """KL penalty weight to the frozen initial policy (k3 estimator); 0 keeps no reference model."""
+    sapo_temperature_pos: float = Field(1.0, gt=0)
+    """sapo: the gate's temperature for positive advantages (TRL's sapo_temperature_pos)."""
+    sapo_temperature_neg: float = Field(1.05, gt=0)
+    """sapo: for the others (TRL's sapo_temperature_neg; SAPO keeps it above the positive one)."""
     num_iterations: int = Field(1, gt=0)
     """mu: optimizer updates per rollout batch, each on the whole batch."""
     grad_accum: int = Field(1, gt=0)
@@ -259,6 +270,14 @@ class GRPOConfig(Strict):
 
     @model_validator(mode="before")
     @classmethod
+    def _gmpo_epsilon(cls, data):
+        """loss_type gmpo clips in log space, with TRL's default 0.4 where the config sets none."""
+        if isinstance(data, dict) and data.get("loss_type") == "gmpo" and "epsilon" not in data:
+            data = {**data, "epsilon": 0.4}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
     def _environment_scores(cls, data):
         """With an environment, `rewards` may be left out (the environment's reward is a term)."""
         if isinstance(data, dict) and data.get("environment") is not None and "rewards" not in data:
@@ -274,6 +293,14 @@ class GRPOConfig(Strict):
                 f"max_staleness {self.max_staleness} needs rollout_workers >= 1: with 0 the trainer's "
                 "process generates each batch on-policy"
             )
+        if self.loss_type == "gmpo" and self.algorithm != "grpo":
+            raise ValueError(
+                "loss_type gmpo makes its own sequence weight (the geometric mean of the token ratios): "
+                "it needs algorithm grpo, not gspo"
+            )
+        for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if self.loss_type != "sapo" and key in self.model_fields_set:
+                raise ValueError(f"{key} applies to loss_type sapo only, not {self.loss_type}")
         if self.loss_type == "cispo" and self.epsilon_high is None:
             raise ValueError(
                 "loss_type cispo clips the importance weight at epsilon_high, an absolute bound "

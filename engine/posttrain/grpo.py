@@ -50,12 +50,14 @@ from engine.inference.sample import decode_completions, prompt_positions
 from engine.models.config import ModelConfig
 from engine.models.lora import LORA_SEED, dropout_rows
 from engine.models.params import apply_model_with_aux, graphdef_of
+from engine.models.router_replay import ROUTER_EXPERTS, replaying
 from engine.ops.partitioning import use_mesh
 from engine.posttrain.async_rollout import (
     RolloutWorkerError,
     RolloutWorkers,
     episode_runner,
     generate_batch,
+    replays_routes,
     rollout_sampler,
 )
 from engine.posttrain.config import GRPOConfig, GRPODataConfig, train_config
@@ -180,10 +182,13 @@ def loss_tokens(cfg: GRPOConfig) -> Callable:
 
 def make_logps_fn(graphdef, prompt_len: int, temperature: float, *, with_aux: bool = False):
     """logps(params, batch) -> (log p of the completion tokens, entropy), (b, completion_len);
-    with_aux: ((log p, entropy), aux), aux a mixture of experts' router losses (empty if dense)."""
+    with_aux: ((log p, entropy), aux), aux a mixture of experts' router losses (empty if dense).
+    A batch with the rollout's routes (router replay) sends each token to the experts it was
+    sampled with."""
 
     def logps(params, batch):
-        with dropout_rows(batch.get(LORA_SEED)):  # set in training steps only: never in the rollout's log-probs
+        # LoRA's dropout rows are set in training steps only: never in the rollout's log-probs.
+        with dropout_rows(batch.get(LORA_SEED)), replaying(batch.get(ROUTER_EXPERTS)):
             logits, aux = apply_model_with_aux(
                 graphdef, params, batch["tokens"], batch["positions"], batch["segment_ids"]
             )
@@ -277,6 +282,9 @@ class RolloutSource:
         # stale or when a correction is asked for (e.g. bf16 rollouts): the batch then carries the
         # behaviour log-probs and the old policy's, and the loss logs their ratios.
         self.off_policy = cfg.off_policy
+        # A mixture of experts sampled by the engine: its routes are replayed in every forward
+        # over the rollout (the policy loss's, the old policy's, the reference's).
+        self.replay = replays_routes(cfg, model_cfg)
         # Reward models score the rollout's rows on the mesh, as they are (same tokenizer), by column.
         self.function_columns = [j for j, spec in enumerate(cfg.rewards) if spec.model is None]
         self.reward_models = {
@@ -394,6 +402,9 @@ class RolloutSource:
             # rollout/trainer gap is measured on them every step, and corrected when off-policy.
             "behaviour_logps": out.logprobs.astype(np.float32),
         }
+        if self.replay:
+            assert out.experts is not None, "router replay: the rollout did not record its experts"
+            rows[ROUTER_EXPERTS] = out.experts.astype(np.int32)
         batch = self.trainer.global_batch(rows)  # every process sampled the whole rollout
 
         # ---- rewards (functions on the host, reward models on the mesh) and advantages
@@ -445,6 +456,7 @@ class RolloutSource:
             values[f"reward/{name}/mean"], values[f"reward/{name}/std"] = nan_stats(per_function[:, j])
         if rollout.rewards is not None:
             values["reward/environment/mean"], values["reward/environment/std"] = nan_stats(rollout.rewards)
+        values["router_replay"] = float(self.replay)
         values.update(rollout.metrics)
         return batch, values
 

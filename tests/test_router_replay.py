@@ -1,0 +1,162 @@
+"""Rollout routing replay (R3; engine/models/router_replay.py) on a tiny mixture of experts:
+
+- a MoE layer under replay routes each token to exactly the replayed experts, weighted by the
+  trainer's own router softmax over them (renormalised): its output equals the experts' MLPs
+  written out by hand;
+- the model's forward under replay uses exactly the replayed experts at every expert layer
+  (recorded back while replaying), dense layers untouched, the scanned layers the same as the
+  unrolled ones;
+- the engine's sampler records every prompt and completion token's experts, and the trainer's
+  forward over the rollout replaying them gives the sampler's log-probs (float32);
+- GRPO replays by default on a MoE with the engine's sampler, and refuses it in one sentence
+  where the rollout cannot record its routes (a vLLM server, a dense model).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from engine.config import ConfigError
+from engine.inference.sample import Sampler, prompt_positions, rollout_params
+from engine.models import router_replay
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.lora import in_layer
+from engine.models.moe import MoE
+from engine.models.params import abstract_model_params, apply_model_with_aux, graphdef_of
+from engine.models.transformer import Transformer
+from engine.posttrain.grpo import run_grpo
+from engine.posttrain.policy_loss import completion_logps
+from tests.test_grpo import grpo_config, make_copy_task
+
+# Three layers, the first dense (DeepSeek-V3's layout), 5 experts, top 2: odd sizes.
+CFG = ModelConfig(
+    family="glm4_moe",
+    vocab_size=16,
+    d_model=16,
+    num_layers=3,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    mlp_dim=24,
+    max_seq_len=16,
+    num_experts=5,
+    experts_per_token=2,
+    first_dense_layers=1,
+)
+F32 = ComputeConfig(dtype="float32", param_dtype="float32")
+UNROLLED = F32.model_copy(update={"scan_layers": False})
+
+
+@pytest.fixture(scope="module")
+def params():
+    return nnx.to_pure_dict(nnx.split(Transformer(CFG, F32, rngs=nnx.Rngs(3)))[1])
+
+
+def test_a_replayed_moe_layer_uses_the_given_experts_weighted_by_its_own_router():
+    moe = MoE(CFG, F32, rngs=nnx.Rngs(1))
+    b, t, k = 2, 7, CFG.experts_per_token
+    x_btd = jax.random.normal(jax.random.key(0), (b, t, CFG.d_model))
+    experts_btk = jnp.stack(
+        [jax.random.permutation(jax.random.key(i), CFG.num_experts)[:k] for i in range(b * t)]
+    ).reshape(b, t, k)
+    layers_bltk = jnp.zeros((b, 2, t, k), jnp.int32).at[:, 1].set(experts_btk)
+    with router_replay.replaying(layers_bltk), in_layer(1):
+        out_btd, _ = moe(x_btd)
+
+    # By hand: softmax of the router logits at the given experts, renormalised, times each MLP.
+    probs_bte = jax.nn.softmax(x_btd @ moe.w_router_de[...], axis=-1)
+    weights_btk = jnp.take_along_axis(probs_bte, experts_btk, axis=-1)
+    weights_btk = weights_btk / weights_btk.sum(-1, keepdims=True)
+    expected = jnp.zeros_like(x_btd)
+    for j in range(k):
+        e = experts_btk[..., j]
+        gate = jnp.einsum("btd,btdf->btf", x_btd, moe.w_gate_edf[...][e])
+        up = jnp.einsum("btd,btdf->btf", x_btd, moe.w_up_edf[...][e])
+        down = jnp.einsum("btf,btfd->btd", jax.nn.silu(gate) * up, moe.w_down_efd[...][e])
+        expected = expected + weights_btk[..., j : j + 1] * down
+    scale = float(jnp.abs(expected).max())
+    np.testing.assert_allclose(out_btd, expected, atol=1e-5 * scale)
+    with in_layer(1):  # without replay the router's own top 2 differ from the random ones
+        own_btd, _ = moe(x_btd)
+    assert float(jnp.abs(own_btd - out_btd).max()) > 0.1 * scale
+
+
+def unrolled_params(params):
+    """The same weights in the layout of the model with scan_layers off (recording appends per
+    layer, which the unrolled layers allow)."""
+    return rollout_params(params, "float32", abstract_model_params(CFG, UNROLLED, None))
+
+
+def _rows(b: int, t: int):
+    tokens = jax.random.randint(jax.random.key(5), (b, t), 2, CFG.vocab_size)
+    return tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.ones((b, t), jnp.int32)
+
+
+def test_the_forward_under_replay_routes_exactly_the_replayed_experts_scanned_or_not(params):
+    b, t, k = 3, 6, CFG.experts_per_token
+    tokens, positions, segments = _rows(b, t)
+    keys = jax.random.split(jax.random.key(9), b * t * CFG.num_layers)
+    random_bltk = jnp.stack([jax.random.permutation(key, CFG.num_experts)[:k] for key in keys])
+    random_bltk = random_bltk.reshape(b, CFG.num_layers, t, k)
+    unrolled = graphdef_of(CFG, UNROLLED)
+    per_layer = unrolled_params(params)
+    with router_replay.replaying(random_bltk), router_replay.recording() as routes:
+        logits_unrolled, _ = apply_model_with_aux(unrolled, per_layer, tokens, positions, segments)
+    assert len(routes) == 2  # the two expert layers, the dense one not routed
+    np.testing.assert_array_equal(jnp.stack(routes, 1), random_bltk[:, 1:])
+    with router_replay.recording() as own:  # the router's own choice is another
+        apply_model_with_aux(unrolled, per_layer, tokens, positions, segments)
+    assert not np.array_equal(jnp.stack(own, 1), random_bltk[:, 1:])
+    # The scanned stack replays by the layer index its scan carries: the same logits.
+    with router_replay.replaying(random_bltk):
+        logits_scanned, _ = apply_model_with_aux(graphdef_of(CFG, F32), params, tokens, positions, segments)
+    np.testing.assert_allclose(logits_scanned, logits_unrolled, atol=2e-5)
+
+
+def test_the_sampler_records_every_tokens_experts_and_replaying_them_gives_its_log_probs(params):
+    sampler = Sampler(CFG, F32, record_experts=True)
+    prompt_tokens = np.array([[0, 0, 3, 4, 5], [0, 6, 7, 8, 9]], np.int32)
+    prompt_mask = (prompt_tokens != 0).astype(np.int32)
+    G, C = 3, 4
+    out = sampler(params, prompt_tokens, prompt_mask, seed=1, max_new_tokens=C, num_generations=G)
+    assert out.experts.shape == (2 * G, CFG.num_layers, 5 + C, CFG.experts_per_token)
+    assert (out.experts[:, 0] == 0).all()  # the dense layer's slot
+    tokens = np.concatenate([np.repeat(prompt_tokens, G, 0), out.tokens], 1)
+    segments = np.concatenate([np.repeat(prompt_mask, G, 0), out.mask.astype(np.int32)], 1)
+    positions = prompt_positions(jnp.asarray(segments))
+    graphdef = graphdef_of(CFG, UNROLLED)
+    per_layer = unrolled_params(params)
+    with router_replay.replaying(jnp.asarray(out.experts)), router_replay.recording() as routes:
+        logits, _ = apply_model_with_aux(graphdef, per_layer, tokens, positions, segments)
+    valid = segments.astype(bool)
+    for j, layer in enumerate((1, 2)):  # the real tokens went through the sampler's experts
+        np.testing.assert_array_equal(np.asarray(routes[j])[valid], out.experts[:, layer][valid])
+    logp, _ = completion_logps(logits[:, 4:-1], jnp.asarray(out.tokens), 1.0)
+    np.testing.assert_allclose(np.where(out.mask, logp, 0.0), out.logprobs, atol=2e-5)
+
+
+def test_grpo_replays_by_default_on_a_moe_and_refuses_what_cannot_record_routes(tmp_path):
+    task = make_copy_task(tmp_path / "task", CFG.model_copy(update={"vocab_size": 16}))
+    base = {"steps": 2, "prompts_per_step": 2, "num_generations": 4}
+    result = run_grpo(grpo_config(task, tmp_path / "on", **base))
+    assert result["router_replay"] == 1.0
+    off = run_grpo(grpo_config(task, tmp_path / "off", router_replay=False, **base))
+    assert off["router_replay"] == 0.0
+    records = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and all(r["sampling/sampling_logp_difference/max"] < 1e-4 for r in records)
+    with pytest.raises(ConfigError, match=r"^router_replay: .*vLLM"):
+        run_grpo(
+            grpo_config(task, tmp_path / "vllm", router_replay=True, **{"rollout.url": "http://127.0.0.1:9"}, **base)
+        )
+    dense = make_copy_task(
+        tmp_path / "dense",
+        ModelConfig(**{**CFG.model_dump(), "family": "llama", "num_experts": 0, "first_dense_layers": 0}),
+    )
+    with pytest.raises(ConfigError, match=r"^router_replay: .*mixture of experts"):
+        run_grpo(grpo_config(dense, tmp_path / "dense_run", router_replay=True, **base))
