@@ -57,6 +57,7 @@ ADDED_AT_DEFAULT = {
     "loss_aggregation": None,
     "advantage_estimator": "grpo",
     "rollout_correction": None,
+    "router_replay": None,
     "max_staleness": 0,
     "rollout_workers": 0,
     "rollout_worker_restarts": 2,
