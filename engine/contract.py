@@ -113,6 +113,10 @@ ADDED_AT_DEFAULT = {
     "model.residual_multiplier": None,
     "model.attention_scale": None,
     "model.logits_scaling": None,
+    # Falcon-H1 (engine/models/parallel_hybrid.py): its multipliers, Mamba2 without a gated norm
+    "model.mup": None,
+    "model.mamba2.gated_norm": True,
+    "model.mamba2.norm_before_gate": False,
     # DPO's separate reference (its checkpoint comes from an input, and is not in the id)
     "reference": {"checkpoint": None, "compute": None},
     # DPO's list-valued loss_type with weights, DiscoPOP's temperature (issue 53)

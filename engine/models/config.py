@@ -75,10 +75,11 @@ class Layer(NamedTuple):
     stack: str
     """The params key of its stack: `blocks`, or `dense_blocks` for the dense-MLP layers of
     a mixture of experts (DeepSeek-V3's first layers, Qwen3-MoE's mlp_only_layers)."""
-    mixer: Literal["attention", "mla", "gated_delta", "mamba2", "none"]
+    mixer: Literal["attention", "mla", "gated_delta", "mamba2", "attention_mamba2", "none"]
     """The sequence mixer, a kind in transformer.MIXERS: grouped-query attention
     (transformer.Attention), multi-head latent attention (mla.py), or a Gated DeltaNet
-    linear-attention layer (gated_delta_block.py), which decodes with a recurrent state."""
+    linear-attention layer (gated_delta_block.py), which decodes with a recurrent state;
+    attention_mamba2: attention and a Mamba2 mixer side by side (Falcon-H1, parallel_hybrid.py)."""
     ffn: Literal["mlp", "moe", "none"]
     """The gated MLP or a mixture of experts (moe.py), or none (a layer that is only its mixer;
     Nemotron-H's, whose MLP layers have mixer "none" in turn)."""
@@ -147,6 +148,12 @@ class Mamba2Config(Strict):
     """Biases on in_proj and out_proj."""
     dt_limit: tuple[float, float] | None = None
     """dt clamped to [low, high] after the softplus (time_step_limit); None: no clamp."""
+    gated_norm: bool = True
+    """The scan's output goes through the gated RMSNorm (weight norm_f); false: y * silu(z),
+    no norm and no weight (Falcon-H1's mamba_rms_norm false)."""
+    norm_before_gate: bool = False
+    """With gated_norm: weight * norm(y) * silu(z) (Falcon-H1's mamba_norm_before_gate); else
+    Mamba2's weight * norm(y * silu(z))."""
 
     @model_validator(mode="after")
     def _check_groups(self) -> Mamba2Config:
@@ -159,8 +166,34 @@ class Mamba2Config(Strict):
         inner = self.num_heads * self.head_dim
         channels = inner + 2 * self.n_groups * self.state_size
         projected = inner + channels + self.num_heads
-        n = d_model * projected + channels * self.conv_kernel + 3 * self.num_heads + inner + inner * d_model
+        n = d_model * projected + channels * self.conv_kernel + 3 * self.num_heads + inner * self.gated_norm
+        n += inner * d_model
         return n + channels * self.conv_bias + (projected + d_model) * self.proj_bias
+
+
+class MuPMultipliers(Strict):
+    """Falcon-H1's muP multipliers (its config.json's *_multiplier(s) keys; 1.0 is none):
+    fixed scalars on activations, not parameters, so its weights stay as trained."""
+
+    lm_head: float = 1.0
+    """Logits are multiplied by this (lm_head_multiplier)."""
+    key: float = 1.0
+    """Keys are multiplied by this after their projection, before RoPE (key_multiplier)."""
+    attention_in: float = 1.0
+    """The attention reads the normed input times this (attention_in_multiplier)..."""
+    attention_out: float = 1.0
+    """... and its output is multiplied by this (attention_out_multiplier)."""
+    ssm_in: float = 1.0
+    """The Mamba2 mixer reads the normed input times this (ssm_in_multiplier)..."""
+    ssm_out: float = 1.0
+    """... and its output is multiplied by this (ssm_out_multiplier)."""
+    ssm_projections: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    """in_proj's output sections z, x, B, C, dt are multiplied by these (ssm_multipliers,
+    transformers' mup_vector)."""
+    mlp_gate: float = 1.0
+    """The MLP's gate projection is multiplied by this before the activation..."""
+    mlp_down: float = 1.0
+    """... and its output by this (mlp_multipliers)."""
 
 
 class ModelConfig(Strict):
@@ -335,7 +368,9 @@ class ModelConfig(Strict):
     (engine/models/mtp.py; the `mtp_blocks` stack). Converted, kept and exported; trained
     only under ComputeConfig.mtp_loss."""
     # Hybrid models (Qwen3-Next, Qwen3.5): layers of another mixer kind among the attention ones.
-    mixer_pattern: list[Literal["attention", "gated_delta", "mamba2", "none"]] | None = Field(None, min_length=1)
+    mixer_pattern: list[Literal["attention", "gated_delta", "mamba2", "attention_mamba2", "none"]] | None = Field(
+        None, min_length=1
+    )
     """Layer i's sequence mixer is mixer_pattern[i % len] (attention: the model's attention,
     MLA where kv_lora_rank is set); None: attention in every layer. Each other kind's layers
     form stacks of their own (`gated_delta_blocks`). Qwen3-Next: three gated_delta then one
@@ -381,6 +416,8 @@ class ModelConfig(Strict):
     query_pre_attn_scalar says."""
     logits_scaling: float | None = Field(None, gt=0)
     """Output logits are divided by this (Granite)."""
+    mup: MuPMultipliers | None = None
+    """Falcon-H1's multipliers on the attention, Mamba2, MLP and LM head activations; None: none."""
     # Gemma 4's mixture of experts (26B-A4B; engine/models/families/gemma4.py)
     moe_beside_mlp: bool = False
     """With experts: each expert layer also runs the dense MLP (mlp_dim) beside them, on its
@@ -500,7 +537,7 @@ class ModelConfig(Strict):
     def _check_mixers(self) -> ModelConfig:
         if ("gated_delta" in (self.mixer_pattern or [])) != (self.gated_delta is not None):
             raise ValueError("gated_delta (the sizes) is set exactly when mixer_pattern has gated_delta layers")
-        if ("mamba2" in (self.mixer_pattern or [])) != (self.mamba2 is not None):
+        if bool({"mamba2", "attention_mamba2"} & set(self.mixer_pattern or [])) != (self.mamba2 is not None):
             raise ValueError("mamba2 (the sizes) is set exactly when mixer_pattern has mamba2 layers")
         if any(layer.mixer == layer.ffn == "none" for layer in self.layer_pattern()):
             raise ValueError("mixer_pattern and ffn_pattern leave a layer with neither a mixer nor a feed-forward")
@@ -508,6 +545,8 @@ class ModelConfig(Strict):
             raise ValueError("mlp_gated false (an MLP without a gate) is a setting of dense models")
         if self.shared_expert_gate and not self.num_shared_experts:
             raise ValueError("shared_expert_gate needs num_shared_experts")
+        if "attention_mamba2" in (self.mixer_pattern or []) and self.is_mla:
+            raise ValueError("attention_mamba2 layers (Falcon-H1) have grouped-query attention, not MLA")
         if self.attention_output_gate and self.is_mla:
             raise ValueError("attention_output_gate is a setting of grouped-query attention, not MLA")
         return self
@@ -542,8 +581,9 @@ class ModelConfig(Strict):
                 stack = f"{only}_only_blocks"
                 layers.append(Layer(stack, mixer if attention else kind, ffn, attention and local, rope))
                 continue
-            if kind != "attention":  # another mixer kind: stacks of its own, no window, no RoPE
-                layers.append(Layer(f"{kind}_{stack}", kind, "moe" if moe else "mlp", False, False))
+            if kind != "attention":  # another mixer kind: stacks of its own, no window, no RoPE but Falcon-H1's
+                rope = kind == "attention_mamba2" and rope_pattern[i % len(rope_pattern)]
+                layers.append(Layer(f"{kind}_{stack}", kind, "moe" if moe else "mlp", False, rope))
                 continue
             shape: dict[str, Any] = {}  # Layer's per-layer fields with values other than their defaults
             if not local and self.has_global_shape:  # Gemma 4: global heads of their own shape
@@ -641,6 +681,9 @@ class ModelConfig(Strict):
             return self.mamba2.params(self.d_model)
         if layer.mixer == "none":
             return 0
+        if layer.mixer == "attention_mamba2":  # both, side by side (Falcon-H1)
+            assert self.mamba2 is not None  # _check_mixers
+            return self._attention_params(layer._replace(mixer="attention")) + self.mamba2.params(self.d_model)
         if self.is_mla:
             return self._mla_params()
         n, h, k = self.num_heads, layer.head_dim or self.head_dim, layer.kv_heads or self.num_kv_heads

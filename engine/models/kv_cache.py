@@ -22,6 +22,8 @@ DECODE_STATES: dict[str, Callable[[ModelConfig, ComputeConfig, int], Any]] = {}
 """Mixer kind (Layer.mixer) -> its per-sequence decoding state at a sequence's start, for the
 kinds that carry a state instead of keys and values; the kind's module registers it
 (engine/models/gated_delta_block.py: the convolution window and the recurrent state)."""
+KEYS_AND_STATE = {"attention_mamba2"}
+"""Mixer kinds in DECODE_STATES that keep keys and values as well (Falcon-H1's parallel layers)."""
 
 
 def _names(shape: tuple[int, ...]) -> tuple:
@@ -82,7 +84,8 @@ class KVCache:
         k_shapes, v_shapes, states = [], [], []
         for layer in cfg.layer_pattern():  # a layer's heads may have a shape of their own (Gemma 4's global ones)
             states.append(DECODE_STATES[layer.mixer](cfg, compute, batch) if layer.mixer in DECODE_STATES else None)
-            if states[-1] is not None or layer.mixer == "none":  # no keys and values: (batch, 0 heads, ...)
+            keys = layer.mixer in KEYS_AND_STATE  # Falcon-H1's parallel layers keep both
+            if (states[-1] is not None and not keys) or layer.mixer == "none":  # no keys, values: (batch, 0 heads, ...)
                 k_shapes.append((batch, 0, 0, max_len))
                 v_shapes.append((batch, 0, max_len, 0))
                 continue

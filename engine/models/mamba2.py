@@ -38,7 +38,8 @@ def dims_of(cfg: ModelConfig) -> Mamba2Dims:
     m = cfg.mamba2
     assert m is not None, "a model with mamba2 layers has ModelConfig.mamba2"
     low, high = m.dt_limit or (0.0, float("inf"))
-    return Mamba2Dims(m.num_heads, m.head_dim, m.state_size, m.n_groups, m.conv_kernel, cfg.norm_eps, low, high)
+    dims = Mamba2Dims(m.num_heads, m.head_dim, m.state_size, m.n_groups, m.conv_kernel, cfg.norm_eps, low, high)
+    return dims._replace(norm_before_gate=m.norm_before_gate)
 
 
 def decode_state(cfg: ModelConfig, compute: ComputeConfig, batch: int) -> Mamba2State:
@@ -47,7 +48,7 @@ def decode_state(cfg: ModelConfig, compute: ComputeConfig, batch: int) -> Mamba2
     return initial_state(batch, dims_of(cfg), dtype_of(compute.dtype))
 
 
-DECODE_STATES["mamba2"] = decode_state
+DECODE_STATES["mamba2"] = DECODE_STATES["attention_mamba2"] = decode_state
 
 
 class Mamba2(nnx.Module):
@@ -55,7 +56,9 @@ class Mamba2(nnx.Module):
 
     `bias`: biases on in_proj and out_proj (transformers' use_bias / mamba_proj_bias);
     `conv_bias`: on the convolution. `num_layers` scales out_proj's initial weights down with
-    depth, as the attention output's are (engine/models/transformer.py)."""
+    depth, as the attention output's are (engine/models/transformer.py). `gated_norm` False:
+    no norm_f, the output y * silu(z). `section_scales`: in_proj's output sections z, x, B, C,
+    dt multiplied by these (Falcon-H1's ssm_multipliers); None: not scaled."""
 
     def __init__(
         self,
@@ -70,6 +73,8 @@ class Mamba2(nnx.Module):
         conv_bias: bool = True,
         chunk_size: int = 256,
         dot_general: DotGeneral = jax.lax.dot_general,
+        gated_norm: bool = True,
+        section_scales: tuple[float, ...] | None = None,
     ):
         pdt = dtype_of(compute.param_dtype)
         heads, projected = dims.num_heads, dims.inner + dims.conv_channels + dims.num_heads
@@ -87,12 +92,14 @@ class Mamba2(nnx.Module):
         self.dt_bias_h = nnx.Param((dt + jnp.log(-jnp.expm1(-dt))).astype(pdt), out_sharding=(None,))
         self.a_log_h = nnx.Param(jnp.log(jnp.arange(1, heads + 1, dtype=jnp.float32)).astype(pdt), out_sharding=(None,))
         self.d_h = nnx.Param(jnp.ones((heads,), pdt), out_sharding=(None,))
-        self.norm_f = nnx.Param(jnp.ones((dims.inner,), pdt), out_sharding=("norm",))
+        if gated_norm:
+            self.norm_f = nnx.Param(jnp.ones((dims.inner,), pdt), out_sharding=("norm",))
         out_std = init_std / math.sqrt(2 * num_layers)
         self.w_out_fd = param(rngs, (dims.inner, d_model), out_std, (None, "embed"), pdt)
         if bias:
             self.b_out_d = nnx.Param(jnp.zeros((d_model,), pdt), out_sharding=("embed",))
         self.dims, self.bias, self.conv_bias, self.chunk_size = dims, bias, conv_bias, chunk_size
+        self.gated_norm, self.section_scales = gated_norm, section_scales
         self.dtype = dtype_of(compute.dtype)
         self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
 
@@ -112,6 +119,8 @@ class Mamba2(nnx.Module):
             conv_bias=m.conv_bias,
             chunk_size=m.chunk_size,
             dot_general=dot_general,
+            gated_norm=m.gated_norm,
+            section_scales=None if cfg.mup is None else cfg.mup.ssm_projections,
         )
 
     def __call__(
@@ -153,13 +162,16 @@ class Mamba2(nnx.Module):
         projected = dense(x_btd.astype(dt), self.w_in_dp[...].astype(dt), backward=backward, dot_general=dot_general)
         if self.bias:
             projected = projected + self.b_in_p[...].astype(dt)
+        if self.section_scales is not None:  # Falcon-H1's mup_vector, one factor per section
+            projected = projected * self._section_vector().astype(dt)
         params = {
             "conv_kc": self.conv_c1k[...][:, 0, :].T.astype(dt),
             "dt_bias": self.dt_bias_h[...].astype(jnp.float32),
             "a_log": self.a_log_h[...],
             "d": self.d_h[...],
-            "norm": self.norm_f[...].astype(dt),
         }
+        if self.gated_norm:
+            params["norm"] = self.norm_f[...].astype(dt)
         if self.conv_bias:
             params["conv_bias"] = self.conv_bias_c[...].astype(dt)
         y_btf, state = mamba2_inner(
@@ -175,3 +187,11 @@ class Mamba2(nnx.Module):
         if self.bias:
             out_btd = out_btd + self.b_out_d[...].astype(dt)
         return out_btd, state
+
+    def _section_vector(self) -> jax.Array:
+        """(p,) float32: each of in_proj's output sections z, x, B, C, dt times its scale."""
+        d = self.dims
+        state = d.n_groups * d.state_size
+        sizes = (d.inner, d.inner, state, state, d.num_heads)
+        assert self.section_scales is not None and len(self.section_scales) == len(sizes)
+        return jnp.concatenate([jnp.full((n,), v, jnp.float32) for n, v in zip(sizes, self.section_scales)])

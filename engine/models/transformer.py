@@ -10,7 +10,9 @@ engine/ops/partitioning.py maps to mesh axes; activations are constrained at blo
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +38,7 @@ from engine.models.mamba2 import Mamba2
 from engine.models.mla import MLA
 from engine.models.moe import MoE, MoEStats, combine_stats
 from engine.models.mtp import MTPHead, mtp_loss
+from engine.models.parallel_hybrid import AttentionMamba2
 from engine.models.rope import rope_cos_sin, rope_inverse_frequencies, rotate
 from engine.ops.attention import attention, chunked_segment_ids, decode_attention
 from engine.ops.dense import DotGeneral, dense, gated_mlp, matmuls_in, uses_cpu_backward, weight_grads_in
@@ -114,6 +117,7 @@ class Attention(nnx.Module):
         self.temperature_floor, self.temperature_scale = cfg.attn_temperature_floor, cfg.attn_temperature_scale
         self.scale = cfg.attention_scale or (cfg.query_pre_attn_scalar or h) ** -0.5
         self.softcap = cfg.attn_logit_softcap
+        self.key_scale = 1.0 if cfg.mup is None else cfg.mup.key
         self.dtype = _dtype(compute.dtype)
         self.attention_impl, self.attention_block = compute.attention_impl, compute.attention_block
         self.decode_attention_impl = compute.decode_attention_impl
@@ -179,6 +183,8 @@ class Attention(nnx.Module):
             q, gate = q[..., : self.head_dim], q[..., self.head_dim :]
         if self.qkv_bias:
             q, k, v = q + self.bq_nh[...].astype(dt), k + self.bk_kh[...].astype(dt), v + self.bv_kh[...].astype(dt)
+        if self.key_scale != 1.0:  # Falcon-H1's key_multiplier
+            k = k * jnp.asarray(self.key_scale, k.dtype)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.value_norm:  # RMSNorm over head_dim without a scale (Gemma 4)
@@ -263,11 +269,18 @@ class MLP(nnx.Module):
         self.w_up_df = _param(rngs, (d, f), std, ("embed", "mlp"), pdt)
         self.w_down_fd = _param(rngs, (f, d), std / math.sqrt(2 * cfg.num_layers), ("mlp", "embed"), pdt)
         self.activation = ACTIVATIONS[cfg.activation]
+        self.down_scale = 1.0 if cfg.mup is None else cfg.mup.mlp_down  # Falcon-H1's mlp_multipliers
+        if cfg.mup is not None and cfg.mup.mlp_gate != 1.0:
+            self.activation = ScaledInput(self.activation, cfg.mup.mlp_gate)
         self.dtype = _dtype(compute.dtype)
         self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
         add_adapters(self, MLP_WEIGHTS, lora, cfg, rngs)
 
     def __call__(self, x_btd):
+        out_btd = self._mlp(x_btd)
+        return out_btd if self.down_scale == 1.0 else out_btd * jnp.asarray(self.down_scale, out_btd.dtype)
+
+    def _mlp(self, x_btd):
         dt = self.dtype
         if not self.gated:
             kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
@@ -296,6 +309,17 @@ class MLP(nnx.Module):
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class ScaledInput:
+    """activation(scale * x): Falcon-H1's gate multiplier, compared by value (a static argument)."""
+
+    activation: Callable
+    scale: float
+
+    def __call__(self, x):
+        return self.activation(x * jnp.asarray(self.scale, x.dtype))
+
+
 def _mla(cfg, compute, *, rngs, dot_general, lora=None, layer=None) -> MLA:
     return MLA(cfg, compute, rngs=rngs, dot_general=dot_general)  # LoraConfig.targets refuses its projections
 
@@ -304,7 +328,18 @@ def _gated_delta(cfg, compute, *, rngs, dot_general, lora=None, layer=None) -> G
     return GatedDeltaNet(cfg, compute, rngs=rngs, dot_general=dot_general)  # no LoRA on its projections
 
 
-MIXERS = {"attention": Attention, "mla": _mla, "gated_delta": _gated_delta, "mamba2": Mamba2.of_layer}
+def _attention_mamba2(cfg, compute, *, rngs, dot_general, lora=None, layer=None) -> AttentionMamba2:
+    attention = Attention(cfg, compute, rngs=rngs, dot_general=dot_general, lora=lora, layer=layer)
+    return AttentionMamba2(cfg, attention, Mamba2.of_layer(cfg, compute, rngs=rngs, dot_general=dot_general))
+
+
+MIXERS = {
+    "attention": Attention,
+    "mla": _mla,
+    "gated_delta": _gated_delta,
+    "mamba2": Mamba2.of_layer,
+    "attention_mamba2": _attention_mamba2,
+}
 """Layer.mixer -> its module, built (cfg, compute, rngs=, dot_general=, lora=, layer=) and called
 as Attention is: (x, positions, segment_ids, local, cache, rotary=, rope=) -> out, or with a
 cache (out, cache). A kind that decodes with a state instead of keys and values registers its
@@ -831,6 +866,8 @@ class Transformer(nnx.Module):
                 )
         if cfg.logits_scaling is not None:  # Granite
             logits_btv = logits_btv / jnp.asarray(cfg.logits_scaling, logits_btv.dtype)
+        if cfg.mup is not None and cfg.mup.lm_head != 1.0:  # Falcon-H1
+            logits_btv = logits_btv * jnp.asarray(cfg.mup.lm_head, logits_btv.dtype)
         if cfg.final_logit_softcap is not None:
             cap = cfg.final_logit_softcap
             logits_btv = (cap * jnp.tanh(logits_btv.astype(jnp.float32) / cap)).astype(logits_btv.dtype)

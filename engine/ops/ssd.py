@@ -49,6 +49,7 @@ class Mamba2Dims(NamedTuple):
     norm_eps: float = 1e-6
     dt_min: float = 0.0  # time_step_limit
     dt_max: float = float("inf")
+    norm_before_gate: bool = False  # the gated norm's order (Falcon-H1's mamba_norm_before_gate)
 
     @property
     def inner(self) -> int:
@@ -271,8 +272,8 @@ def mamba2_inner(
 ) -> tuple[jax.Array, Mamba2State]:
     """The mixer between its two projections: in_proj's output (b, t, inner + conv_channels +
     heads) -> the gated-normed scan output (b, t, inner), and the state after it. Uses params'
-    conv_kc, conv_bias (optional), dt_bias, a_log, d and norm. `segment_ids_bt`: packed rows,
-    each document's convolution and state starting afresh (ssd_chunked)."""
+    conv_kc, conv_bias (optional), dt_bias, a_log, d and norm (optional: without it y * silu(z)).
+    `segment_ids_bt`: packed rows, each document's convolution and state starting afresh (ssd_chunked)."""
     batch, time, _ = projected_btp.shape
     heads, head_dim, groups, size = dims.num_heads, dims.head_dim, dims.n_groups, dims.state_size
     gate = projected_btp[..., : dims.inner]
@@ -302,12 +303,16 @@ def mamba2_inner(
         y_bthp, ssm = ssd_chunked(
             x, dt, a_h, b, c, d_h=d_h, state_bhpn=ssm, chunk_size=chunk_size, segment_ids_bt=segment_ids_bt
         )
+    y_btf = y_bthp.reshape(batch, time, dims.inner)
+    if "norm" not in params:  # no gated norm (Falcon-H1's mamba_rms_norm false): y * silu(z)
+        y_btf = (y_btf.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(y_btf.dtype)
+        return y_btf, Mamba2State(conv_window, ssm)
     y_btf = gated_rms_norm(
-        y_bthp.reshape(batch, time, dims.inner),
+        y_btf,
         gate,
         params["norm"],
         eps=dims.norm_eps,
-        norm_before_gate=False,
+        norm_before_gate=dims.norm_before_gate,
         group_size=dims.inner // groups,
     )
     return y_btf, Mamba2State(conv_window, ssm)

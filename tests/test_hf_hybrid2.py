@@ -1,0 +1,327 @@
+"""Hugging Face parity of the second round of hybrid families (issue 51): Falcon-H1, whose
+every layer runs attention and a Mamba2 mixer side by side (engine/models/parallel_hybrid.py)
+with its muP multipliers.
+
+Each family gets the checks tests/test_hf_parity.py makes of every family (collected here over
+this module's `case`): greedy tokens and the recurrent sampler equal transformers', export
+loads cleanly with the same logits, config.json as transformers writes it, export -> convert
+bitwise; plus logits to 1e-5 at init-scale weights and 1e-4 at scaled ones (20 tokens,
+Mamba2 chunks of 8, one row right-padded and one left-padded), the recurrent state after a
+prompt and decoded tokens against a full forward's, a training step against transformers'
+loss and gradients, what LoRA adapts (a PEFT adapter in and out), and the preset's compile.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests.deps import need
+
+torch = need("torch")
+transformers = need("transformers")
+
+from engine.config import ConfigError, load_config  # noqa: E402
+from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
+from engine.interop.hf.peft import adapter_from_peft, lora_config_from_peft, write_peft  # noqa: E402
+from engine.models.config import LoraConfig  # noqa: E402
+from engine.models.kv_cache import KVCache  # noqa: E402
+from engine.models.lora import join, split_adapter  # noqa: E402
+from engine.models.params import abstract_model_params, apply_model, graphdef_of  # noqa: E402
+from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
+from engine.train.config import TrainConfig  # noqa: E402
+from engine.train.plan import format_plan, plan_step  # noqa: E402
+from engine.train.step import lm_loss_fn  # noqa: E402
+from engine.train.targets import get_target  # noqa: E402
+from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
+    VOCAB,
+    Case,
+    batch,
+    engine_logits,
+    hf_logits,
+    random_causal_lm,
+    test_export_loads_in_transformers_cleanly_with_the_same_logits,
+    test_export_then_convert_is_bitwise_identical,
+    test_exported_config_json_is_what_transformers_writes,
+    test_greedy_generation_of_16_tokens_is_identical,
+)
+
+# Falcon-H1: 3 layers of 6 query heads over 2 KV heads of 8 beside a Mamba2 of 4 heads of 5
+# (mamba_d_ssm 20, not 2 x hidden) in 2 groups, state 6, chunks of 8 (the 20-token batch is
+# not a multiple); the gated norm after the gate; every multiplier away from 1.
+FALCON_H1 = dict(
+    vocab_size=VOCAB,
+    hidden_size=30,
+    intermediate_size=26,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=8,
+    mamba_d_ssm=20,
+    mamba_n_heads=4,
+    mamba_d_head=5,
+    mamba_n_groups=2,
+    mamba_d_state=6,
+    mamba_chunk_size=8,
+    mamba_rms_norm=True,
+    mamba_norm_before_gate=False,
+    embedding_multiplier=1.7,
+    lm_head_multiplier=0.6,
+    key_multiplier=0.8,
+    attention_in_multiplier=1.3,
+    attention_out_multiplier=0.7,
+    ssm_in_multiplier=1.2,
+    ssm_out_multiplier=0.9,
+    mlp_multipliers=[0.8, 1.1],
+    ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9],
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+FALCON_VARIANTS = {  # the Mamba2 output norm's three forms
+    "falcon_h1": {},
+    "falcon_h1_norm_before_gate": {"mamba_norm_before_gate": True},
+    "falcon_h1_no_norm": {"mamba_rms_norm": False},
+}
+
+CASES = ["falcon_h1"]
+ARCHITECTURES = {"falcon_h1": "FalconH1ForCausalLM"}
+
+
+def hf_config(name: str):
+    if name.startswith("falcon_h1"):
+        return transformers.FalconH1Config(**{**FALCON_H1, **FALCON_VARIANTS[name]})
+    raise KeyError(name)
+
+
+def family_of(name: str) -> str:
+    return "falcon_h1" if name.startswith("falcon_h1") else name
+
+
+def init_scale_model(name: str):
+    """transformers' own initialisation (N(0, 0.02) matrices, its A_log, D, dt_bias), float32."""
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(hf_config(name), attn_implementation="eager").float().eval()
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request, tmp_path_factory) -> Case:
+    name = request.param
+    root = tmp_path_factory.mktemp(name)
+    model = random_causal_lm(hf_config(name), 0, attn_implementation="eager")
+    model.save_pretrained(root / "hf")
+    (root / "hf" / "tokenizer.json").write_text('{"stand-in": true}')
+    convert_hf(root / "hf", root / "converted")
+    cfg, params, _ = load_params(root / "converted" / "checkpoint")
+    _, compute = stored_configs(root / "converted" / "checkpoint")
+    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+
+
+def converted(model, tmp_path):
+    model.save_pretrained(tmp_path / "hf")
+    convert_hf(tmp_path / "hf", tmp_path / "converted")
+    cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
+    return cfg, stored_configs(tmp_path / "converted" / "checkpoint")[1], params
+
+
+def max_delta(cfg, compute, params, model) -> tuple[float, float]:
+    """(max |engine - transformers| over real tokens, max |transformers' logit|)."""
+    tokens, mask = batch()
+    ours = engine_logits(cfg, compute, params, tokens, mask)
+    ref = hf_logits(model, tokens, mask)
+    valid = mask.astype(bool)
+    return float(np.abs(ours - ref)[valid].max()), float(np.abs(ref[valid]).max())
+
+
+def test_scaled_weights_logits_match_transformers_to_1e4(case):
+    delta, size = max_delta(case.cfg, case.compute, case.params, case.hf_model)
+    print(f"\n{case.family} (scaled weights): max |delta logit| = {delta:.2e} (logits up to {size:.1f})")
+    assert delta <= 1e-4 and size > 0.5
+
+
+@pytest.mark.parametrize("name", [*FALCON_VARIANTS])
+def test_init_scale_logits_match_transformers_to_1e5(name, tmp_path):
+    model = init_scale_model(name)
+    cfg, compute, params = converted(model, tmp_path)
+    delta, size = max_delta(cfg, compute, params, model)
+    print(f"\n{name} (init scale): max |delta logit| = {delta:.2e}")
+    assert delta <= 1e-5 and size > 1e-3
+    if name.startswith("falcon_h1"):  # each variant's norm is what the config says
+        assert cfg.mamba2.gated_norm == model.config.mamba_rms_norm
+        assert cfg.mamba2.norm_before_gate == model.config.mamba_norm_before_gate
+
+
+def test_the_pattern_and_parameter_count_are_what_the_config_says(case):
+    layers = case.cfg.layer_pattern()
+    assert case.cfg.num_params() == sum(p.numel() for p in case.hf_model.parameters())
+    if family_of(case.family) == "falcon_h1":
+        assert [(x.mixer, x.ffn, x.rope) for x in layers] == [("attention_mamba2", "mlp", True)] * 3
+        mup = case.cfg.mup
+        assert (mup.key, mup.lm_head, mup.ssm_projections) == (0.8, 0.6, (0.5, 1.5, 0.7, 1.3, 0.9))
+        assert case.cfg.embedding_multiplier == 1.7 and case.cfg.mamba2.num_heads * case.cfg.mamba2.head_dim == 20
+
+
+def test_the_state_after_a_prompt_and_decoded_tokens_is_a_full_forwards(case):
+    """Prefill 9 tokens (one row left-padded by 3), decode 6 one at a time: every stateful
+    layer's state (convolution window, recurrent state) equals that of one forward over all
+    15, and so do the last logits."""
+    module = nnx.merge(graphdef_of(case.cfg, case.compute), case.params)
+    tokens = np.random.default_rng(5).integers(0, VOCAB, (2, 15)).astype(np.int32)
+    segments = np.ones_like(tokens)
+    segments[1, :3] = 0
+    positions = np.maximum(np.cumsum(segments, axis=1) - 1, 0).astype(np.int32)
+
+    def run(length):
+        cache = KVCache.init(case.cfg, case.compute, 2, 15)
+        return module(tokens[:, :length], positions[:, :length], segments[:, :length], cache)
+
+    full_logits, full = jax.jit(lambda: run(15))()
+    logits, cache = jax.jit(lambda: run(9))()
+    step = jax.jit(lambda t, p, s, c: module(t, p, s, c))
+    for n in range(9, 15):
+        logits, cache = step(tokens[:, n : n + 1], positions[:, n : n + 1], segments[:, n : n + 1], cache)
+    stateful = [i for i, state in enumerate(cache.states) if state is not None]
+    assert stateful
+    for i in stateful:
+        for a, b in zip(jax.tree.leaves(cache.states[i]), jax.tree.leaves(full.states[i]), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        assert max(float(np.abs(np.asarray(a)).max()) for a in jax.tree.leaves(cache.states[i])) > 0.1
+    np.testing.assert_allclose(np.asarray(logits[:, -1]), np.asarray(full_logits[:, -1]), atol=1e-4)
+
+
+GRADIENT_CHECKS = {
+    "falcon_h1": {
+        ("attention_mamba2_blocks", "attn", "mamba", "w_in_dp"): "model.layers.{i}.mamba.in_proj.weight",
+        ("attention_mamba2_blocks", "attn", "mamba", "a_log_h"): "model.layers.{i}.mamba.A_log",
+        ("attention_mamba2_blocks", "attn", "mamba", "norm_f"): "model.layers.{i}.mamba.norm.weight",
+        ("attention_mamba2_blocks", "attn", "attention", "wk_dkh"): "model.layers.{i}.self_attn.k_proj.weight",
+        ("attention_mamba2_blocks", "mlp", "w_gate_df"): "model.layers.{i}.feed_forward.gate_proj.weight",
+    },
+}
+
+
+def test_a_training_step_is_transformers_loss_and_gradients(case):
+    """The loss of a right-padded batch and its gradient with respect to the mixers' and MLP's
+    weights, against torch's autograd on the same transformers model."""
+    tokens, mask = batch()
+    targets = np.roll(tokens, -1, axis=1)
+    loss_mask = (mask * np.roll(mask, -1, axis=1)).astype(np.float32)
+    loss_mask[:, -1] = 0
+    loss_mask[2] = 0  # the left-padded row: transformers numbers its positions differently
+    train_batch = {
+        "tokens": tokens,
+        "positions": np.broadcast_to(np.arange(20), tokens.shape),
+        "segment_ids": mask.astype(np.int32),
+        "targets": targets,
+        "loss_mask": loss_mask,
+    }
+    step = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef_of(case.cfg, case.compute)), has_aux=True))
+    (loss, _), grads = step(case.params, train_batch, float(loss_mask.sum()))
+    model = case.hf_model
+    model.zero_grad()
+    logits = model(torch.tensor(tokens), attention_mask=torch.tensor(mask)).logits
+    nll = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, VOCAB), torch.tensor(targets).reshape(-1), reduction="none"
+    )
+    ref = (nll * torch.tensor(loss_mask).reshape(-1)).sum() / float(loss_mask.sum())
+    ref.backward()
+    print(f"\n{case.family}: loss {float(loss):.6f} vs {float(ref.detach()):.6f}")
+    assert abs(float(loss) - float(ref.detach())) <= 1e-5
+    hf_grads = {name: p.grad.numpy() for name, p in model.named_parameters()}
+    stacks = dict(case.cfg.layer_stacks())
+    for (stack, *path), hf_name in GRADIENT_CHECKS[family_of(case.family)].items():
+        ours = grads[stack]
+        for key in path:
+            ours = ours[key]
+        for slot, i in enumerate(stacks[stack]):
+            theirs = hf_grads[hf_name.format(i=i)]
+            mine = np.asarray(ours[slot])
+            mine = mine.reshape(theirs.shape[::-1]).T if mine.ndim >= 2 and "conv" not in hf_name else mine
+            scale = max(1.0, float(np.abs(theirs).max()))
+            np.testing.assert_allclose(mine.reshape(theirs.shape), theirs, atol=1e-5 * scale, err_msg=hf_name)
+            assert np.abs(theirs).max() > 0
+
+
+LORA_TARGETS = {"falcon_h1": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+
+
+def test_lora_targets_are_peft_names(case):
+    """LoRA adapts what PEFT names the attention and MLP projections; the Mamba2 projections
+    (in_proj, out_proj) are not adapted."""
+    assert LoraConfig(target_modules="all-linear").targets(case.cfg) == LORA_TARGETS[family_of(case.family)]
+    with pytest.raises(ValueError, match=r"unknown target module 'in_proj'"):
+        LoraConfig(target_modules=["in_proj"])
+
+
+def test_a_peft_adapter_reads_in_and_writes_out_with_transformers_logits(case, tmp_path):
+    """A PEFT LoRA on every module the engine adapts (random A and B): read into the engine it
+    gives PEFT's logits, and written back PEFT loads it with the same logits."""
+    peft = need("peft")
+    targets = list(LoraConfig(target_modules="all-linear").targets(case.cfg))
+    base = random_causal_lm(hf_config(case.family), 0, attn_implementation="eager")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(tmp_path / "adapter")
+    lora = lora_config_from_peft(tmp_path / "adapter")
+    shapes = split_adapter(abstract_model_params(case.cfg, case.compute, None, lora))[0]
+    adapter = adapter_from_peft(tmp_path / "adapter", case.cfg, lora, shapes, scan_layers=case.compute.scan_layers)
+    tokens, mask = batch()
+    graphdef = graphdef_of(case.cfg, case.compute, lora)
+    params = join(adapter, case.params)
+    ours = np.asarray(jax.jit(lambda p: apply_model(graphdef, p, jnp.asarray(tokens), None, jnp.asarray(mask)))(params))
+    valid = mask.astype(bool)
+    with torch.no_grad():
+        ref = hf_logits(model, tokens, mask)
+        with model.disable_adapter():
+            assert np.abs(ref - hf_logits(model, tokens, mask))[valid].max() > 1e-2
+    assert np.abs(ours - ref)[valid].max() <= 1e-5 * max(1.0, float(np.abs(ref[valid]).max()))
+    write_peft(tmp_path / "out", case.cfg, lora, adapter, scan_layers=case.compute.scan_layers)
+    fresh = random_causal_lm(hf_config(case.family), 0, attn_implementation="eager")
+    loaded = peft.PeftModel.from_pretrained(fresh, tmp_path / "out").eval()
+    np.testing.assert_allclose(hf_logits(loaded, tokens, mask)[valid], ref[valid], atol=1e-5)
+
+
+def test_the_cache_keeps_keys_and_the_state_of_a_parallel_layer():
+    """Falcon-H1's layers decode with both: keys and values for the attention, the Mamba2 state."""
+    cfg, compute = model_config_from_hf({**hf_config("falcon_h1").to_dict(), "architectures": ["FalconH1ForCausalLM"]})
+    cache = KVCache.init(cfg, compute, 3, 11)
+    assert all(k.shape == (3, 2, 8, 11) for k in cache.k)
+    assert all(state.ssm_bhpn.shape == (3, 4, 5, 6) for state in cache.states)
+
+
+def test_what_falcon_h1_cannot_do_is_refused_in_one_sentence():
+    hf = {**hf_config("falcon_h1").to_dict(), "architectures": ["FalconH1ForCausalLM"]}
+    for key in ("projectors_bias", "mamba_proj_bias", "attention_bias", "mlp_bias"):
+        with pytest.raises(ConfigError, match=rf"{key}=true is not supported"):
+            model_config_from_hf({**hf, key: True})
+    with pytest.raises(ConfigError, match=r"mamba_n_heads x mamba_d_head must be mamba_d_ssm \(20\)"):
+        model_config_from_hf({**hf, "mamba_d_head": 6})
+    with pytest.raises(ConfigError, match=r"ssm_multipliers 5"):
+        model_config_from_hf({**hf, "ssm_multipliers": [1.0, 1.0]})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the test extra)")
+@pytest.mark.parametrize("model", ["tiny-falcon-h1"])
+def test_the_plan_compiles_a_training_step_for_a_tpu_slice(model):
+    """The parallel layers' parameters (attention heads over tensor, in_proj's mixed output axis
+    replicated, the model axis over fsdp) compile for a v5p-8, fsdp 2 x tensor 2."""
+    tree = {
+        "model": model,
+        "mesh": {"data": 1, "fsdp": -1, "tensor": 2},
+        "data": {"seq_len": 128, "batch_size": 8},
+        "steps": 3,
+        "compute": {"dtype": "bfloat16"},
+    }
+    plan = plan_step(load_config(tree=tree, schema=TrainConfig), get_target("v5p-8"))
+    assert plan.how == "compiled" and plan.fits
+    assert "tensor=2" in format_plan(plan)
