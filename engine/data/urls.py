@@ -33,6 +33,9 @@ CACHE_ENV = "TRAINFLOW_ENGINE_CACHE"
 
 
 def is_url(path: str | os.PathLike) -> bool:
+    """Whether the engine reads (and writes) `path` at a bucket URL itself (gs://, s3://), rather
+    than as a local path. The engine's one test of it (tasks/store/urls.py asks another question:
+    whether a store is reached through fsspec, memory:// included)."""
     return str(path).startswith(CHECKPOINT_URL_SCHEMES)
 
 

@@ -31,13 +31,9 @@ from orbax.checkpoint._src.path import atomicity, gcs_utils
 from orbax.checkpoint._src.serialization import tensorstore_utils
 
 from engine.config import ConfigError
-from engine.contract import CHECKPOINT_URL_SCHEMES as URL_SCHEMES
+from engine.data.urls import is_url
 
 _PATCHED = False
-
-
-def is_url(directory: str | os.PathLike) -> bool:
-    return str(directory).startswith(URL_SCHEMES)
 
 
 def checkpoint_path(directory: str | os.PathLike) -> Path | epath.Path:

@@ -35,11 +35,12 @@ from jax.sharding import SingleDeviceSharding
 
 from engine.config import ConfigError
 from engine.contract import CHECKPOINT_FORMAT
+from engine.data.urls import is_url
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.models.lora import join, merge_into_base, split_adapter
 from engine.models.params import abstract_model_params
 from engine.parallel.mesh import global_array
-from engine.train.bucket_paths import checkpoint_path, is_url, temporary_path_class
+from engine.train.bucket_paths import checkpoint_path, temporary_path_class
 
 ITEMS = ("params", "opt_state", "meta", "data")
 DIGESTS_FILE = "digests.json"

@@ -27,9 +27,9 @@ import jax
 from tqdm import tqdm
 
 from engine.contract import CHECKPOINT_FORMAT, METRICS_FILE
+from engine.data.urls import is_url
 from engine.models.params import flops_per_token
 from engine.models.quantize import describe_path
-from engine.train.bucket_paths import is_url
 from engine.train.checkpoint import Checkpointer
 from engine.train.metrics import MetricsWriter, flat_params, peak_flops, read_metrics
 from engine.train.trainer import BatchSource, StepInfo, Trainer

@@ -31,7 +31,6 @@ which a deterministic resume reaches again) would only repeat, and name what is 
 from __future__ import annotations
 
 import errno
-import importlib
 import importlib.util
 import os
 import re
@@ -166,7 +165,9 @@ def _ray_launcher():
     """tasks/launch/ray_launcher.py, which imports Ray: an optional extra, loaded for `kind: ray` only."""
     if importlib.util.find_spec("ray") is None:
         raise StageConfigError("launcher kind 'ray' needs Ray on this machine: pip install 'trainflow[ray]'")
-    return importlib.import_module("tasks.launch.ray_launcher")
+    import tasks.launch.ray_launcher as ray_launcher  # here, not at the top: Ray is an optional extra
+
+    return ray_launcher
 
 
 def _start(

@@ -27,6 +27,7 @@ from etils import epath
 
 from engine.config import ConfigError
 from engine.contract import CHECKPOINT_DIR, CHECKPOINT_FORMAT, TOKENIZER_DIR
+from engine.data.urls import is_url
 from engine.interop.hf.files import copy_tokenizer, source_fingerprint
 from engine.interop.hf.mapping import (
     TensorSpec,
@@ -48,7 +49,7 @@ from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.families import get_family
 from engine.models.lora import split_adapter
 from engine.models.params import abstract_model_params
-from engine.train.bucket_paths import checkpoint_path, is_url
+from engine.train.bucket_paths import checkpoint_path
 from engine.train.checkpoint import read_meta, save_params
 
 NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
