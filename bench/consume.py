@@ -53,10 +53,11 @@ from engine.config import Strict  # noqa: E402
 from engine.contract import CHECKPOINT_DIR  # noqa: E402
 from engine.train.bucket_paths import checkpoint_path  # noqa: E402
 from engine.train.checkpoint import ITEMS, Checkpointer  # noqa: E402
-from tasks.artifacts import ArtifactStore, compare_files  # noqa: E402
 from tasks.registry import StageContext, StageHooks, StageKind, register_stage  # noqa: E402
 from tasks.runner import StageJob, execute_stage  # noqa: E402
+from tasks.store.base import ArtifactStore  # noqa: E402
 from tasks.store.consume import consumed_files  # noqa: E402
+from tasks.store.records import compare_files  # noqa: E402
 
 STEPS = (1, 2, 3)
 LEAVES = 8

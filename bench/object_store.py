@@ -83,7 +83,7 @@ def main() -> None:
     start_server()
     work = Path(tempfile.mkdtemp(prefix="trainflow-bench-objectstore-"))
     os.environ["TRAINFLOW_CACHE"] = str(work / "cache")
-    from tasks.artifacts import ArtifactStore  # after the endpoint is in the environment
+    from tasks.store.base import ArtifactStore  # after the endpoint is in the environment
 
     bucket = "bench"
     boto3.client("s3").create_bucket(Bucket=bucket)

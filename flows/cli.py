@@ -48,23 +48,14 @@ from flows.diff import diff, format_diff
 from flows.inspection import format_lineage, format_table, lineage, list_rows, status_rows
 from flows.retention import apply, collect, human
 from flows.spec import load_plan
-from tasks.artifacts import (
-    COMPLETE,
-    ArtifactError,
-    ArtifactStore,
-    InputError,
-    LocalStore,
-    artifact_id,
-    read_manifest,
-    resolve_artifact,
-    split_artifact_url,
-    verify_artifact,
-)
 from tasks.launch.gang import terminate_children
 from tasks.launch.run import PermanentFailure, StageFailed
 from tasks.registry import MODEL_KINDS, StageHooks, get_stage_kind
 from tasks.runner import StageJob, execute_stage
 from tasks.stages.export import check_export_target, copy_export
+from tasks.store.base import ArtifactStore, resolve_artifact, split_artifact_url
+from tasks.store.local import LocalStore
+from tasks.store.records import COMPLETE, ArtifactError, InputError, artifact_id, read_manifest, verify_artifact
 from tasks.store.urls import is_url
 
 DEFAULT_STORE = "artifacts"
@@ -167,11 +158,7 @@ def _print_reports(plan, summary: dict) -> None:
     for name, result in summary.items():
         path = Path(result.get("path", ""))
         # Where users find it: the artifact's URL on a bucket store (`path` is its staging copy).
-        shown = (
-            plan.store.location(name, result["artifact_id"])
-            if plan.store.remote and "artifact_id" in result
-            else str(path)
-        )
+        shown = plan.store.location(name, result["artifact_id"]) if "artifact_id" in result else str(path)
         if (path / "report.md").is_file():
             table = [line for line in (path / "report.md").read_text().splitlines() if line.startswith("|")]
             print(f"\n{name}: {shown}/report.md\n" + "\n".join(table))

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from flows.inspection import flatten, format_table
-from tasks.artifacts import ArtifactStore, parent_dir, read_manifest
+from tasks.store.base import ArtifactStore
+from tasks.store.records import parent_dir, read_manifest
 
 
 def _manifest(directory: Path, store: ArtifactStore | None) -> dict:

@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import ast
 import difflib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from engine.config import ConfigError
-from engine.contract import MANIFEST
-from tasks.artifacts import ArtifactStore, now_iso, read_manifest, write_json_atomic
-from tasks.store.names import stage_folder
+from tasks.store.base import ArtifactStore
+from tasks.store.records import now_iso
 
 SKIPPED_CONDITION = "skipped (condition)"
 CONDITION_SUFFIX = ".condition.json"
@@ -244,48 +242,25 @@ def select_best(
 # --------------------------------------------------------------------------- records
 
 
-def _condition_key(store: ArtifactStore, stage: str, artifact_id: str) -> str:
-    return f"{store.remote.base}/{stage_folder(stage)}/{artifact_id}{CONDITION_SUFFIX}"
-
-
 def record_condition(store: ArtifactStore, stage: str, artifact_id: str, record: dict) -> None:
     """A false gate: what it saw, beside where the artifact would be."""
     record = {**record, "stage": stage, "id": artifact_id, "status": SKIPPED_CONDITION, "decided_at": now_iso()}
-    path = store.root / stage_folder(stage) / f"{artifact_id}{CONDITION_SUFFIX}"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, record)
-    if store.remote is not None:
-        store.remote.fs.pipe_file(_condition_key(store, stage, artifact_id), json.dumps(record, indent=2).encode())
+    store.write_record(stage, f"{artifact_id}{CONDITION_SUFFIX}", record)
 
 
 def read_condition(store: ArtifactStore, stage: str, artifact_id: str) -> dict | None:
-    if store.remote is not None:
-        return store.remote.read_json(_condition_key(store, stage, artifact_id))
-    path = store.root / stage_folder(stage) / f"{artifact_id}{CONDITION_SUFFIX}"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    return store.read_record(stage, f"{artifact_id}{CONDITION_SUFFIX}")
 
 
 def clear_condition(store: ArtifactStore, stage: str, artifact_id: str) -> None:
-    (store.root / stage_folder(stage) / f"{artifact_id}{CONDITION_SUFFIX}").unlink(missing_ok=True)
-    if store.remote is not None:
-        try:
-            store.remote.fs.rm_file(_condition_key(store, stage, artifact_id))  # not rm: `[` is no glob here
-        except FileNotFoundError:
-            pass
+    store.remove_record(stage, f"{artifact_id}{CONDITION_SUFFIX}")
 
 
 def record_decisions(store: ArtifactStore, stage: str, artifact_id: str, decisions: dict) -> None:
     """The gate and selections that let a complete artifact be made, into its manifest
     (`decisions`; not part of its files or id). Written atomically, local copy and bucket."""
-    directory = store.artifact_dir(stage, artifact_id)
-    manifest = store.manifest(stage, artifact_id) if store.remote is not None else read_manifest(directory)
+    manifest = store.manifest(stage, artifact_id)
     if manifest is None or manifest.get("decisions") == decisions:
         return
     manifest["decisions"] = decisions
-    if store.remote is not None:
-        store.remote.write_manifest(stage, artifact_id, manifest)
-    if (directory / MANIFEST).is_file():
-        write_json_atomic(directory / MANIFEST, manifest)
+    store.write_manifest(stage, artifact_id, manifest)

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from flows.spec import Plan
-from tasks.artifacts import COMPLETE, ArtifactStore, parent_dir, read_manifest
+from tasks.store.base import ArtifactStore
 from tasks.store.names import folder_stage
+from tasks.store.records import COMPLETE, parent_dir, read_manifest
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

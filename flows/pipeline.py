@@ -64,12 +64,12 @@ from flows.stage_rules import after_stage, before_stage, skip_stage
 from flows.summary import Eta, PipelineProgress, asset_key, line_level, step_line, summary_markdown
 from flows.sweep import label_value
 from flows.sweep_report import sweep_markdown
-from tasks.artifacts import ArtifactError, read_manifest
 from tasks.cutoff import REUSED_WHY
 from tasks.launch.gang import stopping, terminate_children
 from tasks.launch.run import Interrupted, PermanentFailure
 from tasks.registry import StageHooks
 from tasks.runner import REUSED, SKIPPED, StageResult, execute_stage
+from tasks.store.records import ArtifactError, read_manifest
 
 # Failures a retry cannot fix: a bad config, a tampered input, a deliberate stop, a full
 # disk or a diverged loss.

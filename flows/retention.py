@@ -28,8 +28,9 @@ from flows.gates import CONDITION_SUFFIX
 from flows.spec import Plan
 from flows.steps import committed_steps
 from flows.sweep import Ref, Selection
-from tasks.artifacts import COMPLETE, ArtifactLock, ArtifactStore, write_json_atomic
+from tasks.store.base import ArtifactStore
 from tasks.store.names import folder_stage
+from tasks.store.records import COMPLETE, ArtifactLock, write_json_atomic
 
 
 @dataclass

@@ -43,11 +43,12 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator
 from engine.config import ConfigError, Strict, apply_overrides, format_validation_error, load_yaml
 from flows.gates import SKIPPED_CONDITION, Gate, read_condition, select_best
 from flows.sweep import Ref, Selection, base_dependencies, expand
-from tasks.artifacts import COMPLETE, ArtifactStore, artifact_id
 from tasks.launch.run import LauncherSpec
 from tasks.registry import StageKind, get_stage_kind, input_refs
 from tasks.runner import StageJob
+from tasks.store.base import ArtifactStore
 from tasks.store.names import GLOB_CHARACTERS
+from tasks.store.records import COMPLETE, artifact_id
 
 TOP_LEVEL_KEYS = ("name", "store", "imports", "defaults", "stages")
 

@@ -18,8 +18,8 @@ from flows.spec import Plan
 from flows.steps import snapshot_step, wait_for_step
 from flows.sweep import Ref
 from flows.sweep_report import sweep_rows
-from tasks.artifacts import ArtifactError
 from tasks.runner import StageJob
+from tasks.store.records import ArtifactError
 
 
 @dataclass

@@ -27,19 +27,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engine.contract import CHECKPOINT_DIR, MANIFEST
-from tasks.artifacts import (
+from tasks.store.base import ArtifactStore
+from tasks.store.consume import sha256_file
+from tasks.store.names import stage_folder
+from tasks.store.records import (
     COMPLETE,
     LOCK,
     ArtifactError,
     ArtifactLock,
-    ArtifactStore,
     digest_files,
     now_iso,
     read_manifest,
-    sha256_file,
     write_json_atomic,
 )
-from tasks.store.names import stage_folder
 
 STEP_DIGESTS = "digests.json"
 _GROWING = ("tensorboard", "metrics.jsonl")  # appended to while a stage runs: not part of a step's view

@@ -20,9 +20,9 @@ from engine.config import ConfigError
 from engine.progress import Eta, format_duration
 from flows.links import input_links
 from flows.spec import Plan
-from tasks.artifacts import read_manifest
 from tasks.registry import StageKind, get_stage_kind
 from tasks.runner import StageResult
+from tasks.store.records import read_manifest
 
 ASSET_SCHEME = "trainflow"
 

@@ -29,10 +29,11 @@ import hashlib
 from collections.abc import Iterator
 from typing import Any
 
-from tasks.artifacts import COMPLETE, ID_LENGTH, ArtifactRef, ArtifactStore, artifact_id, canonical_json
 from tasks.registry import INPUT_REF, StageKind
+from tasks.store.base import ArtifactStore
 from tasks.store.consume import consumed_files
 from tasks.store.names import stage_folder
+from tasks.store.records import COMPLETE, ID_LENGTH, ArtifactRef, artifact_id, canonical_json
 
 REUSED_WHY = "reused (same inputs by content)"
 _GLOB = ("*", "?", "[")

@@ -31,9 +31,9 @@ from engine.contract import (
     NON_SEMANTIC_FIELDS,
     TOKENIZER_DIR,
 )
-from tasks.artifacts import sha256_file
 from tasks.launch.run import run_child
 from tasks.registry import MODEL_KINDS, Input, StageContext, StageKind, has_input_ref
+from tasks.store.consume import sha256_file
 from tasks.store.objects import list_url_dirs, remove_url_tree, write_url
 from tasks.store.urls import is_url
 

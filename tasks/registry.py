@@ -37,9 +37,9 @@ from pydantic import BaseModel
 
 from engine.config import ConfigError, validate
 from engine.contract import ADDED_AT_DEFAULT, CHECKPOINT_DIR, CHECKPOINT_URL_SCHEMES
-from tasks.artifacts import ArtifactRef, drop_fields
 from tasks.launch.gang import ChildResult
 from tasks.launch.run import LauncherSpec, run_child
+from tasks.store.records import ArtifactRef, drop_fields
 
 # A config string may name an input artifact's directory: `path: "{input:corpus}/sft.jsonl"`.
 # The stage's artifact id covers the input's id, so such paths are resolved only at run time.

@@ -20,21 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.artifacts import (
-    COMPLETE,
-    FAILED,
-    MANIFEST,
-    RUNNING,
-    ArtifactError,
-    ArtifactStore,
-    code_version,
-    now_iso,
-    write_json_atomic,
-)
+from engine.contract import MANIFEST
 from tasks.cutoff import REUSED_WHY, content_key, find_equivalent, reused_record
 from tasks.launch.gang import holding_locks
 from tasks.launch.run import DISK_FULL_ERRNOS, DiskFull, LauncherSpec, recording_layouts
 from tasks.registry import StageContext, StageHooks, StageKind, substitute_inputs
+from tasks.store.base import ArtifactStore
+from tasks.store.records import COMPLETE, FAILED, RUNNING, ArtifactError, code_version, now_iso, write_json_atomic
 
 SKIPPED, RAN, RESUMED, REUSED = "skipped", "ran", "resumed", "reused"
 """A stage's outcome; `reused`: early cutoff linked in an equal artifact (tasks/cutoff.py)."""

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from flows.spec import load_plan
-from tasks.artifacts import ArtifactStore
 from tasks.runner import RAN, execute_stage
+from tasks.store.base import ArtifactStore
 from tasks.store.objects import read_url
 from tests.conftest import child_xla_flags
 from tests.test_bucket_multihost import _keys, _staged_checkpoint_files

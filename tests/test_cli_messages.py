@@ -26,9 +26,9 @@ import tests.sweep_toys  # noqa: F401  (toy-train, toy-eval)
 from flows import cli
 from flows.cli import main
 from flows.spec import load_plan
-from tasks.artifacts import ArtifactStore
 from tasks.registry import StageHooks
 from tasks.runner import execute_stage
+from tasks.store.base import ArtifactStore
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -24,10 +24,11 @@ from engine.contract import CHECKPOINT_DIR
 from engine.models.config import ModelConfig
 from engine.models.transformer import Transformer
 from engine.train.checkpoint import Checkpointer, load_params
-from tasks.artifacts import ArtifactError, ArtifactStore, verify_artifact
 from tasks.registry import StageContext, StageKind, register_stage
 from tasks.runner import StageJob, execute_stage
+from tasks.store.base import ArtifactStore
 from tasks.store.consume import STAMPS, consumed_files
+from tasks.store.records import ArtifactError, verify_artifact
 from tests.test_object_store import boto3, bucket, s3_endpoint  # noqa: F401  (moto S3 fixtures)
 
 MODEL = ModelConfig(

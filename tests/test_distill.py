@@ -294,9 +294,9 @@ def test_distill_is_a_pipeline_stage_with_both_lineage_edges_and_a_plan(
     tmp_path,
 ):
     from flows.spec import Pipeline
-    from tasks.artifacts import read_manifest
     from tasks.plan import plan_pipeline
     from tasks.runner import RAN, execute_stage
+    from tasks.store.records import read_manifest
     from tests.test_grpo import _CheckpointCopy  # noqa: F401  (registers test-checkpoint-copy)
 
     p = Pipeline("distil", store=tmp_path / "store")

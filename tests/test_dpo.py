@@ -202,9 +202,9 @@ def test_sequence_log_probs_equal_transformers_on_a_converted_model(tmp_path):
 @pytest.mark.slow
 def test_dpo_is_a_pipeline_stage_with_a_reference_input_lineage_and_a_plan(base, preferences, tmp_path):
     from flows.spec import Pipeline
-    from tasks.artifacts import read_manifest
     from tasks.plan import plan_pipeline
     from tasks.runner import RAN, execute_stage
+    from tasks.store.records import read_manifest
     from tests.test_grpo import _CheckpointCopy  # noqa: F401  (registers test-checkpoint-copy)
 
     p = Pipeline("prefs", store=tmp_path / "store")

@@ -12,9 +12,9 @@ from engine.config import load_yaml
 from flows.inspection import format_lineage, lineage, list_rows, status_rows
 from flows.retention import apply, collect
 from flows.spec import Pipeline
-from tasks.artifacts import read_manifest, verify_artifact, write_json_atomic
 from tasks.cutoff import recorded_key
 from tasks.runner import RAN, REUSED, SKIPPED, execute_stage
+from tasks.store.records import read_manifest, verify_artifact, write_json_atomic
 from tests.conftest import REPO
 from tests.test_object_store import _forget_s3_clients, boto3, bucket, s3_endpoint  # noqa: F401  (moto S3 fixtures)
 

@@ -29,12 +29,12 @@ from flows import cli
 from flows.inspection import lineage
 from flows.spec import Pipeline
 from tasks import runner
-from tasks.artifacts import read_manifest, verify_artifact
 from tasks.engine_stage import with_logged_finals
 from tasks.launch.run import DiskFull, Diverged, StageFailed, run_child
 from tasks.registry import StageContext, StageHooks, StageKind, register_stage, substitute_inputs
 from tasks.runner import RAN, RESUMED, SKIPPED, execute_stage
-from tasks.store import base as store_base
+from tasks.store import local as store_local
+from tasks.store.records import read_manifest, verify_artifact
 from tests.conftest import REPO, child_xla_flags
 
 # The engine child compiles fastest on one device, at LLVM -O0 as the test process does (tests/conftest.py).
@@ -431,7 +431,7 @@ def test_a_manifest_that_cannot_be_written_never_stays_running(tmp_path, monkeyp
 
     def failing(status):  # the runner writes the failed manifest, the store the others
         monkeypatch.setattr(runner, "write_json_atomic", fail_when(status))
-        monkeypatch.setattr(store_base, "write_json_atomic", fail_when(status))
+        monkeypatch.setattr(store_local, "write_json_atomic", fail_when(status))
 
     # The final write fails, the failure is recorded.
     failing({"complete"})

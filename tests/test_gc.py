@@ -60,7 +60,7 @@ def store(request, tmp_path) -> str:
 
 
 def listed(store: str) -> set[str]:
-    from tasks.artifacts import ArtifactStore
+    from tasks.store.base import ArtifactStore
     from tasks.store.names import folder_stage
 
     # A sweep point's folder has its brackets as parentheses (tasks/store/names.py).
@@ -183,7 +183,7 @@ def test_a_gate_or_selection_naming_a_metric_the_finished_stages_lack_is_exit_2(
 
 HOLDER = """
 import sys
-from tasks.artifacts import ArtifactStore
+from tasks.store.base import ArtifactStore
 claim = ArtifactStore(sys.argv[1]).claim(sys.argv[2], sys.argv[3])
 print("held", flush=True)
 sys.stdin.read()  # until the test closes it
@@ -216,7 +216,7 @@ def test_gc_deletes_failed_artifacts_no_kept_pipeline_reaches_and_spares_resumab
     import sys
 
     from flows.retention import apply, collect
-    from tasks.artifacts import ArtifactStore
+    from tasks.store.base import ArtifactStore
 
     orphan = failed_artifact(tmp_path, store, 1, "old")  # no kept pipeline reaches it
     resumable = failed_artifact(tmp_path, store, 2, "kept")  # the kept pipeline resumes from it

@@ -47,8 +47,8 @@ from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
 from engine.models.transformer import Transformer  # noqa: E402
 from engine.train.checkpoint import save_params  # noqa: E402
 from flows.spec import Pipeline  # noqa: E402
-from tasks.artifacts import read_manifest  # noqa: E402
 from tasks.runner import RAN, execute_stage  # noqa: E402
+from tasks.store.records import read_manifest  # noqa: E402
 from tests.conftest import child_xla_flags  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -32,12 +32,12 @@ import tests.pipeline_toys  # noqa: F401  (registers toy-child)
 from engine.config import ConfigError
 from engine.train.checkpoint import load_params
 from flows.spec import Pipeline
-from tasks.artifacts import read_manifest
 from tasks.launch import gang
 from tasks.launch.gang import GANG_GRACE_SECONDS, terminate_children
 from tasks.launch.run import Interrupted, LauncherSpec, StageConfigError, StageFailed, commands, run_child
 from tasks.registry import StageHooks
 from tasks.runner import execute_stage
+from tasks.store.records import read_manifest
 from tests.conftest import child_xla_flags
 from tests.deps import need
 

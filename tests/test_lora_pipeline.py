@@ -25,8 +25,8 @@ from engine.data.tokenizer import TokenizerConfig, save_tokenizer, train_tokeniz
 from engine.models.params import apply_model, graphdef_of  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from flows.spec import Pipeline  # noqa: E402
-from tasks.artifacts import read_manifest  # noqa: E402
 from tasks.runner import RAN, execute_stage  # noqa: E402
+from tasks.store.records import read_manifest  # noqa: E402
 from tests.conftest import child_xla_flags  # noqa: E402
 
 # The SFT stage's process on one device at LLVM -O0 (the test session's level): its few steps

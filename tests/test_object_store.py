@@ -270,7 +270,7 @@ def test_missing_credentials_is_one_line(s3_endpoint, bucket, tmp_path):
 
 
 def test_second_lease_waits_then_expired_lease_is_taken_over(bucket):
-    from tasks.artifacts import ArtifactStore
+    from tasks.store.base import ArtifactStore
 
     store = ArtifactStore(f"s3://{bucket}/leases")
     first = store.remote.lease("stage", "abc", "run-1")
@@ -299,7 +299,7 @@ def test_second_lease_waits_then_expired_lease_is_taken_over(bucket):
 
 def test_lease_is_a_conditional_create(bucket):
     """Two racers on one key: exactly one conditional create wins."""
-    from tasks.artifacts import ArtifactStore
+    from tasks.store.base import ArtifactStore
 
     store = ArtifactStore(f"s3://{bucket}/race")
     leases = [store.remote.lease("s", "id", f"run-{i}") for i in range(8)]
@@ -320,8 +320,8 @@ def test_a_forked_holder_is_judged_by_its_own_start_time(bucket):
     """A process forked after the lease module was used (a worker of a running stage) records
     its own start time in its lease, not its parent's: while it runs its lease is not judged
     gone, and once it has exited it is."""
-    from tasks.artifacts import ArtifactStore
-    from tasks.store.objects import _start_time, holder_is_gone
+    from tasks.store.base import ArtifactStore
+    from tasks.store.processes import holder_is_gone, start_time
 
     lease = ArtifactStore(f"s3://{bucket}/forked-lease").remote.lease("stage", "abc", "run-forked")
     parent = json.loads(lease._body())  # the parent's identity, read before the fork
@@ -336,7 +336,7 @@ def test_a_forked_holder_is_judged_by_its_own_start_time(bucket):
     os.close(ready_w), os.close(stop_r)
     try:
         info = json.loads(os.read(ready_r, 4096))
-        assert info["pid"] == pid and info["started"] == _start_time(pid) != parent["started"]
+        assert info["pid"] == pid and info["started"] == start_time(pid) != parent["started"]
         assert not holder_is_gone(info), "a live forked holder keeps its lease"
     finally:
         os.write(stop_w, b"x")
@@ -348,11 +348,11 @@ def test_a_killed_holders_lease_is_taken_over_at_once_on_its_machine_and_nowhere
     """A run killed with SIGKILL renews its lease no more; resumed on the same machine, the next
     run need not wait out the lease: the holder's process is gone. A holder that ran on
     another machine is not judged that way: its lease runs out instead."""
-    from tasks.artifacts import ArtifactStore
+    from tasks.store.base import ArtifactStore
 
     url = f"s3://{bucket}/killed-lease"
     hold = (
-        "import sys, time; from tasks.artifacts import ArtifactStore; "
+        "import sys, time; from tasks.store.base import ArtifactStore; "
         "lease = ArtifactStore(sys.argv[1]).remote.lease('stage', 'abc', 'run-killed'); lease.seconds = 600; "
         "assert lease.acquire(blocking=False); print('held', flush=True); time.sleep(600)"
     )
@@ -391,7 +391,8 @@ def test_a_killed_holders_lease_is_taken_over_at_once_on_its_machine_and_nowhere
 def test_consumer_downloads_into_cache_and_refuses_a_tampered_input(bucket, tmp_path):
     import hashlib
 
-    from tasks.artifacts import ArtifactError, ArtifactStore
+    from tasks.store.base import ArtifactStore
+    from tasks.store.records import ArtifactError
 
     store = ArtifactStore(f"s3://{bucket}/consumers")
     payload = {"data/shard-0.bin": os.urandom(3000), "tokenizer.json": b'{"v": 1}'}
@@ -424,7 +425,7 @@ def test_consumer_downloads_into_cache_and_refuses_a_tampered_input(bucket, tmp_
 
 
 def test_steps_are_uploaded_as_they_commit_and_a_resume_takes_the_newest_whole_one(bucket, tmp_path):
-    from tasks.artifacts import ArtifactStore
+    from tasks.store.base import ArtifactStore
     from tasks.store.objects import complete_steps
 
     store = ArtifactStore(f"s3://{bucket}/mirror")
@@ -473,7 +474,7 @@ def test_a_step_left_half_uploaded_by_a_killed_run_is_uploaded_whole_again(bucke
     the same size as the resumed run's and other bytes (Orbax's metadata holds a timestamp).
     The new run's mirror sends every file of the step, not only those of another size: the
     step then verifies against the digests uploaded last."""
-    from tasks.artifacts import ArtifactStore
+    from tasks.store.base import ArtifactStore
     from tasks.store.objects import complete_steps
 
     store = ArtifactStore(f"s3://{bucket}/half")

@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.artifacts import ArtifactStore
 from tasks.store import objects as store_objects
+from tasks.store.base import ArtifactStore
 from tasks.store.objects import read_url
 from tests.deps import need
 from tests.test_object_store import tiny_pipeline, trainflow

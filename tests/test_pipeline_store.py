@@ -13,9 +13,9 @@ import pytest
 
 import tests.pipeline_toys  # noqa: F401
 from flows.spec import Pipeline
-from tasks.artifacts import ArtifactError, ArtifactLock, read_manifest, verify_artifact
 from tasks.launch.run import Interrupted, LauncherSpec, StageConfigError, StageFailed, run_child
 from tasks.runner import RAN, RESUMED, SKIPPED, execute_stage
+from tasks.store.records import ArtifactError, ArtifactLock, read_manifest, verify_artifact
 from tests.conftest import REPO
 
 
@@ -104,7 +104,7 @@ def test_two_concurrent_runs_do_the_work_once(tmp_path):
 
 HOLD_LOCK = """
 import sys, time
-from tasks.artifacts import ArtifactLock
+from tasks.store.records import ArtifactLock
 ArtifactLock(sys.argv[1]).acquire()
 print("locked", flush=True)
 time.sleep(600)

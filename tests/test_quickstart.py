@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.artifacts import verify_artifact
+from tasks.store.records import verify_artifact
 
 REPO = Path(__file__).resolve().parent.parent
 QUICKSTART = REPO / "configs" / "pipelines" / "quickstart.yaml"

@@ -363,9 +363,9 @@ def test_a_reward_model_from_another_tokenizer_is_refused(trained, base, tmp_pat
 @pytest.mark.slow
 def test_reward_model_is_a_stage_that_grpo_scores_with_and_export_writes(base, preferences, tmp_path):
     from flows.spec import Pipeline
-    from tasks.artifacts import read_manifest
     from tasks.registry import stage_kind_names
     from tasks.runner import RAN, execute_stage
+    from tasks.store.records import read_manifest
 
     if "test-checkpoint-copy" not in stage_kind_names():  # test_grpo.py registers it (maybe as another module)
         from tests.test_grpo import _CheckpointCopy  # noqa: F401

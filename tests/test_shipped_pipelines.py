@@ -19,7 +19,7 @@ import yaml
 from engine.data.tokenizer import load_saved
 from engine.posttrain.sandbox import FAILURE_KINDS
 from flows.spec import load_plan
-from tasks.artifacts import read_manifest
+from tasks.store.records import read_manifest
 from tests.conftest import REPO
 from tests.test_object_store import trainflow
 

@@ -23,7 +23,6 @@ from engine.train.config import OptimizerConfig, RunFields, TrainConfig, trainer
 from engine.train.plan import StepSpec
 from flows import cli
 from flows.spec import Pipeline, load_plan
-from tasks.artifacts import read_manifest
 from tasks.engine_stage import EngineStage
 from tasks.plan import plan_pipeline
 from tasks.registry import (
@@ -39,6 +38,7 @@ from tasks.registry import (
     training_kinds,
 )
 from tasks.runner import RAN, RESUMED, execute_stage
+from tasks.store.records import read_manifest
 from tests.conftest import REPO, child_xla_flags
 
 PIPELINES = REPO / "configs" / "pipelines"

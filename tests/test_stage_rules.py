@@ -10,8 +10,8 @@ import tests.sweep_toys  # noqa: F401  (registers toy-train and toy-eval)
 from flows.gates import SKIPPED_CONDITION, read_condition
 from flows.spec import Pipeline
 from flows.stage_rules import after_stage, before_stage, skip_stage
-from tasks.artifacts import read_manifest
 from tasks.runner import execute_stage
+from tasks.store.records import read_manifest
 
 
 def run_without_prefect(plan) -> dict[str, str]:

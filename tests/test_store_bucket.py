@@ -25,8 +25,8 @@ from flax import nnx
 
 from engine.models.transformer import Transformer
 from engine.train.checkpoint import Checkpointer, CheckpointWriteError, load_params, verify_step
-from tasks.artifacts import ArtifactStore
 from tasks.runner import RESUMED, execute_stage
+from tasks.store.base import ArtifactStore
 from tasks.store.objects import StoreWriteError, complete_steps
 from tests.test_consume import MODEL, STEPS, _jitter, _job
 from tests.test_object_store import _forget_s3_clients, boto3, bucket, s3_endpoint  # noqa: F401  (moto S3 fixtures)

@@ -16,7 +16,7 @@ from engine.config import ConfigError
 from flows.cli import main
 from flows.pipeline import Pipeline, run_plan
 from flows.spec import load_plan
-from tasks.artifacts import read_manifest
+from tasks.store.records import read_manifest
 from tests.conftest import REPO, child_xla_flags
 from tests.test_grpo import _CheckpointCopy  # noqa: F401  (registers test-checkpoint-copy)
 from tests.test_object_store import bucket, s3_endpoint  # noqa: F401  (the moto server and a bucket per test)

@@ -29,9 +29,9 @@ import yaml
 from engine.config import ConfigError, validate
 from engine.contract import CHECKPOINT_DIR, MANIFEST, METRICS_FILE
 from engine.evaluate.config import EvalConfig
-from tasks.artifacts import ArtifactRef
 from tasks.engine_stage import EngineStage, named_run
 from tasks.registry import MODEL_KINDS, Input, StageContext
+from tasks.store.records import ArtifactRef
 
 
 def _ancestors(ref_path: Path, store_root: Path) -> list[tuple[str, Path]]:

@@ -26,10 +26,10 @@ from engine.posttrain.config import GRPOConfig
 from engine.posttrain.environments import BUILTIN_ENVIRONMENTS
 from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
 from engine.posttrain.rewards import BUILTIN
-from tasks.artifacts import sha256_file
 from tasks.engine_stage import FineTuneStage
 from tasks.registry import Input, StageContext
 from tasks.stages.reward_model import REWARD_MODEL
+from tasks.store.consume import sha256_file
 
 
 def module_digest(module: str) -> str | None:

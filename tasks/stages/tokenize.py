@@ -31,8 +31,8 @@ from engine.config import ConfigError, validate
 from engine.contract import DATA_DIR, MANIFEST, TOKENIZE_NON_SEMANTIC_FIELDS
 from engine.data.sources import plan_source
 from engine.data.tokenize import MB, TokenizeConfig, fingerprint
-from tasks.artifacts import LOCK
 from tasks.registry import Input, StageContext, StageKind, has_input_ref
+from tasks.store.records import LOCK
 
 _PROGRESS = re.compile(r"tokenize: (\d+)/(\d+) shards")
 

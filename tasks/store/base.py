@@ -1,45 +1,41 @@
-"""The artifact store interface, and its implementation on a local (or shared POSIX) directory.
+"""The artifact store interface. It imports no backend.
 
-`ArtifactStore(root)` gives the implementation its root asks for -- this one for a path,
-tasks/store/bucket.py's for an s3:// / gs:// URL -- and the runner, lineage, verify and
-status speak only this interface: where an artifact is worked on (`artifact_dir`) and
-shown (`location`), its state and manifest, the `claim` a writer holds, `prepare` /
-`running` / `commit` / `keep_partial` around a stage's work, `open_input` for a consumer
-(tasks/store/consume.py: it reads what it consumes) and `verify`. A bucket store is a local
-store of its staging directory plus the bucket, so it overrides only what moves bytes.
+`ArtifactStore(root)` gives the implementation its root asks for -- tasks/store/local.py's
+for a path, tasks/store/bucket.py's for an s3:// / gs:// URL -- and the runner, lineage,
+verify, status and the pipeline's records speak only this interface: where an artifact is
+worked on (`artifact_dir`) and shown (`location`), its state and manifest, the `claim` a
+writer holds, `prepare` / `running` / `commit` / `keep_partial` around a stage's work,
+`open_input` for a consumer (tasks/store/consume.py: it reads what it consumes), `verify`,
+and records beside the artifacts (a gate's decision). A new backend implements these
+methods; it subclasses nothing else.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import shutil
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from engine.contract import CHECKPOINT_DIR, MANIFEST
-from tasks.store.consume import STAMPS, check_consumed, consumed_files, write_stamps
-from tasks.store.names import folder_stage, stage_folder
-from tasks.store.records import (
-    COMPLETE,
-    FAILED,
-    LOCK,
-    ArtifactError,
-    ArtifactLock,
-    ArtifactRef,
-    InputError,
-    digest_files,
-    payload_files,
-    read_manifest,
-    verify_artifact,
-    write_json_atomic,
-)
+from engine.contract import MANIFEST
+from tasks.store.names import folder_stage
+from tasks.store.records import COMPLETE, ArtifactError, ArtifactLock, ArtifactRef, InputError
 from tasks.store.urls import is_url
 
 Log = Callable[[str], None]
+
+
+class Lease(Protocol):
+    """What a claim needs of a backend's lease (tasks/store/leases.py's on a bucket)."""
+
+    @property
+    def lost(self) -> bool: ...
+
+    def release(self) -> None: ...
+
+
 _IMPLEMENTATIONS: list[type] = []  # ArtifactStore's subclasses, in the order they were defined
 
 
@@ -49,7 +45,7 @@ class Claim:
     children inherit through `fd`) and, on a bucket, the lease that orders other machines."""
 
     lock: ArtifactLock
-    lease: Any = None
+    lease: Lease | None = None
 
     @property
     def fd(self) -> int:
@@ -66,11 +62,17 @@ class Claim:
         self.lock.release()
 
 
-class ArtifactStore:
-    """A directory of artifacts. Constructed on this class, the implementation for `root`."""
+class ArtifactStore(ABC):
+    """A directory of artifacts. Constructed on this class, the implementation for `root`
+    (the first implementation defined whose `handles(root)` is true)."""
 
-    remote = None
-    """The bucket backend (tasks/store/objects.py RemoteBackend) of a bucket store; None here."""
+    root: Path
+    """The local directory a stage works in: the store itself, or a backend's staging copy."""
+    url: str
+    """The store's location as users name it: its directory, or its URL."""
+    remote: Any = None
+    """A bucket store's bucket (tasks/store/objects.py RemoteBackend), None elsewhere: what
+    `trainflow gc` and step snapshots still move at the bucket themselves."""
 
     def __new__(cls, root: str | Path):
         if cls is ArtifactStore:
@@ -86,58 +88,40 @@ class ArtifactStore:
         """Whether this implementation serves a store at `root` (a path or a URL)."""
         return False
 
-    def __init__(self, root: str | Path):
-        self.root = Path(str(root).removeprefix("file://")).expanduser().absolute()
-        self.url = str(self.root)
-
     # ------------------------------------------------------------------ where and what
 
+    @abstractmethod
     def location(self, stage: str, artifact_id: str) -> str:
         """Where an artifact lives, for humans: its URL on a bucket, else its directory."""
-        return str(self.artifact_dir(stage, artifact_id))
 
+    @abstractmethod
     def artifact_dir(self, stage: str, artifact_id: str) -> Path:
         """The local directory a stage writes the artifact in and a consumer reads it from."""
-        return self.root / stage_folder(stage) / artifact_id
 
+    @abstractmethod
     def checkpoint_location(self, stage: str, artifact_id: str) -> str:
-        """Where the stage's engine writes (and resumes) the artifact's checkpoint: here its
-        directory's checkpoint/; on a bucket the URL itself, written by every process."""
-        return str(self.artifact_dir(stage, artifact_id) / CHECKPOINT_DIR)
+        """Where the stage's engine writes (and resumes) the artifact's checkpoint: a
+        directory, or a URL every process writes to."""
 
+    @abstractmethod
     def manifest(self, stage: str, artifact_id: str) -> dict | None:
-        return read_manifest(self.artifact_dir(stage, artifact_id))
+        """The artifact's manifest as the store holds it (None: none readable)."""
+
+    @abstractmethod
+    def state(self, stage: str, artifact_id: str) -> str:
+        """complete | running (a live process holds its claim) | partial | failed | pending."""
+
+    @abstractmethod
+    def iter_artifacts(self) -> Iterator[tuple[Path, dict | None]]:
+        """(local directory, manifest or None) for every artifact in the store."""
+
+    @abstractmethod
+    def stage_artifacts(self, stage: str) -> list[str]:
+        """The ids of the artifacts of one stage (whatever their state)."""
 
     def is_complete(self, stage: str, artifact_id: str) -> bool:
         manifest = self.manifest(stage, artifact_id)
         return bool(manifest and manifest.get("status") == COMPLETE and manifest.get("id") == artifact_id)
-
-    def state(self, stage: str, artifact_id: str) -> str:
-        """complete | running (a live process holds its lock) | partial | failed | pending."""
-        directory = self.artifact_dir(stage, artifact_id)
-        if not directory.is_dir():
-            return "pending"
-        manifest = read_manifest(directory)
-        if manifest and manifest.get("status") == COMPLETE:
-            return COMPLETE
-        if ArtifactLock(directory).is_held():
-            return "running"
-        if manifest and manifest.get("status") == FAILED:
-            return FAILED
-        return "partial"
-
-    def iter_artifacts(self) -> Iterator[tuple[Path, dict | None]]:
-        """(directory, manifest or None) for every artifact directory in the store."""
-        if not self.root.is_dir():
-            return
-        for stage_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
-            for directory in sorted(p for p in stage_dir.iterdir() if p.is_dir()):
-                yield directory, read_manifest(directory)
-
-    def stage_artifacts(self, stage: str) -> list[str]:
-        """The ids of the artifact directories of one stage (whatever their state)."""
-        folder = self.root / stage_folder(stage)
-        return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
 
     def find(self, artifact_id: str) -> Path:
         """The directory of an artifact given its id (or a unique prefix of it)."""
@@ -149,70 +133,58 @@ class ArtifactStore:
             raise InputError(f"id prefix '{artifact_id}' is ambiguous in store {self.url}: {names}")
         return matches[0]
 
+    # ------------------------------------------------------------------ records beside the artifacts
+
+    @abstractmethod
+    def write_record(self, stage: str, name: str, record: dict) -> None:
+        """A JSON record in a stage's folder beside its artifacts (`name`, not an artifact:
+        e.g. a gate's decision not to make one), written atomically."""
+
+    @abstractmethod
+    def read_record(self, stage: str, name: str) -> dict | None:
+        """A record `write_record` wrote (None: none, or unreadable)."""
+
+    @abstractmethod
+    def remove_record(self, stage: str, name: str) -> None:
+        """Delete a record (nothing if there is none)."""
+
     # ------------------------------------------------------------------ writing one artifact
 
+    @abstractmethod
     def claim(self, stage: str, artifact_id: str, run_id: str | None = None, on_wait: Log | None = None) -> Claim:
         """Wait for, then hold, the right to write the artifact."""
-        lock = ArtifactLock(self.artifact_dir(stage, artifact_id))
-        lock.acquire(on_wait=on_wait)
-        return Claim(lock)
 
+    @abstractmethod
     def prepare(self, stage: str, artifact_id: str, log: Log) -> None:
-        """Bring what a resumed stage needs of its partial artifact to `artifact_dir` (here: it is there)."""
+        """Bring what a resumed stage needs of its partial artifact to `artifact_dir`."""
 
+    @abstractmethod
     def has_partial(self, stage: str, artifact_id: str) -> bool:
         """Whether an earlier attempt left payload (checkpoint steps among it) to resume over."""
-        directory = self.artifact_dir(stage, artifact_id)
-        return directory.is_dir() and any(
-            p.name not in (MANIFEST, ".lock") and not p.name.startswith(STAMPS) for p in directory.iterdir()
-        )
 
+    @abstractmethod
     def digest_payload(self, stage: str, artifact_id: str) -> dict[str, dict[str, Any]]:
-        """The finished payload's `files` for the manifest: size and sha256 of every file
-        (stamped as verified, tasks/store/consume.py)."""
-        return digest_files(self.artifact_dir(stage, artifact_id), stamp=True)
+        """The finished payload's `files` for the manifest: size and sha256 of every file."""
 
+    @abstractmethod
     def write_manifest(self, stage: str, artifact_id: str, manifest: dict) -> None:
-        write_json_atomic(self.artifact_dir(stage, artifact_id) / MANIFEST, manifest)
+        """The manifest, written atomically where the store keeps it (not a commit: see `commit`)."""
 
     def running(self, stage: str, artifact_id: str, claim: Claim, log: Log) -> contextlib.AbstractContextManager:
         """Around the stage's work (a bucket store uploads checkpoint steps as they commit)."""
         return contextlib.nullcontext()
 
+    @abstractmethod
     def commit(self, stage: str, artifact_id: str, manifest: dict, claim: Claim) -> None:
         """The `complete` manifest, written last and atomically: from here on the artifact exists."""
-        self.write_manifest(stage, artifact_id, manifest)
 
+    @abstractmethod
     def reuse(self, stage: str, source_id: str, artifact_id: str, manifest: dict, claim: Claim) -> list[str]:
         """Commit `manifest` as the artifact `artifact_id` over the payload of the complete
-        artifact `source_id` of the same stage (tasks/cutoff.py): hard links to its files (a
-        copy where the file system cannot link), once its consumed files are found intact as a
-        consumer would check them. Returns the problems that stopped it ([] = committed)."""
-        src, dst = self.artifact_dir(stage, source_id), self.artifact_dir(stage, artifact_id)
-        if not src.is_dir():
-            return [f"{src}: deleted"]
-        files = manifest["files"]
-        with ArtifactLock(src):  # gc leaves it alone meanwhile
-            if not self.is_complete(stage, source_id):
-                return [f"{src}: no longer complete"]
-            present = {p.relative_to(src).as_posix(): p for p in payload_files(src)}
-            problems = check_consumed(src, files, present)
-            if problems:
-                return problems
-            _clear(dst)  # what an earlier attempt left
-            for rel in files:
-                (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    os.link(src / rel, dst / rel)
-                except OSError:
-                    shutil.copy2(src / rel, dst / rel)
-            # Linking changed the files' ctime: the bytes just checked get fresh stamps, in both.
-            checked = {rel: entry["sha256"] for rel, entry in consumed_files(files).items()}
-            write_stamps(dst, checked)
-            write_stamps(src, checked)
-        self.commit(stage, artifact_id, manifest, claim)
-        return []
+        artifact `source_id` of the same stage (tasks/cutoff.py), once the source's consumed
+        files are found intact. Returns the problems that stopped it ([] = committed)."""
 
+    @abstractmethod
     def keep_partial(self, stage: str, artifact_id: str, claim: Claim, log: Log) -> None:
         """After a failure (its `failed` manifest written): keep what is there for a resume."""
 
@@ -222,22 +194,16 @@ class ArtifactStore:
 
     # ------------------------------------------------------------------ reading
 
+    @abstractmethod
     def open_input(
         self, stage: str, artifact_id: str, verify: bool = True, local_checkpoint: bool = False
     ) -> ArtifactRef:
-        """A complete artifact, checked as far as a consumer reads it; else ArtifactError.
+        """A complete artifact, checked as far as a consumer reads it (tasks/store/consume.py:
+        the newest checkpoint step's params and meta, not its optimizer state or the other
+        steps); else ArtifactError. `local_checkpoint`: its consumed step in `path` in any case."""
 
-        Of its bytes, the consumer's files are checked (tasks/store/consume.py: the newest
-        checkpoint step's params and meta, not its optimizer state or the other steps), by
-        their stamps or by sha256; of the rest, that each is there at its size."""
-        directory = self.artifact_dir(stage, artifact_id)
-        manifest = self._complete_manifest(stage, artifact_id)
-        if verify:
-            present = {p.relative_to(directory).as_posix(): p for p in payload_files(directory)}
-            refuse(stage, artifact_id, check_consumed(directory, manifest.get("files", {}), present), directory)
-        return ArtifactRef(stage, artifact_id, directory, manifest)
-
-    def _complete_manifest(self, stage: str, artifact_id: str) -> dict:
+    def complete_manifest(self, stage: str, artifact_id: str) -> dict:
+        """The artifact's manifest when it is complete and names this id; else ArtifactError."""
         manifest, where = self.manifest(stage, artifact_id), self.location(stage, artifact_id)
         if manifest is None or manifest.get("status") != COMPLETE:
             raise ArtifactError(f"artifact {stage}/{artifact_id} is not complete ({where})")
@@ -245,16 +211,9 @@ class ArtifactStore:
             raise ArtifactError(f"{where}/{MANIFEST}: records id {manifest.get('id')!r}, expected {artifact_id!r}")
         return manifest
 
+    @abstractmethod
     def verify(self, directory: Path) -> list[str]:
         """Every file of a finished artifact re-hashed against its manifest ([] = intact)."""
-        return verify_artifact(directory)
-
-
-def _clear(directory: Path) -> None:
-    """Everything in an artifact directory but its lock."""
-    for entry in directory.iterdir():
-        if entry.name != LOCK:
-            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
 
 
 def refuse(stage: str, artifact_id: str, problems: list[str], where) -> None:
@@ -265,13 +224,6 @@ def refuse(stage: str, artifact_id: str, problems: list[str], where) -> None:
             f"artifact {stage}/{artifact_id} changed since it was finished: {shown}. "
             f"Run `trainflow verify {where}`; delete it to rebuild it"
         )
-
-
-def write_manifest_copy(directory: Path, manifest: dict) -> None:
-    """A bucket's manifest in a local directory (staging or cache), for the local readers."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
-    os.utime(directory / MANIFEST)
 
 
 def split_artifact_url(url: str) -> tuple[str, str, str] | None:

@@ -1,5 +1,6 @@
-"""The artifact store on object storage (s3://, gs://): a local store of staging directories
-plus the bucket, through fsspec (tasks/store/objects.py moves the bytes and holds the leases).
+"""The artifact store on object storage (s3://, gs://): the bucket through fsspec
+(tasks/store/objects.py moves the bytes; tasks/store/leases.py orders the machines), with a
+local store of staging directories beside it (`staging`) for the small files.
 
 Checkpoints do not pass through the staging directory: a stage's engine writes them at the
 artifact's URL (`checkpoint_location`), every process its own shards, and resumes from
@@ -11,7 +12,7 @@ for ranks on other hosts). TRAINFLOW_STAGED_CHECKPOINTS=1
 (or a scheme the engine cannot write, e.g. memory://) stages checkpoints too, as before:
 each step uploaded from the staging directory as it commits, a consumer's step downloaded.
 
-What it changes of the local store's behaviour, and nothing else: where an artifact is
+What it adds to the staging store's behaviour, and nothing else: where an artifact is
 shown and its state read (the bucket), the claim (the staging flock plus the bucket lease),
 `prepare` (a partial artifact's small files, or with staged checkpoints its newest whole
 step, downloaded), `running` (the small files uploaded as each checkpoint step commits),
@@ -26,15 +27,17 @@ recorded) and `verify` (every object streamed through sha256, nothing written to
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.contract import CHECKPOINT_DIR, CHECKPOINT_URL_SCHEMES, DATA_DIR
-from tasks.store.base import ArtifactStore, Claim, Log, refuse, write_manifest_copy
+from engine.contract import CHECKPOINT_DIR, CHECKPOINT_URL_SCHEMES, DATA_DIR, MANIFEST
+from tasks.store.base import ArtifactStore, Claim, Log, refuse
 from tasks.store.consume import consumed_files
+from tasks.store.local import LocalStore
 from tasks.store.names import stage_folder
 from tasks.store.objects import RemoteBackend, StoreAccessError, StoreWriteError
 from tasks.store.records import (
@@ -77,7 +80,9 @@ class BucketStore(ArtifactStore):
             self.remote = RemoteBackend(str(root))
         except StoreAccessError as e:
             raise InputError(str(e)) from None
-        self.root = self.remote.cache
+        self.staging = LocalStore(self.remote.cache)
+        """The artifacts' staging copies (their small files), a local store of its own."""
+        self.root = self.staging.root
         self.url = self.remote.url
         self.direct = self.url.startswith(CHECKPOINT_URL_SCHEMES) and os.environ.get(STAGED_ENV, "") in ("", "0")
         """Whether stages write and read checkpoints at the URL (else through the staging directory)."""
@@ -85,10 +90,14 @@ class BucketStore(ArtifactStore):
     def checkpoint_location(self, stage: str, artifact_id: str) -> str:
         if self.direct:
             return f"{self.location(stage, artifact_id)}/{CHECKPOINT_DIR}"
-        return super().checkpoint_location(stage, artifact_id)
+        return self.staging.checkpoint_location(stage, artifact_id)
 
     def location(self, stage: str, artifact_id: str) -> str:
         return self.remote.url_of(stage, artifact_id)
+
+    def artifact_dir(self, stage: str, artifact_id: str) -> Path:
+        """The artifact's staging directory."""
+        return self.staging.artifact_dir(stage, artifact_id)
 
     def manifest(self, stage: str, artifact_id: str) -> dict | None:
         return self.remote.read_manifest(stage, artifact_id)
@@ -121,10 +130,29 @@ class BucketStore(ArtifactStore):
             return []
         return sorted(e["name"].rsplit("/", 1)[-1] for e in entries if e["type"] == "directory")
 
+    # ------------------------------------------------------------------ records beside the artifacts
+
+    def write_record(self, stage: str, name: str, record: dict) -> None:
+        self.staging.write_record(stage, name, record)
+        self.remote.fs.pipe_file(self._record_key(stage, name), json.dumps(record, indent=2).encode())
+
+    def read_record(self, stage: str, name: str) -> dict | None:
+        return self.remote.read_json(self._record_key(stage, name))
+
+    def remove_record(self, stage: str, name: str) -> None:
+        self.staging.remove_record(stage, name)
+        try:
+            self.remote.fs.rm_file(self._record_key(stage, name))  # not rm: `[` is no glob here
+        except FileNotFoundError:
+            pass
+
+    def _record_key(self, stage: str, name: str) -> str:
+        return f"{self.remote.base}/{stage_folder(stage)}/{name}"
+
     # ------------------------------------------------------------------ writing one artifact
 
     def claim(self, stage: str, artifact_id: str, run_id: str | None = None, on_wait: Log | None = None) -> Claim:
-        claim = super().claim(stage, artifact_id, run_id, on_wait)  # this machine's runs ...
+        claim = self.staging.claim(stage, artifact_id, run_id, on_wait)  # this machine's runs ...
         try:  # ... and the bucket's lease, for runs on other machines
             claim.lease = self.remote.lease(stage, artifact_id, run_id)
             claim.lease.acquire(on_wait=on_wait)
@@ -143,19 +171,20 @@ class BucketStore(ArtifactStore):
         )
 
     def has_partial(self, stage: str, artifact_id: str) -> bool:
-        return super().has_partial(stage, artifact_id) or bool(self.remote.payload(stage, artifact_id))
+        return self.staging.has_partial(stage, artifact_id) or bool(self.remote.payload(stage, artifact_id))
 
     def digest_payload(self, stage: str, artifact_id: str) -> dict[str, dict[str, Any]]:
         """The staged files' digests and, at the URL, every file of each committed checkpoint
         step as its digests.json recorded it when the step committed (the engine hashed what
         it wrote), the step's own small files streamed through sha256."""
-        files = super().digest_payload(stage, artifact_id)
+        files = self.staging.digest_payload(stage, artifact_id)
         if self.direct:
             files.update(self.remote.checkpoint_files(stage, artifact_id))
         return files
 
     def write_manifest(self, stage: str, artifact_id: str, manifest: dict) -> None:
-        super().write_manifest(stage, artifact_id, manifest)
+        self.artifact_dir(stage, artifact_id).mkdir(parents=True, exist_ok=True)  # made on another machine
+        self.staging.write_manifest(stage, artifact_id, manifest)
         self.remote.write_manifest(stage, artifact_id, manifest)
 
     def running(self, stage: str, artifact_id: str, claim: Claim, log: Log) -> contextlib.AbstractContextManager:
@@ -194,7 +223,7 @@ class BucketStore(ArtifactStore):
                 f"by another run; not committing"
             )
         self.remote.write_manifest(stage, artifact_id, manifest)
-        super().write_manifest(stage, artifact_id, manifest)
+        self.staging.write_manifest(stage, artifact_id, manifest)
 
     def reuse(self, stage: str, source_id: str, artifact_id: str, manifest: dict, claim: Claim) -> list[str]:
         """As the local store's, with copies made in the bucket (server-side): the source's
@@ -232,7 +261,7 @@ class BucketStore(ArtifactStore):
                 f"by another run; not committing"
             )
         remote.write_manifest(stage, artifact_id, manifest)
-        ArtifactStore.write_manifest(self, stage, artifact_id, manifest)  # the staging copy's
+        self.staging.write_manifest(stage, artifact_id, manifest)
         return []
 
     def keep_partial(self, stage: str, artifact_id: str, claim: Claim, log: Log) -> None:
@@ -266,7 +295,7 @@ class BucketStore(ArtifactStore):
         through sha256); otherwise the consumed step is downloaded and hashed too. The same
         LIST checks every other object's presence and size. `local_checkpoint`: the consumed
         step into the cache in any case (`trainflow generate` reads a local copy)."""
-        manifest = self._complete_manifest(stage, artifact_id)
+        manifest = self.complete_manifest(stage, artifact_id)
         directory = self.artifact_dir(stage, artifact_id)
         recorded = manifest.get("files", {})
         wanted = consumed_files(recorded)
@@ -299,7 +328,7 @@ class BucketStore(ArtifactStore):
         """Every object of the artifact streamed through sha256 (a staging or cache directory
         of this store names it); another directory is verified where it is."""
         if Path(directory).parent.parent != self.root:
-            return super().verify(directory)
+            return self.staging.verify(directory)
         stage, artifact_id = Path(directory).parent.name, Path(directory).name
         manifest, where = self.remote.read_manifest(stage, artifact_id), self.location(stage, artifact_id)
         if manifest is None:
@@ -307,3 +336,10 @@ class BucketStore(ArtifactStore):
         if manifest.get("status") != COMPLETE:
             return [f"{where}: status is {manifest.get('status')!r}, not complete"]
         return self.remote.compare(stage, artifact_id, manifest.get("files", {}))
+
+
+def write_manifest_copy(directory: Path, manifest: dict) -> None:
+    """A bucket's manifest in a local directory (staging or cache), for the local readers."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+    os.utime(directory / MANIFEST)

@@ -1,5 +1,5 @@
-"""The artifact store on a local (or shared POSIX) directory: the interface's own behaviour
-(tasks/store/base.py), which works in the store itself and locks with flock.
+"""The artifact store on a local (or shared POSIX) directory: artifacts are worked on in
+the store itself, and locked with flock (tasks/store/records.py ArtifactLock).
 
 A store whose path is a file (or lies under one) is refused when it is opened. A missing
 directory is created by the first stage that writes into it (`trainflow run`, `convert`,
@@ -7,10 +7,30 @@ directory is created by the first stage that writes into it (`trainflow run`, `c
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from tasks.store.base import ArtifactStore
-from tasks.store.records import InputError
+from engine.contract import CHECKPOINT_DIR, MANIFEST
+from tasks.store.base import ArtifactStore, Claim, Log, refuse
+from tasks.store.consume import STAMPS, check_consumed, consumed_files, write_stamps
+from tasks.store.names import stage_folder
+from tasks.store.records import (
+    COMPLETE,
+    FAILED,
+    LOCK,
+    ArtifactLock,
+    ArtifactRef,
+    InputError,
+    digest_files,
+    payload_files,
+    read_manifest,
+    verify_artifact,
+    write_json_atomic,
+)
 from tasks.store.urls import is_url
 
 
@@ -22,7 +42,8 @@ class LocalStore(ArtifactStore):
         return not is_url(root)
 
     def __init__(self, root: str | Path):
-        super().__init__(root)
+        self.root = Path(str(root).removeprefix("file://")).expanduser().absolute()
+        self.url = str(self.root)
         blocking = _nearest_file(self.root)
         if blocking is not None:
             where = "is a file" if blocking == self.root else f"lies under {blocking}, a file"
@@ -36,6 +57,153 @@ class LocalStore(ArtifactStore):
     def find(self, artifact_id: str) -> Path:
         self.require()
         return super().find(artifact_id)
+
+    # ------------------------------------------------------------------ where and what
+
+    def location(self, stage: str, artifact_id: str) -> str:
+        return str(self.artifact_dir(stage, artifact_id))
+
+    def artifact_dir(self, stage: str, artifact_id: str) -> Path:
+        return self.root / stage_folder(stage) / artifact_id
+
+    def checkpoint_location(self, stage: str, artifact_id: str) -> str:
+        """The artifact directory's checkpoint/."""
+        return str(self.artifact_dir(stage, artifact_id) / CHECKPOINT_DIR)
+
+    def manifest(self, stage: str, artifact_id: str) -> dict | None:
+        return read_manifest(self.artifact_dir(stage, artifact_id))
+
+    def state(self, stage: str, artifact_id: str) -> str:
+        """complete | running (a live process holds its lock) | partial | failed | pending."""
+        directory = self.artifact_dir(stage, artifact_id)
+        if not directory.is_dir():
+            return "pending"
+        manifest = read_manifest(directory)
+        if manifest and manifest.get("status") == COMPLETE:
+            return COMPLETE
+        if ArtifactLock(directory).is_held():
+            return "running"
+        if manifest and manifest.get("status") == FAILED:
+            return FAILED
+        return "partial"
+
+    def iter_artifacts(self) -> Iterator[tuple[Path, dict | None]]:
+        """(directory, manifest or None) for every artifact directory in the store."""
+        if not self.root.is_dir():
+            return
+        for stage_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
+            for directory in sorted(p for p in stage_dir.iterdir() if p.is_dir()):
+                yield directory, read_manifest(directory)
+
+    def stage_artifacts(self, stage: str) -> list[str]:
+        """The ids of the artifact directories of one stage (whatever their state)."""
+        folder = self.root / stage_folder(stage)
+        return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+
+    # ------------------------------------------------------------------ records beside the artifacts
+
+    def write_record(self, stage: str, name: str, record: dict) -> None:
+        path = self.root / stage_folder(stage) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, record)
+
+    def read_record(self, stage: str, name: str) -> dict | None:
+        try:
+            return json.loads((self.root / stage_folder(stage) / name).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def remove_record(self, stage: str, name: str) -> None:
+        (self.root / stage_folder(stage) / name).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ writing one artifact
+
+    def claim(self, stage: str, artifact_id: str, run_id: str | None = None, on_wait: Log | None = None) -> Claim:
+        """Wait for, then hold, the right to write the artifact."""
+        lock = ArtifactLock(self.artifact_dir(stage, artifact_id))
+        lock.acquire(on_wait=on_wait)
+        return Claim(lock)
+
+    def prepare(self, stage: str, artifact_id: str, log: Log) -> None:
+        """Nothing to bring: a partial artifact is where the stage resumes it."""
+
+    def has_partial(self, stage: str, artifact_id: str) -> bool:
+        """Whether an earlier attempt left payload (checkpoint steps among it) to resume over."""
+        directory = self.artifact_dir(stage, artifact_id)
+        return directory.is_dir() and any(
+            p.name not in (MANIFEST, ".lock") and not p.name.startswith(STAMPS) for p in directory.iterdir()
+        )
+
+    def digest_payload(self, stage: str, artifact_id: str) -> dict[str, dict[str, Any]]:
+        """The finished payload's `files` for the manifest: size and sha256 of every file
+        (stamped as verified, tasks/store/consume.py)."""
+        return digest_files(self.artifact_dir(stage, artifact_id), stamp=True)
+
+    def write_manifest(self, stage: str, artifact_id: str, manifest: dict) -> None:
+        write_json_atomic(self.artifact_dir(stage, artifact_id) / MANIFEST, manifest)
+
+    def commit(self, stage: str, artifact_id: str, manifest: dict, claim: Claim) -> None:
+        """The `complete` manifest, written last and atomically: from here on the artifact exists."""
+        self.write_manifest(stage, artifact_id, manifest)
+
+    def reuse(self, stage: str, source_id: str, artifact_id: str, manifest: dict, claim: Claim) -> list[str]:
+        """Commit `manifest` as the artifact `artifact_id` over the payload of the complete
+        artifact `source_id` of the same stage (tasks/cutoff.py): hard links to its files (a
+        copy where the file system cannot link), once its consumed files are found intact as a
+        consumer would check them. Returns the problems that stopped it ([] = committed)."""
+        src, dst = self.artifact_dir(stage, source_id), self.artifact_dir(stage, artifact_id)
+        if not src.is_dir():
+            return [f"{src}: deleted"]
+        files = manifest["files"]
+        with ArtifactLock(src):  # gc leaves it alone meanwhile
+            if not self.is_complete(stage, source_id):
+                return [f"{src}: no longer complete"]
+            present = {p.relative_to(src).as_posix(): p for p in payload_files(src)}
+            problems = check_consumed(src, files, present)
+            if problems:
+                return problems
+            _clear(dst)  # what an earlier attempt left
+            for rel in files:
+                (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    os.link(src / rel, dst / rel)
+                except OSError:
+                    shutil.copy2(src / rel, dst / rel)
+            # Linking changed the files' ctime: the bytes just checked get fresh stamps, in both.
+            checked = {rel: entry["sha256"] for rel, entry in consumed_files(files).items()}
+            write_stamps(dst, checked)
+            write_stamps(src, checked)
+        self.commit(stage, artifact_id, manifest, claim)
+        return []
+
+    def keep_partial(self, stage: str, artifact_id: str, claim: Claim, log: Log) -> None:
+        """Nothing to do: what the stage left stays where a resume finds it."""
+
+    # ------------------------------------------------------------------ reading
+
+    def open_input(
+        self, stage: str, artifact_id: str, verify: bool = True, local_checkpoint: bool = False
+    ) -> ArtifactRef:
+        """Of its bytes, the consumer's files are checked (tasks/store/consume.py: the newest
+        checkpoint step's params and meta, not its optimizer state or the other steps), by
+        their stamps or by sha256; of the rest, that each is there at its size."""
+        directory = self.artifact_dir(stage, artifact_id)
+        manifest = self.complete_manifest(stage, artifact_id)
+        if verify:
+            present = {p.relative_to(directory).as_posix(): p for p in payload_files(directory)}
+            refuse(stage, artifact_id, check_consumed(directory, manifest.get("files", {}), present), directory)
+        return ArtifactRef(stage, artifact_id, directory, manifest)
+
+    def verify(self, directory: Path) -> list[str]:
+        """Every file of a finished artifact re-hashed against its manifest ([] = intact)."""
+        return verify_artifact(directory)
+
+
+def _clear(directory: Path) -> None:
+    """Everything in an artifact directory but its lock."""
+    for entry in directory.iterdir():
+        if entry.name != LOCK:
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
 
 
 def _nearest_file(path: Path) -> Path | None:

@@ -26,10 +26,7 @@ the checkpoint lives in the staging directory too: the mirror uploads each step 
 commits it, its digests last, a resume downloads the newest step uploaded whole, and a
 consumer downloads the step it reads.
 
-Locks are lease objects `<artifact>/.lease` written with a conditional create
-(`If-None-Match: *` on S3, `ifGenerationMatch=0` on GCS), renewed by a thread while the
-stage runs and taken over only after they expire -- or at once when the holder ran on the same
-machine and is gone (a killed run resumed where it ran). Credentials and endpoints come from the
+Locks are lease objects `<artifact>/.lease` (tasks/store/leases.py). Credentials and endpoints come from the
 environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, STORAGE_EMULATOR_HOST, ...; the libraries'
 own config files), never from a pipeline file.
 """
@@ -41,10 +38,7 @@ import json
 import logging
 import os
 import shutil
-import socket
 import threading
-import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -54,6 +48,7 @@ import fsspec
 
 from engine.contract import CHECKPOINT_DIR, MANIFEST
 from tasks.store.consume import STAMPS, read_stamps, stamp_holds, write_stamps
+from tasks.store.leases import LEASE, Lease
 from tasks.store.names import stage_folder
 from tasks.store.records import flock_held
 
@@ -61,8 +56,6 @@ from tasks.store.records import flock_held
 # Python would print those to stderr beside the one line the command answers.
 logging.getLogger("gcsfs").addHandler(logging.NullHandler())
 
-LEASE = ".lease"
-LEASE_SECONDS = float(os.environ.get("TRAINFLOW_LEASE_SECONDS", "60"))
 DEFAULT_CACHE_BYTES = 20 << 30
 MIRROR_SECONDS = float(os.environ.get("TRAINFLOW_MIRROR_SECONDS", "2"))
 FETCH_BLOCK = 8 << 20  # bytes per ranged GET when a consumer streams an input in
@@ -771,199 +764,3 @@ class StepMirror:
             name = entry["name"].rstrip("/").rsplit("/", 1)[-1]
             if entry["type"] == "directory" and name.isdigit() and int(name) < newest and int(name) not in committed:
                 self.backend.fs.rm(entry["name"], recursive=True)
-
-
-class LeaseHeld(RuntimeError):
-    pass
-
-
-class Lease:
-    """A lease object created with a conditional create, renewed by a thread while held."""
-
-    def __init__(self, backend: RemoteBackend, key: str, run_id: str | None = None, seconds: float | None = None):
-        self.backend = backend
-        self.key = key
-        self.seconds = float(seconds if seconds is not None else LEASE_SECONDS)
-        self.token = uuid.uuid4().hex
-        self.run_id = run_id
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.lost = False
-
-    @property
-    def url(self) -> str:
-        return f"{self.backend.protocol}://{self.key}"
-
-    def _body(self) -> bytes:
-        return json.dumps(
-            {
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                **_this_process(),
-                "run_id": self.run_id,
-                "token": self.token,
-                "expires": time.time() + self.seconds,
-            }
-        ).encode()
-
-    def _client_put(self, body: bytes, if_none_match: bool) -> bool:
-        """PUT the lease; with if_none_match, only if no object exists (False when one does)."""
-        if self.backend.protocol != "s3":  # other backends: exclusive create where fsspec has it
-            try:
-                with self.backend.fs.open(self.key, "xb" if if_none_match else "wb") as f:
-                    f.write(body)
-                return True
-            except FileExistsError:
-                return False
-        import botocore.exceptions
-
-        bucket, key = self.key.split("/", 1)
-        client = _boto_client()
-        kwargs = {"IfNoneMatch": "*"} if if_none_match else {}
-        try:
-            client.put_object(Bucket=bucket, Key=key, Body=body, **kwargs)
-            return True
-        except botocore.exceptions.ClientError as e:
-            code = e.response.get("Error", {}).get("Code")
-            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
-                return False
-            raise
-
-    def holder(self) -> dict | None:
-        self.backend.fs.invalidate_cache(self.key)
-        return self.backend.read_json(self.key)
-
-    def try_acquire(self) -> bool:
-        if self._client_put(self._body(), if_none_match=True):
-            return True
-        info = self.holder()
-        if info is None:  # released between our PUT and our read
-            return self._client_put(self._body(), if_none_match=True)
-        # Expired, or its holder ran on this machine and is gone (a killed run, resumed here):
-        # take it over.
-        if float(info.get("expires", 0)) < time.time() or holder_is_gone(info):
-            try:
-                self.backend.fs.rm_file(self.key)
-            except FileNotFoundError:
-                pass
-            return self._client_put(self._body(), if_none_match=True)
-        return False
-
-    def acquire(
-        self,
-        blocking: bool = True,
-        poll_seconds: float = 2.0,
-        on_wait: Callable[[str], None] | None = None,
-        wait_message_every: float = 30.0,
-    ) -> bool:
-        last = -float("inf")
-        while not self.try_acquire():
-            if not blocking:
-                return False
-            if on_wait and time.monotonic() - last >= wait_message_every:
-                on_wait(f"waiting for {self.url.removesuffix('/' + LEASE)}: leased by {describe(self.holder())}")
-                last = time.monotonic()
-            time.sleep(poll_seconds)
-        self._thread = threading.Thread(target=self._renew, name="lease-renew", daemon=True)
-        self._thread.start()
-        return True
-
-    def _renew(self) -> None:
-        while not self._stop.wait(self.seconds / 3):
-            info = self.holder()
-            if not info or info.get("token") != self.token:
-                self.lost = True  # taken over: our run was presumed dead
-                return
-            try:
-                self._client_put(self._body(), if_none_match=False)
-            except Exception:
-                pass  # retried at the next tick; the lease lasts 3 ticks
-
-    def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
-            info = self.holder()
-            if info and info.get("token") == self.token:
-                try:
-                    self.backend.fs.rm_file(self.key)
-                except FileNotFoundError:
-                    pass
-
-    def is_held(self) -> bool:
-        info = self.holder()
-        return bool(info) and float(info.get("expires", 0)) >= time.time()
-
-
-def _start_time(pid: int) -> str | None:
-    """When process `pid` started (clock ticks since boot, /proc/PID/stat), None for a process
-    that has ended (or is a zombie); raises OSError where there is no /proc."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]
-
-
-_PROCESSES: dict[int, dict] = {}
-
-
-def _this_process() -> dict:
-    """What lets another process on the same machine tell whether this one still runs: the
-    boot, the pid namespace and the start time (a pid can be reused). Empty without /proc.
-    Read once per process id: a forked child is a process of its own."""
-    pid = os.getpid()
-    if pid not in _PROCESSES:
-        try:
-            _PROCESSES[pid] = {
-                "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
-                "pid_namespace": os.readlink("/proc/self/ns/pid"),
-                "started": _start_time(pid),
-            }
-        except OSError:
-            _PROCESSES[pid] = {}
-    return _PROCESSES[pid]
-
-
-def holder_is_gone(info: dict) -> bool:
-    """Whether a lease's holder ran on this machine -- same host name, boot and pid namespace --
-    and no longer runs. A holder elsewhere, or on a machine without /proc, is never judged
-    gone: its lease runs out instead."""
-    here = _this_process()
-    if (
-        not here
-        or not info.get("started")
-        or info.get("host") != socket.gethostname()
-        or any(info.get(key) != here[key] for key in ("boot_id", "pid_namespace"))
-    ):
-        return False
-    try:
-        return _start_time(int(info["pid"])) != info.get("started")
-    except (KeyError, TypeError, ValueError, OSError):
-        return False
-
-
-def describe(info: dict | None) -> str:
-    if not info:
-        return "another run"
-    left = float(info.get("expires", 0)) - time.time()
-    return (
-        f"pid {info.get('pid')} on {info.get('host')} (run {info.get('run_id') or '?'}), "
-        f"lease expires in {max(left, 0):.0f}s"
-    )
-
-
-_CLIENTS: dict[str | None, Any] = {}
-
-
-def _boto_client():
-    """One boto3 S3 client per endpoint (the environment may point elsewhere later: a test's
-    second server, a process that switches stores)."""
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if endpoint not in _CLIENTS:
-        import boto3
-
-        _CLIENTS[endpoint] = boto3.client("s3", endpoint_url=endpoint)
-    return _CLIENTS[endpoint]

@@ -19,7 +19,6 @@ import fcntl
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +30,7 @@ from typing import Any
 
 from engine.contract import CHECKPOINT_DIR, DATA_DIR, MANIFEST
 from tasks.store.consume import STAMPS, sha256_file, write_stamps
+from tasks.store.processes import holder_is_gone, this_process
 
 LOCK = ".lock"
 ID_LENGTH = 16  # hex digits of sha256 kept in an id: 64 bits, plenty for one store
@@ -264,7 +264,7 @@ class ArtifactLock:
                     last_message = time.monotonic()
                 time.sleep(poll_seconds)
         os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": now_iso()}).encode())
+        os.write(fd, json.dumps({**this_process(), "since": now_iso()}).encode())
         self._fd = fd
         return True
 
@@ -274,7 +274,7 @@ class ArtifactLock:
             who = f"pid {info['pid']} on {info['host']} since {info['since']}"
         except (OSError, ValueError, KeyError):
             return None
-        if info["host"] == socket.gethostname() and not _alive(int(info["pid"])):
+        if holder_is_gone(info):
             who += " (that run has exited; a process it started, e.g. its engine saving a checkpoint, holds the lock)"
         return who
 
@@ -295,16 +295,6 @@ class ArtifactLock:
 
     def __exit__(self, *_) -> None:
         self.release()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 # --------------------------------------------------------------------------- the store
