@@ -122,6 +122,9 @@ ADDED_AT_DEFAULT = {
     # DPO's list-valued loss_type with weights, DiscoPOP's temperature (issue 53)
     "loss_weights": None,
     "discopop_tau": 0.05,
+    # GRPO's SAPO gate temperatures (issue 53)
+    "sapo_temperature_pos": 1.0,
+    "sapo_temperature_neg": 1.05,
 }
 """Fields added to a config after artifacts were made with it: at these values they are left
 out of artifact ids, so a store's finished stages keep their ids (and are skipped)."""

@@ -1,6 +1,6 @@
 """Policy-gradient estimators against their references, in float64:
 
-- every registered loss type (TRL's grpo, bnpo, dr_grpo, dapo, luspo, cispo), at token and
+- every registered loss type (TRL's grpo, bnpo, dr_grpo, dapo, luspo, cispo, sapo; GMPO's trainer), at token and
   sequence level, with and without the KL term and the rollout correction's weights: the loss
   and its gradient with respect to the per-token log-probs equal `trl.GRPOTrainer._compute_loss`
   run unbound on a stand-in `self` (as tests/test_dpo_parity.py does for DPO);
@@ -25,7 +25,7 @@ import pytest
 from engine.config import ConfigError, load_config
 from engine.posttrain import advantages as estimators
 from engine.posttrain.config import GRPOConfig
-from engine.posttrain.policy_loss import policy_loss
+from engine.posttrain.policy_loss import policy_loss, sapo
 from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from engine.posttrain.rollout_correction import rollout_correction
 from tests.deps import need
@@ -55,21 +55,28 @@ def float64():
 # --------------------------------------------------------------------------- TRL's loss
 
 
-def trl_loss(loss_type, level, beta, epsilon_high, is_ratio=None):
-    """(loss, d loss / d logp) from TRL's GRPOTrainer._compute_loss on a stand-in trainer."""
+def trl_loss(loss_type, level, beta, epsilon_high, is_ratio=None, trainer=GRPOTrainer, epsilon_low=0.2):
+    """(loss, d loss / d logp) from TRL's GRPOTrainer._compute_loss (or a subclass's: `trainer`)
+    on a stand-in trainer."""
     logp = torch.tensor(LOGP, requires_grad=True)
     mask = torch.tensor(MASK)
     me = SimpleNamespace(
         loss_type=loss_type,
         importance_sampling_level=level,
-        epsilon_low=0.2,
+        epsilon_low=epsilon_low,
         epsilon_high=epsilon_high,
         beta=beta,
         top_entropy_quantile=1.0,
         off_policy_mask_threshold=None,
         use_vllm=is_ratio is not None,
         vllm_importance_sampling_correction=True,
-        args=SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
+        args=SimpleNamespace(
+            delta=None,
+            use_bias_correction_kl=False,
+            steps_per_generation=1,
+            sapo_temperature_pos=SAPO_TEMPERATURES[0],
+            sapo_temperature_neg=SAPO_TEMPERATURES[1],
+        ),
         model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1,
         max_completion_length=MAX_LEN,
@@ -94,12 +101,15 @@ def trl_loss(loss_type, level, beta, epsilon_high, is_ratio=None):
     }
     if is_ratio is not None:
         inputs["importance_sampling_ratio"] = torch.tensor(np.asarray(is_ratio))
-    loss = GRPOTrainer._compute_loss(me, None, inputs)
+    loss = trainer._compute_loss(me, None, inputs)
     loss.backward()
     return loss.item(), logp.grad.numpy(), me._metrics["train"]
 
 
-def engine_loss(loss_type, level, beta, epsilon_high, is_weights=None):
+SAPO_TEMPERATURES = (0.75, 1.5)  # not TRL's defaults; exact in float32, the dtype torch.where gives TRL's
+
+
+def engine_loss(loss_type, level, beta, epsilon_high, is_weights=None, epsilon_low=0.2):
     def loss(logp):
         return policy_loss(
             logp,
@@ -108,7 +118,7 @@ def engine_loss(loss_type, level, beta, epsilon_high, is_weights=None):
             jnp.asarray(MASK),
             ref_logp_bt=jnp.asarray(REF),
             level=level,
-            epsilon_low=0.2,
+            epsilon_low=epsilon_low,
             epsilon_high=epsilon_high,
             beta=beta,
             loss_type=loss_type,
@@ -152,6 +162,62 @@ def test_each_loss_type_equals_trls_loss_and_gradient(loss_type, level, correcti
             np.testing.assert_allclose(float(metrics["clip_ratio"]), ref_metrics["clip_ratio/region_mean"][0])
         if beta:
             np.testing.assert_allclose(float(metrics["kl"]), ref_metrics["kl"][0], rtol=1e-9)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_sapo_equals_trls_loss_and_gradient(level):
+    """SAPO's soft gate with the run's temperatures (policy_loss.sapo, what a GRPO run with
+    loss_type sapo resolves) against GRPOTrainer._compute_loss with loss_type sapo."""
+    for beta in (0.0, 0.04):
+        value, grad, _ = engine_loss(sapo(*SAPO_TEMPERATURES), level, beta, 0.28)
+        ref_value, ref_grad, _ = trl_loss("sapo", level, beta, 0.28)
+        np.testing.assert_allclose(value, ref_value, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(grad, ref_grad, rtol=1e-9, atol=1e-12)
+    default, _, _ = engine_loss("sapo", level, 0.0, 0.28)
+    assert abs(default - value) > 1e-6  # the temperatures matter (the registered sapo has TRL's defaults)
+
+
+@pytest.mark.parametrize("epsilon_low,epsilon_high", [(0.4, 0.4), (0.1, 0.25)])
+def test_gmpo_equals_trls_loss_gradient_and_clip_fractions(epsilon_low, epsilon_high):
+    """GMPO (loss_type gmpo): the geometric mean of sign-aware clipped token ratios, against
+    trl.experimental.gmpo's GMPOTrainer._compute_loss, with and without its sequence-mean KL."""
+    from trl.experimental.gmpo import GMPOTrainer
+
+    for beta in (0.0, 0.04):
+        value, grad, metrics = engine_loss("gmpo", "token", beta, epsilon_high, epsilon_low=epsilon_low)
+        ref_value, ref_grad, ref_metrics = trl_loss(
+            "gmpo", "token", beta, epsilon_high, trainer=GMPOTrainer, epsilon_low=epsilon_low
+        )
+        np.testing.assert_allclose(value, ref_value, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(grad, ref_grad, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(float(metrics["clip_ratio"]), ref_metrics["clip_ratio/region_mean"][0])
+        np.testing.assert_allclose(float(metrics["clip_ratio_low"]), ref_metrics["clip_ratio/low_mean"][0])
+        assert 0 < float(metrics["clip_ratio"]) < 1  # the fixture does clip
+        if beta:
+            np.testing.assert_allclose(float(metrics["kl"]), ref_metrics["kl"][0], rtol=1e-9)
+
+
+def test_sapo_and_gmpo_config_keys_are_checked_in_one_sentence():
+    base = {"rewards": [{"function": "exact_match"}], "checkpoint": {"init_from": "x", "directory": "y"}}
+    assert GRPOConfig.model_validate({**base, "loss_type": "gmpo"}).epsilon == 0.4  # TRL's GMPO default
+    assert GRPOConfig.model_validate({**base, "loss_type": "gmpo", "epsilon": 0.3}).epsilon == 0.3
+    from engine.posttrain.grpo import resolve_objective
+
+    run = GRPOConfig.model_validate(
+        {**base, "loss_type": "sapo", "sapo_temperature_pos": SAPO_TEMPERATURES[0]}
+        | {"sapo_temperature_neg": SAPO_TEMPERATURES[1]}
+    )
+    loss_def, _ = resolve_objective(run)  # what the GRPO step calls: the run's temperatures bound
+    np.testing.assert_allclose(
+        engine_loss(loss_def, "token", 0.0, 0.28)[0], engine_loss(sapo(*SAPO_TEMPERATURES), "token", 0.0, 0.28)[0]
+    )
+    for tree, message in [
+        ({"loss_type": "gmpo", "algorithm": "gspo"}, "loss_type gmpo makes its own sequence weight"),
+        ({"loss_type": "dapo", "sapo_temperature_neg": 2.0}, "sapo_temperature_neg applies to loss_type sapo only"),
+        ({"loss_type": "sapo", "sapo_temperature_pos": 0.0}, "sapo_temperature_pos"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(tree={**base, **tree}, schema=GRPOConfig)
 
 
 def trl_is_ratio(mode, clip_min, clip_max):
@@ -303,7 +369,8 @@ def test_an_unknown_name_is_refused_in_one_sentence_listing_the_registered_ones(
         load_config(tree={**tree, "loss_type": "ppo"}, schema=GRPOConfig)
     message = str(error.value)
     assert "key 'loss_type'" in message and "unknown policy loss 'ppo'" in message, message
-    assert "registered are grpo, bnpo, dr_grpo, dapo, luspo, cispo, or name your own as module:function" in message
+    registered = "registered are grpo, bnpo, dr_grpo, dapo, luspo, cispo, sapo, gmpo, or name your own"
+    assert registered in message
     assert message.count(". ") == 0, message  # one sentence
     with pytest.raises(ConfigError, match="registered are token_mean, token_mean_local, seq_mean_token_mean"):
         load_config(tree={**tree, "loss_aggregation": "seq-mean"}, schema=GRPOConfig)

@@ -299,7 +299,7 @@ class GRPOConfig(Strict):
                 "it needs algorithm grpo, not gspo"
             )
         for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            if self.loss_type != "sapo" and key in self.model_fields_set:
+            if self.loss_type != "sapo" and getattr(self, key) != type(self).model_fields[key].default:
                 raise ValueError(f"{key} applies to loss_type sapo only, not {self.loss_type}")
         if self.loss_type == "cispo" and self.epsilon_high is None:
             raise ValueError(

@@ -63,7 +63,7 @@ from engine.posttrain.async_rollout import (
 from engine.posttrain.config import GRPOConfig, GRPODataConfig, train_config
 from engine.posttrain.environments import EnvironmentFailure
 from engine.posttrain.finetune import finetune_start, read_jsonl
-from engine.posttrain.policy_loss import completion_logps, policy_loss
+from engine.posttrain.policy_loss import completion_logps, policy_loss, sapo
 from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from engine.posttrain.reward_model import RewardScorer
 from engine.posttrain.rewards import RewardError, compute_rewards, load_reward, nan_stats, total_reward
@@ -204,6 +204,8 @@ def resolve_objective(cfg: GRPOConfig) -> tuple[Callable, Callable]:
     imported is a ConfigError naming it."""
     try:
         loss = POLICY_LOSSES.resolve(cfg.loss_type)
+        if cfg.loss_type == "sapo":  # the run's gate temperatures
+            loss = sapo(cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
         aggregation = cfg.loss_aggregation or getattr(loss, "aggregation", "token_mean")
         return loss, LOSS_AGGREGATIONS.resolve(aggregation)
     except ValueError as e:

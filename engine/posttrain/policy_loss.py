@@ -11,6 +11,11 @@ Definitions follow TRL's GRPOTrainer (and Tunix's GRPO learner where noted):
                                    w_it = sg(w_i) * pi_it / sg(pi_it): w_i's value, a per-token gradient
     surrogate    clipped: L_it = -min(w A, clip(w, 1 - epsilon_low, 1 + epsilon_high) A)
                  cispo:   L_it = -sg(min(w, epsilon_high)) A logp_it
+                 sapo:    L_it = -sigmoid(tau (w - 1)) 4 / tau A, tau = tau_pos if A > 0 else tau_neg
+                          (SAPO, Gao et al. 2025; TRL's loss_type sapo): a soft gate in place of the clip
+                 gmpo:    L_i = -exp(mean_t clip_A(logp_it - old_it)) A, the geometric mean of the token
+                          ratios, each log-ratio clipped sign-aware to [-epsilon_low, epsilon_high]
+                          (GMPO, Zhao et al. 2025; trl.experimental.gmpo, verl's geo_mean policy loss)
     + beta KL    KL_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1   (Schulman's k3)
     loss_type    (TRL's names = surrogate + aggregation, registry.POLICY_LOSSES)
                  grpo:    clipped, mean over sequences of (sum_t L_it / |o_i|)   seq_mean_token_mean
@@ -19,6 +24,8 @@ Definitions follow TRL's GRPOTrainer (and Tunix's GRPO learner where noted):
                  dapo:    clipped, sum L / completion tokens of the whole batch  token_mean
                  luspo:   clipped, mean over sequences of sum_t L_it             seq_mean_token_sum
                  cispo:   cispo,   sum L / completion tokens of the whole batch  token_mean
+                 sapo:    sapo,    as grpo                                       seq_mean_token_mean
+                 gmpo:    gmpo,    mean over sequences of L_i (+ beta x each one's mean KL)
 
 `loss_aggregation` overrides a loss type's aggregation (sequence- vs token-level). With
 gradient accumulation every aggregation but token_mean is computed per micro-batch and
@@ -29,6 +36,7 @@ count, so it does not depend on how the batch is split. Without accumulation bnp
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Literal
 
@@ -104,6 +112,33 @@ def cispo_surrogate(ratio, advantages_b1, logp_bt, *, epsilon_low: float, epsilo
     return -weight * advantages_b1 * logp_bt, {"cispo_clip_ratio": clipped}
 
 
+def sapo_surrogate(
+    ratio, advantages_b1, logp_bt, *, epsilon_low: float, epsilon_high: float, temperature_pos=1.0, temperature_neg=1.05
+):
+    """SAPO (arXiv:2511.20347; TRL's loss_type sapo): the ratio through a temperature-controlled
+    sigmoid gate, -sigmoid(tau (w - 1)) 4 / tau A, whose slope at w = 1 is 1 (PPO's gradient
+    there) and which fades smoothly instead of clipping; tau is temperature_pos for positive
+    advantages and temperature_neg otherwise (TRL's defaults 1.0 and 1.05)."""
+    tau = jnp.where(advantages_b1 > 0, temperature_pos, temperature_neg).astype(ratio.dtype)
+    return -jax.nn.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages_b1, {}
+
+
+def gmpo_surrogate(ratio, advantages_b1, logp_bt, *, epsilon_low: float, epsilon_high: float, mask_bt):
+    """GMPO (arXiv:2507.20673; trl.experimental.gmpo's _compute_loss, verl's geo_mean): the
+    sequence's weight is the geometric mean of its token ratios, each log-ratio clipped in log
+    space, sign-aware as PPO's min (a positive advantage is clipped from above only, a negative
+    one from below only): -exp(mean_t clip(log w_it)) A, the same for every token of the sequence.
+    epsilon_low / epsilon_high are log-space bounds (the ratio range (exp(-eps_low), exp(eps_high)),
+    TRL's default 0.4)."""
+    log_ratio = jnp.where(mask_bt > 0, jnp.log(ratio), 0.0)  # nothing past the completion reaches the mean
+    clamped = jnp.clip(log_ratio, -epsilon_low, epsilon_high)
+    clipped = jnp.where(advantages_b1 > 0, jnp.minimum(log_ratio, clamped), jnp.maximum(log_ratio, clamped))
+    mean_b1 = jnp.sum(clipped * mask_bt, -1, keepdims=True) / jnp.maximum(jnp.sum(mask_bt, -1, keepdims=True), 1.0)
+    low = (log_ratio < -epsilon_low) & (advantages_b1 < 0)
+    high = (log_ratio > epsilon_high) & (advantages_b1 > 0)
+    return -jnp.exp(mean_b1) * advantages_b1, {"clip_ratio_low": low, "clip_ratio_high": high, "clip_ratio": low | high}
+
+
 # --------------------------------------------------------------------------- aggregations
 # verl's loss_agg_mode names; TRL's loss types are a surrogate with one of these. With
 # gradient accumulation every one but token_mean is a per-micro-batch value divided by the
@@ -144,6 +179,8 @@ class PolicyLoss:
 
     surrogate: Callable
     aggregation: str
+    reads_mask: bool = False
+    """The surrogate takes the completion mask (`mask_bt`): a sequence-level weight (GMPO's)."""
 
     def __call__(self, *args, **kwargs):
         return self.surrogate(*args, **kwargs)
@@ -155,6 +192,16 @@ DR_GRPO = PolicyLoss(clipped_surrogate, "seq_mean_token_sum_norm")
 DAPO = PolicyLoss(clipped_surrogate, "token_mean")
 LUSPO = PolicyLoss(clipped_surrogate, "seq_mean_token_sum")
 CISPO = PolicyLoss(cispo_surrogate, "token_mean")
+SAPO = PolicyLoss(sapo_surrogate, "seq_mean_token_mean")
+GMPO = PolicyLoss(gmpo_surrogate, "seq_mean_token_mean", reads_mask=True)
+
+
+def sapo(temperature_pos: float, temperature_neg: float) -> PolicyLoss:
+    """SAPO with a run's temperatures (GRPOConfig.sapo_temperature_pos / _neg)."""
+    return PolicyLoss(
+        functools.partial(sapo_surrogate, temperature_pos=temperature_pos, temperature_neg=temperature_neg),
+        SAPO.aggregation,
+    )
 
 
 # --------------------------------------------------------------------------- the loss
@@ -197,7 +244,8 @@ def policy_loss(
     log_w = log_importance_weights(logp_bt, old_logp_bt, mask_bt, level)
     coef_1 = jnp.exp(log_w)
     adv_b1 = advantages_b[:, None].astype(logp_bt.dtype)
-    per_token, flags = surrogate(coef_1, adv_b1, logp_bt, epsilon_low=epsilon_low, epsilon_high=epsilon_high)
+    extra = {"mask_bt": mask_bt} if getattr(loss_def, "reads_mask", False) else {}
+    per_token, flags = surrogate(coef_1, adv_b1, logp_bt, epsilon_low=epsilon_low, epsilon_high=epsilon_high, **extra)
     if is_weights is not None:
         per_token = per_token * is_weights
     kl_bt = None

@@ -83,7 +83,7 @@ LOSS_AGGREGATIONS = Registry("loss aggregation", "loss_aggregation")
 
 # The built-in losses and aggregations: TRL's loss_type names (verl's loss_agg_mode names,
 # with underscores, for the aggregations). Defined in policy_loss.py, loaded when used.
-for _name in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo"):
+for _name in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "gmpo"):
     POLICY_LOSSES.register(_name, f"engine.posttrain.policy_loss:{_name.upper()}")
 for _name in ("token_mean", "token_mean_local", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"):
     LOSS_AGGREGATIONS.register(_name, f"engine.posttrain.policy_loss:{_name}")
