@@ -30,7 +30,7 @@ from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
 from engine.models.config import ComputeConfig, LoraConfig  # noqa: E402
 from engine.models.params import abstract_model_params, graphdef_of  # noqa: E402
-from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
+from engine.train.checkpoint import load_params, read_meta, save_params, stored_configs  # noqa: E402
 from engine.train.step import lm_loss_fn  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
@@ -259,6 +259,27 @@ def test_the_multimodal_checkpoint_converts_to_the_text_model(case, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     print("\n" + "\n".join(messages))
     assert sum("outside the text decoder" in m for m in messages) == 1
+    # ... and the decoder goes back into that layout beside the source's vision tower, trained:
+    # transformers loads it as the same class, the vision tower bitwise the source's, the text
+    # decoder the trained params' (bitwise through a second conversion).
+    trained = jax.tree.map(lambda x: np.asarray(x) + np.asarray(0.25, x.dtype), params)
+    save_params(tmp_path / "trained" / "checkpoint", 1, trained, read_meta(tmp_path / "converted" / "checkpoint")[1])
+    result = export_hf(tmp_path / "trained" / "checkpoint", tmp_path / "back", multimodal_source=tmp_path / "mm")
+    assert result["architecture"] == model_class.__name__
+    reloaded, info = model_class.from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    theirs, ours = multimodal.state_dict(), reloaded.state_dict()
+    assert theirs.keys() == ours.keys()
+    text = [name for name in theirs if name.startswith("model.language_model.") or name == "lm_head.weight"]
+    assert text and len(text) < len(theirs)
+    for name, tensor in theirs.items():
+        if name not in text:
+            assert torch.equal(tensor, ours[name]), name
+        else:
+            assert not torch.equal(tensor, ours[name]), name
+    convert_hf(tmp_path / "back", tmp_path / "again")
+    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(load_params(tmp_path / "again" / "checkpoint")[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_what_the_families_do_not_run_is_refused_in_one_sentence():

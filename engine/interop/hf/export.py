@@ -288,6 +288,11 @@ def to_multimodal_layout(
                 if multimodal.text_name(name) is None:  # the vision tower, the projector
                     entries[name] = (path, name, tuple(st.shape(name)), st.dtype(name))
                     kept += 1
+                elif multimodal.text_name(name) == "lm_head.weight" and name not in entries:
+                    # A text config that ties the head inside a multimodal one that does not
+                    # (Qwen3.5's small models): the source holds the head, so the export does,
+                    # the trained embedding (conversion checks the two are equal).
+                    entries[name] = entries[source_name("model.embed_tokens.weight")]
     staging = out_dir / ".multimodal"
     staging.mkdir(exist_ok=True)
     sizes = [(name, int(np.prod(e[2])) * np.dtype(e[3]).itemsize) for name, e in entries.items()]
