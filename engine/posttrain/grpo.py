@@ -33,6 +33,8 @@ trainer's: GRPO is a batch source and an objective on the loop every stage share
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import sys
 import time
@@ -70,7 +72,7 @@ from engine.posttrain.rewards import RewardError, compute_rewards, load_reward, 
 from engine.posttrain.rollout import Rollout
 from engine.posttrain.rollout_correction import divergence_summary, mismatch_metrics, rollout_correction
 from engine.posttrain.rollout_server import ROLLOUT_ENTRY_POINT
-from engine.train.checkpoint import load_params
+from engine.train.checkpoint import load_params, verify_step
 from engine.train.cli import run_cli
 from engine.train.hooks import log_to_stderr, run_training
 from engine.train.metrics import read_metrics
@@ -105,6 +107,12 @@ class PromptStream:
 
     def get_state(self) -> dict:
         return {"epoch": self.epoch, "index": self.index}
+
+    @property
+    def identity(self) -> str:
+        """The records' content (sha256 of their canonical JSON): what the cursor counts in."""
+        text = json.dumps(self.records, sort_keys=True, ensure_ascii=False)
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def set_state(self, state: dict) -> None:
         self.epoch, self.index = int(state.get("epoch", 0)), int(state.get("index", 0))
@@ -273,6 +281,7 @@ class RolloutSource:
     def __init__(self, cfg: GRPOConfig, trainer: Trainer, model_cfg: ModelConfig, bundle: TokenizerBundle, log=None):
         self.cfg, self.trainer, self.bundle, self.log = cfg, trainer, bundle, log or log_to_stderr
         self.prompts = PromptStream(load_prompts(cfg.data), cfg.data.shuffle, cfg.data.seed)
+        self.dataset = self.prompts.identity  # the prompt cursor is only valid over these records
         self.reward_fns = [(*load_reward(spec), spec) for spec in cfg.rewards if spec.model is None]
         self.weights = [spec.weight for spec in cfg.rewards]
         self.pad_id = bundle.pad_id if bundle.pad_id is not None else bundle.eos_id
@@ -355,6 +364,37 @@ class RolloutSource:
             self.workers.submit(self.submitted, self._take(self.submitted))
             self.submitted += 1
 
+    def _regenerate_in_flight(self, state: TrainState) -> None:
+        """After a resume at step k, the batches that were in flight (k .. k + max_staleness - 1)
+        are generated again as they were the first time: each with the weights of update
+        b - max_staleness (that step's checkpoint; the initial policy before the first update),
+        the same prompts and the same seeds, so the resumed run equals the uninterrupted one.
+        Where those weights are not kept (checkpoint.keep, every_steps, a LoRA run's initial
+        adapter) the batch comes from the restored weights instead, as the log says."""
+        s = self.cfg.max_staleness
+        for b in range(state.step, min(state.step + s, self.cfg.steps)):
+            version = max(b - s, 0)
+            params = self._weights_of(version)
+            if params is None:
+                self.log(
+                    f"resume: the weights of update {version} are not kept in {self.cfg.checkpoint.directory}; "
+                    f"batches {b + 1} to {state.step + s} are generated with update {state.step}'s"
+                )
+                return
+            self.workers.push(version, params)
+            self.workers.submit(b, self._take(b))
+            self.submitted = b + 1
+
+    def _weights_of(self, version: int):
+        """The policy's params after `version` updates, from its checkpoint (0: init_from), or None."""
+        if self.cfg.lora is not None:  # the adapter's own start is not stored
+            return None
+        if version == 0:
+            return load_params(self.cfg.checkpoint.init_from, self.trainer.abstract_params)[1]
+        if verify_step(self.cfg.checkpoint.directory, version):  # not there, or not intact
+            return None
+        return load_params(self.cfg.checkpoint.directory, self.trainer.abstract_params, version)[1]
+
     def weights_hook(self, info) -> None:
         """After each update: the new weights to the workers (with LoRA the adapter alone: each
         worker holds the frozen base), then the batch that may use them (max_staleness ahead of
@@ -374,6 +414,8 @@ class RolloutSource:
             if self.workers is None:  # started here, once the (restored) weights are known
                 self.workers = RolloutWorkers(cfg, self.log)
                 self.submitted = state.step
+                if state.step > 0:
+                    self._regenerate_in_flight(state)
                 self.workers.push(state.step, state.params)
                 self._submit_until(state.step + cfg.max_staleness)
             records, rollout = self.workers.result(state.step)
@@ -464,10 +506,17 @@ class RolloutSource:
 
     def get_state(self) -> dict:
         """The prompt stream as of the next batch to train on (batches the workers hold beyond
-        it are generated again after a resume)."""
-        return self.stream_states.get(self.consumed, self.prompts.get_state())
+        it are generated again after a resume), and the identity of the records it counts in."""
+        return {**self.stream_states.get(self.consumed, self.prompts.get_state()), "dataset": self.dataset}
 
     def set_state(self, state: dict) -> None:
+        saved = state.get("dataset")
+        if saved is not None and saved != self.dataset:
+            raise ConfigError(
+                f"data.path: {self.cfg.data.path} is not the prompt set this run's checkpoint was taken "
+                f"over (records sha256 {self.dataset[:12]}, checkpoint's {saved[:12]}); resuming would skip or "
+                "repeat prompts: restore that file, or train the new one in a new checkpoint.directory"
+            )
         self.prompts.set_state(state)
         self.stream_states = {}
 
