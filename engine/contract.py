@@ -70,7 +70,11 @@ ADDED_AT_DEFAULT = {
     "compute.weight_grad_dtype": "float32",
     "compute.mtp_loss": 0.0,
     "compute.matmul_precision": "default",
-    "mesh.dcn": {"data": 1, "expert": 1, "fsdp": 1, "context": 1},
+    "mesh.dcn": {"data": 1, "expert": 1, "fsdp": 1, "context": 1, "pipeline": 1},
+    # pipeline parallelism (engine/ops/pipeline.py); a set mesh.dcn keeps its id without it
+    "mesh.dcn.pipeline": 1,
+    "mesh.pipeline": 1,
+    "compute.pipeline_microbatches": 0,
     # the layer pattern's per-layer kinds (engine/models/config.py: ModelConfig.layer_pattern)
     "model.rope_pattern": None,
     "model.rotary_dim": None,

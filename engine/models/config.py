@@ -790,6 +790,10 @@ class ComputeConfig(Strict):
     indexer_loss_weight: float = Field(1.0, gt=0)
     """Weight of that KL (its mean over layers and query tokens) in the training loss
     (MaxText's indexer_loss_scaling_factor)."""
+    pipeline_microbatches: int = Field(0, ge=0)
+    """With a `pipeline` mesh axis of S stages (MeshConfig.pipeline): the micro-batches each
+    step's rows are split into for the GPipe schedule (engine/ops/pipeline.py; bubble
+    (S - 1) / (M + S - 1)). 0: S. Without a pipeline axis it does nothing."""
 
     @field_validator("scan_unroll", mode="before")
     @classmethod

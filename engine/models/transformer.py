@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from engine.config import ConfigError
 from engine.models.common import ACTIVATIONS, RMSNorm, dtype_of, param
 from engine.models.config import ComputeConfig, Layer, LoraConfig, ModelConfig
 from engine.models.dsa import WithIndexerLoss
@@ -43,6 +44,7 @@ from engine.models.rope import rope_cos_sin, rope_inverse_frequencies, rotate
 from engine.ops.attention import attention, chunked_segment_ids, decode_attention
 from engine.ops.dense import DotGeneral, dense, gated_mlp, matmuls_in, uses_cpu_backward, weight_grads_in
 from engine.ops.partitioning import constrain, current_platform
+from engine.ops.pipeline import gpipe, pipeline_stages
 
 # Parameters are created unsharded and placed by engine/models/params.py under jit with the
 # shardings the rules table gives; NNX's eager sharding would need a mesh at construction.
@@ -656,12 +658,10 @@ class Transformer(nnx.Module):
         unroll = scan_unroll(compute)
         one_per_step = unroll is not True and unroll == 1  # (True == 1 in Python)
 
-        def layer_fn(layer: Layer, in_scan: bool, index=None):
+        def layer_fn(layer: Layer, in_scan: bool, index=None, rows=(positions_bt, segment_ids_bt)):
             def run(block: Block, x):
                 with in_layer(index):
-                    x, _, stats = block.forward(
-                        x, positions_bt, segment_ids_bt, layer.local, rope=layer.rope, chunked=layer.chunked
-                    )
+                    x, _, stats = block.forward(x, *rows, layer.local, rope=layer.rope, chunked=layer.chunked)
                 return x, stats
 
             if compute.remat == "none":
@@ -687,6 +687,8 @@ class Transformer(nnx.Module):
                 state,
                 jnp.arange(indices[0], indices[0] + len(indices)) if contiguous else jnp.array(indices),
             )
+        if (stages := pipeline_stages()) > 1:  # pipeline parallelism: engine/ops/pipeline.py
+            return self._pipelined(x_btd, (positions_bt, segment_ids_bt), graphdefs, stacked, layer_fn, stages), None
 
         def run_layers(x, state: dict, part: list[tuple[Layer, int]], in_scan: bool):
             """The layers `part` ((kind, slot in `state`[its stack])), run by run of like layers."""
@@ -733,6 +735,28 @@ class Transformer(nnx.Module):
             x_btd, after = run_layers(x_btd, stacked, items[start + period * steps :], False)
             stats += _layers(after)
         return x_btd, _stack(stats)
+
+    def _pipelined(self, x_btd, rows, graphdefs, stacked, layer_fn, stages: int):
+        """The layers as `stages` pipeline stages of consecutive layers (engine/ops/pipeline.py:
+        gpipe), each stage's layers one scan; a stack of like layers without experts only."""
+        layers = self.cfg.layer_pattern()
+        if len(set(layers)) > 1 or layers[0].ffn == "moe":
+            raise ConfigError(
+                f"mesh.pipeline: the layers of family {self.cfg.family} are not all alike or have "
+                "experts; pipeline stages need one stack of identical dense layers (use pipeline 1)"
+            )
+        ((name, (state, index)),) = stacked.items()
+        graphdef, layer = graphdefs[name], layers[0]
+
+        def stage(stage_state, x_btd, stage_rows):
+            def step(x, one):
+                layer_state, i = one
+                return layer_fn(layer, True, i, stage_rows)(nnx.merge(graphdef, layer_state), x)[0], None
+
+            return jax.lax.scan(step, x_btd, stage_state, unroll=scan_unroll(self.compute))[0]
+
+        microbatches = self.compute.pipeline_microbatches or stages
+        return gpipe(stage, (state, index), x_btd, rows, stages=stages, microbatches=microbatches)
 
     def _decode_blocks(self, x_btd, positions_bt, segment_ids_bt, cache: KVCache):
         """The blocks with a KV cache; each layer writes its slots of the stacked cache in place.

@@ -19,6 +19,9 @@ from jax.sharding import PartitionSpec as P
 from engine.config import ConfigError
 
 MESH_AXES = ("data", "expert", "fsdp", "context", "tensor")
+PIPELINE_AXIS = "pipeline"
+"""Pipeline stages over the layer stack (engine/ops/pipeline.py): a mesh has it before
+MESH_AXES only when it has more than one stage, so every other mesh is as it was."""
 BATCH_AXES = ("data", "expert", "fsdp")
 """Batches are split over these: outside the MoE layers the expert axis is more data parallelism."""
 TOKEN_AXES = BATCH_AXES + ("context",)
@@ -35,7 +38,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kv_heads": "tensor",
     "head_dim": None,
     "norm": None,
-    "layers": None,
+    "layers": PIPELINE_AXIS,  # a stack's stages: consecutive layers (none without the axis)
     "expert": "expert",
     # activations
     "act_batch": BATCH_AXES,
@@ -47,6 +50,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "act_kv_heads": "tensor",
     "act_mlp": "tensor",
     "act_vocab": "tensor",
+    "act_stage": PIPELINE_AXIS,
 }
 
 

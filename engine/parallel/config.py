@@ -29,9 +29,12 @@ class DcnConfig(Strict):
     expert: int = Field(1, ge=1)
     fsdp: int = Field(1, ge=1)
     context: int = Field(1, ge=1)
+    pipeline: int = Field(1, ge=1)
+    """Pipeline stages over slices: only each micro-batch's activations at a stage boundary
+    cross the data-center network (engine/ops/pipeline.py)."""
 
     def sizes(self) -> list[int]:
-        """In the mesh's axis order (the tensor axis: 1)."""
+        """In the mesh's axis order (the tensor axis: 1; `pipeline` is not among them)."""
         return [self.data, self.expert, self.fsdp, self.context, 1]
 
 
@@ -49,6 +52,10 @@ class MeshConfig(Strict):
     gathers the keys and values, and the parameters are split over it as over fsdp."""
     dcn: DcnConfig = Field(default_factory=DcnConfig)
     """On a multi-slice job: the part of each axis laid over slices (engine/parallel/mesh.py)."""
+    pipeline: int = Field(1, ge=1)
+    """Pipeline parallelism: the layer stack is split into this many stages of consecutive
+    layers, one per slot of the axis, run over micro-batches (engine/ops/pipeline.py,
+    ComputeConfig.pipeline_microbatches). 1: no `pipeline` axis in the mesh."""
 
     def sizes(self) -> list[int]:
         """In the mesh's axis order (engine/ops/partitioning.py: MESH_AXES)."""
@@ -61,4 +68,6 @@ class MeshConfig(Strict):
             raise ValueError("mesh sizes must be positive or -1")
         if sizes.count(-1) > 1:
             raise ValueError("at most one mesh axis may be -1")
+        if self.dcn.pipeline > 1 and self.pipeline % self.dcn.pipeline:
+            raise ValueError(f"dcn.pipeline ({self.dcn.pipeline}) must divide pipeline ({self.pipeline})")
         return self

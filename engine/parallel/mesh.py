@@ -22,22 +22,39 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from engine.config import ConfigError
-from engine.ops.partitioning import BATCH_AXES, MESH_AXES
+from engine.ops.partitioning import BATCH_AXES, MESH_AXES, PIPELINE_AXIS
 from engine.parallel.config import MeshConfig
 
 
+def mesh_axes(cfg: MeshConfig) -> tuple[str, ...]:
+    """The mesh's axis names: MESH_AXES, after `pipeline` where there are pipeline stages."""
+    return ((PIPELINE_AXIS,) if cfg.pipeline > 1 else ()) + MESH_AXES
+
+
+def axis_sizes(cfg: MeshConfig) -> list[int]:
+    """The configured sizes (-1: the rest) in mesh_axes' order."""
+    return ([cfg.pipeline] if cfg.pipeline > 1 else []) + cfg.sizes()
+
+
+def _dcn_sizes(cfg: MeshConfig) -> list[int]:
+    return ([cfg.dcn.pipeline] if cfg.pipeline > 1 else []) + cfg.dcn.sizes()
+
+
 def _describe(sizes: list[int]) -> str:
-    """ "data=2 fsdp=4 tensor=1", naming `expert` and `context` only when they are used."""
+    """ "data=2 fsdp=4 tensor=1", naming `expert` and `context` only when they are used (and
+    `pipeline`, which comes first, when it is)."""
+    axes = MESH_AXES if len(sizes) == len(MESH_AXES) else (PIPELINE_AXIS, *MESH_AXES)
     return " ".join(
-        f"{axis}={size}" for axis, size in zip(MESH_AXES, sizes) if axis not in ("expert", "context") or size != 1
+        f"{axis}={size}" for axis, size in zip(axes, sizes) if axis not in ("expert", "context") or size != 1
     )
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Build the (data, expert, fsdp, context, tensor) mesh; -1 takes the devices the others leave."""
+    """Build the ([pipeline,] data, expert, fsdp, context, tensor) mesh; -1 takes the devices
+    the others leave."""
     devices = list(devices if devices is not None else jax.devices())
     n = len(devices)
-    sizes = cfg.sizes()
+    sizes = axis_sizes(cfg)
     described = _describe(sizes)
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
@@ -52,21 +69,21 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
         )
     slices = len({getattr(d, "slice_index", 0) for d in devices})
     if slices > 1:
-        return Mesh(_hybrid(cfg, sizes, slices, devices), MESH_AXES)
-    if math.prod(cfg.dcn.sizes()) > 1:
-        raise ConfigError(f"mesh.dcn: {_describe(cfg.dcn.sizes())} spans slices, but the devices are one slice")
+        return Mesh(_hybrid(cfg, sizes, slices, devices), mesh_axes(cfg))
+    if math.prod(_dcn_sizes(cfg)) > 1:
+        raise ConfigError(f"mesh.dcn: {_describe(_dcn_sizes(cfg))} spans slices, but the devices are one slice")
     try:  # a topology-aware layout on TPU/GPU; plain order on CPU
         device_array = mesh_utils.create_device_mesh(sizes, devices)
     except Exception:
         device_array = np.asarray(devices).reshape(sizes)
-    return Mesh(device_array, MESH_AXES)
+    return Mesh(device_array, mesh_axes(cfg))
 
 
 def dcn_sizes(cfg: MeshConfig, slices: int) -> list[int]:
     """Each axis's factor over `slices` slices (mesh.dcn; `data` takes them all when unset)."""
-    dcn = cfg.dcn.sizes()
+    dcn = _dcn_sizes(cfg)
     if math.prod(dcn) == 1:
-        dcn[0] = slices
+        dcn[mesh_axes(cfg).index("data")] = slices
     if math.prod(dcn) != slices:
         raise ConfigError(f"mesh.dcn: {_describe(dcn)} spans {math.prod(dcn)} slices but the devices are {slices}")
     return dcn

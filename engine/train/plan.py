@@ -42,8 +42,9 @@ from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.lora import split_adapter
 from engine.models.params import flops_per_token, param_shardings
 from engine.models.quantize import QUANTIZED_DTYPES, quantized_abstract
-from engine.ops.partitioning import BATCH_AXES, MESH_AXES, use_mesh
+from engine.ops.partitioning import BATCH_AXES, use_mesh
 from engine.parallel.config import MeshConfig
+from engine.parallel.mesh import axis_sizes, mesh_axes
 from engine.train.config import TrainConfig
 from engine.train.memory import Memory, device_memory, knobs, older_compiler_note, shard_bytes
 from engine.train.metrics import peak_flops
@@ -146,20 +147,33 @@ def target_devices(target: Target) -> list | None:
 
 def mesh_shape(cfg: MeshConfig, devices: int, target: str) -> dict[str, int]:
     """The configured mesh fitted to `devices` (-1 takes the rest); impossible is one sentence."""
-    sizes = [getattr(cfg, axis, 1) for axis in MESH_AXES]
+    axes, sizes = mesh_axes(cfg), axis_sizes(cfg)
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes and devices % known == 0:
         sizes[sizes.index(-1)] = devices // known
     if math.prod(sizes) != devices:
-        written = " ".join(f"{axis}={getattr(cfg, axis, 1)}" for axis in MESH_AXES)
+        written = " ".join(f"{axis}={size}" for axis, size in zip(axes, axis_sizes(cfg)))
         raise ConfigError(
             f"--target {target}: mesh {written} does not fit its {devices} devices; "
             "set one mesh axis to -1 to take the rest"
         )
-    return dict(zip(MESH_AXES, sizes))
+    return dict(zip(axes, sizes))
 
 
 # --------------------------------------------------------------------------- FLOPs
+
+
+def _with_bubble(cfg: TrainConfig, hardware: float, source: str) -> tuple[float, str]:
+    """GPipe's stages also run their layers in the bubble's slots (engine/ops/pipeline.py):
+    the layers' share of the work (all but the LM head's) times (M + S - 1) / M."""
+    stages = cfg.mesh.pipeline
+    if stages == 1:
+        return hardware, source
+    microbatches = cfg.compute.pipeline_microbatches or stages
+    head = cfg.model.vocab_size * cfg.model.d_model / cfg.model.num_params(include_embedding=False, active=True)
+    layers = hardware * (1 - min(head, 1.0))
+    bubble = f"+ the GPipe bubble ({stages - 1} of {microbatches + stages - 1} slots per stage)"
+    return hardware + layers * (stages - 1) / microbatches, f"{source}, {bubble}"
 
 
 def _flops(cfg: TrainConfig, tokens: int, updates: int) -> tuple[float, float, str]:
@@ -243,6 +257,7 @@ def plan_step(
         memory, how = Memory.of(analysis, **parts, platform=devices[0].platform), "compiled"
         note = older_compiler_note(analysis, devices[0].platform)
     model_flops, hardware_flops, source = _flops(cfg, tokens, updates_per_batch)
+    hardware_flops, source = _with_bubble(cfg, hardware_flops, source)
     if compiled is not None and not cfg.compute.scan_layers and cfg.grad_accum == 1:
         # XLA counts a loop's body once, so its count is the step's only without scanned layers.
         costs = compiled.cost_analysis()
@@ -301,7 +316,7 @@ def _estimate(
     float32 logits and their gradient."""
     chip = target.chip
     sizes = mesh_shape(cfg.mesh, target.chips, target.name)
-    mesh = AbstractMesh(tuple(sizes.values()), MESH_AXES)
+    mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
     try:
         shapes, shardings = param_shardings(cfg.model, cfg.compute, mesh, cfg.lora)
     except ConfigError as e:
