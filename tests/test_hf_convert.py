@@ -320,6 +320,8 @@ PUBLISHED_BILLIONS = {  # parameter counts of the released models
     "smollm3-3b": 3.08,
     "olmo2-7b": 7.30,
     "phi3-mini-4k": 3.82,
+    "phi3.5-mini": 3.82,  # microsoft/Phi-3.5-mini-instruct (LongRoPE)
+    "phi4-mini": 3.84,  # microsoft/Phi-4-mini-instruct: 3,836,021,760
     # Llama 4's text decoders (Llama4ForCausalLM); the published 109B / 400B count the
     # multimodal checkpoints, vision tower included
     "llama4-scout": 107.77,

@@ -21,7 +21,7 @@ from tests.deps import need
 torch = need("torch")
 transformers = need("transformers")
 
-from engine.config import ConfigError, resolve_model_preset  # noqa: E402
+from engine.config import resolve_model_preset  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
@@ -267,11 +267,8 @@ def test_a_training_step_over_interleaved_stacks_is_the_unrolled_layers_step():
 
 
 def test_what_phi3_cannot_do_yet_is_refused_in_one_sentence():
-    """LongRoPE (Phi-3-mini-128k, Phi-3.5, Phi-4-mini) and LoRA on a fused projection."""
+    """LoRA on a fused projection (LongRoPE: tests/test_hf_longrope.py)."""
     hf = {**hf_config("phi3").to_dict(), "architectures": ["Phi3ForCausalLM"]}
-    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}
-    with pytest.raises(ConfigError, match=r"RoPE type 'longrope' \(LongRoPE\) is not supported"):
-        model_config_from_hf({**hf, "rope_parameters": longrope})
     cfg, _ = model_config_from_hf(hf)
     with pytest.raises(ValueError, match=r"family 'phi3' stores q_proj, v_proj fused with others in one tensor"):
         LoraConfig(target_modules=["q_proj", "v_proj"]).targets(cfg)

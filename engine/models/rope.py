@@ -1,5 +1,5 @@
-"""Rotary position embeddings: the rotation frequencies (plain, Llama 3, linear and YaRN
-scaling) and their application to queries and keys, shared by grouped-query attention
+"""Rotary position embeddings: the rotation frequencies (plain, Llama 3, linear, YaRN and
+LongRoPE scaling) and their application to queries and keys, shared by grouped-query attention
 (transformer.py) and multi-head latent attention (mla.py)."""
 
 from __future__ import annotations
@@ -12,11 +12,16 @@ import jax.numpy as jnp
 from engine.models.config import RopeScaling
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
-    """Per-pair rotation frequencies; Llama-3 scaling stretches the low frequencies."""
+def rope_inverse_frequencies(
+    head_dim: int, theta: float, scaling: RopeScaling | None, positions_bt: jax.Array | None = None
+) -> jax.Array:
+    """Per-pair rotation frequencies; Llama-3 scaling stretches the low frequencies. LongRoPE's
+    depend on the sequence's length, read from `positions_bt` (None: the short ones)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     if scaling is None:
         return inv_freq
+    if scaling.kind == "longrope":
+        return _longrope_inverse_frequencies(inv_freq, scaling, positions_bt)
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
     if scaling.kind == "yarn":
@@ -52,6 +57,20 @@ def _yarn_inverse_frequencies(inv_freq, head_dim: int, theta: float, scaling: Ro
     ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
     keep = 1 - ramp
     return inv_freq / scaling.factor * (1 - keep) + inv_freq * keep
+
+
+def _longrope_inverse_frequencies(inv_freq, scaling: RopeScaling, positions_bt):
+    """LongRoPE (transformers' _compute_longrope_parameters and longrope_frequency_update): each
+    frequency divided by its short factor, or by its long factor once the sequence is longer
+    than original_max_position. As transformers, the length is the largest position in the
+    call plus one, one choice for the whole batch (a traced choice, so no recompile)."""
+    assert scaling.short_factor is not None and scaling.long_factor is not None
+    assert len(scaling.short_factor) == inv_freq.shape[0], "one short and long factor per rotated pair"
+    short = inv_freq / jnp.asarray(scaling.short_factor, jnp.float32)
+    if positions_bt is None:
+        return short
+    long = inv_freq / jnp.asarray(scaling.long_factor, jnp.float32)
+    return jnp.where(jnp.max(positions_bt) + 1 > scaling.original_max_position, long, short)
 
 
 def rope_cos_sin(positions_bt, inv_freq_h2, scale: float = 1.0, max_position: int | None = None):

@@ -148,6 +148,16 @@ def rope_to_hf(scaling) -> dict | None:
         return None
     if scaling.kind == "linear":
         return {"rope_type": "linear", "factor": scaling.factor}
+    if scaling.kind == "longrope":  # the family leaves out what transformers derives (phi3.py)
+        longrope = {
+            "rope_type": "longrope",
+            "short_factor": list(scaling.short_factor),
+            "long_factor": list(scaling.long_factor),
+            "original_max_position_embeddings": scaling.original_max_position,
+            "factor": scaling.factor,
+            "attention_factor": scaling.attention_factor,
+        }
+        return {k: v for k, v in longrope.items() if v is not None}
     if scaling.kind == "yarn":
         # Only what differs from transformers' defaults, as published configs write it.
         optional = {

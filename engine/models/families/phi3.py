@@ -4,9 +4,12 @@
 `mlp.gate_up_proj` gate then up (TensorSpec.fused_with); conversion splits them into the
 engine's separate arrays and export fuses them again. A `sliding_window` applies to every
 layer; `partial_rotary_factor` (Phi-4-mini) rotates the first part of each head
-(ModelConfig.rotary_dim). LongRoPE (`rope_type: longrope`, Phi-3-mini-128k, Phi-3.5,
-Phi-4-mini) is refused: its two frequency tables switched by sequence length are not
-implemented. LoRA cannot adapt the fused projections yet (Family.fused_projections).
+(ModelConfig.rotary_dim). LongRoPE (`rope_type: longrope`, or the older `su` and `yarn`
+that transformers reads as it for Phi-3; Phi-3-mini-128k, Phi-3.5, Phi-4-mini) is the RoPE
+kind longrope (rope.py): per-pair short and long factors, switched when the sequence passes
+the top-level `original_max_position_embeddings` (which transformers prefers to the one in
+the RoPE dict), and an attention factor from max_position_embeddings / that length. LoRA
+cannot adapt the fused projections yet (Family.fused_projections).
 """
 
 from __future__ import annotations
@@ -44,10 +47,27 @@ class Phi3(Family):
             or {"rope_theta": self.hf_value(hf, "rope_theta", 10000.0), **(hf.get("rope_scaling") or {})}
         )
         rope.pop("partial_rotary_factor", None)  # rotary_dim, below
-        if rope.get("rope_type", rope.get("type")) == "longrope":
-            raise ConfigError(f"{where}: RoPE type 'longrope' (LongRoPE) is not supported; Phi-3 models without it are")
+        if rope.get("rope_type", rope.get("type")) in ("longrope", "su", "yarn"):  # transformers' Phi3Config
+            theta = float(rope.get("rope_theta", 10000.0))
+            return {"rope_theta": theta, "rope_scaling": self._longrope(hf, rope, where)}
         theta, scaling = rope_from_hf(rope, where)
         return {"rope_theta": theta, "rope_scaling": scaling}
+
+    def _longrope(self, hf: dict, rope: dict, where: str) -> dict[str, Any]:
+        original = self.hf_value(hf, "original_max_position_embeddings", 4096)
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        pairs = int(head_dim * self._partial_rotary_factor(hf)) // 2
+        for key in ("short_factor", "long_factor"):
+            if not isinstance(rope.get(key), list) or len(rope[key]) != pairs:
+                raise ConfigError(f"{where}: rope_parameters.{key} must list {pairs} numbers (one per rotated pair)")
+        return {
+            "kind": "longrope",
+            "short_factor": rope["short_factor"],
+            "long_factor": rope["long_factor"],
+            "original_max_position": original,
+            "factor": rope.get("factor") or self.hf_value(hf, "max_position_embeddings") / original,
+            "attention_factor": rope.get("attention_factor"),
+        }
 
     def extra_fields_from_hf(self, hf: dict) -> dict[str, Any]:
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
@@ -55,16 +75,19 @@ class Phi3(Family):
         return {"rotary_dim": None if rotary == head_dim else rotary}
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
+        scaling = cfg.rope_scaling
+        longrope = scaling is not None and scaling.kind == "longrope"
         keys: dict[str, Any] = {
             "sliding_window": cfg.sliding_window if all(cfg.layer_is_local()) else None,
-            "original_max_position_embeddings": cfg.max_seq_len,
+            "original_max_position_embeddings": scaling.original_max_position if longrope else cfg.max_seq_len,
         }
-        if cfg.rotary_dim is not None:
-            factor = cfg.rotary_dim / cfg.head_dim
-            keys["rope_parameters"] = {
-                **_rope_parameters(cfg.rope_theta, cfg.rope_scaling),
-                "partial_rotary_factor": factor,
-            }
+        rope = _rope_parameters(cfg.rope_theta, scaling)
+        if longrope and rope.get("factor") == cfg.max_seq_len / scaling.original_max_position:
+            del rope["factor"]  # transformers' default, which published configs leave out
+            keys["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if cfg.rotary_dim is not None or longrope:  # transformers writes the factor in both places
+            factor = (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim
+            keys["rope_parameters"] = {**rope, "partial_rotary_factor": factor}
             keys["partial_rotary_factor"] = factor
         return keys
 
