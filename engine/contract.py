@@ -90,6 +90,8 @@ ADDED_AT_DEFAULT = {
     "model.value_norm": False,
     "model.layer_scale": False,
     "model.rope_scaling.rotated_fraction": 1.0,  # RoPE kind proportional's share (Gemma 4)
+    "model.rope_scaling.short_factor": None,  # RoPE kind longrope's (Phi-3.5, Phi-4-mini)
+    "model.rope_scaling.long_factor": None,
     "model.moe_beside_mlp": False,  # Gemma 4's mixture of experts
     "model.router_input_norm": False,
     "model.router_expert_scale": False,

@@ -21,12 +21,15 @@ from engine.ops.attention_names import DecodeImpl, Impl
 class RopeScaling(Strict):
     """RoPE frequency scaling for long context."""
 
-    kind: Literal["llama3", "linear", "yarn", "proportional"] = "llama3"
+    kind: Literal["llama3", "linear", "yarn", "proportional", "longrope"] = "llama3"
     """llama3: frequency-dependent (Llama 3.1+); linear: every frequency / factor (Gemma 3);
     yarn: YaRN (arXiv 2309.00071; Qwen3, DeepSeek), frequencies interpolated by a linear ramp
     between beta_fast and beta_slow rotations, and cos/sin scaled by an attention factor;
     proportional: the frequencies of the whole head, only the fastest rotated_fraction of them
-    kept (the rest zero: those pairs not rotated), every one / factor (Gemma 4's global layers)."""
+    kept (the rest zero: those pairs not rotated), every one / factor (Gemma 4's global layers);
+    longrope: LongRoPE (arXiv 2402.13753; Phi-3.5, Phi-4-mini), each frequency divided by its
+    own short_factor, or long_factor when the sequence is longer than original_max_position,
+    and cos/sin scaled by an attention factor (rope.py)."""
     factor: float = Field(8.0, gt=0)
     low_freq_factor: float = Field(1.0, gt=0)
     """llama3 only, as is the next one."""
@@ -47,13 +50,29 @@ class RopeScaling(Strict):
     rotated_fraction: float = Field(1.0, gt=0, le=1)
     """proportional only: the share of each head's dimension pairs that rotate
     (transformers' partial_rotary_factor of that RoPE type)."""
+    short_factor: tuple[float, ...] | None = None
+    """longrope only, as is the next one: per rotated pair, the divisor of its frequency while
+    the sequence fits in original_max_position..."""
+    long_factor: tuple[float, ...] | None = None
+    """... and once it is longer (transformers: max(position) + 1 > original_max_position)."""
+
+    @model_validator(mode="after")
+    def _check_longrope(self) -> RopeScaling:
+        factors = (self.short_factor, self.long_factor)
+        if self.kind == "longrope" and (None in factors or len(self.short_factor or ()) != len(self.long_factor or ())):
+            raise ValueError("rope_scaling of kind longrope needs short_factor and long_factor of one length")
+        return self
 
     def yarn_attention_factor(self) -> float:
-        """The factor YaRN scales cos and sin by (1.0 for the other kinds)."""
-        if self.kind != "yarn":
+        """The factor YaRN and LongRoPE scale cos and sin by (1.0 for the other kinds)."""
+        if self.kind not in ("yarn", "longrope"):
             return 1.0
         if self.attention_factor is not None:
             return self.attention_factor
+        if self.kind == "longrope":  # factor: max_position_embeddings / original (transformers)
+            if self.factor <= 1.0:
+                return 1.0
+            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position))
 
         def get_mscale(scale: float, mscale: float = 1.0) -> float:
             return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0

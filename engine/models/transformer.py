@@ -130,10 +130,10 @@ class Attention(nnx.Module):
         """x . the weight `attr` (plus its LoRA update, if it has an adapter)."""
         return project(self, attr, x, n_in, self.dtype, backward=self.matmul_backward, dot_general=self.dot_general)
 
-    def _inverse_frequencies(self, local: bool):
+    def _inverse_frequencies(self, local: bool, positions_bt=None):
         if local and self.rope_local_theta is not None:
             return rope_inverse_frequencies(self.rotary_dim, self.rope_local_theta, None)
-        return rope_inverse_frequencies(self.rotary_dim, self.rope_theta, self.rope_scaling)
+        return rope_inverse_frequencies(self.rotary_dim, self.rope_theta, self.rope_scaling, positions_bt)
 
     def _rope_scale(self, local: bool) -> float:
         if (local and self.rope_local_theta is not None) or self.rope_scaling is None:
@@ -153,7 +153,8 @@ class Attention(nnx.Module):
 
     def rotary(self, positions_bt, local: bool, max_position: int | None = None):
         """RoPE's (cos, sin) at `positions_bt` for a global or local layer (rope.py)."""
-        return rope_cos_sin(positions_bt, self._inverse_frequencies(local), self._rope_scale(local), max_position)
+        inv_freq = self._inverse_frequencies(local, positions_bt)
+        return rope_cos_sin(positions_bt, inv_freq, self._rope_scale(local), max_position)
 
     def __call__(
         self,
