@@ -238,6 +238,7 @@ def convert_hf(
     tied_head: Path | None = None
     source_names: dict[str, str] = {}  # a multimodal checkpoint's name of each text-model name
     skipped: list[str] = []  # its tensors outside the text decoder
+    ignored: list[str] = []  # tensors of modules the engine does not run (Family.ignored_tensor)
     mxfp4 = (hf_config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
     scales_at = _mxfp4_scales(files) if mxfp4 else {}
     for path in files:
@@ -258,6 +259,7 @@ def convert_hf(
                 if name.endswith("rotary_emb.inv_freq"):  # a buffer some old checkpoints saved
                     continue
                 if get_family(cfg.family).ignored_tensor(name, cfg):
+                    ignored.append(name)
                     continue
                 if name == "lm_head.weight" and cfg.tie_embeddings:
                     tied_head = path
@@ -320,6 +322,10 @@ def convert_hf(
         for handle in handles.values():
             handle.close()
     log(f"convert: read {len(jobs)} tensors from {len(files)} file(s)")
+    if ignored:
+        layers = {".".join(n.split(".")[:3]) if n.startswith("model.layers.") else n.split(".")[0] for n in ignored}
+        modules = sorted(layers)
+        log(f"convert: skipped {len(ignored)} tensors of modules the engine does not run: {', '.join(modules)}")
     if skipped and multimodal is not None:
         outside = sorted({name.split(".")[0] + "." for name in skipped})
         log(

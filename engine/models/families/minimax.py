@@ -11,6 +11,11 @@ scores, a bias that only chooses (e_score_correction_bias), the k weights renorm
 The published config.json also carries MiniMax's own keys (use_qk_norm, scoring_func,
 use_routing_bias, shared_intermediate_size, ...) that transformers' class ignores: the
 values it hard-codes are read, anything else is refused.
+
+Its multi-token-prediction modules (`use_mtp`, `num_mtp_modules`: tensors under
+model.layers.{num_hidden_layers + i}., as vLLM names them) have no modeling in transformers
+5.25, nor in MiniMax's own code, so their math is unknown here: conversion skips them with a
+message (as vLLM's loader does), and export writes the model without them.
 """
 
 from __future__ import annotations
@@ -74,6 +79,11 @@ class MiniMaxM2(Family):
                     f"{where}: {key}={hf[key]!r} is not supported ({self.architecture} runs {key}={value!r})"
                 )
         return super().config_from_hf(hf, where)
+
+    def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:
+        """The multi-token-prediction modules: the layers after the decoder's."""
+        layer = name.split(".")[2] if name.startswith("model.layers.") else ""
+        return layer.isdigit() and int(layer) >= cfg.num_layers
 
     def _rotary_dim(self, hf: dict) -> int:
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
