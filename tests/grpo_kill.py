@@ -9,7 +9,7 @@ the same programs).
                                    callback runs while the compiled step runs): mid-update
 
 MARKER is a file created just before the kill, so a resumed process does not kill again.
-CONSUMED, if set, is a file each scoring appends its batch to ({"step", "answers"}): what the
+CONSUMED, if set, is a file each scoring appends its batch to ({"step", "prompts"}): what the
 trainer's process took from the prompt stream, per step.
 """
 
@@ -35,15 +35,26 @@ def _kill_once(marker: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def copy_reward(completions, answer, step, **kwargs):
-    """1 when the completion starts with the prompt's digit (the copy task's exact_match)."""
+def _scoring(prompts: list, step: int) -> None:
+    """Batch `step` is scored: log its prompts, and die here if asked to."""
     if os.environ.get(CONSUMED):
         with open(os.environ[CONSUMED], "a") as f:
-            f.write(json.dumps({"step": step, "answers": list(answer)}) + "\n")
+            f.write(json.dumps({"step": step, "prompts": prompts}) + "\n")
     at, _, marker = os.environ.get(KILL_AT_ROLLOUT, "").partition(":")
     if at and step == int(at):
         _kill_once(marker)
+
+
+def copy_reward(prompts, completions, answer, step, **kwargs):
+    """1 when the completion starts with the prompt's digit (the copy task's exact_match)."""
+    _scoring(prompts, step)
     return [1.0 if c[:1] == a else 0.0 for c, a in zip(completions, answer)]
+
+
+def no_reward(prompts, completions, step, **kwargs):
+    """0 for every completion: the kill point of a run an environment scores."""
+    _scoring(prompts, step)
+    return [0.0] * len(completions)
 
 
 def _count_update(_) -> None:

@@ -12,7 +12,8 @@ written, before or after its digests: the step's manifest). Then:
 - a rollout worker with max_staleness 1: the batches in flight at the kill are generated again
   with the weights they had (the checkpoint of update b - 1), the same prompts and seeds, so
   the metrics lines and the final params are again the uninterrupted run's;
-- both: each step's prompts are the uninterrupted run's, each taken once (no step skipped or
+- multi-turn (two-turn tool episodes, synchronous): bitwise, as the synchronous run;
+- all: each step's prompts are the uninterrupted run's, each taken once (no step skipped or
   repeated in the metrics);
 - a prompts file changed between the kill and the resume is refused in one sentence naming
   data.path.
@@ -42,6 +43,7 @@ from engine.train.metrics import read_metrics
 from tests.conftest import child_xla_flags
 from tests.grpo_kill import CONSUMED, KILL_AT_ROLLOUT, KILL_AT_UPDATE
 from tests.test_grpo import grpo_config, make_copy_task
+from tests.test_multiturn import tool_config, tool_task  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 5
@@ -56,17 +58,21 @@ def task(tmp_path_factory):
     return make_copy_task(tmp_path_factory.mktemp("resume_task"), cfg)
 
 
-def write_config(task: Path, out: Path, **fields) -> Path:
-    """The run's config file: the copy task, a checkpoint every step (all kept), the kill points'
-    reward and loss."""
+def write_config(task: Path, out: Path, multiturn: bool = False, **fields) -> Path:
+    """The run's config file: the copy task (or the two-turn tool task), a checkpoint every step
+    (all kept), the kill points' reward and loss."""
     out.mkdir(parents=True, exist_ok=True)
     prompts = out / "prompts.jsonl"  # the run's own copy: a test changes it
+    if multiturn:
+        tree = tool_config(task, out, steps=STEPS, prompts_per_step=4, num_generations=8).model_dump(mode="json")
+        tree["rewards"] = [{"function": "tests.grpo_kill:no_reward", "weight": 0.0}]
+    else:
+        tree = grpo_config(task, out, steps=STEPS, prompts_per_step=2, num_generations=4).model_dump(mode="json")
+        tree["rewards"] = [{"function": "tests.grpo_kill:copy_reward"}]
     if not prompts.exists():
-        shutil.copy(task / "prompts.jsonl", prompts)
-    tree = grpo_config(task, out, steps=STEPS, prompts_per_step=2, num_generations=4).model_dump(mode="json")
-    tree["checkpoint"].update(every_steps=1, keep=STEPS + 1)
+        shutil.copy(tree["data"]["path"], prompts)
+    tree["checkpoint"].update(every_steps=1, keep=STEPS + 1, async_save=True)
     tree["data"]["path"] = str(prompts)
-    tree["rewards"] = [{"function": "tests.grpo_kill:copy_reward"}]
     tree["loss_type"] = "tests.grpo_kill:clipped_with_kill_point"
     tree.update(fields)
     path = out / "config.yaml"
@@ -102,13 +108,14 @@ def kill_when_step_appears(config: Path, step: int) -> None:
 
 
 def killed_three_times(config: Path) -> str:
-    """Killed mid-rollout of batch 3, mid-update of step 4, while checkpoint 5 is written; then
-    run to the end. Returns the last run's log."""
+    """Killed mid-rollout of batch 3, mid-update of the second step it resumes to, while
+    checkpoint 5 is written; then run to the end. Returns the last run's log."""
     marker = config.parent / "killed"
     code, stderr = finish(stage(config, **{KILL_AT_ROLLOUT: f"2:{marker}.rollout"}))
     assert code == -signal.SIGKILL, stderr[-2000:]
-    code, stderr = finish(stage(config, **{KILL_AT_UPDATE: f"2:{marker}.update"}))  # resumed at 2: steps 3, 4
-    assert code == -signal.SIGKILL and "resumed from checkpoint step 2" in stderr, stderr[-2000:]
+    # Resumed at 2 (or 1: checkpoints are saved asynchronously, step 2's may not have landed).
+    code, stderr = finish(stage(config, **{KILL_AT_UPDATE: f"2:{marker}.update"}))
+    assert code == -signal.SIGKILL and "resumed from checkpoint step" in stderr, stderr[-2000:]
     kill_when_step_appears(config, 5)
     code, stderr = finish(stage(config))
     assert code == 0 and "resumed from checkpoint step" in stderr, stderr[-2000:]
@@ -121,12 +128,12 @@ def comparable(metrics_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not any(t in k for t in timing)} for r in read_metrics(metrics_dir)]
 
 
-def consumed_per_step(out: Path) -> dict[int, list[str]]:
+def consumed_per_step(out: Path) -> dict[int, list]:
     """The prompts scored at each step; a batch scored again after a kill must be the same."""
-    per_step: dict[int, list[str]] = {}
+    per_step: dict[int, list] = {}
     for line in (out / "consumed.jsonl").read_text().splitlines():
         record = json.loads(line)
-        assert per_step.setdefault(record["step"], record["answers"]) == record["answers"], record
+        assert per_step.setdefault(record["step"], record["prompts"]) == record["prompts"], record
     return per_step
 
 
@@ -166,3 +173,13 @@ def test_grpo_with_a_stale_worker_killed_three_times_regenerates_its_batches_and
     assert_same_run(tmp_path / "uninterrupted", tmp_path / "killed")
     staleness = [r["rollout_staleness"] for r in read_metrics(tmp_path / "killed")]
     assert staleness == [0.0] + [1.0] * (STEPS - 1), staleness  # batch b from update b - 1, resumed or not
+
+
+def test_multi_turn_grpo_killed_three_times_resumes_bitwise(tool_task, tmp_path):  # noqa: F811
+    """Two-turn tool episodes (the calculator run in its sandbox): the episodes of a batch
+    scored again after a kill are the same, and the run ends as the uninterrupted one."""
+    code, stderr = finish(stage(write_config(tool_task, tmp_path / "uninterrupted", multiturn=True)))
+    assert code == 0, stderr[-2000:]
+    killed_three_times(write_config(tool_task, tmp_path / "killed", multiturn=True))
+    assert_same_run(tmp_path / "uninterrupted", tmp_path / "killed")
+    assert "env/tool_calls" in read_metrics(tmp_path / "killed")[-1]
