@@ -56,7 +56,8 @@ def diff(a: Path, b: Path, store_a: ArtifactStore | None = None, store_b: Artifa
     metrics = []
     for key in dict.fromkeys([*(ma.get("metrics") or {}), *(mb.get("metrics") or {})]):
         va, vb = (ma.get("metrics") or {}).get(key), (mb.get("metrics") or {}).get(key)
-        delta = vb - va if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (va, vb)) else None
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (va, vb))
+        delta = vb - va if numbers and va is not None and vb is not None else None
         metrics.append({"metric": key, "a": va, "b": vb, "b - a": delta})
     written = _changed(ma.get("config_as_written") or {}, mb.get("config_as_written") or {})
     shown = {row["key"] for row in written}

@@ -83,15 +83,15 @@ def lineage(directory: Path, _seen: set | None = None, store: ArtifactStore | No
     bucket `store` (whose staging copy `directory` is), manifests, states and paths are the bucket's."""
     seen = _seen if _seen is not None else set()
     store_root = directory.parent.parent
-    remote = store is not None and store.remote is not None
-    where = store.location(directory.parent.name, directory.name) if remote else str(directory)
-    manifest = store.manifest(directory.parent.name, directory.name) if remote else read_manifest(directory)
+    bucket = store if store is not None and store.remote is not None else None
+    where = bucket.location(directory.parent.name, directory.name) if bucket else str(directory)
+    manifest = bucket.manifest(directory.parent.name, directory.name) if bucket else read_manifest(directory)
     if manifest is None:
         return {"path": where, "error": "no readable artifact.json"}
     # The store's view, not the manifest's word: a manifest left `running` by a run that
     # died (or could not write its last manifest) is partial once no process holds its lock.
-    status = (store if remote else ArtifactStore(store_root)).state(directory.parent.name, directory.name)
-    node = {
+    status = (bucket or ArtifactStore(store_root)).state(directory.parent.name, directory.name)
+    node: dict[str, Any] = {
         "stage": manifest.get("stage"),
         "id": manifest.get("id"),
         "kind": manifest.get("kind"),

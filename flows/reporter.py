@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from prefect.client.orchestration import SyncPrefectClient, get_client
@@ -214,7 +214,7 @@ class Reporter:
             else:
                 self._attempt(context, fn, *args, **kwargs)
 
-    def _post(self, path: str, body: list) -> None:
+    def _post(self, path: Literal["/logs/", "/events"], body: list) -> None:
         """POST `body` with the reporter's client, opened on first use (under the reporter's
         settings, in `_attempt`) and kept: a new client per request (an SSL context, an httpx
         pool) cost as much CPU as the settings did."""
@@ -412,6 +412,6 @@ def observing(api_url: str) -> Iterator[Reporter]:
                 set_events_queue(None)
                 set_task_run_concurrency(task_run_concurrency)
                 while _observing:
-                    logger, handler, queued = _observing.pop()
-                    logger.removeHandler(queued)
+                    logger, handler, replacement = _observing.pop()
+                    logger.removeHandler(replacement)
                     logger.addHandler(handler)

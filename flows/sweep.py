@@ -298,12 +298,11 @@ def expand(
         for input_name, value in stage.inputs.items():
             text = value.select.from_ if hasattr(value, "select") else value
             try:
-                parsed[input_name] = parse_ref(str(text))
+                parsed[input_name] = up, point, _ = parse_ref(str(text))
             except ValueError:
                 errors.append(f"{where}.inputs.{input_name}: '{text}' is not a stage reference ({_REF_FORMS})")
                 parsed[input_name] = None
                 continue
-            up, point, _ = parsed[input_name]
             if up not in stages:
                 match = difflib.get_close_matches(up, list(stages), n=1)
                 hint = f"; did you mean '{match[0]}'?" if match else f"; stages are: {', '.join(stages)}"
@@ -321,7 +320,8 @@ def expand(
                     )
                     continue
                 fan_out = up
-        if any(v is None for v in parsed.values()):
+        refs = {name: ref for name, ref in parsed.items() if ref is not None}
+        if len(refs) < len(parsed):
             continue
 
         upstream_points = by_base[fan_out] if fan_out else [None]
@@ -348,7 +348,7 @@ def expand(
                 inputs: dict[str, Ref | Selection] = {}
                 fan_in: dict[str, tuple[str, ...]] = {}
                 for input_name, value in stage.inputs.items():
-                    up, point, step = parsed[input_name]
+                    up, point, step = refs[input_name]
                     resolved = _resolve(up, point, by_base, upstream, fan_out, f"{where}.inputs.{input_name}")
                     if isinstance(resolved, str):
                         errors.append(resolved)
@@ -372,6 +372,7 @@ def expand(
                     if gate_name in by_base:
                         choices = by_base[gate_name]
                         if gate_name == fan_out:
+                            assert upstream is not None  # a point of the sweep fanned out over
                             gate_stages[gate_name] = upstream.name
                         elif len(choices) == 1 and not choices[0].params:
                             gate_stages[gate_name] = choices[0].name

@@ -260,7 +260,7 @@ class FineTuneStage(EngineStage):
     inside an input, `{input:corpus}/...`, by the input's id and the path), and moved to an
     input's URL where it has one when run."""
 
-    possible_outputs = ("adapter",)
+    possible_outputs: ClassVar[tuple[str, ...]] = ("adapter",)
 
     def output_kind(self, config) -> str:
         return "adapter" if getattr(config, "lora", None) is not None else "checkpoint"

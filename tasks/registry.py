@@ -255,9 +255,10 @@ class StageKind:
 
 def _field(tree: dict, dotted: str) -> Any:
     """The value at `a.b.c` in `tree` (None where it is missing)."""
+    value: Any = tree
     for part in dotted.split("."):
-        tree = tree.get(part) if isinstance(tree, dict) else None
-    return tree
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 def register_stage(cls: type[StageKind], *, replace: bool = False) -> type[StageKind]:

@@ -160,7 +160,8 @@ def _stat_readable(path: str, key: str) -> os.stat_result:
             f.read(1)
         return os.stat(path)
     except (OSError, EOFError) as e:
-        raise ConfigError(f"{key}: cannot read {path}: {e.strerror or e}") from None
+        reason = e.strerror if isinstance(e, OSError) else None
+        raise ConfigError(f"{key}: cannot read {path}: {reason or e}") from None
 
 
 def group_parts(parts: list[Part], target_bytes: int) -> list[list[Part]]:

@@ -249,6 +249,7 @@ class _Encoder:
                 raise _bad_record_error(src, part, position, value)
             stats["skipped"][reason] = stats["skipped"].get(reason, 0) + 1
             return
+        assert text is not None and data is not None  # a record clean() keeps has both
         stats["invalid_utf8_replaced"] += replaced
         stats["documents"] += 1
         stats["bytes"] += len(data)
@@ -306,7 +307,8 @@ class _Encoder:
         records = []
         for piece in pieces:
             record = np.empty(len(piece) + head + 1, TOKEN_DTYPE)
-            if head:
+            if head:  # add_bos: the tokenizer has a bos_id
+                assert self.bos_id is not None
                 record[0] = self.bos_id
             record[head:-1] = piece
             record[-1] = self.eos_id
@@ -517,6 +519,7 @@ def _training_texts(cfg: TokenizeConfig, parts: list[Part], seen: dict):
                         raise _bad_record_error(src, part, position, value)
                     seen[reason] = seen.get(reason, 0) + 1
                     continue
+                assert text is not None and data is not None  # a record clean() keeps has both
                 seen["documents"] = seen.get("documents", 0) + 1
                 if document_hash(data, cfg.split_seed)[0] < cfg.validation_fraction:
                     continue

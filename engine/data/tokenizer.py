@@ -93,7 +93,9 @@ class TokenizerBundle:
 
     @property
     def eos_id(self) -> int:
-        return self.token_id(self.eos_token)
+        eos = self.tokenizer.token_to_id(self.eos_token)
+        assert eos is not None, "load_tokenizer adds the end-of-document token to the vocabulary"
+        return eos
 
     @property
     def pad_id(self) -> int | None:
@@ -269,6 +271,7 @@ def _sentencepiece(path: Path) -> tuple[Tokenizer, dict]:
     if not pieces:
         raise ConfigError(f"tokenizer.path: {path} is not a SentencePiece model (no pieces)")
     model_type = proto.trainer_spec.model_type  # 1 unigram, 2 bpe, 3 word, 4 char
+    vocab: list[tuple[str, float]] | dict[str, int]
     if model_type == 1:
         vocab = pieces
     elif model_type == 2:
@@ -286,6 +289,7 @@ def _sentencepiece(path: Path) -> tuple[Tokenizer, dict]:
 
 def load_tokenizer(cfg: TokenizerConfig) -> TokenizerBundle:
     """Load `cfg.path`; the config's special tokens override (or extend) the loaded ones."""
+    assert cfg.path is not None  # a tokenizer to load (a trained one has none: tokenize trains it)
     path = Path(os.path.expanduser(cfg.path))
     if path.is_dir():
         tok, settings = _hf_directory(path)
@@ -311,7 +315,12 @@ def load_tokenizer(cfg: TokenizerConfig) -> TokenizerBundle:
     if missing:
         tok.add_special_tokens(list(dict.fromkeys(missing)))
     return TokenizerBundle(
-        tok, **chosen, extra_special_tokens=extra, chat_template=cfg.chat_template or settings.get("chat_template")
+        tok,
+        eos_token=chosen["eos_token"],
+        bos_token=chosen["bos_token"],
+        pad_token=chosen["pad_token"],
+        extra_special_tokens=extra,
+        chat_template=cfg.chat_template or settings.get("chat_template"),
     )
 
 

@@ -104,6 +104,7 @@ def batches_of(cfg: EvalConfig) -> int:
 def _generation_metrics(
     task: GenerationTask, model_cfg, params, bundle, sampler, progress: Progress
 ) -> tuple[dict, list[dict]]:
+    assert task.path is not None  # the tasks a run evaluates by generation name their file
     records = load_jsonl(task.path, task.limit)
     for i, r in enumerate(records):
         if task.prompt_field not in r:

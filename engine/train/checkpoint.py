@@ -86,7 +86,7 @@ class CheckpointWriteError(RuntimeError):
 
 def _step_files(step_dir: epath.Path, prefix: str = "") -> list[str]:
     """Relative paths of the files a step's digests cover, sorted."""
-    files = []
+    files: list[str] = []
     for path in sorted(step_dir.iterdir(), key=lambda p: p.name):
         if not prefix and path.name in _NOT_DIGESTED:
             continue
@@ -104,16 +104,13 @@ def _sha256(path: epath.Path) -> str:
 
 def write_digests(step_dir: str | Path, step: int | None = None) -> None:
     """Record size and sha256 of every file of a step in `<step_dir>/digests.json` (atomically)."""
-    step_dir = epath.Path(step_dir)
-    files = {
-        rel: {"size": (step_dir / rel).stat().length, "sha256": _sha256(step_dir / rel)}
-        for rel in _step_files(step_dir)
-    }
-    tmp = step_dir / (DIGESTS_FILE + ".tmp")
+    path = epath.Path(step_dir)
+    files = {rel: {"size": (path / rel).stat().length, "sha256": _sha256(path / rel)} for rel in _step_files(path)}
+    tmp = path / (DIGESTS_FILE + ".tmp")
     tmp.write_text(
         json.dumps({"format": DIGESTS_FORMAT, "step": step, "algorithm": "sha256", "files": files}, indent=1)
     )
-    tmp.rename(step_dir / DIGESTS_FILE)
+    tmp.rename(path / DIGESTS_FILE)
 
 
 def verify_step(directory: str | Path, step: int) -> list[str]:

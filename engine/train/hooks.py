@@ -149,6 +149,7 @@ def checkpoint_meta(trainer: Trainer, **extra) -> dict:
     if cfg.lora is not None and is_url(init_from):  # a base in a bucket is named by its URL
         meta["lora"] = {**cfg.lora.model_dump(mode="json"), "base_checkpoint": init_from}
     elif cfg.lora is not None:  # the params are an adapter of this base (engine/models/lora.py)
+        assert cfg.checkpoint.directory is not None  # every entry point requires one
         base = Path(init_from).absolute()
         meta["lora"] = {
             **cfg.lora.model_dump(mode="json"),
@@ -175,12 +176,13 @@ def run_training(
     Returns the final metrics.
     """
     cfg = trainer.cfg
+    directory = cfg.checkpoint.directory
+    assert directory is not None  # every entry point requires one (a ConfigError before this)
     if trainer.quantized_base:  # which path QLoRA takes on this platform
+        assert cfg.lora is not None and cfg.lora.base_dtype is not None
         log(describe_path(cfg.lora.base_dtype, trainer.mesh.devices.flat[0].platform))
-    checkpointer = Checkpointer(
-        cfg.checkpoint.directory, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save
-    )
-    metrics_dir = cfg.metrics_dir or str(Path(cfg.checkpoint.directory).parent)
+    checkpointer = Checkpointer(directory, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+    metrics_dir = cfg.metrics_dir or str(Path(directory).parent)
     primary = jax.process_index() == 0
     try:
         resume_step = checkpointer.resume_step(log) or 0  # fit resumes from the same step

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import sys
 import time
 import uuid
@@ -29,7 +28,7 @@ import jax.numpy as jnp
 # process. They are hidden for that import: None in sys.modules makes `import torch` raise
 # the ImportError tensorboardX expects. A later import anywhere in the process works as usual.
 _HIDDEN = [name for name in ("torch", "boto3", "google.cloud.storage") if name not in sys.modules]
-sys.modules.update(dict.fromkeys(_HIDDEN))
+sys.modules.update(dict.fromkeys(_HIDDEN))  # type: ignore[arg-type]  # None: the import fails, as intended
 try:
     from tensorboardX import SummaryWriter
 finally:
@@ -157,8 +156,8 @@ class MlflowSink:
             raise _missing_extra("mlflow") from None
         self._metric = Metric
         self.client = MlflowClient(tracking_uri=cfg.mlflow.tracking_uri)
-        self.run_id = _saved_run_id(directory, "mlflow")
-        if self.run_id is None:
+        saved = _saved_run_id(directory, "mlflow")
+        if saved is None:
             experiment = self.client.get_experiment_by_name(cfg.mlflow.experiment)
             experiment_id = (
                 experiment.experiment_id
@@ -168,12 +167,13 @@ class MlflowSink:
             run = self.client.create_run(
                 experiment_id, run_name=cfg.run_name, tags={"trainflow.metrics_dir": str(directory)}
             )
-            self.run_id = run.info.run_id
+            self.run_id: str = run.info.run_id
             _save_run_id(directory, "mlflow", self.run_id, tracking_uri=self.client.tracking_uri)
             items = [Param(k, v[:6000]) for k, v in params.items()]
             for start in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
                 self.client.log_batch(self.run_id, params=items[start : start + 100])
         else:
+            self.run_id = saved
             self.client.update_run(self.run_id, status="RUNNING")
 
     def write(self, step: int, values: dict[str, float]) -> None:
@@ -203,7 +203,7 @@ class WandbSink:
             id=run_id,
             resume="allow",
             dir=str(directory),
-            mode=cfg.wandb.mode or os.environ.get("WANDB_MODE"),
+            mode=cfg.wandb.mode,  # None: W&B reads WANDB_MODE itself
             config=params,
             settings=wandb.Settings(quiet=True, console="off"),
         )
@@ -231,7 +231,7 @@ class MetricsWriter:
         warn: Callable[[str], None] | None = None,
     ):
         self.enabled = enabled and directory is not None
-        if not self.enabled:
+        if not self.enabled or directory is None:
             return
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -245,10 +245,10 @@ class MetricsWriter:
     def write(self, step: int, values: dict[str, float]) -> None:
         if not self.enabled:
             return
-        record = {"step": step}
+        record: dict[str, float | None] = {"step": step}
         for key, value in values.items():
-            value = None if value is None else float(value)
-            record[key] = value if value is not None and math.isfinite(value) else None
+            number = None if value is None else float(value)
+            record[key] = number if number is not None and math.isfinite(number) else None
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         finite = {k: v for k, v in record.items() if k != "step" and v is not None}

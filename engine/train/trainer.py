@@ -232,8 +232,8 @@ class Trainer:
             self.batch_shapes[LORA_SEED] = jax.ShapeDtypeStruct((cfg.data.batch_size, 1), np.int32)
         """A batch's shapes when known before the first one exists (language modelling), so the
         step compiles, and its memory is checked, before any state is allocated."""
-        self._train_step = None
-        self._compiled_step = None
+        self._train_step: Any = None  # the jitted step (jitted_train_step), once made
+        self._compiled_step: tuple[dict, Any] | None = None  # (batch signature, compiled step) ahead of time
         self._eval_step = None
 
     def extra_trainable_params(self) -> dict[str, jax.ShapeDtypeStruct]:
@@ -355,6 +355,7 @@ class Trainer:
 
     def _load_init_from(self, abstract, *, as_numpy: bool = False):
         cfg = self.cfg
+        assert cfg.checkpoint.init_from is not None  # only called when there is one
         _, stored = stored_configs(cfg.checkpoint.init_from)
         if stored.scan_layers != cfg.compute.scan_layers:  # the one compute setting that changes the layout
             raise ConfigError(

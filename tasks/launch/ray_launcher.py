@@ -36,6 +36,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError
@@ -189,8 +190,9 @@ def start(
         _wait_for_placement(group, spec, strategy)
         resources = dict(spec.resources)
         options = {"num_cpus": resources.pop("CPU", 0), "num_gpus": resources.pop("GPU", 0), "resources": resources}
+        actor_class: Any = RankWorker  # @ray.remote made it an actor class, which mypy does not see
         workers += [
-            RankWorker.options(
+            actor_class.options(
                 **options,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
             ).remote()

@@ -228,8 +228,8 @@ def run_child(
     ranks, teardown = _start(launcher, argv, output, cwd=cwd, env=env or {})
     try:
         codes, first = gang.watch(ranks, watcher, poll_seconds)
-        for rank in ranks:
-            rank.finish()
+        for started in ranks:
+            started.finish()
         if watcher:
             watcher.poll()
     finally:

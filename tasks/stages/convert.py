@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from pydantic import BaseModel
 
 from engine.config import ConfigError, Strict, validate
 from engine.contract import CHECKPOINT_DIR
@@ -65,7 +66,8 @@ class ConvertStage(EngineStage):
     config_schema = ConvertConfig
     version = 2  # 2: the checkpoint's meta holds `compute` apart from the architecture
 
-    def output_kind(self, config: ConvertConfig) -> str:
+    def output_kind(self, config: BaseModel) -> str:
+        assert isinstance(config, ConvertConfig)
         if is_peft_adapter(config.source):
             return "adapter"
         return REWARD_MODEL if is_reward_model_source(config.source) else "checkpoint"
@@ -107,7 +109,8 @@ class ConvertStage(EngineStage):
             raise ConfigError(f"{source}: key 'source': {e}") from None
         return cfg.model_copy(update={"source": url})
 
-    def fingerprint(self, config: ConvertConfig) -> dict:
+    def fingerprint(self, config: BaseModel) -> dict:
+        assert isinstance(config, ConvertConfig)
         # The source's files, not its path: the same weights elsewhere are the same artifact.
         files = url_fingerprint(config.source) if is_url(config.source) else source_fingerprint(config.source)
         return {"dtype": config.dtype, "source_files": files}

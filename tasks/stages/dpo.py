@@ -15,7 +15,9 @@ too) and the pairs' bytes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
+
+from pydantic import BaseModel
 
 from engine.posttrain.config import DPOConfig
 from tasks.engine_stage import FineTuneStage
@@ -36,7 +38,7 @@ class DPOStage(FineTuneStage):
     }
     pipeline_owned = {**FineTuneStage.pipeline_owned, "reference.checkpoint": "input 'reference'"}
     non_semantic = (*FineTuneStage.non_semantic, "reference.checkpoint")
-    config_schema = DPOConfig
+    config_schema: ClassVar[type[BaseModel]] = DPOConfig  # a subclass's (KTO's) is its own
     console_metrics = ("loss", "rewards/accuracies", "rewards/margins")
     version = 1
     data_doc = "a JSONL file of preference pairs (prompt, chosen, rejected)"

@@ -21,6 +21,8 @@ import importlib.util
 from dataclasses import replace
 from typing import Any
 
+from pydantic import BaseModel
+
 from engine.config import ConfigError
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.environments import BUILTIN_ENVIRONMENTS
@@ -142,7 +144,8 @@ class GRPOStage(FineTuneStage):
             )
         return cfg
 
-    def fingerprint(self, config: GRPOConfig) -> dict:
+    def fingerprint(self, config: BaseModel) -> dict:
+        assert isinstance(config, GRPOConfig)
         fp = {**super().fingerprint(config), "reward_sources": reward_sources(config)}
         objective = objective_sources(config)
         fp = {**fp, "objective_sources": objective} if objective else fp  # absent: the ids made before

@@ -26,6 +26,7 @@ import shutil
 import sys
 
 import yaml
+from pydantic import BaseModel
 
 from engine.config import ConfigError, validate
 from engine.contract import DATA_DIR, MANIFEST, TOKENIZE_NON_SEMANTIC_FIELDS
@@ -67,7 +68,8 @@ class TokenizeStage(StageKind):
             raise ConfigError(f"{source}: {e}") from None
         return cfg
 
-    def fingerprint(self, config: TokenizeConfig) -> dict:
+    def fingerprint(self, config: BaseModel) -> dict:
+        assert isinstance(config, TokenizeConfig)
         planned = getattr(self, "_planned", None)
         parts = planned[1] if planned and planned[0] is config else _input_parts(config)
         return {**super().fingerprint(config), "corpus": fingerprint(config, parts)}

@@ -13,11 +13,10 @@ methods; it subclasses nothing else.
 from __future__ import annotations
 
 import contextlib
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from engine.contract import MANIFEST
 from tasks.store.names import folder_stage
@@ -36,7 +35,16 @@ class Lease(Protocol):
     def release(self) -> None: ...
 
 
-_IMPLEMENTATIONS: list[type] = []  # ArtifactStore's subclasses, in the order they were defined
+_IMPLEMENTATIONS: list[type[ArtifactStore]] = []  # the backends, in the order they were defined
+_REQUIRED: list[str] = []  # the interface's methods that every backend implements
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def required(method: _Method) -> _Method:
+    """An interface method without a default: every backend implements it (checked when the
+    backend's class is defined)."""
+    _REQUIRED.append(method.__name__)
+    return method
 
 
 @dataclass
@@ -62,7 +70,7 @@ class Claim:
         self.lock.release()
 
 
-class ArtifactStore(ABC):
+class ArtifactStore:
     """A directory of artifacts. Constructed on this class, the implementation for `root`
     (the first implementation defined whose `handles(root)` is true)."""
 
@@ -81,6 +89,9 @@ class ArtifactStore(ABC):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        missing = [name for name in _REQUIRED if getattr(cls, name) is getattr(ArtifactStore, name)]
+        if missing:
+            raise TypeError(f"store backend {cls.__name__} does not implement {', '.join(missing)}")
         _IMPLEMENTATIONS.append(cls)
 
     @classmethod
@@ -90,34 +101,41 @@ class ArtifactStore(ABC):
 
     # ------------------------------------------------------------------ where and what
 
-    @abstractmethod
+    @required
     def location(self, stage: str, artifact_id: str) -> str:
         """Where an artifact lives, for humans: its URL on a bucket, else its directory."""
+        raise NotImplementedError
 
-    @abstractmethod
+    @required
     def artifact_dir(self, stage: str, artifact_id: str) -> Path:
         """The local directory a stage writes the artifact in and a consumer reads it from."""
+        raise NotImplementedError
 
-    @abstractmethod
+    @required
     def checkpoint_location(self, stage: str, artifact_id: str) -> str:
         """Where the stage's engine writes (and resumes) the artifact's checkpoint: a
         directory, or a URL every process writes to."""
+        raise NotImplementedError
 
-    @abstractmethod
+    @required
     def manifest(self, stage: str, artifact_id: str) -> dict | None:
         """The artifact's manifest as the store holds it (None: none readable)."""
+        raise NotImplementedError
 
-    @abstractmethod
+    @required
     def state(self, stage: str, artifact_id: str) -> str:
         """complete | running (a live process holds its claim) | partial | failed | pending."""
+        raise NotImplementedError
 
-    @abstractmethod
+    @required
     def iter_artifacts(self) -> Iterator[tuple[Path, dict | None]]:
         """(local directory, manifest or None) for every artifact in the store."""
+        raise NotImplementedError
 
-    @abstractmethod
+    @required
     def stage_artifacts(self, stage: str) -> list[str]:
         """The ids of the artifacts of one stage (whatever their state)."""
+        raise NotImplementedError
 
     def is_complete(self, stage: str, artifact_id: str) -> bool:
         manifest = self.manifest(stage, artifact_id)
@@ -135,58 +153,69 @@ class ArtifactStore(ABC):
 
     # ------------------------------------------------------------------ records beside the artifacts
 
-    @abstractmethod
+    @required
     def write_record(self, stage: str, name: str, record: dict) -> None:
         """A JSON record in a stage's folder beside its artifacts (`name`, not an artifact:
         e.g. a gate's decision not to make one), written atomically."""
+        raise NotImplementedError
 
-    @abstractmethod
+    @required
     def read_record(self, stage: str, name: str) -> dict | None:
         """A record `write_record` wrote (None: none, or unreadable)."""
+        raise NotImplementedError
 
-    @abstractmethod
+    @required
     def remove_record(self, stage: str, name: str) -> None:
         """Delete a record (nothing if there is none)."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ writing one artifact
 
-    @abstractmethod
+    @required
     def claim(self, stage: str, artifact_id: str, run_id: str | None = None, on_wait: Log | None = None) -> Claim:
         """Wait for, then hold, the right to write the artifact."""
+        raise NotImplementedError
 
-    @abstractmethod
+    @required
     def prepare(self, stage: str, artifact_id: str, log: Log) -> None:
         """Bring what a resumed stage needs of its partial artifact to `artifact_dir`."""
+        raise NotImplementedError
 
-    @abstractmethod
+    @required
     def has_partial(self, stage: str, artifact_id: str) -> bool:
         """Whether an earlier attempt left payload (checkpoint steps among it) to resume over."""
+        raise NotImplementedError
 
-    @abstractmethod
+    @required
     def digest_payload(self, stage: str, artifact_id: str) -> dict[str, dict[str, Any]]:
         """The finished payload's `files` for the manifest: size and sha256 of every file."""
+        raise NotImplementedError
 
-    @abstractmethod
+    @required
     def write_manifest(self, stage: str, artifact_id: str, manifest: dict) -> None:
         """The manifest, written atomically where the store keeps it (not a commit: see `commit`)."""
+        raise NotImplementedError
 
     def running(self, stage: str, artifact_id: str, claim: Claim, log: Log) -> contextlib.AbstractContextManager:
         """Around the stage's work (a bucket store uploads checkpoint steps as they commit)."""
         return contextlib.nullcontext()
 
-    @abstractmethod
+    @required
     def commit(self, stage: str, artifact_id: str, manifest: dict, claim: Claim) -> None:
         """The `complete` manifest, written last and atomically: from here on the artifact exists."""
+        raise NotImplementedError
 
-    @abstractmethod
+    @required
     def reuse(self, stage: str, source_id: str, artifact_id: str, manifest: dict, claim: Claim) -> list[str]:
         """Commit `manifest` as the artifact `artifact_id` over the payload of the complete
         artifact `source_id` of the same stage (tasks/cutoff.py), once the source's consumed
         files are found intact. Returns the problems that stopped it ([] = committed)."""
+        raise NotImplementedError
 
-    @abstractmethod
+    @required
     def keep_partial(self, stage: str, artifact_id: str, claim: Claim, log: Log) -> None:
         """After a failure (its `failed` manifest written): keep what is there for a resume."""
+        raise NotImplementedError
 
     def shown(self, text: str) -> str:
         """A log line of a stage, naming the store's places rather than local working copies."""
@@ -194,13 +223,14 @@ class ArtifactStore(ABC):
 
     # ------------------------------------------------------------------ reading
 
-    @abstractmethod
+    @required
     def open_input(
         self, stage: str, artifact_id: str, verify: bool = True, local_checkpoint: bool = False
     ) -> ArtifactRef:
         """A complete artifact, checked as far as a consumer reads it (tasks/store/consume.py:
         the newest checkpoint step's params and meta, not its optimizer state or the other
         steps); else ArtifactError. `local_checkpoint`: its consumed step in `path` in any case."""
+        raise NotImplementedError
 
     def complete_manifest(self, stage: str, artifact_id: str) -> dict:
         """The artifact's manifest when it is complete and names this id; else ArtifactError."""
@@ -211,9 +241,10 @@ class ArtifactStore(ABC):
             raise ArtifactError(f"{where}/{MANIFEST}: records id {manifest.get('id')!r}, expected {artifact_id!r}")
         return manifest
 
-    @abstractmethod
+    @required
     def verify(self, directory: Path) -> list[str]:
         """Every file of a finished artifact re-hashed against its manifest ([] = intact)."""
+        raise NotImplementedError
 
 
 def refuse(stage: str, artifact_id: str, problems: list[str], where) -> None:

@@ -148,7 +148,7 @@ class Lease:
 
     def is_held(self) -> bool:
         info = self.holder()
-        return bool(info) and float(info.get("expires", 0)) >= time.time()
+        return info is not None and float(info.get("expires", 0)) >= time.time()
 
 
 def describe(info: dict | None) -> str:

@@ -109,7 +109,7 @@ def payload_files(directory: Path) -> Iterator[Path]:
 def digest_files(directory: Path, stamp: bool = False) -> dict[str, dict[str, Any]]:
     """relative path -> {size, sha256} for the payload of an artifact; with `stamp`, also
     recorded as verified (tasks/store/consume.py), so consumers need not hash them again."""
-    files = {
+    files: dict[str, dict[str, Any]] = {
         path.relative_to(directory).as_posix(): {"size": path.stat().st_size, "sha256": sha256_file(path)}
         for path in payload_files(directory)
     }
@@ -183,6 +183,7 @@ def code_version() -> dict:
     global _CODE_VERSION
     if _CODE_VERSION is None:
         root = Path(__file__).resolve().parents[2]
+        package_version: str | None
         try:
             package_version = version("trainflow")
         except Exception:
