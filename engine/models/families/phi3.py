@@ -76,13 +76,14 @@ class Phi3(Family):
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         scaling = cfg.rope_scaling
-        longrope = scaling is not None and scaling.kind == "longrope"
+        original = scaling.original_max_position if scaling is not None and scaling.kind == "longrope" else None
+        longrope = original is not None
         keys: dict[str, Any] = {
             "sliding_window": cfg.sliding_window if all(cfg.layer_is_local()) else None,
-            "original_max_position_embeddings": scaling.original_max_position if longrope else cfg.max_seq_len,
+            "original_max_position_embeddings": original or cfg.max_seq_len,
         }
         rope = _rope_parameters(cfg.rope_theta, scaling)
-        if longrope and rope.get("factor") == cfg.max_seq_len / scaling.original_max_position:
+        if original is not None and rope.get("factor") == cfg.max_seq_len / original:
             del rope["factor"]  # transformers' default, which published configs leave out
             keys["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
         if cfg.rotary_dim is not None or longrope:  # transformers writes the factor in both places
