@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -203,7 +204,7 @@ def merge_into_base(params: dict, scale: float) -> dict:
     """A plain param tree (numpy) whose adapted weights are w + scale * A.B: the adapter folded
     in (`merge`, `export --merged`). `params` holds base and adapter joined; each layer's sum is
     computed in float64 and stored in w's dtype."""
-    out = {}
+    out: dict[Any, Any] = {}
     for key, value in params.items():
         if isinstance(value, dict):
             out[key] = merge_into_base(value, scale)

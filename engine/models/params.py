@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.models.lora import split_adapter
@@ -22,7 +22,9 @@ def _path_name(path) -> str:
     return ".".join(str(getattr(p, "key", p)) for p in path)
 
 
-def param_shardings(model_cfg: ModelConfig, compute: ComputeConfig, mesh: Mesh | None, lora: LoraConfig | None = None):
+def param_shardings(
+    model_cfg: ModelConfig, compute: ComputeConfig, mesh: Mesh | AbstractMesh | None, lora: LoraConfig | None = None
+):
     """(shapes, per-parameter NamedSharding from the logical names in the model's metadata).
     With `lora`, the tree holds the adapters too (engine/models/lora.py)."""
     abstract = nnx.eval_shape(lambda: Transformer(model_cfg, compute, rngs=nnx.Rngs(0), lora=lora))

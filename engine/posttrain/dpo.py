@@ -401,16 +401,16 @@ class Reference:
             self._params = lambda: trainer._base_args()[0]
             shardings = trainer.base_shardings
         else:
+            init_from = cfg.checkpoint.init_from
+            assert init_from is not None  # required: finetune.stored_model refuses a config without it
             fn = make_logps_fn(trainer.graphdef)
-            self._params = lambda: loaded.setdefault(
-                "p", load_params(cfg.checkpoint.init_from, trainer.abstract_params)[1]
-            )
+            self._params = lambda: loaded.setdefault("p", load_params(init_from, trainer.abstract_params)[1])
             shardings = trainer.param_shardings
         self._fn = jax.jit(fn, in_shardings=(shardings, rows), out_shardings=rows)
 
-    def __call__(self, rows: dict[str, np.ndarray]) -> jax.Array | None:
-        if not self.enabled:
-            return None
+    def __call__(self, rows: dict[str, np.ndarray]) -> jax.Array:
+        """The reference's log-probabilities of `rows`; asked only of an enabled reference."""
+        assert self.enabled, "reference_free: there is no reference to ask"
         with use_mesh(self.trainer.mesh):
             return self._fn(self._params(), self.trainer.global_batch(rows))
 

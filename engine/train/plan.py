@@ -131,6 +131,7 @@ def target_devices(target: Target) -> list | None:
             )
         # Compiling needs no chip: let this process load libtpu beside another that holds it.
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        assert target.topology is not None  # every TPU target names its topology (targets.py)
         try:
             # One chip: its own host (libtpu's default host bounds are a 2x2 board).
             bounds: dict[str, Any] = {"chips_per_host_bounds": (1, 1, 1)} if target.chips == 1 else {}
@@ -315,6 +316,7 @@ def _estimate(
     d_model per token per layer in 16-bit, 2 with full remat plus one layer's 34) plus the
     float32 logits and their gradient."""
     chip = target.chip
+    assert chip is not None  # a target estimated without compiling names its chip (targets.py)
     sizes = mesh_shape(cfg.mesh, target.chips, target.name)
     mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
     try:
@@ -325,11 +327,12 @@ def _estimate(
     frozen = 0.0
     if cfg.lora is not None:  # the adapter trains; the base is held (quantized with QLoRA), no gradient or state
         params, base = split_adapter(params)
-        if cfg.lora.base_dtype in QUANTIZED_DTYPES:
-            base = quantized_abstract(base, cfg.lora.base_dtype)
-        elif cfg.lora.base_dtype is not None:
+        base_dtype = cfg.lora.base_dtype
+        if base_dtype in QUANTIZED_DTYPES:
+            base = quantized_abstract(base, base_dtype)
+        elif base_dtype is not None:
             base = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(cfg.lora.base_dtype), sharding=a.sharding), base
+                lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(base_dtype), sharding=a.sharding), base
             )
         frozen = shard_bytes(base)
     tx, _ = make_optimizer(cfg.optimizer, cfg.schedule, cfg.steps, params)
@@ -396,7 +399,7 @@ def format_plan(plan: Plan) -> str:
     chip = plan.target.chip
     slices = f"{plan.target.slices} slices of " if plan.target.slices > 1 else ""
     where = (
-        f"{plan.devices} x {chip.kind} ({slices}topology {plan.target.topology})"
+        f"{plan.devices} x {chip.kind if chip else plan.device_kind} ({slices}topology {plan.target.topology})"
         if plan.target.platform == "tpu"
         else f"{plan.devices} x {plan.device_kind}"
     )
@@ -526,7 +529,8 @@ def _executed(hlo_text: str) -> list[tuple[int, str, str, str]]:
             computations[current] = []
             entry = current if line.startswith("ENTRY") else entry
         elif current is not None and (instruction := _INSTRUCTION.match(line)):
-            computations[current].append(instruction.group(2, 3, 4))
+            result_shape, op, rest = instruction.group(2, 3, 4)
+            computations[current].append((result_shape, op, rest))
     bounds = {
         name: max(
             (int(rest.split(")")[0]) for shape, op, rest in body if op == "constant" and shape.startswith("s32[]")),
@@ -607,6 +611,8 @@ def buffer_assignment(directory: str) -> dict[str, float]:
     assert reports and assignments, f"no train_step buffer assignment dumped in {directory}"
     report = open(reports[-1]).read()
     total = re.search(r"Memory Space: default \(color=0\)\s*\nTotal bytes: (\d+)", report)
+    if total is None:
+        raise RuntimeError(f"{reports[-1]}: XLA's buffer report has no total of the default memory space")
     temporaries = sum(
         int(size)
         for size, rest in re.findall(r"^allocation \d+: size (\d+), (.*)$", open(assignments[-1]).read(), re.M)
