@@ -131,6 +131,8 @@ ADDED_AT_DEFAULT = {
     # GRPO's SAPO gate temperatures (issue 53)
     "sapo_temperature_pos": 1.0,
     "sapo_temperature_neg": 1.05,
+    # a reward model's process (step-label) form (engine/posttrain/process_reward.py)
+    "process": None,
 }
 """Fields added to a config after artifacts were made with it: at these values they are left
 out of artifact ids, so a store's finished stages keep their ids (and are skipped)."""

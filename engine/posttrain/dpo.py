@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,7 +174,7 @@ def load_pairs(
     return pairs, held_out
 
 
-def pair_rows(pairs: list[Pair], max_length: int, *, whole: bool = False) -> dict[str, np.ndarray]:
+def pair_rows(pairs: Sequence[Pair], max_length: int, *, whole: bool = False) -> dict[str, np.ndarray]:
     """One row per pair, padding-free within it: prompt + chosen as segment 1, then at once
     prompt + rejected as segment 2, the rest of the 2 x max_length row padding (segment 0).
     tokens, targets, positions, segment_ids, loss_mask (pairs, 2 x max_length).

@@ -467,7 +467,7 @@ class RolloutSource:
             step=state.step,
         )
         for j, scorer in self.reward_models.items():
-            per_function[:, j] = scorer(batch)
+            per_function[:, j] = scorer(batch, completions)  # a process reward model reads the steps' text
         weights = self.weights
         if rollout.rewards is not None:  # an environment's episode rewards; a failed episode is unscored
             per_function[np.isnan(rollout.rewards)] = np.nan

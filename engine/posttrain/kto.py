@@ -237,8 +237,7 @@ def kto_objective(graphdef, cfg: KTOConfig) -> Objective:
     return Objective(make_loss_fn(graphdef, cfg), examples_and_labels, reduce={"kl": "mean"})
 
 
-HELD_OUT_SUMS = ("loss", "examples", "desirable", "undesirable", "kl", "rewards/chosen", "rewards/rejected")
-HELD_OUT_SUMS += ("logps/chosen", "logps/rejected")
+HELD_OUT_SUMS = ("loss", "examples", "desirable", "undesirable", *METRICS)
 
 
 def held_out_metrics(sums: dict[str, float], batches: int) -> dict[str, float]:
@@ -261,17 +260,28 @@ def held_out_metrics(sums: dict[str, float], batches: int) -> dict[str, float]:
 # --------------------------------------------------------------------------- the run
 
 
+def reference_logps(reference: Reference, rows: dict[str, np.ndarray]) -> jax.Array:
+    """The reference's (rows, 2) log-probs: KTO always has a reference."""
+    logps = reference(rows)
+    assert logps is not None
+    return logps
+
+
 class ExampleBatches(PairBatches):
     """DPO's batch source over examples, with each row's label."""
 
+    def __init__(self, examples: list[Example], *args, **kwargs):
+        super().__init__(list(examples), *args, **kwargs)
+        self.examples = examples
+
     def next_batch(self, state: TrainState):
         chosen = self.indices.take()
-        rows = example_rows([self.pairs[i] for i in chosen], self.cfg.data.max_length)
+        rows = example_rows([self.examples[i] for i in chosen], self.cfg.data.max_length)
         batch = self.trainer.global_batch(rows)
         if self.table is not None:
             batch["ref_logps"] = self.trainer.global_batch({"r": self.table[chosen]})["r"]
         else:
-            batch["ref_logps"] = self.reference(rows)
+            batch["ref_logps"] = reference_logps(self.reference, rows)
         return batch, {}
 
 
@@ -310,7 +320,7 @@ def run_kto(cfg: KTOConfig, log: Callable[[str], None] | None = None) -> dict[st
                         {"r": np.concatenate([ref, np.zeros((filler, 2), np.float32)])}
                     )["r"]
                 else:
-                    batch["ref_logps"] = reference(rows)
+                    batch["ref_logps"] = reference_logps(reference, rows)
                 aux = trainer.eval_step(params, batch)
                 for key in HELD_OUT_SUMS:
                     sums[key] += float(aux[key])

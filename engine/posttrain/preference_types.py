@@ -3,7 +3,7 @@ which of them need what, kept free of JAX so that validating a pipeline does not
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 LossType = Literal[
     "sigmoid",
@@ -24,7 +24,7 @@ LossType = Literal[
     "orpo",
     "sft",
 ]
-LOSS_TYPES: tuple[str, ...] = LossType.__args__
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 REFERENCE_FREE = ("simpo", "orpo", "sft")
 """Terms that read no reference model; a run whose every term is one of them loads none."""
 MEAN_LOGP = ("simpo", "orpo")

@@ -5,11 +5,32 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from engine.config import Strict
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.posttrain.config import DPODataConfig
 from engine.train.config import OptimizerConfig, RunFields
+
+
+class ProcessRewardConfig(Strict):
+    """A process reward model (TRL's PRMTrainer): one label per reasoning step, read by a
+    token-classification head (2 labels) at the last token of each step. Data: JSONL of
+    {"prompt": "...", "completions": ["step 1", "step 2", ...], "labels": [true, false, ...]}."""
+
+    step_separator: str = "\n"
+    """Appended to every step; the step's label sits on its last token (TRL's step_separator)."""
+    completions_field: str = "completions"
+    labels_field: str = "labels"
+    train_on_last_step_only: bool = False
+    """Train on the last step's label only (held-out steps keep them all), as TRL's option."""
+    max_completion_length: int | None = Field(None, gt=0)
+    """Steps' tokens kept (separators included) before max_length cuts the whole; None: no cut."""
+    aggregate: Literal["min", "product", "last"] = "min"
+    """How a GRPO reward term reads this model: the completion's reward is the min over its
+    steps of P(step correct) (default, as Math-Shepherd: one wrong step makes the solution
+    wrong, and the min does not fall with the number of steps as the product does, which would
+    pay the policy for fewer steps), their product (Lightman et al.), or the last step's."""
 
 
 class RewardModelConfig(RunFields):
@@ -35,4 +56,16 @@ class RewardModelConfig(RunFields):
     `score` (initializer_range); zero: every reward 0 at step 0."""
     lora: LoraConfig | None = None
     """Train a LoRA adapter on the frozen decoder; the score head trains beside it."""
+    process: ProcessRewardConfig | None = None
+    """A process reward model (step labels, a token-classification head) instead of a
+    Bradley-Terry one (engine/posttrain/process_reward.py); `data` is then read as step-labelled
+    examples (its path, prompt_field, max_prompt_length, max_length, batch_size, eval split)."""
     # checkpoint.init_from (the decoder to start from) and checkpoint.directory are required.
+
+    @model_validator(mode="after")
+    def _check_process(self) -> RewardModelConfig:
+        if self.process is not None and self.center_rewards_coefficient is not None:
+            raise ValueError(
+                "center_rewards_coefficient applies to a Bradley-Terry reward model, not to a process one (`process:`)"
+            )
+        return self

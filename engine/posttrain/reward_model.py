@@ -56,6 +56,16 @@ from engine.ops.partitioning import logical_to_spec, use_mesh
 from engine.parallel.mesh import global_array, replicated, to_host
 from engine.posttrain.dpo import EpochIndices, Pair, load_pairs, pair_rows, tokenize_pair
 from engine.posttrain.finetune import finetune_start
+from engine.posttrain.process_reward import (
+    LABELS,
+    PROCESS_HEAD,
+    StepBatches,
+    StepScorer,
+    load_step_examples,
+    process_objective,
+    step_rows,
+)
+from engine.posttrain.process_reward import METRICS as PROCESS_METRICS
 from engine.posttrain.reward_config import RewardModelConfig
 from engine.train.bucket_paths import checkpoint_path
 from engine.train.checkpoint import ITEMS, adapter_base, load_params, read_meta
@@ -79,7 +89,8 @@ def train_config(cfg: RewardModelConfig, model_cfg: ModelConfig, compute: Comput
         raise ConfigError(
             f"data.max_length ({cfg.data.max_length}) exceeds the model's max_seq_len ({model_cfg.max_seq_len})"
         )
-    rows = {"seq_len": 2 * cfg.data.max_length, "batch_size": cfg.data.batch_size, "seed": cfg.data.seed}
+    width = cfg.data.max_length if cfg.process is not None else 2 * cfg.data.max_length  # a PRM: one sequence a row
+    rows = {"seq_len": width, "batch_size": cfg.data.batch_size, "seed": cfg.data.seed}
     return trainer_view(cfg, model_cfg, compute, rows, stage="reward_model")
 
 
@@ -125,7 +136,7 @@ def reward_rows(pairs: list[RewardPair], max_length: int, rows: int | None = Non
 
 def decoder_of(params: dict) -> dict:
     """The decoder's (or adapter's) tree without the head."""
-    return {k: v for k, v in params.items() if k != HEAD}
+    return {k: v for k, v in params.items() if k not in (HEAD, PROCESS_HEAD)}
 
 
 def hidden_and_aux(graphdef, params, tokens_bt, positions_bt, segment_ids_bt):
@@ -208,8 +219,12 @@ def reward_objective(graphdef, cfg: RewardModelConfig) -> Objective:
 # --------------------------------------------------------------------------- the trainer with a head
 
 
-def head_abstract(model_cfg: ModelConfig, dtype, mesh) -> jax.ShapeDtypeStruct:
-    """The head's shape, dtype and sharding (the `embed` axis, as the embeddings' columns)."""
+def head_abstract(model_cfg: ModelConfig, dtype, mesh, process: bool = False) -> jax.ShapeDtypeStruct:
+    """The head's shape, dtype and sharding (the `embed` axis, as the embeddings' columns): a
+    PRM's token classifier is (d_model, 2)."""
+    if process:
+        spec = logical_to_spec(("embed", None), mesh=mesh)
+        return jax.ShapeDtypeStruct((model_cfg.d_model, LABELS), dtype, sharding=NamedSharding(mesh, spec))
     return jax.ShapeDtypeStruct(
         (model_cfg.d_model,), dtype, sharding=NamedSharding(mesh, logical_to_spec(("embed",), mesh=mesh))
     )
@@ -222,16 +237,16 @@ class RewardTrainer(Trainer):
     N(0, initializer_range^2) with std model.init_std, or zero); the decoder from
     checkpoint.init_from (with LoRA: the frozen base and a fresh adapter)."""
 
-    def __init__(self, cfg: TrainConfig, objective, head_init: str, *, devices=None):
-        self.head_init = head_init
+    def __init__(self, cfg: TrainConfig, objective, head_init: str, *, devices=None, process: bool = False):
+        self.head_init, self.head = head_init, PROCESS_HEAD if process else HEAD
         super().__init__(cfg, objective, devices=devices)
 
     def extra_trainable_params(self) -> dict[str, jax.ShapeDtypeStruct]:
         dtype = jax.tree.leaves(self.abstract_params)[0].dtype
-        return {HEAD: head_abstract(self.cfg.model, dtype, self.mesh)}
+        return {self.head: head_abstract(self.cfg.model, dtype, self.mesh, process=self.head == PROCESS_HEAD)}
 
     def init_head(self) -> jax.Array:
-        want = self.abstract_params[HEAD]
+        want = self.abstract_params[self.head]
         std = 0.0 if self.head_init == "zero" else self.cfg.model.init_std
         init = lambda: (std * jax.random.normal(jax.random.key(self.cfg.seed), want.shape)).astype(want.dtype)  # noqa: E731
         with use_mesh(self.mesh):
@@ -246,7 +261,7 @@ class RewardTrainer(Trainer):
             decoder = init_params(cfg.model, cfg.compute, self.mesh, cfg.seed, cfg.lora, adapter_only=True)
         else:
             decoder = self._load_init_from(decoder_of(self.abstract_params))
-        params = {**decoder, HEAD: self.init_head()}
+        params = {**decoder, self.head: self.init_head()}
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
         return TrainState(0, params, opt_state)
 
@@ -278,15 +293,22 @@ def is_reward_model(directory: str | Path, step: int | None = None) -> bool:
 
 
 def load_reward_params(
-    directory: str | Path, step: int | None = None
+    directory: str | Path, step: int | None = None, *, allow_process: bool = False
 ) -> tuple[ModelConfig, ComputeConfig, dict, int, dict]:
     """(architecture, compute settings, params as host numpy arrays with the head, step, meta)
-    of a reward-model checkpoint; a LoRA one comes with its adapter folded into its base."""
+    of a reward-model checkpoint; a LoRA one comes with its adapter folded into its base. A
+    process reward model (head `score_dl`) only where `allow_process` (GRPO's scorer)."""
     step, meta = read_meta(directory, step)
     if not meta.get("reward_model"):
         raise ConfigError(
             f"{directory}: is not a reward model (its checkpoint meta has no 'reward_model'); "
             "train one with a reward_model stage or convert a *ForSequenceClassification"
+        )
+    head = meta["reward_model"].get("head", HEAD)
+    if head == PROCESS_HEAD and not allow_process:
+        raise ConfigError(
+            f"{directory}: is a process reward model (a token-classification head per step), which has no "
+            "*ForSequenceClassification form; it is read by GRPO's reward terms only"
         )
     model_cfg, compute = ModelConfig.model_validate(meta["model"]), ComputeConfig.model_validate(meta["compute"])
     lora = None
@@ -295,7 +317,8 @@ def load_reward_params(
     shapes = abstract_model_params(model_cfg, compute, None, lora)
     if lora is not None:
         shapes = split_adapter(shapes)[0]
-    shapes[HEAD] = jax.ShapeDtypeStruct((model_cfg.d_model,), jax.tree.leaves(shapes)[0].dtype)
+    head_shape = (model_cfg.d_model, LABELS) if head == PROCESS_HEAD else (model_cfg.d_model,)
+    shapes[head] = jax.ShapeDtypeStruct(head_shape, jax.tree.leaves(shapes)[0].dtype)
     restore_args = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype), shapes)
     manager = ocp.CheckpointManager(
         checkpoint_path(directory), item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True)
@@ -306,7 +329,7 @@ def load_reward_params(
     manager.close()
     if lora is not None:
         _, base, _ = load_params(adapter_base(directory, meta), as_numpy=True)
-        params = {**merge_into_base(join(decoder_of(params), base), lora.scale), HEAD: params[HEAD]}
+        params = {**merge_into_base(join(decoder_of(params), base), lora.scale), head: params[head]}
     return model_cfg, compute, params, step, meta
 
 
@@ -346,26 +369,39 @@ class RewardScorer:
                 f"{where}: the reward model {directory} was trained with another tokenizer than the "
                 "policy's; a reward model must share the policy's tokenizer"
             )
-        model_cfg, compute, host, _, _ = load_reward_params(directory)
+        model_cfg, compute, host, _, meta = load_reward_params(directory, allow_process=True)
         if max_length > model_cfg.max_seq_len:
             raise ConfigError(
                 f"{where}: prompt + completion ({max_length} tokens) exceeds the reward model's "
                 f"max_seq_len ({model_cfg.max_seq_len})"
             )
+        process = meta["reward_model"].get("process")
+        head = PROCESS_HEAD if process is not None else HEAD
         abstract = {
             **abstract_model_params(model_cfg, compute, mesh),
-            HEAD: head_abstract(model_cfg, host[HEAD].dtype, mesh),
+            head: head_abstract(model_cfg, host[head].dtype, mesh, process=process is not None),
         }
         self.mesh = mesh
         self.params = jax.tree.map(
             lambda a, want: global_array(np.asarray(a, want.dtype), want.sharding), host, abstract
         )
         graphdef = graphdef_of(model_cfg, compute)
-        fn = lambda p, b: sequence_scores(graphdef, p, b["tokens"], b["positions"], b["segment_ids"])  # noqa: E731
         shardings = jax.tree.map(lambda a: a.sharding, abstract)
+        self.steps = None
+        if process is not None:  # a PRM: the completion's steps re-tokenized, read per step
+            width = min(model_cfg.max_seq_len, 2 * max_length)  # room for the separators added
+            self.steps = StepScorer(
+                graphdef, self.params, shardings, mesh, rows_sharding, policy_tokenizer, process, width, hidden_and_aux
+            )
+            return
+        fn = lambda p, b: sequence_scores(graphdef, p, b["tokens"], b["positions"], b["segment_ids"])  # noqa: E731
         self._fn = jax.jit(fn, in_shardings=(shardings, rows_sharding), out_shardings=replicated(mesh))
 
-    def __call__(self, batch: dict[str, jax.Array]) -> np.ndarray:
+    def __call__(self, batch: dict[str, jax.Array], completions: list[str] | None = None) -> np.ndarray:
+        """Each row's reward; a process reward model also reads the completions' text."""
+        if self.steps is not None:
+            assert completions is not None, "a process reward model scores the completions' text"
+            return self.steps(batch, completions)
         rows = {k: batch[k] for k in ("tokens", "positions", "segment_ids")}
         with use_mesh(self.mesh):
             return to_host(self._fn(self.params, rows)).astype(np.float64)  # every process: all rows
@@ -377,6 +413,8 @@ class RewardScorer:
 def run_reward_model(cfg: RewardModelConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Train `cfg.steps` batches of pairs, resuming from checkpoint.directory if it has one."""
     log = log or log_to_stderr
+    if cfg.process is not None:
+        return run_process_reward_model(cfg, log)
     model_cfg, compute, bundle = finetune_start(cfg)
     train_pairs, held_out = load_reward_pairs(cfg.data, bundle, log)
     log(
@@ -435,12 +473,70 @@ def run_reward_model(cfg: RewardModelConfig, log: Callable[[str], None] | None =
     return result
 
 
+def run_process_reward_model(cfg: RewardModelConfig, log: Callable[[str], None]) -> dict[str, Any]:
+    """A process reward model (engine/posttrain/process_reward.py) on the reward-model trainer."""
+    assert cfg.process is not None
+    model_cfg, compute, bundle = finetune_start(cfg)
+    train_examples, held_out = load_step_examples(cfg, bundle, log)
+    log(f"reward_model: process reward model, {len(train_examples)} training and {len(held_out)} held-out examples")
+    trainer = RewardTrainer(
+        train_config(cfg, model_cfg, compute),
+        lambda graphdef: process_objective(graphdef, hidden_and_aux),
+        cfg.head_init,
+        process=True,
+    )
+    rows_per_batch = cfg.data.batch_size // cfg.grad_accum
+    evaluate = None
+    if held_out:
+
+        def evaluate(params) -> dict[str, float]:
+            sums = {"loss": 0.0, "steps": 0.0, "accuracy": 0.0}
+            batches = math.ceil(len(held_out) / rows_per_batch)
+            if cfg.data.eval_batches:
+                batches = min(batches, cfg.data.eval_batches)
+            for b in range(batches):
+                chunk = held_out[b * rows_per_batch : (b + 1) * rows_per_batch]
+                batch = trainer.global_batch(step_rows(chunk, cfg.data.max_length, rows_per_batch))
+                aux = trainer.eval_step(params, batch)
+                for key in sums:
+                    sums[key] += float(aux[key])
+            steps = max(sums["steps"], 1.0)
+            return {"eval_loss": sums["loss"] / steps, "eval_accuracy": sums["accuracy"] / steps, "eval_steps": steps}
+
+    meta = {
+        "stage": "reward_model",
+        "reward_model_config": cfg.model_dump(mode="json"),
+        "reward_model": {
+            "format": REWARD_MODEL_FORMAT,
+            "head": PROCESS_HEAD,
+            "head_init": cfg.head_init,
+            "pooling": "step_ends",
+            "process": cfg.process.model_dump(mode="json"),
+        },
+    }
+    result = run_training(
+        trainer,
+        StepBatches(train_examples, cfg, trainer),
+        log=log,
+        evaluate=evaluate,
+        meta=meta,
+        logged=("loss", "grad_norm", *PROCESS_METRICS),
+    )
+    result.update({"train_examples": len(train_examples), "eval_examples": len(held_out)})
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     return run_cli(argv, "engine.posttrain.reward_model", RewardModelConfig, run_reward_model)
 
 
 def batch_shapes(cfg: RewardModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
-    """The shapes of one reward-model batch: a row per pair, where each sequence ends, margins."""
+    """The shapes of one reward-model batch: a row per pair, where each sequence ends, margins
+    (a PRM: a row per example, its step labels)."""
+    if cfg.process is not None:
+        shape = (cfg.data.batch_size, cfg.data.max_length)
+        names = ("tokens", "positions", "segment_ids", "step_labels")
+        return {k: jax.ShapeDtypeStruct(shape, np.int32) for k in names}
     rows, width = cfg.data.batch_size, 2 * cfg.data.max_length
     batch = {k: jax.ShapeDtypeStruct((rows, width), np.int32) for k in ("tokens", "positions", "segment_ids")}
     batch["last_bk"] = jax.ShapeDtypeStruct((rows, 2), np.int32)
@@ -452,12 +548,15 @@ def batch_shapes(cfg: RewardModelConfig) -> dict[str, jax.ShapeDtypeStruct]:
 
 def step_spec(cfg: RewardModelConfig, models: InputModels) -> StepSpec:
     """The planner hook (`trainflow plan`): the Bradley-Terry loss, the head trained beside the decoder."""
+    process = cfg.process is not None
     return StepSpec(
         train_config(cfg, *fine_tuned_model(cfg, models)),
-        objective=lambda graphdef: reward_objective(graphdef, cfg),
+        objective=lambda graphdef: (
+            process_objective(graphdef, hidden_and_aux) if process else reward_objective(graphdef, cfg)
+        ),
         batch=batch_shapes(cfg),
         make_trainer=lambda train_cfg, objective, devices: RewardTrainer(
-            train_cfg, objective, cfg.head_init, devices=devices
+            train_cfg, objective, cfg.head_init, devices=devices, process=process
         ),
     )
 
