@@ -9,8 +9,10 @@
                 layers, 64 heads over 8 kv heads, mlp 28672) on two v5p-256 slices (256 chips):
                 fsdp over each slice's 128 chips and `data` or `fsdp` over the 2 slices
                 (mesh.dcn): per-chip memory and the bytes per chip per step over ICI and DCN
+    pipeline    the same on the same slices with its layers in 2 pipeline stages over the
+                slices (mesh.dcn.pipeline 2), fsdp within each, 2 micro-batches
 
-    python -m bench.large_scale_plan [--part recipes multislice]
+    python -m bench.large_scale_plan [--part recipes multislice pipeline]
 
 Writes bench/results/large_scale_plan.json.
 """
@@ -105,6 +107,26 @@ def multislice(rows: list) -> None:
         )
 
 
+def pipeline(rows: list) -> None:
+    """The 70B shape on v5p-256x2 with its 80 layers in 2 pipeline stages, one per slice (the
+    DCN carries the micro-batches' activations at the stage boundary), fsdp within each."""
+    model = {"preset": "llama3.1-8b", **LLAMA_70B}
+    started = time.perf_counter()
+    mesh = {"pipeline": 2, "data": 1, "fsdp": 128, "dcn": {"pipeline": 2}}
+    cfg = _config(model, mesh, 4096, 256, {"pipeline_microbatches": 2})
+    row = {"part": "pipeline", "model": "llama3.1-70b shape", "target": "v5p-256x2", "dcn": "pipeline"}
+    row.update(_figures(plan_step(cfg, get_target("v5p-256x2"))))
+    row["pipeline_microbatches"] = 2
+    row["compile_seconds"] = time.perf_counter() - started
+    rows.append(row)
+    net = row["network_gib_per_chip_per_step"]
+    print(
+        f"70B v5p-256x2 dcn pipeline: total {row['per_chip_gib']['total']:.2f} GiB per chip, "
+        f"ICI {net.get('ici', 0):.2f} GiB, DCN {net.get('dcn', 0):.2f} GiB per chip per step",
+        flush=True,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", nargs="+", default=["recipes", "multislice"])
@@ -113,7 +135,7 @@ def main() -> None:
     kept = json.loads(out.read_text())["rows"] if out.exists() else []
     rows: list = [row for row in kept if row["part"] not in args.part]  # the parts not rerun stay
     for part in args.part:
-        {"recipes": recipes, "multislice": multislice}[part](rows)
+        {"recipes": recipes, "multislice": multislice, "pipeline": pipeline}[part](rows)
     info = machine(
         description=__doc__.split("\n\n")[0],
         jax=jax.__version__,
