@@ -30,7 +30,7 @@ from engine.models.lora import in_layer
 from engine.models.moe import MoE
 from engine.models.params import abstract_model_params, apply_model_with_aux, graphdef_of
 from engine.models.transformer import Transformer
-from engine.posttrain.grpo import run_grpo
+from engine.posttrain.grpo import run_grpo, step_spec
 from engine.posttrain.policy_loss import completion_logps
 from tests.test_grpo import grpo_config, make_copy_task
 
@@ -146,6 +146,9 @@ def test_grpo_replays_by_default_on_a_moe_and_refuses_what_cannot_record_routes(
     base = {"steps": 2, "prompts_per_step": 2, "num_generations": 4}
     result = run_grpo(grpo_config(task, tmp_path / "on", **base))
     assert result["router_replay"] == 1.0
+    # The planner compiles the step with the routes in the batch, as the run feeds it.
+    spec = step_spec(grpo_config(task, tmp_path / "plan", **base), {"checkpoint": (CFG, F32)})
+    assert spec.batch[router_replay.ROUTER_EXPERTS].shape == (8, CFG.num_layers, 4, CFG.experts_per_token)
     off = run_grpo(grpo_config(task, tmp_path / "off", router_replay=False, **base))
     assert off["router_replay"] == 0.0
     records = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]

@@ -259,7 +259,7 @@ def sample(
             experts = [jax.lax.dynamic_update_slice_in_dim(experts[0], step_bl1k, i, axis=2)]
         return i + 1, done_b, logits_btv[:, -1], cache, position_b + 1, tokens_bn, logprobs_bn, mask_bn, *experts
 
-    state = (
+    state: tuple = (
         jnp.int32(0),
         jnp.zeros((batch,), bool),
         logits_bv,

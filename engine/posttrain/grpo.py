@@ -371,7 +371,8 @@ class RolloutSource:
         the same prompts and the same seeds, so the resumed run equals the uninterrupted one.
         Where those weights are not kept (checkpoint.keep, every_steps, a LoRA run's initial
         adapter) the batch comes from the restored weights instead, as the log says."""
-        s = self.cfg.max_staleness
+        s, workers = self.cfg.max_staleness, self.workers
+        assert workers is not None
         for b in range(state.step, min(state.step + s, self.cfg.steps)):
             version = max(b - s, 0)
             params = self._weights_of(version)
@@ -381,19 +382,21 @@ class RolloutSource:
                     f"batches {b + 1} to {state.step + s} are generated with update {state.step}'s"
                 )
                 return
-            self.workers.push(version, params)
-            self.workers.submit(b, self._take(b))
+            workers.push(version, params)
+            workers.submit(b, self._take(b))
             self.submitted = b + 1
 
     def _weights_of(self, version: int):
         """The policy's params after `version` updates, from its checkpoint (0: init_from), or None."""
         if self.cfg.lora is not None:  # the adapter's own start is not stored
             return None
+        init_from, directory = self.cfg.checkpoint.init_from, self.cfg.checkpoint.directory
+        assert init_from and directory  # finetune_start checked both
         if version == 0:
-            return load_params(self.cfg.checkpoint.init_from, self.trainer.abstract_params)[1]
-        if verify_step(self.cfg.checkpoint.directory, version):  # not there, or not intact
+            return load_params(init_from, self.trainer.abstract_params)[1]
+        if verify_step(directory, version):  # not there, or not intact
             return None
-        return load_params(self.cfg.checkpoint.directory, self.trainer.abstract_params, version)[1]
+        return load_params(directory, self.trainer.abstract_params, version)[1]
 
     def weights_hook(self, info) -> None:
         """After each update: the new weights to the workers (with LoRA the adapter alone: each
@@ -557,7 +560,7 @@ def run_grpo(cfg: GRPOConfig, log: Callable[[str], None] | None = None, sampler_
             trainer, source, log=log, meta={"stage": "grpo", "grpo_config": cfg.model_dump(mode="json")}
         )
         # The run's worst rollout/trainer gap, for a pipeline gate (rollout_correction.py).
-        metrics_dir = trainer.cfg.metrics_dir or Path(trainer.cfg.checkpoint.directory).parent
+        metrics_dir = trainer.cfg.metrics_dir or Path(str(trainer.cfg.checkpoint.directory)).parent
         final.update(divergence_summary(read_metrics(metrics_dir)))
         return final
     finally:  # also on SIGTERM (Preempted) and failures: no worker outlives its stage
@@ -590,10 +593,16 @@ def batch_shapes(cfg: GRPOConfig) -> dict[str, jax.ShapeDtypeStruct]:
 
 def step_spec(cfg: GRPOConfig, models: InputModels) -> StepSpec:
     """The planner hook (`trainflow plan`): the policy objective over one rollout batch, mu updates each."""
+    model_cfg, compute = fine_tuned_model(cfg, models)
+    batch = batch_shapes(cfg)
+    if replays_routes(cfg, model_cfg):  # router replay: each token's experts at each layer
+        rows, length = batch["tokens"].shape
+        experts = (rows, model_cfg.num_layers, length, model_cfg.experts_per_token)
+        batch[ROUTER_EXPERTS] = jax.ShapeDtypeStruct(experts, np.int32)
     return StepSpec(
-        train_config(cfg, *fine_tuned_model(cfg, models)),
+        train_config(cfg, model_cfg, compute),
         objective=lambda graphdef: policy_objective(make_loss_fn(graphdef, cfg, cfg.max_prompt_length)),
-        batch=batch_shapes(cfg),
+        batch=batch,
         updates_per_batch=cfg.num_iterations,
         uncounted=lambda plan: [
             "the plan is of its train step; rollout sampling and the KL reference's parameters are not counted"
