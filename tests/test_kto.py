@@ -237,6 +237,7 @@ def test_bad_records_and_configs_are_refused_in_one_sentence(base, feedback, tmp
 
 def test_kto_is_a_pipeline_stage_with_a_reference_input(base, feedback, tmp_path):
     from flows.spec import Pipeline
+    from tasks.plan import plan_pipeline
     from tasks.runner import RAN, execute_stage
     from tasks.store.records import read_manifest
     from tests.test_grpo import _CheckpointCopy  # noqa: F401  (registers test-checkpoint-copy)
@@ -262,3 +263,5 @@ def test_kto_is_a_pipeline_stage_with_a_reference_input(base, feedback, tmp_path
     manifest = read_manifest(plan.store.artifact_dir("kto", plan.stages["kto"].job.artifact_id))
     assert manifest["kind"] == "checkpoint" and [q["stage"] for q in manifest["parents"]] == ["base", "reference"]
     assert manifest["metrics"]["steps"] == 2 and "eval_kl" in manifest["metrics"], manifest["metrics"]
+    plans, notes = plan_pipeline(plan, "local")  # the planner hook: the KTO step over example rows
+    assert [q.stage for q in plans] == ["kto"] and plans[0].fits, plans

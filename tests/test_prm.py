@@ -265,3 +265,38 @@ def test_bad_records_and_export_are_refused_in_one_sentence(trained_prm, base, t
         tokenize_steps({**record, "completions": "b"}, "x:3", bundle, cfg, False)
     with pytest.raises(ConfigError, match="is a process reward model .* no \\*ForSequenceClassification form"):
         load_reward_params(out / "checkpoint")
+
+
+def test_a_process_reward_model_is_a_reward_model_stage_that_plans(base, steps_data, tmp_path):
+    from flows.spec import Pipeline
+    from tasks.plan import plan_pipeline
+    from tasks.runner import RAN, execute_stage
+    from tasks.store.records import read_manifest
+    from tests.test_dpo import ONE_DEVICE_ENV
+    from tests.test_grpo import _CheckpointCopy  # noqa: F401  (registers test-checkpoint-copy)
+
+    p = Pipeline("steps", store=tmp_path / "store")
+    start = p.stage("base", task="test-checkpoint-copy", config={"path": str(base)})
+    p.stage(
+        "prm",
+        task="reward_model",
+        inputs={"checkpoint": start},
+        launcher={"kind": "local", "env": ONE_DEVICE_ENV},
+        config={
+            "process": {"step_separator": "\n", "aggregate": "product"},
+            "data": {"path": str(steps_data), "max_prompt_length": 8, "max_length": 24, "batch_size": 8}
+            | {"eval_fraction": 0.1},
+            "steps": 2,
+            "log_every": 1,
+        },
+    )
+    plan = p.plan()
+    assert [execute_stage(s.job, plan.store).status for s in plan.stages.values()] == [RAN, RAN]
+    out = plan.store.artifact_dir("prm", plan.stages["prm"].job.artifact_id)
+    manifest = read_manifest(out)
+    assert manifest["kind"] == "reward_model" and "eval_accuracy" in manifest["metrics"], manifest["metrics"]
+    _, _, params, _, meta = load_reward_params(out / "checkpoint", allow_process=True)
+    assert params[PROCESS_HEAD].shape == (params["embed_vd"].shape[1], 2)
+    assert meta["reward_model"]["process"]["aggregate"] == "product"
+    plans, _ = plan_pipeline(plan, "local")
+    assert [q.stage for q in plans] == ["prm"] and plans[0].fits, plans
