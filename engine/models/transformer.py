@@ -11,8 +11,10 @@ engine/ops/partitioning.py maps to mesh axes; activations are constrained at blo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -530,6 +532,79 @@ def layer_schedule(layers: list[Layer]) -> tuple[int, int, int]:
     return best
 
 
+class Segment(NamedTuple):
+    """A part of the layer stack in a multi-unit schedule (layer_segments): the layers [start,
+    start + period * steps). `unit` None: a run of `steps` like layers (period 1; more than one
+    scanned, as a run is in layer_schedule's); else a unit of `period` layers run as a scan of
+    `steps` unit steps, `unit` its own schedule (positions within the unit)."""
+
+    start: int
+    period: int
+    steps: int
+    unit: tuple[Segment, ...] | None = None
+
+
+def segments_cost(segments) -> int:
+    """The layer bodies a schedule compiles: one per run, a unit's own inside it."""
+    return sum(1 if s.unit is None else segments_cost(s.unit) for s in segments)
+
+
+def describe_segments(segments) -> str:
+    """A schedule as text: `M-M*` a run or unit's layers, `x5` its steps, units in brackets."""
+    return " ".join(
+        f"run x{s.steps}" if s.unit is None else f"[{describe_segments(s.unit)}] x{s.steps}" for s in segments
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _best_segments(layers: tuple[Layer, ...]) -> tuple[int, tuple[Segment, ...]]:
+    """(bodies, segments) of the schedule compiling the fewest layer bodies: from each layer, a
+    run of like layers, or a unit (itself scheduled so, not one kind, not a repeat of a shorter
+    unit) repeated 2+ times in a row. Ties: fewer segments, then the longer run or unit first."""
+    n = len(layers)
+    best: list[tuple[int, int, tuple[Segment, ...]]] = [(0, 0, ())] * (n + 1)
+    for i in range(n - 1, -1, -1):
+        options = []
+        run = 1
+        while i + run < n and layers[i + run] == layers[i]:
+            run += 1
+        for length in range(run, 0, -1):
+            cost, count, rest = best[i + length]
+            options.append((cost + 1, count + 1, (Segment(i, 1, length),) + rest))
+        for period in range((n - i) // 2, 1, -1):
+            unit = layers[i : i + period]
+            if layers[i + period : i + 2 * period] != unit or len(set(unit)) == 1:
+                continue
+            if _smallest_period(list(unit)) < period and period % _smallest_period(list(unit)) == 0:
+                continue  # a repeat of a shorter unit: that unit covers it
+            steps = 2
+            while layers[i + steps * period : i + (steps + 1) * period] == unit:
+                steps += 1
+            inner_cost, inner = _best_segments(unit)
+            for k in range(steps, 1, -1):
+                cost, count, rest = best[i + k * period]
+                options.append((inner_cost + cost, count + 1, (Segment(i, period, k, inner),) + rest))
+        best[i] = min(options, key=lambda o: (o[0], o[1]))
+    return best[0][0], best[0][2]
+
+
+def layer_segments(layers: list[Layer]) -> tuple[Segment, ...] | None:
+    """A schedule of several repeating units, runs and units inside units (Segment), where it
+    compiles fewer layer bodies than layer_schedule's one unit; None where it does not (the
+    model keeps layer_schedule's program). Nemotron-H 8B (M-M-M-M*-M-M-M-M-M*-... over 52
+    layers, - an MLP layer, * attention): one unit compiles 44 bodies (41 layers one by one);
+    `M, [- M] x3, [* [- M] x5] x4, -` compiles 7. Every preset but Nemotron-H's gets None."""
+
+    def runs(part: list[Layer]) -> int:
+        return sum(1 for i, layer in enumerate(part) if i == 0 or part[i - 1] != layer)
+
+    start, period, steps = layer_schedule(layers)
+    end = start + period * steps
+    one_unit = runs(layers[:start]) + (runs(layers[start : start + period]) + runs(layers[end:]) if steps else 0)
+    cost, segments = _best_segments(tuple(layers))
+    return segments if cost < one_unit else None
+
+
 def _one_layer(stats: MoEStats | None) -> list[MoEStats]:
     """One layer's router stats with a leading layer axis of 1, as a list to extend by."""
     return [] if stats is None else [jax.tree.map(lambda a: a[None], stats)]
@@ -651,7 +726,9 @@ class Transformer(nnx.Module):
         Stacked layers are scanned (layer_schedule): a run of like layers of one stack is one
         scan; a repeating unit of mixed layers (Gemma 3's five local and one global, Qwen3-MoE's
         dense and expert layers) is one scan over units, each step slicing every stack it uses
-        its share, within a step each run of like layers one block again. The params keep
+        its share, within a step each run of like layers one block again. A pattern one unit
+        covers badly (Nemotron-H's) runs layer_segments' several units instead, units and runs
+        nested in units, each scanned the same way. The params keep
         their stacked `layers` axis; each step slices its share, and with it the layers' index
         in the model, which a LoRA adapter's dropout draws its mask from.
         """
@@ -711,11 +788,9 @@ class Transformer(nnx.Module):
                     stats += _layers(run_stats)
             return x, _stack(stats)
 
-        start, period, steps = layer_schedule([layer for layer, _ in items])
-        x_btd, before = run_layers(x_btd, stacked, items[:start], False)
-        stats = _layers(before)
-        if steps:
-            unit = items[start : start + period]
+        def units(state: dict, unit: list[tuple[Layer, int]], steps: int):
+            """(each stack's share of `steps` repeats of `unit` as (steps, slots per unit, ...),
+            the unit's layers with their slots in one step's share)."""
             base, count = {}, {}  # per stack: its first slot in the repeated layers, slots per unit
             for layer, slot in unit:
                 base.setdefault(layer.stack, slot)
@@ -723,11 +798,41 @@ class Transformer(nnx.Module):
             by_unit = {
                 name: jax.tree.map(
                     lambda a, lo=base[name], c=count[name]: a[lo : lo + steps * c].reshape(steps, c, *a.shape[1:]),
-                    stacked[name],
+                    state[name],
                 )
                 for name in count
             }
-            in_unit = [(layer, slot - base[layer.stack]) for layer, slot in unit]
+            return by_unit, [(layer, slot - base[layer.stack]) for layer, slot in unit]
+
+        def run_segments(x, state: dict, part: list[tuple[Layer, int]], segments, in_scan: bool):
+            """The layers `part` by a multi-unit schedule (layer_segments): runs as run_layers
+            runs them, each unit one scan over its steps, its own segments inside."""
+            stats = []
+            for seg in segments:
+                layers = part[seg.start : seg.start + seg.period * seg.steps]
+                if seg.unit is None:
+                    x, run_stats = run_layers(x, state, layers, in_scan)
+                    stats += _layers(run_stats)
+                    continue
+                by_unit, in_unit = units(state, layers[: seg.period], seg.steps)
+                x, unit_stats = jax.lax.scan(
+                    lambda x, s, in_unit=in_unit, inner=seg.unit: run_segments(x, s, in_unit, inner, True),
+                    x,
+                    by_unit,
+                    unroll=unroll,
+                )
+                if unit_stats is not None:  # (steps, layers per unit, ...) -> (steps * those, ...)
+                    stats.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), unit_stats))
+            return x, _stack(stats)
+
+        segments = layer_segments([layer for layer, _ in items])
+        if segments is not None:
+            return run_segments(x_btd, stacked, items, segments, False)
+        start, period, steps = layer_schedule([layer for layer, _ in items])
+        x_btd, before = run_layers(x_btd, stacked, items[:start], False)
+        stats = _layers(before)
+        if steps:
+            by_unit, in_unit = units(stacked, items[start : start + period], steps)
             x_btd, unit_stats = jax.lax.scan(
                 lambda x, unit_state: run_layers(x, unit_state, in_unit, True), x_btd, by_unit, unroll=unroll
             )
