@@ -739,7 +739,10 @@ class Transformer(nnx.Module):
         def layer_fn(layer: Layer, in_scan: bool, index=None, rows=(positions_bt, segment_ids_bt)):
             def run(block: Block, x):
                 with in_layer(index):
-                    x, _, stats = block.forward(x, *rows, layer.local, rope=layer.rope, chunked=layer.chunked)
+                    positions, segments = rows
+                    x, _, stats = block.forward(
+                        x, positions, segments, layer.local, rope=layer.rope, chunked=layer.chunked
+                    )
                 return x, stats
 
             if compute.remat == "none":
