@@ -95,9 +95,13 @@ def trainflow_row(seq_len: int, grad: str) -> dict:
 def maxtext_row(seq_len: int, grad: str, python: str, keep: Path) -> dict:
     """MaxText's compile of the same step, in its own environment; its outputs stay in `keep`
     (a row whose step.json is there, compiled with the same overrides, is read again)."""
+    return maxtext_compiled(keep / f"{seq_len}-{grad}", maxtext_overrides(seq_len, grad), python)
+
+
+def maxtext_compiled(out: Path, overrides: list[str], python: str) -> dict:
+    """MaxText's train_compile with `overrides` (bench/maxtext_aot.py in `python`), its
+    outputs in `out`, read again where step.json there has the same overrides."""
     started = time.perf_counter()
-    out = keep / f"{seq_len}-{grad}"
-    overrides = maxtext_overrides(seq_len, grad)
     done = out / "step.json"
     if not (done.exists() and json.loads(done.read_text())["overrides"] == overrides):
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}  # beside this process
