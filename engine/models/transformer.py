@@ -794,7 +794,8 @@ class Transformer(nnx.Module):
         def units(state: dict, unit: list[tuple[Layer, int]], steps: int):
             """(each stack's share of `steps` repeats of `unit` as (steps, slots per unit, ...),
             the unit's layers with their slots in one step's share)."""
-            base, count = {}, {}  # per stack: its first slot in the repeated layers, slots per unit
+            base: dict[str, int] = {}  # per stack: its first slot in the repeated layers
+            count: dict[str, int] = {}  # and its slots per unit
             for layer, slot in unit:
                 base.setdefault(layer.stack, slot)
                 count[layer.stack] = count.get(layer.stack, 0) + 1
@@ -818,12 +819,11 @@ class Transformer(nnx.Module):
                     stats += _layers(run_stats)
                     continue
                 by_unit, in_unit = units(state, layers[: seg.period], seg.steps)
-                x, unit_stats = jax.lax.scan(
-                    lambda x, s, in_unit=in_unit, inner=seg.unit: run_segments(x, s, in_unit, inner, True),
-                    x,
-                    by_unit,
-                    unroll=unroll,
-                )
+
+                def unit_step(x, unit_state, in_unit=in_unit, inner=seg.unit):
+                    return run_segments(x, unit_state, in_unit, inner, True)
+
+                x, unit_stats = jax.lax.scan(unit_step, x, by_unit, unroll=unroll)
                 if unit_stats is not None:  # (steps, layers per unit, ...) -> (steps * those, ...)
                     stats.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), unit_stats))
             return x, _stack(stats)
