@@ -35,6 +35,8 @@ import jax
 
 from bench import REPO, finish, machine
 from bench.compiled_step import config
+from engine.config import load_config
+from engine.train.config import TrainConfig
 from engine.train.plan import collective_bytes, format_plan, plan_step
 from engine.train.targets import GiB, get_target
 
@@ -42,12 +44,23 @@ CHIPS = 4
 OUT = REPO / "bench" / "results" / "maxtext_compare.json"
 
 
-def maxtext_overrides(seq_len: int, grad: str) -> list[str]:
-    """MaxText's config for the same step as bench.compiled_step.config(seq_len, grad)."""
+# --model qwen3-next-80b-a3b: MaxText's only Qwen3-Next preset at a reduced depth, the same in
+# both (its 48 layers' float32 parameters and moments, 960 GB, fit no v5p-8): one repeating unit of
+# three Gated DeltaNet layers and a gated attention layer per 4 layers, 512 experts each.
+MODELS = {"llama3.1-8b": None, "qwen3-next-80b-a3b": 4}
+"""--model -> the layers compiled (None: the preset's own)."""
+
+
+def maxtext_overrides(seq_len: int, grad: str, model: str = "llama3.1-8b") -> list[str]:
+    """MaxText's config for the same step as trainflow_config(seq_len, grad, model)."""
+    layers = MODELS[model]
+    depth = [] if layers is None else [f"base_num_decoder_layers={layers}", "override_model_config=true"]
+    run = "llama8b" if model == "llama3.1-8b" else model
     return [
         "compile_topology=v5p-8",
         "compile_topology_num_slices=1",
-        "model_name=llama3.1-8b",
+        f"model_name={model}",
+        *depth,
         f"max_target_length={seq_len}",
         f"per_device_batch_size={8 // CHIPS}",
         "ici_fsdp_parallelism=-1",
@@ -61,18 +74,32 @@ def maxtext_overrides(seq_len: int, grad: str) -> list[str]:
         "dataset_type=synthetic",
         "enable_checkpointing=false",
         f"base_output_directory={tempfile.gettempdir()}/maxtext-compare/run",
-        f"run_name=llama8b-{seq_len}-{grad}",
+        f"run_name={run}-{seq_len}-{grad}",
         "steps=10",
     ]
+
+
+def trainflow_config(seq_len: int, grad: str, model: str = "llama3.1-8b"):
+    """bench.compiled_step.config (llama3.1-8b), or the same step of `model` at MODELS' depth."""
+    if model == "llama3.1-8b":
+        return config(seq_len, grad)
+    tree = {
+        "model": {"preset": model, "num_layers": MODELS[model]},  # its preset: bf16 compute, remat full
+        "mesh": {"data": 1, "fsdp": CHIPS},
+        "data": {"seq_len": seq_len, "batch_size": 8},
+        "steps": 10,
+        "compute": {"attention_impl": "splash", "weight_grad_dtype": grad},
+    }
+    return load_config(tree=tree, schema=TrainConfig)
 
 
 def reductions(hlo: str) -> dict[str, float]:
     return {dtype: b / GiB for dtype, b in sorted(collective_bytes(hlo).items())}
 
 
-def trainflow_row(seq_len: int, grad: str) -> dict:
+def trainflow_row(seq_len: int, grad: str, model: str = "llama3.1-8b") -> dict:
     started = time.perf_counter()
-    plan = plan_step(config(seq_len, grad), get_target("v5p-8"))
+    plan = plan_step(trainflow_config(seq_len, grad, model), get_target("v5p-8"))
     analysis = plan.compiled.memory_analysis()
     m = plan.memory
     return {
@@ -92,10 +119,11 @@ def trainflow_row(seq_len: int, grad: str) -> dict:
     }
 
 
-def maxtext_row(seq_len: int, grad: str, python: str, keep: Path) -> dict:
+def maxtext_row(seq_len: int, grad: str, python: str, keep: Path, model: str = "llama3.1-8b") -> dict:
     """MaxText's compile of the same step, in its own environment; its outputs stay in `keep`
     (a row whose step.json is there, compiled with the same overrides, is read again)."""
-    return maxtext_compiled(keep / f"{seq_len}-{grad}", maxtext_overrides(seq_len, grad), python)
+    where = keep / (f"{seq_len}-{grad}" if model == "llama3.1-8b" else f"{model}-{seq_len}-{grad}")
+    return maxtext_compiled(where, maxtext_overrides(seq_len, grad, model), python)
 
 
 def maxtext_compiled(out: Path, overrides: list[str], python: str) -> dict:
@@ -152,24 +180,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--grad", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--model", choices=list(MODELS), default="llama3.1-8b")
     parser.add_argument("--maxtext-python", default="/work/maxtext-venv/bin/python")
     parser.add_argument("--only", choices=["trainflow", "maxtext"])
     parser.add_argument("--maxtext-out", type=Path, default=Path(tempfile.gettempdir()) / "maxtext-compare")
     args = parser.parse_args()
     previous = json.loads(OUT.read_text())["rows"] if OUT.exists() else []
     info = machine(description=__doc__.split("\n\n")[0], jax=jax.__version__, libtpu=version("libtpu"))
-    rows = {(r["seq_len"], r["weight_grad_dtype"]): r for r in previous}
+    rows = {(r.get("model", "llama3.1-8b"), r["seq_len"], r["weight_grad_dtype"]): r for r in previous}
+    model = args.model
     for seq_len in args.seq:
         for grad in args.grad:
-            row = rows.setdefault((seq_len, grad), {"seq_len": seq_len, "weight_grad_dtype": grad})
-            print(f"{seq_len} positions, gradients {grad}:", flush=True)
+            row = rows.setdefault((model, seq_len, grad), {"seq_len": seq_len, "weight_grad_dtype": grad})
+            if model != "llama3.1-8b":
+                row.update(model=model, num_layers=MODELS[model])
+            print(f"{model}, {seq_len} positions, gradients {grad}:", flush=True)
             if args.only != "maxtext":
-                row["trainflow"] = trainflow_row(seq_len, grad)
+                row["trainflow"] = trainflow_row(seq_len, grad, model)
                 print(line("trainflow", row["trainflow"]), flush=True)
             if args.only != "trainflow":
-                row["maxtext"] = maxtext_row(seq_len, grad, args.maxtext_python, args.maxtext_out)
+                row["maxtext"] = maxtext_row(seq_len, grad, args.maxtext_python, args.maxtext_out, model)
                 print(line("MaxText", row["maxtext"]), flush=True)
-            info["rows"] = sorted(rows.values(), key=lambda r: (r["seq_len"], r["weight_grad_dtype"] != "float32"))
+            info["rows"] = sorted(
+                rows.values(),
+                key=lambda r: (r.get("model", "llama3.1-8b"), r["seq_len"], r["weight_grad_dtype"] != "float32"),
+            )
             info["figures"] = "compile-time, from libtpu's compiler: not load-sensitive"
             OUT.write_text(json.dumps(info, indent=1) + "\n")
     OUT.write_text(json.dumps(finish(info, settle=0), indent=1) + "\n")
