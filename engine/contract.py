@@ -123,6 +123,7 @@ ADDED_AT_DEFAULT = {
     "model.mup": None,
     "model.mamba2.gated_norm": True,
     "model.mamba2.norm_before_gate": False,
+    "model.shared_expert_mlp_dim": None,  # Granite 4's shared MLP beside its experts
     # DPO's separate reference (its checkpoint comes from an input, and is not in the id)
     "reference": {"checkpoint": None, "compute": None},
     # DPO's list-valued loss_type with weights, DiscoPOP's temperature (issue 53)

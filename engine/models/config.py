@@ -94,11 +94,12 @@ class Layer(NamedTuple):
     stack: str
     """The params key of its stack: `blocks`, or `dense_blocks` for the dense-MLP layers of
     a mixture of experts (DeepSeek-V3's first layers, Qwen3-MoE's mlp_only_layers)."""
-    mixer: Literal["attention", "mla", "gated_delta", "mamba2", "attention_mamba2", "none"]
+    mixer: Literal["attention", "mla", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "none"]
     """The sequence mixer, a kind in transformer.MIXERS: grouped-query attention
     (transformer.Attention), multi-head latent attention (mla.py), or a Gated DeltaNet
     linear-attention layer (gated_delta_block.py), which decodes with a recurrent state;
-    attention_mamba2: attention and a Mamba2 mixer side by side (Falcon-H1, parallel_hybrid.py)."""
+    attention_mamba2: attention and a Mamba2 mixer side by side (Falcon-H1, parallel_hybrid.py);
+    kimi_delta: Kimi Delta Attention, the delta rule with a decay per key channel (kimi_delta_block.py)."""
     ffn: Literal["mlp", "moe", "none"]
     """The gated MLP or a mixture of experts (moe.py), or none (a layer that is only its mixer;
     Nemotron-H's, whose MLP layers have mixer "none" in turn)."""
@@ -387,7 +388,9 @@ class ModelConfig(Strict):
     (engine/models/mtp.py; the `mtp_blocks` stack). Converted, kept and exported; trained
     only under ComputeConfig.mtp_loss."""
     # Hybrid models (Qwen3-Next, Qwen3.5): layers of another mixer kind among the attention ones.
-    mixer_pattern: list[Literal["attention", "gated_delta", "mamba2", "attention_mamba2", "none"]] | None = Field(
+    mixer_pattern: list[
+        Literal["attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "none"]
+    ] | None = Field(
         None, min_length=1
     )
     """Layer i's sequence mixer is mixer_pattern[i % len] (attention: the model's attention,
@@ -437,6 +440,9 @@ class ModelConfig(Strict):
     """Output logits are divided by this (Granite)."""
     mup: MuPMultipliers | None = None
     """Falcon-H1's multipliers on the attention, Mamba2, MLP and LM head activations; None: none."""
+    shared_expert_mlp_dim: int | None = Field(None, gt=0)
+    """Width of the shared experts' one gated MLP; None: num_shared_experts * expert_mlp_dim
+    (Granite 4's shared_mlp: shared_intermediate_size)."""
     # Gemma 4's mixture of experts (26B-A4B; engine/models/families/gemma4.py)
     moe_beside_mlp: bool = False
     """With experts: each expert layer also runs the dense MLP (mlp_dim) beside them, on its
@@ -500,7 +506,8 @@ class ModelConfig(Strict):
             raise ValueError("qk_norm_across_heads needs qk_norm")
         if not self.pre_norms and not self.post_norms:
             raise ValueError("pre_norms false needs post_norms (a block normalises its input or its output)")
-        if self.is_mla and (self.qk_norm_across_heads or self.rope_pattern is not None or self.rotary_dim):
+        mla_rope = self.rope_pattern not in (None, [False])  # [False]: MLA without RoPE (Kimi Linear)
+        if self.is_mla and (self.qk_norm_across_heads or mla_rope or self.rotary_dim):
             raise ValueError(
                 "qk_norm_across_heads, rope_pattern and rotary_dim are settings of grouped-query attention, not MLA"
             )
@@ -554,8 +561,12 @@ class ModelConfig(Strict):
 
     @model_validator(mode="after")
     def _check_mixers(self) -> ModelConfig:
-        if ("gated_delta" in (self.mixer_pattern or [])) != (self.gated_delta is not None):
+        if bool({"gated_delta", "kimi_delta"} & set(self.mixer_pattern or [])) != (self.gated_delta is not None):
             raise ValueError("gated_delta (the sizes) is set exactly when mixer_pattern has gated_delta layers")
+        gd = self.gated_delta
+        if "kimi_delta" in (self.mixer_pattern or []) and gd is not None:
+            if (gd.num_key_heads, gd.key_head_dim) != (gd.num_value_heads, gd.value_head_dim):
+                raise ValueError("kimi_delta layers have as many value heads as key heads, of the same width")
         if bool({"mamba2", "attention_mamba2"} & set(self.mixer_pattern or [])) != (self.mamba2 is not None):
             raise ValueError("mamba2 (the sizes) is set exactly when mixer_pattern has mamba2 layers")
         if any(layer.mixer == layer.ffn == "none" for layer in self.layer_pattern()):
@@ -564,6 +575,8 @@ class ModelConfig(Strict):
             raise ValueError("mlp_gated false (an MLP without a gate) is a setting of dense models")
         if self.shared_expert_gate and not self.num_shared_experts:
             raise ValueError("shared_expert_gate needs num_shared_experts")
+        if self.shared_expert_mlp_dim and not self.num_shared_experts:
+            raise ValueError("shared_expert_mlp_dim needs num_shared_experts")
         if "attention_mamba2" in (self.mixer_pattern or []) and self.is_mla:
             raise ValueError("attention_mamba2 layers (Falcon-H1) have grouped-query attention, not MLA")
         if self.attention_output_gate and self.is_mla:
@@ -654,6 +667,11 @@ class ModelConfig(Strict):
         """Width of one expert's MLP."""
         return self.expert_mlp_dim or self.mlp_dim
 
+    @property
+    def shared_mlp_dim(self) -> int:
+        """Width of the shared experts' gated MLP (0 without shared experts)."""
+        return self.shared_expert_mlp_dim or self.moe_mlp_dim * self.num_shared_experts
+
     def layer_is_local(self) -> list[bool]:
         """Per layer: does it use sliding-window attention?"""
         pattern = self.attention_pattern
@@ -664,7 +682,7 @@ class ModelConfig(Strict):
         attn = self.num_heads * self.attention_sinks + self.d_model * self.attention_out_bias
         if self.is_moe:
             experts = self.experts_per_token if active else self.num_experts
-            mlp = 3 * self.d_model * self.moe_mlp_dim * (experts + self.num_shared_experts)
+            mlp = 3 * self.d_model * (self.moe_mlp_dim * experts + self.shared_mlp_dim)
             mlp += self.d_model * self.shared_expert_gate
             mlp += self.d_model * self.num_experts  # not router_bias: transformers keeps it as a buffer
             mlp += (2 * self.moe_mlp_dim + self.d_model) * experts * self.expert_bias
@@ -695,6 +713,11 @@ class ModelConfig(Strict):
         if layer.mixer == "gated_delta":
             assert self.gated_delta is not None  # _check_mixers
             return self.gated_delta.params(self.d_model)
+        if layer.mixer == "kimi_delta":  # q, k, v, conv, two low-rank gates, dt_bias, A_log, b, norm, out
+            assert self.gated_delta is not None  # _check_mixers
+            h, k, d = self.gated_delta.num_key_heads, self.gated_delta.key_head_dim, self.d_model
+            conv = 3 * h * k * self.gated_delta.conv_kernel
+            return 4 * d * h * k + conv + 2 * (d * k + k * h * k) + h * k + h + d * h + k
         if layer.mixer == "mamba2":
             assert self.mamba2 is not None  # _check_mixers
             return self.mamba2.params(self.d_model)

@@ -103,11 +103,15 @@ class MLA(nnx.Module):
         factor = 1.0 if self.rope_scaling is None else self.rope_scaling.yarn_attention_factor()
         return apply_rope(x_btnr, positions_bt, inv_freq, factor, max_position)
 
-    def __call__(self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None):
-        """As transformer.Attention: `local` (static) slides the window; with a cache (decoding)
-        returns (out, updated cache). With a training indexer loss (dsa.py) and no cache:
-        (out, the indexer's KL)."""
+    def __call__(
+        self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None, rope: bool = True
+    ):
+        """As transformer.Attention: `local` (static) slides the window; `rope` False (static)
+        leaves the rotary part unrotated (Kimi Linear's MLA); with a cache (decoding) returns
+        (out, updated cache). With a training indexer loss (dsa.py) and no cache: (out, the
+        indexer's KL)."""
         o, r, c = self.nope_dim, self.rope_dim, self.latent_dim
+        rotate = self._rope if rope else lambda x, *_: x
         if self.q_lora:
             q_latent_btq = self.q_norm(self._dense(x_btd, self.wq_a_dq))
             q_btnh = self._dense(q_latent_btq, self.wq_b_qnh)
@@ -115,10 +119,10 @@ class MLA(nnx.Module):
             q_btnh = self._dense(x_btd, self.wq_dnh)
         q_btnh = constrain(q_btnh, ("act_batch", "act_seq", "act_heads", None))
         max_position = positions_bt.shape[1] if cache is None else cache.length  # RoPE's table (rope.py)
-        q_nope, q_rope = q_btnh[..., :o], self._rope(q_btnh[..., o:], positions_bt, max_position)
+        q_nope, q_rope = q_btnh[..., :o], rotate(q_btnh[..., o:], positions_bt, max_position)
         kv_btx = self._dense(x_btd, self.wkv_a_dx)
         latent_btc = self.kv_norm(kv_btx[..., :c])
-        k_rope_bt1r = self._rope(kv_btx[..., None, c:], positions_bt, max_position)
+        k_rope_bt1r = rotate(kv_btx[..., None, c:], positions_bt, max_position)
         window = self.sliding_window if local else None
         w_kb_cno, w_vb_cnw = self.wkv_b_cny[...][..., :o], self.wkv_b_cny[...][..., o:]
         if self.index_topk is not None:  # its inputs detached: only its KL trains it (dsa.py)

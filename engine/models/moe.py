@@ -265,7 +265,7 @@ class MoE(nnx.Module):
             self.b_up_ef = nnx.Param(jnp.zeros((e, f), pdt), out_sharding=("expert", "mlp"))
             self.b_down_ed = nnx.Param(jnp.zeros((e, d), pdt), out_sharding=("expert", "embed"))
         if cfg.num_shared_experts:
-            g = f * cfg.num_shared_experts
+            g = cfg.shared_mlp_dim
             self.w_shared_gate_dg = param(rngs, (d, g), std, ("embed", "mlp"), pdt)
             self.w_shared_up_dg = param(rngs, (d, g), std, ("embed", "mlp"), pdt)
             self.w_shared_down_gd = param(rngs, (g, d), out_std, ("mlp", "embed"), pdt)

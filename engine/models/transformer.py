@@ -26,6 +26,7 @@ from engine.models.common import ACTIVATIONS, RMSNorm, dtype_of, param
 from engine.models.config import ComputeConfig, Layer, LoraConfig, ModelConfig
 from engine.models.dsa import WithIndexerLoss
 from engine.models.gated_delta_block import GatedDeltaNet
+from engine.models.kimi_delta_block import KimiDeltaAttention
 from engine.models.kv_cache import KVCache
 from engine.models.lora import (
     ATTENTION_WEIGHTS,
@@ -333,6 +334,10 @@ def _gated_delta(cfg, compute, *, rngs, dot_general, lora=None, layer=None) -> G
     return GatedDeltaNet(cfg, compute, rngs=rngs, dot_general=dot_general)  # no LoRA on its projections
 
 
+def _kimi_delta(cfg, compute, *, rngs, dot_general, lora=None, layer=None) -> KimiDeltaAttention:
+    return KimiDeltaAttention(cfg, compute, rngs=rngs, dot_general=dot_general)  # no LoRA on its projections
+
+
 def _attention_mamba2(cfg, compute, *, rngs, dot_general, lora=None, layer=None) -> AttentionMamba2:
     attention = Attention(cfg, compute, rngs=rngs, dot_general=dot_general, lora=lora, layer=layer)
     return AttentionMamba2(cfg, attention, Mamba2.of_layer(cfg, compute, rngs=rngs, dot_general=dot_general))
@@ -342,6 +347,7 @@ MIXERS = {
     "attention": Attention,
     "mla": _mla,
     "gated_delta": _gated_delta,
+    "kimi_delta": _kimi_delta,
     "mamba2": Mamba2.of_layer,
     "attention_mamba2": _attention_mamba2,
 }

@@ -5,8 +5,11 @@ multipliers: embeddings times embedding_multiplier, each sublayer's output times
 residual_multiplier before the residual add, attention scores times attention_multiplier
 (not head_dim^-0.5), logits divided by logits_scaling.
 
-The dense hybrids (num_local_experts 0: H-Micro, H-1B, H-350M) are supported; the
-mixture-of-experts ones (H-Tiny, H-Small: experts beside the shared MLP) are refused.
+The dense hybrids (num_local_experts 0: H-Micro, H-1B, H-350M) and the mixture-of-experts
+ones (H-Tiny, H-Small) are supported: in those every layer's feed-forward is num_local_experts
+experts of intermediate_size (softmax over the top-k router logits, engine/models/moe.py's
+renormalised softmax; stacked `block_sparse_moe.input_linear` (E, 2f, d) with gate then up,
+`output_linear` (E, d, f)) plus the shared MLP of shared_intermediate_size as a shared expert.
 """
 
 from __future__ import annotations
@@ -35,6 +38,23 @@ KINDS = {"linear_attention": "mamba2", "mamba": "mamba2", "full_attention": "att
 """layer_types (transformers 5's names, and the published configs' older ones) -> the mixer kind."""
 MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
 """config.json keys that are the ModelConfig fields of the same name, 1.0 meaning None."""
+MLP = ("w_gate_df", "w_up_df", "w_down_fd")
+MOE = LAYER + "block_sparse_moe."
+
+
+def _experts() -> list[TensorSpec]:
+    """The router and the stacked experts: input_linear (E, 2f, d) gate then up, output_linear (E, d, f)."""
+    return [
+        TensorSpec(("mlp", "w_router_de"), MOE + "router.layer.weight", 1),
+        TensorSpec(
+            ("mlp", "w_gate_edf"),
+            MOE + "input_linear.weight",
+            None,
+            concatenated_with=(("mlp", "w_up_edf"),),
+            swap_last=True,
+        ),
+        TensorSpec(("mlp", "w_down_efd"), MOE + "output_linear.weight", None, swap_last=True),
+    ]
 
 
 @register_family
@@ -42,6 +62,7 @@ class GraniteHybrid(Family):
     name = "granite_hybrid"
     architecture = "GraniteMoeHybridForCausalLM"
     model_type = "granitemoehybrid"
+    moe = None  # dense and expert models
     hf_defaults = {
         "max_position_embeddings": 2048,
         "rms_norm_eps": 1e-6,
@@ -85,11 +106,9 @@ class GraniteHybrid(Family):
         for key in self.unsupported_flags:
             if hf.get(key):
                 raise ConfigError(f"{where}: {key}=true is not supported")
-        if hf.get("num_local_experts", 8):  # (transformers' default is 8)
-            raise ConfigError(
-                f"{where}: Granite 4's mixture-of-experts models (num_local_experts > 0: H-Tiny, H-Small) are not "
-                "supported yet; its dense hybrids (num_local_experts 0: H-Micro, H-1B, H-350M) are"
-            )
+        experts = hf.get("num_local_experts", 8)  # (transformers' default is 8)
+        if experts and hf.get("intermediate_size") is None:
+            raise ConfigError(f"{where}: missing key 'intermediate_size' (the experts' width)")
         if hf.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"{where}: hidden_act '{hf['hidden_act']}' is not supported (silu)")
         d, layers, heads = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
@@ -140,6 +159,20 @@ class GraniteHybrid(Family):
             },
             "attention_scale": float(self.hf_value(hf, "attention_multiplier")),
             **multipliers,
+            **(self._experts_from_hf(hf, experts) if experts else {}),
+        }
+
+    def _experts_from_hf(self, hf: dict, experts: int) -> dict[str, Any]:
+        """The expert models' fields: every layer's experts beside the shared MLP (a shared expert)."""
+        width, shared = hf["intermediate_size"], hf["shared_intermediate_size"]
+        return {
+            "num_experts": experts,
+            "experts_per_token": hf.get("num_experts_per_tok") or 2,
+            "expert_mlp_dim": width,
+            "router_score": "softmax",
+            "router_renormalize": True,  # softmax over the top-k logits
+            "num_shared_experts": 1,
+            "shared_expert_mlp_dim": None if shared == width else shared,
         }
 
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
@@ -150,8 +183,8 @@ class GraniteHybrid(Family):
             "model_type": self.model_type,
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model,
-            "intermediate_size": cfg.mlp_dim,  # the experts' width: none here
-            "shared_intermediate_size": cfg.mlp_dim,
+            "intermediate_size": cfg.moe_mlp_dim if cfg.is_moe else cfg.mlp_dim,  # the experts' width
+            "shared_intermediate_size": cfg.shared_mlp_dim if cfg.is_moe else cfg.mlp_dim,
             "num_hidden_layers": cfg.num_layers,
             "num_attention_heads": cfg.num_heads,
             "num_key_value_heads": cfg.num_kv_heads,
@@ -176,6 +209,8 @@ class GraniteHybrid(Family):
             **{key: getattr(cfg, key) or 1.0 for key in MULTIPLIERS},
             **self.hf_constants,
         }
+        if cfg.is_moe:
+            hf.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token)
         return hf
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -194,14 +229,16 @@ class GraniteHybrid(Family):
                     TensorSpec(("attn", w), LAYER + f"self_attn.{x}_proj.weight", 2 if x == "o" else 1)
                     for w, x in (("wq_dnh", "q"), ("wk_dkh", "k"), ("wv_dkh", "v"), ("wo_nhd", "o"))
                 ]
+            shared = ("w_shared_gate_dg", "w_shared_up_dg", "w_shared_down_gd") if cfg.is_moe else MLP
             specs = [
                 TensorSpec(("attn_norm", "scale"), LAYER + "input_layernorm.weight", None),
                 *mixer,
                 TensorSpec(("mlp_norm", "scale"), LAYER + "post_attention_layernorm.weight", None),
+                *(_experts() if cfg.is_moe else []),
                 TensorSpec(
-                    ("mlp", "w_gate_df"), LAYER + "shared_mlp.input_linear.weight", 1, fused_with=(("mlp", "w_up_df"),)
+                    ("mlp", shared[0]), LAYER + "shared_mlp.input_linear.weight", 1, fused_with=(("mlp", shared[1]),)
                 ),
-                TensorSpec(("mlp", "w_down_fd"), LAYER + "shared_mlp.output_linear.weight", 1),
+                TensorSpec(("mlp", shared[2]), LAYER + "shared_mlp.output_linear.weight", 1),
             ]
             per_layer += [dataclasses.replace(spec, stack=stack) for spec in specs]
         return top, per_layer
