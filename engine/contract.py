@@ -119,6 +119,10 @@ ADDED_AT_DEFAULT = {
     "model.residual_multiplier": None,
     "model.attention_scale": None,
     "model.logits_scaling": None,
+    # Gemma 4's small models: per-layer embeddings and KV sharing
+    "model.per_layer_input_dim": None,
+    "model.kv_shared_layers": 0,
+    "model.kv_shared_wide_mlp": False,
     # Falcon-H1 (engine/models/parallel_hybrid.py): its multipliers, Mamba2 without a gated norm
     "model.mup": None,
     "model.mamba2.gated_norm": True,

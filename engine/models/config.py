@@ -117,6 +117,12 @@ class Layer(NamedTuple):
     chunked: bool = False
     """Chunked attention: a query sees the earlier keys of its own chunk of
     ModelConfig.attention_chunk_size positions (Llama 4's chunked_attention layers)."""
+    kv_sharing: Literal["store", "reuse"] | None = None
+    """Gemma 4's KV sharing (ModelConfig.kv_shared_layers): `reuse`, the layer has no key and
+    value projections and attends with the keys and values of the `store` layer of its kind
+    (local or global), the last earlier one, in a stack of its own (`kv_shared_blocks`)."""
+    mlp_dim: int | None = None
+    """This layer's MLP width; None: ModelConfig.mlp_dim (Gemma 4 E2B's reuse layers: twice it)."""
 
 
 class GatedDeltaConfig(Strict):
@@ -453,6 +459,17 @@ class ModelConfig(Strict):
     d_model**-0.5 (Gemma 4)."""
     router_expert_scale: bool = False
     """A learned factor per expert on its routing weight, after renormalisation (Gemma 4)."""
+    # Gemma 4's small models (E2B, E4B; engine/models/families/gemma4.py)
+    per_layer_input_dim: int | None = Field(None, gt=0)
+    """Per-layer embeddings: after its MLP each layer adds norm(proj(act(gate(x)) * e)) to the
+    stream, e its per_layer_input_dim-wide share of a second embedding of the token (num_layers
+    shares per token) plus a projection of the first (Gemma 4's hidden_size_per_layer_input).
+    None: none."""
+    kv_shared_layers: int = Field(0, ge=0)
+    """The last this many layers project no keys or values: each attends with those of the last
+    earlier layer of its attention kind (Gemma 4's num_kv_shared_layers; Layer.kv_sharing)."""
+    kv_shared_wide_mlp: bool = False
+    """The KV-sharing layers' MLP is 2 * mlp_dim wide (Gemma 4's use_double_wide_mlp)."""
 
     @field_validator("family")
     @classmethod
@@ -583,6 +600,22 @@ class ModelConfig(Strict):
             raise ValueError("attention_output_gate is a setting of grouped-query attention, not MLA")
         return self
 
+    @model_validator(mode="after")
+    def _check_kv_sharing(self) -> ModelConfig:
+        if not self.kv_shared_layers:
+            if self.kv_shared_wide_mlp:
+                raise ValueError("kv_shared_wide_mlp needs kv_shared_layers")
+            return self
+        if self.is_mla or self.mixer_pattern or self.qkv_bias or self.qk_norm_across_heads or self.is_moe:
+            raise ValueError("kv_shared_layers is a setting of dense grouped-query attention models (Gemma 4)")
+        first, local = self.num_layers - self.kv_shared_layers, self.layer_is_local()
+        if first <= 0 or set(local[first:]) - set(local[:first]):
+            raise ValueError(
+                f"kv_shared_layers ({self.kv_shared_layers}): each sharing layer needs an earlier layer "
+                "of its attention kind (local or global) that is not sharing"
+            )
+        return self
+
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank is not None
@@ -629,6 +662,20 @@ class ModelConfig(Strict):
             if self.attention_pattern[i % len(self.attention_pattern)] == "chunked":
                 shape["chunked"] = True
             layers.append(Layer(stack, mixer, "moe" if moe else "mlp", local, rope, **shape))
+        return self._share_kv(layers)
+
+    def _share_kv(self, layers: list[Layer]) -> list[Layer]:
+        """Gemma 4's KV sharing (kv_shared_layers): the last layers `reuse` the keys and values
+        of the last earlier layer of their kind, which `store`s them (transformers' kv_sharing_modes)."""
+        first = self.num_layers - self.kv_shared_layers
+        if not self.kv_shared_layers or first <= 0:
+            return layers
+        wide = 2 * self.mlp_dim if self.kv_shared_wide_mlp else None
+        for i in range(first, self.num_layers):
+            layers[i] = layers[i]._replace(stack="kv_shared_" + layers[i].stack, kv_sharing="reuse", mlp_dim=wide)
+        for local in {layer.local for layer in layers[:first]}:
+            last = max(i for i in range(first) if layers[i].local == local)
+            layers[last] = layers[last]._replace(kv_sharing="store")
         return layers
 
     @property
@@ -700,6 +747,11 @@ class ModelConfig(Strict):
         mtp = block + self._attention_params(self.mtp_layer()) + 2 * self.d_model * self.d_model + 3 * self.d_model
         n += self.mtp_layers * mtp
         n += sum(self._attention_params(layer) for layer in pattern)
+        n += sum(3 * self.d_model * (layer.mlp_dim - self.mlp_dim) for layer in pattern if layer.mlp_dim)
+        if self.per_layer_input_dim:  # per layer gate, projection, norm; the model's projection and norm
+            width = self.num_layers * self.per_layer_input_dim
+            n += self.num_layers * self.d_model * (2 * self.per_layer_input_dim + 1)
+            n += self.d_model * width + self.per_layer_input_dim + self.vocab_size * width * include_embedding
         norm = (self.pre_norms + self.post_norms) * self.d_model  # each sublayer's
         n -= sum(mlp + norm for layer in pattern if layer.ffn == "none")
         n -= sum(attn + norm for layer in pattern if layer.mixer == "none")
@@ -729,6 +781,8 @@ class ModelConfig(Strict):
         if self.is_mla:
             return self._mla_params()
         n, h, k = self.num_heads, layer.head_dim or self.head_dim, layer.kv_heads or self.num_kv_heads
+        if layer.kv_sharing == "reuse":  # Gemma 4: the queries' projection and norm, and the output's
+            return self.d_model * h * 2 * n + h * self.qk_norm
         v = 0 if layer.values_from_keys else k
         attn = self.d_model * h * (2 * n + k + v) + h * (n + k + v) * self.qkv_bias
         attn += self.d_model * n * h * self.attention_output_gate

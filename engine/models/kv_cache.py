@@ -85,7 +85,8 @@ class KVCache:
         for layer in cfg.layer_pattern():  # a layer's heads may have a shape of their own (Gemma 4's global ones)
             states.append(DECODE_STATES[layer.mixer](cfg, compute, batch) if layer.mixer in DECODE_STATES else None)
             keys = layer.mixer in KEYS_AND_STATE  # Falcon-H1's parallel layers keep both
-            if (states[-1] is not None and not keys) or layer.mixer == "none":  # no keys, values: (batch, 0 heads, ...)
+            reuses = layer.kv_sharing == "reuse"  # a Gemma 4 layer attending with another layer's keys and values
+            if (states[-1] is not None and not keys) or layer.mixer == "none" or reuses:  # no keys, values
                 k_shapes.append((batch, 0, 0, max_len))
                 v_shapes.append((batch, 0, max_len, 0))
                 continue
@@ -187,7 +188,7 @@ class KVCache:
         (size, the queries' positions (b, t)): chunked attention (Llama 4), the key's position
         (its valid slots before it, and a shared prefix's) in the query's chunk of `size`.
         """
-        t, s = k_btkh.shape[1], self.valid_bs.shape[1]
+        t = k_btkh.shape[1]
         k_bkhs = jax.lax.dynamic_update_slice(
             self.k[self.layer], stored(k_btkh.transpose(0, 2, 3, 1), self.k[0].dtype), (0, 0, 0, self.end)
         )
@@ -196,6 +197,24 @@ class KVCache:
         )
         k_all = (*self.k[: self.layer], k_bkhs, *self.k[self.layer + 1 :])
         v_all = (*self.v[: self.layer], v_bksh, *self.v[self.layer + 1 :])
+        mask_bts = self._mask(t, window, chunk)
+        cache = self.replace(k=k_all, v=v_all)
+        if raw:
+            return k_bkhs, v_bksh, mask_bts, cache
+        return cache_values(k_bkhs).transpose(0, 3, 1, 2), cache_values(v_bksh).swapaxes(1, 2), mask_bts, cache
+
+    def read(self, t: int, *, window: int | None = None, raw: bool = False, chunk=None):
+        """This layer's keys and values for a step of `t` queries as `update` returns them,
+        without writing: a Gemma 4 layer attending with another's (Layer.kv_sharing reuse),
+        `self.layer` that layer, which wrote the step's slots already."""
+        k_bkhs, v_bksh, mask_bts = self.k[self.layer], self.v[self.layer], self._mask(t, window, chunk)
+        if raw:
+            return k_bkhs, v_bksh, mask_bts, self
+        return cache_values(k_bkhs).transpose(0, 3, 1, 2), cache_values(v_bksh).swapaxes(1, 2), mask_bts, self
+
+    def _mask(self, t: int, window: int | None, chunk):
+        """(b, t, s): `update`'s mask of a step's `t` queries over the slots."""
+        s = self.valid_bs.shape[1]
         distance_ts = self.end + jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
         visible_ts = distance_ts >= 0
         if window is not None:
@@ -206,10 +225,7 @@ class KVCache:
             prefix_b = 0 if self.shared_valid_ps is None else jnp.repeat(jnp.sum(self.shared_valid_ps, 1), self.group)
             key_positions_bs = jnp.cumsum(self.valid_bs.astype(jnp.int32), axis=1) - 1 + jnp.reshape(prefix_b, (-1, 1))
             mask_bts = mask_bts & (key_positions_bs[:, None, :] // size == positions_bt[:, :, None] // size)
-        cache = self.replace(k=k_all, v=v_all)
-        if raw:
-            return k_bkhs, v_bksh, mask_bts, cache
-        return cache_values(k_bkhs).transpose(0, 3, 1, 2), cache_values(v_bksh).swapaxes(1, 2), mask_bts, cache
+        return mask_bts
 
     def update_index(self, k_bti):
         """Write this layer's new indexer keys (sparse attention, engine/models/dsa.py) into

@@ -87,12 +87,16 @@ class Attention(nnx.Module):
         if layer is not None:
             k, h = layer.kv_heads or k, layer.head_dim or h
         self.values_from_keys = layer is not None and layer.values_from_keys
+        # Gemma 4's KV sharing: a `reuse` layer (a stack of its own) has no key/value projections.
+        self.reuses_kv = layer is not None and layer.kv_sharing == "reuse"
+        own_kv = not self.reuses_kv
         pdt, std = _dtype(compute.param_dtype), cfg.init_std
         # With an output gate (Qwen3-Next) each head's query and gate, side by side, as HF's q_proj has them.
         self.output_gate = cfg.attention_output_gate
         self.wq_dnh = _param(rngs, (d, n, 2 * h if self.output_gate else h), std, ("embed", "heads", "head_dim"), pdt)
-        self.wk_dkh = _param(rngs, (d, k, h), std, ("embed", "kv_heads", "head_dim"), pdt)
-        if not self.values_from_keys:
+        if own_kv:
+            self.wk_dkh = _param(rngs, (d, k, h), std, ("embed", "kv_heads", "head_dim"), pdt)
+        if own_kv and not self.values_from_keys:
             self.wv_dkh = _param(rngs, (d, k, h), std, ("embed", "kv_heads", "head_dim"), pdt)
         if cfg.qkv_bias:
             self.bq_nh = nnx.Param(jnp.zeros((n, h), pdt), out_sharding=("heads", "head_dim"))
@@ -101,7 +105,8 @@ class Attention(nnx.Module):
         if cfg.qk_norm:  # over head_dim, or (OLMo 2) over all heads' dims at once
             across = cfg.qk_norm_across_heads
             self.q_norm = _norm(cfg, compute, h, rngs, heads=(n, "heads") if across else None)
-            self.k_norm = _norm(cfg, compute, h, rngs, heads=(k, "kv_heads") if across else None)
+            if own_kv:
+                self.k_norm = _norm(cfg, compute, h, rngs, heads=(k, "kv_heads") if across else None)
         # Residual-branch outputs are scaled down with depth (GPT-2) so the stream stays O(1).
         out_std = std / math.sqrt(2 * cfg.num_layers)
         self.wo_nhd = _param(rngs, (n, h, d), out_std, ("heads", "head_dim", "embed"), pdt)
@@ -169,22 +174,27 @@ class Attention(nnx.Module):
         rotary=None,
         rope: bool = True,
         chunked: bool = False,
+        shared_kv=None,
+        store_kv: bool = False,
     ):
         """`local` (static) selects the sliding window and the local RoPE base; `rope` False
         (static) leaves queries and keys unrotated (a NoPE layer); `chunked` (static) attends
         within chunks of attention_chunk_size positions. segment_ids_bt None: one
         unpadded document per row. With a cache (decoding) returns (out, updated cache).
-        `rotary`: this layer's (cos, sin) at `positions_bt`, if the caller computed them."""
+        `rotary`: this layer's (cos, sin) at `positions_bt`, if the caller computed them.
+        KV sharing (Gemma 4): a `reuse` layer attends with `shared_kv`, the (keys, values) a
+        `store` layer returned beside its output (`store_kv`, static), or when decoding with the
+        cache of that layer (cache.layer)."""
         dt = self.dtype
-        q, k, *v = project_shared(
-            self,
-            ("wq_dnh", "wk_dkh") if self.values_from_keys else ("wq_dnh", "wk_dkh", "wv_dkh"),
-            x_btd,
-            self.dtype,
-            backward=self.matmul_backward,
-            dot_general=self.dot_general,
+        reuse = self.reuses_kv
+        names = ("wq_dnh", "wk_dkh") if self.values_from_keys else ("wq_dnh", "wk_dkh", "wv_dkh")
+        q, *kv = project_shared(
+            self, names[:1] if reuse else names, x_btd, dt, backward=self.matmul_backward, dot_general=self.dot_general
         )
-        v = k if self.values_from_keys else v[0]  # Gemma 4's global layers: the keys before their norm
+        # Gemma 4's global layers: the values are the keys before their norm. A reuse layer's k
+        # and v are stand-ins (its queries), replaced by the shared ones before attention.
+        k = q if reuse else kv[0]
+        v = k if self.values_from_keys or reuse else kv[1]
         if self.output_gate:
             q, gate = q[..., : self.head_dim], q[..., self.head_dim :]
         if self.qkv_bias:
@@ -192,7 +202,7 @@ class Attention(nnx.Module):
         if self.key_scale != 1.0:  # Falcon-H1's key_multiplier
             k = k * jnp.asarray(self.key_scale, k.dtype)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q), k if reuse else self.k_norm(k)
         if self.value_norm:  # RMSNorm over head_dim without a scale (Gemma 4)
             v32 = v.astype(jnp.float32)
             v = (v32 * jax.lax.rsqrt(jnp.mean(v32 * v32, axis=-1, keepdims=True) + self.norm_eps)).astype(v.dtype)
@@ -213,6 +223,8 @@ class Attention(nnx.Module):
         k = checkpoint_name(k, "qkv_proj")
         v = checkpoint_name(v, "qkv_proj")
         sinks_n = self.sinks_n[...] if self.sinks else None
+        if reuse and cache is None:
+            k, v = shared_kv
         if cache is None:
             if chunked:  # each chunk of each document its own segment (engine/ops/attention.py)
                 assert self.chunk_size is not None, "chunked layers need attention_chunk_size"
@@ -234,7 +246,10 @@ class Attention(nnx.Module):
         else:  # decoding: attend over the cache, this step's keys and values written into it
             window = self.sliding_window if local else None
             chunk = (self.chunk_size, positions_bt) if chunked else None
-            k, v, mask, cache = cache.update(k, v, window=window, raw=True, chunk=chunk)
+            if reuse:  # the keys and values the store layer (cache.layer) wrote, this step's too
+                k, v, mask, cache = cache.read(q.shape[1], window=window, raw=True, chunk=chunk)
+            else:
+                k, v, mask, cache = cache.update(k, v, window=window, raw=True, chunk=chunk)
             out_btnh = decode_attention(
                 q,
                 k,
@@ -251,6 +266,8 @@ class Attention(nnx.Module):
         out_btd = self._dense(out_btnh, "wo_nhd", 2)
         if self.out_bias:
             out_btd = out_btd + self.bo_d[...].astype(dt)
+        if cache is None and store_kv:
+            return out_btd, (k, v)
         return out_btd if cache is None else (out_btd, cache)
 
 
@@ -266,8 +283,10 @@ class MLP(nnx.Module):
         rngs: nnx.Rngs,
         dot_general: DotGeneral = jax.lax.dot_general,
         lora: LoraConfig | None = None,
+        mlp_dim: int | None = None,
     ):
-        d, f = cfg.d_model, cfg.mlp_dim
+        """`mlp_dim`: this layer's width where it differs from cfg's (Layer.mlp_dim)."""
+        d, f = cfg.d_model, mlp_dim or cfg.mlp_dim
         pdt, std = _dtype(compute.param_dtype), cfg.init_std
         self.gated = cfg.mlp_gated
         if self.gated:
@@ -401,7 +420,9 @@ class Block(nnx.Module):
                 self.moe_norm = _norm(cfg, compute, cfg.d_model, rngs)
                 self.post_moe_norm = _norm(cfg, compute, cfg.d_model, rngs)
         else:  # LoRAConfig.targets leaves a mixture of experts' dense layers unadapted
-            self.mlp = MLP(cfg, compute, rngs=rngs, dot_general=dot_general, lora=None if cfg.is_moe else lora)
+            lora = None if cfg.is_moe else lora
+            width = None if layer is None else layer.mlp_dim
+            self.mlp = MLP(cfg, compute, rngs=rngs, dot_general=dot_general, lora=lora, mlp_dim=width)
         if cfg.post_norms and self.has_mixer:
             self.post_attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
         if cfg.post_norms and self.has_ffn:
@@ -411,6 +432,15 @@ class Block(nnx.Module):
         self.pre_norms, self.post_norms, self.is_moe = cfg.pre_norms, cfg.post_norms, moe
         self.residual_scale = cfg.residual_multiplier
         self.scaled, self.beside = cfg.layer_scale, moe and cfg.moe_beside_mlp
+        self.per_layer_input = cfg.per_layer_input_dim is not None
+        if self.per_layer_input:  # Gemma 4's per-layer embeddings: this layer's gate, projection, norm
+            d, p, pdt = cfg.d_model, cfg.per_layer_input_dim, _dtype(compute.param_dtype)
+            self.per_layer_gate_dp = _param(rngs, (d, p), cfg.init_std, ("embed", None), pdt)
+            out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+            self.per_layer_proj_pd = _param(rngs, (p, d), out_std, (None, "embed"), pdt)
+            self.post_per_layer_norm = _norm(cfg, compute, d, rngs)
+            self.activation, self.dtype = ACTIVATIONS[cfg.activation], _dtype(compute.dtype)
+            self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
 
     def forward(
         self,
@@ -422,13 +452,20 @@ class Block(nnx.Module):
         rotary=None,
         rope: bool = True,
         chunked: bool = False,
+        per_layer_btp=None,
+        shared_kv=None,
+        store_kv: bool = False,
     ):
         """(x, cache or None, MoEStats of the router or None for a dense MLP). `rotary`: the
         attention's RoPE (cos, sin), where the caller computed them for all layers at once;
-        `rope` False: a NoPE layer (grouped-query attention only)."""
+        `rope` False: a NoPE layer (grouped-query attention only). Gemma 4: `per_layer_btp`
+        this layer's per-layer input; `shared_kv` the keys and values a reuse layer attends
+        with; `store_kv` (static): a store layer, its own in place of the cache (there is none
+        without decoding)."""
         indexer_kl = stats = None
         if self.has_mixer:
-            mixed = self._mix(x_btd, positions_bt, segment_ids_bt, local, cache, rotary, rope, chunked)
+            kv = {"shared_kv": shared_kv, "store_kv": store_kv}
+            mixed = self._mix(x_btd, positions_bt, segment_ids_bt, local, cache, rotary, rope, chunked, **kv)
             x_btd, cache, indexer_kl = mixed
         if not self.has_ffn:
             x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
@@ -447,6 +484,11 @@ class Block(nnx.Module):
         if self.residual_scale is not None:  # Granite
             mlp_out = mlp_out * jnp.asarray(self.residual_scale, mlp_out.dtype)
         x_btd = x_btd + (self.post_mlp_norm(mlp_out) if self.post_norms else mlp_out)
+        if self.per_layer_input:  # x + norm(proj(act(gate(x)) * e)), e this layer's per-layer input
+            dt, kw = self.dtype, {"backward": self.matmul_backward, "dot_general": self.dot_general}
+            gate_btp = dense(x_btd, weight_value(self.per_layer_gate_dp, dt), **kw)
+            gated_btp = (self.activation(gate_btp.astype(jnp.float32)) * per_layer_btp.astype(jnp.float32)).astype(dt)
+            x_btd = x_btd + self.post_per_layer_norm(dense(gated_btp, weight_value(self.per_layer_proj_pd, dt), **kw))
         if self.scaled:
             x_btd = x_btd * self.layer_scale[...].astype(x_btd.dtype)
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
@@ -462,22 +504,32 @@ class Block(nnx.Module):
         rotary=None,
         rope: bool = True,
         chunked: bool = False,
+        per_layer_btp=None,
     ):
-        x_btd, cache, _ = self.forward(x_btd, positions_bt, segment_ids_bt, local, cache, rotary, rope, chunked)
+        x_btd, cache, _ = self.forward(
+            x_btd, positions_bt, segment_ids_bt, local, cache, rotary, rope, chunked, per_layer_btp
+        )
         return x_btd if cache is None else (x_btd, cache)
 
-    def _mix(self, x_btd, positions_bt, segment_ids_bt, local, cache, rotary, rope, chunked):
-        """The mixer sublayer: (x, cache, sparse attention's indexer KL or None)."""
+    def _mix(
+        self, x_btd, positions_bt, segment_ids_bt, local, cache, rotary, rope, chunked, shared_kv=None, store_kv=False
+    ):
+        """The mixer sublayer: (x, cache, sparse attention's indexer KL or None); a store layer's
+        (keys, values) in place of the cache without one (Attention: KV sharing)."""
         with jax.named_scope("attention"):  # names the ops in profiles (bench/profile_step.py)
             extra = {} if rotary is None else {"rotary": rotary}
             if not rope:
                 extra["rope"] = False
             if chunked:  # attention within chunks (Llama 4)
                 extra["chunked"] = True
+            if shared_kv is not None:  # a layer reusing another's keys and values (Gemma 4)
+                extra["shared_kv"] = shared_kv
+            if store_kv and cache is None:  # a layer whose keys and values later layers reuse
+                extra["store_kv"] = True
             attn_in = self.attn_norm(x_btd) if self.pre_norms else x_btd
             attn_out = self.attn(attn_in, positions_bt, segment_ids_bt, local, cache, **extra)
         indexer_kl = None
-        if cache is not None:
+        if cache is not None or store_kv:
             attn_out, cache = attn_out
         elif getattr(self.attn, "indexer_loss", "none") != "none":  # sparse attention's indexer trains (dsa.py)
             attn_out, indexer_kl = attn_out
@@ -693,6 +745,11 @@ class Transformer(nnx.Module):
                 else nnx.List([Block(cfg, compute, rngs=rngs, dot_general=dot_general, moe=moe, layer=layer)])
             )
         self.final_norm = _norm(cfg, compute, cfg.d_model, rngs)
+        if cfg.per_layer_input_dim:  # Gemma 4's per-layer embeddings: num_layers * p columns per token
+            width = cfg.num_layers * cfg.per_layer_input_dim  # its columns sharded as the embedding's
+            self.per_layer_embed_vx = _param(rngs, (cfg.vocab_size, width), cfg.init_std, ("vocab", "embed"), pdt)
+            self.per_layer_proj_dx = _param(rngs, (cfg.d_model, width), cfg.init_std, ("embed", None), pdt)
+            self.per_layer_proj_norm = _norm(cfg, compute, cfg.per_layer_input_dim, rngs)
         if not cfg.tie_embeddings:
             self.lm_head_dv = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, ("embed", "vocab"), pdt)
         self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
@@ -724,7 +781,19 @@ class Transformer(nnx.Module):
             slots.update({layer: slot for slot, layer in enumerate(indices)})
         return [(layer, slots[i]) for i, layer in enumerate(layers)]
 
-    def _run_blocks(self, x_btd, positions_bt, segment_ids_bt):
+    def _per_layer_inputs(self, tokens_bt, x_btd):
+        """Gemma 4's per-layer inputs (b, t, layers, p): (norm(the embeddings' projection *
+        d**-0.5) + the token's second embedding * p**0.5) * 2**-0.5, per layer."""
+        cfg, dt = self.cfg, _dtype(self.compute.dtype)
+        shape = (*tokens_bt.shape, cfg.num_layers, cfg.per_layer_input_dim)
+        token_btlp = (self.per_layer_embed_vx[...].astype(dt)[tokens_bt]).reshape(shape)
+        token_btlp = token_btlp * jnp.asarray(math.sqrt(cfg.per_layer_input_dim), dt)
+        kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
+        projected_btx = dense(x_btd, weight_value(self.per_layer_proj_dx, dt), **kw)
+        projected_btlp = self.per_layer_proj_norm((projected_btx * jnp.asarray(cfg.d_model**-0.5, dt)).reshape(shape))
+        return (projected_btlp + token_btlp) * jnp.asarray(2**-0.5, dt)
+
+    def _run_blocks(self, x_btd, positions_bt, segment_ids_bt, per_layer_btlp=None):
         """(x, MoEStats with a leading layer axis, or None for a dense model): every layer in
         turn, each with its static flags (a local layer computes only its window,
         engine/ops/attention.py; a global one pays nothing for it).
@@ -742,14 +811,23 @@ class Transformer(nnx.Module):
         unroll = scan_unroll(compute)
         one_per_step = unroll is not True and unroll == 1  # (True == 1 in Python)
 
+        shared_kv: dict = {}  # KV sharing (Gemma 4): attention kind (local) -> its store layer's (keys, values)
+
         def layer_fn(layer: Layer, in_scan: bool, index=None, rows=(positions_bt, segment_ids_bt)):
             def run(block: Block, x):
+                extra = {}
+                if per_layer_btlp is not None:  # this layer's per-layer input (Gemma 4)
+                    extra["per_layer_btp"] = jax.lax.dynamic_index_in_dim(per_layer_btlp, index, 2, keepdims=False)
+                if layer.kv_sharing == "reuse":
+                    extra["shared_kv"] = shared_kv[layer.local]
+                elif layer.kv_sharing == "store":
+                    extra["store_kv"] = True
                 with in_layer(index):
                     positions, segments = rows
-                    x, _, stats = block.forward(
-                        x, positions, segments, layer.local, rope=layer.rope, chunked=layer.chunked
+                    x, kv, stats = block.forward(
+                        x, positions, segments, layer.local, rope=layer.rope, chunked=layer.chunked, **extra
                     )
-                return x, stats
+                return x, ((stats, kv) if layer.kv_sharing == "store" else stats)
 
             if compute.remat == "none":
                 return run
@@ -758,13 +836,21 @@ class Transformer(nnx.Module):
             # layers in straight-line code and keeps it.
             return nnx.remat(run, policy=REMAT_POLICIES[compute.remat], prevent_cse=not (in_scan and one_per_step))
 
+        def kept(layer: Layer, layer_stats):
+            """A one-layer run's stats, a store layer's keys and values put aside (it is unique
+            in the model, so never in a scan of like layers or of units)."""
+            if layer.kv_sharing != "store":
+                return layer_stats
+            layer_stats, shared_kv[layer.local] = layer_stats
+            return layer_stats
+
         items = self._slots()
         if not compute.scan_layers:
             stats = []
             for i, (layer, slot) in enumerate(items):
                 block = getattr(self, layer.stack)[slot]
                 x_btd, layer_stats = layer_fn(layer, in_scan=False, index=i)(block, x_btd)
-                stats += _one_layer(layer_stats)
+                stats += _one_layer(kept(layer, layer_stats))
             return x_btd, _stack(stats)
         graphdefs, stacked = {}, {}
         for name, indices in self.cfg.layer_stacks():  # each layer's params and index in the model
@@ -785,8 +871,9 @@ class Transformer(nnx.Module):
                 if length == 1:
                     layer_state, index = jax.tree.map(lambda a, i=first: a[i], stack_state)
                     x, layer_stats = layer_fn(layer, in_scan, index)(nnx.merge(graphdef, layer_state), x)
-                    stats += _one_layer(layer_stats)
+                    stats += _one_layer(kept(layer, layer_stats))
                 else:
+                    assert layer.kv_sharing != "store", "a store layer is unique"
 
                     def step(x, one, layer=layer, graphdef=graphdef):
                         layer_state, index = one
@@ -873,7 +960,7 @@ class Transformer(nnx.Module):
         microbatches = self.compute.pipeline_microbatches or stages
         return gpipe(stage, (state, index), x_btd, rows, stages=stages, microbatches=microbatches)
 
-    def _decode_blocks(self, x_btd, positions_bt, segment_ids_bt, cache: KVCache):
+    def _decode_blocks(self, x_btd, positions_bt, segment_ids_bt, cache: KVCache, per_layer_btlp=None):
         """The blocks with a KV cache; each layer writes its slots of the stacked cache in place.
 
         Unrolled even for stacked params: with a static layer index XLA updates the cache in
@@ -889,6 +976,7 @@ class Transformer(nnx.Module):
         # RoPE's cos and sin once per step for all global (local) layers: XLA:CPU kept each
         # layer's table lookups apart, four small gathers per layer in every decode step.
         rotary = {}
+        store: dict[bool, int] = {}  # KV sharing (Gemma 4): attention kind (local) -> the layer whose cache it reads
         for i, (layer, slot) in enumerate(self._slots()):
             if self.compute.scan_layers:
                 graphdef, stacked = stacks[layer.stack]
@@ -897,15 +985,18 @@ class Transformer(nnx.Module):
                 block = getattr(self, layer.stack)[slot]
             if layer.mixer == "attention" and layer.rope and layer.local not in rotary:
                 rotary[layer.local] = block.attn.rotary(positions_bt, layer.local, cache.length)
+            if layer.kv_sharing == "store":
+                store[layer.local] = i
             x_btd, cache = block(
                 x_btd,
                 positions_bt,
                 segment_ids_bt,
                 layer.local,
-                cache.replace(layer=i),
+                cache.replace(layer=store[layer.local] if layer.kv_sharing == "reuse" else i),
                 rotary=rotary.get(layer.local) if layer.rope else None,
                 rope=layer.rope,
                 chunked=layer.chunked,
+                per_layer_btp=None if per_layer_btlp is None else per_layer_btlp[:, :, i],
             )
         return x_btd, cache.replace(end=cache.end + x_btd.shape[1], layer=0)
 
@@ -974,14 +1065,15 @@ class Transformer(nnx.Module):
         if cfg.embedding_multiplier is not None:  # Granite
             x_btd = x_btd * jnp.asarray(cfg.embedding_multiplier, dt)
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
+        per_layer_btlp = self._per_layer_inputs(tokens_bt, x_btd) if cfg.per_layer_input_dim else None
         stats = None
         if cache is None:  # segment_ids_bt None: one unpadded document per row, no mask needed
             with matmuls_in(self.compute.matmul_precision):  # fp8/int8 recipes: the layers' products only
-                x_btd, stats = self._run_blocks(x_btd, positions_bt, segment_ids_bt)
+                x_btd, stats = self._run_blocks(x_btd, positions_bt, segment_ids_bt, per_layer_btlp)
         else:
             if segment_ids_bt is None:
                 segment_ids_bt = jnp.ones_like(tokens_bt)
-            x_btd, cache = self._decode_blocks(x_btd, positions_bt, segment_ids_bt, cache)
+            x_btd, cache = self._decode_blocks(x_btd, positions_bt, segment_ids_bt, cache, per_layer_btlp)
         with jax.named_scope("lm_head"):
             x_btd = self.final_norm(x_btd)
             if hidden is not None:  # the multi-token-prediction layer's input (forward)

@@ -327,10 +327,12 @@ def convert_hf(
         modules = sorted(layers)
         log(f"convert: skipped {len(ignored)} tensors of modules the engine does not run: {', '.join(modules)}")
     if skipped and multimodal is not None:
-        outside = sorted({name.split(".")[0] + "." for name in skipped})
+        roots = {prefix.split(".")[0] for _, prefix in multimodal.prefixes}  # under them: a level deeper
+        outside = sorted({".".join(n.split(".")[: 1 + (n.split(".")[0] in roots)]) + "." for n in skipped})
         log(
             f"convert: skipped {len(skipped)} tensors of {multimodal.architecture} outside the text decoder "
-            f"(the vision tower and projector: {', '.join(outside)}); the checkpoint is the text model {architecture}"
+            f"(the vision tower, projector and any audio tower: {', '.join(outside)}); the checkpoint is the text "
+            f"model {architecture}"
         )
     if tied_head is not None:
         with SafetensorsFile(tied_head) as st:

@@ -21,8 +21,13 @@ scale and d**-0.5 (`router_input_norm`), its renormalised top-k weights times a 
 factor per expert (`router_expert_scale`); its experts are stored stacked, gate and up in
 one (E, 2f, d) tensor (TensorSpec.swap_last).
 
-The small models' per-layer embeddings (E2B, E4B: `hidden_size_per_layer_input`) and KV
-sharing (`num_kv_shared_layers`) are refused by name.
+The small models (E2B, E4B) add per-layer embeddings (`hidden_size_per_layer_input`:
+ModelConfig.per_layer_input_dim; a second embedding table of num_layers * p columns, a
+projection of the first embedding beside it, and in each layer a gate, a projection and a
+norm, all in the model's blocks) and KV sharing (`num_kv_shared_layers`: the last layers have
+no k/v projections or k norm and attend with the keys and values of the last earlier layer of
+their type, Layer.kv_sharing; E2B's such layers have a double-wide MLP, `use_double_wide_mlp`).
+Their multimodal checkpoints also hold an audio tower, skipped with the vision tower.
 """
 
 from __future__ import annotations
@@ -49,11 +54,8 @@ DEFAULT_ROPE = {
     "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
 }
 """transformers' RoPE of each layer type when config.json gives none."""
-REFUSED = {
-    "hidden_size_per_layer_input": "per-layer embeddings (Gemma 4 E2B/E4B)",
-    "num_kv_shared_layers": "layers sharing another layer's keys and values (Gemma 4 E2B/E4B)",
-}
-"""config.json keys of Gemma 4 features the engine does not run yet: refused when true (non-zero)."""
+PER_LAYER_VOCAB = 262_144
+"""transformers' vocab_size_per_layer_input, written as it is where a model has no per-layer embeddings."""
 
 
 @register_family
@@ -87,20 +89,19 @@ class Gemma4(Family):
     hf_constants = {
         "attention_bias": False,
         "use_bidirectional_attention": None,
-        "vocab_size_per_layer_input": 262_144,
-        "hidden_size_per_layer_input": 0,
-        "num_kv_shared_layers": 0,
         "enable_moe_block": False,
-        "use_double_wide_mlp": False,
         "num_experts": None,
         "top_k_experts": None,
         "moe_intermediate_size": None,
     }
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
-        for key, what in REFUSED.items():
-            if self.hf_value(hf, key):
-                raise ConfigError(f"{where}: {key}={self.hf_value(hf, key)} ({what}) is not supported yet")
+        per_layer_vocab = self.hf_value(hf, "vocab_size_per_layer_input", PER_LAYER_VOCAB)
+        if self.hf_value(hf, "hidden_size_per_layer_input") and per_layer_vocab != hf.get("vocab_size"):
+            raise ConfigError(
+                f"{where}: vocab_size_per_layer_input={per_layer_vocab} differs from vocab_size="
+                f"{hf.get('vocab_size')} (per-layer embeddings of another vocabulary are not supported)"
+            )
         if hf.get("use_bidirectional_attention") == "all":
             raise ConfigError(f"{where}: use_bidirectional_attention='all' is not supported (a causal decoder)")
         return super().config_from_hf(hf, where)
@@ -162,8 +163,12 @@ class Gemma4(Family):
                 "router_input_norm": True,
                 "router_expert_scale": True,
             }
+        shared = hf.get("num_kv_shared_layers") or 0
         return {
             **experts,
+            "per_layer_input_dim": self.hf_value(hf, "hidden_size_per_layer_input") or None,
+            "kv_shared_layers": shared,
+            "kv_shared_wide_mlp": bool(shared and hf.get("use_double_wide_mlp")),
             "final_logit_softcap": hf.get("final_logit_softcapping"),
             "global_head_dim": None if head_dim in (None, hf.get("head_dim")) else head_dim,
             "global_num_kv_heads": None if kv_heads in (None, base_heads) else kv_heads,
@@ -202,6 +207,10 @@ class Gemma4(Family):
             "global_head_dim": head_dim,
             "num_global_key_value_heads": override.get("num_key_value_heads"),
             **self._experts_to_hf(cfg),
+            "hidden_size_per_layer_input": cfg.per_layer_input_dim or 0,
+            "vocab_size_per_layer_input": cfg.vocab_size if cfg.per_layer_input_dim else PER_LAYER_VOCAB,
+            "num_kv_shared_layers": cfg.kv_shared_layers,
+            "use_double_wide_mlp": cfg.kv_shared_wide_mlp,
         }
 
     @staticmethod
@@ -220,8 +229,22 @@ class Gemma4(Family):
         layers, stacks = cfg.layer_pattern(), dict(cfg.layer_stacks())
         no_values = {stack for stack, indices in stacks.items() if layers[indices[0]].values_from_keys}
         per_layer = [s for s in per_layer if not (s.stack in no_values and s.path == ("attn", "wv_dkh"))]
-        scalar = TensorSpec(("layer_scale",), LAYER + "layer_scalar", None)
-        return top, per_layer + [dataclasses.replace(scalar, stack=stack) for stack in stacks]
+        reuse = {stack for stack, indices in stacks.items() if layers[indices[0]].kv_sharing == "reuse"}
+        kv = {("attn", "wk_dkh"), ("attn", "wv_dkh"), ("attn", "k_norm", "scale")}
+        per_layer = [s for s in per_layer if not (s.stack in reuse and s.path in kv)]  # KV sharing: none of their own
+        extra = [TensorSpec(("layer_scale",), LAYER + "layer_scalar", None)]
+        if cfg.per_layer_input_dim:  # per-layer embeddings: the model's table, projection and norm; each layer's
+            top[1:1] = [
+                TensorSpec(("per_layer_embed_vx",), "model.embed_tokens_per_layer.weight", None),
+                TensorSpec(("per_layer_proj_dx",), "model.per_layer_model_projection.weight", 1),
+                TensorSpec(("per_layer_proj_norm", "scale"), "model.per_layer_projection_norm.weight", None),
+            ]
+            extra += [
+                TensorSpec(("per_layer_gate_dp",), LAYER + "per_layer_input_gate.weight", 1),
+                TensorSpec(("per_layer_proj_pd",), LAYER + "per_layer_projection.weight", 1),
+                TensorSpec(("post_per_layer_norm", "scale"), LAYER + "post_per_layer_input_norm.weight", None),
+            ]
+        return top, per_layer + [dataclasses.replace(spec, stack=stack) for stack in stacks for spec in extra]
 
     def mlp_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
         if not cfg.is_moe:
