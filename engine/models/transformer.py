@@ -485,10 +485,12 @@ class Block(nnx.Module):
             mlp_out = mlp_out * jnp.asarray(self.residual_scale, mlp_out.dtype)
         x_btd = x_btd + (self.post_mlp_norm(mlp_out) if self.post_norms else mlp_out)
         if self.per_layer_input:  # x + norm(proj(act(gate(x)) * e)), e this layer's per-layer input
-            dt, kw = self.dtype, {"backward": self.matmul_backward, "dot_general": self.dot_general}
-            gate_btp = dense(x_btd, weight_value(self.per_layer_gate_dp, dt), **kw)
+            dt, backward, products = self.dtype, self.matmul_backward, self.dot_general
+            gate_btp = dense(x_btd, weight_value(self.per_layer_gate_dp, dt), backward=backward, dot_general=products)
             gated_btp = (self.activation(gate_btp.astype(jnp.float32)) * per_layer_btp.astype(jnp.float32)).astype(dt)
-            x_btd = x_btd + self.post_per_layer_norm(dense(gated_btp, weight_value(self.per_layer_proj_pd, dt), **kw))
+            proj_pd = weight_value(self.per_layer_proj_pd, dt)
+            out_btd = dense(gated_btp, proj_pd, backward=backward, dot_general=products)
+            x_btd = x_btd + self.post_per_layer_norm(out_btd)
         if self.scaled:
             x_btd = x_btd * self.layer_scale[...].astype(x_btd.dtype)
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
@@ -788,8 +790,9 @@ class Transformer(nnx.Module):
         shape = (*tokens_bt.shape, cfg.num_layers, cfg.per_layer_input_dim)
         token_btlp = (self.per_layer_embed_vx[...].astype(dt)[tokens_bt]).reshape(shape)
         token_btlp = token_btlp * jnp.asarray(math.sqrt(cfg.per_layer_input_dim), dt)
-        kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
-        projected_btx = dense(x_btd, weight_value(self.per_layer_proj_dx, dt), **kw)
+        projected_btx = dense(
+            x_btd, weight_value(self.per_layer_proj_dx, dt), backward=self.matmul_backward, dot_general=self.dot_general
+        )
         projected_btlp = self.per_layer_proj_norm((projected_btx * jnp.asarray(cfg.d_model**-0.5, dt)).reshape(shape))
         return (projected_btlp + token_btlp) * jnp.asarray(2**-0.5, dt)
 
