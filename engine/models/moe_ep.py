@@ -45,7 +45,7 @@ def applies(mesh: Mesh | None, tokens: int) -> bool:
     """Whether the dropless dispatch of `tokens` tokens runs expert-parallel on `mesh`: an
     expert axis of more than one device, and tokens that split over the batch and context axes
     (a decode step of fewer rows than devices does not, and takes the gathered path)."""
-    if expert_shards(mesh) == 1:
+    if mesh is None or expert_shards(mesh) == 1:
         return False
     return tokens % math.prod(mesh.shape[a] for a in TOKEN_AXES if a in mesh.axis_names) == 0
 

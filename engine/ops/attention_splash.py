@@ -91,6 +91,7 @@ def _kernel(
     into head_shards x q_seq_shards parts (a shard_map's); `rows`: the query positions in the
     order the queries come (default: 0..t-1). Built per trace: it holds its block-sparsity
     tables as arrays of the trace it was made in."""
+    head_mask: splash.CausalMask | splash.LocalMask
     if window is None:
         head_mask = splash.CausalMask((t, t))
     else:  # query i sees keys [i - window + 1, i]
@@ -219,5 +220,5 @@ def splash_attention(
         out = _apply(kernel, q, gather(k, axis=2), gather(v, axis=2), segment_ids, keys, sinks)
         return _from_balanced(out, 2, context) if balance else out
 
-    run = jax.shard_map(run_shard, mesh=mesh, in_specs=(kernel_spec, *specs), out_specs=split, check_vma=False)
-    return run(kernel, *args).transpose(0, 2, 1, 3)
+    sharded = jax.shard_map(run_shard, mesh=mesh, in_specs=(kernel_spec, *specs), out_specs=split, check_vma=False)
+    return sharded(kernel, *args).transpose(0, 2, 1, 3)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding
@@ -76,7 +77,7 @@ def logical_to_spec(names: Sequence[str | None] | None, rules=LOGICAL_RULES, mes
     """The PartitionSpec of logical `names`; with `mesh`, only the mesh axes it has."""
     if names is None:
         return P()
-    axes = []
+    axes: list[Any] = []  # per dimension: a mesh axis, a tuple of them, or None
     for name in names:
         if name is None:
             axes.append(None)
@@ -107,7 +108,7 @@ def check_divisible(name: str, shape: Sequence[int], spec: P, mesh: Mesh) -> Non
 
 # --------------------------------------------------------------------------- activations
 
-_current: list[Mesh] = []
+_current: list[Mesh | None] = []
 
 
 @contextlib.contextmanager

@@ -261,6 +261,7 @@ class DistillBatches:
             if student
             else (self.teacher.sampler, self.teacher.params)
         )
+        assert sampler is not None  # a sampler exists for what the mix samples from (lmbda > 0, seq_kd)
         seed = jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.seed), state.step), int(not student))
         out = sampler(
             params,

@@ -180,7 +180,7 @@ def write_hf_model(
 
     top, per_layer = tensor_table(cfg)
     num_experts = cfg.num_experts
-    order = [(top[0], ())]
+    order: list[tuple[TensorSpec, tuple[int, ...]]] = [(top[0], ())]
     layers_of = dict(cfg.layer_stacks() + cfg.mtp_stacks())  # and the MTP layer after the last
     slot = {layer: (stack, i) for stack, layers in layers_of.items() for i, layer in enumerate(layers)}
     for layer in range(cfg.num_layers + cfg.mtp_layers):  # in the model's order; index: the layer within its stack
@@ -218,8 +218,8 @@ def write_hf_model(
         weight_map.update({name: filename for name in names})
         log(f"export: wrote {filename}")
     if len(shards) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        shard_index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(shard_index, indent=2) + "\n")
     config_json = json.dumps(_transformers_floats(hf_config), indent=2, sort_keys=True)
     (out_dir / "config.json").write_text(config_json + "\n")  # as transformers
     generation = hf_meta.get("generation_config") or {

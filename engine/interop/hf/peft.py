@@ -148,7 +148,7 @@ def adapter_from_peft(
         raise ConfigError(f"{path}: not found (PEFT's {ADAPTER_WEIGHTS}; .bin adapters are not read)")
     with SafetensorsFile(path) as file:
         tensors = {name: file.get(name) for name in file.names()}
-    out = {}
+    out: dict[str, Any] = {}
 
     def put(stack, module, key, i, value):
         node = out.setdefault(stack, {} if scan_layers else [])

@@ -75,7 +75,7 @@ def _slots(cfg, shapes: dict) -> dict[str, tuple[Any, tuple]]:
     """HF name -> (TensorSpec, index) of every decoder tensor but the LM head, in file order:
     index () for a top-level tensor, (layer,) or (layer, expert) within its stack."""
     top, per_layer = tensor_table(cfg)
-    out = {top[0].hf_name: (top[0], ())}
+    out: dict[str, tuple[Any, tuple]] = {top[0].hf_name: (top[0], ())}
     for stack, layers in cfg.layer_stacks():
         for i, layer in enumerate(layers):
             for spec in per_layer:
@@ -139,7 +139,7 @@ def export_reward_model(
         tokenizer_dir = tokenizer_beside(checkpoint_dir)
     hf_config = model_config_to_hf(
         cfg,
-        _token_ids(checkpoint_dir, meta, tokenizer_dir and Path(tokenizer_dir), log),
+        _token_ids(checkpoint_dir, meta, Path(tokenizer_dir) if tokenizer_dir else None, log),
         param_dtype=compute.param_dtype,
     )
     architecture = sequence_classification_architecture(cfg.family)
@@ -182,8 +182,8 @@ def export_reward_model(
         )
         weight_map.update({n: filename for n in names})
     if len(shards) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        shard_index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(shard_index, indent=2) + "\n")
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     tokenizer_files = copy_tokenizer(Path(tokenizer_dir), out_dir) if tokenizer_dir else []
     log(f"export: {architecture}, {total / 1e6:.2f} MB in {len(shards)} file(s) to {out_dir}")

@@ -105,7 +105,7 @@ class GptOss(Family):
             betas = {"beta_fast": cfg.rope_scaling.beta_fast, "beta_slow": cfg.rope_scaling.beta_slow}
             rope = {
                 "rope_parameters": {**rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling), **betas},
-                "rope_scaling": {**rope_to_hf(cfg.rope_scaling), **betas},
+                "rope_scaling": {**(rope_to_hf(cfg.rope_scaling) or {}), **betas},  # not None: the scaling is set
             }
         return {
             **rope,
