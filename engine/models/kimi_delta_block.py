@@ -73,9 +73,12 @@ class KimiDeltaAttention(nnx.Module):
         self.wk_dhk = param(rngs, (d, h, k), std, names, pdt)
         self.wv_dhk = param(rngs, (d, h, k), std, names, pdt)
         bound = 1.0 / math.sqrt(s.conv_kernel)  # torch's Conv1d default, HF's (c, 1, K) layout, one each
-        for name in ("conv_q_c1k", "conv_k_c1k", "conv_v_c1k"):
-            conv = jax.random.uniform(rngs.params(), (h * k, 1, s.conv_kernel), jnp.float32, -bound, bound)
-            setattr(self, name, nnx.Param(conv.astype(pdt), out_sharding=(None, None, None)))
+
+        def conv() -> nnx.Param:
+            taps = jax.random.uniform(rngs.params(), (h * k, 1, s.conv_kernel), jnp.float32, -bound, bound)
+            return nnx.Param(taps.astype(pdt), out_sharding=(None, None, None))
+
+        self.conv_q_c1k, self.conv_k_c1k, self.conv_v_c1k = conv(), conv(), conv()
         self.w_fa_dk = param(rngs, (d, k), std, ("embed", None), pdt)  # the forget gate's low-rank pair
         self.w_fb_khk = param(rngs, (k, h, k), std, (None, "heads", "head_dim"), pdt)
         dt = jnp.exp(jax.random.uniform(rngs.params(), (h * k,), jnp.float32, math.log(1e-3), math.log(0.1)))
