@@ -253,8 +253,10 @@ def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_pat
 
 
 def test_exported_config_json_is_what_transformers_writes(case, tmp_path, monkeypatch):
-    """test_hf_parity's check; MiniMax-M2's export also writes the published `rotary_dim`."""
-    monkeypatch.setattr(test_hf_parity, "OLDER_KEYS", test_hf_parity.OLDER_KEYS | {"rotary_dim"})
+    """test_hf_parity's check; MiniMax-M2's export also writes the published `rotary_dim`,
+    `scoring_func` and `use_routing_bias` (vLLM's MiniMax-M2 reads the last two)."""
+    older = test_hf_parity.OLDER_KEYS | {"rotary_dim", "scoring_func", "use_routing_bias"}
+    monkeypatch.setattr(test_hf_parity, "OLDER_KEYS", older)
     test_hf_parity.test_exported_config_json_is_what_transformers_writes(case, tmp_path)
 
 

@@ -121,6 +121,11 @@ class MiniMaxM2(Family):
             "num_local_experts": cfg.num_experts,
             "num_experts_per_tok": cfg.experts_per_token,
             "rope_parameters": rope,
+            # the published checkpoints' router keys (their config.json, MiniMax's code): vLLM's
+            # MiniMax-M2 reads them (without them it cannot build the router, nor load its
+            # e_score_correction_bias); transformers ignores them
+            "scoring_func": "sigmoid",
+            "use_routing_bias": True,
         }
         if cfg.rotary_dim is not None:  # as transformers writes it, and the published key
             rope["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
