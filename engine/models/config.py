@@ -394,11 +394,9 @@ class ModelConfig(Strict):
     (engine/models/mtp.py; the `mtp_blocks` stack). Converted, kept and exported; trained
     only under ComputeConfig.mtp_loss."""
     # Hybrid models (Qwen3-Next, Qwen3.5): layers of another mixer kind among the attention ones.
-    mixer_pattern: list[
-        Literal["attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "none"]
-    ] | None = Field(
-        None, min_length=1
-    )
+    mixer_pattern: (
+        list[Literal["attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "none"]] | None
+    ) = Field(None, min_length=1)
     """Layer i's sequence mixer is mixer_pattern[i % len] (attention: the model's attention,
     MLA where kv_lora_rank is set); None: attention in every layer. Each other kind's layers
     form stacks of their own (`gated_delta_blocks`). Qwen3-Next: three gated_delta then one
