@@ -483,7 +483,8 @@ def test_environment_episodes_sample_every_model_turn_on_the_server(served, tmp_
     assert len(rows) == steps
     assert all(1 <= r["env/turns"] <= turns and r["env/failed"] == 0 and r["env/truncated"] == 0 for r in rows), rows
     assert any(r["env/turns"] < turns for r in rows), rows  # some episodes ended after one turn
-    # One request per episode per turn it ran: env/turns is the batch's mean.
+    # One request per episode per turn it ran (env/turns is the batch's mean), and the probe
+    # that checks the first push (VLLMSampler.check_pushed).
     episodes = prompts * generations
-    assert server_requests(client) - before == sum(round(r["env/turns"] * episodes) for r in rows)
+    assert server_requests(client) - before == 1 + sum(round(r["env/turns"] * episodes) for r in rows)
     assert_on_policy(rows)

