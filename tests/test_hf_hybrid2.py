@@ -167,6 +167,8 @@ def hf_config(name: str):
         return transformers.FalconH1Config(**{**FALCON_H1, **FALCON_VARIANTS[name]})
     return {
         "kimi_linear": lambda: transformers.KimiLinearConfig(**KIMI_LINEAR),
+        # the query through a low-rank projection, as DeepSeek's (the published model has none)
+        "kimi_linear_q_lora": lambda: transformers.KimiLinearConfig(**{**KIMI_LINEAR, "q_lora_rank": 20}),
         "granite_moe": lambda: transformers.GraniteMoeHybridConfig(**GRANITE_MOE),
     }[name]()
 
@@ -231,7 +233,7 @@ def test_scaled_weights_logits_match_transformers_to_1e4(case):
     assert delta <= 1e-4 and size > 0.5
 
 
-@pytest.mark.parametrize("name", [*FALCON_VARIANTS, "granite_moe", "kimi_linear"])
+@pytest.mark.parametrize("name", [*FALCON_VARIANTS, "granite_moe", "kimi_linear", "kimi_linear_q_lora"])
 def test_init_scale_logits_match_transformers_to_1e5(name, tmp_path):
     model = init_scale_model(name)
     cfg, compute, params = converted(model, tmp_path)

@@ -46,10 +46,20 @@ def _kimi_delta() -> list[TensorSpec]:
     ]
 
 
-def _mla() -> list[TensorSpec]:
+def _mla(q_lora: bool) -> list[TensorSpec]:
+    """The latent attention's tensors; the query through a low-rank projection where the config
+    sets q_lora_rank (the published Kimi Linear has none), as DeepSeek's."""
     attn = LAYER + "self_attn."
+    if q_lora:
+        query = [
+            TensorSpec(("attn", "wq_a_dq"), attn + "q_a_proj.weight", 1),
+            TensorSpec(("attn", "q_norm", "scale"), attn + "q_a_layernorm.weight", None),
+            TensorSpec(("attn", "wq_b_qnh"), attn + "q_b_proj.weight", 1),
+        ]
+    else:
+        query = [TensorSpec(("attn", "wq_dnh"), attn + "q_proj.weight", 1)]
     return [
-        TensorSpec(("attn", "wq_dnh"), attn + "q_proj.weight", 1),
+        *query,
         TensorSpec(("attn", "wkv_a_dx"), attn + "kv_a_proj_with_mqa.weight", 1),
         TensorSpec(("attn", "kv_norm", "scale"), attn + "kv_a_layernorm.weight", None),
         TensorSpec(("attn", "wkv_b_cny"), attn + "kv_b_proj.weight", 1),
@@ -265,7 +275,7 @@ class KimiLinear(Family):
             layer = layers[indices[0]]
             specs = [
                 TensorSpec(("attn_norm", "scale"), LAYER + "input_layernorm.weight", None),
-                *(_kimi_delta() if layer.mixer == "kimi_delta" else _mla()),
+                *(_kimi_delta() if layer.mixer == "kimi_delta" else _mla(cfg.q_lora_rank is not None)),
                 TensorSpec(("mlp_norm", "scale"), LAYER + "post_attention_layernorm.weight", None),
                 *(_experts() if layer.ffn == "moe" else _dense_mlp()),
             ]
