@@ -6,7 +6,7 @@ attention, layers scanned, with the gradients in float32 or bfloat16 (trainflow
 `compute.weight_grad_dtype`, MaxText `grad_dtype`).
 
     python -m bench.maxtext_compare [--seq 4096 8192] [--grad float32 bfloat16] \\
-        [--maxtext-python /work/maxtext-venv/bin/python] [--only trainflow|maxtext] [--maxtext-out DIR]
+        [--maxtext-python ../maxtext-venv/bin/python] [--only trainflow|maxtext] [--maxtext-out DIR]
 
 trainflow's step is compiled here, as `trainflow plan` compiles it (plan_step); MaxText's by
 its own train_compile in its own environment (bench/maxtext_aot.py, run with
@@ -181,7 +181,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--grad", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--model", choices=list(MODELS), default="llama3.1-8b")
-    parser.add_argument("--maxtext-python", default="/work/maxtext-venv/bin/python")
+    parser.add_argument("--maxtext-python", default="../maxtext-venv/bin/python")
     parser.add_argument("--only", choices=["trainflow", "maxtext"])
     parser.add_argument("--maxtext-out", type=Path, default=Path(tempfile.gettempdir()) / "maxtext-compare")
     args = parser.parse_args()

@@ -13,7 +13,7 @@ host (no step runs: compile-time figures, not load-sensitive):
               e4m3 forward, e5m2 gradients, current absmax scaling)
 
     python -m bench.maxtext_scale [--case pipeline fp8] [--only trainflow|maxtext] \\
-        [--maxtext-python /work/maxtext-venv/bin/python] [--maxtext-out DIR]
+        [--maxtext-python ../maxtext-venv/bin/python] [--maxtext-out DIR]
 
 Per chip: arguments, temporaries and total as bench/maxtext_compare.py takes them; model
 TFLOPs per chip (trainflow's plan, MaxText's calculate_tflops_training_per_device) and the
@@ -151,7 +151,7 @@ def line(name: str, row: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--case", nargs="+", default=["pipeline", "fp8"], choices=sorted(MAXTEXT))
-    parser.add_argument("--maxtext-python", default="/work/maxtext-venv/bin/python")
+    parser.add_argument("--maxtext-python", default="../maxtext-venv/bin/python")
     parser.add_argument("--only", choices=["trainflow", "maxtext"])
     parser.add_argument("--maxtext-out", type=Path, default=Path(tempfile.gettempdir()) / "mtscale")
     args = parser.parse_args()
