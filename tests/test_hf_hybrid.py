@@ -1,5 +1,6 @@
 """Hugging Face parity of the hybrid Mamba2 families (engine/models/mamba2.py as a mixer kind):
-Nemotron-H, whose every layer is one of a Mamba2 mixer, NoPE attention or a relu2 MLP.
+Nemotron-H, whose every layer is one of a Mamba2 mixer, NoPE attention, a relu2 MLP or (Nemotron
+3) ungated relu2 experts behind DeepSeek-V3's grouped sigmoid router; Granite 4 hybrid.
 
 Each family gets the checks tests/test_hf_parity.py makes of every family (collected here over
 this module's `case`): greedy tokens and the recurrent sampler equal transformers', export
@@ -27,6 +28,7 @@ transformers = need("transformers")
 
 from engine.config import ConfigError, load_config  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
 from engine.interop.hf.peft import adapter_from_peft, lora_config_from_peft, write_peft  # noqa: E402
 from engine.models.config import LoraConfig  # noqa: E402
@@ -41,11 +43,11 @@ from engine.train.targets import get_target  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
     VOCAB,
     Case,
+    assert_export_reloads_cleanly,
     batch,
     engine_logits,
     hf_logits,
     random_causal_lm,
-    test_export_loads_in_transformers_cleanly_with_the_same_logits,
     test_export_then_convert_is_bitwise_identical,
     test_exported_config_json_is_what_transformers_writes,
     test_greedy_generation_of_16_tokens_is_identical,
@@ -68,6 +70,21 @@ NEMOTRON_H = dict(
     pad_token_id=None,
     bos_token_id=None,
     eos_token_id=None,
+)
+
+# Nemotron 3's experts: layers M E * - E; 6 experts of 14 in 2 groups, a token's 2 from its
+# best group (topk_group 1), renormalised and scaled by 1.7; the shared expert 18 wide.
+NEMOTRON_H_MOE = dict(
+    {k: v for k, v in NEMOTRON_H.items() if k != "layers_block_type"},
+    layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "moe"],
+    n_routed_experts=6,
+    num_experts_per_tok=2,
+    moe_intermediate_size=14,
+    moe_shared_expert_intermediate_size=18,
+    n_group=2,
+    topk_group=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=1.7,
 )
 
 
@@ -103,25 +120,42 @@ def hf_config(name: str):
     t = transformers
     return {
         "nemotron_h": lambda: t.NemotronHConfig(**NEMOTRON_H),
+        "nemotron_h_moe": lambda: t.NemotronHConfig(**NEMOTRON_H_MOE),
         "granite_hybrid": lambda: t.GraniteMoeHybridConfig(**GRANITE),
     }[name]()
 
 
-CASES = ["nemotron_h", "granite_hybrid"]
+CASES = ["nemotron_h", "nemotron_h_moe", "granite_hybrid"]
 ARCHITECTURES = {"nemotron_h": "NemotronHForCausalLM", "granite_hybrid": "GraniteMoeHybridForCausalLM"}
+IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
+
+
+def implementations(name: str) -> dict:
+    return IMPLEMENTATIONS if name == "nemotron_h_moe" else {"attn_implementation": "eager"}
+
+
+def with_router_biases(model):
+    """Nemotron-H's e_score_correction_bias (a buffer, zero at init) set to N(0, 0.1^2), so it
+    takes part in choosing the experts."""
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+    return model
 
 
 def init_scale_model(name: str):
     """transformers' own initialisation (N(0, 0.02) matrices, its A_log, D, dt_bias), float32."""
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(hf_config(name), attn_implementation="eager").float().eval()
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(name), **implementations(name))
+    return with_router_biases(model.float().eval())
 
 
 @pytest.fixture(scope="module", params=CASES)
 def case(request, tmp_path_factory) -> Case:
     name = request.param
     root = tmp_path_factory.mktemp(name)
-    model = random_causal_lm(hf_config(name), 0, attn_implementation="eager")
+    model = with_router_biases(random_causal_lm(hf_config(name), 0, **implementations(name)))
     model.save_pretrained(root / "hf")
     (root / "hf" / "tokenizer.json").write_text('{"stand-in": true}')
     convert_hf(root / "hf", root / "converted")
@@ -135,6 +169,11 @@ def converted(model, tmp_path):
     convert_hf(tmp_path / "hf", tmp_path / "converted")
     cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
     return cfg, stored_configs(tmp_path / "converted" / "checkpoint")[1], params
+
+
+def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
+    export_hf(case.out_dir / "checkpoint", tmp_path / "export")
+    assert_export_reloads_cleanly(case, tmp_path / "export", **implementations(case.family))
 
 
 def test_scaled_weights_logits_match_transformers_to_1e4(case):
@@ -167,14 +206,24 @@ def test_the_pattern_is_what_the_config_says(case):
         x.rope for x in layers
     )  # the attention layers have no RoPE (Granite 4: position_embedding_type null)
     stacks = dict(case.cfg.layer_stacks())
-    if case.family == "nemotron_h":
+    if case.family.startswith("nemotron_h"):
         kinds = {
             "linear_attention": ("mamba2", "none"),
             "full_attention": ("attention", "none"),
             "mlp": ("none", "mlp"),
+            "moe": ("none", "moe"),
         }
         assert [(x.mixer, x.ffn) for x in layers] == [kinds[t] for t in hf.layers_block_type]
-        assert stacks == {"mamba2_only_blocks": (0, 4), "mlp_only_blocks": (1, 3), "attention_only_blocks": (2,)}
+        expected = {
+            "nemotron_h": {"mamba2_only_blocks": (0, 4), "mlp_only_blocks": (1, 3), "attention_only_blocks": (2,)},
+            "nemotron_h_moe": {
+                "mamba2_only_blocks": (0,),
+                "moe_only_blocks": (1, 4),
+                "attention_only_blocks": (2,),
+                "mlp_only_blocks": (3,),
+            },
+        }
+        assert stacks == expected[case.family]
     else:
         assert [x.mixer for x in layers] == ["mamba2", "attention", "mamba2", "mamba2"]
         assert stacks == {"mamba2_blocks": (0, 2, 3), "blocks": (1,)}
@@ -225,7 +274,8 @@ def test_a_training_step_is_transformers_loss_and_gradients(case):
         "targets": targets,
         "loss_mask": loss_mask,
     }
-    step = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef_of(case.cfg, case.compute)), has_aux=True))
+    compute = case.compute.model_copy(update={"moe_balance_loss": 0.0, "moe_router_z_loss": 0.0})  # plain NLL
+    step = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef_of(case.cfg, compute)), has_aux=True))
     (loss, _), grads = step(case.params, train_batch, float(loss_mask.sum()))
     model = case.hf_model
     model.zero_grad()
@@ -246,6 +296,14 @@ def test_a_training_step_is_transformers_loss_and_gradients(case):
             ("attention_only_blocks", "attn", "wq_dnh"): "model.layers.{i}.mixer.q_proj.weight",
             ("mlp_only_blocks", "mlp", "w_up_df"): "model.layers.{i}.mixer.up_proj.weight",
         },
+        "nemotron_h_moe": {
+            ("mamba2_only_blocks", "attn", "w_in_dp"): "model.layers.{i}.mixer.in_proj.weight",
+            ("moe_only_blocks", "mlp", "w_router_de"): "model.layers.{i}.mixer.gate.weight",
+            ("moe_only_blocks", "mlp", "w_up_edf"): "model.layers.{i}.mixer.experts.up_proj",
+            ("moe_only_blocks", "mlp", "w_down_efd"): "model.layers.{i}.mixer.experts.down_proj",
+            ("moe_only_blocks", "mlp", "w_shared_up_dg"): "model.layers.{i}.mixer.shared_experts.up_proj.weight",
+            ("mlp_only_blocks", "mlp", "w_down_fd"): "model.layers.{i}.mixer.down_proj.weight",
+        },
         "granite_hybrid": {
             ("mamba2_blocks", "attn", "w_in_dp"): "model.layers.{i}.mamba.in_proj.weight",
             ("mamba2_blocks", "attn", "dt_bias_h"): "model.layers.{i}.mamba.dt_bias",
@@ -260,7 +318,10 @@ def test_a_training_step_is_transformers_loss_and_gradients(case):
         for slot, i in enumerate(stacks[stack]):
             theirs = hf_grads[hf_name.format(i=i)]
             mine = np.asarray(ours[slot])
-            mine = mine.reshape(theirs.shape[::-1]).T if mine.ndim >= 2 and "conv" not in hf_name else mine
+            if mine.ndim == 3 and "experts." in hf_name:  # stacked experts: (E, out, in) in transformers
+                mine = np.swapaxes(mine, 1, 2)
+            elif mine.ndim >= 2 and "conv" not in hf_name:
+                mine = mine.reshape(theirs.shape[::-1]).T
             scale = max(1.0, float(np.abs(theirs).max()))
             np.testing.assert_allclose(mine.reshape(theirs.shape), theirs, atol=1e-5 * scale, err_msg=hf_name)
             assert np.abs(theirs).max() > 0
@@ -274,6 +335,9 @@ def test_lora_targets_are_peft_names_and_the_rest_is_refused(case):
         assert LoraConfig(target_modules="all-linear").targets(case.cfg) == ("q_proj", "k_proj", "v_proj", "o_proj")
         with pytest.raises(ValueError, match=r"family 'granite_hybrid' stores gate_proj fused with others"):
             LoraConfig(target_modules=["gate_proj"]).targets(case.cfg)
+        return
+    if case.family == "nemotron_h_moe":  # a mixture of experts: LoRA adapts the attention only
+        assert LoraConfig(target_modules="all-linear").targets(case.cfg) == ("q_proj", "k_proj", "v_proj", "o_proj")
         return
     assert LoraConfig(target_modules="all-linear").targets(case.cfg) == (
         "q_proj",
@@ -294,8 +358,16 @@ def test_what_nemotron_h_and_granite_cannot_do_yet_is_refused_in_one_sentence():
     with pytest.raises(ConfigError, match=r"hidden_act 'gelu' is not supported \(silu\)"):
         model_config_from_hf({**granite, "hidden_act": "gelu"})
     hf = {**hf_config("nemotron_h").to_dict(), "architectures": ["NemotronHForCausalLM"]}
-    with pytest.raises(ConfigError, match=r"mixture-of-experts layers .* are not supported yet"):
-        model_config_from_hf({**hf, "layers_block_type": ["linear_attention", "moe"]})
+    moe = {**hf_config("nemotron_h_moe").to_dict(), "architectures": ["NemotronHForCausalLM"]}
+    with pytest.raises(ConfigError, match=r"moe_latent_size \(the experts in a projected space\) is not supported"):
+        model_config_from_hf({**moe, "moe_latent_size": 16})
+    # transformers' default layers (M E * -) read as the experts' pattern; E in the older key too
+    cfg, _ = model_config_from_hf({**moe, "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]})
+    assert [(x.mixer, x.ffn) for x in cfg.layer_pattern()][1] == ("none", "moe") and not cfg.mlp_gated
+    assert (cfg.num_experts, cfg.router_groups, cfg.router_group_top, cfg.router_scale) == (6, 2, 1, 1.7)
+    assert cfg.shared_mlp_dim == 18 and cfg.router_bias and cfg.router_score == "sigmoid"
+    old_moe = {k: v for k, v in moe.items() if k != "layers_block_type"}
+    assert model_config_from_hf({**old_moe, "hybrid_override_pattern": "ME*-E"})[0] == model_config_from_hf(moe)[0]
     with pytest.raises(ConfigError, match=r"mlp_hidden_act 'silu' is not supported \(relu2\)"):
         model_config_from_hf({**hf, "mlp_hidden_act": "silu"})
     # the older key, one character a layer, reads as layers_block_type
@@ -322,7 +394,7 @@ def test_a_peft_adapter_reads_in_and_writes_out_with_transformers_logits(case, t
     gives PEFT's logits, and written back PEFT loads it with the same logits."""
     peft = need("peft")
     targets = list(LoraConfig(target_modules="all-linear").targets(case.cfg))
-    base = random_causal_lm(hf_config(case.family), 0, attn_implementation="eager")
+    base = with_router_biases(random_causal_lm(hf_config(case.family), 0, **implementations(case.family)))
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
     torch.manual_seed(1)
     with torch.no_grad():
@@ -344,7 +416,7 @@ def test_a_peft_adapter_reads_in_and_writes_out_with_transformers_logits(case, t
             assert np.abs(ref - hf_logits(model, tokens, mask))[valid].max() > 1e-2
     assert np.abs(ours - ref)[valid].max() <= 1e-5 * max(1.0, float(np.abs(ref[valid]).max()))
     write_peft(tmp_path / "out", case.cfg, lora, adapter, scan_layers=case.compute.scan_layers)
-    fresh = random_causal_lm(hf_config(case.family), 0, attn_implementation="eager")
+    fresh = with_router_biases(random_causal_lm(hf_config(case.family), 0, **implementations(case.family)))
     loaded = peft.PeftModel.from_pretrained(fresh, tmp_path / "out").eval()
     np.testing.assert_allclose(hf_logits(loaded, tokens, mask)[valid], ref[valid], atol=1e-5)
 

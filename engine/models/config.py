@@ -431,7 +431,8 @@ class ModelConfig(Strict):
     mamba2: Mamba2Config | None = None
     """The Mamba2 layers' sizes (mixer_pattern has mamba2)."""
     mlp_gated: bool = True
-    """The MLP is down(act(gate(x)) * up(x)); false: down(act(up(x))), no gate (Nemotron-H)."""
+    """The MLP is down(act(gate(x)) * up(x)); false: down(act(up(x))), no gate (Nemotron-H; its
+    experts and shared expert too)."""
     # Granite's multipliers (engine/models/families/granite_hybrid.py)
     embedding_multiplier: float | None = Field(None, gt=0)
     """Token embeddings are multiplied by this (Granite); None: not scaled (but see scale_embeddings)."""
@@ -586,8 +587,6 @@ class ModelConfig(Strict):
             raise ValueError("mamba2 (the sizes) is set exactly when mixer_pattern has mamba2 layers")
         if any(layer.mixer == layer.ffn == "none" for layer in self.layer_pattern()):
             raise ValueError("mixer_pattern and ffn_pattern leave a layer with neither a mixer nor a feed-forward")
-        if not self.mlp_gated and self.is_moe:
-            raise ValueError("mlp_gated false (an MLP without a gate) is a setting of dense models")
         if self.shared_expert_gate and not self.num_shared_experts:
             raise ValueError("shared_expert_gate needs num_shared_experts")
         if self.shared_expert_mlp_dim and not self.num_shared_experts:
@@ -727,7 +726,7 @@ class ModelConfig(Strict):
         attn = self.num_heads * self.attention_sinks + self.d_model * self.attention_out_bias
         if self.is_moe:
             experts = self.experts_per_token if active else self.num_experts
-            mlp = 3 * self.d_model * (self.moe_mlp_dim * experts + self.shared_mlp_dim)
+            mlp = (3 if self.mlp_gated else 2) * self.d_model * (self.moe_mlp_dim * experts + self.shared_mlp_dim)
             mlp += self.d_model * self.shared_expert_gate
             mlp += self.d_model * self.num_experts  # not router_bias: transformers keeps it as a buffer
             mlp += (2 * self.moe_mlp_dim + self.d_model) * experts * self.expert_bias
@@ -739,7 +738,8 @@ class ModelConfig(Strict):
         block = attn + mlp + (2 * self.pre_norms + 2 * self.post_norms) * self.d_model + self.layer_scale
         pattern = self.layer_pattern()
         dense_layers = sum(layer.ffn == "mlp" for layer in pattern) if self.is_moe else 0
-        n = self.num_layers * block + dense_layers * (3 * self.d_model * self.mlp_dim - mlp) + self.d_model
+        dense_mlp = (3 if self.mlp_gated else 2) * self.d_model * self.mlp_dim
+        n = self.num_layers * block + dense_layers * (dense_mlp - mlp) + self.d_model
         # multi-token prediction: a layer like the last (experts), its two input norms, the
         # (2d, d) projection and its output norm
         mtp = block + self._attention_params(self.mtp_layer()) + 2 * self.d_model * self.d_model + 3 * self.d_model

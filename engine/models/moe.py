@@ -237,7 +237,8 @@ def capacity_experts(
 
 
 class MoE(nnx.Module):
-    """Router + `num_experts` gated MLPs as stacked (e, ...) weights, + optional shared experts.
+    """Router + `num_experts` gated MLPs as stacked (e, ...) weights, + optional shared experts
+    (without cfg.mlp_gated, experts and shared experts down(act(up(x))): no w_gate, Nemotron-H).
 
     __call__(x_btd, valid_bt) -> (out_btd, MoEStats); valid_bt False marks padding (it is
     routed like any token but left out of the router statistics and the capacity)."""
@@ -257,7 +258,9 @@ class MoE(nnx.Module):
             self.b_router_e = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=(None,))
         if cfg.router_logits_bias:  # GPT-OSS: the router Linear's bias
             self.b_logits_e = nnx.Param(jnp.zeros((e,), pdt), out_sharding=(None,))
-        self.w_gate_edf = param(rngs, (e, d, f), std, ("expert", "embed", "mlp"), pdt)
+        self.gated = cfg.mlp_gated  # false: experts down(act(up(x))), no gate (Nemotron-H)
+        if self.gated:
+            self.w_gate_edf = param(rngs, (e, d, f), std, ("expert", "embed", "mlp"), pdt)
         self.w_up_edf = param(rngs, (e, d, f), std, ("expert", "embed", "mlp"), pdt)
         self.w_down_efd = param(rngs, (e, f, d), out_std, ("expert", "mlp", "embed"), pdt)
         if cfg.expert_bias:  # GPT-OSS
@@ -266,7 +269,8 @@ class MoE(nnx.Module):
             self.b_down_ed = nnx.Param(jnp.zeros((e, d), pdt), out_sharding=("expert", "embed"))
         if cfg.num_shared_experts:
             g = cfg.shared_mlp_dim
-            self.w_shared_gate_dg = param(rngs, (d, g), std, ("embed", "mlp"), pdt)
+            if self.gated:
+                self.w_shared_gate_dg = param(rngs, (d, g), std, ("embed", "mlp"), pdt)
             self.w_shared_up_dg = param(rngs, (d, g), std, ("embed", "mlp"), pdt)
             self.w_shared_down_gd = param(rngs, (g, d), out_std, ("mlp", "embed"), pdt)
         if cfg.shared_expert_gate:  # Qwen3-Next: the shared experts' output times sigmoid(x . w)
@@ -284,6 +288,8 @@ class MoE(nnx.Module):
             if cfg.swiglu_limit is None
             else functools.partial(clamped_swiglu, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
         )
+        if not self.gated:  # the up projection passed as the gate too (one product after XLA's CSE)
+            self.glu = lambda _, up: self.activation(up.astype(jnp.float32)).astype(up.dtype)
         self.logits_bias, self.expert_bias = cfg.router_logits_bias, cfg.expert_bias
         self.input_norm, self.expert_scale, self.norm_eps = cfg.router_input_norm, cfg.router_expert_scale, cfg.norm_eps
         self.dtype = dtype_of(compute.dtype)
@@ -363,7 +369,8 @@ class MoE(nnx.Module):
                 weights_nk = weights_nk * self.expert_scale_e[...].astype(jnp.float32)[experts_nk]
             stats = router_stats(logits_ne, experts_nk, valid_bt.reshape(-1), self.num_experts, self.score)
             feedback = load_feedback(bias, stats.assigned_e) if self.router_bias else 0.0
-        experts = [w[...].astype(dt) for w in (self.w_gate_edf, self.w_up_edf, self.w_down_efd)]
+        gate = self.w_gate_edf if self.gated else self.w_up_edf
+        experts = [w[...].astype(dt) for w in (gate, self.w_up_edf, self.w_down_efd)]
         biases = (
             None
             if not self.expert_bias
@@ -379,7 +386,12 @@ class MoE(nnx.Module):
             out_btd = jnp.sum(out_rows.reshape(b, t, k, d), axis=2)
         else:
             out_btd = self._routed(x_btd, experts_nk, weights_nk, valid_bt, experts, biases, t)
-        if self.shared:
+        if self.shared and not self.gated:  # Nemotron-H's shared expert: down(act(up(x)))
+            kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
+            hidden = self.activation(dense(x_btd, self.w_shared_up_dg[...].astype(dt), **kw).astype(jnp.float32))
+            hidden = constrain(hidden.astype(dt), ("act_batch", "act_seq", "act_mlp"))
+            out_btd = out_btd + dense(hidden, self.w_shared_down_gd[...].astype(dt), **kw)
+        elif self.shared:
             shared_btd = gated_mlp(
                 x_btd,
                 self.w_shared_gate_dg[...].astype(dt),

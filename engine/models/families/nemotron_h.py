@@ -5,8 +5,15 @@ layers carry position), or an MLP, each as x + sublayer(RMSNorm(x)).
 transformers names a layer's kind in `layers_block_type` (older config.json files:
 `hybrid_override_pattern`, one character a layer: M Mamba2, * attention, - MLP, E experts). In
 the engine a layer is a (mixer, feed-forward) pair with one of the two "none":
-M = (mamba2, none), * = (attention, none), - = (none, mlp). The MLP is not gated:
-down(relu(up(x))^2). The mixture-of-experts layers (E, Nemotron 3) are refused.
+M = (mamba2, none), * = (attention, none), - = (none, mlp), E = (none, moe). The MLP is not
+gated: down(relu(up(x))^2).
+
+The mixture-of-experts layers (E, Nemotron 3) are engine/models/moe.py's experts without a gate
+(mlp_gated false: each expert down(relu2(up(x))), published as mixer.experts.{j}.up_proj /
+down_proj), DeepSeek-V3's router (sigmoid scores, e_score_correction_bias choosing only,
+n_group / topk_group groups scored by their two best, norm_topk_prob, routed_scaling_factor)
+and one ungated shared expert of moe_shared_expert_intermediate_size (transformers builds one
+whatever n_shared_experts says). moe_latent_size (experts in a projected space) is refused.
 """
 
 from __future__ import annotations
@@ -17,13 +24,19 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.models.config import Mamba2Config, ModelConfig
-from engine.models.families.base import Family, TensorSpec, register_family, shortest_period
+from engine.models.families.base import EXPERT, Family, TensorSpec, register_family, shortest_period
 
 PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 """hybrid_override_pattern's characters -> layers_block_type's names."""
-KINDS = {"linear_attention": ("mamba2", "none"), "full_attention": ("attention", "none"), "mlp": ("none", "mlp")}
+KINDS = {
+    "linear_attention": ("mamba2", "none"),
+    "full_attention": ("attention", "none"),
+    "mlp": ("none", "mlp"),
+    "moe": ("none", "moe"),
+}
 """layers_block_type -> the engine's (mixer, ffn)."""
 LAYER = "backbone.layers.{i}."  # transformers saves NemotronHForCausalLM's model as `backbone`, as published
+MOE = LAYER + "mixer."
 MAMBA_ALIASES = {
     "mamba_n_groups": "n_groups",
     "mamba_d_conv": "conv_kernel",
@@ -84,6 +97,7 @@ class NemotronH(Family):
     name = "nemotron_h"
     architecture = "NemotronHForCausalLM"
     model_type = "nemotron_h"
+    moe = None  # dense and expert models
     fixed = {"mlp_gated": False, "activation": "relu2", "rope_pattern": [False]}
     hf_defaults = {
         "vocab_size": 131072,
@@ -145,14 +159,11 @@ class NemotronH(Family):
             types = [PATTERN[c] for c in pattern]
         legacy = {"mamba": "linear_attention", "attention": "full_attention"}  # remap_legacy_layer_types
         types = [legacy.get(t, t) for t in types]
-        unknown = sorted(set(types) - set(KINDS) - {"moe"})
+        unknown = sorted(set(types) - set(KINDS))
         if unknown:
             raise ConfigError(f"{where}: layer type '{unknown[0]}' is not supported ({', '.join(KINDS)})")
-        if "moe" in types:
-            raise ConfigError(
-                f"{where}: Nemotron-H's mixture-of-experts layers ('moe', E in hybrid_override_pattern) are "
-                "not supported yet; its dense models (layers M, *, -) are"
-            )
+        if "moe" in types and hf.get("moe_latent_size") is not None:
+            raise ConfigError(f"{where}: moe_latent_size (the experts in a projected space) is not supported; null is")
         return types
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
@@ -194,7 +205,30 @@ class NemotronH(Family):
                 "proj_bias": self.hf_value(hf, "use_bias"),
                 "dt_limit": time_step_limit_from_hf(hf.get("time_step_limit"), where),
             },
+            **(self._experts_from_hf(hf) if "moe" in types else {}),
             **self.fixed,
+        }
+
+    def _experts_from_hf(self, hf: dict) -> dict[str, Any]:
+        """The expert layers' fields (NemotronHMoE): DeepSeek-V3's router, one shared expert."""
+
+        def value(key):  # transformers' defaults are hf_constants'
+            return self.hf_value(hf, key, self.hf_constants[key])
+
+        width = value("moe_intermediate_size")
+        shared = value("moe_shared_expert_intermediate_size")
+        return {
+            "num_experts": value("n_routed_experts"),
+            "experts_per_token": value("num_experts_per_tok"),
+            "expert_mlp_dim": width,
+            "router_score": "sigmoid",
+            "router_bias": True,
+            "router_renormalize": bool(value("norm_topk_prob")),
+            "router_groups": value("n_group"),
+            "router_group_top": value("topk_group"),
+            "router_scale": float(value("routed_scaling_factor")),
+            "num_shared_experts": 1,
+            "shared_expert_mlp_dim": None if shared == width else shared,
         }
 
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
@@ -231,6 +265,19 @@ class NemotronH(Family):
             "layer_norm_epsilon": cfg.norm_eps,
             "use_cache": True,
             **self.hf_constants,
+            **(self._experts_to_hf(cfg) if cfg.is_moe else {}),
+        }
+
+    def _experts_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
+        return {
+            "n_routed_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.experts_per_token,
+            "moe_intermediate_size": cfg.moe_mlp_dim,
+            "moe_shared_expert_intermediate_size": cfg.shared_mlp_dim,
+            "norm_topk_prob": cfg.router_renormalize,
+            "n_group": cfg.router_groups,
+            "topk_group": cfg.router_group_top,
+            "routed_scaling_factor": cfg.router_scale,
         }
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -255,6 +302,16 @@ class NemotronH(Family):
                         TensorSpec(("attn", w), LAYER + f"mixer.{x}_proj.weight", 2 if x == "o" else 1)
                         for w, x in (("wq_dnh", "q"), ("wk_dkh", "k"), ("wv_dkh", "v"), ("wo_nhd", "o"))
                     ),
+                ]
+            elif layer.ffn == "moe":  # the router, its choosing bias, the experts, the shared expert
+                specs = [
+                    TensorSpec(("mlp_norm", "scale"), LAYER + "norm.weight", None),
+                    TensorSpec(("mlp", "w_router_de"), MOE + "gate.weight", 1),
+                    TensorSpec(("mlp", "b_router_e"), MOE + "gate.e_score_correction_bias", None),
+                    TensorSpec(("mlp", "w_up_edf"), MOE + EXPERT + "up_proj.weight", 1, experts=True),
+                    TensorSpec(("mlp", "w_down_efd"), MOE + EXPERT + "down_proj.weight", 1, experts=True),
+                    TensorSpec(("mlp", "w_shared_up_dg"), MOE + "shared_experts.up_proj.weight", 1),
+                    TensorSpec(("mlp", "w_shared_down_gd"), MOE + "shared_experts.down_proj.weight", 1),
                 ]
             else:  # an MLP layer
                 specs = [
