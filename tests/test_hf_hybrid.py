@@ -338,6 +338,8 @@ def test_lora_targets_are_peft_names_and_the_rest_is_refused(case):
         return
     if case.family == "nemotron_h_moe":  # a mixture of experts: LoRA adapts the attention only
         assert LoraConfig(target_modules="all-linear").targets(case.cfg) == ("q_proj", "k_proj", "v_proj", "o_proj")
+        with pytest.raises(ValueError, match=r"family 'nemotron_h' is a mixture of experts: LoRA on its experts"):
+            LoraConfig(target_modules=["q_proj", "up_proj"]).targets(case.cfg)
         return
     assert LoraConfig(target_modules="all-linear").targets(case.cfg) == (
         "q_proj",
