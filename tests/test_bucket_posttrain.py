@@ -17,7 +17,7 @@ from tasks.runner import RAN, execute_stage
 from tasks.store.base import ArtifactStore
 from tasks.store.objects import read_url
 from tests.conftest import child_xla_flags
-from tests.test_bucket_multihost import _keys, _staged_checkpoint_files
+from tests.test_bucket_multihost import _staged_checkpoint_files
 from tests.test_object_store import boto3, bucket, s3_endpoint  # noqa: F401  (moto S3 fixtures)
 
 pytestmark = pytest.mark.slow
@@ -71,6 +71,18 @@ stages:
       max_completion_length: 3
       checkpoint: {every_steps: 2, async_save: false}
 """
+
+
+def _keys(client, bucket_name: str, prefix: str) -> list[str]:
+    keys, token = [], None
+    while True:
+        page = client.list_objects_v2(
+            Bucket=bucket_name, Prefix=prefix, **({"ContinuationToken": token} if token else {})
+        )
+        keys += [o["Key"] for o in page.get("Contents", [])]
+        if not page.get("IsTruncated"):
+            return keys
+        token = page["NextContinuationToken"]
 
 
 def test_sft_and_grpo_on_two_processes_read_their_inputs_at_the_bucket(
