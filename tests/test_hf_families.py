@@ -51,6 +51,12 @@ def tiny(family: str, tie: bool) -> tuple:
         "n_groups": 1,
         # Granite 4 hybrid: dense (no experts), Mamba2 of 2 heads, a Mamba2, an attention and a Mamba2 layer
         **(GRANITE if family == "granite_hybrid" else {}),
+        # Falcon-H1: Mamba2 of 2 heads of 3 (its width mamba_d_ssm), state 4
+        **(
+            {"mamba_d_ssm": 6, "mamba_n_heads": 2, "mamba_d_head": 3, "mamba_d_state": 4, "mamba_n_groups": 1}
+            if family == "falcon_h1"
+            else {}
+        ),
         # DeepSeek Sparse Attention: the indexer reads the compressed query
         **({"q_lora_rank": 6} if family in ("deepseek_v32", "glm_moe_dsa") else {}),
     }

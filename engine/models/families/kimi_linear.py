@@ -197,7 +197,9 @@ class KimiLinear(Family):
             "kv_lora_rank": self.hf_value(hf, "kv_lora_rank"),
             "q_lora_rank": hf.get("q_lora_rank"),
             "mlp_dim": hf["intermediate_size"],
-            "max_seq_len": self.hf_value(hf, "model_max_length"),
+            # transformers saves it as model_max_length (its attribute_map); older files name it
+            # max_position_embeddings; neither: transformers' default
+            "max_seq_len": hf.get("model_max_length") or self.hf_value(hf, "max_position_embeddings"),
             "norm_eps": self.hf_value(hf, "rms_norm_eps"),
             "tie_embeddings": self.hf_value(hf, "tie_word_embeddings"),
             "init_std": self.hf_value(hf, "initializer_range"),
