@@ -12,10 +12,6 @@ family, started in turn (module fixture); each start compiles (a minute or more 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import time
 
 import numpy as np
 import pytest
@@ -31,16 +27,14 @@ from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.vllm_server import run_grpo_on_server  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
 from engine.posttrain.config import RolloutCorrectionConfig  # noqa: E402
-from engine.posttrain.rollout_server import CompletionsClient, RolloutServerConfig, RolloutServerError  # noqa: E402
+from engine.posttrain.rollout_server import RolloutServerConfig  # noqa: E402
 from tests.test_grpo import grpo_config, make_copy_task  # noqa: E402
 from tests.test_vllm_rollouts import (  # noqa: E402
     FIXED,
-    STARTUP_SECONDS,
-    VLLM_PYTHON,
     checkpoint_params,
     engine_logps,
-    free_port,
     needs_vllm,
+    vllm_server,
 )
 
 pytestmark = needs_vllm
@@ -124,36 +118,8 @@ def served(request, tmp_path_factory):
     convert_hf(root / "hf", task)
     (task / "prompts.jsonl").write_bytes((tokenizer_task / "prompts.jsonl").read_bytes())
     export_hf(task / "checkpoint", root / "export")
-    port, log = free_port(), (root / "server.log").open("w")
-    command = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(root / "export")]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "32"]
-    command += ["--logprobs-mode", "processed_logprobs", "--enforce-eager", "--served-model-name", "policy"]
-    command += ["--kv-cache-memory-bytes", str(32 << 20), "--gpu-memory-utilization", "0.05"]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    for key in ("XLA_FLAGS", "JAX_PLATFORMS"):
-        env.pop(key, None)
-    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    client = CompletionsClient(f"http://127.0.0.1:{port}", retries=0, timeout_seconds=120)
-    start = time.monotonic()
-    try:
-        while True:
-            try:
-                client.request("/health")
-                break
-            except RolloutServerError:
-                tail = (root / "server.log").read_text()[-3000:]
-                assert server.poll() is None, f"{family}: vllm serve exited ({server.returncode}):\n{tail}"
-                assert time.monotonic() - start < STARTUP_SECONDS, f"{family}: vllm serve did not start:\n{tail}"
-                time.sleep(2)
-        print(f"\n{family}: vllm serve answered after {time.monotonic() - start:.0f} s")
-        yield family, task, CompletionsClient(client.url, retries=3, retry_seconds=1.0)
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-        log.close()
+    with vllm_server(root / "export", root / "server.log") as (client, _):
+        yield family, task, client
 
 
 def test_the_servers_log_probs_are_the_engines(served):

@@ -12,6 +12,7 @@ full weights, a LoRA adapter over the frozen base, and multi-turn environment ep
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -220,13 +221,21 @@ def served(tmp_path_factory):
     )
     task = make_copy_task(root / "task", cfg)
     export_hf(task / "checkpoint", root / "hf")
-    port, log = free_port(), (root / "server.log").open("w")
-    command = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(root / "hf")]
+    lora = ["--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", "1"]
+    with vllm_server(root / "hf", root / "server.log", lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING="1") as (client, startup):
+        yield task, client, startup
+
+
+@contextlib.contextmanager
+def vllm_server(model_dir: Path, log_path: Path, extra_args: list[str] = (), **env_vars: str):
+    """(client, startup seconds) of `vllm serve` of `model_dir` on 127.0.0.1 (float32, 32
+    positions, the development API for weight reloads), its output in `log_path`; stopped after."""
+    port, log = free_port(), log_path.open("w")
+    command = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
     command += ["--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "32"]
     command += ["--logprobs-mode", "processed_logprobs", "--enforce-eager", "--served-model-name", "policy"]
-    command += ["--kv-cache-memory-bytes", str(32 << 20), "--gpu-memory-utilization", "0.05"]
-    command += ["--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", "1"]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    command += ["--kv-cache-memory-bytes", str(32 << 20), "--gpu-memory-utilization", "0.05", *extra_args]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **env_vars}
     for key in ("XLA_FLAGS", "JAX_PLATFORMS"):
         env.pop(key, None)
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -238,13 +247,15 @@ def served(tmp_path_factory):
                 client.request("/health")
                 break
             except RolloutServerError:
-                tail = (root / "server.log").read_text()[-3000:]
-                assert server.poll() is None, f"vllm serve exited ({server.returncode}):\n{tail}"
-                assert time.monotonic() - start < STARTUP_SECONDS, f"vllm serve did not start:\n{tail}"
+                tail = log_path.read_text()[-3000:]
+                assert server.poll() is None, f"{model_dir.name}: vllm serve exited ({server.returncode}):\n{tail}"
+                assert time.monotonic() - start < STARTUP_SECONDS, (
+                    f"{model_dir.name}: vllm serve did not start:\n{tail}"
+                )
                 time.sleep(2)
         startup = time.monotonic() - start
-        print(f"\nvllm serve answered after {startup:.0f} s")
-        yield task, CompletionsClient(client.url, retries=3, retry_seconds=1.0), startup
+        print(f"\nvllm serve of {model_dir.name} answered after {startup:.0f} s")
+        yield CompletionsClient(client.url, retries=3, retry_seconds=1.0), startup
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
