@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import faulthandler
 import json
 import os
 import re
@@ -587,6 +588,8 @@ def _parse(parser: Parser, argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # `kill -USR1 PID` prints every thread's stack to stderr: where a run that seems stuck waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     args = _parse(build_parser(), sys.argv[1:] if argv is None else list(argv))
     try:
         code = args.func(args)

@@ -5,10 +5,12 @@ end to end with `--store s3://...` through `trainflow` subprocesses that read th
 and credentials from the environment, as a user's would.
 """
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -87,14 +89,28 @@ def trainflow(*args, check: bool = True, env: dict | None = None, timeout: float
     # CPU only: a TPU runtime plugin installed beside jax (libtpu) aborts the process at exit
     # ("FATAL: exception not rethrown") on machines without a TPU.
     full_env.setdefault("JAX_PLATFORMS", "cpu")
-    proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", *map(str, args)],
-        cwd=REPO,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    argv = [sys.executable, "-m", "flows.cli", *map(str, args)]
+    with subprocess.Popen(
+        argv, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as child:
+        try:
+            stdout, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # Where it waits: the CLI prints every thread's stack on SIGUSR1 (flows/cli.py); then
+            # the whole process group goes, the engine processes it started included.
+            os.kill(child.pid, signal.SIGUSR1)
+            try:
+                stdout, stderr = child.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                stdout, stderr = child.communicate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            raise AssertionError(
+                f"trainflow {' '.join(map(str, args))} did not finish in {timeout:.0f} s; its output, "
+                f"then every thread's stack at that moment:\n{stdout[-3000:]}\n{stderr[-20000:]}"
+            ) from None
+    proc = subprocess.CompletedProcess(argv, child.returncode, stdout, stderr)
     if (
         proc.returncode == -6
         and proc.stderr.rstrip().endswith(EXIT_ABORT)
