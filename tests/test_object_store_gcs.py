@@ -3,9 +3,10 @@
 and TensorStore's GCS driver too (engine/train/bucket_paths.py). The engine writes its
 checkpoints at the artifact's gs:// URL, as on GCS; nothing of them is staged on the runner's disk.
 
-Three gaps of the emulator, each a departure from GCS, are corrected where the fixture starts it
+Four gaps of the emulator, each a departure from GCS, are corrected where the fixture starts it
 (see `corrected_emulator`): media downloads without the object's generation headers, the
-objects.move endpoint missing, and a multipart upload's last byte dropped.
+objects.move endpoint missing, a multipart upload's last byte dropped, and a listen queue of 5
+connections.
 
 The emulator ignores `ifGenerationMatch=0` (it overwrites), so the GCS lease is checked on the
 request it sends, read from the emulator's request log; the lease race itself is tested end to
@@ -13,12 +14,14 @@ end on S3 (tests/test_object_store.py).
 """
 
 import contextlib
+import http.server
 import json
 import logging
 import os
 import socket
 import subprocess
 import sys
+import types
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
@@ -120,11 +123,23 @@ def move(request, response, storage, *args, **kwargs):
     response.json(moved)
 
 
+class DeepBacklog(http.server.HTTPServer):
+    """The emulator's HTTP server (one request at a time, as the emulator's) with a listen
+    queue as deep as a real server's. http.server's is 5: under a loaded suite, the bursts of
+    connections a stage opens at once (gcsfs's batched puts, the fetch threads, TensorStore)
+    overflowed it, and the kernel dropped their SYNs (TcpExt ListenOverflows), each one
+    retried after 1, 2, 4 ... s (the likely cause of a `trainflow run` that takes 40 s alone
+    going past 600 s in a CI run). GCS accepts every connection."""
+
+    request_queue_size = 1024
+
+
 @contextlib.contextmanager
 def corrected_emulator():
-    """The emulator's routes and multipart reader with the corrections above, for as long as
-    the context lasts (the emulator's module globals, read on every request)."""
+    """The emulator's routes, multipart reader and listen queue with the corrections above, for
+    as long as the context lasts (the emulator's module globals, read on every request)."""
     handlers, download, read_data = emulator.HANDLERS, objects.download, emulator._read_data
+    http_server = emulator.server
     corrected = with_generation_headers(download)
     moves = tuple(
         (
@@ -139,10 +154,12 @@ def corrected_emulator():
     )
     objects.download = corrected  # objects.get serves `?alt=media` through this name
     emulator._read_data = exact_multipart_uploads(read_data)
+    emulator.server = types.SimpleNamespace(HTTPServer=DeepBacklog)  # the one name APIThread.run reads
     try:
         yield
     finally:
         emulator.HANDLERS, objects.download, emulator._read_data = handlers, download, read_data
+        emulator.server = http_server
 
 
 @dataclass
