@@ -65,6 +65,7 @@ ADDED_AT_DEFAULT = {
     # multi-turn environments and a rollout server
     "environment": None,
     "rollout": None,
+    "rollout.weights_url": None,  # the bucket weight sync (engine/interop/weight_sync.py)
     # evaluate's lm-eval harness tasks
     "harness": None,
     "compute.weight_grad_dtype": "float32",

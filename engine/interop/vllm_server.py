@@ -18,7 +18,9 @@ into `rollout.weights_dir`, and the server is told to load them in place: POST /
 which reads the directory with the model's own loader), then /reset_prefix_cache so no prompt
 is served from KV computed with the old weights. Both endpoints are vLLM's development API
 (VLLM_SERVER_DEV_MODE=1). No artifact store, no server restart; the cost is one write and
-one read of the weights per update (in /dev/shm: memory bandwidth).
+one read of the weights per update (in /dev/shm: memory bandwidth). A server on another host:
+`rollout.weights_url`, the changed shards staged in a bucket and loaded by a loader beside the
+server (engine/interop/weight_sync.py, bucket_weights.py).
 
 With `lora:` the server holds the frozen base once (pushed as above at the first call, so it
 is the trainer's own) and after each update only the adapter moves, as TRL and verl run LoRA
@@ -48,9 +50,11 @@ import numpy as np
 
 from engine.config import ConfigError
 from engine.inference.sample import SampleOutput, prompt_positions
+from engine.interop.bucket_weights import wait_for_version
 from engine.interop.hf.export import write_hf_model
 from engine.interop.hf.files import copy_tokenizer
 from engine.interop.hf.peft import write_peft
+from engine.interop.weight_sync import BucketWeightSync
 from engine.models.lora import split_adapter
 from engine.models.params import graphdef_of
 from engine.parallel.mesh import to_host
@@ -114,6 +118,16 @@ class VLLMSampler:
         self.base_pushed = False  # with LoRA: the frozen base, pushed once
         self.adapter_dir: Path | None = None  # with LoRA: the directory of the adapter loaded last
         self.pushes, self.push_seconds = 0, 0.0
+        # A server on another host: versions staged in a bucket, loaded by its loader (bucket_weights.py).
+        self.bucket = None
+        if rollout.weights_url:
+            if cfg.lora is not None:
+                raise ConfigError(
+                    "rollout.weights_url with lora: the adapter is loaded from a path on the server's "
+                    "host; stage full weights (no lora) or use rollout.weights_dir on a shared file system"
+                )
+            self.bucket = BucketWeightSync(rollout.weights_url, model_cfg, self.compute, self.hf_meta)
+        self.timeout_seconds = rollout.timeout_seconds
 
     def check_server(self, cfg) -> None:
         """Refuse, before the first step, a server that cannot serve this run: too short a
@@ -190,6 +204,10 @@ class VLLMSampler:
 
     def push_model(self, params) -> None:
         """A whole model (no adapter) to weights_dir, reloaded in place by the server."""
+        if self.bucket is not None:  # the changed shards to the bucket; the server's loader reloads
+            self.bucket.push(params)
+            wait_for_version(self.client, self.bucket.history[-1], self.timeout_seconds)
+            return
         host = jax.tree.map(to_host, params)
         write_hf_model(host, self.model_cfg, self.compute, self.weights_dir, self.hf_meta)
         self.client.request(

@@ -61,6 +61,12 @@ class RolloutServerConfig(Strict):
     that completions name as their model; the server holds the frozen base once, and each
     update replaces the adapter (its server needs --enable-lora --max-lora-rank >= lora.rank
     and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1)."""
+    weights_url: str | None = None
+    """A server on another host: the policy's weights are staged at this URL (s3://, gs://,
+    file://) in shards of at most 64 MiB, only those whose tensors changed rewritten, and the
+    server's loader (`python -m engine.interop.bucket_weights URL --server ... --dir ...` on
+    its host) reloads each committed version; `weights_dir` is then unused. None: the local
+    path (`weights_dir`)."""
 
 
 # The sampler pushes weights through the HF exporter (engine.interop, above this layer), so a

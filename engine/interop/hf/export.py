@@ -156,6 +156,54 @@ def write_hf_model(
     hf_meta = hf_meta or {}
     token_ids = hf_meta.get("token_ids") or {}
     hf_config = model_config_to_hf(cfg, token_ids, param_dtype=compute.param_dtype)
+    entries = hf_tensors(params, cfg, compute)
+    sizes = [(name, int(np.prod(shape)) * dtype.itemsize) for name, (shape, dtype, _) in entries.items()]
+    shards = _plan_shards(sizes, max_shard_bytes)
+    removed = remove_stale_weights(out_dir)
+    if removed:
+        log(f"export: removed the earlier weights {', '.join(removed)} from {out_dir}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weight_map, total = {}, 0
+    for k, names in enumerate(shards):
+        filename = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+
+        def tensors(names=names) -> Iterator[tuple[str, np.ndarray]]:
+            for name in names:
+                yield name, entries[name][2]()
+
+        total += write_safetensors(
+            out_dir / filename, tensors(), metadata={"format": "pt"}, shapes={n: entries[n][:2] for n in names}
+        )
+        weight_map.update({name: filename for name in names})
+        log(f"export: wrote {filename}")
+    if len(shards) > 1:
+        shard_index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(shard_index, indent=2) + "\n")
+    for filename, text in hf_config_files(hf_config, hf_meta).items():
+        (out_dir / filename).write_text(text)
+    return {"config": hf_config, "bytes": total, "shards": len(shards), "removed_weights": removed}
+
+
+def hf_config_files(hf_config: dict, hf_meta: dict) -> dict[str, str]:
+    """config.json and generation_config.json's text, as transformers writes them."""
+    token_ids = hf_meta.get("token_ids") or {}
+    generation = hf_meta.get("generation_config") or {
+        "_from_model_config": True,
+        **{k: v for k, v in token_ids.items() if v is not None},
+    }
+    return {
+        "config.json": json.dumps(_transformers_floats(hf_config), indent=2, sort_keys=True) + "\n",
+        "generation_config.json": json.dumps(generation, indent=2) + "\n",
+    }
+
+
+def hf_tensors(
+    params: dict, cfg: ModelConfig, compute: ComputeConfig
+) -> dict[str, tuple[tuple[int, ...], np.dtype, Callable[[], np.ndarray]]]:
+    """The Hugging Face tensors of host `params` in the export's order: name -> (shape, dtype,
+    a function that builds the array). Nothing is transposed or copied until it is called, so
+    a writer holds one HF-layout copy at a time (write_hf_model; the bucket weight sync,
+    engine/interop/weight_sync.py, builds only the shards it writes)."""
 
     def leaf(spec: TensorSpec, index: tuple, path: tuple[str, ...] | None = None) -> np.ndarray:
         """The array at `index`: () top-level, (layer,), or (layer, expert) of an expert tensor."""
@@ -189,45 +237,15 @@ def write_hf_model(
             if s.stack == stack:
                 order += [(s, (i, j)) for j in range(num_experts)] if s.experts else [(s, (i,))]
     order += [(s, ()) for s in top[1:]]
-    entries = {}
+    entries: dict[str, tuple[tuple[int, ...], np.dtype, Callable[[], np.ndarray]]] = {}
     for spec, index in order:
         array = leaf(spec, index)
         name = spec.hf_name.format(i=layers_of[spec.stack][index[0]], j=index[-1]) if index else spec.hf_name
         shape = hf_shape(spec, array.shape)
         if spec.fused_with:
             shape = fused_hf_shape(spec, [leaf(spec, index, p).shape for p in (spec.path, *spec.fused_with)])
-        entries[name] = (spec, index, shape, array.dtype)
-    sizes = [(name, int(np.prod(e[2])) * e[3].itemsize) for name, e in entries.items()]
-    shards = _plan_shards(sizes, max_shard_bytes)
-    removed = remove_stale_weights(out_dir)
-    if removed:
-        log(f"export: removed the earlier weights {', '.join(removed)} from {out_dir}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    weight_map, total = {}, 0
-    for k, names in enumerate(shards):
-        filename = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-
-        def tensors(names=names) -> Iterator[tuple[str, np.ndarray]]:
-            for name in names:
-                spec, index, _, _ = entries[name]
-                yield name, hf_tensor(spec, index)
-
-        total += write_safetensors(
-            out_dir / filename, tensors(), metadata={"format": "pt"}, shapes={n: entries[n][2:] for n in names}
-        )
-        weight_map.update({name: filename for name in names})
-        log(f"export: wrote {filename}")
-    if len(shards) > 1:
-        shard_index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(shard_index, indent=2) + "\n")
-    config_json = json.dumps(_transformers_floats(hf_config), indent=2, sort_keys=True)
-    (out_dir / "config.json").write_text(config_json + "\n")  # as transformers
-    generation = hf_meta.get("generation_config") or {
-        "_from_model_config": True,
-        **{k: v for k, v in token_ids.items() if v is not None},
-    }
-    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    return {"config": hf_config, "bytes": total, "shards": len(shards), "removed_weights": removed}
+        entries[name] = (shape, array.dtype, lambda spec=spec, index=index: hf_tensor(spec, index))
+    return entries
 
 
 def _weights(model_dir: Path) -> list[Path]:
