@@ -46,8 +46,8 @@ from engine.config import ConfigError
 from engine.contract import MANIFEST
 from engine.inference.options import add_sampling_arguments
 from flows.diff import diff, format_diff
-from flows.inspection import format_lineage, format_table, lineage, list_rows, status_rows
-from flows.retention import apply, collect, human
+from flows.inspection import format_lineage, format_table, human, lineage, list_rows, status_rows
+from flows.retention import apply, collect
 from flows.spec import load_plan
 from tasks.launch.gang import terminate_children
 from tasks.launch.run import PermanentFailure, StageFailed
@@ -55,7 +55,6 @@ from tasks.registry import MODEL_KINDS, StageHooks, get_stage_kind
 from tasks.runner import StageJob, execute_stage
 from tasks.stages.export import check_export_target, copy_export
 from tasks.store.base import ArtifactStore, resolve_artifact, split_artifact_url
-from tasks.store.local import LocalStore
 from tasks.store.records import COMPLETE, ArtifactError, InputError, artifact_id, read_manifest, verify_artifact
 from tasks.store.urls import is_url
 
@@ -69,12 +68,6 @@ EXIT_CODES = (EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PIPE, EXIT_SIGNAL)
 
 def _store_arg(args) -> str:
     return args.store or os.environ.get("TRAINFLOW_STORE") or DEFAULT_STORE
-
-
-def _require(store: ArtifactStore) -> None:
-    """For a command that only reads the store: a local one must exist (a bucket's was checked)."""
-    if isinstance(store, LocalStore):
-        store.require()
 
 
 def _kinds_text(kinds: tuple[str, ...]) -> str:
@@ -182,7 +175,7 @@ def _print_reports(plan, summary: dict) -> None:
 def cmd_status(args) -> int:
     plan = load_plan(args.pipeline, args.overrides, args.store)
     try:
-        _require(plan.store)
+        plan.store.require()
     except InputError as e:
         raise InputError(f"{e}: {args.pipeline} is valid, nothing has run there (`trainflow run` creates it)") from None
     rows = status_rows(plan)
@@ -230,7 +223,7 @@ def _store_of(args) -> ArtifactStore | None:
 
 def cmd_ls(args) -> int:
     store = ArtifactStore(_store_arg(args))
-    _require(store)
+    store.require()
     rows = list_rows(store)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -589,7 +582,8 @@ def _parse(parser: Parser, argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     # `kill -USR1 PID` prints every thread's stack to stderr: where a run that seems stuck waits.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # To the process's own stderr: sys.stderr may be a stream without a descriptor (a test's capture).
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__ or sys.stderr, all_threads=True)
     args = _parse(build_parser(), sys.argv[1:] if argv is None else list(argv))
     try:
         code = args.func(args)

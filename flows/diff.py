@@ -19,9 +19,9 @@ from tasks.store.records import parent_dir, read_manifest
 
 
 def _manifest(directory: Path, store: ArtifactStore | None) -> dict:
-    if store is not None and store.remote is not None:
-        return store.manifest(directory.parent.name, directory.name) or {}
-    return read_manifest(directory) or {}
+    """An artifact's manifest as its store holds it (a bucket's, not its staging copy's)."""
+    at = store.artifact_at(directory) if store is not None else None
+    return (store.manifest(*at) if store is not None and at is not None else read_manifest(directory)) or {}
 
 
 def ancestors(directory: Path, store: ArtifactStore | None) -> dict[str, str]:

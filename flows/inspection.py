@@ -83,14 +83,16 @@ def lineage(directory: Path, _seen: set | None = None, store: ArtifactStore | No
     bucket `store` (whose staging copy `directory` is), manifests, states and paths are the bucket's."""
     seen = _seen if _seen is not None else set()
     store_root = directory.parent.parent
-    bucket = store if store is not None and store.remote is not None else None
-    where = bucket.location(directory.parent.name, directory.name) if bucket else str(directory)
-    manifest = bucket.manifest(directory.parent.name, directory.name) if bucket else read_manifest(directory)
+    at = store.artifact_at(directory) if store is not None else None
+    if store is None or at is None:  # a directory of the store it lies in
+        store, at = ArtifactStore(store_root), (folder_stage(directory.parent.name), directory.name)
+    where = store.location(*at)
+    manifest = store.manifest(*at)
     if manifest is None:
         return {"path": where, "error": "no readable artifact.json"}
     # The store's view, not the manifest's word: a manifest left `running` by a run that
     # died (or could not write its last manifest) is partial once no process holds its lock.
-    status = (bucket or ArtifactStore(store_root)).state(directory.parent.name, directory.name)
+    status = store.state(*at)
     node: dict[str, Any] = {
         "stage": manifest.get("stage"),
         "id": manifest.get("id"),
@@ -226,7 +228,7 @@ def list_rows(store: ArtifactStore) -> list[dict[str, Any]]:
                 "id": directory.name,
                 "kind": manifest.get("kind", "?"),
                 "status": _listed_state(store.state(directory.parent.name, directory.name), manifest),
-                "size": _size(sum(f.get("size", 0) for f in files.values())) if files else "-",
+                "size": human(sum(f.get("size", 0) for f in files.values())) if files else "-",
                 "finished_at": manifest.get("finished_at") or "-",
                 "metrics": " ".join(shown) or "-",
             }
@@ -239,7 +241,8 @@ def _listed_state(state: str, manifest: dict) -> str:
     return f"{state} (reused)" if state == COMPLETE and manifest.get("reused") else state
 
 
-def _size(n: float) -> str:
+def human(n: float) -> str:
+    """A byte count for people: `512 B`, `3.4 MB`."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1024 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

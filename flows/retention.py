@@ -23,14 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import ConfigError
-from engine.contract import CHECKPOINT_DIR, MANIFEST
-from flows.gates import CONDITION_SUFFIX
+from engine.contract import CHECKPOINT_DIR
+from flows.gates import clear_condition
+from flows.inspection import human
 from flows.spec import Plan
 from flows.steps import committed_steps
 from flows.sweep import Ref, Selection
 from tasks.store.base import ArtifactStore
 from tasks.store.names import folder_stage
-from tasks.store.records import COMPLETE, ArtifactLock, write_json_atomic
+from tasks.store.records import COMPLETE, InputError
 
 
 @dataclass
@@ -62,13 +63,11 @@ class Collection:
         return sum(e.size for e in self.delete) + sum(size for _, _, size in self.prune)
 
 
-def _size(store: ArtifactStore, stage: str, artifact_id: str, directory: Path, manifest: dict | None) -> int:
-    files = (manifest or {}).get("files") or {}
+def _size(store: ArtifactStore, entry: Entry) -> int:
+    files = (entry.manifest or {}).get("files") or {}
     if files:
         return sum(int(f.get("size", 0)) for f in files.values())
-    if store.remote is not None:
-        return sum(store.remote.payload(stage, artifact_id).values())
-    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+    return store.stored_bytes(entry.stage, entry.artifact_id)
 
 
 def planned_roots(plan: Plan) -> set[tuple[str, str]]:
@@ -87,8 +86,10 @@ def planned_roots(plan: Plan) -> set[tuple[str, str]]:
 
 def collect(store: ArtifactStore, plans: list[Plan], keep_steps: int | None) -> Collection:
     """What `gc` would delete in `store`, keeping what `plans` reach (see the module docstring)."""
-    if store.remote is None and not store.root.is_dir():
-        raise ConfigError(f"gc: store {store.url} does not exist (nothing to list)")
+    try:
+        store.require()
+    except InputError:
+        raise ConfigError(f"gc: store {store.url} does not exist (nothing to list)") from None
     try:
         listing = list(store.iter_artifacts())
     except OSError as e:
@@ -131,7 +132,7 @@ def collect(store: ArtifactStore, plans: list[Plan], keep_steps: int | None) -> 
                     )
                     out.prune.append((entry, old, size))
             continue
-        entry.size = _size(store, entry.stage, entry.artifact_id, entry.directory, entry.manifest)
+        entry.size = _size(store, entry)
         out.delete.append(entry)
     return out
 
@@ -144,57 +145,29 @@ def _steps(store: ArtifactStore, entry: Entry) -> list[int]:
         for parts in (rel.split("/") for rel in files)
         if len(parts) > 2 and parts[0] == CHECKPOINT_DIR and parts[1].isdigit()
     }
-    if not steps and store.remote is None:
+    if not steps:  # a manifest without files: the steps its local directory holds
         steps = set(committed_steps(entry.directory))
     return sorted(steps)
-
-
-def _hold(store: ArtifactStore, entry: Entry):
-    """The artifact's lock (and lease) taken without waiting; None if a run holds it."""
-    lock = ArtifactLock(entry.directory)
-    if not lock.acquire(blocking=False):
-        return None
-    lease = None
-    if store.remote is not None:
-        lease = store.remote.lease(entry.stage, entry.artifact_id)
-        if not lease.try_acquire():
-            lock.release()
-            return None
-    return lock, lease
-
-
-def _release(held) -> None:
-    lock, lease = held
-    if lease is not None:
-        lease.release()
-    lock.release()
 
 
 def apply(store: ArtifactStore, collection: Collection, log=print) -> tuple[int, list[Entry]]:
     """Delete what `collect` found; returns (bytes freed, entries left because a run took them)."""
     freed, busy = 0, []
     for entry in collection.delete:
-        held = _hold(store, entry)
-        # Under the lock (and lease) no run writes it; a manifest that changed since `collect`
-        # read it means one did meanwhile. (`store.state` would read our own lock as a run's.)
+        held = store.try_claim(entry.stage, entry.artifact_id)
+        # Under the claim no run writes it; a manifest that changed since `collect` read it
+        # means one did meanwhile. (`store.state` would read our own claim as a run's.)
         if held is not None and store.manifest(entry.stage, entry.artifact_id) != entry.manifest:
-            _release(held)
+            held.release()
             held = None
         if held is None:
             busy.append(entry)
             continue
         try:
-            if store.remote is not None:
-                prefix = store.remote.key(entry.stage, entry.artifact_id)
-                _rm_keys(store, [f"{prefix}/{MANIFEST}"])  # first: never complete-but-half-gone
-                _rm_keys(store, [k for k in store.remote.fs.find(prefix) if not k.endswith("/.lease")])
-            (entry.directory / MANIFEST).unlink(missing_ok=True)
-            for child in list(entry.directory.iterdir()) if entry.directory.is_dir() else []:
-                if child.name != ".lock":
-                    shutil.rmtree(child) if child.is_dir() else child.unlink()
-            (entry.directory.parent / f"{entry.artifact_id}{CONDITION_SUFFIX}").unlink(missing_ok=True)
+            store.delete(entry.stage, entry.artifact_id, held)
+            clear_condition(store, entry.stage, entry.artifact_id)
         finally:
-            _release(held)
+            held.release()
         shutil.rmtree(entry.directory, ignore_errors=True)
         try:
             entry.directory.parent.rmdir()  # the stage's directory, once empty
@@ -203,7 +176,7 @@ def apply(store: ArtifactStore, collection: Collection, log=print) -> tuple[int,
         freed += entry.size
         log(f"deleted {entry.name} ({human(entry.size)})")
     for entry, steps, size in collection.prune:
-        held = _hold(store, entry)
+        held = store.try_claim(entry.stage, entry.artifact_id)
         if held is None:
             busy.append(entry)
             continue
@@ -213,42 +186,15 @@ def apply(store: ArtifactStore, collection: Collection, log=print) -> tuple[int,
             files = manifest.get("files") or {}
             manifest["files"] = {rel: f for rel, f in files.items() if not _in_steps(rel, gone)}
             manifest["pruned_steps"] = sorted({*manifest.get("pruned_steps", []), *steps})
-            if store.remote is not None:
-                store.remote.write_manifest(entry.stage, entry.artifact_id, manifest)
-                doomed = [
-                    store.remote.key(entry.stage, entry.artifact_id, rel) for rel in files if _in_steps(rel, gone)
-                ]
-                _rm_keys(store, doomed)
-            if (entry.directory / MANIFEST).is_file():
-                write_json_atomic(entry.directory / MANIFEST, manifest)  # the smaller file list first
-            for step in steps:
-                shutil.rmtree(entry.directory / CHECKPOINT_DIR / str(step), ignore_errors=True)
+            store.write_manifest(entry.stage, entry.artifact_id, manifest)  # the smaller file list first
+            store.drop_steps(entry.stage, entry.artifact_id, steps, held)
         finally:
-            _release(held)
+            held.release()
         freed += size
         log(f"pruned {entry.name}: checkpoint steps {', '.join(map(str, steps))} ({human(size)})")
     return freed, busy
 
 
-def _rm_keys(store: ArtifactStore, keys: list[str]) -> None:
-    """Delete bucket objects one key at a time: `fs.rm` would read a point's `[...]` as a glob."""
-    remote = store.remote
-    assert remote is not None, "bucket keys come from a bucket store"
-    for key in keys:
-        try:
-            remote.fs.rm_file(key)
-        except FileNotFoundError:
-            pass
-
-
 def _in_steps(rel: str, steps: set[str]) -> bool:
     parts = rel.split("/")
     return len(parts) > 2 and parts[0] == CHECKPOINT_DIR and parts[1] in steps
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""

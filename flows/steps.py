@@ -38,7 +38,6 @@ from tasks.store.records import (
     digest_files,
     now_iso,
     read_manifest,
-    write_json_atomic,
 )
 
 STEP_DIGESTS = "digests.json"
@@ -168,10 +167,7 @@ def snapshot_step(store: ArtifactStore, stage: str, artifact_id: str, step: int)
             "created_at": now_iso(),
             "finished_at": now_iso(),
         }
-        if store.remote is not None:
-            store.remote.upload(dst, snap_stage, artifact_id)
-            store.remote.write_manifest(snap_stage, artifact_id, manifest)
-        write_json_atomic(dst / MANIFEST, manifest)
+        store.publish(snap_stage, artifact_id, manifest)
         return snap_stage, artifact_id
     finally:
         lock.release()

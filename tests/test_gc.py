@@ -234,6 +234,8 @@ def test_gc_deletes_failed_artifacts_no_kept_pipeline_reaches_and_spares_resumab
         assert holder.stdout.readline() == "held\n"
         freed, busy = apply(ArtifactStore(store), found, log=lambda line: None)
         assert [e.name for e in busy] == [f"a/{held}"]
+        # Gone whole: on a bucket its lease went with it (not left to expire, read as a run's).
+        assert ArtifactStore(store).state("a", orphan) == "pending"
         assert listed(store) == {f"a/{resumable}", f"a/{held}"}
 
         # The same through the command, the holder still alive: the held one is listed in use.

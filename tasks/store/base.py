@@ -6,8 +6,10 @@ verify, status and the pipeline's records speak only this interface: where an ar
 worked on (`artifact_dir`) and shown (`location`), its state and manifest, the `claim` a
 writer holds, `prepare` / `running` / `commit` / `keep_partial` around a stage's work,
 `open_input` for a consumer (tasks/store/consume.py: it reads what it consumes), `verify`,
-and records beside the artifacts (a gate's decision). A new backend implements these
-methods; it subclasses nothing else.
+records beside the artifacts (a gate's decision), `publish` for an artifact made outside a
+stage (a checkpoint step's snapshot), and `try_claim` / `delete` / `drop_steps` /
+`stored_bytes` for `trainflow gc`. A new backend implements these methods; it subclasses
+nothing else.
 """
 
 from __future__ import annotations
@@ -78,9 +80,6 @@ class ArtifactStore:
     """The local directory a stage works in: the store itself, or a backend's staging copy."""
     url: str
     """The store's location as users name it: its directory, or its URL."""
-    remote: Any = None
-    """A bucket store's bucket (tasks/store/objects.py RemoteBackend), None elsewhere: what
-    `trainflow gc` and step snapshots still move at the bucket themselves."""
 
     def __new__(cls, root: str | Path):
         if cls is ArtifactStore:
@@ -98,6 +97,10 @@ class ArtifactStore:
     def handles(cls, root: str) -> bool:
         """Whether this implementation serves a store at `root` (a path or a URL)."""
         return False
+
+    def require(self) -> None:
+        """InputError unless the store exists, for a command that only reads it (nothing
+        where opening the store checked it)."""
 
     # ------------------------------------------------------------------ where and what
 
@@ -136,6 +139,20 @@ class ArtifactStore:
     def stage_artifacts(self, stage: str) -> list[str]:
         """The ids of the artifacts of one stage (whatever their state)."""
         raise NotImplementedError
+
+    @required
+    def stored_bytes(self, stage: str, artifact_id: str) -> int:
+        """The bytes the artifact's files take in the store, as found there (not as its
+        manifest records them)."""
+        raise NotImplementedError
+
+    def artifact_at(self, directory: Path) -> tuple[str, str] | None:
+        """(stage, id) when `directory` is one of this store's artifact directories
+        (`artifact_dir`), else None."""
+        directory = Path(directory)
+        if directory.parent.parent != self.root:
+            return None
+        return folder_stage(directory.parent.name), directory.name
 
     def is_complete(self, stage: str, artifact_id: str) -> bool:
         manifest = self.manifest(stage, artifact_id)
@@ -177,6 +194,11 @@ class ArtifactStore:
         raise NotImplementedError
 
     @required
+    def try_claim(self, stage: str, artifact_id: str) -> Claim | None:
+        """The claim, taken without waiting: None while a run holds it."""
+        raise NotImplementedError
+
+    @required
     def prepare(self, stage: str, artifact_id: str, log: Log) -> None:
         """Bring what a resumed stage needs of its partial artifact to `artifact_dir`."""
         raise NotImplementedError
@@ -215,6 +237,28 @@ class ArtifactStore:
     @required
     def keep_partial(self, stage: str, artifact_id: str, claim: Claim, log: Log) -> None:
         """After a failure (its `failed` manifest written): keep what is there for a resume."""
+        raise NotImplementedError
+
+    @required
+    def publish(self, stage: str, artifact_id: str, manifest: dict) -> None:
+        """An artifact made whole in its `artifact_dir` outside a stage's run, under its lock
+        (a checkpoint step's snapshot, flows/steps.py): its files as they are there, then its
+        `complete` manifest, last."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ retention (trainflow gc)
+
+    @required
+    def delete(self, stage: str, artifact_id: str, claim: Claim) -> None:
+        """Under its claim: the artifact's manifest first (a half-deleted artifact reads as
+        partial, never as complete), then every other file of it but the claim's own lock
+        (and lease), which `claim.release` lets go."""
+        raise NotImplementedError
+
+    @required
+    def drop_steps(self, stage: str, artifact_id: str, steps: list[int], claim: Claim) -> None:
+        """Under its claim, once its manifest no longer lists them: the files of the
+        artifact's checkpoint steps `steps`."""
         raise NotImplementedError
 
     def shown(self, text: str) -> str:

@@ -121,6 +121,10 @@ class BucketStore(ArtifactStore):
                 write_manifest_copy(directory, manifest)
             yield directory, manifest
 
+    def stored_bytes(self, stage: str, artifact_id: str) -> int:
+        """The bucket's payload objects (one LIST; the staging copy holds no more)."""
+        return sum(self.remote.payload(stage, artifact_id).values())
+
     def stage_artifacts(self, stage: str) -> list[str]:
         prefix = f"{self.remote.base}/{stage_folder(stage)}"
         self.remote.fs.invalidate_cache(prefix)
@@ -141,10 +145,15 @@ class BucketStore(ArtifactStore):
 
     def remove_record(self, stage: str, name: str) -> None:
         self.staging.remove_record(stage, name)
-        try:
-            self.remote.fs.rm_file(self._record_key(stage, name))  # not rm: `[` is no glob here
-        except FileNotFoundError:
-            pass
+        self._remove_keys([self._record_key(stage, name)])
+
+    def _remove_keys(self, keys: list[str]) -> None:
+        """Delete objects one key at a time: `fs.rm` would read a `[...]` in a key as a glob."""
+        for key in keys:
+            try:
+                self.remote.fs.rm_file(key)
+            except FileNotFoundError:
+                pass
 
     def _record_key(self, stage: str, name: str) -> str:
         return f"{self.remote.base}/{stage_folder(stage)}/{name}"
@@ -159,6 +168,22 @@ class BucketStore(ArtifactStore):
         except BaseException:
             claim.lock.release()
             raise
+        return claim
+
+    def try_claim(self, stage: str, artifact_id: str) -> Claim | None:
+        claim = self.staging.try_claim(stage, artifact_id)
+        if claim is None:
+            return None
+        lease = self.remote.lease(stage, artifact_id)
+        try:  # renewed while held, and deleted by `release` (a lease merely created would stay until it expired)
+            taken = lease.acquire(blocking=False)
+        except BaseException:
+            claim.release()
+            raise
+        if not taken:
+            claim.release()
+            return None
+        claim.lease = lease
         return claim
 
     def prepare(self, stage: str, artifact_id: str, log: Log) -> None:
@@ -278,6 +303,25 @@ class BucketStore(ArtifactStore):
         except Exception as e:  # the original error matters more
             log(f"could not upload the partial artifact to {self.location(stage, artifact_id)}: {e}")
 
+    def publish(self, stage: str, artifact_id: str, manifest: dict) -> None:
+        self.remote.upload(self.artifact_dir(stage, artifact_id), stage, artifact_id)
+        self.remote.write_manifest(stage, artifact_id, manifest)
+        self.staging.write_manifest(stage, artifact_id, manifest)
+
+    # ------------------------------------------------------------------ retention (trainflow gc)
+
+    def delete(self, stage: str, artifact_id: str, claim: Claim) -> None:
+        """The bucket's manifest, then its other objects but the lease; then the staging copy's."""
+        self._remove_keys([self.remote.key(stage, artifact_id, MANIFEST)])
+        self._remove_keys([self.remote.key(stage, artifact_id, rel) for rel in self.remote.payload(stage, artifact_id)])
+        self.staging.delete(stage, artifact_id, claim)
+
+    def drop_steps(self, stage: str, artifact_id: str, steps: list[int], claim: Claim) -> None:
+        folders = tuple(f"{CHECKPOINT_DIR}/{step}/" for step in steps)
+        payload = self.remote.payload(stage, artifact_id)
+        self._remove_keys([self.remote.key(stage, artifact_id, rel) for rel in payload if rel.startswith(folders)])
+        self.staging.drop_steps(stage, artifact_id, steps, claim)
+
     def shown(self, text: str) -> str:
         """`<cache>/pretrain/ID/checkpoint` -> `s3://b/p/pretrain/ID/checkpoint`."""
         return text.replace(str(self.root), self.url)
@@ -327,9 +371,10 @@ class BucketStore(ArtifactStore):
     def verify(self, directory: Path) -> list[str]:
         """Every object of the artifact streamed through sha256 (a staging or cache directory
         of this store names it); another directory is verified where it is."""
-        if Path(directory).parent.parent != self.root:
+        at = self.artifact_at(directory)
+        if at is None:
             return self.staging.verify(directory)
-        stage, artifact_id = Path(directory).parent.name, Path(directory).name
+        stage, artifact_id = at
         manifest, where = self.remote.read_manifest(stage, artifact_id), self.location(stage, artifact_id)
         if manifest is None:
             return [f"{where}: no readable artifact.json"]

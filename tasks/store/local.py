@@ -95,6 +95,10 @@ class LocalStore(ArtifactStore):
             for directory in sorted(p for p in stage_dir.iterdir() if p.is_dir()):
                 yield directory, read_manifest(directory)
 
+    def stored_bytes(self, stage: str, artifact_id: str) -> int:
+        directory = self.artifact_dir(stage, artifact_id)
+        return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
     def stage_artifacts(self, stage: str) -> list[str]:
         """The ids of the artifact directories of one stage (whatever their state)."""
         folder = self.root / stage_folder(stage)
@@ -123,6 +127,10 @@ class LocalStore(ArtifactStore):
         lock = ArtifactLock(self.artifact_dir(stage, artifact_id))
         lock.acquire(on_wait=on_wait)
         return Claim(lock)
+
+    def try_claim(self, stage: str, artifact_id: str) -> Claim | None:
+        lock = ArtifactLock(self.artifact_dir(stage, artifact_id))
+        return Claim(lock) if lock.acquire(blocking=False) else None
 
     def prepare(self, stage: str, artifact_id: str, log: Log) -> None:
         """Nothing to bring: a partial artifact is where the stage resumes it."""
@@ -178,6 +186,22 @@ class LocalStore(ArtifactStore):
 
     def keep_partial(self, stage: str, artifact_id: str, claim: Claim, log: Log) -> None:
         """Nothing to do: what the stage left stays where a resume finds it."""
+
+    def publish(self, stage: str, artifact_id: str, manifest: dict) -> None:
+        """Its files are where they stay: the manifest."""
+        self.write_manifest(stage, artifact_id, manifest)
+
+    # ------------------------------------------------------------------ retention (trainflow gc)
+
+    def delete(self, stage: str, artifact_id: str, claim: Claim) -> None:
+        directory = self.artifact_dir(stage, artifact_id)
+        (directory / MANIFEST).unlink(missing_ok=True)
+        if directory.is_dir():
+            _clear(directory)
+
+    def drop_steps(self, stage: str, artifact_id: str, steps: list[int], claim: Claim) -> None:
+        for step in steps:
+            shutil.rmtree(self.artifact_dir(stage, artifact_id) / CHECKPOINT_DIR / str(step), ignore_errors=True)
 
     # ------------------------------------------------------------------ reading
 
