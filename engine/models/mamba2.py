@@ -23,7 +23,9 @@ from engine.models.common import dtype_of, param
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.kv_cache import DECODE_STATES, KVCache
 from engine.ops.dense import DotGeneral, dense
-from engine.ops.ssd import Mamba2Dims, Mamba2State, initial_state, mamba2_inner
+from engine.ops.linear_mixing import causal_conv1d
+from engine.ops.partitioning import constrain, current_mesh
+from engine.ops.ssd import Mamba2Dims, Mamba2State, initial_state, mamba2_inner, mamba2_scan
 
 nnx.use_eager_sharding(False)  # placed by engine/models/params.py, as transformer.py's layers
 
@@ -78,7 +80,11 @@ class Mamba2(nnx.Module):
     ):
         pdt = dtype_of(compute.param_dtype)
         heads, projected = dims.num_heads, dims.inner + dims.conv_channels + dims.num_heads
-        # in_proj's columns mix the gate, x, B, C and dt, so its output axis is not split.
+        # Tensor parallelism splits heads (see _mix_by_heads). in_proj's columns are z, x, B, C, dt
+        # side by side (transformers' layout, kept so checkpoints convert as they are), so no even
+        # split of its output axis holds whole heads: it is stored split over `embed` only, and each
+        # shard computes its heads' columns of it. out_proj's and the norm's inner axis is heads x
+        # head_dim, head-major, so they are stored split by heads.
         self.w_in_dp = param(rngs, (d_model, projected), init_std, ("embed", None), pdt)
         if bias:
             self.b_in_p = nnx.Param(jnp.zeros((projected,), pdt), out_sharding=(None,))
@@ -93,9 +99,9 @@ class Mamba2(nnx.Module):
         self.a_log_h = nnx.Param(jnp.log(jnp.arange(1, heads + 1, dtype=jnp.float32)).astype(pdt), out_sharding=(None,))
         self.d_h = nnx.Param(jnp.ones((heads,), pdt), out_sharding=(None,))
         if gated_norm:
-            self.norm_f = nnx.Param(jnp.ones((dims.inner,), pdt), out_sharding=("norm",))
+            self.norm_f = nnx.Param(jnp.ones((dims.inner,), pdt), out_sharding=("mlp",))
         out_std = init_std / math.sqrt(2 * num_layers)
-        self.w_out_fd = param(rngs, (dims.inner, d_model), out_std, (None, "embed"), pdt)
+        self.w_out_fd = param(rngs, (dims.inner, d_model), out_std, ("mlp", "embed"), pdt)
         if bias:
             self.b_out_d = nnx.Param(jnp.zeros((d_model,), pdt), out_sharding=("embed",))
         self.dims, self.bias, self.conv_bias, self.chunk_size = dims, bias, conv_bias, chunk_size
@@ -159,11 +165,6 @@ class Mamba2(nnx.Module):
         if mask_bt is not None:
             x_btd = x_btd * mask_bt[..., None].astype(x_btd.dtype)
         backward, dot_general = self.matmul_backward, self.dot_general
-        projected = dense(x_btd.astype(dt), self.w_in_dp[...].astype(dt), backward=backward, dot_general=dot_general)
-        if self.bias:
-            projected = projected + self.b_in_p[...].astype(dt)
-        if self.section_scales is not None:  # Falcon-H1's mup_vector, one factor per section
-            projected = projected * self._section_vector().astype(dt)
         params = {
             "conv_kc": self.conv_c1k[...][:, 0, :].T.astype(dt),
             "dt_bias": self.dt_bias_h[...].astype(jnp.float32),
@@ -174,19 +175,81 @@ class Mamba2(nnx.Module):
             params["norm"] = self.norm_f[...].astype(dt)
         if self.conv_bias:
             params["conv_bias"] = self.conv_bias_c[...].astype(dt)
-        y_btf, state = mamba2_inner(
-            params,
-            projected,
-            self.dims,
-            state=state,
-            mask_bt=mask_bt,
-            chunk_size=self.chunk_size,
-            segment_ids_bt=None if state is not None and x_btd.shape[1] == 1 else segment_ids_bt,
-        )
+        segments = None if state is not None and x_btd.shape[1] == 1 else segment_ids_bt
+        mesh = current_mesh()
+        tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
+        if tensor > 1:
+            y_btf, state = self._mix_by_heads(x_btd.astype(dt), params, mask_bt, segments, state, tensor)
+        else:
+            w_in = self.w_in_dp[...].astype(dt)
+            projected = dense(x_btd.astype(dt), w_in, backward=backward, dot_general=dot_general)
+            if self.bias:
+                projected = projected + self.b_in_p[...].astype(dt)
+            if self.section_scales is not None:  # Falcon-H1's mup_vector, one factor per section
+                projected = projected * self._section_vector().astype(dt)
+            y_btf, state = mamba2_inner(
+                params,
+                projected,
+                self.dims,
+                state=state,
+                mask_bt=mask_bt,
+                chunk_size=self.chunk_size,
+                segment_ids_bt=segments,
+            )
         out_btd = dense(y_btf.astype(dt), self.w_out_fd[...].astype(dt), backward=backward, dot_general=dot_general)
         if self.bias:
             out_btd = out_btd + self.b_out_d[...].astype(dt)
         return out_btd, state
+
+    def _mix_by_heads(self, x_btd, params, mask_bt, segment_ids_bt, state, tensor: int):
+        """mix's in_proj, convolution and scan with heads split over the `tensor` mesh axis (the
+        same values as the fused path): in_proj's five sections z, x, B, C, dt each its own
+        matmul, z, x and dt split by heads, B and C split by groups when `tensor` divides
+        n_groups (a group's heads then share its shard) and whole on every shard otherwise; the
+        convolution (depthwise: one filter per channel) runs on x, B and C apart. Returns
+        (y (b, t, inner) split by heads, state)."""
+        d, dt = self.dims, self.dtype
+        width = d.n_groups * d.state_size
+        sizes = (d.inner, d.inner, width, width, d.num_heads)
+        by_group = "act_mlp" if d.n_groups % tensor == 0 else None
+        names = ("act_mlp", "act_mlp", by_group, by_group, "act_heads")
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        w_dp = self.w_in_dp[...].astype(dt)
+        sections = []
+        for i, (start, size, name) in enumerate(zip(starts, sizes, names)):
+            w_section = w_dp[:, start : start + size]
+            out = dense(x_btd, w_section, backward=self.matmul_backward, dot_general=self.dot_general)
+            if self.bias:
+                out = out + self.b_in_p[...][start : start + size].astype(dt)
+            if self.section_scales is not None:  # Falcon-H1's mup_vector
+                out = out * jnp.asarray(self.section_scales[i], jnp.float32).astype(dt)
+            sections.append(constrain(out, ("act_batch", "act_seq", name)))
+        gate, x_in, b_in, c_in, dt_raw = sections
+        conv_bias = params.get("conv_bias")
+        convolved, windows = [], []
+        for part, start, size, name in zip((x_in, b_in, c_in), (0, d.inner, d.inner + width), sizes[1:4], names[1:4]):
+            out, window = causal_conv1d(
+                part,
+                params["conv_kc"][:, start : start + size],
+                None if conv_bias is None else conv_bias[start : start + size],
+                window_bkc=None if state is None else state.conv_bkc[..., start : start + size],
+                segment_ids_bt=segment_ids_bt,
+            )
+            if mask_bt is not None:
+                out = out * mask_bt[..., None].astype(out.dtype)
+            convolved.append(constrain(out, ("act_batch", "act_seq", name)))
+            windows.append(window)
+        y_btf, ssm = mamba2_scan(
+            params,
+            gate,
+            *convolved,
+            dt_raw,
+            d,
+            ssm_bhpn=None if state is None else state.ssm_bhpn,
+            chunk_size=self.chunk_size,
+            segment_ids_bt=segment_ids_bt,
+        )
+        return constrain(y_btf, ("act_batch", "act_seq", "act_mlp")), Mamba2State(jnp.concatenate(windows, -1), ssm)
 
     def _section_vector(self) -> jax.Array:
         """(p,) float32: each of in_proj's output sections z, x, B, C, dt times its scale."""

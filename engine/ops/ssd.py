@@ -274,8 +274,7 @@ def mamba2_inner(
     heads) -> the gated-normed scan output (b, t, inner), and the state after it. Uses params'
     conv_kc, conv_bias (optional), dt_bias, a_log, d and norm (optional: without it y * silu(z)).
     `segment_ids_bt`: packed rows, each document's convolution and state starting afresh (ssd_chunked)."""
-    batch, time, _ = projected_btp.shape
-    heads, head_dim, groups, size = dims.num_heads, dims.head_dim, dims.n_groups, dims.state_size
+    groups, size = dims.n_groups, dims.state_size
     gate = projected_btp[..., : dims.inner]
     xbc_btc, conv_window = causal_conv1d(
         projected_btp[..., dims.inner : dims.inner + dims.conv_channels],
@@ -286,14 +285,51 @@ def mamba2_inner(
     )
     if mask_bt is not None:
         xbc_btc = xbc_btc * mask_bt[..., None].astype(xbc_btc.dtype)
-    x = xbc_btc[..., : dims.inner].reshape(batch, time, heads, head_dim)
-    b = xbc_btc[..., dims.inner : dims.inner + groups * size].reshape(batch, time, groups, size)
-    c = xbc_btc[..., dims.inner + groups * size :].reshape(batch, time, groups, size)
-    dt_raw = projected_btp[..., dims.inner + dims.conv_channels :]
-    dt = discretize_dt(dt_raw, params["dt_bias"], dims.dt_min, dims.dt_max)
+    state_width = groups * size
+    y_btf, ssm = mamba2_scan(
+        params,
+        gate,
+        xbc_btc[..., : dims.inner],
+        xbc_btc[..., dims.inner : dims.inner + state_width],
+        xbc_btc[..., dims.inner + state_width :],
+        projected_btp[..., dims.inner + dims.conv_channels :],
+        dims,
+        ssm_bhpn=None if state is None else state.ssm_bhpn,
+        form=form,
+        chunk_size=chunk_size,
+        segment_ids_bt=segment_ids_bt,
+    )
+    return y_btf, Mamba2State(conv_window, ssm)
+
+
+def mamba2_scan(
+    params: Params,
+    gate_btf: jax.Array,
+    x_btf: jax.Array,
+    b_bts: jax.Array,
+    c_bts: jax.Array,
+    dt_bth: jax.Array,
+    dims: Mamba2Dims,
+    *,
+    ssm_bhpn: jax.Array | None = None,
+    form: Literal["chunked", "scan"] = "chunked",
+    chunk_size: int = 256,
+    segment_ids_bt: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The mixer after its convolution: x (b, t, inner), B and C (b, t, groups x state_size) as
+    the convolution left them, in_proj's gate z (b, t, inner) and raw dt (b, t, heads) -> (the
+    gated-normed scan output (b, t, inner), the SSM state after it). Each head reads only its own
+    slices of x, z, dt and its group's B and C, which is what lets a tensor axis split heads
+    (engine/models/mamba2.py)."""
+    batch, time, _ = x_btf.shape
+    heads, head_dim, groups, size = dims.num_heads, dims.head_dim, dims.n_groups, dims.state_size
+    x = x_btf.reshape(batch, time, heads, head_dim)
+    b = b_bts.reshape(batch, time, groups, size)
+    c = c_bts.reshape(batch, time, groups, size)
+    dt = discretize_dt(dt_bth, params["dt_bias"], dims.dt_min, dims.dt_max)
     a_h = -jnp.exp(params["a_log"].astype(jnp.float32))
     d_h = params["d"].astype(jnp.float32)
-    ssm = None if state is None else state.ssm_bhpn
+    ssm = ssm_bhpn
     if time == 1 and ssm is not None:
         y, ssm = ssd_step(x[:, 0], dt[:, 0], a_h, b[:, 0], c[:, 0], ssm, d_h=d_h)
         y_bthp = y[:, None]
@@ -305,14 +341,14 @@ def mamba2_inner(
         )
     y_btf = y_bthp.reshape(batch, time, dims.inner)
     if "norm" not in params:  # no gated norm (Falcon-H1's mamba_rms_norm false): y * silu(z)
-        y_btf = (y_btf.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(y_btf.dtype)
-        return y_btf, Mamba2State(conv_window, ssm)
+        y_btf = (y_btf.astype(jnp.float32) * jax.nn.silu(gate_btf.astype(jnp.float32))).astype(y_btf.dtype)
+        return y_btf, ssm
     y_btf = gated_rms_norm(
         y_btf,
-        gate,
+        gate_btf,
         params["norm"],
         eps=dims.norm_eps,
         norm_before_gate=dims.norm_before_gate,
         group_size=dims.inner // groups,
     )
-    return y_btf, Mamba2State(conv_window, ssm)
+    return y_btf, ssm
