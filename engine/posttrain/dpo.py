@@ -445,19 +445,30 @@ class EpochIndices:
         self.epoch, self.index = int(state.get("epoch", 0)), int(state.get("index", 0))
 
 
+Rows = Callable[[Sequence[Pair], int], dict[str, np.ndarray]]
+"""A preference stage's rows of a list of pairs at a max_length (pair_rows; KTO's add its labels)."""
+
+
 class PairBatches:
     """The trainer's batch source: endless batches of pair rows over epochs (EpochIndices),
     with the reference's log-probs."""
 
     def __init__(
-        self, pairs: list[Pair], cfg: DPOConfig, trainer: Trainer, reference: Reference, table: np.ndarray | None = None
+        self,
+        pairs: Sequence[Pair],
+        cfg: DPOConfig,
+        trainer: Trainer,
+        reference: Reference,
+        table: np.ndarray | None = None,
+        rows: Rows | None = None,
     ):
         self.pairs, self.cfg, self.trainer, self.reference, self.table = pairs, cfg, trainer, reference, table
+        self.rows = rows or pair_rows
         self.indices = EpochIndices(len(pairs), cfg.data.batch_size, cfg.data.shuffle, cfg.data.seed)
 
     def next_batch(self, state: TrainState):
         chosen = self.indices.take()
-        rows = pair_rows([self.pairs[i] for i in chosen], self.cfg.data.max_length)
+        rows = self.rows([self.pairs[i] for i in chosen], self.cfg.data.max_length)
         batch = self.trainer.global_batch(rows)
         if self.table is not None:
             batch["ref_logps"] = self.trainer.global_batch({"r": self.table[chosen]})["r"]
@@ -472,11 +483,11 @@ class PairBatches:
         self.indices.set_state(state)
 
 
-def reference_table(pairs: list[Pair], cfg: DPOConfig, reference: Reference, rows_per_batch: int) -> np.ndarray:
+def reference_table(pairs: Sequence[Pair], cfg: DPOConfig, reference: Reference, rows_per_batch: int) -> np.ndarray:
     """The reference's (chosen, rejected) log-probs of every pair, in batches of whole rows."""
     out = []
     for start in range(0, len(pairs), rows_per_batch):
-        chunk = pairs[start : start + rows_per_batch]
+        chunk = list(pairs[start : start + rows_per_batch])
         rows = pair_rows(chunk + [chunk[-1]] * (rows_per_batch - len(chunk)), cfg.data.max_length)
         out.append(np.asarray(jax.device_get(reference(rows)))[: len(chunk)])
     return np.concatenate(out).astype(np.float32)
@@ -492,49 +503,85 @@ def run_dpo(cfg: DPOConfig, log: Callable[[str], None] | None = None) -> dict[st
     train_pairs, held_out = load_pairs(cfg.data, bundle, log)
     log(f"dpo: {len(train_pairs)} training and {len(held_out)} held-out pairs, loss {cfg.loss_name}, beta {cfg.beta}")
     trainer = Trainer(train_config(cfg, model_cfg, compute), lambda graphdef: dpo_objective(graphdef, cfg))
-    reference = Reference(cfg, trainer, model_cfg, bundle)
+    return run_preference(
+        cfg,
+        trainer,
+        Reference(cfg, trainer, model_cfg, bundle),
+        train_pairs,
+        held_out,
+        stage="dpo",
+        unit="pairs",
+        rows=pair_rows,
+        held_out_sums=HELD_OUT_SUMS,
+        held_out_metrics=lambda sums, batches: held_out_metrics(sums, cfg),
+        metrics=METRICS,
+        log=log,
+    )
+
+
+def run_preference(
+    cfg: DPOConfig,
+    trainer: Trainer,
+    reference: Reference,
+    train: Sequence[Pair],
+    held_out: Sequence[Pair],
+    *,
+    stage: str,
+    unit: str,
+    rows: Rows,
+    held_out_sums: Sequence[str],
+    held_out_metrics: Callable[[dict[str, float], int], dict[str, float]],
+    metrics: Sequence[str],
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """A preference stage's training over its pair rows (DPO's; KTO's examples), with the
+    reference's log-probs precomputed or asked batch by batch, and its held-out evaluation:
+    the eval step's `held_out_sums` summed over the held-out batches, made metrics by
+    `held_out_metrics(sums, batches)`."""
     rows_per_batch = cfg.data.batch_size // cfg.grad_accum
     table = held_out_table = None
     if cfg.precompute_ref:
-        table = reference_table(train_pairs, cfg, reference, cfg.data.batch_size)
+        table = reference_table(train, cfg, reference, cfg.data.batch_size)
         held_out_table = reference_table(held_out, cfg, reference, rows_per_batch) if held_out else None
-        log(f"dpo: the reference's log-probs of {len(train_pairs) + len(held_out)} pairs precomputed")
-    source = PairBatches(train_pairs, cfg, trainer, reference, table)
+        log(f"{stage}: the reference's log-probs of {len(train) + len(held_out)} {unit} precomputed")
+    source = PairBatches(train, cfg, trainer, reference, table, rows)
     evaluate = None
     if held_out:
 
         def evaluate(params) -> dict[str, float]:
-            sums: dict[str, float] = {}
+            sums = dict.fromkeys(held_out_sums, 0.0)
             batches = math.ceil(len(held_out) / rows_per_batch)
             if cfg.data.eval_batches:
                 batches = min(batches, cfg.data.eval_batches)
             for b in range(batches):
                 chunk = held_out[b * rows_per_batch : (b + 1) * rows_per_batch]
                 filler = rows_per_batch - len(chunk)  # rows without a completion carry no pair
-                rows = pair_rows(chunk, cfg.data.max_length)
-                rows = {k: np.concatenate([v, np.zeros((filler, *v.shape[1:]), v.dtype)]) for k, v in rows.items()}
-                batch = trainer.global_batch(rows)
+                batch_rows = rows(chunk, cfg.data.max_length)
+                batch_rows = {
+                    k: np.concatenate([v, np.zeros((filler, *v.shape[1:]), v.dtype)]) for k, v in batch_rows.items()
+                }
+                batch = trainer.global_batch(batch_rows)
                 if held_out_table is not None:
                     ref = held_out_table[b * rows_per_batch : (b + 1) * rows_per_batch]
                     batch["ref_logps"] = trainer.global_batch(
                         {"r": np.concatenate([ref, np.zeros((filler, 2), np.float32)])}
                     )["r"]
                 elif reference.enabled:
-                    batch["ref_logps"] = reference(rows)
+                    batch["ref_logps"] = reference(batch_rows)
                 aux = trainer.eval_step(params, batch)
-                for key in HELD_OUT_SUMS:
-                    sums[key] = sums.get(key, 0.0) + float(aux[key])
-            return held_out_metrics(sums, cfg)
+                for key in held_out_sums:
+                    sums[key] += float(aux[key])
+            return held_out_metrics(sums, batches)
 
     result = run_training(
         trainer,
         source,
         log=log,
         evaluate=evaluate,
-        meta={"stage": "dpo", "dpo_config": cfg.model_dump(mode="json")},
-        logged=("loss", "grad_norm", *METRICS),
+        meta={"stage": stage, f"{stage}_config": cfg.model_dump(mode="json")},
+        logged=("loss", "grad_norm", *metrics),
     )
-    result.update({"train_pairs": len(train_pairs), "eval_pairs": len(held_out)})
+    result.update({f"train_{unit}": len(train), f"eval_{unit}": len(held_out)})
     return result
 
 

@@ -25,7 +25,6 @@ Metrics are TRL's: kl, rewards/{chosen, rejected, margins}, logps/{chosen, rejec
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,21 +40,21 @@ from engine.models.lora import LORA_SEED, dropout_rows
 from engine.models.params import apply_model_with_aux
 from engine.posttrain.dpo import (
     Pair,
-    PairBatches,
     Reference,
     _encode_completion,
     pair_rows,
-    reference_table,
+    run_preference,
     sequence_logps,
 )
+from engine.posttrain.dpo import batch_shapes as pair_batch_shapes
 from engine.posttrain.finetune import finetune_start, read_jsonl
 from engine.posttrain.kto_config import KTOConfig, KTODataConfig
 from engine.train.cli import run_cli
 from engine.train.config import TrainConfig, trainer_view
-from engine.train.hooks import log_to_stderr, run_training
+from engine.train.hooks import log_to_stderr
 from engine.train.plan import InputModels, StepSpec, fine_tuned_model, frozen_params_gib
 from engine.train.step import Objective, moe_metrics
-from engine.train.trainer import Trainer, TrainState
+from engine.train.trainer import Trainer
 
 METRICS = ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
 """TRL's KTO metrics: chosen = desirable examples, rejected = undesirable ones."""
@@ -260,31 +259,6 @@ def held_out_metrics(sums: dict[str, float], batches: int) -> dict[str, float]:
 # --------------------------------------------------------------------------- the run
 
 
-def reference_logps(reference: Reference, rows: dict[str, np.ndarray]) -> jax.Array:
-    """The reference's (rows, 2) log-probs: KTO always has a reference."""
-    logps = reference(rows)
-    assert logps is not None
-    return logps
-
-
-class ExampleBatches(PairBatches):
-    """DPO's batch source over examples, with each row's label."""
-
-    def __init__(self, examples: list[Example], *args, **kwargs):
-        super().__init__(list(examples), *args, **kwargs)
-        self.examples = examples
-
-    def next_batch(self, state: TrainState):
-        chosen = self.indices.take()
-        rows = example_rows([self.examples[i] for i in chosen], self.cfg.data.max_length)
-        batch = self.trainer.global_batch(rows)
-        if self.table is not None:
-            batch["ref_logps"] = self.trainer.global_batch({"r": self.table[chosen]})["r"]
-        else:
-            batch["ref_logps"] = reference_logps(self.reference, rows)
-        return batch, {}
-
-
 def run_kto(cfg: KTOConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Train `cfg.steps` batches of examples, resuming from checkpoint.directory if it has one."""
     log = log or log_to_stderr
@@ -292,50 +266,21 @@ def run_kto(cfg: KTOConfig, log: Callable[[str], None] | None = None) -> dict[st
     train_examples, held_out = load_examples(cfg, bundle, log)
     log(f"kto: {len(train_examples)} training and {len(held_out)} held-out examples, loss {cfg.loss_type}")
     trainer = Trainer(train_config(cfg, model_cfg, compute), lambda graphdef: kto_objective(graphdef, cfg))
-    reference = Reference(cfg, trainer, model_cfg, bundle)  # type: ignore[arg-type]  # DPO's reference fields
-    rows_per_batch = cfg.data.batch_size // cfg.grad_accum
-    table = held_out_table = None
-    if cfg.precompute_ref:
-        table = reference_table(train_examples, cfg, reference, cfg.data.batch_size)  # type: ignore[arg-type]
-        held_out_table = reference_table(held_out, cfg, reference, rows_per_batch) if held_out else None  # type: ignore[arg-type]
-        log(f"kto: the reference's log-probs of {len(train_examples) + len(held_out)} examples precomputed")
-    source = ExampleBatches(train_examples, cfg, trainer, reference, table)  # type: ignore[arg-type]
-    evaluate = None
-    if held_out:
-
-        def evaluate(params) -> dict[str, float]:
-            sums: dict[str, float] = dict.fromkeys(HELD_OUT_SUMS, 0.0)
-            batches = math.ceil(len(held_out) / rows_per_batch)
-            if cfg.data.eval_batches:
-                batches = min(batches, cfg.data.eval_batches)
-            for b in range(batches):
-                chunk = held_out[b * rows_per_batch : (b + 1) * rows_per_batch]
-                filler = rows_per_batch - len(chunk)  # rows without a completion hold no example
-                rows = example_rows(chunk, cfg.data.max_length)
-                rows = {k: np.concatenate([v, np.zeros((filler, *v.shape[1:]), v.dtype)]) for k, v in rows.items()}
-                batch = trainer.global_batch(rows)
-                if held_out_table is not None:
-                    ref = held_out_table[b * rows_per_batch : (b + 1) * rows_per_batch]
-                    batch["ref_logps"] = trainer.global_batch(
-                        {"r": np.concatenate([ref, np.zeros((filler, 2), np.float32)])}
-                    )["r"]
-                else:
-                    batch["ref_logps"] = reference_logps(reference, rows)
-                aux = trainer.eval_step(params, batch)
-                for key in HELD_OUT_SUMS:
-                    sums[key] += float(aux[key])
-            return held_out_metrics(sums, batches)
-
-    result = run_training(
+    # DPO's run over example rows; KTO's reference is always enabled, so every batch has ref_logps.
+    return run_preference(
+        cfg,  # type: ignore[arg-type]  # DPO's data and reference fields
         trainer,
-        source,
+        Reference(cfg, trainer, model_cfg, bundle),  # type: ignore[arg-type]
+        train_examples,
+        held_out,
+        stage="kto",
+        unit="examples",
+        rows=example_rows,  # type: ignore[arg-type]  # examples are the pairs it is given
+        held_out_sums=HELD_OUT_SUMS,
+        held_out_metrics=held_out_metrics,
+        metrics=METRICS,
         log=log,
-        evaluate=evaluate,
-        meta={"stage": "kto", "kto_config": cfg.model_dump(mode="json")},
-        logged=("loss", "grad_norm", *METRICS),
     )
-    result.update({"train_examples": len(train_examples), "eval_examples": len(held_out)})
-    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,14 +288,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def batch_shapes(cfg: KTOConfig) -> dict[str, jax.ShapeDtypeStruct]:
-    """The shapes of one KTO batch: a row per example, its label, the reference's log-probs."""
-    rows, width = cfg.data.batch_size, 2 * cfg.data.max_length
-    batch = {
-        k: jax.ShapeDtypeStruct((rows, width), np.int32) for k in ("tokens", "targets", "positions", "segment_ids")
-    }
-    batch["loss_mask"] = jax.ShapeDtypeStruct((rows, width), np.float32)
-    batch["label"] = jax.ShapeDtypeStruct((rows, 1), np.float32)
-    batch["ref_logps"] = jax.ShapeDtypeStruct((rows, 2), np.float32)
+    """The shapes of one KTO batch: DPO's rows with the reference's log-probs, and each row's label."""
+    batch = pair_batch_shapes(cfg)  # type: ignore[arg-type]  # DPO's data fields; KTO is never reference-free
+    batch["label"] = jax.ShapeDtypeStruct((cfg.data.batch_size, 1), np.float32)
     return batch
 
 

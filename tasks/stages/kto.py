@@ -16,22 +16,13 @@ too) and the examples' bytes.
 from __future__ import annotations
 
 from engine.posttrain.kto_config import KTOConfig
-from tasks.registry import MODEL_KINDS, Input
 from tasks.stages.dpo import DPOStage
 
 
 class KTOStage(DPOStage):
     task = "kto"
     entry_point = "engine.posttrain.kto"
-    planner = "engine.posttrain.kto:step_spec"
-    inputs = {
-        **DPOStage.checkpoint_inputs(
-            "the policy to start from (and the frozen reference, unless `reference` is given) and its tokenizer/"
-        ),
-        "reference": Input(
-            MODEL_KINDS, required=False, doc="the frozen reference (TRL's ref_model), of the policy's vocabulary"
-        ),
-    }
+    planner = "engine.posttrain.kto:step_spec"  # its inputs are DPO's: the policy, and optionally a reference
     config_schema = KTOConfig
     console_metrics = ("loss", "kl", "rewards/margins")
     version = 1
