@@ -583,7 +583,10 @@ def _parse(parser: Parser, argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     # `kill -USR1 PID` prints every thread's stack to stderr: where a run that seems stuck waits.
     # To the process's own stderr: sys.stderr may be a stream without a descriptor (a test's capture).
-    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__ or sys.stderr, all_threads=True)
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__ or sys.stderr, all_threads=True)
+    except (ValueError, OSError):  # no descriptor at all (an embedding host): no stack dump
+        pass
     args = _parse(build_parser(), sys.argv[1:] if argv is None else list(argv))
     try:
         code = args.func(args)
