@@ -168,7 +168,8 @@ def load(url: str, directory: str | os.PathLike, client: CompletionsClient, mani
     """Pull the committed version into `directory` and have the server at `client` reload it
     in place (the local path's endpoints), then record its version_label there; pull's summary."""
     manifest = manifest or read_manifest(url)
-    pulled = pull(url, directory, manifest)
+    pulled = pull(url, directory, manifest)  # none committed: ConfigError
+    assert manifest is not None
     client.request("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(directory)}})
     client.request("/reset_prefix_cache", {})
     client.request("/update_weight_version", {"new_version": version_label(manifest)})

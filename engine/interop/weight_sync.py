@@ -15,6 +15,7 @@ the manifest, last.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -44,6 +45,10 @@ from engine.parallel.mesh import to_host
 SHARD_BYTES = 64 << 20
 """A shard's bound: small enough that a LoRA or partly frozen model rewrites little, large
 enough that a bucket's per-object cost does not dominate."""
+
+
+# A shard is written here before its upload: memory (/dev/shm) where there is one.
+SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 
 
 class BucketWeightSync:
@@ -83,7 +88,7 @@ class BucketWeightSync:
         process, processes = jax.process_index(), jax.process_count()
         digests = np.zeros((len(names), 32), np.uint8)
         uploaded = np.zeros(len(shards), np.int64)  # bytes this process wrote, per shard
-        with tempfile.TemporaryDirectory(prefix="trainflow-weight-sync-") as scratch:
+        with tempfile.TemporaryDirectory(prefix="trainflow-weight-sync-", dir=SCRATCH) as scratch:
             for k, shard in enumerate(shards):
                 if k % processes != process:
                     continue

@@ -10,6 +10,7 @@ deleted first; other files are replaced or left as they are.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -244,7 +245,7 @@ def hf_tensors(
         shape = hf_shape(spec, array.shape)
         if spec.fused_with:
             shape = fused_hf_shape(spec, [leaf(spec, index, p).shape for p in (spec.path, *spec.fused_with)])
-        entries[name] = (shape, array.dtype, lambda spec=spec, index=index: hf_tensor(spec, index))
+        entries[name] = (shape, array.dtype, functools.partial(hf_tensor, spec, index))
     return entries
 
 
