@@ -239,10 +239,13 @@ class Mamba2(nnx.Module):
                 out = out * mask_bt[..., None].astype(out.dtype)
             convolved.append(constrain(out, ("act_batch", "act_seq", name)))
             windows.append(window)
+        x_conv, b_conv, c_conv = convolved
         y_btf, ssm = mamba2_scan(
             params,
             gate,
-            *convolved,
+            x_conv,
+            b_conv,
+            c_conv,
             dt_raw,
             d,
             ssm_bhpn=None if state is None else state.ssm_bhpn,
