@@ -29,6 +29,7 @@ from engine.inference.sample import Sampler  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
+from engine.models import dsa  # noqa: E402
 from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
 from engine.models.dsa import indexer_kl, select_top_k  # noqa: E402
 from engine.models.params import apply_model, graphdef_of  # noqa: E402
@@ -304,3 +305,75 @@ def test_a_sparse_training_step_compiles_for_a_tpu_slice():
     )
     plan = plan_step(cfg, get_target("v5p-8"))
     assert plan.how == "compiled" and plan.fits and plan.devices == 4
+
+
+# --------------------------------------------------------------------------- the sparse path
+
+
+def _one_layer_dsa() -> ModelConfig:
+    """tiny-deepseek-v3.2 cut to its first (dense-MLP) layer: attention and indexer as the preset's."""
+    model = resolve_model_preset({"model": "tiny-deepseek-v3.2"}, "tiny")["model"]
+    return ModelConfig.model_validate({**model, "num_layers": 1})
+
+
+def test_the_sparse_path_equals_the_dense_masked_one_in_loss_kl_and_gradients(monkeypatch):
+    """Sparse training (indexer_loss sparse), float32, 29 positions (past index_topk 8) in
+    chunks of 4 queries (the last one padded), one row of two packed documents, one
+    right-padded: the gathered path (dsa.sparse_attention) against the dense-masked reference
+    (attention_impl reference): the loss to 1e-6, the indexer KL (~6e-5 here, a difference of
+    near-equal distributions) to 1e-7, every gradient to 1e-5 of its largest entry, the
+    indexer's (the KL's alone, its target the attention computed in the other form) to 1e-4."""
+    monkeypatch.setattr(dsa, "QUERY_CHUNK_BYTES", 2000)
+    cfg = _one_layer_dsa()
+    t = 29
+    assert dsa.query_chunk(t, t, cfg.num_heads, cfg.index_heads, cfg.index_topk) == 4
+    tokens = np.random.default_rng(4).integers(0, cfg.vocab_size, (2, t))
+    segments = np.ones((2, t), np.int32)
+    segments[0, 13:], segments[1, 20:] = 2, 0
+    positions = np.broadcast_to(np.arange(t), (2, t)).copy()
+    positions[0, 13:] -= 13
+    data = {
+        "tokens": tokens,
+        "positions": positions,
+        "segment_ids": segments,
+        "targets": np.roll(tokens, -1, 1),
+        "loss_mask": (segments != 0).astype(np.float32),
+    }
+    params = nnx.to_pure_dict(nnx.split(Transformer(cfg, ComputeConfig(), rngs=nnx.Rngs(0)))[1])
+    with jax.default_matmul_precision("float32"):
+        results = {}
+        for impl in ("reference", "auto"):
+            loss_fn = lm_loss_fn(graphdef_of(cfg, ComputeConfig(indexer_loss="sparse", attention_impl=impl)))
+            grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+            results[impl] = grad_fn(params, data, float(data["loss_mask"].sum()))
+    (loss_ref, aux_ref), grads_ref = results["reference"]
+    (loss, aux), grads = results["auto"]
+    assert float(aux["indexer_loss"]) > 0
+    np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-6)
+    np.testing.assert_allclose(float(aux["indexer_loss"]), float(aux_ref["indexer_loss"]), rtol=1e-5, atol=1e-7)
+    for (path, g_ref), g in zip(jax.tree_util.tree_flatten_with_path(grads_ref)[0], jax.tree.leaves(grads)):
+        scale = float(jnp.abs(g_ref).max())
+        assert scale > 0, jax.tree_util.keystr(path)
+        tolerance = 1e-4 if "'indexer'" in jax.tree_util.keystr(path) else 1e-5
+        np.testing.assert_allclose(g, g_ref, atol=tolerance * scale, err_msg=jax.tree_util.keystr(path))
+
+
+def test_the_kv_cache_sampler_gathers_as_the_dense_masked_one_attends(monkeypatch):
+    """Greedy sampling, left-padded prompts of 9 and 4 tokens and 14 decoded (a 23-slot cache
+    past index_topk 8, prefill in chunks of 2 queries): the gathered path's tokens and
+    log-probabilities are the dense-masked reference's."""
+    monkeypatch.setattr(dsa, "QUERY_CHUNK_BYTES", 400)
+    cfg = _one_layer_dsa()
+    params = nnx.to_pure_dict(nnx.split(Transformer(cfg, ComputeConfig(), rngs=nnx.Rngs(1)))[1])
+    prompt = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 9)).astype(np.int32)
+    mask = np.ones_like(prompt)
+    mask[1, :5] = 0
+    with jax.default_matmul_precision("float32"):
+        out = {
+            impl: Sampler(cfg, ComputeConfig(attention_impl=impl))(
+                params, prompt, mask, max_new_tokens=14, temperature=0.0
+            )
+            for impl in ("reference", "auto")
+        }
+    np.testing.assert_array_equal(out["auto"].tokens, out["reference"].tokens)
+    np.testing.assert_allclose(out["auto"].logprobs, out["reference"].logprobs, atol=1e-5)

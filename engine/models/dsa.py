@@ -11,10 +11,15 @@ per head and position. Its score of key s for query t is
     I[t, s] = sum_g w[t, g] * g**-0.5 * relu(q[t, g] . k[s] * i**-0.5)
 
 and the query attends to the keys of the index_topk highest scores among those causal
-attention lets it see (all of them while there are no more). The selection is a mask on
-MLA's scores: training and prefill attend densely over that explicit mask
-(engine/ops/attention_reference.py), decoding adds it to the cache's mask; the indexer's
-keys are cached per position beside MLA's latent (KVCache.index_k).
+attention lets it see (all of them while there are no more). `sparse_attention` computes
+it as DeepSeek-V3.2's sparse kernel does: queries in chunks, each chunk's indexer scores of
+every key (O(t x s), but in the indexer's few narrow heads), its top-k, then MLA in the
+absorbed form over only the gathered latents and rotary keys of those keys
+(engine/ops/sparse_mla.py), so the attention's work and memory per token are proportional to
+index_topk, not to the sequence; training, prefill and decoding alike (the indexer's keys
+cached per position beside MLA's latent, KVCache.index_k). The dense-masked path (the
+selection as a mask on every score, engine/ops/attention_reference.py) stays as the
+reference (attention_impl `reference`) and runs where the top-k keeps every key.
 
 Training the indexer (ComputeConfig.indexer_loss) follows the published recipe: its target
 is the main attention's distribution summed over heads and L1-normalised, p[t, :], and its
@@ -41,6 +46,7 @@ from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.moe import MoEStats
 from engine.models.rope import apply_rope, rope_inverse_frequencies
 from engine.ops.dense import DotGeneral, dense
+from engine.ops.sparse_mla import gather_rows, selected_latent_attention
 
 NEG_INF = -1e30  # finite, as attention's: a padding query's row (nothing visible) stays finite
 LAYER_NORM_EPS = 1e-6  # the key LayerNorm's, fixed in transformers' indexer
@@ -113,9 +119,13 @@ class Indexer(nnx.Module):
 
     def scores(self, q_btgi, weights_btg, k_bsi, visible_bts):
         """(b, t, s) float32: I[t, s] where visible, NEG_INF elsewhere."""
-        logits_btgs = jnp.einsum("btgi,bsi->btgs", q_btgi, k_bsi.astype(jnp.float32)) * (self.head_dim**-0.5)
-        scores_bts = jnp.einsum("btg,btgs->bts", weights_btg, jax.nn.relu(logits_btgs))
-        return jnp.where(visible_bts, scores_bts, NEG_INF)
+        return jnp.where(visible_bts, index_scores(q_btgi, weights_btg, k_bsi), NEG_INF)
+
+
+def index_scores(q_btgi, weights_btg, k_bsi):
+    """(b, t, s) float32: the indexer's I[t, s] of every key for every query."""
+    logits_btgs = jnp.einsum("btgi,bsi->btgs", q_btgi, k_bsi.astype(jnp.float32)) * (q_btgi.shape[-1] ** -0.5)
+    return jnp.einsum("btg,btgs->bts", weights_btg, jax.nn.relu(logits_btgs))
 
 
 def select_top_k(scores_bts, top_k: int):
@@ -145,3 +155,104 @@ def indexer_kl(q_btnh, k_bsnh, scale: float, target_bts, scores_bts, valid_bt):
     kl_bt = jnp.sum(jnp.where(target_bts_p > 0, target_bts_p * (jnp.log(safe_p) - log_q_bts), 0.0), axis=-1)
     valid = valid_bt.astype(f32)
     return jnp.sum(kl_bt * valid) / jnp.maximum(jnp.sum(valid), 1.0)
+
+
+QUERY_CHUNK_BYTES = 2**28
+"""Bound per row on the float32 work tensors of one query chunk of sparse_attention (the
+indexer's per-head scores of every key, the heads' scores of the selected ones): the chunk is
+the largest power of two of queries (at most 512) that keeps them under it."""
+
+
+def query_chunk(t: int, s: int, heads: int, index_heads: int, top_k: int) -> int:
+    """Queries per chunk of sparse_attention: all t if they fit QUERY_CHUNK_BYTES."""
+    per_query = 4 * max(index_heads * s, heads * top_k)
+    chunk = 1
+    while chunk < min(t, 512) and 2 * chunk * per_query <= QUERY_CHUNK_BYTES:
+        chunk *= 2
+    return min(chunk, t)
+
+
+def sparse_attention(
+    q_nope_btno,
+    q_rope_btnr,
+    latent_bsc,
+    k_rope_bsr,
+    w_kb_cno,
+    w_vb_cnw,
+    index_q_btgi,
+    index_w_btg,
+    index_k_bsi,
+    *,
+    scale: float,
+    top_k: int,
+    segments_bt=None,
+    mask_bts=None,
+    with_kl: bool = False,
+    chunk: int | None = None,
+):
+    """DeepSeek Sparse Attention's sparse path: ((b, t, n, w) output, the indexer's KL over
+    the selected keys or None). Queries go in chunks (a lax.scan; each chunk rematerialised in
+    the backward pass, so nothing of size t x top_k is kept): the chunk's indexer scores of
+    every key (the O(t x s) part, in the indexer's i-wide heads), its top_k keys, then MLA over
+    only those (engine/ops/sparse_mla.py). Visibility: `segments_bt` for training and prefill
+    without a cache (t == s; causal, same segment, 0 padding), or the cache's `mask_bts`. The
+    same selection and softmax as the dense-masked path (MLA._sparse); the KL as indexer_kl's,
+    its target the attention probabilities the chunk computed (constants)."""
+    b, t, n, _ = q_nope_btno.shape
+    s = latent_bsc.shape[1]
+    assert top_k < s and (segments_bt is None) != (mask_bts is None)
+    chunk = chunk or query_chunk(t, s, n, index_q_btgi.shape[2], top_k)
+    chunks = -(-t // chunk)
+    pad = chunks * chunk - t
+    valid_bt = jnp.ones((b, t), bool) if segments_bt is None else segments_bt != 0
+
+    def chunked(x_bt, fill=0):  # (b, t, ...) -> (chunks, b, chunk, ...), padded queries see nothing
+        x_bt = jnp.pad(x_bt, [(0, 0), (0, pad)] + [(0, 0)] * (x_bt.ndim - 2), constant_values=fill)
+        return jnp.moveaxis(x_bt.reshape(b, chunks, chunk, *x_bt.shape[2:]), 1, 0)
+
+    xs = {
+        "q_nope": chunked(q_nope_btno),
+        "q_rope": chunked(q_rope_btnr),
+        "index_q": chunked(index_q_btgi),
+        "index_w": chunked(index_w_btg),
+        "valid": chunked(valid_bt, False),
+        "start": jnp.arange(chunks) * chunk,
+    }
+    if mask_bts is None:
+        xs["segments"] = chunked(segments_bt, 0)
+    else:
+        xs["mask"] = chunked(mask_bts, False)
+    index_k_f32 = index_k_bsi.astype(jnp.float32)
+
+    def one_chunk(kl_sum, x):
+        if mask_bts is None:  # causal by row index, as attention_mask: query `start + j` sees keys <= it
+            rows_c = x["start"] + jnp.arange(chunk)
+            visible_bcs = (jnp.arange(s)[None, :] <= rows_c[:, None])[None]
+            visible_bcs = visible_bcs & (x["segments"][:, :, None] == segments_bt[:, None, :])
+            visible_bcs = visible_bcs & (segments_bt != 0)[:, None, :]
+        else:
+            visible_bcs = x["mask"]
+        selection = jax.lax.stop_gradient((x["index_q"], x["index_w"], index_k_f32))
+        scores_bcs = jnp.where(visible_bcs, index_scores(*selection), NEG_INF)
+        _, index_bck = jax.lax.top_k(scores_bcs, top_k)  # ties to the earlier key, as select_top_k
+        selected_bck = jnp.take_along_axis(visible_bcs, index_bck, axis=-1)
+        out_bcnw, probs_bcnk = selected_latent_attention(
+            x["q_nope"], x["q_rope"], latent_bsc, k_rope_bsr, index_bck, selected_bck, w_kb_cno, w_vb_cnw, scale=scale
+        )
+        if with_kl:
+            keys_bcki = gather_rows(index_k_f32, index_bck)
+            logits_bcgk = jnp.einsum("bcgi,bcki->bcgk", x["index_q"], keys_bcki) * (keys_bcki.shape[-1] ** -0.5)
+            index_bck_scores = jnp.einsum("bcg,bcgk->bck", x["index_w"], jax.nn.relu(logits_bcgk))
+            target_bck = jnp.sum(jax.lax.stop_gradient(probs_bcnk), axis=2)
+            target_bck = jnp.where(selected_bck, target_bck / jnp.sum(target_bck, axis=-1, keepdims=True), 0.0)
+            log_q_bck = jax.nn.log_softmax(jnp.where(selected_bck, index_bck_scores, NEG_INF), axis=-1)
+            safe_p = jnp.where(target_bck > 0, target_bck, 1.0)
+            kl_bc = jnp.sum(jnp.where(target_bck > 0, target_bck * (jnp.log(safe_p) - log_q_bck), 0.0), axis=-1)
+            kl_sum = kl_sum + jnp.sum(kl_bc * x["valid"])
+        return kl_sum, out_bcnw
+
+    kl_sum, out_xbcnw = jax.lax.scan(jax.checkpoint(one_chunk, prevent_cse=False), jnp.zeros((), jnp.float32), xs)
+    out_btnw = jnp.moveaxis(out_xbcnw, 0, 1).reshape(b, chunks * chunk, *out_xbcnw.shape[3:])[:, :t]
+    if not with_kl:
+        return out_btnw, None
+    return out_btnw, kl_sum / jnp.maximum(jnp.sum(valid_bt.astype(jnp.float32)), 1.0)

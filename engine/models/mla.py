@@ -30,7 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from engine.models.common import RMSNorm, dtype_of, param
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.models.dsa import Indexer, indexer_kl, select_top_k
+from engine.models.dsa import Indexer, indexer_kl, select_top_k, sparse_attention
 from engine.models.kv_cache import KVCache
 from engine.models.rope import apply_rope, rope_inverse_frequencies
 from engine.ops.attention import attention
@@ -133,6 +133,22 @@ class MLA(nnx.Module):
             latent_bs1c, k_rope_bs1r, mask_bts, cache = cache.update(latent_btc[:, :, None], k_rope_bt1r, window=window)
             if self.index_topk is not None:
                 index_k_bsi, cache = cache.update_index(index_k_bti)
+                if self._gathers(mask_bts.shape[2]):  # the selected keys only (dsa.sparse_attention)
+                    out_btnw, _ = sparse_attention(
+                        q_nope,
+                        q_rope,
+                        latent_bs1c[:, :, 0],
+                        k_rope_bs1r[:, :, 0],
+                        w_kb_cno,
+                        w_vb_cnw,
+                        index_q_btgi,
+                        index_w_btg,
+                        index_k_bsi,
+                        scale=self.scale,
+                        top_k=self.index_topk,
+                        mask_bts=mask_bts,
+                    )
+                    return self._dense(out_btnw, self.wo_nwd, 2), cache
                 scores_bts = self.indexer.scores(index_q_btgi, index_w_btg, index_k_bsi, mask_bts)
                 mask_bts = mask_bts & select_top_k(scores_bts, self.index_topk)
             out_btnw = self._absorbed(
@@ -145,6 +161,25 @@ class MLA(nnx.Module):
                 w_vb_cnw.astype(self.dtype),
             )
             return self._dense(out_btnw, self.wo_nwd, 2), cache
+        if self.index_topk is not None and self.indexer_loss != "warmup" and self._gathers(x_btd.shape[1]):
+            segments_bt = jnp.ones(x_btd.shape[:2], jnp.int32) if segment_ids_bt is None else segment_ids_bt
+            out_btnw, kl = sparse_attention(
+                q_nope,
+                q_rope,
+                latent_btc,
+                k_rope_bt1r[:, :, 0],
+                w_kb_cno,
+                w_vb_cnw,
+                index_q_btgi,
+                index_w_btg,
+                index_k_bti,
+                scale=self.scale,
+                top_k=self.index_topk,
+                segments_bt=segments_bt,
+                with_kl=self.indexer_loss == "sparse",
+            )
+            out_btd = self._dense(out_btnw, self.wo_nwd, 2)
+            return out_btd if kl is None else (out_btd, kl)
         kv_btny = self._dense(latent_btc, self.wkv_b_cny)
         k_btnh = jnp.concatenate([kv_btny[..., :o], jnp.broadcast_to(k_rope_bt1r, (*q_nope.shape[:3], r))], axis=-1)
         q_btnh = checkpoint_name(jnp.concatenate([q_nope, q_rope], axis=-1), "qkv_proj")
@@ -170,6 +205,12 @@ class MLA(nnx.Module):
                 block=self.attention_block,
             )
         return self._dense(out_btnh[..., :w], self.wo_nwd, 2)
+
+    def _gathers(self, keys: int) -> bool:
+        """Whether sparse attention gathers each query's selected keys (dsa.sparse_attention)
+        over `keys` positions: when top-k drops some, unless attention_impl is `reference`,
+        which keeps the dense-masked path (MLA._sparse, _absorbed's mask) the tests compare to."""
+        return self.index_topk is not None and self.index_topk < keys and self.attention_impl != "reference"
 
     def _sparse(self, q_btnh, k_btnh, v_btnh, segment_ids_bt, index_q_btgi, index_w_btg, index_k_bti, w: int):
         """Training and prefill with the indexer: each query attends to its top-k visible keys
