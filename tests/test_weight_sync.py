@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import yaml
 
 from engine.config import ConfigError
 from engine.data.urls import filesystem
@@ -179,34 +180,75 @@ def test_a_trainer_of_two_processes_writes_each_shard_from_one_process(bucket, s
 # --------------------------------------------------------------------------- a real vLLM server (opt-in)
 
 
-@needs_vllm
-def test_grpo_weights_reach_a_vllm_server_through_the_bucket(bucket, tmp_path):  # noqa: F811
-    """The server is loaded by its loader (bucket_weights.follow, here a thread; on another host
-    the module's command) from the bucket alone: the first push's probe check passes (the
-    server's log-probs are the trainer's, else the run stops), every step's importance ratios
-    are 1, and after the run the server holds the trainer's step 2."""
+@pytest.fixture(scope="module")
+def served_copy(tmp_path_factory):
+    """(copy task, client): the copy task's model (head_dim 64: vLLM's CPU attention refuses 16)
+    exported and served by `vllm serve` on 127.0.0.1 (tests/test_vllm_rollouts.py's server)."""
+    root = tmp_path_factory.mktemp("vllm")
     cfg = ModelConfig(
         vocab_size=16, d_model=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64, mlp_dim=128, max_seq_len=32
     )
-    task = make_copy_task(tmp_path / "task", cfg)
-    export_hf(task / "checkpoint", tmp_path / "hf")
+    task = make_copy_task(root / "task", cfg)
+    export_hf(task / "checkpoint", root / "hf")
+    with vllm_server(root / "hf", root / "server.log") as (client, _):
+        yield task, client
+
+
+def start_loader(url: str, directory: Path, client) -> None:
+    """The loader beside the server (on another host: python -m engine.interop.bucket_weights)."""
+    threading.Thread(target=follow, args=(url, directory, client), kwargs={"log": print}, daemon=True).start()
+
+
+@needs_vllm
+def test_grpo_weights_reach_a_vllm_server_through_the_bucket(served_copy, bucket, tmp_path):  # noqa: F811
+    """The server is loaded by its loader from the bucket alone: the first push's probe check
+    passes (the server's log-probs are the trainer's, else the run stops), every step's
+    importance ratios are 1, and after the run the server holds the trainer's step 1 (what
+    step 2 sampled with)."""
+    task, client = served_copy
     url, run_dir = f"s3://{bucket}/policy", tmp_path / "run"
-    with vllm_server(tmp_path / "hf", tmp_path / "server.log") as (client, _):
-        loader = threading.Thread(target=follow, args=(url, tmp_path / "server-weights", client), daemon=True)
-        loader.start()
-        run = grpo_config(
-            task, run_dir, steps=2, prompts_per_step=4, num_generations=4, **{"checkpoint.every_steps": 1}
-        )
-        update = {
-            "rollout": RolloutServerConfig(url=client.url, weights_url=url),
-            "rollout_correction": RolloutCorrectionConfig(),
-        }
-        run_grpo_on_server(run.model_copy(update=update))
-        after = client.prompt_logprobs(FIXED)
+    start_loader(url, tmp_path / "server-weights", client)
+    run = grpo_config(task, run_dir, steps=2, prompts_per_step=4, num_generations=4, **{"checkpoint.every_steps": 1})
+    update = {
+        "rollout": RolloutServerConfig(url=client.url, weights_url=url),
+        "rollout_correction": RolloutCorrectionConfig(),
+    }
+    run_grpo_on_server(run.model_copy(update=update))
+    after = client.prompt_logprobs(FIXED)
     assert read_manifest(url)["version"] == 2  # one push per step's rollouts
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
     for row in rows:
         assert abs(row["is_ratio_max"] - 1) < 1e-3 and abs(row["is_ratio_min"] - 1) < 1e-3, row
-    params, model_cfg = checkpoint_params(run_dir / "checkpoint", step=1)  # what step 2 sampled with
+    params, model_cfg = checkpoint_params(run_dir / "checkpoint", step=1)
     np.testing.assert_allclose(after, engine_logps(params, model_cfg, FIXED), atol=1e-4)
+
+
+@needs_vllm
+def test_grpo_of_two_processes_samples_on_the_server_through_the_bucket(served_copy, bucket, tmp_path):  # noqa: F811
+    """GRPO on 2 processes (data 2, one CPU device each): both push their shards, process 0 asks
+    the server and every process trains on its answer; the ratios are 1 at both steps."""
+    task, client = served_copy
+    url, run_dir = f"s3://{bucket}/policy", tmp_path / "run"
+    start_loader(url, tmp_path / "server-weights", client)
+    run = grpo_config(task, run_dir, steps=2, prompts_per_step=4, num_generations=4, **{"checkpoint.every_steps": 1})
+    tree = run.model_dump(mode="json", exclude_unset=False)
+    tree.update(
+        mesh={"data": 2},
+        rollout={"url": client.url, "weights_url": url},
+        rollout_correction={},
+    )
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(tree))
+    env = {"XLA_FLAGS": child_xla_flags(1), "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    run_child(
+        [sys.executable, "-m", "engine.interop.vllm_server", str(tmp_path / "run.yaml")],
+        launcher=LauncherSpec(kind="local-multi", processes=2, env=env),
+        log=print,
+        cwd=REPO,
+    )
+    manifest = read_manifest(url)
+    assert manifest["version"] == 2 and manifest["processes"] == 2
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert abs(row["is_ratio_max"] - 1) < 1e-3 and abs(row["is_ratio_min"] - 1) < 1e-3, row

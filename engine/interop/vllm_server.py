@@ -20,7 +20,8 @@ is served from KV computed with the old weights. Both endpoints are vLLM's devel
 (VLLM_SERVER_DEV_MODE=1). No artifact store, no server restart; the cost is one write and
 one read of the weights per update (in /dev/shm: memory bandwidth). A server on another host:
 `rollout.weights_url`, the changed shards staged in a bucket and loaded by a loader beside the
-server (engine/interop/weight_sync.py, bucket_weights.py).
+server (engine/interop/weight_sync.py, bucket_weights.py); with it a GRPO stage may have several
+processes: all push, process 0 asks the server, every process gets its answer.
 
 With `lora:` the server holds the frozen base once (pushed as above at the first call, so it
 is the trainer's own) and after each update only the adapter moves, as TRL and verl run LoRA
@@ -47,6 +48,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from engine.config import ConfigError
 from engine.inference.sample import SampleOutput, prompt_positions
@@ -57,7 +59,7 @@ from engine.interop.hf.peft import write_peft
 from engine.interop.weight_sync import BucketWeightSync
 from engine.models.lora import split_adapter
 from engine.models.params import graphdef_of
-from engine.parallel.mesh import to_host
+from engine.parallel.mesh import global_array, replicated, to_host
 from engine.posttrain.async_rollout import RolloutWorkerError
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.environments import EnvironmentFailure
@@ -91,8 +93,11 @@ class VLLMSampler:
             )
         if cfg.rollout_workers:
             raise ConfigError("rollout.engine vllm samples on the server: set rollout_workers 0")
-        if jax.process_count() > 1:
-            raise ConfigError("rollout.engine vllm runs in a single-process GRPO stage (launcher local)")
+        if jax.process_count() > 1 and not rollout.weights_url:
+            raise ConfigError(
+                "rollout.engine vllm in a GRPO stage of several processes: set rollout.weights_url (the "
+                "weights through a bucket); rollout.weights_dir serves a single-process stage (launcher local)"
+            )
         self.client = CompletionsClient(
             rollout.url,
             model=rollout.model,
@@ -221,12 +226,15 @@ class VLLMSampler:
         rollout would come from other weights; refused before the first step samples."""
         vocab = self.model_cfg.vocab_size
         probe = [(3 + 7 * i) % vocab for i in range(min(PUSH_CHECK_TOKENS, self.model_cfg.max_seq_len))]
-        served = self.client.prompt_logprobs(probe)
+        served = np.asarray(from_process_0(np.asarray(self.client.prompt_logprobs(probe))), np.float64)
         rows = np.asarray(probe, np.int32)[None]
         segments = np.ones_like(rows)
-        batch = {"tokens": rows, "segment_ids": segments, "positions": np.asarray(prompt_positions(segments))}
+        batch: dict = {"tokens": rows, "segment_ids": segments, "positions": np.asarray(prompt_positions(segments))}
+        if jax.process_count() > 1:  # params span processes: the probe as a global array beside them
+            mesh = jax.tree.leaves(params)[0].sharding.mesh
+            batch = {k: global_array(v, replicated(mesh)) for k, v in batch.items()}
         logps = make_logps_fn(graphdef_of(self.model_cfg, self.compute), 1, 1.0)
-        trainer = np.asarray(jax.jit(logps)(params, batch)[0])[0].astype(np.float64)
+        trainer = to_host(jax.jit(logps)(params, batch)[0])[0].astype(np.float64)
         gap = float(np.max(np.abs(served - trainer)))
         if not gap <= PUSH_CHECK_NATS:
             raise ConfigError(
@@ -299,13 +307,24 @@ class VLLMSampler:
         wanted = list(range(len(prompts))) if rows is None else sorted(set(rows))
         empty: list[tuple[list[int], list[float]]] = [([], [])] * num_generations
         by_prompt = {p: empty for p in range(len(prompts))}
-        # All at once: the server batches concurrent requests (continuous batching).
-        if wanted:
+        # All at once: the server batches concurrent requests (continuous batching). A trainer of
+        # several processes asks from process 0 and hands every process its answer.
+        if wanted and jax.process_index() == 0:
             with ThreadPoolExecutor(min(len(wanted), MAX_CONCURRENT_REQUESTS)) as pool:
                 by_prompt.update(zip(wanted, pool.map(complete, wanted)))
         completions = [row for p in range(len(prompts)) for row in by_prompt[p]]
         tokens, logprobs, mask = completion_rows(completions, max_new_tokens, pad_id)
+        tokens, logprobs, mask = from_process_0((tokens, logprobs, mask.astype(np.int32)))
+        mask = mask.astype(bool)
         return SampleOutput(tokens=tokens, logprobs=logprobs, mask=mask, lengths=mask.sum(1).astype(np.int32))
+
+
+def from_process_0(tree):
+    """Process 0's value of `tree` (numpy arrays of the same shapes on every process) on every
+    process: one server's answers, the same rows for every rank of a multi-process stage."""
+    if jax.process_count() == 1:
+        return tree
+    return jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(tree))
 
 
 def vllm_lora_rank(rank: int) -> int:

@@ -133,25 +133,26 @@ class BucketWeightSync:
         }
 
     def commit(self, manifest: dict) -> int:
-        """Process 0: the small files, then the manifest (the version exists from here on),
-        then the objects no kept version names. Returns the version."""
+        """The small files' entries (every process: all hold the same manifest), then on
+        process 0 their objects, the manifest (the version exists from here on) and the removal
+        of the objects no kept version names. Returns the version."""
+        hf_config = model_config_to_hf(
+            self.model_cfg, self.hf_meta.get("token_ids") or {}, param_dtype=self.compute.param_dtype
+        )
+        small = hf_config_files(hf_config, self.hf_meta)
+        shards = [(name, e) for name, e in manifest["files"].items() if "tensors" in e]
+        if len(shards) > 1:
+            weight_map = {t: name for name, e in shards for t in e["tensors"]}
+            total = sum(_nbytes(manifest["tensors"][t]) for t in weight_map)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            small["model.safetensors.index.json"] = json.dumps(index, indent=2) + "\n"
+        for name, text in small.items():
+            data = text.encode()
+            key = tensor_digest(data)[:32] + ".json"
+            manifest["files"][name] = {"key": key, "sha256": tensor_digest(data)}
+            if jax.process_index() == 0 and not self.fs.exists(f"{self.root}/{OBJECTS}/{key}"):
+                put_atomic(self.fs, f"{self.root}/{OBJECTS}/{key}", data)
         if jax.process_index() == 0:
-            hf_config = model_config_to_hf(
-                self.model_cfg, self.hf_meta.get("token_ids") or {}, param_dtype=self.compute.param_dtype
-            )
-            small = hf_config_files(hf_config, self.hf_meta)
-            shards = [(name, e) for name, e in manifest["files"].items() if "tensors" in e]
-            if len(shards) > 1:
-                weight_map = {t: name for name, e in shards for t in e["tensors"]}
-                total = sum(_nbytes(manifest["tensors"][t]) for t in weight_map)
-                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-                small["model.safetensors.index.json"] = json.dumps(index, indent=2) + "\n"
-            for name, text in small.items():
-                data = text.encode()
-                key = tensor_digest(data)[:32] + ".json"
-                if not self.fs.exists(f"{self.root}/{OBJECTS}/{key}"):
-                    put_atomic(self.fs, f"{self.root}/{OBJECTS}/{key}", data)
-                manifest["files"][name] = {"key": key, "sha256": tensor_digest(data)}
             put_atomic(self.fs, f"{self.root}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
             self._collect(manifest)
         self.history = [*self.history, manifest][-KEEP_VERSIONS:]
