@@ -132,10 +132,12 @@ def main() -> None:
     parser.add_argument("--part", nargs="+", default=["recipes", "multislice"])
     args = parser.parse_args()
     out = REPO / "bench" / "results" / "large_scale_plan.json"
-    kept = json.loads(out.read_text())["rows"] if out.exists() else []
-    rows: list = [row for row in kept if row["part"] not in args.part]  # the parts not rerun stay
+    rows: list = []
     for part in args.part:
         {"recipes": recipes, "multislice": multislice, "pipeline": pipeline}[part](rows)
+    # the parts not rerun stay, as the file holds them now (another run may have rewritten it)
+    kept = json.loads(out.read_text())["rows"] if out.exists() else []
+    rows = [row for row in kept if row["part"] not in args.part] + rows
     info = machine(
         description=__doc__.split("\n\n")[0],
         jax=jax.__version__,

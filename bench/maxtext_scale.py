@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import tempfile
 import time
 from importlib.metadata import version
@@ -37,7 +38,7 @@ from bench import REPO, finish, machine
 from bench.maxtext_compare import maxtext_compiled
 from engine.config import load_config
 from engine.train.config import TrainConfig
-from engine.train.plan import format_plan, network_bytes, plan_step
+from engine.train.plan import _ARRAY, _bytes, _executed, format_plan, network_bytes, plan_step
 from engine.train.targets import GiB, get_target
 
 OUT = REPO / "bench" / "results" / "maxtext_scale.json"
@@ -110,10 +111,13 @@ def trainflow_config(case: str) -> TrainConfig:
     return load_config(tree={**tree, "steps": 10}, schema=TrainConfig)
 
 
-def trainflow_row(case: str) -> dict:
+def trainflow_row(case: str, keep: Path) -> dict:
     started = time.perf_counter()
     plan = plan_step(trainflow_config(case), get_target(TARGETS[case]))
     m = plan.memory
+    if plan.compiled is not None:  # beside MaxText's, for reading collectives by hand
+        (keep / f"trainflow-{case}").mkdir(parents=True, exist_ok=True)
+        (keep / f"trainflow-{case}" / "step.hlo").write_text(plan.compiled.as_text())
     return {
         "argument_gib": m.argument / GiB,
         "temporaries_gib": m.temporaries / GiB,
@@ -121,19 +125,30 @@ def trainflow_row(case: str) -> dict:
         "model_tflops_per_chip": plan.model_flops / plan.devices / 1e12,
         "executed_tflops_per_chip": plan.hardware_flops / plan.devices / 1e12,
         "network_gib_per_chip_per_step": {k: v / GiB for k, v in plan.network.items()},
+        "dcn_gib_by_transfer": dcn_by_transfer(plan.compiled.as_text()) if plan.compiled is not None else {},
         "plan": format_plan(plan),
         "compile_seconds": time.perf_counter() - started,
         "versions": {name: version(name) for name in ("jax", "jaxlib", "libtpu", "flax")},
     }
 
 
+def dcn_by_transfer(hlo_text: str) -> dict[str, float]:
+    """The DCN bytes per chip per step of `network_bytes`, GiB by the Megascale transfer's type
+    (ONE_TO_ONE: a collective-permute, the stage hand-offs; ALL_REDUCE, ALL_GATHER, ...)."""
+    kinds: dict[str, float] = {}
+    for runs, shape, opcode, rest in _executed(hlo_text):
+        if opcode == "send" and (kind := re.search(r'_xla_megascale_transfer_type="(\w+)"', rest)):
+            kinds[kind.group(1)] = kinds.get(kind.group(1), 0.0) + runs * _bytes(*_ARRAY.findall(shape)[0]) / GiB
+    return kinds
+
+
 def maxtext_row(case: str, python: str, keep: Path) -> dict:
     out = keep / case
     row = maxtext_compiled(out, MAXTEXT[case], python)
     if "error" not in row:
-        row["network_gib_per_chip_per_step"] = {
-            k: v / GiB for k, v in network_bytes((out / "step.hlo").read_text()).items()
-        }
+        hlo = (out / "step.hlo").read_text()
+        row["network_gib_per_chip_per_step"] = {k: v / GiB for k, v in network_bytes(hlo).items()}
+        row["dcn_gib_by_transfer"] = dcn_by_transfer(hlo)
     return row
 
 
@@ -163,8 +178,10 @@ def main() -> None:
         row["seq_len"] = trainflow_config(case).data.seq_len
         print(f"{case} on {TARGETS[case]}:", flush=True)
         if args.only != "maxtext":
-            row["trainflow"] = trainflow_row(case)
+            row["trainflow"] = trainflow_row(case, args.maxtext_out)
             print(line("trainflow", row["trainflow"]), flush=True)
+        elif (hlo := args.maxtext_out / f"trainflow-{case}" / "step.hlo").exists() and "trainflow" in row:
+            row["trainflow"]["dcn_gib_by_transfer"] = dcn_by_transfer(hlo.read_text())  # the compile kept
         if args.only != "trainflow":
             row["maxtext"] = maxtext_row(case, args.maxtext_python, args.maxtext_out)
             print(line("MaxText", row["maxtext"]), flush=True)

@@ -20,9 +20,9 @@ from engine.models.params import apply_model_with_aux, graphdef_of, init_params
 from engine.ops.partitioning import use_mesh
 from engine.ops.pipeline import bubble
 from engine.parallel.config import MeshConfig
-from engine.parallel.mesh import make_mesh
+from engine.parallel.mesh import batch_sharding, make_mesh
 from engine.train.config import TrainConfig
-from engine.train.plan import plan_step
+from engine.train.plan import network_bytes, plan_step
 from engine.train.pretrain import run_pretrain
 from engine.train.step import cross_entropy
 from engine.train.targets import get_target
@@ -102,6 +102,39 @@ def _at(tree, path):
     for key in path:
         tree = tree[key.key]
     return tree
+
+
+def test_outside_the_stages_the_rows_are_split_over_them():
+    """The embedding and the head run on each stage's share of the rows (MaxText's
+    activation_embed_and_logits_batch), not on all of them on every stage."""
+    mesh = make_mesh(MeshConfig(pipeline=2, data=1, fsdp=2), jax.devices()[:4])
+    assert batch_sharding(mesh).spec[0] == ("pipeline", "data", "expert", "fsdp")
+    graphdef = graphdef_of(MODEL, COMPUTE)
+    params = init_params(MODEL, COMPUTE, mesh, seed=0)
+    tokens = jax.device_put(_batch()[0], batch_sharding(mesh))
+    with use_mesh(mesh):
+        logits = jax.jit(lambda p, t: apply_model_with_aux(graphdef, p, t)[0])(params, tokens)
+    assert logits.sharding.spec[0][0] == "pipeline"
+    assert logits.addressable_shards[0].data.shape[0] == B // 4
+
+
+def test_a_one_way_hand_off_counts_for_the_devices_that_send():
+    """network_bytes: a collective-permute's Megascale transfer counts for the share of devices
+    that are its pairs' sources (one way between two slices: half), an all-reduce's for all."""
+    attrs = 'frontend_attributes={{_xla_host_transfer_handler_name="x",_xla_megascale_transfer_type="{}"'
+    one_way = "_xla_megascale_target={{100000->200000},{100001->200001}}"
+    both = "_xla_megascale_target={{100000->200000},{200000->100000}}"
+    hlo = "\n".join(
+        [
+            "ENTRY %main (p: bf16[1024]) -> token[] {",
+            *(
+                f"  %send.{i} = (bf16[1024]{{0}}, u32[], token[]) send(%p, %a), {attrs.format(kind)},{t}}}"
+                for i, (kind, t) in enumerate([("ONE_TO_ONE", one_way), ("ONE_TO_ONE", both), ("ALL_REDUCE", "x=1")])
+            ),
+            "}",
+        ]
+    )
+    assert network_bytes(hlo)["dcn"] == 2048 * (0.5 + 1 + 1)
 
 
 def test_the_bubble_is_gpipes():

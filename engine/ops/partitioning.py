@@ -42,7 +42,7 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     "layers": PIPELINE_AXIS,  # a stack's stages: consecutive layers (none without the axis)
     "expert": "expert",
     # activations
-    "act_batch": BATCH_AXES,
+    "act_batch": (PIPELINE_AXIS, *BATCH_AXES),  # outside the stages, rows are split over them too
     "act_batch_moe": ("data", "fsdp"),  # an MoE dispatch buffer's rows: the expert axis is on its experts
     "act_expert": "expert",
     "act_seq": "context",
@@ -83,9 +83,34 @@ def logical_to_spec(names: Sequence[str | None] | None, rules=LOGICAL_RULES, mes
             axes.append(None)
         elif name not in rules:
             raise KeyError(f"logical axis '{name}' has no sharding rule")
+        elif _within_stages and name.startswith("act_") and name != "act_stage":
+            axes.append(_on_mesh(_without_pipeline(rules[name]), mesh))
         else:
             axes.append(_on_mesh(rules[name], mesh))
     return P(*axes)
+
+
+_within_stages: list[bool] = []
+
+
+@contextlib.contextmanager
+def within_stages() -> Iterator[None]:
+    """Within pipeline stages (engine/ops/pipeline.py) an activation's rows are one micro-batch
+    of a stage, which `act_stage` puts on the pipeline axis: the other activation names leave it
+    out (outside, `act_batch` splits rows over it as over the batch axes, as MaxText's
+    activation_embed_and_logits_batch does, so the embedding and the head are not repeated by
+    every stage)."""
+    _within_stages.append(True)
+    try:
+        yield
+    finally:
+        _within_stages.pop()
+
+
+def _without_pipeline(axis):
+    if isinstance(axis, tuple):
+        return tuple(a for a in axis if a != PIPELINE_AXIS) or None
+    return None if axis == PIPELINE_AXIS else axis
 
 
 def mesh_axis_size(mesh: Mesh, axis) -> int:
@@ -157,4 +182,13 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     mesh = current_mesh()
     if mesh is None or mesh.size == 1:
         return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, activation_spec(x.shape, names, mesh)))
+    spec = activation_spec(x.shape, names, mesh)
+    try:
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    except ValueError as e:
+        # A custom_vjp's backward inside pipeline stages is traced after within_stages has
+        # closed, under the stages' vmap, whose spmd_axis_name takes the pipeline axis.
+        if "spmd_axis_name" not in str(e) or PIPELINE_AXIS not in str(spec):
+            raise
+        inner = P(*(_without_pipeline(a) for a in spec))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, inner))

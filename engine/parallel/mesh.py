@@ -103,8 +103,10 @@ def _hybrid(cfg: MeshConfig, sizes: list[int], slices: int, devices: Sequence[ja
 
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The mesh axes a batch's rows are split over (those of BATCH_AXES the mesh has)."""
-    return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+    """The mesh axes a batch's rows are split over (those of BATCH_AXES the mesh has, after
+    `pipeline` where there are stages: each stage holds its share of the micro-batches,
+    engine/ops/pipeline.py)."""
+    return tuple(a for a in (PIPELINE_AXIS, *BATCH_AXES) if a in mesh.axis_names)
 
 
 def batch_shards(mesh: Mesh) -> int:
@@ -113,7 +115,7 @@ def batch_shards(mesh: Mesh) -> int:
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Batches are global arrays sharded over (data, expert, fsdp) on their leading dimension."""
+    """Batches are global arrays sharded over ([pipeline,] data, expert, fsdp) on their leading dimension."""
     return NamedSharding(mesh, P(batch_axes(mesh), *([None] * (ndim - 1))))
 
 

@@ -575,12 +575,23 @@ def collective_bytes(hlo_text: str, ops: tuple[str, ...] = REDUCTIONS) -> dict[s
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
+def _senders(rest: str) -> float:
+    """The share of a Megascale send's devices that send: a collective-permute's transfer
+    (ONE_TO_ONE) names its source -> target pairs, and a device that is no pair's source
+    sends nothing (a pipeline's one-way hand-off between two slices: half of them)."""
+    pairs = re.findall(r"\{(\d+)->(\d+)\}", rest)
+    if not pairs:
+        return 1.0
+    return len({s for s, _ in pairs}) / len({d for pair in pairs for d in pair})
+
+
 def network_bytes(hlo_text: str) -> dict[str, float]:
     """Bytes per device per step on each network, from the compiled step's HLO text:
 
     dcn  what the device sends to other slices. A multi-slice TPU compile lowers a collective
          over slices to one within each slice plus transfers of the Megascale runtime (`send`
-         instructions with `_xla_megascale_transfer_type`): their payloads, padded as laid out.
+         instructions with `_xla_megascale_transfer_type`): their payloads, padded as laid out,
+         averaged over the devices (a one-way collective-permute's: its sources' share).
     ici  the arrays its collectives within the slice reduce, gather or exchange (a reduce-
          scatter's or all-gather's full array; asynchronous `-start` forms counted once).
     """
@@ -588,7 +599,7 @@ def network_bytes(hlo_text: str) -> dict[str, float]:
     for runs, shape, opcode, rest in _executed(hlo_text):
         arrays = _ARRAY.findall(shape)
         if opcode == "send" and "_xla_megascale_transfer_type" in rest:
-            totals["dcn"] += runs * _bytes(*arrays[0])
+            totals["dcn"] += runs * _bytes(*arrays[0]) * _senders(rest)
         elif opcode.removesuffix("-start") in COLLECTIVES and arrays:
             dtype, dims = ([a for a in arrays if a[1]] or arrays)[-1]  # a -start's tuple ends with its result
             scale = _group_size(rest) if opcode.startswith("reduce-scatter") else 1
