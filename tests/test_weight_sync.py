@@ -194,13 +194,26 @@ def served_copy(tmp_path_factory):
         yield task, client
 
 
-def start_loader(url: str, directory: Path, client) -> None:
-    """The loader beside the server (on another host: python -m engine.interop.bucket_weights)."""
-    threading.Thread(target=follow, args=(url, directory, client), kwargs={"log": print}, daemon=True).start()
+@pytest.fixture
+def start_loader():
+    """Starts the loader beside the server in a thread (on another host: python -m
+    engine.interop.bucket_weights); stopped after the test, before the S3 server goes."""
+    stop = threading.Event()
+    threads = []
+
+    def start(url: str, directory: Path, client) -> None:
+        kwargs = {"log": print, "stop": stop}
+        threads.append(threading.Thread(target=follow, args=(url, directory, client), kwargs=kwargs, daemon=True))
+        threads[-1].start()
+
+    yield start
+    stop.set()
+    for thread in threads:
+        thread.join(10)
 
 
 @needs_vllm
-def test_grpo_weights_reach_a_vllm_server_through_the_bucket(served_copy, bucket, tmp_path):  # noqa: F811
+def test_grpo_weights_reach_a_vllm_server_through_the_bucket(served_copy, bucket, start_loader, tmp_path):  # noqa: F811
     """The server is loaded by its loader from the bucket alone: the first push's probe check
     passes (the server's log-probs are the trainer's, else the run stops), every step's
     importance ratios are 1, and after the run the server holds the trainer's step 1 (what
@@ -225,7 +238,7 @@ def test_grpo_weights_reach_a_vllm_server_through_the_bucket(served_copy, bucket
 
 
 @needs_vllm
-def test_grpo_of_two_processes_samples_on_the_server_through_the_bucket(served_copy, bucket, tmp_path):  # noqa: F811
+def test_grpo_of_two_processes_samples_on_the_server_through_the_bucket(served_copy, bucket, start_loader, tmp_path):  # noqa: F811
     """GRPO on 2 processes (data 2, one CPU device each): both push their shards, process 0 asks
     the server and every process trains on its answer; the ratios are 1 at both steps."""
     task, client = served_copy

@@ -40,6 +40,7 @@ import json
 import os
 import struct
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -195,10 +196,19 @@ def wait_for_version(client: CompletionsClient, manifest: dict, timeout_seconds:
     return time.monotonic() - start
 
 
-def follow(url: str, directory: str | os.PathLike, client: CompletionsClient, *, once: bool = False, log=print):
-    """The loader's loop: each newly committed version at `url` loaded into the server."""
+def follow(
+    url: str,
+    directory: str | os.PathLike,
+    client: CompletionsClient,
+    *,
+    once: bool = False,
+    log=print,
+    stop: threading.Event | None = None,
+):
+    """The loader's loop: each newly committed version at `url` loaded into the server, until
+    `stop` is set (a loader in a thread)."""
     loaded = None
-    while True:
+    while stop is None or not stop.is_set():
         manifest = read_manifest(url)
         if manifest is not None and manifest["version"] != loaded:
             start = time.perf_counter()
