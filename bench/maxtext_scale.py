@@ -38,7 +38,7 @@ from bench import REPO, finish, machine
 from bench.maxtext_compare import maxtext_compiled
 from engine.config import load_config
 from engine.train.config import TrainConfig
-from engine.train.plan import _ARRAY, _bytes, _executed, format_plan, network_bytes, plan_step
+from engine.train.plan import _ARRAY, _bytes, _executed, _senders, format_plan, network_bytes, plan_step
 from engine.train.targets import GiB, get_target
 
 OUT = REPO / "bench" / "results" / "maxtext_scale.json"
@@ -134,11 +134,13 @@ def trainflow_row(case: str, keep: Path) -> dict:
 
 def dcn_by_transfer(hlo_text: str) -> dict[str, float]:
     """The DCN bytes per chip per step of `network_bytes`, GiB by the Megascale transfer's type
-    (ONE_TO_ONE: a collective-permute, the stage hand-offs; ALL_REDUCE, ALL_GATHER, ...)."""
+    (ONE_TO_ONE: a collective-permute, the stage hand-offs, counted as network_bytes counts
+    them; ALL_REDUCE, ALL_GATHER, ...)."""
     kinds: dict[str, float] = {}
     for runs, shape, opcode, rest in _executed(hlo_text):
         if opcode == "send" and (kind := re.search(r'_xla_megascale_transfer_type="(\w+)"', rest)):
-            kinds[kind.group(1)] = kinds.get(kind.group(1), 0.0) + runs * _bytes(*_ARRAY.findall(shape)[0]) / GiB
+            sent = runs * _bytes(*_ARRAY.findall(shape)[0]) * _senders(rest) / GiB
+            kinds[kind.group(1)] = kinds.get(kind.group(1), 0.0) + sent
     return kinds
 
 
