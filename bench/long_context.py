@@ -13,12 +13,20 @@ gated full attention, at 4k, 32k and 128k positions.
           and a Pallas kernel not at all: the gated delta rule's chunk loop is counted for one
           chunk, splash attention not), and the analytic count of the attention or delta-rule
           mixing (`mixing_flops_per_token`). Compile-time figures, not load-sensitive.
+    dsa   DeepSeek Sparse Attention (engine/models/dsa.py), the same v5p-8 compile: the
+          deepseek-v3.2 preset at DSA_LAYERS layers (its first layers, dense MLPs: the
+          attention and its indexer are the published ones, 128 heads, top-k 2048, 64 indexer
+          heads of 128), trained in the indexer's sparse phase (indexer_loss sparse), the
+          dense-masked path (attention_impl reference: every score computed, then masked)
+          against the sparse one (each query's 2048 selected latents gathered, chunks of
+          queries in a lax.scan, whose body XLA's cost analysis counts once: the analytic
+          `dsa_flops_per_token` counts every chunk).
     cpu   seconds per training step of one Gated DeltaNet layer, the chunked form against
           the per-token lax.scan reference (bench/linear_mixers.py's worker, its shapes) at
           a longer sequence; the machine's load is recorded (`uptime` before and after) and a
           ratio taken under load is marked not quotable.
 
-    python -m bench.long_context [--part tpu cpu] [--seq 4096 32768 131072] [--cpu-seq 4096]
+    python -m bench.long_context [--part tpu dsa cpu] [--seq 4096 32768 131072] [--cpu-seq 4096]
 
 Writes bench/results/long_context.json (after each row; the parts not rerun are kept).
 """
@@ -60,6 +68,75 @@ def train_config(variant: str, seq_len: int) -> TrainConfig:
         "compute": {"attention_impl": "splash", "scan_layers": False},
     }
     return load_config(tree=tree, schema=TrainConfig)
+
+
+DSA_PRESET, DSA_LAYERS = "deepseek-v3.2", 1
+DSA_VARIANTS = {"dense_masked": "reference", "sparse": "auto"}
+"""attention_impl of each DSA variant: reference keeps the dense-masked path (mla.py: MLA._gathers)."""
+
+
+def dsa_config(variant: str, seq_len: int) -> TrainConfig:
+    tree = {
+        "model": {"preset": DSA_PRESET, "num_layers": DSA_LAYERS, "max_seq_len": max(seq_len, 163840)},
+        "mesh": {"data": 1, "fsdp": CHIPS},
+        "data": {"seq_len": seq_len, "batch_size": CHIPS},
+        "steps": 10,
+        "compute": {"attention_impl": DSA_VARIANTS[variant], "scan_layers": False, "indexer_loss": "sparse"},
+    }
+    return load_config(tree=tree, schema=TrainConfig)
+
+
+def dsa_flops_per_token(cfg: ModelConfig, variant: str, seq_len: int) -> dict:
+    """Forward FLOPs per token (all layers; training is about 4x: backward 2, remat full 1) of
+    the attention core, the indexer's selection and its KL. Dense-masked (mla.py: MLA._sparse
+    over dot_product_attention): every score and value of all s keys, no causal skipping,
+    q.k (h wide) and p.v (v zero-padded to h), the KL's target recomputed (q.k again); the
+    indexer's g heads of i over all s keys. Sparse (dsa.sparse_attention): the indexer's
+    scores of all s keys (selection only, no gradient), the key absorption (o x c per head),
+    scores over the k selected latents and rotary keys (c + r), the weighted sum of latents (c),
+    the value up-projection (c x w per head), and the KL's indexer scores of the k keys."""
+    n, h, r, c, w = cfg.num_heads, cfg.head_dim, cfg.rope_head_dim, cfg.kv_lora_rank, cfg.value_head_dim
+    g, i, k, s = cfg.index_heads, cfg.index_head_dim, cfg.index_topk, seq_len
+    indexer = 2 * g * i * s + 2 * g * s
+    if variant == "dense_masked":
+        per_layer = {"attention": 2 * n * s * (2 * h) + 2 * n * s * h, "indexer": indexer}
+    else:
+        attention = 2 * n * (h - r) * c + 2 * n * k * (c + r) + 2 * n * k * c + 2 * n * c * w
+        per_layer = {"attention": attention, "indexer": indexer + 2 * g * i * k + 2 * g * k}
+    return {name: cfg.num_layers * v for name, v in per_layer.items()} | {
+        "total": cfg.num_layers * sum(per_layer.values())
+    }
+
+
+def dsa_row(variant: str, seq_len: int) -> dict:
+    started = time.perf_counter()
+    cfg = dsa_config(variant, seq_len)
+    plan = plan_step(cfg, get_target("v5p-8"))
+    m = plan.memory
+    tokens_per_chip = plan.tokens / plan.devices
+    row = {
+        "variant": variant,
+        "seq_len": seq_len,
+        "attention_impl": cfg.compute.attention_impl,
+        "how": plan.how,
+        "fits": plan.fits,
+        "tokens_per_chip": tokens_per_chip,
+        "per_chip_gib": {
+            "parameters": m.parameters / GiB,
+            "optimizer_state": m.optimizer_state / GiB,
+            "temporaries": m.temporaries / GiB,
+            "total": m.total / GiB,
+        },
+        "temporaries_kib_per_token": m.temporaries / tokens_per_chip / 2**10,
+        "total_kib_per_token": m.total / tokens_per_chip / 2**10,
+        "xla_flops_per_token": plan.hardware_flops / plan.tokens,
+        "flops_source": plan.flops_source,
+        "dsa_forward_flops_per_token": dsa_flops_per_token(cfg.model, variant, seq_len),
+        "compile_seconds": time.perf_counter() - started,
+    }
+    if plan.compiler_message:
+        row["compiler_message"] = plan.compiler_message
+    return row
 
 
 def mixing_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
@@ -182,6 +259,23 @@ def main() -> None:
                     flush=True,
                 )
                 save("tpu", sorted(rows.values(), key=lambda r: (r["seq_len"], r["variant"])))
+    if "dsa" in args.part:
+        dsa = json.loads(args.out.read_text()).get("dsa", {}) if args.out.exists() else {}
+        rows = {(r["variant"], r["seq_len"]): r for r in dsa.get("rows", [])}
+        for seq_len in args.seq:
+            for variant in DSA_VARIANTS:
+                row = rows[(variant, seq_len)] = dsa_row(variant, seq_len)
+                print(
+                    f"DSA {variant:12s} t={seq_len:6d}: {row['how']}, fits {row['fits']}, "
+                    f"total {row['per_chip_gib']['total']:.2f} GiB per chip, "
+                    f"temporaries {row['temporaries_kib_per_token']:.1f} KiB per token; XLA FLOPs per token "
+                    f"{row['xla_flops_per_token']:.4g}, attention+indexer forward "
+                    f"{row['dsa_forward_flops_per_token']['total']:.4g} ({row['compile_seconds']:.0f} s)",
+                    flush=True,
+                )
+                model = {"preset": DSA_PRESET, "num_layers": DSA_LAYERS, "target": "v5p-8", "rows_per_chip": 1}
+                rows_sorted = sorted(rows.values(), key=lambda r: (r["seq_len"], r["variant"]))
+                save("dsa", {"model": model, "indexer_loss": "sparse", "rows": rows_sorted})
     if "cpu" in args.part:
         save("cpu", cpu_part(args.cpu_seq, args.cpu_steps, args.cpu_repeats))
     print(f"wrote {args.out}")
