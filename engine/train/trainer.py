@@ -32,7 +32,7 @@ from engine.models.quantize import QUANTIZED_DTYPES, quantizable, quantize_leaf,
 from engine.ops.partitioning import use_mesh
 from engine.parallel.config import unsplittable
 from engine.parallel.distributed import preemption_agreed
-from engine.parallel.mesh import batch_sharding, batch_shards, global_array, make_mesh, replicated
+from engine.parallel.mesh import batch_axes, batch_sharding, batch_shards, global_array, make_mesh, replicated
 from engine.train.checkpoint import Checkpointer, load_params, stored_configs
 from engine.train.config import TrainConfig
 from engine.train.memory import Memory, check_fits, device_memory, knobs, shard_bytes
@@ -171,7 +171,8 @@ class Trainer:
         if micro_rows % n_batch_shards:
             raise ConfigError(
                 f"data.batch_size ({cfg.data.batch_size}) / grad_accum ({cfg.grad_accum}) = {micro_rows} "
-                f"rows per micro-batch must divide over the data x expert x fsdp mesh axes ({n_batch_shards} shards)"
+                f"rows per micro-batch must divide over the {' x '.join(batch_axes(self.mesh))} mesh axes "
+                f"({n_batch_shards} shards)"
             )
         self.lora = cfg.lora
         self.lora_dropout = cfg.lora is not None and cfg.lora.dropout > 0
