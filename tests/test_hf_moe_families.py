@@ -294,6 +294,11 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
     ):
         with pytest.raises(ConfigError, match=message):
             model_config_from_hf({**v2, key: value})
+    # more experts per token than the chosen groups hold: one line naming both keys (was pydantic's dump)
+    with pytest.raises(ConfigError) as refused:
+        model_config_from_hf({**v2, "num_experts_per_tok": 3, "topk_group": 1})
+    assert "\n" not in str(refused.value) and "num_experts_per_tok" in str(refused.value), str(refused.value)
+    assert "topk_group" in str(refused.value) and "pydantic" not in str(refused.value)
     m2 = {**hf_config("minimax_m2").to_dict(), "architectures": ["MiniMaxM2ForCausalLM"]}
     for key, value in (("scoring_func", "softmax"), ("use_qk_norm", False), ("shared_intermediate_size", 64)):
         with pytest.raises(ConfigError, match=rf"{key}={value!r} is not supported \(MiniMaxM2ForCausalLM runs"):

@@ -552,8 +552,8 @@ class ModelConfig(Strict):
                 )
             if self.experts_per_token > self.router_group_top * (self.num_experts // self.router_groups):
                 raise ValueError(
-                    f"experts_per_token ({self.experts_per_token}) exceeds the experts of "
-                    f"router_group_top ({self.router_group_top}) groups"
+                    f"experts_per_token ({self.experts_per_token}; config.json num_experts_per_tok) exceeds the "
+                    f"experts of router_group_top ({self.router_group_top}; topk_group) groups"
                 )
         if self.index_topk is not None and (self.q_lora_rank is None or self.index_head_dim < self.rope_head_dim):
             raise ValueError(

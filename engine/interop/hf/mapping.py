@@ -65,7 +65,15 @@ def model_config_from_hf(
     try:
         return ModelConfig(**fields), ComputeConfig(param_dtype=param_dtype, dtype=param_dtype)
     except ValueError as e:
-        raise ConfigError(f"{what}: does not make a valid model: {e}") from None
+        # One sentence: pydantic's first error (its message, with the field when it is a type error).
+        errors = e.errors() if callable(getattr(e, "errors", None)) else []
+        reason = str(e)
+        if errors:
+            first = errors[0]
+            message = first["msg"].removeprefix("Value error, ")
+            field = ".".join(str(part) for part in first.get("loc", ()))
+            reason = f"{field}: {message}" if field and first.get("type") != "value_error" else message
+        raise ConfigError(f"{what}: does not make a valid model: {reason}") from None
 
 
 def model_config_to_hf(
