@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pydantic
 
 from engine.config import ConfigError
 from engine.models.config import ComputeConfig, ModelConfig
@@ -66,7 +67,7 @@ def model_config_from_hf(
         return ModelConfig(**fields), ComputeConfig(param_dtype=param_dtype, dtype=param_dtype)
     except ValueError as e:
         # One sentence: pydantic's first error (its message, with the field when it is a type error).
-        errors = e.errors() if callable(getattr(e, "errors", None)) else []
+        errors = e.errors() if isinstance(e, pydantic.ValidationError) else []
         reason = str(e)
         if errors:
             first = errors[0]
