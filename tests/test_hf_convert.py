@@ -329,6 +329,7 @@ PUBLISHED_BILLIONS = {  # parameter counts of the released models
     "gemma4-31b": 30.70,  # the text decoder of google/gemma-4-31B (its vision tower apart)
     "nemotron-h-8b": 8.10,  # nvidia/Nemotron-H-8B-Base-8K
     "nemotron-h-56b": 56.32,  # nvidia/Nemotron-H-56B-Base-8K
+    "nemotron-h-47b": 46.79,  # nvidia/Nemotron-H-47B-Base-8K: "47B"
     "nemotron-3-nano-30b-a3b": 31.58,  # NVIDIA-Nemotron-3-Nano-30B-A3B: "31.6B total"
     "granite-4.0-h-small": 32.21,  # docker/model-cards ai/granite-4.0-h-small.md: 32.21 B
     "granite-4.0-h-micro": 3.19,  # docker/model-cards ai/granite-4.0-h-micro.md: 3.2B
