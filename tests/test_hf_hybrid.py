@@ -199,6 +199,26 @@ def test_init_scale_logits_match_transformers_to_1e5(name, tmp_path):
     assert delta <= 1e-5 and np.abs(ref[valid]).max() > 1e-3
 
 
+def test_granite_honours_a_head_dim_key_as_transformers_does(tmp_path):
+    """GraniteMoeHybridConfig declares no head_dim, but its attention reads one where config.json
+    has it (found by the held-out sweep: the engine took hidden_size / heads and refused the
+    tensors): 10-wide heads over a 36-wide model, init-scale logits, and export keeps the key."""
+    config = hf_config("granite_hybrid")
+    config.head_dim = 10
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, **implementations("granite_hybrid")).float().eval()
+    cfg, compute, params = converted(model, tmp_path)
+    assert cfg.head_dim == 10 and model.model.layers[1].self_attn.k_proj.out_features == 2 * 10
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    ref = hf_logits(model, tokens, mask)
+    assert float(np.abs(engine_logits(cfg, compute, params, tokens, mask) - ref)[valid].max()) <= 1e-5
+    export_hf(tmp_path / "converted" / "checkpoint", tmp_path / "export")
+    implementation = implementations("granite_hybrid")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", **implementation)
+    np.testing.assert_array_equal(hf_logits(reloaded.float().eval(), tokens, mask)[valid], ref[valid])
+
+
 def test_the_pattern_is_what_the_config_says(case):
     hf = case.hf_model.config
     layers = case.cfg.layer_pattern()

@@ -137,7 +137,8 @@ class GraniteHybrid(Family):
             "num_layers": layers,
             "num_heads": heads,
             "num_kv_heads": hf.get("num_key_value_heads") or heads,
-            "head_dim": d // heads,
+            # transformers reads an undeclared head_dim key where config.json has one
+            "head_dim": hf.get("head_dim") or d // heads,
             "mlp_dim": hf["shared_intermediate_size"],
             "max_seq_len": self.hf_value(hf, "max_position_embeddings"),
             "norm_eps": self.hf_value(hf, "rms_norm_eps"),
@@ -195,6 +196,7 @@ class GraniteHybrid(Family):
             "rope_parameters": rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling),
             "position_embedding_type": "rope" if rope else None,
             "layer_types": [kinds[layer.mixer] for layer in cfg.layer_pattern()],
+            **({} if cfg.head_dim == cfg.d_model // cfg.num_heads else {"head_dim": cfg.head_dim}),
             "mamba_n_heads": m.num_heads,
             "mamba_n_groups": m.n_groups,
             "mamba_d_state": m.state_size,
