@@ -1,5 +1,6 @@
-"""Training throughput and MFU on one accelerator: the engine with cuDNN attention and with
-blocked attention, beside transformers + torch SDPA on the same device.
+"""Training throughput and MFU on one accelerator: the engine with cuDNN attention (bf16
+matmuls, and fp8 matmuls: `compute.matmul_precision: fp8`, engine/ops/low_precision.py) and
+with blocked attention, beside transformers + torch SDPA on the same device.
 
 Shapes (bf16 compute; batch x sequence per step, one device):
 
@@ -10,7 +11,9 @@ Shapes (bf16 compute; batch x sequence per step, one device):
 Each measurement runs in a fresh process; the engine and torch alternate (A B C A B C ...,
 --repeats rounds, bench/__init__.py) and the table gives the median and the spread. MFU is
 model FLOPs (6 x parameters x tokens + attention, engine.models.params.flops_per_token) per
-second over the device's dense bf16 peak (its data sheet; on CPU the measured matmul peak).
+second over the device's dense bf16 peak (its data sheet; on CPU the measured matmul peak),
+for the fp8 run too (as torchtitan reports its Float8 runs: the same work over the same peak,
+so the two MFUs compare as step times do).
 A run that fails (out of memory, a kernel the device lacks) is recorded with its error and
 the others go on, so the script runs unattended:
 
@@ -54,10 +57,11 @@ SHAPES = {
         "torch_checkpointing": False,
     },
 }
-RUNS = ("engine-cudnn", "engine-blocked", "torch-sdpa")
+RUNS = ("engine-cudnn", "engine-cudnn-fp8", "engine-blocked", "torch-sdpa")
+"""engine-ATTENTION[-RECIPE]: the attention implementation, then the matmul recipe if not bf16."""
 
 
-def engine_config(shape: dict, attention: str):
+def engine_config(shape: dict, attention: str, matmul_precision: str = "default"):
     sys.path.insert(0, str(REPO))
     from engine.config import load_config
     from engine.train.config import TrainConfig
@@ -65,7 +69,12 @@ def engine_config(shape: dict, attention: str):
     return load_config(
         tree={
             "model": shape["model"],
-            "compute": {**shape["compute"], "dtype": "bfloat16", "attention_impl": attention},
+            "compute": {
+                **shape["compute"],
+                "dtype": "bfloat16",
+                "attention_impl": attention,
+                "matmul_precision": matmul_precision,
+            },
             "mesh": {"data": -1},
             "data": {"batch_size": shape["batch"], "seq_len": shape["seq"]},
             "optimizer": {"learning_rate": 1e-5},
@@ -75,7 +84,7 @@ def engine_config(shape: dict, attention: str):
     )
 
 
-def run_engine(shape_name: str, attention: str, steps: int, warmup: int) -> dict:
+def run_engine(shape_name: str, attention: str, steps: int, warmup: int, matmul_precision: str = "default") -> dict:
     """One device, synthetic tokens: seconds per optimizer step after `warmup` steps."""
     import jax
     import numpy as np
@@ -85,7 +94,7 @@ def run_engine(shape_name: str, attention: str, steps: int, warmup: int) -> dict
     from engine.train.trainer import Trainer
 
     shape = SHAPES[shape_name]
-    cfg = engine_config(shape, attention)
+    cfg = engine_config(shape, attention, matmul_precision)
     devices = jax.devices()[:1]
     trainer = Trainer(cfg, devices=devices)
     state = trainer.init_state()
@@ -112,7 +121,7 @@ def run_engine(shape_name: str, attention: str, steps: int, warmup: int) -> dict
     tokens_per_second = rows * seq / step_seconds
     flops = flops_per_token(cfg.model, seq) * tokens_per_second
     return {
-        "run": f"engine-{attention}",
+        "run": f"engine-{attention}" + ("" if matmul_precision == "default" else f"-{matmul_precision}"),
         "step_seconds": step_seconds,
         "tokens_per_second": tokens_per_second,
         "mfu": flops / peak,
@@ -211,7 +220,13 @@ def main() -> None:
         result = (
             run_torch(args.shape, args.steps, args.warmup)
             if args.worker == "torch-sdpa"
-            else run_engine(args.shape, args.worker.removeprefix("engine-"), args.steps, args.warmup)
+            else run_engine(
+                args.shape,
+                (parts := args.worker.removeprefix("engine-").split("-"))[0],
+                args.steps,
+                args.warmup,
+                *parts[1:],
+            )
         )
         print(json.dumps(result))
         return
