@@ -294,3 +294,50 @@ def test_grpo_samples_and_trains_on_a_quantized_base(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert result["steps"] == 3 and len(records) == 3
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6) and all(np.isfinite(r["loss"]) for r in records)
+
+
+def test_qlora_steps_on_latent_attention_whose_query_is_held_quantized(tmp_path):
+    """Kimi Linear's MLA layers have no q_lora: their query projection has attention's name
+    (wq_dnh), so an NF4 base holds it quantized, and the MLA reads it dequantized as attention
+    does (it reached the product as a QArray and the step failed to trace)."""
+    import qwix
+
+    from engine.config import load_config
+    from engine.train.config import TrainConfig
+    from engine.train.trainer import Trainer
+
+    tree = {
+        "model": "tiny-kimi-linear",
+        "compute": {"dtype": "float32"},
+        "mesh": {"data": 1},
+        "data": {"batch_size": 2, "seq_len": 12},
+        "optimizer": {"learning_rate": 1e-2},
+        "steps": 2,
+    }
+    base_cfg = load_config(tree=dict(tree), schema=TrainConfig)
+    params = jax.device_get(Trainer(base_cfg, devices=jax.devices()[:1]).init_state().params)
+    ckpt = Checkpointer(tmp_path / "base", async_save=False)
+    meta = {"step": 0, "model": base_cfg.model.model_dump(mode="json"), "format": "trainflow.checkpoint/1"}
+    ckpt.save(0, params, {"unused": np.zeros((), np.int32)}, meta, {})
+    ckpt.close()
+    lora = {"rank": 2, "alpha": 4, "target_modules": "all-linear", "base_dtype": "nf4"}
+    init = {"init_from": str(tmp_path / "base")}
+    cfg = load_config(tree={**tree, "lora": lora, "checkpoint": init}, schema=TrainConfig)
+    trainer = Trainer(cfg, devices=jax.devices()[:1])
+    quantized = jax.tree_util.tree_leaves_with_path(trainer.load_base(), is_leaf=lambda x: isinstance(x, qwix.QArray))
+    assert any(isinstance(v, qwix.QArray) and "wq_dnh" in jax.tree_util.keystr(p) for p, v in quantized)
+    state = trainer.init_state()
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.model.vocab_size, (2, 13)).astype(np.int32)
+    batch = trainer.global_batch(
+        {
+            "tokens": tokens[:, :-1],
+            "targets": tokens[:, 1:],
+            "positions": np.tile(np.arange(12, dtype=np.int32), (2, 1)),
+            "segment_ids": np.ones((2, 12), np.int32),
+            "loss_mask": np.ones((2, 12), np.float32),
+        }
+    )
+    adapter, opt_state, first = trainer.train_step(state.params, state.opt_state, batch)
+    _, _, second = trainer.train_step(adapter, opt_state, batch)
+    assert np.isfinite(float(first["loss"])) and np.isfinite(float(second["loss"]))

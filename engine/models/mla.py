@@ -32,6 +32,7 @@ from engine.models.common import RMSNorm, dtype_of, param
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.dsa import Indexer, indexer_kl, select_top_k, sparse_attention
 from engine.models.kv_cache import KVCache
+from engine.models.lora import weight_value
 from engine.models.rope import apply_rope, rope_inverse_frequencies
 from engine.ops.attention import attention
 from engine.ops.attention_reference import attention_mask, dot_product_attention
@@ -91,7 +92,10 @@ class MLA(nnx.Module):
         self.indexer_loss = compute.indexer_loss if cfg.index_topk is not None else "none"
 
     def _dense(self, x, w: nnx.Param, n_in: int = 1):
-        return dense(x, w[...].astype(self.dtype), n_in, backward=self.matmul_backward, dot_general=self.dot_general)
+        # weight_value: a QLoRA base holds a query projection without q_lora (wq_dnh, the name
+        # attention's query has) quantized, as it holds every attention projection it names.
+        value = weight_value(w, self.dtype)
+        return dense(x, value, n_in, backward=self.matmul_backward, dot_general=self.dot_general)
 
     def _rope(self, x_btnr, positions_bt, max_position: int):
         """RoPE on the rotary part; interleaved checkpoints rotate pairs (x0, x1), (x2, x3), ...,

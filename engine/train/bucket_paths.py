@@ -45,8 +45,12 @@ def checkpoint_path(directory: str | os.PathLike) -> Path | epath.Path:
     if text.startswith("s3://"):
         _enable_s3()
     if text.startswith("gs://") and os.environ.get("STORAGE_EMULATOR_HOST"):
-        # An emulator (gcsfs reads STORAGE_EMULATOR_HOST itself): TensorStore's GCS driver too.
+        # An emulator (gcsfs reads STORAGE_EMULATOR_HOST itself): TensorStore's GCS driver too,
+        # without credentials, as gcsfs talks to an emulator. Otherwise TensorStore's auth chain
+        # runs first (the gcloud credentials file, then a probe of the GCE metadata server): in
+        # a CI run an engine stalled there for 600 s before its first checkpoint request.
         os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", os.environ["STORAGE_EMULATOR_HOST"])
+        os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
     if is_url(text):
         return epath.Path(text)
     if "://" in text:
