@@ -112,14 +112,26 @@ def dsa_row(variant: str, seq_len: int) -> dict:
     started = time.perf_counter()
     cfg = dsa_config(variant, seq_len)
     plan = plan_step(cfg, get_target("v5p-8"))
-    m = plan.memory
-    tokens_per_chip = plan.tokens / plan.devices
     row = {
         "variant": variant,
         "seq_len": seq_len,
         "attention_impl": cfg.compute.attention_impl,
         "how": plan.how,
         "fits": plan.fits,
+        **per_token(plan),
+        "dsa_forward_flops_per_token": dsa_flops_per_token(cfg.model, variant, seq_len),
+        "compile_seconds": time.perf_counter() - started,
+    }
+    if plan.compiler_message:
+        row["compiler_message"] = plan.compiler_message
+    return row
+
+
+def per_token(plan) -> dict:
+    """A compiled plan's per-chip memory (GiB), memory per token of a chip's rows (KiB) and
+    XLA's FLOPs per token: the columns every row of this bench has."""
+    m, tokens_per_chip = plan.memory, plan.tokens / plan.devices
+    return {
         "tokens_per_chip": tokens_per_chip,
         "per_chip_gib": {
             "parameters": m.parameters / GiB,
@@ -131,12 +143,7 @@ def dsa_row(variant: str, seq_len: int) -> dict:
         "total_kib_per_token": m.total / tokens_per_chip / 2**10,
         "xla_flops_per_token": plan.hardware_flops / plan.tokens,
         "flops_source": plan.flops_source,
-        "dsa_forward_flops_per_token": dsa_flops_per_token(cfg.model, variant, seq_len),
-        "compile_seconds": time.perf_counter() - started,
     }
-    if plan.compiler_message:
-        row["compiler_message"] = plan.compiler_message
-    return row
 
 
 def mixing_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
@@ -165,24 +172,12 @@ def tpu_row(variant: str, seq_len: int) -> dict:
     started = time.perf_counter()
     cfg = train_config(variant, seq_len)
     plan = plan_step(cfg, get_target("v5p-8"))
-    m = plan.memory
-    tokens_per_chip = plan.tokens / plan.devices
     row = {
         "variant": variant,
         "seq_len": seq_len,
         "layers": [layer.mixer for layer in cfg.model.layer_pattern()],
         "how": plan.how,
-        "tokens_per_chip": tokens_per_chip,
-        "per_chip_gib": {
-            "parameters": m.parameters / GiB,
-            "optimizer_state": m.optimizer_state / GiB,
-            "temporaries": m.temporaries / GiB,
-            "total": m.total / GiB,
-        },
-        "temporaries_kib_per_token": m.temporaries / tokens_per_chip / 2**10,
-        "total_kib_per_token": m.total / tokens_per_chip / 2**10,
-        "xla_flops_per_token": plan.hardware_flops / plan.tokens,
-        "flops_source": plan.flops_source,
+        **per_token(plan),
         "analytic_model_flops_per_token": plan.model_flops / plan.tokens,
         "mixing": mixing_flops_per_token(cfg.model, seq_len),
         "compile_seconds": time.perf_counter() - started,
