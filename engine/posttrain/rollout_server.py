@@ -173,10 +173,13 @@ class CompletionsClient:
         seed: int | None = None,
         stop_token_ids: Sequence[int] = (),
         model: str | None = None,
-    ) -> list[tuple[list[int], list[float]]]:
+        routed_experts: bool = False,
+    ) -> list[tuple]:
         """`n` completions of one prompt: (token ids, the log-prob each was sampled with), in
         the order the server numbers them. Stop tokens are kept, as the engine's sampler keeps EOS.
-        `model`: a LoRA adapter the server has loaded; None: the served model."""
+        `model`: a LoRA adapter the server has loaded; None: the served model. `routed_experts`:
+        each also carries the choice's `routed_experts` (vLLM's base64 routes, None where the
+        server returned none; engine/interop/vllm_server.py decodes them)."""
         body = {
             "model": model or self.model,
             "prompt": [int(t) for t in prompt_ids],
@@ -195,7 +198,10 @@ class CompletionsClient:
         choices = sorted(self.request("/v1/completions", body)["choices"], key=lambda c: c["index"])
         if len(choices) != n:
             raise RolloutServerError(f"the rollout server at {self.url} returned {len(choices)} completions, not {n}")
-        return [(list(c["token_ids"]), list(c["logprobs"]["token_logprobs"])) for c in choices]
+        rows = [(list(c["token_ids"]), list(c["logprobs"]["token_logprobs"])) for c in choices]
+        if routed_experts:
+            return [(*row, c.get("routed_experts")) for row, c in zip(rows, choices)]
+        return rows
 
     def prompt_logprobs(self, token_ids: Sequence[int], *, model: str | None = None) -> np.ndarray:
         """log p(token t | tokens < t) for t = 1 .. len - 1 under the served weights (float64,
