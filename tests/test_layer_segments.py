@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -179,6 +180,43 @@ def test_a_training_step_over_irregular_expert_layers_is_the_unrolled_step():
                 strict=True,
             ):
                 np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def pads_to(jaxpr, shapes: set) -> list:
+    """Shapes in `shapes` that a pad in `jaxpr` (its inner jaxprs included) produces."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pad" and tuple(eqn.outvars[0].aval.shape) in shapes:
+            found.append(tuple(eqn.outvars[0].aval.shape))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += pads_to(sub, shapes)
+    return found
+
+
+@pytest.mark.parametrize("pattern", ["M-M-M*-M-M*-M-M*-M-M-", None])
+def test_a_stack_taken_in_several_ranges_has_one_gradient_not_one_per_range(pattern):
+    """A stack whose layers several parts of the schedule take (Nemotron-H's Mamba2 and MLP
+    stacks; the expert stack of irregular expert layers) is split once: its gradient is one
+    concatenation. Sliced per range, each range's gradient was padded to the whole stack and
+    the pads added, a stack-sized temporary per range (Nemotron 3 Nano's experts on a v5p-8:
+    184 GiB per chip, 132 GiB split, at 1,024 positions; docs/engine.md)."""
+    if pattern is None:
+        preset = resolve_model_preset({"model": "tiny-qwen3-moe-mixed"}, "tiny")["model"]
+        ffn = ["mlp", "moe", "moe", "mlp", "moe", "moe", "mlp", "moe", "mlp", "moe", "mlp", "moe"]
+        cfg = ModelConfig.model_validate({**preset, "num_layers": 12, "ffn_pattern": ffn})
+    else:
+        cfg = hybrid(pattern)
+    segments = layer_segments(cfg.layer_pattern())
+    assert segments is not None and len(segments) > 1
+    compute = ComputeConfig()
+    params = random_params(cfg, compute)
+    stacks = {name: indices for name, indices in cfg.layer_stacks() if len(indices) > 1}
+    shapes = {a.shape for name in stacks for a in jax.tree.leaves(params[name])}
+    tokens = jnp.zeros((1, 9), jnp.int32)
+    loss = lambda p: apply_model(graphdef_of(cfg, compute), p, tokens, None, jnp.ones((1, 9), jnp.int32)).sum()
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+    assert pads_to(jaxpr, shapes) == []
+    assert any(eqn.primitive.name == "split" for eqn in jaxpr.eqns)
 
 
 if __name__ == "__main__":  # the child of the bitwise test: max |dlogit| and the logits' scale per pattern

@@ -552,6 +552,66 @@ def _runs(items: list[tuple[Layer, int]]) -> list[tuple[Layer, int, int]]:
     return runs
 
 
+class _Pieces(NamedTuple):
+    """A stack's (params, layer indices) cut once along the layer axis into the ranges the
+    top-level schedule takes, (lo, hi) -> the pytree of layers [lo, hi). One split's gradient
+    is one concatenation; a slice per range (a[lo:hi]) has a full-size padded gradient each,
+    which XLA adds up: Nemotron 3 Nano's expert stack, taken in 4 ranges, held 4 stack-sized
+    float32 gradients per chip among the temporaries (186 GiB on a v5p-8)."""
+
+    by_range: dict
+
+
+def _split_stack(stack, ranges: set[tuple[int, int]]):
+    """`stack` as _Pieces over `ranges` (disjoint, together every slot), or itself where one
+    range covers it (a model of one run of like layers keeps its program)."""
+    if len(ranges) == 1:
+        return stack
+    bounds = sorted(ranges)
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])), f"ranges {bounds} do not tile the stack"
+    cuts = [lo for lo, _ in bounds[1:]]
+    leaves, treedef = jax.tree.flatten(stack)
+    split = [jnp.split(a, cuts) for a in leaves]
+    return _Pieces({r: jax.tree.unflatten(treedef, [parts[i] for parts in split]) for i, r in enumerate(bounds)})
+
+
+def _take(stack, lo: int, hi: int):
+    """The layers [lo, hi) of a stack (a pytree with a leading layer axis, or _Pieces)."""
+    if isinstance(stack, _Pieces):
+        return stack.by_range[(lo, hi)]
+    return jax.tree.map(lambda a: a[lo:hi], stack)
+
+
+def _take_one(stack, i: int):
+    """Layer `i` of a stack (its params and index, no layer axis)."""
+    if isinstance(stack, _Pieces):
+        return jax.tree.map(lambda a: a[0], stack.by_range[(i, i + 1)])
+    return jax.tree.map(lambda a: a[i], stack)
+
+
+def _unit_shares(unit: list[tuple[Layer, int]]) -> dict[str, tuple[int, int]]:
+    """Per stack in a repeating unit: (its first slot, its slots per unit)."""
+    shares: dict[str, tuple[int, int]] = {}
+    for layer, slot in unit:
+        first, count = shares.get(layer.stack, (slot, 0))
+        shares[layer.stack] = (first, count + 1)
+    return shares
+
+
+def _stack_ranges(parts) -> dict[str, set[tuple[int, int]]]:
+    """Per stack, the slot ranges a top-level schedule takes: `parts` is (layers, steps) pairs,
+    steps None for layers run by runs of like layers, else a unit of that many repeats."""
+    ranges: dict[str, set[tuple[int, int]]] = {}
+    for part, steps in parts:
+        if steps is None:
+            for layer, first, length in _runs(part):
+                ranges.setdefault(layer.stack, set()).add((first, first + length))
+        else:
+            for name, (first, count) in _unit_shares(part).items():
+                ranges.setdefault(name, set()).add((first, first + steps * count))
+    return ranges
+
+
 def _smallest_period(kinds: list[Layer]) -> int:
     """The smallest p with kinds[i] == kinds[i + p] wherever both exist (KMP's border)."""
     border, k = [0] * len(kinds), 0
@@ -872,7 +932,7 @@ class Transformer(nnx.Module):
             for layer, first, length in _runs(part):
                 graphdef, stack_state = graphdefs[layer.stack], state[layer.stack]
                 if length == 1:
-                    layer_state, index = jax.tree.map(lambda a, i=first: a[i], stack_state)
+                    layer_state, index = _take_one(stack_state, first)
                     x, layer_stats = layer_fn(layer, in_scan, index)(nnx.merge(graphdef, layer_state), x)
                     stats += _one_layer(kept(layer, layer_stats))
                 else:
@@ -882,7 +942,7 @@ class Transformer(nnx.Module):
                         layer_state, index = one
                         return layer_fn(layer, True, index)(nnx.merge(graphdef, layer_state), x)
 
-                    run_state = jax.tree.map(lambda a, lo=first, hi=first + length: a[lo:hi], stack_state)
+                    run_state = _take(stack_state, first, first + length)
                     x, run_stats = jax.lax.scan(step, x, run_state, unroll=unroll)
                     stats += _layers(run_stats)
             return x, _stack(stats)
@@ -890,19 +950,15 @@ class Transformer(nnx.Module):
         def units(state: dict, unit: list[tuple[Layer, int]], steps: int):
             """(each stack's share of `steps` repeats of `unit` as (steps, slots per unit, ...),
             the unit's layers with their slots in one step's share)."""
-            base: dict[str, int] = {}  # per stack: its first slot in the repeated layers
-            count: dict[str, int] = {}  # and its slots per unit
-            for layer, slot in unit:
-                base.setdefault(layer.stack, slot)
-                count[layer.stack] = count.get(layer.stack, 0) + 1
+            shares = _unit_shares(unit)
             by_unit = {
                 name: jax.tree.map(
-                    lambda a, lo=base[name], c=count[name]: a[lo : lo + steps * c].reshape(steps, c, *a.shape[1:]),
-                    state[name],
+                    lambda a, c=count: a.reshape(steps, c, *a.shape[1:]),
+                    _take(state[name], first, first + steps * count),
                 )
-                for name in count
+                for name, (first, count) in shares.items()
             }
-            return by_unit, [(layer, slot - base[layer.stack]) for layer, slot in unit]
+            return by_unit, [(layer, slot - shares[layer.stack][0]) for layer, slot in unit]
 
         def run_segments(x, state: dict, part: list[tuple[Layer, int]], segments, in_scan: bool):
             """The layers `part` by a multi-unit schedule (layer_segments): runs as run_layers
@@ -924,10 +980,27 @@ class Transformer(nnx.Module):
                     stats.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), unit_stats))
             return x, _stack(stats)
 
+        def split(parts) -> dict:
+            """`stacked` with each stack cut once into the ranges `parts` take (_Pieces)."""
+            return {name: _split_stack(stacked[name], r) for name, r in _stack_ranges(parts).items()}
+
         segments = layer_segments([layer for layer, _ in items])
         if segments is not None:
-            return run_segments(x_btd, stacked, items, segments, False)
+            parts = [
+                (items[g.start : g.start + g.steps], None)
+                if g.unit is None
+                else (items[g.start : g.start + g.period], g.steps)
+                for g in segments
+            ]
+            return run_segments(x_btd, split(parts), items, segments, False)
         start, period, steps = layer_schedule([layer for layer, _ in items])
+        stacked = split(
+            [
+                (items[:start], None),
+                (items[start : start + period], steps or None),
+                (items[start + period * steps :], None),
+            ]
+        )
         x_btd, before = run_layers(x_btd, stacked, items[:start], False)
         stats = _layers(before)
         if steps:
