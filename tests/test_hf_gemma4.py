@@ -15,6 +15,7 @@ autograd and a LoRA adapter against PEFT's.
 from __future__ import annotations
 
 import copy
+import json
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +29,16 @@ transformers = need("transformers")
 peft = need("peft")
 
 from engine.config import ConfigError, resolve_model_preset  # noqa: E402
+from engine.inference.sample import Sampler  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
-from engine.interop.hf.peft import adapter_from_peft, adapter_to_peft, lora_config_from_peft  # noqa: E402
+from engine.interop.hf.peft import (  # noqa: E402
+    adapter_from_peft,
+    adapter_to_peft,
+    lora_config_from_peft,
+    write_peft,
+)
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig  # noqa: E402
 from engine.models.kv_cache import KVCache  # noqa: E402
 from engine.models.lora import join, split_adapter  # noqa: E402
@@ -417,6 +424,19 @@ def test_what_gemma4_cannot_do_yet_is_refused_in_one_sentence():
     # every layer of a kind sharing: no earlier layer of that kind computes keys and values
     with pytest.raises(ConfigError, match=r"kv_shared_layers \(3\): each sharing layer needs an earlier layer"):
         model_config_from_hf({**hf, "num_kv_shared_layers": 3})
+    # LoRA on the per-layer inputs' projections of a model without them (31B's shape); all-linear skips them
+    cfg, _ = model_config_from_hf(hf)
+    with pytest.raises(
+        ValueError,
+        match=r"^family 'gemma4' has no per-layer inputs, so no per_layer_input_gate, per_layer_model_projection "
+        r"to adapt \(Gemma 4 E2B and E4B have them\); target its attention or MLP projections$",
+    ):
+        LoraConfig(target_modules=["q_proj", "per_layer_input_gate", "per_layer_model_projection"]).targets(cfg)
+    all_linear = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert LoraConfig(target_modules="all-linear").targets(cfg) == all_linear
+    # a module LoRA does not adapt: the per-layer table (an embedding) and its norm
+    with pytest.raises(ValueError, match=r"unknown target module 'embed_tokens_per_layer'; valid: q_proj, .*"):
+        LoraConfig(target_modules=["embed_tokens_per_layer"])
 
 
 # --------------------------------------------------------------------------- E2B / E4B
@@ -621,23 +641,32 @@ def test_small_models_training_step_gives_torch_autograd_gradients(small):
         assert np.abs(ref).max() > 1e-4, name
 
 
+PER_LAYER_TARGETS = ("per_layer_input_gate", "per_layer_projection", "per_layer_model_projection")
+"""PEFT's names of the per-layer inputs' projections: model.layers.{i}.per_layer_input_gate,
+model.layers.{i}.per_layer_projection and the model's model.per_layer_model_projection."""
+
+
 def test_small_models_lora_adapter_matches_peft(small, tmp_path):
-    """A PEFT adapter on the attention and MLP projections (none on a sharing layer's k/v,
-    which it has not): the engine's logits and the adapter's gradients are PEFT's / torch's,
-    under PEFT's names both ways."""
+    """A PEFT adapter on every nn.Linear but the head (`all-linear`: the attention and MLP
+    projections, none on a sharing layer's k/v, which it has not, and the per-layer inputs'
+    gate and projection in each layer and the model's projection): the engine's logits and
+    the adapter's gradients are PEFT's / torch's, under PEFT's names both ways."""
     base = small_random(small.family)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = peft.get_peft_model(base, peft.LoraConfig(r=3, lora_alpha=5.0, target_modules=targets))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=3, lora_alpha=5.0, target_modules="all-linear"))
     torch.manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.2)
+            if "lora_" in name:  # N(0, 0.1^2): at 0.2 on ten modules the adapted weights make float32 itself
+                p.normal_(0.0, 0.1)  # too coarse for 1e-4 (E2B: the merged model in the engine 1.4e-4 off)
     model.save_pretrained(tmp_path / "adapter")
     lora = lora_config_from_peft(tmp_path / "adapter")
+    attention_mlp = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert lora.targets(small.cfg) == (*attention_mlp, *PER_LAYER_TARGETS)
     shapes = split_adapter(abstract_model_params(small.cfg, small.compute, None, lora))[0]
     adapter = adapter_from_peft(tmp_path / "adapter", small.cfg, lora, shapes, scan_layers=True)
     assert "wk_dkh_lora_a" not in adapter["kv_shared_blocks"]["attn"]
+    assert adapter["per_layer_proj_dx_lora_b"].shape == (3, small.cfg.num_layers * small.cfg.per_layer_input_dim)
+    assert {"per_layer_gate_dp_lora_a", "per_layer_proj_pd_lora_b"} <= set(adapter["kv_shared_blocks"])
     graphdef = graphdef_of(small.cfg, small.compute, lora)
     tokens, mask = batch()
     weights = np.random.default_rng(2).normal(size=(*tokens.shape, VOCAB)).astype(np.float32) * mask[..., None]
@@ -651,7 +680,9 @@ def test_small_models_lora_adapter_matches_peft(small, tmp_path):
     logits = model(torch.tensor(tokens), attention_mask=torch.tensor(mask)).logits
     (logits * torch.tensor(weights)).sum().backward()
     valid = mask.astype(bool)
-    assert np.abs(np.asarray(ours) - logits.detach().numpy())[valid].max() <= 1e-4
+    delta = float(np.abs(np.asarray(ours) - logits.detach().numpy())[valid].max())
+    print(f"\n{small.family} PEFT adapter (all-linear) imported: max |delta logit| = {delta:.2e}")
+    assert delta <= 1e-4
     ref_grads = {
         name.removesuffix(".default.weight") + ".weight": p.grad.numpy()
         for name, p in model.named_parameters()
@@ -659,9 +690,119 @@ def test_small_models_lora_adapter_matches_peft(small, tmp_path):
     }
     ours_grads = adapter_to_peft(small.cfg, lora, jax.tree.map(np.asarray, grads), scan_layers=True)
     assert set(ours_grads) == set(ref_grads)
+    assert "base_model.model.model.per_layer_model_projection.lora_A.weight" in ours_grads
     scale = max(float(np.abs(g).max()) for g in ref_grads.values())
     worst = max(float(np.abs(ours_grads[k] - ref_grads[k]).max()) for k in ref_grads)
-    assert worst <= 1e-4 * max(1.0, scale), worst
+    print(f"{small.family} adapter gradients: max |delta| = {worst:.2e} (of up to {scale:.1f})")
+    # Within 1e-3 of the largest, as the training step's above: with ten adapted modules E4B's
+    # float32 gradients are far from exact in torch as here (against torch in float64, layer 0's
+    # o_proj.lora_B, of up to 173: torch 2.1e-2 off, the engine 4.1e-2 under XLA's defaults and
+    # 0.11 under this suite's unoptimised XLA:CPU code). A missing or misrouted term is off by O(1).
+    assert worst <= 1e-3 * max(1.0, scale), worst
+
+
+def test_small_models_per_layer_lora_exports_to_peft_with_the_same_logits(small, tmp_path):
+    """The engine's adapter on the per-layer inputs' projections only (random factors, both
+    non-zero), written as PEFT's adapter: PeftModel.from_pretrained puts it on exactly those
+    modules of the base, its logits are the engine's, and the KV-cache sampler with the adapter
+    gives its greedy tokens."""
+    lora = LoraConfig(rank=2, alpha=3.0, target_modules=list(PER_LAYER_TARGETS))
+    shapes = split_adapter(abstract_model_params(small.cfg, small.compute, None, lora))[0]
+    rng = np.random.default_rng(3)
+    adapter = jax.tree.map(lambda s: rng.normal(0.0, 0.1, s.shape).astype(np.float32), shapes)
+    stacks = [name for name, _ in small.cfg.layer_stacks()]
+    assert set(adapter) == {*stacks, "per_layer_proj_dx_lora_a", "per_layer_proj_dx_lora_b"}
+    factors = {f"{w}_lora_{ab}" for w in ("per_layer_gate_dp", "per_layer_proj_pd") for ab in "ab"}
+    assert all(set(adapter[name]) == factors for name in stacks)
+    write_peft(tmp_path / "adapter", small.cfg, lora, adapter, scan_layers=True)
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert written["target_modules"] == list(PER_LAYER_TARGETS)
+    model = peft.PeftModel.from_pretrained(small_random(small.family), tmp_path / "adapter")
+    found = {name.split(".lora_A")[0] for name, _ in model.named_parameters() if ".lora_A." in name}
+    n = small.cfg.num_layers
+    prefix = "base_model.model.model."
+    assert found == {
+        prefix + "per_layer_model_projection",
+        *(f"{prefix}layers.{i}.{m}" for i in range(n) for m in ("per_layer_input_gate", "per_layer_projection")),
+    }
+    # Against transformers + PEFT in float64, as the small models' logits above (in float32 it is
+    # itself up to 3e-4 from float64 here); one full row and one right-padded, no mask.
+    tokens, mask = (a[:2] for a in batch())
+    graphdef = graphdef_of(small.cfg, small.compute, lora)
+    params = join(jax.tree.map(jnp.asarray, adapter), small.params)
+    ours = np.asarray(apply_model(graphdef, params, jnp.asarray(tokens), None, jnp.asarray(mask)))
+    valid = mask.astype(bool)
+    exact = hf_logits(copy.deepcopy(model).double().eval(), tokens, np.ones_like(mask))
+    delta = float(np.abs(ours - exact)[valid].max())
+    print(f"\n{small.family} per-layer adapter exported to PEFT: max |delta logit| = {delta:.2e}")
+    assert delta <= 1e-4
+    base = engine_logits(small.cfg, small.compute, small.params, tokens, mask)
+    assert np.abs(ours - base)[valid].max() > 1e-2  # the adapter changes the logits
+    # The KV-cache sampler with the adapter beside the base: PEFT's greedy tokens.
+    prompt = np.random.default_rng(2).integers(0, VOCAB, (2, 7))
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        ref = model.generate(
+            input_ids=torch.tensor(prompt),
+            attention_mask=torch.ones((2, 7), dtype=torch.long),
+            max_new_tokens=10,
+            do_sample=False,
+            pad_token_id=0,
+        )[:, 7:].numpy()
+    sampled = Sampler(small.cfg, small.compute, lora=lora)(
+        params, prompt.astype(np.int32), np.ones_like(prompt), max_new_tokens=10, temperature=0.0
+    )
+    np.testing.assert_array_equal(sampled.tokens, ref)
+
+
+def test_small_models_qlora_steps_with_the_per_layer_targets(small):
+    """QLoRA on the per-layer inputs' projections (and q_proj) over an NF4 base: the base holds
+    those projections quantized (as bitsandbytes' QLoRA holds every nn.Linear but the head),
+    the step compiles over them and the adapter learns (its B factors leave zero, the loss
+    falls). E2B's shape only: E4B's per-layer inputs and their adapters run the same code."""
+    if small.family != "gemma4_e2b":
+        pytest.skip("E2B's shape only")
+    import qwix
+
+    from engine.config import load_config
+    from engine.train.config import TrainConfig
+    from engine.train.trainer import Trainer
+
+    lora = {"rank": 2, "alpha": 4, "target_modules": ["q_proj", *PER_LAYER_TARGETS], "base_dtype": "nf4"}
+    tree = {
+        "model": small.cfg.model_dump(mode="json"),
+        "compute": {"dtype": "float32"},
+        "mesh": {"data": 1},
+        "data": {"batch_size": 2, "seq_len": 12},
+        "optimizer": {"learning_rate": 3e-2},
+        "steps": 2,
+        "lora": lora,
+        "checkpoint": {"init_from": str(small.out_dir / "checkpoint")},
+    }
+    trainer = Trainer(load_config(tree=tree, schema=TrainConfig), devices=jax.devices()[:1])
+    base = trainer.load_base()
+    for weight in (base["per_layer_proj_dx"], base["blocks"]["per_layer_gate_dp"], base["blocks"]["per_layer_proj_pd"]):
+        assert isinstance(weight, qwix.QArray) and str(weight.qvalue.dtype) == "uint4"
+    assert not isinstance(base["per_layer_embed_vx"], qwix.QArray)  # the per-layer table stays float
+    state = trainer.init_state()
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (2, 13)).astype(np.int32)
+    batch = trainer.global_batch(
+        {
+            "tokens": tokens[:, :-1],
+            "targets": tokens[:, 1:],
+            "positions": np.tile(np.arange(12, dtype=np.int32), (2, 1)),
+            "segment_ids": np.ones((2, 12), np.int32),
+            "loss_mask": np.ones((2, 12), np.float32),
+        }
+    )
+    adapter, opt_state, first = trainer.train_step(state.params, state.opt_state, batch)
+    adapter = jax.device_get(adapter)  # (the next step donates its input)
+    _, _, second = trainer.train_step(jax.device_put(adapter), opt_state, batch)
+    print(f"\n{small.family} QLoRA (nf4) losses: {float(first['loss']):.4f} -> {float(second['loss']):.4f}")
+    assert np.isfinite(float(first["loss"])) and float(second["loss"]) < float(first["loss"])
+    for b in (adapter["per_layer_proj_dx_lora_b"], adapter["blocks"]["per_layer_gate_dp_lora_b"]):
+        assert np.abs(np.asarray(b)).max() > 0
+    assert np.abs(np.asarray(adapter["kv_shared_blocks"]["per_layer_proj_pd_lora_b"])).max() > 0
 
 
 def multimodal_small(tmp_path):

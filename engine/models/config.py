@@ -899,8 +899,11 @@ class ComputeConfig(Strict):
 
 LORA_ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 LORA_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-LORA_TARGETS = (*LORA_ATTENTION_TARGETS, *LORA_MLP_TARGETS)
-"""The modules a LoRA adapter can target, in PEFT's names (Llama's nn.Linear names)."""
+LORA_PER_LAYER_INPUT_TARGETS = ("per_layer_input_gate", "per_layer_projection", "per_layer_model_projection")
+"""Gemma 4 E2B / E4B's per-layer-input projections: each layer's gate and projection, and the
+model's projection of the embeddings (per_layer_input_dim set)."""
+LORA_TARGETS = (*LORA_ATTENTION_TARGETS, *LORA_MLP_TARGETS, *LORA_PER_LAYER_INPUT_TARGETS)
+"""The modules a LoRA adapter can target, in PEFT's names (Llama's and Gemma 4's nn.Linear names)."""
 LORA_WEIGHTS = {
     "q_proj": ("wq_dnh", 1),
     "k_proj": ("wk_dkh", 1),
@@ -909,6 +912,9 @@ LORA_WEIGHTS = {
     "gate_proj": ("w_gate_df", 1),
     "up_proj": ("w_up_df", 1),
     "down_proj": ("w_down_fd", 1),
+    "per_layer_input_gate": ("per_layer_gate_dp", 1),
+    "per_layer_projection": ("per_layer_proj_pd", 1),
+    "per_layer_model_projection": ("per_layer_proj_dx", 1),
 }
 """PEFT's module name -> (the engine parameter it adapts, its number of input axes)."""
 
@@ -927,9 +933,10 @@ class LoraConfig(Strict):
     torch's); evaluation and sampling drop nothing. Masks are drawn per row from the run's
     seed and the step, so they do not depend on the mesh and a resumed run redraws them."""
     target_modules: list[str] | Literal["all-linear"] = Field(default_factory=lambda: ["q_proj", "v_proj"])
-    """PEFT's module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) or
-    `all-linear` (every one of them the model has; never the LM head, as PEFT). The default is
-    PEFT's for Llama-shaped models."""
+    """PEFT's module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; with
+    Gemma 4's per-layer inputs per_layer_input_gate, per_layer_projection and
+    per_layer_model_projection) or `all-linear` (every one of them the model has; never the LM
+    head, as PEFT). The default is PEFT's for Llama-shaped models."""
     use_rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(rank) (arXiv 2312.03732)."""
     base_dtype: Literal["float32", "bfloat16", "int8", "nf4"] | None = None
@@ -989,6 +996,14 @@ class LoraConfig(Strict):
                     "target the attention projections (q_proj, k_proj, v_proj, o_proj)"
                 )
             wanted = tuple(m for m in wanted if m not in LORA_MLP_TARGETS)
+        if model.per_layer_input_dim is None and any(m in LORA_PER_LAYER_INPUT_TARGETS for m in wanted):
+            if self.target_modules != "all-linear":
+                raise ValueError(
+                    f"family '{model.family}' has no per-layer inputs, so no "
+                    f"{', '.join(m for m in wanted if m in LORA_PER_LAYER_INPUT_TARGETS)} to adapt "
+                    "(Gemma 4 E2B and E4B have them); target its attention or MLP projections"
+                )
+            wanted = tuple(m for m in wanted if m not in LORA_PER_LAYER_INPUT_TARGETS)
         if not wanted:
             raise ValueError(f"none of target_modules can be adapted in family '{model.family}'")
         return wanted

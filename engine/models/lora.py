@@ -34,6 +34,10 @@ ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
 WEIGHTS = LORA_WEIGHTS
 ATTENTION_WEIGHTS = {m: WEIGHTS[m] for m in LORA_ATTENTION_TARGETS}
 MLP_WEIGHTS = {m: WEIGHTS[m] for m in LORA_MLP_TARGETS}
+PER_LAYER_INPUT_WEIGHTS = {m: WEIGHTS[m] for m in ("per_layer_input_gate", "per_layer_projection")}
+"""Gemma 4's per-layer inputs: each layer's gate and projection (the Block's)."""
+MODEL_WEIGHTS = {m: WEIGHTS[m] for m in ("per_layer_model_projection",)}
+"""The model's own adaptable projections, outside the layers (Gemma 4's per-layer-input projection)."""
 
 
 def add_adapters(

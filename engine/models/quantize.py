@@ -1,7 +1,8 @@
 """The frozen base of QLoRA held quantized (qwix): int8 or NF4 projection weights.
 
-`lora.base_dtype: int8 | nf4` stores every dense projection of attention and the MLP
-(engine/models/lora.py: WEIGHTS) as a qwix QArray, and the rest of the base (embeddings,
+`lora.base_dtype: int8 | nf4` stores every dense projection of attention and the MLP (and
+Gemma 4's per-layer-input projections; engine/models/lora.py: WEIGHTS) as a qwix QArray, as
+bitsandbytes' QLoRA holds every nn.Linear but the head, and the rest of the base (embeddings,
 norms, the LM head, routers and experts) in bfloat16:
 
     int8  absmax per output channel (and per layer)                     ~1 byte per weight
@@ -27,7 +28,10 @@ QUANTIZED_DTYPES = ("int8", "nf4")
 NF4_BLOCK = 64
 _QUANTIZED_NAMES = frozenset(attr for attr, _ in WEIGHTS.values())
 _N_IN = {attr: n_in for attr, n_in in WEIGHTS.values()}
-_RANK = {"wq_dnh": 3, "wk_dkh": 3, "wv_dkh": 3, "wo_nhd": 3, "w_gate_df": 2, "w_up_df": 2, "w_down_fd": 2}
+_RANK = {
+    **{"wq_dnh": 3, "wk_dkh": 3, "wv_dkh": 3, "wo_nhd": 3, "w_gate_df": 2, "w_up_df": 2, "w_down_fd": 2},
+    **{"per_layer_gate_dp": 2, "per_layer_proj_pd": 2, "per_layer_proj_dx": 2},  # Gemma 4's per-layer inputs'
+}
 """Each projection's own rank; more leading axes are stacked layers."""
 
 

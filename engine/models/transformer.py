@@ -31,6 +31,8 @@ from engine.models.kv_cache import KVCache
 from engine.models.lora import (
     ATTENTION_WEIGHTS,
     MLP_WEIGHTS,
+    MODEL_WEIGHTS,
+    PER_LAYER_INPUT_WEIGHTS,
     add_adapters,
     has_adapter,
     in_layer,
@@ -420,9 +422,9 @@ class Block(nnx.Module):
                 self.moe_norm = _norm(cfg, compute, cfg.d_model, rngs)
                 self.post_moe_norm = _norm(cfg, compute, cfg.d_model, rngs)
         else:  # LoRAConfig.targets leaves a mixture of experts' dense layers unadapted
-            lora = None if cfg.is_moe else lora
+            mlp_lora = None if cfg.is_moe else lora
             width = None if layer is None else layer.mlp_dim
-            self.mlp = MLP(cfg, compute, rngs=rngs, dot_general=dot_general, lora=lora, mlp_dim=width)
+            self.mlp = MLP(cfg, compute, rngs=rngs, dot_general=dot_general, lora=mlp_lora, mlp_dim=width)
         if cfg.post_norms and self.has_mixer:
             self.post_attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
         if cfg.post_norms and self.has_ffn:
@@ -441,6 +443,7 @@ class Block(nnx.Module):
             self.post_per_layer_norm = _norm(cfg, compute, d, rngs)
             self.activation, self.dtype = ACTIVATIONS[cfg.activation], _dtype(compute.dtype)
             self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
+            add_adapters(self, PER_LAYER_INPUT_WEIGHTS, lora, cfg, rngs)
 
     def forward(
         self,
@@ -485,11 +488,10 @@ class Block(nnx.Module):
             mlp_out = mlp_out * jnp.asarray(self.residual_scale, mlp_out.dtype)
         x_btd = x_btd + (self.post_mlp_norm(mlp_out) if self.post_norms else mlp_out)
         if self.per_layer_input:  # x + norm(proj(act(gate(x)) * e)), e this layer's per-layer input
-            dt, backward, products = self.dtype, self.matmul_backward, self.dot_general
-            gate_btp = dense(x_btd, weight_value(self.per_layer_gate_dp, dt), backward=backward, dot_general=products)
+            dt, kw = self.dtype, {"backward": self.matmul_backward, "dot_general": self.dot_general}
+            gate_btp = project(self, "per_layer_gate_dp", x_btd, 1, dt, **kw)  # (+ the LoRA updates, if adapted)
             gated_btp = (self.activation(gate_btp.astype(jnp.float32)) * per_layer_btp.astype(jnp.float32)).astype(dt)
-            proj_pd = weight_value(self.per_layer_proj_pd, dt)
-            out_btd = dense(gated_btp, proj_pd, backward=backward, dot_general=products)
+            out_btd = project(self, "per_layer_proj_pd", gated_btp, 1, dt, **kw)
             x_btd = x_btd + self.post_per_layer_norm(out_btd)
         if self.scaled:
             x_btd = x_btd * self.layer_scale[...].astype(x_btd.dtype)
@@ -815,6 +817,8 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head_dv = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, ("embed", "vocab"), pdt)
         self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
+        if cfg.per_layer_input_dim:  # LoRA on the per-layer inputs' projection (last: the base inits as without)
+            add_adapters(self, MODEL_WEIGHTS, lora, cfg, rngs)
 
     @staticmethod
     def _stacked_blocks(
@@ -850,9 +854,8 @@ class Transformer(nnx.Module):
         shape = (*tokens_bt.shape, cfg.num_layers, cfg.per_layer_input_dim)
         token_btlp = (self.per_layer_embed_vx[...].astype(dt)[tokens_bt]).reshape(shape)
         token_btlp = token_btlp * jnp.asarray(math.sqrt(cfg.per_layer_input_dim), dt)
-        projected_btx = dense(
-            x_btd, weight_value(self.per_layer_proj_dx, dt), backward=self.matmul_backward, dot_general=self.dot_general
-        )
+        kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
+        projected_btx = project(self, "per_layer_proj_dx", x_btd, 1, dt, **kw)  # (+ its LoRA update, if adapted)
         projected_btlp = self.per_layer_proj_norm((projected_btx * jnp.asarray(cfg.d_model**-0.5, dt)).reshape(shape))
         return (projected_btlp + token_btlp) * jnp.asarray(2**-0.5, dt)
 

@@ -27,18 +27,35 @@ PREFIX = "base_model.model."
 
 
 def _adapted_specs(cfg: ModelConfig, lora: LoraConfig):
-    """(PEFT module name, TensorSpec of its base weight, the model's layers in its stack)
-    for every per-layer weight `lora` adapts."""
+    """(PEFT module name, TensorSpec of its base weight, the model's layers in its stack, or
+    None for a weight of the model's own outside the layers: Gemma 4's per-layer-input
+    projection) for every weight `lora` adapts."""
     targets = lora.targets(cfg)
     attrs = {WEIGHTS[m][0]: m for m in targets}
     stacks = dict(cfg.layer_stacks())
-    _, per_layer = tensor_table(cfg)
+    top, per_layer = tensor_table(cfg)
+    for spec in top:
+        if spec.path[-1] in attrs:
+            yield attrs[spec.path[-1]], spec, None
     for spec in per_layer:
         if spec.path[-1] in attrs and not spec.experts:
             yield attrs[spec.path[-1]], spec, stacks[spec.stack]
 
 
-def _layer(tree: dict, stack: str, path: tuple[str, ...], i: int, scan_layers: bool) -> Any:
+def _modules(cfg: ModelConfig, spec, layers: list[int] | None):
+    """(slot in the stack or None, PEFT's module name under base_model.model.) of each of
+    `spec`'s modules."""
+    family = get_family(cfg.family)
+    if layers is None:
+        yield None, PREFIX + family.module_name(spec.hf_name).removesuffix(".weight")
+        return
+    for i, layer in enumerate(layers):
+        yield i, PREFIX + family.module_name(spec.hf_name.format(i=layer)).removesuffix(".weight")
+
+
+def _layer(tree: dict, stack: str, path: tuple[str, ...], i: int | None, scan_layers: bool) -> Any:
+    if i is None:  # the model's own weight
+        return _at(tree, path)
     node = tree[stack] if scan_layers else tree[stack][i]
     for key in path:
         node = node[key]
@@ -50,11 +67,9 @@ def adapter_to_peft(cfg: ModelConfig, lora: LoraConfig, adapter: dict, *, scan_l
     out = {}
     for _, spec, layers in _adapted_specs(cfg, lora):
         *module, attr = spec.path
-        for i, layer in enumerate(layers):
+        for i, name in _modules(cfg, spec, layers):
             a = np.asarray(_layer(adapter, spec.stack, (*module, attr + "_lora_a"), i, scan_layers))
             b = np.asarray(_layer(adapter, spec.stack, (*module, attr + "_lora_b"), i, scan_layers))
-            module_name = get_family(cfg.family).module_name(spec.hf_name.format(i=layer))
-            name = PREFIX + module_name.removesuffix(".weight")
             out[name + ".lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, lora.rank).T)
             out[name + ".lora_B.weight"] = np.ascontiguousarray(b.reshape(lora.rank, -1).T)
     return out
@@ -149,8 +164,15 @@ def adapter_from_peft(
     with SafetensorsFile(path) as file:
         tensors = {name: file.get(name) for name in file.names()}
     out: dict[str, Any] = {}
+    own: dict[str, Any] = {}  # the model's own weights' factors, outside the layer stacks
 
     def put(stack, module, key, i, value):
+        if i is None:
+            node = own
+            for k in module:
+                node = node.setdefault(k, {})
+            node[key] = value
+            return
         node = out.setdefault(stack, {} if scan_layers else [])
         if not scan_layers:
             while len(node) <= i:
@@ -166,15 +188,15 @@ def adapter_from_peft(
     used = set()
     for _, spec, layers in _adapted_specs(cfg, lora):
         *module, attr = spec.path
-        for i, layer in enumerate(layers):
-            module_name = get_family(cfg.family).module_name(spec.hf_name.format(i=layer))
-            name = PREFIX + module_name.removesuffix(".weight")
+        for i, name in _modules(cfg, spec, layers):
             for factor, key in (("lora_A", attr + "_lora_a"), ("lora_B", attr + "_lora_b")):
                 tensor_name = f"{name}.{factor}.weight"
                 if tensor_name not in tensors:
                     raise ConfigError(f"{path}: no tensor '{tensor_name}'")
-                want = _layer(shapes, spec.stack, (*module, key), i, scan_layers) if not scan_layers else None
-                shape = want.shape if want is not None else _at(shapes, (spec.stack, *module, key)).shape[1:]
+                if i is None or not scan_layers:
+                    shape = _layer(shapes, spec.stack, (*module, key), i, scan_layers).shape
+                else:
+                    shape = _at(shapes, (spec.stack, *module, key)).shape[1:]
                 value = tensors[tensor_name].T
                 if value.size != int(np.prod(shape)):
                     raise ConfigError(
@@ -192,7 +214,7 @@ def adapter_from_peft(
             return {k: stack(v) if isinstance(v, dict) else np.stack(v) for k, v in node.items()}
 
         out = stack(out)
-    return out
+    return {**out, **own}
 
 
 def _at(tree: dict, path: tuple[str, ...]):
