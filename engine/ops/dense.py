@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from engine.ops import low_precision
-from engine.ops.partitioning import constrain, current_platform
+from engine.ops.partitioning import constrain, current_platform, stage_aware
 
 Backward = Literal["auto", "cpu", "autodiff"]
 DotGeneral = Callable[..., jax.Array]  # jax.lax.dot_general's signature
@@ -259,4 +259,4 @@ def _gated_bwd(activation, hidden_names, dot_general, narrow_grads, residuals, d
     )
 
 
-_gated_mlp.defvjp(_gated_mlp_fwd, _gated_bwd)
+_gated_mlp.defvjp(*stage_aware(_gated_mlp_fwd, _gated_bwd))

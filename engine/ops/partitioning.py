@@ -9,6 +9,7 @@ model code. This module is the ops layer's: models and kernels read it, it reads
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -107,6 +108,32 @@ def within_stages() -> Iterator[None]:
         _within_stages.pop()
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _StageMark:
+    """Whether a custom_vjp's forward ran within pipeline stages (a residual without arrays)."""
+
+    inside: bool
+
+
+def stage_aware(fwd, bwd):
+    """A custom_vjp's (fwd, bwd) whose backward constrains activations: the backward is traced
+    after within_stages has closed (when autodiff transposes the step), yet runs under the
+    stages' vmap, whose spmd_axis_name holds the pipeline axis; it constrains as its forward
+    did, within the stages if the forward was. (bwd takes the nondiff arguments first.)"""
+
+    def marked_fwd(*args):
+        out, residuals = fwd(*args)
+        return out, (residuals, _StageMark(bool(_within_stages)))
+
+    def marked_bwd(*args):
+        *nondiff, (residuals, mark), cotangent = args
+        with within_stages() if mark.inside else contextlib.nullcontext():
+            return bwd(*nondiff, residuals, cotangent)
+
+    return marked_fwd, marked_bwd
+
+
 def _without_pipeline(axis):
     if isinstance(axis, tuple):
         return tuple(a for a in axis if a != PIPELINE_AXIS) or None
@@ -183,12 +210,4 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     if mesh is None or mesh.size == 1:
         return x
     spec = activation_spec(x.shape, names, mesh)
-    try:
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-    except ValueError as e:
-        # A custom_vjp's backward inside pipeline stages is traced after within_stages has
-        # closed, under the stages' vmap, whose spmd_axis_name takes the pipeline axis.
-        if "spmd_axis_name" not in str(e) or PIPELINE_AXIS not in str(spec):
-            raise
-        inner = P(*(_without_pipeline(a) for a in spec))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, inner))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
