@@ -262,12 +262,14 @@ def vllm_server(model_dir: Path, log_path: Path, extra_args: list[str] = (), **e
         startup = time.monotonic() - start
         print(f"\nvllm serve of {model_dir.name} answered after {startup:.0f} s")
         yield CompletionsClient(client.url, retries=3, retry_seconds=1.0), startup
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
+    finally:  # the server may have exited already (then its log's tail is the failure to show)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
         try:
             server.wait(60)
         except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
         log.close()
 
 

@@ -288,7 +288,7 @@ class VLLMSampler:
                 f"rollout.engine vllm with the {self.model_cfg.family} model: after the weights were pushed, the "
                 f"server at {self.client.url} scores a fixed probe {gap:.2f} nats away from the trainer "
                 f"(more than {PUSH_CHECK_NATS}), so its loader did not take them; this server cannot "
-                f"reload this family's weights (rollout.engine: engine samples with the trainer's own)"
+                f"reload this family's weights (remove rollout: to sample with the engine's own sampler)"
             )
 
     def push_adapter(self, adapter) -> None:
