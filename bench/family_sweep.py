@@ -180,7 +180,8 @@ def host_params(cfg: ModelConfig, compute: ComputeConfig) -> dict:
 def two_steps(cfg, compute, params_host, batch, mesh, lr: float = 0.05):
     """[(loss, balance, grad_norm, grads)] of two steps (SGD between them) on `mesh`."""
     step = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef_of(cfg, compute)), has_aux=True))
-    params = jax.device_put(params_host, param_shardings(cfg, compute, mesh)[1])
+    shardings = param_shardings(cfg, compute, mesh)[1]
+    params = jax.device_put(params_host, shardings)
     sharded = {k: global_array(v, batch_sharding(mesh)) for k, v in batch.items()}
     denominator = float(np.sum(batch["loss_mask"]))
     out = []
@@ -191,7 +192,8 @@ def two_steps(cfg, compute, params_host, batch, mesh, lr: float = 0.05):
             (loss, aux), grads = compiled(params, sharded, denominator)
             norm = float(jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))))
             out.append((float(loss), float(aux.get("moe_balance_loss", np.nan)), norm, jax.device_get(grads)))
-            params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+            # back to the parameters' layout (with a tensor axis some gradients come out in another)
+            params = jax.device_put(jax.tree.map(lambda p, g: p - lr * g, params, grads), shardings)
     return out, all_to_all
 
 
