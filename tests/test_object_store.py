@@ -82,6 +82,24 @@ def bucket(s3_endpoint) -> str:
     return name
 
 
+def engine_descendants(pid: int) -> list[int]:
+    """The engine stage processes (`python -m engine....`) below `pid`, from /proc."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    below, frontier = [], [pid]
+    while frontier:
+        frontier = [p for p, parent in parents.items() if parent in frontier]
+        below += frontier
+    found = []
+    for p in below:
+        with contextlib.suppress(OSError):
+            if b"engine." in (Path("/proc") / str(p) / "cmdline").read_bytes():
+                found.append(p)
+    return found
+
+
 def trainflow(*args, check: bool = True, env: dict | None = None, timeout: float = 600):
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     # One CPU device, LLVM -O0 as the test process compiles (tests/conftest.py): the fastest compile.
@@ -96,9 +114,12 @@ def trainflow(*args, check: bool = True, env: dict | None = None, timeout: float
         try:
             stdout, stderr = child.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            # Where it waits: the CLI prints every thread's stack on SIGUSR1 (flows/cli.py); then
-            # the whole process group goes, the engine processes it started included.
-            os.kill(child.pid, signal.SIGUSR1)
+            # Where it waits: the CLI and the engine processes it started print every thread's
+            # stack on SIGUSR1 (flows/cli.py, engine/train/cli.py); then the whole process group
+            # goes, the engine processes included.
+            for pid in [child.pid, *engine_descendants(child.pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
             try:
                 stdout, stderr = child.communicate(timeout=10)
             except subprocess.TimeoutExpired:

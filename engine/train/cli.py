@@ -3,7 +3,9 @@ entry point (pretrain, SFT, GRPO), with the exit codes of engine/contract.py."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import signal
 import sys
 from collections.abc import Callable
 
@@ -91,6 +93,11 @@ def run_cli(
     {"result": metrics}.
     """
     argv = sys.argv[1:] if argv is None else argv
+    # `kill -USR1 PID` prints every thread's stack to stderr, as `trainflow` does: where a stage waits.
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__ or sys.stderr, all_threads=True)
+    except (ValueError, OSError, AttributeError):  # no descriptor (an embedding host), or no SIGUSR1
+        pass
     if argv and argv[0] in ("-h", "--help"):
         print(usage(module, schema, plan is not None))
         return EXIT_OK
