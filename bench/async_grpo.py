@@ -30,18 +30,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-from flax import nnx
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from bench import REPO, alternate, finish, load_line, machine, run_worker, summary
-from engine.data.tokenizer import TokenizerBundle, save_tokenizer
+from bench.copy_task import write_copy_task
 from engine.models.config import ModelConfig
-from engine.models.transformer import Transformer
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.grpo import run_grpo
-from engine.train.checkpoint import Checkpointer
 
-DIGITS = [str(d) for d in range(10)]
 SKIP = 2  # steps left out of the figures: compilation, the worker's start
 
 
@@ -58,17 +53,7 @@ def make_task(out: Path, d_model: int, layers: int) -> None:
         mlp_dim=4 * d_model,
         max_seq_len=64,
     )
-    vocab = {"<pad>": 0, "<eos>": 1, **{d: i + 2 for i, d in enumerate(DIGITS)}, "=": 12}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(["<pad>", "<eos>"])
-    save_tokenizer(TokenizerBundle(tok, eos_token="<eos>", pad_token="<pad>"), out / "tokenizer")
-    params = nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
-    ckpt = Checkpointer(out / "checkpoint", async_save=False)
-    ckpt.save(0, params, {"unused": np.zeros((), np.int32)}, {"step": 0, "model": cfg.model_dump(mode="json")}, {})
-    ckpt.close()
-    (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{d}=", "answer": d}) + "\n" for d in DIGITS))
+    write_copy_task(out, cfg)
 
 
 def worker(args) -> dict:

@@ -48,13 +48,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import REPO  # noqa: E402
+from bench.copy_task import write_copy_task  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 
 from engine.config import load_config, resolve_model_preset  # noqa: E402
-from engine.data.tokenizer import TokenizerBundle, save_tokenizer  # noqa: E402
 from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
 from engine.models.params import graphdef_of, init_params, param_shardings  # noqa: E402
 from engine.ops.partitioning import use_mesh  # noqa: E402
@@ -62,7 +61,6 @@ from engine.parallel.config import MeshConfig  # noqa: E402
 from engine.parallel.mesh import batch_sharding, global_array, make_mesh  # noqa: E402
 from engine.posttrain.config import GRPOConfig  # noqa: E402
 from engine.posttrain.grpo import run_grpo  # noqa: E402
-from engine.train.checkpoint import Checkpointer  # noqa: E402
 from engine.train.step import lm_loss_fn  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "family_sweep.json"
@@ -267,27 +265,12 @@ def run_ep(name: str, dispatch: str) -> dict:
 GRPO_VOCAB = 16
 
 
-DIGITS = [str(d) for d in range(10)]
-
-
 def grpo_task(name: str, out: Path) -> Path:
-    """tests/test_grpo.py's copy task ('d=' -> 'd', a character tokenizer) over a checkpoint of
-    the family's tiny preset, initialised by the model's own initialiser (jitted)."""
+    """tests/test_grpo.py's copy task (bench/copy_task.py) over a checkpoint of the family's
+    tiny preset, initialised by the model's own initialiser (jitted)."""
     cfg = model_config(name, vocab_size=GRPO_VOCAB, max_seq_len=16)
-    vocab = {"<pad>": 0, "<eos>": 1, **{d: i + 2 for i, d in enumerate(DIGITS)}, "=": 12}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(["<pad>", "<eos>"])
-    save_tokenizer(TokenizerBundle(tok, eos_token="<eos>", pad_token="<pad>"), out / "tokenizer")
     params = jax.device_get(init_params(cfg, ComputeConfig(), make_mesh(MeshConfig(data=1), jax.devices()[:1]), 0))
-    ckpt = Checkpointer(out / "checkpoint", async_save=False)
-    ckpt.save(0, params, {"unused": np.zeros((), np.int32)}, {"step": 0, "model": cfg.model_dump(mode="json")}, {})
-    ckpt.close()
-    with (out / "prompts.jsonl").open("w") as f:
-        for d in DIGITS:
-            f.write(json.dumps({"prompt": f"{d}=", "answer": d}) + "\n")
-    return out
+    return write_copy_task(out, cfg, params)
 
 
 def grpo_config(task: Path, out: Path, **overrides) -> GRPOConfig:

