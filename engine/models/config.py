@@ -15,72 +15,22 @@ from pydantic import Field, field_validator, model_validator
 
 from engine.config import Strict
 from engine.models.family_registry import family_names, get_family
+from engine.models.rope_scaling import RopeScaling
+from engine.models.specs import (
+    AttentionSpec,
+    GatedDeltaSpec,
+    IndexerSpec,
+    KimiDeltaSpec,
+    LayerSpec,
+    Mamba2Spec,
+    MLASpec,
+    MLPSpec,
+    MoESpec,
+    NormSpec,
+    ParallelHybridSpec,
+    RotarySpec,
+)
 from engine.ops.attention_names import DecodeImpl, Impl
-
-
-class RopeScaling(Strict):
-    """RoPE frequency scaling for long context."""
-
-    kind: Literal["llama3", "linear", "yarn", "proportional", "longrope"] = "llama3"
-    """llama3: frequency-dependent (Llama 3.1+); linear: every frequency / factor (Gemma 3);
-    yarn: YaRN (arXiv 2309.00071; Qwen3, DeepSeek), frequencies interpolated by a linear ramp
-    between beta_fast and beta_slow rotations, and cos/sin scaled by an attention factor;
-    proportional: the frequencies of the whole head, only the fastest rotated_fraction of them
-    kept (the rest zero: those pairs not rotated), every one / factor (Gemma 4's global layers);
-    longrope: LongRoPE (arXiv 2402.13753; Phi-3.5, Phi-4-mini), each frequency divided by its
-    own short_factor, or long_factor when the sequence is longer than original_max_position,
-    and cos/sin scaled by an attention factor (rope.py)."""
-    factor: float = Field(8.0, gt=0)
-    low_freq_factor: float = Field(1.0, gt=0)
-    """llama3 only, as is the next one."""
-    high_freq_factor: float = Field(4.0, gt=0)
-    original_max_position: int = Field(8192, gt=0)
-    """Context length the base model was trained with (llama3, yarn)."""
-    beta_fast: float = Field(32.0, gt=0)
-    """yarn only, as are the rest: rotations below which a frequency is interpolated fully..."""
-    beta_slow: float = Field(1.0, gt=0)
-    """... and above which it is kept (extrapolated)."""
-    attention_factor: float | None = Field(None, gt=0)
-    """cos and sin are multiplied by this; None: 0.1 ln(factor) + 1, or with mscale and
-    mscale_all_dim (DeepSeek) the ratio of those two terms."""
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
-    """Round the ramp's ends to whole dimensions (transformers' default)."""
-    rotated_fraction: float = Field(1.0, gt=0, le=1)
-    """proportional only: the share of each head's dimension pairs that rotate
-    (transformers' partial_rotary_factor of that RoPE type)."""
-    short_factor: tuple[float, ...] | None = None
-    """longrope only, as is the next one: per rotated pair, the divisor of its frequency while
-    the sequence fits in original_max_position..."""
-    long_factor: tuple[float, ...] | None = None
-    """... and once it is longer (transformers: max(position) + 1 > original_max_position)."""
-
-    @model_validator(mode="after")
-    def _check_longrope(self) -> RopeScaling:
-        factors = (self.short_factor, self.long_factor)
-        if self.kind == "longrope" and (None in factors or len(self.short_factor or ()) != len(self.long_factor or ())):
-            raise ValueError("rope_scaling of kind longrope needs short_factor and long_factor of one length")
-        return self
-
-    def yarn_attention_factor(self) -> float:
-        """The factor YaRN and LongRoPE scale cos and sin by (1.0 for the other kinds)."""
-        if self.kind not in ("yarn", "longrope"):
-            return 1.0
-        if self.attention_factor is not None:
-            return self.attention_factor
-        if self.kind == "longrope":  # factor: max_position_embeddings / original (transformers)
-            if self.factor <= 1.0:
-                return 1.0
-            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position))
-
-        def get_mscale(scale: float, mscale: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-        if self.mscale and self.mscale_all_dim:
-            return get_mscale(self.factor, self.mscale) / get_mscale(self.factor, self.mscale_all_dim)
-        return get_mscale(self.factor)
-
 
 AttentionKind = Literal["global", "local", "chunked"]
 """How a layer's attention sees the keys: all earlier, a sliding window, or its chunk."""
@@ -148,13 +98,6 @@ class GatedDeltaConfig(Strict):
             )
         return self
 
-    def params(self, d_model: int) -> int:
-        """One layer's parameters: projections, convolution, decay, gated norm, output."""
-        keys, values = self.num_key_heads * self.key_head_dim, self.num_value_heads * self.value_head_dim
-        channels = 2 * keys + values
-        projections = d_model * (channels + values + 2 * self.num_value_heads) + values * d_model
-        return projections + channels * self.conv_kernel + 2 * self.num_value_heads + self.value_head_dim
-
 
 class Mamba2Config(Strict):
     """The sizes of a Mamba2 mixer (engine/models/mamba2.py; Nemotron-H's and Granite 4's
@@ -187,15 +130,6 @@ class Mamba2Config(Strict):
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of n_groups ({self.n_groups})")
         return self
 
-    def params(self, d_model: int) -> int:
-        """One layer's parameters: in_proj, convolution, dt_bias, A_log, D, gated norm, out_proj."""
-        inner = self.num_heads * self.head_dim
-        channels = inner + 2 * self.n_groups * self.state_size
-        projected = inner + channels + self.num_heads
-        n = d_model * projected + channels * self.conv_kernel + 3 * self.num_heads + inner * self.gated_norm
-        n += inner * d_model
-        return n + channels * self.conv_bias + (projected + d_model) * self.proj_bias
-
 
 class MuPMultipliers(Strict):
     """Falcon-H1's muP multipliers (its config.json's *_multiplier(s) keys; 1.0 is none):
@@ -220,6 +154,11 @@ class MuPMultipliers(Strict):
     """The MLP's gate projection is multiplied by this before the activation..."""
     mlp_down: float = 1.0
     """... and its output by this (mlp_multipliers)."""
+
+
+_LAYER_SPECS: dict[str, tuple[LayerSpec, ...]] = {}
+"""ModelConfig.layer_specs' results by the config's JSON (a config is rebuilt from its fields
+everywhere; its specs are asked for at every trace)."""
 
 
 class ModelConfig(Strict):
@@ -661,6 +600,173 @@ class ModelConfig(Strict):
             layers.append(Layer(stack, mixer, "moe" if moe else "mlp", local, rope, **shape))
         return self._share_kv(layers)
 
+    def layer_specs(self) -> list[LayerSpec]:
+        """Every layer as its typed spec (engine/models/specs.py), in order: what the decoder
+        builds and runs. The one place this config's fields become layers."""
+        key = self.model_dump_json()
+        if key not in _LAYER_SPECS:
+            if len(_LAYER_SPECS) >= 64:
+                _LAYER_SPECS.pop(next(iter(_LAYER_SPECS)))
+            _LAYER_SPECS[key] = tuple(self._layer_spec(layer) for layer in self.layer_pattern())
+        return list(_LAYER_SPECS[key])
+
+    def _norm_spec(self) -> NormSpec:
+        return NormSpec(eps=self.norm_eps, zero_centered=self.norm_zero_centered)
+
+    def _layer_spec(self, layer: Layer) -> LayerSpec:
+        ffn: MLPSpec | MoESpec | None = None
+        if layer.ffn == "mlp":
+            ffn = self._mlp_spec(layer.mlp_dim or self.mlp_dim)
+        elif layer.ffn == "moe":
+            ffn = self._moe_spec()
+        return LayerSpec(
+            stack=layer.stack,
+            mixer=self._mixer_spec(layer),
+            ffn=ffn,
+            norm=self._norm_spec(),
+            pre_norms=self.pre_norms,
+            post_norms=self.post_norms,
+            residual_multiplier=self.residual_multiplier,
+            layer_scale=self.layer_scale,
+            per_layer_input_dim=self.per_layer_input_dim,
+            per_layer_activation=self.activation,
+        )
+
+    def _mlp_spec(self, dim: int) -> MLPSpec:
+        mup = self.mup
+        return MLPSpec(
+            dim=dim,
+            activation=self.activation,
+            gated=self.mlp_gated,
+            gate_multiplier=1.0 if mup is None else mup.mlp_gate,
+            down_multiplier=1.0 if mup is None else mup.mlp_down,
+        )
+
+    def _moe_spec(self) -> MoESpec:
+        return MoESpec(
+            num_experts=self.num_experts,
+            experts_per_token=self.experts_per_token,
+            expert_dim=self.moe_mlp_dim,
+            activation=self.activation,
+            gated=self.mlp_gated,
+            router_score=self.router_score,
+            router_renormalize=self.router_renormalize,
+            router_bias=self.router_bias,
+            router_logits_bias=self.router_logits_bias,
+            router_groups=self.router_groups,
+            router_group_top=self.router_group_top,
+            router_group_score=self.router_group_score,
+            router_scale=self.router_scale,
+            router_scales_input=self.router_scales_input,
+            router_input_norm=self.router_input_norm,
+            router_expert_scale=self.router_expert_scale,
+            router_norm_eps=self.norm_eps,
+            expert_bias=self.expert_bias,
+            swiglu_limit=self.swiglu_limit,
+            swiglu_alpha=self.swiglu_alpha,
+            num_shared_experts=self.num_shared_experts,
+            shared_dim=self.shared_mlp_dim,
+            shared_expert_gate=self.shared_expert_gate,
+            beside=self._mlp_spec(self.mlp_dim) if self.moe_beside_mlp else None,
+        )
+
+    def _rotary(self, local: bool) -> RotarySpec:
+        if local and self.rope_local_theta is not None:  # local layers: their own base, unscaled (Gemma 3)
+            return RotarySpec(theta=self.rope_local_theta, rotary_dim=self.rotary_dim, interleave=self.rope_interleave)
+        return RotarySpec(
+            theta=self.rope_theta,
+            scaling=self.rope_scaling,
+            rotary_dim=self.rotary_dim,
+            interleave=self.rope_interleave,
+        )
+
+    def _attention_spec(self, layer: Layer) -> AttentionSpec:
+        h = layer.head_dim or self.head_dim
+        qk_norm: Literal["none", "head", "across_heads"] = "none"
+        if self.qk_norm:
+            qk_norm = "across_heads" if self.qk_norm_across_heads else "head"
+        return AttentionSpec(
+            num_heads=self.num_heads,
+            num_kv_heads=layer.kv_heads or self.num_kv_heads,
+            head_dim=h,
+            qkv_bias=self.qkv_bias,
+            out_bias=self.attention_out_bias,
+            qk_norm=qk_norm,
+            norm=self._norm_spec(),
+            values_from_keys=layer.values_from_keys,
+            output_gate=self.attention_output_gate,
+            sinks=self.attention_sinks,
+            kv_sharing=layer.kv_sharing,
+            rope=self._rotary(layer.local) if layer.rope else None,
+            window=self.sliding_window if layer.local else None,
+            chunk=self.attention_chunk_size if layer.chunked else None,
+            scale=self.attention_scale or (self.query_pre_attn_scalar or h) ** -0.5,
+            softcap=self.attn_logit_softcap,
+            value_norm=self.value_norm,
+            qk_l2_norm=self.qk_l2_norm,
+            key_multiplier=1.0 if self.mup is None else self.mup.key,
+            temperature_floor=self.attn_temperature_floor,
+            temperature_scale=self.attn_temperature_scale,
+        )
+
+    def _mixer_spec(self, layer: Layer):
+        """The layer's sequence mixer spec (None for a layer without one)."""
+        if layer.mixer == "none":
+            return None
+        if layer.mixer == "attention":
+            return self._attention_spec(layer)
+        if layer.mixer == "mla":
+            assert self.kv_lora_rank is not None
+            indexer = None
+            if self.index_topk is not None:
+                indexer = IndexerSpec(
+                    topk=self.index_topk,
+                    heads=self.index_heads,
+                    head_dim=self.index_head_dim,
+                    rope_interleave=self.index_rope_interleave,
+                )
+            return MLASpec(
+                num_heads=self.num_heads,
+                head_dim=self.head_dim,
+                rope_head_dim=self.rope_head_dim,
+                value_head_dim=self.value_head_dim,
+                kv_lora_rank=self.kv_lora_rank,
+                q_lora_rank=self.q_lora_rank,
+                rope=RotarySpec(theta=self.rope_theta, scaling=self.rope_scaling, interleave=self.rope_interleave),
+                window=self.sliding_window if layer.local else None,
+                indexer=indexer,
+            )
+        if layer.mixer in ("gated_delta", "kimi_delta"):
+            gd = self.gated_delta
+            assert gd is not None  # _check_mixers
+            if layer.mixer == "kimi_delta":
+                return KimiDeltaSpec(
+                    num_heads=gd.num_key_heads,
+                    head_dim=gd.key_head_dim,
+                    conv_kernel=gd.conv_kernel,
+                    norm_eps=self.norm_eps,
+                )
+            return GatedDeltaSpec(**gd.model_dump(), norm_eps=self.norm_eps)
+        m = self.mamba2
+        assert m is not None  # _check_mixers
+        mup = self.mup
+        mamba2 = Mamba2Spec(
+            **m.model_dump(),
+            norm_eps=self.norm_eps,
+            projection_multipliers=(1.0,) * 5 if mup is None else mup.ssm_projections,
+        )
+        if layer.mixer == "mamba2":
+            return mamba2
+        assert layer.mixer == "attention_mamba2"
+        return ParallelHybridSpec(
+            attention=self._attention_spec(layer._replace(mixer="attention")),
+            mamba2=mamba2,
+            attention_in=1.0 if mup is None else mup.attention_in,
+            attention_out=1.0 if mup is None else mup.attention_out,
+            ssm_in=1.0 if mup is None else mup.ssm_in,
+            ssm_out=1.0 if mup is None else mup.ssm_out,
+        )
+
     def _share_kv(self, layers: list[Layer]) -> list[Layer]:
         """Gemma 4's KV sharing (kv_shared_layers): the last layers `reuse` the keys and values
         of the last earlier layer of their kind, which `store`s them (transformers' kv_sharing_modes)."""
@@ -722,84 +828,19 @@ class ModelConfig(Strict):
         return [pattern[i % len(pattern)] == "local" for i in range(self.num_layers)]
 
     def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
-        """Parameters; `active`: only those one token computes with (its k experts of each layer)."""
-        attn = self.num_heads * self.attention_sinks + self.d_model * self.attention_out_bias
-        if self.is_moe:
-            experts = self.experts_per_token if active else self.num_experts
-            mlp = (3 if self.mlp_gated else 2) * self.d_model * (self.moe_mlp_dim * experts + self.shared_mlp_dim)
-            mlp += self.d_model * self.shared_expert_gate
-            mlp += self.d_model * self.num_experts  # not router_bias: transformers keeps it as a buffer
-            mlp += (2 * self.moe_mlp_dim + self.d_model) * experts * self.expert_bias
-            mlp += self.num_experts * self.router_logits_bias
-            mlp += self.d_model * self.router_input_norm + self.num_experts * self.router_expert_scale
-            mlp += (3 * self.d_model * self.mlp_dim + 3 * self.d_model) * self.moe_beside_mlp  # and 3 norms
-        else:
-            mlp = (3 if self.mlp_gated else 2) * self.d_model * self.mlp_dim
-        block = attn + mlp + (2 * self.pre_norms + 2 * self.post_norms) * self.d_model + self.layer_scale
-        pattern = self.layer_pattern()
-        dense_layers = sum(layer.ffn == "mlp" for layer in pattern) if self.is_moe else 0
-        dense_mlp = (3 if self.mlp_gated else 2) * self.d_model * self.mlp_dim
-        n = self.num_layers * block + dense_layers * (dense_mlp - mlp) + self.d_model
-        # multi-token prediction: a layer like the last (experts), its two input norms, the
-        # (2d, d) projection and its output norm
-        mtp = block + self._attention_params(self.mtp_layer()) + 2 * self.d_model * self.d_model + 3 * self.d_model
-        n += self.mtp_layers * mtp
-        n += sum(self._attention_params(layer) for layer in pattern)
-        n += sum(3 * self.d_model * (layer.mlp_dim - self.mlp_dim) for layer in pattern if layer.mlp_dim)
-        if self.per_layer_input_dim:  # per layer gate, projection, norm; the model's projection and norm
-            width = self.num_layers * self.per_layer_input_dim
-            n += self.num_layers * self.d_model * (2 * self.per_layer_input_dim + 1)
-            n += self.d_model * width + self.per_layer_input_dim + self.vocab_size * width * include_embedding
-        norm = (self.pre_norms + self.post_norms) * self.d_model  # each sublayer's
-        n -= sum(mlp + norm for layer in pattern if layer.ffn == "none")
-        n -= sum(attn + norm for layer in pattern if layer.mixer == "none")
+        """Parameters; `active`: only those one token computes with (its k experts of each
+        layer). Each layer's spec counts its own (engine/models/specs.py)."""
+        d, specs = self.d_model, self.layer_specs()
+        n = sum(spec.params(d, active) for spec in specs) + d  # the layers and the final norm
         if include_embedding:
-            n += self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
+            n += self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        if self.per_layer_input_dim:  # the model's projection and norm, and the per-layer embedding
+            width = self.num_layers * self.per_layer_input_dim
+            n += d * width + self.per_layer_input_dim + self.vocab_size * width * include_embedding
+        if self.mtp_layers:  # a layer like the last (experts), its two input norms, the (2d, d) projection, a norm
+            mtp = self._layer_spec(self.mtp_layer())
+            n += self.mtp_layers * (mtp.params(d, active) + 2 * d * d + 3 * d)
         return n
-
-    def _attention_params(self, layer: Layer) -> int:
-        """One layer's attention projections, biases and QK norms (not sinks or output bias), or
-        its other mixer (ModelConfig.mixer_pattern)."""
-        if layer.mixer == "gated_delta":
-            assert self.gated_delta is not None  # _check_mixers
-            return self.gated_delta.params(self.d_model)
-        if layer.mixer == "kimi_delta":  # q, k, v, conv, two low-rank gates, dt_bias, A_log, b, norm, out
-            assert self.gated_delta is not None  # _check_mixers
-            h, k, d = self.gated_delta.num_key_heads, self.gated_delta.key_head_dim, self.d_model
-            conv = 3 * h * k * self.gated_delta.conv_kernel
-            return 4 * d * h * k + conv + 2 * (d * k + k * h * k) + h * k + h + d * h + k
-        if layer.mixer == "mamba2":
-            assert self.mamba2 is not None  # _check_mixers
-            return self.mamba2.params(self.d_model)
-        if layer.mixer == "none":
-            return 0
-        if layer.mixer == "attention_mamba2":  # both, side by side (Falcon-H1)
-            assert self.mamba2 is not None  # _check_mixers
-            return self._attention_params(layer._replace(mixer="attention")) + self.mamba2.params(self.d_model)
-        if self.is_mla:
-            return self._mla_params()
-        n, h, k = self.num_heads, layer.head_dim or self.head_dim, layer.kv_heads or self.num_kv_heads
-        if layer.kv_sharing == "reuse":  # Gemma 4: the queries' projection and norm, and the output's
-            return self.d_model * h * 2 * n + h * self.qk_norm
-        v = 0 if layer.values_from_keys else k
-        attn = self.d_model * h * (2 * n + k + v) + h * (n + k + v) * self.qkv_bias
-        attn += self.d_model * n * h * self.attention_output_gate
-        return attn + (n + k if self.qk_norm_across_heads else 2) * h * self.qk_norm
-
-    def _mla_params(self) -> int:
-        """One layer's multi-head latent attention."""
-        d, n, rank = self.d_model, self.num_heads, self.kv_lora_rank
-        nope = self.head_dim - self.rope_head_dim
-        if self.q_lora_rank:
-            q = d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * self.head_dim
-        else:
-            q = d * n * self.head_dim
-        kv = d * (rank + self.rope_head_dim) + rank + rank * n * (nope + self.value_head_dim)
-        if self.index_topk is not None:  # the indexer: wq_b, wk, its key LayerNorm, weights_proj
-            assert self.q_lora_rank is not None  # _check_deepseek
-            h, w = self.index_heads, self.index_head_dim
-            q += self.q_lora_rank * h * w + d * w + 2 * w + d * h
-        return q + kv + n * self.value_head_dim * d
 
 
 class ComputeConfig(Strict):

@@ -1,0 +1,366 @@
+"""A decoder layer as a typed spec: what its sequence mixer and its feed-forward are, how it
+normalises and adds its sublayers to the residual stream.
+
+A spec is data, frozen and hashable, and says everything its block needs: the decoder
+(engine/models/transformer.py) builds and calls each layer from its spec and knows no model
+family. Mixers and feed-forwards are discriminated unions on `kind`; each kind's module builds
+it (transformer.MIXERS / FFNS) and its spec counts its parameters here, without JAX, so config
+validation and `trainflow plan` stay cheap.
+
+ModelConfig.layer_specs() is where a model's fields become these specs (engine/models/config.py);
+it is the one place that interprets them. Shapes as in transformer.py: d the model width.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.models.rope_scaling import RopeScaling
+
+
+class Spec(BaseModel):
+    """A frozen, hashable piece of a layer's description (a static argument of the traced step)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=(), use_attribute_docstrings=True)
+
+
+class NormSpec(Spec):
+    """A normalisation over the model width (or a head's width)."""
+
+    kind: Literal["rms", "layer"] = "rms"
+    """rms: x / rms(x) (RMSNorm); layer: (x - mean) / std (LayerNorm)."""
+    eps: float = 1e-5
+    zero_centered: bool = False
+    """The scale is stored zero-centred: x * (1 + scale) (Gemma; Nemotron's LayerNorm1P)."""
+    scale: bool = True
+    """A learned scale (OLMo 1's LayerNorm has none)."""
+    bias: bool = False
+    """A learned bias (layer only)."""
+
+    def params(self, dim: int) -> int:
+        return dim * (self.scale + self.bias)
+
+
+class RotarySpec(Spec):
+    """Rotary position embedding of a layer's queries and keys."""
+
+    theta: float = 10000.0
+    scaling: RopeScaling | None = None
+    rotary_dim: int | None = None
+    """Rotate only the first rotary_dim dimensions of each head; None: all of them."""
+    interleave: bool = False
+    """Rotate adjacent pairs (x0, x1), (x2, x3), ... instead of the two halves."""
+
+
+class AttentionSpec(Spec):
+    """Grouped-query attention (transformer.Attention). The fields marked `call` change how a
+    layer attends, not its parameters: layers differing only in them share a stack."""
+
+    kind: Literal["attention"] = "attention"
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+    out_bias: bool = False
+    qk_norm: Literal["none", "head", "across_heads"] = "none"
+    """RMSNorm on queries and keys before RoPE: over each head's dims (scale per head_dim, Qwen3)
+    or over all heads' dims at once (scale per (head, head_dim), OLMo 2)."""
+    norm: NormSpec = NormSpec()
+    """The QK norms' (and value norm's) kind and epsilon."""
+    values_from_keys: bool = False
+    """No value projection: the values are the keys before their norm (Gemma 4's global layers)."""
+    output_gate: bool = False
+    """sigmoid(x . W_gate) per head and dimension on the output (Qwen3-Next); q_proj yields both."""
+    sinks: bool = False
+    """A learned logit per head in each softmax's denominator (GPT-OSS)."""
+    kv_sharing: Literal["store", "reuse"] | None = None
+    """Gemma 4: `reuse` layers have no key/value projections and attend with the keys and
+    values of their kind's `store` layer."""
+    # call: how the layer attends
+    rope: RotarySpec | None = RotarySpec()
+    """None: no position signal but the causal mask (NoPE)."""
+    window: int | None = None
+    """Sliding window: a query sees this many most recent positions, its own included."""
+    chunk: int | None = None
+    """Chunked attention: a query sees the earlier keys of its own chunk (Llama 4)."""
+    scale: float | None = None
+    """Scores are multiplied by this; None: head_dim**-0.5."""
+    softcap: float | None = None
+    value_norm: bool = False
+    """An RMSNorm without a scale on the values (Gemma 4)."""
+    qk_l2_norm: bool = False
+    """On RoPE layers, queries and keys divided by their RMS after RoPE, no scale (Llama 4)."""
+    key_multiplier: float = 1.0
+    """Keys are multiplied by this after their projection (Falcon-H1's muP)."""
+    temperature_floor: int | None = None
+    """NoPE layers scale queries by 1 + temperature_scale * log(1 + floor((p + 1) / floor)) (Llama 4)."""
+    temperature_scale: float = 0.1
+
+    def structure(self) -> AttentionSpec:
+        """This spec with the call fields at their defaults: what its parameters depend on."""
+        fields = self.model_dump(include=_ATTENTION_STRUCTURE)
+        if self.kv_sharing == "store":  # a store layer has the usual projections
+            fields["kv_sharing"] = None
+        return AttentionSpec(**fields)
+
+    @property
+    def score_scale(self) -> float:
+        return self.scale if self.scale is not None else self.head_dim**-0.5
+
+    def params(self, d: int) -> int:
+        n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
+        per_head_norm = self.norm.params(h)
+        if self.kv_sharing == "reuse":  # the queries' projection and norm, and the output's
+            return d * h * 2 * n + per_head_norm * (self.qk_norm != "none")
+        v = 0 if self.values_from_keys else k
+        count = d * h * (2 * n + k + v) + h * (n + k + v) * self.qkv_bias + d * n * h * self.output_gate
+        if self.qk_norm == "head":
+            count += 2 * per_head_norm
+        elif self.qk_norm == "across_heads":
+            count += (n + k) * per_head_norm
+        return count + n * self.sinks + d * self.out_bias
+
+
+_ATTENTION_STRUCTURE = {
+    "kind",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "qkv_bias",
+    "out_bias",
+    "qk_norm",
+    "norm",
+    "values_from_keys",
+    "output_gate",
+    "sinks",
+    "kv_sharing",
+}
+
+
+class IndexerSpec(Spec):
+    """DeepSeek Sparse Attention's lightning indexer (engine/models/dsa.py)."""
+
+    topk: int
+    heads: int
+    head_dim: int
+    rope_interleave: bool = False
+
+
+class MLASpec(Spec):
+    """Multi-head latent attention (engine/models/mla.py; DeepSeek-V2/V3)."""
+
+    kind: Literal["mla"] = "mla"
+    num_heads: int
+    head_dim: int
+    """A query/key head's whole width, its last rope_head_dim dimensions rotary."""
+    rope_head_dim: int
+    value_head_dim: int
+    kv_lora_rank: int
+    q_lora_rank: int | None = None
+    rope: RotarySpec = RotarySpec()
+    window: int | None = None
+    indexer: IndexerSpec | None = None
+
+    def params(self, d: int) -> int:
+        n, rank, r = self.num_heads, self.kv_lora_rank, self.rope_head_dim
+        nope = self.head_dim - r
+        if self.q_lora_rank:
+            q = d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * self.head_dim
+        else:
+            q = d * n * self.head_dim
+        kv = d * (rank + r) + rank + rank * n * (nope + self.value_head_dim)
+        if self.indexer is not None:  # wq_b, wk, its key LayerNorm, weights_proj
+            assert self.q_lora_rank is not None
+            h, w = self.indexer.heads, self.indexer.head_dim
+            q += self.q_lora_rank * h * w + d * w + 2 * w + d * h
+        return q + kv + n * self.value_head_dim * d
+
+
+class GatedDeltaSpec(Spec):
+    """A Gated DeltaNet mixer (engine/models/gated_delta_block.py; Qwen3-Next, Qwen3.5)."""
+
+    kind: Literal["gated_delta"] = "gated_delta"
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int = 4
+    fused_projections: bool = False
+    norm_eps: float = 1e-6
+
+    def params(self, d: int) -> int:
+        keys, values = self.num_key_heads * self.key_head_dim, self.num_value_heads * self.value_head_dim
+        channels = 2 * keys + values
+        projections = d * (channels + values + 2 * self.num_value_heads) + values * d
+        return projections + channels * self.conv_kernel + 2 * self.num_value_heads + self.value_head_dim
+
+
+class KimiDeltaSpec(Spec):
+    """Kimi Delta Attention (engine/models/kimi_delta_block.py): the delta rule with a decay per
+    key channel; as many value heads as key heads, of the same width."""
+
+    kind: Literal["kimi_delta"] = "kimi_delta"
+    num_heads: int
+    head_dim: int
+    conv_kernel: int = 4
+    norm_eps: float = 1e-6
+
+    def params(self, d: int) -> int:
+        # q, k, v, conv, two low-rank gates, dt_bias, A_log, b, norm, out
+        h, k = self.num_heads, self.head_dim
+        conv = 3 * h * k * self.conv_kernel
+        return 4 * d * h * k + conv + 2 * (d * k + k * h * k) + h * k + h + d * h + k
+
+
+class Mamba2Spec(Spec):
+    """A Mamba2 mixer (engine/models/mamba2.py; Nemotron-H, Granite 4, Falcon-H1)."""
+
+    kind: Literal["mamba2"] = "mamba2"
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int = 1
+    conv_kernel: int = 4
+    chunk_size: int = 256
+    conv_bias: bool = True
+    proj_bias: bool = False
+    dt_limit: tuple[float, float] | None = None
+    gated_norm: bool = True
+    norm_before_gate: bool = False
+    norm_eps: float = 1e-5
+    """The gated norm's epsilon."""
+    projection_multipliers: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    """in_proj's output sections z, x, B, C, dt are multiplied by these (Falcon-H1's muP)."""
+
+    def params(self, d: int) -> int:
+        inner = self.num_heads * self.head_dim
+        channels = inner + 2 * self.n_groups * self.state_size
+        projected = inner + channels + self.num_heads
+        n = d * projected + channels * self.conv_kernel + 3 * self.num_heads + inner * self.gated_norm
+        n += inner * d
+        return n + channels * self.conv_bias + (projected + d) * self.proj_bias
+
+
+class ParallelHybridSpec(Spec):
+    """Attention and a Mamba2 mixer side by side on the same input (Falcon-H1,
+    engine/models/parallel_hybrid.py), each output scaled, their sum the sublayer's."""
+
+    kind: Literal["attention_mamba2"] = "attention_mamba2"
+    attention: AttentionSpec
+    mamba2: Mamba2Spec
+    attention_in: float = 1.0
+    """Each mixer reads the normed input times its _in multiplier and its output is multiplied
+    by its _out one (Falcon-H1's muP)."""
+    attention_out: float = 1.0
+    ssm_in: float = 1.0
+    ssm_out: float = 1.0
+
+    def params(self, d: int) -> int:
+        return self.attention.params(d) + self.mamba2.params(d)
+
+
+MixerSpec = Annotated[
+    AttentionSpec | MLASpec | GatedDeltaSpec | KimiDeltaSpec | Mamba2Spec | ParallelHybridSpec,
+    Field(discriminator="kind"),
+]
+"""A layer's sequence mixer."""
+
+
+class MLPSpec(Spec):
+    """The MLP: down(act(gate(x)) * up(x)), or without a gate down(act(up(x)))."""
+
+    kind: Literal["mlp"] = "mlp"
+    dim: int
+    activation: Literal["silu", "gelu_tanh", "relu2"] = "silu"
+    gated: bool = True
+    gate_multiplier: float = 1.0
+    """The gate's pre-activation is multiplied by this (Falcon-H1's muP)..."""
+    down_multiplier: float = 1.0
+    """... and the output by this."""
+
+    def params(self, d: int) -> int:
+        return (3 if self.gated else 2) * d * self.dim
+
+
+class MoESpec(Spec):
+    """A mixture of experts (engine/models/moe.py): a router sends each token to k of
+    num_experts MLPs of width expert_dim, plus optional shared experts every token uses."""
+
+    kind: Literal["moe"] = "moe"
+    num_experts: int
+    experts_per_token: int
+    expert_dim: int
+    activation: Literal["silu", "gelu_tanh", "relu2"] = "silu"
+    gated: bool = True
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    router_renormalize: bool = True
+    router_bias: bool = False
+    """A learned choosing bias (DeepSeek-V3's e_score_correction_bias; a buffer in transformers)."""
+    router_logits_bias: bool = False
+    router_groups: int = 1
+    router_group_top: int = 1
+    router_group_score: Literal["top2_sum", "max"] = "top2_sum"
+    router_scale: float = 1.0
+    router_scales_input: bool = False
+    router_input_norm: bool = False
+    router_expert_scale: bool = False
+    router_norm_eps: float = 1e-6
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    num_shared_experts: int = 0
+    shared_dim: int = 0
+    """Width of the shared experts' one MLP (0 without shared experts)."""
+    shared_expert_gate: bool = False
+    beside: MLPSpec | None = None
+    """A dense MLP beside the experts, each with its norms (Gemma 4's 26B-A4B)."""
+
+    def params(self, d: int, active: bool = False) -> int:
+        experts = self.experts_per_token if active else self.num_experts
+        n = (3 if self.gated else 2) * d * (self.expert_dim * experts + self.shared_dim)
+        n += d * self.shared_expert_gate + d * self.num_experts  # not router_bias: a buffer in transformers
+        n += (2 * self.expert_dim + d) * experts * self.expert_bias + self.num_experts * self.router_logits_bias
+        n += d * self.router_input_norm + self.num_experts * self.router_expert_scale
+        if self.beside is not None:  # and its three norms
+            n += self.beside.params(d) + 3 * d
+        return n
+
+
+FFNSpec = Annotated[MLPSpec | MoESpec, Field(discriminator="kind")]
+"""A layer's feed-forward."""
+
+
+class LayerSpec(Spec):
+    """One decoder layer: x + mixer(norm(x)), then x + ffn(norm(x)), with the variations below."""
+
+    stack: str
+    """The params key of the stack of like layers it belongs to (ModelConfig.layer_stacks)."""
+    mixer: MixerSpec | None
+    """None: the layer is only its feed-forward (Nemotron-H's MLP layers)."""
+    ffn: FFNSpec | None
+    """None: the layer is only its mixer."""
+    norm: NormSpec = NormSpec()
+    pre_norms: bool = True
+    """Normalise each sublayer's input."""
+    post_norms: bool = False
+    """Normalise each sublayer's output before the residual add (Gemma 2/3, OLMo 2)."""
+    residual_multiplier: float | None = None
+    """Each sublayer's output is multiplied by this before the add (Granite)."""
+    layer_scale: bool = False
+    """A learned scalar multiplying the stream after the layer (Gemma 4)."""
+    per_layer_input_dim: int | None = None
+    """Gemma 4's per-layer inputs: x + norm(proj(act(gate(x)) * e)) after the feed-forward."""
+    per_layer_activation: Literal["silu", "gelu_tanh", "relu2"] = "gelu_tanh"
+
+    def params(self, d: int, active: bool = False) -> int:
+        norms = (self.pre_norms + self.post_norms) * self.norm.params(d)
+        n = self.layer_scale
+        if self.mixer is not None:
+            n += self.mixer.params(d) + norms
+        if self.ffn is not None:
+            n += (self.ffn.params(d, active) if isinstance(self.ffn, MoESpec) else self.ffn.params(d)) + norms
+        if self.per_layer_input_dim:  # gate, projection, norm
+            n += d * (2 * self.per_layer_input_dim) + self.norm.params(d)
+        return n
