@@ -129,6 +129,17 @@ ADDED_AT_DEFAULT = {
     "model.mamba2.gated_norm": True,
     "model.mamba2.norm_before_gate": False,
     "model.shared_expert_mlp_dim": None,  # Granite 4's shared MLP beside its experts
+    # GPT-era layers (engine/models/specs.py): LayerNorm, parallel residuals, biases, positions
+    "model.norm_kind": "rms",
+    "model.norm_bias": False,
+    "model.norm_scale": True,
+    "model.residual": "sequential",
+    "model.mlp_bias": False,
+    "model.qkv_clip": None,
+    "model.positions": "rope",
+    "model.position_offset": 0,
+    "model.embedding_norm": False,
+    "model.lm_head_bias": False,
     # DPO's separate reference (its checkpoint comes from an input, and is not in the id)
     "reference": {"checkpoint": None, "compute": None},
     # DPO's list-valued loss_type with weights, DiscoPOP's temperature (issue 53)

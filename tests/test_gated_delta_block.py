@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from engine.models.common import Build
 from engine.models.config import ComputeConfig, GatedDeltaConfig, ModelConfig
 from engine.models.gated_delta_block import GatedDeltaNet
 from engine.models.kv_cache import KVCache
@@ -86,7 +87,8 @@ def test_the_mixer_equals_transformers(fused):
             p.normal_(0.0, 0.4)
         hf.A_log.uniform_(-1.0, 1.0)
     w = {name: p.detach().numpy() for name, p in hf.named_parameters()}
-    ours = GatedDeltaNet(cfg, ComputeConfig(), rngs=nnx.Rngs(0))
+    spec = next(layer.mixer for layer in cfg.layer_specs() if layer.mixer.kind == "gated_delta")
+    ours = GatedDeltaNet(spec, Build.of(cfg, ComputeConfig()), rngs=nnx.Rngs(0))
     linear = lambda name, *shape: w[name].T.reshape(*shape)  # noqa: E731  (out, in) -> (in, ...)
     if fused:
         ours.w_qkvz_dkx[...] = linear("in_proj_qkvz.weight", D, HK, -1)
@@ -105,7 +107,7 @@ def test_the_mixer_equals_transformers(fused):
     mask[1, T - 6 :] = 0  # one right-padded row
     with torch.no_grad():
         expected = hf(torch.from_numpy(x), attention_mask=torch.from_numpy(mask)).numpy()
-    got = ours(jnp.asarray(x), None, jnp.asarray(mask, jnp.int32))
+    got = ours(jnp.asarray(x), None, jnp.asarray(mask, jnp.int32), spec)
     scale = np.abs(expected).max()  # outputs of a few units: float32 rounding relative to them
     assert scale > 0.5
     assert max_diff(got[0], expected[0]) < 1e-5 * scale

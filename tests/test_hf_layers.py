@@ -20,7 +20,8 @@ torch = need("torch")
 transformers = need("transformers")
 
 from engine.interop.hf.mapping import model_config_from_hf, tensor_table, to_engine  # noqa: E402
-from engine.models.transformer import MLP, Attention, Block, RMSNorm  # noqa: E402
+from engine.models.common import Build, RMSNorm  # noqa: E402
+from engine.models.transformer import MLP, Attention, Block  # noqa: E402
 
 COMMON = dict(
     vocab_size=37,
@@ -123,12 +124,17 @@ def test_rms_norm(family):
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(x))), ref(torch.tensor(x)).detach().numpy(), atol=1e-5)
 
 
+def layer_of(cfg, local: bool):
+    """The spec of the model's first local (global) layer."""
+    return next(spec for spec in cfg.layer_specs() if spec.local == local)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma"])
 def test_mlp(family):
     hf_cfg, cfg, compute, mod = setup(family)
     ref = getattr(mod, f"{family.capitalize()}MLP")(hf_cfg)
     randomise(ref)
-    ours = MLP(cfg, compute, rngs=nnx.Rngs(0))
+    ours = MLP(cfg.layer_specs()[0].ffn, Build.of(cfg, compute), rngs=nnx.Rngs(0))
     load_into(ours, ref, cfg, ("mlp",), "mlp.")
     x, _ = inputs()
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(x))), ref(torch.tensor(x)).detach().numpy(), atol=1e-5)
@@ -142,7 +148,8 @@ def test_attention(family, local):
     hf_cfg, cfg, compute, mod = setup(family)
     ref = getattr(mod, f"{family.capitalize()}Attention")(hf_cfg, layer_idx=0 if local else 1).eval()
     randomise(ref)
-    ours = Attention(cfg, compute, rngs=nnx.Rngs(0))
+    spec = layer_of(cfg, local)
+    ours = Attention(spec.mixer, Build.of(cfg, compute), rngs=nnx.Rngs(0))
     load_into(ours, ref, cfg, ("attn",), "self_attn.")
     x, segments = inputs()
     t = x.shape[1]
@@ -150,7 +157,7 @@ def test_attention(family, local):
     rope = hf_rope(family, hf_cfg, torch.tensor(x), positions, local)
     mask = additive_mask(t, WINDOW if local else None, segments)
     expected = ref(torch.tensor(x), position_embeddings=rope, attention_mask=mask)[0].detach().numpy()
-    got = np.asarray(ours(jnp.asarray(x), jnp.asarray(positions.numpy()), jnp.asarray(segments), local))
+    got = np.asarray(ours(jnp.asarray(x), jnp.asarray(positions.numpy()), jnp.asarray(segments), spec.mixer))
     valid = segments.astype(bool)
     np.testing.assert_allclose(got[valid], expected[valid], atol=1e-5)
 
@@ -160,7 +167,8 @@ def test_block(family, local):
     hf_cfg, cfg, compute, mod = setup(family)
     ref = getattr(mod, f"{family.capitalize()}DecoderLayer")(hf_cfg, layer_idx=0 if local else 1).eval()
     randomise(ref)
-    ours = Block(cfg, compute, rngs=nnx.Rngs(0))
+    spec = layer_of(cfg, local)
+    ours = Block(spec, Build.of(cfg, compute), rngs=nnx.Rngs(0))
     load_into(ours, ref, cfg, (), "")
     x, segments = inputs()
     t = x.shape[1]
@@ -169,6 +177,6 @@ def test_block(family, local):
     mask = additive_mask(t, WINDOW if local else None, segments)
     out = ref(torch.tensor(x), position_embeddings=rope, attention_mask=mask, position_ids=positions)
     expected = (out[0] if isinstance(out, tuple) else out).detach().numpy()
-    got = np.asarray(ours(jnp.asarray(x), jnp.asarray(positions.numpy()), jnp.asarray(segments), local))
+    got = np.asarray(ours(jnp.asarray(x), jnp.asarray(positions.numpy()), jnp.asarray(segments), spec))
     valid = segments.astype(bool)
     np.testing.assert_allclose(got[valid], expected[valid], atol=2e-5)

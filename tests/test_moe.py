@@ -32,6 +32,7 @@ from engine.interop.hf.convert import convert_hf
 from engine.interop.hf.export import export_hf
 from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf
 from engine.models import moe_ep
+from engine.models.common import Build
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.families.base import rope_from_hf, rope_to_hf
 from engine.models.moe import MoE, clamped_swiglu, combine_stats, dropless_experts, route, router_stats
@@ -76,6 +77,11 @@ def random_params(cfg: ModelConfig, compute: ComputeConfig, std: float = 0.3) ->
 # --------------------------------------------------------------------------- the block
 
 
+def moe_spec(cfg: ModelConfig):
+    """The spec of the model's first mixture-of-experts layer."""
+    return next(spec.ffn for spec in cfg.layer_specs() if spec.is_moe)
+
+
 def reference_moe(block: MoE, x_nd: np.ndarray) -> np.ndarray:
     """Every expert on every token, then each token's top-k mixed: the definition, in numpy."""
     w_router = np.asarray(block.w_router_de[...], np.float64)
@@ -114,7 +120,7 @@ def reference_moe(block: MoE, x_nd: np.ndarray) -> np.ndarray:
 def test_moe_block_matches_the_per_token_definition(routing, dispatch):
     cfg = tiny(**routing)
     compute = ComputeConfig(moe_dispatch=dispatch, moe_capacity_factor=5 / 2)  # capacity >= every token
-    block = MoE(cfg, compute, rngs=nnx.Rngs(3))
+    block = MoE(moe_spec(cfg), Build.of(cfg, compute), rngs=nnx.Rngs(3))
     if cfg.router_bias:  # a bias big enough to change choices, which must not change the weights
         block.b_router_e[...] = jnp.asarray([0.0, 0.4, -0.4, 0.2, 0.0])
     x = np.random.default_rng(0).normal(size=(2, 11, cfg.d_model)).astype(np.float32)
@@ -129,7 +135,8 @@ def test_capacity_dispatch_drops_the_assignments_past_capacity():
     """Capacity 1: per sequence each expert takes one assignment, first choices first; the
     others contribute nothing, exactly as if their routing weight were 0."""
     cfg = tiny()
-    block = MoE(cfg, ComputeConfig(moe_dispatch="capacity", moe_capacity_factor=0.01), rngs=nnx.Rngs(1))
+    compute = ComputeConfig(moe_dispatch="capacity", moe_capacity_factor=0.01)
+    block = MoE(moe_spec(cfg), Build.of(cfg, compute), rngs=nnx.Rngs(1))
     assert block.capacity(11) == 1
     x = np.random.default_rng(0).normal(size=(1, 11, cfg.d_model)).astype(np.float32)
     out, _ = block(jnp.asarray(x))

@@ -35,6 +35,7 @@ from engine.config import ConfigError
 from engine.inference.sample import Sampler, prompt_positions, rollout_params
 from engine.interop.vllm_server import VLLMSampler, returns_routed_experts, routed_expert_rows
 from engine.models import router_replay
+from engine.models.common import Build
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.lora import in_layer
 from engine.models.moe import MoE
@@ -70,7 +71,8 @@ def params():
 
 
 def test_a_replayed_moe_layer_uses_the_given_experts_weighted_by_its_own_router():
-    moe = MoE(CFG, F32, rngs=nnx.Rngs(1))
+    spec = next(layer.ffn for layer in CFG.layer_specs() if layer.is_moe)
+    moe = MoE(spec, Build.of(CFG, F32), rngs=nnx.Rngs(1))
     b, t, k = 2, 7, CFG.experts_per_token
     x_btd = jax.random.normal(jax.random.key(0), (b, t, CFG.d_model))
     experts_btk = jnp.stack(

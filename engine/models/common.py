@@ -1,11 +1,56 @@
-"""What every layer of the model shares: the dtypes by name, the one weight initialiser, the
-gate activations of the gated MLPs (dense and expert), and RMSNorm."""
+"""What every layer of the model shares: what a block is built with beside its spec (Build),
+the dtypes by name, the one weight initialiser, the gate activations of the gated MLPs (dense
+and expert), and the norms (RMSNorm, LayerNorm) a NormSpec names."""
 
 from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
+from engine.models.specs import NormSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """What every block module is built with beside its own spec: the model width, how the run
+    computes (dtypes, implementations), the initialisation and the adapters."""
+
+    d_model: int
+    compute: ComputeConfig
+    init_std: float = 0.02
+    depth: int = 1
+    """The model's layers: residual-branch outputs start at init_std / sqrt(2 depth) (GPT-2),
+    so the stream stays O(1)."""
+    dot_general: Any = jax.lax.dot_general
+    """Every matmul's product (jax.lax.dot_general, or a quantized one)."""
+    lora: LoraConfig | None = None
+    lora_targets: tuple[str, ...] = ()
+    """The PEFT module names the adapter puts weights on (LoraConfig.targets of the model)."""
+
+    @classmethod
+    def of(
+        cls, cfg: ModelConfig, compute: ComputeConfig, dot_general=jax.lax.dot_general, lora: LoraConfig | None = None
+    ) -> Build:
+        targets = lora.targets(cfg) if lora is not None else ()
+        return cls(cfg.d_model, compute, cfg.init_std, cfg.num_layers, dot_general, lora, targets)
+
+    @property
+    def out_std(self) -> float:
+        return self.init_std / math.sqrt(2 * self.depth)
+
+    @property
+    def param_dtype(self):
+        return dtype_of(self.compute.param_dtype)
+
+    @property
+    def dtype(self):
+        return dtype_of(self.compute.dtype)
 
 
 def dtype_of(name: str):
@@ -22,6 +67,8 @@ ACTIVATIONS = {
     "silu": jax.nn.silu,
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "relu2": lambda x: jnp.square(jax.nn.relu(x)),  # Nemotron-H's MLP
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # erf's, torch's nn.GELU()
+    "relu": jax.nn.relu,
 }
 
 
@@ -51,3 +98,42 @@ class RMSNorm(nnx.Module):
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + self.eps)
         scale = self.scale[...].astype(jnp.float32)
         return (x32 * (1.0 + scale if self.zero_centered else scale)).astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """(x - mean(x)) / sqrt(var(x) + eps) * scale + bias over the last axis, in float32; the
+    scale and the bias each optional (OLMo 1 has neither), the scale zero-centred (Nemotron's
+    LayerNorm1P: * (1 + scale))."""
+
+    def __init__(self, dim: int, spec: NormSpec, param_dtype, *, rngs: nnx.Rngs):
+        if spec.scale:
+            init = jnp.zeros if spec.zero_centered else jnp.ones
+            self.scale = nnx.Param(init((dim,), param_dtype), out_sharding=("norm",))
+        if spec.bias:
+            self.bias = nnx.Param(jnp.zeros((dim,), param_dtype), out_sharding=("norm",))
+        self.eps, self.zero_centered, self.has_scale, self.has_bias = (
+            spec.eps,
+            spec.zero_centered,
+            spec.scale,
+            spec.bias,
+        )
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        centred = x32 - mean
+        x32 = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + self.eps)
+        if self.has_scale:
+            scale = self.scale[...].astype(jnp.float32)
+            x32 = x32 * (1.0 + scale if self.zero_centered else scale)
+        if self.has_bias:
+            x32 = x32 + self.bias[...].astype(jnp.float32)
+        return x32.astype(x.dtype)
+
+
+def make_norm(spec: NormSpec, dim: int, param_dtype, *, rngs: nnx.Rngs, heads: tuple[int, str] | None = None):
+    """The norm a NormSpec describes over `dim` (with `heads`: over (heads, dim) at once, RMS only)."""
+    if spec.kind == "layer":
+        assert heads is None, "a LayerNorm over several heads at once is not a layer kind"
+        return LayerNorm(dim, spec, param_dtype, rngs=rngs)
+    return RMSNorm(dim, spec.eps, param_dtype, zero_centered=spec.zero_centered, heads=heads, rngs=rngs)

@@ -17,6 +17,7 @@ from engine.config import Strict
 from engine.models.family_registry import family_names, get_family
 from engine.models.rope_scaling import RopeScaling
 from engine.models.specs import (
+    Activation,
     AttentionSpec,
     GatedDeltaSpec,
     IndexerSpec,
@@ -29,6 +30,7 @@ from engine.models.specs import (
     NormSpec,
     ParallelHybridSpec,
     RotarySpec,
+    mla_score_scale,
 )
 from engine.ops.attention_names import DecodeImpl, Impl
 
@@ -185,9 +187,10 @@ class ModelConfig(Strict):
     rope_theta: float = Field(10000.0, gt=0)
     rope_scaling: RopeScaling | None = None
     tie_embeddings: bool = False
-    activation: Literal["silu", "gelu_tanh", "relu2"] = "silu"
+    activation: Activation = "silu"
     """Gate of the gated MLP: silu = SwiGLU (Llama, Qwen, Mistral), gelu_tanh = GeGLU (Gemma);
-    relu2 = relu(x)^2, the activation of Nemotron-H's MLP, which is not gated (mlp_gated)."""
+    relu2 = relu(x)^2, the activation of Nemotron-H's MLP, which is not gated (mlp_gated); gelu
+    (exact) and relu those of GPT-era MLPs."""
     qkv_bias: bool = False
     """Biases on the query, key and value projections (Qwen2)."""
     qk_norm: bool = False
@@ -408,6 +411,29 @@ class ModelConfig(Strict):
     earlier layer of its attention kind (Gemma 4's num_kv_shared_layers; Layer.kv_sharing)."""
     kv_shared_wide_mlp: bool = False
     """The KV-sharing layers' MLP is 2 * mlp_dim wide (Gemma 4's use_double_wide_mlp)."""
+    # GPT-era layers (GPT-2, GPT-NeoX, Phi, BLOOM, ...): LayerNorm, parallel residuals, biases,
+    # learned or ALiBi positions.
+    norm_kind: Literal["rms", "layer"] = "rms"
+    """Every norm's kind: RMSNorm, or LayerNorm (mean removed too)."""
+    norm_bias: bool = False
+    """The norms have a learned bias (LayerNorm's usual one)."""
+    norm_scale: bool = True
+    """The norms have a learned scale (OLMo 1's LayerNorm has neither)."""
+    residual: Literal["sequential", "parallel", "parallel_shared_norm"] = "sequential"
+    """How a layer adds its sublayers (engine/models/specs.py: LayerSpec.residual)."""
+    mlp_bias: bool = False
+    """Biases on the MLP's projections."""
+    qkv_clip: float | None = Field(None, gt=0)
+    """Queries, keys and values clamped to [-clip, clip] after their projections (OLMo 1, DBRX)."""
+    positions: Literal["rope", "learned", "alibi"] = "rope"
+    """The position signal: RoPE in the layers (rope_pattern says which), a learned absolute
+    embedding added to the token's (GPT-2, OPT), or ALiBi's linear biases on the scores (BLOOM, MPT)."""
+    position_offset: int = Field(0, ge=0)
+    """learned: the embedding of position p is row p + offset (OPT's 2)."""
+    embedding_norm: bool = False
+    """A norm on the token embeddings before the first layer (BLOOM's word_embeddings_layernorm)."""
+    lm_head_bias: bool = False
+    """A bias on the LM head (GPT-J, Phi)."""
 
     @field_validator("family")
     @classmethod
@@ -537,6 +563,18 @@ class ModelConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_gpt_era(self) -> ModelConfig:
+        if self.norm_kind == "rms" and self.norm_bias:
+            raise ValueError("norm_bias needs norm_kind layer (an RMSNorm has no bias)")
+        if self.norm_kind == "layer" and self.qk_norm_across_heads:
+            raise ValueError("qk_norm_across_heads is an RMSNorm over all heads; norm_kind layer has none")
+        if self.residual != "sequential" and (self.post_norms or not self.pre_norms):
+            raise ValueError(f"residual {self.residual} adds pre-normed sublayers: pre_norms true, post_norms false")
+        if self.position_offset and self.positions != "learned":
+            raise ValueError("position_offset is the row offset of learned position embeddings (positions: learned)")
+        return self
+
+    @model_validator(mode="after")
     def _check_kv_sharing(self) -> ModelConfig:
         if not self.kv_shared_layers:
             if self.kv_shared_wide_mlp:
@@ -611,7 +649,13 @@ class ModelConfig(Strict):
         return list(_LAYER_SPECS[key])
 
     def _norm_spec(self) -> NormSpec:
-        return NormSpec(eps=self.norm_eps, zero_centered=self.norm_zero_centered)
+        return NormSpec(
+            kind=self.norm_kind,
+            eps=self.norm_eps,
+            zero_centered=self.norm_zero_centered,
+            scale=self.norm_scale,
+            bias=self.norm_bias,
+        )
 
     def _layer_spec(self, layer: Layer) -> LayerSpec:
         ffn: MLPSpec | MoESpec | None = None
@@ -630,6 +674,7 @@ class ModelConfig(Strict):
             layer_scale=self.layer_scale,
             per_layer_input_dim=self.per_layer_input_dim,
             per_layer_activation=self.activation,
+            residual=self.residual,
         )
 
     def _mlp_spec(self, dim: int) -> MLPSpec:
@@ -640,6 +685,7 @@ class ModelConfig(Strict):
             gated=self.mlp_gated,
             gate_multiplier=1.0 if mup is None else mup.mlp_gate,
             down_multiplier=1.0 if mup is None else mup.mlp_down,
+            bias=self.mlp_bias,
         )
 
     def _moe_spec(self) -> MoESpec:
@@ -697,7 +743,7 @@ class ModelConfig(Strict):
             output_gate=self.attention_output_gate,
             sinks=self.attention_sinks,
             kv_sharing=layer.kv_sharing,
-            rope=self._rotary(layer.local) if layer.rope else None,
+            rope=self._rotary(layer.local) if layer.rope and self.positions == "rope" else None,
             window=self.sliding_window if layer.local else None,
             chunk=self.attention_chunk_size if layer.chunked else None,
             scale=self.attention_scale or (self.query_pre_attn_scalar or h) ** -0.5,
@@ -707,6 +753,8 @@ class ModelConfig(Strict):
             key_multiplier=1.0 if self.mup is None else self.mup.key,
             temperature_floor=self.attn_temperature_floor,
             temperature_scale=self.attn_temperature_scale,
+            qkv_clip=self.qkv_clip,
+            alibi=self.positions == "alibi",
         )
 
     def _mixer_spec(self, layer: Layer):
@@ -732,9 +780,14 @@ class ModelConfig(Strict):
                 value_head_dim=self.value_head_dim,
                 kv_lora_rank=self.kv_lora_rank,
                 q_lora_rank=self.q_lora_rank,
-                rope=RotarySpec(theta=self.rope_theta, scaling=self.rope_scaling, interleave=self.rope_interleave),
+                rope=(
+                    RotarySpec(theta=self.rope_theta, scaling=self.rope_scaling, interleave=self.rope_interleave)
+                    if layer.rope
+                    else None
+                ),
                 window=self.sliding_window if layer.local else None,
                 indexer=indexer,
+                scale=mla_score_scale(self.head_dim, self.rope_scaling),
             )
         if layer.mixer in ("gated_delta", "kimi_delta"):
             gd = self.gated_delta
@@ -792,6 +845,10 @@ class ModelConfig(Strict):
         last = self.layer_pattern()[-1]
         return last._replace(stack="mtp_blocks", ffn="moe" if self.is_moe else last.ffn)
 
+    def mtp_layer_spec(self) -> LayerSpec:
+        """The multi-token-prediction module's layer as a spec (mtp_layer's kind)."""
+        return self._layer_spec(self.mtp_layer())
+
     def mtp_stacks(self) -> list[tuple[str, tuple[int, ...]]]:
         """(params key, HF layer indices) of the multi-token-prediction layers: layer_stacks'
         form for the tensor table (model.layers.{num_layers}. ...); empty without them."""
@@ -831,14 +888,17 @@ class ModelConfig(Strict):
         """Parameters; `active`: only those one token computes with (its k experts of each
         layer). Each layer's spec counts its own (engine/models/specs.py)."""
         d, specs = self.d_model, self.layer_specs()
-        n = sum(spec.params(d, active) for spec in specs) + d  # the layers and the final norm
+        norm = specs[0].norm.params(d)
+        n = sum(spec.params(d, active) for spec in specs) + norm  # the layers and the final norm
+        n += norm * self.embedding_norm + self.vocab_size * self.lm_head_bias
         if include_embedding:
             n += self.vocab_size * d * (1 if self.tie_embeddings else 2)
+            n += (self.max_seq_len + self.position_offset) * d * (self.positions == "learned")
         if self.per_layer_input_dim:  # the model's projection and norm, and the per-layer embedding
             width = self.num_layers * self.per_layer_input_dim
             n += d * width + self.per_layer_input_dim + self.vocab_size * width * include_embedding
         if self.mtp_layers:  # a layer like the last (experts), its two input norms, the (2d, d) projection, a norm
-            mtp = self._layer_spec(self.mtp_layer())
+            mtp = self.mtp_layer_spec()
             n += self.mtp_layers * (mtp.params(d, active) + 2 * d * d + 3 * d)
         return n
 

@@ -41,11 +41,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from engine.models.common import dtype_of, param
-from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.common import param
 from engine.models.moe import MoEStats
 from engine.models.rope import apply_rope, rope_inverse_frequencies
-from engine.ops.dense import DotGeneral, dense
+from engine.models.specs import MLASpec, RotarySpec
+from engine.ops.dense import dense
 from engine.ops.sparse_mla import gather_rows, selected_latent_attention
 
 NEG_INF = -1e30  # finite, as attention's: a padding query's row (nothing visible) stays finite
@@ -63,26 +63,23 @@ class WithIndexerLoss(NamedTuple):
 class Indexer(nnx.Module):
     """The lightning indexer of one MLA layer: scores (b, t, s) of every key for every query."""
 
-    def __init__(
-        self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs, dot_general: DotGeneral = jax.lax.dot_general
-    ):
-        d, g, i = cfg.d_model, cfg.index_heads, cfg.index_head_dim
-        assert cfg.q_lora_rank is not None and cfg.index_topk is not None
-        pdt, std = dtype_of(compute.param_dtype), cfg.init_std
-        self.wq_b_qgi = param(rngs, (cfg.q_lora_rank, g, i), std, (None, "heads", None), pdt)
+    def __init__(self, spec: MLASpec, build, *, rngs: nnx.Rngs):
+        """`spec`: its MLA layer's (the indexer's sizes, the RoPE); `build` a common.Build."""
+        indexer = spec.indexer
+        assert spec.q_lora_rank is not None and indexer is not None
+        d, g, i = build.d_model, indexer.heads, indexer.head_dim
+        pdt, std = build.param_dtype, build.init_std
+        self.wq_b_qgi = param(rngs, (spec.q_lora_rank, g, i), std, (None, "heads", None), pdt)
         self.wk_di = param(rngs, (d, i), std, ("embed", None), pdt)
         self.k_norm_scale = nnx.Param(jnp.ones((i,), pdt), out_sharding=("norm",))
         self.k_norm_bias = nnx.Param(jnp.zeros((i,), pdt), out_sharding=("norm",))
         # transformers keeps weights_proj in float32 (_keep_in_fp32_modules): so is its product here
         self.w_weights_dg = param(rngs, (d, g), std, ("embed", "heads"), pdt)
-        self.heads, self.head_dim, self.rope_dim = g, i, cfg.rope_head_dim
-        self.rope_theta, self.rope_scaling, self.interleave = (
-            cfg.rope_theta,
-            cfg.rope_scaling,
-            cfg.index_rope_interleave,
-        )
-        self.dtype = dtype_of(compute.dtype)
-        self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
+        self.heads, self.head_dim, self.rope_dim = g, i, spec.rope_head_dim
+        rope = spec.rope or RotarySpec()
+        self.rope_theta, self.rope_scaling, self.interleave = rope.theta, rope.scaling, indexer.rope_interleave
+        self.dtype = build.dtype
+        self.matmul_backward, self.dot_general = build.compute.matmul_backward, build.dot_general
 
     def _dense(self, x, w: nnx.Param, n_in: int = 1):
         return dense(x, w[...].astype(self.dtype), n_in, backward=self.matmul_backward, dot_general=self.dot_general)

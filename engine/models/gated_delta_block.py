@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from engine.models.common import dtype_of, param
-from engine.models.config import ComputeConfig, GatedDeltaConfig, LoraConfig, ModelConfig
+from engine.models.common import Build, dtype_of, param
+from engine.models.config import ComputeConfig
 from engine.models.kv_cache import DECODE_STATES, KVCache
-from engine.ops.dense import DotGeneral, dense
+from engine.models.specs import GatedDeltaSpec
+from engine.ops.dense import dense
 from engine.ops.gated_delta import (
     GatedDeltaState,
     decay_and_beta,
@@ -41,16 +42,9 @@ CHUNK = 64
 """Tokens per chunk of the chunked form (transformers' and FLA's chunk size)."""
 
 
-def sizes(cfg: ModelConfig) -> GatedDeltaConfig:
-    """The model's Gated DeltaNet sizes (set whenever a layer has this kind: ModelConfig._check_mixers)."""
-    assert cfg.gated_delta is not None, "mixer_pattern has gated_delta layers, so gated_delta is set"
-    return cfg.gated_delta
-
-
-def initial_state(cfg: ModelConfig, compute: ComputeConfig, batch: int) -> GatedDeltaState:
+def initial_state(gd: GatedDeltaSpec, compute: ComputeConfig, batch: int) -> GatedDeltaState:
     """A sequence's decoding state before its first token: the convolution's window (its last
     conv_kernel - 1 inputs, in the compute dtype) and the recurrent state (float32), zeros."""
-    gd = sizes(cfg)
     channels = 2 * gd.num_key_heads * gd.key_head_dim + gd.num_value_heads * gd.value_head_dim
     return GatedDeltaState(
         jnp.zeros((batch, gd.conv_kernel - 1, channels), dtype_of(compute.dtype)),
@@ -65,18 +59,10 @@ class GatedDeltaNet(nnx.Module):
     """The mixer of a `gated_delta` layer; called as transformer.Attention is (positions,
     window and RoPE flags ignored), and with a cache reads and writes its layer's state."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        compute: ComputeConfig,
-        *,
-        rngs: nnx.Rngs,
-        dot_general: DotGeneral = jax.lax.dot_general,
-        lora: LoraConfig | None = None,
-    ):
-        gd = sizes(cfg)
-        d, hk, hv, dk, dv = cfg.d_model, gd.num_key_heads, gd.num_value_heads, gd.key_head_dim, gd.value_head_dim
-        pdt, std = dtype_of(compute.param_dtype), cfg.init_std
+    def __init__(self, spec: GatedDeltaSpec, build: Build, *, rngs: nnx.Rngs):
+        gd = spec  # no LoRA on its projections
+        d, hk, hv, dk, dv = build.d_model, gd.num_key_heads, gd.num_value_heads, gd.key_head_dim, gd.value_head_dim
+        pdt, std = build.param_dtype, build.init_std
         group = hv // hk
         if gd.fused_projections:  # Qwen3-Next: [q k v z] and [b a] of each key head, side by side
             self.w_qkvz_dkx = param(rngs, (d, hk, 2 * dk + 2 * group * dv), std, ("embed", "heads", None), pdt)
@@ -96,12 +82,11 @@ class GatedDeltaNet(nnx.Module):
         self.a_log_v = nnx.Param(jnp.log(a).astype(pdt), out_sharding=("heads",))
         self.dt_bias_v = nnx.Param(jnp.ones((hv,), pdt), out_sharding=("heads",))
         self.norm_h = nnx.Param(jnp.ones((dv,), pdt), out_sharding=("norm",))
-        out_std = std / math.sqrt(2 * cfg.num_layers)
-        self.w_out_vhd = param(rngs, (hv, dv, d), out_std, ("heads", "head_dim", "embed"), pdt)
+        self.w_out_vhd = param(rngs, (hv, dv, d), build.out_std, ("heads", "head_dim", "embed"), pdt)
         self.fused, self.sizes = gd.fused_projections, (hk, hv, dk, dv)
-        self.norm_eps = cfg.norm_eps
-        self.dtype = dtype_of(compute.dtype)
-        self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
+        self.norm_eps = gd.norm_eps
+        self.dtype = build.dtype
+        self.matmul_backward, self.dot_general = build.compute.matmul_backward, build.dot_general
 
     def _dense(self, x, attr: str, n_in: int = 1):
         w = getattr(self, attr)[...].astype(self.dtype)
@@ -125,16 +110,7 @@ class GatedDeltaNet(nnx.Module):
         flat = (batch, time, hv)
         return mixed, z.reshape(*flat, dv), ba[..., :group].reshape(flat), ba[..., group:].reshape(flat)
 
-    def __call__(
-        self,
-        x_btd,
-        positions_bt,
-        segment_ids_bt,
-        local: bool = False,
-        cache: KVCache | None = None,
-        rotary=None,
-        rope: bool = True,
-    ):
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, spec: GatedDeltaSpec, cache: KVCache | None = None):
         """(b, t, d); with a cache (decoding) (out, the cache with this layer's state advanced)."""
         hk, hv, dk, dv = self.sizes
         if segment_ids_bt is not None:  # padding tokens contribute nothing (transformers zeroes them)

@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from engine.models.common import dtype_of, param
-from engine.models.config import ComputeConfig, GatedDeltaConfig, ModelConfig
+from engine.models.common import Build, dtype_of, param
+from engine.models.config import ComputeConfig
 from engine.models.kv_cache import DECODE_STATES, KVCache
-from engine.ops.dense import DotGeneral, dense
+from engine.models.specs import KimiDeltaSpec
+from engine.ops.dense import dense
 from engine.ops.gated_delta import GatedDeltaState
 from engine.ops.kimi_delta import kimi_delta_chunked, kimi_delta_step
 from engine.ops.linear_mixing import causal_conv1d
@@ -35,17 +36,11 @@ CHUNK = 64
 """Tokens per chunk of the chunked form (transformers' and FLA's)."""
 
 
-def sizes(cfg: ModelConfig) -> GatedDeltaConfig:
-    assert cfg.gated_delta is not None, "mixer_pattern has kimi_delta layers, so gated_delta is set"
-    return cfg.gated_delta
-
-
-def initial_state(cfg: ModelConfig, compute: ComputeConfig, batch: int) -> GatedDeltaState:
+def initial_state(spec: KimiDeltaSpec, compute: ComputeConfig, batch: int) -> GatedDeltaState:
     """A sequence's decoding state before its first token: zeros (the window in the compute dtype)."""
-    s = sizes(cfg)
-    heads, dim = s.num_key_heads, s.key_head_dim
+    heads, dim = spec.num_heads, spec.head_dim
     return GatedDeltaState(
-        jnp.zeros((batch, s.conv_kernel - 1, 3 * heads * dim), dtype_of(compute.dtype)),
+        jnp.zeros((batch, spec.conv_kernel - 1, 3 * heads * dim), dtype_of(compute.dtype)),
         jnp.zeros((batch, heads, dim, dim), jnp.float32),
     )
 
@@ -57,17 +52,10 @@ class KimiDeltaAttention(nnx.Module):
     """The mixer of a `kimi_delta` layer; called as transformer.Attention is (positions, window
     and RoPE flags ignored), and with a cache reads and writes its layer's state."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        compute: ComputeConfig,
-        *,
-        rngs: nnx.Rngs,
-        dot_general: DotGeneral = jax.lax.dot_general,
-    ):
-        s = sizes(cfg)
-        d, h, k = cfg.d_model, s.num_key_heads, s.key_head_dim
-        pdt, std = dtype_of(compute.param_dtype), cfg.init_std
+    def __init__(self, spec: KimiDeltaSpec, build: Build, *, rngs: nnx.Rngs):
+        s = spec  # no LoRA on its projections
+        d, h, k = build.d_model, s.num_heads, s.head_dim
+        pdt, std = build.param_dtype, build.init_std
         names = ("embed", "heads", "head_dim")
         self.wq_dhk = param(rngs, (d, h, k), std, names, pdt)
         self.wk_dhk = param(rngs, (d, h, k), std, names, pdt)
@@ -90,26 +78,16 @@ class KimiDeltaAttention(nnx.Module):
         self.w_ga_dk = param(rngs, (d, k), std, ("embed", None), pdt)  # the output gate's low-rank pair
         self.w_gb_khk = param(rngs, (k, h, k), std, (None, "heads", "head_dim"), pdt)
         self.norm_k = nnx.Param(jnp.ones((k,), pdt), out_sharding=("norm",))
-        out_std = std / math.sqrt(2 * cfg.num_layers)
-        self.wo_hkd = param(rngs, (h, k, d), out_std, ("heads", "head_dim", "embed"), pdt)
-        self.heads, self.head_dim, self.norm_eps = h, k, cfg.norm_eps
-        self.dtype = dtype_of(compute.dtype)
-        self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
+        self.wo_hkd = param(rngs, (h, k, d), build.out_std, ("heads", "head_dim", "embed"), pdt)
+        self.heads, self.head_dim, self.norm_eps = h, k, s.norm_eps
+        self.dtype = build.dtype
+        self.matmul_backward, self.dot_general = build.compute.matmul_backward, build.dot_general
 
     def _dense(self, x, attr: str, n_in: int = 1):
         w = getattr(self, attr)[...].astype(self.dtype)
         return dense(x, w, n_in, backward=self.matmul_backward, dot_general=self.dot_general)
 
-    def __call__(
-        self,
-        x_btd,
-        positions_bt,
-        segment_ids_bt,
-        local: bool = False,
-        cache: KVCache | None = None,
-        rotary=None,
-        rope: bool = True,
-    ):
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, spec: KimiDeltaSpec, cache: KVCache | None = None):
         """(b, t, d); with a cache (decoding) (out, the cache with this layer's state advanced)."""
         h, k = self.heads, self.head_dim
         if segment_ids_bt is not None:  # padding tokens contribute nothing (transformers zeroes them)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.specs import MLASpec
 from engine.ops.attention import BF16_BITS, cache_values, stored
 from engine.ops.partitioning import constrain, current_platform
 
@@ -18,10 +19,10 @@ INDEX_NAMES = ("act_batch", None, None)  # sparse attention's indexer keys (b, s
 CACHE_NAMES = ("act_batch", "act_kv_heads", None, None)  # keys (b, kv_heads, head_dim, s); values (b, kv_heads, s, h)
 
 
-DECODE_STATES: dict[str, Callable[[ModelConfig, ComputeConfig, int], Any]] = {}
-"""Mixer kind (Layer.mixer) -> its per-sequence decoding state at a sequence's start, for the
-kinds that carry a state instead of keys and values; the kind's module registers it
-(engine/models/gated_delta_block.py: the convolution window and the recurrent state)."""
+DECODE_STATES: dict[str, Callable[[Any, ComputeConfig, int], Any]] = {}
+"""Mixer kind -> its per-sequence decoding state at a sequence's start, of (its spec, compute,
+batch), for the kinds that carry a state instead of keys and values; the kind's module
+registers it (engine/models/gated_delta_block.py: the convolution window and the recurrent state)."""
 KEYS_AND_STATE = {"attention_mamba2"}
 """Mixer kinds in DECODE_STATES that keep keys and values as well (Falcon-H1's parallel layers)."""
 
@@ -82,17 +83,22 @@ class KVCache:
         if compute.dtype == "bfloat16":  # on CPU as its bits (engine/ops/attention.py: BF16_BITS)
             dtype = BF16_BITS if current_platform() == "cpu" else jnp.bfloat16
         k_shapes, v_shapes, states = [], [], []
-        for layer in cfg.layer_pattern():  # a layer's heads may have a shape of their own (Gemma 4's global ones)
-            states.append(DECODE_STATES[layer.mixer](cfg, compute, batch) if layer.mixer in DECODE_STATES else None)
-            keys = layer.mixer in KEYS_AND_STATE  # Falcon-H1's parallel layers keep both
-            reuses = layer.kv_sharing == "reuse"  # a Gemma 4 layer attending with another layer's keys and values
-            if (states[-1] is not None and not keys) or layer.mixer == "none" or reuses:  # no keys, values
+        for spec in cfg.layer_specs():  # a layer's heads may have a shape of their own (Gemma 4's global ones)
+            mixer = spec.mixer
+            kind = None if mixer is None else mixer.kind
+            states.append(DECODE_STATES[kind](mixer, compute, batch) if kind in DECODE_STATES else None)
+            keys = kind in KEYS_AND_STATE  # Falcon-H1's parallel layers keep both
+            reuses = spec.kv_sharing == "reuse"  # a Gemma 4 layer attending with another layer's keys and values
+            if (states[-1] is not None and not keys) or mixer is None or reuses:  # no keys, values
                 k_shapes.append((batch, 0, 0, max_len))
                 v_shapes.append((batch, 0, max_len, 0))
                 continue
-            k_shape = v_shape = (batch, layer.kv_heads or cfg.num_kv_heads, max_len, layer.head_dim or cfg.head_dim)
-            if cfg.is_mla:
-                k_shape, v_shape = (batch, 1, max_len, cfg.kv_lora_rank), (batch, 1, max_len, cfg.rope_head_dim)
+            if isinstance(mixer, MLASpec):  # the latent and the shared rotary key (mla.py)
+                k_shape, v_shape = (batch, 1, max_len, mixer.kv_lora_rank), (batch, 1, max_len, mixer.rope_head_dim)
+            else:
+                attention = spec.attention
+                assert attention is not None, f"mixer kind {kind} keeps keys and values but is not attention"
+                k_shape = v_shape = (batch, attention.num_kv_heads, max_len, attention.head_dim)
             k_shapes.append((*k_shape[:2], k_shape[3], k_shape[2]))  # keys slot-minor
             v_shapes.append(v_shape)
         k, v = (

@@ -26,7 +26,7 @@ import numpy as np
 import qwix
 from flax import nnx
 
-from engine.models.config import LORA_ATTENTION_TARGETS, LORA_MLP_TARGETS, LORA_WEIGHTS, LoraConfig, ModelConfig
+from engine.models.config import LORA_ATTENTION_TARGETS, LORA_MLP_TARGETS, LORA_WEIGHTS
 from engine.ops.dense import dense
 
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
@@ -40,16 +40,17 @@ MODEL_WEIGHTS = {m: WEIGHTS[m] for m in ("per_layer_model_projection",)}
 """The model's own adaptable projections, outside the layers (Gemma 4's per-layer-input projection)."""
 
 
-def add_adapters(
-    module: nnx.Module, targets: dict[str, tuple[str, int]], lora: LoraConfig | None, model: ModelConfig, rngs: nnx.Rngs
-) -> None:
-    """Give each of `module`'s weights that `lora` targets its A and B (created after the base
-    weights, so the base initialises as without an adapter only when none is targeted)."""
+def add_adapters(module: nnx.Module, targets: dict[str, tuple[str, int]], build, rngs: nnx.Rngs) -> None:
+    """Give each of `module`'s weights that the run's adapter targets its A and B (created
+    after the base weights, so the base initialises as without an adapter only when none is
+    targeted). `build`: the block's common.Build (its lora and lora_targets), or None for no
+    adapter here."""
+    lora = None if build is None else build.lora
     module.lora_scale = None if lora is None else lora.scale
     module.lora_dropout = 0.0 if lora is None else lora.dropout
     if lora is None:
         return
-    wanted = lora.targets(model)
+    wanted = build.lora_targets
     for peft_name, (attr, n_in) in targets.items():
         if peft_name not in wanted or not hasattr(module, attr):  # (Gemma 4's global layers have no v_proj)
             continue

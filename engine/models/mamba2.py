@@ -20,8 +20,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from engine.models.common import dtype_of, param
-from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.config import ComputeConfig
 from engine.models.kv_cache import DECODE_STATES, KVCache
+from engine.models.specs import Mamba2Spec, ParallelHybridSpec
 from engine.ops.dense import DotGeneral, dense
 from engine.ops.linear_mixing import causal_conv1d
 from engine.ops.partitioning import constrain, current_mesh
@@ -34,20 +35,18 @@ nnx.use_eager_sharding(False)  # placed by engine/models/params.py, as transform
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 0.1, 1e-4
 
 
-def dims_of(cfg: ModelConfig) -> Mamba2Dims:
-    """The Mamba2 layers' sizes (cfg.mamba2); the gated norm's epsilon is cfg.norm_eps (Nemotron-H's
-    and Granite 4's one epsilon)."""
-    m = cfg.mamba2
-    assert m is not None, "a model with mamba2 layers has ModelConfig.mamba2"
+def dims_of(m: Mamba2Spec) -> Mamba2Dims:
+    """The sizes of a Mamba2 mixer of spec `m` (its gated norm's epsilon the model's)."""
     low, high = m.dt_limit or (0.0, float("inf"))
-    dims = Mamba2Dims(m.num_heads, m.head_dim, m.state_size, m.n_groups, m.conv_kernel, cfg.norm_eps, low, high)
+    dims = Mamba2Dims(m.num_heads, m.head_dim, m.state_size, m.n_groups, m.conv_kernel, m.norm_eps, low, high)
     return dims._replace(norm_before_gate=m.norm_before_gate)
 
 
-def decode_state(cfg: ModelConfig, compute: ComputeConfig, batch: int) -> Mamba2State:
+def decode_state(spec: Mamba2Spec | ParallelHybridSpec, compute: ComputeConfig, batch: int) -> Mamba2State:
     """A sequence's decoding state before its first token (zeros): the convolution window in
-    the compute dtype, the SSM state in float32."""
-    return initial_state(batch, dims_of(cfg), dtype_of(compute.dtype))
+    the compute dtype, the SSM state in float32 (Falcon-H1's parallel layers: their Mamba2's)."""
+    m = spec.mamba2 if isinstance(spec, ParallelHybridSpec) else spec
+    return initial_state(batch, dims_of(m), dtype_of(compute.dtype))
 
 
 DECODE_STATES["mamba2"] = DECODE_STATES["attention_mamba2"] = decode_state
@@ -110,34 +109,26 @@ class Mamba2(nnx.Module):
         self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
 
     @classmethod
-    def of_layer(cls, cfg: ModelConfig, compute: ComputeConfig, *, rngs, dot_general=jax.lax.dot_general, **_):
-        """The mixer of a `mamba2` layer (transformer.MIXERS), its sizes dims_of(cfg)."""
-        m = cfg.mamba2
-        assert m is not None, "a model with mamba2 layers has ModelConfig.mamba2"
+    def of_spec(cls, m: Mamba2Spec, build, *, rngs: nnx.Rngs) -> Mamba2:
+        """The mixer of a `mamba2` layer (transformer.MIXERS; `build` a common.Build)."""
+        scales = None if m.projection_multipliers == (1.0,) * 5 else m.projection_multipliers
         return cls(
-            dims_of(cfg),
-            cfg.d_model,
-            compute,
+            dims_of(m),
+            build.d_model,
+            build.compute,
             rngs=rngs,
-            init_std=cfg.init_std,
-            num_layers=cfg.num_layers,
+            init_std=build.init_std,
+            num_layers=build.depth,
             bias=m.proj_bias,
             conv_bias=m.conv_bias,
             chunk_size=m.chunk_size,
-            dot_general=dot_general,
+            dot_general=build.dot_general,
             gated_norm=m.gated_norm,
-            section_scales=None if cfg.mup is None else cfg.mup.ssm_projections,
+            section_scales=scales,
         )
 
     def __call__(
-        self,
-        x_btd,
-        positions_bt,
-        segment_ids_bt,
-        local: bool = False,
-        cache: KVCache | None = None,
-        rotary=None,
-        rope: bool = True,
+        self, x_btd, positions_bt, segment_ids_bt, spec: Mamba2Spec | None = None, cache: KVCache | None = None
     ):
         """Called as transformer.Attention is (positions, window and RoPE flags ignored): (b, t, d),
         or with a cache (decoding) (out, the cache with this layer's state advanced)."""

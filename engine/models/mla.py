@@ -21,22 +21,20 @@ ever materialised over the cache.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from engine.models.common import RMSNorm, dtype_of, param
-from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.common import Build, RMSNorm, param
 from engine.models.dsa import Indexer, indexer_kl, select_top_k, sparse_attention
 from engine.models.kv_cache import KVCache
 from engine.models.lora import weight_value
 from engine.models.rope import apply_rope, rope_inverse_frequencies
+from engine.models.specs import MLASpec, RotarySpec
 from engine.ops.attention import attention
 from engine.ops.attention_reference import attention_mask, dot_product_attention
-from engine.ops.dense import DotGeneral, dense
+from engine.ops.dense import dense
 from engine.ops.partitioning import constrain
 
 LATENT_NORM_EPS = 1e-6
@@ -46,30 +44,17 @@ them at their default whatever rms_norm_eps says."""
 NEG_INF = -1e30  # finite, as engine/ops/attention_reference.py's: a fully masked (padding) row stays finite
 
 
-def softmax_scale(cfg: ModelConfig) -> float:
-    """head_dim**-0.5, times YaRN's mscale(factor, mscale_all_dim) squared when the RoPE has one
-    (DeepSeek-V3: the attention factor on cos and sin covers only the rotary part)."""
-    scale = cfg.head_dim**-0.5
-    scaling = cfg.rope_scaling
-    if scaling is not None and scaling.kind == "yarn" and scaling.mscale_all_dim and scaling.factor > 1:
-        mscale = 0.1 * scaling.mscale_all_dim * math.log(scaling.factor) + 1.0
-        scale *= mscale * mscale
-    return scale
-
-
 class MLA(nnx.Module):
     """Multi-head latent attention, called as transformer.Attention is."""
 
-    def __init__(
-        self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs, dot_general: DotGeneral = jax.lax.dot_general
-    ):
-        d, n, h, r = cfg.d_model, cfg.num_heads, cfg.head_dim, cfg.rope_head_dim
-        c, w = cfg.kv_lora_rank, cfg.value_head_dim
-        pdt, std = dtype_of(compute.param_dtype), cfg.init_std
-        if cfg.q_lora_rank:
-            self.wq_a_dq = param(rngs, (d, cfg.q_lora_rank), std, ("embed", None), pdt)
-            self.q_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, pdt, rngs=rngs)
-            self.wq_b_qnh = param(rngs, (cfg.q_lora_rank, n, h), std, (None, "heads", "head_dim"), pdt)
+    def __init__(self, spec: MLASpec, build: Build, *, rngs: nnx.Rngs):
+        d, n, h, r = build.d_model, spec.num_heads, spec.head_dim, spec.rope_head_dim
+        c, w = spec.kv_lora_rank, spec.value_head_dim
+        pdt, std = build.param_dtype, build.init_std
+        if spec.q_lora_rank:  # (LoraConfig.targets refuses its projections)
+            self.wq_a_dq = param(rngs, (d, spec.q_lora_rank), std, ("embed", None), pdt)
+            self.q_norm = RMSNorm(spec.q_lora_rank, LATENT_NORM_EPS, pdt, rngs=rngs)
+            self.wq_b_qnh = param(rngs, (spec.q_lora_rank, n, h), std, (None, "heads", "head_dim"), pdt)
         else:
             self.wq_dnh = param(rngs, (d, n, h), std, ("embed", "heads", "head_dim"), pdt)
         # The latent and the shared rotary key come out of one projection (HF's kv_a_proj_with_mqa).
@@ -77,19 +62,18 @@ class MLA(nnx.Module):
         self.kv_norm = RMSNorm(c, LATENT_NORM_EPS, pdt, rngs=rngs)
         # Per head, the non-rotary key then the value (HF's kv_b_proj).
         self.wkv_b_cny = param(rngs, (c, n, h - r + w), std, (None, "heads", "head_dim"), pdt)
-        self.wo_nwd = param(rngs, (n, w, d), std / math.sqrt(2 * cfg.num_layers), ("heads", "head_dim", "embed"), pdt)
-        self.q_lora = cfg.q_lora_rank is not None
+        self.wo_nwd = param(rngs, (n, w, d), build.out_std, ("heads", "head_dim", "embed"), pdt)
+        self.q_lora = spec.q_lora_rank is not None
         self.nope_dim, self.rope_dim, self.latent_dim, self.value_dim = h - r, r, c, w
-        self.rope_theta, self.rope_scaling, self.rope_interleave = cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleave
-        self.sliding_window = cfg.sliding_window
-        self.scale = softmax_scale(cfg)
-        self.dtype = dtype_of(compute.dtype)
+        self.scale = spec.score_scale  # the same for every layer of a model
+        self.dtype = build.dtype
+        compute = build.compute
         self.attention_impl, self.attention_block = compute.attention_impl, compute.attention_block
-        self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
-        self.index_topk = cfg.index_topk  # DeepSeek Sparse Attention (dsa.py)
-        if cfg.index_topk is not None:
-            self.indexer = Indexer(cfg, compute, rngs=rngs, dot_general=dot_general)
-        self.indexer_loss = compute.indexer_loss if cfg.index_topk is not None else "none"
+        self.matmul_backward, self.dot_general = compute.matmul_backward, build.dot_general
+        self.index_topk = None if spec.indexer is None else spec.indexer.topk  # DeepSeek Sparse Attention (dsa.py)
+        if spec.indexer is not None:
+            self.indexer = Indexer(spec, build, rngs=rngs)
+        self.indexer_loss = compute.indexer_loss if spec.indexer is not None else "none"
 
     def _dense(self, x, w: nnx.Param, n_in: int = 1):
         # weight_value: a QLoRA base holds a query projection without q_lora (wq_dnh, the name
@@ -97,25 +81,24 @@ class MLA(nnx.Module):
         value = weight_value(w, self.dtype)
         return dense(x, value, n_in, backward=self.matmul_backward, dot_general=self.dot_general)
 
-    def _rope(self, x_btnr, positions_bt, max_position: int):
+    def _rope(self, x_btnr, positions_bt, max_position: int, rope: RotarySpec):
         """RoPE on the rotary part; interleaved checkpoints rotate pairs (x0, x1), (x2, x3), ...,
         which is the half-split rotation of the evens followed by the odds (transformers'
         apply_rotary_pos_emb_interleave returns that order too)."""
-        if self.rope_interleave:
+        if rope.interleave:
             x_btnr = jnp.concatenate([x_btnr[..., 0::2], x_btnr[..., 1::2]], axis=-1)
-        inv_freq = rope_inverse_frequencies(self.rope_dim, self.rope_theta, self.rope_scaling)
-        factor = 1.0 if self.rope_scaling is None else self.rope_scaling.yarn_attention_factor()
+        inv_freq = rope_inverse_frequencies(self.rope_dim, rope.theta, rope.scaling)
+        factor = 1.0 if rope.scaling is None else rope.scaling.yarn_attention_factor()
         return apply_rope(x_btnr, positions_bt, inv_freq, factor, max_position)
 
-    def __call__(
-        self, x_btd, positions_bt, segment_ids_bt, local: bool = False, cache: KVCache | None = None, rope: bool = True
-    ):
-        """As transformer.Attention: `local` (static) slides the window; `rope` False (static)
-        leaves the rotary part unrotated (Kimi Linear's MLA); with a cache (decoding) returns
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, spec: MLASpec, cache: KVCache | None = None):
+        """As transformer.Attention: `spec` (static) is the layer's: its window slides; without
+        RoPE the rotary part stays unrotated (Kimi Linear's MLA); with a cache (decoding) returns
         (out, updated cache). With a training indexer loss (dsa.py) and no cache: (out, the
         indexer's KL)."""
         o, r, c = self.nope_dim, self.rope_dim, self.latent_dim
-        rotate = self._rope if rope else lambda x, *_: x
+        rope = spec.rope
+        rotate = (lambda x, *a: self._rope(x, *a, rope)) if rope is not None else (lambda x, *_: x)
         if self.q_lora:
             q_latent_btq = self.q_norm(self._dense(x_btd, self.wq_a_dq))
             q_btnh = self._dense(q_latent_btq, self.wq_b_qnh)
@@ -127,7 +110,7 @@ class MLA(nnx.Module):
         kv_btx = self._dense(x_btd, self.wkv_a_dx)
         latent_btc = self.kv_norm(kv_btx[..., :c])
         k_rope_bt1r = rotate(kv_btx[..., None, c:], positions_bt, max_position)
-        window = self.sliding_window if local else None
+        window = spec.window
         w_kb_cno, w_vb_cnw = self.wkv_b_cny[...][..., :o], self.wkv_b_cny[...][..., o:]
         if self.index_topk is not None:  # its inputs detached: only its KL trains it (dsa.py)
             index_x_btd, index_q_btq = jax.lax.stop_gradient(x_btd), jax.lax.stop_gradient(q_latent_btq)
@@ -205,7 +188,7 @@ class MLA(nnx.Module):
                 impl=self.attention_impl,
                 scale=self.scale,
                 window=window,
-                local=local,
+                local=window is not None,
                 block=self.attention_block,
             )
         return self._dense(out_btnh[..., :w], self.wo_nwd, 2)

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from engine.models import moe_ep, router_replay
-from engine.models.common import ACTIVATIONS, dtype_of, param
-from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.common import ACTIVATIONS, Build, param
+from engine.models.specs import MoESpec
 from engine.ops.dense import DotGeneral, dense, gated_mlp, matmuls_in
 from engine.ops.grouped import grouped_mlp
 from engine.ops.partitioning import constrain, current_mesh
@@ -238,63 +238,61 @@ def capacity_experts(
 
 class MoE(nnx.Module):
     """Router + `num_experts` gated MLPs as stacked (e, ...) weights, + optional shared experts
-    (without cfg.mlp_gated, experts and shared experts down(act(up(x))): no w_gate, Nemotron-H).
+    (of a MoESpec; without its gate, experts and shared experts down(act(up(x))): no w_gate, Nemotron-H).
 
     __call__(x_btd, valid_bt) -> (out_btd, MoEStats); valid_bt False marks padding (it is
     routed like any token but left out of the router statistics and the capacity)."""
 
-    def __init__(
-        self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs, dot_general: DotGeneral = jax.lax.dot_general
-    ):
-        d, f, e = cfg.d_model, cfg.moe_mlp_dim, cfg.num_experts
-        pdt, std = dtype_of(compute.param_dtype), cfg.init_std
-        out_std = std / math.sqrt(2 * cfg.num_layers)
+    def __init__(self, spec: MoESpec, build: Build, *, rngs: nnx.Rngs):
+        d, f, e = build.d_model, spec.expert_dim, spec.num_experts
+        pdt, std, out_std = build.param_dtype, build.init_std, build.out_std
         self.w_router_de = param(rngs, (d, e), std, ("embed", None), pdt)
-        if cfg.router_input_norm:  # Gemma 4: the router reads rms-normed x times this / sqrt(d)
+        if spec.router_input_norm:  # Gemma 4: the router reads rms-normed x times this / sqrt(d)
             self.router_scale_d = nnx.Param(jnp.ones((d,), pdt), out_sharding=("norm",))
-        if cfg.router_expert_scale:  # Gemma 4: a factor per expert on its routing weight
+        if spec.router_expert_scale:  # Gemma 4: a factor per expert on its routing weight
             self.expert_scale_e = nnx.Param(jnp.ones((e,), pdt), out_sharding=(None,))
-        if cfg.router_bias:
+        if spec.router_bias:
             self.b_router_e = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=(None,))
-        if cfg.router_logits_bias:  # GPT-OSS: the router Linear's bias
+        if spec.router_logits_bias:  # GPT-OSS: the router Linear's bias
             self.b_logits_e = nnx.Param(jnp.zeros((e,), pdt), out_sharding=(None,))
-        self.gated = cfg.mlp_gated  # false: experts down(act(up(x))), no gate (Nemotron-H)
+        self.gated = spec.gated  # false: experts down(act(up(x))), no gate (Nemotron-H)
         if self.gated:
             self.w_gate_edf = param(rngs, (e, d, f), std, ("expert", "embed", "mlp"), pdt)
         self.w_up_edf = param(rngs, (e, d, f), std, ("expert", "embed", "mlp"), pdt)
         self.w_down_efd = param(rngs, (e, f, d), out_std, ("expert", "mlp", "embed"), pdt)
-        if cfg.expert_bias:  # GPT-OSS
+        if spec.expert_bias:  # GPT-OSS
             self.b_gate_ef = nnx.Param(jnp.zeros((e, f), pdt), out_sharding=("expert", "mlp"))
             self.b_up_ef = nnx.Param(jnp.zeros((e, f), pdt), out_sharding=("expert", "mlp"))
             self.b_down_ed = nnx.Param(jnp.zeros((e, d), pdt), out_sharding=("expert", "embed"))
-        if cfg.num_shared_experts:
-            g = cfg.shared_mlp_dim
+        if spec.num_shared_experts:
+            g = spec.shared_dim
             if self.gated:
                 self.w_shared_gate_dg = param(rngs, (d, g), std, ("embed", "mlp"), pdt)
             self.w_shared_up_dg = param(rngs, (d, g), std, ("embed", "mlp"), pdt)
             self.w_shared_down_gd = param(rngs, (g, d), out_std, ("mlp", "embed"), pdt)
-        if cfg.shared_expert_gate:  # Qwen3-Next: the shared experts' output times sigmoid(x . w)
+        if spec.shared_expert_gate:  # Qwen3-Next: the shared experts' output times sigmoid(x . w)
             self.w_shared_scale_d1 = param(rngs, (d, 1), std, ("embed", None), pdt)
-        self.shared_gate = cfg.shared_expert_gate
-        self.num_experts, self.k = e, cfg.experts_per_token
-        self.score, self.renormalize = cfg.router_score, cfg.router_renormalize
-        self.router_bias, self.shared = cfg.router_bias, cfg.num_shared_experts > 0
-        self.groups, self.group_top, self.router_scale = cfg.router_groups, cfg.router_group_top, cfg.router_scale
-        self.group_score = cfg.router_group_score
-        self.scales_input = cfg.router_scales_input
-        self.activation = ACTIVATIONS[cfg.activation]
+        self.shared_gate = spec.shared_expert_gate
+        self.num_experts, self.k = e, spec.experts_per_token
+        self.score, self.renormalize = spec.router_score, spec.router_renormalize
+        self.router_bias, self.shared = spec.router_bias, spec.num_shared_experts > 0
+        self.groups, self.group_top, self.router_scale = spec.router_groups, spec.router_group_top, spec.router_scale
+        self.group_score = spec.router_group_score
+        self.scales_input = spec.router_scales_input
+        self.activation = ACTIVATIONS[spec.activation]
         self.glu = (
             gated(self.activation)
-            if cfg.swiglu_limit is None
-            else functools.partial(clamped_swiglu, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
+            if spec.swiglu_limit is None
+            else functools.partial(clamped_swiglu, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
         )
         if not self.gated:  # the up projection passed as the gate too (one product after XLA's CSE)
             self.glu = lambda _, up: self.activation(up.astype(jnp.float32)).astype(up.dtype)
-        self.logits_bias, self.expert_bias = cfg.router_logits_bias, cfg.expert_bias
-        self.input_norm, self.expert_scale, self.norm_eps = cfg.router_input_norm, cfg.router_expert_scale, cfg.norm_eps
-        self.dtype = dtype_of(compute.dtype)
-        self.dispatch, self.capacity_factor = compute.moe_dispatch, compute.moe_capacity_factor
-        self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
+        self.logits_bias, self.expert_bias = spec.router_logits_bias, spec.expert_bias
+        self.input_norm, self.expert_scale = spec.router_input_norm, spec.router_expert_scale
+        self.norm_eps = spec.router_norm_eps
+        self.dtype = build.dtype
+        self.dispatch, self.capacity_factor = build.compute.moe_dispatch, build.compute.moe_capacity_factor
+        self.matmul_backward, self.dot_general = build.compute.matmul_backward, build.dot_general
 
     def capacity(self, seq_len: int) -> int:
         """Assignments each expert takes per sequence in the capacity dispatch."""

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from engine.models.common import RMSNorm, dtype_of, param
+from engine.models.common import dtype_of, make_norm, param
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.ops.dense import dense
 from engine.ops.partitioning import constrain
@@ -35,7 +35,7 @@ class MTPHead(nnx.Module):
         d, pdt = cfg.d_model, dtype_of(compute.param_dtype)
 
         def norm():
-            return RMSNorm(d, cfg.norm_eps, pdt, zero_centered=cfg.norm_zero_centered, rngs=rngs)
+            return make_norm(cfg.mtp_layer_spec().norm, d, pdt, rngs=rngs)
 
         self.enorm, self.hnorm, self.post_norm = norm(), norm(), norm()
         self.w_eh_xd = param(rngs, (2 * d, d), cfg.init_std, (None, "embed"), pdt)
@@ -60,7 +60,7 @@ def mtp_logits(model, hidden_btd, tokens_bt, positions_bt=None, segment_ids_bt=N
     joined = jnp.concatenate([head.enorm(embedded_btd), head.hnorm(hidden_btd)], axis=-1).astype(dt)
     x_btd = dense(joined, head.w_eh_xd[...].astype(dt), backward=model.matmul_backward, dot_general=model.dot_general)
     x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
-    layer = cfg.mtp_layer()
+    layer = cfg.mtp_layer_spec()
     stack = model.mtp_blocks
     if compute.scan_layers:
         graphdef, state = nnx.split(stack)
@@ -69,7 +69,7 @@ def mtp_logits(model, hidden_btd, tokens_bt, positions_bt=None, segment_ids_bt=N
         block = stack[0]
     # RoPE at i + 1, within the table of t positions (the last position's is a stand-in)
     shifted_bt = jnp.minimum(positions_bt + 1, t - 1)
-    x_btd, _, stats = block.forward(x_btd, shifted_bt, segment_ids_bt, layer.local, rope=layer.rope)
+    x_btd, _, stats = block.forward(x_btd, shifted_bt, segment_ids_bt, layer)
     x_btd = head.post_norm(x_btd)
     head_dv = model.embed_vd[...].T if cfg.tie_embeddings else model.lm_head_dv[...]
     logits = jnp.einsum("btd,dv->btv", x_btd.astype(dt), head_dv.astype(dt), preferred_element_type=jnp.float32)

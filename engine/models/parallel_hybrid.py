@@ -14,9 +14,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from engine.models.config import ModelConfig
 from engine.models.kv_cache import KVCache
 from engine.models.mamba2 import Mamba2
+from engine.models.specs import ParallelHybridSpec
 
 
 class AttentionMamba2(nnx.Module):
@@ -24,32 +24,25 @@ class AttentionMamba2(nnx.Module):
     `attention` is the layer's transformer.Attention (RoPE, its key multiplier), `mamba` its
     Mamba2; both are built by transformer.MIXERS, so this module imports neither's builder."""
 
-    def __init__(self, cfg: ModelConfig, attention: nnx.Module, mamba: Mamba2):
+    def __init__(self, spec: ParallelHybridSpec, attention: nnx.Module, mamba: Mamba2):
         self.attention, self.mamba = attention, mamba
-        mup = cfg.mup
-        self.attention_in = 1.0 if mup is None else mup.attention_in
-        self.attention_out = 1.0 if mup is None else mup.attention_out
-        self.ssm_in = 1.0 if mup is None else mup.ssm_in
-        self.ssm_out = 1.0 if mup is None else mup.ssm_out
 
     def __call__(
-        self,
-        x_btd,
-        positions_bt,
-        segment_ids_bt,
-        local: bool = False,
-        cache: KVCache | None = None,
-        rotary=None,
-        rope: bool = True,
+        self, x_btd, positions_bt, segment_ids_bt, spec: ParallelHybridSpec, cache: KVCache | None = None, rotary=None
     ):
         dt = x_btd.dtype
-        ssm = self.mamba(x_btd * jnp.asarray(self.ssm_in, dt), positions_bt, segment_ids_bt, cache=cache)
+        ssm = self.mamba(x_btd * jnp.asarray(spec.ssm_in, dt), positions_bt, segment_ids_bt, spec.mamba2, cache)
         if cache is not None:  # the Mamba2 state advanced, then the attention's keys and values written
             ssm, cache = ssm
         attention = self.attention(
-            x_btd * jnp.asarray(self.attention_in, dt), positions_bt, segment_ids_bt, local, cache, rotary, rope
+            x_btd * jnp.asarray(spec.attention_in, dt),
+            positions_bt,
+            segment_ids_bt,
+            spec.attention,
+            cache,
+            rotary=rotary,
         )
         if cache is not None:
             attention, cache = attention
-        out_btd = ssm * jnp.asarray(self.ssm_out, ssm.dtype) + attention * jnp.asarray(self.attention_out, dt)
+        out_btd = ssm * jnp.asarray(spec.ssm_out, ssm.dtype) + attention * jnp.asarray(spec.attention_out, dt)
         return out_btd if cache is None else (out_btd, cache)

@@ -13,6 +13,7 @@ it is the one place that interprets them. Shapes as in transformer.py: d the mod
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -97,6 +98,11 @@ class AttentionSpec(Spec):
     temperature_floor: int | None = None
     """NoPE layers scale queries by 1 + temperature_scale * log(1 + floor((p + 1) / floor)) (Llama 4)."""
     temperature_scale: float = 0.1
+    qkv_clip: float | None = None
+    """Queries, keys and values clamped to [-clip, clip] after their projections (OLMo 1, DBRX)."""
+    alibi: bool = False
+    """ALiBi (arXiv 2108.12409): scores get -slope_n * (i - j), a slope per head, instead of RoPE
+    (BLOOM, MPT)."""
 
     def structure(self) -> AttentionSpec:
         """This spec with the call fields at their defaults: what its parameters depend on."""
@@ -159,9 +165,16 @@ class MLASpec(Spec):
     value_head_dim: int
     kv_lora_rank: int
     q_lora_rank: int | None = None
-    rope: RotarySpec = RotarySpec()
+    rope: RotarySpec | None = RotarySpec()
+    """None: the rotary part is left unrotated (Kimi Linear's MLA)."""
     window: int | None = None
     indexer: IndexerSpec | None = None
+    scale: float | None = None
+    """Scores are multiplied by this; None: head_dim**-0.5 (see mla_score_scale)."""
+
+    @property
+    def score_scale(self) -> float:
+        return self.scale if self.scale is not None else self.head_dim**-0.5
 
     def params(self, d: int) -> int:
         n, rank, r = self.num_heads, self.kv_lora_rank, self.rope_head_dim
@@ -176,6 +189,17 @@ class MLASpec(Spec):
             h, w = self.indexer.heads, self.indexer.head_dim
             q += self.q_lora_rank * h * w + d * w + 2 * w + d * h
         return q + kv + n * self.value_head_dim * d
+
+
+def mla_score_scale(head_dim: int, scaling: RopeScaling | None) -> float:
+    """MLA's softmax scale: head_dim**-0.5, times YaRN's mscale(factor, mscale_all_dim) squared
+    when the RoPE has one (DeepSeek-V3: the attention factor on cos and sin covers only the
+    rotary part)."""
+    scale = head_dim**-0.5
+    if scaling is not None and scaling.kind == "yarn" and scaling.mscale_all_dim and scaling.factor > 1:
+        mscale = 0.1 * scaling.mscale_all_dim * math.log(scaling.factor) + 1.0
+        scale *= mscale * mscale
+    return scale
 
 
 class GatedDeltaSpec(Spec):
@@ -268,20 +292,28 @@ MixerSpec = Annotated[
 """A layer's sequence mixer."""
 
 
+Activation = Literal["silu", "gelu_tanh", "gelu", "relu", "relu2"]
+"""silu (SwiGLU's), gelu_tanh (GeGLU's; HF's gelu_new, gelu_pytorch_tanh), gelu (exact, erf),
+relu, relu2 = relu(x)^2 (engine/models/common.py: ACTIVATIONS)."""
+
+
 class MLPSpec(Spec):
     """The MLP: down(act(gate(x)) * up(x)), or without a gate down(act(up(x)))."""
 
     kind: Literal["mlp"] = "mlp"
     dim: int
-    activation: Literal["silu", "gelu_tanh", "relu2"] = "silu"
+    activation: Activation = "silu"
     gated: bool = True
+    bias: bool = False
+    """Biases on its projections (GPT-2, GPT-NeoX, Phi, StarCoder2)."""
     gate_multiplier: float = 1.0
     """The gate's pre-activation is multiplied by this (Falcon-H1's muP)..."""
     down_multiplier: float = 1.0
     """... and the output by this."""
 
     def params(self, d: int) -> int:
-        return (3 if self.gated else 2) * d * self.dim
+        weights = (3 if self.gated else 2) * d * self.dim
+        return weights + ((2 if self.gated else 1) * self.dim + d) * self.bias
 
 
 class MoESpec(Spec):
@@ -292,7 +324,7 @@ class MoESpec(Spec):
     num_experts: int
     experts_per_token: int
     expert_dim: int
-    activation: Literal["silu", "gelu_tanh", "relu2"] = "silu"
+    activation: Activation = "silu"
     gated: bool = True
     router_score: Literal["softmax", "sigmoid"] = "softmax"
     router_renormalize: bool = True
@@ -352,7 +384,31 @@ class LayerSpec(Spec):
     """A learned scalar multiplying the stream after the layer (Gemma 4)."""
     per_layer_input_dim: int | None = None
     """Gemma 4's per-layer inputs: x + norm(proj(act(gate(x)) * e)) after the feed-forward."""
-    per_layer_activation: Literal["silu", "gelu_tanh", "relu2"] = "gelu_tanh"
+    per_layer_activation: Activation = "gelu_tanh"
+    residual: Literal["sequential", "parallel", "parallel_shared_norm"] = "sequential"
+    """sequential: x + mixer(norm(x)), then + ffn(norm(that)); parallel: x + mixer(norm1(x)) +
+    ffn(norm2(x)) (GPT-NeoX, Falcon's new architecture); parallel_shared_norm: one norm for both,
+    x + mixer(norm(x)) + ffn(norm(x)) (GPT-J, Phi, Cohere)."""
+
+    @property
+    def attention(self) -> AttentionSpec | None:
+        """The layer's grouped-query attention (also the one beside a Mamba2 mixer), if any."""
+        if isinstance(self.mixer, ParallelHybridSpec):
+            return self.mixer.attention
+        return self.mixer if isinstance(self.mixer, AttentionSpec) else None
+
+    @property
+    def local(self) -> bool:
+        """Attends through a sliding window (Gemma 4's KV sharing pairs layers by this)."""
+        return getattr(self.mixer, "window", None) is not None
+
+    @property
+    def kv_sharing(self) -> Literal["store", "reuse"] | None:
+        return None if self.attention is None else self.attention.kv_sharing
+
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.ffn, MoESpec)
 
     def params(self, d: int, active: bool = False) -> int:
         norms = (self.pre_norms + self.post_norms) * self.norm.params(d)
@@ -360,7 +416,8 @@ class LayerSpec(Spec):
         if self.mixer is not None:
             n += self.mixer.params(d) + norms
         if self.ffn is not None:
-            n += (self.ffn.params(d, active) if isinstance(self.ffn, MoESpec) else self.ffn.params(d)) + norms
+            n += self.ffn.params(d, active) if isinstance(self.ffn, MoESpec) else self.ffn.params(d)
+            n += norms - self.pre_norms * self.norm.params(d) * (self.residual == "parallel_shared_norm")
         if self.per_layer_input_dim:  # gate, projection, norm
             n += d * (2 * self.per_layer_input_dim) + self.norm.params(d)
         return n

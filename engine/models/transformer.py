@@ -22,8 +22,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from engine.config import ConfigError
-from engine.models.common import ACTIVATIONS, RMSNorm, dtype_of, param
-from engine.models.config import ComputeConfig, Layer, LoraConfig, ModelConfig
+from engine.models.common import ACTIVATIONS, Build, dtype_of, make_norm, param
+from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.models.dsa import WithIndexerLoss
 from engine.models.gated_delta_block import GatedDeltaNet
 from engine.models.kimi_delta_block import KimiDeltaAttention
@@ -46,6 +46,7 @@ from engine.models.moe import MoE, MoEStats, combine_stats
 from engine.models.mtp import MTPHead, mtp_loss
 from engine.models.parallel_hybrid import AttentionMamba2
 from engine.models.rope import rope_cos_sin, rope_inverse_frequencies, rotate
+from engine.models.specs import AttentionSpec, LayerSpec, MLPSpec, MoESpec, ParallelHybridSpec, RotarySpec
 from engine.ops.attention import attention, chunked_segment_ids, decode_attention
 from engine.ops.dense import DotGeneral, dense, gated_mlp, matmuls_in, uses_cpu_backward, weight_grads_in
 from engine.ops.partitioning import constrain, current_platform
@@ -59,139 +60,104 @@ _dtype, _param = dtype_of, param  # engine/models/common.py: the one initialiser
 
 
 def _unit_rms(x, eps: float):
-    """x / rms(x) over the last axis, in float32, no scale (Llama 4's L2 QK norm)."""
+    """x / rms(x) over the last axis, in float32, no scale (Llama 4's L2 QK norm; Gemma 4's value norm)."""
     x32 = x.astype(jnp.float32)
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
-def _norm(cfg: ModelConfig, compute: ComputeConfig, dim: int, rngs: nnx.Rngs, heads=None) -> RMSNorm:
-    pdt = _dtype(compute.param_dtype)
-    return RMSNorm(dim, cfg.norm_eps, pdt, zero_centered=cfg.norm_zero_centered, heads=heads, rngs=rngs)
-
-
 class Attention(nnx.Module):
-    """Grouped-query attention with RoPE. Local (sliding-window) or global, and RoPE or NoPE,
-    are chosen per call, statically, so one stacked set of layers can mix them (Gemma 2/3,
+    """Grouped-query attention with RoPE, built from an AttentionSpec's parameter structure and
+    called with its layer's spec (static): the sliding window, RoPE or NoPE, chunks and the
+    score scale are chosen per call, so one stacked set of layers can mix them (Gemma 2/3,
     SmolLM3) and a local layer computes only its window."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        compute: ComputeConfig,
-        *,
-        rngs: nnx.Rngs,
-        dot_general: DotGeneral = jax.lax.dot_general,
-        lora: LoraConfig | None = None,
-        layer: Layer | None = None,
-    ):
-        """`layer`: the stack's kind, where its heads differ from cfg's (Gemma 4's global layers)."""
-        d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        if layer is not None:
-            k, h = layer.kv_heads or k, layer.head_dim or h
-        self.values_from_keys = layer is not None and layer.values_from_keys
+    def __init__(self, spec: AttentionSpec, build: Build, *, rngs: nnx.Rngs):
+        d, n, k, h = build.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        if spec.alibi:
+            raise ConfigError("positions: alibi is not supported yet by the attention implementations; use rope")
         # Gemma 4's KV sharing: a `reuse` layer (a stack of its own) has no key/value projections.
-        self.reuses_kv = layer is not None and layer.kv_sharing == "reuse"
+        self.reuses_kv = spec.kv_sharing == "reuse"
+        self.values_from_keys = spec.values_from_keys
         own_kv = not self.reuses_kv
-        pdt, std = _dtype(compute.param_dtype), cfg.init_std
+        pdt, std = build.param_dtype, build.init_std
         # With an output gate (Qwen3-Next) each head's query and gate, side by side, as HF's q_proj has them.
-        self.output_gate = cfg.attention_output_gate
+        self.output_gate = spec.output_gate
         self.wq_dnh = _param(rngs, (d, n, 2 * h if self.output_gate else h), std, ("embed", "heads", "head_dim"), pdt)
         if own_kv:
             self.wk_dkh = _param(rngs, (d, k, h), std, ("embed", "kv_heads", "head_dim"), pdt)
         if own_kv and not self.values_from_keys:
             self.wv_dkh = _param(rngs, (d, k, h), std, ("embed", "kv_heads", "head_dim"), pdt)
-        if cfg.qkv_bias:
+        if spec.qkv_bias:
             self.bq_nh = nnx.Param(jnp.zeros((n, h), pdt), out_sharding=("heads", "head_dim"))
             self.bk_kh = nnx.Param(jnp.zeros((k, h), pdt), out_sharding=("kv_heads", "head_dim"))
             self.bv_kh = nnx.Param(jnp.zeros((k, h), pdt), out_sharding=("kv_heads", "head_dim"))
-        if cfg.qk_norm:  # over head_dim, or (OLMo 2) over all heads' dims at once
-            across = cfg.qk_norm_across_heads
-            self.q_norm = _norm(cfg, compute, h, rngs, heads=(n, "heads") if across else None)
+        if spec.qk_norm != "none":  # over head_dim, or (OLMo 2) over all heads' dims at once
+            across = spec.qk_norm == "across_heads"
+            self.q_norm = make_norm(spec.norm, h, pdt, rngs=rngs, heads=(n, "heads") if across else None)
             if own_kv:
-                self.k_norm = _norm(cfg, compute, h, rngs, heads=(k, "kv_heads") if across else None)
-        # Residual-branch outputs are scaled down with depth (GPT-2) so the stream stays O(1).
-        out_std = std / math.sqrt(2 * cfg.num_layers)
-        self.wo_nhd = _param(rngs, (n, h, d), out_std, ("heads", "head_dim", "embed"), pdt)
-        if cfg.attention_out_bias:
+                self.k_norm = make_norm(spec.norm, h, pdt, rngs=rngs, heads=(k, "kv_heads") if across else None)
+        self.wo_nhd = _param(rngs, (n, h, d), build.out_std, ("heads", "head_dim", "embed"), pdt)
+        if spec.out_bias:
             self.bo_d = nnx.Param(jnp.zeros((d,), pdt), out_sharding=("embed",))
-        if cfg.attention_sinks:  # GPT-OSS: a logit per head in the softmax's denominator (0: as much as one key)
+        if spec.sinks:  # GPT-OSS: a logit per head in the softmax's denominator (0: as much as one key)
             self.sinks_n = nnx.Param(jnp.zeros((n,), pdt), out_sharding=("heads",))
-        self.out_bias, self.sinks = cfg.attention_out_bias, cfg.attention_sinks
-        self.head_dim, self.rope_theta, self.rope_scaling = h, cfg.rope_theta, cfg.rope_scaling
-        self.rotary_dim = cfg.rotary_dim or h
-        self.rope_local_theta, self.sliding_window = cfg.rope_local_theta, cfg.sliding_window
-        self.qkv_bias, self.qk_norm, self.value_norm = cfg.qkv_bias, cfg.qk_norm, cfg.value_norm
-        self.norm_eps = cfg.norm_eps
-        # Llama 4: interleaved RoPE pairs, chunked layers, an unweighted QK norm after RoPE,
-        # NoPE layers' query temperature.
-        self.rope_interleave, self.chunk_size = cfg.rope_interleave, cfg.attention_chunk_size
-        self.qk_l2_norm = cfg.qk_l2_norm
-        self.temperature_floor, self.temperature_scale = cfg.attn_temperature_floor, cfg.attn_temperature_scale
-        self.scale = cfg.attention_scale or (cfg.query_pre_attn_scalar or h) ** -0.5
-        self.softcap = cfg.attn_logit_softcap
-        self.key_scale = 1.0 if cfg.mup is None else cfg.mup.key
-        self.dtype = _dtype(compute.dtype)
-        self.attention_impl, self.attention_block = compute.attention_impl, compute.attention_block
-        self.decode_attention_impl = compute.decode_attention_impl
-        self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
-        add_adapters(self, ATTENTION_WEIGHTS, lora, cfg, rngs)
+        self.head_dim, self.norm_eps = h, spec.norm.eps
+        self.dtype, self.compute, self.dot_general = build.dtype, build.compute, build.dot_general
+        add_adapters(self, ATTENTION_WEIGHTS, build, rngs)
 
     def _dense(self, x, attr: str, n_in: int = 1):
         """x . the weight `attr` (plus its LoRA update, if it has an adapter)."""
-        return project(self, attr, x, n_in, self.dtype, backward=self.matmul_backward, dot_general=self.dot_general)
+        backward = self.compute.matmul_backward
+        return project(self, attr, x, n_in, self.dtype, backward=backward, dot_general=self.dot_general)
 
-    def _inverse_frequencies(self, local: bool, positions_bt=None):
-        if local and self.rope_local_theta is not None:
-            return rope_inverse_frequencies(self.rotary_dim, self.rope_local_theta, None)
-        return rope_inverse_frequencies(self.rotary_dim, self.rope_theta, self.rope_scaling, positions_bt)
+    @staticmethod
+    def rotary(positions_bt, rope: RotarySpec, head_dim: int, max_position: int | None = None):
+        """RoPE's (cos, sin) at `positions_bt` for a layer rotating as `rope` says (rope.py)."""
+        inv_freq = rope_inverse_frequencies(rope.rotary_dim or head_dim, rope.theta, rope.scaling, positions_bt)
+        factor = 1.0 if rope.scaling is None else rope.scaling.yarn_attention_factor()
+        return rope_cos_sin(positions_bt, inv_freq, factor, max_position)
 
-    def _rope_scale(self, local: bool) -> float:
-        if (local and self.rope_local_theta is not None) or self.rope_scaling is None:
-            return 1.0
-        return self.rope_scaling.yarn_attention_factor()
-
-    def _rotate(self, x_btnh, rotary):
+    @staticmethod
+    def _rotate(x_btnh, rope: RotarySpec, rotary):
         """RoPE on the first rotary_dim dimensions of each head, the rest passed through. With
-        rope_interleave the pairs are (x0, x1), (x2, x3), ...: the half-split rotation of the
-        evens then the odds, a reordering of head_dim that queries and keys share (mla.py)."""
-        r = self.rotary_dim
-        if self.rope_interleave:
+        interleave the pairs are (x0, x1), (x2, x3), ...: the half-split rotation of the evens
+        then the odds, a reordering of head_dim that queries and keys share (mla.py)."""
+        h = x_btnh.shape[-1]
+        r = rope.rotary_dim or h
+        if rope.interleave:
             x_btnh = jnp.concatenate([x_btnh[..., 0:r:2], x_btnh[..., 1:r:2], x_btnh[..., r:]], axis=-1)
-        if self.rotary_dim == self.head_dim:
+        if r == h:
             return rotate(x_btnh, *rotary)
         return jnp.concatenate([rotate(x_btnh[..., :r], *rotary), x_btnh[..., r:]], axis=-1)
-
-    def rotary(self, positions_bt, local: bool, max_position: int | None = None):
-        """RoPE's (cos, sin) at `positions_bt` for a global or local layer (rope.py)."""
-        inv_freq = self._inverse_frequencies(local, positions_bt)
-        return rope_cos_sin(positions_bt, inv_freq, self._rope_scale(local), max_position)
 
     def __call__(
         self,
         x_btd,
         positions_bt,
         segment_ids_bt,
-        local: bool = False,
+        spec: AttentionSpec,
         cache: KVCache | None = None,
+        *,
         rotary=None,
-        rope: bool = True,
-        chunked: bool = False,
         shared_kv=None,
         store_kv: bool = False,
     ):
-        """`local` (static) selects the sliding window and the local RoPE base; `rope` False
-        (static) leaves queries and keys unrotated (a NoPE layer); `chunked` (static) attends
-        within chunks of attention_chunk_size positions. segment_ids_bt None: one
-        unpadded document per row. With a cache (decoding) returns (out, updated cache).
-        `rotary`: this layer's (cos, sin) at `positions_bt`, if the caller computed them.
-        KV sharing (Gemma 4): a `reuse` layer attends with `shared_kv`, the (keys, values) a
-        `store` layer returned beside its output (`store_kv`, static), or when decoding with the
-        cache of that layer (cache.layer)."""
+        """`spec` (static): this layer's (window, RoPE or NoPE, chunks, scale). segment_ids_bt
+        None: one unpadded document per row. With a cache (decoding) returns (out, updated
+        cache). `rotary`: this layer's (cos, sin) at `positions_bt`, if the caller computed
+        them. KV sharing (Gemma 4): a `reuse` layer attends with `shared_kv`, the (keys,
+        values) a `store` layer returned beside its output (`store_kv`, static), or when
+        decoding with the cache of that layer (cache.layer)."""
         dt = self.dtype
         reuse = self.reuses_kv
         names = ("wq_dnh", "wk_dkh") if self.values_from_keys else ("wq_dnh", "wk_dkh", "wv_dkh")
         q, *kv = project_shared(
-            self, names[:1] if reuse else names, x_btd, dt, backward=self.matmul_backward, dot_general=self.dot_general
+            self,
+            names[:1] if reuse else names,
+            x_btd,
+            dt,
+            backward=self.compute.matmul_backward,
+            dot_general=self.dot_general,
         )
         # Gemma 4's global layers: the values are the keys before their norm. A reuse layer's k
         # and v are stand-ins (its queries), replaced by the shared ones before attention.
@@ -199,55 +165,57 @@ class Attention(nnx.Module):
         v = k if self.values_from_keys or reuse else kv[1]
         if self.output_gate:
             q, gate = q[..., : self.head_dim], q[..., self.head_dim :]
-        if self.qkv_bias:
+        if spec.qkv_bias:
             q, k, v = q + self.bq_nh[...].astype(dt), k + self.bk_kh[...].astype(dt), v + self.bv_kh[...].astype(dt)
-        if self.key_scale != 1.0:  # Falcon-H1's key_multiplier
-            k = k * jnp.asarray(self.key_scale, k.dtype)
-        if self.qk_norm:
+        if spec.qkv_clip is not None:  # OLMo 1, DBRX: the projections clamped
+            q, k, v = (jnp.clip(a, -spec.qkv_clip, spec.qkv_clip) for a in (q, k, v))
+        if spec.key_multiplier != 1.0:  # Falcon-H1's key_multiplier
+            k = k * jnp.asarray(spec.key_multiplier, k.dtype)
+        if spec.qk_norm != "none":
             q, k = self.q_norm(q), k if reuse else self.k_norm(k)
-        if self.value_norm:  # RMSNorm over head_dim without a scale (Gemma 4)
-            v32 = v.astype(jnp.float32)
-            v = (v32 * jax.lax.rsqrt(jnp.mean(v32 * v32, axis=-1, keepdims=True) + self.norm_eps)).astype(v.dtype)
+        if spec.value_norm:  # RMSNorm over head_dim without a scale (Gemma 4)
+            v = _unit_rms(v, self.norm_eps)
         q = constrain(q, ("act_batch", "act_seq", "act_heads", None))
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", None))
-        if rope and rotary is None:  # looked up in a table of the positions below the row's (cache's) length
-            rotary = self.rotary(positions_bt, local, positions_bt.shape[1] if cache is None else cache.length)
-        q = self._rotate(q, rotary) if rope else q
-        k = self._rotate(k, rotary) if rope else k
-        if rope and self.qk_l2_norm:  # Llama 4: RMS over head_dim, no scale, after RoPE
-            q, k = _unit_rms(q, self.norm_eps), _unit_rms(k, self.norm_eps)
-        if not rope and self.temperature_floor is not None:  # Llama 4's NoPE layers (arXiv 2501.19399)
-            steps_bt = jnp.floor((positions_bt.astype(jnp.float32) + 1.0) / self.temperature_floor)
-            temperature_bt = jnp.log1p(steps_bt) * self.temperature_scale + 1.0
+        rope = spec.rope
+        if rope is not None:
+            if rotary is None:  # looked up in a table of the positions below the row's (cache's) length
+                max_position = positions_bt.shape[1] if cache is None else cache.length
+                rotary = self.rotary(positions_bt, rope, self.head_dim, max_position)
+            q, k = self._rotate(q, rope, rotary), self._rotate(k, rope, rotary)
+            if spec.qk_l2_norm:  # Llama 4: RMS over head_dim, no scale, after RoPE
+                q, k = _unit_rms(q, self.norm_eps), _unit_rms(k, self.norm_eps)
+        elif spec.temperature_floor is not None:  # Llama 4's NoPE layers (arXiv 2501.19399)
+            steps_bt = jnp.floor((positions_bt.astype(jnp.float32) + 1.0) / spec.temperature_floor)
+            temperature_bt = jnp.log1p(steps_bt) * spec.temperature_scale + 1.0
             q = (q * temperature_bt[:, :, None, None]).astype(q.dtype)
         q = checkpoint_name(q, "qkv_proj")
         k = checkpoint_name(k, "qkv_proj")
         v = checkpoint_name(v, "qkv_proj")
-        sinks_n = self.sinks_n[...] if self.sinks else None
+        sinks_n = self.sinks_n[...] if spec.sinks else None
         if reuse and cache is None:
             k, v = shared_kv
         if cache is None:
-            if chunked:  # each chunk of each document its own segment (engine/ops/attention.py)
-                assert self.chunk_size is not None, "chunked layers need attention_chunk_size"
-                segment_ids_bt = chunked_segment_ids(segment_ids_bt, positions_bt, self.chunk_size)
+            if spec.chunk is not None:  # each chunk of each document its own segment (engine/ops/attention.py)
+                segment_ids_bt = chunked_segment_ids(segment_ids_bt, positions_bt, spec.chunk)
             with jax.named_scope("core"):
                 out_btnh = attention(
                     q,
                     k,
                     v,
                     segment_ids_bt,
-                    impl=self.attention_impl,
-                    scale=self.scale,
-                    softcap=self.softcap,
-                    window=self.sliding_window,
-                    local=local,
-                    block=self.attention_block,
+                    impl=self.compute.attention_impl,
+                    scale=spec.score_scale,
+                    softcap=spec.softcap,
+                    window=spec.window,
+                    local=spec.window is not None,
+                    block=self.compute.attention_block,
                     sinks_n=sinks_n,
                 )
         else:  # decoding: attend over the cache, this step's keys and values written into it
-            window = self.sliding_window if local else None
-            chunk = (self.chunk_size, positions_bt) if chunked else None
+            window = spec.window
+            chunk = (spec.chunk, positions_bt) if spec.chunk is not None else None
             if reuse:  # the keys and values the store layer (cache.layer) wrote, this step's too
                 k, v, mask, cache = cache.read(q.shape[1], window=window, raw=True, chunk=chunk)
             else:
@@ -257,16 +225,16 @@ class Attention(nnx.Module):
                 k,
                 v,
                 mask,
-                impl=self.decode_attention_impl,
-                scale=self.scale,
-                softcap=self.softcap,
+                impl=self.compute.decode_attention_impl,
+                scale=spec.score_scale,
+                softcap=spec.softcap,
                 sinks_n=sinks_n,
                 shared=cache.shared_prefix(window=window, raw=True, chunk=chunk),
             )
         if self.output_gate:  # sigmoid(gate) per head and dimension, in the compute dtype
             out_btnh = out_btnh * jax.nn.sigmoid(gate).astype(out_btnh.dtype)
         out_btd = self._dense(out_btnh, "wo_nhd", 2)
-        if self.out_bias:
+        if spec.out_bias:
             out_btd = out_btd + self.bo_d[...].astype(dt)
         if cache is None and store_kv:
             return out_btd, (k, v)
@@ -274,34 +242,30 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (gelu_tanh). Without
-    cfg.mlp_gated: down(act(up(x))) (Nemotron-H's relu2)."""
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (gelu_tanh). Without a
+    gate: down(act(up(x))) (Nemotron-H's relu2)."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        compute: ComputeConfig,
-        *,
-        rngs: nnx.Rngs,
-        dot_general: DotGeneral = jax.lax.dot_general,
-        lora: LoraConfig | None = None,
-        mlp_dim: int | None = None,
-    ):
-        """`mlp_dim`: this layer's width where it differs from cfg's (Layer.mlp_dim)."""
-        d, f = cfg.d_model, mlp_dim or cfg.mlp_dim
-        pdt, std = _dtype(compute.param_dtype), cfg.init_std
-        self.gated = cfg.mlp_gated
+    def __init__(self, spec: MLPSpec, build: Build, *, rngs: nnx.Rngs, lora: bool = True):
+        """`lora` False: no adapter here whatever the run's (a mixture of experts' dense layers)."""
+        d, f = build.d_model, spec.dim
+        pdt, std = build.param_dtype, build.init_std
+        self.gated = spec.gated
         if self.gated:
             self.w_gate_df = _param(rngs, (d, f), std, ("embed", "mlp"), pdt)
         self.w_up_df = _param(rngs, (d, f), std, ("embed", "mlp"), pdt)
-        self.w_down_fd = _param(rngs, (f, d), std / math.sqrt(2 * cfg.num_layers), ("mlp", "embed"), pdt)
-        self.activation = ACTIVATIONS[cfg.activation]
-        self.down_scale = 1.0 if cfg.mup is None else cfg.mup.mlp_down  # Falcon-H1's mlp_multipliers
-        if cfg.mup is not None and cfg.mup.mlp_gate != 1.0:
-            self.activation = ScaledInput(self.activation, cfg.mup.mlp_gate)
-        self.dtype = _dtype(compute.dtype)
-        self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
-        add_adapters(self, MLP_WEIGHTS, lora, cfg, rngs)
+        self.w_down_fd = _param(rngs, (f, d), build.out_std, ("mlp", "embed"), pdt)
+        self.bias = spec.bias
+        if spec.bias:  # GPT-era MLPs
+            if self.gated:
+                self.b_gate_f = nnx.Param(jnp.zeros((f,), pdt), out_sharding=("mlp",))
+            self.b_up_f = nnx.Param(jnp.zeros((f,), pdt), out_sharding=("mlp",))
+            self.b_down_d = nnx.Param(jnp.zeros((d,), pdt), out_sharding=("embed",))
+        self.activation = ACTIVATIONS[spec.activation]
+        self.down_scale = spec.down_multiplier  # Falcon-H1's mlp_multipliers
+        if spec.gate_multiplier != 1.0:
+            self.activation = ScaledInput(self.activation, spec.gate_multiplier)
+        self.dtype, self.compute, self.dot_general = build.dtype, build.compute, build.dot_general
+        add_adapters(self, MLP_WEIGHTS, build if lora else None, rngs)
 
     def __call__(self, x_btd):
         out_btd = self._mlp(x_btd)
@@ -309,21 +273,27 @@ class MLP(nnx.Module):
 
     def _mlp(self, x_btd):
         dt = self.dtype
+        kw = {"backward": self.compute.matmul_backward, "dot_general": self.dot_general}
         if not self.gated:
-            kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
-            hidden = self.activation(project(self, "w_up_df", x_btd, 1, dt, **kw).astype(jnp.float32)).astype(dt)
-            return project(self, "w_down_fd", constrain(hidden, ("act_batch", "act_seq", "act_mlp")), 1, dt, **kw)
-        if any(has_adapter(self, attr) for attr, _ in MLP_WEIGHTS.values()):
+            up = project(self, "w_up_df", x_btd, 1, dt, **kw)
+            if self.bias:
+                up = up + self.b_up_f[...].astype(dt)
+            hidden = self.activation(up.astype(jnp.float32)).astype(dt)
+            out = project(self, "w_down_fd", constrain(hidden, ("act_batch", "act_seq", "act_mlp")), 1, dt, **kw)
+            return out + self.b_down_d[...].astype(dt) if self.bias else out
+        if self.bias or any(has_adapter(self, attr) for attr, _ in MLP_WEIGHTS.values()):
             # With adapters, three products, each with its update (x.w + scale * x.A.B); the
             # fused gated_mlp has no seam for them. The activation is recomputed in the backward
             # pass (as gated_mlp's is), so only gate and up are kept, not its intermediates.
-            kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
             gate, up = project_shared(self, ("w_gate_df", "w_up_df"), x_btd, dt, **kw)
+            if self.bias:
+                gate, up = gate + self.b_gate_f[...].astype(dt), up + self.b_up_f[...].astype(dt)
             activation = self.activation
             hidden = jax.checkpoint(
                 lambda g, u: (activation(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dt), prevent_cse=False
             )(gate, up)
-            return project(self, "w_down_fd", constrain(hidden, ("act_batch", "act_seq", "act_mlp")), 1, dt, **kw)
+            out = project(self, "w_down_fd", constrain(hidden, ("act_batch", "act_seq", "act_mlp")), 1, dt, **kw)
+            return out + self.b_down_d[...].astype(dt) if self.bias else out
         return gated_mlp(
             x_btd,
             weight_value(self.w_gate_df, dt),
@@ -331,8 +301,7 @@ class MLP(nnx.Module):
             weight_value(self.w_down_fd, dt),
             self.activation,
             ("act_batch", "act_seq", "act_mlp"),
-            backward=self.matmul_backward,
-            dot_general=self.dot_general,
+            **kw,
         )
 
 
@@ -347,205 +316,156 @@ class ScaledInput:
         return self.activation(x * jnp.asarray(self.scale, x.dtype))
 
 
-def _mla(cfg, compute, *, rngs, dot_general, lora=None, layer=None) -> MLA:
-    return MLA(cfg, compute, rngs=rngs, dot_general=dot_general)  # LoraConfig.targets refuses its projections
+def _attention_mamba2(spec: ParallelHybridSpec, build: Build, *, rngs: nnx.Rngs) -> AttentionMamba2:
+    return AttentionMamba2(
+        spec, Attention(spec.attention, build, rngs=rngs), Mamba2.of_spec(spec.mamba2, build, rngs=rngs)
+    )
 
 
-def _gated_delta(cfg, compute, *, rngs, dot_general, lora=None, layer=None) -> GatedDeltaNet:
-    return GatedDeltaNet(cfg, compute, rngs=rngs, dot_general=dot_general)  # no LoRA on its projections
-
-
-def _kimi_delta(cfg, compute, *, rngs, dot_general, lora=None, layer=None) -> KimiDeltaAttention:
-    return KimiDeltaAttention(cfg, compute, rngs=rngs, dot_general=dot_general)  # no LoRA on its projections
-
-
-def _attention_mamba2(cfg, compute, *, rngs, dot_general, lora=None, layer=None) -> AttentionMamba2:
-    attention = Attention(cfg, compute, rngs=rngs, dot_general=dot_general, lora=lora, layer=layer)
-    return AttentionMamba2(cfg, attention, Mamba2.of_layer(cfg, compute, rngs=rngs, dot_general=dot_general))
-
-
-MIXERS = {
+MIXERS: dict[str, Callable[..., nnx.Module]] = {
     "attention": Attention,
-    "mla": _mla,
-    "gated_delta": _gated_delta,
-    "kimi_delta": _kimi_delta,
-    "mamba2": Mamba2.of_layer,
+    "mla": MLA,
+    "gated_delta": GatedDeltaNet,
+    "kimi_delta": KimiDeltaAttention,
+    "mamba2": Mamba2.of_spec,
     "attention_mamba2": _attention_mamba2,
 }
-"""Layer.mixer -> its module, built (cfg, compute, rngs=, dot_general=, lora=, layer=) and called
-as Attention is: (x, positions, segment_ids, local, cache, rotary=, rope=) -> out, or with a
-cache (out, cache). A kind that decodes with a state instead of keys and values registers its
-initial state in kv_cache.DECODE_STATES and reads and writes cache.states[cache.layer]."""
+"""A mixer spec's kind -> its module, built (spec, build, rngs=) and called (x, positions,
+segment_ids, spec, cache=None, **extras) -> out, or with a cache (out, cache); `spec` is the
+calling layer's (static). A kind that decodes with a state instead of keys and values registers
+its initial state in kv_cache.DECODE_STATES and reads and writes cache.states[cache.layer]."""
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). With post_norms
-    (Gemma 2/3) each branch output is normalised again before the add; without pre_norms
-    (OLMo 2) only the outputs are: x + norm(attn(x)).
+    """A decoder layer of a LayerSpec: x + mixer(norm(x)), then x + ffn(norm(x)). With
+    post_norms (Gemma 2/3) each branch output is normalised again before the add; without
+    pre_norms (OLMo 2) only the outputs are: x + norm(mixer(x)).
 
-    `self.mlp` is the replaceable slot: a dense MLP, or a mixture of experts (num_experts > 0,
-    engine/models/moe.py) that also returns its router statistics; `moe` False makes a dense
-    layer of an MoE model (DeepSeek-V3's first layers). `self.attn` is the sequence mixer of
-    the layer's kind (MIXERS): grouped-query attention, multi-head latent attention
-    (kv_lora_rank set, engine/models/mla.py), or a Gated DeltaNet (gated_delta_block.py).
-    """
+    `self.attn` is the sequence mixer of the spec's kind (MIXERS); `self.mlp` the
+    feed-forward: a dense MLP, or a mixture of experts (engine/models/moe.py) that also
+    returns its router statistics. Either may be absent (Nemotron-H's layers)."""
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        compute: ComputeConfig,
-        *,
-        rngs: nnx.Rngs,
-        dot_general: DotGeneral = jax.lax.dot_general,
-        moe: bool | None = None,
-        lora: LoraConfig | None = None,
-        layer: Layer | None = None,
-    ):
-        """`layer`: the kind of the stack's layers (their attention's head shape)."""
-        moe = cfg.is_moe if moe is None else moe
-        mixer = layer.mixer if layer is not None else "mla" if cfg.is_mla else "attention"
-        # A layer may be only its mixer or only its feed-forward (Nemotron-H): kind "none".
-        self.has_mixer, self.has_ffn = mixer != "none", layer is None or layer.ffn != "none"
-        if cfg.pre_norms and self.has_mixer:
-            self.attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
-        if self.has_mixer:
-            self.attn = MIXERS[mixer](cfg, compute, rngs=rngs, dot_general=dot_general, lora=lora, layer=layer)
-        if cfg.pre_norms and self.has_ffn:
-            self.mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
-        if not self.has_ffn:
-            pass
-        elif moe:
-            self.mlp = MoE(cfg, compute, rngs=rngs, dot_general=dot_general)
-            if cfg.moe_beside_mlp:  # Gemma 4's 26B-A4B: the dense MLP beside the experts, each with its norms
-                self.dense_mlp = MLP(cfg, compute, rngs=rngs, dot_general=dot_general)
-                self.post_dense_norm = _norm(cfg, compute, cfg.d_model, rngs)
-                self.moe_norm = _norm(cfg, compute, cfg.d_model, rngs)
-                self.post_moe_norm = _norm(cfg, compute, cfg.d_model, rngs)
-        else:  # LoRAConfig.targets leaves a mixture of experts' dense layers unadapted
-            mlp_lora = None if cfg.is_moe else lora
-            width = None if layer is None else layer.mlp_dim
-            self.mlp = MLP(cfg, compute, rngs=rngs, dot_general=dot_general, lora=mlp_lora, mlp_dim=width)
-        if cfg.post_norms and self.has_mixer:
-            self.post_attn_norm = _norm(cfg, compute, cfg.d_model, rngs)
-        if cfg.post_norms and self.has_ffn:
-            self.post_mlp_norm = _norm(cfg, compute, cfg.d_model, rngs)
-        if cfg.layer_scale:  # Gemma 4: the stream times a learned scalar after the layer
-            self.layer_scale = nnx.Param(jnp.ones((1,), _dtype(compute.param_dtype)), out_sharding=("norm",))
-        self.pre_norms, self.post_norms, self.is_moe = cfg.pre_norms, cfg.post_norms, moe
-        self.residual_scale = cfg.residual_multiplier
-        self.scaled, self.beside = cfg.layer_scale, moe and cfg.moe_beside_mlp
-        self.per_layer_input = cfg.per_layer_input_dim is not None
-        if self.per_layer_input:  # Gemma 4's per-layer embeddings: this layer's gate, projection, norm
-            d, p, pdt = cfg.d_model, cfg.per_layer_input_dim, _dtype(compute.param_dtype)
-            self.per_layer_gate_dp = _param(rngs, (d, p), cfg.init_std, ("embed", None), pdt)
-            out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-            self.per_layer_proj_pd = _param(rngs, (p, d), out_std, (None, "embed"), pdt)
-            self.post_per_layer_norm = _norm(cfg, compute, d, rngs)
-            self.activation, self.dtype = ACTIVATIONS[cfg.activation], _dtype(compute.dtype)
-            self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
-            add_adapters(self, PER_LAYER_INPUT_WEIGHTS, lora, cfg, rngs)
+    def __init__(self, spec: LayerSpec, build: Build, *, rngs: nnx.Rngs, mlp_lora: bool = True):
+        """`mlp_lora` False: a dense MLP here takes no adapter (a mixture of experts' dense
+        layers, which LoraConfig.targets leaves unadapted)."""
+        d, pdt = build.d_model, build.param_dtype
+        self.has_mixer, self.has_ffn = spec.mixer is not None, spec.ffn is not None
+        norm = functools.partial(make_norm, spec.norm, d, pdt, rngs=rngs)
+        if spec.pre_norms and self.has_mixer:
+            self.attn_norm = norm()
+        if spec.mixer is not None:
+            self.attn = MIXERS[spec.mixer.kind](spec.mixer, build, rngs=rngs)
+        if spec.pre_norms and self.has_ffn and spec.residual != "parallel_shared_norm":
+            self.mlp_norm = norm()
+        if isinstance(spec.ffn, MoESpec):
+            self.mlp = MoE(spec.ffn, build, rngs=rngs)
+            if spec.ffn.beside is not None:  # Gemma 4's 26B-A4B: the dense MLP beside the experts, each with its norms
+                self.dense_mlp = MLP(spec.ffn.beside, build, rngs=rngs, lora=False)
+                self.post_dense_norm = norm()
+                self.moe_norm = norm()
+                self.post_moe_norm = norm()
+        elif spec.ffn is not None:
+            self.mlp = MLP(spec.ffn, build, rngs=rngs, lora=mlp_lora)
+        if spec.post_norms and self.has_mixer:
+            self.post_attn_norm = norm()
+        if spec.post_norms and self.has_ffn:
+            self.post_mlp_norm = norm()
+        if spec.layer_scale:  # Gemma 4: the stream times a learned scalar after the layer
+            self.layer_scale = nnx.Param(jnp.ones((1,), pdt), out_sharding=("norm",))
+        p = spec.per_layer_input_dim
+        if p is not None:  # Gemma 4's per-layer embeddings: this layer's gate, projection, norm
+            self.per_layer_gate_dp = _param(rngs, (d, p), build.init_std, ("embed", None), pdt)
+            self.per_layer_proj_pd = _param(rngs, (p, d), build.out_std, (None, "embed"), pdt)
+            self.post_per_layer_norm = norm()
+            self.activation, self.dtype = ACTIVATIONS[spec.per_layer_activation], build.dtype
+            self.compute, self.dot_general = build.compute, build.dot_general
+            add_adapters(self, PER_LAYER_INPUT_WEIGHTS, build, rngs)
 
     def forward(
         self,
         x_btd,
         positions_bt,
         segment_ids_bt,
-        local: bool = False,
+        spec: LayerSpec,
         cache: KVCache | None = None,
+        *,
         rotary=None,
-        rope: bool = True,
-        chunked: bool = False,
         per_layer_btp=None,
         shared_kv=None,
         store_kv: bool = False,
     ):
-        """(x, cache or None, MoEStats of the router or None for a dense MLP). `rotary`: the
-        attention's RoPE (cos, sin), where the caller computed them for all layers at once;
-        `rope` False: a NoPE layer (grouped-query attention only). Gemma 4: `per_layer_btp`
-        this layer's per-layer input; `shared_kv` the keys and values a reuse layer attends
-        with; `store_kv` (static): a store layer, its own in place of the cache (there is none
-        without decoding)."""
+        """(x, cache or None, MoEStats of the router or None for a dense MLP). `spec`: this
+        layer's (static). `rotary`: the attention's RoPE (cos, sin), where the caller computed
+        them for all layers at once. Gemma 4: `per_layer_btp` this layer's per-layer input;
+        `shared_kv` the keys and values a reuse layer attends with; `store_kv` (static): a
+        store layer, its own in place of the cache (there is none without decoding)."""
         indexer_kl = stats = None
-        if self.has_mixer:
-            kv = {"shared_kv": shared_kv, "store_kv": store_kv}
-            mixed = self._mix(x_btd, positions_bt, segment_ids_bt, local, cache, rotary, rope, chunked, **kv)
-            x_btd, cache, indexer_kl = mixed
-        if not self.has_ffn:
+        x_in, attn_in = x_btd, None  # a parallel layer's feed-forward reads the layer's input
+        if spec.mixer is not None:
+            extra = {"rotary": rotary, "shared_kv": shared_kv, "store_kv": store_kv}
+            attn_in = self.attn_norm(x_btd) if spec.pre_norms else x_btd
+            branch, cache, indexer_kl = self._mix(attn_in, positions_bt, segment_ids_bt, spec, cache, extra)
+            x_btd = x_btd + branch
+        if spec.ffn is None:
             x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
             return x_btd, cache, None if indexer_kl is None else WithIndexerLoss(None, indexer_kl)
         with jax.named_scope("mlp"):
-            mlp_in = self.mlp_norm(x_btd) if self.pre_norms else x_btd
-            if self.beside:  # the experts on their own pre-norm, routed by the residual itself
-                valid_bt = None if segment_ids_bt is None else segment_ids_bt != 0
+            if spec.residual == "parallel_shared_norm":  # GPT-J, Phi: one norm feeds both
+                mlp_in = attn_in
+            else:
+                normed = x_in if spec.residual == "parallel" else x_btd
+                mlp_in = self.mlp_norm(normed) if spec.pre_norms else normed
+            valid_bt = None if segment_ids_bt is None else segment_ids_bt != 0
+            if isinstance(spec.ffn, MoESpec) and spec.ffn.beside is not None:
+                # the experts on their own pre-norm, routed by the residual itself
                 moe_out, stats = self.mlp(self.moe_norm(x_btd), valid_bt, router_x_btd=x_btd)
                 mlp_out = self.post_dense_norm(self.dense_mlp(mlp_in)) + self.post_moe_norm(moe_out)
-            elif self.is_moe:
-                valid_bt = None if segment_ids_bt is None else segment_ids_bt != 0
+            elif isinstance(spec.ffn, MoESpec):
                 mlp_out, stats = self.mlp(mlp_in, valid_bt)
             else:
                 mlp_out = self.mlp(mlp_in)
-        if self.residual_scale is not None:  # Granite
-            mlp_out = mlp_out * jnp.asarray(self.residual_scale, mlp_out.dtype)
-        x_btd = x_btd + (self.post_mlp_norm(mlp_out) if self.post_norms else mlp_out)
-        if self.per_layer_input:  # x + norm(proj(act(gate(x)) * e)), e this layer's per-layer input
-            dt, kw = self.dtype, {"backward": self.matmul_backward, "dot_general": self.dot_general}
+        if spec.residual_multiplier is not None:  # Granite
+            mlp_out = mlp_out * jnp.asarray(spec.residual_multiplier, mlp_out.dtype)
+        x_btd = x_btd + (self.post_mlp_norm(mlp_out) if spec.post_norms else mlp_out)
+        if spec.per_layer_input_dim is not None:  # x + norm(proj(act(gate(x)) * e)), e this layer's input
+            dt, kw = self.dtype, {"backward": self.compute.matmul_backward, "dot_general": self.dot_general}
             gate_btp = project(self, "per_layer_gate_dp", x_btd, 1, dt, **kw)  # (+ the LoRA updates, if adapted)
             gated_btp = (self.activation(gate_btp.astype(jnp.float32)) * per_layer_btp.astype(jnp.float32)).astype(dt)
             out_btd = project(self, "per_layer_proj_pd", gated_btp, 1, dt, **kw)
             x_btd = x_btd + self.post_per_layer_norm(out_btd)
-        if self.scaled:
+        if spec.layer_scale:
             x_btd = x_btd * self.layer_scale[...].astype(x_btd.dtype)
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
         return x_btd, cache, stats if indexer_kl is None else WithIndexerLoss(stats, indexer_kl)
 
-    def __call__(
-        self,
-        x_btd,
-        positions_bt,
-        segment_ids_bt,
-        local: bool = False,
-        cache: KVCache | None = None,
-        rotary=None,
-        rope: bool = True,
-        chunked: bool = False,
-        per_layer_btp=None,
-    ):
-        x_btd, cache, _ = self.forward(
-            x_btd, positions_bt, segment_ids_bt, local, cache, rotary, rope, chunked, per_layer_btp
-        )
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, spec: LayerSpec, cache: KVCache | None = None, **extra):
+        x_btd, cache, _ = self.forward(x_btd, positions_bt, segment_ids_bt, spec, cache, **extra)
         return x_btd if cache is None else (x_btd, cache)
 
-    def _mix(
-        self, x_btd, positions_bt, segment_ids_bt, local, cache, rotary, rope, chunked, shared_kv=None, store_kv=False
-    ):
-        """The mixer sublayer: (x, cache, sparse attention's indexer KL or None); a store layer's
-        (keys, values) in place of the cache without one (Attention: KV sharing)."""
+    def _mix(self, attn_in, positions_bt, segment_ids_bt, spec: LayerSpec, cache, extra: dict):
+        """The mixer sublayer's branch of its (normed) input: (what it adds to the stream,
+        cache, sparse attention's indexer KL or None); a store layer's (keys, values) in place
+        of the cache without one (Attention: KV sharing)."""
+        store_kv = extra["store_kv"] and cache is None
         with jax.named_scope("attention"):  # names the ops in profiles (bench/profile_step.py)
-            extra = {} if rotary is None else {"rotary": rotary}
-            if not rope:
-                extra["rope"] = False
-            if chunked:  # attention within chunks (Llama 4)
-                extra["chunked"] = True
-            if shared_kv is not None:  # a layer reusing another's keys and values (Gemma 4)
-                extra["shared_kv"] = shared_kv
-            if store_kv and cache is None:  # a layer whose keys and values later layers reuse
-                extra["store_kv"] = True
-            attn_in = self.attn_norm(x_btd) if self.pre_norms else x_btd
-            attn_out = self.attn(attn_in, positions_bt, segment_ids_bt, local, cache, **extra)
+            kw = {name: value for name, value in extra.items() if value is not None and value is not False}
+            if not store_kv:
+                kw.pop("store_kv", None)
+            attn_out = self.attn(attn_in, positions_bt, segment_ids_bt, spec.mixer, cache, **kw)
         indexer_kl = None
         if cache is not None or store_kv:
             attn_out, cache = attn_out
         elif getattr(self.attn, "indexer_loss", "none") != "none":  # sparse attention's indexer trains (dsa.py)
             attn_out, indexer_kl = attn_out
-        if self.residual_scale is not None:  # Granite
-            attn_out = attn_out * jnp.asarray(self.residual_scale, attn_out.dtype)
-        return x_btd + (self.post_attn_norm(attn_out) if self.post_norms else attn_out), cache, indexer_kl
+        if spec.residual_multiplier is not None:  # Granite
+            attn_out = attn_out * jnp.asarray(spec.residual_multiplier, attn_out.dtype)
+        return (self.post_attn_norm(attn_out) if spec.post_norms else attn_out), cache, indexer_kl
 
 
-def _runs(items: list[tuple[Layer, int]]) -> list[tuple[Layer, int, int]]:
+def _runs(items: list[tuple[LayerSpec, int]]) -> list[tuple[LayerSpec, int, int]]:
     """(layer kind, first slot, length) of each run of like layers in consecutive slots of one
     stack: [(L, 0), (L, 1), (G, 2)] -> [(L, 0, 2), (G, 2, 1)]."""
-    runs: list[tuple[Layer, int, int]] = []
+    runs: list[tuple[LayerSpec, int, int]] = []
     for layer, slot in items:
         if runs and runs[-1][0] == layer and runs[-1][1] + runs[-1][2] == slot:
             runs[-1] = (layer, runs[-1][1], runs[-1][2] + 1)
@@ -591,7 +511,7 @@ def _take_one(stack, i: int):
     return jax.tree.map(lambda a: a[i], stack)
 
 
-def _unit_shares(unit: list[tuple[Layer, int]]) -> dict[str, tuple[int, int]]:
+def _unit_shares(unit: list[tuple[LayerSpec, int]]) -> dict[str, tuple[int, int]]:
     """Per stack in a repeating unit: (its first slot, its slots per unit)."""
     shares: dict[str, tuple[int, int]] = {}
     for layer, slot in unit:
@@ -614,7 +534,7 @@ def _stack_ranges(parts) -> dict[str, set[tuple[int, int]]]:
     return ranges
 
 
-def _smallest_period(kinds: list[Layer]) -> int:
+def _smallest_period(kinds: list[LayerSpec]) -> int:
     """The smallest p with kinds[i] == kinds[i + p] wherever both exist (KMP's border)."""
     border, k = [0] * len(kinds), 0
     for i in range(1, len(kinds)):
@@ -626,7 +546,7 @@ def _smallest_period(kinds: list[Layer]) -> int:
     return len(kinds) - border[-1]
 
 
-def layer_schedule(layers: list[Layer]) -> tuple[int, int, int]:
+def layer_schedule(layers: list[LayerSpec]) -> tuple[int, int, int]:
     """(start, period, steps): the layers [start, start + period * steps) repeat one unit of
     `period` layers, run as a scan of `steps` unit steps; the layers before and after it run
     as runs of like layers, a run longer than one layer scanned. The choice compiles the
@@ -637,7 +557,7 @@ def layer_schedule(layers: list[Layer]) -> tuple[int, int, int]:
     from layer 0, the left-over layers after it. Qwen3-MoE with decoder_sparse_step 2: a unit
     of a dense and an expert layer, each from its own stack."""
 
-    def cost(part: list[Layer]) -> int:  # like layers in a row count once (consecutive slots)
+    def cost(part: list[LayerSpec]) -> int:  # like layers in a row count once (consecutive slots)
         return sum(1 for i, layer in enumerate(part) if i == 0 or part[i - 1] != layer)
 
     n = len(layers)
@@ -679,7 +599,7 @@ def describe_segments(segments) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def _best_segments(layers: tuple[Layer, ...]) -> tuple[int, tuple[Segment, ...]]:
+def _best_segments(layers: tuple[LayerSpec, ...]) -> tuple[int, tuple[Segment, ...]]:
     """(bodies, segments) of the schedule compiling the fewest layer bodies: from each layer, a
     run of like layers, or a unit (itself scheduled so, not one kind, not a repeat of a shorter
     unit) repeated 2+ times in a row. Ties: fewer segments, then the longer run or unit first."""
@@ -710,14 +630,14 @@ def _best_segments(layers: tuple[Layer, ...]) -> tuple[int, tuple[Segment, ...]]
     return best[0][0], best[0][2]
 
 
-def layer_segments(layers: list[Layer]) -> tuple[Segment, ...] | None:
+def layer_segments(layers: list[LayerSpec]) -> tuple[Segment, ...] | None:
     """A schedule of several repeating units, runs and units inside units (Segment), where it
     compiles fewer layer bodies than layer_schedule's one unit; None where it does not (the
     model keeps layer_schedule's program). Nemotron-H 8B (M-M-M-M*-M-M-M-M-M*-... over 52
     layers, - an MLP layer, * attention): one unit compiles 44 bodies (41 layers one by one);
     `M, [- M] x3, [* [- M] x5] x4, -` compiles 7. Every preset but Nemotron-H's gets None."""
 
-    def runs(part: list[Layer]) -> int:
+    def runs(part: list[LayerSpec]) -> int:
         return sum(1 for i, layer in enumerate(part) if i == 0 or part[i - 1] != layer)
 
     start, period, steps = layer_schedule(layers)
@@ -784,68 +704,62 @@ class Transformer(nnx.Module):
         compute = compute or ComputeConfig()
         self.cfg, self.compute = cfg, compute
         pdt = _dtype(compute.param_dtype)
+        build = Build.of(cfg, compute, dot_general, lora)
         self.embed_vd = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std, ("vocab", "embed"), pdt)
-        layers = cfg.layer_pattern()
+        specs = cfg.layer_specs()
+        mlp_lora = not cfg.is_moe  # LoraConfig.targets leaves a mixture of experts' dense layers unadapted
         for name, indices in cfg.layer_stacks():
-            layer = layers[indices[0]]
-            moe = layer.ffn == "moe"
+            spec = specs[indices[0]]
             if compute.scan_layers:
-                stack = self._stacked_blocks(cfg, compute, rngs, dot_general, len(indices), moe, lora, layer)
+                stack = self._stacked_blocks(spec, build, rngs, len(indices), mlp_lora)
             else:
-                stack = nnx.List(
-                    [
-                        Block(cfg, compute, rngs=rngs, dot_general=dot_general, moe=moe, lora=lora, layer=layer)
-                        for _ in indices
-                    ]
-                )
+                stack = nnx.List([Block(spec, build, rngs=rngs, mlp_lora=mlp_lora) for _ in indices])
             setattr(self, name, stack)
         if cfg.mtp_layers:  # multi-token prediction (engine/models/mtp.py): run by its loss only
             self.mtp = MTPHead(cfg, compute, rngs=rngs)
-            layer = cfg.mtp_layer()
-            moe = layer.ffn == "moe"
+            spec, plain = cfg.mtp_layer_spec(), dataclasses.replace(build, lora=None, lora_targets=())
             self.mtp_blocks = (
-                self._stacked_blocks(cfg, compute, rngs, dot_general, cfg.mtp_layers, moe, None, layer)
+                self._stacked_blocks(spec, plain, rngs, cfg.mtp_layers, mlp_lora)
                 if compute.scan_layers
-                else nnx.List([Block(cfg, compute, rngs=rngs, dot_general=dot_general, moe=moe, layer=layer)])
+                else nnx.List([Block(spec, plain, rngs=rngs)])
             )
-        self.final_norm = _norm(cfg, compute, cfg.d_model, rngs)
+        norm = cfg.layer_specs()[0].norm  # one kind of norm in a model
+        self.final_norm = make_norm(norm, cfg.d_model, pdt, rngs=rngs)
+        if cfg.positions == "learned":  # GPT-2, OPT: an absolute position's embedding (rows offset on)
+            rows = cfg.max_seq_len + cfg.position_offset
+            self.pos_embed_pd = _param(rngs, (rows, cfg.d_model), cfg.init_std, (None, "embed"), pdt)
+        if cfg.embedding_norm:  # BLOOM: the token embeddings normed before the first layer
+            self.embed_norm = make_norm(norm, cfg.d_model, pdt, rngs=rngs)
         if cfg.per_layer_input_dim:  # Gemma 4's per-layer embeddings: num_layers * p columns per token
             width = cfg.num_layers * cfg.per_layer_input_dim  # its columns sharded as the embedding's
             self.per_layer_embed_vx = _param(rngs, (cfg.vocab_size, width), cfg.init_std, ("vocab", "embed"), pdt)
             self.per_layer_proj_dx = _param(rngs, (cfg.d_model, width), cfg.init_std, ("embed", None), pdt)
-            self.per_layer_proj_norm = _norm(cfg, compute, cfg.per_layer_input_dim, rngs)
+            self.per_layer_proj_norm = make_norm(cfg.layer_specs()[0].norm, cfg.per_layer_input_dim, pdt, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head_dv = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, ("embed", "vocab"), pdt)
+        if cfg.lm_head_bias:  # GPT-J, Phi
+            self.lm_head_bias_v = nnx.Param(jnp.zeros((cfg.vocab_size,), pdt), out_sharding=("vocab",))
         self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
         if cfg.per_layer_input_dim:  # LoRA on the per-layer inputs' projection (last: the base inits as without)
-            add_adapters(self, MODEL_WEIGHTS, lora, cfg, rngs)
+            add_adapters(self, MODEL_WEIGHTS, build, rngs)
 
     @staticmethod
-    def _stacked_blocks(
-        cfg: ModelConfig,
-        compute: ComputeConfig,
-        rngs: nnx.Rngs,
-        dot_general,
-        count: int,
-        moe: bool,
-        lora: LoraConfig | None = None,
-        layer: Layer | None = None,
-    ) -> Block:
+    def _stacked_blocks(spec: LayerSpec, build: Build, rngs: nnx.Rngs, count: int, mlp_lora: bool) -> Block:
         """One Block whose every parameter has a leading `layers` axis (`count`), for lax.scan."""
 
         @nnx.split_rngs(splits=count)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make(rngs):
-            return Block(cfg, compute, rngs=rngs, dot_general=dot_general, moe=moe, lora=lora, layer=layer)
+            return Block(spec, build, rngs=rngs, mlp_lora=mlp_lora)
 
         return make(rngs)
 
-    def _slots(self) -> list[tuple[Layer, int]]:
-        """Per layer of the model: (its kind, its slot in its stack)."""
-        layers, slots = self.cfg.layer_pattern(), {}
+    def _slots(self) -> list[tuple[LayerSpec, int]]:
+        """Per layer of the model: (its spec, its slot in its stack)."""
+        specs, slots = self.cfg.layer_specs(), {}
         for _, indices in self.cfg.layer_stacks():
             slots.update({layer: slot for slot, layer in enumerate(indices)})
-        return [(layer, slots[i]) for i, layer in enumerate(layers)]
+        return [(spec, slots[i]) for i, spec in enumerate(specs)]
 
     def _per_layer_inputs(self, tokens_bt, x_btd):
         """Gemma 4's per-layer inputs (b, t, layers, p): (norm(the embeddings' projection *
@@ -879,7 +793,7 @@ class Transformer(nnx.Module):
 
         shared_kv: dict = {}  # KV sharing (Gemma 4): attention kind (local) -> its store layer's (keys, values)
 
-        def layer_fn(layer: Layer, in_scan: bool, index=None, rows=(positions_bt, segment_ids_bt)):
+        def layer_fn(layer: LayerSpec, in_scan: bool, index=None, rows=(positions_bt, segment_ids_bt)):
             def run(block: Block, x):
                 extra = {}
                 if per_layer_btlp is not None:  # this layer's per-layer input (Gemma 4)
@@ -890,9 +804,7 @@ class Transformer(nnx.Module):
                     extra["store_kv"] = True
                 with in_layer(index):
                     positions, segments = rows
-                    x, kv, stats = block.forward(
-                        x, positions, segments, layer.local, rope=layer.rope, chunked=layer.chunked, **extra
-                    )
+                    x, kv, stats = block.forward(x, positions, segments, layer, **extra)
                 return x, ((stats, kv) if layer.kv_sharing == "store" else stats)
 
             if compute.remat == "none":
@@ -902,7 +814,7 @@ class Transformer(nnx.Module):
             # layers in straight-line code and keeps it.
             return nnx.remat(run, policy=REMAT_POLICIES[compute.remat], prevent_cse=not (in_scan and one_per_step))
 
-        def kept(layer: Layer, layer_stats):
+        def kept(layer: LayerSpec, layer_stats):
             """A one-layer run's stats, a store layer's keys and values put aside (it is unique
             in the model, so never in a scan of like layers or of units)."""
             if layer.kv_sharing != "store":
@@ -929,7 +841,7 @@ class Transformer(nnx.Module):
         if (stages := pipeline_stages()) > 1:  # pipeline parallelism: engine/ops/pipeline.py
             return self._pipelined(x_btd, (positions_bt, segment_ids_bt), graphdefs, stacked, layer_fn, stages), None
 
-        def run_layers(x, state: dict, part: list[tuple[Layer, int]], in_scan: bool):
+        def run_layers(x, state: dict, part: list[tuple[LayerSpec, int]], in_scan: bool):
             """The layers `part` ((kind, slot in `state`[its stack])), run by run of like layers."""
             stats = []
             for layer, first, length in _runs(part):
@@ -950,7 +862,7 @@ class Transformer(nnx.Module):
                     stats += _layers(run_stats)
             return x, _stack(stats)
 
-        def units(state: dict, unit: list[tuple[Layer, int]], steps: int):
+        def units(state: dict, unit: list[tuple[LayerSpec, int]], steps: int):
             """(each stack's share of `steps` repeats of `unit` as (steps, slots per unit, ...),
             the unit's layers with their slots in one step's share)."""
             shares = _unit_shares(unit)
@@ -963,7 +875,7 @@ class Transformer(nnx.Module):
             }
             return by_unit, [(layer, slot - shares[layer.stack][0]) for layer, slot in unit]
 
-        def run_segments(x, state: dict, part: list[tuple[Layer, int]], segments, in_scan: bool):
+        def run_segments(x, state: dict, part: list[tuple[LayerSpec, int]], segments, in_scan: bool):
             """The layers `part` by a multi-unit schedule (layer_segments): runs as run_layers
             runs them, each unit one scan over its steps, its own segments inside."""
             stats = []
@@ -1020,8 +932,8 @@ class Transformer(nnx.Module):
     def _pipelined(self, x_btd, rows, graphdefs, stacked, layer_fn, stages: int):
         """The layers as `stages` pipeline stages of consecutive layers (engine/ops/pipeline.py:
         gpipe), each stage's layers one scan; a stack of like layers without experts only."""
-        layers = self.cfg.layer_pattern()
-        if len(set(layers)) > 1 or layers[0].ffn == "moe":
+        layers = self.cfg.layer_specs()
+        if len(set(layers)) > 1 or layers[0].is_moe:
             raise ConfigError(
                 f"mesh.pipeline: the layers of family {self.cfg.family} are not all alike or have "
                 "experts; pipeline stages need one stack of identical dense layers (use pipeline 1)"
@@ -1054,7 +966,7 @@ class Transformer(nnx.Module):
                 stacks[name] = nnx.split(getattr(self, name))
         # RoPE's cos and sin once per step for all global (local) layers: XLA:CPU kept each
         # layer's table lookups apart, four small gathers per layer in every decode step.
-        rotary = {}
+        rotary: dict[tuple[RotarySpec, int], tuple] = {}  # (RoPE, head width) -> (cos, sin)
         store: dict[bool, int] = {}  # KV sharing (Gemma 4): attention kind (local) -> the layer whose cache it reads
         for i, (layer, slot) in enumerate(self._slots()):
             if self.compute.scan_layers:
@@ -1062,20 +974,23 @@ class Transformer(nnx.Module):
                 block = nnx.merge(graphdef, jax.tree.map(lambda a, j=slot: a[j], stacked))
             else:
                 block = getattr(self, layer.stack)[slot]
-            if layer.mixer == "attention" and layer.rope and layer.local not in rotary:
-                rotary[layer.local] = block.attn.rotary(positions_bt, layer.local, cache.length)
+            extra = {}
+            if isinstance(layer.mixer, AttentionSpec) and layer.mixer.rope is not None:
+                key = (layer.mixer.rope, layer.mixer.head_dim)
+                if key not in rotary:
+                    rotary[key] = Attention.rotary(positions_bt, layer.mixer.rope, layer.mixer.head_dim, cache.length)
+                extra["rotary"] = rotary[key]
             if layer.kv_sharing == "store":
                 store[layer.local] = i
+            if per_layer_btlp is not None:
+                extra["per_layer_btp"] = per_layer_btlp[:, :, i]
             x_btd, cache = block(
                 x_btd,
                 positions_bt,
                 segment_ids_bt,
-                layer.local,
+                layer,
                 cache.replace(layer=store[layer.local] if layer.kv_sharing == "reuse" else i),
-                rotary=rotary.get(layer.local) if layer.rope else None,
-                rope=layer.rope,
-                chunked=layer.chunked,
-                per_layer_btp=None if per_layer_btlp is None else per_layer_btlp[:, :, i],
+                **extra,
             )
         return x_btd, cache.replace(end=cache.end + x_btd.shape[1], layer=0)
 
@@ -1143,6 +1058,10 @@ class Transformer(nnx.Module):
             x_btd = x_btd * jnp.asarray(math.sqrt(cfg.d_model), dt)
         if cfg.embedding_multiplier is not None:  # Granite
             x_btd = x_btd * jnp.asarray(cfg.embedding_multiplier, dt)
+        if cfg.positions == "learned":  # GPT-2, OPT: each position's own embedding added
+            x_btd = x_btd + self.pos_embed_pd[...].astype(dt)[positions_bt + cfg.position_offset]
+        if cfg.embedding_norm:  # BLOOM
+            x_btd = self.embed_norm(x_btd)
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
         per_layer_btlp = self._per_layer_inputs(tokens_bt, x_btd) if cfg.per_layer_input_dim else None
         stats = None
@@ -1174,6 +1093,8 @@ class Transformer(nnx.Module):
                 logits_btv = self.dot_general(
                     x_btd, head_dv.astype(dt), (((2,), (0,)), ((), ())), preferred_element_type=jnp.float32
                 )
+        if cfg.lm_head_bias:  # GPT-J, Phi
+            logits_btv = logits_btv + self.lm_head_bias_v[...].astype(logits_btv.dtype)
         if cfg.logits_scaling is not None:  # Granite
             logits_btv = logits_btv / jnp.asarray(cfg.logits_scaling, logits_btv.dtype)
         if cfg.mup is not None and cfg.mup.lm_head != 1.0:  # Falcon-H1
