@@ -206,6 +206,7 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
 PUBLISHED = {  # the model cards' totals (billions) and how closely ModelConfig.num_params meets them
     "qwen1.5-moe-a2.7b": (14.3, 0.005),
     "olmoe-1b-7b": (6.9, 0.005),
+    "flexolmo-7x7b-1t": (33, 0.01),  # 33.27B counted
     "granite-3.0-1b-a400m": (1.3, 0.03),  # 1.335B counted
     "granite-3.0-3b-a800m": (3.3, 0.02),
 }
@@ -222,3 +223,62 @@ def test_the_presets_are_the_published_models(preset):
     assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
     billions, tolerance = PUBLISHED[preset]
     assert cfg.num_params() / 1e9 == pytest.approx(billions, rel=tolerance)
+
+
+PUBLISHED_CONFIGS = {  # config.json as the checkpoints publish it (transformers 4 keys, no layer_types)
+    "qwen1.5-moe-a2.7b": {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "decoder_sparse_step": 1,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 5632,
+        "max_position_embeddings": 8192,
+        "max_window_layers": 21,
+        "model_type": "qwen2_moe",
+        "moe_intermediate_size": 1408,
+        "norm_topk_prob": False,
+        "num_attention_heads": 16,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 16,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "shared_expert_intermediate_size": 5632,
+        "sliding_window": 32768,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+    "olmoe-1b-7b": {
+        "architectures": ["OlmoeForCausalLM"],
+        "attention_bias": False,
+        "clip_qkv": None,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 1024,
+        "max_position_embeddings": 4096,
+        "model_type": "olmoe",
+        "norm_topk_prob": False,
+        "num_attention_heads": 16,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 16,
+        "num_key_value_heads": 16,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "vocab_size": 50304,
+    },
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED_CONFIGS))
+def test_a_published_config_json_reads_as_its_preset(preset):
+    tree = dict(resolve_model_preset({"model": preset}, preset)["model"])
+    tree.pop("compute", None)
+    cfg, _ = model_config_from_hf(PUBLISHED_CONFIGS[preset])
+    assert cfg == ModelConfig.model_validate(tree)
