@@ -205,6 +205,7 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
 
 PUBLISHED = {  # the model cards' totals (billions) and how closely ModelConfig.num_params meets them
     "qwen1.5-moe-a2.7b": (14.3, 0.005),
+    "qwen2-57b-a14b": (57.4, 0.001),
     "olmoe-1b-7b": (6.9, 0.005),
     "flexolmo-7x7b-1t": (33, 0.01),  # 33.27B counted
     "granite-3.0-1b-a400m": (1.3, 0.03),  # 1.335B counted
@@ -250,6 +251,31 @@ PUBLISHED_CONFIGS = {  # config.json as the checkpoints publish it (transformers
         "tie_word_embeddings": False,
         "use_sliding_window": False,
         "vocab_size": 151936,
+    },
+    "granite-3.0-1b-a400m": {
+        "architectures": ["GraniteMoeForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attention_multiplier": 0.015625,
+        "embedding_multiplier": 12.0,
+        "hidden_act": "silu",
+        "hidden_size": 1024,
+        "initializer_range": 0.02,
+        "intermediate_size": 512,
+        "logits_scaling": 6.0,
+        "max_position_embeddings": 4096,
+        "model_type": "granitemoe",
+        "num_attention_heads": 16,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 8,
+        "num_local_experts": 32,
+        "residual_multiplier": 0.22,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 10000,
+        "tie_word_embeddings": True,
+        "vocab_size": 49152,
     },
     "olmoe-1b-7b": {
         "architectures": ["OlmoeForCausalLM"],
