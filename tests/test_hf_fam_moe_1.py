@@ -201,6 +201,7 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
     mixed = refused("granitemoe_swa", layer_rope_theta=[500.0, 1000.0, 2000.0, 2000.0])
     assert "layer_rope_theta [500.0, 1000.0, 2000.0, 2000.0] is not supported" in mixed
     assert "must give 4 RoPE bases" in refused("granitemoe_swa", layer_rope_theta=[500.0])
+    assert "must give 4 RoPE bases" in refused("granitemoe_swa", layer_rope_theta=500.0)
 
 
 PUBLISHED = {  # the model cards' totals (billions) and how closely ModelConfig.num_params meets them

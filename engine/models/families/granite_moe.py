@@ -39,6 +39,11 @@ from engine.models.families.granite_hybrid import MULTIPLIERS, _experts
 MOE = LAYER + "block_sparse_moe."
 
 
+def _base(theta) -> bool:
+    """A layer_rope_theta entry: a RoPE base, or 0 for none."""
+    return isinstance(theta, int | float) and not isinstance(theta, bool) and theta >= 0
+
+
 class _GraniteMoe(Family):
     """Llama with Granite's multipliers and stacked softmax-over-top-k experts."""
 
@@ -141,7 +146,7 @@ class GraniteMoeSWA(_GraniteMoe):
         rope = super().rope_from_hf(hf, where)
         layers = hf["num_hidden_layers"]
         thetas = hf.get("layer_rope_theta") or [rope["rope_theta"]] * layers
-        if len(thetas) != layers or any(not isinstance(t, int | float) or t < 0 for t in thetas):
+        if not isinstance(thetas, list) or len(thetas) != layers or any(not _base(t) for t in thetas):
             raise ConfigError(f"{where}: layer_rope_theta must give {layers} RoPE bases >= 0 (0: no RoPE)")
         local = [t == "sliding_attention" for t in self.layer_types(hf, layers)]
         bases = {kind: {float(t) for t, x in zip(thetas, local, strict=False) if t and x == kind} for kind in (0, 1)}

@@ -51,6 +51,8 @@ class Qwen2Moe(Family):
     hf_constants = {"output_router_logits": False, "router_aux_loss_coef": 0.001}
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
+        if hf.get("num_hidden_layers") is None:
+            return super().config_from_hf(hf, where)  # which names the missing key
         step = self.hf_value(hf, "decoder_sparse_step")
         if not isinstance(step, int) or step < 1:
             raise ConfigError(f"{where}: decoder_sparse_step must be a whole number >= 1, got {step!r}")
