@@ -59,6 +59,8 @@ def tiny(family: str, tie: bool) -> tuple:
         ),
         # DeepSeek Sparse Attention: the indexer reads the compressed query
         **({"q_lora_rank": 6} if family in ("deepseek_v32", "glm_moe_dsa") else {}),
+        # OLMoE: head_dim is hidden_size / heads (its q_norm is hidden_size wide)
+        **({"hidden_size": 32} if family == "olmoe" else {}),
     }
     return model_config_from_hf(hf)
 
