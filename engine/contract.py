@@ -76,70 +76,9 @@ ADDED_AT_DEFAULT = {
     "mesh.dcn.pipeline": 1,
     "mesh.pipeline": 1,
     "compute.pipeline_microbatches": 0,
-    # the layer pattern's per-layer kinds (engine/models/config.py: ModelConfig.layer_pattern)
-    "model.rope_pattern": None,
-    "model.rotary_dim": None,
-    "model.pre_norms": True,
-    "model.qk_norm_across_heads": False,
-    "model.ffn_pattern": None,
-    "model.router_group_score": "top2_sum",
-    "model.mtp_layers": 0,
-    # Gemma 4's global layers and DeepSeek Sparse Attention's indexer (engine/models/config.py)
-    "model.global_head_dim": None,
-    "model.global_num_kv_heads": None,
-    "model.global_values_from_keys": False,
-    "model.value_norm": False,
-    "model.layer_scale": False,
-    "model.rope_scaling.rotated_fraction": 1.0,  # RoPE kind proportional's share (Gemma 4)
-    "model.rope_scaling.short_factor": None,  # RoPE kind longrope's (Phi-3.5, Phi-4-mini)
-    "model.rope_scaling.long_factor": None,
-    "model.moe_beside_mlp": False,  # Gemma 4's mixture of experts
-    "model.router_input_norm": False,
-    "model.router_expert_scale": False,
-    "model.index_topk": None,
-    "model.index_heads": 64,
-    "model.index_head_dim": 128,
-    "model.index_rope_interleave": False,
+    # DeepSeek Sparse Attention's indexer training (engine/models/dsa.py)
     "compute.indexer_loss": "none",
     "compute.indexer_loss_weight": 1.0,
-    # mixer kinds (ModelConfig.mixer_pattern: Qwen3-Next's Gated DeltaNet layers)
-    "model.mixer_pattern": None,
-    "model.gated_delta": None,
-    "model.attention_output_gate": False,
-    "model.shared_expert_gate": False,
-    # Llama 4 (engine/models/families/llama4.py)
-    "model.attention_chunk_size": None,
-    "model.qk_l2_norm": False,
-    "model.attn_temperature_floor": None,
-    "model.attn_temperature_scale": 0.1,
-    "model.router_scales_input": False,
-    # Mamba2 layers and MLPs without a gate (engine/models/mamba2.py; Nemotron-H)
-    "model.mamba2": None,
-    "model.mlp_gated": True,
-    "model.embedding_multiplier": None,
-    "model.residual_multiplier": None,
-    "model.attention_scale": None,
-    "model.logits_scaling": None,
-    # Gemma 4's small models: per-layer embeddings and KV sharing
-    "model.per_layer_input_dim": None,
-    "model.kv_shared_layers": 0,
-    "model.kv_shared_wide_mlp": False,
-    # Falcon-H1 (engine/models/parallel_hybrid.py): its multipliers, Mamba2 without a gated norm
-    "model.mup": None,
-    "model.mamba2.gated_norm": True,
-    "model.mamba2.norm_before_gate": False,
-    "model.shared_expert_mlp_dim": None,  # Granite 4's shared MLP beside its experts
-    # GPT-era layers (engine/models/specs.py): LayerNorm, parallel residuals, biases, positions
-    "model.norm_kind": "rms",
-    "model.norm_bias": False,
-    "model.norm_scale": True,
-    "model.residual": "sequential",
-    "model.mlp_bias": False,
-    "model.qkv_clip": None,
-    "model.positions": "rope",
-    "model.position_offset": 0,
-    "model.embedding_norm": False,
-    "model.lm_head_bias": False,
     # DPO's separate reference (its checkpoint comes from an input, and is not in the id)
     "reference": {"checkpoint": None, "compute": None},
     # DPO's list-valued loss_type with weights, DiscoPOP's temperature (issue 53)
@@ -151,7 +90,9 @@ ADDED_AT_DEFAULT = {
     # a reward model's process (step-label) form (engine/posttrain/process_reward.py)
     "process": None,
 }
-"""Fields added to a config after artifacts were made with it: at these values they are left
-out of artifact ids, so a store's finished stages keep their ids (and are skipped)."""
+"""Fields added to a stage's config after artifacts were made with it: at these values they are
+left out of artifact ids, so a store's finished stages keep their ids (and are skipped). The
+model's own fields need no entry: engine/models/fingerprint.py leaves out any added since ids
+were defined wherever it holds its default."""
 TOKENIZE_NON_SEMANTIC_FIELDS = ("workers",)
 """Tokenizing: the shards are the same for any number of worker processes."""

@@ -37,6 +37,8 @@ from pydantic import BaseModel
 
 from engine.config import ConfigError, validate
 from engine.contract import ADDED_AT_DEFAULT, CHECKPOINT_DIR, CHECKPOINT_URL_SCHEMES
+from engine.models.config import ModelConfig
+from engine.models.fingerprint import model_id_fields
 from tasks.launch.gang import ChildResult
 from tasks.launch.run import LauncherSpec, run_child
 from tasks.store.records import ArtifactRef, drop_fields
@@ -242,6 +244,8 @@ class StageKind:
         """The part of the config that identifies the result (less the fields added since
         artifacts were made, where they hold the value that means what came before)."""
         dumped = config.model_dump(mode="json")
+        if isinstance(getattr(config, "model", None), ModelConfig):  # its fields added since, at their defaults, out
+            dumped["model"] = model_id_fields(dumped["model"], ModelConfig)
         unchanged = tuple(path for path, value in ADDED_AT_DEFAULT.items() if _field(dumped, path) == value)
         return drop_fields(dumped, (*self.non_semantic, *unchanged))
 
