@@ -1,0 +1,112 @@
+"""The processes of one sandboxed run, seen from outside: the tree under the process the
+sandbox started, its memory, and how to end all of it at once.
+
+A tool call's code may fork, double-fork into a daemon or setsid() into a session of its
+own; none of that leaves the tree, because orphans are re-parented inside it (to the PID
+namespace's init, or to the namespaces bootstrap, a child subreaper where the kernel gives
+no PID namespace). So "every process of the call" is "the tree under the sandbox's first
+process", read from /proc/<pid>/stat (the kernel here has no /proc/<pid>/task/<tid>/children).
+
+These machines' cgroups are v1 with the memory controller held by the host (cgroup v2's
+unified tree has no memory or pids controller to delegate), so no kernel limit covers a
+whole tool call: the tree's memory is sampled (`tree_memory_bytes`) and the run killed past
+its limit, with RLIMIT_AS still capping each process. A sample can miss what grows and
+shrinks between two samples; the per-process limit bounds that.
+
+`process_tree` and `kill_tree` use only os, select, signal and time: the namespaces bootstrap
+runs the same two (their source is part of it) to end what the code left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import time
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process under it (root first; empty when root is gone)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:  # os.open, not open(): this runs ten times a second while a call runs
+            fd = os.open(f"/proc/{name}/stat", os.O_RDONLY)
+            try:
+                stat = os.read(fd, 1024)
+            finally:
+                os.close(fd)
+        except OSError:  # exited while we looked
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces and parentheses, so split after the last ')'
+        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(name))
+    if not os.path.exists(f"/proc/{root}"):
+        return []
+    found = [root]
+    for pid in found:  # grows while it is walked: breadth first
+        found += children.get(pid, [])
+    return found
+
+
+def kill_tree(root: int, keep_root: bool = False) -> int:
+    """SIGKILL every process under `root` (and root itself unless `keep_root`) and wait, a few
+    seconds at most, until each has exited; the number killed. Each is stopped first, until a
+    pass finds no new one: a stopped process cannot fork, so none is born after the last pass
+    (a fork bomb cannot outrun it). Signals go through pidfds, which cannot name a reused pid."""
+    handles: dict[int, int] = {}  # pid: its pidfd (-1: none)
+    try:
+        while True:
+            new = [pid for pid in process_tree(root) if pid not in handles and not (keep_root and pid == root)]
+            if not new:
+                break
+            for pid in new:
+                try:
+                    handles[pid] = os.pidfd_open(pid)
+                    signal.pidfd_send_signal(handles[pid], signal.SIGSTOP)
+                except OSError:  # gone already (ESRCH), or not ours to signal
+                    handles.setdefault(pid, -1)
+        waiting = select.poll()
+        left = 0
+        for fd in handles.values():
+            if fd >= 0:
+                try:
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                except OSError:  # ESRCH: it died with a PID namespace's init killed just before
+                    continue
+                waiting.register(fd, select.POLLIN)  # readable once the process has exited
+                left += 1
+        deadline = time.monotonic() + 5
+        while left and time.monotonic() < deadline:
+            for fd, _ in waiting.poll(100):
+                waiting.unregister(fd)
+                left -= 1
+    finally:
+        for fd in handles.values():
+            if fd >= 0:
+                os.close(fd)
+    return len(handles)
+
+
+def tree_memory_bytes(root: int) -> int:
+    """The memory the tree under `root` holds: the sum of its processes' proportional set
+    sizes (pages shared between them, as after a fork, counted once), their RSS where the
+    kernel gives no smaps_rollup."""
+    total = 0
+    for pid in process_tree(root):
+        try:
+            with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+                for line in f:
+                    if line.startswith(b"Pss:"):
+                        total += int(line.split()[1]) << 10
+                        break
+        except FileNotFoundError:  # exited, or no smaps_rollup: its resident pages
+            try:
+                with open(f"/proc/{pid}/statm", "rb") as f:
+                    total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            except OSError:
+                pass
+        except OSError:
+            pass
+    return total
