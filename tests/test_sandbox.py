@@ -26,6 +26,7 @@ import pytest
 from engine.config import ConfigError
 from engine.posttrain import bubblewrap, sandbox
 from engine.posttrain.environments import EnvironmentConfig, ToolEnvironment, load_environment
+from engine.posttrain.process_tree import kill_tree, process_tree, scan_tree
 from engine.posttrain.sandbox import FAILURE_KINDS, SandboxLimits, SandboxUnavailable, run_python
 
 REPO = Path(__file__).resolve().parents[1]
@@ -430,6 +431,33 @@ def test_nothing_outlives_a_trainflow_killed_mid_call():
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert left == [], f"{len(left)} processes of the calls outlived the process that ran them"
+
+
+def test_a_tree_is_found_and_killed_whole_from_outside():
+    """Outside any sandbox: the tree under a process whose children setsid() is the same read
+    from the kernel's lists of children (where it keeps them) and from every process's parent,
+    and kill_tree leaves none of it running."""
+    code = "import os, time\nfor _ in range(2):\n    if os.fork() == 0:\n        os.setsid()\n"
+    code += "        time.sleep(60)\ntime.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while len(scan_tree(proc.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        tree = scan_tree(proc.pid)
+        assert len(tree) == 3 and sorted(process_tree(proc.pid)) == sorted(tree), (tree, process_tree(proc.pid))
+        assert kill_tree(proc.pid) == 3
+    finally:
+        proc.kill()
+    assert proc.wait() == -signal.SIGKILL
+
+    def running(pid: int) -> bool:  # a zombie waits for its parent (here the host's init) to reap it
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+        except OSError:
+            return False
+
+    assert not [pid for pid in tree if running(pid)]
 
 
 @pytest.mark.parametrize("isolation", ["bubblewrap", "namespaces"])

@@ -5,7 +5,8 @@ A tool call's code may fork, double-fork into a daemon or setsid() into a sessio
 own; none of that leaves the tree, because orphans are re-parented inside it (to the PID
 namespace's init, or to the namespaces bootstrap, a child subreaper where the kernel gives
 no PID namespace). So "every process of the call" is "the tree under the sandbox's first
-process", read from /proc/<pid>/stat (the kernel here has no /proc/<pid>/task/<tid>/children).
+process", read from /proc/<pid>/task/<tid>/children where the kernel has it, else from every
+process's /proc/<pid>/stat (these machines' kernels lack the first).
 
 These machines' cgroups are v1 with the memory controller held by the host (cgroup v2's
 unified tree has no memory or pids controller to delegate), so no kernel limit covers a
@@ -13,8 +14,9 @@ whole tool call: the tree's memory is sampled (`tree_memory_bytes`) and the run 
 its limit, with RLIMIT_AS still capping each process. A sample can miss what grows and
 shrinks between two samples; the per-process limit bounds that.
 
-`process_tree` and `kill_tree` use only os, select, signal and time: the namespaces bootstrap
-runs the same two (their source is part of it) to end what the code left behind.
+`process_tree`, `scan_tree` and `kill_tree` use only os, select, signal and time: the
+namespaces bootstrap runs the same three (their source is part of it) to end what the code
+left behind.
 """
 
 from __future__ import annotations
@@ -26,7 +28,32 @@ import time
 
 
 def process_tree(root: int) -> list[int]:
-    """`root` and every process under it (root first; empty when root is gone)."""
+    """`root` and every process under it (root first; empty when root is gone): from the
+    kernel's lists of children where it keeps them (CONFIG_PROC_CHILDREN), which reads the tree
+    only, else from every process's parent (`scan_tree`)."""
+    if not os.path.exists(f"/proc/{root}/task/{root}/children"):
+        return scan_tree(root)
+    found = [root]
+    for pid in found:  # grows while it is walked: breadth first
+        try:
+            threads = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # exited while we looked
+            continue
+        for tid in threads:  # a child hangs under the thread that forked it
+            try:
+                fd = os.open(f"/proc/{pid}/task/{tid}/children", os.O_RDONLY)
+                try:
+                    found += [int(child) for child in os.read(fd, 1 << 16).split()]
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
+    return found
+
+
+def scan_tree(root: int) -> list[int]:
+    """`process_tree` from /proc/<pid>/stat of every process on the host (a few ms for a few
+    hundred processes)."""
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -45,7 +72,7 @@ def process_tree(root: int) -> list[int]:
     if not os.path.exists(f"/proc/{root}"):
         return []
     found = [root]
-    for pid in found:  # grows while it is walked: breadth first
+    for pid in found:
         found += children.get(pid, [])
     return found
 

@@ -58,7 +58,7 @@ from pydantic import Field, field_validator
 from engine.config import Strict
 from engine.posttrain import bubblewrap
 from engine.posttrain.bubblewrap import SandboxUnavailable as SandboxUnavailable  # re-exported
-from engine.posttrain.process_tree import kill_tree, process_tree, tree_memory_bytes
+from engine.posttrain.process_tree import kill_tree, process_tree, scan_tree, tree_memory_bytes
 from engine.posttrain.seccomp import seccomp_program
 
 NOBODY = 65534
@@ -131,11 +131,12 @@ class SandboxLimits(Strict):
 
 
 # The weaker mode (isolation: namespaces). Runs as `python -I -c NAMESPACES_BOOTSTRAP LIMITS_JSON SCRIPT
-# PARENT_PID STATE_FD` in the sandbox's temporary directory; process_tree's two functions come first.
+# PARENT_PID STATE_FD` in the sandbox's temporary directory; process_tree's three functions come first.
 # It writes the isolation it got to STATE_FD as JSON (a pipe: the directory may be read-only by then).
 NAMESPACES_BOOTSTRAP = (
     "import ctypes, json, os, resource, select, signal, sys, time\n"
     + inspect.getsource(process_tree)
+    + inspect.getsource(scan_tree)
     + inspect.getsource(kill_tree)
     + r"""
 limits = json.loads(sys.argv[1])
