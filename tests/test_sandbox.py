@@ -6,6 +6,7 @@ error message (never the run's end), and the weaker mode runs only when asked fo
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
@@ -433,10 +434,17 @@ def test_nothing_outlives_a_trainflow_killed_mid_call():
     assert left == [], f"{len(left)} processes of the calls outlived the process that ran them"
 
 
-def test_a_tree_is_found_and_killed_whole_from_outside():
+@pytest.mark.parametrize("pidfds", [True, False], ids=["pidfds", "pids"])
+def test_a_tree_is_found_and_killed_whole_from_outside(pidfds, monkeypatch):
     """Outside any sandbox: the tree under a process whose children setsid() is the same read
     from the kernel's lists of children (where it keeps them) and from every process's parent,
-    and kill_tree leaves none of it running."""
+    and kill_tree leaves none of it running, through pidfds or (a kernel before 5.3) pids."""
+    if not pidfds:
+
+        def no_pidfds(pid: int) -> int:
+            raise OSError(errno.ENOSYS, "pidfd_open")
+
+        monkeypatch.setattr(os, "pidfd_open", no_pidfds)
     code = "import os, time\nfor _ in range(2):\n    if os.fork() == 0:\n        os.setsid()\n"
     code += "        time.sleep(60)\ntime.sleep(60)"
     proc = subprocess.Popen([sys.executable, "-c", code])

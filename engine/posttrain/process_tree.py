@@ -14,13 +14,13 @@ whole tool call: the tree's memory is sampled (`tree_memory_bytes`) and the run 
 its limit, with RLIMIT_AS still capping each process. A sample can miss what grows and
 shrinks between two samples; the per-process limit bounds that.
 
-`process_tree`, `scan_tree` and `kill_tree` use only os, select, signal and time: the
-namespaces bootstrap runs the same three (their source is part of it) to end what the code
-left behind.
+`kill_tree` and what it calls use only os, select, signal and time: the namespaces bootstrap
+runs the same functions (`bootstrap_source()` is part of it) to end what the code left behind.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import select
 import signal
@@ -81,8 +81,9 @@ def kill_tree(root: int, keep_root: bool = False) -> int:
     """SIGKILL every process under `root` (and root itself unless `keep_root`) and wait, a few
     seconds at most, until each has exited; the number killed. Each is stopped first, until a
     pass finds no new one: a stopped process cannot fork, so none is born after the last pass
-    (a fork bomb cannot outrun it). Signals go through pidfds, which cannot name a reused pid."""
-    handles: dict[int, int] = {}  # pid: its pidfd (-1: none)
+    (a fork bomb cannot outrun it). Signals go through pidfds, which cannot name a reused pid
+    (through the pid where the kernel has no pidfd_open, before Linux 5.3)."""
+    handles: dict[int, int | None] = {}  # pid: its pidfd; None: signal the pid; -1: gone before it was found
     try:
         while True:
             new = [pid for pid in process_tree(root) if pid not in handles and not (keep_root and pid == root)]
@@ -91,29 +92,54 @@ def kill_tree(root: int, keep_root: bool = False) -> int:
             for pid in new:
                 try:
                     handles[pid] = os.pidfd_open(pid)
-                    signal.pidfd_send_signal(handles[pid], signal.SIGSTOP)
-                except OSError:  # gone already (ESRCH), or not ours to signal
-                    handles.setdefault(pid, -1)
-        waiting = select.poll()
-        left = 0
-        for fd in handles.values():
-            if fd >= 0:
-                try:
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
-                except OSError:  # ESRCH: it died with a PID namespace's init killed just before
+                except ProcessLookupError:
+                    handles[pid] = -1
                     continue
-                waiting.register(fd, select.POLLIN)  # readable once the process has exited
-                left += 1
+                except OSError:  # no pidfds here
+                    handles[pid] = None
+                _send(pid, handles[pid], signal.SIGSTOP)
+        waiting = select.poll()
+        plain: list[int] = []
+        left = 0
+        for pid, fd in handles.items():
+            if fd != -1 and _send(pid, fd, signal.SIGKILL):  # ESRCH: it died with its namespace's init
+                if fd is None:
+                    plain.append(pid)
+                else:
+                    waiting.register(fd, select.POLLIN)  # readable once the process has exited
+                    left += 1
         deadline = time.monotonic() + 5
-        while left and time.monotonic() < deadline:
-            for fd, _ in waiting.poll(100):
+        while (left or plain) and time.monotonic() < deadline:
+            for fd, _ in waiting.poll(10):
                 waiting.unregister(fd)
                 left -= 1
+            plain = [pid for pid in plain if _running(pid)]
     finally:
         for fd in handles.values():
-            if fd >= 0:
+            if fd is not None and fd >= 0:
                 os.close(fd)
-    return len(handles)
+    return len([fd for fd in handles.values() if fd != -1])
+
+
+def _send(pid: int, pidfd: int | None, sig: int) -> bool:
+    """Signal a process through its pidfd, or its pid; False if it is gone (or not ours)."""
+    try:
+        if pidfd is None:
+            os.kill(pid, sig)
+        else:
+            signal.pidfd_send_signal(pidfd, sig)
+        return True
+    except OSError:
+        return False
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` has yet to exit (a zombie has: it waits for its parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except OSError:
+        return False
 
 
 def tree_memory_bytes(root: int) -> int:
@@ -137,3 +163,8 @@ def tree_memory_bytes(root: int) -> int:
         except OSError:
             pass
     return total
+
+
+def bootstrap_source() -> str:
+    """The source of `kill_tree` and what it calls, for the namespaces bootstrap to run."""
+    return "".join(inspect.getsource(f) for f in (process_tree, scan_tree, kill_tree, _send, _running))

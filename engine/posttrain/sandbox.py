@@ -38,7 +38,6 @@ is done between fork and exec in the parent, which holds JAX's threads.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import selectors
@@ -58,7 +57,7 @@ from pydantic import Field, field_validator
 from engine.config import Strict
 from engine.posttrain import bubblewrap
 from engine.posttrain.bubblewrap import SandboxUnavailable as SandboxUnavailable  # re-exported
-from engine.posttrain.process_tree import kill_tree, process_tree, scan_tree, tree_memory_bytes
+from engine.posttrain.process_tree import bootstrap_source, kill_tree, tree_memory_bytes
 from engine.posttrain.seccomp import seccomp_program
 
 NOBODY = 65534
@@ -131,13 +130,11 @@ class SandboxLimits(Strict):
 
 
 # The weaker mode (isolation: namespaces). Runs as `python -I -c NAMESPACES_BOOTSTRAP LIMITS_JSON SCRIPT
-# PARENT_PID STATE_FD` in the sandbox's temporary directory; process_tree's three functions come first.
+# PARENT_PID STATE_FD` in the sandbox's temporary directory; process_tree's functions come first.
 # It writes the isolation it got to STATE_FD as JSON (a pipe: the directory may be read-only by then).
 NAMESPACES_BOOTSTRAP = (
     "import ctypes, json, os, resource, select, signal, sys, time\n"
-    + inspect.getsource(process_tree)
-    + inspect.getsource(scan_tree)
-    + inspect.getsource(kill_tree)
+    + bootstrap_source()
     + r"""
 limits = json.loads(sys.argv[1])
 libc = ctypes.CDLL(None, use_errno=True)
