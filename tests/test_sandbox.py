@@ -6,12 +6,14 @@ error message (never the run's end), and the weaker mode runs only when asked fo
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import platform
 import re
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -23,8 +25,9 @@ from pathlib import Path
 import pytest
 
 from engine.config import ConfigError
-from engine.posttrain import bubblewrap
+from engine.posttrain import bubblewrap, sandbox
 from engine.posttrain.environments import EnvironmentConfig, ToolEnvironment, load_environment
+from engine.posttrain.process_tree import kill_tree, process_tree, scan_tree
 from engine.posttrain.sandbox import FAILURE_KINDS, SandboxLimits, SandboxUnavailable, run_python
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,6 +43,35 @@ def run(code: str, limits: SandboxLimits = LIMITS):
     result = run_python(code, limits)
     assert result.isolation, "the sandbox said how it isolated the code"
     return result
+
+
+# A child, a double-forked daemon and a child in a session of its own: each an interpreter that
+# sleeps with `{marker}` on its command line, once it has said so in an `up-<pid>` file. The code
+# waits for the three and prints "up 3" (format with marker=...).
+LEAVE_BEHIND = (
+    "import os, sys, time\n"
+    "def sleeper():\n"
+    '    code = \'import os, time; open(f"up-{{os.getpid()}}", "w").close(); time.sleep(60)\'\n'
+    "    os.execv(sys.executable, [sys.executable, '-c', code, {marker!r}])\n"
+    "if os.fork() == 0:\n    sleeper()\n"
+    "if os.fork() == 0:\n    if os.fork() == 0:\n        os.setsid()\n        sleeper()\n    os._exit(0)\n"
+    "if os.fork() == 0:\n    os.setsid()\n    sleeper()\n"
+    "while len([name for name in os.listdir('.') if name.startswith('up-')]) < 3:\n    time.sleep(0.01)\n"
+    "print('up', 3, flush=True)\n"
+)
+
+
+def processes_with(marker: str) -> list[int]:
+    """The host's processes with `marker` as one of their arguments."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marker.encode() in argv:
+            found.append(int(pid))
+    return found
 
 
 # --------------------------------------------------------------------------- the escape battery
@@ -105,7 +137,7 @@ ESCAPES = [
         {},
     ),
     ("cpu_spin", "while True:\n    pass", {}),
-    ("sleep", "import time\ntime.sleep(60)", {"wall_seconds": 3.0}),
+    ("sleep", LEAVE_BEHIND + "time.sleep(60)", {"wall_seconds": 3.0}),
     ("print_forever", "while True:\n    print('x' * 1000)", {"max_output_bytes": 100_000}),
     (
         "ptrace_and_signal",
@@ -184,7 +216,9 @@ def check(outcomes: dict[str, dict], places: dict, host_words: list[str]) -> Non
     child = outcomes["memory_in_child"]["stdout"]
     assert child.startswith("1 ") and "MemoryError" in child and "allocated" not in child, child
     assert outcomes["cpu_spin"]["failure"] == "cpu_time", outcomes["cpu_spin"]
-    assert outcomes["sleep"]["failure"] == "wall_time", outcomes["sleep"]
+    assert outcomes["sleep"]["failure"] == "wall_time" and outcomes["sleep"]["stdout"] == "up 3\n", outcomes["sleep"]
+    left = subprocess.run(["pgrep", "-f", places["marker"]], capture_output=True, text=True).stdout.split()
+    assert left == [], f"processes of the timed-out call outlived the sandbox: {left}"
     printed = outcomes["print_forever"]
     assert printed["failure"] == "output" and len(printed["stdout"]) <= LIMITS.max_output_chars, printed["error"]
     traced = outcomes["ptrace_and_signal"]["stdout"]
@@ -343,11 +377,110 @@ def test_a_busy_loop_is_stopped_by_the_cpu_limit():
     assert "CPU-time limit of 1 s" in result.error, result.error
 
 
-def test_a_sleeping_child_is_stopped_by_the_wall_limit_with_its_tree():
-    code = "import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-    result = run(code + "time.sleep(60)", LIMITS.model_copy(update={"wall_seconds": 2.0}))
-    assert result.killed and result.failure == "wall_time" and "wall-time limit of 2 s" in result.error
-    assert result.seconds < 30  # not the 60 s the code asked for
+# The weaker mode's bootstrap where the kernel gives no PID namespace (nor a mount namespace):
+# only its last attempt, a network namespace, is left.
+NO_PID_NAMESPACE = (
+    '    [NEWNS | NEWNET | NEWPID, ["mntns", "netns", "pidns"]],\n    [NEWNET | NEWPID, ["netns", "pidns"]],\n'
+)
+
+
+@pytest.mark.parametrize("isolation", ["bubblewrap", "namespaces", "namespaces-without-pidns"])
+def test_nothing_a_call_started_outlives_it(isolation, monkeypatch):
+    """A child, a double-forked daemon and a setsid() child, all sleeping: none is left on the
+    host after the call, whether the code exits at once or sleeps past the wall-time limit.
+    (Before, a timed-out call as root left bwrap's PID namespace running: the group kill missed
+    the setsid()ed init and bwrap, without CAP_KILL, could not signal the run's uid.)"""
+    if isolation == "namespaces-without-pidns":  # the bootstrap, a child subreaper, ends the tree itself
+        assert NO_PID_NAMESPACE in sandbox.NAMESPACES_BOOTSTRAP
+        monkeypatch.setattr(sandbox, "NAMESPACES_BOOTSTRAP", sandbox.NAMESPACES_BOOTSTRAP.replace(NO_PID_NAMESPACE, ""))
+    limits = LIMITS.model_copy(update={"isolation": isolation.split("-")[0], "wall_seconds": 3.0})
+    marker = f"left-{secrets.token_hex(6)}"
+    for then, failure in (("", None), ("time.sleep(60)", "wall_time")):
+        result = run(LEAVE_BEHIND.format(marker=marker) + then, limits)
+        assert result.failure == failure and result.stdout == "up 3\n", result
+        assert processes_with(marker) == [], f"{isolation}: processes of the call outlived it ({then or 'exit'})"
+    if isolation == "namespaces-without-pidns":
+        assert result.isolation == ["netns"], result.isolation
+
+
+def test_nothing_outlives_a_trainflow_killed_mid_call():
+    """The process that runs the sandbox is SIGKILLed mid-call (an OOM kill, a preemption): both
+    modes' processes go with it (bwrap's PID 1 reads EOF on the call's pipe; the namespaces
+    bootstrap gets the parent-death signal), within the 30 s this waits."""
+    marker = f"orphan-{secrets.token_hex(6)}"
+    code = LEAVE_BEHIND.format(marker=marker) + "time.sleep(60)"
+    driver = (
+        f"import sys, threading\nsys.path.insert(0, {str(REPO)!r})\n"
+        "from engine.posttrain.sandbox import SandboxLimits, run_python\n"
+        "for isolation in ('bubblewrap', 'namespaces'):\n"
+        "    limits = SandboxLimits(isolation=isolation, wall_seconds=60)\n"
+        "    threading.Thread(target=run_python, args=(sys.argv[1], limits)).start()"
+    )
+    trainflow = subprocess.Popen([sys.executable, "-c", driver, code])
+    try:
+        deadline = time.monotonic() + 60
+        while len(processes_with(marker)) < 6 and time.monotonic() < deadline and trainflow.poll() is None:
+            time.sleep(0.1)
+        assert len(processes_with(marker)) == 6, "both calls started their three sleepers"
+    finally:
+        trainflow.kill()
+        trainflow.wait()
+    deadline = time.monotonic() + 30
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = processes_with(marker)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == [], f"{len(left)} processes of the calls outlived the process that ran them"
+
+
+@pytest.mark.parametrize("pidfds", [True, False], ids=["pidfds", "pids"])
+def test_a_tree_is_found_and_killed_whole_from_outside(pidfds, monkeypatch):
+    """Outside any sandbox: the tree under a process whose children setsid() is the same read
+    from the kernel's lists of children (where it keeps them) and from every process's parent,
+    and kill_tree leaves none of it running, through pidfds or (a kernel before 5.3) pids."""
+    if not pidfds:
+
+        def no_pidfds(pid: int) -> int:
+            raise OSError(errno.ENOSYS, "pidfd_open")
+
+        monkeypatch.setattr(os, "pidfd_open", no_pidfds)
+    code = "import os, time\nfor _ in range(2):\n    if os.fork() == 0:\n        os.setsid()\n"
+    code += "        time.sleep(60)\ntime.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while len(scan_tree(proc.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        tree = scan_tree(proc.pid)
+        assert len(tree) == 3 and sorted(process_tree(proc.pid)) == sorted(tree), (tree, process_tree(proc.pid))
+        assert kill_tree(proc.pid) == 3
+    finally:
+        proc.kill()
+    assert proc.wait() == -signal.SIGKILL
+
+    def running(pid: int) -> bool:  # a zombie waits for its parent (here the host's init) to reap it
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+        except OSError:
+            return False
+
+    assert not [pid for pid in tree if running(pid)]
+
+
+@pytest.mark.parametrize("isolation", ["bubblewrap", "namespaces"])
+def test_a_tree_past_the_memory_limit_is_killed_as_one(isolation):
+    """Three children of 60 MB each, every one within the 128 MB a process may map, together
+    past the run's 128 MB: the run is killed, its error the sentence the policy reads."""
+    child = "x = b'x' * (60 << 20)\nimport time\ntime.sleep(60)"
+    code = (
+        f"import subprocess, sys, time\nfor _ in range(3):\n    subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+    )
+    limits = LIMITS.model_copy(update={"isolation": isolation, "memory_mb": 128})
+    result = run(code + "time.sleep(60)", limits)
+    said = "the code's processes together used more than 128 MB of memory (the limit) and were killed"
+    assert result.failure == "memory" and result.killed and result.error == said, result
+    assert f"error: {said}" in result.observation()
 
 
 def test_a_10_gb_allocation_is_a_memory_error():
@@ -408,7 +541,8 @@ def test_the_weaker_mode_runs_only_when_asked_for_and_says_so():
     weaker = LIMITS.model_copy(update={"isolation": "namespaces"})
     result = run("print(6 * 7)", weaker)
     assert result.ok and result.stdout == "42\n"
-    assert result.isolation in (["netns", "pidns"], ["netns"], ["audit-hook"]), result.isolation
+    weaker_ones = (["netns", "pidns", "read-only-fs"], ["netns", "pidns"], ["netns"], ["audit-hook"])
+    assert result.isolation in weaker_ones, result.isolation
     result = run("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)", weaker)
     assert result.failure == "network" and result.error == "the code tried to use the network: the sandbox has none"
     env = ToolEnvironment(tools=["python"], sandbox={"isolation": "namespaces"})
@@ -417,11 +551,29 @@ def test_the_weaker_mode_runs_only_when_asked_for_and_says_so():
         ToolEnvironment(tools=["python"], sandbox={"isolation": "none"})
 
 
+def test_the_weaker_mode_writes_nothing_on_the_host(tmp_path):
+    """In the namespaces mode the host's file system is read-only and /tmp, /var/tmp and
+    /dev/shm are private tmpfs: what the code writes there is gone with the run (before, it
+    wrote to the host's /tmp, and anywhere its uid could)."""
+    shared = tmp_path / "world-writable"
+    shared.mkdir()
+    shared.chmod(0o1777)  # even nobody could write here
+    name = f"trainflow-test-{secrets.token_hex(6)}"
+    targets = [f"/tmp/{name}", f"/var/tmp/{name}", f"/dev/shm/{name}", str(shared / name), name]
+    code = f"import os\nfor path in {targets!r}:\n    try:\n        open(path, 'w').write('x')\n"
+    code += "        print('wrote', path, open(path).read())\n    except OSError as e:\n"
+    code += "        print('refused', path, type(e).__name__)"
+    result = run(code, LIMITS.model_copy(update={"isolation": "namespaces"}))
+    assert result.isolation == ["netns", "pidns", "read-only-fs"], result.isolation
+    for path in targets[:3] + targets[4:]:  # its own /tmp, /var/tmp, /dev/shm and working directory
+        assert f"wrote {path} x" in result.stdout, result.stdout
+    assert f"refused {targets[3]}" in result.stdout, result.stdout
+    assert not [path for path in targets[:4] if os.path.exists(path)], "the code wrote on the host"
+
+
 def test_the_audit_hook_fallback_refuses_sockets():
     """Where namespaces are refused, the weaker mode's audit hook is what stops the network:
     run that branch directly (the same hook, installed in a plain interpreter)."""
-    from engine.posttrain import sandbox
-
     hook = sandbox.NAMESPACES_BOOTSTRAP.split('if "netns" not in isolation:\n')[1].split("del ctypes")[0]
     code = "import sys, textwrap\n" + "exec(textwrap.dedent('''" + hook + "'''))\n"
     code += "import socket\ntry:\n    socket.socket()\nexcept PermissionError as e:\n    print('refused:', e)\n"

@@ -15,12 +15,17 @@ What the code sees (everything else of the host is absent, not merely unreadable
     /tmp, /dev/shm  fresh tmpfs of `scratch_mb` each (multiprocessing's semaphores live in /dev/shm)
     /proc, /dev     the PID namespace's own /proc; bwrap's minimal /dev (null, zero, urandom ...)
 
-Namespaces: mount, PID (the bootstrap is its init, --as-pid-1), network (only its own
+Namespaces: mount, PID (the bootstrap is its init, --as-pid-1, and forks the code), network (only its own
 loopback), IPC, UTS and cgroup, and a user namespace when trainflow runs as an ordinary user
 (further ones disabled). The root of the view is remounted read-only. Capabilities: none.
 no_new_privs and the seccomp filter of engine/posttrain/seccomp.py, loaded by bwrap just
-before the code's interpreter starts. The environment is cleared (--clearenv). --die-with-parent and the PID
-namespace: when bwrap dies every process of the run dies with it.
+before the code's interpreter starts. The environment is cleared (--clearenv).
+
+The end of a run: the bootstrap, PID 1 of the namespace, only reaps; its child runs the code.
+PID 1 exits when the code does, or when it reads EOF on the call's `alive` pipe, whose write
+end trainflow holds until the call is over (or until it dies): the kernel then kills every
+process left in the namespace. bwrap's --die-with-parent alone does not do it as root (bwrap
+keeps no CAP_KILL, and the run's uid is not bwrap's: its parent-death signal is refused).
 
 Who the code runs as: an unprivileged uid of its own, so that RLIMIT_NPROC counts that run's
 processes only (concurrent runs, one of them a fork bomb, do not starve each other). As an
@@ -60,16 +65,15 @@ SYSTEM_LIBRARIES = ("/usr/lib", "/usr/lib64", "/lib", "/lib64")
 BWRAP = "bwrap"  # the program, looked up on PATH, then in /usr/bin and /bin
 INSTALL_HINT = "install the `bubblewrap` package (Debian/Ubuntu: apt-get install bubblewrap)"
 
-# Runs as `python -I -c BOOTSTRAP CONFIG_JSON` in /sandbox, before any of the code.
+# Runs as `python -I -c BOOTSTRAP CONFIG_JSON` in /sandbox, before any of the code: PID 1 of the namespace.
 BOOTSTRAP = r"""
-import json, os, resource, sys
+import ctypes, json, os, resource, select, signal, sys
 config = json.loads(sys.argv[1])
 uid = config["uid"]
+libc = ctypes.CDLL(None, use_errno=True)
 if uid is not None:
     # Privileged bwrap (trainflow runs as root): empty every capability set, then become the
     # run's own unprivileged uid, whose processes RLIMIT_NPROC counts.
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
     for cap in range(64):
         libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP (EINVAL past the last capability)
     os.setgroups([])
@@ -79,8 +83,37 @@ if uid is not None:
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
     if libc.capset(ctypes.byref(Header(0x20080522, 0)), ctypes.byref((ctypes.c_uint32 * 6)())) != 0:
         raise OSError(ctypes.get_errno(), "capset failed")  # the inheritable set, now empty too
-    del ctypes, libc, Header
+# This process is PID 1 of the namespace: it only reaps, its child runs the code. It exits when
+# the code does, or as soon as trainflow's end of `alive` closes (the call is over, or trainflow
+# died): the kernel then kills every process left in the namespace. (bwrap's --die-with-parent
+# cannot do that as root: bwrap keeps no CAP_KILL, and the run's uid is not bwrap's.)
+alive = config["alive_fd"]
+wake_r, wake_w = os.pipe()
+os.set_blocking(wake_w, False)
+signal.set_wakeup_fd(wake_w)  # SIGCHLD wakes the select below
+signal.signal(signal.SIGCHLD, lambda *_: None)
+worker = os.fork()
+if worker:
+    while True:
+        if alive in select.select([alive, wake_r], [], [])[0]:  # EOF: nothing is ever written
+            os._exit(128 + signal.SIGKILL)
+        os.read(wake_r, 512)
+        while True:  # reap the worker and the orphans re-parented here (zombies count as processes)
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                os._exit(0)
+            if pid == 0:
+                break
+            if pid == worker:
+                os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+signal.set_wakeup_fd(-1)
+signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+for fd in (alive, wake_r, wake_w):
+    os.close(fd)
+del ctypes, libc
 for name, value in config["rlimits"]:
+    value += name == "RLIMIT_NPROC"  # PID 1, the reaper, is one of the uid's processes too
     resource.setrlimit(getattr(resource, name), (value, value))
 if config["site"]:
     sys.path.append(config["site"])
@@ -215,9 +248,12 @@ def run_uid() -> int:
     return RUN_UIDS[block + next(_run_counter) % 256]
 
 
-def bootstrap_config(v: View, as_root: bool, rlimits: list[tuple[str, int]]) -> dict:
-    """The bootstrap's argument: the uid to become (as root), the limits, the modules' directory."""
-    return {"uid": run_uid() if as_root else None, "rlimits": rlimits, "site": SITE if v.site else None}
+def bootstrap_config(v: View, as_root: bool, rlimits: list[tuple[str, int]], alive_fd: int) -> dict:
+    """The bootstrap's argument: the uid to become (as root), the limits, the modules' directory,
+    and `alive_fd`, the read end of a pipe whose write end trainflow holds for the call: at its
+    EOF the sandbox ends."""
+    uid = run_uid() if as_root else None
+    return {"uid": uid, "rlimits": rlimits, "site": SITE if v.site else None, "alive_fd": alive_fd}
 
 
 def start_failure(exit_code: int | None, stderr: str) -> str | None:

@@ -14,16 +14,23 @@ Two isolations, chosen by `SandboxLimits.isolation`:
                 naming the package, never a silent fallback.
     namespaces  the weaker mode, only when a config asks for it: network and PID namespaces
                 where the kernel allows them (an in-interpreter audit hook where it does
-                not), the code as `nobody`, but the host's file system stays readable (as
-                root the code keeps CAP_DAC_READ_SEARCH, because the interpreter may live
-                where nobody cannot read). `SandboxResult.isolation` says what a run had.
+                not), the code as `nobody`, the host's file system readable (as root the
+                code keeps CAP_DAC_READ_SEARCH, because the interpreter may live where nobody
+                cannot read) but not writable: a mount namespace remounts it read-only and
+                puts a private tmpfs on /tmp, /var/tmp and /dev/shm, the working directory
+                (`read-only-fs`; without it the code writes wherever its uid may, the host's
+                /tmp included). `SandboxResult.isolation` says what a run had.
 
 Limits, set by the bootstrap before any of the code runs and inherited by every process it
-starts (rlimits; the machines' cgroups are v1 or not delegated, so there is no cgroup-wide
-accounting): CPU seconds and address space per process, processes and threads (RLIMIT_NPROC),
-file size, open files, no core dumps. The parent kills the whole run at the wall-time limit
-and as soon as stdout or stderr passes `max_output_bytes` (the process group; in bubblewrap
-the PID namespace dies with bwrap).
+starts (rlimits): CPU seconds and address space per process, processes and threads
+(RLIMIT_NPROC), file size, open files, no core dumps. The parent watches the whole tree
+(engine/posttrain/process_tree.py): it kills it at the wall-time limit, as soon as stdout or
+stderr passes `max_output_bytes`, and when the tree's memory, sampled every SAMPLE_SECONDS,
+passes `memory_mb` (these machines' cgroups are v1 with the memory controller held by the
+host, so no kernel limit covers a tree). Nothing a call started outlives it: the tree is
+stopped and killed whole (a setsid() or a double fork does not leave it), and if trainflow
+itself dies mid-call the sandbox goes with it (bwrap's PID 1 reads EOF on the call's pipe; the
+namespaces bootstrap has the parent-death signal).
 
 The bootstraps run first in a fresh `python -I` (one thread, no user code yet), so nothing
 is done between fork and exec in the parent, which holds JAX's threads.
@@ -40,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
@@ -49,16 +57,17 @@ from pydantic import Field, field_validator
 from engine.config import Strict
 from engine.posttrain import bubblewrap
 from engine.posttrain.bubblewrap import SandboxUnavailable as SandboxUnavailable  # re-exported
+from engine.posttrain.process_tree import bootstrap_source, kill_tree, tree_memory_bytes
 from engine.posttrain.seccomp import seccomp_program
 
 NOBODY = 65534
-STATE_FILE = ".sandbox.json"  # the namespaces bootstrap writes the isolation it got here
+SAMPLE_SECONDS = 0.1  # how often the run's tree is weighed against memory_mb
 
 # How a tool call can fail, the names of its `env/tool_failures/<kind>` metric.
 FAILURE_KINDS = (
     "wall_time",  # ran (or slept, or hung) past wall_seconds: killed
     "cpu_time",  # a process used cpu_seconds of CPU: killed by the kernel
-    "memory",  # an allocation past memory_mb failed
+    "memory",  # an allocation past memory_mb failed, or the tree's processes together passed it: killed
     "processes",  # a fork or thread past max_processes failed
     "file_size",  # a write past file_size_mb (or scratch_mb) failed
     "output",  # printed past max_output_bytes: killed
@@ -84,7 +93,9 @@ class SandboxLimits(Strict):
     wall_seconds: float = Field(5.0, gt=0)
     """Wall-clock time: past it the whole run is killed (a sleeping or blocked child too)."""
     memory_mb: int = Field(1024, gt=0)
-    """Address space of each process (RLIMIT_AS): an allocation past it raises MemoryError."""
+    """Memory of the run: each process's address space (RLIMIT_AS: an allocation past it raises
+    MemoryError), and the whole tree's proportional set size, sampled ten times a second: past
+    it the run is killed (a memory failure)."""
     max_processes: int = Field(16, gt=0)
     """Processes and threads (RLIMIT_NPROC): a fork past it fails (a fork bomb stops there)."""
     file_size_mb: int = Field(64, gt=0)
@@ -118,17 +129,36 @@ class SandboxLimits(Strict):
         ]
 
 
-# The weaker mode (isolation: namespaces). Runs as `python -I -c NAMESPACES_BOOTSTRAP LIMITS_JSON SCRIPT`
-# in the sandbox's temporary directory.
-NAMESPACES_BOOTSTRAP = r"""
-import ctypes, json, os, resource, sys
+# The weaker mode (isolation: namespaces). Runs as `python -I -c NAMESPACES_BOOTSTRAP LIMITS_JSON SCRIPT
+# PARENT_PID STATE_FD` in the sandbox's temporary directory; process_tree's functions come first.
+# It writes the isolation it got to STATE_FD as JSON (a pipe: the directory may be read-only by then).
+NAMESPACES_BOOTSTRAP = (
+    "import ctypes, json, os, resource, select, signal, sys, time\n"
+    + bootstrap_source()
+    + r"""
 limits = json.loads(sys.argv[1])
-NEWUSER, NEWNET, NEWPID = 0x10000000, 0x40000000, 0x20000000
 libc = ctypes.CDLL(None, use_errno=True)
+# Die with trainflow (the parent-death signal, then a look whether it had already gone), and
+# be a child subreaper: the code's orphans (a double fork, a setsid) are re-parented here, in
+# the tree the parent kills, never to the host's init.
+libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[3]):
+    os._exit(1)
+libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+NEWUSER, NEWNET, NEWPID, NEWNS = 0x10000000, 0x40000000, 0x20000000, 0x00020000
 root = os.geteuid() == 0
 uid, gid = os.getuid(), os.getgid()
+if root:
+    os.chown(".", 65534, 65534)
+with open(sys.argv[2], "rb") as f:
+    script = f.read()
 isolation = []
-for flags, names in ([NEWNET | NEWPID, ["netns", "pidns"]], [NEWNET, ["netns"]]):
+ATTEMPTS = (  # the namespaces to ask for, most first
+    [NEWNS | NEWNET | NEWPID, ["mntns", "netns", "pidns"]],
+    [NEWNET | NEWPID, ["netns", "pidns"]],
+    [NEWNET, ["netns"]],
+)
+for flags, names in ATTEMPTS:
     if not root:
         flags |= NEWUSER
     if libc.unshare(flags) == 0:
@@ -138,30 +168,68 @@ for flags, names in ([NEWNET | NEWPID, ["netns", "pidns"]], [NEWNET, ["netns"]])
                 with open(f"/proc/self/{name}", "w") as f:
                     f.write(text)
         break
-if root:
-    os.chown(".", 65534, 65534)
-with open(".sandbox.json", "w") as f:
+if "mntns" in isolation:
+    # The host's file system read-only (mount_setattr, recursive), and a private tmpfs on each
+    # directory everyone may write: the code writes nothing outside them, the host's /tmp included.
+    isolation.remove("mntns")
+    class MountAttr(ctypes.Structure):
+        _fields_ = [("set", ctypes.c_uint64), ("clear", ctypes.c_uint64), ("propagation", ctypes.c_uint64),
+                    ("userns_fd", ctypes.c_uint64)]
+    MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV = 0x4000, 1 << 18, 2, 4
+    done = libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None) == 0
+    readonly = MountAttr(1, 0, 0, 0)  # MOUNT_ATTR_RDONLY; -100 is AT_FDCWD, 0x8000 AT_RECURSIVE, 442 the call
+    done = done and libc.syscall(442, -100, b"/", 0x8000, ctypes.byref(readonly), ctypes.sizeof(readonly)) == 0
+    size = f"size={limits['scratch_mb']}m,mode=1777".encode()
+    for directory in (b"/tmp", b"/var/tmp", b"/dev/shm"):
+        done = done and (not os.path.isdir(directory) or libc.mount(b"tmpfs", directory, b"tmpfs",
+                                                                    MS_NOSUID | MS_NODEV, size) == 0)
+    if done:
+        isolation.append("read-only-fs")
+with open(int(sys.argv[4]), "w") as f:
     json.dump({"isolation": isolation or ["audit-hook"]}, f)
+if "read-only-fs" in isolation:  # the working directory (this one is read-only now): the private /tmp
+    os.chdir("/tmp")
+    with open(sys.argv[2], "wb") as f:
+        f.write(script)
+    os.environ.update(HOME="/tmp", TMPDIR="/tmp")
 
 def wait_for(pid):
-    status = os.waitpid(pid, 0)[1]
-    return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    # Reap until `pid` exits (orphans are re-parented here meanwhile); its exit code.
+    while True:
+        try:
+            done, status = os.wait()
+        except ChildProcessError:
+            return 0
+        if done == pid:
+            return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+alive, holding = os.pipe()  # EOF on `alive` once this process is gone
+child = os.fork()
+if child:
+    os.close(alive)
+    code = wait_for(child)
+    kill_tree(os.getpid(), keep_root=True)  # what the code left running (without a PID namespace it is here)
+    while True:  # and reap it: a zombie still counts against its uid's process limit
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                break
+        except ChildProcessError:
+            break
+    os._exit(code)
+os.close(holding)
+
+def die_with_bootstrap():
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG (a fork and a uid change each clear it)
+    if select.select([alive], [], [], 0)[0]:  # the bootstrap was gone before it was set
+        os._exit(1)
 
 if "pidns" in isolation:
-    # The next child is PID 1 of the namespace: it only reaps; its child runs the code. When
-    # PID 1 exits the kernel kills whatever is left in the namespace.
-    reaper = os.fork()
-    if reaper:
-        os._exit(wait_for(reaper))
+    # This child is PID 1 of the namespace: it only reaps; its child runs the code. When PID 1
+    # exits the kernel kills whatever is left in the namespace.
+    die_with_bootstrap()
     worker = os.fork()
     if worker:
-        while True:
-            try:
-                pid, status = os.wait()
-            except ChildProcessError:
-                os._exit(0)
-            if pid == worker:
-                os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+        os._exit(wait_for(worker))
 if root:
     # Root ignores RLIMIT_NPROC and may write anywhere: become nobody, keeping one capability,
     # CAP_DAC_READ_SEARCH (read any file), since the interpreter may live where nobody cannot
@@ -179,6 +247,9 @@ if root:
     if libc.capset(ctypes.byref(Header(0x20080522, 0)), sets) != 0:  # _LINUX_CAPABILITY_VERSION_3
         raise OSError(ctypes.get_errno(), "capset failed")
     libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+if "pidns" not in isolation:
+    die_with_bootstrap()  # the code runs in this process, not under a namespace's init
+os.close(alive)
 cpu = int(-(-limits["cpu_seconds"] // 1))
 for name, value in (("RLIMIT_CPU", (cpu, cpu + 1)), ("RLIMIT_AS", limits["memory_mb"] << 20),
                     ("RLIMIT_NPROC", limits["max_processes"]), ("RLIMIT_FSIZE", limits["file_size_mb"] << 20),
@@ -196,6 +267,7 @@ import runpy
 sys.argv = [sys.argv[2]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
+)
 
 
 @dataclass
@@ -211,7 +283,7 @@ class SandboxResult:
     """Killed by the sandbox (wall time, output) or the kernel (CPU time)."""
     seconds: float = 0.0
     isolation: list[str] = field(default_factory=list)
-    """How the code was isolated: [bubblewrap, seccomp]; or netns (+ pidns), or audit-hook."""
+    """How the code was isolated: [bubblewrap, seccomp]; or netns (+ pidns, + read-only-fs), or audit-hook."""
     failure: str | None = None
     """The kind of failure, one of FAILURE_KINDS (None if the code exited 0)."""
 
@@ -228,13 +300,15 @@ class SandboxResult:
 
 
 def _read_bounded(
-    stdout: IO[bytes], stderr: IO[bytes], deadline: float, keep: int, most: int
+    stdout: IO[bytes], stderr: IO[bytes], deadline: float, keep: int, most: int, over_memory: Callable[[], bool]
 ) -> tuple[str, str, str | None]:
-    """(stdout, stderr, why it stopped early: wall_time, output or None): read both pipes until
-    EOF, the deadline, or more than `most` bytes on either, keeping the first `keep` bytes of each
-    (a child that prints forever cannot fill the parent's memory)."""
+    """(stdout, stderr, why it stopped early: wall_time, output, memory or None): read both
+    pipes until EOF, the deadline, more than `most` bytes on either, or `over_memory()` (asked
+    every SAMPLE_SECONDS), keeping the first `keep` bytes of each (a child that prints forever
+    cannot fill the parent's memory)."""
     kept = {stdout.fileno(): bytearray(), stderr.fileno(): bytearray()}
     seen = dict.fromkeys(kept, 0)
+    sample = time.monotonic() + SAMPLE_SECONDS
 
     def texts() -> tuple[str, str]:
         return kept[stdout.fileno()].decode(errors="replace"), kept[stderr.fileno()].decode(errors="replace")
@@ -243,10 +317,14 @@ def _read_bounded(
         for fd in kept:
             sel.register(fd, selectors.EVENT_READ)
         while sel.get_map():
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 return *texts(), "wall_time"
-            for key, _ in sel.select(timeout=left):
+            if now >= sample:
+                if over_memory():
+                    return *texts(), "memory"
+                sample = now + SAMPLE_SECONDS
+            for key, _ in sel.select(timeout=min(deadline, sample) - now):
                 chunk = os.read(key.fd, 65536)
                 if not chunk:
                     sel.unregister(key.fd)
@@ -259,13 +337,6 @@ def _read_bounded(
     return *texts(), None
 
 
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _diagnose(result: SandboxResult, limits: SandboxLimits, stopped: str | None) -> tuple[str | None, str | None]:
     """(failure kind, one sentence) of a run: the limit it hit, else its exception's last line."""
     code, stderr = result.exit_code, result.stderr
@@ -274,6 +345,10 @@ def _diagnose(result: SandboxResult, limits: SandboxLimits, stopped: str | None)
         return stopped, f"the code ran past the wall-time limit of {limits.wall_seconds:g} s and was killed"
     if stopped == "output":
         return stopped, f"the code printed more than {limits.max_output_bytes} bytes (the output limit) and was killed"
+    if stopped == "memory":
+        return stopped, (
+            f"the code's processes together used more than {limits.memory_mb} MB of memory (the limit) and were killed"
+        )
     if "bubblewrap" in result.isolation and (said := bubblewrap.start_failure(code, stderr)):
         return "sandbox", f"the sandbox could not start the code: {said}"
     if signal.SIGXCPU in signalled or (signal.SIGKILL in signalled and code != 0):
@@ -321,11 +396,14 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
-def _bubblewrap_argv(code: str, limits: SandboxLimits) -> tuple[list[str], tuple[int, int]]:
-    """The bwrap command of one run and the two file descriptors it reads (the caller closes them)."""
+def _bubblewrap_argv(code: str, limits: SandboxLimits) -> tuple[list[str], tuple[int, int, int], int]:
+    """The bwrap command of one run, the three file descriptors it inherits (the code, the
+    seccomp program, the read end of the call's `alive` pipe: the caller closes them once bwrap
+    is started) and the pipe's write end, which the caller holds until the call is over."""
     view = bubblewrap.view(tuple(limits.modules))
     as_root = os.geteuid() == 0
-    fds = (_memfd("trainflow-code", code.encode()), _memfd("trainflow-seccomp", seccomp_program()))
+    alive, holding = os.pipe()
+    fds = (_memfd("trainflow-code", code.encode()), _memfd("trainflow-seccomp", seccomp_program()), alive)
     argv = bubblewrap.command(
         view,
         bwrap=bubblewrap.find_bwrap(),
@@ -335,7 +413,8 @@ def _bubblewrap_argv(code: str, limits: SandboxLimits) -> tuple[list[str], tuple
         code_fd=fds[0],
         seccomp_fd=fds[1],
     )
-    return [*argv, json.dumps(bubblewrap.bootstrap_config(view, as_root, limits.rlimits()))], fds
+    config = bubblewrap.bootstrap_config(view, as_root, limits.rlimits(), alive)
+    return [*argv, json.dumps(config)], fds, holding
 
 
 _checked: set[tuple[str, ...]] = set()
@@ -353,33 +432,44 @@ def check_sandbox(limits: SandboxLimits) -> None:
     with _check_lock:
         if key in _checked:
             return
-        argv, fds = _bubblewrap_argv("print('ok')", limits)
+        argv, fds, holding = _bubblewrap_argv("print('ok')", limits)
         try:
             bubblewrap.probe(argv, fds, _environment())
         finally:
-            for fd in fds:
+            for fd in (*fds, holding):
                 os.close(fd)
         _checked.add(key)
 
 
 def _supervise(proc: subprocess.Popen, limits: SandboxLimits, start: float) -> tuple[str, str, int, str | None]:
-    """Read the run's output under its limits; kill its process group at the wall-time limit or
-    the output limit. (stdout, stderr, exit code, why it was stopped or None)."""
+    """Read the run's output under its limits until its process exits; at the wall-time limit,
+    the output limit or past `memory_mb` for the whole tree, stop. Either way nothing of the
+    run is left when this returns: its whole process tree is killed before the first process
+    is reaped (while that pid cannot be reused). (stdout, stderr, exit code, why it was stopped)."""
     assert proc.stdout is not None and proc.stderr is not None
+    deadline = start + limits.wall_seconds
+
+    def over_memory() -> bool:
+        return tree_memory_bytes(proc.pid) > limits.memory_mb << 20
+
     try:
+        keep = limits.max_output_chars * 4
         stdout, stderr, stopped = _read_bounded(
-            proc.stdout, proc.stderr, start + limits.wall_seconds, limits.max_output_chars * 4, limits.max_output_bytes
+            proc.stdout, proc.stderr, deadline, keep, limits.max_output_bytes, over_memory
         )
-        if stopped:
-            _kill_group(proc.pid)
-        try:
-            exit_code = proc.wait(timeout=max(start + limits.wall_seconds - time.monotonic(), 0.5))
-        except subprocess.TimeoutExpired:  # output closed but the process lingers
-            stopped = "wall_time"
-            _kill_group(proc.pid)
-            exit_code = proc.wait()
+        while stopped is None:  # output closed: wait for the exit, still under the limits
+            try:
+                proc.wait(timeout=max(min(SAMPLE_SECONDS, deadline - time.monotonic()), 0))
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() >= deadline:
+                    stopped = "wall_time"
+                elif over_memory():
+                    stopped = "memory"
     finally:
-        _kill_group(proc.pid)  # whatever it left behind in its group
+        if proc.returncode is None:
+            kill_tree(proc.pid)  # the sandbox's process and all under it, however they left its group
+        exit_code = proc.wait()
         proc.stdout.close()
         proc.stderr.close()
     return stdout, stderr, exit_code, stopped
@@ -406,25 +496,33 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
     start = time.monotonic()
     if limits.isolation == "bubblewrap":
         check_sandbox(limits)
-        argv, fds = _bubblewrap_argv(code, limits)
+        argv, fds, holding = _bubblewrap_argv(code, limits)
         try:
-            proc = _start(argv, env=_environment(), pass_fds=fds)
+            try:
+                proc = _start(argv, env=_environment(), pass_fds=fds)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            stdout, stderr, exit_code, stopped = _supervise(proc, limits, start)
         finally:
-            for fd in fds:
-                os.close(fd)
-        stdout, stderr, exit_code, stopped = _supervise(proc, limits, start)
+            os.close(holding)  # should anything of the run outlive bwrap, its PID 1 now exits
         isolation = ["bubblewrap", "seccomp"]
     else:
         with tempfile.TemporaryDirectory(prefix="trainflow-sandbox-") as tmp:
             Path(tmp, "main.py").write_text(code, encoding="utf-8")
             env = {**_environment(), "HOME": tmp, "TMPDIR": tmp}
+            state, state_w = os.pipe()  # the bootstrap writes the isolation it got here
             argv = [sys.executable, "-I", "-c", NAMESPACES_BOOTSTRAP, limits.model_dump_json(), "main.py"]
-            proc = _start(argv, env=env, cwd=tmp)
-            stdout, stderr, exit_code, stopped = _supervise(proc, limits, start)
             try:
-                isolation = json.loads(Path(tmp, STATE_FILE).read_text())["isolation"]
-            except (OSError, ValueError, KeyError):
-                isolation = []
+                proc = _start([*argv, str(os.getpid()), str(state_w)], env=env, pass_fds=(state_w,), cwd=tmp)
+            finally:
+                os.close(state_w)
+            with open(state, "rb") as said:  # read once the run is over: every writer is gone then
+                stdout, stderr, exit_code, stopped = _supervise(proc, limits, start)
+                try:
+                    isolation = json.loads(said.read())["isolation"]
+                except (ValueError, KeyError):  # it died before it could say
+                    isolation = []
     cut = limits.max_output_chars
     result = SandboxResult(
         stdout[:cut], stderr[-cut:], exit_code, seconds=time.monotonic() - start, isolation=isolation
