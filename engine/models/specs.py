@@ -115,6 +115,11 @@ class AttentionSpec(Spec):
     def score_scale(self) -> float:
         return self.scale if self.scale is not None else self.head_dim**-0.5
 
+    def mixing_macs(self, seq_len: int) -> int:
+        """Multiply-adds per token of mixing the sequence (QK^T and PV over every earlier
+        position, causal-unaware as PaLM counts them); the projections are in params()."""
+        return 2 * self.num_heads * self.head_dim * seq_len
+
     def params(self, d: int) -> int:
         n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
         per_head_norm = self.norm.params(h)
@@ -176,6 +181,9 @@ class MLASpec(Spec):
     def score_scale(self) -> float:
         return self.scale if self.scale is not None else self.head_dim**-0.5
 
+    def mixing_macs(self, seq_len: int) -> int:
+        return 2 * self.num_heads * self.head_dim * seq_len
+
     def params(self, d: int) -> int:
         n, rank, r = self.num_heads, self.kv_lora_rank, self.rope_head_dim
         nope = self.head_dim - r
@@ -214,6 +222,13 @@ class GatedDeltaSpec(Spec):
     fused_projections: bool = False
     norm_eps: float = 1e-6
 
+    def mixing_macs(self, seq_len: int) -> int:
+        """The chunked form's (64 positions a chunk): within its chunk QK^T and the weights
+        times V, and the state read and updated, per value head."""
+        chunk = min(64, seq_len)
+        dk, dv = self.key_head_dim, self.value_head_dim
+        return self.num_value_heads * (chunk * (dk + dv) + 2 * dk * dv)
+
     def params(self, d: int) -> int:
         keys, values = self.num_key_heads * self.key_head_dim, self.num_value_heads * self.value_head_dim
         channels = 2 * keys + values
@@ -230,6 +245,10 @@ class KimiDeltaSpec(Spec):
     head_dim: int
     conv_kernel: int = 4
     norm_eps: float = 1e-6
+
+    def mixing_macs(self, seq_len: int) -> int:
+        chunk = min(64, seq_len)
+        return self.num_heads * (2 * chunk * self.head_dim + 2 * self.head_dim * self.head_dim)
 
     def params(self, d: int) -> int:
         # q, k, v, conv, two low-rank gates, dt_bias, A_log, b, norm, out
@@ -258,6 +277,12 @@ class Mamba2Spec(Spec):
     projection_multipliers: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
     """in_proj's output sections z, x, B, C, dt are multiplied by these (Falcon-H1's muP)."""
 
+    def mixing_macs(self, seq_len: int) -> int:
+        """SSD: C.B^T and its product with x within a chunk, the state read and written."""
+        chunk = min(self.chunk_size, seq_len)
+        per_head = chunk * (self.state_size + self.head_dim) + 2 * self.head_dim * self.state_size
+        return 2 * self.num_heads * per_head
+
     def params(self, d: int) -> int:
         inner = self.num_heads * self.head_dim
         channels = inner + 2 * self.n_groups * self.state_size
@@ -280,6 +305,9 @@ class ParallelHybridSpec(Spec):
     attention_out: float = 1.0
     ssm_in: float = 1.0
     ssm_out: float = 1.0
+
+    def mixing_macs(self, seq_len: int) -> int:
+        return self.attention.mixing_macs(seq_len) + self.mamba2.mixing_macs(seq_len)
 
     def params(self, d: int) -> int:
         return self.attention.params(d) + self.mamba2.params(d)
