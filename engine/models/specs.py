@@ -440,7 +440,7 @@ class LayerSpec(Spec):
 
     def params(self, d: int, active: bool = False) -> int:
         norms = (self.pre_norms + self.post_norms) * self.norm.params(d)
-        n = self.layer_scale
+        n = int(self.layer_scale)
         if self.mixer is not None:
             n += self.mixer.params(d) + norms
         if self.ffn is not None:
