@@ -1,7 +1,7 @@
 """The decoder-only transformer, in Flax NNX.
 
-One implementation; model families are configs (engine/models/config.py: ModelConfig). Shapes are
-in names: b batch, t query positions, s key positions, d d_model, n query heads, k kv heads,
+One implementation, built and run from typed layer specs (engine/models/specs.py; a model's
+are ModelConfig.layer_specs()): no model family is named here. Shapes are in names: b batch, t query positions, s key positions, d d_model, n query heads, k kv heads,
 g query heads per kv head, h head_dim, f mlp_dim, v vocab.
 
 Every parameter carries logical axis names (its `sharding_names` metadata) that
@@ -687,8 +687,9 @@ class Transformer(nnx.Module):
     implementations); `dot_general` is every matmul's product (jax.lax.dot_general, or a
     quantized one).
 
-    The layers are ModelConfig.layer_pattern, data: each a (mixer, feed-forward) pair and its
-    static flags (sliding window, RoPE). Layers whose parameters have one structure form one
+    The layers are ModelConfig.layer_specs, data (engine/models/specs.py): each layer's mixer
+    and feed-forward specs, its norm and residual form; each block is built from its stack's
+    spec and called with its layer's. Layers whose parameters have one structure form one
     stack (ModelConfig.layer_stacks): `blocks`, and in a mixture of experts with dense layers
     (DeepSeek-V3's first ones, Qwen3-MoE's interleaved ones) `dense_blocks`."""
 
