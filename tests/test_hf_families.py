@@ -57,6 +57,8 @@ def tiny(family: str, tie: bool) -> tuple:
             if family == "falcon_h1"
             else {}
         ),
+        # Helium: o_proj is (hidden_size, hidden_size), so heads * head_dim = hidden_size
+        **({"num_attention_heads": 2, "head_dim": 6} if family == "helium" else {}),
         # DeepSeek Sparse Attention: the indexer reads the compressed query
         **({"q_lora_rank": 6} if family in ("deepseek_v32", "glm_moe_dsa") else {}),
         # OLMoE: head_dim is hidden_size / heads (its q_norm is hidden_size wide)

@@ -56,7 +56,7 @@ def model_config_from_hf(
     model_type = hf.get("model_type")
     architecture = (hf.get("architectures") or ["?"])[0]
     family = family_of_model_type(model_type)
-    if family is None or architecture not in ("?", family.architecture):
+    if family is None or architecture not in ("?", family.architecture, *family.also_architectures):
         supported = ", ".join(get_family(name).architecture for name in family_names())
         raise ConfigError(
             f"{where}: unsupported architecture '{architecture}' (model_type '{model_type}'); supported: {supported}"

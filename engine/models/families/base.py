@@ -279,6 +279,9 @@ class Family:
     """The transformers class (config.json `architectures[0]`)."""
     model_type: ClassVar[str]
     """config.json `model_type`."""
+    also_architectures: ClassVar[tuple[str, ...]] = ()
+    """Other config.json `architectures[0]` read as this family: transformers 5 runs some
+    published classes as Llama and saves them as LlamaForCausalLM (InternLM3, EXAONE 3)."""
     fixed: ClassVar[dict[str, Any]] = {}
     """ModelConfig fields every model of the family has."""
     hf_defaults: ClassVar[dict[str, Any]] = {}
