@@ -14,8 +14,11 @@ of the same parameter count (on the meta device).
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 
+import numpy as np
 import pytest
 
 from tests.deps import need
@@ -28,14 +31,17 @@ from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
+from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
     COMMON,
+    WINDOW,
     Case,
+    batch,
+    engine_logits,
     random_causal_lm,
     test_converted_model_matches_transformers_logits,
     test_export_loads_in_transformers_cleanly_with_the_same_logits,
     test_export_then_convert_is_bitwise_identical,
-    test_exported_config_json_is_what_transformers_writes,
     test_greedy_generation_of_16_tokens_is_identical,
 )
 
@@ -63,6 +69,21 @@ def hf_config(name: str):
         "arcee": lambda: t.ArceeConfig(**COMMON, rope_parameters=YARN),
         "ernie4_5": lambda: t.Ernie4_5Config(**COMMON, rope_parameters=ROPE),
         "exaone": lambda: t.AutoConfig.for_model("exaone", **COMMON, rope_parameters=LLAMA3),
+        # layer 0 global, the rest local (a pattern that does not repeat)
+        "ministral": lambda: t.MinistralConfig(
+            **COMMON,
+            sliding_window=WINDOW,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+            rope_parameters=ROPE,
+        ),
+        # the query scale steps up at positions 16 and 32 (within the prompts and generation)
+        "ministral3": lambda: t.Ministral3Config(
+            **COMMON, sliding_window=WINDOW, rope_parameters={**YARN, "llama_4_scaling_beta": 0.5}
+        ),
+        # QK norms after RoPE; Hunyuan's fixed NTK alpha stretching the RoPE base
+        "hunyuan_v1_dense": lambda: t.HunYuanDenseV1Config(
+            **COMMON, rope_parameters={"rope_type": "dynamic", "rope_theta": 50.0, "alpha": 10.0, "factor": 1.0}
+        ),
     }[name]()
 
 
@@ -71,13 +92,19 @@ PUBLISHED_AS = {"exaone": "ExaoneForCausalLM", "internlm3": "InternLM3ForCausalL
 the engine's export) name their own class."""
 
 
-@pytest.fixture(scope="module", params=["helium", "internlm3", "seed_oss", "arcee", "ernie4_5", "exaone"])
+NAMES = ["helium", "internlm3", "seed_oss", "arcee", "ernie4_5", "exaone"]
+NAMES += ["ministral", "ministral3", "hunyuan_v1_dense"]
+
+
+@pytest.fixture(scope="module", params=NAMES)
 def case(request, tmp_path_factory) -> Case:
     name = request.param
     root = tmp_path_factory.mktemp(name)
     config = hf_config(name)
     for key, value in NO_TOKENS.items():  # token ids inside the tiny vocabulary (or none)
         setattr(config, key, value)
+    if name == "hunyuan_v1_dense":  # Hunyuan's end-of-document id, a tokenizer's (export writes null)
+        config.eod_token_id = None
     model = random_causal_lm(config, attn_implementation="eager")
     model.save_pretrained(root / "hf")
     if name in PUBLISHED_AS:
@@ -99,11 +126,52 @@ def test_the_settings_that_differ_from_llama_are_read(case):
         "arcee": {"mlp_gated": False, "activation": "relu2"},
         "ernie4_5": {"rope_interleave": True, "tie_embeddings": True},
         "exaone": {"tie_embeddings": False},
+        "ministral": {"attention_pattern": ["global", "local", "local"], "sliding_window": WINDOW},
+        "ministral3": {"attention_pattern": ["local"], "query_position_scale": 0.5},
+        "hunyuan_v1_dense": {"qk_norm": True, "qk_norm_after_rope": True, "rope_theta": 50.0 * 10.0 ** (8 / 6)},
     }[case.family]
     assert {key: getattr(case.cfg, key) for key in expected} == expected
     assert case.cfg.family == case.family and case.cfg.num_params() == sum(
         p.numel() for p in case.hf_model.parameters()
     )
+
+
+DIFFERENCES = {
+    "helium": {"rope_interleave": False},
+    "ernie4_5": {"rope_interleave": False},
+    "ministral3": {"query_position_scale": None},
+    "hunyuan_v1_dense": {"qk_norm_after_rope": False},
+}
+"""The setting each of these families adds to Llama's math, undone."""
+
+
+def test_each_added_setting_shows_in_the_logits(case):
+    """Without its setting the converted model's logits move well past the 1e-4 tolerance (so
+    the parity above tests the setting): RoPE pairs, the query scale past position 16, the QK
+    norms' place."""
+    if case.family not in DIFFERENCES:
+        pytest.skip("Llama's math (its differences are names and config keys, or a layer shape)")
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    ours = engine_logits(case.cfg, case.compute, case.params, tokens, mask)
+    without = case.cfg.model_copy(update=DIFFERENCES[case.family])
+    other = engine_logits(without, case.compute, case.params, tokens, mask)
+    assert np.abs(ours - other)[valid].max() > 1e-2
+
+
+def test_exported_config_json_is_what_transformers_writes(case, tmp_path):
+    """As tests/test_hf_parity.py checks; Hunyuan's NTK alpha is written as the RoPE base it
+    stretches to (export reloads with the same logits, bitwise: the test above), the rest of
+    its file as transformers writes it."""
+    if case.family == "hunyuan_v1_dense":
+        source = json.loads((case.hf_dir / "config.json").read_text())
+        rope = source["rope_parameters"]
+        assert rope["rope_type"] == "dynamic" and rope["alpha"] == 10.0
+        stretched = {"rope_type": "default", "rope_theta": rope["rope_theta"] * rope["alpha"] ** (8 / 6)}
+        shutil.copytree(case.hf_dir, tmp_path / "stretched")
+        (tmp_path / "stretched" / "config.json").write_text(json.dumps({**source, "rope_parameters": stretched}))
+        case = dataclasses.replace(case, hf_dir=tmp_path / "stretched")
+    test_hf_parity.test_exported_config_json_is_what_transformers_writes(case, tmp_path)
 
 
 # --------------------------------------------------------------------------- config.json forms
@@ -112,13 +180,18 @@ def test_the_settings_that_differ_from_llama_are_read(case):
 def test_the_published_and_transformers_5_forms_of_config_json_read_alike():
     """EXAONE's published keys (num_layers, layer_norm_epsilon, activation_function) and class
     (ExaoneForCausalLM) and transformers 5's (num_hidden_layers, ..., LlamaForCausalLM) are one
-    model; InternLM3's likewise."""
+    model; InternLM3's likewise; a Ministral 3 file without rope_parameters is its class's default."""
     exaone = hf_config("exaone").to_dict()
     saved = {**exaone, "architectures": ["LlamaForCausalLM"]}
     published = {k: v for k, v in exaone.items() if k not in ("num_hidden_layers", "rms_norm_eps", "hidden_act")}
     published |= {"architectures": ["ExaoneForCausalLM"], "num_layers": 3, "layer_norm_epsilon": 1e-5}
     published |= {"activation_function": "silu"}
     assert model_config_from_hf(saved) == model_config_from_hf(published)
+    # Ministral 3 without rope_parameters: its class's default YaRN and query scale
+    ministral3 = {k: v for k, v in hf_config("ministral3").to_dict().items() if k != "rope_parameters"}
+    cfg, _ = model_config_from_hf(ministral3)
+    assert (cfg.rope_theta, cfg.rope_scaling.factor, cfg.rope_scaling.original_max_position) == (1e6, 16, 16384)
+    assert cfg.query_position_scale == 0.1
     internlm3 = hf_config("internlm3").to_dict()
     for architecture in ("LlamaForCausalLM", "InternLM3ForCausalLM"):
         cfg, _ = model_config_from_hf({**internlm3, "architectures": [architecture]})
@@ -134,6 +207,9 @@ def test_the_published_and_transformers_5_forms_of_config_json_read_alike():
         ("seed_oss", "mlp_bias", True, "mlp_bias=true is not supported"),
         ("arcee", "hidden_act", "silu", "hidden_act 'silu' is not supported"),
         ("helium", "hidden_size", 30, "must equal hidden_size"),
+        ("ministral3", "rope_parameters", YARN, "needs llama_4_scaling_beta"),
+        ("hunyuan_v1_dense", "use_cla", True, "use_cla=true"),
+        ("hunyuan_v1_dense", "rope_parameters", {"rope_type": "dynamic", "factor": 2.0}, "RoPE type 'dynamic'"),
     ],
 )
 def test_what_the_engine_cannot_run_is_refused_in_one_sentence(name, key, value, message):
@@ -146,6 +222,7 @@ def test_what_the_engine_cannot_run_is_refused_in_one_sentence(name, key, value,
 # --------------------------------------------------------------------------- presets
 
 PRESETS = ["helium-1-preview-2b", "internlm3-8b", "seed-oss-36b", "afm-4.5b", "ernie-4.5-0.3b", "exaone-3.0-7.8b"]
+PRESETS += ["ministral-8b", "ministral-3-8b", "hunyuan-7b"]
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -434,6 +434,25 @@ class ModelConfig(Strict):
     """A norm on the token embeddings before the first layer (BLOOM's word_embeddings_layernorm)."""
     lm_head_bias: bool = False
     """A bias on the LM head (GPT-J, Phi)."""
+    # Ministral 3 and Hunyuan dense (engine/models/families/ministral.py, hunyuan.py)
+    query_position_scale: float | None = Field(None, ge=0)
+    """Every layer multiplies its rotated queries by 1 + query_position_scale * log(1 + floor(p /
+    rope_scaling.original_max_position)), p the query's position (Ministral 3's
+    llama_4_scaling_beta); None: no such scaling."""
+    qk_norm_after_rope: bool = False
+    """With qk_norm: the norms apply to the rotated queries and keys, not before RoPE (Hunyuan
+    dense's query_layernorm, key_layernorm)."""
+
+    @model_validator(mode="after")
+    def _check_query_scaling(self) -> ModelConfig:
+        if self.query_position_scale is not None and self.rope_scaling is None:
+            raise ValueError("query_position_scale needs rope_scaling (its original_max_position is the period)")
+        if self.qk_norm_after_rope and (not self.qk_norm or self.qk_norm_across_heads or self.rope_interleave):
+            raise ValueError(
+                "qk_norm_after_rope needs qk_norm over head_dim (not qk_norm_across_heads) and half-split "
+                "RoPE (rope_interleave false: the rotation reorders head_dim, the norm's scales would not)"
+            )
+        return self
 
     @field_validator("family")
     @classmethod
@@ -755,6 +774,9 @@ class ModelConfig(Strict):
             temperature_scale=self.attn_temperature_scale,
             qkv_clip=self.qkv_clip,
             alibi=self.positions == "alibi",
+            qk_norm_after_rope=self.qk_norm_after_rope,
+            query_position_scale=self.query_position_scale,
+            query_position_period=self.rope_scaling.original_max_position if self.query_position_scale else 1,
         )
 
     def _mixer_spec(self, layer: Layer):

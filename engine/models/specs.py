@@ -103,6 +103,12 @@ class AttentionSpec(Spec):
     alibi: bool = False
     """ALiBi (arXiv 2108.12409): scores get -slope_n * (i - j), a slope per head, instead of RoPE
     (BLOOM, MPT)."""
+    qk_norm_after_rope: bool = False
+    """qk_norm `head` applied to the rotated queries and keys instead (Hunyuan dense)."""
+    query_position_scale: float | None = None
+    """Queries, after RoPE, times 1 + query_position_scale * log(1 + floor(p /
+    query_position_period)), p the query's position (Ministral 3's llama_4_scaling_beta)."""
+    query_position_period: int = 1
 
     def structure(self) -> AttentionSpec:
         """This spec with the call fields at their defaults: what its parameters depend on."""

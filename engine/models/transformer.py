@@ -171,7 +171,7 @@ class Attention(nnx.Module):
             q, k, v = (jnp.clip(a, -spec.qkv_clip, spec.qkv_clip) for a in (q, k, v))
         if spec.key_multiplier != 1.0:  # Falcon-H1's key_multiplier
             k = k * jnp.asarray(spec.key_multiplier, k.dtype)
-        if spec.qk_norm != "none":
+        if spec.qk_norm != "none" and not spec.qk_norm_after_rope:
             q, k = self.q_norm(q), k if reuse else self.k_norm(k)
         if spec.value_norm:  # RMSNorm over head_dim without a scale (Gemma 4)
             v = _unit_rms(v, self.norm_eps)
@@ -186,6 +186,12 @@ class Attention(nnx.Module):
             q, k = self._rotate(q, rope, rotary), self._rotate(k, rope, rotary)
             if spec.qk_l2_norm:  # Llama 4: RMS over head_dim, no scale, after RoPE
                 q, k = _unit_rms(q, self.norm_eps), _unit_rms(k, self.norm_eps)
+            if spec.qk_norm_after_rope:  # Hunyuan dense: the norms of the rotated queries and keys
+                q, k = self.q_norm(q), k if reuse else self.k_norm(k)
+            if spec.query_position_scale is not None:  # Ministral 3 (llama_4_scaling_beta), every layer
+                steps_bt = jnp.floor(positions_bt.astype(jnp.float32) / spec.query_position_period)
+                scale_bt = jnp.log1p(steps_bt) * spec.query_position_scale + 1.0
+                q = (q * scale_bt[:, :, None, None]).astype(q.dtype)
         elif spec.temperature_floor is not None:  # Llama 4's NoPE layers (arXiv 2501.19399)
             steps_bt = jnp.floor((positions_bt.astype(jnp.float32) + 1.0) / spec.temperature_floor)
             temperature_bt = jnp.log1p(steps_bt) * spec.temperature_scale + 1.0

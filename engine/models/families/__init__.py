@@ -17,6 +17,7 @@ from engine.models.families import falcon_h1  # noqa: F401, I001
 from engine.models.families import kimi_linear  # noqa: F401, I001
 from engine.models.families import qwen2_moe, olmoe, granite_moe  # noqa: F401, I001
 from engine.models.families import llama_variants  # noqa: F401, I001
+from engine.models.families import ministral, hunyuan  # noqa: F401, I001
 from engine.models.families.base import (
     Family,
     TensorSpec,
