@@ -18,6 +18,7 @@ import dataclasses
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -29,7 +30,10 @@ transformers = need("transformers")
 from engine.config import ConfigError, resolve_model_preset  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf  # noqa: E402
-from engine.models.config import ModelConfig  # noqa: E402
+from engine.interop.hf.peft import adapter_to_peft  # noqa: E402
+from engine.models.config import ComputeConfig, LoraConfig, ModelConfig  # noqa: E402
+from engine.models.lora import split_adapter  # noqa: E402
+from engine.models.params import abstract_model_params  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
@@ -172,6 +176,23 @@ def test_exported_config_json_is_what_transformers_writes(case, tmp_path):
         (tmp_path / "stretched" / "config.json").write_text(json.dumps({**source, "rope_parameters": stretched}))
         case = dataclasses.replace(case, hf_dir=tmp_path / "stretched")
     test_hf_parity.test_exported_config_json_is_what_transformers_writes(case, tmp_path)
+
+
+def test_lora_adapters_are_named_and_shaped_as_peft_makes_them(case):
+    """An adapter on every linear layer exports under PEFT's names on the transformers class:
+    EXAONE's are Llama's (transformers 5 renames its checkpoint's modules on loading), Arcee's
+    MLP has no gate_proj."""
+    peft = need("peft")
+    targets = LoraConfig(target_modules="all-linear").targets(case.cfg)
+    assert ("gate_proj" in targets) == (case.family != "arcee")
+    lora = LoraConfig(rank=2, target_modules=list(targets))
+    shapes = split_adapter(abstract_model_params(case.cfg, ComputeConfig(), None, lora))[0]
+    adapter = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+    ours = adapter_to_peft(case.cfg, lora, adapter, scan_layers=True)
+    hf = random_causal_lm(hf_config(case.family))
+    hf = peft.get_peft_model(hf, peft.LoraConfig(r=2, target_modules=list(targets)))
+    theirs = {k: tuple(v.shape) for k, v in peft.get_peft_model_state_dict(hf).items()}
+    assert {k: v.shape for k, v in ours.items()} == theirs
 
 
 # --------------------------------------------------------------------------- config.json forms
