@@ -29,6 +29,7 @@ transformers = need("transformers")
 
 from engine.config import ConfigError, resolve_model_preset  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf  # noqa: E402
 from engine.interop.hf.peft import adapter_to_peft  # noqa: E402
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig  # noqa: E402
@@ -193,6 +194,47 @@ def test_lora_adapters_are_named_and_shaped_as_peft_makes_them(case):
     hf = peft.get_peft_model(hf, peft.LoraConfig(r=2, target_modules=list(targets)))
     theirs = {k: tuple(v.shape) for k, v in peft.get_peft_model_state_dict(hf).items()}
     assert {k: v.shape for k, v in ours.items()} == theirs
+
+
+@pytest.mark.parametrize("case", ["ministral3"], indirect=True)
+def test_the_multimodal_ministral3_checkpoint_converts_to_the_text_model(case, tmp_path):
+    """Ministral 3 as published (Mistral3ForConditionalGeneration: a vision tower, a projector
+    and the same text decoder, saved by transformers) converts to exactly the text model's
+    params; exported back beside the source's vision tower, transformers loads every tensor
+    bitwise. A Mistral3ForConditionalGeneration around a Mistral decoder stays refused."""
+    vision = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, head_dim=8)
+    config = transformers.Mistral3Config(
+        text_config=case.hf_model.config.to_dict(),
+        vision_config={**vision, "image_size": 28, "patch_size": 14},
+        tie_word_embeddings=False,  # as the text model (Mistral3Config's default ties them)
+    )
+    multimodal = transformers.Mistral3ForConditionalGeneration(config)
+    text = {k.removeprefix("model."): v for k, v in case.hf_model.state_dict().items() if k.startswith("model.")}
+    missing, unexpected = multimodal.model.language_model.load_state_dict(text, strict=False)
+    assert not missing and not unexpected
+    multimodal.lm_head.load_state_dict(case.hf_model.lm_head.state_dict())
+    multimodal.save_pretrained(tmp_path / "mm")
+    summary = convert_hf(tmp_path / "mm", tmp_path / "converted")
+    cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
+    assert cfg == case.cfg and summary["architecture"] == "Ministral3ForCausalLM" and summary["skipped_tensors"] > 0
+    flat_a, tree_a = jax.tree.flatten(case.params)
+    flat_b, tree_b = jax.tree.flatten(params)
+    assert tree_a == tree_b
+    for a, b in zip(flat_a, flat_b, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    result = export_hf(tmp_path / "converted" / "checkpoint", tmp_path / "back", multimodal_source=tmp_path / "mm")
+    assert result["architecture"] == "Mistral3ForConditionalGeneration"
+    reloaded, info = transformers.Mistral3ForConditionalGeneration.from_pretrained(
+        tmp_path / "back", output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    theirs, ours = multimodal.state_dict(), reloaded.state_dict()
+    assert theirs.keys() == ours.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(tensor, ours[name]), name
+    mistral = {**config.to_dict(), "text_config": {**config.text_config.to_dict(), "model_type": "mistral"}}
+    with pytest.raises(ConfigError, match="unsupported architecture 'Mistral3ForConditionalGeneration'"):
+        model_config_from_hf(mistral)
 
 
 # --------------------------------------------------------------------------- config.json forms

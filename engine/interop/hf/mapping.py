@@ -30,7 +30,9 @@ def multimodal_of(hf: dict):
     for name in family_names():
         family = get_family(name)
         if family.multimodal is not None and hf.get("model_type") == family.multimodal.model_type:
-            return family, family.multimodal
+            text_model_type = (hf.get(family.multimodal.text_config) or {}).get("model_type")
+            if family.multimodal.text_model_type in (None, text_model_type):
+                return family, family.multimodal
     return None
 
 

@@ -92,6 +92,9 @@ class Multimodal:
     checkpoint's prefixes is not the decoder's (vision tower, projector): skipped."""
     text_config: str = "text_config"
     """The config.json key of the text decoder's config."""
+    text_model_type: str | None = None
+    """The model_type its text config must have for this family to read it: Mistral3ForConditionalGeneration
+    wraps Mistral decoders (Mistral Small 3.1) and Ministral 3 ones. None: any."""
 
     def text_name(self, name: str) -> str | None:
         """The text model's name of a multimodal checkpoint's tensor; None for one outside

@@ -1,10 +1,11 @@
 """Ministral (MinistralForCausalLM) and Ministral 3 (Ministral3ForCausalLM).
 
 Ministral (8B, 2024) is Mistral with a sliding window on the layers `layer_types` marks (by
-default every layer, when `sliding_window` is set). Ministral 3 (3B, 8B, 14B, 2025) is Mistral
-with YaRN and Llama 4's query scale on every layer, after RoPE: queries times
+default every layer, when `sliding_window` is set). Ministral 3 (3B, 8B, 14B, 2025; Devstral 2)
+is Mistral with YaRN and Llama 4's query scale on every layer, after RoPE: queries times
 1 + beta * log(1 + floor(p / original_max_position_embeddings)) (its rope_parameters'
-`llama_4_scaling_beta`; ModelConfig.query_position_scale).
+`llama_4_scaling_beta`; ModelConfig.query_position_scale). Its 3B, 8B and 14B are published as
+Mistral3ForConditionalGeneration, read as their text decoder (the vision tower skipped).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from engine.config import ConfigError
 from engine.models.config import ModelConfig
 from engine.models.families.base import (
     Family,
+    Multimodal,
     layer_types_to_hf,
     register_family,
     rope_parameters_to_hf,
@@ -50,6 +52,14 @@ class Ministral3(Family):
     name = "ministral3"
     architecture = "Ministral3ForCausalLM"
     model_type = "ministral3"
+    # Ministral 3 3B, 8B and 14B are published with a vision tower; the text decoder as
+    # transformers saves it: under language_model.model., its head language_model.lm_head.
+    multimodal = Multimodal(
+        architecture="Mistral3ForConditionalGeneration",
+        model_type="mistral3",
+        prefixes=(("model.", "language_model.model."), ("lm_head.", "language_model.lm_head.")),
+        text_model_type="ministral3",
+    )
     hf_defaults = {"max_position_embeddings": 262144, "tie_word_embeddings": False, "rms_norm_eps": 1e-5}
     hf_constants = {}  # Ministral3Config has no bias flags
 
