@@ -28,6 +28,7 @@ torch = need("torch")
 transformers = need("transformers")
 
 from engine.config import ConfigError, resolve_model_preset  # noqa: E402
+from engine.inference.sample import Sampler  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf  # noqa: E402
@@ -39,10 +40,12 @@ from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
     COMMON,
+    VOCAB,
     WINDOW,
     Case,
     batch,
     engine_logits,
+    hf_logits,
     random_causal_lm,
     test_converted_model_matches_transformers_logits,
     test_export_loads_in_transformers_cleanly_with_the_same_logits,
@@ -237,6 +240,53 @@ def test_the_multimodal_ministral3_checkpoint_converts_to_the_text_model(case, t
         model_config_from_hf(mistral)
 
 
+# --------------------------------------------------------------------------- dynamic NTK RoPE
+
+
+def test_dynamic_ntk_rope_matches_transformers_past_the_original_context(tmp_path):
+    """InternLM3's published RoPE (`dynamic`, factor 6), here with a 16-position original
+    context: the 20-token rows' logits (base stretched for length 20) within 1e-4 of
+    transformers', and the KV-cache sampler's tokens equal to transformers' generate while a
+    7-token prompt grows past 16 (each step's keys rotated at that step's base, as transformers
+    does). Without the stretch the logits move by more than 1e-2."""
+    config = hf_config("internlm3")
+    config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 500.0, "factor": 6.0}
+    config.max_position_embeddings = 16
+    for key, value in NO_TOKENS.items():
+        setattr(config, key, value)
+    model = random_causal_lm(config, attn_implementation="eager")
+    model.save_pretrained(tmp_path / "hf")
+    convert_hf(tmp_path / "hf", tmp_path / "converted")
+    cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
+    _, compute = stored_configs(tmp_path / "converted" / "checkpoint")
+    assert cfg.rope_scaling.kind == "dynamic" and cfg.rope_scaling.original_max_position == 16
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    ours, ref = engine_logits(cfg, compute, params, tokens, mask), hf_logits(model, tokens, mask)
+    delta = float(np.abs(ours - ref)[valid].max())
+    print(f"\ninternlm3 dynamic NTK: max |delta logit| = {delta:.2e}")
+    assert delta <= 1e-4
+    unscaled = engine_logits(cfg.model_copy(update={"rope_scaling": None}), compute, params, tokens, mask)
+    assert np.abs(ours - unscaled)[valid].max() > 1e-2
+    prompt = np.random.default_rng(2).integers(0, VOCAB, (2, 7))
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor(prompt),
+            attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+            max_new_tokens=16,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    sampled = Sampler(cfg, compute)(
+        params, prompt.astype(np.int32), np.ones_like(prompt), max_new_tokens=16, num_generations=1, temperature=0.0
+    )
+    np.testing.assert_array_equal(sampled.tokens, out[:, 7:].numpy())
+    hf = model_config_to_hf(cfg)
+    assert hf["rope_parameters"] == {"rope_type": "dynamic", "factor": 6.0, "rope_theta": 500.0}
+    assert hf["max_position_embeddings"] == 16
+
+
 # --------------------------------------------------------------------------- config.json forms
 
 
@@ -265,14 +315,13 @@ def test_the_published_and_transformers_5_forms_of_config_json_read_alike():
     ("name", "key", "value", "message"),
     [
         ("internlm3", "qkv_bias", True, "qkv_bias=true is not supported"),
-        ("internlm3", "rope_parameters", {"rope_type": "dynamic", "factor": 6.0}, "RoPE type 'dynamic'"),
+        ("internlm3", "rope_parameters", {"rope_type": "longrope", "factor": 6.0}, "RoPE type 'longrope'"),
         ("ernie4_5", "use_bias", True, "use_bias=true is not supported"),
         ("seed_oss", "mlp_bias", True, "mlp_bias=true is not supported"),
         ("arcee", "hidden_act", "silu", "hidden_act 'silu' is not supported"),
         ("helium", "hidden_size", 30, "must equal hidden_size"),
         ("ministral3", "rope_parameters", YARN, "needs llama_4_scaling_beta"),
         ("hunyuan_v1_dense", "use_cla", True, "use_cla=true"),
-        ("hunyuan_v1_dense", "rope_parameters", {"rope_type": "dynamic", "factor": 2.0}, "RoPE type 'dynamic'"),
     ],
 )
 def test_what_the_engine_cannot_run_is_refused_in_one_sentence(name, key, value, message):
@@ -286,6 +335,54 @@ def test_what_the_engine_cannot_run_is_refused_in_one_sentence(name, key, value,
 
 PRESETS = ["helium-1-preview-2b", "internlm3-8b", "seed-oss-36b", "afm-4.5b", "ernie-4.5-0.3b", "exaone-3.0-7.8b"]
 PRESETS += ["ministral-8b", "ministral-3-8b", "hunyuan-7b"]
+
+
+PUBLISHED = {
+    # internlm/internlm3-8b-instruct
+    "internlm3-8b": {
+        "architectures": ["InternLM3ForCausalLM"],
+        "model_type": "internlm3",
+        "bias": False,
+        "qkv_bias": False,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "intermediate_size": 10240,
+        "max_position_embeddings": 32768,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 6.0, "rope_type": "dynamic"},
+        "rope_theta": 50000000,
+        "tie_word_embeddings": False,
+        "vocab_size": 128512,
+    },
+    # LGAI-EXAONE/EXAONE-3.0-7.8B-Instruct
+    "exaone-3.0-7.8b": {
+        "architectures": ["ExaoneForCausalLM"],
+        "model_type": "exaone",
+        "activation_function": "silu",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "layer_norm_epsilon": 1e-05,
+        "max_position_embeddings": 4096,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_layers": 32,
+        "rope_scaling": None,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "vocab_size": 102400,
+    },
+}
+"""Published config.json files (their architecture keys)."""
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_the_published_config_json_reads_as_the_preset(preset):
+    cfg, _ = model_config_from_hf(PUBLISHED[preset])
+    assert cfg == ModelConfig.model_validate(resolve_model_preset({"model": preset}, preset)["model"])
 
 
 @pytest.mark.parametrize("preset", PRESETS)

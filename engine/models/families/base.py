@@ -119,6 +119,11 @@ def rope_from_hf(params: dict, where: str) -> tuple[float, dict | None]:
         return theta, None
     if kind == "linear":
         return theta, {"kind": "linear", "factor": params["factor"]}
+    if kind == "dynamic":  # the original context: transformers' max_position_embeddings (Family.rope_from_hf)
+        original = params.get("original_max_position_embeddings") or params.get("max_position_embeddings")
+        if params.get("factor") is None or original is None:
+            raise ConfigError(f"{where}: RoPE type 'dynamic' needs factor and max_position_embeddings")
+        return theta, {"kind": "dynamic", "factor": params["factor"], "original_max_position": original}
     if kind == "llama3":
         return theta, {
             "kind": "llama3",
@@ -142,7 +147,9 @@ def rope_from_hf(params: dict, where: str) -> tuple[float, dict | None]:
             "truncate": params.get("truncate", True),
         }
         return theta, scaling
-    raise ConfigError(f"{where}: RoPE type '{kind}' is not supported (supported: default, linear, llama3, yarn)")
+    raise ConfigError(
+        f"{where}: RoPE type '{kind}' is not supported (supported: default, linear, llama3, yarn, dynamic)"
+    )
 
 
 def rope_to_hf(scaling) -> dict | None:
@@ -151,6 +158,8 @@ def rope_to_hf(scaling) -> dict | None:
         return None
     if scaling.kind == "linear":
         return {"rope_type": "linear", "factor": scaling.factor}
+    if scaling.kind == "dynamic":  # its original context is config.json's max_position_embeddings
+        return {"rope_type": "dynamic", "factor": scaling.factor}
     if scaling.kind == "longrope":  # the family leaves out what transformers derives (phi3.py)
         longrope = {
             "rope_type": "longrope",
@@ -362,7 +371,10 @@ class Family:
             "rope_theta": self.hf_value(hf, "rope_theta", 10000.0),
             **(hf.get("rope_scaling") or {}),
         }
-        theta, scaling = rope_from_hf(rope, where)
+        # dynamic NTK's original context is transformers' max_position_embeddings
+        theta, scaling = rope_from_hf(
+            {"max_position_embeddings": self.hf_value(hf, "max_position_embeddings"), **rope}, where
+        )
         return {"rope_theta": theta, "rope_scaling": scaling}
 
     def extra_fields_from_hf(self, hf: dict) -> dict[str, Any]:

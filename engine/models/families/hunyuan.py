@@ -6,7 +6,7 @@ Its checkpoints stretch the RoPE base by a fixed NTK `alpha` (rope_scaling `{typ
 alpha: 1000}`, which transformers runs as `ntk_alpha`: base * alpha ** (head_dim / (head_dim -
 2)), whatever the sequence's length). That is a plain RoPE of the stretched base, read as
 rope_theta; export writes that base with no scaling, the same model. Plain `dynamic` scaling
-(without alpha) changes with the length and is refused.
+(without alpha) is dynamic NTK, as for Llama (RopeScaling kind dynamic).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 - Helium (HeliumForCausalLM): RoPE on adjacent pairs (`rope_interleave`), an o_proj as wide as
   the model (so heads * head_dim = hidden_size), RMSNorm eps 1e-8.
 - InternLM3 (published InternLM3ForCausalLM; transformers 5 runs it as Llama and saves it as
-  LlamaForCausalLM): Llama's layout, its bias flags named `qkv_bias` and `bias`.
+  LlamaForCausalLM): Llama's layout, its bias flags named `qkv_bias` and `bias`, dynamic NTK
+  RoPE (RopeScaling kind dynamic).
 - Seed-OSS (SeedOssForCausalLM): biases on q, k and v (`attention_bias`, on by default) and
   optionally on o_proj (`attention_out_bias`).
 - Arcee AFM (ArceeForCausalLM): an MLP without a gate, down(relu(up(x))^2) (`mlp_gated` false).
