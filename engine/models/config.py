@@ -776,7 +776,11 @@ class ModelConfig(Strict):
             alibi=self.positions == "alibi",
             qk_norm_after_rope=self.qk_norm_after_rope,
             query_position_scale=self.query_position_scale,
-            query_position_period=self.rope_scaling.original_max_position if self.query_position_scale else 1,
+            query_position_period=(
+                self.rope_scaling.original_max_position
+                if self.query_position_scale is not None and self.rope_scaling
+                else 1
+            ),
         )
 
     def _mixer_spec(self, layer: Layer):

@@ -97,13 +97,14 @@ class Ministral3(Family):
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         local = all(cfg.layer_is_local())
-        keys = {
-            "sliding_window": cfg.sliding_window if local else None,
-            "rope_parameters": rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling),
-            "rope_scaling": rope_to_hf(cfg.rope_scaling),
-        }
+        rope_parameters = rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling)
+        rope_scaling = rope_to_hf(cfg.rope_scaling)
         if cfg.query_position_scale is not None:  # (else the round trip names the field)
             # in both: transformers builds rope_parameters from the older rope_scaling when given
-            for key in ("rope_parameters", "rope_scaling"):
-                keys[key] = {**keys[key], "llama_4_scaling_beta": cfg.query_position_scale}
-        return keys
+            beta = {"llama_4_scaling_beta": cfg.query_position_scale}
+            rope_parameters, rope_scaling = {**rope_parameters, **beta}, {**(rope_scaling or {}), **beta}
+        return {
+            "sliding_window": cfg.sliding_window if local else None,
+            "rope_parameters": rope_parameters,
+            "rope_scaling": rope_scaling,
+        }
