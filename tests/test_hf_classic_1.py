@@ -1,0 +1,141 @@
+"""Hugging Face parity of GPT-era families: GPT-NeoX (parallel residual, LayerNorm, a qkv
+projection grouped per head, partial RoPE).
+
+Each case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
+collected here over this module's `case`): logits to 1e-4 with N(0, 0.3^2) weights, greedy
+tokens and the KV-cache sampler equal transformers' generate, the export loading cleanly in
+transformers, config.json as transformers writes it, export -> convert bitwise. Tiny models
+with odd widths; each preset's parameter count is transformers' (meta device).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.deps import need
+
+torch = need("torch")
+transformers = need("transformers")
+
+from engine.config import resolve_model_preset  # noqa: E402
+from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.mapping import fuse, model_config_from_hf, model_config_to_hf, unfuse  # noqa: E402
+from engine.models.config import LoraConfig, ModelConfig  # noqa: E402
+from engine.models.families import TensorSpec  # noqa: E402
+from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
+from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
+    Case,
+    random_causal_lm,
+    test_converted_model_matches_transformers_logits,
+    test_export_loads_in_transformers_cleanly_with_the_same_logits,
+    test_export_then_convert_is_bitwise_identical,
+    test_exported_config_json_is_what_transformers_writes,
+    test_greedy_generation_of_16_tokens_is_identical,
+)
+
+VOCAB = 37  # test_hf_parity's batches draw tokens below it
+TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def hf_config(name: str):
+    t = transformers
+    return {
+        # 3 heads of 12, RoPE on 6 of their dims; the sequential residual and tied embeddings
+        "gpt_neox": lambda: t.GPTNeoXConfig(
+            vocab_size=VOCAB,
+            hidden_size=36,
+            intermediate_size=26,
+            num_hidden_layers=3,
+            num_attention_heads=3,
+            max_position_embeddings=64,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
+            **TOKENS,
+        ),
+        "gpt_neox_sequential": lambda: t.GPTNeoXConfig(
+            vocab_size=VOCAB,
+            hidden_size=40,
+            intermediate_size=22,
+            num_hidden_layers=2,
+            num_attention_heads=5,
+            max_position_embeddings=64,
+            use_parallel_residual=False,
+            tie_word_embeddings=True,
+            hidden_act="gelu_new",
+            **TOKENS,
+        ),
+    }[name]()
+
+
+CASES = ["gpt_neox", "gpt_neox_sequential"]
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request, tmp_path_factory) -> Case:
+    name = request.param
+    root = tmp_path_factory.mktemp(name)
+    model = random_causal_lm(hf_config(name), 0, attn_implementation="eager")
+    model.save_pretrained(root / "hf")
+    (root / "hf" / "tokenizer.json").write_text('{"stand-in": true}')
+    convert_hf(root / "hf", root / "converted")
+    cfg, params, _ = load_params(root / "converted" / "checkpoint")
+    _, compute = stored_configs(root / "converted" / "checkpoint")
+    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+
+
+def test_the_family_reads_what_the_config_says(case):
+    cfg = case.cfg
+    if case.family.startswith("gpt_neox"):
+        assert cfg.norm_kind == "layer" and cfg.norm_bias and cfg.mlp_bias and not cfg.mlp_gated
+        assert cfg.residual == ("parallel" if case.family == "gpt_neox" else "sequential")
+        assert cfg.rotary_dim == (6 if case.family == "gpt_neox" else 2)  # 0.5 of 12, 0.25 of 8
+        assert case.params["blocks"]["attn"]["bq_nh"].shape == (cfg.num_layers, cfg.num_heads, cfg.head_dim)
+
+
+def test_a_qkv_projection_grouped_per_head_splits_and_fuses_back():
+    """fused_groups: GPT-NeoX's rows (heads, 3, head_dim) are each head's q, k, v in turn."""
+    heads, h, d = 3, 2, 5
+    spec = TensorSpec(("q",), "qkv.weight", 1, fused_with=(("k",), ("v",)), fused_groups=heads)
+    hf = np.arange(heads * 3 * h * d).reshape(heads * 3 * h, d)
+    q, k, v = unfuse(spec, hf, [(d, heads, h)] * 3)
+    by_head = hf.reshape(heads, 3, h, d)
+    np.testing.assert_array_equal(q, by_head[:, 0].reshape(-1, d))
+    np.testing.assert_array_equal(v, by_head[:, 2].reshape(-1, d))
+    np.testing.assert_array_equal(fuse(spec, [q, k, v]), hf)
+    # Falcon's per-KV-group layout: 2 groups of (2 queries, a key, a value)
+    spec = TensorSpec(("q",), "qkv.weight", 1, fused_with=(("k",), ("v",)), fused_groups=2)
+    hf = np.arange(2 * 4 * h * d).reshape(-1, d)
+    q, k, v = unfuse(spec, hf, [(d, 4, h), (d, 2, h), (d, 2, h)])
+    groups = hf.reshape(2, 4, h, d)
+    np.testing.assert_array_equal(q, groups[:, :2].reshape(-1, d))
+    np.testing.assert_array_equal(k, groups[:, 2].reshape(-1, d))
+    np.testing.assert_array_equal(fuse(spec, [q, k, v]), hf)
+
+
+def test_lora_targets_refuse_what_the_families_name_otherwise():
+    neox, _ = model_config_from_hf({**hf_config("gpt_neox").to_dict(), "architectures": ["GPTNeoXForCausalLM"]})
+    with pytest.raises(ValueError, match=r"family 'gpt_neox' names these projections otherwise \(o_proj is "):
+        LoraConfig(target_modules=["o_proj"]).targets(neox)
+    with pytest.raises(ValueError, match=r"family 'gpt_neox' stores q_proj fused"):
+        LoraConfig(target_modules=["q_proj"]).targets(neox)
+    with pytest.raises(ValueError, match=r"none of target_modules can be adapted in family 'gpt_neox'"):
+        LoraConfig(target_modules="all-linear").targets(neox)
+
+
+PUBLISHED = {  # the model cards' sizes (billions) and how closely ModelConfig.num_params meets them
+    "pythia-1b": (1.01, 0.01),
+    "gpt-neox-20b": (20.6, 0.01),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_the_presets_are_the_published_models(preset):
+    """Each preset builds as the transformers model of the same parameter count (on the meta
+    device), of the size its model card gives, and its config.json reads back as itself."""
+    cfg = ModelConfig.model_validate(resolve_model_preset({"model": preset}, preset)["model"])
+    hf = transformers.AutoConfig.for_model(**model_config_to_hf(cfg))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    billions, tolerance = PUBLISHED[preset]
+    assert cfg.num_params() / 1e9 == pytest.approx(billions, rel=tolerance)
