@@ -1,5 +1,6 @@
 """Hugging Face parity of GPT-era families: GPT-NeoX (parallel residual, LayerNorm, a qkv
-projection grouped per head, partial RoPE).
+projection grouped per head, partial RoPE), Phi (one LayerNorm for both sublayers, biases,
+an LM-head bias, QK LayerNorm).
 
 Each case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
 collected here over this module's `case`): logits to 1e-4 with N(0, 0.3^2) weights, greedy
@@ -64,10 +65,33 @@ def hf_config(name: str):
             hidden_act="gelu_new",
             **TOKENS,
         ),
+        # 5 heads of 8 over one KV head, RoPE on a quarter of each; QK LayerNorm and tied embeddings
+        "phi": lambda: t.PhiConfig(
+            vocab_size=VOCAB,
+            hidden_size=40,
+            intermediate_size=26,
+            num_hidden_layers=3,
+            num_attention_heads=5,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25},
+            **TOKENS,
+        ),
+        "phi_qk_layernorm": lambda: t.PhiConfig(
+            vocab_size=VOCAB,
+            hidden_size=36,
+            intermediate_size=22,
+            num_hidden_layers=2,
+            num_attention_heads=3,
+            max_position_embeddings=64,
+            qk_layernorm=True,
+            tie_word_embeddings=True,
+            **TOKENS,
+        ),
     }[name]()
 
 
-CASES = ["gpt_neox", "gpt_neox_sequential"]
+CASES = ["gpt_neox", "gpt_neox_sequential", "phi", "phi_qk_layernorm"]
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -90,6 +114,11 @@ def test_the_family_reads_what_the_config_says(case):
         assert cfg.residual == ("parallel" if case.family == "gpt_neox" else "sequential")
         assert cfg.rotary_dim == (6 if case.family == "gpt_neox" else 2)  # 0.5 of 12, 0.25 of 8
         assert case.params["blocks"]["attn"]["bq_nh"].shape == (cfg.num_layers, cfg.num_heads, cfg.head_dim)
+    elif case.family.startswith("phi"):
+        assert cfg.residual == "parallel_shared_norm" and cfg.lm_head_bias and "mlp_norm" not in case.params["blocks"]
+        assert cfg.qk_norm == (case.family == "phi_qk_layernorm") and cfg.num_kv_heads == cfg.num_heads // (
+            5 if case.family == "phi" else 1
+        )
 
 
 def test_a_qkv_projection_grouped_per_head_splits_and_fuses_back():
@@ -125,6 +154,8 @@ def test_lora_targets_refuse_what_the_families_name_otherwise():
 PUBLISHED = {  # the model cards' sizes (billions) and how closely ModelConfig.num_params meets them
     "pythia-1b": (1.01, 0.01),
     "gpt-neox-20b": (20.6, 0.01),
+    "phi-2": (2.7, 0.04),
+    "phi-1.5": (1.4, 0.02),
 }
 
 
