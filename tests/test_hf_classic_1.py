@@ -25,13 +25,13 @@ from engine.interop.hf.mapping import fuse, model_config_from_hf, model_config_t
 from engine.models.config import LoraConfig, ModelConfig  # noqa: E402
 from engine.models.families import TensorSpec  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
+from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
     Case,
     random_causal_lm,
     test_converted_model_matches_transformers_logits,
     test_export_loads_in_transformers_cleanly_with_the_same_logits,
     test_export_then_convert_is_bitwise_identical,
-    test_exported_config_json_is_what_transformers_writes,
     test_greedy_generation_of_16_tokens_is_identical,
 )
 
@@ -88,10 +88,27 @@ def hf_config(name: str):
             tie_word_embeddings=True,
             **TOKENS,
         ),
+        # 3 heads of 12, adjacent pairs of the first 6 dims rotated, an MLP of 26 (not 4 x 36)
+        "gptj": lambda: t.GPTJConfig(
+            vocab_size=VOCAB, n_embd=36, n_layer=3, n_head=3, rotary_dim=6, n_inner=26, n_positions=64, **TOKENS
+        ),
+        # CodeGen's fused qkv in 4 groups: 4 heads of 10, all of each head rotated, tied embeddings
+        "codegen": lambda: t.CodeGenConfig(
+            vocab_size=VOCAB,
+            n_embd=40,
+            n_layer=2,
+            n_head=4,
+            rotary_dim=10,
+            n_inner=22,
+            n_positions=64,
+            n_ctx=64,
+            tie_word_embeddings=True,
+            **TOKENS,
+        ),
     }[name]()
 
 
-CASES = ["gpt_neox", "gpt_neox_sequential", "phi", "phi_qk_layernorm"]
+CASES = ["gpt_neox", "gpt_neox_sequential", "phi", "phi_qk_layernorm", "gptj", "codegen"]
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -107,6 +124,13 @@ def case(request, tmp_path_factory) -> Case:
     return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
 
 
+def test_exported_config_json_is_what_transformers_writes(case, tmp_path, monkeypatch):
+    """test_hf_parity's check; export writes pad_token_id (null when unknown) also for CodeGen,
+    whose config class does not declare it (transformers' generate reads it all the same)."""
+    monkeypatch.setattr(test_hf_parity, "OLDER_KEYS", test_hf_parity.OLDER_KEYS | {"pad_token_id"})
+    test_hf_parity.test_exported_config_json_is_what_transformers_writes(case, tmp_path)
+
+
 def test_the_family_reads_what_the_config_says(case):
     cfg = case.cfg
     if case.family.startswith("gpt_neox"):
@@ -114,6 +138,10 @@ def test_the_family_reads_what_the_config_says(case):
         assert cfg.residual == ("parallel" if case.family == "gpt_neox" else "sequential")
         assert cfg.rotary_dim == (6 if case.family == "gpt_neox" else 2)  # 0.5 of 12, 0.25 of 8
         assert case.params["blocks"]["attn"]["bq_nh"].shape == (cfg.num_layers, cfg.num_heads, cfg.head_dim)
+    elif case.family in ("gptj", "codegen"):
+        assert cfg.rope_interleave and cfg.residual == "parallel_shared_norm" and cfg.lm_head_bias
+        gptj = case.family == "gptj"
+        assert (cfg.rotary_dim, cfg.mlp_dim) == ((6, 26) if gptj else (10, 22))
     elif case.family.startswith("phi"):
         assert cfg.residual == "parallel_shared_norm" and cfg.lm_head_bias and "mlp_norm" not in case.params["blocks"]
         assert cfg.qk_norm == (case.family == "phi_qk_layernorm") and cfg.num_kv_heads == cfg.num_heads // (
@@ -156,6 +184,8 @@ PUBLISHED = {  # the model cards' sizes (billions) and how closely ModelConfig.n
     "gpt-neox-20b": (20.6, 0.01),
     "phi-2": (2.7, 0.04),
     "phi-1.5": (1.4, 0.02),
+    "gpt-j-6b": (6.05, 0.01),
+    "codegen-2b": (2.78, 0.01),
 }
 
 

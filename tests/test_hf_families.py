@@ -65,7 +65,7 @@ def tiny(family: str, tie: bool) -> tuple:
         # OLMoE: head_dim is hidden_size / heads (its q_norm is hidden_size wide)
         **({"hidden_size": 32} if family == "olmoe" else {}),
         # GPT-era families whose head_dim is hidden_size / heads: 8, a quarter of it rotary
-        **({"hidden_size": 16, "num_attention_heads": 2} if family in CLASSIC else {}),
+        **({"hidden_size": 16, "num_attention_heads": 2, "rotary_dim": 4} if family in CLASSIC else {}),
     }
     return model_config_from_hf(hf)
 
