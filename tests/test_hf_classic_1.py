@@ -105,10 +105,36 @@ def hf_config(name: str):
             tie_word_embeddings=True,
             **TOKENS,
         ),
+        # StableLM 2 1.6B's shape: q/k/v biases, 6 heads over 2 KV heads of 8, a quarter rotary
+        "stablelm": lambda: t.StableLmConfig(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=26,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            use_qkv_bias=True,
+            **TOKENS,
+        ),
+        # StableLM 2 12B's: the parallel residual and a LayerNorm per head on queries and keys
+        "stablelm_12b": lambda: t.StableLmConfig(
+            vocab_size=VOCAB,
+            hidden_size=40,
+            intermediate_size=22,
+            num_hidden_layers=2,
+            num_attention_heads=5,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            use_parallel_residual=True,
+            qk_layernorm=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25},
+            **TOKENS,
+        ),
     }[name]()
 
 
-CASES = ["gpt_neox", "gpt_neox_sequential", "phi", "phi_qk_layernorm", "gptj", "codegen"]
+CASES = ["gpt_neox", "gpt_neox_sequential", "phi", "phi_qk_layernorm", "gptj", "codegen", "stablelm", "stablelm_12b"]
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -142,6 +168,13 @@ def test_the_family_reads_what_the_config_says(case):
         assert cfg.rope_interleave and cfg.residual == "parallel_shared_norm" and cfg.lm_head_bias
         gptj = case.family == "gptj"
         assert (cfg.rotary_dim, cfg.mlp_dim) == ((6, 26) if gptj else (10, 22))
+    elif case.family.startswith("stablelm"):
+        twelve = case.family == "stablelm_12b"
+        assert cfg.qk_norm == cfg.qk_norm_per_head == twelve and cfg.qkv_bias != twelve
+        assert cfg.residual == ("parallel_shared_norm" if twelve else "sequential") and cfg.rotary_dim == 2
+        if twelve:  # each head's scale its own (HF: a tensor per head)
+            assert case.params["blocks"]["attn"]["q_norm"]["scale"].shape == (2, 5, 8)
+            assert case.params["blocks"]["attn"]["k_norm"]["scale"].shape == (2, 1, 8)
     elif case.family.startswith("phi"):
         assert cfg.residual == "parallel_shared_norm" and cfg.lm_head_bias and "mlp_norm" not in case.params["blocks"]
         assert cfg.qk_norm == (case.family == "phi_qk_layernorm") and cfg.num_kv_heads == cfg.num_heads // (
@@ -186,6 +219,8 @@ PUBLISHED = {  # the model cards' sizes (billions) and how closely ModelConfig.n
     "phi-1.5": (1.4, 0.02),
     "gpt-j-6b": (6.05, 0.01),
     "codegen-2b": (2.78, 0.01),
+    "stablelm-2-1.6b": (1.64, 0.01),
+    "stablelm-2-12b": (12.1, 0.01),
 }
 
 

@@ -434,6 +434,9 @@ class ModelConfig(Strict):
     """A norm on the token embeddings before the first layer (BLOOM's word_embeddings_layernorm)."""
     lm_head_bias: bool = False
     """A bias on the LM head (GPT-J, Phi)."""
+    qk_norm_per_head: bool = False
+    """With qk_norm and norm_kind layer: each head's queries (keys) get a LayerNorm over head_dim
+    with a scale of their own and no bias (StableLM 2 12B's and Cohere's QK norms)."""
 
     @field_validator("family")
     @classmethod
@@ -570,6 +573,8 @@ class ModelConfig(Strict):
             raise ValueError("qk_norm_across_heads is an RMSNorm over all heads; norm_kind layer has none")
         if self.residual != "sequential" and (self.post_norms or not self.pre_norms):
             raise ValueError(f"residual {self.residual} adds pre-normed sublayers: pre_norms true, post_norms false")
+        if self.qk_norm_per_head and not (self.qk_norm and self.norm_kind == "layer"):
+            raise ValueError("qk_norm_per_head (a LayerNorm per head) needs qk_norm and norm_kind layer")
         if self.position_offset and self.positions != "learned":
             raise ValueError("position_offset is the row offset of learned position embeddings (positions: learned)")
         return self
@@ -728,9 +733,9 @@ class ModelConfig(Strict):
 
     def _attention_spec(self, layer: Layer) -> AttentionSpec:
         h = layer.head_dim or self.head_dim
-        qk_norm: Literal["none", "head", "across_heads"] = "none"
+        qk_norm: Literal["none", "head", "across_heads", "per_head"] = "none"
         if self.qk_norm:
-            qk_norm = "across_heads" if self.qk_norm_across_heads else "head"
+            qk_norm = "across_heads" if self.qk_norm_across_heads else "per_head" if self.qk_norm_per_head else "head"
         return AttentionSpec(
             num_heads=self.num_heads,
             num_kv_heads=layer.kv_heads or self.num_kv_heads,

@@ -91,11 +91,12 @@ class Attention(nnx.Module):
             self.bq_nh = nnx.Param(jnp.zeros((n, h), pdt), out_sharding=("heads", "head_dim"))
             self.bk_kh = nnx.Param(jnp.zeros((k, h), pdt), out_sharding=("kv_heads", "head_dim"))
             self.bv_kh = nnx.Param(jnp.zeros((k, h), pdt), out_sharding=("kv_heads", "head_dim"))
-        if spec.qk_norm != "none":  # over head_dim, or (OLMo 2) over all heads' dims at once
-            across = spec.qk_norm == "across_heads"
-            self.q_norm = make_norm(spec.norm, h, pdt, rngs=rngs, heads=(n, "heads") if across else None)
+        if spec.qk_norm != "none":  # over head_dim, over all heads' dims at once (OLMo 2), or per head (StableLM 2)
+            across = spec.qk_norm in ("across_heads", "per_head")
+            qk = spec.norm.model_copy(update={"bias": False}) if spec.qk_norm == "per_head" else spec.norm
+            self.q_norm = make_norm(qk, h, pdt, rngs=rngs, heads=(n, "heads") if across else None)
             if own_kv:
-                self.k_norm = make_norm(spec.norm, h, pdt, rngs=rngs, heads=(k, "kv_heads") if across else None)
+                self.k_norm = make_norm(qk, h, pdt, rngs=rngs, heads=(k, "kv_heads") if across else None)
         self.wo_nhd = _param(rngs, (n, h, d), build.out_std, ("heads", "head_dim", "embed"), pdt)
         if spec.out_bias:
             self.bo_d = nnx.Param(jnp.zeros((d,), pdt), out_sharding=("embed",))

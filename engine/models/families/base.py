@@ -47,7 +47,8 @@ class TensorSpec:
     flatten: bool = False
     experts: bool = False
     """One HF tensor per expert (`{j}` in hf_name stands for the expert index): the engine's
-    per-layer array has an expert axis first, and in_dims/flatten describe one expert's slice."""
+    per-layer array has an expert axis first, and in_dims/flatten describe one expert's slice.
+    Also one per head of a per-head norm's scale (StableLM 2's q_layernorm.norms.{j})."""
     interleaved_with: tuple[tuple[str, ...], ...] = ()
     """More engine params stored interleaved with `path` in HF's one tensor, along its last
     axis (GPT-OSS's gate_up_proj: gate at even columns, up at odd): of the n arrays, the
