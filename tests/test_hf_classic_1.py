@@ -131,10 +131,48 @@ def hf_config(name: str):
             rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25},
             **TOKENS,
         ),
+        # 6 heads over 2 KV heads of 8 (head_dim != hidden / heads), a window of 5, biases
+        "starcoder2": lambda: t.Starcoder2Config(
+            vocab_size=VOCAB,
+            hidden_size=30,
+            intermediate_size=26,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=64,
+            sliding_window=5,
+            rope_theta=500.0,
+            **TOKENS,
+        ),
+        # no biases, no window, untied
+        "starcoder2_plain": lambda: t.Starcoder2Config(
+            vocab_size=VOCAB,
+            hidden_size=36,
+            intermediate_size=22,
+            num_hidden_layers=2,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            use_bias=False,
+            tie_word_embeddings=False,
+            **TOKENS,
+        ),
     }[name]()
 
 
-CASES = ["gpt_neox", "gpt_neox_sequential", "phi", "phi_qk_layernorm", "gptj", "codegen", "stablelm", "stablelm_12b"]
+CASES = [
+    "gpt_neox",
+    "gpt_neox_sequential",
+    "phi",
+    "phi_qk_layernorm",
+    "gptj",
+    "codegen",
+    "stablelm",
+    "stablelm_12b",
+    "starcoder2",
+    "starcoder2_plain",
+]
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -175,6 +213,10 @@ def test_the_family_reads_what_the_config_says(case):
         if twelve:  # each head's scale its own (HF: a tensor per head)
             assert case.params["blocks"]["attn"]["q_norm"]["scale"].shape == (2, 5, 8)
             assert case.params["blocks"]["attn"]["k_norm"]["scale"].shape == (2, 1, 8)
+    elif case.family.startswith("starcoder2"):
+        windowed = case.family == "starcoder2"
+        assert cfg.mlp_bias == cfg.qkv_bias == cfg.attention_out_bias == windowed and cfg.norm_bias
+        assert cfg.sliding_window == (5 if windowed else None) and cfg.tie_embeddings == windowed
     elif case.family.startswith("phi"):
         assert cfg.residual == "parallel_shared_norm" and cfg.lm_head_bias and "mlp_norm" not in case.params["blocks"]
         assert cfg.qk_norm == (case.family == "phi_qk_layernorm") and cfg.num_kv_heads == cfg.num_heads // (
@@ -210,6 +252,13 @@ def test_lora_targets_refuse_what_the_families_name_otherwise():
         LoraConfig(target_modules=["q_proj"]).targets(neox)
     with pytest.raises(ValueError, match=r"none of target_modules can be adapted in family 'gpt_neox'"):
         LoraConfig(target_modules="all-linear").targets(neox)
+    # Llama's attention names, the MLP's otherwise: LoRA on the attention projections
+    starcoder2, _ = model_config_from_hf(
+        {**hf_config("starcoder2").to_dict(), "architectures": ["Starcoder2ForCausalLM"]}
+    )
+    assert LoraConfig(target_modules="all-linear").targets(starcoder2) == ("q_proj", "k_proj", "v_proj", "o_proj")
+    with pytest.raises(ValueError, match=r"\(up_proj is mlp.c_fc\), .* it can adapt: q_proj, k_proj, v_proj, o_proj$"):
+        LoraConfig(target_modules=["up_proj"]).targets(starcoder2)
 
 
 PUBLISHED = {  # the model cards' sizes (billions) and how closely ModelConfig.num_params meets them
@@ -221,6 +270,8 @@ PUBLISHED = {  # the model cards' sizes (billions) and how closely ModelConfig.n
     "codegen-2b": (2.78, 0.01),
     "stablelm-2-1.6b": (1.64, 0.01),
     "stablelm-2-12b": (12.1, 0.01),
+    "starcoder2-3b": (3.03, 0.01),
+    "starcoder2-7b": (7.17, 0.01),
 }
 
 
