@@ -158,6 +158,43 @@ def hf_config(name: str):
             tie_word_embeddings=False,
             **TOKENS,
         ),
+        # Falcon 7B's shape: multi-query, one LayerNorm for attention and MLP side by side
+        "falcon": lambda: t.FalconConfig(
+            vocab_size=VOCAB,
+            hidden_size=40,
+            num_hidden_layers=3,
+            num_attention_heads=5,
+            ffn_hidden_size=26,
+            max_position_embeddings=64,
+            rope_theta=500.0,
+            **TOKENS,
+        ),
+        # Falcon 40B's: the new decoder architecture, 6 heads in 2 KV groups, two LayerNorms; biases, untied
+        "falcon_40b": lambda: t.FalconConfig(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_kv_heads=2,
+            new_decoder_architecture=True,
+            ffn_hidden_size=22,
+            max_position_embeddings=64,
+            bias=True,
+            tie_word_embeddings=False,
+            **TOKENS,
+        ),
+        # the older per-head layout (no multi-query), layers in sequence
+        "falcon_sequential": lambda: t.FalconConfig(
+            vocab_size=VOCAB,
+            hidden_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=3,
+            multi_query=False,
+            parallel_attn=False,
+            ffn_hidden_size=22,
+            max_position_embeddings=64,
+            **TOKENS,
+        ),
     }[name]()
 
 
@@ -172,6 +209,9 @@ CASES = [
     "stablelm_12b",
     "starcoder2",
     "starcoder2_plain",
+    "falcon",
+    "falcon_40b",
+    "falcon_sequential",
 ]
 
 
@@ -217,6 +257,11 @@ def test_the_family_reads_what_the_config_says(case):
         windowed = case.family == "starcoder2"
         assert cfg.mlp_bias == cfg.qkv_bias == cfg.attention_out_bias == windowed and cfg.norm_bias
         assert cfg.sliding_window == (5 if windowed else None) and cfg.tie_embeddings == windowed
+    elif case.family.startswith("falcon"):
+        residual, kv = {"falcon": ("parallel_shared_norm", 1), "falcon_40b": ("parallel", 2)}.get(
+            case.family, ("sequential", 3)
+        )
+        assert (cfg.residual, cfg.num_kv_heads, cfg.mlp_bias) == (residual, kv, case.family == "falcon_40b")
     elif case.family.startswith("phi"):
         assert cfg.residual == "parallel_shared_norm" and cfg.lm_head_bias and "mlp_norm" not in case.params["blocks"]
         assert cfg.qk_norm == (case.family == "phi_qk_layernorm") and cfg.num_kv_heads == cfg.num_heads // (
@@ -272,6 +317,8 @@ PUBLISHED = {  # the model cards' sizes (billions) and how closely ModelConfig.n
     "stablelm-2-12b": (12.1, 0.01),
     "starcoder2-3b": (3.03, 0.01),
     "starcoder2-7b": (7.17, 0.01),
+    "falcon-7b": (6.92, 0.01),
+    "falcon-40b": (41.8, 0.01),
 }
 
 
