@@ -141,6 +141,7 @@ ADDED_AT_DEFAULT = {
     "model.embedding_norm": False,
     "model.lm_head_bias": False,
     "model.qk_norm_per_head": False,  # StableLM 2's and Cohere's QK LayerNorms
+    "model.logits_multiplier": None,  # Cohere's logit_scale
     # DPO's separate reference (its checkpoint comes from an input, and is not in the id)
     "reference": {"checkpoint": None, "compute": None},
     # DPO's list-valued loss_type with weights, DiscoPOP's temperature (issue 53)

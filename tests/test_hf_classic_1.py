@@ -195,6 +195,37 @@ def hf_config(name: str):
             max_position_embeddings=64,
             **TOKENS,
         ),
+        # Command R+'s shape: 6 heads over 2 KV heads, a LayerNorm per head on queries and keys,
+        # q/k/v/o biases, logits times 0.5
+        "cohere": lambda: t.CohereConfig(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=26,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            use_qk_norm=True,
+            attention_bias=True,
+            logit_scale=0.5,
+            rope_theta=500.0,
+            **TOKENS,
+        ),
+        # Command R7B's: three sliding (RoPE) layers of window 5, then a global one without RoPE
+        "cohere2": lambda: t.Cohere2Config(
+            vocab_size=VOCAB,
+            hidden_size=30,
+            intermediate_size=22,
+            num_hidden_layers=4,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=64,
+            sliding_window=5,
+            logit_scale=0.25,
+            tie_word_embeddings=False,
+            **TOKENS,
+        ),
     }[name]()
 
 
@@ -212,6 +243,8 @@ CASES = [
     "falcon",
     "falcon_40b",
     "falcon_sequential",
+    "cohere",
+    "cohere2",
 ]
 
 
@@ -262,6 +295,12 @@ def test_the_family_reads_what_the_config_says(case):
             case.family, ("sequential", 3)
         )
         assert (cfg.residual, cfg.num_kv_heads, cfg.mlp_bias) == (residual, kv, case.family == "falcon_40b")
+    elif case.family == "cohere":
+        assert cfg.qk_norm_per_head and cfg.rope_interleave and cfg.logits_multiplier == 0.5 and not cfg.norm_bias
+        assert case.params["blocks"]["attn"]["k_norm"]["scale"].shape == (3, 2, 8) and cfg.qkv_bias
+    elif case.family == "cohere2":
+        assert cfg.attention_pattern == ["local"] * 3 + ["global"] and cfg.rope_pattern == [True] * 3 + [False]
+        assert cfg.logits_multiplier == 0.25 and cfg.residual == "parallel_shared_norm"
     elif case.family.startswith("phi"):
         assert cfg.residual == "parallel_shared_norm" and cfg.lm_head_bias and "mlp_norm" not in case.params["blocks"]
         assert cfg.qk_norm == (case.family == "phi_qk_layernorm") and cfg.num_kv_heads == cfg.num_heads // (
@@ -319,6 +358,8 @@ PUBLISHED = {  # the model cards' sizes (billions) and how closely ModelConfig.n
     "starcoder2-7b": (7.17, 0.01),
     "falcon-7b": (6.92, 0.01),
     "falcon-40b": (41.8, 0.01),
+    "command-r": (35.0, 0.01),
+    "command-r7b": (8.03, 0.01),  # "7B" without its 1.05B embedding
 }
 
 

@@ -437,6 +437,8 @@ class ModelConfig(Strict):
     qk_norm_per_head: bool = False
     """With qk_norm and norm_kind layer: each head's queries (keys) get a LayerNorm over head_dim
     with a scale of their own and no bias (StableLM 2 12B's and Cohere's QK norms)."""
+    logits_multiplier: float | None = Field(None, gt=0)
+    """Output logits are multiplied by this (Cohere's logit_scale); None: not scaled."""
 
     @field_validator("family")
     @classmethod

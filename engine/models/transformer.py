@@ -1096,6 +1096,8 @@ class Transformer(nnx.Module):
                 )
         if cfg.lm_head_bias:  # GPT-J, Phi
             logits_btv = logits_btv + self.lm_head_bias_v[...].astype(logits_btv.dtype)
+        if cfg.logits_multiplier is not None:  # Cohere's logit_scale
+            logits_btv = logits_btv * jnp.asarray(cfg.logits_multiplier, logits_btv.dtype)
         if cfg.logits_scaling is not None:  # Granite
             logits_btv = logits_btv / jnp.asarray(cfg.logits_scaling, logits_btv.dtype)
         if cfg.mup is not None and cfg.mup.lm_head != 1.0:  # Falcon-H1
