@@ -226,6 +226,21 @@ def hf_config(name: str):
             tie_word_embeddings=False,
             **TOKENS,
         ),
+        # 6 heads over 2 KV heads of 12 (not hidden / heads), half of each rotary; biases everywhere
+        "nemotron": lambda: t.NemotronConfig(
+            vocab_size=VOCAB,
+            hidden_size=30,
+            intermediate_size=26,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=12,
+            max_position_embeddings=64,
+            attention_bias=True,
+            mlp_bias=True,
+            rope_theta=500.0,
+            **TOKENS,
+        ),
     }[name]()
 
 
@@ -245,6 +260,7 @@ CASES = [
     "falcon_sequential",
     "cohere",
     "cohere2",
+    "nemotron",
 ]
 
 
@@ -301,6 +317,9 @@ def test_the_family_reads_what_the_config_says(case):
     elif case.family == "cohere2":
         assert cfg.attention_pattern == ["local"] * 3 + ["global"] and cfg.rope_pattern == [True] * 3 + [False]
         assert cfg.logits_multiplier == 0.25 and cfg.residual == "parallel_shared_norm"
+    elif case.family == "nemotron":
+        assert cfg.norm_zero_centered and cfg.norm_bias and cfg.activation == "relu2" and not cfg.mlp_gated
+        assert cfg.rotary_dim == 6 and cfg.head_dim == 12 and cfg.mlp_bias and cfg.qkv_bias
     elif case.family.startswith("phi"):
         assert cfg.residual == "parallel_shared_norm" and cfg.lm_head_bias and "mlp_norm" not in case.params["blocks"]
         assert cfg.qk_norm == (case.family == "phi_qk_layernorm") and cfg.num_kv_heads == cfg.num_heads // (
@@ -360,6 +379,8 @@ PUBLISHED = {  # the model cards' sizes (billions) and how closely ModelConfig.n
     "falcon-40b": (41.8, 0.01),
     "command-r": (35.0, 0.01),
     "command-r7b": (8.03, 0.01),  # "7B" without its 1.05B embedding
+    "minitron-8b": (8.27, 0.01),
+    "minitron-4b": (4.19, 0.01),
 }
 
 
