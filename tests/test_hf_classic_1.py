@@ -347,14 +347,45 @@ def test_a_qkv_projection_grouped_per_head_splits_and_fuses_back():
     np.testing.assert_array_equal(fuse(spec, [q, k, v]), hf)
 
 
+ARCHITECTURES = {
+    "gpt_neox": "GPTNeoXForCausalLM",
+    "phi": "PhiForCausalLM",
+    "gptj": "GPTJForCausalLM",
+    "codegen": "CodeGenForCausalLM",
+    "stablelm": "StableLmForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM",
+    "falcon": "FalconForCausalLM",
+    "cohere": "CohereForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
+    "nemotron": "NemotronForCausalLM",
+}
+ALL_LINEAR = {  # what all-linear adapts: PEFT's Llama names the family's modules also have, unfused
+    "phi": ("q_proj", "k_proj", "v_proj"),
+    "gptj": ("q_proj", "k_proj", "v_proj"),
+    "stablelm": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "starcoder2": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "cohere": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "cohere2": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "nemotron": ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_lora_all_linear_adapts_the_projections_peft_would_find(name):
+    cfg, _ = model_config_from_hf({**hf_config(name).to_dict(), "architectures": [ARCHITECTURES[name]]})
+    if name in ALL_LINEAR:
+        assert LoraConfig(target_modules="all-linear").targets(cfg) == ALL_LINEAR[name]
+    else:  # q, k, v fused and the rest named otherwise: nothing
+        with pytest.raises(ValueError, match=rf"none of target_modules can be adapted in family '{name}'"):
+            LoraConfig(target_modules="all-linear").targets(cfg)
+
+
 def test_lora_targets_refuse_what_the_families_name_otherwise():
     neox, _ = model_config_from_hf({**hf_config("gpt_neox").to_dict(), "architectures": ["GPTNeoXForCausalLM"]})
     with pytest.raises(ValueError, match=r"family 'gpt_neox' names these projections otherwise \(o_proj is "):
         LoraConfig(target_modules=["o_proj"]).targets(neox)
     with pytest.raises(ValueError, match=r"family 'gpt_neox' stores q_proj fused"):
         LoraConfig(target_modules=["q_proj"]).targets(neox)
-    with pytest.raises(ValueError, match=r"none of target_modules can be adapted in family 'gpt_neox'"):
-        LoraConfig(target_modules="all-linear").targets(neox)
     # Llama's attention names, the MLP's otherwise: LoRA on the attention projections
     starcoder2, _ = model_config_from_hf(
         {**hf_config("starcoder2").to_dict(), "architectures": ["Starcoder2ForCausalLM"]}
