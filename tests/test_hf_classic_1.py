@@ -19,7 +19,7 @@ from tests.deps import need
 torch = need("torch")
 transformers = need("transformers")
 
-from engine.config import resolve_model_preset  # noqa: E402
+from engine.config import ConfigError, resolve_model_preset  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.mapping import fuse, model_config_from_hf, model_config_to_hf, unfuse  # noqa: E402
 from engine.models.config import LoraConfig, ModelConfig  # noqa: E402
@@ -378,6 +378,22 @@ def test_lora_all_linear_adapts_the_projections_peft_would_find(name):
     else:  # q, k, v fused and the rest named otherwise: nothing
         with pytest.raises(ValueError, match=rf"none of target_modules can be adapted in family '{name}'"):
             LoraConfig(target_modules="all-linear").targets(cfg)
+
+
+def test_what_the_families_do_not_run_is_refused_in_one_sentence():
+    def hf(name: str, **keys) -> dict:
+        return {**hf_config(name).to_dict(), "architectures": [ARCHITECTURES[name]], **keys}
+
+    for config, message in (
+        (hf("falcon", alibi=True), r"alibi=true \(Falcon-RW's ALiBi positions\) is not supported yet"),
+        (hf("gptj", rotary_dim=None), r"rotary_dim must be set"),
+        (hf("phi", rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.2}), r"rotates 1 of 8 dims"),
+        (hf("nemotron", hidden_act="swish"), r"hidden_act 'swish' is not supported"),
+        (hf("starcoder2", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4}), r"RoPE type 'dynamic'"),
+    ):
+        with pytest.raises(ConfigError, match=message) as refused:
+            model_config_from_hf(config)
+        assert "\n" not in str(refused.value) and str(refused.value).startswith("config.json (")
 
 
 def test_lora_targets_refuse_what_the_families_name_otherwise():

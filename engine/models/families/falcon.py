@@ -34,6 +34,8 @@ class Falcon(Family):
     lora_names = {"o_proj": "self_attention.dense", "up_proj": "mlp.dense_h_to_4h", "down_proj": "mlp.dense_4h_to_h"}
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
+        if hf.get("hidden_size") is None and hf.get("n_embed") is not None:  # the older name transformers takes
+            hf = {**hf, "hidden_size": hf["n_embed"]}
         classic.require(hf, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"), where)
         if hf.get("alibi"):
             raise ConfigError(f"{where}: alibi=true (Falcon-RW's ALiBi positions) is not supported yet (RoPE is)")
