@@ -27,6 +27,9 @@ GRANITE = {
 }
 
 
+CLASSIC = {"gpt_neox", "phi", "gptj", "stablelm", "codegen", "falcon", "nemotron"}
+
+
 def tiny(family: str, tie: bool) -> tuple:
     """A tiny config.json of `family`, odd sizes, through the family's own mapping."""
     fam = get_family(family)
@@ -63,6 +66,8 @@ def tiny(family: str, tie: bool) -> tuple:
         **({"q_lora_rank": 6} if family in ("deepseek_v32", "glm_moe_dsa") else {}),
         # OLMoE: head_dim is hidden_size / heads (its q_norm is hidden_size wide)
         **({"hidden_size": 32} if family == "olmoe" else {}),
+        # GPT-era families whose head_dim is hidden_size / heads: 8, a quarter of it rotary
+        **({"hidden_size": 16, "num_attention_heads": 2, "rotary_dim": 4} if family in CLASSIC else {}),
     }
     return model_config_from_hf(hf)
 

@@ -442,6 +442,11 @@ class ModelConfig(Strict):
     qk_norm_after_rope: bool = False
     """With qk_norm: the norms apply to the rotated queries and keys, not before RoPE (Hunyuan
     dense's query_layernorm, key_layernorm)."""
+    qk_norm_per_head: bool = False
+    """With qk_norm and norm_kind layer: each head's queries (keys) get a LayerNorm over head_dim
+    with a scale of their own and no bias (StableLM 2 12B's and Cohere's QK norms)."""
+    logits_multiplier: float | None = Field(None, gt=0)
+    """Output logits are multiplied by this (Cohere's logit_scale); None: not scaled."""
 
     @model_validator(mode="after")
     def _check_query_scaling(self) -> ModelConfig:
@@ -589,6 +594,8 @@ class ModelConfig(Strict):
             raise ValueError("qk_norm_across_heads is an RMSNorm over all heads; norm_kind layer has none")
         if self.residual != "sequential" and (self.post_norms or not self.pre_norms):
             raise ValueError(f"residual {self.residual} adds pre-normed sublayers: pre_norms true, post_norms false")
+        if self.qk_norm_per_head and not (self.qk_norm and self.norm_kind == "layer"):
+            raise ValueError("qk_norm_per_head (a LayerNorm per head) needs qk_norm and norm_kind layer")
         if self.position_offset and self.positions != "learned":
             raise ValueError("position_offset is the row offset of learned position embeddings (positions: learned)")
         return self
@@ -747,9 +754,9 @@ class ModelConfig(Strict):
 
     def _attention_spec(self, layer: Layer) -> AttentionSpec:
         h = layer.head_dim or self.head_dim
-        qk_norm: Literal["none", "head", "across_heads"] = "none"
+        qk_norm: Literal["none", "head", "across_heads", "per_head"] = "none"
         if self.qk_norm:
-            qk_norm = "across_heads" if self.qk_norm_across_heads else "head"
+            qk_norm = "across_heads" if self.qk_norm_across_heads else "per_head" if self.qk_norm_per_head else "head"
         return AttentionSpec(
             num_heads=self.num_heads,
             num_kv_heads=layer.kv_heads or self.num_kv_heads,
@@ -1106,6 +1113,15 @@ class LoraConfig(Strict):
                     f"family '{model.family}' has no gate_proj (its MLP is up_proj, down_proj); target those"
                 )
             wanted = tuple(m for m in wanted if m != "gate_proj")
+        renamed = get_family(model.family).lora_names
+        if any(m in renamed for m in wanted):
+            if self.target_modules != "all-linear":
+                named = ", ".join(f"{m} is {renamed[m]}" for m in wanted if m in renamed)
+                raise ValueError(
+                    f"family '{model.family}' names these projections otherwise ({named}), which LoRA does not "
+                    f"adapt yet; it can adapt: {', '.join(self._adaptable(model)) or 'none of its projections'}"
+                )
+            wanted = tuple(m for m in wanted if m not in renamed)
         fused = get_family(model.family).fused_projections
         if any(m in fused for m in wanted):
             if self.target_modules != "all-linear":
@@ -1134,3 +1150,10 @@ class LoraConfig(Strict):
         if not wanted:
             raise ValueError(f"none of target_modules can be adapted in family '{model.family}'")
         return wanted
+
+    @staticmethod
+    def _adaptable(model: ModelConfig) -> list[str]:
+        """The attention and MLP projections a family's modules name as PEFT's Llama names, unfused."""
+        family = get_family(model.family)
+        skip = {*family.lora_names, *family.fused_projections, *([] if model.mlp_gated else ["gate_proj"])}
+        return [m for m in (*LORA_ATTENTION_TARGETS, *LORA_MLP_TARGETS) if m not in skip]

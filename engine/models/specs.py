@@ -65,9 +65,10 @@ class AttentionSpec(Spec):
     head_dim: int
     qkv_bias: bool = False
     out_bias: bool = False
-    qk_norm: Literal["none", "head", "across_heads"] = "none"
-    """RMSNorm on queries and keys before RoPE: over each head's dims (scale per head_dim, Qwen3)
-    or over all heads' dims at once (scale per (head, head_dim), OLMo 2)."""
+    qk_norm: Literal["none", "head", "across_heads", "per_head"] = "none"
+    """A norm on queries and keys before RoPE: over each head's dims (scale per head_dim, Qwen3)
+    or over all heads' dims at once (scale per (head, head_dim), OLMo 2); per_head: a LayerNorm
+    over each head's dims with a scale of its own per head and no bias (StableLM 2, Cohere)."""
     norm: NormSpec = NormSpec()
     """The QK norms' (and value norm's) kind and epsilon."""
     values_from_keys: bool = False
@@ -129,13 +130,15 @@ class AttentionSpec(Spec):
     def params(self, d: int) -> int:
         n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
         per_head_norm = self.norm.params(h)
+        if self.qk_norm == "per_head":  # a scale per head and dimension
+            per_head_norm = h
         if self.kv_sharing == "reuse":  # the queries' projection and norm, and the output's
-            return d * h * 2 * n + per_head_norm * (self.qk_norm != "none")
+            return d * h * 2 * n + per_head_norm * (n if self.qk_norm == "per_head" else self.qk_norm != "none")
         v = 0 if self.values_from_keys else k
         count = d * h * (2 * n + k + v) + h * (n + k + v) * self.qkv_bias + d * n * h * self.output_gate
         if self.qk_norm == "head":
             count += 2 * per_head_norm
-        elif self.qk_norm == "across_heads":
+        elif self.qk_norm in ("across_heads", "per_head"):
             count += (n + k) * per_head_norm
         return count + n * self.sinks + d * self.out_bias
 

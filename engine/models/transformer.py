@@ -1,8 +1,9 @@
 """The decoder-only transformer, in Flax NNX.
 
 One implementation, built and run from typed layer specs (engine/models/specs.py; a model's
-are ModelConfig.layer_specs()): no model family is named here. Shapes are in names: b batch, t query positions, s key positions, d d_model, n query heads, k kv heads,
-g query heads per kv head, h head_dim, f mlp_dim, v vocab.
+are ModelConfig.layer_specs()): no model family is named here. Shapes are in names: b batch,
+t query positions, s key positions, d d_model, n query heads, k kv heads, g query heads per
+kv head, h head_dim, f mlp_dim, v vocab.
 
 Every parameter carries logical axis names (its `sharding_names` metadata) that
 engine/ops/partitioning.py maps to mesh axes; activations are constrained at block boundaries.
@@ -91,11 +92,12 @@ class Attention(nnx.Module):
             self.bq_nh = nnx.Param(jnp.zeros((n, h), pdt), out_sharding=("heads", "head_dim"))
             self.bk_kh = nnx.Param(jnp.zeros((k, h), pdt), out_sharding=("kv_heads", "head_dim"))
             self.bv_kh = nnx.Param(jnp.zeros((k, h), pdt), out_sharding=("kv_heads", "head_dim"))
-        if spec.qk_norm != "none":  # over head_dim, or (OLMo 2) over all heads' dims at once
-            across = spec.qk_norm == "across_heads"
-            self.q_norm = make_norm(spec.norm, h, pdt, rngs=rngs, heads=(n, "heads") if across else None)
+        if spec.qk_norm != "none":  # over head_dim, over all heads' dims at once (OLMo 2), or per head (StableLM 2)
+            across = spec.qk_norm in ("across_heads", "per_head")
+            qk = spec.norm.model_copy(update={"bias": False}) if spec.qk_norm == "per_head" else spec.norm
+            self.q_norm = make_norm(qk, h, pdt, rngs=rngs, heads=(n, "heads") if across else None)
             if own_kv:
-                self.k_norm = make_norm(spec.norm, h, pdt, rngs=rngs, heads=(k, "kv_heads") if across else None)
+                self.k_norm = make_norm(qk, h, pdt, rngs=rngs, heads=(k, "kv_heads") if across else None)
         self.wo_nhd = _param(rngs, (n, h, d), build.out_std, ("heads", "head_dim", "embed"), pdt)
         if spec.out_bias:
             self.bo_d = nnx.Param(jnp.zeros((d,), pdt), out_sharding=("embed",))
@@ -1102,6 +1104,8 @@ class Transformer(nnx.Module):
                 )
         if cfg.lm_head_bias:  # GPT-J, Phi
             logits_btv = logits_btv + self.lm_head_bias_v[...].astype(logits_btv.dtype)
+        if cfg.logits_multiplier is not None:  # Cohere's logit_scale
+            logits_btv = logits_btv * jnp.asarray(cfg.logits_multiplier, logits_btv.dtype)
         if cfg.logits_scaling is not None:  # Granite
             logits_btv = logits_btv / jnp.asarray(cfg.logits_scaling, logits_btv.dtype)
         if cfg.mup is not None and cfg.mup.lm_head != 1.0:  # Falcon-H1

@@ -30,6 +30,7 @@ from engine.interop.hf.files import (
 )
 from engine.interop.hf.mapping import (
     TensorSpec,
+    fuse,
     fused_hf_shape,
     hf_shape,
     interleave,
@@ -224,11 +225,10 @@ def hf_tensors(
         if spec.concatenated_with:  # one after another along the last axis (Llama 4's gate_up_proj)
             return np.concatenate([leaf(spec, index, path) for path in (spec.path, *spec.concatenated_with)], axis=-1)
         if spec.fused_with:  # several engine arrays one after another (Phi-3's qkv_proj)
-            return np.concatenate([to_hf(spec, leaf(spec, index, path)) for path in (spec.path, *spec.fused_with)])
+            return fuse(spec, [to_hf(spec, leaf(spec, index, path)) for path in (spec.path, *spec.fused_with)])
         return to_hf(spec, leaf(spec, index))
 
     top, per_layer = tensor_table(cfg)
-    num_experts = cfg.num_experts
     order: list[tuple[TensorSpec, tuple[int, ...]]] = [(top[0], ())]
     layers_of = dict(cfg.layer_stacks() + cfg.mtp_stacks())  # and the MTP layer after the last
     slot = {layer: (stack, i) for stack, layers in layers_of.items() for i, layer in enumerate(layers)}
@@ -236,7 +236,8 @@ def hf_tensors(
         stack, i = slot[layer]
         for s in per_layer:
             if s.stack == stack:
-                order += [(s, (i, j)) for j in range(num_experts)] if s.experts else [(s, (i,))]
+                # one HF tensor per expert (or per head: StableLM 2's QK norms), the array's axis after the layer's
+                order += [(s, (i, j)) for j in range(len(leaf(s, (i,))))] if s.experts else [(s, (i,))]
     order += [(s, ()) for s in top[1:]]
     entries: dict[str, tuple[tuple[int, ...], np.dtype, Callable[[], np.ndarray]]] = {}
     for spec, index in order:

@@ -167,9 +167,24 @@ def fused_hf_shape(spec: TensorSpec, shapes: list[tuple[int, ...]]) -> tuple[int
 
 
 def unfuse(spec: TensorSpec, hf_array: np.ndarray, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
-    """A fused HF tensor's row blocks, one per engine array of `shapes` (views)."""
-    ends = np.cumsum([hf_shape(spec, shape)[0] for shape in shapes])[:-1]
-    return np.split(hf_array, ends, axis=0)
+    """A fused HF tensor's row blocks, one per engine array of `shapes` (views; in groups,
+    TensorSpec.fused_groups, each part's rows gathered from every group)."""
+    rows, groups = [hf_shape(spec, shape)[0] for shape in shapes], spec.fused_groups
+    if groups == 1:
+        return np.split(hf_array, np.cumsum(rows)[:-1], axis=0)
+    assert all(r % groups == 0 for r in rows), f"{spec.hf_name}: rows {rows} are not in {groups} groups"
+    grouped = hf_array.reshape(groups, -1, *hf_array.shape[1:])
+    pieces = np.split(grouped, np.cumsum([r // groups for r in rows])[:-1], axis=1)
+    return [piece.reshape(-1, *hf_array.shape[1:]) for piece in pieces]
+
+
+def fuse(spec: TensorSpec, hf_arrays: list[np.ndarray]) -> np.ndarray:
+    """The fused HF tensor of the parts' HF arrays (unfuse's inverse)."""
+    groups = spec.fused_groups
+    if groups == 1:
+        return np.concatenate(hf_arrays)
+    grouped = [a.reshape(groups, -1, *a.shape[1:]) for a in hf_arrays]
+    return np.concatenate(grouped, axis=1).reshape(-1, *hf_arrays[0].shape[1:])
 
 
 def to_engine(spec: TensorSpec, hf_array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

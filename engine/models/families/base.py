@@ -47,7 +47,8 @@ class TensorSpec:
     flatten: bool = False
     experts: bool = False
     """One HF tensor per expert (`{j}` in hf_name stands for the expert index): the engine's
-    per-layer array has an expert axis first, and in_dims/flatten describe one expert's slice."""
+    per-layer array has an expert axis first, and in_dims/flatten describe one expert's slice.
+    Also one per head of a per-head norm's scale (StableLM 2's q_layernorm.norms.{j})."""
     interleaved_with: tuple[tuple[str, ...], ...] = ()
     """More engine params stored interleaved with `path` in HF's one tensor, along its last
     axis (GPT-OSS's gate_up_proj: gate at even columns, up at odd): of the n arrays, the
@@ -56,6 +57,11 @@ class TensorSpec:
     """More engine params stored after `path` in HF's one tensor, concatenated along its first
     (output) axis, each laid out as in_dims says (Phi-3's qkv_proj: q, k, v; gate_up_proj:
     gate, up). Their shapes may differ."""
+    fused_groups: int = 1
+    """With fused_with: HF's rows are this many equal groups, one after another, each holding
+    its share of every part in order (GPT-NeoX's query_key_value, (heads, 3, head_dim): groups
+    = heads; Falcon's, each KV group's queries, key and value: groups = KV heads). 1: the parts
+    whole, one after another."""
     concatenated_with: tuple[tuple[str, ...], ...] = ()
     """More engine params stored after `path` in HF's one tensor, concatenated along its last
     axis (Llama 4's experts' gate_up_proj (E, d, 2f): gate then up, `chunk(2, -1)`). Same
@@ -311,6 +317,10 @@ class Family:
     fused_projections: ClassVar[tuple[str, ...]] = ()
     """PEFT module names the family's checkpoints store fused into one tensor (Phi-3's q/k/v in
     qkv_proj, gate/up in gate_up_proj): LoraConfig.targets refuses them."""
+    lora_names: ClassVar[dict[str, str]] = {}
+    """PEFT's Llama module names (o_proj, up_proj, ...) whose projection this family's
+    checkpoints name otherwise (GPT-NeoX's o_proj is attention.dense): LoraConfig.targets
+    refuses them, as an adapter by those names would not load onto its modules."""
     multimodal: ClassVar[Multimodal | None] = None
     """The multimodal checkpoints whose text decoder is this family's model (Llama 4's
     Llama4ForConditionalGeneration): convert reads them, skipping the vision tower."""
