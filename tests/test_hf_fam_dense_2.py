@@ -2,8 +2,9 @@
 multipliers), GLM-4 and GLM-4-0414 (q/k/v biases, interleaved RoPE on part of each head, a
 fused gate_up_proj; post-sublayer norms in the second), EXAONE 4.0 (OLMo 2's output norms,
 QK norm, NoPE global layers), VaultGemma (Gemma 2 without its post norms), Granite SWA
-(sliding windows, attention sinks, a RoPE base per layer and NoPE layers) and MiniCPM3
-(latent attention with MiniCPM's scalings and LongRoPE).
+(sliding windows, attention sinks, a RoPE base per layer and NoPE layers), MiniCPM3
+(latent attention with MiniCPM's scalings and LongRoPE) and Apertus (xIELU in an ungated MLP,
+its learned scalars converted and its constant buffers written back).
 
 Each case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
 collected here over this module's `case`): greedy tokens and the KV-cache sampler equal
@@ -104,10 +105,12 @@ def hf_config(name: str):
             },
             **NO_TOKENS,
         ),
+        # xIELU in an ungated MLP of 26, QK norm, Llama 3 scaling (as its default)
+        "apertus": lambda: t.ApertusConfig(**COMMON, rope_parameters={**LLAMA3}, **NO_TOKENS),
     }[name]()
 
 
-CASES = ["granite", "glm", "glm4", "exaone4", "vaultgemma", "granite_swa", "minicpm3"]
+CASES = ["granite", "glm", "glm4", "exaone4", "vaultgemma", "granite_swa", "minicpm3", "apertus"]
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -163,6 +166,10 @@ def test_the_family_reads_what_the_config_says(case):
         assert cfg.head_dim == 10  # qk_nope_head_dim + qk_rope_head_dim
         assert cfg.embedding_multiplier == 2.5 and cfg.logits_scaling == 2.5 and not cfg.rope_interleave
         assert cfg.residual_multiplier == pytest.approx(1.3 / 3**0.5, rel=1e-15)
+    elif case.family == "apertus":
+        assert cfg.activation == "xielu" and not cfg.mlp_gated and cfg.qk_norm and cfg.rope_scaling.kind == "llama3"
+        mlp = case.params["blocks"]["mlp"]
+        assert mlp["xielu_alpha_p"].shape == mlp["xielu_alpha_n"].shape == (3, 1) and "w_gate_df" not in mlp
 
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
@@ -212,6 +219,8 @@ def test_lora_takes_the_projections_peft_names_and_refuses_the_fused_ones():
         LoraConfig(target_modules=["gate_proj"]).targets(glm)
     granite, _ = model_config_from_hf({**_hf_dict("granite_swa"), "architectures": ["GraniteSWAForCausalLM"]})
     assert len(LoraConfig(target_modules="all-linear").targets(granite)) == 7
+    apertus, _ = model_config_from_hf({**_hf_dict("apertus"), "architectures": ["ApertusForCausalLM"]})
+    assert LoraConfig(target_modules="all-linear").targets(apertus)[-2:] == ("up_proj", "down_proj")
 
 
 PUBLISHED = {  # the model cards' sizes (billions) and how closely ModelConfig.num_params meets them
@@ -221,6 +230,7 @@ PUBLISHED = {  # the model cards' sizes (billions) and how closely ModelConfig.n
     "exaone-4.0-32b": (32.0, 0.01),
     "vaultgemma-1b": (1.04, 0.02),
     "minicpm3-4b": (4.07, 0.01),
+    "apertus-8b": (8.05, 0.01),
 }
 
 

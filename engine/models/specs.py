@@ -273,7 +273,7 @@ class MLPSpec(Spec):
 
     kind: Literal["mlp"] = "mlp"
     dim: int
-    activation: Literal["silu", "gelu_tanh", "relu2"] = "silu"
+    activation: Literal["silu", "gelu_tanh", "relu2", "xielu"] = "silu"
     gated: bool = True
     gate_multiplier: float = 1.0
     """The gate's pre-activation is multiplied by this (Falcon-H1's muP)..."""
@@ -281,7 +281,7 @@ class MLPSpec(Spec):
     """... and the output by this."""
 
     def params(self, d: int) -> int:
-        return (3 if self.gated else 2) * d * self.dim
+        return (3 if self.gated else 2) * d * self.dim + 2 * (self.activation == "xielu")  # xIELU's two scalars
 
 
 class MoESpec(Spec):
@@ -352,7 +352,7 @@ class LayerSpec(Spec):
     """A learned scalar multiplying the stream after the layer (Gemma 4)."""
     per_layer_input_dim: int | None = None
     """Gemma 4's per-layer inputs: x + norm(proj(act(gate(x)) * e)) after the feed-forward."""
-    per_layer_activation: Literal["silu", "gelu_tanh", "relu2"] = "gelu_tanh"
+    per_layer_activation: Literal["silu", "gelu_tanh", "relu2", "xielu"] = "gelu_tanh"
 
     def params(self, d: int, active: bool = False) -> int:
         norms = (self.pre_norms + self.post_norms) * self.norm.params(d)

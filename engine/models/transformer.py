@@ -46,6 +46,8 @@ from engine.models.moe import MoE, MoEStats, combine_stats
 from engine.models.mtp import MTPHead, mtp_loss
 from engine.models.parallel_hybrid import AttentionMamba2
 from engine.models.rope import rope_cos_sin, rope_inverse_frequencies, rotate
+from engine.models.xielu import initial_parameters as xielu_initial_parameters
+from engine.models.xielu import xielu
 from engine.ops.attention import attention, chunked_segment_ids, decode_attention
 from engine.ops.dense import DotGeneral, dense, gated_mlp, matmuls_in, uses_cpu_backward, weight_grads_in
 from engine.ops.partitioning import constrain, current_platform
@@ -295,7 +297,12 @@ class MLP(nnx.Module):
             self.w_gate_df = _param(rngs, (d, f), std, ("embed", "mlp"), pdt)
         self.w_up_df = _param(rngs, (d, f), std, ("embed", "mlp"), pdt)
         self.w_down_fd = _param(rngs, (f, d), std / math.sqrt(2 * cfg.num_layers), ("mlp", "embed"), pdt)
-        self.activation = ACTIVATIONS[cfg.activation]
+        self.xielu = cfg.activation == "xielu"
+        if self.xielu:  # Apertus: xIELU's two learned scalars (engine/models/xielu.py)
+            alpha_p, alpha_n = xielu_initial_parameters()
+            self.xielu_alpha_p = nnx.Param(jnp.full((1,), alpha_p, pdt), out_sharding=("norm",))
+            self.xielu_alpha_n = nnx.Param(jnp.full((1,), alpha_n, pdt), out_sharding=("norm",))
+        self.activation: Callable = ACTIVATIONS.get(cfg.activation, xielu)  # xielu: _mlp binds its alphas
         self.down_scale = 1.0 if cfg.mup is None else cfg.mup.mlp_down  # Falcon-H1's mlp_multipliers
         if cfg.mup is not None and cfg.mup.mlp_gate != 1.0:
             self.activation = ScaledInput(self.activation, cfg.mup.mlp_gate)
@@ -311,7 +318,11 @@ class MLP(nnx.Module):
         dt = self.dtype
         if not self.gated:
             kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
-            hidden = self.activation(project(self, "w_up_df", x_btd, 1, dt, **kw).astype(jnp.float32)).astype(dt)
+            activation = self.activation
+            if self.xielu:
+                alphas = {"alpha_p_1": self.xielu_alpha_p[...], "alpha_n_1": self.xielu_alpha_n[...]}
+                activation = functools.partial(xielu, **alphas)
+            hidden = activation(project(self, "w_up_df", x_btd, 1, dt, **kw).astype(jnp.float32)).astype(dt)
             return project(self, "w_down_fd", constrain(hidden, ("act_batch", "act_seq", "act_mlp")), 1, dt, **kw)
         if any(has_adapter(self, attr) for attr, _ in MLP_WEIGHTS.values()):
             # With adapters, three products, each with its update (x.w + scale * x.A.B); the

@@ -16,6 +16,7 @@ from engine.models.families import nemotron_h, granite_hybrid  # noqa: F401, I00
 from engine.models.families import falcon_h1  # noqa: F401, I001
 from engine.models.families import kimi_linear  # noqa: F401, I001
 from engine.models.families import granite, glm_dense, exaone4, vaultgemma, minicpm3  # noqa: F401, I001
+from engine.models.families import apertus  # noqa: F401, I001
 from engine.models.families.base import (
     Family,
     TensorSpec,
