@@ -190,7 +190,8 @@ class ModelConfig(Strict):
     activation: Activation = "silu"
     """Gate of the gated MLP: silu = SwiGLU (Llama, Qwen, Mistral), gelu_tanh = GeGLU (Gemma);
     relu2 = relu(x)^2, the activation of Nemotron-H's MLP, which is not gated (mlp_gated); gelu
-    (exact) and relu those of GPT-era MLPs."""
+    (exact) and relu those of GPT-era MLPs; xielu = xIELU with two learned scalars per layer
+    (engine/models/xielu.py; Apertus's ungated dense MLP, the only place it is taken)."""
     qkv_bias: bool = False
     """Biases on the query, key and value projections (Qwen2)."""
     qk_norm: bool = False
@@ -614,6 +615,12 @@ class ModelConfig(Strict):
                 f"kv_shared_layers ({self.kv_shared_layers}): each sharing layer needs an earlier layer "
                 "of its attention kind (local or global) that is not sharing"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_xielu(self) -> ModelConfig:
+        if self.activation == "xielu" and (self.mlp_gated or self.is_moe or self.per_layer_input_dim):
+            raise ValueError("activation xielu (Apertus) is taken by a dense MLP without a gate only (mlp_gated false)")
         return self
 
     @property

@@ -329,9 +329,10 @@ MixerSpec = Annotated[
 """A layer's sequence mixer."""
 
 
-Activation = Literal["silu", "gelu_tanh", "gelu", "relu", "relu2"]
+Activation = Literal["silu", "gelu_tanh", "gelu", "relu", "relu2", "xielu"]
 """silu (SwiGLU's), gelu_tanh (GeGLU's; HF's gelu_new, gelu_pytorch_tanh), gelu (exact, erf),
-relu, relu2 = relu(x)^2 (engine/models/common.py: ACTIVATIONS)."""
+relu, relu2 = relu(x)^2 (engine/models/common.py: ACTIVATIONS); xielu: xIELU with two learned
+scalars (engine/models/xielu.py; an ungated dense MLP's only)."""
 
 
 class MLPSpec(Spec):
@@ -349,7 +350,7 @@ class MLPSpec(Spec):
     """... and the output by this."""
 
     def params(self, d: int) -> int:
-        weights = (3 if self.gated else 2) * d * self.dim
+        weights = (3 if self.gated else 2) * d * self.dim + 2 * (self.activation == "xielu")  # xIELU's two scalars
         return weights + ((2 if self.gated else 1) * self.dim + d) * self.bias
 
 

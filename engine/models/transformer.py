@@ -48,6 +48,8 @@ from engine.models.mtp import MTPHead, mtp_loss
 from engine.models.parallel_hybrid import AttentionMamba2
 from engine.models.rope import rope_cos_sin, rope_inverse_frequencies, rotate
 from engine.models.specs import AttentionSpec, LayerSpec, MLPSpec, MoESpec, ParallelHybridSpec, RotarySpec
+from engine.models.xielu import initial_parameters as xielu_initial_parameters
+from engine.models.xielu import xielu
 from engine.ops.attention import attention, chunked_segment_ids, decode_attention
 from engine.ops.dense import DotGeneral, dense, gated_mlp, matmuls_in, uses_cpu_backward, weight_grads_in
 from engine.ops.partitioning import constrain, current_platform
@@ -268,7 +270,12 @@ class MLP(nnx.Module):
                 self.b_gate_f = nnx.Param(jnp.zeros((f,), pdt), out_sharding=("mlp",))
             self.b_up_f = nnx.Param(jnp.zeros((f,), pdt), out_sharding=("mlp",))
             self.b_down_d = nnx.Param(jnp.zeros((d,), pdt), out_sharding=("embed",))
-        self.activation = ACTIVATIONS[spec.activation]
+        self.xielu = spec.activation == "xielu"
+        if self.xielu:  # Apertus: xIELU's two learned scalars (engine/models/xielu.py)
+            alpha_p, alpha_n = xielu_initial_parameters()
+            self.xielu_alpha_p = nnx.Param(jnp.full((1,), alpha_p, pdt), out_sharding=("norm",))
+            self.xielu_alpha_n = nnx.Param(jnp.full((1,), alpha_n, pdt), out_sharding=("norm",))
+        self.activation: Callable = ACTIVATIONS.get(spec.activation, xielu)  # xielu: _mlp binds its alphas
         self.down_scale = spec.down_multiplier  # Falcon-H1's mlp_multipliers
         if spec.gate_multiplier != 1.0:
             self.activation = ScaledInput(self.activation, spec.gate_multiplier)
@@ -286,7 +293,11 @@ class MLP(nnx.Module):
             up = project(self, "w_up_df", x_btd, 1, dt, **kw)
             if self.bias:
                 up = up + self.b_up_f[...].astype(dt)
-            hidden = self.activation(up.astype(jnp.float32)).astype(dt)
+            activation = self.activation
+            if self.xielu:
+                alphas = {"alpha_p_1": self.xielu_alpha_p[...], "alpha_n_1": self.xielu_alpha_n[...]}
+                activation = functools.partial(xielu, **alphas)
+            hidden = activation(up.astype(jnp.float32)).astype(dt)
             out = project(self, "w_down_fd", constrain(hidden, ("act_batch", "act_seq", "act_mlp")), 1, dt, **kw)
             return out + self.b_down_d[...].astype(dt) if self.bias else out
         if self.bias or any(has_adapter(self, attr) for attr, _ in MLP_WEIGHTS.values()):

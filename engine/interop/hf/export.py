@@ -42,7 +42,7 @@ from engine.interop.hf.mapping import (
 from engine.interop.hf.peft import ADAPTER_WEIGHTS, write_peft
 from engine.interop.hf.safetensors_io import SafetensorsFile, write_safetensors
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.models.families import family_of_model_type
+from engine.models.families import family_of_model_type, get_family
 from engine.train.bucket_paths import checkpoint_path
 from engine.train.checkpoint import adapter_base, load_adapter, load_params, read_meta
 
@@ -247,6 +247,9 @@ def hf_tensors(
         if spec.fused_with:
             shape = fused_hf_shape(spec, [leaf(spec, index, p).shape for p in (spec.path, *spec.fused_with)])
         entries[name] = (shape, array.dtype, functools.partial(hf_tensor, spec, index))
+    dtype = leaf(top[0], ()).dtype  # constant buffers (Family.constant_tensors), in the parameters' dtype
+    for name, value in get_family(cfg.family).constant_tensors(cfg).items():
+        entries[name] = ((), dtype, functools.partial(np.full, (), value, dtype))
     return entries
 
 

@@ -19,6 +19,8 @@ from engine.models.families import qwen2_moe, olmoe, granite_moe  # noqa: F401, 
 from engine.models.families import llama_variants  # noqa: F401, I001
 from engine.models.families import ministral, hunyuan  # noqa: F401, I001
 from engine.models.families import gpt_neox, phi, gptj, stablelm, starcoder2, falcon, cohere, nemotron  # noqa: F401, I001
+from engine.models.families import granite, glm_dense, exaone4, vaultgemma, minicpm3  # noqa: F401, I001
+from engine.models.families import apertus  # noqa: F401, I001
 from engine.models.families.base import (
     Family,
     TensorSpec,

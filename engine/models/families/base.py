@@ -26,7 +26,7 @@ from engine.config import ConfigError
 from engine.models import family_registry
 from engine.models.config import ModelConfig
 
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "xielu": "xielu"}
 """config.json activation name -> ModelConfig.activation."""
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 LAYER = "model.layers.{i}."
@@ -493,6 +493,12 @@ class Family:
         """The norms between attention and MLP: Llama's post_attention_layernorm is the MLP's
         input norm."""
         return [TensorSpec(("mlp_norm", "scale"), LAYER + "post_attention_layernorm.weight", None)]
+
+    def constant_tensors(self, cfg: ModelConfig) -> dict[str, float]:
+        """Checkpoint tensors that hold constants, not parameters (buffers transformers saves
+        and loads, such as Apertus's xIELU `beta`): HF name -> value. Export writes them as
+        0-d arrays of the parameters' dtype; conversion skips them (ignored_tensor)."""
+        return {}
 
 
 # --------------------------------------------------------------------------- the registry
