@@ -113,6 +113,9 @@ class EvaluateStage(EngineStage):
         tree = named_run(ctx.config, ctx.stage).model_dump(mode="json")
         if "dataset" in ctx.inputs:
             tree["data_path"] = ctx.inputs["dataset"].data_dir  # the shards at the bucket's URL, or here
+        for task in tree["tasks"]:  # `{input:corpus}/...`: read by every rank, at the input's URL where it has one
+            if task.get("path"):
+                task["path"] = ctx.for_ranks(task["path"])
         store_root = next(iter(models.values())).path.parent.parent
         curves, ancestors = {}, []
         for ref in models.values():

@@ -39,11 +39,12 @@ from tasks.store.base import ArtifactStore, Claim, Log, refuse
 from tasks.store.consume import consumed_files
 from tasks.store.local import LocalStore
 from tasks.store.names import stage_folder
-from tasks.store.objects import RemoteBackend, StoreAccessError, StoreWriteError
+from tasks.store.objects import RemoteBackend, StoreAccessError, StoreWriteError, complete_steps
 from tasks.store.records import (
     COMPLETE,
     FAILED,
     LOCK,
+    STEP_DIGESTS,
     ArtifactError,
     ArtifactLock,
     ArtifactRef,
@@ -98,6 +99,37 @@ class BucketStore(ArtifactStore):
     def artifact_dir(self, stage: str, artifact_id: str) -> Path:
         """The artifact's staging directory."""
         return self.staging.artifact_dir(stage, artifact_id)
+
+    def committed_steps(self, stage: str, artifact_id: str) -> list[int]:
+        """At the URL, the steps whose digests are there with every file they list (one LIST)."""
+        if not self.direct:
+            return self.staging.committed_steps(stage, artifact_id)
+        return complete_steps(self.remote, stage, artifact_id)
+
+    def copy_step(self, stage: str, artifact_id: str, step: int, into_stage: str) -> list[str]:
+        """At the URL, the step's objects streamed through sha256 against its digests, then
+        copied in the bucket (server-side)."""
+        if not self.direct:
+            return self.staging.copy_step(stage, artifact_id, step, into_stage)
+        folder = f"{CHECKPOINT_DIR}/{step}/"
+        digests = self.remote.read_json(self.remote.key(stage, artifact_id, folder + STEP_DIGESTS)) or {}
+        recorded = digests.get("files")
+        if not isinstance(recorded, dict):
+            return [STEP_DIGESTS]
+        present = {rel: size for rel, size in self.remote.payload(stage, artifact_id).items() if rel.startswith(folder)}
+        problems = [
+            name
+            for name, want in sorted(recorded.items())
+            if present.get(folder + name) != want.get("size")
+            or self.remote.sha256(self.remote.key(stage, artifact_id, folder + name)) != want.get("sha256")
+        ]
+        if not problems:
+            rels = sorted(present)
+            self.remote.fs.copy(
+                [self.remote.key(stage, artifact_id, rel) for rel in rels],
+                [self.remote.key(into_stage, artifact_id, rel) for rel in rels],
+            )
+        return problems
 
     def manifest(self, stage: str, artifact_id: str) -> dict | None:
         return self.remote.read_manifest(stage, artifact_id)
@@ -305,6 +337,7 @@ class BucketStore(ArtifactStore):
 
     def publish(self, stage: str, artifact_id: str, manifest: dict) -> None:
         self.remote.upload(self.artifact_dir(stage, artifact_id), stage, artifact_id)
+        manifest["versions"] = self.remote.versions(stage, artifact_id)  # consumers read its checkpoint at the URL
         self.remote.write_manifest(stage, artifact_id, manifest)
         self.staging.write_manifest(stage, artifact_id, manifest)
 
