@@ -101,15 +101,16 @@ class BucketStore(ArtifactStore):
         return self.staging.artifact_dir(stage, artifact_id)
 
     def committed_steps(self, stage: str, artifact_id: str) -> list[int]:
-        """At the URL, the steps whose digests are there with every file they list (one LIST)."""
-        if not self.direct:
-            return self.staging.committed_steps(stage, artifact_id)
-        return complete_steps(self.remote, stage, artifact_id)
+        """Those in the staging copy (a stage that writes its checkpoint there) and, where
+        engines write at the URL, those whose digests are there with every file they list (one LIST)."""
+        staged = self.staging.committed_steps(stage, artifact_id)
+        return sorted({*staged, *complete_steps(self.remote, stage, artifact_id)}) if self.direct else staged
 
     def copy_step(self, stage: str, artifact_id: str, step: int, into_stage: str) -> list[str]:
-        """At the URL, the step's objects streamed through sha256 against its digests, then
-        copied in the bucket (server-side)."""
-        if not self.direct:
+        """A step in the staging copy as the local store copies it (`publish` uploads it); at
+        the URL, its objects streamed through sha256 against its digests, then copied in the
+        bucket (server-side)."""
+        if not self.direct or step in self.staging.committed_steps(stage, artifact_id):
             return self.staging.copy_step(stage, artifact_id, step, into_stage)
         folder = f"{CHECKPOINT_DIR}/{step}/"
         digests = self.remote.read_json(self.remote.key(stage, artifact_id, folder + STEP_DIGESTS)) or {}
