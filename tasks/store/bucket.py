@@ -39,7 +39,7 @@ from tasks.store.base import ArtifactStore, Claim, Log, refuse
 from tasks.store.consume import consumed_files
 from tasks.store.local import LocalStore
 from tasks.store.names import stage_folder
-from tasks.store.objects import RemoteBackend, StoreAccessError, StoreWriteError, complete_steps
+from tasks.store.objects import RemoteBackend, StoreAccessError, StoreWriteError
 from tasks.store.records import (
     COMPLETE,
     FAILED,
@@ -54,6 +54,8 @@ from tasks.store.records import (
 from tasks.store.urls import is_url
 
 STAGED_ENV = "TRAINFLOW_STAGED_CHECKPOINTS"
+ORBAX_COMMIT_FILE = "commit_success.txt"
+"""What commits a checkpoint step that Orbax writes at a URL (engine/train/bucket_paths.py)."""
 
 
 def in_checkpoint(rel: str) -> bool:
@@ -102,9 +104,26 @@ class BucketStore(ArtifactStore):
 
     def committed_steps(self, stage: str, artifact_id: str) -> list[int]:
         """Those in the staging copy (a stage that writes its checkpoint there) and, where
-        engines write at the URL, those whose digests are there with every file they list (one LIST)."""
+        engines write at the URL, those whose digests and Orbax's commit file are there (the
+        engine writes the digests just before the commit file): one LIST of the step folders
+        and two HEADs a step, whatever the checkpoint's size (a consumer polls this)."""
         staged = self.staging.committed_steps(stage, artifact_id)
-        return sorted({*staged, *complete_steps(self.remote, stage, artifact_id)}) if self.direct else staged
+        if not self.direct:
+            return staged
+        fs, prefix = self.remote.fs, self.remote.key(stage, artifact_id, CHECKPOINT_DIR)
+        fs.invalidate_cache(prefix)
+        try:
+            names = [
+                e["name"].rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(prefix, detail=True) if e["type"] == "directory"
+            ]
+        except FileNotFoundError:
+            names = []
+        at_url = []
+        for step in sorted(int(name) for name in names if name.isdigit()):
+            fs.invalidate_cache(f"{prefix}/{step}")
+            if all(fs.exists(f"{prefix}/{step}/{name}") for name in (STEP_DIGESTS, ORBAX_COMMIT_FILE)):
+                at_url.append(step)
+        return sorted({*staged, *at_url})
 
     def copy_step(self, stage: str, artifact_id: str, step: int, into_stage: str) -> list[str]:
         """A step in the staging copy as the local store copies it (`publish` uploads it); at
