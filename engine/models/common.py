@@ -30,15 +30,23 @@ class Build:
     dot_general: Any = jax.lax.dot_general
     """Every matmul's product (jax.lax.dot_general, or a quantized one)."""
     lora: LoraConfig | None = None
-    lora_targets: tuple[str, ...] = ()
-    """The PEFT module names the adapter puts weights on (LoraConfig.targets of the model)."""
+    model: ModelConfig | None = None
+    """The model `lora` adapts (for its targets)."""
 
     @classmethod
     def of(
         cls, cfg: ModelConfig, compute: ComputeConfig, dot_general=jax.lax.dot_general, lora: LoraConfig | None = None
     ) -> Build:
-        targets = lora.targets(cfg) if lora is not None else ()
-        return cls(cfg.d_model, compute, cfg.init_std, cfg.num_layers, dot_general, lora, targets)
+        return cls(cfg.d_model, compute, cfg.init_std, cfg.num_layers, dot_general, lora, cfg)
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """The PEFT module names the adapter puts weights on (LoraConfig.targets of the model),
+        asked for by a block that has adaptable weights: a model with none of them (every
+        projection latent attention or experts) builds without asking."""
+        if self.lora is None or self.model is None:
+            return ()
+        return self.lora.targets(self.model)
 
     @property
     def out_std(self) -> float:

@@ -737,7 +737,7 @@ class Transformer(nnx.Module):
             setattr(self, name, stack)
         if cfg.mtp_layers:  # multi-token prediction (engine/models/mtp.py): run by its loss only
             self.mtp = MTPHead(cfg, compute, rngs=rngs)
-            spec, plain = cfg.mtp_layer_spec(), dataclasses.replace(build, lora=None, lora_targets=())
+            spec, plain = cfg.mtp_layer_spec(), dataclasses.replace(build, lora=None)
             self.mtp_blocks = (
                 self._stacked_blocks(spec, plain, rngs, cfg.mtp_layers, mlp_lora)
                 if compute.scan_layers
