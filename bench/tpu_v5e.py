@@ -14,8 +14,10 @@ steps; MaxText: the mean of its own per-step times, the wall clock between its l
 iterations, whose metric reads wait for the step before), tokens per second, MFU (the same
 model FLOPs for both, engine.models.params.flops_per_token, over the chip's dense bf16 peak,
 197 TFLOP/s for a v5e) and the chip's peak memory in use (memory_stats' peak_bytes_in_use,
-read in the run's own process after its last step). A run that fails keeps its row, with the
-error.
+read in the run's own process after its last step: on a v5e with JAX 0.10.2 it followed the
+live arrays, parameters, moments and batch, and not the compiled step's temporaries). A run
+that fails keeps its row, with the error. `--plan` records instead `trainflow plan`'s memory
+for a v5e-1 of each shape (compiled ahead of time through libtpu; no chip needed).
 
     python -m bench.tpu_v5e --shapes llama3.2-1b-2048,qwen3-0.6b-2048 [--rounds 1] [--out FILE]
 
@@ -151,7 +153,7 @@ def chip_peak_gib() -> float | None:
     return stats["peak_bytes_in_use"] / GiB if "peak_bytes_in_use" in stats else None
 
 
-def run_trainflow(name: str, steps: int, warmup: int, profile: str | None) -> dict:
+def run_trainflow(name: str, steps: int, warmup: int) -> dict:
     import jax
     import numpy as np
 
@@ -184,13 +186,12 @@ def run_trainflow(name: str, steps: int, warmup: int, profile: str | None) -> di
         params, opt_state, metrics = trainer.train_step(params, opt_state, batch)
     jax.block_until_ready((params, metrics))
     step_seconds = (time.perf_counter() - start) / steps
-    result = {"step_seconds": step_seconds, "loss": float(metrics["loss"]), "compile_seconds": compile_seconds}
-    if profile:  # a few more steps under the profiler, after the measured ones
-        with jax.profiler.trace(profile, create_perfetto_trace=True):
-            for _ in range(3):
-                params, opt_state, metrics = trainer.train_step(params, opt_state, batch)
-            jax.block_until_ready((params, metrics))
-    return {**result, "peak_hbm_gib": chip_peak_gib()}
+    return {
+        "step_seconds": step_seconds,
+        "loss": float(metrics["loss"]),
+        "compile_seconds": compile_seconds,
+        "peak_hbm_gib": chip_peak_gib(),
+    }
 
 
 STEP_LINE = re.compile(r"completed step: (\d+), seconds: ([\d.]+), TFLOP/s/device: ([\d.]+)")
@@ -231,7 +232,7 @@ def run_maxtext(name: str, steps: int, warmup: int) -> dict:
             step_seconds=sum(s for s, _ in measured) / len(measured),
             maxtext_tflops_per_device=sum(t for _, t in measured) / len(measured),
             steps_measured=len(measured),
-            compile_seconds=times.get(0, (None,))[0],
+            first_step_seconds=times.get(0, (None,))[0],  # as MaxText logs step 0
             wall_seconds=time.perf_counter() - started,
             peak_hbm_gib=chip_peak_gib(),
         )
@@ -244,13 +245,13 @@ def run_maxtext(name: str, steps: int, warmup: int) -> dict:
     return result
 
 
-def worker(system: str, name: str, steps: int, warmup: int, profile: str | None) -> dict:
+def worker(system: str, name: str, steps: int, warmup: int) -> dict:
     import jax
 
     from engine.train.metrics import peak_flops
 
     shape = SHAPES[name]
-    run = run_trainflow(name, steps, warmup, profile) if system == "trainflow" else run_maxtext(name, steps, warmup)
+    run = run_trainflow(name, steps, warmup) if system == "trainflow" else run_maxtext(name, steps, warmup)
     tokens_per_second = shape["batch"] * shape["seq"] / run["step_seconds"]
     peak, _ = peak_flops(jax.devices()[:1])
     return {
@@ -297,13 +298,13 @@ def measure(system: str, name: str, args) -> dict:
         "batch": shape["batch"],
         "seq": shape["seq"],
         **COMMON,
+        "steps": args.steps,
+        "warmup": args.warmup,
     }
     if system == "maxtext":
         row["maxtext_overrides"] = maxtext_argv(name, shape, args.warmup + args.steps, "OUT")
     argv = [sys.executable, "-m", "bench.tpu_v5e", "--worker", system, "--shape", name]
     argv += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
-    if args.profile and system == "trainflow" and name == args.profile_shape:
-        argv += ["--profile", args.profile]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     if system == "maxtext":
         env["DECOUPLE_GCLOUD"] = "TRUE"
@@ -336,14 +337,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=240, help="seconds for one run's process")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--commit", default=None, help="the commit measured, where the checkout has no git")
-    parser.add_argument("--profile", help="trace the trainflow run of --profile-shape into this directory")
-    parser.add_argument("--profile-shape", default="llama3.2-1b-2048")
     parser.add_argument("--plan", action="store_true", help="record `trainflow plan` for v5e-1 of each shape instead")
     parser.add_argument("--worker", choices=["trainflow", "maxtext"], help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.shape, args.steps, args.warmup, args.profile)), flush=True)
+        print(json.dumps(worker(args.worker, args.shape, args.steps, args.warmup)), flush=True)
         return
     results = json.loads(args.out.read_text()) if args.out.exists() else {"runs": []}
     if args.plan:

@@ -322,6 +322,8 @@ def test_converted_model_logits_on_the_chip_match_transformers(converted, family
         "bfloat16_on_cpu": float(np.abs(bf16_host - ref)[valid].max()),
     }
     report(f"{family} logits vs transformers", **errors)
-    assert errors["float32_highest"] <= 1e-4
+    # Four significant digits of the largest logit: the chip's exp and tanh (Gemma 2's soft-caps)
+    # carry four to five even at the highest matmul precision.
+    assert errors["float32_highest"] <= 1e-4 * float(np.abs(ref[valid]).max())
     assert errors["bfloat16"] <= 2 * errors["bfloat16_on_cpu"] + 1e-2
     assert np.abs(ref[valid]).max() > 0.5
