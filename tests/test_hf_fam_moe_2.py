@@ -89,10 +89,25 @@ def hf_config(name: str):
             attention_bias=True,
             rope_parameters={"rope_type": "default", "rope_theta": 500.0},
         ),
+        # 6 experts, 2 per token, 2 shared, in layers 0 and 1 (moe_layer_end_index 1), layer 2
+        # dense; tied embeddings (its default), RoPE on adjacent pairs
+        "ernie4_5_moe": lambda: t.Ernie4_5_MoeConfig(
+            **COMMON,
+            moe_intermediate_size=13,
+            moe_num_experts=6,
+            moe_k=2,
+            moe_num_shared_experts=2,
+            moe_layer_start_index=0,
+            moe_layer_end_index=1,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        ),
     }[name]()
 
 
-CASES = ["dots1", "exaone_moe", "solar_open"]
+CASES = ["dots1", "ernie4_5_moe", "exaone_moe", "solar_open"]
 IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
 """transformers' plain loops: its grouped-matmul experts need 16-byte strides (odd sizes have not)."""
 BIASES = ("e_score_correction_bias", "expert_bias")
@@ -189,6 +204,10 @@ def test_the_family_reads_what_the_config_says(case):
         assert [x.ffn for x in layers] == ["moe", "mlp", "moe"] and cfg.first_dense_layers == 0
         assert [x.local for x in layers] == [x.rope for x in layers] == [True, False, True]
         assert (cfg.router_groups, cfg.router_group_top, cfg.router_scale) == (3, 2, 2.5) and cfg.qk_norm
+    elif case.family == "ernie4_5_moe":
+        assert [x.ffn for x in layers] == ["moe", "moe", "mlp"] and cfg.ffn_pattern is not None
+        assert cfg.router_score == "softmax" and cfg.router_bias and cfg.rope_interleave and cfg.tie_embeddings
+        assert case.params["blocks"]["mlp"]["b_router_e"].shape == (2, 6)  # HF's (1, 6) per layer
     else:  # solar_open
         assert [x.ffn for x in layers] == ["moe"] * 3 and cfg.qkv_bias and not cfg.qk_norm
         assert (cfg.num_experts, cfg.experts_per_token, cfg.num_shared_experts, cfg.mlp_dim) == (7, 3, 2, 13)
@@ -209,6 +228,9 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
         model_config_from_hf({**dots, "attention_bias": True})
     with pytest.raises(ConfigError, match=r"layer_types must be full_attention layers then sliding_attention"):
         model_config_from_hf({**dots, "layer_types": ["sliding_attention", "full_attention", "full_attention"]})
+    ernie = {**hf_config("ernie4_5_moe").to_dict(), "architectures": ["Ernie4_5_MoeForCausalLM"]}
+    with pytest.raises(ConfigError, match=r"use_bias=true is not supported"):
+        model_config_from_hf({**ernie, "use_bias": True})
     solar = {**hf_config("solar_open").to_dict(), "architectures": ["SolarOpenForCausalLM"]}
     half = {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}  # transformers fails on it
     with pytest.raises(ConfigError, match=r"partial_rotary_factor is not supported"):
@@ -217,6 +239,7 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
 
 PUBLISHED = {  # preset: the model card's total (billions) and how closely ModelConfig.num_params meets it
     "dots-llm1": (142, 0.01),
+    "ernie-4.5-21b-a3b": (21.8, 0.01),
     "k-exaone-236b-a23b": (236, 0.01),
     "solar-open-100b": (102.6, 0.01),
 }
