@@ -124,6 +124,7 @@ ADDED_AT_DEFAULT = {
     "model.per_layer_input_dim": None,
     "model.kv_shared_layers": 0,
     "model.kv_shared_wide_mlp": False,
+    "model.qk_norm_after_rope": False,  # Hunyuan MoE (engine/models/families/hunyuan.py)
     # Falcon-H1 (engine/models/parallel_hybrid.py): its multipliers, Mamba2 without a gated norm
     "model.mup": None,
     "model.mamba2.gated_norm": True,

@@ -14,6 +14,9 @@ parameter count is transformers' (meta device).
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
@@ -104,10 +107,24 @@ def hf_config(name: str):
             eos_token_id=None,
             pad_token_id=None,
         ),
+        # 5 experts (per-layer lists, as published), 2 per token, a shared MLP; QK norm after
+        # RoPE; Hunyuan's NTK-alpha RoPE (the base stretched to 500 * 1000 ** (8 / 6))
+        "hunyuan_v1_moe": lambda: t.HunYuanMoEV1Config(
+            **COMMON,
+            num_experts=5,
+            moe_topk=[2, 2, 2],
+            rope_parameters=HUNYUAN_ROPE,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+            eod_token_id=None,
+            sep_token_id=None,
+        ),
     }[name]()
 
 
-CASES = ["dots1", "ernie4_5_moe", "exaone_moe", "solar_open"]
+HUNYUAN_ROPE = {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 500.0}
+CASES = ["dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe", "solar_open"]
 IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
 """transformers' plain loops: its grouped-matmul experts need 16-byte strides (odd sizes have not)."""
 BIASES = ("e_score_correction_bias", "expert_bias")
@@ -208,6 +225,12 @@ def test_the_family_reads_what_the_config_says(case):
         assert [x.ffn for x in layers] == ["moe", "moe", "mlp"] and cfg.ffn_pattern is not None
         assert cfg.router_score == "softmax" and cfg.router_bias and cfg.rope_interleave and cfg.tie_embeddings
         assert case.params["blocks"]["mlp"]["b_router_e"].shape == (2, 6)  # HF's (1, 6) per layer
+    elif case.family == "hunyuan_v1_moe":
+        assert cfg.qk_norm and cfg.qk_norm_after_rope and cfg.router_score == "softmax" and not cfg.router_bias
+        assert (cfg.num_experts, cfg.experts_per_token, cfg.num_shared_experts, cfg.shared_mlp_dim) == (5, 2, 1, 26)
+        assert cfg.rope_theta == 500.0 * 1000.0 ** (8 / 6) and cfg.rope_scaling is None
+        inv_freq = case.hf_model.model.rotary_emb.inv_freq.numpy()  # transformers' ntk_alpha frequencies
+        np.testing.assert_allclose(inv_freq, cfg.rope_theta ** -(np.arange(0, 8, 2) / 8), rtol=1e-6)
     else:  # solar_open
         assert [x.ffn for x in layers] == ["moe"] * 3 and cfg.qkv_bias and not cfg.qk_norm
         assert (cfg.num_experts, cfg.experts_per_token, cfg.num_shared_experts, cfg.mlp_dim) == (7, 3, 2, 13)
@@ -219,6 +242,15 @@ def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_pat
 
 
 def test_exported_config_json_is_what_transformers_writes(case, tmp_path):
+    """test_hf_parity's check; Hunyuan's NTK-alpha RoPE is written as the plain RoPE of the
+    stretched base (the same frequencies, checked above), the one key that differs."""
+    if case.family == "hunyuan_v1_moe":
+        source = json.loads((case.hf_dir / "config.json").read_text())
+        assert source["rope_parameters"] == HUNYUAN_ROPE
+        plain = {"rope_type": "default", "rope_theta": case.cfg.rope_theta}
+        (tmp_path / "source").mkdir()
+        (tmp_path / "source" / "config.json").write_text(json.dumps({**source, "rope_parameters": plain}))
+        case = dataclasses.replace(case, hf_dir=tmp_path / "source")
     test_hf_parity.test_exported_config_json_is_what_transformers_writes(case, tmp_path)
 
 
@@ -231,6 +263,9 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
     ernie = {**hf_config("ernie4_5_moe").to_dict(), "architectures": ["Ernie4_5_MoeForCausalLM"]}
     with pytest.raises(ConfigError, match=r"use_bias=true is not supported"):
         model_config_from_hf({**ernie, "use_bias": True})
+    hunyuan = {**hf_config("hunyuan_v1_moe").to_dict(), "architectures": ["HunYuanMoEV1ForCausalLM"]}
+    with pytest.raises(ConfigError, match=r"moe_topk must be the same for every layer, got \[2, 3, 2\]"):
+        model_config_from_hf({**hunyuan, "moe_topk": [2, 3, 2]})
     solar = {**hf_config("solar_open").to_dict(), "architectures": ["SolarOpenForCausalLM"]}
     half = {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}  # transformers fails on it
     with pytest.raises(ConfigError, match=r"partial_rotary_factor is not supported"):
@@ -239,6 +274,7 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
 
 PUBLISHED = {  # preset: the model card's total (billions) and how closely ModelConfig.num_params meets it
     "dots-llm1": (142, 0.01),
+    "hunyuan-a13b": (80, 0.01),
     "ernie-4.5-21b-a3b": (21.8, 0.01),
     "k-exaone-236b-a23b": (236, 0.01),
     "solar-open-100b": (102.6, 0.01),

@@ -469,6 +469,9 @@ class ModelConfig(Strict):
     earlier layer of its attention kind (Gemma 4's num_kv_shared_layers; Layer.kv_sharing)."""
     kv_shared_wide_mlp: bool = False
     """The KV-sharing layers' MLP is 2 * mlp_dim wide (Gemma 4's use_double_wide_mlp)."""
+    qk_norm_after_rope: bool = False
+    """With qk_norm: queries and keys are normalised after RoPE instead of before (Hunyuan
+    MoE's query_layernorm and key_layernorm; the scales are per dimension, so the order matters)."""
 
     @field_validator("family")
     @classmethod

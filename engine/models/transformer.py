@@ -121,6 +121,7 @@ class Attention(nnx.Module):
         self.rotary_dim = cfg.rotary_dim or h
         self.rope_local_theta, self.sliding_window = cfg.rope_local_theta, cfg.sliding_window
         self.qkv_bias, self.qk_norm, self.value_norm = cfg.qkv_bias, cfg.qk_norm, cfg.value_norm
+        self.qk_norm_after_rope = cfg.qk_norm_after_rope
         self.norm_eps = cfg.norm_eps
         # Llama 4: interleaved RoPE pairs, chunked layers, an unweighted QK norm after RoPE,
         # NoPE layers' query temperature.
@@ -203,7 +204,7 @@ class Attention(nnx.Module):
             q, k, v = q + self.bq_nh[...].astype(dt), k + self.bk_kh[...].astype(dt), v + self.bv_kh[...].astype(dt)
         if self.key_scale != 1.0:  # Falcon-H1's key_multiplier
             k = k * jnp.asarray(self.key_scale, k.dtype)
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), k if reuse else self.k_norm(k)
         if self.value_norm:  # RMSNorm over head_dim without a scale (Gemma 4)
             v32 = v.astype(jnp.float32)
@@ -215,6 +216,8 @@ class Attention(nnx.Module):
             rotary = self.rotary(positions_bt, local, positions_bt.shape[1] if cache is None else cache.length)
         q = self._rotate(q, rotary) if rope else q
         k = self._rotate(k, rotary) if rope else k
+        if self.qk_norm and self.qk_norm_after_rope:  # Hunyuan MoE: after RoPE
+            q, k = self.q_norm(q), k if reuse else self.k_norm(k)
         if rope and self.qk_l2_norm:  # Llama 4: RMS over head_dim, no scale, after RoPE
             q, k = _unit_rms(q, self.norm_eps), _unit_rms(k, self.norm_eps)
         if not rope and self.temperature_floor is not None:  # Llama 4's NoPE layers (arXiv 2501.19399)

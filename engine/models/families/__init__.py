@@ -17,6 +17,7 @@ from engine.models.families import falcon_h1  # noqa: F401, I001
 from engine.models.families import kimi_linear  # noqa: F401, I001
 from engine.models.families import routed_gqa  # noqa: F401, I001
 from engine.models.families import ernie  # noqa: F401, I001
+from engine.models.families import hunyuan  # noqa: F401, I001
 from engine.models.families.base import (
     Family,
     TensorSpec,
