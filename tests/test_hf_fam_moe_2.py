@@ -120,11 +120,30 @@ def hf_config(name: str):
             eod_token_id=None,
             sep_token_id=None,
         ),
+        # latent attention (compressed queries, odd widths) over 8 experts in 2 groups, each
+        # token's 3 from its best group, a shared expert, a dense first layer
+        "glm4_moe_lite": lambda: t.Glm4MoeLiteConfig(
+            # latent attention: as many key-value heads as heads; head_dim is the rotary width
+            **{**COMMON, "num_key_value_heads": 6, "head_dim": 4},
+            moe_intermediate_size=13,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=2,
+            topk_group=1,
+            kv_lora_rank=10,
+            q_lora_rank=12,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=6,
+            v_head_dim=7,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            bos_token_id=None,
+            eos_token_id=None,
+        ),
     }[name]()
 
 
 HUNYUAN_ROPE = {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 500.0}
-CASES = ["dots1", "ernie4_5_moe", "hunyuan_v1_moe", "exaone_moe", "solar_open"]
+CASES = ["dots1", "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe_lite", "exaone_moe", "solar_open"]
 IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
 """transformers' plain loops: its grouped-matmul experts need 16-byte strides (odd sizes have not)."""
 BIASES = ("e_score_correction_bias", "expert_bias")
@@ -231,6 +250,17 @@ def test_the_family_reads_what_the_config_says(case):
         assert cfg.rope_theta == 500.0 * 1000.0 ** (8 / 6) and cfg.rope_scaling is None
         inv_freq = case.hf_model.model.rotary_emb.inv_freq.numpy()  # transformers' ntk_alpha frequencies
         np.testing.assert_allclose(inv_freq, cfg.rope_theta ** -(np.arange(0, 8, 2) / 8), rtol=1e-6)
+    elif case.family == "glm4_moe_lite":
+        assert [x.ffn for x in layers] == ["mlp", "moe", "moe"] and [x.mixer for x in layers] == ["mla"] * 3
+        assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.rope_head_dim, cfg.head_dim, cfg.value_head_dim) == (
+            10,
+            12,
+            4,
+            10,
+            7,
+        )
+        assert (cfg.router_groups, cfg.router_group_top, cfg.router_scale, cfg.mtp_layers) == (2, 1, 1.8, 0)
+        assert cfg.rope_interleave and cfg.router_bias and cfg.router_score == "sigmoid"
     else:  # solar_open
         assert [x.ffn for x in layers] == ["moe"] * 3 and cfg.qkv_bias and not cfg.qk_norm
         assert (cfg.num_experts, cfg.experts_per_token, cfg.num_shared_experts, cfg.mlp_dim) == (7, 3, 2, 13)
@@ -274,6 +304,7 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
 
 PUBLISHED = {  # preset: the model card's total (billions) and how closely ModelConfig.num_params meets it
     "dots-llm1": (142, 0.01),
+    "glm-4.7-flash": (30, 0.01),
     "hunyuan-a13b": (80, 0.01),
     "ernie-4.5-21b-a3b": (21.8, 0.01),
     "k-exaone-236b-a23b": (236, 0.01),
