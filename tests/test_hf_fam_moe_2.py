@@ -139,11 +139,26 @@ def hf_config(name: str):
             bos_token_id=None,
             eos_token_id=None,
         ),
+        # a dense first layer, then 6 experts (2 per token, scaled by 1.7) and 2 shared; a window
+        # with RoPE on layers 0 and 2, NoPE on the global layer 1; the attention's output gate,
+        # pre- and post-norms, muP's scaled embeddings
+        "afmoe": lambda: t.AfmoeConfig(
+            **COMMON,
+            **EXPERTS,
+            num_experts=6,
+            num_shared_experts=2,
+            route_scale=1.7,
+            num_dense_layers=1,
+            sliding_window=5,
+            global_attn_every_n_layers=2,
+            mup_enabled=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        ),
     }[name]()
 
 
 HUNYUAN_ROPE = {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 500.0}
-CASES = ["dots1", "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe_lite", "exaone_moe", "solar_open"]
+CASES = ["dots1", "ernie4_5_moe", "hunyuan_v1_moe", "glm4_moe_lite", "exaone_moe", "solar_open", "afmoe"]
 IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
 """transformers' plain loops: its grouped-matmul experts need 16-byte strides (odd sizes have not)."""
 BIASES = ("e_score_correction_bias", "expert_bias")
@@ -261,6 +276,11 @@ def test_the_family_reads_what_the_config_says(case):
         )
         assert (cfg.router_groups, cfg.router_group_top, cfg.router_scale, cfg.mtp_layers) == (2, 1, 1.8, 0)
         assert cfg.rope_interleave and cfg.router_bias and cfg.router_score == "sigmoid"
+    elif case.family == "afmoe":
+        assert [x.ffn for x in layers] == ["mlp", "moe", "moe"] and [x.local for x in layers] == [True, False, True]
+        assert [x.rope for x in layers] == [True, False, True] and cfg.attention_output_gate and cfg.post_norms
+        assert cfg.scale_embeddings and cfg.router_scale == 1.7 and cfg.router_bias and cfg.router_score == "sigmoid"
+        assert case.params["blocks"]["attn"]["wq_dnh"].shape == (2, 30, 6, 16)  # each head's query and gate
     else:  # solar_open
         assert [x.ffn for x in layers] == ["moe"] * 3 and cfg.qkv_bias and not cfg.qk_norm
         assert (cfg.num_experts, cfg.experts_per_token, cfg.num_shared_experts, cfg.mlp_dim) == (7, 3, 2, 13)
@@ -296,14 +316,29 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
     hunyuan = {**hf_config("hunyuan_v1_moe").to_dict(), "architectures": ["HunYuanMoEV1ForCausalLM"]}
     with pytest.raises(ConfigError, match=r"moe_topk must be the same for every layer, got \[2, 3, 2\]"):
         model_config_from_hf({**hunyuan, "moe_topk": [2, 3, 2]})
+    afmoe = {**hf_config("afmoe").to_dict(), "architectures": ["AfmoeForCausalLM"]}
+    with pytest.raises(ConfigError, match=r"attention_bias=true is not supported"):
+        model_config_from_hf({**afmoe, "attention_bias": True})
     solar = {**hf_config("solar_open").to_dict(), "architectures": ["SolarOpenForCausalLM"]}
     half = {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}  # transformers fails on it
     with pytest.raises(ConfigError, match=r"partial_rotary_factor is not supported"):
         model_config_from_hf({**solar, "rope_parameters": half})
 
 
+def test_lora_targets_what_the_engine_holds_as_peft_names_it():
+    """AFMoE's q_proj is half of the engine's query-and-gate weight: LoRA refuses it in one
+    sentence (all-linear leaves it out); the other attention projections are PEFT's."""
+    from engine.models.config import LoraConfig
+
+    afmoe, _ = model_config_from_hf({**hf_config("afmoe").to_dict(), "architectures": ["AfmoeForCausalLM"]})
+    assert LoraConfig(target_modules="all-linear").targets(afmoe) == ("k_proj", "v_proj", "o_proj")
+    with pytest.raises(ValueError, match=r"family 'afmoe' stores q_proj fused with others in one tensor"):
+        LoraConfig(target_modules=["q_proj"]).targets(afmoe)
+
+
 PUBLISHED = {  # preset: the model card's total (billions) and how closely ModelConfig.num_params meets it
     "dots-llm1": (142, 0.01),
+    "trinity-mini": (26, 0.01),
     "glm-4.7-flash": (30, 0.01),
     "hunyuan-a13b": (80, 0.01),
     "ernie-4.5-21b-a3b": (21.8, 0.01),

@@ -19,6 +19,7 @@ from engine.models.families import routed_gqa  # noqa: F401, I001
 from engine.models.families import ernie  # noqa: F401, I001
 from engine.models.families import hunyuan  # noqa: F401, I001
 from engine.models.families import glm_lite  # noqa: F401, I001
+from engine.models.families import afmoe  # noqa: F401, I001
 from engine.models.families.base import (
     Family,
     TensorSpec,
