@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -302,6 +304,31 @@ def test_exported_config_json_is_what_transformers_writes(case, tmp_path):
         (tmp_path / "source" / "config.json").write_text(json.dumps({**source, "rope_parameters": plain}))
         case = dataclasses.replace(case, hf_dir=tmp_path / "source")
     test_hf_parity.test_exported_config_json_is_what_transformers_writes(case, tmp_path)
+
+
+MTP_WEIGHTS = {  # a tensor of the multi-token-prediction module published checkpoints carry
+    "ernie4_5_moe": "model.mtp_block.0.input_layernorm.weight",
+    "glm4_moe_lite": "model.layers.3.eh_proj.weight",  # the layer after the last
+    "exaone_moe": "mtp.fc.weight",
+}
+
+
+def test_the_checkpoints_multi_token_prediction_weights_are_skipped(case, tmp_path):
+    """transformers skips them (_keys_to_ignore_on_load_unexpected); conversion does too, and
+    the model it writes is the one without them."""
+    if case.family not in MTP_WEIGHTS:
+        pytest.skip("no multi-token-prediction weights in this family's checkpoints")
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(case.hf_dir, tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    tensors[MTP_WEIGHTS[case.family]] = np.ones((case.cfg.d_model, 2 * case.cfg.d_model), np.float32)
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    convert_hf(tmp_path / "hf", tmp_path / "converted")
+    cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
+    assert cfg == case.cfg
+    for a, b in zip(jax.tree.leaves(case.params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_what_the_families_do_not_run_is_refused_in_one_sentence():

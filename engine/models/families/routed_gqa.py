@@ -57,7 +57,7 @@ class RoutedGqa(Family):
     """The shared mapping: DeepSeek-V3's router keys (names set per family) and tensors."""
 
     moe = True
-    fixed: dict[str, Any] = {"router_score": "sigmoid", "router_bias": True}
+    fixed = {"router_score": "sigmoid", "router_bias": True}
     experts_key = "n_routed_experts"
     shared_key = "n_shared_experts"
     bias_name = "mlp.gate.e_score_correction_bias"
