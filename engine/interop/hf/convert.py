@@ -32,12 +32,13 @@ from engine.interop.hf.files import copy_tokenizer, source_fingerprint
 from engine.interop.hf.mapping import (
     TensorSpec,
     check_table_covers,
-    copy_into,
+    copy_part_into,
     deinterleave,
     fused_hf_shape,
     hf_shape,
     model_config_from_hf,
     multimodal_of,
+    part_shape,
     parts,
     tensor_table,
     text_config_of,
@@ -205,7 +206,7 @@ def convert_hf(
     # engine shape of one slot)
     top, per_layer = tensor_table(cfg)
     expected: dict[str, tuple[TensorSpec, tuple, tuple]] = {
-        s.hf_name: (s, (), _at(shapes, s.path).shape) for s in top if not s.export_only
+        s.hf_name: (s, (), part_shape(s, _at(shapes, s.path).shape)) for s in top if not s.export_only
     }
     stacks = dict(cfg.layer_stacks() + cfg.mtp_stacks())  # the model's layers, its MTP layer's index
     for spec in per_layer:  # index: the layer within its stack; {i}: the model's layer
@@ -213,9 +214,9 @@ def convert_hf(
         for i, layer in enumerate(stacks[spec.stack]):
             if spec.experts:
                 for j in range(stacked[1]):
-                    expected[spec.hf_name.format(i=layer, j=j)] = (spec, (i, j), stacked[2:])
+                    expected[spec.hf_name.format(i=layer, j=j)] = (spec, (i, j), part_shape(spec, stacked[2:]))
             else:
-                expected[spec.hf_name.format(i=layer)] = (spec, (i,), stacked[1:])
+                expected[spec.hf_name.format(i=layer)] = (spec, (i,), part_shape(spec, stacked[1:]))
     target = NP_DTYPES[dtype]
     params: dict = {}
     for spec in top:
@@ -312,7 +313,7 @@ def convert_hf(
                 deinterleave(raw, part, len(targets)) if len(targets) > 1 else raw for part in range(len(targets))
             ]
         for slot, piece in zip(targets, pieces, strict=True):
-            copy_into(slot, spec, np.ascontiguousarray(piece) if spec.fused_with else piece)
+            copy_part_into(slot, spec, np.ascontiguousarray(piece) if spec.fused_with else piece)
         return raw.nbytes
 
     try:

@@ -36,6 +36,7 @@ from engine.interop.hf.mapping import (
     interleave,
     model_config_to_hf,
     multimodal_of,
+    part_of,
     tensor_table,
     to_hf,
 )
@@ -209,7 +210,8 @@ def hf_tensors(
 
     def leaf(spec: TensorSpec, index: tuple, path: tuple[str, ...] | None = None) -> np.ndarray:
         """The array at `index`: () top-level, (layer,), or (layer, expert) of an expert tensor."""
-        path = path or spec.path
+        if path is None:  # spec's own array: the part of it that spec's HF tensor holds
+            return part_of(spec, leaf(spec, index, spec.path))
         if not index:
             return np.asarray(_at(params, path))
         if compute.scan_layers:

@@ -160,6 +160,20 @@ def hf_shape(spec: TensorSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (int(np.prod(shape)),) if spec.flatten else tuple(shape)
 
 
+def part_shape(spec: TensorSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the part of an engine array of `shape` that spec's HF tensor holds
+    (TensorSpec.last_axis_slice; else the whole)."""
+    if spec.last_axis_slice is None:
+        return tuple(shape)
+    start, stop = spec.last_axis_slice
+    return (*shape[:-1], stop - start)
+
+
+def part_of(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
+    """The view of an engine array that spec's HF tensor holds (TensorSpec.last_axis_slice)."""
+    return array if spec.last_axis_slice is None else array[..., slice(*spec.last_axis_slice)]
+
+
 def fused_hf_shape(spec: TensorSpec, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     """The HF shape of the tensor that fuses engine arrays of `shapes` (TensorSpec.fused_with)."""
     each = [hf_shape(spec, shape) for shape in shapes]
@@ -219,6 +233,17 @@ def copy_into(slot: np.ndarray, spec: TensorSpec, hf_array: np.ndarray) -> None:
         slot.reshape(-1)[...] = hf_array.reshape(-1)
     else:
         _transpose_into(slot.reshape(hf_array.shape[::-1]), hf_array)
+
+
+def copy_part_into(slot: np.ndarray, spec: TensorSpec, hf_array: np.ndarray) -> None:
+    """copy_into for a spec of part of `slot` (TensorSpec.last_axis_slice): through a
+    C-contiguous array of the part's shape, which copy_into needs."""
+    if spec.last_axis_slice is None:
+        copy_into(slot, spec, hf_array)
+        return
+    piece = np.empty(part_shape(spec, slot.shape), slot.dtype)
+    copy_into(piece, spec, hf_array)
+    part_of(spec, slot)[...] = piece
 
 
 def to_hf(spec: TensorSpec, array: np.ndarray) -> np.ndarray:

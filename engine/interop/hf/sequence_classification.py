@@ -42,6 +42,7 @@ from engine.interop.hf.files import (
 from engine.interop.hf.mapping import (
     causal_view,
     copy_into,
+    copy_part_into,
     deinterleave,
     fuse,
     fused_hf_shape,
@@ -50,6 +51,8 @@ from engine.interop.hf.mapping import (
     is_sequence_classification,
     model_config_from_hf,
     model_config_to_hf,
+    part_of,
+    part_shape,
     parts,
     sequence_classification_architecture,
     tensor_table,
@@ -153,13 +156,13 @@ def export_reward_model(
             )
         if spec.fused_with:  # several engine arrays one after another (Phi-3's qkv_proj)
             return fuse(spec, [to_hf(spec, np.asarray(_slot(params, spec, index, p))) for p in parts(spec)])
-        return to_hf(spec, np.asarray(_slot(params, spec, index, spec.path)))
+        return to_hf(spec, part_of(spec, np.asarray(_slot(params, spec, index, spec.path))))
 
     slots = _slots(cfg, params)
     entries = {}
     for name, (spec, index) in slots.items():
         array = np.asarray(_slot(params, spec, index, spec.path))
-        shape = hf_shape(spec, array.shape)
+        shape = hf_shape(spec, part_shape(spec, array.shape))
         if spec.fused_with:
             shape = fused_hf_shape(spec, [np.shape(_slot(params, spec, index, p)) for p in parts(spec)])
         entries[name] = (shape, array.dtype)
@@ -255,7 +258,7 @@ def convert_reward_model(
             st = handles[files[name]]
             slot = _slot(params, spec, index, spec.path)
             fused = [_slot(params, spec, index, p).shape for p in parts(spec)] if spec.fused_with else None
-            want = fused_hf_shape(spec, fused) if fused else hf_shape(spec, slot.shape)
+            want = fused_hf_shape(spec, fused) if fused else hf_shape(spec, part_shape(spec, slot.shape))
             if tuple(st.shape(name)) != tuple(want):
                 raise ConfigError(
                     f"{files[name].name}: tensor '{name}' has shape {list(st.shape(name))}, but "
@@ -269,7 +272,7 @@ def convert_reward_model(
                 continue
             paths = (spec.path, *spec.interleaved_with)
             for part, path in enumerate(paths):
-                copy_into(
+                copy_part_into(
                     _slot(params, spec, index, path),
                     spec,
                     deinterleave(raw, part, len(paths)) if len(paths) > 1 else raw,

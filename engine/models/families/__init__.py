@@ -21,6 +21,11 @@ from engine.models.families import ministral, hunyuan  # noqa: F401, I001
 from engine.models.families import gpt_neox, phi, gptj, stablelm, starcoder2, falcon, cohere, nemotron  # noqa: F401, I001
 from engine.models.families import granite, glm_dense, exaone4, vaultgemma, minicpm3  # noqa: F401, I001
 from engine.models.families import apertus  # noqa: F401, I001
+from engine.models.families import routed_gqa  # noqa: F401, I001
+from engine.models.families import ernie  # noqa: F401, I001
+from engine.models.families import hunyuan_moe  # noqa: F401, I001
+from engine.models.families import glm_lite  # noqa: F401, I001
+from engine.models.families import afmoe  # noqa: F401, I001
 from engine.models.families.base import (
     Family,
     TensorSpec,

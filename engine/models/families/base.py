@@ -77,6 +77,10 @@ class TensorSpec:
     swap_last: bool = False
     """in_dims None: HF's tensor is the engine's (or its concatenation's) with the last two
     axes swapped (Gemma 4's stacked experts: gate_up_proj (E, 2f, d), down_proj (E, d, f))."""
+    last_axis_slice: tuple[int, int] | None = None
+    """HF's tensor holds only [..., start:stop] of the engine array's last axis, other specs of
+    the same path the rest (AFMoE's q_proj and gate_proj: the engine's one query-and-gate
+    projection wq_dnh, (d, heads, 2 head_dim)); in_dims describes that part."""
 
 
 @dataclasses.dataclass(frozen=True)
