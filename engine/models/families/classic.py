@@ -110,7 +110,7 @@ def fused_qkv(name: str, bias: bool, groups: int = 1, order: str = "qkv") -> lis
     holding its share of the parts in `order` (TensorSpec.fused_groups)."""
     weights = {"q": ("attn", "wq_dnh"), "k": ("attn", "wk_dkh"), "v": ("attn", "wv_dkh")}
     biases = {"q": ("attn", "bq_nh"), "k": ("attn", "bk_kh"), "v": ("attn", "bv_kh")}
-    first, *rest = order
+    first, rest = order[0], order[1:]
     out = [
         TensorSpec(weights[first], name + ".weight", 1, fused_with=tuple(weights[x] for x in rest), fused_groups=groups)
     ]
