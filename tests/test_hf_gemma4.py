@@ -373,7 +373,9 @@ def test_the_published_multimodal_checkpoint_converts_to_its_text_decoder(tmp_pa
     export_hf(tmp_path / "converted" / "checkpoint", tmp_path / "export")
     text = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", attn_implementation="eager")
     assert type(text).__name__ == "Gemma4ForCausalLM"
-    np.testing.assert_allclose(hf_logits(text.eval(), tokens, mask)[valid], ref[valid], atol=1e-5)
+    # both transformers' own, the text model in eager attention and the multimodal one in sdpa:
+    # 1.7e-5 apart on an AMD EPYC host (also before the typed-specs decoder)
+    np.testing.assert_allclose(hf_logits(text.eval(), tokens, mask)[valid], ref[valid], atol=5e-5)
 
 
 def test_expert_parallel_step_equals_one_device():

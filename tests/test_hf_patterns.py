@@ -6,7 +6,7 @@ and whole-projection QK norm, OLMo 3's sliding pattern with its unscaled local R
 Each family gets the checks tests/test_hf_parity.py makes of every family (the same test
 functions, collected here over this module's `case`): greedy tokens and the KV-cache
 sampler equal transformers', export loads cleanly with the same logits, config.json as
-transformers writes it, export -> convert bitwise. The logits here are held to 1e-5.
+transformers writes it, export -> convert bitwise. The logits here are held to 2e-5.
 """
 
 from __future__ import annotations
@@ -136,7 +136,10 @@ def test_converted_model_matches_transformers_logits_to_1e5(case):
     valid = mask.astype(bool)
     delta = float(np.abs(ours - ref)[valid].max())
     print(f"\n{case.family}: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref[valid]).max():.1f})")
-    assert delta <= 1e-5, f"{case.family}: max |delta logit| {delta}"
+    # 1e-5 on the Intel Xeon hosts; 1.6e-5 (SmolLM3, OLMo 3) on an AMD EPYC (AVX-512) one,
+    # the same before and after the typed-specs decoder: 2e-5, still 5x tighter than the 1e-4 of
+    # the other parity files
+    assert delta <= 2e-5, f"{case.family}: max |delta logit| {delta}"
     assert np.abs(ref[valid]).max() > 0.5
 
 
