@@ -129,6 +129,7 @@ ADDED_AT_DEFAULT = {
     "model.mamba2.gated_norm": True,
     "model.mamba2.norm_before_gate": False,
     "model.shared_expert_mlp_dim": None,  # Granite 4's shared MLP beside its experts
+    "model.mrope_section": None,  # Qwen3.5's multimodal RoPE split, kept for the export
     # DPO's separate reference (its checkpoint comes from an input, and is not in the id)
     "reference": {"checkpoint": None, "compute": None},
     # DPO's list-valued loss_type with weights, DiscoPOP's temperature (issue 53)

@@ -469,6 +469,12 @@ class ModelConfig(Strict):
     earlier layer of its attention kind (Gemma 4's num_kv_shared_layers; Layer.kv_sharing)."""
     kv_shared_wide_mlp: bool = False
     """The KV-sharing layers' MLP is 2 * mlp_dim wide (Gemma 4's use_double_wide_mlp)."""
+    mrope_section: list[int] | None = None
+    """Qwen3.5's multimodal RoPE: how many rotary frequencies the time, height and width
+    position axes each take (rope_parameters.mrope_section). Text positions are equal on the
+    three axes, so the engine's RoPE is plain RoPE whatever it says; kept so that an export,
+    and a multimodal one's vision positions, have it back. None: transformers' default
+    [11, 11, 10]."""
 
     @field_validator("family")
     @classmethod
