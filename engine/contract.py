@@ -102,6 +102,7 @@ ADDED_AT_DEFAULT = {
     "model.index_rope_interleave": False,
     "compute.indexer_loss": "none",
     "compute.indexer_loss_weight": 1.0,
+    "compute.indexer_ties": "first",
     # mixer kinds (ModelConfig.mixer_pattern: Qwen3-Next's Gated DeltaNet layers)
     "model.mixer_pattern": None,
     "model.gated_delta": None,
