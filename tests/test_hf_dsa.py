@@ -183,16 +183,22 @@ def ties(tmp_path_factory) -> Case:
 def test_torch_cpu_ties_select_what_torch_topk_selects():
     """torch_cpu_top_k against torch.topk itself on rows mostly of ties (0, -1, the mask's
     -1e30) among a few distinct scores, rows of every length up to 300 in two widths: both of
-    torch's algorithms (nth_element; partial_sort where k * 64 <= the row's length)."""
+    torch's algorithms (nth_element; partial_sort where k * 64 <= the row's length); and an
+    organ pipe of 44 (0, 1, ..., 21, 21, ..., 0), on which nth_element's median-of-3
+    partitions spend their depth budget (2 * floor(log2 44) = 10 rounds) and it ends in a
+    heap select, and its negation."""
     rng = np.random.default_rng(1)
-    for width, k in ((24, 5), (300, 4)):
+    for width, k in ((24, 5), (300, 4), (44, 13)):
         rows = 60
         values = rng.choice([0.0, 0.0, 0.0, -1.0, -1e30], (rows, width)) + (
             rng.random((rows, width)) < 0.2
         ) * rng.random((rows, width))
-        values = values.astype(np.float32)
         lengths = rng.integers(1, width + 1, rows)
         lengths[: rows // 3] = width
+        if width == 44:
+            values[0] = np.concatenate([np.arange(22), np.arange(22)[::-1]])
+            values[1] = -values[0]
+        values = values.astype(np.float32)
         picked = jax.jit(jax.vmap(lambda v, n, k=k: torch_cpu_top_k(v, k, n)))(
             jnp.asarray(values), jnp.asarray(lengths)
         )
