@@ -13,9 +13,9 @@ dense has the gated MLP. Qwen3-Next fuses the linear layers' input projections p
 in_proj_a). Qwen3.5's text RoPE is multimodal RoPE (mrope_section), which for text, whose
 three position axes are equal, is plain RoPE whatever the section (transformers' text rotary
 embedding takes each of its interleaved height and width frequencies from an axis whose
-positions are the time axis's); the section is kept for the export. Checkpoints store one tensor per expert, as
-transformers saves them; the multi-token-prediction weights published Qwen3-Next checkpoints
-carry (mtp.*) are skipped, as transformers skips them.
+positions are the time axis's); the section is kept for the export. Checkpoints store one
+tensor per expert, as transformers saves them; the multi-token-prediction weights published
+Qwen3-Next checkpoints carry (mtp.*) are skipped, as transformers skips them.
 """
 
 from __future__ import annotations
