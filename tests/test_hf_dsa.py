@@ -3,7 +3,9 @@ transformers 5, and the indexer's two training phases.
 
 The tiny models keep index_topk = 5 keys per query, so on the 20-token rows (one
 right-padded, one left-padded) and in 16 decoded tokens the selection decides what most
-queries see; 8 indexer heads keep exact ties among its ReLU'd scores unlikely. Each family
+queries see; 8 indexer heads keep exact ties among its ReLU'd scores unlikely, and a GLM-5
+with 2 (the `ties` case) makes them common: there the engine selects among tied keys as
+torch.topk does on CPU (ComputeConfig.indexer_ties torch_cpu). Each family
 gets test_hf_parity's checks (greedy tokens of the KV-cache sampler, with the indexer's key
 cache, equal to transformers'; export -> convert bitwise; config.json as transformers
 writes it), logits within 1e-5 with weights at their init scale, 1e-4 with N(0, 0.3^2) ones.
@@ -34,6 +36,7 @@ from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
 from engine.models.dsa import indexer_kl, select_top_k  # noqa: E402
 from engine.models.params import apply_model, graphdef_of  # noqa: E402
 from engine.models.transformer import Transformer  # noqa: E402
+from engine.ops.torch_cpu_topk import torch_cpu_top_k  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from engine.train.config import OptimizerConfig, ScheduleConfig, TrainConfig  # noqa: E402
 from engine.train.optimizer import make_optimizer  # noqa: E402
@@ -154,6 +157,84 @@ def test_what_the_engine_cannot_run_is_refused_in_one_sentence():
         model_config_from_hf({**hf, "mlp_layer_types": ["sparse", "dense", "sparse"]})
     cfg, _ = model_config_from_hf(hf)
     assert cfg.family == "glm_moe_dsa" and cfg.first_dense_layers == 1 and cfg.index_heads == 8
+
+
+# --------------------------------------------------------------------------- ties at 0 (few indexer heads)
+
+TIES = dict(index_n_heads=2, index_topk=6)
+"""2 indexer heads: a key both heads' ReLU zeroes scores exactly 0, and on these rows many
+queries have fewer than index_topk keys above 0, so which zeros fill their top-k is
+torch.topk's tie order (CPU: libstdc++'s, engine/ops/torch_cpu_topk.py)."""
+
+
+@pytest.fixture(scope="module")
+def ties(tmp_path_factory) -> Case:
+    root = tmp_path_factory.mktemp("ties")
+    model = random_causal_lm(
+        transformers.GlmMoeDsaConfig(**{**SIZES, **TIES}, n_group=1, topk_group=1), 0, **IMPLEMENTATIONS
+    )
+    model.save_pretrained(root / "hf")
+    convert_hf(root / "hf", root / "converted")
+    cfg, params, _ = load_params(root / "converted" / "checkpoint")
+    compute = stored_configs(root / "converted" / "checkpoint")[1].model_copy(update={"indexer_ties": "torch_cpu"})
+    return Case("glm_moe_dsa", model, root / "hf", root / "converted", cfg, compute, params)
+
+
+def test_torch_cpu_ties_select_what_torch_topk_selects():
+    """torch_cpu_top_k against torch.topk itself on rows mostly of ties (0, -1, the mask's
+    -1e30) among a few distinct scores, rows of every length up to 300 in two widths: both of
+    torch's algorithms (nth_element; partial_sort where k * 64 <= the row's length); and an
+    organ pipe of 44 (0, 1, ..., 21, 21, ..., 0), on which nth_element's median-of-3
+    partitions spend their depth budget (2 * floor(log2 44) = 10 rounds) and it ends in a
+    heap select, and its negation."""
+    rng = np.random.default_rng(1)
+    for width, k in ((24, 5), (300, 4), (44, 13)):
+        rows = 60
+        values = rng.choice([0.0, 0.0, 0.0, -1.0, -1e30], (rows, width)) + (
+            rng.random((rows, width)) < 0.2
+        ) * rng.random((rows, width))
+        lengths = rng.integers(1, width + 1, rows)
+        lengths[: rows // 3] = width
+        if width == 44:
+            values[0] = np.concatenate([np.arange(22), np.arange(22)[::-1]])
+            values[1] = -values[0]
+        values = values.astype(np.float32)
+        picked = jax.jit(jax.vmap(lambda v, n, k=k: torch_cpu_top_k(v, k, n)))(
+            jnp.asarray(values), jnp.asarray(lengths)
+        )
+        for row, n in enumerate(lengths):
+            expected = torch.tensor(values[row, :n]).topk(min(k, int(n))).indices.tolist()
+            assert {int(i) for i in np.asarray(picked[row]) if i < n} == set(expected), (width, k, n)
+
+
+def test_with_two_indexer_heads_the_selection_and_logits_are_transformers(ties):
+    """Logits to 1e-4 with torch_cpu ties, on the three batch() rows; the earliest-key rule
+    moves them (the ties decide), and greedy decoding from the KV cache (whose indexer rows
+    are as long as transformers' cache) gives transformers' generate tokens."""
+    tokens, mask = batch(SIZES["vocab_size"])
+    valid = mask.astype(bool)
+    ref = hf_logits(ties.hf_model, tokens, mask)
+    ours = engine_logits(ties.cfg, ties.compute, ties.params, tokens, mask)
+    first = engine_logits(
+        ties.cfg, ties.compute.model_copy(update={"indexer_ties": "first"}), ties.params, tokens, mask
+    )
+    delta, moved = (float(np.abs(x - ref)[valid].max()) for x in (ours, first))
+    print(f"\nglm_moe_dsa, 2 indexer heads: max |delta logit| {delta:.2e} (earliest-key ties: {moved:.2e})")
+    assert delta <= 1e-4 and moved > 1e-2
+    prompt = np.random.default_rng(2).integers(0, SIZES["vocab_size"], (2, 7))
+    ties.hf_model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = ties.hf_model.generate(
+            torch.tensor(prompt),
+            attention_mask=torch.ones(prompt.shape, dtype=torch.long),
+            max_new_tokens=16,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    sampled = Sampler(ties.cfg, ties.compute)(
+        ties.params, prompt.astype(np.int32), np.ones_like(prompt), max_new_tokens=16, temperature=0.0
+    )
+    np.testing.assert_array_equal(sampled.tokens, out[:, 7:].numpy())
 
 
 # --------------------------------------------------------------------------- selection and loss

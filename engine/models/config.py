@@ -460,6 +460,13 @@ class ModelConfig(Strict):
             )
         return self
 
+    mrope_section: list[int] | None = None
+    """Qwen3.5's multimodal RoPE: how many rotary frequencies the time, height and width
+    position axes each take (rope_parameters.mrope_section). Text positions are equal on the
+    three axes, so the engine's RoPE is plain RoPE whatever it says; kept so that an export,
+    and a multimodal one's vision positions, have it back. None: transformers' default
+    [11, 11, 10]."""
+
     @field_validator("family")
     @classmethod
     def _known_family(cls, name: str) -> str:
@@ -1029,6 +1036,12 @@ class ComputeConfig(Strict):
     """With a `pipeline` mesh axis of S stages (MeshConfig.pipeline): the micro-batches each
     step's rows are split into for the GPipe schedule (engine/ops/pipeline.py; bubble
     (S - 1) / (M + S - 1)). 0: S. Without a pipeline axis it does nothing."""
+    indexer_ties: Literal["first", "torch_cpu"] = "first"
+    """Which keys a sparse-attention model's indexer (engine/models/dsa.py) selects among those
+    whose score ties with its k-th (they tie at exactly 0 where every indexer head's ReLU is 0,
+    as few heads make common): first = the earliest (XLA's top_k); torch_cpu = those
+    torch.topk takes on CPU, as transformers' indexer does there (libstdc++'s selection order,
+    engine/ops/torch_cpu_topk.py; partly sequential, so slower): for parity checks with it."""
 
     @field_validator("scan_unroll", mode="before")
     @classmethod

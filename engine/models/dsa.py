@@ -47,6 +47,7 @@ from engine.models.rope import apply_rope, rope_inverse_frequencies
 from engine.models.specs import MLASpec, RotarySpec
 from engine.ops.dense import dense
 from engine.ops.sparse_mla import gather_rows, selected_latent_attention
+from engine.ops.torch_cpu_topk import torch_cpu_top_k
 
 NEG_INF = -1e30  # finite, as attention's: a padding query's row (nothing visible) stays finite
 LAYER_NORM_EPS = 1e-6  # the key LayerNorm's, fixed in transformers' indexer
@@ -125,14 +126,35 @@ def index_scores(q_btgi, weights_btg, k_bsi):
     return jnp.einsum("btg,btgs->bts", weights_btg, jax.nn.relu(logits_btgs))
 
 
-def select_top_k(scores_bts, top_k: int):
+def top_k_indices(scores_bts, top_k: int, ties: str = "first", keys=None, first_b=None):
+    """(b, t, top_k) int32: the keys of each query's top_k highest scores. Among keys tied with
+    the k-th (ComputeConfig.indexer_ties): `first` the earlier ones (XLA's top_k), `torch_cpu`
+    those torch.topk takes on CPU from the row as transformers' indexer holds it
+    (engine/ops/torch_cpu_topk.py): keys [first_b, keys) of it (a traced (b,) and scalar; None:
+    0 and s); decoding passes the cache's written slots from each row's first real token, as
+    transformers' cache holds an unpadded prompt and what followed it."""
+    scores_bts = jax.lax.stop_gradient(scores_bts)
+    if ties == "first":
+        return jax.lax.top_k(scores_bts, top_k)[1]
+    b, t, s = scores_bts.shape
+    first_b = jnp.zeros((b,), jnp.int32) if first_b is None else first_b
+    at_bs = first_b[:, None] + jnp.arange(s)[None, :]  # the row from first_b on, NEG_INF after it
+    rows_bts = jnp.where(
+        (at_bs < s)[:, None], jnp.take_along_axis(scores_bts, jnp.minimum(at_bs, s - 1)[:, None], 2), NEG_INF
+    )
+    lengths_bt = jnp.broadcast_to(((s if keys is None else keys) - first_b)[:, None], (b, t))
+    picked = jax.vmap(lambda row, n: torch_cpu_top_k(row, top_k, n))(rows_bts.reshape(b * t, s), lengths_bt.reshape(-1))
+    return picked.reshape(b, t, top_k) + first_b[:, None, None]
+
+
+def select_top_k(scores_bts, top_k: int, ties: str = "first", keys=None, first_b=None):
     """(b, t, s) bool: the top_k highest scores of each query (all keys if there are no more
-    than top_k; ties go to the earlier key). Callers and it with the visible mask, so masked
-    keys a short row fills its top_k with are never attended to."""
+    than top_k; ties as top_k_indices breaks them). Callers and it with the visible mask, so
+    masked keys a short row fills its top_k with are never attended to."""
     b, t, s = scores_bts.shape
     if top_k >= s:
         return jnp.ones(scores_bts.shape, bool)
-    _, index_btk = jax.lax.top_k(jax.lax.stop_gradient(scores_bts), top_k)
+    index_btk = jnp.minimum(top_k_indices(scores_bts, top_k, ties, keys, first_b), s - 1)
     rows_b11, queries_1t1 = jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None]
     return jnp.zeros(scores_bts.shape, bool).at[rows_b11, queries_1t1, index_btk].set(True)
 
@@ -186,6 +208,9 @@ def sparse_attention(
     mask_bts=None,
     with_kl: bool = False,
     chunk: int | None = None,
+    ties: str = "first",
+    keys=None,
+    first_b=None,
 ):
     """DeepSeek Sparse Attention's sparse path: ((b, t, n, w) output, the indexer's KL over
     the selected keys or None). Queries go in chunks (a lax.scan; each chunk rematerialised in
@@ -194,7 +219,8 @@ def sparse_attention(
     only those (engine/ops/sparse_mla.py). Visibility: `segments_bt` for training and prefill
     without a cache (t == s; causal, same segment, 0 padding), or the cache's `mask_bts`. The
     same selection and softmax as the dense-masked path (MLA._sparse); the KL as indexer_kl's,
-    its target the attention probabilities the chunk computed (constants)."""
+    its target the attention probabilities the chunk computed (constants). `ties`, `keys` and
+    `first_b`: top_k_indices'."""
     b, t, n, _ = q_nope_btno.shape
     s = latent_bsc.shape[1]
     assert top_k < s and (segments_bt is None) != (mask_bts is None)
@@ -231,7 +257,7 @@ def sparse_attention(
             visible_bcs = x["mask"]
         selection = jax.lax.stop_gradient((x["index_q"], x["index_w"], index_k_f32))
         scores_bcs = jnp.where(visible_bcs, index_scores(*selection), NEG_INF)
-        _, index_bck = jax.lax.top_k(scores_bcs, top_k)  # ties to the earlier key, as select_top_k
+        index_bck = jnp.minimum(top_k_indices(scores_bcs, top_k, ties, keys, first_b), s - 1)  # as select_top_k
         selected_bck = jnp.take_along_axis(visible_bcs, index_bck, axis=-1)
         out_bcnw, probs_bcnk = selected_latent_attention(
             x["q_nope"], x["q_rope"], latent_bsc, k_rope_bsr, index_bck, selected_bck, w_kb_cno, w_vb_cnw, scale=scale

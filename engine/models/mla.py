@@ -74,6 +74,7 @@ class MLA(nnx.Module):
         if spec.indexer is not None:
             self.indexer = Indexer(spec, build, rngs=rngs)
         self.indexer_loss = compute.indexer_loss if spec.indexer is not None else "none"
+        self.indexer_ties = compute.indexer_ties
 
     def _dense(self, x, w: nnx.Param, n_in: int = 1):
         # weight_value: a QLoRA base holds a query projection without q_lora (wq_dnh, the name
@@ -120,6 +121,9 @@ class MLA(nnx.Module):
             latent_bs1c, k_rope_bs1r, mask_bts, cache = cache.update(latent_btc[:, :, None], k_rope_bt1r, window=window)
             if self.index_topk is not None:
                 index_k_bsi, cache = cache.update_index(index_k_bti)
+                first_b = None  # torch_cpu ties: each row from its first real token (dsa.top_k_indices)
+                if self.indexer_ties == "torch_cpu":
+                    first_b = jnp.argmax(jnp.any(mask_bts, axis=1), axis=-1)
                 if self._gathers(mask_bts.shape[2]):  # the selected keys only (dsa.sparse_attention)
                     out_btnw, _ = sparse_attention(
                         q_nope,
@@ -134,10 +138,14 @@ class MLA(nnx.Module):
                         scale=self.scale,
                         top_k=self.index_topk,
                         mask_bts=mask_bts,
+                        ties=self.indexer_ties,
+                        keys=cache.end + x_btd.shape[1],
+                        first_b=first_b,
                     )
                     return self._dense(out_btnw, self.wo_nwd, 2), cache
                 scores_bts = self.indexer.scores(index_q_btgi, index_w_btg, index_k_bsi, mask_bts)
-                mask_bts = mask_bts & select_top_k(scores_bts, self.index_topk)
+                keys = cache.end + x_btd.shape[1]
+                mask_bts = mask_bts & select_top_k(scores_bts, self.index_topk, self.indexer_ties, keys, first_b)
             out_btnw = self._absorbed(
                 q_nope,
                 q_rope,
@@ -164,6 +172,7 @@ class MLA(nnx.Module):
                 top_k=self.index_topk,
                 segments_bt=segments_bt,
                 with_kl=self.indexer_loss == "sparse",
+                ties=self.indexer_ties,
             )
             out_btd = self._dense(out_btnw, self.wo_nwd, 2)
             return out_btd if kl is None else (out_btd, kl)
@@ -226,7 +235,7 @@ class MLA(nnx.Module):
                 )
                 selected_bts = visible_bts
             else:
-                selected_bts = visible_bts & select_top_k(scores_bts, top_k)
+                selected_bts = visible_bts & select_top_k(scores_bts, top_k, self.indexer_ties)
                 out_btnh = dot_product_attention(q_btnh, k_btnh, v_btnh, selected_bts, scale=self.scale)
         out_btd = self._dense(out_btnh[..., :w], self.wo_nwd, 2)
         if self.indexer_loss == "none":

@@ -11,9 +11,11 @@ mixture of experts plus one shared expert scaled by sigmoid(shared_expert_gate(x
 dense has the gated MLP. Qwen3-Next fuses the linear layers' input projections per key head
 (in_proj_qkvz, in_proj_ba), Qwen3.5 keeps them apart (in_proj_qkv, in_proj_z, in_proj_b,
 in_proj_a). Qwen3.5's text RoPE is multimodal RoPE (mrope_section), which for text, whose
-three position axes are equal, is plain RoPE. Checkpoints store one tensor per expert, as
-transformers saves them; the multi-token-prediction weights published Qwen3-Next checkpoints
-carry (mtp.*) are skipped, as transformers skips them.
+three position axes are equal, is plain RoPE whatever the section (transformers' text rotary
+embedding takes each of its interleaved height and width frequencies from an axis whose
+positions are the time axis's); the section is kept for the export. Checkpoints store one
+tensor per expert, as transformers saves them; the multi-token-prediction weights published
+Qwen3-Next checkpoints carry (mtp.*) are skipped, as transformers skips them.
 """
 
 from __future__ import annotations
@@ -59,8 +61,9 @@ _DEFAULTS = {
 _VLM_PREFIXES = (("model.", "model.language_model."), ("lm_head.", "lm_head."))
 """Qwen3.5's published Qwen3_5(Moe)ForConditionalGeneration: the text decoder under
 model.language_model., beside model.visual. (and the mtp. layer), all skipped on conversion."""
-_MROPE = {"mrope_section": [11, 11, 10], "mrope_interleaved": True}
-"""Qwen3.5's text RoPE keys (every published checkpoint's values): plain RoPE for text."""
+_MROPE_SECTION = [11, 11, 10]
+"""Qwen3.5's mrope_section: every published checkpoint's, and transformers' default (stored as
+None, so it is not written back, as transformers' text class writes none)."""
 
 
 class _Hybrid(Family):
@@ -68,9 +71,9 @@ class _Hybrid(Family):
 
     fused_linear: ClassVar[bool] = False
     """Qwen3-Next's per-key-head fused linear-layer projections (GatedDeltaConfig.fused_projections)."""
-    rope_extra: ClassVar[dict[str, Any]] = {}
-    """RoPE keys the family's config.json may carry that change nothing for text (Qwen3.5's
-    mrope): read at these values only, not written (transformers' text class defaults them)."""
+    mrope: ClassVar[bool] = False
+    """Qwen3.5: rope_parameters may carry multimodal RoPE's mrope_section and mrope_interleaved,
+    which change nothing for text (ModelConfig.mrope_section)."""
     hf_defaults = _DEFAULTS
     fixed = {"qk_norm": True, "norm_zero_centered": True, "attention_output_gate": True}
     hf_constants = {"attention_bias": False}
@@ -80,17 +83,24 @@ class _Hybrid(Family):
             raise ConfigError(
                 f"{where}: hidden_act '{self.activation_from_hf(hf)}' is not supported ({self.name}: silu)"
             )
-        extra = set(self._rope(hf)) - {"rope_type", "rope_theta", "partial_rotary_factor", *self.rope_extra}
+        extra = set(self._rope(hf)) - {"rope_type", "rope_theta", "partial_rotary_factor", *self._mrope_keys}
         extra -= {"factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor"}
         extra -= {"mscale", "mscale_all_dim", "truncate", "low_freq_factor", "high_freq_factor", "type"}
         if extra:
             raise ConfigError(f"{where}: rope_parameters key '{sorted(extra)[0]}' is not supported")
-        for key, value in self.rope_extra.items():
-            if self._rope(hf).get(key, value) != value:
-                raise ConfigError(
-                    f"{where}: rope_parameters {key}={self._rope(hf)[key]} is not supported (only {value})"
-                )
+        section = self._rope(hf).get("mrope_section")
+        if section is not None and not (
+            isinstance(section, list) and len(section) == 3 and all(isinstance(x, int) and x >= 0 for x in section)
+        ):
+            raise ConfigError(
+                f"{where}: rope_parameters mrope_section {section!r} must be three non-negative integers "
+                "(the time, height and width shares of the rotary frequencies)"
+            )
         return super().config_from_hf(hf, where)
+
+    @property
+    def _mrope_keys(self) -> tuple[str, ...]:
+        return ("mrope_section", "mrope_interleaved") if self.mrope else ()
 
     def _rope(self, hf: dict) -> dict:
         return dict(
@@ -100,7 +110,7 @@ class _Hybrid(Family):
 
     def rope_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
         rope = self._rope(hf)
-        for key in ("partial_rotary_factor", *self.rope_extra):
+        for key in ("partial_rotary_factor", *self._mrope_keys):
             rope.pop(key, None)  # rotary_dim, below; mrope: plain RoPE for text
         theta, scaling = rope_from_hf(rope, where)
         return {"rope_theta": theta, "rope_scaling": scaling}
@@ -135,8 +145,10 @@ class _Hybrid(Family):
             )
         mixers = self.mixers(hf)
         linear = "gated_delta" in mixers
+        section = self._rope(hf).get("mrope_section") if self.mrope else None
         return {
             "head_dim": head_dim,
+            "mrope_section": None if section in (None, _MROPE_SECTION) else list(section),
             "rotary_dim": None if rotary == head_dim else rotary,
             "mixer_pattern": shortest_period(mixers) if linear else None,
             "gated_delta": (
@@ -153,10 +165,13 @@ class _Hybrid(Family):
         factor = (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim
         kinds = [layer.mixer for layer in cfg.layer_pattern()]
         sizes = cfg.gated_delta or _LinearDefaults
+        # mrope_interleaved as published (transformers' Qwen3.5 reads no such flag: it always interleaves)
+        mrope = {"mrope_section": cfg.mrope_section, "mrope_interleaved": True} if cfg.mrope_section else {}
         return {
             "rope_parameters": {
                 **rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling),
                 "partial_rotary_factor": factor,
+                **mrope,
             },
             "partial_rotary_factor": factor,
             "layer_types": ["linear_attention" if kind == "gated_delta" else "full_attention" for kind in kinds],
@@ -218,19 +233,18 @@ def _experts_with_shared() -> list[TensorSpec]:
 
 
 def _expert_fields(hf: dict, family: Family, where: str) -> dict[str, Any]:
-    """The experts' ModelConfig fields: one shared expert of shared_expert_intermediate_size."""
+    """The experts' ModelConfig fields: one shared expert of shared_expert_intermediate_size
+    (shared_expert_mlp_dim where it differs from the experts' width)."""
     expert_mlp_dim = family.hf_value(hf, "moe_intermediate_size")
     shared = family.hf_value(hf, "shared_expert_intermediate_size")
-    if shared != expert_mlp_dim:
-        raise ConfigError(
-            f"{where}: shared_expert_intermediate_size {shared} differs from moe_intermediate_size "
-            f"{expert_mlp_dim}, which the engine's shared expert has"
-        )
+    if not shared:
+        raise ConfigError(f"{where}: shared_expert_intermediate_size {shared} (no shared expert) is not supported")
     return {
         "num_experts": family.hf_value(hf, "num_experts"),
         "experts_per_token": family.hf_value(hf, "num_experts_per_tok"),
         "expert_mlp_dim": expert_mlp_dim,
         "num_shared_experts": 1,
+        "shared_expert_mlp_dim": None if shared == expert_mlp_dim else shared,
     }
 
 
@@ -282,7 +296,7 @@ class Qwen3Next(_Hybrid):
             "num_experts": cfg.num_experts,
             "num_experts_per_tok": cfg.experts_per_token,
             "moe_intermediate_size": cfg.moe_mlp_dim,
-            "shared_expert_intermediate_size": cfg.moe_mlp_dim * cfg.num_shared_experts,
+            "shared_expert_intermediate_size": cfg.shared_mlp_dim,
             "norm_topk_prob": cfg.router_renormalize,
         }
 
@@ -296,7 +310,7 @@ class Qwen3_5(_Hybrid):
     architecture = "Qwen3_5ForCausalLM"
     model_type = "qwen3_5_text"
     multimodal = Multimodal("Qwen3_5ForConditionalGeneration", "qwen3_5", _VLM_PREFIXES)
-    rope_extra = _MROPE
+    mrope = True
     hf_defaults = {**_DEFAULTS, "max_position_embeddings": 32768}
 
     def mlp_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
@@ -310,7 +324,7 @@ class Qwen3_5Moe(_Hybrid):
     model_type = "qwen3_5_moe_text"
     multimodal = Multimodal("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", _VLM_PREFIXES)
     moe = True
-    rope_extra = _MROPE
+    mrope = True
     fixed = {**_Hybrid.fixed, "router_score": "softmax", "router_renormalize": True, "shared_expert_gate": True}
     hf_defaults = {
         **_DEFAULTS,
@@ -340,7 +354,7 @@ class Qwen3_5Moe(_Hybrid):
             "num_experts": cfg.num_experts,
             "num_experts_per_tok": cfg.experts_per_token,
             "moe_intermediate_size": cfg.moe_mlp_dim,
-            "shared_expert_intermediate_size": cfg.moe_mlp_dim * cfg.num_shared_experts,
+            "shared_expert_intermediate_size": cfg.shared_mlp_dim,
         }
 
     def mlp_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
