@@ -461,7 +461,7 @@ class ModelConfig(Strict):
             raise ValueError("attention_pattern has local layers, so sliding_window must be set")
         if ("chunked" in self.attention_pattern) != (self.attention_chunk_size is not None):
             raise ValueError("attention_chunk_size is set exactly when attention_pattern has chunked layers")
-        if self.kv_lora_rank is None and self.head_dim % 2:
+        if self.kv_lora_rank is None and self.positions == "rope" and self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
         if self.num_experts and self.experts_per_token > self.num_experts:
             raise ValueError(f"experts_per_token ({self.experts_per_token}) exceeds num_experts ({self.num_experts})")
@@ -1080,6 +1080,15 @@ class LoraConfig(Strict):
                     f"family '{model.family}' has no gate_proj (its MLP is up_proj, down_proj); target those"
                 )
             wanted = tuple(m for m in wanted if m != "gate_proj")
+        renamed = get_family(model.family).lora_names
+        if any(m in renamed for m in wanted):
+            if self.target_modules != "all-linear":
+                named = ", ".join(f"{m} is {renamed[m]}" for m in wanted if m in renamed)
+                raise ValueError(
+                    f"family '{model.family}' names these projections otherwise ({named}), which LoRA does not "
+                    f"adapt yet; it can adapt: {', '.join(self._adaptable(model)) or 'none of its projections'}"
+                )
+            wanted = tuple(m for m in wanted if m not in renamed)
         fused = get_family(model.family).fused_projections
         if any(m in fused for m in wanted):
             if self.target_modules != "all-linear":
@@ -1108,3 +1117,10 @@ class LoraConfig(Strict):
         if not wanted:
             raise ValueError(f"none of target_modules can be adapted in family '{model.family}'")
         return wanted
+
+    @staticmethod
+    def _adaptable(model: ModelConfig) -> list[str]:
+        """The attention and MLP projections a family's modules name as PEFT's Llama names, unfused."""
+        family = get_family(model.family)
+        skip = {*family.lora_names, *family.fused_projections, *([] if model.mlp_gated else ["gate_proj"])}
+        return [m for m in (*LORA_ATTENTION_TARGETS, *LORA_MLP_TARGETS) if m not in skip]

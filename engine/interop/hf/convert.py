@@ -251,6 +251,10 @@ def convert_hf(
                         continue
                     source_names[text_name] = stored
                     stored = text_name
+                own_name = get_family(cfg.family).checkpoint_name(stored)
+                if own_name != stored:  # a base model's names (GPT-2's published `h.0.`, no `transformer.`)
+                    source_names[own_name] = stored
+                    stored = own_name
                 name, blocks = stored, None
                 if mxfp4 and stored.endswith(MXFP4_SCALES) and stored[: -len(MXFP4_SCALES)] in expected:
                     continue  # read with its blocks

@@ -30,6 +30,7 @@ from engine.interop.hf.files import (
 )
 from engine.interop.hf.mapping import (
     TensorSpec,
+    fuse,
     fused_hf_shape,
     hf_shape,
     interleave,
@@ -224,7 +225,7 @@ def hf_tensors(
         if spec.concatenated_with:  # one after another along the last axis (Llama 4's gate_up_proj)
             return np.concatenate([leaf(spec, index, path) for path in (spec.path, *spec.concatenated_with)], axis=-1)
         if spec.fused_with:  # several engine arrays one after another (Phi-3's qkv_proj)
-            return np.concatenate([to_hf(spec, leaf(spec, index, path)) for path in (spec.path, *spec.fused_with)])
+            return fuse(spec, [to_hf(spec, leaf(spec, index, path)) for path in (spec.path, *spec.fused_with)])
         return to_hf(spec, leaf(spec, index))
 
     top, per_layer = tensor_table(cfg)

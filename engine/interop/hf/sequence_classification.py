@@ -43,6 +43,7 @@ from engine.interop.hf.mapping import (
     causal_view,
     copy_into,
     deinterleave,
+    fuse,
     fused_hf_shape,
     hf_shape,
     interleave,
@@ -151,7 +152,7 @@ def export_reward_model(
                 [np.asarray(_slot(params, spec, index, path)) for path in (spec.path, *spec.interleaved_with)]
             )
         if spec.fused_with:  # several engine arrays one after another (Phi-3's qkv_proj)
-            return np.concatenate([to_hf(spec, np.asarray(_slot(params, spec, index, p))) for p in parts(spec)])
+            return fuse(spec, [to_hf(spec, np.asarray(_slot(params, spec, index, p))) for p in parts(spec)])
         return to_hf(spec, np.asarray(_slot(params, spec, index, spec.path)))
 
     slots = _slots(cfg, params)

@@ -68,6 +68,10 @@ class TensorSpec:
     """A copy of another tensor that export writes and conversion skips (a multi-token-
     prediction layer's embed_tokens and shared_head.head: transformers' MtpModel uses the main
     model's, as the engine does)."""
+    in_out: bool = False
+    """A matmul stored (in, out), HF's Conv1D (GPT-2, GPT-BigCode): the engine array's first
+    in_dims axes are HF's FIRST axis, the rest its second, in order (a plain reshape, no
+    transpose); fused_with parts follow one another along that second (output) axis."""
     swap_last: bool = False
     """in_dims None: HF's tensor is the engine's (or its concatenation's) with the last two
     axes swapped (Gemma 4's stacked experts: gate_up_proj (E, 2f, d), down_proj (E, d, f))."""
@@ -296,6 +300,10 @@ class Family:
     fused_projections: ClassVar[tuple[str, ...]] = ()
     """PEFT module names the family's checkpoints store fused into one tensor (Phi-3's q/k/v in
     qkv_proj, gate/up in gate_up_proj): LoraConfig.targets refuses them."""
+    lora_names: ClassVar[dict[str, str]] = {}
+    """PEFT's Llama module names (o_proj, up_proj, ...) whose projection this family's
+    checkpoints name otherwise (GPT-NeoX's o_proj is attention.dense): LoraConfig.targets
+    refuses them, as an adapter by those names would not load onto its modules."""
     multimodal: ClassVar[Multimodal | None] = None
     """The multimodal checkpoints whose text decoder is this family's model (Llama 4's
     Llama4ForConditionalGeneration): convert reads them, skipping the vision tower."""
@@ -455,6 +463,11 @@ class Family:
         """The torch module path of a checkpoint tensor's name, which PEFT names adapters by:
         the same, unless transformers renames the model on saving (Nemotron-H's `backbone.`)."""
         return hf_name
+
+    def checkpoint_name(self, stored: str) -> str:
+        """The tensor table's name of a checkpoint tensor stored as `stored`: the same, unless the
+        family's checkpoints were saved from its base model, without its prefix (GPT-2's)."""
+        return stored
 
     def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:
         """A checkpoint tensor conversion skips: one of a module the engine does not run

@@ -1,0 +1,193 @@
+"""Hugging Face parity of GPT-era families: GPT-2 (Conv1D matrices, one c_attn), GPT-BigCode
+(multi-query attention), OPT (learned positions offset by 2, ReLU, post-norm layers) and
+OLMo 1 (a LayerNorm with neither scale nor bias, clipped q/k/v).
+
+Each case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
+collected here over this module's `case`): greedy tokens and the KV-cache sampler equal
+transformers', config.json as transformers writes it, export -> convert bitwise; and here
+logits to 1e-4 with N(0, 0.3^2) weights, the export loading cleanly in transformers, and
+each published preset of transformers' parameter count (meta device).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from tests.deps import need
+
+torch = need("torch")
+transformers = need("transformers")
+
+from engine.config import ConfigError, resolve_model_preset  # noqa: E402
+from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.export import export_hf  # noqa: E402
+from engine.interop.hf.mapping import (  # noqa: E402
+    fuse,
+    fused_hf_shape,
+    hf_shape,
+    model_config_from_hf,
+    model_config_to_hf,
+    to_engine,
+    to_hf,
+    unfuse,
+)
+from engine.models.config import LoraConfig, ModelConfig  # noqa: E402
+from engine.models.families import TensorSpec, get_family  # noqa: E402
+from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
+from tests import test_hf_parity  # noqa: E402
+from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
+    VOCAB,
+    Case,
+    batch,
+    engine_logits,
+    hf_logits,
+    random_causal_lm,
+    test_export_then_convert_is_bitwise_identical,
+    test_exported_config_json_is_what_transformers_writes,
+    test_greedy_generation_of_16_tokens_is_identical,
+)
+
+NO_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+GPT2 = dict(vocab_size=VOCAB, n_embd=30, n_layer=3, n_head=6, n_inner=26, n_positions=64)
+"""Odd sizes: head_dim 5, an MLP of 26 (not 4 x 30), 64 positions."""
+NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def hf_config(name: str):
+    t = transformers
+    return {
+        "gpt2": lambda: t.GPT2Config(**GPT2, **NO_TOKENS, **NO_DROPOUT),
+        # untied LM head; GPT-BigCode's tanh GELU under its own name
+        "gpt_bigcode": lambda: t.GPTBigCodeConfig(**GPT2, **NO_TOKENS, **NO_DROPOUT, tie_word_embeddings=False),
+    }[name]()
+
+
+CASES = ["gpt2", "gpt_bigcode"]
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request, tmp_path_factory) -> Case:
+    name = request.param
+    root = tmp_path_factory.mktemp(name)
+    model = random_causal_lm(hf_config(name), 0, attn_implementation="eager")
+    model.save_pretrained(root / "hf")
+    convert_hf(root / "hf", root / "converted")
+    cfg, params, _ = load_params(root / "converted" / "checkpoint")
+    _, compute = stored_configs(root / "converted" / "checkpoint")
+    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+
+
+def test_converted_model_matches_transformers_logits(case):
+    assert case.cfg.family == case.family
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    ours = engine_logits(case.cfg, case.compute, case.params, tokens, mask)
+    ref = hf_logits(case.hf_model, tokens, mask)
+    delta = float(np.abs(ours - ref)[valid].max())
+    print(f"\n{case.family}: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref[valid]).max():.1f})")
+    assert delta <= 1e-4 and np.abs(ref[valid]).max() > 0.5
+
+
+def test_the_family_reads_what_the_config_says(case):
+    cfg = case.cfg
+    assert (cfg.norm_kind, cfg.norm_bias, cfg.positions, cfg.mlp_gated) == ("layer", True, "learned", False)
+    assert (cfg.head_dim, cfg.mlp_dim, cfg.max_seq_len) == (5, 26, 64)
+    assert cfg.num_kv_heads == (1 if case.family == "gpt_bigcode" else 6)
+    assert cfg.tie_embeddings == (case.family == "gpt2") and cfg.activation == "gelu_tanh"
+
+
+def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
+    export_hf(case.out_dir / "checkpoint", tmp_path / "export")
+    test_hf_parity.assert_export_reloads_cleanly(case, tmp_path / "export", attn_implementation="eager")
+
+
+def refused(name: str, **changes) -> str:
+    hf = {**hf_config(name).to_dict(), "architectures": [get_family(name).architecture], **changes}
+    with pytest.raises(ConfigError) as error:
+        model_config_from_hf(hf)
+    message = str(error.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_what_the_families_do_not_run_is_refused_in_one_sentence():
+    assert "scale_attn_by_inverse_layer_idx=true is not supported" in refused(
+        "gpt2", scale_attn_by_inverse_layer_idx=True
+    )
+    assert "add_cross_attention=true is not supported" in refused("gpt2", add_cross_attention=True)
+    assert "multi_query=false is not supported" in refused("gpt_bigcode", multi_query=False)
+    assert "activation_function 'tanh' is not supported" in refused("gpt2", activation_function="tanh")
+
+
+def test_gpt2_without_scaled_scores_reads_as_a_unit_score_scale():
+    cfg, _ = model_config_from_hf({**hf_config("gpt2").to_dict(), "scale_attn_weights": False})
+    assert cfg.attention_scale == 1.0
+    assert model_config_to_hf(cfg)["scale_attn_weights"] is False
+
+
+@pytest.mark.parametrize("family", CASES)
+def test_lora_refuses_the_projections_these_checkpoints_name_otherwise(family):
+    cfg, _ = model_config_from_hf({**hf_config(family).to_dict(), "architectures": [get_family(family).architecture]})
+    with pytest.raises(ValueError, match="o_proj is attn.c_proj"):
+        LoraConfig(target_modules=["q_proj", "o_proj"]).targets(cfg)
+
+
+PUBLISHED = {  # the model cards' totals (billions) and how closely ModelConfig.num_params meets them
+    "gpt2": (0.124, 0.01),
+    "gpt2-xl": (1.5, 0.05),  # 1.558B counted
+    "starcoder": (15.5, 0.01),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_the_presets_are_the_published_models(preset):
+    """Each preset builds as the transformers model of the same parameter count (on the meta
+    device) and of the size its model card gives."""
+    cfg = ModelConfig.model_validate(resolve_model_preset({"model": preset}, preset)["model"])
+    hf = transformers.AutoConfig.for_model(**model_config_to_hf(cfg))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    billions, tolerance = PUBLISHED[preset]
+    assert cfg.num_params() / 1e9 == pytest.approx(billions, rel=tolerance)
+
+
+def test_a_conv1d_tensor_is_the_engine_matrix_in_hf_in_out_order():
+    """TensorSpec.in_out (GPT-2's Conv1D): HF's (in, out) is the engine's (d, heads, head_dim)
+    reshaped, and a fused one's parts follow each other along HF's columns."""
+    rng = np.random.default_rng(0)
+    q, k = rng.normal(size=(4, 3, 2)), rng.normal(size=(4, 1, 2))  # (d, n, h), (d, kv, h)
+    spec = TensorSpec(("attn", "wq_dnh"), "c_attn.weight", 1, fused_with=(("attn", "wk_dkh"),), in_out=True)
+    fused = fuse(spec, [to_hf(spec, q), to_hf(spec, k)])
+    np.testing.assert_array_equal(fused, np.concatenate([q.reshape(4, 6), k.reshape(4, 2)], axis=1))
+    assert fused_hf_shape(spec, [q.shape, k.shape]) == fused.shape == (4, 8)
+    back = unfuse(spec, fused, [q.shape, k.shape])
+    np.testing.assert_array_equal(to_engine(spec, np.ascontiguousarray(back[0]), q.shape), q)
+    np.testing.assert_array_equal(to_engine(spec, np.ascontiguousarray(back[1]), k.shape), k)
+    out = TensorSpec(("attn", "wo_nhd"), "c_proj.weight", 2, in_out=True)  # (n, h, d): in (n*h), out d
+    o = rng.normal(size=(3, 2, 4))
+    assert hf_shape(out, o.shape) == (6, 4)
+    np.testing.assert_array_equal(to_hf(out, o), o.reshape(6, 4))
+
+
+def test_gpt2_reads_checkpoints_saved_from_its_base_model(case, tmp_path):
+    """openai-community/gpt2's layout: GPT2Model's names (`h.0.`, `wte.`), no LM head, and the
+    old causal-mask buffers (attn.bias, attn.masked_bias), which conversion skips."""
+    if case.family != "gpt2":
+        pytest.skip("GPT-2's published layout")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text((case.hf_dir / "config.json").read_text())
+    tensors = {k.removeprefix("transformer."): v for k, v in load_file(case.hf_dir / "model.safetensors").items()}
+    tensors.pop("lm_head.weight", None)
+    for i in range(case.cfg.num_layers):
+        tensors[f"h.{i}.attn.bias"] = np.tril(np.ones((1, 1, 64, 64), np.float32))
+        tensors[f"h.{i}.attn.masked_bias"] = np.asarray(-1e4, np.float32)
+    save_file(tensors, tmp_path / "hf" / "model.safetensors")
+    convert_hf(tmp_path / "hf", tmp_path / "converted")
+    cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
+    assert cfg == case.cfg
+    for a, b in zip(jax.tree.leaves(case.params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
