@@ -12,6 +12,7 @@ each published preset of transformers' parameter count (meta device).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -36,13 +37,13 @@ from engine.interop.hf.mapping import (  # noqa: E402
 )
 from engine.models.config import LoraConfig, ModelConfig  # noqa: E402
 from engine.models.families import TensorSpec, get_family  # noqa: E402
+from engine.models.params import apply_model, graphdef_of  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
     VOCAB,
     Case,
     batch,
-    engine_logits,
     hf_logits,
     random_causal_lm,
     test_export_then_convert_is_bitwise_identical,
@@ -62,10 +63,36 @@ def hf_config(name: str):
         "gpt2": lambda: t.GPT2Config(**GPT2, **NO_TOKENS, **NO_DROPOUT),
         # untied LM head; GPT-BigCode's tanh GELU under its own name
         "gpt_bigcode": lambda: t.GPTBigCodeConfig(**GPT2, **NO_TOKENS, **NO_DROPOUT, tie_word_embeddings=False),
+        # head_dim 5, an MLP of 26; untied
+        "opt": lambda: t.OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=30,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            ffn_dim=26,
+            max_position_embeddings=64,
+            word_embed_proj_dim=30,
+            dropout=0.0,
+            tie_word_embeddings=False,
+            **NO_TOKENS,
+        ),
+        # 6 heads of 6 over 2 KV heads; q/k/v clipped at 1.0, which N(0, 0.3^2) weights pass often
+        "olmo": lambda: t.OlmoConfig(
+            vocab_size=VOCAB,
+            hidden_size=36,
+            intermediate_size=26,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            rope_theta=500.0,
+            clip_qkv=1.0,
+            **NO_TOKENS,
+        ),
     }[name]()
 
 
-CASES = ["gpt2", "gpt_bigcode"]
+CASES = ["gpt2", "gpt_bigcode", "opt", "olmo"]
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -84,7 +111,10 @@ def test_converted_model_matches_transformers_logits(case):
     assert case.cfg.family == case.family
     tokens, mask = batch()
     valid = mask.astype(bool)
-    ours = engine_logits(case.cfg, case.compute, case.params, tokens, mask)
+    # OPT counts a row's positions from its first real token (the others from its first slot)
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0) if case.family == "opt" else None
+    graphdef = graphdef_of(case.cfg, case.compute)
+    ours = np.asarray(apply_model(graphdef, case.params, jnp.asarray(tokens), positions, jnp.asarray(mask)))
     ref = hf_logits(case.hf_model, tokens, mask)
     delta = float(np.abs(ours - ref)[valid].max())
     print(f"\n{case.family}: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref[valid]).max():.1f})")
@@ -93,6 +123,14 @@ def test_converted_model_matches_transformers_logits(case):
 
 def test_the_family_reads_what_the_config_says(case):
     cfg = case.cfg
+    if case.family == "olmo":  # no norm weights at all
+        assert (cfg.norm_kind, cfg.norm_scale, cfg.norm_bias, cfg.qkv_clip) == ("layer", False, False, 1.0)
+        assert not any("norm" in name for name, _ in case.hf_model.named_parameters())
+        return
+    if case.family == "opt":
+        assert (cfg.position_offset, cfg.activation, cfg.tie_embeddings) == (2, "relu", False)
+        assert case.params["pos_embed_pd"].shape == (64 + 2, 30)
+        return
     assert (cfg.norm_kind, cfg.norm_bias, cfg.positions, cfg.mlp_gated) == ("layer", True, "learned", False)
     assert (cfg.head_dim, cfg.mlp_dim, cfg.max_seq_len) == (5, 26, 64)
     assert cfg.num_kv_heads == (1 if case.family == "gpt_bigcode" else 6)
@@ -120,6 +158,10 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
     assert "add_cross_attention=true is not supported" in refused("gpt2", add_cross_attention=True)
     assert "multi_query=false is not supported" in refused("gpt_bigcode", multi_query=False)
     assert "activation_function 'tanh' is not supported" in refused("gpt2", activation_function="tanh")
+    assert "do_layer_norm_before=false" in refused("opt", do_layer_norm_before=False)
+    assert "word_embed_proj_dim 16 is not supported" in refused("opt", word_embed_proj_dim=16)
+    assert "_remove_final_layer_norm=true is not supported" in refused("opt", _remove_final_layer_norm=True)
+    assert "attention_bias=true is not supported" in refused("olmo", attention_bias=True)
 
 
 def test_gpt2_without_scaled_scores_reads_as_a_unit_score_scale():
@@ -128,17 +170,27 @@ def test_gpt2_without_scaled_scores_reads_as_a_unit_score_scale():
     assert model_config_to_hf(cfg)["scale_attn_weights"] is False
 
 
-@pytest.mark.parametrize("family", CASES)
+@pytest.mark.parametrize("family", ["gpt2", "gpt_bigcode", "opt"])
 def test_lora_refuses_the_projections_these_checkpoints_name_otherwise(family):
     cfg, _ = model_config_from_hf({**hf_config(family).to_dict(), "architectures": [get_family(family).architecture]})
-    with pytest.raises(ValueError, match="o_proj is attn.c_proj"):
+    o_proj = get_family(family).lora_names["o_proj"]
+    with pytest.raises(ValueError, match=f"o_proj is {o_proj}"):
         LoraConfig(target_modules=["q_proj", "o_proj"]).targets(cfg)
+    if family == "opt":  # its q/k/v are PEFT's names
+        assert LoraConfig(target_modules="all-linear").targets(cfg) == ("q_proj", "k_proj", "v_proj")
+    else:  # GPT-2's are fused in c_attn: nothing left
+        with pytest.raises(ValueError, match="none of target_modules can be adapted"):
+            LoraConfig(target_modules="all-linear").targets(cfg)
 
 
 PUBLISHED = {  # the model cards' totals (billions) and how closely ModelConfig.num_params meets them
     "gpt2": (0.124, 0.01),
     "gpt2-xl": (1.5, 0.05),  # 1.558B counted
     "starcoder": (15.5, 0.01),
+    "opt-125m": (0.125, 0.01),
+    "opt-6.7b": (6.7, 0.01),
+    "olmo-1b": (1.18, 0.01),
+    "olmo-1.7-7b": (6.89, 0.01),
 }
 
 

@@ -45,6 +45,7 @@ def tiny(family: str, tie: bool) -> tuple:
         "hidden_size_per_layer_input": 0,  # Gemma 4: none of its per-layer embeddings (default 256)
         # GPT-2's own names (GPT-BigCode's too): 4 heads of 3, an MLP of 7
         **{"n_embd": 12, "n_layer": 3, "n_head": 4, "n_inner": 7, "n_positions": 64},
+        "ffn_dim": 7,  # OPT's MLP
         # Nemotron-H: a Mamba2, an MLP and an attention layer, Mamba2 of 2 heads of 3, state 4
         "layers_block_type": ["linear_attention", "mlp", "full_attention"],
         "mamba_num_heads": 2,
