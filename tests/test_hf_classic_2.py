@@ -41,6 +41,7 @@ from engine.models.params import apply_model, graphdef_of  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
+    COMMON,
     VOCAB,
     Case,
     batch,
@@ -89,10 +90,12 @@ def hf_config(name: str):
             clip_qkv=1.0,
             **NO_TOKENS,
         ),
+        # 6 heads of 8 over 2 KV heads (head_dim != hidden / heads), relu2 MLP of 26
+        "jais2": lambda: t.Jais2Config(**COMMON, **NO_TOKENS, rope_theta=500.0, layer_norm_eps=1e-4),
     }[name]()
 
 
-CASES = ["gpt2", "gpt_bigcode", "opt", "olmo"]
+CASES = ["gpt2", "gpt_bigcode", "opt", "olmo", "jais2"]
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -126,6 +129,11 @@ def test_the_family_reads_what_the_config_says(case):
     if case.family == "olmo":  # no norm weights at all
         assert (cfg.norm_kind, cfg.norm_scale, cfg.norm_bias, cfg.qkv_clip) == ("layer", False, False, 1.0)
         assert not any("norm" in name for name, _ in case.hf_model.named_parameters())
+        return
+    if case.family == "jais2":
+        assert (cfg.norm_kind, cfg.norm_bias, cfg.norm_eps, cfg.activation) == ("layer", True, 1e-4, "relu2")
+        assert (cfg.qkv_bias, cfg.attention_out_bias, cfg.mlp_bias, cfg.mlp_gated) == (True, True, True, False)
+        assert (cfg.num_kv_heads, cfg.head_dim) == (2, 8)
         return
     if case.family == "opt":
         assert (cfg.position_offset, cfg.activation, cfg.tie_embeddings) == (2, "relu", False)
@@ -191,6 +199,7 @@ PUBLISHED = {  # the model cards' totals (billions) and how closely ModelConfig.
     "opt-6.7b": (6.7, 0.01),
     "olmo-1b": (1.18, 0.01),
     "olmo-1.7-7b": (6.89, 0.01),
+    "jais-2-8b": (8.09, 0.01),
 }
 
 

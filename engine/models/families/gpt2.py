@@ -25,6 +25,7 @@ ACTIVATIONS = {
     "gelu_fast": "gelu_tanh",
     "gelu": "gelu",
     "relu": "relu",
+    "relu2": "relu2",
     "silu": "silu",
     "swish": "silu",
 }
