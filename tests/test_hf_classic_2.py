@@ -92,10 +92,22 @@ def hf_config(name: str):
         ),
         # 6 heads of 8 over 2 KV heads (head_dim != hidden / heads), relu2 MLP of 26
         "jais2": lambda: t.Jais2Config(**COMMON, **NO_TOKENS, rope_theta=500.0, layer_norm_eps=1e-4),
+        # 6 heads of 6 over 2 KV heads, q/k/v clipped at 1.0; 5 experts of 14, top 2 renormalised
+        "dbrx": lambda: t.DbrxConfig(
+            d_model=36,
+            n_heads=6,
+            n_layers=3,
+            max_seq_len=64,
+            vocab_size=VOCAB,
+            attn_config={"clip_qkv": 1.0, "kv_n_heads": 2, "rope_theta": 500.0},
+            ffn_config={"ffn_hidden_size": 14, "moe_num_experts": 5, "moe_top_k": 2},
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            **NO_TOKENS,
+        ),
     }[name]()
 
 
-CASES = ["gpt2", "gpt_bigcode", "opt", "olmo", "jais2"]
+CASES = ["gpt2", "gpt_bigcode", "opt", "olmo", "jais2", "dbrx"]
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -103,6 +115,10 @@ def case(request, tmp_path_factory) -> Case:
     name = request.param
     root = tmp_path_factory.mktemp(name)
     model = random_causal_lm(hf_config(name), 0, attn_implementation="eager")
+    with torch.no_grad():  # routers x3: their logits spread, so no top-k is a near tie
+        for param_name, p in model.named_parameters():
+            if param_name.endswith("router.layer.weight"):
+                p.mul_(3.0)
     model.save_pretrained(root / "hf")
     convert_hf(root / "hf", root / "converted")
     cfg, params, _ = load_params(root / "converted" / "checkpoint")
@@ -129,6 +145,11 @@ def test_the_family_reads_what_the_config_says(case):
     if case.family == "olmo":  # no norm weights at all
         assert (cfg.norm_kind, cfg.norm_scale, cfg.norm_bias, cfg.qkv_clip) == ("layer", False, False, 1.0)
         assert not any("norm" in name for name, _ in case.hf_model.named_parameters())
+        return
+    if case.family == "dbrx":
+        assert (cfg.norm_kind, cfg.norm_bias, cfg.qkv_clip, cfg.router_renormalize) == ("layer", False, 1.0, True)
+        assert (cfg.num_experts, cfg.experts_per_token, cfg.moe_mlp_dim, cfg.num_kv_heads) == (5, 2, 14, 2)
+        assert case.params["blocks"]["mlp"]["w_gate_edf"].shape == (3, 5, 36, 14)
         return
     if case.family == "jais2":
         assert (cfg.norm_kind, cfg.norm_bias, cfg.norm_eps, cfg.activation) == ("layer", True, 1e-4, "relu2")
@@ -170,6 +191,42 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
     assert "word_embed_proj_dim 16 is not supported" in refused("opt", word_embed_proj_dim=16)
     assert "_remove_final_layer_norm=true is not supported" in refused("opt", _remove_final_layer_norm=True)
     assert "attention_bias=true is not supported" in refused("olmo", attention_bias=True)
+    ffn = {"ffn_hidden_size": 14, "moe_num_experts": 5, "moe_top_k": 2}
+    normalized = refused("dbrx", ffn_config={**ffn, "moe_normalize_expert_weights": 2.0})
+    assert "moe_normalize_expert_weights=2.0 is not supported" in normalized
+    assert "ffn_act_fn 'relu' is not supported" in refused("dbrx", ffn_config={**ffn, "ffn_act_fn": {"name": "relu"}})
+
+
+DBRX_BASE = {  # databricks/dbrx-base's config.json (transformers 4 keys: RoPE base in attn_config)
+    "architectures": ["DbrxForCausalLM"],
+    "attn_config": {"clip_qkv": 8, "kv_n_heads": 8, "model_type": "", "rope_theta": 500000},
+    "d_model": 6144,
+    "emb_pdrop": 0.0,
+    "ffn_config": {
+        "ffn_hidden_size": 10752,
+        "model_type": "",
+        "moe_loss_weight": 0.05,
+        "moe_num_experts": 16,
+        "moe_top_k": 4,
+    },
+    "initializer_range": 0.02,
+    "max_seq_len": 32768,
+    "model_type": "dbrx",
+    "n_heads": 48,
+    "n_layers": 40,
+    "output_router_logits": False,
+    "resid_pdrop": 0.0,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "vocab_size": 100352,
+}
+
+
+def test_the_published_dbrx_config_json_reads_as_its_preset():
+    tree = dict(resolve_model_preset({"model": "dbrx"}, "dbrx")["model"])
+    tree.pop("compute", None)
+    cfg, _ = model_config_from_hf(DBRX_BASE)
+    assert cfg == ModelConfig.model_validate(tree) and cfg.rope_theta == 500000.0
 
 
 def test_gpt2_without_scaled_scores_reads_as_a_unit_score_scale():
@@ -200,6 +257,7 @@ PUBLISHED = {  # the model cards' totals (billions) and how closely ModelConfig.
     "olmo-1b": (1.18, 0.01),
     "olmo-1.7-7b": (6.89, 0.01),
     "jais-2-8b": (8.09, 0.01),
+    "dbrx": (132, 0.01),
 }
 
 

@@ -46,6 +46,8 @@ def tiny(family: str, tie: bool) -> tuple:
         # GPT-2's own names (GPT-BigCode's too): 4 heads of 3, an MLP of 7
         **{"n_embd": 12, "n_layer": 3, "n_head": 4, "n_inner": 7, "n_positions": 64},
         "ffn_dim": 7,  # OPT's MLP
+        # DBRX's own names: 4 heads of 4, 3 experts of 7
+        **{"d_model": 16, "n_heads": 4, "n_layers": 3, "ffn_config": {"ffn_hidden_size": 7, "moe_num_experts": 3}},
         # Nemotron-H: a Mamba2, an MLP and an attention layer, Mamba2 of 2 heads of 3, state 4
         "layers_block_type": ["linear_attention", "mlp", "full_attention"],
         "mamba_num_heads": 2,

@@ -146,6 +146,14 @@ def check_table_covers(cfg: ModelConfig, shapes: dict) -> None:
 
 def hf_shape(spec: TensorSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The HF shape of an engine array of `shape`."""
+    if spec.merged_rows:  # DBRX's experts: the first two axes of the unmerged shape as one
+        unmerged = unmerged_hf_shape(spec, shape)
+        return (unmerged[0] * unmerged[1], *unmerged[2:])
+    return unmerged_hf_shape(spec, shape)
+
+
+def unmerged_hf_shape(spec: TensorSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """hf_shape before TensorSpec.merged_rows merges its first two axes."""
     if spec.swap_last:
         shape = (*shape[:-2], shape[-1], shape[-2])
         if spec.concatenated_with:  # the parts one after another along HF's second-last axis

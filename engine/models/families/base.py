@@ -75,6 +75,10 @@ class TensorSpec:
     swap_last: bool = False
     """in_dims None: HF's tensor is the engine's (or its concatenation's) with the last two
     axes swapped (Gemma 4's stacked experts: gate_up_proj (E, 2f, d), down_proj (E, d, f))."""
+    merged_rows: bool = False
+    """in_dims None: HF's tensor is the engine's (after swap_last) with its first two axes
+    merged into one (DBRX's stacked experts, (E * f, d): w1 and v1 the engine's (E, d, f)
+    swapped, w2 its (E, f, d))."""
 
 
 @dataclasses.dataclass(frozen=True)
