@@ -104,20 +104,42 @@ def hf_config(name: str):
             rope_parameters={"rope_type": "default", "rope_theta": 500.0},
             **NO_TOKENS,
         ),
+        # 6 heads of 6 over 2 KV heads, biases; 5 experts of 14, SparseMixer's eps 0.05 (some
+        # second experts' weights then mix several logits); untied with an LM-head bias
+        "phimoe": lambda: t.PhimoeConfig(
+            vocab_size=VOCAB,
+            hidden_size=36,
+            intermediate_size=14,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            num_local_experts=5,
+            router_jitter_noise=0.05,
+            attention_bias=True,
+            lm_head_bias=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            **NO_TOKENS,
+        ),
     }[name]()
 
 
-CASES = ["gpt2", "gpt_bigcode", "opt", "olmo", "jais2", "dbrx"]
+CASES = ["gpt2", "gpt_bigcode", "opt", "olmo", "jais2", "dbrx", "phimoe"]
+
+
+def implementations(name: str) -> dict:
+    """transformers' plain loops: its grouped-matmul experts need 16-byte strides (odd sizes have not)."""
+    return {"attn_implementation": "eager", **({"experts_implementation": "eager"} if name == "phimoe" else {})}
 
 
 @pytest.fixture(scope="module", params=CASES)
 def case(request, tmp_path_factory) -> Case:
     name = request.param
     root = tmp_path_factory.mktemp(name)
-    model = random_causal_lm(hf_config(name), 0, attn_implementation="eager")
+    model = random_causal_lm(hf_config(name), 0, **implementations(name))
     with torch.no_grad():  # routers x3: their logits spread, so no top-k is a near tie
         for param_name, p in model.named_parameters():
-            if param_name.endswith("router.layer.weight"):
+            if param_name.endswith(("router.layer.weight", "block_sparse_moe.gate.weight")):
                 p.mul_(3.0)
     model.save_pretrained(root / "hf")
     convert_hf(root / "hf", root / "converted")
@@ -151,6 +173,15 @@ def test_the_family_reads_what_the_config_says(case):
         assert (cfg.num_experts, cfg.experts_per_token, cfg.moe_mlp_dim, cfg.num_kv_heads) == (5, 2, 14, 2)
         assert case.params["blocks"]["mlp"]["w_gate_edf"].shape == (3, 5, 36, 14)
         return
+    if case.family == "phimoe":
+        assert (cfg.router_sparsemixer_eps, cfg.lm_head_bias, cfg.qkv_bias, cfg.norm_kind) == (
+            0.05,
+            True,
+            True,
+            "layer",
+        )
+        assert (cfg.num_experts, cfg.experts_per_token, cfg.norm_bias) == (5, 2, True)
+        return
     if case.family == "jais2":
         assert (cfg.norm_kind, cfg.norm_bias, cfg.norm_eps, cfg.activation) == ("layer", True, 1e-4, "relu2")
         assert (cfg.qkv_bias, cfg.attention_out_bias, cfg.mlp_bias, cfg.mlp_gated) == (True, True, True, False)
@@ -168,7 +199,42 @@ def test_the_family_reads_what_the_config_says(case):
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
     export_hf(case.out_dir / "checkpoint", tmp_path / "export")
-    test_hf_parity.assert_export_reloads_cleanly(case, tmp_path / "export", attn_implementation="eager")
+    test_hf_parity.assert_export_reloads_cleanly(case, tmp_path / "export", **implementations(case.family))
+
+
+def test_sparsemixer_routes_as_transformers_does():
+    """engine/models/moe.py's sparsemixer against transformers' (inference): the same experts
+    and weights, with logits near ties (within eps) so several gates mix."""
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer as hf_sparsemixer
+
+    from engine.models.moe import route, sparsemixer
+
+    logits = np.random.default_rng(0).normal(size=(256, 5)).astype(np.float32)
+    logits[:64, 1] = logits[:64, 0] * 1.01  # near ties
+    ref_weights, ref_experts = hf_sparsemixer(torch.tensor(logits), jitter_eps=0.05, training=False, top_k=2)
+    weights, experts = sparsemixer(jnp.asarray(logits), 2, 0.05)
+    np.testing.assert_array_equal(np.asarray(experts), ref_experts.numpy())
+    np.testing.assert_allclose(np.asarray(weights), ref_weights.numpy(), rtol=1e-6, atol=1e-7)
+    softmax_weights, _ = route(jnp.asarray(logits), None, 2, "softmax", True)
+    assert np.abs(np.asarray(softmax_weights) - ref_weights.numpy()).max() > 0.1  # not the usual top-k
+
+
+def test_phimoe_longrope_with_one_mscale_reads_as_its_attention_factor():
+    hf = {**hf_config("phimoe").to_dict(), "architectures": ["PhimoeForCausalLM"]}
+    pairs = 3  # head_dim 6
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 500.0,
+        "short_factor": [1.0, 1.5, 2.0][:pairs],
+        "long_factor": [2.0, 3.0, 4.0][:pairs],
+        "short_mscale": 1.25,
+        "long_mscale": 1.25,
+        "original_max_position_embeddings": 16,
+    }
+    cfg, _ = model_config_from_hf({**hf, "rope_parameters": rope})
+    assert cfg.rope_scaling.kind == "longrope" and cfg.rope_scaling.attention_factor == 1.25
+    assert model_config_to_hf(cfg)["rope_parameters"] == rope
+    assert "differ" in refused("phimoe", rope_parameters={**rope, "long_mscale": 1.5})
 
 
 def refused(name: str, **changes) -> str:
@@ -258,6 +324,7 @@ PUBLISHED = {  # the model cards' totals (billions) and how closely ModelConfig.
     "olmo-1.7-7b": (6.89, 0.01),
     "jais-2-8b": (8.09, 0.01),
     "dbrx": (132, 0.01),
+    "phi-3.5-moe": (41.9, 0.01),
 }
 
 

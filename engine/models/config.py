@@ -434,6 +434,11 @@ class ModelConfig(Strict):
     """A norm on the token embeddings before the first layer (BLOOM's word_embeddings_layernorm)."""
     lm_head_bias: bool = False
     """A bias on the LM head (GPT-J, Phi)."""
+    router_sparsemixer_eps: float | None = Field(None, gt=0)
+    """SparseMixer routing (PhiMoE, arXiv 2409.12136) at inference, with this jitter epsilon:
+    the k experts are the best, then the best of the rest, ..., each weighted by a softmax
+    over the logits still in play within a relative 2 * eps of that expert's (engine/models/moe.py:
+    sparsemixer); None: the usual softmax top-k."""
 
     @field_validator("family")
     @classmethod
@@ -714,6 +719,7 @@ class ModelConfig(Strict):
             shared_dim=self.shared_mlp_dim,
             shared_expert_gate=self.shared_expert_gate,
             beside=self._mlp_spec(self.mlp_dim) if self.moe_beside_mlp else None,
+            sparsemixer_eps=self.router_sparsemixer_eps,
         )
 
     def _rotary(self, local: bool) -> RotarySpec:
