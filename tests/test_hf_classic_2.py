@@ -121,10 +121,20 @@ def hf_config(name: str):
             rope_parameters={"rope_type": "default", "rope_theta": 500.0},
             **NO_TOKENS,
         ),
+        # ALiBi over 6 heads (not a power of two), head_dim 5, q/k/v clipped at 1.0; tied
+        "mpt": lambda: t.MptConfig(
+            d_model=30,
+            n_heads=6,
+            n_layers=3,
+            max_seq_len=64,
+            vocab_size=VOCAB,
+            attn_config={"clip_qkv": 1.0},
+            **NO_TOKENS,
+        ),
     }[name]()
 
 
-CASES = ["gpt2", "gpt_bigcode", "opt", "olmo", "jais2", "dbrx", "phimoe"]
+CASES = ["gpt2", "gpt_bigcode", "opt", "olmo", "jais2", "dbrx", "phimoe", "mpt"]
 
 
 def implementations(name: str) -> dict:
@@ -181,6 +191,16 @@ def test_the_family_reads_what_the_config_says(case):
             "layer",
         )
         assert (cfg.num_experts, cfg.experts_per_token, cfg.norm_bias) == (5, 2, True)
+        return
+    if case.family == "mpt":
+        assert (cfg.positions, cfg.norm_kind, cfg.norm_bias, cfg.qkv_clip, cfg.mlp_dim) == (
+            "alibi",
+            "layer",
+            False,
+            1.0,
+            120,
+        )
+        assert cfg.layer_specs()[0].attention.alibi and cfg.tie_embeddings and cfg.activation == "gelu"
         return
     if case.family == "jais2":
         assert (cfg.norm_kind, cfg.norm_bias, cfg.norm_eps, cfg.activation) == ("layer", True, 1e-4, "relu2")
@@ -257,6 +277,9 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
     assert "word_embed_proj_dim 16 is not supported" in refused("opt", word_embed_proj_dim=16)
     assert "_remove_final_layer_norm=true is not supported" in refused("opt", _remove_final_layer_norm=True)
     assert "attention_bias=true is not supported" in refused("olmo", attention_bias=True)
+    assert "attn_config.alibi_bias_max=16 is not supported" in refused("mpt", attn_config={"alibi_bias_max": 16})
+    assert "attn_config.qk_ln=True is not supported" in refused("mpt", attn_config={"qk_ln": True})
+    assert "logit_scale=2.0 is not supported" in refused("mpt", logit_scale=2.0)
     ffn = {"ffn_hidden_size": 14, "moe_num_experts": 5, "moe_top_k": 2}
     normalized = refused("dbrx", ffn_config={**ffn, "moe_normalize_expert_weights": 2.0})
     assert "moe_normalize_expert_weights=2.0 is not supported" in normalized
@@ -325,6 +348,7 @@ PUBLISHED = {  # the model cards' totals (billions) and how closely ModelConfig.
     "jais-2-8b": (8.09, 0.01),
     "dbrx": (132, 0.01),
     "phi-3.5-moe": (41.9, 0.01),
+    "mpt-7b": (6.65, 0.01),
 }
 
 
