@@ -131,10 +131,14 @@ def hf_config(name: str):
             attn_config={"clip_qkv": 1.0},
             **NO_TOKENS,
         ),
+        # ALiBi over 6 heads of 5, q/k/v rows per head; untied
+        "bloom": lambda: t.BloomConfig(
+            vocab_size=VOCAB, hidden_size=30, n_layer=3, n_head=6, tie_word_embeddings=False, **NO_TOKENS
+        ),
     }[name]()
 
 
-CASES = ["gpt2", "gpt_bigcode", "opt", "olmo", "jais2", "dbrx", "phimoe", "mpt"]
+CASES = ["gpt2", "gpt_bigcode", "opt", "olmo", "jais2", "dbrx", "phimoe", "mpt", "bloom"]
 
 
 def implementations(name: str) -> dict:
@@ -201,6 +205,16 @@ def test_the_family_reads_what_the_config_says(case):
             120,
         )
         assert cfg.layer_specs()[0].attention.alibi and cfg.tie_embeddings and cfg.activation == "gelu"
+        return
+    if case.family == "bloom":
+        assert (cfg.positions, cfg.embedding_norm, cfg.norm_bias, cfg.qkv_bias, cfg.mlp_dim) == (
+            "alibi",
+            True,
+            True,
+            True,
+            120,
+        )
+        assert case.params["embed_norm"]["bias"].shape == (30,) and not cfg.tie_embeddings
         return
     if case.family == "jais2":
         assert (cfg.norm_kind, cfg.norm_bias, cfg.norm_eps, cfg.activation) == ("layer", True, 1e-4, "relu2")
@@ -280,6 +294,8 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
     assert "attn_config.alibi_bias_max=16 is not supported" in refused("mpt", attn_config={"alibi_bias_max": 16})
     assert "attn_config.qk_ln=True is not supported" in refused("mpt", attn_config={"qk_ln": True})
     assert "logit_scale=2.0 is not supported" in refused("mpt", logit_scale=2.0)
+    post = refused("bloom", apply_residual_connection_post_layernorm=True)
+    assert "apply_residual_connection_post_layernorm=true is not supported" in post
     ffn = {"ffn_hidden_size": 14, "moe_num_experts": 5, "moe_top_k": 2}
     normalized = refused("dbrx", ffn_config={**ffn, "moe_normalize_expert_weights": 2.0})
     assert "moe_normalize_expert_weights=2.0 is not supported" in normalized
@@ -349,6 +365,8 @@ PUBLISHED = {  # the model cards' totals (billions) and how closely ModelConfig.
     "dbrx": (132, 0.01),
     "phi-3.5-moe": (41.9, 0.01),
     "mpt-7b": (6.65, 0.01),
+    "bloom-560m": (0.559, 0.01),
+    "bloom-7b1": (7.07, 0.01),
 }
 
 
@@ -383,16 +401,18 @@ def test_a_conv1d_tensor_is_the_engine_matrix_in_hf_in_out_order():
     np.testing.assert_array_equal(to_hf(out, o), o.reshape(6, 4))
 
 
-def test_gpt2_reads_checkpoints_saved_from_its_base_model(case, tmp_path):
-    """openai-community/gpt2's layout: GPT2Model's names (`h.0.`, `wte.`), no LM head, and the
-    old causal-mask buffers (attn.bias, attn.masked_bias), which conversion skips."""
-    if case.family != "gpt2":
-        pytest.skip("GPT-2's published layout")
+def test_gpt2_and_bloom_read_checkpoints_saved_from_their_base_models(case, tmp_path):
+    """openai-community/gpt2's and bigscience/bloom's layout: the base model's names (`h.0.`,
+    `wte.`, `word_embeddings.`), no LM head, and GPT-2's old causal-mask buffers (attn.bias,
+    attn.masked_bias), which conversion skips."""
+    if case.family not in ("gpt2", "bloom"):
+        pytest.skip("GPT-2's and BLOOM's published layout")
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text((case.hf_dir / "config.json").read_text())
     tensors = {k.removeprefix("transformer."): v for k, v in load_file(case.hf_dir / "model.safetensors").items()}
-    tensors.pop("lm_head.weight", None)
-    for i in range(case.cfg.num_layers):
+    if case.cfg.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    for i in range(case.cfg.num_layers if case.family == "gpt2" else 0):
         tensors[f"h.{i}.attn.bias"] = np.tril(np.ones((1, 1, 64, 64), np.float32))
         tensors[f"h.{i}.attn.masked_bias"] = np.asarray(-1e4, np.float32)
     save_file(tensors, tmp_path / "hf" / "model.safetensors")

@@ -177,18 +177,30 @@ def fused_hf_shape(spec: TensorSpec, shapes: list[tuple[int, ...]]) -> tuple[int
 
 
 def unfuse(spec: TensorSpec, hf_array: np.ndarray, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
-    """A fused HF tensor's row blocks, one per engine array of `shapes` (views; Conv1D's,
+    """A fused HF tensor's row blocks, one per engine array of `shapes` (views; in groups,
+    TensorSpec.fused_groups, each part's rows gathered from every group; Conv1D's,
     TensorSpec.in_out, column blocks)."""
     if spec.in_out:
         return np.split(hf_array, np.cumsum([hf_shape(spec, shape)[1] for shape in shapes])[:-1], axis=1)
-    ends = np.cumsum([hf_shape(spec, shape)[0] for shape in shapes])[:-1]
-    return np.split(hf_array, ends, axis=0)
+    rows, groups = [hf_shape(spec, shape)[0] for shape in shapes], spec.fused_groups
+    if groups == 1:
+        return np.split(hf_array, np.cumsum(rows)[:-1], axis=0)
+    assert all(r % groups == 0 for r in rows), f"{spec.hf_name}: rows {rows} are not in {groups} groups"
+    grouped = hf_array.reshape(groups, -1, *hf_array.shape[1:])
+    pieces = np.split(grouped, np.cumsum([r // groups for r in rows])[:-1], axis=1)
+    return [piece.reshape(-1, *hf_array.shape[1:]) for piece in pieces]
 
 
 def fuse(spec: TensorSpec, hf_arrays: list[np.ndarray]) -> np.ndarray:
-    """The fused HF tensor of its parts' HF arrays (unfuse's inverse): one after another along
-    the first axis, or Conv1D's (TensorSpec.in_out) second."""
-    return np.concatenate(hf_arrays, axis=1 if spec.in_out else 0)
+    """The fused HF tensor of the parts' HF arrays (unfuse's inverse): one after another along
+    the first axis (in groups, TensorSpec.fused_groups), or Conv1D's (TensorSpec.in_out) second."""
+    if spec.in_out:
+        return np.concatenate(hf_arrays, axis=1)
+    groups = spec.fused_groups
+    if groups == 1:
+        return np.concatenate(hf_arrays)
+    grouped = [a.reshape(groups, -1, *a.shape[1:]) for a in hf_arrays]
+    return np.concatenate(grouped, axis=1).reshape(-1, *hf_arrays[0].shape[1:])
 
 
 def to_engine(spec: TensorSpec, hf_array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:

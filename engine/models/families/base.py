@@ -56,6 +56,11 @@ class TensorSpec:
     """More engine params stored after `path` in HF's one tensor, concatenated along its first
     (output) axis, each laid out as in_dims says (Phi-3's qkv_proj: q, k, v; gate_up_proj:
     gate, up). Their shapes may differ."""
+    fused_groups: int = 1
+    """With fused_with: HF's rows are this many equal groups, one after another, each holding
+    its share of every part in order (GPT-NeoX's query_key_value, (heads, 3, head_dim): groups
+    = heads; Falcon's, each KV group's queries, key and value: groups = KV heads). 1: the parts
+    whole, one after another."""
     concatenated_with: tuple[tuple[str, ...], ...] = ()
     """More engine params stored after `path` in HF's one tensor, concatenated along its last
     axis (Llama 4's experts' gate_up_proj (E, d, 2f): gate then up, `chunk(2, -1)`). Same
