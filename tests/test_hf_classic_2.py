@@ -285,7 +285,6 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
         "gpt2", scale_attn_by_inverse_layer_idx=True
     )
     assert "add_cross_attention=true is not supported" in refused("gpt2", add_cross_attention=True)
-    assert "multi_query=false is not supported" in refused("gpt_bigcode", multi_query=False)
     assert "activation_function 'tanh' is not supported" in refused("gpt2", activation_function="tanh")
     assert "do_layer_norm_before=false" in refused("opt", do_layer_norm_before=False)
     assert "word_embed_proj_dim 16 is not supported" in refused("opt", word_embed_proj_dim=16)
@@ -332,6 +331,22 @@ def test_the_published_dbrx_config_json_reads_as_its_preset():
     tree.pop("compute", None)
     cfg, _ = model_config_from_hf(DBRX_BASE)
     assert cfg == ModelConfig.model_validate(tree) and cfg.rope_theta == 500000.0
+
+
+def test_gpt_bigcode_without_multi_query_reads_its_per_head_rows(tmp_path):
+    """multi_query false: c_attn's rows are each head's q, k, v together (fused_groups)."""
+    config = transformers.GPTBigCodeConfig(**{**hf_config("gpt_bigcode").to_dict(), "multi_query": False})
+    model = random_causal_lm(config, 0, attn_implementation="eager")
+    model.save_pretrained(tmp_path / "hf")
+    convert_hf(tmp_path / "hf", tmp_path / "converted")
+    cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
+    _, compute = stored_configs(tmp_path / "converted" / "checkpoint")
+    assert cfg.num_kv_heads == cfg.num_heads == 6
+    tokens, mask = batch()
+    ours = np.asarray(apply_model(graphdef_of(cfg, compute), params, jnp.asarray(tokens), None, jnp.asarray(mask)))
+    valid = mask.astype(bool)
+    assert np.abs(ours - hf_logits(model, tokens, mask))[valid].max() <= 1e-4
+    assert model_config_to_hf(cfg)["multi_query"] is False
 
 
 def test_gpt2_without_scaled_scores_reads_as_a_unit_score_scale():

@@ -5,7 +5,8 @@ to the token embeddings, biases on every projection, a non-gated MLP (c_fc, c_pr
 HF's gelu_new, and one fused projection for queries, keys and values (`c_attn`). GPT-2
 stores its matrices as Conv1D, (in, out) (TensorSpec.in_out), c_attn's columns q, k, v;
 GPT-BigCode as Linear (out, in), c_attn's rows the queries then one key and one value head
-(`multi_query`) or all heads' keys, then values. The two share config.json's GPT-2 keys
+(`multi_query`), or without it each head's query, key and value rows together
+(TensorSpec.fused_groups). The two share config.json's GPT-2 keys
 (n_embd, n_layer, n_head, n_inner, n_positions). LoRA: q/k/v are fused, the others named
 c_proj and c_fc (Family.lora_names).
 """
@@ -141,13 +142,13 @@ class GPT2(Family):
             top.append(TensorSpec(("lm_head_dv",), "lm_head.weight", 1))
         per_layer = [
             *layer_norm("attn_norm", LAYER + "ln_1"),
-            *self.attention(),
+            *self.attention(cfg),
             *layer_norm("mlp_norm", LAYER + "ln_2"),
             *self.mlp(),
         ]
         return top, per_layer
 
-    def attention(self) -> list[TensorSpec]:
+    def attention(self, cfg: ModelConfig) -> list[TensorSpec]:
         """c_attn (Conv1D: q, k, v along its columns) and c_proj, with biases."""
         qkv = (("attn", "wk_dkh"), ("attn", "wv_dkh"))
         biases = (("attn", "bk_kh"), ("attn", "bv_kh"))
@@ -177,7 +178,8 @@ class GPT2(Family):
 
 @register_family
 class GPTBigCode(GPT2):
-    """GPT-2 with Linear layers and multi-query attention (`multi_query`: one KV head)."""
+    """GPT-2 with Linear layers and multi-query attention (`multi_query`: one KV head; false:
+    every head its own)."""
 
     name = "gpt_bigcode"
     architecture = "GPTBigCodeForCausalLM"
@@ -185,24 +187,31 @@ class GPTBigCode(GPT2):
     default_activation = "gelu_pytorch_tanh"
 
     def kv_heads(self, hf: dict, where: str) -> int:
-        if hf.get("multi_query") is False:  # c_attn's rows are then grouped per head
-            raise ConfigError(f"{where}: multi_query=false is not supported (only multi-query attention)")
-        return 1
+        return 1 if hf.get("multi_query", True) else hf["n_head"]
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         return {
             "attention_softmax_in_fp32": True,
             "scale_attention_softmax_in_fp32": True,
-            "multi_query": True,
-            "num_key_value_heads": 1,
+            "multi_query": cfg.num_kv_heads == 1,
+            "num_key_value_heads": cfg.num_kv_heads,
         }
 
-    def attention(self) -> list[TensorSpec]:
+    def attention(self, cfg: ModelConfig) -> list[TensorSpec]:
+        # multi-query: c_attn's rows q, k, v; otherwise each head's q, k, v rows together
+        groups = 1 if cfg.num_kv_heads == 1 else cfg.num_heads
         qkv = (("attn", "wk_dkh"), ("attn", "wv_dkh"))
         biases = (("attn", "bk_kh"), ("attn", "bv_kh"))
         return [
-            TensorSpec(("attn", "wq_dnh"), LAYER + "attn.c_attn.weight", 1, fused_with=qkv),
-            TensorSpec(("attn", "bq_nh"), LAYER + "attn.c_attn.bias", None, flatten=True, fused_with=biases),
+            TensorSpec(("attn", "wq_dnh"), LAYER + "attn.c_attn.weight", 1, fused_with=qkv, fused_groups=groups),
+            TensorSpec(
+                ("attn", "bq_nh"),
+                LAYER + "attn.c_attn.bias",
+                None,
+                flatten=True,
+                fused_with=biases,
+                fused_groups=groups,
+            ),
             TensorSpec(("attn", "wo_nhd"), LAYER + "attn.c_proj.weight", 2),
             TensorSpec(("attn", "bo_d"), LAYER + "attn.c_proj.bias", None),
         ]
