@@ -10,7 +10,7 @@ own process with that tree (or this one) first on sys.path, the two trees altern
 (ABAB) per model. Compiled memory is the compiler's, so the machine's load does not change
 it; compile time does, and the load average is recorded with each run.
 
-Writes bench/results/block_refactor_compile.json.
+Writes bench/results/block_refactor_compile.json (or --out; --refactor names the change measured).
 """
 
 from __future__ import annotations
@@ -90,10 +90,13 @@ def main() -> None:
     parser.add_argument("--after", default=str(REPO), help="a checkout of the commit after (default: this tree)")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--out", default="block_refactor_compile.json", help="results file under bench/results/")
+    parser.add_argument("--refactor", default="the typed-blocks refactor (issue 50)", help="what the trees differ by")
     args = parser.parse_args()
     trees = {"before": os.path.abspath(args.before), "after": os.path.abspath(args.after)}
     info = machine(
-        description=__doc__.split("\n\n")[0],
+        description=f"Compile time and compiled memory of one training step before and after {args.refactor}, "
+        f"for {', '.join(args.models)} on a TPU {TARGET}, compiled by libtpu on this host with plan_step",
         jax=jax.__version__,
         libtpu=importlib.metadata.version("libtpu"),
         commits={name: _commit(path) for name, path in trees.items()},
@@ -101,7 +104,7 @@ def main() -> None:
         worker=WORKER.strip(),
     )
     results: dict = {}
-    out = REPO / "bench" / "results" / "block_refactor_compile.json"
+    out = REPO / "bench" / "results" / args.out
     info["results"] = results
     info["figures"] = (
         "per_chip_gib: the compiler's memory analysis, not load-sensitive; plan_seconds: trace, lower and "

@@ -353,7 +353,7 @@ def cmd_serve(args) -> int:
 def cmd_generate(args) -> int:
     local = Path(args.artifact).expanduser()
     if local.is_dir() and not (local / MANIFEST).exists():
-        args.checkpoint = str(local)  # a plain checkpoint directory (an engine run's) also works
+        args.checkpoint = str(local.resolve())  # a plain checkpoint directory (an engine run's) also works
     else:
         _artifact(args, "generate", MODEL_KINDS)  # a wrong kind: refused before JAX loads
         args.checkpoint = str(_local_artifact(args))
@@ -413,7 +413,11 @@ def cmd_convert(args) -> int:
     if args.base:  # a PEFT adapter onto the checkpoint artifact it adapts, stored beside it
         args.artifact = args.base
         directory, manifest = _artifact(args, "convert --base", get_stage_kind("convert").inputs["base"].kinds)
-        inputs, store = {"base": (manifest["stage"], manifest["id"])}, ArtifactStore(directory.parent.parent)
+        # Stored beside its base: in the same bucket store, or the same directory.
+        inputs, store = (
+            {"base": (manifest["stage"], manifest["id"])},
+            _store_of(args) or ArtifactStore(directory.parent.parent),
+        )
     return 0 if _run_one_stage("convert", config, inputs, store, args.json) else 1
 
 

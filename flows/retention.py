@@ -27,9 +27,9 @@ from engine.contract import CHECKPOINT_DIR
 from flows.gates import clear_condition
 from flows.inspection import human
 from flows.spec import Plan
-from flows.steps import committed_steps
 from flows.sweep import Ref, Selection
 from tasks.store.base import ArtifactStore
+from tasks.store.local import committed_steps
 from tasks.store.names import folder_stage
 from tasks.store.records import COMPLETE, InputError
 

@@ -155,6 +155,42 @@ def test_every_mistake_is_one_line_and_its_exit_code(world, argv, code, expected
     assert set(Path(world["STORE"]).rglob("*")) == before  # nothing written, no failed artifact left
 
 
+def test_a_path_with_dots_or_through_a_symlink_is_answered_as_the_place_it_leads_to(world, tmp_path, capsys):
+    """Store, pipeline and artifact arguments are resolved (`..`, symlinks) before use: each
+    command answers as for the real path (tests/test_hf_stages.py: export, convert, lineage,
+    verify and diff on a real checkpoint)."""
+    for name in ("STORE", "PIPE", "EVAL"):
+        (tmp_path / name).symlink_to(world[name])
+    forms = {
+        "STORE": [f"{world['STORE']}/train/..", str(tmp_path / "STORE")],
+        "PIPE": [f"{world['STORE']}/../{Path(world['PIPE']).name}", str(tmp_path / "PIPE")],
+        "EVAL": [f"{world['EVAL']}/../{Path(world['EVAL']).name}", str(tmp_path / "EVAL")],
+    }
+    commands = [
+        (["status", "PIPE", "--store", "STORE", "--json"], "STORE"),
+        (["status", "PIPE", "--json"], "PIPE"),
+        (["ls", "--store", "STORE", "--json"], "STORE"),
+        (["gc", "--store", "STORE", "--keep", "PIPE", "--dry-run"], "STORE"),
+        (["gc", "--store", "STORE", "--keep", "PIPE", "--dry-run"], "PIPE"),
+        (["lineage", "EVAL", "--json"], "EVAL"),
+        (["generate", "EVAL", "--prompt", "hi"], "EVAL"),  # refused, naming the artifact
+        (["export", "EVAL"], "EVAL"),
+    ]
+
+    def outcome(argv: list[str]) -> tuple[int, str, str]:
+        try:
+            code = main(argv)
+        except SystemExit as stopped:
+            code = stopped.code
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    for argv, varied in commands:
+        want = outcome([world.get(a, a) for a in argv])
+        for form in forms[varied]:
+            assert outcome([form if a == varied else world.get(a, a) for a in argv]) == want, (argv, form)
+
+
 def test_each_command_s_options_say_what_they_do():
     parser = cli.build_parser()
     for name, command in parser.commands.items():

@@ -259,11 +259,11 @@ def test_unsupported_architecture_is_named(llama_dir, tmp_path):
 
 
 def test_unsupported_rope_type_is_named(llama_dir, tmp_path):
-    def dynamic(c):
+    def longrope(c):  # Phi-3's (its family reads it), not Llama's
         c.pop("rope_parameters", None)
-        c["rope_scaling"] = {"rope_type": "dynamic", "factor": 4.0}
+        c["rope_scaling"] = {"rope_type": "longrope", "factor": 4.0}
 
-    assert "RoPE type 'dynamic'" in convert_error(edited_copy(llama_dir, tmp_path / "m", dynamic), tmp_path)
+    assert "RoPE type 'longrope'" in convert_error(edited_copy(llama_dir, tmp_path / "m", longrope), tmp_path)
 
 
 def test_a_missing_tensor_is_named(llama_dir, tmp_path):

@@ -129,3 +129,54 @@ def test_pipelines_wire_convert_into_training_and_export(hf_dir):
     )
     with pytest.raises(Exception, match=r"stage 'release' \(export\) produces a hf_model, but input 'checkpoint'"):
         build_plan(spec, "finetune.yaml")
+
+
+def test_a_path_with_dots_or_through_a_symlink_names_the_artifact_it_leads_to(hf_dir, converted, tmp_path, capsys):
+    """`ART/checkpoint/..` and a symlink to ART are ART, in ART's store, for every command that
+    takes an artifact path (an export of `ART/checkpoint/..` once took ART itself for the store
+    and wrote export/<id>/.lock into it), and for convert's source and --base."""
+    peft = need("peft")
+    store, converted = converted
+    art = Path(converted["path"])
+    links = tmp_path / "links"
+    links.mkdir()
+    (links / art.name).symlink_to(art)
+    (links / "hf").symlink_to(hf_dir)
+
+    def forms(path: Path) -> list[str]:
+        return [f"{path}/tokenizer/..", str(links / path.name)]
+
+    assert main(["export", str(art), "--json"]) == 0
+    exported = Path(last_json(capsys.readouterr().out)["path"])
+    (links / exported.name).symlink_to(exported)
+    for form in forms(art):
+        assert main(["export", form, "--json"]) == 0
+        again = last_json(capsys.readouterr().out)
+        assert again["status"] == "skipped" and again["path"] == str(exported), again
+    for form in [f"{exported}/hf/..", str(links / exported.name)]:
+        for command in (["lineage", "--json"], ["verify"], ["diff", str(exported), "--json"]):
+            assert main([command[0], str(exported), *command[1:]]) == 0
+            want = capsys.readouterr().out
+            assert main([command[0], form, *command[1:]]) == 0
+            assert capsys.readouterr().out == want, (command, form)
+    assert json.loads(want)["lineage"] == []  # the export's ancestors, found in its own store
+
+    model = peft.get_peft_model(
+        transformers.AutoModelForCausalLM.from_pretrained(hf_dir), peft.LoraConfig(r=2, target_modules=["q_proj"])
+    )
+    model.save_pretrained(tmp_path / "peft")
+    assert main(["convert", str(tmp_path / "peft"), "--base", str(art), "--json"]) == 0
+    adapter = last_json(capsys.readouterr().out)["path"]
+    for form in forms(art):
+        assert main(["convert", str(tmp_path / "peft"), "--base", form, "--json"]) == 0
+        again = last_json(capsys.readouterr().out)
+        assert again["status"] == "skipped" and again["path"] == adapter, again
+    for form in [f"{hf_dir}/../hf", str(links / "hf")]:
+        assert main(["convert", form, "--store", str(store), "--json"]) == 0
+        assert last_json(capsys.readouterr().out)["path"] == str(art)
+
+    assert not (art / "export").exists() and not (art / "convert").exists()
+    assert main(["verify", str(art)]) == 0  # nothing was written into the input artifact
+    capsys.readouterr()
+    assert main(["export", str(art), "--out", f"{links}/{art.name}/hf"]) == 2
+    assert f"{links}/{art.name}/hf lies inside the artifact {art}" in capsys.readouterr().err

@@ -249,8 +249,21 @@ def test_generate_from_a_bucket_artifact_on_a_fresh_machine(finished, tmp_path):
         "--json",
         env={"TRAINFLOW_CACHE": str(cache)},
     )
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["prompt"] == "import"
+    sampled = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sampled["prompt"] == "import"
     assert list(cache.glob(f"*/pretrain/{artifact}/checkpoint/{STEPS}/digests.json"))
+    # The engine alone, given the artifact's URL: the checkpoint and its tokenizer read there.
+    engine = subprocess.run(
+        [sys.executable, "-m", "engine.inference.generate", f"{store}/pretrain/{artifact}", "--prompt", "import"]
+        + ["--max-new-tokens", "3", "--temperature", "0", "--json"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "XLA_FLAGS": child_xla_flags(), "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert engine.returncode == 0, engine.stderr[-3000:]
+    assert json.loads(engine.stdout.strip().splitlines()[-1]) == sampled
 
 
 def test_tampered_checkpoint_object_fails_verify(finished, tmp_path):
@@ -647,6 +660,30 @@ def test_convert_from_a_bucket_and_export_to_one(bucket, tmp_path, capsys):
         torch.testing.assert_close(loaded[name], weight, rtol=0, atol=0, msg=name)
     assert main(["export", converted["artifact_id"], "--store", store, "--out", out]) == 2  # not empty
     assert f"error: {out} is not empty" in capsys.readouterr().err
+
+    # A PEFT adapter onto the base in the bucket: stored beside it, the engine reading the base at
+    # its URL (it once opened the base's staging copy as a local store and found no checkpoint).
+    peft = need("peft")
+    adapter_model = peft.get_peft_model(
+        transformers.AutoModelForCausalLM.from_pretrained(local), peft.LoraConfig(r=2, target_modules=["q_proj"])
+    )
+    with torch.no_grad():
+        for name, p in adapter_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.3)
+    adapter_model.save_pretrained(tmp_path / "peft")
+    assert main(["convert", str(tmp_path / "peft"), "--base", converted["path"], "--json"]) == 0
+    adapter = last_json()
+    assert adapter["path"] == f"{store}/convert/{adapter['artifact_id']}" and adapter["metrics"]["rank"] == 2
+    assert main(["export", adapter["path"], "--out", str(tmp_path / "peft_back"), "--json"]) == 0
+    last_json()
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(local)
+    reloaded = peft.PeftModel.from_pretrained(base_model, tmp_path / "peft_back")
+    lora = {name: weight for name, weight in adapter_model.state_dict().items() if "lora_" in name}
+    back = {name: weight for name, weight in reloaded.state_dict().items() if "lora_" in name}
+    assert lora.keys() == back.keys() and lora
+    for name, weight in lora.items():
+        torch.testing.assert_close(back[name], weight, rtol=0, atol=0, msg=name)
 
     assert main(["convert", f"s3://{bucket}/models/none", "--store", store]) == 2
     assert f"s3://{bucket}/models/none is not a Hugging Face model directory" in capsys.readouterr().err

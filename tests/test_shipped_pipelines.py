@@ -1,9 +1,12 @@
 """The shipped pipelines of configs/pipelines/ run to completion, as `trainflow run` runs
 them, shrunk only by command-line overrides (fewer problems, steps and points; nothing
-else of the file changes), on the session's Prefect server.
+else of the file changes), on the session's Prefect server and an S3 store (moto on
+127.0.0.1, one server and one bucket for the module): every stage's engine reads its inputs
+and writes its checkpoint at the bucket's URL, evaluate and export included, as on a machine
+that shares no disk with the runner.
 
 Which test runs which shipped pipeline:
-    quickstart.yaml  tests/test_quickstart.py (as shipped, full size)
+    quickstart.yaml  here (and tests/test_quickstart.py: as shipped, full size, a local store)
     tiny.yaml        tests/test_object_store.py (on an S3 store, a smaller corpus and fewer steps)
     sweep.yaml, posttrain.yaml, tools.yaml   here
 """
@@ -11,17 +14,20 @@ Which test runs which shipped pipeline:
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import os
 
 import pytest
 import yaml
 
 from engine.data.tokenizer import load_saved
+from engine.data.urls import local_folder, read_text
 from engine.posttrain.sandbox import FAILURE_KINDS
 from flows.spec import load_plan
-from tasks.store.records import read_manifest
+from tasks.store.base import ArtifactStore
+from tasks.store.names import stage_folder
 from tests.conftest import REPO
-from tests.test_object_store import trainflow
+from tests.deps import need
+from tests.test_object_store import boto3, s3_endpoint, trainflow  # noqa: F401  (the module's moto server)
 
 PIPELINES = REPO / "configs" / "pipelines"
 
@@ -77,6 +83,14 @@ POSTTRAIN_SMALL = [
     *SMALL_EVALUATE,
 ]
 
+QUICKSTART_SMALL = [
+    *SMALL_PROBLEMS,
+    *at("pretrain", SMALL_LM),
+    *at("sft", SMALL_LM),
+    *at("grpo", SMALL_GRPO),
+    *SMALL_EVALUATE,
+]
+
 TOOLS_SMALL = [
     *SMALL_PROBLEMS,
     *at("pretrain", SMALL_LM),
@@ -89,17 +103,24 @@ TOOLS_SMALL = [
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory) -> Path:
-    """One store for the module: a stage two pipelines share at the same config runs once."""
-    return tmp_path_factory.mktemp("shipped") / "store"
+def store(s3_endpoint) -> str:  # noqa: F811
+    """One S3 store for the module: a stage two pipelines share at the same config runs once."""
+    name = f"trainflow-shipped-{os.getpid()}"
+    boto3.client("s3", endpoint_url=s3_endpoint["AWS_ENDPOINT_URL"]).create_bucket(Bucket=name)
+    return f"s3://{name}/artifacts"
 
 
-def run_to_completion(name: str, overrides: list[str], store: Path) -> dict[str, dict]:
+def run_to_completion(name: str, overrides: list[str], store: str) -> dict[str, dict]:
     """`trainflow run` of a shipped pipeline, then `trainflow status`: stage -> its row."""
     pipeline = PIPELINES / name
     trainflow("run", pipeline, "--store", store, *overrides, timeout=1200)
     status = json.loads(trainflow("status", pipeline, "--store", store, *overrides, "--json").stdout)
     return {row["stage"]: row for row in status["stages"]}
+
+
+def in_bucket(store: str, stage: str, artifact_id: str, rel: str) -> str:
+    """The URL of a file of an artifact (a sweep point's folder: its name with parentheses)."""
+    return f"{store}/{stage_folder(stage)}/{artifact_id}/{rel}"
 
 
 def test_a_shipped_selection_by_a_held_out_metric_ranks_points_that_hold_data_out():
@@ -128,8 +149,12 @@ def test_a_shipped_pipeline_runs_to_completion(prefect_server, store, name, over
     rows = run_to_completion(name, overrides, store)
     states = {stage: row["state"] for stage, row in rows.items()}
     assert set(states.values()) == {"complete"}, states
+    if name == "posttrain.yaml":  # every model of the report was read at the bucket's URL
+        report = json.loads(read_text(in_bucket(store, "evaluate", rows["evaluate"]["artifact_id"], "report.json")))
+        assert set(report["models"]) == {"sft", "dpo", "grpo", "student", "student_before"}, report["models"]
+        assert all(str(path).startswith(f"{store}/") for path in report["checkpoints"].values()), report["checkpoints"]
     if name == "tools.yaml":  # the python tool ran under bubblewrap, and the manifest says so
-        metrics = read_manifest(store / "grpo" / rows["grpo"]["artifact_id"])["metrics"]
+        metrics = ArtifactStore(store).manifest("grpo", rows["grpo"]["artifact_id"])["metrics"]
         assert metrics["tool_sandbox"] == "bubblewrap" and metrics["env/tool_sandbox_weaker"] == 0.0, metrics
         assert {f"env/tool_failures/{kind}" for kind in FAILURE_KINDS} <= set(metrics), metrics
 
@@ -141,16 +166,44 @@ def test_the_shipped_sweep_runs_to_its_export_of_the_point_with_the_best_held_ou
     stages = ["problems", "tokenize", "pretrain", "early", *points, "evaluate", "export"]
     assert {stage: row["state"] for stage, row in rows.items()} == dict.fromkeys(stages, "complete"), rows
     ids = {stage: row["artifact_id"] for stage, row in rows.items()}
+    bucket = ArtifactStore(store)
 
     # The selection ranked the points by the held-out loss each one's manifest records.
-    def artifact(stage: str) -> Path:  # a point's folder: its name with parentheses
-        return store / stage.replace("[", "(").replace("]", ")") / ids[stage]
-
-    held_out = {p: read_manifest(artifact(p))["metrics"]["eval_loss"] for p in points}
-    chosen = read_manifest(artifact("export"))["decisions"]["select"]["checkpoint"]
+    held_out = {p: bucket.manifest(p, ids[p])["metrics"]["eval_loss"] for p in points}
+    chosen = bucket.manifest("export", ids["export"])["decisions"]["select"]["checkpoint"]
     assert chosen["values"] == held_out and chosen["chosen"] == min(points, key=held_out.get), (chosen, held_out)
 
+    # `early` read step 2 of pretrain, taken while pretrain went on to step 4, at the bucket's URL.
+    early = json.loads(read_text(in_bucket(store, "early", ids["early"], "report.json")))
+    assert early["checkpoints"] == {"pretrain": in_bucket(store, "pretrain@2", ids["pretrain"], "checkpoint")}
+    assert early["models"]["pretrain"]["step"] == 2
+    assert trainflow("verify", in_bucket(store, "pretrain@2", ids["pretrain"], "")).stdout.startswith(
+        f"OK {store}/pretrain@2/{ids['pretrain']}"
+    )
+
     # The merged export says which token ends a text (transformers' generate() stops there).
-    config = json.loads((artifact("export") / "hf" / "config.json").read_text())
-    tokenizer = load_saved(artifact(chosen["chosen"]) / "tokenizer")
+    config = json.loads(read_text(in_bucket(store, "export", ids["export"], "hf/config.json")))
+    tokenizer = load_saved(local_folder(in_bucket(store, chosen["chosen"], ids[chosen["chosen"]], "tokenizer")))
     assert (config["bos_token_id"], config["eos_token_id"]) == (tokenizer.bos_id, tokenizer.eos_id)
+
+
+@pytest.mark.slow
+def test_the_shipped_quickstart_evaluates_and_exports_from_the_bucket(prefect_server, store, tmp_path):
+    """The quickstart's evaluate reads its three checkpoints at the bucket's URL (it once made
+    them paths, `.../s3:/bucket/...`, and failed), and `trainflow export` of its GRPO model from
+    the bucket gives a directory transformers loads."""
+    transformers = need("transformers")
+    rows = run_to_completion("quickstart.yaml", QUICKSTART_SMALL, store)
+    assert {row["state"] for row in rows.values()} == {"complete"}, rows
+    ids = {stage: row["artifact_id"] for stage, row in rows.items()}
+    report = json.loads(read_text(in_bucket(store, "evaluate", ids["evaluate"], "report.json")))
+    assert report["checkpoints"] == {m: in_bucket(store, m, ids[m], "checkpoint") for m in ("pretrain", "sft", "grpo")}
+    for metrics in report["models"].values():
+        assert metrics["arithmetic/prompts"] == 4 and 0 <= metrics["arithmetic/accuracy"] <= 1, metrics
+    # The prompts were read at the corpus's URL; the report names them by artifact.
+    report_md = read_text(in_bucket(store, "evaluate", ids["evaluate"], "report.md"))
+    assert f"4 prompts of problems/{ids['problems'][:8]}/eval.jsonl," in report_md, report_md[:2000]
+
+    trainflow("export", in_bucket(store, "grpo", ids["grpo"], ""), "--out", tmp_path / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.num_parameters() == ArtifactStore(store).manifest("grpo", ids["grpo"])["metrics"]["num_params"]

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from engine.config import ConfigError
+from engine.data import urls
 from engine.data.pipeline import make_dataset
 from engine.data.tokenizer import load_saved
 from engine.evaluate.config import EvalConfig, GenerationTask
@@ -53,20 +54,20 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def load_jsonl(path: str | Path, limit: int | None = None) -> list[dict]:
-    path = Path(path)
-    if not path.is_file():
+    """The records of a JSONL file, a local one or one at a bucket URL (a stage on a bucket store)."""
+    path = str(path)
+    if not (urls.exists(path) if urls.is_url(path) else Path(path).is_file()):
         raise ConfigError(f"evaluation prompts not found: {path}")
     records = []
-    with path.open() as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-            if limit and len(records) >= limit:
-                break
+    for number, line in enumerate(urls.read_text(path).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+        if limit and len(records) >= limit:
+            break
     if not records:
         raise ConfigError(f"{path}: no prompts")
     return records
@@ -189,10 +190,10 @@ def evaluate_model(
 ) -> tuple[dict, list[dict]]:
     """Every metric of one checkpoint (a directory holding Orbax steps), computed as it was saved;
     `harness`: cfg.harness's tasks, prepared once for all models (prepare_harness)."""
+    checkpoint_dir = str(checkpoint_dir)  # a local path, or a bucket URL that Path would fold into s3:/
     if progress is None:
         progress = Progress(batches_of(cfg), 1, log)
-        progress.start_model(Path(checkpoint_dir).name)
-    checkpoint_dir = Path(checkpoint_dir)
+        progress.start_model(checkpoint_dir.rstrip("/").rsplit("/", 1)[-1])
     model_cfg, compute = stored_configs(checkpoint_dir)
     train_cfg = TrainConfig.model_validate(
         {

@@ -41,10 +41,10 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 
 from engine.config import ConfigError
-from engine.contract import CHECKPOINT_DIR
+from engine.data import urls
 from engine.data.tokenizer import TokenizerBundle, load_saved
 from engine.evaluate.config import HarnessConfig
-from engine.inference.sample import Sampler, left_pad, length_bucket, tokenizer_dir_for
+from engine.inference.sample import Sampler, checkpoint_in, left_pad, length_bucket, tokenizer_dir_for
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.params import abstract_model_params, apply_model, graphdef_of
 from engine.ops.cross_entropy import log_z_and_target
@@ -80,11 +80,9 @@ def load_model(
 ) -> LoadedModel:
     """A checkpoint (or a checkpoint artifact holding checkpoint/) placed on a mesh, with the
     tokenizer beside it (or `tokenizer`); `dtype` overrides the stored compute dtypes."""
-    checkpoint = Path(checkpoint)
-    if (checkpoint / CHECKPOINT_DIR).is_dir():
-        checkpoint = checkpoint / CHECKPOINT_DIR
-    tokenizer_dir = Path(tokenizer) if tokenizer else tokenizer_dir_for(checkpoint)
-    if tokenizer_dir is None or not tokenizer_dir.is_dir():
+    checkpoint = checkpoint_in(checkpoint)
+    tokenizer_dir = urls.existing_folder(tokenizer) if tokenizer else tokenizer_dir_for(checkpoint)
+    if tokenizer_dir is None:
         raise ConfigError(f"no tokenizer next to {checkpoint}; pass the model argument tokenizer=DIR")
     model_cfg, compute = stored_configs(checkpoint, step)
     if dtype is not None:

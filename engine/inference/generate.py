@@ -7,24 +7,29 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from engine.config import ConfigError
-from engine.contract import CHECKPOINT_DIR, EXIT_CONFIG_ERROR, EXIT_OK
+from engine.contract import EXIT_CONFIG_ERROR, EXIT_OK
+from engine.data import urls
 from engine.data.tokenizer import load_saved
 from engine.inference.options import add_sampling_arguments
-from engine.inference.sample import Sampler, decode_completions, encode_prompts, left_pad, tokenizer_dir_for
+from engine.inference.sample import (
+    Sampler,
+    checkpoint_in,
+    decode_completions,
+    encode_prompts,
+    left_pad,
+    tokenizer_dir_for,
+)
 from engine.train.checkpoint import load_params, stored_configs
 
 
 def generate(args: argparse.Namespace) -> int:
     """Run the options of add_sampling_arguments (plus `checkpoint`); the exit code."""
     try:
-        checkpoint = Path(args.checkpoint)
-        if (checkpoint / CHECKPOINT_DIR).is_dir():
-            checkpoint = checkpoint / CHECKPOINT_DIR
-        tokenizer_dir = Path(args.tokenizer) if args.tokenizer else tokenizer_dir_for(checkpoint)
-        if tokenizer_dir is None or not tokenizer_dir.is_dir():
+        checkpoint = checkpoint_in(args.checkpoint)
+        tokenizer_dir = urls.existing_folder(args.tokenizer) if args.tokenizer else tokenizer_dir_for(checkpoint)
+        if tokenizer_dir is None:
             raise ConfigError(f"no tokenizer next to {checkpoint}; pass --tokenizer DIR")
         prompts = [line.rstrip("\n") for p in args.prompt for line in (sys.stdin if p == "-" else [p])]
         if not prompts:

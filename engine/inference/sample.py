@@ -32,7 +32,8 @@ import numpy as np
 from flax import nnx
 
 from engine.config import ConfigError
-from engine.contract import TOKENIZER_DIR
+from engine.contract import CHECKPOINT_DIR, TOKENIZER_DIR
+from engine.data import urls
 from engine.data.chat import render
 from engine.models import router_replay
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
@@ -502,7 +503,14 @@ def decode_completions(bundle, output: SampleOutput, skip_special_tokens: bool =
     ]
 
 
+def checkpoint_in(path: str | Path) -> str:
+    """The checkpoint directory a user names: `path` itself, or the checkpoint/ of the artifact
+    at `path`; either a local path or a bucket URL (kept as the URL: Path would fold s3:// into s3:/)."""
+    inner = urls.join(path, CHECKPOINT_DIR)
+    return inner if (urls.exists(inner) if urls.is_url(path) else Path(inner).is_dir()) else str(path)
+
+
 def tokenizer_dir_for(checkpoint_dir: str | Path) -> Path | None:
-    """A checkpoint artifact keeps its tokenizer next to the checkpoint: <artifact>/tokenizer/."""
-    candidate = Path(checkpoint_dir).parent / TOKENIZER_DIR
-    return candidate if candidate.is_dir() else None
+    """A checkpoint artifact keeps its tokenizer next to the checkpoint: <artifact>/tokenizer/
+    (for a checkpoint at a bucket URL, this host's cached copy of the tokenizer there)."""
+    return urls.existing_folder(urls.join(urls.parent(checkpoint_dir), TOKENIZER_DIR))

@@ -30,15 +30,23 @@ class Build:
     dot_general: Any = jax.lax.dot_general
     """Every matmul's product (jax.lax.dot_general, or a quantized one)."""
     lora: LoraConfig | None = None
-    lora_targets: tuple[str, ...] = ()
-    """The PEFT module names the adapter puts weights on (LoraConfig.targets of the model)."""
+    model: ModelConfig | None = None
+    """The model `lora` adapts (for its targets)."""
 
     @classmethod
     def of(
         cls, cfg: ModelConfig, compute: ComputeConfig, dot_general=jax.lax.dot_general, lora: LoraConfig | None = None
     ) -> Build:
-        targets = lora.targets(cfg) if lora is not None else ()
-        return cls(cfg.d_model, compute, cfg.init_std, cfg.num_layers, dot_general, lora, targets)
+        return cls(cfg.d_model, compute, cfg.init_std, cfg.num_layers, dot_general, lora, cfg)
+
+    @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """The PEFT module names the adapter puts weights on (LoraConfig.targets of the model),
+        asked for by a block that has adaptable weights: a model with none of them (every
+        projection latent attention or experts) builds without asking."""
+        if self.lora is None or self.model is None:
+            return ()
+        return self.lora.targets(self.model)
 
     @property
     def out_std(self) -> float:
@@ -105,10 +113,14 @@ class LayerNorm(nnx.Module):
     scale and the bias each optional (OLMo 1 has neither), the scale zero-centred (Nemotron's
     LayerNorm1P: * (1 + scale))."""
 
-    def __init__(self, dim: int, spec: NormSpec, param_dtype, *, rngs: nnx.Rngs):
+    def __init__(self, dim: int, spec: NormSpec, param_dtype, *, rngs: nnx.Rngs, heads: tuple[int, str] | None = None):
+        """`heads` (count, logical name): a scale per (head, dim), each head normalised over its
+        own dims (StableLM 2's and Cohere's QK norms); no bias then."""
+        shape, names = ((heads[0], dim), (heads[1], "head_dim")) if heads else ((dim,), ("norm",))
+        assert not (heads and spec.bias), "a per-head LayerNorm has no bias"
         if spec.scale:
             init = jnp.zeros if spec.zero_centered else jnp.ones
-            self.scale = nnx.Param(init((dim,), param_dtype), out_sharding=("norm",))
+            self.scale = nnx.Param(init(shape, param_dtype), out_sharding=names)
         if spec.bias:
             self.bias = nnx.Param(jnp.zeros((dim,), param_dtype), out_sharding=("norm",))
         self.eps, self.zero_centered, self.has_scale, self.has_bias = (
@@ -132,8 +144,8 @@ class LayerNorm(nnx.Module):
 
 
 def make_norm(spec: NormSpec, dim: int, param_dtype, *, rngs: nnx.Rngs, heads: tuple[int, str] | None = None):
-    """The norm a NormSpec describes over `dim` (with `heads`: over (heads, dim) at once, RMS only)."""
+    """The norm a NormSpec describes over `dim`; with `heads`, a scale per (head, dim): an
+    RMSNorm over (heads, dim) at once (OLMo 2), a LayerNorm over each head's dim (StableLM 2)."""
     if spec.kind == "layer":
-        assert heads is None, "a LayerNorm over several heads at once is not a layer kind"
-        return LayerNorm(dim, spec, param_dtype, rngs=rngs)
+        return LayerNorm(dim, spec, param_dtype, rngs=rngs, heads=heads)
     return RMSNorm(dim, spec.eps, param_dtype, zero_centered=spec.zero_centered, heads=heads, rngs=rngs)

@@ -190,7 +190,8 @@ class ModelConfig(Strict):
     activation: Activation = "silu"
     """Gate of the gated MLP: silu = SwiGLU (Llama, Qwen, Mistral), gelu_tanh = GeGLU (Gemma);
     relu2 = relu(x)^2, the activation of Nemotron-H's MLP, which is not gated (mlp_gated); gelu
-    (exact) and relu those of GPT-era MLPs."""
+    (exact) and relu those of GPT-era MLPs; xielu = xIELU with two learned scalars per layer
+    (engine/models/xielu.py; Apertus's ungated dense MLP, the only place it is taken)."""
     qkv_bias: bool = False
     """Biases on the query, key and value projections (Qwen2)."""
     qk_norm: bool = False
@@ -434,11 +435,35 @@ class ModelConfig(Strict):
     """A norm on the token embeddings before the first layer (BLOOM's word_embeddings_layernorm)."""
     lm_head_bias: bool = False
     """A bias on the LM head (GPT-J, Phi)."""
+    # Ministral 3 and Hunyuan dense (engine/models/families/ministral.py, hunyuan.py)
+    query_position_scale: float | None = Field(None, ge=0)
+    """Every layer multiplies its rotated queries by 1 + query_position_scale * log(1 + floor(p /
+    rope_scaling.original_max_position)), p the query's position (Ministral 3's
+    llama_4_scaling_beta); None: no such scaling."""
+    qk_norm_after_rope: bool = False
+    """With qk_norm: the norms apply to the rotated queries and keys, not before RoPE (Hunyuan
+    dense's query_layernorm, key_layernorm)."""
+    qk_norm_per_head: bool = False
+    """With qk_norm and norm_kind layer: each head's queries (keys) get a LayerNorm over head_dim
+    with a scale of their own and no bias (StableLM 2 12B's and Cohere's QK norms)."""
+    logits_multiplier: float | None = Field(None, gt=0)
+    """Output logits are multiplied by this (Cohere's logit_scale); None: not scaled."""
     router_sparsemixer_eps: float | None = Field(None, gt=0)
     """SparseMixer routing (PhiMoE, arXiv 2409.12136) at inference, with this jitter epsilon:
     the k experts are the best, then the best of the rest, ..., each weighted by a softmax
     over the logits still in play within a relative 2 * eps of that expert's (engine/models/moe.py:
     sparsemixer); None: the usual softmax top-k."""
+
+    @model_validator(mode="after")
+    def _check_query_scaling(self) -> ModelConfig:
+        if self.query_position_scale is not None and self.rope_scaling is None:
+            raise ValueError("query_position_scale needs rope_scaling (its original_max_position is the period)")
+        if self.qk_norm_after_rope and (not self.qk_norm or self.qk_norm_across_heads or self.rope_interleave):
+            raise ValueError(
+                "qk_norm_after_rope needs qk_norm over head_dim (not qk_norm_across_heads) and half-split "
+                "RoPE (rope_interleave false: the rotation reorders head_dim, the norm's scales would not)"
+            )
+        return self
 
     @field_validator("family")
     @classmethod
@@ -575,6 +600,8 @@ class ModelConfig(Strict):
             raise ValueError("qk_norm_across_heads is an RMSNorm over all heads; norm_kind layer has none")
         if self.residual != "sequential" and (self.post_norms or not self.pre_norms):
             raise ValueError(f"residual {self.residual} adds pre-normed sublayers: pre_norms true, post_norms false")
+        if self.qk_norm_per_head and not (self.qk_norm and self.norm_kind == "layer"):
+            raise ValueError("qk_norm_per_head (a LayerNorm per head) needs qk_norm and norm_kind layer")
         if self.position_offset and self.positions != "learned":
             raise ValueError("position_offset is the row offset of learned position embeddings (positions: learned)")
         return self
@@ -593,6 +620,12 @@ class ModelConfig(Strict):
                 f"kv_shared_layers ({self.kv_shared_layers}): each sharing layer needs an earlier layer "
                 "of its attention kind (local or global) that is not sharing"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_xielu(self) -> ModelConfig:
+        if self.activation == "xielu" and (self.mlp_gated or self.is_moe or self.per_layer_input_dim):
+            raise ValueError("activation xielu (Apertus) is taken by a dense MLP without a gate only (mlp_gated false)")
         return self
 
     @property
@@ -734,9 +767,9 @@ class ModelConfig(Strict):
 
     def _attention_spec(self, layer: Layer) -> AttentionSpec:
         h = layer.head_dim or self.head_dim
-        qk_norm: Literal["none", "head", "across_heads"] = "none"
+        qk_norm: Literal["none", "head", "across_heads", "per_head"] = "none"
         if self.qk_norm:
-            qk_norm = "across_heads" if self.qk_norm_across_heads else "head"
+            qk_norm = "across_heads" if self.qk_norm_across_heads else "per_head" if self.qk_norm_per_head else "head"
         return AttentionSpec(
             num_heads=self.num_heads,
             num_kv_heads=layer.kv_heads or self.num_kv_heads,
@@ -761,6 +794,13 @@ class ModelConfig(Strict):
             temperature_scale=self.attn_temperature_scale,
             qkv_clip=self.qkv_clip,
             alibi=self.positions == "alibi",
+            qk_norm_after_rope=self.qk_norm_after_rope,
+            query_position_scale=self.query_position_scale,
+            query_position_period=(
+                self.rope_scaling.original_max_position
+                if self.query_position_scale is not None and self.rope_scaling
+                else 1
+            ),
         )
 
     def _mixer_spec(self, layer: Layer):

@@ -95,14 +95,9 @@ def apply_model_with_aux(graphdef, params, tokens, positions=None, segment_ids=N
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward), the PaLM accounting."""
+    """Training FLOPs per token (forward + backward = 3x forward), the PaLM accounting: the
+    parameters' products, and each layer's sequence mixing as its spec counts it."""
     dense = cfg.num_params(include_embedding=False, active=True) + cfg.vocab_size * cfg.d_model  # + lm head
-    kinds = [layer.mixer for layer in cfg.layer_pattern()]
-    attention_layers = sum(kind in ("attention", "mla") for kind in kinds)
-    attention = 2 * attention_layers * cfg.num_heads * cfg.head_dim * seq_len  # QK^T and PV, causal-unaware
-    if cfg.mamba2 is not None:  # SSD: C.B^T and its product with x within a chunk, the state read and written
-        m = cfg.mamba2
-        chunk = min(m.chunk_size, seq_len)
-        per_head = chunk * (m.state_size + m.head_dim) + 2 * m.head_dim * m.state_size
-        attention += kinds.count("mamba2") * 2 * m.num_heads * per_head
+    mixers = [spec.mixer for spec in cfg.layer_specs() if spec.mixer is not None]
+    attention = sum(mixer.mixing_macs(seq_len) for mixer in mixers)  # each mixer kind counts its own
     return 6 * dense + 6 * attention

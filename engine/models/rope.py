@@ -22,6 +22,8 @@ def rope_inverse_frequencies(
         return inv_freq
     if scaling.kind == "longrope":
         return _longrope_inverse_frequencies(inv_freq, scaling, positions_bt)
+    if scaling.kind == "dynamic":
+        return _dynamic_inverse_frequencies(inv_freq, head_dim, theta, scaling, positions_bt)
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
     if scaling.kind == "yarn":
@@ -71,6 +73,22 @@ def _longrope_inverse_frequencies(inv_freq, scaling: RopeScaling, positions_bt):
         return short
     long = inv_freq / jnp.asarray(scaling.long_factor, jnp.float32)
     return jnp.where(jnp.max(positions_bt) + 1 > scaling.original_max_position, long, short)
+
+
+def _dynamic_inverse_frequencies(inv_freq, head_dim: int, theta: float, scaling: RopeScaling, positions_bt):
+    """Dynamic NTK (transformers' _compute_dynamic_ntk_parameters, in float32 as it computes
+    them): past original_max_position the base grows with the sequence's length, the largest
+    position in the call plus one, one choice for the whole batch (traced, so no recompile).
+    transformers keeps the longest length it has seen until a call within the original context
+    resets it; here each call's own length counts (the same whenever lengths only grow, as in
+    one generation, or a call is within the original context)."""
+    if positions_bt is None:
+        return inv_freq
+    original = scaling.original_max_position
+    length = jnp.maximum(jnp.max(positions_bt).astype(jnp.int32) + 1, original).astype(jnp.float32)
+    stretch = (scaling.factor * length / original - (scaling.factor - 1)) ** (head_dim / (head_dim - 2))
+    base = theta * stretch
+    return 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
 
 
 def rope_cos_sin(positions_bt, inv_freq_h2, scale: float = 1.0, max_position: int | None = None):

@@ -17,7 +17,7 @@ class RopeScaling(Strict):
 
     model_config = ConfigDict(**Strict.model_config, frozen=True)
 
-    kind: Literal["llama3", "linear", "yarn", "proportional", "longrope"] = "llama3"
+    kind: Literal["llama3", "linear", "yarn", "proportional", "longrope", "dynamic"] = "llama3"
     """llama3: frequency-dependent (Llama 3.1+); linear: every frequency / factor (Gemma 3);
     yarn: YaRN (arXiv 2309.00071; Qwen3, DeepSeek), frequencies interpolated by a linear ramp
     between beta_fast and beta_slow rotations, and cos/sin scaled by an attention factor;
@@ -25,7 +25,9 @@ class RopeScaling(Strict):
     kept (the rest zero: those pairs not rotated), every one / factor (Gemma 4's global layers);
     longrope: LongRoPE (arXiv 2402.13753; Phi-3.5, Phi-4-mini), each frequency divided by its
     own short_factor, or long_factor when the sequence is longer than original_max_position,
-    and cos/sin scaled by an attention factor (rope.py)."""
+    and cos/sin scaled by an attention factor (rope.py); dynamic: dynamic NTK (InternLM3), the
+    base stretched to base * (factor * n / original_max_position - factor + 1) ** (d / (d - 2))
+    once the sequence's length n (its largest position + 1) exceeds original_max_position."""
     factor: float = Field(8.0, gt=0)
     low_freq_factor: float = Field(1.0, gt=0)
     """llama3 only, as is the next one."""

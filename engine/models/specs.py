@@ -65,9 +65,10 @@ class AttentionSpec(Spec):
     head_dim: int
     qkv_bias: bool = False
     out_bias: bool = False
-    qk_norm: Literal["none", "head", "across_heads"] = "none"
-    """RMSNorm on queries and keys before RoPE: over each head's dims (scale per head_dim, Qwen3)
-    or over all heads' dims at once (scale per (head, head_dim), OLMo 2)."""
+    qk_norm: Literal["none", "head", "across_heads", "per_head"] = "none"
+    """A norm on queries and keys before RoPE: over each head's dims (scale per head_dim, Qwen3)
+    or over all heads' dims at once (scale per (head, head_dim), OLMo 2); per_head: a LayerNorm
+    over each head's dims with a scale of its own per head and no bias (StableLM 2, Cohere)."""
     norm: NormSpec = NormSpec()
     """The QK norms' (and value norm's) kind and epsilon."""
     values_from_keys: bool = False
@@ -103,6 +104,12 @@ class AttentionSpec(Spec):
     alibi: bool = False
     """ALiBi (arXiv 2108.12409): scores get -slope_n * (i - j), a slope per head, instead of RoPE
     (BLOOM, MPT)."""
+    qk_norm_after_rope: bool = False
+    """qk_norm `head` applied to the rotated queries and keys instead (Hunyuan dense)."""
+    query_position_scale: float | None = None
+    """Queries, after RoPE, times 1 + query_position_scale * log(1 + floor(p /
+    query_position_period)), p the query's position (Ministral 3's llama_4_scaling_beta)."""
+    query_position_period: int = 1
 
     def structure(self) -> AttentionSpec:
         """This spec with the call fields at their defaults: what its parameters depend on."""
@@ -115,16 +122,23 @@ class AttentionSpec(Spec):
     def score_scale(self) -> float:
         return self.scale if self.scale is not None else self.head_dim**-0.5
 
+    def mixing_macs(self, seq_len: int) -> int:
+        """Multiply-adds per token of mixing the sequence (QK^T and PV over every earlier
+        position, causal-unaware as PaLM counts them); the projections are in params()."""
+        return 2 * self.num_heads * self.head_dim * seq_len
+
     def params(self, d: int) -> int:
         n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
         per_head_norm = self.norm.params(h)
+        if self.qk_norm == "per_head":  # a scale per head and dimension
+            per_head_norm = h
         if self.kv_sharing == "reuse":  # the queries' projection and norm, and the output's
-            return d * h * 2 * n + per_head_norm * (self.qk_norm != "none")
+            return d * h * 2 * n + per_head_norm * (n if self.qk_norm == "per_head" else self.qk_norm != "none")
         v = 0 if self.values_from_keys else k
         count = d * h * (2 * n + k + v) + h * (n + k + v) * self.qkv_bias + d * n * h * self.output_gate
         if self.qk_norm == "head":
             count += 2 * per_head_norm
-        elif self.qk_norm == "across_heads":
+        elif self.qk_norm in ("across_heads", "per_head"):
             count += (n + k) * per_head_norm
         return count + n * self.sinks + d * self.out_bias
 
@@ -176,6 +190,9 @@ class MLASpec(Spec):
     def score_scale(self) -> float:
         return self.scale if self.scale is not None else self.head_dim**-0.5
 
+    def mixing_macs(self, seq_len: int) -> int:
+        return 2 * self.num_heads * self.head_dim * seq_len
+
     def params(self, d: int) -> int:
         n, rank, r = self.num_heads, self.kv_lora_rank, self.rope_head_dim
         nope = self.head_dim - r
@@ -214,6 +231,13 @@ class GatedDeltaSpec(Spec):
     fused_projections: bool = False
     norm_eps: float = 1e-6
 
+    def mixing_macs(self, seq_len: int) -> int:
+        """The chunked form's (64 positions a chunk): within its chunk QK^T and the weights
+        times V, and the state read and updated, per value head."""
+        chunk = min(64, seq_len)
+        dk, dv = self.key_head_dim, self.value_head_dim
+        return self.num_value_heads * (chunk * (dk + dv) + 2 * dk * dv)
+
     def params(self, d: int) -> int:
         keys, values = self.num_key_heads * self.key_head_dim, self.num_value_heads * self.value_head_dim
         channels = 2 * keys + values
@@ -230,6 +254,10 @@ class KimiDeltaSpec(Spec):
     head_dim: int
     conv_kernel: int = 4
     norm_eps: float = 1e-6
+
+    def mixing_macs(self, seq_len: int) -> int:
+        chunk = min(64, seq_len)
+        return self.num_heads * (2 * chunk * self.head_dim + 2 * self.head_dim * self.head_dim)
 
     def params(self, d: int) -> int:
         # q, k, v, conv, two low-rank gates, dt_bias, A_log, b, norm, out
@@ -258,6 +286,12 @@ class Mamba2Spec(Spec):
     projection_multipliers: tuple[float, float, float, float, float] = (1.0, 1.0, 1.0, 1.0, 1.0)
     """in_proj's output sections z, x, B, C, dt are multiplied by these (Falcon-H1's muP)."""
 
+    def mixing_macs(self, seq_len: int) -> int:
+        """SSD: C.B^T and its product with x within a chunk, the state read and written."""
+        chunk = min(self.chunk_size, seq_len)
+        per_head = chunk * (self.state_size + self.head_dim) + 2 * self.head_dim * self.state_size
+        return 2 * self.num_heads * per_head
+
     def params(self, d: int) -> int:
         inner = self.num_heads * self.head_dim
         channels = inner + 2 * self.n_groups * self.state_size
@@ -281,6 +315,9 @@ class ParallelHybridSpec(Spec):
     ssm_in: float = 1.0
     ssm_out: float = 1.0
 
+    def mixing_macs(self, seq_len: int) -> int:
+        return self.attention.mixing_macs(seq_len) + self.mamba2.mixing_macs(seq_len)
+
     def params(self, d: int) -> int:
         return self.attention.params(d) + self.mamba2.params(d)
 
@@ -292,9 +329,10 @@ MixerSpec = Annotated[
 """A layer's sequence mixer."""
 
 
-Activation = Literal["silu", "gelu_tanh", "gelu", "relu", "relu2"]
+Activation = Literal["silu", "gelu_tanh", "gelu", "relu", "relu2", "xielu"]
 """silu (SwiGLU's), gelu_tanh (GeGLU's; HF's gelu_new, gelu_pytorch_tanh), gelu (exact, erf),
-relu, relu2 = relu(x)^2 (engine/models/common.py: ACTIVATIONS)."""
+relu, relu2 = relu(x)^2 (engine/models/common.py: ACTIVATIONS); xielu: xIELU with two learned
+scalars (engine/models/xielu.py; an ungated dense MLP's only)."""
 
 
 class MLPSpec(Spec):
@@ -312,7 +350,7 @@ class MLPSpec(Spec):
     """... and the output by this."""
 
     def params(self, d: int) -> int:
-        weights = (3 if self.gated else 2) * d * self.dim
+        weights = (3 if self.gated else 2) * d * self.dim + 2 * (self.activation == "xielu")  # xIELU's two scalars
         return weights + ((2 if self.gated else 1) * self.dim + d) * self.bias
 
 
@@ -414,7 +452,7 @@ class LayerSpec(Spec):
 
     def params(self, d: int, active: bool = False) -> int:
         norms = (self.pre_norms + self.post_norms) * self.norm.params(d)
-        n = self.layer_scale
+        n = int(self.layer_scale)
         if self.mixer is not None:
             n += self.mixer.params(d) + norms
         if self.ffn is not None:

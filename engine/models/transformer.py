@@ -1,8 +1,9 @@
 """The decoder-only transformer, in Flax NNX.
 
-One implementation; model families are configs (engine/models/config.py: ModelConfig). Shapes are
-in names: b batch, t query positions, s key positions, d d_model, n query heads, k kv heads,
-g query heads per kv head, h head_dim, f mlp_dim, v vocab.
+One implementation, built and run from typed layer specs (engine/models/specs.py; a model's
+are ModelConfig.layer_specs()): no model family is named here. Shapes are in names: b batch,
+t query positions, s key positions, d d_model, n query heads, k kv heads, g query heads per
+kv head, h head_dim, f mlp_dim, v vocab.
 
 Every parameter carries logical axis names (its `sharding_names` metadata) that
 engine/ops/partitioning.py maps to mesh axes; activations are constrained at block boundaries.
@@ -47,6 +48,8 @@ from engine.models.mtp import MTPHead, mtp_loss
 from engine.models.parallel_hybrid import AttentionMamba2
 from engine.models.rope import rope_cos_sin, rope_inverse_frequencies, rotate
 from engine.models.specs import AttentionSpec, LayerSpec, MLPSpec, MoESpec, ParallelHybridSpec, RotarySpec
+from engine.models.xielu import initial_parameters as xielu_initial_parameters
+from engine.models.xielu import xielu
 from engine.ops.attention import attention, chunked_segment_ids, decode_attention
 from engine.ops.attention_reference import alibi_slopes
 from engine.ops.dense import DotGeneral, dense, gated_mlp, matmuls_in, uses_cpu_backward, weight_grads_in
@@ -102,11 +105,12 @@ class Attention(nnx.Module):
             self.bq_nh = nnx.Param(jnp.zeros((n, h), pdt), out_sharding=("heads", "head_dim"))
             self.bk_kh = nnx.Param(jnp.zeros((k, h), pdt), out_sharding=("kv_heads", "head_dim"))
             self.bv_kh = nnx.Param(jnp.zeros((k, h), pdt), out_sharding=("kv_heads", "head_dim"))
-        if spec.qk_norm != "none":  # over head_dim, or (OLMo 2) over all heads' dims at once
-            across = spec.qk_norm == "across_heads"
-            self.q_norm = make_norm(spec.norm, h, pdt, rngs=rngs, heads=(n, "heads") if across else None)
+        if spec.qk_norm != "none":  # over head_dim, over all heads' dims at once (OLMo 2), or per head (StableLM 2)
+            across = spec.qk_norm in ("across_heads", "per_head")
+            qk = spec.norm.model_copy(update={"bias": False}) if spec.qk_norm == "per_head" else spec.norm
+            self.q_norm = make_norm(qk, h, pdt, rngs=rngs, heads=(n, "heads") if across else None)
             if own_kv:
-                self.k_norm = make_norm(spec.norm, h, pdt, rngs=rngs, heads=(k, "kv_heads") if across else None)
+                self.k_norm = make_norm(qk, h, pdt, rngs=rngs, heads=(k, "kv_heads") if across else None)
         self.wo_nhd = _param(rngs, (n, h, d), build.out_std, ("heads", "head_dim", "embed"), pdt)
         if spec.out_bias:
             self.bo_d = nnx.Param(jnp.zeros((d,), pdt), out_sharding=("embed",))
@@ -182,7 +186,7 @@ class Attention(nnx.Module):
             q, k, v = (jnp.clip(a, -spec.qkv_clip, spec.qkv_clip) for a in (q, k, v))
         if spec.key_multiplier != 1.0:  # Falcon-H1's key_multiplier
             k = k * jnp.asarray(spec.key_multiplier, k.dtype)
-        if spec.qk_norm != "none":
+        if spec.qk_norm != "none" and not spec.qk_norm_after_rope:
             q, k = self.q_norm(q), k if reuse else self.k_norm(k)
         if spec.value_norm:  # RMSNorm over head_dim without a scale (Gemma 4)
             v = _unit_rms(v, self.norm_eps)
@@ -197,6 +201,12 @@ class Attention(nnx.Module):
             q, k = self._rotate(q, rope, rotary), self._rotate(k, rope, rotary)
             if spec.qk_l2_norm:  # Llama 4: RMS over head_dim, no scale, after RoPE
                 q, k = _unit_rms(q, self.norm_eps), _unit_rms(k, self.norm_eps)
+            if spec.qk_norm_after_rope:  # Hunyuan dense: the norms of the rotated queries and keys
+                q, k = self.q_norm(q), k if reuse else self.k_norm(k)
+            if spec.query_position_scale is not None:  # Ministral 3 (llama_4_scaling_beta), every layer
+                steps_bt = jnp.floor(positions_bt.astype(jnp.float32) / spec.query_position_period)
+                scale_bt = jnp.log1p(steps_bt) * spec.query_position_scale + 1.0
+                q = (q * scale_bt[:, :, None, None]).astype(q.dtype)
         elif spec.temperature_floor is not None:  # Llama 4's NoPE layers (arXiv 2501.19399)
             steps_bt = jnp.floor((positions_bt.astype(jnp.float32) + 1.0) / spec.temperature_floor)
             temperature_bt = jnp.log1p(steps_bt) * spec.temperature_scale + 1.0
@@ -275,7 +285,12 @@ class MLP(nnx.Module):
                 self.b_gate_f = nnx.Param(jnp.zeros((f,), pdt), out_sharding=("mlp",))
             self.b_up_f = nnx.Param(jnp.zeros((f,), pdt), out_sharding=("mlp",))
             self.b_down_d = nnx.Param(jnp.zeros((d,), pdt), out_sharding=("embed",))
-        self.activation = ACTIVATIONS[spec.activation]
+        self.xielu = spec.activation == "xielu"
+        if self.xielu:  # Apertus: xIELU's two learned scalars (engine/models/xielu.py)
+            alpha_p, alpha_n = xielu_initial_parameters()
+            self.xielu_alpha_p = nnx.Param(jnp.full((1,), alpha_p, pdt), out_sharding=("norm",))
+            self.xielu_alpha_n = nnx.Param(jnp.full((1,), alpha_n, pdt), out_sharding=("norm",))
+        self.activation: Callable = ACTIVATIONS.get(spec.activation, xielu)  # xielu: _mlp binds its alphas
         self.down_scale = spec.down_multiplier  # Falcon-H1's mlp_multipliers
         if spec.gate_multiplier != 1.0:
             self.activation = ScaledInput(self.activation, spec.gate_multiplier)
@@ -293,7 +308,11 @@ class MLP(nnx.Module):
             up = project(self, "w_up_df", x_btd, 1, dt, **kw)
             if self.bias:
                 up = up + self.b_up_f[...].astype(dt)
-            hidden = self.activation(up.astype(jnp.float32)).astype(dt)
+            activation = self.activation
+            if self.xielu:
+                alphas = {"alpha_p_1": self.xielu_alpha_p[...], "alpha_n_1": self.xielu_alpha_n[...]}
+                activation = functools.partial(xielu, **alphas)
+            hidden = activation(up.astype(jnp.float32)).astype(dt)
             out = project(self, "w_down_fd", constrain(hidden, ("act_batch", "act_seq", "act_mlp")), 1, dt, **kw)
             return out + self.b_down_d[...].astype(dt) if self.bias else out
         if self.bias or any(has_adapter(self, attr) for attr, _ in MLP_WEIGHTS.values()):
@@ -702,8 +721,9 @@ class Transformer(nnx.Module):
     implementations); `dot_general` is every matmul's product (jax.lax.dot_general, or a
     quantized one).
 
-    The layers are ModelConfig.layer_pattern, data: each a (mixer, feed-forward) pair and its
-    static flags (sliding window, RoPE). Layers whose parameters have one structure form one
+    The layers are ModelConfig.layer_specs, data (engine/models/specs.py): each layer's mixer
+    and feed-forward specs, its norm and residual form; each block is built from its stack's
+    spec and called with its layer's. Layers whose parameters have one structure form one
     stack (ModelConfig.layer_stacks): `blocks`, and in a mixture of experts with dense layers
     (DeepSeek-V3's first ones, Qwen3-MoE's interleaved ones) `dense_blocks`."""
 
@@ -732,7 +752,7 @@ class Transformer(nnx.Module):
             setattr(self, name, stack)
         if cfg.mtp_layers:  # multi-token prediction (engine/models/mtp.py): run by its loss only
             self.mtp = MTPHead(cfg, compute, rngs=rngs)
-            spec, plain = cfg.mtp_layer_spec(), dataclasses.replace(build, lora=None, lora_targets=())
+            spec, plain = cfg.mtp_layer_spec(), dataclasses.replace(build, lora=None)
             self.mtp_blocks = (
                 self._stacked_blocks(spec, plain, rngs, cfg.mtp_layers, mlp_lora)
                 if compute.scan_layers
@@ -1110,6 +1130,8 @@ class Transformer(nnx.Module):
                 )
         if cfg.lm_head_bias:  # GPT-J, Phi
             logits_btv = logits_btv + self.lm_head_bias_v[...].astype(logits_btv.dtype)
+        if cfg.logits_multiplier is not None:  # Cohere's logit_scale
+            logits_btv = logits_btv * jnp.asarray(cfg.logits_multiplier, logits_btv.dtype)
         if cfg.logits_scaling is not None:  # Granite
             logits_btv = logits_btv / jnp.asarray(cfg.logits_scaling, logits_btv.dtype)
         if cfg.mup is not None and cfg.mup.lm_head != 1.0:  # Falcon-H1

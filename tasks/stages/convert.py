@@ -28,7 +28,6 @@ import yaml
 from pydantic import BaseModel
 
 from engine.config import ConfigError, Strict, validate
-from engine.contract import CHECKPOINT_DIR
 from engine.interop.hf.files import TOKENIZER_FILES, source_fingerprint
 from engine.interop.hf.mapping import causal_view, is_sequence_classification, model_config_from_hf
 from engine.interop.hf.peft import ADAPTER_CONFIG, lora_config_from_peft
@@ -81,7 +80,7 @@ class ConvertStage(EngineStage):
                 lora_config_from_peft(Path(cfg.source).expanduser())
             except ConfigError as e:
                 raise ConfigError(f"{source}: key 'source': {e}") from None
-            return cfg.model_copy(update={"source": str(Path(cfg.source).expanduser().absolute())})
+            return cfg.model_copy(update={"source": str(Path(cfg.source).expanduser().resolve())})
         config_path = Path(cfg.source).expanduser() / "config.json"
         if not config_path.is_file():
             raise ConfigError(
@@ -91,7 +90,7 @@ class ConvertStage(EngineStage):
             model_config_from_hf(causal_view(json.loads(config_path.read_text())), where=str(config_path))
         except (ConfigError, json.JSONDecodeError) as e:
             raise ConfigError(f"{source}: key 'source': {e}") from None
-        return cfg.model_copy(update={"source": str(Path(cfg.source).expanduser().absolute())})
+        return cfg.model_copy(update={"source": str(Path(cfg.source).expanduser().resolve())})
 
     @staticmethod
     def _resolve_url(cfg: ConvertConfig, source: str) -> ConvertConfig:
@@ -153,10 +152,11 @@ class ConvertStage(EngineStage):
                 f"stage '{ctx.stage}': {ctx.config.source} is a PEFT adapter: give the model it adapts "
                 "as input 'base' (a checkpoint artifact, e.g. the convert of its base model)"
             )
-        base = ctx.inputs["base"].path
-        self.carry_tokenizer(ctx, base)
+        base = ctx.inputs["base"]
+        self.carry_tokenizer(ctx, base.path)
+        # The base's checkpoint where the engine reads it: at the bucket's URL, or in the store.
         result = self.launch_engine(
-            ctx, "convert-adapter", ctx.config.source, str(ctx.out_dir), "--base", str(base / CHECKPOINT_DIR)
+            ctx, "convert-adapter", ctx.config.source, str(ctx.out_dir), "--base", base.checkpoint_dir
         )
         return {key: result.get(key) for key in ("architecture", "family", "rank")}
 

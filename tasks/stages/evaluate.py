@@ -54,8 +54,12 @@ def _ancestors(ref_path: Path, store_root: Path) -> list[tuple[str, Path]]:
 def about_inputs(inputs: dict[str, ArtifactRef], split: str, ancestors: list[tuple[str, Path]]) -> dict:
     """What the report says its data is (engine.evaluate.report.measured_on): the dataset by
     stage and id, and which training stages learned from the rest of it (held-out loss on the
-    text pretraining read is not a measure of the tasks); the inputs' directories by name."""
-    about: dict[str, Any] = {"paths": {str(ref.path): f"{ref.stage}/{ref.id[:8]}" for ref in inputs.values()}}
+    text pretraining read is not a measure of the tasks); the inputs' directories (and URLs) by name."""
+    about: dict[str, Any] = {  # a bucket's input by its staging copy and by its URL, where its files are read
+        "paths": {
+            where: f"{ref.stage}/{ref.id[:8]}" for ref in inputs.values() for where in (str(ref.path), ref.url) if where
+        }
+    }
     dataset = inputs.get("dataset")
     if dataset is None:
         return about
@@ -113,6 +117,9 @@ class EvaluateStage(EngineStage):
         tree = named_run(ctx.config, ctx.stage).model_dump(mode="json")
         if "dataset" in ctx.inputs:
             tree["data_path"] = ctx.inputs["dataset"].data_dir  # the shards at the bucket's URL, or here
+        for task in tree["tasks"]:  # `{input:corpus}/...`: read by every rank, at the input's URL where it has one
+            if task.get("path"):
+                task["path"] = ctx.for_ranks(task["path"])
         store_root = next(iter(models.values())).path.parent.parent
         curves, ancestors = {}, []
         for ref in models.values():

@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import Field
 
 from engine.config import ConfigError, Strict
-from engine.contract import TOKENIZER_DIR
+from engine.contract import MANIFEST, TOKENIZER_DIR
 from engine.interop.hf.files import WEIGHT_FILES, check_export_dir, remove_stale_weights
 from tasks.engine_stage import EngineStage
 from tasks.registry import MODEL_KINDS, Input, StageContext
@@ -79,8 +79,13 @@ class ExportStage(EngineStage):
 
 
 def check_export_target(out: str, overwrite: bool) -> None:
-    """Refuse a non-empty target unless `overwrite`: a directory, or a folder in a bucket."""
+    """Refuse a non-empty target unless `overwrite`: a directory, or a folder in a bucket; and
+    a directory inside an artifact (`..` and symlinks resolved), whose files its manifest lists."""
     if not is_url(out):
+        target = Path(out).expanduser().resolve()
+        inside = next((d for d in (target, *target.parents) if (d / MANIFEST).is_file()), None)
+        if inside is not None:
+            raise ConfigError(f"{out} lies inside the artifact {inside}; export into a directory outside any artifact")
         return check_export_dir(out, overwrite)
     try:
         present = list_url(out)

@@ -121,6 +121,20 @@ class ArtifactStore:
         raise NotImplementedError
 
     @required
+    def committed_steps(self, stage: str, artifact_id: str) -> list[int]:
+        """The checkpoint steps the artifact's engine has committed so far (whole: their
+        digests are there), ascending, read where it writes them (`checkpoint_location`)."""
+        raise NotImplementedError
+
+    @required
+    def copy_step(self, stage: str, artifact_id: str, step: int, into_stage: str) -> list[str]:
+        """Committed step `step` of the artifact's checkpoint into the same place of artifact
+        (`into_stage`, `artifact_id`) (a checkpoint step's snapshot, flows/steps.py), after its
+        files are checked against the digests recorded when it was committed: the files that
+        differ ([] = copied)."""
+        raise NotImplementedError
+
+    @required
     def manifest(self, stage: str, artifact_id: str) -> dict | None:
         """The artifact's manifest as the store holds it (None: none readable)."""
         raise NotImplementedError
@@ -315,14 +329,20 @@ def resolve_artifact(path_or_id: str, store: str | Path | None) -> Path:
     """An artifact directory from a path (to the directory or its artifact.json), an artifact
     URL on a bucket, or an id; a bucket's artifacts resolve to their local staging copy."""
     split = split_artifact_url(path_or_id)
-    if split is not None:
+    if split is not None:  # the artifact at that stage and id (a step's snapshot shares its stage's id)
         remote_store = ArtifactStore(split[0])
-        return remote_store.find(split[2])
+        wanted = (folder_stage(split[1]), split[2])
+        for directory, _ in remote_store.iter_artifacts():
+            if remote_store.artifact_at(directory) == wanted:
+                return directory
+        raise InputError(f"no artifact at {path_or_id} (nothing in store {remote_store.url} at that stage and id)")
     candidate = Path(path_or_id).expanduser()
     if candidate.name == MANIFEST:
         candidate = candidate.parent
     if candidate.is_dir():
-        return candidate.absolute()
+        # Its real place: `..` and symlinks resolved, so that its store (the directory two up)
+        # is the store it is in, never the artifact itself (`ART/checkpoint/..`) or a link's.
+        return candidate.resolve()
     if candidate.exists():
         raise InputError(f"{path_or_id} is a file, not an artifact directory")
     if "/" in path_or_id or candidate.name == MANIFEST or not path_or_id.isalnum():  # a path, not an id

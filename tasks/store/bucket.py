@@ -44,6 +44,7 @@ from tasks.store.records import (
     COMPLETE,
     FAILED,
     LOCK,
+    STEP_DIGESTS,
     ArtifactError,
     ArtifactLock,
     ArtifactRef,
@@ -53,6 +54,8 @@ from tasks.store.records import (
 from tasks.store.urls import is_url
 
 STAGED_ENV = "TRAINFLOW_STAGED_CHECKPOINTS"
+ORBAX_COMMIT_FILE = "commit_success.txt"
+"""What commits a checkpoint step that Orbax writes at a URL (engine/train/bucket_paths.py)."""
 
 
 def in_checkpoint(rel: str) -> bool:
@@ -98,6 +101,55 @@ class BucketStore(ArtifactStore):
     def artifact_dir(self, stage: str, artifact_id: str) -> Path:
         """The artifact's staging directory."""
         return self.staging.artifact_dir(stage, artifact_id)
+
+    def committed_steps(self, stage: str, artifact_id: str) -> list[int]:
+        """Those in the staging copy (a stage that writes its checkpoint there) and, where
+        engines write at the URL, those whose digests and Orbax's commit file are there (the
+        engine writes the digests just before the commit file): one LIST of the step folders
+        and two HEADs a step, whatever the checkpoint's size (a consumer polls this)."""
+        staged = self.staging.committed_steps(stage, artifact_id)
+        if not self.direct:
+            return staged
+        fs, prefix = self.remote.fs, self.remote.key(stage, artifact_id, CHECKPOINT_DIR)
+        fs.invalidate_cache(prefix)
+        try:
+            names = [
+                e["name"].rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(prefix, detail=True) if e["type"] == "directory"
+            ]
+        except FileNotFoundError:
+            names = []
+        at_url = []
+        for step in sorted(int(name) for name in names if name.isdigit()):
+            fs.invalidate_cache(f"{prefix}/{step}")
+            if all(fs.exists(f"{prefix}/{step}/{name}") for name in (STEP_DIGESTS, ORBAX_COMMIT_FILE)):
+                at_url.append(step)
+        return sorted({*staged, *at_url})
+
+    def copy_step(self, stage: str, artifact_id: str, step: int, into_stage: str) -> list[str]:
+        """A step in the staging copy as the local store copies it (`publish` uploads it); at
+        the URL, its objects streamed through sha256 against its digests, then copied in the
+        bucket (server-side)."""
+        if not self.direct or step in self.staging.committed_steps(stage, artifact_id):
+            return self.staging.copy_step(stage, artifact_id, step, into_stage)
+        folder = f"{CHECKPOINT_DIR}/{step}/"
+        digests = self.remote.read_json(self.remote.key(stage, artifact_id, folder + STEP_DIGESTS)) or {}
+        recorded = digests.get("files")
+        if not isinstance(recorded, dict):
+            return [STEP_DIGESTS]
+        present = {rel: size for rel, size in self.remote.payload(stage, artifact_id).items() if rel.startswith(folder)}
+        problems = [
+            name
+            for name, want in sorted(recorded.items())
+            if present.get(folder + name) != want.get("size")
+            or self.remote.sha256(self.remote.key(stage, artifact_id, folder + name)) != want.get("sha256")
+        ]
+        if not problems:
+            rels = sorted(present)
+            self.remote.fs.copy(
+                [self.remote.key(stage, artifact_id, rel) for rel in rels],
+                [self.remote.key(into_stage, artifact_id, rel) for rel in rels],
+            )
+        return problems
 
     def manifest(self, stage: str, artifact_id: str) -> dict | None:
         return self.remote.read_manifest(stage, artifact_id)
@@ -305,6 +357,7 @@ class BucketStore(ArtifactStore):
 
     def publish(self, stage: str, artifact_id: str, manifest: dict) -> None:
         self.remote.upload(self.artifact_dir(stage, artifact_id), stage, artifact_id)
+        manifest["versions"] = self.remote.versions(stage, artifact_id)  # consumers read its checkpoint at the URL
         self.remote.write_manifest(stage, artifact_id, manifest)
         self.staging.write_manifest(stage, artifact_id, manifest)
 

@@ -16,12 +16,13 @@ from typing import Any
 
 from engine.contract import CHECKPOINT_DIR, MANIFEST
 from tasks.store.base import ArtifactStore, Claim, Log, refuse
-from tasks.store.consume import STAMPS, check_consumed, consumed_files, write_stamps
+from tasks.store.consume import STAMPS, check_consumed, consumed_files, sha256_file, write_stamps
 from tasks.store.names import stage_folder
 from tasks.store.records import (
     COMPLETE,
     FAILED,
     LOCK,
+    STEP_DIGESTS,
     ArtifactLock,
     ArtifactRef,
     InputError,
@@ -42,7 +43,9 @@ class LocalStore(ArtifactStore):
         return not is_url(root)
 
     def __init__(self, root: str | Path):
-        self.root = Path(str(root).removeprefix("file://")).expanduser().absolute()
+        # Its real place (`..` and symlinks resolved): the artifact directories it finds and
+        # `artifact_at` compare with are resolved paths too (tasks/store/base.py: resolve_artifact).
+        self.root = Path(str(root).removeprefix("file://")).expanduser().resolve()
         self.url = str(self.root)
         blocking = _nearest_file(self.root)
         if blocking is not None:
@@ -69,6 +72,17 @@ class LocalStore(ArtifactStore):
     def checkpoint_location(self, stage: str, artifact_id: str) -> str:
         """The artifact directory's checkpoint/."""
         return str(self.artifact_dir(stage, artifact_id) / CHECKPOINT_DIR)
+
+    def committed_steps(self, stage: str, artifact_id: str) -> list[int]:
+        return committed_steps(self.artifact_dir(stage, artifact_id))
+
+    def copy_step(self, stage: str, artifact_id: str, step: int, into_stage: str) -> list[str]:
+        """Hard links to the step's files (no copy), once they match its digests."""
+        step_dir = self.artifact_dir(stage, artifact_id) / CHECKPOINT_DIR / str(step)
+        problems = verify_committed_step(step_dir)
+        if not problems:
+            _link_tree(step_dir, self.artifact_dir(into_stage, artifact_id) / CHECKPOINT_DIR / str(step))
+        return problems
 
     def manifest(self, stage: str, artifact_id: str) -> dict | None:
         return read_manifest(self.artifact_dir(stage, artifact_id))
@@ -221,6 +235,42 @@ class LocalStore(ArtifactStore):
     def verify(self, directory: Path) -> list[str]:
         """Every file of a finished artifact re-hashed against its manifest ([] = intact)."""
         return verify_artifact(directory)
+
+
+def committed_steps(directory: Path) -> list[int]:
+    """Steps under `<artifact>/checkpoint/` that were committed (their digests are inside), ascending."""
+    root = Path(directory) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / STEP_DIGESTS).is_file())
+
+
+def verify_committed_step(step_dir: Path) -> list[str]:
+    """Files of a committed step that differ from the digests recorded at its commit."""
+    try:
+        recorded = json.loads((step_dir / STEP_DIGESTS).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return [STEP_DIGESTS]
+    problems = []
+    for rel, want in sorted(recorded.items()):
+        path = step_dir / rel
+        if not path.is_file() or path.stat().st_size != want["size"] or sha256_file(path) != want["sha256"]:
+            problems.append(rel)
+    return problems
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """Hard links to every file under src (a copy where the filesystem cannot link)."""
+    for root, _, files in os.walk(src):
+        target = dst / Path(root).relative_to(src)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in files:
+            try:
+                os.link(Path(root) / name, target / name)
+            except FileExistsError:
+                pass
+            except OSError:
+                shutil.copy2(Path(root) / name, target / name)
 
 
 def _clear(directory: Path) -> None:

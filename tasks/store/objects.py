@@ -50,7 +50,7 @@ from engine.contract import CHECKPOINT_DIR, MANIFEST
 from tasks.store.consume import STAMPS, read_stamps, stamp_holds, write_stamps
 from tasks.store.leases import LEASE, Lease
 from tasks.store.names import stage_folder
-from tasks.store.records import flock_held
+from tasks.store.records import STEP_DIGESTS, flock_held
 
 # gcsfs logs each request it gives up on with its traceback; with no handler configured,
 # Python would print those to stderr beside the one line the command answers.
@@ -60,10 +60,6 @@ DEFAULT_CACHE_BYTES = 20 << 30
 MIRROR_SECONDS = float(os.environ.get("TRAINFLOW_MIRROR_SECONDS", "2"))
 FETCH_BLOCK = 8 << 20  # bytes per ranged GET when a consumer streams an input in
 FETCH_THREADS = 8
-STEP_DIGESTS = "digests.json"
-"""engine.train.checkpoint.DIGESTS_FILE (named here too: that module loads JAX): Orbax's
-finalize writes it into a step just before committing the step, so a local step directory
-that holds it is committed; on the bucket it is uploaded last, so a step there with it is whole."""
 
 
 class StoreAccessError(RuntimeError):

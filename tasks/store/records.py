@@ -33,6 +33,11 @@ from tasks.store.consume import STAMPS, sha256_file, write_stamps
 from tasks.store.processes import holder_is_gone, this_process
 
 LOCK = ".lock"
+STEP_DIGESTS = "digests.json"
+"""engine.train.checkpoint.DIGESTS_FILE (named here too: that module loads JAX): Orbax's
+finalize writes it into a step just before committing the step, so a local step directory
+that holds it is committed; on the bucket it is uploaded last (or, written at the URL by the
+engine, before Orbax's commit file), so a step there with it is whole."""
 ID_LENGTH = 16  # hex digits of sha256 kept in an id: 64 bits, plenty for one store
 
 # Artifact statuses. Only `complete` artifacts are consumed or skipped over.

@@ -396,7 +396,8 @@ def convert_peft(
     in. An adapter whose tensors do not fit the base (another architecture or size) is a
     ConfigError naming both shapes; nothing is written then."""
     log = log or (lambda msg: None)
-    adapter_dir, out_dir, base_checkpoint = Path(adapter_dir), Path(out_dir), Path(base_checkpoint).absolute()
+    # The base: an absolute path, or its bucket URL (a bucket store's checkpoint), kept a URL.
+    adapter_dir, out_dir, base_checkpoint = Path(adapter_dir), Path(out_dir), checkpoint_path(base_checkpoint)
     lora = lora_config_from_peft(adapter_dir)
     _, meta = read_meta(base_checkpoint)
     if meta.get("lora"):
@@ -419,7 +420,9 @@ def convert_peft(
         "lora": {
             **lora.model_dump(mode="json"),
             "base_checkpoint": str(base_checkpoint),
-            "base_relative": os.path.relpath(base_checkpoint, checkpoint.absolute()),
+            "base_relative": None
+            if is_url(base_checkpoint)
+            else os.path.relpath(base_checkpoint, checkpoint.absolute()),
         },
         "source": {"kind": "peft", "path": str(adapter_dir.absolute())},
     }

@@ -42,7 +42,7 @@ from engine.interop.hf.mapping import (
 from engine.interop.hf.peft import ADAPTER_WEIGHTS, write_peft
 from engine.interop.hf.safetensors_io import SafetensorsFile, write_safetensors
 from engine.models.config import ComputeConfig, ModelConfig
-from engine.models.families import family_of_model_type
+from engine.models.families import family_of_model_type, get_family
 from engine.train.bucket_paths import checkpoint_path
 from engine.train.checkpoint import adapter_base, load_adapter, load_params, read_meta
 
@@ -230,7 +230,6 @@ def hf_tensors(
         return to_hf(spec, leaf(spec, index))
 
     top, per_layer = tensor_table(cfg)
-    num_experts = cfg.num_experts
     order: list[tuple[TensorSpec, tuple[int, ...]]] = [(top[0], ())]
     layers_of = dict(cfg.layer_stacks() + cfg.mtp_stacks())  # and the MTP layer after the last
     slot = {layer: (stack, i) for stack, layers in layers_of.items() for i, layer in enumerate(layers)}
@@ -238,7 +237,8 @@ def hf_tensors(
         stack, i = slot[layer]
         for s in per_layer:
             if s.stack == stack:
-                order += [(s, (i, j)) for j in range(num_experts)] if s.experts else [(s, (i,))]
+                # one HF tensor per expert (or per head: StableLM 2's QK norms), the array's axis after the layer's
+                order += [(s, (i, j)) for j in range(len(leaf(s, (i,))))] if s.experts else [(s, (i,))]
     order += [(s, ()) for s in top[1:]]
     entries: dict[str, tuple[tuple[int, ...], np.dtype, Callable[[], np.ndarray]]] = {}
     for spec, index in order:
@@ -248,6 +248,9 @@ def hf_tensors(
         if spec.fused_with:
             shape = fused_hf_shape(spec, [leaf(spec, index, p).shape for p in (spec.path, *spec.fused_with)])
         entries[name] = (shape, array.dtype, functools.partial(hf_tensor, spec, index))
+    dtype = leaf(top[0], ()).dtype  # constant buffers (Family.constant_tensors), in the parameters' dtype
+    for name, value in get_family(cfg.family).constant_tensors(cfg).items():
+        entries[name] = ((), dtype, functools.partial(np.full, (), value, dtype))
     return entries
 
 

@@ -30,7 +30,9 @@ def multimodal_of(hf: dict):
     for name in family_names():
         family = get_family(name)
         if family.multimodal is not None and hf.get("model_type") == family.multimodal.model_type:
-            return family, family.multimodal
+            text_model_type = (hf.get(family.multimodal.text_config) or {}).get("model_type")
+            if family.multimodal.text_model_type in (None, text_model_type):
+                return family, family.multimodal
     return None
 
 
@@ -56,7 +58,7 @@ def model_config_from_hf(
     model_type = hf.get("model_type")
     architecture = (hf.get("architectures") or ["?"])[0]
     family = family_of_model_type(model_type)
-    if family is None or architecture not in ("?", family.architecture):
+    if family is None or architecture not in ("?", family.architecture, *family.also_architectures):
         supported = ", ".join(get_family(name).architecture for name in family_names())
         raise ConfigError(
             f"{where}: unsupported architecture '{architecture}' (model_type '{model_type}'); supported: {supported}"

@@ -16,6 +16,11 @@ from engine.models.families import nemotron_h, granite_hybrid  # noqa: F401, I00
 from engine.models.families import falcon_h1  # noqa: F401, I001
 from engine.models.families import kimi_linear  # noqa: F401, I001
 from engine.models.families import qwen2_moe, olmoe, granite_moe  # noqa: F401, I001
+from engine.models.families import llama_variants  # noqa: F401, I001
+from engine.models.families import ministral, hunyuan  # noqa: F401, I001
+from engine.models.families import gpt_neox, phi, gptj, stablelm, starcoder2, falcon, cohere, nemotron  # noqa: F401, I001
+from engine.models.families import granite, glm_dense, exaone4, vaultgemma, minicpm3  # noqa: F401, I001
+from engine.models.families import apertus  # noqa: F401, I001
 from engine.models.families import gpt2, opt, olmo1, jais2, dbrx, phimoe, mpt, bloom  # noqa: F401, I001
 from engine.models.families.base import (
     Family,

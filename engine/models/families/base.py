@@ -26,7 +26,7 @@ from engine.config import ConfigError
 from engine.models import family_registry
 from engine.models.config import ModelConfig
 
-ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "xielu": "xielu"}
 """config.json activation name -> ModelConfig.activation."""
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 LAYER = "model.layers.{i}."
@@ -47,7 +47,8 @@ class TensorSpec:
     flatten: bool = False
     experts: bool = False
     """One HF tensor per expert (`{j}` in hf_name stands for the expert index): the engine's
-    per-layer array has an expert axis first, and in_dims/flatten describe one expert's slice."""
+    per-layer array has an expert axis first, and in_dims/flatten describe one expert's slice.
+    Also one per head of a per-head norm's scale (StableLM 2's q_layernorm.norms.{j})."""
     interleaved_with: tuple[tuple[str, ...], ...] = ()
     """More engine params stored interleaved with `path` in HF's one tensor, along its last
     axis (GPT-OSS's gate_up_proj: gate at even columns, up at odd): of the n arrays, the
@@ -105,6 +106,9 @@ class Multimodal:
     checkpoint's prefixes is not the decoder's (vision tower, projector): skipped."""
     text_config: str = "text_config"
     """The config.json key of the text decoder's config."""
+    text_model_type: str | None = None
+    """The model_type its text config must have for this family to read it: Mistral3ForConditionalGeneration
+    wraps Mistral decoders (Mistral Small 3.1) and Ministral 3 ones. None: any."""
 
     def text_name(self, name: str) -> str | None:
         """The text model's name of a multimodal checkpoint's tensor; None for one outside
@@ -129,6 +133,11 @@ def rope_from_hf(params: dict, where: str) -> tuple[float, dict | None]:
         return theta, None
     if kind == "linear":
         return theta, {"kind": "linear", "factor": params["factor"]}
+    if kind == "dynamic":  # the original context: transformers' max_position_embeddings (Family.rope_from_hf)
+        original = params.get("original_max_position_embeddings") or params.get("max_position_embeddings")
+        if params.get("factor") is None or original is None:
+            raise ConfigError(f"{where}: RoPE type 'dynamic' needs factor and max_position_embeddings")
+        return theta, {"kind": "dynamic", "factor": params["factor"], "original_max_position": original}
     if kind == "llama3":
         return theta, {
             "kind": "llama3",
@@ -152,7 +161,9 @@ def rope_from_hf(params: dict, where: str) -> tuple[float, dict | None]:
             "truncate": params.get("truncate", True),
         }
         return theta, scaling
-    raise ConfigError(f"{where}: RoPE type '{kind}' is not supported (supported: default, linear, llama3, yarn)")
+    raise ConfigError(
+        f"{where}: RoPE type '{kind}' is not supported (supported: default, linear, llama3, yarn, dynamic)"
+    )
 
 
 def rope_to_hf(scaling) -> dict | None:
@@ -161,6 +172,8 @@ def rope_to_hf(scaling) -> dict | None:
         return None
     if scaling.kind == "linear":
         return {"rope_type": "linear", "factor": scaling.factor}
+    if scaling.kind == "dynamic":  # its original context is config.json's max_position_embeddings
+        return {"rope_type": "dynamic", "factor": scaling.factor}
     if scaling.kind == "longrope":  # the family leaves out what transformers derives (phi3.py)
         longrope = {
             "rope_type": "longrope",
@@ -292,6 +305,9 @@ class Family:
     """The transformers class (config.json `architectures[0]`)."""
     model_type: ClassVar[str]
     """config.json `model_type`."""
+    also_architectures: ClassVar[tuple[str, ...]] = ()
+    """Other config.json `architectures[0]` read as this family: transformers 5 runs some
+    published classes as Llama and saves them as LlamaForCausalLM (InternLM3, EXAONE 3)."""
     fixed: ClassVar[dict[str, Any]] = {}
     """ModelConfig fields every model of the family has."""
     hf_defaults: ClassVar[dict[str, Any]] = {}
@@ -373,7 +389,10 @@ class Family:
             "rope_theta": self.hf_value(hf, "rope_theta", 10000.0),
             **(hf.get("rope_scaling") or {}),
         }
-        theta, scaling = rope_from_hf(rope, where)
+        # dynamic NTK's original context is transformers' max_position_embeddings
+        theta, scaling = rope_from_hf(
+            {"max_position_embeddings": self.hf_value(hf, "max_position_embeddings"), **rope}, where
+        )
         return {"rope_theta": theta, "rope_scaling": scaling}
 
     def extra_fields_from_hf(self, hf: dict) -> dict[str, Any]:
@@ -487,6 +506,12 @@ class Family:
         """The norms between attention and MLP: Llama's post_attention_layernorm is the MLP's
         input norm."""
         return [TensorSpec(("mlp_norm", "scale"), LAYER + "post_attention_layernorm.weight", None)]
+
+    def constant_tensors(self, cfg: ModelConfig) -> dict[str, float]:
+        """Checkpoint tensors that hold constants, not parameters (buffers transformers saves
+        and loads, such as Apertus's xIELU `beta`): HF name -> value. Export writes them as
+        0-d arrays of the parameters' dtype; conversion skips them (ignored_tensor)."""
+        return {}
 
 
 # --------------------------------------------------------------------------- the registry

@@ -44,7 +44,7 @@ class Olmoe(Family):
         if hf.get("clip_qkv") is not None:
             raise ConfigError(f"{where}: clip_qkv={hf['clip_qkv']} is not supported (only null, no clamping)")
         head_dim, width, heads = hf.get("head_dim"), hf.get("hidden_size"), hf.get("num_attention_heads")
-        if None not in (head_dim, width, heads) and head_dim * heads != width:
+        if head_dim is not None and width is not None and heads is not None and head_dim * heads != width:
             # OlmoeAttention's q_norm is hidden_size wide: heads x head_dim must be hidden_size
             raise ConfigError(
                 f"{where}: head_dim {head_dim} x num_attention_heads must be hidden_size ({width}) for {self.name}"
