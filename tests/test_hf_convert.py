@@ -251,11 +251,11 @@ def convert_error(hf_dir: Path, tmp_path: Path) -> str:
 
 
 def test_unsupported_architecture_is_named(llama_dir, tmp_path):
-    def to_gpt2(c):
-        c.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    def to_t5(c):
+        c.update(model_type="t5", architectures=["T5ForConditionalGeneration"])
 
-    message = convert_error(edited_copy(llama_dir, tmp_path / "m", to_gpt2), tmp_path)
-    assert "unsupported architecture 'GPT2LMHeadModel'" in message and "LlamaForCausalLM" in message
+    message = convert_error(edited_copy(llama_dir, tmp_path / "m", to_t5), tmp_path)
+    assert "unsupported architecture 'T5ForConditionalGeneration'" in message and "LlamaForCausalLM" in message
 
 
 def test_unsupported_rope_type_is_named(llama_dir, tmp_path):

@@ -30,6 +30,9 @@ GRANITE = {
 CLASSIC = {"gpt_neox", "phi", "gptj", "stablelm", "codegen", "falcon", "nemotron"}
 
 
+GPT2_NAMES = {"gpt2", "gpt_bigcode", "bloom"}
+
+
 def tiny(family: str, tie: bool) -> tuple:
     """A tiny config.json of `family`, odd sizes, through the family's own mapping."""
     fam = get_family(family)
@@ -46,6 +49,11 @@ def tiny(family: str, tie: bool) -> tuple:
         "sliding_window": 5,
         "tie_word_embeddings": tie,
         "hidden_size_per_layer_input": 0,  # Gemma 4: none of its per-layer embeddings (default 256)
+        # GPT-2's own names (GPT-BigCode's, BLOOM's too): 4 heads of 3, an MLP of 7; OPT's MLP
+        **({"n_embd": 12, "n_layer": 3, "n_head": 4, "n_inner": 7, "n_positions": 64} if family in GPT2_NAMES else {}),
+        "ffn_dim": 7,
+        # DBRX's and MPT's own names: 4 heads of 4, 3 experts of 7
+        **{"d_model": 16, "n_heads": 4, "n_layers": 3, "ffn_config": {"ffn_hidden_size": 7, "moe_num_experts": 3}},
         # Nemotron-H: a Mamba2, an MLP and an attention layer, Mamba2 of 2 heads of 3, state 4
         "layers_block_type": ["linear_attention", "mlp", "full_attention"],
         "mamba_num_heads": 2,

@@ -107,10 +107,12 @@ def test_export_out_refuses_an_occupied_folder_and_overwrite_replaces_its_weight
 def test_a_bad_source_is_rejected_before_anything_runs(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "missing"), "--store", str(tmp_path / "store")]) == 2
     assert "is not a Hugging Face model directory" in capsys.readouterr().err
-    (tmp_path / "gpt2").mkdir()
-    (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
-    assert main(["convert", str(tmp_path / "gpt2"), "--store", str(tmp_path / "store")]) == 2
-    assert "unsupported architecture 'GPT2LMHeadModel'" in capsys.readouterr().err
+    (tmp_path / "t5").mkdir()
+    (tmp_path / "t5" / "config.json").write_text(
+        '{"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}'
+    )
+    assert main(["convert", str(tmp_path / "t5"), "--store", str(tmp_path / "store")]) == 2
+    assert "unsupported architecture 'T5ForConditionalGeneration'" in capsys.readouterr().err
 
 
 def test_pipelines_wire_convert_into_training_and_export(hf_dir):

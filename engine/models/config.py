@@ -448,6 +448,11 @@ class ModelConfig(Strict):
     with a scale of their own and no bias (StableLM 2 12B's and Cohere's QK norms)."""
     logits_multiplier: float | None = Field(None, gt=0)
     """Output logits are multiplied by this (Cohere's logit_scale); None: not scaled."""
+    router_sparsemixer_eps: float | None = Field(None, gt=0)
+    """SparseMixer routing (PhiMoE, arXiv 2409.12136) at inference, with this jitter epsilon:
+    the k experts are the best, then the best of the rest, ..., each weighted by a softmax
+    over the logits still in play within a relative 2 * eps of that expert's (engine/models/moe.py:
+    sparsemixer); None: the usual softmax top-k."""
 
     @model_validator(mode="after")
     def _check_query_scaling(self) -> ModelConfig:
@@ -493,7 +498,7 @@ class ModelConfig(Strict):
             raise ValueError("attention_pattern has local layers, so sliding_window must be set")
         if ("chunked" in self.attention_pattern) != (self.attention_chunk_size is not None):
             raise ValueError("attention_chunk_size is set exactly when attention_pattern has chunked layers")
-        if self.kv_lora_rank is None and self.head_dim % 2:
+        if self.kv_lora_rank is None and self.positions == "rope" and self.head_dim % 2:
             raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
         if self.num_experts and self.experts_per_token > self.num_experts:
             raise ValueError(f"experts_per_token ({self.experts_per_token}) exceeds num_experts ({self.num_experts})")
@@ -754,6 +759,7 @@ class ModelConfig(Strict):
             shared_dim=self.shared_mlp_dim,
             shared_expert_gate=self.shared_expert_gate,
             beside=self._mlp_spec(self.mlp_dim) if self.moe_beside_mlp else None,
+            sparsemixer_eps=self.router_sparsemixer_eps,
         )
 
     def _rotary(self, local: bool) -> RotarySpec:

@@ -96,6 +96,25 @@ def route(
     return weights_nk * scale if scale != 1.0 else weights_nk, experts_nk
 
 
+def sparsemixer(logits_ne, k: int, eps: float, experts_nk=None):
+    """(weights (n, k), experts (n, k)) of SparseMixer's routing at inference (PhiMoE, arXiv
+    2409.12136; transformers' `sparsemixer` out of training): the i-th expert is the best of
+    the logits not chosen yet (or experts_nk's, replayed), weighted by the softmax over those
+    logits still in play whose gap below its logit, relative to max(|logit|, its logit), is at
+    most 2 * eps."""
+    weights, chosen = [], []
+    remaining_ne = logits_ne
+    for i in range(k):
+        expert_n = jnp.argmax(remaining_ne, axis=-1) if experts_nk is None else experts_nk[:, i]
+        best_n1 = jnp.max(remaining_ne, axis=-1, keepdims=True)
+        factor_ne = jnp.maximum(jnp.abs(logits_ne), best_n1)
+        gates_ne = jnp.where((best_n1 - logits_ne) / factor_ne > 2 * eps, -jnp.inf, remaining_ne)
+        weights.append(jnp.take_along_axis(jax.nn.softmax(gates_ne, axis=-1), expert_n[:, None], axis=-1))
+        chosen.append(expert_n[:, None].astype(jnp.int32))
+        remaining_ne = jnp.where(jax.nn.one_hot(expert_n, logits_ne.shape[-1], dtype=jnp.bool_), -jnp.inf, remaining_ne)
+    return jnp.concatenate(weights, axis=-1), jnp.concatenate(chosen, axis=-1)
+
+
 def _choose(scores_ne, bias_e, k: int, groups: int, group_top: int, group_score: str):
     """The router's top-k experts (n, k) of its scores (see `route`)."""
     choice_ne = scores_ne if bias_e is None else scores_ne + bias_e
@@ -290,6 +309,7 @@ class MoE(nnx.Module):
         self.logits_bias, self.expert_bias = spec.router_logits_bias, spec.expert_bias
         self.input_norm, self.expert_scale = spec.router_input_norm, spec.router_expert_scale
         self.norm_eps = spec.router_norm_eps
+        self.sparsemixer_eps = spec.sparsemixer_eps
         self.dtype = build.dtype
         self.dispatch, self.capacity_factor = build.compute.moe_dispatch, build.compute.moe_capacity_factor
         self.matmul_backward, self.dot_general = build.compute.matmul_backward, build.dot_general
@@ -350,18 +370,23 @@ class MoE(nnx.Module):
             if self.logits_bias:
                 logits_ne = logits_ne + self.b_logits_e[...].astype(jnp.float32)
             bias = self.b_router_e[...] if self.router_bias else None
-            weights_nk, experts_nk = route(
-                logits_ne,
-                bias,
-                self.k,
-                self.score,
-                self.renormalize,
-                groups=self.groups,
-                group_top=self.group_top,
-                scale=self.router_scale,
-                group_score=self.group_score,
-                experts_nk=router_replay.replayed(b, t),
-            )
+            if self.sparsemixer_eps is not None:  # PhiMoE
+                weights_nk, experts_nk = sparsemixer(
+                    logits_ne, self.k, self.sparsemixer_eps, experts_nk=router_replay.replayed(b, t)
+                )
+            else:
+                weights_nk, experts_nk = route(
+                    logits_ne,
+                    bias,
+                    self.k,
+                    self.score,
+                    self.renormalize,
+                    groups=self.groups,
+                    group_top=self.group_top,
+                    scale=self.router_scale,
+                    group_score=self.group_score,
+                    experts_nk=router_replay.replayed(b, t),
+                )
             router_replay.record(experts_nk, b, t)
             if self.expert_scale:
                 weights_nk = weights_nk * self.expert_scale_e[...].astype(jnp.float32)[experts_nk]

@@ -386,6 +386,8 @@ class MoESpec(Spec):
     shared_expert_gate: bool = False
     beside: MLPSpec | None = None
     """A dense MLP beside the experts, each with its norms (Gemma 4's 26B-A4B)."""
+    sparsemixer_eps: float | None = None
+    """SparseMixer routing with this epsilon (PhiMoE; moe.sparsemixer); None: softmax top-k."""
 
     def params(self, d: int, active: bool = False) -> int:
         experts = self.experts_per_token if active else self.num_experts

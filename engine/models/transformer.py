@@ -51,6 +51,7 @@ from engine.models.specs import AttentionSpec, LayerSpec, MLPSpec, MoESpec, Para
 from engine.models.xielu import initial_parameters as xielu_initial_parameters
 from engine.models.xielu import xielu
 from engine.ops.attention import attention, chunked_segment_ids, decode_attention
+from engine.ops.attention_reference import alibi_slopes
 from engine.ops.dense import DotGeneral, dense, gated_mlp, matmuls_in, uses_cpu_backward, weight_grads_in
 from engine.ops.partitioning import constrain, current_platform
 from engine.ops.pipeline import gpipe, pipeline_stages
@@ -68,6 +69,18 @@ def _unit_rms(x, eps: float):
     return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
+def _alibi_distances(slopes, end, t: int, slots: int, shared):
+    """ALiBi's operand of decode_attention: the slopes and the distances from a step's queries
+    (slots end + [0, t)) to the cache's slots (b = 1, t, slots), and to a shared prefix's
+    (1, prefix), which precedes slot 0; slot distances are position distances (left padding)."""
+    distance_ts = end + jnp.arange(t)[:, None] - jnp.arange(slots)[None, :]
+    prefix = None
+    if shared is not None:
+        count = shared[0].shape[-1]
+        prefix = (count + end - jnp.arange(count))[None]
+    return slopes, distance_ts[None], prefix
+
+
 class Attention(nnx.Module):
     """Grouped-query attention with RoPE, built from an AttentionSpec's parameter structure and
     called with its layer's spec (static): the sliding window, RoPE or NoPE, chunks and the
@@ -76,8 +89,6 @@ class Attention(nnx.Module):
 
     def __init__(self, spec: AttentionSpec, build: Build, *, rngs: nnx.Rngs):
         d, n, k, h = build.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim
-        if spec.alibi:
-            raise ConfigError("positions: alibi is not supported yet by the attention implementations; use rope")
         # Gemma 4's KV sharing: a `reuse` layer (a stack of its own) has no key/value projections.
         self.reuses_kv = spec.kv_sharing == "reuse"
         self.values_from_keys = spec.values_from_keys
@@ -204,6 +215,7 @@ class Attention(nnx.Module):
         k = checkpoint_name(k, "qkv_proj")
         v = checkpoint_name(v, "qkv_proj")
         sinks_n = self.sinks_n[...] if spec.sinks else None
+        slopes = tuple(alibi_slopes(spec.num_heads)) if spec.alibi else None  # BLOOM, MPT
         if reuse and cache is None:
             k, v = shared_kv
         if cache is None:
@@ -222,6 +234,7 @@ class Attention(nnx.Module):
                     local=spec.window is not None,
                     block=self.compute.attention_block,
                     sinks_n=sinks_n,
+                    alibi_slopes=slopes,
                 )
         else:  # decoding: attend over the cache, this step's keys and values written into it
             window = spec.window
@@ -230,6 +243,7 @@ class Attention(nnx.Module):
                 k, v, mask, cache = cache.read(q.shape[1], window=window, raw=True, chunk=chunk)
             else:
                 k, v, mask, cache = cache.update(k, v, window=window, raw=True, chunk=chunk)
+            shared = cache.shared_prefix(window=window, raw=True, chunk=chunk)
             out_btnh = decode_attention(
                 q,
                 k,
@@ -239,7 +253,8 @@ class Attention(nnx.Module):
                 scale=spec.score_scale,
                 softcap=spec.softcap,
                 sinks_n=sinks_n,
-                shared=cache.shared_prefix(window=window, raw=True, chunk=chunk),
+                shared=shared,
+                alibi=None if slopes is None else _alibi_distances(slopes, cache.end, q.shape[1], k.shape[-1], shared),
             )
         if self.output_gate:  # sigmoid(gate) per head and dimension, in the compute dtype
             out_btnh = out_btnh * jax.nn.sigmoid(gate).astype(out_btnh.dtype)

@@ -125,7 +125,10 @@ def _unsupported(
     groups: int = 1,
     value_dim: int | None = None,
     context: int = 1,
+    alibi: bool = False,
 ) -> str | None:
+    if alibi and impl in ("cpu_kernel", "cudnn", "splash"):
+        return f"{impl} takes no ALiBi bias (positions: alibi)"
     if context > 1 and impl in ("cpu_kernel", "cudnn"):
         return (
             f"context parallelism (mesh axis context={context}) gives each device a slice of the queries, "
@@ -167,9 +170,11 @@ def choose_implementation(
     groups: int = 1,
     value_dim: int | None = None,
     context: int = 1,
+    alibi: bool = False,
 ) -> str:
     """The implementation that runs `impl` on `platform` for this case (see the module
-    docstring); `context`: the context shards the queries are split into."""
+    docstring); `context`: the context shards the queries are split into; `alibi`: the
+    scores take ALiBi's bias (reference and blocked only)."""
     case = dict(
         dtype=dtype,
         head_dim=head_dim,
@@ -180,6 +185,7 @@ def choose_implementation(
         groups=groups,
         value_dim=value_dim,
         context=context,
+        alibi=alibi,
     )
     if impl == "cpu_kernel" and platform != "cpu":
         raise ConfigError(
@@ -234,6 +240,7 @@ def attention(
     local: bool = False,
     block: int = 128,
     sinks_n=None,
+    alibi_slopes: tuple[float, ...] | None = None,
 ):
     """Causal grouped-query self-attention over packed sequences: (b, t, n, h) in q's dtype.
 
@@ -241,7 +248,9 @@ def attention(
     unpadded document per row. A `local` layer sees only the `window` most recent positions,
     its own included. `local`, `window`, `softcap` and `block` (the query block of `blocked`)
     are static. `sinks_n` (n,): attention sinks, a logit per query head in each softmax's
-    denominator (GPT-OSS; every implementation but cudnn takes them).
+    denominator (GPT-OSS; every implementation but cudnn takes them). `alibi_slopes` (n
+    floats, static): ALiBi's -slope * (i - j) on each head's scores (BLOOM, MPT; reference and
+    blocked take it, so auto falls back to blocked).
     """
     assert isinstance(local, (bool, np.bool_)), "local must be static (a Python bool)"
     window = window if local else None
@@ -260,12 +269,17 @@ def attention(
         groups=q_btnh.shape[2] // k_bskh.shape[2],
         value_dim=v_bskh.shape[3],
         context=context,
+        alibi=alibi_slopes is not None,
     )
     args = (q_btnh, k_bskh, v_bskh, segment_ids_bt)
     if name == "reference":
-        return reference_attention(*args, scale=scale, softcap=softcap, window=window, sinks_n=sinks_n)
+        return reference_attention(
+            *args, scale=scale, softcap=softcap, window=window, sinks_n=sinks_n, alibi_slopes=alibi_slopes
+        )
     if name == "blocked":
-        blocked = functools.partial(blocked_attention, scale=scale, softcap=softcap, window=window, block=block)
+        blocked = functools.partial(
+            blocked_attention, scale=scale, softcap=softcap, window=window, block=block, alibi_slopes=alibi_slopes
+        )
         if context > 1:
             return _context_parallel(blocked, mesh, *args, sinks_n)
         return blocked(*args, sinks_n=sinks_n)
@@ -333,14 +347,21 @@ def _context_parallel(blocked, mesh, q_btnh, k_bskh, v_bskh, segment_ids_bt, sin
     return run(*args)
 
 
-def choose_decode_implementation(impl: DecodeImpl, *, platform: str, unsplit: str | None = None) -> str:
+def choose_decode_implementation(
+    impl: DecodeImpl, *, platform: str, unsplit: str | None = None, alibi: bool = False
+) -> str:
     """What runs a decode step's attention for `impl` on `platform` (see the module docstring):
     auto picks cpu_kernel on CPU if it builds, and falls back to reference with a warning if
     it does not. `unsplit`: why a mesh's devices cannot each take their share of the step's
     rows (None: they can, or there is one device); auto then runs reference. cpu_kernel by
-    name off CPU, for such a step or without a build is a ConfigError."""
-    if impl == "reference" or (impl == "auto" and (platform != "cpu" or unsplit)):
+    name off CPU, for such a step or without a build is a ConfigError. `alibi`: the scores
+    take ALiBi's bias, which only reference adds."""
+    if impl == "reference" or (impl == "auto" and (platform != "cpu" or unsplit or alibi)):
         return "reference"
+    if impl == "cpu_kernel" and alibi:
+        raise ConfigError(
+            "compute.decode_attention_impl: cpu_kernel takes no ALiBi bias (positions: alibi); use auto or reference"
+        )
     if impl == "cpu_kernel" and platform != "cpu":
         raise ConfigError(
             f"compute.decode_attention_impl: cpu_kernel runs on CPU, and this run compiles for {platform}; "
@@ -388,16 +409,21 @@ def decode_attention(
     softcap: float | None = None,
     sinks_n=None,
     shared=None,
+    alibi=None,
 ):
     """Attention of queries (b, t, n, h) over a KV cache as KVCache.update(raw=True) returns it
     (keys (b, k, h, s), values (b, k, s, h), as stored, and the mask (b, t, s)) and `shared`,
     KVCache.shared_prefix(raw=True) or None: (b, t, n, h) in the cache's value dtype. The
     reference's numbers (attention_reference.dot_product_attention), up to float32 summation
-    order. Under a mesh the kernel runs in a shard_map on each device's rows (and prompts)."""
+    order. Under a mesh the kernel runs in a shard_map on each device's rows (and prompts).
+    `alibi`: as dot_product_attention's (ALiBi; the reference runs)."""
     b, t, n, h = q_btnh.shape
     mesh = current_mesh()
     axes, unsplit = _row_split(mesh, b, None if shared is None else shared[0].shape[0])
-    if t != 1 or choose_decode_implementation(impl, platform=current_platform(), unsplit=unsplit) == "reference":
+    platform = current_platform()
+    if t != 1 or choose_decode_implementation(impl, platform=platform, unsplit=unsplit, alibi=alibi is not None) == (
+        "reference"
+    ):
         if shared is not None:
             shared = (cache_values(shared[0]), cache_values(shared[1]), *shared[2:])
         return dot_product_attention(
@@ -409,6 +435,7 @@ def decode_attention(
             softcap=softcap,
             sinks_n=sinks_n,
             shared=shared,
+            alibi=alibi,
         )
     k = k_bkhs.shape[1]
     group = None if shared is None else shared[3]

@@ -100,15 +100,27 @@ def _add(acc, start, value, axis: int):
     )
 
 
-def _scores(q_bktgh, k_bksh, mask_bts, scale, softcap):
+def _alibi(slopes_kg, q0: int, q1: int, start, keys: int, offset):
+    """ALiBi's bias -slope * (i - j), (1, k, t, g, s), of the queries [q0, q1) (at positions
+    `offset` + those) and the keys [start, start + keys); None without slopes."""
+    if slopes_kg is None:
+        return None
+    distance_ts = (jnp.arange(q0, q1) + offset)[:, None] - (start + jnp.arange(keys))[None, :]
+    slopes = jnp.asarray(slopes_kg, jnp.float32)[None, :, None, :, None]
+    return -slopes * distance_ts.astype(jnp.float32)[None, None, :, None, :]
+
+
+def _scores(q_bktgh, k_bksh, mask_bts, scale, softcap, bias=None):
     """Scores (b, k, t, g, s) in float32, masked where mask_bts (None: all visible) says, and
-    tanh(raw / softcap) when capped."""
+    tanh(raw / softcap) when capped; `bias` (ALiBi's) added before the mask."""
     raw = jnp.einsum("bkrh,bksh->bkrs", _rows(q_bktgh), k_bksh, preferred_element_type=jnp.float32)
     raw = raw.reshape(*q_bktgh.shape[:-1], k_bksh.shape[2]) * scale
     capped = None
     if softcap is not None:
         capped = jnp.tanh(raw / softcap)
         raw = softcap * capped
+    if bias is not None:
+        raw = raw + bias
     if mask_bts is None:
         return raw, capped
     return jnp.where(mask_bts[:, None, :, None, :], raw, NEG_INF), capped
@@ -125,6 +137,13 @@ def _to_heads(q_btnh, k_bskh, v_bskh):
     kv = k_bskh.shape[2]
     q = q_btnh.reshape(b, t, kv, n // kv, h).transpose(0, 2, 1, 3, 4)  # (b, k, t, g, h)
     return q, k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)  # (b, k, s, h)
+
+
+def _per_group(slopes_n, kv_heads: int) -> tuple[tuple[float, ...], ...]:
+    """n static slopes as (k, g) nested tuples (a hashable static argument)."""
+    slopes = [float(x) for x in slopes_n]
+    g = len(slopes) // kv_heads
+    return tuple(tuple(slopes[i * g : (i + 1) * g]) for i in range(kv_heads))
 
 
 def _sinks(sinks_kg):
@@ -148,7 +167,7 @@ def _blocks(q, s: int, window, block, shift):
             yield q0, q1, [(jnp.clip(shift + q0 - window + 1, 0, s - length), length)]
 
 
-def _forward(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block):
+def _forward(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block, alibi=None):
     """Head-major output (b, k, t, g, h) and row log-sum-exp (b, k, t, g), the sinks' terms
     (GPT-OSS: one more logit per head in each denominator) included. The probabilities are
     rounded to v's dtype once, and the denominator sums what the product then uses."""
@@ -157,9 +176,14 @@ def _forward(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block):
     at = 0 if shift is None else shift
     for q0, q1, parts in _blocks(q, k.shape[2], window, block, shift):
         scores = [
-            _scores(q[:, :, q0:q1], _slice(k, a, n, 2), _mask(seg_q, q0, q1, a, n, window, at, seg_k), scale, softcap)[
-                0
-            ]
+            _scores(
+                q[:, :, q0:q1],
+                _slice(k, a, n, 2),
+                _mask(seg_q, q0, q1, a, n, window, at, seg_k),
+                scale,
+                softcap,
+                _alibi(alibi, q0, q1, a, n, at),
+            )[0]
             for a, n in parts
         ]
         m = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
@@ -179,17 +203,17 @@ def _forward(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block):
     return jnp.concatenate(outs, axis=2), jnp.concatenate(lses, axis=2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _attention(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block):
-    return _forward(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _attention(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block, alibi):
+    return _forward(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block, alibi)[0]
 
 
-def _attention_fwd(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block):
-    o, lse = _forward(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block)
+def _attention_fwd(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block, alibi):
+    o, lse = _forward(q, k, v, segments, shift, sinks_kg, scale, softcap, window, block, alibi)
     return o, (q, k, v, segments, shift, sinks_kg, o, lse)
 
 
-def _attention_bwd(scale, softcap, window, block, residuals, do):
+def _attention_bwd(scale, softcap, window, block, alibi, residuals, do):
     q, k, v, segments, shift, sinks_kg, o, lse = residuals
     seg_q, seg_k = segments or (None, None)
     at = 0 if shift is None else shift
@@ -214,7 +238,8 @@ def _attention_bwd(scale, softcap, window, block, residuals, do):
         dq = 0.0
         for a, n in parts:
             k_b, v_b = _slice(k, a, n, 2), _slice(v, a, n, 2)
-            scores, capped = _scores(q_b, k_b, _mask(seg_q, q0, q1, a, n, window, at, seg_k), scale, softcap)
+            mask = _mask(seg_q, q0, q1, a, n, window, at, seg_k)
+            scores, capped = _scores(q_b, k_b, mask, scale, softcap, _alibi(alibi, q0, q1, a, n, at))
             p = jnp.exp(scores - lse_b).astype(do.dtype)  # rounded once: dV's operand and ds's factor
             dv_t = _add(dv_t, a, jnp.einsum("bkhr,bkrs->bkhs", do_bt, _rows(p), preferred_element_type=jnp.float32), 3)
             dp = jnp.einsum("bkrh,bksh->bkrs", _rows(do_b), v_b, preferred_element_type=jnp.float32)
@@ -247,6 +272,7 @@ def blocked_attention(
     sinks_n=None,
     shift=None,
     key_segment_ids_bs=None,
+    alibi_slopes=None,
 ):
     """Causal, segment-aware grouped-query attention over one packed sequence.
 
@@ -256,7 +282,8 @@ def blocked_attention(
     int: a context shard's queries, engine/ops/attention.py), positions shift + [0, t) of the
     s keys; then every query block takes every key (on a sliding-window layer its window's
     worth, from a traced start). `key_segment_ids_bs` (b, s): the keys' segments where they are
-    not the queries' (s != t).
+    not the queries' (s != t). `alibi_slopes` (n floats, static): ALiBi's -slope * (i - j) on
+    the scores (by row distance: within a packed document, the position distance).
     """
     b, t, n, h = q_btnh.shape
     assert shift is not None or k_bskh.shape[1] == t, "keys beyond the queries need the queries' shift"
@@ -281,5 +308,6 @@ def blocked_attention(
         None if softcap is None else float(softcap),
         window,
         int(block),
+        None if alibi_slopes is None else _per_group(alibi_slopes, k.shape[1]),
     )
     return out.transpose(0, 2, 1, 3, 4).reshape(b, t, n, h)

@@ -43,6 +43,7 @@ from engine.interop.hf.mapping import (
     tensor_table,
     text_config_of,
     unfuse,
+    unmerged_hf_shape,
 )
 from engine.interop.hf.peft import ADAPTER_CONFIG, adapter_from_peft, lora_config_from_peft
 from engine.interop.hf.safetensors_io import SafetensorsFile
@@ -252,6 +253,10 @@ def convert_hf(
                         continue
                     source_names[text_name] = stored
                     stored = text_name
+                own_name = get_family(cfg.family).checkpoint_name(stored)
+                if own_name != stored:  # a base model's names (GPT-2's published `h.0.`, no `transformer.`)
+                    source_names[own_name] = stored
+                    stored = own_name
                 name, blocks = stored, None
                 if mxfp4 and stored.endswith(MXFP4_SCALES) and stored[: -len(MXFP4_SCALES)] in expected:
                     continue  # read with its blocks
@@ -302,6 +307,8 @@ def convert_hf(
             scales = name + MXFP4_SCALES
             raw = dequantize_mxfp4(handles[path].get(blocks), handles[scales_at[scales][0]].get(scales))
         targets = slots(spec, index)  # one array, or those HF interleaves or fuses in this tensor
+        if spec.merged_rows:  # DBRX's experts (E * f, d): the expert axis apart again
+            raw = raw.reshape(unmerged_hf_shape(spec, targets[0].shape))
         if spec.swap_last:  # Gemma 4's experts: HF's last two axes are the engine's swapped
             raw = raw.swapaxes(-1, -2)
         if spec.fused_with:

@@ -221,7 +221,8 @@ def hf_tensors(
     def hf_tensor(spec: TensorSpec, index: tuple) -> np.ndarray:
         if spec.swap_last:  # Gemma 4's experts: HF's last two axes are the engine's swapped
             parts = [leaf(spec, index, path) for path in (spec.path, *spec.concatenated_with)]
-            return np.ascontiguousarray(np.concatenate(parts, axis=-1).swapaxes(-1, -2))
+            swapped = np.ascontiguousarray(np.concatenate(parts, axis=-1).swapaxes(-1, -2))
+            return swapped.reshape(-1, *swapped.shape[2:]) if spec.merged_rows else swapped  # DBRX's (E * f, d)
         if spec.interleaved_with:  # several engine arrays in one HF tensor
             return interleave([leaf(spec, index, path) for path in (spec.path, *spec.interleaved_with)])
         if spec.concatenated_with:  # one after another along the last axis (Llama 4's gate_up_proj)

@@ -148,6 +148,14 @@ def check_table_covers(cfg: ModelConfig, shapes: dict) -> None:
 
 def hf_shape(spec: TensorSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The HF shape of an engine array of `shape`."""
+    if spec.merged_rows:  # DBRX's experts: the first two axes of the unmerged shape as one
+        unmerged = unmerged_hf_shape(spec, shape)
+        return (unmerged[0] * unmerged[1], *unmerged[2:])
+    return unmerged_hf_shape(spec, shape)
+
+
+def unmerged_hf_shape(spec: TensorSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """hf_shape before TensorSpec.merged_rows merges its first two axes."""
     if spec.swap_last:
         shape = (*shape[:-2], shape[-1], shape[-2])
         if spec.concatenated_with:  # the parts one after another along HF's second-last axis
@@ -156,6 +164,8 @@ def hf_shape(spec: TensorSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
     if spec.interleaved_with or spec.concatenated_with:
         return (*shape[:-1], shape[-1] * (1 + len(spec.interleaved_with) + len(spec.concatenated_with)))
     if spec.in_dims is not None:
+        if spec.in_out:  # Conv1D: (in, out)
+            return (int(np.prod(shape[: spec.in_dims])), int(np.prod(shape[spec.in_dims :])))
         return (int(np.prod(shape[spec.in_dims :])), int(np.prod(shape[: spec.in_dims])))
     return (int(np.prod(shape)),) if spec.flatten else tuple(shape)
 
@@ -177,12 +187,17 @@ def part_of(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
 def fused_hf_shape(spec: TensorSpec, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     """The HF shape of the tensor that fuses engine arrays of `shapes` (TensorSpec.fused_with)."""
     each = [hf_shape(spec, shape) for shape in shapes]
+    if spec.in_out:  # Conv1D: the parts along the output (second) axis
+        return (each[0][0], sum(h[1] for h in each))
     return (sum(h[0] for h in each), *each[0][1:])
 
 
 def unfuse(spec: TensorSpec, hf_array: np.ndarray, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
     """A fused HF tensor's row blocks, one per engine array of `shapes` (views; in groups,
-    TensorSpec.fused_groups, each part's rows gathered from every group)."""
+    TensorSpec.fused_groups, each part's rows gathered from every group; Conv1D's,
+    TensorSpec.in_out, column blocks)."""
+    if spec.in_out:
+        return np.split(hf_array, np.cumsum([hf_shape(spec, shape)[1] for shape in shapes])[:-1], axis=1)
     rows, groups = [hf_shape(spec, shape)[0] for shape in shapes], spec.fused_groups
     if groups == 1:
         return np.split(hf_array, np.cumsum(rows)[:-1], axis=0)
@@ -193,7 +208,10 @@ def unfuse(spec: TensorSpec, hf_array: np.ndarray, shapes: list[tuple[int, ...]]
 
 
 def fuse(spec: TensorSpec, hf_arrays: list[np.ndarray]) -> np.ndarray:
-    """The fused HF tensor of the parts' HF arrays (unfuse's inverse)."""
+    """The fused HF tensor of the parts' HF arrays (unfuse's inverse): one after another along
+    the first axis (in groups, TensorSpec.fused_groups), or Conv1D's (TensorSpec.in_out) second."""
+    if spec.in_out:
+        return np.concatenate(hf_arrays, axis=1)
     groups = spec.fused_groups
     if groups == 1:
         return np.concatenate(hf_arrays)
@@ -203,7 +221,7 @@ def fuse(spec: TensorSpec, hf_arrays: list[np.ndarray]) -> np.ndarray:
 
 def to_engine(spec: TensorSpec, hf_array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """The engine's view of a HF tensor (the reference; conversion uses `copy_into`)."""
-    return (hf_array.T if spec.in_dims is not None else hf_array).reshape(shape)
+    return (hf_array.T if spec.in_dims is not None and not spec.in_out else hf_array).reshape(shape)
 
 
 def _transpose_into(dst_2d: np.ndarray, src_2d: np.ndarray, block: int = 16) -> None:
@@ -229,7 +247,7 @@ def copy_into(slot: np.ndarray, spec: TensorSpec, hf_array: np.ndarray) -> None:
     """slot[...] = to_engine(spec, hf_array) cast to slot's dtype; `slot` is C-contiguous."""
     if hf_array.dtype != slot.dtype:
         hf_array = hf_array.astype(slot.dtype)  # a contiguous cast first: far faster than a strided one
-    if spec.in_dims is None:
+    if spec.in_dims is None or spec.in_out:
         slot.reshape(-1)[...] = hf_array.reshape(-1)
     else:
         _transpose_into(slot.reshape(hf_array.shape[::-1]), hf_array)
@@ -249,7 +267,7 @@ def copy_part_into(slot: np.ndarray, spec: TensorSpec, hf_array: np.ndarray) -> 
 def to_hf(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
     """A new C-contiguous array in HF's layout."""
     shape = hf_shape(spec, array.shape)
-    if spec.in_dims is None:
+    if spec.in_dims is None or spec.in_out:
         return np.ascontiguousarray(array.reshape(shape))
     out = np.empty(shape, array.dtype)
     _transpose_into(out, array.reshape(shape[::-1]))

@@ -74,6 +74,10 @@ class TensorSpec:
     """A copy of another tensor that export writes and conversion skips (a multi-token-
     prediction layer's embed_tokens and shared_head.head: transformers' MtpModel uses the main
     model's, as the engine does)."""
+    in_out: bool = False
+    """A matmul stored (in, out), HF's Conv1D (GPT-2, GPT-BigCode): the engine array's first
+    in_dims axes are HF's FIRST axis, the rest its second, in order (a plain reshape, no
+    transpose); fused_with parts follow one another along that second (output) axis."""
     swap_last: bool = False
     """in_dims None: HF's tensor is the engine's (or its concatenation's) with the last two
     axes swapped (Gemma 4's stacked experts: gate_up_proj (E, 2f, d), down_proj (E, d, f))."""
@@ -81,6 +85,10 @@ class TensorSpec:
     """HF's tensor holds only [..., start:stop] of the engine array's last axis, other specs of
     the same path the rest (AFMoE's q_proj and gate_proj: the engine's one query-and-gate
     projection wq_dnh, (d, heads, 2 head_dim)); in_dims describes that part."""
+    merged_rows: bool = False
+    """in_dims None: HF's tensor is the engine's (after swap_last) with its first two axes
+    merged into one (DBRX's stacked experts, (E * f, d): w1 and v1 the engine's (E, d, f)
+    swapped, w2 its (E, f, d))."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -487,6 +495,11 @@ class Family:
         """The torch module path of a checkpoint tensor's name, which PEFT names adapters by:
         the same, unless transformers renames the model on saving (Nemotron-H's `backbone.`)."""
         return hf_name
+
+    def checkpoint_name(self, stored: str) -> str:
+        """The tensor table's name of a checkpoint tensor stored as `stored`: the same, unless the
+        family's checkpoints were saved from its base model, without its prefix (GPT-2's)."""
+        return stored
 
     def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:
         """A checkpoint tensor conversion skips: one of a module the engine does not run
