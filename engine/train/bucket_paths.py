@@ -69,7 +69,7 @@ def temporary_path_class(directory: Path | epath.Path) -> type:
 def s3_kvstore(url: str) -> dict:
     """TensorStore's spec of the S3 prefix `url` (s3://bucket/path)."""
     bucket, _, path = url.removeprefix("s3://").partition("/")
-    spec = {"driver": "s3", "bucket": bucket, "path": path}
+    spec: dict[str, object] = {"driver": "s3", "bucket": bucket, "path": path}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
     if endpoint:
