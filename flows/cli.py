@@ -157,11 +157,11 @@ def _print_reports(plan, summary: dict) -> None:
             table = [line for line in (path / "report.md").read_text().splitlines() if line.startswith("|")]
             print(f"\n{name}: {shown}/report.md\n" + "\n".join(table))
         if name in plan.stages and plan.stages[name].fan_in:  # a fan-in: the sweep's summary
-            from flows.sweep_report import sweep_rows, table_markdown  # matplotlib loads only here
+            from flows.sweep_report import sweep_rows, table_text  # matplotlib loads only here
 
             for input_name, rows in sweep_rows(plan, name).items():
                 labels = list(plan.stages[rows[0]["point"]].params) if rows else []
-                print(f"\n{name}: sweep over {input_name} ({len(rows)} points)\n" + table_markdown(rows, labels))
+                print(f"\n{name}: sweep over {input_name} ({len(rows)} points)\n" + table_text(rows, labels))
         if name not in consumed and (path / "artifact.json").is_file():
             # The tree's artifact lines only; `trainflow lineage PATH` shows configs and metrics too.
             tree = [

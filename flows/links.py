@@ -11,6 +11,11 @@ not an API route). The UI's other pages used here are routes of the pinned Prefe
                              and references. The pinned UI has no asset page (`/assets` is a
                              404), so this is its closest view of an asset.
 
+The server answers these addresses with its original UI (the newer one lives under `/v2`),
+whose event feed reads `resource` as plain resource-id prefixes (one parameter each; a JSON
+list would be taken whole, brackets and all) and its time range from `type=range`,
+`startDate` and `endDate` (without them it shows the last day).
+
 UI addresses are recorded only where a UI URL is configured (PREFECT_UI_URL, or Prefect's
 default from a configured PREFECT_API_URL): the local server trainflow starts for a run
 without one has no UI, and is gone when the run ends.
@@ -18,9 +23,8 @@ without one has no UI, and is gone when the run ends.
 
 from __future__ import annotations
 
-import json
 import urllib.parse
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from prefect.settings import PREFECT_UI_URL
 from prefect.utilities.urls import url_for
@@ -51,18 +55,16 @@ def artifact_url(ui: str, key: str) -> str:
 def asset_events_url(ui: str, asset: str, start: str | None, end: str | None) -> str:
     """The UI's event feed filtered to `asset`, from a minute before `start` to a minute
     after `end` (ISO times; the feed shows the last day without them)."""
-    query = {"resource": json.dumps([asset])}
+    query = {"resource": asset}
     if start and end:
-        query.update(
-            rangeType="range",
-            start=_shifted(start, -60),
-            end=_shifted(end, 60),
-        )
+        query.update(type="range", startDate=_shifted(start, -60), endDate=_shifted(end, 60))
     return f"{ui}/{EVENTS_ROUTE}?{urllib.parse.urlencode(query, quote_via=urllib.parse.quote)}"
 
 
 def _shifted(iso: str, seconds: float) -> str:
-    return (datetime.fromisoformat(iso.replace("Z", "+00:00")) + timedelta(seconds=seconds)).isoformat()
+    """`iso` moved by `seconds`, in UTC with milliseconds and a Z (what the UI's dates read)."""
+    moved = datetime.fromisoformat(iso.replace("Z", "+00:00")) + timedelta(seconds=seconds)
+    return moved.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def input_links(manifest: dict, asset: str) -> dict[str, str]:

@@ -168,10 +168,9 @@ def prefect_api(say: Callable[[str], None] = lambda line: print(line, file=sys.s
         yield configured
         return
     server = start_server(settings_env=get_current_settings().to_environment_variables(exclude_unset=True))
-    say(
-        f"trainflow: Prefect API: a local server at {server.api_url} (pid {server.pid}) for this run; "
-        f"`prefect server start` and PREFECT_API_URL keep one running, with its UI"
-    )
+    # Two lines: each fits a log view's width (160 characters) whatever the port and pid.
+    say(f"trainflow: Prefect API: a local server at {server.api_url} (pid {server.pid}), for this run only")
+    say("trainflow: `prefect server start` and PREFECT_API_URL keep one running, with its UI")
     # For this process (threads without a settings context too) and its children; an empty
     # UI URL, as the server has no UI to link to.
     run_env = {"PREFECT_API_URL": server.api_url, "PREFECT_UI_URL": ""}

@@ -17,6 +17,7 @@ matplotlib.use("Agg")  # files only, no display; must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from flows.inspection import format_table  # noqa: E402
 from flows.summary import format_number  # noqa: E402
 
 
@@ -61,6 +62,27 @@ def table_markdown(rows: list[dict], labels: list[str]) -> str:
             + " |"
         )
     return "\n".join(lines)
+
+
+def table_text(rows: list[dict], labels: list[str], width: int = 160) -> str:
+    """The table for a console: each point (its name holds its labels) and its metrics, in as
+    many tables as it takes for every line to fit `width` characters, the point column in each."""
+    metrics = metric_columns(rows, labels)
+    cells = [{"point": str(row["point"]), **{m: format_number(row[m]) for m in metrics if m in row}} for row in rows]
+
+    def column_width(column: str) -> int:
+        return max(len(column), *(len(cell.get(column, "")) for cell in cells))
+
+    groups: list[list[str]] = [[]]
+    used = column_width("point")
+    for metric in metrics:
+        needed = 2 + column_width(metric)  # format_table's gap, then the column
+        if groups[-1] and used + needed > width:
+            groups.append([])
+            used = column_width("point")
+        groups[-1].append(metric)
+        used += needed
+    return "\n\n".join(format_table(cells, ["point", *group]) for group in groups)
 
 
 def sweep_figure(rows: list[dict], labels: list[str]) -> Figure:

@@ -321,6 +321,8 @@ def test_ctrl_c_to_the_process_group_stops_every_stage_with_143_and_the_rerun_re
     assert statuses(out) == {"a": "failed", "b": "failed"}
     assert "trainflow: SIGINT: asked 2 engine process(es) to checkpoint and exit" in err
     assert "Traceback" not in err and "Connection refused" not in err and "ConnectError" not in err
+    own = [line for line in err.splitlines() if line.startswith("trainflow:")]  # Prefect's log lines aside
+    assert LOCAL_SERVER.search(own[0]) and max(map(len, own)) <= 160, own  # a log view's width
     for stage in ("a", "b"):
         (out_dir,) = (tmp_path / "store" / stage).iterdir()
         assert (out_dir / "sigterm").exists()  # the engine got SIGTERM and checkpointed

@@ -39,22 +39,25 @@ def last_json(text: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def converted(hf_dir, tmp_path_factory) -> tuple[Path, dict]:
+def converted(hf_dir, tmp_path_factory) -> tuple[Path, dict, str]:
     """One `trainflow convert` of the model into a store, shared by the tests below (each
-    export of it is an artifact of its own)."""
+    export of it is an artifact of its own), and what it printed to stderr."""
     import contextlib
     import io
 
     store = tmp_path_factory.mktemp("converted") / "store"
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         assert main(["convert", str(hf_dir), "--store", str(store), "--json"]) == 0
-    return store, last_json(out.getvalue())
+    return store, last_json(out.getvalue()), err.getvalue()
 
 
 def test_convert_then_export_records_lineage_and_skips_when_done(hf_dir, converted, tmp_path, capsys):
-    store, converted = converted
+    store, converted, log = converted
     assert converted["status"] == "ran" and converted["metrics"]["architecture"] == "Qwen3ForCausalLM"
+    # The engine's own lines, and no library's warning among them (Orbax's absl WARNING
+    # about a registry without a jax.Array handler was one).
+    assert "convert: read " in log and "WARNING" not in log, log
     path = Path(converted["path"])
     manifest = json.loads((path / "artifact.json").read_text())
     assert manifest["kind"] == "checkpoint" and manifest["status"] == "complete"
@@ -83,7 +86,7 @@ def test_convert_then_export_records_lineage_and_skips_when_done(hf_dir, convert
 
 
 def test_export_out_refuses_an_occupied_folder_and_overwrite_replaces_its_weights(hf_dir, converted, tmp_path, capsys):
-    (store, converted), out = converted, tmp_path / "hf_out"
+    (store, converted, _), out = converted, tmp_path / "hf_out"
     path = converted["path"]
     exports = sorted((store / "export").glob("*"))  # those of other tests
     out.mkdir()
@@ -136,7 +139,7 @@ def test_a_path_with_dots_or_through_a_symlink_names_the_artifact_it_leads_to(hf
     takes an artifact path (an export of `ART/checkpoint/..` once took ART itself for the store
     and wrote export/<id>/.lock into it), and for convert's source and --base."""
     peft = need("peft")
-    store, converted = converted
+    store, converted, _ = converted
     art = Path(converted["path"])
     links = tmp_path / "links"
     links.mkdir()

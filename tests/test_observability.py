@@ -144,7 +144,13 @@ def test_runs_are_tagged_stages_materialise_assets_from_their_inputs_and_publish
     links = input_links(ab, keys["ab"])
     assert links["task run"] == f"{ui}/runs/task-run/{task_runs['ab'].id}"
     assert links["summary"] == f"{ui}/artifacts/key/observed-ab"
-    assert links["asset events"].startswith(f"{ui}/events?resource=%5B%22trainflow%3A%2F%2Fab%2F")
+    # The asset's events: the feed the server's UI shows at /events, filtered by the plain
+    # resource id (a JSON list there is a prefix with brackets: an empty feed) over a range
+    # that covers the run (the parameters its event page reads; without them, the last day).
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(links["asset events"]).query)
+    assert query["resource"] == [keys["ab"]] and query["type"] == ["range"]
+    assert query["startDate"][0] < ab["created_at"] and query["endDate"][0] > ab["finished_at"]
+    assert events_page_parameters() >= {"resource", "type", "startDate", "endDate"}
     assert (
         f"| checkpoint | ab/{ids['ab']} | checkpoint | [`{keys['ab']}`]({links['asset events']}) "
         f"| [task run]({links['task run']}) · [summary]({links['summary']}) |"
@@ -156,13 +162,12 @@ def test_runs_are_tagged_stages_materialise_assets_from_their_inputs_and_publish
     assert http_json(ab["prefect"]["api_url"])["id"] == flow_run_id  # was .../flow-runs/flow-run/<id>: a 404
     assert http_json(f"{prefect_server}/task_runs/{task_runs['ab'].id}")["name"] == "ab"
     assert http_json(f"{prefect_server}/artifacts/observed-ab/latest")["data"].startswith("# ab (toy-sum)")
-    query = urllib.parse.parse_qs(urllib.parse.urlsplit(links["asset events"]).query)
     shown = http_json(
         f"{prefect_server}/events/filter",
         {
             "filter": {
-                "occurred": {"since": query["start"][0], "until": query["end"][0]},
-                "any_resource": {"id_prefix": json.loads(query["resource"][0])},
+                "occurred": {"since": query["startDate"][0], "until": query["endDate"][0]},
+                "any_resource": {"id_prefix": query["resource"]},
             }
         },
     )["events"]
@@ -206,6 +211,23 @@ def ui_routes() -> list[re.Pattern]:
     ids = set(re.findall(r"id:`(/[^`]*)`", (static / entry).read_text()))
     assert {"/runs/task-run/$id", "/artifacts/key/$key", "/events/"} <= ids, sorted(ids)
     return [re.compile("^" + re.sub(r"\$\w+", "[^/]+", i.rstrip("/") or "/") + "/?$") for i in ids]
+
+
+def events_page_parameters() -> set[str]:
+    """The query parameters the event page of the UI the server answers `/events` with (its
+    original one; the newer one lives under `/v2`) reads: the array of resource-id prefixes
+    in its page component, the date range's in the shared bundle (minified: `f(`name`, ...)`)."""
+    import prefect
+
+    static = Path(prefect.__ui_static_path__) / "assets"
+    (page,) = static.glob("Events-*.js")
+    names = set(re.findall(r"\b\w+\(`(\w+)`,\[\]\)", page.read_text()))
+    for bundle in static.glob("index-*.js"):
+        text = bundle.read_text()
+        ranged = re.search(r"\w+\(`endDate`,(\w+)\).{0,300}?\w+\(`startDate`,\1\).{0,100}?\w+\(`type`,\w+\)", text)
+        if ranged:
+            names |= set(re.findall(r"\w+\(`(\w+)`,\w+\)", ranged.group(0)))
+    return names
 
 
 def ui_routed(url: str) -> bool:

@@ -93,12 +93,16 @@ def test_the_engine_checkpoints_straight_to_s3_and_resumes_from_the_newest_intac
     bucket,  # noqa: F811
     tmp_path,
     monkeypatch,
+    capfd,
 ):
     """Checkpointer at an s3:// URL: Orbax writes every shard through TensorStore's s3 driver
     (no local copy: the working directory stays empty), the digests commit with each step,
     resume verifies them in the bucket and falls back past a damaged step, load_params reads
-    the URL."""
-    monkeypatch.chdir(tmp_path)
+    the URL. With the keys in the environment and no ~/.aws, TensorStore logs nothing about
+    the AWS files it would otherwise look for (an ERROR line for each, in every S3 stage)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.aws there
+    (tmp_path / "home").mkdir()
+    monkeypatch.chdir(tmp_path / "home")
     url = f"s3://{bucket}/engine/checkpoint"
     params = nnx.to_pure_dict(nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))[1])
     meta = {"model": MODEL.model_dump(mode="json"), "format": "trainflow.checkpoint/1"}
@@ -108,7 +112,7 @@ def test_the_engine_checkpoints_straight_to_s3_and_resumes_from_the_newest_intac
         saved[step] = _jitter(params, step)
         ckpt.save(step, saved[step], {"mu": _jitter(params, step + 10)}, {**meta, "step": step}, {"position": step})
     ckpt.close()
-    assert list(tmp_path.iterdir()) == []  # nothing staged on local disk
+    assert list((tmp_path / "home").iterdir()) == []  # nothing staged on local disk
     client = boto3.client("s3")
     keys = [o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="engine/checkpoint/")["Contents"]]
     assert {"engine/checkpoint/1/digests.json", "engine/checkpoint/2/digests.json"} <= set(keys)
@@ -131,6 +135,7 @@ def test_the_engine_checkpoints_straight_to_s3_and_resumes_from_the_newest_intac
     again = Checkpointer(url, keep=3, async_save=False)
     assert again.resume_step(logs.append) == 1
     assert any(f"checkpoint step 2 in {url} failed verification" in line for line in logs), logs
+    assert ".aws/" not in capfd.readouterr().err  # TensorStore's "Failed to open file .../.aws/config"
 
 
 class RefusingProxy:

@@ -201,6 +201,30 @@ def test_a_sweep_fans_in_selects_the_best_gates_and_grows_running_only_new_point
     assert grown["evaluate"]["status"] == "ran" and grown["best"]["status"] == "skipped"  # the same point is best
 
 
+def test_the_printed_sweep_table_fits_a_log_view_and_keeps_every_value():
+    """`trainflow run` prints a fan-in's sweep table: a point per row, as many metrics as its
+    stages report (a real SFT point's, below), every line at most 160 characters wide."""
+    from flows.sweep_report import table_text
+
+    metrics = [
+        "compile_seconds", "eval_loss", "eval_perplexity", "eval_tokens", "loss", "grad_norm", "learning_rate",
+        "tokens_per_second", "tflops_per_device", "mfu", "steps", "final_loss", "num_params", "tokens",
+        "peak_flops", "train_examples", "eval_examples",
+    ]  # fmt: skip
+    rows = [
+        {"point": f"sft[lr={lr},rank={rank}]", "lr": lr, "rank": rank, "artifact_id": "0123456789abcdef"}
+        | {m: (i + 1) * 1234.5678 + j for j, m in enumerate(metrics)}
+        for i, (lr, rank) in enumerate((lr, rank) for lr in (1e-5, 3e-4, 0.001) for rank in (8, 16))
+    ]
+    text = table_text(rows, ["lr", "rank"])
+    assert max(len(line) for line in text.splitlines()) <= 160, text
+    headers = [line.split() for line in text.splitlines() if line.startswith("point ")]
+    assert len(headers) > 1 and sorted(m for h in headers for m in h[1:]) == sorted(metrics)
+    for row in rows:  # each point's values, in the tables that show its metrics
+        shown = [line.split() for line in text.splitlines() if line.startswith(row["point"] + " ")]
+        assert [v for line in shown for v in line[1:]] == [f"{row[m]:,.0f}" for h in headers for m in h[1:]]
+
+
 def test_a_false_gate_skips_records_what_it_saw_then_runs_after_a_config_change(prefect_server, tmp_path, capsys):
     store, trace = tmp_path / "store", tmp_path / "trace"
     path = sweep_yaml(tmp_path / "p.yaml", store, trace, lrs=[1e-5], ranks=[8], threshold=0.5)

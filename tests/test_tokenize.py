@@ -56,7 +56,7 @@ def run_stage(out: Path, tree: dict, **overrides) -> dict:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout[proc.stdout.index("{") :])
+    return read_meta(out / "data")["stats"]
 
 
 def records(out: Path, split: str) -> list[np.ndarray]:
@@ -327,6 +327,35 @@ def test_cli_reports_a_user_error_in_one_line(tmp_path):
     )
     assert result.returncode != 0 and "did you mean 'validation_fraction'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_cli_output_counts_documents_and_records_alike_in_short_lines(tmp_path):
+    """What the stage prints: documents read, and records written (a long document becomes
+    several) per split, said as such, on lines a log view shows whole (at most 160 characters)."""
+    long_doc = " ".join(f"word{i}" for i in range(300))
+    docs = [long_doc, *word_documents(40)]
+    source = {"format": "text", "path": str(write_lines(tmp_path / "a.txt", docs)), "unit": "line"}
+    tree = {"sources": [source], "tokenizer": {"vocab_size": 400}, "validation_fraction": 0.2}
+    config = _config_file(tmp_path, {**tree, "max_document_tokens": 32, "workers": 1})
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.data.tokenize", str(config), str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 160, [line for line in lines if len(line) > 160]
+    written = {split: len(records(out, split)) for split in ("train", "validation")}
+    assert sum(written.values()) > len(docs)  # the long document's pieces
+    text = "\n".join(lines)
+    pieced = read_meta(out / "data")["stats"]["long_documents"]["split"]
+    assert f"{len(docs)} documents" in text
+    assert f"{sum(written.values())} records ({pieced} long documents split)" in text
+    for split, count in written.items():
+        assert f"{split} {count} records" in text
 
 
 def test_shipped_tokenize_configs_validate_and_find_their_files():

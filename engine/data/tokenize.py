@@ -658,11 +658,39 @@ def run_tokenize(cfg: TokenizeConfig, out_dir: str | Path, *, log: Callable[[str
             "tokenize: warning: no document fell in the validation split; pretraining on this dataset "
             "needs data.eval_batches=0 (or re-tokenize with a larger validation_fraction)"
         )
-    log(
-        f"tokenize: {report['documents']} documents, {report['tokens']} tokens, "
-        f"{report['bytes'] / MB:.1f} MB in {seconds:.1f}s -> {out}"
-    )
+    log(f"tokenize: {counts_line(report)} in {seconds:.1f}s")
+    log(f"tokenize: written to {out}")  # a line of its own: a store's path can be long
     return {**report, "resumed_shards": len(done), "seconds": round(seconds, 3)}
+
+
+def counts_line(stats: dict) -> str:
+    """Documents read and records written, with what makes them differ: a document longer
+    than max_document_tokens becomes several records, and a source's weight repeats or
+    leaves out documents."""
+    records = sum(s["documents"] for s in stats["splits"].values())  # a split counts records
+    why = [
+        f"{n} {what}"
+        for n, what in (
+            (stats["long_documents"]["split"], "long documents split"),
+            (stats["long_documents"]["truncated"], "truncated"),
+            (stats["weighted_out"], "left out by weight"),
+        )
+        if n
+    ]
+    if any(src.get("weight", 1) > 1 for src in stats.get("sources", [])):
+        why.append("weights > 1 repeat documents")
+    return (
+        f"{stats['documents']:,} documents ({stats['bytes'] / MB:.1f} MB) -> {records:,} records"
+        + (f" ({', '.join(why)})" if why else "")
+        + f", {stats['tokens']:,} tokens"
+    )
+
+
+def splits_line(stats: dict) -> str:
+    """Records and tokens per split, and the input records skipped, by reason."""
+    splits = "; ".join(f"{k} {v['documents']:,} records, {v['tokens']:,} tokens" for k, v in stats["splits"].items())
+    skipped = ", ".join(f"{k} {v:,}" for k, v in sorted(stats["skipped"].items()))
+    return splits + (f"; skipped: {skipped}" if skipped else "")
 
 
 def _run_tasks(todo: list, settings: dict, workers: int, total: int, done: int, log: Callable) -> None:
@@ -755,9 +783,7 @@ def main(argv: list[str] | None = None) -> int:
         # A failed write() names no file: then say where the output was going.
         print(f"error: {os.strerror(e.errno)} writing {e.filename or Path(args[1]).absolute()}", file=sys.stderr)
         return 1
-    # One line: a pipeline relays each line of a child's output as one log record.
-    summary = {k: stats[k] for k in ("documents", "tokens", "bytes", "skipped", "splits")}
-    print(f"tokenize: summary {json.dumps(summary)}")
+    print(f"tokenize: {splits_line(stats)}")
     return 0
 
 

@@ -9,7 +9,8 @@ things that orbax-checkpoint 0.12 does not do (measured against moto's S3 server
   TensorStore's GCS driver is pointed at the emulator through TENSORSTORE_GCS_HTTP_URL);
 - Orbax builds TensorStore specs only for local and GCS paths ("Checkpoint path should be
   absolute"); TensorStore's own `s3` kvstore driver (endpoint and region from the AWS
-  environment variables, credentials from the AWS chain) reads and writes OCDBT there;
+  environment variables, credentials from them where they hold keys, else from the AWS
+  chain) reads and writes OCDBT there;
 - a step is committed by a `commit_success.txt` file, as on GCS, not by a directory rename
   (S3 has none): Orbax's CommitFileTemporaryPath.
 
@@ -68,13 +69,18 @@ def temporary_path_class(directory: Path | epath.Path) -> type:
 def s3_kvstore(url: str) -> dict:
     """TensorStore's spec of the S3 prefix `url` (s3://bucket/path)."""
     bucket, _, path = url.removeprefix("s3://").partition("/")
-    spec = {"driver": "s3", "bucket": bucket, "path": path}
+    spec: dict[str, object] = {"driver": "s3", "bucket": bucket, "path": path}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
     if endpoint:
         spec["endpoint"] = endpoint
     if region:
         spec["aws_region"] = region
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+        # Keys in the environment: only that provider. TensorStore's default chain also reads
+        # ~/.aws/config and ~/.aws/credentials, and logs ERROR lines into the stage's output
+        # for each it cannot open, even when the environment's keys are the ones it uses.
+        spec["aws_credentials"] = {"type": "environment"}
     return spec
 
 
