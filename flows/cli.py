@@ -460,6 +460,18 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
 
 
+def _at_least_one(text: str) -> int:
+    """--max-parallel's value: a whole number of 1 or more (0 would start nothing, -3 crashed
+    Prefect's thread pool with a traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} stages at once: give a whole number of 1 or more")
+    return value
+
+
 def _did_you_mean(word: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(word, valid, n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
@@ -502,7 +514,9 @@ def build_parser() -> Parser:
         p.add_argument("--json", action="store_true", help=f"print {what} as JSON")
 
     p = add("run", cmd_run, "run a pipeline, skipping finished stages and resuming partial ones", pipeline=True)
-    p.add_argument("--max-parallel", type=int, default=None, help="stages run at once (default: all ready)")
+    p.add_argument(
+        "--max-parallel", type=_at_least_one, default=None, help="stages run at once, 1 or more (default: all ready)"
+    )
     p = add("status", cmd_status, "show each stage's state and artifact id without running anything", pipeline=True)
     json_flag(p, "the pipeline, its store and each stage's row")
     p = add("lineage", cmd_lineage, "show the artifacts an artifact was made from", artifact=True)

@@ -95,6 +95,8 @@ CASES = [
     (["ls", "extra"], 2, "unrecognized argument 'extra'"),
     (["status", "PIPE", "steps"], 2, "override 'steps' is not of the form key=value"),
     (["run", "PIPE", "--max-parallel", "two"], 2, "argument --max-parallel: invalid int value: 'two'"),
+    (["run", "PIPE", "--max-parallel", "-3"], 2, "--max-parallel: -3 stages at once: give a whole number of 1"),
+    (["run", "PIPE", "--max-parallel", "0"], 2, "argument --max-parallel: 0 stages at once: give a whole number of 1"),
     (["status"], 2, "the following arguments are required: pipeline; see `trainflow status --help`"),
     (["convert", "PLAIN", "--dtype", "float16"], 2, "argument --dtype: invalid choice"),
     (["serve", "PIPE", "--cron", "bad cron"], 2, "--cron 'bad cron' is not a cron schedule"),
@@ -171,6 +173,16 @@ def test_the_exit_code_table_lists_every_code_the_command_uses():
     documented = {int(m) for m in re.findall(r"^\| (\d+) \|", table, re.M)}
     assert documented == set(cli.EXIT_CODES)
     assert "docs/pipelines.md#exit-codes" in (REPO / "README.md").read_text()
+
+
+def test_the_fault_table_says_what_lineage_of_a_non_artifact_prints_and_exits(world, capsys):
+    """docs/pipelines.md's "What happens when" row for `trainflow lineage DIR` on a plain
+    directory: its line and exit code are the command's (bad input: 2, as the exit-code table)."""
+    text = (REPO / "docs" / "pipelines.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `trainflow lineage DIR`"))
+    shown, code = re.search(r"`error: DIR (is not an artifact[^`;]*)[^`]*`; exit (\d)", row).groups()
+    got, err = answer(["lineage", world["PLAIN"]], capsys)
+    assert (got, err.startswith(f"error: {world['PLAIN']} {shown}")) == (int(code), True), (row, err)
 
 
 def subprocess_cli(*argv: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
