@@ -213,6 +213,31 @@ def test_a_closed_stdout_ends_the_command_quietly(world, capsys, monkeypatch):
         assert capsys.readouterr().err == ""
 
 
+def test_a_corpus_that_cannot_be_tokenized_is_one_line_per_stage_without_a_traceback(tmp_path):
+    """`trainflow run` of three tokenize stages with retries 0: an empty corpus, a malformed
+    JSONL line and a binary file as text. Each fails with one line naming its file (and line),
+    exit 1; Prefect logged ~25 lines of traceback for each."""
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n')
+    (tmp_path / "blob.txt").write_bytes(bytes(range(256)) * 4)
+    sources = {"empty": ("text", "empty.txt"), "bad": ("jsonl", "bad.jsonl"), "blob": ("text", "blob.txt")}
+    stages = {
+        name: {"task": "tokenize", "config": {"sources": [{"format": fmt, "path": str(tmp_path / file)}]}}
+        for name, (fmt, file) in sources.items()
+    }
+    spec = {"name": "corpora", "store": str(tmp_path / "store"), "defaults": {"retries": 0}, "stages": stages}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(spec))
+    env = {"PREFECT_API_URL": "", "PREFECT_HOME": str(tmp_path / "prefect")}
+    proc = subprocess_cli("run", str(tmp_path / "p.yaml"), env=env, capture_output=True)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    errors = sorted(line for line in proc.stderr.splitlines() if line.startswith("error: "))
+    assert len(errors) == 3, proc.stderr
+    bad, blob, empty = errors
+    assert bad.startswith(f"error: stage 'bad': {tmp_path / 'bad.jsonl'}, line 2: not valid JSON"), bad
+    assert blob.startswith(f"error: stage 'blob': {tmp_path / 'blob.txt'}: binary data (a NUL byte), not text"), blob
+    assert empty.startswith(f"error: stage 'empty': the corpus ({tmp_path / 'empty.txt'}) has no usable docum"), empty
+
+
 def test_buckets_that_cannot_be_used_are_one_line_at_once(tmp_path):
     """An S3 endpoint that refuses connections, and a gs:// store without credentials (no
     GOOGLE_APPLICATION_CREDENTIALS, no gcloud login, the metadata server a closed local port,
