@@ -283,7 +283,10 @@ def save_params(directory: str | Path, step: int, params, meta: dict) -> None:
     on weights). Do not modify them until this returns.
     """
     registry = ocp.type_handlers.create_type_handler_registry(
-        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False))
+        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+        # Unused here, but Orbax looks its array-metadata store up on the jax.Array handler
+        # and logs an absl WARNING into the stage's output where there is none.
+        (jax.Array, ocp.type_handlers.ArrayHandler()),
     )
     handlers = {
         "params": ocp.PyTreeCheckpointHandler(use_compression=False, type_handler_registry=registry),
