@@ -196,6 +196,7 @@ def execute_stage(
 
     where = store.location(job.stage, job.artifact_id)
     if store.is_complete(job.stage, job.artifact_id):
+        store.check_sizes(job.stage, job.artifact_id)  # a truncated copy is refused, never skipped
         hooks.log(f"skipped: {job.stage} is complete at {where}")
         return done(SKIPPED, store.manifest(job.stage, job.artifact_id) or {})
 

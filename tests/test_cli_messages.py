@@ -29,6 +29,7 @@ from flows.spec import load_plan
 from tasks.registry import StageHooks
 from tasks.runner import execute_stage
 from tasks.store.base import ArtifactStore
+from tasks.store.records import ArtifactError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -155,6 +156,22 @@ def test_every_mistake_is_one_line_and_its_exit_code(world, argv, code, expected
     assert got == code, err
     assert got in cli.EXIT_CODES
     assert set(Path(world["STORE"]).rglob("*")) == before  # nothing written, no failed artifact left
+
+
+def test_a_complete_artifact_whose_files_were_truncated_is_refused_not_skipped(world, tmp_path):
+    """`run` skipped a complete artifact whose files had been cut short (a partial copy): the
+    skip now checks each file's size (a stat each) and refuses in one sentence."""
+    store = tmp_path / "store"
+    shutil.copytree(world["STORE"], store)
+    plan = load_plan(world["PIPE"], store=str(store))
+    weights = store / "train" / Path(world["CKPT"]).name / "checkpoint" / "2" / "weights.json"
+    weights.write_bytes(weights.read_bytes()[:3])
+    with pytest.raises(ArtifactError) as refused:
+        run_quietly(plan, "train")
+    message = str(refused.value)
+    assert len(message.splitlines()) == 1 and "checkpoint/2/weights.json: size 3 != recorded" in message, message
+    assert "trainflow verify" in message, message
+    run_quietly(plan, "source")  # an intact complete artifact is still skipped
 
 
 def test_each_command_s_options_say_what_they_do():
