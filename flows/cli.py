@@ -55,6 +55,7 @@ from tasks.registry import MODEL_KINDS, StageHooks, get_stage_kind
 from tasks.runner import StageJob, execute_stage
 from tasks.stages.export import check_export_target, copy_export
 from tasks.store.base import ArtifactStore, resolve_artifact, split_artifact_url
+from tasks.store.names import folder_stage
 from tasks.store.records import COMPLETE, ArtifactError, InputError, artifact_id, read_manifest, verify_artifact
 from tasks.store.urls import is_url
 
@@ -355,8 +356,10 @@ def cmd_generate(args) -> int:
     if local.is_dir() and not (local / MANIFEST).exists():
         args.checkpoint = str(local)  # a plain checkpoint directory (an engine run's) also works
     else:
-        _artifact(args, "generate", MODEL_KINDS)  # a wrong kind: refused before JAX loads
-        args.checkpoint = str(_local_artifact(args))
+        directory, _ = _artifact(args, "generate", MODEL_KINDS)  # a wrong kind: refused before JAX loads
+        if _store_of(args) is None:  # truncated files: one sentence, not a dozen tracebacks of the loader
+            ArtifactStore(directory.parent.parent).check_sizes(folder_stage(directory.parent.name), directory.name)
+        args.checkpoint = str(_local_artifact(args))  # a bucket's copy is checked as it comes down
     from engine.inference.generate import generate  # JAX loads only for this command
 
     return generate(args)

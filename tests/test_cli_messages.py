@@ -132,6 +132,7 @@ CASES = [
     (["export", "FAILED"], 2, "FAILED is failed, not complete"),
     # a check that fails
     (["verify", "TAMPERED"], 1, "TAMPERED does not match its manifest: checkpoint/2/weights.json: size"),
+    (["generate", "TAMPERED", "--prompt", "hi"], 1, "changed since it was finished: checkpoint/2/weights.json: size"),
 ]
 
 
