@@ -114,6 +114,9 @@ CASES = [
     (["ls", "--store", "MISSING"], 2, "no artifact store at MISSING"),
     (["verify", "0123abcd", "--store", "MISSING"], 2, "no artifact store at MISSING"),
     (["gc", "--store", "MISSING", "--dry-run"], 2, "gc: store MISSING does not exist"),
+    # a store path that is not UTF-8 (bytes a file system allows): Prefect's traceback in `run`
+    (["run", "PIPE", "--store", "MISSING/st\udcff"], 2, "/st\\xff is not a UTF-8 path (manifests and Prefect"),
+    (["ls", "--store", "MISSING/st\udcff"], 2, "/st\\xff is not a UTF-8 path"),
     # missing paths, unknown ids, what is no artifact
     (["status", "MISSING/p.yaml"], 2, "config file not found: MISSING/p.yaml"),
     (["lineage", "MISSING/pretrain/0123"], 2, "no artifact directory at MISSING/pretrain/0123"),

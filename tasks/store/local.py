@@ -44,6 +44,14 @@ class LocalStore(ArtifactStore):
     def __init__(self, root: str | Path):
         self.root = Path(str(root).removeprefix("file://")).expanduser().absolute()
         self.url = str(self.root)
+        try:
+            self.url.encode("utf-8")
+        except UnicodeEncodeError:  # manifests, lineage and Prefect carry the path as UTF-8 text
+            shown = os.fsencode(self.root).decode("utf-8", "backslashreplace")
+            raise InputError(
+                f"artifact store {shown} is not a UTF-8 path (manifests and Prefect record it as text); "
+                f"rename the directory, or pass another --store"
+            ) from None
         blocking = _nearest_file(self.root)
         if blocking is not None:
             where = "is a file" if blocking == self.root else f"lies under {blocking}, a file"
