@@ -178,6 +178,40 @@ def test_a_complete_artifact_whose_files_were_truncated_is_refused_not_skipped(w
     run_quietly(plan, "source")  # an intact complete artifact is still skipped
 
 
+MAKES_ONE_STAGE = """
+import sys
+import tests.pipeline_toys
+from flows.spec import load_plan
+from tasks.registry import StageHooks
+from tasks.runner import execute_stage
+from tasks.store.records import ArtifactError
+plan = load_plan(sys.argv[1], store=sys.argv[2])
+try:
+    execute_stage(plan.resolve("source"), plan.store, StageHooks(log=lambda line: None))
+except ArtifactError as e:
+    print(f"error: {e}", file=sys.stderr)
+"""
+
+
+def test_a_read_only_store_is_one_sentence(world, tmp_path):
+    """A store on a read-only file system (a tmpfs mounted `ro` in a user and mount namespace:
+    root writes through permissions, not through that): the stage's first write fails with one
+    sentence naming the path, not retried; it was an OSError with its tracebacks."""
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no user namespaces here (unshare -rm): cannot mount a read-only file system")
+    store = tmp_path / "ro"
+    store.mkdir()
+    command = f'mount -t tmpfs -o ro tmpfs {store} && exec {sys.executable} -c "$0" {world["PIPE"]} {store}'
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", command, MAKES_ONE_STAGE], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and proc.stderr.splitlines() == [
+        f"error: stage 'source': cannot write {store}/source (Read-only file system); the artifact store must be "
+        "writable: pass another --store, or make it writable"
+    ], proc.stderr
+
+
 def test_each_command_s_options_say_what_they_do():
     parser = cli.build_parser()
     for name, command in parser.commands.items():
