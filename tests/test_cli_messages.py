@@ -293,6 +293,35 @@ def test_a_corpus_that_cannot_be_tokenized_is_one_line_per_stage_without_a_trace
     assert empty.startswith(f"error: stage 'empty': the corpus ({tmp_path / 'empty.txt'}) has no usable docum"), empty
 
 
+@pytest.mark.filterwarnings("ignore:Logger 'prefect.task_runs' attempted to send logs")  # no flow run: no API
+def test_prefect_logs_a_traceback_only_for_a_failure_that_is_not_one_sentence():
+    """The task-run logger's filter (flows/pipeline.py): a run that cannot fit (the engine's
+    "fewer than one batch", exit 2) and a full disk are their line alone; a crash keeps its
+    traceback, the clue to a bug."""
+    import logging
+
+    import flows.pipeline  # noqa: F401  (installs the filter)
+    from tasks.launch.spec import DiskFull, StageConfigError
+
+    logger, lines = logging.getLogger("prefect.task_runs"), []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(logging.Formatter().format(record))  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        for error in (
+            StageConfigError("stage 'pretrain': data.path: the 'train' split holds 68 tokens, fewer than one batch"),
+            DiskFull("stage 'pretrain': checkpoint step 2: No space left on device writing ckpt (exit 1)"),
+            RuntimeError("a crash"),
+        ):
+            try:
+                raise error
+            except Exception as e:
+                logger.error(f"Task run failed with exception: {e!r}", exc_info=True)
+    finally:
+        logger.removeHandler(handler)
+    assert ["Traceback" in line for line in lines] == [False, False, True], lines
+
+
 def test_buckets_that_cannot_be_used_are_one_line_at_once(tmp_path):
     """An S3 endpoint that refuses connections, and a gs:// store without credentials (no
     GOOGLE_APPLICATION_CREDENTIALS, no gcloud login, the metadata server a closed local port,
