@@ -55,6 +55,7 @@ from tasks.registry import MODEL_KINDS, StageHooks, get_stage_kind
 from tasks.runner import StageJob, execute_stage
 from tasks.stages.export import check_export_target, copy_export
 from tasks.store.base import ArtifactStore, resolve_artifact, split_artifact_url
+from tasks.store.names import folder_stage
 from tasks.store.records import COMPLETE, ArtifactError, InputError, artifact_id, read_manifest, verify_artifact
 from tasks.store.urls import is_url
 
@@ -355,8 +356,10 @@ def cmd_generate(args) -> int:
     if local.is_dir() and not (local / MANIFEST).exists():
         args.checkpoint = str(local.resolve())  # a plain checkpoint directory (an engine run's) also works
     else:
-        _artifact(args, "generate", MODEL_KINDS)  # a wrong kind: refused before JAX loads
-        args.checkpoint = str(_local_artifact(args))
+        directory, _ = _artifact(args, "generate", MODEL_KINDS)  # a wrong kind: refused before JAX loads
+        if _store_of(args) is None:  # truncated files: one sentence, not a dozen tracebacks of the loader
+            ArtifactStore(directory.parent.parent).check_sizes(folder_stage(directory.parent.name), directory.name)
+        args.checkpoint = str(_local_artifact(args))  # a bucket's copy is checked as it comes down
     from engine.inference.generate import generate  # JAX loads only for this command
 
     return generate(args)
@@ -464,6 +467,18 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}; see `{self.prog} --help`\n")
 
 
+def _at_least_one(text: str) -> int:
+    """--max-parallel's value: a whole number of 1 or more (0 would start nothing, -3 crashed
+    Prefect's thread pool with a traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} stages at once: give a whole number of 1 or more")
+    return value
+
+
 def _did_you_mean(word: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(word, valid, n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
@@ -506,7 +521,9 @@ def build_parser() -> Parser:
         p.add_argument("--json", action="store_true", help=f"print {what} as JSON")
 
     p = add("run", cmd_run, "run a pipeline, skipping finished stages and resuming partial ones", pipeline=True)
-    p.add_argument("--max-parallel", type=int, default=None, help="stages run at once (default: all ready)")
+    p.add_argument(
+        "--max-parallel", type=_at_least_one, default=None, help="stages run at once, 1 or more (default: all ready)"
+    )
     p = add("status", cmd_status, "show each stage's state and artifact id without running anything", pipeline=True)
     json_flag(p, "the pipeline, its store and each stage's row")
     p = add("lineage", cmd_lineage, "show the artifacts an artifact was made from", artifact=True)

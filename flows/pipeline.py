@@ -26,6 +26,7 @@ the flow run's final state (run_plan).
 from __future__ import annotations
 
 import contextvars
+import logging
 import re
 import signal
 import threading
@@ -74,6 +75,20 @@ from tasks.store.records import ArtifactError, read_manifest
 # Failures a retry cannot fix: a bad config, a tampered input, a deliberate stop, a full
 # disk or a diverged loss.
 NOT_RETRIED = (ConfigError, ArtifactError, Interrupted, PermanentFailure)
+
+
+class _NoTracebackOfOneSentence(logging.Filter):
+    """Prefect logs a failed task run's exception with its traceback; for the failures whose
+    message is the whole story (NOT_RETRIED: an empty corpus, a run that cannot fit, a full
+    disk) the line alone stays, so that a user's mistake reads as one sentence."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], NOT_RETRIED):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+logging.getLogger("prefect.task_runs").addFilter(_NoTracebackOfOneSentence())
 
 # Once the stages are done: how long the reporter gets to send their artifacts, and
 # Prefect's engine to record the flow run's final state, before the run goes on without.

@@ -13,6 +13,7 @@ written (a full disk), the manifest still says `running` but nobody holds the lo
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 import traceback
@@ -78,6 +79,10 @@ class StageResult:
             "seconds": round(self.seconds, 3),
             "work_seconds": round(self.work_seconds, 3),
         }
+
+
+NOT_WRITABLE_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
+"""Claiming an artifact (its first write) on a read-only file system, or without permission."""
 
 
 def _classify(error: BaseException, stage: str, out_dir: Path) -> BaseException:
@@ -196,10 +201,22 @@ def execute_stage(
 
     where = store.location(job.stage, job.artifact_id)
     if store.is_complete(job.stage, job.artifact_id):
+        store.check_sizes(job.stage, job.artifact_id)  # a truncated copy is refused, never skipped
         hooks.log(f"skipped: {job.stage} is complete at {where}")
         return done(SKIPPED, store.manifest(job.stage, job.artifact_id) or {})
 
-    claim = store.claim(job.stage, job.artifact_id, (run_info or {}).get("flow_run_id"), on_wait=hooks.log)
+    try:  # the stage's first write to the store
+        claim = store.claim(job.stage, job.artifact_id, (run_info or {}).get("flow_run_id"), on_wait=hooks.log)
+    except OSError as e:
+        if e.errno in NOT_WRITABLE_ERRNOS:  # a retry would meet it again
+            raise ArtifactError(
+                f"stage '{job.stage}': cannot write {e.filename or out_dir} ({os.strerror(e.errno)}); the artifact "
+                f"store must be writable: pass another --store, or make it writable"
+            ) from e
+        error = _classify(e, job.stage, out_dir)
+        if error is e:
+            raise
+        raise error from e
     try:
         if store.is_complete(job.stage, job.artifact_id):  # another run finished it while we waited
             hooks.log(f"skipped: {job.stage} was completed by another run at {where}")

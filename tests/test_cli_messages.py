@@ -29,6 +29,7 @@ from flows.spec import load_plan
 from tasks.registry import StageHooks
 from tasks.runner import execute_stage
 from tasks.store.base import ArtifactStore
+from tasks.store.records import ArtifactError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,6 +96,8 @@ CASES = [
     (["ls", "extra"], 2, "unrecognized argument 'extra'"),
     (["status", "PIPE", "steps"], 2, "override 'steps' is not of the form key=value"),
     (["run", "PIPE", "--max-parallel", "two"], 2, "argument --max-parallel: invalid int value: 'two'"),
+    (["run", "PIPE", "--max-parallel", "-3"], 2, "--max-parallel: -3 stages at once: give a whole number of 1"),
+    (["run", "PIPE", "--max-parallel", "0"], 2, "argument --max-parallel: 0 stages at once: give a whole number of 1"),
     (["status"], 2, "the following arguments are required: pipeline; see `trainflow status --help`"),
     (["convert", "PLAIN", "--dtype", "float16"], 2, "argument --dtype: invalid choice"),
     (["serve", "PIPE", "--cron", "bad cron"], 2, "--cron 'bad cron' is not a cron schedule"),
@@ -111,6 +114,9 @@ CASES = [
     (["ls", "--store", "MISSING"], 2, "no artifact store at MISSING"),
     (["verify", "0123abcd", "--store", "MISSING"], 2, "no artifact store at MISSING"),
     (["gc", "--store", "MISSING", "--dry-run"], 2, "gc: store MISSING does not exist"),
+    # a store path that is not UTF-8 (bytes a file system allows): Prefect's traceback in `run`
+    (["run", "PIPE", "--store", "MISSING/st\udcff"], 2, "/st\\xff is not a UTF-8 path (manifests and Prefect"),
+    (["ls", "--store", "MISSING/st\udcff"], 2, "/st\\xff is not a UTF-8 path"),
     # missing paths, unknown ids, what is no artifact
     (["status", "MISSING/p.yaml"], 2, "config file not found: MISSING/p.yaml"),
     (["lineage", "MISSING/pretrain/0123"], 2, "no artifact directory at MISSING/pretrain/0123"),
@@ -129,6 +135,7 @@ CASES = [
     (["export", "FAILED"], 2, "FAILED is failed, not complete"),
     # a check that fails
     (["verify", "TAMPERED"], 1, "TAMPERED does not match its manifest: checkpoint/2/weights.json: size"),
+    (["generate", "TAMPERED", "--prompt", "hi"], 1, "changed since it was finished: checkpoint/2/weights.json: size"),
 ]
 
 
@@ -191,6 +198,56 @@ def test_a_path_with_dots_or_through_a_symlink_is_answered_as_the_place_it_leads
             assert outcome([form if a == varied else world.get(a, a) for a in argv]) == want, (argv, form)
 
 
+def test_a_complete_artifact_whose_files_were_truncated_is_refused_not_skipped(world, tmp_path):
+    """`run` skipped a complete artifact whose files had been cut short (a partial copy): the
+    skip now checks each file's size (a stat each) and refuses in one sentence."""
+    store = tmp_path / "store"
+    shutil.copytree(world["STORE"], store)
+    plan = load_plan(world["PIPE"], store=str(store))
+    weights = store / "train" / Path(world["CKPT"]).name / "checkpoint" / "2" / "weights.json"
+    weights.write_bytes(weights.read_bytes()[:3])
+    with pytest.raises(ArtifactError) as refused:
+        run_quietly(plan, "train")
+    message = str(refused.value)
+    assert len(message.splitlines()) == 1 and "checkpoint/2/weights.json: size 3 != recorded" in message, message
+    assert "trainflow verify" in message, message
+    run_quietly(plan, "source")  # an intact complete artifact is still skipped
+
+
+MAKES_ONE_STAGE = """
+import sys
+import tests.pipeline_toys
+from flows.spec import load_plan
+from tasks.registry import StageHooks
+from tasks.runner import execute_stage
+from tasks.store.records import ArtifactError
+plan = load_plan(sys.argv[1], store=sys.argv[2])
+try:
+    execute_stage(plan.resolve("source"), plan.store, StageHooks(log=lambda line: None))
+except ArtifactError as e:
+    print(f"error: {e}", file=sys.stderr)
+"""
+
+
+def test_a_read_only_store_is_one_sentence(world, tmp_path):
+    """A store on a read-only file system (a tmpfs mounted `ro` in a user and mount namespace:
+    root writes through permissions, not through that): the stage's first write fails with one
+    sentence naming the path, not retried; it was an OSError with its tracebacks."""
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no user namespaces here (unshare -rm): cannot mount a read-only file system")
+    store = tmp_path / "ro"
+    store.mkdir()
+    command = f'mount -t tmpfs -o ro tmpfs {store} && exec {sys.executable} -c "$0" {world["PIPE"]} {store}'
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", command, MAKES_ONE_STAGE], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and proc.stderr.splitlines() == [
+        f"error: stage 'source': cannot write {store}/source (Read-only file system); the artifact store must be "
+        "writable: pass another --store, or make it writable"
+    ], proc.stderr
+
+
 def test_each_command_s_options_say_what_they_do():
     parser = cli.build_parser()
     for name, command in parser.commands.items():
@@ -207,6 +264,16 @@ def test_the_exit_code_table_lists_every_code_the_command_uses():
     documented = {int(m) for m in re.findall(r"^\| (\d+) \|", table, re.M)}
     assert documented == set(cli.EXIT_CODES)
     assert "docs/pipelines.md#exit-codes" in (REPO / "README.md").read_text()
+
+
+def test_the_fault_table_says_what_lineage_of_a_non_artifact_prints_and_exits(world, capsys):
+    """docs/pipelines.md's "What happens when" row for `trainflow lineage DIR` on a plain
+    directory: its line and exit code are the command's (bad input: 2, as the exit-code table)."""
+    text = (REPO / "docs" / "pipelines.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `trainflow lineage DIR`"))
+    shown, code = re.search(r"`error: DIR (is not an artifact[^`;]*)[^`]*`; exit (\d)", row).groups()
+    got, err = answer(["lineage", world["PLAIN"]], capsys)
+    assert (got, err.startswith(f"error: {world['PLAIN']} {shown}")) == (int(code), True), (row, err)
 
 
 def subprocess_cli(*argv: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
@@ -235,6 +302,60 @@ def test_a_closed_stdout_ends_the_command_quietly(world, capsys, monkeypatch):
             assert main(argv) == cli.EXIT_PIPE
             monkeypatch.undo()
         assert capsys.readouterr().err == ""
+
+
+def test_a_corpus_that_cannot_be_tokenized_is_one_line_per_stage_without_a_traceback(tmp_path):
+    """`trainflow run` of three tokenize stages with retries 0: an empty corpus, a malformed
+    JSONL line and a binary file as text. Each fails with one line naming its file (and line),
+    exit 1; Prefect logged ~25 lines of traceback for each."""
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"text": oops}\n')
+    (tmp_path / "blob.txt").write_bytes(bytes(range(256)) * 4)
+    sources = {"empty": ("text", "empty.txt"), "bad": ("jsonl", "bad.jsonl"), "blob": ("text", "blob.txt")}
+    stages = {
+        name: {"task": "tokenize", "config": {"sources": [{"format": fmt, "path": str(tmp_path / file)}]}}
+        for name, (fmt, file) in sources.items()
+    }
+    spec = {"name": "corpora", "store": str(tmp_path / "store"), "defaults": {"retries": 0}, "stages": stages}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(spec))
+    env = {"PREFECT_API_URL": "", "PREFECT_HOME": str(tmp_path / "prefect")}
+    proc = subprocess_cli("run", str(tmp_path / "p.yaml"), env=env, capture_output=True)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    errors = sorted(line for line in proc.stderr.splitlines() if line.startswith("error: "))
+    assert len(errors) == 3, proc.stderr
+    bad, blob, empty = errors
+    assert bad.startswith(f"error: stage 'bad': {tmp_path / 'bad.jsonl'}, line 2: not valid JSON"), bad
+    assert blob.startswith(f"error: stage 'blob': {tmp_path / 'blob.txt'}: binary data (a NUL byte), not text"), blob
+    assert empty.startswith(f"error: stage 'empty': the corpus ({tmp_path / 'empty.txt'}) has no usable docum"), empty
+
+
+@pytest.mark.filterwarnings("ignore:Logger 'prefect.task_runs' attempted to send logs")  # no flow run: no API
+def test_prefect_logs_a_traceback_only_for_a_failure_that_is_not_one_sentence():
+    """The task-run logger's filter (flows/pipeline.py): a run that cannot fit (the engine's
+    "fewer than one batch", exit 2) and a full disk are their line alone; a crash keeps its
+    traceback, the clue to a bug."""
+    import logging
+
+    import flows.pipeline  # noqa: F401  (installs the filter)
+    from tasks.launch.spec import DiskFull, StageConfigError
+
+    logger, lines = logging.getLogger("prefect.task_runs"), []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(logging.Formatter().format(record))  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        for error in (
+            StageConfigError("stage 'pretrain': data.path: the 'train' split holds 68 tokens, fewer than one batch"),
+            DiskFull("stage 'pretrain': checkpoint step 2: No space left on device writing ckpt (exit 1)"),
+            RuntimeError("a crash"),
+        ):
+            try:
+                raise error
+            except Exception as e:
+                logger.error(f"Task run failed with exception: {e!r}", exc_info=True)
+    finally:
+        logger.removeHandler(handler)
+    assert ["Traceback" in line for line in lines] == [False, False, True], lines
 
 
 def test_buckets_that_cannot_be_used_are_one_line_at_once(tmp_path):

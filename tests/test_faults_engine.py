@@ -2,8 +2,12 @@
 corrupt or unrecorded checkpoint steps, a non-finite loss (issue 12)."""
 
 import json
+import logging
+import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -193,6 +197,9 @@ def test_each_step_commits_its_digests_and_a_step_without_them_is_never_restored
     ckpt = Checkpointer(directory, keep=5)
     assert ckpt.resume_step(logs.append) == 1
     assert "checkpoint step 3" in logs[0] and f"its {DIGESTS_FILE} is missing" in logs[0] and "params/extra" in logs[1]
+    from flows.summary import line_level  # how a stage's log ranks the engine's lines
+
+    assert [line_level(line) for line in logs] == [logging.WARNING] * len(logs), logs  # INFO hid them
     assert steps_on_disk(directory) == [1]  # the unverified steps make room for the resumed run's
     ckpt.close()
 
@@ -200,6 +207,41 @@ def test_each_step_commits_its_digests_and_a_step_without_them_is_never_restored
     with pytest.raises(CorruptCheckpoint, match=rf"no step in {directory} matches its digests \(steps 1\)"):
         Checkpointer(directory).resume_step(logs.append)
     assert steps_on_disk(directory) == [1]  # refused, not deleted
+
+
+FILLS_THE_DISK = """
+import sys
+import jax.numpy as jnp
+from engine.train.checkpoint import Checkpointer, CheckpointWriteError
+ckpt = Checkpointer(sys.argv[1], keep=5)  # asynchronous saves
+ckpt.save(1, {"w": jnp.arange(64.0)}, {"m": jnp.zeros(3)}, {"step": 1}, {"row": 1})
+ckpt.wait()
+try:
+    ckpt.save(2, {"w": jnp.arange(400_000.0)}, {"m": jnp.zeros(3)}, {"step": 2}, {"row": 2})  # 1.6 MB
+    ckpt.close()
+except CheckpointWriteError as e:
+    print(f"error: {e}", file=sys.stderr)
+"""
+
+
+def test_a_disk_that_fills_during_a_checkpoint_is_one_sentence_and_the_last_step_is_kept(tmp_path):
+    """A real full file system: a 512 KiB tmpfs, mounted in a user and mount namespace of
+    its own (no root needed), fits step 1 and not step 2. Orbax's threads logged four
+    tracebacks (~320 lines) for it; now one line names the step, the directory and the step
+    kept, and carries the strerror the launcher classifies as a full disk."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    script = tmp_path / "fill.py"
+    script.write_text(FILLS_THE_DISK)
+    if subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode != 0:
+        pytest.skip("no user namespaces here (unshare -rm): cannot mount a small file system")
+    command = f"mount -t tmpfs -o size=512k tmpfs {mount} && exec {sys.executable} {script} {mount}/checkpoint"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", command], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and proc.stderr.splitlines() == [
+        f"error: checkpoint step 2: No space left on device writing {mount}/checkpoint; it is not committed, "
+        "step 1, the newest committed, is kept"
+    ], proc.stderr
 
 
 # --------------------------------------------------------------------------- non-finite loss

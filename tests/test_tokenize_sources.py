@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -185,6 +186,17 @@ def test_invalid_utf8_is_replaced_or_skipped_and_counted(tmp_path):
     assert stats["skipped"] == {"invalid_utf8": 2} and stats["records_read"] == 5
 
 
+def test_a_binary_file_given_as_text_is_refused_naming_it(tmp_path):
+    """Decoded with replacement characters it made a complete dataset of U+FFFD; a NUL byte
+    marks it binary (as git and grep judge), and no dataset is written."""
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)) * 8)
+    good = {"format": "text", "path": str(write_lines(tmp_path / "good.txt", ["fine"]))}
+    with pytest.raises(ConfigError, match=re.escape(f"{binary}: binary data (a NUL byte), not text")):
+        run_stage(tmp_path / "out", {"sources": [good, {"format": "text", "path": str(binary)}]})
+    assert not (tmp_path / "out" / "data").exists() and not (tmp_path / "out" / "tokenizer").exists()
+
+
 def test_empty_documents_are_skipped_and_counted(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -290,7 +302,8 @@ def test_bad_input_fails_before_anything_is_written(tmp_path, case):
 def test_a_corpus_with_no_usable_documents_is_an_error(tmp_path):
     write_lines(tmp_path / "a.txt", ["", "   ", ""])
     source = {"format": "text", "path": str(tmp_path / "a.txt"), "unit": "line"}
-    with pytest.raises(ConfigError, match=r"the corpus has no usable documents \(skipped empty: 3\)"):
+    named = re.escape(f"the corpus ({tmp_path / 'a.txt'}) has no usable documents (skipped empty: 3)")
+    with pytest.raises(ConfigError, match=named):
         run_stage(tmp_path / "trained", {"sources": [source]})
     with pytest.raises(ConfigError, match="no usable documents"):  # no training pass to notice it early
         run_stage(tmp_path / "loaded", {"sources": [source], "tokenizer": {"path": str(_any_tokenizer(tmp_path))}})

@@ -143,6 +143,16 @@ def _bad_record_error(src: SourceConfig, part: Part, position: int, bad: BadReco
     )
 
 
+def _refuse_binary(src: SourceConfig, part: Part, position: int, value: Any) -> None:
+    """A text source's record with a NUL byte is a binary file (as git and grep judge it):
+    refused, where decoding it would make a "complete" dataset of replacement characters."""
+    if src.format == "text" and isinstance(value, bytes) and b"\x00" in value:
+        raise ConfigError(
+            f"{describe(src, part, position)}: binary data (a NUL byte), not text; "
+            f"a text source takes text files only (narrow its path, or convert the file to text)"
+        )
+
+
 # --------------------------------------------------------------------------- stats
 
 
@@ -243,6 +253,7 @@ class _Encoder:
     def _add(self, src: SourceConfig, part: Part, position: int, value: Any) -> None:
         stats = self.stats
         stats["records_read"] += 1
+        _refuse_binary(src, part, position, value)
         text, data, reason, replaced = clean(value, self.cfg.invalid_utf8)
         if reason is not None:
             if isinstance(value, BadRecord) and self.cfg.bad_records == "error":
@@ -513,6 +524,7 @@ def _training_texts(cfg: TokenizeConfig, parts: list[Part], seen: dict):
         share, used = budget * src.weight * sizes[index] / weighted, 0
         for part in (p for p in parts if p.source == index):
             for position, value in read_part(src, part):
+                _refuse_binary(src, part, position, value)
                 text, data, reason, _ = clean(value, cfg.invalid_utf8)
                 if reason is not None:
                     if isinstance(value, BadRecord) and cfg.bad_records == "error":
@@ -531,9 +543,11 @@ def _training_texts(cfg: TokenizeConfig, parts: list[Part], seen: dict):
                 break
 
 
-def _no_documents_error(counts: dict) -> ConfigError:
+def _no_documents_error(counts: dict, parts: list[Part]) -> ConfigError:
     reasons = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()) if k != "documents") or "no records"
-    return ConfigError(f"the corpus has no usable documents (skipped {reasons}); nothing was written")
+    paths = list(dict.fromkeys(p.path for p in parts))
+    read = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    return ConfigError(f"the corpus ({read}) has no usable documents (skipped {reasons}); nothing was written")
 
 
 def _prepare_tokenizer(cfg: TokenizeConfig, parts: list[Part], out: Path, work: Path, log: Callable):
@@ -550,7 +564,7 @@ def _prepare_tokenizer(cfg: TokenizeConfig, parts: list[Part], out: Path, work: 
         seen: dict = {}
         bundle = build_tokenizer(cfg.tokenizer, _training_texts(cfg, parts, seen), add_bos=cfg.add_bos)
         if not seen.get("documents"):
-            raise _no_documents_error(seen)
+            raise _no_documents_error(seen, parts)
     if bundle.bos_id is None and cfg.add_bos:
         log("tokenize: the tokenizer has no bos token; documents start without one")
     save_tokenizer(bundle, staged)
@@ -619,7 +633,7 @@ def run_tokenize(cfg: TokenizeConfig, out_dir: str | Path, *, log: Callable[[str
     for record in records:
         stats = merge_stats(stats, record["stats"])
     if stats["documents"] == 0:
-        raise _no_documents_error({**stats["skipped"], "documents": 0})
+        raise _no_documents_error({**stats["skipped"], "documents": 0}, parts)
 
     # Finish: shards into data/, the tokenizer beside it, meta.json last.
     meta_splits = {}

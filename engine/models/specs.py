@@ -335,6 +335,10 @@ relu, relu2 = relu(x)^2 (engine/models/common.py: ACTIVATIONS); xielu: xIELU wit
 scalars (engine/models/xielu.py; an ungated dense MLP's only)."""
 
 
+XIELU_BETA, XIELU_EPS = 0.5, -1e-6
+"""xIELU's constants (transformers' XIELUActivation `beta` and `eps` buffers; engine/models/xielu.py)."""
+
+
 class MLPSpec(Spec):
     """The MLP: down(act(gate(x)) * up(x)), or without a gate down(act(up(x)))."""
 

@@ -17,9 +17,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-BETA = 0.5
-EPS = -1e-6
-"""transformers' XIELUActivation constants (its `beta` and `eps` buffers)."""
+from engine.models.specs import XIELU_BETA as BETA
+from engine.models.specs import XIELU_EPS as EPS
 
 
 def initial_parameters(alpha_p: float = 0.8, alpha_n: float = 0.8) -> tuple[float, float]:

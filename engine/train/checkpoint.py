@@ -22,6 +22,7 @@ import errno
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,18 @@ class _ReadOnlyNotices(logging.Filter):
         return not (record.msg in self.MESSAGES or str(record.msg).startswith(self.PREFIX))
 
 
+class _DiskFullTracebacks(logging.Filter):
+    """A full disk during an asynchronous save: Orbax's threads each log the failure with its
+    traceback (four of them, ~320 lines, for one step), then `wait` raises it, and the
+    Checkpointer says it in one sentence (CheckpointWriteError). Drops those records only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and record.exc_info[1] is not None and _disk_full(record.exc_info[1]))
+
+
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 logging.getLogger("absl").addFilter(_ReadOnlyNotices())  # Orbax logs through absl's Python logger
+logging.getLogger("absl").addFilter(_DiskFullTracebacks())
 
 
 class CorruptCheckpoint(ConfigError):
@@ -152,6 +164,27 @@ def _recording_digests(root: Path) -> type:
     return RecordingDigests
 
 
+def _disk_full(error: BaseException) -> int | None:
+    """ENOSPC or EDQUOT when that is what `error` comes from, else None: an OSError, or the
+    ValueError TensorStore raises for Orbax's array writes (its text says the strerror), also
+    where Orbax re-raises it wrapped or in a group."""
+    todo: list[BaseException] = [error]
+    visited: set[int] = set()
+    while todo:
+        e = todo.pop()
+        if id(e) in visited:
+            continue
+        visited.add(id(e))
+        if isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS:
+            return e.errno
+        for code in _DISK_FULL_ERRNOS:
+            if os.strerror(code) in str(e):
+                return code
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+        todo += list(getattr(e, "exceptions", ()))
+    return None
+
+
 def _describe(problems: list[str]) -> str:
     if problems == [DIGESTS_FILE]:
         return f"its {DIGESTS_FILE} is missing or unreadable (none was recorded when it was committed)"
@@ -174,6 +207,7 @@ class Checkpointer:
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
         self._problems: dict[int, list[str]] = {}  # verification results; files do not change under a run
+        self._saving: int | None = None  # the step saved last, perhaps still being written
 
     def latest_step(self) -> int | None:
         """The newest committed step, intact or not (see `latest_verified_step`)."""
@@ -188,8 +222,8 @@ class Checkpointer:
                 if step not in self._problems:
                     self._problems[step] = verify_step(self.directory, step)
                     if self._problems[step] and log:
-                        log(
-                            f"checkpoint step {step} in {self.directory} failed verification: "
+                        log(  # "warning:": the stage's log shows it as a WARNING (flows/summary.py)
+                            f"warning: checkpoint step {step} in {self.directory} failed verification: "
                             f"{_describe(self._problems[step])}"
                         )
                 if not self._problems[step]:
@@ -212,7 +246,7 @@ class Checkpointer:
             )
         if newer:
             log(
-                f"falling back to checkpoint step {step}, the newest intact one; removing step(s) "
+                f"warning: falling back to checkpoint step {step}, the newest intact one; removing step(s) "
                 f"{', '.join(map(str, sorted(newer)))}"
             )
             for bad in newer:
@@ -229,6 +263,7 @@ class Checkpointer:
         )
         with self._writing(step):
             self.manager.save(step, args=args, force=True)
+        self._saving = step  # an asynchronous save's failure shows in a later call: it names this step
 
     @contextlib.contextmanager
     def _writing(self, step: int | None):
@@ -238,13 +273,17 @@ class Checkpointer:
         try:
             yield
         except Exception as e:
-            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise  # the launcher names a full disk itself
+            step = step if step is not None else self._saving
             what = f"checkpoint step {step}" if step is not None else "a checkpoint step"
             committed = self.manager.latest_step()
             kept = (
                 f"step {committed}, the newest committed, is kept" if committed is not None else "no step is committed"
             )
+            disk = _disk_full(e)
+            if disk is not None:  # the strerror stays in the line: the launcher classifies it (DiskFull)
+                raise CheckpointWriteError(
+                    f"{what}: {os.strerror(disk)} writing {self.directory}; it is not committed, {kept}"
+                ) from None
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise CheckpointWriteError(
                 f"{what}: could not write to {self.directory} ({type(e).__name__}: {first[:300]}); "

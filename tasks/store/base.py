@@ -172,6 +172,11 @@ class ArtifactStore:
         manifest = self.manifest(stage, artifact_id)
         return bool(manifest and manifest.get("status") == COMPLETE and manifest.get("id") == artifact_id)
 
+    def check_sizes(self, stage: str, artifact_id: str) -> None:
+        """Before a complete artifact is skipped: ArtifactError (one sentence) where a store can
+        see cheaply that its files are not those recorded. Where it cannot, nothing; the
+        consumers of an artifact check it anyway (`open_input`)."""
+
     def find(self, artifact_id: str) -> Path:
         """The directory of an artifact given its id (or a unique prefix of it)."""
         matches = [d for d, _ in self.iter_artifacts() if d.name.startswith(artifact_id)]

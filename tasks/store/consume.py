@@ -104,12 +104,9 @@ def stamp_holds(path: Path, entry: dict, stamp: dict | None) -> bool:
         return False
 
 
-def check_consumed(directory: Path, recorded: dict[str, dict], present: dict[str, Path]) -> list[str]:
-    """Problems with a local artifact copy as a consumer sees it ([] = fit to read).
-
-    Every recorded file must be present at its size and nothing else may be there (a stat
-    each: no bytes read); the consumed files must hold their recorded bytes, by stamp or by
-    sha256 (stamps are renewed for the files hashed)."""
+def size_problems(recorded: dict[str, dict], present: dict[str, Path], extras: bool = True) -> list[str]:
+    """Every recorded file present at its size (and, with `extras`, nothing else there): a
+    stat each, no bytes read."""
     problems = []
     for rel, entry in sorted(recorded.items()):
         path = present.get(rel)
@@ -117,8 +114,18 @@ def check_consumed(directory: Path, recorded: dict[str, dict], present: dict[str
             problems.append(f"{rel}: missing")
         elif path.stat().st_size != entry["size"]:
             problems.append(f"{rel}: size {path.stat().st_size} != recorded {entry['size']}")
-    for rel in sorted(set(present) - set(recorded)):
+    for rel in sorted(set(present) - set(recorded)) if extras else ():
         problems.append(f"{rel}: not part of the artifact (added after it was finished)")
+    return problems
+
+
+def check_consumed(directory: Path, recorded: dict[str, dict], present: dict[str, Path]) -> list[str]:
+    """Problems with a local artifact copy as a consumer sees it ([] = fit to read).
+
+    Every recorded file must be present at its size and nothing else may be there (a stat
+    each: no bytes read); the consumed files must hold their recorded bytes, by stamp or by
+    sha256 (stamps are renewed for the files hashed)."""
+    problems = size_problems(recorded, present)
     if problems:
         return problems
     stamps, hashed = read_stamps(directory), {}

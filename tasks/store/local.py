@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.contract import CHECKPOINT_DIR, MANIFEST
 from tasks.store.base import ArtifactStore, Claim, Log, refuse
-from tasks.store.consume import STAMPS, check_consumed, consumed_files, sha256_file, write_stamps
+from tasks.store.consume import STAMPS, check_consumed, consumed_files, sha256_file, size_problems, write_stamps
 from tasks.store.names import stage_folder
 from tasks.store.records import (
     COMPLETE,
@@ -47,6 +47,14 @@ class LocalStore(ArtifactStore):
         # `artifact_at` compare with are resolved paths too (tasks/store/base.py: resolve_artifact).
         self.root = Path(str(root).removeprefix("file://")).expanduser().resolve()
         self.url = str(self.root)
+        try:
+            self.url.encode("utf-8")
+        except UnicodeEncodeError:  # manifests, lineage and Prefect carry the path as UTF-8 text
+            shown = os.fsencode(self.root).decode("utf-8", "backslashreplace")
+            raise InputError(
+                f"artifact store {shown} is not a UTF-8 path (manifests and Prefect record it as text); "
+                f"rename the directory, or pass another --store"
+            ) from None
         blocking = _nearest_file(self.root)
         if blocking is not None:
             where = "is a file" if blocking == self.root else f"lies under {blocking}, a file"
@@ -231,6 +239,14 @@ class LocalStore(ArtifactStore):
             present = {p.relative_to(directory).as_posix(): p for p in payload_files(directory)}
             refuse(stage, artifact_id, check_consumed(directory, manifest.get("files", {}), present), directory)
         return ArtifactRef(stage, artifact_id, directory, manifest)
+
+    def check_sizes(self, stage: str, artifact_id: str) -> None:
+        """A complete artifact about to be skipped: each recorded file at its size (a stat each;
+        a file added beside them is left to its consumers' and `trainflow verify`'s checks)."""
+        directory = self.artifact_dir(stage, artifact_id)
+        present = {p.relative_to(directory).as_posix(): p for p in payload_files(directory)}
+        problems = size_problems((self.manifest(stage, artifact_id) or {}).get("files", {}), present, extras=False)
+        refuse(stage, artifact_id, problems, directory)
 
     def verify(self, directory: Path) -> list[str]:
         """Every file of a finished artifact re-hashed against its manifest ([] = intact)."""

@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.models.config import ModelConfig
 from engine.models.families.base import LAYER, Family, TensorSpec, qk_norm_tensors, register_family
+from engine.models.specs import XIELU_BETA, XIELU_EPS
 
 DEFAULT_ROPE = {
     "rope_type": "llama3",
@@ -76,9 +77,7 @@ class Apertus(Family):
     def constant_tensors(self, cfg: ModelConfig) -> dict[str, float]:
         if cfg.activation != "xielu":
             return {}
-        from engine.models.xielu import BETA, EPS  # (imports JAX, which reading a config.json must not)
-
-        values = dict(zip(CONSTANTS, (BETA, EPS), strict=True))
+        values = dict(zip(CONSTANTS, (XIELU_BETA, XIELU_EPS), strict=True))
         return {f"model.layers.{i}.mlp.act_fn.{k}": values[k] for i in range(cfg.num_layers) for k in CONSTANTS}
 
     def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:
