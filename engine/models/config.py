@@ -448,6 +448,9 @@ class ModelConfig(Strict):
     with a scale of their own and no bias (StableLM 2 12B's and Cohere's QK norms)."""
     logits_multiplier: float | None = Field(None, gt=0)
     """Output logits are multiplied by this (Cohere's logit_scale); None: not scaled."""
+    shared_expert_scale: float = Field(1.0, gt=0)
+    """With shared experts: their output is multiplied by this before it joins the routed one
+    (Cohere 2 MoE's `average` combination, (routed + shared) / 2: 0.5, with router_scale 0.5)."""
 
     @model_validator(mode="after")
     def _check_query_scaling(self) -> ModelConfig:
@@ -746,6 +749,7 @@ class ModelConfig(Strict):
             num_shared_experts=self.num_shared_experts,
             shared_dim=self.shared_mlp_dim,
             shared_expert_gate=self.shared_expert_gate,
+            shared_scale=self.shared_expert_scale,
             beside=self._mlp_spec(self.mlp_dim) if self.moe_beside_mlp else None,
         )
 

@@ -384,6 +384,8 @@ class MoESpec(Spec):
     shared_dim: int = 0
     """Width of the shared experts' one MLP (0 without shared experts)."""
     shared_expert_gate: bool = False
+    shared_scale: float = 1.0
+    """The shared experts' output is multiplied by this (Cohere 2 MoE's `average`: 0.5)."""
     beside: MLPSpec | None = None
     """A dense MLP beside the experts, each with its norms (Gemma 4's 26B-A4B)."""
 
