@@ -1,6 +1,7 @@
 """Hugging Face parity of Cohere 2 MoE (Cohere2MoeForCausalLM): Cohere 2's parallel layer
 with a mixture of experts, shared experts averaged or summed with the routed ones, dense
-prefix layers that rotate even when global.
+prefix layers that rotate even when global; and JetMoE (JetMoeForCausalLM): a mixture of
+attention heads (engine/models/moa.py) and a mixture of experts with output biases.
 
 Each case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
 collected here over this module's `case`): logits to 1e-4 with N(0, 0.3^2) weights, greedy
@@ -11,6 +12,8 @@ with odd widths; the preset's parameter count is transformers' (meta device).
 
 from __future__ import annotations
 
+import jax
+import numpy as np
 import pytest
 
 from tests.deps import need
@@ -22,7 +25,7 @@ from engine.config import ConfigError, resolve_model_preset  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf  # noqa: E402
-from engine.models.config import ModelConfig  # noqa: E402
+from engine.models.config import LoraConfig, ModelConfig  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
@@ -83,10 +86,27 @@ def hf_config(name: str):
             logit_scale=1.0,
             **TOKENS,
         ),
+        # 4 attention experts of 3 KV heads of 6, 2 a token (6 query heads), 5 MLP experts of 13,
+        # untied head
+        "jetmoe": lambda: t.JetMoeConfig(
+            vocab_size=VOCAB,
+            hidden_size=34,
+            num_hidden_layers=3,
+            num_key_value_heads=3,
+            kv_channels=6,
+            intermediate_size=13,
+            num_local_experts=5,
+            num_experts_per_tok=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            rms_norm_eps=1e-5,  # the final norm's only: the layers' keep 1e-6
+            **TOKENS,
+        ),
     }[name]()
 
 
-CASES = ["cohere2_moe", "cohere2_moe_sigmoid"]
+CASES = ["cohere2_moe", "cohere2_moe_sigmoid", "jetmoe"]
 IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
 
 
@@ -127,6 +147,10 @@ def test_the_family_reads_what_the_config_says(case):
         assert (cfg.router_scale, cfg.shared_expert_scale, cfg.norm_kind) == (0.5, 0.5, "layer")
         assert case.params["blocks"]["mlp"]["w_gate_edf"].shape == (4, 5, 30, 14)
         assert case.params["dense_blocks"]["mlp"]["w_gate_df"].shape == (1, 30, 22)
+    elif case.family == "jetmoe":
+        assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_experts) == (6, 3, 6, 5)
+        assert case.params["blocks"]["attn"]["wq_edq"].shape == (3, 5, 34, 18) and cfg.moe_output_bias
+        assert (cfg.norm_eps, cfg.final_norm_eps) == (1e-6, 1e-5)
     else:
         assert (cfg.router_score, cfg.router_renormalize, cfg.norm_kind) == ("sigmoid", True, "rms")
         assert (cfg.router_scale, cfg.shared_expert_scale, cfg.first_dense_layers) == (1.0, 1.0, 0)
@@ -147,7 +171,7 @@ def test_what_the_family_does_not_run_is_refused_in_one_sentence():
         assert "\n" not in str(refused.value) and str(refused.value).startswith("config.json (")
 
 
-PRESETS = ["command-a-plus"]
+PRESETS = ["command-a-plus", "jetmoe-8b"]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -161,3 +185,27 @@ def test_the_presets_are_the_published_models(preset):
     assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
     again, _ = model_config_from_hf({**hf.to_dict(), "architectures": [hf.architectures[0]]})
     assert again == cfg
+
+
+def test_unrolled_mixture_of_attention_layers_match_the_scanned_stack(case):
+    """scan_layers: false runs JetMoE's mixture-of-attention layers as the scan does."""
+    if case.family != "jetmoe":
+        pytest.skip("the new mixer kind's check")
+    unrolled = case.compute.model_copy(update={"scan_layers": False})
+    params = dict(case.params)
+    params["blocks"] = {i: jax.tree.map(lambda x: x[i], case.params["blocks"]) for i in range(case.cfg.num_layers)}  # noqa: B023
+    tokens, mask = test_hf_parity.batch()
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(
+        test_hf_parity.engine_logits(case.cfg, unrolled, params, tokens, mask)[valid],
+        test_hf_parity.engine_logits(case.cfg, case.compute, case.params, tokens, mask)[valid],
+        atol=1e-4,  # float32 reassociation (1.1e-5 seen on logits of magnitude ~4)
+    )
+
+
+def test_lora_refuses_jetmoe_attention_it_cannot_adapt():
+    """JetMoE's queries and outputs are expert tensors, its keys and values one kv_proj: no
+    Llama-named projection an adapter could load onto."""
+    cfg, _ = model_config_from_hf({**hf_config("jetmoe").to_dict(), "architectures": ["JetMoeForCausalLM"]})
+    with pytest.raises(ValueError, match=r"family 'jetmoe' names these projections otherwise"):
+        LoraConfig(target_modules=["q_proj", "o_proj"]).targets(cfg)

@@ -43,6 +43,7 @@ from engine.models.lora import (
 )
 from engine.models.mamba2 import Mamba2
 from engine.models.mla import MLA
+from engine.models.moa import MixtureOfAttention
 from engine.models.moe import MoE, MoEStats, combine_stats
 from engine.models.mtp import MTPHead, mtp_loss
 from engine.models.parallel_hybrid import AttentionMamba2
@@ -348,6 +349,7 @@ MIXERS: dict[str, Callable[..., nnx.Module]] = {
     "kimi_delta": KimiDeltaAttention,
     "mamba2": Mamba2.of_spec,
     "attention_mamba2": _attention_mamba2,
+    "mixture_of_attention": MixtureOfAttention,
 }
 """A mixer spec's kind -> its module, built (spec, build, rngs=) and called (x, positions,
 segment_ids, spec, cache=None, **extras) -> out, or with a cache (out, cache); `spec` is the
@@ -744,6 +746,8 @@ class Transformer(nnx.Module):
                 else nnx.List([Block(spec, plain, rngs=rngs)])
             )
         norm = cfg.layer_specs()[0].norm  # one kind of norm in a model
+        if cfg.final_norm_eps is not None:  # JetMoE: the final norm's epsilon its own
+            norm = norm.model_copy(update={"eps": cfg.final_norm_eps})
         self.final_norm = make_norm(norm, cfg.d_model, pdt, rngs=rngs)
         if cfg.positions == "learned":  # GPT-2, OPT: an absolute position's embedding (rows offset on)
             rows = cfg.max_seq_len + cfg.position_offset
