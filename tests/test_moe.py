@@ -37,7 +37,8 @@ from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.families.base import rope_from_hf, rope_to_hf
 from engine.models.moe import MoE, clamped_swiglu, combine_stats, dropless_experts, route, router_stats
 from engine.models.params import abstract_model_params, apply_model, graphdef_of, param_shardings
-from engine.models.transformer import Transformer, rope_inverse_frequencies
+from engine.models.rope import rope_inverse_frequencies
+from engine.models.transformer import Transformer
 from engine.ops.partitioning import use_mesh
 from engine.parallel.config import MeshConfig
 from engine.parallel.mesh import batch_sharding, global_array, make_mesh

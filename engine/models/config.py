@@ -24,6 +24,7 @@ from engine.models.specs import (
     KimiDeltaSpec,
     LayerSpec,
     Mamba2Spec,
+    MixtureOfAttentionSpec,
     MLASpec,
     MLPSpec,
     MoESpec,
@@ -453,9 +454,25 @@ class ModelConfig(Strict):
     the k experts are the best, then the best of the rest, ..., each weighted by a softmax
     over the logits still in play within a relative 2 * eps of that expert's (engine/models/moe.py:
     sparsemixer); None: the usual softmax top-k."""
+    shared_expert_scale: float = Field(1.0, gt=0)
+    """With shared experts: their output is multiplied by this before it joins the routed one
+    (Cohere 2 MoE's `average` combination, (routed + shared) / 2: 0.5, with router_scale 0.5)."""
+    attention_experts: int = Field(0, ge=0)
+    """A mixture of attention heads (JetMoE; engine/models/moa.py): each attention layer's query
+    and output projections are this many experts, experts_per_token of them per token, each
+    num_kv_heads heads wide (num_heads = num_kv_heads * experts_per_token); 0: plain attention."""
+    moe_output_bias: bool = False
+    """With experts: a learned bias on the mixture's output (JetMoE)."""
+    final_norm_eps: float | None = Field(None, gt=0)
+    """The final norm's epsilon, where it differs from the layers' norm_eps (JetMoE's layer norms
+    keep 1e-6, its final one reads rms_norm_eps); None: norm_eps."""
 
     @model_validator(mode="after")
     def _check_query_scaling(self) -> ModelConfig:
+        if self.attention_experts and self.num_heads != self.num_kv_heads * self.experts_per_token:
+            raise ValueError(
+                "attention_experts needs num_heads = num_kv_heads * experts_per_token (each expert's heads)"
+            )
         if self.query_position_scale is not None and self.rope_scaling is None:
             raise ValueError("query_position_scale needs rope_scaling (its original_max_position is the period)")
         if self.qk_norm_after_rope and (not self.qk_norm or self.qk_norm_across_heads or self.rope_interleave):
@@ -758,6 +775,8 @@ class ModelConfig(Strict):
             num_shared_experts=self.num_shared_experts,
             shared_dim=self.shared_mlp_dim,
             shared_expert_gate=self.shared_expert_gate,
+            shared_scale=self.shared_expert_scale,
+            output_bias=self.moe_output_bias,
             beside=self._mlp_spec(self.mlp_dim) if self.moe_beside_mlp else None,
             sparsemixer_eps=self.router_sparsemixer_eps,
         )
@@ -814,6 +833,12 @@ class ModelConfig(Strict):
         """The layer's sequence mixer spec (None for a layer without one)."""
         if layer.mixer == "none":
             return None
+        if layer.mixer == "attention" and self.attention_experts:  # JetMoE's mixture of attention heads
+            return MixtureOfAttentionSpec(
+                attention=self._attention_spec(layer),
+                num_experts=self.attention_experts,
+                experts_per_token=self.experts_per_token,
+            )
         if layer.mixer == "attention":
             return self._attention_spec(layer)
         if layer.mixer == "mla":

@@ -292,6 +292,10 @@ class MoE(nnx.Module):
         if spec.shared_expert_gate:  # Qwen3-Next: the shared experts' output times sigmoid(x . w)
             self.w_shared_scale_d1 = param(rngs, (d, 1), std, ("embed", None), pdt)
         self.shared_gate = spec.shared_expert_gate
+        self.shared_scale = spec.shared_scale
+        if spec.output_bias:  # JetMoE: a bias on the mixture's output
+            self.b_out_d = nnx.Param(jnp.zeros((d,), pdt), out_sharding=("embed",))
+        self.output_bias = spec.output_bias
         self.num_experts, self.k = e, spec.experts_per_token
         self.score, self.renormalize = spec.router_score, spec.router_renormalize
         self.router_bias, self.shared = spec.router_bias, spec.num_shared_experts > 0
@@ -429,6 +433,10 @@ class MoE(nnx.Module):
                 kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
                 scale_bt1 = dense(x_btd, self.w_shared_scale_d1[...].astype(dt), **kw)
                 shared_btd = shared_btd * jax.nn.sigmoid(scale_bt1)
+            if self.shared_scale != 1.0:  # Cohere 2 MoE: the routed and shared outputs averaged
+                shared_btd = shared_btd * self.shared_scale
             out_btd = out_btd + shared_btd
+        if self.output_bias:
+            out_btd = out_btd + self.b_out_d[...].astype(out_btd.dtype)
         out_btd = out_btd + jnp.asarray(feedback, out_btd.dtype)
         return constrain(out_btd.astype(x_btd.dtype), ("act_batch", "act_seq", "act_embed")), stats

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from engine.models.config import RopeScaling
+from engine.models.specs import RotarySpec
 
 
 def rope_inverse_frequencies(
@@ -126,3 +127,24 @@ def rotate(x_btnh, cos_bt1h2, sin_bt1h2):
 def apply_rope(x_btnh, positions_bt, inv_freq_h2, scale: float = 1.0, max_position: int | None = None):
     """`x` rotated at `positions_bt` (rope_cos_sin, then rotate)."""
     return rotate(x_btnh, *rope_cos_sin(positions_bt, inv_freq_h2, scale, max_position))
+
+
+def layer_rotary(positions_bt, rope: RotarySpec, head_dim: int, max_position: int | None = None):
+    """(cos, sin) at `positions_bt` for a layer rotating as its RotarySpec says (its rotary part
+    of head_dim; YaRN's and LongRoPE's attention factor on both)."""
+    inv_freq = rope_inverse_frequencies(rope.rotary_dim or head_dim, rope.theta, rope.scaling, positions_bt)
+    factor = 1.0 if rope.scaling is None else rope.scaling.yarn_attention_factor()
+    return rope_cos_sin(positions_bt, inv_freq, factor, max_position)
+
+
+def rotate_heads(x_btnh, rope: RotarySpec, rotary):
+    """RoPE on the first rotary_dim dimensions of each head, the rest passed through. With
+    interleave the pairs are (x0, x1), (x2, x3), ...: the half-split rotation of the evens then
+    the odds, a reordering of head_dim that queries and keys share (mla.py)."""
+    h = x_btnh.shape[-1]
+    r = rope.rotary_dim or h
+    if rope.interleave:
+        x_btnh = jnp.concatenate([x_btnh[..., 0:r:2], x_btnh[..., 1:r:2], x_btnh[..., r:]], axis=-1)
+    if r == h:
+        return rotate(x_btnh, *rotary)
+    return jnp.concatenate([rotate(x_btnh[..., :r], *rotary), x_btnh[..., r:]], axis=-1)

@@ -322,8 +322,28 @@ class ParallelHybridSpec(Spec):
         return self.attention.params(d) + self.mamba2.params(d)
 
 
+class MixtureOfAttentionSpec(Spec):
+    """A mixture of attention heads (JetMoE, engine/models/moa.py): keys and values as grouped-
+    query attention's, each token's queries and output projection from experts_per_token of
+    num_experts expert pairs, chosen by a softmax top-k router, each giving num_kv_heads query
+    heads; the outputs weighted by the router and summed, plus a bias. `attention` is the
+    attention they run: num_kv_heads * experts_per_token heads, head n on KV head n // k."""
+
+    kind: Literal["mixture_of_attention"] = "mixture_of_attention"
+    attention: AttentionSpec
+    num_experts: int
+    experts_per_token: int
+
+    def mixing_macs(self, seq_len: int) -> int:
+        return self.attention.mixing_macs(seq_len)
+
+    def params(self, d: int) -> int:
+        width = self.attention.num_kv_heads * self.attention.head_dim
+        return 2 * d * width + 2 * self.num_experts * d * width + d * self.num_experts + d
+
+
 MixerSpec = Annotated[
-    AttentionSpec | MLASpec | GatedDeltaSpec | KimiDeltaSpec | Mamba2Spec | ParallelHybridSpec,
+    AttentionSpec | MLASpec | GatedDeltaSpec | KimiDeltaSpec | Mamba2Spec | ParallelHybridSpec | MixtureOfAttentionSpec,
     Field(discriminator="kind"),
 ]
 """A layer's sequence mixer."""
@@ -388,10 +408,14 @@ class MoESpec(Spec):
     shared_dim: int = 0
     """Width of the shared experts' one MLP (0 without shared experts)."""
     shared_expert_gate: bool = False
+    shared_scale: float = 1.0
+    """The shared experts' output is multiplied by this (Cohere 2 MoE's `average`: 0.5)."""
     beside: MLPSpec | None = None
     """A dense MLP beside the experts, each with its norms (Gemma 4's 26B-A4B)."""
     sparsemixer_eps: float | None = None
     """SparseMixer routing with this epsilon (PhiMoE; moe.sparsemixer); None: softmax top-k."""
+    output_bias: bool = False
+    """A learned bias added to the mixture's output (JetMoE)."""
 
     def params(self, d: int, active: bool = False) -> int:
         experts = self.experts_per_token if active else self.num_experts
@@ -401,7 +425,7 @@ class MoESpec(Spec):
         n += d * self.router_input_norm + self.num_experts * self.router_expert_scale
         if self.beside is not None:  # and its three norms
             n += self.beside.params(d) + 3 * d
-        return n
+        return n + d * self.output_bias
 
 
 FFNSpec = Annotated[MLPSpec | MoESpec, Field(discriminator="kind")]
@@ -437,7 +461,7 @@ class LayerSpec(Spec):
     @property
     def attention(self) -> AttentionSpec | None:
         """The layer's grouped-query attention (also the one beside a Mamba2 mixer), if any."""
-        if isinstance(self.mixer, ParallelHybridSpec):
+        if isinstance(self.mixer, ParallelHybridSpec | MixtureOfAttentionSpec):
             return self.mixer.attention
         return self.mixer if isinstance(self.mixer, AttentionSpec) else None
 

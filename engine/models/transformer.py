@@ -43,10 +43,11 @@ from engine.models.lora import (
 )
 from engine.models.mamba2 import Mamba2
 from engine.models.mla import MLA
+from engine.models.moa import MixtureOfAttention
 from engine.models.moe import MoE, MoEStats, combine_stats
 from engine.models.mtp import MTPHead, mtp_loss
 from engine.models.parallel_hybrid import AttentionMamba2
-from engine.models.rope import rope_cos_sin, rope_inverse_frequencies, rotate
+from engine.models.rope import layer_rotary, rotate_heads
 from engine.models.specs import AttentionSpec, LayerSpec, MLPSpec, MoESpec, ParallelHybridSpec, RotarySpec
 from engine.models.xielu import initial_parameters as xielu_initial_parameters
 from engine.models.xielu import xielu
@@ -125,25 +126,8 @@ class Attention(nnx.Module):
         backward = self.compute.matmul_backward
         return project(self, attr, x, n_in, self.dtype, backward=backward, dot_general=self.dot_general)
 
-    @staticmethod
-    def rotary(positions_bt, rope: RotarySpec, head_dim: int, max_position: int | None = None):
-        """RoPE's (cos, sin) at `positions_bt` for a layer rotating as `rope` says (rope.py)."""
-        inv_freq = rope_inverse_frequencies(rope.rotary_dim or head_dim, rope.theta, rope.scaling, positions_bt)
-        factor = 1.0 if rope.scaling is None else rope.scaling.yarn_attention_factor()
-        return rope_cos_sin(positions_bt, inv_freq, factor, max_position)
-
-    @staticmethod
-    def _rotate(x_btnh, rope: RotarySpec, rotary):
-        """RoPE on the first rotary_dim dimensions of each head, the rest passed through. With
-        interleave the pairs are (x0, x1), (x2, x3), ...: the half-split rotation of the evens
-        then the odds, a reordering of head_dim that queries and keys share (mla.py)."""
-        h = x_btnh.shape[-1]
-        r = rope.rotary_dim or h
-        if rope.interleave:
-            x_btnh = jnp.concatenate([x_btnh[..., 0:r:2], x_btnh[..., 1:r:2], x_btnh[..., r:]], axis=-1)
-        if r == h:
-            return rotate(x_btnh, *rotary)
-        return jnp.concatenate([rotate(x_btnh[..., :r], *rotary), x_btnh[..., r:]], axis=-1)
+    rotary = staticmethod(layer_rotary)  # (positions, rope, head_dim, max_position) -> (cos, sin): rope.py
+    _rotate = staticmethod(rotate_heads)
 
     def __call__(
         self,
@@ -363,6 +347,7 @@ MIXERS: dict[str, Callable[..., nnx.Module]] = {
     "kimi_delta": KimiDeltaAttention,
     "mamba2": Mamba2.of_spec,
     "attention_mamba2": _attention_mamba2,
+    "mixture_of_attention": MixtureOfAttention,
 }
 """A mixer spec's kind -> its module, built (spec, build, rngs=) and called (x, positions,
 segment_ids, spec, cache=None, **extras) -> out, or with a cache (out, cache); `spec` is the
@@ -759,6 +744,8 @@ class Transformer(nnx.Module):
                 else nnx.List([Block(spec, plain, rngs=rngs)])
             )
         norm = cfg.layer_specs()[0].norm  # one kind of norm in a model
+        if cfg.final_norm_eps is not None:  # JetMoE: the final norm's epsilon its own
+            norm = norm.model_copy(update={"eps": cfg.final_norm_eps})
         self.final_norm = make_norm(norm, cfg.d_model, pdt, rngs=rngs)
         if cfg.positions == "learned":  # GPT-2, OPT: an absolute position's embedding (rows offset on)
             rows = cfg.max_seq_len + cfg.position_offset
