@@ -49,6 +49,7 @@ class Bloom(Family):
                 raise ConfigError(f"{where}: missing key '{key}'")
         if hf.get("apply_residual_connection_post_layernorm"):
             raise ConfigError(f"{where}: apply_residual_connection_post_layernorm=true is not supported")
+        assert d is not None and n is not None  # checked above
         if d % n:
             raise ConfigError(f"{where}: hidden_size {d} is not a multiple of n_head {n}")
         return {
