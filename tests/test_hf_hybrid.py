@@ -436,7 +436,9 @@ def test_a_peft_adapter_reads_in_and_writes_out_with_transformers_logits(case, t
         ref = hf_logits(model, tokens, mask)
         with model.disable_adapter():
             assert np.abs(ref - hf_logits(model, tokens, mask))[valid].max() > 1e-2
-    assert np.abs(ours - ref)[valid].max() <= 1e-5 * max(1.0, float(np.abs(ref[valid]).max()))
+    # 1e-5 of the largest logit on the Intel Xeon hosts; 1.6e-5 (Granite 4 hybrid) on an AMD EPYC one,
+    # also at the commit before the typed-spec decoder
+    assert np.abs(ours - ref)[valid].max() <= 2e-5 * max(1.0, float(np.abs(ref[valid]).max()))
     write_peft(tmp_path / "out", case.cfg, lora, adapter, scan_layers=case.compute.scan_layers)
     fresh = with_router_biases(random_causal_lm(hf_config(case.family), 0, **implementations(case.family)))
     loaded = peft.PeftModel.from_pretrained(fresh, tmp_path / "out").eval()
