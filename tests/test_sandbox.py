@@ -476,7 +476,9 @@ def test_a_tree_past_the_memory_limit_is_killed_as_one(isolation):
     code = (
         f"import subprocess, sys, time\nfor _ in range(3):\n    subprocess.Popen([sys.executable, '-c', {child!r}])\n"
     )
-    limits = LIMITS.model_copy(update={"isolation": isolation, "memory_mb": 128})
+    # processes well above the three: the process limit counts the uid's other processes too (a
+    # parallel test run's), and this test is about memory
+    limits = LIMITS.model_copy(update={"isolation": isolation, "memory_mb": 128, "max_processes": 64})
     result = run(code + "time.sleep(60)", limits)
     said = "the code's processes together used more than 128 MB of memory (the limit) and were killed"
     assert result.failure == "memory" and result.killed and result.error == said, result
