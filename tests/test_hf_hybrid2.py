@@ -366,7 +366,9 @@ def test_a_training_step_is_transformers_loss_and_gradients(case):
             keep = "conv" in hf_name or "A_log" in hf_name  # stored in HF's own layout
             mine = mine.reshape(theirs.shape[::-1]).T if mine.ndim >= 2 and not keep else mine
             scale = max(1.0, float(np.abs(theirs).max()))
-            tolerance = 5e-5 if case.family == "granite_moe" else 1e-5  # float32 through the routed experts
+            # float32 through the routed experts (granite_moe); Kimi Linear's g_b_proj 1.07e-5 on jax
+            # 0.12 on an AMD EPYC host, the same at the commit before the typed-spec decoder
+            tolerance = 5e-5 if case.family == "granite_moe" else 2e-5 if case.family == "kimi_linear" else 1e-5
             np.testing.assert_allclose(mine.reshape(theirs.shape), theirs, atol=tolerance * scale, err_msg=hf_name)
             assert np.abs(theirs).max() > 0, hf_name
 
