@@ -126,9 +126,6 @@ class Attention(nnx.Module):
         backward = self.compute.matmul_backward
         return project(self, attr, x, n_in, self.dtype, backward=backward, dot_general=self.dot_general)
 
-    rotary = staticmethod(layer_rotary)  # (positions, rope, head_dim, max_position) -> (cos, sin): rope.py
-    _rotate = staticmethod(rotate_heads)
-
     def __call__(
         self,
         x_btd,
@@ -181,8 +178,8 @@ class Attention(nnx.Module):
         if rope is not None:
             if rotary is None:  # looked up in a table of the positions below the row's (cache's) length
                 max_position = positions_bt.shape[1] if cache is None else cache.length
-                rotary = self.rotary(positions_bt, rope, self.head_dim, max_position)
-            q, k = self._rotate(q, rope, rotary), self._rotate(k, rope, rotary)
+                rotary = layer_rotary(positions_bt, rope, self.head_dim, max_position)
+            q, k = rotate_heads(q, rope, rotary), rotate_heads(k, rope, rotary)
             if spec.qk_l2_norm:  # Llama 4: RMS over head_dim, no scale, after RoPE
                 q, k = _unit_rms(q, self.norm_eps), _unit_rms(k, self.norm_eps)
             if spec.qk_norm_after_rope:  # Hunyuan dense: the norms of the rotated queries and keys
@@ -1000,7 +997,7 @@ class Transformer(nnx.Module):
             if isinstance(layer.mixer, AttentionSpec) and layer.mixer.rope is not None:
                 key = (layer.mixer.rope, layer.mixer.head_dim)
                 if key not in rotary:
-                    rotary[key] = Attention.rotary(positions_bt, layer.mixer.rope, layer.mixer.head_dim, cache.length)
+                    rotary[key] = layer_rotary(positions_bt, layer.mixer.rope, layer.mixer.head_dim, cache.length)
                 extra["rotary"] = rotary[key]
             if layer.kv_sharing == "store":
                 store[layer.local] = i
