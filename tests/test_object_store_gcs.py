@@ -14,6 +14,7 @@ end on S3 (tests/test_object_store.py).
 """
 
 import contextlib
+import functools
 import http.server
 import json
 import logging
@@ -21,6 +22,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import types
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -123,15 +125,49 @@ def move(request, response, storage, *args, **kwargs):
     response.json(moved)
 
 
-class DeepBacklog(http.server.HTTPServer):
-    """The emulator's HTTP server (one request at a time, as the emulator's) with a listen
-    queue as deep as a real server's. http.server's is 5: under a loaded suite, the bursts of
+class OneRequestAtATime(emulator.RequestHandler):
+    """The emulator's request handler, its requests served one at a time (the emulator's
+    storage is not thread-safe) while their connections are read on threads of their own; a
+    connection that sends nothing for a minute is closed."""
+
+    timeout = 60
+    lock = threading.Lock()
+
+    def handle_one_request(self):
+        # Reading the request line and headers happens outside the lock, so a client slow to
+        # send (or one holding an idle connection open) never blocks the others' requests.
+        try:
+            self.raw_requestline = self.rfile.readline(65537)
+        except TimeoutError:  # a connection idle for `timeout` seconds
+            self.raw_requestline = b""
+        if not self.raw_requestline:
+            self.close_connection = True
+            return
+        if not self.parse_request():
+            return
+        method = getattr(self, "do_" + self.command, None)
+        if method is None:
+            self.send_error(HTTPStatus.NOT_IMPLEMENTED, f"Unsupported method ({self.command!r})")
+            return
+        with self.lock:
+            method()
+        self.wfile.flush()
+
+
+class ConcurrentEmulatorServer(http.server.ThreadingHTTPServer):
+    """The emulator's HTTP server as GCS is: every connection accepted and read at once, with
+    a listen queue as deep as a real server's. The emulator's own (http.server's HTTPServer)
+    serves one connection at a time from a queue of 5: under a loaded suite, the bursts of
     connections a stage opens at once (gcsfs's batched puts, the fetch threads, TensorStore)
-    overflowed it, and the kernel dropped their SYNs (TcpExt ListenOverflows), each one
-    retried after 1, 2, 4 ... s (the likely cause of a `trainflow run` that takes 40 s alone
-    going past 600 s in a CI run). GCS accepts every connection."""
+    overflowed it and the kernel dropped their SYNs (each retried after 1, 2, 4 ... s), and a
+    connection the server had accepted but whose client was slow to send held every other
+    one back. GCS accepts and serves every connection."""
 
     request_queue_size = 1024
+    daemon_threads = True
+
+    def __init__(self, address, handler):  # handler: partial(emulator.RequestHandler, storage)
+        super().__init__(address, functools.partial(OneRequestAtATime, *handler.args))
 
 
 @contextlib.contextmanager
@@ -154,7 +190,7 @@ def corrected_emulator():
     )
     objects.download = corrected  # objects.get serves `?alt=media` through this name
     emulator._read_data = exact_multipart_uploads(read_data)
-    emulator.server = types.SimpleNamespace(HTTPServer=DeepBacklog)  # the one name APIThread.run reads
+    emulator.server = types.SimpleNamespace(HTTPServer=ConcurrentEmulatorServer)  # the one name APIThread.run reads
     try:
         yield
     finally:
@@ -185,6 +221,10 @@ def gcs(tmp_path_factory):
         "TRAINFLOW_CACHE": str(cache),
         "TRAINFLOW_LEASE_SECONDS": "3",  # renewed every second: the test sees renewals
         "TRAINFLOW_STAGED_CHECKPOINTS": "",  # the engine writes its checkpoints at the URL
+        # A TensorStore request that stalls (no byte for a minute) fails and is retried, as
+        # against GCS, instead of waiting for ever.
+        "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": "60",
+        "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES": "1",
     }
     saved = {k: os.environ.get(k) for k in env}
     logger = logging.getLogger(emulator.__name__)
