@@ -231,20 +231,20 @@ EP_TOLERANCE = (1e-5, 1e-4)
 
 def run_ep(name: str, dispatch: str) -> dict:
     cfg = model_config(name)
-    compute = ComputeConfig(dtype="float32", moe_dispatch=dispatch, moe_capacity_factor=float(cfg.num_experts))
+    compute = ComputeConfig(dtype="float32", moe_dispatch=dispatch, moe_capacity_factor=float(cfg.moe.num_experts))
     params = host_params(cfg, compute)
     batch = ep_batch(cfg.vocab_size)
     base, _ = two_steps(cfg, compute, params, batch, make_mesh(MeshConfig(data=8)))
     record = {
-        "num_experts": cfg.num_experts,
-        "experts_per_token": cfg.experts_per_token,
+        "num_experts": cfg.moe.num_experts,
+        "experts_per_token": cfg.moe.experts_per_token,
         "loss": [s[0] for s in base],
         "grad_norm": [s[2] for s in base],
     }
     meshes = {"fsdp=2 (control, no expert axis)": MeshConfig(data=4, fsdp=2)}
     meshes.update({f"expert={n}": MeshConfig(data=8 // n, expert=n) for n in (2, 4)})
     for label, mesh_config in meshes.items():
-        if cfg.num_experts % mesh_config.expert:
+        if cfg.moe.num_experts % mesh_config.expert:
             record[label] = "not run: the experts do not split evenly"
             continue
         start = time.perf_counter()
@@ -307,7 +307,7 @@ def run_grpo_case(name: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         task = grpo_task(name, Path(tmp) / "task")
         meshes = {"data": {"mesh.data": 8}}
-        if model_config(name).num_experts:
+        if model_config(name).moe.num_experts:
             meshes["expert"] = {"mesh.data": 4, "mesh.expert": 2}
         runs = {}
         for mesh_name, mesh in meshes.items():
@@ -399,7 +399,7 @@ def main() -> None:
     results["ep_tolerance"] = {"step 1": EP_TOLERANCE[0], "step 2": EP_TOLERANCE[1]}
     results["devices"] = f"{jax.device_count()} simulated {jax.devices()[0].platform} devices, jax {jax.__version__}"
     for name in args.families:
-        if args.part in ("ep", "both") and model_config(name).num_experts:
+        if args.part in ("ep", "both") and model_config(name).moe.num_experts:
             for dispatch in args.dispatch:
                 try:
                     record = run_ep(name, dispatch)

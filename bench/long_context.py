@@ -95,8 +95,14 @@ def dsa_flops_per_token(cfg: ModelConfig, variant: str, seq_len: int) -> dict:
     scores of all s keys (selection only, no gradient), the key absorption (o x c per head),
     scores over the k selected latents and rotary keys (c + r), the weighted sum of latents (c),
     the value up-projection (c x w per head), and the KL's indexer scores of the k keys."""
-    n, h, r, c, w = cfg.num_heads, cfg.head_dim, cfg.rope_head_dim, cfg.kv_lora_rank, cfg.value_head_dim
-    g, i, k, s = cfg.index_heads, cfg.index_head_dim, cfg.index_topk, seq_len
+    n, h, r, c, w = (
+        cfg.attention.num_heads,
+        cfg.attention.head_dim,
+        cfg.mla.rope_head_dim,
+        cfg.mla.kv_lora_rank,
+        cfg.value_head_dim,
+    )
+    g, i, k, s = cfg.mla.index_heads, cfg.mla.index_head_dim, cfg.mla.index_topk, seq_len
     indexer = 2 * g * i * s + 2 * g * s
     if variant == "dense_masked":
         per_layer = {"attention": 2 * n * s * (2 * h) + 2 * n * s * h, "indexer": indexer}
@@ -154,7 +160,7 @@ def mixing_flops_per_token(cfg: ModelConfig, seq_len: int) -> dict:
     product with [v, k] (2 x C x (dv + dk)), the intra-chunk output (2 x C x dv), and the state
     read twice and written once (3 x 2 x dk x dv)."""
     kinds = [layer.mixer for layer in cfg.layer_pattern()]
-    attention = 2 * cfg.num_heads * cfg.head_dim * seq_len  # 2 x 2 x h x d x t / 2
+    attention = 2 * cfg.attention.num_heads * cfg.attention.head_dim * seq_len  # 2 x 2 x h x d x t / 2
     g = train_config("hybrid", seq_len).model.gated_delta  # the hybrid's sizes (unused without its layers)
     delta = 0.0
     if g is not None:

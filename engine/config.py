@@ -62,7 +62,7 @@ def format_validation_error(err: ValidationError, schema: type[BaseModel], sourc
         key = ".".join(str(p) for p in loc) or "<root>"
         if e["type"] == "extra_forbidden":
             owner = _model_at(schema, loc[:-1])
-            valid = list(owner.model_fields) if owner else []
+            valid = [*owner.model_fields, *getattr(owner, "FLAT_KEYS", ())] if owner else []
             lines.append(f"{source}: unknown key '{key}'{_closest(str(loc[-1]), valid)}")
         elif e["type"] == "missing":
             lines.append(f"{source}: missing required key '{key}'")
@@ -181,7 +181,17 @@ def resolve_model_preset(tree: dict, source: str) -> dict:
         compute = base.pop("compute", None)
         if compute:  # the preset's recommended compute settings, under the run's own
             tree["compute"] = {**compute, **(tree.get("compute") or {})}
-        base.update(model)
+        # The preset in sections, then the run's keys over it: a section given in the run
+        # (`model.attention.num_heads=6`) refines the preset's, a flat key (`model.num_heads=6`)
+        # is folded in over both as the config is validated (engine/models/flat_keys.py).
+        from engine.models import flat_keys  # here: engine.models imports this module
+
+        base = flat_keys.fold(base)
+        for key, value in model.items():
+            if isinstance(value, dict) and isinstance(base.get(key), dict):
+                base[key] = {**base[key], **value}
+            else:
+                base[key] = value
         tree["model"] = base
     return tree
 

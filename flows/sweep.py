@@ -177,6 +177,9 @@ def schema_problem(schema: type[BaseModel], dotted: str) -> str | None:
     parts = dotted.split(".")
     for depth, part in enumerate(parts):
         fields = {name: f for m in models for name, f in m.model_fields.items()}
+        flat = {name for m in models for name in getattr(m, "FLAT_KEYS", ())}  # ModelConfig's flat names
+        if part in flat and depth == len(parts) - 1:
+            return None
         if part not in fields:
             where = ".".join(parts[:depth])
             match = difflib.get_close_matches(part, list(fields), n=1, cutoff=0.5)

@@ -179,11 +179,22 @@ def test_converted_deepseek_matches_transformers_with_and_without_layer_scan(cas
     cfg = case["cfg"]
     assert (
         cfg.family == "deepseek_v3"
-        and cfg.first_dense_layers == 1
+        and cfg.moe.first_dense_layers == 1
         and cfg.layer_stacks() == [("dense_blocks", (0,)), ("blocks", (1, 2))]
     )
-    assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.head_dim, cfg.rope_head_dim, cfg.value_head_dim) == (7, 11, 9, 4, 5)
-    assert cfg.router_groups == 3 and cfg.router_group_top == 2 and cfg.router_scale == 2.5 and cfg.rope_interleave
+    assert (
+        cfg.mla.kv_lora_rank,
+        cfg.mla.q_lora_rank,
+        cfg.attention.head_dim,
+        cfg.mla.rope_head_dim,
+        cfg.value_head_dim,
+    ) == (7, 11, 9, 4, 5)
+    assert (
+        cfg.moe.router_groups == 3
+        and cfg.moe.router_group_top == 2
+        and cfg.moe.router_scale == 2.5
+        and cfg.rope.interleave
+    )
     tokens, mask = padded_batch()
     ref = hf_logits(case["model"], tokens, mask)
     valid = mask.astype(bool)
@@ -212,7 +223,7 @@ def test_direct_queries_and_half_split_rope_match_transformers(tmp_path):
     model.eval().save_pretrained(tmp_path / "hf")
     convert_hf(tmp_path / "hf", tmp_path / "converted")
     cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
-    assert cfg.q_lora_rank is None and not cfg.rope_interleave and cfg.layer_stacks() == [("dense_blocks", (0, 1))]
+    assert cfg.mla.q_lora_rank is None and not cfg.rope.interleave and cfg.layer_stacks() == [("dense_blocks", (0, 1))]
     _, compute = stored_configs(tmp_path / "converted" / "checkpoint")
     tokens, mask = padded_batch()
     ours = np.asarray(
@@ -320,7 +331,7 @@ def test_the_preset_is_the_published_model_at_real_size():
     assert preset == published.model_copy(update={"mtp_layers": 0})
     assert round(preset.num_params() / 1e9) == 671  # without the multi-token-prediction layer
     tiny = ModelConfig.model_validate(resolve_model_preset({"model": "tiny-deepseek-v3"}, "tiny")["model"])
-    assert tiny.family == "deepseek_v3" and tiny.first_dense_layers == 1 and tiny.is_mla
+    assert tiny.family == "deepseek_v3" and tiny.moe.first_dense_layers == 1 and tiny.is_mla
 
 
 def test_what_deepseek_does_not_implement_or_allow_is_refused():
@@ -343,4 +354,4 @@ def test_what_deepseek_does_not_implement_or_allow_is_refused():
             rope_head_dim=3,
         )
     # no query compression (DeepSeek-V2-Lite): q_lora_rank null is kept, not defaulted
-    assert model_config_from_hf({**PUBLISHED, "q_lora_rank": None})[0].q_lora_rank is None
+    assert model_config_from_hf({**PUBLISHED, "q_lora_rank": None})[0].mla.q_lora_rank is None

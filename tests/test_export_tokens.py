@@ -29,8 +29,8 @@ D_MODEL = 12
 
 def eos_saying_params(cfg: ModelConfig, eos: int) -> dict:
     """The engine's param tree (one layer stack) of a model whose next token is always eos."""
-    d, f, v = cfg.d_model, cfg.mlp_dim, cfg.vocab_size
-    heads, kv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    d, f, v = cfg.d_model, cfg.mlp.dim, cfg.vocab_size
+    heads, kv, hd = cfg.attention.num_heads, cfg.attention.num_kv_heads, cfg.attention.head_dim
     rng = np.random.default_rng(0)
     head_dv = np.zeros((d, v), np.float32)
     head_dv[:, eos] = 1.0

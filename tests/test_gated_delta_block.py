@@ -73,7 +73,7 @@ def test_the_mixer_equals_transformers(fused):
         linear_key_head_dim=DK,
         linear_value_head_dim=DV,
         linear_conv_kernel_dim=4,
-        rms_norm_eps=cfg.norm_eps,
+        rms_norm_eps=cfg.norm.eps,
         num_hidden_layers=1,
         layer_types=["linear_attention"],
     )

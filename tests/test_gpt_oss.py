@@ -246,8 +246,12 @@ def engine_forward(cfg, compute):
 
 def test_converted_gpt_oss_matches_transformers_logits(case):
     cfg = case["cfg"]
-    assert cfg.family == "gpt_oss" and (cfg.num_experts, cfg.experts_per_token) == (5, 2)
-    assert cfg.attention_pattern == ["local", "global"] and cfg.sliding_window == 5 and cfg.rope_scaling.kind == "yarn"
+    assert cfg.family == "gpt_oss" and (cfg.moe.num_experts, cfg.moe.experts_per_token) == (5, 2)
+    assert (
+        cfg.attention.pattern == ["local", "global"]
+        and cfg.attention.sliding_window == 5
+        and cfg.rope.scaling.kind == "yarn"
+    )
     tokens, mask = padded_batch()
     ours = case["forward"](case["params"], tokens, mask)
     ref = hf_logits(case["model"], tokens, mask)
@@ -485,8 +489,8 @@ def test_what_the_engine_does_not_implement_is_refused_by_name():
         "head_dim": 4,
     }
     cfg, _ = model_config_from_hf(base)  # transformers' defaults: alternating windows of 128, YaRN x32
-    assert cfg.attention_pattern == ["local", "global"] and cfg.sliding_window == 128
-    assert (cfg.rope_theta, cfg.rope_scaling.factor, cfg.rope_scaling.truncate) == (150000.0, 32.0, False)
+    assert cfg.attention.pattern == ["local", "global"] and cfg.attention.sliding_window == 128
+    assert (cfg.rope.theta, cfg.rope.scaling.factor, cfg.rope.scaling.truncate) == (150000.0, 32.0, False)
     model_config_from_hf({**base, "quantization_config": {"quant_method": "mxfp4"}})  # dequantized on conversion
     with pytest.raises(ConfigError, match=r"quantization_config \(fp8\) is not supported; dequantize"):
         model_config_from_hf({**base, "quantization_config": {"quant_method": "fp8"}})

@@ -310,44 +310,56 @@ def test_exported_config_json_is_what_transformers_writes(case, tmp_path, monkey
 def test_the_family_reads_what_the_config_says(case):
     cfg = case.cfg
     if case.family.startswith("gpt_neox"):
-        assert cfg.norm_kind == "layer" and cfg.norm_bias and cfg.mlp_bias and not cfg.mlp_gated
-        assert cfg.residual == ("parallel" if case.family == "gpt_neox" else "sequential")
-        assert cfg.rotary_dim == (6 if case.family == "gpt_neox" else 2)  # 0.5 of 12, 0.25 of 8
-        assert case.params["blocks"]["attn"]["bq_nh"].shape == (cfg.num_layers, cfg.num_heads, cfg.head_dim)
+        assert cfg.norm.kind == "layer" and cfg.norm.bias and cfg.mlp.bias and not cfg.mlp.gated
+        assert cfg.block.residual == ("parallel" if case.family == "gpt_neox" else "sequential")
+        assert cfg.rope.rotary_dim == (6 if case.family == "gpt_neox" else 2)  # 0.5 of 12, 0.25 of 8
+        assert case.params["blocks"]["attn"]["bq_nh"].shape == (
+            cfg.num_layers,
+            cfg.attention.num_heads,
+            cfg.attention.head_dim,
+        )
     elif case.family in ("gptj", "codegen"):
-        assert cfg.rope_interleave and cfg.residual == "parallel_shared_norm" and cfg.lm_head_bias
+        assert cfg.rope.interleave and cfg.block.residual == "parallel_shared_norm" and cfg.head.bias
         gptj = case.family == "gptj"
-        assert (cfg.rotary_dim, cfg.mlp_dim) == ((6, 26) if gptj else (10, 22))
+        assert (cfg.rope.rotary_dim, cfg.mlp.dim) == ((6, 26) if gptj else (10, 22))
     elif case.family.startswith("stablelm"):
         twelve = case.family == "stablelm_12b"
-        assert cfg.qk_norm == cfg.qk_norm_per_head == twelve and cfg.qkv_bias != twelve
-        assert cfg.residual == ("parallel_shared_norm" if twelve else "sequential") and cfg.rotary_dim == 2
+        assert cfg.attention.qk_norm == cfg.attention.qk_norm_per_head == twelve and cfg.attention.qkv_bias != twelve
+        assert cfg.block.residual == ("parallel_shared_norm" if twelve else "sequential") and cfg.rope.rotary_dim == 2
         if twelve:  # each head's scale its own (HF: a tensor per head)
             assert case.params["blocks"]["attn"]["q_norm"]["scale"].shape == (2, 5, 8)
             assert case.params["blocks"]["attn"]["k_norm"]["scale"].shape == (2, 1, 8)
     elif case.family.startswith("starcoder2"):
         windowed = case.family == "starcoder2"
-        assert cfg.mlp_bias == cfg.qkv_bias == cfg.attention_out_bias == windowed and cfg.norm_bias
-        assert cfg.sliding_window == (5 if windowed else None) and cfg.tie_embeddings == windowed
+        assert cfg.mlp.bias == cfg.attention.qkv_bias == cfg.attention.out_bias == windowed and cfg.norm.bias
+        assert cfg.attention.sliding_window == (5 if windowed else None) and cfg.tie_embeddings == windowed
     elif case.family.startswith("falcon"):
         residual, kv = {"falcon": ("parallel_shared_norm", 1), "falcon_40b": ("parallel", 2)}.get(
             case.family, ("sequential", 3)
         )
-        assert (cfg.residual, cfg.num_kv_heads, cfg.mlp_bias) == (residual, kv, case.family == "falcon_40b")
-    elif case.family == "cohere":
-        assert cfg.qk_norm_per_head and cfg.rope_interleave and cfg.logits_multiplier == 0.5 and not cfg.norm_bias
-        assert case.params["blocks"]["attn"]["k_norm"]["scale"].shape == (3, 2, 8) and cfg.qkv_bias
-    elif case.family == "cohere2":
-        assert cfg.attention_pattern == ["local"] * 3 + ["global"] and cfg.rope_pattern == [True] * 3 + [False]
-        assert cfg.logits_multiplier == 0.25 and cfg.residual == "parallel_shared_norm"
-    elif case.family == "nemotron":
-        assert cfg.norm_zero_centered and cfg.norm_bias and cfg.activation == "relu2" and not cfg.mlp_gated
-        assert cfg.rotary_dim == 6 and cfg.head_dim == 12 and cfg.mlp_bias and cfg.qkv_bias
-    elif case.family.startswith("phi"):
-        assert cfg.residual == "parallel_shared_norm" and cfg.lm_head_bias and "mlp_norm" not in case.params["blocks"]
-        assert cfg.qk_norm == (case.family == "phi_qk_layernorm") and cfg.num_kv_heads == cfg.num_heads // (
-            5 if case.family == "phi" else 1
+        assert (cfg.block.residual, cfg.attention.num_kv_heads, cfg.mlp.bias) == (
+            residual,
+            kv,
+            case.family == "falcon_40b",
         )
+    elif case.family == "cohere":
+        assert (
+            cfg.attention.qk_norm_per_head and cfg.rope.interleave and cfg.head.multiplier == 0.5 and not cfg.norm.bias
+        )
+        assert case.params["blocks"]["attn"]["k_norm"]["scale"].shape == (3, 2, 8) and cfg.attention.qkv_bias
+    elif case.family == "cohere2":
+        assert cfg.attention.pattern == ["local"] * 3 + ["global"] and cfg.rope.pattern == [True] * 3 + [False]
+        assert cfg.head.multiplier == 0.25 and cfg.block.residual == "parallel_shared_norm"
+    elif case.family == "nemotron":
+        assert cfg.norm.zero_centered and cfg.norm.bias and cfg.mlp.activation == "relu2" and not cfg.mlp.gated
+        assert cfg.rope.rotary_dim == 6 and cfg.attention.head_dim == 12 and cfg.mlp.bias and cfg.attention.qkv_bias
+    elif case.family.startswith("phi"):
+        assert (
+            cfg.block.residual == "parallel_shared_norm" and cfg.head.bias and "mlp_norm" not in case.params["blocks"]
+        )
+        assert cfg.attention.qk_norm == (
+            case.family == "phi_qk_layernorm"
+        ) and cfg.attention.num_kv_heads == cfg.attention.num_heads // (5 if case.family == "phi" else 1)
 
 
 def test_a_qkv_projection_grouped_per_head_splits_and_fuses_back():

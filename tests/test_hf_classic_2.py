@@ -179,35 +179,45 @@ def test_converted_model_matches_transformers_logits(case):
 def test_the_family_reads_what_the_config_says(case):
     cfg = case.cfg
     if case.family == "olmo":  # no norm weights at all
-        assert (cfg.norm_kind, cfg.norm_scale, cfg.norm_bias, cfg.qkv_clip) == ("layer", False, False, 1.0)
+        assert (cfg.norm.kind, cfg.norm.scale, cfg.norm.bias, cfg.attention.qkv_clip) == ("layer", False, False, 1.0)
         assert not any("norm" in name for name, _ in case.hf_model.named_parameters())
         return
     if case.family == "dbrx":
-        assert (cfg.norm_kind, cfg.norm_bias, cfg.qkv_clip, cfg.router_renormalize) == ("layer", False, 1.0, True)
-        assert (cfg.num_experts, cfg.experts_per_token, cfg.moe_mlp_dim, cfg.num_kv_heads) == (5, 2, 14, 2)
+        assert (cfg.norm.kind, cfg.norm.bias, cfg.attention.qkv_clip, cfg.moe.router_renormalize) == (
+            "layer",
+            False,
+            1.0,
+            True,
+        )
+        assert (cfg.moe.num_experts, cfg.moe.experts_per_token, cfg.moe_mlp_dim, cfg.attention.num_kv_heads) == (
+            5,
+            2,
+            14,
+            2,
+        )
         assert case.params["blocks"]["mlp"]["w_gate_edf"].shape == (3, 5, 36, 14)
         return
     if case.family == "phimoe":
-        assert (cfg.router_sparsemixer_eps, cfg.lm_head_bias, cfg.qkv_bias, cfg.norm_kind) == (
+        assert (cfg.moe.sparsemixer_eps, cfg.head.bias, cfg.attention.qkv_bias, cfg.norm.kind) == (
             0.05,
             True,
             True,
             "layer",
         )
-        assert (cfg.num_experts, cfg.experts_per_token, cfg.norm_bias) == (5, 2, True)
+        assert (cfg.moe.num_experts, cfg.moe.experts_per_token, cfg.norm.bias) == (5, 2, True)
         return
     if case.family == "mpt":
-        assert (cfg.positions, cfg.norm_kind, cfg.norm_bias, cfg.qkv_clip, cfg.mlp_dim) == (
+        assert (cfg.positions, cfg.norm.kind, cfg.norm.bias, cfg.attention.qkv_clip, cfg.mlp.dim) == (
             "alibi",
             "layer",
             False,
             1.0,
             120,
         )
-        assert cfg.layer_specs()[0].attention.alibi and cfg.tie_embeddings and cfg.activation == "gelu"
+        assert cfg.layer_specs()[0].attention.alibi and cfg.tie_embeddings and cfg.mlp.activation == "gelu"
         return
     if case.family == "bloom":
-        assert (cfg.positions, cfg.embedding_norm, cfg.norm_bias, cfg.qkv_bias, cfg.mlp_dim) == (
+        assert (cfg.positions, cfg.embedding.norm, cfg.norm.bias, cfg.attention.qkv_bias, cfg.mlp.dim) == (
             "alibi",
             True,
             True,
@@ -217,18 +227,23 @@ def test_the_family_reads_what_the_config_says(case):
         assert case.params["embed_norm"]["bias"].shape == (30,) and not cfg.tie_embeddings
         return
     if case.family == "jais2":
-        assert (cfg.norm_kind, cfg.norm_bias, cfg.norm_eps, cfg.activation) == ("layer", True, 1e-4, "relu2")
-        assert (cfg.qkv_bias, cfg.attention_out_bias, cfg.mlp_bias, cfg.mlp_gated) == (True, True, True, False)
-        assert (cfg.num_kv_heads, cfg.head_dim) == (2, 8)
+        assert (cfg.norm.kind, cfg.norm.bias, cfg.norm.eps, cfg.mlp.activation) == ("layer", True, 1e-4, "relu2")
+        assert (cfg.attention.qkv_bias, cfg.attention.out_bias, cfg.mlp.bias, cfg.mlp.gated) == (
+            True,
+            True,
+            True,
+            False,
+        )
+        assert (cfg.attention.num_kv_heads, cfg.attention.head_dim) == (2, 8)
         return
     if case.family == "opt":
-        assert (cfg.position_offset, cfg.activation, cfg.tie_embeddings) == (2, "relu", False)
+        assert (cfg.embedding.position_offset, cfg.mlp.activation, cfg.tie_embeddings) == (2, "relu", False)
         assert case.params["pos_embed_pd"].shape == (64 + 2, 30)
         return
-    assert (cfg.norm_kind, cfg.norm_bias, cfg.positions, cfg.mlp_gated) == ("layer", True, "learned", False)
-    assert (cfg.head_dim, cfg.mlp_dim, cfg.max_seq_len) == (5, 26, 64)
-    assert cfg.num_kv_heads == (1 if case.family == "gpt_bigcode" else 6)
-    assert cfg.tie_embeddings == (case.family == "gpt2") and cfg.activation == "gelu_tanh"
+    assert (cfg.norm.kind, cfg.norm.bias, cfg.positions, cfg.mlp.gated) == ("layer", True, "learned", False)
+    assert (cfg.attention.head_dim, cfg.mlp.dim, cfg.max_seq_len) == (5, 26, 64)
+    assert cfg.attention.num_kv_heads == (1 if case.family == "gpt_bigcode" else 6)
+    assert cfg.tie_embeddings == (case.family == "gpt2") and cfg.mlp.activation == "gelu_tanh"
 
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
@@ -266,7 +281,7 @@ def test_phimoe_longrope_with_one_mscale_reads_as_its_attention_factor():
         "original_max_position_embeddings": 16,
     }
     cfg, _ = model_config_from_hf({**hf, "rope_parameters": rope})
-    assert cfg.rope_scaling.kind == "longrope" and cfg.rope_scaling.attention_factor == 1.25
+    assert cfg.rope.scaling.kind == "longrope" and cfg.rope.scaling.attention_factor == 1.25
     assert model_config_to_hf(cfg)["rope_parameters"] == rope
     assert "differ" in refused("phimoe", rope_parameters={**rope, "long_mscale": 1.5})
 
@@ -330,7 +345,7 @@ def test_the_published_dbrx_config_json_reads_as_its_preset():
     tree = dict(resolve_model_preset({"model": "dbrx"}, "dbrx")["model"])
     tree.pop("compute", None)
     cfg, _ = model_config_from_hf(DBRX_BASE)
-    assert cfg == ModelConfig.model_validate(tree) and cfg.rope_theta == 500000.0
+    assert cfg == ModelConfig.model_validate(tree) and cfg.rope.theta == 500000.0
 
 
 def test_gpt_bigcode_without_multi_query_reads_its_per_head_rows(tmp_path):
@@ -341,7 +356,7 @@ def test_gpt_bigcode_without_multi_query_reads_its_per_head_rows(tmp_path):
     convert_hf(tmp_path / "hf", tmp_path / "converted")
     cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
     _, compute = stored_configs(tmp_path / "converted" / "checkpoint")
-    assert cfg.num_kv_heads == cfg.num_heads == 6
+    assert cfg.attention.num_kv_heads == cfg.attention.num_heads == 6
     tokens, mask = batch()
     ours = np.asarray(apply_model(graphdef_of(cfg, compute), params, jnp.asarray(tokens), None, jnp.asarray(mask)))
     valid = mask.astype(bool)
@@ -351,7 +366,7 @@ def test_gpt_bigcode_without_multi_query_reads_its_per_head_rows(tmp_path):
 
 def test_gpt2_without_scaled_scores_reads_as_a_unit_score_scale():
     cfg, _ = model_config_from_hf({**hf_config("gpt2").to_dict(), "scale_attn_weights": False})
-    assert cfg.attention_scale == 1.0
+    assert cfg.attention.scale == 1.0
     assert model_config_to_hf(cfg)["scale_attn_weights"] is False
 
 

@@ -141,20 +141,25 @@ def test_greedy_generation_of_16_tokens_is_identical(case):
 def test_the_family_reads_what_the_config_says(case):
     cfg = case.cfg
     if case.family == "cohere2_moe":
-        assert cfg.first_dense_layers == 1 and (cfg.mlp_dim, cfg.moe_mlp_dim, cfg.shared_mlp_dim) == (22, 14, 28)
+        assert cfg.moe.first_dense_layers == 1 and (cfg.mlp.dim, cfg.moe_mlp_dim, cfg.shared_mlp_dim) == (22, 14, 28)
         assert cfg.layer_is_local() == [False, True, True, True, False]
         assert [layer.rope for layer in cfg.layer_pattern()] == [True] * 4 + [False]  # the dense global layer rotates
-        assert (cfg.router_scale, cfg.shared_expert_scale, cfg.norm_kind) == (0.5, 0.5, "layer")
+        assert (cfg.moe.router_scale, cfg.moe.shared_scale, cfg.norm.kind) == (0.5, 0.5, "layer")
         assert case.params["blocks"]["mlp"]["w_gate_edf"].shape == (4, 5, 30, 14)
         assert case.params["dense_blocks"]["mlp"]["w_gate_df"].shape == (1, 30, 22)
     elif case.family == "jetmoe":
-        assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_experts) == (6, 3, 6, 5)
-        assert case.params["blocks"]["attn"]["wq_edq"].shape == (3, 5, 34, 18) and cfg.moe_output_bias
-        assert (cfg.norm_eps, cfg.final_norm_eps) == (1e-6, 1e-5)
+        assert (cfg.attention.num_heads, cfg.attention.num_kv_heads, cfg.attention.head_dim, cfg.attention.experts) == (
+            6,
+            3,
+            6,
+            5,
+        )
+        assert case.params["blocks"]["attn"]["wq_edq"].shape == (3, 5, 34, 18) and cfg.moe.output_bias
+        assert (cfg.norm.eps, cfg.head.norm_eps) == (1e-6, 1e-5)
     else:
-        assert (cfg.router_score, cfg.router_renormalize, cfg.norm_kind) == ("sigmoid", True, "rms")
-        assert (cfg.router_scale, cfg.shared_expert_scale, cfg.first_dense_layers) == (1.0, 1.0, 0)
-        assert cfg.attention_pattern == ["local", "global"] and cfg.rope_pattern == [True, False]
+        assert (cfg.moe.router_score, cfg.moe.router_renormalize, cfg.norm.kind) == ("sigmoid", True, "rms")
+        assert (cfg.moe.router_scale, cfg.moe.shared_scale, cfg.moe.first_dense_layers) == (1.0, 1.0, 0)
+        assert cfg.attention.pattern == ["local", "global"] and cfg.rope.pattern == [True, False]
 
 
 def test_what_the_family_does_not_run_is_refused_in_one_sentence():

@@ -111,7 +111,7 @@ def test_converted_model_matches_transformers_logits_to_1e4(case):
     delta = float(np.abs(ours - ref)[valid].max())
     print(f"\n{case.family}: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref[valid]).max():.1f})")
     assert delta <= 1e-4, f"{case.family}: max |delta logit| {delta}"
-    assert case.cfg.index_topk == TOPK and case.cfg.index_rope_interleave == (case.family == "glm_moe_dsa")
+    assert case.cfg.mla.index_topk == TOPK and case.cfg.mla.index_rope_interleave == (case.family == "glm_moe_dsa")
     dense = case.cfg.model_copy(update={"index_topk": 64})
     moved = np.abs(engine_logits(dense, case.compute, case.params, tokens, mask) - ours)[valid].max()
     assert moved > 0.1, f"{case.family}: selecting {TOPK} keys changed the logits by {moved} only"
@@ -156,7 +156,7 @@ def test_what_the_engine_cannot_run_is_refused_in_one_sentence():
     with pytest.raises(ConfigError, match=r"mlp_layer_types must be 3 entries, 'dense' ones first"):
         model_config_from_hf({**hf, "mlp_layer_types": ["sparse", "dense", "sparse"]})
     cfg, _ = model_config_from_hf(hf)
-    assert cfg.family == "glm_moe_dsa" and cfg.first_dense_layers == 1 and cfg.index_heads == 8
+    assert cfg.family == "glm_moe_dsa" and cfg.moe.first_dense_layers == 1 and cfg.mla.index_heads == 8
 
 
 # --------------------------------------------------------------------------- ties at 0 (few indexer heads)
@@ -407,7 +407,7 @@ def test_the_sparse_path_equals_the_dense_masked_one_in_loss_kl_and_gradients(mo
     monkeypatch.setattr(dsa, "QUERY_CHUNK_BYTES", 2000)
     cfg = _one_layer_dsa()
     t = 29
-    assert dsa.query_chunk(t, t, cfg.num_heads, cfg.index_heads, cfg.index_topk) == 4
+    assert dsa.query_chunk(t, t, cfg.attention.num_heads, cfg.mla.index_heads, cfg.mla.index_topk) == 4
     tokens = np.random.default_rng(4).integers(0, cfg.vocab_size, (2, t))
     segments = np.ones((2, t), np.int32)
     segments[0, 13:], segments[1, 20:] = 2, 0

@@ -259,7 +259,7 @@ def test_dynamic_ntk_rope_matches_transformers_past_the_original_context(tmp_pat
     convert_hf(tmp_path / "hf", tmp_path / "converted")
     cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
     _, compute = stored_configs(tmp_path / "converted" / "checkpoint")
-    assert cfg.rope_scaling.kind == "dynamic" and cfg.rope_scaling.original_max_position == 16
+    assert cfg.rope.scaling.kind == "dynamic" and cfg.rope.scaling.original_max_position == 16
     tokens, mask = batch()
     valid = mask.astype(bool)
     ours, ref = engine_logits(cfg, compute, params, tokens, mask), hf_logits(model, tokens, mask)
@@ -303,8 +303,8 @@ def test_the_published_and_transformers_5_forms_of_config_json_read_alike():
     # Ministral 3 without rope_parameters: its class's default YaRN and query scale
     ministral3 = {k: v for k, v in hf_config("ministral3").to_dict().items() if k != "rope_parameters"}
     cfg, _ = model_config_from_hf(ministral3)
-    assert (cfg.rope_theta, cfg.rope_scaling.factor, cfg.rope_scaling.original_max_position) == (1e6, 16, 16384)
-    assert cfg.query_position_scale == 0.1
+    assert (cfg.rope.theta, cfg.rope.scaling.factor, cfg.rope.scaling.original_max_position) == (1e6, 16, 16384)
+    assert cfg.attention.query_position_scale == 0.1
     internlm3 = hf_config("internlm3").to_dict()
     for architecture in ("LlamaForCausalLM", "InternLM3ForCausalLM"):
         cfg, _ = model_config_from_hf({**internlm3, "architectures": [architecture]})

@@ -141,33 +141,48 @@ def test_converted_model_matches_transformers_logits(case):
 def test_the_family_reads_what_the_config_says(case):
     cfg, layers = case.cfg, case.cfg.layer_pattern()
     if case.family in ("granite", "granite_swa"):
-        assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_scale, cfg.logits_scaling) == (
+        assert (cfg.embedding.multiplier, cfg.block.residual_multiplier, cfg.attention.scale, cfg.head.divisor) == (
             1.7,
             0.6,
             0.2,
             2.5,
         )
     if case.family == "glm":
-        assert cfg.rotary_dim == 6 and cfg.rope_interleave and cfg.qkv_bias and not cfg.post_norms
+        assert cfg.rope.rotary_dim == 6 and cfg.rope.interleave and cfg.attention.qkv_bias and not cfg.block.post_norms
     elif case.family == "glm4":
-        assert cfg.rotary_dim == 6 and cfg.head_dim == 12 and cfg.post_norms and cfg.rope_scaling.kind == "llama3"
+        assert (
+            cfg.rope.rotary_dim == 6
+            and cfg.attention.head_dim == 12
+            and cfg.block.post_norms
+            and cfg.rope.scaling.kind == "llama3"
+        )
     elif case.family == "exaone4":
         assert [x.local for x in layers] == [True, True, False, True] == [x.rope for x in layers]
-        assert not cfg.pre_norms and cfg.post_norms and cfg.qk_norm and not cfg.qk_norm_across_heads
+        assert (
+            not cfg.block.pre_norms
+            and cfg.block.post_norms
+            and cfg.attention.qk_norm
+            and not cfg.attention.qk_norm_across_heads
+        )
     elif case.family == "vaultgemma":
-        assert not cfg.post_norms and cfg.norm_zero_centered and cfg.attn_logit_softcap == 1.5
+        assert not cfg.block.post_norms and cfg.norm.zero_centered and cfg.attention.softcap == 1.5
         assert "post_attn_norm" not in case.params["blocks"]
     elif case.family == "granite_swa":
-        assert [x.local for x in layers] == [False, True, True, False, True] and cfg.attention_sinks
+        assert [x.local for x in layers] == [False, True, True, False, True] and cfg.attention.sinks
         assert [x.rope for x in layers] == [True, True, False, False, True]
-        assert (cfg.rope_theta, cfg.rope_local_theta) == (1000.0, 500.0)
+        assert (cfg.rope.theta, cfg.rope.local_theta) == (1000.0, 500.0)
     elif case.family == "minicpm3":
-        assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.rope_head_dim, cfg.v_head_dim) == (10, 12, 4, 7)
-        assert cfg.head_dim == 10  # qk_nope_head_dim + qk_rope_head_dim
-        assert cfg.embedding_multiplier == 2.5 and cfg.logits_scaling == 2.5 and not cfg.rope_interleave
-        assert cfg.residual_multiplier == pytest.approx(1.3 / 3**0.5, rel=1e-15)
+        assert (cfg.mla.kv_lora_rank, cfg.mla.q_lora_rank, cfg.mla.rope_head_dim, cfg.mla.v_head_dim) == (10, 12, 4, 7)
+        assert cfg.attention.head_dim == 10  # qk_nope_head_dim + qk_rope_head_dim
+        assert cfg.embedding.multiplier == 2.5 and cfg.head.divisor == 2.5 and not cfg.rope.interleave
+        assert cfg.block.residual_multiplier == pytest.approx(1.3 / 3**0.5, rel=1e-15)
     elif case.family == "apertus":
-        assert cfg.activation == "xielu" and not cfg.mlp_gated and cfg.qk_norm and cfg.rope_scaling.kind == "llama3"
+        assert (
+            cfg.mlp.activation == "xielu"
+            and not cfg.mlp.gated
+            and cfg.attention.qk_norm
+            and cfg.rope.scaling.kind == "llama3"
+        )
         mlp = case.params["blocks"]["mlp"]
         assert mlp["xielu_alpha_p"].shape == mlp["xielu_alpha_n"].shape == (3, 1) and "w_gate_df" not in mlp
 

@@ -153,7 +153,7 @@ def test_converted_model_matches_transformers_logits_with_every_expert_used(case
     print(f"\n{case.family}: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref[valid]).max():.1f})")
     assert delta <= 1e-4 and np.abs(ref[valid]).max() > 0.5
     for chosen in chosen_experts(case.hf_model, tokens, mask):
-        loads = torch.bincount(chosen.flatten(), minlength=case.cfg.num_experts)
+        loads = torch.bincount(chosen.flatten(), minlength=case.cfg.moe.num_experts)
         assert loads.min() > 0 and loads.max() > loads.min()
 
 
@@ -161,23 +161,23 @@ def test_the_family_reads_what_the_config_says(case):
     cfg, layers = case.cfg, case.cfg.layer_pattern()
     if case.family == "qwen2_moe":
         assert [x.ffn for x in layers] == ["moe", "mlp", "moe"] and cfg.layer_is_local() == [True, False, False]
-        assert (cfg.qkv_bias, cfg.shared_expert_gate, cfg.router_renormalize) == (True, True, False)
-        assert (cfg.moe_mlp_dim, cfg.shared_mlp_dim, cfg.mlp_dim) == (14, 18, 26)
+        assert (cfg.attention.qkv_bias, cfg.moe.shared_gate, cfg.moe.router_renormalize) == (True, True, False)
+        assert (cfg.moe_mlp_dim, cfg.shared_mlp_dim, cfg.mlp.dim) == (14, 18, 26)
     elif case.family in ("olmoe", "flex_olmo"):
         flex = case.family == "flex_olmo"
-        assert cfg.qk_norm_across_heads and cfg.router_renormalize == flex and cfg.pre_norms != flex
+        assert cfg.attention.qk_norm_across_heads and cfg.moe.router_renormalize == flex and cfg.block.pre_norms != flex
         # one scale per head and dimension: HF's (heads * head_dim,)
-        assert case.params["blocks"]["attn"]["q_norm"]["scale"].shape == (3, 6, cfg.head_dim)
+        assert case.params["blocks"]["attn"]["q_norm"]["scale"].shape == (3, 6, cfg.attention.head_dim)
     else:
-        assert (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.logits_scaling) == (3.0, 0.6, 2.5)
-        assert cfg.attention_scale == 0.2 and cfg.router_renormalize and not cfg.shared_expert_gate
-        assert cfg.num_shared_experts == (case.family != "granitemoe") and cfg.tie_embeddings == (
+        assert (cfg.embedding.multiplier, cfg.block.residual_multiplier, cfg.head.divisor) == (3.0, 0.6, 2.5)
+        assert cfg.attention.scale == 0.2 and cfg.moe.router_renormalize and not cfg.moe.shared_gate
+        assert cfg.moe.num_shared_experts == (case.family != "granitemoe") and cfg.tie_embeddings == (
             case.family == "granitemoe"
         )
         if case.family == "granitemoe_swa":
-            assert cfg.attention_sinks and cfg.layer_is_local() == [False, True, True, True]
+            assert cfg.attention.sinks and cfg.layer_is_local() == [False, True, True, True]
             assert [x.rope for x in layers] == [True, False, True, True]
-            assert (cfg.rope_theta, cfg.rope_local_theta) == (500.0, 2000.0)
+            assert (cfg.rope.theta, cfg.rope.local_theta) == (500.0, 2000.0)
 
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):

@@ -228,7 +228,7 @@ def test_converted_model_matches_transformers_and_the_routing_is_near_its_margin
     print(f"\n{case.family}: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref[valid]).max():.1f})")
     assert delta <= 1e-4 and np.abs(ref[valid]).max() > 0.5
     chosen = chosen_experts(case.hf_model, tokens, mask)
-    loads = torch.bincount(chosen[0].flatten(), minlength=case.cfg.num_experts)
+    loads = torch.bincount(chosen[0].flatten(), minlength=case.cfg.moe.num_experts)
     assert loads.min() > 0 and loads.max() > loads.min()
     routers = router_weights(case.hf_model)
     assert routers
@@ -251,41 +251,76 @@ def test_the_family_reads_what_the_config_says(case):
     layers = cfg.layer_pattern()
     if case.family == "dots1":
         assert [x.ffn for x in layers] == ["mlp", "moe", "moe"] and cfg.layer_is_local() == [False, True, True]
-        assert (cfg.router_groups, cfg.router_group_top, cfg.router_scale, cfg.num_shared_experts) == (2, 1, 1.5, 2)
-        assert cfg.qk_norm and cfg.router_bias and cfg.router_renormalize and cfg.expert_mlp_dim == 13
+        assert (cfg.moe.router_groups, cfg.moe.router_group_top, cfg.moe.router_scale, cfg.moe.num_shared_experts) == (
+            2,
+            1,
+            1.5,
+            2,
+        )
+        assert cfg.attention.qk_norm and cfg.moe.router_bias and cfg.moe.router_renormalize and cfg.moe.expert_dim == 13
     elif case.family == "exaone_moe":
-        assert [x.ffn for x in layers] == ["moe", "mlp", "moe"] and cfg.first_dense_layers == 0
+        assert [x.ffn for x in layers] == ["moe", "mlp", "moe"] and cfg.moe.first_dense_layers == 0
         assert [x.local for x in layers] == [x.rope for x in layers] == [True, False, True]
-        assert (cfg.router_groups, cfg.router_group_top, cfg.router_scale) == (3, 2, 2.5) and cfg.qk_norm
+        assert (cfg.moe.router_groups, cfg.moe.router_group_top, cfg.moe.router_scale) == (
+            3,
+            2,
+            2.5,
+        ) and cfg.attention.qk_norm
     elif case.family == "ernie4_5_moe":
         assert [x.ffn for x in layers] == ["moe", "moe", "mlp"] and cfg.ffn_pattern is not None
-        assert cfg.router_score == "softmax" and cfg.router_bias and cfg.rope_interleave and cfg.tie_embeddings
+        assert cfg.moe.router_score == "softmax" and cfg.moe.router_bias and cfg.rope.interleave and cfg.tie_embeddings
         assert case.params["blocks"]["mlp"]["b_router_e"].shape == (2, 6)  # HF's (1, 6) per layer
     elif case.family == "hunyuan_v1_moe":
-        assert cfg.qk_norm and cfg.qk_norm_after_rope and cfg.router_score == "softmax" and not cfg.router_bias
-        assert (cfg.num_experts, cfg.experts_per_token, cfg.num_shared_experts, cfg.shared_mlp_dim) == (5, 2, 1, 26)
-        assert cfg.rope_theta == 500.0 * 1000.0 ** (8 / 6) and cfg.rope_scaling is None
+        assert (
+            cfg.attention.qk_norm
+            and cfg.attention.qk_norm_after_rope
+            and cfg.moe.router_score == "softmax"
+            and not cfg.moe.router_bias
+        )
+        assert (cfg.moe.num_experts, cfg.moe.experts_per_token, cfg.moe.num_shared_experts, cfg.shared_mlp_dim) == (
+            5,
+            2,
+            1,
+            26,
+        )
+        assert cfg.rope.theta == 500.0 * 1000.0 ** (8 / 6) and cfg.rope.scaling is None
         inv_freq = case.hf_model.model.rotary_emb.inv_freq.numpy()  # transformers' ntk_alpha frequencies
-        np.testing.assert_allclose(inv_freq, cfg.rope_theta ** -(np.arange(0, 8, 2) / 8), rtol=1e-6)
+        np.testing.assert_allclose(inv_freq, cfg.rope.theta ** -(np.arange(0, 8, 2) / 8), rtol=1e-6)
     elif case.family == "glm4_moe_lite":
         assert [x.ffn for x in layers] == ["mlp", "moe", "moe"] and [x.mixer for x in layers] == ["mla"] * 3
-        assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.rope_head_dim, cfg.head_dim, cfg.value_head_dim) == (
+        assert (
+            cfg.mla.kv_lora_rank,
+            cfg.mla.q_lora_rank,
+            cfg.mla.rope_head_dim,
+            cfg.attention.head_dim,
+            cfg.value_head_dim,
+        ) == (
             10,
             12,
             4,
             10,
             7,
         )
-        assert (cfg.router_groups, cfg.router_group_top, cfg.router_scale, cfg.mtp_layers) == (2, 1, 1.8, 0)
-        assert cfg.rope_interleave and cfg.router_bias and cfg.router_score == "sigmoid"
+        assert (cfg.moe.router_groups, cfg.moe.router_group_top, cfg.moe.router_scale, cfg.mtp_layers) == (2, 1, 1.8, 0)
+        assert cfg.rope.interleave and cfg.moe.router_bias and cfg.moe.router_score == "sigmoid"
     elif case.family == "afmoe":
         assert [x.ffn for x in layers] == ["mlp", "moe", "moe"] and [x.local for x in layers] == [True, False, True]
-        assert [x.rope for x in layers] == [True, False, True] and cfg.attention_output_gate and cfg.post_norms
-        assert cfg.scale_embeddings and cfg.router_scale == 1.7 and cfg.router_bias and cfg.router_score == "sigmoid"
+        assert [x.rope for x in layers] == [True, False, True] and cfg.attention.output_gate and cfg.block.post_norms
+        assert (
+            cfg.embedding.scale
+            and cfg.moe.router_scale == 1.7
+            and cfg.moe.router_bias
+            and cfg.moe.router_score == "sigmoid"
+        )
         assert case.params["blocks"]["attn"]["wq_dnh"].shape == (2, 30, 6, 16)  # each head's query and gate
     else:  # solar_open
-        assert [x.ffn for x in layers] == ["moe"] * 3 and cfg.qkv_bias and not cfg.qk_norm
-        assert (cfg.num_experts, cfg.experts_per_token, cfg.num_shared_experts, cfg.mlp_dim) == (7, 3, 2, 13)
+        assert [x.ffn for x in layers] == ["moe"] * 3 and cfg.attention.qkv_bias and not cfg.attention.qk_norm
+        assert (cfg.moe.num_experts, cfg.moe.experts_per_token, cfg.moe.num_shared_experts, cfg.mlp.dim) == (
+            7,
+            3,
+            2,
+            13,
+        )
 
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
@@ -299,7 +334,7 @@ def test_exported_config_json_is_what_transformers_writes(case, tmp_path):
     if case.family == "hunyuan_v1_moe":
         source = json.loads((case.hf_dir / "config.json").read_text())
         assert source["rope_parameters"] == HUNYUAN_ROPE
-        plain = {"rope_type": "default", "rope_theta": case.cfg.rope_theta}
+        plain = {"rope_type": "default", "rope_theta": case.cfg.rope.theta}
         (tmp_path / "source").mkdir()
         (tmp_path / "source" / "config.json").write_text(json.dumps({**source, "rope_parameters": plain}))
         case = dataclasses.replace(case, hf_dir=tmp_path / "source")

@@ -144,7 +144,7 @@ def test_the_pattern_is_what_the_config_says(case):
     wk = case.params["global_blocks"]["attn"]["wk_dkh"]  # (layers, d, k, h)
     assert wk.shape[2:] == (hf_attn.k_proj.out_features // hf_attn.head_dim, hf_attn.head_dim) == (wk.shape[2], 12)
     assert ("wv_dkh" in case.params["global_blocks"]["attn"]) == (hf_attn.v_proj is not None)
-    assert case.cfg.rope_scaling.kind == "proportional" and case.cfg.rope_local_theta == 500.0
+    assert case.cfg.rope.scaling.kind == "proportional" and case.cfg.rope.local_theta == 500.0
     scalars = np.asarray(case.params["blocks"]["layer_scale"])[:, 0]
     np.testing.assert_array_equal(scalars, [float(case.hf_model.model.layers[i].layer_scalar) for i in (0, 1, 3)])
 
@@ -194,7 +194,7 @@ def test_the_per_expert_scale_weighs_the_experts(case):
     base = engine_logits(case.cfg, case.compute, case.params, tokens, mask)
     params = jax.tree.map(lambda x: x, case.params)
     params["blocks"]["mlp"]["expert_scale_e"] = (
-        params["blocks"]["mlp"]["expert_scale_e"].at[0].multiply(jnp.linspace(0.8, 1.2, case.cfg.num_experts))
+        params["blocks"]["mlp"]["expert_scale_e"].at[0].multiply(jnp.linspace(0.8, 1.2, case.cfg.moe.num_experts))
     )
     assert np.abs(engine_logits(case.cfg, case.compute, params, tokens, mask) - base)[valid].max() > 1e-3
 
@@ -365,7 +365,7 @@ def test_the_published_multimodal_checkpoint_converts_to_its_text_decoder(tmp_pa
     assert any("Gemma4ForConditionalGeneration" in line and "skipped" in line for line in lines), lines
     cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
     _, compute = stored_configs(tmp_path / "converted" / "checkpoint")
-    assert cfg.family == "gemma4" and cfg.global_values_from_keys
+    assert cfg.family == "gemma4" and cfg.attention.global_values_from_keys
     tokens, mask = batch()
     valid = mask.astype(bool)
     ref = hf_logits(model, tokens, mask)
@@ -522,8 +522,8 @@ def test_small_models_layers_share_keys_and_values_as_transformers_says(small):
         assert ("wk_dkh" in attn) == ("k_norm" in attn) == (not reuse), name
         torch_mlp = small.hf_model.model.layers[indices[0]].mlp
         assert small.params[name]["mlp"]["w_up_df"].shape[-1] == torch_mlp.up_proj.out_features
-    assert small.cfg.kv_shared_wide_mlp == (small.family == "gemma4_e2b")
-    p, n = small.cfg.per_layer_input_dim, small.cfg.num_layers
+    assert small.cfg.mlp.kv_shared_wide == (small.family == "gemma4_e2b")
+    p, n = small.cfg.embedding.per_layer_input_dim, small.cfg.num_layers
     assert small.params["per_layer_embed_vx"].shape == (VOCAB, n * p)
     assert small.params["blocks"]["per_layer_gate_dp"].shape[1:] == (30, p)
     cache = KVCache.init(small.cfg, small.compute, 2, 8)
@@ -667,7 +667,10 @@ def test_small_models_lora_adapter_matches_peft(small, tmp_path):
     shapes = split_adapter(abstract_model_params(small.cfg, small.compute, None, lora))[0]
     adapter = adapter_from_peft(tmp_path / "adapter", small.cfg, lora, shapes, scan_layers=True)
     assert "wk_dkh_lora_a" not in adapter["kv_shared_blocks"]["attn"]
-    assert adapter["per_layer_proj_dx_lora_b"].shape == (3, small.cfg.num_layers * small.cfg.per_layer_input_dim)
+    assert adapter["per_layer_proj_dx_lora_b"].shape == (
+        3,
+        small.cfg.num_layers * small.cfg.embedding.per_layer_input_dim,
+    )
     assert {"per_layer_gate_dp_lora_a", "per_layer_proj_pd_lora_b"} <= set(adapter["kv_shared_blocks"])
     graphdef = graphdef_of(small.cfg, small.compute, lora)
     tokens, mask = batch()
@@ -845,7 +848,7 @@ def test_the_published_multimodal_e2b_converts_to_its_text_decoder(tmp_path):
     assert len(skipped) == 1 and "model.vision_tower." in skipped[0] and "model.audio_tower." in skipped[0], lines
     cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
     _, compute = stored_configs(tmp_path / "converted" / "checkpoint")
-    assert cfg.per_layer_input_dim == 6 and cfg.kv_shared_layers == 3
+    assert cfg.embedding.per_layer_input_dim == 6 and cfg.attention.kv_shared_layers == 3
     tokens, mask = batch()
     valid = mask.astype(bool)
     ref = hf_logits(model, tokens, mask)

@@ -208,7 +208,7 @@ def test_granite_honours_a_head_dim_key_as_transformers_does(tmp_path):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, **implementations("granite_hybrid")).float().eval()
     cfg, compute, params = converted(model, tmp_path)
-    assert cfg.head_dim == 10 and model.model.layers[1].self_attn.k_proj.out_features == 2 * 10
+    assert cfg.attention.head_dim == 10 and model.model.layers[1].self_attn.k_proj.out_features == 2 * 10
     tokens, mask = batch()
     valid = mask.astype(bool)
     ref = hf_logits(model, tokens, mask)
@@ -247,7 +247,7 @@ def test_the_pattern_is_what_the_config_says(case):
     else:
         assert [x.mixer for x in layers] == ["mamba2", "attention", "mamba2", "mamba2"]
         assert stacks == {"mamba2_blocks": (0, 2, 3), "blocks": (1,)}
-        assert case.cfg.attention_scale == 0.2 and case.cfg.logits_scaling == 2.0
+        assert case.cfg.attention.scale == 0.2 and case.cfg.head.divisor == 2.0
     assert case.cfg.num_params() == sum(p.numel() for p in case.hf_model.parameters())
 
 
@@ -385,9 +385,14 @@ def test_what_nemotron_h_and_granite_cannot_do_yet_is_refused_in_one_sentence():
         model_config_from_hf({**moe, "moe_latent_size": 16})
     # transformers' default layers (M E * -) read as the experts' pattern; E in the older key too
     cfg, _ = model_config_from_hf({**moe, "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"]})
-    assert [(x.mixer, x.ffn) for x in cfg.layer_pattern()][1] == ("none", "moe") and not cfg.mlp_gated
-    assert (cfg.num_experts, cfg.router_groups, cfg.router_group_top, cfg.router_scale) == (6, 2, 1, 1.7)
-    assert cfg.shared_mlp_dim == 18 and cfg.router_bias and cfg.router_score == "sigmoid"
+    assert [(x.mixer, x.ffn) for x in cfg.layer_pattern()][1] == ("none", "moe") and not cfg.mlp.gated
+    assert (cfg.moe.num_experts, cfg.moe.router_groups, cfg.moe.router_group_top, cfg.moe.router_scale) == (
+        6,
+        2,
+        1,
+        1.7,
+    )
+    assert cfg.shared_mlp_dim == 18 and cfg.moe.router_bias and cfg.moe.router_score == "sigmoid"
     old_moe = {k: v for k, v in moe.items() if k != "layers_block_type"}
     assert model_config_from_hf({**old_moe, "hybrid_override_pattern": "ME*-E"})[0] == model_config_from_hf(moe)[0]
     with pytest.raises(ConfigError, match=r"mlp_hidden_act 'silu' is not supported \(relu2\)"):

@@ -252,7 +252,7 @@ def test_the_pattern_and_parameter_count_are_what_the_config_says(case):
         assert [(x.mixer, x.ffn, x.rope) for x in layers] == [("attention_mamba2", "mlp", True)] * 3
         mup = case.cfg.mup
         assert (mup.key, mup.lm_head, mup.ssm_projections) == (0.8, 0.6, (0.5, 1.5, 0.7, 1.3, 0.9))
-        assert case.cfg.embedding_multiplier == 1.7 and case.cfg.mamba2.num_heads * case.cfg.mamba2.head_dim == 20
+        assert case.cfg.embedding.multiplier == 1.7 and case.cfg.mamba2.num_heads * case.cfg.mamba2.head_dim == 20
     elif case.family == "granite_moe":
         assert [(x.stack, x.mixer, x.ffn) for x in layers] == [
             ("mamba2_blocks", "mamba2", "moe"),
@@ -260,7 +260,7 @@ def test_the_pattern_and_parameter_count_are_what_the_config_says(case):
             ("mamba2_blocks", "mamba2", "moe"),
             ("mamba2_blocks", "mamba2", "moe"),
         ]
-        assert (case.cfg.num_experts, case.cfg.moe_mlp_dim, case.cfg.shared_mlp_dim) == (5, 14, 26)
+        assert (case.cfg.moe.num_experts, case.cfg.moe_mlp_dim, case.cfg.shared_mlp_dim) == (5, 14, 26)
     else:
         kinds = [(x.stack, x.mixer, x.ffn, x.rope) for x in layers]
         assert kinds == [
@@ -269,7 +269,7 @@ def test_the_pattern_and_parameter_count_are_what_the_config_says(case):
             ("kimi_delta_blocks", "kimi_delta", "moe", False),
             ("kimi_delta_blocks", "kimi_delta", "moe", False),
         ]
-        assert (case.cfg.router_groups, case.cfg.router_group_top, case.cfg.router_scale) == (2, 1, 1.7)
+        assert (case.cfg.moe.router_groups, case.cfg.moe.router_group_top, case.cfg.moe.router_scale) == (2, 1, 1.7)
 
 
 def test_the_state_after_a_prompt_and_decoded_tokens_is_a_full_forwards(case):

@@ -116,9 +116,9 @@ def inputs(seed: int = 0, b: int = 2, t: int = 11, d: int = 30):
 @pytest.mark.parametrize("family", ["llama", "gemma"])
 def test_rms_norm(family):
     hf_cfg, cfg, _, mod = setup(family)
-    ref = getattr(mod, f"{family.capitalize()}RMSNorm")(30, eps=cfg.norm_eps)
+    ref = getattr(mod, f"{family.capitalize()}RMSNorm")(30, eps=cfg.norm.eps)
     randomise(ref)
-    ours = RMSNorm(30, cfg.norm_eps, jnp.float32, zero_centered=cfg.norm_zero_centered, rngs=nnx.Rngs(0))
+    ours = RMSNorm(30, cfg.norm.eps, jnp.float32, zero_centered=cfg.norm.zero_centered, rngs=nnx.Rngs(0))
     ours.scale[...] = jnp.asarray(ref.weight.detach().numpy())
     x, _ = inputs()
     np.testing.assert_allclose(np.asarray(ours(jnp.asarray(x))), ref(torch.tensor(x)).detach().numpy(), atol=1e-5)

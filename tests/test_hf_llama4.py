@@ -153,7 +153,7 @@ def test_each_llama4_difference_shows_in_the_logits(case):
         {"rope_interleave": False},
         {"attention_pattern": ["global"], "attention_chunk_size": None},
         {"attn_temperature_floor": None},
-    ] + ([{"qk_l2_norm": False}] if case.cfg.qk_l2_norm else [])
+    ] + ([{"qk_l2_norm": False}] if case.cfg.attention.qk_l2_norm else [])
     for change in changes:
         cfg = case.cfg.model_copy(update=change)
         delta, _ = max_delta(cfg, case.compute, case.params, case.hf_model)
@@ -334,7 +334,7 @@ def test_expert_parallel_step_equals_one_device(dispatch):
 def test_what_the_engine_cannot_run_is_refused_in_one_sentence():
     """Router jitter (training noise the engine does not add) and a layer kind it lacks."""
     hf = {**hf_config("llama4_interleaved").to_dict(), "architectures": ["Llama4ForCausalLM"]}
-    assert model_config_from_hf(hf)[0].attention_pattern == ["chunked", "chunked", "global"]  # RoPE layers chunked
+    assert model_config_from_hf(hf)[0].attention.pattern == ["chunked", "chunked", "global"]  # RoPE layers chunked
     with pytest.raises(ConfigError, match=r"router_jitter_noise=0.1 is not supported \(only 0\)$"):
         model_config_from_hf({**hf, "router_jitter_noise": 0.1})
     with pytest.raises(ConfigError, match=r"layer type 'sliding_attention' is not supported \(chunked_attention, full"):

@@ -104,7 +104,7 @@ def _delta(case, tokens, mask) -> float:
 
 def test_longrope_converts_to_its_factors(case):
     hf = case.hf_model.config
-    scaling = case.cfg.rope_scaling
+    scaling = case.cfg.rope.scaling
     assert scaling.kind == "longrope" and scaling.original_max_position == ORIGINAL
     assert list(scaling.short_factor) == hf.rope_parameters["short_factor"]
     assert list(scaling.long_factor) == hf.rope_parameters["long_factor"]
@@ -201,7 +201,7 @@ def test_bad_factors_are_refused_in_one_sentence():
 @pytest.mark.parametrize(("preset", "hf_name"), [("phi3.5-mini", "phi3.5"), ("phi4-mini", "phi4-mini")])
 def test_presets_carry_longrope(preset, hf_name):
     cfg = ModelConfig.model_validate(resolve_model_preset({"model": preset}, "x")["model"])
-    scaling = cfg.rope_scaling
+    scaling = cfg.rope.scaling
     assert scaling.kind == "longrope" and scaling.original_max_position == 4096 and cfg.max_seq_len == 131072
-    assert len(scaling.long_factor) == (cfg.rotary_dim or cfg.head_dim) // 2 == 48
+    assert len(scaling.long_factor) == (cfg.rope.rotary_dim or cfg.attention.head_dim) // 2 == 48
     assert scaling.factor == 32.0

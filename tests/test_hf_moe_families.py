@@ -185,7 +185,7 @@ def test_converted_model_matches_transformers_and_the_routing_is_near_its_margin
     print(f"\n{case.family}: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref[valid]).max():.1f})")
     assert delta <= 1e-4 and np.abs(ref[valid]).max() > 0.5
     chosen = chosen_experts(case.hf_model, tokens, mask)
-    loads = torch.bincount(chosen[0].flatten(), minlength=case.cfg.num_experts)
+    loads = torch.bincount(chosen[0].flatten(), minlength=case.cfg.moe.num_experts)
     assert loads.min() > 0 and loads.max() > loads.min()
     routers = [p for n, p in case.hf_model.named_parameters() if n.endswith(".gate.weight")]
     saved = [w.detach().clone() for w in routers]
@@ -220,19 +220,34 @@ def test_converted_model_at_initialisation_scale_matches_transformers_to_1e5(nam
 def test_the_family_reads_what_the_config_says(case):
     cfg, layers = case.cfg, case.cfg.layer_pattern()
     if case.family == "minimax_m2":
-        assert cfg.rotary_dim == 4 and cfg.qk_norm_across_heads and cfg.router_bias and cfg.router_renormalize
+        assert (
+            cfg.rope.rotary_dim == 4
+            and cfg.attention.qk_norm_across_heads
+            and cfg.moe.router_bias
+            and cfg.moe.router_renormalize
+        )
         assert case.params["blocks"]["attn"]["q_norm"]["scale"].shape == (3, 6, 8)  # HF's (48,) per layer
         assert case.params["blocks"]["attn"]["k_norm"]["scale"].shape == (3, 2, 8)
     elif case.family.startswith("deepseek_v2"):
-        assert cfg.router_score == "softmax" and not cfg.router_bias and not cfg.router_renormalize
-        assert cfg.rope_interleave and [x.ffn for x in layers] == ["mlp", "moe", "moe"]
+        assert cfg.moe.router_score == "softmax" and not cfg.moe.router_bias and not cfg.moe.router_renormalize
+        assert cfg.rope.interleave and [x.ffn for x in layers] == ["mlp", "moe", "moe"]
         assert "b_router_e" not in case.params["blocks"]["mlp"]
         grouped = case.family == "deepseek_v2"
-        assert (cfg.router_groups, cfg.router_group_top, cfg.router_scale) == ((3, 2, 1.5) if grouped else (1, 1, 1.0))
-        assert (cfg.q_lora_rank is None) == (not grouped) and cfg.router_group_score == "max"
+        assert (cfg.moe.router_groups, cfg.moe.router_group_top, cfg.moe.router_scale) == (
+            (3, 2, 1.5) if grouped else (1, 1, 1.0)
+        )
+        assert (cfg.mla.q_lora_rank is None) == (not grouped) and cfg.moe.router_group_score == "max"
     else:  # kimi_k2
-        assert (cfg.router_groups, cfg.router_scale, cfg.num_experts, cfg.experts_per_token) == (1, 2.827, 12, 4)
-        assert cfg.rope_scaling.beta_fast == cfg.rope_scaling.beta_slow == 1.0 and cfg.num_heads == cfg.num_kv_heads
+        assert (cfg.moe.router_groups, cfg.moe.router_scale, cfg.moe.num_experts, cfg.moe.experts_per_token) == (
+            1,
+            2.827,
+            12,
+            4,
+        )
+        assert (
+            cfg.rope.scaling.beta_fast == cfg.rope.scaling.beta_slow == 1.0
+            and cfg.attention.num_heads == cfg.attention.num_kv_heads
+        )
 
 
 def test_group_limited_routing_scores_a_group_by_its_best_expert():
@@ -306,7 +321,7 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
     # the published file's keys: rotary_dim at the top level, no rope_parameters
     published = {k: v for k, v in m2.items() if k != "rope_parameters"} | {"rotary_dim": 4, "rope_theta": 5e6}
     cfg, _ = model_config_from_hf({**published, "use_qk_norm": True, "scoring_func": "sigmoid"})
-    assert cfg.rotary_dim == 4 and cfg.rope_theta == 5e6
+    assert cfg.rope.rotary_dim == 4 and cfg.rope.theta == 5e6
 
 
 PUBLISHED = {  # the model cards' totals (billions) and how closely ModelConfig.num_params meets them

@@ -157,16 +157,16 @@ def test_the_pattern_is_what_the_config_says(case):
         assert [x.rope for x in layers] == [bool(x) for x in hf.no_rope_layers] == [True, False] * 2 + [True]
         assert [x.local for x in layers] == [not x.rope for x in layers]
     if case.family == "glm4_moe":
-        assert case.cfg.rotary_dim == 4 and case.cfg.qkv_bias and case.cfg.qk_norm
-        assert [x.ffn for x in layers] == ["mlp", "moe", "moe"] and case.cfg.router_groups == 2
+        assert case.cfg.rope.rotary_dim == 4 and case.cfg.attention.qkv_bias and case.cfg.attention.qk_norm
+        assert [x.ffn for x in layers] == ["mlp", "moe", "moe"] and case.cfg.moe.router_groups == 2
     if case.family == "phi3":
-        assert case.cfg.rotary_dim == 6 and all(x.local for x in layers)
+        assert case.cfg.rope.rotary_dim == 6 and all(x.local for x in layers)
         qkv = case.hf_model.model.layers[1].self_attn.qkv_proj.weight.detach().numpy()
         wk = np.asarray(case.params["blocks"]["attn"]["wk_dkh"][1])  # (d, k, h): k's rows of qkv_proj
         np.testing.assert_array_equal(qkv[48:64], wk.reshape(wk.shape[0], -1).T)
     if case.family == "olmo3":
         assert [x.local for x in layers] == [t == "sliding_attention" for t in hf.layer_types]
-        assert case.cfg.rope_local_theta == 500.0 and case.cfg.rope_scaling.kind == "linear"
+        assert case.cfg.rope.local_theta == 500.0 and case.cfg.rope.scaling.kind == "linear"
 
 
 def test_unrolled_layers_match_the_scanned_stacks(case):

@@ -65,7 +65,7 @@ HYBRID = dict(
 )
 EXPERTS = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=14, shared_expert_intermediate_size=14)
 WIDE_SHARED = {**EXPERTS, "shared_expert_intermediate_size": 22}
-"""A shared expert of another width than the experts' (ModelConfig.shared_expert_mlp_dim)."""
+"""A shared expert of another width than the experts' (ModelConfig.moe.shared_dim)."""
 
 
 def mrope(section: list[int]) -> dict:
@@ -185,21 +185,21 @@ def test_converted_model_at_initialisation_scale_matches_transformers_to_1e5(nam
 
 def test_the_family_reads_what_the_config_says(case):
     cfg, layers = case.cfg, case.cfg.layer_pattern()
-    assert cfg.mrope_section == {"qwen3_5_mrope": [2, 1, 1], "qwen3_5_moe_mrope": [1, 1, 0]}.get(case.family)
-    assert cfg.shared_expert_mlp_dim == (22 if case.family in ("qwen3_next", "qwen3_5_moe_mrope") else None)
+    assert cfg.rope.mrope_section == {"qwen3_5_mrope": [2, 1, 1], "qwen3_5_moe_mrope": [1, 1, 0]}.get(case.family)
+    assert cfg.moe.shared_dim == (22 if case.family in ("qwen3_next", "qwen3_5_moe_mrope") else None)
     assert [x.mixer for x in layers] == ["gated_delta", "gated_delta", "attention", "gated_delta", "gated_delta"]
-    assert cfg.rotary_dim == 4 and cfg.attention_output_gate and cfg.norm_zero_centered and cfg.qk_norm
+    assert cfg.rope.rotary_dim == 4 and cfg.attention.output_gate and cfg.norm.zero_centered and cfg.attention.qk_norm
     assert cfg.gated_delta.fused_projections == (cfg.family == "qwen3_next")
     assert case.params["blocks"]["attn"]["wq_dnh"].shape[-1] == 16  # each head's query and gate
     linear = case.params["gated_delta_blocks"]["attn"]
     assert linear["conv_c1k"].shape[1:] == (2 * 2 * 6 + 4 * 5, 1, 4) and linear["a_log_v"].shape[1:] == (4,)
     if cfg.family == "qwen3_next":  # layer 1 is dense (mlp_only_layers): a stack of its own
         assert [name for name, _ in cfg.layer_stacks()] == ["gated_delta_blocks", "gated_delta_dense_blocks", "blocks"]
-        assert cfg.num_shared_experts == 1 and cfg.shared_expert_gate and cfg.router_renormalize
+        assert cfg.moe.num_shared_experts == 1 and cfg.moe.shared_gate and cfg.moe.router_renormalize
     elif cfg.family == "qwen3_5":
         assert cfg.tie_embeddings == (case.family == "qwen3_5") and not cfg.is_moe
     else:
-        assert cfg.is_moe and cfg.router_renormalize and cfg.shared_expert_gate
+        assert cfg.is_moe and cfg.moe.router_renormalize and cfg.moe.shared_gate
 
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
@@ -325,11 +325,13 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
     # the published file's keys: partial_rotary_factor at the top level, no rope_parameters
     published = {k: v for k, v in base.items() if k not in ("rope_parameters", "layer_types")}
     cfg, _ = model_config_from_hf({**published, "partial_rotary_factor": 0.25, "rope_theta": 1e7})
-    assert cfg.rotary_dim == 2 and cfg.rope_theta == 1e7 and cfg.mixer_pattern == ["gated_delta"] * 3 + ["attention"]
+    assert (
+        cfg.rope.rotary_dim == 2 and cfg.rope.theta == 1e7 and cfg.mixer_pattern == ["gated_delta"] * 3 + ["attention"]
+    )
     # Qwen3.5's multimodal RoPE: the published section is transformers' default (not stored, not
     # written back, as transformers' text class writes none); a malformed one is refused.
     text = {**hf_config("qwen3_5_mrope").to_dict(), "architectures": ["Qwen3_5ForCausalLM"]}
     published = {**text, "rope_parameters": {**text["rope_parameters"], "mrope_section": [11, 11, 10]}}
-    assert model_config_from_hf(published)[0].mrope_section is None
+    assert model_config_from_hf(published)[0].rope.mrope_section is None
     with pytest.raises(ConfigError, match=r"mrope_section \[2, 2\] must be three non-negative integers"):
         model_config_from_hf({**text, "rope_parameters": {**text["rope_parameters"], "mrope_section": [2, 2]}})

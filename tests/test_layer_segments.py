@@ -152,7 +152,7 @@ def test_a_training_step_over_irregular_expert_layers_is_the_unrolled_step():
     scanned, unrolled = ComputeConfig(), ComputeConfig(scan_layers=False)
     params = random_params(cfg, scanned)
     experts = len(dict(cfg.layer_stacks())["blocks"])
-    bias = np.random.default_rng(3).normal(size=(experts, cfg.num_experts)) * 0.1
+    bias = np.random.default_rng(3).normal(size=(experts, cfg.moe.num_experts)) * 0.1
     params["blocks"]["mlp"]["b_router_e"] = jnp.asarray(bias, jnp.float32)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12))
     batch = {

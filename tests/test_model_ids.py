@@ -5,9 +5,14 @@ tests/test_stage_kinds.py)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
 from engine.config import load_preset
+from engine.models import flat_keys
 from engine.models.config import ModelConfig
-from engine.models.fingerprint import IDS_V1, model_id_fields
+from engine.models.fingerprint import IDS_V1, id_fields, model_id_fields
 
 
 def tiny(**fields) -> ModelConfig:
@@ -33,6 +38,38 @@ def test_nested_configs_are_pruned_field_by_field():
 
 
 def test_every_current_model_field_is_either_frozen_or_defaulted():
-    """A required field added to ModelConfig would change every id: it needs a default."""
-    for name, field in ModelConfig.model_fields.items():
+    """A required field added to ModelConfig (or to one of its sections) would change every id:
+    it needs a default."""
+    for name, field in id_fields(ModelConfig).items():
         assert name in IDS_V1 or not field.is_required(), name
+
+
+def test_sections_read_flat_keys_and_hash_as_the_flat_form():
+    """A config written with flat keys (presets, checkpoints from before the sections) is the
+    same config as one written in sections, with the same id fields, under the flat names."""
+    flat = tiny(num_experts=0, qkv_bias=True, rope_theta=5e5, router_scale=2.0)
+    dumped = flat.model_dump(mode="json")
+    assert "qkv_bias" not in dumped and dumped["attention"]["qkv_bias"] is True and dumped["rope"]["theta"] == 5e5
+    assert ModelConfig.model_validate(dumped) == flat
+    fields = model_id_fields(dumped, ModelConfig)
+    assert fields["qkv_bias"] is True and fields["rope_theta"] == 5e5 and fields["router_scale"] == 2.0
+    assert set(fields) <= set(flat_keys.FLAT) | set(ModelConfig.model_fields)
+    # a flat key wins over its section's field, as in `{**cfg.model_dump(), "num_heads": ...}`
+    assert ModelConfig(**{**dumped, "num_heads": 2, "num_kv_heads": 1}).attention.num_heads == 2
+
+
+def test_a_section_field_added_since_is_hashed_under_its_dotted_name_only_off_its_default():
+    dumped = tiny().model_dump(mode="json")
+    dumped["attention"]["added_later"] = True  # as if AttentionConfig had grown it, default False
+    assert flat_keys.unfold(dumped)["attention.added_later"] is True
+
+
+def test_every_preset_keeps_the_id_fields_it_had_before_the_sections():
+    """tests/model_ids_v1.json: the sha256 of each preset's id fields as the flat ModelConfig
+    (107 fields, before engine/models/sections.py) gave them. The sections change no id."""
+    pinned = json.loads((Path(__file__).parent / "model_ids_v1.json").read_text())
+    for name, digest in pinned.items():
+        raw = load_preset(name, "test")
+        raw.pop("compute", None)
+        fields = model_id_fields(ModelConfig(**raw).model_dump(mode="json"), ModelConfig)
+        assert hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest() == digest, name

@@ -122,14 +122,14 @@ def test_moe_block_matches_the_per_token_definition(routing, dispatch):
     cfg = tiny(**routing)
     compute = ComputeConfig(moe_dispatch=dispatch, moe_capacity_factor=5 / 2)  # capacity >= every token
     block = MoE(moe_spec(cfg), Build.of(cfg, compute), rngs=nnx.Rngs(3))
-    if cfg.router_bias:  # a bias big enough to change choices, which must not change the weights
+    if cfg.moe.router_bias:  # a bias big enough to change choices, which must not change the weights
         block.b_router_e[...] = jnp.asarray([0.0, 0.4, -0.4, 0.2, 0.0])
     x = np.random.default_rng(0).normal(size=(2, 11, cfg.d_model)).astype(np.float32)
     out, stats = block(jnp.asarray(x))
     ref = reference_moe(block, x.reshape(-1, cfg.d_model).astype(np.float64)).reshape(x.shape)
     np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5, rtol=1e-4)
     assert np.abs(ref).max() > 0.3
-    np.testing.assert_allclose(float(np.sum(stats.assigned_e)), cfg.experts_per_token, rtol=1e-6)
+    np.testing.assert_allclose(float(np.sum(stats.assigned_e)), cfg.moe.experts_per_token, rtol=1e-6)
 
 
 def test_capacity_dispatch_drops_the_assignments_past_capacity():
@@ -305,8 +305,8 @@ def hf_logits(model, tokens, mask) -> np.ndarray:
 
 def test_converted_moe_matches_transformers_logits_and_routing_is_sensitive(case):
     cfg = case["cfg"]
-    assert cfg.family == case["family"] and cfg.num_experts == 5 and cfg.experts_per_token == 2
-    assert (cfg.rope_scaling is not None) == (case["family"] == "qwen3_moe")  # YaRN
+    assert cfg.family == case["family"] and cfg.moe.num_experts == 5 and cfg.moe.experts_per_token == 2
+    assert (cfg.rope.scaling is not None) == (case["family"] == "qwen3_moe")  # YaRN
     tokens, mask = padded_batch()
     ours = np.asarray(
         apply_model(graphdef_of(cfg, case["compute"]), case["params"], jnp.asarray(tokens), None, jnp.asarray(mask))
@@ -645,7 +645,7 @@ def test_yarn_frequencies_and_attention_factor_equal_transformers(rope):
     )
     ref_inv_freq, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
     theta, scaling = rope_from_hf(params, "config.json")
-    scaling = ModelConfig(**SHAPE, rope_scaling=scaling).rope_scaling
+    scaling = ModelConfig(**SHAPE, rope_scaling=scaling).rope.scaling
     np.testing.assert_allclose(
         np.asarray(rope_inverse_frequencies(16, theta, scaling)), ref_inv_freq.numpy(), rtol=1e-6
     )

@@ -73,10 +73,10 @@ def params():
 def test_a_replayed_moe_layer_uses_the_given_experts_weighted_by_its_own_router():
     spec = next(layer.ffn for layer in CFG.layer_specs() if layer.is_moe)
     moe = MoE(spec, Build.of(CFG, F32), rngs=nnx.Rngs(1))
-    b, t, k = 2, 7, CFG.experts_per_token
+    b, t, k = 2, 7, CFG.moe.experts_per_token
     x_btd = jax.random.normal(jax.random.key(0), (b, t, CFG.d_model))
     experts_btk = jnp.stack(
-        [jax.random.permutation(jax.random.key(i), CFG.num_experts)[:k] for i in range(b * t)]
+        [jax.random.permutation(jax.random.key(i), CFG.moe.num_experts)[:k] for i in range(b * t)]
     ).reshape(b, t, k)
     layers_bltk = jnp.zeros((b, 2, t, k), jnp.int32).at[:, 1].set(experts_btk)
     with router_replay.replaying(layers_bltk), in_layer(1):
@@ -112,10 +112,10 @@ def _rows(b: int, t: int):
 
 
 def test_the_forward_under_replay_routes_exactly_the_replayed_experts_scanned_or_not(params):
-    b, t, k = 3, 6, CFG.experts_per_token
+    b, t, k = 3, 6, CFG.moe.experts_per_token
     tokens, positions, segments = _rows(b, t)
     keys = jax.random.split(jax.random.key(9), b * t * CFG.num_layers)
-    random_bltk = jnp.stack([jax.random.permutation(key, CFG.num_experts)[:k] for key in keys])
+    random_bltk = jnp.stack([jax.random.permutation(key, CFG.moe.num_experts)[:k] for key in keys])
     random_bltk = random_bltk.reshape(b, CFG.num_layers, t, k)
     unrolled = graphdef_of(CFG, UNROLLED)
     per_layer = unrolled_params(params)
@@ -138,7 +138,7 @@ def test_the_sampler_records_every_tokens_experts_and_replaying_them_gives_its_l
     prompt_mask = (prompt_tokens != 0).astype(np.int32)
     G, C = 3, 4
     out = sampler(params, prompt_tokens, prompt_mask, seed=1, max_new_tokens=C, num_generations=G)
-    assert out.experts.shape == (2 * G, CFG.num_layers, 5 + C, CFG.experts_per_token)
+    assert out.experts.shape == (2 * G, CFG.num_layers, 5 + C, CFG.moe.experts_per_token)
     assert (out.experts[:, 0] == 0).all()  # the dense layer's slot
     tokens = np.concatenate([np.repeat(prompt_tokens, G, 0), out.tokens], 1)
     segments = np.concatenate([np.repeat(prompt_mask, G, 0), out.mask.astype(np.int32)], 1)
@@ -161,7 +161,7 @@ def test_grpo_replays_by_default_on_a_moe_and_refuses_what_cannot_record_routes(
     assert result["router_replay"] == 1.0
     # The planner compiles the step with the routes in the batch, as the run feeds it.
     spec = step_spec(grpo_config(task, tmp_path / "plan", **base), {"checkpoint": (CFG, F32)})
-    assert spec.batch[router_replay.ROUTER_EXPERTS].shape == (8, CFG.num_layers, 4, CFG.experts_per_token)
+    assert spec.batch[router_replay.ROUTER_EXPERTS].shape == (8, CFG.num_layers, 4, CFG.moe.experts_per_token)
     off = run_grpo(grpo_config(task, tmp_path / "off", router_replay=False, **base))
     assert off["router_replay"] == 0.0
     records = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
@@ -227,7 +227,7 @@ def test_a_vllm_servers_routes_are_laid_out_as_the_engine_sampler_records_them(p
         ConfigError, match=r"^router_replay: .* returned a completion without routed_experts .*glm4_moe"
     ):
         routed_expert_rows({**encoded, 1: None}, prompts, P, C, CFG, url)
-    two_layers = vllm_encoded(np.zeros((6, 2, CFG.experts_per_token)))
+    two_layers = vllm_encoded(np.zeros((6, 2, CFG.moe.experts_per_token)))
     with pytest.raises(
         ConfigError, match=r"^router_replay: .* routes of shape \(6, 2, 2\) .* not \(tokens - 1, 3 layers"
     ):

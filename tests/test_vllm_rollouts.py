@@ -362,7 +362,7 @@ def test_a_pipelines_grpo_stage_samples_on_the_server(served, tmp_path):
     out = plan.store.artifact_dir("grpo", plan.stages["grpo"].job.artifact_id)
     params, model_cfg = checkpoint_params(out / "checkpoint")
     assert np.max(np.abs(client.prompt_logprobs(FIXED) - before)) > 1e-3  # the stage pushed its updates
-    assert params is not None and model_cfg.head_dim == 64
+    assert params is not None and model_cfg.attention.head_dim == 64
 
 
 def server_requests(client: CompletionsClient) -> float:
@@ -601,7 +601,7 @@ def test_grpo_replays_the_routes_vllm_returns(moe_served, tmp_path):
     assert_on_policy(rows)
     assert len(outputs) == 2
     for out in outputs:  # (16 rows, 2 layers, prompt 2 + completion 2, top 2), the server's experts
-        assert out.experts.shape == (16, VLLM_CFG.num_layers, 4, VLLM_CFG.experts_per_token)
-        assert out.experts.max() < VLLM_CFG.num_experts and (out.experts[:, :, :3] != 0).any()
+        assert out.experts.shape == (16, VLLM_CFG.num_layers, 4, VLLM_CFG.moe.experts_per_token)
+        assert out.experts.max() < VLLM_CFG.moe.num_experts and (out.experts[:, :, :3] != 0).any()
     params, model_cfg = checkpoint_params(tmp_path / "checkpoint", step=1)
     np.testing.assert_allclose(client.prompt_logprobs(FIXED), engine_logps(params, model_cfg, FIXED), atol=1e-4)

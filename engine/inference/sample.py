@@ -271,7 +271,7 @@ def sample(
         jnp.zeros((batch, max_new_tokens), bool),
     )
     if moe_layers:
-        k = model.cfg.experts_per_token
+        k = model.cfg.moe.experts_per_token
         state = (*state, jnp.zeros((batch, model.cfg.num_layers, max_new_tokens, k), jnp.int32))
     state = jax.lax.while_loop(cond, body, state)
     tokens_bn, logprobs_bn, mask_bn = state[5:8]

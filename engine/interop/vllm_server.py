@@ -414,7 +414,7 @@ def routed_expert_rows(
     left-padded columns, completion token i at prompt_width + i; the last sampled token (never
     forwarded) and padding hold expert 0, which no loss reads. A row without routes, or routes
     of another shape, is refused in one sentence naming router_replay."""
-    layers, k = model_cfg.num_layers, model_cfg.experts_per_token
+    layers, k = model_cfg.num_layers, model_cfg.moe.experts_per_token
     out = np.zeros((len(prompts), layers, prompt_width + max_new_tokens, k), np.int32)
     for r, routes in encoded.items():
         prompt = prompts[r]

@@ -9,15 +9,26 @@ size; only the layer layout, scan_layers, must match), and a different architect
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, NamedTuple
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal, NamedTuple
 
 from pydantic import Field, field_validator, model_validator
 
 from engine.config import Strict
+from engine.models import flat_keys
 from engine.models.family_registry import family_names, get_family
-from engine.models.rope_scaling import RopeScaling
+from engine.models.rope_scaling import RopeScaling as RopeScaling  # re-exported: configs import it from here
+from engine.models.sections import (
+    AttentionConfig,
+    BlockConfig,
+    EmbeddingConfig,
+    HeadConfig,
+    MLAConfig,
+    MLPConfig,
+    MoEConfig,
+    RopeConfig,
+)
 from engine.models.specs import (
-    Activation,
     AttentionSpec,
     GatedDeltaSpec,
     IndexerSpec,
@@ -34,9 +45,6 @@ from engine.models.specs import (
     mla_score_scale,
 )
 from engine.ops.attention_names import DecodeImpl, Impl
-
-AttentionKind = Literal["global", "local", "chunked"]
-"""How a layer's attention sees the keys: all earlier, a sliding window, or its chunk."""
 
 
 class Layer(NamedTuple):
@@ -61,21 +69,21 @@ class Layer(NamedTuple):
     rope: bool
     """RoPE on queries and keys (else NoPE: no position signal but the causal mask)."""
     head_dim: int | None = None
-    """This layer's query/key/value head width; None: ModelConfig.head_dim (Gemma 4's global
+    """This layer's query/key/value head width; None: ModelConfig.attention.head_dim (Gemma 4's global
     layers: global_head_dim, in a stack of their own)."""
     kv_heads: int | None = None
-    """This layer's key/value heads; None: ModelConfig.num_kv_heads."""
+    """This layer's key/value heads; None: ModelConfig.attention.num_kv_heads."""
     values_from_keys: bool = False
     """No value projection: the values are the key projection (Gemma 4's attention_k_eq_v)."""
     chunked: bool = False
     """Chunked attention: a query sees the earlier keys of its own chunk of
-    ModelConfig.attention_chunk_size positions (Llama 4's chunked_attention layers)."""
+    ModelConfig.attention.chunk_size positions (Llama 4's chunked_attention layers)."""
     kv_sharing: Literal["store", "reuse"] | None = None
-    """Gemma 4's KV sharing (ModelConfig.kv_shared_layers): `reuse`, the layer has no key and
+    """Gemma 4's KV sharing (ModelConfig.attention.kv_shared_layers): `reuse`, the layer has no key and
     value projections and attends with the keys and values of the `store` layer of its kind
     (local or global), the last earlier one, in a stack of its own (`kv_shared_blocks`)."""
     mlp_dim: int | None = None
-    """This layer's MLP width; None: ModelConfig.mlp_dim (Gemma 4 E2B's reuse layers: twice it)."""
+    """This layer's MLP width; None: ModelConfig.mlp.dim (Gemma 4 E2B's reuse layers: twice it)."""
 
 
 class GatedDeltaConfig(Strict):
@@ -171,165 +179,57 @@ class ModelConfig(Strict):
     in these fields. How a run computes with it is ComputeConfig."""
 
     family: str = "llama"
-    """Architecture family, one registered in engine/models/families (llama, mistral, qwen2,
-    qwen3, gemma, gemma2, gemma3; mixtures of experts mixtral, qwen3_moe, deepseek_v3, gpt_oss): names the Hugging
-    Face layout. The math is set by the fields below alone; their defaults describe Llama."""
+    """Architecture family, one registered in engine/models/families (llama, qwen3, gemma3,
+    deepseek_v3, ...): names the Hugging Face layout. The math is set by the fields below alone."""
     vocab_size: int = Field(gt=0)
     d_model: int = Field(gt=0)
     num_layers: int = Field(gt=0)
-    num_heads: int = Field(gt=0)
-    num_kv_heads: int = Field(gt=0)
-    """Grouped-query attention: each KV head serves num_heads / num_kv_heads query heads."""
-    head_dim: int = Field(gt=0)
-    """Independent of d_model / num_heads."""
-    mlp_dim: int = Field(gt=0)
     max_seq_len: int = Field(2048, gt=0)
-    norm_eps: float = Field(1e-5, gt=0)
-    rope_theta: float = Field(10000.0, gt=0)
-    rope_scaling: RopeScaling | None = None
-    tie_embeddings: bool = False
-    activation: Activation = "silu"
-    """Gate of the gated MLP: silu = SwiGLU (Llama, Qwen, Mistral), gelu_tanh = GeGLU (Gemma);
-    relu2 = relu(x)^2, the activation of Nemotron-H's MLP, which is not gated (mlp_gated); gelu
-    (exact) and relu those of GPT-era MLPs; xielu = xIELU with two learned scalars per layer
-    (engine/models/xielu.py; Apertus's ungated dense MLP, the only place it is taken)."""
-    qkv_bias: bool = False
-    """Biases on the query, key and value projections (Qwen2)."""
-    qk_norm: bool = False
-    """RMSNorm over head_dim on queries and keys, before RoPE (Qwen3, Gemma 3)."""
-    norm_zero_centered: bool = False
-    """RMSNorm multiplies by (1 + scale), the scale stored zero-centred (Gemma)."""
-    scale_embeddings: bool = False
-    """Multiply token embeddings by sqrt(d_model) (Gemma)."""
-    post_norms: bool = False
-    """Also normalise each sublayer's output before the residual add (Gemma 2/3)."""
-    attention_pattern: list[AttentionKind] = Field(default_factory=lambda: ["global"], min_length=1)
-    """Layer i attends as attention_pattern[i % len]; local = sliding window, chunked = within
-    chunks of attention_chunk_size positions (Llama 4: [chunked, chunked, chunked, global]). Mistral: [local];
-    Gemma 2: [local, global]; Gemma 3: five local then one global."""
-    sliding_window: int | None = Field(None, gt=0)
-    """Local layers see this many most recent positions, the query's own included."""
-    rope_local_theta: float | None = Field(None, gt=0)
-    """RoPE base of local layers, unscaled (Gemma 3). None: rope_theta and rope_scaling."""
-    query_pre_attn_scalar: float | None = Field(None, gt=0)
-    """Attention scores are scaled by query_pre_attn_scalar**-0.5 (None: head_dim, as usual)."""
-    attn_logit_softcap: float | None = Field(None, gt=0)
-    """Attention scores become cap * tanh(scores / cap) before masking (Gemma 2)."""
-    final_logit_softcap: float | None = Field(None, gt=0)
-    """Output logits become cap * tanh(logits / cap) (Gemma 2)."""
-    rotary_dim: int | None = Field(None, gt=0)
-    """RoPE rotates only the first rotary_dim dimensions of each query/key head, its
-    frequencies those of a rotary_dim-wide head (GLM-4.5's partial_rotary_factor: head_dim / 2);
-    None: all of head_dim."""
-    rope_pattern: list[bool] | None = Field(None, min_length=1)
-    """Layer i rotates queries and keys (RoPE) iff rope_pattern[i % len]; None: every layer.
-    SmolLM3: three RoPE layers then a NoPE one ([true, true, true, false])."""
-    pre_norms: bool = True
-    """Normalise each sublayer's input (pre-norm). False with post_norms: only the outputs are
-    normalised, x + norm(attn(x)) (OLMo 2)."""
-    qk_norm_across_heads: bool = False
-    """With qk_norm: one RMSNorm over all heads' dimensions of the projected queries (keys),
-    scales (heads * head_dim), instead of one over head_dim shared by the heads (OLMo 2)."""
     init_std: float = Field(0.02, gt=0)
-    # Mixture of experts (engine/models/moe.py): every layer's MLP becomes `num_experts`
-    # gated MLPs of width expert_mlp_dim, each token routed to `experts_per_token` of them.
-    num_experts: int = Field(0, ge=0)
-    """Routed experts per layer; 0 = a dense MLP (mlp_dim) in every layer."""
-    experts_per_token: int = Field(2, gt=0)
-    """Top-k: the experts each token is sent to (Mixtral 2, Qwen3-MoE 8)."""
-    expert_mlp_dim: int | None = Field(None, gt=0)
-    """Width of each expert's MLP; None: mlp_dim (Mixtral). Qwen3-MoE: moe_intermediate_size."""
-    router_score: Literal["softmax", "sigmoid"] = "softmax"
-    """Per-expert routing scores from the router logits: softmax over experts (Mixtral, Qwen)
-    or an independent sigmoid each (DeepSeek-V3)."""
-    router_renormalize: bool = True
-    """Rescale the k chosen scores to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)."""
-    router_bias: bool = False
-    """A learned per-expert bias added to the scores to choose the experts but not to weight
-    them (DeepSeek-V3's auxiliary-loss-free balancing)."""
-    num_shared_experts: int = Field(0, ge=0)
-    """Experts every token goes through, as one gated MLP of num_shared_experts *
-    expert_mlp_dim added to the routed output (DeepSeek)."""
-    # DeepSeek-V3 (engine/models/families/deepseek.py)
-    router_groups: int = Field(1, gt=0)
-    """Group-limited routing (DeepSeek-V3's n_group): the experts form this many equal groups,
-    each scored by the sum of its two best (biased) scores, and a token's k experts come from
-    its router_group_top best groups. 1: no groups."""
-    router_group_top: int = Field(1, gt=0)
-    """The groups a token may be routed into (DeepSeek-V3's topk_group)."""
-    router_scale: float = Field(1.0, gt=0)
-    """The routed experts' weights are multiplied by this after any renormalisation
-    (DeepSeek-V3's routed_scaling_factor)."""
-    first_dense_layers: int = Field(0, ge=0)
-    """With experts: the first this many layers have a dense MLP (mlp_dim) instead, and form a
-    layer stack of their own, `dense_blocks` (DeepSeek-V3's first_k_dense_replace)."""
+    tie_embeddings: bool = False
+    positions: Literal["rope", "learned", "alibi"] = "rope"
+    """The position signal: RoPE in the attention layers (rope.pattern says which), a learned
+    absolute embedding added to the token's (GPT-2, OPT), or ALiBi's linear biases on the scores
+    (BLOOM, MPT)."""
+    embedding: EmbeddingConfig = EmbeddingConfig()
+    """The token embeddings' scaling and norm, learned positions' offset, per-layer inputs."""
+    attention: AttentionConfig
+    """The attention layers: heads, biases, QK norms, windows, scaling; which layers slide."""
+    rope: RopeConfig = RopeConfig()
+    """RoPE's base, scaling, rotary width; which layers rotate."""
+    mla: MLAConfig = MLAConfig()
+    """Multi-head latent attention instead of grouped-query attention, when its kv_lora_rank is set."""
+    mlp: MLPConfig
+    """The dense MLP layers (and the experts' activation)."""
+    moe: MoEConfig = MoEConfig()
+    """A mixture of experts, when its num_experts is above 0."""
+    norm: NormSpec = NormSpec()
+    """Every norm of the layers (and the final norm, but for head.norm_eps)."""
+    block: BlockConfig = BlockConfig()
+    """How a layer adds its sublayers: pre/post norms, sequential or parallel, multipliers."""
+    head: HeadConfig = HeadConfig()
+    """The LM head's bias, softcap and scaling, and the final norm's epsilon."""
+    mixer_pattern: (
+        list[Literal["attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "none"]] | None
+    ) = Field(None, min_length=1)
+    """Layer i's sequence mixer is mixer_pattern[i % len] (attention: the model's attention,
+    MLA where mla.kv_lora_rank is set); None: attention in every layer. Each other kind's layers
+    form stacks of their own (`gated_delta_blocks`). Qwen3-Next: three gated_delta then one
+    attention; attention_mamba2: attention and Mamba2 side by side (Falcon-H1); none: a layer
+    that is only its feed-forward."""
     ffn_pattern: list[Literal["mlp", "moe", "none"]] | None = Field(None, min_length=1)
-    """With experts: layer i (past first_dense_layers) has experts iff ffn_pattern[i % len] is
-    moe, else a dense MLP (mlp_dim) in the `dense_blocks` stack; None: experts in every layer.
+    """With experts: layer i (past moe.first_dense_layers) has experts iff ffn_pattern[i % len]
+    is moe, else a dense MLP (mlp.dim) in the `dense_blocks` stack; None: experts in every layer.
     Qwen3-MoE's decoder_sparse_step 2: [mlp, moe]; its mlp_only_layers: one entry per layer.
     none: the layer has no feed-forward, only its mixer (Nemotron-H's Mamba2 and attention
     layers), and the layers of each mixer kind without one form a stack of their own
     (`mamba2_only_blocks`, `attention_only_blocks`), as do those with no mixer (`mlp_only_blocks`)."""
-    # Multi-head latent attention (engine/models/mla.py; DeepSeek-V2/V3) when kv_lora_rank is
-    # set: keys and values are up-projected per head from one compressed latent per position,
-    # plus a rotary key shared by the heads. head_dim is then a query/key head's whole width,
-    # its last rope_head_dim dimensions rotary.
-    kv_lora_rank: int | None = Field(None, gt=0)
-    """Width of the compressed key-value latent; None: grouped-query attention."""
-    q_lora_rank: int | None = Field(None, gt=0)
-    """MLA: width of the compressed query (with its RMSNorm); None: queries projected directly."""
-    rope_head_dim: int = Field(64, gt=0)
-    """MLA: the rotary part of each query/key head (qk_rope_head_dim)."""
-    v_head_dim: int | None = Field(None, gt=0)
-    """MLA: width of each value head; None: head_dim."""
-    rope_interleave: bool = False
-    """RoPE rotates adjacent pairs (x0, x1), (x2, x3), ... instead of (first half, second
-    half) pairs (DeepSeek-V3's MLA checkpoints; Llama 4's attention)."""
-    # GPT-OSS (engine/models/families/gpt_oss.py)
-    attention_sinks: bool = False
-    """A learned logit per query head that joins each softmax's denominator and no value
-    (GPT-OSS): a head may attend to nothing."""
-    attention_out_bias: bool = False
-    """A bias on the attention output projection (GPT-OSS; with qkv_bias, attention_bias)."""
-    router_logits_bias: bool = False
-    """A learned per-expert bias added to the router logits (a Linear's bias, GPT-OSS): it both
-    chooses the experts and weights them, unlike router_bias."""
-    expert_bias: bool = False
-    """Biases on each expert's gate, up and down projections (GPT-OSS)."""
-    swiglu_limit: float | None = Field(None, gt=0)
-    """The experts' clamped SwiGLU (GPT-OSS): gate clamped above at the limit, up to [-limit,
-    limit], out = (up + 1) * gate * sigmoid(swiglu_alpha * gate). None: activation(gate) * up."""
-    swiglu_alpha: float = Field(1.702, gt=0)
-    """Sigmoid gain of that clamped SwiGLU (swiglu_limit set only)."""
-    # DeepSeek Sparse Attention (engine/models/dsa.py; DeepSeek-V3.2, GLM-5)
-    index_topk: int | None = Field(None, gt=0)
-    """MLA with a lightning indexer: each query attends only to the index_topk earlier keys
-    its indexer scores highest (every one while there are no more); None: dense attention."""
-    index_heads: int = Field(64, gt=0)
-    """The indexer's query heads (index_n_heads)."""
-    index_head_dim: int = Field(128, gt=0)
-    """Width of the indexer's query heads and its one key (index_head_dim), the first
-    rope_head_dim of them rotary."""
-    index_rope_interleave: bool = False
-    """The indexer's RoPE rotates adjacent pairs (GLM-5), else halves (DeepSeek-V3.2)."""
-    # Gemma 4 (engine/models/families/gemma4.py): its global layers have heads of their own
-    # shape, so they form a layer stack of their own, `global_blocks`.
-    global_head_dim: int | None = Field(None, gt=0)
-    """Head width of the global (non-sliding) layers; None: head_dim."""
-    global_num_kv_heads: int | None = Field(None, gt=0)
-    """Key/value heads of the global layers; None: num_kv_heads."""
-    global_values_from_keys: bool = False
-    """The global layers have no value projection: their values are the key projection,
-    taken before the key norm and RoPE (Gemma 4's attention_k_eq_v)."""
-    value_norm: bool = False
-    """An RMSNorm without a scale on the values, over head_dim (Gemma 4)."""
-    layer_scale: bool = False
-    """A learned scalar per layer multiplying the residual stream after the layer (Gemma 4's
-    layer_scalar)."""
-    # DeepSeek-V2 (engine/models/families/deepseek.py)
-    router_group_score: Literal["top2_sum", "max"] = "top2_sum"
-    """With router_groups: what scores a group, the sum of its two best (biased) scores
-    (DeepSeek-V3's noaux_tc) or its best score (DeepSeek-V2's group_limited_greedy)."""
+    gated_delta: GatedDeltaConfig | None = None
+    """The Gated DeltaNet (or Kimi delta) layers' sizes (mixer_pattern has gated_delta / kimi_delta)."""
+    mamba2: Mamba2Config | None = None
+    """The Mamba2 layers' sizes (mixer_pattern has mamba2)."""
+    mup: MuPMultipliers | None = None
+    """Falcon-H1's multipliers on the attention, Mamba2, MLP and LM head activations; None: none."""
     mtp_layers: int = Field(0, ge=0, le=1)
     """Multi-token-prediction modules after the last layer (DeepSeek-V3's and GLM-4.5's
     num_nextn_predict_layers; at most one, as they publish): the module joins the main model's
@@ -337,157 +237,43 @@ class ModelConfig(Strict):
     last layer's kind, whose output the LM head reads as a prediction of token i + 2
     (engine/models/mtp.py; the `mtp_blocks` stack). Converted, kept and exported; trained
     only under ComputeConfig.mtp_loss."""
-    # Hybrid models (Qwen3-Next, Qwen3.5): layers of another mixer kind among the attention ones.
-    mixer_pattern: (
-        list[Literal["attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "none"]] | None
-    ) = Field(None, min_length=1)
-    """Layer i's sequence mixer is mixer_pattern[i % len] (attention: the model's attention,
-    MLA where kv_lora_rank is set); None: attention in every layer. Each other kind's layers
-    form stacks of their own (`gated_delta_blocks`). Qwen3-Next: three gated_delta then one
-    attention."""
-    gated_delta: GatedDeltaConfig | None = None
-    """The Gated DeltaNet layers' sizes (mixer_pattern has gated_delta)."""
-    attention_output_gate: bool = False
-    """Attention's output is multiplied by sigmoid(x . W_gate) per head and dimension before
-    o_proj (Qwen3-Next): the query projection yields each head's query and gate side by side,
-    wq_dnh of shape (d, heads, 2 head_dim)."""
-    shared_expert_gate: bool = False
-    """The shared experts' output is multiplied by sigmoid(x . w), a learned scalar gate per
-    token (Qwen3-Next's shared_expert_gate)."""
-    # Llama 4 (engine/models/families/llama4.py)
-    attention_chunk_size: int | None = Field(None, gt=0)
-    """Chunked layers (attention_pattern `chunked`) attend within chunks of this many positions:
-    query i sees key j iff j <= i and i // size == j // size, i and j positions in the
-    document (Llama 4's attention_chunk_size)."""
-    qk_l2_norm: bool = False
-    """On RoPE layers, queries and keys are divided by their root mean square over head_dim
-    (norm_eps inside, no scale) after RoPE (Llama 4's use_qk_norm); NoPE layers have none."""
-    attn_temperature_floor: int | None = Field(None, gt=0)
-    """NoPE layers multiply their queries by 1 + attn_temperature_scale * log(1 + floor((p + 1) /
-    attn_temperature_floor)), p the query's position (Llama 4's attn_temperature_tuning with
-    floor_scale, arXiv 2501.19399); None: no such scaling."""
-    attn_temperature_scale: float = Field(0.1, ge=0)
-    """That scaling's strength (Llama 4's attn_scale)."""
-    router_scales_input: bool = False
-    """The routing weight multiplies each chosen expert's input instead of its output (Llama 4:
-    expert(w * x), not w * expert(x); the two differ as the experts are not linear)."""
-    # Mamba2 layers (engine/models/mamba2.py; Nemotron-H, Granite 4)
-    mamba2: Mamba2Config | None = None
-    """The Mamba2 layers' sizes (mixer_pattern has mamba2)."""
-    mlp_gated: bool = True
-    """The MLP is down(act(gate(x)) * up(x)); false: down(act(up(x))), no gate (Nemotron-H; its
-    experts and shared expert too)."""
-    # Granite's multipliers (engine/models/families/granite_hybrid.py)
-    embedding_multiplier: float | None = Field(None, gt=0)
-    """Token embeddings are multiplied by this (Granite); None: not scaled (but see scale_embeddings)."""
-    residual_multiplier: float | None = Field(None, gt=0)
-    """Each sublayer's output is multiplied by this before the residual add (Granite)."""
-    attention_scale: float | None = Field(None, gt=0)
-    """Attention scores are multiplied by this (Granite's attention_multiplier); None: as
-    query_pre_attn_scalar says."""
-    logits_scaling: float | None = Field(None, gt=0)
-    """Output logits are divided by this (Granite)."""
-    mup: MuPMultipliers | None = None
-    """Falcon-H1's multipliers on the attention, Mamba2, MLP and LM head activations; None: none."""
-    shared_expert_mlp_dim: int | None = Field(None, gt=0)
-    """Width of the shared experts' one gated MLP; None: num_shared_experts * expert_mlp_dim
-    (Granite 4's shared_mlp: shared_intermediate_size)."""
-    # Gemma 4's mixture of experts (26B-A4B; engine/models/families/gemma4.py)
-    moe_beside_mlp: bool = False
-    """With experts: each expert layer also runs the dense MLP (mlp_dim) beside them, on its
-    usual pre-norm; each output gets its own norm and their sum the layer's post-MLP norm. The
-    experts read their own pre-norm of the residual, the router the residual itself."""
-    router_input_norm: bool = False
-    """The router reads RMSNorm(x) without a scale, times a learned scale (d_model) and
-    d_model**-0.5 (Gemma 4)."""
-    router_expert_scale: bool = False
-    """A learned factor per expert on its routing weight, after renormalisation (Gemma 4)."""
-    # Gemma 4's small models (E2B, E4B; engine/models/families/gemma4.py)
-    per_layer_input_dim: int | None = Field(None, gt=0)
-    """Per-layer embeddings: after its MLP each layer adds norm(proj(act(gate(x)) * e)) to the
-    stream, e its per_layer_input_dim-wide share of a second embedding of the token (num_layers
-    shares per token) plus a projection of the first (Gemma 4's hidden_size_per_layer_input).
-    None: none."""
-    kv_shared_layers: int = Field(0, ge=0)
-    """The last this many layers project no keys or values: each attends with those of the last
-    earlier layer of its attention kind (Gemma 4's num_kv_shared_layers; Layer.kv_sharing)."""
-    kv_shared_wide_mlp: bool = False
-    """The KV-sharing layers' MLP is 2 * mlp_dim wide (Gemma 4's use_double_wide_mlp)."""
-    # GPT-era layers (GPT-2, GPT-NeoX, Phi, BLOOM, ...): LayerNorm, parallel residuals, biases,
-    # learned or ALiBi positions.
-    norm_kind: Literal["rms", "layer"] = "rms"
-    """Every norm's kind: RMSNorm, or LayerNorm (mean removed too)."""
-    norm_bias: bool = False
-    """The norms have a learned bias (LayerNorm's usual one)."""
-    norm_scale: bool = True
-    """The norms have a learned scale (OLMo 1's LayerNorm has neither)."""
-    residual: Literal["sequential", "parallel", "parallel_shared_norm"] = "sequential"
-    """How a layer adds its sublayers (engine/models/specs.py: LayerSpec.residual)."""
-    mlp_bias: bool = False
-    """Biases on the MLP's projections."""
-    qkv_clip: float | None = Field(None, gt=0)
-    """Queries, keys and values clamped to [-clip, clip] after their projections (OLMo 1, DBRX)."""
-    positions: Literal["rope", "learned", "alibi"] = "rope"
-    """The position signal: RoPE in the layers (rope_pattern says which), a learned absolute
-    embedding added to the token's (GPT-2, OPT), or ALiBi's linear biases on the scores (BLOOM, MPT)."""
-    position_offset: int = Field(0, ge=0)
-    """learned: the embedding of position p is row p + offset (OPT's 2)."""
-    embedding_norm: bool = False
-    """A norm on the token embeddings before the first layer (BLOOM's word_embeddings_layernorm)."""
-    lm_head_bias: bool = False
-    """A bias on the LM head (GPT-J, Phi)."""
-    # Ministral 3 and Hunyuan dense (engine/models/families/ministral.py, hunyuan.py)
-    query_position_scale: float | None = Field(None, ge=0)
-    """Every layer multiplies its rotated queries by 1 + query_position_scale * log(1 + floor(p /
-    rope_scaling.original_max_position)), p the query's position (Ministral 3's
-    llama_4_scaling_beta); None: no such scaling."""
-    qk_norm_after_rope: bool = False
-    """With qk_norm: the norms apply to the rotated queries and keys, not before RoPE (Hunyuan
-    dense's query_layernorm, key_layernorm)."""
-    qk_norm_per_head: bool = False
-    """With qk_norm and norm_kind layer: each head's queries (keys) get a LayerNorm over head_dim
-    with a scale of their own and no bias (StableLM 2 12B's and Cohere's QK norms)."""
-    logits_multiplier: float | None = Field(None, gt=0)
-    """Output logits are multiplied by this (Cohere's logit_scale); None: not scaled."""
-    router_sparsemixer_eps: float | None = Field(None, gt=0)
-    """SparseMixer routing (PhiMoE, arXiv 2409.12136) at inference, with this jitter epsilon:
-    the k experts are the best, then the best of the rest, ..., each weighted by a softmax
-    over the logits still in play within a relative 2 * eps of that expert's (engine/models/moe.py:
-    sparsemixer); None: the usual softmax top-k."""
-    shared_expert_scale: float = Field(1.0, gt=0)
-    """With shared experts: their output is multiplied by this before it joins the routed one
-    (Cohere 2 MoE's `average` combination, (routed + shared) / 2: 0.5, with router_scale 0.5)."""
-    attention_experts: int = Field(0, ge=0)
-    """A mixture of attention heads (JetMoE; engine/models/moa.py): each attention layer's query
-    and output projections are this many experts, experts_per_token of them per token, each
-    num_kv_heads heads wide (num_heads = num_kv_heads * experts_per_token); 0: plain attention."""
-    moe_output_bias: bool = False
-    """With experts: a learned bias on the mixture's output (JetMoE)."""
-    final_norm_eps: float | None = Field(None, gt=0)
-    """The final norm's epsilon, where it differs from the layers' norm_eps (JetMoE's layer norms
-    keep 1e-6, its final one reads rms_norm_eps); None: norm_eps."""
+
+    FLAT_KEYS: ClassVar[tuple[str, ...]] = tuple(flat_keys.FLAT)
+    """The sections' fields by their flat names, which configs may still use (`num_heads: 8`)."""
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> ModelConfig:
+        """A copy with `update`; flat keys in it (`{"kv_lora_rank": None}`) are read as a config's
+        are, into their sections, and the result validated (pydantic's copy would set an unknown
+        attribute and leave the section as it was)."""
+        if update and any(key in flat_keys.FLAT for key in update):
+            return type(self).model_validate({**self.model_dump(), **update})
+        return super().model_copy(update=update, deep=deep)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_keys(cls, data: Any) -> Any:
+        """Configs written with flat keys (`num_heads: 8`): their sections' fields (flat_keys.py)."""
+        return flat_keys.fold(data)
 
     @model_validator(mode="after")
     def _check_query_scaling(self) -> ModelConfig:
-        if self.attention_experts and self.num_heads != self.num_kv_heads * self.experts_per_token:
+        if (
+            self.attention.experts
+            and self.attention.num_heads != self.attention.num_kv_heads * self.moe.experts_per_token
+        ):
             raise ValueError(
                 "attention_experts needs num_heads = num_kv_heads * experts_per_token (each expert's heads)"
             )
-        if self.query_position_scale is not None and self.rope_scaling is None:
+        if self.attention.query_position_scale is not None and self.rope.scaling is None:
             raise ValueError("query_position_scale needs rope_scaling (its original_max_position is the period)")
-        if self.qk_norm_after_rope and (not self.qk_norm or self.qk_norm_across_heads or self.rope_interleave):
+        if self.attention.qk_norm_after_rope and (
+            not self.attention.qk_norm or self.attention.qk_norm_across_heads or self.rope.interleave
+        ):
             raise ValueError(
                 "qk_norm_after_rope needs qk_norm over head_dim (not qk_norm_across_heads) and half-split "
                 "RoPE (rope_interleave false: the rotation reorders head_dim, the norm's scales would not)"
             )
         return self
-
-    mrope_section: list[int] | None = None
-    """Qwen3.5's multimodal RoPE: how many rotary frequencies the time, height and width
-    position axes each take (rope_parameters.mrope_section). Text positions are equal on the
-    three axes, so the engine's RoPE is plain RoPE whatever it says; kept so that an export,
-    and a multimodal one's vision positions, have it back. None: transformers' default
-    [11, 11, 10]."""
 
     @field_validator("family")
     @classmethod
@@ -509,88 +295,108 @@ class ModelConfig(Strict):
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if "local" in self.attention_pattern and self.sliding_window is None:
+        if self.attention.num_heads % self.attention.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.attention.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.attention.num_kv_heads})"
+            )
+        if "local" in self.attention.pattern and self.attention.sliding_window is None:
             raise ValueError("attention_pattern has local layers, so sliding_window must be set")
-        if ("chunked" in self.attention_pattern) != (self.attention_chunk_size is not None):
+        if ("chunked" in self.attention.pattern) != (self.attention.chunk_size is not None):
             raise ValueError("attention_chunk_size is set exactly when attention_pattern has chunked layers")
-        if self.kv_lora_rank is None and self.positions == "rope" and self.head_dim % 2:
-            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
-        if self.num_experts and self.experts_per_token > self.num_experts:
-            raise ValueError(f"experts_per_token ({self.experts_per_token}) exceeds num_experts ({self.num_experts})")
-        expert_only = [name for name in ("router_logits_bias", "expert_bias", "swiglu_limit") if getattr(self, name)]
+        if self.mla.kv_lora_rank is None and self.positions == "rope" and self.attention.head_dim % 2:
+            raise ValueError(f"head_dim ({self.attention.head_dim}) must be even for RoPE")
+        if self.moe.num_experts and self.moe.experts_per_token > self.moe.num_experts:
+            raise ValueError(
+                f"experts_per_token ({self.moe.experts_per_token}) exceeds num_experts ({self.moe.num_experts})"
+            )
+        expert_only = [
+            name for name in ("router_logits_bias", "expert_bias", "swiglu_limit") if getattr(self.moe, name)
+        ]
         if expert_only and not self.is_moe:
             raise ValueError(f"{expert_only[0]} is a setting of the experts, so num_experts must be set")
         return self
 
     @model_validator(mode="after")
     def _check_deepseek(self) -> ModelConfig:
-        gemma4_moe = [n for n in ("moe_beside_mlp", "router_input_norm", "router_expert_scale") if getattr(self, n)]
+        gemma4_moe = [n for n in ("beside_mlp", "router_input_norm", "router_expert_scale") if getattr(self.moe, n)]
         if gemma4_moe and not self.is_moe:
             raise ValueError(f"{gemma4_moe[0]} is a setting of the experts, so num_experts must be set")
-        if self.moe_beside_mlp and not (self.pre_norms and self.post_norms):
+        if self.moe.beside_mlp and not (self.block.pre_norms and self.block.post_norms):
             raise ValueError("moe_beside_mlp needs pre_norms and post_norms (each branch has its norms)")
-        if self.first_dense_layers and not self.is_moe:
+        if self.moe.first_dense_layers and not self.is_moe:
             raise ValueError("first_dense_layers needs num_experts (the layers after them have experts)")
         if "moe" in (self.ffn_pattern or []) and not self.is_moe:
             raise ValueError("ffn_pattern needs num_experts (it says which layers have experts)")
         if self.mtp_layers and not self.is_moe:
             raise ValueError("mtp_layers (DeepSeek-V3's and GLM-4.5's multi-token prediction) needs num_experts")
-        if self.qk_norm_across_heads and not self.qk_norm:
+        if self.attention.qk_norm_across_heads and not self.attention.qk_norm:
             raise ValueError("qk_norm_across_heads needs qk_norm")
-        if not self.pre_norms and not self.post_norms:
+        if not self.block.pre_norms and not self.block.post_norms:
             raise ValueError("pre_norms false needs post_norms (a block normalises its input or its output)")
-        mla_rope = self.rope_pattern not in (None, [False])  # [False]: MLA without RoPE (Kimi Linear)
-        if self.is_mla and (self.qk_norm_across_heads or mla_rope or self.rotary_dim):
+        mla_rope = self.rope.pattern not in (None, [False])  # [False]: MLA without RoPE (Kimi Linear)
+        if self.is_mla and (self.attention.qk_norm_across_heads or mla_rope or self.rope.rotary_dim):
             raise ValueError(
                 "qk_norm_across_heads, rope_pattern and rotary_dim are settings of grouped-query attention, not MLA"
             )
-        if self.has_global_shape and (self.is_mla or "global" not in self.attention_pattern):
+        if self.attention.has_global_shape and (self.is_mla or "global" not in self.attention.pattern):
             raise ValueError(
                 "global_head_dim, global_num_kv_heads and global_values_from_keys need global layers "
                 "of grouped-query attention (attention_pattern with 'global')"
             )
-        if (self.global_head_dim or 0) % 2 or (self.rotary_dim or 0) > (self.global_head_dim or self.head_dim):
-            raise ValueError(f"global_head_dim ({self.global_head_dim}) must be even and at least rotary_dim")
-        if self.num_heads % (self.global_num_kv_heads or self.num_kv_heads):
+        if (self.attention.global_head_dim or 0) % 2 or (self.rope.rotary_dim or 0) > (
+            self.attention.global_head_dim or self.attention.head_dim
+        ):
+            raise ValueError(f"global_head_dim ({self.attention.global_head_dim}) must be even and at least rotary_dim")
+        if self.attention.num_heads % (self.attention.global_num_kv_heads or self.attention.num_kv_heads):
             raise ValueError(
-                f"num_heads ({self.num_heads}) must be a multiple of global_num_kv_heads ({self.global_num_kv_heads})"
+                f"num_heads ({self.attention.num_heads}) must be a multiple of "
+                f"global_num_kv_heads ({self.attention.global_num_kv_heads})"
             )
-        if self.rotary_dim is not None and (self.rotary_dim % 2 or self.rotary_dim > self.head_dim):
-            raise ValueError(f"rotary_dim ({self.rotary_dim}) must be even and at most head_dim ({self.head_dim})")
-        if self.router_groups > 1:
-            if self.num_experts % self.router_groups or self.num_experts // self.router_groups < 2:
+        if self.rope.rotary_dim is not None and (
+            self.rope.rotary_dim % 2 or self.rope.rotary_dim > self.attention.head_dim
+        ):
+            raise ValueError(
+                f"rotary_dim ({self.rope.rotary_dim}) must be even and at most head_dim ({self.attention.head_dim})"
+            )
+        if self.moe.router_groups > 1:
+            if self.moe.num_experts % self.moe.router_groups or self.moe.num_experts // self.moe.router_groups < 2:
                 raise ValueError(
-                    f"num_experts ({self.num_experts}) must be router_groups ({self.router_groups}) "
+                    f"num_experts ({self.moe.num_experts}) must be router_groups ({self.moe.router_groups}) "
                     f"groups of at least 2 experts"
                 )
-            if self.router_group_top > self.router_groups:
+            if self.moe.router_group_top > self.moe.router_groups:
                 raise ValueError(
-                    f"router_group_top ({self.router_group_top}) exceeds router_groups ({self.router_groups})"
+                    f"router_group_top ({self.moe.router_group_top}) exceeds router_groups ({self.moe.router_groups})"
                 )
-            if self.experts_per_token > self.router_group_top * (self.num_experts // self.router_groups):
+            if self.moe.experts_per_token > self.moe.router_group_top * (
+                self.moe.num_experts // self.moe.router_groups
+            ):
                 raise ValueError(
-                    f"experts_per_token ({self.experts_per_token}; config.json num_experts_per_tok) exceeds the "
-                    f"experts of router_group_top ({self.router_group_top}; topk_group) groups"
+                    f"experts_per_token ({self.moe.experts_per_token}; config.json num_experts_per_tok) exceeds the "
+                    f"experts of router_group_top ({self.moe.router_group_top}; topk_group) groups"
                 )
-        if self.index_topk is not None and (self.q_lora_rank is None or self.index_head_dim < self.rope_head_dim):
+        if self.mla.index_topk is not None and (
+            self.mla.q_lora_rank is None or self.mla.index_head_dim < self.mla.rope_head_dim
+        ):
             raise ValueError(
                 "index_topk (sparse attention) needs kv_lora_rank and q_lora_rank (its indexer reads the "
-                f"compressed query) and index_head_dim ({self.index_head_dim}) >= rope_head_dim ({self.rope_head_dim})"
+                f"compressed query) and index_head_dim ({self.mla.index_head_dim}) >= "
+                f"rope_head_dim ({self.mla.rope_head_dim})"
             )
-        if self.kv_lora_rank is None:
-            if self.q_lora_rank is not None or self.v_head_dim is not None:
+        if self.mla.kv_lora_rank is None:
+            if self.mla.q_lora_rank is not None or self.mla.v_head_dim is not None:
                 raise ValueError("q_lora_rank and v_head_dim need kv_lora_rank (multi-head latent attention)")
             return self
-        if self.num_kv_heads != self.num_heads:
+        if self.attention.num_kv_heads != self.attention.num_heads:
             raise ValueError(
-                f"multi-head latent attention has num_kv_heads = num_heads ({self.num_heads}), got {self.num_kv_heads}"
+                f"multi-head latent attention has num_kv_heads = num_heads ({self.attention.num_heads}), "
+                f"got {self.attention.num_kv_heads}"
             )
-        if self.rope_head_dim % 2 or self.rope_head_dim >= self.head_dim:
+        if self.mla.rope_head_dim % 2 or self.mla.rope_head_dim >= self.attention.head_dim:
             raise ValueError(
-                f"rope_head_dim ({self.rope_head_dim}) must be even and less than head_dim "
-                f"({self.head_dim}), the whole query/key head"
+                f"rope_head_dim ({self.mla.rope_head_dim}) must be even and less than head_dim "
+                f"({self.attention.head_dim}), the whole query/key head"
             )
         return self
 
@@ -606,70 +412,78 @@ class ModelConfig(Strict):
             raise ValueError("mamba2 (the sizes) is set exactly when mixer_pattern has mamba2 layers")
         if any(layer.mixer == layer.ffn == "none" for layer in self.layer_pattern()):
             raise ValueError("mixer_pattern and ffn_pattern leave a layer with neither a mixer nor a feed-forward")
-        if self.shared_expert_gate and not self.num_shared_experts:
+        if self.moe.shared_gate and not self.moe.num_shared_experts:
             raise ValueError("shared_expert_gate needs num_shared_experts")
-        if self.shared_expert_mlp_dim and not self.num_shared_experts:
+        if self.moe.shared_dim and not self.moe.num_shared_experts:
             raise ValueError("shared_expert_mlp_dim needs num_shared_experts")
         if "attention_mamba2" in (self.mixer_pattern or []) and self.is_mla:
             raise ValueError("attention_mamba2 layers (Falcon-H1) have grouped-query attention, not MLA")
-        if self.attention_output_gate and self.is_mla:
+        if self.attention.output_gate and self.is_mla:
             raise ValueError("attention_output_gate is a setting of grouped-query attention, not MLA")
         return self
 
     @model_validator(mode="after")
     def _check_gpt_era(self) -> ModelConfig:
-        if self.norm_kind == "rms" and self.norm_bias:
+        if self.norm.kind == "rms" and self.norm.bias:
             raise ValueError("norm_bias needs norm_kind layer (an RMSNorm has no bias)")
-        if self.norm_kind == "layer" and self.qk_norm_across_heads:
+        if self.norm.kind == "layer" and self.attention.qk_norm_across_heads:
             raise ValueError("qk_norm_across_heads is an RMSNorm over all heads; norm_kind layer has none")
-        if self.residual != "sequential" and (self.post_norms or not self.pre_norms):
-            raise ValueError(f"residual {self.residual} adds pre-normed sublayers: pre_norms true, post_norms false")
-        if self.qk_norm_per_head and not (self.qk_norm and self.norm_kind == "layer"):
+        if self.block.residual != "sequential" and (self.block.post_norms or not self.block.pre_norms):
+            raise ValueError(
+                f"residual {self.block.residual} adds pre-normed sublayers: pre_norms true, post_norms false"
+            )
+        if self.attention.qk_norm_per_head and not (self.attention.qk_norm and self.norm.kind == "layer"):
             raise ValueError("qk_norm_per_head (a LayerNorm per head) needs qk_norm and norm_kind layer")
-        if self.position_offset and self.positions != "learned":
+        if self.embedding.position_offset and self.positions != "learned":
             raise ValueError("position_offset is the row offset of learned position embeddings (positions: learned)")
         return self
 
     @model_validator(mode="after")
     def _check_kv_sharing(self) -> ModelConfig:
-        if not self.kv_shared_layers:
-            if self.kv_shared_wide_mlp:
+        if not self.attention.kv_shared_layers:
+            if self.mlp.kv_shared_wide:
                 raise ValueError("kv_shared_wide_mlp needs kv_shared_layers")
             return self
-        if self.is_mla or self.mixer_pattern or self.qkv_bias or self.qk_norm_across_heads or self.is_moe:
+        if (
+            self.is_mla
+            or self.mixer_pattern
+            or self.attention.qkv_bias
+            or self.attention.qk_norm_across_heads
+            or self.is_moe
+        ):
             raise ValueError("kv_shared_layers is a setting of dense grouped-query attention models (Gemma 4)")
-        first, local = self.num_layers - self.kv_shared_layers, self.layer_is_local()
+        first, local = self.num_layers - self.attention.kv_shared_layers, self.layer_is_local()
         if first <= 0 or set(local[first:]) - set(local[:first]):
             raise ValueError(
-                f"kv_shared_layers ({self.kv_shared_layers}): each sharing layer needs an earlier layer "
+                f"kv_shared_layers ({self.attention.kv_shared_layers}): each sharing layer needs an earlier layer "
                 "of its attention kind (local or global) that is not sharing"
             )
         return self
 
     @model_validator(mode="after")
     def _check_xielu(self) -> ModelConfig:
-        if self.activation == "xielu" and (self.mlp_gated or self.is_moe or self.per_layer_input_dim):
+        if self.mlp.activation == "xielu" and (self.mlp.gated or self.is_moe or self.embedding.per_layer_input_dim):
             raise ValueError("activation xielu (Apertus) is taken by a dense MLP without a gate only (mlp_gated false)")
         return self
 
     @property
     def is_mla(self) -> bool:
-        return self.kv_lora_rank is not None
+        return self.mla.kv_lora_rank is not None
 
     @property
     def value_head_dim(self) -> int:
         """Width of a value head (MLA's v_head_dim, else head_dim)."""
-        return self.v_head_dim or self.head_dim
+        return self.mla.v_head_dim or self.attention.head_dim
 
     def layer_pattern(self) -> list[Layer]:
         """Every layer as data, in order: the decoder is this list (transformer.py runs it)."""
         mixer: Literal["attention", "mla"] = "mla" if self.is_mla else "attention"
         ffn_pattern = self.ffn_pattern or ["moe"]
-        rope_pattern = self.rope_pattern or [True]
+        rope_pattern = self.rope.pattern or [True]
         layers = []
         mixer_pattern = self.mixer_pattern or ["attention"]
         for i, local in enumerate(self.layer_is_local()):
-            moe = self.is_moe and i >= self.first_dense_layers and ffn_pattern[i % len(ffn_pattern)] == "moe"
+            moe = self.is_moe and i >= self.moe.first_dense_layers and ffn_pattern[i % len(ffn_pattern)] == "moe"
             stack = "dense_blocks" if self.is_moe and not moe else "blocks"
             kind = mixer_pattern[i % len(mixer_pattern)]
             if "none" in (kind, ffn_pattern[i % len(ffn_pattern)]):  # a layer that is its mixer or its MLP
@@ -687,15 +501,15 @@ class ModelConfig(Strict):
                 layers.append(Layer(f"{kind}_{stack}", kind, "moe" if moe else "mlp", False, rope))
                 continue
             shape: dict[str, Any] = {}  # Layer's per-layer fields with values other than their defaults
-            if not local and self.has_global_shape:  # Gemma 4: global heads of their own shape
+            if not local and self.attention.has_global_shape:  # Gemma 4: global heads of their own shape
                 stack = "global_" + stack
                 shape = dict(
-                    head_dim=self.global_head_dim,
-                    kv_heads=self.global_num_kv_heads,
-                    values_from_keys=self.global_values_from_keys,
+                    head_dim=self.attention.global_head_dim,
+                    kv_heads=self.attention.global_num_kv_heads,
+                    values_from_keys=self.attention.global_values_from_keys,
                 )
             rope = rope_pattern[i % len(rope_pattern)]
-            if self.attention_pattern[i % len(self.attention_pattern)] == "chunked":
+            if self.attention.pattern[i % len(self.attention.pattern)] == "chunked":
                 shape["chunked"] = True
             layers.append(Layer(stack, mixer, "moe" if moe else "mlp", local, rope, **shape))
         return self._share_kv(layers)
@@ -711,18 +525,12 @@ class ModelConfig(Strict):
         return list(_LAYER_SPECS[key])
 
     def _norm_spec(self) -> NormSpec:
-        return NormSpec(
-            kind=self.norm_kind,
-            eps=self.norm_eps,
-            zero_centered=self.norm_zero_centered,
-            scale=self.norm_scale,
-            bias=self.norm_bias,
-        )
+        return self.norm
 
     def _layer_spec(self, layer: Layer) -> LayerSpec:
         ffn: MLPSpec | MoESpec | None = None
         if layer.ffn == "mlp":
-            ffn = self._mlp_spec(layer.mlp_dim or self.mlp_dim)
+            ffn = self._mlp_spec(layer.mlp_dim or self.mlp.dim)
         elif layer.ffn == "moe":
             ffn = self._moe_spec()
         return LayerSpec(
@@ -730,101 +538,109 @@ class ModelConfig(Strict):
             mixer=self._mixer_spec(layer),
             ffn=ffn,
             norm=self._norm_spec(),
-            pre_norms=self.pre_norms,
-            post_norms=self.post_norms,
-            residual_multiplier=self.residual_multiplier,
-            layer_scale=self.layer_scale,
-            per_layer_input_dim=self.per_layer_input_dim,
-            per_layer_activation=self.activation,
-            residual=self.residual,
+            pre_norms=self.block.pre_norms,
+            post_norms=self.block.post_norms,
+            residual_multiplier=self.block.residual_multiplier,
+            layer_scale=self.block.layer_scale,
+            per_layer_input_dim=self.embedding.per_layer_input_dim,
+            per_layer_activation=self.mlp.activation,
+            residual=self.block.residual,
         )
 
     def _mlp_spec(self, dim: int) -> MLPSpec:
         mup = self.mup
         return MLPSpec(
             dim=dim,
-            activation=self.activation,
-            gated=self.mlp_gated,
+            activation=self.mlp.activation,
+            gated=self.mlp.gated,
             gate_multiplier=1.0 if mup is None else mup.mlp_gate,
             down_multiplier=1.0 if mup is None else mup.mlp_down,
-            bias=self.mlp_bias,
+            bias=self.mlp.bias,
         )
 
     def _moe_spec(self) -> MoESpec:
         return MoESpec(
-            num_experts=self.num_experts,
-            experts_per_token=self.experts_per_token,
+            num_experts=self.moe.num_experts,
+            experts_per_token=self.moe.experts_per_token,
             expert_dim=self.moe_mlp_dim,
-            activation=self.activation,
-            gated=self.mlp_gated,
-            router_score=self.router_score,
-            router_renormalize=self.router_renormalize,
-            router_bias=self.router_bias,
-            router_logits_bias=self.router_logits_bias,
-            router_groups=self.router_groups,
-            router_group_top=self.router_group_top,
-            router_group_score=self.router_group_score,
-            router_scale=self.router_scale,
-            router_scales_input=self.router_scales_input,
-            router_input_norm=self.router_input_norm,
-            router_expert_scale=self.router_expert_scale,
-            router_norm_eps=self.norm_eps,
-            expert_bias=self.expert_bias,
-            swiglu_limit=self.swiglu_limit,
-            swiglu_alpha=self.swiglu_alpha,
-            num_shared_experts=self.num_shared_experts,
+            activation=self.mlp.activation,
+            gated=self.mlp.gated,
+            router_score=self.moe.router_score,
+            router_renormalize=self.moe.router_renormalize,
+            router_bias=self.moe.router_bias,
+            router_logits_bias=self.moe.router_logits_bias,
+            router_groups=self.moe.router_groups,
+            router_group_top=self.moe.router_group_top,
+            router_group_score=self.moe.router_group_score,
+            router_scale=self.moe.router_scale,
+            router_scales_input=self.moe.router_scales_input,
+            router_input_norm=self.moe.router_input_norm,
+            router_expert_scale=self.moe.router_expert_scale,
+            router_norm_eps=self.norm.eps,
+            expert_bias=self.moe.expert_bias,
+            swiglu_limit=self.moe.swiglu_limit,
+            swiglu_alpha=self.moe.swiglu_alpha,
+            num_shared_experts=self.moe.num_shared_experts,
             shared_dim=self.shared_mlp_dim,
-            shared_expert_gate=self.shared_expert_gate,
-            shared_scale=self.shared_expert_scale,
-            output_bias=self.moe_output_bias,
-            beside=self._mlp_spec(self.mlp_dim) if self.moe_beside_mlp else None,
-            sparsemixer_eps=self.router_sparsemixer_eps,
+            shared_expert_gate=self.moe.shared_gate,
+            shared_scale=self.moe.shared_scale,
+            output_bias=self.moe.output_bias,
+            beside=self._mlp_spec(self.mlp.dim) if self.moe.beside_mlp else None,
+            sparsemixer_eps=self.moe.sparsemixer_eps,
         )
 
     def _rotary(self, local: bool) -> RotarySpec:
-        if local and self.rope_local_theta is not None:  # local layers: their own base, unscaled (Gemma 3)
-            return RotarySpec(theta=self.rope_local_theta, rotary_dim=self.rotary_dim, interleave=self.rope_interleave)
+        if local and self.rope.local_theta is not None:  # local layers: their own base, unscaled (Gemma 3)
+            return RotarySpec(
+                theta=self.rope.local_theta, rotary_dim=self.rope.rotary_dim, interleave=self.rope.interleave
+            )
         return RotarySpec(
-            theta=self.rope_theta,
-            scaling=self.rope_scaling,
-            rotary_dim=self.rotary_dim,
-            interleave=self.rope_interleave,
+            theta=self.rope.theta,
+            scaling=self.rope.scaling,
+            rotary_dim=self.rope.rotary_dim,
+            interleave=self.rope.interleave,
         )
 
     def _attention_spec(self, layer: Layer) -> AttentionSpec:
-        h = layer.head_dim or self.head_dim
+        h = layer.head_dim or self.attention.head_dim
         qk_norm: Literal["none", "head", "across_heads", "per_head"] = "none"
-        if self.qk_norm:
-            qk_norm = "across_heads" if self.qk_norm_across_heads else "per_head" if self.qk_norm_per_head else "head"
+        if self.attention.qk_norm:
+            qk_norm = (
+                "across_heads"
+                if self.attention.qk_norm_across_heads
+                else "per_head"
+                if self.attention.qk_norm_per_head
+                else "head"
+            )
         return AttentionSpec(
-            num_heads=self.num_heads,
-            num_kv_heads=layer.kv_heads or self.num_kv_heads,
+            num_heads=self.attention.num_heads,
+            num_kv_heads=layer.kv_heads or self.attention.num_kv_heads,
             head_dim=h,
-            qkv_bias=self.qkv_bias,
-            out_bias=self.attention_out_bias,
+            qkv_bias=self.attention.qkv_bias,
+            out_bias=self.attention.out_bias,
             qk_norm=qk_norm,
             norm=self._norm_spec(),
             values_from_keys=layer.values_from_keys,
-            output_gate=self.attention_output_gate,
-            sinks=self.attention_sinks,
+            output_gate=self.attention.output_gate,
+            sinks=self.attention.sinks,
             kv_sharing=layer.kv_sharing,
             rope=self._rotary(layer.local) if layer.rope and self.positions == "rope" else None,
-            window=self.sliding_window if layer.local else None,
-            chunk=self.attention_chunk_size if layer.chunked else None,
-            scale=self.attention_scale or (self.query_pre_attn_scalar or h) ** -0.5,
-            softcap=self.attn_logit_softcap,
-            value_norm=self.value_norm,
-            qk_l2_norm=self.qk_l2_norm,
+            window=self.attention.sliding_window if layer.local else None,
+            chunk=self.attention.chunk_size if layer.chunked else None,
+            scale=self.attention.scale or (self.attention.query_pre_attn_scalar or h) ** -0.5,
+            softcap=self.attention.softcap,
+            value_norm=self.attention.value_norm,
+            qk_l2_norm=self.attention.qk_l2_norm,
             key_multiplier=1.0 if self.mup is None else self.mup.key,
-            temperature_floor=self.attn_temperature_floor,
-            temperature_scale=self.attn_temperature_scale,
-            qkv_clip=self.qkv_clip,
+            temperature_floor=self.attention.temperature_floor,
+            temperature_scale=self.attention.temperature_scale,
+            qkv_clip=self.attention.qkv_clip,
             alibi=self.positions == "alibi",
-            qk_norm_after_rope=self.qk_norm_after_rope,
-            query_position_scale=self.query_position_scale,
+            qk_norm_after_rope=self.attention.qk_norm_after_rope,
+            query_position_scale=self.attention.query_position_scale,
             query_position_period=(
-                self.rope_scaling.original_max_position
-                if self.query_position_scale is not None and self.rope_scaling
+                self.rope.scaling.original_max_position
+                if self.attention.query_position_scale is not None and self.rope.scaling
                 else 1
             ),
         )
@@ -833,39 +649,39 @@ class ModelConfig(Strict):
         """The layer's sequence mixer spec (None for a layer without one)."""
         if layer.mixer == "none":
             return None
-        if layer.mixer == "attention" and self.attention_experts:  # JetMoE's mixture of attention heads
+        if layer.mixer == "attention" and self.attention.experts:  # JetMoE's mixture of attention heads
             return MixtureOfAttentionSpec(
                 attention=self._attention_spec(layer),
-                num_experts=self.attention_experts,
-                experts_per_token=self.experts_per_token,
+                num_experts=self.attention.experts,
+                experts_per_token=self.moe.experts_per_token,
             )
         if layer.mixer == "attention":
             return self._attention_spec(layer)
         if layer.mixer == "mla":
-            assert self.kv_lora_rank is not None
+            assert self.mla.kv_lora_rank is not None
             indexer = None
-            if self.index_topk is not None:
+            if self.mla.index_topk is not None:
                 indexer = IndexerSpec(
-                    topk=self.index_topk,
-                    heads=self.index_heads,
-                    head_dim=self.index_head_dim,
-                    rope_interleave=self.index_rope_interleave,
+                    topk=self.mla.index_topk,
+                    heads=self.mla.index_heads,
+                    head_dim=self.mla.index_head_dim,
+                    rope_interleave=self.mla.index_rope_interleave,
                 )
             return MLASpec(
-                num_heads=self.num_heads,
-                head_dim=self.head_dim,
-                rope_head_dim=self.rope_head_dim,
+                num_heads=self.attention.num_heads,
+                head_dim=self.attention.head_dim,
+                rope_head_dim=self.mla.rope_head_dim,
                 value_head_dim=self.value_head_dim,
-                kv_lora_rank=self.kv_lora_rank,
-                q_lora_rank=self.q_lora_rank,
+                kv_lora_rank=self.mla.kv_lora_rank,
+                q_lora_rank=self.mla.q_lora_rank,
                 rope=(
-                    RotarySpec(theta=self.rope_theta, scaling=self.rope_scaling, interleave=self.rope_interleave)
+                    RotarySpec(theta=self.rope.theta, scaling=self.rope.scaling, interleave=self.rope.interleave)
                     if layer.rope
                     else None
                 ),
-                window=self.sliding_window if layer.local else None,
+                window=self.attention.sliding_window if layer.local else None,
                 indexer=indexer,
-                scale=mla_score_scale(self.head_dim, self.rope_scaling),
+                scale=mla_score_scale(self.attention.head_dim, self.rope.scaling),
             )
         if layer.mixer in ("gated_delta", "kimi_delta"):
             gd = self.gated_delta
@@ -875,15 +691,15 @@ class ModelConfig(Strict):
                     num_heads=gd.num_key_heads,
                     head_dim=gd.key_head_dim,
                     conv_kernel=gd.conv_kernel,
-                    norm_eps=self.norm_eps,
+                    norm_eps=self.norm.eps,
                 )
-            return GatedDeltaSpec(**gd.model_dump(), norm_eps=self.norm_eps)
+            return GatedDeltaSpec(**gd.model_dump(), norm_eps=self.norm.eps)
         m = self.mamba2
         assert m is not None  # _check_mixers
         mup = self.mup
         mamba2 = Mamba2Spec(
             **m.model_dump(),
-            norm_eps=self.norm_eps,
+            norm_eps=self.norm.eps,
             projection_multipliers=(1.0,) * 5 if mup is None else mup.ssm_projections,
         )
         if layer.mixer == "mamba2":
@@ -901,21 +717,16 @@ class ModelConfig(Strict):
     def _share_kv(self, layers: list[Layer]) -> list[Layer]:
         """Gemma 4's KV sharing (kv_shared_layers): the last layers `reuse` the keys and values
         of the last earlier layer of their kind, which `store`s them (transformers' kv_sharing_modes)."""
-        first = self.num_layers - self.kv_shared_layers
-        if not self.kv_shared_layers or first <= 0:
+        first = self.num_layers - self.attention.kv_shared_layers
+        if not self.attention.kv_shared_layers or first <= 0:
             return layers
-        wide = 2 * self.mlp_dim if self.kv_shared_wide_mlp else None
+        wide = 2 * self.mlp.dim if self.mlp.kv_shared_wide else None
         for i in range(first, self.num_layers):
             layers[i] = layers[i]._replace(stack="kv_shared_" + layers[i].stack, kv_sharing="reuse", mlp_dim=wide)
         for local in {layer.local for layer in layers[:first]}:
             last = max(i for i in range(first) if layers[i].local == local)
             layers[last] = layers[last]._replace(kv_sharing="store")
         return layers
-
-    @property
-    def has_global_shape(self) -> bool:
-        """The global layers' attention differs in its parameters (Gemma 4): a stack of their own."""
-        return bool(self.global_head_dim or self.global_num_kv_heads or self.global_values_from_keys)
 
     def mtp_layer(self) -> Layer:
         """The kind of the multi-token-prediction module's layer: the last layer's, with its
@@ -945,21 +756,21 @@ class ModelConfig(Strict):
 
     @property
     def is_moe(self) -> bool:
-        return self.num_experts > 0
+        return self.moe.num_experts > 0
 
     @property
     def moe_mlp_dim(self) -> int:
         """Width of one expert's MLP."""
-        return self.expert_mlp_dim or self.mlp_dim
+        return self.moe.expert_dim or self.mlp.dim
 
     @property
     def shared_mlp_dim(self) -> int:
         """Width of the shared experts' gated MLP (0 without shared experts)."""
-        return self.shared_expert_mlp_dim or self.moe_mlp_dim * self.num_shared_experts
+        return self.moe.shared_dim or self.moe_mlp_dim * self.moe.num_shared_experts
 
     def layer_is_local(self) -> list[bool]:
         """Per layer: does it use sliding-window attention?"""
-        pattern = self.attention_pattern
+        pattern = self.attention.pattern
         return [pattern[i % len(pattern)] == "local" for i in range(self.num_layers)]
 
     def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
@@ -968,13 +779,13 @@ class ModelConfig(Strict):
         d, specs = self.d_model, self.layer_specs()
         norm = specs[0].norm.params(d)
         n = sum(spec.params(d, active) for spec in specs) + norm  # the layers and the final norm
-        n += norm * self.embedding_norm + self.vocab_size * self.lm_head_bias
+        n += norm * self.embedding.norm + self.vocab_size * self.head.bias
         if include_embedding:
             n += self.vocab_size * d * (1 if self.tie_embeddings else 2)
-            n += (self.max_seq_len + self.position_offset) * d * (self.positions == "learned")
-        if self.per_layer_input_dim:  # the model's projection and norm, and the per-layer embedding
-            width = self.num_layers * self.per_layer_input_dim
-            n += d * width + self.per_layer_input_dim + self.vocab_size * width * include_embedding
+            n += (self.max_seq_len + self.embedding.position_offset) * d * (self.positions == "learned")
+        if self.embedding.per_layer_input_dim:  # the model's projection and norm, and the per-layer embedding
+            width = self.num_layers * self.embedding.per_layer_input_dim
+            n += d * width + self.embedding.per_layer_input_dim + self.vocab_size * width * include_embedding
         if self.mtp_layers:  # a layer like the last (experts), its two input norms, the (2d, d) projection, a norm
             mtp = self.mtp_layer_spec()
             n += self.mtp_layers * (mtp.params(d, active) + 2 * d * d + 3 * d)
@@ -1052,7 +863,7 @@ class ComputeConfig(Strict):
     (quantization-aware training), both with current absmax scaling per channel. The LM head,
     the MoE router and experts and attention's QK/PV products stay in `dtype`."""
     indexer_loss: Literal["none", "warmup", "sparse"] = "none"
-    """How a sparse-attention model (ModelConfig.index_topk) trains its lightning indexer
+    """How a sparse-attention model (ModelConfig.mla.index_topk) trains its lightning indexer
     (engine/models/dsa.py; DeepSeek-V3.2's recipe, arXiv 2512.02556): none = not at all (the
     selection is applied, the indexer gets no gradient); warmup = dense warm-up: attention
     stays dense, only the indexer's weights change (engine/train/optimizer.py freezes the
@@ -1158,7 +969,7 @@ class LoraConfig(Strict):
                     "whose projections LoRA does not adapt yet; target its MLP modules instead"
                 )
             wanted = tuple(m for m in wanted if m not in LORA_ATTENTION_TARGETS)
-        if not model.mlp_gated and "gate_proj" in wanted:
+        if not model.mlp.gated and "gate_proj" in wanted:
             if self.target_modules != "all-linear":
                 raise ValueError(
                     f"family '{model.family}' has no gate_proj (its MLP is up_proj, down_proj); target those"
@@ -1190,7 +1001,7 @@ class LoraConfig(Strict):
                     "target the attention projections (q_proj, k_proj, v_proj, o_proj)"
                 )
             wanted = tuple(m for m in wanted if m not in LORA_MLP_TARGETS)
-        if model.per_layer_input_dim is None and any(m in LORA_PER_LAYER_INPUT_TARGETS for m in wanted):
+        if model.embedding.per_layer_input_dim is None and any(m in LORA_PER_LAYER_INPUT_TARGETS for m in wanted):
             if self.target_modules != "all-linear":
                 raise ValueError(
                     f"family '{model.family}' has no per-layer inputs, so no "
@@ -1206,5 +1017,5 @@ class LoraConfig(Strict):
     def _adaptable(model: ModelConfig) -> list[str]:
         """The attention and MLP projections a family's modules name as PEFT's Llama names, unfused."""
         family = get_family(model.family)
-        skip = {*family.lora_names, *family.fused_projections, *([] if model.mlp_gated else ["gate_proj"])}
+        skip = {*family.lora_names, *family.fused_projections, *([] if model.mlp.gated else ["gate_proj"])}
         return [m for m in (*LORA_ATTENTION_TARGETS, *LORA_MLP_TARGETS) if m not in skip]

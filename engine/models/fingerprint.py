@@ -14,6 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter
 
+from engine.models import flat_keys
+
 IDS_V1 = frozenset(
     """
     family vocab_size d_model num_layers num_heads num_kv_heads head_dim mlp_dim max_seq_len norm_eps
@@ -54,14 +56,32 @@ _REQUIRED = object()  # a required field has no default: always hashed
 
 
 def model_id_fields(dumped: dict, schema: type[BaseModel], prefix: str = "") -> dict:
-    """`dumped` (a ModelConfig's model_dump(mode="json")) less the fields added since IDS_V1
-    that hold their defaults; nested configs (rope_scaling, mamba2, ...) field by field."""
+    """`dumped` (a ModelConfig's model_dump(mode="json")) in its flat keys (flat_keys.unfold:
+    the names ids have always hashed), less the fields added since IDS_V1 that hold their
+    defaults; nested configs (rope_scaling, mamba2, ...) field by field."""
+    fields = id_fields(schema)
     kept = {}
-    for name, value in dumped.items():
-        path, field = prefix + name, schema.model_fields[name]
+    for name, value in (flat_keys.unfold(dumped) if not prefix else dumped).items():
+        path, field = prefix + name, fields[name]
         sub = _submodel(field.annotation)
         if isinstance(value, dict) and sub is not None:
             kept[name] = model_id_fields(value, sub, path + ".")
         elif path in IDS_V1 or value != _default_json(field):
             kept[name] = value
     return kept
+
+
+def id_fields(schema: type[BaseModel]) -> dict[str, Any]:
+    """`schema`'s fields by the names model_id_fields sees: a section's (engine/models/sections.py)
+    by their flat keys, or `section.field` for one added since the sections."""
+    fields: dict[str, Any] = {}
+    sections = {section for section, _ in flat_keys.FLAT.values()}
+    named = {section_field: flat for flat, section_field in flat_keys.FLAT.items()}
+    for name, field in schema.model_fields.items():
+        sub = _submodel(field.annotation)
+        if name in sections and sub is not None:
+            for inner, inner_field in sub.model_fields.items():
+                fields[named.get((name, inner), f"{name}.{inner}")] = inner_field
+        else:
+            fields[name] = field
+    return fields

@@ -107,9 +107,9 @@ class KVCache:
         )
         states = tuple(states) if any(state is not None for state in states) else ()
         index_k: tuple[jax.Array, ...] = ()
-        if cfg.index_topk is not None:  # DeepSeek Sparse Attention: the indexer's key per position
+        if cfg.mla.index_topk is not None:  # DeepSeek Sparse Attention: the indexer's key per position
             index_k = tuple(
-                constrain(jnp.zeros((batch, max_len, cfg.index_head_dim), dtype), INDEX_NAMES)
+                constrain(jnp.zeros((batch, max_len, cfg.mla.index_head_dim), dtype), INDEX_NAMES)
                 for _ in range(cfg.num_layers)
             )
         return cls(k, v, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32), states=states, index_k=index_k)

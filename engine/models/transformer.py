@@ -741,25 +741,29 @@ class Transformer(nnx.Module):
                 else nnx.List([Block(spec, plain, rngs=rngs)])
             )
         norm = cfg.layer_specs()[0].norm  # one kind of norm in a model
-        if cfg.final_norm_eps is not None:  # JetMoE: the final norm's epsilon its own
-            norm = norm.model_copy(update={"eps": cfg.final_norm_eps})
+        if cfg.head.norm_eps is not None:  # JetMoE: the final norm's epsilon its own
+            norm = norm.model_copy(update={"eps": cfg.head.norm_eps})
         self.final_norm = make_norm(norm, cfg.d_model, pdt, rngs=rngs)
         if cfg.positions == "learned":  # GPT-2, OPT: an absolute position's embedding (rows offset on)
-            rows = cfg.max_seq_len + cfg.position_offset
+            rows = cfg.max_seq_len + cfg.embedding.position_offset
             self.pos_embed_pd = _param(rngs, (rows, cfg.d_model), cfg.init_std, (None, "embed"), pdt)
-        if cfg.embedding_norm:  # BLOOM: the token embeddings normed before the first layer
+        if cfg.embedding.norm:  # BLOOM: the token embeddings normed before the first layer
             self.embed_norm = make_norm(norm, cfg.d_model, pdt, rngs=rngs)
-        if cfg.per_layer_input_dim:  # Gemma 4's per-layer embeddings: num_layers * p columns per token
-            width = cfg.num_layers * cfg.per_layer_input_dim  # its columns sharded as the embedding's
+        if cfg.embedding.per_layer_input_dim:  # Gemma 4's per-layer embeddings: num_layers * p columns per token
+            width = cfg.num_layers * cfg.embedding.per_layer_input_dim  # its columns sharded as the embedding's
             self.per_layer_embed_vx = _param(rngs, (cfg.vocab_size, width), cfg.init_std, ("vocab", "embed"), pdt)
             self.per_layer_proj_dx = _param(rngs, (cfg.d_model, width), cfg.init_std, ("embed", None), pdt)
-            self.per_layer_proj_norm = make_norm(cfg.layer_specs()[0].norm, cfg.per_layer_input_dim, pdt, rngs=rngs)
+            self.per_layer_proj_norm = make_norm(
+                cfg.layer_specs()[0].norm, cfg.embedding.per_layer_input_dim, pdt, rngs=rngs
+            )
         if not cfg.tie_embeddings:
             self.lm_head_dv = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, ("embed", "vocab"), pdt)
-        if cfg.lm_head_bias:  # GPT-J, Phi
+        if cfg.head.bias:  # GPT-J, Phi
             self.lm_head_bias_v = nnx.Param(jnp.zeros((cfg.vocab_size,), pdt), out_sharding=("vocab",))
         self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
-        if cfg.per_layer_input_dim:  # LoRA on the per-layer inputs' projection (last: the base inits as without)
+        if (
+            cfg.embedding.per_layer_input_dim
+        ):  # LoRA on the per-layer inputs' projection (last: the base inits as without)
             add_adapters(self, MODEL_WEIGHTS, build, rngs)
 
     @staticmethod
@@ -784,9 +788,9 @@ class Transformer(nnx.Module):
         """Gemma 4's per-layer inputs (b, t, layers, p): (norm(the embeddings' projection *
         d**-0.5) + the token's second embedding * p**0.5) * 2**-0.5, per layer."""
         cfg, dt = self.cfg, _dtype(self.compute.dtype)
-        shape = (*tokens_bt.shape, cfg.num_layers, cfg.per_layer_input_dim)
+        shape = (*tokens_bt.shape, cfg.num_layers, cfg.embedding.per_layer_input_dim)
         token_btlp = (self.per_layer_embed_vx[...].astype(dt)[tokens_bt]).reshape(shape)
-        token_btlp = token_btlp * jnp.asarray(math.sqrt(cfg.per_layer_input_dim), dt)
+        token_btlp = token_btlp * jnp.asarray(math.sqrt(cfg.embedding.per_layer_input_dim), dt)
         kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
         projected_btx = project(self, "per_layer_proj_dx", x_btd, 1, dt, **kw)  # (+ its LoRA update, if adapted)
         projected_btlp = self.per_layer_proj_norm((projected_btx * jnp.asarray(cfg.d_model**-0.5, dt)).reshape(shape))
@@ -1044,7 +1048,7 @@ class Transformer(nnx.Module):
             return logits_btv, {}
         aux = {"aux_loss": jnp.zeros((), jnp.float32)}
         if stats is not None:
-            aux = combine_stats(stats, self.cfg.num_experts, self.cfg.experts_per_token)
+            aux = combine_stats(stats, self.cfg.moe.num_experts, self.cfg.moe.experts_per_token)
             aux["aux_loss"] = (
                 self.compute.moe_balance_loss * aux["balance_loss"]
                 + self.compute.moe_router_z_loss * aux["router_z_loss"]
@@ -1073,16 +1077,16 @@ class Transformer(nnx.Module):
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         x_btd = self.embed_vd[...].astype(dt)[tokens_bt]
-        if cfg.scale_embeddings:  # the factor rounded to the compute dtype, as Gemma does
+        if cfg.embedding.scale:  # the factor rounded to the compute dtype, as Gemma does
             x_btd = x_btd * jnp.asarray(math.sqrt(cfg.d_model), dt)
-        if cfg.embedding_multiplier is not None:  # Granite
-            x_btd = x_btd * jnp.asarray(cfg.embedding_multiplier, dt)
+        if cfg.embedding.multiplier is not None:  # Granite
+            x_btd = x_btd * jnp.asarray(cfg.embedding.multiplier, dt)
         if cfg.positions == "learned":  # GPT-2, OPT: each position's own embedding added
-            x_btd = x_btd + self.pos_embed_pd[...].astype(dt)[positions_bt + cfg.position_offset]
-        if cfg.embedding_norm:  # BLOOM
+            x_btd = x_btd + self.pos_embed_pd[...].astype(dt)[positions_bt + cfg.embedding.position_offset]
+        if cfg.embedding.norm:  # BLOOM
             x_btd = self.embed_norm(x_btd)
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
-        per_layer_btlp = self._per_layer_inputs(tokens_bt, x_btd) if cfg.per_layer_input_dim else None
+        per_layer_btlp = self._per_layer_inputs(tokens_bt, x_btd) if cfg.embedding.per_layer_input_dim else None
         stats = None
         if cache is None:  # segment_ids_bt None: one unpadded document per row, no mask needed
             with matmuls_in(self.compute.matmul_precision):  # fp8/int8 recipes: the layers' products only
@@ -1112,16 +1116,16 @@ class Transformer(nnx.Module):
                 logits_btv = self.dot_general(
                     x_btd, head_dv.astype(dt), (((2,), (0,)), ((), ())), preferred_element_type=jnp.float32
                 )
-        if cfg.lm_head_bias:  # GPT-J, Phi
+        if cfg.head.bias:  # GPT-J, Phi
             logits_btv = logits_btv + self.lm_head_bias_v[...].astype(logits_btv.dtype)
-        if cfg.logits_multiplier is not None:  # Cohere's logit_scale
-            logits_btv = logits_btv * jnp.asarray(cfg.logits_multiplier, logits_btv.dtype)
-        if cfg.logits_scaling is not None:  # Granite
-            logits_btv = logits_btv / jnp.asarray(cfg.logits_scaling, logits_btv.dtype)
+        if cfg.head.multiplier is not None:  # Cohere's logit_scale
+            logits_btv = logits_btv * jnp.asarray(cfg.head.multiplier, logits_btv.dtype)
+        if cfg.head.divisor is not None:  # Granite
+            logits_btv = logits_btv / jnp.asarray(cfg.head.divisor, logits_btv.dtype)
         if cfg.mup is not None and cfg.mup.lm_head != 1.0:  # Falcon-H1
             logits_btv = logits_btv * jnp.asarray(cfg.mup.lm_head, logits_btv.dtype)
-        if cfg.final_logit_softcap is not None:
-            cap = cfg.final_logit_softcap
+        if cfg.head.softcap is not None:
+            cap = cfg.head.softcap
             logits_btv = (cap * jnp.tanh(logits_btv.astype(jnp.float32) / cap)).astype(logits_btv.dtype)
         logits_btv = constrain(logits_btv, ("act_batch", "act_seq", "act_vocab"))
         return logits_btv, stats, cache

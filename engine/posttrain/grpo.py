@@ -597,7 +597,7 @@ def step_spec(cfg: GRPOConfig, models: InputModels) -> StepSpec:
     batch = batch_shapes(cfg)
     if replays_routes(cfg, model_cfg):  # router replay: each token's experts at each layer
         rows, length = batch["tokens"].shape
-        experts = (rows, model_cfg.num_layers, length, model_cfg.experts_per_token)
+        experts = (rows, model_cfg.num_layers, length, model_cfg.moe.experts_per_token)
         batch[ROUTER_EXPERTS] = jax.ShapeDtypeStruct(experts, np.int32)
     return StepSpec(
         train_config(cfg, model_cfg, compute),

@@ -26,6 +26,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from engine.config import ConfigError
+from engine.models import flat_keys
 from engine.models.lora import LORA_SEED, join, split_adapter
 from engine.models.params import abstract_model_params, graphdef_of, init_params
 from engine.models.quantize import QUANTIZED_DTYPES, quantizable, quantize_leaf, quantized_abstract
@@ -206,7 +207,7 @@ class Trainer:
         self.base_shardings = (
             None if self.abstract_base is None else jax.tree.map(lambda a: a.sharding, self.abstract_base)
         )
-        warmup = cfg.compute.indexer_loss == "warmup" and cfg.model.index_topk is not None
+        warmup = cfg.compute.indexer_loss == "warmup" and cfg.model.mla.index_topk is not None
         self.tx, self.schedule = make_optimizer(  # the indexer's dense warm-up trains it alone (dsa.py)
             cfg.optimizer,
             cfg.schedule,
@@ -365,7 +366,8 @@ class Trainer:
                 f"parameters; set compute.scan_layers: {str(stored.scan_layers).lower()} to restore them"
             )
         model_cfg, params, _ = load_params(cfg.checkpoint.init_from, abstract, as_numpy=as_numpy)
-        saved, wanted = model_cfg.model_dump(), cfg.model.model_dump()
+        # by the flat keys (num_heads, not the whole attention section) so the message names the field
+        saved, wanted = flat_keys.unfold(model_cfg.model_dump()), flat_keys.unfold(cfg.model.model_dump())
         if saved != wanted:  # compute settings (precision, remat, ...) may differ; the architecture may not
             differing = ", ".join(f"{k} ({saved[k]!r} vs {wanted[k]!r})" for k in saved if saved[k] != wanted.get(k))
             raise ConfigError(

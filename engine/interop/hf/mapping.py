@@ -15,6 +15,7 @@ import numpy as np
 import pydantic
 
 from engine.config import ConfigError
+from engine.models import flat_keys
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.families import TensorSpec, family_names, family_of_model_type, get_family
 
@@ -93,9 +94,10 @@ def model_config_to_hf(
     hf = {**family.config_to_hf(cfg), "dtype": param_dtype}
     hf.update({key: (token_ids or {}).get(key) for key in TOKEN_ID_KEYS})
     again, _ = model_config_from_hf(hf, where=f"family '{cfg.family}'")
-    ours, theirs = cfg.model_dump(), again.model_dump()
+    # by the flat keys (engine/models/flat_keys.py), so the message names the one field
+    ours, theirs = flat_keys.unfold(cfg.model_dump()), flat_keys.unfold(again.model_dump())
     for key in ours:
-        if ours[key] != theirs[key] and not _same_layers(ours[key], theirs[key], key, cfg.num_layers):
+        if ours[key] != theirs.get(key) and not _same_layers(ours[key], theirs.get(key), key, cfg.num_layers):
             raise ConfigError(
                 f"model.{key}={ours[key]!r} cannot be expressed as a Hugging Face {family.architecture} "
                 f"(family '{cfg.family}' implies {theirs[key]!r}); choose the family that has it"

@@ -2,16 +2,16 @@
 
 Grouped-query attention with RMSNorm over head_dim on queries and keys, RoPE on the
 sliding-window layers only (the global ones, every global_attn_every_n_layers-th, are NoPE:
-ModelConfig.rope_pattern), and an output gate: the attention's output times
+ModelConfig.rope.pattern), and an output gate: the attention's output times
 sigmoid(x . gate_proj) per head and dimension before o_proj
-(ModelConfig.attention_output_gate, whose engine weight wq_dnh holds each head's query and
+(ModelConfig.attention.output_gate, whose engine weight wq_dnh holds each head's query and
 gate side by side: HF's q_proj and gate_proj are its two halves, TensorSpec.last_axis_slice).
-Each sublayer's input and output are normalised (ModelConfig.post_norms: input_layernorm,
+Each sublayer's input and output are normalised (ModelConfig.block.post_norms: input_layernorm,
 post_attention_layernorm, pre_mlp_layernorm, post_mlp_layernorm). The first num_dense_layers
 layers are dense; the rest route by sigmoid scores plus a choosing bias (`expert_bias`, a
-frozen parameter in transformers: ModelConfig.router_bias), renormalise the chosen weights and
+frozen parameter in transformers: ModelConfig.moe.router_bias), renormalise the chosen weights and
 scale them by route_scale, beside shared experts. mup_enabled multiplies the embeddings by
-sqrt(hidden_size) (ModelConfig.scale_embeddings).
+sqrt(hidden_size) (ModelConfig.embedding.scale).
 
 Checkpoints store one tensor per expert (`experts.{j}.`), as transformers saves them.
 """
@@ -95,17 +95,17 @@ class Afmoe(Family):
         return {
             **layer_types_to_hf(cfg),
             "global_attn_every_n_layers": every or self.hf_defaults["global_attn_every_n_layers"],
-            "num_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.experts_per_token,
+            "num_experts": cfg.moe.num_experts,
+            "num_experts_per_tok": cfg.moe.experts_per_token,
             "moe_intermediate_size": cfg.moe_mlp_dim,
-            "num_shared_experts": cfg.num_shared_experts,
-            "route_scale": cfg.router_scale,
-            "num_dense_layers": cfg.first_dense_layers,
-            "mup_enabled": cfg.scale_embeddings,
+            "num_shared_experts": cfg.moe.num_shared_experts,
+            "route_scale": cfg.moe.router_scale,
+            "num_dense_layers": cfg.moe.first_dense_layers,
+            "mup_enabled": cfg.embedding.scale,
         }
 
     def attention_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
-        h, attn = cfg.head_dim, LAYER + "self_attn."
+        h, attn = cfg.attention.head_dim, LAYER + "self_attn."
         query, key, value, out = super().attention_tensors(cfg)[1:]
         return [
             TensorSpec(("attn_norm", "scale"), LAYER + "input_layernorm.weight", None),
@@ -137,6 +137,6 @@ class Afmoe(Family):
             *(
                 TensorSpec(("mlp", f"w_shared_{x}_{dims}"), shared + f"{x}_proj.weight", 1)
                 for x, dims in (("gate", "dg"), ("up", "dg"), ("down", "gd"))
-                if cfg.num_shared_experts
+                if cfg.moe.num_shared_experts
             ),
         ]

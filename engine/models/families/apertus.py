@@ -3,7 +3,7 @@ an ungated MLP whose activation is xIELU (engine/models/xielu.py).
 
 Attention as Llama's plus an RMSNorm over head_dim on queries and keys before RoPE (as
 Qwen 3); the layer's two norms are named attention_layernorm and feedforward_layernorm. The
-MLP is down(xielu(up(x))) (ModelConfig.mlp_gated false, activation xielu) with the two
+MLP is down(xielu(up(x))) (ModelConfig.mlp.gated false, activation xielu) with the two
 learned scalars of each layer's xIELU (`mlp.act_fn.alpha_p`, `alpha_n`); its constant `beta`
 and `eps` buffers are skipped on conversion and written back on export (Family.
 constant_tensors), since transformers fills buffers a checkpoint lacks with garbage. Without
@@ -65,7 +65,7 @@ class Apertus(Family):
                 TensorSpec(("mlp", "xielu_alpha_p"), LAYER + "mlp.act_fn.alpha_p", None),
                 TensorSpec(("mlp", "xielu_alpha_n"), LAYER + "mlp.act_fn.alpha_n", None),
             ]
-            if cfg.activation == "xielu"
+            if cfg.mlp.activation == "xielu"
             else []
         )
         return [
@@ -75,11 +75,11 @@ class Apertus(Family):
         ]
 
     def constant_tensors(self, cfg: ModelConfig) -> dict[str, float]:
-        if cfg.activation != "xielu":
+        if cfg.mlp.activation != "xielu":
             return {}
         values = dict(zip(CONSTANTS, (XIELU_BETA, XIELU_EPS), strict=True))
         return {f"model.layers.{i}.mlp.act_fn.{k}": values[k] for i in range(cfg.num_layers) for k in CONSTANTS}
 
     def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:
         layer = name.removeprefix("model.layers.").split(".", 1)
-        return cfg.activation == "xielu" and len(layer) == 2 and layer[1] in {f"mlp.act_fn.{k}" for k in CONSTANTS}
+        return cfg.mlp.activation == "xielu" and len(layer) == 2 and layer[1] in {f"mlp.act_fn.{k}" for k in CONSTANTS}

@@ -27,7 +27,7 @@ from engine.models import family_registry
 from engine.models.config import ModelConfig
 
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "xielu": "xielu"}
-"""config.json activation name -> ModelConfig.activation."""
+"""config.json activation name -> ModelConfig.mlp.activation."""
 REQUIRED_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 LAYER = "model.layers.{i}."
 EXPERT = "experts.{j}."
@@ -171,7 +171,7 @@ def rope_from_hf(params: dict, where: str) -> tuple[float, dict | None]:
 
 
 def rope_to_hf(scaling) -> dict | None:
-    """config.json's `rope_scaling` (transformers 4) of a ModelConfig.rope_scaling (a RopeScaling or None)."""
+    """config.json's `rope_scaling` (transformers 4) of a ModelConfig.rope.scaling (a RopeScaling or None)."""
     if scaling is None:
         return None
     if scaling.kind == "linear":
@@ -231,11 +231,11 @@ def parse_layer_types(types: list[str], num_layers: int, where: str) -> list[boo
 def layer_types_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     """transformers 5's per-layer keys, for the families that read them."""
     types = ["sliding_attention" if x else "full_attention" for x in cfg.layer_is_local()]
-    return {"layer_types": types, "sliding_window": cfg.sliding_window}
+    return {"layer_types": types, "sliding_window": cfg.attention.sliding_window}
 
 
 def _shortest_period(flags: list[bool]) -> list[bool]:
-    """The shortest prefix that repeats to `flags` (ModelConfig.attention_pattern)."""
+    """The shortest prefix that repeats to `flags` (ModelConfig.attention.pattern)."""
     for period in range(1, len(flags) + 1):
         if all(flags[i] == flags[i % period] for i in range(len(flags))):
             return flags[:period]
@@ -414,16 +414,16 @@ class Family:
             "model_type": self.model_type,
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model,
-            "intermediate_size": cfg.mlp_dim,
+            "intermediate_size": cfg.mlp.dim,
             "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads,
-            "head_dim": cfg.head_dim,
+            "num_attention_heads": cfg.attention.num_heads,
+            "num_key_value_heads": cfg.attention.num_kv_heads,
+            "head_dim": cfg.attention.head_dim,
             "max_position_embeddings": cfg.max_seq_len,
-            "rms_norm_eps": cfg.norm_eps,
-            "rope_parameters": rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling),
-            "rope_theta": cfg.rope_theta,
-            "rope_scaling": rope_to_hf(cfg.rope_scaling),
+            "rms_norm_eps": cfg.norm.eps,
+            "rope_parameters": rope_parameters_to_hf(cfg.rope.theta, cfg.rope.scaling),
+            "rope_theta": cfg.rope.theta,
+            "rope_scaling": rope_to_hf(cfg.rope.scaling),
             "tie_word_embeddings": cfg.tie_embeddings,
             "initializer_range": cfg.init_std,
             "attention_dropout": 0.0,
@@ -435,8 +435,8 @@ class Family:
         return hf
 
     def activation_to_hf(self, cfg: ModelConfig) -> str:
-        """config.json's activation name of ModelConfig.activation."""
-        return {v: k for k, v in ACTIVATIONS.items() if k != "gelu_new"}[cfg.activation]
+        """config.json's activation name of ModelConfig.mlp.activation."""
+        return {v: k for k, v in ACTIVATIONS.items() if k != "gelu_new"}[cfg.mlp.activation]
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         """config.json keys only this family writes."""

@@ -83,8 +83,8 @@ class Bloom(Family):
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model,
             "n_layer": cfg.num_layers,
-            "n_head": cfg.num_heads,
-            "layer_norm_epsilon": cfg.norm_eps,
+            "n_head": cfg.attention.num_heads,
+            "layer_norm_epsilon": cfg.norm.eps,
             "initializer_range": cfg.init_std,
             "use_cache": True,
             "apply_residual_connection_post_layernorm": False,
@@ -107,7 +107,7 @@ class Bloom(Family):
         ]
         if not cfg.tie_embeddings:
             top.append(TensorSpec(("lm_head_dv",), "lm_head.weight", 1))
-        n = cfg.num_heads
+        n = cfg.attention.num_heads
         attention = LAYER + "self_attention."
         per_layer = [
             *layer_norm("attn_norm", LAYER + "input_layernorm"),

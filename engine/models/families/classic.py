@@ -23,7 +23,7 @@ ACTIVATIONS = {
     "relu2": "relu2",
     "silu": "silu",
 }
-"""config.json activation name -> ModelConfig.activation (HF's gelu_new, gelu_pytorch_tanh and
+"""config.json activation name -> ModelConfig.mlp.activation (HF's gelu_new, gelu_pytorch_tanh and
 gelu_fast are one tanh approximation, written out three ways)."""
 
 
@@ -69,9 +69,9 @@ def partial_rope(hf: dict, head_dim: int, where: str, *, theta: float = 10000.0,
 
 def partial_rope_to_hf(cfg, *, factor_key: bool = True) -> dict:
     """transformers 5's rope_parameters of cfg, with its partial_rotary_factor (`factor_key`)."""
-    rope = rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling)
+    rope = rope_parameters_to_hf(cfg.rope.theta, cfg.rope.scaling)
     if factor_key:
-        rope["partial_rotary_factor"] = (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim
+        rope["partial_rotary_factor"] = (cfg.rope.rotary_dim or cfg.attention.head_dim) / cfg.attention.head_dim
     return rope
 
 

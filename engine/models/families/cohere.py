@@ -2,9 +2,9 @@
 
 Llama's projection names and SwiGLU MLP under one LayerNorm without a bias that feeds both
 sublayers, x + attn(ln(x)) + mlp(ln(x)) (residual parallel_shared_norm); RoPE on adjacent
-pairs (rope_interleave); logits multiplied by `logit_scale` (ModelConfig.logits_multiplier);
+pairs (rope_interleave); logits multiplied by `logit_scale` (ModelConfig.head.multiplier);
 biases on q, k, v and o where `attention_bias`. Command R+ (`use_qk_norm`) has a LayerNorm
-per head on queries and keys, its scale (heads, head_dim) (ModelConfig.qk_norm_per_head).
+per head on queries and keys, its scale (heads, head_dim) (ModelConfig.attention.qk_norm_per_head).
 Cohere 2 alternates sliding-window layers, which rotate, with global ones, which do not
 (NoPE; `layer_types`, or the older `sliding_window_pattern`: every 4th global).
 """
@@ -81,29 +81,29 @@ class Cohere(Family):
             "model_type": self.model_type,
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model,
-            "intermediate_size": cfg.mlp_dim,
-            "logit_scale": cfg.logits_multiplier,
+            "intermediate_size": cfg.mlp.dim,
+            "logit_scale": cfg.head.multiplier,
             "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads,
-            "hidden_act": cfg.activation,
+            "num_attention_heads": cfg.attention.num_heads,
+            "num_key_value_heads": cfg.attention.num_kv_heads,
+            "hidden_act": cfg.mlp.activation,
             "max_position_embeddings": cfg.max_seq_len,
             "initializer_range": cfg.init_std,
-            "layer_norm_eps": cfg.norm_eps,
+            "layer_norm_eps": cfg.norm.eps,
             "use_cache": True,
             "tie_word_embeddings": cfg.tie_embeddings,
-            "rope_parameters": rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling),
-            "rope_theta": cfg.rope_theta,
-            "rope_scaling": rope_to_hf(cfg.rope_scaling),
-            "attention_bias": cfg.qkv_bias,
+            "rope_parameters": rope_parameters_to_hf(cfg.rope.theta, cfg.rope.scaling),
+            "rope_theta": cfg.rope.theta,
+            "rope_scaling": rope_to_hf(cfg.rope.scaling),
+            "attention_bias": cfg.attention.qkv_bias,
             "attention_dropout": 0.0,
             **self.extra_hf_keys(cfg),
         }
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         # head_dim: read by the attention though CohereConfig does not declare it
-        other_width = cfg.head_dim != cfg.d_model // cfg.num_heads
-        return {"use_qk_norm": cfg.qk_norm, **({"head_dim": cfg.head_dim} if other_width else {})}
+        other_width = cfg.attention.head_dim != cfg.d_model // cfg.attention.num_heads
+        return {"use_qk_norm": cfg.attention.qk_norm, **({"head_dim": cfg.attention.head_dim} if other_width else {})}
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
         top = [
@@ -112,13 +112,13 @@ class Cohere(Family):
         ]
         if not cfg.tie_embeddings:
             top.append(TensorSpec(("lm_head_dv",), "lm_head.weight", 1))
-        bias = cfg.qkv_bias
+        bias = cfg.attention.qkv_bias
         per_layer = [
             TensorSpec(("attn_norm", "scale"), LAYER + "input_layernorm.weight", None),
             *classic.attention(LAYER + "self_attn.", ("q_proj", "k_proj", "v_proj", "o_proj"), bias, bias),
             *gated_mlp_tensors(),
         ]
-        if cfg.qk_norm:  # (heads, head_dim) scales, as HF stores them
+        if cfg.attention.qk_norm:  # (heads, head_dim) scales, as HF stores them
             names = [LAYER + f"self_attn.{x}_norm.weight" for x in "qk"]
             per_layer += [TensorSpec(("attn", f"{x}_norm", "scale"), name, None) for x, name in zip("qk", names)]
         return top, per_layer
@@ -150,7 +150,7 @@ class Cohere2(Cohere):
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         local = cfg.layer_is_local()
         return {
-            "sliding_window": cfg.sliding_window or 4096,
+            "sliding_window": cfg.attention.sliding_window or 4096,
             "layer_types": ["sliding_attention" if x else "full_attention" for x in local],
-            "head_dim": cfg.head_dim,
+            "head_dim": cfg.attention.head_dim,
         }

@@ -109,26 +109,26 @@ class Cohere2Moe(Cohere2):
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         keys = super().extra_hf_keys(cfg)
-        first, layers = cfg.first_dense_layers, cfg.layer_pattern()
+        first, layers = cfg.moe.first_dense_layers, cfg.layer_pattern()
         local = cfg.layer_is_local()
         # 1 makes global dense layers rotate; another value leaves them unrotated as transformers' rule does
         unrotated = any(not x and not layer.rope for x, layer in zip(local[:first], layers[:first]))
-        rms = cfg.norm_kind == "rms"
+        rms = cfg.norm.kind == "rms"
         rest = local[first:]  # the sliding_window_pattern whose rule gives the layers after the prefix, if one does
         rule = [p for p in range(1, len(rest) + 2) if rest == [bool((i + 1) % p) for i in range(len(rest))]]
         return {
             **keys,
-            "num_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.experts_per_token,
-            "num_shared_experts": cfg.num_shared_experts,
-            "shared_expert_combination_strategy": "average" if cfg.shared_expert_scale == 0.5 else "sum",
-            "expert_selection_fn": cfg.router_score,
-            "norm_topk_prob": cfg.router_renormalize,
+            "num_experts": cfg.moe.num_experts,
+            "num_experts_per_tok": cfg.moe.experts_per_token,
+            "num_shared_experts": cfg.moe.num_shared_experts,
+            "shared_expert_combination_strategy": "average" if cfg.moe.shared_scale == 0.5 else "sum",
+            "expert_selection_fn": cfg.moe.router_score,
+            "norm_topk_prob": cfg.moe.router_renormalize,
             "mlp_layer_types": ["dense" if i < first else "sparse" for i in range(cfg.num_layers)],
-            "prefix_dense_intermediate_size": cfg.mlp_dim if first else None,
+            "prefix_dense_intermediate_size": cfg.mlp.dim if first else None,
             "prefix_dense_sliding_window_pattern": first + 1 if unrotated else 1,
-            "rms_norm_eps": cfg.norm_eps if rms else None,
-            "layer_norm_eps": 1e-5 if rms else cfg.norm_eps,
+            "rms_norm_eps": cfg.norm.eps if rms else None,
+            "layer_norm_eps": 1e-5 if rms else cfg.norm.eps,
             "output_router_logits": False,
             "sliding_window_pattern": rule[0] if rule else 4,
         }
@@ -137,7 +137,7 @@ class Cohere2Moe(Cohere2):
         top, per_layer = super().tensor_table(cfg)
         attention = [spec for spec in per_layer if not spec.path[0].startswith("mlp")]
         moe = _experts("mlp.", "gate_proj", "up_proj", "down_proj")
-        if cfg.num_shared_experts:
+        if cfg.moe.num_shared_experts:
             shared = LAYER + "mlp.shared_experts."
             moe += [
                 TensorSpec(("mlp", f"w_shared_{x}"), shared + f"{name}.weight", 1)
@@ -145,4 +145,4 @@ class Cohere2Moe(Cohere2):
             ]
         dense = [dataclasses.replace(spec, stack="dense_blocks") for spec in attention + gated_mlp_tensors()]
         stacked = [dataclasses.replace(spec, stack="blocks") for spec in attention + moe]
-        return top, (dense if cfg.first_dense_layers else []) + stacked
+        return top, (dense if cfg.moe.first_dense_layers else []) + stacked

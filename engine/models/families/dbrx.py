@@ -92,12 +92,12 @@ class Dbrx(Family):
         }
 
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
-        act = {"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.activation, cfg.activation)
+        act = {"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.mlp.activation, cfg.mlp.activation)
         return {
             "architectures": [self.architecture],
             "model_type": self.model_type,
             "d_model": cfg.d_model,
-            "n_heads": cfg.num_heads,
+            "n_heads": cfg.attention.num_heads,
             "n_layers": cfg.num_layers,
             "max_seq_len": cfg.max_seq_len,
             "vocab_size": cfg.vocab_size,
@@ -107,28 +107,28 @@ class Dbrx(Family):
             "attn_config": {
                 **NESTED,
                 "attn_pdrop": 0.0,
-                "clip_qkv": cfg.qkv_clip,
-                "kv_n_heads": cfg.num_kv_heads,
-                "rope_theta": cfg.rope_theta,
+                "clip_qkv": cfg.attention.qkv_clip,
+                "kv_n_heads": cfg.attention.num_kv_heads,
+                "rope_theta": cfg.rope.theta,
             },
             "ffn_config": {
                 **NESTED,
                 "hidden_size": cfg.d_model,
                 "ffn_act_fn": {"name": act},
                 "ffn_hidden_size": cfg.moe_mlp_dim,
-                "moe_num_experts": cfg.num_experts,
-                "moe_top_k": cfg.experts_per_token,
+                "moe_num_experts": cfg.moe.num_experts,
+                "moe_top_k": cfg.moe.experts_per_token,
                 "moe_jitter_eps": None,
                 "moe_loss_weight": 0.01,
-                "moe_normalize_expert_weights": 1.0 if cfg.router_renormalize else None,
+                "moe_normalize_expert_weights": 1.0 if cfg.moe.router_renormalize else None,
             },
             "use_cache": True,
             "initializer_range": cfg.init_std,
             "output_router_logits": False,
-            "rope_parameters": rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling),
-            "rope_theta": cfg.rope_theta,
+            "rope_parameters": rope_parameters_to_hf(cfg.rope.theta, cfg.rope.scaling),
+            "rope_theta": cfg.rope.theta,
             "tie_word_embeddings": cfg.tie_embeddings,
-            "num_key_value_heads": cfg.num_kv_heads,
+            "num_key_value_heads": cfg.attention.num_kv_heads,
         }
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:

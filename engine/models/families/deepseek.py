@@ -139,23 +139,23 @@ class DeepseekV3(Family):
         mtp = {"num_nextn_predict_layers": cfg.mtp_layers} if cfg.mtp_layers or type(self) is DeepseekV3 else {}
         return {
             **mtp,
-            "head_dim": cfg.rope_head_dim,
-            "qk_head_dim": cfg.head_dim,  # as transformers writes them
-            "qk_nope_head_dim": cfg.head_dim - cfg.rope_head_dim,
-            "qk_rope_head_dim": cfg.rope_head_dim,
+            "head_dim": cfg.mla.rope_head_dim,
+            "qk_head_dim": cfg.attention.head_dim,  # as transformers writes them
+            "qk_nope_head_dim": cfg.attention.head_dim - cfg.mla.rope_head_dim,
+            "qk_rope_head_dim": cfg.mla.rope_head_dim,
             "v_head_dim": cfg.value_head_dim,
-            "kv_lora_rank": cfg.kv_lora_rank,
-            "q_lora_rank": cfg.q_lora_rank,
-            "rope_interleave": cfg.rope_interleave,
-            "n_routed_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.experts_per_token,
+            "kv_lora_rank": cfg.mla.kv_lora_rank,
+            "q_lora_rank": cfg.mla.q_lora_rank,
+            "rope_interleave": cfg.rope.interleave,
+            "n_routed_experts": cfg.moe.num_experts,
+            "num_experts_per_tok": cfg.moe.experts_per_token,
             "moe_intermediate_size": cfg.moe_mlp_dim,
-            "n_shared_experts": cfg.num_shared_experts,
-            "norm_topk_prob": cfg.router_renormalize,
-            "n_group": cfg.router_groups,
-            "topk_group": cfg.router_group_top,
-            "routed_scaling_factor": cfg.router_scale,
-            "first_k_dense_replace": cfg.first_dense_layers,
+            "n_shared_experts": cfg.moe.num_shared_experts,
+            "norm_topk_prob": cfg.moe.router_renormalize,
+            "n_group": cfg.moe.router_groups,
+            "topk_group": cfg.moe.router_group_top,
+            "routed_scaling_factor": cfg.moe.router_scale,
+            "first_k_dense_replace": cfg.moe.first_dense_layers,
         }
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -167,8 +167,8 @@ class DeepseekV3(Family):
             top.append(TensorSpec(("lm_head_dv",), "lm_head.weight", 1))
         per_layer = []
         for stack, _ in cfg.layer_stacks():
-            per_layer += _attention(stack, cfg.q_lora_rank is not None)
-            per_layer += _dense_mlp() if stack == "dense_blocks" else routed_and_shared_experts(cfg.router_bias)
+            per_layer += _attention(stack, cfg.mla.q_lora_rank is not None)
+            per_layer += _dense_mlp() if stack == "dense_blocks" else routed_and_shared_experts(cfg.moe.router_bias)
         mtp_top, mtp_layer = mtp_tensors(cfg, per_layer)
         return top + mtp_top, per_layer + mtp_layer
 
@@ -246,12 +246,12 @@ class DeepseekV2(DeepseekV3):
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         keys = super().extra_hf_keys(cfg)
         del keys["rope_interleave"]
-        grouped = cfg.router_groups > 1
+        grouped = cfg.moe.router_groups > 1
         return {
             **keys,
             "topk_method": "group_limited_greedy" if grouped else "greedy",
-            "n_group": cfg.router_groups if grouped else None,
-            "topk_group": cfg.router_group_top if grouped else None,
+            "n_group": cfg.moe.router_groups if grouped else None,
+            "topk_group": cfg.moe.router_group_top if grouped else None,
         }
 
     def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:

@@ -87,14 +87,14 @@ class DeepseekV32(DeepseekV3):
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         keys = super().extra_hf_keys(cfg)
         del keys["rope_interleave"]
-        dense = min(cfg.first_dense_layers, cfg.num_layers)
+        dense = min(cfg.moe.first_dense_layers, cfg.num_layers)
         return {
             **keys,
             "mlp_layer_types": ["dense"] * dense + ["sparse"] * (cfg.num_layers - dense),
             "layer_types": ["indexed_attention"] * cfg.num_layers,
-            "index_topk": cfg.index_topk,
-            "index_n_heads": cfg.index_heads,
-            "index_head_dim": cfg.index_head_dim,
+            "index_topk": cfg.mla.index_topk,
+            "index_n_heads": cfg.mla.index_heads,
+            "index_head_dim": cfg.mla.index_head_dim,
         }
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:

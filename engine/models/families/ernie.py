@@ -1,11 +1,11 @@
 """ERNIE 4.5 MoE (Ernie4_5_MoeForCausalLM, model_type ernie4_5_moe).
 
-Llama's attention with RoPE on adjacent pairs (ModelConfig.rope_interleave) and tied
+Llama's attention with RoPE on adjacent pairs (ModelConfig.rope.interleave) and tied
 embeddings by default. A layer has experts when (i + 1) % moe_layer_interval == 0 and
 moe_layer_start_index <= i <= moe_layer_end_index, else a dense MLP: the first layers as
 first_dense_layers, any other mix as ffn_pattern. The router takes a softmax over the experts
 and chooses its top-k by those probabilities plus a per-expert bias (`moe_statics`, a frozen
-parameter of shape (1, E) in transformers: ModelConfig.router_bias, which only chooses),
+parameter of shape (1, E) in transformers: ModelConfig.moe.router_bias, which only chooses),
 renormalises the k chosen probabilities, and the shared experts (moe_num_shared_experts of
 moe_intermediate_size, one gated MLP) add their output.
 
@@ -91,10 +91,10 @@ class Ernie45Moe(Family):
             (s for s in range(1, cfg.num_layers + 1) if moe == self.moe_layers(cfg.num_layers, start, end, s)), 1
         )
         return {
-            "moe_num_experts": cfg.num_experts,
-            "moe_k": cfg.experts_per_token,
+            "moe_num_experts": cfg.moe.num_experts,
+            "moe_k": cfg.moe.experts_per_token,
             "moe_intermediate_size": cfg.moe_mlp_dim,
-            "moe_num_shared_experts": cfg.num_shared_experts,
+            "moe_num_shared_experts": cfg.moe.num_shared_experts,
             "moe_layer_start_index": start,
             "moe_layer_end_index": end,
             "moe_layer_interval": interval,
@@ -104,7 +104,7 @@ class Ernie45Moe(Family):
         # transformers' (1, E) statics: in_dims 1 writes the engine's (E,) bias as one row of E
         bias = TensorSpec(("mlp", "b_router_e"), LAYER + "mlp.moe_statics.e_score_correction_bias", 1)
         specs = [bias if spec.path == ("mlp", "b_router_e") else spec for spec in routed_and_shared_experts()]
-        if not cfg.num_shared_experts:
+        if not cfg.moe.num_shared_experts:
             specs = [spec for spec in specs if not spec.path[-1].startswith("w_shared_")]
         return specs
 

@@ -2,12 +2,12 @@
 Qwen 3's QK norm, and global layers without RoPE.
 
 Each sublayer's output is normalised before the residual add and its input is not,
-x + norm(attn(x)) (ModelConfig.pre_norms false, post_norms true; the tensors are OLMo 2's
+x + norm(attn(x)) (ModelConfig.block.pre_norms false, post_norms true; the tensors are OLMo 2's
 post_attention_layernorm and post_feedforward_layernorm), and queries and keys get an
 RMSNorm over head_dim before RoPE. With a sliding window (`sliding_window` set: three local
 layers then a global one by default, `sliding_window_pattern` a period or a string such as
 "LLLG", or `layer_types`) only the sliding-window layers rotate and the global ones are NoPE
-(ModelConfig.rope_pattern); without one every layer is global and rotates.
+(ModelConfig.rope.pattern); without one every layer is global and rotates.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Exaone4(Family):
         windowed = any(local)
         return {
             "layer_types": ["sliding_attention" if x else "full_attention" for x in local],
-            "sliding_window": cfg.sliding_window if windowed else None,
+            "sliding_window": cfg.attention.sliding_window if windowed else None,
             # transformers' own value: 0 without a window, else the period (its default where none fits)
             "sliding_window_pattern": (period or self.hf_defaults["sliding_window_pattern"]) if windowed else 0,
         }

@@ -82,7 +82,7 @@ class Falcon(Family):
     def _new_architecture(cfg: ModelConfig) -> bool:
         """Written as the new decoder architecture: two LayerNorms, or KV heads that are
         neither one (multi-query) nor every head (the older per-head layout)."""
-        return cfg.residual == "parallel" or cfg.num_kv_heads not in (1, cfg.num_heads)
+        return cfg.block.residual == "parallel" or cfg.attention.num_kv_heads not in (1, cfg.attention.num_heads)
 
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
         new = self._new_architecture(cfg)
@@ -92,26 +92,26 @@ class Falcon(Family):
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model,
             "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads,
-            "num_ln_in_parallel_attn": (2 if cfg.residual == "parallel" else 1) if new else None,
-            "layer_norm_epsilon": cfg.norm_eps,
+            "num_attention_heads": cfg.attention.num_heads,
+            "num_ln_in_parallel_attn": (2 if cfg.block.residual == "parallel" else 1) if new else None,
+            "layer_norm_epsilon": cfg.norm.eps,
             "initializer_range": cfg.init_std,
             "use_cache": True,
             "hidden_dropout": 0.0,
             "attention_dropout": 0.0,
-            "num_kv_heads": cfg.num_kv_heads if new else cfg.num_heads,
+            "num_kv_heads": cfg.attention.num_kv_heads if new else cfg.attention.num_heads,
             "alibi": False,
             "new_decoder_architecture": new,
-            "multi_query": new or cfg.num_kv_heads == 1,
-            "parallel_attn": cfg.residual != "sequential",
-            "bias": cfg.mlp_bias,
+            "multi_query": new or cfg.attention.num_kv_heads == 1,
+            "parallel_attn": cfg.block.residual != "sequential",
+            "bias": cfg.mlp.bias,
             "max_position_embeddings": cfg.max_seq_len,
-            "rope_parameters": rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling),
-            "rope_theta": cfg.rope_theta,
-            "ffn_hidden_size": cfg.mlp_dim,
-            "activation": {"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation),
+            "rope_parameters": rope_parameters_to_hf(cfg.rope.theta, cfg.rope.scaling),
+            "rope_theta": cfg.rope.theta,
+            "ffn_hidden_size": cfg.mlp.dim,
+            "activation": {"gelu_tanh": "gelu_new"}.get(cfg.mlp.activation, cfg.mlp.activation),
             "tie_word_embeddings": cfg.tie_embeddings,
-            "num_key_value_heads": cfg.num_kv_heads,  # FalconConfig's property, which it writes too
+            "num_key_value_heads": cfg.attention.num_kv_heads,  # FalconConfig's property, which it writes too
         }
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -121,17 +121,17 @@ class Falcon(Family):
         ]
         if not cfg.tie_embeddings:
             top.append(TensorSpec(("lm_head_dv",), "lm_head.weight", 1))
-        bias, attention = cfg.mlp_bias, LAYER + "self_attention."
-        if cfg.residual == "parallel":
+        bias, attention = cfg.mlp.bias, LAYER + "self_attention."
+        if cfg.block.residual == "parallel":
             norms = classic.norm("attn_norm", LAYER + "ln_attn", True)
             norms += classic.norm("mlp_norm", LAYER + "ln_mlp", True)
         else:
             norms = classic.norm("attn_norm", LAYER + "input_layernorm", True)
-            if cfg.residual == "sequential":
+            if cfg.block.residual == "sequential":
                 norms += classic.norm("mlp_norm", LAYER + "post_attention_layernorm", True)
         per_layer = [
             *norms,
-            *classic.fused_qkv(attention + "query_key_value", bias, groups=cfg.num_kv_heads),
+            *classic.fused_qkv(attention + "query_key_value", bias, groups=cfg.attention.num_kv_heads),
             TensorSpec(("attn", "wo_nhd"), attention + "dense.weight", 2),
             *([TensorSpec(("attn", "bo_d"), attention + "dense.bias", None)] if bias else []),
             *classic.plain_mlp(LAYER + "mlp.", "dense_h_to_4h", "dense_4h_to_h", bias=bias),

@@ -75,12 +75,12 @@ class Gemma2(Family):
         }
 
     def extra_hf_keys(self, cfg) -> dict[str, Any]:
-        scalar = cfg.query_pre_attn_scalar
+        scalar = cfg.attention.query_pre_attn_scalar
         return {
             **layer_types_to_hf(cfg),
             "query_pre_attn_scalar": int(scalar) if scalar and scalar.is_integer() else scalar,  # an int field
-            "attn_logit_softcapping": cfg.attn_logit_softcap,
-            "final_logit_softcapping": cfg.final_logit_softcap,
+            "attn_logit_softcapping": cfg.attention.softcap,
+            "final_logit_softcapping": cfg.head.softcap,
         }
 
     def mlp_norm_tensors(self) -> list[TensorSpec]:
@@ -130,18 +130,18 @@ class Gemma3(Gemma2):
         return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": local_theta}
 
     def extra_hf_keys(self, cfg) -> dict[str, Any]:
-        local_theta = cfg.rope_local_theta or cfg.rope_theta
+        local_theta = cfg.rope.local_theta or cfg.rope.theta
         keys = {
             **super().extra_hf_keys(cfg),
             "rope_local_base_freq": local_theta,  # transformers 4
             "rope_parameters": {
-                "full_attention": rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling),
+                "full_attention": rope_parameters_to_hf(cfg.rope.theta, cfg.rope.scaling),
                 "sliding_attention": rope_parameters_to_hf(local_theta, None),
             },
         }
         # The older key for the layer pattern: n-1 local layers then a global one, if it is that.
-        period = len(cfg.attention_pattern)
-        if cfg.attention_pattern == ["local"] * (period - 1) + ["global"]:
+        period = len(cfg.attention.pattern)
+        if cfg.attention.pattern == ["local"] * (period - 1) + ["global"]:
             keys.update(sliding_window_pattern=period, _sliding_window_pattern=period)
         return keys
 

@@ -22,7 +22,7 @@ factor per expert (`router_expert_scale`); its experts are stored stacked, gate 
 one (E, 2f, d) tensor (TensorSpec.swap_last).
 
 The small models (E2B, E4B) add per-layer embeddings (`hidden_size_per_layer_input`:
-ModelConfig.per_layer_input_dim; a second embedding table of num_layers * p columns, a
+ModelConfig.embedding.per_layer_input_dim; a second embedding table of num_layers * p columns, a
 projection of the first embedding beside it, and in each layer a gate, a projection and a
 norm, all in the model's blocks) and KV sharing (`num_kv_shared_layers`: the last layers have
 no k/v projections or k norm and attend with the keys and values of the last earlier layer of
@@ -181,25 +181,25 @@ class Gemma4(Family):
         return hf
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
-        global_rope = rope_parameters_to_hf(cfg.rope_theta, None)
-        if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "proportional":
-            global_rope = {"rope_type": "proportional", "partial_rotary_factor": cfg.rope_scaling.rotated_fraction}
-            if cfg.rope_scaling.factor != 1.0:
-                global_rope["factor"] = cfg.rope_scaling.factor
-            global_rope["rope_theta"] = cfg.rope_theta
-        elif cfg.rope_scaling is not None:
-            global_rope = rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling)
-        head_dim = cfg.global_head_dim or cfg.head_dim
+        global_rope = rope_parameters_to_hf(cfg.rope.theta, None)
+        if cfg.rope.scaling is not None and cfg.rope.scaling.kind == "proportional":
+            global_rope = {"rope_type": "proportional", "partial_rotary_factor": cfg.rope.scaling.rotated_fraction}
+            if cfg.rope.scaling.factor != 1.0:
+                global_rope["factor"] = cfg.rope.scaling.factor
+            global_rope["rope_theta"] = cfg.rope.theta
+        elif cfg.rope.scaling is not None:
+            global_rope = rope_parameters_to_hf(cfg.rope.theta, cfg.rope.scaling)
+        head_dim = cfg.attention.global_head_dim or cfg.attention.head_dim
         override: dict[str, Any] = {"head_dim": head_dim}
-        if cfg.global_values_from_keys:
-            override["num_key_value_heads"] = cfg.global_num_kv_heads or cfg.num_kv_heads
+        if cfg.attention.global_values_from_keys:
+            override["num_key_value_heads"] = cfg.attention.global_num_kv_heads or cfg.attention.num_kv_heads
         types = layer_types_to_hf(cfg)
         return {
             **types,
-            "final_logit_softcapping": cfg.final_logit_softcap,
-            "attention_k_eq_v": cfg.global_values_from_keys,
+            "final_logit_softcapping": cfg.head.softcap,
+            "attention_k_eq_v": cfg.attention.global_values_from_keys,
             "rope_parameters": {
-                "sliding_attention": rope_parameters_to_hf(cfg.rope_local_theta or cfg.rope_theta, None),
+                "sliding_attention": rope_parameters_to_hf(cfg.rope.local_theta or cfg.rope.theta, None),
                 "full_attention": global_rope,
             },
             "per_layer_config": {str(i): override for i, t in enumerate(types["layer_types"]) if t == "full_attention"},
@@ -207,10 +207,10 @@ class Gemma4(Family):
             "global_head_dim": head_dim,
             "num_global_key_value_heads": override.get("num_key_value_heads"),
             **self._experts_to_hf(cfg),
-            "hidden_size_per_layer_input": cfg.per_layer_input_dim or 0,
-            "vocab_size_per_layer_input": cfg.vocab_size if cfg.per_layer_input_dim else PER_LAYER_VOCAB,
-            "num_kv_shared_layers": cfg.kv_shared_layers,
-            "use_double_wide_mlp": cfg.kv_shared_wide_mlp,
+            "hidden_size_per_layer_input": cfg.embedding.per_layer_input_dim or 0,
+            "vocab_size_per_layer_input": cfg.vocab_size if cfg.embedding.per_layer_input_dim else PER_LAYER_VOCAB,
+            "num_kv_shared_layers": cfg.attention.kv_shared_layers,
+            "use_double_wide_mlp": cfg.mlp.kv_shared_wide,
         }
 
     @staticmethod
@@ -219,8 +219,8 @@ class Gemma4(Family):
             return {}
         return {
             "enable_moe_block": True,
-            "num_experts": cfg.num_experts,
-            "top_k_experts": cfg.experts_per_token,
+            "num_experts": cfg.moe.num_experts,
+            "top_k_experts": cfg.moe.experts_per_token,
             "moe_intermediate_size": cfg.moe_mlp_dim,
         }
 
@@ -233,7 +233,9 @@ class Gemma4(Family):
         kv = {("attn", "wk_dkh"), ("attn", "wv_dkh"), ("attn", "k_norm", "scale")}
         per_layer = [s for s in per_layer if not (s.stack in reuse and s.path in kv)]  # KV sharing: none of their own
         extra = [TensorSpec(("layer_scale",), LAYER + "layer_scalar", None)]
-        if cfg.per_layer_input_dim:  # per-layer embeddings: the model's table, projection and norm; each layer's
+        if (
+            cfg.embedding.per_layer_input_dim
+        ):  # per-layer embeddings: the model's table, projection and norm; each layer's
             top[1:1] = [
                 TensorSpec(("per_layer_embed_vx",), "model.embed_tokens_per_layer.weight", None),
                 TensorSpec(("per_layer_proj_dx",), "model.per_layer_model_projection.weight", 1),

@@ -2,7 +2,7 @@
 
 Grouped-query attention with biases on q, k and v (attention_bias), optional QK norm
 (use_qk_norm) and partial RoPE (partial_rotary_factor: the first half of each head rotated,
-ModelConfig.rotary_dim); the first first_k_dense_replace layers have a dense MLP (the
+ModelConfig.rope.rotary_dim); the first first_k_dense_replace layers have a dense MLP (the
 `dense_blocks` stack), the rest DeepSeek-V3's mixture of experts: sigmoid scores, a routing
 bias that only chooses (e_score_correction_bias), group-limited top-k, renormalised and
 scaled weights, shared experts. Checkpoints store one tensor per expert, as transformers
@@ -96,24 +96,24 @@ class Glm4Moe(Family):
         }
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
-        factor = (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim
+        factor = (cfg.rope.rotary_dim or cfg.attention.head_dim) / cfg.attention.head_dim
         return {
             "rope_parameters": {
-                **_rope_parameters(cfg.rope_theta, cfg.rope_scaling),
+                **_rope_parameters(cfg.rope.theta, cfg.rope.scaling),
                 "partial_rotary_factor": factor,
             },
             "partial_rotary_factor": factor,  # where published configs (and transformers 4) have it
-            "attention_bias": cfg.qkv_bias,
-            "use_qk_norm": cfg.qk_norm,
-            "n_routed_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.experts_per_token,
+            "attention_bias": cfg.attention.qkv_bias,
+            "use_qk_norm": cfg.attention.qk_norm,
+            "n_routed_experts": cfg.moe.num_experts,
+            "num_experts_per_tok": cfg.moe.experts_per_token,
             "moe_intermediate_size": cfg.moe_mlp_dim,
-            "n_shared_experts": cfg.num_shared_experts,
-            "norm_topk_prob": cfg.router_renormalize,
-            "n_group": cfg.router_groups,
-            "topk_group": cfg.router_group_top,
-            "routed_scaling_factor": cfg.router_scale,
-            "first_k_dense_replace": cfg.first_dense_layers,
+            "n_shared_experts": cfg.moe.num_shared_experts,
+            "norm_topk_prob": cfg.moe.router_renormalize,
+            "n_group": cfg.moe.router_groups,
+            "topk_group": cfg.moe.router_group_top,
+            "routed_scaling_factor": cfg.moe.router_scale,
+            "first_k_dense_replace": cfg.moe.first_dense_layers,
             "num_nextn_predict_layers": cfg.mtp_layers,
         }
 
@@ -126,8 +126,8 @@ class Glm4Moe(Family):
         ]
         return [
             *super().attention_tensors(cfg),
-            *(biases if cfg.qkv_bias else []),
-            *(qk_norm_tensors() if cfg.qk_norm else []),
+            *(biases if cfg.attention.qkv_bias else []),
+            *(qk_norm_tensors() if cfg.attention.qk_norm else []),
         ]
 
     def mlp_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:

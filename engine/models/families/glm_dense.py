@@ -1,12 +1,12 @@
 """GLM-4 (GlmForCausalLM, THUDM/glm-4-9b-chat-hf) and GLM-4-0414 (Glm4ForCausalLM): dense
 Llama-shaped models with GLM's attention and a fused MLP.
 
-Attention: biases on q, k and v (`attention_bias`, true by default; ModelConfig.qkv_bias),
-RoPE on the first partial_rotary_factor (0.5 by default) of each head (ModelConfig.rotary_dim)
-rotating adjacent pairs (x0, x1), (x2, x3), ... (ModelConfig.rope_interleave). The MLP's gate
+Attention: biases on q, k and v (`attention_bias`, true by default; ModelConfig.attention.qkv_bias),
+RoPE on the first partial_rotary_factor (0.5 by default) of each head (ModelConfig.rope.rotary_dim)
+rotating adjacent pairs (x0, x1), (x2, x3), ... (ModelConfig.rope.interleave). The MLP's gate
 and up projections are one `gate_up_proj`, gate then up (TensorSpec.fused_with), so LoRA
 cannot adapt them yet (Family.fused_projections). GLM-4-0414 adds a norm after each sublayer
-(ModelConfig.post_norms): post_self_attn_layernorm and post_mlp_layernorm, while its
+(ModelConfig.block.post_norms): post_self_attn_layernorm and post_mlp_layernorm, while its
 post_attention_layernorm stays the MLP's input norm.
 """
 
@@ -65,11 +65,11 @@ class Glm(Family):
         }
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
-        factor = (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim
+        factor = (cfg.rope.rotary_dim or cfg.attention.head_dim) / cfg.attention.head_dim
         return {
-            "rope_parameters": {**_rope_parameters(cfg.rope_theta, cfg.rope_scaling), "partial_rotary_factor": factor},
+            "rope_parameters": {**_rope_parameters(cfg.rope.theta, cfg.rope.scaling), "partial_rotary_factor": factor},
             "partial_rotary_factor": factor,  # where published configs (and transformers 4) have it
-            "attention_bias": cfg.qkv_bias,
+            "attention_bias": cfg.attention.qkv_bias,
         }
 
     def attention_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
@@ -79,7 +79,7 @@ class Glm(Family):
             )
             for x in "qkv"
         ]
-        return [*super().attention_tensors(cfg), *(biases if cfg.qkv_bias else [])]
+        return [*super().attention_tensors(cfg), *(biases if cfg.attention.qkv_bias else [])]
 
     def mlp_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
         return [

@@ -30,7 +30,7 @@ ACTIVATIONS = {
     "silu": "silu",
     "swish": "silu",
 }
-"""config.json activation_function -> ModelConfig.activation (HF's gelu_new, gelu_pytorch_tanh
+"""config.json activation_function -> ModelConfig.mlp.activation (HF's gelu_new, gelu_pytorch_tanh
 and gelu_fast are one tanh approximation)."""
 
 
@@ -106,15 +106,15 @@ class GPT2(Family):
             "n_positions": cfg.max_seq_len,
             "n_embd": cfg.d_model,
             "n_layer": cfg.num_layers,
-            "n_head": cfg.num_heads,
-            "n_inner": cfg.mlp_dim,
-            "activation_function": {"gelu_tanh": self.default_activation}.get(cfg.activation, cfg.activation),
+            "n_head": cfg.attention.num_heads,
+            "n_inner": cfg.mlp.dim,
+            "activation_function": {"gelu_tanh": self.default_activation}.get(cfg.mlp.activation, cfg.mlp.activation),
             "resid_pdrop": 0.0,
             "embd_pdrop": 0.0,
             "attn_pdrop": 0.0,
-            "layer_norm_epsilon": cfg.norm_eps,
+            "layer_norm_epsilon": cfg.norm.eps,
             "initializer_range": cfg.init_std,
-            "scale_attn_weights": cfg.attention_scale is None,
+            "scale_attn_weights": cfg.attention.scale is None,
             "use_cache": True,
             "add_cross_attention": False,
             "tie_word_embeddings": cfg.tie_embeddings,
@@ -193,13 +193,13 @@ class GPTBigCode(GPT2):
         return {
             "attention_softmax_in_fp32": True,
             "scale_attention_softmax_in_fp32": True,
-            "multi_query": cfg.num_kv_heads == 1,
-            "num_key_value_heads": cfg.num_kv_heads,
+            "multi_query": cfg.attention.num_kv_heads == 1,
+            "num_key_value_heads": cfg.attention.num_kv_heads,
         }
 
     def attention(self, cfg: ModelConfig) -> list[TensorSpec]:
         # multi-query: c_attn's rows q, k, v; otherwise each head's q, k, v rows together
-        groups = 1 if cfg.num_kv_heads == 1 else cfg.num_heads
+        groups = 1 if cfg.attention.num_kv_heads == 1 else cfg.attention.num_heads
         qkv = (("attn", "wk_dkh"), ("attn", "wv_dkh"))
         biases = (("attn", "bk_kh"), ("attn", "bv_kh"))
         return [

@@ -65,22 +65,22 @@ class GPTNeoX(Family):
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model,
             "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads,
-            "intermediate_size": cfg.mlp_dim,
-            "hidden_act": {"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation),
+            "num_attention_heads": cfg.attention.num_heads,
+            "intermediate_size": cfg.mlp.dim,
+            "hidden_act": {"gelu_tanh": "gelu_new"}.get(cfg.mlp.activation, cfg.mlp.activation),
             "attention_dropout": 0.0,
             "hidden_dropout": 0.0,
             "classifier_dropout": 0.1,
             "max_position_embeddings": cfg.max_seq_len,
             "initializer_range": cfg.init_std,
-            "layer_norm_eps": cfg.norm_eps,
+            "layer_norm_eps": cfg.norm.eps,
             "use_cache": True,
             "tie_word_embeddings": cfg.tie_embeddings,
-            "use_parallel_residual": cfg.residual == "parallel",
+            "use_parallel_residual": cfg.block.residual == "parallel",
             "rope_parameters": classic.partial_rope_to_hf(cfg),
-            "rope_theta": cfg.rope_theta,
-            "rope_scaling": rope_to_hf(cfg.rope_scaling),
-            "attention_bias": cfg.qkv_bias,
+            "rope_theta": cfg.rope.theta,
+            "rope_scaling": rope_to_hf(cfg.rope.scaling),
+            "attention_bias": cfg.attention.qkv_bias,
             "is_decoder": False,
         }
 
@@ -94,9 +94,11 @@ class GPTNeoX(Family):
         per_layer = [
             *classic.norm("attn_norm", LAYER + "input_layernorm", bias=True),
             *classic.norm("mlp_norm", LAYER + "post_attention_layernorm", bias=True),
-            *classic.fused_qkv(LAYER + "attention.query_key_value", cfg.qkv_bias, groups=cfg.num_heads),
+            *classic.fused_qkv(
+                LAYER + "attention.query_key_value", cfg.attention.qkv_bias, groups=cfg.attention.num_heads
+            ),
             TensorSpec(("attn", "wo_nhd"), LAYER + "attention.dense.weight", 2),
-            *([TensorSpec(("attn", "bo_d"), LAYER + "attention.dense.bias", None)] if cfg.attention_out_bias else []),
+            *([TensorSpec(("attn", "bo_d"), LAYER + "attention.dense.bias", None)] if cfg.attention.out_bias else []),
             *classic.plain_mlp(LAYER + "mlp.", "dense_h_to_4h", "dense_4h_to_h", bias=True),
         ]
         return top, per_layer

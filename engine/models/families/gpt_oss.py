@@ -101,19 +101,19 @@ class GptOss(Family):
 
     def extra_hf_keys(self, cfg) -> dict[str, Any]:
         rope = {}
-        if cfg.rope_scaling is not None and cfg.rope_scaling.kind == "yarn":  # written in full, as GptOssConfig does
-            betas = {"beta_fast": cfg.rope_scaling.beta_fast, "beta_slow": cfg.rope_scaling.beta_slow}
+        if cfg.rope.scaling is not None and cfg.rope.scaling.kind == "yarn":  # written in full, as GptOssConfig does
+            betas = {"beta_fast": cfg.rope.scaling.beta_fast, "beta_slow": cfg.rope.scaling.beta_slow}
             rope = {
-                "rope_parameters": {**rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling), **betas},
-                "rope_scaling": {**(rope_to_hf(cfg.rope_scaling) or {}), **betas},  # not None: the scaling is set
+                "rope_parameters": {**rope_parameters_to_hf(cfg.rope.theta, cfg.rope.scaling), **betas},
+                "rope_scaling": {**(rope_to_hf(cfg.rope.scaling) or {}), **betas},  # not None: the scaling is set
             }
         return {
             **rope,
             **layer_types_to_hf(cfg),
-            "num_local_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.experts_per_token,
-            "swiglu_limit": cfg.swiglu_limit,
-            "swiglu_alpha": cfg.swiglu_alpha,
+            "num_local_experts": cfg.moe.num_experts,
+            "num_experts_per_tok": cfg.moe.experts_per_token,
+            "swiglu_limit": cfg.moe.swiglu_limit,
+            "swiglu_alpha": cfg.moe.swiglu_alpha,
         }
 
     def extra_attention_tensors(self) -> list[TensorSpec]:

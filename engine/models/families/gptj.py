@@ -3,7 +3,7 @@
 One LayerNorm (ln_1, with a bias) feeds both sublayers, x + attn(ln(x)) + mlp(ln(x))
 (residual parallel_shared_norm); attention without biases; a non-gated MLP with biases
 (fc_in, fc_out; gelu_new); a bias on the LM head. RoPE rotates adjacent pairs of the first
-`rotary_dim` dimensions of each head (rotate_every_two: ModelConfig.rope_interleave), base
+`rotary_dim` dimensions of each head (rotate_every_two: ModelConfig.rope.interleave), base
 10000. GPT-J's q, k and v are separate projections; CodeGen's are one, `qkv_proj`, in the 4
 groups of the model-parallel shards it was trained on, each its share of q, v, k
 (TensorSpec.fused_groups). config.json speaks GPT-2's keys (n_embd, n_layer, n_head, n_inner).
@@ -74,14 +74,14 @@ class GPTJ(Family):
             "n_positions": cfg.max_seq_len,
             "n_embd": cfg.d_model,
             "n_layer": cfg.num_layers,
-            "n_head": cfg.num_heads,
-            "rotary_dim": cfg.rotary_dim,
-            "n_inner": None if cfg.mlp_dim == 4 * cfg.d_model else cfg.mlp_dim,
-            "activation_function": {"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation),
+            "n_head": cfg.attention.num_heads,
+            "rotary_dim": cfg.rope.rotary_dim,
+            "n_inner": None if cfg.mlp.dim == 4 * cfg.d_model else cfg.mlp.dim,
+            "activation_function": {"gelu_tanh": "gelu_new"}.get(cfg.mlp.activation, cfg.mlp.activation),
             "resid_pdrop": 0.0,
             "embd_pdrop": 0.0,
             "attn_pdrop": 0.0,
-            "layer_norm_epsilon": cfg.norm_eps,
+            "layer_norm_epsilon": cfg.norm.eps,
             "initializer_range": cfg.init_std,
             "use_cache": True,
             "tie_word_embeddings": cfg.tie_embeddings,

@@ -3,11 +3,11 @@ multipliers, and the second with sliding windows, attention sinks and NoPE layer
 
 Granite: token embeddings times embedding_multiplier, each sublayer's output times
 residual_multiplier before the residual add, attention scores times attention_multiplier
-(which replaces head_dim^-0.5: ModelConfig.attention_scale is always set), logits divided by
+(which replaces head_dim^-0.5: ModelConfig.attention.scale is always set), logits divided by
 logits_scaling (the ModelConfig fields of those names; 1.0 is None).
 
 Granite SWA adds, per layer, a sliding window (`layer_types`), a learned sink logit per head
-in the softmax's denominator (`self_attn.sinks`, ModelConfig.attention_sinks; transformers
+in the softmax's denominator (`self_attn.sinks`, ModelConfig.attention.sinks; transformers
 scales the output by sigmoid(logsumexp(scores) - sink), the same number) and a RoPE base
 (`layer_rope_theta`, 0 for a NoPE layer). The engine has one base for global layers and
 one for local ones: the layers of each kind that rotate must share it, and RoPE scaling,
@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.config import ConfigError
+from engine.models import flat_keys
 from engine.models.config import ModelConfig
 from engine.models.families.base import (
     LAYER,
@@ -55,7 +56,10 @@ class Granite(Family):
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         # attention_scale None (head_dim^-0.5) has no Granite spelling: the round trip refuses it.
-        return {"attention_multiplier": cfg.attention_scale, **{key: getattr(cfg, key) or 1.0 for key in MULTIPLIERS}}
+        return {
+            "attention_multiplier": cfg.attention.scale,
+            **{key: flat_keys.value(cfg, key) or 1.0 for key in MULTIPLIERS},
+        }
 
 
 @register_family
@@ -109,11 +113,11 @@ class GraniteSWA(Granite):
         }
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
-        local_theta = cfg.rope_local_theta or cfg.rope_theta
+        local_theta = cfg.rope.local_theta or cfg.rope.theta
         thetas = [
-            (local_theta if layer.local else cfg.rope_theta) if layer.rope else 0.0 for layer in cfg.layer_pattern()
+            (local_theta if layer.local else cfg.rope.theta) if layer.rope else 0.0 for layer in cfg.layer_pattern()
         ]
-        window = {"sliding_window": cfg.sliding_window or self.hf_defaults["sliding_window"]}
+        window = {"sliding_window": cfg.attention.sliding_window or self.hf_defaults["sliding_window"]}
         return {**super().extra_hf_keys(cfg), **layer_types_to_hf(cfg), **window, "layer_rope_theta": thetas}
 
     def extra_attention_tensors(self) -> list[TensorSpec]:

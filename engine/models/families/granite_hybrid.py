@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any
 
 from engine.config import ConfigError
+from engine.models import flat_keys
 from engine.models.config import ModelConfig
 from engine.models.families.base import (
     LAYER,
@@ -177,26 +178,30 @@ class GraniteHybrid(Family):
         }
 
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
-        m, rope = mamba2_of(cfg), cfg.rope_pattern is None
+        m, rope = mamba2_of(cfg), cfg.rope.pattern is None
         kinds = {"mamba2": "linear_attention", "attention": "full_attention"}
         hf = {
             "architectures": [self.architecture],
             "model_type": self.model_type,
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model,
-            "intermediate_size": cfg.moe_mlp_dim if cfg.is_moe else cfg.mlp_dim,  # the experts' width
-            "shared_intermediate_size": cfg.shared_mlp_dim if cfg.is_moe else cfg.mlp_dim,
+            "intermediate_size": cfg.moe_mlp_dim if cfg.is_moe else cfg.mlp.dim,  # the experts' width
+            "shared_intermediate_size": cfg.shared_mlp_dim if cfg.is_moe else cfg.mlp.dim,
             "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads,
+            "num_attention_heads": cfg.attention.num_heads,
+            "num_key_value_heads": cfg.attention.num_kv_heads,
             "max_position_embeddings": cfg.max_seq_len,
             "initializer_range": cfg.init_std,
-            "rms_norm_eps": cfg.norm_eps,
+            "rms_norm_eps": cfg.norm.eps,
             "tie_word_embeddings": cfg.tie_embeddings,
-            "rope_parameters": rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling),
+            "rope_parameters": rope_parameters_to_hf(cfg.rope.theta, cfg.rope.scaling),
             "position_embedding_type": "rope" if rope else None,
             "layer_types": [kinds[layer.mixer] for layer in cfg.layer_pattern()],
-            **({} if cfg.head_dim == cfg.d_model // cfg.num_heads else {"head_dim": cfg.head_dim}),
+            **(
+                {}
+                if cfg.attention.head_dim == cfg.d_model // cfg.attention.num_heads
+                else {"head_dim": cfg.attention.head_dim}
+            ),
             "mamba_n_heads": m.num_heads,
             "mamba_n_groups": m.n_groups,
             "mamba_d_state": m.state_size,
@@ -207,12 +212,12 @@ class GraniteHybrid(Family):
             "mamba_conv_bias": m.conv_bias,
             "mamba_proj_bias": m.proj_bias,
             "time_step_limit": time_step_limit_to_hf(m.dt_limit),
-            "attention_multiplier": cfg.attention_scale,
-            **{key: getattr(cfg, key) or 1.0 for key in MULTIPLIERS},
+            "attention_multiplier": cfg.attention.scale,
+            **{key: flat_keys.value(cfg, key) or 1.0 for key in MULTIPLIERS},
             **self.hf_constants,
         }
         if cfg.is_moe:
-            hf.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token)
+            hf.update(num_local_experts=cfg.moe.num_experts, num_experts_per_tok=cfg.moe.experts_per_token)
         return hf
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:

@@ -10,7 +10,7 @@ each token's top-k weighted by a softmax over its k router logits (the engine's 
 softmax), stored stacked: gate and up in one (E, 2f, d) tensor, down (E, d, f). The shared
 MLP (shared_intermediate_size; 0: none) is a shared expert without a gate, gate and up
 fused in shared_mlp.input_linear (Granite 4's, granite_hybrid.py). GraniteMoeSWA adds a
-learned sink logit per head (ModelConfig.attention_sinks, GPT-OSS's), sliding-window layers
+learned sink logit per head (ModelConfig.attention.sinks, GPT-OSS's), sliding-window layers
 (layer_types; by default every fourth layer from the first global, the rest local) and a RoPE
 base per layer, layer_rope_theta, 0 meaning NoPE (rope_pattern): the global layers' bases must
 be one value and the local layers' another (rope_local_theta). GraniteMoe(Shared) checkpoints
@@ -25,6 +25,7 @@ import dataclasses
 from typing import Any, ClassVar
 
 from engine.config import ConfigError
+from engine.models import flat_keys
 from engine.models.config import ModelConfig
 from engine.models.families.base import (
     LAYER,
@@ -85,10 +86,10 @@ class _GraniteMoe(Family):
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         hf = {
-            "num_local_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.experts_per_token,
-            "attention_multiplier": cfg.attention_scale,
-            **{key: getattr(cfg, key) or 1.0 for key in MULTIPLIERS},
+            "num_local_experts": cfg.moe.num_experts,
+            "num_experts_per_tok": cfg.moe.experts_per_token,
+            "attention_multiplier": cfg.attention.scale,
+            **{key: flat_keys.value(cfg, key) or 1.0 for key in MULTIPLIERS},
         }
         if self.shared_mlp:
             hf["shared_intermediate_size"] = cfg.shared_mlp_dim
@@ -100,7 +101,7 @@ class _GraniteMoe(Family):
 
     def mlp_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
         specs = self.expert_tensors()
-        if cfg.num_shared_experts:
+        if cfg.moe.num_shared_experts:
             specs += [
                 TensorSpec(
                     ("mlp", "w_shared_gate_dg"),
@@ -170,10 +171,10 @@ class GraniteMoeSWA(_GraniteMoe):
         }
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
-        pattern = cfg.rope_pattern or [True]
-        local_theta = cfg.rope_local_theta or cfg.rope_theta
+        pattern = cfg.rope.pattern or [True]
+        local_theta = cfg.rope.local_theta or cfg.rope.theta
         thetas = [
-            (local_theta if local else cfg.rope_theta) if pattern[i % len(pattern)] else 0
+            (local_theta if local else cfg.rope.theta) if pattern[i % len(pattern)] else 0
             for i, local in enumerate(cfg.layer_is_local())
         ]
         windows = layer_types_to_hf(cfg)

@@ -1,6 +1,6 @@
 """Hunyuan dense (HunYuanDenseV1ForCausalLM; Hunyuan 0.5B to 7B): Llama with an RMSNorm over
 head_dim on the queries and keys after RoPE (`self_attn.query_layernorm`, `key_layernorm`;
-ModelConfig.qk_norm_after_rope).
+ModelConfig.attention.qk_norm_after_rope).
 
 Its checkpoints stretch the RoPE base by a fixed NTK `alpha` (rope_scaling `{type: dynamic,
 alpha: 1000}`, which transformers runs as `ntk_alpha`: base * alpha ** (head_dim / (head_dim -

@@ -1,7 +1,7 @@
 """Hunyuan MoE (HunYuanMoEV1ForCausalLM, model_type hunyuan_v1_moe; Hunyuan-A13B).
 
 Llama's attention with RMSNorm over head_dim on queries and keys after RoPE
-(query_layernorm, key_layernorm: ModelConfig.qk_norm_after_rope). Every layer has a softmax
+(query_layernorm, key_layernorm: ModelConfig.attention.qk_norm_after_rope). Every layer has a softmax
 router over `num_experts` experts (mlp.gate.wg), its top-k (moe_topk) renormalised, and a
 shared MLP beside them (shared_mlp); transformers builds the experts and the shared MLP as
 wide as intermediate_size (the published moe_intermediate_size and num_shared_expert lists
@@ -83,7 +83,7 @@ class HunYuanMoeV1(Family):
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         # moe_topk per layer, as Hunyuan-A13B publishes it
-        return {"num_experts": cfg.num_experts, "moe_topk": [cfg.experts_per_token] * cfg.num_layers}
+        return {"num_experts": cfg.moe.num_experts, "moe_topk": [cfg.moe.experts_per_token] * cfg.num_layers}
 
     def extra_attention_tensors(self) -> list[TensorSpec]:
         return [

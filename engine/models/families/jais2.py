@@ -39,17 +39,22 @@ class Jais2(Family):
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
         hf = super().config_to_hf(cfg)
         del hf["rms_norm_eps"]
-        return {**hf, "layer_norm_eps": cfg.norm_eps, "attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias}
+        return {
+            **hf,
+            "layer_norm_eps": cfg.norm.eps,
+            "attention_bias": cfg.attention.qkv_bias,
+            "mlp_bias": cfg.mlp.bias,
+        }
 
     def activation_to_hf(self, cfg: ModelConfig) -> str:
-        return {"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.activation, cfg.activation)
+        return {"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.mlp.activation, cfg.mlp.activation)
 
     def attention_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
         specs = [
             *layer_norm("attn_norm", LAYER + "input_layernorm"),
             *[s for s in super().attention_tensors(cfg) if s.path[0] != "attn_norm"],
         ]
-        if cfg.qkv_bias:
+        if cfg.attention.qkv_bias:
             specs += [
                 TensorSpec(("attn", "bq_nh"), LAYER + "self_attn.q_proj.bias", None, flatten=True),
                 TensorSpec(("attn", "bk_kh"), LAYER + "self_attn.k_proj.bias", None, flatten=True),
@@ -66,7 +71,7 @@ class Jais2(Family):
             TensorSpec(("mlp", "w_up_df"), LAYER + "mlp.up_proj.weight", 1),
             TensorSpec(("mlp", "w_down_fd"), LAYER + "mlp.down_proj.weight", 1),
         ]
-        if cfg.mlp_bias:
+        if cfg.mlp.bias:
             specs += [
                 TensorSpec(("mlp", "b_up_f"), LAYER + "mlp.up_proj.bias", None),
                 TensorSpec(("mlp", "b_down_d"), LAYER + "mlp.down_proj.bias", None),

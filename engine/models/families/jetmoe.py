@@ -2,13 +2,13 @@
 attention heads and whose MLP a mixture of experts, both routed top-k of num_local_experts
 (softmax over the k best logits) and both with a bias on their output.
 
-The attention (engine/models/moa.py, ModelConfig.attention_experts): keys and values from one
+The attention (engine/models/moa.py, ModelConfig.attention.experts): keys and values from one
 kv_proj of num_key_value_heads heads of kv_channels, each token's queries and output from k
 expert projection pairs, num_key_value_heads heads each (num_attention_heads = kv heads * k).
 The experts are stored stacked: the attention's input_linear (E, kv h, d) and output_linear
 (E, d, kv h), the MLP's input_linear (E, 2f, d), gate then up, and output_linear (E, d, f).
 The layers' RMSNorms have transformers' default epsilon 1e-6 whatever rms_norm_eps says; only
-the final norm reads it (ModelConfig.final_norm_eps).
+the final norm reads it (ModelConfig.head.norm_eps).
 """
 
 from __future__ import annotations
@@ -87,20 +87,20 @@ class JetMoe(Family):
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model,
             "num_hidden_layers": cfg.num_layers,
-            "num_key_value_heads": cfg.num_kv_heads,
-            "num_attention_heads": cfg.num_heads,
-            "kv_channels": cfg.head_dim,
-            "intermediate_size": cfg.mlp_dim,
+            "num_key_value_heads": cfg.attention.num_kv_heads,
+            "num_attention_heads": cfg.attention.num_heads,
+            "kv_channels": cfg.attention.head_dim,
+            "intermediate_size": cfg.mlp.dim,
             "max_position_embeddings": cfg.max_seq_len,
-            "activation_function": cfg.activation,
-            "num_local_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.experts_per_token,
+            "activation_function": cfg.mlp.activation,
+            "num_local_experts": cfg.moe.num_experts,
+            "num_experts_per_tok": cfg.moe.experts_per_token,
             "output_router_logits": False,
             "aux_loss_coef": 0.01,
             "use_cache": True,
             "tie_word_embeddings": cfg.tie_embeddings,
-            "rope_parameters": rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling),
-            "rms_norm_eps": cfg.final_norm_eps or cfg.norm_eps,
+            "rope_parameters": rope_parameters_to_hf(cfg.rope.theta, cfg.rope.scaling),
+            "rms_norm_eps": cfg.head.norm_eps or cfg.norm.eps,
             "initializer_range": cfg.init_std,
             "attention_dropout": 0.0,
         }

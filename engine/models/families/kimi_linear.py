@@ -226,7 +226,7 @@ class KimiLinear(Family):
 
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
         gd = cfg.gated_delta
-        assert gd is not None and cfg.kv_lora_rank is not None
+        assert gd is not None and cfg.mla.kv_lora_rank is not None
         kinds = {"kimi_delta": "linear_attention", "mla": "full_attention"}
         layers = cfg.layer_pattern()
         return {
@@ -234,20 +234,20 @@ class KimiLinear(Family):
             "model_type": self.model_type,
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model,
-            "intermediate_size": cfg.mlp_dim,
+            "intermediate_size": cfg.mlp.dim,
             "moe_intermediate_size": cfg.moe_mlp_dim,
             "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads,
-            "head_dim": cfg.rope_head_dim,  # as transformers writes them
-            "qk_head_dim": cfg.head_dim,
-            "qk_nope_head_dim": cfg.head_dim - cfg.rope_head_dim,
-            "qk_rope_head_dim": cfg.rope_head_dim,
+            "num_attention_heads": cfg.attention.num_heads,
+            "num_key_value_heads": cfg.attention.num_kv_heads,
+            "head_dim": cfg.mla.rope_head_dim,  # as transformers writes them
+            "qk_head_dim": cfg.attention.head_dim,
+            "qk_nope_head_dim": cfg.attention.head_dim - cfg.mla.rope_head_dim,
+            "qk_rope_head_dim": cfg.mla.rope_head_dim,
             "v_head_dim": cfg.value_head_dim,
-            "kv_lora_rank": cfg.kv_lora_rank,
-            "q_lora_rank": cfg.q_lora_rank,
+            "kv_lora_rank": cfg.mla.kv_lora_rank,
+            "q_lora_rank": cfg.mla.q_lora_rank,
             "model_max_length": cfg.max_seq_len,
-            "rms_norm_eps": cfg.norm_eps,
+            "rms_norm_eps": cfg.norm.eps,
             "initializer_range": cfg.init_std,
             "tie_word_embeddings": cfg.tie_embeddings,
             "layer_types": [kinds[layer.mixer] for layer in layers],
@@ -255,13 +255,13 @@ class KimiLinear(Family):
             "linear_num_heads": gd.num_key_heads,
             "linear_head_dim": gd.key_head_dim,
             "linear_conv_kernel_dim": gd.conv_kernel,
-            "num_experts": cfg.num_experts,
-            "num_experts_per_token": cfg.experts_per_token,
-            "num_shared_experts": cfg.num_shared_experts,
-            "moe_renormalize": cfg.router_renormalize,
-            "num_expert_group": cfg.router_groups,
-            "topk_group": cfg.router_group_top,
-            "routed_scaling_factor": cfg.router_scale,
+            "num_experts": cfg.moe.num_experts,
+            "num_experts_per_token": cfg.moe.experts_per_token,
+            "num_shared_experts": cfg.moe.num_shared_experts,
+            "moe_renormalize": cfg.moe.router_renormalize,
+            "num_expert_group": cfg.moe.router_groups,
+            "topk_group": cfg.moe.router_group_top,
+            "routed_scaling_factor": cfg.moe.router_scale,
             **self.hf_constants,
         }
 
@@ -277,7 +277,7 @@ class KimiLinear(Family):
             layer = layers[indices[0]]
             specs = [
                 TensorSpec(("attn_norm", "scale"), LAYER + "input_layernorm.weight", None),
-                *(_kimi_delta() if layer.mixer == "kimi_delta" else _mla(cfg.q_lora_rank is not None)),
+                *(_kimi_delta() if layer.mixer == "kimi_delta" else _mla(cfg.mla.q_lora_rank is not None)),
                 TensorSpec(("mlp_norm", "scale"), LAYER + "post_attention_layernorm.weight", None),
                 *(_experts() if layer.ffn == "moe" else _dense_mlp()),
             ]

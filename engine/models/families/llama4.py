@@ -153,19 +153,19 @@ class Llama4(Family):
         step = next((k for k in range(1, n + 1) if moe == self.moe_layers({}, n, k)), None)
         return {
             "intermediate_size": cfg.moe_mlp_dim,
-            "intermediate_size_mlp": cfg.mlp_dim,
-            "num_local_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.experts_per_token,
+            "intermediate_size_mlp": cfg.mlp.dim,
+            "num_local_experts": cfg.moe.num_experts,
+            "num_experts_per_tok": cfg.moe.experts_per_token,
             "moe_layers": [i for i, x in enumerate(moe) if x],
             "interleave_moe_layer_step": step or self.hf_defaults["interleave_moe_layer_step"],
             "no_rope_layers": [int(x) for x in rope],
             "no_rope_layer_interval": interval or self.hf_defaults["no_rope_layer_interval"],
             "layer_types": ["chunked_attention" if layer.chunked else "full_attention" for layer in layers],
-            "attention_chunk_size": cfg.attention_chunk_size,
-            "use_qk_norm": cfg.qk_l2_norm,
-            "attn_temperature_tuning": cfg.attn_temperature_floor is not None,
-            "floor_scale": cfg.attn_temperature_floor or self.hf_defaults["floor_scale"],
-            "attn_scale": cfg.attn_temperature_scale,
+            "attention_chunk_size": cfg.attention.chunk_size,
+            "use_qk_norm": cfg.attention.qk_l2_norm,
+            "attn_temperature_tuning": cfg.attention.temperature_floor is not None,
+            "floor_scale": cfg.attention.temperature_floor or self.hf_defaults["floor_scale"],
+            "attn_scale": cfg.attention.temperature_scale,
         }
 
     def mlp_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:

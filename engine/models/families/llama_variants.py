@@ -82,16 +82,16 @@ class SeedOss(Family):
         }
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
-        return {"attention_bias": cfg.qkv_bias, "attention_out_bias": cfg.attention_out_bias}
+        return {"attention_bias": cfg.attention.qkv_bias, "attention_out_bias": cfg.attention.out_bias}
 
     def attention_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
         specs = super().attention_tensors(cfg)
-        if cfg.qkv_bias:
+        if cfg.attention.qkv_bias:
             specs += [
                 TensorSpec(("attn", f"b{x}_{shape}"), LAYER + f"self_attn.{x}_proj.bias", None, flatten=True)
                 for x, shape in (("q", "nh"), ("k", "kh"), ("v", "kh"))
             ]
-        if cfg.attention_out_bias:
+        if cfg.attention.out_bias:
             specs.append(TensorSpec(("attn", "bo_d"), LAYER + "self_attn.o_proj.bias", None))
         return specs
 

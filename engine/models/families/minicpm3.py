@@ -5,7 +5,7 @@ The attention is DeepSeek-V2's (engine/models/mla.py: compressed queries of q_lo
 a kv_lora_rank latent plus a rotary key shared by the heads, value heads of v_head_dim,
 hidden_size / heads by default) rotating (first half, second half) pairs, not DeepSeek's
 interleaved ones; the MLP is Llama's. The scalings are Granite's multipliers under other
-names: embeddings times scale_emb (ModelConfig.embedding_multiplier), each sublayer's output
+names: embeddings times scale_emb (ModelConfig.embedding.multiplier), each sublayer's output
 times scale_depth / sqrt(num_hidden_layers) before the residual add (residual_multiplier),
 the final hidden state divided by hidden_size / dim_model_base before the LM head, which is
 the logits divided by it (logits_scaling).
@@ -105,30 +105,30 @@ class MiniCPM3(Family):
         }
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
-        scaling = cfg.rope_scaling
-        rope = _rope_parameters(cfg.rope_theta, scaling)
+        scaling = cfg.rope.scaling
+        rope = _rope_parameters(cfg.rope.theta, scaling)
         if scaling is not None and scaling.kind == "longrope":
             # as published configs write it: `type` (transformers 4's key) beside rope_type, no factor of 1
             rope = {**{k: v for k, v in rope.items() if k != "factor" or v != 1.0}, "type": "longrope"}
-        logits = cfg.logits_scaling or 1.0
+        logits = cfg.head.divisor or 1.0
         base = cfg.d_model / logits
         return {
             "rope_parameters": rope,
             "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if scaling is not None else None,
-            "head_dim": cfg.rope_head_dim,  # transformers' MiniCPM3Config: the rotary part
-            "qk_head_dim": cfg.head_dim,
-            "qk_nope_head_dim": cfg.head_dim - cfg.rope_head_dim,
-            "qk_rope_head_dim": cfg.rope_head_dim,
+            "head_dim": cfg.mla.rope_head_dim,  # transformers' MiniCPM3Config: the rotary part
+            "qk_head_dim": cfg.attention.head_dim,
+            "qk_nope_head_dim": cfg.attention.head_dim - cfg.mla.rope_head_dim,
+            "qk_rope_head_dim": cfg.mla.rope_head_dim,
             "v_head_dim": cfg.value_head_dim,
-            "kv_lora_rank": cfg.kv_lora_rank,
-            "q_lora_rank": cfg.q_lora_rank,
-            "scale_emb": cfg.embedding_multiplier or 1.0,
-            "scale_depth": _short((cfg.residual_multiplier or 1.0) * math.sqrt(cfg.num_layers)),
+            "kv_lora_rank": cfg.mla.kv_lora_rank,
+            "q_lora_rank": cfg.mla.q_lora_rank,
+            "scale_emb": cfg.embedding.multiplier or 1.0,
+            "scale_depth": _short((cfg.block.residual_multiplier or 1.0) * math.sqrt(cfg.num_layers)),
             "dim_model_base": int(base) if float(base).is_integer() else base,
         }
 
     def attention_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
-        return _attention("blocks", cfg.q_lora_rank is not None)  # with post_attention_layernorm
+        return _attention("blocks", cfg.mla.q_lora_rank is not None)  # with post_attention_layernorm
 
     def mlp_norm_tensors(self) -> list[TensorSpec]:
         return []  # in attention_tensors

@@ -2,7 +2,7 @@
 
 Grouped-query attention whose QK norm is one RMSNorm over all heads' dimensions of the
 projected queries (keys), as OLMo 2's (qk_norm_across_heads: HF's (heads * head_dim,)
-scales), with RoPE on the first `rotary_dim` dimensions of each head (ModelConfig.rotary_dim;
+scales), with RoPE on the first `rotary_dim` dimensions of each head (ModelConfig.rope.rotary_dim;
 transformers 5 reads the published `rotary_dim` as partial_rotary_factor). Every layer is a
 mixture of experts as wide as intermediate_size, Mixtral's names (`block_sparse_moe.`,
 `experts.{j}.w1/w3/w2`), routed as DeepSeek-V3 is without groups or shared experts: sigmoid
@@ -116,10 +116,10 @@ class MiniMaxM2(Family):
         }
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
-        rope = rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling)
+        rope = rope_parameters_to_hf(cfg.rope.theta, cfg.rope.scaling)
         keys: dict[str, Any] = {
-            "num_local_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.experts_per_token,
+            "num_local_experts": cfg.moe.num_experts,
+            "num_experts_per_tok": cfg.moe.experts_per_token,
             "rope_parameters": rope,
             # the published checkpoints' router keys (their config.json, MiniMax's code): vLLM's
             # MiniMax-M2 reads them (without them it cannot build the router, nor load its
@@ -127,9 +127,9 @@ class MiniMaxM2(Family):
             "scoring_func": "sigmoid",
             "use_routing_bias": True,
         }
-        if cfg.rotary_dim is not None:  # as transformers writes it, and the published key
-            rope["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
-            keys["rotary_dim"] = cfg.rotary_dim
+        if cfg.rope.rotary_dim is not None:  # as transformers writes it, and the published key
+            rope["partial_rotary_factor"] = cfg.rope.rotary_dim / cfg.attention.head_dim
+            keys["rotary_dim"] = cfg.rope.rotary_dim
         return keys
 
     def extra_attention_tensors(self) -> list[TensorSpec]:

@@ -4,7 +4,7 @@ Ministral (8B, 2024) is Mistral with a sliding window on the layers `layer_types
 default every layer, when `sliding_window` is set). Ministral 3 (3B, 8B, 14B, 2025; Devstral 2)
 is Mistral with YaRN and Llama 4's query scale on every layer, after RoPE: queries times
 1 + beta * log(1 + floor(p / original_max_position_embeddings)) (its rope_parameters'
-`llama_4_scaling_beta`; ModelConfig.query_position_scale). Its 3B, 8B and 14B are published as
+`llama_4_scaling_beta`; ModelConfig.attention.query_position_scale). Its 3B, 8B and 14B are published as
 Mistral3ForConditionalGeneration, read as their text decoder (the vision tower skipped).
 """
 
@@ -97,14 +97,14 @@ class Ministral3(Family):
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         local = all(cfg.layer_is_local())
-        rope_parameters = rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling)
-        rope_scaling = rope_to_hf(cfg.rope_scaling)
-        if cfg.query_position_scale is not None:  # (else the round trip names the field)
+        rope_parameters = rope_parameters_to_hf(cfg.rope.theta, cfg.rope.scaling)
+        rope_scaling = rope_to_hf(cfg.rope.scaling)
+        if cfg.attention.query_position_scale is not None:  # (else the round trip names the field)
             # in both: transformers builds rope_parameters from the older rope_scaling when given
-            beta = {"llama_4_scaling_beta": cfg.query_position_scale}
+            beta = {"llama_4_scaling_beta": cfg.attention.query_position_scale}
             rope_parameters, rope_scaling = {**rope_parameters, **beta}, {**(rope_scaling or {}), **beta}
         return {
-            "sliding_window": cfg.sliding_window if local else None,
+            "sliding_window": cfg.attention.sliding_window if local else None,
             "rope_parameters": rope_parameters,
             "rope_scaling": rope_scaling,
         }

@@ -23,4 +23,4 @@ class Mistral(Family):
     def extra_hf_keys(self, cfg) -> dict[str, Any]:
         # Only an all-local pattern is expressible; anything else exports without a window
         # and the round trip names the field.
-        return {"sliding_window": cfg.sliding_window if all(cfg.layer_is_local()) else None}
+        return {"sliding_window": cfg.attention.sliding_window if all(cfg.layer_is_local()) else None}

@@ -69,8 +69,8 @@ class Mixtral(Mistral):
     def extra_hf_keys(self, cfg) -> dict[str, Any]:
         return {
             **super().extra_hf_keys(cfg),
-            "num_local_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.experts_per_token,
+            "num_local_experts": cfg.moe.num_experts,
+            "num_experts_per_tok": cfg.moe.experts_per_token,
         }
 
     def mlp_tensors(self, cfg) -> list[TensorSpec]:
@@ -139,13 +139,13 @@ class Qwen3Moe(_Qwen):
             "decoder_sparse_step": step,
             "mlp_only_layers": dense,
             "use_sliding_window": local,
-            "sliding_window": cfg.sliding_window if local else None,
+            "sliding_window": cfg.attention.sliding_window if local else None,
             # published checkpoints (and transformers 4) say num_experts, transformers 5 its alias
-            "num_experts": cfg.num_experts,
-            "num_local_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.experts_per_token,
+            "num_experts": cfg.moe.num_experts,
+            "num_local_experts": cfg.moe.num_experts,
+            "num_experts_per_tok": cfg.moe.experts_per_token,
             "moe_intermediate_size": cfg.moe_mlp_dim,
-            "norm_topk_prob": cfg.router_renormalize,
+            "norm_topk_prob": cfg.moe.router_renormalize,
         }
 
     def extra_attention_tensors(self) -> list[TensorSpec]:

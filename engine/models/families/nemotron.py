@@ -1,7 +1,7 @@
 """Nemotron (NemotronForCausalLM): Nemotron-3 8B, Minitron 4B and 8B.
 
 Llama's projection names and a sequential residual, with LayerNorm1P norms (a bias, the
-scale stored zero-centred: weight + 1; ModelConfig.norm_zero_centered), a non-gated MLP
+scale stored zero-centred: weight + 1; ModelConfig.norm.zero_centered), a non-gated MLP
 (up_proj, down_proj) with squared ReLU, RoPE on the first half of each head by default
 (`partial_rotary_factor`), and optional biases (`attention_bias`, `mlp_bias`).
 """
@@ -57,23 +57,23 @@ class Nemotron(Family):
             "model_type": self.model_type,
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model,
-            "intermediate_size": cfg.mlp_dim,
+            "intermediate_size": cfg.mlp.dim,
             "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads,
-            "head_dim": cfg.head_dim,
-            "num_key_value_heads": cfg.num_kv_heads,
-            "hidden_act": {"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.activation, cfg.activation),
+            "num_attention_heads": cfg.attention.num_heads,
+            "head_dim": cfg.attention.head_dim,
+            "num_key_value_heads": cfg.attention.num_kv_heads,
+            "hidden_act": {"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.mlp.activation, cfg.mlp.activation),
             "max_position_embeddings": cfg.max_seq_len,
             "initializer_range": cfg.init_std,
-            "norm_eps": cfg.norm_eps,
+            "norm_eps": cfg.norm.eps,
             "use_cache": True,
             "tie_word_embeddings": cfg.tie_embeddings,
             "rope_parameters": classic.partial_rope_to_hf(cfg),
-            "rope_theta": cfg.rope_theta,
-            "rope_scaling": rope_to_hf(cfg.rope_scaling),
-            "attention_bias": cfg.qkv_bias,
+            "rope_theta": cfg.rope.theta,
+            "rope_scaling": rope_to_hf(cfg.rope.scaling),
+            "attention_bias": cfg.attention.qkv_bias,
             "attention_dropout": 0.0,
-            "mlp_bias": cfg.mlp_bias,
+            "mlp_bias": cfg.mlp.bias,
         }
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -83,11 +83,11 @@ class Nemotron(Family):
         ]
         if not cfg.tie_embeddings:
             top.append(TensorSpec(("lm_head_dv",), "lm_head.weight", 1))
-        bias = cfg.qkv_bias
+        bias = cfg.attention.qkv_bias
         per_layer = [
             *classic.norm("attn_norm", LAYER + "input_layernorm", bias=True),
             *classic.attention(LAYER + "self_attn.", ("q_proj", "k_proj", "v_proj", "o_proj"), bias, bias),
             *classic.norm("mlp_norm", LAYER + "post_attention_layernorm", bias=True),
-            *classic.plain_mlp(LAYER + "mlp.", "up_proj", "down_proj", bias=cfg.mlp_bias),
+            *classic.plain_mlp(LAYER + "mlp.", "up_proj", "down_proj", bias=cfg.mlp.bias),
         ]
         return top, per_layer

@@ -243,13 +243,13 @@ class NemotronH(Family):
             "hidden_size": cfg.d_model,
             "layers_block_type": types,
             "tie_word_embeddings": cfg.tie_embeddings,
-            "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads,
-            "head_dim": cfg.head_dim,
+            "num_attention_heads": cfg.attention.num_heads,
+            "num_key_value_heads": cfg.attention.num_kv_heads,
+            "head_dim": cfg.attention.head_dim,
             "max_position_embeddings": cfg.max_seq_len,
             "attention_dropout": 0.0,
             "sliding_window": None,
-            "intermediate_size": cfg.mlp_dim,
+            "intermediate_size": cfg.mlp.dim,
             "mlp_hidden_act": "relu2",
             "ssm_state_size": m.state_size,
             "mamba_num_heads": m.num_heads,
@@ -262,7 +262,7 @@ class NemotronH(Family):
             "chunk_size": m.chunk_size,
             "use_bias": m.proj_bias,
             "initializer_range": cfg.init_std,
-            "layer_norm_epsilon": cfg.norm_eps,
+            "layer_norm_epsilon": cfg.norm.eps,
             "use_cache": True,
             **self.hf_constants,
             **(self._experts_to_hf(cfg) if cfg.is_moe else {}),
@@ -270,14 +270,14 @@ class NemotronH(Family):
 
     def _experts_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
         return {
-            "n_routed_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.experts_per_token,
+            "n_routed_experts": cfg.moe.num_experts,
+            "num_experts_per_tok": cfg.moe.experts_per_token,
             "moe_intermediate_size": cfg.moe_mlp_dim,
             "moe_shared_expert_intermediate_size": cfg.shared_mlp_dim,
-            "norm_topk_prob": cfg.router_renormalize,
-            "n_group": cfg.router_groups,
-            "topk_group": cfg.router_group_top,
-            "routed_scaling_factor": cfg.router_scale,
+            "norm_topk_prob": cfg.moe.router_renormalize,
+            "n_group": cfg.moe.router_groups,
+            "topk_group": cfg.moe.router_group_top,
+            "routed_scaling_factor": cfg.moe.router_scale,
         }
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:

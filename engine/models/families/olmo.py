@@ -1,7 +1,7 @@
 """OLMo 2 and OLMo 3 (Olmo2ForCausalLM, Olmo3ForCausalLM): Llama with the norms moved.
 
 Each sublayer's output is normalised before the residual add and its input is not,
-x + norm(attn(x)) (ModelConfig.pre_norms false, post_norms true), and the QK norm is one
+x + norm(attn(x)) (ModelConfig.block.pre_norms false, post_norms true), and the QK norm is one
 RMSNorm over all heads' dimensions of the projected queries (keys), before the heads are
 split (qk_norm_across_heads): HF's (heads * head_dim,) scale. OLMo 3 adds sliding-window
 layers (three local, one global by default) whose RoPE is unscaled, like Gemma 3's.
@@ -79,11 +79,11 @@ class Olmo3(Olmo2):
         return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": None if same else local_theta}
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
-        local_theta = cfg.rope_local_theta or cfg.rope_theta
+        local_theta = cfg.rope.local_theta or cfg.rope.theta
         return {
             **layer_types_to_hf(cfg),
             "rope_parameters": {
-                "full_attention": rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling),
+                "full_attention": rope_parameters_to_hf(cfg.rope.theta, cfg.rope.scaling),
                 "sliding_attention": rope_parameters_to_hf(local_theta, None),
             },
         }

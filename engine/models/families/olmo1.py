@@ -1,5 +1,5 @@
 """OLMo 1 (OlmoForCausalLM; OLMo-1B-hf, OLMo-7B-hf, OLMo-1.7-7B-hf): Llama's layers with a
-LayerNorm that has neither scale nor bias (ModelConfig.norm_scale false; no norm tensors at
+LayerNorm that has neither scale nor bias (ModelConfig.norm.scale false; no norm tensors at
 all), and queries, keys and values clamped to [-clip_qkv, clip_qkv] after their projections
 (qkv_clip). Llama's tensor names otherwise, so LoRA adapts every projection.
 """
@@ -28,7 +28,7 @@ class Olmo(Family):
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
         hf = super().config_to_hf(cfg)
         del hf["rms_norm_eps"]  # OlmoLayerNorm's epsilon is fixed, 1e-5
-        return {**hf, "clip_qkv": cfg.qkv_clip}
+        return {**hf, "clip_qkv": cfg.attention.qkv_clip}
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
         top, per_layer = super().tensor_table(cfg)

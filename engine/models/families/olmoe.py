@@ -62,9 +62,9 @@ class Olmoe(Family):
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         return {
-            "num_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.experts_per_token,
-            "norm_topk_prob": cfg.router_renormalize,
+            "num_experts": cfg.moe.num_experts,
+            "num_experts_per_tok": cfg.moe.experts_per_token,
+            "norm_topk_prob": cfg.moe.router_renormalize,
         }
 
     def extra_attention_tensors(self) -> list[TensorSpec]:

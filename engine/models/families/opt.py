@@ -1,7 +1,7 @@
 """OPT (OPTForCausalLM; Meta's OPT-125M ... OPT-66B).
 
 Pre-norm layers with LayerNorms (weight and bias, or neither: `layer_norm_elementwise_affine`),
-learned positions whose row for position p is p + 2 (ModelConfig.position_offset; transformers
+learned positions whose row for position p is p + 2 (ModelConfig.embedding.position_offset; transformers
 counts a row's positions over its attention mask, from its first real token), biases on every
 projection (`enable_bias`), an ungated ReLU MLP (fc1, fc2), tensors under `model.decoder.`.
 
@@ -82,25 +82,25 @@ class OPT(Family):
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model,
             "num_hidden_layers": cfg.num_layers,
-            "ffn_dim": cfg.mlp_dim,
+            "ffn_dim": cfg.mlp.dim,
             "max_position_embeddings": cfg.max_seq_len,
             "do_layer_norm_before": True,
             "_remove_final_layer_norm": False,
             "word_embed_proj_dim": cfg.d_model,
             "dropout": 0.0,
             "attention_dropout": 0.0,
-            "num_attention_heads": cfg.num_heads,
-            "activation_function": {"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation),
+            "num_attention_heads": cfg.attention.num_heads,
+            "activation_function": {"gelu_tanh": "gelu_new"}.get(cfg.mlp.activation, cfg.mlp.activation),
             "layerdrop": 0.0,
             "init_std": cfg.init_std,
             "use_cache": True,
-            "enable_bias": cfg.qkv_bias,
-            "layer_norm_elementwise_affine": cfg.norm_scale,
+            "enable_bias": cfg.attention.qkv_bias,
+            "layer_norm_elementwise_affine": cfg.norm.scale,
             "tie_word_embeddings": cfg.tie_embeddings,
         }
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
-        affine, bias = cfg.norm_scale, cfg.qkv_bias
+        affine, bias = cfg.norm.scale, cfg.attention.qkv_bias
         top = [
             TensorSpec(("embed_vd",), DECODER + "embed_tokens.weight", None),
             TensorSpec(("pos_embed_pd",), DECODER + "embed_positions.weight", None),

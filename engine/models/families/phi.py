@@ -61,23 +61,23 @@ class Phi(Family):
             "model_type": self.model_type,
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model,
-            "intermediate_size": cfg.mlp_dim,
+            "intermediate_size": cfg.mlp.dim,
             "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads,
+            "num_attention_heads": cfg.attention.num_heads,
+            "num_key_value_heads": cfg.attention.num_kv_heads,
             "resid_pdrop": 0.0,
             "embd_pdrop": 0.0,
             "attention_dropout": 0.0,
-            "hidden_act": {"gelu_tanh": "gelu_new"}.get(cfg.activation, cfg.activation),
+            "hidden_act": {"gelu_tanh": "gelu_new"}.get(cfg.mlp.activation, cfg.mlp.activation),
             "max_position_embeddings": cfg.max_seq_len,
             "initializer_range": cfg.init_std,
-            "layer_norm_eps": cfg.norm_eps,
+            "layer_norm_eps": cfg.norm.eps,
             "use_cache": True,
             "tie_word_embeddings": cfg.tie_embeddings,
             "rope_parameters": classic.partial_rope_to_hf(cfg),
-            "rope_theta": cfg.rope_theta,
-            "rope_scaling": rope_to_hf(cfg.rope_scaling),
-            "qk_layernorm": cfg.qk_norm,
+            "rope_theta": cfg.rope.theta,
+            "rope_scaling": rope_to_hf(cfg.rope.scaling),
+            "qk_layernorm": cfg.attention.qk_norm,
         }
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -93,7 +93,7 @@ class Phi(Family):
             *classic.attention(LAYER + "self_attn.", ("q_proj", "k_proj", "v_proj", "dense"), True, True),
             *classic.plain_mlp(LAYER + "mlp.", "fc1", "fc2", bias=True),
         ]
-        if cfg.qk_norm:
+        if cfg.attention.qk_norm:
             for x in "qk":
                 per_layer += classic.norm(f"attn/{x}_norm", LAYER + f"self_attn.{x}_layernorm", bias=True)
         return top, per_layer

@@ -4,7 +4,7 @@
 `mlp.gate_up_proj` gate then up (TensorSpec.fused_with); conversion splits them into the
 engine's separate arrays and export fuses them again. A `sliding_window` applies to every
 layer; `partial_rotary_factor` (Phi-4-mini) rotates the first part of each head
-(ModelConfig.rotary_dim). LongRoPE (`rope_type: longrope`, or the older `su` and `yarn`
+(ModelConfig.rope.rotary_dim). LongRoPE (`rope_type: longrope`, or the older `su` and `yarn`
 that transformers reads as it for Phi-3; Phi-3-mini-128k, Phi-3.5, Phi-4-mini) is the RoPE
 kind longrope (rope.py): per-pair short and long factors, switched when the sequence passes
 the top-level `original_max_position_embeddings` (which transformers prefers to the one in
@@ -75,19 +75,19 @@ class Phi3(Family):
         return {"rotary_dim": None if rotary == head_dim else rotary}
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
-        scaling = cfg.rope_scaling
+        scaling = cfg.rope.scaling
         original = scaling.original_max_position if scaling is not None and scaling.kind == "longrope" else None
         longrope = original is not None
         keys: dict[str, Any] = {
-            "sliding_window": cfg.sliding_window if all(cfg.layer_is_local()) else None,
+            "sliding_window": cfg.attention.sliding_window if all(cfg.layer_is_local()) else None,
             "original_max_position_embeddings": original or cfg.max_seq_len,
         }
-        rope = _rope_parameters(cfg.rope_theta, scaling)
+        rope = _rope_parameters(cfg.rope.theta, scaling)
         if original is not None and rope.get("factor") == cfg.max_seq_len / original:
             del rope["factor"]  # transformers' default, which published configs leave out
             keys["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-        if cfg.rotary_dim is not None or longrope:  # transformers writes the factor in both places
-            factor = (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim
+        if cfg.rope.rotary_dim is not None or longrope:  # transformers writes the factor in both places
+            factor = (cfg.rope.rotary_dim or cfg.attention.head_dim) / cfg.attention.head_dim
             keys["rope_parameters"] = {**rope, "partial_rotary_factor": factor}
             keys["partial_rotary_factor"] = factor
         return keys

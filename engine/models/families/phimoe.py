@@ -1,7 +1,7 @@
 """PhiMoE (PhimoeForCausalLM; microsoft/Phi-3.5-MoE-instruct): Mixtral's layers and tensor
 names with LayerNorms (weight and bias, epsilon `rms_norm_eps`), q/k/v/o biases
 (`attention_bias`), a bias on the LM head (`lm_head_bias`), and SparseMixer routing
-(ModelConfig.router_sparsemixer_eps from `router_jitter_noise`: engine/models/moe.py's
+(ModelConfig.moe.sparsemixer_eps from `router_jitter_noise`: engine/models/moe.py's
 sparsemixer, transformers' inference path; its training-time sampling is not run).
 
 LongRoPE (`rope_type: longrope`) as Phi-3's, its cos/sin scaled by `short_mscale` /
@@ -78,11 +78,11 @@ class PhiMoE(Mixtral):
 
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
         hf = super().config_to_hf(cfg)
-        scaling = cfg.rope_scaling
+        scaling = cfg.rope.scaling
         if scaling is not None and scaling.kind == "longrope":
             rope = {
                 "rope_type": "longrope",
-                "rope_theta": cfg.rope_theta,
+                "rope_theta": cfg.rope.theta,
                 "short_factor": list(scaling.short_factor or []),
                 "long_factor": list(scaling.long_factor or []),
                 "short_mscale": scaling.attention_factor,
@@ -92,9 +92,9 @@ class PhiMoE(Mixtral):
             hf["rope_parameters"], hf["rope_scaling"] = rope, {k: v for k, v in rope.items() if k != "rope_theta"}
         return {
             **hf,
-            "attention_bias": cfg.qkv_bias,
-            "lm_head_bias": cfg.lm_head_bias,
-            "router_jitter_noise": cfg.router_sparsemixer_eps,
+            "attention_bias": cfg.attention.qkv_bias,
+            "lm_head_bias": cfg.head.bias,
+            "router_jitter_noise": cfg.moe.sparsemixer_eps,
         }
 
     def attention_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
@@ -102,7 +102,7 @@ class PhiMoE(Mixtral):
             *layer_norm("attn_norm", LAYER + "input_layernorm"),
             *[s for s in super().attention_tensors(cfg) if s.path[0] != "attn_norm"],
         ]
-        if cfg.qkv_bias:
+        if cfg.attention.qkv_bias:
             specs += [
                 TensorSpec(("attn", "bq_nh"), LAYER + "self_attn.q_proj.bias", None, flatten=True),
                 TensorSpec(("attn", "bk_kh"), LAYER + "self_attn.k_proj.bias", None, flatten=True),
@@ -117,6 +117,6 @@ class PhiMoE(Mixtral):
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
         top, per_layer = super().tensor_table(cfg)
         top = [s for s in top if s.path[0] != "final_norm"] + layer_norm("final_norm", "model.norm")
-        if cfg.lm_head_bias:
+        if cfg.head.bias:
             top.append(TensorSpec(("lm_head_bias_v",), "lm_head.bias", None))
         return top, per_layer

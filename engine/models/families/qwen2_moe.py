@@ -1,7 +1,7 @@
 """Qwen1.5-MoE and Qwen2-MoE (Qwen2MoeForCausalLM): Qwen2's attention (q, k, v biases as
 qkv_bias says) with a softmax top-k mixture of experts of moe_intermediate_size plus one
 shared expert of shared_expert_intermediate_size scaled by sigmoid(shared_expert_gate(x)),
-Qwen3-Next's shared expert (ModelConfig.shared_expert_gate). A layer may keep a dense MLP of
+Qwen3-Next's shared expert (ModelConfig.moe.shared_gate). A layer may keep a dense MLP of
 intermediate_size instead (mlp_only_layers, decoder_sparse_step: the `dense_blocks` stack).
 Checkpoints store one tensor per expert (`experts.{j}.`), as transformers saves them.
 
@@ -102,16 +102,18 @@ class Qwen2Moe(Family):
         return {
             "layer_types": ["sliding_attention" if x else "full_attention" for x in local],
             "use_sliding_window": any(local),
-            "sliding_window": cfg.sliding_window if any(local) else 0,  # transformers writes 0 without a window
+            "sliding_window": cfg.attention.sliding_window
+            if any(local)
+            else 0,  # transformers writes 0 without a window
             "max_window_layers": first if any(local) else default,
-            "qkv_bias": cfg.qkv_bias,
+            "qkv_bias": cfg.attention.qkv_bias,
             "decoder_sparse_step": step,
             "mlp_only_layers": [i for i, x in enumerate(moe) if not x and (i + 1) % step == 0],
-            "num_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.experts_per_token,
+            "num_experts": cfg.moe.num_experts,
+            "num_experts_per_tok": cfg.moe.experts_per_token,
             "moe_intermediate_size": cfg.moe_mlp_dim,
             "shared_expert_intermediate_size": cfg.shared_mlp_dim,
-            "norm_topk_prob": cfg.router_renormalize,
+            "norm_topk_prob": cfg.moe.router_renormalize,
         }
 
     def attention_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
@@ -121,7 +123,7 @@ class Qwen2Moe(Family):
             )
             for x in "qkv"
         ]
-        return [*super().attention_tensors(cfg), *(biases if cfg.qkv_bias else [])]
+        return [*super().attention_tensors(cfg), *(biases if cfg.attention.qkv_bias else [])]
 
     def mlp_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
         return _experts_with_shared()

@@ -4,7 +4,7 @@ as transformers 5.25 defines them.
 Hybrid decoders: most layers are Gated DeltaNet linear attention (the `gated_delta` mixer kind,
 engine/models/gated_delta_block.py), every full_attention_interval-th (4th) layer is gated
 softmax attention: Qwen3's QK-norm attention whose query projection also yields a sigmoid
-output gate per head (ModelConfig.attention_output_gate), RoPE on the first quarter of each
+output gate per head (ModelConfig.attention.output_gate), RoPE on the first quarter of each
 head (partial_rotary_factor, rotary_dim). Every RMSNorm but the linear layers' gated one is
 zero-centred (1 + weight). Qwen3-Next's and Qwen3.5-MoE's feed-forward is a softmax top-k
 mixture of experts plus one shared expert scaled by sigmoid(shared_expert_gate(x)); Qwen3.5
@@ -73,7 +73,7 @@ class _Hybrid(Family):
     """Qwen3-Next's per-key-head fused linear-layer projections (GatedDeltaConfig.fused_projections)."""
     mrope: ClassVar[bool] = False
     """Qwen3.5: rope_parameters may carry multimodal RoPE's mrope_section and mrope_interleaved,
-    which change nothing for text (ModelConfig.mrope_section)."""
+    which change nothing for text (ModelConfig.rope.mrope_section)."""
     hf_defaults = _DEFAULTS
     fixed = {"qk_norm": True, "norm_zero_centered": True, "attention_output_gate": True}
     hf_constants = {"attention_bias": False}
@@ -162,14 +162,14 @@ class _Hybrid(Family):
         }
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
-        factor = (cfg.rotary_dim or cfg.head_dim) / cfg.head_dim
+        factor = (cfg.rope.rotary_dim or cfg.attention.head_dim) / cfg.attention.head_dim
         kinds = [layer.mixer for layer in cfg.layer_pattern()]
         sizes = cfg.gated_delta or _LinearDefaults
         # mrope_interleaved as published (transformers' Qwen3.5 reads no such flag: it always interleaves)
-        mrope = {"mrope_section": cfg.mrope_section, "mrope_interleaved": True} if cfg.mrope_section else {}
+        mrope = {"mrope_section": cfg.rope.mrope_section, "mrope_interleaved": True} if cfg.rope.mrope_section else {}
         return {
             "rope_parameters": {
-                **rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling),
+                **rope_parameters_to_hf(cfg.rope.theta, cfg.rope.scaling),
                 "partial_rotary_factor": factor,
                 **mrope,
             },
@@ -293,11 +293,11 @@ class Qwen3Next(_Hybrid):
             **super().extra_hf_keys(cfg),
             "decoder_sparse_step": 1,
             "mlp_only_layers": [i for i, x in enumerate(moe) if not x],
-            "num_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.experts_per_token,
+            "num_experts": cfg.moe.num_experts,
+            "num_experts_per_tok": cfg.moe.experts_per_token,
             "moe_intermediate_size": cfg.moe_mlp_dim,
             "shared_expert_intermediate_size": cfg.shared_mlp_dim,
-            "norm_topk_prob": cfg.router_renormalize,
+            "norm_topk_prob": cfg.moe.router_renormalize,
         }
 
     def mlp_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
@@ -351,8 +351,8 @@ class Qwen3_5Moe(_Hybrid):
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         return {
             **super().extra_hf_keys(cfg),
-            "num_experts": cfg.num_experts,
-            "num_experts_per_tok": cfg.experts_per_token,
+            "num_experts": cfg.moe.num_experts,
+            "num_experts_per_tok": cfg.moe.experts_per_token,
             "moe_intermediate_size": cfg.moe_mlp_dim,
             "shared_expert_intermediate_size": cfg.shared_mlp_dim,
         }

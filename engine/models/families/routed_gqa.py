@@ -10,7 +10,7 @@ one gated MLP (engine/models/moe.py). What differs is the attention:
   window from layer max_window_layers on, per `layer_types`; the first first_k_dense_replace
   layers dense.
 - K-EXAONE: the same QK norm; its sliding-window layers rotate and its global layers do not
-  (NoPE, ModelConfig.rope_pattern) when it has a window; dense layers per mlp_layer_types.
+  (NoPE, ModelConfig.rope.pattern) when it has a window; dense layers per mlp_layer_types.
 - Solar Open: Llama's attention with biases on q, k and v (attention_bias), experts in every
   layer (its config's partial_rotary_factor is refused unless 1: transformers' class rotates
   whole heads and fails on any other).
@@ -78,14 +78,14 @@ class RoutedGqa(Family):
 
     def router_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         return {
-            self.experts_key: cfg.num_experts,
-            "num_experts_per_tok": cfg.experts_per_token,
+            self.experts_key: cfg.moe.num_experts,
+            "num_experts_per_tok": cfg.moe.experts_per_token,
             "moe_intermediate_size": cfg.moe_mlp_dim,
-            self.shared_key: cfg.num_shared_experts,
-            "norm_topk_prob": cfg.router_renormalize,
-            "n_group": cfg.router_groups,
-            "topk_group": cfg.router_group_top,
-            "routed_scaling_factor": cfg.router_scale,
+            self.shared_key: cfg.moe.num_shared_experts,
+            "norm_topk_prob": cfg.moe.router_renormalize,
+            "n_group": cfg.moe.router_groups,
+            "topk_group": cfg.moe.router_group_top,
+            "routed_scaling_factor": cfg.moe.router_scale,
         }
 
     def mlp_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
@@ -139,9 +139,9 @@ class Dots1(RoutedGqa):
             **self.router_keys(cfg),
             **layer_types_to_hf(cfg),
             # without a window transformers' defaults, which slide nothing past the last layer
-            "sliding_window": cfg.sliding_window or self.hf_defaults["sliding_window"],
+            "sliding_window": cfg.attention.sliding_window or self.hf_defaults["sliding_window"],
             "max_window_layers": local.index(True) if any(local) else max(cfg.num_layers, 62),
-            "first_k_dense_replace": cfg.first_dense_layers,
+            "first_k_dense_replace": cfg.moe.first_dense_layers,
         }
 
     def extra_attention_tensors(self) -> list[TensorSpec]:
@@ -227,7 +227,7 @@ class ExaoneMoe(RoutedGqa):
         return {
             **self.router_keys(cfg),
             **layer_types_to_hf(cfg),
-            "sliding_window": cfg.sliding_window or (4096 if nope else None),  # NoPE layers need a window
+            "sliding_window": cfg.attention.sliding_window or (4096 if nope else None),  # NoPE layers need a window
             "sliding_window_pattern": period or self.hf_defaults["sliding_window_pattern"],
             "mlp_layer_types": moe,
             "first_k_dense_replace": moe.index("sparse") if "sparse" in moe else cfg.num_layers,
@@ -281,7 +281,7 @@ class SolarOpen(RoutedGqa):
         return hf
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
-        return {**self.router_keys(cfg), "attention_bias": cfg.qkv_bias}
+        return {**self.router_keys(cfg), "attention_bias": cfg.attention.qkv_bias}
 
     def attention_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
         biases = [
@@ -290,4 +290,4 @@ class SolarOpen(RoutedGqa):
             )
             for x in "qkv"
         ]
-        return [*super().attention_tensors(cfg), *(biases if cfg.qkv_bias else [])]
+        return [*super().attention_tensors(cfg), *(biases if cfg.attention.qkv_bias else [])]

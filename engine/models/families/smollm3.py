@@ -2,7 +2,7 @@
 
 Every `no_rope_layer_interval`-th layer (every fourth by default) leaves queries and keys
 unrotated: transformers' `no_rope_layers` holds 1 for a RoPE layer and 0 for a NoPE one
-(ModelConfig.rope_pattern). A sliding window, where `use_sliding_window` is set, applies to
+(ModelConfig.rope.pattern). A sliding window, where `use_sliding_window` is set, applies to
 the layers `layer_types` marks sliding (by default the NoPE ones).
 """
 
@@ -61,6 +61,6 @@ class SmolLM3(Family):
             "no_rope_layers": [int(x) for x in rope],
             "no_rope_layer_interval": interval or self.hf_defaults["no_rope_layer_interval"],
             "use_sliding_window": any(local),
-            "sliding_window": cfg.sliding_window,
+            "sliding_window": cfg.attention.sliding_window,
             "layer_types": ["sliding_attention" if x else "full_attention" for x in local],
         }

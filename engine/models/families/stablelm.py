@@ -5,7 +5,7 @@ first quarter of each head by default (`partial_rotary_factor`); optional biases
 v (`use_qkv_bias`). `use_parallel_residual` (StableLM 2 12B): the input LayerNorm feeds both
 sublayers, x + attn(ln(x)) + mlp(ln(x)), with no post-attention norm; `qk_layernorm`: a
 LayerNorm without a bias per head on queries and keys, each head's its own tensor
-(`q_layernorm.norms.{j}`; ModelConfig.qk_norm_per_head).
+(`q_layernorm.norms.{j}`; ModelConfig.attention.qk_norm_per_head).
 """
 
 from __future__ import annotations
@@ -56,23 +56,23 @@ class StableLm(Family):
             "architectures": [self.architecture],
             "model_type": self.model_type,
             "vocab_size": cfg.vocab_size,
-            "intermediate_size": cfg.mlp_dim,
+            "intermediate_size": cfg.mlp.dim,
             "hidden_size": cfg.d_model,
             "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads,
-            "hidden_act": {"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.activation, cfg.activation),
+            "num_attention_heads": cfg.attention.num_heads,
+            "num_key_value_heads": cfg.attention.num_kv_heads,
+            "hidden_act": {"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.mlp.activation, cfg.mlp.activation),
             "max_position_embeddings": cfg.max_seq_len,
             "initializer_range": cfg.init_std,
-            "layer_norm_eps": cfg.norm_eps,
+            "layer_norm_eps": cfg.norm.eps,
             "use_cache": True,
             "tie_word_embeddings": cfg.tie_embeddings,
             "rope_parameters": classic.partial_rope_to_hf(cfg),
-            "rope_theta": cfg.rope_theta,
-            "rope_scaling": rope_to_hf(cfg.rope_scaling),
-            "use_qkv_bias": cfg.qkv_bias,
-            "qk_layernorm": cfg.qk_norm,
-            "use_parallel_residual": cfg.residual == "parallel_shared_norm",
+            "rope_theta": cfg.rope.theta,
+            "rope_scaling": rope_to_hf(cfg.rope.scaling),
+            "use_qkv_bias": cfg.attention.qkv_bias,
+            "qk_layernorm": cfg.attention.qk_norm,
+            "use_parallel_residual": cfg.block.residual == "parallel_shared_norm",
             "hidden_dropout": 0.0,
             "attention_dropout": 0.0,
         }
@@ -86,12 +86,16 @@ class StableLm(Family):
             top.append(TensorSpec(("lm_head_dv",), "lm_head.weight", 1))
         per_layer = [
             *classic.norm("attn_norm", LAYER + "input_layernorm", bias=True),
-            *classic.attention(LAYER + "self_attn.", ("q_proj", "k_proj", "v_proj", "o_proj"), cfg.qkv_bias, False),
+            *classic.attention(
+                LAYER + "self_attn.", ("q_proj", "k_proj", "v_proj", "o_proj"), cfg.attention.qkv_bias, False
+            ),
             *gated_mlp_tensors(),
         ]
-        if cfg.residual == "sequential":
+        if cfg.block.residual == "sequential":
             per_layer += classic.norm("mlp_norm", LAYER + "post_attention_layernorm", bias=True)
-        if cfg.qk_norm:  # a tensor per head (TensorSpec.experts: one per index of the layer's (heads, h) scale)
+        if (
+            cfg.attention.qk_norm
+        ):  # a tensor per head (TensorSpec.experts: one per index of the layer's (heads, h) scale)
             names = [LAYER + f"self_attn.{x}_layernorm.norms.{{j}}.weight" for x in "qk"]
             per_layer += [
                 TensorSpec(("attn", f"{x}_norm", "scale"), name, None, experts=True) for x, name in zip("qk", names)

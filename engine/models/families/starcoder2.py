@@ -66,26 +66,30 @@ class Starcoder2(Family):
             "model_type": self.model_type,
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model,
-            "intermediate_size": cfg.mlp_dim,
+            "intermediate_size": cfg.mlp.dim,
             "num_hidden_layers": cfg.num_layers,
-            "num_attention_heads": cfg.num_heads,
-            "num_key_value_heads": cfg.num_kv_heads,
-            "hidden_act": {"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.activation, cfg.activation),
+            "num_attention_heads": cfg.attention.num_heads,
+            "num_key_value_heads": cfg.attention.num_kv_heads,
+            "hidden_act": {"gelu_tanh": "gelu_pytorch_tanh"}.get(cfg.mlp.activation, cfg.mlp.activation),
             "max_position_embeddings": cfg.max_seq_len,
             "initializer_range": cfg.init_std,
-            "norm_epsilon": cfg.norm_eps,
+            "norm_epsilon": cfg.norm.eps,
             "use_cache": True,
-            "rope_parameters": rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling),
-            "rope_theta": cfg.rope_theta,
-            "rope_scaling": rope_to_hf(cfg.rope_scaling),
-            "sliding_window": cfg.sliding_window if all(cfg.layer_is_local()) else None,
+            "rope_parameters": rope_parameters_to_hf(cfg.rope.theta, cfg.rope.scaling),
+            "rope_theta": cfg.rope.theta,
+            "rope_scaling": rope_to_hf(cfg.rope.scaling),
+            "sliding_window": cfg.attention.sliding_window if all(cfg.layer_is_local()) else None,
             "attention_dropout": 0.0,
             "residual_dropout": 0.0,
             "embedding_dropout": 0.0,
-            "use_bias": cfg.mlp_bias,
+            "use_bias": cfg.mlp.bias,
             "tie_word_embeddings": cfg.tie_embeddings,
             # read by the attention though Starcoder2Config does not declare it
-            **({"head_dim": cfg.head_dim} if cfg.head_dim != cfg.d_model // cfg.num_heads else {}),
+            **(
+                {"head_dim": cfg.attention.head_dim}
+                if cfg.attention.head_dim != cfg.d_model // cfg.attention.num_heads
+                else {}
+            ),
         }
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -95,7 +99,7 @@ class Starcoder2(Family):
         ]
         if not cfg.tie_embeddings:
             top.append(TensorSpec(("lm_head_dv",), "lm_head.weight", 1))
-        bias = cfg.mlp_bias
+        bias = cfg.mlp.bias
         per_layer = [
             *classic.norm("attn_norm", LAYER + "input_layernorm", bias=True),
             *classic.attention(LAYER + "self_attn.", ("q_proj", "k_proj", "v_proj", "o_proj"), bias, bias),
