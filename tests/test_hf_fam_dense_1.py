@@ -33,6 +33,7 @@ from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf  # noqa: E402
 from engine.interop.hf.peft import adapter_to_peft  # noqa: E402
+from engine.models import flat_keys
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig  # noqa: E402
 from engine.models.lora import split_adapter  # noqa: E402
 from engine.models.params import abstract_model_params  # noqa: E402
@@ -138,7 +139,7 @@ def test_the_settings_that_differ_from_llama_are_read(case):
         "ministral3": {"attention_pattern": ["local"], "query_position_scale": 0.5},
         "hunyuan_v1_dense": {"qk_norm": True, "qk_norm_after_rope": True, "rope_theta": 50.0 * 10.0 ** (8 / 6)},
     }[case.family]
-    assert {key: getattr(case.cfg, key) for key in expected} == expected
+    assert {key: flat_keys.value(case.cfg, key) for key in expected} == expected
     assert case.cfg.family == case.family and case.cfg.num_params() == sum(
         p.numel() for p in case.hf_model.parameters()
     )
