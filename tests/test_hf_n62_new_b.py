@@ -1,0 +1,151 @@
+"""Hugging Face parity of the newest architectures of transformers 5.25 (group B): CWM (Llama
+with sliding windows on three layers of four), ...
+
+Each case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
+collected here over this module's `case`): greedy tokens and the KV-cache sampler equal
+transformers', export -> convert bitwise; and here logits to 1e-4 with N(0, 0.3^2) weights
+(and a random choosing bias where the router has one), the export loading cleanly in
+transformers, config.json as transformers writes it, and each published preset's parameter
+count equal to transformers' (meta device).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.deps import need
+
+torch = need("torch")
+transformers = need("transformers")
+
+from engine.config import ConfigError, resolve_model_preset  # noqa: E402
+from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.export import export_hf  # noqa: E402
+from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf  # noqa: E402
+from engine.models.config import ModelConfig  # noqa: E402
+from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
+from tests import test_hf_parity  # noqa: E402
+from tests.test_hf_fam_moe_2 import randomise_routing_bias  # noqa: E402
+from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
+    COMMON,
+    WINDOW,
+    Case,
+    batch,
+    engine_logits,
+    hf_logits,
+    random_causal_lm,
+    test_export_then_convert_is_bitwise_identical,
+    test_greedy_generation_of_16_tokens_is_identical,
+)
+
+NO_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+"""The classes' default token ids lie past the tiny vocabulary."""
+
+
+def llama3_rope(theta: float = 500.0) -> dict:
+    """Llama 3 scaling with an original context short enough to matter here (a new dict each
+    time: transformers adds keys to the one it is given)."""
+    return {
+        "rope_type": "llama3",
+        "rope_theta": theta,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+
+
+def hf_config(name: str):
+    t = transformers
+    return {
+        # 5 layers: full, sliding x3, full (CwmConfig's default pattern), Llama 3 scaling
+        "cwm": lambda: t.CwmConfig(
+            **{**COMMON, "num_hidden_layers": 5},
+            sliding_window=WINDOW,
+            rope_parameters=llama3_rope(),
+            eos_token_id=None,
+            bos_token_id=1,
+        ),
+    }[name]()
+
+
+CASES = ["cwm"]
+IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
+"""transformers' plain loops: its grouped-matmul experts need 16-byte strides (odd sizes have not)."""
+
+
+def random_hf_model(name: str, seed: int = 0):
+    model = random_causal_lm(hf_config(name), seed, **IMPLEMENTATIONS)
+    randomise_routing_bias(model, seed)
+    return model
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request, tmp_path_factory) -> Case:
+    name = request.param
+    root = tmp_path_factory.mktemp(name)
+    model = random_hf_model(name)
+    model.save_pretrained(root / "hf")
+    convert_hf(root / "hf", root / "converted")
+    cfg, params, _ = load_params(root / "converted" / "checkpoint")
+    _, compute = stored_configs(root / "converted" / "checkpoint")
+    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+
+
+def test_converted_model_matches_transformers_logits(case):
+    assert case.cfg.family == case.hf_model.config.model_type
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    ours = engine_logits(case.cfg, case.compute, case.params, tokens, mask)
+    ref = hf_logits(case.hf_model, tokens, mask)
+    delta = float(np.abs(ours - ref)[valid].max())
+    print(f"\n{case.family}: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref[valid]).max():.1f})")
+    assert delta <= 1e-4 and np.abs(ref[valid]).max() > 0.5
+
+
+def test_the_family_reads_what_the_config_says(case):
+    cfg = case.cfg
+    layers = cfg.layer_pattern()
+    if case.family == "cwm":
+        assert [x.local for x in layers] == [False, True, True, True, False] and cfg.sliding_window == WINDOW
+        assert cfg.rope_scaling.kind == "llama3"
+
+
+def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
+    export_hf(case.out_dir / "checkpoint", tmp_path / "export")
+    test_hf_parity.assert_export_reloads_cleanly(case, tmp_path / "export", **IMPLEMENTATIONS)
+
+
+def test_exported_config_json_is_what_transformers_writes(case, tmp_path):
+    test_hf_parity.test_exported_config_json_is_what_transformers_writes(case, tmp_path)
+
+
+PUBLISHED = {  # preset: the model card's total (billions) and how closely ModelConfig.num_params meets it
+    "cwm-32b": (32, 0.03),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_the_presets_are_the_published_models(preset):
+    """Each preset builds as the transformers model of the same trainable parameter count (on
+    the meta device) and of the size its model card gives."""
+    cfg = ModelConfig.model_validate(resolve_model_preset({"model": preset}, preset)["model"])
+    hf = transformers.AutoConfig.for_model(**model_config_to_hf(cfg))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf)
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == cfg.num_params()
+    billions, tolerance = PUBLISHED[preset]
+    assert cfg.num_params() / 1e9 == pytest.approx(billions, rel=tolerance)
+
+
+def hf_dict(name: str) -> dict:
+    """config.json of the case `name` as transformers writes it."""
+    config = hf_config(name)
+    model_class = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    return {**config.to_dict(), "architectures": [model_class.__name__]}
+
+
+def test_what_the_families_do_not_run_is_refused_in_one_sentence():
+    with pytest.raises(ConfigError, match=r"mlp_bias=true is not supported"):
+        model_config_from_hf({**hf_dict("cwm"), "mlp_bias": True})
