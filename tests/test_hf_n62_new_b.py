@@ -1,5 +1,6 @@
 """Hugging Face parity of the newest architectures of transformers 5.25 (group B): CWM (Llama
-with sliding windows on three layers of four), ...
+with sliding windows on three layers of four), Youtu-LLM (DeepSeek-V3's latent attention over a
+dense MLP), ...
 
 Each case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
 collected here over this module's `case`): greedy tokens and the KV-cache sampler equal
@@ -67,10 +68,35 @@ def hf_config(name: str):
             eos_token_id=None,
             bos_token_id=1,
         ),
+        # latent attention (compressed queries, odd widths), YaRN with DeepSeek's softmax mscale
+        "youtu": lambda: t.YoutuConfig(
+            # latent attention: as many key-value heads as heads; head_dim is the rotary width
+            **{**COMMON, "num_key_value_heads": 6, "head_dim": 4},
+            kv_lora_rank=10,
+            q_lora_rank=12,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=6,
+            v_head_dim=7,
+            rope_parameters=yarn_rope(),
+            tie_word_embeddings=False,
+            **NO_TOKENS,
+        ),
     }[name]()
 
 
-CASES = ["cwm"]
+def yarn_rope() -> dict:
+    """YaRN x4 over an original context of 16 with DeepSeek's mscale on the softmax scale."""
+    return {
+        "rope_type": "yarn",
+        "rope_theta": 500.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
+
+
+CASES = ["cwm", "youtu"]
 IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
 """transformers' plain loops: its grouped-matmul experts need 16-byte strides (odd sizes have not)."""
 
@@ -110,6 +136,16 @@ def test_the_family_reads_what_the_config_says(case):
     if case.family == "cwm":
         assert [x.local for x in layers] == [False, True, True, True, False] and cfg.sliding_window == WINDOW
         assert cfg.rope_scaling.kind == "llama3"
+    elif case.family == "youtu":
+        assert [x.mixer for x in layers] == ["mla"] * 3 and [x.ffn for x in layers] == ["mlp"] * 3
+        assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.rope_head_dim, cfg.head_dim, cfg.value_head_dim) == (
+            10,
+            12,
+            4,
+            10,
+            7,
+        )
+        assert cfg.rope_interleave and cfg.rope_scaling.kind == "yarn"
 
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
@@ -123,6 +159,7 @@ def test_exported_config_json_is_what_transformers_writes(case, tmp_path):
 
 PUBLISHED = {  # preset: the model card's total (billions) and how closely ModelConfig.num_params meets it
     "cwm-32b": (32, 0.03),
+    "youtu-llm-2b": (1.96, 0.01),
 }
 
 
