@@ -1,6 +1,6 @@
 """Hugging Face parity of the newest architectures of transformers 5.25 (group B): CWM (Llama
 with sliding windows on three layers of four), Youtu-LLM (DeepSeek-V3's latent attention over a
-dense MLP), ...
+dense MLP), Hy3 (QK-norm attention over DeepSeek-V3's sigmoid router, its own tensor names), ...
 
 Each case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
 collected here over this module's `case`): greedy tokens and the KV-cache sampler equal
@@ -27,7 +27,7 @@ from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf  
 from engine.models.config import ModelConfig  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
-from tests.test_hf_fam_moe_2 import randomise_routing_bias  # noqa: E402
+from tests.test_hf_fam_moe_2 import chosen_experts, randomise_routing_bias, router_weights  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
     COMMON,
     WINDOW,
@@ -81,6 +81,16 @@ def hf_config(name: str):
             tie_word_embeddings=False,
             **NO_TOKENS,
         ),
+        # a dense first layer, then 5 experts (2 per token, scaled by 1.7) and 2 shared; QK norm
+        "hy_v3": lambda: t.HYV3Config(
+            **COMMON,
+            num_experts=5,
+            num_experts_per_tok=2,
+            moe_intermediate_size=13,
+            num_shared_experts=2,
+            router_scaling_factor=1.7,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        ),
     }[name]()
 
 
@@ -96,7 +106,7 @@ def yarn_rope() -> dict:
     }
 
 
-CASES = ["cwm", "youtu"]
+CASES = ["cwm", "youtu", "hy_v3"]
 IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
 """transformers' plain loops: its grouped-matmul experts need 16-byte strides (odd sizes have not)."""
 
@@ -120,7 +130,9 @@ def case(request, tmp_path_factory) -> Case:
 
 
 def test_converted_model_matches_transformers_logits(case):
-    assert case.cfg.family == case.hf_model.config.model_type
+    """Logits to 1e-4; in a mixture of experts with weights large enough that routing matters:
+    every expert is used, unevenly, and a 5% change of the routers moves some choices (so
+    matching logits means matching routing)."""
     tokens, mask = batch()
     valid = mask.astype(bool)
     ours = engine_logits(case.cfg, case.compute, case.params, tokens, mask)
@@ -128,10 +140,29 @@ def test_converted_model_matches_transformers_logits(case):
     delta = float(np.abs(ours - ref)[valid].max())
     print(f"\n{case.family}: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref[valid]).max():.1f})")
     assert delta <= 1e-4 and np.abs(ref[valid]).max() > 0.5
+    if not case.cfg.num_experts:
+        return
+    chosen = chosen_experts(case.hf_model, tokens, mask)
+    loads = torch.bincount(chosen[0].flatten(), minlength=case.cfg.num_experts)
+    assert loads.min() > 0 and loads.max() > loads.min()
+    routers = router_weights(case.hf_model)
+    saved = [w.detach().clone() for w in routers]
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for w in routers:
+            w.mul_(1 + 0.05 * torch.randn(w.shape, generator=generator))
+    try:
+        moved = chosen_experts(case.hf_model, tokens, mask)
+    finally:
+        with torch.no_grad():
+            for w, s in zip(routers, saved, strict=True):
+                w.copy_(s)
+    assert sum(int((a != b).any(-1).sum()) for a, b in zip(chosen, moved, strict=True)) > 0
 
 
 def test_the_family_reads_what_the_config_says(case):
     cfg = case.cfg
+    assert cfg.family == case.hf_model.config.model_type
     layers = cfg.layer_pattern()
     if case.family == "cwm":
         assert [x.local for x in layers] == [False, True, True, True, False] and cfg.sliding_window == WINDOW
@@ -146,6 +177,9 @@ def test_the_family_reads_what_the_config_says(case):
             7,
         )
         assert cfg.rope_interleave and cfg.rope_scaling.kind == "yarn"
+    elif case.family == "hy_v3":
+        assert [x.ffn for x in layers] == ["mlp", "moe", "moe"] and cfg.qk_norm and cfg.router_bias
+        assert (cfg.num_experts, cfg.experts_per_token, cfg.num_shared_experts, cfg.router_scale) == (5, 2, 2, 1.7)
 
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
@@ -160,6 +194,7 @@ def test_exported_config_json_is_what_transformers_writes(case, tmp_path):
 PUBLISHED = {  # preset: the model card's total (billions) and how closely ModelConfig.num_params meets it
     "cwm-32b": (32, 0.03),
     "youtu-llm-2b": (1.96, 0.01),
+    "hy3-preview": (295, 0.01),
 }
 
 
