@@ -1,6 +1,7 @@
 """Hugging Face parity of the newest architectures of transformers 5.25 (group B): CWM (Llama
 with sliding windows on three layers of four), Youtu-LLM (DeepSeek-V3's latent attention over a
-dense MLP), Hy3 (QK-norm attention over DeepSeek-V3's sigmoid router, its own tensor names), ...
+dense MLP), Hy3 (QK-norm attention over DeepSeek-V3's sigmoid router, under its own tensor
+names), MiniCPM 5 MoE (a sigmoid output gate from the query projection, DeepSeek-V3's router).
 
 Each case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
 collected here over this module's `case`): greedy tokens and the KV-cache sampler equal
@@ -91,6 +92,21 @@ def hf_config(name: str):
             router_scaling_factor=1.7,
             rope_parameters={"rope_type": "default", "rope_theta": 500.0},
         ),
+        # the output-gated attention; dense, sparse, dense (not a prefix: ffn_pattern), 6 experts in 2
+        # groups, each token's 2 from its best group, 2 shared, scaled by 1.3
+        "minicpm5_moe": lambda: t.MiniCPM5MoeConfig(
+            **COMMON,
+            n_routed_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=13,
+            n_shared_experts=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.3,
+            mlp_layer_types=["dense", "sparse", "dense"],
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            **NO_TOKENS,
+        ),
     }[name]()
 
 
@@ -106,7 +122,7 @@ def yarn_rope() -> dict:
     }
 
 
-CASES = ["cwm", "youtu", "hy_v3"]
+CASES = ["cwm", "youtu", "hy_v3", "minicpm5_moe"]
 IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
 """transformers' plain loops: its grouped-matmul experts need 16-byte strides (odd sizes have not)."""
 
@@ -180,6 +196,10 @@ def test_the_family_reads_what_the_config_says(case):
     elif case.family == "hy_v3":
         assert [x.ffn for x in layers] == ["mlp", "moe", "moe"] and cfg.qk_norm and cfg.router_bias
         assert (cfg.num_experts, cfg.experts_per_token, cfg.num_shared_experts, cfg.router_scale) == (5, 2, 2, 1.7)
+    elif case.family == "minicpm5_moe":
+        assert [x.ffn for x in layers] == ["mlp", "moe", "mlp"] and cfg.attention_output_gate and not cfg.qk_norm
+        assert (cfg.router_groups, cfg.router_group_top, cfg.router_scale) == (2, 1, 1.3)
+        assert case.params["blocks"]["attn"]["wq_dnh"].shape == (1, 30, 6, 16)  # each head's query and gate
 
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
@@ -195,6 +215,7 @@ PUBLISHED = {  # preset: the model card's total (billions) and how closely Model
     "cwm-32b": (32, 0.03),
     "youtu-llm-2b": (1.96, 0.01),
     "hy3-preview": (295, 0.01),
+    "minicpm5-15b-a2.5b": (15, 0.01),
 }
 
 
@@ -221,3 +242,5 @@ def hf_dict(name: str) -> dict:
 def test_what_the_families_do_not_run_is_refused_in_one_sentence():
     with pytest.raises(ConfigError, match=r"mlp_bias=true is not supported"):
         model_config_from_hf({**hf_dict("cwm"), "mlp_bias": True})
+    with pytest.raises(ConfigError, match=r"use_gated_attention=false is not supported"):
+        model_config_from_hf({**hf_dict("minicpm5_moe"), "use_gated_attention": False})
