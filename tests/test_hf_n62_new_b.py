@@ -107,6 +107,46 @@ def hf_config(name: str):
             rope_parameters={"rope_type": "default", "rope_theta": 500.0},
             **NO_TOKENS,
         ),
+        # latent attention with uncompressed queries (DeepSeek-V3's class), YaRN in the published
+        # legacy form; a dense first layer, 6 experts, 2 per token, 2 shared
+        "sarvam_mla": lambda: t.SarvamMLAConfig(
+            **{**COMMON, "num_key_value_heads": 6, "head_dim": 4},
+            kv_lora_rank=10,
+            q_lora_rank=None,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=6,
+            v_head_dim=7,
+            n_routed_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=13,
+            n_shared_experts=2,
+            rope_scaling={**yarn_rope(), "type": "deepseek_yarn"},
+            **NO_TOKENS,
+        ),
+        # GLM-4.5's layers under Ling's names (fused query_key_value), QK norm, 6 experts in 3
+        # groups, each token's 2 from its 2 best
+        "sarvam_moe": lambda: t.SarvamMoEConfig(
+            **COMMON,
+            n_routed_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=13,
+            n_shared_experts=2,
+            n_group=3,
+            topk_group=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            **NO_TOKENS,
+        ),
+        # the same with q/k/v biases (in the fused tensor) and tied embeddings (its default)
+        "param2moe": lambda: t.Param2MoeConfig(
+            **COMMON,
+            n_routed_experts=5,
+            num_experts_per_tok=2,
+            moe_intermediate_size=13,
+            n_shared_experts=1,
+            attention_bias=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            **NO_TOKENS,
+        ),
     }[name]()
 
 
@@ -122,7 +162,7 @@ def yarn_rope() -> dict:
     }
 
 
-CASES = ["cwm", "youtu", "hy_v3", "minicpm5_moe"]
+CASES = ["cwm", "youtu", "hy_v3", "minicpm5_moe", "sarvam_mla", "sarvam_moe", "param2moe"]
 IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
 """transformers' plain loops: its grouped-matmul experts need 16-byte strides (odd sizes have not)."""
 
@@ -200,6 +240,12 @@ def test_the_family_reads_what_the_config_says(case):
         assert [x.ffn for x in layers] == ["mlp", "moe", "mlp"] and cfg.attention_output_gate and not cfg.qk_norm
         assert (cfg.router_groups, cfg.router_group_top, cfg.router_scale) == (2, 1, 1.3)
         assert case.params["blocks"]["attn"]["wq_dnh"].shape == (1, 30, 6, 16)  # each head's query and gate
+    elif case.family == "sarvam_mla":
+        assert [x.mixer for x in layers] == ["mla"] * 3 and [x.ffn for x in layers] == ["mlp", "moe", "moe"]
+        assert cfg.q_lora_rank is None and cfg.rope_scaling.kind == "yarn" and cfg.num_shared_experts == 2
+    elif case.family in ("sarvam_moe", "param2moe"):
+        assert [x.ffn for x in layers] == ["mlp", "moe", "moe"] and cfg.qk_norm and cfg.rotary_dim is None
+        assert cfg.qkv_bias == (case.family == "param2moe") and cfg.tie_embeddings == (case.family == "param2moe")
 
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
@@ -216,6 +262,9 @@ PUBLISHED = {  # preset: the model card's total (billions) and how closely Model
     "youtu-llm-2b": (1.96, 0.01),
     "hy3-preview": (295, 0.01),
     "minicpm5-15b-a2.5b": (15, 0.01),
+    "sarvam-105b": (105, 0.01),
+    "sarvam-30b": (32.2, 0.01),  # named 30B
+    "param2-17b-a2.4b": (17, 0.01),
 }
 
 
@@ -244,3 +293,21 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
         model_config_from_hf({**hf_dict("cwm"), "mlp_bias": True})
     with pytest.raises(ConfigError, match=r"use_gated_attention=false is not supported"):
         model_config_from_hf({**hf_dict("minicpm5_moe"), "use_gated_attention": False})
+
+
+def test_a_published_sarvam_mla_config_reads_as_transformers_reads_it():
+    """sarvam-105b's config.json in DeepSeek's own keys (q_head_dim, a head_dim of the whole
+    query head, rope_scaling type deepseek_yarn): the model transformers' SarvamMLAConfig makes
+    of it, which is the model of its re-saved form."""
+    modern = hf_dict("sarvam_mla")
+    legacy = {k: v for k, v in modern.items() if k not in ("rope_parameters", "qk_head_dim")}
+    legacy |= {
+        "architectures": ["SarvamMLAForCausalLM"],
+        "rope_theta": 500.0,
+        "rope_scaling": {k: v for k, v in yarn_rope().items() if k != "rope_theta"} | {"type": "deepseek_yarn"},
+        "q_head_dim": 10,
+        "head_dim": 10,
+    }
+    assert model_config_from_hf(legacy) == model_config_from_hf(modern)
+    theirs = transformers.SarvamMLAConfig(**{k: v for k, v in legacy.items() if k != "architectures"})
+    assert theirs.rope_parameters == {**yarn_rope(), "rope_type": "yarn"} == modern["rope_parameters"]
