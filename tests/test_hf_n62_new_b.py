@@ -1,7 +1,9 @@
 """Hugging Face parity of the newest architectures of transformers 5.25 (group B): CWM (Llama
 with sliding windows on three layers of four), Youtu-LLM (DeepSeek-V3's latent attention over a
 dense MLP), Hy3 (QK-norm attention over DeepSeek-V3's sigmoid router, under its own tensor
-names), MiniCPM 5 MoE (a sigmoid output gate from the query projection, DeepSeek-V3's router).
+names), MiniCPM 5 MoE (a sigmoid output gate from the query projection, DeepSeek-V3's router),
+Sarvam MLA / Sarvam MoE / Param-2 MoE (DeepSeek-V3 and GLM-4.5 under their published keys and
+names) and Apertus 1.5 (Apertus whose LM head predicts only the first output_vocab_size tokens).
 
 Each case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
 collected here over this module's `case`): greedy tokens and the KV-cache sampler equal
@@ -147,6 +149,10 @@ def hf_config(name: str):
             rope_parameters={"rope_type": "default", "rope_theta": 500.0},
             **NO_TOKENS,
         ),
+        # Apertus with the head pruned to the first 29 of the 37 tokens, Llama 3 scaling
+        "apertus1p5_text": lambda: t.Apertus1p5TextConfig(
+            **COMMON, output_vocab_size=29, rope_parameters=llama3_rope(), **NO_TOKENS
+        ),
     }[name]()
 
 
@@ -162,7 +168,7 @@ def yarn_rope() -> dict:
     }
 
 
-CASES = ["cwm", "youtu", "hy_v3", "minicpm5_moe", "sarvam_mla", "sarvam_moe", "param2moe"]
+CASES = ["cwm", "youtu", "hy_v3", "minicpm5_moe", "sarvam_mla", "sarvam_moe", "param2moe", "apertus1p5_text"]
 IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
 """transformers' plain loops: its grouped-matmul experts need 16-byte strides (odd sizes have not)."""
 
@@ -246,6 +252,9 @@ def test_the_family_reads_what_the_config_says(case):
     elif case.family in ("sarvam_moe", "param2moe"):
         assert [x.ffn for x in layers] == ["mlp", "moe", "moe"] and cfg.qk_norm and cfg.rotary_dim is None
         assert cfg.qkv_bias == (case.family == "param2moe") and cfg.tie_embeddings == (case.family == "param2moe")
+    elif case.family == "apertus1p5_text":
+        assert (cfg.vocab_size, cfg.output_vocab_size, cfg.activation) == (37, 29, "xielu")
+        assert case.params["lm_head_dv"].shape == (30, 29) and case.params["embed_vd"].shape == (37, 30)
 
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
@@ -265,6 +274,7 @@ PUBLISHED = {  # preset: the model card's total (billions) and how closely Model
     "sarvam-105b": (105, 0.01),
     "sarvam-30b": (32.2, 0.01),  # named 30B
     "param2-17b-a2.4b": (17, 0.01),
+    "apertus-1.5-8b": (8.6, 0.01),  # Apertus 8B's decoder over the larger embedding
 }
 
 
@@ -293,6 +303,8 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
         model_config_from_hf({**hf_dict("cwm"), "mlp_bias": True})
     with pytest.raises(ConfigError, match=r"use_gated_attention=false is not supported"):
         model_config_from_hf({**hf_dict("minicpm5_moe"), "use_gated_attention": False})
+    with pytest.raises(ConfigError, match=r"output_vocab_size must be at most vocab_size, with untied embeddings"):
+        model_config_from_hf({**hf_dict("apertus1p5_text"), "tie_word_embeddings": True})
 
 
 def test_a_published_sarvam_mla_config_reads_as_transformers_reads_it():
@@ -311,3 +323,39 @@ def test_a_published_sarvam_mla_config_reads_as_transformers_reads_it():
     assert model_config_from_hf(legacy) == model_config_from_hf(modern)
     theirs = transformers.SarvamMLAConfig(**{k: v for k, v in legacy.items() if k != "architectures"})
     assert theirs.rope_parameters == {**yarn_rope(), "rope_type": "yarn"} == modern["rope_parameters"]
+
+
+def test_apertus_1p5_published_with_its_tokenizers_converts_as_its_text_decoder(tmp_path):
+    """Apertus1p5ForConditionalGeneration (as the released checkpoints are): conversion reads
+    the decoder under model.language_model. and the pruned head, skips the vision and audio
+    tokenizers, and the model's logits are transformers' for text."""
+    text = {**hf_config("apertus1p5_text").to_dict(), "model_type": "apertus1p5_text"}
+    vision = dict(codebook_size=4, embed_dim=4, latent_channels=4, base_channels=32, channel_multiplier=[1])
+    vision |= dict(num_res_blocks=1, attn_resolutions=[], resolution=16)
+    audio = dict(model_type="wavtokenizer_encoder", codebook_size=4, hidden_size=32, codebook_dim=32, num_filters=4)
+    config = transformers.Apertus1p5Config(
+        text_config=text,
+        vision_config=vision,
+        audio_config={**audio, "num_lstm_layers": 1},
+        image_token_offset=29,  # the 4 image then 4 audio tokens: the rows the head leaves out
+        audio_token_offset=33,
+        image_token_id=27,
+        audio_token_id=28,
+    )
+    torch.manual_seed(0)
+    model = transformers.Apertus1p5ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.startswith(("model.language_model.", "lm_head.")):
+                p.copy_(0.3 * torch.randn_like(p) + (p if p.ndim == 1 else 0))
+    model.save_pretrained(tmp_path / "hf")
+    convert_hf(tmp_path / "hf", tmp_path / "converted")
+    cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
+    _, compute = stored_configs(tmp_path / "converted" / "checkpoint")
+    assert cfg.family == "apertus1p5_text" and cfg.output_vocab_size == 29
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    ours = engine_logits(cfg, compute, params, tokens, mask)
+    ref = hf_logits(model, tokens, mask)
+    assert ours.shape == ref.shape == (3, 20, 29)
+    assert float(np.abs(ours - ref)[valid].max()) <= 1e-4 and np.abs(ref[valid]).max() > 0.5

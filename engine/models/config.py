@@ -489,6 +489,17 @@ class ModelConfig(Strict):
     and a multimodal one's vision positions, have it back. None: transformers' default
     [11, 11, 10]."""
 
+    output_vocab_size: int | None = Field(None, gt=0)
+    """Rows of the LM head (the logits' width) where fewer than vocab_size: the embedding rows
+    past it are tokens the model reads but never predicts (Apertus 1.5's image and audio
+    tokens, whose head rows its checkpoints prune). None: vocab_size."""
+
+    @model_validator(mode="after")
+    def _check_output_vocab(self) -> ModelConfig:
+        if self.output_vocab_size is not None and (self.output_vocab_size > self.vocab_size or self.tie_embeddings):
+            raise ValueError("output_vocab_size must be at most vocab_size, with untied embeddings (its own LM head)")
+        return self
+
     @field_validator("family")
     @classmethod
     def _known_family(cls, name: str) -> str:
@@ -970,7 +981,7 @@ class ModelConfig(Strict):
         n = sum(spec.params(d, active) for spec in specs) + norm  # the layers and the final norm
         n += norm * self.embedding_norm + self.vocab_size * self.lm_head_bias
         if include_embedding:
-            n += self.vocab_size * d * (1 if self.tie_embeddings else 2)
+            n += (self.vocab_size + (0 if self.tie_embeddings else self.output_vocab_size or self.vocab_size)) * d
             n += (self.max_seq_len + self.position_offset) * d * (self.positions == "learned")
         if self.per_layer_input_dim:  # the model's projection and norm, and the per-layer embedding
             width = self.num_layers * self.per_layer_input_dim
