@@ -15,6 +15,7 @@ count equal to transformers' (meta device).
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -110,7 +111,7 @@ def hf_config(name: str):
             **NO_TOKENS,
         ),
         # latent attention with uncompressed queries (DeepSeek-V3's class), YaRN in the published
-        # legacy form; a dense first layer, 6 experts, 2 per token, 2 shared
+        # legacy form; a dense first layer, 6 experts, 3 per token, 2 shared
         "sarvam_mla": lambda: t.SarvamMLAConfig(
             **{**COMMON, "num_key_value_heads": 6, "head_dim": 4},
             kv_lora_rank=10,
@@ -119,7 +120,7 @@ def hf_config(name: str):
             qk_nope_head_dim=6,
             v_head_dim=7,
             n_routed_experts=6,
-            num_experts_per_tok=2,
+            num_experts_per_tok=3,
             moe_intermediate_size=13,
             n_shared_experts=2,
             rope_scaling={**yarn_rope(), "type": "deepseek_yarn"},
@@ -359,3 +360,43 @@ def test_apertus_1p5_published_with_its_tokenizers_converts_as_its_text_decoder(
     ref = hf_logits(model, tokens, mask)
     assert ours.shape == ref.shape == (3, 20, 29)
     assert float(np.abs(ours - ref)[valid].max()) <= 1e-4 and np.abs(ref[valid]).max() > 0.5
+
+
+def test_hy3s_multi_token_prediction_layer_is_skipped(tmp_path):
+    """Hy3's checkpoints carry a layer after the last (`model.layers.{num_hidden_layers}.`,
+    which transformers skips): conversion skips it too, and the model it writes is the one
+    without it."""
+    from safetensors.numpy import load_file, save_file
+
+    model = random_hf_model("hy_v3")
+    model.save_pretrained(tmp_path / "hf")
+    convert_hf(tmp_path / "hf", tmp_path / "plain")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    tensors["model.layers.3.eh_proj.weight"] = np.ones((30, 60), np.float32)
+    tensors["model.layers.3.mlp.experts.0.up_proj.weight"] = np.ones((13, 30), np.float32)
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    convert_hf(tmp_path / "hf", tmp_path / "converted")
+    cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
+    plain_cfg, plain, _ = load_params(tmp_path / "plain" / "checkpoint")
+    assert cfg == plain_cfg and cfg.mtp_layers == 0
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_lora_targets_what_sarvam_moe_checkpoints_hold_apart_under_transformers_module_names():
+    """q, k and v are one tensor in Sarvam MoE's checkpoints: LoRA refuses them in one sentence
+    (all-linear leaves them out); o_proj, stored as attention.dense, is adapted under the name
+    of transformers' module (what PEFT loads onto)."""
+    from engine.interop.hf.peft import _adapted_specs, _modules
+    from engine.models.config import LoraConfig
+
+    cfg, _ = model_config_from_hf(hf_dict("sarvam_moe"))
+    assert LoraConfig(target_modules="all-linear").targets(cfg) == ("o_proj",)
+    with pytest.raises(ValueError, match=r"family 'sarvam_moe' stores q_proj fused with others in one tensor"):
+        LoraConfig(target_modules=["q_proj"]).targets(cfg)
+    names = [
+        name
+        for _, spec, layers in _adapted_specs(cfg, LoraConfig(target_modules=["o_proj"]))
+        for _, name in _modules(cfg, spec, layers)
+    ]
+    assert names == [f"base_model.model.model.layers.{i}.self_attn.o_proj" for i in (0, 1, 2)]

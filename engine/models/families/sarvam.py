@@ -10,7 +10,9 @@ transformers runs with classes it has, under the layouts their checkpoints were 
   Ling's names: `model.word_embeddings`, one fused `attention.query_key_value` (q, k and v
   rows one after another), `attention.dense`, `attention.query_layernorm` /
   `key_layernorm`, the choosing bias `mlp.gate.expert_bias`. transformers renames them on
-  loading and back on saving (its conversion mapping); so does the tensor table here.
+  loading and back on saving (its conversion mapping); so does the tensor table here, and
+  LoRA adapters name transformers' modules (`self_attn.o_proj`); q, k and v, one tensor in
+  the checkpoints, are refused as LoRA targets.
 
 transformers saves all three with its class's architecture; the published `...ForCausalLM`
 names (trust_remote_code classes) are read as the same family.
@@ -82,6 +84,7 @@ class SarvamMoE(Glm4Moe):
         "initializer_range": 0.006,
     }
     hf_constants = {**Glm4Moe.hf_constants}
+    fused_projections = ("q_proj", "k_proj", "v_proj")  # one query_key_value tensor
 
     def extra_fields_from_hf(self, hf: dict) -> dict[str, Any]:
         fields = super().extra_fields_from_hf(hf)
@@ -97,6 +100,12 @@ class SarvamMoE(Glm4Moe):
         return [self._renamed(spec) for spec in top], [
             self._renamed(spec) for spec in per_layer if spec.path[-1][:2] not in ("wk", "wv", "bk", "bv")
         ]
+
+    def module_name(self, hf_name: str) -> str:
+        """transformers' module of a checkpoint tensor (PEFT names adapters by it): GLM-4.5's."""
+        for ours, theirs in LING_NAMES.items():
+            hf_name = hf_name.replace(theirs, ours)
+        return hf_name
 
     @staticmethod
     def _renamed(spec: TensorSpec) -> TensorSpec:
