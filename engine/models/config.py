@@ -461,6 +461,12 @@ class ModelConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_output_vocab(self) -> ModelConfig:
+        if self.head.vocab_size is not None and (self.head.vocab_size > self.vocab_size or self.tie_embeddings):
+            raise ValueError("output_vocab_size must be at most vocab_size, with untied embeddings (its own LM head)")
+        return self
+
+    @model_validator(mode="after")
     def _check_xielu(self) -> ModelConfig:
         if self.mlp.activation == "xielu" and (self.mlp.gated or self.is_moe or self.embedding.per_layer_input_dim):
             raise ValueError("activation xielu (Apertus) is taken by a dense MLP without a gate only (mlp_gated false)")
@@ -781,7 +787,7 @@ class ModelConfig(Strict):
         n = sum(spec.params(d, active) for spec in specs) + norm  # the layers and the final norm
         n += norm * self.embedding.norm + self.vocab_size * self.head.bias
         if include_embedding:
-            n += self.vocab_size * d * (1 if self.tie_embeddings else 2)
+            n += (self.vocab_size + (0 if self.tie_embeddings else self.head.vocab_size or self.vocab_size)) * d
             n += (self.max_seq_len + self.embedding.position_offset) * d * (self.positions == "learned")
         if self.embedding.per_layer_input_dim:  # the model's projection and norm, and the per-layer embedding
             width = self.num_layers * self.embedding.per_layer_input_dim

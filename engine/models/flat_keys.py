@@ -113,6 +113,7 @@ FLAT: dict[str, tuple[str, str]] = {
     "logits_scaling": ("head", "divisor"),
     "logits_multiplier": ("head", "multiplier"),
     "final_norm_eps": ("head", "norm_eps"),
+    "output_vocab_size": ("head", "vocab_size"),
 }
 """Flat key -> (section, field)."""
 

@@ -308,6 +308,10 @@ class HeadConfig(Strict):
     """Output logits are divided by this (Granite's logits_scaling)."""
     multiplier: float | None = Field(None, gt=0)
     """Output logits are multiplied by this (Cohere's logit_scale); None: not scaled."""
+    vocab_size: int | None = Field(None, gt=0)
+    """Rows of the LM head (the logits' width) where fewer than the model's vocab_size: the
+    embedding rows past it are tokens the model reads but never predicts (Apertus 1.5's image
+    and audio tokens, whose head rows its checkpoints prune). None: vocab_size."""
     norm_eps: float | None = Field(None, gt=0)
     """The final norm's epsilon, where it differs from the layers' norm.eps (JetMoE's layer norms
     keep 1e-6, its final one reads rms_norm_eps); None: norm.eps."""

@@ -757,7 +757,8 @@ class Transformer(nnx.Module):
                 cfg.layer_specs()[0].norm, cfg.embedding.per_layer_input_dim, pdt, rngs=rngs
             )
         if not cfg.tie_embeddings:
-            self.lm_head_dv = _param(rngs, (cfg.d_model, cfg.vocab_size), cfg.init_std, ("embed", "vocab"), pdt)
+            rows = cfg.head.vocab_size or cfg.vocab_size  # Apertus 1.5's pruned head
+            self.lm_head_dv = _param(rngs, (cfg.d_model, rows), cfg.init_std, ("embed", "vocab"), pdt)
         if cfg.head.bias:  # GPT-J, Phi
             self.lm_head_bias_v = nnx.Param(jnp.zeros((cfg.vocab_size,), pdt), out_sharding=("vocab",))
         self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general

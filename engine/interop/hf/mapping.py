@@ -93,6 +93,7 @@ def model_config_to_hf(
     family = get_family(cfg.family)
     hf = {**family.config_to_hf(cfg), "dtype": param_dtype}
     hf.update({key: (token_ids or {}).get(key) for key in TOKEN_ID_KEYS})
+    hf.update({key: value for key, value in family.required_token_ids.items() if hf[key] is None})
     again, _ = model_config_from_hf(hf, where=f"family '{cfg.family}'")
     # by the flat keys (engine/models/flat_keys.py), so the message names the one field
     ours, theirs = flat_keys.unfold(cfg.model_dump()), flat_keys.unfold(again.model_dump())

@@ -333,6 +333,9 @@ class Family:
     """PEFT's Llama module names (o_proj, up_proj, ...) whose projection this family's
     checkpoints name otherwise (GPT-NeoX's o_proj is attention.dense): LoraConfig.targets
     refuses them, as an adapter by those names would not load onto its modules."""
+    required_token_ids: ClassVar[dict[str, int]] = {}
+    """Token ids the transformers class refuses as null (CwmConfig's bos_token_id must be an int):
+    config.json gets this value where the tokenizer's is unknown."""
     multimodal: ClassVar[Multimodal | None] = None
     """The multimodal checkpoints whose text decoder is this family's model (Llama 4's
     Llama4ForConditionalGeneration): convert reads them, skipping the vision tower."""
