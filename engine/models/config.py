@@ -23,6 +23,7 @@ from engine.models.specs import (
     IndexerSpec,
     KimiDeltaSpec,
     LayerSpec,
+    Mamba1Spec,
     Mamba2Spec,
     MixtureOfAttentionSpec,
     MLASpec,
@@ -47,7 +48,7 @@ class Layer(NamedTuple):
     stack: str
     """The params key of its stack: `blocks`, or `dense_blocks` for the dense-MLP layers of
     a mixture of experts (DeepSeek-V3's first layers, Qwen3-MoE's mlp_only_layers)."""
-    mixer: Literal["attention", "mla", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "none"]
+    mixer: Literal["attention", "mla", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "mamba1", "none"]
     """The sequence mixer, a kind in transformer.MIXERS: grouped-query attention
     (transformer.Attention), multi-head latent attention (mla.py), or a Gated DeltaNet
     linear-attention layer (gated_delta_block.py), which decodes with a recurrent state;
@@ -132,6 +133,24 @@ class Mamba2Config(Strict):
         if self.num_heads % self.n_groups:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of n_groups ({self.n_groups})")
         return self
+
+
+class Mamba1Config(Strict):
+    """The sizes of a Mamba1 selective-scan mixer (engine/models/mamba1.py; Mamba's, Falcon-Mamba's
+    and Jamba's config.json keys)."""
+
+    inner: int = Field(gt=0)
+    """The SSM's width (intermediate_size = expand x hidden_size)."""
+    state_size: int = Field(gt=0)
+    dt_rank: int = Field(gt=0)
+    conv_kernel: int = Field(4, gt=1)
+    conv_bias: bool = True
+    proj_bias: bool = False
+    bcdt_norm: Literal["none", "weightless", "weighted"] = "none"
+    """RMSNorms on dt's low-rank input, B and C: none (Mamba), scale-less (Falcon-Mamba), learned (Jamba)."""
+    bcdt_norm_eps: float = Field(1e-6, gt=0)
+    chunk_size: int = Field(64, gt=0)
+    """Tokens per chunk of the chunked associative scan (the results do not depend on it)."""
 
 
 class MuPMultipliers(Strict):
@@ -339,7 +358,7 @@ class ModelConfig(Strict):
     only under ComputeConfig.mtp_loss."""
     # Hybrid models (Qwen3-Next, Qwen3.5): layers of another mixer kind among the attention ones.
     mixer_pattern: (
-        list[Literal["attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "none"]] | None
+        list[Literal["attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "mamba1", "none"]] | None
     ) = Field(None, min_length=1)
     """Layer i's sequence mixer is mixer_pattern[i % len] (attention: the model's attention,
     MLA where kv_lora_rank is set); None: attention in every layer. Each other kind's layers
@@ -466,6 +485,14 @@ class ModelConfig(Strict):
     final_norm_eps: float | None = Field(None, gt=0)
     """The final norm's epsilon, where it differs from the layers' norm_eps (JetMoE's layer norms
     keep 1e-6, its final one reads rms_norm_eps); None: norm_eps."""
+    mamba1: Mamba1Config | None = None
+    """The Mamba1 layers' sizes (mixer_pattern has mamba1; Mamba, Falcon-Mamba, Jamba)."""
+
+    @model_validator(mode="after")
+    def _check_mamba1(self) -> ModelConfig:
+        if ("mamba1" in (self.mixer_pattern or [])) != (self.mamba1 is not None):
+            raise ValueError("mamba1 (the sizes) is set exactly when mixer_pattern has mamba1 layers")
+        return self
 
     @model_validator(mode="after")
     def _check_query_scaling(self) -> ModelConfig:
@@ -878,6 +905,9 @@ class ModelConfig(Strict):
                     norm_eps=self.norm_eps,
                 )
             return GatedDeltaSpec(**gd.model_dump(), norm_eps=self.norm_eps)
+        if layer.mixer == "mamba1":
+            assert self.mamba1 is not None  # _check_mamba1
+            return Mamba1Spec(**self.mamba1.model_dump())
         m = self.mamba2
         assert m is not None  # _check_mixers
         mup = self.mup
