@@ -107,11 +107,36 @@ def hf_config(name: str):
             rope_parameters={"rope_type": "default", "rope_theta": 500.0},
             **TOKENS,
         ),
+        # layers M A M M A (attention every 3rd from 1, no RoPE), experts in layers 0, 2, 4: 5
+        # experts of 14, 2 a token (unnormalised softmax weights), dense MLPs of 14 in 1 and 3;
+        # Mamba1 inner 90 (expand 3), state 6, dt rank 5, 3 taps, learned norms on dt, B, C
+        "jamba": lambda: t.JambaConfig(
+            vocab_size=VOCAB,
+            hidden_size=30,
+            intermediate_size=14,
+            num_hidden_layers=5,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=64,
+            attn_layer_period=3,
+            attn_layer_offset=1,
+            num_experts=5,
+            num_experts_per_tok=2,
+            expert_layer_period=2,
+            expert_layer_offset=0,
+            mamba_d_state=6,
+            mamba_d_conv=3,
+            mamba_expand=3,
+            mamba_dt_rank=5,
+            rms_norm_eps=1e-5,
+            **TOKENS,
+        ),
     }[name]()
 
 
-CASES = ["mamba", "falcon_mamba", "mamba2", "bamba"]
-IMPLEMENTATIONS = {"attn_implementation": "eager"}
+CASES = ["mamba", "falcon_mamba", "mamba2", "bamba", "jamba"]
+IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -146,6 +171,18 @@ def test_the_family_reads_what_the_config_says(case):
     cfg, hf = case.cfg, case.hf_model.config
     mixers = {layer.mixer for layer in cfg.layer_pattern()}
     assert cfg.num_params() == sum(p.numel() for p in case.hf_model.parameters())
+    if case.family == "jamba":
+        assert [(x.mixer, x.ffn) for x in cfg.layer_pattern()] == [
+            ("mamba1", "moe"),
+            ("attention", "mlp"),
+            ("mamba1", "moe"),
+            ("mamba1", "mlp"),
+            ("attention", "moe"),
+        ]
+        stacks = {"mamba1_blocks": (0, 2), "dense_blocks": (1,), "mamba1_dense_blocks": (3,), "blocks": (4,)}
+        assert dict(cfg.layer_stacks()) == stacks and not any(x.rope for x in cfg.layer_pattern())
+        assert cfg.mamba1.bcdt_norm == "weighted" and not cfg.router_renormalize
+        return
     if case.family == "bamba":
         assert [layer.mixer for layer in cfg.layer_pattern()] == ["mamba2", "attention", "mamba2", "mamba2"]
         assert dict(cfg.layer_stacks()) == {"mamba2_blocks": (0, 2, 3), "blocks": (1,)}
@@ -309,13 +346,23 @@ def test_a_training_step_is_transformers_loss_and_gradients(tmp_path):
 def test_what_the_families_do_not_run_is_refused_in_one_sentence():
     mamba = {**hf_config("mamba").to_dict(), "architectures": ["MambaForCausalLM"]}
     mamba2 = {**hf_config("mamba2").to_dict(), "architectures": ["Mamba2ForCausalLM"]}
+    bamba = {**hf_config("bamba").to_dict(), "architectures": ["BambaForCausalLM"]}
+    jamba = {**hf_config("jamba").to_dict(), "architectures": ["JambaForCausalLM"]}
     for config, message in (
         ({**mamba, "hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported \(silu\)"),
         ({**mamba2, "num_heads": 5}, r"hidden_size x expand \(30 x 2\) must equal num_heads x head_dim \(5 x 15\)"),
+        ({**bamba, "head_dim": 6}, r"head_dim 6 must be a multiple of 4 \(half of it rotary, in pairs\)"),
+        ({**jamba, "expert_layer_offset": 7}, r"expert_layer_offset puts experts in none of the 5 layers"),
     ):
         with pytest.raises(ConfigError, match=message) as refused:
             model_config_from_hf(config)
         assert "\n" not in str(refused.value)
+    # Jamba places attention by a period and an offset: two attention layers of three cannot be written
+    cfg, _ = model_config_from_hf(jamba)
+    with pytest.raises(ConfigError, match=r"this model's \(\[0, 1, 3, 4\]\) are not so placed"):
+        model_config_to_hf(cfg.model_copy(update={"mixer_pattern": ["attention", "attention", "mamba1"]}))
+    # LoRA: Jamba's attention (its experts and dense MLPs are not adapted)
+    assert LoraConfig(target_modules="all-linear").targets(cfg) == ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def test_a_peft_adapter_on_bamba_reads_in_and_writes_out_with_transformers_logits(tmp_path):
@@ -362,6 +409,7 @@ PRESETS = {  # preset -> its published parameter count, in billions
     "falcon-mamba-7b": 7.27,
     "mamba2-2.7b": 2.70,
     "bamba-9b": 9.78,
+    "jamba-1.5-mini": 51.57,  # "52B total, 12B active" (12.11B: ModelConfig.num_params(active=True))
 }
 
 
