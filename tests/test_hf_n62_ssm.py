@@ -13,6 +13,8 @@ presets' parameter counts against transformers' (meta device). Tiny models with 
 
 from __future__ import annotations
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +26,7 @@ from tests.deps import need
 torch = need("torch")
 transformers = need("transformers")
 
-from engine.config import ConfigError, resolve_model_preset  # noqa: E402
+from engine.config import ConfigError, load_config, resolve_model_preset  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf  # noqa: E402
@@ -35,7 +37,10 @@ from engine.models.lora import join, split_adapter  # noqa: E402
 from engine.models.mamba1 import selective_scan, selective_step  # noqa: E402
 from engine.models.params import abstract_model_params, apply_model, graphdef_of  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
+from engine.train.config import TrainConfig  # noqa: E402
+from engine.train.plan import format_plan, plan_step  # noqa: E402
 from engine.train.step import lm_loss_fn  # noqa: E402
+from engine.train.targets import get_target  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
     VOCAB,
@@ -361,6 +366,12 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
     cfg, _ = model_config_from_hf(jamba)
     with pytest.raises(ConfigError, match=r"this model's \(\[0, 1, 3, 4\]\) are not so placed"):
         model_config_to_hf(cfg.model_copy(update={"mixer_pattern": ["attention", "attention", "mamba1"]}))
+    # LoRA: the pure state-space models have no projection it adapts, so it is refused (not a no-op)
+    mamba_cfg, _ = model_config_from_hf(mamba)
+    with pytest.raises(ValueError, match=r"none of target_modules can be adapted in family 'mamba'"):
+        LoraConfig(target_modules="all-linear").targets(mamba_cfg)
+    with pytest.raises(ValueError, match=r"q_proj is absent: its layers are Mamba mixers"):
+        LoraConfig(target_modules=["q_proj"]).targets(mamba_cfg)
     # LoRA: Jamba's attention (its experts and dense MLPs are not adapted)
     assert LoraConfig(target_modules="all-linear").targets(cfg) == ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -427,3 +438,20 @@ def test_the_presets_are_the_published_models(preset):
     assert again == cfg
     if preset == "bamba-9b":  # the published attention layers
         assert hf.attn_layer_indices == [9, 18, 27]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the test extra)")
+@pytest.mark.parametrize("model", ["tiny-mamba"])
+def test_the_plan_compiles_a_training_step_for_a_tpu_slice(model):
+    """The Mamba1 parameters' sharding (inner channels over tensor, in_proj over fsdp) beside
+    attention heads and experts compiles for a v5p-8, fsdp 2 x tensor 2."""
+    tree = {
+        "model": model,
+        "mesh": {"data": 1, "fsdp": -1, "tensor": 2},
+        "data": {"seq_len": 128, "batch_size": 8},
+        "steps": 3,
+        "compute": {"dtype": "bfloat16"},
+    }
+    plan = plan_step(load_config(tree=tree, schema=TrainConfig), get_target("v5p-8"))
+    assert plan.how == "compiled" and plan.fits
+    assert "tensor=2" in format_plan(plan)
