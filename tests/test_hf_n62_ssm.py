@@ -230,10 +230,28 @@ def test_the_chunked_selective_scan_is_the_recurrence(chunk_size):
     segments = jnp.asarray(np.repeat([[1] * 7 + [2] * 12, [1] * 19], 1, axis=0), jnp.int32)
     state = jnp.asarray(rng.normal(size=(batch_size, channels, size)), jnp.float32)
     y, final = selective_scan(x, dt, a, b, c, state_bcn=state, segment_ids_bt=segments, chunk_size=chunk_size)
-    y_ref, final_ref = reference_scan(x, dt, a, b, c, segments, state)
+    y_ref, final_ref = jax.jit(reference_scan)(x, dt, a, b, c, segments, state)
     np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(final), np.asarray(final_ref), rtol=1e-5, atol=1e-5)
     assert np.abs(np.asarray(y_ref[0, 7:])).max() > 0.1  # the second document is not all zero
+    # and its gradients (the backward through the rematerialised chunks) with respect to every input
+    weights = jnp.asarray(rng.normal(size=y.shape), jnp.float32)
+
+    def loss(scan, *inputs):
+        y, final = scan(*inputs)
+        return jnp.sum(y * weights) + jnp.sum(final)
+
+    def chunked(*inputs):
+        return selective_scan(*inputs[:5], state_bcn=inputs[5], segment_ids_bt=segments, chunk_size=chunk_size)
+
+    def recurrent(*inputs):
+        return reference_scan(*inputs[:5], segments, inputs[5])
+
+    inputs = (x, dt, a, b, c, state)
+    ours = jax.jit(jax.grad(lambda *v: loss(chunked, *v), argnums=tuple(range(6))))(*inputs)
+    theirs = jax.jit(jax.grad(lambda *v: loss(recurrent, *v), argnums=tuple(range(6))))(*inputs)
+    for mine, reference in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(np.asarray(mine), np.asarray(reference), rtol=1e-4, atol=1e-4)
 
 
 STATE_CASES = ("mamba", "mamba2")
@@ -306,23 +324,24 @@ GRADIENTS = {  # the engine's Mamba1 array -> transformers' parameter of the mix
 
 
 def test_a_training_step_is_transformers_loss_and_gradients(tmp_path):
-    """Mamba's loss on a full and a right-padded row and its gradient with respect to every Mamba1
-    weight (through the chunked scan in 4 chunks of 6, rematerialised per chunk), against
-    torch's autograd."""
+    """Mamba's loss on a full and a right-padded row of 70 tokens and its gradient with respect to
+    every Mamba1 weight (through the chunked scan: a chunk of 64 and one of 6, each
+    rematerialised, the state carried between them), against torch's autograd."""
     model = random_causal_lm(hf_config("mamba"), 3)
     model.save_pretrained(tmp_path / "hf")
     convert_hf(tmp_path / "hf", tmp_path / "converted")
     cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
     compute = stored_configs(tmp_path / "converted" / "checkpoint")[1]
-    cfg = cfg.model_copy(update={"mamba1": cfg.mamba1.model_copy(update={"chunk_size": 6})})
-    tokens, mask = batch()
-    tokens, mask = tokens[:2], mask[:2]
+    assert cfg.layer_specs()[0].mixer.chunk_size == 64
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (2, 70))
+    mask = np.ones_like(tokens)
+    mask[1, 50:] = 0
     targets = np.roll(tokens, -1, axis=1)
     loss_mask = (mask * np.roll(mask, -1, axis=1)).astype(np.float32)
     loss_mask[:, -1] = 0
     train_batch = {
         "tokens": tokens,
-        "positions": np.broadcast_to(np.arange(20), tokens.shape),
+        "positions": np.broadcast_to(np.arange(70), tokens.shape),
         "segment_ids": mask.astype(np.int32),
         "targets": targets,
         "loss_mask": loss_mask,

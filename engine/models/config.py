@@ -149,8 +149,6 @@ class Mamba1Config(Strict):
     bcdt_norm: Literal["none", "weightless", "weighted"] = "none"
     """RMSNorms on dt's low-rank input, B and C: none (Mamba), scale-less (Falcon-Mamba), learned (Jamba)."""
     bcdt_norm_eps: float = Field(1e-6, gt=0)
-    chunk_size: int = Field(64, gt=0)
-    """Tokens per chunk of the chunked associative scan (the results do not depend on it)."""
 
 
 class MuPMultipliers(Strict):

@@ -320,7 +320,8 @@ class Mamba1Spec(Spec):
     with learned scales (Jamba)."""
     bcdt_norm_eps: float = 1e-6
     chunk_size: int = 64
-    """Tokens per chunk of the chunked associative scan (the results do not depend on it)."""
+    """Tokens per chunk of the chunked associative scan (the results do not depend on it; not
+    a ModelConfig field, since config.json has no such key)."""
 
     def mixing_macs(self, seq_len: int) -> int:
         """Per token and (channel, state) pair: the input dt B x, the decay times the state, C . state."""
