@@ -68,6 +68,10 @@ def tiny(family: str, tie: bool) -> tuple:
             if family == "falcon_h1"
             else {}
         ),
+        # Mamba2: 3 heads of head_dim 8, 2 x hidden_size as transformers requires, state 4
+        **({"num_heads": 3, "state_size": 4} if family == "mamba2" else {}),
+        # Bamba: a Mamba2 (2 heads of 12), an attention and a Mamba2 layer
+        **({"mamba_n_heads": 2, "attn_layer_indices": [1]} if family == "bamba" else {}),
         # Helium: o_proj is (hidden_size, hidden_size), so heads * head_dim = hidden_size
         **({"num_attention_heads": 2, "head_dim": 6} if family == "helium" else {}),
         # DeepSeek Sparse Attention: the indexer reads the compressed query

@@ -34,6 +34,7 @@ from engine.models.specs import (
     IndexerSpec,
     KimiDeltaSpec,
     LayerSpec,
+    Mamba1Spec,
     Mamba2Spec,
     MixtureOfAttentionSpec,
     MLASpec,
@@ -55,7 +56,7 @@ class Layer(NamedTuple):
     stack: str
     """The params key of its stack: `blocks`, or `dense_blocks` for the dense-MLP layers of
     a mixture of experts (DeepSeek-V3's first layers, Qwen3-MoE's mlp_only_layers)."""
-    mixer: Literal["attention", "mla", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "none"]
+    mixer: Literal["attention", "mla", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "mamba1", "none"]
     """The sequence mixer, a kind in transformer.MIXERS: grouped-query attention
     (transformer.Attention), multi-head latent attention (mla.py), or a Gated DeltaNet
     linear-attention layer (gated_delta_block.py), which decodes with a recurrent state;
@@ -142,6 +143,22 @@ class Mamba2Config(Strict):
         return self
 
 
+class Mamba1Config(Strict):
+    """The sizes of a Mamba1 selective-scan mixer (engine/models/mamba1.py; Mamba's, Falcon-Mamba's
+    and Jamba's config.json keys)."""
+
+    inner: int = Field(gt=0)
+    """The SSM's width (intermediate_size = expand x hidden_size)."""
+    state_size: int = Field(gt=0)
+    dt_rank: int = Field(gt=0)
+    conv_kernel: int = Field(4, gt=1)
+    conv_bias: bool = True
+    proj_bias: bool = False
+    bcdt_norm: Literal["none", "weightless", "weighted"] = "none"
+    """RMSNorms on dt's low-rank input, B and C: none (Mamba), scale-less (Falcon-Mamba), learned (Jamba)."""
+    bcdt_norm_eps: float = Field(1e-6, gt=0)
+
+
 class MuPMultipliers(Strict):
     """Falcon-H1's muP multipliers (its config.json's *_multiplier(s) keys; 1.0 is none):
     fixed scalars on activations, not parameters, so its weights stay as trained."""
@@ -210,7 +227,7 @@ class ModelConfig(Strict):
     head: HeadConfig = HeadConfig()
     """The LM head's bias, softcap and scaling, and the final norm's epsilon."""
     mixer_pattern: (
-        list[Literal["attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "none"]] | None
+        list[Literal["attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "mamba1", "none"]] | None
     ) = Field(None, min_length=1)
     """Layer i's sequence mixer is mixer_pattern[i % len] (attention: the model's attention,
     MLA where mla.kv_lora_rank is set); None: attention in every layer. Each other kind's layers
@@ -228,6 +245,8 @@ class ModelConfig(Strict):
     """The Gated DeltaNet (or Kimi delta) layers' sizes (mixer_pattern has gated_delta / kimi_delta)."""
     mamba2: Mamba2Config | None = None
     """The Mamba2 layers' sizes (mixer_pattern has mamba2)."""
+    mamba1: Mamba1Config | None = None
+    """The Mamba1 layers' sizes (mixer_pattern has mamba1; Mamba, Falcon-Mamba, Jamba)."""
     mup: MuPMultipliers | None = None
     """Falcon-H1's multipliers on the attention, Mamba2, MLP and LM head activations; None: none."""
     mtp_layers: int = Field(0, ge=0, le=1)
@@ -467,6 +486,12 @@ class ModelConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_mamba1(self) -> ModelConfig:
+        if ("mamba1" in (self.mixer_pattern or [])) != (self.mamba1 is not None):
+            raise ValueError("mamba1 (the sizes) is set exactly when mixer_pattern has mamba1 layers")
+        return self
+
+    @model_validator(mode="after")
     def _check_xielu(self) -> ModelConfig:
         if self.mlp.activation == "xielu" and (self.mlp.gated or self.is_moe or self.embedding.per_layer_input_dim):
             raise ValueError("activation xielu (Apertus) is taken by a dense MLP without a gate only (mlp_gated false)")
@@ -700,6 +725,9 @@ class ModelConfig(Strict):
                     norm_eps=self.norm.eps,
                 )
             return GatedDeltaSpec(**gd.model_dump(), norm_eps=self.norm.eps)
+        if layer.mixer == "mamba1":
+            assert self.mamba1 is not None  # _check_mamba1
+            return Mamba1Spec(**self.mamba1.model_dump())
         m = self.mamba2
         assert m is not None  # _check_mixers
         mup = self.mup

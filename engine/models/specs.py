@@ -301,6 +301,39 @@ class Mamba2Spec(Spec):
         return n + channels * self.conv_bias + (projected + d) * self.proj_bias
 
 
+class Mamba1Spec(Spec):
+    """A Mamba (Mamba1) selective-scan mixer (engine/models/mamba1.py; Mamba, Falcon-Mamba, Jamba):
+    a state of state_size per inner channel, each with its own decay exp(dt A)."""
+
+    kind: Literal["mamba1"] = "mamba1"
+    inner: int
+    """The SSM's width (transformers' intermediate_size: expand x hidden_size)."""
+    state_size: int
+    dt_rank: int
+    """Width of dt's low-rank projection (x_proj's first columns, then dt_proj)."""
+    conv_kernel: int = 4
+    conv_bias: bool = True
+    proj_bias: bool = False
+    """Biases on in_proj and out_proj."""
+    bcdt_norm: Literal["none", "weightless", "weighted"] = "none"
+    """RMSNorms on dt's low-rank input, B and C: none (Mamba), without a scale (Falcon-Mamba),
+    with learned scales (Jamba)."""
+    bcdt_norm_eps: float = 1e-6
+    chunk_size: int = 64
+    """Tokens per chunk of the chunked associative scan (the results do not depend on it; not
+    a ModelConfig field, since config.json has no such key)."""
+
+    def mixing_macs(self, seq_len: int) -> int:
+        """Per token and (channel, state) pair: the input dt B x, the decay times the state, C . state."""
+        return 3 * self.inner * self.state_size
+
+    def params(self, d: int) -> int:
+        inner, n, rank = self.inner, self.state_size, self.dt_rank
+        count = d * 2 * inner + inner * (rank + 2 * n) + rank * inner + inner + inner * n + inner + inner * d
+        count += inner * self.conv_kernel + inner * self.conv_bias + (2 * inner + d) * self.proj_bias
+        return count + (rank + 2 * n) * (self.bcdt_norm == "weighted")
+
+
 class ParallelHybridSpec(Spec):
     """Attention and a Mamba2 mixer side by side on the same input (Falcon-H1,
     engine/models/parallel_hybrid.py), each output scaled, their sum the sublayer's."""
@@ -343,7 +376,14 @@ class MixtureOfAttentionSpec(Spec):
 
 
 MixerSpec = Annotated[
-    AttentionSpec | MLASpec | GatedDeltaSpec | KimiDeltaSpec | Mamba2Spec | ParallelHybridSpec | MixtureOfAttentionSpec,
+    AttentionSpec
+    | MLASpec
+    | GatedDeltaSpec
+    | KimiDeltaSpec
+    | Mamba2Spec
+    | ParallelHybridSpec
+    | MixtureOfAttentionSpec
+    | Mamba1Spec,
     Field(discriminator="kind"),
 ]
 """A layer's sequence mixer."""

@@ -41,6 +41,7 @@ from engine.models.lora import (
     project_shared,
     weight_value,
 )
+from engine.models.mamba1 import Mamba1
 from engine.models.mamba2 import Mamba2
 from engine.models.mla import MLA
 from engine.models.moa import MixtureOfAttention
@@ -345,6 +346,7 @@ MIXERS: dict[str, Callable[..., nnx.Module]] = {
     "mamba2": Mamba2.of_spec,
     "attention_mamba2": _attention_mamba2,
     "mixture_of_attention": MixtureOfAttention,
+    "mamba1": Mamba1,
 }
 """A mixer spec's kind -> its module, built (spec, build, rngs=) and called (x, positions,
 segment_ids, spec, cache=None, **extras) -> out, or with a cache (out, cache); `spec` is the

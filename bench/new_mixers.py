@@ -1,0 +1,118 @@
+"""FLOPs and compiled memory per token of issue 62's new sequence mixers against full attention,
+at 4k-128k positions: one mixer layer's training step (forward and backward, every parameter's
+gradient, a mean-square loss of its output), compiled by XLA for this host's CPU through
+`jax.jit(...).lower(...).compile()`: memory is `memory_analysis()`'s temporaries plus arguments
+and outputs (the parameters, the input, the gradients), per token of the one row, a compiled
+figure, not a timing, so the load does not move it. FLOPs per token are counted from the spec,
+6 x (its parameters' multiply-adds + its sequence-mixing ones, `mixing_macs`): a forward and a
+backward of twice its work. (XLA's `cost_analysis()` counts a loop's body once, and both the
+blocked attention and the chunked scans are loops, so its figure does not grow with the length.)
+
+Each mixer kind is one entry of MIXERS (its spec at a ~1B model's width, d = 2048): grouped-
+query attention (16 heads over 4 KV heads of 128, the engine's blocked attention on CPU), the
+Mamba1 selective scan (engine/models/mamba1.py: inner 4096, state 16, dt rank 128, chunks of
+64) and Mamba2 for reference (32 heads of 128, state 128, chunks of 256). A group adding a mixer
+adds its entry.
+
+    python -m bench.new_mixers [--lengths 4096 16384 65536 131072] [--mixers attention mamba1]
+    python -m bench.new_mixers --tiny      # a dry run at 256 and 512 positions, writes nothing
+
+Prints a table and writes bench/results/new_mixers.json (not with --tiny).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from bench import REPO, finish, machine
+
+WIDTH = 2048
+LENGTHS = (4096, 16384, 65536, 131072)
+
+
+def mixers() -> dict:
+    """Mixer name -> its spec (engine/models/specs.py), built by transformer.MIXERS."""
+    from engine.models.specs import AttentionSpec, Mamba1Spec, Mamba2Spec, RotarySpec
+
+    return {
+        "attention": AttentionSpec(num_heads=16, num_kv_heads=4, head_dim=128, rope=RotarySpec()),
+        "mamba1": Mamba1Spec(inner=4096, state_size=16, dt_rank=128, chunk_size=64),
+        "mamba2": Mamba2Spec(num_heads=32, head_dim=128, state_size=128, n_groups=1, chunk_size=256),
+    }
+
+
+def compiled_step(spec, length: int, width: int):
+    """The compiled training step of one mixer layer of `spec` over (1, length, width)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from engine.models.common import Build
+    from engine.models.config import ComputeConfig
+    from engine.models.transformer import MIXERS
+
+    module = MIXERS[spec.kind](spec, Build(width, ComputeConfig()), rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(module)
+    positions = jnp.arange(length, dtype=jnp.int32)[None]
+
+    def loss(params, x):
+        out = nnx.merge(graphdef, params)(x, positions, None, spec)
+        return jnp.mean(jnp.square(out.astype(jnp.float32)))
+
+    x = jax.ShapeDtypeStruct((1, length, width), jnp.float32)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+    return jax.jit(jax.value_and_grad(loss)).lower(abstract, x).compile()
+
+
+def measure(name: str, spec, length: int, width: int) -> dict:
+    started = time.perf_counter()
+    memory = compiled_step(spec, length, width).memory_analysis()
+    total = memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
+    return {
+        "mixer": name,
+        "positions": length,
+        "flops_per_token": 6 * (spec.params(width) + spec.mixing_macs(length)),
+        "bytes_per_token": round(total / length),
+        "temp_bytes_per_token": round(memory.temp_size_in_bytes / length),
+        "mixing_macs_per_token": spec.mixing_macs(length),
+        "params": spec.params(width),
+        "compile_seconds": round(time.perf_counter() - started, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
+    parser.add_argument("--mixers", nargs="+", default=None)
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    specs = mixers()
+    names = args.mixers or list(specs)
+    lengths, width = ([256, 512], 256) if args.tiny else (args.lengths, WIDTH)
+    info = machine()
+    rows = []
+    print(f"{'mixer':<12}{'positions':>10}{'GFLOP/token':>14}{'MiB/token':>12}{'temp MiB/token':>16}")
+    for name in names:
+        for length in lengths:
+            row = measure(name, specs[name], length, width)
+            rows.append(row)
+            print(
+                f"{name:<12}{length:>10}{row['flops_per_token'] / 1e9:>14.4f}"
+                f"{row['bytes_per_token'] / 2**20:>12.4f}{row['temp_bytes_per_token'] / 2**20:>16.4f}",
+                flush=True,
+            )
+    if args.tiny:
+        return
+    out = REPO / "bench" / "results" / "new_mixers.json"
+    old = json.loads(out.read_text())["rows"] if out.exists() else []
+    keys = {(row["mixer"], row["positions"]) for row in rows}
+    kept = [row for row in old if (row["mixer"], row["positions"]) not in keys]
+    result = {"width": width, "rows": kept + rows, "machine": finish(info, settle=0)}
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
