@@ -466,6 +466,23 @@ class ModelConfig(Strict):
     final_norm_eps: float | None = Field(None, gt=0)
     """The final norm's epsilon, where it differs from the layers' norm_eps (JetMoE's layer norms
     keep 1e-6, its final one reads rms_norm_eps); None: norm_eps."""
+    # MiMo-V2-Flash (engine/models/families/mimo_v2_flash.py)
+    attention_value_dim: int | None = Field(None, gt=0)
+    """Grouped-query attention's value heads' width where it differs from head_dim (at most it;
+    MiMo-V2-Flash's v_head_dim, 128 under 192-wide queries and keys); None: head_dim."""
+    attention_value_scale: float = Field(1.0, gt=0)
+    """The values are multiplied by this after their projection (MiMo-V2-Flash's attention_value_scale)."""
+    local_sinks_only: bool = False
+    """With attention_sinks: only the sliding-window layers have them, the global layers (a stack
+    of their own, `global_blocks`) none (MiMo-V2-Flash)."""
+
+    @model_validator(mode="after")
+    def _check_value_dim(self) -> ModelConfig:
+        if self.attention_value_dim is not None and (self.is_mla or self.attention_value_dim > self.head_dim):
+            raise ValueError("attention_value_dim is grouped-query attention's, at most head_dim (MLA: v_head_dim)")
+        if self.local_sinks_only and not self.attention_sinks:
+            raise ValueError("local_sinks_only needs attention_sinks")
+        return self
 
     @model_validator(mode="after")
     def _check_query_scaling(self) -> ModelConfig:
@@ -806,7 +823,7 @@ class ModelConfig(Strict):
             norm=self._norm_spec(),
             values_from_keys=layer.values_from_keys,
             output_gate=self.attention_output_gate,
-            sinks=self.attention_sinks,
+            sinks=self.attention_sinks and (layer.local or not self.local_sinks_only),
             kv_sharing=layer.kv_sharing,
             rope=self._rotary(layer.local) if layer.rope and self.positions == "rope" else None,
             window=self.sliding_window if layer.local else None,
@@ -827,6 +844,8 @@ class ModelConfig(Strict):
                 if self.query_position_scale is not None and self.rope_scaling
                 else 1
             ),
+            value_head_dim=self.attention_value_dim,
+            value_scale=self.attention_value_scale,
         )
 
     def _mixer_spec(self, layer: Layer):
@@ -915,7 +934,9 @@ class ModelConfig(Strict):
     @property
     def has_global_shape(self) -> bool:
         """The global layers' attention differs in its parameters (Gemma 4): a stack of their own."""
-        return bool(self.global_head_dim or self.global_num_kv_heads or self.global_values_from_keys)
+        return bool(
+            self.global_head_dim or self.global_num_kv_heads or self.global_values_from_keys or self.local_sinks_only
+        )
 
     def mtp_layer(self) -> Layer:
         """The kind of the multi-token-prediction module's layer: the last layer's, with its

@@ -110,6 +110,10 @@ class AttentionSpec(Spec):
     """Queries, after RoPE, times 1 + query_position_scale * log(1 + floor(p /
     query_position_period)), p the query's position (Ministral 3's llama_4_scaling_beta)."""
     query_position_period: int = 1
+    value_head_dim: int | None = None
+    """The value heads' width where it differs from head_dim (MiMo-V2-Flash: 128 under 192)."""
+    value_scale: float = 1.0
+    """call: the values are multiplied by this after their projection (MiMo-V2-Flash)."""
 
     def structure(self) -> AttentionSpec:
         """This spec with the call fields at their defaults: what its parameters depend on."""
@@ -133,9 +137,10 @@ class AttentionSpec(Spec):
         if self.qk_norm == "per_head":  # a scale per head and dimension
             per_head_norm = h
         if self.kv_sharing == "reuse":  # the queries' projection and norm, and the output's
-            return d * h * 2 * n + per_head_norm * (n if self.qk_norm == "per_head" else self.qk_norm != "none")
-        v = 0 if self.values_from_keys else k
-        count = d * h * (2 * n + k + v) + h * (n + k + v) * self.qkv_bias + d * n * h * self.output_gate
+            norms = per_head_norm * (n if self.qk_norm == "per_head" else self.qk_norm != "none")
+            return d * n * (h + (self.value_head_dim or h)) + norms
+        v, w = 0 if self.values_from_keys else k, self.value_head_dim or h
+        count = d * h * (n + k) + d * w * (n + v) + (h * (n + k) + w * v) * self.qkv_bias + d * n * h * self.output_gate
         if self.qk_norm == "head":
             count += 2 * per_head_norm
         elif self.qk_norm in ("across_heads", "per_head"):
@@ -156,6 +161,7 @@ _ATTENTION_STRUCTURE = {
     "output_gate",
     "sinks",
     "kv_sharing",
+    "value_head_dim",
 }
 
 

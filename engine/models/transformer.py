@@ -90,6 +90,7 @@ class Attention(nnx.Module):
 
     def __init__(self, spec: AttentionSpec, build: Build, *, rngs: nnx.Rngs):
         d, n, k, h = build.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        w = spec.value_head_dim or h  # MiMo-V2-Flash: narrower values
         # Gemma 4's KV sharing: a `reuse` layer (a stack of its own) has no key/value projections.
         self.reuses_kv = spec.kv_sharing == "reuse"
         self.values_from_keys = spec.values_from_keys
@@ -101,18 +102,18 @@ class Attention(nnx.Module):
         if own_kv:
             self.wk_dkh = _param(rngs, (d, k, h), std, ("embed", "kv_heads", "head_dim"), pdt)
         if own_kv and not self.values_from_keys:
-            self.wv_dkh = _param(rngs, (d, k, h), std, ("embed", "kv_heads", "head_dim"), pdt)
+            self.wv_dkh = _param(rngs, (d, k, w), std, ("embed", "kv_heads", "head_dim"), pdt)
         if spec.qkv_bias:
             self.bq_nh = nnx.Param(jnp.zeros((n, h), pdt), out_sharding=("heads", "head_dim"))
             self.bk_kh = nnx.Param(jnp.zeros((k, h), pdt), out_sharding=("kv_heads", "head_dim"))
-            self.bv_kh = nnx.Param(jnp.zeros((k, h), pdt), out_sharding=("kv_heads", "head_dim"))
+            self.bv_kh = nnx.Param(jnp.zeros((k, w), pdt), out_sharding=("kv_heads", "head_dim"))
         if spec.qk_norm != "none":  # over head_dim, over all heads' dims at once (OLMo 2), or per head (StableLM 2)
             across = spec.qk_norm in ("across_heads", "per_head")
             qk = spec.norm.model_copy(update={"bias": False}) if spec.qk_norm == "per_head" else spec.norm
             self.q_norm = make_norm(qk, h, pdt, rngs=rngs, heads=(n, "heads") if across else None)
             if own_kv:
                 self.k_norm = make_norm(qk, h, pdt, rngs=rngs, heads=(k, "kv_heads") if across else None)
-        self.wo_nhd = _param(rngs, (n, h, d), build.out_std, ("heads", "head_dim", "embed"), pdt)
+        self.wo_nhd = _param(rngs, (n, w, d), build.out_std, ("heads", "head_dim", "embed"), pdt)
         if spec.out_bias:
             self.bo_d = nnx.Param(jnp.zeros((d,), pdt), out_sharding=("embed",))
         if spec.sinks:  # GPT-OSS: a logit per head in the softmax's denominator (0: as much as one key)
@@ -171,6 +172,11 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), k if reuse else self.k_norm(k)
         if spec.value_norm:  # RMSNorm over head_dim without a scale (Gemma 4)
             v = _unit_rms(v, self.norm_eps)
+        if spec.value_scale != 1.0:  # MiMo-V2-Flash's attention_value_scale
+            v = v * jnp.asarray(spec.value_scale, v.dtype)
+        value_dim = spec.value_head_dim or self.head_dim
+        if v.shape[-1] < self.head_dim:  # one width for q, k and v (every kernel and the KV cache need it)
+            v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, self.head_dim - v.shape[-1])))
         q = constrain(q, ("act_batch", "act_seq", "act_heads", None))
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", None))
@@ -237,6 +243,7 @@ class Attention(nnx.Module):
                 shared=shared,
                 alibi=None if slopes is None else _alibi_distances(slopes, cache.end, q.shape[1], k.shape[-1], shared),
             )
+        out_btnh = out_btnh[..., :value_dim]  # the zero columns of padded values dropped
         if self.output_gate:  # sigmoid(gate) per head and dimension, in the compute dtype
             out_btnh = out_btnh * jax.nn.sigmoid(gate).astype(out_btnh.dtype)
         out_btd = self._dense(out_btnh, "wo_nhd", 2)

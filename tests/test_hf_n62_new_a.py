@@ -1,0 +1,151 @@
+"""Hugging Face parity of the newest architectures of transformers 5.25, group A: MiMo-V2-Flash
+(sliding layers with twice the key/value heads and sinks, values narrower than queries and
+scaled, partial RoPE with a base per layer type, DeepSeek-V3's router without shared experts).
+
+Each case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
+collected here over this module's `case`): greedy tokens and the KV-cache sampler equal
+transformers', config.json as transformers writes it, export -> convert bitwise; and here
+logits to 1e-4 with N(0, 0.3^2) weights and a random choosing bias, the export loading
+cleanly, and the presets' parameter counts equal to transformers' (meta device).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.deps import need
+
+torch = need("torch")
+transformers = need("transformers")
+
+from engine.config import ConfigError, resolve_model_preset  # noqa: E402
+from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.export import export_hf  # noqa: E402
+from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf  # noqa: E402
+from engine.models.config import ModelConfig  # noqa: E402
+from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
+from tests import test_hf_parity  # noqa: E402
+from tests.test_hf_fam_moe_2 import IMPLEMENTATIONS, randomise_routing_bias  # noqa: E402
+from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
+    Case,
+    batch,
+    engine_logits,
+    hf_logits,
+    random_causal_lm,
+    test_export_then_convert_is_bitwise_identical,
+    test_exported_config_json_is_what_transformers_writes,
+    test_greedy_generation_of_16_tokens_is_identical,
+)
+
+TINY = dict(vocab_size=37, hidden_size=30, intermediate_size=26, max_position_embeddings=64)
+
+
+def hf_config(name: str):
+    t = transformers
+    return {
+        # a sliding layer (dense MLP), a full one, a sliding one: three stacks; 6 query heads over
+        # 1 key/value head on the full layer, 2 on the sliding ones; keys 14 wide (4 rotary),
+        # values 9; 6 experts in 2 groups, each token's 2 from its best group, scaled by 1.5
+        "mimo_v2_flash": lambda: t.MiMoV2FlashConfig(
+            **TINY,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=1,
+            head_dim=14,
+            v_head_dim=9,
+            attention_value_scale=0.8,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.334},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 50.0, "partial_rotary_factor": 0.334},
+            },
+            moe_intermediate_size=13,
+            n_routed_experts=6,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            bos_token_id=None,
+        ),
+    }[name]()
+
+
+CASES = ["mimo_v2_flash"]
+
+
+def random_hf_model(name: str, seed: int = 0):
+    model = random_causal_lm(hf_config(name), seed, **IMPLEMENTATIONS)
+    randomise_routing_bias(model, seed)
+    return model
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request, tmp_path_factory) -> Case:
+    name = request.param
+    root = tmp_path_factory.mktemp(name)
+    model = random_hf_model(name)
+    model.save_pretrained(root / "hf")
+    convert_hf(root / "hf", root / "converted")
+    cfg, params, _ = load_params(root / "converted" / "checkpoint")
+    _, compute = stored_configs(root / "converted" / "checkpoint")
+    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+
+
+def test_converted_model_matches_transformers_logits(case):
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    ours = engine_logits(case.cfg, case.compute, case.params, tokens, mask)
+    ref = hf_logits(case.hf_model, tokens, mask)
+    delta = float(np.abs(ours - ref)[valid].max())
+    print(f"\n{case.family}: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref[valid]).max():.1f})")
+    assert delta <= 1e-4 and np.abs(ref[valid]).max() > 0.5
+
+
+def test_the_family_reads_what_the_config_says(case):
+    cfg = case.cfg
+    if case.family == "mimo_v2_flash":
+        layers = cfg.layer_pattern()
+        assert [x.stack for x in layers] == ["dense_blocks", "global_blocks", "blocks"]
+        specs = cfg.layer_specs()
+        assert [s.mixer.num_kv_heads for s in specs] == [2, 1, 2] and [s.mixer.sinks for s in specs] == [1, 0, 1]
+        assert {(s.mixer.value_head_dim, s.mixer.value_scale, s.mixer.rope.rotary_dim) for s in specs} == {(9, 0.8, 4)}
+        assert [s.mixer.rope.theta for s in specs] == [50.0, 500.0, 50.0]
+        assert case.params["blocks"]["attn"]["wv_dkh"].shape == (1, 30, 2, 9)
+
+
+def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
+    export_hf(case.out_dir / "checkpoint", tmp_path / "export")
+    test_hf_parity.assert_export_reloads_cleanly(case, tmp_path / "export", **IMPLEMENTATIONS)
+
+
+def test_what_the_families_do_not_run_is_refused_in_one_sentence():
+    mimo = {**hf_config("mimo_v2_flash").to_dict(), "architectures": ["MiMoV2FlashForCausalLM"]}
+    with pytest.raises(ConfigError, match=r"v_head_dim wider than head_dim \(14\) is not supported"):
+        model_config_from_hf({**mimo, "v_head_dim": 16})
+    linear = {"rope_type": "linear", "factor": 4.0, "rope_theta": 500.0}
+    with pytest.raises(ConfigError, match=r"rope_parameters.full_attention: only the default RoPE is supported"):
+        model_config_from_hf({**mimo, "rope_parameters": {**mimo["rope_parameters"], "full_attention": linear}})
+    # the published key: the window past the query
+    cfg, _ = model_config_from_hf({**mimo, "sliding_window_size": 8})
+    assert cfg.sliding_window == 9
+
+
+PUBLISHED = {  # preset: the model card's total (billions) and how closely ModelConfig.num_params meets it
+    "mimo-v2-flash": (309, 0.01),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
+def test_the_presets_are_the_published_models(preset):
+    """Each preset builds as the transformers model of the same parameter count (meta device)
+    and of the size its model card gives."""
+    cfg = ModelConfig.model_validate(resolve_model_preset({"model": preset}, preset)["model"])
+    hf = transformers.AutoConfig.for_model(**model_config_to_hf(cfg))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    billions, tolerance = PUBLISHED[preset]
+    assert cfg.num_params() / 1e9 == pytest.approx(billions, rel=tolerance)
