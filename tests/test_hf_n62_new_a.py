@@ -70,15 +70,47 @@ def hf_config(name: str):
             routed_scaling_factor=1.5,
             bos_token_id=None,
         ),
+        # Gemma 4's dense layers: global heads 12 wide with one KV head whose values are its keys,
+        # the last two layers reusing the keys and values of the last earlier layer of their
+        # type (KV sharing) with a double-wide MLP; a soft-cap, proportional RoPE on global layers
+        "gemma4_unified_text": lambda: t.Gemma4UnifiedTextConfig(
+            **TINY,
+            num_hidden_layers=5,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=8,
+            layer_types=[
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            sliding_window=5,
+            final_logit_softcapping=8.0,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 800.0},
+            },
+            global_head_dim=12,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+        ),
     }[name]()
 
 
-CASES = ["mimo_v2_flash"]
+CASES = ["mimo_v2_flash", "gemma4_unified_text"]
 
 
 def random_hf_model(name: str, seed: int = 0):
     model = random_causal_lm(hf_config(name), seed, **IMPLEMENTATIONS)
     randomise_routing_bias(model, seed)
+    with torch.no_grad():  # Gemma 4's layer_scalar, a buffer random_causal_lm leaves at 1
+        for key, buffer in model.named_buffers():
+            if key.endswith("layer_scalar"):
+                buffer.add_(0.3 * torch.randn(buffer.shape, generator=torch.Generator().manual_seed(len(key))))
     return model
 
 
@@ -114,6 +146,11 @@ def test_the_family_reads_what_the_config_says(case):
         assert {(s.mixer.value_head_dim, s.mixer.value_scale, s.mixer.rope.rotary_dim) for s in specs} == {(9, 0.8, 4)}
         assert [s.mixer.rope.theta for s in specs] == [50.0, 500.0, 50.0]
         assert case.params["blocks"]["attn"]["wv_dkh"].shape == (1, 30, 2, 9)
+    elif case.family == "gemma4_unified_text":
+        layers = cfg.layer_pattern()
+        assert [x.kv_sharing for x in layers] == [None, "store", "store", "reuse", "reuse"]
+        assert (cfg.global_head_dim, cfg.global_num_kv_heads, cfg.global_values_from_keys) == (12, 1, True)
+        assert cfg.kv_shared_wide_mlp and cfg.per_layer_input_dim is None and not cfg.is_moe
 
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
@@ -149,3 +186,26 @@ def test_the_presets_are_the_published_models(preset):
     assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
     billions, tolerance = PUBLISHED[preset]
     assert cfg.num_params() / 1e9 == pytest.approx(billions, rel=tolerance)
+
+
+def test_the_unified_multimodal_checkpoint_converts_to_its_text_decoder(tmp_path):
+    """Gemma4UnifiedForConditionalGeneration: conversion reads its text decoder
+    (model.language_model.*) and says what it skipped; a text prompt's logits are the
+    multimodal model's."""
+    config = transformers.Gemma4UnifiedConfig(text_config=hf_config("gemma4_unified_text").to_dict())
+    torch.manual_seed(0)
+    model = transformers.Gemma4UnifiedForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.add_(0.3 * torch.randn_like(p)) if p.ndim == 1 else p.normal_(0.0, 0.3)
+    model.save_pretrained(tmp_path / "hf")
+    lines: list[str] = []
+    convert_hf(tmp_path / "hf", tmp_path / "converted", log=lines.append)
+    assert any("Gemma4UnifiedForConditionalGeneration" in line for line in lines), lines
+    cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
+    _, compute = stored_configs(tmp_path / "converted" / "checkpoint")
+    assert cfg.family == "gemma4_unified_text"
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    ref = hf_logits(model, tokens, mask)
+    assert np.abs(engine_logits(cfg, compute, params, tokens, mask) - ref)[valid].max() <= 1e-4
