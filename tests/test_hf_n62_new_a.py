@@ -98,10 +98,38 @@ def hf_config(name: str):
             num_kv_shared_layers=2,
             use_double_wide_mlp=True,
         ),
+        # a dense layer, then two block-sparse ones: blocks of 3 keys, each KV group's queries
+        # seeing the best 2 blocks by its indexer head plus their own; 5 experts (2 per token,
+        # scaled by 1.3) and a shared one of its own width; the clamped SwiGLU everywhere, its
+        # limit low enough to clamp; half of each head rotary
+        "minimax_m3_vl_text": lambda: t.MiniMaxM3VLTextConfig(
+            **{**TINY, "intermediate_size": 13},
+            dense_intermediate_size=26,
+            shared_intermediate_size=11,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=8,
+            rotary_dim=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
+            num_local_experts=5,
+            num_experts_per_tok=2,
+            routed_scaling_factor=1.3,
+            swiglu_limit=1.5,
+            index_n_heads=2,
+            index_head_dim=6,
+            index_block_size=3,
+            index_topk_blocks=2,
+            index_local_blocks=1,
+            layer_types=["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"],
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            bos_token_id=None,
+            eos_token_id=None,
+        ),
     }[name]()
 
 
-CASES = ["mimo_v2_flash", "gemma4_unified_text"]
+CASES = ["mimo_v2_flash", "gemma4_unified_text", "minimax_m3_vl_text"]
 
 
 def random_hf_model(name: str, seed: int = 0):
@@ -151,6 +179,24 @@ def test_the_family_reads_what_the_config_says(case):
         assert [x.kv_sharing for x in layers] == [None, "store", "store", "reuse", "reuse"]
         assert (cfg.global_head_dim, cfg.global_num_kv_heads, cfg.global_values_from_keys) == (12, 1, True)
         assert cfg.kv_shared_wide_mlp and cfg.per_layer_input_dim is None and not cfg.is_moe
+    elif case.family == "minimax_m3_vl_text":
+        assert [x.stack for x in cfg.layer_pattern()] == ["dense_blocks", *["block_sparse_blocks"] * 2]
+        specs = cfg.layer_specs()
+        assert specs[0].mixer.block_indexer is None and specs[1].mixer.block_indexer.topk_blocks == 2
+        assert specs[0].ffn.swiglu_limit == specs[1].ffn.swiglu_limit == 1.5 and specs[1].ffn.shared_dim == 11
+        assert (cfg.rotary_dim, cfg.mlp_dim, cfg.moe_mlp_dim, cfg.router_scale) == (4, 26, 13, 1.3)
+        # the selection matters: attending to every block moves the logits
+        tokens, mask = batch()
+        indexers = [m for m in case.hf_model.modules() if type(m).__name__ == "MiniMaxM3VLIndexer"]
+        sparse = hf_logits(case.hf_model, tokens, mask)
+        try:
+            for indexer in indexers:
+                indexer.topk_blocks = 100
+            dense = hf_logits(case.hf_model, tokens, mask)
+        finally:
+            for indexer in indexers:
+                indexer.topk_blocks = 2
+        assert len(indexers) == 2 and np.abs(dense - sparse)[mask.astype(bool)].max() > 0.1
 
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):

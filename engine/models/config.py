@@ -19,6 +19,7 @@ from engine.models.rope_scaling import RopeScaling
 from engine.models.specs import (
     Activation,
     AttentionSpec,
+    BlockIndexerSpec,
     GatedDeltaSpec,
     IndexerSpec,
     KimiDeltaSpec,
@@ -157,6 +158,23 @@ class MuPMultipliers(Strict):
     """The MLP's gate projection is multiplied by this before the activation..."""
     mlp_down: float = 1.0
     """... and its output by this (mlp_multipliers)."""
+
+
+class BlockIndexerConfig(Strict):
+    """MiniMax-M3's block-sparse attention layers (mixer_pattern `block_sparse`; engine/models/
+    block_sparse.py): the model's attention, each key/value group's queries attending only to
+    the key blocks an indexer of its own selects (its index_* config.json keys)."""
+
+    heads: int = Field(gt=0)
+    """The indexer's query heads: one per key/value head (num_kv_heads)."""
+    head_dim: int = Field(gt=0)
+    """Its queries' and keys' width, at least the attention's rotary width."""
+    block: int = Field(gt=0)
+    """Keys per block."""
+    topk_blocks: int = Field(gt=0)
+    """The best-scored blocks a query attends to."""
+    local_blocks: int = Field(1, ge=0)
+    """The blocks ending at the query's own, always attended to."""
 
 
 _LAYER_SPECS: dict[str, tuple[LayerSpec, ...]] = {}
@@ -339,7 +357,8 @@ class ModelConfig(Strict):
     only under ComputeConfig.mtp_loss."""
     # Hybrid models (Qwen3-Next, Qwen3.5): layers of another mixer kind among the attention ones.
     mixer_pattern: (
-        list[Literal["attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "none"]] | None
+        list[Literal["attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "block_sparse", "none"]]
+        | None
     ) = Field(None, min_length=1)
     """Layer i's sequence mixer is mixer_pattern[i % len] (attention: the model's attention,
     MLA where kv_lora_rank is set); None: attention in every layer. Each other kind's layers
@@ -475,6 +494,8 @@ class ModelConfig(Strict):
     local_sinks_only: bool = False
     """With attention_sinks: only the sliding-window layers have them, the global layers (a stack
     of their own, `global_blocks`) none (MiMo-V2-Flash)."""
+    block_indexer: BlockIndexerConfig | None = None
+    """The block-sparse attention layers' indexer (mixer_pattern has block_sparse; MiniMax-M3)."""
 
     @model_validator(mode="after")
     def _check_value_dim(self) -> ModelConfig:
@@ -482,6 +503,13 @@ class ModelConfig(Strict):
             raise ValueError("attention_value_dim is grouped-query attention's, at most head_dim (MLA: v_head_dim)")
         if self.local_sinks_only and not self.attention_sinks:
             raise ValueError("local_sinks_only needs attention_sinks")
+        if ("block_sparse" in (self.mixer_pattern or [])) != (self.block_indexer is not None):
+            raise ValueError("block_indexer (the sizes) is set exactly when mixer_pattern has block_sparse layers")
+        indexer = self.block_indexer
+        if indexer is not None and (indexer.heads != self.num_kv_heads or self.is_mla):
+            raise ValueError("block_sparse layers are grouped-query attention with an indexer head per KV head")
+        if indexer is not None and indexer.head_dim < (self.rotary_dim or self.head_dim):
+            raise ValueError(f"block_indexer.head_dim ({indexer.head_dim}) must be at least the rotary width")
         return self
 
     @model_validator(mode="after")
@@ -765,6 +793,8 @@ class ModelConfig(Strict):
             gate_multiplier=1.0 if mup is None else mup.mlp_gate,
             down_multiplier=1.0 if mup is None else mup.mlp_down,
             bias=self.mlp_bias,
+            swiglu_limit=self.swiglu_limit,
+            swiglu_alpha=self.swiglu_alpha,
         )
 
     def _moe_spec(self) -> MoESpec:
@@ -860,6 +890,11 @@ class ModelConfig(Strict):
             )
         if layer.mixer == "attention":
             return self._attention_spec(layer)
+        if layer.mixer == "block_sparse":  # MiniMax-M3: attention with a block indexer (block_sparse.py)
+            assert self.block_indexer is not None  # _check_value_dim
+            attention = self._attention_spec(layer._replace(mixer="attention", rope=self.positions == "rope"))
+            indexer = BlockIndexerSpec(**self.block_indexer.model_dump())
+            return attention.model_copy(update={"block_indexer": indexer})
         if layer.mixer == "mla":
             assert self.kv_lora_rank is not None
             indexer = None

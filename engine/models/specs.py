@@ -55,6 +55,19 @@ class RotarySpec(Spec):
     """Rotate adjacent pairs (x0, x1), (x2, x3), ... instead of the two halves."""
 
 
+class BlockIndexerSpec(Spec):
+    """MiniMax-M3's block-sparse indexer (engine/models/block_sparse.py): per key/value group
+    a query attends to the `topk_blocks` blocks of `block` keys its indexer head scores highest
+    (a block's score its best key's) plus the `local_blocks` blocks ending at its own."""
+
+    heads: int
+    """One per key/value head."""
+    head_dim: int
+    block: int
+    topk_blocks: int
+    local_blocks: int = 1
+
+
 class AttentionSpec(Spec):
     """Grouped-query attention (transformer.Attention). The fields marked `call` change how a
     layer attends, not its parameters: layers differing only in them share a stack."""
@@ -114,6 +127,8 @@ class AttentionSpec(Spec):
     """The value heads' width where it differs from head_dim (MiMo-V2-Flash: 128 under 192)."""
     value_scale: float = 1.0
     """call: the values are multiplied by this after their projection (MiMo-V2-Flash)."""
+    block_indexer: BlockIndexerSpec | None = None
+    """Block-sparse attention chosen by an indexer of its own (MiniMax-M3's sparse layers)."""
 
     def structure(self) -> AttentionSpec:
         """This spec with the call fields at their defaults: what its parameters depend on."""
@@ -145,6 +160,9 @@ class AttentionSpec(Spec):
             count += 2 * per_head_norm
         elif self.qk_norm in ("across_heads", "per_head"):
             count += (n + k) * per_head_norm
+        if self.block_indexer is not None:  # its query and key projections and their norms
+            g, i = self.block_indexer.heads, self.block_indexer.head_dim
+            count += d * i * (g + 1) + 2 * self.norm.params(i)
         return count + n * self.sinks + d * self.out_bias
 
 
@@ -162,6 +180,7 @@ _ATTENTION_STRUCTURE = {
     "sinks",
     "kv_sharing",
     "value_head_dim",
+    "block_indexer",
 }
 
 
@@ -378,6 +397,10 @@ class MLPSpec(Spec):
     """The gate's pre-activation is multiplied by this (Falcon-H1's muP)..."""
     down_multiplier: float = 1.0
     """... and the output by this."""
+    swiglu_limit: float | None = None
+    """The clamped SwiGLU of GPT-OSS's experts (moe.clamped_swiglu) with this limit (MiniMax-M3's
+    dense MLPs and shared experts); None: activation(gate) * up."""
+    swiglu_alpha: float = 1.702
 
     def params(self, d: int) -> int:
         weights = (3 if self.gated else 2) * d * self.dim + 2 * (self.activation == "xielu")  # xIELU's two scalars

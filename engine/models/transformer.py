@@ -23,6 +23,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from engine.config import ConfigError
+from engine.models.block_sparse import BlockIndexer, masked_attention, selected_blocks
 from engine.models.common import ACTIVATIONS, Build, dtype_of, make_norm, param
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.models.dsa import WithIndexerLoss
@@ -44,7 +45,7 @@ from engine.models.lora import (
 from engine.models.mamba2 import Mamba2
 from engine.models.mla import MLA
 from engine.models.moa import MixtureOfAttention
-from engine.models.moe import MoE, MoEStats, combine_stats
+from engine.models.moe import MoE, MoEStats, clamped_swiglu, combine_stats
 from engine.models.mtp import MTPHead, mtp_loss
 from engine.models.parallel_hybrid import AttentionMamba2
 from engine.models.rope import layer_rotary, rotate_heads
@@ -52,7 +53,7 @@ from engine.models.specs import AttentionSpec, LayerSpec, MLPSpec, MoESpec, Para
 from engine.models.xielu import initial_parameters as xielu_initial_parameters
 from engine.models.xielu import xielu
 from engine.ops.attention import attention, chunked_segment_ids, decode_attention
-from engine.ops.attention_reference import alibi_slopes
+from engine.ops.attention_reference import alibi_slopes, attention_mask
 from engine.ops.dense import DotGeneral, dense, gated_mlp, matmuls_in, uses_cpu_backward, weight_grads_in
 from engine.ops.partitioning import constrain, current_platform
 from engine.ops.pipeline import gpipe, pipeline_stages
@@ -120,6 +121,8 @@ class Attention(nnx.Module):
             self.sinks_n = nnx.Param(jnp.zeros((n,), pdt), out_sharding=("heads",))
         self.head_dim, self.norm_eps = h, spec.norm.eps
         self.dtype, self.compute, self.dot_general = build.dtype, build.compute, build.dot_general
+        if spec.block_indexer is not None:  # MiniMax-M3's sparse layers (block_sparse.py)
+            self.indexer = BlockIndexer(spec, build, rngs=rngs)
         add_adapters(self, ATTENTION_WEIGHTS, build, rngs)
 
     def _dense(self, x, attr: str, n_in: int = 1):
@@ -205,7 +208,9 @@ class Attention(nnx.Module):
         slopes = tuple(alibi_slopes(spec.num_heads)) if spec.alibi else None  # BLOOM, MPT
         if reuse and cache is None:
             k, v = shared_kv
-        if cache is None:
+        if spec.block_indexer is not None:  # block-sparse attention (block_sparse.py)
+            out_btnh, cache = self._block_sparse(x_btd, q, k, v, positions_bt, segment_ids_bt, spec, cache, rotary)
+        elif cache is None:
             if spec.chunk is not None:  # each chunk of each document its own segment (engine/ops/attention.py)
                 segment_ids_bt = chunked_segment_ids(segment_ids_bt, positions_bt, spec.chunk)
             with jax.named_scope("core"):
@@ -253,6 +258,41 @@ class Attention(nnx.Module):
             return out_btd, (k, v)
         return out_btd if cache is None else (out_btd, cache)
 
+    def _block_sparse(self, x_btd, q, k, v, positions_bt, segment_ids_bt, spec: AttentionSpec, cache, rotary):
+        """(out, cache) of attention over the key blocks the layer's indexer selects."""
+        indexer = spec.block_indexer
+        assert indexer is not None
+        index_q_btgi, index_k_bti = self.indexer(x_btd, rotary)
+        t = q.shape[1]
+        if cache is None:
+            segments_bt = jnp.ones(q.shape[:2], jnp.int32) if segment_ids_bt is None else segment_ids_bt
+            mask_bts = attention_mask(segments_bt, segments_bt, window=spec.window)
+            same_bts = segments_bt[:, :, None] == segments_bt[:, None, :]
+            causal_ts = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+            eligible_bts = causal_ts & (same_bts | (segments_bt[:, None, :] == 0))  # padding keys score too
+            index_k_bsi, key_positions_bs = index_k_bti, positions_bt
+        else:
+            k, v, mask_bts, cache = cache.update(k, v, window=spec.window)
+            index_k_bsi, cache = cache.update_index(index_k_bti)
+            index_k_bsi = index_k_bsi.astype(jnp.float32)
+            valid_bs, slots_s = cache.valid_bs, jnp.arange(k.shape[1])  # this step's slots valid already
+            key_positions_bs = jnp.cumsum(valid_bs.astype(jnp.int32), axis=1) - 1
+            eligible_bts = valid_bs[:, None, :] & (slots_s[None, :] <= cache.end + jnp.arange(t)[:, None])[None]
+        chosen_bgts = selected_blocks(
+            index_q_btgi,
+            index_k_bsi,
+            positions_bt,
+            key_positions_bs,
+            eligible_bts,
+            block=indexer.block,
+            topk=indexer.topk_blocks,
+            local=indexer.local_blocks,
+        )
+        sinks_n = self.sinks_n[...] if spec.sinks else None
+        mask_bkts = mask_bts[:, None] & chosen_bgts
+        out = masked_attention(q, k, v, mask_bkts, scale=spec.score_scale, softcap=spec.softcap, sinks_n=sinks_n)
+        return out, cache
+
 
 class MLP(nnx.Module):
     """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (gelu_tanh). Without a
@@ -280,6 +320,9 @@ class MLP(nnx.Module):
             self.xielu_alpha_n = nnx.Param(jnp.full((1,), alpha_n, pdt), out_sharding=("norm",))
         self.activation: Callable = ACTIVATIONS.get(spec.activation, xielu)  # xielu: _mlp binds its alphas
         self.down_scale = spec.down_multiplier  # Falcon-H1's mlp_multipliers
+        self.swiglu = None  # MiniMax-M3: GPT-OSS's clamped SwiGLU (moe.clamped_swiglu)
+        if spec.swiglu_limit is not None:
+            self.swiglu = functools.partial(clamped_swiglu, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
         if spec.gate_multiplier != 1.0:
             self.activation = ScaledInput(self.activation, spec.gate_multiplier)
         self.dtype, self.compute, self.dot_general = build.dtype, build.compute, build.dot_general
@@ -303,6 +346,10 @@ class MLP(nnx.Module):
             hidden = activation(up.astype(jnp.float32)).astype(dt)
             out = project(self, "w_down_fd", constrain(hidden, ("act_batch", "act_seq", "act_mlp")), 1, dt, **kw)
             return out + self.b_down_d[...].astype(dt) if self.bias else out
+        if self.swiglu is not None:  # autodiff's backward: gated_mlp's takes activation(gate) * up only
+            gate, up = project_shared(self, ("w_gate_df", "w_up_df"), x_btd, dt, **kw)
+            hidden = self.swiglu(gate.astype(jnp.float32), up.astype(jnp.float32)).astype(dt)
+            return project(self, "w_down_fd", constrain(hidden, ("act_batch", "act_seq", "act_mlp")), 1, dt, **kw)
         if self.bias or any(has_adapter(self, attr) for attr, _ in MLP_WEIGHTS.values()):
             # With adapters, three products, each with its update (x.w + scale * x.A.B); the
             # fused gated_mlp has no seam for them. The activation is recomputed in the backward

@@ -30,6 +30,7 @@ from engine.models.families import gpt2, opt, olmo1, jais2, dbrx, phimoe, mpt, b
 from engine.models.families import cohere2_moe  # noqa: F401, I001
 from engine.models.families import jetmoe  # noqa: F401, I001
 from engine.models.families import mimo_v2_flash  # noqa: F401, I001
+from engine.models.families import minimax_m3  # noqa: F401, I001
 from engine.models.families.base import (
     Family,
     TensorSpec,
