@@ -48,12 +48,15 @@ class Layer(NamedTuple):
     stack: str
     """The params key of its stack: `blocks`, or `dense_blocks` for the dense-MLP layers of
     a mixture of experts (DeepSeek-V3's first layers, Qwen3-MoE's mlp_only_layers)."""
-    mixer: Literal["attention", "mla", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "none"]
+    mixer: Literal[
+        "attention", "mla", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "block_sparse", "none"
+    ]
     """The sequence mixer, a kind in transformer.MIXERS: grouped-query attention
     (transformer.Attention), multi-head latent attention (mla.py), or a Gated DeltaNet
     linear-attention layer (gated_delta_block.py), which decodes with a recurrent state;
     attention_mamba2: attention and a Mamba2 mixer side by side (Falcon-H1, parallel_hybrid.py);
-    kimi_delta: Kimi Delta Attention, the delta rule with a decay per key channel (kimi_delta_block.py)."""
+    kimi_delta: Kimi Delta Attention, the delta rule with a decay per key channel (kimi_delta_block.py);
+    block_sparse: attention over the key blocks an indexer selects (MiniMax-M3, block_sparse.py)."""
     ffn: Literal["mlp", "moe", "none"]
     """The gated MLP or a mixture of experts (moe.py), or none (a layer that is only its mixer;
     Nemotron-H's, whose MLP layers have mixer "none" in turn)."""
@@ -498,7 +501,7 @@ class ModelConfig(Strict):
     """The block-sparse attention layers' indexer (mixer_pattern has block_sparse; MiniMax-M3)."""
 
     @model_validator(mode="after")
-    def _check_value_dim(self) -> ModelConfig:
+    def _check_attention_variants(self) -> ModelConfig:
         if self.attention_value_dim is not None and (self.is_mla or self.attention_value_dim > self.head_dim):
             raise ValueError("attention_value_dim is grouped-query attention's, at most head_dim (MLA: v_head_dim)")
         if self.local_sinks_only and not self.attention_sinks:
@@ -891,10 +894,9 @@ class ModelConfig(Strict):
         if layer.mixer == "attention":
             return self._attention_spec(layer)
         if layer.mixer == "block_sparse":  # MiniMax-M3: attention with a block indexer (block_sparse.py)
-            assert self.block_indexer is not None  # _check_value_dim
+            assert self.block_indexer is not None  # _check_attention_variants
             attention = self._attention_spec(layer._replace(mixer="attention", rope=self.positions == "rope"))
-            indexer = BlockIndexerSpec(**self.block_indexer.model_dump())
-            return attention.model_copy(update={"block_indexer": indexer})
+            return attention.model_copy(update={"block_indexer": BlockIndexerSpec(**self.block_indexer.model_dump())})
         if layer.mixer == "mla":
             assert self.kv_lora_rank is not None
             indexer = None

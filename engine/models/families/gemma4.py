@@ -303,7 +303,6 @@ class Gemma4UnifiedText(Gemma4):
     name = "gemma4_unified_text"
     architecture = "Gemma4UnifiedForCausalLM"
     model_type = "gemma4_unified_text"
-    moe = False
     hf_defaults = {
         **Gemma4.hf_defaults,
         "sliding_window": 1024,
