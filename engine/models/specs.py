@@ -144,7 +144,10 @@ class AttentionSpec(Spec):
     def mixing_macs(self, seq_len: int) -> int:
         """Multiply-adds per token of mixing the sequence (QK^T and PV over every earlier
         position, causal-unaware as PaLM counts them); the projections are in params()."""
-        return 2 * self.num_heads * self.head_dim * seq_len
+        macs = self.num_heads * (self.head_dim + (self.value_head_dim or self.head_dim)) * seq_len  # QK^T, PV
+        if self.block_indexer is not None:  # its scores of every earlier key (the parallel form attends densely)
+            macs += self.block_indexer.heads * self.block_indexer.head_dim * seq_len
+        return macs
 
     def params(self, d: int) -> int:
         n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
