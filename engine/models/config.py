@@ -511,6 +511,8 @@ class ModelConfig(Strict):
         indexer = self.block_indexer
         if indexer is not None and (indexer.heads != self.num_kv_heads or self.is_mla):
             raise ValueError("block_sparse layers are grouped-query attention with an indexer head per KV head")
+        if indexer is not None and indexer.local_blocks > indexer.topk_blocks:  # they are among the top k
+            raise ValueError("block_indexer.local_blocks must be at most topk_blocks")
         if indexer is not None and indexer.head_dim < (self.rotary_dim or self.head_dim):
             raise ValueError(f"block_indexer.head_dim ({indexer.head_dim}) must be at least the rotary width")
         return self
