@@ -30,6 +30,7 @@ from engine.models.sections import (
 )
 from engine.models.specs import (
     AttentionSpec,
+    BlockIndexerSpec,
     GatedDeltaSpec,
     IndexerSpec,
     KimiDeltaSpec,
@@ -56,12 +57,15 @@ class Layer(NamedTuple):
     stack: str
     """The params key of its stack: `blocks`, or `dense_blocks` for the dense-MLP layers of
     a mixture of experts (DeepSeek-V3's first layers, Qwen3-MoE's mlp_only_layers)."""
-    mixer: Literal["attention", "mla", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "mamba1", "none"]
+    mixer: Literal[
+        "attention", "mla", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "mamba1", "block_sparse", "none"
+    ]
     """The sequence mixer, a kind in transformer.MIXERS: grouped-query attention
     (transformer.Attention), multi-head latent attention (mla.py), or a Gated DeltaNet
     linear-attention layer (gated_delta_block.py), which decodes with a recurrent state;
     attention_mamba2: attention and a Mamba2 mixer side by side (Falcon-H1, parallel_hybrid.py);
-    kimi_delta: Kimi Delta Attention, the delta rule with a decay per key channel (kimi_delta_block.py)."""
+    kimi_delta: Kimi Delta Attention, the delta rule with a decay per key channel (kimi_delta_block.py);
+    block_sparse: attention over the key blocks an indexer selects (MiniMax-M3, block_sparse.py)."""
     ffn: Literal["mlp", "moe", "none"]
     """The gated MLP or a mixture of experts (moe.py), or none (a layer that is only its mixer;
     Nemotron-H's, whose MLP layers have mixer "none" in turn)."""
@@ -184,6 +188,23 @@ class MuPMultipliers(Strict):
     """... and its output by this (mlp_multipliers)."""
 
 
+class BlockIndexerConfig(Strict):
+    """MiniMax-M3's block-sparse attention layers (mixer_pattern `block_sparse`; engine/models/
+    block_sparse.py): the model's attention, each key/value group's queries attending only to
+    the key blocks an indexer of its own selects (its index_* config.json keys)."""
+
+    heads: int = Field(gt=0)
+    """The indexer's query heads: one per key/value head (num_kv_heads)."""
+    head_dim: int = Field(gt=0)
+    """Its queries' and keys' width, at least the attention's rotary width."""
+    block: int = Field(gt=0)
+    """Keys per block."""
+    topk_blocks: int = Field(gt=0)
+    """The best-scored blocks a query attends to."""
+    local_blocks: int = Field(1, ge=0)
+    """The blocks ending at the query's own, always attended to."""
+
+
 _LAYER_SPECS: dict[str, tuple[LayerSpec, ...]] = {}
 """ModelConfig.layer_specs' results by the config's JSON (a config is rebuilt from its fields
 everywhere; its specs are asked for at every trace)."""
@@ -227,7 +248,12 @@ class ModelConfig(Strict):
     head: HeadConfig = HeadConfig()
     """The LM head's bias, softcap and scaling, and the final norm's epsilon."""
     mixer_pattern: (
-        list[Literal["attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "mamba1", "none"]] | None
+        list[
+            Literal[
+                "attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "mamba1", "block_sparse", "none"
+            ]
+        ]
+        | None
     ) = Field(None, min_length=1)
     """Layer i's sequence mixer is mixer_pattern[i % len] (attention: the model's attention,
     MLA where mla.kv_lora_rank is set); None: attention in every layer. Each other kind's layers
@@ -247,6 +273,8 @@ class ModelConfig(Strict):
     """The Mamba2 layers' sizes (mixer_pattern has mamba2)."""
     mamba1: Mamba1Config | None = None
     """The Mamba1 layers' sizes (mixer_pattern has mamba1; Mamba, Falcon-Mamba, Jamba)."""
+    block_indexer: BlockIndexerConfig | None = None
+    """The block-sparse attention layers' indexer (mixer_pattern has block_sparse; MiniMax-M3)."""
     mup: MuPMultipliers | None = None
     """Falcon-H1's multipliers on the attention, Mamba2, MLP and LM head activations; None: none."""
     mtp_layers: int = Field(0, ge=0, le=1)
@@ -486,6 +514,24 @@ class ModelConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_attention_variants(self) -> ModelConfig:
+        a = self.attention
+        if a.value_dim is not None and (self.is_mla or a.value_dim > a.head_dim):
+            raise ValueError("attention_value_dim is grouped-query attention's, at most head_dim (MLA: v_head_dim)")
+        if a.local_sinks_only and not a.sinks:
+            raise ValueError("local_sinks_only needs attention_sinks")
+        if ("block_sparse" in (self.mixer_pattern or [])) != (self.block_indexer is not None):
+            raise ValueError("block_indexer (the sizes) is set exactly when mixer_pattern has block_sparse layers")
+        indexer = self.block_indexer
+        if indexer is not None and (indexer.heads != a.num_kv_heads or self.is_mla):
+            raise ValueError("block_sparse layers are grouped-query attention with an indexer head per KV head")
+        if indexer is not None and indexer.local_blocks > indexer.topk_blocks:  # they are among the top k
+            raise ValueError("block_indexer.local_blocks must be at most topk_blocks")
+        if indexer is not None and indexer.head_dim < (self.rope.rotary_dim or a.head_dim):
+            raise ValueError(f"block_indexer.head_dim ({indexer.head_dim}) must be at least the rotary width")
+        return self
+
+    @model_validator(mode="after")
     def _check_mamba1(self) -> ModelConfig:
         if ("mamba1" in (self.mixer_pattern or [])) != (self.mamba1 is not None):
             raise ValueError("mamba1 (the sizes) is set exactly when mixer_pattern has mamba1 layers")
@@ -587,6 +633,8 @@ class ModelConfig(Strict):
             gate_multiplier=1.0 if mup is None else mup.mlp_gate,
             down_multiplier=1.0 if mup is None else mup.mlp_down,
             bias=self.mlp.bias,
+            swiglu_limit=self.moe.swiglu_limit,
+            swiglu_alpha=self.moe.swiglu_alpha,
         )
 
     def _moe_spec(self) -> MoESpec:
@@ -653,7 +701,7 @@ class ModelConfig(Strict):
             norm=self._norm_spec(),
             values_from_keys=layer.values_from_keys,
             output_gate=self.attention.output_gate,
-            sinks=self.attention.sinks,
+            sinks=self.attention.sinks and (layer.local or not self.attention.local_sinks_only),
             kv_sharing=layer.kv_sharing,
             rope=self._rotary(layer.local) if layer.rope and self.positions == "rope" else None,
             window=self.attention.sliding_window if layer.local else None,
@@ -674,6 +722,8 @@ class ModelConfig(Strict):
                 if self.attention.query_position_scale is not None and self.rope.scaling
                 else 1
             ),
+            value_head_dim=self.attention.value_dim,
+            value_scale=self.attention.value_scale,
         )
 
     def _mixer_spec(self, layer: Layer):
@@ -688,6 +738,10 @@ class ModelConfig(Strict):
             )
         if layer.mixer == "attention":
             return self._attention_spec(layer)
+        if layer.mixer == "block_sparse":  # MiniMax-M3: attention with a block indexer (block_sparse.py)
+            assert self.block_indexer is not None  # _check_attention_variants
+            attention = self._attention_spec(layer._replace(mixer="attention", rope=self.positions == "rope"))
+            return attention.model_copy(update={"block_indexer": BlockIndexerSpec(**self.block_indexer.model_dump())})
         if layer.mixer == "mla":
             assert self.mla.kv_lora_rank is not None
             indexer = None

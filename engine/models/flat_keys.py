@@ -40,6 +40,9 @@ FLAT: dict[str, tuple[str, str]] = {
     "global_values_from_keys": ("attention", "global_values_from_keys"),
     "kv_shared_layers": ("attention", "kv_shared_layers"),
     "attention_experts": ("attention", "experts"),
+    "attention_value_dim": ("attention", "value_dim"),
+    "attention_value_scale": ("attention", "value_scale"),
+    "local_sinks_only": ("attention", "local_sinks_only"),
     # rope
     "rope_theta": ("rope", "theta"),
     "rope_scaling": ("rope", "scaling"),

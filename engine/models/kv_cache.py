@@ -112,6 +112,12 @@ class KVCache:
                 constrain(jnp.zeros((batch, max_len, cfg.mla.index_head_dim), dtype), INDEX_NAMES)
                 for _ in range(cfg.num_layers)
             )
+        elif any(spec.attention is not None and spec.attention.block_indexer for spec in cfg.layer_specs()):
+            widths = [  # MiniMax-M3's block-sparse layers: their indexer's key per position (block_sparse.py)
+                spec.attention.block_indexer.head_dim if spec.attention and spec.attention.block_indexer else 0
+                for spec in cfg.layer_specs()
+            ]
+            index_k = tuple(constrain(jnp.zeros((batch, max_len, i), dtype), INDEX_NAMES) for i in widths)
         return cls(k, v, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32), states=states, index_k=index_k)
 
     def expand(self, repeats: int, extra_slots: int) -> KVCache:

@@ -308,6 +308,7 @@ class MoE(nnx.Module):
             if spec.swiglu_limit is None
             else functools.partial(clamped_swiglu, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
         )
+        self.clamped = spec.swiglu_limit is not None
         if not self.gated:  # the up projection passed as the gate too (one product after XLA's CSE)
             self.glu = lambda _, up: self.activation(up.astype(jnp.float32)).astype(up.dtype)
         self.logits_bias, self.expert_bias = spec.router_logits_bias, spec.expert_bias
@@ -417,6 +418,12 @@ class MoE(nnx.Module):
             kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
             hidden = self.activation(dense(x_btd, self.w_shared_up_dg[...].astype(dt), **kw).astype(jnp.float32))
             hidden = constrain(hidden.astype(dt), ("act_batch", "act_seq", "act_mlp"))
+            out_btd = out_btd + dense(hidden, self.w_shared_down_gd[...].astype(dt), **kw)
+        elif self.shared and self.clamped:  # MiniMax-M3's shared expert: the experts' clamped SwiGLU too
+            kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
+            gate = dense(x_btd, self.w_shared_gate_dg[...].astype(dt), **kw).astype(jnp.float32)
+            up = dense(x_btd, self.w_shared_up_dg[...].astype(dt), **kw).astype(jnp.float32)
+            hidden = constrain(self.glu(gate, up).astype(dt), ("act_batch", "act_seq", "act_mlp"))
             out_btd = out_btd + dense(hidden, self.w_shared_down_gd[...].astype(dt), **kw)
         elif self.shared:
             shared_btd = gated_mlp(

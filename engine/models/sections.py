@@ -101,6 +101,14 @@ class AttentionConfig(Strict):
     kv_shared_layers: int = Field(0, ge=0)
     """The last this many layers project no keys or values: each attends with those of the last
     earlier layer of its attention kind (Gemma 4's num_kv_shared_layers; config.Layer.kv_sharing)."""
+    value_dim: int | None = Field(None, gt=0)
+    """The value heads' width where it differs from head_dim (at most it; MiMo-V2-Flash's
+    v_head_dim, 128 under 192-wide queries and keys); None: head_dim."""
+    value_scale: float = Field(1.0, gt=0)
+    """The values are multiplied by this after their projection (MiMo-V2-Flash's attention_value_scale)."""
+    local_sinks_only: bool = False
+    """With sinks: only the sliding-window layers have them, the global layers (a stack of
+    their own, `global_blocks`) none (MiMo-V2-Flash)."""
     experts: int = Field(0, ge=0)
     """A mixture of attention heads (JetMoE; engine/models/moa.py): each attention layer's query
     and output projections are this many experts, moe.experts_per_token of them per token, each
@@ -109,7 +117,9 @@ class AttentionConfig(Strict):
     @property
     def has_global_shape(self) -> bool:
         """The global layers' attention differs in its parameters (Gemma 4): a stack of their own."""
-        return bool(self.global_head_dim or self.global_num_kv_heads or self.global_values_from_keys)
+        return bool(
+            self.global_head_dim or self.global_num_kv_heads or self.global_values_from_keys or self.local_sinks_only
+        )
 
 
 class RopeConfig(Strict):

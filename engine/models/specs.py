@@ -55,6 +55,19 @@ class RotarySpec(Spec):
     """Rotate adjacent pairs (x0, x1), (x2, x3), ... instead of the two halves."""
 
 
+class BlockIndexerSpec(Spec):
+    """MiniMax-M3's block-sparse indexer (engine/models/block_sparse.py): per key/value group
+    a query attends to the `topk_blocks` blocks of `block` keys its indexer head scores highest
+    (a block's score its best key's) plus the `local_blocks` blocks ending at its own."""
+
+    heads: int
+    """One per key/value head."""
+    head_dim: int
+    block: int
+    topk_blocks: int
+    local_blocks: int = 1
+
+
 class AttentionSpec(Spec):
     """Grouped-query attention (transformer.Attention). The fields marked `call` change how a
     layer attends, not its parameters: layers differing only in them share a stack."""
@@ -110,6 +123,12 @@ class AttentionSpec(Spec):
     """Queries, after RoPE, times 1 + query_position_scale * log(1 + floor(p /
     query_position_period)), p the query's position (Ministral 3's llama_4_scaling_beta)."""
     query_position_period: int = 1
+    value_head_dim: int | None = None
+    """The value heads' width where it differs from head_dim (MiMo-V2-Flash: 128 under 192)."""
+    value_scale: float = 1.0
+    """call: the values are multiplied by this after their projection (MiMo-V2-Flash)."""
+    block_indexer: BlockIndexerSpec | None = None
+    """Block-sparse attention chosen by an indexer of its own (MiniMax-M3's sparse layers)."""
 
     def structure(self) -> AttentionSpec:
         """This spec with the call fields at their defaults: what its parameters depend on."""
@@ -125,7 +144,10 @@ class AttentionSpec(Spec):
     def mixing_macs(self, seq_len: int) -> int:
         """Multiply-adds per token of mixing the sequence (QK^T and PV over every earlier
         position, causal-unaware as PaLM counts them); the projections are in params()."""
-        return 2 * self.num_heads * self.head_dim * seq_len
+        macs = self.num_heads * (self.head_dim + (self.value_head_dim or self.head_dim)) * seq_len  # QK^T, PV
+        if self.block_indexer is not None:  # its scores of every earlier key (the parallel form attends densely)
+            macs += self.block_indexer.heads * self.block_indexer.head_dim * seq_len
+        return macs
 
     def params(self, d: int) -> int:
         n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
@@ -133,13 +155,17 @@ class AttentionSpec(Spec):
         if self.qk_norm == "per_head":  # a scale per head and dimension
             per_head_norm = h
         if self.kv_sharing == "reuse":  # the queries' projection and norm, and the output's
-            return d * h * 2 * n + per_head_norm * (n if self.qk_norm == "per_head" else self.qk_norm != "none")
-        v = 0 if self.values_from_keys else k
-        count = d * h * (2 * n + k + v) + h * (n + k + v) * self.qkv_bias + d * n * h * self.output_gate
+            norms = per_head_norm * (n if self.qk_norm == "per_head" else self.qk_norm != "none")
+            return d * n * (h + (self.value_head_dim or h)) + norms
+        v, w = 0 if self.values_from_keys else k, self.value_head_dim or h
+        count = d * h * (n + k) + d * w * (n + v) + (h * (n + k) + w * v) * self.qkv_bias + d * n * h * self.output_gate
         if self.qk_norm == "head":
             count += 2 * per_head_norm
         elif self.qk_norm in ("across_heads", "per_head"):
             count += (n + k) * per_head_norm
+        if self.block_indexer is not None:  # its query and key projections and their norms
+            g, i = self.block_indexer.heads, self.block_indexer.head_dim
+            count += d * i * (g + 1) + 2 * self.norm.params(i)
         return count + n * self.sinks + d * self.out_bias
 
 
@@ -156,6 +182,8 @@ _ATTENTION_STRUCTURE = {
     "output_gate",
     "sinks",
     "kv_sharing",
+    "value_head_dim",
+    "block_indexer",
 }
 
 
@@ -412,6 +440,10 @@ class MLPSpec(Spec):
     """The gate's pre-activation is multiplied by this (Falcon-H1's muP)..."""
     down_multiplier: float = 1.0
     """... and the output by this."""
+    swiglu_limit: float | None = None
+    """The clamped SwiGLU of GPT-OSS's experts (moe.clamped_swiglu) with this limit (MiniMax-M3's
+    dense MLPs and shared experts); None: activation(gate) * up."""
+    swiglu_alpha: float = 1.702
 
     def params(self, d: int) -> int:
         weights = (3 if self.gated else 2) * d * self.dim + 2 * (self.activation == "xielu")  # xIELU's two scalars

@@ -23,6 +23,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from engine.config import ConfigError
+from engine.models.block_sparse import BlockIndexer, masked_attention, selected_blocks
 from engine.models.common import ACTIVATIONS, Build, dtype_of, make_norm, param
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.models.dsa import WithIndexerLoss
@@ -45,7 +46,7 @@ from engine.models.mamba1 import Mamba1
 from engine.models.mamba2 import Mamba2
 from engine.models.mla import MLA
 from engine.models.moa import MixtureOfAttention
-from engine.models.moe import MoE, MoEStats, combine_stats
+from engine.models.moe import MoE, MoEStats, clamped_swiglu, combine_stats
 from engine.models.mtp import MTPHead, mtp_loss
 from engine.models.parallel_hybrid import AttentionMamba2
 from engine.models.rope import layer_rotary, rotate_heads
@@ -53,7 +54,7 @@ from engine.models.specs import AttentionSpec, LayerSpec, MLPSpec, MoESpec, Para
 from engine.models.xielu import initial_parameters as xielu_initial_parameters
 from engine.models.xielu import xielu
 from engine.ops.attention import attention, chunked_segment_ids, decode_attention
-from engine.ops.attention_reference import alibi_slopes
+from engine.ops.attention_reference import alibi_slopes, attention_mask
 from engine.ops.dense import DotGeneral, dense, gated_mlp, matmuls_in, uses_cpu_backward, weight_grads_in
 from engine.ops.partitioning import constrain, current_platform
 from engine.ops.pipeline import gpipe, pipeline_stages
@@ -91,6 +92,7 @@ class Attention(nnx.Module):
 
     def __init__(self, spec: AttentionSpec, build: Build, *, rngs: nnx.Rngs):
         d, n, k, h = build.d_model, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        w = spec.value_head_dim or h  # MiMo-V2-Flash: narrower values
         # Gemma 4's KV sharing: a `reuse` layer (a stack of its own) has no key/value projections.
         self.reuses_kv = spec.kv_sharing == "reuse"
         self.values_from_keys = spec.values_from_keys
@@ -102,24 +104,26 @@ class Attention(nnx.Module):
         if own_kv:
             self.wk_dkh = _param(rngs, (d, k, h), std, ("embed", "kv_heads", "head_dim"), pdt)
         if own_kv and not self.values_from_keys:
-            self.wv_dkh = _param(rngs, (d, k, h), std, ("embed", "kv_heads", "head_dim"), pdt)
+            self.wv_dkh = _param(rngs, (d, k, w), std, ("embed", "kv_heads", "head_dim"), pdt)
         if spec.qkv_bias:
             self.bq_nh = nnx.Param(jnp.zeros((n, h), pdt), out_sharding=("heads", "head_dim"))
             self.bk_kh = nnx.Param(jnp.zeros((k, h), pdt), out_sharding=("kv_heads", "head_dim"))
-            self.bv_kh = nnx.Param(jnp.zeros((k, h), pdt), out_sharding=("kv_heads", "head_dim"))
+            self.bv_kh = nnx.Param(jnp.zeros((k, w), pdt), out_sharding=("kv_heads", "head_dim"))
         if spec.qk_norm != "none":  # over head_dim, over all heads' dims at once (OLMo 2), or per head (StableLM 2)
             across = spec.qk_norm in ("across_heads", "per_head")
             qk = spec.norm.model_copy(update={"bias": False}) if spec.qk_norm == "per_head" else spec.norm
             self.q_norm = make_norm(qk, h, pdt, rngs=rngs, heads=(n, "heads") if across else None)
             if own_kv:
                 self.k_norm = make_norm(qk, h, pdt, rngs=rngs, heads=(k, "kv_heads") if across else None)
-        self.wo_nhd = _param(rngs, (n, h, d), build.out_std, ("heads", "head_dim", "embed"), pdt)
+        self.wo_nhd = _param(rngs, (n, w, d), build.out_std, ("heads", "head_dim", "embed"), pdt)
         if spec.out_bias:
             self.bo_d = nnx.Param(jnp.zeros((d,), pdt), out_sharding=("embed",))
         if spec.sinks:  # GPT-OSS: a logit per head in the softmax's denominator (0: as much as one key)
             self.sinks_n = nnx.Param(jnp.zeros((n,), pdt), out_sharding=("heads",))
         self.head_dim, self.norm_eps = h, spec.norm.eps
         self.dtype, self.compute, self.dot_general = build.dtype, build.compute, build.dot_general
+        if spec.block_indexer is not None:  # MiniMax-M3's sparse layers (block_sparse.py)
+            self.indexer = BlockIndexer(spec, build, rngs=rngs)
         add_adapters(self, ATTENTION_WEIGHTS, build, rngs)
 
     def _dense(self, x, attr: str, n_in: int = 1):
@@ -172,6 +176,11 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), k if reuse else self.k_norm(k)
         if spec.value_norm:  # RMSNorm over head_dim without a scale (Gemma 4)
             v = _unit_rms(v, self.norm_eps)
+        if spec.value_scale != 1.0:  # MiMo-V2-Flash's attention_value_scale
+            v = v * jnp.asarray(spec.value_scale, v.dtype)
+        value_dim = spec.value_head_dim or self.head_dim
+        if v.shape[-1] < self.head_dim:  # one width for q, k and v (every kernel and the KV cache need it)
+            v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, self.head_dim - v.shape[-1])))
         q = constrain(q, ("act_batch", "act_seq", "act_heads", None))
         k = constrain(k, ("act_batch", "act_seq", "act_kv_heads", None))
         v = constrain(v, ("act_batch", "act_seq", "act_kv_heads", None))
@@ -200,7 +209,9 @@ class Attention(nnx.Module):
         slopes = tuple(alibi_slopes(spec.num_heads)) if spec.alibi else None  # BLOOM, MPT
         if reuse and cache is None:
             k, v = shared_kv
-        if cache is None:
+        if spec.block_indexer is not None:  # block-sparse attention (block_sparse.py)
+            out_btnh, cache = self._block_sparse(x_btd, q, k, v, positions_bt, segment_ids_bt, spec, cache, rotary)
+        elif cache is None:
             if spec.chunk is not None:  # each chunk of each document its own segment (engine/ops/attention.py)
                 segment_ids_bt = chunked_segment_ids(segment_ids_bt, positions_bt, spec.chunk)
             with jax.named_scope("core"):
@@ -238,6 +249,7 @@ class Attention(nnx.Module):
                 shared=shared,
                 alibi=None if slopes is None else _alibi_distances(slopes, cache.end, q.shape[1], k.shape[-1], shared),
             )
+        out_btnh = out_btnh[..., :value_dim]  # the zero columns of padded values dropped
         if self.output_gate:  # sigmoid(gate) per head and dimension, in the compute dtype
             out_btnh = out_btnh * jax.nn.sigmoid(gate).astype(out_btnh.dtype)
         out_btd = self._dense(out_btnh, "wo_nhd", 2)
@@ -246,6 +258,41 @@ class Attention(nnx.Module):
         if cache is None and store_kv:
             return out_btd, (k, v)
         return out_btd if cache is None else (out_btd, cache)
+
+    def _block_sparse(self, x_btd, q, k, v, positions_bt, segment_ids_bt, spec: AttentionSpec, cache, rotary):
+        """(out, cache) of attention over the key blocks the layer's indexer selects."""
+        indexer = spec.block_indexer
+        assert indexer is not None
+        index_q_btgi, index_k_bti = self.indexer(x_btd, rotary)
+        t = q.shape[1]
+        if cache is None:
+            segments_bt = jnp.ones(q.shape[:2], jnp.int32) if segment_ids_bt is None else segment_ids_bt
+            mask_bts = attention_mask(segments_bt, segments_bt, window=spec.window)
+            same_bts = segments_bt[:, :, None] == segments_bt[:, None, :]
+            causal_ts = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+            eligible_bts = causal_ts & (same_bts | (segments_bt[:, None, :] == 0))  # padding keys score too
+            index_k_bsi, key_positions_bs = index_k_bti, positions_bt
+        else:
+            k, v, mask_bts, cache = cache.update(k, v, window=spec.window)
+            index_k_bsi, cache = cache.update_index(index_k_bti)
+            index_k_bsi = index_k_bsi.astype(jnp.float32)
+            valid_bs, slots_s = cache.valid_bs, jnp.arange(k.shape[1])  # this step's slots valid already
+            key_positions_bs = jnp.cumsum(valid_bs.astype(jnp.int32), axis=1) - 1
+            eligible_bts = valid_bs[:, None, :] & (slots_s[None, :] <= cache.end + jnp.arange(t)[:, None])[None]
+        chosen_bgts = selected_blocks(
+            index_q_btgi,
+            index_k_bsi,
+            positions_bt,
+            key_positions_bs,
+            eligible_bts,
+            block=indexer.block,
+            topk=indexer.topk_blocks,
+            local=indexer.local_blocks,
+        )
+        sinks_n = self.sinks_n[...] if spec.sinks else None
+        mask_bkts = mask_bts[:, None] & chosen_bgts
+        out = masked_attention(q, k, v, mask_bkts, scale=spec.score_scale, softcap=spec.softcap, sinks_n=sinks_n)
+        return out, cache
 
 
 class MLP(nnx.Module):
@@ -274,6 +321,9 @@ class MLP(nnx.Module):
             self.xielu_alpha_n = nnx.Param(jnp.full((1,), alpha_n, pdt), out_sharding=("norm",))
         self.activation: Callable = ACTIVATIONS.get(spec.activation, xielu)  # xielu: _mlp binds its alphas
         self.down_scale = spec.down_multiplier  # Falcon-H1's mlp_multipliers
+        self.swiglu = None  # MiniMax-M3: GPT-OSS's clamped SwiGLU (moe.clamped_swiglu)
+        if spec.swiglu_limit is not None:
+            self.swiglu = functools.partial(clamped_swiglu, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
         if spec.gate_multiplier != 1.0:
             self.activation = ScaledInput(self.activation, spec.gate_multiplier)
         self.dtype, self.compute, self.dot_general = build.dtype, build.compute, build.dot_general
@@ -297,6 +347,10 @@ class MLP(nnx.Module):
             hidden = activation(up.astype(jnp.float32)).astype(dt)
             out = project(self, "w_down_fd", constrain(hidden, ("act_batch", "act_seq", "act_mlp")), 1, dt, **kw)
             return out + self.b_down_d[...].astype(dt) if self.bias else out
+        if self.swiglu is not None:  # autodiff's backward: gated_mlp's takes activation(gate) * up only
+            gate, up = project_shared(self, ("w_gate_df", "w_up_df"), x_btd, dt, **kw)
+            hidden = self.swiglu(gate.astype(jnp.float32), up.astype(jnp.float32)).astype(dt)
+            return project(self, "w_down_fd", constrain(hidden, ("act_batch", "act_seq", "act_mlp")), 1, dt, **kw)
         if self.bias or any(has_adapter(self, attr) for attr, _ in MLP_WEIGHTS.values()):
             # With adapters, three products, each with its update (x.w + scale * x.A.B); the
             # fused gated_mlp has no seam for them. The activation is recomputed in the backward

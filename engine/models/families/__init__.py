@@ -31,6 +31,8 @@ from engine.models.families import cohere2_moe  # noqa: F401, I001
 from engine.models.families import jetmoe  # noqa: F401, I001
 from engine.models.families import cwm, youtu, hy_v3, minicpm5_moe, sarvam, apertus1p5  # noqa: F401, I001
 from engine.models.families import mamba, bamba, jamba  # noqa: F401, I001
+from engine.models.families import mimo_v2_flash  # noqa: F401, I001
+from engine.models.families import minimax_m3  # noqa: F401, I001
 from engine.models.families.base import (
     Family,
     TensorSpec,

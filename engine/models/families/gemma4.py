@@ -280,3 +280,47 @@ class Gemma4(Family):
             TensorSpec(("mlp_norm", "scale"), LAYER + "pre_feedforward_layernorm.weight", None),
             TensorSpec(("post_mlp_norm", "scale"), LAYER + "post_feedforward_layernorm.weight", None),
         ]
+
+
+UNIFIED_ABSENT = (
+    "global_head_dim",
+    "num_global_key_value_heads",
+    "hidden_size_per_layer_input",
+    "vocab_size_per_layer_input",
+    "enable_moe_block",
+    "num_experts",
+    "top_k_experts",
+    "moe_intermediate_size",
+)
+"""Gemma 4's config.json keys the unified text config has not (no per-layer inputs, no experts)."""
+
+
+@register_family
+class Gemma4UnifiedText(Gemma4):
+    """Gemma 4 unified's text decoder (Gemma4UnifiedForCausalLM, model_type gemma4_unified_text):
+    Gemma 4's dense layers (global heads of their own shape, values from keys, KV sharing, a
+    double-wide MLP), without per-layer embeddings or experts; its text tokens attend causally
+    (use_bidirectional_attention `vision` concerns image tokens only)."""
+
+    name = "gemma4_unified_text"
+    architecture = "Gemma4UnifiedForCausalLM"
+    model_type = "gemma4_unified_text"
+    hf_defaults = {
+        **Gemma4.hf_defaults,
+        "sliding_window": 1024,
+        "max_position_embeddings": 262_144,
+        "hidden_size_per_layer_input": 0,
+    }
+    multimodal = Multimodal(
+        architecture="Gemma4UnifiedForConditionalGeneration",
+        model_type="gemma4_unified",
+        prefixes=(("model.", "model.language_model."), ("lm_head.", "lm_head.")),
+    )
+    hf_constants = {"attention_bias": False, "use_bidirectional_attention": "vision"}
+
+    def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
+        # keys of Gemma 4 the unified config ignores, as transformers does
+        return super().config_from_hf({k: v for k, v in hf.items() if k not in UNIFIED_ABSENT}, where)
+
+    def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
+        return {k: v for k, v in super().extra_hf_keys(cfg).items() if k not in UNIFIED_ABSENT}
