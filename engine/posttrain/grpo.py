@@ -535,7 +535,7 @@ class RolloutSource:
 def run_grpo(cfg: GRPOConfig, log: Callable[[str], None] | None = None, sampler_factory=None) -> dict[str, Any]:
     """Train `cfg.steps` rollout batches, resuming from checkpoint.directory if it has one.
     `sampler_factory(cfg, trainer, model_cfg, bundle)`: the sampler of `cfg.rollout`'s server
-    (engine/interop/vllm_server.py, whose entry point passes it)."""
+    (engine/posttrain/vllm_rollout.py, whose entry point passes it)."""
     log = log or log_to_stderr
     if cfg.algorithm == "gspo" and cfg.loss_type != "grpo":
         log(

@@ -90,7 +90,7 @@ def environment_module(cfg: GRPOConfig) -> str | None:
     return cfg.environment.factory.partition(":")[0]
 
 
-ROLLOUT_SERVER_ENTRY_POINT = "engine.interop.vllm_server"
+ROLLOUT_SERVER_ENTRY_POINT = "engine.posttrain.vllm_rollout"
 """GRPO with `rollout:`: the entry point whose sampler is a vLLM server."""
 
 
@@ -108,7 +108,7 @@ class GRPOStage(FineTuneStage):
 
     def entry_module(self, ctx: StageContext) -> str:
         """With `rollout:` GRPO's entry point whose sampler is the server (it writes the weights
-        with the HF exporter, engine/interop/vllm_server.py)."""
+        with the HF exporter, engine/posttrain/vllm_rollout.py)."""
         return ROLLOUT_SERVER_ENTRY_POINT if ctx.config.rollout is not None else super().entry_module(ctx)
 
     def resolve_config(self, raw: dict, source: str) -> GRPOConfig:
