@@ -109,6 +109,7 @@ OPTIONAL_EXTRAS = {
     "mlflow",
     "wandb",
     "lm_eval",
+    "reasoning_gym",
 }
 OPTIONAL_MODULES = {"tasks.launch.ray_launcher"}
 """trainflow's modules that import an optional extra (Ray) at their top: imported where they are used."""

@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from engine.config import ConfigError
+from engine.posttrain import procedural_tasks
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.environments import BUILTIN_ENVIRONMENTS
 from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
@@ -90,6 +91,25 @@ def environment_module(cfg: GRPOConfig) -> str | None:
     return cfg.environment.factory.partition(":")[0]
 
 
+def environment_records(cfg: GRPOConfig) -> list[dict]:
+    """Each environment library the run uses: its name, installed version and config."""
+    records = []
+    if cfg.data.reasoning_gym is not None:
+        records.append(
+            {
+                "name": procedural_tasks.PACKAGE,
+                "version": procedural_tasks.package_version(),
+                "config": cfg.data.reasoning_gym.model_dump(mode="json"),
+            }
+        )
+    return records
+
+
+def environment_versions(cfg: GRPOConfig) -> dict[str, str | None]:
+    """{library: version} of the environment libraries a run uses (part of its id)."""
+    return {record["name"]: record["version"] for record in environment_records(cfg)}
+
+
 ROLLOUT_SERVER_ENTRY_POINT = "engine.posttrain.vllm_rollout"
 """GRPO with `rollout:`: the entry point whose sampler is a vLLM server."""
 
@@ -102,9 +122,12 @@ class GRPOStage(FineTuneStage):
     other_inputs = Input(REWARD_MODEL, doc="a reward model that `rewards: [{model: <this input>}]` scores with")
     config_schema = GRPOConfig
     version = 2  # 2: the checkpoint's meta holds `compute` apart from the architecture
-    data_doc = "a JSONL file of prompts"
+    data_doc = "a JSONL file of prompts, or data.reasoning_gym"
     data_files = {"data.path": "prompt_files"}
     console_metrics = ("reward", "reward_std", "completion_length", "kl", "entropy")
+
+    def has_data(self, cfg) -> bool:
+        return bool(cfg.data.path) or cfg.data.reasoning_gym is not None
 
     def entry_module(self, ctx: StageContext) -> str:
         """With `rollout:` GRPO's entry point whose sampler is the server (it writes the weights
@@ -136,6 +159,11 @@ class GRPOStage(FineTuneStage):
                         f"{source}: key '{key}': cannot find module '{module}' of '{value}' "
                         "(run from its directory or add it to PYTHONPATH)"
                     )
+        if cfg.data.reasoning_gym is not None and procedural_tasks.package_version() is None:
+            raise ConfigError(
+                f"{source}: key 'data.reasoning_gym': needs the {procedural_tasks.PACKAGE} package "
+                f"({procedural_tasks.INSTALL})"
+            )
         module = environment_module(cfg)
         if module is not None and module_digest(module) is None:  # a misspelt environment fails here too
             raise ConfigError(
@@ -149,6 +177,8 @@ class GRPOStage(FineTuneStage):
         fp = {**super().fingerprint(config), "reward_sources": reward_sources(config)}
         objective = objective_sources(config)
         fp = {**fp, "objective_sources": objective} if objective else fp  # absent: the ids made before
+        versions = environment_versions(config)  # another version may generate or score otherwise
+        fp = {**fp, "environment_versions": versions} if versions else fp
         module = environment_module(config)  # a user environment's code is part of the result
         return {**fp, "environment_source": module_digest(module)} if module else fp
 
@@ -168,6 +198,9 @@ class GRPOStage(FineTuneStage):
                 )
             rewards.append(spec)
         metrics = super().run(replace(ctx, config=ctx.config.model_copy(update={"rewards": rewards})))
+        environments = environment_records(ctx.config)
+        if environments:  # the manifest names each environment library, its version and config
+            metrics["environments"] = environments
         if "env/tool_sandbox_weaker" in metrics:  # the manifest says in words how tool code was isolated
             weaker = metrics["env/tool_sandbox_weaker"]
             metrics["tool_sandbox"] = "namespaces (weaker, opted in)" if weaker else "bubblewrap"
