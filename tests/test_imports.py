@@ -99,6 +99,7 @@ REGISTRIES = {
     "engine/posttrain/registry.py",
     "engine/posttrain/rewards.py",
     "engine/posttrain/environments.py",
+    "engine/posttrain/openenv_env.py",  # an OpenEnv server's Environment and models, by module:Class
 }
 OPTIONAL_EXTRAS = {
     "tensorflow",
@@ -110,6 +111,8 @@ OPTIONAL_EXTRAS = {
     "wandb",
     "lm_eval",
     "reasoning_gym",
+    "openenv",
+    "uvicorn",
 }
 OPTIONAL_MODULES = {"tasks.launch.ray_launcher"}
 """trainflow's modules that import an optional extra (Ray) at their top: imported where they are used."""

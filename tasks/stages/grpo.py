@@ -21,10 +21,10 @@ import importlib.util
 from dataclasses import replace
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from engine.config import ConfigError
-from engine.posttrain import procedural_tasks
+from engine.posttrain import openenv_env, procedural_tasks
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.environments import BUILTIN_ENVIRONMENTS
 from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
@@ -102,6 +102,14 @@ def environment_records(cfg: GRPOConfig) -> list[dict]:
                 "config": cfg.data.reasoning_gym.model_dump(mode="json"),
             }
         )
+    if cfg.environment is not None and cfg.environment.factory == "openenv":
+        records.append(
+            {
+                "name": openenv_env.PACKAGE,
+                "version": openenv_env.package_version(),
+                "config": cfg.environment.model_dump(mode="json"),
+            }
+        )
     return records
 
 
@@ -164,6 +172,18 @@ class GRPOStage(FineTuneStage):
                 f"{source}: key 'data.reasoning_gym': needs the {procedural_tasks.PACKAGE} package "
                 f"({procedural_tasks.INSTALL})"
             )
+        if cfg.environment is not None and cfg.environment.factory == "openenv":
+            if openenv_env.package_version() is None:
+                raise ConfigError(
+                    f"{source}: key 'environment.factory': openenv needs the {openenv_env.PACKAGE} package "
+                    f"({openenv_env.INSTALL})"
+                )
+            try:
+                openenv_env.OpenEnvConfig.model_validate(cfg.environment.kwargs)
+            except ValidationError as e:
+                first = e.errors()[0]
+                key = ".".join(str(part) for part in ("environment.kwargs", *first["loc"]))
+                raise ConfigError(f"{source}: key '{key}': {first['msg'].removeprefix('Value error, ')}") from None
         module = environment_module(cfg)
         if module is not None and module_digest(module) is None:  # a misspelt environment fails here too
             raise ConfigError(
