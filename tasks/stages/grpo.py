@@ -33,6 +33,7 @@ from tasks.engine_stage import FineTuneStage
 from tasks.registry import Input, StageContext
 from tasks.stages.reward_model import REWARD_MODEL
 from tasks.store.consume import sha256_file
+from tasks.store.records import code_version
 
 
 def module_digest(module: str) -> str | None:
@@ -91,8 +92,13 @@ def environment_module(cfg: GRPOConfig) -> str | None:
     return cfg.environment.factory.partition(":")[0]
 
 
+ENVIRONMENT_LIBRARIES = (procedural_tasks.PACKAGE, openenv_env.PACKAGE)
+"""Third-party environment libraries: their installed version is part of a run's id."""
+
+
 def environment_records(cfg: GRPOConfig) -> list[dict]:
-    """Each environment library the run uses: its name, installed version and config."""
+    """Each environment the run uses, for its manifest: its name, version and config (a library's
+    installed version; a built-in's, trainflow's; a user module's, its source's sha256)."""
     records = []
     if cfg.data.reasoning_gym is not None:
         records.append(
@@ -102,20 +108,22 @@ def environment_records(cfg: GRPOConfig) -> list[dict]:
                 "config": cfg.data.reasoning_gym.model_dump(mode="json"),
             }
         )
-    if cfg.environment is not None and cfg.environment.factory == "openenv":
-        records.append(
-            {
-                "name": openenv_env.PACKAGE,
-                "version": openenv_env.package_version(),
-                "config": cfg.environment.model_dump(mode="json"),
-            }
-        )
+    environment = cfg.environment
+    if environment is not None:
+        module = environment_module(cfg)
+        if environment.factory == "openenv":
+            name, version = openenv_env.PACKAGE, openenv_env.package_version()
+        elif module is None:  # a built-in: trainflow's own code
+            name, version = environment.factory, code_version()["version"]
+        else:
+            name, version = environment.factory, f"sha256:{module_digest(module)}"
+        records.append({"name": name, "version": version, "config": environment.model_dump(mode="json")})
     return records
 
 
 def environment_versions(cfg: GRPOConfig) -> dict[str, str | None]:
-    """{library: version} of the environment libraries a run uses (part of its id)."""
-    return {record["name"]: record["version"] for record in environment_records(cfg)}
+    """{library: version} of the third-party environment libraries a run uses (part of its id)."""
+    return {r["name"]: r["version"] for r in environment_records(cfg) if r["name"] in ENVIRONMENT_LIBRARIES}
 
 
 ROLLOUT_SERVER_ENTRY_POINT = "engine.posttrain.vllm_rollout"
