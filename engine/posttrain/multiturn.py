@@ -198,8 +198,8 @@ class EpisodeRunner:
                 for _ in self.pool.map(lambda job: self._turn(*job), steps):
                     pass
         finally:  # an environment holding a resource (a server's session) lets it go with its episode
-            for e in episodes:
-                close_environment(e.env)
+            for episode in episodes:
+                close_environment(episode.env)
         return self._collect(episodes)
 
     def _turn(self, episode: _Episode, ids: list[int], logprobs: list[float], last_turn: bool) -> None:

@@ -246,9 +246,9 @@ class OpenEnvEnvironment:
 
     def reset(self, row: dict[str, Any]) -> str:
         self.close()
-        self.client = self._open()
+        self.client = client = self._open()
         try:
-            result = self.client.reset()
+            result = client.reset()
         except BaseException:
             self.close()
             raise
@@ -315,7 +315,7 @@ def serve(spec: ServeConfig, port: int, directory: str | None) -> None:
     else:
         if spec.path:
             sys.path.insert(0, spec.path)
-        environment, action, observation = (resolve(s) for s in (spec.environment, spec.action, spec.observation))
+        environment, action, observation = (resolve(str(s)) for s in (spec.environment, spec.action, spec.observation))
     app = create_app(environment, action, observation, max_concurrent_envs=spec.max_sessions)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
