@@ -167,12 +167,15 @@ class ServedServer:
             self.directory = tempfile.TemporaryDirectory(prefix="trainflow-openenv-")
         if self.directory is not None:
             argv.append(self.directory.name)
-        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # Its log to a file, not a pipe: a pipe nobody reads would fill and stop the server.
+        log = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log, text=True)
         self.url, self.starts = f"http://127.0.0.1:{port}", self.starts + 1
         deadline = time.monotonic() + SERVER_START_SECONDS
         while not healthy(self.url):
             if self.process.poll() is not None:
-                error = (self.process.stderr.read() if self.process.stderr else "")[-600:]
+                log.seek(0)
+                error = log.read()[-600:]
                 raise ConfigError(f"environment.kwargs.serve: the OpenEnv server did not start: {error.strip()}")
             if time.monotonic() > deadline:
                 self.stop()
