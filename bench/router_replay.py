@@ -50,15 +50,16 @@ import numpy as np
 from bench import REPO, finish, machine
 from bench.copy_task import EOS_ID, EQUALS_ID, write_copy_task
 from engine.inference.sample import prompt_positions, rollout_params
+from engine.interop.completions import CompletionsClient, RolloutServerError
 from engine.interop.hf.export import export_hf
-from engine.interop.vllm_server import VLLMSampler, routed_expert_rows
+from engine.interop.vllm_server import routed_expert_rows
 from engine.models import router_replay
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.params import abstract_model_params, apply_model_with_aux, graphdef_of
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.grpo import run_grpo
 from engine.posttrain.policy_loss import completion_logps
-from engine.posttrain.rollout_server import CompletionsClient, RolloutServerError
+from engine.posttrain.vllm_rollout import VLLMSampler
 from engine.train.checkpoint import load_params
 
 CFG = ModelConfig(

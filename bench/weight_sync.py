@@ -5,7 +5,7 @@
 What one push of the policy costs before the server's reload (the reload, vLLM reading a local
 directory, is the same on both paths and is not timed):
 
-- local: engine/interop/vllm_server.py's path: the Hugging Face safetensors written from
+- local: engine/posttrain/vllm_rollout.py's path: the Hugging Face safetensors written from
   memory into a directory on /dev/shm that the server reads (write_hf_model);
 - staged (every tensor changed, a full fine-tune's update): engine/interop/weight_sync.py
   writes the changed shards (here 1/16 of the model each, the share a 64 MiB shard is of a

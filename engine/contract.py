@@ -66,6 +66,7 @@ ADDED_AT_DEFAULT = {
     "environment": None,
     "rollout": None,
     "rollout.weights_url": None,  # the bucket weight sync (engine/interop/weight_sync.py)
+    "data.reasoning_gym": None,  # GRPO's prompts from reasoning-gym (engine/posttrain/procedural_tasks.py)
     # evaluate's lm-eval harness tasks
     "harness": None,
     "compute.weight_grad_dtype": "float32",

@@ -279,9 +279,14 @@ class FineTuneStage(EngineStage):
         self.reject_pipeline_owned(raw, source)
         resolve_model_preset(raw, source)
         cfg = validate(self.config_schema, raw, source)
-        if not cfg.data.path:
+        if not self.has_data(cfg):
             raise ConfigError(f"{source}: missing required key 'data.path' ({self.data_doc})")
         return cfg
+
+    def has_data(self, cfg) -> bool:
+        """Whether the config says where its examples come from (a stage with other sources than
+        data.path says so here)."""
+        return bool(cfg.data.path)
 
     def resolve_config(self, raw: dict, source: str) -> Any:
         cfg = self.validate_raw(raw, source)

@@ -33,6 +33,7 @@ EXTRAS = {
     "wandb": "wandb",
     "ray": "ray",
     "sentencepiece": "test",
+    "reasoning_gym": "envs",
 }
 
 

@@ -8,6 +8,7 @@ import pytest
 from engine.config import ConfigError, load_config
 from engine.data.chat import render
 from engine.data.tokenizer import TokenizerBundle
+from engine.posttrain import openenv_env
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.environments import (
     ArithmeticToolTask,
@@ -18,6 +19,9 @@ from engine.posttrain.environments import (
     calculate,
 )
 from flows.spec import load_plan
+from tasks.stages.grpo import GRPOStage, environment_records
+from tasks.store.consume import sha256_file
+from tasks.store.records import code_version
 from tests.test_multiturn import char_bundle
 
 REPO = Path(__file__).resolve().parent.parent
@@ -127,8 +131,6 @@ def test_the_shipped_tools_pipeline_validates_with_its_environment():
 
 
 def test_a_user_environments_module_is_checked_at_validation_and_part_of_the_stage_id(tmp_path, monkeypatch):
-    from tasks.stages.grpo import GRPOStage
-
     stage = GRPOStage()
     (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1"}\n')  # data files are checked first
     raw = {"data": {"path": str(tmp_path / "rows.jsonl")}, "environment": {"factory": "my_tool_env_xyz:Env"}}
@@ -140,3 +142,29 @@ def test_a_user_environments_module_is_checked_at_validation_and_part_of_the_sta
     before = stage.fingerprint(cfg)["environment_source"]
     (tmp_path / "my_tool_env_xyz.py").write_text("class Env:  # changed\n    ...\n")
     assert before and stage.fingerprint(cfg)["environment_source"] != before
+
+
+def test_the_manifest_names_each_environment_its_version_and_config_and_only_libraries_join_the_id(
+    tmp_path, monkeypatch
+):
+    stage = GRPOStage()
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1"}\n')
+    (tmp_path / "my_env_abc.py").write_text("class Env: ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for factory, version in (
+        ("tools", code_version()["version"]),  # a built-in: trainflow's code
+        ("my_env_abc:Env", f"sha256:{sha256_file(tmp_path / 'my_env_abc.py')}"),
+    ):
+        raw = {"data": {"path": str(tmp_path / "rows.jsonl")}, "environment": {"factory": factory}}
+        cfg = stage.resolve_config(raw, "p.yaml")
+        assert environment_records(cfg) == [
+            {"name": factory, "version": version, "config": cfg.environment.model_dump(mode="json")}
+        ]
+        assert "environment_versions" not in stage.fingerprint(cfg)  # ids made before stay as they were
+    raw = {"environment": {"factory": "openenv", "kwargs": {"url": "http://127.0.0.1:1"}}, "data": raw["data"]}
+    if openenv_env.package_version() is not None:  # a library's installed version is part of the id
+        cfg = stage.resolve_config(raw, "p.yaml")
+        assert stage.fingerprint(cfg)["environment_versions"] == {"openenv-core": openenv_env.package_version()}
+        bad = {**raw, "environment": {"factory": "openenv", "kwargs": {"url": "http://x", "serve": {"init": "e"}}}}
+        with pytest.raises(ConfigError, match="p.yaml: key 'environment.kwargs': give url .* or serve"):
+            stage.resolve_config(bad, "p.yaml")

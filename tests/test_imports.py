@@ -41,8 +41,9 @@ id = "engine-layers"
 name = "engine: a lower layer never imports a higher one"
 type = "layers"
 layers = [
-    "engine.evaluate | engine.interop",
+    "engine.evaluate",
     "engine.posttrain",
+    "engine.interop",
     "engine.inference",
     "engine.train",
     "engine.parallel",
@@ -50,6 +51,13 @@ layers = [
     "engine.ops | engine.data",
     "engine.config : engine.contract : engine.compat : engine.progress",
 ]
+
+[[tool.importlinter.contracts]]
+id = "interop-under-posttrain"
+name = "engine.interop (other tools' formats) imports nothing of engine.posttrain, not even through another module"
+type = "forbidden"
+source_modules = ["engine.interop"]
+forbidden_modules = ["engine.posttrain"]
 
 [[tool.importlinter.contracts]]
 id = "families-config"
@@ -91,6 +99,7 @@ REGISTRIES = {
     "engine/posttrain/registry.py",
     "engine/posttrain/rewards.py",
     "engine/posttrain/environments.py",
+    "engine/posttrain/openenv_env.py",  # an OpenEnv server's Environment and models, by module:Class
 }
 OPTIONAL_EXTRAS = {
     "tensorflow",
@@ -101,6 +110,9 @@ OPTIONAL_EXTRAS = {
     "mlflow",
     "wandb",
     "lm_eval",
+    "reasoning_gym",
+    "openenv",
+    "uvicorn",
 }
 OPTIONAL_MODULES = {"tasks.launch.ray_launcher"}
 """trainflow's modules that import an optional extra (Ray) at their top: imported where they are used."""
@@ -185,6 +197,24 @@ def dynamic_tree(tmp_path_factory) -> Path:
 def test_engine_layers(contracts, dynamic_tree):
     report = broken_contracts(dynamic_tree, contracts, "engine-layers", "families-config")
     assert report is None, report
+
+
+def test_interop_imports_nothing_of_posttrain(contracts, dynamic_tree):
+    """GRPO takes its vLLM sampler through its own seam (engine/posttrain/vllm_rollout.py): the
+    formats of other tools sit below training and never reach back into it."""
+    report = broken_contracts(dynamic_tree, contracts, "interop-under-posttrain")
+    assert report is None, report
+
+
+def test_interop_check_reports_an_import_of_posttrain(contracts, tmp_path):
+    # The import the vLLM sampler once made: engine.interop.vllm_server -> engine.posttrain.grpo.
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    server = tmp_path / "engine/interop/vllm_server.py"
+    server.write_text(server.read_text() + "\nfrom engine.posttrain.grpo import run_grpo\n")
+
+    report = broken_contracts(tmp_path, contracts, "interop-under-posttrain")
+    assert report is not None and "engine.interop.vllm_server -> engine.posttrain.grpo" in report, report
 
 
 def test_flows_import_tasks_import_engine_never_back(contracts, dynamic_tree):

@@ -224,7 +224,7 @@ def test_an_environment_that_cannot_be_imported_is_one_sentence_naming_the_key()
     for factory, message in [
         ("no_such_module_xyz:Env", "environment.factory: cannot import module 'no_such_module_xyz' for"),
         ("engine.posttrain.environments:Nope", "environment.factory: module 'engine.posttrain.environments' has no"),
-        ("arithmetic", "environment.factory: 'arithmetic' is neither a built-in (tools, arithmetic_tool) nor"),
+        ("arithmetic", "environment.factory: 'arithmetic' is neither a built-in (tools, arithmetic_tool, openenv) nor"),
     ]:
         with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
             runner(factory=factory)

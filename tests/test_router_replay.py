@@ -33,7 +33,7 @@ from flax import nnx
 
 from engine.config import ConfigError
 from engine.inference.sample import Sampler, prompt_positions, rollout_params
-from engine.interop.vllm_server import VLLMSampler, returns_routed_experts, routed_expert_rows
+from engine.interop.vllm_server import returns_routed_experts, routed_expert_rows
 from engine.models import router_replay
 from engine.models.common import Build
 from engine.models.config import ComputeConfig, ModelConfig
@@ -44,6 +44,7 @@ from engine.models.transformer import Transformer
 from engine.posttrain.async_rollout import replays_routes
 from engine.posttrain.grpo import run_grpo, step_spec
 from engine.posttrain.policy_loss import completion_logps
+from engine.posttrain.vllm_rollout import VLLMSampler
 from tests.test_grpo import grpo_config, make_copy_task
 
 # Three layers, the first dense (DeepSeek-V3's layout), 5 experts, top 2: odd sizes.

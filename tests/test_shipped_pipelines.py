@@ -8,11 +8,12 @@ that shares no disk with the runner.
 Which test runs which shipped pipeline:
     quickstart.yaml  here (and tests/test_quickstart.py: as shipped, full size, a local store)
     tiny.yaml        tests/test_object_store.py (on an S3 store, a smaller corpus and fewer steps)
-    sweep.yaml, posttrain.yaml, tools.yaml   here
+    sweep.yaml, posttrain.yaml, tools.yaml, reasoning_gym.yaml, openenv.yaml   here
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 
@@ -101,6 +102,24 @@ TOOLS_SMALL = [
     "grpo.max_completion_length=16",
 ]
 
+REASONING_GYM_SMALL = [  # tools.yaml's stages before grpo, at TOOLS_SMALL's sizes: made once
+    *SMALL_PROBLEMS,
+    *at("pretrain", SMALL_LM),
+    *at("sft", SMALL_LM),
+    *at("grpo", SMALL_GRPO),
+    "grpo.data.reasoning_gym.size=8",
+]
+
+OPENENV_SMALL = [  # tools.yaml's stages before grpo, at TOOLS_SMALL's sizes: made once
+    *SMALL_PROBLEMS,
+    *at("pretrain", SMALL_LM),
+    *at("sft", SMALL_LM),
+    *at("grpo", SMALL_GRPO),
+    "grpo.environment.max_turns=2",
+    "grpo.environment.max_turn_tokens=4",
+    "grpo.max_completion_length=16",
+]
+
 
 @pytest.fixture(scope="module")
 def store(s3_endpoint) -> str:  # noqa: F811
@@ -144,8 +163,18 @@ def test_a_shipped_selection_by_a_held_out_metric_ranks_points_that_hold_data_ou
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, overrides", [("posttrain.yaml", POSTTRAIN_SMALL), ("tools.yaml", TOOLS_SMALL)])
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("posttrain.yaml", POSTTRAIN_SMALL),
+        ("tools.yaml", TOOLS_SMALL),
+        ("reasoning_gym.yaml", REASONING_GYM_SMALL),
+        ("openenv.yaml", OPENENV_SMALL),
+    ],
+)
 def test_a_shipped_pipeline_runs_to_completion(prefect_server, store, name, overrides):
+    if name in ("reasoning_gym.yaml", "openenv.yaml"):
+        need("reasoning_gym" if name == "reasoning_gym.yaml" else "openenv")
     rows = run_to_completion(name, overrides, store)
     states = {stage: row["state"] for stage, row in rows.items()}
     assert set(states.values()) == {"complete"}, states
@@ -157,6 +186,18 @@ def test_a_shipped_pipeline_runs_to_completion(prefect_server, store, name, over
         metrics = ArtifactStore(store).manifest("grpo", rows["grpo"]["artifact_id"])["metrics"]
         assert metrics["tool_sandbox"] == "bubblewrap" and metrics["env/tool_sandbox_weaker"] == 0.0, metrics
         assert {f"env/tool_failures/{kind}" for kind in FAILURE_KINDS} <= set(metrics), metrics
+    if name == "reasoning_gym.yaml":  # the manifest names the library, its version and the dataset's config
+        manifest = ArtifactStore(store).manifest("grpo", rows["grpo"]["artifact_id"])
+        [record] = manifest["metrics"]["environments"]
+        assert record["name"] == "reasoning-gym" and record["version"] == importlib.metadata.version("reasoning-gym")
+        assert record["config"] == manifest["config"]["data"]["reasoning_gym"] and record["config"]["size"] == 8
+        assert "reward/reasoning_gym/mean" in manifest["metrics"], manifest["metrics"]
+    if name == "openenv.yaml":  # episodes on the echo server the stage started; the manifest names it
+        manifest = ArtifactStore(store).manifest("grpo", rows["grpo"]["artifact_id"])
+        [record] = manifest["metrics"]["environments"]
+        assert record["name"] == "openenv-core" and record["version"] == importlib.metadata.version("openenv-core")
+        assert record["config"] == manifest["config"]["environment"], record
+        assert manifest["metrics"]["env/failed"] == 0.0 and manifest["metrics"]["reward/environment/mean"] > 0
 
 
 @pytest.mark.slow

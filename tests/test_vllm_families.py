@@ -32,13 +32,15 @@ torch = need("torch")
 transformers = need("transformers")
 
 from engine.config import ConfigError  # noqa: E402
+from engine.interop.completions import RolloutServerError  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
-from engine.interop.vllm_server import VLLM_CPU_UNSERVED, run_grpo_on_server  # noqa: E402
+from engine.interop.vllm_server import VLLM_CPU_UNSERVED  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
 from engine.models.family_registry import family_names  # noqa: E402
 from engine.posttrain.config import RolloutCorrectionConfig  # noqa: E402
-from engine.posttrain.rollout_server import RolloutServerConfig, RolloutServerError  # noqa: E402
+from engine.posttrain.rollout_server import RolloutServerConfig  # noqa: E402
+from engine.posttrain.vllm_rollout import run_grpo_on_server  # noqa: E402
 from tests.test_grpo import grpo_config, make_copy_task  # noqa: E402
 from tests.test_vllm_rollouts import (  # noqa: E402
     FIXED,

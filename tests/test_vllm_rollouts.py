@@ -1,4 +1,4 @@
-"""GRPO's rollouts from a vLLM server (engine/posttrain/rollout_server.py, engine/interop/vllm_server.py).
+"""GRPO's rollouts from a vLLM server (engine/posttrain/rollout_server.py, engine/posttrain/vllm_rollout.py).
 
 Always run: the client's retries and its one-sentence error against a small local HTTP server
 that drops connections, a canned vLLM answer read into the sampler's rows, the config.
@@ -37,22 +37,18 @@ from bench.copy_task import write_copy_task
 from bench.router_replay import VLLM_CFG, standin_server, trainer_view
 from engine.config import ConfigError, load_config
 from engine.inference.sample import prompt_positions
+from engine.interop.completions import CompletionsClient, RolloutServerError, completion_rows
 from engine.interop.hf.export import export_hf
 from engine.interop.hf.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from engine.interop.vllm_server import VLLMSampler, returns_routed_experts, run_grpo_on_server
+from engine.interop.vllm_server import returns_routed_experts
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.models.lora import join
 from engine.models.params import graphdef_of
 from engine.posttrain.config import GRPOConfig, RolloutCorrectionConfig
 from engine.posttrain.environments import Step
 from engine.posttrain.grpo import make_logps_fn, run_grpo
-from engine.posttrain.rollout_server import (
-    ROLLOUT_ENTRY_POINT,
-    CompletionsClient,
-    RolloutServerConfig,
-    RolloutServerError,
-    completion_rows,
-)
+from engine.posttrain.rollout_server import ROLLOUT_ENTRY_POINT, RolloutServerConfig
+from engine.posttrain.vllm_rollout import VLLMSampler, run_grpo_on_server
 from engine.train.checkpoint import load_adapter, load_params, read_meta
 from flows.spec import Pipeline
 from tasks.runner import RAN, execute_stage
@@ -185,14 +181,14 @@ def test_grpo_with_a_rollout_server_that_is_not_there_stops_in_one_sentence(copy
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
     cfg = cfg.model_copy(update={"rollout": RolloutServerConfig(url=f"http://127.0.0.1:{closed}", retries=0)})
-    with pytest.raises(ConfigError, match="python -m engine.interop.vllm_server"):
+    with pytest.raises(ConfigError, match="python -m engine.posttrain.vllm_rollout"):
         run_grpo(cfg)  # GRPO's own entry point has no sampler for a server
     assert ROLLOUT_ENTRY_POINT.endswith("vLLM rollouts)")
     with pytest.raises(RolloutServerError, match=f"127.0.0.1:{closed}/v1/models did not answer after 1 tries"):
         run_grpo_on_server(cfg)
 
     # A pipeline's grpo stage runs the same entry point when its config has `rollout:`.
-    assert GRPOStage().entry_module(SimpleNamespace(config=cfg)) == "engine.interop.vllm_server"
+    assert GRPOStage().entry_module(SimpleNamespace(config=cfg)) == "engine.posttrain.vllm_rollout"
     assert GRPOStage().entry_module(SimpleNamespace(config=cfg.model_copy(update={"rollout": None}))) == (
         "engine.posttrain.grpo"
     )

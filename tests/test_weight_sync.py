@@ -23,12 +23,12 @@ from engine.data.urls import filesystem
 from engine.interop.bucket_weights import MANIFEST, OBJECTS, follow, pull, read_manifest
 from engine.interop.hf.export import export_hf, write_hf_model
 from engine.interop.hf.safetensors_io import SafetensorsFile
-from engine.interop.vllm_server import run_grpo_on_server
 from engine.interop.weight_sync import BucketWeightSync
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.params import abstract_model_params
 from engine.posttrain.config import RolloutCorrectionConfig
 from engine.posttrain.rollout_server import RolloutServerConfig
+from engine.posttrain.vllm_rollout import run_grpo_on_server
 from tasks.launch.run import LauncherSpec, run_child
 from tests.conftest import REPO, child_xla_flags
 from tests.test_grpo import grpo_config, make_copy_task
@@ -254,7 +254,7 @@ def test_grpo_of_two_processes_samples_on_the_server_through_the_bucket(served_c
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(tree))
     env = {"XLA_FLAGS": child_xla_flags(1), "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     run_child(
-        [sys.executable, "-m", "engine.interop.vllm_server", str(tmp_path / "run.yaml")],
+        [sys.executable, "-m", "engine.posttrain.vllm_rollout", str(tmp_path / "run.yaml")],
         launcher=LauncherSpec(kind="local-multi", processes=2, env=env),
         log=print,
         cwd=REPO,

@@ -439,7 +439,7 @@ class Sampler:
         are rows p * G ... p * G + G - 1), `max_new_tokens` columns. `rows`: the prompts whose
         completions the caller reads (None: all). This sampler computes every prompt anyway
         (the batch keeps its shape and so its compiled program, and no prompt's draws depend
-        on another's); a server-backed one (engine/interop/vllm_server.py) asks for these alone."""
+        on another's); a server-backed one (engine/posttrain/vllm_rollout.py) asks for these alone."""
         prompt_tokens_bp, prompt_mask_bp = np.asarray(prompt_tokens_bp), np.asarray(prompt_mask_bp)
         prompts, prompt_len = prompt_tokens_bp.shape
         shards = 1 if self.mesh is None else batch_shards(self.mesh)

@@ -47,7 +47,7 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.data.urls import filesystem
-from engine.posttrain.rollout_server import CompletionsClient, RolloutServerError
+from engine.interop.completions import CompletionsClient, RolloutServerError
 
 FORMAT = "trainflow.bucket-weights/1"
 MANIFEST = "manifest.json"

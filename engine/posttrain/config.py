@@ -16,6 +16,7 @@ from engine.posttrain import advantages  # noqa: F401 - registers the built-in a
 from engine.posttrain.environments import EnvironmentConfig
 from engine.posttrain.preference_types import LABEL_SMOOTHING, MEAN_LOGP, REFERENCE_FREE
 from engine.posttrain.preference_types import LossType as PreferenceLoss
+from engine.posttrain.procedural_tasks import ReasoningGymConfig
 from engine.posttrain.registry import (
     ADVANTAGE_ESTIMATORS,
     LOSS_AGGREGATIONS,
@@ -84,13 +85,23 @@ class SFTConfig(RunFields):
 
 class GRPODataConfig(Strict):
     """The prompts: JSONL, one record per line, `prompt` text or a message list plus any
-    columns the reward functions read (e.g. `answer`)."""
+    columns the reward functions read (e.g. `answer`); or a reasoning-gym dataset's entries."""
 
     path: str | None = None
-    """A JSONL file or a directory of *.jsonl files; required."""
+    """A JSONL file or a directory of *.jsonl files; required unless `reasoning_gym` is given."""
+    reasoning_gym: ReasoningGymConfig | None = None
+    """Instead of a file, the entries of one of reasoning-gym's procedural datasets, by name and
+    config (engine/posttrain/procedural_tasks.py); the `reasoning_gym` reward scores them with
+    the dataset's own scorer."""
     prompt_field: str = "prompt"
     shuffle: bool = True
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _one_source(self) -> GRPODataConfig:
+        if self.path and self.reasoning_gym is not None:
+            raise ValueError("give the prompts as data.path (a JSONL file) or data.reasoning_gym, not both")
+        return self
 
 
 class RolloutCorrectionConfig(Strict):
@@ -314,6 +325,12 @@ class GRPOConfig(Strict):
             )
         if self.gspo_variant != "sequence" and self.algorithm != "gspo":
             raise ValueError("gspo_variant applies to algorithm: gspo only")
+        for i, spec in enumerate(self.rewards):
+            if spec.function == "reasoning_gym" and self.data.reasoning_gym is None:
+                raise ValueError(
+                    f"rewards.{i}: the reasoning_gym reward scores prompts from data.reasoning_gym; set it "
+                    "(e.g. {dataset: leg_counting}) or use another reward"
+                )
         reason = unsplittable(
             self.max_prompt_length + self.max_completion_length,
             self.mesh.context,

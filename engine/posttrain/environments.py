@@ -11,13 +11,15 @@ one per rollout) with two methods:
 
 and optionally `tools` (OpenAI-style function schemas, passed to the chat template's `tools`
 variable as `tokenizer.apply_chat_template(tools=...)` does) and `observation_role` (the
-chat role an observation is rendered with; default "tool"). A config names it
+chat role an observation is rendered with; default "tool") and `close()` (called when the
+episode ends, however it ends: a server's session let go). A config names it
 `module:Class` (importable from the working directory or PYTHONPATH) or a built-in:
 
     tools             ToolEnvironment: tool calls in the Hermes format Qwen's and Hermes'
                       templates teach, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
                       a turn without one is the final answer, scored against the row's answer
     arithmetic_tool   ArithmeticToolTask: a two-turn task a tiny model learns on CPU
+    openenv           an OpenEnv environment server's sessions (engine/posttrain/openenv_env.py)
 
 The runner (engine/posttrain/multiturn.py) owns the budgets: `max_turns` model turns,
 `max_turn_tokens` new tokens per turn, and GRPO's `max_completion_length` for the whole
@@ -45,41 +47,16 @@ import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any
 
 from pydantic import Field, ValidationError
 
 from engine.config import ConfigError, Strict
+from engine.posttrain.env_protocol import Environment, Prompt, Step
+from engine.posttrain.openenv_env import OpenEnvEnvironment
 from engine.posttrain.rewards import numeric_match
 from engine.posttrain.sandbox import SandboxLimits, check_sandbox, run_python
-
-Prompt = str | list[dict[str, Any]]
-
-
-@dataclass
-class Step:
-    """What the environment says after one model turn."""
-
-    observation: str | None = None
-    """Text the model sees next (rendered as an `observation_role` message in chat mode,
-    appended as is to a text prompt); ignored when done."""
-    reward: float = 0.0
-    """This turn's reward; the episode's is the sum over its turns."""
-    done: bool = False
-    tool_calls: int = 0
-    tool_errors: int = 0
-    """Calls that failed: an unknown tool, bad arguments, or an error the tool reported."""
-    tool_failures: dict[str, int] = field(default_factory=dict)
-    """Sandboxed calls that failed, by kind (sandbox.FAILURE_KINDS: wall_time, memory, crash ...)."""
-    info: dict[str, Any] = field(default_factory=dict)
-
-
-@runtime_checkable
-class Environment(Protocol):
-    def reset(self, row: dict[str, Any]) -> Prompt: ...
-
-    def step(self, turn: str) -> Step: ...
 
 
 class EnvironmentConfig(Strict):
@@ -409,7 +386,11 @@ def arithmetic_tool_rows(count: int, seed: int = 0, max_sum: int = 9) -> list[di
     return [{"question": f"{a}+{b}", "answer": str(a + b)} for a, b in order]
 
 
-BUILTIN_ENVIRONMENTS: dict[str, type] = {"tools": ToolEnvironment, "arithmetic_tool": ArithmeticToolTask}
+BUILTIN_ENVIRONMENTS: dict[str, type] = {
+    "tools": ToolEnvironment,
+    "arithmetic_tool": ArithmeticToolTask,
+    "openenv": OpenEnvEnvironment,  # an OpenEnv server's episodes (engine/posttrain/openenv_env.py)
+}
 
 
 def load_environment(cfg: EnvironmentConfig) -> Callable[[], Environment]:

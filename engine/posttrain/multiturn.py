@@ -182,20 +182,24 @@ class EpisodeRunner:
                 episode = _Episode(None, f"reset raised {type(e).__name__}: {e}")
             episodes.append(episode)
 
-        for turn in range(cfg.max_turns):
-            live = [i for i, e in enumerate(episodes) if not e.done]
-            if not live:
-                break
-            new_tokens = min(cfg.max_turn_tokens, max(self.C - len(episodes[i].ids) for i in live))
-            # Every row, so the engine sampler's batch keeps its shape (and its compiled
-            # program); a server-backed sampler is asked for the live rows only.
-            contexts = [(e.prompt + e.ids) or [self.pad_id] for e in episodes]
-            outputs = generate(contexts, new_tokens, turn, live)
-            last = turn == cfg.max_turns - 1
-            steps = [(e, list(ids), list(lp), last) for e, (ids, lp) in zip(episodes, outputs) if not e.done]
-            # Each step touches only its own episode: the environments' steps overlap in threads.
-            for _ in self.pool.map(lambda job: self._turn(*job), steps):
-                pass
+        try:
+            for turn in range(cfg.max_turns):
+                live = [i for i, e in enumerate(episodes) if not e.done]
+                if not live:
+                    break
+                new_tokens = min(cfg.max_turn_tokens, max(self.C - len(episodes[i].ids) for i in live))
+                # Every row, so the engine sampler's batch keeps its shape (and its compiled
+                # program); a server-backed sampler is asked for the live rows only.
+                contexts = [(e.prompt + e.ids) or [self.pad_id] for e in episodes]
+                outputs = generate(contexts, new_tokens, turn, live)
+                last = turn == cfg.max_turns - 1
+                steps = [(e, list(ids), list(lp), last) for e, (ids, lp) in zip(episodes, outputs) if not e.done]
+                # Each step touches only its own episode: the environments' steps overlap in threads.
+                for _ in self.pool.map(lambda job: self._turn(*job), steps):
+                    pass
+        finally:  # an environment holding a resource (a server's session) lets it go with its episode
+            for episode in episodes:
+                close_environment(episode.env)
         return self._collect(episodes)
 
     def _turn(self, episode: _Episode, ids: list[int], logprobs: list[float], last_turn: bool) -> None:
@@ -367,3 +371,14 @@ def multiturn_rollout(
         metrics=episodes.metrics,
         seconds=time.perf_counter() - t0,
     )
+
+
+def close_environment(env) -> None:
+    """An environment's optional `close()`; its failure is not the episode's (it is over)."""
+    close = getattr(env, "close", None)
+    if close is None:
+        return
+    try:
+        close()
+    except Exception:  # noqa: BLE001 - user code, after the episode's result is in
+        pass

@@ -34,12 +34,10 @@ from engine.parallel.mesh import global_array, replicated, to_host
 from engine.posttrain.dpo import EpochIndices
 from engine.posttrain.finetune import read_jsonl
 from engine.posttrain.reward_config import ProcessRewardConfig, RewardModelConfig
+from engine.train.reward_checkpoint import PROCESS_HEAD
 from engine.train.step import Objective, moe_metrics
 from engine.train.trainer import Trainer, TrainState
 
-PROCESS_HEAD = "score_dl"
-"""The token classifier's leaf: (d_model, 2), logical axes (embed, None)."""
-LABELS = 2
 IGNORE = -100
 METRICS = ("accuracy",)
 

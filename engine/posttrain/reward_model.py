@@ -41,7 +41,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -49,36 +48,38 @@ from engine.config import ConfigError
 from engine.contract import TOKENIZER_DIR
 from engine.data.tokenizer import TokenizerBundle, load_saved
 from engine.data.urls import existing_folder
-from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
-from engine.models.lora import LORA_SEED, dropout_rows, join, merge_into_base, split_adapter
+from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.lora import LORA_SEED, dropout_rows
 from engine.models.params import abstract_model_params, graphdef_of, init_params
 from engine.ops.partitioning import logical_to_spec, use_mesh
 from engine.parallel.mesh import global_array, replicated, to_host
 from engine.posttrain.dpo import EpochIndices, Pair, load_pairs, pair_rows, tokenize_pair
 from engine.posttrain.finetune import finetune_start
+from engine.posttrain.process_reward import METRICS as PROCESS_METRICS
 from engine.posttrain.process_reward import (
-    LABELS,
-    PROCESS_HEAD,
     StepBatches,
     StepScorer,
     load_step_examples,
     process_objective,
     step_rows,
 )
-from engine.posttrain.process_reward import METRICS as PROCESS_METRICS
 from engine.posttrain.reward_config import RewardModelConfig
 from engine.train.bucket_paths import checkpoint_path
-from engine.train.checkpoint import ITEMS, adapter_base, load_params, read_meta
 from engine.train.cli import run_cli
 from engine.train.config import TrainConfig, trainer_view
 from engine.train.hooks import log_to_stderr, run_training
 from engine.train.plan import InputModels, StepSpec, fine_tuned_model
+from engine.train.reward_checkpoint import (
+    HEAD,
+    LABELS,
+    PROCESS_HEAD,
+    REWARD_MODEL_FORMAT,
+    decoder_of,
+    load_reward_params,
+)
 from engine.train.step import Objective, moe_metrics
 from engine.train.trainer import Trainer, TrainState
 
-HEAD = "score_d"
-"""The score head's leaf in the params tree: (d_model,), logical axis `embed`."""
-REWARD_MODEL_FORMAT = "trainflow.reward_model/1"
 METRICS = ("accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected")
 EXTREMES = ("min_reward", "max_reward")
 
@@ -132,11 +133,6 @@ def reward_rows(pairs: list[RewardPair], max_length: int, rows: int | None = Non
 
 
 # --------------------------------------------------------------------------- scores and the loss
-
-
-def decoder_of(params: dict) -> dict:
-    """The decoder's (or adapter's) tree without the head."""
-    return {k: v for k, v in params.items() if k not in (HEAD, PROCESS_HEAD)}
 
 
 def hidden_and_aux(graphdef, params, tokens_bt, positions_bt, segment_ids_bt):
@@ -283,54 +279,6 @@ class RewardPairBatches:
 
     def set_state(self, state: dict) -> None:
         self.indices.set_state(state)
-
-
-# --------------------------------------------------------------------------- reading a reward model back
-
-
-def is_reward_model(directory: str | Path, step: int | None = None) -> bool:
-    return bool(read_meta(directory, step)[1].get("reward_model"))
-
-
-def load_reward_params(
-    directory: str | Path, step: int | None = None, *, allow_process: bool = False
-) -> tuple[ModelConfig, ComputeConfig, dict, int, dict]:
-    """(architecture, compute settings, params as host numpy arrays with the head, step, meta)
-    of a reward-model checkpoint; a LoRA one comes with its adapter folded into its base. A
-    process reward model (head `score_dl`) only where `allow_process` (GRPO's scorer)."""
-    step, meta = read_meta(directory, step)
-    if not meta.get("reward_model"):
-        raise ConfigError(
-            f"{directory}: is not a reward model (its checkpoint meta has no 'reward_model'); "
-            "train one with a reward_model stage or convert a *ForSequenceClassification"
-        )
-    head = meta["reward_model"].get("head", HEAD)
-    if head == PROCESS_HEAD and not allow_process:
-        raise ConfigError(
-            f"{directory}: is a process reward model (a token-classification head per step), which has no "
-            "*ForSequenceClassification form; it is read by GRPO's reward terms only"
-        )
-    model_cfg, compute = ModelConfig.model_validate(meta["model"]), ComputeConfig.model_validate(meta["compute"])
-    lora = None
-    if meta.get("lora"):
-        lora = LoraConfig.model_validate({k: v for k, v in meta["lora"].items() if k in LoraConfig.model_fields})
-    shapes = abstract_model_params(model_cfg, compute, None, lora)
-    if lora is not None:
-        shapes = split_adapter(shapes)[0]
-    head_shape = (model_cfg.d_model, LABELS) if head == PROCESS_HEAD else (model_cfg.d_model,)
-    shapes[head] = jax.ShapeDtypeStruct(head_shape, jax.tree.leaves(shapes)[0].dtype)
-    restore_args = jax.tree.map(lambda a: ocp.RestoreArgs(restore_type=np.ndarray, dtype=a.dtype), shapes)
-    manager = ocp.CheckpointManager(
-        checkpoint_path(directory), item_names=ITEMS, options=ocp.CheckpointManagerOptions(read_only=True)
-    )
-    params = manager.restore(
-        step, args=ocp.args.Composite(params=ocp.args.PyTreeRestore(item=shapes, restore_args=restore_args))
-    ).params
-    manager.close()
-    if lora is not None:
-        _, base, _ = load_params(adapter_base(directory, meta), as_numpy=True)
-        params = {**merge_into_base(join(decoder_of(params), base), lora.scale), head: params[head]}
-    return model_cfg, compute, params, step, meta
 
 
 def tokenizer_fingerprint(bundle: TokenizerBundle) -> dict:

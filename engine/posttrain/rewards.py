@@ -19,6 +19,8 @@ Built-ins (`function: <name>`):
     regex           1 if the completion matches `pattern` (a format reward)
     length_penalty  DAPO's soft overlong penalty: 0 up to max_length - buffer, then a linear
                     ramp to -1 at max_length, -1 beyond
+    reasoning_gym   reasoning-gym's own scorer of the row's entry (prompts from data.reasoning_gym;
+                    engine/posttrain/procedural_tasks.py), on the answer between <answer> tags
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 from pydantic import Field, model_serializer, model_validator
 
 from engine.config import ConfigError, Strict
+from engine.posttrain.procedural_tasks import reasoning_gym_score
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
 
@@ -170,6 +173,7 @@ BUILTIN: dict[str, Callable] = {
     "numeric_match": numeric_match,
     "regex": regex,
     "length_penalty": length_penalty,
+    "reasoning_gym": reasoning_gym_score,
 }
 
 

@@ -21,9 +21,10 @@ import importlib.util
 from dataclasses import replace
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from engine.config import ConfigError
+from engine.posttrain import openenv_env, procedural_tasks
 from engine.posttrain.config import GRPOConfig
 from engine.posttrain.environments import BUILTIN_ENVIRONMENTS
 from engine.posttrain.registry import ADVANTAGE_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
@@ -32,6 +33,7 @@ from tasks.engine_stage import FineTuneStage
 from tasks.registry import Input, StageContext
 from tasks.stages.reward_model import REWARD_MODEL
 from tasks.store.consume import sha256_file
+from tasks.store.records import code_version
 
 
 def module_digest(module: str) -> str | None:
@@ -90,7 +92,41 @@ def environment_module(cfg: GRPOConfig) -> str | None:
     return cfg.environment.factory.partition(":")[0]
 
 
-ROLLOUT_SERVER_ENTRY_POINT = "engine.interop.vllm_server"
+ENVIRONMENT_LIBRARIES = (procedural_tasks.PACKAGE, openenv_env.PACKAGE)
+"""Third-party environment libraries: their installed version is part of a run's id."""
+
+
+def environment_records(cfg: GRPOConfig) -> list[dict]:
+    """Each environment the run uses, for its manifest: its name, version and config (a library's
+    installed version; a built-in's, trainflow's; a user module's, its source's sha256)."""
+    records = []
+    if cfg.data.reasoning_gym is not None:
+        records.append(
+            {
+                "name": procedural_tasks.PACKAGE,
+                "version": procedural_tasks.package_version(),
+                "config": cfg.data.reasoning_gym.model_dump(mode="json"),
+            }
+        )
+    environment = cfg.environment
+    if environment is not None:
+        module = environment_module(cfg)
+        if environment.factory == "openenv":
+            name, version = openenv_env.PACKAGE, openenv_env.package_version()
+        elif module is None:  # a built-in: trainflow's own code
+            name, version = environment.factory, code_version()["version"]
+        else:
+            name, version = environment.factory, f"sha256:{module_digest(module)}"
+        records.append({"name": name, "version": version, "config": environment.model_dump(mode="json")})
+    return records
+
+
+def environment_versions(cfg: GRPOConfig) -> dict[str, str | None]:
+    """{library: version} of the third-party environment libraries a run uses (part of its id)."""
+    return {r["name"]: r["version"] for r in environment_records(cfg) if r["name"] in ENVIRONMENT_LIBRARIES}
+
+
+ROLLOUT_SERVER_ENTRY_POINT = "engine.posttrain.vllm_rollout"
 """GRPO with `rollout:`: the entry point whose sampler is a vLLM server."""
 
 
@@ -102,13 +138,16 @@ class GRPOStage(FineTuneStage):
     other_inputs = Input(REWARD_MODEL, doc="a reward model that `rewards: [{model: <this input>}]` scores with")
     config_schema = GRPOConfig
     version = 2  # 2: the checkpoint's meta holds `compute` apart from the architecture
-    data_doc = "a JSONL file of prompts"
+    data_doc = "a JSONL file of prompts, or data.reasoning_gym"
     data_files = {"data.path": "prompt_files"}
     console_metrics = ("reward", "reward_std", "completion_length", "kl", "entropy")
 
+    def has_data(self, cfg) -> bool:
+        return bool(cfg.data.path) or cfg.data.reasoning_gym is not None
+
     def entry_module(self, ctx: StageContext) -> str:
         """With `rollout:` GRPO's entry point whose sampler is the server (it writes the weights
-        with the HF exporter, engine/interop/vllm_server.py)."""
+        with the HF exporter, engine/posttrain/vllm_rollout.py)."""
         return ROLLOUT_SERVER_ENTRY_POINT if ctx.config.rollout is not None else super().entry_module(ctx)
 
     def resolve_config(self, raw: dict, source: str) -> GRPOConfig:
@@ -136,6 +175,23 @@ class GRPOStage(FineTuneStage):
                         f"{source}: key '{key}': cannot find module '{module}' of '{value}' "
                         "(run from its directory or add it to PYTHONPATH)"
                     )
+        if cfg.data.reasoning_gym is not None and procedural_tasks.package_version() is None:
+            raise ConfigError(
+                f"{source}: key 'data.reasoning_gym': needs the {procedural_tasks.PACKAGE} package "
+                f"({procedural_tasks.INSTALL})"
+            )
+        if cfg.environment is not None and cfg.environment.factory == "openenv":
+            if openenv_env.package_version() is None:
+                raise ConfigError(
+                    f"{source}: key 'environment.factory': openenv needs the {openenv_env.PACKAGE} package "
+                    f"({openenv_env.INSTALL})"
+                )
+            try:
+                openenv_env.OpenEnvConfig.model_validate(cfg.environment.kwargs)
+            except ValidationError as e:
+                first = e.errors()[0]
+                key = ".".join(str(part) for part in ("environment.kwargs", *first["loc"]))
+                raise ConfigError(f"{source}: key '{key}': {first['msg'].removeprefix('Value error, ')}") from None
         module = environment_module(cfg)
         if module is not None and module_digest(module) is None:  # a misspelt environment fails here too
             raise ConfigError(
@@ -149,6 +205,8 @@ class GRPOStage(FineTuneStage):
         fp = {**super().fingerprint(config), "reward_sources": reward_sources(config)}
         objective = objective_sources(config)
         fp = {**fp, "objective_sources": objective} if objective else fp  # absent: the ids made before
+        versions = environment_versions(config)  # another version may generate or score otherwise
+        fp = {**fp, "environment_versions": versions} if versions else fp
         module = environment_module(config)  # a user environment's code is part of the result
         return {**fp, "environment_source": module_digest(module)} if module else fp
 
@@ -168,6 +226,9 @@ class GRPOStage(FineTuneStage):
                 )
             rewards.append(spec)
         metrics = super().run(replace(ctx, config=ctx.config.model_copy(update={"rewards": rewards})))
+        environments = environment_records(ctx.config)
+        if environments:  # the manifest names each environment library, its version and config
+            metrics["environments"] = environments
         if "env/tool_sandbox_weaker" in metrics:  # the manifest says in words how tool code was isolated
             weaker = metrics["env/tool_sandbox_weaker"]
             metrics["tool_sandbox"] = "namespaces (weaker, opted in)" if weaker else "bubblewrap"

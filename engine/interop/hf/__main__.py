@@ -26,7 +26,7 @@ from engine.interop.hf.convert import NP_DTYPES, convert_hf, convert_peft
 from engine.interop.hf.export import export_hf
 from engine.interop.hf.mapping import is_sequence_classification
 from engine.interop.hf.sequence_classification import convert_reward_model, export_reward_model
-from engine.posttrain.reward_model import is_reward_model
+from engine.train.reward_checkpoint import is_reward_model
 
 
 def _config(hf_dir: str) -> dict:

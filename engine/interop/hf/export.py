@@ -153,7 +153,7 @@ def write_hf_model(
     shards, removed_weights}.
     `hf_meta`: a checkpoint's `hf` meta (the Hugging Face token ids and generation config).
     export_hf writes a checkpoint with it; a rollout server's weights are written by it from
-    memory (engine/interop/vllm_server.py)."""
+    memory (engine/posttrain/vllm_rollout.py)."""
     log = log or (lambda msg: None)
     out_dir = Path(out_dir)
     hf_meta = hf_meta or {}

@@ -61,9 +61,9 @@ from engine.interop.hf.mapping import (
 )
 from engine.interop.hf.safetensors_io import SafetensorsFile, write_safetensors
 from engine.models.params import abstract_model_params
-from engine.posttrain.reward_model import HEAD, REWARD_MODEL_FORMAT, load_reward_params
 from engine.train.bucket_paths import checkpoint_path
 from engine.train.checkpoint import adapter_base, read_meta, save_params
+from engine.train.reward_checkpoint import HEAD, REWARD_MODEL_FORMAT, load_reward_params
 
 SCORE = "score.weight"
 LM_HEAD = "lm_head.weight"
