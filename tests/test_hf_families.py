@@ -60,6 +60,8 @@ def tiny(family: str, tie: bool) -> tuple:
         "mamba_head_dim": 3,
         "ssm_state_size": 4,
         "n_groups": 1,
+        # LFM2: a short convolution, an attention and a convolution layer
+        "full_attn_idxs": [1],
         # Granite 4 hybrid: dense (no experts), Mamba2 of 2 heads, a Mamba2, an attention and a Mamba2 layer
         **(GRANITE if family == "granite_hybrid" else {}),
         # Falcon-H1: Mamba2 of 2 heads of 3 (its width mamba_d_ssm), state 4

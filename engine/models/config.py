@@ -31,6 +31,7 @@ from engine.models.specs import (
     NormSpec,
     ParallelHybridSpec,
     RotarySpec,
+    ShortConvSpec,
     mla_score_scale,
 )
 from engine.ops.attention_names import DecodeImpl, Impl
@@ -157,6 +158,15 @@ class MuPMultipliers(Strict):
     """The MLP's gate projection is multiplied by this before the activation..."""
     mlp_down: float = 1.0
     """... and its output by this (mlp_multipliers)."""
+
+
+class ShortConvConfig(Strict):
+    """The gated short convolution layers (engine/models/short_conv.py; LFM2's conv_* keys)."""
+
+    conv_kernel: int = Field(3, gt=1)
+    """Taps of the depthwise causal convolution (LFM2's conv_L_cache)."""
+    bias: bool = False
+    """Biases on in_proj, the convolution and out_proj (LFM2's conv_bias)."""
 
 
 _LAYER_SPECS: dict[str, tuple[LayerSpec, ...]] = {}
@@ -339,7 +349,8 @@ class ModelConfig(Strict):
     only under ComputeConfig.mtp_loss."""
     # Hybrid models (Qwen3-Next, Qwen3.5): layers of another mixer kind among the attention ones.
     mixer_pattern: (
-        list[Literal["attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "none"]] | None
+        list[Literal["attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "none", "short_conv"]]
+        | None
     ) = Field(None, min_length=1)
     """Layer i's sequence mixer is mixer_pattern[i % len] (attention: the model's attention,
     MLA where kv_lora_rank is set); None: attention in every layer. Each other kind's layers
@@ -488,6 +499,8 @@ class ModelConfig(Strict):
     three axes, so the engine's RoPE is plain RoPE whatever it says; kept so that an export,
     and a multimodal one's vision positions, have it back. None: transformers' default
     [11, 11, 10]."""
+    short_conv: ShortConvConfig | None = None
+    """The gated short convolution layers' settings (mixer_pattern short_conv: LFM2)."""
 
     @field_validator("family")
     @classmethod
@@ -867,6 +880,8 @@ class ModelConfig(Strict):
                 indexer=indexer,
                 scale=mla_score_scale(self.head_dim, self.rope_scaling),
             )
+        if layer.mixer == "short_conv":
+            return ShortConvSpec(width=self.d_model, **(self.short_conv or ShortConvConfig()).model_dump())
         if layer.mixer in ("gated_delta", "kimi_delta"):
             gd = self.gated_delta
             assert gd is not None  # _check_mixers

@@ -342,8 +342,34 @@ class MixtureOfAttentionSpec(Spec):
         return 2 * d * width + 2 * self.num_experts * d * width + d * self.num_experts + d
 
 
+class ShortConvSpec(Spec):
+    """A gated short convolution (engine/models/short_conv.py; LFM2): in_proj to B, C, x;
+    C * conv(B * x), a depthwise causal convolution of conv_kernel taps; out_proj."""
+
+    kind: Literal["short_conv"] = "short_conv"
+    width: int
+    """The convolution's channels (the model width)."""
+    conv_kernel: int = 3
+    bias: bool = False
+    """Biases on in_proj, the convolution and out_proj (LFM2's conv_bias)."""
+
+    def mixing_macs(self, seq_len: int) -> int:
+        """The convolution's taps and the two gates, per token (independent of seq_len)."""
+        return self.width * (self.conv_kernel + 2)
+
+    def params(self, d: int) -> int:
+        return 4 * d * self.width + self.width * self.conv_kernel + (3 * self.width + self.width + d) * self.bias
+
+
 MixerSpec = Annotated[
-    AttentionSpec | MLASpec | GatedDeltaSpec | KimiDeltaSpec | Mamba2Spec | ParallelHybridSpec | MixtureOfAttentionSpec,
+    AttentionSpec
+    | MLASpec
+    | GatedDeltaSpec
+    | KimiDeltaSpec
+    | Mamba2Spec
+    | ParallelHybridSpec
+    | MixtureOfAttentionSpec
+    | ShortConvSpec,
     Field(discriminator="kind"),
 ]
 """A layer's sequence mixer."""

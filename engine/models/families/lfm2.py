@@ -1,0 +1,214 @@
+"""LFM2 (LiquidAI/LFM2-*; transformers' lfm2, Lfm2ForCausalLM): layers of gated short
+convolutions (the `short_conv` mixer kind, engine/models/short_conv.py) among grouped-query
+attention layers with Qwen3's QK norm (q_layernorm, k_layernorm) and RoPE, as config.json's
+layer_types (or the older full_attn_idxs) place them; every layer then a SwiGLU MLP (w1 gate,
+w3 up, w2 down). The final norm is named embedding_norm.
+
+The MLP's width is derived from intermediate_size (the published configs' block_ff_dim):
+with block_auto_adjust_ff_dim, int(2/3 of it), times block_ffn_dim_multiplier, rounded up
+to a multiple of block_multiple_of. Export writes the published form where it gives the width
+back (intermediate_size 3/2 of it, rounded to 256), else the width itself, unadjusted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from engine.config import ConfigError
+from engine.models.config import ModelConfig
+from engine.models.families.base import (
+    LAYER,
+    Family,
+    TensorSpec,
+    register_family,
+    rope_parameters_to_hf,
+    shortest_period,
+)
+
+KINDS = {"conv": "short_conv", "full_attention": "attention"}
+"""config.json layer_types -> the mixer kind."""
+MULTIPLE = 256
+"""transformers' block_multiple_of default: the published configs'."""
+
+
+def mlp_width(hf: dict, intermediate: int) -> int:
+    """Lfm2MLP's width of config.json `hf` whose intermediate_size is `intermediate`."""
+    if not hf.get("block_auto_adjust_ff_dim", True):
+        return intermediate
+    width = int(2 * intermediate / 3)
+    multiplier = hf.get("block_ffn_dim_multiplier", 1.0)
+    if multiplier is not None:
+        multiple = hf.get("block_multiple_of", MULTIPLE)
+        width = multiple * math.ceil(int(multiplier * width) / multiple)
+    return width
+
+
+def mlp_width_to_hf(width: int) -> dict[str, Any]:
+    """The MLP keys of a width: the published form (auto-adjusted, multiplier 1) where it gives
+    the width back, else the width unadjusted."""
+    published = {"block_multiple_of": MULTIPLE, "block_ffn_dim_multiplier": 1.0}
+    intermediate = 3 * width // 2
+    if mlp_width({**published, "block_auto_adjust_ff_dim": True}, intermediate) == width:
+        return {"intermediate_size": intermediate, "block_auto_adjust_ff_dim": True, **published}
+    return {"intermediate_size": width, "block_auto_adjust_ff_dim": False, **published}
+
+
+def layer_kinds(hf: dict, where: str) -> list[str]:
+    """Each layer's mixer kind: layer_types, else full_attn_idxs (transformers' rule: all
+    attention when neither is given)."""
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        attention = hf.get("full_attn_idxs")
+        attention = range(layers) if attention is None else attention
+        types = ["full_attention" if i in attention else "conv" for i in range(layers)]
+    unknown = sorted(set(types) - set(KINDS))
+    if unknown or len(types) != layers:
+        raise ConfigError(f"{where}: layer_types must name {layers} layers of {', '.join(KINDS)}")
+    return [KINDS[t] for t in types]
+
+
+def short_conv_tensors(cfg: ModelConfig, prefix: str) -> list[TensorSpec]:
+    """A short convolution's tensors under `prefix` (LFM2: model.layers.{i}.conv.)."""
+    specs = [
+        TensorSpec(("attn", "w_in_d3c"), prefix + "in_proj.weight", 1),
+        TensorSpec(("attn", "conv_c1k"), prefix + "conv.weight", None),
+        TensorSpec(("attn", "w_out_cd"), prefix + "out_proj.weight", 1),
+    ]
+    if cfg.short_conv is not None and cfg.short_conv.bias:
+        specs += [
+            TensorSpec(("attn", "b_in_3c"), prefix + "in_proj.bias", None, flatten=True),
+            TensorSpec(("attn", "conv_bias_c"), prefix + "conv.bias", None),
+            TensorSpec(("attn", "b_out_d"), prefix + "out_proj.bias", None),
+        ]
+    return specs
+
+
+class _Lfm2Base(Family):
+    """LFM2's layers and names; Lfm2MoE (lfm2_moe.py) adds its experts."""
+
+    hf_defaults = {
+        "max_position_embeddings": 128000,
+        "norm_eps": 1e-5,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": True,
+        "conv_L_cache": 3,
+        "conv_bias": False,
+        "rope_theta": 1000000.0,
+    }
+    fixed = {"qk_norm": True}
+    lora_names = {
+        "o_proj": "self_attn.out_proj",
+        "gate_proj": "feed_forward.w1",
+        "up_proj": "feed_forward.w3",
+        "down_proj": "feed_forward.w2",
+    }
+    """LoRA: PEFT's Llama names of projections LFM2 names otherwise (its q, k, v are Llama's)."""
+
+    def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
+        hf = {**hf}
+        if hf.get("block_ff_dim") is not None:  # the published configs' name of intermediate_size
+            hf.setdefault("intermediate_size", hf["block_ff_dim"])
+        if hf.get("tie_embedding") is not None:
+            hf.setdefault("tie_word_embeddings", hf["tie_embedding"])
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"):
+            if hf.get(key) is None:
+                raise ConfigError(f"{where}: missing key '{key}'")
+        d, heads = hf["hidden_size"], hf["num_attention_heads"]
+        kinds = layer_kinds(hf, where)
+        conv = {"conv_kernel": self.hf_value(hf, "conv_L_cache"), "bias": self.hf_value(hf, "conv_bias")}
+        return {
+            "family": self.name,
+            "vocab_size": hf["vocab_size"],
+            "d_model": d,
+            "num_layers": hf["num_hidden_layers"],
+            "num_heads": heads,
+            "num_kv_heads": hf.get("num_key_value_heads") or heads,
+            "head_dim": hf.get("head_dim") or d // heads,
+            "mlp_dim": mlp_width(hf, hf["intermediate_size"]),
+            "max_seq_len": self.hf_value(hf, "max_position_embeddings"),
+            "norm_eps": self.hf_value(hf, "norm_eps"),
+            "tie_embeddings": self.hf_value(hf, "tie_word_embeddings"),
+            "init_std": self.hf_value(hf, "initializer_range"),
+            **self.rope_from_hf(hf, where),
+            **self.fixed,
+            "mixer_pattern": shortest_period(kinds) if "short_conv" in kinds else None,
+            "short_conv": conv if "short_conv" in kinds else None,
+            **self.extra_fields_from_hf(hf),
+        }
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
+        conv = cfg.short_conv
+        kinds = {"short_conv": "conv", "attention": "full_attention"}
+        hf = {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model,
+            "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads,
+            "max_position_embeddings": cfg.max_seq_len,
+            "initializer_range": cfg.init_std,
+            "norm_eps": cfg.norm_eps,
+            "use_cache": True,
+            "tie_word_embeddings": cfg.tie_embeddings,
+            "rope_parameters": rope_parameters_to_hf(cfg.rope_theta, cfg.rope_scaling),
+            "conv_bias": conv.bias if conv is not None else False,
+            "conv_L_cache": conv.conv_kernel if conv is not None else self.hf_defaults["conv_L_cache"],
+            "layer_types": [kinds[layer.mixer] for layer in cfg.layer_pattern()],
+            "full_attn_idxs": None,
+            **({} if cfg.head_dim == cfg.d_model // cfg.num_heads else {"head_dim": cfg.head_dim}),
+            **mlp_width_to_hf(cfg.mlp_dim),
+        }
+        hf.update(self.extra_hf_keys(cfg))
+        return hf
+
+    def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        top = [
+            TensorSpec(("embed_vd",), "model.embed_tokens.weight", None),
+            TensorSpec(("final_norm", "scale"), "model.embedding_norm.weight", None),
+        ]
+        if not cfg.tie_embeddings:
+            top.append(TensorSpec(("lm_head_dv",), "lm_head.weight", 1))
+        layers, per_layer = cfg.layer_pattern(), []
+        for stack, indices in cfg.layer_stacks():
+            layer = layers[indices[0]]
+            if layer.mixer == "short_conv":
+                mixer = short_conv_tensors(cfg, LAYER + "conv.")
+            else:
+                attn = LAYER + "self_attn."
+                mixer = [
+                    TensorSpec(("attn", "wq_dnh"), attn + "q_proj.weight", 1),
+                    TensorSpec(("attn", "wk_dkh"), attn + "k_proj.weight", 1),
+                    TensorSpec(("attn", "wv_dkh"), attn + "v_proj.weight", 1),
+                    TensorSpec(("attn", "wo_nhd"), attn + "out_proj.weight", 2),
+                    TensorSpec(("attn", "q_norm", "scale"), attn + "q_layernorm.weight", None),
+                    TensorSpec(("attn", "k_norm", "scale"), attn + "k_layernorm.weight", None),
+                ]
+            specs = [
+                TensorSpec(("attn_norm", "scale"), LAYER + "operator_norm.weight", None),
+                *mixer,
+                TensorSpec(("mlp_norm", "scale"), LAYER + "ffn_norm.weight", None),
+                *self.feed_forward_tensors(cfg, layer),
+            ]
+            per_layer += [dataclasses.replace(spec, stack=stack) for spec in specs]
+        return top, per_layer
+
+    def feed_forward_tensors(self, cfg: ModelConfig, layer) -> list[TensorSpec]:
+        """The layer's feed-forward: the SwiGLU MLP (w1 gate, w3 up, w2 down)."""
+        ff = LAYER + "feed_forward."
+        return [
+            TensorSpec(("mlp", "w_gate_df"), ff + "w1.weight", 1),
+            TensorSpec(("mlp", "w_up_df"), ff + "w3.weight", 1),
+            TensorSpec(("mlp", "w_down_fd"), ff + "w2.weight", 1),
+        ]
+
+
+@register_family
+class Lfm2(_Lfm2Base):
+    name = "lfm2"
+    architecture = "Lfm2ForCausalLM"
+    model_type = "lfm2"

@@ -1,0 +1,235 @@
+"""Hugging Face parity of the convolution and recurrent hybrids of issue 62: LFM2
+(Lfm2ForCausalLM: gated short convolutions beside QK-norm attention, engine/models/short_conv.py).
+
+Each case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
+collected here over this module's `case`): logits to 1e-4 with N(0, 0.3^2) weights (a row
+right-padded, one left-padded), greedy tokens and the recurrent/KV-cache sampler equal to
+transformers' generate, export loading cleanly with the same logits, config.json as
+transformers writes it, export -> convert bitwise; and here each mixer's decoded state against
+one forward, each block against transformers' module, and each preset's parameter count
+against transformers' model of it on the meta device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests.deps import need
+
+torch = need("torch")
+transformers = need("transformers")
+
+from engine.config import ConfigError, resolve_model_preset  # noqa: E402
+from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.export import export_hf  # noqa: E402
+from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf  # noqa: E402
+from engine.models.common import Build  # noqa: E402
+from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
+from engine.models.kv_cache import KVCache  # noqa: E402
+from engine.models.params import graphdef_of  # noqa: E402
+from engine.models.short_conv import ShortConv, initial_state  # noqa: E402
+from engine.models.specs import ShortConvSpec  # noqa: E402
+from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
+from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
+    VOCAB,
+    Case,
+    assert_export_reloads_cleanly,
+    batch,
+    engine_logits,
+    hf_logits,
+    random_causal_lm,
+    test_converted_model_matches_transformers_logits,
+    test_export_then_convert_is_bitwise_identical,
+    test_exported_config_json_is_what_transformers_writes,
+    test_greedy_generation_of_16_tokens_is_identical,
+)
+
+# Odd sizes: 6 query heads over 2 KV heads of 8 (not hidden / heads), an MLP of 26, 4 taps.
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=30,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+# LFM2: conv, attention, conv, conv (a period of 4), the MLP's width as given, untied.
+LFM2 = dict(
+    **SMALL,
+    num_hidden_layers=4,
+    intermediate_size=26,
+    block_auto_adjust_ff_dim=False,
+    layer_types=["conv", "full_attention", "conv", "conv"],
+    conv_L_cache=4,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+)
+
+
+def hf_config(name: str):
+    t = transformers
+    return {
+        "lfm2": lambda: t.Lfm2Config(**LFM2),
+    }[name]()
+
+
+CASES = ["lfm2"]
+IMPLEMENTATIONS = {"attn_implementation": "eager"}
+PRESETS = {"lfm2-1.2b": 1.17}
+"""Each preset of a published size and its parameter count in billions (transformers' count of it)."""
+
+
+def converted(model, root) -> tuple:
+    model.save_pretrained(root / "hf")
+    (root / "hf" / "tokenizer.json").write_text('{"stand-in": true}')  # carried over as a file
+    convert_hf(root / "hf", root / "converted")
+    cfg, params, _ = load_params(root / "converted" / "checkpoint")
+    _, compute = stored_configs(root / "converted" / "checkpoint")
+    return cfg, compute, params
+
+
+@pytest.fixture(scope="module", params=CASES)
+def case(request, tmp_path_factory) -> Case:
+    name = request.param
+    root = tmp_path_factory.mktemp(name)
+    model = random_causal_lm(hf_config(name), 0, **IMPLEMENTATIONS)
+    cfg, compute, params = converted(model, root)
+    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+
+
+def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
+    export_hf(case.out_dir / "checkpoint", tmp_path / "export")
+    assert_export_reloads_cleanly(case, tmp_path / "export", **IMPLEMENTATIONS)
+
+
+def test_the_layers_are_what_the_config_says(case):
+    kinds = [layer.mixer for layer in case.cfg.layer_pattern()]
+    assert kinds == ["short_conv", "attention", "short_conv", "short_conv"]
+    assert case.cfg.num_params() == sum(p.numel() for p in case.hf_model.parameters())
+    conv = case.params["short_conv_blocks"]["attn"]
+    assert conv["conv_c1k"].shape == (3, 30, 1, 4) and conv["w_in_d3c"].shape == (3, 30, 3, 30)
+
+
+def test_the_state_after_a_prompt_and_decoded_tokens_is_a_full_forwards(case):
+    """Prefill 9 tokens (one row left-padded by 3), decode 6 one at a time: every stateful
+    layer's state equals that of one forward over all 15, and so do the last logits."""
+    module = nnx.merge(graphdef_of(case.cfg, case.compute), case.params)
+    tokens = np.random.default_rng(5).integers(0, VOCAB, (2, 15)).astype(np.int32)
+    segments = np.ones_like(tokens)
+    segments[1, :3] = 0
+    positions = np.maximum(np.cumsum(segments, axis=1) - 1, 0).astype(np.int32)
+
+    def run(length):
+        cache = KVCache.init(case.cfg, case.compute, 2, 15)
+        return module(tokens[:, :length], positions[:, :length], segments[:, :length], cache)
+
+    full_logits, full = jax.jit(lambda: run(15))()
+    logits, cache = jax.jit(lambda: run(9))()
+    step = jax.jit(lambda t, p, s, c: module(t, p, s, c))
+    for n in range(9, 15):
+        logits, cache = step(tokens[:, n : n + 1], positions[:, n : n + 1], segments[:, n : n + 1], cache)
+    stateful = [i for i, state in enumerate(cache.states) if state is not None]
+    assert stateful
+    for i in stateful:
+        for a, b in zip(jax.tree.leaves(cache.states[i]), jax.tree.leaves(full.states[i]), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+            assert np.abs(np.asarray(a)).max() > 0.1
+    np.testing.assert_allclose(np.asarray(logits[:, -1]), np.asarray(full_logits[:, -1]), atol=1e-4)
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+def test_the_short_convolution_with_biases_is_transformers_and_decodes_as_it_trains():
+    """Lfm2ShortConv with conv_bias (biases on in_proj, the convolution and out_proj; no
+    published model has them) against the engine's block on the same weights, and the block's
+    whole-sequence form against its one-token-at-a-time decoding from the window state."""
+    config = transformers.Lfm2Config(**{**LFM2, "conv_bias": True, "conv_L_cache": 5})
+    torch.manual_seed(1)
+    ref = transformers.models.lfm2.modeling_lfm2.Lfm2ShortConv(config, layer_idx=0).float().eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0.0, 0.3)
+    spec = ShortConvSpec(width=30, conv_kernel=5, bias=True)
+    block = ShortConv(spec, Build(30, ComputeConfig(dtype="float32")), rngs=nnx.Rngs(0))
+    w = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
+    block.w_in_d3c[...] = jnp.asarray(w["in_proj.weight"].T.reshape(30, 3, 30))
+    block.b_in_3c[...] = jnp.asarray(w["in_proj.bias"].reshape(3, 30))
+    block.conv_c1k[...] = jnp.asarray(w["conv.weight"])
+    block.conv_bias_c[...] = jnp.asarray(w["conv.bias"])
+    block.w_out_cd[...] = jnp.asarray(w["out_proj.weight"].T)
+    block.b_out_d[...] = jnp.asarray(w["out_proj.bias"])
+    x = np.random.default_rng(2).normal(size=(2, 11, 30)).astype(np.float32)
+    with torch.no_grad():
+        theirs = ref(torch.tensor(x)).numpy()
+    ours = np.asarray(block(jnp.asarray(x), None, None, spec))
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    assert np.abs(theirs).max() > 0.5
+    cache = KVCache(
+        (), (), jnp.zeros((2, 0), bool), jnp.zeros((), jnp.int32), states=(initial_state(spec, ComputeConfig(), 2),)
+    )
+    out, cache = block(jnp.asarray(x[:, :4]), None, None, spec, cache)
+    steps = [out]
+    for n in range(4, 11):
+        out, cache = block(jnp.asarray(x[:, n : n + 1]), None, None, spec, cache)
+        steps.append(out)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), ours, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- configs and presets
+
+
+def test_the_published_config_keys_are_read_as_transformers_reads_them():
+    """LFM2-1.2B's config.json keys: block_ff_dim 12288 auto-adjusted to an MLP of 8192,
+    full_attn_idxs for the attention layers, tie_embedding; what the engine lacks is refused."""
+    published = {
+        "architectures": ["Lfm2ForCausalLM"],
+        "model_type": "lfm2",
+        "vocab_size": 65536,
+        "hidden_size": 2048,
+        "block_ff_dim": 12288,
+        "block_auto_adjust_ff_dim": True,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_multiple_of": 256,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "full_attn_idxs": [2, 5, 8, 10, 12, 14],
+        "conv_L_cache": 3,
+        "norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "tie_embedding": True,
+    }
+    cfg, _ = model_config_from_hf(published)
+    preset = ModelConfig.model_validate(resolve_model_preset({"model": "lfm2-1.2b"}, "lfm2-1.2b")["model"])
+    assert cfg.model_copy(update={"init_std": preset.init_std}) == preset
+    hf = transformers.Lfm2Config(**{k: v for k, v in published.items() if k != "architectures"})
+    with torch.device("meta"):
+        mlp = transformers.models.lfm2.modeling_lfm2.Lfm2MLP(hf)
+    assert mlp.w1.out_features == cfg.mlp_dim == 8192
+    with pytest.raises(ConfigError, match=r"layer_types must name 4 layers of conv, full_attention"):
+        model_config_from_hf(
+            {
+                **LFM2,
+                "architectures": ["Lfm2ForCausalLM"],
+                "model_type": "lfm2",
+                "layer_types": ["conv", "sliding_attention", "conv", "conv"],
+            }
+        )
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_the_preset_is_transformers_model_of_its_published_size(name):
+    cfg = ModelConfig.model_validate(resolve_model_preset({"model": name}, name)["model"])
+    hf_config = transformers.AutoConfig.for_model(**model_config_to_hf(cfg))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == cfg.num_params()
+    assert round(cfg.num_params() / 1e9, 2) == PRESETS[name]
