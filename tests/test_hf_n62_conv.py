@@ -72,17 +72,30 @@ LFM2 = dict(
     rope_parameters={"rope_type": "default", "rope_theta": 500.0},
 )
 
+# LFM2-MoE: LFM2's layers, the first dense (an MLP of 26), then 5 experts of 14, top 2 by
+# sigmoid score + expert bias (drawn, not zero), renormalised and scaled by 1.7; tied.
+LFM2_MOE = dict(
+    {k: v for k, v in LFM2.items() if k not in ("block_auto_adjust_ff_dim", "tie_word_embeddings")},
+    num_dense_layers=1,
+    num_experts=5,
+    num_experts_per_tok=2,
+    moe_intermediate_size=14,
+    routed_scaling_factor=1.7,
+)
+
 
 def hf_config(name: str):
     t = transformers
     return {
         "lfm2": lambda: t.Lfm2Config(**LFM2),
+        "lfm2_moe": lambda: t.Lfm2MoeConfig(**LFM2_MOE),
     }[name]()
 
 
-CASES = ["lfm2"]
-IMPLEMENTATIONS = {"attn_implementation": "eager"}
-PRESETS = {"lfm2-1.2b": 1.17}
+CASES = ["lfm2", "lfm2_moe"]
+IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
+"""transformers' plain loops: its grouped-matmul experts need 16-byte strides (odd sizes have not)."""
+PRESETS = {"lfm2-1.2b": 1.17, "lfm2-8b-a1b": 8.34}
 """Each preset of a published size and its parameter count in billions (transformers' count of it)."""
 
 
@@ -100,6 +113,10 @@ def case(request, tmp_path_factory) -> Case:
     name = request.param
     root = tmp_path_factory.mktemp(name)
     model = random_causal_lm(hf_config(name), 0, **IMPLEMENTATIONS)
+    with torch.no_grad():  # the routers' choosing biases (buffers, zero at initialisation)
+        for key, buffer in model.named_buffers():
+            if key.endswith("expert_bias"):
+                buffer.normal_(0.0, 0.3)
     cfg, compute, params = converted(model, root)
     return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
 
@@ -110,11 +127,14 @@ def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_pat
 
 
 def test_the_layers_are_what_the_config_says(case):
-    kinds = [layer.mixer for layer in case.cfg.layer_pattern()]
-    assert kinds == ["short_conv", "attention", "short_conv", "short_conv"]
+    layers = case.cfg.layer_pattern()
+    assert [layer.mixer for layer in layers] == ["short_conv", "attention", "short_conv", "short_conv"]
+    if case.family == "lfm2_moe":
+        assert [layer.ffn for layer in layers] == ["mlp", "moe", "moe", "moe"] and case.cfg.router_scale == 1.7
+        assert np.abs(np.asarray(case.params["blocks"]["mlp"]["b_router_e"])).max() > 0.1
     assert case.cfg.num_params() == sum(p.numel() for p in case.hf_model.parameters())
-    conv = case.params["short_conv_blocks"]["attn"]
-    assert conv["conv_c1k"].shape == (3, 30, 1, 4) and conv["w_in_d3c"].shape == (3, 30, 3, 30)
+    conv = case.params["short_conv_blocks"]["attn"]  # (LFM2-MoE: the first, dense, is short_conv_dense_blocks')
+    assert conv["conv_c1k"].shape[1:] == (30, 1, 4) and conv["w_in_d3c"].shape[1:] == (30, 3, 30)
 
 
 def test_the_state_after_a_prompt_and_decoded_tokens_is_a_full_forwards(case):
@@ -214,6 +234,13 @@ def test_the_published_config_keys_are_read_as_transformers_reads_them():
     with torch.device("meta"):
         mlp = transformers.models.lfm2.modeling_lfm2.Lfm2MLP(hf)
     assert mlp.w1.out_features == cfg.mlp_dim == 8192
+    # LFM2-8B-A1B's: its dense MLP's width is intermediate_size as it stands
+    types = ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)]
+    moe = {**published, "architectures": ["Lfm2MoeForCausalLM"], "model_type": "lfm2_moe", "num_hidden_layers": 24}
+    moe.update(layer_types=types, intermediate_size=7168, num_experts=32, moe_intermediate_size=1792)
+    cfg, _ = model_config_from_hf({k: v for k, v in moe.items() if not k.startswith("block_")})
+    preset = ModelConfig.model_validate(resolve_model_preset({"model": "lfm2-8b-a1b"}, "lfm2-8b-a1b")["model"])
+    assert cfg.model_copy(update={"init_std": preset.init_std}) == preset
     with pytest.raises(ConfigError, match=r"layer_types must name 4 layers of conv, full_attention"):
         model_config_from_hf(
             {

@@ -19,6 +19,7 @@ from typing import Any
 from engine.config import ConfigError
 from engine.models.config import ModelConfig
 from engine.models.families.base import (
+    EXPERT,
     LAYER,
     Family,
     TensorSpec,
@@ -87,7 +88,7 @@ def short_conv_tensors(cfg: ModelConfig, prefix: str) -> list[TensorSpec]:
 
 
 class _Lfm2Base(Family):
-    """LFM2's layers and names; Lfm2MoE (lfm2_moe.py) adds its experts."""
+    """LFM2's layers and names; LFM2-MoE adds its experts."""
 
     hf_defaults = {
         "max_position_embeddings": 128000,
@@ -127,7 +128,7 @@ class _Lfm2Base(Family):
             "num_heads": heads,
             "num_kv_heads": hf.get("num_key_value_heads") or heads,
             "head_dim": hf.get("head_dim") or d // heads,
-            "mlp_dim": mlp_width(hf, hf["intermediate_size"]),
+            "mlp_dim": self.mlp_width(hf),
             "max_seq_len": self.hf_value(hf, "max_position_embeddings"),
             "norm_eps": self.hf_value(hf, "norm_eps"),
             "tie_embeddings": self.hf_value(hf, "tie_word_embeddings"),
@@ -159,12 +160,17 @@ class _Lfm2Base(Family):
             "conv_bias": conv.bias if conv is not None else False,
             "conv_L_cache": conv.conv_kernel if conv is not None else self.hf_defaults["conv_L_cache"],
             "layer_types": [kinds[layer.mixer] for layer in cfg.layer_pattern()],
-            "full_attn_idxs": None,
             **({} if cfg.head_dim == cfg.d_model // cfg.num_heads else {"head_dim": cfg.head_dim}),
-            **mlp_width_to_hf(cfg.mlp_dim),
         }
         hf.update(self.extra_hf_keys(cfg))
         return hf
+
+    def mlp_width(self, hf: dict) -> int:
+        """The dense MLP's width (LFM2: intermediate_size auto-adjusted)."""
+        return mlp_width(hf, hf["intermediate_size"])
+
+    def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
+        return {**mlp_width_to_hf(cfg.mlp_dim), "full_attn_idxs": None}  # (transformers writes it: layer_types rule)
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
         top = [
@@ -212,3 +218,69 @@ class Lfm2(_Lfm2Base):
     name = "lfm2"
     architecture = "Lfm2ForCausalLM"
     model_type = "lfm2"
+
+
+@register_family
+class Lfm2Moe(_Lfm2Base):
+    """LFM2-MoE (LiquidAI/LFM2-8B-A1B; transformers' lfm2_moe): LFM2's layers whose feed-forward
+    is, after num_dense_layers dense ones (an MLP of intermediate_size, unadjusted), a mixture of
+    experts: sigmoid scores, the top k chosen by score + expert_bias (a buffer: it only chooses),
+    their unbiased scores renormalised (norm_topk_prob) and scaled by routed_scaling_factor.
+    transformers sums the chosen scores plus 1e-6 when renormalising, the engine without: a
+    relative 1e-6 of k sigmoid scores, below float32's parity tolerance."""
+
+    name = "lfm2_moe"
+    architecture = "Lfm2MoeForCausalLM"
+    model_type = "lfm2_moe"
+    moe = True
+    hf_defaults = {
+        **_Lfm2Base.hf_defaults,
+        "moe_intermediate_size": 1792,
+        "num_dense_layers": 2,
+        "num_experts_per_tok": 4,
+        "num_experts": 32,
+        "use_expert_bias": True,
+        "routed_scaling_factor": 1.0,
+        "norm_topk_prob": True,
+    }
+
+    def mlp_width(self, hf: dict) -> int:
+        return hf["intermediate_size"]
+
+    def extra_fields_from_hf(self, hf: dict) -> dict[str, Any]:
+        return {
+            "num_experts": self.hf_value(hf, "num_experts"),
+            "experts_per_token": self.hf_value(hf, "num_experts_per_tok"),
+            "expert_mlp_dim": self.hf_value(hf, "moe_intermediate_size"),
+            "router_score": "sigmoid",
+            "router_bias": self.hf_value(hf, "use_expert_bias"),
+            "router_renormalize": self.hf_value(hf, "norm_topk_prob"),
+            "router_scale": float(self.hf_value(hf, "routed_scaling_factor")),
+            "first_dense_layers": min(self.hf_value(hf, "num_dense_layers"), hf["num_hidden_layers"]),
+        }
+
+    def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
+        return {
+            "intermediate_size": cfg.mlp_dim,
+            "moe_intermediate_size": cfg.moe_mlp_dim,
+            "num_dense_layers": cfg.first_dense_layers,
+            "num_experts_per_tok": cfg.experts_per_token,
+            "num_experts": cfg.num_experts,
+            "use_expert_bias": cfg.router_bias,
+            "routed_scaling_factor": cfg.router_scale,
+            "norm_topk_prob": cfg.router_renormalize,
+            "output_router_logits": False,
+        }
+
+    def feed_forward_tensors(self, cfg: ModelConfig, layer) -> list[TensorSpec]:
+        if layer.ffn != "moe":
+            return super().feed_forward_tensors(cfg, layer)
+        ff = LAYER + "feed_forward."
+        return [
+            TensorSpec(("mlp", "w_router_de"), ff + "gate.weight", 1),
+            *([TensorSpec(("mlp", "b_router_e"), ff + "expert_bias", None)] if cfg.router_bias else []),
+            *(
+                TensorSpec(("mlp", w), ff + EXPERT + f"{x}.weight", 1, experts=True)
+                for w, x in (("w_gate_edf", "w1"), ("w_up_edf", "w3"), ("w_down_efd", "w2"))
+            ),
+        ]
