@@ -501,6 +501,9 @@ class ModelConfig(Strict):
     [11, 11, 10]."""
     short_conv: ShortConvConfig | None = None
     """The gated short convolution layers' settings (mixer_pattern short_conv: LFM2)."""
+    attention_head_gate: bool = False
+    """Each attention head's output times sigmoid(x . w), a learned scalar gate per head and
+    token from the layer's input, before o_proj (LFM3's g_proj)."""
 
     @field_validator("family")
     @classmethod
@@ -820,6 +823,7 @@ class ModelConfig(Strict):
             values_from_keys=layer.values_from_keys,
             output_gate=self.attention_output_gate,
             sinks=self.attention_sinks,
+            head_gate=self.attention_head_gate,
             kv_sharing=layer.kv_sharing,
             rope=self._rotary(layer.local) if layer.rope and self.positions == "rope" else None,
             window=self.sliding_window if layer.local else None,

@@ -77,6 +77,8 @@ class AttentionSpec(Spec):
     """sigmoid(x . W_gate) per head and dimension on the output (Qwen3-Next); q_proj yields both."""
     sinks: bool = False
     """A learned logit per head in each softmax's denominator (GPT-OSS)."""
+    head_gate: bool = False
+    """Each head's output times sigmoid(x . w_n), a scalar per head from the layer's input (LFM3's g_proj)."""
     kv_sharing: Literal["store", "reuse"] | None = None
     """Gemma 4: `reuse` layers have no key/value projections and attend with the keys and
     values of their kind's `store` layer."""
@@ -140,7 +142,7 @@ class AttentionSpec(Spec):
             count += 2 * per_head_norm
         elif self.qk_norm in ("across_heads", "per_head"):
             count += (n + k) * per_head_norm
-        return count + n * self.sinks + d * self.out_bias
+        return count + n * self.sinks + d * self.out_bias + d * n * self.head_gate
 
 
 _ATTENTION_STRUCTURE = {
@@ -156,6 +158,7 @@ _ATTENTION_STRUCTURE = {
     "output_gate",
     "sinks",
     "kv_sharing",
+    "head_gate",
 }
 
 

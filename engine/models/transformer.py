@@ -118,6 +118,8 @@ class Attention(nnx.Module):
             self.bo_d = nnx.Param(jnp.zeros((d,), pdt), out_sharding=("embed",))
         if spec.sinks:  # GPT-OSS: a logit per head in the softmax's denominator (0: as much as one key)
             self.sinks_n = nnx.Param(jnp.zeros((n,), pdt), out_sharding=("heads",))
+        if spec.head_gate:  # LFM3: a sigmoid gate per head from the layer's input
+            self.w_head_gate_dn = _param(rngs, (d, n), std, ("embed", "heads"), pdt)
         self.head_dim, self.norm_eps = h, spec.norm.eps
         self.dtype, self.compute, self.dot_general = build.dtype, build.compute, build.dot_general
         add_adapters(self, ATTENTION_WEIGHTS, build, rngs)
@@ -240,6 +242,9 @@ class Attention(nnx.Module):
             )
         if self.output_gate:  # sigmoid(gate) per head and dimension, in the compute dtype
             out_btnh = out_btnh * jax.nn.sigmoid(gate).astype(out_btnh.dtype)
+        if spec.head_gate:  # sigmoid(x . w) per head, one scalar each
+            gate_btn = jax.nn.sigmoid(self._dense(x_btd, "w_head_gate_dn"))
+            out_btnh = out_btnh * gate_btn[..., None].astype(out_btnh.dtype)
         out_btd = self._dense(out_btnh, "wo_nhd", 2)
         if spec.out_bias:
             out_btd = out_btd + self.bo_d[...].astype(dt)

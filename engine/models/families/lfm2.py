@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 from engine.config import ConfigError
 from engine.models.config import ModelConfig
@@ -24,6 +24,7 @@ from engine.models.families.base import (
     Family,
     TensorSpec,
     register_family,
+    rope_from_hf,
     rope_parameters_to_hf,
     shortest_period,
 )
@@ -56,19 +57,19 @@ def mlp_width_to_hf(width: int) -> dict[str, Any]:
     return {"intermediate_size": width, "block_auto_adjust_ff_dim": False, **published}
 
 
-def layer_kinds(hf: dict, where: str) -> list[str]:
-    """Each layer's mixer kind: layer_types, else full_attn_idxs (transformers' rule: all
-    attention when neither is given)."""
+def layer_kinds(hf: dict, where: str, kinds: dict[str, str] = KINDS) -> list[str]:
+    """Each layer's mixer kind: layer_types (`kinds` maps them), else full_attn_idxs
+    (transformers' rule: all attention when neither is given)."""
     layers = hf["num_hidden_layers"]
     types = hf.get("layer_types")
     if types is None:
         attention = hf.get("full_attn_idxs")
         attention = range(layers) if attention is None else attention
         types = ["full_attention" if i in attention else "conv" for i in range(layers)]
-    unknown = sorted(set(types) - set(KINDS))
+    unknown = sorted(set(types) - set(kinds))
     if unknown or len(types) != layers:
-        raise ConfigError(f"{where}: layer_types must name {layers} layers of {', '.join(KINDS)}")
-    return [KINDS[t] for t in types]
+        raise ConfigError(f"{where}: layer_types must name {layers} layers of {', '.join(kinds)}")
+    return [kinds[t] for t in types]
 
 
 def short_conv_tensors(cfg: ModelConfig, prefix: str) -> list[TensorSpec]:
@@ -100,6 +101,8 @@ class _Lfm2Base(Family):
         "rope_theta": 1000000.0,
     }
     fixed = {"qk_norm": True}
+    layer_kinds: ClassVar[dict[str, str]] = KINDS
+    """config.json's layer_types -> the mixer kind."""
     lora_names = {
         "o_proj": "self_attn.out_proj",
         "gate_proj": "feed_forward.w1",
@@ -118,7 +121,7 @@ class _Lfm2Base(Family):
             if hf.get(key) is None:
                 raise ConfigError(f"{where}: missing key '{key}'")
         d, heads = hf["hidden_size"], hf["num_attention_heads"]
-        kinds = layer_kinds(hf, where)
+        kinds = layer_kinds(hf, where, self.layer_kinds)
         conv = {"conv_kernel": self.hf_value(hf, "conv_L_cache"), "bias": self.hf_value(hf, "conv_bias")}
         return {
             "family": self.name,
@@ -182,26 +185,34 @@ class _Lfm2Base(Family):
         layers, per_layer = cfg.layer_pattern(), []
         for stack, indices in cfg.layer_stacks():
             layer = layers[indices[0]]
-            if layer.mixer == "short_conv":
-                mixer = short_conv_tensors(cfg, LAYER + "conv.")
-            else:
-                attn = LAYER + "self_attn."
-                mixer = [
-                    TensorSpec(("attn", "wq_dnh"), attn + "q_proj.weight", 1),
-                    TensorSpec(("attn", "wk_dkh"), attn + "k_proj.weight", 1),
-                    TensorSpec(("attn", "wv_dkh"), attn + "v_proj.weight", 1),
-                    TensorSpec(("attn", "wo_nhd"), attn + "out_proj.weight", 2),
-                    TensorSpec(("attn", "q_norm", "scale"), attn + "q_layernorm.weight", None),
-                    TensorSpec(("attn", "k_norm", "scale"), attn + "k_layernorm.weight", None),
-                ]
+            mixer = short_conv_tensors(cfg, LAYER + "conv.") if layer.mixer == "short_conv" else None
+            post_mixer, post_ffn = self.post_norm_tensors(cfg)
             specs = [
                 TensorSpec(("attn_norm", "scale"), LAYER + "operator_norm.weight", None),
-                *mixer,
+                *(self.attention_tensors(cfg) if mixer is None else mixer),
+                *post_mixer,
                 TensorSpec(("mlp_norm", "scale"), LAYER + "ffn_norm.weight", None),
                 *self.feed_forward_tensors(cfg, layer),
+                *post_ffn,
             ]
             per_layer += [dataclasses.replace(spec, stack=stack) for spec in specs]
         return top, per_layer
+
+    def attention_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
+        """An attention layer's q, k, v, out projections and QK norms (the input norm is operator_norm)."""
+        attn = LAYER + "self_attn."
+        return [
+            TensorSpec(("attn", "wq_dnh"), attn + "q_proj.weight", 1),
+            TensorSpec(("attn", "wk_dkh"), attn + "k_proj.weight", 1),
+            TensorSpec(("attn", "wv_dkh"), attn + "v_proj.weight", 1),
+            TensorSpec(("attn", "wo_nhd"), attn + "out_proj.weight", 2),
+            TensorSpec(("attn", "q_norm", "scale"), attn + "q_layernorm.weight", None),
+            TensorSpec(("attn", "k_norm", "scale"), attn + "k_layernorm.weight", None),
+        ]
+
+    def post_norm_tensors(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        """The norms of the mixer's and the feed-forward's outputs (LFM3's sandwich norms); LFM2 has none."""
+        return [], []
 
     def feed_forward_tensors(self, cfg: ModelConfig, layer) -> list[TensorSpec]:
         """The layer's feed-forward: the SwiGLU MLP (w1 gate, w3 up, w2 down)."""
@@ -284,3 +295,142 @@ class Lfm2Moe(_Lfm2Base):
                 for w, x in (("w_gate_edf", "w1"), ("w_up_edf", "w3"), ("w_down_efd", "w2"))
             ),
         ]
+
+
+LFM3_KINDS = {"conv": "short_conv", "full_attention": "attention", "sliding_attention": "attention"}
+LFM3_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "proportional", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5},
+}
+"""transformers' default rope_parameters of LFM3, per layer type."""
+
+
+@register_family
+class Lfm3(_Lfm2Base):
+    """LFM3 (LiquidAI/LFM3-*; transformers' lfm3): LFM2's short convolutions (7 taps by default)
+    among attention layers of two kinds, sliding-window (plain RoPE of their own base,
+    rope_local_theta) and global (`proportional` RoPE: the whole head's frequencies, the fastest
+    half rotating), both with Qwen3's QK norm and a sigmoid gate per head from the layer's input
+    (g_proj, ModelConfig.attention_head_gate); sandwich norms (post_operator_norm, post_ffn_norm:
+    post_norms); an MLP of intermediate_size as it stands. Llama's o_proj, q_norm, k_norm names."""
+
+    name = "lfm3"
+    architecture = "Lfm3ForCausalLM"
+    model_type = "lfm3"
+    hf_defaults = {
+        **_Lfm2Base.hf_defaults,
+        "conv_L_cache": 7,
+        "head_dim": 128,
+        "sliding_window": 256,
+        "use_sandwich_norm": True,
+        "use_attention_gate": True,
+    }
+    layer_kinds = LFM3_KINDS
+    lora_names = {"gate_proj": "feed_forward.w1", "up_proj": "feed_forward.w3", "down_proj": "feed_forward.w2"}
+
+    def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
+        if hf.get("attention_bias"):
+            raise ConfigError(f"{where}: attention_bias=true is not supported")
+        layers = hf.get("num_hidden_layers")
+        if hf.get("layer_types") is None and isinstance(layers, int):  # transformers' default pattern
+            hf = {**hf, "layer_types": [self.default_type(i) for i in range(layers)]}
+        return super().config_from_hf(hf, where)
+
+    @staticmethod
+    def default_type(i: int) -> str:
+        return "full_attention" if i % 4 == 2 else "sliding_attention" if i % 4 == 0 and i > 0 else "conv"
+
+    def mlp_width(self, hf: dict) -> int:
+        return hf["intermediate_size"]
+
+    def rope_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
+        rope = hf.get("rope_parameters") or LFM3_ROPE
+        local_theta, local_scaling = rope_from_hf(
+            {"rope_theta": 10_000.0, **(rope.get("sliding_attention") or {})}, where
+        )
+        if local_scaling is not None:
+            raise ConfigError(f"{where}: RoPE scaling of sliding-window layers is not supported")
+        global_rope: dict[str, Any] = rope.get("full_attention") or {}
+        scaling: dict[str, Any] | None = None
+        if global_rope.get("rope_type") == "proportional":
+            scaling = {
+                "kind": "proportional",
+                "factor": global_rope.get("factor", 1.0),
+                "rotated_fraction": global_rope.get("partial_rotary_factor", 1.0),
+            }
+            theta = float(global_rope.get("rope_theta", 1_000_000.0))
+        else:
+            theta, scaling = rope_from_hf({"rope_theta": 1_000_000.0, **global_rope}, where)
+        return {"rope_theta": theta, "rope_scaling": scaling, "rope_local_theta": local_theta}
+
+    def extra_fields_from_hf(self, hf: dict) -> dict[str, Any]:
+        where = f"config.json ({self.architecture})"
+        types = hf["layer_types"]
+        unknown = sorted(set(types) - set(LFM3_KINDS))
+        if unknown or len(types) != hf["num_hidden_layers"]:
+            raise ConfigError(
+                f"{where}: layer_types must name {hf['num_hidden_layers']} layers of {', '.join(LFM3_KINDS)}"
+            )
+        local = [t == "sliding_attention" for t in types]
+        kinds = [LFM3_KINDS[t] for t in types]
+        return {
+            "head_dim": self.hf_value(hf, "head_dim"),
+            "mixer_pattern": shortest_period(kinds) if "short_conv" in kinds else None,
+            "attention_pattern": ["local" if x else "global" for x in shortest_period(local)],
+            "sliding_window": self.hf_value(hf, "sliding_window") if any(local) else None,
+            "post_norms": self.hf_value(hf, "use_sandwich_norm"),
+            "attention_head_gate": self.hf_value(hf, "use_attention_gate"),
+        }
+
+    def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
+        scaling = cfg.rope_scaling
+        if scaling is not None and scaling.kind == "proportional":
+            global_rope = {"rope_type": "proportional", "rope_theta": cfg.rope_theta}
+            global_rope["partial_rotary_factor"] = scaling.rotated_fraction
+            if scaling.factor != 1.0:
+                global_rope["factor"] = scaling.factor
+        else:
+            global_rope = rope_parameters_to_hf(cfg.rope_theta, scaling)
+        local = cfg.layer_is_local()
+        kinds = [layer.mixer for layer in cfg.layer_pattern()]
+        return {
+            "intermediate_size": cfg.mlp_dim,
+            "head_dim": cfg.head_dim,
+            "layer_types": [
+                "conv" if kind == "short_conv" else "sliding_attention" if local[i] else "full_attention"
+                for i, kind in enumerate(kinds)
+            ],
+            "sliding_window": cfg.sliding_window or self.hf_defaults["sliding_window"],
+            "rope_parameters": {
+                "sliding_attention": rope_parameters_to_hf(cfg.rope_local_theta or 10_000.0, None),
+                "full_attention": global_rope,
+            },
+            "use_sandwich_norm": cfg.post_norms,
+            "use_attention_gate": cfg.attention_head_gate,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+        }
+
+    def attention_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:
+        attn = LAYER + "self_attn."
+        return [
+            TensorSpec(("attn", "wq_dnh"), attn + "q_proj.weight", 1),
+            TensorSpec(("attn", "wk_dkh"), attn + "k_proj.weight", 1),
+            TensorSpec(("attn", "wv_dkh"), attn + "v_proj.weight", 1),
+            TensorSpec(("attn", "wo_nhd"), attn + "o_proj.weight", 2),
+            TensorSpec(("attn", "q_norm", "scale"), attn + "q_norm.weight", None),
+            TensorSpec(("attn", "k_norm", "scale"), attn + "k_norm.weight", None),
+            *(
+                [TensorSpec(("attn", "w_head_gate_dn"), attn + "gate_proj.weight", 1)]
+                if cfg.attention_head_gate
+                else []
+            ),
+        ]
+
+    def post_norm_tensors(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        if not cfg.post_norms:
+            return [], []
+        return (
+            [TensorSpec(("post_attn_norm", "scale"), LAYER + "post_operator_norm.weight", None)],
+            [TensorSpec(("post_mlp_norm", "scale"), LAYER + "post_ffn_norm.weight", None)],
+        )
