@@ -31,9 +31,12 @@ from engine.models.common import Build  # noqa: E402
 from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
 from engine.models.kv_cache import KVCache  # noqa: E402
 from engine.models.params import graphdef_of  # noqa: E402
+from engine.models.rglru import RecurrentBlock  # noqa: E402
+from engine.models.rglru import initial_state as rglru_initial_state  # noqa: E402
 from engine.models.short_conv import ShortConv, initial_state  # noqa: E402
-from engine.models.specs import ShortConvSpec  # noqa: E402
+from engine.models.specs import RGLRUSpec, ShortConvSpec  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
+from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
     VOCAB,
     Case,
@@ -42,7 +45,6 @@ from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over th
     engine_logits,
     hf_logits,
     random_causal_lm,
-    test_converted_model_matches_transformers_logits,
     test_export_then_convert_is_bitwise_identical,
     test_exported_config_json_is_what_transformers_writes,
     test_greedy_generation_of_16_tokens_is_identical,
@@ -99,6 +101,23 @@ LFM3 = dict(
     },
 )
 
+# RecurrentGemma: recurrent, recurrent, attention, recurrent; 5 heads of 8 (one KV head), RoPE on
+# half of each, window 5; the recurrence 30 wide (not hidden_size) in 5 blocks of 6, 3 taps; an
+# MLP of 13 (intermediate_size / 2); logits soft-capped at 4.
+RECURRENT_GEMMA = dict(
+    **{k: v for k, v in SMALL.items() if k in ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")},
+    hidden_size=40,
+    num_attention_heads=5,
+    num_key_value_heads=1,
+    num_hidden_layers=4,
+    intermediate_size=26,
+    lru_width=30,
+    conv1d_width=3,
+    attention_window_size=5,
+    logits_soft_cap=4.0,
+    rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
+)
+
 
 def hf_config(name: str):
     t = transformers
@@ -106,13 +125,14 @@ def hf_config(name: str):
         "lfm2": lambda: t.Lfm2Config(**LFM2),
         "lfm2_moe": lambda: t.Lfm2MoeConfig(**LFM2_MOE),
         "lfm3": lambda: t.Lfm3Config(**LFM3),
+        "recurrent_gemma": lambda: t.RecurrentGemmaConfig(**RECURRENT_GEMMA),
     }[name]()
 
 
-CASES = ["lfm2", "lfm2_moe", "lfm3"]
+CASES = ["lfm2", "lfm2_moe", "lfm3", "recurrent_gemma"]
 IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
 """transformers' plain loops: its grouped-matmul experts need 16-byte strides (odd sizes have not)."""
-PRESETS = {"lfm2-1.2b": 1.17, "lfm2-8b-a1b": 8.34, "lfm3-1.7b": 1.73}
+PRESETS = {"lfm2-1.2b": 1.17, "lfm2-8b-a1b": 8.34, "lfm3-1.7b": 1.73, "recurrentgemma-2b": 2.68}
 """Each preset of a published size and its parameter count in billions (transformers' count of it)."""
 
 
@@ -138,28 +158,46 @@ def case(request, tmp_path_factory) -> Case:
     return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
 
 
+def test_converted_model_matches_transformers_logits(case):
+    """test_hf_parity's check (a full, a right-padded and a left-padded row); RecurrentGemma's
+    transformers runs its recurrence over padding (no mask reaches it), so there each row is
+    transformers' on its own tokens alone, which the engine's left-padded row must equal."""
+    if case.family != "recurrent_gemma":
+        return test_hf_parity.test_converted_model_matches_transformers_logits(case)
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    ours = engine_logits(case.cfg, case.compute, case.params, tokens, mask)
+    ref = np.zeros(ours.shape, np.float32)
+    with torch.no_grad():
+        for row, keep in enumerate(valid):
+            ref[row, keep] = case.hf_model(torch.tensor(tokens[row, keep][None])).logits[0].numpy()
+    delta = float(np.abs(ours - ref)[valid].max())
+    print(f"\n{case.family}: max |delta logit| = {delta:.2e}")
+    assert delta <= 1e-4 and np.abs(ref[valid]).max() > 0.5
+
+
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
     export_hf(case.out_dir / "checkpoint", tmp_path / "export")
     assert_export_reloads_cleanly(case, tmp_path / "export", **IMPLEMENTATIONS)
 
 
 def test_the_layers_are_what_the_config_says(case):
-    layers = case.cfg.layer_pattern()
+    cfg, layers = case.cfg, case.cfg.layer_pattern()
+    kinds = {
+        "lfm3": [("short_conv", False), ("attention", True), ("attention", False), ("short_conv", False)],
+        "recurrent_gemma": [("rglru", False), ("rglru", False), ("attention", True), ("rglru", False)],
+    }.get(case.family, [("short_conv", False), ("attention", False), ("short_conv", False), ("short_conv", False)])
+    assert [(layer.mixer, layer.local) for layer in layers][:4] == kinds
+    assert cfg.num_params() == sum(p.numel() for p in case.hf_model.parameters())
+    if case.family == "recurrent_gemma":
+        assert cfg.rglru.width == 30 and cfg.rotary_dim == 4 and cfg.embedding_multiplier == 6.3125  # sqrt(40)
+        assert case.params["rglru_blocks"]["attn"]["w_input_gate_nkk"].shape == (3, 5, 6, 6)
+        return
     if case.family == "lfm3":
-        assert [(layer.mixer, layer.local) for layer in layers] == [
-            ("short_conv", False),
-            ("attention", True),
-            ("attention", False),
-            ("short_conv", False),
-            ("attention", True),
-        ]
-        assert case.cfg.post_norms and case.cfg.attention_head_gate and case.cfg.rope_local_theta == 500.0
-    else:
-        assert [layer.mixer for layer in layers] == ["short_conv", "attention", "short_conv", "short_conv"]
+        assert cfg.post_norms and cfg.attention_head_gate and cfg.rope_local_theta == 500.0
     if case.family == "lfm2_moe":
-        assert [layer.ffn for layer in layers] == ["mlp", "moe", "moe", "moe"] and case.cfg.router_scale == 1.7
+        assert [layer.ffn for layer in layers] == ["mlp", "moe", "moe", "moe"] and cfg.router_scale == 1.7
         assert np.abs(np.asarray(case.params["blocks"]["mlp"]["b_router_e"])).max() > 0.1
-    assert case.cfg.num_params() == sum(p.numel() for p in case.hf_model.parameters())
     conv = case.params["short_conv_blocks"]["attn"]  # (LFM2-MoE: the first, dense, is short_conv_dense_blocks')
     taps = case.hf_model.config.conv_L_cache
     assert conv["conv_c1k"].shape[1:] == (30, 1, taps) and conv["w_in_d3c"].shape[1:] == (30, 3, 30)
@@ -231,6 +269,56 @@ def test_the_short_convolution_with_biases_is_transformers_and_decodes_as_it_tra
     np.testing.assert_allclose(np.concatenate(steps, axis=1), ours, atol=1e-5)
 
 
+def test_the_recurrent_block_is_transformers_and_its_scan_decodes_as_it_trains():
+    """RecurrentGemmaRecurrentBlock against the engine's block on the same weights (two rows,
+    the second restarting at position 0 mid-row, as a packed document), and the block's
+    associative scan against one token at a time from its carried state."""
+    config = transformers.RecurrentGemmaConfig(**RECURRENT_GEMMA)
+    torch.manual_seed(2)
+    ref = transformers.models.recurrent_gemma.modeling_recurrent_gemma.RecurrentGemmaRecurrentBlock(config, 0)
+    with torch.no_grad():
+        for key, p in ref.named_parameters():
+            p.normal_(0.0, 0.3) if key != "rg_lru.recurrent_param" else p.uniform_(-1.0, 3.0)
+    ref = ref.float().eval()
+    spec = RGLRUSpec(width=30, num_heads=5, conv_kernel=3)
+    block = RecurrentBlock(spec, Build(40, ComputeConfig(dtype="float32")), rngs=nnx.Rngs(0))
+    w = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
+    for ours, theirs in (("w_y_dw", "linear_y"), ("w_x_dw", "linear_x"), ("w_out_wd", "linear_out")):
+        getattr(block, ours)[...] = jnp.asarray(w[theirs + ".weight"].T)
+    for ours, theirs in (
+        ("b_y_w", "linear_y.bias"),
+        ("b_x_w", "linear_x.bias"),
+        ("b_out_d", "linear_out.bias"),
+        ("conv_w1k", "conv_1d.weight"),
+        ("conv_bias_w", "conv_1d.bias"),
+        ("recurrent_param_w", "rg_lru.recurrent_param"),
+        ("w_input_gate_nkk", "rg_lru.input_gate_weight"),
+        ("b_input_gate_nk", "rg_lru.input_gate_bias"),
+        ("w_recurrent_gate_nkk", "rg_lru.recurrent_gate_weight"),
+        ("b_recurrent_gate_nk", "rg_lru.recurrent_gate_bias"),
+    ):
+        getattr(block, ours)[...] = jnp.asarray(w[theirs])
+    x = np.random.default_rng(3).normal(size=(2, 13, 40)).astype(np.float32)
+    positions = np.stack([np.arange(13), np.concatenate([np.arange(6), np.arange(7)])])
+    with torch.no_grad():  # the first row whole; the second's two documents apart (its convolution does not restart)
+        theirs = ref(torch.tensor(x[:1]), torch.tensor(positions[:1]), None, use_cache=False)[0].numpy()
+        first = ref(torch.tensor(x[1:, :6]), torch.arange(6)[None], None, use_cache=False)[0].numpy()
+        second = ref(torch.tensor(x[1:, 6:]), torch.arange(7)[None], None, use_cache=False)[0].numpy()
+    segments = np.stack([np.ones(13), np.concatenate([np.ones(6), 2 * np.ones(7)])]).astype(np.int32)
+    ours = np.asarray(block(jnp.asarray(x), jnp.asarray(positions), jnp.asarray(segments), spec))
+    np.testing.assert_allclose(ours[:1], theirs, atol=2e-5)
+    np.testing.assert_allclose(ours[1:], np.concatenate([first, second], axis=1), atol=2e-5)
+    assert np.abs(theirs).max() > 0.5
+    state = rglru_initial_state(spec, ComputeConfig(), 1)
+    cache = KVCache((), (), jnp.zeros((1, 0), bool), jnp.zeros((), jnp.int32), states=(state,))
+    out, cache = block(jnp.asarray(x[:1, :5]), jnp.asarray(positions[:1, :5]), None, spec, cache)
+    steps = [out]
+    for n in range(5, 13):
+        out, cache = block(jnp.asarray(x[:1, n : n + 1]), jnp.asarray(positions[:1, n : n + 1]), None, spec, cache)
+        steps.append(out)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), ours[:1], atol=2e-5)
+
+
 # --------------------------------------------------------------------------- configs and presets
 
 
@@ -273,6 +361,27 @@ def test_the_published_config_keys_are_read_as_transformers_reads_them():
     lfm3 = {**transformers.Lfm3Config().to_dict(), "architectures": ["Lfm3ForCausalLM"]}
     preset = ModelConfig.model_validate(resolve_model_preset({"model": "lfm3-1.7b"}, "lfm3-1.7b")["model"])
     assert model_config_from_hf(lfm3)[0] == preset
+    # recurrentgemma-2b's (its older _block_types, partial_rotary_factor and rope_theta keys)
+    griffin = {
+        "architectures": ["RecurrentGemmaForCausalLM"],
+        "model_type": "recurrent_gemma",
+        "_block_types": ["recurrent", "recurrent", "attention"],
+        "attention_window_size": 2048,
+        "conv1d_width": 4,
+        "hidden_size": 2560,
+        "intermediate_size": 15360,
+        "logits_soft_cap": 30.0,
+        "lru_width": 2560,
+        "num_attention_heads": 10,
+        "num_hidden_layers": 26,
+        "num_key_value_heads": 1,
+        "partial_rotary_factor": 0.5,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0,
+        "vocab_size": 256000,
+    }
+    preset = ModelConfig.model_validate(resolve_model_preset({"model": "recurrentgemma-2b"}, "x")["model"])
+    assert model_config_from_hf(griffin)[0] == preset
     with pytest.raises(ConfigError, match=r"layer_types must name 4 layers of conv, full_attention"):
         model_config_from_hf(
             {

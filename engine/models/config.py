@@ -30,6 +30,7 @@ from engine.models.specs import (
     MoESpec,
     NormSpec,
     ParallelHybridSpec,
+    RGLRUSpec,
     RotarySpec,
     ShortConvSpec,
     mla_score_scale,
@@ -167,6 +168,16 @@ class ShortConvConfig(Strict):
     """Taps of the depthwise causal convolution (LFM2's conv_L_cache)."""
     bias: bool = False
     """Biases on in_proj, the convolution and out_proj (LFM2's conv_bias)."""
+
+
+class RGLRUConfig(Strict):
+    """Griffin's recurrent blocks (engine/models/rglru.py; RecurrentGemma's lru_width, conv1d_width)."""
+
+    width: int = Field(gt=0)
+    """The recurrence's width (lru_width)."""
+    num_heads: int = Field(gt=0)
+    """Blocks of its gates' block-diagonal weights; a divisor of width."""
+    conv_kernel: int = Field(4, gt=1)
 
 
 _LAYER_SPECS: dict[str, tuple[LayerSpec, ...]] = {}
@@ -349,7 +360,11 @@ class ModelConfig(Strict):
     only under ComputeConfig.mtp_loss."""
     # Hybrid models (Qwen3-Next, Qwen3.5): layers of another mixer kind among the attention ones.
     mixer_pattern: (
-        list[Literal["attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "none", "short_conv"]]
+        list[
+            Literal[
+                "attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "none", "short_conv", "rglru"
+            ]
+        ]
         | None
     ) = Field(None, min_length=1)
     """Layer i's sequence mixer is mixer_pattern[i % len] (attention: the model's attention,
@@ -504,6 +519,8 @@ class ModelConfig(Strict):
     attention_head_gate: bool = False
     """Each attention head's output times sigmoid(x . w), a learned scalar gate per head and
     token from the layer's input, before o_proj (LFM3's g_proj)."""
+    rglru: RGLRUConfig | None = None
+    """The RG-LRU recurrent blocks' sizes (mixer_pattern rglru: RecurrentGemma)."""
 
     @field_validator("family")
     @classmethod
@@ -884,6 +901,9 @@ class ModelConfig(Strict):
                 indexer=indexer,
                 scale=mla_score_scale(self.head_dim, self.rope_scaling),
             )
+        if layer.mixer == "rglru":
+            assert self.rglru is not None, "mixer_pattern rglru needs rglru (its sizes)"
+            return RGLRUSpec(**self.rglru.model_dump())
         if layer.mixer == "short_conv":
             return ShortConvSpec(width=self.d_model, **(self.short_conv or ShortConvConfig()).model_dump())
         if layer.mixer in ("gated_delta", "kimi_delta"):

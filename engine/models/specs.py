@@ -364,6 +364,27 @@ class ShortConvSpec(Spec):
         return 4 * d * self.width + self.width * self.conv_kernel + (3 * self.width + self.width + d) * self.bias
 
 
+class RGLRUSpec(Spec):
+    """Griffin's recurrent block (engine/models/rglru.py; RecurrentGemma): linear_y, linear_x,
+    a depthwise causal convolution, the RG-LRU (block-diagonal gates, a block per head) and
+    linear_out, each with a bias."""
+
+    kind: Literal["rglru"] = "rglru"
+    width: int
+    """The recurrence's width (lru_width)."""
+    num_heads: int
+    """Blocks of the gates' block-diagonal weights (width / num_heads each)."""
+    conv_kernel: int = 4
+
+    def mixing_macs(self, seq_len: int) -> int:
+        """The convolution's taps, the two gates' blocks and the recurrence, per token."""
+        return self.width * (self.conv_kernel + 2 * self.width // self.num_heads + 2)
+
+    def params(self, d: int) -> int:
+        w, k = self.width, self.width // self.num_heads
+        return 3 * d * w + 2 * w + d + w * self.conv_kernel + w + 2 * (w * k + w) + w
+
+
 MixerSpec = Annotated[
     AttentionSpec
     | MLASpec
@@ -372,7 +393,8 @@ MixerSpec = Annotated[
     | Mamba2Spec
     | ParallelHybridSpec
     | MixtureOfAttentionSpec
-    | ShortConvSpec,
+    | ShortConvSpec
+    | RGLRUSpec,
     Field(discriminator="kind"),
 ]
 """A layer's sequence mixer."""

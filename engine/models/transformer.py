@@ -47,6 +47,7 @@ from engine.models.moa import MixtureOfAttention
 from engine.models.moe import MoE, MoEStats, combine_stats
 from engine.models.mtp import MTPHead, mtp_loss
 from engine.models.parallel_hybrid import AttentionMamba2
+from engine.models.rglru import RecurrentBlock
 from engine.models.rope import layer_rotary, rotate_heads
 from engine.models.short_conv import ShortConv
 from engine.models.specs import AttentionSpec, LayerSpec, MLPSpec, MoESpec, ParallelHybridSpec, RotarySpec
@@ -352,6 +353,7 @@ MIXERS: dict[str, Callable[..., nnx.Module]] = {
     "attention_mamba2": _attention_mamba2,
     "mixture_of_attention": MixtureOfAttention,
     "short_conv": ShortConv,
+    "rglru": RecurrentBlock,
 }
 """A mixer spec's kind -> its module, built (spec, build, rngs=) and called (x, positions,
 segment_ids, spec, cache=None, **extras) -> out, or with a cache (out, cache); `spec` is the
