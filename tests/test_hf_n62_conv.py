@@ -30,11 +30,13 @@ from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf  
 from engine.models.common import Build  # noqa: E402
 from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
 from engine.models.kv_cache import KVCache  # noqa: E402
+from engine.models.lightning import LightningAttention, lightning_chunked, lightning_scan  # noqa: E402
+from engine.models.lightning import decay_rates as lightning_decay_rates  # noqa: E402
 from engine.models.params import graphdef_of  # noqa: E402
 from engine.models.rglru import RecurrentBlock  # noqa: E402
 from engine.models.rglru import initial_state as rglru_initial_state  # noqa: E402
 from engine.models.short_conv import ShortConv, initial_state  # noqa: E402
-from engine.models.specs import RGLRUSpec, ShortConvSpec  # noqa: E402
+from engine.models.specs import LightningSpec, RGLRUSpec, ShortConvSpec  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
@@ -317,6 +319,53 @@ def test_the_recurrent_block_is_transformers_and_its_scan_decodes_as_it_trains()
         out, cache = block(jnp.asarray(x[:1, n : n + 1]), jnp.asarray(positions[:1, n : n + 1]), None, spec, cache)
         steps.append(out)
     np.testing.assert_allclose(np.concatenate(steps, axis=1), ours[:1], atol=2e-5)
+
+
+def test_lightning_attention_is_transformers_and_its_chunks_are_its_recurrence():
+    """MiniMaxLightningAttention (layer 1 of 3, blocks of 4 positions, 11 tokens: a ragged
+    block) against the engine's block on the same weights; then the chunked form against the
+    per-token recurrence from a carried state, and a packed row's documents against each alone."""
+    config = transformers.MiniMaxConfig(
+        hidden_size=30,
+        num_attention_heads=3,
+        head_dim=7,
+        num_hidden_layers=3,
+        block_size=4,
+        vocab_size=VOCAB,
+        # (the softmax layers' RoPE must rotate an even width of the 7: 6; unused here)
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 6 / 7},
+    )
+    torch.manual_seed(4)
+    module = transformers.models.minimax.modeling_minimax.MiniMaxLightningAttention(config, layer_idx=1)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.3) if p.ndim > 1 else p.add_(0.3 * torch.randn_like(p))
+    module = module.float().eval()
+    spec = LightningSpec(num_heads=3, head_dim=7, chunk_size=4, slope_factor=1 - 1 / (2 + 1e-5) + 1e-5)
+    block = LightningAttention(spec, Build(30, ComputeConfig(dtype="float32")), rngs=nnx.Rngs(0))
+    w = {k: v.detach().numpy() for k, v in module.state_dict().items()}
+    block.w_qkv_dnx[...] = jnp.asarray(w["qkv_proj.weight"].T.reshape(30, 3, 21))
+    block.w_gate_dnh[...] = jnp.asarray(w["output_gate.weight"].T.reshape(30, 3, 7))
+    block.norm_f[...] = jnp.asarray(w["norm.weight"])
+    block.w_out_nhd[...] = jnp.asarray(w["out_proj.weight"].T.reshape(3, 7, 30))
+    x = np.random.default_rng(5).normal(size=(2, 11, 30)).astype(np.float32)
+    with torch.no_grad():
+        theirs = module(torch.tensor(x), None, None)[0].numpy()
+    ours = np.asarray(block(jnp.asarray(x), None, None, spec))
+    np.testing.assert_allclose(ours, theirs, atol=2e-5)
+    assert np.abs(theirs).max() > 0.5
+    q, k, v = (jnp.asarray(np.random.default_rng(i).normal(size=(2, 13, 3, 5)), jnp.float32) for i in (6, 7, 8))
+    rates = lightning_decay_rates(spec)
+    state = jnp.asarray(np.random.default_rng(9).normal(size=(2, 3, 5, 5)), jnp.float32)
+    chunked, chunked_state = lightning_chunked(q, k, v, rates, chunk_size=4, state_bnhh=state)
+    scanned, scanned_state = lightning_scan(q, k, v, rates, state)
+    np.testing.assert_allclose(np.asarray(chunked), np.asarray(scanned), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(chunked_state), np.asarray(scanned_state), atol=1e-4)
+    segments = jnp.asarray(np.repeat([[1] * 6 + [2] * 7], 2, axis=0))
+    packed, _ = lightning_chunked(q, k, v, rates, chunk_size=4, segment_ids_bt=segments)
+    first, _ = lightning_scan(q[:, :6], k[:, :6], v[:, :6], rates)
+    second, _ = lightning_scan(q[:, 6:], k[:, 6:], v[:, 6:], rates)
+    np.testing.assert_allclose(np.asarray(packed), np.concatenate([first, second], axis=1), atol=1e-4)
 
 
 # --------------------------------------------------------------------------- configs and presets

@@ -385,6 +385,32 @@ class RGLRUSpec(Spec):
         return 3 * d * w + 2 * w + d + w * self.conv_kernel + w + 2 * (w * k + w) + w
 
 
+class LightningSpec(Spec):
+    """Lightning attention (engine/models/lightning.py; MiniMax-Text-01): linear attention with a
+    fixed decay per head, an RMSNorm over all heads and a sigmoid output gate."""
+
+    kind: Literal["lightning"] = "lightning"
+    num_heads: int
+    head_dim: int
+    chunk_size: int = 256
+    """Positions per chunk of the training form (the results do not depend on it)."""
+    norm_eps: float = 1e-6
+    # call: how the layer decays
+    slope_factor: float = 1.0
+    """Each head's decay rate is 2^(-8 (h + 1) / heads) times this: transformers' 1 - i / (L - 1 +
+    1e-5) + 1e-5 for layer i of L, so layers differing only in it share a stack."""
+
+    def mixing_macs(self, seq_len: int) -> int:
+        """The chunked form's: within its chunk QK^T and the scores times V, and the state read
+        and written, per head."""
+        chunk = min(self.chunk_size, seq_len)
+        return self.num_heads * (2 * chunk * self.head_dim + 2 * self.head_dim * self.head_dim)
+
+    def params(self, d: int) -> int:
+        inner = self.num_heads * self.head_dim
+        return 5 * d * inner + inner
+
+
 MixerSpec = Annotated[
     AttentionSpec
     | MLASpec
@@ -394,7 +420,8 @@ MixerSpec = Annotated[
     | ParallelHybridSpec
     | MixtureOfAttentionSpec
     | ShortConvSpec
-    | RGLRUSpec,
+    | RGLRUSpec
+    | LightningSpec,
     Field(discriminator="kind"),
 ]
 """A layer's sequence mixer."""

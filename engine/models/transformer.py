@@ -29,6 +29,7 @@ from engine.models.dsa import WithIndexerLoss
 from engine.models.gated_delta_block import GatedDeltaNet
 from engine.models.kimi_delta_block import KimiDeltaAttention
 from engine.models.kv_cache import KVCache
+from engine.models.lightning import LightningAttention
 from engine.models.lora import (
     ATTENTION_WEIGHTS,
     MLP_WEIGHTS,
@@ -354,6 +355,7 @@ MIXERS: dict[str, Callable[..., nnx.Module]] = {
     "mixture_of_attention": MixtureOfAttention,
     "short_conv": ShortConv,
     "rglru": RecurrentBlock,
+    "lightning": LightningAttention,
 }
 """A mixer spec's kind -> its module, built (spec, build, rngs=) and called (x, positions,
 segment_ids, spec, cache=None, **extras) -> out, or with a cache (out, cache); `spec` is the
