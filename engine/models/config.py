@@ -23,6 +23,7 @@ from engine.models.specs import (
     IndexerSpec,
     KimiDeltaSpec,
     LayerSpec,
+    LightningSpec,
     Mamba2Spec,
     MixtureOfAttentionSpec,
     MLASpec,
@@ -34,6 +35,7 @@ from engine.models.specs import (
     RotarySpec,
     ShortConvSpec,
     mla_score_scale,
+    with_layer_decays,
 )
 from engine.ops.attention_names import DecodeImpl, Impl
 
@@ -178,6 +180,27 @@ class RGLRUConfig(Strict):
     num_heads: int = Field(gt=0)
     """Blocks of its gates' block-diagonal weights; a divisor of width."""
     conv_kernel: int = Field(4, gt=1)
+
+
+class LightningConfig(Strict):
+    """Lightning attention layers (engine/models/lightning.py; MiniMax-Text-01's linear_attention)."""
+
+    num_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    chunk_size: int = Field(256, gt=0)
+    """Positions per chunk of the training form (block_size; the results do not depend on it)."""
+
+
+class NormedResidualConfig(Strict):
+    """MiniMax-Text-01's residual: each sublayer sets the stream to alpha * norm(x) + beta *
+    sublayer(norm(x)), with factors per sublayer kind (its config.json *_alpha_factor, *_beta_factor)."""
+
+    attention_alpha: float = 1.0
+    attention_beta: float = 1.0
+    lightning_alpha: float = 1.0
+    lightning_beta: float = 1.0
+    mlp_alpha: float = 1.0
+    mlp_beta: float = 1.0
 
 
 _LAYER_SPECS: dict[str, tuple[LayerSpec, ...]] = {}
@@ -362,7 +385,15 @@ class ModelConfig(Strict):
     mixer_pattern: (
         list[
             Literal[
-                "attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "none", "short_conv", "rglru"
+                "attention",
+                "gated_delta",
+                "kimi_delta",
+                "mamba2",
+                "attention_mamba2",
+                "none",
+                "short_conv",
+                "rglru",
+                "lightning",
             ]
         ]
         | None
@@ -521,6 +552,10 @@ class ModelConfig(Strict):
     token from the layer's input, before o_proj (LFM3's g_proj)."""
     rglru: RGLRUConfig | None = None
     """The RG-LRU recurrent blocks' sizes (mixer_pattern rglru: RecurrentGemma)."""
+    lightning: LightningConfig | None = None
+    """The lightning attention layers' sizes (mixer_pattern lightning: MiniMax-Text-01)."""
+    normed_residual: NormedResidualConfig | None = None
+    """MiniMax-Text-01's residual form (LayerSpec.residual_scales); None: x + sublayer(norm(x))."""
 
     @field_validator("family")
     @classmethod
@@ -740,7 +775,7 @@ class ModelConfig(Strict):
         if key not in _LAYER_SPECS:
             if len(_LAYER_SPECS) >= 64:
                 _LAYER_SPECS.pop(next(iter(_LAYER_SPECS)))
-            _LAYER_SPECS[key] = tuple(self._layer_spec(layer) for layer in self.layer_pattern())
+            _LAYER_SPECS[key] = tuple(with_layer_decays([self._layer_spec(layer) for layer in self.layer_pattern()]))
         return list(_LAYER_SPECS[key])
 
     def _norm_spec(self) -> NormSpec:
@@ -770,7 +805,17 @@ class ModelConfig(Strict):
             per_layer_input_dim=self.per_layer_input_dim,
             per_layer_activation=self.activation,
             residual=self.residual,
+            residual_scales=self._residual_scales(layer),
         )
+
+    def _residual_scales(self, layer: Layer) -> tuple[float, float, float, float] | None:
+        """MiniMax's (mixer alpha, beta, ffn alpha, beta) for the layer's mixer kind."""
+        r = self.normed_residual
+        if r is None:
+            return None
+        lightning = layer.mixer == "lightning"
+        mixer = (r.lightning_alpha, r.lightning_beta) if lightning else (r.attention_alpha, r.attention_beta)
+        return (*mixer, r.mlp_alpha, r.mlp_beta)
 
     def _mlp_spec(self, dim: int) -> MLPSpec:
         mup = self.mup
@@ -901,6 +946,9 @@ class ModelConfig(Strict):
                 indexer=indexer,
                 scale=mla_score_scale(self.head_dim, self.rope_scaling),
             )
+        if layer.mixer == "lightning":
+            assert self.lightning is not None, "mixer_pattern lightning needs lightning (its sizes)"
+            return LightningSpec(**self.lightning.model_dump())  # slope_factor: layer_specs, by depth
         if layer.mixer == "rglru":
             assert self.rglru is not None, "mixer_pattern rglru needs rglru (its sizes)"
             return RGLRUSpec(**self.rglru.model_dump())

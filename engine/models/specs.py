@@ -400,6 +400,10 @@ class LightningSpec(Spec):
     """Each head's decay rate is 2^(-8 (h + 1) / heads) times this: transformers' 1 - i / (L - 1 +
     1e-5) + 1e-5 for layer i of L, so layers differing only in it share a stack."""
 
+    def structure(self) -> LightningSpec:
+        """This spec with slope_factor at its default: what its parameters depend on."""
+        return self.model_copy(update={"slope_factor": 1.0})
+
     def mixing_macs(self, seq_len: int) -> int:
         """The chunked form's: within its chunk QK^T and the scores times V, and the state read
         and written, per head."""
@@ -531,6 +535,10 @@ class LayerSpec(Spec):
     per_layer_input_dim: int | None = None
     """Gemma 4's per-layer inputs: x + norm(proj(act(gate(x)) * e)) after the feed-forward."""
     per_layer_activation: Activation = "gelu_tanh"
+    residual_scales: tuple[float, float, float, float] | None = None
+    """(mixer alpha, mixer beta, ffn alpha, ffn beta): each sublayer sets the stream to alpha *
+    norm(x) + beta * sublayer(norm(x)), the normed input its residual (MiniMax-Text-01's
+    DeepNorm-style factors); None: x + sublayer(norm(x))."""
     residual: Literal["sequential", "parallel", "parallel_shared_norm"] = "sequential"
     """sequential: x + mixer(norm(x)), then + ffn(norm(that)); parallel: x + mixer(norm1(x)) +
     ffn(norm2(x)) (GPT-NeoX, Falcon's new architecture); parallel_shared_norm: one norm for both,
@@ -567,3 +575,16 @@ class LayerSpec(Spec):
         if self.per_layer_input_dim:  # gate, projection, norm
             n += d * (2 * self.per_layer_input_dim) + self.norm.params(d)
         return n
+
+
+def with_layer_decays(specs: list[LayerSpec]) -> list[LayerSpec]:
+    """The layers with each lightning mixer's slope_factor set from its depth, as transformers
+    sets it: 1 - i / (L - 1 + 1e-5) + 1e-5 for layer i of L."""
+    last = len(specs) - 1 + 1e-5
+    out = []
+    for i, spec in enumerate(specs):
+        if isinstance(spec.mixer, LightningSpec):
+            mixer = spec.mixer.model_copy(update={"slope_factor": 1 - i / last + 1e-5})
+            spec = spec.model_copy(update={"mixer": mixer})
+        out.append(spec)
+    return out

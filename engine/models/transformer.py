@@ -432,7 +432,11 @@ class Block(nnx.Module):
             extra = {"rotary": rotary, "shared_kv": shared_kv, "store_kv": store_kv}
             attn_in = self.attn_norm(x_btd) if spec.pre_norms else x_btd
             branch, cache, indexer_kl = self._mix(attn_in, positions_bt, segment_ids_bt, spec, cache, extra)
-            x_btd = x_btd + branch
+            if spec.residual_scales is not None:  # MiniMax: alpha * norm(x) + beta * mixer(norm(x))
+                alpha, beta = (jnp.asarray(f, branch.dtype) for f in spec.residual_scales[:2])
+                x_btd = attn_in * alpha + branch * beta
+            else:
+                x_btd = x_btd + branch
         if spec.ffn is None:
             x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
             return x_btd, cache, None if indexer_kl is None else WithIndexerLoss(None, indexer_kl)
@@ -453,7 +457,11 @@ class Block(nnx.Module):
                 mlp_out = self.mlp(mlp_in)
         if spec.residual_multiplier is not None:  # Granite
             mlp_out = mlp_out * jnp.asarray(spec.residual_multiplier, mlp_out.dtype)
-        x_btd = x_btd + (self.post_mlp_norm(mlp_out) if spec.post_norms else mlp_out)
+        if spec.residual_scales is not None:  # MiniMax: alpha * norm(x) + beta * ffn(norm(x))
+            alpha, beta = (jnp.asarray(f, mlp_out.dtype) for f in spec.residual_scales[2:])
+            x_btd = mlp_in * alpha + mlp_out * beta
+        else:
+            x_btd = x_btd + (self.post_mlp_norm(mlp_out) if spec.post_norms else mlp_out)
         if spec.per_layer_input_dim is not None:  # x + norm(proj(act(gate(x)) * e)), e this layer's input
             dt, kw = self.dtype, {"backward": self.compute.matmul_backward, "dot_general": self.dot_general}
             gate_btp = project(self, "per_layer_gate_dp", x_btd, 1, dt, **kw)  # (+ the LoRA updates, if adapted)

@@ -29,7 +29,7 @@ from engine.models.families import afmoe  # noqa: F401, I001
 from engine.models.families import gpt2, opt, olmo1, jais2, dbrx, phimoe, mpt, bloom  # noqa: F401, I001
 from engine.models.families import cohere2_moe  # noqa: F401, I001
 from engine.models.families import jetmoe  # noqa: F401, I001
-from engine.models.families import lfm2, recurrent_gemma  # noqa: F401, I001
+from engine.models.families import lfm2, recurrent_gemma, minimax01  # noqa: F401, I001
 from engine.models.families.base import (
     Family,
     TensorSpec,
