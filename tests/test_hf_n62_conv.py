@@ -1,13 +1,18 @@
-"""Hugging Face parity of the convolution and recurrent hybrids of issue 62: LFM2
-(Lfm2ForCausalLM: gated short convolutions beside QK-norm attention, engine/models/short_conv.py).
+"""Hugging Face parity of the convolution, recurrent and lightning hybrids of issue 62: LFM2
+(Lfm2ForCausalLM: gated short convolutions beside QK-norm attention, engine/models/short_conv.py),
+LFM2-MoE (its sigmoid-routed experts), LFM3 (sliding and global attention, per-head gates,
+sandwich norms), RecurrentGemma (Griffin's RG-LRU blocks beside local MQA, engine/models/rglru.py)
+and MiniMax-Text-01 (lightning attention beside softmax attention, alpha/beta residuals,
+engine/models/lightning.py).
 
 Each case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
 collected here over this module's `case`): logits to 1e-4 with N(0, 0.3^2) weights (a row
 right-padded, one left-padded), greedy tokens and the recurrent/KV-cache sampler equal to
 transformers' generate, export loading cleanly with the same logits, config.json as
 transformers writes it, export -> convert bitwise; and here each mixer's decoded state against
-one forward, each block against transformers' module, and each preset's parameter count
-against transformers' model of it on the meta device.
+one forward, each new block against transformers' module and its training form against its
+recurrence, the published config.json keys, and each preset's parameter count against
+transformers' model of it on the meta device.
 """
 
 from __future__ import annotations
