@@ -672,6 +672,9 @@ class ModelConfig(Strict):
                 raise ValueError("kimi_delta layers have as many value heads as key heads, of the same width")
         if bool({"mamba2", "attention_mamba2"} & set(self.mixer_pattern or [])) != (self.mamba2 is not None):
             raise ValueError("mamba2 (the sizes) is set exactly when mixer_pattern has mamba2 layers")
+        for kind in ("rglru", "lightning"):  # (short_conv's settings have defaults)
+            if (kind in (self.mixer_pattern or [])) != (getattr(self, kind) is not None):
+                raise ValueError(f"{kind} (the sizes) is set exactly when mixer_pattern has {kind} layers")
         if any(layer.mixer == layer.ffn == "none" for layer in self.layer_pattern()):
             raise ValueError("mixer_pattern and ffn_pattern leave a layer with neither a mixer nor a feed-forward")
         if self.shared_expert_gate and not self.num_shared_experts:
@@ -947,10 +950,10 @@ class ModelConfig(Strict):
                 scale=mla_score_scale(self.head_dim, self.rope_scaling),
             )
         if layer.mixer == "lightning":
-            assert self.lightning is not None, "mixer_pattern lightning needs lightning (its sizes)"
+            assert self.lightning is not None  # _check_mixers
             return LightningSpec(**self.lightning.model_dump())  # slope_factor: layer_specs, by depth
         if layer.mixer == "rglru":
-            assert self.rglru is not None, "mixer_pattern rglru needs rglru (its sizes)"
+            assert self.rglru is not None  # _check_mixers
             return RGLRUSpec(**self.rglru.model_dump())
         if layer.mixer == "short_conv":
             return ShortConvSpec(width=self.d_model, **(self.short_conv or ShortConvConfig()).model_dump())
