@@ -60,6 +60,10 @@ def tiny(family: str, tie: bool) -> tuple:
         "mamba_head_dim": 3,
         "ssm_state_size": 4,
         "n_groups": 1,
+        # LFM2: a short convolution, an attention and a convolution layer
+        "full_attn_idxs": [1],
+        # RecurrentGemma: head_dim is hidden_size / heads, 4, half of it rotary
+        **({"num_attention_heads": 3, "num_key_value_heads": 1} if family == "recurrent_gemma" else {}),
         # Granite 4 hybrid: dense (no experts), Mamba2 of 2 heads, a Mamba2, an attention and a Mamba2 layer
         **(GRANITE if family == "granite_hybrid" else {}),
         # Falcon-H1: Mamba2 of 2 heads of 3 (its width mamba_d_ssm), state 4

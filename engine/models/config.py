@@ -35,6 +35,7 @@ from engine.models.specs import (
     IndexerSpec,
     KimiDeltaSpec,
     LayerSpec,
+    LightningSpec,
     Mamba1Spec,
     Mamba2Spec,
     MixtureOfAttentionSpec,
@@ -43,8 +44,11 @@ from engine.models.specs import (
     MoESpec,
     NormSpec,
     ParallelHybridSpec,
+    RGLRUSpec,
     RotarySpec,
+    ShortConvSpec,
     mla_score_scale,
+    with_layer_decays,
 )
 from engine.ops.attention_names import DecodeImpl, Impl
 
@@ -58,7 +62,18 @@ class Layer(NamedTuple):
     """The params key of its stack: `blocks`, or `dense_blocks` for the dense-MLP layers of
     a mixture of experts (DeepSeek-V3's first layers, Qwen3-MoE's mlp_only_layers)."""
     mixer: Literal[
-        "attention", "mla", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "mamba1", "block_sparse", "none"
+        "attention",
+        "mla",
+        "gated_delta",
+        "kimi_delta",
+        "mamba2",
+        "attention_mamba2",
+        "mamba1",
+        "block_sparse",
+        "short_conv",
+        "rglru",
+        "lightning",
+        "none",
     ]
     """The sequence mixer, a kind in transformer.MIXERS: grouped-query attention
     (transformer.Attention), multi-head latent attention (mla.py), or a Gated DeltaNet
@@ -205,6 +220,46 @@ class BlockIndexerConfig(Strict):
     """The blocks ending at the query's own, always attended to."""
 
 
+class ShortConvConfig(Strict):
+    """The gated short convolution layers (engine/models/short_conv.py; LFM2's conv_* keys)."""
+
+    conv_kernel: int = Field(3, gt=1)
+    """Taps of the depthwise causal convolution (LFM2's conv_L_cache)."""
+    bias: bool = False
+    """Biases on in_proj, the convolution and out_proj (LFM2's conv_bias)."""
+
+
+class RGLRUConfig(Strict):
+    """Griffin's recurrent blocks (engine/models/rglru.py; RecurrentGemma's lru_width, conv1d_width)."""
+
+    width: int = Field(gt=0)
+    """The recurrence's width (lru_width)."""
+    num_heads: int = Field(gt=0)
+    """Blocks of its gates' block-diagonal weights; a divisor of width."""
+    conv_kernel: int = Field(4, gt=1)
+
+
+class LightningConfig(Strict):
+    """Lightning attention layers (engine/models/lightning.py; MiniMax-Text-01's linear_attention)."""
+
+    num_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    chunk_size: int = Field(256, gt=0)
+    """Positions per chunk of the training form (block_size; the results do not depend on it)."""
+
+
+class NormedResidualConfig(Strict):
+    """MiniMax-Text-01's residual: each sublayer sets the stream to alpha * norm(x) + beta *
+    sublayer(norm(x)), with factors per sublayer kind (its config.json *_alpha_factor, *_beta_factor)."""
+
+    attention_alpha: float = 1.0
+    attention_beta: float = 1.0
+    lightning_alpha: float = 1.0
+    lightning_beta: float = 1.0
+    mlp_alpha: float = 1.0
+    mlp_beta: float = 1.0
+
+
 _LAYER_SPECS: dict[str, tuple[LayerSpec, ...]] = {}
 """ModelConfig.layer_specs' results by the config's JSON (a config is rebuilt from its fields
 everywhere; its specs are asked for at every trace)."""
@@ -250,7 +305,17 @@ class ModelConfig(Strict):
     mixer_pattern: (
         list[
             Literal[
-                "attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "mamba1", "block_sparse", "none"
+                "attention",
+                "gated_delta",
+                "kimi_delta",
+                "mamba2",
+                "attention_mamba2",
+                "mamba1",
+                "block_sparse",
+                "short_conv",
+                "rglru",
+                "lightning",
+                "none",
             ]
         ]
         | None
@@ -275,6 +340,14 @@ class ModelConfig(Strict):
     """The Mamba1 layers' sizes (mixer_pattern has mamba1; Mamba, Falcon-Mamba, Jamba)."""
     block_indexer: BlockIndexerConfig | None = None
     """The block-sparse attention layers' indexer (mixer_pattern has block_sparse; MiniMax-M3)."""
+    short_conv: ShortConvConfig | None = None
+    """The gated short convolution layers' settings (mixer_pattern short_conv: LFM2)."""
+    rglru: RGLRUConfig | None = None
+    """The RG-LRU recurrent blocks' sizes (mixer_pattern rglru: RecurrentGemma)."""
+    lightning: LightningConfig | None = None
+    """The lightning attention layers' sizes (mixer_pattern lightning: MiniMax-Text-01)."""
+    normed_residual: NormedResidualConfig | None = None
+    """MiniMax-Text-01's residual form (LayerSpec.residual_scales); None: x + sublayer(norm(x))."""
     mup: MuPMultipliers | None = None
     """Falcon-H1's multipliers on the attention, Mamba2, MLP and LM head activations; None: none."""
     mtp_layers: int = Field(0, ge=0, le=1)
@@ -457,6 +530,9 @@ class ModelConfig(Strict):
                 raise ValueError("kimi_delta layers have as many value heads as key heads, of the same width")
         if bool({"mamba2", "attention_mamba2"} & set(self.mixer_pattern or [])) != (self.mamba2 is not None):
             raise ValueError("mamba2 (the sizes) is set exactly when mixer_pattern has mamba2 layers")
+        for kind in ("rglru", "lightning"):  # (short_conv's settings have defaults)
+            if (kind in (self.mixer_pattern or [])) != (getattr(self, kind) is not None):
+                raise ValueError(f"{kind} (the sizes) is set exactly when mixer_pattern has {kind} layers")
         if any(layer.mixer == layer.ffn == "none" for layer in self.layer_pattern()):
             raise ValueError("mixer_pattern and ffn_pattern leave a layer with neither a mixer nor a feed-forward")
         if self.moe.shared_gate and not self.moe.num_shared_experts:
@@ -598,7 +674,7 @@ class ModelConfig(Strict):
         if key not in _LAYER_SPECS:
             if len(_LAYER_SPECS) >= 64:
                 _LAYER_SPECS.pop(next(iter(_LAYER_SPECS)))
-            _LAYER_SPECS[key] = tuple(self._layer_spec(layer) for layer in self.layer_pattern())
+            _LAYER_SPECS[key] = tuple(with_layer_decays([self._layer_spec(layer) for layer in self.layer_pattern()]))
         return list(_LAYER_SPECS[key])
 
     def _norm_spec(self) -> NormSpec:
@@ -622,7 +698,17 @@ class ModelConfig(Strict):
             per_layer_input_dim=self.embedding.per_layer_input_dim,
             per_layer_activation=self.mlp.activation,
             residual=self.block.residual,
+            residual_scales=self._residual_scales(layer),
         )
+
+    def _residual_scales(self, layer: Layer) -> tuple[float, float, float, float] | None:
+        """MiniMax's (mixer alpha, beta, ffn alpha, beta) for the layer's mixer kind."""
+        r = self.normed_residual
+        if r is None:
+            return None
+        lightning = layer.mixer == "lightning"
+        mixer = (r.lightning_alpha, r.lightning_beta) if lightning else (r.attention_alpha, r.attention_beta)
+        return (*mixer, r.mlp_alpha, r.mlp_beta)
 
     def _mlp_spec(self, dim: int) -> MLPSpec:
         mup = self.mup
@@ -702,6 +788,7 @@ class ModelConfig(Strict):
             values_from_keys=layer.values_from_keys,
             output_gate=self.attention.output_gate,
             sinks=self.attention.sinks and (layer.local or not self.attention.local_sinks_only),
+            head_gate=self.attention.head_gate,
             kv_sharing=layer.kv_sharing,
             rope=self._rotary(layer.local) if layer.rope and self.positions == "rope" else None,
             window=self.attention.sliding_window if layer.local else None,
@@ -768,6 +855,14 @@ class ModelConfig(Strict):
                 indexer=indexer,
                 scale=mla_score_scale(self.attention.head_dim, self.rope.scaling),
             )
+        if layer.mixer == "lightning":
+            assert self.lightning is not None  # _check_mixers
+            return LightningSpec(**self.lightning.model_dump())  # slope_factor: layer_specs, by depth
+        if layer.mixer == "rglru":
+            assert self.rglru is not None  # _check_mixers
+            return RGLRUSpec(**self.rglru.model_dump())
+        if layer.mixer == "short_conv":
+            return ShortConvSpec(width=self.d_model, **(self.short_conv or ShortConvConfig()).model_dump())
         if layer.mixer in ("gated_delta", "kimi_delta"):
             gd = self.gated_delta
             assert gd is not None  # _check_mixers

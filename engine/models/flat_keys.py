@@ -43,6 +43,7 @@ FLAT: dict[str, tuple[str, str]] = {
     "attention_value_dim": ("attention", "value_dim"),
     "attention_value_scale": ("attention", "value_scale"),
     "local_sinks_only": ("attention", "local_sinks_only"),
+    "attention_head_gate": ("attention", "head_gate"),
     # rope
     "rope_theta": ("rope", "theta"),
     "rope_scaling": ("rope", "scaling"),

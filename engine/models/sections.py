@@ -101,6 +101,9 @@ class AttentionConfig(Strict):
     kv_shared_layers: int = Field(0, ge=0)
     """The last this many layers project no keys or values: each attends with those of the last
     earlier layer of its attention kind (Gemma 4's num_kv_shared_layers; config.Layer.kv_sharing)."""
+    head_gate: bool = False
+    """Each head's output times sigmoid(x . w), a learned scalar gate per head and token from the
+    layer's input, before o_proj (LFM3's g_proj)."""
     value_dim: int | None = Field(None, gt=0)
     """The value heads' width where it differs from head_dim (at most it; MiMo-V2-Flash's
     v_head_dim, 128 under 192-wide queries and keys); None: head_dim."""

@@ -90,6 +90,8 @@ class AttentionSpec(Spec):
     """sigmoid(x . W_gate) per head and dimension on the output (Qwen3-Next); q_proj yields both."""
     sinks: bool = False
     """A learned logit per head in each softmax's denominator (GPT-OSS)."""
+    head_gate: bool = False
+    """Each head's output times sigmoid(x . w_n), a scalar per head from the layer's input (LFM3's g_proj)."""
     kv_sharing: Literal["store", "reuse"] | None = None
     """Gemma 4: `reuse` layers have no key/value projections and attend with the keys and
     values of their kind's `store` layer."""
@@ -166,7 +168,7 @@ class AttentionSpec(Spec):
         if self.block_indexer is not None:  # its query and key projections and their norms
             g, i = self.block_indexer.heads, self.block_indexer.head_dim
             count += d * i * (g + 1) + 2 * self.norm.params(i)
-        return count + n * self.sinks + d * self.out_bias
+        return count + n * self.sinks + d * self.out_bias + d * n * self.head_gate
 
 
 _ATTENTION_STRUCTURE = {
@@ -184,6 +186,7 @@ _ATTENTION_STRUCTURE = {
     "kv_sharing",
     "value_head_dim",
     "block_indexer",
+    "head_gate",
 }
 
 
@@ -403,6 +406,76 @@ class MixtureOfAttentionSpec(Spec):
         return 2 * d * width + 2 * self.num_experts * d * width + d * self.num_experts + d
 
 
+class ShortConvSpec(Spec):
+    """A gated short convolution (engine/models/short_conv.py; LFM2): in_proj to B, C, x;
+    C * conv(B * x), a depthwise causal convolution of conv_kernel taps; out_proj."""
+
+    kind: Literal["short_conv"] = "short_conv"
+    width: int
+    """The convolution's channels (the model width)."""
+    conv_kernel: int = 3
+    bias: bool = False
+    """Biases on in_proj, the convolution and out_proj (LFM2's conv_bias)."""
+
+    def mixing_macs(self, seq_len: int) -> int:
+        """The convolution's taps and the two gates, per token (independent of seq_len)."""
+        return self.width * (self.conv_kernel + 2)
+
+    def params(self, d: int) -> int:
+        return 4 * d * self.width + self.width * self.conv_kernel + (3 * self.width + self.width + d) * self.bias
+
+
+class RGLRUSpec(Spec):
+    """Griffin's recurrent block (engine/models/rglru.py; RecurrentGemma): linear_y, linear_x,
+    a depthwise causal convolution, the RG-LRU (block-diagonal gates, a block per head) and
+    linear_out, each with a bias."""
+
+    kind: Literal["rglru"] = "rglru"
+    width: int
+    """The recurrence's width (lru_width)."""
+    num_heads: int
+    """Blocks of the gates' block-diagonal weights (width / num_heads each)."""
+    conv_kernel: int = 4
+
+    def mixing_macs(self, seq_len: int) -> int:
+        """The convolution's taps, the two gates' blocks and the recurrence, per token."""
+        return self.width * (self.conv_kernel + 2 * self.width // self.num_heads + 2)
+
+    def params(self, d: int) -> int:
+        w, k = self.width, self.width // self.num_heads
+        return 3 * d * w + 2 * w + d + w * self.conv_kernel + w + 2 * (w * k + w) + w
+
+
+class LightningSpec(Spec):
+    """Lightning attention (engine/models/lightning.py; MiniMax-Text-01): linear attention with a
+    fixed decay per head, an RMSNorm over all heads and a sigmoid output gate."""
+
+    kind: Literal["lightning"] = "lightning"
+    num_heads: int
+    head_dim: int
+    chunk_size: int = 256
+    """Positions per chunk of the training form (the results do not depend on it)."""
+    norm_eps: float = 1e-6
+    # call: how the layer decays
+    slope_factor: float = 1.0
+    """Each head's decay rate is 2^(-8 (h + 1) / heads) times this: transformers' 1 - i / (L - 1 +
+    1e-5) + 1e-5 for layer i of L, so layers differing only in it share a stack."""
+
+    def structure(self) -> LightningSpec:
+        """This spec with slope_factor at its default: what its parameters depend on."""
+        return self.model_copy(update={"slope_factor": 1.0})
+
+    def mixing_macs(self, seq_len: int) -> int:
+        """The chunked form's: within its chunk QK^T and the scores times V, and the state read
+        and written, per head."""
+        chunk = min(self.chunk_size, seq_len)
+        return self.num_heads * (2 * chunk * self.head_dim + 2 * self.head_dim * self.head_dim)
+
+    def params(self, d: int) -> int:
+        inner = self.num_heads * self.head_dim
+        return 5 * d * inner + inner
+
+
 MixerSpec = Annotated[
     AttentionSpec
     | MLASpec
@@ -411,7 +484,10 @@ MixerSpec = Annotated[
     | Mamba2Spec
     | ParallelHybridSpec
     | MixtureOfAttentionSpec
-    | Mamba1Spec,
+    | Mamba1Spec
+    | ShortConvSpec
+    | RGLRUSpec
+    | LightningSpec,
     Field(discriminator="kind"),
 ]
 """A layer's sequence mixer."""
@@ -525,6 +601,10 @@ class LayerSpec(Spec):
     per_layer_input_dim: int | None = None
     """Gemma 4's per-layer inputs: x + norm(proj(act(gate(x)) * e)) after the feed-forward."""
     per_layer_activation: Activation = "gelu_tanh"
+    residual_scales: tuple[float, float, float, float] | None = None
+    """(mixer alpha, mixer beta, ffn alpha, ffn beta): each sublayer sets the stream to alpha *
+    norm(x) + beta * sublayer(norm(x)), the normed input its residual (MiniMax-Text-01's
+    DeepNorm-style factors); None: x + sublayer(norm(x))."""
     residual: Literal["sequential", "parallel", "parallel_shared_norm"] = "sequential"
     """sequential: x + mixer(norm(x)), then + ffn(norm(that)); parallel: x + mixer(norm1(x)) +
     ffn(norm2(x)) (GPT-NeoX, Falcon's new architecture); parallel_shared_norm: one norm for both,
@@ -561,3 +641,16 @@ class LayerSpec(Spec):
         if self.per_layer_input_dim:  # gate, projection, norm
             n += d * (2 * self.per_layer_input_dim) + self.norm.params(d)
         return n
+
+
+def with_layer_decays(specs: list[LayerSpec]) -> list[LayerSpec]:
+    """The layers with each lightning mixer's slope_factor set from its depth, as transformers
+    sets it: 1 - i / (L - 1 + 1e-5) + 1e-5 for layer i of L."""
+    last = len(specs) - 1 + 1e-5
+    out = []
+    for i, spec in enumerate(specs):
+        if isinstance(spec.mixer, LightningSpec):
+            mixer = spec.mixer.model_copy(update={"slope_factor": 1 - i / last + 1e-5})
+            spec = spec.model_copy(update={"mixer": mixer})
+        out.append(spec)
+    return out

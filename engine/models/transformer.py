@@ -30,6 +30,7 @@ from engine.models.dsa import WithIndexerLoss
 from engine.models.gated_delta_block import GatedDeltaNet
 from engine.models.kimi_delta_block import KimiDeltaAttention
 from engine.models.kv_cache import KVCache
+from engine.models.lightning import LightningAttention
 from engine.models.lora import (
     ATTENTION_WEIGHTS,
     MLP_WEIGHTS,
@@ -49,7 +50,9 @@ from engine.models.moa import MixtureOfAttention
 from engine.models.moe import MoE, MoEStats, clamped_swiglu, combine_stats
 from engine.models.mtp import MTPHead, mtp_loss
 from engine.models.parallel_hybrid import AttentionMamba2
+from engine.models.rglru import RecurrentBlock
 from engine.models.rope import layer_rotary, rotate_heads
+from engine.models.short_conv import ShortConv
 from engine.models.specs import AttentionSpec, LayerSpec, MLPSpec, MoESpec, ParallelHybridSpec, RotarySpec
 from engine.models.xielu import initial_parameters as xielu_initial_parameters
 from engine.models.xielu import xielu
@@ -120,6 +123,8 @@ class Attention(nnx.Module):
             self.bo_d = nnx.Param(jnp.zeros((d,), pdt), out_sharding=("embed",))
         if spec.sinks:  # GPT-OSS: a logit per head in the softmax's denominator (0: as much as one key)
             self.sinks_n = nnx.Param(jnp.zeros((n,), pdt), out_sharding=("heads",))
+        if spec.head_gate:  # LFM3: a sigmoid gate per head from the layer's input
+            self.w_head_gate_dn = _param(rngs, (d, n), std, ("embed", "heads"), pdt)
         self.head_dim, self.norm_eps = h, spec.norm.eps
         self.dtype, self.compute, self.dot_general = build.dtype, build.compute, build.dot_general
         if spec.block_indexer is not None:  # MiniMax-M3's sparse layers (block_sparse.py)
@@ -252,6 +257,9 @@ class Attention(nnx.Module):
         out_btnh = out_btnh[..., :value_dim]  # the zero columns of padded values dropped
         if self.output_gate:  # sigmoid(gate) per head and dimension, in the compute dtype
             out_btnh = out_btnh * jax.nn.sigmoid(gate).astype(out_btnh.dtype)
+        if spec.head_gate:  # sigmoid(x . w) per head, one scalar each
+            gate_btn = jax.nn.sigmoid(self._dense(x_btd, "w_head_gate_dn"))
+            out_btnh = out_btnh * gate_btn[..., None].astype(out_btnh.dtype)
         out_btd = self._dense(out_btnh, "wo_nhd", 2)
         if spec.out_bias:
             out_btd = out_btd + self.bo_d[...].astype(dt)
@@ -401,6 +409,9 @@ MIXERS: dict[str, Callable[..., nnx.Module]] = {
     "attention_mamba2": _attention_mamba2,
     "mixture_of_attention": MixtureOfAttention,
     "mamba1": Mamba1,
+    "short_conv": ShortConv,
+    "rglru": RecurrentBlock,
+    "lightning": LightningAttention,
 }
 """A mixer spec's kind -> its module, built (spec, build, rngs=) and called (x, positions,
 segment_ids, spec, cache=None, **extras) -> out, or with a cache (out, cache); `spec` is the
@@ -477,7 +488,11 @@ class Block(nnx.Module):
             extra = {"rotary": rotary, "shared_kv": shared_kv, "store_kv": store_kv}
             attn_in = self.attn_norm(x_btd) if spec.pre_norms else x_btd
             branch, cache, indexer_kl = self._mix(attn_in, positions_bt, segment_ids_bt, spec, cache, extra)
-            x_btd = x_btd + branch
+            if spec.residual_scales is not None:  # MiniMax: alpha * norm(x) + beta * mixer(norm(x))
+                alpha, beta = (jnp.asarray(f, branch.dtype) for f in spec.residual_scales[:2])
+                x_btd = attn_in * alpha + branch * beta
+            else:
+                x_btd = x_btd + branch
         if spec.ffn is None:
             x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
             return x_btd, cache, None if indexer_kl is None else WithIndexerLoss(None, indexer_kl)
@@ -498,7 +513,11 @@ class Block(nnx.Module):
                 mlp_out = self.mlp(mlp_in)
         if spec.residual_multiplier is not None:  # Granite
             mlp_out = mlp_out * jnp.asarray(spec.residual_multiplier, mlp_out.dtype)
-        x_btd = x_btd + (self.post_mlp_norm(mlp_out) if spec.post_norms else mlp_out)
+        if spec.residual_scales is not None:  # MiniMax: alpha * norm(x) + beta * ffn(norm(x))
+            alpha, beta = (jnp.asarray(f, mlp_out.dtype) for f in spec.residual_scales[2:])
+            x_btd = mlp_in * alpha + mlp_out * beta
+        else:
+            x_btd = x_btd + (self.post_mlp_norm(mlp_out) if spec.post_norms else mlp_out)
         if spec.per_layer_input_dim is not None:  # x + norm(proj(act(gate(x)) * e)), e this layer's input
             dt, kw = self.dtype, {"backward": self.compute.matmul_backward, "dot_general": self.dot_general}
             gate_btp = project(self, "per_layer_gate_dp", x_btd, 1, dt, **kw)  # (+ the LoRA updates, if adapted)

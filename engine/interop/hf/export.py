@@ -251,8 +251,8 @@ def hf_tensors(
             shape = fused_hf_shape(spec, [leaf(spec, index, p).shape for p in (spec.path, *spec.fused_with)])
         entries[name] = (shape, array.dtype, functools.partial(hf_tensor, spec, index))
     dtype = leaf(top[0], ()).dtype  # constant buffers (Family.constant_tensors), in the parameters' dtype
-    for name, value in get_family(cfg.family).constant_tensors(cfg).items():
-        entries[name] = ((), dtype, functools.partial(np.full, (), value, dtype))
+    for name, value in get_family(cfg.family).constant_tensors(cfg).items():  # a scalar or an array
+        entries[name] = (np.shape(value), dtype, functools.partial(np.asarray, value, dtype))
     return entries
 
 

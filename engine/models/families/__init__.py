@@ -33,6 +33,7 @@ from engine.models.families import cwm, youtu, hy_v3, minicpm5_moe, sarvam, aper
 from engine.models.families import mamba, bamba, jamba  # noqa: F401, I001
 from engine.models.families import mimo_v2_flash  # noqa: F401, I001
 from engine.models.families import minimax_m3  # noqa: F401, I001
+from engine.models.families import lfm2, recurrent_gemma, minimax01  # noqa: F401, I001
 from engine.models.families.base import (
     Family,
     TensorSpec,
