@@ -68,7 +68,7 @@ def computations(hlo: str) -> tuple[dict[str, list[tuple]], str]:
             current = header.group(2)
             comps[current] = []
             entry = current if header.group(1) else entry
-        elif line.startswith("}"):
+        elif line.rstrip() == "}":  # (an instruction's attributes may run over lines starting with "}}")
             current = None
         elif current and (m := INSTRUCTION.match(line.strip())):
             comps[current].append(m.groups())
@@ -79,9 +79,10 @@ def _operands(rest: str) -> list[str]:
     return re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
 
 
-def fused_flops(comps, name: str) -> int:
-    """The multiply-adds (x2) of the convolutions and dots inside a fused computation."""
-    flops, shapes = 0, {}
+def fused_flops(comps, name: str, shapes: dict | None = None) -> int:
+    """The multiply-adds (x2) of the convolutions and dots inside a fused computation
+    (`shapes`: its operands' where they are defined outside it)."""
+    flops, shapes = 0, dict(shapes or {})
     for inst, shape, op, rest in comps.get(name, []):
         shapes[inst] = shape
         if op in ("convolution", "dot"):
@@ -90,16 +91,43 @@ def fused_flops(comps, name: str) -> int:
             if op == "dot" and (c := re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)):
                 k = _prod([lhs[int(i)] for i in c.group(1).split(",") if i])
             if op == "convolution":
-                labels = re.search(r"dim_labels=(\w+)_", rest)
-                k = lhs[labels.group(1).index("f")] if labels and lhs and "f" in labels.group(1) else 1
-                if window := re.search(r"window=\{size=([\dx]+)", rest):
-                    k *= _prod(window.group(1).replace("x", ","))
-                if groups := re.search(r"feature_group_count=(\d+)", rest):
-                    k //= int(groups.group(1))
+                flops += _convolution_flops(lhs, _dims(shapes.get(_operands(rest)[1], "")), _dims(shape), rest)
+                continue
             flops += 2 * _prod(_dims(shape)) * k
         elif op == "fusion" and (called := re.search(r"calls=%([\w.\-]+)", rest)):
             flops += fused_flops(comps, called.group(1))
     return flops
+
+
+def _window(rest: str, key: str, n: int, default: int) -> list[int]:
+    found = re.search(rf"\b{key}=([\d_x]+)", rest.split("window={", 1)[-1].split("}", 1)[0])
+    return [int(v.split("_")[0]) for v in found.group(1).split("x")] if found else [default] * n
+
+
+def _convolution_flops(lhs: list[int], rhs: list[int], out: list[int], rest: str) -> int:
+    """2 x the multiply-adds of a convolution that land on input (not on its padding), as
+    XLA's cost analysis counts them: XLA:TPU writes batched and per-head products as
+    convolutions whose windows slide over padded axes."""
+    labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", rest)
+    if not (labels and lhs and rhs and out):
+        return 0
+    lhs_l, rhs_l, out_l = labels.groups()
+    spatial = sorted(c for c in lhs_l if c.isdigit())
+    n = len(spatial)
+    pads = re.search(r"pad=([\d_x-]+)", rest.split("window={", 1)[-1].split("}", 1)[0]) if "window={" in rest else None
+    pad_lo = [int(p.split("_")[0]) for p in pads.group(1).split("x")] if pads else [0] * n
+    stride, lhs_dilate = _window(rest, "stride", n, 1), _window(rest, "lhs_dilate", n, 1)
+    rhs_dilate = _window(rest, "rhs_dilate", n, 1)
+    pairs = 1
+    for i, d in enumerate(spatial):
+        size, window, positions = lhs[lhs_l.index(d)], rhs[rhs_l.index(d)], out[out_l.index(d)]
+        valid = 0
+        for o in range(positions):
+            for k in range(window):
+                x = o * stride[i] + k * rhs_dilate[i] - pad_lo[i]
+                valid += x >= 0 and x % lhs_dilate[i] == 0 and x // lhs_dilate[i] < size
+        pairs *= valid
+    return 2 * out[out_l.index("b")] * rhs[rhs_l.index("o")] * rhs[rhs_l.index("i")] * pairs
 
 
 def roofline(hlo: str, top: int = 12) -> dict:
@@ -123,16 +151,24 @@ def roofline(hlo: str, top: int = 12) -> dict:
                 continue
             if op in NOT_RUN:
                 continue
-            out = shape_bytes(shape)
-            moved = out
-            for arg in _operands(rest):
-                if arg in shapes:
-                    size, dims = shape_bytes(shapes[arg]), _dims(shapes[arg])
-                    if trips > 1 and dims and dims[0] == trips and size > 4 * out:  # one layer's slice
-                        size //= trips
+            out, args = shape_bytes(shape), [shapes[a] for a in _operands(rest) if a in shapes]
+            if op in ("slice-start", "slice", "dynamic-slice"):  # reads what it writes
+                moved = 2 * out
+            elif op == "slice-done":
+                moved = 0
+            else:
+                # one layer's row of a stacked buffer updated in place
+                stacked = trips > 1 and _dims(shape)[:1] == [trips] and shape in args
+                moved = out // trips if stacked else out
+                for arg in args:
+                    size, dims = shape_bytes(arg), _dims(arg)
+                    if trips > 1 and dims[:1] == [trips] and (size > 4 * out or (stacked and arg == shape)):
+                        size //= trips  # a layer's slice of a stacked (layers, ...) buffer
                     moved += size
             called = re.search(r"calls=%([\w.\-]+)", rest) if op == "fusion" else None
             flops = fused_flops(comps, called.group(1)) if called else 0
+            if op in ("convolution", "dot"):  # a product left unfused
+                flops = fused_flops({"one": [(inst, shape, op, rest)]}, "one", shapes)
             where = re.search(r'op_name="([^"]*)"', rest)
             seconds = max(flops / PEAK_FLOPS, moved / HBM_BYTES_PER_S)
             ops.append((seconds * times, flops * times, moved * times, times, op, shape, where[1] if where else ""))
@@ -197,8 +233,11 @@ def compile_step(name: str, settings: dict[str, str]):
     tokens = cfg.data.batch_size * cfg.data.seq_len
     return compiled.as_text(), {
         "model_flops": flops_per_token(cfg.model, cfg.data.seq_len) * tokens,
-        "temporaries_gib": memory.temp_size_in_bytes / 2**30,
         "argument_gib": memory.argument_size_in_bytes / 2**30,
+        # The buffer assignment's heap peak (arguments, outputs and temporaries live at once):
+        # what `trainflow plan` reads on a TPU; temp_size_in_bytes sums every temporary.
+        "peak_gib": (getattr(memory, "peak_memory_in_bytes", 0) or 0) / 2**30,
+        "temp_size_gib": memory.temp_size_in_bytes / 2**30,
     }
 
 

@@ -211,6 +211,7 @@ def run_trainflow(name: str, steps: int, warmup: int, settings: dict[str, str], 
         "output": compiled.output_size_in_bytes / GiB,
         "alias": compiled.alias_size_in_bytes / GiB,
         "program": compiled.generated_code_size_in_bytes / GiB,
+        "peak": (getattr(compiled, "peak_memory_in_bytes", 0) or 0) / GiB,  # the heap peak `trainflow plan` reads
     }
     if trace_dir:
         traced(trainer.train_step, (params, opt_state), (batch,), TRACED_STEPS, trace_dir)
