@@ -309,6 +309,8 @@ def plan(names: list[str], settings: dict[str, str]) -> dict:
             "argument_gib": memory.argument / GiB,
             "temporaries_gib": memory.temporaries / GiB,
             "seconds": time.perf_counter() - started,
+            "commit": commit(),
+            "date": datetime.date.today().isoformat(),
         }
         print(variant(name, settings), json.dumps(planned[variant(name, settings)]), flush=True)
     return planned
