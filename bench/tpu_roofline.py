@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from bench import REPO
+from bench.tpu_v5e import commit
 
 OUT = REPO / "bench" / "results" / "tpu-v5e-roofline.json"
 PEAK_FLOPS, HBM_BYTES_PER_S = 197e12, 819e9  # TPU v5e data sheet: bf16 dense, HBM bandwidth
@@ -251,20 +252,21 @@ def main() -> None:
     args = parser.parse_args()
     settings = dict(s.split("=", 1) for s in args.set)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compiling for the TPU needs no chip here
-    results = json.loads(args.out.read_text()) if args.out.exists() else {"runs": []}
     for name in args.shapes.split(","):
         started = time.perf_counter()
         hlo, meta = (args.hlo.read_text(), {}) if args.hlo else compile_step(name, settings)
         row = {"shape": name, "settings": settings, **meta, **roofline(hlo, args.top)}
         row["compile_seconds"] = time.perf_counter() - started
         row["date"] = datetime.date.today().isoformat()
-        results["runs"].append(row)
+        row["commit"] = commit()
         print(
             f"{name} {settings}: roofline {row['roofline_seconds']:.3f} s "
             f"(matmuls {row['matmul_seconds']:.3f}, the rest {row['other_seconds']:.3f})",
             flush=True,
         )
-        if not args.hlo:
+        if not args.hlo:  # read again: another run may have written meanwhile
+            results = json.loads(args.out.read_text()) if args.out.exists() else {"runs": []}
+            results["runs"].append(row)
             args.out.write_text(json.dumps(results, indent=1) + "\n")
 
 
