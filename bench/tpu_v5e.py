@@ -395,11 +395,13 @@ def main() -> None:
         row = worker(args.worker, args.shape, args.steps, args.warmup, args.settings, trace_dir)
         print(json.dumps(row), flush=True)
         return
-    results = json.loads(args.out.read_text()) if args.out.exists() else {"runs": []}
     if args.plan:
-        results.setdefault("plan_v5e_1", {}).update(plan(args.shapes.split(","), args.settings))
+        planned = plan(args.shapes.split(","), args.settings)
+        results = json.loads(args.out.read_text()) if args.out.exists() else {"runs": []}  # as it is now
+        results.setdefault("plan_v5e_1", {}).update(planned)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
         return
+    results = json.loads(args.out.read_text()) if args.out.exists() else {"runs": []}
     results.update(date=datetime.date.today().isoformat(), commit=args.commit or commit())
     for round_ in range(args.rounds):
         for name in args.shapes.split(","):
