@@ -47,7 +47,8 @@ class Objective:
 
 def cross_entropy(logits_btv, targets_bt, mask_bt, z_loss: float = 0.0):
     """(sum of masked NLL + z-loss terms, sum of masked NLL). Float32 throughout."""
-    return nll_sums(*log_z_and_target(logits_btv, targets_bt), mask_bt, z_loss)
+    log_z_bt, target_logit_bt = log_z_and_target(logits_btv, targets_bt)
+    return nll_sums(log_z_bt, target_logit_bt, mask_bt, z_loss)
 
 
 def nll_sums(log_z_bt, target_logit_bt, mask_bt, z_loss: float = 0.0):
@@ -68,10 +69,10 @@ def lm_loss_fn(graphdef, z_loss: float = 0.0, loss_tiles: int = 1):
                 logits, moe = apply_model_with_aux(
                     graphdef, params, batch["tokens"], batch["positions"], batch["segment_ids"]
                 )
-                terms = log_z_and_target(logits, batch["targets"])
+                log_z, target_logit = log_z_and_target(logits, batch["targets"])
             else:
-                *terms, moe = tiled_lm_terms(graphdef, params, batch, loss_tiles)
-        total, nll_sum = nll_sums(*terms, batch["loss_mask"], z_loss)
+                log_z, target_logit, moe = tiled_lm_terms(graphdef, params, batch, loss_tiles)
+        total, nll_sum = nll_sums(log_z, target_logit, batch["loss_mask"], z_loss)
         tokens = jnp.sum(batch["loss_mask"])
         aux = {"loss": nll_sum / normaliser, "nll_sum": nll_sum, "tokens": tokens}
         if not moe:
