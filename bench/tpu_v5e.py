@@ -102,21 +102,29 @@ COMMON = {"remat": "full", "param_dtype": "bfloat16"}
 VOCAB_TILES = 4
 
 
-def trainflow_config(shape: dict, steps: int):
+def trainflow_config(shape: dict, steps: int, settings: dict[str, str] | None = None):
+    """The shape's TrainConfig; `settings`: dotted keys (compute.remat, loss_tiles, ...) and
+    YAML values over it, a variant to measure beside the side-by-side settings."""
+    import yaml
+
     from engine.config import load_config
     from engine.train.config import TrainConfig
 
-    return load_config(
-        tree={
-            "model": shape["trainflow"],
-            "compute": {"param_dtype": "bfloat16", "dtype": "bfloat16", "remat": "full", "scan_layers": True},
-            "mesh": {"data": -1},
-            "data": {"batch_size": shape["batch"], "seq_len": shape["seq"]},
-            "optimizer": {"learning_rate": 1e-5},
-            "steps": steps,
-        },
-        schema=TrainConfig,
-    )
+    tree = {
+        "model": dict(shape["trainflow"]),
+        "compute": {"param_dtype": "bfloat16", "dtype": "bfloat16", "remat": "full", "scan_layers": True},
+        "mesh": {"data": -1},
+        "data": {"batch_size": shape["batch"], "seq_len": shape["seq"]},
+        "optimizer": {"learning_rate": 1e-5},
+        "steps": steps,
+    }
+    for key, value in (settings or {}).items():
+        *path, last = key.split(".")
+        node = tree
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = yaml.safe_load(value)
+    return load_config(tree=tree, schema=TrainConfig)
 
 
 def maxtext_argv(name: str, shape: dict, steps: int, out_dir: str) -> list[str]:
@@ -153,14 +161,15 @@ def chip_peak_gib() -> float | None:
     return stats["peak_bytes_in_use"] / GiB if "peak_bytes_in_use" in stats else None
 
 
-def run_trainflow(name: str, steps: int, warmup: int) -> dict:
+def run_trainflow(name: str, steps: int, warmup: int, settings: dict[str, str], trace_dir: str | None) -> dict:
     import jax
     import numpy as np
 
+    from bench.tpu_trace import summary, traced
     from engine.train.trainer import Trainer
 
     shape = SHAPES[name]
-    cfg = trainflow_config(shape, 1000)
+    cfg = trainflow_config(shape, 1000, settings)
     trainer = Trainer(cfg, devices=jax.devices()[:1])
     state = trainer.init_state()
     rows, seq = shape["batch"], shape["seq"]
@@ -186,12 +195,31 @@ def run_trainflow(name: str, steps: int, warmup: int) -> dict:
         params, opt_state, metrics = trainer.train_step(params, opt_state, batch)
     jax.block_until_ready((params, metrics))
     step_seconds = (time.perf_counter() - start) / steps
-    return {
+    row = {
         "step_seconds": step_seconds,
         "loss": float(metrics["loss"]),
         "compile_seconds": compile_seconds,
         "peak_hbm_gib": chip_peak_gib(),
+        "memory_stats": jax.devices()[0].memory_stats(),
     }
+    # The chip's own compiler's buffer assignment of this step, to set beside `trainflow plan`'s
+    # (peak_bytes_in_use above leaves the step's temporaries out on this chip and JAX).
+    compiled = trainer.jitted_train_step().lower(params, opt_state, batch).compile().memory_analysis()
+    row["compiled_gib"] = {
+        "argument": compiled.argument_size_in_bytes / GiB,
+        "temporaries": compiled.temp_size_in_bytes / GiB,
+        "output": compiled.output_size_in_bytes / GiB,
+        "alias": compiled.alias_size_in_bytes / GiB,
+        "program": compiled.generated_code_size_in_bytes / GiB,
+        "peak": (getattr(compiled, "peak_memory_in_bytes", 0) or 0) / GiB,  # the heap peak `trainflow plan` reads
+    }
+    if trace_dir:
+        traced(trainer.train_step, (params, opt_state), (batch,), TRACED_STEPS, trace_dir)
+        row["trace"] = summary(trace_dir, TRACED_STEPS)
+    return row
+
+
+TRACED_STEPS = 3
 
 
 STEP_LINE = re.compile(r"completed step: (\d+), seconds: ([\d.]+), TFLOP/s/device: ([\d.]+)")
@@ -245,13 +273,16 @@ def run_maxtext(name: str, steps: int, warmup: int) -> dict:
     return result
 
 
-def worker(system: str, name: str, steps: int, warmup: int) -> dict:
+def worker(system: str, name: str, steps: int, warmup: int, settings: dict[str, str], trace_dir: str | None) -> dict:
     import jax
 
     from engine.train.metrics import peak_flops
 
     shape = SHAPES[name]
-    run = run_trainflow(name, steps, warmup) if system == "trainflow" else run_maxtext(name, steps, warmup)
+    if system == "trainflow":
+        run = run_trainflow(name, steps, warmup, settings, trace_dir)
+    else:
+        run = run_maxtext(name, steps, warmup)
     tokens_per_second = shape["batch"] * shape["seq"] / run["step_seconds"]
     peak, _ = peak_flops(jax.devices()[:1])
     return {
@@ -263,7 +294,7 @@ def worker(system: str, name: str, steps: int, warmup: int) -> dict:
     }
 
 
-def plan(names: list[str]) -> dict:
+def plan(names: list[str], settings: dict[str, str]) -> dict:
     """`trainflow plan`'s memory for a v5e-1 (the compiler's buffer assignment for the chip,
     compiled ahead of time on this host through libtpu) of each shape's trainflow run."""
     from engine.train.plan import plan_step
@@ -272,14 +303,16 @@ def plan(names: list[str]) -> dict:
     planned = {}
     for name in names:
         started = time.perf_counter()
-        memory = plan_step(trainflow_config(SHAPES[name], 1000), get_target("v5e-1")).memory
-        planned[name] = {
+        memory = plan_step(trainflow_config(SHAPES[name], 1000, settings), get_target("v5e-1")).memory
+        planned[variant(name, settings)] = {
             "total_gib": memory.total / GiB,
             "argument_gib": memory.argument / GiB,
             "temporaries_gib": memory.temporaries / GiB,
             "seconds": time.perf_counter() - started,
+            "commit": commit(),
+            "date": datetime.date.today().isoformat(),
         }
-        print(name, json.dumps(planned[name]), flush=True)
+        print(variant(name, settings), json.dumps(planned[variant(name, settings)]), flush=True)
     return planned
 
 
@@ -289,8 +322,14 @@ def error_line(text: str) -> str:
     return (found[-1] if found else (lines[-1] if lines else "no output"))[:600]
 
 
+def variant(name: str, settings: dict[str, str]) -> str:
+    """A shape's key with its trainflow settings, if any: llama3.2-1b-2048[loss_tiles=4]."""
+    return name + ("[" + ",".join(f"{k}={v}" for k, v in settings.items()) + "]" if settings else "")
+
+
 def measure(system: str, name: str, args) -> dict:
     shape = SHAPES[name]
+    settings = args.settings if system == "trainflow" else {}
     row = {
         "system": system,
         "shape": name,
@@ -301,10 +340,17 @@ def measure(system: str, name: str, args) -> dict:
         "steps": args.steps,
         "warmup": args.warmup,
     }
+    if settings:  # a variant: its own settings over the side-by-side ones
+        row["settings"] = settings
+        row["remat"] = settings.get("compute.remat", row["remat"])
+        row["param_dtype"] = settings.get("compute.param_dtype", row["param_dtype"])
     if system == "maxtext":
         row["maxtext_overrides"] = maxtext_argv(name, shape, args.warmup + args.steps, "OUT")
     argv = [sys.executable, "-m", "bench.tpu_v5e", "--worker", system, "--shape", name]
     argv += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    argv += [f"--set={k}={v}" for k, v in settings.items()]
+    if args.trace and system == "trainflow":
+        argv += ["--trace", str(args.trace / variant(name, settings))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     if system == "maxtext":
         env["DECOUPLE_GCLOUD"] = "TRUE"
@@ -338,17 +384,24 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--commit", default=None, help="the commit measured, where the checkout has no git")
     parser.add_argument("--plan", action="store_true", help="record `trainflow plan` for v5e-1 of each shape instead")
+    parser.add_argument("--set", action="append", default=[], help="KEY=VALUE over trainflow's config: a variant")
+    parser.add_argument("--trace", type=Path, help="trace 3 more trainflow steps under DIR and summarise them")
     parser.add_argument("--worker", choices=["trainflow", "maxtext"], help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.settings = dict(item.split("=", 1) for item in args.set)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.shape, args.steps, args.warmup)), flush=True)
+        trace_dir = str(args.trace) if args.trace else None
+        row = worker(args.worker, args.shape, args.steps, args.warmup, args.settings, trace_dir)
+        print(json.dumps(row), flush=True)
         return
-    results = json.loads(args.out.read_text()) if args.out.exists() else {"runs": []}
     if args.plan:
-        results.setdefault("plan_v5e_1", {}).update(plan(args.shapes.split(",")))
+        planned = plan(args.shapes.split(","), args.settings)
+        results = json.loads(args.out.read_text()) if args.out.exists() else {"runs": []}  # as it is now
+        results.setdefault("plan_v5e_1", {}).update(planned)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
         return
+    results = json.loads(args.out.read_text()) if args.out.exists() else {"runs": []}
     results.update(date=datetime.date.today().isoformat(), commit=args.commit or commit())
     for round_ in range(args.rounds):
         for name in args.shapes.split(","):

@@ -81,6 +81,7 @@ ADDED_AT_DEFAULT = {
     "compute.indexer_loss": "none",
     "compute.indexer_loss_weight": 1.0,
     "compute.indexer_ties": "first",  # DSA's top-k among tied scores (engine/models/dsa.py)
+    "loss_tiles": 1,  # the LM head and loss in pieces of the sequence (engine/train/lm_head.py)
     # DPO's separate reference (its checkpoint comes from an input, and is not in the id)
     "reference": {"checkpoint": None, "compute": None},
     # DPO's list-valued loss_type with weights, DiscoPOP's temperature (issue 53)

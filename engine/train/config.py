@@ -144,6 +144,12 @@ class TrainConfig(RunFields):
     data: DataConfig = DataConfig()
     z_loss: float = Field(0.0, ge=0)
     """Weight of the z-loss (log Z squared) that keeps the softmax normaliser near 1 (PaLM)."""
+    loss_tiles: int = Field(1, gt=0)
+    """The LM head and the loss run over each row's positions in this many pieces, one after
+    another, each piece's logits made again in the backward pass (engine/train/lm_head.py;
+    MaxText's num_vocab_tiling): the step holds batch x seq_len / loss_tiles logits instead of
+    all of them (Llama 3.2 1B at 8 x 2048: 4.0 GiB of bf16 logits), for a third more of the
+    head's FLOPs. 1 = the whole sequence at once. Must divide data.seq_len."""
     lora: LoraConfig | None = None
     """Train a low-rank adapter on the frozen checkpoint.init_from instead of every parameter
     (engine/models/lora.py): the state, optimizer and checkpoints hold the adapter alone."""
@@ -152,7 +158,22 @@ class TrainConfig(RunFields):
     def _check_length(self) -> TrainConfig:
         if self.data.seq_len > self.model.max_seq_len:
             raise ValueError(f"data.seq_len ({self.data.seq_len}) exceeds model.max_seq_len ({self.model.max_seq_len})")
+        if self.loss_tiles > 1:
+            if self.data.seq_len % self.loss_tiles:
+                raise ValueError(f"loss_tiles ({self.loss_tiles}) must divide data.seq_len ({self.data.seq_len})")
+            if reason := tiles_unsupported(self.model, self.compute):
+                raise ValueError(f"loss_tiles ({self.loss_tiles}) needs the whole logits at once here: {reason}")
         return self
+
+
+def tiles_unsupported(model: ModelConfig, compute: ComputeConfig) -> str | None:
+    """Why the LM head cannot run in pieces (TrainConfig.loss_tiles) for this model, None if
+    it can: the parts of the forward pass that read the whole logits or the head's input."""
+    if model.mtp_layers and compute.mtp_loss:
+        return "the multi-token-prediction loss (compute.mtp_loss) reads the head's input in the forward pass"
+    if compute.indexer_loss == "warmup":
+        return "the sparse-attention warm-up (compute.indexer_loss: warmup) stops the logits' gradient"
+    return None
 
 
 TRAINER_FIELDS = (*RunFields.model_fields, "optimizer", "lora")

@@ -19,6 +19,7 @@ import optax
 from engine.models.lora import LORA_SEED, dropout_rows, join
 from engine.models.params import apply_model_with_aux
 from engine.ops.cross_entropy import log_z_and_target
+from engine.train.lm_head import tiled_lm_terms
 
 Reduction = Literal["sum", "mean", "max", "min"]
 _COMBINE = {"sum": jnp.add, "mean": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
@@ -47,20 +48,31 @@ class Objective:
 def cross_entropy(logits_btv, targets_bt, mask_bt, z_loss: float = 0.0):
     """(sum of masked NLL + z-loss terms, sum of masked NLL). Float32 throughout."""
     log_z_bt, target_logit_bt = log_z_and_target(logits_btv, targets_bt)
+    return nll_sums(log_z_bt, target_logit_bt, mask_bt, z_loss)
+
+
+def nll_sums(log_z_bt, target_logit_bt, mask_bt, z_loss: float = 0.0):
+    """cross_entropy's sums from its per-token terms, log Z and the target's logit."""
     nll_sum = jnp.sum((log_z_bt - target_logit_bt) * mask_bt)
     total = nll_sum + z_loss * jnp.sum(jnp.square(log_z_bt) * mask_bt)
     return total, nll_sum
 
 
-def lm_loss_fn(graphdef, z_loss: float = 0.0):
-    """loss_fn(params, batch, normaliser) -> (loss, aux) for next-token prediction."""
+def lm_loss_fn(graphdef, z_loss: float = 0.0, loss_tiles: int = 1):
+    """loss_fn(params, batch, normaliser) -> (loss, aux) for next-token prediction; with
+    `loss_tiles` > 1 the LM head and the loss run over each row's positions in that many
+    pieces (engine/train/lm_head.py)."""
 
     def loss_fn(params, batch, normaliser):
         with dropout_rows(batch.get(LORA_SEED)):  # a LoRA adapter's dropout, in training steps only
-            logits, moe = apply_model_with_aux(
-                graphdef, params, batch["tokens"], batch["positions"], batch["segment_ids"]
-            )
-        total, nll_sum = cross_entropy(logits, batch["targets"], batch["loss_mask"], z_loss)
+            if loss_tiles == 1:
+                logits, moe = apply_model_with_aux(
+                    graphdef, params, batch["tokens"], batch["positions"], batch["segment_ids"]
+                )
+                log_z, target_logit = log_z_and_target(logits, batch["targets"])
+            else:
+                log_z, target_logit, moe = tiled_lm_terms(graphdef, params, batch, loss_tiles)
+        total, nll_sum = nll_sums(log_z, target_logit, batch["loss_mask"], z_loss)
         tokens = jnp.sum(batch["loss_mask"])
         aux = {"loss": nll_sum / normaliser, "nll_sum": nll_sum, "tokens": tokens}
         if not moe:
@@ -99,9 +111,9 @@ def token_count(batch) -> jax.Array:
     return jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
 
 
-def lm_objective(graphdef, z_loss: float = 0.0) -> Objective:
+def lm_objective(graphdef, z_loss: float = 0.0, loss_tiles: int = 1) -> Objective:
     """Next-token cross-entropy, a mean over every target token of the batch (pretrain, SFT)."""
-    return Objective(lm_loss_fn(graphdef, z_loss), token_count)
+    return Objective(lm_loss_fn(graphdef, z_loss, loss_tiles), token_count)
 
 
 # --------------------------------------------------------------------------- steps

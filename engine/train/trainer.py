@@ -226,7 +226,8 @@ class Trainer:
         self.abstract_opt_state = jax.tree.map(
             lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract_opt, self.opt_shardings
         )
-        self.objective = (objective or (lambda graphdef: lm_objective(graphdef, cfg.z_loss)))(self.graphdef)
+        lm = lambda graphdef: lm_objective(graphdef, cfg.z_loss, cfg.loss_tiles)  # noqa: E731
+        self.objective = (objective or lm)(self.graphdef)
         self.batch_sharding = batch_sharding(self.mesh)
         self.hooks: list[_Hook] = []
         self.batch_shapes = lm_batch(cfg.data.batch_size, cfg.data.seq_len) if objective is None else None
