@@ -400,6 +400,24 @@ def _attention_mamba2(spec: ParallelHybridSpec, build: Build, *, rngs: nnx.Rngs)
     )
 
 
+def finish_logits(cfg: ModelConfig, logits_btv, bias_v=None):
+    """The LM head's product made the model's logits: its bias, multipliers and softcap
+    (cfg.head, Falcon-H1's muP), then the logits' sharding. Transformer._forward and the
+    tiled loss (engine/train/lm_head.py) both end the head here."""
+    if bias_v is not None:  # GPT-J, Phi
+        logits_btv = logits_btv + bias_v.astype(logits_btv.dtype)
+    if cfg.head.multiplier is not None:  # Cohere's logit_scale
+        logits_btv = logits_btv * jnp.asarray(cfg.head.multiplier, logits_btv.dtype)
+    if cfg.head.divisor is not None:  # Granite
+        logits_btv = logits_btv / jnp.asarray(cfg.head.divisor, logits_btv.dtype)
+    if cfg.mup is not None and cfg.mup.lm_head != 1.0:  # Falcon-H1
+        logits_btv = logits_btv * jnp.asarray(cfg.mup.lm_head, logits_btv.dtype)
+    if cfg.head.softcap is not None:
+        cap = cfg.head.softcap
+        logits_btv = (cap * jnp.tanh(logits_btv.astype(jnp.float32) / cap)).astype(logits_btv.dtype)
+    return constrain(logits_btv, ("act_batch", "act_seq", "act_vocab"))
+
+
 MIXERS: dict[str, Callable[..., nnx.Module]] = {
     "attention": Attention,
     "mla": MLA,
@@ -1192,16 +1210,5 @@ class Transformer(nnx.Module):
                 logits_btv = self.dot_general(
                     x_btd, head_dv.astype(dt), (((2,), (0,)), ((), ())), preferred_element_type=jnp.float32
                 )
-        if cfg.head.bias:  # GPT-J, Phi
-            logits_btv = logits_btv + self.lm_head_bias_v[...].astype(logits_btv.dtype)
-        if cfg.head.multiplier is not None:  # Cohere's logit_scale
-            logits_btv = logits_btv * jnp.asarray(cfg.head.multiplier, logits_btv.dtype)
-        if cfg.head.divisor is not None:  # Granite
-            logits_btv = logits_btv / jnp.asarray(cfg.head.divisor, logits_btv.dtype)
-        if cfg.mup is not None and cfg.mup.lm_head != 1.0:  # Falcon-H1
-            logits_btv = logits_btv * jnp.asarray(cfg.mup.lm_head, logits_btv.dtype)
-        if cfg.head.softcap is not None:
-            cap = cfg.head.softcap
-            logits_btv = (cap * jnp.tanh(logits_btv.astype(jnp.float32) / cap)).astype(logits_btv.dtype)
-        logits_btv = constrain(logits_btv, ("act_batch", "act_seq", "act_vocab"))
-        return logits_btv, stats, cache
+        bias_v = self.lm_head_bias_v[...] if cfg.head.bias else None
+        return finish_logits(cfg, logits_btv, bias_v), stats, cache

@@ -4,20 +4,19 @@ The model's forward pass stops at the final-normed hidden states (Transformer.hi
 and the head's product, its post-processing and the cross entropy's two per-token terms run a
 piece of the sequence at a time (engine/ops/cross_entropy.py: tiled_log_z_and_target), so
 the step never holds the whole (b, t, vocab) logits. `head_logits_fn` makes the logits as
-Transformer._forward's `lm_head` scope does, step for step (tests/test_loss_tiles.py checks
-the two agree on a head with each of the post-processing steps).
+Transformer._forward's `lm_head` scope does: the same product, then the same
+transformer.finish_logits (tests/test_loss_tiles.py checks the two agree on a head with each
+of the post-processing steps).
 """
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 from flax import nnx
 
 from engine.models.common import dtype_of
-from engine.models.transformer import Transformer
+from engine.models.transformer import Transformer, finish_logits
 from engine.ops.cross_entropy import tiled_log_z_and_target
 from engine.ops.dense import dense, uses_cpu_backward, weight_grads_in
-from engine.ops.partitioning import constrain
 
 
 def head_logits_fn(model: Transformer):
@@ -36,18 +35,7 @@ def head_logits_fn(model: Transformer):
             backward=model.matmul_backward,
             dot_general=model.dot_general,
         )
-        if bias_v is not None:  # GPT-J, Phi
-            logits = logits + bias_v.astype(logits.dtype)
-        if cfg.head.multiplier is not None:  # Cohere's logit_scale
-            logits = logits * jnp.asarray(cfg.head.multiplier, logits.dtype)
-        if cfg.head.divisor is not None:  # Granite
-            logits = logits / jnp.asarray(cfg.head.divisor, logits.dtype)
-        if cfg.mup is not None and cfg.mup.lm_head != 1.0:  # Falcon-H1
-            logits = logits * jnp.asarray(cfg.mup.lm_head, logits.dtype)
-        if cfg.head.softcap is not None:
-            cap = cfg.head.softcap
-            logits = (cap * jnp.tanh(logits.astype(jnp.float32) / cap)).astype(logits.dtype)
-        return constrain(logits, ("act_batch", "act_seq", "act_vocab"))
+        return finish_logits(cfg, logits, bias_v)
 
     return logits_fn
 
