@@ -79,13 +79,21 @@ SIZES = dict(
 )
 
 
+SHARED = ["full", "shared", "full", "shared"]
+"""GLM-5's indexer_types with layers that reuse the last earlier indexer's top-k: the dense
+layer 0 and expert layer 2 select, 1 and 3 (a stack of their own, no indexer) reuse."""
+
+
 def hf_config(name: str):
     if name == "deepseek_v32":  # group-limited routing: 2 groups of 3, one per token
         return transformers.DeepseekV32Config(**SIZES, n_group=2, topk_group=1)
+    if name == "glm_moe_dsa_shared":
+        sizes = {**SIZES, "num_hidden_layers": len(SHARED)}
+        return transformers.GlmMoeDsaConfig(**sizes, n_group=1, topk_group=1, indexer_types=SHARED)
     return transformers.GlmMoeDsaConfig(**SIZES, n_group=1, topk_group=1)
 
 
-CASES = ["deepseek_v32", "glm_moe_dsa"]
+CASES = ["deepseek_v32", "glm_moe_dsa", "glm_moe_dsa_shared"]
 IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
 
 
@@ -111,7 +119,11 @@ def test_converted_model_matches_transformers_logits_to_1e4(case):
     delta = float(np.abs(ours - ref)[valid].max())
     print(f"\n{case.family}: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref[valid]).max():.1f})")
     assert delta <= 1e-4, f"{case.family}: max |delta logit| {delta}"
-    assert case.cfg.mla.index_topk == TOPK and case.cfg.mla.index_rope_interleave == (case.family == "glm_moe_dsa")
+    assert case.cfg.mla.index_topk == TOPK and case.cfg.mla.index_rope_interleave == (case.cfg.family == "glm_moe_dsa")
+    assert case.cfg.mla.index_shared_layers == ([1, 3] if case.family == "glm_moe_dsa_shared" else None)
+    # num_params counts transformers' parameters (not the router's score bias, a buffer there),
+    # the shared layers' missing indexers included
+    assert sum(p.numel() for p in case.hf_model.parameters()) == case.cfg.num_params()
     dense = case.cfg.model_copy(update={"index_topk": 64})
     moved = np.abs(engine_logits(dense, case.compute, case.params, tokens, mask) - ours)[valid].max()
     assert moved > 0.1, f"{case.family}: selecting {TOPK} keys changed the logits by {moved} only"
@@ -146,13 +158,25 @@ def test_exported_config_json_is_what_transformers_writes(case, tmp_path):
 
 
 def test_what_the_engine_cannot_run_is_refused_in_one_sentence():
-    """GLM-5's cross-layer sharing of the selection ('shared' layers), and a config whose
-    dense layers do not come first."""
+    """GLM-5's indexer_types with a first layer that would reuse a selection before any, and
+    a config whose dense layers do not come first; the older keys' schedule is read as
+    transformers reads it, and training indexers is refused where some layers have none."""
     hf = {**hf_config("glm_moe_dsa").to_dict(), "architectures": ["GlmMoeDsaForCausalLM"]}
-    with pytest.raises(ConfigError, match=r"indexer_types .* reuse another layer's top-k \('shared'\)"):
-        model_config_from_hf({**hf, "indexer_types": ["full", "shared", "full"]})
-    with pytest.raises(ConfigError, match=r"indexer_types"):
-        model_config_from_hf({k: v for k, v in hf.items() if k != "indexer_types"} | {"index_topk_freq": 2})
+    with pytest.raises(ConfigError, match=r"indexer_types \['shared', 'full', 'full'\] must be .* the first 'full'"):
+        model_config_from_hf({**hf, "indexer_types": ["shared", "full", "full"]})
+    older = {k: v for k, v in hf.items() if k != "indexer_types"}
+    for keys, shared in (
+        ({"index_topk_freq": 2, "index_skip_topk_offset": 1}, [1]),
+        ({"index_topk_pattern": "FFS"}, [2]),
+    ):
+        expected = transformers.GlmMoeDsaConfig(**{**SIZES, **keys}).indexer_types  # transformers' own reading
+        assert [i for i, t in enumerate(expected) if t == "shared"] == shared
+        assert model_config_from_hf(older | keys)[0].mla.index_shared_layers == shared
+    shared_cfg, _ = model_config_from_hf(
+        {**hf_config("glm_moe_dsa_shared").to_dict(), "architectures": hf["architectures"]}
+    )
+    with pytest.raises(ConfigError, match=r"indexer_loss sparse is not supported with model.index_shared_layers"):
+        graphdef_of(shared_cfg, ComputeConfig(indexer_loss="sparse"))  # (the shared layers have no indexer to train)
     with pytest.raises(ConfigError, match=r"mlp_layer_types must be 3 entries, 'dense' ones first"):
         model_config_from_hf({**hf, "mlp_layer_types": ["sparse", "dense", "sparse"]})
     cfg, _ = model_config_from_hf(hf)
