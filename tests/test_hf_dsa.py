@@ -5,8 +5,9 @@ The tiny models keep index_topk = 5 keys per query, so on the 20-token rows (one
 right-padded, one left-padded) and in 16 decoded tokens the selection decides what most
 queries see; 8 indexer heads keep exact ties among its ReLU'd scores unlikely, and a GLM-5
 with 2 (the `ties` case) makes them common: there the engine selects among tied keys as
-torch.topk does on CPU (ComputeConfig.indexer_ties torch_cpu). Each family
-gets test_hf_parity's checks (greedy tokens of the KV-cache sampler, with the indexer's key
+torch.topk does on CPU (ComputeConfig.indexer_ties torch_cpu). A GLM-5 with indexer_types
+"shared" layers (`glm_moe_dsa_shared`: no indexer of their own, the last earlier one's top-k)
+is a case of its own. Each case gets test_hf_parity's checks (greedy tokens of the KV-cache sampler, with the indexer's key
 cache, equal to transformers'; export -> convert bitwise; config.json as transformers
 writes it), logits within 1e-5 with weights at their init scale, 1e-4 with N(0, 0.3^2) ones.
 """
