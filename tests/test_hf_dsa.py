@@ -7,9 +7,9 @@ queries see; 8 indexer heads keep exact ties among its ReLU'd scores unlikely, a
 with 2 (the `ties` case) makes them common: there the engine selects among tied keys as
 torch.topk does on CPU (ComputeConfig.indexer_ties torch_cpu). A GLM-5 with indexer_types
 "shared" layers (`glm_moe_dsa_shared`: no indexer of their own, the last earlier one's top-k)
-is a case of its own. Each case gets test_hf_parity's checks (greedy tokens of the KV-cache sampler, with the indexer's key
-cache, equal to transformers'; export -> convert bitwise; config.json as transformers
-writes it), logits within 1e-5 with weights at their init scale, 1e-4 with N(0, 0.3^2) ones.
+is a case of its own. Each case gets test_hf_parity's checks (greedy tokens of the KV-cache
+sampler, with the indexer's key cache, equal to transformers'; export -> convert bitwise;
+config.json as transformers writes it), logits within 1e-5 with weights at their init scale, 1e-4 with N(0, 0.3^2) ones.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from engine.models import dsa  # noqa: E402
 from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
 from engine.models.dsa import indexer_kl, select_top_k  # noqa: E402
 from engine.models.params import apply_model, graphdef_of  # noqa: E402
-from engine.models.transformer import Transformer  # noqa: E402
+from engine.models.transformer import Transformer, layer_segments  # noqa: E402
 from engine.ops.torch_cpu_topk import torch_cpu_top_k  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from engine.train.config import OptimizerConfig, ScheduleConfig, TrainConfig  # noqa: E402
@@ -483,3 +483,24 @@ def test_the_kv_cache_sampler_gathers_as_the_dense_masked_one_attends(monkeypatc
         }
     np.testing.assert_array_equal(out["auto"].tokens, out["reference"].tokens)
     np.testing.assert_allclose(out["auto"].logprobs, out["reference"].logprobs, atol=1e-5)
+
+
+def test_shared_indexer_layers_carry_the_selection_through_scanned_runs_and_units():
+    """tiny-glm-5 with 9 layers, 2, 3, 5, 7 and 8 shared: scanned, the layers run as a run of
+    two shared ones and a unit of (full, shared) twice (layer_segments), each scan carrying the
+    last indexer's queries, weights and keys beside x; the logits are the unscanned list's,
+    with the same weights, to 1e-6. The shared stack has no indexer."""
+    model = resolve_model_preset({"model": "tiny-glm-5"}, "tiny")["model"]
+    cfg = ModelConfig.model_validate({**model, "num_layers": 9, "index_shared_layers": [2, 3, 5, 7, 8]})
+    assert [seg.unit is not None for seg in layer_segments(cfg.layer_specs())] == [False, False, False, True, False]
+    scanned, unrolled = ComputeConfig(scan_layers=True), ComputeConfig(scan_layers=False)
+    params = nnx.to_pure_dict(nnx.split(Transformer(cfg, scanned, rngs=nnx.Rngs(0)))[1])
+    assert "indexer" in params["blocks"]["attn"] and "indexer" not in params["index_shared_blocks"]["attn"]
+    listed = dict(params)
+    for name, indices in cfg.layer_stacks():  # the same weights, one entry per layer
+        listed[name] = {j: jax.tree.map(lambda a, j=j: a[j], params[name]) for j in range(len(indices))}
+    tokens = jnp.asarray(np.random.default_rng(6).integers(0, cfg.vocab_size, (2, 20)))
+    with jax.default_matmul_precision("float32"):
+        ours = np.asarray(apply_model(graphdef_of(cfg, scanned), params, tokens))
+        ref = np.asarray(apply_model(graphdef_of(cfg, unrolled), listed, tokens))
+    np.testing.assert_allclose(ours, ref, atol=1e-6)
