@@ -11,8 +11,9 @@ blocked attention and the chunked scans are loops, so its figure does not grow w
 Each mixer kind is one entry of MIXERS (its spec at a ~1B model's width, d = 2048): grouped-
 query attention (16 heads over 4 KV heads of 128, the engine's blocked attention on CPU), the
 Mamba1 selective scan (engine/models/mamba1.py: inner 4096, state 16, dt rank 128, chunks of
-64) and Mamba2 for reference (32 heads of 128, state 128, chunks of 256). A group adding a mixer
-adds its entry.
+64), Mamba2 for reference (32 heads of 128, state 128, chunks of 256), LFM2's gated short
+convolution (3 taps), RecurrentGemma's RG-LRU (width 2048, 16 gate blocks, 4 taps) and MiniMax's
+lightning attention (16 heads of 128, chunks of 256). A group adding a mixer adds its entry.
 
     python -m bench.new_mixers [--lengths 4096 16384 65536 131072] [--mixers attention mamba1]
     python -m bench.new_mixers --tiny      # a dry run at 256 and 512 positions, writes nothing
@@ -34,12 +35,23 @@ LENGTHS = (4096, 16384, 65536, 131072)
 
 def mixers() -> dict:
     """Mixer name -> its spec (engine/models/specs.py), built by transformer.MIXERS."""
-    from engine.models.specs import AttentionSpec, Mamba1Spec, Mamba2Spec, RotarySpec
+    from engine.models.specs import (
+        AttentionSpec,
+        LightningSpec,
+        Mamba1Spec,
+        Mamba2Spec,
+        RGLRUSpec,
+        RotarySpec,
+        ShortConvSpec,
+    )
 
     return {
         "attention": AttentionSpec(num_heads=16, num_kv_heads=4, head_dim=128, rope=RotarySpec()),
         "mamba1": Mamba1Spec(inner=4096, state_size=16, dt_rank=128, chunk_size=64),
         "mamba2": Mamba2Spec(num_heads=32, head_dim=128, state_size=128, n_groups=1, chunk_size=256),
+        "short_conv": ShortConvSpec(width=2048, conv_kernel=3),
+        "rglru": RGLRUSpec(width=2048, num_heads=16, conv_kernel=4),
+        "lightning": LightningSpec(num_heads=16, head_dim=128, chunk_size=256),
     }
 
 

@@ -299,7 +299,9 @@ def test_the_cache_holds_the_latent_and_the_rotary_key_not_keys_and_values(case)
     cache = KVCache.init(cfg, case["compute"], batch=2, max_len=12)
     assert len(cache.k) == len(cache.v) == cfg.num_layers
     assert cache.k[0].shape == (2, 1, 7, 12) and cache.v[0].shape == (2, 1, 12, 4)  # keys slot-minor
-    full = KVCache.init(cfg.model_copy(update={"kv_lora_rank": None}), case["compute"], batch=2, max_len=12)
+    # the same heads as grouped-query attention (learned positions: its odd head_dim takes no RoPE)
+    gqa = cfg.model_copy(update={"kv_lora_rank": None, "q_lora_rank": None, "v_head_dim": None, "positions": "learned"})
+    full = KVCache.init(gqa, case["compute"], batch=2, max_len=12)
     assert full.k[0].shape == (2, 3, 9, 12)  # what grouped-query attention of these heads would cache
     assert cache.k[0].size + cache.v[0].size < (full.k[0].size + full.v[0].size) / 3
 

@@ -5,10 +5,11 @@ The tiny models keep index_topk = 5 keys per query, so on the 20-token rows (one
 right-padded, one left-padded) and in 16 decoded tokens the selection decides what most
 queries see; 8 indexer heads keep exact ties among its ReLU'd scores unlikely, and a GLM-5
 with 2 (the `ties` case) makes them common: there the engine selects among tied keys as
-torch.topk does on CPU (ComputeConfig.indexer_ties torch_cpu). Each family
-gets test_hf_parity's checks (greedy tokens of the KV-cache sampler, with the indexer's key
-cache, equal to transformers'; export -> convert bitwise; config.json as transformers
-writes it), logits within 1e-5 with weights at their init scale, 1e-4 with N(0, 0.3^2) ones.
+torch.topk does on CPU (ComputeConfig.indexer_ties torch_cpu). A GLM-5 with indexer_types
+"shared" layers (`glm_moe_dsa_shared`: no indexer of their own, the last earlier one's top-k)
+is a case of its own. Each case gets test_hf_parity's checks (greedy tokens of the KV-cache
+sampler, with the indexer's key cache, equal to transformers'; export -> convert bitwise;
+config.json as transformers writes it), logits within 1e-5 with weights at their init scale, 1e-4 with N(0, 0.3^2) ones.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from engine.models import dsa  # noqa: E402
 from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
 from engine.models.dsa import indexer_kl, select_top_k  # noqa: E402
 from engine.models.params import apply_model, graphdef_of  # noqa: E402
-from engine.models.transformer import Transformer  # noqa: E402
+from engine.models.transformer import Transformer, layer_segments  # noqa: E402
 from engine.ops.torch_cpu_topk import torch_cpu_top_k  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from engine.train.config import OptimizerConfig, ScheduleConfig, TrainConfig  # noqa: E402
@@ -79,13 +80,21 @@ SIZES = dict(
 )
 
 
+SHARED = ["full", "shared", "full", "shared"]
+"""GLM-5's indexer_types with layers that reuse the last earlier indexer's top-k: the dense
+layer 0 and expert layer 2 select, 1 and 3 (a stack of their own, no indexer) reuse."""
+
+
 def hf_config(name: str):
     if name == "deepseek_v32":  # group-limited routing: 2 groups of 3, one per token
         return transformers.DeepseekV32Config(**SIZES, n_group=2, topk_group=1)
+    if name == "glm_moe_dsa_shared":
+        sizes = {**SIZES, "num_hidden_layers": len(SHARED)}
+        return transformers.GlmMoeDsaConfig(**sizes, n_group=1, topk_group=1, indexer_types=SHARED)
     return transformers.GlmMoeDsaConfig(**SIZES, n_group=1, topk_group=1)
 
 
-CASES = ["deepseek_v32", "glm_moe_dsa"]
+CASES = ["deepseek_v32", "glm_moe_dsa", "glm_moe_dsa_shared"]
 IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
 
 
@@ -111,7 +120,11 @@ def test_converted_model_matches_transformers_logits_to_1e4(case):
     delta = float(np.abs(ours - ref)[valid].max())
     print(f"\n{case.family}: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref[valid]).max():.1f})")
     assert delta <= 1e-4, f"{case.family}: max |delta logit| {delta}"
-    assert case.cfg.mla.index_topk == TOPK and case.cfg.mla.index_rope_interleave == (case.family == "glm_moe_dsa")
+    assert case.cfg.mla.index_topk == TOPK and case.cfg.mla.index_rope_interleave == (case.cfg.family == "glm_moe_dsa")
+    assert case.cfg.mla.index_shared_layers == ([1, 3] if case.family == "glm_moe_dsa_shared" else None)
+    # num_params counts transformers' parameters (not the router's score bias, a buffer there),
+    # the shared layers' missing indexers included
+    assert sum(p.numel() for p in case.hf_model.parameters()) == case.cfg.num_params()
     dense = case.cfg.model_copy(update={"index_topk": 64})
     moved = np.abs(engine_logits(dense, case.compute, case.params, tokens, mask) - ours)[valid].max()
     assert moved > 0.1, f"{case.family}: selecting {TOPK} keys changed the logits by {moved} only"
@@ -146,13 +159,25 @@ def test_exported_config_json_is_what_transformers_writes(case, tmp_path):
 
 
 def test_what_the_engine_cannot_run_is_refused_in_one_sentence():
-    """GLM-5's cross-layer sharing of the selection ('shared' layers), and a config whose
-    dense layers do not come first."""
+    """GLM-5's indexer_types with a first layer that would reuse a selection before any, and
+    a config whose dense layers do not come first; the older keys' schedule is read as
+    transformers reads it, and training indexers is refused where some layers have none."""
     hf = {**hf_config("glm_moe_dsa").to_dict(), "architectures": ["GlmMoeDsaForCausalLM"]}
-    with pytest.raises(ConfigError, match=r"indexer_types .* reuse another layer's top-k \('shared'\)"):
-        model_config_from_hf({**hf, "indexer_types": ["full", "shared", "full"]})
-    with pytest.raises(ConfigError, match=r"indexer_types"):
-        model_config_from_hf({k: v for k, v in hf.items() if k != "indexer_types"} | {"index_topk_freq": 2})
+    with pytest.raises(ConfigError, match=r"indexer_types \['shared', 'full', 'full'\] must be .* the first 'full'"):
+        model_config_from_hf({**hf, "indexer_types": ["shared", "full", "full"]})
+    older = {k: v for k, v in hf.items() if k != "indexer_types"}
+    for keys, shared in (
+        ({"index_topk_freq": 2, "index_skip_topk_offset": 1}, [1]),
+        ({"index_topk_pattern": "FFS"}, [2]),
+    ):
+        expected = transformers.GlmMoeDsaConfig(**{**SIZES, **keys}).indexer_types  # transformers' own reading
+        assert [i for i, t in enumerate(expected) if t == "shared"] == shared
+        assert model_config_from_hf(older | keys)[0].mla.index_shared_layers == shared
+    shared_cfg, _ = model_config_from_hf(
+        {**hf_config("glm_moe_dsa_shared").to_dict(), "architectures": hf["architectures"]}
+    )
+    with pytest.raises(ConfigError, match=r"indexer_loss sparse is not supported with model.index_shared_layers"):
+        graphdef_of(shared_cfg, ComputeConfig(indexer_loss="sparse"))  # (the shared layers have no indexer to train)
     with pytest.raises(ConfigError, match=r"mlp_layer_types must be 3 entries, 'dense' ones first"):
         model_config_from_hf({**hf, "mlp_layer_types": ["sparse", "dense", "sparse"]})
     cfg, _ = model_config_from_hf(hf)
@@ -458,3 +483,24 @@ def test_the_kv_cache_sampler_gathers_as_the_dense_masked_one_attends(monkeypatc
         }
     np.testing.assert_array_equal(out["auto"].tokens, out["reference"].tokens)
     np.testing.assert_allclose(out["auto"].logprobs, out["reference"].logprobs, atol=1e-5)
+
+
+def test_shared_indexer_layers_carry_the_selection_through_scanned_runs_and_units():
+    """tiny-glm-5 with 9 layers, 2, 3, 5, 7 and 8 shared: scanned, the layers run as a run of
+    two shared ones and a unit of (full, shared) twice (layer_segments), each scan carrying the
+    last indexer's queries, weights and keys beside x; the logits are the unscanned list's,
+    with the same weights, to 1e-6. The shared stack has no indexer."""
+    model = resolve_model_preset({"model": "tiny-glm-5"}, "tiny")["model"]
+    cfg = ModelConfig.model_validate({**model, "num_layers": 9, "index_shared_layers": [2, 3, 5, 7, 8]})
+    assert [seg.unit is not None for seg in layer_segments(cfg.layer_specs())] == [False, False, False, True, False]
+    scanned, unrolled = ComputeConfig(scan_layers=True), ComputeConfig(scan_layers=False)
+    params = nnx.to_pure_dict(nnx.split(Transformer(cfg, scanned, rngs=nnx.Rngs(0)))[1])
+    assert "indexer" in params["blocks"]["attn"] and "indexer" not in params["index_shared_blocks"]["attn"]
+    listed = dict(params)
+    for name, indices in cfg.layer_stacks():  # the same weights, one entry per layer
+        listed[name] = {j: jax.tree.map(lambda a, j=j: a[j], params[name]) for j in range(len(indices))}
+    tokens = jnp.asarray(np.random.default_rng(6).integers(0, cfg.vocab_size, (2, 20)))
+    with jax.default_matmul_precision("float32"):
+        ours = np.asarray(apply_model(graphdef_of(cfg, scanned), params, tokens))
+        ref = np.asarray(apply_model(graphdef_of(cfg, unrolled), listed, tokens))
+    np.testing.assert_allclose(ours, ref, atol=1e-6)

@@ -104,6 +104,10 @@ class Layer(NamedTuple):
     (local or global), the last earlier one, in a stack of its own (`kv_shared_blocks`)."""
     mlp_dim: int | None = None
     """This layer's MLP width; None: ModelConfig.mlp.dim (Gemma 4 E2B's reuse layers: twice it)."""
+    index_shared: bool = False
+    """Sparse attention without an indexer of its own: the layer attends to the keys the last
+    earlier layer's indexer selected (ModelConfig.mla.index_shared_layers), in a stack of its
+    own (`index_shared_...`)."""
 
 
 class GatedDeltaConfig(Strict):
@@ -584,6 +588,20 @@ class ModelConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_index_sharing(self) -> ModelConfig:
+        shared = self.mla.index_shared_layers
+        if shared is None:
+            return self
+        if self.mla.index_topk is None or self.mixer_pattern or self.mtp_layers:
+            raise ValueError("index_shared_layers needs sparse attention (index_topk) in every layer and no mtp_layers")
+        if sorted(set(shared)) != shared or not all(0 < i < self.num_layers for i in shared):
+            raise ValueError(
+                f"index_shared_layers {shared} must be distinct, increasing layer indices from 1 to "
+                f"{self.num_layers - 1} (layer 0 has no earlier selection to reuse)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_output_vocab(self) -> ModelConfig:
         if self.head.vocab_size is not None and (self.head.vocab_size > self.vocab_size or self.tie_embeddings):
             raise ValueError("output_vocab_size must be at most vocab_size, with untied embeddings (its own LM head)")
@@ -665,7 +683,13 @@ class ModelConfig(Strict):
             if self.attention.pattern[i % len(self.attention.pattern)] == "chunked":
                 shape["chunked"] = True
             layers.append(Layer(stack, mixer, "moe" if moe else "mlp", local, rope, **shape))
-        return self._share_kv(layers)
+        return self._share_index(self._share_kv(layers))
+
+    def _share_index(self, layers: list[Layer]) -> list[Layer]:
+        """index_shared_layers: those layers without an indexer, in stacks of their own."""
+        for i in self.mla.index_shared_layers or []:
+            layers[i] = layers[i]._replace(stack="index_shared_" + layers[i].stack, index_shared=True)
+        return layers
 
     def layer_specs(self) -> list[LayerSpec]:
         """Every layer as its typed spec (engine/models/specs.py), in order: what the decoder
@@ -838,6 +862,7 @@ class ModelConfig(Strict):
                     heads=self.mla.index_heads,
                     head_dim=self.mla.index_head_dim,
                     rope_interleave=self.mla.index_rope_interleave,
+                    shared=layer.index_shared,
                 )
             return MLASpec(
                 num_heads=self.attention.num_heads,

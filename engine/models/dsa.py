@@ -115,7 +115,8 @@ class Indexer(nnx.Module):
         ) * (self.heads**-0.5)
         return q_btgi, weights_btg
 
-    def scores(self, q_btgi, weights_btg, k_bsi, visible_bts):
+    @staticmethod
+    def scores(q_btgi, weights_btg, k_bsi, visible_bts):
         """(b, t, s) float32: I[t, s] where visible, NEG_INF elsewhere."""
         return jnp.where(visible_bts, index_scores(q_btgi, weights_btg, k_bsi), NEG_INF)
 

@@ -105,6 +105,7 @@ FLAT: dict[str, tuple[str, str]] = {
     "index_heads": ("mla", "index_heads"),
     "index_head_dim": ("mla", "index_head_dim"),
     "index_rope_interleave": ("mla", "index_rope_interleave"),
+    "index_shared_layers": ("mla", "index_shared_layers"),
     # embedding
     "scale_embeddings": ("embedding", "scale"),
     "embedding_multiplier": ("embedding", "multiplier"),

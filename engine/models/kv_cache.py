@@ -108,9 +108,10 @@ class KVCache:
         states = tuple(states) if any(state is not None for state in states) else ()
         index_k: tuple[jax.Array, ...] = ()
         if cfg.mla.index_topk is not None:  # DeepSeek Sparse Attention: the indexer's key per position
+            shared = set(cfg.mla.index_shared_layers or [])  # (GLM-5's shared layers read an earlier layer's)
             index_k = tuple(
-                constrain(jnp.zeros((batch, max_len, cfg.mla.index_head_dim), dtype), INDEX_NAMES)
-                for _ in range(cfg.num_layers)
+                constrain(jnp.zeros((batch, max_len, 0 if i in shared else cfg.mla.index_head_dim), dtype), INDEX_NAMES)
+                for i in range(cfg.num_layers)
             )
         elif any(spec.attention is not None and spec.attention.block_indexer for spec in cfg.layer_specs()):
             widths = [  # MiniMax-M3's block-sparse layers: their indexer's key per position (block_sparse.py)

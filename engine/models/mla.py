@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from engine.config import ConfigError
 from engine.models.common import Build, RMSNorm, param
 from engine.models.dsa import Indexer, indexer_kl, select_top_k, sparse_attention
 from engine.models.kv_cache import KVCache
@@ -71,7 +72,14 @@ class MLA(nnx.Module):
         self.attention_impl, self.attention_block = compute.attention_impl, compute.attention_block
         self.matmul_backward, self.dot_general = compute.matmul_backward, build.dot_general
         self.index_topk = None if spec.indexer is None else spec.indexer.topk  # DeepSeek Sparse Attention (dsa.py)
-        if spec.indexer is not None:
+        # GLM-5's shared layers have no indexer: they select with the last earlier indexer's state
+        self.index_shared = spec.indexer is not None and spec.indexer.shared
+        if self.index_shared and compute.indexer_loss != "none":
+            raise ConfigError(
+                f"compute.indexer_loss {compute.indexer_loss} is not supported with model.index_shared_layers "
+                "(layers that reuse another layer's selection): use indexer_loss none"
+            )
+        if spec.indexer is not None and not self.index_shared:
             self.indexer = Indexer(spec, build, rngs=rngs)
         self.indexer_loss = compute.indexer_loss if spec.indexer is not None else "none"
         self.indexer_ties = compute.indexer_ties
@@ -92,11 +100,21 @@ class MLA(nnx.Module):
         factor = 1.0 if rope.scaling is None else rope.scaling.yarn_attention_factor()
         return apply_rope(x_btnr, positions_bt, inv_freq, factor, max_position)
 
-    def __call__(self, x_btd, positions_bt, segment_ids_bt, spec: MLASpec, cache: KVCache | None = None):
+    def __call__(
+        self, x_btd, positions_bt, segment_ids_bt, spec: MLASpec, cache: KVCache | None = None, index_state=None
+    ):
         """As transformer.Attention: `spec` (static) is the layer's: its window slides; without
         RoPE the rotary part stays unrotated (Kimi Linear's MLA); with a cache (decoding) returns
         (out, updated cache). With a training indexer loss (dsa.py) and no cache: (out, the
-        indexer's KL)."""
+        indexer's KL). Given an `index_state` (a model with shared indexer layers, whose layers
+        pass it on): (that, the state for the next layer), the state the last indexer's (queries
+        (b, t, g, i), head weights (b, t, g), keys (b, t or s, i)): a layer with an indexer
+        passes its own on, a shared one selects with the state it got and passes it on."""
+        result, index_state = self._call(x_btd, positions_bt, segment_ids_bt, spec, cache, index_state)
+        return result if index_state is None else (result, index_state)
+
+    def _call(self, x_btd, positions_bt, segment_ids_bt, spec: MLASpec, cache, index_state):
+        """__call__'s (result, index_state, None where none was given)."""
         o, r, c = self.nope_dim, self.rope_dim, self.latent_dim
         rope = spec.rope
         rotate = (lambda x, *a: self._rope(x, *a, rope)) if rope is not None else (lambda x, *_: x)
@@ -113,14 +131,22 @@ class MLA(nnx.Module):
         k_rope_bt1r = rotate(kv_btx[..., None, c:], positions_bt, max_position)
         window = spec.window
         w_kb_cno, w_vb_cnw = self.wkv_b_cny[...][..., :o], self.wkv_b_cny[...][..., o:]
-        if self.index_topk is not None:  # its inputs detached: only its KL trains it (dsa.py)
+        passes_on = index_state is not None
+        if self.index_shared:  # the last earlier indexer's queries, head weights and keys
+            index_q_btgi, index_w_btg, index_k_bti = index_state
+        elif self.index_topk is not None:  # its inputs detached: only its KL trains it (dsa.py)
             index_x_btd, index_q_btq = jax.lax.stop_gradient(x_btd), jax.lax.stop_gradient(q_latent_btq)
             index_q_btgi, index_w_btg = self.indexer.queries(index_x_btd, index_q_btq, positions_bt, max_position)
             index_k_bti = self.indexer.keys(index_x_btd, positions_bt, max_position)
         if cache is not None:
             latent_bs1c, k_rope_bs1r, mask_bts, cache = cache.update(latent_btc[:, :, None], k_rope_bt1r, window=window)
             if self.index_topk is not None:
-                index_k_bsi, cache = cache.update_index(index_k_bti)
+                if self.index_shared:  # decoding: the state's keys are that indexer's cached ones
+                    index_k_bsi = index_k_bti
+                else:
+                    index_k_bsi, cache = cache.update_index(index_k_bti)
+                if passes_on:
+                    index_state = (index_q_btgi, index_w_btg, index_k_bsi)
                 first_b = None  # torch_cpu ties: each row from its first real token (dsa.top_k_indices)
                 if self.indexer_ties == "torch_cpu":
                     first_b = jnp.argmax(jnp.any(mask_bts, axis=1), axis=-1)
@@ -142,8 +168,8 @@ class MLA(nnx.Module):
                         keys=cache.end + x_btd.shape[1],
                         first_b=first_b,
                     )
-                    return self._dense(out_btnw, self.wo_nwd, 2), cache
-                scores_bts = self.indexer.scores(index_q_btgi, index_w_btg, index_k_bsi, mask_bts)
+                    return (self._dense(out_btnw, self.wo_nwd, 2), cache), index_state
+                scores_bts = Indexer.scores(index_q_btgi, index_w_btg, index_k_bsi, mask_bts)
                 keys = cache.end + x_btd.shape[1]
                 mask_bts = mask_bts & select_top_k(scores_bts, self.index_topk, self.indexer_ties, keys, first_b)
             out_btnw = self._absorbed(
@@ -155,7 +181,9 @@ class MLA(nnx.Module):
                 w_kb_cno.astype(self.dtype),
                 w_vb_cnw.astype(self.dtype),
             )
-            return self._dense(out_btnw, self.wo_nwd, 2), cache
+            return (self._dense(out_btnw, self.wo_nwd, 2), cache), index_state
+        if self.index_topk is not None and passes_on:
+            index_state = (index_q_btgi, index_w_btg, index_k_bti)
         if self.index_topk is not None and self.indexer_loss != "warmup" and self._gathers(x_btd.shape[1]):
             segments_bt = jnp.ones(x_btd.shape[:2], jnp.int32) if segment_ids_bt is None else segment_ids_bt
             out_btnw, kl = sparse_attention(
@@ -175,7 +203,7 @@ class MLA(nnx.Module):
                 ties=self.indexer_ties,
             )
             out_btd = self._dense(out_btnw, self.wo_nwd, 2)
-            return out_btd if kl is None else (out_btd, kl)
+            return (out_btd if kl is None else (out_btd, kl)), index_state
         kv_btny = self._dense(latent_btc, self.wkv_b_cny)
         k_btnh = jnp.concatenate([kv_btny[..., :o], jnp.broadcast_to(k_rope_bt1r, (*q_nope.shape[:3], r))], axis=-1)
         q_btnh = checkpoint_name(jnp.concatenate([q_nope, q_rope], axis=-1), "qkv_proj")
@@ -187,7 +215,8 @@ class MLA(nnx.Module):
         elif w > h:  # zeros on q and k leave the scores as they are
             q_btnh, k_btnh = (jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, w - h))) for a in (q_btnh, k_btnh))
         if self.index_topk is not None:
-            return self._sparse(q_btnh, k_btnh, v_btnw, segment_ids_bt, index_q_btgi, index_w_btg, index_k_bti, w)
+            out = self._sparse(q_btnh, k_btnh, v_btnw, segment_ids_bt, index_q_btgi, index_w_btg, index_k_bti, w)
+            return out, index_state
         with jax.named_scope("core"):
             out_btnh = attention(
                 q_btnh,
@@ -200,7 +229,7 @@ class MLA(nnx.Module):
                 local=window is not None,
                 block=self.attention_block,
             )
-        return self._dense(out_btnh[..., :w], self.wo_nwd, 2)
+        return self._dense(out_btnh[..., :w], self.wo_nwd, 2), index_state
 
     def _gathers(self, keys: int) -> bool:
         """Whether sparse attention gathers each query's selected keys (dsa.sparse_attention)
@@ -221,7 +250,7 @@ class MLA(nnx.Module):
         if dense and self.indexer_loss == "none":
             scores_bts = None
         else:
-            scores_bts = self.indexer.scores(index_q_btgi, index_w_btg, index_k_bti, visible_bts)
+            scores_bts = Indexer.scores(index_q_btgi, index_w_btg, index_k_bti, visible_bts)
         with jax.named_scope("core"):
             if dense:
                 out_btnh = attention(

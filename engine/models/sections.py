@@ -289,6 +289,10 @@ class MLAConfig(Strict):
     rope_head_dim of them rotary."""
     index_rope_interleave: bool = False
     """The indexer's RoPE rotates adjacent pairs (GLM-5), else halves (DeepSeek-V3.2)."""
+    index_shared_layers: list[int] | None = None
+    """Sparse-attention layers that run no indexer and attend to the keys the last earlier
+    layer's indexer selected (GLM-5's indexer_types "shared"; transformers passes that layer's
+    top-k indices on). Layer 0 runs its own. None: every layer selects for itself."""
 
 
 class EmbeddingConfig(Strict):

@@ -197,6 +197,10 @@ class IndexerSpec(Spec):
     heads: int
     head_dim: int
     rope_interleave: bool = False
+    shared: bool = False
+    """No indexer of its own: the layer selects with the last earlier indexer's queries, head
+    weights and keys, which the decoder carries from layer to layer beside the residual stream
+    while any layer is shared (GLM-5's indexer_types "shared")."""
 
 
 class MLASpec(Spec):
@@ -232,7 +236,7 @@ class MLASpec(Spec):
         else:
             q = d * n * self.head_dim
         kv = d * (rank + r) + rank + rank * n * (nope + self.value_head_dim)
-        if self.indexer is not None:  # wq_b, wk, its key LayerNorm, weights_proj
+        if self.indexer is not None and not self.indexer.shared:  # wq_b, wk, its key LayerNorm, weights_proj
             assert self.q_lora_rank is not None
             h, w = self.indexer.heads, self.indexer.head_dim
             q += self.q_lora_rank * h * w + d * w + 2 * w + d * h

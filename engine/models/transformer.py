@@ -53,7 +53,16 @@ from engine.models.parallel_hybrid import AttentionMamba2
 from engine.models.rglru import RecurrentBlock
 from engine.models.rope import layer_rotary, rotate_heads
 from engine.models.short_conv import ShortConv
-from engine.models.specs import AttentionSpec, LayerSpec, MLPSpec, MoESpec, ParallelHybridSpec, RotarySpec
+from engine.models.specs import (
+    AttentionSpec,
+    IndexerSpec,
+    LayerSpec,
+    MLASpec,
+    MLPSpec,
+    MoESpec,
+    ParallelHybridSpec,
+    RotarySpec,
+)
 from engine.models.xielu import initial_parameters as xielu_initial_parameters
 from engine.models.xielu import xielu
 from engine.ops.attention import attention, chunked_segment_ids, decode_attention
@@ -494,18 +503,24 @@ class Block(nnx.Module):
         per_layer_btp=None,
         shared_kv=None,
         store_kv: bool = False,
+        index_state=None,
     ):
         """(x, cache or None, MoEStats of the router or None for a dense MLP). `spec`: this
         layer's (static). `rotary`: the attention's RoPE (cos, sin), where the caller computed
         them for all layers at once. Gemma 4: `per_layer_btp` this layer's per-layer input;
         `shared_kv` the keys and values a reuse layer attends with; `store_kv` (static): a
-        store layer, its own in place of the cache (there is none without decoding)."""
+        store layer, its own in place of the cache (there is none without decoding). Sparse
+        attention with shared indexer layers (IndexerSpec.shared): `index_state` the last
+        earlier indexer's selection inputs (MLA.__call__), and x in the result is then (x, the
+        state this layer passes on)."""
         indexer_kl = stats = None
         x_in, attn_in = x_btd, None  # a parallel layer's feed-forward reads the layer's input
         if spec.mixer is not None:
-            extra = {"rotary": rotary, "shared_kv": shared_kv, "store_kv": store_kv}
+            extra = {"rotary": rotary, "shared_kv": shared_kv, "store_kv": store_kv, "index_state": index_state}
             attn_in = self.attn_norm(x_btd) if spec.pre_norms else x_btd
             branch, cache, indexer_kl = self._mix(attn_in, positions_bt, segment_ids_bt, spec, cache, extra)
+            if index_state is not None:
+                branch, index_state = branch
             if spec.residual_scales is not None:  # MiniMax: alpha * norm(x) + beta * mixer(norm(x))
                 alpha, beta = (jnp.asarray(f, branch.dtype) for f in spec.residual_scales[:2])
                 x_btd = attn_in * alpha + branch * beta
@@ -513,7 +528,8 @@ class Block(nnx.Module):
                 x_btd = x_btd + branch
         if spec.ffn is None:
             x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
-            return x_btd, cache, None if indexer_kl is None else WithIndexerLoss(None, indexer_kl)
+            x_out = x_btd if index_state is None else (x_btd, index_state)
+            return x_out, cache, None if indexer_kl is None else WithIndexerLoss(None, indexer_kl)
         with jax.named_scope("mlp"):
             if spec.residual == "parallel_shared_norm":  # GPT-J, Phi: one norm feeds both
                 mlp_in = attn_in
@@ -545,7 +561,8 @@ class Block(nnx.Module):
         if spec.layer_scale:
             x_btd = x_btd * self.layer_scale[...].astype(x_btd.dtype)
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
-        return x_btd, cache, stats if indexer_kl is None else WithIndexerLoss(stats, indexer_kl)
+        x_out = x_btd if index_state is None else (x_btd, index_state)
+        return x_out, cache, stats if indexer_kl is None else WithIndexerLoss(stats, indexer_kl)
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, spec: LayerSpec, cache: KVCache | None = None, **extra):
         x_btd, cache, _ = self.forward(x_btd, positions_bt, segment_ids_bt, spec, cache, **extra)
@@ -554,13 +571,17 @@ class Block(nnx.Module):
     def _mix(self, attn_in, positions_bt, segment_ids_bt, spec: LayerSpec, cache, extra: dict):
         """The mixer sublayer's branch of its (normed) input: (what it adds to the stream,
         cache, sparse attention's indexer KL or None); a store layer's (keys, values) in place
-        of the cache without one (Attention: KV sharing)."""
+        of the cache without one (Attention: KV sharing); given an index_state, the branch is
+        (it, the state passed on)."""
         store_kv = extra["store_kv"] and cache is None
         with jax.named_scope("attention"):  # names the ops in profiles (bench/profile_step.py)
             kw = {name: value for name, value in extra.items() if value is not None and value is not False}
             if not store_kv:
                 kw.pop("store_kv", None)
             attn_out = self.attn(attn_in, positions_bt, segment_ids_bt, spec.mixer, cache, **kw)
+        index_state = None
+        if extra.get("index_state") is not None:
+            attn_out, index_state = attn_out
         indexer_kl = None
         if cache is not None or store_kv:
             attn_out, cache = attn_out
@@ -568,7 +589,26 @@ class Block(nnx.Module):
             attn_out, indexer_kl = attn_out
         if spec.residual_multiplier is not None:  # Granite
             attn_out = attn_out * jnp.asarray(spec.residual_multiplier, attn_out.dtype)
-        return (self.post_attn_norm(attn_out) if spec.post_norms else attn_out), cache, indexer_kl
+        branch = self.post_attn_norm(attn_out) if spec.post_norms else attn_out
+        return (branch if index_state is None else (branch, index_state)), cache, indexer_kl
+
+
+def shared_indexer(layers: list[LayerSpec]) -> IndexerSpec | None:
+    """The sparse-attention indexer of a model with shared indexer layers (IndexerSpec.shared,
+    GLM-5's), whose layers then carry the last indexer's selection inputs beside the residual
+    stream (MLA.__call__'s index_state); None without any."""
+    for layer in layers:
+        if isinstance(layer.mixer, MLASpec) and layer.mixer.indexer is not None and layer.mixer.indexer.shared:
+            return layer.mixer.indexer
+    return None
+
+
+def _initial_index_state(x_btd, indexer: IndexerSpec):
+    """The index_state before the first layer, whose own indexer replaces it: zeros (queries
+    (b, t, g, i), head weights (b, t, g), keys (b, t, i), float32 as the indexer's)."""
+    b, t, _ = x_btd.shape
+    g, i, f32 = indexer.heads, indexer.head_dim, jnp.float32
+    return jnp.zeros((b, t, g, i), f32), jnp.zeros((b, t, g), f32), jnp.zeros((b, t, i), f32)
 
 
 def _runs(items: list[tuple[LayerSpec, int]]) -> list[tuple[LayerSpec, int, int]]:
@@ -909,10 +949,14 @@ class Transformer(nnx.Module):
         one_per_step = unroll is not True and unroll == 1  # (True == 1 in Python)
 
         shared_kv: dict = {}  # KV sharing (Gemma 4): attention kind (local) -> its store layer's (keys, values)
+        # shared indexer layers: every layer's carry is (x, the selection's inputs) (_forward wraps x)
+        carries_index = shared_indexer(self.cfg.layer_specs()) is not None
 
         def layer_fn(layer: LayerSpec, in_scan: bool, index=None, rows=(positions_bt, segment_ids_bt)):
             def run(block: Block, x):
                 extra = {}
+                if carries_index:
+                    x, extra["index_state"] = x
                 if per_layer_btlp is not None:  # this layer's per-layer input (Gemma 4)
                     extra["per_layer_btp"] = jax.lax.dynamic_index_in_dim(per_layer_btlp, index, 2, keepdims=False)
                 if layer.kv_sharing == "reuse":
@@ -1085,6 +1129,8 @@ class Transformer(nnx.Module):
         # layer's table lookups apart, four small gathers per layer in every decode step.
         rotary: dict[tuple[RotarySpec, int], tuple] = {}  # (RoPE, head width) -> (cos, sin)
         store: dict[bool, int] = {}  # KV sharing (Gemma 4): attention kind (local) -> the layer whose cache it reads
+        # shared indexer layers: the last indexer's selection inputs, its keys the cached ones (MLA)
+        index_state = () if shared_indexer(self.cfg.layer_specs()) is not None else None
         for i, (layer, slot) in enumerate(self._slots()):
             if self.compute.scan_layers:
                 graphdef, stacked = stacks[layer.stack]
@@ -1101,6 +1147,8 @@ class Transformer(nnx.Module):
                 store[layer.local] = i
             if per_layer_btlp is not None:
                 extra["per_layer_btp"] = per_layer_btlp[:, :, i]
+            if index_state is not None:
+                extra["index_state"] = index_state
             x_btd, cache = block(
                 x_btd,
                 positions_bt,
@@ -1109,6 +1157,8 @@ class Transformer(nnx.Module):
                 cache.replace(layer=store[layer.local] if layer.kv_sharing == "reuse" else i),
                 **extra,
             )
+            if index_state is not None:
+                x_btd, index_state = x_btd
         return x_btd, cache.replace(end=cache.end + x_btd.shape[1], layer=0)
 
     def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, cache: KVCache | None = None):
@@ -1184,7 +1234,12 @@ class Transformer(nnx.Module):
         stats = None
         if cache is None:  # segment_ids_bt None: one unpadded document per row, no mask needed
             with matmuls_in(self.compute.matmul_precision):  # fp8/int8 recipes: the layers' products only
+                indexer = shared_indexer(cfg.layer_specs())
+                if indexer is not None:  # the layers carry (x, the last indexer's selection inputs)
+                    x_btd = (x_btd, _initial_index_state(x_btd, indexer))
                 x_btd, stats = self._run_blocks(x_btd, positions_bt, segment_ids_bt, per_layer_btlp)
+                if indexer is not None:
+                    x_btd = x_btd[0]
         else:
             if segment_ids_bt is None:
                 segment_ids_bt = jnp.ones_like(tokens_bt)

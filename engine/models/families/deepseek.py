@@ -16,6 +16,7 @@ out by conversion when the checkpoint has none (transformers' save_pretrained wr
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 from engine.config import ConfigError
@@ -168,7 +169,8 @@ class DeepseekV3(Family):
         per_layer = []
         for stack, _ in cfg.layer_stacks():
             per_layer += _attention(stack, cfg.mla.q_lora_rank is not None)
-            per_layer += _dense_mlp() if stack == "dense_blocks" else routed_and_shared_experts(cfg.moe.router_bias)
+            mlp = _dense_mlp() if stack.endswith("dense_blocks") else routed_and_shared_experts(cfg.moe.router_bias)
+            per_layer += [dataclasses.replace(spec, stack=stack) for spec in mlp]  # (GLM-5's index_shared_ too)
         mtp_top, mtp_layer = mtp_tensors(cfg, per_layer)
         return top + mtp_top, per_layer + mtp_layer
 

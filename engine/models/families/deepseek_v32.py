@@ -6,8 +6,9 @@ lightning indexer per layer choosing the index_topk keys each query attends to
 MLA's RoPE always rotates adjacent pairs (the config has no rope_interleave); the indexer's
 rotates halves in DeepSeek-V3.2 and adjacent pairs in GLM-5. The dense layers come first
 (mlp_layer_types, or first_k_dense_replace). GLM-5's config may let a layer reuse the
-previous layer's selection (indexer_types "shared"; GLM-5 itself runs its indexer in every
-layer): that is refused. Checkpoints name the indexer's tensors
+previous layer's selection (indexer_types "shared", or the older index_topk_pattern /
+index_topk_freq keys; GLM-5 itself runs its indexer in every layer): such a layer has no
+indexer (ModelConfig.mla.index_shared_layers). Checkpoints name the indexer's tensors
 `model.layers.{i}.self_attn.indexer.{wq_b, wk, k_norm, weights_proj}`.
 """
 
@@ -99,8 +100,10 @@ class DeepseekV32(DeepseekV3):
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
         top, per_layer = super().tensor_table(cfg)
+        shared = {cfg.layer_pattern()[i].stack for i in cfg.mla.index_shared_layers or []}
         for stack, _ in cfg.layer_stacks():
-            per_layer += indexer_tensors(stack)
+            if stack not in shared:  # (a shared indexer layer has none)
+                per_layer += indexer_tensors(stack)
         return top, per_layer
 
 
@@ -122,22 +125,36 @@ class GlmMoeDsa(DeepseekV32):
         "index_n_heads": 32,
     }
 
-    def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
+    @staticmethod
+    def indexer_types(hf: dict) -> list[str] | None:
+        """transformers' indexer_types, or its schedule from the older keys (None without a
+        layer count to schedule)."""
         layers = hf.get("num_hidden_layers")
         types = hf.get("indexer_types")
-        if types is None:  # transformers' schedule from the older keys
+        if types is None:
             pattern = hf.get("index_topk_pattern")
             if pattern is not None:
                 types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
             elif layers is not None:
                 freq, offset = max(hf.get("index_topk_freq", 1), 1), hf.get("index_skip_topk_offset", 2)
                 types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
-        if types is not None and any(t != "full" for t in types):
+        return None if types is None else list(types)
+
+    def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
+        types = self.indexer_types(hf)
+        layers = hf.get("num_hidden_layers")
+        if types is not None and (len(types) != layers or set(types) - {"full", "shared"} or types[:1] != ["full"]):
             raise ConfigError(
-                f"{where}: indexer_types {types} has layers that reuse another layer's top-k ('shared'), "
-                "which is not supported; every layer must run its own indexer ('full')"
+                f"{where}: indexer_types {types} must be one 'full' or 'shared' per layer ({layers}), the first "
+                "'full' (a 'shared' layer reuses the last earlier layer's top-k)"
             )
         return super().config_from_hf(hf, where)
 
+    def extra_fields_from_hf(self, hf: dict) -> dict[str, Any]:
+        shared = [i for i, t in enumerate(self.indexer_types(hf) or []) if t == "shared"]
+        return {**super().extra_fields_from_hf(hf), "index_shared_layers": shared or None}
+
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
-        return {**super().extra_hf_keys(cfg), "indexer_types": ["full"] * cfg.num_layers}
+        shared = set(cfg.mla.index_shared_layers or [])
+        types = ["shared" if i in shared else "full" for i in range(cfg.num_layers)]
+        return {**super().extra_hf_keys(cfg), "indexer_types": types}
