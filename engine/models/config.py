@@ -19,7 +19,9 @@ from engine.models.rope_scaling import RopeScaling
 from engine.models.specs import (
     Activation,
     AttentionSpec,
+    CompressedAttentionSpec,
     GatedDeltaSpec,
+    HyperConnectionSpec,
     IndexerSpec,
     KimiDeltaSpec,
     LayerSpec,
@@ -47,7 +49,9 @@ class Layer(NamedTuple):
     stack: str
     """The params key of its stack: `blocks`, or `dense_blocks` for the dense-MLP layers of
     a mixture of experts (DeepSeek-V3's first layers, Qwen3-MoE's mlp_only_layers)."""
-    mixer: Literal["attention", "mla", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "none"]
+    mixer: Literal[
+        "attention", "mla", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "compressed_attention", "none"
+    ]
     """The sequence mixer, a kind in transformer.MIXERS: grouped-query attention
     (transformer.Attention), multi-head latent attention (mla.py), or a Gated DeltaNet
     linear-attention layer (gated_delta_block.py), which decodes with a recurrent state;
@@ -76,6 +80,10 @@ class Layer(NamedTuple):
     (local or global), the last earlier one, in a stack of its own (`kv_shared_blocks`)."""
     mlp_dim: int | None = None
     """This layer's MLP width; None: ModelConfig.mlp_dim (Gemma 4 E2B's reuse layers: twice it)."""
+    compressed: str | None = None
+    """A compressed_attention layer's kind (CompressedAttentionConfig.layer_types)."""
+    hashed: bool = False
+    """Its experts hash-routed (ModelConfig.hash_layers)."""
 
 
 class GatedDeltaConfig(Strict):
@@ -132,6 +140,37 @@ class Mamba2Config(Strict):
         if self.num_heads % self.n_groups:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of n_groups ({self.n_groups})")
         return self
+
+
+class CompressedAttentionConfig(Strict):
+    """DeepSeek-V4's attention layers (engine/models/compressed_attention.py; its config.json's
+    layer_types, compress_rates, o_groups, index_* keys)."""
+
+    layer_types: list[Literal["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]]
+    """Per layer: the sliding window alone, or beside CSA's (sparse, overlapping) or HCA's entries."""
+    csa_ratio: int = Field(4, gt=0)
+    """Positions per compressed entry of the compressed_sparse_attention layers."""
+    hca_ratio: int = Field(128, gt=0)
+    """... and of the heavily_compressed_attention layers."""
+    window: int = Field(128, gt=0)
+    q_lora_rank: int = Field(gt=0)
+    rope_head_dim: int = Field(gt=0)
+    out_groups: int = Field(gt=0)
+    out_rank: int = Field(gt=0)
+    index_topk: int = Field(gt=0)
+    index_heads: int = Field(gt=0)
+    index_head_dim: int = Field(gt=0)
+    compress_rope_theta: float = 160000.0
+    compress_rope_scaling: RopeScaling | None = None
+    """The compressed layers' RoPE scaling (YaRN for the published models); the sliding ones have none."""
+
+
+class HyperConnectionConfig(Strict):
+    """DeepSeek-V4's residual streams (engine/models/hyper_connection.py; hc_* keys)."""
+
+    streams: int = Field(4, gt=0)
+    iterations: int = Field(20, gt=0)
+    eps: float = Field(1e-6, gt=0)
 
 
 class MuPMultipliers(Strict):
@@ -239,7 +278,7 @@ class ModelConfig(Strict):
     """Top-k: the experts each token is sent to (Mixtral 2, Qwen3-MoE 8)."""
     expert_mlp_dim: int | None = Field(None, gt=0)
     """Width of each expert's MLP; None: mlp_dim (Mixtral). Qwen3-MoE: moe_intermediate_size."""
-    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    router_score: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"
     """Per-expert routing scores from the router logits: softmax over experts (Mixtral, Qwen)
     or an independent sigmoid each (DeepSeek-V3)."""
     router_renormalize: bool = True
@@ -339,7 +378,12 @@ class ModelConfig(Strict):
     only under ComputeConfig.mtp_loss."""
     # Hybrid models (Qwen3-Next, Qwen3.5): layers of another mixer kind among the attention ones.
     mixer_pattern: (
-        list[Literal["attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "none"]] | None
+        list[
+            Literal[
+                "attention", "gated_delta", "kimi_delta", "mamba2", "attention_mamba2", "compressed_attention", "none"
+            ]
+        ]
+        | None
     ) = Field(None, min_length=1)
     """Layer i's sequence mixer is mixer_pattern[i % len] (attention: the model's attention,
     MLA where kv_lora_rank is set); None: attention in every layer. Each other kind's layers
@@ -488,6 +532,14 @@ class ModelConfig(Strict):
     three axes, so the engine's RoPE is plain RoPE whatever it says; kept so that an export,
     and a multimodal one's vision positions, have it back. None: transformers' default
     [11, 11, 10]."""
+    compressed_attention: CompressedAttentionConfig | None = None
+    """DeepSeek-V4's attention layers (mixer_pattern compressed_attention)."""
+    hyper_connections: HyperConnectionConfig | None = None
+    """DeepSeek-V4's n residual streams in every layer (hyper_connection.py); None: one stream."""
+    hash_layers: int = Field(0, ge=0)
+    """The first hash_layers layers' experts are hash-routed (DeepSeek-V4, hash_routing.py)."""
+    swiglu_shift: float = 1.0
+    """The clamped SwiGLU's up + shift (swiglu_limit set): 1 GPT-OSS's, 0 DeepSeek-V4's."""
 
     @field_validator("family")
     @classmethod
@@ -672,6 +724,12 @@ class ModelConfig(Strict):
             moe = self.is_moe and i >= self.first_dense_layers and ffn_pattern[i % len(ffn_pattern)] == "moe"
             stack = "dense_blocks" if self.is_moe and not moe else "blocks"
             kind = mixer_pattern[i % len(mixer_pattern)]
+            if kind == "compressed_attention":  # DeepSeek-V4: a stack per attention kind and routing
+                assert self.compressed_attention is not None
+                compressed, hashed = self.compressed_attention.layer_types[i], i < self.hash_layers
+                name = f"{compressed}_{'hash_' if hashed else ''}blocks"
+                layers.append(Layer(name, kind, "moe", False, True, compressed=compressed, hashed=hashed))
+                continue
             if "none" in (kind, ffn_pattern[i % len(ffn_pattern)]):  # a layer that is its mixer or its MLP
                 ffn: Literal["mlp", "moe", "none"] = (
                     "none" if ffn_pattern[i % len(ffn_pattern)] == "none" else "moe" if moe else "mlp"
@@ -725,6 +783,9 @@ class ModelConfig(Strict):
             ffn = self._mlp_spec(layer.mlp_dim or self.mlp_dim)
         elif layer.ffn == "moe":
             ffn = self._moe_spec()
+            if layer.hashed:
+                ffn = ffn.model_copy(update={"hash_vocab": self.vocab_size})
+        hc = self.hyper_connections
         return LayerSpec(
             stack=layer.stack,
             mixer=self._mixer_spec(layer),
@@ -737,6 +798,7 @@ class ModelConfig(Strict):
             per_layer_input_dim=self.per_layer_input_dim,
             per_layer_activation=self.activation,
             residual=self.residual,
+            hyper=None if hc is None else HyperConnectionSpec(**hc.model_dump(), norm_eps=self.norm_eps),
         )
 
     def _mlp_spec(self, dim: int) -> MLPSpec:
@@ -772,6 +834,7 @@ class ModelConfig(Strict):
             expert_bias=self.expert_bias,
             swiglu_limit=self.swiglu_limit,
             swiglu_alpha=self.swiglu_alpha,
+            swiglu_shift=self.swiglu_shift,
             num_shared_experts=self.num_shared_experts,
             shared_dim=self.shared_mlp_dim,
             shared_expert_gate=self.shared_expert_gate,
@@ -866,6 +929,29 @@ class ModelConfig(Strict):
                 window=self.sliding_window if layer.local else None,
                 indexer=indexer,
                 scale=mla_score_scale(self.head_dim, self.rope_scaling),
+            )
+        if layer.mixer == "compressed_attention":
+            ca = self.compressed_attention
+            assert ca is not None and layer.compressed is not None
+            ratio = {"sliding_attention": 0, "compressed_sparse_attention": ca.csa_ratio}.get(
+                layer.compressed, ca.hca_ratio
+            )
+            return CompressedAttentionSpec(
+                num_heads=self.num_heads,
+                head_dim=self.head_dim,
+                rope_head_dim=ca.rope_head_dim,
+                q_lora_rank=ca.q_lora_rank,
+                out_groups=ca.out_groups,
+                out_rank=ca.out_rank,
+                window=ca.window,
+                compress_ratio=ratio,
+                sparse=layer.compressed == "compressed_sparse_attention",
+                index_topk=ca.index_topk,
+                index_heads=ca.index_heads,
+                index_head_dim=ca.index_head_dim,
+                rope=RotarySpec(theta=self.rope_theta),
+                compress_rope=RotarySpec(theta=ca.compress_rope_theta, scaling=ca.compress_rope_scaling),
+                norm_eps=self.norm_eps,
             )
         if layer.mixer in ("gated_delta", "kimi_delta"):
             gd = self.gated_delta
@@ -978,6 +1064,9 @@ class ModelConfig(Strict):
         if self.mtp_layers:  # a layer like the last (experts), its two input norms, the (2d, d) projection, a norm
             mtp = self.mtp_layer_spec()
             n += self.mtp_layers * (mtp.params(d, active) + 2 * d * d + 3 * d)
+        if self.hyper_connections:  # the streams' final mix (hyper_connection.HyperHead)
+            streams = self.hyper_connections.streams
+            n += streams * streams * d + streams + 1
         return n
 
 

@@ -23,10 +23,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from engine.config import ConfigError
+from engine.models import hash_routing
 from engine.models.common import ACTIVATIONS, Build, dtype_of, make_norm, param
+from engine.models.compressed_attention import CompressedAttention
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.models.dsa import WithIndexerLoss
 from engine.models.gated_delta_block import GatedDeltaNet
+from engine.models.hyper_connection import HyperConnection, HyperHead, hyper_layer, streams_of
 from engine.models.kimi_delta_block import KimiDeltaAttention
 from engine.models.kv_cache import KVCache
 from engine.models.lora import (
@@ -345,6 +348,7 @@ MIXERS: dict[str, Callable[..., nnx.Module]] = {
     "mamba2": Mamba2.of_spec,
     "attention_mamba2": _attention_mamba2,
     "mixture_of_attention": MixtureOfAttention,
+    "compressed_attention": CompressedAttention,
 }
 """A mixer spec's kind -> its module, built (spec, build, rngs=) and called (x, positions,
 segment_ids, spec, cache=None, **extras) -> out, or with a cache (out, cache); `spec` is the
@@ -396,6 +400,9 @@ class Block(nnx.Module):
             self.activation, self.dtype = ACTIVATIONS[spec.per_layer_activation], build.dtype
             self.compute, self.dot_general = build.compute, build.dot_general
             add_adapters(self, PER_LAYER_INPUT_WEIGHTS, build, rngs)
+        if spec.hyper is not None:  # DeepSeek-V4's residual streams (hyper_connection.py)
+            self.attn_hc = HyperConnection(spec.hyper, d, build.init_std, rngs=rngs)
+            self.ffn_hc = HyperConnection(spec.hyper, d, build.init_std, rngs=rngs)
 
     def forward(
         self,
@@ -415,6 +422,8 @@ class Block(nnx.Module):
         them for all layers at once. Gemma 4: `per_layer_btp` this layer's per-layer input;
         `shared_kv` the keys and values a reuse layer attends with; `store_kv` (static): a
         store layer, its own in place of the cache (there is none without decoding)."""
+        if spec.hyper is not None:  # n residual streams (DeepSeek-V4): hyper_connection.py runs the layer
+            return hyper_layer(self, x_btd, positions_bt, segment_ids_bt, spec, cache, rotary)
         indexer_kl = stats = None
         x_in, attn_in = x_btd, None  # a parallel layer's feed-forward reads the layer's input
         if spec.mixer is not None:
@@ -744,6 +753,8 @@ class Transformer(nnx.Module):
         if cfg.final_norm_eps is not None:  # JetMoE: the final norm's epsilon its own
             norm = norm.model_copy(update={"eps": cfg.final_norm_eps})
         self.final_norm = make_norm(norm, cfg.d_model, pdt, rngs=rngs)
+        if (hyper := cfg.layer_specs()[0].hyper) is not None:  # DeepSeek-V4: the streams' final mix
+            self.hc_head = HyperHead(hyper, cfg.d_model, cfg.init_std, rngs=rngs)
         if cfg.positions == "learned":  # GPT-2, OPT: an absolute position's embedding (rows offset on)
             rows = cfg.max_seq_len + cfg.position_offset
             self.pos_embed_pd = _param(rngs, (rows, cfg.d_model), cfg.init_std, (None, "embed"), pdt)
@@ -1081,7 +1092,10 @@ class Transformer(nnx.Module):
             x_btd = x_btd + self.pos_embed_pd[...].astype(dt)[positions_bt + cfg.position_offset]
         if cfg.embedding_norm:  # BLOOM
             x_btd = self.embed_norm(x_btd)
+        if (hyper := cfg.layer_specs()[0].hyper) is not None:  # DeepSeek-V4: n copies of the stream
+            x_btd = streams_of(x_btd, hyper.streams)
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
+        hashed = hash_routing.set_tokens(tokens_bt)  # what hash-routed experts read (hash_routing.py)
         per_layer_btlp = self._per_layer_inputs(tokens_bt, x_btd) if cfg.per_layer_input_dim else None
         stats = None
         if cache is None:  # segment_ids_bt None: one unpadded document per row, no mask needed
@@ -1091,6 +1105,9 @@ class Transformer(nnx.Module):
             if segment_ids_bt is None:
                 segment_ids_bt = jnp.ones_like(tokens_bt)
             x_btd, cache = self._decode_blocks(x_btd, positions_bt, segment_ids_bt, cache, per_layer_btlp)
+        hash_routing.reset(hashed)
+        if hasattr(self, "hc_head"):
+            x_btd = self.hc_head(x_btd)
         with jax.named_scope("lm_head"):
             x_btd = self.final_norm(x_btd)
             if hidden is not None:  # the multi-token-prediction layer's input (forward)

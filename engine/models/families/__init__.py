@@ -29,6 +29,7 @@ from engine.models.families import afmoe  # noqa: F401, I001
 from engine.models.families import gpt2, opt, olmo1, jais2, dbrx, phimoe, mpt, bloom  # noqa: F401, I001
 from engine.models.families import cohere2_moe  # noqa: F401, I001
 from engine.models.families import jetmoe  # noqa: F401, I001
+from engine.models.families import deepseek_v4  # noqa: F401, I001
 from engine.models.families.base import (
     Family,
     TensorSpec,
