@@ -14,6 +14,8 @@ tokens equal to one forward.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -22,8 +24,11 @@ from tests.deps import need
 torch = need("torch")
 transformers = need("transformers")
 
+from engine.config import resolve_model_preset  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
+from engine.interop.hf.mapping import model_config_to_hf  # noqa: E402
+from engine.models.config import ModelConfig  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
@@ -32,7 +37,6 @@ from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over th
     engine_logits,
     hf_logits,
     random_causal_lm,
-    test_export_then_convert_is_bitwise_identical,
     test_exported_config_json_is_what_transformers_writes,
     test_greedy_generation_of_16_tokens_is_identical,
 )
@@ -69,6 +73,7 @@ SMALL = dict(
     rope_theta=500.0,
     compress_rope_theta=2000.0,
     max_position_embeddings=64,
+    num_nextn_predict_layers=0,  # what transformers builds and saves (no multi-token-prediction module)
     bos_token_id=None,
     eos_token_id=None,
 )
@@ -135,3 +140,21 @@ def test_the_family_reads_what_the_config_says(case):
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
     export_hf(case.out_dir / "checkpoint", tmp_path / "export")
     test_hf_parity.assert_export_reloads_cleanly(case, tmp_path / "export", **IMPLEMENTATIONS)
+
+
+def test_export_then_convert_is_bitwise_identical(case, tmp_path):
+    """test_hf_parity's check, against the compute settings conversion stored (the case's
+    take transformers' CPU top-k ties)."""
+    stored = stored_configs(case.out_dir / "checkpoint")[1]
+    test_hf_parity.test_export_then_convert_is_bitwise_identical(dataclasses.replace(case, compute=stored), tmp_path)
+
+
+def test_the_flash_preset_has_the_parameters_of_transformers_model():
+    """configs/models/deepseek-v4-flash.yaml, built by transformers on the meta device: the
+    same count (284B; the hash tables and choosing biases are buffers there, not counted)."""
+    cfg = ModelConfig.model_validate(resolve_model_preset({"model": "deepseek-v4-flash"}, "preset")["model"])
+    hf_config = transformers.AutoConfig.for_model(**model_config_to_hf(cfg))
+    assert hf_config.to_dict()["layer_types"] == transformers.DeepseekV4Config().layer_types
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params() == 284_325_869_015

@@ -228,7 +228,8 @@ def sample(
     moe_layers = router_replay.moe_layers(model.cfg) if record_experts else []
     with router_replay.recording(bool(moe_layers)) as prefill_routes:
         logits_btv, cache = model(prompt_tokens_bp, prompt_positions(mask_bp), mask_bp, cache=cache)
-    if num_generations > 1 and not model.cfg.is_mla:  # the group's rows attend to one copy of its prompt
+    shareable = not model.cfg.is_mla and model.cfg.compressed_attention is None  # KVCache.share: attention only
+    if num_generations > 1 and shareable:  # the group's rows attend to one copy of its prompt
         cache = cache.share(num_generations, max_new_tokens)
     else:
         cache = cache.expand(num_generations, max_new_tokens)

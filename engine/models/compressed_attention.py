@@ -19,10 +19,10 @@ entries of the whole past.
 Training computes it over the sequence at once: the compressed entries are a reshape and a
 softmax over each window (no scan). Decoding caches each position's key and its compressor's
 projections (KVCache keys and values, `cache_shapes`) and recomputes the pooled entries of the
-written slots every step, which gives the full forward's numbers (transformers keeps the
-pooled entries and a buffer of the open window instead). Slots stand for positions there, so
-decoding takes rows without left padding, as do the compressed entries of packed rows (a
-window may straddle two documents).
+written positions every step (a left-padded row's slots shifted back to its positions), which
+gives the full forward's numbers (transformers keeps the pooled entries and a buffer of the
+open window instead). Packed rows' compressed entries follow positions only (a window may
+straddle two documents). The indexer's tie order (torch_cpu) takes the longest row's entries.
 
 Shapes: b batch, t queries, s keys (slots), d d_model, q q_lora_rank, n heads, h head_dim,
 w compressed entries, c the compressor's width per position (h, or 2h with overlap), g the
@@ -163,6 +163,12 @@ class CompressedAttention(nnx.Module):
             distance_ts = cache.end + jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
             visible_bts = visible_bts & (distance_ts < spec.window)[None]
             written = cache.end + t
+            # left padding: slot = position + the row's padding; the windows pool positions
+            shift_b = written - 1 - positions_bt[:, -1]
+            slots_bs = jnp.arange(s)[None, :] + shift_b[:, None]
+            raw_bsx = jnp.take_along_axis(raw_bsx, jnp.minimum(slots_bs, s - 1)[:, :, None], axis=1)
+            raw_bsx = jnp.where((slots_bs < s)[:, :, None], raw_bsx, 0)
+            written = written - jnp.max(shift_b)
         scores_bnts = jnp.einsum("btnh,bsh->bnts", q_btnh, keys_bsh, preferred_element_type=jnp.float32)
         values_bsh = keys_bsh
         if spec.compress_ratio:

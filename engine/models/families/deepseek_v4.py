@@ -91,7 +91,7 @@ class DeepseekV4(Family):
         "mixer_pattern": ["compressed_attention"],
         "swiglu_shift": 0.0,
         "swiglu_alpha": 1.0,
-        "num_kv_heads": 1,
+        "num_kv_heads": 1,  # one shared key-value head, whatever num_key_value_heads says (transformers')
         "num_shared_experts": 1,
     }
     hf_defaults = {
@@ -131,8 +131,6 @@ class DeepseekV4(Family):
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
         if self.hf_value(hf, "scoring_func") != "sqrtsoftplus":
             raise ConfigError(f"{where}: scoring_func {hf['scoring_func']!r} is not supported (sqrtsoftplus)")
-        if hf.get("num_key_value_heads") not in (None, 1):
-            raise ConfigError(f"{where}: num_key_value_heads must be 1 (one shared key-value head)")
         # the shared expert's width is transformers' intermediate_size, an alias of moe_intermediate_size
         hf = {**hf, "intermediate_size": hf.get("moe_intermediate_size") or 2048}
         return super().config_from_hf(hf, where)
