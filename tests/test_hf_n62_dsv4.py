@@ -5,7 +5,7 @@ first layers (hash_routing.py) and sqrt(softplus) router scores with clamped Swi
 
 The tiny model has odd sizes everywhere: 3 streams, 6 heads of 16 in 2 output groups, windows
 of 3 (CSA) and 5 (HCA) positions, an indexer keeping 2 of them, a sliding window of 5, and
-layers HCA (hash-routed), CSA, sliding, CSA. Each case gets the checks tests/test_hf_parity.py
+layers HCA (hash-routed), CSA, sliding. Each case gets the checks tests/test_hf_parity.py
 makes of every family (greedy tokens and the KV-cache sampler equal transformers' generate,
 config.json as transformers writes it, export -> convert bitwise); and here logits to 1e-4,
 the export loading cleanly, the preset's parameter count, and a prompt's cache plus decoded
@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from tests.deps import need
 
@@ -29,6 +31,8 @@ from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_to_hf  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
+from engine.models.kv_cache import KVCache  # noqa: E402
+from engine.models.params import graphdef_of  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
@@ -46,7 +50,7 @@ SMALL = dict(
     vocab_size=VOCAB,
     hidden_size=30,
     moe_intermediate_size=14,
-    num_hidden_layers=4,
+    num_hidden_layers=3,
     num_attention_heads=6,
     head_dim=16,
     q_lora_rank=10,
@@ -56,9 +60,8 @@ SMALL = dict(
         "heavily_compressed_attention",
         "compressed_sparse_attention",
         "sliding_attention",
-        "compressed_sparse_attention",
     ],
-    mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+    mlp_layer_types=["hash_moe", "moe", "moe"],
     compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 5},
     sliding_window=5,
     o_groups=2,
@@ -68,7 +71,7 @@ SMALL = dict(
     index_topk=2,
     partial_rotary_factor=0.5,
     hc_mult=3,
-    hc_sinkhorn_iters=5,
+    hc_sinkhorn_iters=3,
     swiglu_limit=1.5,
     rope_theta=500.0,
     compress_rope_theta=2000.0,
@@ -131,7 +134,7 @@ def test_the_family_reads_what_the_config_says(case):
         "sliding_attention_blocks",
     ]
     specs = cfg.layer_specs()
-    assert [s.mixer.compress_ratio for s in specs] == [5, 3, 0, 3] and specs[0].ffn.hash_vocab == VOCAB
+    assert [s.mixer.compress_ratio for s in specs] == [5, 3, 0] and specs[0].ffn.hash_vocab == VOCAB
     assert specs[0].hyper.streams == 3 and cfg.router_score == "sqrtsoftplus"
     hashed = np.asarray(case.params["heavily_compressed_attention_hash_blocks"]["mlp"]["hash_experts_vk"][0])
     np.testing.assert_array_equal(hashed, case.hf_model.model.layers[0].mlp.gate.tid2eid.numpy())
@@ -158,3 +161,23 @@ def test_the_flash_preset_has_the_parameters_of_transformers_model():
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
     assert sum(p.numel() for p in model.parameters()) == cfg.num_params() == 284_325_869_015
+
+
+def test_a_prompts_cache_and_decoded_tokens_give_the_full_forwards_logits(case):
+    """The training form (blocks of the window, every window pooled at once) against the
+    decoding one (the cache's keys and the compressor's projections, pooled again each step):
+    a prompt of 8 then 7 tokens one at a time, past two CSA and HCA windows and the sliding one.
+    The indexer's ties the earliest entries' (torch_cpu: torch's order over the row as long as
+    what each call has seen, which transformers' own full and decoding runs differ by)."""
+    compute = case.compute.model_copy(update={"indexer_ties": "first"})
+    model = nnx.merge(graphdef_of(case.cfg, compute), case.params)
+    tokens = np.random.default_rng(7).integers(0, VOCAB, (1, 15)).astype(np.int32)
+    full = np.asarray(model(jnp.asarray(tokens)))
+    cache = KVCache.init(case.cfg, compute, 1, 16)
+    step = nnx.jit(lambda m, x, p, c: m(x, p, jnp.ones_like(x), cache=c))
+    logits, cache = step(model, jnp.asarray(tokens[:, :8]), jnp.arange(8)[None], cache)
+    pieces = [np.asarray(logits)]
+    for i in range(8, 15):
+        logits, cache = step(model, jnp.asarray(tokens[:, i : i + 1]), jnp.full((1, 1), i), cache)
+        pieces.append(np.asarray(logits))
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=2e-5)

@@ -16,8 +16,9 @@ entries of the whole past.
   window's first; and a lightning indexer (as DeepSeek-V3.2's, dsa.py, over its own compressed
   keys) picks the index_topk entries each query attends to.
 
-Training computes it over the sequence at once: the compressed entries are a reshape and a
-softmax over each window (no scan). Decoding caches each position's key and its compressor's
+Training computes it over the sequence at once: the sliding window by blocks of `window`
+queries over their block and the one before, the compressed entries a reshape and a softmax
+over each window (no scan); one softmax over both and the sink. Decoding caches each position's key and its compressor's
 projections (KVCache keys and values, `cache_shapes`) and recomputes the pooled entries of the
 written positions every step (a left-padded row's slots shifted back to its positions), which
 gives the full forward's numbers (transformers keeps the pooled entries and a buffer of the
@@ -67,6 +68,43 @@ def inverse_frequencies(rope: RotarySpec, rope_dim: int):
     """Per-pair frequencies; YaRN without its attention factor (DeepSeek-V4 leaves cos and sin
     unscaled)."""
     return rope_inverse_frequencies(rope_dim, rope.theta, rope.scaling)
+
+
+def window_scores(q_btnh, kv_bth, segment_ids_bt, window: int):
+    """The sliding window's part of attention without a cache, by blocks of `window` queries,
+    each over the keys of its block and the one before (O(t x window), not t x t): (scores
+    (b, n, t, 2 window) float32, visible (b, t, 2 window), values(probs) -> (b, t, n, h))."""
+    b, t, n, h = q_btnh.shape
+    size = window
+    blocks = -(-t // size)
+    pad = blocks * size - t
+    q_bjinh = jnp.pad(q_btnh, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, blocks, size, n, h)
+    kv_pad = jnp.pad(kv_bth, ((0, 0), (size, pad), (0, 0)))  # a block of nothing before the first
+    keys_bjkh = jnp.concatenate(
+        [kv_pad[:, : blocks * size].reshape(b, blocks, size, h), kv_pad[:, size:].reshape(b, blocks, size, h)], axis=2
+    )
+    query_ji = jnp.arange(blocks)[:, None] * size + jnp.arange(size)[None, :]
+    key_jk = jnp.arange(blocks)[:, None] * size - size + jnp.arange(2 * size)[None, :]
+    distance_jik = query_ji[:, :, None] - key_jk[:, None, :]
+    visible_bjik = ((distance_jik >= 0) & (distance_jik < window) & (key_jk >= 0)[:, None, :])[None]
+    if segment_ids_bt is not None:
+        seg_pad = jnp.pad(segment_ids_bt, ((0, 0), (size, pad)))
+        key_seg_bjk = jnp.concatenate(
+            [seg_pad[:, : blocks * size].reshape(b, blocks, size), seg_pad[:, size:].reshape(b, blocks, size)], axis=2
+        )
+        query_seg_bji = seg_pad[:, size:].reshape(b, blocks, size)
+        same = (query_seg_bji[..., None] == key_seg_bjk[:, :, None, :]) & (key_seg_bjk != 0)[:, :, None, :]
+        visible_bjik = visible_bjik & same
+    scores_bnjik = jnp.einsum("bjinh,bjkh->bnjik", q_bjinh, keys_bjkh, preferred_element_type=jnp.float32)
+    scores_bntk = scores_bnjik.reshape(b, n, blocks * size, 2 * size)[:, :, :t]
+    visible_btk = jnp.broadcast_to(visible_bjik, (b, blocks, size, 2 * size)).reshape(b, blocks * size, -1)[:, :t]
+
+    def values(probs_bntk):
+        probs = jnp.pad(probs_bntk, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(b, n, blocks, size, 2 * size)
+        out_bjinh = jnp.einsum("bnjik,bjkh->bjinh", probs.astype(kv_bth.dtype), keys_bjkh)
+        return out_bjinh.reshape(b, blocks * size, n, h)[:, :t]
+
+    return scores_bntk, visible_btk, values
 
 
 def pool_windows(kv_bsc, gate_bsc, bias_mc, scale_h, *, ratio: int, head_dim: int, overlap: bool, eps: float):
@@ -148,20 +186,20 @@ class CompressedAttention(nnx.Module):
         kv_bth = (_unit_rms(self._dense(x_btd, self.wkv_dh), eps) * self.kv_norm_h[...]).astype(dt)
         kv_bth = rotate_tail(kv_bth, positions_bt, inv_freq, r)
         raw_btx = self._raw(x_btd, spec) if spec.raw_width else jnp.zeros((b, t, 0), dt)
-        if cache is None:
-            keys_bsh, raw_bsx = kv_bth, raw_btx
-            causal_ts = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-            visible_bts = causal_ts[None] & (jnp.arange(t)[:, None] - jnp.arange(t)[None, :] < spec.window)[None]
-            if segment_ids_bt is not None:
-                same = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
-                visible_bts = visible_bts & same & (segment_ids_bt != 0)[:, None, :]
-            written = t
+        if cache is None:  # the window's keys by blocks of `window` queries (window_scores)
+            raw_bsx, written = raw_btx, t
+            scores_bntk, visible_btk, local_values = window_scores(q_btnh, kv_bth, segment_ids_bt, spec.window)
         else:
-            k_bs1h, raw_bs1x, visible_bts, cache = cache.update(kv_bth[:, :, None], raw_btx[:, :, None])
+            k_bs1h, raw_bs1x, visible_btk, cache = cache.update(kv_bth[:, :, None], raw_btx[:, :, None])
             keys_bsh, raw_bsx = k_bs1h[:, :, 0].astype(dt), raw_bs1x[:, :, 0]
             s = keys_bsh.shape[1]
             distance_ts = cache.end + jnp.arange(t)[:, None] - jnp.arange(s)[None, :]
-            visible_bts = visible_bts & (distance_ts < spec.window)[None]
+            visible_btk = visible_btk & (distance_ts < spec.window)[None]
+            scores_bntk = jnp.einsum("btnh,bsh->bnts", q_btnh, keys_bsh, preferred_element_type=jnp.float32)
+
+            def local_values(probs_bnts):
+                return jnp.einsum("bnts,bsh->btnh", probs_bnts.astype(dt), keys_bsh)
+
             written = cache.end + t
             # left padding: slot = position + the row's padding; the windows pool positions
             shift_b = written - 1 - positions_bt[:, -1]
@@ -169,15 +207,14 @@ class CompressedAttention(nnx.Module):
             raw_bsx = jnp.take_along_axis(raw_bsx, jnp.minimum(slots_bs, s - 1)[:, :, None], axis=1)
             raw_bsx = jnp.where((slots_bs < s)[:, :, None], raw_bsx, 0)
             written = written - jnp.max(shift_b)
-        scores_bnts = jnp.einsum("btnh,bsh->bnts", q_btnh, keys_bsh, preferred_element_type=jnp.float32)
-        values_bsh = keys_bsh
+        local = scores_bntk.shape[-1]
+        scores_bnts, visible_bts = scores_bntk, visible_btk
         if spec.compress_ratio:
             entries_bwh, seen_btw = self._entries(x_btd, q_latent_btq, raw_bsx, positions_bt, spec, written)
             entries_bwh = entries_bwh.astype(dt)
             entry_scores = jnp.einsum("btnh,bwh->bntw", q_btnh, entries_bwh, preferred_element_type=jnp.float32)
             scores_bnts = jnp.concatenate([scores_bnts, entry_scores], axis=-1)
             visible_bts = jnp.concatenate([visible_bts, seen_btw], axis=-1)
-            values_bsh = jnp.concatenate([values_bsh, entries_bwh], axis=1)
         scores_bnts = jnp.where(visible_bts[:, None], scores_bnts * (h**-0.5), NEG_INF)
         sinks_bnt1 = jnp.broadcast_to(
             self.sinks_n[...].astype(jnp.float32)[None, :, None, None], (b, spec.num_heads, t, 1)
@@ -185,7 +222,9 @@ class CompressedAttention(nnx.Module):
         top_bnt1 = jnp.maximum(jnp.max(scores_bnts, axis=-1, keepdims=True), sinks_bnt1)
         exp_bnts = jnp.exp(scores_bnts - top_bnt1)
         probs_bnts = exp_bnts / (jnp.sum(exp_bnts, axis=-1, keepdims=True) + jnp.exp(sinks_bnt1 - top_bnt1))
-        out_btnh = jnp.einsum("bnts,bsh->btnh", probs_bnts.astype(dt), values_bsh)
+        out_btnh = local_values(probs_bnts[..., :local])
+        if spec.compress_ratio:
+            out_btnh = out_btnh + jnp.einsum("bntw,bwh->btnh", probs_bnts[..., local:].astype(dt), entries_bwh)
         out_btnh = rotate_tail(out_btnh, positions_bt, inv_freq, r, inverse=True)
         groups = spec.out_groups
         out_btgy = out_btnh.reshape(b, t, groups, -1)  # each group's heads, one after another
