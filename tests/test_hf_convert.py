@@ -317,6 +317,7 @@ PUBLISHED_BILLIONS = {  # parameter counts of the released models
     "gpt-oss-20b": 20.91,
     "gpt-oss-120b": 116.83,
     "deepseek-v3": 671.03,  # the causal LM without its multi-token-prediction layer (685B with it)
+    "deepseek-v4-flash": 284.33,  # DeepSeek-V4-Flash, "284B", without its multi-token-prediction module
     "smollm3-3b": 3.08,
     "olmo2-7b": 7.30,
     "phi3-mini-4k": 3.82,

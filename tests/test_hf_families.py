@@ -80,6 +80,8 @@ def tiny(family: str, tie: bool) -> tuple:
         **({"num_attention_heads": 2, "head_dim": 6} if family == "helium" else {}),
         # DeepSeek Sparse Attention: the indexer reads the compressed query
         **({"q_lora_rank": 6} if family in ("deepseek_v32", "glm_moe_dsa") else {}),
+        # DeepSeek-V4: half of each head rotary (its default, an eighth, would be one dimension of 8)
+        **({"partial_rotary_factor": 0.5} if family == "deepseek_v4" else {}),
         # OLMoE: head_dim is hidden_size / heads (its q_norm is hidden_size wide)
         **({"hidden_size": 32} if family == "olmoe" else {}),
         # GPT-era families whose head_dim is hidden_size / heads: 8, a quarter of it rotary

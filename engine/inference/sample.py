@@ -228,7 +228,9 @@ def sample(
     moe_layers = router_replay.moe_layers(model.cfg) if record_experts else []
     with router_replay.recording(bool(moe_layers)) as prefill_routes:
         logits_btv, cache = model(prompt_tokens_bp, prompt_positions(mask_bp), mask_bp, cache=cache)
-    if num_generations > 1 and not model.cfg.is_mla and not cache.index_k:  # one copy of a group's prompt
+    # KVCache.share: attention's keys and values only (no indexer keys, no compressed entries)
+    shareable = not model.cfg.is_mla and not cache.index_k and model.cfg.compressed_attention is None
+    if num_generations > 1 and shareable:  # the group's rows attend to one copy of its prompt
         cache = cache.share(num_generations, max_new_tokens)
     else:
         cache = cache.expand(num_generations, max_new_tokens)

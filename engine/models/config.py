@@ -31,7 +31,9 @@ from engine.models.sections import (
 from engine.models.specs import (
     AttentionSpec,
     BlockIndexerSpec,
+    CompressedAttentionSpec,
     GatedDeltaSpec,
+    HyperConnectionSpec,
     IndexerSpec,
     KimiDeltaSpec,
     LayerSpec,
@@ -73,6 +75,7 @@ class Layer(NamedTuple):
         "short_conv",
         "rglru",
         "lightning",
+        "compressed_attention",
         "none",
     ]
     """The sequence mixer, a kind in transformer.MIXERS: grouped-query attention
@@ -104,6 +107,10 @@ class Layer(NamedTuple):
     (local or global), the last earlier one, in a stack of its own (`kv_shared_blocks`)."""
     mlp_dim: int | None = None
     """This layer's MLP width; None: ModelConfig.mlp.dim (Gemma 4 E2B's reuse layers: twice it)."""
+    compressed: str | None = None
+    """A compressed_attention layer's kind (CompressedAttentionConfig.layer_types)."""
+    hashed: bool = False
+    """Its experts hash-routed (ModelConfig.moe.hash_layers)."""
     index_shared: bool = False
     """Sparse attention without an indexer of its own: the layer attends to the keys the last
     earlier layer's indexer selected (ModelConfig.mla.index_shared_layers), in a stack of its
@@ -180,6 +187,37 @@ class Mamba1Config(Strict):
     bcdt_norm: Literal["none", "weightless", "weighted"] = "none"
     """RMSNorms on dt's low-rank input, B and C: none (Mamba), scale-less (Falcon-Mamba), learned (Jamba)."""
     bcdt_norm_eps: float = Field(1e-6, gt=0)
+
+
+class CompressedAttentionConfig(Strict):
+    """DeepSeek-V4's attention layers (engine/models/compressed_attention.py; its config.json's
+    layer_types, compress_rates, o_groups, index_* keys)."""
+
+    layer_types: list[Literal["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]]
+    """Per layer: the sliding window alone, or beside CSA's (sparse, overlapping) or HCA's entries."""
+    csa_ratio: int = Field(4, gt=0)
+    """Positions per compressed entry of the compressed_sparse_attention layers."""
+    hca_ratio: int = Field(128, gt=0)
+    """... and of the heavily_compressed_attention layers."""
+    window: int = Field(128, gt=0)
+    q_lora_rank: int = Field(gt=0)
+    rope_head_dim: int = Field(gt=0)
+    out_groups: int = Field(gt=0)
+    out_rank: int = Field(gt=0)
+    index_topk: int = Field(gt=0)
+    index_heads: int = Field(gt=0)
+    index_head_dim: int = Field(gt=0)
+    compress_rope_theta: float = 160000.0
+    compress_rope_scaling: RopeScaling | None = None
+    """The compressed layers' RoPE scaling (YaRN for the published models); the sliding ones have none."""
+
+
+class HyperConnectionConfig(Strict):
+    """DeepSeek-V4's residual streams (engine/models/hyper_connection.py; hc_* keys)."""
+
+    streams: int = Field(4, gt=0)
+    iterations: int = Field(20, gt=0)
+    eps: float = Field(1e-6, gt=0)
 
 
 class MuPMultipliers(Strict):
@@ -319,6 +357,7 @@ class ModelConfig(Strict):
                 "short_conv",
                 "rglru",
                 "lightning",
+                "compressed_attention",
                 "none",
             ]
         ]
@@ -352,6 +391,10 @@ class ModelConfig(Strict):
     """The lightning attention layers' sizes (mixer_pattern lightning: MiniMax-Text-01)."""
     normed_residual: NormedResidualConfig | None = None
     """MiniMax-Text-01's residual form (LayerSpec.residual_scales); None: x + sublayer(norm(x))."""
+    compressed_attention: CompressedAttentionConfig | None = None
+    """DeepSeek-V4's attention layers (mixer_pattern compressed_attention)."""
+    hyper_connections: HyperConnectionConfig | None = None
+    """DeepSeek-V4's n residual streams in every layer (hyper_connection.py); None: one stream."""
     mup: MuPMultipliers | None = None
     """Falcon-H1's multipliers on the attention, Mamba2, MLP and LM head activations; None: none."""
     mtp_layers: int = Field(0, ge=0, le=1)
@@ -657,6 +700,12 @@ class ModelConfig(Strict):
             moe = self.is_moe and i >= self.moe.first_dense_layers and ffn_pattern[i % len(ffn_pattern)] == "moe"
             stack = "dense_blocks" if self.is_moe and not moe else "blocks"
             kind = mixer_pattern[i % len(mixer_pattern)]
+            if kind == "compressed_attention":  # DeepSeek-V4: a stack per attention kind and routing
+                assert self.compressed_attention is not None
+                compressed, hashed = self.compressed_attention.layer_types[i], i < self.moe.hash_layers
+                name = f"{compressed}_{'hash_' if hashed else ''}blocks"
+                layers.append(Layer(name, kind, "moe", False, True, compressed=compressed, hashed=hashed))
+                continue
             if "none" in (kind, ffn_pattern[i % len(ffn_pattern)]):  # a layer that is its mixer or its MLP
                 ffn: Literal["mlp", "moe", "none"] = (
                     "none" if ffn_pattern[i % len(ffn_pattern)] == "none" else "moe" if moe else "mlp"
@@ -710,6 +759,9 @@ class ModelConfig(Strict):
             ffn = self._mlp_spec(layer.mlp_dim or self.mlp.dim)
         elif layer.ffn == "moe":
             ffn = self._moe_spec()
+            if layer.hashed:
+                ffn = ffn.model_copy(update={"hash_vocab": self.vocab_size})
+        hc = self.hyper_connections
         return LayerSpec(
             stack=layer.stack,
             mixer=self._mixer_spec(layer),
@@ -723,6 +775,7 @@ class ModelConfig(Strict):
             per_layer_activation=self.mlp.activation,
             residual=self.block.residual,
             residual_scales=self._residual_scales(layer),
+            hyper=None if hc is None else HyperConnectionSpec(**hc.model_dump(), norm_eps=self.norm.eps),
         )
 
     def _residual_scales(self, layer: Layer) -> tuple[float, float, float, float] | None:
@@ -769,6 +822,7 @@ class ModelConfig(Strict):
             expert_bias=self.moe.expert_bias,
             swiglu_limit=self.moe.swiglu_limit,
             swiglu_alpha=self.moe.swiglu_alpha,
+            swiglu_shift=self.moe.swiglu_shift,
             num_shared_experts=self.moe.num_shared_experts,
             shared_dim=self.shared_mlp_dim,
             shared_expert_gate=self.moe.shared_gate,
@@ -879,6 +933,29 @@ class ModelConfig(Strict):
                 window=self.attention.sliding_window if layer.local else None,
                 indexer=indexer,
                 scale=mla_score_scale(self.attention.head_dim, self.rope.scaling),
+            )
+        if layer.mixer == "compressed_attention":
+            ca = self.compressed_attention
+            assert ca is not None and layer.compressed is not None
+            ratio = {"sliding_attention": 0, "compressed_sparse_attention": ca.csa_ratio}.get(
+                layer.compressed, ca.hca_ratio
+            )
+            return CompressedAttentionSpec(
+                num_heads=self.attention.num_heads,
+                head_dim=self.attention.head_dim,
+                rope_head_dim=ca.rope_head_dim,
+                q_lora_rank=ca.q_lora_rank,
+                out_groups=ca.out_groups,
+                out_rank=ca.out_rank,
+                window=ca.window,
+                compress_ratio=ratio,
+                sparse=layer.compressed == "compressed_sparse_attention",
+                index_topk=ca.index_topk,
+                index_heads=ca.index_heads,
+                index_head_dim=ca.index_head_dim,
+                rope=RotarySpec(theta=self.rope.theta),
+                compress_rope=RotarySpec(theta=ca.compress_rope_theta, scaling=ca.compress_rope_scaling),
+                norm_eps=self.norm.eps,
             )
         if layer.mixer == "lightning":
             assert self.lightning is not None  # _check_mixers
@@ -997,6 +1074,9 @@ class ModelConfig(Strict):
         if self.mtp_layers:  # a layer like the last (experts), its two input norms, the (2d, d) projection, a norm
             mtp = self.mtp_layer_spec()
             n += self.mtp_layers * (mtp.params(d, active) + 2 * d * d + 3 * d)
+        if self.hyper_connections:  # the streams' final mix (hyper_connection.HyperHead)
+            streams = self.hyper_connections.streams
+            n += streams * streams * d + streams + 1
         return n
 
 

@@ -96,6 +96,8 @@ FLAT: dict[str, tuple[str, str]] = {
     "first_dense_layers": ("moe", "first_dense_layers"),
     "moe_beside_mlp": ("moe", "beside_mlp"),
     "moe_output_bias": ("moe", "output_bias"),
+    "swiglu_shift": ("moe", "swiglu_shift"),
+    "hash_layers": ("moe", "hash_layers"),
     # mla
     "kv_lora_rank": ("mla", "kv_lora_rank"),
     "q_lora_rank": ("mla", "q_lora_rank"),

@@ -93,7 +93,9 @@ class KVCache:
                 k_shapes.append((batch, 0, 0, max_len))
                 v_shapes.append((batch, 0, max_len, 0))
                 continue
-            if isinstance(mixer, MLASpec):  # the latent and the shared rotary key (mla.py)
+            if hasattr(mixer, "cache_shapes"):  # a mixer that sizes its own (compressed_attention.py)
+                k_shape, v_shape = mixer.cache_shapes(batch, max_len)
+            elif isinstance(mixer, MLASpec):  # the latent and the shared rotary key (mla.py)
                 k_shape, v_shape = (batch, 1, max_len, mixer.kv_lora_rank), (batch, 1, max_len, mixer.rope_head_dim)
             else:
                 attention = spec.attention

@@ -33,6 +33,7 @@ from flax import nnx
 
 from engine.models import moe_ep, router_replay
 from engine.models.common import ACTIVATIONS, Build, param
+from engine.models.hash_routing import hashed_experts
 from engine.models.specs import MoESpec
 from engine.ops.dense import DotGeneral, dense, gated_mlp, matmuls_in
 from engine.ops.grouped import grouped_mlp
@@ -87,13 +88,20 @@ def route(
     biased scores sum highest (DeepSeek-V3), or whose best score is highest (group_score max,
     DeepSeek-V2). The weights end multiplied by `scale`. `experts_nk` given (router replay,
     router_replay.py): those experts, weighted by these logits' scores, nothing chosen."""
-    scores_ne = jax.nn.softmax(logits_ne, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits_ne)
+    scores_ne = router_scores(logits_ne, score)
     if experts_nk is None:
         experts_nk = _choose(scores_ne, bias_e, k, groups, group_top, group_score)
     weights_nk = jnp.take_along_axis(scores_ne, experts_nk, axis=-1)
     if renormalize:
         weights_nk = weights_nk / jnp.sum(weights_nk, axis=-1, keepdims=True)
     return weights_nk * scale if scale != 1.0 else weights_nk, experts_nk
+
+
+def router_scores(logits_ne, score: str):
+    """The router's scores (n, e): softmax, sigmoid or sqrt(softplus) (DeepSeek-V4) of its logits."""
+    if score == "softmax":
+        return jax.nn.softmax(logits_ne, axis=-1)
+    return jax.nn.sigmoid(logits_ne) if score == "sigmoid" else jnp.sqrt(jax.nn.softplus(logits_ne))
 
 
 def sparsemixer(logits_ne, k: int, eps: float, experts_nk=None):
@@ -141,7 +149,7 @@ def router_stats(logits_ne, experts_nk, valid_n, num_experts: int, score: str = 
     if score == "softmax":
         probs_ne = jax.nn.softmax(logits_ne, axis=-1)
     else:
-        scores_ne = jax.nn.sigmoid(logits_ne)
+        scores_ne = router_scores(logits_ne, score)
         probs_ne = scores_ne / jnp.sum(scores_ne, axis=-1, keepdims=True)
     log_z_n = jax.nn.logsumexp(logits_ne, axis=-1)
     return MoEStats(
@@ -177,12 +185,13 @@ def gated(activation):
     return lambda gate, up: activation(gate) * up
 
 
-def clamped_swiglu(gate, up, *, limit: float, alpha: float):
+def clamped_swiglu(gate, up, *, limit: float, alpha: float, shift: float = 1.0):
     """GPT-OSS's experts (transformers' GptOssExperts._apply_gate): the gate clamped above at
-    `limit`, up to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+    `limit`, up to [-limit, limit], then (up + shift) * gate * sigmoid(alpha * gate) (shift 1;
+    DeepSeek-V4's: shift 0, alpha 1, silu(gate) * up)."""
     gate = jnp.minimum(gate, limit)
     up = jnp.clip(up, -limit, limit)
-    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+    return (up + shift) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
 def dropless_experts(x_nd, experts_nk, weights_nk, w_gate_edf, w_up_edf, w_down_efd, glu, biases=None):
@@ -270,7 +279,7 @@ class MoE(nnx.Module):
             self.router_scale_d = nnx.Param(jnp.ones((d,), pdt), out_sharding=("norm",))
         if spec.router_expert_scale:  # Gemma 4: a factor per expert on its routing weight
             self.expert_scale_e = nnx.Param(jnp.ones((e,), pdt), out_sharding=(None,))
-        if spec.router_bias:
+        if spec.router_bias and not spec.hash_vocab:  # a hash-routed layer's table chooses instead
             self.b_router_e = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=(None,))
         if spec.router_logits_bias:  # GPT-OSS: the router Linear's bias
             self.b_logits_e = nnx.Param(jnp.zeros((e,), pdt), out_sharding=(None,))
@@ -298,7 +307,7 @@ class MoE(nnx.Module):
         self.output_bias = spec.output_bias
         self.num_experts, self.k = e, spec.experts_per_token
         self.score, self.renormalize = spec.router_score, spec.router_renormalize
-        self.router_bias, self.shared = spec.router_bias, spec.num_shared_experts > 0
+        self.router_bias, self.shared = spec.router_bias and not spec.hash_vocab, spec.num_shared_experts > 0
         self.groups, self.group_top, self.router_scale = spec.router_groups, spec.router_group_top, spec.router_scale
         self.group_score = spec.router_group_score
         self.scales_input = spec.router_scales_input
@@ -306,9 +315,16 @@ class MoE(nnx.Module):
         self.glu = (
             gated(self.activation)
             if spec.swiglu_limit is None
-            else functools.partial(clamped_swiglu, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha)
+            else functools.partial(
+                clamped_swiglu, limit=spec.swiglu_limit, alpha=spec.swiglu_alpha, shift=spec.swiglu_shift
+            )
         )
         self.clamped = spec.swiglu_limit is not None
+        if spec.hash_vocab:  # the token -> experts table (frozen; floats, as every parameter)
+            self.hash_experts_vk = nnx.Param(
+                jnp.zeros((spec.hash_vocab, spec.experts_per_token), jnp.float32), out_sharding=(None, None)
+            )
+        self.hash_routing = spec.hash_vocab > 0
         if not self.gated:  # the up projection passed as the gate too (one product after XLA's CSE)
             self.glu = lambda _, up: self.activation(up.astype(jnp.float32)).astype(up.dtype)
         self.logits_bias, self.expert_bias = spec.router_logits_bias, spec.expert_bias
@@ -380,6 +396,9 @@ class MoE(nnx.Module):
                     logits_ne, self.k, self.sparsemixer_eps, experts_nk=router_replay.replayed(b, t)
                 )
             else:
+                replayed = router_replay.replayed(b, t)
+                if self.hash_routing and replayed is None:  # DeepSeek-V4's first layers
+                    replayed = hashed_experts(self.hash_experts_vk[...], b, t)
                 weights_nk, experts_nk = route(
                     logits_ne,
                     bias,
@@ -390,7 +409,7 @@ class MoE(nnx.Module):
                     group_top=self.group_top,
                     scale=self.router_scale,
                     group_score=self.group_score,
-                    experts_nk=router_replay.replayed(b, t),
+                    experts_nk=replayed,
                 )
             router_replay.record(experts_nk, b, t)
             if self.expert_scale:

@@ -198,7 +198,7 @@ class MoEConfig(Strict):
     """Top-k: the experts each token is sent to (Mixtral 2, Qwen3-MoE 8)."""
     expert_dim: int | None = Field(None, gt=0)
     """Width of each expert's MLP; None: mlp.dim (Mixtral). Qwen3-MoE: moe_intermediate_size."""
-    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    router_score: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"
     """Per-expert routing scores from the router logits: softmax over experts (Mixtral, Qwen)
     or an independent sigmoid each (DeepSeek-V3)."""
     router_renormalize: bool = True
@@ -241,6 +241,8 @@ class MoEConfig(Strict):
     limit], out = (up + 1) * gate * sigmoid(swiglu_alpha * gate). None: activation(gate) * up."""
     swiglu_alpha: float = Field(1.702, gt=0)
     """Sigmoid gain of that clamped SwiGLU (swiglu_limit set only)."""
+    swiglu_shift: float = 1.0
+    """The clamped SwiGLU's up + shift (swiglu_limit set): 1 GPT-OSS's, 0 DeepSeek-V4's."""
     num_shared_experts: int = Field(0, ge=0)
     """Experts every token goes through, as one gated MLP of num_shared_experts * expert_dim
     added to the routed output (DeepSeek)."""
@@ -262,6 +264,9 @@ class MoEConfig(Strict):
     experts read their own pre-norm of the residual, the router the residual itself (Gemma 4)."""
     output_bias: bool = False
     """A learned bias on the mixture's output (JetMoE)."""
+    hash_layers: int = Field(0, ge=0)
+    """The first hash_layers layers' experts are hash-routed: a token's experts are a fixed
+    table's row for its id (DeepSeek-V4, engine/models/hash_routing.py)."""
 
 
 class MLAConfig(Strict):

@@ -480,6 +480,92 @@ class LightningSpec(Spec):
         return 5 * d * inner + inner
 
 
+class CompressedAttentionSpec(Spec):
+    """A DeepSeek-V4 attention layer (compressed_attention.py)."""
+
+    kind: Literal["compressed_attention"] = "compressed_attention"
+    num_heads: int
+    head_dim: int
+    rope_head_dim: int
+    """The last rope_head_dim dimensions of each head (and of the indexer's) are rotary."""
+    q_lora_rank: int
+    out_groups: int
+    """Heads form this many groups for the output's first, per-group projection (o_groups)."""
+    out_rank: int
+    """Each group's width after it (o_lora_rank)."""
+    window: int
+    """The sliding window: a query sees this many most recent positions, its own included."""
+    compress_ratio: int = 0
+    """Positions per compressed entry; 0: the sliding window alone."""
+    sparse: bool = False
+    """CSA: overlapping windows and the indexer's top-k (else HCA: side-by-side windows, all seen)."""
+    index_topk: int = 0
+    index_heads: int = 0
+    index_head_dim: int = 0
+    rope: RotarySpec = RotarySpec()
+    """The sliding-window layers' RoPE (transformers' `main`)."""
+    compress_rope: RotarySpec = RotarySpec()
+    """The compressed layers' RoPE, of their queries, keys, entries and indexer (`compress`)."""
+    norm_eps: float = 1e-6
+
+    @property
+    def overlap(self) -> int:
+        """Projections per position of the compressor: 2 with CSA's overlapping windows."""
+        return 2 if self.sparse else 1
+
+    def params(self, d: int) -> int:
+        n, h, q = self.num_heads, self.head_dim, self.q_lora_rank
+        count = d * q + q + q * n * h + d * h + h + n * h * self.out_rank + self.out_groups * self.out_rank * d + n
+        if self.compress_ratio:
+            c = self.overlap * h
+            count += 2 * d * c + self.compress_ratio * c + h
+        if self.sparse:
+            g, i = self.index_heads, self.index_head_dim
+            count += 2 * d * 2 * i + self.compress_ratio * 2 * i + i + q * g * i + d * g
+        return count
+
+    def mixing_macs(self, seq_len: int) -> int:
+        """Per token: QK^T and PV over the window and the entries seen (all, or index_topk),
+        and the indexer's scores of every entry."""
+        keys = min(self.window, seq_len)
+        if self.compress_ratio:
+            entries = seq_len // self.compress_ratio
+            keys += min(entries, self.index_topk) if self.sparse else entries
+        index = self.index_heads * self.index_head_dim * (seq_len // self.compress_ratio) if self.sparse else 0
+        return 2 * self.num_heads * self.head_dim * keys + index
+
+    def cache_shapes(self, batch: int, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """KVCache's (keys, values) shapes for it: the key per slot, and as values the
+        compressor's and indexer's projections and gate logits per slot (their windows are
+        pooled from them at every step)."""
+        return (batch, 1, max_len, self.head_dim), (batch, 1, max_len, self.raw_width)
+
+    @property
+    def raw_width(self) -> int:
+        """The compressor's and the indexer's projections and gate logits per position."""
+        width = 2 * self.overlap * self.head_dim if self.compress_ratio else 0
+        return width + (4 * self.index_head_dim if self.sparse else 0)
+
+
+class HyperConnectionSpec(Spec):
+    """The n-stream residual of a layer (LayerSpec.hyper)."""
+
+    streams: int
+    """n: parallel residual streams (DeepSeek-V4's hc_mult)."""
+    iterations: int = 20
+    """Sinkhorn-Knopp normalisations of the stream mix (hc_sinkhorn_iters)."""
+    eps: float = 1e-6
+    """The floor added to `pre`, `comb` and each normalisation's sum (hc_eps)."""
+    norm_eps: float = 1e-6
+    """The RMS norm of the streams the weights are computed from."""
+
+    def params(self, d: int) -> int:
+        """One sublayer's connection: the projection, its biases and the three scales."""
+        n = self.streams
+        mixes = (2 + n) * n
+        return mixes * n * d + mixes + 3
+
+
 MixerSpec = Annotated[
     AttentionSpec
     | MLASpec
@@ -491,7 +577,8 @@ MixerSpec = Annotated[
     | Mamba1Spec
     | ShortConvSpec
     | RGLRUSpec
-    | LightningSpec,
+    | LightningSpec
+    | CompressedAttentionSpec,
     Field(discriminator="kind"),
 ]
 """A layer's sequence mixer."""
@@ -540,7 +627,7 @@ class MoESpec(Spec):
     expert_dim: int
     activation: Activation = "silu"
     gated: bool = True
-    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    router_score: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"
     router_renormalize: bool = True
     router_bias: bool = False
     """A learned choosing bias (DeepSeek-V3's e_score_correction_bias; a buffer in transformers)."""
@@ -568,6 +655,12 @@ class MoESpec(Spec):
     """SparseMixer routing with this epsilon (PhiMoE; moe.sparsemixer); None: softmax top-k."""
     output_bias: bool = False
     """A learned bias added to the mixture's output (JetMoE)."""
+    swiglu_shift: float = 1.0
+    """The clamped SwiGLU's (swiglu_limit) up + shift: 1 GPT-OSS's, 0 DeepSeek-V4's (whose shared
+    experts are clamped too)."""
+    hash_vocab: int = 0
+    """Hash routing (DeepSeek-V4's first layers): each token's experts are a fixed table's row
+    for its id (transformers' tid2eid, a buffer: not counted), over a vocabulary of this many; 0: none."""
 
     def params(self, d: int, active: bool = False) -> int:
         experts = self.experts_per_token if active else self.num_experts
@@ -609,6 +702,8 @@ class LayerSpec(Spec):
     """(mixer alpha, mixer beta, ffn alpha, ffn beta): each sublayer sets the stream to alpha *
     norm(x) + beta * sublayer(norm(x)), the normed input its residual (MiniMax-Text-01's
     DeepNorm-style factors); None: x + sublayer(norm(x))."""
+    hyper: HyperConnectionSpec | None = None
+    """n residual streams mixed in and out of each sublayer (DeepSeek-V4, hyper_connection.py)."""
     residual: Literal["sequential", "parallel", "parallel_shared_norm"] = "sequential"
     """sequential: x + mixer(norm(x)), then + ffn(norm(that)); parallel: x + mixer(norm1(x)) +
     ffn(norm2(x)) (GPT-NeoX, Falcon's new architecture); parallel_shared_norm: one norm for both,
@@ -644,6 +739,8 @@ class LayerSpec(Spec):
             n += norms - self.pre_norms * self.norm.params(d) * (self.residual == "parallel_shared_norm")
         if self.per_layer_input_dim:  # gate, projection, norm
             n += d * (2 * self.per_layer_input_dim) + self.norm.params(d)
+        if self.hyper is not None:  # the mixer's and the feed-forward's connections
+            n += 2 * self.hyper.params(d)
         return n
 
 

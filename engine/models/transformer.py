@@ -23,11 +23,14 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from engine.config import ConfigError
+from engine.models import hash_routing
 from engine.models.block_sparse import BlockIndexer, masked_attention, selected_blocks
 from engine.models.common import ACTIVATIONS, Build, dtype_of, make_norm, param
+from engine.models.compressed_attention import CompressedAttention
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.models.dsa import WithIndexerLoss
 from engine.models.gated_delta_block import GatedDeltaNet
+from engine.models.hyper_connection import HyperConnection, HyperHead, hyper_layer, streams_of
 from engine.models.kimi_delta_block import KimiDeltaAttention
 from engine.models.kv_cache import KVCache
 from engine.models.lightning import LightningAttention
@@ -439,6 +442,7 @@ MIXERS: dict[str, Callable[..., nnx.Module]] = {
     "short_conv": ShortConv,
     "rglru": RecurrentBlock,
     "lightning": LightningAttention,
+    "compressed_attention": CompressedAttention,
 }
 """A mixer spec's kind -> its module, built (spec, build, rngs=) and called (x, positions,
 segment_ids, spec, cache=None, **extras) -> out, or with a cache (out, cache); `spec` is the
@@ -490,6 +494,9 @@ class Block(nnx.Module):
             self.activation, self.dtype = ACTIVATIONS[spec.per_layer_activation], build.dtype
             self.compute, self.dot_general = build.compute, build.dot_general
             add_adapters(self, PER_LAYER_INPUT_WEIGHTS, build, rngs)
+        if spec.hyper is not None:  # DeepSeek-V4's residual streams (hyper_connection.py)
+            self.attn_hc = HyperConnection(spec.hyper, d, build.init_std, rngs=rngs)
+            self.ffn_hc = HyperConnection(spec.hyper, d, build.init_std, rngs=rngs)
 
     def forward(
         self,
@@ -513,6 +520,8 @@ class Block(nnx.Module):
         attention with shared indexer layers (IndexerSpec.shared): `index_state` the last
         earlier indexer's selection inputs (MLA.__call__), and x in the result is then (x, the
         state this layer passes on)."""
+        if spec.hyper is not None:  # n residual streams (DeepSeek-V4): hyper_connection.py runs the layer
+            return hyper_layer(self, x_btd, positions_bt, segment_ids_bt, spec, cache, rotary)
         indexer_kl = stats = None
         x_in, attn_in = x_btd, None  # a parallel layer's feed-forward reads the layer's input
         if spec.mixer is not None:
@@ -877,6 +886,8 @@ class Transformer(nnx.Module):
         if cfg.head.norm_eps is not None:  # JetMoE: the final norm's epsilon its own
             norm = norm.model_copy(update={"eps": cfg.head.norm_eps})
         self.final_norm = make_norm(norm, cfg.d_model, pdt, rngs=rngs)
+        if (hyper := cfg.layer_specs()[0].hyper) is not None:  # DeepSeek-V4: the streams' final mix
+            self.hc_head = HyperHead(hyper, cfg.d_model, cfg.init_std, rngs=rngs)
         if cfg.positions == "learned":  # GPT-2, OPT: an absolute position's embedding (rows offset on)
             rows = cfg.max_seq_len + cfg.embedding.position_offset
             self.pos_embed_pd = _param(rngs, (rows, cfg.d_model), cfg.init_std, (None, "embed"), pdt)
@@ -1229,7 +1240,10 @@ class Transformer(nnx.Module):
             x_btd = x_btd + self.pos_embed_pd[...].astype(dt)[positions_bt + cfg.embedding.position_offset]
         if cfg.embedding.norm:  # BLOOM
             x_btd = self.embed_norm(x_btd)
+        if (hyper := cfg.layer_specs()[0].hyper) is not None:  # DeepSeek-V4: n copies of the stream
+            x_btd = streams_of(x_btd, hyper.streams)
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
+        hashed = hash_routing.set_tokens(tokens_bt)  # what hash-routed experts read (hash_routing.py)
         per_layer_btlp = self._per_layer_inputs(tokens_bt, x_btd) if cfg.embedding.per_layer_input_dim else None
         stats = None
         if cache is None:  # segment_ids_bt None: one unpadded document per row, no mask needed
@@ -1244,6 +1258,9 @@ class Transformer(nnx.Module):
             if segment_ids_bt is None:
                 segment_ids_bt = jnp.ones_like(tokens_bt)
             x_btd, cache = self._decode_blocks(x_btd, positions_bt, segment_ids_bt, cache, per_layer_btlp)
+        hash_routing.reset(hashed)
+        if hasattr(self, "hc_head"):
+            x_btd = self.hc_head(x_btd)
         with jax.named_scope("lm_head"):
             x_btd = self.final_norm(x_btd)
             if hidden is not None:  # the multi-token-prediction layer's input (forward)

@@ -32,8 +32,9 @@ def learning_rate_schedule(opt: OptimizerConfig, sched: ScheduleConfig, total_st
 
 
 # Biases (bq_nh, bo_d, b_router_e, b_gate_ef, ...) and attention sinks: per-unit offsets, not
-# matrices, whatever their rank (stacked layers and experts add axes).
-_NOT_MATRICES = re.compile(r"^(b[a-z]?_|bias$|scale$|sinks_)")
+# matrices, whatever their rank (stacked layers and experts add axes); hash routing's table
+# (hash_experts_vk, moe.py) is no weight (frozen: no gradient, so no update without decay).
+_NOT_MATRICES = re.compile(r"^(b[a-z]?_|bias$|scale$|sinks_|hash_)")
 
 
 def weight_decay_mask(params, decay_norms_and_embeddings: bool):

@@ -1,0 +1,183 @@
+"""Hugging Face parity of DeepSeek-V4 (DeepseekV4ForCausalLM, issue 62): sliding-window
+attention beside CSA's and HCA's compressed entries (compressed_attention.py), the lightning
+indexer's top-k over CSA's entries, n residual streams (hyper_connection.py), hash-routed
+first layers (hash_routing.py) and sqrt(softplus) router scores with clamped SwiGLU experts.
+
+The tiny model has odd sizes everywhere: 3 streams, 6 heads of 16 in 2 output groups, windows
+of 3 (CSA) and 5 (HCA) positions, an indexer keeping 2 of them, a sliding window of 5, and
+layers HCA (hash-routed), CSA, sliding. Each case gets the checks tests/test_hf_parity.py
+makes of every family (greedy tokens and the KV-cache sampler equal transformers' generate,
+config.json as transformers writes it, export -> convert bitwise); and here logits to 1e-4,
+the export loading cleanly, the preset's parameter count, and a prompt's cache plus decoded
+tokens equal to one forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests.deps import need
+
+torch = need("torch")
+transformers = need("transformers")
+
+from engine.config import resolve_model_preset  # noqa: E402
+from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.export import export_hf  # noqa: E402
+from engine.interop.hf.mapping import model_config_to_hf  # noqa: E402
+from engine.models.config import ModelConfig  # noqa: E402
+from engine.models.kv_cache import KVCache  # noqa: E402
+from engine.models.params import graphdef_of  # noqa: E402
+from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
+from tests import test_hf_parity  # noqa: E402
+from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
+    Case,
+    batch,
+    engine_logits,
+    hf_logits,
+    random_causal_lm,
+    test_exported_config_json_is_what_transformers_writes,
+    test_greedy_generation_of_16_tokens_is_identical,
+)
+
+VOCAB = 37
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=30,
+    moe_intermediate_size=14,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    head_dim=16,
+    q_lora_rank=10,
+    num_experts_per_tok=2,
+    n_routed_experts=5,
+    layer_types=[
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+        "sliding_attention",
+    ],
+    mlp_layer_types=["hash_moe", "moe", "moe"],
+    compress_rates={"compressed_sparse_attention": 3, "heavily_compressed_attention": 5},
+    sliding_window=5,
+    o_groups=2,
+    o_lora_rank=7,
+    index_n_heads=3,
+    index_head_dim=10,
+    index_topk=2,
+    partial_rotary_factor=0.5,
+    hc_mult=3,
+    hc_sinkhorn_iters=3,
+    swiglu_limit=1.5,
+    rope_theta=500.0,
+    compress_rope_theta=2000.0,
+    max_position_embeddings=64,
+    num_nextn_predict_layers=0,  # what transformers builds and saves (no multi-token-prediction module)
+    bos_token_id=None,
+    eos_token_id=None,
+)
+IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
+
+
+def hf_config():
+    return transformers.DeepseekV4Config(**SMALL)
+
+
+def random_hf_model(seed: int = 0):
+    """random_causal_lm's model with its buffers drawn too: the hash table (distinct experts
+    per token) and the routers' choosing biases."""
+    model = random_causal_lm(hf_config(), seed, **IMPLEMENTATIONS)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("tid2eid"):
+                rows = [torch.randperm(SMALL["n_routed_experts"], generator=generator)[:2] for _ in range(VOCAB)]
+                buffer.copy_(torch.stack(rows))
+            elif name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator))
+    return model
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory) -> Case:
+    root = tmp_path_factory.mktemp("deepseek_v4")
+    model = random_hf_model()
+    model.save_pretrained(root / "hf")
+    convert_hf(root / "hf", root / "converted")
+    cfg, params, _ = load_params(root / "converted" / "checkpoint")
+    _, compute = stored_configs(root / "converted" / "checkpoint")
+    compute = compute.model_copy(update={"indexer_ties": "torch_cpu"})
+    return Case("deepseek_v4", model, root / "hf", root / "converted", cfg, compute, params)
+
+
+def test_converted_model_matches_transformers_logits(case):
+    tokens, mask = batch(VOCAB)
+    tokens = np.concatenate([tokens, tokens[:1, ::-1]], axis=0)  # and a row read backwards
+    mask = np.concatenate([mask, np.ones_like(mask[:1])], axis=0)
+    ours = engine_logits(case.cfg, case.compute, case.params, tokens, mask)
+    ref = hf_logits(case.hf_model, tokens, mask)
+    valid = mask.astype(bool)
+    delta = float(np.abs(ours - ref)[valid].max())
+    print(f"\ndeepseek_v4: max |delta logit| = {delta:.2e}")
+    assert delta <= 1e-4 and np.abs(ref[valid]).max() > 0.5
+
+
+def test_the_family_reads_what_the_config_says(case):
+    cfg = case.cfg
+    assert [name for name, _ in cfg.layer_stacks()] == [
+        "heavily_compressed_attention_hash_blocks",
+        "compressed_sparse_attention_blocks",
+        "sliding_attention_blocks",
+    ]
+    specs = cfg.layer_specs()
+    assert [s.mixer.compress_ratio for s in specs] == [5, 3, 0] and specs[0].ffn.hash_vocab == VOCAB
+    assert specs[0].hyper.streams == 3 and cfg.moe.router_score == "sqrtsoftplus"
+    hashed = np.asarray(case.params["heavily_compressed_attention_hash_blocks"]["mlp"]["hash_experts_vk"][0])
+    np.testing.assert_array_equal(hashed, case.hf_model.model.layers[0].mlp.gate.tid2eid.numpy())
+
+
+def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
+    export_hf(case.out_dir / "checkpoint", tmp_path / "export")
+    test_hf_parity.assert_export_reloads_cleanly(case, tmp_path / "export", **IMPLEMENTATIONS)
+
+
+def test_export_then_convert_is_bitwise_identical(case, tmp_path):
+    """test_hf_parity's check, against the compute settings conversion stored (the case's
+    take transformers' CPU top-k ties)."""
+    stored = stored_configs(case.out_dir / "checkpoint")[1]
+    test_hf_parity.test_export_then_convert_is_bitwise_identical(dataclasses.replace(case, compute=stored), tmp_path)
+
+
+def test_the_flash_preset_has_the_parameters_of_transformers_model():
+    """configs/models/deepseek-v4-flash.yaml, built by transformers on the meta device: the
+    same count (284B; the hash tables and choosing biases are buffers there, not counted)."""
+    cfg = ModelConfig.model_validate(resolve_model_preset({"model": "deepseek-v4-flash"}, "preset")["model"])
+    hf_config = transformers.AutoConfig.for_model(**model_config_to_hf(cfg))
+    assert hf_config.to_dict()["layer_types"] == transformers.DeepseekV4Config().layer_types
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params() == 284_325_869_015
+
+
+def test_a_prompts_cache_and_decoded_tokens_give_the_full_forwards_logits(case):
+    """The training form (blocks of the window, every window pooled at once) against the
+    decoding one (the cache's keys and the compressor's projections, pooled again each step):
+    a prompt of 8 then 7 tokens one at a time, past two CSA and HCA windows and the sliding one.
+    The indexer's ties the earliest entries' (torch_cpu: torch's order over the row as long as
+    what each call has seen, which transformers' own full and decoding runs differ by)."""
+    compute = case.compute.model_copy(update={"indexer_ties": "first"})
+    model = nnx.merge(graphdef_of(case.cfg, compute), case.params)
+    tokens = np.random.default_rng(7).integers(0, VOCAB, (1, 15)).astype(np.int32)
+    full = np.asarray(model(jnp.asarray(tokens)))
+    cache = KVCache.init(case.cfg, compute, 1, 16)
+    step = nnx.jit(lambda m, x, p, c: m(x, p, jnp.ones_like(x), cache=c))
+    logits, cache = step(model, jnp.asarray(tokens[:, :8]), jnp.arange(8)[None], cache)
+    pieces = [np.asarray(logits)]
+    for i in range(8, 15):
+        logits, cache = step(model, jnp.asarray(tokens[:, i : i + 1]), jnp.full((1, 1), i), cache)
+        pieces.append(np.asarray(logits))
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=2e-5)
