@@ -82,7 +82,9 @@ class KVCache:
         dtype = jnp.float32
         if compute.dtype == "bfloat16":  # on CPU as its bits (engine/ops/attention.py: BF16_BITS)
             dtype = BF16_BITS if current_platform() == "cpu" else jnp.bfloat16
-        k_shapes, v_shapes, states = [], [], []
+        k_shapes: list[tuple[int, ...]] = []
+        v_shapes: list[tuple[int, ...]] = []
+        states: list[Any] = []
         for spec in cfg.layer_specs():  # a layer's heads may have a shape of their own (Gemma 4's global ones)
             mixer = spec.mixer
             kind = None if mixer is None else mixer.kind
@@ -107,7 +109,7 @@ class KVCache:
             tuple(constrain(jnp.zeros(shape, dtype), _names(shape)) for shape in shapes)
             for shapes in (k_shapes, v_shapes)
         )
-        states = tuple(states) if any(state is not None for state in states) else ()
+        layer_states = tuple(states) if any(state is not None for state in states) else ()
         index_k: tuple[jax.Array, ...] = ()
         if cfg.mla.index_topk is not None:  # DeepSeek Sparse Attention: the indexer's key per position
             shared = set(cfg.mla.index_shared_layers or [])  # (GLM-5's shared layers read an earlier layer's)
@@ -121,7 +123,9 @@ class KVCache:
                 for spec in cfg.layer_specs()
             ]
             index_k = tuple(constrain(jnp.zeros((batch, max_len, i), dtype), INDEX_NAMES) for i in widths)
-        return cls(k, v, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32), states=states, index_k=index_k)
+        return cls(
+            k, v, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32), states=layer_states, index_k=index_k
+        )
 
     def expand(self, repeats: int, extra_slots: int) -> KVCache:
         """Each row `repeats` times (row r becomes rows r * repeats ... r * repeats + repeats - 1)

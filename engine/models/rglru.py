@@ -171,5 +171,6 @@ class RecurrentBlock(nnx.Module):
         if cache is None:
             return out_btd
         states = list(cache.states)
+        assert state is not None  # a cache holds this layer's state
         states[cache.layer] = RGLRUState(window.astype(state.conv_bkw.dtype), h_bw)
         return out_btd, dataclasses.replace(cache, states=tuple(states))

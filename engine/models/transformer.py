@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -558,6 +558,7 @@ class Block(nnx.Module):
             mlp_out = mlp_out * jnp.asarray(spec.residual_multiplier, mlp_out.dtype)
         if spec.residual_scales is not None:  # MiniMax: alpha * norm(x) + beta * ffn(norm(x))
             alpha, beta = (jnp.asarray(f, mlp_out.dtype) for f in spec.residual_scales[2:])
+            assert mlp_in is not None  # a layer with a feed-forward has its input
             x_btd = mlp_in * alpha + mlp_out * beta
         else:
             x_btd = x_btd + (self.post_mlp_norm(mlp_out) if spec.post_norms else mlp_out)
@@ -1249,11 +1250,11 @@ class Transformer(nnx.Module):
         if cache is None:  # segment_ids_bt None: one unpadded document per row, no mask needed
             with matmuls_in(self.compute.matmul_precision):  # fp8/int8 recipes: the layers' products only
                 indexer = shared_indexer(cfg.layer_specs())
-                if indexer is not None:  # the layers carry (x, the last indexer's selection inputs)
-                    x_btd = (x_btd, _initial_index_state(x_btd, indexer))
-                x_btd, stats = self._run_blocks(x_btd, positions_bt, segment_ids_bt, per_layer_btlp)
+                carried: Any = x_btd  # the layers carry (x, the last indexer's selection inputs)
                 if indexer is not None:
-                    x_btd = x_btd[0]
+                    carried = (x_btd, _initial_index_state(x_btd, indexer))
+                carried, stats = self._run_blocks(carried, positions_bt, segment_ids_bt, per_layer_btlp)
+                x_btd = carried[0] if indexer is not None else carried
         else:
             if segment_ids_bt is None:
                 segment_ids_bt = jnp.ones_like(tokens_bt)

@@ -116,7 +116,7 @@ class MiniMaxText01(Mixtral):
         lightning = cfg.lightning
         if lightning is None:
             return {}
-        out = {}
+        out: dict[str, Any] = {}
         for i, layer in enumerate(cfg.layer_pattern()):
             if layer.mixer == "lightning":
                 buffers = decay_buffers(lightning.num_heads, lightning.chunk_size, i, cfg.num_layers)

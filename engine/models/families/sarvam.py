@@ -21,7 +21,7 @@ names (trust_remote_code classes) are read as the same family.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 from engine.models.config import ModelConfig
 from engine.models.families.base import LAYER, TensorSpec, register_family
@@ -70,7 +70,7 @@ LING_NAMES = {
 class SarvamMoE(Glm4Moe):
     name = "sarvam_moe"
     architecture = "Glm4MoeForCausalLM"
-    also_architectures = ("SarvamMoEForCausalLM",)
+    also_architectures: ClassVar[tuple[str, ...]] = ("SarvamMoEForCausalLM",)
     model_type = "sarvam_moe"
     hf_defaults = {
         **Glm4Moe.hf_defaults,
