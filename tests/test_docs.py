@@ -364,12 +364,16 @@ def validate_fragment(tree: dict, where: str) -> str | None:
     from engine.models.config import ModelConfig
     from engine.train.config import TrainConfig
 
-    if "compute" in tree and set(tree) - {"compute"} <= set(ModelConfig.model_fields):
+    if "compute" in tree and set(tree) - {"compute"} <= {*ModelConfig.model_fields, *ModelConfig.FLAT_KEYS}:
         # A model preset (configs/models/*.yaml): the architecture with its compute defaults.
         tree = {"model": {k: v for k, v in tree.items() if k != "compute"}, "compute": tree["compute"]}
         candidates: list[type[BaseModel]] = [TrainConfig]
     else:
-        candidates = [schema for schema in config_schemas() if set(tree) <= set(schema.model_fields)]
+        candidates = [  # a model's fields may be written flat (engine/models/flat_keys.py)
+            schema
+            for schema in config_schemas()
+            if set(tree) <= {*schema.model_fields, *getattr(schema, "FLAT_KEYS", ())}
+        ]
     if not candidates:
         return f"{where}: no config schema has all of the keys {sorted(tree)} (nor is it a pipeline)"
     refusals = []
