@@ -54,15 +54,19 @@ sys.path.insert(0, str(REPO))
 
 
 from engine.config import load_config, resolve_model_preset  # noqa: E402
-from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
+from engine.models.config import ComputeConfig, LoraConfig, ModelConfig  # noqa: E402
 from engine.models.families import family_names  # noqa: E402
+from engine.models.lora import join, split_adapter  # noqa: E402
 from engine.models.params import graphdef_of, init_params, param_shardings  # noqa: E402
 from engine.ops.partitioning import use_mesh  # noqa: E402
 from engine.parallel.config import MeshConfig  # noqa: E402
 from engine.parallel.mesh import batch_sharding, global_array, make_mesh  # noqa: E402
 from engine.posttrain.config import GRPOConfig  # noqa: E402
 from engine.posttrain.grpo import run_grpo  # noqa: E402
+from engine.train.config import TrainConfig  # noqa: E402
+from engine.train.plan import plan_step  # noqa: E402
 from engine.train.step import lm_loss_fn  # noqa: E402
+from engine.train.targets import get_target  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "family_sweep.json"
 
@@ -358,12 +362,66 @@ def run_grpo_case(name: str) -> dict:
         return record
 
 
+# --------------------------------------------------------------------------- LoRA and the plan
+
+LORA = LoraConfig(rank=2, alpha=4.0, target_modules="all-linear")
+
+
+def run_lora_plan(name: str) -> dict:
+    """LoRA: the projections `all-linear` adapts in the family (or the sentence refusing it),
+    and three SGD steps of the adapter alone on one CPU device (float32, the EP batch): the
+    loss finite and lower after them. Plan: the training step (with that adapter where the
+    family takes one) compiled for a v5e-8 slice by libtpu, as `trainflow plan` compiles it."""
+    cfg = model_config(name)
+    record: dict = {}
+    try:
+        targets = LORA.targets(cfg)
+    except ValueError as refusal:
+        record["lora"] = {"refused": str(refusal)}
+        targets = None
+    if targets:
+        compute = ComputeConfig(dtype="float32")
+        params = init_params(cfg, compute, make_mesh(MeshConfig(data=1), jax.devices()[:1]), 0, lora=LORA)
+        adapter, base = split_adapter(jax.device_get(params))
+        loss_fn = lm_loss_fn(graphdef_of(cfg, compute, LORA))
+        batch = {k: jnp.asarray(v) for k, v in ep_batch(cfg.vocab_size).items()}
+        denominator = float(np.sum(batch["loss_mask"]))
+        step = jax.jit(jax.value_and_grad(lambda a: loss_fn(join(a, base), batch, denominator)[0]))
+        losses = []
+        for _ in range(3):
+            loss, grads = step(adapter)
+            losses.append(float(loss))
+            adapter = jax.tree.map(lambda a, g: a - 1.0 * g, adapter, grads)
+        losses.append(float(step(adapter)[0]))
+        record["lora"] = {
+            "targets": list(targets),
+            "adapter_params": int(sum(np.size(a) for a in jax.tree.leaves(adapter))),
+            "loss": losses,
+            "passed": bool(np.all(np.isfinite(losses)) and losses[-1] < losses[0]),
+        }
+    tree = {"model": cfg.model_dump(mode="json"), "data": {"seq_len": 32, "batch_size": 8}, "steps": 1}
+    if targets:
+        tree["lora"] = LORA.model_dump(mode="json")
+    start = time.perf_counter()
+    plan = plan_step(load_config(tree=tree, schema=TrainConfig), get_target("v5e-8"))
+    record["plan"] = {
+        "target": "v5e-8",
+        "how": plan.how,
+        "fits": bool(plan.fits),
+        "with_lora": bool(targets),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    record["passed"] = plan.how == "compiled" and plan.fits and record["lora"].get("passed", True)
+    return record
+
+
 # --------------------------------------------------------------------------- main
 
 
 def table(results: dict) -> str:
     """One line per family: each EP mesh's worst relative difference over the two steps
-    (- where not run), and GRPO's outcome."""
+    (- where not run), GRPO's outcome, LoRA's (refused: the family takes no adapter) and the
+    v5e-8 plan's."""
 
     def ep_cell(record) -> str:
         if not isinstance(record, dict):
@@ -379,7 +437,21 @@ def table(results: dict) -> str:
         outcome = "ok" if record["passed"] else "FAIL"
         return f"{outcome} {record['expert=2']['max_rel']:.1e}" if "expert=2" in record else outcome
 
+    def lora_cell(record) -> str:
+        if record is None:
+            return "-"
+        if "error" in record:
+            return "error"
+        lora = record["lora"]
+        return "refused" if "refused" in lora else ("ok" if lora["passed"] else "FAIL")
+
+    def plan_cell(record) -> str:
+        if record is None or "error" in record:
+            return "-" if record is None else "error"
+        return "ok" if record["plan"]["how"] == "compiled" and record["plan"]["fits"] else "FAIL"
+
     head = ["family", *[f"{d} {m}" for d in ("dropless", "capacity") for m in ("fsdp=2", "e=2", "e=4")], "grpo (e=2)"]
+    head += ["lora", "plan v5e-8"]
     widths = [24] + [15] * (len(head) - 1)
     lines = ["  ".join(f"{h:>{w}}" for h, w in zip(head, widths, strict=True))]
     for name in CASES:
@@ -393,13 +465,14 @@ def table(results: dict) -> str:
             labels = ("fsdp=2 (control, no expert axis)", "expert=2", "expert=4")
             cells += [ep_cell(records.get(label)) for label in labels]
         cells.append(grpo_cell(results["grpo"].get(name)))
+        cells += [lora_cell(results.get("lora_plan", {}).get(name)), plan_cell(results.get("lora_plan", {}).get(name))]
         lines.append("  ".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=["ep", "grpo", "both"], default="both")
+    parser.add_argument("--part", choices=["ep", "grpo", "lora_plan", "both", "all"], default="all")
     parser.add_argument("--families", nargs="*", default=list(CASES))
     parser.add_argument("--dispatch", nargs="*", default=["dropless", "capacity"])
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -407,10 +480,11 @@ def main() -> None:
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     results.setdefault("ep", {})
     results.setdefault("grpo", {})
+    results.setdefault("lora_plan", {})
     results["ep_tolerance"] = {"step 1": EP_TOLERANCE[0], "step 2": EP_TOLERANCE[1]}
     results["devices"] = f"{jax.device_count()} simulated {jax.devices()[0].platform} devices, jax {jax.__version__}"
     for name in args.families:
-        if args.part in ("ep", "both") and model_config(name).moe.num_experts:
+        if args.part in ("ep", "both", "all") and model_config(name).moe.num_experts:
             for dispatch in args.dispatch:
                 try:
                     record = run_ep(name, dispatch)
@@ -421,7 +495,7 @@ def main() -> None:
                 shown = {k: v for k, v in record.items() if k.startswith(("expert=", "fsdp", "error"))}
                 print(name, dispatch, json.dumps(shown))
                 args.out.write_text(json.dumps(results, indent=1) + "\n")
-        if args.part in ("grpo", "both"):
+        if args.part in ("grpo", "both", "all"):
             try:
                 record = run_grpo_case(name)
             except Exception as error:  # noqa: BLE001
@@ -429,6 +503,15 @@ def main() -> None:
                 record = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}", "passed": False}
             results["grpo"][name] = record
             print(name, "grpo", json.dumps(record))
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
+        if args.part in ("lora_plan", "all"):
+            try:
+                record = run_lora_plan(name)
+            except Exception as error:  # noqa: BLE001
+                traceback.print_exc()
+                record = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}", "passed": False}
+            results["lora_plan"][name] = record
+            print(name, "lora_plan", json.dumps(record))
             args.out.write_text(json.dumps(results, indent=1) + "\n")
     print(table(results))
 
