@@ -386,13 +386,15 @@ def run_lora_plan(name: str) -> dict:
         loss_fn = lm_loss_fn(graphdef_of(cfg, compute, LORA))
         batch = {k: jnp.asarray(v) for k, v in ep_batch(cfg.vocab_size).items()}
         denominator = float(np.sum(batch["loss_mask"]))
-        step = jax.jit(jax.value_and_grad(lambda a: loss_fn(join(a, base), batch, denominator)[0]))
+        # the frozen base an argument, as the trainer passes it (not constants folded in)
+        step = jax.jit(jax.value_and_grad(lambda a, b: loss_fn(join(a, b), batch, denominator)[0]))
+        base = jax.tree.map(jnp.asarray, base)
         losses = []
         for _ in range(3):
-            loss, grads = step(adapter)
+            loss, grads = step(adapter, base)
             losses.append(float(loss))
             adapter = jax.tree.map(lambda a, g: a - 1.0 * g, adapter, grads)
-        losses.append(float(step(adapter)[0]))
+        losses.append(float(step(adapter, base)[0]))
         record["lora"] = {
             "targets": list(targets),
             "adapter_params": int(sum(np.size(a) for a in jax.tree.leaves(adapter))),
