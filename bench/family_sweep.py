@@ -166,6 +166,8 @@ ROWS, SEQ = 8, 12
 
 
 def ep_batch(vocab: int) -> dict:
+    """Tokens below `vocab`: the LM head's rows where it has fewer than the embedding (Apertus
+    1.5), so that every target is one the head predicts."""
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, vocab, (ROWS, SEQ))
     segments = np.ones((ROWS, SEQ), np.int32)
@@ -248,7 +250,7 @@ def run_ep(name: str, dispatch: str) -> dict:
     cfg = model_config(name)
     compute = ComputeConfig(dtype="float32", moe_dispatch=dispatch, moe_capacity_factor=float(cfg.moe.num_experts))
     params = host_params(cfg, compute)
-    batch = ep_batch(cfg.vocab_size)
+    batch = ep_batch(cfg.head.vocab_size or cfg.vocab_size)
     base, _ = two_steps(cfg, compute, params, batch, make_mesh(MeshConfig(data=8)))
     record = {
         "num_experts": cfg.moe.num_experts,
@@ -283,7 +285,9 @@ GRPO_VOCAB = 16
 def grpo_task(name: str, out: Path) -> Path:
     """tests/test_grpo.py's copy task (bench/copy_task.py) over a checkpoint of the family's
     tiny preset, initialised by the model's own initialiser (jitted)."""
-    cfg = model_config(name, vocab_size=GRPO_VOCAB, max_seq_len=16)
+    # the copy task's 16 tokens, the LM head's too (a head narrower than the embedding, Apertus
+    # 1.5's, would not predict them all)
+    cfg = model_config(name, vocab_size=GRPO_VOCAB, max_seq_len=16, head={"vocab_size": None})
     params = jax.device_get(init_params(cfg, ComputeConfig(), make_mesh(MeshConfig(data=1), jax.devices()[:1]), 0))
     return write_copy_task(out, cfg, params)
 
@@ -388,7 +392,7 @@ def run_lora_plan(name: str, plan: bool = True) -> dict:
         params = init_params(cfg, compute, make_mesh(MeshConfig(data=1), jax.devices()[:1]), 0, lora=LORA)
         adapter, base = split_adapter(jax.device_get(params))
         loss_fn = lm_loss_fn(graphdef_of(cfg, compute, LORA))
-        batch = {k: jnp.asarray(v) for k, v in ep_batch(cfg.vocab_size).items()}
+        batch = {k: jnp.asarray(v) for k, v in ep_batch(cfg.head.vocab_size or cfg.vocab_size).items()}
         denominator = float(np.sum(batch["loss_mask"]))
         # the frozen base an argument, as the trainer passes it (not constants folded in)
         step = jax.jit(jax.value_and_grad(lambda a, b: loss_fn(join(a, b), batch, denominator)[0]))
