@@ -1250,7 +1250,8 @@ class LoraConfig(Strict):
         engine cannot adapt: DeepSeek's latent attention projections and the experts of a
         mixture of experts (their dense layers and shared experts are not adapted either)."""
         wanted = LORA_TARGETS if self.target_modules == "all-linear" else tuple(self.target_modules)
-        if model.is_mla and any(m in LORA_ATTENTION_TARGETS for m in wanted):
+        latent = model.is_mla or model.compressed_attention is not None  # DeepSeek-V4's: wq_a, wkv, ...
+        if latent and any(m in LORA_ATTENTION_TARGETS for m in wanted):
             if self.target_modules != "all-linear":
                 raise ValueError(
                     f"family '{model.family}' uses latent attention (q_a_proj, kv_a_proj_with_mqa, ...), "
