@@ -17,6 +17,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from engine import flat_keys
+
 
 class ConfigError(ValueError):
     """A user mistake in a config: the message names the file and key at fault."""
@@ -183,9 +185,7 @@ def resolve_model_preset(tree: dict, source: str) -> dict:
             tree["compute"] = {**compute, **(tree.get("compute") or {})}
         # The preset in sections, then the run's keys over it: a section given in the run
         # (`model.attention.num_heads=6`) refines the preset's, a flat key (`model.num_heads=6`)
-        # is folded in over both as the config is validated (engine/models/flat_keys.py).
-        from engine.models import flat_keys  # here: engine.models imports this module
-
+        # is folded in over both as the config is validated (engine/flat_keys.py).
         base = flat_keys.fold(base)
         for key, value in model.items():
             if isinstance(value, dict) and isinstance(base.get(key), dict):

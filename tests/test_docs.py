@@ -369,7 +369,7 @@ def validate_fragment(tree: dict, where: str) -> str | None:
         tree = {"model": {k: v for k, v in tree.items() if k != "compute"}, "compute": tree["compute"]}
         candidates: list[type[BaseModel]] = [TrainConfig]
     else:
-        candidates = [  # a model's fields may be written flat (engine/models/flat_keys.py)
+        candidates = [  # a model's fields may be written flat (engine/flat_keys.py)
             schema
             for schema in config_schemas()
             if set(tree) <= {*schema.model_fields, *getattr(schema, "FLAT_KEYS", ())}

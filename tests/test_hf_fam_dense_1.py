@@ -27,13 +27,13 @@ from tests.deps import need
 torch = need("torch")
 transformers = need("transformers")
 
+from engine import flat_keys  # noqa: E402
 from engine.config import ConfigError, resolve_model_preset  # noqa: E402
 from engine.inference.sample import Sampler  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf  # noqa: E402
 from engine.interop.hf.peft import adapter_to_peft  # noqa: E402
-from engine.models import flat_keys  # noqa: E402
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig  # noqa: E402
 from engine.models.lora import split_adapter  # noqa: E402
 from engine.models.params import abstract_model_params  # noqa: E402

@@ -49,7 +49,7 @@ layers = [
     "engine.parallel",
     "engine.models",
     "engine.ops | engine.data",
-    "engine.config : engine.contract : engine.compat : engine.progress",
+    "engine.config : engine.contract : engine.compat : engine.progress : engine.flat_keys",
 ]
 
 [[tool.importlinter.contracts]]

@@ -9,8 +9,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from engine import flat_keys
 from engine.config import load_preset
-from engine.models import flat_keys
 from engine.models.config import ModelConfig
 from engine.models.fingerprint import IDS_V1, id_fields, model_id_fields
 

@@ -14,8 +14,8 @@ from typing import Any, ClassVar, Literal, NamedTuple
 
 from pydantic import Field, field_validator, model_validator
 
+from engine import flat_keys
 from engine.config import Strict
-from engine.models import flat_keys
 from engine.models.family_registry import family_names, get_family
 from engine.models.rope_scaling import RopeScaling as RopeScaling  # re-exported: configs import it from here
 from engine.models.sections import (

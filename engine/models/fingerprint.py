@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, TypeAdapter
 
-from engine.models import flat_keys
+from engine import flat_keys
 
 IDS_V1 = frozenset(
     """

@@ -8,7 +8,7 @@ layer, which is what the decoder builds and runs. The sections of the Gated Delt
 muP layers are GatedDeltaConfig, Mamba2Config and MuPMultipliers (config.py).
 
 Every field had a flat name before the sections existed (`num_heads`, `router_scale`, ...):
-engine/models/flat_keys.py maps them, so configs, presets and checkpoints written flat still read.
+engine/flat_keys.py maps them, so configs, presets and checkpoints written flat still read.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding
 
+from engine import flat_keys
 from engine.config import ConfigError
-from engine.models import flat_keys
 from engine.models.lora import LORA_SEED, join, split_adapter
 from engine.models.params import abstract_model_params, graphdef_of, init_params
 from engine.models.quantize import QUANTIZED_DTYPES, quantizable, quantize_leaf, quantized_abstract

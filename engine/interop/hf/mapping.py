@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import pydantic
 
+from engine import flat_keys
 from engine.config import ConfigError
-from engine.models import flat_keys
 from engine.models.config import ComputeConfig, ModelConfig
 from engine.models.families import TensorSpec, family_names, family_of_model_type, get_family
 
@@ -95,7 +95,7 @@ def model_config_to_hf(
     hf.update({key: (token_ids or {}).get(key) for key in TOKEN_ID_KEYS})
     hf.update({key: value for key, value in family.required_token_ids.items() if hf[key] is None})
     again, _ = model_config_from_hf(hf, where=f"family '{cfg.family}'")
-    # by the flat keys (engine/models/flat_keys.py), so the message names the one field
+    # by the flat keys (engine/flat_keys.py), so the message names the one field
     ours, theirs = flat_keys.unfold(cfg.model_dump()), flat_keys.unfold(again.model_dump())
     for key in ours:
         if ours[key] != theirs.get(key) and not _same_layers(ours[key], theirs.get(key), key, cfg.num_layers):

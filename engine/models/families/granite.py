@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine import flat_keys
 from engine.config import ConfigError
-from engine.models import flat_keys
 from engine.models.config import ModelConfig
 from engine.models.families.base import (
     LAYER,

@@ -24,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
+from engine import flat_keys
 from engine.config import ConfigError
-from engine.models import flat_keys
 from engine.models.config import ModelConfig
 from engine.models.families.base import (
     LAYER,
