@@ -137,18 +137,19 @@ def fold(data: Any) -> Any:
         if key in FLAT:
             section, field = FLAT[key]
             current = out.get(section)
-            current = dict(current) if isinstance(current, dict) else _as_dict(current)
+            current = dict(current) if isinstance(current, dict) else _as_dict(section, current)
             current[field] = value
             out[section] = current
     return out
 
 
-def _as_dict(section: Any) -> dict:
+def _as_dict(name: str, section: Any) -> dict:
     if section is None:
         return {}
     if hasattr(section, "model_dump"):  # a section object given as such
         return section.model_dump()
-    raise TypeError(f"a model config section must be a mapping, got {type(section).__name__}")
+    # a ValueError: pydantic reports it as the config's one line, naming the key
+    raise ValueError(f"section '{name}' must be a mapping of its fields, got {section!r}")
 
 
 def value(cfg: Any, key: str) -> Any:

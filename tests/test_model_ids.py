@@ -9,6 +9,8 @@ import hashlib
 import json
 from pathlib import Path
 
+import pytest
+
 from engine import flat_keys
 from engine.config import load_preset
 from engine.models.config import ModelConfig
@@ -73,3 +75,12 @@ def test_every_preset_keeps_the_id_fields_it_had_before_the_sections():
         raw.pop("compute", None)
         fields = model_id_fields(ModelConfig(**raw).model_dump(mode="json"), ModelConfig)
         assert hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest() == digest, name
+
+
+def test_a_section_given_as_a_value_is_refused_in_one_sentence_naming_it():
+    from engine.config import ConfigError, load_config
+    from engine.train.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"section 'attention' must be a mapping of its fields, got 4") as refusal:
+        load_config(tree={"model": {"preset": "tiny", "attention": 4, "num_heads": 2}}, schema=TrainConfig)
+    assert len(str(refusal.value).splitlines()) == 1
