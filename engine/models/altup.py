@@ -30,7 +30,7 @@ from flax import nnx
 
 from engine.models.common import Build, make_norm, param
 from engine.models.lora import project
-from engine.models.specs import AltUpSpec, LayerSpec, NormSpec
+from engine.models.specs import AltUpSpec, LayerSpec, MLPSpec, NormSpec
 
 
 def _streams(x_btx, n: int):
@@ -138,7 +138,7 @@ def altup_layer(block, x_btx, positions_bt, segment_ids_bt, spec: LayerSpec, cac
     if spec.laurel is not None:
         h_btd = (h_btd + block.laurel(normed_btd)) / jnp.asarray(math.sqrt(2), h_btd.dtype)
     ffn = spec.ffn
-    assert ffn is not None and not spec.is_moe
+    assert isinstance(ffn, MLPSpec)  # Gemma 3n's layers: a dense MLP each
     mlp_out = block.mlp(block.mlp_norm(h_btd), ffn.gate_sparsity)
     h_btd = h_btd + (block.post_mlp_norm(mlp_out) if spec.post_norms else mlp_out)
     out_btnd = block.altup.correct(pred_btnd, h_btd)

@@ -815,9 +815,9 @@ class ModelConfig(Strict):
     def _sparse_gates(self, specs: list[LayerSpec]) -> list[LayerSpec]:
         """mlp.gate_sparsity: each layer's MLP with its sparsity (Gemma 3n's first layers)."""
         for i, sparsity in enumerate(self.mlp.gate_sparsity or []):
-            if sparsity and isinstance(specs[i].ffn, MLPSpec):
-                ffn = specs[i].ffn.model_copy(update={"gate_sparsity": sparsity})
-                specs[i] = specs[i].model_copy(update={"ffn": ffn})
+            ffn = specs[i].ffn
+            if sparsity and isinstance(ffn, MLPSpec):
+                specs[i] = specs[i].model_copy(update={"ffn": ffn.model_copy(update={"gate_sparsity": sparsity})})
         return specs
 
     def _residual_scales(self, layer: Layer) -> tuple[float, float, float, float] | None:

@@ -73,7 +73,6 @@ class Gemma3n(Gemma4):
         "laurel_rank": 64,
         "final_logit_softcapping": 30.0,
     }
-    moe = False
     multimodal = Multimodal(  # the published checkpoints: the decoder read, vision and audio towers skipped
         architecture="Gemma3nForConditionalGeneration",
         model_type="gemma3n",
