@@ -64,12 +64,14 @@ FLAT: dict[str, tuple[str, str]] = {
     "residual": ("block", "residual"),
     "residual_multiplier": ("block", "residual_multiplier"),
     "layer_scale": ("block", "layer_scale"),
+    "laurel_rank": ("block", "laurel_rank"),
     # mlp
     "mlp_dim": ("mlp", "dim"),
     "activation": ("mlp", "activation"),
     "mlp_gated": ("mlp", "gated"),
     "mlp_bias": ("mlp", "bias"),
     "kv_shared_wide_mlp": ("mlp", "kv_shared_wide"),
+    "activation_sparsity": ("mlp", "gate_sparsity"),
     # moe
     "num_experts": ("moe", "num_experts"),
     "experts_per_token": ("moe", "experts_per_token"),
@@ -114,6 +116,7 @@ FLAT: dict[str, tuple[str, str]] = {
     "embedding_norm": ("embedding", "norm"),
     "position_offset": ("embedding", "position_offset"),
     "per_layer_input_dim": ("embedding", "per_layer_input_dim"),
+    "per_layer_vocab_size": ("embedding", "per_layer_vocab_size"),
     # head
     "lm_head_bias": ("head", "bias"),
     "final_logit_softcap": ("head", "softcap"),

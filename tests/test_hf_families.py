@@ -49,6 +49,7 @@ def tiny(family: str, tie: bool) -> tuple:
         "sliding_window": 5,
         "tie_word_embeddings": tie,
         "hidden_size_per_layer_input": 0,  # Gemma 4: none of its per-layer embeddings (default 256)
+        "num_kv_shared_layers": 0,  # Gemma 3n: its default (15 layers sharing) needs more layers
         # GPT-2's own names (GPT-BigCode's, BLOOM's too): 4 heads of 3, an MLP of 7; OPT's MLP
         **({"n_embd": 12, "n_layer": 3, "n_head": 4, "n_inner": 7, "n_positions": 64} if family in GPT2_NAMES else {}),
         "ffn_dim": 7,

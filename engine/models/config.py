@@ -29,6 +29,7 @@ from engine.models.sections import (
     RopeConfig,
 )
 from engine.models.specs import (
+    AltUpSpec,
     AttentionSpec,
     BlockIndexerSpec,
     CompressedAttentionSpec,
@@ -36,6 +37,7 @@ from engine.models.specs import (
     HyperConnectionSpec,
     IndexerSpec,
     KimiDeltaSpec,
+    LaurelSpec,
     LayerSpec,
     LightningSpec,
     Mamba1Spec,
@@ -218,6 +220,25 @@ class HyperConnectionConfig(Strict):
     streams: int = Field(4, gt=0)
     iterations: int = Field(20, gt=0)
     eps: float = Field(1e-6, gt=0)
+
+
+class AltUpConfig(Strict):
+    """Gemma 3n's AltUp residual streams (engine/models/altup.py; its altup_* config.json keys)."""
+
+    streams: int = Field(4, gt=1)
+    """Parallel residual streams (altup_num_inputs)."""
+    active: int = Field(0, ge=0)
+    """The stream each layer computes on (altup_active_idx)."""
+    correct_scale: bool = True
+    """Scale the corrected active stream before the per-layer input gate (altup_correct_scale)."""
+    coef_clip: float | None = Field(120.0, gt=0)
+    """Clip the prediction and correction coefficients to +-this (altup_coef_clip)."""
+
+    @model_validator(mode="after")
+    def _check_active(self) -> AltUpConfig:
+        if self.active >= self.streams:
+            raise ValueError(f"altup.active ({self.active}) must be below altup.streams ({self.streams})")
+        return self
 
 
 class MuPMultipliers(Strict):
@@ -404,6 +425,8 @@ class ModelConfig(Strict):
     last layer's kind, whose output the LM head reads as a prediction of token i + 2
     (engine/models/mtp.py; the `mtp_blocks` stack). Converted, kept and exported; trained
     only under ComputeConfig.mtp_loss."""
+    altup: AltUpConfig | None = None
+    """Gemma 3n's AltUp: n residual streams each layer predicts from and corrects (altup.py); None: one stream."""
 
     FLAT_KEYS: ClassVar[tuple[str, ...]] = tuple(flat_keys.FLAT)
     """The sections' fields by their flat names, which configs may still use (`num_heads: 8`)."""
@@ -609,6 +632,13 @@ class ModelConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_gate_sparsity(self) -> ModelConfig:
+        sparsity = self.mlp.gate_sparsity
+        if sparsity is not None and (len(sparsity) != self.num_layers or not all(0 <= s < 1 for s in sparsity)):
+            raise ValueError(f"activation_sparsity needs one value in [0, 1) per layer ({self.num_layers})")
+        return self
+
+    @model_validator(mode="after")
     def _check_kv_sharing(self) -> ModelConfig:
         if not self.attention.kv_shared_layers:
             if self.mlp.kv_shared_wide:
@@ -747,7 +777,9 @@ class ModelConfig(Strict):
         if key not in _LAYER_SPECS:
             if len(_LAYER_SPECS) >= 64:
                 _LAYER_SPECS.pop(next(iter(_LAYER_SPECS)))
-            _LAYER_SPECS[key] = tuple(with_layer_decays([self._layer_spec(layer) for layer in self.layer_pattern()]))
+            _LAYER_SPECS[key] = tuple(
+                with_layer_decays(self._sparse_gates([self._layer_spec(layer) for layer in self.layer_pattern()]))
+            )
         return list(_LAYER_SPECS[key])
 
     def _norm_spec(self) -> NormSpec:
@@ -776,7 +808,17 @@ class ModelConfig(Strict):
             residual=self.block.residual,
             residual_scales=self._residual_scales(layer),
             hyper=None if hc is None else HyperConnectionSpec(**hc.model_dump(), norm_eps=self.norm.eps),
+            laurel=None if self.block.laurel_rank is None else LaurelSpec(rank=self.block.laurel_rank),
+            altup=None if self.altup is None else AltUpSpec(**self.altup.model_dump(), norm_eps=self.norm.eps),
         )
+
+    def _sparse_gates(self, specs: list[LayerSpec]) -> list[LayerSpec]:
+        """mlp.gate_sparsity: each layer's MLP with its sparsity (Gemma 3n's first layers)."""
+        for i, sparsity in enumerate(self.mlp.gate_sparsity or []):
+            ffn = specs[i].ffn
+            if sparsity and isinstance(ffn, MLPSpec):
+                specs[i] = specs[i].model_copy(update={"ffn": ffn.model_copy(update={"gate_sparsity": sparsity})})
+        return specs
 
     def _residual_scales(self, layer: Layer) -> tuple[float, float, float, float] | None:
         """MiniMax's (mixer alpha, beta, ffn alpha, beta) for the layer's mixer kind."""
@@ -1070,13 +1112,16 @@ class ModelConfig(Strict):
             n += (self.max_seq_len + self.embedding.position_offset) * d * (self.positions == "learned")
         if self.embedding.per_layer_input_dim:  # the model's projection and norm, and the per-layer embedding
             width = self.num_layers * self.embedding.per_layer_input_dim
-            n += d * width + self.embedding.per_layer_input_dim + self.vocab_size * width * include_embedding
+            rows = self.embedding.per_layer_vocab_size or self.vocab_size
+            n += d * width + self.embedding.per_layer_input_dim + rows * width * include_embedding
         if self.mtp_layers:  # a layer like the last (experts), its two input norms, the (2d, d) projection, a norm
             mtp = self.mtp_layer_spec()
             n += self.mtp_layers * (mtp.params(d, active) + 2 * d * d + 3 * d)
         if self.hyper_connections:  # the streams' final mix (hyper_connection.HyperHead)
             streams = self.hyper_connections.streams
             n += streams * streams * d + streams + 1
+        if self.altup:  # the streams' projections in and out (altup.AltUpStreams)
+            n += 2 * (self.altup.streams - 1) * d * d
         return n
 
 

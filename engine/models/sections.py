@@ -165,6 +165,9 @@ class BlockConfig(Strict):
     layer_scale: bool = False
     """A learned scalar per layer multiplying the residual stream after the layer (Gemma 4's
     layer_scalar)."""
+    laurel_rank: int | None = Field(None, gt=0)
+    """LAuReL beside each layer's attention, of this rank (Gemma 3n's laurel_rank;
+    engine/models/laurel.py); None: none."""
 
 
 class MLPConfig(Strict):
@@ -185,6 +188,9 @@ class MLPConfig(Strict):
     kv_shared_wide: bool = False
     """The KV-sharing layers' MLP (attention.kv_shared_layers) is 2 * dim wide (Gemma 4's
     use_double_wide_mlp)."""
+    gate_sparsity: list[float] | None = None
+    """Per layer, the Gaussian top-k sparsity of the MLP's gate (Gemma 3n's
+    activation_sparsity_pattern; MLPSpec.gate_sparsity), one value per layer; None: all 0."""
 
 
 class MoEConfig(Strict):
@@ -317,6 +323,9 @@ class EmbeddingConfig(Strict):
     stream, e its per_layer_input_dim-wide share of a second embedding of the token (num_layers
     shares per token) plus a projection of the first (Gemma 4's hidden_size_per_layer_input).
     None: none."""
+    per_layer_vocab_size: int | None = Field(None, gt=0)
+    """Rows of the per-layer embedding where fewer than vocab_size (Gemma 3n's
+    vocab_size_per_layer_input): tokens past it read row 0. None: vocab_size."""
 
 
 class HeadConfig(Strict):

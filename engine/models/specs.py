@@ -566,6 +566,38 @@ class HyperConnectionSpec(Spec):
         return mixes * n * d + mixes + 3
 
 
+class LaurelSpec(Spec):
+    """LAuReL, a learned low-rank augmented residual (Gemma 3n; engine/models/laurel.py): the
+    layer's normed input x adds norm(x . L . R) beside the attention (LayerSpec.laurel)."""
+
+    rank: int
+
+    def params(self, d: int, norm: NormSpec) -> int:
+        return 2 * d * self.rank + norm.params(d)
+
+
+class AltUpSpec(Spec):
+    """AltUp's n residual streams (Gemma 3n; engine/models/altup.py, LayerSpec.altup): the layer
+    runs on a prediction of the active stream from all n and corrects every stream by its output."""
+
+    streams: int
+    """n (altup_num_inputs)."""
+    active: int = 0
+    """The stream the layer computes on (altup_active_idx)."""
+    correct_scale: bool = True
+    """The corrected active stream is scaled by a learned vector before the per-layer input gate
+    reads it (altup_correct_scale)."""
+    coef_clip: float | None = None
+    """The prediction and correction coefficients are clipped to +-this (altup_coef_clip;
+    transformers clips only while training, where published weights lie within it)."""
+    norm_eps: float = 1e-6
+
+    def params(self, d: int) -> int:
+        """The router and its norm, the prediction and correction coefficients, the output scale."""
+        n = self.streams
+        return d * n + d + n * n * n + n * n + d
+
+
 MixerSpec = Annotated[
     AttentionSpec
     | MLASpec
@@ -611,6 +643,14 @@ class MLPSpec(Spec):
     """The clamped SwiGLU of GPT-OSS's experts (moe.clamped_swiglu) with this limit (MiniMax-M3's
     dense MLPs and shared experts); None: activation(gate) * up."""
     swiglu_alpha: float = 1.702
+    gate_sparsity: float = 0.0
+    """Gemma 3n's activation sparsity (a `call` field): the gate's pre-activation less its
+    mean + std * Phi^-1(gate_sparsity) over the hidden width, floored at 0 (a Gaussian top-k
+    keeping about 1 - gate_sparsity of it); 0: the plain gate."""
+
+    def structure(self) -> MLPSpec:
+        """The spec less its call fields: what its parameters depend on."""
+        return self.model_copy(update={"gate_sparsity": 0.0})
 
     def params(self, d: int) -> int:
         weights = (3 if self.gated else 2) * d * self.dim + 2 * (self.activation == "xielu")  # xIELU's two scalars
@@ -704,6 +744,10 @@ class LayerSpec(Spec):
     DeepNorm-style factors); None: x + sublayer(norm(x))."""
     hyper: HyperConnectionSpec | None = None
     """n residual streams mixed in and out of each sublayer (DeepSeek-V4, hyper_connection.py)."""
+    laurel: LaurelSpec | None = None
+    """Gemma 3n's LAuReL beside the attention (laurel.py)."""
+    altup: AltUpSpec | None = None
+    """Gemma 3n's AltUp streams (altup.py): the layer predicts, runs on and corrects n streams."""
     residual: Literal["sequential", "parallel", "parallel_shared_norm"] = "sequential"
     """sequential: x + mixer(norm(x)), then + ffn(norm(that)); parallel: x + mixer(norm1(x)) +
     ffn(norm2(x)) (GPT-NeoX, Falcon's new architecture); parallel_shared_norm: one norm for both,
@@ -741,6 +785,10 @@ class LayerSpec(Spec):
             n += d * (2 * self.per_layer_input_dim) + self.norm.params(d)
         if self.hyper is not None:  # the mixer's and the feed-forward's connections
             n += 2 * self.hyper.params(d)
+        if self.laurel is not None:
+            n += self.laurel.params(d, self.norm)
+        if self.altup is not None:
+            n += self.altup.params(d)
         return n
 
 

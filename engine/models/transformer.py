@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import statistics
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -24,6 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from engine.config import ConfigError
 from engine.models import hash_routing
+from engine.models.altup import AltUp, AltUpStreams, altup_layer
 from engine.models.block_sparse import BlockIndexer, masked_attention, selected_blocks
 from engine.models.common import ACTIVATIONS, Build, dtype_of, make_norm, param
 from engine.models.compressed_attention import CompressedAttention
@@ -33,6 +35,7 @@ from engine.models.gated_delta_block import GatedDeltaNet
 from engine.models.hyper_connection import HyperConnection, HyperHead, hyper_layer, streams_of
 from engine.models.kimi_delta_block import KimiDeltaAttention
 from engine.models.kv_cache import KVCache
+from engine.models.laurel import Laurel
 from engine.models.lightning import LightningAttention
 from engine.models.lora import (
     ATTENTION_WEIGHTS,
@@ -349,11 +352,12 @@ class MLP(nnx.Module):
         self.dtype, self.compute, self.dot_general = build.dtype, build.compute, build.dot_general
         add_adapters(self, MLP_WEIGHTS, build if lora else None, rngs)
 
-    def __call__(self, x_btd):
-        out_btd = self._mlp(x_btd)
+    def __call__(self, x_btd, gate_sparsity: float = 0.0):
+        """`gate_sparsity` (static; MLPSpec.gate_sparsity, the calling layer's): Gemma 3n's Gaussian top-k."""
+        out_btd = self._mlp(x_btd, gate_sparsity)
         return out_btd if self.down_scale == 1.0 else out_btd * jnp.asarray(self.down_scale, out_btd.dtype)
 
-    def _mlp(self, x_btd):
+    def _mlp(self, x_btd, gate_sparsity: float = 0.0):
         dt = self.dtype
         kw = {"backward": self.compute.matmul_backward, "dot_general": self.dot_general}
         if not self.gated:
@@ -378,7 +382,7 @@ class MLP(nnx.Module):
             gate, up = project_shared(self, ("w_gate_df", "w_up_df"), x_btd, dt, **kw)
             if self.bias:
                 gate, up = gate + self.b_gate_f[...].astype(dt), up + self.b_up_f[...].astype(dt)
-            activation = self.activation
+            activation = self.activation if not gate_sparsity else SparseGate(self.activation, gate_sparsity)
             hidden = jax.checkpoint(
                 lambda g, u: (activation(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(dt), prevent_cse=False
             )(gate, up)
@@ -389,7 +393,7 @@ class MLP(nnx.Module):
             weight_value(self.w_gate_df, dt),
             weight_value(self.w_up_df, dt),
             weight_value(self.w_down_fd, dt),
-            self.activation,
+            self.activation if not gate_sparsity else SparseGate(self.activation, gate_sparsity),
             ("act_batch", "act_seq", "act_mlp"),
             **kw,
         )
@@ -404,6 +408,21 @@ class ScaledInput:
 
     def __call__(self, x):
         return self.activation(x * jnp.asarray(self.scale, x.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseGate:
+    """activation(relu(x - (mean + std * Phi^-1(sparsity)))) over the hidden width: Gemma 3n's
+    Gaussian top-k on the gate (MLPSpec.gate_sparsity), compared by value (a static argument)."""
+
+    activation: Callable
+    sparsity: float
+
+    def __call__(self, x):
+        z = statistics.NormalDist().inv_cdf(self.sparsity)
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        std = jnp.sqrt(jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True))  # torch's unbiased=False
+        return self.activation(jax.nn.relu(x - (mean + std * jnp.asarray(z, x.dtype))))
 
 
 def _attention_mamba2(spec: ParallelHybridSpec, build: Build, *, rngs: nnx.Rngs) -> AttentionMamba2:
@@ -497,6 +516,10 @@ class Block(nnx.Module):
         if spec.hyper is not None:  # DeepSeek-V4's residual streams (hyper_connection.py)
             self.attn_hc = HyperConnection(spec.hyper, d, build.init_std, rngs=rngs)
             self.ffn_hc = HyperConnection(spec.hyper, d, build.init_std, rngs=rngs)
+        if spec.laurel is not None:  # Gemma 3n's low-rank residual beside the attention (laurel.py)
+            self.laurel = Laurel(spec.laurel, spec.norm, build, rngs=rngs)
+        if spec.altup is not None:  # Gemma 3n's AltUp streams (altup.py)
+            self.altup = AltUp(spec.altup, spec.norm, build, rngs=rngs)
 
     def forward(
         self,
@@ -522,6 +545,9 @@ class Block(nnx.Module):
         state this layer passes on)."""
         if spec.hyper is not None:  # n residual streams (DeepSeek-V4): hyper_connection.py runs the layer
             return hyper_layer(self, x_btd, positions_bt, segment_ids_bt, spec, cache, rotary)
+        if spec.altup is not None:  # AltUp's streams (Gemma 3n): altup.py runs the layer
+            extra = {"per_layer_btp": per_layer_btp, "shared_kv": shared_kv, "store_kv": store_kv}
+            return altup_layer(self, x_btd, positions_bt, segment_ids_bt, spec, cache, rotary=rotary, **extra)
         indexer_kl = stats = None
         x_in, attn_in = x_btd, None  # a parallel layer's feed-forward reads the layer's input
         if spec.mixer is not None:
@@ -553,7 +579,7 @@ class Block(nnx.Module):
             elif isinstance(spec.ffn, MoESpec):
                 mlp_out, stats = self.mlp(mlp_in, valid_bt)
             else:
-                mlp_out = self.mlp(mlp_in)
+                mlp_out = self.mlp(mlp_in, spec.ffn.gate_sparsity)
         if spec.residual_multiplier is not None:  # Granite
             mlp_out = mlp_out * jnp.asarray(spec.residual_multiplier, mlp_out.dtype)
         if spec.residual_scales is not None:  # MiniMax: alpha * norm(x) + beta * ffn(norm(x))
@@ -889,6 +915,8 @@ class Transformer(nnx.Module):
         self.final_norm = make_norm(norm, cfg.d_model, pdt, rngs=rngs)
         if (hyper := cfg.layer_specs()[0].hyper) is not None:  # DeepSeek-V4: the streams' final mix
             self.hc_head = HyperHead(hyper, cfg.d_model, cfg.init_std, rngs=rngs)
+        if (altup := cfg.layer_specs()[0].altup) is not None:  # Gemma 3n: into and out of the streams
+            self.altup_streams = AltUpStreams(altup, build, rngs=rngs)
         if cfg.positions == "learned":  # GPT-2, OPT: an absolute position's embedding (rows offset on)
             rows = cfg.max_seq_len + cfg.embedding.position_offset
             self.pos_embed_pd = _param(rngs, (rows, cfg.d_model), cfg.init_std, (None, "embed"), pdt)
@@ -896,7 +924,8 @@ class Transformer(nnx.Module):
             self.embed_norm = make_norm(norm, cfg.d_model, pdt, rngs=rngs)
         if cfg.embedding.per_layer_input_dim:  # Gemma 4's per-layer embeddings: num_layers * p columns per token
             width = cfg.num_layers * cfg.embedding.per_layer_input_dim  # its columns sharded as the embedding's
-            self.per_layer_embed_vx = _param(rngs, (cfg.vocab_size, width), cfg.init_std, ("vocab", "embed"), pdt)
+            rows = cfg.embedding.per_layer_vocab_size or cfg.vocab_size  # Gemma 3n's: fewer rows
+            self.per_layer_embed_vx = _param(rngs, (rows, width), cfg.init_std, ("vocab", "embed"), pdt)
             self.per_layer_proj_dx = _param(rngs, (cfg.d_model, width), cfg.init_std, ("embed", None), pdt)
             self.per_layer_proj_norm = make_norm(
                 cfg.layer_specs()[0].norm, cfg.embedding.per_layer_input_dim, pdt, rngs=rngs
@@ -935,6 +964,8 @@ class Transformer(nnx.Module):
         d**-0.5) + the token's second embedding * p**0.5) * 2**-0.5, per layer."""
         cfg, dt = self.cfg, _dtype(self.compute.dtype)
         shape = (*tokens_bt.shape, cfg.num_layers, cfg.embedding.per_layer_input_dim)
+        if cfg.embedding.per_layer_vocab_size:  # tokens past its rows read row 0 (Gemma 3n)
+            tokens_bt = jnp.where(tokens_bt < cfg.embedding.per_layer_vocab_size, tokens_bt, 0)
         token_btlp = (self.per_layer_embed_vx[...].astype(dt)[tokens_bt]).reshape(shape)
         token_btlp = token_btlp * jnp.asarray(math.sqrt(cfg.embedding.per_layer_input_dim), dt)
         kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
@@ -1246,6 +1277,8 @@ class Transformer(nnx.Module):
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
         hashed = hash_routing.set_tokens(tokens_bt)  # what hash-routed experts read (hash_routing.py)
         per_layer_btlp = self._per_layer_inputs(tokens_bt, x_btd) if cfg.embedding.per_layer_input_dim else None
+        if hasattr(self, "altup_streams"):  # Gemma 3n: the embedding and its projections, n streams
+            x_btd = self.altup_streams.expand(x_btd)
         stats = None
         if cache is None:  # segment_ids_bt None: one unpadded document per row, no mask needed
             with matmuls_in(self.compute.matmul_precision):  # fp8/int8 recipes: the layers' products only
@@ -1262,6 +1295,8 @@ class Transformer(nnx.Module):
         hash_routing.reset(hashed)
         if hasattr(self, "hc_head"):
             x_btd = self.hc_head(x_btd)
+        if hasattr(self, "altup_streams"):
+            x_btd = self.altup_streams.collapse(x_btd)
         with jax.named_scope("lm_head"):
             x_btd = self.final_norm(x_btd)
             if hidden is not None:  # the multi-token-prediction layer's input (forward)
