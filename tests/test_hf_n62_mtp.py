@@ -34,7 +34,8 @@ transformers = need("transformers")
 
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
-from engine.models.mtp import mtp_depth_logits  # noqa: E402
+from engine.models import transformer  # noqa: E402
+from engine.models.mtp import mtp_depth_logits, mtp_loss  # noqa: E402
 from engine.models.params import graphdef_of  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from tests import test_hf_n62_dsv4 as dsv4  # noqa: E402
@@ -196,13 +197,61 @@ def v4(tmp_path_factory):
 
 
 TOKENS = np.random.default_rng(1).integers(0, VOCAB, (2, 19))
+CUT = 11
+PACKED = (
+    np.stack([np.r_[np.arange(CUT), np.arange(19 - CUT)], np.arange(19)]),
+    np.stack([np.r_[np.ones(CUT, int), np.full(19 - CUT, 2)], np.ones(19, int)]),
+    [(0, slice(0, CUT)), (0, slice(CUT, 19)), (1, slice(0, 19))],
+)
+"""MiMo's batch: (positions, segment ids, documents as (row, columns)): row 0 two documents
+packed, row 1 one."""
+UNPACKED = (np.tile(np.arange(19), (2, 1)), np.ones((2, 19), int), [(0, slice(0, 19)), (1, slice(0, 19))])
+"""DeepSeek-V4's: a document per row (its decoder's compressed attention does not keep
+packed documents apart yet: a second document's logits differ from it alone)."""
 
 
-def _engine_depth_logits(case, tokens):
-    model = nnx.merge(graphdef_of(case["cfg"], case["compute"].model_copy(update={"mtp_loss": 0.3})), case["params"])
-    hidden = []  # what forward hands the modules: the final-normed states, DeepSeek-V4's streams
-    model._forward(jnp.asarray(tokens), None, None, None, True, hidden)
-    return [np.asarray(logits) for logits, _ in mtp_depth_logits(model, hidden[0], jnp.asarray(tokens))]
+def _layout(case):
+    return PACKED if case["cfg"].family == "mimo_v2_flash" else UNPACKED
+
+
+def _engine(case, weight: float):
+    """(each module's logits, the forward's aux, the aux loss's gradients) of the batch: one
+    jitted call, under compute.mtp_loss `weight`."""
+    graphdef = graphdef_of(case["cfg"], case["compute"].model_copy(update={"mtp_loss": weight}))
+    positions, segments, _ = _layout(case)
+    batch = [jnp.asarray(x) for x in (TOKENS, positions, segments)]
+
+    def loss(params):
+        logits = []
+
+        def seen(model, hidden, *args):  # the loss's own, and what forward handed the modules
+            logits.extend(depth for depth, _ in mtp_depth_logits(model, hidden, *args))
+            return mtp_loss(model, hidden, *args)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(transformer, "mtp_loss", seen)
+            _, aux = nnx.merge(graphdef, params).forward(*batch)
+        return aux["aux_loss"], (aux, logits)
+
+    (_, (aux, logits)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(case["params"])
+    return [np.asarray(x) for x in logits], jax.device_get(aux), grads
+
+
+def _reference(case, tokens):
+    if case["cfg"].family == "mimo_v2_flash":
+        return mimo_reference(case["main"], case["refs"], tokens)
+    return [dsv4_reference(case["main"], case["ref"], case["own"], tokens)]
+
+
+@pytest.fixture(scope="module")
+def runs(mimo, v4):
+    """Per family: the engine's (logits, aux, gradients) of the batch, and the reference's
+    logits of each of its documents alone."""
+    out = {}
+    for name, case in (("mimo", mimo), ("v4", v4)):
+        refs = [_reference(case, TOKENS[row : row + 1, cols]) for row, cols in _layout(case)[2]]
+        out[name] = (*_engine(case, 0.3), refs)
+    return out
 
 
 def test_conversion_keeps_the_modules_mimo_counted_in_its_weights(mimo, v4):
@@ -217,19 +266,18 @@ def test_conversion_keeps_the_modules_mimo_counted_in_its_weights(mimo, v4):
 
 
 @pytest.mark.parametrize("name", ["mimo", "v4"])
-def test_each_modules_logits_match_the_reference(name, mimo, v4):
-    case = {"mimo": mimo, "v4": v4}[name]
-    if name == "mimo":
-        refs = mimo_reference(case["main"], case["refs"], TOKENS)
-    else:
-        refs = [dsv4_reference(case["main"], case["ref"], case["own"], TOKENS)]
-    ours = _engine_depth_logits(case, TOKENS)
-    assert len(ours) == len(refs) == case["cfg"].mtp_layers
-    for k, (a, b) in enumerate(zip(ours, refs, strict=True)):
-        valid = slice(0, TOKENS.shape[1] - k - 2)  # positions whose target is in the row
-        delta = float(np.abs(a[:, valid] - b[:, valid]).max())
-        print(f"\n{name} module {k}: max |delta logit| = {delta:.2e}")
-        assert delta <= 1e-4 and np.abs(b[:, valid]).max() > 0.5
+def test_each_modules_logits_match_the_reference_document_by_document(name, runs, mimo, v4):
+    """Module k's logits at the positions whose target is in their document (DeepSeek-V3's
+    chain over MiMo's two modules): the packed row's documents as if each were alone."""
+    ours, _, _, refs = runs[name]
+    assert len(ours) == len(refs[0])
+    for k in range(len(ours)):
+        for (row, cols), ref in zip(_layout({"mimo": mimo, "v4": v4}[name])[2], refs, strict=True):
+            valid = slice(0, cols.stop - cols.start - k - 2)
+            a, b = ours[k][row, cols][valid], ref[k][0, valid]
+            delta = float(np.abs(a - b).max())
+            print(f"\n{name} module {k}, row {row} [{cols.start}, {cols.stop}): max |delta logit| = {delta:.2e}")
+            assert delta <= 1e-4 and np.abs(b).max() > 0.5
 
 
 def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
@@ -238,46 +286,37 @@ def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
 
 
-def test_the_training_loss_adds_the_modules_cross_entropy_over_packed_documents(mimo):
-    """Two documents packed in a row: module k's targets are the tokens k + 2 ahead in the
-    same document, L_MTP the mean over modules of each one's mean (DeepSeek-V3's (1/D) sum_k
-    L_k), added to the loss times compute.mtp_loss; the modules' parameters get gradients."""
-    row, cut = TOKENS[:1], 11
-    docs = [row[:, :cut], row[:, cut:]]
-    refs = [mimo_reference(mimo["main"], mimo["refs"], doc) for doc in docs]
+@pytest.mark.parametrize("name", ["mimo", "v4"])
+def test_the_training_loss_adds_the_modules_mean_cross_entropy(name, runs, mimo, v4):
+    """The forward's multi-token term (the hidden states it hands the modules its own:
+    DeepSeek-V4's streams before their mix): module k's targets the tokens k + 2 ahead in
+    the same document, L_MTP the mean over modules of each one's mean (DeepSeek-V3's
+    (1/D) sum_k L_k), added to the loss times compute.mtp_loss (0.3); every parameter of the
+    modules gets a gradient."""
+    _, aux, grads, refs = runs[name]
+    case = {"mimo": mimo, "v4": v4}[name]
     expected = []
-    for k in range(mimo["cfg"].mtp_layers):
-        nll = [_nll(ref[k][0, : doc.shape[1] - k - 2], doc[0, k + 2 :]) for ref, doc in zip(refs, docs, strict=True)]
+    for k in range(case["cfg"].mtp_layers):
+        nll = [
+            _nll(ref[k][0, : cols.stop - cols.start - k - 2], TOKENS[row, cols][k + 2 :])
+            for (row, cols), ref in zip(_layout(case)[2], refs, strict=True)
+        ]
         expected.append(np.concatenate(nll).mean())
-    positions = np.concatenate([np.arange(cut), np.arange(row.shape[1] - cut)])[None]
-    segments = np.array([[1] * cut + [2] * (row.shape[1] - cut)])
-    compute = mimo["compute"].model_copy(update={"mtp_loss": 0.3})
-    graphdef = graphdef_of(mimo["cfg"], compute)
-
-    def aux_of(params):
-        _, aux = nnx.merge(graphdef, params).forward(jnp.asarray(row), jnp.asarray(positions), jnp.asarray(segments))
-        return aux["aux_loss"], aux
-
-    (aux_loss, aux), grads = jax.value_and_grad(aux_of, has_aux=True)(mimo["params"])
-    print(f"\nL_MTP {float(aux['mtp_loss']):.6f}, reference {np.mean(expected):.6f} (per module {expected})")
+    print(f"\n{name}: L_MTP {float(aux['mtp_loss']):.6f}, reference {np.mean(expected):.6f} (per module {expected})")
     np.testing.assert_allclose(float(aux["mtp_loss"]), np.mean(expected), rtol=1e-5)
+    compute = case["compute"]
     routers = compute.moe_balance_loss * float(aux["balance_loss"])
     routers += compute.moe_router_z_loss * float(aux["router_z_loss"])
-    np.testing.assert_allclose(float(aux_loss), routers + 0.3 * np.mean(expected), rtol=1e-5)
-    for name in ("mtp", "mtp_1", "mtp_blocks"):
-        assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads[name])), name
-    off = graphdef_of(mimo["cfg"], mimo["compute"].model_copy(update={"mtp_loss": 0.0}))
-    assert "mtp_loss" not in nnx.merge(off, mimo["params"]).forward(jnp.asarray(row))[1]
+    np.testing.assert_allclose(float(aux["aux_loss"]), routers + 0.3 * np.mean(expected), rtol=1e-5)
+    for head in case["cfg"].mtp_head_names() + ["mtp_blocks"]:
+        for path, grad in jax.tree_util.tree_leaves_with_path(grads[head]):
+            assert float(jnp.abs(grad).max()) > 0, (head, path)
 
 
-def test_deepseek_v4s_loss_reads_the_streams_through_the_forward_pass(v4):
-    """The training forward's multi-token term of DeepSeek-V4 (the streams before their mix,
-    captured by the forward itself) is the reference's cross entropy of token i + 2."""
-    ref = dsv4_reference(v4["main"], v4["ref"], v4["own"], TOKENS)
-    expected = _nll(ref[:, :-2], TOKENS[:, 2:]).mean()
-    model = nnx.merge(graphdef_of(v4["cfg"], v4["compute"].model_copy(update={"mtp_loss": 0.1})), v4["params"])
-    _, aux = model.forward(jnp.asarray(TOKENS))
-    np.testing.assert_allclose(float(aux["mtp_loss"]), expected, rtol=1e-5)
+def test_without_the_weight_the_modules_do_not_run(mimo):
+    graphdef = graphdef_of(mimo["cfg"], mimo["compute"].model_copy(update={"mtp_loss": 0.0}))
+    aux = jax.eval_shape(lambda params: nnx.merge(graphdef, params).forward(jnp.asarray(TOKENS))[1], mimo["params"])
+    assert "balance_loss" in aux and "mtp_loss" not in aux
 
 
 @pytest.mark.parametrize("name", ["mimo", "v4"])
