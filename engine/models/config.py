@@ -1175,8 +1175,8 @@ class ComputeConfig(Strict):
     mtp_loss: float = Field(0.0, ge=0)
     """Weight in the training loss of the multi-token-prediction loss (a model with
     mtp_layers; DeepSeek-V3 trained with 0.3, then 0.1; MaxText's mtp_loss_scaling_factor):
-    the mean cross entropy of its predictions of token i + 2 (engine/models/mtp.py). 0: the
-    layer is not run (and its parameters get no gradient)."""
+    the mean over its modules of each one's mean cross entropy (module k predicting token
+    i + k + 2; engine/models/mtp.py). 0: the modules are not run (and get no gradient)."""
     matmul_precision: Literal["default", "fp8", "int8"] = "default"
     """Recipe of the layers' trainable matmuls (engine/ops/low_precision.py, qwix): default =
     in `dtype`; fp8 = e4m3 operands and e5m2 gradients, int8 = int8 forward and backward
