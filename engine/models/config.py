@@ -323,6 +323,18 @@ class NormedResidualConfig(Strict):
     mlp_beta: float = 1.0
 
 
+class MtpLayerConfig(Strict):
+    """The multi-token-prediction modules' layer where it is not of the last layer's kind
+    (ModelConfig.mtp_layer_kind)."""
+
+    local: bool = True
+    """A sliding-window layer: MiMo-V2-Flash's (the sliding layers' heads and sinks),
+    DeepSeek-V4's sliding_attention one (no compressor); False: a global layer."""
+    ffn: Literal["moe", "mlp"] = "moe"
+    """Its feed-forward: the experts (scored, never hash-routed), or the dense layers' MLP
+    (MiMo-V2-Flash's, intermediate_size wide)."""
+
+
 _LAYER_SPECS: dict[str, tuple[LayerSpec, ...]] = {}
 """ModelConfig.layer_specs' results by the config's JSON (a config is rebuilt from its fields
 everywhere; its specs are asked for at every trace)."""
@@ -418,13 +430,17 @@ class ModelConfig(Strict):
     """DeepSeek-V4's n residual streams in every layer (hyper_connection.py); None: one stream."""
     mup: MuPMultipliers | None = None
     """Falcon-H1's multipliers on the attention, Mamba2, MLP and LM head activations; None: none."""
-    mtp_layers: int = Field(0, ge=0, le=1)
+    mtp_layers: int = Field(0, ge=0, le=8)
     """Multi-token-prediction modules after the last layer (DeepSeek-V3's and GLM-4.5's
-    num_nextn_predict_layers; at most one, as they publish): the module joins the main model's
-    final hidden state at i with the embedding of token i + 1 and runs one more layer of the
-    last layer's kind, whose output the LM head reads as a prediction of token i + 2
-    (engine/models/mtp.py; the `mtp_blocks` stack). Converted, kept and exported; trained
-    only under ComputeConfig.mtp_loss."""
+    num_nextn_predict_layers; DeepSeek-V4's one, MiMo-V2-Flash's three): the first joins the
+    main model's final hidden state at i with the embedding of token i + 1 and runs one more
+    layer (the last layer's kind, or mtp_layer_kind's), whose output the LM head reads as a
+    prediction of token i + 2; module k does so with module k - 1's output and token i + k + 1
+    for token i + k + 2 (engine/models/mtp.py; the `mtp_blocks` stack). Converted, kept and
+    exported; trained only under ComputeConfig.mtp_loss."""
+    mtp_layer_kind: MtpLayerConfig | None = None
+    """The multi-token-prediction layer's own kind (MiMo-V2-Flash: a sliding-window layer with
+    a dense MLP; DeepSeek-V4: a sliding_attention layer); None: the last layer's, with experts."""
     altup: AltUpConfig | None = None
     """Gemma 3n's AltUp: n residual streams each layer predicts from and corrects (altup.py); None: one stream."""
 
@@ -1056,14 +1072,27 @@ class ModelConfig(Strict):
         return layers
 
     def mtp_layer(self) -> Layer:
-        """The kind of the multi-token-prediction module's layer: the last layer's, with its
-        experts (transformers' MtpModel builds it with first_k_dense_replace 0), in `mtp_blocks`."""
-        last = self.layer_pattern()[-1]
-        return last._replace(stack="mtp_blocks", ffn="moe" if self.is_moe else last.ffn)
+        """The kind of the multi-token-prediction modules' layer, in `mtp_blocks`: the last
+        layer's, with its experts (transformers' MtpModel builds it with first_k_dense_replace
+        0), or the model's last layer of mtp_layer_kind's window with its feed-forward."""
+        pattern = self.layer_pattern()
+        kind = self.mtp_layer_kind
+        if kind is None:
+            return pattern[-1]._replace(stack="mtp_blocks", ffn="moe" if self.is_moe else pattern[-1].ffn)
+        if pattern[-1].compressed is not None:  # DeepSeek-V4: its sliding_attention layer, scored routing
+            compressed = "sliding_attention" if kind.local else pattern[-1].compressed
+            return pattern[-1]._replace(stack="mtp_blocks", ffn=kind.ffn, compressed=compressed, hashed=False)
+        like = next((layer for layer in reversed(pattern) if layer.local == kind.local), pattern[-1])
+        return like._replace(stack="mtp_blocks", ffn=kind.ffn, local=kind.local, mlp_dim=None)
 
     def mtp_layer_spec(self) -> LayerSpec:
         """The multi-token-prediction module's layer as a spec (mtp_layer's kind)."""
         return self._layer_spec(self.mtp_layer())
+
+    def mtp_head_names(self) -> list[str]:
+        """The params key of each multi-token-prediction module's own parameters (mtp.MTPHead),
+        in order: `mtp`, `mtp_1`, ..."""
+        return ["mtp"] + [f"mtp_{k}" for k in range(1, self.mtp_layers)]
 
     def mtp_stacks(self) -> list[tuple[str, tuple[int, ...]]]:
         """(params key, HF layer indices) of the multi-token-prediction layers: layer_stacks'
@@ -1117,6 +1146,9 @@ class ModelConfig(Strict):
         if self.mtp_layers:  # a layer like the last (experts), its two input norms, the (2d, d) projection, a norm
             mtp = self.mtp_layer_spec()
             n += self.mtp_layers * (mtp.params(d, active) + 2 * d * d + 3 * d)
+            if self.hyper_connections:  # DeepSeek-V4: each module's own final mix of the streams
+                streams = self.hyper_connections.streams
+                n += self.mtp_layers * (streams * streams * d + streams + 1)
         if self.hyper_connections:  # the streams' final mix (hyper_connection.HyperHead)
             streams = self.hyper_connections.streams
             n += streams * streams * d + streams + 1
@@ -1188,8 +1220,8 @@ class ComputeConfig(Strict):
     mtp_loss: float = Field(0.0, ge=0)
     """Weight in the training loss of the multi-token-prediction loss (a model with
     mtp_layers; DeepSeek-V3 trained with 0.3, then 0.1; MaxText's mtp_loss_scaling_factor):
-    the mean cross entropy of its predictions of token i + 2 (engine/models/mtp.py). 0: the
-    layer is not run (and its parameters get no gradient)."""
+    the mean over its modules of each one's mean cross entropy (module k predicting token
+    i + k + 2; engine/models/mtp.py). 0: the modules are not run (and get no gradient)."""
     matmul_precision: Literal["default", "fp8", "int8"] = "default"
     """Recipe of the layers' trainable matmuls (engine/ops/low_precision.py, qwix): default =
     in `dtype`; fp8 = e4m3 operands and e5m2 gradients, int8 = int8 forward and backward

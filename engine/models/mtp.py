@@ -1,16 +1,23 @@
-"""Multi-token prediction (DeepSeek-V3, arXiv 2412.19437 section 2.2; GLM-4.5): one more
-layer after the decoder that predicts the token after next.
+"""Multi-token prediction (DeepSeek-V3, arXiv 2412.19437 section 2.2; GLM-4.5, DeepSeek-V4,
+MiMo-V2-Flash): modules after the decoder, module k predicting the token k + 2 ahead.
 
-At position i the module joins the main model's final (normed) hidden state h_i with the
-embedding of token i + 1, each RMS-normalised, projects the pair back to d_model
-(eh_proj), runs one layer of the last layer's kind (attention over the same causal
-sequence, RoPE at position i + 1, the experts) and normalises its output; the main model's
-LM head, shared, reads that as logits for token i + 2. This is transformers' `MtpModel`
-(modeling_layers.py: MtpLayer, `forward_layer` then `_project_to_logits`) for one module;
-the embedding and head are the main model's there too.
+At position i module k joins a hidden state with the embedding of token i + k + 1, each
+RMS-normalised, projects the pair back to d_model (eh_proj), runs one layer
+(ModelConfig.mtp_layer: the last layer's kind, or mtp_layer_kind's) and normalises its
+output; the main model's LM head, shared, reads that as logits for token i + k + 2. The
+hidden state is the main model's final-normed one for the first module and module k - 1's
+output for module k (DeepSeek-V3's chain). This is transformers' `MtpModel`
+(modeling_layers.py: MtpLayer, `forward_layer` then `_project_to_logits`); the embedding and
+head are the main model's there too.
 
-Shapes as in transformer.py. The module's parameters are `mtp` (its norms and projection)
-and the `mtp_blocks` stack (one layer, laid out as the model's other stacks).
+DeepSeek-V4's module (its inference/model.py MTPBlock) reads the main model's n residual
+streams before their final mix instead: e_proj(enorm(embedding)) is added to h_proj(hnorm(
+stream)) of each stream, its layer runs on the n streams, and its own mix of them (hc_head)
+then its norm give the head's input; the next module reads the streams.
+
+Shapes as in transformer.py. The first module's own parameters are `mtp` (its norms and
+projections), module k's `mtp_{k}`; their layers are the `mtp_blocks` stack (one layer per
+module, laid out as the model's other stacks).
 """
 
 from __future__ import annotations
@@ -21,76 +28,108 @@ from flax import nnx
 
 from engine.models.common import dtype_of, make_norm, param
 from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.hyper_connection import HyperHead
 from engine.ops.dense import dense
 from engine.ops.partitioning import constrain
 
 
 class MTPHead(nnx.Module):
     """A multi-token-prediction module's own parameters around its layer: the norms of the
-    token embedding (enorm) and of the main model's hidden state (hnorm), their projection
-    (eh_proj, stored (2d, d): the embedding's rows first) and the output norm (HF's
-    shared_head.norm)."""
+    token embedding (enorm) and of the hidden state (hnorm), their projection (eh_proj,
+    stored (2d, d): the embedding's rows first) and the output norm (HF's shared_head.norm).
+    DeepSeek-V4's: a (d, d) projection of each (e_proj, h_proj) and the streams' mix (hc_head)."""
 
     def __init__(self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs):
         d, pdt = cfg.d_model, dtype_of(compute.param_dtype)
+        spec = cfg.mtp_layer_spec()
 
         def norm():
-            return make_norm(cfg.mtp_layer_spec().norm, d, pdt, rngs=rngs)
+            return make_norm(spec.norm, d, pdt, rngs=rngs)
 
         self.enorm, self.hnorm, self.post_norm = norm(), norm(), norm()
-        self.w_eh_xd = param(rngs, (2 * d, d), cfg.init_std, (None, "embed"), pdt)
+        if spec.hyper is None:
+            self.w_eh_xd = param(rngs, (2 * d, d), cfg.init_std, (None, "embed"), pdt)
+        else:
+            self.w_e_dd = param(rngs, (d, d), cfg.init_std, (None, "embed"), pdt)
+            self.w_h_dd = param(rngs, (d, d), cfg.init_std, (None, "embed"), pdt)
+            self.hc_head = HyperHead(spec.hyper, d, cfg.init_std, rngs=rngs)
 
 
-def mtp_logits(model, hidden_btd, tokens_bt, positions_bt=None, segment_ids_bt=None):
-    """(logits (b, t, v) float32, router stats of its layer or None): position i predicts
-    token i + 2 from `hidden_btd` (the main model's final-normed hidden states, as
-    Transformer.hidden_states gives them) and token i + 1. The last position has no next
-    token, nor has a document's last position one of its own: their logits mean nothing
-    (mtp_loss leaves them out), and the documents after them do not see them."""
+def _ahead(x_bt, k: int, fill):
+    """x at i + k (b, t): the row's last k positions `fill`."""
+    b = x_bt.shape[0]
+    return jnp.concatenate([x_bt[:, k:], jnp.full((b, k), fill, x_bt.dtype)], axis=1)
+
+
+def mtp_depth_logits(model, hidden_btd, tokens_bt, positions_bt=None, segment_ids_bt=None):
+    """[(logits (b, t, v) float32, router stats of its layer or None)] of each module: module
+    k's at i predicts token i + k + 2 from `hidden_btd` (the main model's final-normed hidden
+    states as Transformer.hidden_states gives them; DeepSeek-V4: its streams (b, t, n d)
+    before their mix) and tokens i + 1 ... i + k + 1. A position whose next k + 2 tokens are
+    not all in its document has logits that mean nothing (mtp_loss leaves them out), and the
+    documents after it do not see it."""
     cfg, compute = model.cfg, model.compute
     dt = dtype_of(compute.dtype)
     b, t = tokens_bt.shape
+    d = cfg.d_model
     if positions_bt is None:
         positions_bt = jnp.broadcast_to(jnp.arange(t), (b, t))
     if segment_ids_bt is None:
         segment_ids_bt = jnp.ones((b, t), jnp.int32)
-    next_bt = jnp.concatenate([tokens_bt[:, 1:], tokens_bt[:, -1:]], axis=1)
-    head = model.mtp
-    embedded_btd = model.embed_vd[...].astype(dt)[next_bt]
-    joined = jnp.concatenate([head.enorm(embedded_btd), head.hnorm(hidden_btd)], axis=-1).astype(dt)
-    x_btd = dense(joined, head.w_eh_xd[...].astype(dt), backward=model.matmul_backward, dot_general=model.dot_general)
-    x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
     layer = cfg.mtp_layer_spec()
     stack = model.mtp_blocks
-    if compute.scan_layers:
-        graphdef, state = nnx.split(stack)
-        block = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
-    else:
-        block = stack[0]
-    # RoPE at i + 1, within the table of t positions (the last position's is a stand-in)
-    shifted_bt = jnp.minimum(positions_bt + 1, t - 1)
-    x_btd, _, stats = block.forward(x_btd, shifted_bt, segment_ids_bt, layer)
-    x_btd = head.post_norm(x_btd)
+    graphdef, state = nnx.split(stack) if compute.scan_layers else (None, None)
     head_dv = model.embed_vd[...].T if cfg.tie_embeddings else model.lm_head_dv[...]
-    logits = jnp.einsum("btd,dv->btv", x_btd.astype(dt), head_dv.astype(dt), preferred_element_type=jnp.float32)
-    return logits, stats
+    products = {"backward": model.matmul_backward, "dot_general": model.dot_general}
+    h_btx, out = hidden_btd, []
+    for k, name in enumerate(cfg.mtp_head_names()):
+        head = getattr(model, name)
+        embedded_btd = model.embed_vd[...].astype(dt)[_ahead(tokens_bt, k + 1, 0)]
+        if layer.hyper is None:
+            joined = jnp.concatenate([head.enorm(embedded_btd), head.hnorm(h_btx)], axis=-1).astype(dt)
+            x_btx = dense(joined, head.w_eh_xd[...].astype(dt), **products)
+        else:  # DeepSeek-V4: the embedding's projection added to each stream's
+            streams_btnd = h_btx.reshape(b, t, -1, d)
+            e_btd = dense(head.enorm(embedded_btd).astype(dt), head.w_e_dd[...].astype(dt), **products)
+            h_btnd = dense(head.hnorm(streams_btnd).astype(dt), head.w_h_dd[...].astype(dt), **products)
+            x_btx = (e_btd[:, :, None, :] + h_btnd).reshape(b, t, -1)
+        x_btx = constrain(x_btx, ("act_batch", "act_seq", "act_embed"))
+        block = nnx.merge(graphdef, jax.tree.map(lambda a, k=k: a[k], state)) if compute.scan_layers else stack[k]
+        # RoPE at i + k + 1, within the table of t positions (the last positions' are stand-ins)
+        shifted_bt = jnp.minimum(positions_bt + k + 1, t - 1)
+        x_btx, _, stats = block.forward(x_btx, shifted_bt, segment_ids_bt, layer)
+        if layer.hyper is None:
+            h_btx = x_btd = head.post_norm(x_btx)
+        else:
+            h_btx, x_btd = x_btx, head.post_norm(head.hc_head(x_btx))
+        logits = jnp.einsum("btd,dv->btv", x_btd.astype(dt), head_dv.astype(dt), preferred_element_type=jnp.float32)
+        out.append((logits, stats))
+    return out
+
+
+def mtp_logits(model, hidden_btd, tokens_bt, positions_bt=None, segment_ids_bt=None):
+    """(logits (b, t, v) float32, router stats of its layer or None) of the first module:
+    position i predicts token i + 2 (mtp_depth_logits)."""
+    return mtp_depth_logits(model, hidden_btd, tokens_bt, positions_bt, segment_ids_bt)[0]
 
 
 def mtp_loss(model, hidden_btd, tokens_bt, positions_bt=None, segment_ids_bt=None):
-    """DeepSeek-V3's L_MTP of its one module: the mean cross entropy of the predictions of
-    token i + 2 (mtp_logits) over the positions whose next two tokens are in their document.
-    The batch's loss mask does not apply: every such position of a document is a target."""
+    """DeepSeek-V3's L_MTP over its D modules, (1 / D) sum_k L_k: L_k the mean cross entropy
+    of module k's predictions of token i + k + 2 (mtp_depth_logits) over the positions whose
+    next k + 2 tokens are in their document. The batch's loss mask does not apply: every such
+    position of a document is a target."""
     b, t = tokens_bt.shape
     if segment_ids_bt is None:
         segment_ids_bt = jnp.ones((b, t), jnp.int32)
-    logits_btv, _ = mtp_logits(model, hidden_btd, tokens_bt, positions_bt, segment_ids_bt)
-    targets_bt = jnp.concatenate([tokens_bt[:, 2:], jnp.zeros((b, 2), tokens_bt.dtype)], axis=1)
-    later_bt = jnp.concatenate([segment_ids_bt[:, 2:], jnp.zeros((b, 2), segment_ids_bt.dtype)], axis=1)
-    following_bt = jnp.concatenate([segment_ids_bt[:, 1:], jnp.zeros((b, 1), segment_ids_bt.dtype)], axis=1)
-    valid_bt = ((segment_ids_bt != 0) & (following_bt == segment_ids_bt) & (later_bt == segment_ids_bt)).astype(
-        jnp.float32
-    )
-    logits_btv = logits_btv.astype(jnp.float32)
-    target_logit_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
-    nll_bt = jax.nn.logsumexp(logits_btv, axis=-1) - target_logit_bt
-    return jnp.sum(nll_bt * valid_bt) / jnp.maximum(jnp.sum(valid_bt), 1.0)
+    losses = []
+    for k, (logits_btv, _) in enumerate(mtp_depth_logits(model, hidden_btd, tokens_bt, positions_bt, segment_ids_bt)):
+        targets_bt = _ahead(tokens_bt, k + 2, 0)
+        valid_bt = segment_ids_bt != 0
+        for s in range(1, k + 3):  # documents are contiguous: every token up to the target in its own
+            valid_bt &= _ahead(segment_ids_bt, s, 0) == segment_ids_bt
+        valid_bt = valid_bt.astype(jnp.float32)
+        logits_btv = logits_btv.astype(jnp.float32)
+        target_logit_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
+        nll_bt = jax.nn.logsumexp(logits_btv, axis=-1) - target_logit_bt
+        losses.append(jnp.sum(nll_bt * valid_bt) / jnp.maximum(jnp.sum(valid_bt), 1.0))
+    return sum(losses) / len(losses)

@@ -902,12 +902,13 @@ class Transformer(nnx.Module):
                 stack = nnx.List([Block(spec, build, rngs=rngs, mlp_lora=mlp_lora) for _ in indices])
             setattr(self, name, stack)
         if cfg.mtp_layers:  # multi-token prediction (engine/models/mtp.py): run by its loss only
-            self.mtp = MTPHead(cfg, compute, rngs=rngs)
+            for name in cfg.mtp_head_names():  # `mtp`, `mtp_1`, ...: each module's own
+                setattr(self, name, MTPHead(cfg, compute, rngs=rngs))
             spec, plain = cfg.mtp_layer_spec(), dataclasses.replace(build, lora=None)
             self.mtp_blocks = (
                 self._stacked_blocks(spec, plain, rngs, cfg.mtp_layers, mlp_lora)
                 if compute.scan_layers
-                else nnx.List([Block(spec, plain, rngs=rngs)])
+                else nnx.List([Block(spec, plain, rngs=rngs) for _ in range(cfg.mtp_layers)])
             )
         norm = cfg.layer_specs()[0].norm  # one kind of norm in a model
         if cfg.head.norm_eps is not None:  # JetMoE: the final norm's epsilon its own
@@ -1294,12 +1295,14 @@ class Transformer(nnx.Module):
             x_btd, cache = self._decode_blocks(x_btd, positions_bt, segment_ids_bt, cache, per_layer_btlp)
         hash_routing.reset(hashed)
         if hasattr(self, "hc_head"):
+            if hidden is not None:  # DeepSeek-V4's multi-token prediction reads the streams
+                hidden.append(x_btd)
             x_btd = self.hc_head(x_btd)
         if hasattr(self, "altup_streams"):
             x_btd = self.altup_streams.collapse(x_btd)
         with jax.named_scope("lm_head"):
             x_btd = self.final_norm(x_btd)
-            if hidden is not None:  # the multi-token-prediction layer's input (forward)
+            if hidden is not None and not hidden:  # the multi-token-prediction layer's input (forward)
                 hidden.append(x_btd)
             if not lm_head:
                 return x_btd, stats, cache

@@ -190,11 +190,14 @@ def convert_hf(
         raise ConfigError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     dtype = dtype or _source_dtype(files)
     cfg, compute = model_config_from_hf(hf_config, param_dtype=dtype, where=str(config_path))
-    if cfg.mtp_layers and not _has_tensors(files, f"model.layers.{cfg.num_layers}."):
-        # config.json names a multi-token-prediction layer the weights do not hold (transformers
-        # saves none): the model without it.
-        log(f"convert: config.json has num_nextn_predict_layers {cfg.mtp_layers} but the weights have no such layer")
-        cfg = cfg.model_copy(update={"mtp_layers": 0})
+    family = get_family(cfg.family)
+    held = 0  # the multi-token-prediction modules the weights hold (transformers saves none)
+    while held < 8 and (cfg.mtp_layers or family.mtp_in_weights) and _has_tensors(files, family.mtp_prefix(cfg, held)):
+        held += 1
+    if held < cfg.mtp_layers or (family.mtp_in_weights and held != cfg.mtp_layers):
+        if held < cfg.mtp_layers:  # config.json names modules the weights do not hold: the model without them
+            log(f"convert: config.json has num_nextn_predict_layers {cfg.mtp_layers} but the weights hold {held}")
+        cfg = type(cfg).model_validate({**cfg.model_dump(), **family.mtp_fields(cfg, held)})
     architecture = get_family(cfg.family).architecture
     # A multimodal checkpoint (Llama4ForConditionalGeneration): its text decoder, under the
     # family's names (families/base.py Multimodal); the vision tower and projector are skipped.
@@ -215,9 +218,11 @@ def convert_hf(
         for i, layer in enumerate(stacks[spec.stack]):
             if spec.experts:
                 for j in range(stacked[1]):
-                    expected[spec.hf_name.format(i=layer, j=j)] = (spec, (i, j), part_shape(spec, stacked[2:]))
+                    name = spec.hf_name.format(i=layer, j=j, k=layer - cfg.num_layers)
+                    expected[name] = (spec, (i, j), part_shape(spec, stacked[2:]))
             else:
-                expected[spec.hf_name.format(i=layer)] = (spec, (i,), part_shape(spec, stacked[1:]))
+                name = spec.hf_name.format(i=layer, k=layer - cfg.num_layers)  # {k}: a module's depth
+                expected[name] = (spec, (i,), part_shape(spec, stacked[1:]))
     target = NP_DTYPES[dtype]
     params: dict = {}
     for spec in top:

@@ -245,7 +245,8 @@ def hf_tensors(
     entries: dict[str, tuple[tuple[int, ...], np.dtype, Callable[[], np.ndarray]]] = {}
     for spec, index in order:
         array = leaf(spec, index)
-        name = spec.hf_name.format(i=layers_of[spec.stack][index[0]], j=index[-1]) if index else spec.hf_name
+        layer = layers_of[spec.stack][index[0]] if index else 0
+        name = spec.hf_name.format(i=layer, j=index[-1], k=layer - cfg.num_layers) if index else spec.hf_name
         shape = hf_shape(spec, array.shape)
         if spec.fused_with:
             shape = fused_hf_shape(spec, [leaf(spec, index, p).shape for p in (spec.path, *spec.fused_with)])

@@ -38,7 +38,7 @@ def _adapted_specs(cfg: ModelConfig, lora: LoraConfig):
         if spec.path[-1] in attrs:
             yield attrs[spec.path[-1]], spec, None
     for spec in per_layer:
-        if spec.path[-1] in attrs and not spec.experts:
+        if spec.path[-1] in attrs and not spec.experts and spec.stack in stacks:  # no multi-token prediction's
             yield attrs[spec.path[-1]], spec, stacks[spec.stack]
 
 

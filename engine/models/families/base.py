@@ -272,16 +272,18 @@ def mtp_tensors(cfg: ModelConfig, per_layer: list[TensorSpec]) -> tuple[list[Ten
     stack), and copies of the embedding and LM head that export writes and conversion skips."""
     if not cfg.mtp_layers:
         return [], []
-    mtp = f"model.layers.{cfg.num_layers}."
     head = ("embed_vd",) if cfg.tie_embeddings else ("lm_head_dv",)
-    top = [
-        TensorSpec(("mtp", "enorm", "scale"), mtp + "enorm.weight", None),
-        TensorSpec(("mtp", "hnorm", "scale"), mtp + "hnorm.weight", None),
-        TensorSpec(("mtp", "w_eh_xd"), mtp + "eh_proj.weight", 1),
-        TensorSpec(("mtp", "post_norm", "scale"), mtp + "shared_head.norm.weight", None),
-        TensorSpec(("embed_vd",), mtp + "embed_tokens.weight", None, export_only=True),
-        TensorSpec(head, mtp + "shared_head.head.weight", None if cfg.tie_embeddings else 1, export_only=True),
-    ]
+    top = []
+    for k, name in enumerate(cfg.mtp_head_names()):
+        mtp = f"model.layers.{cfg.num_layers + k}."
+        top += [
+            TensorSpec((name, "enorm", "scale"), mtp + "enorm.weight", None),
+            TensorSpec((name, "hnorm", "scale"), mtp + "hnorm.weight", None),
+            TensorSpec((name, "w_eh_xd"), mtp + "eh_proj.weight", 1),
+            TensorSpec((name, "post_norm", "scale"), mtp + "shared_head.norm.weight", None),
+            TensorSpec(("embed_vd",), mtp + "embed_tokens.weight", None, export_only=True),
+            TensorSpec(head, mtp + "shared_head.head.weight", None if cfg.tie_embeddings else 1, export_only=True),
+        ]
     last = cfg.layer_pattern()[-1].stack
     return top, [dataclasses.replace(spec, stack="mtp_blocks") for spec in per_layer if spec.stack == last]
 
@@ -290,10 +292,11 @@ def mtp_copy(name: str, cfg: ModelConfig) -> bool:
     """A tensor of the checkpoint's layer after the last that conversion skips: all of it
     without mtp_layers (a module the engine would not keep), else the embedding and LM head
     copies (the engine's are the main model's)."""
-    prefix = f"model.layers.{cfg.num_layers}."
-    if not name.startswith(prefix):
-        return False
-    return not cfg.mtp_layers or name[len(prefix) :] in ("embed_tokens.weight", "shared_head.head.weight")
+    for k in range(max(cfg.mtp_layers, 1)):
+        prefix = f"model.layers.{cfg.num_layers + k}."
+        if name.startswith(prefix):
+            return not cfg.mtp_layers or name[len(prefix) :] in ("embed_tokens.weight", "shared_head.head.weight")
+    return False
 
 
 # --------------------------------------------------------------------------- the base class
@@ -463,8 +466,13 @@ class Family:
         top.append(TensorSpec(("final_norm", "scale"), "model.norm.weight", None))
         if not cfg.tie_embeddings:
             top.append(TensorSpec(("lm_head_dv",), "lm_head.weight", 1))
-        mtp_top, mtp_layer = mtp_tensors(cfg, per_layer)
+        mtp_top, mtp_layer = self.mtp_tensor_table(cfg, per_layer)
         return top + mtp_top, per_layer + mtp_layer
+
+    def mtp_tensor_table(self, cfg: ModelConfig, per_layer: list[TensorSpec]) -> tuple[list, list]:
+        """(top-level, per-layer) tensors of the multi-token-prediction modules, `per_layer` the
+        model's: DeepSeek-V3's layout (mtp_tensors)."""
+        return mtp_tensors(cfg, per_layer)
 
     def mixer_tensors(self, cfg: ModelConfig, layer) -> list[TensorSpec]:
         """The input norm and sequence mixer of a stack of `layer`'s kind (a config.Layer):
@@ -508,6 +516,20 @@ class Family:
         """A checkpoint tensor conversion skips: one of a module the engine does not run
         (DeepSeek-V3's multi-token-prediction layer)."""
         return False
+
+    mtp_in_weights: ClassVar[bool] = False
+    """config.json does not say how many multi-token-prediction modules a checkpoint holds
+    (MiMo-V2-Flash's): conversion counts them in its weights (mtp_prefix)."""
+
+    def mtp_prefix(self, cfg: ModelConfig, depth: int) -> str:
+        """The checkpoint's name prefix of multi-token-prediction module `depth` (from 0), by
+        which conversion finds the modules the weights hold: DeepSeek-V3's layers after the last."""
+        return f"model.layers.{cfg.num_layers + depth}."
+
+    def mtp_fields(self, cfg: ModelConfig, modules: int) -> dict[str, Any]:
+        """The ModelConfig fields of `cfg` with `modules` multi-token-prediction modules (the
+        number a checkpoint's weights hold)."""
+        return {"mtp_layers": modules}
 
     def mlp_norm_tensors(self) -> list[TensorSpec]:
         """The norms between attention and MLP: Llama's post_attention_layernorm is the MLP's

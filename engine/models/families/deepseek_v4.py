@@ -7,8 +7,12 @@ clamped SwiGLU experts and shared expert; the first layers hash-routed, `mlp_lay
 hash_moe, engine/models/hash_routing.py) and n residual streams (hyper_connection.py).
 Tensors are named as DeepSeek publishes them and transformers saves them (`attn.wq_a`,
 `ffn.experts.{j}.w1`, `hc_attn_fn`, ...; its conversion mapping renames them on loading).
-The multi-token-prediction module published checkpoints carry (`mtp.*`, which transformers'
-class does not build) is not converted: conversion skips it.
+The multi-token-prediction modules published checkpoints carry (`mtp.{k}.*`, which
+transformers' class does not build; num_nextn_predict_layers) are converted, trained under
+ComputeConfig.mtp_loss and exported as DeepSeek publishes them (its inference/model.py
+MTPBlock, engine/models/mtp.py): a layer of the sliding_attention kind (its compress ratio 0)
+with scored experts, `e_proj`/`h_proj`, `enorm`/`hnorm`, its own streams' mix (`hc_head_fn`,
+`hc_head_base`, `hc_head_scale`) and norm (`norm`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from typing import Any, ClassVar
 from engine.config import ConfigError
 from engine.models.config import ModelConfig
 from engine.models.families.base import EXPERT, LAYER, Family, TensorSpec, register_family, rope_from_hf, rope_to_hf
+
+MTP = "mtp.{k}."
+"""The published multi-token-prediction module k's names (its layer's as the decoder's, from `attn.`)."""
 
 ATTENTION_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
@@ -204,7 +211,14 @@ class DeepseekV4(Family):
                 "iterations": self.hf_value(hf, "hc_sinkhorn_iters"),
                 "eps": float(self.hf_value(hf, "hc_eps")),
             },
+            **self.mtp_fields(None, hf.get("num_nextn_predict_layers", 1)),  # transformers' default: one
         }
+
+    def mtp_fields(self, cfg: ModelConfig | None, modules: int) -> dict[str, Any]:
+        return {"mtp_layers": modules, "mtp_layer_kind": {"local": True, "ffn": "moe"} if modules else None}
+
+    def mtp_prefix(self, cfg: ModelConfig, depth: int) -> str:
+        return f"mtp.{depth}."
 
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
         hf = super().config_to_hf(cfg)
@@ -268,7 +282,24 @@ class DeepseekV4(Family):
             layer = layers[indices[0]]
             assert layer.compressed is not None
             per_layer += _attention(stack, layer.compressed) + _layer_rest(stack, layer.hashed)
+        if cfg.mtp_layers:  # DeepSeek's names under mtp.{k}.: a sliding_attention layer, then its own
+            layer = cfg.mtp_layer()
+            assert layer.compressed is not None
+            for spec in _attention(layer.stack, layer.compressed) + _layer_rest(layer.stack, False):
+                per_layer.append(dataclasses.replace(spec, hf_name=spec.hf_name.replace(LAYER, MTP)))
+            for k, name in enumerate(cfg.mtp_head_names()):
+                mtp = MTP.format(k=k)
+                top += [
+                    TensorSpec((name, "enorm", "scale"), mtp + "enorm.weight", None),
+                    TensorSpec((name, "hnorm", "scale"), mtp + "hnorm.weight", None),
+                    TensorSpec((name, "w_e_dd"), mtp + "e_proj.weight", 1),
+                    TensorSpec((name, "w_h_dd"), mtp + "h_proj.weight", 1),
+                    TensorSpec((name, "post_norm", "scale"), mtp + "norm.weight", None),
+                    TensorSpec((name, "hc_head", "w_mix_xn"), mtp + "hc_head_fn", 1),
+                    TensorSpec((name, "hc_head", "b_mix_n"), mtp + "hc_head_base", None),
+                    TensorSpec((name, "hc_head", "scale_1"), mtp + "hc_head_scale", None),
+                ]
         return top, per_layer
 
     def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:
-        return name.startswith("mtp.")  # the published multi-token-prediction module (not converted)
+        return name.startswith("mtp.") and not cfg.mtp_layers  # multi-token prediction the config leaves out

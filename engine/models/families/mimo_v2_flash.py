@@ -10,18 +10,27 @@ ModelConfig.attention_value_dim) and multiplied by attention_value_scale; RoPE r
 first int(head_dim * partial_rotary_factor) dimensions with a base per layer type
 (rope_theta, rope_local_theta). The first layer's MLP is dense (`mlp_layer_types`).
 
-The multi-token-prediction layers its checkpoints carry (`model.mtp.*`) are skipped, as
-transformers skips them: it has no modeling for them to check them against.
+The multi-token-prediction modules its checkpoints carry (`model.mtp.layers.{k}.*`, three
+in MiMo-V2-Flash's; its config.json does not count them, so conversion counts them in the
+weights) are converted, trained under ComputeConfig.mtp_loss and exported, as SGLang's
+reference (mimo_v2_flash_nextn.py) and vLLM's loader read them; transformers skips them.
+Each is DeepSeek-V3's module (engine/models/mtp.py: enorm, hnorm, eh_proj, final_layernorm)
+around a sliding-window layer (the sliding layers' heads and sinks) with a dense MLP
+(intermediate_size wide; its norms input_layernorm and pre_mlp_layernorm).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from engine.config import ConfigError
 from engine.models.config import ModelConfig
 from engine.models.families.base import LAYER, TensorSpec, register_family, rope_from_hf, rope_parameters_to_hf
 from engine.models.families.routed_gqa import RoutedGqa, ffn_fields, mlp_layer_types
+
+MTP = "model.mtp.layers.{k}."
+"""The published multi-token-prediction module k's names (SGLang's and vLLM's loaders)."""
 
 ROTARY_FRACTION = 0.334
 """transformers' default partial_rotary_factor (64 of 192 dimensions), written back where it
@@ -106,7 +115,39 @@ class MiMoV2Flash(RoutedGqa):
             "local_sinks_only": mixed,
             "attention_value_dim": None if value_dim == head_dim else value_dim,
             "attention_value_scale": 1.0 if scale is None else float(scale),
+            **self.mtp_fields(None, hf.get("num_nextn_predict_layers") or 0),
         }
+
+    mtp_in_weights = True
+
+    def mtp_fields(self, cfg: ModelConfig | None, modules: int) -> dict[str, Any]:
+        return {"mtp_layers": modules, "mtp_layer_kind": {"local": True, "ffn": "mlp"} if modules else None}
+
+    def mtp_prefix(self, cfg: ModelConfig, depth: int) -> str:
+        return MTP.format(k=depth)
+
+    def mtp_tensor_table(self, cfg: ModelConfig, per_layer: list[TensorSpec]) -> tuple[list, list]:
+        if not cfg.mtp_layers:
+            return [], []
+        layer = cfg.mtp_layer()
+        own = [*self.mixer_tensors(cfg, layer), *self.mlp_norm_tensors(), *self.dense_mlp_tensors(cfg)]
+        names = {LAYER: MTP, "post_attention_layernorm": "pre_mlp_layernorm"}
+        layers = []
+        for spec in own:
+            hf_name = spec.hf_name
+            for old, new in names.items():
+                hf_name = hf_name.replace(old, new)
+            layers.append(dataclasses.replace(spec, stack=layer.stack, hf_name=hf_name))
+        top = []
+        for k, name in enumerate(cfg.mtp_head_names()):
+            mtp = MTP.format(k=k)
+            top += [
+                TensorSpec((name, "enorm", "scale"), mtp + "enorm.weight", None),
+                TensorSpec((name, "hnorm", "scale"), mtp + "hnorm.weight", None),
+                TensorSpec((name, "w_eh_xd"), mtp + "eh_proj.weight", 1),
+                TensorSpec((name, "post_norm", "scale"), mtp + "final_layernorm.weight", None),
+            ]
+        return top, layers
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         keys = self.router_keys(cfg)
@@ -134,6 +175,7 @@ class MiMoV2Flash(RoutedGqa):
             "v_head_dim": cfg.attention.value_dim or cfg.attention.head_dim,
             "attention_value_scale": cfg.attention.value_scale,
             "rope_parameters": rope,
+            **({"num_nextn_predict_layers": cfg.mtp_layers} if cfg.mtp_layers else {}),
         }
 
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
@@ -150,4 +192,4 @@ class MiMoV2Flash(RoutedGqa):
         return [spec for spec in super().mlp_tensors(cfg) if "shared" not in spec.path[-1]]
 
     def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:
-        return name.startswith("model.mtp.")  # the multi-token-prediction layers (transformers skips them)
+        return name.startswith("model.mtp.") and not cfg.mtp_layers  # multi-token prediction left out
