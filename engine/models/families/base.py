@@ -326,13 +326,11 @@ class Family:
     moe: ClassVar[bool | None] = False
     """A mixture of experts: its models have num_experts > 0 (engine/models/moe.py); None:
     dense and expert models both (Gemma 4)."""
-    fused_projections: ClassVar[tuple[str, ...]] = ()
-    """PEFT module names the family's checkpoints store fused into one tensor (Phi-3's q/k/v in
-    qkv_proj, gate/up in gate_up_proj): LoraConfig.targets refuses them."""
-    lora_names: ClassVar[dict[str, str]] = {}
-    """PEFT's Llama module names (o_proj, up_proj, ...) whose projection this family's
-    checkpoints name otherwise (GPT-NeoX's o_proj is attention.dense): LoraConfig.targets
-    refuses them, as an adapter by those names would not load onto its modules."""
+    peft_refuses: ClassVar[tuple[str, ...]] = ()
+    """Module names whose LoRA a PEFT model of this family would refuse or ignore (PEFT's Mamba
+    check refuses out_proj; transformers' Mamba reads dt_proj.weight directly): LoraConfig.targets
+    refuses them too. The modules LoRA adapts are otherwise read from the tensor table
+    (engine/models/lora_targets.py)."""
     required_token_ids: ClassVar[dict[str, int]] = {}
     """Token ids the transformers class refuses as null (CwmConfig's bos_token_id must be an int):
     config.json gets this value where the tokenizer's is unknown."""

@@ -74,11 +74,9 @@ class _StateSpace(Family):
     """What Mamba, Falcon-Mamba and Mamba2 share: config.json's common keys, the `backbone`."""
 
     moe = False
-    lora_names = {
-        name: "absent: its layers are Mamba mixers (in_proj, x_proj, dt_proj, out_proj)"
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    }
-    """LoRA: none of Llama's projections exist, so a LoRA run is refused rather than training nothing."""
+    # PEFT's Mamba check refuses out_proj; transformers' Mamba reads dt_proj.weight directly,
+    # so an adapter on it would be ignored there: LoRA on in_proj and x_proj (Mamba-2: in_proj)
+    peft_refuses = ("out_proj", "dt_proj")
     hf_defaults = {
         "layer_norm_epsilon": 1e-5,
         "expand": 2,

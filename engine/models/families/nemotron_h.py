@@ -97,6 +97,7 @@ class NemotronH(Family):
     name = "nemotron_h"
     architecture = "NemotronHForCausalLM"
     model_type = "nemotron_h"
+    peft_refuses = ("out_proj",)  # PEFT's Mamba check: the mixers' out_proj takes no LoRA
     moe = None  # dense and expert models
     fixed = {"mlp_gated": False, "activation": "relu2", "rope_pattern": [False]}
     hf_defaults = {

@@ -84,7 +84,6 @@ class SarvamMoE(Glm4Moe):
         "initializer_range": 0.006,
     }
     hf_constants = {**Glm4Moe.hf_constants}
-    fused_projections = ("q_proj", "k_proj", "v_proj")  # one query_key_value tensor
 
     def extra_fields_from_hf(self, hf: dict) -> dict[str, Any]:
         fields = super().extra_fields_from_hf(hf)
