@@ -1249,9 +1249,9 @@ class LoraConfig(Strict):
                 )
             for m in self.target_modules:
                 if refused.get(m) == "peft":
+                    why = get_family(model.family).peft_refuses[m]
                     raise ValueError(
-                        f"PEFT does not put LoRA on {m} in family '{model.family}' (transformers' model reads that "
-                        f"weight directly), so the adapter would not act there; it can adapt: {can}"
+                        f"family '{model.family}' cannot adapt {m} as PEFT would ({why}); it can adapt: {can}"
                     )
                 if m in refused:
                     raise ValueError(

@@ -67,23 +67,22 @@ LLAMA_ORDER = (
 order of the tensor table."""
 
 
-def module_name(hf_name: str) -> str:
-    """PEFT's target name of a weight: the last part of its module's name."""
-    return hf_name.removesuffix(".weight").rsplit(".", 1)[-1]
+def _last(name: str) -> str:
+    return name.removesuffix(".weight").rsplit(".", 1)[-1]
 
 
 def _matmuls(model: ModelConfig):
     """(PEFT name, TensorSpec) of every matmul weight of the model's layers and of its own
     (not the LM head, which PEFT's all-linear leaves out, nor a multi-token-prediction layer's,
-    which transformers does not run)."""
-    top, per_layer = get_family(model.family).tensor_table(model)
+    which transformers does not run). PEFT's name is the last part of the transformers
+    module's (Family.module_name: EXAONE runs as Llama, so its c_fc_0 is gate_proj)."""
+    family = get_family(model.family)
+    top, per_layer = family.tensor_table(model)
     stacks = {name for name, _ in model.layer_stacks()}
-    for spec in top:
-        if spec.in_dims is not None and not spec.export_only and spec.path[-1] != "lm_head_dv":
-            yield module_name(spec.hf_name), spec
-    for spec in per_layer:
-        if spec.in_dims is not None and spec.stack in stacks:
-            yield module_name(spec.hf_name), spec
+    specs = [s for s in top if s.in_dims is not None and not s.export_only and s.path[-1] != "lm_head_dv"]
+    specs += [s for s in per_layer if s.in_dims is not None and s.stack in stacks]
+    for spec in specs:
+        yield _last(family.module_name(spec.hf_name)), spec
 
 
 def _why_not(model: ModelConfig, spec) -> str | None:
@@ -101,7 +100,7 @@ def _why_not(model: ModelConfig, spec) -> str | None:
 
 def adaptable_modules(model: ModelConfig) -> tuple[dict[str, list], dict[str, str]]:
     """({PEFT name: the table's specs of it} for every name the engine adapts in `model`,
-    {name: why not ("experts", "layout" or "peft": PEFT refuses it, Family.peft_refuses)} for
+    {name: why not ("experts", "layout" or "peft": Family.peft_refuses)} for
     the matmuls it does not)."""
     found: dict[str, list] = {}
     refused: dict[str, str] = {}

@@ -326,11 +326,12 @@ class Family:
     moe: ClassVar[bool | None] = False
     """A mixture of experts: its models have num_experts > 0 (engine/models/moe.py); None:
     dense and expert models both (Gemma 4)."""
-    peft_refuses: ClassVar[tuple[str, ...]] = ()
-    """Module names whose LoRA a PEFT model of this family would refuse or ignore (PEFT's Mamba
-    check refuses out_proj; transformers' Mamba reads dt_proj.weight directly): LoraConfig.targets
-    refuses them too. The modules LoRA adapts are otherwise read from the tensor table
-    (engine/models/lora_targets.py)."""
+    peft_refuses: ClassVar[dict[str, str]] = {}
+    """Module names LoRA cannot put an adapter on as PEFT would on the family's transformers
+    model -> why (PEFT refuses Mamba's out_proj; transformers' Mamba reads dt_proj.weight
+    directly; Sarvam's checkpoints fuse a query_key_value that transformers splits):
+    LoraConfig.targets refuses them. The modules LoRA adapts are otherwise read from the
+    tensor table (engine/models/lora_targets.py)."""
     required_token_ids: ClassVar[dict[str, int]] = {}
     """Token ids the transformers class refuses as null (CwmConfig's bos_token_id must be an int):
     config.json gets this value where the tokenizer's is unknown."""

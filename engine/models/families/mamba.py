@@ -74,9 +74,10 @@ class _StateSpace(Family):
     """What Mamba, Falcon-Mamba and Mamba2 share: config.json's common keys, the `backbone`."""
 
     moe = False
-    # PEFT's Mamba check refuses out_proj; transformers' Mamba reads dt_proj.weight directly,
-    # so an adapter on it would be ignored there: LoRA on in_proj and x_proj (Mamba-2: in_proj)
-    peft_refuses = ("out_proj", "dt_proj")
+    peft_refuses = {  # LoRA on in_proj and x_proj (Mamba-2: in_proj)
+        "out_proj": "PEFT refuses LoRA on a Mamba model's out_proj",
+        "dt_proj": "transformers' Mamba reads dt_proj.weight directly, so PEFT's adapter on it does nothing",
+    }
     hf_defaults = {
         "layer_norm_epsilon": 1e-5,
         "expand": 2,
