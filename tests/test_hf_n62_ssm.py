@@ -390,8 +390,9 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
     assert set(LoraConfig(target_modules="all-linear").targets(mamba_cfg)) == {"in_proj", "x_proj"}
     with pytest.raises(ValueError, match=r"family 'mamba' has no module q_proj to adapt; it can adapt: "):
         LoraConfig(target_modules=["q_proj"]).targets(mamba_cfg)
-    # LoRA: Jamba's attention and Mamba mixers (its experts and dense MLPs are not adapted)
-    jamba_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "dt_proj", "in_proj", "out_proj", "x_proj")
+    # LoRA: Jamba's attention and Mamba mixers (not dt_proj, whose weight transformers reads
+    # directly; its experts and dense MLPs are not adapted)
+    jamba_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "x_proj")
     assert LoraConfig(target_modules="all-linear").targets(cfg) == jamba_targets
 
 
