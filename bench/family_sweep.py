@@ -460,6 +460,8 @@ def table(results: dict) -> str:
         if "error" in record:
             return "error"
         lora = record["lora"]
+        if "error" in lora:
+            return "error"
         return "refused" if "refused" in lora else ("ok" if lora["passed"] else "FAIL")
 
     def plan_cell(record) -> str:
@@ -522,7 +524,12 @@ def main() -> None:
             print(name, "grpo", json.dumps(record))
             args.out.write_text(json.dumps(results, indent=1) + "\n")
         if args.part == "lora" and "plan" in results["lora_plan"].get(name, {}):  # again, the plan kept
-            record = {**results["lora_plan"][name], **run_lora_plan(name, plan=False)}
+            try:
+                lora = run_lora_plan(name, plan=False)
+            except Exception as error:  # noqa: BLE001
+                traceback.print_exc()
+                lora = {"lora": {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}}
+            record = {**results["lora_plan"][name], **lora}
             record["passed"] = bool(record["plan"]["how"] == "compiled" and record["plan"]["fits"])
             record["passed"] &= record["lora"].get("passed", True)
             results["lora_plan"][name] = record

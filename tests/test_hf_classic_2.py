@@ -370,17 +370,21 @@ def test_gpt2_without_scaled_scores_reads_as_a_unit_score_scale():
     assert model_config_to_hf(cfg)["scale_attn_weights"] is False
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gpt_bigcode", "opt"])
-def test_lora_refuses_the_projections_these_checkpoints_name_otherwise(family):
+@pytest.mark.parametrize("family", ["gpt2", "gpt_bigcode", "opt", "bloom", "mpt"])
+def test_lora_all_linear_adapts_the_modules_peft_finds(family):
+    """Every Linear (GPT-2's Conv1D) but the LM head, by its own name (c_attn, query_key_value,
+    Wqkv: a fused q/k/v as one module); Llama's names are refused in one sentence naming them."""
+    peft = need("peft")
     cfg, _ = model_config_from_hf({**hf_config(family).to_dict(), "architectures": [get_family(family).architecture]})
-    o_proj = get_family(family).lora_names["o_proj"]
-    with pytest.raises(ValueError, match=f"o_proj is {o_proj}"):
-        LoraConfig(target_modules=["q_proj", "o_proj"]).targets(cfg)
-    if family == "opt":  # its q/k/v are PEFT's names
-        assert LoraConfig(target_modules="all-linear").targets(cfg) == ("q_proj", "k_proj", "v_proj")
-    else:  # GPT-2's are fused in c_attn: nothing left
-        with pytest.raises(ValueError, match="none of target_modules can be adapted"):
-            LoraConfig(target_modules="all-linear").targets(cfg)
+    model = random_causal_lm(hf_config(family), 0, **implementations(family))
+    expanded = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules="all-linear")).peft_config["default"]
+    ours = LoraConfig(target_modules="all-linear").targets(cfg)
+    assert set(ours) == {name.rsplit(".", 1)[-1] for name in expanded.target_modules}
+    if family != "opt":  # (OPT's q/k/v are PEFT's Llama names)
+        with pytest.raises(
+            ValueError, match=f"family '{family}' has no module q_proj to adapt; it can adapt: {ours[0]}"
+        ):
+            LoraConfig(target_modules=["q_proj", "o_proj"]).targets(cfg)
 
 
 PUBLISHED = {  # the model cards' totals (billions) and how closely ModelConfig.num_params meets them

@@ -208,9 +208,11 @@ def test_unrolled_mixture_of_attention_layers_match_the_scanned_stack(case):
     )
 
 
-def test_lora_refuses_jetmoe_attention_it_cannot_adapt():
-    """JetMoE's queries and outputs are expert tensors, its keys and values one kv_proj: no
-    Llama-named projection an adapter could load onto."""
+def test_lora_adapts_jetmoe_kv_proj_and_refuses_its_expert_attention():
+    """JetMoE's queries and outputs are expert tensors (input_linear, output_linear), its keys
+    and values one kv_proj: LoRA adapts that (one A, a B each for k and v), as PEFT's all-linear."""
     cfg, _ = model_config_from_hf({**hf_config("jetmoe").to_dict(), "architectures": ["JetMoeForCausalLM"]})
-    with pytest.raises(ValueError, match=r"family 'jetmoe' names these projections otherwise"):
+    assert LoraConfig(target_modules="all-linear").targets(cfg) == ("kv_proj",)
+    assert LoraConfig(target_modules=["kv_proj"]).weights(cfg) == {"wk_dkh": "wk_dkh", "wv_dkh": "wk_dkh"}
+    with pytest.raises(ValueError, match=r"family 'jetmoe' has no module q_proj to adapt; it can adapt: kv_proj$"):
         LoraConfig(target_modules=["q_proj", "o_proj"]).targets(cfg)

@@ -224,13 +224,18 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
         assert "\n" not in str(error.value)
 
 
-def test_lora_takes_the_projections_peft_names_and_refuses_the_fused_ones():
-    """GLM's gate and up are one gate_up_proj: refused by name, left out of all-linear."""
+def test_lora_takes_the_projections_peft_names_and_fused_ones_whole():
+    """GLM's gate and up are one gate_up_proj: one module (gate's A, a B each), as PEFT's."""
     from engine.models.config import LoraConfig
 
     glm, _ = model_config_from_hf({**_hf_dict("glm4"), "architectures": ["Glm4ForCausalLM"]})
-    assert LoraConfig(target_modules="all-linear").targets(glm) == ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj")
-    with pytest.raises(ValueError, match=r"family 'glm4' stores gate_proj fused with others"):
+    all_linear = ("q_proj", "k_proj", "v_proj", "o_proj", "down_proj", "gate_up_proj")
+    assert LoraConfig(target_modules="all-linear").targets(glm) == all_linear
+    assert LoraConfig(target_modules=["gate_up_proj"]).weights(glm) == {
+        "w_gate_df": "w_gate_df",
+        "w_up_df": "w_gate_df",
+    }
+    with pytest.raises(ValueError, match=r"family 'glm4' has no module gate_proj to adapt"):
         LoraConfig(target_modules=["gate_proj"]).targets(glm)
     granite, _ = model_config_from_hf({**_hf_dict("granite_swa"), "architectures": ["GraniteSWAForCausalLM"]})
     assert len(LoraConfig(target_modules="all-linear").targets(granite)) == 7

@@ -348,31 +348,26 @@ def test_a_training_step_is_transformers_loss_and_gradients(case):
 
 
 def test_lora_targets_are_peft_names_and_the_rest_is_refused(case):
-    """LoRA adapts the attention layers' q/k/v/o_proj and Nemotron-H's MLP layers' up/down_proj
-    (PEFT's names); Nemotron-H's MLP has no gate_proj, Granite's fuses gate and up in
-    input_linear, and the Mamba2 projections are not adapted."""
+    """LoRA adapts the attention layers' q/k/v/o_proj, Nemotron-H's MLP layers' up/down_proj and
+    the Mamba2 in_proj (PEFT's names; PEFT refuses Nemotron-H's out_proj, a Mamba model's);
+    Nemotron-H's MLP has no gate_proj; Granite's fuses gate and up in input_linear, one module."""
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
     if case.family == "granite_hybrid":
-        assert LoraConfig(target_modules="all-linear").targets(case.cfg) == ("q_proj", "k_proj", "v_proj", "o_proj")
-        with pytest.raises(ValueError, match=r"family 'granite_hybrid' stores gate_proj fused with others"):
+        granite = (*attention, "in_proj", "out_proj", "input_linear", "output_linear")
+        assert LoraConfig(target_modules="all-linear").targets(case.cfg) == granite
+        with pytest.raises(ValueError, match=r"family 'granite_hybrid' has no module gate_proj to adapt"):
             LoraConfig(target_modules=["gate_proj"]).targets(case.cfg)
         return
-    if case.family == "nemotron_h_moe":  # a mixture of experts: LoRA adapts the attention only
-        assert LoraConfig(target_modules="all-linear").targets(case.cfg) == ("q_proj", "k_proj", "v_proj", "o_proj")
+    if case.family == "nemotron_h_moe":  # a mixture of experts: LoRA adapts the attention and Mamba2 only
+        assert LoraConfig(target_modules="all-linear").targets(case.cfg) == (*attention, "in_proj")
         with pytest.raises(ValueError, match=r"family 'nemotron_h' is a mixture of experts: LoRA on its experts"):
             LoraConfig(target_modules=["q_proj", "up_proj"]).targets(case.cfg)
         return
-    assert LoraConfig(target_modules="all-linear").targets(case.cfg) == (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "up_proj",
-        "down_proj",
-    )
-    with pytest.raises(ValueError, match=r"family 'nemotron_h' has no gate_proj"):
+    assert LoraConfig(target_modules="all-linear").targets(case.cfg) == (*attention, "up_proj", "down_proj", "in_proj")
+    with pytest.raises(ValueError, match=r"family 'nemotron_h' has no module gate_proj to adapt"):
         LoraConfig(target_modules=["q_proj", "gate_proj"]).targets(case.cfg)
-    with pytest.raises(ValueError, match=r"unknown target module 'in_proj'"):
-        LoraConfig(target_modules=["in_proj"])
+    with pytest.raises(ValueError, match=r"family 'nemotron_h' cannot adapt out_proj as PEFT would"):
+        LoraConfig(target_modules=["out_proj"]).targets(case.cfg)
 
 
 def test_what_nemotron_h_and_granite_cannot_do_yet_is_refused_in_one_sentence():

@@ -374,35 +374,33 @@ def test_a_training_step_is_transformers_loss_and_gradients(case):
 
 
 def test_lora_targets_are_peft_names(case):
-    """Falcon-H1: LoRA adapts what PEFT names the attention and MLP projections; the Mamba2
-    projections (in_proj, out_proj) are not adapted. Kimi Linear: latent attention and experts,
-    which LoRA does not adapt, refused in one sentence each."""
+    """Falcon-H1: LoRA adapts the attention, MLP and Mamba2 in_proj by PEFT's names (PEFT
+    refuses a Mamba model's out_proj). Kimi Linear: its latent attention's kv_a_proj_with_mqa and
+    kv_b_proj; the experts, and the q_proj and o_proj its delta-rule layers share, are refused
+    in one sentence each."""
     if case.family == "kimi_linear":
-        with pytest.raises(ValueError, match=r"family 'kimi_linear' uses latent attention"):
-            LoraConfig(target_modules=["q_proj"]).targets(case.cfg)
+        assert {"kv_a_proj_with_mqa", "kv_b_proj"} <= set(LoraConfig(target_modules="all-linear").targets(case.cfg))
+        with pytest.raises(ValueError, match=r"family 'kimi_linear' stores o_proj in a layout LoRA does not adapt"):
+            LoraConfig(target_modules=["o_proj"]).targets(case.cfg)
         with pytest.raises(ValueError, match=r"family 'kimi_linear' is a mixture of experts"):
             LoraConfig(target_modules=["down_proj"]).targets(case.cfg)
-        with pytest.raises(ValueError, match=r"none of target_modules can be adapted in family 'kimi_linear'"):
-            LoraConfig(target_modules="all-linear").targets(case.cfg)
         return
     attention = ("q_proj", "k_proj", "v_proj", "o_proj")
-    if case.family == "granite_moe":  # the experts are not adapted; the shared MLP fuses gate and up
-        assert LoraConfig(target_modules="all-linear").targets(case.cfg) == attention
-        with pytest.raises(ValueError, match=r"family 'granite_hybrid' stores down_proj fused with others"):
+    if case.family == "granite_moe":  # the experts are not adapted, nor the shared MLP beside them
+        assert LoraConfig(target_modules="all-linear").targets(case.cfg) == (*attention, "in_proj", "out_proj")
+        with pytest.raises(ValueError, match=r"family 'granite_hybrid' has no module down_proj to adapt"):
             LoraConfig(target_modules=["down_proj"]).targets(case.cfg)
         return
-    all_linear = (*attention, "gate_proj", "up_proj", "down_proj")
+    all_linear = (*attention, "gate_proj", "up_proj", "down_proj", "in_proj")
     assert LoraConfig(target_modules="all-linear").targets(case.cfg) == all_linear
-    with pytest.raises(ValueError, match=r"unknown target module 'in_proj'"):
-        LoraConfig(target_modules=["in_proj"])
+    with pytest.raises(ValueError, match=r"family 'falcon_h1' cannot adapt out_proj as PEFT would"):
+        LoraConfig(target_modules=["out_proj"]).targets(case.cfg)
 
 
 def test_a_peft_adapter_reads_in_and_writes_out_with_transformers_logits(case, tmp_path):
     """A PEFT LoRA on every module the engine adapts (random A and B): read into the engine it
     gives PEFT's logits, and written back PEFT loads it with the same logits."""
     peft = need("peft")
-    if case.family == "kimi_linear":
-        pytest.skip("LoRA refuses Kimi Linear's modules (test_lora_targets_are_peft_names)")
     targets = list(LoraConfig(target_modules="all-linear").targets(case.cfg))
     base = random_causal_lm(hf_config(case.family), 0)
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
@@ -424,7 +422,10 @@ def test_a_peft_adapter_reads_in_and_writes_out_with_transformers_logits(case, t
         ref = hf_logits(model, tokens, mask)
         with model.disable_adapter():
             assert np.abs(ref - hf_logits(model, tokens, mask))[valid].max() > 1e-2
-    assert np.abs(ours - ref)[valid].max() <= 1e-5 * max(1.0, float(np.abs(ref[valid]).max()))
+    # 1e-4 of the largest logit, as the base models' own parity at scaled weights: adapters on the
+    # Mamba2 in_proj/out_proj (Granite) and the latent attention (Kimi Linear) move the scans'
+    # inputs, whose float32 reassociation then shows (3.6e-5 and 1.2e-5 seen)
+    assert np.abs(ours - ref)[valid].max() <= 1e-4 * max(1.0, float(np.abs(ref[valid]).max()))
     write_peft(tmp_path / "out", case.cfg, lora, adapter, scan_layers=case.compute.scan_layers)
     fresh = random_causal_lm(hf_config(case.family), 0)
     loaded = peft.PeftModel.from_pretrained(fresh, tmp_path / "out").eval()

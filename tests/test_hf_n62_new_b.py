@@ -409,8 +409,10 @@ def test_lora_targets_what_sarvam_moe_checkpoints_hold_apart_under_transformers_
 
     cfg, _ = model_config_from_hf(hf_dict("sarvam_moe"))
     assert LoraConfig(target_modules="all-linear").targets(cfg) == ("o_proj",)
-    with pytest.raises(ValueError, match=r"family 'sarvam_moe' stores q_proj fused with others in one tensor"):
+    with pytest.raises(ValueError, match=r"family 'sarvam_moe' has no module q_proj to adapt; it can adapt: o_proj$"):
         LoraConfig(target_modules=["q_proj"]).targets(cfg)
+    with pytest.raises(ValueError, match=r"cannot adapt query_key_value as PEFT would \(the checkpoints fuse it"):
+        LoraConfig(target_modules=["query_key_value"]).targets(cfg)
     names = [
         name
         for _, spec, layers in _adapted_specs(cfg, LoraConfig(target_modules=["o_proj"]))

@@ -385,24 +385,35 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
     cfg, _ = model_config_from_hf(jamba)
     with pytest.raises(ConfigError, match=r"this model's \(\[0, 1, 3, 4\]\) are not so placed"):
         model_config_to_hf(cfg.model_copy(update={"mixer_pattern": ["attention", "attention", "mamba1"]}))
-    # LoRA: the pure state-space models have no projection it adapts, so it is refused (not a no-op)
+    # LoRA: a pure state-space model's in_proj and x_proj (tests/test_lora_families.py)
     mamba_cfg, _ = model_config_from_hf(mamba)
-    with pytest.raises(ValueError, match=r"none of target_modules can be adapted in family 'mamba'"):
-        LoraConfig(target_modules="all-linear").targets(mamba_cfg)
-    with pytest.raises(ValueError, match=r"q_proj is absent: its layers are Mamba mixers"):
+    assert set(LoraConfig(target_modules="all-linear").targets(mamba_cfg)) == {"in_proj", "x_proj"}
+    with pytest.raises(ValueError, match=r"family 'mamba' has no module q_proj to adapt; it can adapt: "):
         LoraConfig(target_modules=["q_proj"]).targets(mamba_cfg)
-    # LoRA: Jamba's attention (its experts and dense MLPs are not adapted)
-    assert LoraConfig(target_modules="all-linear").targets(cfg) == ("q_proj", "k_proj", "v_proj", "o_proj")
+    # LoRA: Jamba's attention and Mamba mixers (not dt_proj, whose weight transformers reads
+    # directly; its experts and dense MLPs are not adapted)
+    jamba_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "x_proj")
+    assert LoraConfig(target_modules="all-linear").targets(cfg) == jamba_targets
 
 
 def test_a_peft_adapter_on_bamba_reads_in_and_writes_out_with_transformers_logits(tmp_path):
-    """LoRA on every module the engine adapts in Bamba (q/k/v/o, gate/up/down; the Mamba2
-    projections are not adapted), random A and B: read into the engine it gives PEFT's logits,
-    and written back PEFT loads it with the same logits."""
+    """LoRA on every module the engine adapts in Bamba (q/k/v/o, gate/up/down, the Mamba2 in_proj
+    and out_proj), random A and B: read into the engine it gives PEFT's logits, and written back
+    PEFT loads it with the same logits."""
     peft = need("peft")
     cfg, compute = model_config_from_hf({**hf_config("bamba").to_dict(), "architectures": ["BambaForCausalLM"]})
     targets = list(LoraConfig(target_modules="all-linear").targets(cfg))
-    assert targets == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert targets == [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "in_proj",
+        "out_proj",
+    ]
     base = random_causal_lm(hf_config("bamba"), 0, **IMPLEMENTATIONS)
     base.save_pretrained(tmp_path / "hf")
     convert_hf(tmp_path / "hf", tmp_path / "converted")

@@ -269,10 +269,10 @@ def test_a_training_step_over_interleaved_stacks_is_the_unrolled_layers_step():
                 np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_what_phi3_cannot_do_yet_is_refused_in_one_sentence():
-    """LoRA on a fused projection (LongRoPE: tests/test_hf_longrope.py)."""
+def test_phi3_lora_takes_its_fused_modules_whole():
+    """qkv_proj and gate_up_proj are one module each, as PEFT's (LongRoPE: tests/test_hf_longrope.py)."""
     hf = {**hf_config("phi3").to_dict(), "architectures": ["Phi3ForCausalLM"]}
     cfg, _ = model_config_from_hf(hf)
-    with pytest.raises(ValueError, match=r"family 'phi3' stores q_proj, v_proj fused with others in one tensor"):
+    with pytest.raises(ValueError, match=r"family 'phi3' has no module q_proj to adapt; it can adapt: o_proj"):
         LoraConfig(target_modules=["q_proj", "v_proj"]).targets(cfg)
-    assert LoraConfig(target_modules="all-linear").targets(cfg) == ("o_proj", "down_proj")
+    assert LoraConfig(target_modules="all-linear").targets(cfg) == ("o_proj", "down_proj", "qkv_proj", "gate_up_proj")

@@ -210,7 +210,7 @@ def hf_tiny_cfg():
 @pytest.mark.parametrize(
     "bad, message",
     [
-        (dict(target_modules=["q_proj", "qkv"]), "unknown target module 'qkv'; valid: q_proj, k_proj"),
+        (dict(target_modules=["q_proj", "q.proj"]), "target module 'q.proj' is not a module name"),
         (dict(rank=0), "greater than 0"),
     ],
 )
@@ -219,7 +219,7 @@ def test_bad_lora_configs_are_refused(bad, message):
         LoraConfig(**bad)
 
 
-def test_experts_and_latent_attention_are_refused_in_one_sentence():
+def test_experts_and_modules_the_model_has_not_are_refused_in_one_sentence():
     from engine.models.config import ModelConfig
 
     moe = ModelConfig(
@@ -237,3 +237,5 @@ def test_experts_and_latent_attention_are_refused_in_one_sentence():
     with pytest.raises(ValueError, match="mixture of experts: LoRA on its experts \\(up_proj\\) is not supported"):
         LoraConfig(target_modules=["q_proj", "up_proj"]).targets(moe)
     assert LoraConfig(target_modules="all-linear").targets(moe) == ("q_proj", "k_proj", "v_proj", "o_proj")
+    with pytest.raises(ValueError, match="family 'qwen3_moe' has no module qkv to adapt; it can adapt: q_proj, k_proj"):
+        LoraConfig(target_modules=["qkv"]).targets(moe)

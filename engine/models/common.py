@@ -49,6 +49,13 @@ class Build:
         return self.lora.targets(self.model)
 
     @property
+    def lora_weights(self) -> dict[str, str]:
+        """{engine weight the adapter adapts: the weight whose A it uses} (LoraConfig.weights)."""
+        if self.lora is None or self.model is None:
+            return {}
+        return self.lora.weights(self.model)
+
+    @property
     def out_std(self) -> float:
         return self.init_std / math.sqrt(2 * self.depth)
 

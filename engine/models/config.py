@@ -17,6 +17,7 @@ from pydantic import Field, field_validator, model_validator
 from engine import flat_keys
 from engine.config import Strict
 from engine.models.family_registry import family_names, get_family
+from engine.models.lora_targets import FOLDED, LLAMA_ORDER, adaptable_modules, adapted_weights
 from engine.models.rope_scaling import RopeScaling as RopeScaling  # re-exported: configs import it from here
 from engine.models.sections import (
     AttentionConfig,
@@ -1258,26 +1259,9 @@ class ComputeConfig(Strict):
         raise ValueError("'auto' or a number of layers >= 1")
 
 
-LORA_ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-LORA_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-LORA_PER_LAYER_INPUT_TARGETS = ("per_layer_input_gate", "per_layer_projection", "per_layer_model_projection")
-"""Gemma 4 E2B / E4B's per-layer-input projections: each layer's gate and projection, and the
-model's projection of the embeddings (per_layer_input_dim set)."""
-LORA_TARGETS = (*LORA_ATTENTION_TARGETS, *LORA_MLP_TARGETS, *LORA_PER_LAYER_INPUT_TARGETS)
-"""The modules a LoRA adapter can target, in PEFT's names (Llama's and Gemma 4's nn.Linear names)."""
-LORA_WEIGHTS = {
-    "q_proj": ("wq_dnh", 1),
-    "k_proj": ("wk_dkh", 1),
-    "v_proj": ("wv_dkh", 1),
-    "o_proj": ("wo_nhd", 2),
-    "gate_proj": ("w_gate_df", 1),
-    "up_proj": ("w_up_df", 1),
-    "down_proj": ("w_down_fd", 1),
-    "per_layer_input_gate": ("per_layer_gate_dp", 1),
-    "per_layer_projection": ("per_layer_proj_pd", 1),
-    "per_layer_model_projection": ("per_layer_proj_dx", 1),
-}
-"""PEFT's module name -> (the engine parameter it adapts, its number of input axes)."""
+LORA_TARGETS = LLAMA_ORDER
+"""PEFT's Llama and Gemma 4 module names; a family's own names (GPT-NeoX's query_key_value,
+DeepSeek's kv_b_proj, ...) come from its tensor table (engine/models/lora_targets.py)."""
 
 
 class LoraConfig(Strict):
@@ -1311,77 +1295,58 @@ class LoraConfig(Strict):
     def _known_targets(cls, value):
         if value == "all-linear":
             return value
-        unknown = [m for m in value if m not in LORA_TARGETS]
-        if unknown:
-            raise ValueError(f"unknown target module '{unknown[0]}'; valid: {', '.join(LORA_TARGETS)} or 'all-linear'")
         if not value:
             raise ValueError("at least one module to adapt is needed")
-        return sorted(set(value), key=LORA_TARGETS.index)
+        bad = [m for m in value if not m or not m.replace("_", "").isalnum()]
+        if bad:
+            raise ValueError(f"target module '{bad[0]}' is not a module name (PEFT's: q_proj, query_key_value, ...)")
+        return sorted(set(value), key=lambda m: (LORA_TARGETS.index(m) if m in LORA_TARGETS else len(LORA_TARGETS), m))
 
     @property
     def scale(self) -> float:
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
     def targets(self, model: ModelConfig) -> tuple[str, ...]:
-        """The modules this adapter puts weights on in `model`; a ValueError naming what the
-        engine cannot adapt: DeepSeek's latent attention projections and the experts of a
-        mixture of experts (their dense layers and shared experts are not adapted either)."""
-        wanted = LORA_TARGETS if self.target_modules == "all-linear" else tuple(self.target_modules)
-        latent = model.is_mla or model.compressed_attention is not None  # DeepSeek-V4's: wq_a, wkv, ...
-        if latent and any(m in LORA_ATTENTION_TARGETS for m in wanted):
-            if self.target_modules != "all-linear":
+        """The modules (PEFT's names) this adapter puts weights on in `model`: those of
+        target_modules the engine adapts there, in the order of `all-linear`'s; a ValueError
+        naming one it cannot (a mixture of experts' experts, and its dense layers and shared
+        experts with them; a projection stored in a layout LoRA does not adapt) or that the
+        model does not have."""
+        modules, refused = adaptable_modules(model)
+        can = ", ".join(modules) or "none of its projections"
+        if self.target_modules == "all-linear":
+            wanted = tuple(modules)
+        else:
+            wanted = tuple(m for m in modules if m in self.target_modules)
+            experts = [m for m in self.target_modules if refused.get(m) == "experts"]
+            if experts:
                 raise ValueError(
-                    f"family '{model.family}' uses latent attention (q_a_proj, kv_a_proj_with_mqa, ...), "
-                    "whose projections LoRA does not adapt yet; target its MLP modules instead"
+                    f"family '{model.family}' is a mixture of experts: LoRA on its experts ({', '.join(experts)}) "
+                    f"is not supported; target {can}"
                 )
-            wanted = tuple(m for m in wanted if m not in LORA_ATTENTION_TARGETS)
-        if not model.mlp.gated and "gate_proj" in wanted:
-            if self.target_modules != "all-linear":
-                raise ValueError(
-                    f"family '{model.family}' has no gate_proj (its MLP is up_proj, down_proj); target those"
-                )
-            wanted = tuple(m for m in wanted if m != "gate_proj")
-        renamed = get_family(model.family).lora_names
-        if any(m in renamed for m in wanted):
-            if self.target_modules != "all-linear":
-                named = ", ".join(f"{m} is {renamed[m]}" for m in wanted if m in renamed)
-                raise ValueError(
-                    f"family '{model.family}' names these projections otherwise ({named}), which LoRA does not "
-                    f"adapt yet; it can adapt: {', '.join(self._adaptable(model)) or 'none of its projections'}"
-                )
-            wanted = tuple(m for m in wanted if m not in renamed)
-        fused = get_family(model.family).fused_projections
-        if any(m in fused for m in wanted):
-            if self.target_modules != "all-linear":
-                raise ValueError(
-                    f"family '{model.family}' stores {', '.join(m for m in wanted if m in fused)} fused with "
-                    "others in one tensor (qkv_proj, gate_up_proj), which LoRA does not adapt yet; "
-                    "target o_proj or down_proj"
-                )
-            wanted = tuple(m for m in wanted if m not in fused)
-        if model.is_moe and any(m in LORA_MLP_TARGETS for m in wanted):
-            if self.target_modules != "all-linear":
-                raise ValueError(
-                    f"family '{model.family}' is a mixture of experts: LoRA on its experts "
-                    f"({', '.join(m for m in wanted if m in LORA_MLP_TARGETS)}) is not supported; "
-                    "target the attention projections (q_proj, k_proj, v_proj, o_proj)"
-                )
-            wanted = tuple(m for m in wanted if m not in LORA_MLP_TARGETS)
-        if model.embedding.per_layer_input_dim is None and any(m in LORA_PER_LAYER_INPUT_TARGETS for m in wanted):
-            if self.target_modules != "all-linear":
-                raise ValueError(
-                    f"family '{model.family}' has no per-layer inputs, so no "
-                    f"{', '.join(m for m in wanted if m in LORA_PER_LAYER_INPUT_TARGETS)} to adapt "
-                    "(Gemma 4 E2B and E4B have them); target its attention or MLP projections"
-                )
-            wanted = tuple(m for m in wanted if m not in LORA_PER_LAYER_INPUT_TARGETS)
+            for m in self.target_modules:
+                if refused.get(m) == "peft":
+                    why = get_family(model.family).peft_refuses[m]
+                    raise ValueError(
+                        f"family '{model.family}' cannot adapt {m} as PEFT would ({why}); it can adapt: {can}"
+                    )
+                if m in refused:
+                    raise ValueError(
+                        f"family '{model.family}' stores {m} in a layout LoRA does not adapt (part of a tensor "
+                        f"another projection shares, or one tensor per expert); it can adapt: {can}"
+                    )
+                if m not in modules:
+                    raise ValueError(f"family '{model.family}' has no module {m} to adapt; it can adapt: {can}")
         if not wanted:
             raise ValueError(f"none of target_modules can be adapted in family '{model.family}'")
+        if self.dropout and any(w in FOLDED for w in adapted_weights(model, wanted)):
+            raise ValueError(
+                f"lora.dropout must be 0 with kv_b_proj in family '{model.family}': its adapter is folded into "
+                "the latent attention's absorbed weights, where no dropout applies"
+            )
         return wanted
 
-    @staticmethod
-    def _adaptable(model: ModelConfig) -> list[str]:
-        """The attention and MLP projections a family's modules name as PEFT's Llama names, unfused."""
-        family = get_family(model.family)
-        skip = {*family.lora_names, *family.fused_projections, *([] if model.mlp.gated else ["gate_proj"])}
-        return [m for m in (*LORA_ATTENTION_TARGETS, *LORA_MLP_TARGETS) if m not in skip]
+    def weights(self, model: ModelConfig) -> dict[str, str]:
+        """{engine weight the adapter puts factors on: the weight whose A it uses} in `model`
+        (engine/models/lora_targets.py)."""
+        return adapted_weights(model, self.targets(model))

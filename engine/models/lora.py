@@ -2,8 +2,10 @@
 (what trains) and the frozen base.
 
 A targeted projection w (its first `n_in` axes the input, the rest the output) gets two
-parameters beside it in the same module: `<w>_lora_a` (in..., r) and `<w>_lora_b` (r, out...),
-and computes x.w + scale * ((x.A).B), never the merged w + scale * A.B: the base's weight
+parameters beside it in the same module: `<w>_lora_a` (in..., r) and `<w>_lora_b` (r, out...)
+(the parts of one fused HF module, GPT-NeoX's query_key_value, share the first part's A and
+each has its own B: engine/models/lora_targets.py), and computes
+x.w + scale * ((x.A).B), never the merged w + scale * A.B: the base's weight
 gradient is never formed (the base is not differentiated at all) and a rollout samples from
 base + adapter with no merged copy. A and B carry the base's logical axis names on their
 input and output axes (the rank axis is replicated), so they shard as their base does on
@@ -26,59 +28,91 @@ import numpy as np
 import qwix
 from flax import nnx
 
-from engine.models.config import LORA_ATTENTION_TARGETS, LORA_MLP_TARGETS, LORA_WEIGHTS
+from engine.models.lora_targets import ATTENTION_WEIGHTS as ATTENTION_WEIGHTS  # each module's table, re-exported
+from engine.models.lora_targets import MAMBA_WEIGHTS as MAMBA_WEIGHTS
+from engine.models.lora_targets import MLA_WEIGHTS as MLA_WEIGHTS
+from engine.models.lora_targets import MLP_WEIGHTS as MLP_WEIGHTS
+from engine.models.lora_targets import MODEL_WEIGHTS as MODEL_WEIGHTS
+from engine.models.lora_targets import PER_LAYER_INPUT_WEIGHTS as PER_LAYER_INPUT_WEIGHTS
+from engine.models.lora_targets import SHORT_CONV_WEIGHTS as SHORT_CONV_WEIGHTS
+from engine.models.lora_targets import WEIGHTS
 from engine.ops.dense import dense
 
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
 
-WEIGHTS = LORA_WEIGHTS
-ATTENTION_WEIGHTS = {m: WEIGHTS[m] for m in LORA_ATTENTION_TARGETS}
-MLP_WEIGHTS = {m: WEIGHTS[m] for m in LORA_MLP_TARGETS}
-PER_LAYER_INPUT_WEIGHTS = {m: WEIGHTS[m] for m in ("per_layer_input_gate", "per_layer_projection")}
-"""Gemma 4's per-layer inputs: each layer's gate and projection (the Block's)."""
-MODEL_WEIGHTS = {m: WEIGHTS[m] for m in ("per_layer_model_projection",)}
-"""The model's own adaptable projections, outside the layers (Gemma 4's per-layer-input projection)."""
 
-
-def add_adapters(module: nnx.Module, targets: dict[str, tuple[str, int]], build, rngs: nnx.Rngs) -> None:
-    """Give each of `module`'s weights that the run's adapter targets its A and B (created
-    after the base weights, so the base initialises as without an adapter only when none is
-    targeted). `build`: the block's common.Build (its lora and lora_targets), or None for no
+def add_adapters(module: nnx.Module, weights: dict[str, int], build, rngs: nnx.Rngs) -> None:
+    """Give each of `module`'s weights (name -> its input axes) that the run's adapter targets
+    its A (unless it shares another's: a fused HF module's later parts) and B, created after
+    the base weights, so the base initialises as without an adapter only when none is
+    targeted. `build`: the block's common.Build (its lora and lora_weights), or None for no
     adapter here."""
     lora = None if build is None else build.lora
     module.lora_scale = None if lora is None else lora.scale
     module.lora_dropout = 0.0 if lora is None else lora.dropout
+    module.lora_shared = ()  # (weight, the weight whose A it uses) pairs
     if lora is None:
         return
-    wanted = build.lora_targets
-    for peft_name, (attr, n_in) in targets.items():
-        if peft_name not in wanted or not hasattr(module, attr):  # (Gemma 4's global layers have no v_proj)
+    wanted = build.lora_weights
+    shared = []
+    for attr, n_in in weights.items():
+        if attr not in wanted or not hasattr(module, attr):  # (Gemma 4's global layers have no v_proj)
             continue
         base: nnx.Param = getattr(module, attr)
         names = base.get_metadata().get("out_sharding") or (None,) * base.ndim
         in_shape, out_shape = base.shape[:n_in], base.shape[n_in:]
-        bound = 1.0 / math.sqrt(math.prod(in_shape))  # kaiming_uniform_(a=sqrt(5)): 1 / sqrt(fan_in)
-        a = jax.random.uniform(rngs.params(), (*in_shape, lora.rank), jnp.float32, -bound, bound)
-        setattr(module, attr + "_lora_a", nnx.Param(a.astype(base.dtype), out_sharding=(*names[:n_in], None)))
+        if wanted[attr] == attr:
+            bound = 1.0 / math.sqrt(math.prod(in_shape))  # kaiming_uniform_(a=sqrt(5)): 1 / sqrt(fan_in)
+            a = jax.random.uniform(rngs.params(), (*in_shape, lora.rank), jnp.float32, -bound, bound)
+            setattr(module, attr + "_lora_a", nnx.Param(a.astype(base.dtype), out_sharding=(*names[:n_in], None)))
+        else:
+            shared.append((attr, wanted[attr]))
         setattr(
             module,
             attr + "_lora_b",
             nnx.Param(jnp.zeros((lora.rank, *out_shape), base.dtype), out_sharding=(None, *names[n_in:])),
         )
+    assert all(has_adapter(module, owner) for _, owner in shared), f"{shared}: a shared A outside its module"
+    module.lora_shared = tuple(shared)
 
 
 def has_adapter(module: nnx.Module, attr: str) -> bool:
-    return hasattr(module, attr + "_lora_a")
+    return hasattr(module, attr + "_lora_b")
+
+
+def a_owner(module: nnx.Module, attr: str) -> str:
+    """The weight whose A `attr`'s adapter uses: its own, or its fused HF module's first part's."""
+    return dict(getattr(module, "lora_shared", ())).get(attr, attr)
+
+
+def _input_times_a(module: nnx.Module, owner: str, x, n_in: int, dtype, **dense_kw):
+    """dropout(x) . A of the adapter whose A is `owner`'s (one mask per A: PEFT drops a fused
+    module's input once)."""
+    if module.lora_dropout:
+        x = _dropout(x, owner, module.lora_dropout)
+    return dense(x, getattr(module, owner + "_lora_a")[...].astype(dtype), n_in, **dense_kw)
 
 
 def lora_delta(module: nnx.Module, attr: str, x, n_in: int, dtype, **dense_kw):
     """scale * ((dropout(x) . A) . B) of `module`'s adapter on `attr`, in `dtype` (dropout
     only in a training step, `dropout_rows`)."""
-    if module.lora_dropout:
-        x = _dropout(x, attr, module.lora_dropout)
-    a = getattr(module, attr + "_lora_a")[...].astype(dtype)
+    xa = _input_times_a(module, a_owner(module, attr), x, n_in, dtype, **dense_kw)
     b = getattr(module, attr + "_lora_b")[...].astype(dtype)
-    return dense(dense(x, a, n_in, **dense_kw), b, 1, **dense_kw) * jnp.asarray(module.lora_scale, dtype)
+    return dense(xa, b, 1, **dense_kw) * jnp.asarray(module.lora_scale, dtype)
+
+
+def adapted_weight(module: nnx.Module, attr: str, n_in: int, dtype):
+    """w + scale * A.B in `dtype`: for a weight the layer reads as a matrix rather than as one
+    product of its input (latent attention's kv_b_proj, absorbed into its scores;
+    lora_targets.FOLDED), so no dropout applies. The base is not differentiated."""
+    w = weight_value(getattr(module, attr), dtype)
+    if not has_adapter(module, attr):
+        return w
+    a = getattr(module, a_owner(module, attr) + "_lora_a")[...].astype(dtype)
+    b = getattr(module, attr + "_lora_b")[...].astype(dtype)
+    delta = jnp.tensordot(a, b, axes=1) * jnp.asarray(module.lora_scale, dtype)
+    assert delta.shape == w.shape and n_in >= 1
+    return w + delta
 
 
 def weight_value(variable: nnx.Variable, dtype):
@@ -89,18 +123,24 @@ def weight_value(variable: nnx.Variable, dtype):
 
 
 def project_shared(module: nnx.Module, attrs: tuple[str, ...], x, dtype, **dense_kw) -> list:
-    """[x . w (+ its update)] for projections of the same input x (one input axis): the adapted
-    ones' x . A run as one product over their A's side by side (q, k, v; gate, up), which on
-    CPU is markedly cheaper than one thin rank-r product each."""
+    """[x . w (+ its update)] for projections of the same input x (one input axis): each A's
+    x . A computed once (the parts of a fused HF module share one), and without dropout the
+    distinct A's side by side in one product (q, k, v; gate, up), which on CPU is markedly
+    cheaper than one thin rank-r product each."""
     adapted = [attr for attr in attrs if has_adapter(module, attr)]
-    if len(adapted) < 2 or any(getattr(module, "lora_dropout", 0.0) for _ in adapted):
+    if not adapted:
         return [project(module, attr, x, 1, dtype, **dense_kw) for attr in attrs]
-    a = jnp.concatenate([getattr(module, attr + "_lora_a")[...].astype(dtype) for attr in adapted], axis=-1)
-    xa = jnp.split(dense(x, a, 1, **dense_kw), len(adapted), axis=-1)
+    owners = list(dict.fromkeys(a_owner(module, attr) for attr in adapted))
+    if len(owners) < 2 or module.lora_dropout:
+        xa = {owner: _input_times_a(module, owner, x, 1, dtype, **dense_kw) for owner in owners}
+    else:
+        a = jnp.concatenate([getattr(module, owner + "_lora_a")[...].astype(dtype) for owner in owners], axis=-1)
+        xa = dict(zip(owners, jnp.split(dense(x, a, 1, **dense_kw), len(owners), axis=-1)))
     scale = jnp.asarray(module.lora_scale, dtype)
     deltas = {
-        attr: dense(part, getattr(module, attr + "_lora_b")[...].astype(dtype), 1, **dense_kw) * scale
-        for attr, part in zip(adapted, xa)
+        attr: dense(xa[a_owner(module, attr)], getattr(module, attr + "_lora_b")[...].astype(dtype), 1, **dense_kw)
+        * scale
+        for attr in adapted
     }
     out = []
     for attr in attrs:
@@ -128,7 +168,7 @@ LORA_SEED = "lora_seed"
 """The batch key of the rows' dropout seeds (int32, (rows, 1): sharded as the rows are)."""
 _ROW_SEEDS: contextvars.ContextVar = contextvars.ContextVar("lora_row_seeds", default=None)
 _LAYER: contextvars.ContextVar = contextvars.ContextVar("lora_layer", default=None)
-_ATTR_IDS = {attr: i for i, (attr, _) in enumerate(WEIGHTS.values())}
+_ATTR_IDS = {attr: i for i, attr in enumerate(WEIGHTS)}
 
 
 @contextlib.contextmanager
@@ -205,18 +245,20 @@ def join(adapter: dict, base: dict) -> dict:
     return out
 
 
-def merge_into_base(params: dict, scale: float) -> dict:
+def merge_into_base(params: dict, scale: float, owners: dict[str, str] | None = None) -> dict:
     """A plain param tree (numpy) whose adapted weights are w + scale * A.B: the adapter folded
-    in (`merge`, `export --merged`). `params` holds base and adapter joined; each layer's sum is
+    in (`merge`, `export --merged`). `params` holds base and adapter joined; `owners`: which
+    weights use another's A (LoraConfig.weights; None: each its own). Each layer's sum is
     computed in float64 and stored in w's dtype."""
     out: dict[Any, Any] = {}
+    owners = owners or {}
     for key, value in params.items():
         if isinstance(value, dict):
-            out[key] = merge_into_base(value, scale)
+            out[key] = merge_into_base(value, scale, owners)
         elif is_adapter_key(str(key)):
             continue
-        elif (str(key) + "_lora_a") in params:
-            a = np.asarray(params[str(key) + "_lora_a"])
+        elif (str(key) + "_lora_b") in params:
+            a = np.asarray(params[owners.get(str(key), str(key)) + "_lora_a"])
             b = np.asarray(params[str(key) + "_lora_b"])
             w = np.asarray(value)
             lead = a.ndim + b.ndim - w.ndim - 2  # the stacked layers' axis, if any

@@ -37,8 +37,8 @@ from flax import nnx
 from engine.models.common import dtype_of, param
 from engine.models.config import ComputeConfig
 from engine.models.kv_cache import DECODE_STATES, KVCache
+from engine.models.lora import MAMBA_WEIGHTS, add_adapters, project
 from engine.models.specs import Mamba1Spec
-from engine.ops.dense import dense
 from engine.ops.linear_mixing import causal_conv1d
 
 nnx.use_eager_sharding(False)  # placed by engine/models/params.py, as transformer.py's layers
@@ -176,6 +176,7 @@ class Mamba1(nnx.Module):
             self.b_out_d = nnx.Param(jnp.zeros((d,), pdt), out_sharding=("embed",))
         self.dtype = build.dtype
         self.matmul_backward, self.dot_general = build.compute.matmul_backward, build.dot_general
+        add_adapters(self, MAMBA_WEIGHTS, build, rngs)  # in_proj, x_proj, dt_proj, out_proj
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, spec: Mamba1Spec, cache: KVCache | None = None):
         """Called as transformer.Attention is (positions ignored): (b, t, d), or with a cache
@@ -188,8 +189,9 @@ class Mamba1(nnx.Module):
         states[cache.layer] = state
         return out_btd, dataclasses.replace(cache, states=tuple(states))
 
-    def _dense(self, x, w, bias=None):
-        out = dense(x, w.astype(self.dtype), backward=self.matmul_backward, dot_general=self.dot_general)
+    def _dense(self, x, attr: str, bias=None):
+        """x . the weight `attr` (+ its LoRA update, if adapted) (+ bias)."""
+        out = project(self, attr, x, 1, self.dtype, backward=self.matmul_backward, dot_general=self.dot_general)
         return out if bias is None else out + bias.astype(self.dtype)
 
     def mix(
@@ -205,7 +207,7 @@ class Mamba1(nnx.Module):
         x_btd = x_btd.astype(dt)
         if mask_bt is not None:
             x_btd = x_btd * mask_bt.astype(dt)
-        projected = self._dense(x_btd, self.w_in_dp[...], self.b_in_p[...] if spec.proj_bias else None)
+        projected = self._dense(x_btd, "w_in_dp", self.b_in_p[...] if spec.proj_bias else None)
         x_btc, gate_btc = projected[..., : spec.inner], projected[..., spec.inner :]
         step = state is not None and x_btd.shape[1] == 1
         x_btc, window = causal_conv1d(
@@ -217,7 +219,7 @@ class Mamba1(nnx.Module):
         )
         if mask_bt is not None:
             x_btc = x_btc * mask_bt.astype(dt)
-        bcdt = self._dense(x_btc, self.w_x_cq[...])
+        bcdt = self._dense(x_btc, "w_x_cq")
         dt_in, b_btn, c_btn = bcdt[..., :r], bcdt[..., r : r + n], bcdt[..., r + n :]
         if spec.bcdt_norm != "none":
             weighted = spec.bcdt_norm == "weighted"
@@ -225,7 +227,7 @@ class Mamba1(nnx.Module):
             dt_in = _rms(dt_in, eps, self.dt_norm_r[...] if weighted else None)
             b_btn = _rms(b_btn, eps, self.b_norm_n[...] if weighted else None)
             c_btn = _rms(c_btn, eps, self.c_norm_n[...] if weighted else None)
-        dt_btc = self._dense(dt_in, self.w_dt_rc[...])
+        dt_btc = self._dense(dt_in, "w_dt_rc")
         dt_btc = jax.nn.softplus(dt_btc.astype(jnp.float32) + self.b_dt_c[...].astype(jnp.float32))
         a_cn = -jnp.exp(self.a_log_cn[...].astype(jnp.float32))
         if step:
@@ -251,5 +253,5 @@ class Mamba1(nnx.Module):
             )
         y_btc = y_btc + x_btc.astype(jnp.float32) * self.d_c[...].astype(jnp.float32)
         y_btc = (y_btc * jax.nn.silu(gate_btc.astype(jnp.float32))).astype(dt)
-        out_btd = self._dense(y_btc, self.w_out_cd[...], self.b_out_d[...] if spec.proj_bias else None)
+        out_btd = self._dense(y_btc, "w_out_cd", self.b_out_d[...] if spec.proj_bias else None)
         return out_btd, Mamba1State(window, ssm)

@@ -22,6 +22,7 @@ from flax import nnx
 from engine.models.common import dtype_of, param
 from engine.models.config import ComputeConfig
 from engine.models.kv_cache import DECODE_STATES, KVCache
+from engine.models.lora import MAMBA_WEIGHTS, add_adapters, has_adapter, lora_delta, project
 from engine.models.specs import Mamba2Spec, ParallelHybridSpec
 from engine.ops.dense import DotGeneral, dense
 from engine.ops.linear_mixing import causal_conv1d
@@ -112,7 +113,7 @@ class Mamba2(nnx.Module):
     def of_spec(cls, m: Mamba2Spec, build, *, rngs: nnx.Rngs) -> Mamba2:
         """The mixer of a `mamba2` layer (transformer.MIXERS; `build` a common.Build)."""
         scales = None if m.projection_multipliers == (1.0,) * 5 else m.projection_multipliers
-        return cls(
+        mixer = cls(
             dims_of(m),
             build.d_model,
             build.compute,
@@ -126,6 +127,8 @@ class Mamba2(nnx.Module):
             gated_norm=m.gated_norm,
             section_scales=scales,
         )
+        add_adapters(mixer, MAMBA_WEIGHTS, build, rngs)  # in_proj, out_proj
+        return mixer
 
     def __call__(
         self, x_btd, positions_bt, segment_ids_bt, spec: Mamba2Spec | None = None, cache: KVCache | None = None
@@ -172,8 +175,7 @@ class Mamba2(nnx.Module):
         if tensor > 1:
             y_btf, state = self._mix_by_heads(x_btd.astype(dt), params, mask_bt, segments, state, tensor)
         else:
-            w_in = self.w_in_dp[...].astype(dt)
-            projected = dense(x_btd.astype(dt), w_in, backward=backward, dot_general=dot_general)
+            projected = project(self, "w_in_dp", x_btd.astype(dt), 1, dt, backward=backward, dot_general=dot_general)
             if self.bias:
                 projected = projected + self.b_in_p[...].astype(dt)
             if self.section_scales is not None:  # Falcon-H1's mup_vector, one factor per section
@@ -187,7 +189,7 @@ class Mamba2(nnx.Module):
                 chunk_size=self.chunk_size,
                 segment_ids_bt=segments,
             )
-        out_btd = dense(y_btf.astype(dt), self.w_out_fd[...].astype(dt), backward=backward, dot_general=dot_general)
+        out_btd = project(self, "w_out_fd", y_btf.astype(dt), 1, dt, backward=backward, dot_general=dot_general)
         if self.bias:
             out_btd = out_btd + self.b_out_d[...].astype(dt)
         return out_btd, state
@@ -206,10 +208,14 @@ class Mamba2(nnx.Module):
         names = ("act_mlp", "act_mlp", by_group, by_group, "act_heads")
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         w_dp = self.w_in_dp[...].astype(dt)
+        kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
+        delta = lora_delta(self, "w_in_dp", x_btd, 1, dt, **kw) if has_adapter(self, "w_in_dp") else None
         sections = []
         for i, (start, size, name) in enumerate(zip(starts, sizes, names)):
             w_section = w_dp[:, start : start + size]
-            out = dense(x_btd, w_section, backward=self.matmul_backward, dot_general=self.dot_general)
+            out = dense(x_btd, w_section, **kw)
+            if delta is not None:  # the LoRA update's columns of this section
+                out = out + delta[..., start : start + size]
             if self.bias:
                 out = out + self.b_in_p[...][start : start + size].astype(dt)
             if self.section_scales is not None:  # Falcon-H1's mup_vector

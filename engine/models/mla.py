@@ -30,7 +30,7 @@ from engine.config import ConfigError
 from engine.models.common import Build, RMSNorm, param
 from engine.models.dsa import Indexer, indexer_kl, select_top_k, sparse_attention
 from engine.models.kv_cache import KVCache
-from engine.models.lora import weight_value
+from engine.models.lora import MLA_WEIGHTS, adapted_weight, add_adapters, has_adapter, project
 from engine.models.rope import apply_rope, rope_inverse_frequencies
 from engine.models.specs import MLASpec, RotarySpec
 from engine.ops.attention import attention
@@ -52,7 +52,7 @@ class MLA(nnx.Module):
         d, n, h, r = build.d_model, spec.num_heads, spec.head_dim, spec.rope_head_dim
         c, w = spec.kv_lora_rank, spec.value_head_dim
         pdt, std = build.param_dtype, build.init_std
-        if spec.q_lora_rank:  # (LoraConfig.targets refuses its projections)
+        if spec.q_lora_rank:
             self.wq_a_dq = param(rngs, (d, spec.q_lora_rank), std, ("embed", None), pdt)
             self.q_norm = RMSNorm(spec.q_lora_rank, LATENT_NORM_EPS, pdt, rngs=rngs)
             self.wq_b_qnh = param(rngs, (spec.q_lora_rank, n, h), std, (None, "heads", "head_dim"), pdt)
@@ -83,12 +83,13 @@ class MLA(nnx.Module):
             self.indexer = Indexer(spec, build, rngs=rngs)
         self.indexer_loss = compute.indexer_loss if spec.indexer is not None else "none"
         self.indexer_ties = compute.indexer_ties
+        add_adapters(self, MLA_WEIGHTS, build, rngs)
 
-    def _dense(self, x, w: nnx.Param, n_in: int = 1):
-        # weight_value: a QLoRA base holds a query projection without q_lora (wq_dnh, the name
-        # attention's query has) quantized, as it holds every attention projection it names.
-        value = weight_value(w, self.dtype)
-        return dense(x, value, n_in, backward=self.matmul_backward, dot_general=self.dot_general)
+    def _dense(self, x, attr: str, n_in: int = 1):
+        """x . the weight `attr` (+ its LoRA update, if adapted). lora.project reads the weight
+        with weight_value: a QLoRA base holds a query projection without q_lora (wq_dnh, the name
+        attention's query has) quantized, as it holds every attention projection it names."""
+        return project(self, attr, x, n_in, self.dtype, backward=self.matmul_backward, dot_general=self.dot_general)
 
     def _rope(self, x_btnr, positions_bt, max_position: int, rope: RotarySpec):
         """RoPE on the rotary part; interleaved checkpoints rotate pairs (x0, x1), (x2, x3), ...,
@@ -119,18 +120,21 @@ class MLA(nnx.Module):
         rope = spec.rope
         rotate = (lambda x, *a: self._rope(x, *a, rope)) if rope is not None else (lambda x, *_: x)
         if self.q_lora:
-            q_latent_btq = self.q_norm(self._dense(x_btd, self.wq_a_dq))
-            q_btnh = self._dense(q_latent_btq, self.wq_b_qnh)
+            q_latent_btq = self.q_norm(self._dense(x_btd, "wq_a_dq"))
+            q_btnh = self._dense(q_latent_btq, "wq_b_qnh")
         else:
-            q_btnh = self._dense(x_btd, self.wq_dnh)
+            q_btnh = self._dense(x_btd, "wq_dnh")
         q_btnh = constrain(q_btnh, ("act_batch", "act_seq", "act_heads", None))
         max_position = positions_bt.shape[1] if cache is None else cache.length  # RoPE's table (rope.py)
         q_nope, q_rope = q_btnh[..., :o], rotate(q_btnh[..., o:], positions_bt, max_position)
-        kv_btx = self._dense(x_btd, self.wkv_a_dx)
+        kv_btx = self._dense(x_btd, "wkv_a_dx")
         latent_btc = self.kv_norm(kv_btx[..., :c])
         k_rope_bt1r = rotate(kv_btx[..., None, c:], positions_bt, max_position)
         window = spec.window
-        w_kb_cno, w_vb_cnw = self.wkv_b_cny[...][..., :o], self.wkv_b_cny[...][..., o:]
+        wkv_b_cny = self.wkv_b_cny[...]
+        if has_adapter(self, "wkv_b_cny"):  # read as a matrix (absorbed): its update folded in
+            wkv_b_cny = adapted_weight(self, "wkv_b_cny", 1, wkv_b_cny.dtype)
+        w_kb_cno, w_vb_cnw = wkv_b_cny[..., :o], wkv_b_cny[..., o:]
         passes_on = index_state is not None
         if self.index_shared:  # the last earlier indexer's queries, head weights and keys
             index_q_btgi, index_w_btg, index_k_bti = index_state
@@ -168,7 +172,7 @@ class MLA(nnx.Module):
                         keys=cache.end + x_btd.shape[1],
                         first_b=first_b,
                     )
-                    return (self._dense(out_btnw, self.wo_nwd, 2), cache), index_state
+                    return (self._dense(out_btnw, "wo_nwd", 2), cache), index_state
                 scores_bts = Indexer.scores(index_q_btgi, index_w_btg, index_k_bsi, mask_bts)
                 keys = cache.end + x_btd.shape[1]
                 mask_bts = mask_bts & select_top_k(scores_bts, self.index_topk, self.indexer_ties, keys, first_b)
@@ -181,7 +185,7 @@ class MLA(nnx.Module):
                 w_kb_cno.astype(self.dtype),
                 w_vb_cnw.astype(self.dtype),
             )
-            return (self._dense(out_btnw, self.wo_nwd, 2), cache), index_state
+            return (self._dense(out_btnw, "wo_nwd", 2), cache), index_state
         if self.index_topk is not None and passes_on:
             index_state = (index_q_btgi, index_w_btg, index_k_bti)
         if self.index_topk is not None and self.indexer_loss != "warmup" and self._gathers(x_btd.shape[1]):
@@ -202,9 +206,11 @@ class MLA(nnx.Module):
                 with_kl=self.indexer_loss == "sparse",
                 ties=self.indexer_ties,
             )
-            out_btd = self._dense(out_btnw, self.wo_nwd, 2)
+            out_btd = self._dense(out_btnw, "wo_nwd", 2)
             return (out_btd if kl is None else (out_btd, kl)), index_state
-        kv_btny = self._dense(latent_btc, self.wkv_b_cny)
+        kv_btny = dense(
+            latent_btc, wkv_b_cny.astype(self.dtype), backward=self.matmul_backward, dot_general=self.dot_general
+        )
         k_btnh = jnp.concatenate([kv_btny[..., :o], jnp.broadcast_to(k_rope_bt1r, (*q_nope.shape[:3], r))], axis=-1)
         q_btnh = checkpoint_name(jnp.concatenate([q_nope, q_rope], axis=-1), "qkv_proj")
         k_btnh = checkpoint_name(constrain(k_btnh, ("act_batch", "act_seq", "act_heads", None)), "qkv_proj")
@@ -229,7 +235,7 @@ class MLA(nnx.Module):
                 local=window is not None,
                 block=self.attention_block,
             )
-        return self._dense(out_btnh[..., :w], self.wo_nwd, 2), index_state
+        return self._dense(out_btnh[..., :w], "wo_nwd", 2), index_state
 
     def _gathers(self, keys: int) -> bool:
         """Whether sparse attention gathers each query's selected keys (dsa.sparse_attention)
@@ -266,7 +272,7 @@ class MLA(nnx.Module):
             else:
                 selected_bts = visible_bts & select_top_k(scores_bts, top_k, self.indexer_ties)
                 out_btnh = dot_product_attention(q_btnh, k_btnh, v_btnh, selected_bts, scale=self.scale)
-        out_btd = self._dense(out_btnh[..., :w], self.wo_nwd, 2)
+        out_btd = self._dense(out_btnh[..., :w], "wo_nwd", 2)
         if self.indexer_loss == "none":
             return out_btd
         return out_btd, indexer_kl(q_btnh, k_btnh, self.scale, selected_bts, scores_bts, segments_bt != 0)

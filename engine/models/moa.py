@@ -18,6 +18,7 @@ from flax import nnx
 
 from engine.models.common import Build, param
 from engine.models.kv_cache import KVCache
+from engine.models.lora import ATTENTION_WEIGHTS, add_adapters, has_adapter, project_shared
 from engine.models.rope import layer_rotary, rotate_heads
 from engine.models.specs import MixtureOfAttentionSpec
 from engine.ops.attention import attention, decode_attention
@@ -37,6 +38,7 @@ class MixtureOfAttention(nnx.Module):
         self.wo_eqd = param(rngs, (e, kv * h, d), build.out_std, ("expert", "heads", "embed"), pdt)
         self.bo_d = nnx.Param(jnp.zeros((d,), pdt), out_sharding=("embed",))
         self.dtype, self.compute = build.dtype, build.compute
+        add_adapters(self, ATTENTION_WEIGHTS, build, rngs)  # kv_proj (the experts' projections take none)
 
     def __call__(
         self, x_btd, positions_bt, segment_ids_bt, spec: MixtureOfAttentionSpec, cache: KVCache | None = None, **extra
@@ -52,8 +54,11 @@ class MixtureOfAttention(nnx.Module):
         q_btkq = jnp.take_along_axis(q_bteq, experts_btk[..., None], axis=2)
         # slot s's head j -> head j * k + s: KV head j's group
         q = q_btkq.reshape(b, t, k, kv, h).transpose(0, 1, 3, 2, 4).reshape(b, t, kv * k, h)
-        key = jnp.einsum("btd,dkh->btkh", x_btd, self.wk_dkh[...].astype(dt))
-        value = jnp.einsum("btd,dkh->btkh", x_btd, self.wv_dkh[...].astype(dt))
+        if has_adapter(self, "wk_dkh"):  # kv_proj's LoRA update (one A for k and v)
+            key, value = project_shared(self, ("wk_dkh", "wv_dkh"), x_btd, dt, backward=self.compute.matmul_backward)
+        else:
+            key = jnp.einsum("btd,dkh->btkh", x_btd, self.wk_dkh[...].astype(dt))
+            value = jnp.einsum("btd,dkh->btkh", x_btd, self.wv_dkh[...].astype(dt))
         if a.rope is not None:
             rotary = extra.get("rotary")
             if rotary is None:

@@ -22,17 +22,18 @@ import jax.numpy as jnp
 import qwix
 from jax.sharding import NamedSharding, PartitionSpec
 
-from engine.models.lora import WEIGHTS
+from engine.models.lora_targets import WEIGHTS
 
 QUANTIZED_DTYPES = ("int8", "nf4")
 NF4_BLOCK = 64
-_QUANTIZED_NAMES = frozenset(attr for attr, _ in WEIGHTS.values())
-_N_IN = {attr: n_in for attr, n_in in WEIGHTS.values()}
 _RANK = {
     "wq_dnh": 3, "wk_dkh": 3, "wv_dkh": 3, "wo_nhd": 3, "w_gate_df": 2, "w_up_df": 2, "w_down_fd": 2,
     "per_layer_gate_dp": 2, "per_layer_proj_pd": 2, "per_layer_proj_dx": 2,  # Gemma 4's per-layer inputs
 }  # fmt: skip
-"""Each projection's own rank; more leading axes are stacked layers."""
+"""Each quantized projection's own rank (the attention's, the MLP's and Gemma 4's per-layer
+inputs'); more leading axes are stacked layers."""
+_QUANTIZED_NAMES = frozenset(_RANK)
+_N_IN = {attr: WEIGHTS[attr] for attr in _RANK}
 
 
 def _axes(shape: tuple[int, ...], attr: str, base_dtype: str) -> dict:

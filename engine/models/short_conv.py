@@ -25,8 +25,8 @@ from flax import nnx
 from engine.models.common import Build, dtype_of, param
 from engine.models.config import ComputeConfig
 from engine.models.kv_cache import DECODE_STATES, KVCache
+from engine.models.lora import SHORT_CONV_WEIGHTS, add_adapters, project
 from engine.models.specs import ShortConvSpec
-from engine.ops.dense import dense
 from engine.ops.linear_mixing import causal_conv1d
 
 
@@ -59,10 +59,10 @@ class ShortConv(nnx.Module):
             self.b_out_d = nnx.Param(jnp.zeros((d,), pdt), out_sharding=("embed",))
         self.bias, self.dtype = spec.bias, build.dtype
         self.matmul_backward, self.dot_general = build.compute.matmul_backward, build.dot_general
+        add_adapters(self, SHORT_CONV_WEIGHTS, build, rngs)  # in_proj, out_proj
 
     def _dense(self, x, attr: str):
-        w = getattr(self, attr)[...].astype(self.dtype)
-        return dense(x, w, 1, backward=self.matmul_backward, dot_general=self.dot_general)
+        return project(self, attr, x, 1, self.dtype, backward=self.matmul_backward, dot_general=self.dot_general)
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, spec: ShortConvSpec, cache: KVCache | None = None):
         """(b, t, d); with a cache (decoding) (out, the cache with this layer's window advanced)."""

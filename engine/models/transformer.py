@@ -375,7 +375,7 @@ class MLP(nnx.Module):
             gate, up = project_shared(self, ("w_gate_df", "w_up_df"), x_btd, dt, **kw)
             hidden = self.swiglu(gate.astype(jnp.float32), up.astype(jnp.float32)).astype(dt)
             return project(self, "w_down_fd", constrain(hidden, ("act_batch", "act_seq", "act_mlp")), 1, dt, **kw)
-        if self.bias or any(has_adapter(self, attr) for attr, _ in MLP_WEIGHTS.values()):
+        if self.bias or any(has_adapter(self, attr) for attr in MLP_WEIGHTS):
             # With adapters, three products, each with its update (x.w + scale * x.A.B); the
             # fused gated_mlp has no seam for them. The activation is recomputed in the backward
             # pass (as gated_mlp's is), so only gate and up are kept, not its intermediates.

@@ -463,7 +463,7 @@ def _load_merged(directory, meta, step, abstract_params, as_numpy):
             f"{directory}: the adapter was trained on a {model_cfg.family} model that differs from "
             f"its base checkpoint {base_dir} ({base_cfg.family})"
         )
-    merged = merge_into_base(join(adapter, base), lora.scale)
+    merged = merge_into_base(join(adapter, base), lora.scale, lora.weights(model_cfg))
     if as_numpy:
         return model_cfg, merged, step
     if abstract_params is None:

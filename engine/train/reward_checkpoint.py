@@ -74,5 +74,6 @@ def load_reward_params(
     manager.close()
     if lora is not None:
         _, base, _ = load_params(adapter_base(directory, meta), as_numpy=True)
-        params = {**merge_into_base(join(decoder_of(params), base), lora.scale), head: params[head]}
+        merged = merge_into_base(join(decoder_of(params), base), lora.scale, lora.weights(model_cfg))
+        params = {**merged, head: params[head]}
     return model_cfg, compute, params, step, meta

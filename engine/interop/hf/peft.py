@@ -9,6 +9,7 @@ reshape and a transpose. numpy only: pipeline validation reads adapter_config.js
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -16,30 +17,35 @@ from typing import Any
 import numpy as np
 
 from engine.config import ConfigError
-from engine.interop.hf.mapping import tensor_table
+from engine.interop.hf.mapping import fuse, tensor_table, unfuse
 from engine.interop.hf.safetensors_io import SafetensorsFile, write_safetensors
-from engine.models.config import LORA_TARGETS, LoraConfig, ModelConfig
-from engine.models.config import LORA_WEIGHTS as WEIGHTS
+from engine.models.config import LoraConfig, ModelConfig
 from engine.models.families import get_family
+from engine.models.lora_targets import adaptable_modules
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
 
 
 def _adapted_specs(cfg: ModelConfig, lora: LoraConfig):
-    """(PEFT module name, TensorSpec of its base weight, the model's layers in its stack, or
-    None for a weight of the model's own outside the layers: Gemma 4's per-layer-input
-    projection) for every weight `lora` adapts."""
-    targets = lora.targets(cfg)
-    attrs = {WEIGHTS[m][0]: m for m in targets}
+    """(PEFT module name, TensorSpec of its base weight(s), the model's layers in its stack,
+    or None for a weight of the model's own outside the layers: Gemma 4's per-layer-input
+    projection) for every module `lora` adapts (engine/models/lora_targets.py)."""
+    modules, _ = adaptable_modules(cfg)
     stacks = dict(cfg.layer_stacks())
-    top, per_layer = tensor_table(cfg)
-    for spec in top:
-        if spec.path[-1] in attrs:
-            yield attrs[spec.path[-1]], spec, None
-    for spec in per_layer:
-        if spec.path[-1] in attrs and not spec.experts and spec.stack in stacks:  # no multi-token prediction's
-            yield attrs[spec.path[-1]], spec, stacks[spec.stack]
+    top, _ = tensor_table(cfg)
+    for name in lora.targets(cfg):
+        for spec in modules[name]:
+            if spec in top:
+                yield name, spec, None
+            elif spec.stack in stacks:  # not the multi-token-prediction layers' (mtp_blocks)
+                yield name, spec, stacks[spec.stack]
+
+
+def _b_spec(spec):
+    """The spec that lays the parts' B factors out as PEFT's one lora_B (out, r): as the fused
+    weight's rows (or a Conv1D's columns) in order, the rank the input axis."""
+    return dataclasses.replace(spec, in_dims=1, in_out=False)
 
 
 def _modules(cfg: ModelConfig, spec, layers: list[int] | None):
@@ -63,15 +69,22 @@ def _layer(tree: dict, stack: str, path: tuple[str, ...], i: int | None, scan_la
 
 
 def adapter_to_peft(cfg: ModelConfig, lora: LoraConfig, adapter: dict, *, scan_layers: bool) -> dict[str, np.ndarray]:
-    """PEFT's tensors (name -> C-contiguous array) of the engine's adapter tree."""
+    """PEFT's tensors (name -> C-contiguous array) of the engine's adapter tree: a fused
+    module's one A is its first part's, its B the parts' B's laid out as the fused weight's rows."""
     out = {}
     for _, spec, layers in _adapted_specs(cfg, lora):
         *module, attr = spec.path
         for i, name in _modules(cfg, spec, layers):
             a = np.asarray(_layer(adapter, spec.stack, (*module, attr + "_lora_a"), i, scan_layers))
-            b = np.asarray(_layer(adapter, spec.stack, (*module, attr + "_lora_b"), i, scan_layers))
+            bs = [
+                np.asarray(_layer(adapter, spec.stack, (*part[:-1], part[-1] + "_lora_b"), i, scan_layers))
+                for part in (spec.path, *spec.fused_with)
+            ]
             out[name + ".lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, lora.rank).T)
-            out[name + ".lora_B.weight"] = np.ascontiguousarray(b.reshape(lora.rank, -1).T)
+            b_rows = [b.reshape(lora.rank, -1).T for b in bs]  # each (out, r)
+            out[name + ".lora_B.weight"] = np.ascontiguousarray(
+                fuse(_b_spec(spec), b_rows) if spec.fused_with else b_rows[0]
+            )
     return out
 
 
@@ -87,7 +100,8 @@ def peft_config(lora: LoraConfig, cfg: ModelConfig, base_model: str | None = Non
         "target_modules": list(lora.targets(cfg)),
         "use_rslora": lora.use_rslora,
         "bias": "none",
-        "fan_in_fan_out": False,
+        # a Conv1D base (GPT-2's) stores (in, out); the factors are the same either way
+        "fan_in_fan_out": any(spec.in_out for _, spec, _ in _adapted_specs(cfg, lora)),
         "init_lora_weights": True,
         "inference_mode": True,
         "modules_to_save": None,
@@ -125,7 +139,7 @@ def lora_config_from_peft(adapter_dir: str | Path) -> LoraConfig:
         raise ConfigError(f"{path}: not valid JSON: {e}") from None
     if raw.get("peft_type", "LORA") != "LORA":
         raise ConfigError(f"{path}: peft_type '{raw.get('peft_type')}' is not supported (LORA)")
-    for key, ok in (("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False)):
+    for key, ok in (("use_dora", False), ("bias", "none")):
         if raw.get(key, ok) != ok:
             raise ConfigError(f"{path}: {key}={raw[key]!r} is not supported ({ok!r})")
     if raw.get("modules_to_save"):
@@ -133,12 +147,10 @@ def lora_config_from_peft(adapter_dir: str | Path) -> LoraConfig:
     targets = raw.get("target_modules")
     if isinstance(targets, str):
         targets = "all-linear" if targets == "all-linear" else [targets]
-    if targets != "all-linear":
-        unknown = [t for t in targets or [] if t not in LORA_TARGETS]
-        if unknown:
-            raise ConfigError(
-                f"{path}: target module '{unknown[0]}' is not one the engine adapts ({', '.join(LORA_TARGETS)})"
-            )
+    if isinstance(targets, list):
+        # PEFT may save all-linear's modules by their full names (gpt_neox.layers.0.attention.dense):
+        # the engine adapts a name in every layer, and adapter_from_peft names any layer's tensor missing
+        targets = sorted({str(t).rsplit(".", 1)[-1] for t in targets})
     if raw.get("rank_pattern") or raw.get("alpha_pattern"):
         raise ConfigError(f"{path}: per-module rank_pattern / alpha_pattern are not supported")
     try:
@@ -187,23 +199,33 @@ def adapter_from_peft(
 
     used = set()
     for _, spec, layers in _adapted_specs(cfg, lora):
-        *module, attr = spec.path
+        parts = (spec.path, *spec.fused_with)
         for i, name in _modules(cfg, spec, layers):
-            for factor, key in (("lora_A", attr + "_lora_a"), ("lora_B", attr + "_lora_b")):
+
+            def shape_of(part, key, i=i, stack=spec.stack):
+                if i is None or not scan_layers:
+                    return _layer(shapes, stack, (*part[:-1], key), i, scan_layers).shape
+                return _at(shapes, (stack, *part[:-1], key)).shape[1:]
+
+            wanted = {
+                "lora_A": [(spec.path, spec.path[-1] + "_lora_a")],
+                "lora_B": [(part, part[-1] + "_lora_b") for part in parts],
+            }
+            for factor, keys in wanted.items():
                 tensor_name = f"{name}.{factor}.weight"
                 if tensor_name not in tensors:
                     raise ConfigError(f"{path}: no tensor '{tensor_name}'")
-                if i is None or not scan_layers:
-                    shape = _layer(shapes, spec.stack, (*module, key), i, scan_layers).shape
-                else:
-                    shape = _at(shapes, (spec.stack, *module, key)).shape[1:]
-                value = tensors[tensor_name].T
-                if value.size != int(np.prod(shape)):
+                value, part_shapes = tensors[tensor_name], [shape_of(part, key) for part, key in keys]
+                if value.size != sum(int(np.prod(shape)) for shape in part_shapes):
+                    fits = " + ".join(str(tuple(shape)) for shape in part_shapes)
                     raise ConfigError(
-                        f"{path}: tensor '{tensor_name}' has shape {tuple(tensors[tensor_name].shape)}, "
-                        f"which does not fit this base model's {tuple(shape)} (rank {lora.rank})"
+                        f"{path}: tensor '{tensor_name}' has shape {tuple(value.shape)}, "
+                        f"which does not fit this base model's {fits} (rank {lora.rank})"
                     )
-                put(spec.stack, module, key, i, value.reshape(shape))
+                # lora_A (r, in); lora_B (out, r), a fused module's rows its parts' in its layout
+                pieces = unfuse(_b_spec(spec), value, part_shapes) if len(keys) > 1 else [value]
+                for (part, key), piece, shape in zip(keys, pieces, part_shapes):
+                    put(spec.stack, part[:-1], key, i, piece.T.reshape(shape))
                 used.add(tensor_name)
     extra = sorted(set(tensors) - used)
     if extra:

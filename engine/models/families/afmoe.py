@@ -63,7 +63,6 @@ class Afmoe(Family):
     }
     unsupported_flags = ("attention_bias",)  # biases on q, k, v and o: not in the Trinity models
     hf_constants = {"attention_bias": False, "output_router_logits": False}
-    fused_projections = ("q_proj",)  # held with gate_proj in one engine weight (wq_dnh)
 
     def layer_types(self, hf: dict, num_layers: int) -> list[str]:
         if hf.get("layer_types") is not None:

@@ -329,13 +329,12 @@ class Family:
     moe: ClassVar[bool | None] = False
     """A mixture of experts: its models have num_experts > 0 (engine/models/moe.py); None:
     dense and expert models both (Gemma 4)."""
-    fused_projections: ClassVar[tuple[str, ...]] = ()
-    """PEFT module names the family's checkpoints store fused into one tensor (Phi-3's q/k/v in
-    qkv_proj, gate/up in gate_up_proj): LoraConfig.targets refuses them."""
-    lora_names: ClassVar[dict[str, str]] = {}
-    """PEFT's Llama module names (o_proj, up_proj, ...) whose projection this family's
-    checkpoints name otherwise (GPT-NeoX's o_proj is attention.dense): LoraConfig.targets
-    refuses them, as an adapter by those names would not load onto its modules."""
+    peft_refuses: ClassVar[dict[str, str]] = {}
+    """Module names LoRA cannot put an adapter on as PEFT would on the family's transformers
+    model -> why (PEFT refuses Mamba's out_proj; transformers' Mamba reads dt_proj.weight
+    directly; Sarvam's checkpoints fuse a query_key_value that transformers splits):
+    LoraConfig.targets refuses them. The modules LoRA adapts are otherwise read from the
+    tensor table (engine/models/lora_targets.py)."""
     required_token_ids: ClassVar[dict[str, int]] = {}
     """Token ids the transformers class refuses as null (CwmConfig's bos_token_id must be an int):
     config.json gets this value where the tokenizer's is unknown."""

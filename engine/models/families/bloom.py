@@ -7,8 +7,7 @@ holds each head's query, key and value rows together, (heads, 3, head_dim)
 
 The published checkpoints were saved from BloomModel, without `transformer.`
 (Family.checkpoint_name). `apply_residual_connection_post_layernorm` (the residual taken
-after the norm) is refused; `pretraining_tp` only orders the sums (export writes 1). LoRA:
-q/k/v are fused, and the other projections are named otherwise (Family.lora_names).
+after the norm) is refused; `pretraining_tp` only orders the sums (export writes 1).
 """
 
 from __future__ import annotations
@@ -29,12 +28,6 @@ class Bloom(Family):
     name = "bloom"
     architecture = "BloomForCausalLM"
     model_type = "bloom"
-    fused_projections = ("q_proj", "k_proj", "v_proj")
-    lora_names = {
-        "o_proj": "self_attention.dense",
-        "up_proj": "mlp.dense_h_to_4h",
-        "down_proj": "mlp.dense_4h_to_h",
-    }
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
         d = hf.get("hidden_size") or hf.get("n_embed")

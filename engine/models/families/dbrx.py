@@ -7,7 +7,7 @@ config.json nests the attention's and the experts' settings (`attn_config`, `ffn
 each a whole transformers config, written here as transformers writes them). The experts are
 three stacked tensors (E * f, d) (TensorSpec.merged_rows): w1 (gate) and v1 (up) as
 Linear weights, w2 (down) as (f, d) per expert. `moe_jitter_eps` is training-only noise
-the engine does not add. LoRA: every PEFT name is fused (Wqkv) or named otherwise.
+the engine does not add. LoRA adapts Wqkv and out_proj, not the experts.
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ class Dbrx(Family):
     architecture = "DbrxForCausalLM"
     model_type = "dbrx"
     moe = True
-    fused_projections = ("q_proj", "k_proj", "v_proj")
-    lora_names = {"o_proj": "attn.out_proj"}
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
         for key in ("d_model", "n_heads", "n_layers", "vocab_size"):

@@ -30,8 +30,6 @@ class Falcon(Family):
     name = "falcon"
     architecture = "FalconForCausalLM"
     model_type = "falcon"
-    fused_projections = ("q_proj", "k_proj", "v_proj")
-    lora_names = {"o_proj": "self_attention.dense", "up_proj": "mlp.dense_h_to_4h", "down_proj": "mlp.dense_4h_to_h"}
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
         if hf.get("hidden_size") is None and hf.get("n_embed") is not None:  # the older name transformers takes

@@ -47,6 +47,7 @@ class FalconH1(Family):
     name = "falcon_h1"
     architecture = "FalconH1ForCausalLM"
     model_type = "falcon_h1"
+    peft_refuses = {"out_proj": "PEFT refuses LoRA on a Mamba model's out_proj"}
     hf_defaults = {
         "max_position_embeddings": 8192,
         "rms_norm_eps": 1e-5,

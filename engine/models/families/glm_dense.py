@@ -4,8 +4,8 @@ Llama-shaped models with GLM's attention and a fused MLP.
 Attention: biases on q, k and v (`attention_bias`, true by default; ModelConfig.attention.qkv_bias),
 RoPE on the first partial_rotary_factor (0.5 by default) of each head (ModelConfig.rope.rotary_dim)
 rotating adjacent pairs (x0, x1), (x2, x3), ... (ModelConfig.rope.interleave). The MLP's gate
-and up projections are one `gate_up_proj`, gate then up (TensorSpec.fused_with), so LoRA
-cannot adapt them yet (Family.fused_projections). GLM-4-0414 adds a norm after each sublayer
+and up projections are one `gate_up_proj`, gate then up (TensorSpec.fused_with; one LoRA
+module, as PEFT's). GLM-4-0414 adds a norm after each sublayer
 (ModelConfig.block.post_norms): post_self_attn_layernorm and post_mlp_layernorm, while its
 post_attention_layernorm stays the MLP's input norm.
 """
@@ -35,7 +35,6 @@ class Glm(Family):
     }
     unsupported_flags = ()  # attention_bias is the q/k/v biases (qkv_bias)
     hf_constants = {}
-    fused_projections = ("gate_proj", "up_proj")
 
     def _partial_rotary_factor(self, hf: dict) -> float:
         return float(

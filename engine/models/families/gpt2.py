@@ -7,8 +7,7 @@ stores its matrices as Conv1D, (in, out) (TensorSpec.in_out), c_attn's columns q
 GPT-BigCode as Linear (out, in), c_attn's rows the queries then one key and one value head
 (`multi_query`), or without it each head's query, key and value rows together
 (TensorSpec.fused_groups). The two share config.json's GPT-2 keys
-(n_embd, n_layer, n_head, n_inner, n_positions). LoRA: q/k/v are fused, the others named
-c_proj and c_fc (Family.lora_names).
+(n_embd, n_layer, n_head, n_inner, n_positions).
 """
 
 from __future__ import annotations
@@ -59,8 +58,6 @@ class GPT2(Family):
     architecture = "GPT2LMHeadModel"
     model_type = "gpt2"
     default_activation = "gelu_new"
-    fused_projections = ("q_proj", "k_proj", "v_proj")
-    lora_names = {"o_proj": "attn.c_proj", "up_proj": "mlp.c_fc", "down_proj": "mlp.c_proj"}
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
         for key in ("n_embd", "n_layer", "n_head", "vocab_size"):

@@ -23,8 +23,6 @@ class GPTNeoX(Family):
     name = "gpt_neox"
     architecture = "GPTNeoXForCausalLM"
     model_type = "gpt_neox"
-    fused_projections = ("q_proj", "k_proj", "v_proj")
-    lora_names = {"o_proj": "attention.dense", "up_proj": "mlp.dense_h_to_4h", "down_proj": "mlp.dense_4h_to_h"}
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
         classic.require(hf, ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"), where)

@@ -32,7 +32,6 @@ class GPTJ(Family):
     name = "gptj"
     architecture = "GPTJForCausalLM"
     model_type = "gptj"
-    lora_names = {"o_proj": "attn.out_proj", "up_proj": "mlp.fc_in", "down_proj": "mlp.fc_out"}
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
         aliases = {key: hf[alias] for key, alias in ALIASES.items() if hf.get(key) is None and alias in hf}
@@ -111,7 +110,6 @@ class CodeGen(GPTJ):
     name = "codegen"
     architecture = "CodeGenForCausalLM"
     model_type = "codegen"
-    fused_projections = ("q_proj", "k_proj", "v_proj")
 
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
         return {**super().config_to_hf(cfg), "n_ctx": cfg.max_seq_len}

@@ -80,8 +80,6 @@ class GraniteHybrid(Family):
         "attention_multiplier": 1.0,
     }
     unsupported_flags = ("attention_bias",)
-    fused_projections = ("gate_proj", "up_proj", "down_proj")
-    """LoRA: the MLP is shared_mlp.input_linear (gate and up fused) and output_linear, not Llama's names."""
     hf_constants = {
         "attention_bias": False,
         "attention_dropout": 0.0,

@@ -53,6 +53,7 @@ class Jamba(Family):
     name = "jamba"
     architecture = "JambaForCausalLM"
     model_type = "jamba"
+    peft_refuses = {"dt_proj": "transformers' Jamba reads dt_proj.weight directly: PEFT's adapter there does nothing"}
     moe = None  # num_experts 1: dense
     fixed = {"rope_pattern": [False], "router_score": "softmax", "router_renormalize": False}
     hf_defaults = {

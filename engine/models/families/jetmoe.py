@@ -36,13 +36,6 @@ class JetMoe(Family):
     architecture = "JetMoeForCausalLM"
     model_type = "jetmoe"
     moe = True
-    # the attention is not Llama's q/k/v/o: an adapter by those names would not load
-    lora_names = {
-        "q_proj": "self_attention.experts.input_linear",
-        "k_proj": "self_attention.kv_proj",
-        "v_proj": "self_attention.kv_proj",
-        "o_proj": "self_attention.experts.output_linear",
-    }
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
         if hf.get("kv_channels") is None and hf.get("head_dim") is not None:  # JetMoeConfig's alias of it

@@ -103,13 +103,6 @@ class _Lfm2Base(Family):
     fixed = {"qk_norm": True}
     layer_kinds: ClassVar[dict[str, str]] = KINDS
     """config.json's layer_types -> the mixer kind."""
-    lora_names = {
-        "o_proj": "self_attn.out_proj",
-        "gate_proj": "feed_forward.w1",
-        "up_proj": "feed_forward.w3",
-        "down_proj": "feed_forward.w2",
-    }
-    """LoRA: PEFT's Llama names of projections LFM2 names otherwise (its q, k, v are Llama's)."""
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
         hf = {**hf}
@@ -330,7 +323,6 @@ class Lfm3(_Lfm2Base):
         "use_attention_gate": True,
     }
     layer_kinds = LFM3_KINDS
-    lora_names = {"gate_proj": "feed_forward.w1", "up_proj": "feed_forward.w3", "down_proj": "feed_forward.w2"}
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
         if hf.get("attention_bias"):

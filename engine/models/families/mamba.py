@@ -74,11 +74,10 @@ class _StateSpace(Family):
     """What Mamba, Falcon-Mamba and Mamba2 share: config.json's common keys, the `backbone`."""
 
     moe = False
-    lora_names = {
-        name: "absent: its layers are Mamba mixers (in_proj, x_proj, dt_proj, out_proj)"
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    peft_refuses = {  # LoRA on in_proj and x_proj (Mamba-2: in_proj)
+        "out_proj": "PEFT refuses LoRA on a Mamba model's out_proj",
+        "dt_proj": "transformers' Mamba reads dt_proj.weight directly, so PEFT's adapter on it does nothing",
     }
-    """LoRA: none of Llama's projections exist, so a LoRA run is refused rather than training nothing."""
     hf_defaults = {
         "layer_norm_epsilon": 1e-5,
         "expand": 2,

@@ -40,8 +40,6 @@ class Mpt(Family):
     name = "mpt"
     architecture = "MptForCausalLM"
     model_type = "mpt"
-    fused_projections = ("q_proj", "k_proj", "v_proj")
-    lora_names = {"o_proj": "attn.out_proj"}
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
         for key in ("d_model", "n_heads", "n_layers", "vocab_size"):

@@ -97,6 +97,7 @@ class NemotronH(Family):
     name = "nemotron_h"
     architecture = "NemotronHForCausalLM"
     model_type = "nemotron_h"
+    peft_refuses = {"out_proj": "PEFT refuses LoRA on a Mamba model's out_proj"}
     moe = None  # dense and expert models
     fixed = {"mlp_gated": False, "activation": "relu2", "rope_pattern": [False]}
     hf_defaults = {

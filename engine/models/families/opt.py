@@ -7,8 +7,7 @@ projection (`enable_bias`), an ungated ReLU MLP (fc1, fc2), tensors under `model
 
 Refused, in one sentence each: OPT-350M's shape, post-norm layers (`do_layer_norm_before`
 false) with embeddings narrower than the model (`word_embed_proj_dim`, its project_in and
-project_out), and `_remove_final_layer_norm`. LoRA: q/k/v (PEFT's names); out_proj, fc1 and
-fc2 are named otherwise (Family.lora_names).
+project_out), and `_remove_final_layer_norm`.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ class OPT(Family):
     name = "opt"
     architecture = "OPTForCausalLM"
     model_type = "opt"
-    lora_names = {"o_proj": "self_attn.out_proj", "up_proj": "fc1", "down_proj": "fc2"}
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "ffn_dim", "vocab_size"):

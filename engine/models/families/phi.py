@@ -23,7 +23,6 @@ class Phi(Family):
     name = "phi"
     architecture = "PhiForCausalLM"
     model_type = "phi"
-    lora_names = {"o_proj": "self_attn.dense", "up_proj": "mlp.fc1", "down_proj": "mlp.fc2"}
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
         classic.require(hf, ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"), where)

@@ -9,7 +9,7 @@ that transformers reads as it for Phi-3; Phi-3-mini-128k, Phi-3.5, Phi-4-mini) i
 kind longrope (rope.py): per-pair short and long factors, switched when the sequence passes
 the top-level `original_max_position_embeddings` (which transformers prefers to the one in
 the RoPE dict), and an attention factor from max_position_embeddings / that length. LoRA
-cannot adapt the fused projections yet (Family.fused_projections).
+adapts qkv_proj and gate_up_proj each as one module, as PEFT does.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ class Phi3(Family):
     hf_defaults = {"max_position_embeddings": 4096, "tie_word_embeddings": False, "rms_norm_eps": 1e-5}
     unsupported_flags = ()
     hf_constants = {"resid_pdrop": 0.0, "embd_pdrop": 0.0}
-    fused_projections = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
     def layer_types(self, hf: dict, num_layers: int) -> list[str]:
         kind = "full_attention" if hf.get("sliding_window") is None else "sliding_attention"

@@ -58,12 +58,6 @@ class RecurrentGemma(Family):
         "w_init_variance_scale": 0.01,
     }
     fixed = {"norm_zero_centered": True, "mlp_bias": True, "attention_out_bias": True, "max_seq_len": MAX_SEQ_LEN}
-    lora_names = {
-        "gate_proj": "mlp_block.gate_proj",
-        "up_proj": "mlp_block.up_proj",
-        "down_proj": "mlp_block.down_proj",
-    }
-    """LoRA: its MLP is mlp_block, not Llama's mlp; the attention's q/k/v/o_proj are Llama's."""
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):

@@ -72,6 +72,7 @@ class SarvamMoE(Glm4Moe):
     architecture = "Glm4MoeForCausalLM"
     also_architectures: ClassVar[tuple[str, ...]] = ("SarvamMoEForCausalLM",)
     model_type = "sarvam_moe"
+    peft_refuses = {"query_key_value": "the checkpoints fuse it, transformers runs q_proj, k_proj, v_proj apart"}
     hf_defaults = {
         **Glm4Moe.hf_defaults,
         "rope_theta": 8_000_000.0,
@@ -84,7 +85,6 @@ class SarvamMoE(Glm4Moe):
         "initializer_range": 0.006,
     }
     hf_constants = {**Glm4Moe.hf_constants}
-    fused_projections = ("q_proj", "k_proj", "v_proj")  # one query_key_value tensor
 
     def extra_fields_from_hf(self, hf: dict) -> dict[str, Any]:
         fields = super().extra_fields_from_hf(hf)

@@ -25,7 +25,6 @@ class Starcoder2(Family):
     name = "starcoder2"
     architecture = "Starcoder2ForCausalLM"
     model_type = "starcoder2"
-    lora_names = {"up_proj": "mlp.c_fc", "down_proj": "mlp.c_proj"}
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
         classic.require(hf, ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"), where)
