@@ -64,6 +64,7 @@ FLAT: dict[str, tuple[str, str]] = {
     "residual": ("block", "residual"),
     "residual_multiplier": ("block", "residual_multiplier"),
     "layer_scale": ("block", "layer_scale"),
+    "linear_pre_norms": ("block", "linear_pre_norms"),
     # mlp
     "mlp_dim": ("mlp", "dim"),
     "activation": ("mlp", "activation"),

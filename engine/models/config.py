@@ -131,6 +131,11 @@ class GatedDeltaConfig(Strict):
     fused_projections: bool = False
     """Qwen3-Next's layout: q, k, v, z in one projection and b, a in another, grouped per key
     head (in_proj_qkvz, in_proj_ba); else Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a."""
+    beta_scale: float = Field(1.0, gt=0)
+    """The write strength is this times sigmoid(b): 2.0 lets the state's eigenvalues go negative
+    (OLMo Hybrid's linear_allow_neg_eigval)."""
+    norm_eps: float | None = Field(None, gt=0)
+    """The gated output norm's epsilon; None: the model's norm epsilon (OLMo Hybrid's is 1e-5)."""
 
     @model_validator(mode="after")
     def _check_groups(self) -> GatedDeltaConfig:
@@ -767,8 +772,8 @@ class ModelConfig(Strict):
             mixer=self._mixer_spec(layer),
             ffn=ffn,
             norm=self._norm_spec(),
-            pre_norms=self.block.pre_norms,
-            post_norms=self.block.post_norms,
+            pre_norms=self.block.pre_norms or (self.block.linear_pre_norms and layer.mixer != "attention"),
+            post_norms=self.block.post_norms and not (self.block.linear_pre_norms and layer.mixer != "attention"),
             residual_multiplier=self.block.residual_multiplier,
             layer_scale=self.block.layer_scale,
             per_layer_input_dim=self.embedding.per_layer_input_dim,
@@ -975,7 +980,7 @@ class ModelConfig(Strict):
                     conv_kernel=gd.conv_kernel,
                     norm_eps=self.norm.eps,
                 )
-            return GatedDeltaSpec(**gd.model_dump(), norm_eps=self.norm.eps)
+            return GatedDeltaSpec(**gd.model_dump(exclude={"norm_eps"}), norm_eps=gd.norm_eps or self.norm.eps)
         if layer.mixer == "mamba1":
             assert self.mamba1 is not None  # _check_mamba1
             return Mamba1Spec(**self.mamba1.model_dump())

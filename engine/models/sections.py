@@ -165,6 +165,10 @@ class BlockConfig(Strict):
     layer_scale: bool = False
     """A learned scalar per layer multiplying the residual stream after the layer (Gemma 4's
     layer_scalar)."""
+    linear_pre_norms: bool = False
+    """Layers whose mixer is not attention are pre-norm only, x + mixer(norm(x)), whatever
+    pre_norms and post_norms say of the attention layers (OLMo Hybrid: post-norm attention
+    layers, pre-norm Gated DeltaNet ones)."""
 
 
 class MLPConfig(Strict):

@@ -265,6 +265,8 @@ class GatedDeltaSpec(Spec):
     conv_kernel: int = 4
     fused_projections: bool = False
     norm_eps: float = 1e-6
+    beta_scale: float = 1.0
+    """The write strength is beta_scale * sigmoid(b) (OLMo Hybrid: 2, negative eigenvalues)."""
 
     def mixing_macs(self, seq_len: int) -> int:
         """The chunked form's (64 positions a chunk): within its chunk QK^T and the weights
