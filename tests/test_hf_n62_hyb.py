@@ -1,5 +1,6 @@
 """Hugging Face parity of the newer hybrids: OLMo Hybrid (Gated DeltaNet layers, pre-norm, among
-OLMo 3's post-norm attention layers).
+OLMo 3's post-norm attention layers) and Ling 3 (bailing_hybrid: Kimi Delta Attention with
+full-rank, bounded gates among gated latent attention layers, DeepSeek-V3's experts).
 
 Each case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
 collected here over this module's `case`): logits to 1e-4 with N(0, 0.3^2) weights, greedy tokens
@@ -70,10 +71,40 @@ def hf_config(name: str):
             rope_parameters={"rope_type": "default", "rope_theta": 500.0},
             **TOKENS,
         ),
+        # layers K K A: Kimi delta attention of 3 heads of 8, 3 taps (full-rank gates, the forget
+        # gate bounded by -5); latent attention of 3 heads of 8 + 4 rotary (base 500, interleaved),
+        # latent 10, values of 6, a gate per head; a dense MLP of 26 in layer 0, then 4 experts of
+        # 14 (top 2 in 2 groups, the best group) and a shared expert of 14
+        "bailing_hybrid": lambda: t.BailingHybridConfig(
+            vocab_size=VOCAB,
+            hidden_size=30,
+            intermediate_size=26,
+            moe_intermediate_size=14,
+            num_hidden_layers=3,
+            num_attention_heads=3,
+            num_key_value_heads=3,
+            head_dim=8,
+            kv_lora_rank=10,
+            q_lora_rank=None,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=8,
+            v_head_dim=6,
+            n_group=2,
+            topk_group=1,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            short_conv_kernel_size=3,
+            layer_group_size=3,
+            num_mtp_layers=0,
+            max_position_embeddings=64,
+            rope_theta=500.0,  # as the published config.json gives it (rope_parameters follows)
+            **TOKENS,
+        ),
     }[name]()
 
 
-CASES = ["olmo_hybrid"]
+CASES = ["olmo_hybrid", "bailing_hybrid"]
 IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
 
 
@@ -114,6 +145,17 @@ def test_the_family_reads_what_the_config_says(case):
         gd = specs[0].mixer
         assert (gd.beta_scale, gd.norm_eps, gd.key_head_dim, gd.value_head_dim) == (2.0, 1e-5, 6, 10)
         assert specs[2].mixer.head_dim == 6 and specs[2].mixer.rope.theta == 500.0
+    if case.family == "bailing_hybrid":
+        assert [(x.mixer, x.ffn) for x in cfg.layer_pattern()] == [
+            ("kimi_delta", "mlp"),
+            ("kimi_delta", "moe"),
+            ("mla", "moe"),
+        ]
+        kda, mla = cfg.layer_specs()[0].mixer, cfg.layer_specs()[2].mixer
+        assert (kda.full_rank_gates, kda.gate_lower_bound, kda.head_dim, kda.conv_kernel) == (True, -5.0, 8, 3)
+        assert mla.head_gate and mla.rope.interleave and (mla.head_dim, mla.rope_head_dim) == (12, 4)
+        moe = cfg.layer_specs()[1].ffn
+        assert (moe.router_groups, moe.router_group_top, moe.router_scale) == (2, 1, 2.5)
 
 
 def test_the_state_after_a_prompt_and_decoded_tokens_is_a_full_forwards(case):
@@ -136,7 +178,7 @@ def test_the_state_after_a_prompt_and_decoded_tokens_is_a_full_forwards(case):
     for n in range(9, 15):
         logits, cache = step(tokens[:, n : n + 1], positions[:, n : n + 1], segments[:, n : n + 1], cache)
     recurrent = [(ours, theirs) for ours, theirs in zip(cache.states, full.states, strict=True) if ours is not None]
-    assert len(recurrent) == sum(layer.mixer != "attention" for layer in case.cfg.layer_pattern())
+    assert len(recurrent) == sum(layer.mixer not in ("attention", "mla") for layer in case.cfg.layer_pattern())
     for ours, theirs in recurrent:
         for a, b in zip(ours, theirs, strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
@@ -165,7 +207,12 @@ def test_the_chunked_delta_rule_is_the_recurrence_at_write_strengths_up_to_2():
 
 def test_what_the_families_do_not_run_is_refused_in_one_sentence():
     olmo = {**hf_config("olmo_hybrid").to_dict(), "architectures": ["OlmoHybridForCausalLM"]}
+    ling = {**hf_config("bailing_hybrid").to_dict(), "architectures": ["BailingHybridForCausalLM"]}
     for config, message in (
+        (
+            {**ling, "expert_swiglu_limit_list": [0, 7.0, 7.0]},
+            r"expert_swiglu_limit_list \[0, 7.0, 7.0\] is not supported \(SwiGLU clipping: zeros only\)",
+        ),
         ({**olmo, "linear_num_value_heads": 6}, r"linear_num_key_heads 3 must equal linear_num_value_heads 6"),
         ({**olmo, "layer_types": ["linear_attention"] * 3}, r"layer_types must be 4 entries of linear_attention"),
         ({**olmo, "hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported \(silu\)"),
@@ -180,6 +227,7 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
 
 PRESETS = {  # preset -> its published parameter count, in billions
     "olmo-hybrid-7b": 7.43,
+    "ling-3.0-flash": 124.41,  # transformers' BailingHybridConfig defaults
 }
 
 

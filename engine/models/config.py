@@ -136,6 +136,10 @@ class GatedDeltaConfig(Strict):
     (OLMo Hybrid's linear_allow_neg_eigval)."""
     norm_eps: float | None = Field(None, gt=0)
     """The gated output norm's epsilon; None: the model's norm epsilon (OLMo Hybrid's is 1e-5)."""
+    full_rank_gates: bool = False
+    """Kimi delta attention: its forget and output gates one full-rank projection each (Ling 3)."""
+    gate_lower_bound: float | None = Field(None, lt=0)
+    """Kimi delta attention: the bounded forget gate's lower bound (Ling 3's kda_lower_bound)."""
 
     @model_validator(mode="after")
     def _check_groups(self) -> GatedDeltaConfig:
@@ -938,6 +942,7 @@ class ModelConfig(Strict):
                 window=self.attention.sliding_window if layer.local else None,
                 indexer=indexer,
                 scale=mla_score_scale(self.attention.head_dim, self.rope.scaling),
+                head_gate=self.attention.head_gate,
             )
         if layer.mixer == "compressed_attention":
             ca = self.compressed_attention
@@ -979,8 +984,11 @@ class ModelConfig(Strict):
                     head_dim=gd.key_head_dim,
                     conv_kernel=gd.conv_kernel,
                     norm_eps=self.norm.eps,
+                    full_rank_gates=gd.full_rank_gates,
+                    gate_lower_bound=gd.gate_lower_bound,
                 )
-            return GatedDeltaSpec(**gd.model_dump(exclude={"norm_eps"}), norm_eps=gd.norm_eps or self.norm.eps)
+            kda = {"norm_eps", "full_rank_gates", "gate_lower_bound"}
+            return GatedDeltaSpec(**gd.model_dump(exclude=kda), norm_eps=gd.norm_eps or self.norm.eps)
         if layer.mixer == "mamba1":
             assert self.mamba1 is not None  # _check_mamba1
             return Mamba1Spec(**self.mamba1.model_dump())
