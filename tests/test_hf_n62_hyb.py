@@ -161,7 +161,10 @@ def test_the_family_reads_what_the_config_says(case):
 def test_the_state_after_a_prompt_and_decoded_tokens_is_a_full_forwards(case):
     """Prefill 9 tokens (one row left-padded by 3), decode 6 one at a time: every recurrent
     layer's convolution window and state equal those of one forward over all 15, and so do the
-    last logits."""
+    last logits. One case (CI time): Ling 3's cached decoding is checked against transformers'
+    generate by the greedy test's sampler."""
+    if case.family != "olmo_hybrid":
+        pytest.skip("one case per delta rule's state (CI time)")
     module = nnx.merge(graphdef_of(case.cfg, case.compute), case.params)
     tokens = np.random.default_rng(5).integers(0, VOCAB, (2, 15)).astype(np.int32)
     segments = np.ones_like(tokens)
