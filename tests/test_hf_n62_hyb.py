@@ -24,6 +24,8 @@ from tests.deps import need
 torch = need("torch")
 transformers = need("transformers")
 
+from safetensors.numpy import load_file, save_file  # noqa: E402
+
 from engine.config import ConfigError, resolve_model_preset  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
@@ -246,3 +248,18 @@ def test_the_presets_are_the_published_models(preset):
     assert round(cfg.num_params() / 1e9, 2) == PRESETS[preset]
     again, _ = model_config_from_hf({**hf.to_dict(), "architectures": [hf.architectures[0]]})
     assert again == cfg
+
+
+def test_convolution_parts_that_do_not_fill_the_convolution_are_refused(tmp_path):
+    """OLMo Hybrid's q/k/v_conv1d are read at any bounds that together fill the convolution's
+    channels (published or transformers' thirds); two channels short, refused in one sentence."""
+    model = random_causal_lm(hf_config("olmo_hybrid"), 1)
+    model.save_pretrained(tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    name = "model.layers.0.linear_attn.v_conv1d.weight"
+    tensors[name] = tensors[name][:-2]
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        ConfigError, match=r"together 64 along axis 0, but config.json \(OlmoHybridForCausalLM\) implies 66"
+    ):
+        convert_hf(tmp_path / "hf", tmp_path / "converted")
