@@ -65,6 +65,7 @@ FLAT: dict[str, tuple[str, str]] = {
     "residual_multiplier": ("block", "residual_multiplier"),
     "layer_scale": ("block", "layer_scale"),
     "laurel_rank": ("block", "laurel_rank"),
+    "linear_pre_norms": ("block", "linear_pre_norms"),
     # mlp
     "mlp_dim": ("mlp", "dim"),
     "activation": ("mlp", "activation"),

@@ -87,6 +87,8 @@ def tiny(family: str, tie: bool) -> tuple:
         **({"hidden_size": 32} if family == "olmoe" else {}),
         # GPT-era families whose head_dim is hidden_size / heads: 8, a quarter of it rotary
         **({"hidden_size": 16, "num_attention_heads": 2, "rotary_dim": 4} if family in CLASSIC else {}),
+        # OLMo Hybrid: head_dim is hidden_size / heads, 6 (even, for RoPE)
+        **({"num_attention_heads": 2} if family == "olmo_hybrid" else {}),
         # MiMo-V2-Flash: values no wider than the keys (its default v_head_dim is 128)
         **({"v_head_dim": 6} if family == "mimo_v2_flash" else {}),
     }

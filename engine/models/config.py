@@ -134,6 +134,15 @@ class GatedDeltaConfig(Strict):
     fused_projections: bool = False
     """Qwen3-Next's layout: q, k, v, z in one projection and b, a in another, grouped per key
     head (in_proj_qkvz, in_proj_ba); else Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a."""
+    beta_scale: float = Field(1.0, gt=0)
+    """The write strength is this times sigmoid(b): 2.0 lets the state's eigenvalues go negative
+    (OLMo Hybrid's linear_allow_neg_eigval)."""
+    norm_eps: float | None = Field(None, gt=0)
+    """The gated output norm's epsilon; None: the model's norm epsilon (OLMo Hybrid's is 1e-5)."""
+    full_rank_gates: bool = False
+    """Kimi delta attention: its forget and output gates one full-rank projection each (Ling 3)."""
+    gate_lower_bound: float | None = Field(None, lt=0)
+    """Kimi delta attention: the bounded forget gate's lower bound (Ling 3's kda_lower_bound)."""
 
     @model_validator(mode="after")
     def _check_groups(self) -> GatedDeltaConfig:
@@ -816,8 +825,8 @@ class ModelConfig(Strict):
             mixer=self._mixer_spec(layer),
             ffn=ffn,
             norm=self._norm_spec(),
-            pre_norms=self.block.pre_norms,
-            post_norms=self.block.post_norms,
+            pre_norms=self.block.pre_norms or (self.block.linear_pre_norms and layer.mixer != "attention"),
+            post_norms=self.block.post_norms and not (self.block.linear_pre_norms and layer.mixer != "attention"),
             residual_multiplier=self.block.residual_multiplier,
             layer_scale=self.block.layer_scale,
             per_layer_input_dim=self.embedding.per_layer_input_dim,
@@ -992,6 +1001,7 @@ class ModelConfig(Strict):
                 window=self.attention.sliding_window if layer.local else None,
                 indexer=indexer,
                 scale=mla_score_scale(self.attention.head_dim, self.rope.scaling),
+                head_gate=self.attention.head_gate,
             )
         if layer.mixer == "compressed_attention":
             ca = self.compressed_attention
@@ -1033,8 +1043,11 @@ class ModelConfig(Strict):
                     head_dim=gd.key_head_dim,
                     conv_kernel=gd.conv_kernel,
                     norm_eps=self.norm.eps,
+                    full_rank_gates=gd.full_rank_gates,
+                    gate_lower_bound=gd.gate_lower_bound,
                 )
-            return GatedDeltaSpec(**gd.model_dump(), norm_eps=self.norm.eps)
+            kda = {"norm_eps", "full_rank_gates", "gate_lower_bound"}
+            return GatedDeltaSpec(**gd.model_dump(exclude=kda), norm_eps=gd.norm_eps or self.norm.eps)
         if layer.mixer == "mamba1":
             assert self.mamba1 is not None  # _check_mamba1
             return Mamba1Spec(**self.mamba1.model_dump())

@@ -127,6 +127,8 @@ class GatedDeltaNet(nnx.Module):
         v = mixed_btc[..., 2 * hk * dk :].reshape(batch, time, hv, dv)
         g_btv, beta_btv = decay_and_beta(a_btv, b_btv, self.a_log_v[...], self.dt_bias_v[...].astype(jnp.float32))
         beta_btv = beta_btv.astype(self.dtype)  # sigmoid(b) in the model's dtype, as transformers
+        if spec.beta_scale != 1.0:  # OLMo Hybrid: 2 sigmoid(b), eigenvalues of the update down to -1
+            beta_btv = beta_btv * jnp.asarray(spec.beta_scale, self.dtype)
         recurrent = None if state is None else state.recurrent_bhkv
         if time == 1 and recurrent is not None:  # one decoded token: the recurrence itself
             out, recurrent = gated_delta_step(q[:, 0], k[:, 0], v[:, 0], g_btv[:, 0], beta_btv[:, 0], recurrent)

@@ -67,16 +67,21 @@ class KimiDeltaAttention(nnx.Module):
             return nnx.Param(taps.astype(pdt), out_sharding=(None, None, None))
 
         self.conv_q_c1k, self.conv_k_c1k, self.conv_v_c1k = conv(), conv(), conv()
-        self.w_fa_dk = param(rngs, (d, k), std, ("embed", None), pdt)  # the forget gate's low-rank pair
-        self.w_fb_khk = param(rngs, (k, h, k), std, (None, "heads", "head_dim"), pdt)
+        if s.full_rank_gates:  # Ling 3: each gate one projection (f_proj, g_proj)
+            self.w_f_dhk = param(rngs, (d, h, k), std, names, pdt)
+            self.w_g_dhk = param(rngs, (d, h, k), std, names, pdt)
+        else:
+            self.w_fa_dk = param(rngs, (d, k), std, ("embed", None), pdt)  # the forget gate's low-rank pair
+            self.w_fb_khk = param(rngs, (k, h, k), std, (None, "heads", "head_dim"), pdt)
         dt = jnp.exp(jax.random.uniform(rngs.params(), (h * k,), jnp.float32, math.log(1e-3), math.log(0.1)))
         dt = jnp.maximum(dt, 1e-4)
         self.dt_bias_x = nnx.Param((dt + jnp.log(-jnp.expm1(-dt))).astype(pdt), out_sharding=(None,))
         a = jax.random.uniform(rngs.params(), (1, 1, h, 1), jnp.float32, 1.0, 16.0)  # HF's A_log shape
         self.a_log_11h1 = nnx.Param(jnp.log(a).astype(pdt), out_sharding=(None, None, None, None))
         self.w_b_dh = param(rngs, (d, h), std, ("embed", "heads"), pdt)
-        self.w_ga_dk = param(rngs, (d, k), std, ("embed", None), pdt)  # the output gate's low-rank pair
-        self.w_gb_khk = param(rngs, (k, h, k), std, (None, "heads", "head_dim"), pdt)
+        if not s.full_rank_gates:
+            self.w_ga_dk = param(rngs, (d, k), std, ("embed", None), pdt)  # the output gate's low-rank pair
+            self.w_gb_khk = param(rngs, (k, h, k), std, (None, "heads", "head_dim"), pdt)
         self.norm_k = nnx.Param(jnp.ones((k,), pdt), out_sharding=("norm",))
         self.wo_hkd = param(rngs, (h, k, d), build.out_std, ("heads", "head_dim", "embed"), pdt)
         self.heads, self.head_dim, self.norm_eps = h, k, s.norm_eps
@@ -103,10 +108,16 @@ class KimiDeltaAttention(nnx.Module):
             mixed_btc, conv_kc, window_bkc=None if state is None else state.conv_bkc, segment_ids_bt=segment_ids_bt
         )
         q, kk, v = (mixed_btc[..., i * h * k : (i + 1) * h * k].reshape(batch, time, h, k) for i in range(3))
-        raw_bthk = self._dense(self._dense(x_btd, "w_fa_dk"), "w_fb_khk")
+        if spec.full_rank_gates:
+            raw_bthk = self._dense(x_btd, "w_f_dhk")
+        else:
+            raw_bthk = self._dense(self._dense(x_btd, "w_fa_dk"), "w_fb_khk")
         raw_bthk = raw_bthk.astype(jnp.float32) + self.dt_bias_x[...].astype(jnp.float32).reshape(h, k)
         decay_h = jnp.exp(self.a_log_11h1[...].astype(jnp.float32).reshape(h))
-        g_bthk = -decay_h[:, None] * jax.nn.softplus(raw_bthk)  # (b, t, h, k), <= 0
+        if spec.gate_lower_bound is not None:  # Ling 3's safe gate: bounded below, in (bound, 0)
+            g_bthk = spec.gate_lower_bound * jax.nn.sigmoid(decay_h[:, None] * raw_bthk)
+        else:
+            g_bthk = -decay_h[:, None] * jax.nn.softplus(raw_bthk)  # (b, t, h, k), <= 0
         beta_bth = jax.nn.sigmoid(self._dense(x_btd, "w_b_dh"))  # in the compute dtype, as transformers
         recurrent = None if state is None else state.recurrent_bhkv
         if time == 1 and recurrent is not None:  # one decoded token: the recurrence itself
@@ -116,7 +127,10 @@ class KimiDeltaAttention(nnx.Module):
             out_bthk, recurrent = kimi_delta_chunked(
                 q, kk, v, g_bthk, beta_bth, chunk_size=CHUNK, state_bhkv=recurrent, segment_ids_bt=segment_ids_bt
             )
-        gate_bthk = self._dense(self._dense(x_btd, "w_ga_dk"), "w_gb_khk")
+        if spec.full_rank_gates:
+            gate_bthk = self._dense(x_btd, "w_g_dhk")
+        else:
+            gate_bthk = self._dense(self._dense(x_btd, "w_ga_dk"), "w_gb_khk")
         out32 = out_bthk.astype(jnp.float32)  # RMSNorm over each head, float32 throughout, then the gate
         out32 = out32 * jax.lax.rsqrt(jnp.mean(out32 * out32, axis=-1, keepdims=True) + self.norm_eps)
         out32 = out32 * self.norm_k[...].astype(jnp.float32) * jax.nn.sigmoid(gate_bthk.astype(jnp.float32))

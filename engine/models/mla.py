@@ -64,6 +64,12 @@ class MLA(nnx.Module):
         # Per head, the non-rotary key then the value (HF's kv_b_proj).
         self.wkv_b_cny = param(rngs, (c, n, h - r + w), std, (None, "heads", "head_dim"), pdt)
         self.wo_nwd = param(rngs, (n, w, d), build.out_std, ("heads", "head_dim", "embed"), pdt)
+        if spec.head_gate:  # Ling 3: a sigmoid gate per head from the layer's input
+            if spec.indexer is not None:
+                raise ConfigError(
+                    "model.attention.head_gate (a gate per head) is not supported with the sparse-attention indexer"
+                )
+            self.w_head_gate_dn = param(rngs, (d, n), std, ("embed", "heads"), pdt)
         self.q_lora = spec.q_lora_rank is not None
         self.nope_dim, self.rope_dim, self.latent_dim, self.value_dim = h - r, r, c, w
         self.scale = spec.score_scale  # the same for every layer of a model
@@ -111,10 +117,19 @@ class MLA(nnx.Module):
         pass it on): (that, the state for the next layer), the state the last indexer's (queries
         (b, t, g, i), head weights (b, t, g), keys (b, t or s, i)): a layer with an indexer
         passes its own on, a shared one selects with the state it got and passes it on."""
-        result, index_state = self._call(x_btd, positions_bt, segment_ids_bt, spec, cache, index_state)
+        gate_btn = None
+        if spec.head_gate:  # sigmoid(x . w) per head, on the heads' outputs before wo
+            gate_btn = jax.nn.sigmoid(self._dense(x_btd, self.w_head_gate_dn).astype(jnp.float32)).astype(self.dtype)
+        result, index_state = self._call(x_btd, positions_bt, segment_ids_bt, spec, cache, index_state, gate_btn)
         return result if index_state is None else (result, index_state)
 
-    def _call(self, x_btd, positions_bt, segment_ids_bt, spec: MLASpec, cache, index_state):
+    def _out(self, out_btnw, gate_btn):
+        """The output projection of the heads' outputs (b, t, n, w), each gated where gate_btn is given."""
+        if gate_btn is not None:
+            out_btnw = out_btnw * gate_btn[..., None]
+        return self._dense(out_btnw, "wo_nwd", 2)
+
+    def _call(self, x_btd, positions_bt, segment_ids_bt, spec: MLASpec, cache, index_state, gate_btn=None):
         """__call__'s (result, index_state, None where none was given)."""
         o, r, c = self.nope_dim, self.rope_dim, self.latent_dim
         rope = spec.rope
@@ -185,7 +200,7 @@ class MLA(nnx.Module):
                 w_kb_cno.astype(self.dtype),
                 w_vb_cnw.astype(self.dtype),
             )
-            return (self._dense(out_btnw, "wo_nwd", 2), cache), index_state
+            return (self._out(out_btnw, gate_btn), cache), index_state
         if self.index_topk is not None and passes_on:
             index_state = (index_q_btgi, index_w_btg, index_k_bti)
         if self.index_topk is not None and self.indexer_loss != "warmup" and self._gathers(x_btd.shape[1]):
@@ -235,7 +250,7 @@ class MLA(nnx.Module):
                 local=window is not None,
                 block=self.attention_block,
             )
-        return self._dense(out_btnh[..., :w], "wo_nwd", 2), index_state
+        return self._out(out_btnh[..., :w], gate_btn), index_state
 
     def _gathers(self, keys: int) -> bool:
         """Whether sparse attention gathers each query's selected keys (dsa.sparse_attention)

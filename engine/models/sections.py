@@ -168,6 +168,10 @@ class BlockConfig(Strict):
     laurel_rank: int | None = Field(None, gt=0)
     """LAuReL beside each layer's attention, of this rank (Gemma 3n's laurel_rank;
     engine/models/laurel.py); None: none."""
+    linear_pre_norms: bool = False
+    """Layers whose mixer is not attention are pre-norm only, x + mixer(norm(x)), whatever
+    pre_norms and post_norms say of the attention layers (OLMo Hybrid: post-norm attention
+    layers, pre-norm Gated DeltaNet ones)."""
 
 
 class MLPConfig(Strict):

@@ -220,6 +220,9 @@ class MLASpec(Spec):
     indexer: IndexerSpec | None = None
     scale: float | None = None
     """Scores are multiplied by this; None: head_dim**-0.5 (see mla_score_scale)."""
+    head_gate: bool = False
+    """Each head's output times sigmoid(x . w_h), one scalar per head and token, before the
+    output projection (Ling 3's g_proj)."""
 
     @property
     def score_scale(self) -> float:
@@ -240,7 +243,7 @@ class MLASpec(Spec):
             assert self.q_lora_rank is not None
             h, w = self.indexer.heads, self.indexer.head_dim
             q += self.q_lora_rank * h * w + d * w + 2 * w + d * h
-        return q + kv + n * self.value_head_dim * d
+        return q + kv + n * self.value_head_dim * d + d * n * self.head_gate
 
 
 def mla_score_scale(head_dim: int, scaling: RopeScaling | None) -> float:
@@ -265,6 +268,8 @@ class GatedDeltaSpec(Spec):
     conv_kernel: int = 4
     fused_projections: bool = False
     norm_eps: float = 1e-6
+    beta_scale: float = 1.0
+    """The write strength is beta_scale * sigmoid(b) (OLMo Hybrid: 2, negative eigenvalues)."""
 
     def mixing_macs(self, seq_len: int) -> int:
         """The chunked form's (64 positions a chunk): within its chunk QK^T and the weights
@@ -289,6 +294,12 @@ class KimiDeltaSpec(Spec):
     head_dim: int
     conv_kernel: int = 4
     norm_eps: float = 1e-6
+    full_rank_gates: bool = False
+    """The forget and output gates are each one (d, heads * head_dim) projection (Ling 3's f_proj,
+    g_proj), not a low-rank pair through head_dim."""
+    gate_lower_bound: float | None = None
+    """The forget gate's log decay is this times sigmoid(exp(A_log) (f + dt_bias)) (Ling 3's safe
+    gate, kda_lower_bound); None: -exp(A_log) softplus(f + dt_bias)."""
 
     def mixing_macs(self, seq_len: int) -> int:
         chunk = min(64, seq_len)
@@ -298,7 +309,8 @@ class KimiDeltaSpec(Spec):
         # q, k, v, conv, two low-rank gates, dt_bias, A_log, b, norm, out
         h, k = self.num_heads, self.head_dim
         conv = 3 * h * k * self.conv_kernel
-        return 4 * d * h * k + conv + 2 * (d * k + k * h * k) + h * k + h + d * h + k
+        gates = 2 * d * h * k if self.full_rank_gates else 2 * (d * k + k * h * k)
+        return 4 * d * h * k + conv + gates + h * k + h + d * h + k
 
 
 class Mamba2Spec(Spec):

@@ -12,6 +12,7 @@ any mesh with engine.train.checkpoint.load_params(dir, abstract_model_params(cfg
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -164,6 +165,29 @@ def _check_mxfp4(st: SafetensorsFile, path: Path, scales_at: dict, blocks: str, 
         )
 
 
+def _resplit(jobs: list, split: dict[tuple, list], architecture: str) -> list:
+    """`jobs` with the TensorSpec.any_split parts that a checkpoint stores at other bounds than
+    the table's read at theirs: each array's parts in the table's order, where together they
+    fill the sliced axis as the table's do."""
+    bounds: dict[str, TensorSpec] = {}
+    for parts_of in split.values():
+        parts_of.sort(key=lambda part: part[1].last_axis_slice[0])
+        axis = parts_of[0][1].slice_axis
+        table = [part[3][axis] if axis >= 0 else part[3][-1] for part in parts_of]
+        stored = [part[2][axis] if axis >= 0 else part[2][-1] for part in parts_of]
+        names = ", ".join(part[0] for part in parts_of)
+        if len(parts_of) != len({p[1].last_axis_slice for p in parts_of}) or sum(stored) != sum(table):
+            raise ConfigError(
+                f"{names}: together {sum(stored)} along axis {axis}, "
+                f"but config.json ({architecture}) implies {sum(table)}"
+            )
+        start = parts_of[0][1].last_axis_slice[0]
+        for (name, spec, _, _), size in zip(parts_of, stored, strict=True):
+            bounds[name] = dataclasses.replace(spec, last_axis_slice=(start, start + size))
+            start += size
+    return [(path, name, bounds.get(name, spec), index, blocks) for path, name, spec, index, blocks in jobs]
+
+
 def convert_hf(
     hf_dir: str | Path,
     out_dir: str | Path,
@@ -248,6 +272,7 @@ def convert_hf(
     ignored: list[str] = []  # tensors of modules the engine does not run (Family.ignored_tensor)
     mxfp4 = (hf_config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
     scales_at = _mxfp4_scales(files) if mxfp4 else {}
+    split: dict[tuple, list] = {}  # TensorSpec.any_split parts stored at other bounds
     for path in files:
         with SafetensorsFile(path) as st:
             for stored in st.names():
@@ -285,6 +310,10 @@ def convert_hf(
                 want = fused_hf_shape(spec, fused) if fused else hf_shape(spec, shape)
                 if blocks is not None:
                     _check_mxfp4(st, path, scales_at, blocks, name, want)
+                elif spec.any_split:  # checked with its other parts (_resplit)
+                    split.setdefault((spec.stack, spec.path, index), []).append(
+                        (name, spec, st.shape(source_names.get(name, name)), want)
+                    )
                 elif st.shape(source_names.get(name, name)) != want:
                     raise ConfigError(
                         f"{path.name}: tensor '{source_names.get(name, name)}' has shape "
@@ -294,6 +323,7 @@ def convert_hf(
                 else:
                     st.dtype(source_names.get(name, name))  # raises for a dtype we cannot read
                 jobs.append((path, name, spec, index, blocks))
+    jobs = _resplit(jobs, split, architecture)
     seen = {name for _, name, _, _, _ in jobs}
     missing = [name for name in expected if name not in seen]
     if missing:

@@ -179,12 +179,15 @@ def part_shape(spec: TensorSpec, shape: tuple[int, ...]) -> tuple[int, ...]:
     if spec.last_axis_slice is None:
         return tuple(shape)
     start, stop = spec.last_axis_slice
-    return (*shape[:-1], stop - start)
+    axis = spec.slice_axis % len(shape)
+    return (*shape[:axis], stop - start, *shape[axis + 1 :])
 
 
 def part_of(spec: TensorSpec, array: np.ndarray) -> np.ndarray:
     """The view of an engine array that spec's HF tensor holds (TensorSpec.last_axis_slice)."""
-    return array if spec.last_axis_slice is None else array[..., slice(*spec.last_axis_slice)]
+    if spec.last_axis_slice is None:
+        return array
+    return np.moveaxis(np.moveaxis(array, spec.slice_axis, -1)[..., slice(*spec.last_axis_slice)], -1, spec.slice_axis)
 
 
 def fused_hf_shape(spec: TensorSpec, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:

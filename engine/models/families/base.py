@@ -85,6 +85,13 @@ class TensorSpec:
     """HF's tensor holds only [..., start:stop] of the engine array's last axis, other specs of
     the same path the rest (AFMoE's q_proj and gate_proj: the engine's one query-and-gate
     projection wq_dnh, (d, heads, 2 head_dim)); in_dims describes that part."""
+    slice_axis: int = -1
+    """The engine array's axis last_axis_slice slices (0: OLMo Hybrid's q_conv1d, k_conv1d and
+    v_conv1d, the engine's one convolution's channels (c, 1, K) in three)."""
+    any_split: bool = False
+    """With last_axis_slice: conversion also reads the parts split at other bounds, in the
+    table's order, where together they fill the axis (transformers saves OLMo Hybrid's
+    convolution as three equal chunks whatever the q, k, v widths); export writes these bounds."""
     merged_rows: bool = False
     """in_dims None: HF's tensor is the engine's (after swap_last) with its first two axes
     merged into one (DBRX's stacked experts, (E * f, d): w1 and v1 the engine's (E, d, f)
