@@ -119,7 +119,7 @@ class MLA(nnx.Module):
         passes its own on, a shared one selects with the state it got and passes it on."""
         gate_btn = None
         if spec.head_gate:  # sigmoid(x . w) per head, on the heads' outputs before wo
-            gate_btn = jax.nn.sigmoid(self._dense(x_btd, self.w_head_gate_dn).astype(jnp.float32)).astype(self.dtype)
+            gate_btn = jax.nn.sigmoid(self._dense(x_btd, "w_head_gate_dn").astype(jnp.float32)).astype(self.dtype)
         result, index_state = self._call(x_btd, positions_bt, segment_ids_bt, spec, cache, index_state, gate_btn)
         return result if index_state is None else (result, index_state)
 
