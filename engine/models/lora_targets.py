@@ -15,12 +15,13 @@ all of them in PEFT, so adapting some would export an adapter that is not the on
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from engine.models.family_registry import get_family
 
-if TYPE_CHECKING:
-    from engine.models.config import ModelConfig
+ModelConfig = Any
+"""engine.models.config.ModelConfig, which imports this module (LoraConfig.targets): not
+imported here, also for annotations (tests/test_imports.py: no cycle, TYPE_CHECKING's included)."""
 
 ATTENTION_WEIGHTS = {"wq_dnh": 1, "wk_dkh": 1, "wv_dkh": 1, "wo_nhd": 2}
 MLP_WEIGHTS = {"w_gate_df": 1, "w_up_df": 1, "w_down_fd": 1}
