@@ -41,7 +41,7 @@ from engine.ops.dense import dense
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
 
 
-def add_adapters(module: nnx.Module, weights: dict[str, int], build, rngs: nnx.Rngs) -> None:
+def add_adapters(module: Any, weights: dict[str, int], build, rngs: nnx.Rngs) -> None:
     """Give each of `module`'s weights (name -> its input axes) that the run's adapter targets
     its A (unless it shares another's: a fused HF module's later parts) and B, created after
     the base weights, so the base initialises as without an adapter only when none is
@@ -85,7 +85,7 @@ def a_owner(module: nnx.Module, attr: str) -> str:
     return dict(getattr(module, "lora_shared", ())).get(attr, attr)
 
 
-def _input_times_a(module: nnx.Module, owner: str, x, n_in: int, dtype, **dense_kw):
+def _input_times_a(module: Any, owner: str, x, n_in: int, dtype, **dense_kw):
     """dropout(x) . A of the adapter whose A is `owner`'s (one mask per A: PEFT drops a fused
     module's input once)."""
     if module.lora_dropout:
@@ -93,7 +93,7 @@ def _input_times_a(module: nnx.Module, owner: str, x, n_in: int, dtype, **dense_
     return dense(x, getattr(module, owner + "_lora_a")[...].astype(dtype), n_in, **dense_kw)
 
 
-def lora_delta(module: nnx.Module, attr: str, x, n_in: int, dtype, **dense_kw):
+def lora_delta(module: Any, attr: str, x, n_in: int, dtype, **dense_kw):
     """scale * ((dropout(x) . A) . B) of `module`'s adapter on `attr`, in `dtype` (dropout
     only in a training step, `dropout_rows`)."""
     xa = _input_times_a(module, a_owner(module, attr), x, n_in, dtype, **dense_kw)
@@ -101,7 +101,7 @@ def lora_delta(module: nnx.Module, attr: str, x, n_in: int, dtype, **dense_kw):
     return dense(xa, b, 1, **dense_kw) * jnp.asarray(module.lora_scale, dtype)
 
 
-def adapted_weight(module: nnx.Module, attr: str, n_in: int, dtype):
+def adapted_weight(module: Any, attr: str, n_in: int, dtype):
     """w + scale * A.B in `dtype`: for a weight the layer reads as a matrix rather than as one
     product of its input (latent attention's kv_b_proj, absorbed into its scores;
     lora_targets.FOLDED), so no dropout applies. The base is not differentiated."""
@@ -122,7 +122,7 @@ def weight_value(variable: nnx.Variable, dtype):
     return (qwix.dequantize(value) if isinstance(value, qwix.QArray) else value).astype(dtype)
 
 
-def project_shared(module: nnx.Module, attrs: tuple[str, ...], x, dtype, **dense_kw) -> list:
+def project_shared(module: Any, attrs: tuple[str, ...], x, dtype, **dense_kw) -> list:
     """[x . w (+ its update)] for projections of the same input x (one input axis): each A's
     x . A computed once (the parts of a fused HF module share one), and without dropout the
     distinct A's side by side in one product (q, k, v; gate, up), which on CPU is markedly

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -208,7 +209,7 @@ class Mamba2(nnx.Module):
         names = ("act_mlp", "act_mlp", by_group, by_group, "act_heads")
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         w_dp = self.w_in_dp[...].astype(dt)
-        kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
+        kw: dict[str, Any] = {"backward": self.matmul_backward, "dot_general": self.dot_general}
         delta = lora_delta(self, "w_in_dp", x_btd, 1, dt, **kw) if has_adapter(self, "w_in_dp") else None
         sections = []
         for i, (start, size, name) in enumerate(zip(starts, sizes, names)):
