@@ -44,6 +44,7 @@ FLAT: dict[str, tuple[str, str]] = {
     "attention_value_scale": ("attention", "value_scale"),
     "local_sinks_only": ("attention", "local_sinks_only"),
     "attention_head_gate": ("attention", "head_gate"),
+    "attention_head_gate_activation": ("attention", "head_gate_activation"),
     # rope
     "rope_theta": ("rope", "theta"),
     "rope_scaling": ("rope", "scaling"),
@@ -52,6 +53,7 @@ FLAT: dict[str, tuple[str, str]] = {
     "rope_pattern": ("rope", "pattern"),
     "rope_interleave": ("rope", "interleave"),
     "mrope_section": ("rope", "mrope_section"),
+    "local_rotary_dim": ("rope", "local_rotary_dim"),
     # norm (a NormSpec)
     "norm_kind": ("norm", "kind"),
     "norm_eps": ("norm", "eps"),
@@ -98,6 +100,7 @@ FLAT: dict[str, tuple[str, str]] = {
     "moe_output_bias": ("moe", "output_bias"),
     "swiglu_shift": ("moe", "swiglu_shift"),
     "hash_layers": ("moe", "hash_layers"),
+    "router_softcap": ("moe", "router_softcap"),
     # mla
     "kv_lora_rank": ("mla", "kv_lora_rank"),
     "q_lora_rank": ("mla", "q_lora_rank"),

@@ -819,6 +819,7 @@ class ModelConfig(Strict):
             router_input_norm=self.moe.router_input_norm,
             router_expert_scale=self.moe.router_expert_scale,
             router_norm_eps=self.norm.eps,
+            router_softcap=self.moe.router_softcap,
             expert_bias=self.moe.expert_bias,
             swiglu_limit=self.moe.swiglu_limit,
             swiglu_alpha=self.moe.swiglu_alpha,
@@ -835,7 +836,9 @@ class ModelConfig(Strict):
     def _rotary(self, local: bool) -> RotarySpec:
         if local and self.rope.local_theta is not None:  # local layers: their own base, unscaled (Gemma 3)
             return RotarySpec(
-                theta=self.rope.local_theta, rotary_dim=self.rope.rotary_dim, interleave=self.rope.interleave
+                theta=self.rope.local_theta,
+                rotary_dim=self.rope.local_rotary_dim or self.rope.rotary_dim,
+                interleave=self.rope.interleave,
             )
         return RotarySpec(
             theta=self.rope.theta,
@@ -867,6 +870,7 @@ class ModelConfig(Strict):
             output_gate=self.attention.output_gate,
             sinks=self.attention.sinks and (layer.local or not self.attention.local_sinks_only),
             head_gate=self.attention.head_gate,
+            head_gate_activation=self.attention.head_gate_activation,
             kv_sharing=layer.kv_sharing,
             rope=self._rotary(layer.local) if layer.rope and self.positions == "rope" else None,
             window=self.attention.sliding_window if layer.local else None,

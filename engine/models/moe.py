@@ -331,6 +331,7 @@ class MoE(nnx.Module):
         self.input_norm, self.expert_scale = spec.router_input_norm, spec.router_expert_scale
         self.norm_eps = spec.router_norm_eps
         self.sparsemixer_eps = spec.sparsemixer_eps
+        self.softcap = spec.router_softcap
         self.dtype = build.dtype
         self.dispatch, self.capacity_factor = build.compute.moe_dispatch, build.compute.moe_capacity_factor
         self.matmul_backward, self.dot_general = build.compute.matmul_backward, build.dot_general
@@ -390,6 +391,8 @@ class MoE(nnx.Module):
             logits_ne = logits_bte.reshape(b * t, self.num_experts)
             if self.logits_bias:
                 logits_ne = logits_ne + self.b_logits_e[...].astype(jnp.float32)
+            if self.softcap is not None:  # Laguna: cap * tanh(logits / cap)
+                logits_ne = self.softcap * jnp.tanh(logits_ne / self.softcap)
             bias = self.b_router_e[...] if self.router_bias else None
             if self.sparsemixer_eps is not None:  # PhiMoE
                 weights_nk, experts_nk = sparsemixer(

@@ -104,6 +104,8 @@ class AttentionConfig(Strict):
     head_gate: bool = False
     """Each head's output times sigmoid(x . w), a learned scalar gate per head and token from the
     layer's input, before o_proj (LFM3's g_proj)."""
+    head_gate_activation: Literal["sigmoid", "softplus"] = "sigmoid"
+    """With head_gate: the gate's activation, sigmoid (LFM3) or softplus (Laguna's g_proj)."""
     value_dim: int | None = Field(None, gt=0)
     """The value heads' width where it differs from head_dim (at most it; MiMo-V2-Flash's
     v_head_dim, 128 under 192-wide queries and keys); None: head_dim."""
@@ -142,6 +144,9 @@ class RopeConfig(Strict):
     interleave: bool = False
     """RoPE rotates adjacent pairs (x0, x1), (x2, x3), ... instead of (first half, second half)
     pairs (DeepSeek-V3's MLA checkpoints; Llama 4's attention)."""
+    local_rotary_dim: int | None = Field(None, gt=0)
+    """The local (sliding-window) layers' rotary width where it differs from rotary_dim (Laguna:
+    whole heads there, half on its global layers); None: rotary_dim."""
     mrope_section: list[int] | None = None
     """Qwen3.5's multimodal RoPE: how many rotary frequencies the time, height and width
     position axes each take (rope_parameters.mrope_section). Text positions are equal on the
@@ -264,6 +269,9 @@ class MoEConfig(Strict):
     experts read their own pre-norm of the residual, the router the residual itself (Gemma 4)."""
     output_bias: bool = False
     """A learned bias on the mixture's output (JetMoE)."""
+    router_softcap: float | None = Field(None, gt=0)
+    """The router logits become cap * tanh(logits / cap) before scoring (Laguna's
+    moe_router_logit_softcapping); None: as they are."""
     hash_layers: int = Field(0, ge=0)
     """The first hash_layers layers' experts are hash-routed: a token's experts are a fixed
     table's row for its id (DeepSeek-V4, engine/models/hash_routing.py)."""

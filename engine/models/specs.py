@@ -131,6 +131,8 @@ class AttentionSpec(Spec):
     """call: the values are multiplied by this after their projection (MiMo-V2-Flash)."""
     block_indexer: BlockIndexerSpec | None = None
     """Block-sparse attention chosen by an indexer of its own (MiniMax-M3's sparse layers)."""
+    head_gate_activation: Literal["sigmoid", "softplus"] = "sigmoid"
+    """call: head_gate's activation of x . w_n (Laguna's g_proj: softplus)."""
 
     def structure(self) -> AttentionSpec:
         """This spec with the call fields at their defaults: what its parameters depend on."""
@@ -661,6 +663,8 @@ class MoESpec(Spec):
     hash_vocab: int = 0
     """Hash routing (DeepSeek-V4's first layers): each token's experts are a fixed table's row
     for its id (transformers' tid2eid, a buffer: not counted), over a vocabulary of this many; 0: none."""
+    router_softcap: float | None = None
+    """The router logits become cap * tanh(logits / cap) before scoring (Laguna); None: as they are."""
 
     def params(self, d: int, active: bool = False) -> int:
         experts = self.experts_per_token if active else self.num_experts

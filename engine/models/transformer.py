@@ -269,8 +269,10 @@ class Attention(nnx.Module):
         out_btnh = out_btnh[..., :value_dim]  # the zero columns of padded values dropped
         if self.output_gate:  # sigmoid(gate) per head and dimension, in the compute dtype
             out_btnh = out_btnh * jax.nn.sigmoid(gate).astype(out_btnh.dtype)
-        if spec.head_gate:  # sigmoid(x . w) per head, one scalar each
-            gate_btn = jax.nn.sigmoid(self._dense(x_btd, "w_head_gate_dn"))
+        if spec.head_gate:  # sigmoid(x . w) per head, one scalar each (Laguna: softplus)
+            gate_btn = self._dense(x_btd, "w_head_gate_dn")
+            softplus = spec.head_gate_activation == "softplus"  # in float32, as transformers' Laguna
+            gate_btn = jax.nn.softplus(gate_btn.astype(jnp.float32)) if softplus else jax.nn.sigmoid(gate_btn)
             out_btnh = out_btnh * gate_btn[..., None].astype(out_btnh.dtype)
         out_btd = self._dense(out_btnh, "wo_nhd", 2)
         if spec.out_bias:
