@@ -101,6 +101,7 @@ FLAT: dict[str, tuple[str, str]] = {
     "swiglu_shift": ("moe", "swiglu_shift"),
     "hash_layers": ("moe", "hash_layers"),
     "router_softcap": ("moe", "router_softcap"),
+    "moe_clamp_dense": ("moe", "clamp_dense"),
     # mla
     "kv_lora_rank": ("mla", "kv_lora_rank"),
     "q_lora_rank": ("mla", "q_lora_rank"),
@@ -110,6 +111,9 @@ FLAT: dict[str, tuple[str, str]] = {
     "index_heads": ("mla", "index_heads"),
     "index_head_dim": ("mla", "index_head_dim"),
     "index_rope_interleave": ("mla", "index_rope_interleave"),
+    "index_rope_last": ("mla", "index_rope_last"),
+    "mla_output_gate": ("mla", "output_gate"),
+    "index_norm_eps": ("mla", "index_norm_eps"),
     "index_shared_layers": ("mla", "index_shared_layers"),
     # embedding
     "scale_embeddings": ("embedding", "scale"),

@@ -1,6 +1,8 @@
 """Hugging Face parity of the newest architectures of transformers 5.25, group C: Laguna
 (sliding and full layers with a RoPE base and rotary width each, a softplus gate per head,
-DeepSeek-V3's sigmoid router with tanh-capped logits beside one shared expert).
+DeepSeek-V3's sigmoid router with tanh-capped logits beside one shared expert) and Hy4 (GLM-5's
+sparse latent attention with sinks, an output gate and its indexer's RoPE on the last
+dimensions, over independent hyper-connections and experts with a clamped SwiGLU).
 
 Each case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
 collected here over this module's `case`): greedy tokens and the KV-cache sampler equal
@@ -67,10 +69,39 @@ def hf_config(name: str):
             moe_routed_scaling_factor=1.3,
             moe_router_logit_softcapping=2.0,
         ),
+        # a dense layer, then two with 5 experts (2 per token, scaled by 1.3; SwiGLU clamped at
+        # 1.5, low enough to clamp) and a shared one; latent attention (6 heads, keys 6 + 4
+        # rotary wide, values 7) with sinks and a gate, its indexer (8 heads 8 wide: few ties) choosing 5
+        # keys, the last layer reusing the second's choice; 3 residual streams
+        "hy_v4": lambda: t.HYV4Config(
+            **{**TINY, "intermediate_size": 26},
+            moe_intermediate_size=13,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            q_lora_rank=14,
+            kv_lora_rank=10,
+            qk_nope_head_dim=6,
+            qk_rope_head_dim=4,
+            v_head_dim=7,
+            n_routed_experts=5,
+            num_experts_per_tok=2,
+            routed_scaling_factor=1.3,
+            swiglu_limit=1.5,
+            index_topk=5,
+            index_head_dim=8,
+            index_n_heads=8,
+            hc_mult=3,
+            hc_magnitude=1.7,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            **NO_TOKENS,
+        ),
     }[name]()
 
 
-CASES = ["laguna"]
+NO_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+"""The classes' default token ids lie past the tiny vocabulary."""
+
+CASES = ["laguna", "hy_v4"]
 
 
 def random_hf_model(name: str, seed: int = 0):
@@ -145,6 +176,25 @@ def test_the_family_reads_what_the_config_says(case):
             for router in routers:
                 router.router_logit_softcapping = 2.0
         assert np.abs(capped - uncapped)[mask.astype(bool)].max() > 0.1
+    elif case.family == "hy_v4":
+        specs = cfg.layer_specs()
+        assert [s.mixer.indexer.shared for s in specs] == [False, False, True]
+        assert {(s.mixer.sinks, s.mixer.output_gate, s.mixer.indexer.rope_last) for s in specs} == {(True, True, True)}
+        assert {(s.hyper.streams, s.hyper.independent, s.hyper.magnitude) for s in specs} == {(3, True, 1.7)}
+        assert specs[0].ffn.swiglu_limit is None and specs[1].ffn.swiglu_limit == 1.5 and not specs[1].ffn.clamp_shared
+        assert case.params["blocks"]["attn_hc"]["w_mix_xm"].shape[1:] == (90, 6)  # pre and post of 3 streams
+        # the clamp matters: without it the logits move
+        tokens, mask = batch()
+        clamped = hf_logits(case.hf_model, tokens, mask)
+        experts = [m for m in case.hf_model.modules() if type(m).__name__ == "HYV4Experts"]
+        try:
+            for module in experts:
+                module.swiglu_limit = 1e6
+            unclamped = hf_logits(case.hf_model, tokens, mask)
+        finally:
+            for module in experts:
+                module.swiglu_limit = 1.5
+        assert np.abs(clamped - unclamped)[mask.astype(bool)].max() > 0.1
 
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
@@ -172,6 +222,7 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
 
 PUBLISHED = {  # preset: the model card's total (billions) and how closely ModelConfig.num_params meets it
     "laguna-xs.2": None,  # transformers' LagunaConfig defaults; no total in its docs
+    "hy4-preview": None,  # transformers' HYV4Config defaults; no total in its docs
 }
 
 

@@ -218,6 +218,10 @@ class HyperConnectionConfig(Strict):
     streams: int = Field(4, gt=0)
     iterations: int = Field(20, gt=0)
     eps: float = Field(1e-6, gt=0)
+    independent: bool = False
+    """No stream mix, `post` = magnitude * sigmoid(.) + eps (HY-V4's independent hyper-connections)."""
+    magnitude: float = Field(2.0, gt=0)
+    """`post`'s scale (hc_magnitude)."""
 
 
 class MuPMultipliers(Strict):
@@ -796,7 +800,7 @@ class ModelConfig(Strict):
             gate_multiplier=1.0 if mup is None else mup.mlp_gate,
             down_multiplier=1.0 if mup is None else mup.mlp_down,
             bias=self.mlp.bias,
-            swiglu_limit=self.moe.swiglu_limit,
+            swiglu_limit=self.moe.swiglu_limit if self.moe.clamp_dense else None,
             swiglu_alpha=self.moe.swiglu_alpha,
         )
 
@@ -820,6 +824,7 @@ class ModelConfig(Strict):
             router_expert_scale=self.moe.router_expert_scale,
             router_norm_eps=self.norm.eps,
             router_softcap=self.moe.router_softcap,
+            clamp_shared=self.moe.clamp_dense,
             expert_bias=self.moe.expert_bias,
             swiglu_limit=self.moe.swiglu_limit,
             swiglu_alpha=self.moe.swiglu_alpha,
@@ -921,6 +926,8 @@ class ModelConfig(Strict):
                     head_dim=self.mla.index_head_dim,
                     rope_interleave=self.mla.index_rope_interleave,
                     shared=layer.index_shared,
+                    rope_last=self.mla.index_rope_last,
+                    key_norm_eps=self.mla.index_norm_eps or 1e-6,
                 )
             return MLASpec(
                 num_heads=self.attention.num_heads,
@@ -937,6 +944,8 @@ class ModelConfig(Strict):
                 window=self.attention.sliding_window if layer.local else None,
                 indexer=indexer,
                 scale=mla_score_scale(self.attention.head_dim, self.rope.scaling),
+                sinks=self.attention.sinks,
+                output_gate=self.mla.output_gate,
             )
         if layer.mixer == "compressed_attention":
             ca = self.compressed_attention

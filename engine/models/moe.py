@@ -320,6 +320,7 @@ class MoE(nnx.Module):
             )
         )
         self.clamped = spec.swiglu_limit is not None
+        self.clamp_shared = spec.clamp_shared  # HY-V4: the routed experts' SwiGLU only
         if spec.hash_vocab:  # the token -> experts table (frozen; floats, as every parameter)
             self.hash_experts_vk = nnx.Param(
                 jnp.zeros((spec.hash_vocab, spec.experts_per_token), jnp.float32), out_sharding=(None, None)
@@ -441,7 +442,7 @@ class MoE(nnx.Module):
             hidden = self.activation(dense(x_btd, self.w_shared_up_dg[...].astype(dt), **kw).astype(jnp.float32))
             hidden = constrain(hidden.astype(dt), ("act_batch", "act_seq", "act_mlp"))
             out_btd = out_btd + dense(hidden, self.w_shared_down_gd[...].astype(dt), **kw)
-        elif self.shared and self.clamped:  # MiniMax-M3's shared expert: the experts' clamped SwiGLU too
+        elif self.shared and self.clamped and self.clamp_shared:  # MiniMax-M3's: the experts' clamped SwiGLU too
             kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
             gate = dense(x_btd, self.w_shared_gate_dg[...].astype(dt), **kw).astype(jnp.float32)
             up = dense(x_btd, self.w_shared_up_dg[...].astype(dt), **kw).astype(jnp.float32)

@@ -269,6 +269,9 @@ class MoEConfig(Strict):
     experts read their own pre-norm of the residual, the router the residual itself (Gemma 4)."""
     output_bias: bool = False
     """A learned bias on the mixture's output (JetMoE)."""
+    clamp_dense: bool = True
+    """With swiglu_limit: the shared experts and the dense MLP layers take the clamped SwiGLU
+    too (MiniMax-M3, DeepSeek-V4); False: only the routed experts do (HY-V4)."""
     router_softcap: float | None = Field(None, gt=0)
     """The router logits become cap * tanh(logits / cap) before scoring (Laguna's
     moe_router_logit_softcapping); None: as they are."""
@@ -302,6 +305,14 @@ class MLAConfig(Strict):
     rope_head_dim of them rotary."""
     index_rope_interleave: bool = False
     """The indexer's RoPE rotates adjacent pairs (GLM-5), else halves (DeepSeek-V3.2)."""
+    output_gate: bool = False
+    """Each head's output times sigmoid(x . W_gate) per value dimension before o_proj, W_gate a
+    projection of its own (HY-V4's gate_proj). Sinks: attention.sinks."""
+    index_rope_last: bool = False
+    """The indexer's RoPE rotates the last rope_head_dim dimensions of its queries and key, not
+    the first (HY-V4)."""
+    index_norm_eps: float | None = Field(None, gt=0)
+    """The indexer's key LayerNorm epsilon; None: 1e-6, as DeepSeek-V3.2's (HY-V4's: rms_norm_eps)."""
     index_shared_layers: list[int] | None = None
     """Sparse-attention layers that run no indexer and attend to the keys the last earlier
     layer's indexer selected (GLM-5's indexer_types "shared"; transformers passes that layer's

@@ -203,6 +203,10 @@ class IndexerSpec(Spec):
     """No indexer of its own: the layer selects with the last earlier indexer's queries, head
     weights and keys, which the decoder carries from layer to layer beside the residual stream
     while any layer is shared (GLM-5's indexer_types "shared")."""
+    rope_last: bool = False
+    """RoPE on the last rope_head_dim dimensions of its queries and key, not the first (HY-V4)."""
+    key_norm_eps: float = 1e-6
+    """The key LayerNorm's epsilon (transformers' DeepSeek-V3.2 fixes 1e-6; HY-V4's is rms_norm_eps)."""
 
 
 class MLASpec(Spec):
@@ -222,6 +226,11 @@ class MLASpec(Spec):
     indexer: IndexerSpec | None = None
     scale: float | None = None
     """Scores are multiplied by this; None: head_dim**-0.5 (see mla_score_scale)."""
+    sinks: bool = False
+    """A learned logit per head in each softmax's denominator (HY-V4)."""
+    output_gate: bool = False
+    """Each head's output times sigmoid(x . W_gate) per value dimension, before o_proj, from a
+    projection of its own (HY-V4's gate_proj)."""
 
     @property
     def score_scale(self) -> float:
@@ -242,7 +251,8 @@ class MLASpec(Spec):
             assert self.q_lora_rank is not None
             h, w = self.indexer.heads, self.indexer.head_dim
             q += self.q_lora_rank * h * w + d * w + 2 * w + d * h
-        return q + kv + n * self.value_head_dim * d
+        extras = n * self.sinks + d * n * self.value_head_dim * self.output_gate
+        return q + kv + n * self.value_head_dim * d + extras
 
 
 def mla_score_scale(head_dim: int, scaling: RopeScaling | None) -> float:
@@ -560,12 +570,17 @@ class HyperConnectionSpec(Spec):
     """The floor added to `pre`, `comb` and each normalisation's sum (hc_eps)."""
     norm_eps: float = 1e-6
     """The RMS norm of the streams the weights are computed from."""
+    independent: bool = False
+    """No stream mix (HY-V4's independent hyper-connections): x'_k = post_k y + x_k, with
+    post = magnitude * sigmoid(.) + eps; only `pre` and `post` are learned (two scales)."""
+    magnitude: float = 2.0
+    """`post`'s scale: 2 in DeepSeek-V4 (hc_magnitude)."""
 
     def params(self, d: int) -> int:
-        """One sublayer's connection: the projection, its biases and the three scales."""
+        """One sublayer's connection: the projection, its biases and the three (two) scales."""
         n = self.streams
-        mixes = (2 + n) * n
-        return mixes * n * d + mixes + 3
+        mixes = 2 * n if self.independent else (2 + n) * n
+        return mixes * n * d + mixes + (2 if self.independent else 3)
 
 
 MixerSpec = Annotated[
@@ -663,6 +678,9 @@ class MoESpec(Spec):
     hash_vocab: int = 0
     """Hash routing (DeepSeek-V4's first layers): each token's experts are a fixed table's row
     for its id (transformers' tid2eid, a buffer: not counted), over a vocabulary of this many; 0: none."""
+    clamp_shared: bool = True
+    """With swiglu_limit: the shared experts take the clamped SwiGLU too (MiniMax-M3,
+    DeepSeek-V4); False: the plain one (HY-V4)."""
     router_softcap: float | None = None
     """The router logits become cap * tanh(logits / cap) before scoring (Laguna); None: as they are."""
 

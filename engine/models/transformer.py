@@ -523,7 +523,7 @@ class Block(nnx.Module):
         earlier indexer's selection inputs (MLA.__call__), and x in the result is then (x, the
         state this layer passes on)."""
         if spec.hyper is not None:  # n residual streams (DeepSeek-V4): hyper_connection.py runs the layer
-            return hyper_layer(self, x_btd, positions_bt, segment_ids_bt, spec, cache, rotary)
+            return hyper_layer(self, x_btd, positions_bt, segment_ids_bt, spec, cache, rotary, index_state)
         indexer_kl = stats = None
         x_in, attn_in = x_btd, None  # a parallel layer's feed-forward reads the layer's input
         if spec.mixer is not None:
