@@ -102,6 +102,8 @@ FLAT: dict[str, tuple[str, str]] = {
     "hash_layers": ("moe", "hash_layers"),
     "router_softcap": ("moe", "router_softcap"),
     "moe_clamp_dense": ("moe", "clamp_dense"),
+    "zero_experts": ("moe", "zero_experts"),
+    "shortcut_moe": ("block", "shortcut_moe"),
     # mla
     "kv_lora_rank": ("mla", "kv_lora_rank"),
     "q_lora_rank": ("mla", "q_lora_rank"),
@@ -113,6 +115,7 @@ FLAT: dict[str, tuple[str, str]] = {
     "index_rope_interleave": ("mla", "index_rope_interleave"),
     "index_rope_last": ("mla", "index_rope_last"),
     "mla_output_gate": ("mla", "output_gate"),
+    "mla_lora_scale": ("mla", "lora_scale"),
     "index_norm_eps": ("mla", "index_norm_eps"),
     "index_shared_layers": ("mla", "index_shared_layers"),
     # embedding

@@ -2,7 +2,9 @@
 (sliding and full layers with a RoPE base and rotary width each, a softplus gate per head,
 DeepSeek-V3's sigmoid router with tanh-capped logits beside one shared expert) and Hy4 (GLM-5's
 sparse latent attention with sinks, an output gate and its indexer's RoPE on the last
-dimensions, over independent hyper-connections and experts with a clamped SwiGLU).
+dimensions, over independent hyper-connections and experts with a clamped SwiGLU) and
+LongCat-Flash (pairs of latent-attention layers whose experts, zero-computation ones among
+them, join the stream a layer later).
 
 Each case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
 collected here over this module's `case`): greedy tokens and the KV-cache sampler equal
@@ -95,13 +97,36 @@ def hf_config(name: str):
             rope_parameters={"rope_type": "default", "rope_theta": 500.0},
             **NO_TOKENS,
         ),
+        # two pairs of latent-attention layers (6 heads, keys 6 + 4 rotary wide, values 7) with
+        # dense MLPs 26 wide; 5 experts 13 wide and 2 zero experts, 2 per token, scaled by 1.3
+        "longcat_flash": lambda: t.LongcatFlashConfig(
+            vocab_size=37,
+            hidden_size=30,
+            max_position_embeddings=64,
+            num_layers=2,
+            num_attention_heads=6,
+            ffn_hidden_size=26,
+            q_lora_rank=14,
+            kv_lora_rank=10,
+            qk_nope_head_dim=6,
+            qk_rope_head_dim=4,
+            head_dim=4,
+            v_head_dim=7,
+            moe_topk=2,
+            n_routed_experts=5,
+            zero_expert_num=2,
+            expert_ffn_hidden_size=13,
+            routed_scaling_factor=1.3,
+            rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+            **NO_TOKENS,
+        ),
     }[name]()
 
 
 NO_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 """The classes' default token ids lie past the tiny vocabulary."""
 
-CASES = ["laguna", "hy_v4"]
+CASES = ["laguna", "hy_v4", "longcat_flash"]
 
 
 def random_hf_model(name: str, seed: int = 0):
@@ -137,7 +162,9 @@ def test_converted_model_matches_transformers_logits(case):
     chosen = chosen_experts(case.hf_model, tokens, mask)
     loads = torch.bincount(chosen[0].flatten(), minlength=case.cfg.moe.num_experts)
     assert loads.min() > 0 and loads.max() > loads.min()
-    routers = router_weights(case.hf_model)
+    routers = router_weights(case.hf_model) + [  # and LongCat-Flash's
+        p for n, p in case.hf_model.named_parameters() if n.endswith("router.classifier.weight")
+    ]
     saved = [w.detach().clone() for w in routers]
     generator = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -195,6 +222,25 @@ def test_the_family_reads_what_the_config_says(case):
             for module in experts:
                 module.swiglu_limit = 1.5
         assert np.abs(clamped - unclamped)[mask.astype(bool)].max() > 0.1
+    elif case.family == "longcat_flash":
+        specs = cfg.layer_specs()
+        assert cfg.num_layers == 4 and [s.stack for s in specs] == ["blocks", "dense_blocks"] * 2
+        assert [s.shortcut_moe is not None for s in specs] == [True, False] * 2
+        assert [s.shortcut_close for s in specs] == [False, True] * 2
+        moe = specs[0].shortcut_moe
+        assert (moe.num_experts, moe.zero_experts, moe.router_scale, moe.router_renormalize) == (5, 2, 1.3, False)
+        assert {s.mixer.lora_scale for s in specs} == {True} and specs[0].ffn.dim == 26
+        # the zero experts are chosen: some tokens' chosen experts are zero ones
+        tokens, mask = batch()
+        chosen = []
+        routers = [m for m in case.hf_model.modules() if type(m).__name__ == "LongcatFlashTopkRouter"]
+        hooks = [r.register_forward_hook(lambda m, a, out: chosen.append(out[2])) for r in routers]
+        try:
+            hf_logits(case.hf_model, tokens, mask)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        assert all(bool((c >= 5).any()) and bool((c < 5).any()) for c in chosen)
 
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
@@ -223,6 +269,7 @@ def test_what_the_families_do_not_run_is_refused_in_one_sentence():
 PUBLISHED = {  # preset: the model card's total (billions) and how closely ModelConfig.num_params meets it
     "laguna-xs.2": None,  # transformers' LagunaConfig defaults; no total in its docs
     "hy4-preview": None,  # transformers' HYV4Config defaults; no total in its docs
+    "longcat-flash": (560, 0.01),  # LongCat-Flash-Chat's model card: 560B in total
 }
 
 

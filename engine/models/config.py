@@ -766,6 +766,9 @@ class ModelConfig(Strict):
             if layer.hashed:
                 ffn = ffn.model_copy(update={"hash_vocab": self.vocab_size})
         hc = self.hyper_connections
+        shortcut = self.block.shortcut_moe and layer.ffn == "moe"  # LongCat-Flash: the experts beside
+        if shortcut:
+            ffn = self._mlp_spec(layer.mlp_dim or self.mlp.dim)
         return LayerSpec(
             stack=layer.stack,
             mixer=self._mixer_spec(layer),
@@ -780,6 +783,8 @@ class ModelConfig(Strict):
             residual=self.block.residual,
             residual_scales=self._residual_scales(layer),
             hyper=None if hc is None else HyperConnectionSpec(**hc.model_dump(), norm_eps=self.norm.eps),
+            shortcut_moe=self._moe_spec() if shortcut else None,
+            shortcut_close=self.block.shortcut_moe and layer.ffn == "mlp",
         )
 
     def _residual_scales(self, layer: Layer) -> tuple[float, float, float, float] | None:
@@ -825,6 +830,7 @@ class ModelConfig(Strict):
             router_norm_eps=self.norm.eps,
             router_softcap=self.moe.router_softcap,
             clamp_shared=self.moe.clamp_dense,
+            zero_experts=self.moe.zero_experts,
             expert_bias=self.moe.expert_bias,
             swiglu_limit=self.moe.swiglu_limit,
             swiglu_alpha=self.moe.swiglu_alpha,
@@ -946,6 +952,7 @@ class ModelConfig(Strict):
                 scale=mla_score_scale(self.attention.head_dim, self.rope.scaling),
                 sinks=self.attention.sinks,
                 output_gate=self.mla.output_gate,
+                lora_scale=self.mla.lora_scale,
             )
         if layer.mixer == "compressed_attention":
             ca = self.compressed_attention

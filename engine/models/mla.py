@@ -134,11 +134,15 @@ class MLA(nnx.Module):
             q_btnh = self._dense(q_latent_btq, self.wq_b_qnh)
         else:
             q_btnh = self._dense(x_btd, self.wq_dnh)
+        if spec.lora_scale and self.q_lora:  # LongCat-Flash: sqrt(d / q_lora_rank)
+            q_btnh = q_btnh * jnp.asarray((x_btd.shape[-1] / spec.q_lora_rank) ** 0.5, q_btnh.dtype)
         q_btnh = constrain(q_btnh, ("act_batch", "act_seq", "act_heads", None))
         max_position = positions_bt.shape[1] if cache is None else cache.length  # RoPE's table (rope.py)
         q_nope, q_rope = q_btnh[..., :o], rotate(q_btnh[..., o:], positions_bt, max_position)
         kv_btx = self._dense(x_btd, self.wkv_a_dx)
         latent_btc = self.kv_norm(kv_btx[..., :c])
+        if spec.lora_scale:  # LongCat-Flash: sqrt(d / kv_lora_rank)
+            latent_btc = latent_btc * jnp.asarray((x_btd.shape[-1] / c) ** 0.5, latent_btc.dtype)
         k_rope_bt1r = rotate(kv_btx[..., None, c:], positions_bt, max_position)
         window = spec.window
         sinks_n = self.sinks_n[...] if spec.sinks else None  # HY-V4

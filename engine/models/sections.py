@@ -170,6 +170,10 @@ class BlockConfig(Strict):
     layer_scale: bool = False
     """A learned scalar per layer multiplying the residual stream after the layer (Gemma 4's
     layer_scalar)."""
+    shortcut_moe: bool = False
+    """LongCat-Flash's pairs of layers: the expert layers (ffn_pattern moe) run a dense MLP and,
+    on its input, the experts, whose output joins the stream at the end of the next layer, a
+    dense one (LayerSpec.shortcut_moe, shortcut_close)."""
 
 
 class MLPConfig(Strict):
@@ -269,6 +273,9 @@ class MoEConfig(Strict):
     experts read their own pre-norm of the residual, the router the residual itself (Gemma 4)."""
     output_bias: bool = False
     """A learned bias on the mixture's output (JetMoE)."""
+    zero_experts: int = Field(0, ge=0)
+    """Zero-computation experts beside the routed ones (LongCat-Flash's zero_expert_num): chosen
+    like any expert, each adds its weight times the token itself."""
     clamp_dense: bool = True
     """With swiglu_limit: the shared experts and the dense MLP layers take the clamped SwiGLU
     too (MiniMax-M3, DeepSeek-V4); False: only the routed experts do (HY-V4)."""
@@ -308,6 +315,9 @@ class MLAConfig(Strict):
     output_gate: bool = False
     """Each head's output times sigmoid(x . W_gate) per value dimension before o_proj, W_gate a
     projection of its own (HY-V4's gate_proj). Sinks: attention.sinks."""
+    lora_scale: bool = False
+    """Queries times sqrt(d_model / q_lora_rank), the normed latent times sqrt(d_model /
+    kv_lora_rank) (LongCat-Flash)."""
     index_rope_last: bool = False
     """The indexer's RoPE rotates the last rope_head_dim dimensions of its queries and key, not
     the first (HY-V4)."""

@@ -231,6 +231,9 @@ class MLASpec(Spec):
     output_gate: bool = False
     """Each head's output times sigmoid(x . W_gate) per value dimension, before o_proj, from a
     projection of its own (HY-V4's gate_proj)."""
+    lora_scale: bool = False
+    """call: queries times sqrt(d / q_lora_rank), the normed latent times sqrt(d / kv_lora_rank)
+    (LongCat-Flash's mla_scale_q_lora, mla_scale_kv_lora)."""
 
     @property
     def score_scale(self) -> float:
@@ -683,11 +686,15 @@ class MoESpec(Spec):
     DeepSeek-V4); False: the plain one (HY-V4)."""
     router_softcap: float | None = None
     """The router logits become cap * tanh(logits / cap) before scoring (Laguna); None: as they are."""
+    zero_experts: int = 0
+    """Zero-computation experts routed beside the num_experts (LongCat-Flash): the router scores
+    num_experts + zero_experts, and a token's chosen zero experts add their weight times the
+    token itself."""
 
     def params(self, d: int, active: bool = False) -> int:
         experts = self.experts_per_token if active else self.num_experts
         n = (3 if self.gated else 2) * d * (self.expert_dim * experts + self.shared_dim)
-        n += d * self.shared_expert_gate + d * self.num_experts  # not router_bias: a buffer in transformers
+        n += d * self.shared_expert_gate + d * (self.num_experts + self.zero_experts)  # not router_bias: a buffer
         n += (2 * self.expert_dim + d) * experts * self.expert_bias + self.num_experts * self.router_logits_bias
         n += d * self.router_input_norm + self.num_experts * self.router_expert_scale
         if self.beside is not None:  # and its three norms
@@ -730,6 +737,12 @@ class LayerSpec(Spec):
     """sequential: x + mixer(norm(x)), then + ffn(norm(that)); parallel: x + mixer(norm1(x)) +
     ffn(norm2(x)) (GPT-NeoX, Falcon's new architecture); parallel_shared_norm: one norm for both,
     x + mixer(norm(x)) + ffn(norm(x)) (GPT-J, Phi, Cohere)."""
+    shortcut_moe: MoESpec | None = None
+    """LongCat-Flash's shortcut-connected experts: the layer also runs them on its MLP's input,
+    and their output joins the stream at the end of the next layer (shortcut_close), carried
+    beside it: the decoder's stream is then (b, t, 2 d), the stream and the carried output."""
+    shortcut_close: bool = False
+    """The layer adds the carried shortcut experts' output after its MLP (LongCat-Flash)."""
 
     @property
     def attention(self) -> AttentionSpec | None:
@@ -763,6 +776,8 @@ class LayerSpec(Spec):
             n += d * (2 * self.per_layer_input_dim) + self.norm.params(d)
         if self.hyper is not None:  # the mixer's and the feed-forward's connections
             n += 2 * self.hyper.params(d)
+        if self.shortcut_moe is not None:
+            n += self.shortcut_moe.params(d, active)
         return n
 
 

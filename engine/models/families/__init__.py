@@ -35,7 +35,7 @@ from engine.models.families import mimo_v2_flash  # noqa: F401, I001
 from engine.models.families import minimax_m3  # noqa: F401, I001
 from engine.models.families import lfm2, recurrent_gemma, minimax01  # noqa: F401, I001
 from engine.models.families import deepseek_v4  # noqa: F401, I001
-from engine.models.families import laguna, hy_v4  # noqa: F401, I001
+from engine.models.families import laguna, hy_v4, longcat_flash  # noqa: F401, I001
 from engine.models.families.base import (
     Family,
     TensorSpec,
