@@ -571,6 +571,7 @@ class Block(nnx.Module):
         else:
             x_btd = x_btd + (self.post_mlp_norm(mlp_out) if spec.post_norms else mlp_out)
         if spec.shortcut_close:  # the previous layer's experts join the stream
+            assert carried_btd is not None  # (split from the stream above)
             x_btd, carried_btd = x_btd + carried_btd, jnp.zeros_like(carried_btd)
         if spec.per_layer_input_dim is not None:  # x + norm(proj(act(gate(x)) * e)), e this layer's input
             dt, kw = self.dtype, {"backward": self.compute.matmul_backward, "dot_general": self.dot_general}
