@@ -44,6 +44,7 @@ FLAT: dict[str, tuple[str, str]] = {
     "attention_value_scale": ("attention", "value_scale"),
     "local_sinks_only": ("attention", "local_sinks_only"),
     "attention_head_gate": ("attention", "head_gate"),
+    "attention_head_gate_activation": ("attention", "head_gate_activation"),
     # rope
     "rope_theta": ("rope", "theta"),
     "rope_scaling": ("rope", "scaling"),
@@ -52,6 +53,7 @@ FLAT: dict[str, tuple[str, str]] = {
     "rope_pattern": ("rope", "pattern"),
     "rope_interleave": ("rope", "interleave"),
     "mrope_section": ("rope", "mrope_section"),
+    "local_rotary_dim": ("rope", "local_rotary_dim"),
     # norm (a NormSpec)
     "norm_kind": ("norm", "kind"),
     "norm_eps": ("norm", "eps"),
@@ -101,6 +103,10 @@ FLAT: dict[str, tuple[str, str]] = {
     "moe_output_bias": ("moe", "output_bias"),
     "swiglu_shift": ("moe", "swiglu_shift"),
     "hash_layers": ("moe", "hash_layers"),
+    "router_softcap": ("moe", "router_softcap"),
+    "moe_clamp_dense": ("moe", "clamp_dense"),
+    "zero_experts": ("moe", "zero_experts"),
+    "shortcut_moe": ("block", "shortcut_moe"),
     # mla
     "kv_lora_rank": ("mla", "kv_lora_rank"),
     "q_lora_rank": ("mla", "q_lora_rank"),
@@ -110,6 +116,10 @@ FLAT: dict[str, tuple[str, str]] = {
     "index_heads": ("mla", "index_heads"),
     "index_head_dim": ("mla", "index_head_dim"),
     "index_rope_interleave": ("mla", "index_rope_interleave"),
+    "index_rope_last": ("mla", "index_rope_last"),
+    "mla_output_gate": ("mla", "output_gate"),
+    "mla_lora_scale": ("mla", "lora_scale"),
+    "index_norm_eps": ("mla", "index_norm_eps"),
     "index_shared_layers": ("mla", "index_shared_layers"),
     # embedding
     "scale_embeddings": ("embedding", "scale"),

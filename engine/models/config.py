@@ -230,6 +230,10 @@ class HyperConnectionConfig(Strict):
     streams: int = Field(4, gt=0)
     iterations: int = Field(20, gt=0)
     eps: float = Field(1e-6, gt=0)
+    independent: bool = False
+    """No stream mix, `post` = magnitude * sigmoid(.) + eps (HY-V4's independent hyper-connections)."""
+    magnitude: float = Field(2.0, gt=0)
+    """`post`'s scale (hc_magnitude)."""
 
 
 class AltUpConfig(Strict):
@@ -820,6 +824,9 @@ class ModelConfig(Strict):
             if layer.hashed:
                 ffn = ffn.model_copy(update={"hash_vocab": self.vocab_size})
         hc = self.hyper_connections
+        shortcut = self.block.shortcut_moe and layer.ffn == "moe"  # LongCat-Flash: the experts beside
+        if shortcut:
+            ffn = self._mlp_spec(layer.mlp_dim or self.mlp.dim)
         return LayerSpec(
             stack=layer.stack,
             mixer=self._mixer_spec(layer),
@@ -836,6 +843,8 @@ class ModelConfig(Strict):
             hyper=None if hc is None else HyperConnectionSpec(**hc.model_dump(), norm_eps=self.norm.eps),
             laurel=None if self.block.laurel_rank is None else LaurelSpec(rank=self.block.laurel_rank),
             altup=None if self.altup is None else AltUpSpec(**self.altup.model_dump(), norm_eps=self.norm.eps),
+            shortcut_moe=self._moe_spec() if shortcut else None,
+            shortcut_close=self.block.shortcut_moe and layer.ffn == "mlp",
         )
 
     def _sparse_gates(self, specs: list[LayerSpec]) -> list[LayerSpec]:
@@ -864,7 +873,7 @@ class ModelConfig(Strict):
             gate_multiplier=1.0 if mup is None else mup.mlp_gate,
             down_multiplier=1.0 if mup is None else mup.mlp_down,
             bias=self.mlp.bias,
-            swiglu_limit=self.moe.swiglu_limit,
+            swiglu_limit=self.moe.swiglu_limit if self.moe.clamp_dense else None,
             swiglu_alpha=self.moe.swiglu_alpha,
         )
 
@@ -887,6 +896,9 @@ class ModelConfig(Strict):
             router_input_norm=self.moe.router_input_norm,
             router_expert_scale=self.moe.router_expert_scale,
             router_norm_eps=self.norm.eps,
+            router_softcap=self.moe.router_softcap,
+            clamp_shared=self.moe.clamp_dense,
+            zero_experts=self.moe.zero_experts,
             expert_bias=self.moe.expert_bias,
             swiglu_limit=self.moe.swiglu_limit,
             swiglu_alpha=self.moe.swiglu_alpha,
@@ -903,7 +915,9 @@ class ModelConfig(Strict):
     def _rotary(self, local: bool) -> RotarySpec:
         if local and self.rope.local_theta is not None:  # local layers: their own base, unscaled (Gemma 3)
             return RotarySpec(
-                theta=self.rope.local_theta, rotary_dim=self.rope.rotary_dim, interleave=self.rope.interleave
+                theta=self.rope.local_theta,
+                rotary_dim=self.rope.local_rotary_dim or self.rope.rotary_dim,
+                interleave=self.rope.interleave,
             )
         return RotarySpec(
             theta=self.rope.theta,
@@ -935,6 +949,7 @@ class ModelConfig(Strict):
             output_gate=self.attention.output_gate,
             sinks=self.attention.sinks and (layer.local or not self.attention.local_sinks_only),
             head_gate=self.attention.head_gate,
+            head_gate_activation=self.attention.head_gate_activation,
             kv_sharing=layer.kv_sharing,
             rope=self._rotary(layer.local) if layer.rope and self.positions == "rope" else None,
             window=self.attention.sliding_window if layer.local else None,
@@ -985,6 +1000,8 @@ class ModelConfig(Strict):
                     head_dim=self.mla.index_head_dim,
                     rope_interleave=self.mla.index_rope_interleave,
                     shared=layer.index_shared,
+                    rope_last=self.mla.index_rope_last,
+                    key_norm_eps=self.mla.index_norm_eps or 1e-6,
                 )
             return MLASpec(
                 num_heads=self.attention.num_heads,
@@ -1002,6 +1019,9 @@ class ModelConfig(Strict):
                 indexer=indexer,
                 scale=mla_score_scale(self.attention.head_dim, self.rope.scaling),
                 head_gate=self.attention.head_gate,
+                sinks=self.attention.sinks,
+                output_gate=self.mla.output_gate,
+                lora_scale=self.mla.lora_scale,
             )
         if layer.mixer == "compressed_attention":
             ca = self.compressed_attention

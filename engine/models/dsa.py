@@ -79,6 +79,7 @@ class Indexer(nnx.Module):
         self.heads, self.head_dim, self.rope_dim = g, i, spec.rope_head_dim
         rope = spec.rope or RotarySpec()
         self.rope_theta, self.rope_scaling, self.interleave = rope.theta, rope.scaling, indexer.rope_interleave
+        self.rope_last, self.key_norm_eps = indexer.rope_last, indexer.key_norm_eps  # HY-V4: the last dims, its eps
         self.dtype = build.dtype
         self.matmul_backward, self.dot_general = build.compute.matmul_backward, build.dot_general
 
@@ -89,12 +90,14 @@ class Indexer(nnx.Module):
         """RoPE on the first rope_head_dim dimensions; interleaved pairs as mla.py rotates them
         (evens then odds, which leaves every dot product as transformers' order does)."""
         r = self.rope_dim
-        x_rot = x_btgi[..., :r]
+        x_rot = x_btgi[..., -r:] if self.rope_last else x_btgi[..., :r]
         if self.interleave:
             x_rot = jnp.concatenate([x_rot[..., 0::2], x_rot[..., 1::2]], axis=-1)
         inv_freq = rope_inverse_frequencies(r, self.rope_theta, self.rope_scaling)
         factor = 1.0 if self.rope_scaling is None else self.rope_scaling.yarn_attention_factor()
         x_rot = apply_rope(x_rot, positions_bt, inv_freq, factor, max_position)
+        if self.rope_last:
+            return jnp.concatenate([x_btgi[..., :-r], x_rot], axis=-1)
         return jnp.concatenate([x_rot, x_btgi[..., r:]], axis=-1)
 
     def keys(self, x_btd, positions_bt, max_position: int):
@@ -102,7 +105,7 @@ class Indexer(nnx.Module):
         k_bti = self._dense(x_btd, self.wk_di).astype(jnp.float32)
         mean = jnp.mean(k_bti, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(k_bti - mean), axis=-1, keepdims=True)
-        k_bti = (k_bti - mean) * jax.lax.rsqrt(var + LAYER_NORM_EPS)
+        k_bti = (k_bti - mean) * jax.lax.rsqrt(var + self.key_norm_eps)
         k_bti = k_bti * self.k_norm_scale[...].astype(jnp.float32) + self.k_norm_bias[...].astype(jnp.float32)
         return self._rope(k_bti[:, :, None], positions_bt, max_position)[:, :, 0]
 
@@ -212,6 +215,7 @@ def sparse_attention(
     ties: str = "first",
     keys=None,
     first_b=None,
+    sinks_n=None,
 ):
     """DeepSeek Sparse Attention's sparse path: ((b, t, n, w) output, the indexer's KL over
     the selected keys or None). Queries go in chunks (a lax.scan; each chunk rematerialised in
@@ -221,7 +225,7 @@ def sparse_attention(
     without a cache (t == s; causal, same segment, 0 padding), or the cache's `mask_bts`. The
     same selection and softmax as the dense-masked path (MLA._sparse); the KL as indexer_kl's,
     its target the attention probabilities the chunk computed (constants). `ties`, `keys` and
-    `first_b`: top_k_indices'."""
+    `first_b`: top_k_indices'. `sinks_n`: MLA's attention sinks (HY-V4)."""
     b, t, n, _ = q_nope_btno.shape
     s = latent_bsc.shape[1]
     assert top_k < s and (segments_bt is None) != (mask_bts is None)
@@ -261,7 +265,16 @@ def sparse_attention(
         index_bck = jnp.minimum(top_k_indices(scores_bcs, top_k, ties, keys, first_b), s - 1)  # as select_top_k
         selected_bck = jnp.take_along_axis(visible_bcs, index_bck, axis=-1)
         out_bcnw, probs_bcnk = selected_latent_attention(
-            x["q_nope"], x["q_rope"], latent_bsc, k_rope_bsr, index_bck, selected_bck, w_kb_cno, w_vb_cnw, scale=scale
+            x["q_nope"],
+            x["q_rope"],
+            latent_bsc,
+            k_rope_bsr,
+            index_bck,
+            selected_bck,
+            w_kb_cno,
+            w_vb_cnw,
+            scale=scale,
+            sinks_n=sinks_n,
         )
         if with_kl:
             keys_bcki = gather_rows(index_k_f32, index_bck)

@@ -34,7 +34,7 @@ from engine.models.lora import MLA_WEIGHTS, adapted_weight, add_adapters, has_ad
 from engine.models.rope import apply_rope, rope_inverse_frequencies
 from engine.models.specs import MLASpec, RotarySpec
 from engine.ops.attention import attention
-from engine.ops.attention_reference import attention_mask, dot_product_attention
+from engine.ops.attention_reference import attention_mask, dot_product_attention, softmax_with_sinks
 from engine.ops.dense import dense
 from engine.ops.partitioning import constrain
 
@@ -70,6 +70,10 @@ class MLA(nnx.Module):
                     "model.attention.head_gate (a gate per head) is not supported with the sparse-attention indexer"
                 )
             self.w_head_gate_dn = param(rngs, (d, n), std, ("embed", "heads"), pdt)
+        if spec.sinks:  # HY-V4: a logit per head in the softmax's denominator
+            self.sinks_n = nnx.Param(jnp.zeros((n,), pdt), out_sharding=("heads",))
+        if spec.output_gate:  # HY-V4: sigmoid(x . W_gate) per head and value dimension on the output
+            self.w_gate_dnw = param(rngs, (d, n, w), std, ("embed", "heads", "head_dim"), pdt)
         self.q_lora = spec.q_lora_rank is not None
         self.nope_dim, self.rope_dim, self.latent_dim, self.value_dim = h - r, r, c, w
         self.scale = spec.score_scale  # the same for every layer of a model
@@ -97,6 +101,16 @@ class MLA(nnx.Module):
         attention's query has) quantized, as it holds every attention projection it names."""
         return project(self, attr, x, n_in, self.dtype, backward=self.matmul_backward, dot_general=self.dot_general)
 
+    def _output(self, out_btnw, x_btd, spec: MLASpec, gate_btn=None):
+        """o_proj of the heads' outputs (b, t, n, w), gated first where the spec says: per head
+        (gate_btn, Ling 3's head gate) or per head and value dimension (HY-V4's output gate)."""
+        if gate_btn is not None:
+            out_btnw = out_btnw * gate_btn[..., None]
+        if spec.output_gate:
+            gate_btnw = jax.nn.sigmoid(self._dense(x_btd, "w_gate_dnw").astype(jnp.float32))
+            out_btnw = (out_btnw.astype(jnp.float32) * gate_btnw).astype(out_btnw.dtype)
+        return self._dense(out_btnw, "wo_nwd", 2)
+
     def _rope(self, x_btnr, positions_bt, max_position: int, rope: RotarySpec):
         """RoPE on the rotary part; interleaved checkpoints rotate pairs (x0, x1), (x2, x3), ...,
         which is the half-split rotation of the evens followed by the odds (transformers'
@@ -123,12 +137,6 @@ class MLA(nnx.Module):
         result, index_state = self._call(x_btd, positions_bt, segment_ids_bt, spec, cache, index_state, gate_btn)
         return result if index_state is None else (result, index_state)
 
-    def _out(self, out_btnw, gate_btn):
-        """The output projection of the heads' outputs (b, t, n, w), each gated where gate_btn is given."""
-        if gate_btn is not None:
-            out_btnw = out_btnw * gate_btn[..., None]
-        return self._dense(out_btnw, "wo_nwd", 2)
-
     def _call(self, x_btd, positions_bt, segment_ids_bt, spec: MLASpec, cache, index_state, gate_btn=None):
         """__call__'s (result, index_state, None where none was given)."""
         o, r, c = self.nope_dim, self.rope_dim, self.latent_dim
@@ -139,13 +147,18 @@ class MLA(nnx.Module):
             q_btnh = self._dense(q_latent_btq, "wq_b_qnh")
         else:
             q_btnh = self._dense(x_btd, "wq_dnh")
+        if spec.lora_scale and self.q_lora:  # LongCat-Flash: sqrt(d / q_lora_rank)
+            q_btnh = q_btnh * jnp.asarray((x_btd.shape[-1] / spec.q_lora_rank) ** 0.5, q_btnh.dtype)
         q_btnh = constrain(q_btnh, ("act_batch", "act_seq", "act_heads", None))
         max_position = positions_bt.shape[1] if cache is None else cache.length  # RoPE's table (rope.py)
         q_nope, q_rope = q_btnh[..., :o], rotate(q_btnh[..., o:], positions_bt, max_position)
         kv_btx = self._dense(x_btd, "wkv_a_dx")
         latent_btc = self.kv_norm(kv_btx[..., :c])
+        if spec.lora_scale:  # LongCat-Flash: sqrt(d / kv_lora_rank)
+            latent_btc = latent_btc * jnp.asarray((x_btd.shape[-1] / c) ** 0.5, latent_btc.dtype)
         k_rope_bt1r = rotate(kv_btx[..., None, c:], positions_bt, max_position)
         window = spec.window
+        sinks_n = self.sinks_n[...] if spec.sinks else None  # HY-V4
         wkv_b_cny = self.wkv_b_cny[...]
         if has_adapter(self, "wkv_b_cny"):  # read as a matrix (absorbed): its update folded in
             wkv_b_cny = adapted_weight(self, "wkv_b_cny", 1, wkv_b_cny.dtype)
@@ -186,8 +199,9 @@ class MLA(nnx.Module):
                         ties=self.indexer_ties,
                         keys=cache.end + x_btd.shape[1],
                         first_b=first_b,
+                        sinks_n=sinks_n,
                     )
-                    return (self._dense(out_btnw, "wo_nwd", 2), cache), index_state
+                    return (self._output(out_btnw, x_btd, spec, gate_btn), cache), index_state
                 scores_bts = Indexer.scores(index_q_btgi, index_w_btg, index_k_bsi, mask_bts)
                 keys = cache.end + x_btd.shape[1]
                 mask_bts = mask_bts & select_top_k(scores_bts, self.index_topk, self.indexer_ties, keys, first_b)
@@ -199,8 +213,9 @@ class MLA(nnx.Module):
                 mask_bts,
                 w_kb_cno.astype(self.dtype),
                 w_vb_cnw.astype(self.dtype),
+                sinks_n,
             )
-            return (self._out(out_btnw, gate_btn), cache), index_state
+            return (self._output(out_btnw, x_btd, spec, gate_btn), cache), index_state
         if self.index_topk is not None and passes_on:
             index_state = (index_q_btgi, index_w_btg, index_k_bti)
         if self.index_topk is not None and self.indexer_loss != "warmup" and self._gathers(x_btd.shape[1]):
@@ -220,8 +235,9 @@ class MLA(nnx.Module):
                 segments_bt=segments_bt,
                 with_kl=self.indexer_loss == "sparse",
                 ties=self.indexer_ties,
+                sinks_n=sinks_n,
             )
-            out_btd = self._dense(out_btnw, "wo_nwd", 2)
+            out_btd = self._output(out_btnw, x_btd, spec, gate_btn)
             return (out_btd if kl is None else (out_btd, kl)), index_state
         kv_btny = dense(
             latent_btc, wkv_b_cny.astype(self.dtype), backward=self.matmul_backward, dot_general=self.dot_general
@@ -236,7 +252,9 @@ class MLA(nnx.Module):
         elif w > h:  # zeros on q and k leave the scores as they are
             q_btnh, k_btnh = (jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, w - h))) for a in (q_btnh, k_btnh))
         if self.index_topk is not None:
-            out = self._sparse(q_btnh, k_btnh, v_btnw, segment_ids_bt, index_q_btgi, index_w_btg, index_k_bti, w)
+            out = self._sparse(
+                q_btnh, k_btnh, v_btnw, segment_ids_bt, index_q_btgi, index_w_btg, index_k_bti, w, x_btd, spec
+            )
             return out, index_state
         with jax.named_scope("core"):
             out_btnh = attention(
@@ -249,8 +267,9 @@ class MLA(nnx.Module):
                 window=window,
                 local=window is not None,
                 block=self.attention_block,
+                sinks_n=sinks_n,
             )
-        return self._out(out_btnh[..., :w], gate_btn), index_state
+        return self._output(out_btnh[..., :w], x_btd, spec, gate_btn), index_state
 
     def _gathers(self, keys: int) -> bool:
         """Whether sparse attention gathers each query's selected keys (dsa.sparse_attention)
@@ -258,7 +277,9 @@ class MLA(nnx.Module):
         which keeps the dense-masked path (MLA._sparse, _absorbed's mask) the tests compare to."""
         return self.index_topk is not None and self.index_topk < keys and self.attention_impl != "reference"
 
-    def _sparse(self, q_btnh, k_btnh, v_btnh, segment_ids_bt, index_q_btgi, index_w_btg, index_k_bti, w: int):
+    def _sparse(
+        self, q_btnh, k_btnh, v_btnh, segment_ids_bt, index_q_btgi, index_w_btg, index_k_bti, w: int, x_btd, spec
+    ):
         """Training and prefill with the indexer: each query attends to its top-k visible keys
         over an explicit mask. Dense where no query can see more than index_topk keys (the
         selection keeps them all) and in the indexer's dense warm-up; the indexer's KL
@@ -267,6 +288,7 @@ class MLA(nnx.Module):
         assert top_k is not None
         segments_bt = jnp.ones(q_btnh.shape[:2], jnp.int32) if segment_ids_bt is None else segment_ids_bt
         dense = t <= top_k or self.indexer_loss == "warmup"
+        sinks_n = self.sinks_n[...] if spec.sinks else None  # HY-V4
         visible_bts = attention_mask(segments_bt, segments_bt)
         if dense and self.indexer_loss == "none":
             scores_bts = None
@@ -282,17 +304,20 @@ class MLA(nnx.Module):
                     impl=self.attention_impl,
                     scale=self.scale,
                     block=self.attention_block,
+                    sinks_n=sinks_n,
                 )
                 selected_bts = visible_bts
             else:
                 selected_bts = visible_bts & select_top_k(scores_bts, top_k, self.indexer_ties)
-                out_btnh = dot_product_attention(q_btnh, k_btnh, v_btnh, selected_bts, scale=self.scale)
-        out_btd = self._dense(out_btnh[..., :w], "wo_nwd", 2)
+                out_btnh = dot_product_attention(
+                    q_btnh, k_btnh, v_btnh, selected_bts, scale=self.scale, sinks_n=sinks_n
+                )
+        out_btd = self._output(out_btnh[..., :w], x_btd, spec)
         if self.indexer_loss == "none":
             return out_btd
         return out_btd, indexer_kl(q_btnh, k_btnh, self.scale, selected_bts, scores_bts, segments_bt != 0)
 
-    def _absorbed(self, q_nope_btno, q_rope_btnr, latent_bsc, k_rope_bsr, mask_bts, w_kb_cno, w_vb_cnw):
+    def _absorbed(self, q_nope_btno, q_rope_btnr, latent_bsc, k_rope_bsr, mask_bts, w_kb_cno, w_vb_cnw, sinks_n=None):
         """Attention over the compressed cache, softmax in float32: scores are (W_uk^T q_o) . c
         + q_r . k_r, the output W_uv (sum_s p_s c_s)."""
         f32 = jnp.float32
@@ -301,7 +326,8 @@ class MLA(nnx.Module):
             "btnr,bsr->bnts", q_rope_btnr.astype(f32), k_rope_bsr.astype(f32)
         )
         scores_bnts = jnp.where(mask_bts[:, None], scores_bnts * self.scale, NEG_INF)
-        probs_bnts = jax.nn.softmax(scores_bnts, axis=-1)
+        sinks = None if sinks_n is None else sinks_n.astype(f32)[None, :, None, None]  # HY-V4
+        probs_bnts = softmax_with_sinks(scores_bnts, sinks)
         out_latent_btnc = jnp.einsum("bnts,bsc->btnc", probs_bnts, latent_bsc.astype(f32))
         out_btnw = jnp.einsum("btnc,cnw->btnw", out_latent_btnc, w_vb_cnw.astype(f32))
         return out_btnw.astype(self.dtype)

@@ -274,15 +274,16 @@ class MoE(nnx.Module):
     def __init__(self, spec: MoESpec, build: Build, *, rngs: nnx.Rngs):
         d, f, e = build.d_model, spec.expert_dim, spec.num_experts
         pdt, std, out_std = build.param_dtype, build.init_std, build.out_std
-        self.w_router_de = param(rngs, (d, e), std, ("embed", None), pdt)
+        self.zero_experts, self.router_width = spec.zero_experts, e + spec.zero_experts  # LongCat-Flash
+        self.w_router_de = param(rngs, (d, self.router_width), std, ("embed", None), pdt)
         if spec.router_input_norm:  # Gemma 4: the router reads rms-normed x times this / sqrt(d)
             self.router_scale_d = nnx.Param(jnp.ones((d,), pdt), out_sharding=("norm",))
         if spec.router_expert_scale:  # Gemma 4: a factor per expert on its routing weight
             self.expert_scale_e = nnx.Param(jnp.ones((e,), pdt), out_sharding=(None,))
         if spec.router_bias and not spec.hash_vocab:  # a hash-routed layer's table chooses instead
-            self.b_router_e = nnx.Param(jnp.zeros((e,), jnp.float32), out_sharding=(None,))
+            self.b_router_e = nnx.Param(jnp.zeros((self.router_width,), jnp.float32), out_sharding=(None,))
         if spec.router_logits_bias:  # GPT-OSS: the router Linear's bias
-            self.b_logits_e = nnx.Param(jnp.zeros((e,), pdt), out_sharding=(None,))
+            self.b_logits_e = nnx.Param(jnp.zeros((self.router_width,), pdt), out_sharding=(None,))
         self.gated = spec.gated  # false: experts down(act(up(x))), no gate (Nemotron-H)
         if self.gated:
             self.w_gate_edf = param(rngs, (e, d, f), std, ("expert", "embed", "mlp"), pdt)
@@ -320,6 +321,7 @@ class MoE(nnx.Module):
             )
         )
         self.clamped = spec.swiglu_limit is not None
+        self.clamp_shared = spec.clamp_shared  # HY-V4: the routed experts' SwiGLU only
         if spec.hash_vocab:  # the token -> experts table (frozen; floats, as every parameter)
             self.hash_experts_vk = nnx.Param(
                 jnp.zeros((spec.hash_vocab, spec.experts_per_token), jnp.float32), out_sharding=(None, None)
@@ -331,6 +333,7 @@ class MoE(nnx.Module):
         self.input_norm, self.expert_scale = spec.router_input_norm, spec.router_expert_scale
         self.norm_eps = spec.router_norm_eps
         self.sparsemixer_eps = spec.sparsemixer_eps
+        self.softcap = spec.router_softcap
         self.dtype = build.dtype
         self.dispatch, self.capacity_factor = build.compute.moe_dispatch, build.compute.moe_capacity_factor
         self.matmul_backward, self.dot_general = build.compute.matmul_backward, build.dot_general
@@ -387,9 +390,11 @@ class MoE(nnx.Module):
                 backward=self.matmul_backward,
                 dot_general=self.dot_general,
             )
-            logits_ne = logits_bte.reshape(b * t, self.num_experts)
+            logits_ne = logits_bte.reshape(b * t, self.router_width)
             if self.logits_bias:
                 logits_ne = logits_ne + self.b_logits_e[...].astype(jnp.float32)
+            if self.softcap is not None:  # Laguna: cap * tanh(logits / cap)
+                logits_ne = self.softcap * jnp.tanh(logits_ne / self.softcap)
             bias = self.b_router_e[...] if self.router_bias else None
             if self.sparsemixer_eps is not None:  # PhiMoE
                 weights_nk, experts_nk = sparsemixer(
@@ -414,8 +419,14 @@ class MoE(nnx.Module):
             router_replay.record(experts_nk, b, t)
             if self.expert_scale:
                 weights_nk = weights_nk * self.expert_scale_e[...].astype(jnp.float32)[experts_nk]
-            stats = router_stats(logits_ne, experts_nk, valid_bt.reshape(-1), self.num_experts, self.score)
+            stats = router_stats(logits_ne, experts_nk, valid_bt.reshape(-1), self.router_width, self.score)
             feedback = load_feedback(bias, stats.assigned_e) if self.router_bias else 0.0
+            identity_n1 = None
+            if self.zero_experts:  # LongCat-Flash: a chosen zero expert adds its weight times the token
+                zero_nk = experts_nk >= self.num_experts
+                identity_n1 = jnp.sum(jnp.where(zero_nk, weights_nk, 0.0), axis=-1, keepdims=True)
+                weights_nk = jnp.where(zero_nk, 0.0, weights_nk)
+                experts_nk = jnp.where(zero_nk, 0, experts_nk)
         gate = self.w_gate_edf if self.gated else self.w_up_edf
         experts = [w[...].astype(dt) for w in (gate, self.w_up_edf, self.w_down_efd)]
         biases = (
@@ -438,7 +449,7 @@ class MoE(nnx.Module):
             hidden = self.activation(dense(x_btd, self.w_shared_up_dg[...].astype(dt), **kw).astype(jnp.float32))
             hidden = constrain(hidden.astype(dt), ("act_batch", "act_seq", "act_mlp"))
             out_btd = out_btd + dense(hidden, self.w_shared_down_gd[...].astype(dt), **kw)
-        elif self.shared and self.clamped:  # MiniMax-M3's shared expert: the experts' clamped SwiGLU too
+        elif self.shared and self.clamped and self.clamp_shared:  # MiniMax-M3's: the experts' clamped SwiGLU too
             kw = {"backward": self.matmul_backward, "dot_general": self.dot_general}
             gate = dense(x_btd, self.w_shared_gate_dg[...].astype(dt), **kw).astype(jnp.float32)
             up = dense(x_btd, self.w_shared_up_dg[...].astype(dt), **kw).astype(jnp.float32)
@@ -462,6 +473,9 @@ class MoE(nnx.Module):
             if self.shared_scale != 1.0:  # Cohere 2 MoE: the routed and shared outputs averaged
                 shared_btd = shared_btd * self.shared_scale
             out_btd = out_btd + shared_btd
+        if identity_n1 is not None:
+            identity_bt1 = identity_n1.reshape(b, t, 1)
+            out_btd = out_btd + (x_btd.astype(jnp.float32) * identity_bt1).astype(out_btd.dtype)
         if self.output_bias:
             out_btd = out_btd + self.b_out_d[...].astype(out_btd.dtype)
         out_btd = out_btd + jnp.asarray(feedback, out_btd.dtype)

@@ -104,6 +104,8 @@ class AttentionConfig(Strict):
     head_gate: bool = False
     """Each head's output times sigmoid(x . w), a learned scalar gate per head and token from the
     layer's input, before o_proj (LFM3's g_proj)."""
+    head_gate_activation: Literal["sigmoid", "softplus"] = "sigmoid"
+    """With head_gate: the gate's activation, sigmoid (LFM3) or softplus (Laguna's g_proj)."""
     value_dim: int | None = Field(None, gt=0)
     """The value heads' width where it differs from head_dim (at most it; MiMo-V2-Flash's
     v_head_dim, 128 under 192-wide queries and keys); None: head_dim."""
@@ -142,6 +144,9 @@ class RopeConfig(Strict):
     interleave: bool = False
     """RoPE rotates adjacent pairs (x0, x1), (x2, x3), ... instead of (first half, second half)
     pairs (DeepSeek-V3's MLA checkpoints; Llama 4's attention)."""
+    local_rotary_dim: int | None = Field(None, gt=0)
+    """The local (sliding-window) layers' rotary width where it differs from rotary_dim (Laguna:
+    whole heads there, half on its global layers); None: rotary_dim."""
     mrope_section: list[int] | None = None
     """Qwen3.5's multimodal RoPE: how many rotary frequencies the time, height and width
     position axes each take (rope_parameters.mrope_section). Text positions are equal on the
@@ -172,6 +177,10 @@ class BlockConfig(Strict):
     """Layers whose mixer is not attention are pre-norm only, x + mixer(norm(x)), whatever
     pre_norms and post_norms say of the attention layers (OLMo Hybrid: post-norm attention
     layers, pre-norm Gated DeltaNet ones)."""
+    shortcut_moe: bool = False
+    """LongCat-Flash's pairs of layers: the expert layers (ffn_pattern moe) run a dense MLP and,
+    on its input, the experts, whose output joins the stream at the end of the next layer, a
+    dense one (LayerSpec.shortcut_moe, shortcut_close)."""
 
 
 class MLPConfig(Strict):
@@ -274,6 +283,15 @@ class MoEConfig(Strict):
     experts read their own pre-norm of the residual, the router the residual itself (Gemma 4)."""
     output_bias: bool = False
     """A learned bias on the mixture's output (JetMoE)."""
+    zero_experts: int = Field(0, ge=0)
+    """Zero-computation experts beside the routed ones (LongCat-Flash's zero_expert_num): chosen
+    like any expert, each adds its weight times the token itself."""
+    clamp_dense: bool = True
+    """With swiglu_limit: the shared experts and the dense MLP layers take the clamped SwiGLU
+    too (MiniMax-M3, DeepSeek-V4); False: only the routed experts do (HY-V4)."""
+    router_softcap: float | None = Field(None, gt=0)
+    """The router logits become cap * tanh(logits / cap) before scoring (Laguna's
+    moe_router_logit_softcapping); None: as they are."""
     hash_layers: int = Field(0, ge=0)
     """The first hash_layers layers' experts are hash-routed: a token's experts are a fixed
     table's row for its id (DeepSeek-V4, engine/models/hash_routing.py)."""
@@ -304,6 +322,17 @@ class MLAConfig(Strict):
     rope_head_dim of them rotary."""
     index_rope_interleave: bool = False
     """The indexer's RoPE rotates adjacent pairs (GLM-5), else halves (DeepSeek-V3.2)."""
+    output_gate: bool = False
+    """Each head's output times sigmoid(x . W_gate) per value dimension before o_proj, W_gate a
+    projection of its own (HY-V4's gate_proj). Sinks: attention.sinks."""
+    lora_scale: bool = False
+    """Queries times sqrt(d_model / q_lora_rank), the normed latent times sqrt(d_model /
+    kv_lora_rank) (LongCat-Flash)."""
+    index_rope_last: bool = False
+    """The indexer's RoPE rotates the last rope_head_dim dimensions of its queries and key, not
+    the first (HY-V4)."""
+    index_norm_eps: float | None = Field(None, gt=0)
+    """The indexer's key LayerNorm epsilon; None: 1e-6, as DeepSeek-V3.2's (HY-V4's: rms_norm_eps)."""
     index_shared_layers: list[int] | None = None
     """Sparse-attention layers that run no indexer and attend to the keys the last earlier
     layer's indexer selected (GLM-5's indexer_types "shared"; transformers passes that layer's

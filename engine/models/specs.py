@@ -131,6 +131,8 @@ class AttentionSpec(Spec):
     """call: the values are multiplied by this after their projection (MiMo-V2-Flash)."""
     block_indexer: BlockIndexerSpec | None = None
     """Block-sparse attention chosen by an indexer of its own (MiniMax-M3's sparse layers)."""
+    head_gate_activation: Literal["sigmoid", "softplus"] = "sigmoid"
+    """call: head_gate's activation of x . w_n (Laguna's g_proj: softplus)."""
 
     def structure(self) -> AttentionSpec:
         """This spec with the call fields at their defaults: what its parameters depend on."""
@@ -201,6 +203,10 @@ class IndexerSpec(Spec):
     """No indexer of its own: the layer selects with the last earlier indexer's queries, head
     weights and keys, which the decoder carries from layer to layer beside the residual stream
     while any layer is shared (GLM-5's indexer_types "shared")."""
+    rope_last: bool = False
+    """RoPE on the last rope_head_dim dimensions of its queries and key, not the first (HY-V4)."""
+    key_norm_eps: float = 1e-6
+    """The key LayerNorm's epsilon (transformers' DeepSeek-V3.2 fixes 1e-6; HY-V4's is rms_norm_eps)."""
 
 
 class MLASpec(Spec):
@@ -223,6 +229,14 @@ class MLASpec(Spec):
     head_gate: bool = False
     """Each head's output times sigmoid(x . w_h), one scalar per head and token, before the
     output projection (Ling 3's g_proj)."""
+    sinks: bool = False
+    """A learned logit per head in each softmax's denominator (HY-V4)."""
+    output_gate: bool = False
+    """Each head's output times sigmoid(x . W_gate) per value dimension, before o_proj, from a
+    projection of its own (HY-V4's gate_proj)."""
+    lora_scale: bool = False
+    """call: queries times sqrt(d / q_lora_rank), the normed latent times sqrt(d / kv_lora_rank)
+    (LongCat-Flash's mla_scale_q_lora, mla_scale_kv_lora)."""
 
     @property
     def score_scale(self) -> float:
@@ -243,7 +257,8 @@ class MLASpec(Spec):
             assert self.q_lora_rank is not None
             h, w = self.indexer.heads, self.indexer.head_dim
             q += self.q_lora_rank * h * w + d * w + 2 * w + d * h
-        return q + kv + n * self.value_head_dim * d + d * n * self.head_gate
+        extras = n * self.sinks + d * n * self.value_head_dim * self.output_gate + d * n * self.head_gate
+        return q + kv + n * self.value_head_dim * d + extras
 
 
 def mla_score_scale(head_dim: int, scaling: RopeScaling | None) -> float:
@@ -570,12 +585,17 @@ class HyperConnectionSpec(Spec):
     """The floor added to `pre`, `comb` and each normalisation's sum (hc_eps)."""
     norm_eps: float = 1e-6
     """The RMS norm of the streams the weights are computed from."""
+    independent: bool = False
+    """No stream mix (HY-V4's independent hyper-connections): x'_k = post_k y + x_k, with
+    post = magnitude * sigmoid(.) + eps; only `pre` and `post` are learned (two scales)."""
+    magnitude: float = 2.0
+    """`post`'s scale: 2 in DeepSeek-V4 (hc_magnitude)."""
 
     def params(self, d: int) -> int:
-        """One sublayer's connection: the projection, its biases and the three scales."""
+        """One sublayer's connection: the projection, its biases and the three (two) scales."""
         n = self.streams
-        mixes = (2 + n) * n
-        return mixes * n * d + mixes + 3
+        mixes = 2 * n if self.independent else (2 + n) * n
+        return mixes * n * d + mixes + (2 if self.independent else 3)
 
 
 class LaurelSpec(Spec):
@@ -713,11 +733,20 @@ class MoESpec(Spec):
     hash_vocab: int = 0
     """Hash routing (DeepSeek-V4's first layers): each token's experts are a fixed table's row
     for its id (transformers' tid2eid, a buffer: not counted), over a vocabulary of this many; 0: none."""
+    clamp_shared: bool = True
+    """With swiglu_limit: the shared experts take the clamped SwiGLU too (MiniMax-M3,
+    DeepSeek-V4); False: the plain one (HY-V4)."""
+    router_softcap: float | None = None
+    """The router logits become cap * tanh(logits / cap) before scoring (Laguna); None: as they are."""
+    zero_experts: int = 0
+    """Zero-computation experts routed beside the num_experts (LongCat-Flash): the router scores
+    num_experts + zero_experts, and a token's chosen zero experts add their weight times the
+    token itself."""
 
     def params(self, d: int, active: bool = False) -> int:
         experts = self.experts_per_token if active else self.num_experts
         n = (3 if self.gated else 2) * d * (self.expert_dim * experts + self.shared_dim)
-        n += d * self.shared_expert_gate + d * self.num_experts  # not router_bias: a buffer in transformers
+        n += d * self.shared_expert_gate + d * (self.num_experts + self.zero_experts)  # not router_bias: a buffer
         n += (2 * self.expert_dim + d) * experts * self.expert_bias + self.num_experts * self.router_logits_bias
         n += d * self.router_input_norm + self.num_experts * self.router_expert_scale
         if self.beside is not None:  # and its three norms
@@ -764,6 +793,12 @@ class LayerSpec(Spec):
     """sequential: x + mixer(norm(x)), then + ffn(norm(that)); parallel: x + mixer(norm1(x)) +
     ffn(norm2(x)) (GPT-NeoX, Falcon's new architecture); parallel_shared_norm: one norm for both,
     x + mixer(norm(x)) + ffn(norm(x)) (GPT-J, Phi, Cohere)."""
+    shortcut_moe: MoESpec | None = None
+    """LongCat-Flash's shortcut-connected experts: the layer also runs them on its MLP's input,
+    and their output joins the stream at the end of the next layer (shortcut_close), carried
+    beside it: the decoder's stream is then (b, t, 2 d), the stream and the carried output."""
+    shortcut_close: bool = False
+    """The layer adds the carried shortcut experts' output after its MLP (LongCat-Flash)."""
 
     @property
     def attention(self) -> AttentionSpec | None:
@@ -801,6 +836,8 @@ class LayerSpec(Spec):
             n += self.laurel.params(d, self.norm)
         if self.altup is not None:
             n += self.altup.params(d)
+        if self.shortcut_moe is not None:
+            n += self.shortcut_moe.params(d, active)
         return n
 
 

@@ -272,8 +272,10 @@ class Attention(nnx.Module):
         out_btnh = out_btnh[..., :value_dim]  # the zero columns of padded values dropped
         if self.output_gate:  # sigmoid(gate) per head and dimension, in the compute dtype
             out_btnh = out_btnh * jax.nn.sigmoid(gate).astype(out_btnh.dtype)
-        if spec.head_gate:  # sigmoid(x . w) per head, one scalar each
-            gate_btn = jax.nn.sigmoid(self._dense(x_btd, "w_head_gate_dn"))
+        if spec.head_gate:  # sigmoid(x . w) per head, one scalar each (Laguna: softplus)
+            gate_btn = self._dense(x_btd, "w_head_gate_dn")
+            softplus = spec.head_gate_activation == "softplus"  # in float32, as transformers' Laguna
+            gate_btn = jax.nn.softplus(gate_btn.astype(jnp.float32)) if softplus else jax.nn.sigmoid(gate_btn)
             out_btnh = out_btnh * gate_btn[..., None].astype(out_btnh.dtype)
         out_btd = self._dense(out_btnh, "wo_nhd", 2)
         if spec.out_bias:
@@ -520,6 +522,8 @@ class Block(nnx.Module):
             self.laurel = Laurel(spec.laurel, spec.norm, build, rngs=rngs)
         if spec.altup is not None:  # Gemma 3n's AltUp streams (altup.py)
             self.altup = AltUp(spec.altup, spec.norm, build, rngs=rngs)
+        if spec.shortcut_moe is not None:  # LongCat-Flash: the experts beside the MLP
+            self.shortcut = MoE(spec.shortcut_moe, build, rngs=rngs)
 
     def forward(
         self,
@@ -544,11 +548,13 @@ class Block(nnx.Module):
         earlier indexer's selection inputs (MLA.__call__), and x in the result is then (x, the
         state this layer passes on)."""
         if spec.hyper is not None:  # n residual streams (DeepSeek-V4): hyper_connection.py runs the layer
-            return hyper_layer(self, x_btd, positions_bt, segment_ids_bt, spec, cache, rotary)
+            return hyper_layer(self, x_btd, positions_bt, segment_ids_bt, spec, cache, rotary, index_state)
         if spec.altup is not None:  # AltUp's streams (Gemma 3n): altup.py runs the layer
             extra = {"per_layer_btp": per_layer_btp, "shared_kv": shared_kv, "store_kv": store_kv}
             return altup_layer(self, x_btd, positions_bt, segment_ids_bt, spec, cache, rotary=rotary, **extra)
-        indexer_kl = stats = None
+        indexer_kl = stats = carried_btd = None
+        if spec.shortcut_moe is not None or spec.shortcut_close:  # LongCat-Flash: (stream, carried experts' output)
+            x_btd, carried_btd = jnp.split(x_btd, 2, axis=-1)
         x_in, attn_in = x_btd, None  # a parallel layer's feed-forward reads the layer's input
         if spec.mixer is not None:
             extra = {"rotary": rotary, "shared_kv": shared_kv, "store_kv": store_kv, "index_state": index_state}
@@ -572,6 +578,8 @@ class Block(nnx.Module):
                 normed = x_in if spec.residual == "parallel" else x_btd
                 mlp_in = self.mlp_norm(normed) if spec.pre_norms else normed
             valid_bt = None if segment_ids_bt is None else segment_ids_bt != 0
+            if spec.shortcut_moe is not None:  # carried to the next layer's end
+                carried_btd, stats = self.shortcut(mlp_in, valid_bt)
             if isinstance(spec.ffn, MoESpec) and spec.ffn.beside is not None:
                 # the experts on their own pre-norm, routed by the residual itself
                 moe_out, stats = self.mlp(self.moe_norm(x_btd), valid_bt, router_x_btd=x_btd)
@@ -588,6 +596,9 @@ class Block(nnx.Module):
             x_btd = mlp_in * alpha + mlp_out * beta
         else:
             x_btd = x_btd + (self.post_mlp_norm(mlp_out) if spec.post_norms else mlp_out)
+        if spec.shortcut_close:  # the previous layer's experts join the stream
+            assert carried_btd is not None  # (split from the stream above)
+            x_btd, carried_btd = x_btd + carried_btd, jnp.zeros_like(carried_btd)
         if spec.per_layer_input_dim is not None:  # x + norm(proj(act(gate(x)) * e)), e this layer's input
             dt, kw = self.dtype, {"backward": self.compute.matmul_backward, "dot_general": self.dot_general}
             gate_btp = project(self, "per_layer_gate_dp", x_btd, 1, dt, **kw)  # (+ the LoRA updates, if adapted)
@@ -596,6 +607,8 @@ class Block(nnx.Module):
             x_btd = x_btd + self.post_per_layer_norm(out_btd)
         if spec.layer_scale:
             x_btd = x_btd * self.layer_scale[...].astype(x_btd.dtype)
+        if carried_btd is not None:
+            x_btd = jnp.concatenate([x_btd, carried_btd.astype(x_btd.dtype)], axis=-1)
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
         x_out = x_btd if index_state is None else (x_btd, index_state)
         return x_out, cache, stats if indexer_kl is None else WithIndexerLoss(stats, indexer_kl)
@@ -1275,6 +1288,9 @@ class Transformer(nnx.Module):
             x_btd = self.embed_norm(x_btd)
         if (hyper := cfg.layer_specs()[0].hyper) is not None:  # DeepSeek-V4: n copies of the stream
             x_btd = streams_of(x_btd, hyper.streams)
+        shortcut = cfg.block.shortcut_moe  # LongCat-Flash: the stream and the carried experts' output
+        if shortcut:
+            x_btd = jnp.concatenate([x_btd, jnp.zeros_like(x_btd)], axis=-1)
         x_btd = constrain(x_btd, ("act_batch", "act_seq", "act_embed"))
         hashed = hash_routing.set_tokens(tokens_bt)  # what hash-routed experts read (hash_routing.py)
         per_layer_btlp = self._per_layer_inputs(tokens_bt, x_btd) if cfg.embedding.per_layer_input_dim else None
@@ -1300,6 +1316,8 @@ class Transformer(nnx.Module):
             x_btd = self.hc_head(x_btd)
         if hasattr(self, "altup_streams"):
             x_btd = self.altup_streams.collapse(x_btd)
+        if shortcut:
+            x_btd = x_btd[..., : cfg.d_model]
         with jax.named_scope("lm_head"):
             x_btd = self.final_norm(x_btd)
             if hidden is not None and not hidden:  # the multi-token-prediction layer's input (forward)

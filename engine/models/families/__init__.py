@@ -37,6 +37,7 @@ from engine.models.families import lfm2, recurrent_gemma, minimax01  # noqa: F40
 from engine.models.families import deepseek_v4  # noqa: F401, I001
 from engine.models.families import gemma3n  # noqa: F401, I001
 from engine.models.families import olmo_hybrid, bailing_hybrid  # noqa: F401, I001
+from engine.models.families import laguna, hy_v4, longcat_flash  # noqa: F401, I001
 from engine.models.families.base import (
     Family,
     TensorSpec,
