@@ -32,7 +32,7 @@ from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_to_hf  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
 from engine.models.kv_cache import KVCache  # noqa: E402
-from engine.models.params import graphdef_of  # noqa: E402
+from engine.models.params import apply_model, graphdef_of  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
@@ -115,11 +115,19 @@ def case(tmp_path_factory) -> Case:
 
 
 def test_converted_model_matches_transformers_logits(case):
+    """Full, right-padded, left-padded and reversed rows. The left-padded one counts positions
+    from its first token, and transformers reads it without its padding: transformers'
+    compressors pool a padded row's windows by slot, padding included, where the engine keeps
+    padding out of every entry (test_packed_and_padded_documents_...)."""
     tokens, mask = batch(VOCAB)
     tokens = np.concatenate([tokens, tokens[:1, ::-1]], axis=0)  # and a row read backwards
     mask = np.concatenate([mask, np.ones_like(mask[:1])], axis=0)
-    ours = engine_logits(case.cfg, case.compute, case.params, tokens, mask)
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    graphdef = graphdef_of(case.cfg, case.compute)
+    ours = np.asarray(apply_model(graphdef, case.params, *map(jnp.asarray, (tokens, positions, mask))))
     ref = hf_logits(case.hf_model, tokens, mask)
+    pads = int((mask[2] == 0).sum())
+    ref[2, pads:] = hf_logits(case.hf_model, tokens[2:3, pads:], mask[2:3, pads:])[0]
     valid = mask.astype(bool)
     delta = float(np.abs(ours - ref)[valid].max())
     print(f"\ndeepseek_v4: max |delta logit| = {delta:.2e}")
@@ -181,3 +189,27 @@ def test_a_prompts_cache_and_decoded_tokens_give_the_full_forwards_logits(case):
         logits, cache = step(model, jnp.asarray(tokens[:, i : i + 1]), jnp.full((1, 1), i), cache)
         pieces.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=2e-5)
+
+
+def test_packed_and_padded_documents_give_each_the_logits_it_has_alone(case):
+    """Two documents of 11 and 13 tokens packed in one row (the boundary inside a CSA window
+    of 3 and an HCA window of 5, positions restarting), one behind 11 pads and one before 13:
+    each gets the logits it has alone, in every layer kind (compressed entries pool only their
+    document's tokens, windows restarting at its start; the indexer and the sliding window see
+    only its own)."""
+    compute = case.compute.model_copy(update={"indexer_ties": "first"})
+    model = nnx.merge(graphdef_of(case.cfg, compute), case.params)
+    forward = nnx.jit(lambda m, *rows: m(*rows))
+    rng = np.random.default_rng(11)
+    a, b = rng.integers(0, VOCAB, 11), rng.integers(0, VOCAB, 13)
+    pads, count = np.zeros(13, np.int64), np.arange(13)
+    tokens = np.stack([np.r_[a, b], np.r_[pads[:11], b], np.r_[a, pads]])
+    segments = np.stack([np.repeat([1, 2], [11, 13]), np.repeat([0, 1], [11, 13]), np.repeat([1, 0], [11, 13])])
+    positions = np.stack([np.r_[count[:11], count], np.r_[0 * count[:11], count], np.r_[count[:11], 0 * count]])
+    rows = np.asarray(forward(model, *map(jnp.asarray, (tokens, positions, segments))))
+    alone_a, alone_b = (np.asarray(forward(model, jnp.asarray(doc[None])))[0] for doc in (a, b))
+    pieces = {"packed a": (rows[0, :11], alone_a), "packed b": (rows[0, 11:], alone_b),
+              "left-padded b": (rows[1, 11:], alone_b), "right-padded a": (rows[2, :11], alone_a)}  # fmt: skip
+    deltas = {name: float(np.abs(ours - alone).max()) for name, (ours, alone) in pieces.items()}
+    print(f"\ndeepseek_v4 packed/padded: max |delta logit| {deltas}")
+    assert max(deltas.values()) <= 2e-5 and np.abs(alone_b).max() > 0.5

@@ -17,13 +17,19 @@ entries of the whole past.
   keys) picks the index_topk entries each query attends to.
 
 Training computes it over the sequence at once: the sliding window by blocks of `window`
-queries over their block and the one before, the compressed entries a reshape and a softmax
-over each window (no scan); one softmax over both and the sink. Decoding caches each position's key and its compressor's
-projections (KVCache keys and values, `cache_shapes`) and recomputes the pooled entries of the
-written positions every step (a left-padded row's slots shifted back to its positions), which
-gives the full forward's numbers (transformers keeps the pooled entries and a buffer of the
-open window instead). Packed rows' compressed entries follow positions only (a window may
-straddle two documents). The indexer's tie order (torch_cpu) takes the longest row's entries.
+queries over their block and the one before, the compressed entries a gather of each window's
+slots and a softmax over it (no scan); one softmax over both and the sink. Packed rows keep
+documents apart as the engine's other mixers do: the sliding window masks other segments, and
+a window is the positions [k m, (k + 1) m) of one document (positions restart at each
+document's start, so windows do; one a boundary or padding cuts is never pooled), its entry
+seen by its own document's queries only, its overlap reading only its document's previous
+window. Decoding caches each position's key and its compressor's projections (KVCache keys
+and values, `cache_shapes`) and recomputes the pooled entries of the written positions every
+step (a left-padded row's slots shifted back to its positions: the windows a full forward
+pools), which gives the full forward's numbers (transformers keeps the pooled entries and a
+buffer of the open window instead; its compressors pool a padded row's windows by slot,
+padding included). The indexer's tie order (torch_cpu) takes the row of the query's document
+(and the padding after it) when training, the longest row's entries when decoding.
 
 Shapes: b batch, t queries, s keys (slots), d d_model, q q_lora_rank, n heads, h head_dim,
 w compressed entries, c the compressor's width per position (h, or 2h with overlap), g the
@@ -107,16 +113,46 @@ def window_scores(q_btnh, kv_bth, segment_ids_bt, window: int):
     return scores_bntk, visible_btk, values
 
 
-def pool_windows(kv_bsc, gate_bsc, bias_mc, scale_h, *, ratio: int, head_dim: int, overlap: bool, eps: float):
-    """(b, s // ratio, h) float32: each window's entry, RMS-normed (before RoPE)."""
-    b, s, c = kv_bsc.shape
+def complete_windows(key_positions_bs, key_segments_bs, ratio: int):
+    """The windows of `ratio` positions that documents hold whole, in slot order: (end slots
+    (b, w) int32, valid (b, w) bool), w = s // ratio (they are disjoint: no more fit). A window
+    is the positions [k ratio, (k + 1) ratio) of one document (positions restart at each
+    document's start, so windows do), all in slots of its segment: none straddles two
+    documents or holds padding (segment 0)."""
+    b, s = key_positions_bs.shape
     w = s // ratio
-    kv = kv_bsc[:, : w * ratio].astype(jnp.float32).reshape(b, w, ratio, c)
-    gate = gate_bsc[:, : w * ratio].astype(jnp.float32).reshape(b, w, ratio, c) + bias_mc.astype(jnp.float32)
-    if overlap:  # the window's second series beside the previous window's first (none before window 0)
+    back = ((0, 0), (ratio - 1, 0))  # each slot's window start, ratio - 1 slots back
+    start_seg_bs = jnp.pad(key_segments_bs, back)[:, :s]
+    start_pos_bs = jnp.pad(key_positions_bs, back, constant_values=-1)[:, :s]
+    ends_bs = (
+        (key_segments_bs != 0)
+        & ((key_positions_bs + 1) % ratio == 0)
+        & (start_seg_bs == key_segments_bs)
+        & (start_pos_bs == key_positions_bs - ratio + 1)
+    )
+    rank_bs = jnp.where(ends_bs, jnp.cumsum(ends_bs, axis=1) - 1, w)
+    slots_bs = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    ends_bw = jnp.zeros((b, w), jnp.int32).at[jnp.arange(b)[:, None], rank_bs].set(slots_bs, mode="drop")
+    return ends_bw, jnp.arange(w)[None] < jnp.sum(ends_bs, axis=1)[:, None]
+
+
+def gather_windows(x_bsc, ends_bw, ratio: int):
+    """(b, w, ratio, c): the slots of each window ending at `ends_bw`."""
+    b, w = ends_bw.shape
+    slots_bwm = jnp.maximum(ends_bw[:, :, None] - ratio + 1 + jnp.arange(ratio), 0)
+    return jnp.take_along_axis(x_bsc, slots_bwm.reshape(b, w * ratio, 1), axis=1).reshape(b, w, ratio, -1)
+
+
+def pool_windows(kv_bwmc, gate_bwmc, follows_bw, bias_mc, scale_h, *, head_dim: int, overlap: bool, eps: float):
+    """(b, w, h) float32: each window's entry, RMS-normed (before RoPE). `follows_bw`: window
+    w - 1 is the previous one of its document (overlap reads its first series)."""
+    kv = kv_bwmc.astype(jnp.float32)
+    gate = gate_bwmc.astype(jnp.float32) + bias_mc.astype(jnp.float32)
+    if overlap:  # the window's second series beside the previous window's first (none before a document's first)
         h = head_dim
         previous_kv = jnp.pad(kv[:, :-1, :, :h], ((0, 0), (1, 0), (0, 0), (0, 0)))
-        previous_gate = jnp.pad(gate[:, :-1, :, :h], ((0, 0), (1, 0), (0, 0), (0, 0)), constant_values=-jnp.inf)
+        previous_gate = jnp.pad(gate[:, :-1, :, :h], ((0, 0), (1, 0), (0, 0), (0, 0)))
+        previous_gate = jnp.where(follows_bw[:, :, None, None], previous_gate, -jnp.inf)
         kv = jnp.concatenate([previous_kv, kv[..., h:]], axis=2)
         gate = jnp.concatenate([previous_gate, gate[..., h:]], axis=2)
     pooled_bwh = jnp.sum(kv * jax.nn.softmax(gate, axis=2), axis=2)
@@ -187,7 +223,7 @@ class CompressedAttention(nnx.Module):
         kv_bth = rotate_tail(kv_bth, positions_bt, inv_freq, r)
         raw_btx = self._raw(x_btd, spec) if spec.raw_width else jnp.zeros((b, t, 0), dt)
         if cache is None:  # the window's keys by blocks of `window` queries (window_scores)
-            raw_bsx, written = raw_btx, t
+            raw_bsx, written = raw_btx, None
             scores_bntk, visible_btk, local_values = window_scores(q_btnh, kv_bth, segment_ids_bt, spec.window)
         else:
             k_bs1h, raw_bs1x, visible_btk, cache = cache.update(kv_bth[:, :, None], raw_btx[:, :, None])
@@ -210,7 +246,14 @@ class CompressedAttention(nnx.Module):
         local = scores_bntk.shape[-1]
         scores_bnts, visible_bts = scores_bntk, visible_btk
         if spec.compress_ratio:
-            entries_bwh, seen_btw = self._entries(x_btd, q_latent_btq, raw_bsx, positions_bt, spec, written)
+            if cache is None:  # the row's documents (one, unpadded, without segment ids)
+                segments_bt = jnp.ones((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt
+                rows = (positions_bt, segments_bt, segments_bt)
+            else:  # one document, its slots shifted to its positions (above)
+                s = raw_bsx.shape[1]
+                one_bs = jnp.ones((b, s), jnp.int32)
+                rows = (jnp.broadcast_to(jnp.arange(s), (b, s)), one_bs, one_bs[:, :t])
+            entries_bwh, seen_btw = self._entries(x_btd, q_latent_btq, raw_bsx, positions_bt, spec, written, rows)
             entries_bwh = entries_bwh.astype(dt)
             entry_scores = jnp.einsum("btnh,bwh->bntw", q_btnh, entries_bwh, preferred_element_type=jnp.float32)
             scores_bnts = jnp.concatenate([scores_bnts, entry_scores], axis=-1)
@@ -233,30 +276,43 @@ class CompressedAttention(nnx.Module):
         out_btd = constrain(out_btd, ("act_batch", "act_seq", "act_embed"))
         return out_btd if cache is None else (out_btd, cache)
 
-    def _entries(self, x_btd, q_latent_btq, raw_bsx, positions_bt, spec: CompressedAttentionSpec, written):
+    def _entries(self, x_btd, q_latent_btq, raw_bsx, positions_bt, spec: CompressedAttentionSpec, written, rows):
         """((b, w, h) the compressed entries, rotated; (b, t, w) bool: those each query attends
-        to). `written`: the slots holding positions (the entries of later ones are never seen)."""
+        to: its document's that it has read to the end). `rows`: (the slots' positions (b, s),
+        their segments (b, s), the queries' segments (b, t)); `written`: the slots holding
+        positions when decoding (None: a full forward)."""
         m, h, r, eps = spec.compress_ratio, spec.head_dim, spec.rope_head_dim, spec.norm_eps
         inv_freq = inverse_frequencies(spec.compress_rope, r)
         c = spec.overlap * h
+        key_positions_bs, key_segments_bs, query_segments_bt = rows
+        ends_bw, valid_bw = complete_windows(key_positions_bs, key_segments_bs, m)
+        end_positions_bw = jnp.take_along_axis(key_positions_bs, ends_bw, axis=1)
+        end_segments_bw = jnp.take_along_axis(key_segments_bs, ends_bw, axis=1)
+        adjacent = (ends_bw[:, 1:] - ends_bw[:, :-1] == m) & (end_segments_bw[:, 1:] == end_segments_bw[:, :-1])
+        follows_bw = jnp.pad(adjacent, ((0, 0), (1, 0)))  # window 0 follows none
+        windows_bwmx = gather_windows(raw_bsx, ends_bw, m)
         comp = self.compressor
         entries_bwh = pool_windows(
-            raw_bsx[..., :c], raw_bsx[..., c : 2 * c], comp.b_pos_mc[...], comp.norm_h[...],
-            ratio=m, head_dim=h, overlap=spec.sparse, eps=eps,
+            windows_bwmx[..., :c], windows_bwmx[..., c : 2 * c], follows_bw, comp.b_pos_mc[...], comp.norm_h[...],
+            head_dim=h, overlap=spec.sparse, eps=eps,
         )  # fmt: skip
         w = entries_bwh.shape[1]
-        window_starts = jnp.arange(w) * m
-        entries_bwh = rotate_tail(entries_bwh, window_starts[None], inv_freq, r)
-        seen_btw = jnp.arange(w)[None, None, :] < ((positions_bt + 1) // m)[:, :, None]
+        window_starts_bw = end_positions_bw - m + 1
+        entries_bwh = rotate_tail(entries_bwh, window_starts_bw, inv_freq, r)
+        seen_btw = (
+            valid_bw[:, None, :]
+            & (end_segments_bw[:, None, :] == query_segments_bt[:, :, None])
+            & (end_positions_bw[:, None, :] <= positions_bt[:, :, None])
+        )
         if not spec.sparse:
             return entries_bwh, seen_btw
         i, g = spec.index_head_dim, spec.index_heads
         index = self.indexer
         keys_bwi = pool_windows(
-            raw_bsx[..., 2 * c : 2 * c + 2 * i], raw_bsx[..., 2 * c + 2 * i :], index.b_pos_mc[...], index.norm_h[...],
-            ratio=m, head_dim=i, overlap=True, eps=eps,
+            windows_bwmx[..., 2 * c : 2 * c + 2 * i], windows_bwmx[..., 2 * c + 2 * i :], follows_bw,
+            index.b_pos_mc[...], index.norm_h[...], head_dim=i, overlap=True, eps=eps,
         )  # fmt: skip
-        keys_bwi = rotate_tail(keys_bwi, window_starts[None], inv_freq, r)
+        keys_bwi = rotate_tail(keys_bwi, window_starts_bw, inv_freq, r)
         index_q_btgi = rotate_tail(
             self._dense(q_latent_btq, self.wi_q_qgi).astype(jnp.float32), positions_bt, inv_freq, r
         )
@@ -266,12 +322,36 @@ class CompressedAttention(nnx.Module):
         scores_btw = jnp.where(seen_btw, scores_btw, NEG_INF)
         if spec.index_topk >= w:
             return entries_bwh, seen_btw
-        emitted = jnp.asarray(written // m, jnp.int32)  # transformers' row: the entries emitted so far
-        index_btk = jnp.minimum(top_k_indices(scores_btw, spec.index_topk, self.ties, keys=emitted), w - 1)
         b, t = positions_bt.shape
+        if self.ties == "first" or written is not None:  # decoding: transformers' row, the entries emitted so far
+            emitted = None if written is None else jnp.asarray(written // m, jnp.int32)
+            index_btk = top_k_indices(scores_btw, spec.index_topk, self.ties, keys=emitted)
+        else:  # torch's order over the row of the query's document alone (_document_rows)
+            first_bt, length_bt = _document_rows(key_segments_bs, ends_bw, valid_bw, m)
+            at_btw = first_bt[:, :, None] + jnp.arange(w)
+            rows_btw = jnp.take_along_axis(scores_btw, jnp.minimum(at_btw, w - 1), axis=2)
+            rows_btw = jnp.where(at_btw < w, rows_btw, NEG_INF)
+            rows_q1w = rows_btw.reshape(b * t, 1, w)  # one row per query, its own length
+            index_q1k = top_k_indices(rows_q1w, spec.index_topk, self.ties, keys=length_bt.ravel())
+            index_btk = index_q1k.reshape(b, t, -1) + first_bt[:, :, None]
+        index_btk = jnp.minimum(index_btk, w - 1)
         chosen_btw = (
             jnp.zeros((b, t, w), bool)
             .at[jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], index_btk]
             .set(True)
         )
         return entries_bwh, seen_btw & chosen_btw
+
+
+def _document_rows(segments_bt, ends_bw, valid_bw, ratio: int):
+    """For each query of a full forward, the row transformers' indexer holds for its document
+    alone: (its first window's rank (b, t), the row's length (b, t): the windows of the
+    document's slots and the padding after it, as a right-padded row has them)."""
+    b, t = segments_bt.shape
+    slots_bt = jnp.broadcast_to(jnp.arange(t), (b, t))
+    starts_bt = (segments_bt != 0) & (segments_bt != jnp.pad(segments_bt[:, :-1], ((0, 0), (1, 0))))
+    start_bt = jax.lax.cummax(jnp.where(starts_bt, slots_bt, 0), axis=1)
+    next_start_bt = jax.lax.cummin(jnp.where(starts_bt, slots_bt, t), axis=1, reverse=True)
+    next_start_bt = jnp.pad(next_start_bt[:, 1:], ((0, 0), (0, 1)), constant_values=t)  # the first after each slot
+    before_bt = jnp.sum(valid_bw[:, None, :] & (ends_bw[:, None, :] < start_bt[:, :, None]), axis=2)
+    return before_bt.astype(jnp.int32), (next_start_bt - start_bt) // ratio
