@@ -84,3 +84,11 @@ def test_a_section_given_as_a_value_is_refused_in_one_sentence_naming_it():
     with pytest.raises(ConfigError, match=r"section 'attention' must be a mapping of its fields, got 4") as refusal:
         load_config(tree={"model": {"preset": "tiny", "attention": 4, "num_heads": 2}}, schema=TrainConfig)
     assert len(str(refusal.value).splitlines()) == 1
+
+
+def test_the_model_config_keeps_model_wide_fields_and_sections_only():
+    """Issue 59's bound: the per-layer parts live in sections (engine/models/sections.py) and
+    the optional per-kind sections, not as flat fields of ModelConfig (107 before)."""
+    fields = ModelConfig.model_fields
+    assert len(fields) <= 40, sorted(fields)
+    assert not set(fields) & set(flat_keys.FLAT)  # every flat name is a section's, none a field
