@@ -131,7 +131,8 @@ CASES: dict[str, tuple[str, dict]] = {
     "tiny-falcon-h1": ("tiny-falcon-h1", {}),
 }
 # Every other registered family: its own tiny preset, configs/models/tiny-<family>.yaml (Llama's
-# is `tiny`, Ling 3's `tiny-ling-3`), as the sweep runs it by name; a family with none is an error here, not a row left out.
+# is `tiny`, Ling 3's `tiny-ling-3`), as the sweep runs it by name; a family with none is an
+# error here, not a row left out.
 OWN_PRESET = {"llama": "tiny", "bailing_hybrid": "tiny-ling-3"}
 
 
