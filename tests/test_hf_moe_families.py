@@ -525,14 +525,16 @@ def test_the_mtp_loss_is_transformers_cross_entropy_and_trains_the_layer_only_wh
 
 
 def test_lora_targets_are_what_peft_names_and_the_rest_is_refused_in_one_sentence():
-    """MiniMax-M2: LoRA on q/k/v/o_proj (its experts are refused, as every mixture of experts');
-    DeepSeek-V2: latent attention and experts, nothing a LoRA adapter takes yet."""
+    """MiniMax-M2: LoRA on q/k/v/o_proj (its experts, w1/w2/w3, are not PEFT's names);
+    DeepSeek-V2: its latent attention's projections as PEFT names them, its experts refused."""
     from engine.models.config import LoraConfig
 
     minimax, _ = model_config_from_hf({**hf_config("minimax_m2").to_dict(), "architectures": ["MiniMaxM2ForCausalLM"]})
     assert LoraConfig(target_modules="all-linear").targets(minimax) == ("q_proj", "k_proj", "v_proj", "o_proj")
-    with pytest.raises(ValueError, match=r"family 'minimax_m2' is a mixture of experts: LoRA on its experts"):
+    with pytest.raises(ValueError, match=r"^family 'minimax_m2' has no module gate_proj to adapt"):
         LoraConfig(target_modules=["gate_proj"]).targets(minimax)
     v2, _ = model_config_from_hf({**hf_config("deepseek_v2").to_dict(), "architectures": ["DeepseekV2ForCausalLM"]})
-    with pytest.raises(ValueError, match=r"family 'deepseek_v2' uses latent attention"):
-        LoraConfig(target_modules=["q_proj"]).targets(v2)
+    latent = ("o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+    assert LoraConfig(target_modules="all-linear").targets(v2) == latent
+    with pytest.raises(ValueError, match=r"^family 'deepseek_v2' is a mixture of experts: LoRA on its experts"):
+        LoraConfig(target_modules=["gate_proj"]).targets(v2)

@@ -251,8 +251,8 @@ def test_lora_targets_the_attention_layers_as_peft_names_them():
     assert attention["wq_dnh_lora_b"].shape == (1, 3, 6, 16) and attention["wo_nhd_lora_a"].shape == (1, 6, 8, 3)
     assert not [key for key in linear if "lora" in key]
     assert "w_gate_df_lora_a" in shapes["gated_delta_blocks"]["mlp"] and "w_down_fd_lora_b" in shapes["blocks"]["mlp"]
-    with pytest.raises(ValueError, match="unknown target module 'in_proj_qkv'"):
-        LoraConfig(target_modules=["in_proj_qkv"])
+    with pytest.raises(ValueError, match=r"^family 'qwen3_5' stores in_proj_qkv in a layout LoRA does not adapt"):
+        LoraConfig(target_modules=["in_proj_qkv"]).targets(cfg)
 
 
 def test_the_multimodal_checkpoint_converts_to_the_text_model(case, tmp_path):

@@ -63,10 +63,10 @@ SHIPPED_IDS = {
         "sft": "8857546d4e1237d6",
         "reward_model": "a51d9942e9283ae4",
         "dpo": "3e99bbe40a1ce48d",
-        "grpo": "e279c37c3170199a",
+        "grpo": "988a08f748f31ff1",
         "pretrain_small": "0d335299016abcda",
-        "distill": "195178854c400a9d",
-        "evaluate": "0dd5371e8410108e",
+        "distill": "8c3ab0d8d4fd965f",
+        "evaluate": "de2e9895d1f06b05",
     },
     "sweep": {
         "problems": "0c4726574677a693",
