@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from tests import test_hf_parity
 from tests.deps import need
@@ -52,6 +51,7 @@ from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over th
     batch,
     engine_logits,
     hf_logits,
+    prefill_then_decode,
     test_export_then_convert_is_bitwise_identical,
     test_exported_config_json_is_what_transformers_writes,
     test_greedy_generation_of_16_tokens_is_identical,
@@ -276,21 +276,7 @@ def test_the_state_after_a_prompt_and_decoded_tokens_is_a_full_forwards(case):
     """Prefill 9 tokens (one row left-padded by 3), decode 6 one at a time: every stateful
     layer's state (convolution window, recurrent state) equals that of one forward over all
     15, and so do the last logits."""
-    module = nnx.merge(graphdef_of(case.cfg, case.compute), case.params)
-    tokens = np.random.default_rng(5).integers(0, VOCAB, (2, 15)).astype(np.int32)
-    segments = np.ones_like(tokens)
-    segments[1, :3] = 0
-    positions = np.maximum(np.cumsum(segments, axis=1) - 1, 0).astype(np.int32)
-
-    def run(length):
-        cache = KVCache.init(case.cfg, case.compute, 2, 15)
-        return module(tokens[:, :length], positions[:, :length], segments[:, :length], cache)
-
-    full_logits, full = jax.jit(lambda: run(15))()
-    logits, cache = jax.jit(lambda: run(9))()
-    step = jax.jit(lambda t, p, s, c: module(t, p, s, c))
-    for n in range(9, 15):
-        logits, cache = step(tokens[:, n : n + 1], positions[:, n : n + 1], segments[:, n : n + 1], cache)
+    logits, cache, full_logits, full = prefill_then_decode(case)
     stateful = [i for i, state in enumerate(cache.states) if state is not None]
     assert stateful
     for i in stateful:

@@ -37,7 +37,6 @@ from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
 from engine.models.kv_cache import KVCache  # noqa: E402
 from engine.models.lightning import LightningAttention, lightning_chunked, lightning_scan  # noqa: E402
 from engine.models.lightning import decay_rates as lightning_decay_rates  # noqa: E402
-from engine.models.params import graphdef_of  # noqa: E402
 from engine.models.rglru import RecurrentBlock  # noqa: E402
 from engine.models.rglru import initial_state as rglru_initial_state  # noqa: E402
 from engine.models.short_conv import ShortConv, initial_state  # noqa: E402
@@ -51,6 +50,7 @@ from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over th
     batch,
     engine_logits,
     hf_logits,
+    prefill_then_decode,
     random_causal_lm,
     test_export_then_convert_is_bitwise_identical,
     test_exported_config_json_is_what_transformers_writes,
@@ -260,21 +260,7 @@ def test_the_layers_are_what_the_config_says(case):
 def test_the_state_after_a_prompt_and_decoded_tokens_is_a_full_forwards(case):
     """Prefill 9 tokens (one row left-padded by 3), decode 6 one at a time: every stateful
     layer's state equals that of one forward over all 15, and so do the last logits."""
-    module = nnx.merge(graphdef_of(case.cfg, case.compute), case.params)
-    tokens = np.random.default_rng(5).integers(0, VOCAB, (2, 15)).astype(np.int32)
-    segments = np.ones_like(tokens)
-    segments[1, :3] = 0
-    positions = np.maximum(np.cumsum(segments, axis=1) - 1, 0).astype(np.int32)
-
-    def run(length):
-        cache = KVCache.init(case.cfg, case.compute, 2, 15)
-        return module(tokens[:, :length], positions[:, :length], segments[:, :length], cache)
-
-    full_logits, full = jax.jit(lambda: run(15))()
-    logits, cache = jax.jit(lambda: run(9))()
-    step = jax.jit(lambda t, p, s, c: module(t, p, s, c))
-    for n in range(9, 15):
-        logits, cache = step(tokens[:, n : n + 1], positions[:, n : n + 1], segments[:, n : n + 1], cache)
+    logits, cache, full_logits, full = prefill_then_decode(case)
     stateful = [i for i, state in enumerate(cache.states) if state is not None]
     assert stateful
     for i in stateful:

@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from tests.deps import need
 
@@ -32,14 +31,13 @@ from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf  # noqa: E402
 from engine.interop.hf.safetensors_io import SafetensorsFile  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
-from engine.models.kv_cache import KVCache  # noqa: E402
-from engine.models.params import graphdef_of  # noqa: E402
 from engine.ops.gated_delta import gated_delta_chunked, gated_delta_scan  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
     VOCAB,
     Case,
+    prefill_then_decode,
     random_causal_lm,
     test_converted_model_matches_transformers_logits,
     test_export_then_convert_is_bitwise_identical,
@@ -167,21 +165,7 @@ def test_the_state_after_a_prompt_and_decoded_tokens_is_a_full_forwards(case):
     generate by the greedy test's sampler."""
     if case.family != "olmo_hybrid":
         pytest.skip("one case per delta rule's state (CI time)")
-    module = nnx.merge(graphdef_of(case.cfg, case.compute), case.params)
-    tokens = np.random.default_rng(5).integers(0, VOCAB, (2, 15)).astype(np.int32)
-    segments = np.ones_like(tokens)
-    segments[1, :3] = 0
-    positions = np.maximum(np.cumsum(segments, axis=1) - 1, 0).astype(np.int32)
-
-    def run(length):
-        cache = KVCache.init(case.cfg, case.compute, 2, 15)
-        return module(tokens[:, :length], positions[:, :length], segments[:, :length], cache)
-
-    full_logits, full = jax.jit(lambda: run(15))()
-    logits, cache = jax.jit(lambda: run(9))()
-    step = jax.jit(lambda t, p, s, c: module(t, p, s, c))
-    for n in range(9, 15):
-        logits, cache = step(tokens[:, n : n + 1], positions[:, n : n + 1], segments[:, n : n + 1], cache)
+    logits, cache, full_logits, full = prefill_then_decode(case)
     recurrent = [(ours, theirs) for ours, theirs in zip(cache.states, full.states, strict=True) if ours is not None]
     assert len(recurrent) == sum(layer.mixer not in ("attention", "mla") for layer in case.cfg.layer_pattern())
     for ours, theirs in recurrent:

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from tests.deps import need
 
@@ -29,6 +30,7 @@ from engine.inference.sample import Sampler  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
+from engine.models.kv_cache import KVCache  # noqa: E402
 from engine.models.params import apply_model, graphdef_of  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 
@@ -151,6 +153,28 @@ def test_converted_model_matches_transformers_logits(case):
     assert delta <= 1e-4, f"{case.family}: max |delta logit| {delta}"
     assert np.abs(ref[valid]).max() > 0.5  # the logits are not all ~0 (a test that can fail)
     assert (case.out_dir / "tokenizer" / "tokenizer.json").is_file()
+
+
+def prefill_then_decode(case, prompt: int = 9, total: int = 15):
+    """(last logits, cache) after prefilling `prompt` tokens and decoding the rest one at a time,
+    and (logits, cache) of one forward over all `total`: two rows, the second left-padded by 3,
+    for the recurrent families' check that decoding carries a full forward's state."""
+    module = nnx.merge(graphdef_of(case.cfg, case.compute), case.params)
+    tokens = np.random.default_rng(5).integers(0, VOCAB, (2, total)).astype(np.int32)
+    segments = np.ones_like(tokens)
+    segments[1, :3] = 0
+    positions = np.maximum(np.cumsum(segments, axis=1) - 1, 0).astype(np.int32)
+
+    def run(length):
+        cache = KVCache.init(case.cfg, case.compute, 2, total)
+        return module(tokens[:, :length], positions[:, :length], segments[:, :length], cache)
+
+    full_logits, full = jax.jit(lambda: run(total))()
+    logits, cache = jax.jit(lambda: run(prompt))()
+    step = jax.jit(lambda t, p, s, c: module(t, p, s, c))
+    for n in range(prompt, total):
+        logits, cache = step(tokens[:, n : n + 1], positions[:, n : n + 1], segments[:, n : n + 1], cache)
+    return logits, cache, full_logits, full
 
 
 def test_greedy_generation_of_16_tokens_is_identical(case):
