@@ -45,6 +45,7 @@ from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over th
     VOCAB,
     Case,
     batch,
+    converted_case,
     hf_logits,
     random_causal_lm,
     test_export_then_convert_is_bitwise_identical,
@@ -155,11 +156,7 @@ def case(request, tmp_path_factory) -> Case:
         for param_name, p in model.named_parameters():
             if param_name.endswith(("router.layer.weight", "block_sparse_moe.gate.weight")):
                 p.mul_(3.0)
-    model.save_pretrained(root / "hf")
-    convert_hf(root / "hf", root / "converted")
-    cfg, params, _ = load_params(root / "converted" / "checkpoint")
-    _, compute = stored_configs(root / "converted" / "checkpoint")
-    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+    return converted_case(name, model, root)
 
 
 def test_converted_model_matches_transformers_logits(case):

@@ -22,14 +22,13 @@ torch = need("torch")
 transformers = need("transformers")
 
 from engine.config import ConfigError, resolve_model_preset  # noqa: E402
-from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf  # noqa: E402
 from engine.models.config import LoraConfig, ModelConfig  # noqa: E402
-from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
     Case,
+    converted_case,
     random_causal_lm,
     test_converted_model_matches_transformers_logits,
     test_export_then_convert_is_bitwise_identical,
@@ -115,12 +114,7 @@ def case(request, tmp_path_factory) -> Case:
     name = request.param
     root = tmp_path_factory.mktemp(name)
     model = random_causal_lm(hf_config(name), 0, **IMPLEMENTATIONS)
-    model.save_pretrained(root / "hf")
-    (root / "hf" / "tokenizer.json").write_text('{"stand-in": true}')
-    convert_hf(root / "hf", root / "converted")
-    cfg, params, _ = load_params(root / "converted" / "checkpoint")
-    _, compute = stored_configs(root / "converted" / "checkpoint")
-    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+    return converted_case(name, model, root, stand_in_tokenizer=True)
 
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):

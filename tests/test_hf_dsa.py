@@ -48,6 +48,7 @@ from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
     Case,
     batch,
+    converted_case,
     engine_logits,
     hf_logits,
     random_causal_lm,
@@ -103,11 +104,7 @@ def case(request, tmp_path_factory) -> Case:
     name = request.param
     root = tmp_path_factory.mktemp(name)
     model = random_causal_lm(hf_config(name), 0, **IMPLEMENTATIONS)
-    model.save_pretrained(root / "hf")
-    convert_hf(root / "hf", root / "converted")
-    cfg, params, _ = load_params(root / "converted" / "checkpoint")
-    _, compute = stored_configs(root / "converted" / "checkpoint")
-    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+    return converted_case(name, model, root)
 
 
 def test_converted_model_matches_transformers_logits_to_1e4(case):

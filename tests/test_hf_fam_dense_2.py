@@ -26,12 +26,12 @@ transformers = need("transformers")
 from engine.config import ConfigError  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
-from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
     COMMON,
     Case,
     batch,
+    converted_case,
     engine_logits,
     hf_logits,
     random_causal_lm,
@@ -115,16 +115,11 @@ CASES = ["granite", "glm", "glm4", "exaone4", "vaultgemma", "granite_swa", "mini
 
 @pytest.fixture(scope="module", params=CASES)
 def case(request, tmp_path_factory) -> Case:
-    from engine.interop.hf.convert import convert_hf
 
     name = request.param
     root = tmp_path_factory.mktemp(name)
     model = random_causal_lm(hf_config(name), 0, attn_implementation="eager")
-    model.save_pretrained(root / "hf")
-    convert_hf(root / "hf", root / "converted")
-    cfg, params, _ = load_params(root / "converted" / "checkpoint")
-    _, compute = stored_configs(root / "converted" / "checkpoint")
-    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+    return converted_case(name, model, root)
 
 
 def test_converted_model_matches_transformers_logits(case):

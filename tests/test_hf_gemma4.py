@@ -55,6 +55,7 @@ from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over th
     WINDOW,
     Case,
     batch,
+    converted_case,
     engine_logits,
     hf_logits,
     random_causal_lm,
@@ -112,12 +113,7 @@ def case(request, tmp_path_factory) -> Case:
     name = request.param
     root = tmp_path_factory.mktemp(name)
     model = random_causal_lm(hf_config(name), 0, **implementations(name))
-    model.save_pretrained(root / "hf")
-    (root / "hf" / "tokenizer.json").write_text('{"stand-in": true}')
-    convert_hf(root / "hf", root / "converted")
-    cfg, params, _ = load_params(root / "converted" / "checkpoint")
-    _, compute = stored_configs(root / "converted" / "checkpoint")
-    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+    return converted_case(name, model, root, stand_in_tokenizer=True)
 
 
 def test_converted_model_matches_transformers_logits(case):
@@ -497,12 +493,7 @@ def small(request, tmp_path_factory) -> Case:
     name = request.param
     root = tmp_path_factory.mktemp(name)
     model = small_random(name)
-    model.save_pretrained(root / "hf")
-    (root / "hf" / "tokenizer.json").write_text('{"stand-in": true}')
-    convert_hf(root / "hf", root / "converted")
-    cfg, params, _ = load_params(root / "converted" / "checkpoint")
-    _, compute = stored_configs(root / "converted" / "checkpoint")
-    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+    return converted_case(name, model, root, stand_in_tokenizer=True)
 
 
 def test_small_models_layers_share_keys_and_values_as_transformers_says(small):

@@ -49,6 +49,7 @@ from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over th
     Case,
     assert_export_reloads_cleanly,
     batch,
+    converted_case,
     engine_logits,
     hf_logits,
     prefill_then_decode,
@@ -198,12 +199,7 @@ def case(request, tmp_path_factory) -> Case:
     name = request.param
     root = tmp_path_factory.mktemp(name)
     model = random_causal_lm(hf_config(name), 0)
-    model.save_pretrained(root / "hf")
-    (root / "hf" / "tokenizer.json").write_text('{"stand-in": true}')
-    convert_hf(root / "hf", root / "converted")
-    cfg, params, _ = load_params(root / "converted" / "checkpoint")
-    _, compute = stored_configs(root / "converted" / "checkpoint")
-    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+    return converted_case(name, model, root, stand_in_tokenizer=True)
 
 
 def converted(model, tmp_path):

@@ -46,6 +46,7 @@ from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over th
     COMMON,
     Case,
     batch,
+    converted_case,
     engine_logits,
     hf_logits,
     random_causal_lm,
@@ -91,12 +92,7 @@ def case(request, tmp_path_factory) -> Case:
     name = request.param
     root = tmp_path_factory.mktemp(name)
     model = random_causal_lm(hf_config(name), attn_implementation="eager")
-    model.save_pretrained(root / "hf")
-    (root / "hf" / "tokenizer.json").write_text('{"stand-in": true}')  # carried over as a file
-    convert_hf(root / "hf", root / "converted")
-    cfg, params, _ = load_params(root / "converted" / "checkpoint")
-    _, compute = stored_configs(root / "converted" / "checkpoint")
-    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+    return converted_case(name, model, root, stand_in_tokenizer=True)
 
 
 def max_delta(cfg, compute, params, model) -> tuple[float, float]:

@@ -32,11 +32,11 @@ from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf  
 from engine.interop.hf.safetensors_io import SafetensorsFile  # noqa: E402
 from engine.models.config import ModelConfig  # noqa: E402
 from engine.ops.gated_delta import gated_delta_chunked, gated_delta_scan  # noqa: E402
-from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
     VOCAB,
     Case,
+    converted_case,
     prefill_then_decode,
     random_causal_lm,
     test_converted_model_matches_transformers_logits,
@@ -113,12 +113,7 @@ def case(request, tmp_path_factory) -> Case:
     name = request.param
     root = tmp_path_factory.mktemp(name)
     model = random_causal_lm(hf_config(name), 0, **IMPLEMENTATIONS)
-    model.save_pretrained(root / "hf")
-    (root / "hf" / "tokenizer.json").write_text('{"stand-in": true}')
-    convert_hf(root / "hf", root / "converted")
-    cfg, params, _ = load_params(root / "converted" / "checkpoint")
-    _, compute = stored_configs(root / "converted" / "checkpoint")
-    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+    return converted_case(name, model, root, stand_in_tokenizer=True)
 
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):

@@ -44,6 +44,7 @@ from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over th
     VOCAB,
     Case,
     batch,
+    converted_case,
     prefill_then_decode,
     random_causal_lm,
     test_converted_model_matches_transformers_logits,
@@ -148,12 +149,7 @@ def case(request, tmp_path_factory) -> Case:
     name = request.param
     root = tmp_path_factory.mktemp(name)
     model = random_causal_lm(hf_config(name), 0, **IMPLEMENTATIONS)
-    model.save_pretrained(root / "hf")
-    (root / "hf" / "tokenizer.json").write_text('{"stand-in": true}')
-    convert_hf(root / "hf", root / "converted")
-    cfg, params, _ = load_params(root / "converted" / "checkpoint")
-    _, compute = stored_configs(root / "converted" / "checkpoint")
-    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+    return converted_case(name, model, root, stand_in_tokenizer=True)
 
 
 DECODED_ALIKE = {"falcon_mamba": "mamba"}  # a second case of a decoding path taken (CI time)

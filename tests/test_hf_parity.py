@@ -111,17 +111,25 @@ def random_hf_model(family: str, seed: int = 0):
     return random_causal_lm(hf_config(family), seed, attn_implementation="eager")
 
 
+def converted_case(name: str, model, root: Path, stand_in_tokenizer: bool = False) -> Case:
+    """The parity case of transformers model `model`: saved under root/hf (with a stand-in
+    tokenizer.json, which conversion carries over as a file, where asked), converted to
+    root/converted and loaded back."""
+    model.save_pretrained(root / "hf")
+    if stand_in_tokenizer:
+        (root / "hf" / "tokenizer.json").write_text('{"stand-in": true}')
+    convert_hf(root / "hf", root / "converted")
+    cfg, params, _ = load_params(root / "converted" / "checkpoint")
+    _, compute = stored_configs(root / "converted" / "checkpoint")
+    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def case(request, tmp_path_factory) -> Case:
     family = request.param
     root = tmp_path_factory.mktemp(family)
     model = random_hf_model(family)
-    model.save_pretrained(root / "hf")
-    (root / "hf" / "tokenizer.json").write_text('{"stand-in": true}')  # carried over as a file
-    convert_hf(root / "hf", root / "converted")
-    cfg, params, _ = load_params(root / "converted" / "checkpoint")
-    _, compute = stored_configs(root / "converted" / "checkpoint")
-    return Case(family, model, root / "hf", root / "converted", cfg, compute, params)
+    return converted_case(family, model, root, stand_in_tokenizer=True)
 
 
 def batch(vocab: int = VOCAB):

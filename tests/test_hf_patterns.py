@@ -22,19 +22,18 @@ torch = need("torch")
 transformers = need("transformers")
 
 from engine.config import resolve_model_preset  # noqa: E402
-from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig  # noqa: E402
 from engine.models.params import graphdef_of  # noqa: E402
 from engine.models.transformer import layer_schedule  # noqa: E402
-from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from engine.train.step import lm_loss_fn  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
     COMMON,
     Case,
     batch,
+    converted_case,
     engine_logits,
     hf_logits,
     random_causal_lm,
@@ -122,11 +121,7 @@ def case(request, tmp_path_factory) -> Case:
     name = request.param
     root = tmp_path_factory.mktemp(name)
     model = random_hf_model(name)
-    model.save_pretrained(root / "hf")
-    convert_hf(root / "hf", root / "converted")
-    cfg, params, _ = load_params(root / "converted" / "checkpoint")
-    _, compute = stored_configs(root / "converted" / "checkpoint")
-    return Case(name, model, root / "hf", root / "converted", cfg, compute, params)
+    return converted_case(name, model, root)
 
 
 def test_converted_model_matches_transformers_logits_to_1e5(case):
