@@ -212,6 +212,29 @@ def router_weights(model) -> list[torch.Tensor]:
     ]
 
 
+def assert_routing_is_near_its_margins(model, tokens, mask, num_experts: int, routers=None) -> None:
+    """Every expert of the first expert layer is chosen, unevenly, and a 5% change of the
+    routers (`routers`, else router_weights) moves some choices: matching logits then means
+    matching routing."""
+    chosen = chosen_experts(model, tokens, mask)
+    loads = torch.bincount(chosen[0].flatten(), minlength=num_experts)
+    assert loads.min() > 0 and loads.max() > loads.min()
+    routers = router_weights(model) if routers is None else routers
+    assert routers
+    saved = [w.detach().clone() for w in routers]
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for w in routers:
+            w.mul_(1 + 0.05 * torch.randn(w.shape, generator=generator))
+    try:
+        moved = chosen_experts(model, tokens, mask)
+    finally:
+        with torch.no_grad():
+            for w, s in zip(routers, saved, strict=True):
+                w.copy_(s)
+    assert sum(int((a != b).any(-1).sum()) for a, b in zip(chosen, moved, strict=True)) > 0
+
+
 def test_converted_model_matches_transformers_and_the_routing_is_near_its_margins(case):
     """Logits to 1e-4 with weights large enough that routing matters: every expert is used,
     unevenly, and a 5% change of the routers moves some choices (so matching logits means
@@ -224,23 +247,7 @@ def test_converted_model_matches_transformers_and_the_routing_is_near_its_margin
     delta = float(np.abs(ours - ref)[valid].max())
     print(f"\n{case.family}: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref[valid]).max():.1f})")
     assert delta <= 1e-4 and np.abs(ref[valid]).max() > 0.5
-    chosen = chosen_experts(case.hf_model, tokens, mask)
-    loads = torch.bincount(chosen[0].flatten(), minlength=case.cfg.moe.num_experts)
-    assert loads.min() > 0 and loads.max() > loads.min()
-    routers = router_weights(case.hf_model)
-    assert routers
-    saved = [w.detach().clone() for w in routers]
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for w in routers:
-            w.mul_(1 + 0.05 * torch.randn(w.shape, generator=generator))
-    try:
-        moved = chosen_experts(case.hf_model, tokens, mask)
-    finally:
-        with torch.no_grad():
-            for w, s in zip(routers, saved, strict=True):
-                w.copy_(s)
-    assert sum(int((a != b).any(-1).sum()) for a, b in zip(chosen, moved, strict=True)) > 0
+    assert_routing_is_near_its_margins(case.hf_model, tokens, mask, case.cfg.moe.num_experts)
 
 
 def test_the_family_reads_what_the_config_says(case):
