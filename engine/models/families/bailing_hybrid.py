@@ -19,7 +19,6 @@ at conversion, as transformers skips them, and not written back.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from engine.config import ConfigError
@@ -183,24 +182,12 @@ class BailingHybrid(KimiLinear):
             "rope_theta": cfg.rope.theta,
         }
 
-    def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
-        top = [
-            TensorSpec(("embed_vd",), "model.word_embeddings.weight", None),
-            TensorSpec(("final_norm", "scale"), "model.norm.weight", None),
-        ]
-        if not cfg.tie_embeddings:
-            top.append(TensorSpec(("lm_head_dv",), "lm_head.weight", 1))
-        layers, per_layer = cfg.layer_pattern(), []
-        for stack, indices in cfg.layer_stacks():
-            layer = layers[indices[0]]
-            specs = [
-                TensorSpec(("attn_norm", "scale"), LAYER + "input_layernorm.weight", None),
-                *(_kimi_delta() if layer.mixer == "kimi_delta" else _mla(cfg.mla.q_lora_rank is not None)),
-                TensorSpec(("mlp_norm", "scale"), LAYER + "post_attention_layernorm.weight", None),
-                *_mlp(layer.ffn == "moe"),
-            ]
-            per_layer += [dataclasses.replace(spec, stack=stack) for spec in specs]
-        return top, per_layer
+    embedding_name = "model.word_embeddings.weight"
+
+    def mixer_and_ffn_tensors(self, cfg: ModelConfig, layer) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        """Kimi Linear's layers under Ling's names (attention.*, dense, the MLP's own)."""
+        mixer = _kimi_delta() if layer.mixer == "kimi_delta" else _mla(cfg.mla.q_lora_rank is not None)
+        return mixer, _mlp(layer.ffn == "moe")
 
     def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:
         """The multi-token-prediction layers after the decoder's (transformers skips them too)."""

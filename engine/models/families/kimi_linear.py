@@ -265,21 +265,28 @@ class KimiLinear(Family):
             **self.hf_constants,
         }
 
+    embedding_name = "model.embed_tokens.weight"
+
+    def mixer_and_ffn_tensors(self, cfg: ModelConfig, layer) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        """A layer's mixer and feed-forward tensors (the norms around them are the table's)."""
+        mixer = _kimi_delta() if layer.mixer == "kimi_delta" else _mla(cfg.mla.q_lora_rank is not None)
+        return mixer, _experts() if layer.ffn == "moe" else _dense_mlp()
+
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
         top = [
-            TensorSpec(("embed_vd",), "model.embed_tokens.weight", None),
+            TensorSpec(("embed_vd",), self.embedding_name, None),
             TensorSpec(("final_norm", "scale"), "model.norm.weight", None),
         ]
         if not cfg.tie_embeddings:
             top.append(TensorSpec(("lm_head_dv",), "lm_head.weight", 1))
         layers, per_layer = cfg.layer_pattern(), []
         for stack, indices in cfg.layer_stacks():
-            layer = layers[indices[0]]
+            mixer, ffn = self.mixer_and_ffn_tensors(cfg, layers[indices[0]])
             specs = [
                 TensorSpec(("attn_norm", "scale"), LAYER + "input_layernorm.weight", None),
-                *(_kimi_delta() if layer.mixer == "kimi_delta" else _mla(cfg.mla.q_lora_rank is not None)),
+                *mixer,
                 TensorSpec(("mlp_norm", "scale"), LAYER + "post_attention_layernorm.weight", None),
-                *(_experts() if layer.ffn == "moe" else _dense_mlp()),
+                *ffn,
             ]
             per_layer += [dataclasses.replace(spec, stack=stack) for spec in specs]
         return top, per_layer
