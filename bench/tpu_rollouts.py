@@ -93,7 +93,9 @@ def main() -> None:
     from engine.parallel.config import MeshConfig
     from engine.parallel.mesh import make_mesh
 
-    cfg = ModelConfig(**load_preset(args.preset, "--preset"))
+    preset = load_preset(args.preset, "--preset")
+    preset.pop("compute", None)  # a preset's recommended run settings; this bench sets its own
+    cfg = ModelConfig(**preset)
     compute = ComputeConfig(param_dtype=args.param_dtype, dtype="bfloat16")
     params = init_params(cfg, compute, make_mesh(MeshConfig(data=-1), jax.devices()[:1]), seed=0)
     sampler = Sampler(cfg, compute, dtype="bfloat16")
