@@ -100,6 +100,40 @@ def engine_descendants(pid: int) -> list[int]:
     return found
 
 
+THREAD = re.compile(r"(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):")
+IDLE = ("threading.py", "concurrent/futures/thread.py", "queue.py", "selectors.py", "multiprocessing/queues.py")
+
+
+def busy_threads(text: str) -> str:
+    """`text` with the stacks of idle threads (ones whose every frame is a thread pool's, a
+    queue's or a lock's wait) left out and counted: a stalled process's dump is mostly
+    idle pool threads, and only its last 20,000 characters are shown."""
+    out: list[str] = []
+    block: list[str] = []
+    idle = 0
+
+    def close() -> None:
+        nonlocal idle
+        frames = [line for line in block[1:] if 'File "' in line]
+        if block and frames and all(any(name in line for name in IDLE) for line in frames):
+            idle += 1
+        else:
+            out.extend(block)
+        block.clear()
+
+    for line in text.splitlines():
+        if THREAD.search(line):
+            close()
+            block.append(line)
+        elif block and 'File "' in line:
+            block.append(line)
+        else:
+            close()
+            out.append(line)
+    close()
+    return "\n".join(out) + (f"\n({idle} idle threads left out)" if idle else "")
+
+
 def trainflow(*args, check: bool = True, env: dict | None = None, timeout: float = 600):
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     # One CPU device, LLVM -O0 as the test process compiles (tests/conftest.py): the fastest compile.
@@ -129,7 +163,7 @@ def trainflow(*args, check: bool = True, env: dict | None = None, timeout: float
                 os.killpg(child.pid, signal.SIGKILL)
             raise AssertionError(
                 f"trainflow {' '.join(map(str, args))} did not finish in {timeout:.0f} s; its output, "
-                f"then every thread's stack at that moment:\n{stdout[-3000:]}\n{stderr[-20000:]}"
+                f"then every busy thread's stack at that moment:\n{stdout[-3000:]}\n{busy_threads(stderr)[-20000:]}"
             ) from None
     proc = subprocess.CompletedProcess(argv, child.returncode, stdout, stderr)
     if (

@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import types
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -53,9 +54,11 @@ class RequestLog(logging.Handler):
     def __init__(self):
         super().__init__()
         self.lines: list[str] = []
+        self.times: list[float] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(record.getMessage())
+        self.times.append(record.created)
 
 
 def exact_multipart_uploads(read_data):
@@ -252,8 +255,26 @@ def gcs(tmp_path_factory):
 def finished(prefect_server, gcs, tmp_path_factory):
     store = f"gs://{BUCKET}/runs/x"
     pipeline = tiny_pipeline(tmp_path_factory.mktemp("pipeline"))
-    trainflow("run", pipeline, "--store", store, f"pretrain.steps={STEPS}")
+    try:
+        trainflow("run", pipeline, "--store", store, f"pretrain.steps={STEPS}")
+    except AssertionError as e:  # the emulator's side first: the output after it is long
+        raise AssertionError(f"{emulator_tail(gcs)}\n{e}") from None
     return store, pipeline
+
+
+def emulator_tail(gcs: Emulator, lines: int = 40) -> str:
+    """The emulator's last requests (status, time and seconds each waited for and held the
+    emulator) and every error it logged: where a run stalls against it, which request it
+    made last and how the emulator answered."""
+    log = gcs.requests
+    errors = [line for line in log.lines if not line.startswith('"')]
+    stamped = [f"{time.strftime('%H:%M:%S', time.localtime(t))} {line}" for t, line in zip(log.times, log.lines)]
+    return (
+        f"the GCS emulator's last {lines} requests of {len(log.lines)} (now {time.strftime('%H:%M:%S')}):\n"
+        + "\n".join(stamped[-lines:])
+        + f"\nthe emulator's errors ({len(errors)}):\n"
+        + "\n".join(errors[-20:])
+    )
 
 
 def test_tiny_pipeline_on_gcs_complete_verified_with_lineage(finished):
