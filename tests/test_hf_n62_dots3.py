@@ -33,8 +33,10 @@ from engine.config import ConfigError, resolve_model_preset  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf, model_config_to_hf  # noqa: E402
-from engine.models.config import ModelConfig  # noqa: E402
+from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
+from engine.models.params import abstract_model_params, graphdef_of  # noqa: E402
 from engine.train.checkpoint import load_params  # noqa: E402
+from engine.train.step import lm_loss_fn  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_fam_moe_2 import (  # noqa: E402
     IMPLEMENTATIONS,
@@ -280,3 +282,23 @@ def test_the_preset_has_the_parameters_of_transformers_model():
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == cfg.num_params() == 279_551_718_016
+
+
+def test_a_training_step_with_the_indexer_loss_takes_the_indexed_layers_kl_and_every_routers_stats():
+    """The indexer's KL of the indexed layers joins the loss beside the routers' statistics of
+    every expert layer (the sliding layers have no indexer), and every weight has a gradient
+    (traced, not compiled: the step's structure)."""
+    cfg = ModelConfig.model_validate(resolve_model_preset({"model": "tiny-dots3-note-text"}, "tiny")["model"])
+    compute = ComputeConfig(indexer_loss="sparse")
+    params = abstract_model_params(cfg, compute, None)
+    data = {
+        "tokens": np.zeros((2, 12), np.int32),
+        "positions": np.broadcast_to(np.arange(12, dtype=np.int32), (2, 12)),
+        "segment_ids": np.ones((2, 12), np.int32),
+        "targets": np.zeros((2, 12), np.int32),
+        "loss_mask": np.ones((2, 12), np.float32),
+    }
+    step = jax.value_and_grad(lm_loss_fn(graphdef_of(cfg, compute)), has_aux=True)
+    (_, aux), grads = jax.eval_shape(step, params, data, 24.0)
+    assert {"indexer_loss", "moe_balance_loss", "moe_router_z_loss"} <= set(aux)
+    assert jax.tree.structure(grads) == jax.tree.structure(params)

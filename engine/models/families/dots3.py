@@ -180,7 +180,7 @@ class Dots3NoteText(DeepseekV32):
             )
         if {_INDEXED, _FULL} <= set(types):
             raise ConfigError(f"{where}: layer_types mixes indexed_attention and full_attention layers")
-        if not hf.get("n_shared_experts"):
+        if not self.hf_value(hf, "n_shared_experts"):
             raise ConfigError(f"{where}: n_shared_experts must be at least 1 (Dots3 always has shared experts)")
         self._shapes(hf, where)
         return super().config_from_hf(
@@ -228,7 +228,8 @@ class Dots3NoteText(DeepseekV32):
             "q_lora_rank": main["q_lora_rank"],
             "mla_nominal_head_dim": hf.get("head_dim", 256),
             "mla_latent_norm_eps": self.hf_value(hf, "rms_norm_eps"),
-            "shared_expert_mlp_dim": self.hf_value(hf, "shared_experts_intermediate_size") * hf["n_shared_experts"],
+            "shared_expert_mlp_dim": self.hf_value(hf, "shared_experts_intermediate_size")
+            * self.hf_value(hf, "n_shared_experts"),
         }
         if _SLIDING in shapes and any(x != _SLIDING for x in types):
             swa = shapes[_SLIDING]
