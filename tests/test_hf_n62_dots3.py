@@ -269,15 +269,19 @@ def test_what_the_family_does_not_run_is_refused_in_one_sentence(case):
         model_config_from_hf({**hf, "n_shared_experts": 0})
 
 
-def test_the_preset_has_the_parameters_of_transformers_model():
+def test_the_preset_has_the_parameters_of_transformers_model(tmp_path):
     """dots3-note-prev (Dots3NoteTextConfig's defaults; no total is published) builds as the
     transformers model of the same trainable parameter count (meta device; the choosing biases
-    are buffers there, not counted), and config.json round-trips to it."""
+    are buffers there, not counted), and its config.json is what transformers writes for them
+    (the sliding layers' per_layer_config entries only the sizes that differ)."""
     cfg = ModelConfig.model_validate(resolve_model_preset({"model": "dots3-note-prev"}, "dots3-note-prev")["model"])
     hf = model_config_to_hf(cfg)
     assert model_config_from_hf(hf)[0] == cfg
-    defaults = {**transformers.Dots3NoteTextConfig().to_dict(), "architectures": ["Dots3NoteForCausalLM"]}
-    assert model_config_from_hf(defaults)[0] == cfg
+    transformers.Dots3NoteTextConfig().save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert model_config_from_hf({**written, "architectures": ["Dots3NoteForCausalLM"]})[0] == cfg
+    about_the_file = {"transformers_version", "dtype", "bos_token_id", "eos_token_id", "pad_token_id"}
+    assert {k: v for k, v in written.items() if hf.get(k) != v}.keys() <= about_the_file
     config = transformers.AutoConfig.for_model(**hf)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)

@@ -273,7 +273,20 @@ class Dots3NoteText(DeepseekV32):
                     "qk_rope_head_dim": local.rope_head_dim,
                     "v_head_dim": local.v_head_dim,
                 }
-                per_layer = {str(i): swa for i, t in enumerate(types) if t == _SLIDING}
+                top = {  # transformers writes only what differs from these
+                    "num_attention_heads": cfg.attention.num_heads,
+                    "num_key_value_heads": cfg.attention.num_heads,
+                    "q_lora_rank": cfg.mla.q_lora_rank,
+                    "kv_lora_rank": cfg.mla.kv_lora_rank,
+                    "head_dim": head_dim,
+                    "qk_nope_head_dim": cfg.attention.head_dim - cfg.mla.rope_head_dim,
+                    "qk_rope_head_dim": cfg.mla.rope_head_dim,
+                    "v_head_dim": cfg.value_head_dim,
+                }
+                swa = {key: value for key, value in swa.items() if value != top[key]}
+                layers = [i for i, t in enumerate(types) if t == _SLIDING and swa]
+                width = len(str(max(layers, default=0)))  # transformers zero-pads them, to sort in JSON
+                per_layer = {str(i).zfill(width): swa for i in layers}
         return {
             **keys,
             "head_dim": head_dim,
