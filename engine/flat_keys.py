@@ -121,6 +121,10 @@ FLAT: dict[str, tuple[str, str]] = {
     "mla_lora_scale": ("mla", "lora_scale"),
     "index_norm_eps": ("mla", "index_norm_eps"),
     "index_shared_layers": ("mla", "index_shared_layers"),
+    "mla_key_norm": ("mla", "key_norm"),
+    "mla_local": ("mla", "local"),
+    "mla_nominal_head_dim": ("mla", "nominal_head_dim"),
+    "mla_latent_norm_eps": ("mla", "latent_norm_eps"),
     # embedding
     "scale_embeddings": ("embedding", "scale"),
     "embedding_multiplier": ("embedding", "multiplier"),

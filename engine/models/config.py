@@ -618,6 +618,8 @@ class ModelConfig(Strict):
                 f"rope_head_dim ({self.mla.rope_head_dim}) must be even and less than head_dim "
                 f"({self.attention.head_dim}), the whole query/key head"
             )
+        if self.mla.local is not None and (self.mla.local.q_lora_rank is None) != (self.mla.q_lora_rank is None):
+            raise ValueError("mla.local.q_lora_rank must be set exactly when q_lora_rank is")
         return self
 
     @model_validator(mode="after")
@@ -788,6 +790,8 @@ class ModelConfig(Strict):
                     kv_heads=self.attention.global_num_kv_heads,
                     values_from_keys=self.attention.global_values_from_keys,
                 )
+            if local and self.is_mla and self.mla.local is not None:  # Dots3: local MLA of its own sizes
+                stack = "local_" + stack
             rope = rope_pattern[i % len(rope_pattern)]
             if self.attention.pattern[i % len(self.attention.pattern)] == "chunked":
                 shape["chunked"] = True
@@ -993,7 +997,8 @@ class ModelConfig(Strict):
         if layer.mixer == "mla":
             assert self.mla.kv_lora_rank is not None
             indexer = None
-            if self.mla.index_topk is not None:
+            shape = self.mla.local if layer.local else None  # Dots3's local layers: their sizes, no indexer
+            if self.mla.index_topk is not None and shape is None:
                 indexer = IndexerSpec(
                     topk=self.mla.index_topk,
                     heads=self.mla.index_heads,
@@ -1003,18 +1008,17 @@ class ModelConfig(Strict):
                     rope_last=self.mla.index_rope_last,
                     key_norm_eps=self.mla.index_norm_eps or 1e-6,
                 )
-            return MLASpec(
+            rotary = RotarySpec(theta=self.rope.theta, scaling=self.rope.scaling, interleave=self.rope.interleave)
+            if layer.local and self.rope.local_theta is not None:  # local layers: their own base, unscaled
+                rotary = RotarySpec(theta=self.rope.local_theta, interleave=self.rope.interleave)
+            spec = MLASpec(
                 num_heads=self.attention.num_heads,
                 head_dim=self.attention.head_dim,
                 rope_head_dim=self.mla.rope_head_dim,
                 value_head_dim=self.value_head_dim,
                 kv_lora_rank=self.mla.kv_lora_rank,
                 q_lora_rank=self.mla.q_lora_rank,
-                rope=(
-                    RotarySpec(theta=self.rope.theta, scaling=self.rope.scaling, interleave=self.rope.interleave)
-                    if layer.rope
-                    else None
-                ),
+                rope=rotary if layer.rope else None,
                 window=self.attention.sliding_window if layer.local else None,
                 indexer=indexer,
                 scale=mla_score_scale(self.attention.head_dim, self.rope.scaling),
@@ -1022,6 +1026,21 @@ class ModelConfig(Strict):
                 sinks=self.attention.sinks,
                 output_gate=self.mla.output_gate,
                 lora_scale=self.mla.lora_scale,
+                key_norm_eps=self.norm.eps if self.mla.key_norm else None,
+                latent_norm_eps=self.mla.latent_norm_eps or 1e-6,
+            )
+            if shape is None:
+                return spec
+            return spec.model_copy(
+                update=dict(
+                    num_heads=shape.num_heads,
+                    head_dim=shape.head_dim,
+                    rope_head_dim=shape.rope_head_dim,
+                    value_head_dim=shape.v_head_dim,
+                    kv_lora_rank=shape.kv_lora_rank,
+                    q_lora_rank=shape.q_lora_rank,
+                    scale=shape.head_dim**-0.5,
+                )
             )
         if layer.mixer == "compressed_attention":
             ca = self.compressed_attention

@@ -113,6 +113,7 @@ class KVCache:
         index_k: tuple[jax.Array, ...] = ()
         if cfg.mla.index_topk is not None:  # DeepSeek Sparse Attention: the indexer's key per position
             shared = set(cfg.mla.index_shared_layers or [])  # (GLM-5's shared layers read an earlier layer's)
+            shared |= {i for i, spec in enumerate(cfg.layer_specs()) if getattr(spec.mixer, "indexer", None) is None}
             index_k = tuple(
                 constrain(jnp.zeros((batch, max_len, 0 if i in shared else cfg.mla.index_head_dim), dtype), INDEX_NAMES)
                 for i in range(cfg.num_layers)

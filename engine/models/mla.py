@@ -38,10 +38,6 @@ from engine.ops.attention_reference import attention_mask, dot_product_attention
 from engine.ops.dense import dense
 from engine.ops.partitioning import constrain
 
-LATENT_NORM_EPS = 1e-6
-"""The epsilon of the query and latent RMSNorms: DeepSeek's code (and transformers') leaves
-them at their default whatever rms_norm_eps says."""
-
 NEG_INF = -1e30  # finite, as engine/ops/attention_reference.py's: a fully masked (padding) row stays finite
 
 
@@ -54,21 +50,19 @@ class MLA(nnx.Module):
         pdt, std = build.param_dtype, build.init_std
         if spec.q_lora_rank:
             self.wq_a_dq = param(rngs, (d, spec.q_lora_rank), std, ("embed", None), pdt)
-            self.q_norm = RMSNorm(spec.q_lora_rank, LATENT_NORM_EPS, pdt, rngs=rngs)
+            self.q_norm = RMSNorm(spec.q_lora_rank, spec.latent_norm_eps, pdt, rngs=rngs)
             self.wq_b_qnh = param(rngs, (spec.q_lora_rank, n, h), std, (None, "heads", "head_dim"), pdt)
         else:
             self.wq_dnh = param(rngs, (d, n, h), std, ("embed", "heads", "head_dim"), pdt)
         # The latent and the shared rotary key come out of one projection (HF's kv_a_proj_with_mqa).
         self.wkv_a_dx = param(rngs, (d, c + r), std, ("embed", None), pdt)
-        self.kv_norm = RMSNorm(c, LATENT_NORM_EPS, pdt, rngs=rngs)
+        self.kv_norm = RMSNorm(c, spec.latent_norm_eps, pdt, rngs=rngs)
+        if spec.key_norm_eps is not None:  # Dots3: the shared rotary key normed before RoPE
+            self.k_rope_norm = RMSNorm(r, spec.key_norm_eps, pdt, rngs=rngs)
         # Per head, the non-rotary key then the value (HF's kv_b_proj).
         self.wkv_b_cny = param(rngs, (c, n, h - r + w), std, (None, "heads", "head_dim"), pdt)
         self.wo_nwd = param(rngs, (n, w, d), build.out_std, ("heads", "head_dim", "embed"), pdt)
-        if spec.head_gate:  # Ling 3: a sigmoid gate per head from the layer's input
-            if spec.indexer is not None:
-                raise ConfigError(
-                    "model.attention.head_gate (a gate per head) is not supported with the sparse-attention indexer"
-                )
+        if spec.head_gate:  # Ling 3, Dots3: a sigmoid gate per head from the layer's input
             self.w_head_gate_dn = param(rngs, (d, n), std, ("embed", "heads"), pdt)
         if spec.sinks:  # HY-V4: a logit per head in the softmax's denominator
             self.sinks_n = nnx.Param(jnp.zeros((n,), pdt), out_sharding=("heads",))
@@ -156,7 +150,10 @@ class MLA(nnx.Module):
         latent_btc = self.kv_norm(kv_btx[..., :c])
         if spec.lora_scale:  # LongCat-Flash: sqrt(d / kv_lora_rank)
             latent_btc = latent_btc * jnp.asarray((x_btd.shape[-1] / c) ** 0.5, latent_btc.dtype)
-        k_rope_bt1r = rotate(kv_btx[..., None, c:], positions_bt, max_position)
+        k_rope_bt1r = kv_btx[..., None, c:]
+        if spec.key_norm_eps is not None:  # Dots3
+            k_rope_bt1r = self.k_rope_norm(k_rope_bt1r)
+        k_rope_bt1r = rotate(k_rope_bt1r, positions_bt, max_position)
         window = spec.window
         sinks_n = self.sinks_n[...] if spec.sinks else None  # HY-V4
         wkv_b_cny = self.wkv_b_cny[...]
@@ -168,6 +165,8 @@ class MLA(nnx.Module):
             index_q_btgi, index_w_btg, index_k_bti = index_state
         elif self.index_topk is not None:  # its inputs detached: only its KL trains it (dsa.py)
             index_x_btd, index_q_btq = jax.lax.stop_gradient(x_btd), jax.lax.stop_gradient(q_latent_btq)
+            if spec.lora_scale:  # Dots3 scales the compressed query before its indexer reads it too
+                index_q_btq = index_q_btq * jnp.asarray((x_btd.shape[-1] / spec.q_lora_rank) ** 0.5, index_q_btq.dtype)
             index_q_btgi, index_w_btg = self.indexer.queries(index_x_btd, index_q_btq, positions_bt, max_position)
             index_k_bti = self.indexer.keys(index_x_btd, positions_bt, max_position)
         if cache is not None:
@@ -253,7 +252,7 @@ class MLA(nnx.Module):
             q_btnh, k_btnh = (jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, w - h))) for a in (q_btnh, k_btnh))
         if self.index_topk is not None:
             out = self._sparse(
-                q_btnh, k_btnh, v_btnw, segment_ids_bt, index_q_btgi, index_w_btg, index_k_bti, w, x_btd, spec
+                q_btnh, k_btnh, v_btnw, segment_ids_bt, index_q_btgi, index_w_btg, index_k_bti, w, x_btd, spec, gate_btn
             )
             return out, index_state
         with jax.named_scope("core"):
@@ -278,7 +277,18 @@ class MLA(nnx.Module):
         return self.index_topk is not None and self.index_topk < keys and self.attention_impl != "reference"
 
     def _sparse(
-        self, q_btnh, k_btnh, v_btnh, segment_ids_bt, index_q_btgi, index_w_btg, index_k_bti, w: int, x_btd, spec
+        self,
+        q_btnh,
+        k_btnh,
+        v_btnh,
+        segment_ids_bt,
+        index_q_btgi,
+        index_w_btg,
+        index_k_bti,
+        w: int,
+        x_btd,
+        spec,
+        gate_btn=None,
     ):
         """Training and prefill with the indexer: each query attends to its top-k visible keys
         over an explicit mask. Dense where no query can see more than index_topk keys (the
@@ -312,7 +322,7 @@ class MLA(nnx.Module):
                 out_btnh = dot_product_attention(
                     q_btnh, k_btnh, v_btnh, selected_bts, scale=self.scale, sinks_n=sinks_n
                 )
-        out_btd = self._output(out_btnh[..., :w], x_btd, spec)
+        out_btd = self._output(out_btnh[..., :w], x_btd, spec, gate_btn)
         if self.indexer_loss == "none":
             return out_btd
         return out_btd, indexer_kl(q_btnh, k_btnh, self.scale, selected_bts, scores_bts, segments_bt != 0)

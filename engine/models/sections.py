@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from engine.config import Strict
 from engine.models.rope_scaling import RopeScaling
@@ -297,6 +297,28 @@ class MoEConfig(Strict):
     table's row for its id (DeepSeek-V4, engine/models/hash_routing.py)."""
 
 
+class MLAShape(Strict):
+    """The sizes of the sliding-window layers' latent attention where they differ from the
+    others' (MLAConfig.local; Dots3's SWA layers: 64 heads over 1024-wide latents beside 128
+    heads over 512)."""
+
+    num_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    """A query/key head's whole width, its last rope_head_dim dimensions rotary."""
+    rope_head_dim: int = Field(gt=0)
+    v_head_dim: int = Field(gt=0)
+    kv_lora_rank: int = Field(gt=0)
+    q_lora_rank: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _check_rope(self) -> MLAShape:
+        if self.rope_head_dim % 2 or self.rope_head_dim >= self.head_dim:
+            raise ValueError(
+                f"mla.local.rope_head_dim ({self.rope_head_dim}) must be even and less than head_dim ({self.head_dim})"
+            )
+        return self
+
+
 class MLAConfig(Strict):
     """Multi-head latent attention (engine/models/mla.py; DeepSeek-V2/V3) when kv_lora_rank is
     set: keys and values are up-projected per head from one compressed latent per position,
@@ -337,6 +359,19 @@ class MLAConfig(Strict):
     """Sparse-attention layers that run no indexer and attend to the keys the last earlier
     layer's indexer selected (GLM-5's indexer_types "shared"; transformers passes that layer's
     top-k indices on). Layer 0 runs its own. None: every layer selects for itself."""
+    key_norm: bool = False
+    """An RMSNorm (norm.eps) on the shared rotary key before RoPE (Dots3's k_rope_only_layernorm)."""
+    local: MLAShape | None = None
+    """The sliding-window (local) layers' sizes, in a stack of their own (`local_blocks`), where
+    they differ from the others' (Dots3); such layers have no indexer and rotate at rope.local_theta.
+    None: every layer has the sizes above."""
+    latent_norm_eps: float | None = Field(None, gt=0)
+    """The query and key-value latents' RMSNorm epsilon; None: 1e-6, DeepSeek's whatever
+    norm.eps is (Dots3's: rms_norm_eps)."""
+    nominal_head_dim: int | None = Field(None, gt=0)
+    """config.json's head_dim where it is not the query/key width (Dots3's 256 over 192-wide
+    heads, from which transformers derives only its rotary fraction, qk_rope_head_dim /
+    head_dim, i.e. rope_head_dim again): kept so that an export has it back. None: none."""
 
 
 class EmbeddingConfig(Strict):

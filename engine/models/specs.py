@@ -237,6 +237,12 @@ class MLASpec(Spec):
     lora_scale: bool = False
     """call: queries times sqrt(d / q_lora_rank), the normed latent times sqrt(d / kv_lora_rank)
     (LongCat-Flash's mla_scale_q_lora, mla_scale_kv_lora)."""
+    key_norm_eps: float | None = None
+    """An RMSNorm with this epsilon on the shared rotary key before RoPE (Dots3's
+    k_rope_only_layernorm); None: none."""
+    latent_norm_eps: float = 1e-6
+    """The query and key-value latents' RMSNorm epsilon (DeepSeek's code leaves them at 1e-6
+    whatever rms_norm_eps says; Dots3's read rms_norm_eps)."""
 
     @property
     def score_scale(self) -> float:
@@ -258,6 +264,7 @@ class MLASpec(Spec):
             h, w = self.indexer.heads, self.indexer.head_dim
             q += self.q_lora_rank * h * w + d * w + 2 * w + d * h
         extras = n * self.sinks + d * n * self.value_head_dim * self.output_gate + d * n * self.head_gate
+        extras += r * (self.key_norm_eps is not None)
         return q + kv + n * self.value_head_dim * d + extras
 
 

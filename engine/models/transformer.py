@@ -858,9 +858,10 @@ def _layers(stats: MoEStats | None) -> list[MoEStats]:
 def _stack(stats: list[MoEStats]) -> MoEStats | None:
     """The layers' router stats as one MoEStats (leading axis: layers); None for dense. With
     a training indexer (dsa.py), a WithIndexerLoss of those and every layer's KL."""
-    if stats and isinstance(stats[0], WithIndexerLoss):
-        moe = [s.moe for s in stats if s.moe is not None]
-        return WithIndexerLoss(_stack(moe), jnp.concatenate([s.indexer_kl for s in stats]))
+    if any(isinstance(s, WithIndexerLoss) for s in stats):  # (Dots3: its sliding layers have no indexer)
+        moe = [s.moe if isinstance(s, WithIndexerLoss) else s for s in stats]
+        kl = [s.indexer_kl for s in stats if isinstance(s, WithIndexerLoss)]
+        return WithIndexerLoss(_stack([s for s in moe if s is not None]), jnp.concatenate(kl))
     return jax.tree.map(lambda *a: jnp.concatenate(a), *stats) if stats else None
 
 

@@ -44,7 +44,9 @@ def text_config_of(hf: dict) -> dict:
     if found is None:
         return hf
     family, multimodal = found
-    text = hf.get(multimodal.text_config) or {}
+    text = hf.get(multimodal.text_config)
+    if text is None:  # the text config's keys at the top level, beside the towers' (Dots3 Note's published config)
+        text = {key: value for key, value in hf.items() if key not in ("vision_config", "audio_config")}
     inherited = {key: hf[key] for key in TOKEN_ID_KEYS if hf.get(key) is not None}
     return {**inherited, **text, "architectures": [family.architecture], "model_type": family.model_type}
 
