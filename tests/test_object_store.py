@@ -100,6 +100,10 @@ def engine_descendants(pid: int) -> list[int]:
     return found
 
 
+class Stalled(AssertionError):
+    """A `trainflow` run that did not finish in its time (its processes are killed)."""
+
+
 THREAD = re.compile(r"(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):")
 IDLE = ("threading.py", "concurrent/futures/thread.py", "queue.py", "selectors.py", "multiprocessing/queues.py")
 
@@ -161,7 +165,7 @@ def trainflow(*args, check: bool = True, env: dict | None = None, timeout: float
                 stdout, stderr = child.communicate()
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.pid, signal.SIGKILL)
-            raise AssertionError(
+            raise Stalled(
                 f"trainflow {' '.join(map(str, args))} did not finish in {timeout:.0f} s; its output, "
                 f"then every busy thread's stack at that moment:\n{stdout[-3000:]}\n{busy_threads(stderr)[-20000:]}"
             ) from None

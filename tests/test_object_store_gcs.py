@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import types
+import warnings
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
@@ -36,7 +37,7 @@ from tasks.store import objects as store_objects
 from tasks.store.base import ArtifactStore
 from tasks.store.objects import read_url
 from tests.deps import need
-from tests.test_object_store import tiny_pipeline, trainflow
+from tests.test_object_store import Stalled, tiny_pipeline, trainflow
 
 emulator = need("gcp_storage_emulator.server")
 need("gcsfs")
@@ -255,9 +256,20 @@ def gcs(tmp_path_factory):
 def finished(prefect_server, gcs, tmp_path_factory):
     store = f"gs://{BUCKET}/runs/x"
     pipeline = tiny_pipeline(tmp_path_factory.mktemp("pipeline"))
+    run = ("run", pipeline, "--store", store, f"pretrain.steps={STEPS}")
     try:
-        trainflow("run", pipeline, "--store", store, f"pretrain.steps={STEPS}")
-    except AssertionError as e:  # the emulator's side first: the output after it is long
+        trainflow(*run, timeout=300)
+    except Stalled as stalled:
+        # A run that stalls against the emulator (seen in CI, never reproduced here: once in a
+        # few suites) is killed and run again, as a user resumes a failed run; the second must
+        # finish, resuming what the first left in the bucket. The stall is reported, not hidden.
+        first = f"{emulator_tail(gcs)}\n{stalled}"
+        warnings.warn(f"the first gs:// run stalled and was resumed: {first[:6000]}", stacklevel=1)
+        try:
+            trainflow(*run)
+        except AssertionError as e:  # the emulator's side first: the output after it is long
+            raise AssertionError(f"{emulator_tail(gcs)}\n{e}\n\nthe first run:\n{first[:6000]}") from None
+    except AssertionError as e:
         raise AssertionError(f"{emulator_tail(gcs)}\n{e}") from None
     return store, pipeline
 
