@@ -52,6 +52,7 @@ from engine.models.specs import (
     RGLRUSpec,
     RotarySpec,
     ShortConvSpec,
+    Zamba2HybridSpec,
     mla_score_scale,
     with_layer_decays,
 )
@@ -80,6 +81,7 @@ class Layer(NamedTuple):
         "lightning",
         "compressed_attention",
         "none",
+        "zamba2_hybrid",
     ]
     """The sequence mixer, a kind in transformer.MIXERS: grouped-query attention
     (transformer.Attention), multi-head latent attention (mla.py), or a Gated DeltaNet
@@ -118,6 +120,9 @@ class Layer(NamedTuple):
     """Sparse attention without an indexer of its own: the layer attends to the keys the last
     earlier layer's indexer selected (ModelConfig.mla.index_shared_layers), in a stack of its
     own (`index_shared_...`)."""
+    shared_call: int | None = None
+    """A Zamba2 hybrid layer's place among them (its adapters' index; its shared block is this
+    modulo Zamba2Config.shared_blocks), in a stack of its own (`zamba2_hybrid_{n}_blocks`)."""
 
 
 class GatedDeltaConfig(Strict):
@@ -253,6 +258,21 @@ class AltUpConfig(Strict):
         if self.active >= self.streams:
             raise ValueError(f"altup.active ({self.active}) must be below altup.streams ({self.streams})")
         return self
+
+
+class Zamba2Config(Strict):
+    """Zamba2's shared blocks (engine/models/zamba2.py; mixer_pattern zamba2_hybrid): the
+    attention + MLP blocks the hybrid layers call in turn, each call with adapters of its own."""
+
+    shared_blocks: int = Field(1, gt=0)
+    """Distinct shared blocks, called in turn by the hybrid layers (num_mem_blocks)."""
+    adapter_rank: int = Field(128, gt=0)
+    """Rank of each call's adapters (adapter_rank)."""
+    attention_adapters: bool = False
+    """Adapters on the shared attention's q, k and v too (use_shared_attention_adapter); the
+    MLP's gate and up projections always have them."""
+    rope: bool = False
+    """RoPE in the shared attention (use_mem_rope)."""
 
 
 class MuPMultipliers(Strict):
@@ -406,6 +426,7 @@ class ModelConfig(Strict):
                 "lightning",
                 "compressed_attention",
                 "none",
+                "zamba2_hybrid",
             ]
         ]
         | None
@@ -457,6 +478,8 @@ class ModelConfig(Strict):
     a dense MLP; DeepSeek-V4: a sliding_attention layer); None: the last layer's, with experts."""
     altup: AltUpConfig | None = None
     """Gemma 3n's AltUp: n residual streams each layer predicts from and corrects (altup.py); None: one stream."""
+    zamba2: Zamba2Config | None = None
+    """Zamba2's shared blocks (mixer_pattern zamba2_hybrid, zamba2.py); None: none."""
 
     FLAT_KEYS: ClassVar[tuple[str, ...]] = tuple(flat_keys.FLAT)
     """The sections' fields by their flat names, which configs may still use (`num_heads: 8`)."""
@@ -731,6 +754,14 @@ class ModelConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_zamba2(self) -> ModelConfig:
+        if ("zamba2_hybrid" in (self.mixer_pattern or [])) != (self.zamba2 is not None):
+            raise ValueError("zamba2 (the shared blocks) is set exactly when mixer_pattern has zamba2_hybrid layers")
+        if self.zamba2 is not None and self.mamba2 is None:
+            raise ValueError("zamba2_hybrid layers need mamba2 (the sizes of their Mamba2 mixers)")
+        return self
+
+    @model_validator(mode="after")
     def _check_mamba1(self) -> ModelConfig:
         if ("mamba1" in (self.mixer_pattern or [])) != (self.mamba1 is not None):
             raise ValueError("mamba1 (the sizes) is set exactly when mixer_pattern has mamba1 layers")
@@ -767,6 +798,10 @@ class ModelConfig(Strict):
                 compressed, hashed = self.compressed_attention.layer_types[i], i < self.moe.hash_layers
                 name = f"{compressed}_{'hash_' if hashed else ''}blocks"
                 layers.append(Layer(name, kind, "moe", False, True, compressed=compressed, hashed=hashed))
+                continue
+            if kind == "zamba2_hybrid":  # Zamba2: each its own stack (its adapters' names are its call's)
+                call = sum(mixer_pattern[j % len(mixer_pattern)] == kind for j in range(i))
+                layers.append(Layer(f"zamba2_hybrid_{call}_blocks", kind, "none", False, False, shared_call=call))
                 continue
             if "none" in (kind, ffn_pattern[i % len(ffn_pattern)]):  # a layer that is its mixer or its MLP
                 ffn: Literal["mlp", "moe", "none"] = (
@@ -836,7 +871,8 @@ class ModelConfig(Strict):
             mixer=self._mixer_spec(layer),
             ffn=ffn,
             norm=self._norm_spec(),
-            pre_norms=self.block.pre_norms or (self.block.linear_pre_norms and layer.mixer != "attention"),
+            pre_norms=(self.block.pre_norms or (self.block.linear_pre_norms and layer.mixer != "attention"))
+            and layer.mixer != "zamba2_hybrid",  # (Zamba2's hybrid layer norms inside, zamba2.py)
             post_norms=self.block.post_norms and not (self.block.linear_pre_norms and layer.mixer != "attention"),
             residual_multiplier=self.block.residual_multiplier,
             layer_scale=self.block.layer_scale,
@@ -1100,6 +1136,8 @@ class ModelConfig(Strict):
         )
         if layer.mixer == "mamba2":
             return mamba2
+        if layer.mixer == "zamba2_hybrid":  # Zamba2: a shared block's call, then Mamba2 (zamba2.py)
+            return self._zamba2_spec(layer, mamba2)
         assert layer.mixer == "attention_mamba2"
         return ParallelHybridSpec(
             attention=self._attention_spec(layer._replace(mixer="attention")),
@@ -1108,6 +1146,20 @@ class ModelConfig(Strict):
             attention_out=1.0 if mup is None else mup.attention_out,
             ssm_in=1.0 if mup is None else mup.ssm_in,
             ssm_out=1.0 if mup is None else mup.ssm_out,
+        )
+
+    def _zamba2_spec(self, layer: Layer, mamba2: Mamba2Spec) -> Zamba2HybridSpec:
+        z = self.zamba2
+        assert z is not None and layer.shared_call is not None  # _check_zamba2
+        return Zamba2HybridSpec(
+            attention=self._attention_spec(layer._replace(mixer="attention", rope=z.rope)),
+            mamba2=mamba2,
+            norm=self._norm_spec(),
+            mlp_dim=self.mlp.dim,
+            activation=self.mlp.activation,
+            adapter_rank=z.adapter_rank,
+            attention_adapters=z.attention_adapters,
+            block=layer.shared_call % z.shared_blocks,
         )
 
     def _share_kv(self, layers: list[Layer]) -> list[Layer]:
@@ -1207,6 +1259,9 @@ class ModelConfig(Strict):
             n += streams * streams * d + streams + 1
         if self.altup:  # the streams' projections in and out (altup.AltUpStreams)
             n += 2 * (self.altup.streams - 1) * d * d
+        if self.zamba2:  # Zamba2's shared blocks, counted once (each layer's spec counts its own)
+            hybrid = next(spec.mixer for spec in specs if isinstance(spec.mixer, Zamba2HybridSpec))
+            n += self.zamba2.shared_blocks * hybrid.shared_params(d)
         return n
 
 

@@ -637,6 +637,46 @@ class AltUpSpec(Spec):
         return d * n + d + n * n * n + n * n + d
 
 
+class Zamba2HybridSpec(Spec):
+    """A Zamba2 hybrid layer (engine/models/zamba2.py): a shared attention + MLP block (one of
+    `shared_blocks`, model-level parameters, block `block` here) reads the stream joined with
+    the original embeddings (2 d wide), with this call's own low-rank adapters on its
+    projections; its output, through this layer's linear, joins the stream at a Mamba2 layer's
+    input: x + mamba2(norm(x + linear(shared(x, embeddings)))). Its params(d) counts this
+    layer's own (Mamba2, norm, linear, adapters); shared_params(d) one shared block's."""
+
+    kind: Literal["zamba2_hybrid"] = "zamba2_hybrid"
+    attention: AttentionSpec
+    """The shared block's attention (over the 2 d-wide input)."""
+    mamba2: Mamba2Spec
+    norm: NormSpec
+    mlp_dim: int
+    activation: Literal["gelu", "gelu_tanh", "silu"] = "gelu"
+    adapter_rank: int
+    attention_adapters: bool = False
+    """Adapters on the shared attention's q, k, v (use_shared_attention_adapter); the MLP's
+    gate and up projections always have them."""
+    block: int = 0
+    """Which shared block the layer calls."""
+
+    def mixing_macs(self, seq_len: int) -> int:
+        return self.attention.mixing_macs(seq_len) + self.mamba2.mixing_macs(seq_len)
+
+    def params(self, d: int) -> int:
+        width = self.attention.num_heads * self.attention.head_dim
+        adapters = self.adapter_rank * (d + 2 * self.mlp_dim)
+        if self.attention_adapters:
+            kv = self.attention.num_kv_heads * self.attention.head_dim
+            adapters += self.adapter_rank * (3 * 2 * d + width + 2 * kv)
+        return self.mamba2.params(d) + self.norm.params(d) + d * d + adapters
+
+    def shared_params(self, d: int) -> int:
+        width = self.attention.num_heads * self.attention.head_dim
+        kv = self.attention.num_kv_heads * self.attention.head_dim
+        attention = 2 * d * (width + 2 * kv) + width * d
+        return self.norm.params(2 * d) + attention + self.norm.params(d) + 3 * d * self.mlp_dim
+
+
 MixerSpec = Annotated[
     AttentionSpec
     | MLASpec
@@ -649,7 +689,8 @@ MixerSpec = Annotated[
     | ShortConvSpec
     | RGLRUSpec
     | LightningSpec
-    | CompressedAttentionSpec,
+    | CompressedAttentionSpec
+    | Zamba2HybridSpec,
     Field(discriminator="kind"),
 ]
 """A layer's sequence mixer."""
@@ -810,7 +851,7 @@ class LayerSpec(Spec):
     @property
     def attention(self) -> AttentionSpec | None:
         """The layer's grouped-query attention (also the one beside a Mamba2 mixer), if any."""
-        if isinstance(self.mixer, ParallelHybridSpec | MixtureOfAttentionSpec):
+        if isinstance(self.mixer, ParallelHybridSpec | MixtureOfAttentionSpec | Zamba2HybridSpec):
             return self.mixer.attention
         return self.mixer if isinstance(self.mixer, AttentionSpec) else None
 

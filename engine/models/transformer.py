@@ -71,6 +71,7 @@ from engine.models.specs import (
 )
 from engine.models.xielu import initial_parameters as xielu_initial_parameters
 from engine.models.xielu import xielu
+from engine.models.zamba2 import Zamba2Hybrid, shared_blocks
 from engine.ops.attention import attention, chunked_segment_ids, decode_attention
 from engine.ops.attention_reference import alibi_slopes, attention_mask
 from engine.ops.dense import DotGeneral, dense, gated_mlp, matmuls_in, uses_cpu_backward, weight_grads_in
@@ -464,6 +465,7 @@ MIXERS: dict[str, Callable[..., nnx.Module]] = {
     "rglru": RecurrentBlock,
     "lightning": LightningAttention,
     "compressed_attention": CompressedAttention,
+    "zamba2_hybrid": Zamba2Hybrid,
 }
 """A mixer spec's kind -> its module, built (spec, build, rngs=) and called (x, positions,
 segment_ids, spec, cache=None, **extras) -> out, or with a cache (out, cache); `spec` is the
@@ -538,6 +540,7 @@ class Block(nnx.Module):
         shared_kv=None,
         store_kv: bool = False,
         index_state=None,
+        zamba=None,
     ):
         """(x, cache or None, MoEStats of the router or None for a dense MLP). `spec`: this
         layer's (static). `rotary`: the attention's RoPE (cos, sin), where the caller computed
@@ -558,6 +561,8 @@ class Block(nnx.Module):
         x_in, attn_in = x_btd, None  # a parallel layer's feed-forward reads the layer's input
         if spec.mixer is not None:
             extra = {"rotary": rotary, "shared_kv": shared_kv, "store_kv": store_kv, "index_state": index_state}
+            if zamba is not None:  # Zamba2's hybrid layers: the shared blocks and the embeddings (zamba2.py)
+                extra["zamba"] = zamba
             attn_in = self.attn_norm(x_btd) if spec.pre_norms else x_btd
             branch, cache, indexer_kl = self._mix(attn_in, positions_bt, segment_ids_bt, spec, cache, extra)
             if index_state is not None:
@@ -951,6 +956,9 @@ class Transformer(nnx.Module):
         if cfg.head.bias:  # GPT-J, Phi
             self.lm_head_bias_v = nnx.Param(jnp.zeros((cfg.vocab_size,), pdt), out_sharding=("vocab",))
         self.matmul_backward, self.dot_general = compute.matmul_backward, dot_general
+        if cfg.zamba2 is not None:  # Zamba2's shared blocks, which its hybrid layers call (zamba2.py)
+            for b, block in enumerate(shared_blocks(cfg, build, rngs=rngs)):
+                setattr(self, f"zamba2_shared_{b}", block)
         if (
             cfg.embedding.per_layer_input_dim
         ):  # LoRA on the per-layer inputs' projection (last: the base inits as without)
@@ -988,7 +996,7 @@ class Transformer(nnx.Module):
         projected_btlp = self.per_layer_proj_norm((projected_btx * jnp.asarray(cfg.d_model**-0.5, dt)).reshape(shape))
         return (projected_btlp + token_btlp) * jnp.asarray(2**-0.5, dt)
 
-    def _run_blocks(self, x_btd, positions_bt, segment_ids_bt, per_layer_btlp=None):
+    def _run_blocks(self, x_btd, positions_bt, segment_ids_bt, per_layer_btlp=None, zamba=None):
         """(x, MoEStats with a leading layer axis, or None for a dense model): every layer in
         turn, each with its static flags (a local layer computes only its window,
         engine/ops/attention.py; a global one pays nothing for it).
@@ -1021,6 +1029,8 @@ class Transformer(nnx.Module):
                     extra["shared_kv"] = shared_kv[layer.local]
                 elif layer.kv_sharing == "store":
                     extra["store_kv"] = True
+                if zamba is not None and getattr(layer.mixer, "kind", None) == "zamba2_hybrid":
+                    extra["zamba"] = zamba
                 with in_layer(index):
                     positions, segments = rows
                     x, kv, stats = block.forward(x, positions, segments, layer, **extra)
@@ -1170,7 +1180,7 @@ class Transformer(nnx.Module):
         microbatches = self.compute.pipeline_microbatches or stages
         return gpipe(stage, (state, index), x_btd, rows, stages=stages, microbatches=microbatches)
 
-    def _decode_blocks(self, x_btd, positions_bt, segment_ids_bt, cache: KVCache, per_layer_btlp=None):
+    def _decode_blocks(self, x_btd, positions_bt, segment_ids_bt, cache: KVCache, per_layer_btlp=None, zamba=None):
         """The blocks with a KV cache; each layer writes its slots of the stacked cache in place.
 
         Unrolled even for stacked params: with a static layer index XLA updates the cache in
@@ -1207,6 +1217,8 @@ class Transformer(nnx.Module):
                 extra["per_layer_btp"] = per_layer_btlp[:, :, i]
             if index_state is not None:
                 extra["index_state"] = index_state
+            if zamba is not None and getattr(layer.mixer, "kind", None) == "zamba2_hybrid":
+                extra["zamba"] = zamba
             x_btd, cache = block(
                 x_btd,
                 positions_bt,
@@ -1297,6 +1309,10 @@ class Transformer(nnx.Module):
         per_layer_btlp = self._per_layer_inputs(tokens_bt, x_btd) if cfg.embedding.per_layer_input_dim else None
         if hasattr(self, "altup_streams"):  # Gemma 3n: the embedding and its projections, n streams
             x_btd = self.altup_streams.expand(x_btd)
+        zamba = None
+        if cfg.zamba2 is not None:  # Zamba2: its shared blocks and the embeddings, for the hybrid layers
+            blocks = tuple(nnx.split(getattr(self, f"zamba2_shared_{b}")) for b in range(cfg.zamba2.shared_blocks))
+            zamba = (blocks, x_btd)
         stats = None
         if cache is None:  # segment_ids_bt None: one unpadded document per row, no mask needed
             with matmuls_in(self.compute.matmul_precision):  # fp8/int8 recipes: the layers' products only
@@ -1304,12 +1320,12 @@ class Transformer(nnx.Module):
                 carried: Any = x_btd  # the layers carry (x, the last indexer's selection inputs)
                 if indexer is not None:
                     carried = (x_btd, _initial_index_state(x_btd, indexer))
-                carried, stats = self._run_blocks(carried, positions_bt, segment_ids_bt, per_layer_btlp)
+                carried, stats = self._run_blocks(carried, positions_bt, segment_ids_bt, per_layer_btlp, zamba)
                 x_btd = carried[0] if indexer is not None else carried
         else:
             if segment_ids_bt is None:
                 segment_ids_bt = jnp.ones_like(tokens_bt)
-            x_btd, cache = self._decode_blocks(x_btd, positions_bt, segment_ids_bt, cache, per_layer_btlp)
+            x_btd, cache = self._decode_blocks(x_btd, positions_bt, segment_ids_bt, cache, per_layer_btlp, zamba)
         hash_routing.reset(hashed)
         if hasattr(self, "hc_head"):
             if hidden is not None:  # DeepSeek-V4's multi-token prediction reads the streams
