@@ -91,6 +91,8 @@ def tiny(family: str, tie: bool) -> tuple:
         **({"num_attention_heads": 2} if family == "olmo_hybrid" else {}),
         # MiMo-V2-Flash: values no wider than the keys (its default v_head_dim is 128)
         **({"v_head_dim": 6} if family == "mimo_v2_flash" else {}),
+        # Zamba2: a Mamba2 (2 heads of 12) and two hybrid layers calling the shared block (heads of 6)
+        **({"layers_block_type": ["mamba", "hybrid", "hybrid"], "n_mamba_heads": 2} if family == "zamba2" else {}),
     }
     return model_config_from_hf(hf)
 

@@ -4,13 +4,14 @@ call with adapters of its own on the shared q, k, v and the MLP's gate and up pr
 
 The case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
 collected here over this module's `case`): logits to 1e-4, greedy tokens and the cached sampler
-equal transformers' generate, the export loading cleanly in transformers with the same logits,
-config.json as transformers writes it, export -> convert bitwise. Plus: the state after a prompt
-and decoded tokens against one forward's, the checkpoint's layout (each shared block saved once,
-each call's adapters under it), each shared block one set of parameters that training reaches,
-the refusals, and the preset's parameter count against transformers' (meta device). A tiny model
-with odd widths: hidden 30, 5 attention heads of 12 over the 60-wide join, an MLP of 26,
-adapters of rank 5, Mamba2 of 6 heads of 10 in 2 groups, state 7, 3 taps, chunks of 8.
+equal transformers' generate (the sampler decodes with each hybrid layer's shared-attention keys
+beside its Mamba2 state, a group's prompt shared), the export loading cleanly in transformers
+with the same logits, config.json as transformers writes it, export -> convert bitwise. Plus:
+the checkpoint's layout (each shared block saved once, each call's adapters under it), each
+shared block one set of parameters that training reaches, the refusals, and the preset's
+parameter count against transformers' (meta device). A tiny model with odd widths: hidden 30,
+5 attention heads of 12 over the 60-wide join, an MLP of 26, adapters of rank 5, Mamba2 of 6
+heads of 10 in 2 groups, state 7, 3 taps, chunks of 8.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over th
     VOCAB,
     Case,
     converted_case,
-    prefill_then_decode,
     random_causal_lm,
     test_converted_model_matches_transformers_logits,
     test_export_then_convert_is_bitwise_identical,
@@ -127,21 +127,9 @@ def test_the_family_reads_what_the_config_says(case):
     assert (hybrid.attention.head_dim, hybrid.attention.score_scale) == (12, 6**-0.5)
     assert hybrid.mamba2.dt_limit == (0.001, float("inf")) and hybrid.mamba2.n_groups == 2
     assert not cfg.layer_specs()[1].pre_norms and cfg.layer_specs()[0].pre_norms
-
-
-def test_the_state_after_a_prompt_and_decoded_tokens_is_a_full_forwards(case):
-    """Prefill 9 tokens (one row left-padded by 3), decode 6 one at a time: every layer's Mamba2
-    window and state equal one forward's over all 15, and so do the shared attention's keys of
-    each hybrid layer (its own slots) and the last logits."""
-    logits, cache, full_logits, full = prefill_then_decode(case)
-    hybrids = [i for i, layer in enumerate(case.cfg.layer_pattern()) if layer.mixer == "zamba2_hybrid"]
-    for ours, theirs in zip(cache.states, full.states, strict=True):
-        for a, b in zip(ours, theirs, strict=True):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
-    for i in hybrids:
-        assert cache.k[i].shape[1] == 5  # the shared attention's heads, in this layer's slots
-        np.testing.assert_allclose(np.asarray(cache.k[i]), np.asarray(full.k[i]), rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(np.asarray(logits[:, -1]), np.asarray(full_logits[:, -1]), atol=1e-4)
+    tiny = dict(resolve_model_preset({"model": "tiny-zamba2"}, "tiny-zamba2")["model"])
+    tiny.pop("compute", None)
+    assert ModelConfig.model_validate(tiny) == cfg.model_copy(update={"vocab_size": 512})  # the tiny preset
 
 
 def test_a_shared_block_is_one_set_of_parameters_that_learns(case):
