@@ -653,7 +653,9 @@ class ModelConfig(Strict):
         if "kimi_delta" in (self.mixer_pattern or []) and gd is not None:
             if (gd.num_key_heads, gd.key_head_dim) != (gd.num_value_heads, gd.value_head_dim):
                 raise ValueError("kimi_delta layers have as many value heads as key heads, of the same width")
-        if bool({"mamba2", "attention_mamba2"} & set(self.mixer_pattern or [])) != (self.mamba2 is not None):
+        if bool({"mamba2", "attention_mamba2", "zamba2_hybrid"} & set(self.mixer_pattern or [])) != (
+            self.mamba2 is not None
+        ):
             raise ValueError("mamba2 (the sizes) is set exactly when mixer_pattern has mamba2 layers")
         for kind in ("rglru", "lightning"):  # (short_conv's settings have defaults)
             if (kind in (self.mixer_pattern or [])) != (getattr(self, kind) is not None):
@@ -757,8 +759,6 @@ class ModelConfig(Strict):
     def _check_zamba2(self) -> ModelConfig:
         if ("zamba2_hybrid" in (self.mixer_pattern or [])) != (self.zamba2 is not None):
             raise ValueError("zamba2 (the shared blocks) is set exactly when mixer_pattern has zamba2_hybrid layers")
-        if self.zamba2 is not None and self.mamba2 is None:
-            raise ValueError("zamba2_hybrid layers need mamba2 (the sizes of their Mamba2 mixers)")
         return self
 
     @model_validator(mode="after")
