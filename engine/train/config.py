@@ -28,6 +28,12 @@ class OptimizerConfig(Strict):
     layer's bias moves by this much per expert, up where the expert got fewer than the mean
     of the assignments, down where more (DeepSeek-V3's auxiliary-loss-free balancing; it
     pretrained with 0.001). 0: the bias stays as loaded, as transformers fine-tunes it."""
+    moment_dtype: Literal["float32", "bfloat16"] | None = None
+    """Storage dtype of Adam's two moments. None: the parameters' (compute.param_dtype), and the
+    update computed in it, as before. Set: the step casts the gradients up to float32, updates
+    the moments and the parameters' step in float32 and stores the moments in this dtype
+    (MaxText's mu_dtype). float32 parameters with bfloat16 moments are float32 master weights
+    at 8 bytes of state per parameter, not 12 (docs/benchmarks.md: what fits one TPU v5e)."""
 
 
 class ScheduleConfig(Strict):
