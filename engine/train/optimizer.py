@@ -100,17 +100,19 @@ def _floats_to(tree, dtype):
 
 def moments_in(inner: optax.GradientTransformation, dtype: str) -> optax.GradientTransformation:
     """`inner` (clipping and AdamW) with its moments stored in `dtype` and its update computed in
-    float32: the gradients cast up going in, the moments rounded down coming out (optax's
-    mu_dtype does the first moment; its second follows the state it is given, so it starts
-    in `dtype` here). The updates leave in float32; optax.apply_updates rounds each parameter's
-    sum to its own dtype."""
+    float32 (MaxText's way): the gradients, the moments and (for the weight decay) the
+    parameters cast up going in, the moments rounded down coming out, once per step (optax's
+    mu_dtype rounds the first moment; its second follows the state's dtype, hence the casts
+    here). The updates leave in float32; optax.apply_updates rounds each parameter's sum to
+    its own dtype."""
     dtype = jnp.dtype(dtype)
 
     def init(params):
         return _floats_to(inner.init(params), dtype)
 
     def update(grads, state, params=None):
-        updates, state = inner.update(_floats_to(grads, jnp.float32), state, params)
+        wide = lambda tree: None if tree is None else _floats_to(tree, jnp.float32)  # noqa: E731
+        updates, state = inner.update(wide(grads), wide(state), wide(params))  # params: the weight decay's
         return updates, _floats_to(state, dtype)
 
     return optax.GradientTransformation(init, update)
