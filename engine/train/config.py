@@ -34,6 +34,11 @@ class OptimizerConfig(Strict):
     the moments and the parameters' step in float32 and stores the moments in this dtype
     (MaxText's mu_dtype). float32 parameters with bfloat16 moments are float32 master weights
     at 8 bytes of state per parameter, not 12 (docs/benchmarks.md: what fits one TPU v5e)."""
+    host_offload: bool = False
+    """Keep the optimizer's state in the hosts' memory (JAX's pinned_host) between steps; each
+    step brings it to the devices for the update and sends it back: its bytes are off the
+    chips' memory while the forward and backward passes run, for two transfers of it per step
+    (MaxText's optimizer_memory_host_offload)."""
 
 
 class ScheduleConfig(Strict):

@@ -118,6 +118,17 @@ def moments_in(inner: optax.GradientTransformation, dtype: str) -> optax.Gradien
     return optax.GradientTransformation(init, update)
 
 
+def state_on_devices(inner: optax.GradientTransformation, shardings) -> optax.GradientTransformation:
+    """`inner` with its state kept in the hosts' memory between steps (the step's pinned_host
+    shardings, OptimizerConfig.host_offload) and brought to the devices, laid out by
+    `shardings`, for the update alone."""
+
+    def update(grads, state, params=None):
+        return inner.update(grads, jax.device_put(state, shardings), params)
+
+    return optax.GradientTransformation(inner.init, update)
+
+
 def make_optimizer(
     opt: OptimizerConfig, sched: ScheduleConfig, total_steps: int, params, *, only: str | None = None
 ) -> tuple:

@@ -252,7 +252,7 @@ def plan_step(
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         message = str(e).splitlines()[0]
-        memory, how = _refused(message, parts), "refused by the compiler"
+        memory, how = _refused(message, parts, cfg.optimizer.host_offload), "refused by the compiler"
     else:
         analysis = compiled.memory_analysis()
         memory, how = Memory.of(analysis, **parts, platform=devices[0].platform), "compiled"
@@ -298,15 +298,16 @@ def plan_step(
 _SIZE = r"([\d.]+)([KMGT]?)"
 
 
-def _refused(message: str, parts: dict[str, float]) -> Memory:
+def _refused(message: str, parts: dict[str, float], state_on_host: bool = False) -> Memory:
     """The figures of a compile the TPU compiler refused: "... the total memory required for HLO
     temporaries (17.39G) exceeds available HBM (15.75G)" (its sizes are in GiB). That figure is
     everything its buffer assignment put in HBM, the arguments too (its memory-usage report's
     total: Llama 3.2 1B in float32 with float32 or bfloat16 moments, 25.99G and 21.39G, differ
-    by the moments' 4.60 GiB alone), so the temporaries are what it holds beyond them."""
+    by the moments' 4.60 GiB alone), so the temporaries are what it holds beyond them. An
+    optimizer state kept in the hosts' memory (`state_on_host`) is no argument in HBM."""
     scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
     found = re.search(rf"temporaries \({_SIZE}\)", message)
-    argument = parts["parameters"] + parts["optimizer_state"] + parts["batch"]
+    argument = parts["parameters"] + (0.0 if state_on_host else parts["optimizer_state"]) + parts["batch"]
     temporaries = float(found.group(1)) * scale[found.group(2)] - argument if found else float("nan")
     return Memory(**parts, argument=argument, output=0.0, alias=0.0, temporaries=temporaries, generated_code=0.0)
 
