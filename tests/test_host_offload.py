@@ -2,14 +2,21 @@
 between steps and brought to the devices for the update. It moves bytes, not values: a run
 equals the same run without it, bitwise, and resumes from its checkpoints as one."""
 
+import importlib.util
 import shutil
 
 import jax
+import pytest
 
+from engine.config import load_config
+from engine.train.config import TrainConfig
+from engine.train.plan import plan_step
 from engine.train.pretrain import run_pretrain
+from engine.train.targets import get_target
 from engine.train.trainer import Trainer
 from tests.test_train import assert_params_identical, tiny_config
 
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the test extra)")
 OVERRIDES = {"steps": 6, "checkpoint.every_steps": 3, "optimizer.moment_dtype": "bfloat16"}
 
 
@@ -31,3 +38,17 @@ def test_the_state_lives_in_pinned_host_and_the_run_equals_one_without_it_and_re
     run_pretrain(tiny_config(byte_dataset, tmp_path / "resumed", **offloaded))
     assert "resumed from checkpoint step 3" in capfd.readouterr().err
     assert_params_identical(tmp_path / "offloaded" / "checkpoint", tmp_path / "resumed" / "checkpoint")
+
+
+@needs_libtpu
+def test_a_plan_for_a_tpu_counts_the_offloaded_state_out_of_the_chips_memory():
+    """Compiled for a v5e-1 through libtpu: offloaded, the step's HBM arguments and its total
+    both shrink by at least the state's bytes (the chip pads each array to its tiles), though
+    the state is in the compiler's heap peak, which counts the hosts' memory too."""
+    tree = {"model": "tiny", "data": {"seq_len": 128, "batch_size": 8}, "steps": 3}
+    plain = plan_step(load_config(tree=tree, schema=TrainConfig), get_target("v5e-1")).memory
+    offloaded_tree = {**tree, "optimizer": {"host_offload": True}}
+    offloaded = plan_step(load_config(tree=offloaded_tree, schema=TrainConfig), get_target("v5e-1")).memory
+    assert offloaded.optimizer_state == plain.optimizer_state > 2 * offloaded.batch
+    assert plain.argument - offloaded.argument >= offloaded.optimizer_state
+    assert plain.total - offloaded.total >= offloaded.optimizer_state
