@@ -10,7 +10,7 @@ import pytest
 
 from engine.config import load_config
 from engine.train.config import TrainConfig
-from engine.train.plan import plan_step
+from engine.train.plan import format_plan, plan_step
 from engine.train.pretrain import run_pretrain
 from engine.train.targets import get_target
 from engine.train.trainer import Trainer
@@ -49,7 +49,9 @@ def test_a_plan_for_a_tpu_counts_the_offloaded_state_out_of_the_chips_memory():
     tree = {"model": "tiny", "data": {"seq_len": 128, "batch_size": 8}, "steps": 3}
     plain = plan_step(load_config(tree=tree, schema=TrainConfig), get_target("v5e-1")).memory
     offloaded_tree = {**tree, "optimizer": {"host_offload": True}}
-    offloaded = plan_step(load_config(tree=offloaded_tree, schema=TrainConfig), get_target("v5e-1")).memory
+    offloaded_plan = plan_step(load_config(tree=offloaded_tree, schema=TrainConfig), get_target("v5e-1"))
+    offloaded = offloaded_plan.memory
     assert offloaded.optimizer_state == plain.optimizer_state > 2 * offloaded.batch
     assert plain.argument - offloaded.argument >= offloaded.optimizer_state
     assert offloaded.total < plain.total + offloaded.optimizer_state
+    assert "(in the hosts' memory: optimizer.host_offload)" in format_plan(offloaded_plan)

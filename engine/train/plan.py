@@ -95,6 +95,8 @@ class Plan:
     """Bytes per device per step over ICI and DCN (`network_bytes`; compiled TPU steps only)."""
     matmuls: str = "default"
     """compute.matmul_precision: the recipe the layers' matmuls were compiled with."""
+    state_on_host: bool = False
+    """optimizer.host_offload: the optimizer's state is in the hosts' memory, no argument in HBM."""
 
     @property
     def fits(self) -> bool:
@@ -292,6 +294,7 @@ def plan_step(
     if compiled is not None and target.platform == "tpu":
         plan.network = network_bytes(compiled.as_text())
     plan.matmuls = cfg.compute.matmul_precision
+    plan.state_on_host = cfg.optimizer.host_offload
     return plan
 
 
@@ -413,9 +416,11 @@ def format_plan(plan: Plan) -> str:
         f"stage {plan.stage} on {plan.target.name}: {where}, mesh {mesh}{matmuls}; {plan.how}",
         f"  per device                        {unit}",
         f"    parameters                 {size(m.parameters)}",
-        f"    optimizer state            {size(m.optimizer_state)}",
+        f"    optimizer state            {size(m.optimizer_state)}"
+        + ("   (in the hosts' memory: optimizer.host_offload)" if plan.state_on_host else ""),
         f"    batch                      {size(m.batch)}",
-        f"    arguments                  {size(m.argument)}   (the three above"
+        f"    arguments                  {size(m.argument)}   ("
+        + ("parameters and batch" if plan.state_on_host else "the three above")
         + (", as the compiler lays them out)" if plan.how == "compiled" else ")"),
         f"    gradients                  {size(m.gradients)}   (param-shaped, the parameters' dtype)",
         f"    temporaries                {size(m.temporaries)}   (activations, gradients, workspace)",
