@@ -368,14 +368,14 @@ def _estimate(
         shard_bytes(opt),
         batch_bytes,
         trained,
-        argument=trained + frozen + shard_bytes(opt) + batch_bytes,
+        argument=trained + frozen + (0.0 if cfg.optimizer.host_offload else shard_bytes(opt)) + batch_bytes,
         output=0.0,
         alias=0.0,
         temporaries=trained + kept + logits,
         generated_code=0.0,
     )
     model_flops, hardware_flops, source = _flops(cfg, tokens, updates)
-    return Plan(
+    plan = Plan(
         stage,
         target,
         target.chips,
@@ -393,6 +393,8 @@ def _estimate(
         chip.memory_bandwidth,
         knobs(cfg, from_scratch),
     )
+    plan.state_on_host = cfg.optimizer.host_offload
+    return plan
 
 
 # --------------------------------------------------------------------------- the report
