@@ -72,6 +72,8 @@ ADDED_AT_DEFAULT = {
     "compute.weight_grad_dtype": "float32",
     "compute.mtp_loss": 0.0,
     "compute.matmul_precision": "default",
+    "optimizer.moment_dtype": None,  # Adam's moments stored apart from the parameters' dtype
+    "optimizer.host_offload": False,
     "mesh.dcn": {"data": 1, "expert": 1, "fsdp": 1, "context": 1, "pipeline": 1},
     # pipeline parallelism (engine/ops/pipeline.py); a set mesh.dcn keeps its id without it
     "mesh.dcn.pipeline": 1,

@@ -1272,7 +1272,8 @@ class ComputeConfig(Strict):
     under the value it was saved with; everything else may differ from the checkpoint's."""
 
     param_dtype: Literal["float32", "bfloat16"] = "float32"
-    """Storage dtype of the parameters (and so of the optimizer's moments)."""
+    """Storage dtype of the parameters (and so of the optimizer's moments, unless the run's
+    optimizer.moment_dtype sets theirs)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype of matmuls; norms, softmax and the loss stay in float32."""
     scan_layers: bool = True

@@ -28,6 +28,17 @@ class OptimizerConfig(Strict):
     layer's bias moves by this much per expert, up where the expert got fewer than the mean
     of the assignments, down where more (DeepSeek-V3's auxiliary-loss-free balancing; it
     pretrained with 0.001). 0: the bias stays as loaded, as transformers fine-tunes it."""
+    moment_dtype: Literal["float32", "bfloat16"] | None = None
+    """Storage dtype of Adam's two moments. None: the parameters' (compute.param_dtype), and the
+    update computed in it, as before. Set: the step casts the gradients up to float32, updates
+    the moments and the parameters' step in float32 and stores the moments in this dtype
+    (MaxText's mu_dtype). float32 parameters with bfloat16 moments are float32 master weights
+    at 8 bytes of state per parameter, not 12 (docs/benchmarks.md: what fits one TPU v5e)."""
+    host_offload: bool = False
+    """Keep the optimizer's state in the hosts' memory (JAX's pinned_host) between steps; each
+    step brings it to the devices for the update and sends it back: its bytes are off the
+    chips' memory while the forward and backward passes run, for two transfers of it per step
+    (MaxText's optimizer_memory_host_offload)."""
 
 
 class ScheduleConfig(Strict):

@@ -96,10 +96,15 @@ class Memory:
         0.11), else its heap peak (TPU, GPU) or, on CPU, temp_size_in_bytes, which there is
         exactly the one preallocated temporary block (XLA:CPU's peak leaves it out). On TPU,
         temp_size_in_bytes sums every temporary buffer and overstates the assignment
-        (`OLDER_TPU_COMPILER`)."""
+        (`OLDER_TPU_COMPILER`). The heap peak also counts what the step keeps in the hosts'
+        memory (an optimizer state offloaded, OptimizerConfig.host_offload), left out here."""
         live = analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
         assigned = getattr(analysis, "total_allocation_bytes", 0) or 0
-        peak = getattr(analysis, "peak_memory_in_bytes", 0) or 0
+        on_host = sum(
+            (getattr(analysis, f"host_{part}_size_in_bytes", 0) or 0) * sign
+            for part, sign in (("argument", 1), ("output", 1), ("alias", -1), ("temp", 1))
+        )
+        peak = (getattr(analysis, "peak_memory_in_bytes", 0) or 0) - on_host
         if assigned > live:
             temporaries = assigned - live
         elif platform != "cpu" and peak > live:

@@ -93,10 +93,47 @@ def train_only(inner: optax.GradientTransformation, params, trained: str) -> opt
     return optax.GradientTransformation(inner.init, update)
 
 
+def _floats_to(tree, dtype):
+    """`tree` with its floating-point leaves in `dtype` (an optimizer state's counts stay integers)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def moments_in(inner: optax.GradientTransformation, dtype: str) -> optax.GradientTransformation:
+    """`inner` (clipping and AdamW) with its moments stored in `dtype` and its update computed in
+    float32 (MaxText's way): the gradients, the moments and (for the weight decay) the
+    parameters cast up going in, the moments rounded down coming out, once per step (optax's
+    mu_dtype rounds the first moment; its second follows the state's dtype, hence the casts
+    here). The updates leave in float32; optax.apply_updates rounds each parameter's sum to
+    its own dtype."""
+    dtype = jnp.dtype(dtype)
+
+    def init(params):
+        return _floats_to(inner.init(params), dtype)
+
+    def update(grads, state, params=None):
+        wide = lambda tree: None if tree is None else _floats_to(tree, jnp.float32)  # noqa: E731
+        updates, state = inner.update(wide(grads), wide(state), wide(params))  # params: the weight decay's
+        return updates, _floats_to(state, dtype)
+
+    return optax.GradientTransformation(init, update)
+
+
+def state_on_devices(inner: optax.GradientTransformation, shardings) -> optax.GradientTransformation:
+    """`inner` with its state kept in the hosts' memory between steps (the step's pinned_host
+    shardings, OptimizerConfig.host_offload) and brought to the devices, laid out by
+    `shardings`, for the update alone."""
+
+    def update(grads, state, params=None):
+        return inner.update(grads, jax.device_put(state, shardings), params)
+
+    return optax.GradientTransformation(inner.init, update)
+
+
 def make_optimizer(
     opt: OptimizerConfig, sched: ScheduleConfig, total_steps: int, params, *, only: str | None = None
 ) -> tuple:
-    """(optax transformation, schedule). Clipping happens before the Adam moments. `only`:
+    """(optax transformation, schedule). Clipping happens before the Adam moments, which are
+    stored in opt.moment_dtype where it is set (moments_in). `only`:
     train just the leaves under that module name (train_only; the sparse-attention indexer's
     dense warm-up, ComputeConfig.indexer_loss)."""
     schedule = learning_rate_schedule(opt, sched, total_steps)
@@ -111,9 +148,11 @@ def make_optimizer(
             eps=opt.eps,
             weight_decay=opt.weight_decay,
             mask=weight_decay_mask(params, opt.decay_norms_and_embeddings),
+            mu_dtype=opt.moment_dtype,
         )
     )
     tx = optax.chain(*parts)
+    tx = tx if opt.moment_dtype is None else moments_in(tx, opt.moment_dtype)
     has_bias = any(
         str(getattr(path[-1], "key", path[-1])) == ROUTER_BIAS
         for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]

@@ -95,6 +95,8 @@ class Plan:
     """Bytes per device per step over ICI and DCN (`network_bytes`; compiled TPU steps only)."""
     matmuls: str = "default"
     """compute.matmul_precision: the recipe the layers' matmuls were compiled with."""
+    state_on_host: bool = False
+    """optimizer.host_offload: the optimizer's state is in the hosts' memory, no argument in HBM."""
 
     @property
     def fits(self) -> bool:
@@ -252,7 +254,7 @@ def plan_step(
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         message = str(e).splitlines()[0]
-        memory, how = _refused(message, parts), "refused by the compiler"
+        memory, how = _refused(message, parts, cfg.optimizer.host_offload), "refused by the compiler"
     else:
         analysis = compiled.memory_analysis()
         memory, how = Memory.of(analysis, **parts, platform=devices[0].platform), "compiled"
@@ -292,19 +294,24 @@ def plan_step(
     if compiled is not None and target.platform == "tpu":
         plan.network = network_bytes(compiled.as_text())
     plan.matmuls = cfg.compute.matmul_precision
+    plan.state_on_host = cfg.optimizer.host_offload
     return plan
 
 
 _SIZE = r"([\d.]+)([KMGT]?)"
 
 
-def _refused(message: str, parts: dict[str, float]) -> Memory:
+def _refused(message: str, parts: dict[str, float], state_on_host: bool = False) -> Memory:
     """The figures of a compile the TPU compiler refused: "... the total memory required for HLO
-    temporaries (17.39G) exceeds available HBM (15.75G)" (its sizes are in GiB)."""
+    temporaries (17.39G) exceeds available HBM (15.75G)" (its sizes are in GiB). That figure is
+    everything its buffer assignment put in HBM, the arguments too (its memory-usage report's
+    total: Llama 3.2 1B in float32 with float32 or bfloat16 moments, 25.99G and 21.39G, differ
+    by the moments' 4.60 GiB alone), so the temporaries are what it holds beyond them. An
+    optimizer state kept in the hosts' memory (`state_on_host`) is no argument in HBM."""
     scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
     found = re.search(rf"temporaries \({_SIZE}\)", message)
-    temporaries = float(found.group(1)) * scale[found.group(2)] if found else float("nan")
-    argument = parts["parameters"] + parts["optimizer_state"] + parts["batch"]
+    argument = parts["parameters"] + (0.0 if state_on_host else parts["optimizer_state"]) + parts["batch"]
+    temporaries = float(found.group(1)) * scale[found.group(2)] - argument if found else float("nan")
     return Memory(**parts, argument=argument, output=0.0, alias=0.0, temporaries=temporaries, generated_code=0.0)
 
 
@@ -361,14 +368,14 @@ def _estimate(
         shard_bytes(opt),
         batch_bytes,
         trained,
-        argument=trained + frozen + shard_bytes(opt) + batch_bytes,
+        argument=trained + frozen + (0.0 if cfg.optimizer.host_offload else shard_bytes(opt)) + batch_bytes,
         output=0.0,
         alias=0.0,
         temporaries=trained + kept + logits,
         generated_code=0.0,
     )
     model_flops, hardware_flops, source = _flops(cfg, tokens, updates)
-    return Plan(
+    plan = Plan(
         stage,
         target,
         target.chips,
@@ -386,6 +393,8 @@ def _estimate(
         chip.memory_bandwidth,
         knobs(cfg, from_scratch),
     )
+    plan.state_on_host = cfg.optimizer.host_offload
+    return plan
 
 
 # --------------------------------------------------------------------------- the report
@@ -409,9 +418,11 @@ def format_plan(plan: Plan) -> str:
         f"stage {plan.stage} on {plan.target.name}: {where}, mesh {mesh}{matmuls}; {plan.how}",
         f"  per device                        {unit}",
         f"    parameters                 {size(m.parameters)}",
-        f"    optimizer state            {size(m.optimizer_state)}",
+        f"    optimizer state            {size(m.optimizer_state)}"
+        + ("   (in the hosts' memory: optimizer.host_offload)" if plan.state_on_host else ""),
         f"    batch                      {size(m.batch)}",
-        f"    arguments                  {size(m.argument)}   (the three above"
+        f"    arguments                  {size(m.argument)}   ("
+        + ("parameters and batch" if plan.state_on_host else "the three above")
         + (", as the compiler lays them out)" if plan.how == "compiled" else ")"),
         f"    gradients                  {size(m.gradients)}   (param-shaped, the parameters' dtype)",
         f"    temporaries                {size(m.temporaries)}   (activations, gradients, workspace)",

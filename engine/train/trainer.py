@@ -37,7 +37,7 @@ from engine.parallel.mesh import batch_axes, batch_sharding, batch_shards, globa
 from engine.train.checkpoint import Checkpointer, load_params, stored_configs
 from engine.train.config import TrainConfig
 from engine.train.memory import Memory, check_fits, device_memory, knobs, shard_bytes
-from engine.train.optimizer import make_optimizer
+from engine.train.optimizer import make_optimizer, state_on_devices
 from engine.train.step import Objective, lm_objective, make_eval_step, make_train_step
 
 
@@ -223,6 +223,15 @@ class Trainer:
             self.param_shardings,
             transform_non_params=lambda _: replicated(self.mesh),
         )
+        if cfg.optimizer.host_offload:
+            memories = {m.kind for m in self.mesh.devices.flat[0].addressable_memories()}
+            if "pinned_host" not in memories:
+                raise ConfigError(
+                    f"optimizer.host_offload: the devices ({self.mesh.devices.flat[0].device_kind}) have no "
+                    f"pinned_host memory to keep the optimizer's state in (theirs: {', '.join(sorted(memories))})"
+                )
+            self.tx = state_on_devices(self.tx, self.opt_shardings)
+            self.opt_shardings = jax.tree.map(lambda sh: sh.with_memory_kind("pinned_host"), self.opt_shardings)
         self.abstract_opt_state = jax.tree.map(
             lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract_opt, self.opt_shardings
         )
