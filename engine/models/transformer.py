@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -860,13 +860,15 @@ def _layers(stats: MoEStats | None) -> list[MoEStats]:
     return [] if stats is None else [stats]
 
 
-def _stack(stats: list[MoEStats]) -> MoEStats | None:
+def _stack(stats: Sequence[MoEStats | WithIndexerLoss]) -> MoEStats | WithIndexerLoss | None:
     """The layers' router stats as one MoEStats (leading axis: layers); None for dense. With
     a training indexer (dsa.py), a WithIndexerLoss of those and every layer's KL."""
     if any(isinstance(s, WithIndexerLoss) for s in stats):  # (Dots3: its sliding layers have no indexer)
         moe = [s.moe if isinstance(s, WithIndexerLoss) else s for s in stats]
         kl = [s.indexer_kl for s in stats if isinstance(s, WithIndexerLoss)]
-        return WithIndexerLoss(_stack([s for s in moe if s is not None]), jnp.concatenate(kl))
+        routers = _stack([s for s in moe if s is not None])
+        assert not isinstance(routers, WithIndexerLoss)
+        return WithIndexerLoss(routers, jnp.concatenate(kl))
     return jax.tree.map(lambda *a: jnp.concatenate(a), *stats) if stats else None
 
 

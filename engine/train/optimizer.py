@@ -105,15 +105,15 @@ def moments_in(inner: optax.GradientTransformation, dtype: str) -> optax.Gradien
     mu_dtype rounds the first moment; its second follows the state's dtype, hence the casts
     here). The updates leave in float32; optax.apply_updates rounds each parameter's sum to
     its own dtype."""
-    dtype = jnp.dtype(dtype)
+    stored = jnp.dtype(dtype)
 
     def init(params):
-        return _floats_to(inner.init(params), dtype)
+        return _floats_to(inner.init(params), stored)
 
     def update(grads, state, params=None):
         wide = lambda tree: None if tree is None else _floats_to(tree, jnp.float32)  # noqa: E731
         updates, state = inner.update(wide(grads), wide(state), wide(params))  # params: the weight decay's
-        return updates, _floats_to(state, dtype)
+        return updates, _floats_to(state, stored)
 
     return optax.GradientTransformation(init, update)
 
