@@ -269,7 +269,7 @@ VLLM_CPU_FAILS = {
     **dict.fromkeys(["param2moe", "sarvam_mla", "sarvam_moe"], NO_CONFIG),
     **dict.fromkeys(["deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu"], MLA),
     **dict.fromkeys(["afmoe", "dots1", "exaone_moe", "flex_olmo", "glm4_moe", "granite_hybrid"], EXPERTS_RELOAD),
-    **dict.fromkeys(["granitemoe"], EXPERTS_RELOAD),
+    **dict.fromkeys(["cohere2_moe", "granitemoe"], EXPERTS_RELOAD),
     **dict.fromkeys(["granitemoe_swa", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "llama4"], EXPERTS_RELOAD),
     **dict.fromkeys(["mixtral", "olmoe", "qwen3_moe", "solar_open"], EXPERTS_RELOAD),
     **dict.fromkeys(
@@ -282,9 +282,6 @@ VLLM_CPU_FAILS = {
     "apertus": "served 5.5e-3 nats from the engine (vLLM's xIELU; not traced)",
     "bloom": "served 5.8e-4 nats from the engine (ALiBi; not traced), and " + TIED_HEAD_RELOAD,
     "codegen": "vLLM 0.32 has no CodeGen model",
-    "cohere": "served 0.26 nats from the engine (not traced)",
-    "cohere2": "served 2.0 nats from the engine (not traced)",
-    "cohere2_moe": "served 1.3 nats from the engine (not traced)",
     "dbrx": "vLLM's transformers (5.19) refuses the sub-config keys transformers 5.25 writes",
     "deepseek_v4": "vLLM's transformers (5.19) refuses its hash_moe layer types",
     "ernie4_5_moe": "served 1.5 nats from the engine (not traced)",
@@ -311,6 +308,10 @@ VLLM_CPU_FAILS = {
 # presets have others): family -> overrides of the tiny model with d_model `d`.
 PUBLISHED = {
     "bloom": lambda d: {"tie_embeddings": True},  # vLLM's BloomForCausalLM has no lm_head of its own
+    # vLLM's Cohere reads no attention_bias (drops the biases) and its head is the embedding
+    "cohere": lambda d: {"attention": {"qkv_bias": False, "out_bias": False}},
+    "cohere2": lambda d: {"tie_embeddings": True},
+    "cohere2_moe": lambda d: {"tie_embeddings": True},
     "falcon": lambda d: {"mlp": {"dim": 4 * d}},  # vLLM's Falcon MLP is 4 x hidden_size, whatever ffn_hidden_size says
     "llama4": lambda d: {"attention": {"chunk_size": 128}},  # vLLM takes whole KV blocks (128) per chunk
     "minicpm3": lambda d: {"head": {"divisor": d / 64}},  # dim_model_base a whole number (transformers 5.19 takes int)
@@ -603,7 +604,7 @@ def test_a_gated_deltanet_hybrid_on_a_float32_vllm_cpu_server_is_refused(stand_i
 
 def test_a_tied_lm_head_on_a_vllm_cpu_server_is_refused_before_the_first_push(stand_in, tmp_path):
     """vLLM 0.32's reload keeps a tied LM head at the weights the server started with (the
-    catalogue above: every tied family it serves but Gemma 2): full-weight pushes of a tied
+    catalogue above: every tied family it serves but Gemma 2 and Cohere): full-weight pushes of a tied
     Qwen3 are refused in one sentence naming rollout.url, the family and lora:; untied, the same
     run gets past the check to the push."""
     small = {**BASE, "hidden_size": 16, "intermediate_size": 24, "head_dim": 8}

@@ -32,8 +32,8 @@ VLLM_CPU_UNSERVED = {
 # checkpoint has no lm_head tensor) and puts that layer's old tensor back, so after a push the
 # head keeps the weights the server started with while the embedding moves on. Measured on
 # vllm-cpu for every tied family it serves (tests/test_vllm_families.py) but these, whose vLLM
-# class reads the embedding itself:
-VLLM_CPU_TIED_HEAD_RELOADS = ("gemma2",)
+# classes score with the embedding itself:
+VLLM_CPU_TIED_HEAD_RELOADS = ("cohere", "cohere2", "gemma2")
 # Gated DeltaNet hybrids: vllm-cpu 0.32 runs their linear attention in bfloat16 only (its first
 # request fails otherwise: "CPU GDN attention requires BF16").
 VLLM_CPU_BFLOAT16_ONLY = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
