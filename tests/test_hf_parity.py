@@ -251,6 +251,11 @@ BOOKKEEPING = {"transformers_version"}
 # such as vLLM) give them: the RoPE base and scaling before `rope_parameters`, Gemma 3's
 # local base and layer period before `layer_types`, Gemma's activation before `hidden_act`.
 OLDER_KEYS = {"rope_theta", "rope_scaling", "rope_local_base_freq", "sliding_window_pattern", "hidden_activation"}
+# Keys of the published configs that transformers 5's classes dropped and vLLM 0.32 still reads
+# (DeepSeek-V3's router, AFMoE's, GLM-4.7-Flash's and Hy3's dense prefix, Hy3's experts, LFM2's
+# widths).
+OLDER_KEYS |= {"topk_method", "scoring_func", "score_func", "route_norm", "first_k_dense_replace", "n_group"}
+OLDER_KEYS |= {"topk_group", "expert_hidden_dim", "qk_norm", "conv_dim", "block_dim"}
 # Read by the model though its config class does not declare it (Qwen2's attention).
 UNDECLARED = {"head_dim"}
 

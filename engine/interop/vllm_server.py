@@ -24,8 +24,18 @@ VLLM_CPU_UNSERVED = {
     "deepseek_v32": "its sparse attention (the DSA indexer) has no CPU kernel",
     "glm_moe_dsa": "its sparse attention (the DSA indexer) has no CPU kernel",
     "minimax_m2": "vllm-cpu's expert router takes softmax scores only, not MiniMax-M2's sigmoid ones",
+    "laguna": "vllm-cpu's expert router takes softmax scores only, not Laguna's sigmoid ones",
+    "minimax_m3_vl_text": "vllm-cpu's expert router takes softmax scores only, not MiniMax-M3's sigmoid ones",
+    # it serves the files it starts with, but a push (reload_weights) leaves these at their old values
+    "gpt_oss": "vllm-cpu's reload_weights keeps its attention sinks and experts at the weights it started with",
     "kimi_linear": "vLLM's Kimi Linear model is its NVIDIA implementation, which imports CUTLASS",
 }
+# vLLM 0.32's reload_weights loads nothing into a tied LM head's own layer (ParallelLMHead: the
+# checkpoint has no lm_head tensor) and puts that layer's old tensor back, so after a push the
+# head keeps the weights the server started with while the embedding moves on. Measured on
+# vllm-cpu for every tied family it serves (tests/test_vllm_families.py) but these, whose vLLM
+# classes score with the embedding itself:
+VLLM_CPU_TIED_HEAD_RELOADS = ("cohere", "cohere2", "gemma2")
 # Gated DeltaNet hybrids: vllm-cpu 0.32 runs their linear attention in bfloat16 only (its first
 # request fails otherwise: "CPU GDN attention requires BF16").
 VLLM_CPU_BFLOAT16_ONLY = ("qwen3_next", "qwen3_5", "qwen3_5_moe")

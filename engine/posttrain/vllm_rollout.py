@@ -72,6 +72,7 @@ from engine.interop.hf.files import copy_tokenizer
 from engine.interop.hf.peft import write_peft
 from engine.interop.vllm_server import (
     VLLM_CPU_BFLOAT16_ONLY,
+    VLLM_CPU_TIED_HEAD_RELOADS,
     VLLM_CPU_UNSERVED,
     from_process_0,
     returns_routed_experts,
@@ -188,6 +189,14 @@ class VLLMSampler:
                 f"rollout.url: the server at {url} is vLLM on CPUs, which cannot serve the {family} model "
                 f"({VLLM_CPU_UNSERVED[family]}); serve it with vLLM on GPUs, or remove rollout: to sample "
                 f"with the engine's own sampler"
+            )
+        tied = self.model_cfg.tie_embeddings and family not in VLLM_CPU_TIED_HEAD_RELOADS
+        if tied and cfg.lora is None and runs_on_cpu(vllm_config):  # with LoRA the base, head included, stays
+            raise ConfigError(
+                f"rollout.url: the server at {url} is vLLM on CPUs, whose reload_weights keeps a tied LM head "
+                f"(the {family} model's) at the weights it started with, so pushed updates would reach it in "
+                f"part; train with lora: (only the adapter moves), or remove rollout: to sample with the "
+                f"engine's own sampler"
             )
         dtype = str((vllm_config.get("model_config") or {}).get("dtype") or "")
         if family in VLLM_CPU_BFLOAT16_ONLY and runs_on_cpu(vllm_config) and "bfloat16" not in dtype:

@@ -101,6 +101,11 @@ class Afmoe(Family):
             "route_scale": cfg.moe.router_scale,
             "num_dense_layers": cfg.moe.first_dense_layers,
             "mup_enabled": cfg.embedding.scale,
+            # the published configs' keys, which vLLM's AFMoE reads and transformers 5 drops
+            "score_func": cfg.moe.router_score,
+            "route_norm": cfg.moe.router_renormalize,
+            "n_group": cfg.moe.router_groups,
+            "topk_group": cfg.moe.router_group_top,
         }
 
     def attention_tensors(self, cfg: ModelConfig) -> list[TensorSpec]:

@@ -157,6 +157,11 @@ class DeepseekV3(Family):
             "topk_group": cfg.moe.router_group_top,
             "routed_scaling_factor": cfg.moe.router_scale,
             "first_k_dense_replace": cfg.moe.first_dense_layers,
+            # DeepSeek's own keys, which published config.json files carry and transformers 5
+            # drops: vLLM builds the score bias only for noaux_tc and scores by softmax without
+            # scoring_func (a KeyError on the bias at load)
+            "topk_method": "noaux_tc" if cfg.moe.router_bias else "greedy",
+            "scoring_func": cfg.moe.router_score,
         }
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:

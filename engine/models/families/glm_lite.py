@@ -53,6 +53,10 @@ class Glm4MoeLite(DeepseekV3):
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         keys = super().extra_hf_keys(cfg)
-        del keys["first_k_dense_replace"]  # Glm4MoeLiteConfig has mlp_layer_types instead
+        # Glm4MoeLiteConfig has mlp_layer_types instead; published config.json files (and vLLM)
+        # keep first_k_dense_replace, where the dense layers are the first ones
+        dense = [t == "dense" for t in mlp_layer_types(cfg)]
+        if dense != [i < sum(dense) for i in range(len(dense))]:
+            del keys["first_k_dense_replace"]
         keys.pop("num_nextn_predict_layers", None)
         return {**keys, "mlp_layer_types": mlp_layer_types(cfg)}

@@ -29,6 +29,14 @@ NAMES = {
 """DeepSeek-V3's names (families/deepseek.py) -> Hy3's checkpoints'."""
 
 
+def published_keys(cfg: ModelConfig) -> dict[str, Any]:
+    """Hy3-preview's config.json keys beside transformers': its expert width, QK norm, chosen
+    weights renormalised, and the dense layers as a count (only where they are the first ones)."""
+    dense = [kind == "dense" for kind in mlp_layer_types(cfg)]
+    prefix = {"first_k_dense_replace": sum(dense)} if dense == [i < sum(dense) for i in range(len(dense))] else {}
+    return {"expert_hidden_dim": cfg.moe_mlp_dim, "qk_norm": True, "route_norm": True, **prefix}
+
+
 @register_family
 class HYV3(RoutedGqa):
     name = "hy_v3"
@@ -78,6 +86,8 @@ class HYV3(RoutedGqa):
             "num_shared_experts": cfg.moe.num_shared_experts,
             "router_scaling_factor": cfg.moe.router_scale,
             "mlp_layer_types": mlp_layer_types(cfg),
+            # the published config's keys, which vLLM 0.32's HYV3 reads (transformers 5 has others)
+            **published_keys(cfg),
         }
 
     def extra_attention_tensors(self) -> list[TensorSpec]:

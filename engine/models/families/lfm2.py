@@ -170,7 +170,14 @@ class _Lfm2Base(Family):
         return mlp_width(hf, hf["intermediate_size"])
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
-        return {**mlp_width_to_hf(cfg.mlp.dim), "full_attn_idxs": None}  # (transformers writes it: layer_types rule)
+        return {
+            **mlp_width_to_hf(cfg.mlp.dim),
+            "full_attn_idxs": None,  # (transformers writes it: layer_types rule)
+            # the published configs' widths of the convolution and the feed-forward's input, which
+            # vLLM 0.32's Lfm2 reads
+            "conv_dim": cfg.d_model,
+            "block_dim": cfg.d_model,
+        }
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
         top = [
