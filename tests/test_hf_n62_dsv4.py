@@ -213,3 +213,16 @@ def test_packed_and_padded_documents_give_each_the_logits_it_has_alone(case):
     deltas = {name: float(np.abs(ours - alone).max()) for name, (ours, alone) in pieces.items()}
     print(f"\ndeepseek_v4 packed/padded: max |delta logit| {deltas}")
     assert max(deltas.values()) <= 2e-5 and np.abs(alone_b).max() > 0.5
+
+
+def test_a_sequence_shorter_than_a_window_gives_transformers_logits(case):
+    """Two tokens, fewer than either compressor's window (CSA 3, HCA 5): no compressed entry
+    yet, only the sliding window (a GRPO completion's forward or a short prompt is this short;
+    gathering zero windows raised ZeroDivisionError)."""
+    tokens = np.random.default_rng(5).integers(0, VOCAB, (1, 2))
+    model = nnx.merge(graphdef_of(case.cfg, case.compute), case.params)
+    ours = np.asarray(model(jnp.asarray(tokens)))
+    ref = hf_logits(case.hf_model, tokens, np.ones_like(tokens))
+    delta = float(np.abs(ours - ref).max())
+    print(f"\ndeepseek_v4, 2 tokens: max |delta logit| = {delta:.2e}")
+    assert delta <= 1e-4 and np.abs(ref).max() > 0.5

@@ -140,7 +140,8 @@ def gather_windows(x_bsc, ends_bw, ratio: int):
     """(b, w, ratio, c): the slots of each window ending at `ends_bw`."""
     b, w = ends_bw.shape
     slots_bwm = jnp.maximum(ends_bw[:, :, None] - ratio + 1 + jnp.arange(ratio), 0)
-    return jnp.take_along_axis(x_bsc, slots_bwm.reshape(b, w * ratio, 1), axis=1).reshape(b, w, ratio, -1)
+    gathered = jnp.take_along_axis(x_bsc, slots_bwm.reshape(b, w * ratio, 1), axis=1)
+    return gathered.reshape(b, w, ratio, x_bsc.shape[-1])  # w may be 0: fewer slots than one window
 
 
 def pool_windows(kv_bwmc, gate_bwmc, follows_bw, bias_mc, scale_h, *, head_dim: int, overlap: bool, eps: float):
@@ -150,8 +151,9 @@ def pool_windows(kv_bwmc, gate_bwmc, follows_bw, bias_mc, scale_h, *, head_dim: 
     gate = gate_bwmc.astype(jnp.float32) + bias_mc.astype(jnp.float32)
     if overlap:  # the window's second series beside the previous window's first (none before a document's first)
         h = head_dim
-        previous_kv = jnp.pad(kv[:, :-1, :, :h], ((0, 0), (1, 0), (0, 0), (0, 0)))
-        previous_gate = jnp.pad(gate[:, :-1, :, :h], ((0, 0), (1, 0), (0, 0), (0, 0)))
+        later = ((0, 0), (1, 0), (0, 0), (0, 0))  # one window later; padded then cut, so that w = 0 stays 0
+        previous_kv = jnp.pad(kv[..., :h], later)[:, : kv.shape[1]]
+        previous_gate = jnp.pad(gate[..., :h], later)[:, : gate.shape[1]]
         previous_gate = jnp.where(follows_bw[:, :, None, None], previous_gate, -jnp.inf)
         kv = jnp.concatenate([previous_kv, kv[..., h:]], axis=2)
         gate = jnp.concatenate([previous_gate, gate[..., h:]], axis=2)
@@ -289,7 +291,7 @@ class CompressedAttention(nnx.Module):
         end_positions_bw = jnp.take_along_axis(key_positions_bs, ends_bw, axis=1)
         end_segments_bw = jnp.take_along_axis(key_segments_bs, ends_bw, axis=1)
         adjacent = (ends_bw[:, 1:] - ends_bw[:, :-1] == m) & (end_segments_bw[:, 1:] == end_segments_bw[:, :-1])
-        follows_bw = jnp.pad(adjacent, ((0, 0), (1, 0)))  # window 0 follows none
+        follows_bw = jnp.pad(adjacent, ((0, 0), (1, 0)))[:, : ends_bw.shape[1]]  # window 0 follows none
         windows_bwmx = gather_windows(raw_bsx, ends_bw, m)
         comp = self.compressor
         entries_bwh = pool_windows(
