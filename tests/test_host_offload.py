@@ -3,7 +3,6 @@ between steps and brought to the devices for the update. It moves bytes, not val
 equals the same run without it, bitwise, and resumes from its checkpoints as one."""
 
 import importlib.util
-import shutil
 
 import jax
 import pytest
@@ -14,7 +13,7 @@ from engine.train.plan import format_plan, plan_step
 from engine.train.pretrain import run_pretrain
 from engine.train.targets import get_target
 from engine.train.trainer import Trainer
-from tests.test_train import assert_params_identical, tiny_config
+from tests.test_train import assert_params_identical, assert_resumes_bitwise, tiny_config
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (the test extra)")
 OVERRIDES = {"steps": 6, "checkpoint.every_steps": 3, "optimizer.moment_dtype": "bfloat16"}
@@ -32,12 +31,7 @@ def test_the_state_lives_in_pinned_host_and_the_run_equals_one_without_it_and_re
     run_pretrain(tiny_config(byte_dataset, tmp_path / "offloaded", **offloaded))
     assert_params_identical(tmp_path / "plain" / "checkpoint", tmp_path / "offloaded" / "checkpoint")
 
-    shutil.copytree(tmp_path / "offloaded", tmp_path / "resumed")
-    shutil.rmtree(tmp_path / "resumed" / "checkpoint" / "6")
-    capfd.readouterr()
-    run_pretrain(tiny_config(byte_dataset, tmp_path / "resumed", **offloaded))
-    assert "resumed from checkpoint step 3" in capfd.readouterr().err
-    assert_params_identical(tmp_path / "offloaded" / "checkpoint", tmp_path / "resumed" / "checkpoint")
+    assert_resumes_bitwise(byte_dataset, tmp_path, capfd, "offloaded", **offloaded)
 
 
 @needs_libtpu

@@ -2,8 +2,6 @@
 float32. float32 parameters with bfloat16 moments are float32 master weights at 8 bytes of
 state per parameter (docs/benchmarks.md: what fits one TPU v5e)."""
 
-import shutil
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +13,7 @@ from engine.train.optimizer import make_optimizer
 from engine.train.pretrain import run_pretrain
 from engine.train.trainer import Trainer
 from tasks.registry import get_stage_kind
-from tests.test_train import assert_params_identical, tiny_config
+from tests.test_train import assert_resumes_bitwise, tiny_config
 
 
 def _params_and_grads(dtype):
@@ -85,12 +83,7 @@ def test_a_run_with_bfloat16_moments_resumes_to_bitwise_identical_parameters(byt
         "optimizer.moment_dtype": "bfloat16",
     }
     run_pretrain(tiny_config(byte_dataset, tmp_path / "whole", **overrides))
-    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
-    shutil.rmtree(tmp_path / "resumed" / "checkpoint" / "6")
-    capfd.readouterr()
-    run_pretrain(tiny_config(byte_dataset, tmp_path / "resumed", **overrides))
-    assert "resumed from checkpoint step 3" in capfd.readouterr().err
-    assert_params_identical(tmp_path / "whole" / "checkpoint", tmp_path / "resumed" / "checkpoint")
+    assert_resumes_bitwise(byte_dataset, tmp_path, capfd, "whole", **overrides)
 
 
 def test_unset_moment_dtype_stays_out_of_artifact_ids_and_a_set_one_enters_them():

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,6 +56,18 @@ def assert_params_identical(dir_a: Path, dir_b: Path):
     _, params_b, step_b = load_params(dir_b)
     assert step_a == step_b
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), params_a, params_b)
+
+
+def assert_resumes_bitwise(dataset: Path, tmp_path: Path, capfd, run: str, **overrides) -> None:
+    """The finished 6-step run at tmp_path / run (checkpoints every 3 steps), its step-6
+    checkpoint removed and the run started again: it resumes from step 3 and ends with the
+    same parameters, bitwise."""
+    shutil.copytree(tmp_path / run, tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoint" / "6")
+    capfd.readouterr()
+    run_pretrain(tiny_config(dataset, tmp_path / "resumed", **overrides))
+    assert "resumed from checkpoint step 3" in capfd.readouterr().err
+    assert_params_identical(tmp_path / run / "checkpoint", tmp_path / "resumed" / "checkpoint")
 
 
 def test_loss_falls_well_below_the_unigram_entropy_of_real_text(bpe_dataset, tmp_path):
