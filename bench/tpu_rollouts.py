@@ -86,16 +86,15 @@ def main() -> None:
 
     import jax
 
-    from engine.config import load_preset
+    from engine.config import resolve_model_preset
     from engine.inference.sample import Sampler
     from engine.models.config import ComputeConfig, ModelConfig
     from engine.models.params import init_params
     from engine.parallel.config import MeshConfig
     from engine.parallel.mesh import make_mesh
 
-    preset = load_preset(args.preset, "--preset")
-    preset.pop("compute", None)  # a preset's recommended run settings; this bench sets its own
-    cfg = ModelConfig(**preset)
+    # the preset as a run reads it (its recommended compute settings set aside: this bench sets its own)
+    cfg = ModelConfig(**resolve_model_preset({"model": args.preset}, "--preset")["model"])
     compute = ComputeConfig(param_dtype=args.param_dtype, dtype="bfloat16")
     params = init_params(cfg, compute, make_mesh(MeshConfig(data=-1), jax.devices()[:1]), seed=0)
     sampler = Sampler(cfg, compute, dtype="bfloat16")
