@@ -32,7 +32,6 @@ from engine.models.families.base import (
     Family,
     TensorSpec,
     register_family,
-    rope_from_hf,
     rope_parameters_to_hf,
     shortest_period,
 )
@@ -143,10 +142,6 @@ class Zamba2(Family):
         inner = int(self.hf_value(hf, "mamba_expand") * d)
         if inner % mamba_heads:
             raise ConfigError(f"{where}: n_mamba_heads {mamba_heads} must divide mamba_expand x hidden_size ({inner})")
-        rope = dict(hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0)})
-        theta, scaling = rope_from_hf(
-            {"max_position_embeddings": self.hf_value(hf, "max_position_embeddings"), **rope}, where
-        )
         return {
             "family": self.name,
             "vocab_size": hf["vocab_size"],
@@ -162,8 +157,7 @@ class Zamba2(Family):
             "norm_eps": eps,
             "tie_embeddings": self.hf_value(hf, "tie_word_embeddings"),
             "init_std": self.hf_value(hf, "initializer_range"),
-            "rope_theta": theta,
-            "rope_scaling": scaling,
+            **self.rope_from_hf(hf, where),
             "mixer_pattern": shortest_period(kinds),
             "ffn_pattern": ["none"],
             "mamba2": {
