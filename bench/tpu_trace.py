@@ -48,7 +48,7 @@ def _kind(name: str) -> str:
 
 def summary(log_dir: str, steps: int, top: int = 30) -> dict:
     """The device-side summary of the trace in `log_dir` (see the module docstring)."""
-    paths = sorted(Path(log_dir).glob("plugins/profile/*/*.trace.json.gz"))
+    paths = sorted(Path(log_dir).rglob("plugins/profile/*/*.trace.json.gz"))  # MaxText's sit deeper
     if not paths:
         return {"error": f"no *.trace.json.gz under {log_dir}/plugins/profile"}
     with gzip.open(paths[-1], "rb") as f:

@@ -164,11 +164,16 @@ def chip_peak_gib() -> float | None:
 def run_trainflow(name: str, steps: int, warmup: int, settings: dict[str, str], trace_dir: str | None) -> dict:
     import jax
     import numpy as np
+    import yaml
 
     from bench.tpu_trace import summary, traced
+    from engine.ops import attention_splash
     from engine.train.trainer import Trainer
 
     shape = SHAPES[name]
+    settings = dict(settings)
+    for key in [k for k in settings if k.startswith("splash.")]:  # the kernel's tiles, not the config's
+        attention_splash.TUNING[key.removeprefix("splash.")] = yaml.safe_load(settings.pop(key))
     cfg = trainflow_config(shape, 1000, settings)
     trainer = Trainer(cfg, devices=jax.devices()[:1])
     state = trainer.init_state()
@@ -225,12 +230,15 @@ TRACED_STEPS = 3
 STEP_LINE = re.compile(r"completed step: (\d+), seconds: ([\d.]+), TFLOP/s/device: ([\d.]+)")
 
 
-def run_maxtext(name: str, steps: int, warmup: int) -> dict:
+def run_maxtext(name: str, steps: int, warmup: int, trace_dir: str | None = None) -> dict:
     """MaxText's own training loop (maxtext.trainers.pre_train.train.main) on SHAPES[name]; its
-    per-step log lines come back through a logging handler."""
+    per-step log lines come back through a logging handler. With `trace_dir`, MaxText's own
+    profiler (profiler=xplane) traces TRACED_STEPS steps after the measured ones."""
     import logging
 
     from absl import app
+
+    from bench.tpu_trace import summary
 
     result: dict = {}
 
@@ -245,10 +253,15 @@ def run_maxtext(name: str, steps: int, warmup: int) -> dict:
                 lines.append(record.getMessage())
 
         logging.getLogger().addHandler(Keep())
-        out_dir = tempfile.mkdtemp(prefix="maxtext-")
+        out_dir = trace_dir or tempfile.mkdtemp(prefix="maxtext-")  # its trace goes under <run_name>/tensorboard
         base = str(Path(pyconfig.__file__).parent / "base.yml")
         started = time.perf_counter()
-        train.main(["train", base, *maxtext_argv(name, SHAPES[name], warmup + steps, out_dir)])
+        argv = maxtext_argv(name, SHAPES[name], warmup + steps, out_dir)
+        if trace_dir:  # the traced steps after the measured ones (and one more: the last is not waited for)
+            argv = [a for a in argv if not a.startswith("steps=")] + [f"steps={warmup + steps + TRACED_STEPS + 1}"]
+            argv += ["profiler=xplane", f"skip_first_n_steps_for_profiler={warmup + steps}"]
+            argv += [f"profiler_steps={TRACED_STEPS}"]
+        train.main(["train", base, *argv])
         found = [STEP_LINE.search(line) for line in lines]
         times = {int(m[1]): (float(m[2]), float(m[3])) for m in found if m}
         # The loop's last step is logged before it has run to the end (nothing reads it after):
@@ -264,6 +277,8 @@ def run_maxtext(name: str, steps: int, warmup: int) -> dict:
             wall_seconds=time.perf_counter() - started,
             peak_hbm_gib=chip_peak_gib(),
         )
+        if trace_dir:
+            result["trace"] = summary(trace_dir, TRACED_STEPS)
 
     try:
         app.run(main, argv=["maxtext"])
@@ -282,7 +297,7 @@ def worker(system: str, name: str, steps: int, warmup: int, settings: dict[str, 
     if system == "trainflow":
         run = run_trainflow(name, steps, warmup, settings, trace_dir)
     else:
-        run = run_maxtext(name, steps, warmup)
+        run = run_maxtext(name, steps, warmup, trace_dir)
     tokens_per_second = shape["batch"] * shape["seq"] / run["step_seconds"]
     peak, _ = peak_flops(jax.devices()[:1])
     return {
@@ -349,8 +364,8 @@ def measure(system: str, name: str, args) -> dict:
     argv = [sys.executable, "-m", "bench.tpu_v5e", "--worker", system, "--shape", name]
     argv += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     argv += [f"--set={k}={v}" for k, v in settings.items()]
-    if args.trace and system == "trainflow":
-        argv += ["--trace", str(args.trace / variant(name, settings))]
+    if args.trace:
+        argv += ["--trace", str(args.trace / system / variant(name, settings))]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     if system == "maxtext":
         env["DECOUPLE_GCLOUD"] = "TRUE"
@@ -385,7 +400,7 @@ def main() -> None:
     parser.add_argument("--commit", default=None, help="the commit measured, where the checkout has no git")
     parser.add_argument("--plan", action="store_true", help="record `trainflow plan` for v5e-1 of each shape instead")
     parser.add_argument("--set", action="append", default=[], help="KEY=VALUE over trainflow's config: a variant")
-    parser.add_argument("--trace", type=Path, help="trace 3 more trainflow steps under DIR and summarise them")
+    parser.add_argument("--trace", type=Path, help="trace 3 more steps of each run under DIR and summarise them")
     parser.add_argument("--worker", choices=["trainflow", "maxtext"], help=argparse.SUPPRESS)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -63,6 +63,26 @@ def _block(t: int) -> int:
     return next(b for b in (512, 256, LANES) if t % b == 0)
 
 
+TUNING: dict[str, object] = {}
+"""BlockSizes fields set over `block_sizes`' choice (`block_q`, `block_kv_compute`,
+`use_fused_bwd_kernel`, ...): empty in a run; bench/tpu_v5e.py's `--splash` sets it to
+measure a choice on the chip. A size larger than the sequence is taken down to it."""
+
+
+def block_sizes(b: int) -> splash.BlockSizes:
+    """The kernel's tiles for a sequence whose block is `b` (`_block`): `b` everywhere (MaxText's
+    default on TPU is 512 for each), then TUNING over it. The fused backward kernel (dq with dk
+    and dv in one pass) takes no dq blocks."""
+    sizes = dict.fromkeys(
+        ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute"), b
+    )
+    sizes |= {"block_q_dq": b, "block_kv_dq": b}
+    sizes |= TUNING
+    if sizes.get("use_fused_bwd_kernel"):
+        sizes["block_q_dq"] = sizes["block_kv_dq"] = None
+    return splash.BlockSizes(**sizes)
+
+
 def balanced(t: int, shards: int) -> bool:
     """Whether `shards` context shards of a `t`-position sequence take the load-balanced layout:
     each shard's two half-chunks whole 128-lane blocks."""
@@ -99,16 +119,7 @@ def _kernel(
     if rows is not None:  # the mask's rows are these positions, as MaxText's load-balanced causal mask
         head_mask.q_sequence = rows
     b = _block(t // q_seq_shards // (1 if rows is None else 2))
-    sizes = splash.BlockSizes(
-        block_q=b,
-        block_kv=b,
-        block_kv_compute=b,
-        block_q_dkv=b,
-        block_kv_dkv=b,
-        block_kv_dkv_compute=b,
-        block_q_dq=b,
-        block_kv_dq=b,
-    )
+    sizes = block_sizes(b)
     return splash.make_splash_mha(
         splash.MultiHeadMask([head_mask] * heads),
         block_sizes=sizes,
