@@ -367,6 +367,13 @@ class MtpLayerConfig(Strict):
     ffn: Literal["moe", "mlp"] = "moe"
     """Its feed-forward: the experts (scored, never hash-routed), or the dense layers' MLP
     (MiMo-V2-Flash's, intermediate_size wide)."""
+    mixer: Literal["block_sparse"] | None = None
+    """Its sequence mixer where not the window's layers': MiniMax-M3's block_sparse (vLLM's
+    MTP block is a sparse-attention layer whatever the last layer is); None: theirs."""
+    at_hidden_position: bool = False
+    """Module k's layer runs at position i + k, its hidden state's (vLLM's drafter, whose
+    MiniMax-M3 block-sparse selection counts positions), not at i + k + 1, its embedded
+    token's (transformers' MtpModel; the same under RoPE alone)."""
 
 
 _LAYER_SPECS: dict[str, tuple[LayerSpec, ...]] = {}
@@ -1188,6 +1195,9 @@ class ModelConfig(Strict):
             compressed = "sliding_attention" if kind.local else pattern[-1].compressed
             return pattern[-1]._replace(stack="mtp_blocks", ffn=kind.ffn, compressed=compressed, hashed=False)
         like = next((layer for layer in reversed(pattern) if layer.local == kind.local), pattern[-1])
+        if kind.mixer is not None:  # MiniMax-M3: the last layer of that mixer
+            like = next((layer for layer in reversed(pattern) if layer.mixer == kind.mixer), like)
+            like = like._replace(mixer=kind.mixer)
         return like._replace(stack="mtp_blocks", ffn=kind.ffn, local=kind.local, mlp_dim=None)
 
     def mtp_layer_spec(self) -> LayerSpec:

@@ -95,8 +95,10 @@ def mtp_depth_logits(model, hidden_btd, tokens_bt, positions_bt=None, segment_id
             x_btx = (e_btd[:, :, None, :] + h_btnd).reshape(b, t, -1)
         x_btx = constrain(x_btx, ("act_batch", "act_seq", "act_embed"))
         block = nnx.merge(graphdef, jax.tree.map(lambda a, k=k: a[k], state)) if compute.scan_layers else stack[k]
-        # RoPE at i + k + 1, within the table of t positions (the last positions' are stand-ins)
-        shifted_bt = jnp.minimum(positions_bt + k + 1, t - 1)
+        # RoPE at i + k + 1 (i + k: mtp_layer_kind.at_hidden_position), within the table of t
+        # positions (the last positions' are stand-ins)
+        ahead = 0 if cfg.mtp_layer_kind is not None and cfg.mtp_layer_kind.at_hidden_position else 1
+        shifted_bt = jnp.minimum(positions_bt + k + ahead, t - 1)
         x_btx, _, stats = block.forward(x_btx, shifted_bt, segment_ids_bt, layer)
         if layer.hyper is None:
             h_btx = x_btd = head.post_norm(x_btx)
