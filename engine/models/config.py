@@ -374,6 +374,12 @@ class MtpLayerConfig(Strict):
     """Module k's layer runs at position i + k, its hidden state's (vLLM's drafter, whose
     MiniMax-M3 block-sparse selection counts positions), not at i + k + 1, its embedded
     token's (transformers' MtpModel; the same under RoPE alone)."""
+    hidden_first: bool = False
+    """The projection reads [hnorm(hidden), enorm(embedding)] (SGLang's MiniMax-M2 module),
+    not the embedding's first."""
+    shared_final_norm: bool = False
+    """The modules' output norm is the main model's final norm (SGLang's MiniMax-M2 module:
+    model.norm), not one of their own."""
 
 
 _LAYER_SPECS: dict[str, tuple[LayerSpec, ...]] = {}
@@ -1261,6 +1267,8 @@ class ModelConfig(Strict):
         if self.mtp_layers:  # a layer like the last (experts), its two input norms, the (2d, d) projection, a norm
             mtp = self.mtp_layer_spec()
             n += self.mtp_layers * (mtp.params(d, active) + 2 * d * d + 3 * d)
+            if self.mtp_layer_kind is not None and self.mtp_layer_kind.shared_final_norm:  # the model's
+                n -= self.mtp_layers * norm
             if self.hyper_connections:  # DeepSeek-V4: each module's own final mix of the streams
                 streams = self.hyper_connections.streams
                 n += self.mtp_layers * (streams * streams * d + streams + 1)
