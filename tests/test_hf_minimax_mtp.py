@@ -1,7 +1,9 @@
-"""MiniMax-M2's multi-token-prediction modules (config.json `use_mtp`, `num_mtp_modules`;
-tensors under model.layers.{num_hidden_layers + i}., as vLLM's loader names them): transformers
-5.25 has no modeling for them, so conversion skips them with a message and the converted model
-is the checkpoint's decoder, bit for bit."""
+"""MiniMax-M2's speculative layers after the decoder's (tensors under
+model.layers.{num_hidden_layers + i}., which vLLM's and SGLang's decoders skip): no upstream
+code defines what they hold (a third-party vLLM plugin reads them as DeepSeek-V3's), so
+conversion skips them with a message and the converted model is the checkpoint's decoder, bit
+for bit. (The modules SGLang's drafter defines, model.mtp_layers.{k}., are converted:
+tests/test_hf_n62_mmmtp.py.)"""
 
 from __future__ import annotations
 

@@ -367,6 +367,19 @@ class MtpLayerConfig(Strict):
     ffn: Literal["moe", "mlp"] = "moe"
     """Its feed-forward: the experts (scored, never hash-routed), or the dense layers' MLP
     (MiMo-V2-Flash's, intermediate_size wide)."""
+    mixer: Literal["block_sparse"] | None = None
+    """Its sequence mixer where not the window's layers': MiniMax-M3's block_sparse (vLLM's
+    MTP block is a sparse-attention layer whatever the last layer is); None: theirs."""
+    at_hidden_position: bool = False
+    """Module k's layer runs at position i + k, its hidden state's (vLLM's drafter, whose
+    MiniMax-M3 block-sparse selection counts positions), not at i + k + 1, its embedded
+    token's (transformers' MtpModel; the same under RoPE alone)."""
+    hidden_first: bool = False
+    """The projection reads [hnorm(hidden), enorm(embedding)] (SGLang's MiniMax-M2 module),
+    not the embedding's first."""
+    shared_final_norm: bool = False
+    """The modules' output norm is the main model's final norm (SGLang's MiniMax-M2 module:
+    model.norm), not one of their own."""
 
 
 _LAYER_SPECS: dict[str, tuple[LayerSpec, ...]] = {}
@@ -1188,6 +1201,9 @@ class ModelConfig(Strict):
             compressed = "sliding_attention" if kind.local else pattern[-1].compressed
             return pattern[-1]._replace(stack="mtp_blocks", ffn=kind.ffn, compressed=compressed, hashed=False)
         like = next((layer for layer in reversed(pattern) if layer.local == kind.local), pattern[-1])
+        if kind.mixer is not None:  # MiniMax-M3: the last layer of that mixer
+            like = next((layer for layer in reversed(pattern) if layer.mixer == kind.mixer), like)
+            like = like._replace(mixer=kind.mixer)
         return like._replace(stack="mtp_blocks", ffn=kind.ffn, local=kind.local, mlp_dim=None)
 
     def mtp_layer_spec(self) -> LayerSpec:
@@ -1251,6 +1267,8 @@ class ModelConfig(Strict):
         if self.mtp_layers:  # a layer like the last (experts), its two input norms, the (2d, d) projection, a norm
             mtp = self.mtp_layer_spec()
             n += self.mtp_layers * (mtp.params(d, active) + 2 * d * d + 3 * d)
+            if self.mtp_layer_kind is not None and self.mtp_layer_kind.shared_final_norm:  # the model's
+                n -= self.mtp_layers * norm
             if self.hyper_connections:  # DeepSeek-V4: each module's own final mix of the streams
                 streams = self.hyper_connections.streams
                 n += self.mtp_layers * (streams * streams * d + streams + 1)

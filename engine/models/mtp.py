@@ -15,6 +15,10 @@ streams before their final mix instead: e_proj(enorm(embedding)) is added to h_p
 stream)) of each stream, its layer runs on the n streams, and its own mix of them (hc_head)
 then its norm give the head's input; the next module reads the streams.
 
+MiniMax's modules are DeepSeek-V3's with the options of ModelConfig.mtp_layer_kind: M3's
+(vLLM's MiniMaxM3MTP) a block-sparse layer run at the hidden state's positions; M2's (SGLang's
+MiniMaxM2ForCausalLMNextN) projecting [hidden, embedding] and ending in the model's final norm.
+
 Shapes as in transformer.py. The first module's own parameters are `mtp` (its norms and
 projections), module k's `mtp_{k}`; their layers are the `mtp_blocks` stack (one layer per
 module, laid out as the model's other stacks).
@@ -36,7 +40,9 @@ from engine.ops.partitioning import constrain
 class MTPHead(nnx.Module):
     """A multi-token-prediction module's own parameters around its layer: the norms of the
     token embedding (enorm) and of the hidden state (hnorm), their projection (eh_proj,
-    stored (2d, d): the embedding's rows first) and the output norm (HF's shared_head.norm).
+    stored (2d, d): the embedding's rows first, the hidden state's under
+    mtp_layer_kind.hidden_first) and the output norm (HF's shared_head.norm; none under
+    mtp_layer_kind.shared_final_norm, which reads the model's final norm).
     DeepSeek-V4's: a (d, d) projection of each (e_proj, h_proj) and the streams' mix (hc_head)."""
 
     def __init__(self, cfg: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs):
@@ -46,7 +52,10 @@ class MTPHead(nnx.Module):
         def norm():
             return make_norm(spec.norm, d, pdt, rngs=rngs)
 
-        self.enorm, self.hnorm, self.post_norm = norm(), norm(), norm()
+        self.enorm, self.hnorm = norm(), norm()
+        kind = cfg.mtp_layer_kind
+        if kind is None or not kind.shared_final_norm:
+            self.post_norm = norm()
         if spec.hyper is None:
             self.w_eh_xd = param(rngs, (2 * d, d), cfg.init_std, (None, "embed"), pdt)
         else:
@@ -76,7 +85,7 @@ def mtp_depth_logits(model, hidden_btd, tokens_bt, positions_bt=None, segment_id
         positions_bt = jnp.broadcast_to(jnp.arange(t), (b, t))
     if segment_ids_bt is None:
         segment_ids_bt = jnp.ones((b, t), jnp.int32)
-    layer = cfg.mtp_layer_spec()
+    layer, kind = cfg.mtp_layer_spec(), cfg.mtp_layer_kind
     stack = model.mtp_blocks
     graphdef, state = nnx.split(stack) if compute.scan_layers else (None, None)
     head_dv = model.embed_vd[...].T if cfg.tie_embeddings else model.lm_head_dv[...]
@@ -86,7 +95,9 @@ def mtp_depth_logits(model, hidden_btd, tokens_bt, positions_bt=None, segment_id
         head = getattr(model, name)
         embedded_btd = model.embed_vd[...].astype(dt)[_ahead(tokens_bt, k + 1, 0)]
         if layer.hyper is None:
-            joined = jnp.concatenate([head.enorm(embedded_btd), head.hnorm(h_btx)], axis=-1).astype(dt)
+            pair = [head.enorm(embedded_btd), head.hnorm(h_btx)]
+            joined = jnp.concatenate(pair[::-1] if kind is not None and kind.hidden_first else pair, axis=-1)
+            joined = joined.astype(dt)
             x_btx = dense(joined, head.w_eh_xd[...].astype(dt), **products)
         else:  # DeepSeek-V4: the embedding's projection added to each stream's
             streams_btnd = h_btx.reshape(b, t, -1, d)
@@ -95,11 +106,14 @@ def mtp_depth_logits(model, hidden_btd, tokens_bt, positions_bt=None, segment_id
             x_btx = (e_btd[:, :, None, :] + h_btnd).reshape(b, t, -1)
         x_btx = constrain(x_btx, ("act_batch", "act_seq", "act_embed"))
         block = nnx.merge(graphdef, jax.tree.map(lambda a, k=k: a[k], state)) if compute.scan_layers else stack[k]
-        # RoPE at i + k + 1, within the table of t positions (the last positions' are stand-ins)
-        shifted_bt = jnp.minimum(positions_bt + k + 1, t - 1)
+        # RoPE at i + k + 1 (i + k: mtp_layer_kind.at_hidden_position), within the table of t
+        # positions (the last positions' are stand-ins)
+        ahead = 0 if kind is not None and kind.at_hidden_position else 1
+        shifted_bt = jnp.minimum(positions_bt + k + ahead, t - 1)
         x_btx, _, stats = block.forward(x_btx, shifted_bt, segment_ids_bt, layer)
         if layer.hyper is None:
-            h_btx = x_btd = head.post_norm(x_btx)
+            post_norm = model.final_norm if kind is not None and kind.shared_final_norm else head.post_norm
+            h_btx = x_btd = post_norm(x_btx)
         else:
             h_btx, x_btd = x_btx, head.post_norm(head.hc_head(x_btx))
         logits = jnp.einsum("btd,dv->btv", x_btd.astype(dt), head_dv.astype(dt), preferred_element_type=jnp.float32)

@@ -220,7 +220,7 @@ def convert_hf(
         held += 1
     if held < cfg.mtp_layers or (family.mtp_in_weights and held != cfg.mtp_layers):
         if held < cfg.mtp_layers:  # config.json names modules the weights do not hold: the model without them
-            log(f"convert: config.json has num_nextn_predict_layers {cfg.mtp_layers} but the weights hold {held}")
+            log(f"convert: config.json names {cfg.mtp_layers} multi-token-prediction modules, the weights hold {held}")
         cfg = type(cfg).model_validate({**cfg.model_dump(), **family.mtp_fields(cfg, held)})
     architecture = get_family(cfg.family).architecture
     # A multimodal checkpoint (Llama4ForConditionalGeneration): its text decoder, under the

@@ -12,14 +12,22 @@ The published config.json also carries MiniMax's own keys (use_qk_norm, scoring_
 use_routing_bias, shared_intermediate_size, ...) that transformers' class ignores: the
 values it hard-codes are read, anything else is refused.
 
-Its multi-token-prediction modules (`use_mtp`, `num_mtp_modules`: tensors under
-model.layers.{num_hidden_layers + i}., as vLLM names them) have no modeling in transformers
-5.25, nor in MiniMax's own code, so their math is unknown here: conversion skips them with a
-message (as vLLM's loader does), and export writes the model without them.
+Its multi-token-prediction modules (config.json's `use_mtp`, `num_mtp_modules`; the published
+checkpoints, M2 to M2.7, hold no weights of them) have no modeling in transformers 5.25 nor in
+MiniMax's repositories; SGLang's drafter (python/sglang/srt/models/minimax_m2_nextn.py,
+MiniMaxM2ForCausalLMNextN) defines them, and so they are read here: `model.mtp_layers.{k}.`
+holds `h_norm`, `e_norm`, `linear_projection` of [h_norm(hidden), e_norm(embedding)]
+(mtp_layer_kind.hidden_first) and a decoder layer under the decoder's names; the output norm
+is the model's own `model.norm` (shared_final_norm) before the shared LM head. They are
+converted (counted in the weights), trained under ComputeConfig.mtp_loss and exported. The
+tensors vLLM's and SGLang's decoders skip as speculative layers, model.layers.{num_hidden_layers
++ i}., are not that layout (no upstream code defines what they hold; a third-party vLLM plugin
+reads them as DeepSeek-V3's): conversion skips them with a message.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from engine.config import ConfigError
@@ -34,6 +42,9 @@ from engine.models.families.base import (
     rope_from_hf,
     rope_parameters_to_hf,
 )
+
+MTP = "model.mtp_layers.{k}."
+"""A multi-token-prediction module's tensors (SGLang's MiniMaxM2ForCausalLMNextN loader)."""
 
 # MiniMax's keys transformers' MiniMaxM2ForCausalLM ignores, and the value its math has.
 _HARD_CODED = {
@@ -81,9 +92,40 @@ class MiniMaxM2(Family):
         return super().config_from_hf(hf, where)
 
     def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:
-        """The multi-token-prediction modules: the layers after the decoder's."""
+        """Speculative layers after the decoder's (vLLM's name for them), and modules in
+        SGLang's layout where conversion keeps none."""
         layer = name.split(".")[2] if name.startswith("model.layers.") else ""
-        return layer.isdigit() and int(layer) >= cfg.num_layers
+        return (layer.isdigit() and int(layer) >= cfg.num_layers) or (
+            name.startswith("model.mtp_layers.") and not cfg.mtp_layers
+        )
+
+    mtp_in_weights = True
+
+    def mtp_prefix(self, cfg: ModelConfig, depth: int) -> str:
+        return MTP.format(k=depth)
+
+    def mtp_fields(self, cfg: ModelConfig | None, modules: int) -> dict[str, Any]:
+        kind = {"local": False, "ffn": "moe", "hidden_first": True, "shared_final_norm": True}
+        return {"mtp_layers": modules, "mtp_layer_kind": kind if modules else None}
+
+    def mtp_tensor_table(self, cfg: ModelConfig, per_layer: list[TensorSpec]) -> tuple[list, list]:
+        if not cfg.mtp_layers:
+            return [], []
+        stack = cfg.layer_pattern()[-1].stack  # every layer is the same: the decoder's names
+        layers = [
+            dataclasses.replace(spec, stack="mtp_blocks", hf_name=spec.hf_name.replace(LAYER, MTP))
+            for spec in per_layer
+            if spec.stack == stack
+        ]
+        top = []
+        for k, name in enumerate(cfg.mtp_head_names()):
+            mtp = MTP.format(k=k)
+            top += [
+                TensorSpec((name, "enorm", "scale"), mtp + "e_norm.weight", None),
+                TensorSpec((name, "hnorm", "scale"), mtp + "h_norm.weight", None),
+                TensorSpec((name, "w_eh_xd"), mtp + "linear_projection.weight", 1),
+            ]
+        return top, layers
 
     def _rotary_dim(self, hf: dict) -> int:
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
@@ -109,10 +151,17 @@ class MiniMaxM2(Family):
                 f"config.json ({self.architecture}): rotary_dim {rotary} of head_dim {head_dim} "
                 "must be even and at most head_dim"
             )
+        modules = (hf.get("num_mtp_modules") or 0) if hf.get("use_mtp", True) else 0
+        if modules and (hf.get("mtp_transformer_layers") or 1) != 1:
+            raise ConfigError(
+                f"config.json ({self.architecture}): mtp_transformer_layers={hf['mtp_transformer_layers']} is not "
+                "supported (a multi-token-prediction module of one layer, as SGLang's drafter builds)"
+            )
         return {
             "rotary_dim": None if rotary == head_dim else rotary,
             "num_experts": self.hf_value(hf, "num_local_experts"),
             "experts_per_token": self.hf_value(hf, "num_experts_per_tok"),
+            **self.mtp_fields(None, modules),
         }
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
@@ -127,6 +176,8 @@ class MiniMaxM2(Family):
             "scoring_func": "sigmoid",
             "use_routing_bias": True,
         }
+        if cfg.mtp_layers:  # the published keys of the modules
+            keys.update(use_mtp=True, num_mtp_modules=cfg.mtp_layers, mtp_transformer_layers=1)
         if cfg.rope.rotary_dim is not None:  # as transformers writes it, and the published key
             rope["partial_rotary_factor"] = cfg.rope.rotary_dim / cfg.attention.head_dim
             keys["rotary_dim"] = cfg.rope.rotary_dim

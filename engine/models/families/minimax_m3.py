@@ -11,15 +11,31 @@ minimax_m3_sparse: mixer_pattern `block_sparse`, engine/models/block_sparse.py) 
 blocks an indexer of their own selects. RoPE rotates int(head_dim * partial_rotary_factor)
 dimensions of rope_parameters, as transformers' class does (its config's `rotary_dim` key is
 not read by it, and is written back as that width).
+
+Its multi-token-prediction modules (`model.mtp.layers.{k}.*`, config.json's `num_mtp_modules`;
+transformers 5.25 skips them at load, `_keys_to_ignore_on_load_unexpected`) are converted,
+trained under ComputeConfig.mtp_loss and exported, as vLLM's drafter defines them
+(vllm/models/minimax_m3/nvidia/mtp.py, MiniMaxM3MultiTokenPredictorLayer): DeepSeek-V3's
+module (engine/models/mtp.py), Gemma norms `enorm` of the token's embedding and `hnorm` of the
+hidden state, `eh_proj` of [enorm(embedding), hnorm(hidden)], then `transformer_layer`, a
+block-sparse attention layer with the experts whatever the last layer is (force_sparse_attn,
+force_moe) at the hidden state's positions (the drafter's; at_hidden_position), and the
+module's own `final_layernorm` before the shared LM head. The layer's
+tensors keep MiniMax's released names, which vLLM's loader reads and transformers' conversion
+mapping renames for the decoder (`block_sparse_moe.experts.{j}.w1/w3/w2`, the shared expert's
+gate_proj/up_proj/down_proj, `self_attn.index_q_proj`). The weights, not config.json, say how
+many modules a checkpoint holds (a checkpoint transformers saved holds none).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from engine.config import ConfigError
 from engine.models.config import ModelConfig
 from engine.models.families.base import (
+    EXPERT,
     LAYER,
     Family,
     Multimodal,
@@ -34,6 +50,18 @@ from engine.models.families.routed_gqa import ffn_fields, mlp_layer_types
 
 SPARSE = "minimax_m3_sparse"
 """transformers' layer type of the block-sparse attention layers."""
+
+MTP = "model.mtp.layers.{k}."
+"""A multi-token-prediction module's tensors (vLLM's MiniMaxM3MTP: `.mtp.layers.{idx}.`)."""
+
+# transformers' names of a layer's tensors -> MiniMax's released ones (the inverse of
+# transformers' conversion mapping for minimax_m3_vl), for the module's transformer_layer
+_RELEASED = {
+    "self_attn.indexer.q_proj.": "self_attn.index_q_proj.",
+    "self_attn.indexer.k_proj.": "self_attn.index_k_proj.",
+    "self_attn.indexer.q_norm.": "self_attn.index_q_norm.",
+    "self_attn.indexer.k_norm.": "self_attn.index_k_norm.",
+}
 
 
 def _fused_mlp(prefix: str, gate: tuple[str, ...], up: tuple[str, ...], down: tuple[str, ...]) -> list[TensorSpec]:
@@ -135,6 +163,7 @@ class MiniMaxM3Text(Family):
             if any(sparse)
             else None,
             "block_indexer": indexer,
+            **self.mtp_fields(None, hf.get("num_mtp_modules") or 0, any(sparse)),
         }
 
     def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
@@ -170,6 +199,7 @@ class MiniMaxM3Text(Family):
             "layer_types": [SPARSE if x.mixer == "block_sparse" else "full_attention" for x in cfg.layer_pattern()],
             "mlp_layer_types": mlp_layer_types(cfg),
             **index,
+            **({"num_mtp_modules": cfg.mtp_layers} if cfg.mtp_layers else {}),
         }
 
     def mixer_tensors(self, cfg: ModelConfig, layer) -> list[TensorSpec]:
@@ -204,4 +234,56 @@ class MiniMaxM3Text(Family):
         return _fused_mlp("mlp.", ("mlp", "w_gate_df"), ("mlp", "w_up_df"), ("mlp", "w_down_fd"))
 
     def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:
-        return ".mtp." in name or name.startswith("mtp.")  # the multi-token-prediction layers transformers skips
+        # multi-token-prediction tensors where conversion keeps no module (a VL checkpoint's; mtp_prefix)
+        return (".mtp." in name or name.startswith("mtp.")) and not cfg.mtp_layers
+
+    mtp_in_weights = True
+
+    def mtp_prefix(self, cfg: ModelConfig, depth: int) -> str:
+        return MTP.format(k=depth)
+
+    def mtp_fields(self, cfg: ModelConfig | None, modules: int, sparse: bool | None = None) -> dict[str, Any]:
+        if sparse is None:
+            sparse = cfg is not None and "block_sparse" in (cfg.mixer_pattern or [])
+        if modules and not sparse:
+            raise ConfigError(
+                f"config.json ({self.architecture}): {modules} multi-token-prediction module(s), whose layer "
+                "is block-sparse attention, need a minimax_m3_sparse layer in layer_types (its indexer's sizes)"
+            )
+        kind = {"local": False, "ffn": "moe", "mixer": "block_sparse", "at_hidden_position": True}
+        return {"mtp_layers": modules, "mtp_layer_kind": kind if modules else None}
+
+    def mtp_tensor_table(self, cfg: ModelConfig, per_layer: list[TensorSpec]) -> tuple[list, list]:
+        if not cfg.mtp_layers:
+            return [], []
+        layer = cfg.mtp_layer()
+        block = MTP + "transformer_layer."
+        released = [*self.mixer_tensors(cfg, layer), *self.mlp_norm_tensors()]
+        layers = []
+        for spec in released:
+            hf_name = spec.hf_name.replace(LAYER, block)
+            for old, new in _RELEASED.items():
+                hf_name = hf_name.replace(old, new)
+            layers.append(dataclasses.replace(spec, stack=layer.stack, hf_name=hf_name))
+        moe, shared = block + "block_sparse_moe.", block + "block_sparse_moe.shared_experts."
+        layers += [
+            TensorSpec(("mlp", "w_router_de"), moe + "gate.weight", 1),
+            TensorSpec(("mlp", "b_router_e"), moe + "e_score_correction_bias", None),
+            TensorSpec(("mlp", "w_gate_edf"), moe + EXPERT + "w1.weight", 1, experts=True),
+            TensorSpec(("mlp", "w_up_edf"), moe + EXPERT + "w3.weight", 1, experts=True),
+            TensorSpec(("mlp", "w_down_efd"), moe + EXPERT + "w2.weight", 1, experts=True),
+            TensorSpec(("mlp", "w_shared_gate_dg"), shared + "gate_proj.weight", 1),
+            TensorSpec(("mlp", "w_shared_up_dg"), shared + "up_proj.weight", 1),
+            TensorSpec(("mlp", "w_shared_down_gd"), shared + "down_proj.weight", 1),
+        ]
+        layers = [dataclasses.replace(spec, stack=layer.stack) for spec in layers]
+        top = []
+        for k, name in enumerate(cfg.mtp_head_names()):
+            mtp = MTP.format(k=k)
+            top += [
+                TensorSpec((name, "enorm", "scale"), mtp + "enorm.weight", None),
+                TensorSpec((name, "hnorm", "scale"), mtp + "hnorm.weight", None),
+                TensorSpec((name, "w_eh_xd"), mtp + "eh_proj.weight", 1),
+                TensorSpec((name, "post_norm", "scale"), mtp + "final_layernorm.weight", None),
+            ]
+        return top, layers
