@@ -35,6 +35,7 @@ from engine.models.specs import (
     BlockIndexerSpec,
     CompressedAttentionSpec,
     GatedDeltaSpec,
+    GatedResidualSpec,
     HyperConnectionSpec,
     IndexerSpec,
     KimiDeltaSpec,
@@ -49,6 +50,7 @@ from engine.models.specs import (
     MoESpec,
     NormSpec,
     ParallelHybridSpec,
+    QSAIndexerSpec,
     RGLRUSpec,
     RotarySpec,
     ShortConvSpec,
@@ -82,6 +84,7 @@ class Layer(NamedTuple):
         "compressed_attention",
         "none",
         "zamba2_hybrid",
+        "qsa",
     ]
     """The sequence mixer, a kind in transformer.MIXERS: grouped-query attention
     (transformer.Attention), multi-head latent attention (mla.py), or a Gated DeltaNet
@@ -317,6 +320,30 @@ class BlockIndexerConfig(Strict):
     """The blocks ending at the query's own, always attended to."""
 
 
+class QSAIndexerConfig(Strict):
+    """Qwen4-Exp's QSA layers (mixer_pattern `qsa`; engine/models/qsa.py): the model's
+    attention, each query attending only to the blocks of keys a pooled-key indexer selects
+    and to its own incomplete block (its indexer_* config.json keys)."""
+
+    heads: int = Field(gt=0)
+    """The indexer's query heads (indexer_n_heads; one key head)."""
+    head_dim: int = Field(gt=0)
+    """Its queries' and keys' width, at least the attention's rotary width."""
+    budget: int = Field(gt=0)
+    """Tokens selected from complete blocks (indexer_budget), a multiple of `block`."""
+    block: int = Field(gt=0)
+    """Consecutive keys averaged into one block key (indexer_compress_ratio)."""
+
+
+class GatedResidualConfig(Strict):
+    """Qwen4-Exp's gated-residual hyper-connections (engine/models/gated_residual.py; hc_* keys)."""
+
+    streams: int = Field(4, gt=1)
+    """Residual streams (hc_count)."""
+    rank: int = Field(gt=0)
+    """The input mix's low rank (hc_lowrank)."""
+
+
 class ShortConvConfig(Strict):
     """The gated short convolution layers (engine/models/short_conv.py; LFM2's conv_* keys)."""
 
@@ -427,6 +454,7 @@ class ModelConfig(Strict):
                 "compressed_attention",
                 "none",
                 "zamba2_hybrid",
+                "qsa",
             ]
         ]
         | None
@@ -480,6 +508,10 @@ class ModelConfig(Strict):
     """Gemma 3n's AltUp: n residual streams each layer predicts from and corrects (altup.py); None: one stream."""
     zamba2: Zamba2Config | None = None
     """Zamba2's shared blocks (mixer_pattern zamba2_hybrid, zamba2.py); None: none."""
+    qsa: QSAIndexerConfig | None = None
+    """The QSA layers' indexer (mixer_pattern has qsa; Qwen4-Exp, qsa.py)."""
+    gated_residual: GatedResidualConfig | None = None
+    """Qwen4-Exp's n gated residual streams in every layer (gated_residual.py); None: one stream."""
 
     FLAT_KEYS: ClassVar[tuple[str, ...]] = tuple(flat_keys.FLAT)
     """The sections' fields by their flat names, which configs may still use (`num_heads: 8`)."""
@@ -753,6 +785,12 @@ class ModelConfig(Strict):
             raise ValueError("block_indexer.local_blocks must be at most topk_blocks")
         if indexer is not None and indexer.head_dim < (self.rope.rotary_dim or a.head_dim):
             raise ValueError(f"block_indexer.head_dim ({indexer.head_dim}) must be at least the rotary width")
+        if ("qsa" in (self.mixer_pattern or [])) != (self.qsa is not None):
+            raise ValueError("qsa (the indexer's sizes) is set exactly when mixer_pattern has qsa layers")
+        if self.qsa is not None and (self.qsa.budget % self.qsa.block or self.is_mla):
+            raise ValueError("qsa layers are grouped-query attention whose qsa.budget is a multiple of qsa.block")
+        if self.qsa is not None and self.qsa.head_dim < (self.rope.rotary_dim or a.head_dim):
+            raise ValueError(f"qsa.head_dim ({self.qsa.head_dim}) must be at least the rotary width")
         return self
 
     @model_validator(mode="after")
@@ -871,7 +909,8 @@ class ModelConfig(Strict):
             mixer=self._mixer_spec(layer),
             ffn=ffn,
             norm=self._norm_spec(),
-            pre_norms=(self.block.pre_norms or (self.block.linear_pre_norms and layer.mixer != "attention"))
+            pre_norms=self.gated_residual is None  # (Qwen4-Exp: the connections norm their streams)
+            and (self.block.pre_norms or (self.block.linear_pre_norms and layer.mixer != "attention"))
             and layer.mixer != "zamba2_hybrid",  # (Zamba2's hybrid layer norms inside, zamba2.py)
             post_norms=self.block.post_norms and not (self.block.linear_pre_norms and layer.mixer != "attention"),
             residual_multiplier=self.block.residual_multiplier,
@@ -885,7 +924,12 @@ class ModelConfig(Strict):
             altup=None if self.altup is None else AltUpSpec(**self.altup.model_dump(), norm_eps=self.norm.eps),
             shortcut_moe=self._moe_spec() if shortcut else None,
             shortcut_close=self.block.shortcut_moe and layer.ffn == "mlp",
+            gated_residual=self._gated_residual_spec(),
         )
+
+    def _gated_residual_spec(self) -> GatedResidualSpec | None:
+        gr = self.gated_residual
+        return None if gr is None else GatedResidualSpec(streams=gr.streams, rank=gr.rank, norm_eps=self.norm.eps)
 
     def _sparse_gates(self, specs: list[LayerSpec]) -> list[LayerSpec]:
         """mlp.gate_sparsity: each layer's MLP with its sparsity (Gemma 3n's first layers)."""
@@ -1030,6 +1074,10 @@ class ModelConfig(Strict):
             assert self.block_indexer is not None  # _check_attention_variants
             attention = self._attention_spec(layer._replace(mixer="attention", rope=self.positions == "rope"))
             return attention.model_copy(update={"block_indexer": BlockIndexerSpec(**self.block_indexer.model_dump())})
+        if layer.mixer == "qsa":  # Qwen4-Exp: attention with a pooled-block indexer (qsa.py)
+            assert self.qsa is not None  # _check_attention_variants
+            attention = self._attention_spec(layer._replace(mixer="attention", rope=self.positions == "rope"))
+            return attention.model_copy(update={"qsa_indexer": QSAIndexerSpec(**self.qsa.model_dump())})
         if layer.mixer == "mla":
             assert self.mla.kv_lora_rank is not None
             indexer = None
@@ -1240,6 +1288,8 @@ class ModelConfig(Strict):
         d, specs = self.d_model, self.layer_specs()
         norm = specs[0].norm.params(d)
         n = sum(spec.params(d, active) for spec in specs) + norm  # the layers and the final norm
+        if (gated := self._gated_residual_spec()) is not None:  # Qwen4-Exp: the streams' final mix, no final norm
+            n += gated.params(d, inject=False) - norm
         n += norm * self.embedding.norm + self.vocab_size * self.head.bias
         if include_embedding:
             n += (self.vocab_size + (0 if self.tie_embeddings else self.head.vocab_size or self.vocab_size)) * d

@@ -124,6 +124,12 @@ class KVCache:
                 for spec in cfg.layer_specs()
             ]
             index_k = tuple(constrain(jnp.zeros((batch, max_len, i), dtype), INDEX_NAMES) for i in widths)
+        elif any(spec.attention is not None and spec.attention.qsa_indexer for spec in cfg.layer_specs()):
+            widths = [  # Qwen4-Exp's QSA layers: their indexer's raw key per position (qsa.py)
+                spec.attention.qsa_indexer.head_dim if spec.attention and spec.attention.qsa_indexer else 0
+                for spec in cfg.layer_specs()
+            ]
+            index_k = tuple(constrain(jnp.zeros((batch, max_len, i), dtype), INDEX_NAMES) for i in widths)
         return cls(
             k, v, jnp.zeros((batch, max_len), bool), jnp.zeros((), jnp.int32), states=layer_states, index_k=index_k
         )

@@ -68,6 +68,19 @@ class BlockIndexerSpec(Spec):
     local_blocks: int = 1
 
 
+class QSAIndexerSpec(Spec):
+    """Qwen4-Exp's QSA indexer (engine/models/qsa.py): a query attends to the `budget // block`
+    complete blocks of `block` keys its indexer scores highest (each block's keys averaged)
+    plus the keys of its own incomplete block."""
+
+    heads: int
+    head_dim: int
+    budget: int
+    """Tokens selected from complete blocks (a multiple of `block`)."""
+    block: int
+    """Consecutive keys averaged into one block key (indexer_compress_ratio)."""
+
+
 class AttentionSpec(Spec):
     """Grouped-query attention (transformer.Attention). The fields marked `call` change how a
     layer attends, not its parameters: layers differing only in them share a stack."""
@@ -133,6 +146,8 @@ class AttentionSpec(Spec):
     """Block-sparse attention chosen by an indexer of its own (MiniMax-M3's sparse layers)."""
     head_gate_activation: Literal["sigmoid", "softplus"] = "sigmoid"
     """call: head_gate's activation of x . w_n (Laguna's g_proj: softplus)."""
+    qsa_indexer: QSAIndexerSpec | None = None
+    """Sparse attention over the blocks a pooled-key indexer selects (Qwen4-Exp's QSA, qsa.py)."""
 
     def structure(self) -> AttentionSpec:
         """This spec with the call fields at their defaults: what its parameters depend on."""
@@ -151,6 +166,8 @@ class AttentionSpec(Spec):
         macs = self.num_heads * (self.head_dim + (self.value_head_dim or self.head_dim)) * seq_len  # QK^T, PV
         if self.block_indexer is not None:  # its scores of every earlier key (the parallel form attends densely)
             macs += self.block_indexer.heads * self.block_indexer.head_dim * seq_len
+        if self.qsa_indexer is not None:  # its scores of every block (the parallel form attends densely)
+            macs += self.qsa_indexer.heads * self.qsa_indexer.head_dim * (seq_len // self.qsa_indexer.block)
         return macs
 
     def params(self, d: int) -> int:
@@ -169,6 +186,9 @@ class AttentionSpec(Spec):
             count += (n + k) * per_head_norm
         if self.block_indexer is not None:  # its query and key projections and their norms
             g, i = self.block_indexer.heads, self.block_indexer.head_dim
+            count += d * i * (g + 1) + 2 * self.norm.params(i)
+        if self.qsa_indexer is not None:  # its fused query-and-key projection and their norms
+            g, i = self.qsa_indexer.heads, self.qsa_indexer.head_dim
             count += d * i * (g + 1) + 2 * self.norm.params(i)
         return count + n * self.sinks + d * self.out_bias + d * n * self.head_gate
 
@@ -189,6 +209,7 @@ _ATTENTION_STRUCTURE = {
     "value_head_dim",
     "block_indexer",
     "head_gate",
+    "qsa_indexer",
 }
 
 
@@ -806,6 +827,23 @@ FFNSpec = Annotated[MLPSpec | MoESpec, Field(discriminator="kind")]
 """A layer's feed-forward."""
 
 
+class GatedResidualSpec(Spec):
+    """Qwen4-Exp's gated-residual hyper-connections (engine/models/gated_residual.py): n
+    residual streams, each sublayer reading a per-channel gated mean of them (its own norm in
+    place of the pre-norm) and adding its output to each with a gate of its own."""
+
+    streams: int
+    """n (hc_count)."""
+    rank: int
+    """The input mix's low rank (hc_lowrank)."""
+    norm_eps: float = 1e-6
+
+    def params(self, d: int, inject: bool = True) -> int:
+        """The streams' norm, the low-rank mix (down, up) and the per-stream output gates."""
+        n = self.streams
+        return n * d + 2 * n * d * self.rank + n * d * n * inject
+
+
 class LayerSpec(Spec):
     """One decoder layer: x + mixer(norm(x)), then x + ffn(norm(x)), with the variations below."""
 
@@ -847,6 +885,9 @@ class LayerSpec(Spec):
     beside it: the decoder's stream is then (b, t, 2 d), the stream and the carried output."""
     shortcut_close: bool = False
     """The layer adds the carried shortcut experts' output after its MLP (LongCat-Flash)."""
+    gated_residual: GatedResidualSpec | None = None
+    """Qwen4-Exp's n gated residual streams (gated_residual.py): each sublayer's connection
+    replaces its pre-norm."""
 
     @property
     def attention(self) -> AttentionSpec | None:
@@ -886,6 +927,8 @@ class LayerSpec(Spec):
             n += self.altup.params(d)
         if self.shortcut_moe is not None:
             n += self.shortcut_moe.params(d, active)
+        if self.gated_residual is not None:  # the mixer's and the feed-forward's connections
+            n += 2 * self.gated_residual.params(d)
         return n
 
 

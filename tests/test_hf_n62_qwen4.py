@@ -1,0 +1,173 @@
+"""Hugging Face parity of Qwen4-Exp's text decoder (Qwen4ExpForCausalLM, model_type
+qwen4_exp_text, issue 62): Qwen3.5-MoE's Gated DeltaNet and gated-attention layers with the
+attention made QSA sparse attention (a pooled-block indexer choosing each query's key blocks,
+engine/models/qsa.py) and the residual made gated hyper-connection streams (each sublayer
+reading a gated mean of hc_count streams through its own norm, the model ending with one more
+mix instead of a final norm, engine/models/gated_residual.py).
+
+The case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
+collected here over this module's `case`): greedy tokens and the recurrent-state/KV-cache
+sampler equal transformers' generate, config.json as transformers writes it, export -> convert
+bitwise; and here logits to 1e-4 with N(0, 0.3^2) weights on 20 tokens (a right- and a
+left-padded row) whose queries see 2 of up to 9 complete blocks of 2, the selection changing
+transformers' logits; the published multimodal layout converting to the same model; the
+n-gram per-layer embeddings refused in one sentence.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.deps import need
+
+torch = need("torch")
+transformers = need("transformers")
+safetensors_torch = need("safetensors.torch")
+
+from engine.config import ConfigError  # noqa: E402
+from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
+from engine.train.checkpoint import load_params  # noqa: E402
+from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
+    Case,
+    batch,
+    converted_case,
+    engine_logits,
+    hf_logits,
+    random_causal_lm,
+    test_export_then_convert_is_bitwise_identical,
+    test_exported_config_json_is_what_transformers_writes,
+    test_greedy_generation_of_16_tokens_is_identical,
+)
+
+IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "eager"}
+"""transformers' plain loops: its grouped-matmul experts need 16-byte strides (odd sizes have not)."""
+
+
+def hf_config(**changes):
+    """Layers linear, indexed, linear, indexed; 6 query heads over 2 KV heads 8 wide, RoPE on
+    half of each at base 500; an indexer of 5 heads 10 wide keeping 2 blocks of 2 keys (budget
+    4); 3 streams mixed through rank 7; 2 key heads serving 4 value heads (6 and 5 wide); 5
+    experts 14 wide (2 per token) beside a shared expert 22 wide."""
+    return transformers.Qwen4ExpTextConfig(
+        **{
+            "vocab_size": 37,
+            "hidden_size": 30,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 6,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "max_position_embeddings": 64,
+            "layer_types": ["linear_attention", "indexed_attention"] * 2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
+            "indexer_n_heads": 5,
+            "indexer_kv_heads": 1,
+            "indexer_head_dim": 10,
+            "indexer_budget": 4,
+            "indexer_compress_ratio": 2,
+            "hc_count": 3,
+            "hc_lowrank": 7,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 6,
+            "linear_value_head_dim": 5,
+            "num_experts": 5,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 14,
+            "shared_expert_intermediate_size": 22,
+            **changes,
+        }
+    )
+
+
+def random_model(config):
+    model = random_causal_lm(config, 0, **IMPLEMENTATIONS)
+    with torch.no_grad():  # decay rates exp(A_log) of a few units, as transformers draws them
+        for n, p in model.named_parameters():
+            if n.endswith("A_log"):
+                p.uniform_(0.0, 1.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory) -> Case:
+    return converted_case("qwen4_exp_text", random_model(hf_config()), tmp_path_factory.mktemp("qwen4"))
+
+
+def test_converted_model_matches_transformers_logits(case):
+    """Logits to 1e-4; transformers' own logits with every block selected (the indexer's
+    budget lifted) are far from these, so the selection is what is matched."""
+    tokens, mask = batch()
+    valid = mask.astype(bool)
+    ours = engine_logits(case.cfg, case.compute, case.params, tokens, mask)
+    ref = hf_logits(case.hf_model, tokens, mask)
+    delta = float(np.abs(ours - ref)[valid].max())
+    print(f"\n{case.family}: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref[valid]).max():.1f})")
+    assert delta <= 1e-4 and np.abs(ref[valid]).max() > 0.5
+    indexers = [layer.self_attn.indexer for layer in case.hf_model.model.layers if hasattr(layer, "self_attn")]
+    try:
+        for indexer in indexers:
+            indexer.block_topk = indexer.token_budget = 64
+        dense = hf_logits(case.hf_model, tokens, mask)
+    finally:
+        for indexer in indexers:
+            indexer.token_budget, indexer.block_topk = 4, 2
+    assert float(np.abs(dense - ref)[valid].max()) > 1e-2
+
+
+def test_the_family_reads_what_the_config_says(case):
+    specs = case.cfg.layer_specs()
+    assert [s.stack for s in specs] == ["gated_delta_blocks", "qsa_blocks"] * 2
+    indexer = specs[1].mixer.qsa_indexer
+    assert (indexer.heads, indexer.head_dim, indexer.budget, indexer.block) == (5, 10, 4, 2)
+    assert {(s.gated_residual.streams, s.gated_residual.rank, s.pre_norms) for s in specs} == {(3, 7, False)}
+    assert specs[1].mixer.rope.rotary_dim == 4 and specs[1].mixer.output_gate
+    assert case.cfg.num_params() == sum(p.numel() for p in case.hf_model.parameters())
+
+
+def test_the_published_multimodal_checkpoint_converts_to_the_same_model(case, tmp_path):
+    """Qwen4ExpForConditionalGeneration's layout: the text config under text_config, the
+    decoder under model.language_model., beside a vision tower and an mtp layer (skipped)."""
+    config = json.loads((case.hf_dir / "config.json").read_text())
+    root = tmp_path / "mm"
+    root.mkdir()
+    (root / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen4ExpForConditionalGeneration"],
+                "model_type": "qwen4_exp",
+                "text_config": config,
+                "vision_config": {"model_type": "qwen4_exp_vision", "depth": 1},
+                "tie_word_embeddings": False,
+            }
+        )
+    )
+    tensors = {
+        (name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name): p.contiguous()
+        for name, p in case.hf_model.state_dict().items()
+    }
+    experts = {}  # one tensor per expert, as the published files store them
+    for name in [n for n in tensors if n.endswith("experts.gate_up_proj")]:
+        gate_up, down = tensors.pop(name), tensors.pop(name.replace("gate_up_proj", "down_proj"))
+        for j in range(gate_up.shape[0]):
+            gate, up = gate_up[j].chunk(2, dim=0)
+            base = name.replace("gate_up_proj", f"{j}.")
+            experts |= {base + "gate_proj.weight": gate, base + "up_proj.weight": up}
+            experts[base + "down_proj.weight"] = down[j]
+    extra = {"model.visual.patch_embed.proj.weight": torch.zeros(2, 3), "mtp.fc.weight": torch.zeros(2, 2)}
+    safetensors_torch.save_file({**tensors, **experts, **extra}, root / "model.safetensors")
+    convert_hf(root, tmp_path / "converted")
+    cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
+    assert cfg == case.cfg
+    tokens, mask = batch()
+    ours = engine_logits(cfg, case.compute, params, tokens, mask)
+    np.testing.assert_array_equal(ours, engine_logits(case.cfg, case.compute, case.params, tokens, mask))
+
+
+def test_n_gram_per_layer_embeddings_are_refused_in_one_sentence():
+    hf = {**hf_config().to_dict(), "ple_layer_ids": [1], "eos_token_id": 3}
+    with pytest.raises(ConfigError, match="ple_layer_ids .* is not supported"):
+        model_config_from_hf(hf)
