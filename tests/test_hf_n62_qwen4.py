@@ -16,8 +16,10 @@ n-gram per-layer embeddings refused in one sentence.
 
 from __future__ import annotations
 
+import functools
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -30,12 +32,12 @@ safetensors_torch = need("safetensors.torch")
 from engine.config import ConfigError  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
+from engine.models.params import apply_model, graphdef_of  # noqa: E402
 from engine.train.checkpoint import load_params  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
     Case,
     batch,
     converted_case,
-    engine_logits,
     hf_logits,
     random_causal_lm,
     test_export_then_convert_is_bitwise_identical,
@@ -51,7 +53,9 @@ def hf_config(**changes):
     """Layers linear, indexed, linear, indexed; 6 query heads over 2 KV heads 8 wide, RoPE on
     half of each at base 500; an indexer of 5 heads 10 wide keeping 2 blocks of 2 keys (budget
     4); 3 streams mixed through rank 7; 2 key heads serving 4 value heads (6 and 5 wide); 5
-    experts 14 wide (2 per token) beside a shared expert 22 wide."""
+    experts 14 wide (2 per token) beside a shared expert 22 wide; n-gram embeddings in both
+    linear layers, 12 wide (3 heads per 2- and 3-gram, tables of primes from 41 on, stored
+    in 5 pieces), a 3-tap convolution, eos 3."""
     return transformers.Qwen4ExpTextConfig(
         **{
             "vocab_size": 37,
@@ -78,6 +82,14 @@ def hf_config(**changes):
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 14,
             "shared_expert_intermediate_size": 22,
+            "ple_layer_ids": [1, 3],
+            "ple_embed_dim": 12,
+            "heads_per_ngram": 3,
+            "ngram_vocab_size_base": 40,
+            "make_ngram_vocab_size_divisible_by": 16,
+            "split_ngram_parts": 5,
+            "ple_conv_kernel_size": 3,
+            "eos_token_id": 3,
             **changes,
         }
     )
@@ -92,6 +104,12 @@ def random_model(config):
     return model
 
 
+def jitted_logits(cfg, compute):
+    """tests/test_hf_parity.py's engine_logits compiled whole (run op by op, it compiles each
+    of the n-gram hash's many small integer steps on its own: 4x slower)."""
+    return jax.jit(functools.partial(apply_model, graphdef_of(cfg, compute)))
+
+
 @pytest.fixture(scope="module")
 def case(tmp_path_factory) -> Case:
     return converted_case("qwen4_exp_text", random_model(hf_config()), tmp_path_factory.mktemp("qwen4"))
@@ -101,8 +119,9 @@ def test_converted_model_matches_transformers_logits(case):
     """Logits to 1e-4; transformers' own logits with every block selected (the indexer's
     budget lifted) are far from these, so the selection is what is matched."""
     tokens, mask = batch()
+    tokens[0, [5, 11]] = 3  # eos: the n-grams after it start again
     valid = mask.astype(bool)
-    ours = engine_logits(case.cfg, case.compute, case.params, tokens, mask)
+    ours = np.asarray(jitted_logits(case.cfg, case.compute)(case.params, tokens, None, mask))
     ref = hf_logits(case.hf_model, tokens, mask)
     delta = float(np.abs(ours - ref)[valid].max())
     print(f"\n{case.family}: max |delta logit| = {delta:.2e} (logits up to {np.abs(ref[valid]).max():.1f})")
@@ -120,7 +139,11 @@ def test_converted_model_matches_transformers_logits(case):
 
 def test_the_family_reads_what_the_config_says(case):
     specs = case.cfg.layer_specs()
-    assert [s.stack for s in specs] == ["gated_delta_blocks", "qsa_blocks"] * 2
+    assert [s.stack for s in specs] == ["ngram_0_gated_delta_blocks", "qsa_blocks", "ngram_1_gated_delta_blocks"] + [
+        "qsa_blocks"
+    ]
+    ngrams = [specs[0].ngram_embedding, specs[2].ngram_embedding]
+    assert [(e.primes, e.rows) for e in ngrams] == [((41, 43, 47, 53, 59, 61), 304), ((67, 71, 73, 79, 83, 89), 464)]
     indexer = specs[1].mixer.qsa_indexer
     assert (indexer.heads, indexer.head_dim, indexer.budget, indexer.block) == (5, 10, 4, 2)
     assert {(s.gated_residual.streams, s.gated_residual.rank, s.pre_norms) for s in specs} == {(3, 7, False)}
@@ -130,7 +153,8 @@ def test_the_family_reads_what_the_config_says(case):
 
 def test_the_published_multimodal_checkpoint_converts_to_the_same_model(case, tmp_path):
     """Qwen4ExpForConditionalGeneration's layout: the text config under text_config, the
-    decoder under model.language_model., beside a vision tower and an mtp layer (skipped)."""
+    decoder under model.language_model. (experts one tensor each, n-gram tables in pieces,
+    the hash's constant buffers), beside a vision tower and an mtp layer (skipped)."""
     config = json.loads((case.hf_dir / "config.json").read_text())
     root = tmp_path / "mm"
     root.mkdir()
@@ -157,17 +181,21 @@ def test_the_published_multimodal_checkpoint_converts_to_the_same_model(case, tm
             base = name.replace("gate_up_proj", f"{j}.")
             experts |= {base + "gate_proj.weight": gate, base + "up_proj.weight": up}
             experts[base + "down_proj.weight"] = down[j]
+    for name in [n for n in tensors if n.endswith("ngram_embedding.weight")]:  # split_ngram_parts pieces
+        for k, piece in enumerate(torch.chunk(tensors.pop(name), 5)):
+            tensors[name.replace(".weight", f".shard_{k}.weight")] = piece.contiguous()
     extra = {"model.visual.patch_embed.proj.weight": torch.zeros(2, 3), "mtp.fc.weight": torch.zeros(2, 2)}
     safetensors_torch.save_file({**tensors, **experts, **extra}, root / "model.safetensors")
     convert_hf(root, tmp_path / "converted")
     cfg, params, _ = load_params(tmp_path / "converted" / "checkpoint")
     assert cfg == case.cfg
-    tokens, mask = batch()
-    ours = engine_logits(cfg, case.compute, params, tokens, mask)
-    np.testing.assert_array_equal(ours, engine_logits(case.cfg, case.compute, case.params, tokens, mask))
+    flat, tree = jax.tree.flatten(params)
+    assert tree == jax.tree.structure(case.params)
+    for a, b in zip(flat, jax.tree.leaves(case.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_n_gram_per_layer_embeddings_are_refused_in_one_sentence():
-    hf = {**hf_config().to_dict(), "ple_layer_ids": [1], "eos_token_id": 3}
-    with pytest.raises(ConfigError, match="ple_layer_ids .* is not supported"):
+def test_a_sigmoid_linear_gate_is_refused_in_one_sentence():
+    hf = {**hf_config().to_dict(), "output_gate_type": "sigmoid"}
+    with pytest.raises(ConfigError, match="output_gate_type 'sigmoid' is not supported"):
         model_config_from_hf(hf)

@@ -69,9 +69,18 @@ def gated_residual_layer(block, x_btx, positions_bt, segment_ids_bt, spec, cache
     """A transformer.Block's layer over n streams (b, t, n d): each sublayer reads its
     connection's gated mean of the streams and is added back to each; as Block.forward
     returns, (streams, cache, router stats or None)."""
+    ngram_state = None
+    if spec.ngram_embedding is not None:  # the hashed n-gram embedding first (ngram_embedding.py)
+        if cache is not None:  # its state beside the mixer's
+            ngram_state, mixer_state = cache.states[cache.layer]
+            cache = _with_state(cache, mixer_state)
+        added, ngram_state = block.ple(x_btx, segment_ids_bt, ngram_state)
+        x_btx = x_btx + added
     attn_in, post = block.attn_gr.read(x_btx)
     extra = {"rotary": rotary, "shared_kv": None, "store_kv": False, "index_state": None}
     branch, cache, _ = block._mix(attn_in, positions_bt, segment_ids_bt, spec, cache, extra)
+    if ngram_state is not None:
+        cache = _with_state(cache, (ngram_state, cache.states[cache.layer]))
     x_btx = expand(x_btx, branch, post, None)
     mlp_in, post = block.ffn_gr.read(x_btx)
     valid_bt = None if segment_ids_bt is None else segment_ids_bt != 0
@@ -81,3 +90,10 @@ def gated_residual_layer(block, x_btx, positions_bt, segment_ids_bt, spec, cache
     else:
         mlp_out = block.mlp(mlp_in)
     return expand(x_btx, mlp_out, post, None), cache, stats
+
+
+def _with_state(cache, state):
+    """The cache with this layer's decoding state replaced."""
+    states = list(cache.states)
+    states[cache.layer] = state
+    return cache.replace(states=tuple(states))

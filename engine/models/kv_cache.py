@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.ngram_embedding import initial_state
 from engine.models.specs import MLASpec
 from engine.ops.attention import BF16_BITS, cache_values, stored
 from engine.ops.partitioning import constrain, current_platform
@@ -25,6 +26,12 @@ batch), for the kinds that carry a state instead of keys and values; the kind's 
 registers it (engine/models/gated_delta_block.py: the convolution window and the recurrent state)."""
 KEYS_AND_STATE = {"attention_mamba2"}
 """Mixer kinds in DECODE_STATES that keep keys and values as well (Falcon-H1's parallel layers)."""
+
+
+def ngram_state(spec, cfg: ModelConfig, batch: int):
+    """A layer's hashed n-gram embedding's state at a sequence's start (ngram_embedding.py)."""
+    streams = 1 if spec.gated_residual is None else spec.gated_residual.streams
+    return initial_state(spec.ngram_embedding, streams, cfg.d_model, batch, jnp.float32)
 
 
 def _names(shape: tuple[int, ...]) -> tuple:
@@ -89,6 +96,8 @@ class KVCache:
             mixer = spec.mixer
             kind = None if mixer is None else mixer.kind
             states.append(DECODE_STATES[kind](mixer, compute, batch) if kind in DECODE_STATES else None)
+            if spec.ngram_embedding is not None:  # Qwen4-Exp: the n-gram embedding's state beside the mixer's
+                states[-1] = (ngram_state(spec, cfg, batch), states[-1])
             keys = kind in KEYS_AND_STATE  # Falcon-H1's parallel layers keep both
             reuses = spec.kv_sharing == "reuse"  # a Gemma 4 layer attending with another layer's keys and values
             if (states[-1] is not None and not keys) or mixer is None or reuses:  # no keys, values

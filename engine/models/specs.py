@@ -844,6 +844,89 @@ class GatedResidualSpec(Spec):
         return n * d + 2 * n * d * self.rank + n * d * n * inject
 
 
+class NGramEmbeddingSpec(Spec):
+    """Qwen4-Exp's hashed n-gram per-layer embedding (engine/models/ngram_embedding.py): the
+    token's 2..order-grams hashed into tables of prime sizes, gating a value into every
+    residual stream, plus a dilated causal convolution of it (LayerSpec.ngram_embedding)."""
+
+    order: int
+    """The longest n-gram (ngram_size); the convolution's dilation too."""
+    heads_per_order: int
+    """Independently hashed heads per n-gram order (heads_per_ngram)."""
+    dim: int
+    """The heads' embeddings concatenated (ple_embed_dim)."""
+    conv_kernel: int
+    primes: tuple[int, ...]
+    """Each head's vocabulary, a prime, in order (2-gram heads first)."""
+    rows: int
+    """The table's rows: the primes' sum, padded to make_ngram_vocab_size_divisible_by."""
+    multipliers: tuple[int, ...]
+    """The hash's odd multiplier of each n-gram position (order of them)."""
+    eos_token_id: int
+    """The token that ends a document: n-grams do not reach across it (and it pads)."""
+    norm_eps: float = 1e-6
+
+    @property
+    def heads(self) -> int:
+        return (self.order - 1) * self.heads_per_order
+
+    def params(self, d: int, streams: int) -> int:
+        """The table, the key (per stream) and value projections, three norms, the convolution."""
+        x = streams * d
+        return self.rows * (self.dim // self.heads) + self.dim * (x + d) + 3 * x + x * self.conv_kernel
+
+
+def _is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin (exact below 3.3e24 with these bases)."""
+    if n < 2:
+        return False
+    bases = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+    if n in bases:
+        return True
+    if any(n % p == 0 for p in bases):
+        return False
+    r, m = 0, n - 1
+    while m % 2 == 0:
+        r, m = r + 1, m // 2
+    for a in bases:
+        x = pow(a, m, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def ngram_primes(base: int, first: int, count: int) -> tuple[int, ...]:
+    """The primes at or above `base` numbered first .. first + count - 1 (from 0), as
+    transformers' Qwen4-Exp sizes its n-gram heads (_find_nth_prime_after(base - 1, k + 1))."""
+    primes, n = [], base - 1
+    while len(primes) < first + count:
+        n += 1
+        if _is_prime(n):
+            primes.append(n)
+    return tuple(primes[first:])
+
+
+def ngram_multipliers(vocab: int, order: int, index: int, seed: int) -> tuple[int, ...]:
+    """The hash's odd 64-bit multipliers of n-gram embedding `index` (transformers'
+    _build_layer_multipliers: SplitMix64 of the seed; every product with a token id is below 2**63)."""
+    mask, gamma = (1 << 64) - 1, 0x9E3779B97F4A7C15
+    half = max(1, ((1 << 63) - 1) // max(vocab, 1) // 2)
+    out = []
+    for k in range(order):
+        z = (seed + 10007 * index + gamma * (k + 1)) & mask
+        z = (z + gamma) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        out.append(2 * ((z ^ (z >> 31)) % half) + 1)
+    return tuple(out)
+
+
 class LayerSpec(Spec):
     """One decoder layer: x + mixer(norm(x)), then x + ffn(norm(x)), with the variations below."""
 
@@ -888,6 +971,8 @@ class LayerSpec(Spec):
     gated_residual: GatedResidualSpec | None = None
     """Qwen4-Exp's n gated residual streams (gated_residual.py): each sublayer's connection
     replaces its pre-norm."""
+    ngram_embedding: NGramEmbeddingSpec | None = None
+    """Qwen4-Exp's hashed n-gram embedding added to the streams before the layer (ngram_embedding.py)."""
 
     @property
     def attention(self) -> AttentionSpec | None:
@@ -929,6 +1014,8 @@ class LayerSpec(Spec):
             n += self.shortcut_moe.params(d, active)
         if self.gated_residual is not None:  # the mixer's and the feed-forward's connections
             n += 2 * self.gated_residual.params(d)
+        if self.ngram_embedding is not None:
+            n += self.ngram_embedding.params(d, 1 if self.gated_residual is None else self.gated_residual.streams)
         return n
 
 

@@ -56,6 +56,7 @@ from engine.models.mla import MLA
 from engine.models.moa import MixtureOfAttention
 from engine.models.moe import MoE, MoEStats, clamped_swiglu, combine_stats
 from engine.models.mtp import MTPHead, mtp_loss
+from engine.models.ngram_embedding import NGramEmbedding
 from engine.models.parallel_hybrid import AttentionMamba2
 from engine.models.qsa import QSAIndexer, qsa_attention
 from engine.models.rglru import RecurrentBlock
@@ -535,6 +536,9 @@ class Block(nnx.Module):
         if spec.gated_residual is not None:  # Qwen4-Exp's gated residual streams (gated_residual.py)
             self.attn_gr = GatedResidual(spec.gated_residual, d, build, rngs=rngs)
             self.ffn_gr = GatedResidual(spec.gated_residual, d, build, rngs=rngs)
+        if spec.ngram_embedding is not None:  # Qwen4-Exp's hashed n-gram embedding (ngram_embedding.py)
+            streams = 1 if spec.gated_residual is None else spec.gated_residual.streams
+            self.ple = NGramEmbedding(spec.ngram_embedding, streams, build, rngs=rngs)
 
     def forward(
         self,

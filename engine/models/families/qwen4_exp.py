@@ -12,10 +12,15 @@ gate per head and dimension) with three changes:
 - the residual is hc_count gated streams (`gated_residual`, engine/models/gated_residual.py):
   each sublayer's connection (attn_hyper_connection, mlp_hyper_connection) replaces its
   pre-norm, and the model ends with one more (hyper_connection_mixer) instead of a final norm;
-- RoPE covers the whole head unless rope_parameters says partial_rotary_factor.
+- RoPE covers the whole head unless rope_parameters says partial_rotary_factor;
+- the ple_layer_ids layers (linear ones) add hashed n-gram embeddings to the streams first
+  (`ngram_embedding`, engine/models/ngram_embedding.py), each table stored in
+  split_ngram_parts pieces (ngram_embedding.shard_{k}, torch.chunk's), the hash's constant
+  buffers (layer_multipliers, ngram_heads_*) skipped on conversion and not written on export
+  (transformers computes them again at load).
 
-Not supported (refused in one sentence): hashed n-gram per-layer embeddings (ple_layer_ids),
-a sigmoid output gate on the linear layers (output_gate_type sigmoid).
+Not supported (refused in one sentence): a sigmoid output gate on the linear layers
+(output_gate_type sigmoid).
 """
 
 from __future__ import annotations
@@ -29,7 +34,17 @@ from engine.models.families.qwen3_next import _DEFAULTS, _VLM_PREFIXES, Qwen3_5M
 
 _LAYER_TYPES = {"linear_attention": "gated_delta", "indexed_attention": "qsa", "full_attention": "qsa"}
 _INDEXER_KEYS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
-_PLE_DEFAULTS = {
+_NGRAM_KEYS = {
+    "order": "ngram_size",
+    "heads_per_order": "heads_per_ngram",
+    "vocab_base": "ngram_vocab_size_base",
+    "vocab_multiple": "make_ngram_vocab_size_divisible_by",
+    "conv_kernel": "ple_conv_kernel_size",
+    "seed": "seed",
+    "checkpoint_shards": "split_ngram_parts",
+}
+"""NGramEmbeddingConfig's fields and their config.json keys."""
+_NGRAM_DEFAULTS = {
     "ple_conv_kernel_size": 4,
     "ngram_size": 3,
     "heads_per_ngram": 8,
@@ -38,7 +53,8 @@ _PLE_DEFAULTS = {
     "seed": 1234,
     "split_ngram_parts": 512,
 }
-"""The per-layer n-gram embeddings' settings, written as transformers writes them (no layer has one)."""
+_NGRAM_BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
+"""The hash's constants transformers saves as buffers (int64): computed from the config."""
 
 
 def _connection(engine: str, hf: str, inject: bool = True) -> list[TensorSpec]:
@@ -69,23 +85,18 @@ class Qwen4Exp(Qwen3_5Moe):
         "norm_topk_prob": True,
         "hc_count": 4,
         "hc_lowrank": 320,
+        **_NGRAM_DEFAULTS,
     }
     hf_constants = {
         "attention_bias": False,
         "output_router_logits": False,
         "router_aux_loss_coef": 0.001,
         "output_gate_type": None,
-        "ple_layer_ids": [],
-        "number_of_conv_states": 1,
-        **_PLE_DEFAULTS,
     }
 
     def config_from_hf(self, hf: dict, where: str) -> dict[str, Any]:
-        if hf.get("ple_layer_ids"):
-            raise ConfigError(
-                f"{where}: ple_layer_ids {hf['ple_layer_ids']} (hashed n-gram per-layer embeddings) is not "
-                "supported; only models without them ([]) convert"
-            )
+        if hf.get("ple_layer_ids") and self._eos(hf) is None:
+            raise ConfigError(f"{where}: ple_layer_ids needs eos_token_id (n-grams end at it)")
         if hf.get("output_gate_type") not in (None, "silu"):
             raise ConfigError(
                 f"{where}: output_gate_type '{hf['output_gate_type']}' is not supported (silu, the linear layers' gate)"
@@ -100,6 +111,11 @@ class Qwen4Exp(Qwen3_5Moe):
                     f"(got {hf['indexer_kv_heads']}, {hf['indexer_budget']}, {hf['indexer_compress_ratio']})"
                 )
         return super().config_from_hf(hf, where)
+
+    @staticmethod
+    def _eos(hf: dict) -> int | None:
+        eos = hf.get("eos_token_id")
+        return (eos or [None])[0] if isinstance(eos, list) else eos
 
     def mixers(self, hf: dict) -> list[str]:
         """transformers' layer_types (linear_attention / indexed_attention, the released
@@ -136,6 +152,18 @@ class Qwen4Exp(Qwen3_5Moe):
                 else None
             ),
             "gated_residual": {"streams": self.hf_value(hf, "hc_count"), "rank": self.hf_value(hf, "hc_lowrank")},
+            "ngram_embedding": self._ngram_from_hf(hf),
+        }
+
+    def _ngram_from_hf(self, hf: dict) -> dict[str, Any] | None:
+        layers = sorted(set(hf.get("ple_layer_ids") or []))
+        if not layers:
+            return None
+        return {
+            "layers": [i - 1 for i in layers],
+            "dim": hf.get("ple_embed_dim") or hf["hidden_size"],
+            "eos_token_id": self._eos(hf),
+            **{field: self.hf_value(hf, key) for field, key in _NGRAM_KEYS.items()},
         }
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
@@ -153,12 +181,24 @@ class Qwen4Exp(Qwen3_5Moe):
             "norm_topk_prob": cfg.moe.router_renormalize,
             "hc_count": gated.streams,
             "hc_lowrank": gated.rank,
-            "ple_embed_dim": cfg.d_model,
             "indexer_n_heads": None if indexer is None else indexer.heads,
             "indexer_kv_heads": None if indexer is None else 1,
             "indexer_head_dim": None if indexer is None else indexer.head_dim,
             "indexer_budget": None if indexer is None else indexer.budget,
             "indexer_compress_ratio": None if indexer is None else indexer.block,
+            **self._ngram_to_hf(cfg),
+        }
+
+    @staticmethod
+    def _ngram_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+        ngram = cfg.ngram_embedding
+        if ngram is None:  # transformers' defaults, as it writes them
+            return {"ple_layer_ids": [], "number_of_conv_states": 1, "ple_embed_dim": cfg.d_model, **_NGRAM_DEFAULTS}
+        return {
+            "ple_layer_ids": [i + 1 for i in ngram.layers],
+            "number_of_conv_states": 3,
+            "ple_embed_dim": ngram.dim,
+            **{key: getattr(ngram, field) for field, key in _NGRAM_KEYS.items()},
         }
 
     def tensor_table(self, cfg: ModelConfig) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -174,7 +214,7 @@ class Qwen4Exp(Qwen3_5Moe):
         ]
         if layer.mixer == "gated_delta":
             linear = [s for s in super().mixer_tensors(cfg, layer) if s.path != ("attn_norm", "scale")]
-            return linear + connections
+            return linear + connections + self._ngram_tensors(cfg, layer)
         indexer = LAYER + "self_attn.indexer."
         attention = [s for s in self.attention_tensors(cfg) if s.path != ("attn_norm", "scale")]
         return [
@@ -190,6 +230,39 @@ class Qwen4Exp(Qwen3_5Moe):
             TensorSpec(("attn", "indexer", "k_norm", "scale"), indexer + "k_layernorm.weight", None),
             *connections,
         ]
+
+    @staticmethod
+    def _ngram_tensors(cfg: ModelConfig, layer) -> list[TensorSpec]:
+        """A layer's hashed n-gram embedding (ngram_embedding.NGramEmbedding); its table in
+        split_ngram_parts pieces of rows, as torch.chunk cuts it."""
+        spec = cfg.layer_specs()[cfg.layer_pattern().index(layer)].ngram_embedding
+        if spec is None:
+            return []
+        assert cfg.ngram_embedding is not None  # (spec set)
+        ple = LAYER + "ple."
+        size = -(-spec.rows // cfg.ngram_embedding.checkpoint_shards)
+        table = [
+            TensorSpec(
+                ("ple", "table_ri"),
+                ple + f"ple_embedding.ngram_embedding.shard_{k}.weight",
+                None,
+                last_axis_slice=(start, min(start + size, spec.rows)),
+                slice_axis=0,
+            )
+            for k, start in enumerate(range(0, spec.rows, size))
+        ]
+        return [
+            *table,
+            TensorSpec(("ple", "w_key_ex"), ple + "key_proj.weight", 1),
+            TensorSpec(("ple", "w_value_ed"), ple + "value_proj.weight", 1),
+            TensorSpec(("ple", "norm_key_x"), ple + "norm_key.weight", None),
+            TensorSpec(("ple", "norm_query_x"), ple + "norm_query.weight", None),
+            TensorSpec(("ple", "norm_conv_x"), ple + "norm_conv.weight", None),
+            TensorSpec(("ple", "conv_x1k"), ple + "conv1d.weight", None),
+        ]
+
+    def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:
+        return super().ignored_tensor(name, cfg) or name.rsplit(".", 1)[-1] in _NGRAM_BUFFERS
 
     def mlp_norm_tensors(self) -> list[TensorSpec]:
         return []  # the feed-forward's connection norms its input (mixer_tensors)
