@@ -39,6 +39,7 @@ from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over th
     batch,
     converted_case,
     hf_logits,
+    prefill_then_decode,
     random_causal_lm,
     test_export_then_convert_is_bitwise_identical,
     test_exported_config_json_is_what_transformers_writes,
@@ -199,3 +200,36 @@ def test_a_sigmoid_linear_gate_is_refused_in_one_sentence():
     hf = {**hf_config().to_dict(), "output_gate_type": "sigmoid"}
     with pytest.raises(ConfigError, match="output_gate_type 'sigmoid' is not supported"):
         model_config_from_hf(hf)
+
+
+def test_packed_and_padded_documents_give_each_the_logits_it_has_alone(case):
+    """Two documents packed in a row (positions restarting, segments 1 and 2) and right padding:
+    each gets its own logits, so QSA's blocks, the n-gram context and the n-gram convolution
+    all start again at a document's start."""
+    rng = np.random.default_rng(3)
+    first, second = rng.integers(0, 37, 9), rng.integers(0, 37, 8)
+    pad = np.zeros(20, int)
+    tokens = np.stack([np.concatenate([first, second, pad[:3]]), np.concatenate([first, pad[:11]])])
+    tokens = np.concatenate([tokens, np.concatenate([second, pad[:12]])[None]])  # packed, then each alone
+    segments = np.array([[1] * 9 + [2] * 8 + [0] * 3, [1] * 9 + [0] * 11, [1] * 8 + [0] * 12])
+    positions = np.array([[*range(9), *range(8), 0, 0, 0], [*range(9), *[0] * 11], [*range(8), *[0] * 12]])
+    logits = np.asarray(jitted_logits(case.cfg, case.compute)(case.params, tokens, positions, segments))
+    np.testing.assert_allclose(logits[0, :9], logits[1, :9], atol=1e-5)
+    np.testing.assert_allclose(logits[0, 9:17], logits[2, :8], atol=1e-5)
+
+
+def test_the_state_after_a_prompt_and_decoded_tokens_is_a_full_forwards(case):
+    """Prefill 9 tokens (one row left-padded by 3), decode 6 one at a time: each linear
+    layer's state (the n-gram tokens and convolution window beside the delta rule's) and the
+    QSA layers' cached indexer keys (of the real tokens) equal those of one pass over all 15,
+    as do the last logits."""
+    logits, cache, full_logits, full = prefill_then_decode(case)
+    stateful = [i for i, state in enumerate(cache.states) if state is not None]
+    assert stateful == [0, 2]
+    for a, b in zip(jax.tree.leaves(cache.states), jax.tree.leaves(full.states), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    valid = np.asarray(cache.valid_bs)
+    assert [k.shape[-1] for k in cache.index_k] == [0, 10, 0, 10]
+    for a, b in zip(cache.index_k, full.index_k, strict=True):
+        np.testing.assert_allclose(np.asarray(a)[valid], np.asarray(b)[valid], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(logits[:, -1]), np.asarray(full_logits[:, -1]), atol=1e-4)
