@@ -1,17 +1,20 @@
 """Hugging Face parity of Qwen4-Exp's text decoder (Qwen4ExpForCausalLM, model_type
 qwen4_exp_text, issue 62): Qwen3.5-MoE's Gated DeltaNet and gated-attention layers with the
 attention made QSA sparse attention (a pooled-block indexer choosing each query's key blocks,
-engine/models/qsa.py) and the residual made gated hyper-connection streams (each sublayer
+engine/models/qsa.py), the residual made gated hyper-connection streams (each sublayer
 reading a gated mean of hc_count streams through its own norm, the model ending with one more
-mix instead of a final norm, engine/models/gated_residual.py).
+mix instead of a final norm, engine/models/gated_residual.py), and hashed n-gram embeddings
+added to the streams of some linear layers (engine/models/ngram_embedding.py).
 
 The case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
 collected here over this module's `case`): greedy tokens and the recurrent-state/KV-cache
-sampler equal transformers' generate, config.json as transformers writes it, export -> convert
-bitwise; and here logits to 1e-4 with N(0, 0.3^2) weights on 20 tokens (a right- and a
-left-padded row) whose queries see 2 of up to 9 complete blocks of 2, the selection changing
-transformers' logits; the published multimodal layout converting to the same model; the
-n-gram per-layer embeddings refused in one sentence.
+sampler (n-gram states included) equal transformers' generate, config.json as transformers
+writes it, export -> convert bitwise; and here logits to 1e-4 with N(0, 0.3^2) weights on 20
+tokens (a right- and a left-padded row, eos inside a row) whose queries see 2 of up to 9
+complete blocks of 2, the selection changing transformers' logits; the parameter count equal
+to transformers'; the published multimodal layout (n-gram tables in pieces) converting to the
+same model; packed documents kept apart; prefill + decode equal to one pass; a training step
+with transformers' loss; a sigmoid linear gate refused in one sentence.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ IMPLEMENTATIONS = {"attn_implementation": "eager", "experts_implementation": "ea
 
 
 def hf_config(**changes):
-    """Layers linear, indexed, linear, indexed; 6 query heads over 2 KV heads 8 wide, RoPE on
+    """Layers linear, indexed, linear; 6 query heads over 2 KV heads 8 wide, RoPE on
     half of each at base 500; an indexer of 5 heads 10 wide keeping 2 blocks of 2 keys (budget
     4); 3 streams mixed through rank 7; 2 key heads serving 4 value heads (6 and 5 wide); 5
     experts 14 wide (2 per token) beside a shared expert 22 wide; n-gram embeddings in both
@@ -62,12 +65,12 @@ def hf_config(**changes):
         **{
             "vocab_size": 37,
             "hidden_size": 30,
-            "num_hidden_layers": 4,
+            "num_hidden_layers": 3,
             "num_attention_heads": 6,
             "num_key_value_heads": 2,
             "head_dim": 8,
             "max_position_embeddings": 64,
-            "layer_types": ["linear_attention", "indexed_attention"] * 2,
+            "layer_types": ["linear_attention", "indexed_attention", "linear_attention"],
             "rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5},
             "indexer_n_heads": 5,
             "indexer_kv_heads": 1,
@@ -141,9 +144,7 @@ def test_converted_model_matches_transformers_logits(case):
 
 def test_the_family_reads_what_the_config_says(case):
     specs = case.cfg.layer_specs()
-    assert [s.stack for s in specs] == ["ngram_0_gated_delta_blocks", "qsa_blocks", "ngram_1_gated_delta_blocks"] + [
-        "qsa_blocks"
-    ]
+    assert [s.stack for s in specs] == ["ngram_0_gated_delta_blocks", "qsa_blocks", "ngram_1_gated_delta_blocks"]
     ngrams = [specs[0].ngram_embedding, specs[2].ngram_embedding]
     assert [(e.primes, e.rows) for e in ngrams] == [((41, 43, 47, 53, 59, 61), 304), ((67, 71, 73, 79, 83, 89), 464)]
     indexer = specs[1].mixer.qsa_indexer
@@ -230,7 +231,7 @@ def test_the_state_after_a_prompt_and_decoded_tokens_is_a_full_forwards(case):
     for a, b in zip(jax.tree.leaves(cache.states), jax.tree.leaves(full.states), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
     valid = np.asarray(cache.valid_bs)
-    assert [k.shape[-1] for k in cache.index_k] == [0, 10, 0, 10]
+    assert [k.shape[-1] for k in cache.index_k] == [0, 10, 0]
     for a, b in zip(cache.index_k, full.index_k, strict=True):
         np.testing.assert_allclose(np.asarray(a)[valid], np.asarray(b)[valid], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(logits[:, -1]), np.asarray(full_logits[:, -1]), atol=1e-4)
