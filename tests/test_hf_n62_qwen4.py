@@ -9,7 +9,8 @@ added to the streams of some linear layers (engine/models/ngram_embedding.py).
 The case gets the checks tests/test_hf_parity.py makes of every family (its test functions,
 collected here over this module's `case`): greedy tokens and the recurrent-state/KV-cache
 sampler (n-gram states included) equal transformers' generate, config.json as transformers
-writes it, export -> convert bitwise; and here logits to 1e-4 with N(0, 0.3^2) weights on 20
+writes it, export -> convert bitwise, the export loading cleanly (the hash's int64 buffers
+written back) with the same logits; and here logits to 1e-4 with N(0, 0.3^2) weights on 20
 tokens (a right- and a left-padded row, eos inside a row) whose queries see 2 of up to 9
 complete blocks of 2, the selection changing transformers' logits; the parameter count equal
 to transformers'; the published multimodal layout (n-gram tables in pieces) converting to the
@@ -34,10 +35,12 @@ safetensors_torch = need("safetensors.torch")
 
 from engine.config import ConfigError  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
+from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
 from engine.models.params import apply_model, graphdef_of  # noqa: E402
 from engine.train.checkpoint import load_params  # noqa: E402
 from engine.train.step import lm_loss_fn  # noqa: E402
+from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
     Case,
     batch,
@@ -117,7 +120,8 @@ def jitted_logits(cfg, compute):
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory) -> Case:
-    return converted_case("qwen4_exp_text", random_model(hf_config()), tmp_path_factory.mktemp("qwen4"))
+    model = random_model(hf_config())
+    return converted_case("qwen4_exp_text", model, tmp_path_factory.mktemp("qwen4"), stand_in_tokenizer=True)
 
 
 def test_converted_model_matches_transformers_logits(case):
@@ -152,6 +156,12 @@ def test_the_family_reads_what_the_config_says(case):
     assert {(s.gated_residual.streams, s.gated_residual.rank, s.pre_norms) for s in specs} == {(3, 7, False)}
     assert specs[1].mixer.rope.rotary_dim == 4 and specs[1].mixer.output_gate
     assert case.cfg.num_params() == sum(p.numel() for p in case.hf_model.parameters())
+
+
+def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):
+    """No missing tensor: the hash's int64 buffers are written back, as transformers computes them."""
+    export_hf(case.out_dir / "checkpoint", tmp_path / "export")
+    test_hf_parity.assert_export_reloads_cleanly(case, tmp_path / "export", **IMPLEMENTATIONS)
 
 
 def test_the_published_multimodal_checkpoint_converts_to_the_same_model(case, tmp_path):

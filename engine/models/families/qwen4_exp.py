@@ -16,8 +16,8 @@ gate per head and dimension) with three changes:
 - the ple_layer_ids layers (linear ones) add hashed n-gram embeddings to the streams first
   (`ngram_embedding`, engine/models/ngram_embedding.py), each table stored in
   split_ngram_parts pieces (ngram_embedding.shard_{k}, torch.chunk's), the hash's constant
-  buffers (layer_multipliers, ngram_heads_*) skipped on conversion and not written on export
-  (transformers computes them again at load).
+  buffers (layer_multipliers, ngram_heads_*: int64) skipped on conversion and written back on
+  export (constant_tensors), computed from the config as transformers computes them.
 
 Not supported (refused in one sentence): a sigmoid output gate on the linear layers
 (output_gate_type sigmoid).
@@ -26,6 +26,8 @@ Not supported (refused in one sentence): a sigmoid output gate on the linear lay
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from engine.config import ConfigError
 from engine.models.config import ModelConfig
@@ -54,7 +56,8 @@ _NGRAM_DEFAULTS = {
     "split_ngram_parts": 512,
 }
 _NGRAM_BUFFERS = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
-"""The hash's constants transformers saves as buffers (int64): computed from the config."""
+"""The hash's constants transformers saves as buffers (int64): computed from the config,
+skipped on conversion, written back on export."""
 
 
 def _connection(engine: str, hf: str, inject: bool = True) -> list[TensorSpec]:
@@ -260,6 +263,18 @@ class Qwen4Exp(Qwen3_5Moe):
             TensorSpec(("ple", "norm_conv_x"), ple + "norm_conv.weight", None),
             TensorSpec(("ple", "conv_x1k"), ple + "conv1d.weight", None),
         ]
+
+    def constant_tensors(self, cfg: ModelConfig) -> dict[str, Any]:
+        out = {}
+        for i, spec in enumerate(cfg.layer_specs()):
+            e = spec.ngram_embedding
+            if e is not None:
+                prefix = LAYER.format(i=i) + "ple.ple_embedding."
+                offsets = np.cumsum([0, *e.primes[:-1]])
+                out[prefix + "layer_multipliers"] = np.asarray(e.multipliers, np.int64)
+                out[prefix + "ngram_heads_vocab_sizes"] = np.asarray(e.primes, np.int64)
+                out[prefix + "ngram_heads_offsets"] = offsets.astype(np.int64)
+        return out
 
     def ignored_tensor(self, name: str, cfg: ModelConfig) -> bool:
         return super().ignored_tensor(name, cfg) or name.rsplit(".", 1)[-1] in _NGRAM_BUFFERS
