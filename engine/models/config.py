@@ -35,6 +35,7 @@ from engine.models.specs import (
     BlockIndexerSpec,
     CompressedAttentionSpec,
     GatedDeltaSpec,
+    GatedResidualSpec,
     HyperConnectionSpec,
     IndexerSpec,
     KimiDeltaSpec,
@@ -47,13 +48,17 @@ from engine.models.specs import (
     MLASpec,
     MLPSpec,
     MoESpec,
+    NGramEmbeddingSpec,
     NormSpec,
     ParallelHybridSpec,
+    QSAIndexerSpec,
     RGLRUSpec,
     RotarySpec,
     ShortConvSpec,
     Zamba2HybridSpec,
     mla_score_scale,
+    ngram_multipliers,
+    ngram_primes,
     with_layer_decays,
 )
 from engine.ops.attention_names import DecodeImpl, Impl
@@ -82,6 +87,7 @@ class Layer(NamedTuple):
         "compressed_attention",
         "none",
         "zamba2_hybrid",
+        "qsa",
     ]
     """The sequence mixer, a kind in transformer.MIXERS: grouped-query attention
     (transformer.Attention), multi-head latent attention (mla.py), or a Gated DeltaNet
@@ -123,6 +129,9 @@ class Layer(NamedTuple):
     shared_call: int | None = None
     """A Zamba2 hybrid layer's place among them (its adapters' index; its shared block is this
     modulo Zamba2Config.shared_blocks), in a stack of its own (`zamba2_hybrid_{n}_blocks`)."""
+    ngram: int | None = None
+    """A layer with a hashed n-gram embedding: its place among them (its table's size and hash
+    are its own), in a stack of its own (`ngram_{n}_...`; ModelConfig.ngram_embedding)."""
 
 
 class GatedDeltaConfig(Strict):
@@ -317,6 +326,61 @@ class BlockIndexerConfig(Strict):
     """The blocks ending at the query's own, always attended to."""
 
 
+class QSAIndexerConfig(Strict):
+    """Qwen4-Exp's QSA layers (mixer_pattern `qsa`; engine/models/qsa.py): the model's
+    attention, each query attending only to the blocks of keys a pooled-key indexer selects
+    and to its own incomplete block (its indexer_* config.json keys)."""
+
+    heads: int = Field(gt=0)
+    """The indexer's query heads (indexer_n_heads; one key head)."""
+    head_dim: int = Field(gt=0)
+    """Its queries' and keys' width, at least the attention's rotary width."""
+    budget: int = Field(gt=0)
+    """Tokens selected from complete blocks (indexer_budget), a multiple of `block`."""
+    block: int = Field(gt=0)
+    """Consecutive keys averaged into one block key (indexer_compress_ratio)."""
+
+
+class GatedResidualConfig(Strict):
+    """Qwen4-Exp's gated-residual hyper-connections (engine/models/gated_residual.py; hc_* keys)."""
+
+    streams: int = Field(4, gt=1)
+    """Residual streams (hc_count)."""
+    rank: int = Field(gt=0)
+    """The input mix's low rank (hc_lowrank)."""
+
+
+class NGramEmbeddingConfig(Strict):
+    """Qwen4-Exp's hashed n-gram per-layer embeddings (engine/models/ngram_embedding.py; its
+    ple_* and ngram_* config.json keys)."""
+
+    layers: list[int] = Field(min_length=1)
+    """The layers with one (from 0; ple_layer_ids counts from 1): linear-attention layers."""
+    dim: int = Field(gt=0)
+    """The heads' embeddings concatenated (ple_embed_dim), a multiple of the heads."""
+    order: int = Field(3, ge=2)
+    """The longest n-gram (ngram_size)."""
+    heads_per_order: int = Field(8, gt=0)
+    vocab_base: int = Field(20_000_000, gt=1)
+    """Each head's vocabulary is the next unused prime from this on (ngram_vocab_size_base)."""
+    vocab_multiple: int = Field(128, gt=0)
+    """The table's rows padded to a multiple of this (make_ngram_vocab_size_divisible_by)."""
+    conv_kernel: int = Field(4, gt=0)
+    """Taps of the dilated causal convolution (ple_conv_kernel_size)."""
+    seed: int = 1234
+    """Seeds the hash multipliers."""
+    eos_token_id: int = Field(ge=0)
+    """The token ending a document: n-grams do not reach across it."""
+    checkpoint_shards: int = Field(512, gt=0)
+    """A checkpoint stores each table in this many pieces (split_ngram_parts)."""
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> NGramEmbeddingConfig:
+        if self.dim % ((self.order - 1) * self.heads_per_order):
+            raise ValueError("ngram_embedding.dim must be a multiple of (order - 1) * heads_per_order")
+        return self
+
+
 class ShortConvConfig(Strict):
     """The gated short convolution layers (engine/models/short_conv.py; LFM2's conv_* keys)."""
 
@@ -440,6 +504,7 @@ class ModelConfig(Strict):
                 "compressed_attention",
                 "none",
                 "zamba2_hybrid",
+                "qsa",
             ]
         ]
         | None
@@ -493,6 +558,12 @@ class ModelConfig(Strict):
     """Gemma 3n's AltUp: n residual streams each layer predicts from and corrects (altup.py); None: one stream."""
     zamba2: Zamba2Config | None = None
     """Zamba2's shared blocks (mixer_pattern zamba2_hybrid, zamba2.py); None: none."""
+    qsa: QSAIndexerConfig | None = None
+    """The QSA layers' indexer (mixer_pattern has qsa; Qwen4-Exp, qsa.py)."""
+    gated_residual: GatedResidualConfig | None = None
+    """Qwen4-Exp's n gated residual streams in every layer (gated_residual.py); None: one stream."""
+    ngram_embedding: NGramEmbeddingConfig | None = None
+    """Qwen4-Exp's hashed n-gram embeddings of some layers (ngram_embedding.py); None: none."""
 
     FLAT_KEYS: ClassVar[tuple[str, ...]] = tuple(flat_keys.FLAT)
     """The sections' fields by their flat names, which configs may still use (`num_heads: 8`)."""
@@ -766,6 +837,19 @@ class ModelConfig(Strict):
             raise ValueError("block_indexer.local_blocks must be at most topk_blocks")
         if indexer is not None and indexer.head_dim < (self.rope.rotary_dim or a.head_dim):
             raise ValueError(f"block_indexer.head_dim ({indexer.head_dim}) must be at least the rotary width")
+        if ("qsa" in (self.mixer_pattern or [])) != (self.qsa is not None):
+            raise ValueError("qsa (the indexer's sizes) is set exactly when mixer_pattern has qsa layers")
+        if self.qsa is not None and (self.qsa.budget % self.qsa.block or self.is_mla):
+            raise ValueError("qsa layers are grouped-query attention whose qsa.budget is a multiple of qsa.block")
+        if self.qsa is not None and self.qsa.head_dim < (self.rope.rotary_dim or a.head_dim):
+            raise ValueError(f"qsa.head_dim ({self.qsa.head_dim}) must be at least the rotary width")
+        ngram = self.ngram_embedding
+        if ngram is not None and (self.gated_residual is None or self.vocab_size > 1 << 32):
+            raise ValueError("ngram_embedding needs gated_residual streams and a vocabulary below 2**32")
+        if ngram is not None and not all(0 <= i < self.num_layers for i in ngram.layers):
+            raise ValueError(f"ngram_embedding.layers {ngram.layers} must be layers below {self.num_layers}")
+        if ngram is not None and ngram_primes(ngram.vocab_base, 0, 1)[0] * 2 > 1 << 28:
+            raise ValueError("ngram_embedding.vocab_base must be below 2**27 (the hash's modulus in 32 bits)")
         return self
 
     @model_validator(mode="after")
@@ -844,7 +928,31 @@ class ModelConfig(Strict):
             if self.attention.pattern[i % len(self.attention.pattern)] == "chunked":
                 shape["chunked"] = True
             layers.append(Layer(stack, mixer, "moe" if moe else "mlp", local, rope, **shape))
-        return self._share_index(self._share_kv(layers))
+        return self._ngram_layers(self._share_index(self._share_kv(layers)))
+
+    def _ngram_layers(self, layers: list[Layer]) -> list[Layer]:
+        """ngram_embedding.layers: each in a stack of its own (its table's size is its own)."""
+        for k, i in enumerate(self.ngram_embedding.layers if self.ngram_embedding else []):
+            layers[i] = layers[i]._replace(stack=f"ngram_{k}_" + layers[i].stack, ngram=k)
+        return layers
+
+    def _ngram_spec(self, layer: Layer) -> NGramEmbeddingSpec | None:
+        e = self.ngram_embedding
+        if e is None or layer.ngram is None:
+            return None
+        heads = (e.order - 1) * e.heads_per_order
+        primes = ngram_primes(e.vocab_base, layer.ngram * heads, heads)
+        return NGramEmbeddingSpec(
+            order=e.order,
+            heads_per_order=e.heads_per_order,
+            dim=e.dim,
+            conv_kernel=e.conv_kernel,
+            primes=primes,
+            rows=-(-sum(primes) // e.vocab_multiple) * e.vocab_multiple,
+            multipliers=ngram_multipliers(self.vocab_size, e.order, layer.ngram, e.seed),
+            eos_token_id=e.eos_token_id,
+            norm_eps=self.norm.eps,
+        )
 
     def _share_index(self, layers: list[Layer]) -> list[Layer]:
         """index_shared_layers: those layers without an indexer, in stacks of their own."""
@@ -884,7 +992,8 @@ class ModelConfig(Strict):
             mixer=self._mixer_spec(layer),
             ffn=ffn,
             norm=self._norm_spec(),
-            pre_norms=(self.block.pre_norms or (self.block.linear_pre_norms and layer.mixer != "attention"))
+            pre_norms=self.gated_residual is None  # (Qwen4-Exp: the connections norm their streams)
+            and (self.block.pre_norms or (self.block.linear_pre_norms and layer.mixer != "attention"))
             and layer.mixer != "zamba2_hybrid",  # (Zamba2's hybrid layer norms inside, zamba2.py)
             post_norms=self.block.post_norms and not (self.block.linear_pre_norms and layer.mixer != "attention"),
             residual_multiplier=self.block.residual_multiplier,
@@ -898,7 +1007,13 @@ class ModelConfig(Strict):
             altup=None if self.altup is None else AltUpSpec(**self.altup.model_dump(), norm_eps=self.norm.eps),
             shortcut_moe=self._moe_spec() if shortcut else None,
             shortcut_close=self.block.shortcut_moe and layer.ffn == "mlp",
+            gated_residual=self._gated_residual_spec(),
+            ngram_embedding=self._ngram_spec(layer),
         )
+
+    def _gated_residual_spec(self) -> GatedResidualSpec | None:
+        gr = self.gated_residual
+        return None if gr is None else GatedResidualSpec(streams=gr.streams, rank=gr.rank, norm_eps=self.norm.eps)
 
     def _sparse_gates(self, specs: list[LayerSpec]) -> list[LayerSpec]:
         """mlp.gate_sparsity: each layer's MLP with its sparsity (Gemma 3n's first layers)."""
@@ -1043,6 +1158,10 @@ class ModelConfig(Strict):
             assert self.block_indexer is not None  # _check_attention_variants
             attention = self._attention_spec(layer._replace(mixer="attention", rope=self.positions == "rope"))
             return attention.model_copy(update={"block_indexer": BlockIndexerSpec(**self.block_indexer.model_dump())})
+        if layer.mixer == "qsa":  # Qwen4-Exp: attention with a pooled-block indexer (qsa.py)
+            assert self.qsa is not None  # _check_attention_variants
+            attention = self._attention_spec(layer._replace(mixer="attention", rope=self.positions == "rope"))
+            return attention.model_copy(update={"qsa_indexer": QSAIndexerSpec(**self.qsa.model_dump())})
         if layer.mixer == "mla":
             assert self.mla.kv_lora_rank is not None
             indexer = None
@@ -1256,6 +1375,8 @@ class ModelConfig(Strict):
         d, specs = self.d_model, self.layer_specs()
         norm = specs[0].norm.params(d)
         n = sum(spec.params(d, active) for spec in specs) + norm  # the layers and the final norm
+        if (gated := self._gated_residual_spec()) is not None:  # Qwen4-Exp: the streams' final mix, no final norm
+            n += gated.params(d, inject=False) - norm
         n += norm * self.embedding.norm + self.vocab_size * self.head.bias
         if include_embedding:
             n += (self.vocab_size + (0 if self.tie_embeddings else self.head.vocab_size or self.vocab_size)) * d

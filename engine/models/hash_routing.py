@@ -25,6 +25,13 @@ def reset(token: contextvars.Token) -> None:
     _TOKENS.reset(token)
 
 
+def running_tokens():
+    """The token ids (b, t) the decoder is running (what n-gram embeddings hash, ngram_embedding.py)."""
+    tokens_bt = _TOKENS.get()
+    assert tokens_bt is not None, "the decoder sets its token ids before running the layers"
+    return tokens_bt
+
+
 def hashed_experts(table_vk, b: int, t: int):
     """(b * t, k) int32: each running token's row of the table (stored as floats, frozen)."""
     tokens_bt = _TOKENS.get()

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from engine.models.config import ComputeConfig, ModelConfig
+from engine.models.ngram_embedding import initial_state
 from engine.models.specs import MLASpec
 from engine.ops.attention import BF16_BITS, cache_values, stored
 from engine.ops.partitioning import constrain, current_platform
@@ -25,6 +26,12 @@ batch), for the kinds that carry a state instead of keys and values; the kind's 
 registers it (engine/models/gated_delta_block.py: the convolution window and the recurrent state)."""
 KEYS_AND_STATE = {"attention_mamba2"}
 """Mixer kinds in DECODE_STATES that keep keys and values as well (Falcon-H1's parallel layers)."""
+
+
+def ngram_state(spec, cfg: ModelConfig, batch: int):
+    """A layer's hashed n-gram embedding's state at a sequence's start (ngram_embedding.py)."""
+    streams = 1 if spec.gated_residual is None else spec.gated_residual.streams
+    return initial_state(spec.ngram_embedding, streams, cfg.d_model, batch, jnp.float32)
 
 
 def _names(shape: tuple[int, ...]) -> tuple:
@@ -89,6 +96,8 @@ class KVCache:
             mixer = spec.mixer
             kind = None if mixer is None else mixer.kind
             states.append(DECODE_STATES[kind](mixer, compute, batch) if kind in DECODE_STATES else None)
+            if spec.ngram_embedding is not None:  # Qwen4-Exp: the n-gram embedding's state beside the mixer's
+                states[-1] = (ngram_state(spec, cfg, batch), states[-1])
             keys = kind in KEYS_AND_STATE  # Falcon-H1's parallel layers keep both
             reuses = spec.kv_sharing == "reuse"  # a Gemma 4 layer attending with another layer's keys and values
             if (states[-1] is not None and not keys) or mixer is None or reuses:  # no keys, values
@@ -121,6 +130,12 @@ class KVCache:
         elif any(spec.attention is not None and spec.attention.block_indexer for spec in cfg.layer_specs()):
             widths = [  # MiniMax-M3's block-sparse layers: their indexer's key per position (block_sparse.py)
                 spec.attention.block_indexer.head_dim if spec.attention and spec.attention.block_indexer else 0
+                for spec in cfg.layer_specs()
+            ]
+            index_k = tuple(constrain(jnp.zeros((batch, max_len, i), dtype), INDEX_NAMES) for i in widths)
+        elif any(spec.attention is not None and spec.attention.qsa_indexer for spec in cfg.layer_specs()):
+            widths = [  # Qwen4-Exp's QSA layers: their indexer's raw key per position (qsa.py)
+                spec.attention.qsa_indexer.head_dim if spec.attention and spec.attention.qsa_indexer else 0
                 for spec in cfg.layer_specs()
             ]
             index_k = tuple(constrain(jnp.zeros((batch, max_len, i), dtype), INDEX_NAMES) for i in widths)

@@ -68,6 +68,19 @@ class BlockIndexerSpec(Spec):
     local_blocks: int = 1
 
 
+class QSAIndexerSpec(Spec):
+    """Qwen4-Exp's QSA indexer (engine/models/qsa.py): a query attends to the `budget // block`
+    complete blocks of `block` keys its indexer scores highest (each block's keys averaged)
+    plus the keys of its own incomplete block."""
+
+    heads: int
+    head_dim: int
+    budget: int
+    """Tokens selected from complete blocks (a multiple of `block`)."""
+    block: int
+    """Consecutive keys averaged into one block key (indexer_compress_ratio)."""
+
+
 class AttentionSpec(Spec):
     """Grouped-query attention (transformer.Attention). The fields marked `call` change how a
     layer attends, not its parameters: layers differing only in them share a stack."""
@@ -133,6 +146,8 @@ class AttentionSpec(Spec):
     """Block-sparse attention chosen by an indexer of its own (MiniMax-M3's sparse layers)."""
     head_gate_activation: Literal["sigmoid", "softplus"] = "sigmoid"
     """call: head_gate's activation of x . w_n (Laguna's g_proj: softplus)."""
+    qsa_indexer: QSAIndexerSpec | None = None
+    """Sparse attention over the blocks a pooled-key indexer selects (Qwen4-Exp's QSA, qsa.py)."""
 
     def structure(self) -> AttentionSpec:
         """This spec with the call fields at their defaults: what its parameters depend on."""
@@ -151,6 +166,8 @@ class AttentionSpec(Spec):
         macs = self.num_heads * (self.head_dim + (self.value_head_dim or self.head_dim)) * seq_len  # QK^T, PV
         if self.block_indexer is not None:  # its scores of every earlier key (the parallel form attends densely)
             macs += self.block_indexer.heads * self.block_indexer.head_dim * seq_len
+        if self.qsa_indexer is not None:  # its scores of every block (the parallel form attends densely)
+            macs += self.qsa_indexer.heads * self.qsa_indexer.head_dim * (seq_len // self.qsa_indexer.block)
         return macs
 
     def params(self, d: int) -> int:
@@ -169,6 +186,9 @@ class AttentionSpec(Spec):
             count += (n + k) * per_head_norm
         if self.block_indexer is not None:  # its query and key projections and their norms
             g, i = self.block_indexer.heads, self.block_indexer.head_dim
+            count += d * i * (g + 1) + 2 * self.norm.params(i)
+        if self.qsa_indexer is not None:  # its fused query-and-key projection and their norms
+            g, i = self.qsa_indexer.heads, self.qsa_indexer.head_dim
             count += d * i * (g + 1) + 2 * self.norm.params(i)
         return count + n * self.sinks + d * self.out_bias + d * n * self.head_gate
 
@@ -189,6 +209,7 @@ _ATTENTION_STRUCTURE = {
     "value_head_dim",
     "block_indexer",
     "head_gate",
+    "qsa_indexer",
 }
 
 
@@ -806,6 +827,106 @@ FFNSpec = Annotated[MLPSpec | MoESpec, Field(discriminator="kind")]
 """A layer's feed-forward."""
 
 
+class GatedResidualSpec(Spec):
+    """Qwen4-Exp's gated-residual hyper-connections (engine/models/gated_residual.py): n
+    residual streams, each sublayer reading a per-channel gated mean of them (its own norm in
+    place of the pre-norm) and adding its output to each with a gate of its own."""
+
+    streams: int
+    """n (hc_count)."""
+    rank: int
+    """The input mix's low rank (hc_lowrank)."""
+    norm_eps: float = 1e-6
+
+    def params(self, d: int, inject: bool = True) -> int:
+        """The streams' norm, the low-rank mix (down, up) and the per-stream output gates."""
+        n = self.streams
+        return n * d + 2 * n * d * self.rank + n * d * n * inject
+
+
+class NGramEmbeddingSpec(Spec):
+    """Qwen4-Exp's hashed n-gram per-layer embedding (engine/models/ngram_embedding.py): the
+    token's 2..order-grams hashed into tables of prime sizes, gating a value into every
+    residual stream, plus a dilated causal convolution of it (LayerSpec.ngram_embedding)."""
+
+    order: int
+    """The longest n-gram (ngram_size); the convolution's dilation too."""
+    heads_per_order: int
+    """Independently hashed heads per n-gram order (heads_per_ngram)."""
+    dim: int
+    """The heads' embeddings concatenated (ple_embed_dim)."""
+    conv_kernel: int
+    primes: tuple[int, ...]
+    """Each head's vocabulary, a prime, in order (2-gram heads first)."""
+    rows: int
+    """The table's rows: the primes' sum, padded to make_ngram_vocab_size_divisible_by."""
+    multipliers: tuple[int, ...]
+    """The hash's odd multiplier of each n-gram position (order of them)."""
+    eos_token_id: int
+    """The token that ends a document: n-grams do not reach across it (and it pads)."""
+    norm_eps: float = 1e-6
+
+    @property
+    def heads(self) -> int:
+        return (self.order - 1) * self.heads_per_order
+
+    def params(self, d: int, streams: int) -> int:
+        """The table, the key (per stream) and value projections, three norms, the convolution."""
+        x = streams * d
+        return self.rows * (self.dim // self.heads) + self.dim * (x + d) + 3 * x + x * self.conv_kernel
+
+
+def _is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin (exact below 3.3e24 with these bases)."""
+    if n < 2:
+        return False
+    bases = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+    if n in bases:
+        return True
+    if any(n % p == 0 for p in bases):
+        return False
+    r, m = 0, n - 1
+    while m % 2 == 0:
+        r, m = r + 1, m // 2
+    for a in bases:
+        x = pow(a, m, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def ngram_primes(base: int, first: int, count: int) -> tuple[int, ...]:
+    """The primes at or above `base` numbered first .. first + count - 1 (from 0), as
+    transformers' Qwen4-Exp sizes its n-gram heads (_find_nth_prime_after(base - 1, k + 1))."""
+    primes, n = [], base - 1
+    while len(primes) < first + count:
+        n += 1
+        if _is_prime(n):
+            primes.append(n)
+    return tuple(primes[first:])
+
+
+def ngram_multipliers(vocab: int, order: int, index: int, seed: int) -> tuple[int, ...]:
+    """The hash's odd 64-bit multipliers of n-gram embedding `index` (transformers'
+    _build_layer_multipliers: SplitMix64 of the seed; every product with a token id is below 2**63)."""
+    mask, gamma = (1 << 64) - 1, 0x9E3779B97F4A7C15
+    half = max(1, ((1 << 63) - 1) // max(vocab, 1) // 2)
+    out = []
+    for k in range(order):
+        z = (seed + 10007 * index + gamma * (k + 1)) & mask
+        z = (z + gamma) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        out.append(2 * ((z ^ (z >> 31)) % half) + 1)
+    return tuple(out)
+
+
 class LayerSpec(Spec):
     """One decoder layer: x + mixer(norm(x)), then x + ffn(norm(x)), with the variations below."""
 
@@ -847,6 +968,11 @@ class LayerSpec(Spec):
     beside it: the decoder's stream is then (b, t, 2 d), the stream and the carried output."""
     shortcut_close: bool = False
     """The layer adds the carried shortcut experts' output after its MLP (LongCat-Flash)."""
+    gated_residual: GatedResidualSpec | None = None
+    """Qwen4-Exp's n gated residual streams (gated_residual.py): each sublayer's connection
+    replaces its pre-norm."""
+    ngram_embedding: NGramEmbeddingSpec | None = None
+    """Qwen4-Exp's hashed n-gram embedding added to the streams before the layer (ngram_embedding.py)."""
 
     @property
     def attention(self) -> AttentionSpec | None:
@@ -886,6 +1012,10 @@ class LayerSpec(Spec):
             n += self.altup.params(d)
         if self.shortcut_moe is not None:
             n += self.shortcut_moe.params(d, active)
+        if self.gated_residual is not None:  # the mixer's and the feed-forward's connections
+            n += 2 * self.gated_residual.params(d)
+        if self.ngram_embedding is not None:
+            n += self.ngram_embedding.params(d, 1 if self.gated_residual is None else self.gated_residual.streams)
         return n
 
 

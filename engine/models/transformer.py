@@ -32,6 +32,7 @@ from engine.models.compressed_attention import CompressedAttention
 from engine.models.config import ComputeConfig, LoraConfig, ModelConfig
 from engine.models.dsa import WithIndexerLoss
 from engine.models.gated_delta_block import GatedDeltaNet
+from engine.models.gated_residual import GatedResidual, gated_residual_layer
 from engine.models.hyper_connection import HyperConnection, HyperHead, hyper_layer, streams_of
 from engine.models.kimi_delta_block import KimiDeltaAttention
 from engine.models.kv_cache import KVCache
@@ -55,7 +56,9 @@ from engine.models.mla import MLA
 from engine.models.moa import MixtureOfAttention
 from engine.models.moe import MoE, MoEStats, clamped_swiglu, combine_stats
 from engine.models.mtp import MTPHead, mtp_loss
+from engine.models.ngram_embedding import NGramEmbedding
 from engine.models.parallel_hybrid import AttentionMamba2
+from engine.models.qsa import QSAIndexer, qsa_attention
 from engine.models.rglru import RecurrentBlock
 from engine.models.rope import layer_rotary, rotate_heads
 from engine.models.short_conv import ShortConv
@@ -145,6 +148,8 @@ class Attention(nnx.Module):
         self.dtype, self.compute, self.dot_general = build.dtype, build.compute, build.dot_general
         if spec.block_indexer is not None:  # MiniMax-M3's sparse layers (block_sparse.py)
             self.indexer = BlockIndexer(spec, build, rngs=rngs)
+        if spec.qsa_indexer is not None:  # Qwen4-Exp's QSA layers (qsa.py)
+            self.indexer = QSAIndexer(spec, build, rngs=rngs)
         add_adapters(self, ATTENTION_WEIGHTS, build, rngs)
 
     def _dense(self, x, attr: str, n_in: int = 1):
@@ -232,6 +237,8 @@ class Attention(nnx.Module):
             k, v = shared_kv
         if spec.block_indexer is not None:  # block-sparse attention (block_sparse.py)
             out_btnh, cache = self._block_sparse(x_btd, q, k, v, positions_bt, segment_ids_bt, spec, cache, rotary)
+        elif spec.qsa_indexer is not None:  # QSA's selected blocks (qsa.py)
+            out_btnh, cache = qsa_attention(self, x_btd, q, k, v, positions_bt, segment_ids_bt, spec, cache, rotary)
         elif cache is None:
             if spec.chunk is not None:  # each chunk of each document its own segment (engine/ops/attention.py)
                 segment_ids_bt = chunked_segment_ids(segment_ids_bt, positions_bt, spec.chunk)
@@ -526,6 +533,12 @@ class Block(nnx.Module):
             self.altup = AltUp(spec.altup, spec.norm, build, rngs=rngs)
         if spec.shortcut_moe is not None:  # LongCat-Flash: the experts beside the MLP
             self.shortcut = MoE(spec.shortcut_moe, build, rngs=rngs)
+        if spec.gated_residual is not None:  # Qwen4-Exp's gated residual streams (gated_residual.py)
+            self.attn_gr = GatedResidual(spec.gated_residual, d, build, rngs=rngs)
+            self.ffn_gr = GatedResidual(spec.gated_residual, d, build, rngs=rngs)
+        if spec.ngram_embedding is not None:  # Qwen4-Exp's hashed n-gram embedding (ngram_embedding.py)
+            streams = 1 if spec.gated_residual is None else spec.gated_residual.streams
+            self.ple = NGramEmbedding(spec.ngram_embedding, streams, build, rngs=rngs)
 
     def forward(
         self,
@@ -552,6 +565,8 @@ class Block(nnx.Module):
         state this layer passes on)."""
         if spec.hyper is not None:  # n residual streams (DeepSeek-V4): hyper_connection.py runs the layer
             return hyper_layer(self, x_btd, positions_bt, segment_ids_bt, spec, cache, rotary, index_state)
+        if spec.gated_residual is not None:  # n gated residual streams (Qwen4-Exp): gated_residual.py runs the layer
+            return gated_residual_layer(self, x_btd, positions_bt, segment_ids_bt, spec, cache, rotary)
         if spec.altup is not None:  # AltUp's streams (Gemma 3n): altup.py runs the layer
             extra = {"per_layer_btp": per_layer_btp, "shared_kv": shared_kv, "store_kv": store_kv}
             return altup_layer(self, x_btd, positions_bt, segment_ids_bt, spec, cache, rotary=rotary, **extra)
@@ -934,7 +949,11 @@ class Transformer(nnx.Module):
         norm = cfg.layer_specs()[0].norm  # one kind of norm in a model
         if cfg.head.norm_eps is not None:  # JetMoE: the final norm's epsilon its own
             norm = norm.model_copy(update={"eps": cfg.head.norm_eps})
-        self.final_norm = make_norm(norm, cfg.d_model, pdt, rngs=rngs)
+        gated = cfg.layer_specs()[0].gated_residual
+        if gated is None:  # (Qwen4-Exp: the streams' final mix norms them, no final norm)
+            self.final_norm = make_norm(norm, cfg.d_model, pdt, rngs=rngs)
+        else:
+            self.gr_head = GatedResidual(gated, cfg.d_model, build, rngs=rngs, inject=False)
         if (hyper := cfg.layer_specs()[0].hyper) is not None:  # DeepSeek-V4: the streams' final mix
             self.hc_head = HyperHead(hyper, cfg.d_model, cfg.init_std, rngs=rngs)
         if (altup := cfg.layer_specs()[0].altup) is not None:  # Gemma 3n: into and out of the streams
@@ -1303,6 +1322,8 @@ class Transformer(nnx.Module):
             x_btd = self.embed_norm(x_btd)
         if (hyper := cfg.layer_specs()[0].hyper) is not None:  # DeepSeek-V4: n copies of the stream
             x_btd = streams_of(x_btd, hyper.streams)
+        if (gated := cfg.layer_specs()[0].gated_residual) is not None:  # Qwen4-Exp: n copies too
+            x_btd = streams_of(x_btd, gated.streams)
         shortcut = cfg.block.shortcut_moe  # LongCat-Flash: the stream and the carried experts' output
         if shortcut:
             x_btd = jnp.concatenate([x_btd, jnp.zeros_like(x_btd)], axis=-1)
@@ -1338,7 +1359,7 @@ class Transformer(nnx.Module):
         if shortcut:
             x_btd = x_btd[..., : cfg.d_model]
         with jax.named_scope("lm_head"):
-            x_btd = self.final_norm(x_btd)
+            x_btd = self.final_norm(x_btd) if hasattr(self, "final_norm") else self.gr_head.read(x_btd)[0]
             if hidden is not None and not hidden:  # the multi-token-prediction layer's input (forward)
                 hidden.append(x_btd)
             if not lm_head:

@@ -40,6 +40,7 @@ from engine.models.families import olmo_hybrid, bailing_hybrid  # noqa: F401, I0
 from engine.models.families import laguna, hy_v4, longcat_flash  # noqa: F401, I001
 from engine.models.families import dots3  # noqa: F401, I001
 from engine.models.families import zamba2  # noqa: F401, I001
+from engine.models.families import qwen4_exp  # noqa: F401, I001
 from engine.models.families.base import (
     Family,
     TensorSpec,
