@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -30,9 +31,11 @@ from engine.config import resolve_model_preset  # noqa: E402
 from engine.interop.hf.convert import convert_hf  # noqa: E402
 from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_to_hf  # noqa: E402
-from engine.models.config import ModelConfig  # noqa: E402
+from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
 from engine.models.kv_cache import KVCache  # noqa: E402
-from engine.models.params import apply_model, graphdef_of  # noqa: E402
+from engine.models.params import apply_model, graphdef_of, param_shardings  # noqa: E402
+from engine.parallel.config import MeshConfig  # noqa: E402
+from engine.parallel.mesh import make_mesh  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
@@ -226,3 +229,23 @@ def test_a_sequence_shorter_than_a_window_gives_transformers_logits(case):
     delta = float(np.abs(ours - ref).max())
     print(f"\ndeepseek_v4, 2 tokens: max |delta logit| = {delta:.2e}")
     assert delta <= 1e-4 and np.abs(ref).max() > 0.5
+
+
+def test_every_weight_matrix_is_split_over_fsdp():
+    """On an fsdp mesh each weight matrix of the tiny preset is split over `fsdp`: the query
+    latent's projections (wq_b, the indexer's wi_q) and the grouped output's per-group one
+    (wo_a) too, which had no dimension named for it and sat whole on every device (11.4 of
+    DeepSeek-V4-Flash's 21.5 GiB of float32 parameters per chip on a v5p-256, `expert: 16`).
+    Left whole: the windows' position biases, the hash-routing table (not weights) and the
+    hyper-connections' mixes (w_mix: 24 numbers per stream position, 1.5 MiB a layer at 4,096)."""
+    model = ModelConfig.model_validate(resolve_model_preset({"model": "tiny-deepseek-v4"}, "test")["model"])
+    shapes, shardings = param_shardings(model, ComputeConfig(), make_mesh(MeshConfig(data=4, fsdp=2)))
+    whole = []
+    for (path, shape), sharding in zip(
+        jax.tree_util.tree_leaves_with_path(shapes), jax.tree.leaves(shardings), strict=True
+    ):
+        name = str(path[-1].key)
+        per_layer = shape.shape[1:] if "blocks" in jax.tree_util.keystr(path) else shape.shape
+        if len(per_layer) >= 2 and not name.startswith(("b_pos", "hash_", "w_mix")) and "fsdp" not in str(sharding.spec):
+            whole.append(jax.tree_util.keystr(path))
+    assert not whole, whole

@@ -181,10 +181,10 @@ class CompressedAttention(nnx.Module):
         pdt, std, out_std = build.param_dtype, build.init_std, build.out_std
         self.wq_a_dq = param(rngs, (d, q), std, ("embed", None), pdt)
         self.q_norm_q = nnx.Param(jnp.ones((q,), jnp.float32), out_sharding=("norm",))
-        self.wq_b_qnh = param(rngs, (q, n, h), std, (None, "heads", None), pdt)
+        self.wq_b_qnh = param(rngs, (q, n, h), std, ("latent", "heads", None), pdt)
         self.wkv_dh = param(rngs, (d, h), std, ("embed", None), pdt)
         self.kv_norm_h = nnx.Param(jnp.ones((h,), jnp.float32), out_sharding=("norm",))
-        self.wo_a_igr = param(rngs, (n * h // g_out, g_out, r_out), std, (None, "heads", None), pdt)
+        self.wo_a_igr = param(rngs, (n * h // g_out, g_out, r_out), std, ("latent", "heads", None), pdt)
         self.wo_b_xd = param(rngs, (g_out * r_out, d), out_std, (None, "embed"), pdt)
         self.sinks_n = nnx.Param(jnp.zeros((n,), jnp.float32), out_sharding=("heads",))
         if spec.compress_ratio:
@@ -192,7 +192,7 @@ class CompressedAttention(nnx.Module):
         if spec.sparse:
             g, i = spec.index_heads, spec.index_head_dim
             self.indexer = Compressor(d, 2 * i, i, spec.compress_ratio, std, pdt, rngs=rngs)
-            self.wi_q_qgi = param(rngs, (q, g, i), std, (None, "heads", None), pdt)
+            self.wi_q_qgi = param(rngs, (q, g, i), std, ("latent", "heads", None), pdt)
             self.wi_weights_dg = param(rngs, (d, g), std, ("embed", None), pdt)
         self.dtype = build.dtype
         self.ties = build.compute.indexer_ties

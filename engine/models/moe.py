@@ -10,7 +10,9 @@ Two ways to get the tokens to their experts (ComputeConfig.moe_dispatch):
   expert's rows are contiguous, and one grouped matmul per projection over all experts
   (`jax.lax.ragged_dot`, tiled on CPU: engine/ops/grouped.py; MegaBlocks' idea). Nothing is
   dropped and no FLOP is wasted on padding. With an `expert` mesh axis the assignments travel to their experts' devices
-  and back by all-to-all (engine/models/moe_ep.py), each device computing its own experts.
+  and back by all-to-all (engine/models/moe_ep.py), each device computing its own experts;
+  on a mesh that splits the tokens without one, each device sorts its own tokens' assignments
+  (the same shard_map without the exchange).
 - capacity: GShard's dispatch. Each sequence fills a fixed (e, c) buffer per expert, first
   choices before second ones, and assignments past an expert's capacity are dropped (their
   token keeps its other experts and the residual). The buffers are static shapes, so the

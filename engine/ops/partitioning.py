@@ -35,6 +35,9 @@ LOGICAL_RULES: dict[str, str | tuple[str, ...] | None] = {
     # parameters
     "vocab": "tensor",
     "embed": ("fsdp", "context"),  # context shards hold a slice of the parameters too, as fsdp's do
+    # A low-rank projection's input width that is not d_model (DeepSeek-V4's query latent, its
+    # grouped output's per-group width): split as embed, or those weights sit whole on every device.
+    "latent": ("fsdp", "context"),
     "mlp": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",
