@@ -270,11 +270,16 @@ def test_each_modules_logits_match_the_reference_document_by_document(name, runs
     """Module k's logits at the positions whose target is in their document (DeepSeek-V3's
     chain over MiMo's two modules): the packed row's documents as if each were alone."""
     ours, _, _, refs = runs[name]
-    assert len(ours) == len(refs[0])
-    for k in range(len(ours)):
-        for (row, cols), ref in zip(_layout({"mimo": mimo, "v4": v4}[name])[2], refs, strict=True):
+    assert_modules_match(name, ours, refs, _layout({"mimo": mimo, "v4": v4}[name])[2])
+
+
+def assert_modules_match(name: str, ours: list, refs: list, documents: list) -> None:
+    """Module k's logits (`ours[k]`, the batch's) equal the reference's of each document alone
+    (`refs[j][k]`, document j's) to 1e-4 at the positions whose target (k + 2 ahead) is in it."""
+    for (row, cols), ref_modules in zip(documents, refs, strict=True):
+        for k, (mine, ref) in enumerate(zip(ours, ref_modules, strict=True)):
             valid = slice(0, cols.stop - cols.start - k - 2)
-            a, b = ours[k][row, cols][valid], ref[k][0, valid]
+            a, b = mine[row, cols][valid], ref[0, valid]
             delta = float(np.abs(a - b).max())
             print(f"\n{name} module {k}, row {row} [{cols.start}, {cols.stop}): max |delta logit| = {delta:.2e}")
             assert delta <= 1e-4 and np.abs(b).max() > 0.5
@@ -286,6 +291,26 @@ def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
 
 
+def assert_mtp_loss(name: str, aux: dict, compute, tokens: np.ndarray, refs: list, documents: list) -> float:
+    """The forward's L_MTP is the mean over modules of each one's mean cross entropy of the
+    `tokens` k + 2 ahead in the same document by the reference's logits (`refs[j][k]`,
+    document j's alone), and its aux loss adds it times 0.3 to the router losses; returns L_MTP."""
+    expected = []
+    for k in range(len(refs[0])):
+        nll = [
+            _nll(ref[k][0, : cols.stop - cols.start - k - 2], tokens[row, cols][k + 2 :])
+            for (row, cols), ref in zip(documents, refs, strict=True)
+        ]
+        expected.append(np.concatenate(nll).mean())
+    mtp = float(aux["mtp_loss"])
+    print(f"\n{name}: L_MTP {mtp:.6f}, reference {np.mean(expected):.6f} (per module {expected})")
+    np.testing.assert_allclose(mtp, np.mean(expected), rtol=1e-5)
+    routers = compute.moe_balance_loss * float(aux["balance_loss"])
+    routers += compute.moe_router_z_loss * float(aux["router_z_loss"])
+    np.testing.assert_allclose(float(aux["aux_loss"]), routers + 0.3 * np.mean(expected), rtol=1e-5)
+    return mtp
+
+
 @pytest.mark.parametrize("name", ["mimo", "v4"])
 def test_the_training_loss_adds_the_modules_mean_cross_entropy(name, runs, mimo, v4):
     """The forward's multi-token term (the hidden states it hands the modules its own:
@@ -295,19 +320,8 @@ def test_the_training_loss_adds_the_modules_mean_cross_entropy(name, runs, mimo,
     modules gets a gradient."""
     _, aux, grads, refs = runs[name]
     case = {"mimo": mimo, "v4": v4}[name]
-    expected = []
-    for k in range(case["cfg"].mtp_layers):
-        nll = [
-            _nll(ref[k][0, : cols.stop - cols.start - k - 2], TOKENS[row, cols][k + 2 :])
-            for (row, cols), ref in zip(_layout(case)[2], refs, strict=True)
-        ]
-        expected.append(np.concatenate(nll).mean())
-    print(f"\n{name}: L_MTP {float(aux['mtp_loss']):.6f}, reference {np.mean(expected):.6f} (per module {expected})")
-    np.testing.assert_allclose(float(aux["mtp_loss"]), np.mean(expected), rtol=1e-5)
-    compute = case["compute"]
-    routers = compute.moe_balance_loss * float(aux["balance_loss"])
-    routers += compute.moe_router_z_loss * float(aux["router_z_loss"])
-    np.testing.assert_allclose(float(aux["aux_loss"]), routers + 0.3 * np.mean(expected), rtol=1e-5)
+    assert len(refs[0]) == case["cfg"].mtp_layers
+    assert_mtp_loss(name, aux, case["compute"], TOKENS, refs, _layout(case)[2])
     for head in case["cfg"].mtp_head_names() + ["mtp_blocks"]:
         for path, grad in jax.tree_util.tree_leaves_with_path(grads[head]):
             assert float(jnp.abs(grad).max()) > 0, (head, path)
