@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from tests.deps import need
 
@@ -54,7 +54,7 @@ from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from tests import test_hf_moe_families as moe  # noqa: E402
 from tests import test_hf_n62_new_a as new_a  # noqa: E402
 from tests.test_hf_fam_moe_2 import IMPLEMENTATIONS, randomise_routing_bias  # noqa: E402
-from tests.test_hf_n62_mtp import assert_modules_match, assert_mtp_loss  # noqa: E402
+from tests.test_hf_n62_mtp import assert_modules_match, assert_mtp_loss, save_checkpoint  # noqa: E402
 from tests.test_hf_parity import random_causal_lm  # noqa: E402
 
 TOKENS = np.random.default_rng(1).integers(0, 37, (2, 19))
@@ -130,10 +130,7 @@ def m3_checkpoint(root):
         "hnorm": (0.3 * rng.standard_normal(d)).astype(np.float32),
     }
     tensors.update({f"model.mtp.layers.0.{n}.weight": v for n, v in own.items()})
-    (root / "hf").mkdir()
-    save_file(tensors, root / "hf" / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((root / "main" / "config.json").read_text())
-    (root / "hf" / "config.json").write_text(json.dumps({**config, "num_mtp_modules": 1}))
+    save_checkpoint(root, tensors, num_mtp_modules=1)
     return main, ref, own
 
 
@@ -180,11 +177,7 @@ def m2_checkpoint(root, modules: int = 2):
         }
         tensors.update({f"model.mtp_layers.{k}.{n}.weight": v for n, v in own.items()})
         refs.append((ref, own))
-    (root / "hf").mkdir()
-    save_file(tensors, root / "hf" / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((root / "main" / "config.json").read_text())
-    published = {"use_mtp": True, "num_mtp_modules": modules, "mtp_transformer_layers": 1}
-    (root / "hf" / "config.json").write_text(json.dumps({**config, **published}))
+    save_checkpoint(root, tensors, use_mtp=True, num_mtp_modules=modules, mtp_transformer_layers=1)
     return main, refs
 
 

@@ -70,6 +70,15 @@ def _ahead(tokens: np.ndarray, k: int) -> np.ndarray:
 # ------------------------------------------------------------------ the published checkpoints
 
 
+def save_checkpoint(root, tensors: dict[str, np.ndarray], **published) -> None:
+    """root/hf: `tensors` as model.safetensors beside root/main's config.json with the
+    `published` keys (the modules' count) added."""
+    (root / "hf").mkdir()
+    save_file(tensors, root / "hf" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((root / "main" / "config.json").read_text())
+    (root / "hf" / "config.json").write_text(json.dumps({**config, **published}))
+
+
 def mimo_checkpoint(root, modules: int = 2):
     """(main model, [(reference model, eh_proj, enorm, hnorm)] per module) of a MiMo-V2-Flash
     checkpoint written to `root` in the published layout: model.mtp.layers.{k}. holds a
@@ -93,9 +102,7 @@ def mimo_checkpoint(root, modules: int = 2):
         own = {n: _own(rng, d, s) for n, s in (("eh_proj", (d, 2 * d)), ("enorm", (d,)), ("hnorm", (d,)))}
         tensors.update({prefix + f"{n}.weight": v for n, v in own.items()})
         refs.append((ref, own))
-    (root / "hf").mkdir()
-    save_file(tensors, root / "hf" / "model.safetensors", metadata={"format": "pt"})
-    (root / "hf" / "config.json").write_text((root / "main" / "config.json").read_text())
+    save_checkpoint(root, tensors)
     return main, refs
 
 
@@ -142,10 +149,7 @@ def dsv4_checkpoint(root):
     d, rng = main.config.hidden_size, np.random.default_rng(4)
     own = {n: _own(rng, d, s) for n, s in (("e_proj", (d, d)), ("h_proj", (d, d)), ("enorm", (d,)), ("hnorm", (d,)))}
     tensors.update({f"mtp.0.{n}.weight": v for n, v in own.items()})
-    (root / "hf").mkdir()
-    save_file(tensors, root / "hf" / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((root / "main" / "config.json").read_text())
-    (root / "hf" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    save_checkpoint(root, tensors, num_nextn_predict_layers=1)
     return main, ref, own
 
 
