@@ -471,14 +471,8 @@ def test_the_mtp_loss_is_transformers_cross_entropy_and_trains_the_layer_only_wh
     layer's parameters get gradients; at 0 (the default) it is not run and gets none."""
 
     cfg, main, mtp = mtp_case["cfg"], mtp_case["main"], mtp_case["mtp"]
-    tokens = np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 12))
-    data = {
-        "tokens": tokens,
-        "positions": np.broadcast_to(np.arange(12), (2, 12)),
-        "segment_ids": np.ones((2, 12), np.int32),
-        "targets": np.roll(tokens, -1, 1),
-        "loss_mask": np.concatenate([np.ones((2, 11)), np.zeros((2, 1))], axis=1).astype(np.float32),
-    }
+    data = test_hf_parity.train_batch(cfg.vocab_size, seed=7)
+    tokens = data["tokens"]
     results = {}
     for weight in (0.0, 0.3):
         compute = mtp_case["compute"].model_copy(update={"mtp_loss": weight})

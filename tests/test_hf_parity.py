@@ -235,18 +235,25 @@ def assert_export_reloads_cleanly(case, out, **implementations):
     )
 
 
-def assert_training_step_matches(case, lr: float, no_gradient: str | None = None):
-    """On two rows of 12 random tokens the training loss (its router losses apart) is
-    transformers' loss on the same rows; every parameter gets a finite gradient, non-zero but
-    where its path names `no_gradient` (zero there), and one SGD step of `lr` lowers the loss."""
-    tokens = np.random.default_rng(4).integers(0, case.cfg.vocab_size, (2, 12))
-    data = {
+def train_batch(vocab: int, seed: int) -> dict[str, np.ndarray]:
+    """Two rows of 12 random tokens, one document each, as the training step takes them: each
+    token's target the next, the last position's none (22 targets)."""
+    tokens = np.random.default_rng(seed).integers(0, vocab, (2, 12))
+    return {
         "tokens": tokens,
         "positions": np.broadcast_to(np.arange(12), (2, 12)),
         "segment_ids": np.ones((2, 12), np.int32),
         "targets": np.roll(tokens, -1, 1),
         "loss_mask": np.concatenate([np.ones((2, 11)), np.zeros((2, 1))], axis=1).astype(np.float32),
     }
+
+
+def assert_training_step_matches(case, lr: float, no_gradient: str | None = None):
+    """On two rows of 12 random tokens the training loss (its router losses apart) is
+    transformers' loss on the same rows; every parameter gets a finite gradient, non-zero but
+    where its path names `no_gradient` (zero there), and one SGD step of `lr` lowers the loss."""
+    data = train_batch(case.cfg.vocab_size, seed=4)
+    tokens = data["tokens"]
     step = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef_of(case.cfg, case.compute)), has_aux=True))
     (loss, aux), grads = step(case.params, data, 22.0)
     with torch.no_grad():
