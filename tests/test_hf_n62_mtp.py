@@ -340,11 +340,17 @@ def test_without_the_weight_the_modules_do_not_run(mimo):
 @pytest.mark.parametrize("name", ["mimo", "v4"])
 def test_export_writes_the_published_layout_back_bitwise(name, mimo, v4, tmp_path):
     case = {"mimo": mimo, "v4": v4}[name]
-    export_hf(case["root"] / "converted" / "checkpoint", tmp_path / "export")
+    config = export_bitwise(case, tmp_path / "export")
+    assert config["num_nextn_predict_layers"] == case["cfg"].mtp_layers
+
+
+def export_bitwise(case, out) -> dict:
+    """Exports the case's converted checkpoint to `out`, asserts its tensors are the source
+    checkpoint's bit for bit (no more, no fewer), and returns its config.json."""
+    export_hf(case["root"] / "converted" / "checkpoint", out)
     source = load_file(case["root"] / "hf" / "model.safetensors")
-    exported = load_file(tmp_path / "export" / "model.safetensors")
+    exported = load_file(out / "model.safetensors")
     assert sorted(exported) == sorted(source)
     for key, value in source.items():
         np.testing.assert_array_equal(exported[key], value, err_msg=key)
-    config = json.loads((tmp_path / "export" / "config.json").read_text())
-    assert config["num_nextn_predict_layers"] == case["cfg"].mtp_layers
+    return json.loads((out / "config.json").read_text())
