@@ -279,24 +279,7 @@ def test_a_training_step_has_transformers_loss_and_moves_every_parameter(case):
     """The training loss (next-token cross entropy, its router losses apart) is transformers'
     loss on the same rows; every parameter gets a finite gradient, none all zero (the
     choosing bias's is its layer's load imbalance), and one SGD step lowers the loss."""
-    tokens = np.random.default_rng(4).integers(0, case.cfg.vocab_size, (2, 12))
-    data = {
-        "tokens": tokens,
-        "positions": np.broadcast_to(np.arange(12), (2, 12)),
-        "segment_ids": np.ones((2, 12), np.int32),
-        "targets": np.roll(tokens, -1, 1),
-        "loss_mask": np.concatenate([np.ones((2, 11)), np.zeros((2, 1))], axis=1).astype(np.float32),
-    }
-    step = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef_of(case.cfg, case.compute)), has_aux=True))
-    (loss, aux), grads = step(case.params, data, 22.0)
-    with torch.no_grad():
-        ref = case.hf_model(torch.tensor(tokens), labels=torch.tensor(tokens)).loss.item()
-    assert float(aux["loss"]) == pytest.approx(ref, rel=1e-5)
-    for path, g in jax.tree_util.tree_leaves_with_path(grads):
-        assert np.isfinite(np.asarray(g)).all() and np.abs(np.asarray(g)).max() > 0, jax.tree_util.keystr(path)
-    stepped = jax.tree.map(lambda p, g: p - 0.05 * g, case.params, grads)
-    (after, _), _ = step(stepped, data, 22.0)
-    assert float(after) < float(loss)
+    test_hf_parity.assert_training_step_matches(case, 0.05)
 
 
 def test_what_the_families_do_not_run_is_refused_in_one_sentence():
@@ -488,14 +471,8 @@ def test_the_mtp_loss_is_transformers_cross_entropy_and_trains_the_layer_only_wh
     layer's parameters get gradients; at 0 (the default) it is not run and gets none."""
 
     cfg, main, mtp = mtp_case["cfg"], mtp_case["main"], mtp_case["mtp"]
-    tokens = np.random.default_rng(7).integers(0, cfg.vocab_size, (2, 12))
-    data = {
-        "tokens": tokens,
-        "positions": np.broadcast_to(np.arange(12), (2, 12)),
-        "segment_ids": np.ones((2, 12), np.int32),
-        "targets": np.roll(tokens, -1, 1),
-        "loss_mask": np.concatenate([np.ones((2, 11)), np.zeros((2, 1))], axis=1).astype(np.float32),
-    }
+    data = test_hf_parity.train_batch(cfg.vocab_size, seed=7)
+    tokens = data["tokens"]
     results = {}
     for weight in (0.0, 0.3):
         compute = mtp_case["compute"].model_copy(update={"mtp_loss": weight})

@@ -31,14 +31,12 @@ references follow the engine there).
 
 from __future__ import annotations
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from tests.deps import need
 
@@ -46,7 +44,6 @@ torch = need("torch")
 transformers = need("transformers")
 
 from engine.interop.hf.convert import convert_hf  # noqa: E402
-from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.models import transformer  # noqa: E402
 from engine.models.mtp import mtp_depth_logits, mtp_loss  # noqa: E402
 from engine.models.params import graphdef_of  # noqa: E402
@@ -54,6 +51,12 @@ from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
 from tests import test_hf_moe_families as moe  # noqa: E402
 from tests import test_hf_n62_new_a as new_a  # noqa: E402
 from tests.test_hf_fam_moe_2 import IMPLEMENTATIONS, randomise_routing_bias  # noqa: E402
+from tests.test_hf_n62_mtp import (  # noqa: E402
+    assert_modules_match,
+    assert_mtp_loss,
+    export_bitwise,
+    save_checkpoint,
+)
 from tests.test_hf_parity import random_causal_lm  # noqa: E402
 
 TOKENS = np.random.default_rng(1).integers(0, 37, (2, 19))
@@ -129,10 +132,7 @@ def m3_checkpoint(root):
         "hnorm": (0.3 * rng.standard_normal(d)).astype(np.float32),
     }
     tensors.update({f"model.mtp.layers.0.{n}.weight": v for n, v in own.items()})
-    (root / "hf").mkdir()
-    save_file(tensors, root / "hf" / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((root / "main" / "config.json").read_text())
-    (root / "hf" / "config.json").write_text(json.dumps({**config, "num_mtp_modules": 1}))
+    save_checkpoint(root, tensors, num_mtp_modules=1)
     return main, ref, own
 
 
@@ -179,11 +179,7 @@ def m2_checkpoint(root, modules: int = 2):
         }
         tensors.update({f"model.mtp_layers.{k}.{n}.weight": v for n, v in own.items()})
         refs.append((ref, own))
-    (root / "hf").mkdir()
-    save_file(tensors, root / "hf" / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((root / "main" / "config.json").read_text())
-    published = {"use_mtp": True, "num_mtp_modules": modules, "mtp_transformer_layers": 1}
-    (root / "hf" / "config.json").write_text(json.dumps({**config, **published}))
+    save_checkpoint(root, tensors, use_mtp=True, num_mtp_modules=modules, mtp_transformer_layers=1)
     return main, refs
 
 
@@ -327,17 +323,7 @@ def test_main_and_module_logits_match_the_reference_document_by_document(name, r
         print(f"\n{name} main, row {row} [{cols.start}, {cols.stop}): max |delta logit| = {delta:.2e}")
         assert delta <= 1e-4 and np.abs(ref_main).max() > 0.5
         assert len(modules) == len(ref_modules) == case["cfg"].mtp_layers
-        for k, (ours, ref) in enumerate(zip(modules, ref_modules, strict=True)):
-            valid = slice(0, cols.stop - cols.start - k - 2)
-            delta = float(np.abs(ours[row, cols][valid] - ref[0, valid]).max())
-            print(f"{name} module {k}, row {row} [{cols.start}, {cols.stop}): max |delta logit| = {delta:.2e}")
-            assert delta <= 1e-4 and np.abs(ref).max() > 0.5
-
-
-def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    top = logits.max(-1, keepdims=True)
-    lse = np.log(np.exp(logits - top).sum(-1)) + top[..., 0]
-    return lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+    assert_modules_match(name, modules, [ref_modules for _, ref_modules in refs], case["layout"][2])
 
 
 @pytest.mark.parametrize("name", ["m3", "m2"])
@@ -347,20 +333,9 @@ def test_the_training_loss_adds_the_modules_cross_entropy_and_trains_them(name, 
     parameters get gradients (M3's indexer and the choosing biases none: selection has no
     gradient), and one step along them lowers L_MTP."""
     case, (_, _, aux, grads, after), refs = runs[name]
-    expected = []
-    for k in range(case["cfg"].mtp_layers):
-        nll = [
-            _nll(ref[1][k][0, : cols.stop - cols.start - k - 2], TOKENS[row, cols][k + 2 :])
-            for (row, cols), ref in zip(case["layout"][2], refs, strict=True)
-        ]
-        expected.append(np.concatenate(nll).mean())
-    mtp = float(aux["mtp_loss"])
-    print(f"\n{name}: L_MTP {mtp:.6f}, reference {np.mean(expected):.6f}, after a step {after:.6f}")
-    np.testing.assert_allclose(mtp, np.mean(expected), rtol=1e-5)
-    compute = case["compute"]
-    routers = compute.moe_balance_loss * float(aux["balance_loss"])
-    routers += compute.moe_router_z_loss * float(aux["router_z_loss"])
-    np.testing.assert_allclose(float(aux["aux_loss"]), routers + 0.3 * np.mean(expected), rtol=1e-5)
+    modules = [ref_modules for _, ref_modules in refs]
+    mtp = assert_mtp_loss(name, aux, case["compute"], TOKENS, modules, case["layout"][2])
+    print(f"{name}: L_MTP after a step {after:.6f}")
     for head in [*case["cfg"].mtp_head_names(), "mtp_blocks"]:
         for path, grad in jax.tree_util.tree_leaves_with_path(grads[head]):
             keys = jax.tree_util.keystr(path)
@@ -371,10 +346,4 @@ def test_the_training_loss_adds_the_modules_cross_entropy_and_trains_them(name, 
 @pytest.mark.parametrize("name", ["m3", "m2"])
 def test_export_writes_the_checkpoint_back_bitwise(name, m3, m2, tmp_path):
     case = {"m3": m3, "m2": m2}[name]
-    export_hf(case["root"] / "converted" / "checkpoint", tmp_path / "export")
-    source = load_file(case["root"] / "hf" / "model.safetensors")
-    exported = load_file(tmp_path / "export" / "model.safetensors")
-    assert sorted(exported) == sorted(source)
-    for key, value in source.items():
-        np.testing.assert_array_equal(exported[key], value, err_msg=key)
-    assert json.loads((tmp_path / "export" / "config.json").read_text())["num_mtp_modules"] == case["cfg"].mtp_layers
+    assert export_bitwise(case, tmp_path / "export")["num_mtp_modules"] == case["cfg"].mtp_layers

@@ -70,6 +70,15 @@ def _ahead(tokens: np.ndarray, k: int) -> np.ndarray:
 # ------------------------------------------------------------------ the published checkpoints
 
 
+def save_checkpoint(root, tensors: dict[str, np.ndarray], **published) -> None:
+    """root/hf: `tensors` as model.safetensors beside root/main's config.json with the
+    `published` keys (the modules' count) added."""
+    (root / "hf").mkdir()
+    save_file(tensors, root / "hf" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((root / "main" / "config.json").read_text())
+    (root / "hf" / "config.json").write_text(json.dumps({**config, **published}))
+
+
 def mimo_checkpoint(root, modules: int = 2):
     """(main model, [(reference model, eh_proj, enorm, hnorm)] per module) of a MiMo-V2-Flash
     checkpoint written to `root` in the published layout: model.mtp.layers.{k}. holds a
@@ -93,9 +102,7 @@ def mimo_checkpoint(root, modules: int = 2):
         own = {n: _own(rng, d, s) for n, s in (("eh_proj", (d, 2 * d)), ("enorm", (d,)), ("hnorm", (d,)))}
         tensors.update({prefix + f"{n}.weight": v for n, v in own.items()})
         refs.append((ref, own))
-    (root / "hf").mkdir()
-    save_file(tensors, root / "hf" / "model.safetensors", metadata={"format": "pt"})
-    (root / "hf" / "config.json").write_text((root / "main" / "config.json").read_text())
+    save_checkpoint(root, tensors)
     return main, refs
 
 
@@ -142,10 +149,7 @@ def dsv4_checkpoint(root):
     d, rng = main.config.hidden_size, np.random.default_rng(4)
     own = {n: _own(rng, d, s) for n, s in (("e_proj", (d, d)), ("h_proj", (d, d)), ("enorm", (d,)), ("hnorm", (d,)))}
     tensors.update({f"mtp.0.{n}.weight": v for n, v in own.items()})
-    (root / "hf").mkdir()
-    save_file(tensors, root / "hf" / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((root / "main" / "config.json").read_text())
-    (root / "hf" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    save_checkpoint(root, tensors, num_nextn_predict_layers=1)
     return main, ref, own
 
 
@@ -270,11 +274,16 @@ def test_each_modules_logits_match_the_reference_document_by_document(name, runs
     """Module k's logits at the positions whose target is in their document (DeepSeek-V3's
     chain over MiMo's two modules): the packed row's documents as if each were alone."""
     ours, _, _, refs = runs[name]
-    assert len(ours) == len(refs[0])
-    for k in range(len(ours)):
-        for (row, cols), ref in zip(_layout({"mimo": mimo, "v4": v4}[name])[2], refs, strict=True):
+    assert_modules_match(name, ours, refs, _layout({"mimo": mimo, "v4": v4}[name])[2])
+
+
+def assert_modules_match(name: str, ours: list, refs: list, documents: list) -> None:
+    """Module k's logits (`ours[k]`, the batch's) equal the reference's of each document alone
+    (`refs[j][k]`, document j's) to 1e-4 at the positions whose target (k + 2 ahead) is in it."""
+    for (row, cols), ref_modules in zip(documents, refs, strict=True):
+        for k, (mine, ref) in enumerate(zip(ours, ref_modules, strict=True)):
             valid = slice(0, cols.stop - cols.start - k - 2)
-            a, b = ours[k][row, cols][valid], ref[k][0, valid]
+            a, b = mine[row, cols][valid], ref[0, valid]
             delta = float(np.abs(a - b).max())
             print(f"\n{name} module {k}, row {row} [{cols.start}, {cols.stop}): max |delta logit| = {delta:.2e}")
             assert delta <= 1e-4 and np.abs(b).max() > 0.5
@@ -286,6 +295,26 @@ def _nll(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return lse - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
 
 
+def assert_mtp_loss(name: str, aux: dict, compute, tokens: np.ndarray, refs: list, documents: list) -> float:
+    """The forward's L_MTP is the mean over modules of each one's mean cross entropy of the
+    `tokens` k + 2 ahead in the same document by the reference's logits (`refs[j][k]`,
+    document j's alone), and its aux loss adds it times 0.3 to the router losses; returns L_MTP."""
+    expected = []
+    for k in range(len(refs[0])):
+        nll = [
+            _nll(ref[k][0, : cols.stop - cols.start - k - 2], tokens[row, cols][k + 2 :])
+            for (row, cols), ref in zip(documents, refs, strict=True)
+        ]
+        expected.append(np.concatenate(nll).mean())
+    mtp = float(aux["mtp_loss"])
+    print(f"\n{name}: L_MTP {mtp:.6f}, reference {np.mean(expected):.6f} (per module {expected})")
+    np.testing.assert_allclose(mtp, np.mean(expected), rtol=1e-5)
+    routers = compute.moe_balance_loss * float(aux["balance_loss"])
+    routers += compute.moe_router_z_loss * float(aux["router_z_loss"])
+    np.testing.assert_allclose(float(aux["aux_loss"]), routers + 0.3 * np.mean(expected), rtol=1e-5)
+    return mtp
+
+
 @pytest.mark.parametrize("name", ["mimo", "v4"])
 def test_the_training_loss_adds_the_modules_mean_cross_entropy(name, runs, mimo, v4):
     """The forward's multi-token term (the hidden states it hands the modules its own:
@@ -295,19 +324,8 @@ def test_the_training_loss_adds_the_modules_mean_cross_entropy(name, runs, mimo,
     modules gets a gradient."""
     _, aux, grads, refs = runs[name]
     case = {"mimo": mimo, "v4": v4}[name]
-    expected = []
-    for k in range(case["cfg"].mtp_layers):
-        nll = [
-            _nll(ref[k][0, : cols.stop - cols.start - k - 2], TOKENS[row, cols][k + 2 :])
-            for (row, cols), ref in zip(_layout(case)[2], refs, strict=True)
-        ]
-        expected.append(np.concatenate(nll).mean())
-    print(f"\n{name}: L_MTP {float(aux['mtp_loss']):.6f}, reference {np.mean(expected):.6f} (per module {expected})")
-    np.testing.assert_allclose(float(aux["mtp_loss"]), np.mean(expected), rtol=1e-5)
-    compute = case["compute"]
-    routers = compute.moe_balance_loss * float(aux["balance_loss"])
-    routers += compute.moe_router_z_loss * float(aux["router_z_loss"])
-    np.testing.assert_allclose(float(aux["aux_loss"]), routers + 0.3 * np.mean(expected), rtol=1e-5)
+    assert len(refs[0]) == case["cfg"].mtp_layers
+    assert_mtp_loss(name, aux, case["compute"], TOKENS, refs, _layout(case)[2])
     for head in case["cfg"].mtp_head_names() + ["mtp_blocks"]:
         for path, grad in jax.tree_util.tree_leaves_with_path(grads[head]):
             assert float(jnp.abs(grad).max()) > 0, (head, path)
@@ -322,11 +340,17 @@ def test_without_the_weight_the_modules_do_not_run(mimo):
 @pytest.mark.parametrize("name", ["mimo", "v4"])
 def test_export_writes_the_published_layout_back_bitwise(name, mimo, v4, tmp_path):
     case = {"mimo": mimo, "v4": v4}[name]
-    export_hf(case["root"] / "converted" / "checkpoint", tmp_path / "export")
+    config = export_bitwise(case, tmp_path / "export")
+    assert config["num_nextn_predict_layers"] == case["cfg"].mtp_layers
+
+
+def export_bitwise(case, out) -> dict:
+    """Exports the case's converted checkpoint to `out`, asserts its tensors are the source
+    checkpoint's bit for bit (no more, no fewer), and returns its config.json."""
+    export_hf(case["root"] / "converted" / "checkpoint", out)
     source = load_file(case["root"] / "hf" / "model.safetensors")
-    exported = load_file(tmp_path / "export" / "model.safetensors")
+    exported = load_file(out / "model.safetensors")
     assert sorted(exported) == sorted(source)
     for key, value in source.items():
         np.testing.assert_array_equal(exported[key], value, err_msg=key)
-    config = json.loads((tmp_path / "export" / "config.json").read_text())
-    assert config["num_nextn_predict_layers"] == case["cfg"].mtp_layers
+    return json.loads((out / "config.json").read_text())

@@ -39,7 +39,6 @@ from engine.interop.hf.export import export_hf  # noqa: E402
 from engine.interop.hf.mapping import model_config_from_hf  # noqa: E402
 from engine.models.params import apply_model, graphdef_of  # noqa: E402
 from engine.train.checkpoint import load_params  # noqa: E402
-from engine.train.step import lm_loss_fn  # noqa: E402
 from tests import test_hf_parity  # noqa: E402
 from tests.test_hf_parity import (  # noqa: E402, F401  (collected here, over this module's `case`)
     Case,
@@ -251,22 +250,4 @@ def test_a_training_step_has_transformers_loss_and_moves_every_trained_parameter
     """The training loss (router losses apart) is transformers' loss on the same rows; every
     parameter but the QSA indexers' (the selection has no gradient) gets a finite, non-zero
     gradient, and one SGD step lowers the loss."""
-    tokens = np.random.default_rng(4).integers(0, 37, (2, 12))
-    data = {
-        "tokens": tokens,
-        "positions": np.broadcast_to(np.arange(12), (2, 12)),
-        "segment_ids": np.ones((2, 12), np.int32),
-        "targets": np.roll(tokens, -1, 1),
-        "loss_mask": np.concatenate([np.ones((2, 11)), np.zeros((2, 1))], axis=1).astype(np.float32),
-    }
-    step = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef_of(case.cfg, case.compute)), has_aux=True))
-    (loss, aux), grads = step(case.params, data, 22.0)
-    with torch.no_grad():
-        ref = case.hf_model(torch.tensor(tokens), labels=torch.tensor(tokens)).loss.item()
-    assert float(aux["loss"]) == pytest.approx(ref, rel=1e-5)
-    for path, g in jax.tree_util.tree_leaves_with_path(grads):
-        name = jax.tree_util.keystr(path)
-        assert np.isfinite(np.asarray(g)).all() and (np.abs(np.asarray(g)).max() > 0) != ("indexer" in name), name
-    stepped = jax.tree.map(lambda p, g: p - 1e-3 * g, case.params, grads)
-    (after, _), _ = step(stepped, data, 22.0)
-    assert float(after) < float(loss)
+    test_hf_parity.assert_training_step_matches(case, 1e-3, no_gradient="indexer")

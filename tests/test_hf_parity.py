@@ -33,6 +33,7 @@ from engine.models.config import ComputeConfig, ModelConfig  # noqa: E402
 from engine.models.kv_cache import KVCache  # noqa: E402
 from engine.models.params import apply_model, graphdef_of  # noqa: E402
 from engine.train.checkpoint import load_params, stored_configs  # noqa: E402
+from engine.train.step import lm_loss_fn  # noqa: E402
 
 VOCAB, WINDOW = 37, 5
 COMMON = dict(
@@ -232,6 +233,39 @@ def assert_export_reloads_cleanly(case, out, **implementations):
     np.testing.assert_array_equal(
         hf_logits(reloaded.eval(), tokens, mask)[valid], hf_logits(case.hf_model, tokens, mask)[valid]
     )
+
+
+def train_batch(vocab: int, seed: int) -> dict[str, np.ndarray]:
+    """Two rows of 12 random tokens, one document each, as the training step takes them: each
+    token's target the next, the last position's none (22 targets)."""
+    tokens = np.random.default_rng(seed).integers(0, vocab, (2, 12))
+    return {
+        "tokens": tokens,
+        "positions": np.broadcast_to(np.arange(12), (2, 12)),
+        "segment_ids": np.ones((2, 12), np.int32),
+        "targets": np.roll(tokens, -1, 1),
+        "loss_mask": np.concatenate([np.ones((2, 11)), np.zeros((2, 1))], axis=1).astype(np.float32),
+    }
+
+
+def assert_training_step_matches(case, lr: float, no_gradient: str | None = None):
+    """On two rows of 12 random tokens the training loss (its router losses apart) is
+    transformers' loss on the same rows; every parameter gets a finite gradient, non-zero but
+    where its path names `no_gradient` (zero there), and one SGD step of `lr` lowers the loss."""
+    data = train_batch(case.cfg.vocab_size, seed=4)
+    tokens = data["tokens"]
+    step = jax.jit(jax.value_and_grad(lm_loss_fn(graphdef_of(case.cfg, case.compute)), has_aux=True))
+    (loss, aux), grads = step(case.params, data, 22.0)
+    with torch.no_grad():
+        ref = case.hf_model(torch.tensor(tokens), labels=torch.tensor(tokens)).loss.item()
+    assert float(aux["loss"]) == pytest.approx(ref, rel=1e-5)
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        name = jax.tree_util.keystr(path)
+        frozen = no_gradient is not None and no_gradient in name
+        assert np.isfinite(np.asarray(g)).all() and (np.abs(np.asarray(g)).max() > 0) != frozen, name
+    stepped = jax.tree.map(lambda p, g: p - lr * g, case.params, grads)
+    (after, _), _ = step(stepped, data, 22.0)
+    assert float(after) < float(loss)
 
 
 def test_export_loads_in_transformers_cleanly_with_the_same_logits(case, tmp_path):

@@ -31,22 +31,30 @@ from flax import nnx
 
 from engine.models.common import make_norm, param
 from engine.models.rope import rotate_heads
-from engine.models.specs import AttentionSpec
+from engine.models.specs import AttentionSpec, BlockIndexerSpec, QSAIndexerSpec
 from engine.ops.attention_reference import softmax_with_sinks
 from engine.ops.dense import dense
 
 NEG_INF = -1e30  # finite: a padding query's row (nothing visible) stays finite
 
 
-class BlockIndexer(nnx.Module):
-    """The indexer of one attention layer: its queries (b, t, g, i) and keys (b, t, i)."""
+class IndexerWeights(nnx.Module):
+    """An attention layer's indexer's weights (this module's and qsa.py's): projections of x to
+    g query heads and to one key, i wide each, a norm of the model's kind on each, and the
+    attention's rotation of its first rotary dimensions. `heads_axis` shards the g heads."""
 
-    def __init__(self, spec: AttentionSpec, build, *, rngs: nnx.Rngs):
-        indexer = spec.block_indexer
-        assert indexer is not None
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        indexer: BlockIndexerSpec | QSAIndexerSpec,
+        build,
+        heads_axis: str | None,
+        *,
+        rngs: nnx.Rngs,
+    ):
         d, g, i = build.d_model, indexer.heads, indexer.head_dim
         pdt, std = build.param_dtype, build.init_std
-        self.wq_dgi = param(rngs, (d, g, i), std, ("embed", "kv_heads", None), pdt)
+        self.wq_dgi = param(rngs, (d, g, i), std, ("embed", heads_axis, None), pdt)
         self.wk_di = param(rngs, (d, i), std, ("embed", None), pdt)
         self.q_norm = make_norm(spec.norm, i, pdt, rngs=rngs)
         self.k_norm = make_norm(spec.norm, i, pdt, rngs=rngs)
@@ -54,6 +62,15 @@ class BlockIndexer(nnx.Module):
         if spec.rope is not None:  # the attention's rotation of its first rotary dimensions
             self.rope = spec.rope.model_copy(update={"rotary_dim": spec.rope.rotary_dim or spec.head_dim})
         self.dtype = build.dtype
+
+
+class BlockIndexer(IndexerWeights):
+    """The indexer of one attention layer: its queries (b, t, g, i) and keys (b, t, i)."""
+
+    def __init__(self, spec: AttentionSpec, build, *, rngs: nnx.Rngs):
+        assert spec.block_indexer is not None
+        # a query head per key/value head: sharded as they are
+        super().__init__(spec, spec.block_indexer, build, "kv_heads", rngs=rngs)
 
     def __call__(self, x_btd, rotary):
         """(queries (b, t, g, i), keys (b, t, i)) in float32; `rotary` the attention's (cos, sin)."""

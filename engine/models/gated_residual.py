@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from engine.models.common import param
-from engine.models.hyper_connection import expand
+from engine.models.hyper_connection import expand, feed_forward
 from engine.models.specs import GatedResidualSpec
 
 
@@ -83,12 +83,7 @@ def gated_residual_layer(block, x_btx, positions_bt, segment_ids_bt, spec, cache
         cache = _with_state(cache, (ngram_state, cache.states[cache.layer]))
     x_btx = expand(x_btx, branch, post, None)
     mlp_in, post = block.ffn_gr.read(x_btx)
-    valid_bt = None if segment_ids_bt is None else segment_ids_bt != 0
-    stats = None
-    if spec.is_moe:
-        mlp_out, stats = block.mlp(mlp_in, valid_bt)
-    else:
-        mlp_out = block.mlp(mlp_in)
+    mlp_out, stats = feed_forward(block, mlp_in, segment_ids_bt, spec)
     return expand(x_btx, mlp_out, post, None), cache, stats
 
 

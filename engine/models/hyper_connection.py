@@ -128,11 +128,15 @@ def hyper_layer(block, x_btx, positions_bt, segment_ids_bt, spec, cache=None, ro
     x_btx = expand(x_btx, branch, post, comb)
     pre, post, comb = block.ffn_hc.weights(x_btx, hyper)
     mlp_in = block.mlp_norm(collapse(x_btx, pre))
-    valid_bt = None if segment_ids_bt is None else segment_ids_bt != 0
-    stats = None
-    if spec.is_moe:
-        mlp_out, stats = block.mlp(mlp_in, valid_bt)
-    else:
-        mlp_out = block.mlp(mlp_in)
+    mlp_out, stats = feed_forward(block, mlp_in, segment_ids_bt, spec)
     x_btx = expand(x_btx, mlp_out, post, comb)
     return (x_btx if index_state is None else (x_btx, index_state)), cache, stats
+
+
+def feed_forward(block, mlp_in_btd, segment_ids_bt, spec):
+    """(the block's feed-forward output on its input, router stats or None): a mixture of
+    experts is told which tokens are padding (segment id 0), left out of its statistics."""
+    if not spec.is_moe:
+        return block.mlp(mlp_in_btd), None
+    valid_bt = None if segment_ids_bt is None else segment_ids_bt != 0
+    return block.mlp(mlp_in_btd, valid_bt)

@@ -30,8 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from engine.models.block_sparse import masked_attention
-from engine.models.common import make_norm, param
+from engine.models.block_sparse import IndexerWeights, masked_attention
 from engine.models.rope import layer_rotary, rotate_heads
 from engine.models.specs import AttentionSpec
 from engine.ops.attention_reference import attention_mask
@@ -39,22 +38,14 @@ from engine.ops.dense import dense
 from engine.ops.torch_cpu_topk import torch_cpu_top_k
 
 
-class QSAIndexer(nnx.Module):
+class QSAIndexer(IndexerWeights):
     """One layer's indexer (index_qk_proj, q_layernorm, k_layernorm)."""
 
     def __init__(self, spec: AttentionSpec, build, *, rngs: nnx.Rngs):
-        indexer = spec.qsa_indexer
-        assert indexer is not None
-        d, g, i = build.d_model, indexer.heads, indexer.head_dim
-        pdt, std = build.param_dtype, build.init_std
-        self.wq_dgi = param(rngs, (d, g, i), std, ("embed", None, None), pdt)
-        self.wk_di = param(rngs, (d, i), std, ("embed", None), pdt)
-        self.q_norm = make_norm(spec.norm, i, pdt, rngs=rngs)
-        self.k_norm = make_norm(spec.norm, i, pdt, rngs=rngs)
-        self.rope = None
-        if spec.rope is not None:  # the attention's rotation of its first rotary dimensions
-            self.rope = spec.rope.model_copy(update={"rotary_dim": spec.rope.rotary_dim or spec.head_dim})
-        self.dtype, self.ties = build.dtype, build.compute.indexer_ties
+        assert spec.qsa_indexer is not None
+        # its heads' scores are summed, whatever the key/value heads: not sharded as theirs
+        super().__init__(spec, spec.qsa_indexer, build, None, rngs=rngs)
+        self.ties = build.compute.indexer_ties
 
     def __call__(self, x_btd, rotary):
         """(queries (b, t, g, i) normed and rotated, in float32; raw keys (b, t, i))."""

@@ -284,15 +284,32 @@ def mtp_tensors(cfg: ModelConfig, per_layer: list[TensorSpec]) -> tuple[list[Ten
     for k, name in enumerate(cfg.mtp_head_names()):
         mtp = f"model.layers.{cfg.num_layers + k}."
         top += [
-            TensorSpec((name, "enorm", "scale"), mtp + "enorm.weight", None),
-            TensorSpec((name, "hnorm", "scale"), mtp + "hnorm.weight", None),
-            TensorSpec((name, "w_eh_xd"), mtp + "eh_proj.weight", 1),
-            TensorSpec((name, "post_norm", "scale"), mtp + "shared_head.norm.weight", None),
+            *mtp_head_tensors(name, mtp, post_norm="shared_head.norm"),
             TensorSpec(("embed_vd",), mtp + "embed_tokens.weight", None, export_only=True),
             TensorSpec(head, mtp + "shared_head.head.weight", None if cfg.tie_embeddings else 1, export_only=True),
         ]
     last = cfg.layer_pattern()[-1].stack
     return top, [dataclasses.replace(spec, stack="mtp_blocks") for spec in per_layer if spec.stack == last]
+
+
+def mtp_head_tensors(
+    name: str,
+    prefix: str,
+    norms: tuple[str, str] = ("enorm", "hnorm"),
+    eh_proj: str = "eh_proj",
+    post_norm: str | None = "final_layernorm",
+) -> list[TensorSpec]:
+    """Multi-token-prediction module `name`'s own tensors under `prefix` (its checkpoint's
+    module, e.g. `model.mtp.layers.0.`): the embedding's and hidden state's norms (`norms`),
+    their joint projection and, unless `post_norm` is None, the norm before the LM head."""
+    specs = [
+        TensorSpec((name, "enorm", "scale"), prefix + norms[0] + ".weight", None),
+        TensorSpec((name, "hnorm", "scale"), prefix + norms[1] + ".weight", None),
+        TensorSpec((name, "w_eh_xd"), prefix + eh_proj + ".weight", 1),
+    ]
+    if post_norm is not None:
+        specs.append(TensorSpec((name, "post_norm", "scale"), prefix + post_norm + ".weight", None))
+    return specs
 
 
 def mtp_copy(name: str, cfg: ModelConfig) -> bool:

@@ -26,7 +26,14 @@ from typing import Any
 
 from engine.config import ConfigError
 from engine.models.config import ModelConfig
-from engine.models.families.base import LAYER, TensorSpec, register_family, rope_from_hf, rope_parameters_to_hf
+from engine.models.families.base import (
+    LAYER,
+    TensorSpec,
+    mtp_head_tensors,
+    register_family,
+    rope_from_hf,
+    rope_parameters_to_hf,
+)
 from engine.models.families.routed_gqa import RoutedGqa, ffn_fields, mlp_layer_types
 
 MTP = "model.mtp.layers.{k}."
@@ -140,13 +147,7 @@ class MiMoV2Flash(RoutedGqa):
             layers.append(dataclasses.replace(spec, stack=layer.stack, hf_name=hf_name))
         top = []
         for k, name in enumerate(cfg.mtp_head_names()):
-            mtp = MTP.format(k=k)
-            top += [
-                TensorSpec((name, "enorm", "scale"), mtp + "enorm.weight", None),
-                TensorSpec((name, "hnorm", "scale"), mtp + "hnorm.weight", None),
-                TensorSpec((name, "w_eh_xd"), mtp + "eh_proj.weight", 1),
-                TensorSpec((name, "post_norm", "scale"), mtp + "final_layernorm.weight", None),
-            ]
+            top += mtp_head_tensors(name, MTP.format(k=k))
         return top, layers
 
     def extra_hf_keys(self, cfg: ModelConfig) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from engine.models.families.base import (
     LAYER,
     Family,
     TensorSpec,
+    mtp_head_tensors,
     qk_norm_tensors,
     register_family,
     rope_from_hf,
@@ -118,13 +119,8 @@ class MiniMaxM2(Family):
             if spec.stack == stack
         ]
         top = []
-        for k, name in enumerate(cfg.mtp_head_names()):
-            mtp = MTP.format(k=k)
-            top += [
-                TensorSpec((name, "enorm", "scale"), mtp + "e_norm.weight", None),
-                TensorSpec((name, "hnorm", "scale"), mtp + "h_norm.weight", None),
-                TensorSpec((name, "w_eh_xd"), mtp + "linear_projection.weight", 1),
-            ]
+        for k, name in enumerate(cfg.mtp_head_names()):  # MiniMax-M2's names; the head's norm is the model's
+            top += mtp_head_tensors(name, MTP.format(k=k), ("e_norm", "h_norm"), "linear_projection", post_norm=None)
         return top, layers
 
     def _rotary_dim(self, hf: dict) -> int:

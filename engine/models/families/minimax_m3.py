@@ -40,6 +40,7 @@ from engine.models.families.base import (
     Family,
     Multimodal,
     TensorSpec,
+    mtp_head_tensors,
     qk_norm_tensors,
     register_family,
     rope_from_hf,
@@ -279,11 +280,5 @@ class MiniMaxM3Text(Family):
         layers = [dataclasses.replace(spec, stack=layer.stack) for spec in layers]
         top = []
         for k, name in enumerate(cfg.mtp_head_names()):
-            mtp = MTP.format(k=k)
-            top += [
-                TensorSpec((name, "enorm", "scale"), mtp + "enorm.weight", None),
-                TensorSpec((name, "hnorm", "scale"), mtp + "hnorm.weight", None),
-                TensorSpec((name, "w_eh_xd"), mtp + "eh_proj.weight", 1),
-                TensorSpec((name, "post_norm", "scale"), mtp + "final_layernorm.weight", None),
-            ]
+            top += mtp_head_tensors(name, MTP.format(k=k))
         return top, layers
