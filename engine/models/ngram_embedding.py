@@ -125,8 +125,9 @@ class NGramEmbedding(nnx.Module):
         self.table_ri = param(rngs, (spec.rows, spec.dim // spec.heads), std, ("vocab", None), pdt)
         self.w_key_ex = param(rngs, (spec.dim, x), std, (None, "embed"), pdt)
         self.w_value_ed = param(rngs, (spec.dim, d), std, (None, "embed"), pdt)
-        for name in ("norm_key_x", "norm_query_x", "norm_conv_x"):
-            setattr(self, name, nnx.Param(jnp.zeros((x,), pdt), out_sharding=("norm",)))
+        self.norm_key_x, self.norm_query_x, self.norm_conv_x = (
+            nnx.Param(jnp.zeros((x,), pdt), out_sharding=("norm",)) for _ in range(3)
+        )
         # transformers starts the convolution at zero: the embedding enters through u alone
         self.conv_x1k = nnx.Param(jnp.zeros((x, 1, spec.conv_kernel), pdt), out_sharding=(None, None, None))
         self.spec, self.streams, self.dtype = spec, streams, build.dtype

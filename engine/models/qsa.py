@@ -26,6 +26,8 @@ blocks, d model width, g indexer heads, i their width.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -60,10 +62,10 @@ class QSAIndexer(IndexerWeights):
         and rotated at the slot's position (what a block starting there is scored by)."""
         s = raw_k_bsi.shape[1]
         padded = jnp.pad(raw_k_bsi.astype(jnp.float32), ((0, 0), (0, block - 1), (0, 0)))
-        total = sum(padded[:, j : j + s] for j in range(block))
+        total = functools.reduce(jnp.add, (padded[:, j : j + s] for j in range(block)))
         pooled_bsi = self.k_norm((total / block).astype(raw_k_bsi.dtype))
         if self.rope is not None:
-            rotary = layer_rotary(positions_bs, self.rope, self.rope.rotary_dim, max_position)
+            rotary = layer_rotary(positions_bs, self.rope, self.rope.rotary_dim or raw_k_bsi.shape[-1], max_position)
             pooled_bsi = rotate_heads(pooled_bsi[:, :, None], self.rope, rotary)[:, :, 0]
         return pooled_bsi.astype(jnp.float32)
 

@@ -904,7 +904,8 @@ def _is_prime(n: int) -> bool:
 def ngram_primes(base: int, first: int, count: int) -> tuple[int, ...]:
     """The primes at or above `base` numbered first .. first + count - 1 (from 0), as
     transformers' Qwen4-Exp sizes its n-gram heads (_find_nth_prime_after(base - 1, k + 1))."""
-    primes, n = [], base - 1
+    primes: list[int] = []
+    n = base - 1
     while len(primes) < first + count:
         n += 1
         if _is_prime(n):

@@ -147,7 +147,7 @@ class Attention(nnx.Module):
         self.head_dim, self.norm_eps = h, spec.norm.eps
         self.dtype, self.compute, self.dot_general = build.dtype, build.compute, build.dot_general
         if spec.block_indexer is not None:  # MiniMax-M3's sparse layers (block_sparse.py)
-            self.indexer = BlockIndexer(spec, build, rngs=rngs)
+            self.indexer: BlockIndexer | QSAIndexer = BlockIndexer(spec, build, rngs=rngs)
         if spec.qsa_indexer is not None:  # Qwen4-Exp's QSA layers (qsa.py)
             self.indexer = QSAIndexer(spec, build, rngs=rngs)
         add_adapters(self, ATTENTION_WEIGHTS, build, rngs)

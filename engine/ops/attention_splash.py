@@ -33,6 +33,7 @@ that order.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +64,7 @@ def _block(t: int) -> int:
     return next(b for b in (512, 256, LANES) if t % b == 0)
 
 
-TUNING: dict[str, object] = {}
+TUNING: dict[str, Any] = {}
 """BlockSizes fields set over `block_sizes`' choice (`block_q`, `block_kv_compute`,
 `use_fused_bwd_kernel`, ...): empty in a run; bench/tpu_v5e.py's `--splash` sets it to
 measure a choice on the chip. A size larger than the sequence is taken down to it."""
@@ -76,7 +77,7 @@ def block_sizes(b: int) -> splash.BlockSizes:
     computes every block's scores and probabilities twice (once for dk and dv, once for dq):
     on a v5e chip qwen3-0.6b's step (8 x 2048, full remat) took 0.774 s with it against 0.831 s
     split, the same compiled memory (bench/results/tpu-v5e.json). It takes no dq blocks."""
-    sizes: dict[str, object] = dict.fromkeys(
+    sizes: dict[str, Any] = dict.fromkeys(
         ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute"), b
     )
     sizes |= {"block_q_dq": b, "block_kv_dq": b, "use_fused_bwd_kernel": True}

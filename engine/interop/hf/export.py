@@ -254,7 +254,7 @@ def hf_tensors(
     dtype = leaf(top[0], ()).dtype  # constant buffers (Family.constant_tensors), in the parameters' dtype
     for name, value in get_family(cfg.family).constant_tensors(cfg).items():  # a scalar or an array
         integers = isinstance(value, np.ndarray) and value.dtype.kind in "iu"  # (Qwen4-Exp's int64 buffers)
-        kept = value.dtype if integers else dtype
+        kept = value.dtype if isinstance(value, np.ndarray) and integers else dtype
         entries[name] = (np.shape(value), kept, functools.partial(np.asarray, value, kept))
     return entries
 
