@@ -72,15 +72,16 @@ measure a choice on the chip. A size larger than the sequence is taken down to i
 
 def block_sizes(b: int) -> splash.BlockSizes:
     """The kernel's tiles for a sequence whose block is `b` (`_block`): `b` everywhere (MaxText's
-    default on TPU is 512 for each) and the fused backward kernel, then TUNING over it. The
-    fused kernel computes dq with dk and dv in one pass over the blocks, where the split one
-    computes every block's scores and probabilities twice (once for dk and dv, once for dq):
-    on a v5e chip qwen3-0.6b's step (8 x 2048, full remat) took 0.774 s with it against 0.831 s
-    split, the same compiled memory (bench/results/tpu-v5e.json). It takes no dq blocks."""
+    default on TPU is 512 for each), then TUNING over it. `use_fused_bwd_kernel` (dq with dk
+    and dv in one pass over the blocks, where the split kernels compute every block's
+    probabilities twice) took qwen3-0.6b's step on a v5e chip from 0.831 to 0.774 s
+    (bench/results/tpu-v5e.json), but compiled for two slices with data over them it sent
+    about twice the gradient all-reduce's bytes over DCN (tests/test_multislice_plan.py), so
+    it is not the default until that is understood. It takes no dq blocks."""
     sizes: dict[str, Any] = dict.fromkeys(
         ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute"), b
     )
-    sizes |= {"block_q_dq": b, "block_kv_dq": b, "use_fused_bwd_kernel": True}
+    sizes |= {"block_q_dq": b, "block_kv_dq": b}
     sizes |= TUNING
     if sizes.get("use_fused_bwd_kernel"):
         sizes["block_q_dq"] = sizes["block_kv_dq"] = None
