@@ -252,6 +252,13 @@ def gcs(tmp_path_factory):
                     os.environ[key] = value
 
 
+STALL_BUDGET = pytest.mark.timeout(1800)
+"""The tests on `finished`: its setup is the first run (300 s) and, where that stalls, the
+resumed run (1200 s), beyond pytest-timeout's 900 s per test (pyproject.toml). Under load
+here (four test processes on two cores) the first run stalled in its final checkpoint save
+and the resumed one was still taking over its lease at 900 s."""
+
+
 @pytest.fixture(scope="module")
 def finished(prefect_server, gcs, tmp_path_factory):
     store = f"gs://{BUCKET}/runs/x"
@@ -265,8 +272,8 @@ def finished(prefect_server, gcs, tmp_path_factory):
         # finish, resuming what the first left in the bucket. The stall is reported, not hidden.
         first = f"{emulator_tail(gcs)}\n{stalled}"
         warnings.warn(f"the first gs:// run stalled and was resumed: {first[:6000]}", stacklevel=1)
-        try:
-            trainflow(*run)
+        try:  # a resume waits out the killed run's lease first (its holder's heartbeat stopped)
+            trainflow(*run, timeout=1200)
         except AssertionError as e:  # the emulator's side first: the output after it is long
             raise AssertionError(f"{emulator_tail(gcs)}\n{e}\n\nthe first run:\n{first[:6000]}") from None
     except AssertionError as e:
@@ -289,6 +296,7 @@ def emulator_tail(gcs: Emulator, lines: int = 40) -> str:
     )
 
 
+@STALL_BUDGET
 def test_tiny_pipeline_on_gcs_complete_verified_with_lineage(finished):
     store, pipeline = finished
     status = json.loads(trainflow("status", pipeline, "--store", store, f"pretrain.steps={STEPS}", "--json").stdout)
@@ -310,6 +318,7 @@ def _checkpoint_files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file() and "/checkpoint/" in p.as_posix()]
 
 
+@STALL_BUDGET
 def test_pretrain_on_gcs_writes_its_checkpoint_at_the_url_and_none_on_the_runners_disk(finished, gcs):
     """The engine was handed the artifact's gs:// URL and wrote the step there itself (its OCDBT
     shards, digests.json); the manifest records exactly those objects; the runner's disk (the
@@ -332,6 +341,7 @@ def test_pretrain_on_gcs_writes_its_checkpoint_at_the_url_and_none_on_the_runner
     assert _checkpoint_files(pipeline.parent) == []
 
 
+@STALL_BUDGET
 def test_rerun_on_gcs_skips_everything(finished):
     store, pipeline = finished
     proc = trainflow("run", pipeline, "--store", store, f"pretrain.steps={STEPS}")
@@ -343,6 +353,7 @@ def test_rerun_on_gcs_skips_everything(finished):
     assert statuses == {"tokenize": "skipped", "pretrain": "skipped"}, proc.stdout[-2000:]
 
 
+@STALL_BUDGET
 def test_gcs_lease_is_created_only_if_absent(finished, gcs):
     """Each stage's lease was created with ifGenerationMatch=0 (GCS answers 412 when the object
     exists; the emulator does not, hence the request check) and renewed without it."""
