@@ -94,7 +94,8 @@ def model_config_to_hf(
     """
     family = get_family(cfg.family)
     hf = {**family.config_to_hf(cfg), "dtype": param_dtype}
-    hf.update({key: (token_ids or {}).get(key) for key in TOKEN_ID_KEYS})
+    # a tokenizer's ids win; without one, what the family wrote (Qwen4-Exp's n-grams end at its eos)
+    hf.update({key: (token_ids or {}).get(key) if token_ids is not None else hf.get(key) for key in TOKEN_ID_KEYS})
     hf.update({key: value for key, value in family.required_token_ids.items() if hf[key] is None})
     again, _ = model_config_from_hf(hf, where=f"family '{cfg.family}'")
     # by the flat keys (engine/flat_keys.py), so the message names the one field

@@ -201,6 +201,7 @@ class Qwen4Exp(Qwen3_5Moe):
             "ple_layer_ids": [i + 1 for i in ngram.layers],
             "number_of_conv_states": 3,
             "ple_embed_dim": ngram.dim,
+            "eos_token_id": ngram.eos_token_id,  # the n-grams end at it (a preset has no tokenizer to say so)
             **{key: getattr(ngram, field) for field, key in _NGRAM_KEYS.items()},
         }
 
